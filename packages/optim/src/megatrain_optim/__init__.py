@@ -1,0 +1,19 @@
+"""CPU optimizers over flat host buffers: AdamW, clipping, LR schedules, a background stepper."""
+
+from .adamw import FUSED, STATE_NAMES, AdamWConfig, HostAdamW, OptimError, adamw_update_, clip_coefficient
+from .schedule import SCHEDULES, Schedule, lr_at
+from .stepper import BackgroundStepper
+
+__all__ = [
+    "FUSED",
+    "SCHEDULES",
+    "STATE_NAMES",
+    "AdamWConfig",
+    "BackgroundStepper",
+    "HostAdamW",
+    "OptimError",
+    "Schedule",
+    "adamw_update_",
+    "clip_coefficient",
+    "lr_at",
+]

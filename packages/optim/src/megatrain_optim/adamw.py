@@ -1,0 +1,132 @@
+"""AdamW over a HostStore's flat fp32 buffers, one group at a time.
+
+One optimizer step = begin_step() then update_group(g) for every group, in any order
+and on any thread; the result equals torch.optim.AdamW over the whole model.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatrain_store import HostStore
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
+
+class OptimError(Exception):
+    """A bad optimizer setting or state, with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if not self.lr >= 0:
+            raise OptimError(f"lr must be >= 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise OptimError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise OptimError(f"eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise OptimError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+
+def _fused_available() -> bool:
+    try:
+        p, g, m, v = (torch.zeros(2) for _ in range(4))
+        torch._fused_adamw_([p], [g], [m], [v], [], [torch.ones(())], lr=0.1, beta1=0.9, beta2=0.9,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+FUSED = _fused_available()
+
+
+def adamw_update_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: Tensor | None = None,
+) -> None:
+    """In-place AdamW on fp32 CPU tensors; `step` (0-dim fp32) is the already-incremented count.
+
+    With `grad_scale`, gradients are divided by it first (used to apply a clip coefficient
+    without a separate pass over the gradients)."""
+    if FUSED:
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
+                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                            amsgrad=False, maximize=False, grad_scale=grad_scale)
+        return
+    count = float(step)
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        if grad_scale is not None:
+            g.div_(grad_scale)
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / (1 - beta2**count) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1**count))
+
+
+class HostAdamW:
+    """AdamW state (two fp32 moments in the store, a step count) and per-group updates."""
+
+    def __init__(self, store: HostStore, config: AdamWConfig):
+        missing = [name for name in STATE_NAMES if name not in store.state_names]
+        if missing:
+            raise OptimError(f"the store has no buffers for {missing}; create it with state_names={STATE_NAMES}")
+        self.store, self.config = store, config
+        self.step_count = 0
+        self._step_tensor = torch.zeros(())
+        self._runs = [layout.decay_runs() for layout in store.layouts]
+
+    def begin_step(self) -> None:
+        """Advance the step count; call once per optimizer step before its group updates."""
+        self.step_count += 1
+        self._step_tensor = torch.tensor(float(self.step_count))
+
+    def update_group(self, group: int, lr: float, clip_coef: float = 1.0) -> None:
+        """AdamW on `group` from its landed gradient (times clip_coef), then refresh its wire copy."""
+        if self.step_count == 0:
+            raise OptimError("update_group called before begin_step")
+        store, cfg = self.store, self.config
+        master, grad = store.master(group), store.grad(group)
+        exp_avg, exp_avg_sq = store.state("exp_avg", group), store.state("exp_avg_sq", group)
+        grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef)
+        for decay in (True, False):
+            runs = [(o, n) for o, n, d in self._runs[group] if d == decay]
+            if not runs:
+                continue
+            adamw_update_(
+                [master[o : o + n] for o, n in runs],
+                [grad[o : o + n] for o, n in runs],
+                [exp_avg[o : o + n] for o, n in runs],
+                [exp_avg_sq[o : o + n] for o, n in runs],
+                self._step_tensor,
+                lr=lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                weight_decay=cfg.weight_decay if decay else 0.0,
+                grad_scale=grad_scale,
+            )
+        store.refresh_wire(group)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor torch.nn.utils.clip_grad_norm_ applies: min(1, max_norm / (norm + 1e-6)); 1 when off."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,120 @@
+import math
+
+import pytest
+import torch
+
+import megatrain_optim.adamw as adamw_module
+from megatrain_optim import AdamWConfig, BackgroundStepper, HostAdamW, OptimError, Schedule, clip_coefficient, lr_at
+from megatrain_store import GroupLayout, HostStore
+
+SPECS = [
+    [("l0.w", (6, 5), True), ("l0.norm", (5,), False), ("l0.v", (4, 5), True)],
+    [("l1.w", (9,), True), ("l1.b", (3,), False)],
+]
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_both(weight_decay, max_norm, steps=4, betas=(0.9, 0.95)):
+    """Same random gradients through HostAdamW and torch.optim.AdamW; returns max relative error."""
+    torch.manual_seed(torch.seed() % 2**31)
+    store = HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=("exp_avg", "exp_avg_sq"))
+    ref = {name: torch.randn(shape, requires_grad=True) for group in SPECS for name, shape, _ in group}
+    decay = [ref[n] for g in SPECS for n, _, d in g if d]
+    no_decay = [ref[n] for g in SPECS for n, _, d in g if not d]
+    ref_opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2, betas=betas, eps=1e-8,
+    )
+    for g in range(store.n_groups):
+        for name, view in store.master_views(g).items():
+            view.copy_(ref[name].detach())
+    opt = HostAdamW(store, AdamWConfig(lr=1e-2, betas=betas, eps=1e-8, weight_decay=weight_decay))
+    for _ in range(steps):
+        for g in range(store.n_groups):
+            for name, view in store.layouts[g].views(store.grad(g)).items():
+                grad = torch.randn(view.shape) * 3
+                view.copy_(grad)
+                ref[name].grad = grad.clone()
+        total = math.sqrt(sum(float(store.grad(g).double().pow(2).sum()) for g in range(store.n_groups)))
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(list(ref.values()), max_norm)
+        ref_opt.step()
+        opt.begin_step()
+        for g in reversed(range(store.n_groups)):  # order must not matter
+            opt.update_group(g, lr=1e-2, clip_coef=clip_coefficient(total, max_norm))
+    return max(rel_err(store.master_views(g)[n], ref[n].detach()) for g in range(2) for n in store.layouts[g].names)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_matches_torch_adamw(weight_decay, max_norm):
+    assert run_both(weight_decay, max_norm) < 1e-6
+
+
+def test_unfused_fallback_matches_torch_adamw(monkeypatch):
+    monkeypatch.setattr(adamw_module, "FUSED", False)
+    assert run_both(0.1, 1.0) < 1e-6
+
+
+def test_wire_copy_refreshed():
+    store = HostStore([GroupLayout.from_specs(SPECS[0])], compute_dtype=torch.bfloat16, state_names=("exp_avg", "exp_avg_sq"))
+    store.master(0).normal_()
+    store.grad(0).normal_()
+    opt = HostAdamW(store, AdamWConfig(lr=0.1))
+    opt.begin_step()
+    opt.update_group(0, lr=0.1)
+    assert torch.equal(store.wire(0), store.master(0).to(torch.bfloat16))
+
+
+def test_bad_settings():
+    with pytest.raises(OptimError, match="betas"):
+        AdamWConfig(betas=(0.9, 1.5))
+    store = HostStore([GroupLayout.from_specs(SPECS[1])])
+    with pytest.raises(OptimError, match="state_names"):
+        HostAdamW(store, AdamWConfig())
+
+
+def test_clip_coefficient_matches_clip_grad_norm():
+    grads = [torch.randn(10) * 5, torch.randn(3)]
+    params = [torch.zeros(10, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+    coef = clip_coefficient(norm, 1.0)
+    assert torch.allclose(params[0].grad, grads[0] * coef, rtol=1e-6)
+    assert clip_coefficient(norm, 0.0) == 1.0
+    assert clip_coefficient(0.5, 1.0) == 1.0
+
+
+def test_schedules():
+    cos = Schedule(lr=1.0, total_steps=110, warmup_steps=10, kind="cosine", min_lr_ratio=0.1)
+    assert lr_at(0, cos) == pytest.approx(0.1)
+    assert lr_at(9, cos) == pytest.approx(1.0)
+    assert lr_at(10, cos) == pytest.approx(1.0)
+    assert lr_at(60, cos) == pytest.approx(0.55)
+    assert lr_at(110, cos) == pytest.approx(0.1)
+    lin = Schedule(lr=1.0, total_steps=10, kind="linear", min_lr_ratio=0.0)
+    assert lr_at(5, lin) == pytest.approx(0.5)
+    assert lr_at(7, Schedule(lr=2.0, total_steps=10, kind="constant")) == 2.0
+    with pytest.raises(ValueError, match="unknown schedule"):
+        Schedule(lr=1.0, total_steps=10, kind="step")
+
+
+def test_stepper_runs_in_order_and_propagates_errors():
+    stepper = BackgroundStepper()
+    order = []
+    for g in range(5):
+        stepper.submit(g, lambda g=g: order.append(g))
+    stepper.wait_all()
+    assert order == list(range(5))
+
+    def boom():
+        raise RuntimeError("worker failed")
+
+    stepper.submit(7, boom)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        stepper.wait(7)
+    stepper.close()

@@ -1,0 +1,140 @@
+"""Atomic, streaming safetensors files and checked loading into the store.
+
+Files are written tensor by tensor (no second in-memory copy of the model), to a
+temporary name in the same directory, fsynced, then renamed over the target: a crash
+at any instant leaves either the old file or the new one, never a torn one.
+"""
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from .errors import StoreError
+
+_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable) -> None:
+    """Call write(file) on a temporary file next to `path`, fsync, rename over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, Tensor]], metadata: dict[str, str] | None = None) -> int:
+    """Write named tensors (views are fine: each is written from its own memory) atomically.
+
+    Returns the file size in bytes."""
+    items = [(name, t) for name, t in tensors]
+    header: dict = {}
+    offset = 0
+    for name, tensor in items:
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise StoreError(f"cannot write tensor {name!r} of dtype {tensor.dtype} to safetensors")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+
+    def write(handle):
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for _, tensor in items:
+            if tensor.numel():
+                handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    atomic_write(Path(path), write)
+    return 8 + len(encoded) + offset
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, with a clear error for a damaged file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise ValueError(f"header length {length} exceeds the file size {size}")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error) as error:
+        raise StoreError(f"{path} is not a readable safetensors file ({error}); it is truncated or corrupt") from error
+    data_size = size - 8 - length
+    for name, info in header.items():
+        if name != "__metadata__" and info["data_offsets"][1] > data_size:
+            raise StoreError(f"{path}: tensor {name!r} runs past the end of the file; the file is truncated")
+    return header
+
+
+def load_tensors_into(
+    paths: list[Path], targets: dict[str, Tensor], ignore: Callable[[str], bool] = lambda name: False
+) -> None:
+    """Copy every tensor named in `targets` from the safetensors `paths` into it, one at a time.
+
+    Shapes must match exactly; missing and unexpected names (unless `ignore`d) are errors
+    raised before anything is written, so a bad file leaves the targets untouched."""
+    where: dict[str, Path] = {}
+    for path in paths:
+        header = read_safetensors_header(path)
+        for name, info in header.items():
+            if name == "__metadata__" or ignore(name):
+                continue
+            if name not in targets:
+                raise StoreError(f"{path}: unexpected tensor {name!r}; the file does not belong to this model")
+            if tuple(info["shape"]) != tuple(targets[name].shape):
+                raise StoreError(
+                    f"{path}: tensor {name!r} has shape {tuple(info['shape'])}, the model needs "
+                    f"{tuple(targets[name].shape)}; the checkpoint is for a different configuration"
+                )
+            where[name] = path
+    missing = [name for name in targets if name not in where]
+    if missing:
+        raise StoreError(
+            f"tensor(s) missing from {[str(p) for p in paths]}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+            "the checkpoint is incomplete or for a different model"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name, path in where.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in names:
+                targets[name].copy_(handle.get_tensor(name))

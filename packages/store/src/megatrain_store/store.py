@@ -1,0 +1,148 @@
+"""The host store: every persistent byte of training state, as a few large arenas.
+
+Each arena holds all groups back to back (a group = one transfer unit, e.g. a decoder
+layer); a group's buffers are slices of the arenas. The GPU side reads `wire` and
+writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
+"""
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import StoreError
+from .layout import GroupLayout
+from .pinning import cuda_available, pin_in_place, unpin
+
+# Group starts are aligned to 64 elements (256 B in fp32) for vectorized CPU loops and DMA.
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by each arena; `bytes_per_param` is total over parameter count."""
+
+    n_params: int
+    arenas: dict[str, int]
+    pinned: dict[str, bool]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.arenas.values())
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total_bytes / max(1, self.n_params)
+
+    def as_dict(self) -> dict:
+        return {
+            "n_params": self.n_params,
+            "total_bytes": self.total_bytes,
+            "bytes_per_param": round(self.bytes_per_param, 3),
+            "arenas": self.arenas,
+            "pinned": self.pinned,
+        }
+
+
+class HostStore:
+    """Flat per-group host buffers: fp32 master, compute-dtype wire copy, fp32 grads, named state.
+
+    With an fp32 compute dtype the wire copy *is* the master (no second copy).
+    `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
+    """
+
+    def __init__(
+        self,
+        layouts: list[GroupLayout],
+        compute_dtype: torch.dtype = torch.float32,
+        state_names: tuple[str, ...] = (),
+        pin: bool | None = None,
+    ):
+        if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
+        self.layouts = list(layouts)
+        self.compute_dtype = compute_dtype
+        self.state_names = tuple(state_names)
+        self.starts: list[int] = []
+        total = 0
+        for layout in self.layouts:
+            self.starts.append(total)
+            total += _align(layout.numel)
+        self._arena_numel = total
+        self.n_params = sum(layout.numel for layout in self.layouts)
+
+        self.arenas: dict[str, Tensor] = {"master": self._allocate(torch.float32)}
+        if compute_dtype != torch.float32:
+            self.arenas["wire"] = self._allocate(compute_dtype)
+        self.arenas["grad"] = self._allocate(torch.float32)
+        for name in self.state_names:
+            self.arenas[f"state.{name}"] = self._allocate(torch.float32)
+
+        should_pin = cuda_available() if pin is None else pin
+        wire_arena = "wire" if "wire" in self.arenas else "master"
+        self.pinned = {name: False for name in self.arenas}
+        if should_pin:
+            for name in (wire_arena, "grad"):
+                self.pinned[name] = pin_in_place(self.arenas[name])
+            pinned_ptrs = [self.arenas[n].data_ptr() for n, p in self.pinned.items() if p]
+            weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
+
+    def _allocate(self, dtype: torch.dtype) -> Tensor:
+        try:
+            # zeros, not empty: touching every page now makes pinning fast and failures early.
+            return torch.zeros(self._arena_numel, dtype=dtype)
+        except RuntimeError as error:
+            need = self._arena_numel * torch.finfo(dtype).bits // 8
+            raise StoreError(
+                f"could not allocate {need / 2**30:.1f} GiB of host memory for a {dtype} arena: {error}. "
+                "Use a smaller model, enable the disk tier, or run `megatrain plan` to see what fits."
+            ) from error
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.layouts)
+
+    def _slice(self, arena: str, group: int) -> Tensor:
+        start = self.starts[group]
+        return self.arenas[arena][start : start + self.layouts[group].numel]
+
+    def master(self, group: int) -> Tensor:
+        """fp32 master weights of `group`, flat."""
+        return self._slice("master", group)
+
+    def wire(self, group: int) -> Tensor:
+        """What is copied to the device for `group`: compute dtype, flat."""
+        return self._slice("wire" if "wire" in self.arenas else "master", group)
+
+    def grad(self, group: int) -> Tensor:
+        """fp32 gradient landing buffer of `group`, flat."""
+        return self._slice("grad", group)
+
+    def state(self, name: str, group: int) -> Tensor:
+        """Named fp32 optimizer state of `group`, flat (same layout as the master)."""
+        if name not in self.state_names:
+            raise StoreError(f"no optimizer state named {name!r}; this store holds {list(self.state_names)}")
+        return self._slice(f"state.{name}", group)
+
+    def master_views(self, group: int) -> dict[str, Tensor]:
+        return self.layouts[group].views(self.master(group))
+
+    def refresh_wire(self, group: int) -> None:
+        """Rewrite the wire copy of `group` from its master (a no-op when they are the same memory)."""
+        if "wire" in self.arenas:
+            self.wire(group).copy_(self.master(group))
+
+    def memory_report(self) -> MemoryReport:
+        sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
+        return MemoryReport(self.n_params, sizes, dict(self.pinned))
+
+
+def bytes_per_param(compute_dtype: torch.dtype, n_state: int) -> int:
+    """Host bytes per parameter of a HostStore: master + wire + grad + state (fp32 each but wire)."""
+    wire = 0 if compute_dtype == torch.float32 else torch.finfo(compute_dtype).bits // 8
+    return 4 + wire + 4 + 4 * n_state

@@ -1,0 +1,95 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain_store import GroupLayout, HostStore, StoreError, bytes_per_param, load_tensors_into, write_safetensors
+
+
+def make_layouts():
+    return [
+        GroupLayout.from_specs([("a.w", (3, 5), True), ("a.norm", (5,), False), ("a.v", (2, 5), True)]),
+        GroupLayout.from_specs([("b.w", (7,), True)]),
+    ]
+
+
+def test_layout_round_trip_and_decay_runs():
+    layout = make_layouts()[0]
+    assert layout.numel == 15 + 5 + 10
+    flat = torch.arange(layout.numel, dtype=torch.float32)
+    views = layout.views(flat)
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views.values()]), flat)
+    assert views["a.norm"].data_ptr() == flat[15:].data_ptr()  # views, not copies
+    assert layout.decay_runs() == [(0, 15, True), (15, 5, False), (20, 10, True)]
+
+
+def test_duplicate_names_refused():
+    with pytest.raises(ValueError, match="duplicate"):
+        GroupLayout.from_specs([("x", (1,), True), ("x", (2,), True)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_buffers_and_accounting(dtype):
+    store = HostStore(make_layouts(), compute_dtype=dtype, state_names=("exp_avg", "exp_avg_sq"))
+    for group in range(store.n_groups):
+        store.master(group).normal_()
+        store.refresh_wire(group)
+        assert store.wire(group).dtype == dtype
+        assert torch.equal(store.wire(group), store.master(group).to(dtype))
+        assert store.grad(group).dtype == torch.float32
+        assert store.state("exp_avg", group).shape == store.master(group).shape
+    # buffers of different groups never overlap
+    assert store.master(1).data_ptr() >= store.master(0).data_ptr() + 4 * store.layouts[0].numel
+    report = store.memory_report()
+    assert report.n_params == 30 + 7
+    # arenas are padded for alignment, so per-parameter bytes are at least the nominal figure
+    assert report.bytes_per_param >= bytes_per_param(dtype, 2)
+    assert ("wire" in report.arenas) == (dtype != torch.float32)
+
+
+def test_unknown_state_name():
+    store = HostStore(make_layouts(), state_names=("exp_avg",))
+    with pytest.raises(StoreError, match="exp_avg_sq"):
+        store.state("exp_avg_sq", 0)
+
+
+def test_safetensors_round_trip_atomic(tmp_path):
+    store = HostStore(make_layouts(), compute_dtype=torch.bfloat16)
+    for group in range(store.n_groups):
+        store.master(group).normal_()
+    named = [(n, t) for g in range(store.n_groups) for n, t in store.master_views(g).items()]
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, named, metadata={"format": "pt"})
+    loaded = load_file(str(path))
+    for name, tensor in named:
+        assert torch.equal(loaded[name], tensor)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temp file left
+
+    other = HostStore(make_layouts())
+    targets = {n: t for g in range(other.n_groups) for n, t in other.master_views(g).items()}
+    load_tensors_into([path], targets)
+    for name, tensor in named:
+        assert torch.equal(targets[name], tensor)
+
+
+def test_damaged_files_are_refused_without_writing(tmp_path):
+    store = HostStore(make_layouts())
+    targets = {n: t for g in range(store.n_groups) for n, t in store.master_views(g).items()}
+    good = {n: torch.randn(t.shape) for n, t in targets.items()}
+
+    path = tmp_path / "missing.safetensors"
+    write_safetensors(path, [(n, t) for n, t in good.items() if n != "b.w"])
+    with pytest.raises(StoreError, match="b.w"):
+        load_tensors_into([path], targets)
+
+    path = tmp_path / "shape.safetensors"
+    write_safetensors(path, [(n, t if n != "a.v" else torch.zeros(5, 2)) for n, t in good.items()])
+    with pytest.raises(StoreError, match="a.v.*shape"):
+        load_tensors_into([path], targets)
+
+    path = tmp_path / "truncated.safetensors"
+    write_safetensors(path, good.items())
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(StoreError, match="truncated"):
+        load_tensors_into([path], targets)
+    assert all(float(t.abs().sum()) == 0 for t in targets.values())  # nothing was written

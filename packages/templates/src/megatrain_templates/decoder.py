@@ -1,0 +1,137 @@
+"""The decoder block template: pre-norm attention + SwiGLU MLP, Llama/Qwen/Mistral style.
+
+`forward` runs the block on weights bound from a flat buffer; `backward` recomputes the
+forward from the checkpointed input under a graph that lives only inside the call and
+accumulates weight gradients into a flat fp32 buffer in place.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
+from .ops import RopeConfig, apply_rope, rms_norm, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """Everything that fixes a decoder block's weights and arithmetic."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rms_eps: float = 1e-6
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope: RopeConfig | None = None
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    @property
+    def rope_config(self) -> RopeConfig:
+        return self.rope or RopeConfig(head_dim=self.head_dim)
+
+
+def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
+    """Hugging Face names in buffer order: decayed matrices first (q, k, v adjacent and
+    gate, up adjacent so each set is one GEMM), then norms and biases, which take no decay."""
+    d, q_out, kv_out = shape.d_model, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    params = [
+        ParamSpec("self_attn.q_proj.weight", (q_out, d)),
+        ParamSpec("self_attn.k_proj.weight", (kv_out, d)),
+        ParamSpec("self_attn.v_proj.weight", (kv_out, d)),
+        ParamSpec("self_attn.o_proj.weight", (d, q_out)),
+        ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)),
+        ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)),
+        ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),
+        ParamSpec("input_layernorm.weight", (d,), weight_decay=False),
+        ParamSpec("post_attention_layernorm.weight", (d,), weight_decay=False),
+    ]
+    if shape.qkv_bias:
+        params += [
+            ParamSpec("self_attn.q_proj.bias", (q_out,), weight_decay=False),
+            ParamSpec("self_attn.k_proj.bias", (kv_out,), weight_decay=False),
+            ParamSpec("self_attn.v_proj.bias", (kv_out,), weight_decay=False),
+        ]
+    if shape.qk_norm:
+        params += [
+            ParamSpec("self_attn.q_norm.weight", (shape.head_dim,), weight_decay=False),
+            ParamSpec("self_attn.k_norm.weight", (shape.head_dim,), weight_decay=False),
+        ]
+    return tuple(params)
+
+
+class DecoderBlock:
+    """Stateless decoder block. `groups` is one flat buffer's layout."""
+
+    def __init__(self, shape: BlockShape):
+        self.shape = shape
+        params = block_params(shape)
+        self.groups: tuple[tuple[ParamSpec, ...], ...] = (params,)
+        self.numel = total_numel(params)
+        spans = {
+            "qkv_weight": fused_span(params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+            "o_weight": span_of(params, "self_attn.o_proj.weight"),
+            "gate_up_weight": fused_span(params, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+            "down_weight": span_of(params, "mlp.down_proj.weight"),
+            "input_norm": span_of(params, "input_layernorm.weight"),
+            "post_norm": span_of(params, "post_attention_layernorm.weight"),
+        }
+        if shape.qkv_bias:
+            spans["qkv_bias"] = fused_span(params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+        if shape.qk_norm:
+            spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
+            spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
+        self._spans: dict[str, Span] = spans
+        self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def _rope(self, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
+        key = (seq_len, str(device), dtype)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_cos_sin(self.shape.rope_config, seq_len, device, dtype)
+        return self._rope_cache[key]
+
+    def _block(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
+        s = self.shape
+        batch, seq, _ = x.shape
+        h = rms_norm(x, w["input_norm"], s.rms_eps)
+        qkv = F.linear(h, w["qkv_weight"], w.get("qkv_bias"))
+        q, k, v = qkv.split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
+        q = q.view(batch, seq, s.n_heads, s.head_dim)
+        k = k.view(batch, seq, s.n_kv_heads, s.head_dim)
+        v = v.view(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+        if s.qk_norm:
+            q = rms_norm(q, w["q_norm"], s.rms_eps)
+            k = rms_norm(k, w["k_norm"], s.rms_eps)
+        cos, sin = self._rope(seq, x.device, x.dtype)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.n_heads != s.n_kv_heads)
+        x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"])
+        gate, up = F.linear(rms_norm(x, w["post_norm"], s.rms_eps), w["gate_up_weight"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w["down_weight"])
+
+    def forward(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
+        """hidden: [batch, seq, d_model] in the compute dtype -> same shape."""
+        check_buffers(weights, self.groups, "DecoderBlock.forward")
+        return self._block({name: span.view(weights[0]) for name, span in self._spans.items()}, hidden)
+
+    def backward(self, weights: list[Tensor], hidden: Tensor, grad_out: Tensor, grads: list[Tensor]) -> Tensor:
+        """Recompute from the block input `hidden`, add weight gradients into `grads[0]`
+        (flat, fp32) and return the gradient w.r.t. `hidden`."""
+        check_buffers(weights, self.groups, "DecoderBlock.backward")
+        leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._block(leaves, x)
+        names = list(leaves)
+        grad_in, *grad_leaves = torch.autograd.grad(out, [x, *leaves.values()], grad_out)
+        for name, grad in zip(names, grad_leaves):
+            accumulate(grads[0], self._spans[name], grad)
+        return grad_in

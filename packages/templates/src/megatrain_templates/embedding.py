@@ -1,0 +1,27 @@
+"""The token-embedding template: the first stage of every model."""
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from .layout import ParamSpec, check_buffers
+
+
+class Embedding:
+    """Stateless token embedding over one flat buffer holding `embed_tokens.weight`."""
+
+    def __init__(self, vocab_size: int, d_model: int):
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.groups = ((ParamSpec("embed_tokens.weight", (vocab_size, d_model)),),)
+        self.numel = vocab_size * d_model
+
+    def forward(self, weights: list[Tensor], token_ids: Tensor) -> Tensor:
+        """token_ids: [batch, seq] int64 -> hidden [batch, seq, d_model] in the weights' dtype."""
+        check_buffers(weights, self.groups, "Embedding.forward")
+        return F.embedding(token_ids, weights[0].view(self.vocab_size, self.d_model))
+
+    def backward(self, weights: list[Tensor], token_ids: Tensor, grad_out: Tensor, grads: list[Tensor]) -> None:
+        """Scatter-add grad_out [batch, seq, d_model] into the rows of `grads[0]` (flat, fp32)."""
+        check_buffers(grads, self.groups, "Embedding.backward")
+        table = grads[0].view(self.vocab_size, self.d_model)
+        table.index_add_(0, token_ids.reshape(-1), grad_out.reshape(-1, self.d_model).to(table.dtype))
+        return None

@@ -1,0 +1,86 @@
+"""The last stage: final RMSNorm, LM head and next-token cross-entropy, forward and backward in one call.
+
+Logits are made `chunk_rows` rows at a time and differentiated by hand, so the full
+[tokens, vocab] fp32 logits tensor never exists; only the final norm goes through
+autograd. With tied embeddings the LM head matrix is the embedding table, passed in as
+a second flat buffer, and its gradient lands in that buffer's gradient.
+"""
+
+import torch
+from torch import Tensor
+
+from .layout import ParamSpec, Span, accumulate, check_buffers, leaf
+from .ops import IGNORE_INDEX, rms_norm
+
+# Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (256 MiB).
+CHUNK_LOGITS = 1 << 26
+
+
+class Head:
+    """Stateless final norm + LM head + loss.
+
+    Untied: one buffer [lm_head.weight, norm.weight].
+    Tied: two buffers, the embedding's [embed_tokens.weight] and [norm.weight].
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, rms_eps: float = 1e-6, tied: bool = False):
+        self.vocab_size, self.d_model, self.rms_eps, self.tied = vocab_size, d_model, rms_eps, tied
+        norm = ParamSpec("norm.weight", (d_model,), weight_decay=False)
+        if tied:
+            self.groups = ((ParamSpec("embed_tokens.weight", (vocab_size, d_model)),), (norm,))
+            self._matrix_group, self._norm_group = 0, 1
+            self._norm_span = Span(0, (d_model,))
+        else:
+            self.groups = ((ParamSpec("lm_head.weight", (vocab_size, d_model)), norm),)
+            self._matrix_group, self._norm_group = 0, 0
+            self._norm_span = Span(vocab_size * d_model, (d_model,))
+        self._matrix_span = Span(0, (vocab_size, d_model))
+        self.chunk_rows = max(1, CHUNK_LOGITS // vocab_size)
+
+    def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
+        """Full logits [batch, seq, vocab] in fp32, for inference and checks on small inputs."""
+        check_buffers(weights, self.groups, "Head.logits")
+        normed = rms_norm(hidden, self._norm_span.view(weights[self._norm_group]), self.rms_eps)
+        return (normed @ self._matrix_span.view(weights[self._matrix_group]).T).float()
+
+    def loss(
+        self, weights: list[Tensor], hidden: Tensor, labels: Tensor, loss_scale: float, grads: list[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """Summed cross-entropy over labels != -100 and its gradient.
+
+        hidden: [batch, seq, d_model]; labels: [batch, seq] int64 (already shifted: the
+        target of position t). The gradient is that of `loss_scale * sum`, so with
+        loss_scale = 1 / (labels counted over the whole optimizer step) micro-batches add
+        up to the gradient of the mean. Returns (sum as an fp32 scalar tensor,
+        grad w.r.t. hidden); weight gradients are added into `grads` (flat fp32).
+        """
+        check_buffers(weights, self.groups, "Head.loss")
+        check_buffers(grads, self.groups, "Head.loss grads")
+        matrix = self._matrix_span.view(weights[self._matrix_group])
+        grad_matrix = self._matrix_span.view(grads[self._matrix_group])
+        norm_weight = leaf(weights[self._norm_group], self._norm_span)
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            normed = rms_norm(x, norm_weight, self.rms_eps)
+        rows = normed.detach().reshape(-1, self.d_model)
+        targets = labels.reshape(-1)
+        grad_rows = torch.empty_like(rows)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows.shape[0], self.chunk_rows):
+            chunk = rows[start : start + self.chunk_rows]
+            target = targets[start : start + self.chunk_rows]
+            logits = (chunk @ matrix.T).float()  # [rows, vocab]
+            log_norm = torch.logsumexp(logits, dim=-1)
+            valid = (target != IGNORE_INDEX).to(torch.float32)
+            safe_target = target.clamp_min(0).unsqueeze(1)
+            loss_sum += ((log_norm - logits.gather(1, safe_target).squeeze(1)) * valid).sum()
+            # d(loss)/d(logits) = softmax - one_hot(target), built in place in the logits buffer.
+            grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
+            grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=torch.float32))
+            grad_logits.mul_((valid * loss_scale).unsqueeze(1))
+            grad_logits = grad_logits.to(matrix.dtype)
+            grad_rows[start : start + chunk.shape[0]] = grad_logits @ matrix
+            grad_matrix.add_((grad_logits.T @ chunk).to(grad_matrix.dtype))
+        grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
+        accumulate(grads[self._norm_group], self._norm_span, grad_norm)
+        return loss_sum, grad_hidden

@@ -1,0 +1,96 @@
+"""Parameter layout inside a layer's flat buffer.
+
+A template lists its parameters once, as `ParamSpec`s in buffer order; offsets follow
+from that order. The host store builds its per-layer buffers from the same specs, so
+the template and the store always agree on where each tensor lives.
+"""
+
+from dataclasses import dataclass
+from math import prod
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of a layer: its name, shape and whether weight decay applies."""
+
+    name: str
+    shape: tuple[int, ...]
+    weight_decay: bool = True
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+def param_offsets(params: tuple[ParamSpec, ...]) -> dict[str, int]:
+    """Element offset of each parameter in a flat buffer holding `params` back to back."""
+    offsets, offset = {}, 0
+    for spec in params:
+        offsets[spec.name] = offset
+        offset += spec.numel
+    return offsets
+
+
+def total_numel(params: tuple[ParamSpec, ...]) -> int:
+    return sum(spec.numel for spec in params)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A contiguous range of a flat buffer viewed as one tensor (a fused parameter)."""
+
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    def view(self, flat: Tensor) -> Tensor:
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+def fused_span(params: tuple[ParamSpec, ...], names: list[str]) -> Span:
+    """The span covering `names`, which must be adjacent in `params` and share trailing dims.
+
+    Adjacent weights such as q/k/v or gate/up are then one matrix, so one GEMM replaces three.
+    """
+    offsets = param_offsets(params)
+    by_name = {spec.name: spec for spec in params}
+    specs = [by_name[name] for name in names]
+    start = offsets[names[0]]
+    expected = start
+    for name, spec in zip(names, specs):
+        if offsets[name] != expected or spec.shape[1:] != specs[0].shape[1:]:
+            raise ValueError(f"parameters {names} are not adjacent with equal trailing dims in the layout")
+        expected += spec.numel
+    rows = sum(spec.shape[0] for spec in specs)
+    return Span(start, (rows, *specs[0].shape[1:]))
+
+
+def span_of(params: tuple[ParamSpec, ...], name: str) -> Span:
+    spec = next(spec for spec in params if spec.name == name)
+    return Span(param_offsets(params)[name], spec.shape)
+
+
+def accumulate(grad_flat: Tensor, span: Span, grad: Tensor) -> None:
+    """Add `grad` (any dtype) into the span of a flat fp32 gradient buffer."""
+    grad_flat[span.offset : span.offset + span.numel].add_(grad.reshape(-1).to(grad_flat.dtype))
+
+
+def leaf(flat: Tensor, span: Span) -> Tensor:
+    """A view of the span that autograd treats as a fresh leaf; the graph dies with the call."""
+    return span.view(flat).detach().requires_grad_(True)
+
+
+def check_buffers(buffers: list[Tensor], groups: tuple[tuple[ParamSpec, ...], ...], what: str) -> None:
+    if len(buffers) != len(groups):
+        raise ValueError(f"{what}: expected {len(groups)} flat buffers, got {len(buffers)}")
+    for buffer, params in zip(buffers, groups):
+        if buffer.dim() != 1 or buffer.numel() != total_numel(params):
+            raise ValueError(
+                f"{what}: flat buffer has shape {tuple(buffer.shape)}, layout needs ({total_numel(params)},)"
+            )
+

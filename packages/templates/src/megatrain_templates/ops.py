@@ -1,0 +1,83 @@
+"""The numerical building blocks shared by the templates, written to match Hugging Face Llama/Qwen."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back (as Hugging Face does)."""
+    input_dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(input_dtype)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings. `scaling` is a Hugging Face `rope_scaling` dict or None."""
+
+    head_dim: int
+    theta: float = 10000.0
+    scaling: tuple[tuple[str, object], ...] | None = None  # frozen form of the dict
+
+    def __post_init__(self):
+        kind = self.scaling_dict.get("rope_type", self.scaling_dict.get("type", "default"))
+        if kind not in ("default", "llama3", "linear"):
+            raise ValueError(
+                f"rope_scaling type {kind!r} is not supported; use 'default', 'llama3' or 'linear' "
+                "(or remove rope_scaling for training at the model's native context length)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def scaling_dict(self) -> dict:
+        return dict(self.scaling or ())
+
+
+def rope_inv_freq(config: RopeConfig) -> Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, including Llama-3 / linear scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.scaling_dict
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(config: RopeConfig, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [seq_len, head_dim] for positions 0..seq_len-1."""
+    inv_freq = rope_inv_freq(config).to(device)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
+    return x * cos + rotate_half(x) * sin

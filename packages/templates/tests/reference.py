@@ -1,0 +1,83 @@
+"""Plain nn.Module layers written the textbook way (separate projections, explicit
+softmax attention, repeat_interleave for GQA), used only as the reference in tests."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope(x, inv_freq):  # x: [b, h, s, d]
+    pos = torch.arange(x.shape[2], dtype=torch.float32)
+    ang = pos[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class RefBlock(nn.Module):
+    def __init__(self, d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq, qkv_bias=False, qk_norm=False):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.inv_freq = n_heads, n_kv, head_dim, inv_freq
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attn = nn.Module()
+        a = self.self_attn
+        a.q_proj = nn.Linear(d, n_heads * head_dim, bias=qkv_bias)
+        a.k_proj = nn.Linear(d, n_kv * head_dim, bias=qkv_bias)
+        a.v_proj = nn.Linear(d, n_kv * head_dim, bias=qkv_bias)
+        a.o_proj = nn.Linear(n_heads * head_dim, d, bias=False)
+        if qk_norm:
+            a.q_norm = RMSNorm(head_dim, eps)
+            a.k_norm = RMSNorm(head_dim, eps)
+        self.qk_norm = qk_norm
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(d, d_ff, bias=False)
+        self.mlp.up_proj = nn.Linear(d, d_ff, bias=False)
+        self.mlp.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = a.q_proj(h).view(b, s, self.n_heads, self.head_dim)
+        k = a.k_proj(h).view(b, s, self.n_kv, self.head_dim)
+        v = a.v_proj(h).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = rope(q.transpose(1, 2), self.inv_freq), rope(k.transpose(1, 2), self.inv_freq)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        att = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        x = x + a.o_proj(att.transpose(1, 2).reshape(b, s, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+def flatten_params(module: nn.Module, specs) -> torch.Tensor:
+    """Pack a module's parameters into one flat buffer in the template's layout order."""
+    named = dict(module.named_parameters())
+    return torch.cat([named[spec.name].detach().reshape(-1) for spec in specs])
+
+
+def unflatten_grads(flat: torch.Tensor, specs) -> dict:
+    out, offset = {}, 0
+    for spec in specs:
+        out[spec.name] = flat[offset : offset + spec.numel].view(spec.shape)
+        offset += spec.numel
+    return out

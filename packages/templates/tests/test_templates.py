@@ -1,0 +1,127 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import RefBlock, RMSNorm, flatten_params, unflatten_grads
+
+from megatrain_templates import BlockShape, DecoderBlock, Embedding, Head, RopeConfig, rope_inv_freq
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize(
+    "qkv_bias,qk_norm,n_kv,rope_scaling",
+    [
+        (False, False, 2, None),
+        (True, False, 4, None),
+        (False, True, 1, None),
+        (False, False, 2, (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
+                           ("high_freq_factor", 4.0), ("original_max_position_embeddings", 16))),
+    ],
+)
+def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim, d_ff, eps = 32, 4, 8, 48, 1e-5
+    rope = RopeConfig(head_dim=head_dim, theta=500.0, scaling=rope_scaling)
+    shape = BlockShape(d, heads, n_kv, head_dim, d_ff, eps, qkv_bias, qk_norm, rope)
+    block = DecoderBlock(shape)
+    ref = RefBlock(d, heads, n_kv, head_dim, d_ff, eps, rope_inv_freq(rope), qkv_bias, qk_norm)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, d, requires_grad=True)
+    grad_out = torch.randn(3, 11, d)
+
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    out = block.forward([flat], x.detach())
+    assert rel_err(out, out_ref) < 1e-6
+
+    grads = [torch.full((block.numel,), 0.5)]  # gradients must be added, not written
+    grad_in = block.backward([flat], x.detach(), grad_out, grads)
+    assert rel_err(grad_in, x.grad) < 1e-5
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-5, name
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    plain = rope_inv_freq(RopeConfig(head_dim=64, theta=500000.0))
+    scaled = rope_inv_freq(RopeConfig(head_dim=64, theta=500000.0, scaling=(
+        ("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
+        ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))))
+    assert torch.equal(scaled[:4], plain[:4])  # high frequencies untouched
+    assert torch.allclose(scaled[-1], plain[-1] / 8.0)  # lowest frequency divided by the factor
+
+
+def test_unsupported_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match="yarn"):
+        RopeConfig(head_dim=8, scaling=(("rope_type", "yarn"), ("factor", 4.0)))
+
+
+def test_embedding_forward_backward():
+    vocab, d = 50, 16
+    table = torch.randn(vocab, d, requires_grad=True)
+    emb = Embedding(vocab, d)
+    ids = torch.randint(0, vocab, (4, 9))
+    out = emb.forward([table.detach().reshape(-1)], ids)
+    assert torch.equal(out, F.embedding(ids, table))
+    grad_out = torch.randn(4, 9, d)
+    F.embedding(ids, table).backward(grad_out)
+    grads = [torch.zeros(vocab * d)]
+    emb.backward([table.detach().reshape(-1)], ids, grad_out, grads)
+    assert rel_err(grads[0].view(vocab, d), table.grad) < 1e-6
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_rows", [7, 10_000])
+def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows):
+    vocab, d, eps = 37, 16, 1e-6
+    head = Head(vocab, d, eps, tied=tied)
+    head.chunk_rows = chunk_rows
+    norm = RMSNorm(d, eps)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2)
+    matrix = torch.randn(vocab, d, requires_grad=True)
+    hidden = torch.randn(3, 8, d, requires_grad=True)
+    labels = torch.randint(0, vocab, (3, 8))
+    labels[:, -1] = -100
+    labels[1, 2] = -100
+    n_valid = int((labels != -100).sum())
+
+    logits = norm(hidden) @ matrix.T
+    ref_loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100)
+    ref_loss.backward()
+
+    if tied:
+        weights = [matrix.detach().reshape(-1), norm.weight.detach().clone()]
+    else:
+        weights = [torch.cat([matrix.detach().reshape(-1), norm.weight.detach()])]
+    grads = [torch.zeros_like(w) for w in weights]
+    loss_sum, grad_hidden = head.loss(weights, hidden.detach(), labels, 1.0 / n_valid, grads)
+    assert abs(loss_sum.item() / n_valid - ref_loss.item()) < 1e-5 * abs(ref_loss.item())
+    assert rel_err(grad_hidden, hidden.grad) < 1e-5
+    flat_grads = torch.cat([g for g in grads])
+    assert rel_err(flat_grads[: vocab * d].view(vocab, d), matrix.grad) < 1e-5
+    assert rel_err(flat_grads[vocab * d :], norm.weight.grad) < 1e-5
+    assert rel_err(head.logits(weights, hidden.detach()), logits.detach()) < 1e-6
+
+
+def test_wrong_buffer_size_is_refused():
+    block = DecoderBlock(BlockShape(8, 2, 2, 4, 16))
+    with pytest.raises(ValueError, match="layout needs"):
+        block.forward([torch.zeros(block.numel + 1)], torch.zeros(1, 2, 8))
+
+
+def test_no_module_or_graph_survives_a_call():
+    block = DecoderBlock(BlockShape(8, 2, 2, 4, 16))
+    assert not isinstance(block, nn.Module)
+    flat = torch.randn(block.numel)
+    out = block.forward([flat], torch.randn(1, 3, 8))
+    assert out.grad_fn is None
+    grad_in = block.backward([flat], torch.randn(1, 3, 8), torch.randn(1, 3, 8), [torch.zeros(block.numel)])
+    assert grad_in.grad_fn is None
