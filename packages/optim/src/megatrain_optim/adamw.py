@@ -98,7 +98,7 @@ class HostAdamW:
     def begin_step(self) -> None:
         """Advance the step count; call once per optimizer step before its group updates."""
         self.step_count += 1
-        self._step_tensor = torch.tensor(float(self.step_count))
+        self._step_tensor = torch.tensor(float(self.step_count), dtype=self.store.master_dtype)
 
     def update_group(self, group: int, lr: float, clip_coef: float = 1.0) -> None:
         """AdamW on `group` from its landed gradient (times clip_coef), then refresh its wire copy."""
@@ -107,7 +107,12 @@ class HostAdamW:
         store, cfg = self.store, self.config
         master, grad = store.master(group), store.grad(group)
         exp_avg, exp_avg_sq = store.state("exp_avg", group), store.state("exp_avg_sq", group)
-        grad_scale = None if clip_coef == 1.0 else torch.tensor(1.0 / clip_coef)
+        grad_scale = None
+        if clip_coef != 1.0:
+            if FUSED and master.dtype == torch.float32:
+                grad_scale = torch.tensor(1.0 / clip_coef)  # applied inside the kernel: no extra pass
+            else:
+                grad.mul_(clip_coef)  # the fused kernel takes only an fp32 scale
         for decay in (True, False):
             runs = [(o, n) for o, n, d in self._runs[group] if d == decay]
             if not runs:

@@ -52,7 +52,9 @@ class MemoryReport:
 class HostStore:
     """Flat per-group host buffers: fp32 master, compute-dtype wire copy, fp32 grads, named state.
 
-    With an fp32 compute dtype the wire copy *is* the master (no second copy).
+    With an fp32 compute dtype the wire copy *is* the master (no second copy). float64
+    compute (everything in fp64) exists for exactness tests that must not depend on
+    fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
     """
 
@@ -63,8 +65,9 @@ class HostStore:
         state_names: tuple[str, ...] = (),
         pin: bool | None = None,
     ):
-        if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
+        self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.layouts = list(layouts)
         self.compute_dtype = compute_dtype
         self.state_names = tuple(state_names)
@@ -76,12 +79,12 @@ class HostStore:
         self._arena_numel = total
         self.n_params = sum(layout.numel for layout in self.layouts)
 
-        self.arenas: dict[str, Tensor] = {"master": self._allocate(torch.float32)}
-        if compute_dtype != torch.float32:
+        self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype)}
+        if compute_dtype != self.master_dtype:
             self.arenas["wire"] = self._allocate(compute_dtype)
-        self.arenas["grad"] = self._allocate(torch.float32)
+        self.arenas["grad"] = self._allocate(self.master_dtype)
         for name in self.state_names:
-            self.arenas[f"state.{name}"] = self._allocate(torch.float32)
+            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype)
 
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"

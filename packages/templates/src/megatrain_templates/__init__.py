@@ -4,7 +4,7 @@ from .decoder import BlockShape, DecoderBlock, block_params
 from .embedding import Embedding
 from .head import Head
 from .layout import ParamSpec, Span, param_offsets, total_numel
-from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast
 
 __all__ = [
     "BlockShape",
@@ -22,4 +22,5 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "total_numel",
+    "upcast",
 ]

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .layout import ParamSpec, Span, accumulate, check_buffers, leaf
-from .ops import IGNORE_INDEX, rms_norm
+from .ops import IGNORE_INDEX, rms_norm, upcast
 
 # Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (256 MiB).
 CHUNK_LOGITS = 1 << 26
@@ -41,7 +41,7 @@ class Head:
         """Full logits [batch, seq, vocab] in fp32, for inference and checks on small inputs."""
         check_buffers(weights, self.groups, "Head.logits")
         normed = rms_norm(hidden, self._norm_span.view(weights[self._norm_group]), self.rms_eps)
-        return (normed @ self._matrix_span.view(weights[self._matrix_group]).T).float()
+        return upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T)
 
     def loss(
         self, weights: list[Tensor], hidden: Tensor, labels: Tensor, loss_scale: float, grads: list[Tensor]
@@ -65,18 +65,19 @@ class Head:
         rows = normed.detach().reshape(-1, self.d_model)
         targets = labels.reshape(-1)
         grad_rows = torch.empty_like(rows)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss_dtype = upcast(rows[:0]).dtype
+        loss_sum = torch.zeros((), dtype=loss_dtype, device=hidden.device)
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = rows[start : start + self.chunk_rows]
             target = targets[start : start + self.chunk_rows]
-            logits = (chunk @ matrix.T).float()  # [rows, vocab]
+            logits = upcast(chunk @ matrix.T)  # [rows, vocab]
             log_norm = torch.logsumexp(logits, dim=-1)
-            valid = (target != IGNORE_INDEX).to(torch.float32)
+            valid = (target != IGNORE_INDEX).to(loss_dtype)
             safe_target = target.clamp_min(0).unsqueeze(1)
             loss_sum += ((log_norm - logits.gather(1, safe_target).squeeze(1)) * valid).sum()
             # d(loss)/d(logits) = softmax - one_hot(target), built in place in the logits buffer.
             grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
-            grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=torch.float32))
+            grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=loss_dtype))
             grad_logits.mul_((valid * loss_scale).unsqueeze(1))
             grad_logits = grad_logits.to(matrix.dtype)
             grad_rows[start : start + chunk.shape[0]] = grad_logits @ matrix

@@ -9,10 +9,15 @@ from torch import Tensor
 IGNORE_INDEX = -100
 
 
+def upcast(x: Tensor) -> Tensor:
+    """x in at least fp32: half types go to fp32, fp32 and fp64 stay."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (as Hugging Face does)."""
     input_dtype = x.dtype
-    x32 = x.float()
+    x32 = upcast(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(input_dtype)
 

@@ -1,0 +1,182 @@
+"""The training configuration: frozen dataclasses loaded from YAML plus `key=value` overrides.
+
+Every key is checked: an unknown or mistyped key is an error that names it and lists
+the keys that section accepts."""
+
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+
+class ConfigError(Exception):
+    """A configuration the trainer cannot run, with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str | None = None  # a megatrain_zoo preset name
+    hf_dir: str | None = None  # a Hugging Face directory: config.json + safetensors (initial weights)
+
+    def __post_init__(self):
+        if (self.preset is None) == (self.hf_dir is None):
+            raise ConfigError("set exactly one of model.preset (a preset name) or model.hf_dir (a Hugging Face directory)")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    tokens: str | None = None  # a .npy array of token ids
+    text: str | None = None  # a UTF-8 text file, tokenized with `tokenizer` or a tokenizer trained on it
+    tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on `text`
+    seq_len: int = 256
+    shuffle: bool = True
+
+    def __post_init__(self):
+        if self.tokens is not None and self.text is not None:
+            raise ConfigError("set only one of data.tokens (.npy token ids) or data.text (a text file)")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 100
+    batch_size: int = 8  # sequences per optimizer step
+    micro_batch_size: int = 0  # sequences per forward/backward pass; 0 = batch_size
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # constant | cosine | linear
+    min_lr_ratio: float = 0.1
+    seed: int = 0
+    max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
+
+    def __post_init__(self):
+        if self.micro_batch_size == 0:
+            object.__setattr__(self, "micro_batch_size", self.batch_size)
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
+            raise ConfigError("train.steps, train.batch_size and train.micro_batch_size must be >= 1")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.batch_size ({self.batch_size}) must be divisible by train.micro_batch_size "
+                f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
+            )
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class PrecisionSection:
+    # float32 | bfloat16 | auto (bfloat16 on a GPU, float32 on the CPU); float64 is for exactness tests
+    compute_dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("auto", "float32", "bfloat16", "float64"):
+            raise ConfigError(f"precision.compute_dtype must be float32, bfloat16 or auto, got {self.compute_dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    n_slots: int = 2  # device weight slots (2 = double buffering)
+    offload_checkpoints: bool = False  # keep activation checkpoints in pinned host memory
+    trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
+
+    def __post_init__(self):
+        if self.n_slots < 2:
+            raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=lambda: ModelSection(preset="small-llama"))
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    output_dir: str = "runs/default"
+
+    def __post_init__(self):
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _build(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(values).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        if key not in known:
+            raise ConfigError(f"unknown config key {name!r}; {where or 'top level'} accepts {sorted(known)}")
+        hint = hints[key]
+        if is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, name)
+        else:
+            kwargs[key] = _coerce(value, hint, name)
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{where or 'config'}: {error}") from error
+
+
+def _coerce(value: Any, hint, name: str):
+    if value is None:
+        return None
+    types = getattr(hint, "__args__", None) or (hint,)
+    if float in types and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if int in types and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if bool in types and isinstance(value, bool):
+        return value
+    if str in types and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    if getattr(hint, "__origin__", None) is tuple and isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    raise ConfigError(f"config key {name!r} has value {value!r}, which is not of type {hint}")
+
+
+def config_from_dict(values: dict) -> Config:
+    return _build(Config, values, "")
+
+
+def _set_path(values: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = values
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or start from the defaults) and apply `key.sub=value` overrides."""
+    values: dict = {}
+    if path is not None:
+        try:
+            values = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
+        key, raw = item.split("=", 1)
+        _set_path(values, key.strip(), yaml.safe_load(raw))
+    return config_from_dict(values)
+

@@ -1,0 +1,81 @@
+"""`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out."""
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .config import Config
+from .data import TokenWindows, load_token_array
+from .trainer import NonFiniteError, Trainer, write_jsonl
+
+
+def plot_loss(metrics_path: Path, out_path: Path) -> bool:
+    """Loss curve PNG from metrics.jsonl; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if not r.get("skipped")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title("megatrain training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def train(config: Config) -> Path:
+    """Run training as configured; returns the output directory."""
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config)
+    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+    tokens, tokenizer = load_token_array(config.data, trainer.model_config.vocab_size, out / "cache", model_dir)
+    windows = TokenWindows(tokens, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed)
+    (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    report = trainer.store.memory_report()
+    print(
+        f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on {trainer.device} "
+        f"({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host {report.total_bytes / 2**30:.2f} GiB "
+        f"({report.bytes_per_param:.1f} B/param), {windows.n_windows} windows of {config.data.seq_len} tokens",
+        file=sys.stderr,
+    )
+    bar = tqdm(total=config.train.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    try:
+        for step in range(trainer.step_index, config.train.steps):
+            input_ids, labels = windows.batch(step)
+            metrics = trainer.train_step(input_ids, labels)
+            write_jsonl(metrics_path, metrics.as_dict())
+            bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.1f}")
+            bar.update(1)
+            if metrics.skipped:
+                tqdm.write(f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
+                           f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged", file=sys.stderr)
+                if trainer.bad_steps >= config.train.max_bad_steps:
+                    raise NonFiniteError(
+                        f"{trainer.bad_steps} non-finite steps in a row; stopping. The weights are those of the last "
+                        "good step. Lower train.lr, raise train.warmup_steps or turn on train.grad_clip."
+                    )
+        bar.close()
+        final = trainer.export(out / "final", tokenizer)
+        if config.engine.trace:
+            trainer.timeline.write_chrome_trace(out / "trace.json")
+        if plot_loss(metrics_path, out / "loss.png"):
+            print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
+        print(f"model written to {final}", file=sys.stderr)
+    finally:
+        bar.close()
+        trainer.close()
+    return out

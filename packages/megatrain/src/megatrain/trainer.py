@@ -1,0 +1,212 @@
+"""The Trainer: a thin loop that composes store, optimizer, scheduler, templates and zoo.
+
+One step: the pipeline runs forward + backward layer-major and lands every group's
+fp32 gradient in the store; the global gradient norm (and the loss) decide whether the
+step is applied and with which clip coefficient; group updates are then queued on the
+optimizer worker in layer order, so they overlap the next step's forward, which waits
+for each layer's update just before copying that layer in.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatrain_optim import STATE_NAMES, AdamWConfig, BackgroundStepper, HostAdamW, Schedule, clip_coefficient, lr_at
+from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
+from megatrain_store import GroupLayout, HostStore, bytes_per_param
+from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_, preset, read_hf_config
+
+from .config import Config, ConfigError
+from .hf_io import export_hf, load_hf_weights, named_masters
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite losses or gradients several steps in a row."""
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    step_time_s: float
+    tokens_per_s: float
+    tflops: float
+    skipped: bool
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use device: cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def model_config_of(config: Config) -> ModelConfig:
+    if config.model.hf_dir is not None:
+        return read_hf_config(Path(config.model.hf_dir))
+    return preset(config.model.preset)
+
+
+def available_host_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(model: ModelConfig, config: Config, dtype: torch.dtype) -> None:
+    """Refuse, before allocating anything, a model whose host state cannot fit in free memory."""
+    if model.sliding_window is not None and config.data.seq_len > model.sliding_window:
+        raise ConfigError(
+            f"data.seq_len {config.data.seq_len} exceeds the model's sliding_window {model.sliding_window}, "
+            "which megatrain does not implement; use data.seq_len <= sliding_window"
+        )
+    if config.data.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
+            f"{model.max_seq_len}); lower data.seq_len"
+        )
+    need = model.n_params * bytes_per_param(dtype, len(STATE_NAMES))
+    free = available_host_bytes()
+    if free is not None and need > 0.95 * free:
+        largest = int(0.95 * free / bytes_per_param(dtype, len(STATE_NAMES)))
+        raise ConfigError(
+            f"the model needs {need / 2**30:.1f} GiB of host memory ({model.n_params / 1e9:.2f}B params x "
+            f"{bytes_per_param(dtype, len(STATE_NAMES))} B) but only {free / 2**30:.1f} GiB is available; "
+            f"the largest model that fits here has about {largest / 1e9:.2f}B parameters"
+        )
+
+
+class Trainer:
+    """Owns the host store, optimizer, background stepper and pipeline for one model."""
+
+    def __init__(self, config: Config, model_config: ModelConfig | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
+        self.model_config = model_config or model_config_of(config)
+        check_fits(self.model_config, config, self.compute_dtype)
+        self.spec = build_model(self.model_config)
+        layouts = [GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups]
+        self.store = HostStore(layouts, self.compute_dtype, STATE_NAMES)
+        self._init_weights()
+        train = config.train
+        self.optimizer = HostAdamW(self.store, AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay))
+        self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+        self.stepper = BackgroundStepper()
+        self.timeline = Timeline(enabled=config.engine.trace)
+        self.pipeline = LayerPipeline(
+            [Stage(s.template, s.groups, s.name) for s in self.spec.stages],
+            self.store,
+            self.device,
+            n_slots=config.engine.n_slots,
+            offload_checkpoints=config.engine.offload_checkpoints,
+            before_fetch=self._wait_for_updates,
+            on_grads_landed=self._grads_landed,
+            timeline=self.timeline,
+        )
+        self.step_index = 0
+        self.bad_steps = 0
+        self._landed: dict[int, object] = {}
+
+    def _init_weights(self) -> None:
+        if self.config.model.hf_dir is not None:
+            load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
+            return
+        generator = torch.Generator().manual_seed(self.config.train.seed)
+        for group in range(self.store.n_groups):
+            for name, view in self.store.master_views(group).items():
+                init_param_(name, view, self.model_config, generator)
+            self.store.refresh_wire(group)
+
+    # ------------------------------------------------------------ engine hooks
+    def _wait_for_updates(self, groups: tuple[int, ...]) -> None:
+        for group in groups:
+            self.stepper.wait(group)
+
+    def _grads_landed(self, group: int, event) -> None:
+        self._landed[group] = event
+
+    def _update(self, group: int, lr: float, clip: float, landed) -> None:
+        synchronize(landed)
+        with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
+            self.optimizer.update_group(group, lr, clip)
+
+    # ------------------------------------------------------------------- step
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepMetrics:
+        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss)."""
+        start = time.perf_counter()
+        train = self.config.train
+        n_micro = input_ids.shape[0] // train.micro_batch_size
+        micro = [
+            MicroBatch(ids, lab)
+            for ids, lab in zip(input_ids.chunk(n_micro), labels.chunk(n_micro))
+        ]
+        n_targets = int((labels != -100).sum())
+        if n_targets == 0:
+            raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
+        lr = lr_at(self.step_index, self.schedule)
+        result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
+        loss = result.loss_sum.item() / n_targets
+        grad_norm = math.sqrt(result.group_sq_norms.sum().item())
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+            self.bad_steps += 1
+        else:
+            self.bad_steps = 0
+            clip = clip_coefficient(grad_norm, train.grad_clip)
+            self.optimizer.begin_step()
+            for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
+                self.stepper.submit(group, lambda g=group: self._update(g, lr, clip, self._landed[g]))
+        self.step_index += 1
+        elapsed = time.perf_counter() - start
+        tokens = input_ids.numel()
+        flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
+        return StepMetrics(self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed,
+                           flops / elapsed / 1e12, skipped)
+
+    def finish_updates(self) -> None:
+        """Wait until every queued optimizer update has been applied (re-raising worker errors)."""
+        self.stepper.wait_all()
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by Hugging Face name, up to date (views into host memory)."""
+        self.finish_updates()
+        return named_masters(self.store)
+
+    def export(self, out_dir: Path, tokenizer: Path | None = None) -> Path:
+        self.finish_updates()
+        return export_hf(self.store, self.spec, out_dir, tokenizer)
+
+    def close(self) -> None:
+        self.finish_updates()
+        self.stepper.close()
+
+
+def write_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())

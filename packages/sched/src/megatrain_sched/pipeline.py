@@ -1,0 +1,265 @@
+"""One optimizer step's forward and backward, layer-major over device weight slots.
+
+Positions of a step: forward stages 0..n-2, the head n-1 (loss + its backward), then
+backward stages n-2..0. Position p computes in slot p % n_slots; while it computes,
+the weights of positions p+1 .. p+n_slots-1 are copied in on the copy-in stream (a
+slot is refilled only after the compute that used it has finished). Position n (the
+last block, backward) finds its weights still in the slot of position n-2, so with two
+slots they are not copied again. Gradients of a group accumulate in one fp32 device
+buffer and are copied out once, when the last stage that binds the group has run
+backward.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from megatrain_store import HostStore
+
+from .streams import Streams
+from .timeline import Timeline
+
+
+class SchedError(Exception):
+    """A stage list or batch the scheduler cannot run, with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A template and the store groups it binds, in the template's order.
+
+    The template provides `groups` (its layouts), `forward(weights, x)` and
+    `backward(weights, x, grad_out, grads)`; the last stage provides
+    `loss(weights, x, labels, loss_scale, grads)` instead."""
+
+    template: Any
+    groups: tuple[int, ...]
+    name: str = ""
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [micro_batch, seq] int64
+    labels: Tensor  # [micro_batch, seq] int64, -100 where no loss
+
+
+@dataclass
+class StepResult:
+    loss_sum: Tensor  # fp32 scalar on the device: summed token losses of the step
+    group_sq_norms: Tensor  # [n_groups] fp32 on the device: squared gradient norm per group
+    log: list[tuple] = field(default_factory=list)  # ("copy_in"|"reuse"|"compute"|"grad_out", stage or group, slot)
+
+
+@dataclass
+class _Slot:
+    buffer: Tensor
+    stage: int | None = None  # which stage's weights it holds (valid within a step)
+    ready: Any = None  # event: its copy-in finished
+    free: Any = None  # event: the last compute reading it finished
+
+
+class LayerPipeline:
+    """Runs forward and backward of all stages for a list of micro-batches.
+
+    `before_fetch(groups)` is called before a stage's weights are read from the store
+    (the optimizer must have finished updating them); `on_grads_landed(group, event)`
+    is called when a group's gradient copy-out has been queued (`event` completes when
+    the host buffer holds it; None on the CPU, where it already does).
+    """
+
+    def __init__(
+        self,
+        stages: list[Stage],
+        store: HostStore,
+        device: torch.device,
+        n_slots: int = 2,
+        offload_checkpoints: bool = False,
+        before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
+        on_grads_landed: Callable[[int, Any], None] = lambda group, event: None,
+        timeline: Timeline | None = None,
+    ):
+        if len(stages) < 2:
+            raise SchedError("a model needs at least two stages: an input stage and a loss stage")
+        if n_slots < 2:
+            raise SchedError(f"n_slots must be >= 2 to overlap copies with compute, got {n_slots}")
+        if not hasattr(stages[-1].template, "loss"):
+            raise SchedError(f"the last stage {stages[-1].name!r} must provide loss()")
+        for index, stage in enumerate(stages):
+            layouts = stage.template.groups
+            if len(layouts) != len(stage.groups):
+                raise SchedError(f"stage {index} binds {len(stage.groups)} groups, its template has {len(layouts)}")
+            for group, params in zip(stage.groups, layouts):
+                need = sum(p.numel for p in params)
+                if store.layouts[group].numel != need:
+                    raise SchedError(
+                        f"stage {index} ({stage.name}) expects {need} elements in group {group}, "
+                        f"the store holds {store.layouts[group].numel}"
+                    )
+        self.stages, self.store, self.device = stages, store, torch.device(device)
+        self.streams = Streams(self.device)
+        self.offload_checkpoints = offload_checkpoints and self.streams.cuda
+        self.before_fetch, self.on_grads_landed = before_fetch, on_grads_landed
+        self.timeline = timeline or Timeline(enabled=False)
+        slot_numel = max(sum(store.layouts[g].numel for g in stage.groups) for stage in stages)
+        self.slots = [
+            _Slot(torch.empty(slot_numel, dtype=store.compute_dtype, device=self.device)) for _ in range(n_slots)
+        ]
+        n = len(stages)
+        self.order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
+        # how many stages bind each group in backward: its gradient leaves after the last one
+        self._users = [0] * store.n_groups
+        for stage in stages:
+            for group in stage.groups:
+                self._users[group] += 1
+
+    # ----------------------------------------------------------------- weights
+    def _slot_weights(self, slot: _Slot, stage: int) -> list[Tensor]:
+        views, offset = [], 0
+        for group in self.stages[stage].groups:
+            numel = self.store.layouts[group].numel
+            views.append(slot.buffer[offset : offset + numel])
+            offset += numel
+        return views
+
+    def _fetch(self, position: int, log: list) -> None:
+        """Queue the copy of position's weights into its slot (or reuse what is there)."""
+        stage = self.order[position]
+        slot = self.slots[position % len(self.slots)]
+        if slot.stage == stage:
+            log.append(("reuse", stage, position % len(self.slots)))
+            return
+        streams = self.streams
+        self.before_fetch(self.stages[stage].groups)
+        with streams.on(streams.copy_in), self.timeline.device_span(
+            f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in
+        ):
+            streams.wait(streams.copy_in, slot.free)
+            for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
+                view.copy_(self.store.wire(group), non_blocking=True)
+            slot.ready = streams.record(streams.copy_in)
+        slot.stage = stage
+        log.append(("copy_in", stage, position % len(self.slots)))
+
+    # ---------------------------------------------------------------- gradients
+    def _grad_buffers(self, stage: int, grad_buffers: dict[int, Tensor]) -> list[Tensor]:
+        buffers = []
+        for group in self.stages[stage].groups:
+            if group not in grad_buffers:
+                numel = self.store.layouts[group].numel
+                grad_buffers[group] = torch.zeros(numel, dtype=self.store.master_dtype, device=self.device)
+            buffers.append(grad_buffers[group])
+        return buffers
+
+    def _send_grads(self, stage: int, grad_buffers: dict[int, Tensor], remaining: list[int], sq_norms: Tensor, log: list) -> None:
+        streams = self.streams
+        for group in self.stages[stage].groups:
+            remaining[group] -= 1
+            if remaining[group]:
+                continue
+            buffer = grad_buffers.pop(group)
+            sq_norms[group] = torch.linalg.vector_norm(buffer).square()
+            done = streams.record(streams.compute)
+            with streams.on(streams.copy_out), self.timeline.device_span(
+                f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out
+            ):
+                streams.wait(streams.copy_out, done)
+                self.store.grad(group).copy_(buffer, non_blocking=True)
+                landed = streams.record(streams.copy_out)
+            streams.keep_alive(buffer, streams.copy_out)
+            log.append(("grad_out", group, None))
+            self.on_grads_landed(group, landed)
+
+    # ---------------------------------------------------------- checkpoints
+    def _offload(self, x: Tensor) -> tuple[Tensor, Any]:
+        """Start moving a checkpoint to pinned host memory; returns (host tensor, event when copied)."""
+        streams = self.streams
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        produced = streams.record(streams.compute)
+        with streams.on(streams.copy_out):
+            streams.wait(streams.copy_out, produced)
+            host.copy_(x, non_blocking=True)
+            copied = streams.record(streams.copy_out)
+        streams.keep_alive(x, streams.copy_out)
+        return host, copied
+
+    def _reload(self, offloaded: tuple[Tensor, Any]) -> tuple[Tensor, Any]:
+        """Start bringing an offloaded checkpoint back; returns (device tensor, event when ready)."""
+        streams = self.streams
+        host, copied = offloaded
+        with streams.on(streams.copy_in):
+            streams.wait(streams.copy_in, copied)
+            x = host.to(self.device, non_blocking=True)
+            ready = streams.record(streams.copy_in)
+        streams.keep_alive(x, streams.compute)
+        return x, ready
+
+    # -------------------------------------------------------------------- step
+    def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
+        """Forward + backward of one optimizer step. Gradients land in the store's grad buffers."""
+        if not micro_batches:
+            raise SchedError("a step needs at least one micro-batch")
+        streams, stages, timeline = self.streams, self.stages, self.timeline
+        n_stages, n_slots = len(stages), len(self.slots)
+        timeline.start_step(streams)
+        log: list[tuple] = []
+        for slot in self.slots:
+            slot.stage = None  # the optimizer has changed the host weights since the last step
+        batches = [
+            MicroBatch(mb.input_ids.to(self.device, non_blocking=True), mb.labels.to(self.device, non_blocking=True))
+            for mb in micro_batches
+        ]
+        checkpoints: list[list[Any]] = [[None] * len(batches) for _ in range(n_stages)]
+        grad_buffers: dict[int, Tensor] = {}
+        remaining = list(self._users)
+        sq_norms = torch.zeros(self.store.n_groups, dtype=self.store.master_dtype, device=self.device)
+        loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
+
+        acts: list[Any] = [mb.input_ids for mb in batches]
+        reloaded: dict[int, list] = {}
+        fetched = -1  # highest position whose weights have been queued
+        for position, stage_index in enumerate(self.order):
+            stage = stages[stage_index]
+            slot = self.slots[position % n_slots]
+            while fetched < position:
+                fetched += 1
+                self._fetch(fetched, log)
+            streams.wait(streams.compute, slot.ready)
+            weights = self._slot_weights(slot, stage_index)
+            backward = position >= n_stages
+            with timeline.device_span(
+                f"{'bwd' if backward else 'fwd'} {stage.name}", "compute", streams, streams.compute
+            ):
+                if position < n_stages - 1:  # forward
+                    for m, x in enumerate(acts):
+                        checkpoints[stage_index][m] = self._offload(x) if self.offload_checkpoints and stage_index else x
+                        acts[m] = stage.template.forward(weights, x)
+                elif position == n_stages - 1:  # loss and its gradient
+                    grads = self._grad_buffers(stage_index, grad_buffers)
+                    for m, x in enumerate(acts):
+                        loss, acts[m] = stage.template.loss(weights, x, batches[m].labels, loss_scale, grads)
+                        loss_sum += loss
+                else:  # backward, recomputing from the checkpoint
+                    grads = self._grad_buffers(stage_index, grad_buffers)
+                    inputs = reloaded.pop(stage_index, None) or checkpoints[stage_index]
+                    for m, grad_out in enumerate(acts):
+                        x = inputs[m]
+                        if isinstance(x, tuple):
+                            x, ready = x
+                            streams.wait(streams.compute, ready)
+                        acts[m] = stage.template.backward(weights, x, grad_out, grads)
+                        inputs[m] = None
+                    checkpoints[stage_index] = None
+            log.append(("compute", stage_index, position % n_slots))
+            slot.free = streams.record(streams.compute)
+            if position >= n_stages - 1:
+                self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log)
+                # bring the next backward stage's offloaded checkpoints back while this one computes
+                next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
+                if self.offload_checkpoints and next_stage > 0:
+                    reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
+            while fetched < min(position + n_slots - 1, len(self.order) - 1):
+                fetched += 1
+                self._fetch(fetched, log)
+        return StepResult(loss_sum, sq_norms, log)

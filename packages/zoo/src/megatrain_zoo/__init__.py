@@ -1,0 +1,24 @@
+"""Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
+
+from .config import ARCHITECTURES, ModelConfig, ZooError, flops_per_token
+from .hf import config_from_hf, config_to_hf, read_hf_config
+from .model import Group, ModelSpec, StageSpec, block_shape, build_model, init_param_
+from .presets import PRESETS, preset
+
+__all__ = [
+    "ARCHITECTURES",
+    "PRESETS",
+    "Group",
+    "ModelConfig",
+    "ModelSpec",
+    "StageSpec",
+    "ZooError",
+    "block_shape",
+    "build_model",
+    "config_from_hf",
+    "config_to_hf",
+    "flops_per_token",
+    "init_param_",
+    "preset",
+    "read_hf_config",
+]

@@ -1,0 +1,80 @@
+"""Named model shapes: the published sizes of each family, a 120B dense shape, and tiny test models."""
+
+from .config import ModelConfig, ZooError
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
+
+
+def _llama2(d, layers, heads, kv, ff):
+    return ModelConfig("llama", 32000, d, layers, heads, kv, ff, max_seq_len=4096, rms_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def _llama3(d, layers, heads, kv, ff, rope=None, max_len=8192, tied=False, head_dim=0):
+    return ModelConfig("llama", 128256, d, layers, heads, kv, ff, head_dim=head_dim, max_seq_len=max_len,
+                       rope_theta=500000.0, rope_scaling=rope, rms_eps=1e-5, tie_embeddings=tied,
+                       bos_token_id=128000, eos_token_id=128001)
+
+
+def _qwen2(d, layers, heads, kv, ff, vocab=151936, tied=False, eps=1e-6, max_len=32768):
+    return ModelConfig("qwen2", vocab, d, layers, heads, kv, ff, max_seq_len=max_len, rope_theta=1000000.0,
+                       rms_eps=eps, tie_embeddings=tied, qkv_bias=True, eos_token_id=151643)
+
+
+def _qwen3(d, layers, heads, ff, tied=False):
+    return ModelConfig("qwen3", 151936, d, layers, heads, 8, ff, head_dim=128, max_seq_len=40960,
+                       rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=tied, qk_norm=True, eos_token_id=151645)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Llama 2
+    "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
+    "llama2-13b": _llama2(5120, 40, 40, 40, 13824),
+    "llama2-70b": _llama2(8192, 80, 64, 8, 28672),
+    # Llama 3 / 3.1 / 3.2
+    "llama3-8b": _llama3(4096, 32, 32, 8, 14336),
+    "llama3-70b": _llama3(8192, 80, 64, 8, 28672),
+    "llama3.1-8b": _llama3(4096, 32, 32, 8, 14336, _LLAMA31_ROPE, 131072),
+    "llama3.1-70b": _llama3(8192, 80, 64, 8, 28672, _LLAMA31_ROPE, 131072),
+    "llama3.1-405b": _llama3(16384, 126, 128, 8, 53248, _LLAMA31_ROPE, 131072),
+    "llama3.2-1b": _llama3(2048, 16, 32, 8, 8192, _LLAMA32_ROPE, 131072, tied=True, head_dim=64),
+    "llama3.2-3b": _llama3(3072, 28, 24, 8, 8192, _LLAMA32_ROPE, 131072, tied=True, head_dim=128),
+    # Qwen2 / Qwen2.5 (same shapes)
+    "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, tied=True),
+    "qwen2.5-1.5b": _qwen2(1536, 28, 12, 2, 8960, tied=True),
+    "qwen2.5-3b": _qwen2(2048, 36, 16, 2, 11008, tied=True),
+    "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, vocab=152064),
+    "qwen2.5-14b": _qwen2(5120, 48, 40, 8, 13824, vocab=152064, eps=1e-5),
+    "qwen2.5-32b": _qwen2(5120, 64, 40, 8, 27648, vocab=152064, eps=1e-5),
+    "qwen2.5-72b": _qwen2(8192, 80, 64, 8, 29568, vocab=152064, eps=1e-5),
+    "qwen2-7b": _qwen2(3584, 28, 28, 4, 18944, vocab=152064),
+    "qwen2-72b": _qwen2(8192, 80, 64, 8, 29568, vocab=152064, eps=1e-5),
+    # Qwen3 dense
+    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, tied=True),
+    "qwen3-4b": _qwen3(2560, 36, 32, 9728, tied=True),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288),
+    "qwen3-14b": _qwen3(5120, 40, 40, 17408),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600),
+    # Mistral 7B v0.3
+    "mistral-7b": ModelConfig("mistral", 32768, 4096, 32, 32, 8, 14336, max_seq_len=32768, rope_theta=1000000.0,
+                              rms_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    # A 120B dense Llama-style shape (the size class of the published single-GPU result).
+    "dense-120b": _llama3(12288, 76, 96, 8, 32768),
+    # Tiny models for tests and the built-in CPU demo.
+    "tiny-llama": ModelConfig("llama", 256, 64, 2, 4, 2, 160, max_seq_len=256),
+    "tiny-qwen2": ModelConfig("qwen2", 256, 64, 2, 4, 2, 160, max_seq_len=256, rms_eps=1e-6,
+                              tie_embeddings=True, qkv_bias=True),
+    "tiny-qwen3": ModelConfig("qwen3", 256, 64, 2, 4, 2, 160, head_dim=32, max_seq_len=256, rms_eps=1e-6,
+                              qk_norm=True),
+    "small-llama": ModelConfig("llama", 2048, 128, 4, 4, 2, 352, max_seq_len=1024, tie_embeddings=True),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        close = [p for p in PRESETS if name.split("-")[0] in p][:6]
+        raise ZooError(f"unknown model preset {name!r}; {'did you mean ' + str(close) + '? ' if close else ''}"
+                       f"all presets: {sorted(PRESETS)}")
+    return PRESETS[name]
