@@ -47,10 +47,27 @@ def randomize_(trainer, generator):
 def test_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
-    train = TrainSection(steps=4, batch_size=6, micro_batch_size=2, lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                         weight_decay=0.1, grad_clip=grad_clip, warmup_steps=1, schedule="cosine", seed=seed)
-    config = Config(model=ModelSection(preset=preset_name), data=DataSection(seq_len=12), train=train,
-                    precision=PrecisionSection(dtype), device="cpu", output_dir=str(tmp_path))
+    train = TrainSection(
+        steps=4,
+        batch_size=6,
+        micro_batch_size=2,
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        warmup_steps=1,
+        schedule="cosine",
+        seed=seed,
+    )
+    config = Config(
+        model=ModelSection(preset=preset_name),
+        data=DataSection(seq_len=12),
+        train=train,
+        precision=PrecisionSection(dtype),
+        device="cpu",
+        output_dir=str(tmp_path),
+    )
     trainer = Trainer(config)
     generator = torch.Generator().manual_seed(seed)
     randomize_(trainer, generator)
@@ -60,8 +77,12 @@ def test_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
     params = dict(reference.named_parameters())
     no_decay = [p for n, p in params.items() if n.endswith("norm.weight") or n.endswith(".bias")]
     decay = [p for n, p in params.items() if not (n.endswith("norm.weight") or n.endswith(".bias"))]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=train.lr, betas=train.betas, eps=train.eps)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=train.betas,
+        eps=train.eps,
+    )
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     clipped = False
     for step in range(train.steps):

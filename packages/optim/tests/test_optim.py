@@ -26,7 +26,9 @@ def run_both(weight_decay, max_norm, steps=4, betas=(0.9, 0.95)):
     no_decay = [ref[n] for g in SPECS for n, _, d in g if not d]
     ref_opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-2, betas=betas, eps=1e-8,
+        lr=1e-2,
+        betas=betas,
+        eps=1e-8,
     )
     for g in range(store.n_groups):
         for name, view in store.master_views(g).items():
@@ -60,7 +62,9 @@ def test_unfused_fallback_matches_torch_adamw(monkeypatch):
 
 
 def test_wire_copy_refreshed():
-    store = HostStore([GroupLayout.from_specs(SPECS[0])], compute_dtype=torch.bfloat16, state_names=("exp_avg", "exp_avg_sq"))
+    store = HostStore(
+        [GroupLayout.from_specs(SPECS[0])], compute_dtype=torch.bfloat16, state_names=("exp_avg", "exp_avg_sq")
+    )
     store.master(0).normal_()
     store.grad(0).normal_()
     opt = HostAdamW(store, AdamWConfig(lr=0.1))

@@ -17,8 +17,18 @@ def rel_err(a, b):
         (False, False, 2, None),
         (True, False, 4, None),
         (False, True, 1, None),
-        (False, False, 2, (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
-                           ("high_freq_factor", 4.0), ("original_max_position_embeddings", 16))),
+        (
+            False,
+            False,
+            2,
+            (
+                ("rope_type", "llama3"),
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 16),
+            ),
+        ),
     ],
 )
 def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
@@ -51,9 +61,19 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():
     plain = rope_inv_freq(RopeConfig(head_dim=64, theta=500000.0))
-    scaled = rope_inv_freq(RopeConfig(head_dim=64, theta=500000.0, scaling=(
-        ("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
-        ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))))
+    scaled = rope_inv_freq(
+        RopeConfig(
+            head_dim=64,
+            theta=500000.0,
+            scaling=(
+                ("rope_type", "llama3"),
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192),
+            ),
+        )
+    )
     assert torch.equal(scaled[:4], plain[:4])  # high frequencies untouched
     assert torch.allclose(scaled[-1], plain[-1] / 8.0)  # lowest frequency divided by the factor
 

@@ -8,8 +8,14 @@ from .config import ConfigError, load_config
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (default: the built-in small model on the built-in corpus)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=1e-4 (repeatable)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,9 @@ class ModelSection:
 
     def __post_init__(self):
         if (self.preset is None) == (self.hf_dir is None):
-            raise ConfigError("set exactly one of model.preset (a preset name) or model.hf_dir (a Hugging Face directory)")
+            raise ConfigError(
+                "set exactly one of model.preset (a preset name) or model.hf_dir (a Hugging Face directory)"
+            )
 
 
 @dataclass(frozen=True)
@@ -179,4 +181,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         key, raw = item.split("=", 1)
         _set_path(values, key.strip(), yaml.safe_load(raw))
     return config_from_dict(values)
-

@@ -45,15 +45,21 @@ def train_tokenizer(text_path: Path, vocab_size: int, out_path: Path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train([str(text_path)], trainer)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_path))
     return tokenizer
 
 
-def tokenize_text(text_path: Path, tokenizer_path: Path | None, vocab_size: int, cache_dir: Path) -> tuple[np.ndarray, Path]:
+def tokenize_text(
+    text_path: Path, tokenizer_path: Path | None, vocab_size: int, cache_dir: Path
+) -> tuple[np.ndarray, Path]:
     """Token ids of a text file (cached on disk by content + tokenizer) and the tokenizer used."""
     from tokenizers import Tokenizer
 
@@ -87,14 +93,18 @@ def tokenize_text(text_path: Path, tokenizer_path: Path | None, vocab_size: int,
     return tokens, Path(tokenizer_path)
 
 
-def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None) -> tuple[np.ndarray, Path | None]:
+def load_token_array(
+    data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None
+) -> tuple[np.ndarray, Path | None]:
     """The training token ids for `data` and the tokenizer file, if any."""
     if data.tokens is not None:
         path = Path(data.tokens)
         try:
             tokens = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as error:
-            raise ConfigError(f"cannot read data.tokens {path}: {error}; it must be a .npy array of token ids") from error
+            raise ConfigError(
+                f"cannot read data.tokens {path}: {error}; it must be a .npy array of token ids"
+            ) from error
         check_tokens(tokens, vocab_size, f"data.tokens {path}")
         return tokens, None
     text = Path(data.text) if data.text is not None else builtin_corpus()

@@ -39,8 +39,9 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
         store.refresh_wire(group)
 
 
-def export_hf(store: HostStore, spec: ModelSpec, out_dir: Path, tokenizer: Path | None = None,
-              shard_bytes: int = SHARD_BYTES) -> Path:
+def export_hf(
+    store: HostStore, spec: ModelSpec, out_dir: Path, tokenizer: Path | None = None, shard_bytes: int = SHARD_BYTES
+) -> Path:
     """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
     transformers loads as the matching *ForCausalLM; copies tokenizer.json when given."""
     out_dir = Path(out_dir)

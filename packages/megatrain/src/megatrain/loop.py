@@ -58,11 +58,16 @@ def train(config: Config) -> Path:
             input_ids, labels = windows.batch(step)
             metrics = trainer.train_step(input_ids, labels)
             write_jsonl(metrics_path, metrics.as_dict())
-            bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.1f}")
+            bar.set_postfix(
+                loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.1f}"
+            )
             bar.update(1)
             if metrics.skipped:
-                tqdm.write(f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
-                           f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged", file=sys.stderr)
+                tqdm.write(
+                    f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
+                    f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged",
+                    file=sys.stderr,
+                )
                 if trainer.bad_steps >= config.train.max_bad_steps:
                     raise NonFiniteError(
                         f"{trainer.bad_steps} non-finite steps in a row; stopping. The weights are those of the last "

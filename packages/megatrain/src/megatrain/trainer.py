@@ -109,7 +109,9 @@ class Trainer:
         self.model_config = model_config or model_config_of(config)
         check_fits(self.model_config, config, self.compute_dtype)
         self.spec = build_model(self.model_config)
-        layouts = [GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups]
+        layouts = [
+            GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
+        ]
         self.store = HostStore(layouts, self.compute_dtype, STATE_NAMES)
         self._init_weights()
         train = config.train
@@ -160,10 +162,7 @@ class Trainer:
         start = time.perf_counter()
         train = self.config.train
         n_micro = input_ids.shape[0] // train.micro_batch_size
-        micro = [
-            MicroBatch(ids, lab)
-            for ids, lab in zip(input_ids.chunk(n_micro), labels.chunk(n_micro))
-        ]
+        micro = [MicroBatch(ids, lab) for ids, lab in zip(input_ids.chunk(n_micro), labels.chunk(n_micro))]
         n_targets = int((labels != -100).sum())
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
@@ -184,8 +183,9 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = input_ids.numel()
         flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
-        return StepMetrics(self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed,
-                           flops / elapsed / 1e12, skipped)
+        return StepMetrics(
+            self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped
+        )
 
     def finish_updates(self) -> None:
         """Wait until every queued optimizer update has been applied (re-raising worker errors)."""

@@ -39,8 +39,21 @@ class AdamWConfig:
 def _fused_available() -> bool:
     try:
         p, g, m, v = (torch.zeros(2) for _ in range(4))
-        torch._fused_adamw_([p], [g], [m], [v], [], [torch.ones(())], lr=0.1, beta1=0.9, beta2=0.9,
-                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            [torch.ones(())],
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.9,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
         return True
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
@@ -68,9 +81,22 @@ def adamw_update_(
     With `grad_scale`, gradients are divided by it first (used to apply a clip coefficient
     without a separate pass over the gradients)."""
     if FUSED:
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
-                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                            amsgrad=False, maximize=False, grad_scale=grad_scale)
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [step] * len(params),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+        )
         return
     count = float(step)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
@@ -123,7 +149,10 @@ class HostAdamW:
                 [exp_avg[o : o + n] for o, n in runs],
                 [exp_avg_sq[o : o + n] for o, n in runs],
                 self._step_tensor,
-                lr=lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                lr=lr,
+                beta1=cfg.betas[0],
+                beta2=cfg.betas[1],
+                eps=cfg.eps,
                 weight_decay=cfg.weight_decay if decay else 0.0,
                 grad_scale=grad_scale,
             )

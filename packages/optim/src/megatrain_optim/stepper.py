@@ -1,7 +1,7 @@
 """A background worker that runs group updates in submission order, off the training thread."""
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 
 class BackgroundStepper:

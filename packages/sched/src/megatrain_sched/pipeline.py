@@ -10,8 +10,9 @@ buffer and are copied out once, when the last stage that binds the group has run
 backward.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -132,8 +133,9 @@ class LayerPipeline:
             return
         streams = self.streams
         self.before_fetch(self.stages[stage].groups)
-        with streams.on(streams.copy_in), self.timeline.device_span(
-            f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in
+        with (
+            streams.on(streams.copy_in),
+            self.timeline.device_span(f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in),
         ):
             streams.wait(streams.copy_in, slot.free)
             for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
@@ -152,7 +154,9 @@ class LayerPipeline:
             buffers.append(grad_buffers[group])
         return buffers
 
-    def _send_grads(self, stage: int, grad_buffers: dict[int, Tensor], remaining: list[int], sq_norms: Tensor, log: list) -> None:
+    def _send_grads(
+        self, stage: int, grad_buffers: dict[int, Tensor], remaining: list[int], sq_norms: Tensor, log: list
+    ) -> None:
         streams = self.streams
         for group in self.stages[stage].groups:
             remaining[group] -= 1
@@ -161,8 +165,9 @@ class LayerPipeline:
             buffer = grad_buffers.pop(group)
             sq_norms[group] = torch.linalg.vector_norm(buffer).square()
             done = streams.record(streams.compute)
-            with streams.on(streams.copy_out), self.timeline.device_span(
-                f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out
+            with (
+                streams.on(streams.copy_out),
+                self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
                 streams.wait(streams.copy_out, done)
                 self.store.grad(group).copy_(buffer, non_blocking=True)
@@ -233,7 +238,9 @@ class LayerPipeline:
             ):
                 if position < n_stages - 1:  # forward
                     for m, x in enumerate(acts):
-                        checkpoints[stage_index][m] = self._offload(x) if self.offload_checkpoints and stage_index else x
+                        checkpoints[stage_index][m] = (
+                            self._offload(x) if self.offload_checkpoints and stage_index else x
+                        )
                         acts[m] = stage.template.forward(weights, x)
                 elif position == n_stages - 1:  # loss and its gradient
                     grads = self._grad_buffers(stage_index, grad_buffers)

@@ -13,6 +13,7 @@ import torch
 
 TRACKS = ("copy_in", "compute", "copy_out", "optimizer")
 
+
 class Timeline:
     """Collects spans while `enabled`; `resolve()` turns pending device spans into times."""
 
@@ -57,8 +58,14 @@ class Timeline:
         yield
         end = time.perf_counter()
         with self._lock:
-            self.spans.append({"name": name, "track": track, "start_us": (start - self._origin_host) * 1e6,
-                               "end_us": (end - self._origin_host) * 1e6})
+            self.spans.append(
+                {
+                    "name": name,
+                    "track": track,
+                    "start_us": (start - self._origin_host) * 1e6,
+                    "end_us": (end - self._origin_host) * 1e6,
+                }
+            )
 
     def resolve(self) -> None:
         """Convert recorded CUDA events into host-aligned times (synchronizes on them)."""
@@ -67,9 +74,14 @@ class Timeline:
         base_us = (self._origin_host_step - self._origin_host) * 1e6
         for name, track, start, end in self._pending:
             end.synchronize()
-            self.spans.append({"name": name, "track": track,
-                               "start_us": base_us + self._origin_event.elapsed_time(start) * 1e3,
-                               "end_us": base_us + self._origin_event.elapsed_time(end) * 1e3})
+            self.spans.append(
+                {
+                    "name": name,
+                    "track": track,
+                    "start_us": base_us + self._origin_event.elapsed_time(start) * 1e3,
+                    "end_us": base_us + self._origin_event.elapsed_time(end) * 1e3,
+                }
+            )
         self._pending.clear()
 
     def write_chrome_trace(self, path: Path) -> None:
@@ -77,8 +89,19 @@ class Timeline:
         self.resolve()
         tracks = list(TRACKS) + sorted({s["track"] for s in self.spans} - set(TRACKS))
         tids = {track: i for i, track in enumerate(tracks)}
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}}
-                  for track, tid in tids.items()]
-        events += [{"name": s["name"], "ph": "X", "pid": 0, "tid": tids[s["track"]], "ts": s["start_us"],
-                    "dur": max(0.0, s["end_us"] - s["start_us"])} for s in self.spans]
+        events = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}}
+            for track, tid in tids.items()
+        ]
+        events += [
+            {
+                "name": s["name"],
+                "ph": "X",
+                "pid": 0,
+                "tid": tids[s["track"]],
+                "ts": s["start_us"],
+                "dur": max(0.0, s["end_us"] - s["start_us"]),
+            }
+            for s in self.spans
+        ]
         Path(path).write_text(json.dumps({"traceEvents": events}))

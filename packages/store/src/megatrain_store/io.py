@@ -8,8 +8,8 @@ at any instant leaves either the old file or the new one, never a torn one.
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -67,7 +67,11 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, Tensor]], metadat
         if tensor.dtype not in _DTYPE_NAMES:
             raise StoreError(f"cannot write tensor {name!r} of dtype {tensor.dtype} to safetensors")
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

@@ -1,8 +1,8 @@
 """Where each named tensor of a group lives inside that group's flat buffers."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
-from typing import Iterable
 
 from torch import Tensor
 

@@ -76,7 +76,9 @@ class DecoderBlock:
         self.groups: tuple[tuple[ParamSpec, ...], ...] = (params,)
         self.numel = total_numel(params)
         spans = {
-            "qkv_weight": fused_span(params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+            "qkv_weight": fused_span(
+                params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+            ),
             "o_weight": span_of(params, "self_attn.o_proj.weight"),
             "gate_up_weight": fused_span(params, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
             "down_weight": span_of(params, "mlp.down_proj.weight"),
@@ -84,7 +86,9 @@ class DecoderBlock:
             "post_norm": span_of(params, "post_attention_layernorm.weight"),
         }
         if shape.qkv_bias:
-            spans["qkv_bias"] = fused_span(params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+            spans["qkv_bias"] = fused_span(
+                params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+            )
         if shape.qk_norm:
             spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
             spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")

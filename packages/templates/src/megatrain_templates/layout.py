@@ -93,4 +93,3 @@ def check_buffers(buffers: list[Tensor], groups: tuple[tuple[ParamSpec, ...], ..
             raise ValueError(
                 f"{what}: flat buffer has shape {tuple(buffer.shape)}, layout needs ({total_numel(params)},)"
             )
-

@@ -3,6 +3,7 @@
 from dataclasses import asdict, dataclass, field, replace
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_SCALINGS = ("default", "llama3", "linear")
 
 
 class ZooError(Exception):
@@ -45,6 +46,12 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.head_dim % 2:
             raise ZooError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if kind not in ROPE_SCALINGS:
+            raise ZooError(
+                f"rope_scaling type {kind!r} is not supported (supported: {ROPE_SCALINGS}); remove rope_scaling "
+                "from config.json to train at the model's native context length"
+            )
 
     def with_changes(self, **changes) -> "ModelConfig":
         return replace(self, **changes)

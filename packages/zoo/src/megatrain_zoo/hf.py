@@ -103,6 +103,8 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
     try:
         return config_from_hf(json.loads(path.read_text()))
     except FileNotFoundError:
-        raise ZooError(f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json") from None
+        raise ZooError(
+            f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"
+        ) from None
     except (json.JSONDecodeError, KeyError) as error:
         raise ZooError(f"{path} is not a valid Hugging Face config ({error!r})") from error

@@ -68,9 +68,15 @@ def build_model(config: ModelConfig) -> ModelSpec:
         groups.append(Group(f"layer{layer}", _renamed(block.groups[0], f"model.layers.{layer}.")))
     head_group = len(groups)
     head_params = head.groups[-1]
-    groups.append(Group("head", tuple(
-        ParamSpec("model." + p.name if p.name == "norm.weight" else p.name, p.shape, p.weight_decay) for p in head_params
-    )))
+    groups.append(
+        Group(
+            "head",
+            tuple(
+                ParamSpec("model." + p.name if p.name == "norm.weight" else p.name, p.shape, p.weight_decay)
+                for p in head_params
+            ),
+        )
+    )
     stages = [StageSpec("embed", embedding, (0,))]
     stages += [StageSpec(f"layer{layer}", block, (layer + 1,)) for layer in range(config.n_layers)]
     stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))

@@ -2,29 +2,77 @@
 
 from .config import ModelConfig, ZooError
 
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 _LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
 
 
 def _llama2(d, layers, heads, kv, ff):
-    return ModelConfig("llama", 32000, d, layers, heads, kv, ff, max_seq_len=4096, rms_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    return ModelConfig(
+        "llama", 32000, d, layers, heads, kv, ff, max_seq_len=4096, rms_eps=1e-5, bos_token_id=1, eos_token_id=2
+    )
 
 
 def _llama3(d, layers, heads, kv, ff, rope=None, max_len=8192, tied=False, head_dim=0):
-    return ModelConfig("llama", 128256, d, layers, heads, kv, ff, head_dim=head_dim, max_seq_len=max_len,
-                       rope_theta=500000.0, rope_scaling=rope, rms_eps=1e-5, tie_embeddings=tied,
-                       bos_token_id=128000, eos_token_id=128001)
+    return ModelConfig(
+        "llama",
+        128256,
+        d,
+        layers,
+        heads,
+        kv,
+        ff,
+        head_dim=head_dim,
+        max_seq_len=max_len,
+        rope_theta=500000.0,
+        rope_scaling=rope,
+        rms_eps=1e-5,
+        tie_embeddings=tied,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
 
 
 def _qwen2(d, layers, heads, kv, ff, vocab=151936, tied=False, eps=1e-6, max_len=32768):
-    return ModelConfig("qwen2", vocab, d, layers, heads, kv, ff, max_seq_len=max_len, rope_theta=1000000.0,
-                       rms_eps=eps, tie_embeddings=tied, qkv_bias=True, eos_token_id=151643)
+    return ModelConfig(
+        "qwen2",
+        vocab,
+        d,
+        layers,
+        heads,
+        kv,
+        ff,
+        max_seq_len=max_len,
+        rope_theta=1000000.0,
+        rms_eps=eps,
+        tie_embeddings=tied,
+        qkv_bias=True,
+        eos_token_id=151643,
+    )
 
 
 def _qwen3(d, layers, heads, ff, tied=False):
-    return ModelConfig("qwen3", 151936, d, layers, heads, 8, ff, head_dim=128, max_seq_len=40960,
-                       rope_theta=1000000.0, rms_eps=1e-6, tie_embeddings=tied, qk_norm=True, eos_token_id=151645)
+    return ModelConfig(
+        "qwen3",
+        151936,
+        d,
+        layers,
+        heads,
+        8,
+        ff,
+        head_dim=128,
+        max_seq_len=40960,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        tie_embeddings=tied,
+        qk_norm=True,
+        eos_token_id=151645,
+    )
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -58,16 +106,28 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-14b": _qwen3(5120, 40, 40, 17408),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600),
     # Mistral 7B v0.3
-    "mistral-7b": ModelConfig("mistral", 32768, 4096, 32, 32, 8, 14336, max_seq_len=32768, rope_theta=1000000.0,
-                              rms_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "mistral-7b": ModelConfig(
+        "mistral",
+        32768,
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        max_seq_len=32768,
+        rope_theta=1000000.0,
+        rms_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
     "dense-120b": _llama3(12288, 76, 96, 8, 32768),
     # Tiny models for tests and the built-in CPU demo.
     "tiny-llama": ModelConfig("llama", 256, 64, 2, 4, 2, 160, max_seq_len=256),
-    "tiny-qwen2": ModelConfig("qwen2", 256, 64, 2, 4, 2, 160, max_seq_len=256, rms_eps=1e-6,
-                              tie_embeddings=True, qkv_bias=True),
-    "tiny-qwen3": ModelConfig("qwen3", 256, 64, 2, 4, 2, 160, head_dim=32, max_seq_len=256, rms_eps=1e-6,
-                              qk_norm=True),
+    "tiny-qwen2": ModelConfig(
+        "qwen2", 256, 64, 2, 4, 2, 160, max_seq_len=256, rms_eps=1e-6, tie_embeddings=True, qkv_bias=True
+    ),
+    "tiny-qwen3": ModelConfig("qwen3", 256, 64, 2, 4, 2, 160, head_dim=32, max_seq_len=256, rms_eps=1e-6, qk_norm=True),
     "small-llama": ModelConfig("llama", 2048, 128, 4, 4, 2, 352, max_seq_len=1024, tie_embeddings=True),
 }
 
@@ -75,6 +135,8 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         close = [p for p in PRESETS if name.split("-")[0] in p][:6]
-        raise ZooError(f"unknown model preset {name!r}; {'did you mean ' + str(close) + '? ' if close else ''}"
-                       f"all presets: {sorted(PRESETS)}")
+        raise ZooError(
+            f"unknown model preset {name!r}; {'did you mean ' + str(close) + '? ' if close else ''}"
+            f"all presets: {sorted(PRESETS)}"
+        )
     return PRESETS[name]

@@ -1,0 +1,60 @@
+"""The test matrix: each package alone (with only its sibling dependencies), the
+integration tests across packages, lint, and the GPU tests. Plain `nox` runs the CPU
+sessions; `nox -s gpu` runs the GPU-marked tests on a machine with CUDA."""
+
+import os
+
+import nox
+
+nox.options.sessions = ["store", "optim", "sched", "templates", "zoo", "megatrain", "integration", "lint"]
+nox.options.default_venv_backend = "virtualenv"
+
+# torch==2.13.0 is the CPU wheel on the project machines; set MEGATRAIN_TORCH to choose another.
+TORCH = os.environ.get("MEGATRAIN_TORCH", "torch==2.13.0")
+DEPENDS = {
+    "store": [],
+    "templates": [],
+    "optim": ["store"],
+    "sched": ["store"],
+    "zoo": ["templates"],
+    "megatrain": ["store", "optim", "sched", "templates", "zoo"],
+}
+
+
+def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
+    session.install(TORCH)
+    session.install(*[f"./packages/{p}" for p in packages], "pytest", *extra)
+
+
+def _package_session(name: str):
+    @nox.session(name=name, python="3.11")
+    def run(session: nox.Session) -> None:
+        install(session, *DEPENDS[name], name)
+        session.run("pytest", "-q", "-m", "not gpu", f"packages/{name}/tests", *session.posargs)
+
+    return run
+
+
+for _name in DEPENDS:
+    globals()[f"test_{_name.replace('-', '_')}"] = _package_session(_name)
+
+
+@nox.session(python="3.11")
+def integration(session: nox.Session) -> None:
+    """Tests across packages, against plain PyTorch and Hugging Face transformers."""
+    install(session, *DEPENDS["megatrain"], "megatrain", extra=("transformers", "matplotlib"))
+    session.run("pytest", "-q", "-m", "not gpu", "tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """GPU-marked tests with the current environment's (CUDA) torch and the packages on PYTHONPATH."""
+    paths = [f"packages/{p}/src" for p in DEPENDS]
+    env = {"PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
+    session.run("python", "-m", "pytest", "-q", "-m", "gpu", "tests", *session.posargs, env=env)

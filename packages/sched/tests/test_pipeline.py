@@ -1,0 +1,187 @@
+"""The scheduler on the CPU: orderings, gradients against autograd, tied groups, slot counts."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from megatrain_sched import LayerPipeline, MicroBatch, SchedError, Stage, Timeline
+from megatrain_store import GroupLayout, HostStore
+
+Spec = namedtuple("Spec", "name shape numel")
+V, D = 11, 6
+
+
+def spec(name, *shape):
+    return Spec(name, shape, int(torch.Size(shape).numel()))
+
+
+class Lookup:
+    groups = ((spec("table", V, D),),)
+
+    def forward(self, w, ids):
+        return w[0].view(V, D)[ids]
+
+    def backward(self, w, ids, grad, grads):
+        grads[0].view(V, D).index_add_(0, ids.reshape(-1), grad.reshape(-1, D))
+
+
+class Mix:
+    """y = tanh(x @ M)."""
+
+    groups = ((spec("m", D, D),),)
+
+    def forward(self, w, x):
+        return torch.tanh(x @ w[0].view(D, D))
+
+    def backward(self, w, x, grad, grads):
+        m = w[0].view(D, D)
+        pre_grad = grad * (1 - torch.tanh(x @ m) ** 2)
+        grads[0].view(D, D).add_(x.reshape(-1, D).T @ pre_grad.reshape(-1, D))
+        return pre_grad @ m.T
+
+
+class Readout:
+    """loss = sum over labelled positions of (x . table[label])^2, optionally tied to the lookup table."""
+
+    def __init__(self, tied):
+        self.tied = tied
+        self.groups = ((spec("table", V, D),), (spec("bias", D),)) if tied else ((spec("proj", V, D), spec("bias", D)),)
+
+    def _split(self, w):
+        return (w[0].view(V, D), w[1]) if self.tied else (w[0][: V * D].view(V, D), w[0][V * D :])
+
+    def loss(self, w, x, labels, scale, grads):
+        table, bias = self._split(w)
+        g_table, g_bias = self._split(grads)
+        mask = (labels >= 0).unsqueeze(-1).to(x.dtype)
+        rows = table[labels.clamp_min(0)]
+        dot = ((x + bias) * rows).sum(-1, keepdim=True) * mask
+        grad_x = 2 * dot * rows * scale
+        g_table.index_add_(0, labels.clamp_min(0).reshape(-1), (2 * dot * (x + bias) * scale).reshape(-1, D))
+        g_bias.add_(grad_x.reshape(-1, D).sum(0))
+        return (dot**2).sum(), grad_x
+
+
+def build(n_mix, tied, n_slots=2):
+    readout = Readout(tied)
+    templates = [Lookup()] + [Mix() for _ in range(n_mix)]
+    layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
+    layouts.append(GroupLayout.from_specs([(s.name, s.shape, True) for s in readout.groups[-1]]))
+    store = HostStore(layouts)
+    for g in range(store.n_groups):
+        store.master(g).normal_()
+    stages = [Stage(t, (i,), f"s{i}") for i, t in enumerate(templates)]
+    stages.append(Stage(readout, (0, len(layouts) - 1) if tied else (len(layouts) - 1,), "head"))
+    landed = []
+    pipeline = LayerPipeline(
+        stages,
+        store,
+        torch.device("cpu"),
+        n_slots=n_slots,
+        on_grads_landed=lambda g, e: landed.append(g),
+        timeline=Timeline(enabled=True),
+    )
+    return store, pipeline, landed
+
+
+def autograd_reference(store, n_mix, tied, batches, scale):
+    params = [store.master(g).clone().requires_grad_() for g in range(store.n_groups)]
+    total = 0.0
+    for ids, labels in batches:
+        x = params[0].view(V, D)[ids]
+        for i in range(n_mix):
+            x = torch.tanh(x @ params[1 + i].view(D, D))
+        head = params[-1]
+        table = params[0].view(V, D) if tied else head[: V * D].view(V, D)
+        bias = head if tied else head[V * D :]
+        mask = (labels >= 0).unsqueeze(-1).to(x.dtype)
+        total = total + ((((x + bias) * table[labels.clamp_min(0)]).sum(-1, keepdim=True) * mask) ** 2).sum()
+    (total * scale).backward()
+    return total.detach(), [p.grad for p in params]
+
+
+def make_batches(n_micro, micro=2, seq=5):
+    out = []
+    for _ in range(n_micro):
+        ids = torch.randint(0, V, (micro, seq))
+        labels = torch.randint(0, V, (micro, seq))
+        labels[:, -1] = -100
+        out.append((ids, labels))
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_gradients_match_autograd(tied, n_slots):
+    store, pipeline, landed = build(3, tied, n_slots)
+    batches = make_batches(3)
+    result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
+    loss, grads = autograd_reference(store, 3, tied, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    for g in range(store.n_groups):
+        assert torch.allclose(store.grad(g), grads[g], rtol=1e-4, atol=1e-6), g
+        assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
+    assert sorted(landed) == list(range(store.n_groups))  # every group's gradient sent exactly once
+
+
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_weights_present_before_every_compute(n_slots):
+    store, pipeline, _ = build(4, tied=True, n_slots=n_slots)
+    log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0).log
+    held = {}
+    copies = 0
+    for kind, what, slot in log:
+        if kind == "copy_in":
+            held[slot] = what
+            copies += 1
+        elif kind == "reuse":
+            assert held[slot] == what
+        elif kind == "compute":
+            assert held.get(slot) == what, f"stage {what} computed in slot {slot} holding {held.get(slot)}"
+    n_stages = len(pipeline.stages)
+    forward_copies = n_stages  # every stage copied once in forward ...
+    backward_copies = n_stages - 2  # ... and again in backward, except the head and the stage next to it
+    assert copies == forward_copies + backward_copies + (0 if n_slots == 2 else 1)
+    grad_outs = [what for kind, what, _ in log if kind == "grad_out"]
+    assert sorted(grad_outs) == list(range(store.n_groups))
+
+
+def test_layer_major_order():
+    """Every micro-batch passes through a stage before the next stage's weights are used."""
+    store, pipeline, _ = build(2, tied=False)
+    log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(3)], loss_scale=1.0).log
+    computes = [what for kind, what, _ in log if kind == "compute"]
+    n = len(pipeline.stages)
+    assert computes == list(range(n)) + list(range(n - 2, -1, -1))
+
+
+def test_before_fetch_called_for_each_copy():
+    store, pipeline, _ = build(2, tied=False)
+    fetched = []
+    pipeline.before_fetch = lambda groups: fetched.append(groups)
+    pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(1)], loss_scale=1.0)
+    assert fetched[0] == (0,) and (3,) in fetched
+
+
+def test_timeline_chrome_trace(tmp_path):
+    store, pipeline, _ = build(2, tied=False)
+    pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(1)], loss_scale=1.0)
+    path = tmp_path / "trace.json"
+    pipeline.timeline.write_chrome_trace(path)
+    import json
+
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"copy_in s1", "fwd s1", "bwd s1", "grad_out s1"} <= names
+
+
+def test_bad_stage_lists():
+    store, pipeline, _ = build(1, tied=False)
+    with pytest.raises(SchedError, match="n_slots"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), n_slots=1)
+    with pytest.raises(SchedError, match="loss"):
+        LayerPipeline(pipeline.stages[:-1], store, torch.device("cpu"))
+    wrong = [Stage(Mix(), (0,), "bad")] + list(pipeline.stages[1:])
+    with pytest.raises(SchedError, match="expects 36 elements in group 0"):
+        LayerPipeline(wrong, store, torch.device("cpu"))
