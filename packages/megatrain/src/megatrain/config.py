@@ -140,6 +140,11 @@ def _coerce(value: Any, hint, name: str):
     types = getattr(hint, "__args__", None) or (hint,)
     if float in types and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if float in types and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no decimal point) as a string
+            return float(value)
+        except ValueError:
+            pass
     if int in types and isinstance(value, int) and not isinstance(value, bool):
         return value
     if bool in types and isinstance(value, bool):
@@ -147,7 +152,10 @@ def _coerce(value: Any, hint, name: str):
     if str in types and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
     if getattr(hint, "__origin__", None) is tuple and isinstance(value, (list, tuple)):
-        return tuple(float(v) for v in value)
+        try:
+            return tuple(float(v) for v in value)
+        except ValueError:
+            pass
     raise ConfigError(f"config key {name!r} has value {value!r}, which is not of type {hint}")
 
 

@@ -196,9 +196,21 @@ class Trainer:
         self.finish_updates()
         return named_masters(self.store)
 
-    def export(self, out_dir: Path, tokenizer: Path | None = None) -> Path:
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-precision logits [batch, seq, vocab] of the current weights, stage by stage
+        (for evaluation and interop checks on small inputs; training never builds them)."""
         self.finish_updates()
-        return export_hf(self.store, self.spec, out_dir, tokenizer)
+        x = input_ids.to(self.device)
+        *body, head = self.spec.stages
+        for stage in body:
+            x = stage.template.forward([self.store.wire(g).to(self.device) for g in stage.groups], x)
+        return head.template.logits([self.store.wire(g).to(self.device) for g in head.groups], x)
+
+    def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
+        """Write the current weights as a Hugging Face model directory (see `export_hf`)."""
+        self.finish_updates()
+        return export_hf(self.store, self.spec, out_dir, tokenizer, **options)
 
     def close(self) -> None:
         self.finish_updates()

@@ -1,0 +1,60 @@
+import json
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from megatrain.cli import main
+
+
+def test_train_writes_metrics_and_a_loadable_model(write_config, tmp_path):
+    assert main(["train", "--config", str(write_config())]) == 0
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s"} <= set(rows[0])
+    assert rows[0]["tokens"] == 4 * 32
+    assert (run / "final" / "config.json").exists() and (run / "loss.png").exists()
+    weights = load_file(str(run / "final" / "model.safetensors"))
+    assert "model.layers.1.mlp.down_proj.weight" in weights and "lm_head.weight" in weights
+
+    # the exported directory is the initial weights of a new run
+    second = write_config(model={"preset": None, "hf_dir": str(run / "final")}, output_dir=str(tmp_path / "run2"),
+                          train={"steps": 1, "lr": 0.0, "weight_decay": 0.0})
+    assert main(["train", "--config", str(second)]) == 0
+    again = load_file(str(tmp_path / "run2" / "final" / "model.safetensors"))
+    assert all((again[k] == v).all() for k, v in weights.items())  # lr 0: unchanged, so loaded exactly
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.preset=nope"], "unknown model preset 'nope'"),
+        (["data.seq_len=512"], "larger than the model allows"),
+        (["train.batch_size=3"], "divisible"),
+        (["train.foo=1"], "unknown config key 'train.foo'"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_no_output(write_config, tmp_path, capsys, overrides, message):
+    args = ["train", "--config", str(write_config())]
+    for item in overrides:
+        args += ["--set", item]
+    assert main(args) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_unsupported_hf_architecture(write_config, tmp_path, capsys):
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert main(["train", "--config", str(write_config(model={"preset": None, "hf_dir": str(hf)}))]) != 0
+    assert "unsupported architecture: model_type='gpt2'" in capsys.readouterr().err
+
+
+def test_token_ids_beyond_vocab(write_config, tmp_path, capsys):
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.arange(1000, dtype=np.int32))
+    assert main(["train", "--config", str(write_config(data={"tokens": str(bad)}))]) != 0
+    assert "vocab_size is 256" in capsys.readouterr().err
