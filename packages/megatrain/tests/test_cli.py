@@ -58,3 +58,12 @@ def test_token_ids_beyond_vocab(write_config, tmp_path, capsys):
     np.save(bad, np.arange(1000, dtype=np.int32))
     assert main(["train", "--config", str(write_config(data={"tokens": str(bad)}))]) != 0
     assert "vocab_size is 256" in capsys.readouterr().err
+
+
+def test_builtin_default_job_starts(tmp_path, monkeypatch):
+    """`megatrain train` with no config: the shipped corpus, a trained tokenizer, the small model."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", "train.steps=2", "--set", "device=cpu"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["tokens"] == 16 * 128
+    assert (tmp_path / "runs/default/final/tokenizer.json").exists()

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .config import ConfigError, load_config
+from .config import ConfigError, default_config_path, load_config
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config or default_config_path(), args.overrides)
         if args.command == "train":
             from .loop import train
 

@@ -4,6 +4,7 @@ Every key is checked: an unknown or mistyped key is an error that names it and l
 the keys that section accepts."""
 
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -171,6 +172,11 @@ def _set_path(values: dict, dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
     node[parts[-1]] = value
+
+
+def default_config_path() -> Path:
+    """The built-in default job: `megatrain train` with no --config."""
+    return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

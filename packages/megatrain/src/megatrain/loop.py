@@ -59,7 +59,7 @@ def train(config: Config) -> Path:
             metrics = trainer.train_step(input_ids, labels)
             write_jsonl(metrics_path, metrics.as_dict())
             bar.set_postfix(
-                loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.1f}"
+                loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.3g}"
             )
             bar.update(1)
             if metrics.skipped:
