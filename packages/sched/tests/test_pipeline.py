@@ -79,7 +79,7 @@ def build(n_mix, tied, n_slots=2):
         store,
         torch.device("cpu"),
         n_slots=n_slots,
-        on_grads_landed=lambda g, e: landed.append(g),
+        on_grads_landed=lambda g, e, sq: landed.append(g),
         timeline=Timeline(enabled=True),
     )
     return store, pipeline, landed

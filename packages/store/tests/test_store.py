@@ -93,3 +93,24 @@ def test_damaged_files_are_refused_without_writing(tmp_path):
     with pytest.raises(StoreError, match="truncated"):
         load_tensors_into([path], targets)
     assert all(float(t.abs().sum()) == 0 for t in targets.values())  # nothing was written
+
+
+def test_gradient_pool_hands_out_and_recycles_buffers():
+    import threading
+
+    store = HostStore(make_layouts(), grad_buffers=1)
+    first = store.acquire_grad(0)
+    assert first.numel() == store.layouts[0].numel and store.grad(0).data_ptr() == first.data_ptr()
+    assert store.acquire_grad(0).data_ptr() == first.data_ptr()  # idempotent while held
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(store.acquire_grad(1)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # the only buffer is taken: acquire blocks
+    store.release_grad(0)
+    waiter.join(2)
+    assert got and got[0].numel() == store.layouts[1].numel and got[0].data_ptr() == first.data_ptr()
+    with pytest.raises(StoreError, match="acquire_grad"):
+        store.grad(0)
+    report = store.memory_report()
+    assert report.arenas["grad"] == 4 * 64  # one buffer: the largest group (30 elements), aligned to 64

@@ -1,10 +1,16 @@
 """The Trainer: a thin loop that composes store, optimizer, scheduler, templates and zoo.
 
-One step: the pipeline runs forward + backward layer-major and lands every group's
-fp32 gradient in the store; the global gradient norm (and the loss) decide whether the
-step is applied and with which clip coefficient; group updates are then queued on the
-optimizer worker in layer order, so they overlap the next step's forward, which waits
-for each layer's update just before copying that layer in.
+One step: the pipeline runs forward + backward layer-major and lands each group's fp32
+gradient in host memory. Two update policies, both equal to a synchronous AdamW step:
+
+- clipping on (train.grad_clip > 0): every gradient is kept until the global norm is
+  known after the last layer; the clip coefficient is then fixed and group updates are
+  queued in layer order, overlapping the next step's forward (which waits for each
+  layer's update just before copying it in). A non-finite norm or loss skips the step.
+- clipping off: each group is updated by the optimizer worker as soon as its gradient
+  lands, overlapping the rest of the backward, and gradients land in a small pool of
+  buffers instead of a full fp32 copy of the model (4 bytes per parameter less). A
+  group whose gradient is non-finite is not updated and the step is reported skipped.
 """
 
 import json
@@ -23,6 +29,10 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError
 from .hf_io import export_hf, load_hf_weights, named_masters
+
+# Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
+# the backward by a few layers before the pipeline waits for it.
+GRADIENT_POOL = 4
 
 
 class NonFiniteError(RuntimeError):
@@ -88,16 +98,17 @@ def check_fits(model: ModelConfig, config: Config, dtype: torch.dtype) -> None:
             f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
             f"{model.max_seq_len}); lower data.seq_len"
         )
-    need = model.n_params * bytes_per_param(dtype, len(STATE_NAMES))
+    per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads=config.train.grad_clip > 0)
+    need = model.n_params * per_param
     free = available_host_bytes()
     if free is not None and need > 0.95 * free:
-        largest = int(0.95 * free / bytes_per_param(dtype, len(STATE_NAMES)))
+        largest = int(0.95 * free / per_param)
         raise ConfigError(
             f"the model needs {need / 2**30:.1f} GiB of host memory ({model.n_params / 1e9:.2f}B params x "
-            f"{bytes_per_param(dtype, len(STATE_NAMES))} B) but only {free / 2**30:.1f} GiB is available; "
-            f"the largest model that fits here has about {largest / 1e9:.2f}B parameters"
+            f"{per_param} B) but only {free / 2**30:.1f} GiB is available; the largest model that fits here has "
+            f"about {largest / 1e9:.2f}B parameters"
+            + ("; train.grad_clip: 0 saves 4 B per parameter" if config.train.grad_clip > 0 else "")
         )
-
 
 class Trainer:
     """Owns the host store, optimizer, background stepper and pipeline for one model."""
@@ -112,7 +123,9 @@ class Trainer:
         layouts = [
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
         ]
-        self.store = HostStore(layouts, self.compute_dtype, STATE_NAMES)
+        self.eager_updates = config.train.grad_clip == 0
+        pool = GRADIENT_POOL if self.eager_updates else None
+        self.store = HostStore(layouts, self.compute_dtype, STATE_NAMES, grad_buffers=pool)
         self._init_weights()
         train = config.train
         self.optimizer = HostAdamW(self.store, AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay))
@@ -132,6 +145,7 @@ class Trainer:
         self.step_index = 0
         self.bad_steps = 0
         self._landed: dict[int, object] = {}
+        self._lr = 0.0
 
     def _init_weights(self) -> None:
         if self.config.model.hf_dir is not None:
@@ -148,13 +162,20 @@ class Trainer:
         for group in groups:
             self.stepper.wait(group)
 
-    def _grads_landed(self, group: int, event) -> None:
-        self._landed[group] = event
+    def _grads_landed(self, group: int, event, sq_norm: torch.Tensor) -> None:
+        if self.eager_updates:
+            lr = self._lr
+            self.stepper.submit(group, lambda: self._update(group, lr, 1.0, event, sq_norm))
+        else:
+            self._landed[group] = event
 
-    def _update(self, group: int, lr: float, clip: float, landed) -> None:
+    def _update(self, group: int, lr: float, clip: float, landed, sq_norm: torch.Tensor | None = None) -> None:
+        """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
         synchronize(landed)
-        with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
-            self.optimizer.update_group(group, lr, clip)
+        if sq_norm is None or math.isfinite(float(sq_norm)):
+            with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
+                self.optimizer.update_group(group, lr, clip)
+        self.store.release_grad(group)
 
     # ------------------------------------------------------------------- step
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepMetrics:
@@ -166,15 +187,15 @@ class Trainer:
         n_targets = int((labels != -100).sum())
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
-        lr = lr_at(self.step_index, self.schedule)
+        lr = self._lr = lr_at(self.step_index, self.schedule)
+        if self.eager_updates:
+            self.optimizer.begin_step()
         result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
         loss = result.loss_sum.item() / n_targets
         grad_norm = math.sqrt(result.group_sq_norms.sum().item())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if skipped:
-            self.bad_steps += 1
-        else:
-            self.bad_steps = 0
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        if not skipped and not self.eager_updates:
             clip = clip_coefficient(grad_norm, train.grad_clip)
             self.optimizer.begin_step()
             for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first

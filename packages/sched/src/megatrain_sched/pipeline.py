@@ -65,9 +65,10 @@ class LayerPipeline:
     """Runs forward and backward of all stages for a list of micro-batches.
 
     `before_fetch(groups)` is called before a stage's weights are read from the store
-    (the optimizer must have finished updating them); `on_grads_landed(group, event)`
-    is called when a group's gradient copy-out has been queued (`event` completes when
-    the host buffer holds it; None on the CPU, where it already does).
+    (the optimizer must have finished updating them); `on_grads_landed(group, event,
+    sq_norm)` is called when a group's gradient copy-out has been queued: `event`
+    completes when the host buffer holds it (None on the CPU, where it already does) and
+    `sq_norm` is a host scalar tensor, valid from then on, with the gradient's squared norm.
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class LayerPipeline:
         n_slots: int = 2,
         offload_checkpoints: bool = False,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
-        on_grads_landed: Callable[[int, Any], None] = lambda group, event: None,
+        on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
         timeline: Timeline | None = None,
     ):
         if len(stages) < 2:
@@ -103,6 +104,8 @@ class LayerPipeline:
         self.offload_checkpoints = offload_checkpoints and self.streams.cuda
         self.before_fetch, self.on_grads_landed = before_fetch, on_grads_landed
         self.timeline = timeline or Timeline(enabled=False)
+        # squared gradient norms as they land, readable by the optimizer thread without a device sync
+        self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
         slot_numel = max(sum(store.layouts[g].numel for g in stage.groups) for stage in stages)
         self.slots = [
             _Slot(torch.empty(slot_numel, dtype=store.compute_dtype, device=self.device)) for _ in range(n_slots)
@@ -165,16 +168,18 @@ class LayerPipeline:
             buffer = grad_buffers.pop(group)
             sq_norms[group] = torch.linalg.vector_norm(buffer).square()
             done = streams.record(streams.compute)
+            destination = self.store.acquire_grad(group)  # may wait for the optimizer to free a buffer
             with (
                 streams.on(streams.copy_out),
                 self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
                 streams.wait(streams.copy_out, done)
-                self.store.grad(group).copy_(buffer, non_blocking=True)
+                destination.copy_(buffer, non_blocking=True)
+                self._host_sq_norms[group].copy_(sq_norms[group], non_blocking=True)
                 landed = streams.record(streams.copy_out)
             streams.keep_alive(buffer, streams.copy_out)
             log.append(("grad_out", group, None))
-            self.on_grads_landed(group, landed)
+            self.on_grads_landed(group, landed, self._host_sq_norms[group])
 
     # ---------------------------------------------------------- checkpoints
     def _offload(self, x: Tensor) -> tuple[Tensor, Any]:

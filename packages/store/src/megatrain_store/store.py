@@ -5,6 +5,7 @@ layer); a group's buffers are slices of the arenas. The GPU side reads `wire` an
 writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 """
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -52,7 +53,12 @@ class MemoryReport:
 class HostStore:
     """Flat per-group host buffers: fp32 master, compute-dtype wire copy, fp32 grads, named state.
 
-    With an fp32 compute dtype the wire copy *is* the master (no second copy). float64
+    With an fp32 compute dtype the wire copy *is* the master (no second copy).
+    `grad_buffers=None` gives every group its own gradient landing buffer (needed when
+    all gradients must be held until the global norm is known); an integer N gives a pool
+    of N landing buffers of the largest group's size, handed out by `acquire_grad` and
+    returned by `release_grad`, so gradients cost O(N layers) of memory instead of 4 B per
+    parameter (for updates applied as gradients land). float64
     compute (everything in fp64) exists for exactness tests that must not depend on
     fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
@@ -64,6 +70,7 @@ class HostStore:
         compute_dtype: torch.dtype = torch.float32,
         state_names: tuple[str, ...] = (),
         pin: bool | None = None,
+        grad_buffers: int | None = None,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -82,7 +89,17 @@ class HostStore:
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype)}
         if compute_dtype != self.master_dtype:
             self.arenas["wire"] = self._allocate(compute_dtype)
-        self.arenas["grad"] = self._allocate(self.master_dtype)
+        self.grad_buffers = grad_buffers
+        if grad_buffers is None:
+            self.arenas["grad"] = self._allocate(self.master_dtype)
+        else:
+            if grad_buffers < 1:
+                raise StoreError(f"grad_buffers must be >= 1 (or None for one per group), got {grad_buffers}")
+            slot = _align(max(layout.numel for layout in self.layouts))
+            self.arenas["grad"] = self._allocate(self.master_dtype, grad_buffers * slot)
+            self._free_grads = [self.arenas["grad"][i * slot : (i + 1) * slot] for i in range(grad_buffers)]
+            self._held_grads: dict[int, Tensor] = {}
+            self._grads_changed = threading.Condition()
         for name in self.state_names:
             self.arenas[f"state.{name}"] = self._allocate(self.master_dtype)
 
@@ -95,12 +112,13 @@ class HostStore:
             pinned_ptrs = [self.arenas[n].data_ptr() for n, p in self.pinned.items() if p]
             weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
 
-    def _allocate(self, dtype: torch.dtype) -> Tensor:
+    def _allocate(self, dtype: torch.dtype, numel: int | None = None) -> Tensor:
+        numel = self._arena_numel if numel is None else numel
         try:
             # zeros, not empty: touching every page now makes pinning fast and failures early.
-            return torch.zeros(self._arena_numel, dtype=dtype)
+            return torch.zeros(numel, dtype=dtype)
         except RuntimeError as error:
-            need = self._arena_numel * torch.finfo(dtype).bits // 8
+            need = numel * torch.finfo(dtype).bits // 8
             raise StoreError(
                 f"could not allocate {need / 2**30:.1f} GiB of host memory for a {dtype} arena: {error}. "
                 "Use a smaller model, enable the disk tier, or run `megatrain plan` to see what fits."
@@ -123,8 +141,36 @@ class HostStore:
         return self._slice("wire" if "wire" in self.arenas else "master", group)
 
     def grad(self, group: int) -> Tensor:
-        """fp32 gradient landing buffer of `group`, flat."""
-        return self._slice("grad", group)
+        """fp32 gradient landing buffer of `group`, flat (with a pool: the one it holds)."""
+        if self.grad_buffers is None:
+            return self._slice("grad", group)
+        with self._grads_changed:
+            if group not in self._held_grads:
+                raise StoreError(f"group {group} holds no gradient buffer; call acquire_grad({group}) first")
+            return self._held_grads[group]
+
+    def acquire_grad(self, group: int) -> Tensor:
+        """The landing buffer for `group`'s gradient; with a pool, blocks until one is free."""
+        if self.grad_buffers is None:
+            return self._slice("grad", group)
+        numel = self.layouts[group].numel
+        with self._grads_changed:
+            if group in self._held_grads:
+                return self._held_grads[group]
+            self._grads_changed.wait_for(lambda: self._free_grads)
+            self._held_grads[group] = self._free_grads.pop()[:numel]
+            return self._held_grads[group]
+
+    def release_grad(self, group: int) -> None:
+        """Return `group`'s landing buffer to the pool once its gradient has been consumed."""
+        if self.grad_buffers is None:
+            return
+        with self._grads_changed:
+            buffer = self._held_grads.pop(group)
+            slot = self.arenas["grad"].numel() // self.grad_buffers
+            start = (buffer.data_ptr() - self.arenas["grad"].data_ptr()) // buffer.element_size()
+            self._free_grads.append(self.arenas["grad"][start : start + slot])
+            self._grads_changed.notify_all()
 
     def state(self, name: str, group: int) -> Tensor:
         """Named fp32 optimizer state of `group`, flat (same layout as the master)."""
@@ -145,7 +191,8 @@ class HostStore:
         return MemoryReport(self.n_params, sizes, dict(self.pinned))
 
 
-def bytes_per_param(compute_dtype: torch.dtype, n_state: int) -> int:
-    """Host bytes per parameter of a HostStore: master + wire + grad + state (fp32 each but wire)."""
+def bytes_per_param(compute_dtype: torch.dtype, n_state: int, full_grads: bool = True) -> int:
+    """Host bytes per parameter of a HostStore: master + wire + grad + state (fp32 each but wire);
+    a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter."""
     wire = 0 if compute_dtype == torch.float32 else torch.finfo(compute_dtype).bits // 8
-    return 4 + wire + 4 + 4 * n_state
+    return 4 + wire + (4 if full_grads else 0) + 4 * n_state
