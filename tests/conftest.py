@@ -1,4 +1,13 @@
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_runtest_setup(item):
+    # A GPU test that cannot reach a GPU fails: it must never pass silently.
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA GPU; run it with `nox -s gpu` on a GPU machine")

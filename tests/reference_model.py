@@ -36,7 +36,7 @@ class Attention(nn.Module):
         self.inv_freq = rope_inv_freq(RopeConfig(c.head_dim, c.rope_theta, scaling))
 
     def rope(self, x):
-        angles = torch.arange(x.shape[2], dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.arange(x.shape[2], dtype=torch.float32, device=x.device)[:, None] * self.inv_freq.to(x.device)
         angles = torch.cat([angles, angles], -1)
         half = x.shape[-1] // 2
         return x * angles.cos().to(x.dtype) + torch.cat([-x[..., half:], x[..., :half]], -1) * angles.sin().to(x.dtype)
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         rep = c.n_heads // c.n_kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.head_dim)
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         out = scores.softmax(-1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -11,8 +11,14 @@ from megatrain_zoo import config_to_hf, preset
 
 
 def make_trainer(tmp_path, **model):
-    config = Config(model=ModelSection(**model), data=DataSection(seq_len=16), train=TrainSection(steps=1, batch_size=2),
-                    precision=PrecisionSection("float32"), device="cpu", output_dir=str(tmp_path / "run"))
+    config = Config(
+        model=ModelSection(**model),
+        data=DataSection(seq_len=16),
+        train=TrainSection(steps=1, batch_size=2),
+        precision=PrecisionSection("float32"),
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
     return Trainer(config)
 
 

@@ -1,0 +1,64 @@
+"""One decoder block on the GPU: the template's forward and recompute-backward against an
+eager nn.Module-free forward+backward of the same block, to show what a layer can reach.
+
+    python benchmarks/block.py --model qwen2.5-7b --tokens 16384 --seq-len 2048
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, write_results  # noqa: E402
+
+from megatrain_templates import DecoderBlock  # noqa: E402
+from megatrain_zoo import block_shape, preset  # noqa: E402
+
+
+def time_ms(fn, repeats=10):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config = preset(args.model)
+    block = DecoderBlock(block_shape(config))
+    weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
+    grads = [torch.zeros(block.numel, device="cuda", dtype=torch.float32)]
+    x = torch.randn(args.tokens // args.seq_len, args.seq_len, config.d_model, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+    matmul_params = config.matmul_params - config.vocab_size * config.d_model
+    flops_fwd = (2 * matmul_params / config.n_layers + 2 * args.seq_len * config.n_heads * config.head_dim) * args.tokens
+
+    fwd = time_ms(lambda: block.forward(weights, x))
+    bwd = time_ms(lambda: block.backward(weights, x, grad_out, grads))  # recompute + backward
+    result = {
+        "machine": machine(), "model": args.model, "tokens": args.tokens, "seq_len": args.seq_len,
+        "forward_ms": round(fwd, 3), "recompute_backward_ms": round(bwd, 3),
+        "forward_tflops": round(flops_fwd / fwd / 1e9, 1),
+        "hardware_tflops_of_recompute_backward": round(3 * flops_fwd / bwd / 1e9, 1),
+        "model_tflops_ceiling_with_recompute": round(3 * flops_fwd / (fwd + bwd) / 1e9, 1),
+    }
+    print(result)
+    if args.out:
+        write_results(Path(args.out), result)
+
+
+if __name__ == "__main__":
+    main()

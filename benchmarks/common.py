@@ -1,0 +1,48 @@
+"""Helpers shared by the benchmark scripts: machine facts, fast weight fill, JSON output, tables."""
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["device"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    else:
+        info["device"] = "cpu"
+    try:
+        info["host_memory_gib"] = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
+        info["cpu_cores"] = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip())
+    except (OSError, ValueError):
+        pass
+    return info
+
+
+def fill_random_(flat: torch.Tensor, std: float, block: int = 1 << 24) -> None:
+    """Fill a large host buffer with N(0, std) values quickly: one random block, tiled.
+
+    Benchmarks need realistic values (zeros run faster on some kernels), not independent ones."""
+    pattern = torch.randn(min(block, flat.numel()), dtype=flat.dtype) * std
+    for start in range(0, flat.numel(), pattern.numel()):
+        chunk = flat[start : start + pattern.numel()]
+        chunk.copy_(pattern[: chunk.numel()])
+
+
+def write_results(path: Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    lines = ["  ".join(c.rjust(widths[c]) for c in columns)]
+    lines += ["  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""Training throughput of megatrain on one GPU, with plain PyTorch in the same run as the baseline.
+
+megatrain keeps every parameter, gradient and AdamW moment in host memory; the baseline
+(Hugging Face transformers' implementation of the same model, fp32 master weights and
+AdamW state on the GPU, bf16 autocast, per-layer activation checkpointing, fused AdamW)
+runs wherever it fits in GPU memory. Model TFLOPS = (6 x matmul params + causal attention)
+x tokens / step time, recomputation not counted. Results: JSON (--out) and a table.
+
+    python benchmarks/throughput.py --models llama3.2-1b,llama3.2-3b,qwen2.5-7b \
+        --seq-len 2048 --tokens 32768,65536,131072 --out benchmarks/results/throughput-h100.json
+"""
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import fill_random_, machine, table, write_results  # noqa: E402
+
+from megatrain import Trainer  # noqa: E402
+from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
+
+
+class BenchTrainer(Trainer):
+    def _init_weights(self):
+        for group in range(self.store.n_groups):
+            for name, view in self.store.master_views(group).items():
+                if name.endswith("norm.weight"):
+                    view.fill_(1.0)
+                else:
+                    fill_random_(view.view(-1), self.model_config.initializer_range)
+            self.store.refresh_wire(group)
+
+
+def random_batch(n_seqs, seq_len, vocab):
+    ids = torch.randint(0, vocab, (n_seqs, seq_len))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    return ids, labels
+
+
+def span_totals(timeline, t_start_us, t_end_us) -> dict:
+    """Busy time per track inside [start, end] (union of spans, so overlaps count once)."""
+    busy = {}
+    for track in ("copy_in", "compute", "copy_out", "optimizer"):
+        spans = sorted((max(s["start_us"], t_start_us), min(s["end_us"], t_end_us))
+                       for s in timeline.spans if s["track"] == track)
+        total, cursor = 0.0, t_start_us
+        for start, end in spans:
+            start = max(start, cursor)
+            if end > start:
+                total += end - start
+                cursor = end
+        busy[track] = total / 1e6
+    return busy
+
+
+def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip, n_slots, trace_dir):
+    config = Config(
+        model=ModelSection(preset=name),
+        data=DataSection(seq_len=seq_len),
+        train=TrainSection(steps=10**6, batch_size=micro_seqs, micro_batch_size=micro_seqs, grad_clip=grad_clip,
+                           lr=1e-5, warmup_steps=0, schedule="constant"),
+        precision=PrecisionSection("bfloat16"),
+        engine=EngineSection(n_slots=n_slots, trace=True),
+        device="cuda",
+        output_dir=tempfile.mkdtemp(),
+    )
+    t0 = time.perf_counter()
+    trainer = BenchTrainer(config)
+    setup_s = time.perf_counter() - t0
+    model = trainer.model_config
+    report = trainer.store.memory_report()
+    rows = []
+    for tokens in token_counts:
+        n_seqs = tokens // seq_len
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(warmup):
+            trainer.train_step(*random_batch(n_seqs, seq_len, model.vocab_size))
+        trainer.finish_updates()
+        torch.cuda.synchronize()
+        trainer.timeline.spans.clear()
+        trainer.timeline.start_step(trainer.pipeline.streams)
+        wall0 = time.perf_counter()
+        losses = []
+        for _ in range(steps):
+            losses.append(trainer.train_step(*random_batch(n_seqs, seq_len, model.vocab_size)).loss)
+        trainer.finish_updates()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - wall0) / steps
+        trainer.timeline.resolve()
+        origin = (wall0 - trainer.timeline._origin_host) * 1e6
+        busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
+        if trace_dir:
+            trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
+        flops = flops_per_token(model, seq_len) * n_seqs * seq_len
+        rows.append({
+            "system": "megatrain", "model": name, "params_b": round(model.n_params / 1e9, 3), "seq_len": seq_len,
+            "tokens_per_step": n_seqs * seq_len, "micro_batch_seqs": micro_seqs, "step_time_s": round(step_s, 3),
+            "tokens_per_s": round(n_seqs * seq_len / step_s), "model_tflops": round(flops / step_s / 1e12, 1),
+            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "host_gib": round(report.total_bytes / 2**30, 1), "host_bytes_per_param": round(report.bytes_per_param, 2),
+            "grad_clip": grad_clip, "n_slots": n_slots, "setup_s": round(setup_s, 1),
+            "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
+            | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
+            "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
+        })
+        print(rows[-1], flush=True)
+    trainer.close()
+    del trainer
+    gc.collect()
+    return rows
+
+
+def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
+    """The same model fully on the GPU: transformers' implementation, fp32 master weights, bf16 autocast,
+    per-layer activation checkpointing, fused AdamW. Returns rows, or one row saying it does not fit."""
+    import transformers
+
+    rows = []
+    model = None
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(name)))
+        hf_config._attn_implementation = "sdpa"
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32).cuda()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        config = preset(name)
+        for tokens in token_counts:
+            n_seqs = tokens // seq_len
+            torch.cuda.reset_peak_memory_stats()
+
+            def step():
+                optimizer.zero_grad(set_to_none=True)
+                ids, labels = random_batch(n_seqs, seq_len, config.vocab_size)
+                loss_total = 0.0
+                for mb_ids, mb_labels in zip(ids.split(micro_seqs), labels.split(micro_seqs)):
+                    mb_ids, mb_labels = mb_ids.cuda(), mb_labels.cuda()
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        logits = model(input_ids=mb_ids).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.float().view(-1, logits.shape[-1]), mb_labels.view(-1), ignore_index=-100
+                    ) * (mb_ids.shape[0] / n_seqs)
+                    loss.backward()
+                    loss_total += loss.detach()
+                optimizer.step()
+                return float(loss_total)
+
+            for _ in range(warmup):
+                step()
+            torch.cuda.synchronize()
+            wall0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            step_s = (time.perf_counter() - wall0) / steps
+            flops = flops_per_token(config, seq_len) * n_seqs * seq_len
+            rows.append({
+                "system": "pytorch-gpu", "model": name, "params_b": round(config.n_params / 1e9, 3), "seq_len": seq_len,
+                "tokens_per_step": n_seqs * seq_len, "micro_batch_seqs": micro_seqs, "step_time_s": round(step_s, 3),
+                "tokens_per_s": round(n_seqs * seq_len / step_s), "model_tflops": round(flops / step_s / 1e12, 1),
+                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            })
+            print(rows[-1], flush=True)
+    except torch.cuda.OutOfMemoryError as error:
+        rows.append({"system": "pytorch-gpu", "model": name, "fits": False, "error": str(error).splitlines()[0][:200]})
+        print(rows[-1], flush=True)
+    finally:
+        model = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama3.2-1b,llama3.2-3b,qwen2.5-7b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--tokens", default="32768,65536", help="tokens per optimizer step, comma-separated")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward pass")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per point")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (14 B/param)")
+    parser.add_argument("--n-slots", type=int, default=2)
+    parser.add_argument("--baseline", default="auto", choices=["auto", "none"],
+                        help="auto: plain PyTorch for models under --baseline-max-b billion params")
+    parser.add_argument("--baseline-max-b", type=float, default=4.0)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--out", default="benchmarks/results/throughput.json")
+    args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    results = []
+    payload = {"benchmark": "throughput", "machine": machine(), "args": vars(args), "results": results}
+    for name in args.models.split(","):
+        results += bench_megatrain(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup,
+                                   args.grad_clip, args.n_slots, args.trace_dir)
+        write_results(Path(args.out), payload)
+        if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:
+            results += bench_plain_pytorch(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup)
+            write_results(Path(args.out), payload)
+    print(table(results, ["system", "model", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops",
+                          "peak_gpu_gib", "host_bytes_per_param"]))
+
+
+if __name__ == "__main__":
+    main()

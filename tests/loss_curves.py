@@ -1,0 +1,65 @@
+"""Train the same small model on real text with megatrain and with plain PyTorch (autocast,
+fp32 master weights, torch.optim.AdamW) and return both loss curves."""
+
+import torch
+from reference_model import ReferenceLM
+
+from megatrain import Trainer
+from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.data import TokenWindows, load_token_array
+from megatrain_optim import Schedule, lr_at
+
+
+def loss_curves(device, dtype, steps, batch_size, seq_len, workdir):
+    train = TrainSection(
+        steps=steps,
+        batch_size=batch_size,
+        micro_batch_size=batch_size // 2,
+        lr=3e-3,
+        warmup_steps=steps // 10,
+        schedule="cosine",
+        weight_decay=0.1,
+        grad_clip=1.0,
+        seed=0,
+    )
+    config = Config(
+        model=ModelSection(preset="small-llama"),
+        data=DataSection(seq_len=seq_len),
+        train=train,
+        precision=PrecisionSection(dtype),
+        device=device,
+        output_dir=str(workdir),
+    )
+    trainer = Trainer(config)
+    tokens, _ = load_token_array(config.data, trainer.model_config.vocab_size, workdir / "cache", None)
+    windows = TokenWindows(tokens, seq_len, batch_size, shuffle=True, seed=0)
+    reference = ReferenceLM(trainer.model_config).to(device)
+    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
+    params = dict(reference.named_parameters())
+    no_decay = [p for n, p in params.items() if n.endswith("norm.weight")]
+    decay = [p for n, p in params.items() if not n.endswith("norm.weight")]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=train.betas,
+        eps=train.eps,
+    )
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    ours, theirs = [], []
+    autocast_dtype = getattr(torch, dtype)
+    for step in range(steps):
+        ids, labels = windows.batch(step)
+        ours.append(trainer.train_step(ids, labels).loss)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        with torch.autocast(
+            device_type=torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32
+        ):
+            loss = reference.loss(ids.to(device), labels.to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), train.grad_clip)
+        optimizer.step()
+        theirs.append(loss.item())
+    trainer.close()
+    return ours, theirs

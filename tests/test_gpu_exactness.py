@@ -1,0 +1,31 @@
+"""The CUDA engine (three streams, pinned memory, slots, offloaded checkpoints) against plain
+PyTorch on the same GPU. CPU twins: test_exactness.py."""
+
+import pytest
+import torch
+from test_exactness import check_steps_match_plain_pytorch
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
+    check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cuda", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "engine", [{"n_slots": 3}, {"offload_checkpoints": True}, {"n_slots": 4, "offload_checkpoints": True}]
+)
+def test_gpu_engine_options_stay_exact(engine, tmp_path):
+    # float64: a race between streams would show up as a difference far above 1e-10
+    check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path, **engine)
