@@ -44,17 +44,34 @@ def main():
     x = torch.randn(args.tokens // args.seq_len, args.seq_len, config.d_model, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
     matmul_params = config.matmul_params - config.vocab_size * config.d_model
-    flops_fwd = (2 * matmul_params / config.n_layers + 2 * args.seq_len * config.n_heads * config.head_dim) * args.tokens
+    flops_fwd = (
+        2 * matmul_params / config.n_layers + 2 * args.seq_len * config.n_heads * config.head_dim
+    ) * args.tokens
 
-    fwd = time_ms(lambda: block.forward(weights, x))
-    bwd = time_ms(lambda: block.backward(weights, x, grad_out, grads))  # recompute + backward
-    result = {
-        "machine": machine(), "model": args.model, "tokens": args.tokens, "seq_len": args.seq_len,
-        "forward_ms": round(fwd, 3), "recompute_backward_ms": round(bwd, 3),
-        "forward_tflops": round(flops_fwd / fwd / 1e9, 1),
-        "hardware_tflops_of_recompute_backward": round(3 * flops_fwd / bwd / 1e9, 1),
-        "model_tflops_ceiling_with_recompute": round(3 * flops_fwd / (fwd + bwd) / 1e9, 1),
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    variants = {
+        "default": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+        "flash": [SDPBackend.FLASH_ATTENTION],
+        "cudnn": [SDPBackend.CUDNN_ATTENTION],
     }
+    result = {"machine": machine(), "model": args.model, "tokens": args.tokens, "seq_len": args.seq_len, "variants": {}}
+    for label, backends in variants.items():
+        try:
+            with sdpa_kernel(backends):
+                fwd = time_ms(lambda: block.forward(weights, x))
+                bwd = time_ms(lambda: block.backward(weights, x, grad_out, grads))  # recompute + backward
+        except RuntimeError as error:
+            result["variants"][label] = {"error": str(error).splitlines()[0][:160]}
+            continue
+        result["variants"][label] = {
+            "forward_ms": round(fwd, 3),
+            "recompute_backward_ms": round(bwd, 3),
+            "forward_tflops": round(flops_fwd / fwd / 1e9, 1),
+            # model TFLOPS of a layer: 6N per token credited over forward + (recompute + backward)
+            "model_tflops_ceiling": round(3 * flops_fwd / (fwd + bwd) / 1e9, 1),
+        }
+        print(label, result["variants"][label], flush=True)
     print(result)
     if args.out:
         write_results(Path(args.out), result)

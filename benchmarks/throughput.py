@@ -49,8 +49,9 @@ def span_totals(timeline, t_start_us, t_end_us) -> dict:
     """Busy time per track inside [start, end] (union of spans, so overlaps count once)."""
     busy = {}
     for track in ("copy_in", "compute", "copy_out", "optimizer"):
-        spans = sorted((max(s["start_us"], t_start_us), min(s["end_us"], t_end_us))
-                       for s in timeline.spans if s["track"] == track)
+        spans = sorted(
+            (max(s["start_us"], t_start_us), min(s["end_us"], t_end_us)) for s in timeline.spans if s["track"] == track
+        )
         total, cursor = 0.0, t_start_us
         for start, end in spans:
             start = max(start, cursor)
@@ -65,8 +66,15 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
     config = Config(
         model=ModelSection(preset=name),
         data=DataSection(seq_len=seq_len),
-        train=TrainSection(steps=10**6, batch_size=micro_seqs, micro_batch_size=micro_seqs, grad_clip=grad_clip,
-                           lr=1e-5, warmup_steps=0, schedule="constant"),
+        train=TrainSection(
+            steps=10**6,
+            batch_size=micro_seqs,
+            micro_batch_size=micro_seqs,
+            grad_clip=grad_clip,
+            lr=1e-5,
+            warmup_steps=0,
+            schedule="constant",
+        ),
         precision=PrecisionSection("bfloat16"),
         engine=EngineSection(n_slots=n_slots, trace=True),
         device="cuda",
@@ -100,17 +108,28 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
         if trace_dir:
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
         flops = flops_per_token(model, seq_len) * n_seqs * seq_len
-        rows.append({
-            "system": "megatrain", "model": name, "params_b": round(model.n_params / 1e9, 3), "seq_len": seq_len,
-            "tokens_per_step": n_seqs * seq_len, "micro_batch_seqs": micro_seqs, "step_time_s": round(step_s, 3),
-            "tokens_per_s": round(n_seqs * seq_len / step_s), "model_tflops": round(flops / step_s / 1e12, 1),
-            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "host_gib": round(report.total_bytes / 2**30, 1), "host_bytes_per_param": round(report.bytes_per_param, 2),
-            "grad_clip": grad_clip, "n_slots": n_slots, "setup_s": round(setup_s, 1),
-            "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
-            | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
-            "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
-        })
+        rows.append(
+            {
+                "system": "megatrain",
+                "model": name,
+                "params_b": round(model.n_params / 1e9, 3),
+                "seq_len": seq_len,
+                "tokens_per_step": n_seqs * seq_len,
+                "micro_batch_seqs": micro_seqs,
+                "step_time_s": round(step_s, 3),
+                "tokens_per_s": round(n_seqs * seq_len / step_s),
+                "model_tflops": round(flops / step_s / 1e12, 1),
+                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "host_gib": round(report.total_bytes / 2**30, 1),
+                "host_bytes_per_param": round(report.bytes_per_param, 2),
+                "grad_clip": grad_clip,
+                "n_slots": n_slots,
+                "setup_s": round(setup_s, 1),
+                "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
+                | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
+                "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
+            }
+        )
         print(rows[-1], flush=True)
     trainer.close()
     del trainer
@@ -162,12 +181,20 @@ def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
             torch.cuda.synchronize()
             step_s = (time.perf_counter() - wall0) / steps
             flops = flops_per_token(config, seq_len) * n_seqs * seq_len
-            rows.append({
-                "system": "pytorch-gpu", "model": name, "params_b": round(config.n_params / 1e9, 3), "seq_len": seq_len,
-                "tokens_per_step": n_seqs * seq_len, "micro_batch_seqs": micro_seqs, "step_time_s": round(step_s, 3),
-                "tokens_per_s": round(n_seqs * seq_len / step_s), "model_tflops": round(flops / step_s / 1e12, 1),
-                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            })
+            rows.append(
+                {
+                    "system": "pytorch-gpu",
+                    "model": name,
+                    "params_b": round(config.n_params / 1e9, 3),
+                    "seq_len": seq_len,
+                    "tokens_per_step": n_seqs * seq_len,
+                    "micro_batch_seqs": micro_seqs,
+                    "step_time_s": round(step_s, 3),
+                    "tokens_per_s": round(n_seqs * seq_len / step_s),
+                    "model_tflops": round(flops / step_s / 1e12, 1),
+                    "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                }
+            )
             print(rows[-1], flush=True)
     except torch.cuda.OutOfMemoryError as error:
         rows.append({"system": "pytorch-gpu", "model": name, "fits": False, "error": str(error).splitlines()[0][:200]})
@@ -189,8 +216,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (14 B/param)")
     parser.add_argument("--n-slots", type=int, default=2)
-    parser.add_argument("--baseline", default="auto", choices=["auto", "none"],
-                        help="auto: plain PyTorch for models under --baseline-max-b billion params")
+    parser.add_argument(
+        "--baseline",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: plain PyTorch for models under --baseline-max-b billion params",
+    )
     parser.add_argument("--baseline-max-b", type=float, default=4.0)
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
@@ -199,14 +230,36 @@ def main():
     results = []
     payload = {"benchmark": "throughput", "machine": machine(), "args": vars(args), "results": results}
     for name in args.models.split(","):
-        results += bench_megatrain(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup,
-                                   args.grad_clip, args.n_slots, args.trace_dir)
+        results += bench_megatrain(
+            name,
+            args.seq_len,
+            token_counts,
+            args.micro_batch,
+            args.steps,
+            args.warmup,
+            args.grad_clip,
+            args.n_slots,
+            args.trace_dir,
+        )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:
             results += bench_plain_pytorch(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup)
             write_results(Path(args.out), payload)
-    print(table(results, ["system", "model", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops",
-                          "peak_gpu_gib", "host_bytes_per_param"]))
+    print(
+        table(
+            results,
+            [
+                "system",
+                "model",
+                "tokens_per_step",
+                "step_time_s",
+                "tokens_per_s",
+                "model_tflops",
+                "peak_gpu_gib",
+                "host_bytes_per_param",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

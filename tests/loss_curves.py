@@ -1,5 +1,10 @@
 """Train the same small model on real text with megatrain and with plain PyTorch (autocast,
-fp32 master weights, torch.optim.AdamW) and return both loss curves."""
+fp32 master weights, torch.optim.AdamW) and return both loss curves.
+
+The default lr (1e-3) keeps the two bf16 trajectories comparable over 200 steps: at 3e-3
+both stay within ~0.6% of the fp32 curve for 120 steps, but the two bf16 variants (bf16
+residual stream in megatrain, fp32 residual under autocast) then drift apart chaotically,
+by up to ~1.5% per step, with neither systematically closer to fp32."""
 
 import torch
 from reference_model import ReferenceLM
@@ -10,12 +15,12 @@ from megatrain.data import TokenWindows, load_token_array
 from megatrain_optim import Schedule, lr_at
 
 
-def loss_curves(device, dtype, steps, batch_size, seq_len, workdir):
+def loss_curves(device, dtype, steps, batch_size, seq_len, workdir, lr=1e-3):
     train = TrainSection(
         steps=steps,
         batch_size=batch_size,
         micro_batch_size=batch_size // 2,
-        lr=3e-3,
+        lr=lr,
         warmup_steps=steps // 10,
         schedule="cosine",
         weight_decay=0.1,

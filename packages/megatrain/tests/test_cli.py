@@ -19,8 +19,11 @@ def test_train_writes_metrics_and_a_loadable_model(write_config, tmp_path):
     assert "model.layers.1.mlp.down_proj.weight" in weights and "lm_head.weight" in weights
 
     # the exported directory is the initial weights of a new run
-    second = write_config(model={"preset": None, "hf_dir": str(run / "final")}, output_dir=str(tmp_path / "run2"),
-                          train={"steps": 1, "lr": 0.0, "weight_decay": 0.0})
+    second = write_config(
+        model={"preset": None, "hf_dir": str(run / "final")},
+        output_dir=str(tmp_path / "run2"),
+        train={"steps": 1, "lr": 0.0, "weight_decay": 0.0},
+    )
     assert main(["train", "--config", str(second)]) == 0
     again = load_file(str(tmp_path / "run2" / "final" / "model.safetensors"))
     assert all((again[k] == v).all() for k, v in weights.items())  # lr 0: unchanged, so loaded exactly

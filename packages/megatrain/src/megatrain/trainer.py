@@ -110,6 +110,7 @@ def check_fits(model: ModelConfig, config: Config, dtype: torch.dtype) -> None:
             + ("; train.grad_clip: 0 saves 4 B per parameter" if config.train.grad_clip > 0 else "")
         )
 
+
 class Trainer:
     """Owns the host store, optimizer, background stepper and pipeline for one model."""
 

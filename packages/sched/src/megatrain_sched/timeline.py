@@ -14,6 +14,12 @@ import torch
 TRACKS = ("copy_in", "compute", "copy_out", "optimizer")
 
 
+def _timing_event(stream):
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
 class Timeline:
     """Collects spans while `enabled`; `resolve()` turns pending device spans into times."""
 
@@ -32,7 +38,7 @@ class Timeline:
         self.resolve()
         if streams.cuda:
             torch.cuda.synchronize(streams.device)
-            self._origin_event = streams.record(streams.compute)
+            self._origin_event = _timing_event(streams.compute)
         self._origin_host_step = time.perf_counter()
 
     @contextmanager
@@ -45,9 +51,9 @@ class Timeline:
             with self.host_span(name, track):
                 yield
             return
-        start = streams.record(stream)
+        start = _timing_event(stream)
         yield
-        self._pending.append((name, track, start, streams.record(stream)))
+        self._pending.append((name, track, start, _timing_event(stream)))
 
     @contextmanager
     def host_span(self, name: str, track: str):

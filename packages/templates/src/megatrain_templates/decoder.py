@@ -101,7 +101,8 @@ class DecoderBlock:
             self._rope_cache[key] = rope_cos_sin(self.shape.rope_config, seq_len, device, dtype)
         return self._rope_cache[key]
 
-    def _block(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
+    def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+        """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""
         s = self.shape
         batch, seq, _ = x.shape
         h = rms_norm(x, w["input_norm"], s.rms_eps)
@@ -119,7 +120,11 @@ class DecoderBlock:
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.n_heads != s.n_kv_heads)
         x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"])
         gate, up = F.linear(rms_norm(x, w["post_norm"], s.rms_eps), w["gate_up_weight"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w["down_weight"])
+        return x, F.silu(gate) * up
+
+    def _block(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
+        x, mlp_hidden = self._up_to_mlp_output(w, x)
+        return x + F.linear(mlp_hidden, w["down_weight"])
 
     def forward(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape."""
@@ -128,14 +133,24 @@ class DecoderBlock:
 
     def backward(self, weights: list[Tensor], hidden: Tensor, grad_out: Tensor, grads: list[Tensor]) -> Tensor:
         """Recompute from the block input `hidden`, add weight gradients into `grads[0]`
-        (flat, fp32) and return the gradient w.r.t. `hidden`."""
+        (flat, fp32) and return the gradient w.r.t. `hidden`.
+
+        The recompute stops before the MLP's down projection: its output is not needed for
+        any gradient, so that GEMM (about a quarter of a block's matmul work) is skipped and
+        its two backward GEMMs are done here by hand."""
         check_buffers(weights, self.groups, "DecoderBlock.backward")
-        leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
+        leaves = {name: leaf(weights[0], span) for name, span in self._spans.items() if name != "down_weight"}
+        down = self._spans["down_weight"].view(weights[0])
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = self._block(leaves, x)
-        names = list(leaves)
-        grad_in, *grad_leaves = torch.autograd.grad(out, [x, *leaves.values()], grad_out)
-        for name, grad in zip(names, grad_leaves):
+            after_attention, mlp_hidden = self._up_to_mlp_output(leaves, x)
+        grad_mlp_hidden = grad_out @ down  # [batch, seq, d_ff]
+        grad_down = grad_out.reshape(-1, grad_out.shape[-1]).T @ mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1])
+        accumulate(grads[0], self._spans["down_weight"], grad_down)
+        # the residual passes grad_out straight to after_attention; autograd adds the MLP path
+        grad_in, *grad_leaves = torch.autograd.grad(
+            [after_attention, mlp_hidden], [x, *leaves.values()], [grad_out, grad_mlp_hidden]
+        )
+        for name, grad in zip(leaves, grad_leaves):
             accumulate(grads[0], self._spans[name], grad)
         return grad_in
