@@ -32,7 +32,7 @@ from .hf_io import export_hf, load_hf_weights, named_masters
 
 # Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
 # the backward by a few layers before the pipeline waits for it.
-GRADIENT_POOL = 4
+GRADIENT_POOL = 3
 
 
 class NonFiniteError(RuntimeError):

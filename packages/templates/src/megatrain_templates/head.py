@@ -12,8 +12,10 @@ from torch import Tensor
 from .layout import ParamSpec, Span, accumulate, check_buffers, leaf
 from .ops import IGNORE_INDEX, rms_norm, upcast
 
-# Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (256 MiB).
-CHUNK_LOGITS = 1 << 26
+# Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (2 GiB):
+# thousands of rows per chunk keep the head's GEMMs efficient and the number of full
+# [vocab, d_model] weight-gradient accumulations small.
+CHUNK_LOGITS = 1 << 29
 
 
 class Head:
@@ -67,21 +69,24 @@ class Head:
         grad_rows = torch.empty_like(rows)
         loss_dtype = upcast(rows[:0]).dtype
         loss_sum = torch.zeros((), dtype=loss_dtype, device=hidden.device)
+        # d(scaled loss)/d(row loss), kept in fp32 so that a bf16 rounding of loss_scale never biases gradients
+        row_scale = (targets != IGNORE_INDEX).to(loss_dtype) * loss_scale
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = rows[start : start + self.chunk_rows]
             target = targets[start : start + self.chunk_rows]
+            scale = row_scale[start : start + self.chunk_rows].unsqueeze(1)
             logits = upcast(chunk @ matrix.T)  # [rows, vocab]
             log_norm = torch.logsumexp(logits, dim=-1)
-            valid = (target != IGNORE_INDEX).to(loss_dtype)
             safe_target = target.clamp_min(0).unsqueeze(1)
+            valid = (target != IGNORE_INDEX).to(loss_dtype)
             loss_sum += ((log_norm - logits.gather(1, safe_target).squeeze(1)) * valid).sum()
-            # d(loss)/d(logits) = softmax - one_hot(target), built in place in the logits buffer.
+            # d(row loss)/d(logits) = softmax - one_hot(target), built in place in the logits buffer;
+            # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one.
             grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
             grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=loss_dtype))
-            grad_logits.mul_((valid * loss_scale).unsqueeze(1))
             grad_logits = grad_logits.to(matrix.dtype)
-            grad_rows[start : start + chunk.shape[0]] = grad_logits @ matrix
-            grad_matrix.add_((grad_logits.T @ chunk).to(grad_matrix.dtype))
+            grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
+            grad_matrix.add_((grad_logits.T @ (upcast(chunk) * scale).to(chunk.dtype)).to(grad_matrix.dtype))
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden
