@@ -105,7 +105,7 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
         trainer.timeline.resolve()
         origin = (wall0 - trainer.timeline._origin_host) * 1e6
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
-        if trace_dir:
+        if trace_dir and tokens == token_counts[-1]:
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
         flops = flops_per_token(model, seq_len) * n_seqs * seq_len
         rows.append(
@@ -223,7 +223,7 @@ def main():
         help="auto: plain PyTorch for models under --baseline-max-b billion params",
     )
     parser.add_argument("--baseline-max-b", type=float, default=4.0)
-    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each model's largest point here")
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]

@@ -88,10 +88,15 @@ class PrecisionSection:
 @dataclass(frozen=True)
 class EngineSection:
     n_slots: int = 2  # device weight slots (2 = double buffering)
-    offload_checkpoints: bool = False  # keep activation checkpoints in pinned host memory
+    # activation checkpoints in pinned host memory; "auto": when they would take over half the free GPU memory
+    offload_checkpoints: bool | str = "auto"
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
 
     def __post_init__(self):
+        if self.offload_checkpoints not in (True, False, "auto"):
+            raise ConfigError(
+                f"engine.offload_checkpoints must be true, false or auto, got {self.offload_checkpoints!r}"
+            )
         if self.n_slots < 2:
             raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
 

@@ -138,7 +138,9 @@ class Trainer:
             self.store,
             self.device,
             n_slots=config.engine.n_slots,
-            offload_checkpoints=config.engine.offload_checkpoints,
+            offload_checkpoints=None
+            if config.engine.offload_checkpoints == "auto"
+            else config.engine.offload_checkpoints,
             before_fetch=self._wait_for_updates,
             on_grads_landed=self._grads_landed,
             timeline=self.timeline,

@@ -77,7 +77,7 @@ class LayerPipeline:
         store: HostStore,
         device: torch.device,
         n_slots: int = 2,
-        offload_checkpoints: bool = False,
+        offload_checkpoints: bool | None = False,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
         on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
         timeline: Timeline | None = None,
@@ -101,7 +101,8 @@ class LayerPipeline:
                     )
         self.stages, self.store, self.device = stages, store, torch.device(device)
         self.streams = Streams(self.device)
-        self.offload_checkpoints = offload_checkpoints and self.streams.cuda
+        # None: decided each step from the checkpoints' size and the free device memory
+        self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
         self.before_fetch, self.on_grads_landed = before_fetch, on_grads_landed
         self.timeline = timeline or Timeline(enabled=False)
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
@@ -136,11 +137,11 @@ class LayerPipeline:
             return
         streams = self.streams
         self.before_fetch(self.stages[stage].groups)
+        streams.wait(streams.copy_in, slot.free)  # before the span opens: the span times the transfer alone
         with (
             streams.on(streams.copy_in),
             self.timeline.device_span(f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in),
         ):
-            streams.wait(streams.copy_in, slot.free)
             for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
                 view.copy_(self.store.wire(group), non_blocking=True)
             slot.ready = streams.record(streams.copy_in)
@@ -169,11 +170,11 @@ class LayerPipeline:
             sq_norms[group] = torch.linalg.vector_norm(buffer).square()
             done = streams.record(streams.compute)
             destination = self.store.acquire_grad(group)  # may wait for the optimizer to free a buffer
+            streams.wait(streams.copy_out, done)
             with (
                 streams.on(streams.copy_out),
                 self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
-                streams.wait(streams.copy_out, done)
                 destination.copy_(buffer, non_blocking=True)
                 self._host_sq_norms[group].copy_(sq_norms[group], non_blocking=True)
                 landed = streams.record(streams.copy_out)
@@ -182,6 +183,21 @@ class LayerPipeline:
             self.on_grads_landed(group, landed, self._host_sq_norms[group])
 
     # ---------------------------------------------------------- checkpoints
+    def checkpoint_bytes(self, batches: list[MicroBatch]) -> int:
+        """Device bytes the activation checkpoints of a step take: every block stage's input."""
+        tokens = sum(mb.input_ids.numel() for mb in batches)
+        d_model = getattr(self.stages[-1].template, "d_model", 0)
+        element = torch.finfo(self.store.compute_dtype).bits // 8
+        return tokens * d_model * element * (len(self.stages) - 2)
+
+    def _should_offload(self, batches: list[MicroBatch]) -> bool:
+        if self.offload_checkpoints is not None:
+            return self.offload_checkpoints
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        # keep half of what is left for the slots, gradients and one layer's recompute
+        return self.checkpoint_bytes(batches) > 0.5 * (free + reusable)
+
     def _offload(self, x: Tensor) -> tuple[Tensor, Any]:
         """Start moving a checkpoint to pinned host memory; returns (host tensor, event when copied)."""
         streams = self.streams
@@ -227,6 +243,7 @@ class LayerPipeline:
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
 
         acts: list[Any] = [mb.input_ids for mb in batches]
+        offload = self._should_offload(batches)
         reloaded: dict[int, list] = {}
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):
@@ -243,9 +260,7 @@ class LayerPipeline:
             ):
                 if position < n_stages - 1:  # forward
                     for m, x in enumerate(acts):
-                        checkpoints[stage_index][m] = (
-                            self._offload(x) if self.offload_checkpoints and stage_index else x
-                        )
+                        checkpoints[stage_index][m] = self._offload(x) if offload and stage_index else x
                         acts[m] = stage.template.forward(weights, x)
                 elif position == n_stages - 1:  # loss and its gradient
                     grads = self._grad_buffers(stage_index, grad_buffers)
@@ -269,7 +284,7 @@ class LayerPipeline:
                 self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log)
                 # bring the next backward stage's offloaded checkpoints back while this one computes
                 next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
-                if self.offload_checkpoints and next_stage > 0:
+                if offload and next_stage > 0:
                     reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
             while fetched < min(position + n_slots - 1, len(self.order) - 1):
                 fetched += 1

@@ -6,6 +6,7 @@ writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 """
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class MemoryReport:
     n_params: int
     arenas: dict[str, int]
     pinned: dict[str, bool]
+    pin_seconds: float = 0.0  # time spent page-locking the pinned arenas
 
     @property
     def total_bytes(self) -> int:
@@ -47,7 +49,13 @@ class MemoryReport:
             "bytes_per_param": round(self.bytes_per_param, 3),
             "arenas": self.arenas,
             "pinned": self.pinned,
+            "pin_seconds": round(self.pin_seconds, 3),
+            "pin_gb_per_s": round(self.pinned_bytes / 1e9 / self.pin_seconds, 1) if self.pin_seconds else None,
         }
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(size for name, size in self.arenas.items() if self.pinned.get(name))
 
 
 class HostStore:
@@ -106,11 +114,13 @@ class HostStore:
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"
         self.pinned = {name: False for name in self.arenas}
+        start = time.perf_counter()
         if should_pin:
             for name in (wire_arena, "grad"):
                 self.pinned[name] = pin_in_place(self.arenas[name])
             pinned_ptrs = [self.arenas[n].data_ptr() for n, p in self.pinned.items() if p]
             weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
+        self.pin_seconds = time.perf_counter() - start
 
     def _allocate(self, dtype: torch.dtype, numel: int | None = None) -> Tensor:
         numel = self._arena_numel if numel is None else numel
@@ -188,7 +198,7 @@ class HostStore:
 
     def memory_report(self) -> MemoryReport:
         sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
-        return MemoryReport(self.n_params, sizes, dict(self.pinned))
+        return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds)
 
 
 def bytes_per_param(compute_dtype: torch.dtype, n_state: int, full_grads: bool = True) -> int:

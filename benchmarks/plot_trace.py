@@ -1,0 +1,83 @@
+"""Render a megatrain Chrome trace (engine.trace or benchmarks/throughput.py --trace-dir) as a PNG
+timeline: one row per stream (copy-in, compute, copy-out) and one for the CPU optimizer.
+
+    python benchmarks/plot_trace.py trace.json docs/timeline.png --steps 1
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROWS = ["copy_in", "compute", "copy_out", "optimizer"]
+COLORS = {
+    "copy_in": "#4C72B0",
+    "fwd": "#55A868",
+    "bwd": "#C44E52",
+    "head": "#8172B2",
+    "grad_out": "#DD8452",
+    "adamw": "#937860",
+}
+
+
+def color(name: str) -> str:
+    if name.startswith("fwd head"):
+        return COLORS["head"]
+    return COLORS.get(name.split()[0], "#999999")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("trace")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=1, help="how many of the last steps to show")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args()
+    events = json.loads(Path(args.trace).read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+    # a step starts where the embedding is copied in for the forward
+    starts = [e["ts"] for e in spans if e["name"] == "copy_in embed" and tracks[e["tid"]] == "copy_in"]
+    forward_starts = starts[::2] if len(starts) > 1 else starts
+    begin = forward_starts[-args.steps] if len(forward_starts) >= args.steps else spans[0]["ts"]
+    shown = [e for e in spans if e["ts"] >= begin]
+    end = max(e["ts"] + e["dur"] for e in shown)
+    fig, ax = plt.subplots(figsize=(14, 3.2))
+    for row, track in enumerate(ROWS):
+        for e in shown:
+            if tracks[e["tid"]] == track:
+                ax.barh(
+                    row,
+                    e["dur"] / 1e3,
+                    left=(e["ts"] - begin) / 1e3,
+                    height=0.7,
+                    color=color(e["name"]),
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
+    ax.set_yticks(range(len(ROWS)), ["copy-in (H2D)", "compute", "copy-out (D2H)", "CPU AdamW"])
+    ax.invert_yaxis()
+    ax.set_xlim(0, (end - begin) / 1e3)
+    ax.set_xlabel("time (ms)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(
+        handles,
+        ["weights in", "forward", "backward (recompute)", "head: loss + grad", "grads out", "AdamW update"],
+        ncol=6,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.28),
+        frameon=False,
+    )
+    ax.set_title(args.title or Path(args.trace).stem)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
