@@ -122,6 +122,8 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
                 "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 "host_gib": round(report.total_bytes / 2**30, 1),
                 "host_bytes_per_param": round(report.bytes_per_param, 2),
+                "pinned_gib": round(report.pinned_bytes / 2**30, 1),
+                "pin_seconds": round(report.pin_seconds, 2),
                 "grad_clip": grad_clip,
                 "n_slots": n_slots,
                 "setup_s": round(setup_s, 1),
