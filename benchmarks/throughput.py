@@ -140,6 +140,16 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
 
 
 def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
+    """Plain PyTorch at the largest micro-batch (halving from `micro_seqs`) that fits in GPU memory."""
+    while True:
+        rows = _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup)
+        if rows[-1].get("fits", True) or micro_seqs == 1:
+            return rows
+        print(f"plain PyTorch: {name} does not fit with micro-batch {micro_seqs}; trying {micro_seqs // 2}", flush=True)
+        micro_seqs //= 2
+
+
+def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
     """The same model fully on the GPU: transformers' implementation, fp32 master weights, bf16 autocast,
     per-layer activation checkpointing, fused AdamW. Returns rows, or one row saying it does not fit."""
     import transformers
@@ -199,7 +209,15 @@ def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
             )
             print(rows[-1], flush=True)
     except torch.cuda.OutOfMemoryError as error:
-        rows.append({"system": "pytorch-gpu", "model": name, "fits": False, "error": str(error).splitlines()[0][:200]})
+        rows.append(
+            {
+                "system": "pytorch-gpu",
+                "model": name,
+                "micro_batch_seqs": micro_seqs,
+                "fits": False,
+                "error": str(error).splitlines()[0][:200],
+            }
+        )
         print(rows[-1], flush=True)
     finally:
         model = None
