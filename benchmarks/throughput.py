@@ -62,7 +62,9 @@ def span_totals(timeline, t_start_us, t_end_us) -> dict:
     return busy
 
 
-def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip, n_slots, trace_dir):
+def bench_megatrain(
+    name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip, n_slots, trace_dir, lr=1e-5, real_text=False
+):
     config = Config(
         model=ModelSection(preset=name),
         data=DataSection(seq_len=seq_len),
@@ -71,7 +73,7 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
             batch_size=micro_seqs,
             micro_batch_size=micro_seqs,
             grad_clip=grad_clip,
-            lr=1e-5,
+            lr=lr,
             warmup_steps=0,
             schedule="constant",
         ),
@@ -85,12 +87,28 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
     setup_s = time.perf_counter() - t0
     model = trainer.model_config
     report = trainer.store.memory_report()
+    if real_text:  # the shipped corpus with a BPE tokenizer trained on it: losses that mean something
+        from megatrain.data import TokenWindows, load_token_array
+
+        tokens_array, _ = load_token_array(config.data, min(8192, model.vocab_size), Path(config.output_dir), None)
+        windows = {}
+        step_counter = [0]
+
+        def next_batch(n_seqs, _vocab):
+            windows.setdefault(n_seqs, TokenWindows(tokens_array, seq_len, n_seqs, shuffle=True, seed=0))
+            step_counter[0] += 1
+            return windows[n_seqs].batch(step_counter[0])
+    else:
+
+        def next_batch(n_seqs, vocab):
+            return random_batch(n_seqs, seq_len, vocab)
+
     rows = []
     for tokens in token_counts:
         n_seqs = tokens // seq_len
         torch.cuda.reset_peak_memory_stats()
         for _ in range(warmup):
-            trainer.train_step(*random_batch(n_seqs, seq_len, model.vocab_size))
+            trainer.train_step(*next_batch(n_seqs, model.vocab_size))
         trainer.finish_updates()
         torch.cuda.synchronize()
         trainer.timeline.spans.clear()
@@ -98,7 +116,7 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
         wall0 = time.perf_counter()
         losses = []
         for _ in range(steps):
-            losses.append(trainer.train_step(*random_batch(n_seqs, seq_len, model.vocab_size)).loss)
+            losses.append(trainer.train_step(*next_batch(n_seqs, model.vocab_size)).loss)
         trainer.finish_updates()
         torch.cuda.synchronize()
         step_s = (time.perf_counter() - wall0) / steps
@@ -129,7 +147,7 @@ def bench_megatrain(name, seq_len, token_counts, micro_seqs, steps, warmup, grad
                 "setup_s": round(setup_s, 1),
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
                 | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
-                "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)],
+                "losses": [round(x, 4) for x in losses],
             }
         )
         print(rows[-1], flush=True)
@@ -236,6 +254,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (14 B/param)")
     parser.add_argument("--n-slots", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--real-text", action="store_true", help="train on the shipped corpus instead of random tokens")
     parser.add_argument(
         "--baseline",
         default="auto",
@@ -260,6 +280,8 @@ def main():
             args.grad_clip,
             args.n_slots,
             args.trace_dir,
+            args.lr,
+            args.real_text,
         )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:

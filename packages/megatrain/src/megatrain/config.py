@@ -8,7 +8,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import torch
 import yaml
+
+from megatrain_zoo import ModelConfig, preset, read_hf_config
 
 
 class ConfigError(Exception):
@@ -200,3 +203,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         key, raw = item.split("=", 1)
         _set_path(values, key.strip(), yaml.safe_load(raw))
     return config_from_dict(values)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for `device:` (auto = cuda when there is one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use device: cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for `precision.compute_dtype` (auto = bf16 on a GPU, fp32 on the CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def model_config_of(config: Config) -> ModelConfig:
+    """The model a config names: a zoo preset or a Hugging Face directory's config.json."""
+    if config.model.hf_dir is not None:
+        return read_hf_config(Path(config.model.hf_dir))
+    return preset(config.model.preset)

@@ -24,15 +24,12 @@ import torch
 
 from megatrain_optim import STATE_NAMES, AdamWConfig, BackgroundStepper, HostAdamW, Schedule, clip_coefficient, lr_at
 from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
-from megatrain_store import GroupLayout, HostStore, bytes_per_param
-from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_, preset, read_hf_config
+from megatrain_store import GroupLayout, HostStore
+from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .hf_io import export_hf, load_hf_weights, named_masters
-
-# Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
-# the backward by a few layers before the pipeline waits for it.
-GRADIENT_POOL = 3
+from .plan import GRADIENT_POOL, check_plan, make_plan
 
 
 class NonFiniteError(RuntimeError):
@@ -55,62 +52,6 @@ class StepMetrics:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available; use device: cpu or auto")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
-
-
-def model_config_of(config: Config) -> ModelConfig:
-    if config.model.hf_dir is not None:
-        return read_hf_config(Path(config.model.hf_dir))
-    return preset(config.model.preset)
-
-
-def available_host_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_fits(model: ModelConfig, config: Config, dtype: torch.dtype) -> None:
-    """Refuse, before allocating anything, a model whose host state cannot fit in free memory."""
-    if model.sliding_window is not None and config.data.seq_len > model.sliding_window:
-        raise ConfigError(
-            f"data.seq_len {config.data.seq_len} exceeds the model's sliding_window {model.sliding_window}, "
-            "which megatrain does not implement; use data.seq_len <= sliding_window"
-        )
-    if config.data.seq_len > model.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
-            f"{model.max_seq_len}); lower data.seq_len"
-        )
-    per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads=config.train.grad_clip > 0)
-    need = model.n_params * per_param
-    free = available_host_bytes()
-    if free is not None and need > 0.95 * free:
-        largest = int(0.95 * free / per_param)
-        raise ConfigError(
-            f"the model needs {need / 2**30:.1f} GiB of host memory ({model.n_params / 1e9:.2f}B params x "
-            f"{per_param} B) but only {free / 2**30:.1f} GiB is available; the largest model that fits here has "
-            f"about {largest / 1e9:.2f}B parameters"
-            + ("; train.grad_clip: 0 saves 4 B per parameter" if config.train.grad_clip > 0 else "")
-        )
-
-
 class Trainer:
     """Owns the host store, optimizer, background stepper and pipeline for one model."""
 
@@ -119,7 +60,7 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
-        check_fits(self.model_config, config, self.compute_dtype)
+        check_plan(make_plan(config, self.model_config), config, self.model_config)
         self.spec = build_model(self.model_config)
         layouts = [
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups

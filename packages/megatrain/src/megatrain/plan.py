@@ -1,0 +1,276 @@
+"""`megatrain plan`: will a configuration fit, and how fast will it run?
+
+Memory is counted from the same numbers the store and scheduler allocate. Step time
+comes from a small performance model: GPU work at a measured rate, host<->GPU copies at
+a measured PCIe bandwidth, the CPU optimizer at a measured rate, each overlapped the way
+the engine overlaps them, plus the step-boundary bubble (the embedding's update). The
+rates default to the H100 machine's measurements; `megatrain plan --calibrate` measures
+them on the current machine and saves them.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megatrain_optim import STATE_NAMES
+from megatrain_store import bytes_per_param
+from megatrain_zoo import ModelConfig, flops_per_token
+
+from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+
+CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "calibration.json"
+LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk plus its bf16 copies
+# Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
+# the backward by a few layers before the pipeline waits for it.
+GRADIENT_POOL = 3
+
+
+def available_host_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Machine rates the performance model uses."""
+
+    gpu_tflops: float = 500.0  # hardware bf16 rate of a decoder block, recompute + backward (H100, 7B shape)
+    head_tflops: float = 390.0  # the chunked LM head + loss + its backward (H100, Qwen2.5-7B vocabulary)
+    pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
+    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW + wire refresh on the host
+    source: str = "defaults (measured on an H100 machine, 16 cores)"
+
+
+@dataclass
+class Plan:
+    n_params: int
+    host_bytes: int
+    host_bytes_per_param: float
+    host_available: int | None
+    gpu_bytes: int
+    gpu_available: int | None
+    offload_checkpoints: bool
+    checkpoint_bytes: int
+    tokens_per_step: int
+    compute_s: float
+    transfer_s: float
+    optimizer_s: float
+    bubble_s: float
+    step_s: float
+    tokens_per_s: float
+    model_tflops: float
+    rates: Rates
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_rates() -> Rates:
+    if CALIBRATION_FILE.exists():
+        return Rates(**json.loads(CALIBRATION_FILE.read_text()))
+    return Rates()
+
+
+def _max_group(model: ModelConfig) -> int:
+    embed = model.vocab_size * model.d_model
+    head = model.d_model + (0 if model.tie_embeddings else embed)
+    return max(embed, head, model.block_params)
+
+
+def host_memory_limit() -> int | None:
+    """Host memory the run may use: MEGATRAIN_HOST_MEMORY_GIB if set (machines whose
+    MemAvailable grows as memory is touched), else MemAvailable."""
+    override = os.environ.get("MEGATRAIN_HOST_MEMORY_GIB")
+    return int(float(override) * 2**30) if override else available_host_bytes()
+
+
+def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | None = None) -> Plan:
+    model = model or model_config_of(config)
+    rates = rates or load_rates()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.precision.compute_dtype, device)
+    element = torch.finfo(dtype).bits // 8
+    full_grads = config.train.grad_clip > 0
+    per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads)
+    pool = 0 if full_grads else GRADIENT_POOL * _max_group(model) * 4
+    tokens = config.train.batch_size * config.data.seq_len
+    micro_tokens = config.train.micro_batch_size * config.data.seq_len
+    checkpoints = tokens * model.d_model * element * model.n_layers
+    # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x d_ff, in the compute dtype
+    recompute = micro_tokens * (8 * model.d_model + 3 * model.d_ff) * element
+    largest_stage = max(model.block_params, model.vocab_size * model.d_model + model.d_model)
+    fixed_gpu = 2 * largest_stage * element + 2 * _max_group(model) * 4 + recompute + LOGITS_CHUNK_BYTES
+    gpu_available = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    offload = config.engine.offload_checkpoints
+    if offload == "auto":
+        offload = gpu_available is not None and checkpoints > 0.5 * (gpu_available - fixed_gpu)
+    gpu_bytes = fixed_gpu + (0 if offload else checkpoints)
+    host_bytes = model.n_params * per_param + pool + (checkpoints if offload else 0)
+
+    # performance model
+    counted = flops_per_token(model, config.data.seq_len) * tokens
+    head_share = model.vocab_size * model.d_model / model.matmul_params
+    down_share = model.d_ff * model.d_model / (model.block_params or 1)
+    block_work = (1 - head_share) * counted * (8 - 2 * down_share) / 6  # recompute minus the skipped down GEMM
+    compute_s = block_work / (rates.gpu_tflops * 1e12) + head_share * counted / (rates.head_tflops * 1e12)
+    transfer_s = model.n_params * (2 * element + 4) / (rates.pcie_gbps * 1e9)
+    optimizer_s = model.n_params / rates.cpu_adam_params_per_s
+    embed_params = model.vocab_size * model.d_model
+    bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (element + 4) / (rates.pcie_gbps * 1e9)
+    # copies run beside compute; the optimizer runs beside the backward (3/4 of compute) or the next forward
+    step_s = max(compute_s, transfer_s, optimizer_s / 0.75) + bubble_s
+    return Plan(
+        model.n_params,
+        host_bytes,
+        host_bytes / model.n_params,
+        host_memory_limit(),
+        gpu_bytes,
+        gpu_available,
+        bool(offload),
+        checkpoints,
+        tokens,
+        compute_s,
+        transfer_s,
+        optimizer_s,
+        bubble_s,
+        step_s,
+        tokens / step_s,
+        counted / step_s / 1e12,
+        rates,
+    )
+
+
+def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
+    """Refuse, before anything is allocated, a run that cannot work, naming the fix."""
+    if model.sliding_window is not None and config.data.seq_len > model.sliding_window:
+        raise ConfigError(
+            f"data.seq_len {config.data.seq_len} exceeds the model's sliding_window {model.sliding_window}, "
+            "which megatrain does not implement; use data.seq_len <= sliding_window"
+        )
+    if config.data.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
+            f"{model.max_seq_len}); lower data.seq_len"
+        )
+    if plan.host_available is not None and plan.host_bytes > 0.95 * plan.host_available:
+        largest = 0.95 * plan.host_available / plan.host_bytes_per_param
+        raise ConfigError(
+            f"{model.arch} with {plan.n_params / 1e9:.2f}B parameters needs {plan.host_bytes / 2**30:.1f} GiB of host "
+            f"memory ({plan.host_bytes_per_param:.1f} B/param) but {plan.host_available / 2**30:.1f} GiB is available; "
+            f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
+            + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
+        )
+    if plan.gpu_available is not None and plan.gpu_bytes > 0.95 * plan.gpu_available:
+        per_sequence = plan.checkpoint_bytes // config.train.batch_size
+        fixed = plan.gpu_bytes - (0 if plan.offload_checkpoints else plan.checkpoint_bytes)
+        largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
+        raise ConfigError(
+            f"the step needs {plan.gpu_bytes / 2**30:.1f} GiB of GPU memory but the GPU has "
+            f"{plan.gpu_available / 2**30:.1f} GiB; set engine.offload_checkpoints: true, lower "
+            f"train.micro_batch_size, or use train.batch_size <= {largest_batch}"
+        )
+
+
+def calibrate(model: ModelConfig, seq_len: int, micro_batch: int) -> Rates:
+    """Measure the three rates on this machine (GPU block rate at the run's micro-batch shape,
+    pinned PCIe bandwidth, CPU AdamW) and save them for later plans."""
+    from megatrain_optim import adamw_update_
+    from megatrain_templates import DecoderBlock
+    from megatrain_zoo import block_shape
+
+    if not torch.cuda.is_available():
+        raise ConfigError("megatrain plan --calibrate needs a CUDA GPU to measure")
+    block = DecoderBlock(block_shape(model))
+    weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
+    grads = [torch.zeros(block.numel, device="cuda")]
+    x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        block.backward(weights, x, x, grads)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        block.backward(weights, x, x, grads)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 5
+    tokens = micro_batch * seq_len
+    per_layer = (flops_per_token(model, seq_len) - 6 * model.vocab_size * model.d_model) / model.n_layers
+    down_share = model.d_ff * model.d_model / model.block_params
+    gpu_tflops = per_layer * tokens * (6 - 2 * down_share) / 6 / seconds / 1e12  # recompute + backward work
+
+    from megatrain_templates import Head
+
+    head = Head(model.vocab_size, model.d_model, model.rms_eps)
+    head_weights = [torch.randn(head.groups[0][0].numel + model.d_model, device="cuda", dtype=torch.bfloat16) * 0.02]
+    head_grads = [torch.zeros_like(head_weights[0], dtype=torch.float32)]
+    labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
+    for _ in range(2):
+        head.loss(head_weights, x, labels, 1.0, head_grads)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        head.loss(head_weights, x, labels, 1.0, head_grads)
+    torch.cuda.synchronize()
+    head_tflops = 6 * model.vocab_size * model.d_model * tokens / ((time.perf_counter() - start) / 3) / 1e12
+
+    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    device.copy_(host)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    pcie = 5 * host.numel() / (time.perf_counter() - start) / 1e9
+
+    n = 64 * 2**20
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    wire = torch.empty(n, dtype=torch.bfloat16)
+    step = torch.tensor(1.0)
+    start = time.perf_counter()
+    for _ in range(3):
+        adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        wire.copy_(p)
+    cpu = 3 * n / (time.perf_counter() - start)
+    rates = Rates(
+        round(gpu_tflops, 1),
+        round(head_tflops, 1),
+        round(pcie, 1),
+        round(cpu, -6),
+        f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
+    )
+    CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
+    CALIBRATION_FILE.write_text(json.dumps(asdict(rates), indent=2))
+    return rates
+
+
+def format_plan(plan: Plan, model_name: str) -> str:
+    gib = 2**30
+    lines = [
+        f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters",
+        f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
+        + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else ""),
+        f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
+        + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
+        + (", checkpoints offloaded to host" if plan.offload_checkpoints else ""),
+        f"tokens per step  {plan.tokens_per_step:,}",
+        f"step time        {plan.step_s:.2f} s  (GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s and "
+        f"CPU AdamW {plan.optimizer_s:.2f} s overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
+        f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS",
+        f"rates            GPU blocks {plan.rates.gpu_tflops} / head {plan.rates.head_tflops} TFLOPS, "
+        f"PCIe {plan.rates.pcie_gbps} GB/s, "
+        f"CPU AdamW {plan.rates.cpu_adam_params_per_s / 1e9:.1f} G params/s ({plan.rates.source})",
+    ]
+    if math.isfinite(plan.step_s) and plan.step_s > 0:
+        return "\n".join(lines)
+    return "\n".join(lines[:4])

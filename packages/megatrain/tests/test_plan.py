@@ -1,0 +1,52 @@
+import pytest
+
+from megatrain.cli import main
+from megatrain.config import ConfigError, load_config
+from megatrain.plan import Rates, check_plan, make_plan
+from megatrain_zoo import preset
+
+
+def config_for(preset, tokens, **extra):
+    overrides = [
+        f"model.preset={preset}",
+        "data.seq_len=2048",
+        f"train.batch_size={tokens // 2048}",
+        "train.micro_batch_size=8",
+        "train.grad_clip=0",
+        "device=cpu",
+        "precision.compute_dtype=bfloat16",
+    ]
+    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+
+
+def test_memory_matches_the_store_and_measured_run():
+    # measured on the H100 machine (benchmarks/results/throughput-h100.json): 105.4 GiB host, 36.1 GiB GPU peak
+    plan = make_plan(config_for("qwen2.5-7b", 131072))
+    assert plan.host_bytes / 2**30 == pytest.approx(105.4, abs=0.2)
+    assert plan.host_bytes_per_param == pytest.approx(14.86, abs=0.02)
+    assert plan.gpu_bytes / 2**30 == pytest.approx(36.1, rel=0.15)
+
+
+def test_step_time_model_is_overlap_aware():
+    rates = Rates(gpu_tflops=500, head_tflops=400, pcie_gbps=50, cpu_adam_params_per_s=3.4e9)
+    plan = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
+    assert plan.step_s == pytest.approx(max(plan.compute_s, plan.transfer_s, plan.optimizer_s / 0.75) + plan.bubble_s)
+    slow_cpu = make_plan(config_for("qwen2.5-7b", 131072), rates=Rates(500, 400, 50, 0.2e9))
+    assert slow_cpu.step_s > 2 * plan.step_s  # the optimizer becomes the bottleneck
+
+
+def test_refuses_what_cannot_fit_and_names_the_largest(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "64")
+    config = config_for("qwen2.5-7b", 65536)
+    with pytest.raises(ConfigError, match=r"needs 105.4 GiB of host memory.*largest model that fits has about 4.4B"):
+        check_plan(make_plan(config), config, preset("qwen2.5-7b"))
+
+
+def test_plan_command(capsys, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "8.03B parameters" in out and "host memory" in out and "model TFLOPS" in out
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "16")
+    assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 2
+    assert "largest model that fits" in capsys.readouterr().err
