@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from .config import ConfigError, default_config_path, load_config
 
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command")
     train_parser = commands.add_parser("train", help="train a model (no arguments: the built-in default job)")
     _add_config_args(train_parser)
+    train_parser.add_argument(
+        "--resume", metavar="DIR", help="continue from a checkpoint directory or a run's output_dir"
+    )
     plan_parser = commands.add_parser(
         "plan", help="memory and step-time estimate for a config; refuses what cannot fit"
     )
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from .loop import train
 
-            train(config)
+            train(config, Path(args.resume) if args.resume else None)
         elif args.command == "plan":
             run_plan(config, args)
     except ConfigError as error:

@@ -60,6 +60,8 @@ class TrainSection:
     min_lr_ratio: float = 0.1
     seed: int = 0
     max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
+    save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
+    keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
 
     def __post_init__(self):
         if self.micro_batch_size == 0:

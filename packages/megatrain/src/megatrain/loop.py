@@ -1,11 +1,13 @@
 """`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out."""
 
 import json
+import signal
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config
 from .data import TokenWindows, load_token_array
 from .trainer import NonFiniteError, Trainer, write_jsonl
@@ -34,17 +36,45 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
     return True
 
 
-def train(config: Config) -> Path:
-    """Run training as configured; returns the output directory."""
+class StopRequested:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops)."""
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(config: Config, resume: Path | None = None) -> Path:
+    """Run training as configured (continuing from a checkpoint with `resume`); returns the output directory."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config)
+    if resume is not None:
+        manifest = load_checkpoint(trainer, resume)
+        print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
     tokens, tokenizer = load_token_array(config.data, trainer.model_config.vocab_size, out / "cache", model_dir)
     windows = TokenWindows(tokens, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed)
     (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
     metrics_path = out / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    kept = []
+    if resume is not None and metrics_path.exists():  # the steps the checkpoint already contains
+        kept = [
+            line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= trainer.step_index
+        ]
+    metrics_path.write_text("".join(line + "\n" for line in kept))
     report = trainer.store.memory_report()
     print(
         f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on {trainer.device} "
@@ -52,8 +82,18 @@ def train(config: Config) -> Path:
         f"({report.bytes_per_param:.1f} B/param), {windows.n_windows} windows of {config.data.seq_len} tokens",
         file=sys.stderr,
     )
-    bar = tqdm(total=config.train.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=config.train.steps,
+        initial=trainer.step_index,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+    checkpoints = out / "checkpoints"
+    stop = StopRequested()
     try:
+        stop.__enter__()
         for step in range(trainer.step_index, config.train.steps):
             input_ids, labels = windows.batch(step)
             metrics = trainer.train_step(input_ids, labels)
@@ -69,10 +109,23 @@ def train(config: Config) -> Path:
                     file=sys.stderr,
                 )
                 if trainer.bad_steps >= config.train.max_bad_steps:
+                    save_checkpoint(trainer, checkpoints, config.train.keep_last)
                     raise NonFiniteError(
                         f"{trainer.bad_steps} non-finite steps in a row; stopping. The weights are those of the last "
-                        "good step. Lower train.lr, raise train.warmup_steps or turn on train.grad_clip."
+                        "good step, saved in checkpoints/. Lower train.lr, raise train.warmup_steps or turn on "
+                        "train.grad_clip."
                     )
+            if config.train.save_every and trainer.step_index % config.train.save_every == 0:
+                save_checkpoint(trainer, checkpoints, config.train.keep_last)
+            if stop.signal:
+                path = save_checkpoint(trainer, checkpoints, config.train.keep_last)
+                bar.close()
+                print(
+                    f"megatrain: {stop.signal} received; checkpoint {path} written. Continue with "
+                    f"`megatrain train --config ... --resume {out}`",
+                    file=sys.stderr,
+                )
+                return out
         bar.close()
         final = trainer.export(out / "final", tokenizer)
         if config.engine.trace:
@@ -81,6 +134,7 @@ def train(config: Config) -> Path:
             print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
         print(f"model written to {final}", file=sys.stderr)
     finally:
+        stop.__exit__()
         bar.close()
         trainer.close()
     return out

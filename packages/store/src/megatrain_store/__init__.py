@@ -1,7 +1,14 @@
 """Pinned host-memory store: flat per-group arenas, accounting, atomic safetensors I/O."""
 
 from .errors import StoreError
-from .io import atomic_write, atomic_write_text, load_tensors_into, read_safetensors_header, write_safetensors
+from .io import (
+    atomic_write,
+    atomic_write_text,
+    fsync_dir,
+    load_tensors_into,
+    read_safetensors_header,
+    write_safetensors,
+)
 from .layout import Entry, GroupLayout
 from .pinning import pin_in_place, unpin
 from .store import HostStore, MemoryReport, bytes_per_param
@@ -15,6 +22,7 @@ __all__ = [
     "atomic_write",
     "atomic_write_text",
     "bytes_per_param",
+    "fsync_dir",
     "load_tensors_into",
     "pin_in_place",
     "read_safetensors_header",

@@ -1,0 +1,136 @@
+"""Training checkpoints: everything needed to continue a run exactly.
+
+A checkpoint is a directory `step-NNNNNNNN/` holding the fp32 master weights
+(`model.safetensors`, Hugging Face names), the AdamW moments (`optimizer.safetensors`)
+and `manifest.json` (step, optimizer step count, config, file sizes and CRC32s). It is
+written under a temporary name, every file fsynced, then renamed into place, so a
+crash at any instant leaves the previous checkpoints intact and never a partial one
+that looks complete. The data position and learning rate are functions of the step, so
+the step restores them; resuming gives the same losses as a run that never stopped.
+"""
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+from megatrain_store import StoreError, atomic_write_text, fsync_dir, load_tensors_into, write_safetensors
+
+from .config import ConfigError
+from .hf_io import named_masters
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def optimizer_tensors(trainer) -> dict:
+    store = trainer.store
+    out = {}
+    for group in range(store.n_groups):
+        for state in store.state_names:
+            for name, view in store.layouts[group].views(store.state(state, group)).items():
+                out[f"{state}.{name}"] = view
+    return out
+
+
+def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
+    """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`."""
+    trainer.finish_updates()
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{trainer.step_index:08d}"
+    tmp = root / f".{final.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = {
+        "model.safetensors": list(named_masters(trainer.store).items()),
+        "optimizer.safetensors": list(optimizer_tensors(trainer).items()),
+    }
+    manifest = {
+        "format": FORMAT,
+        "step": trainer.step_index,
+        "optimizer_step": trainer.optimizer.step_count,
+        "bad_steps": trainer.bad_steps,
+        "n_params": trainer.model_config.n_params,
+        "model": trainer.model_config.as_dict(),
+        "config": trainer.config.as_dict(),
+        "files": {},
+    }
+    for filename, tensors in files.items():
+        write_safetensors(tmp / filename, tensors)
+        manifest["files"][filename] = {"bytes": (tmp / filename).stat().st_size, "crc32": file_crc32(tmp / filename)}
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    fsync_dir(tmp)
+    if final.exists():  # re-saving the same step: replace it only once the new one is complete
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(root)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint directory itself, or the newest complete one under a run's checkpoints/ folder."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    for root in (path, path / "checkpoints"):
+        candidates = sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
+        if candidates:
+            return candidates[-1]
+    raise ConfigError(
+        f"no checkpoint found at {path}: expected a step-NNNNNNNN directory with {MANIFEST} "
+        "or an output_dir whose checkpoints/ folder holds one"
+    )
+
+
+def verify_checkpoint(directory: Path) -> dict:
+    """Read and check the manifest and every file's size and CRC32; raise naming the damaged file."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise StoreError(f"{directory / MANIFEST} is unreadable ({error}); the checkpoint is damaged") from error
+    if manifest.get("format") != FORMAT:
+        raise StoreError(f"{directory} has checkpoint format {manifest.get('format')}, this megatrain reads {FORMAT}")
+    for filename, expected in manifest["files"].items():
+        path = directory / filename
+        if not path.exists():
+            raise StoreError(f"checkpoint file {path} is missing")
+        if path.stat().st_size != expected["bytes"]:
+            raise StoreError(
+                f"checkpoint file {path} has {path.stat().st_size} bytes, the manifest says "
+                f"{expected['bytes']}: the file is truncated or was replaced"
+            )
+        if file_crc32(path) != expected["crc32"]:
+            raise StoreError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
+    return manifest
+
+
+def load_checkpoint(trainer, directory: Path) -> dict:
+    """Restore weights, moments and step from a verified checkpoint into `trainer`."""
+    directory = find_checkpoint(directory)
+    manifest = verify_checkpoint(directory)
+    if manifest["model"] != trainer.model_config.as_dict():
+        changed = sorted(k for k, v in manifest["model"].items() if trainer.model_config.as_dict().get(k) != v)
+        raise ConfigError(
+            f"checkpoint {directory} is for a different model (differs in {changed}); "
+            "resume with the configuration it was written with"
+        )
+    trainer.finish_updates()
+    load_tensors_into([directory / "model.safetensors"], named_masters(trainer.store))
+    load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
+    for group in range(trainer.store.n_groups):
+        trainer.store.refresh_wire(group)
+    trainer.step_index = manifest["step"]
+    trainer.optimizer.step_count = manifest["optimizer_step"]
+    trainer.bad_steps = manifest["bad_steps"]
+    return manifest
