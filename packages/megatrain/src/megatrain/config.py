@@ -30,17 +30,28 @@ class ModelSection:
             )
 
 
+DATA_FORMATS = ("text", "alpaca", "messages")
+
+
 @dataclass(frozen=True)
 class DataSection:
     tokens: str | None = None  # a .npy array of token ids
     text: str | None = None  # a UTF-8 text file, tokenized with `tokenizer` or a tokenizer trained on it
-    tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on `text`
+    # records: a .jsonl/.json or .parquet file, a `datasets` save_to_disk directory, or a hub dataset name
+    dataset: str | None = None
+    format: str = "text"  # text: pre-training on `text_field`; alpaca / messages: fine-tuning, loss on responses
+    text_field: str = "text"
+    tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on the text
     seq_len: int = 256
     shuffle: bool = True
 
     def __post_init__(self):
-        if self.tokens is not None and self.text is not None:
-            raise ConfigError("set only one of data.tokens (.npy token ids) or data.text (a text file)")
+        if sum(x is not None for x in (self.tokens, self.text, self.dataset)) > 1:
+            raise ConfigError("set only one of data.tokens (.npy token ids), data.text (a text file) or data.dataset")
+        if self.format not in DATA_FORMATS:
+            raise ConfigError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
+        if self.format != "text" and self.dataset is None:
+            raise ConfigError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
 

@@ -7,6 +7,7 @@ end); with shuffle on, each pass over the windows uses a fresh permutation seede
 """
 
 import hashlib
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -38,8 +39,8 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         )
 
 
-def train_tokenizer(text_path: Path, vocab_size: int, out_path: Path):
-    """Train a byte-level BPE tokenizer on a text file and save it as tokenizer.json."""
+def train_tokenizer(text_path: Path | None, vocab_size: int, out_path: Path, texts=None):
+    """Train a byte-level BPE tokenizer on a text file (or an iterator of texts); save it as tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -51,7 +52,10 @@ def train_tokenizer(text_path: Path, vocab_size: int, out_path: Path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train([str(text_path)], trainer)
+    if texts is not None:
+        tokenizer.train_from_iterator(texts, trainer)
+    else:
+        tokenizer.train([str(text_path)], trainer)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_path))
     return tokenizer
@@ -93,10 +97,25 @@ def tokenize_text(
     return tokens, Path(tokenizer_path)
 
 
-def load_token_array(
-    data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None
-) -> tuple[np.ndarray, Path | None]:
-    """The training token ids for `data` and the tokenizer file, if any."""
+@dataclass
+class TokenData:
+    """Training tokens: a 1-D stream cut into windows, or [examples, seq_len] rows with a loss mask."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray | None
+    tokenizer: Path | None
+
+
+def _eos_token(tokenizer, eos_token_id: int | None) -> str:
+    if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
+        return tokenizer.id_to_token(eos_token_id)
+    return EOS_TOKEN if tokenizer.token_to_id(EOS_TOKEN) is not None else ""
+
+
+def load_token_data(
+    data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None, eos_token_id: int | None = None
+) -> TokenData:
+    """The training tokens `data` describes, tokenized once and cached under `cache_dir`."""
     if data.tokens is not None:
         path = Path(data.tokens)
         try:
@@ -106,22 +125,64 @@ def load_token_array(
                 f"cannot read data.tokens {path}: {error}; it must be a .npy array of token ids"
             ) from error
         check_tokens(tokens, vocab_size, f"data.tokens {path}")
-        return tokens, None
-    text = Path(data.text) if data.text is not None else builtin_corpus()
+        return TokenData(tokens, None, None)
     tokenizer = Path(data.tokenizer) if data.tokenizer else None
     if tokenizer is None and model_dir is not None and (model_dir / "tokenizer.json").exists():
         tokenizer = model_dir / "tokenizer.json"
-    tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
-    check_tokens(tokens, vocab_size, f"tokens of {text}")
-    return tokens, tokenizer
+    if data.dataset is None:
+        text = Path(data.text) if data.text is not None else builtin_corpus()
+        tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
+        check_tokens(tokens, vocab_size, f"tokens of {text}")
+        return TokenData(tokens, None, tokenizer)
+
+    from tokenizers import Tokenizer
+
+    from .records import load_records, records_to_arrays
+
+    if tokenizer is None:
+        if data.format != "text":
+            raise ConfigError(
+                "fine-tuning data needs the model's tokenizer: set data.tokenizer or use model.hf_dir "
+                "with a tokenizer.json"
+            )
+        records = load_records(data.dataset)
+        tokenizer = cache_dir / "tokenizer.json"
+        train_tokenizer(None, vocab_size, tokenizer, texts=(str(r[data.text_field]) for r in records))
+    loaded = Tokenizer.from_file(str(tokenizer))
+    if loaded.get_vocab_size() > vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens but the model's vocab_size is "
+            f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
+        )
+    tokens, mask = records_to_arrays(data, loaded, tokenizer, _eos_token(loaded, eos_token_id), cache_dir)
+    check_tokens(np.asarray(tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
+    return TokenData(tokens, mask, tokenizer)
+
+
+def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):
+    """(1-D token ids, tokenizer) for pre-training sources; see `load_token_data` for all sources."""
+    loaded = load_token_data(data, vocab_size, cache_dir, model_dir)
+    return loaded.tokens, loaded.tokenizer
 
 
 class TokenWindows:
-    """Batches of fixed-length windows over a token array, addressed by optimizer step."""
+    """Batches of fixed-length windows over a token array, addressed by optimizer step.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, shuffle: bool, seed: int):
+    `tokens` is a 1-D stream (cut into consecutive windows) or [examples, seq_len] rows;
+    `loss_mask` (same shape, optional) marks the tokens that count as targets."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        loss_mask: np.ndarray | None = None,
+    ):
         self.tokens, self.seq_len, self.batch_size, self.shuffle, self.seed = tokens, seq_len, batch_size, shuffle, seed
-        self.n_windows = len(tokens) // seq_len
+        self.loss_mask = loss_mask
+        self.n_windows = len(tokens) if tokens.ndim == 2 else len(tokens) // seq_len
         if self.n_windows < batch_size:
             raise ConfigError(
                 f"the data has {len(tokens)} tokens = {self.n_windows} windows of seq_len {seq_len}, fewer than "
@@ -145,8 +206,15 @@ class TokenWindows:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, labels), each [batch_size, seq_len] int64, for optimizer step `step`."""
-        rows = [np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len]) for i in self.window_indices(step)]
+        indices = self.window_indices(step)
+        if self.tokens.ndim == 2:
+            rows = [np.asarray(self.tokens[i]) for i in indices]
+        else:
+            rows = [np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len]) for i in indices]
         input_ids = torch.from_numpy(np.stack(rows).astype(np.int64))
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels[:, :-1] = input_ids[:, 1:]
+        if self.loss_mask is not None:
+            mask = torch.from_numpy(np.stack([np.asarray(self.loss_mask[i]) for i in indices]))
+            labels[:, :-1][~mask[:, 1:]] = IGNORE_INDEX  # a position learns its next token only if that token counts
         return input_ids, labels

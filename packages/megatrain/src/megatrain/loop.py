@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config
-from .data import TokenWindows, load_token_array
+from .data import TokenWindows, load_token_data
 from .trainer import NonFiniteError, Trainer, write_jsonl
 
 
@@ -65,8 +65,18 @@ def train(config: Config, resume: Path | None = None) -> Path:
         manifest = load_checkpoint(trainer, resume)
         print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    tokens, tokenizer = load_token_array(config.data, trainer.model_config.vocab_size, out / "cache", model_dir)
-    windows = TokenWindows(tokens, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed)
+    data = load_token_data(
+        config.data, trainer.model_config.vocab_size, out / "cache", model_dir, trainer.model_config.eos_token_id
+    )
+    tokenizer = data.tokenizer
+    windows = TokenWindows(
+        data.tokens,
+        config.data.seq_len,
+        config.train.batch_size,
+        config.data.shuffle,
+        config.train.seed,
+        data.loss_mask,
+    )
     (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
     metrics_path = out / "metrics.jsonl"
     kept = []
