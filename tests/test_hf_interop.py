@@ -55,3 +55,18 @@ def test_transformers_directory_imports(name, tmp_path):
         expected = model(ids).logits.float()
     ours = trainer.logits(ids)
     assert ((ours - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def test_convert_checkpoint_to_transformers(tmp_path):
+    from megatrain.checkpoint import save_checkpoint
+    from megatrain.cli import main
+
+    trainer = make_trainer(tmp_path, preset="tiny-qwen2")
+    randomize(trainer)
+    checkpoint = save_checkpoint(trainer, tmp_path / "checkpoints")
+    assert main(["convert", str(checkpoint), str(tmp_path / "converted"), "--dtype", "float32"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float32).eval()
+    ids = torch.randint(0, trainer.model_config.vocab_size, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+    assert ((trainer.logits(ids) - expected).norm() / expected.norm()).item() < 1e-5

@@ -70,3 +70,23 @@ def test_builtin_default_job_starts(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["tokens"] == 16 * 128
     assert (tmp_path / "runs/default/final/tokenizer.json").exists()
+
+
+def test_bench_command(capsys):
+    args = [
+        "bench",
+        "--steps",
+        "1",
+        "--set",
+        "model.preset=tiny-llama",
+        "--set",
+        "device=cpu",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.micro_batch_size=1",
+    ]
+    assert main(args) == 0
+    assert "tokens/s" in capsys.readouterr().out

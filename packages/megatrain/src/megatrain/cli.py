@@ -19,6 +19,34 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def run_bench(config, steps: int) -> None:
+    import time
+
+    import torch
+
+    from .trainer import Trainer
+
+    trainer = Trainer(config)
+    vocab, seq, batch = trainer.model_config.vocab_size, config.data.seq_len, config.train.batch_size
+    rows = []
+    for step in range(steps + 1):
+        ids = torch.randint(0, vocab, (batch, seq))
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = -100
+        start = time.perf_counter()
+        metrics = trainer.train_step(ids, labels)
+        trainer.finish_updates()
+        if step:  # the first step warms up
+            rows.append((time.perf_counter() - start, metrics))
+    trainer.close()
+    seconds = sum(r[0] for r in rows) / len(rows)
+    tflops = sum(r[1].tflops * r[1].step_time_s for r in rows) / sum(r[0] for r in rows)
+    print(
+        f"{config.model.preset or config.model.hf_dir}: {batch * seq:,} tokens/step, {seconds:.3f} s/step, "
+        f"{batch * seq / seconds:,.0f} tokens/s, {tflops:.1f} model TFLOPS on {trainer.device}"
+    )
+
+
 def run_plan(config, args) -> None:
     import json
 
@@ -50,12 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(plan_parser)
     plan_parser.add_argument("--calibrate", action="store_true", help="measure GPU, PCIe and CPU-optimizer rates here")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
+    convert_parser.add_argument("source", help="a checkpoint directory (step-NNNNNNNN) or a Hugging Face directory")
+    convert_parser.add_argument("out", help="the Hugging Face directory to write")
+    convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench_parser = commands.add_parser("bench", help="time training steps of a config on random tokens")
+    _add_config_args(bench_parser)
+    bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
+        if args.command == "convert":
+            from .hf_io import convert
+
+            print(f"wrote {convert(Path(args.source), Path(args.out), args.dtype)}")
+            return 0
         config = load_config(args.config or default_config_path(), args.overrides)
+        if args.command == "bench":
+            run_bench(config, args.steps)
         if args.command == "train":
             from .loop import train
 

@@ -70,3 +70,54 @@ def export_hf(
     if tokenizer is not None and Path(tokenizer).exists():
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     return out_dir
+
+
+def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES) -> Path:
+    """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
+    tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16."""
+    import torch
+    from safetensors import safe_open
+
+    from megatrain_zoo import ModelConfig, read_hf_config
+
+    source = Path(source)
+    manifest = source / "manifest.json"
+    if manifest.exists():
+        model = ModelConfig(**json.loads(manifest.read_text())["model"])
+        files = [source / "model.safetensors"]
+    else:
+        model = read_hf_config(source)
+        files = checkpoint_files(source)
+    target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [(path, name) for path in files for name in safe_open(str(path), framework="pt").keys()]
+    shards, current, size = [], [], 0
+    for path, name in names:
+        with safe_open(str(path), framework="pt") as handle:
+            nbytes = handle.get_slice(name).get_shape()
+        nbytes = int(torch.Size(nbytes).numel()) * target.itemsize
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append((path, name))
+        size += nbytes
+    shards.append(current)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = []
+        for path, name in shard:
+            with safe_open(str(path), framework="pt") as handle:
+                tensors.append((name, handle.get_tensor(name).to(target)))
+        total += write_safetensors(out_dir / filename, tensors, metadata={"format": "pt"})
+        weight_map.update({name: filename for name, _ in tensors})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
+    atomic_write_text(out_dir / "config.json", json.dumps(config_to_hf(model, dtype), indent=2))
+    for candidate in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json"):
+        if candidate.exists():
+            shutil.copyfile(candidate, out_dir / "tokenizer.json")
+            break
+    return out_dir
