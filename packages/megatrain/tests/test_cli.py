@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from megatrain.cli import main
@@ -90,3 +91,31 @@ def test_bench_command(capsys):
     ]
     assert main(args) == 0
     assert "tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path, capsys, monkeypatch, grad_clip):
+    from megatrain.trainer import Trainer
+
+    real_init = Trainer._init_weights
+
+    def poisoned(self):
+        real_init(self)
+        self.store.master_views(1)["model.layers.0.input_layernorm.weight"][0] = float("nan")
+        self.store.refresh_wire(1)
+
+    monkeypatch.setattr(Trainer, "_init_weights", poisoned)
+    config = write_config(train={"steps": 10, "max_bad_steps": 3, "grad_clip": grad_clip})
+    assert main(["train", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss or gradient" in err and "3 non-finite steps in a row; stopping" in err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["skipped"] for r in rows)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
+    assert (checkpoint / "manifest.json").exists()
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    from megatrain.config import load_config
+
+    initial = Trainer(load_config(config)).named_weights()  # skipped steps changed nothing
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, initial[name], rtol=0, atol=0, equal_nan=True)
