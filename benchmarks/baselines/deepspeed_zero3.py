@@ -1,0 +1,111 @@
+"""DeepSpeed ZeRO-3 with parameter and optimizer offload to CPU, one GPU: the same model and
+tokens per step as benchmarks/throughput.py, configured as DeepSpeed's documentation
+recommends for offload (pinned memory, overlap on, 5e8 buckets and prefetch, 1e9 max live
+parameters, its CPU AdamW), Hugging Face gradient checkpointing, bf16. Config:
+benchmarks/baselines/ds_zero3_offload.json. Prints one JSON row per point, like throughput.py.
+
+    python benchmarks/baselines/deepspeed_zero3.py --model qwen2.5-3b --tokens 131072 --micro-batch 4
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from common import machine, write_results  # noqa: E402
+
+from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2.5-3b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=131072, help="tokens per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/deepspeed.json")
+    args = parser.parse_args()
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29511",
+    }.items():
+        os.environ.setdefault(key, value)
+    import deepspeed
+    import transformers
+
+    config = preset(args.model)
+    ds_config = json.loads((Path(__file__).parent / "ds_zero3_offload.json").read_text())
+    ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    deepspeed.init_distributed()
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
+    hf_config.use_cache = False
+    rows = []
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation="sdpa", dtype=torch.bfloat16
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for tokens in [args.tokens]:  # one point per process: deepspeed.initialize wraps the model once
+        n_seqs = tokens // args.seq_len
+        ds_config["gradient_accumulation_steps"] = n_seqs // args.micro_batch
+        ds_config["train_batch_size"] = n_seqs
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+        def step():
+            for _ in range(n_seqs // args.micro_batch):
+                ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), device=engine.device)
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+            return float(loss)
+
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - start) / args.steps
+        flops = flops_per_token(config, args.seq_len) * n_seqs * args.seq_len
+        rows.append(
+            {
+                "system": "deepspeed-zero3-offload",
+                "model": args.model,
+                "params_b": round(config.n_params / 1e9, 3),
+                "seq_len": args.seq_len,
+                "tokens_per_step": n_seqs * args.seq_len,
+                "micro_batch_seqs": args.micro_batch,
+                "step_time_s": round(step_s, 3),
+                "tokens_per_s": round(n_seqs * args.seq_len / step_s),
+                "model_tflops": round(flops / step_s / 1e12, 1),
+                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "deepspeed": deepspeed.__version__,
+            }
+        )
+        print(rows[-1], flush=True)
+        write_results(
+            Path(args.out),
+            {
+                "benchmark": "deepspeed-zero3-offload",
+                "machine": machine(),
+                "config": ds_config,
+                "args": vars(args),
+                "results": rows,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()
