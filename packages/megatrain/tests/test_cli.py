@@ -119,3 +119,14 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path, 
     initial = Trainer(load_config(config)).named_weights()  # skipped steps changed nothing
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, initial[name], rtol=0, atol=0, equal_nan=True)
+
+
+def test_tensorboard_needs_its_package_or_logs(write_config, tmp_path, capsys):
+    try:
+        import tensorboard  # noqa: F401
+
+        assert main(["train", "--config", str(write_config(train={"tensorboard": True}))]) == 0
+        assert any((tmp_path / "run" / "tensorboard").iterdir())
+    except ImportError:
+        assert main(["train", "--config", str(write_config(train={"tensorboard": True}))]) == 2
+        assert "pip install tensorboard" in capsys.readouterr().err

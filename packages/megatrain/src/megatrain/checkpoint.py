@@ -47,8 +47,9 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{trainer.step_index:08d}"
+    for stale in root.glob(".step-*.partial"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     files = {
         "model.safetensors": list(named_masters(trainer.store).items()),

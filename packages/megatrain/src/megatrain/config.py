@@ -73,6 +73,7 @@ class TrainSection:
     max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
+    tensorboard: bool = False  # also log metrics to output_dir/tensorboard (needs the tensorboard package)
 
     def __post_init__(self):
         if self.micro_batch_size == 0:

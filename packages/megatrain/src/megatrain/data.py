@@ -87,7 +87,7 @@ def tokenize_text(
     key = hashlib.sha256(text.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
     cached = cache_dir / f"tokens-{key}.npy"
     if cached.exists():
-        return np.load(cached), Path(tokenizer_path)
+        return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
     # one document; encoded paragraph by paragraph so the tokenizer can use all cores
     paragraphs = [p + "\n\n" for p in text.split("\n\n")]
     ids = [i for encoding in tokenizer.encode_batch(paragraphs) for i in encoding.ids]

@@ -8,7 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config
+from .config import Config, ConfigError
 from .data import TokenWindows, load_token_data
 from .trainer import NonFiniteError, Trainer, write_jsonl
 
@@ -56,6 +56,16 @@ class StopRequested:
             signal.signal(sig, handler)
 
 
+def tensorboard_writer(config: Config, out: Path):
+    if not config.train.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise ConfigError("train.tensorboard: true needs the tensorboard package: pip install tensorboard") from error
+    return SummaryWriter(str(out / "tensorboard"))
+
+
 def train(config: Config, resume: Path | None = None) -> Path:
     """Run training as configured (continuing from a checkpoint with `resume`); returns the output directory."""
     out = Path(config.output_dir)
@@ -101,6 +111,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
         file=sys.stderr,
     )
     checkpoints = out / "checkpoints"
+    writer = tensorboard_writer(config, out)
     stop = StopRequested()
     try:
         stop.__enter__()
@@ -108,6 +119,9 @@ def train(config: Config, resume: Path | None = None) -> Path:
             input_ids, labels = windows.batch(step)
             metrics = trainer.train_step(input_ids, labels)
             write_jsonl(metrics_path, metrics.as_dict())
+            if writer is not None:
+                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
+                    writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
             bar.set_postfix(
                 loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.3g}"
             )
@@ -145,6 +159,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
         print(f"model written to {final}", file=sys.stderr)
     finally:
         stop.__exit__()
+        if writer is not None:
+            writer.close()
         bar.close()
         trainer.close()
     return out
