@@ -45,6 +45,23 @@ def random_batch(n_seqs, seq_len, vocab):
     return ids, labels
 
 
+def base_row(system, name, model, seq_len, n_seqs, micro_seqs, step_s) -> dict:
+    """The fields every system reports for one measured point."""
+    tokens = n_seqs * seq_len
+    return {
+        "system": system,
+        "model": name,
+        "params_b": round(model.n_params / 1e9, 3),
+        "seq_len": seq_len,
+        "tokens_per_step": tokens,
+        "micro_batch_seqs": micro_seqs,
+        "step_time_s": round(step_s, 3),
+        "tokens_per_s": round(tokens / step_s),
+        "model_tflops": round(flops_per_token(model, seq_len) * tokens / step_s / 1e12, 1),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
+
+
 def span_totals(timeline, t_start_us, t_end_us) -> dict:
     """Busy time per track inside [start, end] (union of spans, so overlaps count once)."""
     busy = {}
@@ -125,19 +142,9 @@ def bench_megatrain(
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
         if trace_dir and tokens == token_counts[-1]:
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
-        flops = flops_per_token(model, seq_len) * n_seqs * seq_len
         rows.append(
-            {
-                "system": "megatrain",
-                "model": name,
-                "params_b": round(model.n_params / 1e9, 3),
-                "seq_len": seq_len,
-                "tokens_per_step": n_seqs * seq_len,
-                "micro_batch_seqs": micro_seqs,
-                "step_time_s": round(step_s, 3),
-                "tokens_per_s": round(n_seqs * seq_len / step_s),
-                "model_tflops": round(flops / step_s / 1e12, 1),
-                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            base_row("megatrain", name, model, seq_len, n_seqs, micro_seqs, step_s)
+            | {
                 "host_gib": round(report.total_bytes / 2**30, 1),
                 "host_bytes_per_param": round(report.bytes_per_param, 2),
                 "pinned_gib": round(report.pinned_bytes / 2**30, 1),
@@ -210,21 +217,7 @@ def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
                 step()
             torch.cuda.synchronize()
             step_s = (time.perf_counter() - wall0) / steps
-            flops = flops_per_token(config, seq_len) * n_seqs * seq_len
-            rows.append(
-                {
-                    "system": "pytorch-gpu",
-                    "model": name,
-                    "params_b": round(config.n_params / 1e9, 3),
-                    "seq_len": seq_len,
-                    "tokens_per_step": n_seqs * seq_len,
-                    "micro_batch_seqs": micro_seqs,
-                    "step_time_s": round(step_s, 3),
-                    "tokens_per_s": round(n_seqs * seq_len / step_s),
-                    "model_tflops": round(flops / step_s / 1e12, 1),
-                    "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                }
-            )
+            rows.append(base_row("pytorch-gpu", name, config, seq_len, n_seqs, micro_seqs, step_s))
             print(rows[-1], flush=True)
     except torch.cuda.OutOfMemoryError as error:
         rows.append(

@@ -7,7 +7,7 @@ residual stream in megatrain, fp32 residual under autocast) then drift apart cha
 by up to ~1.5% per step, with neither systematically closer to fp32."""
 
 import torch
-from reference_model import ReferenceLM
+from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
@@ -40,15 +40,7 @@ def loss_curves(device, dtype, steps, batch_size, seq_len, workdir, lr=1e-3):
     windows = TokenWindows(tokens, seq_len, batch_size, shuffle=True, seed=0)
     reference = ReferenceLM(trainer.model_config).to(device)
     reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
-    params = dict(reference.named_parameters())
-    no_decay = [p for n, p in params.items() if n.endswith("norm.weight")]
-    decay = [p for n, p in params.items() if not n.endswith("norm.weight")]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train.lr,
-        betas=train.betas,
-        eps=train.eps,
-    )
+    optimizer = reference_adamw(reference, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     ours, theirs = [], []
     autocast_dtype = getattr(torch, dtype)

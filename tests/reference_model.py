@@ -112,3 +112,12 @@ class ReferenceLM(nn.Module):
         with torch.no_grad():
             for name, tensor in weights.items():
                 own[name].copy_(tensor)
+
+
+def reference_adamw(model: nn.Module, train) -> torch.optim.AdamW:
+    """torch.optim.AdamW with megatrain's rule: no weight decay on norms and biases."""
+    params = dict(model.named_parameters())
+    no_decay = [p for n, p in params.items() if n.endswith("norm.weight") or n.endswith(".bias")]
+    decay = [p for n, p in params.items() if not (n.endswith("norm.weight") or n.endswith(".bias"))]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)

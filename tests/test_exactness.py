@@ -9,7 +9,7 @@ over these steps at lr 3e-4 (~1.4e-5 at 1e-3), so fp32 cannot be held tighter.
 
 import pytest
 import torch
-from reference_model import ReferenceLM
+from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
@@ -74,15 +74,7 @@ def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, outpu
     c = trainer.model_config
     reference = ReferenceLM(c).to(device=device, dtype=getattr(torch, dtype))
     reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
-    params = dict(reference.named_parameters())
-    no_decay = [p for n, p in params.items() if n.endswith("norm.weight") or n.endswith(".bias")]
-    decay = [p for n, p in params.items() if not (n.endswith("norm.weight") or n.endswith(".bias"))]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train.lr,
-        betas=train.betas,
-        eps=train.eps,
-    )
+    optimizer = reference_adamw(reference, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     clipped = False
     for step in range(train.steps):
