@@ -3,8 +3,9 @@
 Two precisions. float64 at a large learning rate, where any difference beyond ~1e-10 is
 a bug. float32 at the 1e-5 tolerance and a realistic learning rate: AdamW's early
 updates are ~lr * g / (|g| + eps), which turns fp32 rounding of near-zero gradients into
-visible weight differences; plain PyTorch fp32 itself drifts ~4e-6 from its own fp64 run
-over these steps at lr 3e-4 (~1.4e-5 at 1e-3), so fp32 cannot be held tighter.
+visible weight differences; plain PyTorch fp32 itself drifts from its own fp64 run over
+these steps by ~1.4e-6 at lr 1e-4, ~4e-6 at 3e-4 and ~1.4e-5 at 1e-3, so the fp32 case runs
+at 1e-4 to keep the tolerance well above that noise (at 3e-4 one GPU run in ~30 exceeded it).
 """
 
 import pytest
@@ -15,7 +16,7 @@ from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
 
-CASES = {"float64": (1e-2, 1e-10), "float32": (3e-4, 1e-5)}  # dtype: (lr, relative tolerance)
+CASES = {"float64": (1e-2, 1e-10), "float32": (1e-4, 1e-5)}  # dtype: (lr, relative tolerance)
 
 
 def rel_err(a, b):
