@@ -80,7 +80,18 @@ def span_totals(timeline, t_start_us, t_end_us) -> dict:
 
 
 def bench_megatrain(
-    name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip, n_slots, trace_dir, lr=1e-5, real_text=False
+    name,
+    seq_len,
+    token_counts,
+    micro_seqs,
+    steps,
+    warmup,
+    grad_clip,
+    n_slots,
+    trace_dir,
+    lr=1e-5,
+    real_text=False,
+    state_dir=None,
 ):
     config = Config(
         model=ModelSection(preset=name),
@@ -95,7 +106,7 @@ def bench_megatrain(
             schedule="constant",
         ),
         precision=PrecisionSection("bfloat16"),
-        engine=EngineSection(n_slots=n_slots, trace=True),
+        engine=EngineSection(n_slots=n_slots, trace=True, optimizer_state_dir=state_dir),
         device="cuda",
         output_dir=tempfile.mkdtemp(),
     )
@@ -150,6 +161,8 @@ def bench_megatrain(
                 "pinned_gib": round(report.pinned_bytes / 2**30, 1),
                 "pin_seconds": round(report.pin_seconds, 2),
                 "grad_clip": grad_clip,
+                "optimizer_state_on_disk": state_dir is not None,
+                "disk_gib": round(sum((report.disk or {}).values()) / 2**30, 1),
                 "n_slots": n_slots,
                 "setup_s": round(setup_s, 1),
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
@@ -249,6 +262,7 @@ def main():
     parser.add_argument("--n-slots", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--real-text", action="store_true", help="train on the shipped corpus instead of random tokens")
+    parser.add_argument("--optimizer-state-dir", default=None, help="the disk tier: AdamW moments in files here")
     parser.add_argument(
         "--baseline",
         default="auto",
@@ -275,6 +289,7 @@ def main():
             args.trace_dir,
             args.lr,
             args.real_text,
+            args.optimizer_state_dir,
         )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:

@@ -110,3 +110,12 @@ def test_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
 
 def test_three_slots_match_plain_pytorch(tmp_path):
     check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cpu", tmp_path, n_slots=3)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_disk_tier_matches_plain_pytorch(grad_clip, tmp_path):
+    """AdamW moments in memory-mapped files instead of RAM: the same numbers."""
+    check_steps_match_plain_pytorch(
+        "float64", "tiny-qwen2", grad_clip, "cpu", tmp_path, optimizer_state_dir=str(tmp_path / "moments")
+    )
+    assert sorted(p.name for p in (tmp_path / "moments").iterdir()) == ["state.exp_avg.bin", "state.exp_avg_sq.bin"]

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -114,3 +115,16 @@ def test_gradient_pool_hands_out_and_recycles_buffers():
         store.grad(0)
     report = store.memory_report()
     assert report.arenas["grad"] == 4 * 64  # one buffer: the largest group (30 elements), aligned to 64
+
+
+def test_disk_tier_state_lives_in_files(tmp_path):
+    store = HostStore(make_layouts(), state_names=("exp_avg", "exp_avg_sq"), state_dir=tmp_path)
+    store.state("exp_avg", 1).fill_(3.0)
+    store.prefetch_state(1)
+    store.write_behind_state(1)
+    store._writer.shutdown(wait=True)
+    on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
+    assert (on_disk[store.starts[1] : store.starts[1] + 7] == 3.0).all()
+    assert float(store.state("exp_avg", 1).sum()) == 21.0  # still readable after its pages were dropped
+    report = store.memory_report()
+    assert "state.exp_avg" not in report.arenas and report.disk["state.exp_avg"] > 0

@@ -108,6 +108,8 @@ class EngineSection:
     # activation checkpoints in pinned host memory; "auto": when they would take over half the free GPU memory
     offload_checkpoints: bool | str = "auto"
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
+    # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM
+    optimizer_state_dir: str | None = None
 
     def __post_init__(self):
         if self.offload_checkpoints not in (True, False, "auto"):

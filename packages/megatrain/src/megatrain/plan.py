@@ -115,7 +115,8 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     if offload == "auto":
         offload = gpu_available is not None and checkpoints > 0.5 * (gpu_available - fixed_gpu)
     gpu_bytes = fixed_gpu + (0 if offload else checkpoints)
-    host_bytes = model.n_params * per_param + pool + (checkpoints if offload else 0)
+    on_disk = model.n_params * 4 * len(STATE_NAMES) if config.engine.optimizer_state_dir else 0
+    host_bytes = model.n_params * per_param - on_disk + pool + (checkpoints if offload else 0)
 
     # performance model
     counted = flops_per_token(model, config.data.seq_len) * tokens

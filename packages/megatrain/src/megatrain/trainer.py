@@ -67,7 +67,9 @@ class Trainer:
         ]
         self.eager_updates = config.train.grad_clip == 0
         pool = GRADIENT_POOL if self.eager_updates else None
-        self.store = HostStore(layouts, self.compute_dtype, STATE_NAMES, grad_buffers=pool)
+        self.store = HostStore(
+            layouts, self.compute_dtype, STATE_NAMES, grad_buffers=pool, state_dir=config.engine.optimizer_state_dir
+        )
         self._init_weights()
         train = config.train
         self.optimizer = HostAdamW(self.store, AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay))
@@ -116,9 +118,14 @@ class Trainer:
     def _update(self, group: int, lr: float, clip: float, landed, sq_norm: torch.Tensor | None = None) -> None:
         """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
         synchronize(landed)
+        if self.store.state_dir is not None:  # read the next group's moments from disk while this one updates
+            upcoming = group - 1 if self.eager_updates else group + 1
+            if 0 <= upcoming < self.store.n_groups:
+                self.store.prefetch_state(upcoming)
         if sq_norm is None or math.isfinite(float(sq_norm)):
             with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
                 self.optimizer.update_group(group, lr, clip)
+        self.store.write_behind_state(group)
         self.store.release_grad(group)
 
     # ------------------------------------------------------------------- step

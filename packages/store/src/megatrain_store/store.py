@@ -5,11 +5,15 @@ layer); a group's buffers are slices of the arenas. The GPU side reads `wire` an
 writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 """
 
+import mmap
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,6 +37,7 @@ class MemoryReport:
     arenas: dict[str, int]
     pinned: dict[str, bool]
     pin_seconds: float = 0.0  # time spent page-locking the pinned arenas
+    disk: dict[str, int] | None = None  # arenas in memory-mapped files (the disk tier), not counted in RAM
 
     @property
     def total_bytes(self) -> int:
@@ -51,6 +56,7 @@ class MemoryReport:
             "pinned": self.pinned,
             "pin_seconds": round(self.pin_seconds, 3),
             "pin_gb_per_s": round(self.pinned_bytes / 1e9 / self.pin_seconds, 1) if self.pin_seconds else None,
+            "disk": self.disk or {},
         }
 
     @property
@@ -66,7 +72,10 @@ class HostStore:
     all gradients must be held until the global norm is known); an integer N gives a pool
     of N landing buffers of the largest group's size, handed out by `acquire_grad` and
     returned by `release_grad`, so gradients cost O(N layers) of memory instead of 4 B per
-    parameter (for updates applied as gradients land). float64
+    parameter (for updates applied as gradients land). `state_dir` puts the optimizer
+    state in memory-mapped files there (the disk tier): `prefetch_state(group)` starts
+    reading a group's state ahead and `write_behind_state(group)` flushes it to disk on a
+    background thread, so the state needs disk, not RAM. float64
     compute (everything in fp64) exists for exactness tests that must not depend on
     fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
@@ -79,6 +88,7 @@ class HostStore:
         state_names: tuple[str, ...] = (),
         pin: bool | None = None,
         grad_buffers: int | None = None,
+        state_dir: Path | None = None,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -108,8 +118,11 @@ class HostStore:
             self._free_grads = [self.arenas["grad"][i * slot : (i + 1) * slot] for i in range(grad_buffers)]
             self._held_grads: dict[int, Tensor] = {}
             self._grads_changed = threading.Condition()
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self._state_maps: dict[str, np.memmap] = {}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-disk") if state_dir else None
         for name in self.state_names:
-            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype)
+            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype) if state_dir is None else self._map(name)
 
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"
@@ -121,6 +134,50 @@ class HostStore:
             pinned_ptrs = [self.arenas[n].data_ptr() for n, p in self.pinned.items() if p]
             weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
         self.pin_seconds = time.perf_counter() - start
+
+    def _map(self, name: str) -> Tensor:
+        """A zero-filled file-backed arena for optimizer state `name` in `state_dir`."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / f"state.{name}.bin"
+        dtype = np.float64 if self.master_dtype == torch.float64 else np.float32
+        try:
+            array = np.memmap(path, dtype=dtype, mode="w+", shape=(self._arena_numel,))
+        except OSError as error:
+            need = self._arena_numel * np.dtype(dtype).itemsize
+            raise StoreError(
+                f"cannot create {need / 2**30:.1f} GiB state file {path}: {error}; free disk space or "
+                "choose another engine.optimizer_state_dir"
+            ) from error
+        self._state_maps[name] = array
+        return torch.from_numpy(array)
+
+    def _state_range(self, name: str, group: int) -> tuple[mmap.mmap, int, int]:
+        """The page-aligned byte range of `group` in state file `name`."""
+        array = self._state_maps[name]
+        start = self.starts[group] * array.itemsize
+        end = start + self.layouts[group].numel * array.itemsize
+        page = mmap.PAGESIZE
+        return array._mmap, start // page * page, end - start // page * page
+
+    def prefetch_state(self, group: int) -> None:
+        """Ask the kernel to start reading `group`'s optimizer state from disk (returns at once)."""
+        for name in self._state_maps:
+            handle, offset, length = self._state_range(name, group)
+            handle.madvise(mmap.MADV_WILLNEED, offset, length)
+
+    def write_behind_state(self, group: int) -> None:
+        """Flush `group`'s updated optimizer state to disk on a background thread and let the
+        kernel drop its pages, so the disk tier's resident memory stays a few layers."""
+        if self._writer is None:
+            return
+
+        def flush():
+            for name in self._state_maps:
+                handle, offset, length = self._state_range(name, group)
+                handle.flush(offset, length)
+                handle.madvise(mmap.MADV_DONTNEED, offset, length)
+
+        self._writer.submit(flush)
 
     def _allocate(self, dtype: torch.dtype, numel: int | None = None) -> Tensor:
         numel = self._arena_numel if numel is None else numel
@@ -197,8 +254,17 @@ class HostStore:
             self.wire(group).copy_(self.master(group))
 
     def memory_report(self) -> MemoryReport:
-        sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
-        return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds)
+        sizes = {
+            name: t.numel() * t.element_size()
+            for name, t in self.arenas.items()
+            if name.removeprefix("state.") not in self._state_maps
+        }
+        on_disk = {
+            name: t.numel() * t.element_size()
+            for name, t in self.arenas.items()
+            if name.removeprefix("state.") in self._state_maps
+        }
+        return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds, on_disk)
 
 
 def bytes_per_param(compute_dtype: torch.dtype, n_state: int, full_grads: bool = True) -> int:
