@@ -185,3 +185,26 @@ def test_bad_stage_lists():
     wrong = [Stage(Mix(), (0,), "bad")] + list(pipeline.stages[1:])
     with pytest.raises(SchedError, match="expects 36 elements in group 0"):
         LayerPipeline(wrong, store, torch.device("cpu"))
+
+
+def test_timeline_keeps_only_recent_steps():
+    store, pipeline, _ = build(2, tied=False)
+    batches = [MicroBatch(i, lab) for i, lab in make_batches(1)]
+    pipeline.run(batches, loss_scale=1.0)
+    per_step = len(pipeline.timeline.spans)
+    for _ in range(4):
+        pipeline.run(batches, loss_scale=1.0)
+    assert len(pipeline.timeline.spans) <= 2 * per_step  # bounded on long runs (the last step plus the current)
+    pipeline.timeline.keep_steps = None
+    for _ in range(3):
+        pipeline.run(batches, loss_scale=1.0)
+    assert len(pipeline.timeline.spans) >= 3 * per_step
+
+
+def test_offload_decision_from_checkpoint_size():
+    store, pipeline, _ = build(2, tied=False)
+    batches = [MicroBatch(i, lab) for i, lab in make_batches(3)]
+    assert pipeline._should_offload(batches) is False  # the CPU never offloads
+    pipeline.stages[-1].template.d_model = D
+    # three micro-batches of 2 x 5 tokens, D wide, fp32, for the two middle stages
+    assert pipeline.checkpoint_bytes(batches) == 3 * 2 * 5 * D * 4 * 2

@@ -21,10 +21,15 @@ def _timing_event(stream):
 
 
 class Timeline:
-    """Collects spans while `enabled`; `resolve()` turns pending device spans into times."""
+    """Collects spans while `enabled`; `resolve()` turns pending device spans into times.
 
-    def __init__(self, enabled: bool = False):
+    `keep_steps` bounds memory on long runs: only the spans of the last that many steps
+    are kept (None keeps everything, for benchmarks that time several steps)."""
+
+    def __init__(self, enabled: bool = False, keep_steps: int | None = 1):
         self.enabled = enabled
+        self.keep_steps = keep_steps
+        self._step_starts: list[int] = []  # index in `spans` where each step's spans begin
         self.spans: list[dict] = []  # {"name", "track", "start_us", "end_us"}
         self._pending: list[tuple[str, str, object, object]] = []
         self._origin_event = None
@@ -36,6 +41,11 @@ class Timeline:
         if not self.enabled:
             return
         self.resolve()
+        self._step_starts.append(len(self.spans))
+        if self.keep_steps is not None and len(self._step_starts) > self.keep_steps:
+            first = self._step_starts[-self.keep_steps]
+            del self.spans[:first]
+            self._step_starts = [start - first for start in self._step_starts[-self.keep_steps :]]
         if streams.cuda:
             torch.cuda.synchronize(streams.device)
             self._origin_event = _timing_event(streams.compute)
