@@ -4,7 +4,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatrain_optim import OptimError
+from megatrain_sched import SchedError
+from megatrain_store import StoreError
+from megatrain_zoo import ZooError
+
 from .config import ConfigError, default_config_path, load_config
+from .trainer import NonFiniteError
+
+KNOWN_ERRORS = (ZooError, StoreError, OptimError, SchedError, NonFiniteError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -107,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"megatrain: config error: {error}", file=sys.stderr)
         return 2
-    except Exception as error:  # noqa: BLE001 - one readable line for known error types
-        if type(error).__name__ in ("ZooError", "StoreError", "OptimError", "SchedError", "NonFiniteError"):
-            print(f"megatrain: {type(error).__name__}: {error}", file=sys.stderr)
-            return 1
-        raise
+    except KNOWN_ERRORS as error:  # one readable line; anything else is a bug and keeps its traceback
+        print(f"megatrain: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -91,12 +91,13 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = [(path, name) for path in files for name in safe_open(str(path), framework="pt").keys()]
-    shards, current, size = [], [], 0
-    for path, name in names:
+    sizes = []  # (file, tensor name, bytes in the target dtype), in file order
+    for path in files:
         with safe_open(str(path), framework="pt") as handle:
-            nbytes = handle.get_slice(name).get_shape()
-        nbytes = int(torch.Size(nbytes).numel()) * target.itemsize
+            for name in handle.keys():
+                sizes.append((path, name, torch.Size(handle.get_slice(name).get_shape()).numel() * target.itemsize))
+    shards, current, size = [], [], 0
+    for path, name, nbytes in sizes:
         if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = [], 0

@@ -1,6 +1,7 @@
 """`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out."""
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -10,7 +11,14 @@ from tqdm import tqdm
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
 from .data import TokenWindows, load_token_data
-from .trainer import NonFiniteError, Trainer, write_jsonl
+from .trainer import NonFiniteError, Trainer
+
+
+def write_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> bool:

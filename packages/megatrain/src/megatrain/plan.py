@@ -9,7 +9,6 @@ them on the current machine and saves them.
 """
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -272,6 +271,4 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"PCIe {plan.rates.pcie_gbps} GB/s, "
         f"CPU AdamW {plan.rates.cpu_adam_params_per_s / 1e9:.1f} G params/s ({plan.rates.source})",
     ]
-    if math.isfinite(plan.step_s) and plan.step_s > 0:
-        return "\n".join(lines)
-    return "\n".join(lines[:4])
+    return "\n".join(lines)

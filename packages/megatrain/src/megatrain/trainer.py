@@ -13,9 +13,7 @@ gradient in host memory. Two update policies, both equal to a synchronous AdamW 
   group whose gradient is non-finite is not updated and the step is reported skipped.
 """
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,10 +185,3 @@ class Trainer:
     def close(self) -> None:
         self.finish_updates()
         self.stepper.close()
-
-
-def write_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
