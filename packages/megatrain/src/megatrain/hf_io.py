@@ -39,37 +39,44 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
         store.refresh_wire(group)
 
 
+def write_hf_directory(
+    out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int = SHARD_BYTES
+) -> Path:
+    """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known.
+
+    entries: (name, nbytes, load) in file order; `load()` returns the tensor to write, so
+    only one shard's tensors are materialized at a time."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards, size = [[]], 0
+    for entry in entries:
+        if shards[-1] and size + entry[1] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[1]
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = [(name, load()) for name, _, load in shard]
+        total += write_safetensors(out_dir / filename, tensors, metadata={"format": "pt"})
+        weight_map.update({name: filename for name, _ in tensors})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
+    atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
+    if tokenizer is not None and Path(tokenizer).exists():
+        shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    return out_dir
+
+
 def export_hf(
     store: HostStore, spec: ModelSpec, out_dir: Path, tokenizer: Path | None = None, shard_bytes: int = SHARD_BYTES
 ) -> Path:
     """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
     transformers loads as the matching *ForCausalLM; copies tokenizer.json when given."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = list(named_masters(store).items())
-    shards: list[list] = [[]]
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * 4
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, tensor))
-        size += nbytes
-    if len(shards) == 1:
-        write_safetensors(out_dir / "model.safetensors", shards[0], metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(out_dir / filename, shard, metadata={"format": "pt"})
-            weight_map.update({name: filename for name, _ in shard})
-        index = {"metadata": {"total_size": sum(t.numel() * 4 for _, t in tensors)}, "weight_map": weight_map}
-        atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
-    atomic_write_text(out_dir / "config.json", json.dumps(config_to_hf(spec.config), indent=2))
-    if tokenizer is not None and Path(tokenizer).exists():
-        shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
-    return out_dir
+    entries = [(name, t.numel() * t.element_size(), lambda t=t: t) for name, t in named_masters(store).items()]
+    return write_hf_directory(out_dir, entries, config_to_hf(spec.config), tokenizer, shard_bytes)
 
 
 def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES) -> Path:
@@ -89,36 +96,18 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
         model = read_hf_config(source)
         files = checkpoint_files(source)
     target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sizes = []  # (file, tensor name, bytes in the target dtype), in file order
+
+    def load(path, name):
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(name).to(target)
+
+    entries = []
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                sizes.append((path, name, torch.Size(handle.get_slice(name).get_shape()).numel() * target.itemsize))
-    shards, current, size = [], [], 0
-    for path, name, nbytes in sizes:
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append((path, name))
-        size += nbytes
-    shards.append(current)
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = []
-        for path, name in shard:
-            with safe_open(str(path), framework="pt") as handle:
-                tensors.append((name, handle.get_tensor(name).to(target)))
-        total += write_safetensors(out_dir / filename, tensors, metadata={"format": "pt"})
-        weight_map.update({name: filename for name, _ in tensors})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
-    atomic_write_text(out_dir / "config.json", json.dumps(config_to_hf(model, dtype), indent=2))
-    for candidate in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json"):
-        if candidate.exists():
-            shutil.copyfile(candidate, out_dir / "tokenizer.json")
-            break
-    return out_dir
+                nbytes = torch.Size(handle.get_slice(name).get_shape()).numel() * target.itemsize
+                entries.append((name, nbytes, lambda path=path, name=name: load(path, name)))
+    tokenizer = next(
+        (t for t in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json") if t.exists()), None
+    )
+    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), tokenizer, shard_bytes)

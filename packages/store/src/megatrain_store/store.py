@@ -116,7 +116,7 @@ class HostStore:
             slot = _align(max(layout.numel for layout in self.layouts))
             self.arenas["grad"] = self._allocate(self.master_dtype, grad_buffers * slot)
             self._free_grads = [self.arenas["grad"][i * slot : (i + 1) * slot] for i in range(grad_buffers)]
-            self._held_grads: dict[int, Tensor] = {}
+            self._held_grads: dict[int, Tensor] = {}  # group -> the whole pool buffer it holds
             self._grads_changed = threading.Condition()
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._state_maps: dict[str, np.memmap] = {}
@@ -214,29 +214,24 @@ class HostStore:
         with self._grads_changed:
             if group not in self._held_grads:
                 raise StoreError(f"group {group} holds no gradient buffer; call acquire_grad({group}) first")
-            return self._held_grads[group]
+            return self._held_grads[group][: self.layouts[group].numel]
 
     def acquire_grad(self, group: int) -> Tensor:
         """The landing buffer for `group`'s gradient; with a pool, blocks until one is free."""
         if self.grad_buffers is None:
             return self._slice("grad", group)
-        numel = self.layouts[group].numel
         with self._grads_changed:
-            if group in self._held_grads:
-                return self._held_grads[group]
-            self._grads_changed.wait_for(lambda: self._free_grads)
-            self._held_grads[group] = self._free_grads.pop()[:numel]
-            return self._held_grads[group]
+            if group not in self._held_grads:
+                self._grads_changed.wait_for(lambda: self._free_grads)
+                self._held_grads[group] = self._free_grads.pop()
+            return self._held_grads[group][: self.layouts[group].numel]
 
     def release_grad(self, group: int) -> None:
         """Return `group`'s landing buffer to the pool once its gradient has been consumed."""
         if self.grad_buffers is None:
             return
         with self._grads_changed:
-            buffer = self._held_grads.pop(group)
-            slot = self.arenas["grad"].numel() // self.grad_buffers
-            start = (buffer.data_ptr() - self.arenas["grad"].data_ptr()) // buffer.element_size()
-            self._free_grads.append(self.arenas["grad"][start : start + slot])
+            self._free_grads.append(self._held_grads.pop(group))
             self._grads_changed.notify_all()
 
     def state(self, name: str, group: int) -> Tensor:
