@@ -12,6 +12,7 @@ x tokens / step time, recomputation not counted. Results: JSON (--out) and a tab
 
 import argparse
 import gc
+import resource
 import sys
 import tempfile
 import time
@@ -91,7 +92,7 @@ def bench_megatrain(
     trace_dir,
     lr=1e-5,
     real_text=False,
-    state_dir=None,
+    engine_options=None,
 ):
     config = Config(
         model=ModelSection(preset=name),
@@ -106,7 +107,7 @@ def bench_megatrain(
             schedule="constant",
         ),
         precision=PrecisionSection("bfloat16"),
-        engine=EngineSection(n_slots=n_slots, trace=True, optimizer_state_dir=state_dir),
+        engine=EngineSection(n_slots=n_slots, trace=True, **(engine_options or {})),
         device="cuda",
         output_dir=tempfile.mkdtemp(),
     )
@@ -162,8 +163,9 @@ def bench_megatrain(
                 "pinned_gib": round(report.pinned_bytes / 2**30, 1),
                 "pin_seconds": round(report.pin_seconds, 2),
                 "grad_clip": grad_clip,
-                "optimizer_state_on_disk": state_dir is not None,
+                "wire_copy": config.engine.wire_copy,
                 "disk_gib": round(sum((report.disk or {}).values()) / 2**30, 1),
+                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
                 "n_slots": n_slots,
                 "setup_s": round(setup_s, 1),
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
@@ -259,11 +261,15 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward pass")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (14 B/param)")
+    parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (12 B/param)")
     parser.add_argument("--n-slots", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--real-text", action="store_true", help="train on the shipped corpus instead of random tokens")
     parser.add_argument("--optimizer-state-dir", default=None, help="the disk tier: AdamW moments in files here")
+    parser.add_argument(
+        "--disk-state-fraction", default="auto", help="share of the moments on disk (auto: what does not fit)"
+    )
+    parser.add_argument("--wire-copy", action="store_true", help="keep a bf16 copy of the weights in host memory")
     parser.add_argument(
         "--baseline",
         default="auto",
@@ -290,7 +296,13 @@ def main():
             args.trace_dir,
             args.lr,
             args.real_text,
-            args.optimizer_state_dir,
+            {
+                "optimizer_state_dir": args.optimizer_state_dir,
+                "disk_state_fraction": args.disk_state_fraction
+                if args.disk_state_fraction == "auto"
+                else float(args.disk_state_fraction),
+                "wire_copy": args.wire_copy,
+            },
         )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:

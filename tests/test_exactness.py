@@ -15,6 +15,7 @@ from reference_model import ReferenceLM, reference_adamw
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
+from megatrain_zoo import preset
 
 CASES = {"float64": (1e-2, 1e-10), "float32": (1e-4, 1e-5)}  # dtype: (lr, relative tolerance)
 
@@ -113,9 +114,50 @@ def test_three_slots_match_plain_pytorch(tmp_path):
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
-def test_disk_tier_matches_plain_pytorch(grad_clip, tmp_path):
-    """AdamW moments in memory-mapped files instead of RAM: the same numbers."""
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_disk_tier_matches_plain_pytorch(grad_clip, fraction, tmp_path):
+    """AdamW moments of all or of the last half of the parameters in memory-mapped files: the same numbers."""
+    state_dir = tmp_path / "moments"
     check_steps_match_plain_pytorch(
-        "float64", "tiny-qwen2", grad_clip, "cpu", tmp_path, optimizer_state_dir=str(tmp_path / "moments")
+        "float64",
+        "tiny-qwen2",
+        grad_clip,
+        "cpu",
+        tmp_path,
+        optimizer_state_dir=str(state_dir),
+        disk_state_fraction=fraction,
     )
-    assert sorted(p.name for p in (tmp_path / "moments").iterdir()) == ["state.exp_avg.bin", "state.exp_avg_sq.bin"]
+    files = sorted(state_dir.iterdir())
+    assert [p.name for p in files] == ["state.exp_avg.bin", "state.exp_avg_sq.bin"]
+    n_params = preset("tiny-qwen2").n_params
+    on_disk = files[0].stat().st_size / 8  # float64 elements: whole groups, the last ones, at least the fraction
+    assert fraction * n_params <= on_disk and (fraction == 1 or on_disk < n_params)
+
+
+def check_wire_copy_changes_nothing(device, output_dir):
+    """bf16 compute from a host bf16 copy of the weights and from the fp32 master cast on arrival:
+    bit-identical losses and weights (the cast is the same round-to-nearest either way)."""
+    batches = [random_batch(4, 16, 256, torch.Generator().manual_seed(step)) for step in range(3)]
+    runs = []
+    for wire_copy in (False, True):
+        config = Config(
+            model=ModelSection(preset="tiny-llama"),
+            data=DataSection(seq_len=16),
+            train=TrainSection(steps=3, batch_size=4, micro_batch_size=2, lr=1e-2, grad_clip=0.0, seed=3),
+            precision=PrecisionSection("bfloat16"),
+            engine=EngineSection(wire_copy=wire_copy),
+            device=device,
+            output_dir=str(output_dir),
+        )
+        trainer = Trainer(config)
+        assert ("wire" in trainer.store.arenas) == wire_copy
+        losses = [trainer.train_step(ids, labels).loss for ids, labels in batches]
+        runs.append((losses, {k: v.clone() for k, v in trainer.named_weights().items()}))
+        trainer.close()
+    (losses, weights), (copy_losses, copy_weights) = runs
+    assert losses == copy_losses
+    assert all(torch.equal(weights[name], copy_weights[name]) for name in weights)
+
+
+def test_wire_copy_changes_nothing(tmp_path):
+    check_wire_copy_changes_nothing("cpu", tmp_path)

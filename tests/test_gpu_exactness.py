@@ -3,7 +3,9 @@ PyTorch on the same GPU. CPU twins: test_exactness.py."""
 
 import pytest
 import torch
-from test_exactness import check_steps_match_plain_pytorch
+from test_exactness import check_steps_match_plain_pytorch, check_wire_copy_changes_nothing
+
+import megatrain_sched.pipeline
 
 
 @pytest.fixture(autouse=True)
@@ -29,3 +31,10 @@ def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
 def test_gpu_engine_options_stay_exact(engine, tmp_path):
     # float64: a race between streams would show up as a difference far above 1e-10
     check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path, **engine)
+
+
+@pytest.mark.gpu
+def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypatch):
+    # a small staging buffer: every group crosses in many chunks
+    monkeypatch.setattr(megatrain_sched.pipeline, "STAGING_NUMEL", 1000)
+    check_wire_copy_changes_nothing("cuda", tmp_path)

@@ -63,7 +63,10 @@ def test_unfused_fallback_matches_torch_adamw(monkeypatch):
 
 def test_wire_copy_refreshed():
     store = HostStore(
-        [GroupLayout.from_specs(SPECS[0])], compute_dtype=torch.bfloat16, state_names=("exp_avg", "exp_avg_sq")
+        [GroupLayout.from_specs(SPECS[0])],
+        compute_dtype=torch.bfloat16,
+        state_names=("exp_avg", "exp_avg_sq"),
+        wire_copy=True,
     )
     store.master(0).normal_()
     store.grad(0).normal_()

@@ -29,13 +29,16 @@ def test_duplicate_names_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_buffers_and_accounting(dtype):
-    store = HostStore(make_layouts(), compute_dtype=dtype, state_names=("exp_avg", "exp_avg_sq"))
+@pytest.mark.parametrize("wire_copy", [False, True])
+def test_store_buffers_and_accounting(dtype, wire_copy):
+    store = HostStore(make_layouts(), compute_dtype=dtype, state_names=("exp_avg", "exp_avg_sq"), wire_copy=wire_copy)
     for group in range(store.n_groups):
         store.master(group).normal_()
         store.refresh_wire(group)
-        assert store.wire(group).dtype == dtype
-        assert torch.equal(store.wire(group), store.master(group).to(dtype))
+        keeps_copy = wire_copy and dtype != torch.float32
+        # without a copy the GPU receives the fp32 master itself and casts it there
+        assert store.wire(group).dtype == (dtype if keeps_copy else torch.float32)
+        assert torch.equal(store.wire(group).to(dtype), store.master(group).to(dtype))
         assert store.grad(group).dtype == torch.float32
         assert store.state("exp_avg", group).shape == store.master(group).shape
     # buffers of different groups never overlap
@@ -43,8 +46,9 @@ def test_store_buffers_and_accounting(dtype):
     report = store.memory_report()
     assert report.n_params == 30 + 7
     # arenas are padded for alignment, so per-parameter bytes are at least the nominal figure
-    assert report.bytes_per_param >= bytes_per_param(dtype, 2)
-    assert ("wire" in report.arenas) == (dtype != torch.float32)
+    assert report.bytes_per_param >= bytes_per_param(dtype, 2, wire_copy=wire_copy)
+    assert ("wire" in report.arenas) == keeps_copy
+    assert bytes_per_param(dtype, 2, full_grads=False, wire_copy=wire_copy) == (14 if keeps_copy else 12)
 
 
 def test_unknown_state_name():
@@ -127,4 +131,22 @@ def test_disk_tier_state_lives_in_files(tmp_path):
     assert (on_disk[store.starts[1] : store.starts[1] + 7] == 3.0).all()
     assert float(store.state("exp_avg", 1).sum()) == 21.0  # still readable after its pages were dropped
     report = store.memory_report()
-    assert "state.exp_avg" not in report.arenas and report.disk["state.exp_avg"] > 0
+    assert report.arenas["state.exp_avg"] == 0 and report.disk["state.exp_avg"] > 0
+
+
+def test_disk_tier_for_the_last_groups_only(tmp_path):
+    layouts = make_layouts() + [GroupLayout.from_specs([("c.w", (100,), True)])]
+    store = HostStore(layouts, state_names=("exp_avg",), state_dir=tmp_path, first_disk_group=1)
+    for group in range(store.n_groups):
+        store.state("exp_avg", group).fill_(group + 1.0)
+        store.write_behind_state(group)  # a no-op for group 0, whose state is in RAM
+    store._writer.shutdown(wait=True)
+    on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
+    assert on_disk.size == store.starts[2] - store.starts[1] + 100 + 28  # groups 1 and 2, group starts aligned
+    assert (on_disk[:7] == 2.0).all() and (on_disk[store.starts[2] - store.starts[1] :][:100] == 3.0).all()
+    for group in range(store.n_groups):
+        assert (store.state("exp_avg", group) == group + 1.0).all()
+    report = store.memory_report()
+    assert report.arenas["state.exp_avg"] == 4 * store.starts[1]  # only group 0 in RAM
+    with pytest.raises(StoreError, match="first_disk_group"):
+        HostStore(layouts, state_names=("exp_avg",), state_dir=tmp_path, first_disk_group=4)

@@ -110,6 +110,12 @@ class EngineSection:
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
     # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM
     optimizer_state_dir: str | None = None
+    # share of the parameters (the last layers') whose moments go there; "auto": as few as the
+    # run needs to fit in host memory
+    disk_state_fraction: float | str = "auto"
+    # keep a bf16 copy of the weights in host memory (+2 B/param) to halve host->GPU traffic:
+    # worth it only when a step has too few tokens (under ~10k) to hide fp32 weight copies
+    wire_copy: bool = False
 
     def __post_init__(self):
         if self.offload_checkpoints not in (True, False, "auto"):
@@ -118,6 +124,9 @@ class EngineSection:
             )
         if self.n_slots < 2:
             raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
+        fraction = self.disk_state_fraction
+        if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
+            raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")
 
 
 @dataclass(frozen=True)

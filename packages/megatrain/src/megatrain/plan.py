@@ -10,6 +10,7 @@ them on the current machine and saves them.
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +28,9 @@ LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk plus its bf16 cop
 # Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
 # the backward by a few layers before the pipeline waits for it.
 GRADIENT_POOL = 3
+# With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
+# host memory: the rest is page cache for the disk tier's read-ahead and write-behind.
+DISK_TIER_RAM_SHARE = 0.85
 
 
 def available_host_bytes() -> int | None:
@@ -46,7 +50,7 @@ class Rates:
     gpu_tflops: float = 500.0  # hardware bf16 rate of a decoder block, recompute + backward (H100, 7B shape)
     head_tflops: float = 390.0  # the chunked LM head + loss + its backward (H100, Qwen2.5-7B vocabulary)
     pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
-    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW + wire refresh on the host
+    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host
     source: str = "defaults (measured on an H100 machine, 16 cores)"
 
 
@@ -56,6 +60,8 @@ class Plan:
     host_bytes: int
     host_bytes_per_param: float
     host_available: int | None
+    disk_bytes: int  # optimizer state in the disk tier's files
+    first_disk_group: int  # groups from here on keep their optimizer state on disk
     gpu_bytes: int
     gpu_available: int | None
     offload_checkpoints: bool
@@ -80,10 +86,36 @@ def load_rates() -> Rates:
     return Rates()
 
 
-def _max_group(model: ModelConfig) -> int:
+def group_sizes(model: ModelConfig) -> list[int]:
+    """Parameters per store group, in store order: embedding, layers, head (as megatrain_zoo builds them)."""
     embed = model.vocab_size * model.d_model
     head = model.d_model + (0 if model.tie_embeddings else embed)
-    return max(embed, head, model.block_params)
+    return [embed] + [model.block_params] * model.n_layers + [head]
+
+
+def _max_group(model: ModelConfig) -> int:
+    return max(group_sizes(model))
+
+
+def first_disk_group(config: Config, model: ModelConfig, ram_bytes: int, host_available: int | None) -> int:
+    """The first group whose optimizer state goes to the disk tier (the last groups go): with
+    disk_state_fraction auto, as few as bring `ram_bytes` within the host's share for the run."""
+    sizes = group_sizes(model)
+    if not config.engine.optimizer_state_dir:
+        return len(sizes)
+    fraction = config.engine.disk_state_fraction
+    state_per_param = 4 * len(STATE_NAMES)
+    if fraction != "auto":
+        to_move = fraction * model.n_params
+    elif host_available is None:
+        to_move = model.n_params
+    else:
+        to_move = (ram_bytes - DISK_TIER_RAM_SHARE * host_available) / state_per_param
+    first = len(sizes)
+    while first > 0 and to_move > 0:
+        first -= 1
+        to_move -= sizes[first]
+    return first
 
 
 def host_memory_limit() -> int | None:
@@ -100,7 +132,8 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     dtype = resolve_dtype(config.precision.compute_dtype, device)
     element = torch.finfo(dtype).bits // 8
     full_grads = config.train.grad_clip > 0
-    per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads)
+    wire_copy = config.engine.wire_copy and dtype != torch.float32
+    per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads, wire_copy)
     pool = 0 if full_grads else GRADIENT_POOL * _max_group(model) * 4
     tokens = config.train.batch_size * config.data.seq_len
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
@@ -114,8 +147,11 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     if offload == "auto":
         offload = gpu_available is not None and checkpoints > 0.5 * (gpu_available - fixed_gpu)
     gpu_bytes = fixed_gpu + (0 if offload else checkpoints)
-    on_disk = model.n_params * 4 * len(STATE_NAMES) if config.engine.optimizer_state_dir else 0
-    host_bytes = model.n_params * per_param - on_disk + pool + (checkpoints if offload else 0)
+    host_bytes = model.n_params * per_param + pool + (checkpoints if offload else 0)
+    host_available = host_memory_limit()
+    first_disk = first_disk_group(config, model, host_bytes, host_available)
+    disk_bytes = sum(group_sizes(model)[first_disk:]) * 4 * len(STATE_NAMES)
+    host_bytes -= disk_bytes
 
     # performance model
     counted = flops_per_token(model, config.data.seq_len) * tokens
@@ -123,17 +159,21 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     down_share = model.d_ff * model.d_model / (model.block_params or 1)
     block_work = (1 - head_share) * counted * (8 - 2 * down_share) / 6  # recompute minus the skipped down GEMM
     compute_s = block_work / (rates.gpu_tflops * 1e12) + head_share * counted / (rates.head_tflops * 1e12)
-    transfer_s = model.n_params * (2 * element + 4) / (rates.pcie_gbps * 1e9)
+    # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link
+    wire = element if wire_copy else 4
+    transfer_s = model.n_params * max(2 * wire, 4) / (rates.pcie_gbps * 1e9)
     optimizer_s = model.n_params / rates.cpu_adam_params_per_s
     embed_params = model.vocab_size * model.d_model
-    bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (element + 4) / (rates.pcie_gbps * 1e9)
+    bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / (rates.pcie_gbps * 1e9)
     # copies run beside compute; the optimizer runs beside the backward (3/4 of compute) or the next forward
     step_s = max(compute_s, transfer_s, optimizer_s / 0.75) + bubble_s
     return Plan(
         model.n_params,
         host_bytes,
         host_bytes / model.n_params,
-        host_memory_limit(),
+        host_available,
+        disk_bytes,
+        first_disk,
         gpu_bytes,
         gpu_available,
         bool(offload),
@@ -169,7 +209,18 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"memory ({plan.host_bytes_per_param:.1f} B/param) but {plan.host_available / 2**30:.1f} GiB is available; "
             f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
             + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
+            + ("" if config.engine.optimizer_state_dir else "; engine.optimizer_state_dir moves optimizer state to disk")
         )
+    if plan.disk_bytes:
+        state_dir = Path(config.engine.optimizer_state_dir)
+        existing = next(p for p in (state_dir, *state_dir.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+        if plan.disk_bytes > free:
+            raise ConfigError(
+                f"the disk tier needs {plan.disk_bytes / 2**30:.1f} GiB in {state_dir} but its disk has "
+                f"{free / 2**30:.1f} GiB free; free space, choose another engine.optimizer_state_dir, or set "
+                "engine.disk_state_fraction lower"
+            )
     if plan.gpu_available is not None and plan.gpu_bytes > 0.95 * plan.gpu_available:
         per_sequence = plan.checkpoint_bytes // config.train.batch_size
         fixed = plan.gpu_bytes - (0 if plan.offload_checkpoints else plan.checkpoint_bytes)
@@ -235,12 +286,10 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int) -> Rates:
     n = 64 * 2**20
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
-    wire = torch.empty(n, dtype=torch.bfloat16)
     step = torch.tensor(1.0)
     start = time.perf_counter()
     for _ in range(3):
         adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-        wire.copy_(p)
     cpu = 3 * n / (time.perf_counter() - start)
     rates = Rates(
         round(gpu_tflops, 1),
@@ -259,7 +308,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
     lines = [
         f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters",
         f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
-        + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else ""),
+        + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else "")
+        + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else ""),
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (", checkpoints offloaded to host" if plan.offload_checkpoints else ""),

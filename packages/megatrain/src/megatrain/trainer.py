@@ -58,7 +58,8 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
-        check_plan(make_plan(config, self.model_config), config, self.model_config)
+        plan = make_plan(config, self.model_config)
+        check_plan(plan, config, self.model_config)
         self.spec = build_model(self.model_config)
         layouts = [
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
@@ -66,7 +67,13 @@ class Trainer:
         self.eager_updates = config.train.grad_clip == 0
         pool = GRADIENT_POOL if self.eager_updates else None
         self.store = HostStore(
-            layouts, self.compute_dtype, STATE_NAMES, grad_buffers=pool, state_dir=config.engine.optimizer_state_dir
+            layouts,
+            self.compute_dtype,
+            STATE_NAMES,
+            grad_buffers=pool,
+            state_dir=config.engine.optimizer_state_dir,
+            first_disk_group=plan.first_disk_group,
+            wire_copy=config.engine.wire_copy,
         )
         self._init_weights()
         train = config.train
@@ -174,8 +181,11 @@ class Trainer:
         x = input_ids.to(self.device)
         *body, head = self.spec.stages
         for stage in body:
-            x = stage.template.forward([self.store.wire(g).to(self.device) for g in stage.groups], x)
-        return head.template.logits([self.store.wire(g).to(self.device) for g in head.groups], x)
+            x = stage.template.forward(self._device_weights(stage.groups), x)
+        return head.template.logits(self._device_weights(head.groups), x)
+
+    def _device_weights(self, groups: tuple[int, ...]) -> list[torch.Tensor]:
+        return [self.store.wire(g).to(self.device, self.compute_dtype) for g in groups]
 
     def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
         """Write the current weights as a Hugging Face model directory (see `export_hf`)."""

@@ -127,7 +127,7 @@ class HostAdamW:
         self._step_tensor = torch.tensor(float(self.step_count), dtype=self.store.master_dtype)
 
     def update_group(self, group: int, lr: float, clip_coef: float = 1.0) -> None:
-        """AdamW on `group` from its landed gradient (times clip_coef), then refresh its wire copy."""
+        """AdamW on `group` from its landed gradient (times clip_coef), then refresh its wire copy if any."""
         if self.step_count == 0:
             raise OptimError("update_group called before begin_step")
         store, cfg = self.store, self.config

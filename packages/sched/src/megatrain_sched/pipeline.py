@@ -8,6 +8,10 @@ last block, backward) finds its weights still in the slot of position n-2, so wi
 slots they are not copied again. Gradients of a group accumulate in one fp32 device
 buffer and are copied out once, when the last stage that binds the group has run
 backward.
+
+Weights travel as the store keeps them: an fp32 master is copied in through a small fp32
+staging buffer and cast to the compute dtype on the copy-in stream, so the host needs
+no second, bf16 copy of the model.
 """
 
 from collections.abc import Callable
@@ -21,6 +25,10 @@ from megatrain_store import HostStore
 
 from .streams import Streams
 from .timeline import Timeline
+
+# Elements per staged host->device copy of an fp32 master (64 MiB): large enough to run
+# at full PCIe speed, small next to the slots.
+STAGING_NUMEL = 2**24
 
 
 class SchedError(Exception):
@@ -111,6 +119,12 @@ class LayerPipeline:
         self.slots = [
             _Slot(torch.empty(slot_numel, dtype=store.compute_dtype, device=self.device)) for _ in range(n_slots)
         ]
+        cast_on_device = self.streams.cuda and store.wire(0).dtype != store.compute_dtype
+        self._staging = (
+            torch.empty(min(slot_numel, STAGING_NUMEL), dtype=store.wire(0).dtype, device=self.device)
+            if cast_on_device
+            else None
+        )
         n = len(stages)
         self.order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
         # how many stages bind each group in backward: its gradient leaves after the last one
@@ -143,10 +157,22 @@ class LayerPipeline:
             self.timeline.device_span(f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in),
         ):
             for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
-                view.copy_(self.store.wire(group), non_blocking=True)
+                self._copy_weights(view, self.store.wire(group))
             slot.ready = streams.record(streams.copy_in)
         slot.stage = stage
         log.append(("copy_in", stage, position % len(self.slots)))
+
+    def _copy_weights(self, view: Tensor, source: Tensor) -> None:
+        """Queue host `source` -> device `view` on the current (copy-in) stream, casting on the device."""
+        if self._staging is None:  # same dtype, or the CPU, where copy_ casts
+            view.copy_(source, non_blocking=True)
+            return
+        # one staging buffer on one stream: each chunk's copy waits for the previous chunk's cast
+        for start in range(0, source.numel(), self._staging.numel()):
+            chunk = source[start : start + self._staging.numel()]
+            staged = self._staging[: chunk.numel()]
+            staged.copy_(chunk, non_blocking=True)
+            view[start : start + chunk.numel()].copy_(staged)
 
     # ---------------------------------------------------------------- gradients
     def _grad_buffers(self, stage: int, grad_buffers: dict[int, Tensor]) -> list[Tensor]:

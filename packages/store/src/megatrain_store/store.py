@@ -65,19 +65,22 @@ class MemoryReport:
 
 
 class HostStore:
-    """Flat per-group host buffers: fp32 master, compute-dtype wire copy, fp32 grads, named state.
+    """Flat per-group host buffers: fp32 master, fp32 grads, named state, optionally a wire copy.
 
-    With an fp32 compute dtype the wire copy *is* the master (no second copy).
+    What the GPU copies in is `wire(group)`: the fp32 master itself unless `wire_copy`
+    keeps a second, compute-dtype copy (bf16: 2 B/param more host memory for half the
+    host->GPU bytes, worth it only when a step has too few tokens to hide the copies);
+    the scheduler casts an fp32 master to the compute dtype on the GPU as it arrives.
     `grad_buffers=None` gives every group its own gradient landing buffer (needed when
     all gradients must be held until the global norm is known); an integer N gives a pool
     of N landing buffers of the largest group's size, handed out by `acquire_grad` and
     returned by `release_grad`, so gradients cost O(N layers) of memory instead of 4 B per
     parameter (for updates applied as gradients land). `state_dir` puts the optimizer
-    state in memory-mapped files there (the disk tier): `prefetch_state(group)` starts
-    reading a group's state ahead and `write_behind_state(group)` flushes it to disk on a
-    background thread, so the state needs disk, not RAM. float64
-    compute (everything in fp64) exists for exactness tests that must not depend on
-    fp32 rounding.
+    state of groups `first_disk_group` .. n-1 in memory-mapped files there (the disk
+    tier): `prefetch_state(group)` starts reading a group's state ahead and
+    `write_behind_state(group)` flushes it to disk on a background thread, so that state
+    needs disk, not RAM. float64 compute (everything in fp64) exists for exactness tests
+    that must not depend on fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
     """
 
@@ -89,6 +92,8 @@ class HostStore:
         pin: bool | None = None,
         grad_buffers: int | None = None,
         state_dir: Path | None = None,
+        first_disk_group: int = 0,
+        wire_copy: bool = False,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -105,7 +110,7 @@ class HostStore:
         self.n_params = sum(layout.numel for layout in self.layouts)
 
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype)}
-        if compute_dtype != self.master_dtype:
+        if wire_copy and compute_dtype != self.master_dtype:
             self.arenas["wire"] = self._allocate(compute_dtype)
         self.grad_buffers = grad_buffers
         if grad_buffers is None:
@@ -119,10 +124,19 @@ class HostStore:
             self._held_grads: dict[int, Tensor] = {}  # group -> the whole pool buffer it holds
             self._grads_changed = threading.Condition()
         self.state_dir = Path(state_dir) if state_dir is not None else None
+        if not 0 <= first_disk_group <= self.n_groups:
+            raise StoreError(f"first_disk_group must be in 0..{self.n_groups}, got {first_disk_group}")
+        # groups from here on keep their optimizer state in files (all of it in RAM without a state_dir)
+        self.first_disk_group = first_disk_group if state_dir is not None else self.n_groups
+        ram_numel = self.starts[self.first_disk_group] if self.first_disk_group < self.n_groups else total
         self._state_maps: dict[str, np.memmap] = {}
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-disk") if state_dir else None
+        self._disk_state: dict[str, Tensor] = {}
+        on_disk = self.first_disk_group < self.n_groups
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-disk") if on_disk else None
         for name in self.state_names:
-            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype) if state_dir is None else self._map(name)
+            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel)
+            if on_disk:
+                self._disk_state[name] = self._map(name, total - ram_numel)
 
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"
@@ -135,15 +149,15 @@ class HostStore:
             weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
         self.pin_seconds = time.perf_counter() - start
 
-    def _map(self, name: str) -> Tensor:
-        """A zero-filled file-backed arena for optimizer state `name` in `state_dir`."""
+    def _map(self, name: str, numel: int) -> Tensor:
+        """A zero-filled file-backed array of `numel` elements for optimizer state `name` in `state_dir`."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / f"state.{name}.bin"
         dtype = np.float64 if self.master_dtype == torch.float64 else np.float32
         try:
-            array = np.memmap(path, dtype=dtype, mode="w+", shape=(self._arena_numel,))
+            array = np.memmap(path, dtype=dtype, mode="w+", shape=(numel,))
         except OSError as error:
-            need = self._arena_numel * np.dtype(dtype).itemsize
+            need = numel * np.dtype(dtype).itemsize
             raise StoreError(
                 f"cannot create {need / 2**30:.1f} GiB state file {path}: {error}; free disk space or "
                 "choose another engine.optimizer_state_dir"
@@ -154,13 +168,15 @@ class HostStore:
     def _state_range(self, name: str, group: int) -> tuple[mmap.mmap, int, int]:
         """The page-aligned byte range of `group` in state file `name`."""
         array = self._state_maps[name]
-        start = self.starts[group] * array.itemsize
+        start = (self.starts[group] - self.starts[self.first_disk_group]) * array.itemsize
         end = start + self.layouts[group].numel * array.itemsize
         page = mmap.PAGESIZE
         return array._mmap, start // page * page, end - start // page * page
 
     def prefetch_state(self, group: int) -> None:
         """Ask the kernel to start reading `group`'s optimizer state from disk (returns at once)."""
+        if group < self.first_disk_group:
+            return
         for name in self._state_maps:
             handle, offset, length = self._state_range(name, group)
             handle.madvise(mmap.MADV_WILLNEED, offset, length)
@@ -168,7 +184,7 @@ class HostStore:
     def write_behind_state(self, group: int) -> None:
         """Flush `group`'s updated optimizer state to disk on a background thread and let the
         kernel drop its pages, so the disk tier's resident memory stays a few layers."""
-        if self._writer is None:
+        if group < self.first_disk_group:
             return
 
         def flush():
@@ -238,6 +254,9 @@ class HostStore:
         """Named fp32 optimizer state of `group`, flat (same layout as the master)."""
         if name not in self.state_names:
             raise StoreError(f"no optimizer state named {name!r}; this store holds {list(self.state_names)}")
+        if group >= self.first_disk_group:
+            start = self.starts[group] - self.starts[self.first_disk_group]
+            return self._disk_state[name][start : start + self.layouts[group].numel]
         return self._slice(f"state.{name}", group)
 
     def master_views(self, group: int) -> dict[str, Tensor]:
@@ -249,21 +268,13 @@ class HostStore:
             self.wire(group).copy_(self.master(group))
 
     def memory_report(self) -> MemoryReport:
-        sizes = {
-            name: t.numel() * t.element_size()
-            for name, t in self.arenas.items()
-            if name.removeprefix("state.") not in self._state_maps
-        }
-        on_disk = {
-            name: t.numel() * t.element_size()
-            for name, t in self.arenas.items()
-            if name.removeprefix("state.") in self._state_maps
-        }
+        sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
+        on_disk = {f"state.{name}": t.numel() * t.element_size() for name, t in self._disk_state.items()}
         return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds, on_disk)
 
 
-def bytes_per_param(compute_dtype: torch.dtype, n_state: int, full_grads: bool = True) -> int:
-    """Host bytes per parameter of a HostStore: master + wire + grad + state (fp32 each but wire);
-    a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter."""
-    wire = 0 if compute_dtype == torch.float32 else torch.finfo(compute_dtype).bits // 8
+def bytes_per_param(compute_dtype: torch.dtype, n_state: int, full_grads: bool = True, wire_copy: bool = False) -> int:
+    """Host bytes per parameter of a HostStore: master + grad + state (fp32 each) + the wire copy
+    if kept; a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter."""
+    wire = torch.finfo(compute_dtype).bits // 8 if wire_copy and compute_dtype != torch.float32 else 0
     return 4 + wire + (4 if full_grads else 0) + 4 * n_state
