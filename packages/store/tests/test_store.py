@@ -126,6 +126,7 @@ def test_disk_tier_state_lives_in_files(tmp_path):
     store.state("exp_avg", 1).fill_(3.0)
     store.prefetch_state(1)
     store.write_behind_state(1)
+    store._reader.shutdown(wait=True)
     store._writer.shutdown(wait=True)
     on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
     assert (on_disk[store.starts[1] : store.starts[1] + 7] == 3.0).all()
@@ -140,6 +141,7 @@ def test_disk_tier_for_the_last_groups_only(tmp_path):
     for group in range(store.n_groups):
         store.state("exp_avg", group).fill_(group + 1.0)
         store.write_behind_state(group)  # a no-op for group 0, whose state is in RAM
+    store._reader.shutdown(wait=True)
     store._writer.shutdown(wait=True)
     on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
     assert on_disk.size == store.starts[2] - store.starts[1] + 100 + 28  # groups 1 and 2, group starts aligned

@@ -209,7 +209,11 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"memory ({plan.host_bytes_per_param:.1f} B/param) but {plan.host_available / 2**30:.1f} GiB is available; "
             f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
             + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
-            + ("" if config.engine.optimizer_state_dir else "; engine.optimizer_state_dir moves optimizer state to disk")
+            + (
+                ""
+                if config.engine.optimizer_state_dir
+                else "; engine.optimizer_state_dir moves optimizer state to disk"
+            )
         )
     if plan.disk_bytes:
         state_dir = Path(config.engine.optimizer_state_dir)

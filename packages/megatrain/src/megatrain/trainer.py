@@ -29,6 +29,10 @@ from .config import Config, ConfigError, model_config_of, resolve_device, resolv
 from .hf_io import export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
+# Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
+# the disk busy while one group's read would otherwise wait for the previous update.
+DISK_READ_AHEAD = 2
+
 
 class NonFiniteError(RuntimeError):
     """Training produced non-finite losses or gradients several steps in a row."""
@@ -123,15 +127,20 @@ class Trainer:
     def _update(self, group: int, lr: float, clip: float, landed, sq_norm: torch.Tensor | None = None) -> None:
         """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
         synchronize(landed)
-        if self.store.state_dir is not None:  # read the next group's moments from disk while this one updates
-            upcoming = group - 1 if self.eager_updates else group + 1
-            if 0 <= upcoming < self.store.n_groups:
-                self.store.prefetch_state(upcoming)
+        self._read_ahead(group, 1)
         if sq_norm is None or math.isfinite(float(sq_norm)):
             with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
                 self.optimizer.update_group(group, lr, clip)
         self.store.write_behind_state(group)
         self.store.release_grad(group)
+
+    def _read_ahead(self, group: int, first: int) -> None:
+        """Start reading the disk-tier state of the groups updated `first` .. DISK_READ_AHEAD after `group`
+        (updates run backward with eager updates, forward otherwise)."""
+        direction = -1 if self.eager_updates else 1
+        for ahead in range(first, DISK_READ_AHEAD + 1):
+            if 0 <= group + direction * ahead < self.store.n_groups:
+                self.store.prefetch_state(group + direction * ahead)
 
     # ------------------------------------------------------------------- step
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepMetrics:
@@ -146,6 +155,7 @@ class Trainer:
         lr = self._lr = lr_at(self.step_index, self.schedule)
         if self.eager_updates:
             self.optimizer.begin_step()
+            self._read_ahead(self.store.n_groups - 1, 0)  # the head updates first, after the forward
         result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
         loss = result.loss_sum.item() / n_targets
         grad_norm = math.sqrt(result.group_sq_norms.sum().item())
@@ -154,6 +164,7 @@ class Trainer:
         if not skipped and not self.eager_updates:
             clip = clip_coefficient(grad_norm, train.grad_clip)
             self.optimizer.begin_step()
+            self._read_ahead(0, 0)
             for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
                 self.stepper.submit(group, lambda g=group: self._update(g, lr, clip, self._landed[g]))
         self.step_index += 1

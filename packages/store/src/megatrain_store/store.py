@@ -132,7 +132,9 @@ class HostStore:
         self._state_maps: dict[str, np.memmap] = {}
         self._disk_state: dict[str, Tensor] = {}
         on_disk = self.first_disk_group < self.n_groups
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-disk") if on_disk else None
+        # one thread reads ahead, one writes behind: the disk serves both directions at once
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-read") if on_disk else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-write") if on_disk else None
         for name in self.state_names:
             self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel)
             if on_disk:
@@ -174,12 +176,22 @@ class HostStore:
         return array._mmap, start // page * page, end - start // page * page
 
     def prefetch_state(self, group: int) -> None:
-        """Ask the kernel to start reading `group`'s optimizer state from disk (returns at once)."""
+        """Start reading `group`'s optimizer state from disk on a background thread (returns at once).
+
+        The thread faults every page in itself: MADV_WILLNEED alone is only a hint, and a
+        large group then still faults page by page inside the optimizer's update."""
         if group < self.first_disk_group:
             return
-        for name in self._state_maps:
-            handle, offset, length = self._state_range(name, group)
-            handle.madvise(mmap.MADV_WILLNEED, offset, length)
+
+        def read():
+            for name, array in self._state_maps.items():
+                handle, offset, length = self._state_range(name, group)
+                handle.madvise(mmap.MADV_WILLNEED, offset, length)
+                per_page = mmap.PAGESIZE // array.itemsize
+                first = offset // array.itemsize
+                np.add.reduce(array[first : first + length // array.itemsize : per_page])  # one read per page
+
+        self._reader.submit(read)
 
     def write_behind_state(self, group: int) -> None:
         """Flush `group`'s updated optimizer state to disk on a background thread and let the
