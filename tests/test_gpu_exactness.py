@@ -38,3 +38,10 @@ def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypat
     # a small staging buffer: every group crosses in many chunks
     monkeypatch.setattr(megatrain_sched.pipeline, "STAGING_NUMEL", 1000)
     check_wire_copy_changes_nothing("cuda", tmp_path)
+
+
+@pytest.mark.gpu
+def test_gpu_partial_checkpoint_offload_stays_exact(tmp_path, monkeypatch):
+    # what auto does when only some layers' checkpoints fit: the first block goes to host, the rest stay
+    monkeypatch.setattr(megatrain_sched.pipeline.LayerPipeline, "offloaded_stages", lambda self, batches: 1)
+    check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path)

@@ -4,7 +4,7 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
-from megatrain.plan import DISK_TIER_RAM_SHARE, Rates, check_plan, group_sizes, make_plan
+from megatrain.plan import DISK_TIER_RAM_SHARE, Rates, check_plan, group_sizes, make_plan, measure_disk_gbps
 from megatrain_zoo import preset
 
 
@@ -44,6 +44,8 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
     # one group fewer on disk would not fit that share
     assert plan.host_bytes + model.block_params * 8 > DISK_TIER_RAM_SHARE * 64 * 2**30
     assert plan.disk_bytes == 8 * sum(group_sizes(model)[plan.first_disk_group :])
+    assert plan.disk_s == pytest.approx(2 * plan.disk_bytes / (plan.rates.disk_gbps * 1e9))
+    assert plan.step_s >= plan.disk_s  # the disk moves every byte of its state in and out each step
     everything = make_plan(
         config_for(
             "qwen2.5-7b", 65536, **{"engine.optimizer_state_dir": str(tmp_path), "engine.disk_state_fraction": 1}
@@ -58,6 +60,7 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
 def test_step_time_model_is_overlap_aware():
     rates = Rates(gpu_tflops=500, head_tflops=400, pcie_gbps=50, cpu_adam_params_per_s=3.4e9)
     plan = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
+    assert plan.disk_s == 0
     assert plan.step_s == pytest.approx(max(plan.compute_s, plan.transfer_s, plan.optimizer_s / 0.75) + plan.bubble_s)
     slow_cpu = make_plan(config_for("qwen2.5-7b", 131072), rates=Rates(500, 400, 50, 0.2e9))
     assert slow_cpu.step_s > 2 * plan.step_s  # the optimizer becomes the bottleneck
@@ -78,3 +81,29 @@ def test_plan_command(capsys, monkeypatch):
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "16")
     assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 2
     assert "largest model that fits" in capsys.readouterr().err
+
+
+def test_disk_probe_measures_and_cleans_up(tmp_path):
+    assert measure_disk_gbps(tmp_path / "probe", size=2**25) > 0
+    assert list((tmp_path / "probe").iterdir()) == []
+
+
+def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypatch):
+    import types
+
+    import torch
+
+    import megatrain.plan
+
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
+    monkeypatch.setattr(megatrain.plan, "resolve_device", lambda name: torch.device("cuda"))
+    h200 = types.SimpleNamespace(total_memory=140 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    model = preset("dense-120b")
+    plan = make_plan(config_for("dense-120b", 65536, **{"train.micro_batch_size": 4}))
+    per_layer = plan.checkpoint_bytes // model.n_layers
+    assert 0 < plan.offloaded_layers < model.n_layers  # some stay on the GPU, the rest go to host
+    kept = model.n_layers - plan.offloaded_layers
+    fixed = plan.gpu_bytes - kept * per_layer  # slots, gradient buffers, recompute, logits
+    assert kept == int(0.5 * (h200.total_memory - fixed) // per_layer)  # half of the rest, as the scheduler keeps
+    assert plan.host_bytes >= 12 * model.n_params + plan.offloaded_layers * per_layer

@@ -204,7 +204,7 @@ def test_timeline_keeps_only_recent_steps():
 def test_offload_decision_from_checkpoint_size():
     store, pipeline, _ = build(2, tied=False)
     batches = [MicroBatch(i, lab) for i, lab in make_batches(3)]
-    assert pipeline._should_offload(batches) is False  # the CPU never offloads
+    assert pipeline.offloaded_stages(batches) == 0  # the CPU never offloads
     pipeline.stages[-1].template.d_model = D
     # three micro-batches of 2 x 5 tokens, D wide, fp32, for the two middle stages
     assert pipeline.checkpoint_bytes(batches) == 3 * 2 * 5 * D * 4 * 2

@@ -62,7 +62,11 @@ def run_plan(config, args) -> None:
     from .plan import calibrate, check_plan, format_plan, make_plan
 
     model = model_config_of(config)
-    rates = calibrate(model, config.data.seq_len, config.train.micro_batch_size) if args.calibrate else None
+    rates = (
+        calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)
+        if args.calibrate
+        else None
+    )
     plan = make_plan(config, model, rates)
     print(
         json.dumps(plan.as_dict(), indent=2)

@@ -51,6 +51,7 @@ class Rates:
     head_tflops: float = 390.0  # the chunked LM head + loss + its backward (H100, Qwen2.5-7B vocabulary)
     pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
     cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host
+    disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
     source: str = "defaults (measured on an H100 machine, 16 cores)"
 
 
@@ -64,12 +65,13 @@ class Plan:
     first_disk_group: int  # groups from here on keep their optimizer state on disk
     gpu_bytes: int
     gpu_available: int | None
-    offload_checkpoints: bool
-    checkpoint_bytes: int
+    offloaded_layers: int  # layers whose activation checkpoints go to pinned host memory
+    checkpoint_bytes: int  # all layers' checkpoints
     tokens_per_step: int
     compute_s: float
     transfer_s: float
     optimizer_s: float
+    disk_s: float
     bubble_s: float
     step_s: float
     tokens_per_s: float
@@ -137,17 +139,21 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     pool = 0 if full_grads else GRADIENT_POOL * _max_group(model) * 4
     tokens = config.train.batch_size * config.data.seq_len
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
-    checkpoints = tokens * model.d_model * element * model.n_layers
+    layer_checkpoint = tokens * model.d_model * element
+    checkpoints = layer_checkpoint * model.n_layers
     # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x d_ff, in the compute dtype
     recompute = micro_tokens * (8 * model.d_model + 3 * model.d_ff) * element
     largest_stage = max(model.block_params, model.vocab_size * model.d_model + model.d_model)
     fixed_gpu = 2 * largest_stage * element + 2 * _max_group(model) * 4 + recompute + LOGITS_CHUNK_BYTES
     gpu_available = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     offload = config.engine.offload_checkpoints
-    if offload == "auto":
-        offload = gpu_available is not None and checkpoints > 0.5 * (gpu_available - fixed_gpu)
-    gpu_bytes = fixed_gpu + (0 if offload else checkpoints)
-    host_bytes = model.n_params * per_param + pool + (checkpoints if offload else 0)
+    if offload == "auto":  # as the scheduler decides: what does not fit in half the free GPU memory
+        fit = model.n_layers if gpu_available is None else int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint)
+        offloaded = max(0, model.n_layers - fit)
+    else:
+        offloaded = model.n_layers if offload else 0
+    gpu_bytes = fixed_gpu + (model.n_layers - offloaded) * layer_checkpoint
+    host_bytes = model.n_params * per_param + pool + offloaded * layer_checkpoint
     host_available = host_memory_limit()
     first_disk = first_disk_group(config, model, host_bytes, host_available)
     disk_bytes = sum(group_sizes(model)[first_disk:]) * 4 * len(STATE_NAMES)
@@ -165,8 +171,10 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     optimizer_s = model.n_params / rates.cpu_adam_params_per_s
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / (rates.pcie_gbps * 1e9)
-    # copies run beside compute; the optimizer runs beside the backward (3/4 of compute) or the next forward
-    step_s = max(compute_s, transfer_s, optimizer_s / 0.75) + bubble_s
+    disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
+    # copies run beside compute; the optimizer runs beside the backward (3/4 of compute) or the next
+    # forward; the disk tier reads ahead and writes behind all step long
+    step_s = max(compute_s, transfer_s, optimizer_s / 0.75, disk_s) + bubble_s
     return Plan(
         model.n_params,
         host_bytes,
@@ -176,12 +184,13 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
         first_disk,
         gpu_bytes,
         gpu_available,
-        bool(offload),
+        offloaded,
         checkpoints,
         tokens,
         compute_s,
         transfer_s,
         optimizer_s,
+        disk_s,
         bubble_s,
         step_s,
         tokens / step_s,
@@ -227,7 +236,8 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             )
     if plan.gpu_available is not None and plan.gpu_bytes > 0.95 * plan.gpu_available:
         per_sequence = plan.checkpoint_bytes // config.train.batch_size
-        fixed = plan.gpu_bytes - (0 if plan.offload_checkpoints else plan.checkpoint_bytes)
+        kept = plan.checkpoint_bytes * (model.n_layers - plan.offloaded_layers) // model.n_layers
+        fixed = plan.gpu_bytes - kept
         largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
         raise ConfigError(
             f"the step needs {plan.gpu_bytes / 2**30:.1f} GiB of GPU memory but the GPU has "
@@ -236,9 +246,30 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
         )
 
 
-def calibrate(model: ModelConfig, seq_len: int, micro_batch: int) -> Rates:
-    """Measure the three rates on this machine (GPU block rate at the run's micro-batch shape,
-    pinned PCIe bandwidth, CPU AdamW) and save them for later plans."""
+def measure_disk_gbps(directory: Path, size: int = 2**30) -> float:
+    """Bytes per second the disk under `directory` moves writing then reading a file, past the page cache."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "megatrain-disk-probe.bin"
+    block = os.urandom(2**24)
+    try:
+        start = time.perf_counter()
+        with open(path, "wb") as file:
+            for _ in range(size // len(block)):
+                file.write(block)
+            file.flush()
+            os.fsync(file.fileno())
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        with open(path, "rb") as file:
+            while file.read(2**24):
+                pass
+        return 2 * size / (time.perf_counter() - start) / 1e9
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None = None) -> Rates:
+    """Measure the rates on this machine (GPU block rate at the run's micro-batch shape, pinned
+    PCIe bandwidth, CPU AdamW, and the disk tier's disk if `state_dir` is set) and save them."""
     from megatrain_optim import adamw_update_
     from megatrain_templates import DecoderBlock
     from megatrain_zoo import block_shape
@@ -300,6 +331,7 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int) -> Rates:
         round(head_tflops, 1),
         round(pcie, 1),
         round(cpu, -6),
+        round(measure_disk_gbps(Path(state_dir)), 2) if state_dir else Rates.disk_gbps,
         f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
     )
     CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
@@ -316,13 +348,16 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else ""),
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
-        + (", checkpoints offloaded to host" if plan.offload_checkpoints else ""),
+        + (f", {plan.offloaded_layers} layers' activation checkpoints in host memory" if plan.offloaded_layers else ""),
         f"tokens per step  {plan.tokens_per_step:,}",
-        f"step time        {plan.step_s:.2f} s  (GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s and "
-        f"CPU AdamW {plan.optimizer_s:.2f} s overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
+        f"step time        {plan.step_s:.2f} s  (GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, "
+        f"CPU AdamW {plan.optimizer_s:.2f} s"
+        + (f", disk {plan.disk_s:.2f} s" if plan.disk_s else "")
+        + f" overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
         f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS",
         f"rates            GPU blocks {plan.rates.gpu_tflops} / head {plan.rates.head_tflops} TFLOPS, "
         f"PCIe {plan.rates.pcie_gbps} GB/s, "
-        f"CPU AdamW {plan.rates.cpu_adam_params_per_s / 1e9:.1f} G params/s ({plan.rates.source})",
+        f"CPU AdamW {plan.rates.cpu_adam_params_per_s / 1e9:.1f} G params/s, disk {plan.rates.disk_gbps} GB/s "
+        f"({plan.rates.source})",
     ]
     return "\n".join(lines)

@@ -216,13 +216,19 @@ class LayerPipeline:
         element = torch.finfo(self.store.compute_dtype).bits // 8
         return tokens * d_model * element * (len(self.stages) - 2)
 
-    def _should_offload(self, batches: list[MicroBatch]) -> bool:
+    def offloaded_stages(self, batches: list[MicroBatch]) -> int:
+        """How many block stages, the first ones, keep this step's checkpoints in pinned host memory:
+        all or none when set, else as many as do not fit in half of the free device memory (the
+        other half is for the slots, gradients and one layer's recompute)."""
+        n_blocks = len(self.stages) - 2
         if self.offload_checkpoints is not None:
-            return self.offload_checkpoints
+            return n_blocks if self.offload_checkpoints else 0
+        per_stage = self.checkpoint_bytes(batches) // max(1, n_blocks)
+        if per_stage == 0:
+            return 0
         free, _ = torch.cuda.mem_get_info(self.device)
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        # keep half of what is left for the slots, gradients and one layer's recompute
-        return self.checkpoint_bytes(batches) > 0.5 * (free + reusable)
+        return max(0, n_blocks - int(0.5 * (free + reusable) // per_stage))
 
     def _offload(self, x: Tensor) -> tuple[Tensor, Any]:
         """Start moving a checkpoint to pinned host memory; returns (host tensor, event when copied)."""
@@ -269,7 +275,7 @@ class LayerPipeline:
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
 
         acts: list[Any] = [mb.input_ids for mb in batches]
-        offload = self._should_offload(batches)
+        n_offloaded = self.offloaded_stages(batches)  # stages 1 .. n_offloaded send their checkpoints out
         reloaded: dict[int, list] = {}
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):
@@ -286,7 +292,7 @@ class LayerPipeline:
             ):
                 if position < n_stages - 1:  # forward
                     for m, x in enumerate(acts):
-                        checkpoints[stage_index][m] = self._offload(x) if offload and stage_index else x
+                        checkpoints[stage_index][m] = self._offload(x) if 0 < stage_index <= n_offloaded else x
                         acts[m] = stage.template.forward(weights, x)
                 elif position == n_stages - 1:  # loss and its gradient
                     grads = self._grad_buffers(stage_index, grad_buffers)
@@ -310,7 +316,7 @@ class LayerPipeline:
                 self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log)
                 # bring the next backward stage's offloaded checkpoints back while this one computes
                 next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
-                if offload and next_stage > 0:
+                if 0 < next_stage <= n_offloaded:
                     reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
             while fetched < min(position + n_slots - 1, len(self.order) - 1):
                 fetched += 1
