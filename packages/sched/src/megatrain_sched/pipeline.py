@@ -9,9 +9,11 @@ slots they are not copied again. Gradients of a group accumulate in one fp32 dev
 buffer and are copied out once, when the last stage that binds the group has run
 backward.
 
-Weights travel as the store keeps them: an fp32 master is copied in through a small fp32
-staging buffer and cast to the compute dtype on the copy-in stream, so the host needs
-no second, bf16 copy of the model.
+Weights travel as the store keeps them: an fp32 master is copied in through two small
+fp32 staging buffers and cast to the compute dtype on a cast stream, so the host needs no
+second, bf16 copy of the model. The casts run on their own stream so that the copy
+engine never waits for one: a cast is a kernel, and it may wait for SMs behind the
+compute stream's GEMMs.
 """
 
 from collections.abc import Callable
@@ -26,9 +28,10 @@ from megatrain_store import HostStore
 from .streams import Streams
 from .timeline import Timeline
 
-# Elements per staged host->device copy of an fp32 master (64 MiB): large enough to run
-# at full PCIe speed, small next to the slots.
-STAGING_NUMEL = 2**24
+# Elements per staged host->device copy of an fp32 master (128 MiB per buffer, two buffers):
+# large enough to run at full PCIe speed and to absorb a cast's wait for SMs, small next to
+# the slots.
+STAGING_NUMEL = 2**25
 
 
 class SchedError(Exception):
@@ -120,11 +123,14 @@ class LayerPipeline:
             _Slot(torch.empty(slot_numel, dtype=store.compute_dtype, device=self.device)) for _ in range(n_slots)
         ]
         cast_on_device = self.streams.cuda and store.wire(0).dtype != store.compute_dtype
+        staging_numel = min(slot_numel, STAGING_NUMEL)
         self._staging = (
-            torch.empty(min(slot_numel, STAGING_NUMEL), dtype=store.wire(0).dtype, device=self.device)
+            [torch.empty(staging_numel, dtype=store.wire(0).dtype, device=self.device) for _ in range(2)]
             if cast_on_device
             else None
         )
+        self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
+        self._staging_free = [None, None]  # events: the cast that last read each staging buffer finished
         n = len(stages)
         self.order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
         # how many stages bind each group in backward: its gradient leaves after the last one
@@ -163,16 +169,24 @@ class LayerPipeline:
         log.append(("copy_in", stage, position % len(self.slots)))
 
     def _copy_weights(self, view: Tensor, source: Tensor) -> None:
-        """Queue host `source` -> device `view` on the current (copy-in) stream, casting on the device."""
+        """Queue host `source` -> device `view` on the copy-in stream, casting on the device; when the
+        copy-in stream reaches its next work, `view` holds the weights."""
         if self._staging is None:  # same dtype, or the CPU, where copy_ casts
             view.copy_(source, non_blocking=True)
             return
-        # one staging buffer on one stream: each chunk's copy waits for the previous chunk's cast
-        for start in range(0, source.numel(), self._staging.numel()):
-            chunk = source[start : start + self._staging.numel()]
-            staged = self._staging[: chunk.numel()]
+        streams, chunk_numel = self.streams, self._staging[0].numel()
+        for index, start in enumerate(range(0, source.numel(), chunk_numel)):
+            chunk = source[start : start + chunk_numel]
+            buffer = index % 2
+            staged = self._staging[buffer][: chunk.numel()]
+            streams.wait(streams.copy_in, self._staging_free[buffer])
             staged.copy_(chunk, non_blocking=True)
-            view[start : start + chunk.numel()].copy_(staged)
+            arrived = streams.record(streams.copy_in)
+            with streams.on(self._cast_stream):
+                streams.wait(self._cast_stream, arrived)
+                view[start : start + chunk.numel()].copy_(staged)
+                self._staging_free[buffer] = streams.record(self._cast_stream)
+        streams.wait(streams.copy_in, self._staging_free[buffer])  # the last cast: the view is complete
 
     # ---------------------------------------------------------------- gradients
     def _grad_buffers(self, stage: int, grad_buffers: dict[int, Tensor]) -> list[Tensor]:
