@@ -1,4 +1,4 @@
-"""Predicted vs measured step time from benchmarks/results/planner-h100.json and the 32B run.
+"""Predicted vs measured step time from benchmarks/results/planner-h100.json, scaling-h100.json and the 32B run.
 
 python benchmarks/plot_planner.py docs/planner-predicted-vs-measured.png
 """
@@ -18,8 +18,9 @@ RESULTS = Path(__file__).parent / "results"
 def main():
     out = sys.argv[1]
     points = [
-        (r["model"] + " (H100)", r["predicted_step_s"], r["measured_step_s"])
-        for r in json.loads((RESULTS / "planner-h100.json").read_text())["validation"]
+        (f"{r['model']} (H100, {r['tokens_per_step'] // 1024}k)", r["predicted_step_s"], r["measured_step_s"])
+        for name in ("planner-h100.json", "scaling-h100.json")
+        for r in json.loads((RESULTS / name).read_text())["validation"]
     ]
     big = json.loads((RESULTS / "largest-qwen2.5-32b-h200.json").read_text())
     points.append(("qwen2.5-32b (H200)", big["planner_prediction"]["step_s"], big["results"][0]["step_time_s"]))

@@ -88,22 +88,18 @@ def test_disk_probe_measures_and_cleans_up(tmp_path):
     assert list((tmp_path / "probe").iterdir()) == []
 
 
-def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypatch):
-    import types
-
-    import torch
-
-    import megatrain.plan
-
+def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypatch, capsys):
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
-    monkeypatch.setattr(megatrain.plan, "resolve_device", lambda name: torch.device("cuda"))
-    h200 = types.SimpleNamespace(total_memory=140 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
     model = preset("dense-120b")
-    plan = make_plan(config_for("dense-120b", 65536, **{"train.micro_batch_size": 4}))
+    h200 = 140 * 2**30
+    plan = make_plan(config_for("dense-120b", 65536, **{"train.micro_batch_size": 4}), gpu_memory=h200)
     per_layer = plan.checkpoint_bytes // model.n_layers
     assert 0 < plan.offloaded_layers < model.n_layers  # some stay on the GPU, the rest go to host
     kept = model.n_layers - plan.offloaded_layers
     fixed = plan.gpu_bytes - kept * per_layer  # slots, gradient buffers, recompute, logits
-    assert kept == int(0.5 * (h200.total_memory - fixed) // per_layer)  # half of the rest, as the scheduler keeps
+    assert kept == int(0.5 * (h200 - fixed) // per_layer)  # half of the rest, as the scheduler keeps
     assert plan.host_bytes >= 12 * model.n_params + plan.offloaded_layers * per_layer
+    settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
+    settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
+    assert main(["plan", "--gpu-memory-gib", "140"] + [a for s in settings for a in ("--set", s)]) == 0
+    assert f"{plan.offloaded_layers} layers' activation checkpoints in host memory" in capsys.readouterr().out

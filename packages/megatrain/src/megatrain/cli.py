@@ -67,7 +67,8 @@ def run_plan(config, args) -> None:
         if args.calibrate
         else None
     )
-    plan = make_plan(config, model, rates)
+    gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
+    plan = make_plan(config, model, rates, gpu_memory)
     print(
         json.dumps(plan.as_dict(), indent=2)
         if args.json
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(plan_parser)
     plan_parser.add_argument("--calibrate", action="store_true", help="measure GPU, PCIe and CPU-optimizer rates here")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan_parser.add_argument(
+        "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory instead of this machine's"
+    )
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
     convert_parser.add_argument("source", help="a checkpoint directory (step-NNNNNNNN) or a Hugging Face directory")
     convert_parser.add_argument("out", help="the Hugging Face directory to write")

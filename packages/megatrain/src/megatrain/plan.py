@@ -127,7 +127,10 @@ def host_memory_limit() -> int | None:
     return int(float(override) * 2**30) if override else available_host_bytes()
 
 
-def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | None = None) -> Plan:
+def make_plan(
+    config: Config, model: ModelConfig | None = None, rates: Rates | None = None, gpu_memory: int | None = None
+) -> Plan:
+    """The plan for `config` on this machine's GPU, or on one with `gpu_memory` bytes."""
     model = model or model_config_of(config)
     rates = rates or load_rates()
     device = resolve_device(config.device)
@@ -145,7 +148,9 @@ def make_plan(config: Config, model: ModelConfig | None = None, rates: Rates | N
     recompute = micro_tokens * (8 * model.d_model + 3 * model.d_ff) * element
     largest_stage = max(model.block_params, model.vocab_size * model.d_model + model.d_model)
     fixed_gpu = 2 * largest_stage * element + 2 * _max_group(model) * 4 + recompute + LOGITS_CHUNK_BYTES
-    gpu_available = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    gpu_available = gpu_memory
+    if gpu_available is None and device.type == "cuda":
+        gpu_available = torch.cuda.get_device_properties(device).total_memory
     offload = config.engine.offload_checkpoints
     if offload == "auto":  # as the scheduler decides: what does not fit in half the free GPU memory
         fit = model.n_layers if gpu_available is None else int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint)
