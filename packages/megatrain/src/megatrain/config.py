@@ -114,7 +114,7 @@ class EngineSection:
     # run needs to fit in host memory
     disk_state_fraction: float | str = "auto"
     # keep a bf16 copy of the weights in host memory (+2 B/param) to halve host->GPU traffic:
-    # worth it only when a step has too few tokens (under ~10k) to hide fp32 weight copies
+    # worth it only when a step has too few tokens (under ~16k) to hide fp32 weight copies
     wire_copy: bool = False
 
     def __post_init__(self):
