@@ -28,21 +28,14 @@ def main():
     top = max(max(p, m) for _, p, m in points) * 1.15
     ax.plot([0, top], [0, top], color="gray", lw=1, label="prediction = measurement")
     ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], color="gray", alpha=0.12, label="within 15%")
-    for name, predicted, measured in points:
-        ax.scatter(measured, predicted, zorder=3)
-        ax.annotate(
-            f"{name}\n{(predicted - measured) / measured:+.1%}",
-            (measured, predicted),
-            fontsize=8,
-            xytext=(5, -18),
-            textcoords="offset points",
-        )
+    for name, predicted, measured in points:  # named in the legend: close points would overlap as labels
+        ax.scatter(measured, predicted, zorder=3, label=f"{name}: {(predicted - measured) / measured:+.1%}")
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("megatrain plan --calibrate prediction (s)")
     ax.set_title("Planner: predicted vs measured step time")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
