@@ -36,7 +36,7 @@ class BenchTrainer(Trainer):
                     view.fill_(1.0)
                 else:
                     fill_random_(view.view(-1), self.model_config.initializer_range)
-            self.store.refresh_wire(group)
+        self.store.refresh_wire()
 
 
 def random_batch(n_seqs, seq_len, vocab):

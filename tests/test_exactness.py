@@ -39,8 +39,7 @@ def randomize_(trainer, generator):
             view.copy_(1 + 0.2 * torch.randn(view.shape, generator=generator, dtype=view.dtype))
         elif name.endswith(".bias"):
             view.copy_(0.05 * torch.randn(view.shape, generator=generator, dtype=view.dtype))
-    for group in range(trainer.store.n_groups):
-        trainer.store.refresh_wire(group)
+    trainer.store.refresh_wire()
 
 
 def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, output_dir, **engine):

@@ -25,8 +25,7 @@ def make_trainer(tmp_path, **model):
 def randomize(trainer):
     for name, view in trainer.named_weights().items():
         view.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2 if name.endswith("norm.weight") else 0.05)
-    for group in range(trainer.store.n_groups):
-        trainer.store.refresh_wire(group)
+    trainer.store.refresh_wire()
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])

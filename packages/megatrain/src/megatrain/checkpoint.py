@@ -129,8 +129,7 @@ def load_checkpoint(trainer, directory: Path) -> dict:
     trainer.finish_updates()
     load_tensors_into([directory / "model.safetensors"], named_masters(trainer.store))
     load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
-    for group in range(trainer.store.n_groups):
-        trainer.store.refresh_wire(group)
+    trainer.store.refresh_wire()
     trainer.step_index = manifest["step"]
     trainer.optimizer.step_count = manifest["optimizer_step"]
     trainer.bad_steps = manifest["bad_steps"]

@@ -35,8 +35,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     """Stream the directory's tensors into the fp32 masters (any stored dtype), then refresh wire copies."""
     load_tensors_into(checkpoint_files(model_dir), named_masters(store), ignore=spec.checkpoint_names_to_ignore)
-    for group in range(store.n_groups):
-        store.refresh_wire(group)
+    store.refresh_wire()
 
 
 def write_hf_directory(

@@ -95,10 +95,6 @@ def group_sizes(model: ModelConfig) -> list[int]:
     return [embed] + [model.block_params] * model.n_layers + [head]
 
 
-def _max_group(model: ModelConfig) -> int:
-    return max(group_sizes(model))
-
-
 def first_disk_group(config: Config, model: ModelConfig, ram_bytes: int, host_available: int | None) -> int:
     """The first group whose optimizer state goes to the disk tier (the last groups go): with
     disk_state_fraction auto, as few as bring `ram_bytes` within the host's share for the run."""
@@ -139,7 +135,8 @@ def make_plan(
     full_grads = config.train.grad_clip > 0
     wire_copy = config.engine.wire_copy and dtype != torch.float32
     per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads, wire_copy)
-    pool = 0 if full_grads else GRADIENT_POOL * _max_group(model) * 4
+    largest_group = max(group_sizes(model))
+    pool = 0 if full_grads else GRADIENT_POOL * largest_group * 4
     tokens = config.train.batch_size * config.data.seq_len
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
     layer_checkpoint = tokens * model.d_model * element
@@ -147,7 +144,7 @@ def make_plan(
     # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x d_ff, in the compute dtype
     recompute = micro_tokens * (8 * model.d_model + 3 * model.d_ff) * element
     largest_stage = max(model.block_params, model.vocab_size * model.d_model + model.d_model)
-    fixed_gpu = 2 * largest_stage * element + 2 * _max_group(model) * 4 + recompute + LOGITS_CHUNK_BYTES
+    fixed_gpu = 2 * largest_stage * element + 2 * largest_group * 4 + recompute + LOGITS_CHUNK_BYTES
     gpu_available = gpu_memory
     if gpu_available is None and device.type == "cuda":
         gpu_available = torch.cuda.get_device_properties(device).total_memory

@@ -110,7 +110,7 @@ class Trainer:
         for group in range(self.store.n_groups):
             for name, view in self.store.master_views(group).items():
                 init_param_(name, view, self.model_config, generator)
-            self.store.refresh_wire(group)
+        self.store.refresh_wire()
 
     # ------------------------------------------------------------ engine hooks
     def _wait_for_updates(self, groups: tuple[int, ...]) -> None:

@@ -164,13 +164,15 @@ class LayerPipeline:
         ):
             for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
                 self._copy_weights(view, self.store.wire(group))
+            if self._cast_stream is not None:  # the slot is complete once the last cast has run
+                streams.wait(streams.copy_in, streams.record(self._cast_stream))
             slot.ready = streams.record(streams.copy_in)
         slot.stage = stage
         log.append(("copy_in", stage, position % len(self.slots)))
 
     def _copy_weights(self, view: Tensor, source: Tensor) -> None:
-        """Queue host `source` -> device `view` on the copy-in stream, casting on the device; when the
-        copy-in stream reaches its next work, `view` holds the weights."""
+        """Queue host `source` -> device `view` on the copy-in stream, or through the staging buffers and
+        the cast stream when the device casts (then `view` is complete when the cast stream's work is)."""
         if self._staging is None:  # same dtype, or the CPU, where copy_ casts
             view.copy_(source, non_blocking=True)
             return
@@ -186,7 +188,6 @@ class LayerPipeline:
                 streams.wait(self._cast_stream, arrived)
                 view[start : start + chunk.numel()].copy_(staged)
                 self._staging_free[buffer] = streams.record(self._cast_stream)
-        streams.wait(streams.copy_in, self._staging_free[buffer])  # the last cast: the view is complete
 
     # ---------------------------------------------------------------- gradients
     def _grad_buffers(self, stage: int, grad_buffers: dict[int, Tensor]) -> list[Tensor]:

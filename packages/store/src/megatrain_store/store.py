@@ -130,7 +130,6 @@ class HostStore:
         self.first_disk_group = first_disk_group if state_dir is not None else self.n_groups
         ram_numel = self.starts[self.first_disk_group] if self.first_disk_group < self.n_groups else total
         self._state_maps: dict[str, np.memmap] = {}
-        self._disk_state: dict[str, Tensor] = {}
         on_disk = self.first_disk_group < self.n_groups
         # one thread reads ahead, one writes behind: the disk serves both directions at once
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-read") if on_disk else None
@@ -138,7 +137,7 @@ class HostStore:
         for name in self.state_names:
             self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel)
             if on_disk:
-                self._disk_state[name] = self._map(name, total - ram_numel)
+                self._map(name, total - ram_numel)
 
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"
@@ -151,7 +150,7 @@ class HostStore:
             weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
         self.pin_seconds = time.perf_counter() - start
 
-    def _map(self, name: str, numel: int) -> Tensor:
+    def _map(self, name: str, numel: int) -> None:
         """A zero-filled file-backed array of `numel` elements for optimizer state `name` in `state_dir`."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / f"state.{name}.bin"
@@ -165,12 +164,15 @@ class HostStore:
                 "choose another engine.optimizer_state_dir"
             ) from error
         self._state_maps[name] = array
-        return torch.from_numpy(array)
+
+    def _disk_offset(self, group: int) -> int:
+        """Where `group`'s optimizer state starts in the state files, in elements."""
+        return self.starts[group] - self.starts[self.first_disk_group]
 
     def _state_range(self, name: str, group: int) -> tuple[mmap.mmap, int, int]:
         """The page-aligned byte range of `group` in state file `name`."""
         array = self._state_maps[name]
-        start = (self.starts[group] - self.starts[self.first_disk_group]) * array.itemsize
+        start = self._disk_offset(group) * array.itemsize
         end = start + self.layouts[group].numel * array.itemsize
         page = mmap.PAGESIZE
         return array._mmap, start // page * page, end - start // page * page
@@ -232,7 +234,7 @@ class HostStore:
         return self._slice("master", group)
 
     def wire(self, group: int) -> Tensor:
-        """What is copied to the device for `group`: compute dtype, flat."""
+        """What is copied to the device for `group`, flat: the compute-dtype copy if kept, else the master."""
         return self._slice("wire" if "wire" in self.arenas else "master", group)
 
     def grad(self, group: int) -> Tensor:
@@ -267,21 +269,24 @@ class HostStore:
         if name not in self.state_names:
             raise StoreError(f"no optimizer state named {name!r}; this store holds {list(self.state_names)}")
         if group >= self.first_disk_group:
-            start = self.starts[group] - self.starts[self.first_disk_group]
-            return self._disk_state[name][start : start + self.layouts[group].numel]
+            start = self._disk_offset(group)
+            return torch.from_numpy(self._state_maps[name][start : start + self.layouts[group].numel])
         return self._slice(f"state.{name}", group)
 
     def master_views(self, group: int) -> dict[str, Tensor]:
         return self.layouts[group].views(self.master(group))
 
-    def refresh_wire(self, group: int) -> None:
-        """Rewrite the wire copy of `group` from its master (a no-op when they are the same memory)."""
-        if "wire" in self.arenas:
-            self.wire(group).copy_(self.master(group))
+    def refresh_wire(self, group: int | None = None) -> None:
+        """Rewrite the wire copy of `group` (None: of every group) from its master, after the master
+        was written outside the optimizer; a no-op without a wire copy."""
+        if "wire" not in self.arenas:
+            return
+        for g in range(self.n_groups) if group is None else (group,):
+            self.wire(g).copy_(self.master(g))
 
     def memory_report(self) -> MemoryReport:
         sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
-        on_disk = {f"state.{name}": t.numel() * t.element_size() for name, t in self._disk_state.items()}
+        on_disk = {f"state.{name}": array.nbytes for name, array in self._state_maps.items()}
         return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds, on_disk)
 
 
