@@ -2,9 +2,17 @@
 
 import json
 import shutil
+from math import prod
 from pathlib import Path
 
-from megatrain_store import HostStore, atomic_write_text, load_tensors_into, write_safetensors
+from megatrain_store import (
+    HostStore,
+    atomic_write_text,
+    load_tensors_into,
+    match_tensors,
+    read_safetensors_header,
+    write_safetensors,
+)
 from megatrain_zoo import ModelSpec, ZooError, config_to_hf
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
@@ -32,9 +40,48 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _checkpoint_layout(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Checkpoint tensor name -> (shape, the stored tensors it holds, in buffer order), for the
+    names these files use: published per-expert names, or transformers' in-memory layout (fused
+    3-D expert tensors, Mixtral's module renamed `mlp`), either way."""
+    shapes = spec.param_shapes()
+    layout = {name: (shape, (name,)) for name, shape in shapes.items()}
+    fused = spec.fused_checkpoint_names()
+    if not fused:
+        return layout
+    present = {name for path in files for name in read_safetensors_header(path)}
+    for name, (shape, covered) in fused.items():
+        if name in present:
+            for part in covered:
+                del layout[part]
+            layout[name] = (shape, covered)
+    for name in list(layout):
+        alias = spec.checkpoint_alias(name)
+        if alias != name and alias in present:
+            layout[alias] = layout.pop(name)
+    return layout
+
+
+def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
+    """Refuse, from the headers alone and before any memory is allocated, a directory whose tensors
+    are missing, unexpected or mis-shaped for `spec`."""
+    files = checkpoint_files(model_dir)
+    shapes = {name: shape for name, (shape, _) in _checkpoint_layout(spec, files).items()}
+    match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
+
+
 def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
-    """Stream the directory's tensors into the fp32 masters (any stored dtype), then refresh wire copies."""
-    load_tensors_into(checkpoint_files(model_dir), named_masters(store), ignore=spec.checkpoint_names_to_ignore)
+    """Stream the directory's tensors into the fp32 masters (any stored dtype), then refresh wire copies.
+
+    A fused expert tensor is loaded into the view of the masters that spans the tensors it covers
+    (they lie back to back in the layer's buffer)."""
+    files = checkpoint_files(model_dir)
+    masters = named_masters(store)
+    targets = {}
+    for name, (shape, covered) in _checkpoint_layout(spec, files).items():
+        first = masters[covered[0]]
+        targets[name] = first.view(-1).as_strided((prod(shape),), (1,)).view(shape)
+    load_tensors_into(files, targets, ignore=spec.checkpoint_names_to_ignore)
     store.refresh_wire()
 
 

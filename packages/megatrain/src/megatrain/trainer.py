@@ -26,7 +26,7 @@ from megatrain_store import GroupLayout, HostStore
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .hf_io import export_hf, load_hf_weights, named_masters
+from .hf_io import check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
 # Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
@@ -49,9 +49,10 @@ class StepMetrics:
     tokens_per_s: float
     tflops: float
     skipped: bool
+    router_aux_loss: float | None = None  # MoE: the load-balancing loss (in `loss` only when the model adds it)
 
     def as_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items() if v is not None}
 
 
 class Trainer:
@@ -65,6 +66,8 @@ class Trainer:
         plan = make_plan(config, self.model_config)
         check_plan(plan, config, self.model_config)
         self.spec = build_model(self.model_config)
+        if config.model.hf_dir is not None:
+            check_hf_weights(self.spec, Path(config.model.hf_dir))
         layouts = [
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
         ]
@@ -156,8 +159,15 @@ class Trainer:
         if self.eager_updates:
             self.optimizer.begin_step()
             self._read_ahead(self.store.n_groups - 1, 0)  # the head updates first, after the forward
+        router_load = self.spec.router_load
+        if router_load is not None:
+            router_load.reset()
         result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
         loss = result.loss_sum.item() / n_targets
+        aux = None
+        if router_load is not None:
+            aux = router_load.loss().item()
+            loss += router_load.coef * aux  # what transformers reports as the loss, aux term included
         grad_norm = math.sqrt(result.group_sq_norms.sum().item())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -172,7 +182,7 @@ class Trainer:
         tokens = input_ids.numel()
         flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
         return StepMetrics(
-            self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped
+            self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped, aux
         )
 
     def finish_updates(self) -> None:

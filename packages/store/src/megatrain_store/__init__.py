@@ -6,6 +6,7 @@ from .io import (
     atomic_write_text,
     fsync_dir,
     load_tensors_into,
+    match_tensors,
     read_safetensors_header,
     write_safetensors,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "bytes_per_param",
     "fsync_dir",
     "load_tensors_into",
+    "match_tensors",
     "pin_in_place",
     "read_safetensors_header",
     "unpin",

@@ -108,33 +108,42 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
-def load_tensors_into(
-    paths: list[Path], targets: dict[str, Tensor], ignore: Callable[[str], bool] = lambda name: False
-) -> None:
-    """Copy every tensor named in `targets` from the safetensors `paths` into it, one at a time.
+def match_tensors(
+    paths: list[Path], shapes: dict[str, tuple[int, ...]], ignore: Callable[[str], bool] = lambda name: False
+) -> dict[str, Path]:
+    """Which of the safetensors `paths` holds each tensor named in `shapes`, reading headers only.
 
-    Shapes must match exactly; missing and unexpected names (unless `ignore`d) are errors
-    raised before anything is written, so a bad file leaves the targets untouched."""
+    Shapes must match exactly; missing and unexpected names (unless `ignore`d) are errors,
+    so a checkpoint can be checked against a model before any memory is allocated for it."""
     where: dict[str, Path] = {}
     for path in paths:
         header = read_safetensors_header(path)
         for name, info in header.items():
             if name == "__metadata__" or ignore(name):
                 continue
-            if name not in targets:
+            if name not in shapes:
                 raise StoreError(f"{path}: unexpected tensor {name!r}; the file does not belong to this model")
-            if tuple(info["shape"]) != tuple(targets[name].shape):
+            if tuple(info["shape"]) != tuple(shapes[name]):
                 raise StoreError(
                     f"{path}: tensor {name!r} has shape {tuple(info['shape'])}, the model needs "
-                    f"{tuple(targets[name].shape)}; the checkpoint is for a different configuration"
+                    f"{tuple(shapes[name])}; the checkpoint is for a different configuration"
                 )
             where[name] = path
-    missing = [name for name in targets if name not in where]
+    missing = [name for name in shapes if name not in where]
     if missing:
         raise StoreError(
             f"tensor(s) missing from {[str(p) for p in paths]}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint is incomplete or for a different model"
         )
+    return where
+
+
+def load_tensors_into(
+    paths: list[Path], targets: dict[str, Tensor], ignore: Callable[[str], bool] = lambda name: False
+) -> None:
+    """Copy every tensor named in `targets` from the safetensors `paths` into it, one at a time,
+    after `match_tensors` has checked them all: a bad file leaves the targets untouched."""
+    where = match_tensors(paths, {name: tuple(t.shape) for name, t in targets.items()}, ignore)
     by_file: dict[Path, list[str]] = {}
     for name, path in where.items():
         by_file.setdefault(path, []).append(name)

@@ -1,22 +1,30 @@
 """Stateless layer templates: layouts plus pure forward/backward over flat weight buffers."""
 
-from .decoder import BlockShape, DecoderBlock, block_params
+from .decoder import BlockShape, DecoderBlock, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
 from .layout import ParamSpec, Span, param_offsets, total_numel
+from .moe import EXPERT_NAMING, MoeBlock, MoeShape, RouterLoad, fused_expert_names, moe_params
 from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast
 
 __all__ = [
+    "EXPERT_NAMING",
     "BlockShape",
     "DecoderBlock",
     "Embedding",
+    "MoeBlock",
+    "MoeShape",
+    "RouterLoad",
     "Head",
     "IGNORE_INDEX",
     "ParamSpec",
     "RopeConfig",
     "Span",
     "apply_rope",
+    "attention_params",
     "block_params",
+    "fused_expert_names",
+    "moe_params",
     "param_offsets",
     "rms_norm",
     "rope_cos_sin",

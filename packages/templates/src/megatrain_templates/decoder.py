@@ -28,43 +28,81 @@ class BlockShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope: RopeConfig | None = None
+    qk_norm_scope: str = "head"  # "head": one norm per head (Qwen3); "full": over all heads at once (OLMoE)
+    clip_qkv: float | None = None  # clamp q, k and v to [-clip_qkv, clip_qkv] (OLMoE)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.qk_norm_scope not in ("head", "full"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'full', got {self.qk_norm_scope!r}")
 
     @property
     def rope_config(self) -> RopeConfig:
         return self.rope or RopeConfig(head_dim=self.head_dim)
 
 
-def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
-    """Hugging Face names in buffer order: decayed matrices first (q, k, v adjacent and
-    gate, up adjacent so each set is one GEMM), then norms and biases, which take no decay."""
+def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
+    """(matrices, norms and biases) of the attention half of a block, Hugging Face names.
+
+    q, k and v are adjacent so that they are one GEMM; the second tuple takes no weight decay."""
     d, q_out, kv_out = shape.d_model, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    params = [
+    matrices = (
         ParamSpec("self_attn.q_proj.weight", (q_out, d)),
         ParamSpec("self_attn.k_proj.weight", (kv_out, d)),
         ParamSpec("self_attn.v_proj.weight", (kv_out, d)),
         ParamSpec("self_attn.o_proj.weight", (d, q_out)),
-        ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)),
-        ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)),
-        ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),
+    )
+    small = [
         ParamSpec("input_layernorm.weight", (d,), weight_decay=False),
         ParamSpec("post_attention_layernorm.weight", (d,), weight_decay=False),
     ]
     if shape.qkv_bias:
-        params += [
+        small += [
             ParamSpec("self_attn.q_proj.bias", (q_out,), weight_decay=False),
             ParamSpec("self_attn.k_proj.bias", (kv_out,), weight_decay=False),
             ParamSpec("self_attn.v_proj.bias", (kv_out,), weight_decay=False),
         ]
     if shape.qk_norm:
-        params += [
-            ParamSpec("self_attn.q_norm.weight", (shape.head_dim,), weight_decay=False),
-            ParamSpec("self_attn.k_norm.weight", (shape.head_dim,), weight_decay=False),
+        full = shape.qk_norm_scope == "full"
+        small += [
+            ParamSpec("self_attn.q_norm.weight", (q_out if full else shape.head_dim,), weight_decay=False),
+            ParamSpec("self_attn.k_norm.weight", (kv_out if full else shape.head_dim,), weight_decay=False),
         ]
-    return tuple(params)
+    return matrices, tuple(small)
+
+
+def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
+    """Hugging Face names in buffer order: decayed matrices first (q, k, v adjacent and
+    gate, up adjacent so each set is one GEMM), then norms and biases, which take no decay."""
+    d = shape.d_model
+    matrices, small = attention_params(shape)
+    mlp = (
+        ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)),
+        ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)),
+        ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),
+    )
+    return matrices + mlp + small
+
+
+def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[str, Span]:
+    """Where the attention half's (fused) weights lie in a layout made with `attention_params`."""
+    spans = {
+        "qkv_weight": fused_span(
+            params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+        ),
+        "o_weight": span_of(params, "self_attn.o_proj.weight"),
+        "input_norm": span_of(params, "input_layernorm.weight"),
+        "post_norm": span_of(params, "post_attention_layernorm.weight"),
+    }
+    if shape.qkv_bias:
+        spans["qkv_bias"] = fused_span(
+            params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        )
+    if shape.qk_norm:
+        spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
+        spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
+    return spans
 
 
 class DecoderBlock:
@@ -75,24 +113,11 @@ class DecoderBlock:
         params = block_params(shape)
         self.groups: tuple[tuple[ParamSpec, ...], ...] = (params,)
         self.numel = total_numel(params)
-        spans = {
-            "qkv_weight": fused_span(
-                params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-            ),
-            "o_weight": span_of(params, "self_attn.o_proj.weight"),
+        self._spans: dict[str, Span] = {
+            **attention_spans(shape, params),
             "gate_up_weight": fused_span(params, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
             "down_weight": span_of(params, "mlp.down_proj.weight"),
-            "input_norm": span_of(params, "input_layernorm.weight"),
-            "post_norm": span_of(params, "post_attention_layernorm.weight"),
         }
-        if shape.qkv_bias:
-            spans["qkv_bias"] = fused_span(
-                params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-            )
-        if shape.qk_norm:
-            spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
-            spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
-        self._spans: dict[str, Span] = spans
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def _rope(self, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
@@ -101,25 +126,34 @@ class DecoderBlock:
             self._rope_cache[key] = rope_cos_sin(self.shape.rope_config, seq_len, device, dtype)
         return self._rope_cache[key]
 
-    def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
-        """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""
+    def _attention(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
+        """x + attention(input_norm(x)): the residual stream after the attention half."""
         s = self.shape
         batch, seq, _ = x.shape
         h = rms_norm(x, w["input_norm"], s.rms_eps)
         qkv = F.linear(h, w["qkv_weight"], w.get("qkv_bias"))
         q, k, v = qkv.split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
-        q = q.view(batch, seq, s.n_heads, s.head_dim)
-        k = k.view(batch, seq, s.n_kv_heads, s.head_dim)
-        v = v.view(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
-        if s.qk_norm:
+        if s.qk_norm and s.qk_norm_scope == "full":
+            q = rms_norm(q, w["q_norm"], s.rms_eps)
+            k = rms_norm(k, w["k_norm"], s.rms_eps)
+        if s.clip_qkv is not None:
+            q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
+        q = q.reshape(batch, seq, s.n_heads, s.head_dim)
+        k = k.reshape(batch, seq, s.n_kv_heads, s.head_dim)
+        v = v.reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
+        if s.qk_norm and s.qk_norm_scope == "head":
             q = rms_norm(q, w["q_norm"], s.rms_eps)
             k = rms_norm(k, w["k_norm"], s.rms_eps)
         cos, sin = self._rope(seq, x.device, x.dtype)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.n_heads != s.n_kv_heads)
-        x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"])
-        gate, up = F.linear(rms_norm(x, w["post_norm"], s.rms_eps), w["gate_up_weight"]).chunk(2, dim=-1)
+        return x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"])
+
+    def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+        """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""
+        x = self._attention(w, x)
+        gate, up = F.linear(rms_norm(x, w["post_norm"], self.shape.rms_eps), w["gate_up_weight"]).chunk(2, dim=-1)
         return x, F.silu(gate) * up
 
     def _block(self, w: dict[str, Tensor], x: Tensor) -> Tensor:

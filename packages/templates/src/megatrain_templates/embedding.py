@@ -9,8 +9,9 @@ from .layout import ParamSpec, check_buffers
 class Embedding:
     """Stateless token embedding over one flat buffer holding `embed_tokens.weight`."""
 
-    def __init__(self, vocab_size: int, d_model: int):
-        self.vocab_size, self.d_model = vocab_size, d_model
+    def __init__(self, vocab_size: int, d_model: int, padding_idx: int | None = None):
+        # padding_idx: a row that never learns (its gradient is zero), as in nn.Embedding
+        self.vocab_size, self.d_model, self.padding_idx = vocab_size, d_model, padding_idx
         self.groups = ((ParamSpec("embed_tokens.weight", (vocab_size, d_model)),),)
         self.numel = vocab_size * d_model
 
@@ -23,5 +24,8 @@ class Embedding:
         """Scatter-add grad_out [batch, seq, d_model] into the rows of `grads[0]` (flat, fp32)."""
         check_buffers(grads, self.groups, "Embedding.backward")
         table = grads[0].view(self.vocab_size, self.d_model)
-        table.index_add_(0, token_ids.reshape(-1), grad_out.reshape(-1, self.d_model).to(table.dtype))
+        rows = grad_out.reshape(-1, self.d_model).to(table.dtype)
+        if self.padding_idx is not None:
+            rows = rows * (token_ids.reshape(-1, 1) != self.padding_idx)
+        table.index_add_(0, token_ids.reshape(-1), rows)
         return None

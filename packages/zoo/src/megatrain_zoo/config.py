@@ -1,9 +1,19 @@
-"""ModelConfig: the numbers that describe a decoder-only model, with validation and counts."""
+"""ModelConfig: the numbers that describe a decoder-only model, with validation and counts.
 
+A mixture-of-experts model is the same config with `n_experts > 0`: its layers (all but
+`dense_layers`) replace the dense MLP by a router over `n_experts` SwiGLU experts of
+width `moe_d_ff`, `n_experts_per_tok` of them active per token, plus an optional shared
+expert. Parameter counts are per layer; FLOPs count the active parameters only.
+"""
+
+import json
 from dataclasses import asdict, dataclass, field, replace
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear")
+QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
 
 
 class ZooError(Exception):
@@ -31,10 +41,40 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    pad_token_id: int | None = None  # as in transformers: the embedding row of this token gets no gradient
+    qk_norm_scope: str = "head"  # with qk_norm: "head" or "full" (QK_NORM_SCOPES)
+    clip_qkv: float | None = None  # clamp q, k, v to [-clip_qkv, clip_qkv] (OLMoE)
+    # mixture of experts; n_experts 0 is a dense model
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_d_ff: int = 0  # intermediate size of each routed expert
+    shared_expert_d_ff: int = 0  # a shared expert every token passes through, behind a sigmoid gate (0: none)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead of experts
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss ...
+    output_router_logits: bool = False  # ... which, as in transformers, is added only when this is true
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ZooError(f"unknown architecture {self.arch!r}; supported: {ARCHITECTURES}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ZooError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
+        if self.n_experts < 0 or (self.arch in MOE_ARCHITECTURES) != (self.n_experts > 0):
+            raise ZooError(
+                f"{self.arch} needs n_experts {'> 0' if self.arch in MOE_ARCHITECTURES else '= 0'}, "
+                f"got {self.n_experts}; mixture-of-experts models are {MOE_ARCHITECTURES}"
+            )
+        if self.n_experts:
+            if not 0 < self.n_experts_per_tok <= self.n_experts:
+                raise ZooError(
+                    f"n_experts_per_tok must be in 1..n_experts ({self.n_experts}), got {self.n_experts_per_tok}"
+                )
+            if self.moe_d_ff <= 0:
+                raise ZooError(f"moe_d_ff (moe_intermediate_size) must be positive, got {self.moe_d_ff}")
+            outside = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
+            if outside:
+                raise ZooError(f"dense_layers {outside} are not layers of a {self.n_layers}-layer model")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ZooError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -57,31 +97,65 @@ class ModelConfig:
         return replace(self, **changes)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON types (lists, not tuples), so that a dict read back from JSON compares equal."""
+        return json.loads(json.dumps(asdict(self)))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+    def _attention_params(self) -> tuple[int, int]:
+        """(matrix parameters, norm and bias parameters) of one layer's attention and its two norms."""
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        small = 2 * d + (q + 2 * kv if self.qkv_bias else 0)
+        if self.qk_norm:
+            small += q + kv if self.qk_norm_scope == "full" else 2 * self.head_dim
+        return 2 * d * q + 2 * d * kv, small
+
+    def _mlp_params(self, layer: int) -> tuple[int, int]:
+        """(all MLP parameters, those one token multiplies with) of `layer`."""
+        d = self.d_model
+        if not self.layer_is_moe(layer):
+            return 3 * d * self.d_ff, 3 * d * self.d_ff
+        router = self.n_experts * d
+        shared = 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
+        expert = 3 * d * self.moe_d_ff
+        return router + shared + self.n_experts * expert, router + shared + self.n_experts_per_tok * expert
+
+    def layer_params(self, layer: int) -> int:
+        """Trainable parameters of decoder layer `layer` (all experts counted)."""
+        matrices, small = self._attention_params()
+        return matrices + small + self._mlp_params(layer)[0]
 
     @property
     def block_params(self) -> int:
-        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        n = 2 * d * q + 2 * d * kv + 3 * d * self.d_ff + 2 * d
-        if self.qkv_bias:
-            n += q + 2 * kv
-        if self.qk_norm:
-            n += 2 * self.head_dim
-        return n
+        """Parameters of the largest decoder layer."""
+        return max(self.layer_params(layer) for layer in range(self.n_layers))
 
     @property
     def n_params(self) -> int:
-        """All trainable parameters (the tied embedding counted once)."""
+        """All trainable parameters (the tied embedding counted once, every expert counted)."""
         embed = self.vocab_size * self.d_model
-        return embed + self.n_layers * self.block_params + self.d_model + (0 if self.tie_embeddings else embed)
+        layers = sum(self.layer_params(layer) for layer in range(self.n_layers))
+        return embed + layers + self.d_model + (0 if self.tie_embeddings else embed)
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matrix product per token: all block matrices and the
-        LM head (tied or not), but not the embedding lookup or norms/biases."""
-        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        block = 2 * d * q + 2 * d * kv + 3 * d * self.d_ff
-        return self.n_layers * block + self.vocab_size * d
+        """Parameters one token multiplies with: attention matrices, the router, shared and active
+        experts (or the dense MLP) and the LM head (tied or not), but not the embedding lookup,
+        norms or biases. For a dense model these are all the matrices."""
+        attention = self._attention_params()[0]
+        layers = sum(attention + self._mlp_params(layer)[1] for layer in range(self.n_layers))
+        return layers + self.vocab_size * self.d_model
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token uses (the tied embedding counted once); n_params for a dense model."""
+        inactive = sum(self._mlp_params(layer)[0] - self._mlp_params(layer)[1] for layer in range(self.n_layers))
+        return self.n_params - inactive
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

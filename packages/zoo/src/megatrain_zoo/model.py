@@ -6,7 +6,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatrain_templates import BlockShape, DecoderBlock, Embedding, Head, ParamSpec, RopeConfig
+from megatrain_templates import (
+    BlockShape,
+    DecoderBlock,
+    Embedding,
+    Head,
+    MoeBlock,
+    MoeShape,
+    ParamSpec,
+    RopeConfig,
+    RouterLoad,
+    fused_expert_names,
+)
 
 from .config import ModelConfig
 
@@ -31,10 +42,34 @@ class ModelSpec:
     config: ModelConfig
     groups: tuple[Group, ...]
     stages: tuple[StageSpec, ...]
+    router_load: RouterLoad | None = None  # the MoE layers' shared routing statistics (None: dense)
 
     def checkpoint_names_to_ignore(self, name: str) -> bool:
         """Tensors a Hugging Face checkpoint may carry that this model does not store."""
         return name.endswith("rotary_emb.inv_freq") or (self.config.tie_embeddings and name == "lm_head.weight")
+
+    def fused_checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """transformers' fused 3-D expert tensors -> (shape, the per-expert names it covers): the
+        fused tensor is the same bytes as those tensors, which lie back to back in the layer."""
+        fused = {}
+        for layer in range(self.config.n_layers):
+            template = self.stages[layer + 1].template
+            if not isinstance(template, MoeBlock):
+                continue
+            prefix = f"model.layers.{layer}."
+            names = [p.name for p in template.groups[0]]
+            for name, (first, count, shape) in fused_expert_names(template.moe, self.config.d_model).items():
+                start = names.index(first)
+                fused[prefix + name] = (shape, tuple(prefix + n for n in names[start : start + count]))
+        return fused
+
+    def checkpoint_alias(self, name: str) -> str:
+        """The name transformers >= 5 gives tensor `name` in memory (Mixtral's block_sparse_moe is mlp there)."""
+        return name.replace(".block_sparse_moe.", ".mlp.")
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor's shape by Hugging Face name."""
+        return {p.name: p.shape for group in self.groups for p in group.params}
 
 
 def block_shape(config: ModelConfig) -> BlockShape:
@@ -48,6 +83,8 @@ def block_shape(config: ModelConfig) -> BlockShape:
         rms_eps=config.rms_eps,
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm,
+        qk_norm_scope=config.qk_norm_scope,
+        clip_qkv=config.clip_qkv,
         rope=RopeConfig(head_dim=config.head_dim, theta=config.rope_theta, scaling=scaling),
     )
 
@@ -56,15 +93,34 @@ def _renamed(params: tuple[ParamSpec, ...], prefix: str) -> tuple[ParamSpec, ...
     return tuple(ParamSpec(prefix + p.name, p.shape, p.weight_decay) for p in params)
 
 
+def moe_shape(config: ModelConfig) -> MoeShape:
+    return MoeShape(
+        n_experts=config.n_experts,
+        top_k=config.n_experts_per_tok,
+        d_ff=config.moe_d_ff,
+        shared_d_ff=config.shared_expert_d_ff,
+        norm_topk_prob=config.norm_topk_prob,
+        naming="mixtral" if config.arch == "mixtral" else "qwen",
+    )
+
+
 def build_model(config: ModelConfig) -> ModelSpec:
     """Groups: [embedding, layer 0 .. layer L-1, head]; stages: embedding, blocks, head.
 
-    One decoder template serves every layer: templates are stateless."""
-    embedding = Embedding(config.vocab_size, config.d_model)
-    block = DecoderBlock(block_shape(config))
+    One template serves every layer of a kind (dense or MoE): templates are stateless; the
+    MoE layers share the step's routing statistics."""
+    embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id)
+    shape = block_shape(config)
+    dense = DecoderBlock(shape)
+    router_load = None
+    if config.is_moe:
+        coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
+        router_load = RouterLoad(config.n_experts, config.n_experts_per_tok, coef)
+        moe = MoeBlock(shape, moe_shape(config), router_load)
+    blocks = [moe if config.layer_is_moe(layer) else dense for layer in range(config.n_layers)]
     head = Head(config.vocab_size, config.d_model, config.rms_eps, tied=config.tie_embeddings)
     groups = [Group("embed", _renamed(embedding.groups[0], "model."))]
-    for layer in range(config.n_layers):
+    for layer, block in enumerate(blocks):
         groups.append(Group(f"layer{layer}", _renamed(block.groups[0], f"model.layers.{layer}.")))
     head_group = len(groups)
     head_params = head.groups[-1]
@@ -78,9 +134,9 @@ def build_model(config: ModelConfig) -> ModelSpec:
         )
     )
     stages = [StageSpec("embed", embedding, (0,))]
-    stages += [StageSpec(f"layer{layer}", block, (layer + 1,)) for layer in range(config.n_layers)]
+    stages += [StageSpec(f"layer{layer}", block, (layer + 1,)) for layer, block in enumerate(blocks)]
     stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))
-    return ModelSpec(config, tuple(groups), tuple(stages))
+    return ModelSpec(config, tuple(groups), tuple(stages), router_load)
 
 
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, generator: torch.Generator) -> None:
@@ -91,3 +147,5 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, generator: torch
         tensor.zero_()
     else:
         tensor.normal_(0.0, config.initializer_range, generator=generator)
+        if name.endswith("embed_tokens.weight") and config.pad_token_id is not None:
+            tensor[config.pad_token_id].zero_()  # as nn.Embedding(padding_idx=...) starts

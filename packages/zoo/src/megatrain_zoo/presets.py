@@ -75,6 +75,51 @@ def _qwen3(d, layers, heads, ff, tied=False):
     )
 
 
+def _mixtral(vocab, d, layers, heads, ff, max_len):
+    return ModelConfig(
+        "mixtral",
+        vocab,
+        d,
+        layers,
+        heads,
+        8,
+        ff,
+        max_seq_len=max_len,
+        rope_theta=1000000.0,
+        rms_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        n_experts=8,
+        n_experts_per_tok=2,
+        moe_d_ff=ff,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.02,
+    )
+
+
+def _qwen3_moe(d, layers, heads, expert_ff, dense_ff):
+    return ModelConfig(
+        "qwen3_moe",
+        151936,
+        d,
+        layers,
+        heads,
+        4,
+        dense_ff,
+        head_dim=128,
+        max_seq_len=40960,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        qk_norm=True,
+        eos_token_id=151645,
+        n_experts=128,
+        n_experts_per_tok=8,
+        moe_d_ff=expert_ff,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Llama 2
     "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
@@ -120,6 +165,49 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Mixtures of experts (shapes of the published config.json files)
+    "mixtral-8x7b": _mixtral(32000, 4096, 32, 32, 14336, 32768),
+    "mixtral-8x22b": _mixtral(32768, 6144, 56, 48, 16384, 65536),
+    "qwen1.5-moe-a2.7b": ModelConfig(
+        "qwen2_moe",
+        151936,
+        2048,
+        24,
+        16,
+        16,
+        5632,
+        max_seq_len=8192,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        qkv_bias=True,
+        eos_token_id=151643,
+        n_experts=60,
+        n_experts_per_tok=4,
+        moe_d_ff=1408,
+        shared_expert_d_ff=5632,
+        router_aux_loss_coef=0.001,
+    ),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 768, 6144),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 94, 64, 1536, 12288),
+    "olmoe-1b-7b": ModelConfig(
+        "olmoe",
+        50304,
+        2048,
+        16,
+        16,
+        16,
+        1024,
+        max_seq_len=4096,
+        rms_eps=1e-5,
+        qk_norm=True,
+        qk_norm_scope="full",
+        eos_token_id=50279,
+        pad_token_id=1,
+        n_experts=64,
+        n_experts_per_tok=8,
+        moe_d_ff=1024,
+        router_aux_loss_coef=0.01,
+    ),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
     "dense-120b": _llama3(12288, 76, 96, 8, 32768),
     # Tiny models for tests and the built-in CPU demo.
@@ -129,6 +217,24 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "tiny-qwen3": ModelConfig("qwen3", 256, 64, 2, 4, 2, 160, head_dim=32, max_seq_len=256, rms_eps=1e-6, qk_norm=True),
     "small-llama": ModelConfig("llama", 2048, 128, 4, 4, 2, 352, max_seq_len=1024, tie_embeddings=True),
+    "tiny-mixtral": ModelConfig(
+        "mixtral", 256, 64, 2, 4, 2, 96, max_seq_len=256, n_experts=4, n_experts_per_tok=2, moe_d_ff=96,
+        norm_topk_prob=True, router_aux_loss_coef=0.02, output_router_logits=True,
+    ),
+    "tiny-qwen2-moe": ModelConfig(
+        "qwen2_moe", 256, 64, 3, 4, 2, 128, max_seq_len=256, rms_eps=1e-6, qkv_bias=True, n_experts=6,
+        n_experts_per_tok=3, moe_d_ff=48, shared_expert_d_ff=80, dense_layers=(1,), router_aux_loss_coef=0.01,
+        output_router_logits=True,
+    ),
+    "tiny-qwen3-moe": ModelConfig(
+        "qwen3_moe", 256, 64, 2, 4, 2, 128, head_dim=32, max_seq_len=256, rms_eps=1e-6, qk_norm=True,
+        n_experts=8, n_experts_per_tok=2, moe_d_ff=48, norm_topk_prob=True, router_aux_loss_coef=0.01,
+        output_router_logits=True,
+    ),
+    "tiny-olmoe": ModelConfig(
+        "olmoe", 256, 64, 2, 4, 4, 64, max_seq_len=256, qk_norm=True, qk_norm_scope="full", clip_qkv=8.0,
+        n_experts=8, n_experts_per_tok=3, moe_d_ff=64, router_aux_loss_coef=0.01, output_router_logits=True,
+    ),
 }
 
 

@@ -1,0 +1,257 @@
+"""The mixture-of-experts decoder block: the dense block's attention, then a router that sends
+each token to its top-k SwiGLU experts (dropless: every token reaches all k), plus an optional
+shared expert behind a sigmoid gate (Qwen2-MoE).
+
+Experts are grouped GEMMs over tokens sorted by expert. Expert e's gate and up projections
+sit next to each other in the flat buffer and the experts one after another, so one view
+of the slot is the [n_experts, 2 * d_ff, d_model] gate-up tensor and another the
+[n_experts, d_model, d_ff] down tensor, with the per-expert Hugging Face names of published
+checkpoints. The load-balancing loss is a property of the whole step (all MoE layers, all
+micro-batches), so its statistics live in a `RouterLoad` shared by the model's MoE layers:
+forward records, backward adds the loss's gradient w.r.t. the router probabilities.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
+from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
+from .ops import rms_norm, upcast
+
+# Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
+EXPERT_NAMING = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The routed half of a MoE block."""
+
+    n_experts: int
+    top_k: int
+    d_ff: int  # each expert's intermediate size
+    shared_d_ff: int = 0  # shared expert's intermediate size; 0: none
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    naming: str = "qwen"  # a key of EXPERT_NAMING
+
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+        if self.naming not in EXPERT_NAMING:
+            raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)}, got {self.naming!r}")
+
+
+def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
+    """Buffer order: attention matrices, router, experts' (gate, up) pairs, experts' downs,
+    shared expert, then norms and biases (no decay)."""
+    d = shape.d_model
+    module, (gate, up, down) = EXPERT_NAMING[moe.naming]
+    matrices, small = attention_params(shape)
+    experts = [ParamSpec(f"{module}.gate.weight", (moe.n_experts, d))]
+    for e in range(moe.n_experts):
+        experts += [
+            ParamSpec(f"{module}.experts.{e}.{gate}.weight", (moe.d_ff, d)),
+            ParamSpec(f"{module}.experts.{e}.{up}.weight", (moe.d_ff, d)),
+        ]
+    experts += [ParamSpec(f"{module}.experts.{e}.{down}.weight", (d, moe.d_ff)) for e in range(moe.n_experts)]
+    if moe.shared_d_ff:
+        experts += [
+            ParamSpec(f"{module}.shared_expert.gate_proj.weight", (moe.shared_d_ff, d)),
+            ParamSpec(f"{module}.shared_expert.up_proj.weight", (moe.shared_d_ff, d)),
+            ParamSpec(f"{module}.shared_expert.down_proj.weight", (d, moe.shared_d_ff)),
+            ParamSpec(f"{module}.shared_expert_gate.weight", (1, d)),
+        ]
+    return matrices + tuple(experts) + small
+
+
+def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """transformers' fused 3-D expert tensors of a layer (module-relative names) -> (the first
+    per-expert name they cover, how many names, shape): the same bytes as those tensors."""
+    module, (gate, _, down) = EXPERT_NAMING[moe.naming]
+    fused = "mlp" if moe.naming == "mixtral" else module  # transformers >= 5 calls Mixtral's module mlp too
+    n = moe.n_experts
+    return {
+        f"{fused}.experts.gate_up_proj": (f"{module}.experts.0.{gate}.weight", 2 * n, (n, 2 * moe.d_ff, d_model)),
+        f"{fused}.experts.down_proj": (f"{module}.experts.0.{down}.weight", n, (n, d_model, moe.d_ff)),
+    }
+
+
+class RouterLoad:
+    """Routing statistics of one optimizer step over every MoE layer and micro-batch: the
+    Switch-Transformer load-balancing loss exactly as transformers' `load_balancing_loss_func`
+    computes it over one forward of the whole batch:
+
+        aux = n_experts * sum_e f_e * P_e,  f_e = top-k picks of e / rows,  P_e = sum of p_e / rows
+
+    where rows = tokens x MoE layers. Its gradient w.r.t. a router probability p_e is
+    n_experts * f_e / rows, the same for every token and layer, known once the forward is done.
+    `coef` 0 records the statistics (the loss is still reported) but adds no gradient."""
+
+    def __init__(self, n_experts: int, top_k: int, coef: float = 0.0):
+        self.n_experts, self.top_k, self.coef = n_experts, top_k, coef
+        self.reset()
+
+    def reset(self) -> None:
+        self._picks: Tensor | None = None  # [n_experts] fp32
+        self._prob_sums: Tensor | None = None  # [n_experts] fp32
+        self._rows = 0
+
+    def record(self, top_index: Tensor, probs: Tensor) -> None:
+        """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] fp32 router probabilities."""
+        picks = torch.zeros(self.n_experts, dtype=probs.dtype, device=probs.device)
+        picks.scatter_add_(0, top_index.reshape(-1), torch.ones_like(top_index.reshape(-1), dtype=probs.dtype))
+        sums = probs.detach().sum(0)
+        if self._picks is None:
+            self._picks, self._prob_sums = picks, sums
+        else:
+            self._picks += picks
+            self._prob_sums += sums
+        self._rows += probs.shape[0]
+
+    def loss(self) -> Tensor | None:
+        """The (uncoefficiented) auxiliary loss of the step recorded so far; None before any record."""
+        if self._picks is None:
+            return None
+        return self.n_experts * (self._picks / self._rows * self._prob_sums / self._rows).sum()
+
+    def probs_grad(self) -> Tensor | None:
+        """d(coef * aux) / d(router probability), [n_experts]; None when the loss is off."""
+        if not self.coef or self._picks is None:
+            return None
+        return self.coef * self.n_experts * self._picks / self._rows / self._rows
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm runs the experts as one kernel per projection with no host sync; it
+    exists for bf16 on recent GPUs. Probed once per (device, dtype); the loop is the fallback."""
+    key = (str(device), dtype)
+    if key not in _GROUPED_MM:
+        ok = device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.randn(24, 32, device=device, dtype=dtype)
+                b = torch.randn(2, 16, 32, device=device, dtype=dtype)
+                offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
+                got = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                want = torch.cat([a[:8] @ b[0].T, a[8:] @ b[1].T])
+                ok = bool(torch.allclose(got.float(), want.float(), atol=1e-1, rtol=2e-2))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
+
+
+_GROUPED_MM: dict[tuple, bool] = {}
+
+
+class MoeBlock(DecoderBlock):
+    """Stateless MoE decoder block; `router_load` is the model's shared step statistics."""
+
+    def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
+        self.shape, self.moe = shape, moe
+        self.router_load = router_load or RouterLoad(moe.n_experts, moe.top_k)
+        params = moe_params(shape, moe)
+        self.groups = (params,)
+        self.numel = total_numel(params)
+        module, (gate, up, down) = EXPERT_NAMING[moe.naming]
+        first_gate = span_of(params, f"{module}.experts.0.{gate}.weight")
+        first_down = span_of(params, f"{module}.experts.0.{down}.weight")
+        self._spans: dict[str, Span] = {
+            **attention_spans(shape, params),
+            "router": span_of(params, f"{module}.gate.weight"),
+            "experts_gate_up": Span(first_gate.offset, (moe.n_experts, 2 * moe.d_ff, shape.d_model)),
+            "experts_down": Span(first_down.offset, (moe.n_experts, shape.d_model, moe.d_ff)),
+        }
+        if moe.shared_d_ff:
+            self._spans["shared_gate_up"] = fused_span(
+                params, [f"{module}.shared_expert.gate_proj.weight", f"{module}.shared_expert.up_proj.weight"]
+            )
+            self._spans["shared_down"] = span_of(params, f"{module}.shared_expert.down_proj.weight")
+            self._spans["shared_gate"] = span_of(params, f"{module}.shared_expert_gate.weight")
+        self._rope_cache = {}
+
+    def route(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """h: [tokens, d_model] -> (probs [tokens, n_experts] fp32, top_index [tokens, k], top_weight [tokens, k] fp32)."""
+        probs = upcast(F.linear(h, w["router"])).softmax(dim=-1)
+        top_weight, top_index = probs.topk(self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
+        return probs, top_index, top_weight
+
+    def _experts(self, w: dict[str, Tensor], h: Tensor, top_index: Tensor, top_weight: Tensor) -> Tensor:
+        """sum_k top_weight * expert_k(h), dropless, as grouped GEMMs over tokens sorted by expert."""
+        n_experts, k = self.moe.n_experts, self.moe.top_k
+        flat = top_index.reshape(-1)
+        order = flat.argsort(stable=True)  # stable: each expert's tokens stay in token order
+        token = order // k
+        x = h[token]  # [tokens * k, d_model], grouped by expert
+        gate_up, down = w["experts_gate_up"], w["experts_down"]
+        if _grouped_mm_works(h.device, h.dtype):
+            counts = torch.zeros(n_experts, dtype=torch.int32, device=h.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+            y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+        else:
+            counts = torch.bincount(flat, minlength=n_experts).tolist()
+            # unbind, not gate_up[e]: its backward stacks the per-expert gradients once instead of
+            # adding n_experts full-size zero-padded gradients
+            gate_ups, downs = gate_up.unbind(0), down.unbind(0)
+            pieces, start = [], 0
+            for e, count in enumerate(counts):
+                if count:
+                    gate, up = F.linear(x[start : start + count], gate_ups[e]).chunk(2, dim=-1)
+                    pieces.append(F.linear(F.silu(gate) * up, downs[e]))
+                    start += count
+            y = torch.cat(pieces)
+        y = (y * top_weight.reshape(-1)[order].unsqueeze(1)).to(h.dtype)
+        return torch.zeros_like(h).index_add(0, token, y)
+
+    def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """h: [tokens, d_model] (post-norm) -> (MLP output, router probs, top_index)."""
+        probs, top_index, top_weight = self.route(w, h)
+        out = self._experts(w, h, top_index, top_weight)
+        if self.moe.shared_d_ff:
+            gate, up = F.linear(h, w["shared_gate_up"]).chunk(2, dim=-1)
+            shared = F.linear(F.silu(gate) * up, w["shared_down"])
+            out = out + torch.sigmoid(F.linear(h, w["shared_gate"])) * shared
+        return out, probs, top_index
+
+    def _block_and_router(self, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x = self._attention(w, x)
+        h = rms_norm(x, w["post_norm"], self.shape.rms_eps)
+        out, probs, top_index = self._mlp(w, h.reshape(-1, h.shape[-1]))
+        return x + out.view_as(x), probs, top_index
+
+    def forward(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
+        """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
+        check_buffers(weights, self.groups, "MoeBlock.forward")
+        out, probs, top_index = self._block_and_router(
+            {name: span.view(weights[0]) for name, span in self._spans.items()}, hidden
+        )
+        self.router_load.record(top_index, probs)
+        return out
+
+    def backward(self, weights: list[Tensor], hidden: Tensor, grad_out: Tensor, grads: list[Tensor]) -> Tensor:
+        """Recompute from `hidden` under a graph local to this call, add weight gradients (and the
+        load-balancing loss's, when on) into `grads[0]` (flat fp32), return d/d(hidden)."""
+        check_buffers(weights, self.groups, "MoeBlock.backward")
+        leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out, probs, _ = self._block_and_router(leaves, x)
+        outputs, grad_outputs = [out], [grad_out]
+        probs_grad = self.router_load.probs_grad()
+        if probs_grad is not None:
+            outputs.append(probs)
+            grad_outputs.append(probs_grad.to(probs.dtype).expand_as(probs))
+        grad_in, *grad_leaves = torch.autograd.grad(outputs, [x, *leaves.values()], grad_outputs, allow_unused=True)
+        for name, grad in zip(leaves, grad_leaves):
+            if grad is not None:
+                accumulate(grads[0], self._spans[name], grad)
+        return grad_in

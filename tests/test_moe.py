@@ -1,0 +1,209 @@
+"""Mixture-of-experts models train exactly like transformers: several optimizer steps of megatrain
+(fp32, micro-batches, clipping, weight decay) equal transformers' own model + torch.optim.AdamW on
+the same batches, with and without the load-balancing loss; exported directories load in
+transformers with equal logits; transformers' fused 3-D expert layout imports too."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers  # installed by the integration nox session
+from safetensors.torch import save_file
+
+from megatrain import Trainer
+from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_optim import Schedule, lr_at
+from megatrain_store import StoreError
+from megatrain_zoo import config_to_hf, preset
+
+MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe"]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def hf_model(name, aux: bool, seed: int):
+    """A transformers model of preset `name` with fresh random weights (norms and biases too)."""
+    hf_config = transformers.AutoConfig.for_model(
+        **{**config_to_hf(preset(name)), "output_router_logits": aux, "router_aux_loss_coef": 0.05}
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif param_name.endswith(".bias"):
+                param.copy_(0.05 * torch.randn_like(param))
+            else:  # a router as large as the rest makes routing decisions that matter
+                param.normal_(0.0, 0.1)
+    return model.train()
+
+
+def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_size=2):
+    train = TrainSection(
+        steps=steps,
+        batch_size=batch_size,
+        micro_batch_size=micro_batch_size,
+        lr=1e-4,  # fp32 noise in near-zero gradients (e.g. k_proj.bias) stays well under the tolerance
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        warmup_steps=1,
+        schedule="cosine",
+    )
+    config = Config(
+        model=ModelSection(hf_dir=str(hf_dir)),
+        data=DataSection(seq_len=12),
+        train=train,
+        precision=PrecisionSection("float32"),
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
+    return Trainer(config), train
+
+
+def hf_adamw(model, train):
+    params = dict(model.named_parameters())
+    no_decay = [p for n, p in params.items() if n.endswith("norm.weight") or n.endswith(".bias")]
+    decay = [p for n, p in params.items() if not (n.endswith("norm.weight") or n.endswith(".bias"))]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
+
+
+def random_batch(batch, seq, vocab, generator):
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[torch.rand(batch, seq, generator=generator) < 0.2] = -100
+    return ids, labels
+
+
+def hf_labels(labels):
+    """megatrain's labels hold the next token at each position; transformers shifts by itself."""
+    return torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+@pytest.mark.parametrize("aux", [True, False])
+def test_steps_match_transformers(name, aux, tmp_path):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_model(name, aux, seed)
+    reference.save_pretrained(tmp_path / "hf")
+    grad_clip = 0.5 if aux else 0.0  # both update policies: clipped (held gradients) and eager
+    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4)
+    optimizer = hf_adamw(reference, train)
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
+        metrics = trainer.train_step(ids, labels)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        out = reference(input_ids=ids, labels=hf_labels(labels))
+        out.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
+        optimizer.step()
+        assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+        if aux:
+            assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    exported = trainer.export(tmp_path / "out")
+    ids = torch.randint(0, trainer.model_config.vocab_size, (2, 12))
+    our_logits = trainer.logits(ids)
+    trainer.close()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    ours = dict(reloaded.named_parameters())
+    for param_name, param in reference.named_parameters():
+        assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
+    with torch.no_grad():
+        assert rel_err(our_logits, reloaded(ids).logits) < 1e-5
+
+
+def test_aux_loss_gradient_matches_transformers_across_micro_batches(tmp_path):
+    """The load-balancing loss belongs to the whole step: one micro-batch or three give the same
+    step, equal to transformers on the whole batch (gradient of the aux term included)."""
+    reference = hf_model("tiny-qwen3-moe", True, 1)
+    reference.save_pretrained(tmp_path / "hf")
+    ids, labels = random_batch(6, 12, 256, torch.Generator().manual_seed(2))
+    out = reference(input_ids=ids, labels=hf_labels(labels))
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
+    runs = []
+    for micro in (6, 2):
+        trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, micro_batch_size=micro)
+        runs.append(trainer.train_step(ids, labels))
+        trainer.close()
+        assert runs[-1].loss == pytest.approx(out.loss.item(), rel=1e-5)
+        assert runs[-1].grad_norm == pytest.approx(norm, rel=1e-5)
+    assert runs[0].grad_norm == pytest.approx(runs[1].grad_norm, rel=1e-6)
+    assert runs[0].router_aux_loss == pytest.approx(runs[1].router_aux_loss, rel=1e-6)
+
+
+def test_fused_expert_layout_imports(tmp_path):
+    """transformers' in-memory layout (experts as [n_experts, 2 * d_ff, d_model] gate_up_proj and
+    [n_experts, d_model, d_ff] down_proj) written as is imports to the same model."""
+    reference = hf_model("tiny-mixtral", False, 3)
+    reference.save_pretrained(tmp_path / "hf")
+    tensors = {n: t.detach().clone().contiguous() for n, t in reference.state_dict().items()}
+    (tmp_path / "fused").mkdir()
+    save_file(tensors, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    assert any(n.endswith("experts.gate_up_proj") for n in tensors)
+    trainer, _ = make_trainer(tmp_path / "fused", tmp_path, 0.0, steps=1)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert rel_err(trainer.logits(ids), reference.eval()(ids).logits) < 1e-5
+    trainer.close()
+
+
+def test_checkpoint_with_wrong_expert_count_is_refused_before_allocation(tmp_path):
+    reference = hf_model("tiny-qwen3-moe", False, 4)
+    reference.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts"):  # the weights hold 8
+        if key in config:
+            config[key] = 6
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreError, match=r"experts\.(6|7)\.\w+\.weight"):
+        make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+
+
+def test_megatrain_train_matches_transformers(tmp_path):
+    """`megatrain train` end to end (windows of a token file, no shuffling) gives transformers' losses."""
+    from megatrain.cli import main
+
+    reference = hf_model("tiny-olmoe", True, 5)
+    reference.save_pretrained(tmp_path / "hf")
+    tokens = np.random.default_rng(5).integers(0, 256, 4 * 4 * 16).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    config = {
+        "model": {"hf_dir": str(tmp_path / "hf")},
+        "data": {"tokens": str(tmp_path / "tokens.npy"), "seq_len": 16, "shuffle": False},
+        "train": {
+            "steps": 3,
+            "batch_size": 4,
+            "micro_batch_size": 2,
+            "lr": 1e-4,
+            "schedule": "constant",
+            "grad_clip": 1.0,
+        },
+        "precision": {"compute_dtype": "float32"},
+        "device": "cpu",
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    assert main(["train", "--config", str(tmp_path / "config.yaml")]) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    optimizer = hf_adamw(reference, TrainSection(lr=1e-4))
+    windows = torch.from_numpy(tokens.astype(np.int64)).view(-1, 16)
+    for step, loss in enumerate(losses):
+        ids = windows[step * 4 : (step + 1) * 4]
+        optimizer.zero_grad()
+        out = reference(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        assert loss == pytest.approx(out.loss.item(), rel=1e-5)
