@@ -16,6 +16,7 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from common import fill_random_, machine, table, write_results  # noqa: E402
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain.plan import make_plan  # noqa: E402
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
@@ -53,6 +55,7 @@ def base_row(system, name, model, seq_len, n_seqs, micro_seqs, step_s) -> dict:
         "system": system,
         "model": name,
         "params_b": round(model.n_params / 1e9, 3),
+        "active_params_b": round(model.active_params / 1e9, 3),
         "seq_len": seq_len,
         "tokens_per_step": tokens,
         "micro_batch_seqs": micro_seqs,
@@ -155,9 +158,15 @@ def bench_megatrain(
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
         if trace_dir and tokens == token_counts[-1]:
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
+        plan = make_plan(replace(config, train=replace(config.train, batch_size=n_seqs)), model)
         rows.append(
             base_row("megatrain", name, model, seq_len, n_seqs, micro_seqs, step_s)
             | {
+                "predicted_step_s": round(plan.step_s, 3),
+                "prediction_error": round(plan.step_s / step_s - 1, 3),
+                "bound": plan.bound,
+                "compute_bound_tokens": plan.compute_bound_tokens,
+                "rates": plan.rates.source,
                 "host_gib": round(report.total_bytes / 2**30, 1),
                 "host_bytes_per_param": round(report.bytes_per_param, 2),
                 "pinned_gib": round(report.pinned_bytes / 2**30, 1),

@@ -42,7 +42,7 @@ def hf_model(name, aux: bool, seed: int):
     return model.train()
 
 
-def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_size=2):
+def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_size=2, device="cpu"):
     train = TrainSection(
         steps=steps,
         batch_size=batch_size,
@@ -58,7 +58,7 @@ def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_s
         data=DataSection(seq_len=12),
         train=train,
         precision=PrecisionSection("float32"),
-        device="cpu",
+        device=device,
         output_dir=str(tmp_path / "run"),
     )
     return Trainer(config), train
@@ -88,11 +88,23 @@ def hf_labels(labels):
 @pytest.mark.parametrize("name", MOE_PRESETS)
 @pytest.mark.parametrize("aux", [True, False])
 def test_steps_match_transformers(name, aux, tmp_path):
+    check_steps_match_transformers(name, aux, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_gpu_steps_match_transformers(name, tmp_path):
+    """The CUDA engine (streams, pinned memory) in fp32, TF32 off, against transformers on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    check_steps_match_transformers(name, True, tmp_path, "cuda")
+
+
+def check_steps_match_transformers(name, aux, tmp_path, device):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(name, aux, seed)
     reference.save_pretrained(tmp_path / "hf")
     grad_clip = 0.5 if aux else 0.0  # both update policies: clipped (held gradients) and eager
-    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4)
+    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device)
     optimizer = hf_adamw(reference, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
@@ -119,7 +131,32 @@ def test_steps_match_transformers(name, aux, tmp_path):
     for param_name, param in reference.named_parameters():
         assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
     with torch.no_grad():
-        assert rel_err(our_logits, reloaded(ids).logits) < 1e-5
+        assert rel_err(our_logits.cpu(), reloaded(ids).logits) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_experts_equal_the_expert_loop():
+    """bf16 on the GPU: torch._grouped_mm (one kernel per projection, no host sync) and the
+    per-expert loop compute the same block, forward and backward, to bf16 rounding."""
+    import megatrain_templates.moe as moe_module
+    from megatrain_templates import BlockShape, MoeBlock, MoeShape, RopeConfig, RouterLoad
+
+    assert moe_module._grouped_mm_works(torch.device("cuda"), torch.bfloat16), "grouped GEMMs unavailable"
+    shape = BlockShape(256, 4, 2, 64, 1, rope=RopeConfig(64))
+    block = MoeBlock(shape, MoeShape(16, 4, 128, 192), RouterLoad(16, 4, 0.01))
+    weights = [(torch.randn(block.numel, device="cuda") * 0.05).bfloat16()]
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+    results = []
+    for grouped in (True, False):
+        moe_module._GROUPED_MM[(str(x.device), torch.bfloat16)] = grouped
+        block.router_load.reset()
+        out = block.forward(weights, x)
+        grads = [torch.zeros(block.numel, device="cuda")]
+        results.append((out.float(), block.backward(weights, x, grad_out, grads).float(), grads[0]))
+    del moe_module._GROUPED_MM[(str(x.device), torch.bfloat16)]
+    for grouped, loop in zip(*results):
+        assert rel_err(grouped, loop) < 2e-2
 
 
 def test_aux_loss_gradient_matches_transformers_across_micro_batches(tmp_path):

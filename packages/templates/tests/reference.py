@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        x32 = x.float()
+        x32 = x if x.dtype == torch.float64 else x.float()
         return self.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
@@ -65,8 +65,55 @@ class RefBlock(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool).triu(1)
         att = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
         x = x + a.o_proj(att.transpose(1, 2).reshape(b, s, -1))
-        h = self.post_attention_layernorm(x)
-        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+    def feed_forward(self, h):
+        return self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, d_ff):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, d_ff, bias=False)
+        self.up_proj = nn.Linear(d, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d, bias=False)
+
+    def forward(self, h):
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class RefMoeBlock(RefBlock):
+    """Every expert runs on every token; a dense [tokens, n_experts] matrix with zeros off the
+    top-k weighs their outputs: no sorting, no grouping (a different algorithm from the template's)."""
+
+    def __init__(self, d, n_heads, n_kv, head_dim, eps, inv_freq, n_experts, top_k, d_ff, shared_d_ff, norm_topk):
+        super().__init__(d, n_heads, n_kv, head_dim, 1, eps, inv_freq)
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.mlp = nn.Module()
+        self.mlp.gate = nn.Linear(d, n_experts, bias=False)
+        self.mlp.experts = nn.ModuleList([SwiGLU(d, d_ff) for _ in range(n_experts)])
+        if shared_d_ff:
+            self.mlp.shared_expert = SwiGLU(d, shared_d_ff)
+            self.mlp.shared_expert_gate = nn.Linear(d, 1, bias=False)
+        self.probs = self.top_index = None
+
+    def feed_forward(self, h):
+        self.probs = self.mlp.gate(h).softmax(-1)
+        top, self.top_index = self.probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        weights = torch.zeros_like(self.probs).scatter(-1, self.top_index, top)
+        out = sum(weights[..., e : e + 1] * expert(h) for e, expert in enumerate(self.mlp.experts))
+        if hasattr(self.mlp, "shared_expert"):
+            out = out + torch.sigmoid(self.mlp.shared_expert_gate(h)) * self.mlp.shared_expert(h)
+        return out
+
+    def load_balancing_loss(self):
+        """Switch-Transformer aux loss over this forward's tokens: n_experts * sum_e f_e * P_e."""
+        n_experts = self.probs.shape[-1]
+        probs = self.probs.reshape(-1, n_experts)
+        picks = F.one_hot(self.top_index.reshape(-1), n_experts).sum(0).to(probs.dtype)
+        return n_experts * (picks / probs.shape[0] * probs.mean(0)).sum()
 
 
 def flatten_params(module: nn.Module, specs) -> torch.Tensor:

@@ -2,9 +2,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import RefBlock, RMSNorm, flatten_params, unflatten_grads
+from reference import RefBlock, RefMoeBlock, RMSNorm, flatten_params, unflatten_grads
 
-from megatrain_templates import BlockShape, DecoderBlock, Embedding, Head, RopeConfig, rope_inv_freq
+from megatrain_templates import (
+    BlockShape,
+    DecoderBlock,
+    Embedding,
+    Head,
+    MoeBlock,
+    MoeShape,
+    RopeConfig,
+    RouterLoad,
+    rope_inv_freq,
+)
 
 
 def rel_err(a, b):
@@ -57,6 +67,43 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
     by_name = unflatten_grads(grads[0] - 0.5, specs)
     for name, p in ref.named_parameters():
         assert rel_err(by_name[name], p.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("shared_d_ff,norm_topk,coef", [(0, True, 0.0), (40, False, 0.3), (0, False, 0.1)])
+def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
+    """float64 (both sides compute the rotary angles in fp32, hence 1e-10): the routed
+    block (sorted tokens, grouped experts) equals every-expert-on-every-token, and its backward adds
+    the load-balancing loss's gradient when the loss is on."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim, eps, n_experts, top_k, d_ff = 32, 4, 8, 1e-5, 6, 2, 24
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(d, heads, 2, head_dim, 1, eps, rope=rope)
+    moe = MoeShape(n_experts, top_k, d_ff, shared_d_ff, norm_topk)
+    router_load = RouterLoad(n_experts, top_k, coef)
+    block = MoeBlock(shape, moe, router_load)
+    ref = RefMoeBlock(d, heads, 2, head_dim, eps, rope_inv_freq(rope), n_experts, top_k, d_ff, shared_d_ff, norm_topk)
+    ref = ref.double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, d, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 11, d, dtype=torch.float64)
+
+    out_ref = ref(x)
+    ((out_ref * grad_out).sum() + coef * ref.load_balancing_loss()).backward()
+    out = block.forward([flat], x.detach())
+    assert rel_err(out, out_ref) < 1e-10
+    assert router_load.loss().item() == pytest.approx(ref.load_balancing_loss().item(), rel=1e-10)
+
+    grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]  # gradients must be added, not written
+    grad_in = block.backward([flat], x.detach(), grad_out, grads)
+    assert rel_err(grad_in, x.grad) < 1e-10
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-10, name
+    assert "mlp.experts.5.down_proj.weight" in by_name  # per-expert Hugging Face names
 
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():

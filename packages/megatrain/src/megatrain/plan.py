@@ -9,6 +9,7 @@ them on the current machine and saves them.
 """
 
 import json
+import math
 import os
 import shutil
 import time
@@ -52,12 +53,14 @@ class Rates:
     pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
     cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host
     disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
+    moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
     source: str = "defaults (measured on an H100 machine, 16 cores)"
 
 
 @dataclass
 class Plan:
     n_params: int
+    active_params: int
     host_bytes: int
     host_bytes_per_param: float
     host_available: int | None
@@ -77,6 +80,8 @@ class Plan:
     tokens_per_s: float
     model_tflops: float
     rates: Rates
+    bound: str = "compute"  # what sets the step time: compute, pcie, cpu_optimizer or disk
+    compute_bound_tokens: int = 0  # tokens per step from which the GPU's work is the longest part
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +97,24 @@ def group_sizes(model: ModelConfig) -> list[int]:
     """Parameters per store group, in store order: embedding, layers, head (as megatrain_zoo builds them)."""
     embed = model.vocab_size * model.d_model
     head = model.d_model + (0 if model.tie_embeddings else embed)
-    return [embed] + [model.block_params] * model.n_layers + [head]
+    return [embed] + [model.layer_params(layer) for layer in range(model.n_layers)] + [head]
+
+
+def mlp_width_per_token(model: ModelConfig) -> int:
+    """The widest MLP hidden state one token makes in any layer (k experts + shared expert, or d_ff)."""
+    moe = model.n_experts_per_tok * model.moe_d_ff + model.shared_expert_d_ff
+    return max(moe if model.layer_is_moe(layer) else model.d_ff for layer in range(model.n_layers))
+
+
+def block_work(model: ModelConfig, seq_len: int, tokens: int) -> float:
+    """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
+    parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
+    down projection, which the dense recompute skips. Routers and experts count their active part."""
+    attention = 8 * model.n_layers * seq_len * model.n_heads * model.head_dim * tokens
+    matmul_layers = model.matmul_params - model.vocab_size * model.d_model
+    dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
+    skipped_down = 2 * dense_layers * model.d_ff * model.d_model
+    return (8 * matmul_layers - skipped_down) * tokens + attention
 
 
 def first_disk_group(config: Config, model: ModelConfig, ram_bytes: int, host_available: int | None) -> int:
@@ -141,8 +163,10 @@ def make_plan(
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
     layer_checkpoint = tokens * model.d_model * element
     checkpoints = layer_checkpoint * model.n_layers
-    # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x d_ff, in the compute dtype
-    recompute = micro_tokens * (8 * model.d_model + 3 * model.d_ff) * element
+    # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in the
+    # compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)
+    width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
+    recompute = micro_tokens * (8 * model.d_model + 3 * width) * element
     largest_stage = max(model.block_params, model.vocab_size * model.d_model + model.d_model)
     fixed_gpu = 2 * largest_stage * element + 2 * largest_group * 4 + recompute + LOGITS_CHUNK_BYTES
     gpu_available = gpu_memory
@@ -163,11 +187,13 @@ def make_plan(
 
     # performance model
     counted = flops_per_token(model, config.data.seq_len) * tokens
-    head_share = model.vocab_size * model.d_model / model.matmul_params
-    down_share = model.d_ff * model.d_model / (model.block_params or 1)
-    block_work = (1 - head_share) * counted * (8 - 2 * down_share) / 6  # recompute minus the skipped down GEMM
-    compute_s = block_work / (rates.gpu_tflops * 1e12) + head_share * counted / (rates.head_tflops * 1e12)
-    # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link
+    head_work = 6 * model.vocab_size * model.d_model * tokens
+    layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
+    compute_s = block_work(model, config.data.seq_len, tokens) / (layer_rate * 1e12) + head_work / (
+        rates.head_tflops * 1e12
+    )
+    # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
+    # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
     transfer_s = model.n_params * max(2 * wire, 4) / (rates.pcie_gbps * 1e9)
     optimizer_s = model.n_params / rates.cpu_adam_params_per_s
@@ -176,9 +202,15 @@ def make_plan(
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
     # copies run beside compute; the optimizer runs beside the backward (3/4 of compute) or the next
     # forward; the disk tier reads ahead and writes behind all step long
-    step_s = max(compute_s, transfer_s, optimizer_s / 0.75, disk_s) + bubble_s
+    bounds = {"compute": compute_s, "pcie": transfer_s, "cpu_optimizer": optimizer_s / 0.75, "disk": disk_s}
+    bound = max(bounds, key=bounds.get)
+    step_s = bounds[bound] + bubble_s
+    # compute grows with the tokens, the rest does not: the step is compute-bound from here on
+    others = max(transfer_s, optimizer_s / 0.75, disk_s)
+    compute_bound_tokens = int(math.ceil(tokens * others / compute_s)) if compute_s else 0
     return Plan(
         model.n_params,
+        model.active_params,
         host_bytes,
         host_bytes / model.n_params,
         host_available,
@@ -198,6 +230,8 @@ def make_plan(
         tokens / step_s,
         counted / step_s / 1e12,
         rates,
+        bound,
+        compute_bound_tokens,
     )
 
 
@@ -273,27 +307,29 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     """Measure the rates on this machine (GPU block rate at the run's micro-batch shape, pinned
     PCIe bandwidth, CPU AdamW, and the disk tier's disk if `state_dir` is set) and save them."""
     from megatrain_optim import adamw_update_
-    from megatrain_templates import DecoderBlock
-    from megatrain_zoo import block_shape
+    from megatrain_zoo import build_model
 
     if not torch.cuda.is_available():
         raise ConfigError("megatrain plan --calibrate needs a CUDA GPU to measure")
-    block = DecoderBlock(block_shape(model))
+    # the model's own largest layer (a MoE block for a MoE model), at the run's micro-batch shape
+    spec = build_model(model)
+    layer = max(range(model.n_layers), key=model.layer_params)
+    block = spec.stages[layer + 1].template
     weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
     grads = [torch.zeros(block.numel, device="cuda")]
     x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
+        block.forward(weights, x)
         block.backward(weights, x, x, grads)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(5):
+        block.forward(weights, x)
         block.backward(weights, x, x, grads)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / 5
     tokens = micro_batch * seq_len
-    per_layer = (flops_per_token(model, seq_len) - 6 * model.vocab_size * model.d_model) / model.n_layers
-    down_share = model.d_ff * model.d_model / model.block_params
-    gpu_tflops = per_layer * tokens * (6 - 2 * down_share) / 6 / seconds / 1e12  # recompute + backward work
+    layer_tflops = block_work(model, seq_len, tokens) / model.n_layers / seconds / 1e12
 
     from megatrain_templates import Head
 
@@ -328,12 +364,14 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     for _ in range(3):
         adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     cpu = 3 * n / (time.perf_counter() - start)
+    previous = load_rates()  # a dense calibration keeps the MoE rate it had, and the other way round
     rates = Rates(
-        round(gpu_tflops, 1),
+        previous.gpu_tflops if model.is_moe else round(layer_tflops, 1),
         round(head_tflops, 1),
         round(pcie, 1),
         round(cpu, -6),
         round(measure_disk_gbps(Path(state_dir)), 2) if state_dir else Rates.disk_gbps,
+        round(layer_tflops, 1) if model.is_moe else previous.moe_gpu_tflops,
         f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
     )
     CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
@@ -341,10 +379,19 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     return rates
 
 
+BOUND_NAMES = {
+    "compute": "GPU compute",
+    "pcie": "PCIe (weights in, gradients out)",
+    "cpu_optimizer": "the CPU optimizer",
+    "disk": "the disk tier's disk",
+}
+
+
 def format_plan(plan: Plan, model_name: str) -> str:
     gib = 2**30
     lines = [
-        f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters",
+        f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters"
+        + (f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params != plan.n_params else ""),
         f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
         + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else "")
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else ""),
@@ -356,6 +403,12 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"CPU AdamW {plan.optimizer_s:.2f} s"
         + (f", disk {plan.disk_s:.2f} s" if plan.disk_s else "")
         + f" overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
+        f"bound by         {BOUND_NAMES[plan.bound]}"
+        + (
+            ""
+            if plan.bound == "compute"
+            else f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
+        ),
         f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS",
         f"rates            GPU blocks {plan.rates.gpu_tflops} / head {plan.rates.head_tflops} TFLOPS, "
         f"PCIe {plan.rates.pcie_gbps} GB/s, "

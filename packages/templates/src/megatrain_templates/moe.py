@@ -191,7 +191,8 @@ class MoeBlock(DecoderBlock):
         token = order // k
         x = h[token]  # [tokens * k, d_model], grouped by expert
         gate_up, down = w["experts_gate_up"], w["experts_down"]
-        if _grouped_mm_works(h.device, h.dtype):
+        aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
+        if aligned and _grouped_mm_works(h.device, h.dtype):
             counts = torch.zeros(n_experts, dtype=torch.int32, device=h.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
