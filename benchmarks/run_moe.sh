@@ -12,7 +12,7 @@ python -m megatrain.cli plan --calibrate --set model.preset="$moe" --set data.se
   --set train.batch_size=$((${tokens##*,} / seq)) --set train.micro_batch_size="$micro" --set train.grad_clip=0 \
   --set precision.compute_dtype=bfloat16 | tee "$out/plan-$moe.txt"
 python benchmarks/throughput.py --models "$moe" --seq-len "$seq" --tokens "$tokens" --micro-batch "$micro" \
-  --steps 2 --warmup 1 --real-text --lr 1e-4 --baseline none --trace-dir "$out" --out "$out/moe-$moe.json"
+  --steps 2 --warmup 1 --lr 1e-4 --baseline none --trace-dir "$out" --out "$out/moe-$moe.json"
 if [ "$dense" != none ]; then
   python benchmarks/throughput.py --models "$dense" --seq-len "$seq" --tokens "${tokens##*,}" --micro-batch "$micro" \
     --steps 2 --warmup 1 --baseline none --out "$out/dense-$dense.json"

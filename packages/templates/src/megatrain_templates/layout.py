@@ -76,8 +76,9 @@ def span_of(params: tuple[ParamSpec, ...], name: str) -> Span:
 
 
 def accumulate(grad_flat: Tensor, span: Span, grad: Tensor) -> None:
-    """Add `grad` (any dtype) into the span of a flat fp32 gradient buffer."""
-    grad_flat[span.offset : span.offset + span.numel].add_(grad.reshape(-1).to(grad_flat.dtype))
+    """Add `grad` (any dtype, any strides) into the span of a flat fp32 gradient buffer: one kernel
+    that casts as it adds, with no contiguous or fp32 copy of `grad` first."""
+    span.view(grad_flat).add_(grad.view(span.shape) if grad.is_contiguous() else grad)
 
 
 def leaf(flat: Tensor, span: Span) -> Tensor:

@@ -11,6 +11,7 @@ micro-batches), so its statistics live in a `RouterLoad` shared by the model's M
 forward records, backward adds the loss's gradient w.r.t. the router probabilities.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,61 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 _GROUPED_MM: dict[tuple, bool] = {}
 
 
+def _swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up * weight
+
+
+# Inductor turns the expert activation's five elementwise kernels (and its backward's more) over
+# [tokens * k, 2 * d_ff] into one each way; on the GPU they cost more than the expert GEMMs.
+# MEGATRAIN_COMPILE=0 keeps it eager.
+_COMPILE = os.environ.get("MEGATRAIN_COMPILE", "1") != "0"
+_compiled_swiglu = None
+
+
+def swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1];
+    compiled once per shape on CUDA, eager elsewhere (same arithmetic)."""
+    global _compiled_swiglu
+    if not (_COMPILE and gate_up.is_cuda):
+        return _swiglu_weighted(gate_up, weight)
+    if _compiled_swiglu is None:
+        _compiled_swiglu = torch.compile(_swiglu_weighted, dynamic=False, fullgraph=True)
+    return _compiled_swiglu(gate_up, weight)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Each token's row copied to its k expert slots: x[i] = h[order[i] // k]. Backward gathers the
+    k copies' gradients back and sums them, with no atomics (index_add would collide k ways)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return h.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The transpose of _Dispatch: out[t] = sum of the k expert outputs of token t (gathered, then
+    summed in fp32 by the reduction); backward copies each token's gradient to its k slots."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return y.index_select(0, inverse).view(-1, k, y.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order // ctx.k), None, None, None
+
+
 class MoeBlock(DecoderBlock):
     """Stateless MoE decoder block; `router_load` is the model's shared step statistics."""
 
@@ -184,20 +240,25 @@ class MoeBlock(DecoderBlock):
         return probs, top_index, top_weight
 
     def _experts(self, w: dict[str, Tensor], h: Tensor, top_index: Tensor, top_weight: Tensor) -> Tensor:
-        """sum_k top_weight * expert_k(h), dropless, as grouped GEMMs over tokens sorted by expert."""
+        """sum_k top_weight * expert_k(h), dropless, as grouped GEMMs over tokens sorted by expert.
+
+        The routing weight scales each expert's down-projection input (d_ff wide), not its output
+        (d_model wide): the same by linearity, with half the elementwise traffic or less."""
         n_experts, k = self.moe.n_experts, self.moe.top_k
         flat = top_index.reshape(-1)
-        order = flat.argsort(stable=True)  # stable: each expert's tokens stay in token order
-        token = order // k
-        x = h[token]  # [tokens * k, d_model], grouped by expert
+        order = flat.argsort(stable=True)  # sorted slot -> (token, choice); stable keeps token order per expert
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        x = _Dispatch.apply(h, order, inverse, k)  # [tokens * k, d_model], grouped by expert
+        weight = top_weight.reshape(-1)[order].to(h.dtype).unsqueeze(1)
         gate_up, down = w["experts_gate_up"], w["experts_down"]
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
         if aligned and _grouped_mm_works(h.device, h.dtype):
             counts = torch.zeros(n_experts, dtype=torch.int32, device=h.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
-            gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-            y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+            hidden = swiglu_weighted(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets), weight)
+            y = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
         else:
             counts = torch.bincount(flat, minlength=n_experts).tolist()
             # unbind, not gate_up[e]: its backward stacks the per-expert gradients once instead of
@@ -206,12 +267,12 @@ class MoeBlock(DecoderBlock):
             pieces, start = [], 0
             for e, count in enumerate(counts):
                 if count:
-                    gate, up = F.linear(x[start : start + count], gate_ups[e]).chunk(2, dim=-1)
-                    pieces.append(F.linear(F.silu(gate) * up, downs[e]))
+                    rows = slice(start, start + count)
+                    hidden = swiglu_weighted(F.linear(x[rows], gate_ups[e]), weight[rows])
+                    pieces.append(F.linear(hidden, downs[e]))
                     start += count
             y = torch.cat(pieces)
-        y = (y * top_weight.reshape(-1)[order].unsqueeze(1)).to(h.dtype)
-        return torch.zeros_like(h).index_add(0, token, y)
+        return _Combine.apply(y, order, inverse, k)
 
     def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] (post-norm) -> (MLP output, router probs, top_index)."""

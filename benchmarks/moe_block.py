@@ -1,0 +1,72 @@
+"""One MoE decoder block on the GPU: forward and recompute-backward time and rate, and where the
+time goes (the profiler's top CUDA kernels), beside a dense block of the same attention.
+
+    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from block import time_ms  # noqa: E402
+from common import machine, write_results  # noqa: E402
+
+from megatrain.plan import block_work  # noqa: E402
+from megatrain_templates import MoeBlock  # noqa: E402
+from megatrain_zoo import build_model, preset  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="olmoe-1b-7b")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of forward + backward")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    config = preset(args.model)
+    spec = build_model(config)
+    layer = next(i for i in range(config.n_layers) if config.layer_is_moe(i))
+    block: MoeBlock = spec.stages[layer + 1].template
+    weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
+    grads = [torch.zeros(block.numel, device="cuda", dtype=torch.float32)]
+    x = torch.randn(args.tokens // args.seq_len, args.seq_len, config.d_model, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+    work = block_work(config, args.seq_len, args.tokens) / config.n_layers  # forward + recompute + backward
+
+    def step():
+        block.forward(weights, x)
+        block.backward(weights, x, grad_out, grads)
+
+    fwd = time_ms(lambda: block.forward(weights, x))
+    total = time_ms(step)
+    result = {
+        "machine": machine(),
+        "model": args.model,
+        "tokens": args.tokens,
+        "seq_len": args.seq_len,
+        "forward_ms": round(fwd, 3),
+        "forward_recompute_backward_ms": round(total, 3),
+        "hardware_tflops": round(work / total / 1e9, 1),
+        "model_tflops_ceiling": round(work * 6 / 8 / total / 1e9, 1),
+    }
+    print(result, flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+        print(table)
+        result["profile"] = table
+    if args.out:
+        write_results(Path(args.out), result)
+
+
+if __name__ == "__main__":
+    main()
