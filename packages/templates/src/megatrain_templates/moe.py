@@ -164,12 +164,13 @@ _compiled_swiglu = None
 
 def swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
     """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1];
-    compiled once per shape on CUDA, eager elsewhere (same arithmetic)."""
+    compiled on CUDA (a second row count makes it shape-generic, so it compiles at most twice),
+    eager elsewhere (same arithmetic)."""
     global _compiled_swiglu
     if not (_COMPILE and gate_up.is_cuda):
         return _swiglu_weighted(gate_up, weight)
     if _compiled_swiglu is None:
-        _compiled_swiglu = torch.compile(_swiglu_weighted, dynamic=False, fullgraph=True)
+        _compiled_swiglu = torch.compile(_swiglu_weighted, fullgraph=True)
     return _compiled_swiglu(gate_up, weight)
 
 
@@ -268,7 +269,7 @@ class MoeBlock(DecoderBlock):
             for e, count in enumerate(counts):
                 if count:
                     rows = slice(start, start + count)
-                    hidden = swiglu_weighted(F.linear(x[rows], gate_ups[e]), weight[rows])
+                    hidden = _swiglu_weighted(F.linear(x[rows], gate_ups[e]), weight[rows])  # shapes vary: eager
                     pieces.append(F.linear(hidden, downs[e]))
                     start += count
             y = torch.cat(pieces)
