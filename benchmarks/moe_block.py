@@ -57,11 +57,13 @@ def main():
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+        table = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
+        )
         print(table)
         result["profile"] = table
     if args.out:

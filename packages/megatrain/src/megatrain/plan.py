@@ -51,7 +51,7 @@ class Rates:
     gpu_tflops: float = 500.0  # hardware bf16 rate of a decoder block, recompute + backward (H100, 7B shape)
     head_tflops: float = 390.0  # the chunked LM head + loss + its backward (H100, Qwen2.5-7B vocabulary)
     pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
-    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host
+    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host, while weights stream to the GPU
     disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
     moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
     source: str = "defaults (measured on an H100 machine, 16 cores)"
@@ -200,14 +200,24 @@ def make_plan(
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / (rates.pcie_gbps * 1e9)
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
-    # copies run beside compute; the optimizer runs beside the backward (3/4 of compute) or the next
-    # forward; the disk tier reads ahead and writes behind all step long
-    bounds = {"compute": compute_s, "pcie": transfer_s, "cpu_optimizer": optimizer_s / 0.75, "disk": disk_s}
+    # copies run beside compute; the disk tier reads ahead and writes behind all step long
+    # The optimizer can overlap only part of the GPU's work: updates applied as gradients land start
+    # after the forward (a quarter of the work) and the next forward waits for the last of them;
+    # with clipping they start after the backward, and the next backward waits for the forward
+    # they pace.
+    serial_share = 0.75 if full_grads else 0.25
+    bounds = {
+        "compute": compute_s,
+        "pcie": transfer_s,
+        "cpu_optimizer": optimizer_s + serial_share * compute_s,
+        "disk": disk_s,
+    }
     bound = max(bounds, key=bounds.get)
     step_s = bounds[bound] + bubble_s
     # compute grows with the tokens, the rest does not: the step is compute-bound from here on
-    others = max(transfer_s, optimizer_s / 0.75, disk_s)
-    compute_bound_tokens = int(math.ceil(tokens * others / compute_s)) if compute_s else 0
+    per_token = compute_s / tokens
+    others = max(transfer_s / per_token, optimizer_s / ((1 - serial_share) * per_token), disk_s / per_token)
+    compute_bound_tokens = int(math.ceil(others)) if compute_s else 0
     return Plan(
         model.n_params,
         model.active_params,
@@ -361,11 +371,16 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     step = torch.tensor(1.0)
-    for repeat in range(4):
-        if repeat == 1:
-            start = time.perf_counter()
+    adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    # as in a step, the weights stream to the GPU meanwhile and compete for the same memory bandwidth
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for _ in range(80):
+            device.copy_(host, non_blocking=True)
+    start = time.perf_counter()
+    for _ in range(3):
         adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     cpu = 3 * n / (time.perf_counter() - start)
+    torch.cuda.synchronize()
     previous = load_rates()  # a dense calibration keeps the MoE rate it had, and the other way round
     rates = Rates(
         previous.gpu_tflops if model.is_moe else round(layer_tflops, 1),
