@@ -8,6 +8,8 @@ these steps by ~1.4e-6 at lr 1e-4, ~4e-6 at 3e-4 and ~1.4e-5 at 1e-3, so the fp3
 at 1e-4 to keep the tolerance well above that noise (at 3e-4 one GPU run in ~30 exceeded it).
 """
 
+import time
+
 import pytest
 import torch
 from reference_model import ReferenceLM, reference_adamw
@@ -160,3 +162,44 @@ def check_wire_copy_changes_nothing(device, output_dir):
 
 def test_wire_copy_changes_nothing(tmp_path):
     check_wire_copy_changes_nothing("cpu", tmp_path)
+
+
+def test_updates_still_queued_when_the_next_step_begins_keep_their_step_count(tmp_path, monkeypatch):
+    """Updates applied as gradients land may still be queued (the embedding's lands last) when the
+    next step begins: each must use its own step's AdamW bias correction. A slow optimizer makes
+    the overlap certain; steps run back to back, then match plain PyTorch."""
+    from megatrain_optim import HostAdamW
+
+    update = HostAdamW.update_group
+
+    def slow_update(self, *args, **kwargs):
+        time.sleep(0.02)
+        update(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostAdamW, "update_group", slow_update)
+    train = TrainSection(steps=3, batch_size=4, micro_batch_size=2, lr=1e-2, grad_clip=0.0, schedule="constant")
+    config = Config(
+        model=ModelSection(preset="tiny-llama"),
+        data=DataSection(seq_len=12),
+        train=train,
+        precision=PrecisionSection("float64"),
+        device="cpu",
+        output_dir=str(tmp_path),
+    )
+    trainer = Trainer(config)
+    generator = torch.Generator().manual_seed(0)
+    batches = [random_batch(4, 12, 256, generator) for _ in range(train.steps)]
+    reference = ReferenceLM(trainer.model_config).double()
+    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
+    losses = [trainer.train_step(ids, labels).loss for ids, labels in batches]
+    optimizer = reference_adamw(reference, train)
+    for (ids, labels), loss in zip(batches, losses):
+        optimizer.zero_grad()
+        expected = reference.loss(ids, labels)
+        expected.backward()
+        optimizer.step()
+        assert loss == pytest.approx(expected.item(), rel=1e-10)
+    ours = trainer.named_weights()
+    for name, param in reference.named_parameters():
+        assert rel_err(ours[name], param.detach()) < 1e-10, name
+    trainer.close()

@@ -122,18 +122,20 @@ class Trainer:
 
     def _grads_landed(self, group: int, event, sq_norm: torch.Tensor) -> None:
         if self.eager_updates:
-            lr = self._lr
-            self.stepper.submit(group, lambda: self._update(group, lr, 1.0, event, sq_norm))
+            lr, step = self._lr, self.optimizer.step_tensor  # the next step may begin before this update runs
+            self.stepper.submit(group, lambda: self._update(group, lr, 1.0, event, step, sq_norm))
         else:
             self._landed[group] = event
 
-    def _update(self, group: int, lr: float, clip: float, landed, sq_norm: torch.Tensor | None = None) -> None:
+    def _update(
+        self, group: int, lr: float, clip: float, landed, step: torch.Tensor, sq_norm: torch.Tensor | None = None
+    ) -> None:
         """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
         synchronize(landed)
         self._read_ahead(group, 1)
         if sq_norm is None or math.isfinite(float(sq_norm)):
             with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
-                self.optimizer.update_group(group, lr, clip)
+                self.optimizer.update_group(group, lr, clip, step)
         self.store.write_behind_state(group)
         self.store.release_grad(group)
 
@@ -176,7 +178,8 @@ class Trainer:
             self.optimizer.begin_step()
             self._read_ahead(0, 0)
             for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
-                self.stepper.submit(group, lambda g=group: self._update(g, lr, clip, self._landed[g]))
+                step = self.optimizer.step_tensor
+                self.stepper.submit(group, lambda g=group: self._update(g, lr, clip, self._landed[g], step))
         self.step_index += 1
         elapsed = time.perf_counter() - start
         tokens = input_ids.numel()

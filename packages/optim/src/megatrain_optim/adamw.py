@@ -121,17 +121,27 @@ class HostAdamW:
         self._step_tensor = torch.zeros(())
         self._runs = [layout.decay_runs() for layout in store.layouts]
 
+    @property
+    def step_tensor(self) -> Tensor:
+        """The current step count as the 0-dim tensor the update uses; a new object each step."""
+        return self._step_tensor
+
     def begin_step(self) -> None:
         """Advance the step count; call once per optimizer step before its group updates."""
         self.step_count += 1
         self._step_tensor = torch.tensor(float(self.step_count), dtype=self.store.master_dtype)
 
-    def update_group(self, group: int, lr: float, clip_coef: float = 1.0) -> None:
-        """AdamW on `group` from its landed gradient (times clip_coef), then refresh its wire copy if any."""
+    def update_group(self, group: int, lr: float, clip_coef: float = 1.0, step: Tensor | None = None) -> None:
+        """AdamW on this process's shard of `group` (all of it unless the store is sharded) from its
+        landed gradient (times clip_coef), then refresh the shard's wire copy if any.
+
+        `step` is the `step_tensor` of the optimizer step the gradient belongs to (default: the
+        current one): an update still queued when the next step begins must keep its own count."""
         if self.step_count == 0:
             raise OptimError("update_group called before begin_step")
         store, cfg = self.store, self.config
-        master, grad = store.master(group), store.grad(group)
+        start, end = store.shard_range(group)
+        master, grad = store.master(group), store.grad(group)  # grad holds [start, end) only
         exp_avg, exp_avg_sq = store.state("exp_avg", group), store.state("exp_avg_sq", group)
         grad_scale = None
         if clip_coef != 1.0:
@@ -140,15 +150,17 @@ class HostAdamW:
             else:
                 grad.mul_(clip_coef)  # the fused kernel takes only an fp32 scale
         for decay in (True, False):
-            runs = [(o, n) for o, n, d in self._runs[group] if d == decay]
+            runs = [
+                (max(o, start), min(o + n, end)) for o, n, d in self._runs[group] if d == decay and o < end and o + n > start
+            ]
             if not runs:
                 continue
             adamw_update_(
-                [master[o : o + n] for o, n in runs],
-                [grad[o : o + n] for o, n in runs],
-                [exp_avg[o : o + n] for o, n in runs],
-                [exp_avg_sq[o : o + n] for o, n in runs],
-                self._step_tensor,
+                [master[a:b] for a, b in runs],
+                [grad[a - start : b - start] for a, b in runs],
+                [exp_avg[a:b] for a, b in runs],
+                [exp_avg_sq[a:b] for a, b in runs],
+                self._step_tensor if step is None else step,
                 lr=lr,
                 beta1=cfg.betas[0],
                 beta2=cfg.betas[1],
@@ -156,7 +168,8 @@ class HostAdamW:
                 weight_decay=cfg.weight_decay if decay else 0.0,
                 grad_scale=grad_scale,
             )
-        store.refresh_wire(group)
+        if start < end:
+            store.refresh_wire(group, (start, end))
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -80,6 +80,10 @@ class LayerPipeline:
     sq_norm)` is called when a group's gradient copy-out has been queued: `event`
     completes when the host buffer holds it (None on the CPU, where it already does) and
     `sq_norm` is a host scalar tensor, valid from then on, with the gradient's squared norm.
+    With several processes, `reduce_grad(group, buffer)` sums a group's gradient over them and
+    returns this process's shard of the sum (`store.shard_range`), which alone is sent to host
+    memory; it is called on the copy-out stream, so collectives there never hold up compute.
+    `buffer` is padded to a whole number of shards.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class LayerPipeline:
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
         on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
         timeline: Timeline | None = None,
+        reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
     ):
         if len(stages) < 2:
             raise SchedError("a model needs at least two stages: an input stage and a loss stage")
@@ -115,6 +120,7 @@ class LayerPipeline:
         # None: decided each step from the checkpoints' size and the free device memory
         self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
         self.before_fetch, self.on_grads_landed = before_fetch, on_grads_landed
+        self.reduce_grad = reduce_grad or self._own_shard
         self.timeline = timeline or Timeline(enabled=False)
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
         self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
@@ -191,13 +197,18 @@ class LayerPipeline:
 
     # ---------------------------------------------------------------- gradients
     def _grad_buffers(self, stage: int, grad_buffers: dict[int, Tensor]) -> list[Tensor]:
+        """The stage's groups' device gradient buffers (padded to whole shards), as exact-size views."""
         buffers = []
         for group in self.stages[stage].groups:
             if group not in grad_buffers:
-                numel = self.store.layouts[group].numel
-                grad_buffers[group] = torch.zeros(numel, dtype=self.store.master_dtype, device=self.device)
-            buffers.append(grad_buffers[group])
+                padded = self.store.shard_size(group) * self.store.shard[1]
+                grad_buffers[group] = torch.zeros(padded, dtype=self.store.master_dtype, device=self.device)
+            buffers.append(grad_buffers[group][: self.store.layouts[group].numel])
         return buffers
+
+    def _own_shard(self, group: int, buffer: Tensor) -> Tensor:
+        start, end = self.store.shard_range(group)
+        return buffer[start:end]
 
     def _send_grads(
         self, stage: int, grad_buffers: dict[int, Tensor], remaining: list[int], sq_norms: Tensor, log: list
@@ -208,7 +219,6 @@ class LayerPipeline:
             if remaining[group]:
                 continue
             buffer = grad_buffers.pop(group)
-            sq_norms[group] = torch.linalg.vector_norm(buffer).square()
             done = streams.record(streams.compute)
             destination = self.store.acquire_grad(group)  # may wait for the optimizer to free a buffer
             streams.wait(streams.copy_out, done)
@@ -216,7 +226,9 @@ class LayerPipeline:
                 streams.on(streams.copy_out),
                 self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
-                destination.copy_(buffer, non_blocking=True)
+                shard = self.reduce_grad(group, buffer)
+                sq_norms[group] = torch.linalg.vector_norm(shard).square()
+                destination.copy_(shard, non_blocking=True)
                 self._host_sq_norms[group].copy_(sq_norms[group], non_blocking=True)
                 landed = streams.record(streams.copy_out)
             streams.keep_alive(buffer, streams.copy_out)

@@ -12,6 +12,7 @@ from .io import (
 )
 from .layout import Entry, GroupLayout
 from .pinning import pin_in_place, unpin
+from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "GroupLayout",
     "HostStore",
     "MemoryReport",
+    "SharedArenas",
     "StoreError",
     "atomic_write",
     "atomic_write_text",

@@ -20,6 +20,7 @@ from torch import Tensor
 from .errors import StoreError
 from .layout import GroupLayout
 from .pinning import cuda_available, pin_in_place, unpin
+from .shared import SharedArenas
 
 # Group starts are aligned to 64 elements (256 B in fp32) for vectorized CPU loops and DMA.
 ALIGN = 64
@@ -82,6 +83,11 @@ class HostStore:
     needs disk, not RAM. float64 compute (everything in fp64) exists for exactness tests
     that must not depend on fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
+
+    Several processes (one per GPU) share one host's state: with `shared`, the master, wire
+    and optimizer-state arenas are mapped from files every process of the host opens, and
+    `shard=(index, count)` makes this process hold gradients only for its 1/count slice of
+    each group (`shard_range`), the part it updates.
     """
 
     def __init__(
@@ -94,6 +100,8 @@ class HostStore:
         state_dir: Path | None = None,
         first_disk_group: int = 0,
         wire_copy: bool = False,
+        shared: SharedArenas | None = None,
+        shard: tuple[int, int] = (0, 1),
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -108,17 +116,29 @@ class HostStore:
             total += _align(layout.numel)
         self._arena_numel = total
         self.n_params = sum(layout.numel for layout in self.layouts)
+        self.shared = shared
+        if not 0 <= shard[0] < shard[1]:
+            raise StoreError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
+        self.shard = shard
+        if shared is not None and state_dir is not None:
+            raise StoreError("the disk tier (state_dir) cannot be combined with shared arenas yet")
+        # gradients: this shard's slice of each group, back to back
+        self.grad_starts: list[int] = []
+        grad_total = 0
+        for group in range(self.n_groups):
+            self.grad_starts.append(grad_total)
+            grad_total += _align(self.shard_numel(group))
 
-        self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype)}
+        self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, name="master")}
         if wire_copy and compute_dtype != self.master_dtype:
-            self.arenas["wire"] = self._allocate(compute_dtype)
+            self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
         self.grad_buffers = grad_buffers
         if grad_buffers is None:
-            self.arenas["grad"] = self._allocate(self.master_dtype)
+            self.arenas["grad"] = self._allocate(self.master_dtype, grad_total)
         else:
             if grad_buffers < 1:
                 raise StoreError(f"grad_buffers must be >= 1 (or None for one per group), got {grad_buffers}")
-            slot = _align(max(layout.numel for layout in self.layouts))
+            slot = _align(max(self.shard_numel(group) for group in range(self.n_groups)))
             self.arenas["grad"] = self._allocate(self.master_dtype, grad_buffers * slot)
             self._free_grads = [self.arenas["grad"][i * slot : (i + 1) * slot] for i in range(grad_buffers)]
             self._held_grads: dict[int, Tensor] = {}  # group -> the whole pool buffer it holds
@@ -135,7 +155,7 @@ class HostStore:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-read") if on_disk else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-write") if on_disk else None
         for name in self.state_names:
-            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel)
+            self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel, name=f"state.{name}")
             if on_disk:
                 self._map(name, total - ram_numel)
 
@@ -209,8 +229,11 @@ class HostStore:
 
         self._writer.submit(flush)
 
-    def _allocate(self, dtype: torch.dtype, numel: int | None = None) -> Tensor:
+    def _allocate(self, dtype: torch.dtype, numel: int | None = None, name: str | None = None) -> Tensor:
+        """A zeroed arena; `name`d ones are shared between the host's processes when the store is."""
         numel = self._arena_numel if numel is None else numel
+        if name is not None and self.shared is not None:
+            return self.shared.tensor(name, dtype, numel)
         try:
             # zeros, not empty: touching every page now makes pinning fast and failures early.
             return torch.zeros(numel, dtype=dtype)
@@ -225,7 +248,27 @@ class HostStore:
     def n_groups(self) -> int:
         return len(self.layouts)
 
+    def shard_size(self, group: int) -> int:
+        """Elements per shard of `group` (the last shards may hold fewer, or none): a multiple of
+        64 so shards stay aligned, times the shard count at least the group's size."""
+        count = self.shard[1]
+        return _align(-(-self.layouts[group].numel // count))
+
+    def shard_range(self, group: int, index: int | None = None) -> tuple[int, int]:
+        """[start, end) of shard `index` (default: this process's) within `group`'s flat buffers."""
+        index = self.shard[0] if index is None else index
+        numel, size = self.layouts[group].numel, self.shard_size(group)
+        start = min(index * size, numel)
+        return start, min(start + size, numel)
+
+    def shard_numel(self, group: int) -> int:
+        start, end = self.shard_range(group)
+        return end - start
+
     def _slice(self, arena: str, group: int) -> Tensor:
+        if arena == "grad":
+            start = self.grad_starts[group]
+            return self.arenas[arena][start : start + self.shard_numel(group)]
         start = self.starts[group]
         return self.arenas[arena][start : start + self.layouts[group].numel]
 
@@ -238,13 +281,13 @@ class HostStore:
         return self._slice("wire" if "wire" in self.arenas else "master", group)
 
     def grad(self, group: int) -> Tensor:
-        """fp32 gradient landing buffer of `group`, flat (with a pool: the one it holds)."""
+        """fp32 gradient landing buffer of this shard of `group`, flat (with a pool: the one it holds)."""
         if self.grad_buffers is None:
             return self._slice("grad", group)
         with self._grads_changed:
             if group not in self._held_grads:
                 raise StoreError(f"group {group} holds no gradient buffer; call acquire_grad({group}) first")
-            return self._held_grads[group][: self.layouts[group].numel]
+            return self._held_grads[group][: self.shard_numel(group)]
 
     def acquire_grad(self, group: int) -> Tensor:
         """The landing buffer for `group`'s gradient; with a pool, blocks until one is free."""
@@ -254,7 +297,7 @@ class HostStore:
             if group not in self._held_grads:
                 self._grads_changed.wait_for(lambda: self._free_grads)
                 self._held_grads[group] = self._free_grads.pop()
-            return self._held_grads[group][: self.layouts[group].numel]
+            return self._held_grads[group][: self.shard_numel(group)]
 
     def release_grad(self, group: int) -> None:
         """Return `group`'s landing buffer to the pool once its gradient has been consumed."""
@@ -276,13 +319,14 @@ class HostStore:
     def master_views(self, group: int) -> dict[str, Tensor]:
         return self.layouts[group].views(self.master(group))
 
-    def refresh_wire(self, group: int | None = None) -> None:
-        """Rewrite the wire copy of `group` (None: of every group) from its master, after the master
-        was written outside the optimizer; a no-op without a wire copy."""
+    def refresh_wire(self, group: int | None = None, span: tuple[int, int] | None = None) -> None:
+        """Rewrite the wire copy of `group` (None: of every group; `span`: only [start, end) of it) from
+        its master, after the master was written outside the optimizer; a no-op without a wire copy."""
         if "wire" not in self.arenas:
             return
         for g in range(self.n_groups) if group is None else (group,):
-            self.wire(g).copy_(self.master(g))
+            start, end = span or (0, self.layouts[g].numel)
+            self.wire(g)[start:end].copy_(self.master(g)[start:end])
 
     def memory_report(self) -> MemoryReport:
         sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
