@@ -98,8 +98,11 @@ def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, outpu
         assert metrics.lr == pytest.approx(lr_at(step, schedule))
     assert clipped or not grad_clip  # clipping really was exercised
     ours = trainer.named_weights()
+    # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token
+    # of a step used) into lr-sized steps; about one fresh-seed run in a hundred lands past 1e-5 there
+    weight_tolerance = tolerance if dtype == "float64" else 3 * tolerance
     for name, param in reference.named_parameters():
-        assert rel_err(ours[name], param.detach().cpu()) < tolerance, name
+        assert rel_err(ours[name], param.detach().cpu()) < weight_tolerance, name
     trainer.close()
 
 

@@ -42,9 +42,12 @@ def optimizer_tensors(trainer) -> dict:
 
 
 def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
-    """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`."""
+    """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`.
+    With several ranks only rank 0 writes (its host's store holds every rank's updates)."""
     trainer.finish_updates()
     root = Path(root)
+    if not trainer.is_main:
+        return root / f"step-{trainer.step_index:08d}"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{trainer.step_index:08d}"
     for stale in root.glob(".step-*.partial"):  # left by a save that was killed
@@ -127,10 +130,13 @@ def load_checkpoint(trainer, directory: Path) -> dict:
             "resume with the configuration it was written with"
         )
     trainer.finish_updates()
-    load_tensors_into([directory / "model.safetensors"], named_masters(trainer.store))
-    load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
-    trainer.store.refresh_wire()
-    trainer.step_index = manifest["step"]
+    if trainer.ranks is None or trainer.ranks.is_local_main:  # one copy of the state per host
+        load_tensors_into([directory / "model.safetensors"], named_masters(trainer.store))
+        load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
+        trainer.store.refresh_wire()
+    if trainer.sync is not None:
+        trainer.sync.barrier()
+    trainer.restore_step(manifest["step"])
     trainer.optimizer.step_count = manifest["optimizer_step"]
     trainer.bad_steps = manifest["bad_steps"]
     return manifest

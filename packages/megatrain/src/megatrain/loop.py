@@ -83,9 +83,19 @@ def train(config: Config, resume: Path | None = None) -> Path:
         manifest = load_checkpoint(trainer, resume)
         print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    data = load_token_data(
-        config.data, trainer.model_config.vocab_size, out / "cache", model_dir, trainer.model_config.eos_token_id
-    )
+
+    def load_data():
+        return load_token_data(
+            config.data, trainer.model_config.vocab_size, out / "cache", model_dir, trainer.model_config.eos_token_id
+        )
+
+    main = trainer.is_main
+    if trainer.sync is None:
+        data = load_data()
+    else:  # rank 0 tokenizes and fills the cache; the others then read it
+        data = load_data() if main else None
+        trainer.sync.barrier()
+        data = data or load_data()
     tokenizer = data.tokenizer
     windows = TokenWindows(
         data.tokens,
@@ -95,22 +105,26 @@ def train(config: Config, resume: Path | None = None) -> Path:
         config.train.seed,
         data.loss_mask,
     )
-    (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
     metrics_path = out / "metrics.jsonl"
-    kept = []
-    if resume is not None and metrics_path.exists():  # the steps the checkpoint already contains
-        kept = [
-            line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= trainer.step_index
-        ]
-    metrics_path.write_text("".join(line + "\n" for line in kept))
-    report = trainer.store.memory_report()
-    print(
-        f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on {trainer.device} "
-        f"({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host {report.total_bytes / 2**30:.2f} GiB "
-        f"({report.bytes_per_param:.1f} B/param), {windows.n_windows} windows of {config.data.seq_len} tokens",
-        file=sys.stderr,
-    )
+    if main:
+        (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+        kept = []
+        if resume is not None and metrics_path.exists():  # the steps the checkpoint already contains
+            kept = [
+                line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= trainer.step_index
+            ]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+        host_bytes = trainer.host_bytes()
+        ranks = "" if trainer.ranks is None else f" x {trainer.ranks.world_size} ranks"
+        print(
+            f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on "
+            f"{trainer.device}{ranks} ({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host "
+            f"{host_bytes / 2**30:.2f} GiB per host ({host_bytes / trainer.model_config.n_params:.1f} B/param), "
+            f"{windows.n_windows} windows of {config.data.seq_len} tokens",
+            file=sys.stderr,
+        )
     bar = tqdm(
+        disable=not main,
         total=config.train.steps,
         initial=trainer.step_index,
         desc="train",
@@ -119,14 +133,15 @@ def train(config: Config, resume: Path | None = None) -> Path:
         file=sys.stderr,
     )
     checkpoints = out / "checkpoints"
-    writer = tensorboard_writer(config, out)
+    writer = tensorboard_writer(config, out) if main else None
     stop = StopRequested()
     try:
         stop.__enter__()
         for step in range(trainer.step_index, config.train.steps):
             input_ids, labels = windows.batch(step)
             metrics = trainer.train_step(input_ids, labels)
-            write_jsonl(metrics_path, metrics.as_dict())
+            if main:
+                write_jsonl(metrics_path, metrics.as_dict())
             if writer is not None:
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
                     writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
@@ -134,37 +149,45 @@ def train(config: Config, resume: Path | None = None) -> Path:
                 loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.3g}"
             )
             bar.update(1)
-            if metrics.skipped:
+            if metrics.skipped and main:
                 tqdm.write(
                     f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
                     f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged",
                     file=sys.stderr,
                 )
-                if trainer.bad_steps >= config.train.max_bad_steps:
-                    save_checkpoint(trainer, checkpoints, config.train.keep_last)
-                    raise NonFiniteError(
-                        f"{trainer.bad_steps} non-finite steps in a row; stopping. The weights are those of the last "
-                        "good step, saved in checkpoints/. Lower train.lr, raise train.warmup_steps or turn on "
-                        "train.grad_clip."
-                    )
+            if metrics.skipped and trainer.bad_steps >= config.train.max_bad_steps:  # the same on every rank
+                save_checkpoint(trainer, checkpoints, config.train.keep_last)
+                raise NonFiniteError(
+                    f"{trainer.bad_steps} non-finite steps in a row; stopping. The weights are those of the last "
+                    "good step, saved in checkpoints/. Lower train.lr, raise train.warmup_steps or turn on "
+                    "train.grad_clip."
+                )
             if config.train.save_every and trainer.step_index % config.train.save_every == 0:
                 save_checkpoint(trainer, checkpoints, config.train.keep_last)
-            if stop.signal:
+            stopping = stop.signal is not None
+            if trainer.sync is not None:  # a signal seen by one rank stops all of them at the same step
+                stopping = trainer.sync.any(stopping)
+            if stopping:
                 path = save_checkpoint(trainer, checkpoints, config.train.keep_last)
                 bar.close()
-                print(
-                    f"megatrain: {stop.signal} received; checkpoint {path} written. Continue with "
-                    f"`megatrain train --config ... --resume {out}`",
-                    file=sys.stderr,
-                )
+                if main:
+                    print(
+                        f"megatrain: {stop.signal or 'a stop'} received; checkpoint {path} written. Continue with "
+                        f"`megatrain train --config ... --resume {out}`",
+                        file=sys.stderr,
+                    )
                 return out
         bar.close()
-        final = trainer.export(out / "final", tokenizer)
         if config.engine.trace:
-            trainer.timeline.write_chrome_trace(out / "trace.json")
-        if plot_loss(metrics_path, out / "loss.png"):
-            print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
-        print(f"model written to {final}", file=sys.stderr)
+            suffix = "" if trainer.ranks is None else f"-rank{trainer.ranks.rank}"
+            trainer.timeline.write_chrome_trace(out / f"trace{suffix}.json")
+        if main:
+            final = trainer.export(out / "final", tokenizer)
+            if plot_loss(metrics_path, out / "loss.png"):
+                print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
+            print(f"model written to {final}", file=sys.stderr)
+        else:
+            trainer.finish_updates()
     finally:
         stop.__exit__()
         if writer is not None:

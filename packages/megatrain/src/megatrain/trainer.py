@@ -26,6 +26,7 @@ from megatrain_store import GroupLayout, HostStore
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+from .distributed import RankSync, check_data_parallel, init_ranks, shared_arenas
 from .hf_io import check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
@@ -73,6 +74,12 @@ class Trainer:
         ]
         self.eager_updates = config.train.grad_clip == 0
         pool = GRADIENT_POOL if self.eager_updates else None
+        self.ranks = init_ranks(self.device.type)
+        if self.ranks is not None:
+            check_data_parallel(config, self.ranks)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.ranks.local_rank)
+                torch.cuda.set_device(self.device)
         self.store = HostStore(
             layouts,
             self.compute_dtype,
@@ -81,8 +88,16 @@ class Trainer:
             state_dir=config.engine.optimizer_state_dir,
             first_disk_group=plan.first_disk_group,
             wire_copy=config.engine.wire_copy,
+            shared=None if self.ranks is None else shared_arenas(self.ranks),
+            shard=(0, 1) if self.ranks is None else (self.ranks.local_rank, self.ranks.local_world_size),
         )
-        self._init_weights()
+        self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
+        if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
+            self._init_weights()
+        if self.ranks is not None:
+            self.sync.barrier()  # every rank has mapped the shared arenas and sees the weights
+            if self.ranks.is_local_main:
+                self.store.shared.unlink()
         train = config.train
         self.optimizer = HostAdamW(self.store, AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay))
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
@@ -99,7 +114,10 @@ class Trainer:
             before_fetch=self._wait_for_updates,
             on_grads_landed=self._grads_landed,
             timeline=self.timeline,
+            reduce_grad=None if self.sync is None else self.sync.reduce_grad,
         )
+        if self.spec.router_load is not None and self.sync is not None:
+            self.spec.router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
         self.step_index = 0
         self.bad_steps = 0
         self._landed: dict[int, object] = {}
@@ -119,16 +137,26 @@ class Trainer:
     def _wait_for_updates(self, groups: tuple[int, ...]) -> None:
         for group in groups:
             self.stepper.wait(group)
+        if self.sync is not None:  # and for the other ranks of this host, which update other shards
+            self.sync.wait_applied(groups, self.step_index)
 
     def _grads_landed(self, group: int, event, sq_norm: torch.Tensor) -> None:
         if self.eager_updates:
             lr, step = self._lr, self.optimizer.step_tensor  # the next step may begin before this update runs
-            self.stepper.submit(group, lambda: self._update(group, lr, 1.0, event, step, sq_norm))
+            applied = self.step_index + 1
+            self.stepper.submit(group, lambda: self._update(group, lr, 1.0, event, step, applied, sq_norm))
         else:
             self._landed[group] = event
 
     def _update(
-        self, group: int, lr: float, clip: float, landed, step: torch.Tensor, sq_norm: torch.Tensor | None = None
+        self,
+        group: int,
+        lr: float,
+        clip: float,
+        landed,
+        step: torch.Tensor,
+        applied: int,
+        sq_norm: torch.Tensor | None = None,
     ) -> None:
         """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
         synchronize(landed)
@@ -138,6 +166,7 @@ class Trainer:
                 self.optimizer.update_group(group, lr, clip, step)
         self.store.write_behind_state(group)
         self.store.release_grad(group)
+        self._mark_applied(group, applied)  # `applied` optimizer steps are in this rank's shard
 
     def _read_ahead(self, group: int, first: int) -> None:
         """Start reading the disk-tier state of the groups updated `first` .. DISK_READ_AHEAD after `group`
@@ -149,14 +178,23 @@ class Trainer:
 
     # ------------------------------------------------------------------- step
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepMetrics:
-        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss)."""
+        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss).
+
+        With several ranks every rank is given the same global batch and runs its own rows of it:
+        the step's result does not depend on the number of ranks."""
         start = time.perf_counter()
         train = self.config.train
-        n_micro = input_ids.shape[0] // train.micro_batch_size
-        micro = [MicroBatch(ids, lab) for ids, lab in zip(input_ids.chunk(n_micro), labels.chunk(n_micro))]
         n_targets = int((labels != -100).sum())
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
+        tokens = input_ids.numel()
+        seq_len = input_ids.shape[1]
+        if self.ranks is not None:
+            rows = input_ids.shape[0] // self.ranks.world_size
+            mine = slice(self.ranks.rank * rows, (self.ranks.rank + 1) * rows)
+            input_ids, labels = input_ids[mine], labels[mine]
+        n_micro = input_ids.shape[0] // train.micro_batch_size
+        micro = [MicroBatch(ids, lab) for ids, lab in zip(input_ids.chunk(n_micro), labels.chunk(n_micro))]
         lr = self._lr = lr_at(self.step_index, self.schedule)
         if self.eager_updates:
             self.optimizer.begin_step()
@@ -165,32 +203,68 @@ class Trainer:
         if router_load is not None:
             router_load.reset()
         result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
-        loss = result.loss_sum.item() / n_targets
+        loss_sum, sq_norms = result.loss_sum, result.group_sq_norms
+        if self.sync is not None:
+            loss_sum = self.sync.all_reduce(loss_sum)
+            sq_norms = self.sync.all_reduce(sq_norms, across_hosts=False)  # shards of one host cover the gradient
+        loss = loss_sum.item() / n_targets
         aux = None
         if router_load is not None:
             aux = router_load.loss().item()
             loss += router_load.coef * aux  # what transformers reports as the loss, aux term included
-        grad_norm = math.sqrt(result.group_sq_norms.sum().item())
+        grad_norm = math.sqrt(sq_norms.sum().item())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
-        if not skipped and not self.eager_updates:
-            clip = clip_coefficient(grad_norm, train.grad_clip)
-            self.optimizer.begin_step()
-            self._read_ahead(0, 0)
-            for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
+        if not self.eager_updates:
+            applied = self.step_index + 1
+            if skipped:
+                for group in range(self.store.n_groups):
+                    self._mark_applied(group, applied)
+            else:
+                clip = clip_coefficient(grad_norm, train.grad_clip)
+                self.optimizer.begin_step()
+                self._read_ahead(0, 0)
                 step = self.optimizer.step_tensor
-                self.stepper.submit(group, lambda g=group: self._update(g, lr, clip, self._landed[g], step))
+                for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
+                    self.stepper.submit(
+                        group, lambda g=group: self._update(g, lr, clip, self._landed[g], step, applied)
+                    )
         self.step_index += 1
         elapsed = time.perf_counter() - start
-        tokens = input_ids.numel()
-        flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
+        flops = flops_per_token(self.model_config, seq_len) * tokens
         return StepMetrics(
             self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped, aux
         )
 
+    def _mark_applied(self, group: int, applied: int) -> None:
+        if self.sync is not None:
+            self.sync.mark_applied(group, applied)
+
     def finish_updates(self) -> None:
-        """Wait until every queued optimizer update has been applied (re-raising worker errors)."""
+        """Wait until every queued optimizer update has been applied (re-raising worker errors),
+        on every rank of this host."""
         self.stepper.wait_all()
+        if self.sync is not None:
+            self.sync.wait_applied(range(self.store.n_groups), self.step_index)
+
+    def restore_step(self, step_index: int) -> None:
+        """After loading a checkpoint: the weights hold `step_index` optimizer steps, on every rank."""
+        self.step_index = step_index
+        for group in range(self.store.n_groups):
+            self._mark_applied(group, step_index)
+
+    def host_bytes(self) -> int:
+        """Host memory of this host's copy of the training state: the shared arenas once, and the
+        gradient landing buffers of every rank on it (each holds its shard's)."""
+        report = self.store.memory_report()
+        if self.ranks is None:
+            return report.total_bytes
+        return report.total_bytes + (self.ranks.local_world_size - 1) * report.arenas["grad"]
+
+    @property
+    def is_main(self) -> bool:
+        """The process that writes metrics, checkpoints and the final model."""
+        return self.ranks is None or self.ranks.is_main
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by Hugging Face name, up to date (views into host memory)."""

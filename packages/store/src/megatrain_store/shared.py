@@ -18,7 +18,13 @@ from torch import Tensor
 
 from .errors import StoreError
 
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16, torch.float16: np.float16}
+_NUMPY = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.bfloat16: np.uint16,  # numpy has no bf16: the bytes, viewed back as bf16
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+}
 
 
 class SharedArenas:
@@ -30,7 +36,7 @@ class SharedArenas:
         self._maps: list[mmap.mmap] = []
 
     def tensor(self, name: str, dtype: torch.dtype, numel: int) -> Tensor:
-        nbytes = numel * torch.finfo(dtype).bits // 8
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         free = shutil.disk_usage(self.directory).free
         path = self.directory / name
         if not path.exists() and nbytes > free:

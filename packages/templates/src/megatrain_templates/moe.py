@@ -12,6 +12,7 @@ forward records, backward adds the loss's gradient w.r.t. the router probabiliti
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,36 +96,48 @@ class RouterLoad:
 
     def __init__(self, n_experts: int, top_k: int, coef: float = 0.0):
         self.n_experts, self.top_k, self.coef = n_experts, top_k, coef
+        # with data parallelism: sums a tensor over the ranks in place, so that the statistics
+        # (and the loss's gradient) are those of the global batch
+        self.reduce: Callable[[Tensor], Tensor] | None = None
         self.reset()
 
     def reset(self) -> None:
-        self._picks: Tensor | None = None  # [n_experts] fp32
-        self._prob_sums: Tensor | None = None  # [n_experts] fp32
-        self._rows = 0
+        self._stats: Tensor | None = None  # [picks per expert, probability sums per expert, rows], fp32
+        self._final = False
 
     def record(self, top_index: Tensor, probs: Tensor) -> None:
-        """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] fp32 router probabilities."""
-        picks = torch.zeros(self.n_experts, dtype=probs.dtype, device=probs.device)
-        picks.scatter_add_(0, top_index.reshape(-1), torch.ones_like(top_index.reshape(-1), dtype=probs.dtype))
-        sums = probs.detach().sum(0)
-        if self._picks is None:
-            self._picks, self._prob_sums = picks, sums
-        else:
-            self._picks += picks
-            self._prob_sums += sums
-        self._rows += probs.shape[0]
+        """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] router probabilities (fp32 or fp64)."""
+        stats = torch.zeros(2 * self.n_experts + 1, dtype=probs.dtype, device=probs.device)
+        picks = top_index.reshape(-1)
+        stats[: self.n_experts].scatter_add_(0, picks, torch.ones_like(picks, dtype=probs.dtype))
+        stats[self.n_experts : 2 * self.n_experts] = probs.detach().sum(0)
+        stats[-1] = probs.shape[0]
+        self._stats = stats if self._stats is None else self._stats + stats
+
+    def _finished(self) -> Tensor | None:
+        """The step's statistics, summed over the ranks the first time they are read after the forward."""
+        if self._stats is not None and not self._final:
+            if self.reduce is not None:
+                self.reduce(self._stats)
+            self._final = True
+        return self._stats
 
     def loss(self) -> Tensor | None:
         """The (uncoefficiented) auxiliary loss of the step recorded so far; None before any record."""
-        if self._picks is None:
+        stats = self._finished()
+        if stats is None:
             return None
-        return self.n_experts * (self._picks / self._rows * self._prob_sums / self._rows).sum()
+        picks, prob_sums, rows = stats[: self.n_experts], stats[self.n_experts : -1], stats[-1]
+        return self.n_experts * (picks / rows * prob_sums / rows).sum()
 
     def probs_grad(self) -> Tensor | None:
         """d(coef * aux) / d(router probability), [n_experts]; None when the loss is off."""
-        if not self.coef or self._picks is None:
+        if not self.coef:
             return None
-        return self.coef * self.n_experts * self._picks / self._rows / self._rows
+        stats = self._finished()
+        if stats is None:
+            return None
+        return self.coef * self.n_experts * stats[: self.n_experts] / stats[-1] / stats[-1]
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,0 +1,143 @@
+"""Several GPUs and hosts: one process per GPU (launched by torchrun), data parallel, one copy
+of the training state per host.
+
+Every rank streams all layers through its GPU and runs its share of the step's sequences.
+A group's gradient is summed over the ranks of a host on the GPUs (NCCL reduce-scatter; gloo
+on the CPU), then, with several hosts, over the hosts (all-reduce of each shard among the
+ranks with the same local rank), so each rank ends up with its 1/N slice of the global
+gradient and sends only that slice to host memory; its CPU threads update only that slice
+of the shared master weights and moments. Every host keeps a full replica of the state
+(host bytes per parameter do not grow with the GPUs); ranks of a host see one another's
+updates through shared memory and wait for them through shared flags, not collectives.
+"""
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatrain_store import HostStore, SharedArenas
+
+from .config import ConfigError
+
+
+@dataclass
+class Ranks:
+    """Where this process sits: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_group: object = None  # the ranks of this host
+    cross_group: object = None  # the ranks with this local rank on every host
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def n_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def init_ranks(device_type: str) -> Ranks | None:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local_world:
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}: uneven hosts")
+    ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
+    # every process creates every group, in the same order (torch.distributed's rule)
+    for node in range(ranks.n_nodes):
+        group = dist.new_group(list(range(node * local_world, (node + 1) * local_world)))
+        if node == ranks.node:
+            ranks.node_group = group
+    for local in range(local_world):
+        group = dist.new_group(list(range(local, world, local_world)))
+        if local == ranks.local_rank:
+            ranks.cross_group = group
+    return ranks
+
+
+def check_data_parallel(config, ranks: Ranks) -> None:
+    """Refuse, before anything is allocated, a configuration the ranks cannot split evenly."""
+    train = config.train
+    unit = ranks.world_size * train.micro_batch_size
+    if train.batch_size % unit:
+        raise ConfigError(
+            f"train.batch_size ({train.batch_size}) must be a multiple of the number of ranks ({ranks.world_size}) "
+            f"times train.micro_batch_size ({train.micro_batch_size}): each rank runs whole micro-batches of its "
+            f"share; e.g. train.batch_size: {unit * max(1, train.batch_size // unit)}"
+        )
+    if config.engine.optimizer_state_dir:
+        raise ConfigError("engine.optimizer_state_dir (the disk tier) is not supported with several ranks yet")
+
+
+def shared_arenas(ranks: Ranks) -> SharedArenas:
+    """This host's shared arenas, in a directory every rank of the host agrees on."""
+    token = [uuid.uuid4().hex[:12] if ranks.is_main else None]
+    dist.broadcast_object_list(token, src=0)
+    root = Path(os.environ.get("MEGATRAIN_SHARED_DIR", "/dev/shm"))
+    return SharedArenas(root / f"megatrain-{token[0]}-node{ranks.node}")
+
+
+class RankSync:
+    """The collectives of a data-parallel step and the shared flags by which a host's ranks wait
+    for one another's updates (flags[g, r] = optimizer steps rank r has applied to group g)."""
+
+    def __init__(self, ranks: Ranks, store: HostStore, device: torch.device):
+        self.ranks, self.store, self.device = ranks, store, device
+        self.flags = store.shared.tensor("update-flags", torch.int64, store.n_groups * ranks.local_world_size)
+        self.flags = self.flags.view(store.n_groups, ranks.local_world_size)
+
+    def reduce_grad(self, group: int, buffer: Tensor) -> Tensor:
+        """This rank's shard of the gradient summed over every rank (on the current stream)."""
+        ranks = self.ranks
+        shard = torch.empty(buffer.numel() // ranks.local_world_size, dtype=buffer.dtype, device=buffer.device)
+        dist.reduce_scatter_tensor(shard, buffer, group=ranks.node_group)
+        if ranks.n_nodes > 1:
+            dist.all_reduce(shard, group=ranks.cross_group)
+        start, end = self.store.shard_range(group)
+        return shard[: end - start]
+
+    def all_reduce(self, tensor: Tensor, across_hosts: bool = True) -> Tensor:
+        """Sum `tensor` in place over every rank (or over this host's ranks)."""
+        dist.all_reduce(tensor, group=None if across_hosts else self.ranks.node_group)
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (a stop request seen by one rank stops all)."""
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def mark_applied(self, group: int, steps: int) -> None:
+        self.flags[group, self.ranks.local_rank] = steps
+
+    def wait_applied(self, groups, steps: int) -> None:
+        """Block until every rank of this host has applied `steps` optimizer steps to `groups`."""
+        for group in groups:
+            while int(self.flags[group].min()) < steps:
+                time.sleep(1e-4)
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,142 @@
+"""Data parallel over torch.distributed: `torchrun -m megatrain train` with 2 and 4 processes
+(gloo, on the CPU) equals one process on the same config, step by step: the loss, the gradient
+norm and the exported weights. Also two simulated hosts of two ranks each (a replica of the
+state per host, gradients reduced across hosts)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+CONFIG = {
+    "model": {"preset": "tiny-qwen2"},
+    "data": {"seq_len": 16, "shuffle": True},
+    "train": {
+        "steps": 4,
+        "batch_size": 8,
+        "micro_batch_size": 2,
+        "lr": 1e-3,
+        "warmup_steps": 1,
+        "weight_decay": 0.1,
+        "grad_clip": 0.05,
+        "seed": 3,
+    },
+    "precision": {"compute_dtype": "float32"},
+    "device": "cpu",
+}
+
+
+def run(tmp_path, name, launcher, **changes):
+    """Train with `launcher` (a list of argv before `-m megatrain`); returns (metrics rows, exported weights)."""
+    config = json.loads(json.dumps(CONFIG))
+    for section, values in changes.items():
+        config[section].update(values)
+    config["data"]["tokens"] = str(tmp_path / "tokens.npy")
+    config["output_dir"] = str(tmp_path / name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
+    commands = launcher if isinstance(launcher[0], list) else [launcher]
+    processes = [
+        subprocess.Popen([*command, "-m", "megatrain", "train", "--config", str(path)], env=env, stderr=subprocess.PIPE)
+        for command in commands
+    ]
+    for process in processes:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err.decode()
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return rows, load_file(str(tmp_path / name / "final" / "model.safetensors"))
+
+
+def torchrun(n, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", *extra]
+
+
+def assert_same_weights(weights_1, weights_n):
+    """Within 1e-5 of each tensor's norm; k_proj.bias starts at zero and its gradient is rounding
+    noise only (a per-query constant that softmax cancels), so it gets an absolute floor instead."""
+    for name, tensor in weights_1.items():
+        diff = (weights_n[name].double() - tensor.double()).norm().item()
+        assert diff <= 1e-5 * tensor.double().norm().item() + 1e-6 * tensor.numel() ** 0.5, name
+
+
+def assert_same_training(one, many):
+    (rows_1, weights_1), (rows_n, weights_n) = one, many
+    assert len(rows_1) == len(rows_n) == CONFIG["train"]["steps"]
+    for a, b in zip(rows_1, rows_n):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert rows_1[0]["grad_norm"] > CONFIG["train"]["grad_clip"]  # clipping really acts (when on)
+    assert_same_weights(weights_1, weights_n)
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    np.save(tmp_path / "tokens.npy", np.random.default_rng().integers(0, 256, 40 * 16).astype(np.int32))
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 0.0])
+def test_two_and_four_ranks_equal_one_process(tmp_path, tokens, grad_clip):
+    train = {"grad_clip": grad_clip}
+    one = run(tmp_path, "one", [sys.executable], train=train)
+    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), train=train))
+    if grad_clip:  # (without clipping, updates apply as gradients land: each rank's shards of a small pool)
+        assert_same_training(one, run(tmp_path, "four", torchrun(4, "--standalone"), train=train))
+
+
+def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):
+    """Two torchrun agents on this machine stand for two hosts: each keeps its own replica of the
+    state in its own shared memory, gradients are reduced within and then across the hosts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = [
+        torchrun(2, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}")
+        for node in range(2)
+    ]
+    assert_same_training(run(tmp_path, "one", [sys.executable]), run(tmp_path, "hosts", hosts))
+
+
+def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, tokens):
+    with pytest.raises(AssertionError) as failure:
+        run(tmp_path, "bad", torchrun(4, "--standalone"), train={"batch_size": 12})
+    assert "train.batch_size (12) must be a multiple of the number of ranks (4)" in str(failure.value)
+
+
+def test_resume_on_a_different_number_of_ranks(tmp_path, tokens):
+    """A checkpoint written by two ranks resumes on one process and continues as if never stopped."""
+    full = run(tmp_path, "full", [sys.executable])
+    run(tmp_path, "part", torchrun(2, "--standalone"), train={"steps": 2, "save_every": 2})
+    config = json.loads((tmp_path / "part.yaml").read_text())
+    config["train"]["steps"] = 4
+    path = tmp_path / "resume.yaml"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--config", str(path), "--resume", str(tmp_path / "part")],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(full[0], rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    assert_same_weights(full[1], load_file(str(tmp_path / "part" / "final" / "model.safetensors")))
+
+
+def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tokens):
+    """The aux loss is a property of the global batch: the ranks sum their routing statistics."""
+    model = {"preset": "tiny-mixtral"}
+    one = run(tmp_path, "one", [sys.executable], model=model)
+    assert all(row["router_aux_loss"] > 0 for row in one[0])
+    two = run(tmp_path, "two", torchrun(2, "--standalone"), model=model)
+    assert_same_training(one, two)
+    for a, b in zip(one[0], two[0]):
+        assert b["router_aux_loss"] == pytest.approx(a["router_aux_loss"], rel=1e-6)
