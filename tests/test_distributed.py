@@ -36,6 +36,8 @@ def run(tmp_path, name, launcher, **changes):
     config = json.loads(json.dumps(CONFIG))
     for section, values in changes.items():
         config[section].update(values)
+    if config["precision"]["compute_dtype"] == "float64":
+        config["device"] = "cuda"
     config["data"]["tokens"] = str(tmp_path / "tokens.npy")
     config["output_dir"] = str(tmp_path / name)
     path = tmp_path / f"{name}.yaml"
@@ -140,3 +142,15 @@ def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tok
     assert_same_training(one, two)
     for a, b in zip(one[0], two[0]):
         assert b["router_aux_loss"] == pytest.approx(a["router_aux_loss"], rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):
+    """NCCL, one GPU per rank, pinned shared arenas, collectives on the copy-out stream: float64,
+    so a missing stream dependency would show far above rounding."""
+    changes = {"precision": {"compute_dtype": "float64"}, "model": {"preset": "tiny-mixtral"}}
+    one = run(tmp_path, "one", [sys.executable], **changes)
+    two = run(tmp_path, "two", torchrun(2, "--standalone"), **changes)
+    for a, b in zip(one[0], two[0]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-10)

@@ -348,4 +348,6 @@ class LayerPipeline:
             while fetched < min(position + n_slots - 1, len(self.order) - 1):
                 fetched += 1
                 self._fetch(fetched, log)
+        # the squared norms are written on the copy-out stream, behind each group's reduction
+        streams.wait(streams.compute, streams.record(streams.copy_out))
         return StepResult(loss_sum, sq_norms, log)

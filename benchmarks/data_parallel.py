@@ -1,0 +1,101 @@
+"""Data-parallel throughput: run alone for one GPU, under torchrun for several; the same model,
+the same tokens per step per GPU. Rank 0 prints one JSON row (and appends it to --out).
+
+    python benchmarks/data_parallel.py --model qwen2.5-7b --tokens-per-gpu 65536 --out dp.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/data_parallel.py --model qwen2.5-7b --tokens-per-gpu 65536 --out dp.json
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+from throughput import BenchTrainer, random_batch  # noqa: E402
+
+from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain_zoo import flops_per_token  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--tokens-per-gpu", type=int, default=65536)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--grad-clip", type=float, default=0.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    gpus = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    n_seqs = gpus * args.tokens_per_gpu // args.seq_len
+    config = Config(
+        model=ModelSection(preset=args.model),
+        data=DataSection(seq_len=args.seq_len),
+        train=TrainSection(
+            steps=10**6,
+            batch_size=n_seqs,
+            micro_batch_size=args.micro_batch,
+            grad_clip=args.grad_clip,
+            lr=1e-5,
+            schedule="constant",
+        ),
+        precision=PrecisionSection("bfloat16"),
+        device="cuda",
+        output_dir=tempfile.mkdtemp(),
+    )
+    start = time.perf_counter()
+    trainer = BenchTrainer(config)
+    setup_s = time.perf_counter() - start
+    model = trainer.model_config
+    generator = torch.Generator().manual_seed(0)  # every rank draws the same global batch
+
+    def batch():
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+        return random_batch(n_seqs, args.seq_len, model.vocab_size)
+
+    for _ in range(args.warmup):
+        trainer.train_step(*batch())
+    trainer.finish_updates()
+    torch.cuda.synchronize()
+    wall = time.perf_counter()
+    losses = [trainer.train_step(*batch()).loss for _ in range(args.steps)]
+    trainer.finish_updates()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - wall) / args.steps
+    if trainer.sync is not None:
+        trainer.sync.barrier()
+    if trainer.is_main:
+        tokens = n_seqs * args.seq_len
+        row = {
+            "system": "megatrain",
+            "model": args.model,
+            "gpus": gpus,
+            "params_b": round(model.n_params / 1e9, 3),
+            "seq_len": args.seq_len,
+            "tokens_per_step": tokens,
+            "tokens_per_gpu": args.tokens_per_gpu,
+            "step_time_s": round(step_s, 3),
+            "tokens_per_s": round(tokens / step_s),
+            "model_tflops": round(flops_per_token(model, args.seq_len) * tokens / step_s / 1e12, 1),
+            "host_bytes_per_param": round(trainer.host_bytes() / model.n_params, 2),
+            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "setup_s": round(setup_s, 1),
+            "losses": [round(x, 4) for x in losses],
+            "machine": machine(),
+        }
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
