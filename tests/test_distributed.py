@@ -31,13 +31,12 @@ CONFIG = {
 }
 
 
-def run(tmp_path, name, launcher, **changes):
+def run(tmp_path, name, launcher, device="cpu", **changes):
     """Train with `launcher` (a list of argv before `-m megatrain`); returns (metrics rows, exported weights)."""
     config = json.loads(json.dumps(CONFIG))
     for section, values in changes.items():
         config[section].update(values)
-    if config["precision"]["compute_dtype"] == "float64":
-        config["device"] = "cuda"
+    config["device"] = device
     config["data"]["tokens"] = str(tmp_path / "tokens.npy")
     config["output_dir"] = str(tmp_path / name)
     path = tmp_path / f"{name}.yaml"
@@ -149,8 +148,8 @@ def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):
     """NCCL, one GPU per rank, pinned shared arenas, collectives on the copy-out stream: float64,
     so a missing stream dependency would show far above rounding."""
     changes = {"precision": {"compute_dtype": "float64"}, "model": {"preset": "tiny-mixtral"}}
-    one = run(tmp_path, "one", [sys.executable], **changes)
-    two = run(tmp_path, "two", torchrun(2, "--standalone"), **changes)
+    one = run(tmp_path, "one", [sys.executable], "cuda", **changes)
+    two = run(tmp_path, "two", torchrun(2, "--standalone"), "cuda", **changes)
     for a, b in zip(one[0], two[0]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-10)
