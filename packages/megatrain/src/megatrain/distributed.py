@@ -66,6 +66,10 @@ def init_ranks(device_type: str) -> Ranks | None:
     if world % local_world:
         raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}: uneven hosts")
     ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
+    # torchrun sets OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core:
+    # the host's cores are split among its ranks instead (MEGATRAIN_CPU_THREADS overrides)
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(int(os.environ.get("MEGATRAIN_CPU_THREADS", max(1, cores // local_world))))
     # every process creates every group, in the same order (torch.distributed's rule)
     for node in range(ranks.n_nodes):
         group = dist.new_group(list(range(node * local_world, (node + 1) * local_world)))
