@@ -1,5 +1,6 @@
 """Page-locking host memory in place, so that host<->GPU copies run at full PCIe speed."""
 
+import ctypes
 import warnings
 
 import torch
@@ -25,8 +26,10 @@ def pin_in_place(tensor: Tensor) -> bool:
     cudart = torch.cuda.cudart()
     code = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(code) != 0:
+        _clear_cuda_error()
         warnings.warn(
-            f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory (cudaHostRegister error {int(code)}); "
+            f"could not page-lock {nbytes / 2**20:.1f} MiB of host memory at {tensor.data_ptr():#x} "
+            f"(cudaHostRegister error {int(code)}); "
             "host<->GPU copies from it run at pageable speed (about 7-9 GB/s instead of ~55 GB/s). "
             "Raise the locked-memory limit (ulimit -l unlimited) or lower the model/batch size.",
             stacklevel=2,
@@ -37,3 +40,15 @@ def pin_in_place(tensor: Tensor) -> bool:
 
 def unpin(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed cudaHostRegister: left set, the next
+    CUDA call anywhere in the process (an NCCL barrier, say) raises it as its own failure.
+    torch binds no cudaGetLastError, so it is called from the libcudart this process loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libcudart" in line)
+        ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, StopIteration, AttributeError):
+        pass
