@@ -18,7 +18,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 from throughput import BenchTrainer, random_batch  # noqa: E402
 
-from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain.config import (  # noqa: E402
+    Config,
+    DataSection,
+    EngineSection,
+    ModelSection,
+    PrecisionSection,
+    TrainSection,
+)
 from megatrain_zoo import flops_per_token  # noqa: E402
 
 
@@ -31,6 +38,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--grad-clip", type=float, default=0.0)
+    parser.add_argument("--trace-dir", default=None, help="write each rank's Chrome trace of the last step here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     gpus = int(__import__("os").environ.get("WORLD_SIZE", "1"))
@@ -47,6 +55,7 @@ def main():
             schedule="constant",
         ),
         precision=PrecisionSection("bfloat16"),
+        engine=EngineSection(trace=args.trace_dir is not None),
         device="cuda",
         output_dir=tempfile.mkdtemp(),
     )
@@ -69,6 +78,9 @@ def main():
     trainer.finish_updates()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - wall) / args.steps
+    if args.trace_dir:
+        rank = 0 if trainer.ranks is None else trainer.ranks.rank
+        trainer.timeline.write_chrome_trace(Path(args.trace_dir) / f"trace-{args.model}-{gpus}gpu-rank{rank}.json")
     if trainer.sync is not None:
         trainer.sync.barrier()
     if trainer.is_main:

@@ -32,21 +32,44 @@ def color(name: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("trace")
+    parser.add_argument("trace", nargs="+", help="one trace, or one per rank (a panel each)")
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=1, help="how many of the last steps to show")
     parser.add_argument("--title", default=None)
     args = parser.parse_args()
-    events = json.loads(Path(args.trace).read_text())["traceEvents"]
+    fig, axes = plt.subplots(len(args.trace), 1, figsize=(14, 0.6 + 2.6 * len(args.trace)), squeeze=False)
+    for index, (trace, ax) in enumerate(zip(args.trace, axes[:, 0])):
+        draw(ax, json.loads(Path(trace).read_text())["traceEvents"], args.steps)
+        if len(args.trace) > 1:
+            ax.set_ylabel(f"rank {index}", rotation=0, labelpad=30)
+    ax = axes[-1, 0]
+    ax.set_xlabel("time (ms)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(
+        handles,
+        ["weights in", "forward", "backward (recompute)", "head: loss + grad", "grads out", "AdamW update"],
+        ncol=6,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.28),
+        frameon=False,
+    )
+    axes[0, 0].set_title(args.title or Path(args.trace[0]).stem)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+def draw(ax, events: list, steps: int) -> None:
+    """The last `steps` steps of one trace, one row per stream, time from the first step's start."""
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
     # a step starts where the embedding is copied in for the forward
     starts = [e["ts"] for e in spans if e["name"] == "copy_in embed" and tracks[e["tid"]] == "copy_in"]
     forward_starts = starts[::2] if len(starts) > 1 else starts
-    begin = forward_starts[-args.steps] if len(forward_starts) >= args.steps else spans[0]["ts"]
+    begin = forward_starts[-steps] if len(forward_starts) >= steps else spans[0]["ts"]
     shown = [e for e in spans if e["ts"] >= begin]
     end = max(e["ts"] + e["dur"] for e in shown)
-    fig, ax = plt.subplots(figsize=(14, 3.2))
     for row, track in enumerate(ROWS):
         for e in shown:
             if tracks[e["tid"]] == track:
@@ -62,21 +85,6 @@ def main():
     ax.set_yticks(range(len(ROWS)), ["copy-in (H2D)", "compute", "copy-out (D2H)", "CPU AdamW"])
     ax.invert_yaxis()
     ax.set_xlim(0, (end - begin) / 1e3)
-    ax.set_xlabel("time (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(
-        handles,
-        ["weights in", "forward", "backward (recompute)", "head: loss + grad", "grads out", "AdamW update"],
-        ncol=6,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.28),
-        frameon=False,
-    )
-    ax.set_title(args.title or Path(args.trace).stem)
-    fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
