@@ -109,3 +109,14 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
     settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
     assert main(["plan", "--gpu-memory-gib", "140"] + [a for s in settings for a in ("--set", s)]) == 0
     assert f"{plan.offloaded_layers} layers' activation checkpoints in host memory" in capsys.readouterr().out
+
+
+def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
+    rates = Rates()
+    one = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
+    many = make_plan(config_for("qwen2.5-7b", 131072 * 8), rates=rates, gpus=4, hosts=2)
+    assert many.host_bytes == one.host_bytes  # a replica per host, shared by its GPUs
+    assert many.compute_s == pytest.approx(one.compute_s)  # each GPU runs the same tokens as before
+    assert many.network_bytes == int(2 * 0.5 * 4 * one.n_params)  # ring all-reduce of fp32 gradients
+    assert many.tokens_per_s > 7 * one.tokens_per_s
+    assert make_plan(config_for("qwen2.5-7b", 131072), rates=rates).network_bytes == 0

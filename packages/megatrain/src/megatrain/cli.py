@@ -68,7 +68,7 @@ def run_plan(config, args) -> None:
         else None
     )
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
-    plan = make_plan(config, model, rates, gpu_memory)
+    plan = make_plan(config, model, rates, gpu_memory, args.gpus, args.hosts)
     print(
         json.dumps(plan.as_dict(), indent=2)
         if args.json
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument(
         "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory instead of this machine's"
     )
+    plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per host (data parallel, torchrun)")
+    plan_parser.add_argument("--hosts", type=int, default=1, help="hosts, each with a replica of the state")
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
     convert_parser.add_argument("source", help="a checkpoint directory (step-NNNNNNNN) or a Hugging Face directory")
     convert_parser.add_argument("out", help="the Hugging Face directory to write")

@@ -54,6 +54,7 @@ class Rates:
     cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host, while weights stream to the GPU
     disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
     moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
+    network_gbps: float = 50.0  # between hosts, each way, per host (an assumption: 400 Gb/s; not calibrated)
     source: str = "defaults (measured on an H100 machine, 16 cores)"
 
 
@@ -80,8 +81,12 @@ class Plan:
     tokens_per_s: float
     model_tflops: float
     rates: Rates
-    bound: str = "compute"  # what sets the step time: compute, pcie, cpu_optimizer or disk
+    bound: str = "compute"  # what sets the step time: compute, pcie, cpu_optimizer, disk or network
     compute_bound_tokens: int = 0  # tokens per step from which the GPU's work is the longest part
+    gpus: int = 1  # per host
+    hosts: int = 1
+    network_bytes: int = 0  # sent by each host per step (gradient all-reduce across hosts)
+    network_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -146,9 +151,16 @@ def host_memory_limit() -> int | None:
 
 
 def make_plan(
-    config: Config, model: ModelConfig | None = None, rates: Rates | None = None, gpu_memory: int | None = None
+    config: Config,
+    model: ModelConfig | None = None,
+    rates: Rates | None = None,
+    gpu_memory: int | None = None,
+    gpus: int = 1,
+    hosts: int = 1,
 ) -> Plan:
-    """The plan for `config` on this machine's GPU, or on one with `gpu_memory` bytes."""
+    """The plan for `config` on this machine's GPU, or on one with `gpu_memory` bytes; with `gpus`
+    per host and `hosts` (data parallel, a replica of the state per host) host bytes are per host,
+    GPU bytes per GPU, and the step splits the global batch over every GPU."""
     model = model or model_config_of(config)
     rates = rates or load_rates()
     device = resolve_device(config.device)
@@ -160,8 +172,9 @@ def make_plan(
     largest_group = max(group_sizes(model))
     pool = 0 if full_grads else GRADIENT_POOL * largest_group * 4
     tokens = config.train.batch_size * config.data.seq_len
+    gpu_tokens = tokens // (gpus * hosts)  # each GPU runs its share of the global batch
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
-    layer_checkpoint = tokens * model.d_model * element
+    layer_checkpoint = gpu_tokens * model.d_model * element
     checkpoints = layer_checkpoint * model.n_layers
     # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in the
     # compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)
@@ -179,7 +192,7 @@ def make_plan(
     else:
         offloaded = model.n_layers if offload else 0
     gpu_bytes = fixed_gpu + (model.n_layers - offloaded) * layer_checkpoint
-    host_bytes = model.n_params * per_param + pool + offloaded * layer_checkpoint
+    host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
     host_available = host_memory_limit()
     first_disk = first_disk_group(config, model, host_bytes, host_available)
     disk_bytes = sum(group_sizes(model)[first_disk:]) * 4 * len(STATE_NAMES)
@@ -187,16 +200,21 @@ def make_plan(
 
     # performance model
     counted = flops_per_token(model, config.data.seq_len) * tokens
-    head_work = 6 * model.vocab_size * model.d_model * tokens
+    head_work = 6 * model.vocab_size * model.d_model * gpu_tokens
     layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
-    compute_s = block_work(model, config.data.seq_len, tokens) / (layer_rate * 1e12) + head_work / (
+    compute_s = block_work(model, config.data.seq_len, gpu_tokens) / (layer_rate * 1e12) + head_work / (
         rates.head_tflops * 1e12
     )
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
     # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
     transfer_s = model.n_params * max(2 * wire, 4) / (rates.pcie_gbps * 1e9)
+    # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
+    # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     optimizer_s = model.n_params / rates.cpu_adam_params_per_s
+    # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce
+    network_bytes = int(2 * (hosts - 1) / hosts * 4 * model.n_params)
+    network_s = network_bytes / (rates.network_gbps * 1e9)
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / (rates.pcie_gbps * 1e9)
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
@@ -211,13 +229,16 @@ def make_plan(
         "pcie": transfer_s,
         "cpu_optimizer": optimizer_s + serial_share * compute_s,
         "disk": disk_s,
+        "network": network_s,
     }
     bound = max(bounds, key=bounds.get)
     step_s = bounds[bound] + bubble_s
     # compute grows with the tokens, the rest does not: the step is compute-bound from here on
-    per_token = compute_s / tokens
-    others = max(transfer_s / per_token, optimizer_s / ((1 - serial_share) * per_token), disk_s / per_token)
-    compute_bound_tokens = int(math.ceil(others)) if compute_s else 0
+    per_token = compute_s / gpu_tokens
+    others = max(
+        transfer_s / per_token, optimizer_s / ((1 - serial_share) * per_token), disk_s / per_token, network_s / per_token
+    )
+    compute_bound_tokens = int(math.ceil(others)) * gpus * hosts if compute_s else 0
     return Plan(
         model.n_params,
         model.active_params,
@@ -242,6 +263,10 @@ def make_plan(
         rates,
         bound,
         compute_bound_tokens,
+        gpus,
+        hosts,
+        network_bytes,
+        network_s,
     )
 
 
@@ -401,6 +426,7 @@ BOUND_NAMES = {
     "pcie": "PCIe (weights in, gradients out)",
     "cpu_optimizer": "the CPU optimizer",
     "disk": "the disk tier's disk",
+    "network": "the network between hosts",
 }
 
 
@@ -415,10 +441,17 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (f", {plan.offloaded_layers} layers' activation checkpoints in host memory" if plan.offloaded_layers else ""),
-        f"tokens per step  {plan.tokens_per_step:,}",
+        f"tokens per step  {plan.tokens_per_step:,}"
+        + (
+            f" over {plan.gpus} GPU(s) x {plan.hosts} host(s); host memory per host, GPU memory per GPU"
+            + (f"; {plan.network_bytes / 1e9:.1f} GB per host per step between hosts" if plan.hosts > 1 else "")
+            if plan.gpus * plan.hosts > 1
+            else ""
+        ),
         f"step time        {plan.step_s:.2f} s  (GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, "
         f"CPU AdamW {plan.optimizer_s:.2f} s"
         + (f", disk {plan.disk_s:.2f} s" if plan.disk_s else "")
+        + (f", network {plan.network_s:.2f} s" if plan.network_s else "")
         + f" overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
         f"bound by         {BOUND_NAMES[plan.bound]}"
         + (
