@@ -152,3 +152,28 @@ def test_disk_tier_for_the_last_groups_only(tmp_path):
     assert report.arenas["state.exp_avg"] == 4 * store.starts[1]  # only group 0 in RAM
     with pytest.raises(StoreError, match="first_disk_group"):
         HostStore(layouts, state_names=("exp_avg",), state_dir=tmp_path, first_disk_group=4)
+
+
+def test_shared_arenas_and_gradient_shards(tmp_path):
+    """Two stores over the same shared arenas (as two processes of a host map them) see one copy
+    of the master and the state; each holds gradients for its own shard only, and the shards
+    tile every group."""
+    from megatrain_store import SharedArenas
+
+    layouts = [GroupLayout.from_specs([("a", (70, 3), True)]), GroupLayout.from_specs([("b", (5,), False)])]
+    stores = [
+        HostStore(layouts, state_names=("m",), shared=SharedArenas(tmp_path / "shm"), shard=(index, 2))
+        for index in range(2)
+    ]
+    stores[0].master(0).copy_(torch.arange(210.0))
+    stores[1].state("m", 1).fill_(7.0)
+    assert torch.equal(stores[1].master(0), torch.arange(210.0))
+    assert torch.equal(stores[0].state("m", 1), torch.full((5,), 7.0))
+    for group, layout in enumerate(layouts):
+        ranges = [store.shard_range(group) for store in stores]
+        assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == layout.numel
+        assert [store.grad(group).numel() for store in stores] == [end - start for start, end in ranges]
+    assert stores[1].shard_range(1) == (5, 5)  # a group smaller than one aligned shard: all in the first
+    SharedArenas(tmp_path / "shm").unlink()
+    assert not (tmp_path / "shm").exists()
+    assert torch.equal(stores[0].master(0), torch.arange(210.0))  # mappings outlive the files
