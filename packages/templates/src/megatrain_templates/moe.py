@@ -11,7 +11,6 @@ micro-batches), so its statistics live in a `RouterLoad` shared by the model's M
 forward records, backward adds the loss's gradient w.r.t. the router probabilities.
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from torch import Tensor
 
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
-from .ops import rms_norm, upcast
+from .ops import compiled_on_cuda, rms_norm, upcast
 
 # Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
 EXPERT_NAMING = {
@@ -168,23 +167,9 @@ def _swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
     return F.silu(gate) * up * weight
 
 
-# Inductor turns the expert activation's five elementwise kernels (and its backward's more) over
-# [tokens * k, 2 * d_ff] into one each way; on the GPU they cost more than the expert GEMMs.
-# MEGATRAIN_COMPILE=0 keeps it eager.
-_COMPILE = os.environ.get("MEGATRAIN_COMPILE", "1") != "0"
-_compiled_swiglu = None
-
-
-def swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
-    """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1];
-    compiled on CUDA (a second row count makes it shape-generic, so it compiles at most twice),
-    eager elsewhere (same arithmetic)."""
-    global _compiled_swiglu
-    if not (_COMPILE and gate_up.is_cuda):
-        return _swiglu_weighted(gate_up, weight)
-    if _compiled_swiglu is None:
-        _compiled_swiglu = torch.compile(_swiglu_weighted, fullgraph=True)
-    return _compiled_swiglu(gate_up, weight)
+# on [tokens * k, 2 * d_ff] the activation's elementwise kernels cost more than the expert GEMMs
+swiglu_weighted = compiled_on_cuda(_swiglu_weighted)
+swiglu_weighted.__doc__ = """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1]."""
 
 
 class _Dispatch(torch.autograd.Function):
