@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -407,14 +407,15 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     cpu = 3 * n / (time.perf_counter() - start)
     torch.cuda.synchronize()
     previous = load_rates()  # a dense calibration keeps the MoE rate it had, and the other way round
-    rates = Rates(
-        previous.gpu_tflops if model.is_moe else round(layer_tflops, 1),
-        round(head_tflops, 1),
-        round(pcie, 1),
-        round(cpu, -6),
-        round(measure_disk_gbps(Path(state_dir)), 2) if state_dir else Rates.disk_gbps,
-        round(layer_tflops, 1) if model.is_moe else previous.moe_gpu_tflops,
-        f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
+    rates = replace(
+        previous,
+        gpu_tflops=previous.gpu_tflops if model.is_moe else round(layer_tflops, 1),
+        head_tflops=round(head_tflops, 1),
+        pcie_gbps=round(pcie, 1),
+        cpu_adam_params_per_s=round(cpu, -6),
+        disk_gbps=round(measure_disk_gbps(Path(state_dir)), 2) if state_dir else previous.disk_gbps,
+        moe_gpu_tflops=round(layer_tflops, 1) if model.is_moe else previous.moe_gpu_tflops,
+        source=f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
     )
     CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
     CALIBRATION_FILE.write_text(json.dumps(asdict(rates), indent=2))
