@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -153,3 +154,37 @@ def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):
     for a, b in zip(one[0], two[0]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-10)
+
+
+def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, tokens):
+    """Rank 1 is made to hang in its optimizer; rank 0, waiting for its shard, names it and stops."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            import megatrain_optim
+            update = megatrain_optim.HostAdamW.update_group
+            def hang(self, *args, **kwargs):
+                if os.environ["RANK"] == "1":
+                    time.sleep(8)
+                update(self, *args, **kwargs)
+            megatrain_optim.HostAdamW.update_group = hang
+            from megatrain.cli import main
+            sys.exit(main(sys.argv[1:]))
+            """
+        )
+    )
+    config = json.loads(json.dumps(CONFIG)) | {"output_dir": str(tmp_path / "run")}
+    config["data"]["tokens"] = str(tmp_path / "tokens.npy")
+    (tmp_path / "c.yaml").write_text(json.dumps(config))
+    env = {**os.environ, "MEGATRAIN_RANK_WAIT_S": "5", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
+    result = subprocess.run(
+        [*torchrun(2, "--standalone"), str(script), "train", "--config", str(tmp_path / "c.yaml")],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    err = result.stderr.decode()
+    assert result.returncode != 0
+    assert "rank(s) [1] of host 0 have not updated group" in err, err[-4000:]

@@ -10,9 +10,10 @@ from megatrain_store import StoreError
 from megatrain_zoo import ZooError
 
 from .config import ConfigError, default_config_path, load_config
+from .distributed import RankError
 from .trainer import NonFiniteError
 
-KNOWN_ERRORS = (ZooError, StoreError, OptimError, SchedError, NonFiniteError)
+KNOWN_ERRORS = (ZooError, StoreError, OptimError, SchedError, NonFiniteError, RankError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

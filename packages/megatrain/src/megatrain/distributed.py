@@ -25,6 +25,14 @@ from megatrain_store import HostStore, SharedArenas
 
 from .config import ConfigError
 
+# How long a rank waits for another rank of its host to finish updating a layer before it
+# concludes that rank is gone (an update takes well under a second per layer).
+WAIT_LIMIT_S = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", 600))
+
+
+class RankError(RuntimeError):
+    """Another rank died or hung; the message says which and how to resume."""
+
 
 @dataclass
 class Ranks:
@@ -138,9 +146,18 @@ class RankSync:
         self.flags[group, self.ranks.local_rank] = steps
 
     def wait_applied(self, groups, steps: int) -> None:
-        """Block until every rank of this host has applied `steps` optimizer steps to `groups`."""
+        """Block until every rank of this host has applied `steps` optimizer steps to `groups`;
+        a rank that has not done so in WAIT_LIMIT_S has died or hung, and this one stops too."""
         for group in groups:
+            start = time.monotonic()
             while int(self.flags[group].min()) < steps:
+                if time.monotonic() - start > WAIT_LIMIT_S:
+                    behind = [r for r, done in enumerate(self.flags[group].tolist()) if done < steps]
+                    raise RankError(
+                        f"rank(s) {behind} of host {self.ranks.node} have not updated group {group} for step {steps} in "
+                        f"{WAIT_LIMIT_S:.0f} s: a process died or hung (see its log). The last complete checkpoint "
+                        "is intact; resume from it with --resume, on the same or another number of GPUs."
+                    )
                 time.sleep(1e-4)
 
     def barrier(self) -> None:
