@@ -145,9 +145,10 @@ def train(config: Config, resume: Path | None = None) -> Path:
             if writer is not None:
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
                     writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
-            bar.set_postfix(
-                loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:,.0f}", tflops=f"{metrics.tflops:.3g}"
-            )
+            postfix = {"loss": f"{metrics.loss:.4f}", "tok_s": f"{metrics.tokens_per_s:,.0f}", "tflops": f"{metrics.tflops:.3g}"}
+            if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
+                postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
+            bar.set_postfix(**postfix)
             bar.update(1)
             if metrics.skipped and main:
                 tqdm.write(

@@ -231,7 +231,8 @@ class MoeBlock(DecoderBlock):
         self._rope_cache = {}
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """h: [tokens, d_model] -> (probs [tokens, n_experts] fp32, top_index [tokens, k], top_weight [tokens, k] fp32)."""
+        """h: [tokens, d_model] -> (probs [tokens, n_experts], top_index [tokens, k], top_weight [tokens, k]);
+        probabilities in fp32 (fp64 when computing in fp64), as transformers' routers."""
         probs = upcast(F.linear(h, w["router"])).softmax(dim=-1)
         top_weight, top_index = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
