@@ -120,3 +120,18 @@ def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
     assert many.network_bytes == int(2 * 0.5 * 4 * one.n_params)  # ring all-reduce of fp32 gradients
     assert many.tokens_per_s > 7 * one.tokens_per_s
     assert make_plan(config_for("qwen2.5-7b", 131072), rates=rates).network_bytes == 0
+
+
+def test_moe_plan_moves_all_parameters_and_computes_the_active_ones():
+    """All experts cross PCIe and are updated every step; only the active ones compute: with few
+    tokens the CPU optimizer bounds the step, and from compute_bound_tokens on the GPU does."""
+    rates = Rates()
+    small = make_plan(config_for("olmoe-1b-7b", 32768), rates=rates)
+    model = preset("olmoe-1b-7b")
+    assert small.active_params == model.active_params < model.n_params == small.n_params
+    assert small.transfer_s == pytest.approx(model.n_params * 8 / (rates.pcie_gbps * 1e9))
+    assert small.bound == "cpu_optimizer" and small.compute_bound_tokens > 32768
+    tokens = -(-small.compute_bound_tokens // (8 * 2048)) * 8 * 2048
+    assert make_plan(config_for("olmoe-1b-7b", tokens), rates=rates).bound == "compute"
+    dense = make_plan(config_for("qwen2.5-7b", 32768), rates=rates)
+    assert dense.compute_s > 3 * small.compute_s  # 7.6B active against 1.3B

@@ -103,3 +103,55 @@ def test_unsupported_inputs_are_refused():
         preset("llama9-8b")
     with pytest.raises(ZooError, match="multiple of n_kv_heads"):
         PRESETS["tiny-llama"].with_changes(n_kv_heads=3)
+
+
+# Published totals and active parameters (billions), from the model cards.
+PUBLISHED_MOE = {
+    "mixtral-8x7b": (46.7, 12.9),
+    "mixtral-8x22b": (140.6, 39.1),
+    "qwen1.5-moe-a2.7b": (14.3, 2.7),
+    "qwen3-30b-a3b": (30.5, 3.3),
+    "qwen3-235b-a22b": (235.1, 22.2),
+    "olmoe-1b-7b": (6.9, 1.3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MOE))
+def test_moe_parameter_counts_match_published(name):
+    total, active = PUBLISHED_MOE[name]
+    config = PRESETS[name]
+    assert config.n_params / 1e9 == pytest.approx(total, rel=0.01)
+    assert config.active_params / 1e9 == pytest.approx(active, rel=0.03)
+    # FLOPs follow the active parameters: a token multiplies with top-k experts, not all of them
+    assert config.matmul_params < config.active_params < config.n_params
+
+
+def test_moe_specs_and_hf_round_trip():
+    for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "qwen1.5-moe-a2.7b", "olmoe-1b-7b"):
+        config = PRESETS[name]
+        assert config_from_hf(config_to_hf(config)) == config, name
+        model = build_model(config)
+        assert sum(p.numel for g in model.groups for p in g.params) == config.n_params
+        assert model.router_load is not None
+    qwen2_moe = build_model(PRESETS["tiny-qwen2-moe"])
+    layer1 = [p.name for p in qwen2_moe.groups[2].params]  # dense_layers=(1,): a plain SwiGLU MLP
+    assert "model.layers.1.mlp.gate_proj.weight" in layer1 and not any("experts" in n for n in layer1)
+    mixtral = build_model(PRESETS["tiny-mixtral"])
+    names = [p.name for p in mixtral.groups[1].params]
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
+    fused = mixtral.fused_checkpoint_names()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert fused[0] == (4, 2 * 96, 64) and fused[1][:2] == (
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.0.w3.weight",
+    )
+
+
+def test_unsupported_moe_inputs_are_refused():
+    with pytest.raises(ZooError, match="gpt-oss .* not implemented"):
+        config_from_hf({"model_type": "gpt_oss"})
+    with pytest.raises(ZooError, match="quantization_config 'mxfp4'"):
+        config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ZooError, match="router_jitter_noise"):
+        config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "router_jitter_noise": 0.1})
+    with pytest.raises(ZooError, match="n_experts_per_tok must be in 1..n_experts"):
+        PRESETS["tiny-mixtral"].with_changes(n_experts_per_tok=9)
