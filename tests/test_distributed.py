@@ -188,3 +188,18 @@ def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, to
     err = result.stderr.decode()
     assert result.returncode != 0
     assert "rank(s) [1] of host 0 have not updated group" in err, err[-4000:]
+
+
+def test_each_rank_plans_for_its_share_of_the_global_batch(monkeypatch):
+    """Under torchrun the memory check counts one GPU's share of the batch, and the host's ranks."""
+    from megatrain.config import load_config
+    from megatrain.distributed import launch_shape
+    from megatrain.plan import make_plan
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launch_shape() == (4, 2)
+    config = load_config(None, ["model.preset=qwen2.5-7b", "train.batch_size=64", "data.seq_len=2048", "device=cpu"])
+    alone, shared = make_plan(config), make_plan(config, gpus=4, hosts=2)
+    assert shared.tokens_per_step == alone.tokens_per_step
+    assert shared.compute_s == pytest.approx(alone.compute_s / 8, rel=0.05)

@@ -62,6 +62,13 @@ class Ranks:
         return self.local_rank == 0
 
 
+def launch_shape() -> tuple[int, int]:
+    """(processes per host, hosts) as torchrun describes them; (1, 1) when run alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local, max(1, world // local)
+
+
 def init_ranks(device_type: str) -> Ranks | None:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -26,7 +26,7 @@ from megatrain_store import GroupLayout, HostStore
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import RankSync, check_data_parallel, init_ranks, shared_arenas
+from .distributed import RankSync, check_data_parallel, init_ranks, launch_shape, shared_arenas
 from .hf_io import check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
@@ -64,7 +64,8 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
-        plan = make_plan(config, self.model_config)
+        gpus, hosts = launch_shape()
+        plan = make_plan(config, self.model_config, gpus=gpus, hosts=hosts)  # each GPU runs its share of the batch
         check_plan(plan, config, self.model_config)
         self.spec = build_model(self.model_config)
         if config.model.hf_dir is not None:
