@@ -66,20 +66,20 @@ def launch_shape() -> tuple[int, int]:
     """(processes per host, hosts) as torchrun describes them; (1, 1) when run alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return local, max(1, world // local)
+    if world % local:
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: uneven hosts")
+    return local, world // local
 
 
 def init_ranks(device_type: str) -> Ranks | None:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world, hosts = launch_shape()
+    world = local_world * hosts
     if world == 1:
         return None
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     rank = dist.get_rank()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % local_world:
-        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}: uneven hosts")
     ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
     # torchrun sets OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core:
     # the host's cores are split among its ranks instead (MEGATRAIN_CPU_THREADS overrides)

@@ -90,12 +90,12 @@ def train(config: Config, resume: Path | None = None) -> Path:
         )
 
     main = trainer.is_main
-    if trainer.sync is None:
+    if main:
         data = load_data()
-    else:  # rank 0 tokenizes and fills the cache; the others then read it
-        data = load_data() if main else None
-        trainer.sync.barrier()
-        data = data or load_data()
+    if trainer.sync is not None:
+        trainer.sync.barrier()  # rank 0 has tokenized and filled the cache; the others read it
+    if not main:
+        data = load_data()
     tokenizer = data.tokenizer
     windows = TokenWindows(
         data.tokens,

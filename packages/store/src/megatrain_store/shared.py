@@ -33,7 +33,6 @@ class SharedArenas:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._maps: list[mmap.mmap] = []
 
     def tensor(self, name: str, dtype: torch.dtype, numel: int) -> Tensor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -54,8 +53,7 @@ class SharedArenas:
             os.close(fd)
         if mapping is None:
             return torch.zeros(0, dtype=dtype)
-        self._maps.append(mapping)
-        array = np.frombuffer(mapping, dtype=_NUMPY[dtype], count=numel)
+        array = np.frombuffer(mapping, dtype=_NUMPY[dtype], count=numel)  # keeps the mapping alive
         tensor = torch.from_numpy(array)
         return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
 

@@ -254,11 +254,10 @@ class HostStore:
         count = self.shard[1]
         return _align(-(-self.layouts[group].numel // count))
 
-    def shard_range(self, group: int, index: int | None = None) -> tuple[int, int]:
-        """[start, end) of shard `index` (default: this process's) within `group`'s flat buffers."""
-        index = self.shard[0] if index is None else index
+    def shard_range(self, group: int) -> tuple[int, int]:
+        """[start, end) of this process's shard within `group`'s flat buffers."""
         numel, size = self.layouts[group].numel, self.shard_size(group)
-        start = min(index * size, numel)
+        start = min(self.shard[0] * size, numel)
         return start, min(start + size, numel)
 
     def shard_numel(self, group: int) -> int:
