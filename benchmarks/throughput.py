@@ -130,7 +130,8 @@ def bench_megatrain(
         def next_batch(n_seqs, _vocab):
             windows.setdefault(n_seqs, TokenWindows(tokens_array, seq_len, n_seqs, shuffle=True, seed=0))
             step_counter[0] += 1
-            return windows[n_seqs].batch(step_counter[0])
+            batch = windows[n_seqs].batch(step_counter[0])
+            return batch.input_ids, batch.labels
     else:
 
         def next_batch(n_seqs, vocab):

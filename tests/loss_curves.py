@@ -45,7 +45,8 @@ def loss_curves(device, dtype, steps, batch_size, seq_len, workdir, lr=1e-3):
     ours, theirs = [], []
     autocast_dtype = getattr(torch, dtype)
     for step in range(steps):
-        ids, labels = windows.batch(step)
+        batch = windows.batch(step)
+        ids, labels = batch.input_ids, batch.labels
         ours.append(trainer.train_step(ids, labels).loss)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)

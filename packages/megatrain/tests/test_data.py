@@ -9,11 +9,12 @@ from megatrain.data import TokenWindows, builtin_corpus, check_tokens, load_toke
 def test_consecutive_windows_without_shuffle():
     tokens = np.arange(100)
     windows = TokenWindows(tokens, seq_len=10, batch_size=3, shuffle=False, seed=0)
-    ids, labels = windows.batch(1)  # step 1 uses windows 3, 4, 5
+    batch = windows.batch(1)  # step 1 uses windows 3, 4, 5
+    ids, labels = batch.input_ids, batch.labels
     assert torch.equal(ids[0], torch.arange(30, 40))
     assert torch.equal(ids[2], torch.arange(50, 60))
     assert torch.equal(labels[0, :-1], torch.arange(31, 40)) and labels[0, -1] == -100
-    ids, _ = windows.batch(3)  # windows 9, 0, 1: wraps around after the 10th window
+    ids = windows.batch(3).input_ids  # windows 9, 0, 1: wraps around after the 10th window
     assert ids[0, 0] == 90 and ids[1, 0] == 0 and ids[2, 0] == 10
 
 

@@ -7,6 +7,7 @@ from reference import RefBlock, RefMoeBlock, RMSNorm, flatten_params, unflatten_
 from megatrain_templates import (
     BlockShape,
     DecoderBlock,
+    Documents,
     Embedding,
     Head,
     MoeBlock,
@@ -192,3 +193,35 @@ def test_no_module_or_graph_survives_a_call():
     assert out.grad_fn is None
     grad_in = block.backward([flat], torch.randn(1, 3, 8), torch.randn(1, 3, 8), [torch.zeros(block.numel)])
     assert grad_in.grad_fn is None
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_packed_documents_equal_separate_rows(moe):
+    """float64: documents packed into one row (block-diagonal attention, positions restarting) give
+    each token the output and the weights the gradient of the same documents in rows of their own."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim = 32, 4, 8
+    shape = BlockShape(d, heads, 2, head_dim, 40, 1e-5, rope=RopeConfig(head_dim=head_dim, theta=500.0))
+    block = MoeBlock(shape, MoeShape(4, 2, 24), RouterLoad(4, 2, 0.0)) if moe else DecoderBlock(shape)
+    flat = torch.randn(block.numel, dtype=torch.float64) * 0.3
+    lengths = (5, 3, 4)
+    docs = [torch.randn(1, n, d, dtype=torch.float64) for n in lengths]
+    grad_outs = [torch.randn(1, n, d, dtype=torch.float64) for n in lengths]
+    # the row: the three documents, then two padding tokens (a document of their own) with no gradient
+    row = torch.cat([*docs, torch.randn(1, 2, d, dtype=torch.float64)], dim=1)
+    row_grad = torch.cat([*grad_outs, torch.zeros(1, 2, d, dtype=torch.float64)], dim=1)
+    positions = torch.cat([torch.arange(n) for n in (*lengths, 2)]).unsqueeze(0)
+    documents = Documents(positions)
+
+    out = block.forward([flat], row, documents)
+    packed_grads = [torch.zeros(block.numel, dtype=torch.float64)]
+    grad_in = block.backward([flat], row, row_grad, packed_grads, documents)
+
+    separate_grads = [torch.zeros(block.numel, dtype=torch.float64)]
+    start = 0
+    for doc, grad_out, n in zip(docs, grad_outs, lengths):
+        assert rel_err(out[:, start : start + n], block.forward([flat], doc)) < 1e-12
+        doc_grad_in = block.backward([flat], doc, grad_out, separate_grads)
+        assert rel_err(grad_in[:, start : start + n], doc_grad_in) < 1e-12
+        start += n
+    assert rel_err(packed_grads[0], separate_grads[0]) < 1e-12

@@ -120,7 +120,7 @@ def verify_checkpoint(directory: Path) -> dict:
 
 
 def load_checkpoint(trainer, directory: Path) -> dict:
-    """Restore weights, moments and step from a verified checkpoint into `trainer`."""
+    """Restore weights, moments (when the trainer holds them) and step from a verified checkpoint into `trainer`."""
     directory = find_checkpoint(directory)
     manifest = verify_checkpoint(directory)
     if manifest["model"] != trainer.model_config.as_dict():
@@ -132,7 +132,8 @@ def load_checkpoint(trainer, directory: Path) -> dict:
     trainer.finish_updates()
     if trainer.ranks is None or trainer.ranks.is_local_main:  # one copy of the state per host
         load_tensors_into([directory / "model.safetensors"], named_masters(trainer.store))
-        load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
+        if trainer.store.state_names:  # a trainer made for evaluation holds none
+            load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
         trainer.store.refresh_wire()
     if trainer.sync is not None:
         trainer.sync.barrier()

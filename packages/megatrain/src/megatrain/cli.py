@@ -1,4 +1,4 @@
-"""The `megatrain` command: train, plan."""
+"""The `megatrain` command: train, plan, data, eval, convert, bench."""
 
 import argparse
 import sys
@@ -56,6 +56,106 @@ def run_bench(config, steps: int) -> None:
     )
 
 
+def hf_labels(batch, row: int) -> list[int]:
+    """Labels of a row in the Hugging Face convention: labels[t] = input_ids[t] where token t is trained
+    (the engine's labels are shifted: its label at t - 1 is the target token t)."""
+    ids, shifted = batch.input_ids[row].tolist(), batch.labels[row].tolist()
+    return [-100] + [ids[t] if shifted[t - 1] != -100 else -100 for t in range(1, len(ids))]
+
+
+def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
+    """The decoded row with each trained span between ⟦ and ⟧."""
+    pieces, run, trained = [], [], None
+    for token, label in zip(ids, labels):
+        if (label != -100) != trained and run:
+            pieces.append(("⟦{}⟧" if trained else "{}").format(tokenizer.decode(run, skip_special_tokens=False)))
+            run = []
+        trained = label != -100
+        run.append(token)
+    if run:
+        pieces.append(("⟦{}⟧" if trained else "{}").format(tokenizer.decode(run, skip_special_tokens=False)))
+    return "".join(pieces)
+
+
+def run_data(config, args) -> None:
+    import json
+
+    from .config import model_config_of
+    from .data import TokenWindows, load_token_data
+
+    model = model_config_of(config)
+    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+    data = load_token_data(
+        config.data,
+        model.vocab_size,
+        Path(config.output_dir) / "cache",
+        model_dir,
+        model.eos_token_id,
+        config.train.seed,
+    )
+    for line in data.report:
+        print(f"megatrain: {line}", file=sys.stderr)
+    tokenizer = None
+    if args.text:
+        if data.tokenizer is None:
+            raise ConfigError("--text needs a tokenizer; data.tokens holds ids only")
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(data.tokenizer))
+    train = config.train
+    windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+    shown, step = 0, 0
+    while shown < args.dump:
+        batch = windows.batch(step)
+        for row in range(len(batch.input_ids)):
+            if shown == args.dump:
+                break
+            ids, labels = batch.input_ids[row].tolist(), hf_labels(batch, row)
+            if tokenizer is not None:
+                print(f"--- sequence {shown} (step {step}, row {row}); trained spans in ⟦ ⟧")
+                print(marked_text(tokenizer, ids, labels))
+            else:
+                record = {"input_ids": ids, "labels": labels}
+                if batch.position_ids is not None:
+                    record["position_ids"] = batch.position_ids[row].tolist()
+                print(json.dumps(record))
+            shown += 1
+        step += 1
+
+
+def run_eval(config, args) -> None:
+    import json
+    from dataclasses import replace
+
+    from megatrain_zoo import ModelConfig
+
+    from .checkpoint import MANIFEST, find_checkpoint, load_checkpoint, verify_checkpoint
+    from .config import ModelSection
+    from .data import TokenWindows
+    from .loop import evaluate, load_data
+    from .trainer import Trainer
+
+    source = Path(args.checkpoint)
+    if (source / "config.json").exists() and not (source / MANIFEST).exists():  # a Hugging Face directory
+        trainer = Trainer(replace(config, model=ModelSection(hf_dir=str(source))), training=False)
+        what = str(source)
+    else:
+        directory = find_checkpoint(source)
+        manifest = verify_checkpoint(directory)
+        trainer = Trainer(config, ModelConfig(**manifest["model"]), training=False)
+        load_checkpoint(trainer, directory)  # the weights (a trainer for evaluation holds no optimizer state)
+        what = f"{directory} (step {manifest['step']})"
+    try:
+        data = load_data(config, trainer, Path(config.output_dir))
+        tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
+        windows = TokenWindows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
+        result = evaluate(trainer, windows, args.batches, leave=True)
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(json.dumps({"checkpoint": what, "data": split, **result}))
+
+
 def run_plan(config, args) -> None:
     import json
 
@@ -101,6 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     convert_parser.add_argument("source", help="a checkpoint directory (step-NNNNNNNN) or a Hugging Face directory")
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    data_parser = commands.add_parser("data", help="show the training sequences a config makes (template, mask)")
+    _add_config_args(data_parser)
+    data_parser.add_argument("--dump", type=int, default=4, metavar="N", help="how many sequences (default 4)")
+    data_parser.add_argument(
+        "--text", action="store_true", help="decoded text with trained spans marked, instead of JSON lines of ids"
+    )
+    eval_parser = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint, forward only")
+    _add_config_args(eval_parser)
+    eval_parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a checkpoint (step-NNNNNNNN), a run's output_dir or a Hugging Face directory",
+    )
+    eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
     bench_parser = commands.add_parser("bench", help="time training steps of a config on random tokens")
     _add_config_args(bench_parser)
     bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
@@ -123,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             train(config, Path(args.resume) if args.resume else None)
         elif args.command == "plan":
             run_plan(config, args)
+        elif args.command == "data":
+            run_data(config, args)
+        elif args.command == "eval":
+            run_eval(config, args)
     except ConfigError as error:
         print(f"megatrain: config error: {error}", file=sys.stderr)
         return 2

@@ -30,20 +30,34 @@ class ModelSection:
             )
 
 
-DATA_FORMATS = ("text", "alpaca", "messages")
+DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages")
 
 
 @dataclass(frozen=True)
 class DataSection:
     tokens: str | None = None  # a .npy array of token ids
     text: str | None = None  # a UTF-8 text file, tokenized with `tokenizer` or a tokenizer trained on it
-    # records: a .jsonl/.json or .parquet file, a `datasets` save_to_disk directory, or a hub dataset name
+    # records: .jsonl/.json/.parquet files, `datasets` save_to_disk directories, hub dataset names, or
+    # names in dataset_dir/dataset_info.json; several comma-separated (or a YAML list) are mixed
     dataset: str | None = None
-    format: str = "text"  # text: pre-training on `text_field`; alpaca / messages: fine-tuning, loss on responses
+    dataset_dir: str | None = None  # a LLaMA-Factory-style folder with dataset_info.json
+    mix_weights: tuple[float, ...] | None = None  # one per dataset: its share of the examples
+    # text: pre-training on `text_field`; alpaca / sharegpt / messages: fine-tuning, loss on assistant turns
+    format: str = "text"
     text_field: str = "text"
     tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on the text
+    chat_template: str | None = None  # None: the tokenizer's own; "simple"; or a .jinja file
+    train_on_prompt: bool = False  # also train on system/user turns and the template's text
     seq_len: int = 256
+    too_long: str = "truncate"  # an example longer than seq_len: truncate | drop (counted and reported)
+    pack: bool = False  # several whole examples per row, each attending only to itself
     shuffle: bool = True
+    # held-out data for validation loss: a fraction of the examples (0.05), a file, or a split name
+    validation: float | str | None = None
+
+    def as_key(self) -> dict:
+        """The settings that change tokenized data (cache keys)."""
+        return asdict(self)
 
     def __post_init__(self):
         if sum(x is not None for x in (self.tokens, self.text, self.dataset)) > 1:
@@ -52,6 +66,18 @@ class DataSection:
             raise ConfigError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
         if self.format != "text" and self.dataset is None:
             raise ConfigError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
+        if self.dataset_dir is not None and self.dataset is None:
+            raise ConfigError("data.dataset_dir is set: name the dataset_info.json entries to train on in data.dataset")
+        if self.too_long not in ("truncate", "drop"):
+            raise ConfigError(f"data.too_long must be truncate or drop, got {self.too_long!r}")
+        if self.pack and self.dataset is None:
+            raise ConfigError(
+                "data.pack packs fine-tuning examples: set data.dataset (text streams are already packed)"
+            )
+        if isinstance(self.validation, float) and not 0 < self.validation < 1:
+            raise ConfigError(f"data.validation as a fraction must be in (0, 1), got {self.validation}")
+        if self.mix_weights is not None and any(w <= 0 for w in self.mix_weights):
+            raise ConfigError(f"data.mix_weights must be positive, got {list(self.mix_weights)}")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
 
@@ -73,6 +99,7 @@ class TrainSection:
     max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
+    eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
     tensorboard: bool = False  # also log metrics to output_dir/tensorboard (needs the tensorboard package)
 
     def __post_init__(self):
@@ -185,7 +212,10 @@ def _coerce(value: Any, hint, name: str):
         return value
     if str in types and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    if getattr(hint, "__origin__", None) is tuple and isinstance(value, (list, tuple)):
+    if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of names for a comma-separated field
+    is_tuple = any(getattr(t, "__origin__", None) is tuple for t in (hint, *types))
+    if is_tuple and isinstance(value, (list, tuple)):
         try:
             return tuple(float(v) for v in value)
         except ValueError:

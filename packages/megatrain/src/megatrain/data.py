@@ -7,7 +7,7 @@ end); with shuffle on, each pass over the windows uses a fresh permutation seede
 """
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -98,12 +98,29 @@ def tokenize_text(
 
 
 @dataclass
-class TokenData:
-    """Training tokens: a 1-D stream cut into windows, or [examples, seq_len] rows with a loss mask."""
+class Tokens:
+    """Token ids: a 1-D stream cut into consecutive windows, or [rows, seq_len] rows with a loss mask
+    (the tokens that are targets) and, when several documents are packed per row, position ids."""
 
     tokens: np.ndarray
-    loss_mask: np.ndarray | None
+    loss_mask: np.ndarray | None = None
+    position_ids: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, data) -> "Tokens":
+        if isinstance(data, np.ndarray):
+            return cls(data)
+        return cls(data.tokens, data.loss_mask, data.position_ids)
+
+
+@dataclass
+class TokenData:
+    """Training tokens, held-out validation tokens (or None), the tokenizer, and what reading the data did."""
+
+    train: Tokens
+    validation: Tokens | None
     tokenizer: Path | None
+    report: list[str] = field(default_factory=list)
 
 
 def _eos_token(tokenizer, eos_token_id: int | None) -> str:
@@ -112,20 +129,44 @@ def _eos_token(tokenizer, eos_token_id: int | None) -> str:
     return EOS_TOKEN if tokenizer.token_to_id(EOS_TOKEN) is not None else ""
 
 
-def load_token_data(
-    data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None, eos_token_id: int | None = None
-) -> TokenData:
-    """The training tokens `data` describes, tokenized once and cached under `cache_dir`."""
-    if data.tokens is not None:
-        path = Path(data.tokens)
-        try:
-            tokens = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as error:
+def _split_stream(tokens: np.ndarray, data: DataSection, validation: np.ndarray | None) -> tuple[Tokens, Tokens | None]:
+    """A stream and its validation stream: the one given, or the last `data.validation` fraction (whole windows)."""
+    if isinstance(data.validation, float):
+        n_windows = len(tokens) // data.seq_len
+        held = max(1, round(data.validation * n_windows))
+        if held >= n_windows:
             raise ConfigError(
-                f"cannot read data.tokens {path}: {error}; it must be a .npy array of token ids"
-            ) from error
-        check_tokens(tokens, vocab_size, f"data.tokens {path}")
-        return TokenData(tokens, None, None)
+                f"data.validation {data.validation} holds out all {n_windows} windows of seq_len {data.seq_len}; "
+                "use a smaller fraction or more data"
+            )
+        cut = (n_windows - held) * data.seq_len
+        return Tokens(tokens[:cut]), Tokens(tokens[cut : n_windows * data.seq_len])
+    return Tokens(tokens), None if validation is None else Tokens(validation)
+
+
+def _read_npy(path: Path, vocab_size: int, what: str) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {what} {path}: {error}; it must be a .npy array of token ids") from error
+    check_tokens(tokens, vocab_size, f"{what} {path}")
+    return tokens
+
+
+def load_token_data(
+    data: DataSection,
+    vocab_size: int,
+    cache_dir: Path,
+    model_dir: Path | None,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+) -> TokenData:
+    """The training (and validation) tokens `data` describes, tokenized once and cached under `cache_dir`."""
+    as_file = isinstance(data.validation, str)
+    if data.tokens is not None:
+        validation = _read_npy(Path(data.validation), vocab_size, "data.validation") if as_file else None
+        train, held = _split_stream(_read_npy(Path(data.tokens), vocab_size, "data.tokens"), data, validation)
+        return TokenData(train, held, None)
     tokenizer = Path(data.tokenizer) if data.tokenizer else None
     if tokenizer is None and model_dir is not None and (model_dir / "tokenizer.json").exists():
         tokenizer = model_dir / "tokenizer.json"
@@ -133,11 +174,16 @@ def load_token_data(
         text = Path(data.text) if data.text is not None else builtin_corpus()
         tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
         check_tokens(tokens, vocab_size, f"tokens of {text}")
-        return TokenData(tokens, None, tokenizer)
+        validation = None
+        if as_file:
+            validation, _ = tokenize_text(Path(data.validation), tokenizer, vocab_size, cache_dir)
+            check_tokens(validation, vocab_size, f"tokens of data.validation {data.validation}")
+        train, held = _split_stream(tokens, data, validation)
+        return TokenData(train, held, tokenizer)
 
     from tokenizers import Tokenizer
 
-    from .records import load_records, records_to_arrays
+    from .records import load_records, records_to_rows, resolve_sources
 
     if tokenizer is None:
         if data.format != "text":
@@ -145,7 +191,13 @@ def load_token_data(
                 "fine-tuning data needs the model's tokenizer: set data.tokenizer or use model.hf_dir "
                 "with a tokenizer.json"
             )
-        records = load_records(data.dataset)
+        source = resolve_sources(data)[0]
+        records = load_records(source)
+        if data.text_field not in records.column_names:
+            raise ConfigError(
+                f"dataset {source.name!r} has no field {data.text_field!r} (fields: {records.column_names}); "
+                "set data.text_field"
+            )
         tokenizer = cache_dir / "tokenizer.json"
         train_tokenizer(None, vocab_size, tokenizer, texts=(str(r[data.text_field]) for r in records))
     loaded = Tokenizer.from_file(str(tokenizer))
@@ -154,38 +206,43 @@ def load_token_data(
             f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens but the model's vocab_size is "
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
-    tokens, mask = records_to_arrays(data, loaded, tokenizer, _eos_token(loaded, eos_token_id), cache_dir)
-    check_tokens(np.asarray(tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
-    return TokenData(tokens, mask, tokenizer)
+    rows = records_to_rows(data, loaded, tokenizer, _eos_token(loaded, eos_token_id), cache_dir, seed)
+    train = Tokens.of(rows.train)
+    check_tokens(np.asarray(train.tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
+    report = list(rows.report)
+    if rows.template_source is not None:
+        report.insert(0, f"chat template: {rows.template_source}")
+    validation = None if rows.validation is None else Tokens.of(rows.validation)
+    return TokenData(train, validation, tokenizer, report)
 
 
 def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):
-    """(1-D token ids, tokenizer) for pre-training sources; see `load_token_data` for all sources."""
+    """(1-D training token ids, tokenizer) for pre-training sources; see `load_token_data` for all sources."""
     loaded = load_token_data(data, vocab_size, cache_dir, model_dir)
-    return loaded.tokens, loaded.tokenizer
+    return loaded.train.tokens, loaded.tokenizer
+
+
+@dataclass
+class Batch:
+    """Rows of one step: input_ids and next-token labels (-100: no loss), [rows, seq_len] int64 each,
+    and position ids (restarting at each packed document) or None."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
 
 
 class TokenWindows:
-    """Batches of fixed-length windows over a token array, addressed by optimizer step.
+    """Batches of fixed-length windows over tokens, addressed by optimizer step."""
 
-    `tokens` is a 1-D stream (cut into consecutive windows) or [examples, seq_len] rows;
-    `loss_mask` (same shape, optional) marks the tokens that count as targets."""
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        seq_len: int,
-        batch_size: int,
-        shuffle: bool,
-        seed: int,
-        loss_mask: np.ndarray | None = None,
-    ):
-        self.tokens, self.seq_len, self.batch_size, self.shuffle, self.seed = tokens, seq_len, batch_size, shuffle, seed
-        self.loss_mask = loss_mask
-        self.n_windows = len(tokens) if tokens.ndim == 2 else len(tokens) // seq_len
+    def __init__(self, tokens: Tokens | np.ndarray, seq_len: int, batch_size: int, shuffle: bool, seed: int):
+        tokens = Tokens(tokens) if isinstance(tokens, np.ndarray) else tokens
+        self.data, self.seq_len, self.batch_size, self.shuffle, self.seed = tokens, seq_len, batch_size, shuffle, seed
+        array = tokens.tokens
+        self.n_windows = len(array) if array.ndim == 2 else len(array) // seq_len
         if self.n_windows < batch_size:
             raise ConfigError(
-                f"the data has {len(tokens)} tokens = {self.n_windows} windows of seq_len {seq_len}, fewer than "
+                f"the data has {array.size} tokens = {self.n_windows} windows of seq_len {seq_len}, fewer than "
                 f"one batch of {batch_size}; use more data, a smaller data.seq_len or a smaller train.batch_size"
             )
         self._order_cache: tuple[int, np.ndarray] | None = None
@@ -204,17 +261,29 @@ class TokenWindows:
             out.append(int(self._order(epoch)[within]))
         return out
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), each [batch_size, seq_len] int64, for optimizer step `step`."""
-        indices = self.window_indices(step)
-        if self.tokens.ndim == 2:
-            rows = [np.asarray(self.tokens[i]) for i in indices]
+    def batch(self, step: int) -> Batch:
+        """The rows of optimizer step `step`."""
+        return self.rows(self.window_indices(step))
+
+    def in_order(self, rows_per_batch: int):
+        """Every window once, in order, `rows_per_batch` at a time (the last batch may be short): for evaluation."""
+        for start in range(0, self.n_windows, rows_per_batch):
+            yield self.rows(list(range(start, min(start + rows_per_batch, self.n_windows))))
+
+    def rows(self, indices: list[int]) -> Batch:
+        data = self.data
+        if data.tokens.ndim == 2:
+            rows = [np.asarray(data.tokens[i]) for i in indices]
         else:
-            rows = [np.asarray(self.tokens[i * self.seq_len : (i + 1) * self.seq_len]) for i in indices]
+            rows = [np.asarray(data.tokens[i * self.seq_len : (i + 1) * self.seq_len]) for i in indices]
         input_ids = torch.from_numpy(np.stack(rows).astype(np.int64))
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels[:, :-1] = input_ids[:, 1:]
-        if self.loss_mask is not None:
-            mask = torch.from_numpy(np.stack([np.asarray(self.loss_mask[i]) for i in indices]))
+        if data.loss_mask is not None:
+            mask = torch.from_numpy(np.stack([np.asarray(data.loss_mask[i]) for i in indices]))
             labels[:, :-1][~mask[:, 1:]] = IGNORE_INDEX  # a position learns its next token only if that token counts
-        return input_ids, labels
+        positions = None
+        if data.position_ids is not None:
+            positions = torch.from_numpy(np.stack([np.asarray(data.position_ids[i]) for i in indices]).astype(np.int64))
+            labels[:, :-1][positions[:, 1:] == 0] = IGNORE_INDEX  # the next token starts another document
+        return Batch(input_ids, labels, positions)

@@ -1,6 +1,7 @@
 """`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out."""
 
 import json
+import math
 import os
 import signal
 import sys
@@ -10,7 +11,7 @@ from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError
-from .data import TokenWindows, load_token_data
+from .data import TokenData, TokenWindows, load_token_data
 from .trainer import NonFiniteError, Trainer
 
 
@@ -30,13 +31,17 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if not r.get("skipped")]
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in records if "loss" in r and not r.get("skipped")]
+    evals = [r for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+        ax.legend()
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_title("megatrain training loss")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("megatrain loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
@@ -74,6 +79,51 @@ def tensorboard_writer(config: Config, out: Path):
     return SummaryWriter(str(out / "tensorboard"))
 
 
+def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = None, leave: bool = False) -> dict:
+    """Validation loss and perplexity of the trainer's current weights over every window (or the first
+    `max_batches` batches of train.batch_size rows), forward only."""
+    total_loss, total_targets = 0.0, 0
+    n_batches = -(-windows.n_windows // trainer.config.train.batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    batches = windows.in_order(trainer.config.train.batch_size)
+    bar = tqdm(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main, file=sys.stderr)
+    for _, batch in zip(range(n_batches), batches):
+        loss_sum, n_targets = trainer.evaluate(batch.input_ids, batch.labels, batch.position_ids)
+        total_loss += loss_sum
+        total_targets += n_targets
+        bar.update(1)
+    bar.close()
+    if total_targets == 0:
+        raise ConfigError("the validation data has no target tokens; check data.validation and the loss mask")
+    loss = total_loss / total_targets
+    return {
+        "val_loss": round(loss, 6),
+        "val_perplexity": round(math.exp(min(loss, 700.0)), 4),
+        "val_tokens": total_targets,
+    }
+
+
+def load_data(config: Config, trainer: Trainer, out: Path) -> TokenData:
+    """The run's tokens: rank 0 tokenizes and fills the cache, then the other ranks read it."""
+    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+
+    def load():
+        return load_token_data(
+            config.data,
+            trainer.model_config.vocab_size,
+            out / "cache",
+            model_dir,
+            trainer.model_config.eos_token_id,
+            config.train.seed,
+        )
+
+    data = load() if trainer.is_main else None
+    if trainer.sync is not None:
+        trainer.sync.barrier()
+    return data if data is not None else load()
+
+
 def train(config: Config, resume: Path | None = None) -> Path:
     """Run training as configured (continuing from a checkpoint with `resume`); returns the output directory."""
     out = Path(config.output_dir)
@@ -82,29 +132,17 @@ def train(config: Config, resume: Path | None = None) -> Path:
     if resume is not None:
         manifest = load_checkpoint(trainer, resume)
         print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
-    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-
-    def load_data():
-        return load_token_data(
-            config.data, trainer.model_config.vocab_size, out / "cache", model_dir, trainer.model_config.eos_token_id
-        )
-
     main = trainer.is_main
-    if main:
-        data = load_data()
-    if trainer.sync is not None:
-        trainer.sync.barrier()  # rank 0 has tokenized and filled the cache; the others read it
-    if not main:
-        data = load_data()
+    data = load_data(config, trainer, out)
     tokenizer = data.tokenizer
     windows = TokenWindows(
-        data.tokens,
-        config.data.seq_len,
-        config.train.batch_size,
-        config.data.shuffle,
-        config.train.seed,
-        data.loss_mask,
+        data.train, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed
     )
+    validation = None
+    if data.validation is not None:
+        validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
+    elif config.train.eval_every:
+        raise ConfigError("train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)")
     metrics_path = out / "metrics.jsonl"
     if main:
         (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
@@ -114,6 +152,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
                 line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= trainer.step_index
             ]
         metrics_path.write_text("".join(line + "\n" for line in kept))
+        for line in data.report:
+            print(f"megatrain: {line}", file=sys.stderr)
         host_bytes = trainer.host_bytes()
         ranks = "" if trainer.ranks is None else f" x {trainer.ranks.world_size} ranks"
         print(
@@ -135,19 +175,39 @@ def train(config: Config, resume: Path | None = None) -> Path:
     checkpoints = out / "checkpoints"
     writer = tensorboard_writer(config, out) if main else None
     stop = StopRequested()
+    last_eval: dict = {}
+
+    def run_eval():
+        last_eval.update(evaluate(trainer, validation))
+        if main:
+            write_jsonl(metrics_path, {"step": trainer.step_index, **last_eval})
+        if writer is not None:
+            writer.add_scalar("val/loss", last_eval["val_loss"], trainer.step_index)
+
     try:
         stop.__enter__()
         for step in range(trainer.step_index, config.train.steps):
-            input_ids, labels = windows.batch(step)
-            metrics = trainer.train_step(input_ids, labels)
+            batch = windows.batch(step)
+            metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids)
             if main:
                 write_jsonl(metrics_path, metrics.as_dict())
             if writer is not None:
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
                     writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
-            postfix = {"loss": f"{metrics.loss:.4f}", "tok_s": f"{metrics.tokens_per_s:,.0f}", "tflops": f"{metrics.tflops:.3g}"}
+            postfix = {
+                "loss": f"{metrics.loss:.4f}",
+                "tok_s": f"{metrics.tokens_per_s:,.0f}",
+                "tflops": f"{metrics.tflops:.3g}",
+            }
             if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
                 postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
+            every = config.train.eval_every
+            if validation is not None and (
+                (every and trainer.step_index % every == 0) or trainer.step_index == config.train.steps
+            ):
+                run_eval()
+            if last_eval:
+                postfix["val"] = f"{last_eval['val_loss']:.4f}"
             bar.set_postfix(**postfix)
             bar.update(1)
             if metrics.skipped and main:

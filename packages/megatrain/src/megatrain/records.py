@@ -1,141 +1,554 @@
-"""Record datasets (JSONL, JSON, parquet, `save_to_disk` directories, hub names) through `datasets`,
-rendered for pre-training (documents packed with EOS between them) or fine-tuning (one
-example per window, loss only on response tokens), tokenized once and cached on disk.
+"""Record datasets -> training rows: sources, formats, the chat template, truncation, mixing, packing.
 
-Fine-tuning templates (documented, model-independent):
-- alpaca: "### Instruction:\\n{instruction}\\n\\n[### Input:\\n{input}\\n\\n]### Response:\\n" + {output} + EOS
-- messages (sharegpt-style lists of {role, content}, under `messages` or `conversations`,
-  with from/value accepted for role/content): each turn "<|{role}|>\\n{content}\\n"; the
-  content of assistant turns (role assistant/gpt) and the EOS after it carry the loss.
+Sources are .jsonl/.json/.parquet files, `Dataset.save_to_disk` directories or hub names
+(through `datasets`), or names in a LLaMA-Factory `dataset_info.json` registry; several
+are mixed with weights. `text` records are pre-training documents (one stream, EOS between
+documents); alpaca, sharegpt and messages records become conversations rendered with the
+model's chat template (chat.py), loss on assistant turns. An example longer than seq_len
+is truncated or dropped as configured; every such example is counted and reported.
+Fine-tuning rows hold one example each (padded) or, packed, several whole examples with
+positions restarting at each, which the engine keeps apart (block-diagonal attention).
+Everything is tokenized once and cached on disk.
 """
 
+import bisect
 import hashlib
 import json
+import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .config import ConfigError, DataSection
 
-ALPACA_FIELDS = ("instruction", "output")
-ASSISTANT_ROLES = ("assistant", "gpt", "model")
+# The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
+DEFAULT_COLUMNS = {
+    "alpaca": {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "history": "history",
+        "system": "system",
+    },
+    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"},
+    "messages": {"messages": "messages", "system": "system", "tools": "tools"},
+    "text": {"prompt": "text"},
+}
+DEFAULT_TAGS = {
+    "sharegpt": {
+        "role_tag": "from",
+        "content_tag": "value",
+        "user_tag": "human",
+        "assistant_tag": "gpt",
+        "observation_tag": "observation",
+        "function_tag": "function_call",
+        "system_tag": "system",
+    },
+    "messages": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "observation_tag": "tool",
+        "function_tag": "function_call",
+        "system_tag": "system",
+    },
+}
+UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
 
 
-def load_records(source: str):
-    """A `datasets.Dataset` of records from a file, a saved directory or a hub name."""
+@dataclass(frozen=True)
+class Source:
+    """One dataset to read, resolved from the config or a registry entry."""
+
+    name: str
+    location: str  # a path or a hub name
+    formatting: str  # text | alpaca | sharegpt | messages
+    columns: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    split: str = "train"
+    subset: str | None = None
+    num_samples: int | None = None
+
+    def column(self, key: str):
+        return self.columns.get(key, DEFAULT_COLUMNS[self.formatting].get(key))
+
+    def tag(self, key: str):
+        return self.tags.get(key, DEFAULT_TAGS[self.formatting][key])
+
+
+def _registry(data: DataSection) -> dict:
+    path = Path(data.dataset_dir) / "dataset_info.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"data.dataset_dir {data.dataset_dir} has no dataset_info.json; write one (LLaMA-Factory's format) "
+            "or set data.dataset to a file and data.format to its format"
+        ) from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from error
+
+
+def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
+    where = f"{Path(data.dataset_dir) / 'dataset_info.json'} entry {name!r}"
+    unknown = sorted(set(entry) - set(REGISTRY_KEYS) - {"ranking", "ms_hub_url", "om_hub_url", "script_url", "folder"})
+    if entry.get("ranking"):
+        raise ConfigError(f"{where} is a ranking (preference) dataset; megatrain trains supervised examples only")
+    columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
+    bad = sorted(set(columns) & set(UNSUPPORTED_COLUMNS))
+    if bad or unknown:
+        raise ConfigError(f"{where} uses {bad + unknown}, which megatrain does not support (text records only)")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt"):
+        raise ConfigError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
+    if "file_name" in entry:
+        location = str(Path(data.dataset_dir) / entry["file_name"])
+    elif "hf_hub_url" in entry:
+        location = entry["hf_hub_url"]
+    else:
+        raise ConfigError(f"{where} has neither file_name nor hf_hub_url")
+    return Source(
+        name,
+        location,
+        formatting,
+        columns,
+        tags,
+        entry.get("split", "train"),
+        entry.get("subset"),
+        entry.get("num_samples"),
+    )
+
+
+def resolve_sources(data: DataSection) -> list[Source]:
+    """The datasets `data.dataset` names (comma-separated), through the registry when data.dataset_dir is set."""
+    names = [name.strip() for name in data.dataset.split(",") if name.strip()]
+    if data.mix_weights and len(data.mix_weights) != len(names):
+        raise ConfigError(
+            f"data.mix_weights has {len(data.mix_weights)} weights for {len(names)} datasets ({names}); give one each"
+        )
+    registry = _registry(data) if data.dataset_dir is not None else None
+    sources = []
+    for name in names:
+        if registry is not None and name in registry:
+            sources.append(_source_from_entry(name, registry[name], data))
+        elif registry is not None and not Path(name).exists():
+            raise ConfigError(
+                f"dataset {name!r} is not in {Path(data.dataset_dir) / 'dataset_info.json'} "
+                f"(it has {sorted(registry)}) and is not a file"
+            )
+        else:
+            sources.append(Source(name, name, data.format))
+    return sources
+
+
+def load_records(source: Source):
+    """A `datasets.Dataset` of the source's records (a file, a saved directory or a hub name)."""
     import datasets
 
-    path = Path(source)
+    path = Path(source.location)
     try:
         if path.is_dir():
             loaded = datasets.load_from_disk(str(path))
-            return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-        if path.suffix in (".jsonl", ".json"):
-            return datasets.load_dataset("json", data_files=str(path), split="train")
-        if path.suffix == ".parquet":
-            return datasets.load_dataset("parquet", data_files=str(path), split="train")
-        if path.exists():
+            records = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        elif path.suffix in (".jsonl", ".json", ".parquet"):
+            builder = "parquet" if path.suffix == ".parquet" else "json"
+            records = datasets.load_dataset(builder, data_files=str(path), split="train")
+        elif path.exists():
             raise ConfigError(
-                f"data.dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
+                f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
                 "or a directory written by Dataset.save_to_disk"
             )
-        return datasets.load_dataset(source, split="train")
+        else:
+            records = datasets.load_dataset(source.location, source.subset, split=source.split)
     except ConfigError:
         raise
     except Exception as error:  # datasets raises many types; one clear message names the source and the fix
         raise ConfigError(
-            f"cannot read data.dataset {source!r}: {type(error).__name__}: {str(error)[:300]}; "
-            "check the path, the file's format, or (for a hub name) the network"
+            f"cannot read dataset {source.name!r} ({source.location}, split {source.split!r}): "
+            f"{type(error).__name__}: {str(error)[:300]}; check the path, the file's format, the split, "
+            "or (for a hub name) the network"
         ) from error
+    if len(records) == 0:
+        raise ConfigError(f"dataset {source.name!r} ({source.location}) holds no records")
+    if source.num_samples is not None:
+        records = records.select(range(min(source.num_samples, len(records))))
+    return records
 
 
-def _field(record: dict, names: tuple[str, ...], index: int, source: str):
-    for name in names:
-        if name in record and record[name] is not None:
-            return record[name]
-    raise ConfigError(
-        f"{source}: record {index} has no field {names[0]!r} (fields: {sorted(record)}); "
-        f"set data.format / data.text_field to match the records"
+# ------------------------------------------------------------------ formats
+def _field(record: dict, key, index: int, source: Source, what: str):
+    value = record.get(key) if key is not None else None
+    if value is None:
+        raise ConfigError(
+            f"dataset {source.name!r}: record {index} has no {what} field {key!r} (fields: {sorted(record)}); "
+            "set data.format (or the registry's columns) to match the records"
+        )
+    return value
+
+
+def _messages_format_turns(record: dict, source: Source, index: int) -> list:
+    """`messages` records: a `messages` list of role/content turns, also accepted as `conversations`
+    of from/value turns (so both common layouts read without a registry)."""
+    for key in (source.column("messages"), "conversations"):
+        if isinstance(record.get(key), list):
+            return record[key]
+    return _field(record, source.column("messages"), index, source, "messages")
+
+
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "observation": "tool", "ipython": "tool"}
+
+
+def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
+    """(messages as role/content dicts with roles user/assistant/system/tool, tools or None)."""
+    where = f"dataset {source.name!r}: record {index}"
+    tools = record.get(source.column("tools")) if source.formatting != "alpaca" else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{where}: its tools field is not valid JSON ({error})") from error
+    messages = []
+    system = record.get(source.column("system")) if source.column("system") else None
+    if system:
+        messages.append({"role": "system", "content": str(system)})
+    if source.formatting == "alpaca":
+        history = record.get(source.column("history")) if source.column("history") else None
+        for turn in history or []:
+            if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
+                raise ConfigError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
+            messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
+        prompt = str(_field(record, source.column("prompt"), index, source, "prompt"))
+        query = record.get(source.column("query")) if source.column("query") else None
+        response = _field(record, source.column("response"), index, source, "response")
+        if not isinstance(response, str):
+            raise ConfigError(f"{where}: the response must be text, got {type(response).__name__}")
+        messages.append({"role": "user", "content": "\n".join([prompt, str(query)]) if query else prompt})
+        messages.append({"role": "assistant", "content": response})
+        return messages, None
+    turns = (
+        _messages_format_turns(record, source, index)
+        if source.formatting == "messages"
+        else _field(record, source.column("messages"), index, source, "messages")
+    )
+    role_of = {
+        source.tag("user_tag"): "user",
+        source.tag("assistant_tag"): "assistant",
+        source.tag("function_tag"): "assistant",
+        source.tag("observation_tag"): "tool",
+        source.tag("system_tag"): "system",
+    }
+    for turn_index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ConfigError(f"{where}: turn {turn_index} is not a mapping: {turn!r}")
+        role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
+        if source.formatting == "messages" and role_key not in turn:  # from/value turns in a messages file
+            role_key, content_key = "from", "value"
+        role = turn.get(role_key)
+        role = role_of.get(role, ROLE_ALIASES.get(role) if source.formatting == "messages" else None)
+        if role is None:
+            raise ConfigError(
+                f"{where}: turn {turn_index} has role {turn.get(role_key)!r} under {role_key!r}, not one of "
+                f"{sorted(r for r in role_of if r)}; set the registry's tags to the dataset's role names"
+            )
+        content = turn.get(content_key)
+        messages.append({"role": role, "content": "" if content is None else content})
+    return messages, tools
+
+
+# ------------------------------------------------------------- tokenizing
+@dataclass
+class Examples:
+    """Tokenized examples of one source and what happened to the records on the way."""
+
+    ids: list[list[int]]
+    trained: list[list[bool]]
+    records: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    dropped_untrained: int = 0
+
+    def select(self, indices) -> "Examples":
+        return Examples([self.ids[i] for i in indices], [self.trained[i] for i in indices], len(indices))
+
+
+def _render_error(source: Source, index: int, error: Exception) -> ConfigError:
+    return ConfigError(
+        f"dataset {source.name!r}: record {index} cannot be rendered with the chat template: "
+        f"{type(error).__name__}: {error}; fix the record, or set data.chat_template (simple, or a .jinja file)"
     )
 
 
-def render(record: dict, data: DataSection, index: int, eos: str) -> list[tuple[str, bool]]:
-    """The record as (text, carries loss) pieces."""
-    if data.format == "text":
-        return [(str(_field(record, (data.text_field,), index, data.dataset)) + eos, True)]
-    if data.format == "alpaca":
-        instruction = _field(record, ("instruction",), index, data.dataset)
-        output = _field(record, ("output", "response"), index, data.dataset)
-        extra = record.get("input") or ""
-        prompt = (
-            f"### Instruction:\n{instruction}\n\n" + (f"### Input:\n{extra}\n\n" if extra else "") + "### Response:\n"
-        )
-        return [(prompt, False), (str(output) + eos, True)]
-    turns = _field(record, ("messages", "conversations"), index, data.dataset)
-    pieces = []
-    for turn in turns:
-        role = _field(turn, ("role", "from"), index, data.dataset)
-        content = _field(turn, ("content", "value"), index, data.dataset)
-        pieces.append((f"<|{role}|>\n", False))
-        if role in ASSISTANT_ROLES:
-            pieces += [(f"{content}{eos}", True), ("\n", False)]
-        else:
-            pieces.append((f"{content}\n", False))
-    if not any(loss for _, loss in pieces):
-        raise ConfigError(f"{data.dataset}: record {index} has no assistant turn, so nothing to learn from")
-    return pieces
-
-
-def tokenize_records(records, data: DataSection, tokenizer, eos: str, batch: int = 1024):
-    """Token ids and loss mask per record (parallel encode_batch, with a progress bar)."""
+def tokenize_source(
+    records, source: Source, data: DataSection, template: ChatTemplate, tokenizer, eos: str, batch: int = 512
+) -> Examples:
+    """Token ids and trained flags per record, after truncation or dropping of long examples."""
+    import jinja2
     from tqdm import tqdm
 
-    ids, masks = [], []
-    for start in tqdm(range(0, len(records), batch), desc="tokenize", unit="batch", leave=False):
+    special = special_token_ids(tokenizer)
+    examples = Examples([], [], len(records))
+    for start in tqdm(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
         rows = records[start : start + batch]
         keys = list(rows)
-        rendered = [render({k: rows[k][i] for k in keys}, data, start + i, eos) for i in range(len(rows[keys[0]]))]
-        flat = [text for pieces in rendered for text, _ in pieces]
-        encoded = tokenizer.encode_batch(flat, add_special_tokens=False)
+        rendered = []
+        for offset in range(len(rows[keys[0]])):
+            index, record = start + offset, {k: rows[k][offset] for k in keys}
+            if source.formatting == "text":
+                column = source.columns.get("prompt", data.text_field)
+                text = str(_field(record, column, index, source, "text")) + eos
+                rendered.append((text, [(0, len(text))], False))
+                continue
+            messages, tools = to_conversation(record, source, index)
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ConfigError(
+                    f"dataset {source.name!r}: record {index} has no assistant turn, so nothing to learn from; "
+                    "remove it or fix its roles"
+                )
+            try:
+                rendered.append(render_conversation(template, messages, tools))
+            except (jinja2.TemplateError, ValueError, TypeError) as error:
+                raise _render_error(source, index, error) from error
+        encoded = tokenizer.encode_batch([text for text, _, _ in rendered], add_special_tokens=False)
+        for (text, spans, end_of_turn), encoding in zip(rendered, encoded):
+            ids = encoding.ids
+            trained = (
+                [True] * len(ids)
+                if data.train_on_prompt or source.formatting == "text"
+                else trained_tokens(text, spans, end_of_turn, ids, encoding.offsets, special)
+            )
+            if source.formatting != "text" and len(ids) > data.seq_len:
+                if data.too_long == "drop":
+                    examples.dropped_long += 1
+                    continue
+                ids, trained = ids[: data.seq_len], trained[: data.seq_len]
+                examples.truncated += 1
+            if source.formatting != "text" and not any(trained[1:]):  # the first token is never a target
+                examples.dropped_untrained += 1
+                continue
+            examples.ids.append(ids)
+            examples.trained.append(trained)
+    return examples
+
+
+def report_line(source: Source, examples: Examples, data: DataSection) -> str:
+    notes = []
+    if examples.truncated:
+        notes.append(f"{examples.truncated} truncated to seq_len {data.seq_len}")
+    if examples.dropped_long:
+        notes.append(f"{examples.dropped_long} dropped as longer than seq_len {data.seq_len}")
+    if examples.dropped_untrained:
+        notes.append(f"{examples.dropped_untrained} dropped with no trained token within seq_len")
+    detail = f" ({'; '.join(notes)})" if notes else ""
+    return f"dataset {source.name}: {examples.records} records -> {len(examples.ids)} examples{detail}"
+
+
+def check_kept(source: Source, examples: Examples, data: DataSection) -> None:
+    """Refuse a dataset most of whose records would be skipped: that is a wrong setting, not data noise."""
+    lost = examples.dropped_long + examples.dropped_untrained
+    if lost * 2 > examples.records:
+        raise ConfigError(
+            f"{report_line(source, examples, data)}: most records would be skipped; raise data.seq_len"
+            + (", or set data.too_long: truncate" if examples.dropped_long else "")
+        )
+
+
+def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int) -> Examples:
+    """All examples of every source, or with weights: source i contributes weight_i / sum(weights) of
+    the total count (whole repeats of its examples, then a seeded sample of them)."""
+    if not weights:
+        return Examples([i for p in parts for i in p.ids], [t for p in parts for t in p.trained])
+    total = sum(len(p.ids) for p in parts)
+    rng = np.random.default_rng([seed, 1])
+    ids, trained = [], []
+    for part, weight in zip(parts, weights):
+        want = round(total * weight / sum(weights))
+        repeats, rest = divmod(want, len(part.ids))
+        indices = list(range(len(part.ids))) * repeats + sorted(rng.choice(len(part.ids), rest, replace=False))
+        ids += [part.ids[i] for i in indices]
+        trained += [part.trained[i] for i in indices]
+    return Examples(ids, trained)
+
+
+# ----------------------------------------------------------------- rows
+@dataclass
+class Rows:
+    """Training rows: [rows, seq_len] token ids and trained flags, and position ids when packed."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    position_ids: np.ndarray | None
+
+    def save(self, prefix: Path) -> None:
+        np.save(f"{prefix}.tokens.npy", self.tokens)
+        np.save(f"{prefix}.mask.npy", self.loss_mask)
+        if self.position_ids is not None:
+            np.save(f"{prefix}.positions.npy", self.position_ids)
+
+    @classmethod
+    def load(cls, prefix: Path) -> "Rows":
+        positions = Path(f"{prefix}.positions.npy")
+        return cls(
+            np.load(f"{prefix}.tokens.npy", mmap_mode="r"),
+            np.load(f"{prefix}.mask.npy", mmap_mode="r"),
+            np.load(positions, mmap_mode="r") if positions.exists() else None,
+        )
+
+
+def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Examples per row, best-fit decreasing: each example (longest first) goes to the row with the
+    least room that still holds it, so rows fill up and no example is split."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # sorted (free tokens, row)
+    for example in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        need = lengths[example]
+        k = bisect.bisect_left(room, (need, -1))
+        if k == len(room):
+            rows.append([example])
+            free, row = seq_len - need, len(rows) - 1
+        else:
+            free, row = room.pop(k)
+            rows[row].append(example)
+            free -= need
+        if free:
+            bisect.insort(room, (free, row))
+    return rows
+
+
+def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Rows:
+    """One example per row (padded; padding is never trained), or whole examples packed per row with
+    positions restarting at each (padding at a row's end is a document of its own)."""
+    groups = pack_rows([len(ids) for ids in examples.ids], seq_len) if pack else [[i] for i in range(len(examples.ids))]
+    tokens = np.full((len(groups), seq_len), pad_id, dtype=np.int32)
+    mask = np.zeros((len(groups), seq_len), dtype=bool)
+    positions = np.zeros((len(groups), seq_len), dtype=np.int32) if pack else None
+    for row, members in enumerate(groups):
         cursor = 0
-        for pieces in rendered:
-            record_ids, record_mask = [], []
-            for _, loss in pieces:
-                piece = encoded[cursor].ids
-                cursor += 1
-                record_ids.extend(piece)
-                record_mask.extend([loss] * len(piece))
-            ids.append(record_ids)
-            masks.append(record_mask)
-    return ids, masks
+        for example in members:
+            ids, trained = examples.ids[example], examples.trained[example]
+            tokens[row, cursor : cursor + len(ids)] = ids
+            mask[row, cursor : cursor + len(ids)] = trained
+            if positions is not None:
+                positions[row, cursor : cursor + len(ids)] = np.arange(len(ids))
+            cursor += len(ids)
+        if positions is not None:
+            positions[row, cursor:] = np.arange(seq_len - cursor)
+    return Rows(tokens, mask, positions)
 
 
-def records_to_arrays(data: DataSection, tokenizer, tokenizer_path: Path, eos: str, cache_dir: Path):
-    """(tokens, loss_mask): pre-training packs documents into one 1-D stream (mask None); fine-tuning
-    gives [examples, seq_len] arrays, truncated or padded with EOS (padding carries no loss)."""
-    records = load_records(data.dataset)
-    if len(records) == 0:
-        raise ConfigError(f"data.dataset {data.dataset} holds no records")
-    fingerprint = getattr(records, "_fingerprint", "") or data.dataset
-    settings = json.dumps([data.format, data.text_field, data.seq_len, eos, fingerprint])
+def pad_token_id(tokenizer, eos: str) -> int:
+    for text in ("<|endoftext|>", "<pad>", "[PAD]", eos):
+        if text and tokenizer.token_to_id(text) is not None:
+            return tokenizer.token_to_id(text)
+    return 0
+
+
+@dataclass
+class RecordData:
+    """What records become: training rows (or a token stream for text records), validation rows, the report."""
+
+    train: Rows | np.ndarray
+    validation: Rows | np.ndarray | None
+    report: list[str]
+    template_source: str | None
+
+
+def _validation_source(data: DataSection, first: Source) -> Source:
+    """data.validation given as a string: a file of the same format, else a split of the first dataset."""
+    if Path(data.validation).exists():
+        return replace(first, name=f"{first.name} (validation)", location=data.validation, split="train")
+    return replace(first, name=f"{first.name} ({data.validation})", split=data.validation)
+
+
+def _hold_out(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Examples]:
+    order = np.random.default_rng([seed, 2]).permutation(len(examples.ids))
+    n_val = max(1, round(fraction * len(order)))
+    if n_val >= len(order):
+        raise ConfigError(f"data.validation {fraction} holds out all {len(order)} examples; use a smaller fraction")
+    return examples.select(sorted(order[n_val:])), examples.select(sorted(order[:n_val]))
+
+
+def _stream(examples: Examples) -> np.ndarray:
+    return np.fromiter((t for ids in examples.ids for t in ids), dtype=np.int32)
+
+
+def records_to_rows(
+    data: DataSection, tokenizer, tokenizer_path: Path, eos: str, cache_dir: Path, seed: int
+) -> RecordData:
+    """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`)."""
+    sources = resolve_sources(data)
+    text = sources[0].formatting == "text"
+    if any((s.formatting == "text") != text for s in sources):
+        raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
+    template = None
+    if not text:
+        template = load_chat_template(tokenizer_path.parent, data.chat_template, eos)
+        if template is None:
+            template = load_chat_template(None, "simple", eos)
+            print(
+                f"megatrain: the tokenizer at {tokenizer_path.parent} has no chat template; using the simple "
+                "template (docs/guide.md). Set data.chat_template to a .jinja file to use another.",
+                file=sys.stderr,
+            )
+    all_records = [load_records(s) for s in sources]
+    validation_records = (
+        load_records(_validation_source(data, sources[0])) if isinstance(data.validation, str) else None
+    )
+    fingerprints = [getattr(r, "_fingerprint", "") or s.location for r, s in zip(all_records, sources)]
+    if validation_records is not None:
+        fingerprints.append(getattr(validation_records, "_fingerprint", "") or data.validation)
+    settings = json.dumps([data.as_key(), eos, seed, fingerprints, template and template.template], default=str)
     key = hashlib.sha256(settings.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
-    tokens_path, mask_path = cache_dir / f"records-{key}.npy", cache_dir / f"records-{key}.mask.npy"
-    if tokens_path.exists():
-        mask = np.load(mask_path, mmap_mode="r") if mask_path.exists() else None
-        return np.load(tokens_path, mmap_mode="r"), mask
-    ids, masks = tokenize_records(records, data, tokenizer, eos)
+    prefix = cache_dir / f"records-{key}"
+    report_path = Path(f"{prefix}.report.json")
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        train = np.load(f"{prefix}.stream.npy", mmap_mode="r") if text else Rows.load(prefix)
+        validation = None
+        if report["validation"]:
+            validation = (
+                np.load(f"{prefix}.val.stream.npy", mmap_mode="r") if text else Rows.load(Path(f"{prefix}.val"))
+            )
+        return RecordData(train, validation, report["lines"], template and template.source)
+
+    lines, parts, held_out = [], [], []
+    for source, records in zip(sources, all_records):
+        examples = tokenize_source(records, source, data, template, tokenizer, eos)
+        check_kept(source, examples, data)
+        lines.append(report_line(source, examples, data))
+        if isinstance(data.validation, float):
+            examples, validation_part = _hold_out(examples, data.validation, seed)
+            held_out.append(validation_part)
+        parts.append(examples)
+    validation_examples = Examples([i for p in held_out for i in p.ids], [t for p in held_out for t in p.trained])
+    if validation_records is not None:
+        source = _validation_source(data, sources[0])
+        validation_examples = tokenize_source(validation_records, source, data, template, tokenizer, eos)
+        lines.append(report_line(source, validation_examples, data))
+    if data.validation is not None:
+        lines.append(f"validation: {len(validation_examples.ids)} examples")
+    train_examples = mix(parts, data.mix_weights, seed)
+    pad = pad_token_id(tokenizer, eos)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if data.format == "text":
-        tokens = np.fromiter((t for record in ids for t in record), dtype=np.int32)
-        np.save(tokens_path, tokens)
-        return tokens, None
-    eos_id = tokenizer.token_to_id(eos) or 0
-    tokens = np.full((len(ids), data.seq_len), eos_id, dtype=np.int32)
-    mask = np.zeros((len(ids), data.seq_len), dtype=bool)
-    for row, (record_ids, record_mask) in enumerate(zip(ids, masks)):
-        n = min(len(record_ids), data.seq_len)
-        tokens[row, :n] = record_ids[:n]
-        mask[row, :n] = record_mask[:n]
-    np.save(mask_path, mask)
-    np.save(tokens_path, tokens)
-    return tokens, mask
+    has_validation = data.validation is not None
+    if text:
+        train, validation = _stream(train_examples), _stream(validation_examples) if has_validation else None
+        np.save(f"{prefix}.stream.npy", train)
+        if validation is not None:
+            np.save(f"{prefix}.val.stream.npy", validation)
+    else:
+        train = to_rows(train_examples, data.seq_len, data.pack, pad)
+        validation = to_rows(validation_examples, data.seq_len, data.pack, pad) if has_validation else None
+        train.save(prefix)
+        if validation is not None:
+            validation.save(Path(f"{prefix}.val"))
+        if data.pack:
+            used = sum(len(ids) for ids in train_examples.ids) / max(1, train.tokens.size)
+            lines.append(
+                f"packed {len(train_examples.ids)} examples into {len(train.tokens)} rows ({used:.0%} tokens used)"
+            )
+    report_path.write_text(json.dumps({"lines": lines, "validation": has_validation}))
+    return RecordData(train, validation, lines, template and template.source)

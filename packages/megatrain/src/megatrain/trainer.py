@@ -23,6 +23,7 @@ import torch
 from megatrain_optim import STATE_NAMES, AdamWConfig, BackgroundStepper, HostAdamW, Schedule, clip_coefficient, lr_at
 from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
 from megatrain_store import GroupLayout, HostStore
+from megatrain_templates import Documents
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -57,16 +58,20 @@ class StepMetrics:
 
 
 class Trainer:
-    """Owns the host store, optimizer, background stepper and pipeline for one model."""
+    """Owns the host store, optimizer, background stepper and pipeline for one model.
 
-    def __init__(self, config: Config, model_config: ModelConfig | None = None):
+    `training=False` keeps only the weights in host memory (no gradients to hold, no optimizer
+    state): for `evaluate` alone."""
+
+    def __init__(self, config: Config, model_config: ModelConfig | None = None, training: bool = True):
         self.config = config
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
         gpus, hosts = launch_shape()
         plan = make_plan(config, self.model_config, gpus=gpus, hosts=hosts)  # each GPU runs its share of the batch
-        check_plan(plan, config, self.model_config)
+        if training:
+            check_plan(plan, config, self.model_config)
         self.spec = build_model(self.model_config)
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
@@ -75,6 +80,8 @@ class Trainer:
         ]
         self.eager_updates = config.train.grad_clip == 0
         pool = GRADIENT_POOL if self.eager_updates else None
+        if not training:
+            pool = 1
         self.ranks = init_ranks(self.device.type)
         if self.ranks is not None:
             check_data_parallel(config, self.ranks)
@@ -84,9 +91,9 @@ class Trainer:
         self.store = HostStore(
             layouts,
             self.compute_dtype,
-            STATE_NAMES,
+            STATE_NAMES if training else (),
             grad_buffers=pool,
-            state_dir=config.engine.optimizer_state_dir,
+            state_dir=config.engine.optimizer_state_dir if training else None,
             first_disk_group=plan.first_disk_group,
             wire_copy=config.engine.wire_copy,
             shared=None if self.ranks is None else shared_arenas(self.ranks),
@@ -178,24 +185,41 @@ class Trainer:
                 self.store.prefetch_state(group + direction * ahead)
 
     # ------------------------------------------------------------------- step
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepMetrics:
-        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss).
+    def _micro_batches(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, rows: slice
+    ) -> list[MicroBatch]:
+        """This rank's `rows` of a batch in micro-batches of train.micro_batch_size rows (the last may be short)."""
+        size = self.config.train.micro_batch_size
+        micro = []
+        for start in range(rows.start, rows.stop, size):
+            part = slice(start, min(start + size, rows.stop))
+            documents = None if position_ids is None else Documents(position_ids[part])
+            micro.append(MicroBatch(input_ids[part], labels[part], documents))
+        return micro
+
+    def _my_rows(self, n_rows: int) -> slice:
+        """The rows of a batch this rank runs: all of them, or its contiguous share with several ranks."""
+        if self.ranks is None:
+            return slice(0, n_rows)
+        bounds = [n_rows * r // self.ranks.world_size for r in range(self.ranks.world_size + 1)]
+        return slice(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
+
+    def train_step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> StepMetrics:
+        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
+        restarting at 0 where each packed document begins, or None for one sequence per row).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
         start = time.perf_counter()
-        train = self.config.train
         n_targets = int((labels != -100).sum())
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
         tokens = input_ids.numel()
         seq_len = input_ids.shape[1]
-        if self.ranks is not None:
-            rows = input_ids.shape[0] // self.ranks.world_size
-            mine = slice(self.ranks.rank * rows, (self.ranks.rank + 1) * rows)
-            input_ids, labels = input_ids[mine], labels[mine]
-        n_micro = input_ids.shape[0] // train.micro_batch_size
-        micro = [MicroBatch(ids, lab) for ids, lab in zip(input_ids.chunk(n_micro), labels.chunk(n_micro))]
+        micro = self._micro_batches(input_ids, labels, position_ids, self._my_rows(input_ids.shape[0]))
+        train = self.config.train
         lr = self._lr = lr_at(self.step_index, self.schedule)
         if self.eager_updates:
             self.optimizer.begin_step()
@@ -234,8 +258,34 @@ class Trainer:
         elapsed = time.perf_counter() - start
         flops = flops_per_token(self.model_config, seq_len) * tokens
         return StepMetrics(
-            self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped, aux
+            self.step_index,
+            loss,
+            lr,
+            grad_norm,
+            tokens,
+            elapsed,
+            tokens / elapsed,
+            flops / elapsed / 1e12,
+            skipped,
+            aux,
         )
+
+    @torch.no_grad()
+    def evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> tuple[float, int]:
+        """(summed token loss, number of target tokens) of the current weights on a batch, forward only,
+        streaming the layers once for all its rows; every rank takes a share of the rows."""
+        self.finish_updates()
+        mine = self._my_rows(input_ids.shape[0])
+        loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
+        if mine.stop > mine.start:
+            loss_sum = self.pipeline.evaluate(self._micro_batches(input_ids, labels, position_ids, mine))
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
+        if self.sync is not None:
+            loss_sum = self.sync.all_reduce(loss_sum)
+        return loss_sum.item(), int((labels != -100).sum())
 
     def _mark_applied(self, group: int, applied: int) -> None:
         if self.sync is not None:

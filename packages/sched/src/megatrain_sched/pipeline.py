@@ -43,8 +43,9 @@ class Stage:
     """A template and the store groups it binds, in the template's order.
 
     The template provides `groups` (its layouts), `forward(weights, x)` and
-    `backward(weights, x, grad_out, grads)`; the last stage provides
-    `loss(weights, x, labels, loss_scale, grads)` instead."""
+    `backward(weights, x, grad_out, grads)` (both also taking `documents=` when a micro-batch
+    packs documents); the last stage provides `loss(weights, x, labels, loss_scale, grads)`
+    instead, and `loss_sum(weights, x, labels)` for forward-only evaluation."""
 
     template: Any
     groups: tuple[int, ...]
@@ -55,6 +56,19 @@ class Stage:
 class MicroBatch:
     input_ids: Tensor  # [micro_batch, seq] int64
     labels: Tensor  # [micro_batch, seq] int64, -100 where no loss
+    # several documents per row (e.g. megatrain_templates.Documents): given to every template as
+    # `documents=`, moved to the device with `.to(device, non_blocking=True)`; None: one sequence per row
+    documents: Any = None
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
+        return MicroBatch(
+            self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), documents
+        )
+
+    @property
+    def template_kwargs(self) -> dict:
+        return {} if self.documents is None else {"documents": self.documents}
 
 
 @dataclass
@@ -138,7 +152,9 @@ class LayerPipeline:
         self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
         self._staging_free = [None, None]  # events: the cast that last read each staging buffer finished
         n = len(stages)
-        self.order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
+        self._train_order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
+        self._eval_order = list(range(n))
+        self.order = self._train_order  # the step being run's
         # how many stages bind each group in backward: its gradient leaves after the last one
         self._users = [0] * store.n_groups
         for stage in stages:
@@ -283,18 +299,24 @@ class LayerPipeline:
     # -------------------------------------------------------------------- step
     def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
         """Forward + backward of one optimizer step. Gradients land in the store's grad buffers."""
+        return self._run(micro_batches, loss_scale, train=True)
+
+    def evaluate(self, micro_batches: list[MicroBatch]) -> Tensor:
+        """Forward only, streaming the weights once for all micro-batches: the summed token loss
+        (fp32 scalar on the device). Nothing is kept for a backward and no gradient is made."""
+        return self._run(micro_batches, 0.0, train=False).loss_sum
+
+    def _run(self, micro_batches: list[MicroBatch], loss_scale: float, train: bool) -> StepResult:
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
         streams, stages, timeline = self.streams, self.stages, self.timeline
         n_stages, n_slots = len(stages), len(self.slots)
+        self.order = self._train_order if train else self._eval_order
         timeline.start_step(streams)
         log: list[tuple] = []
         for slot in self.slots:
             slot.stage = None  # the optimizer has changed the host weights since the last step
-        batches = [
-            MicroBatch(mb.input_ids.to(self.device, non_blocking=True), mb.labels.to(self.device, non_blocking=True))
-            for mb in micro_batches
-        ]
+        batches = [mb.to(self.device) for mb in micro_batches]
         checkpoints: list[list[Any]] = [[None] * len(batches) for _ in range(n_stages)]
         grad_buffers: dict[int, Tensor] = {}
         remaining = list(self._users)
@@ -302,7 +324,9 @@ class LayerPipeline:
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
 
         acts: list[Any] = [mb.input_ids for mb in batches]
-        n_offloaded = self.offloaded_stages(batches)  # stages 1 .. n_offloaded send their checkpoints out
+        n_offloaded = (
+            self.offloaded_stages(batches) if train else 0
+        )  # stages 1 .. n_offloaded send their checkpoints out
         reloaded: dict[int, list] = {}
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):
@@ -319,8 +343,12 @@ class LayerPipeline:
             ):
                 if position < n_stages - 1:  # forward
                     for m, x in enumerate(acts):
-                        checkpoints[stage_index][m] = self._offload(x) if 0 < stage_index <= n_offloaded else x
-                        acts[m] = stage.template.forward(weights, x)
+                        if train:
+                            checkpoints[stage_index][m] = self._offload(x) if 0 < stage_index <= n_offloaded else x
+                        acts[m] = stage.template.forward(weights, x, **batches[m].template_kwargs)
+                elif not train:
+                    for m, x in enumerate(acts):
+                        loss_sum += stage.template.loss_sum(weights, x, batches[m].labels)
                 elif position == n_stages - 1:  # loss and its gradient
                     grads = self._grad_buffers(stage_index, grad_buffers)
                     for m, x in enumerate(acts):
@@ -334,12 +362,12 @@ class LayerPipeline:
                         if isinstance(x, tuple):
                             x, ready = x
                             streams.wait(streams.compute, ready)
-                        acts[m] = stage.template.backward(weights, x, grad_out, grads)
+                        acts[m] = stage.template.backward(weights, x, grad_out, grads, **batches[m].template_kwargs)
                         inputs[m] = None
                     checkpoints[stage_index] = None
             log.append(("compute", stage_index, position % n_slots))
             slot.free = streams.record(streams.compute)
-            if position >= n_stages - 1:
+            if train and position >= n_stages - 1:
                 self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log)
                 # bring the next backward stage's offloaded checkpoints back while this one computes
                 next_stage = stage_index - 1 if position >= n_stages else n_stages - 2

@@ -1,5 +1,6 @@
 """Stateless layer templates: layouts plus pure forward/backward over flat weight buffers."""
 
+from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
@@ -11,6 +12,7 @@ __all__ = [
     "EXPERT_NAMING",
     "BlockShape",
     "DecoderBlock",
+    "Documents",
     "Embedding",
     "MoeBlock",
     "MoeShape",
@@ -22,6 +24,7 @@ __all__ = [
     "Span",
     "apply_rope",
     "attention_params",
+    "causal_attention",
     "block_params",
     "fused_expert_names",
     "moe_params",

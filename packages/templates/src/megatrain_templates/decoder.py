@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention import Documents, causal_attention
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
 from .ops import RopeConfig, apply_rope, rms_norm, rope_cos_sin
 
@@ -126,7 +127,7 @@ class DecoderBlock:
             self._rope_cache[key] = rope_cos_sin(self.shape.rope_config, seq_len, device, dtype)
         return self._rope_cache[key]
 
-    def _attention(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
+    def _attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """x + attention(input_norm(x)): the residual stream after the attention half."""
         s = self.shape
         batch, seq, _ = x.shape
@@ -145,27 +146,36 @@ class DecoderBlock:
             q = rms_norm(q, w["q_norm"], s.rms_eps)
             k = rms_norm(k, w["k_norm"], s.rms_eps)
         cos, sin = self._rope(seq, x.device, x.dtype)
+        if documents is not None:
+            cos, sin = documents.rope_tables(cos, sin)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.n_heads != s.n_kv_heads)
+        attn = causal_attention(q, k, v, documents)
         return x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"])
 
-    def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
+    def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""
-        x = self._attention(w, x)
+        x = self._attention(w, x, documents)
         gate, up = F.linear(rms_norm(x, w["post_norm"], self.shape.rms_eps), w["gate_up_weight"]).chunk(2, dim=-1)
         return x, F.silu(gate) * up
 
-    def _block(self, w: dict[str, Tensor], x: Tensor) -> Tensor:
-        x, mlp_hidden = self._up_to_mlp_output(w, x)
+    def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
+        x, mlp_hidden = self._up_to_mlp_output(w, x, documents)
         return x + F.linear(mlp_hidden, w["down_weight"])
 
-    def forward(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
-        """hidden: [batch, seq, d_model] in the compute dtype -> same shape."""
+    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
+        """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
         check_buffers(weights, self.groups, "DecoderBlock.forward")
-        return self._block({name: span.view(weights[0]) for name, span in self._spans.items()}, hidden)
+        return self._block({name: span.view(weights[0]) for name, span in self._spans.items()}, hidden, documents)
 
-    def backward(self, weights: list[Tensor], hidden: Tensor, grad_out: Tensor, grads: list[Tensor]) -> Tensor:
+    def backward(
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        grad_out: Tensor,
+        grads: list[Tensor],
+        documents: Documents | None = None,
+    ) -> Tensor:
         """Recompute from the block input `hidden`, add weight gradients into `grads[0]`
         (flat, fp32) and return the gradient w.r.t. `hidden`.
 
@@ -177,7 +187,7 @@ class DecoderBlock:
         down = self._spans["down_weight"].view(weights[0])
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            after_attention, mlp_hidden = self._up_to_mlp_output(leaves, x)
+            after_attention, mlp_hidden = self._up_to_mlp_output(leaves, x, documents)
         grad_mlp_hidden = grad_out @ down  # [batch, seq, d_ff]
         grad_down = grad_out.reshape(-1, grad_out.shape[-1]).T @ mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1])
         accumulate(grads[0], self._spans["down_weight"], grad_down)

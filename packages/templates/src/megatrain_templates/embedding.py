@@ -15,12 +15,15 @@ class Embedding:
         self.groups = ((ParamSpec("embed_tokens.weight", (vocab_size, d_model)),),)
         self.numel = vocab_size * d_model
 
-    def forward(self, weights: list[Tensor], token_ids: Tensor) -> Tensor:
-        """token_ids: [batch, seq] int64 -> hidden [batch, seq, d_model] in the weights' dtype."""
+    def forward(self, weights: list[Tensor], token_ids: Tensor, documents=None) -> Tensor:
+        """token_ids: [batch, seq] int64 -> hidden [batch, seq, d_model] in the weights' dtype
+        (`documents`, packed rows, change nothing here)."""
         check_buffers(weights, self.groups, "Embedding.forward")
         return F.embedding(token_ids, weights[0].view(self.vocab_size, self.d_model))
 
-    def backward(self, weights: list[Tensor], token_ids: Tensor, grad_out: Tensor, grads: list[Tensor]) -> None:
+    def backward(
+        self, weights: list[Tensor], token_ids: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None
+    ) -> None:
         """Scatter-add grad_out [batch, seq, d_model] into the rows of `grads[0]` (flat, fp32)."""
         check_buffers(grads, self.groups, "Embedding.backward")
         table = grads[0].view(self.vocab_size, self.d_model)

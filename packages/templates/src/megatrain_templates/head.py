@@ -45,6 +45,21 @@ class Head:
         normed = rms_norm(hidden, self._norm_span.view(weights[self._norm_group]), self.rms_eps)
         return upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T)
 
+    @torch.no_grad()
+    def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
+        """Summed cross-entropy over labels != -100, forward only (evaluation), chunk by chunk
+        with the arithmetic of `loss`. hidden: [batch, seq, d_model]; labels: [batch, seq]."""
+        check_buffers(weights, self.groups, "Head.loss_sum")
+        matrix = self._matrix_span.view(weights[self._matrix_group])
+        normed = rms_norm(hidden, self._norm_span.view(weights[self._norm_group]), self.rms_eps)
+        rows, targets = normed.reshape(-1, self.d_model), labels.reshape(-1)
+        loss_sum = torch.zeros((), dtype=upcast(rows[:0]).dtype, device=hidden.device)
+        for start in range(0, rows.shape[0], self.chunk_rows):
+            loss_sum += _chunk_loss(
+                rows[start : start + self.chunk_rows], targets[start : start + self.chunk_rows], matrix
+            )[3]
+        return loss_sum
+
     def loss(
         self, weights: list[Tensor], hidden: Tensor, labels: Tensor, loss_scale: float, grads: list[Tensor]
     ) -> tuple[Tensor, Tensor]:
@@ -75,11 +90,8 @@ class Head:
             chunk = rows[start : start + self.chunk_rows]
             target = targets[start : start + self.chunk_rows]
             scale = row_scale[start : start + self.chunk_rows].unsqueeze(1)
-            logits = upcast(chunk @ matrix.T)  # [rows, vocab]
-            log_norm = torch.logsumexp(logits, dim=-1)
-            safe_target = target.clamp_min(0).unsqueeze(1)
-            valid = (target != IGNORE_INDEX).to(loss_dtype)
-            loss_sum += ((log_norm - logits.gather(1, safe_target).squeeze(1)) * valid).sum()
+            logits, log_norm, safe_target, chunk_loss = _chunk_loss(chunk, target, matrix)
+            loss_sum += chunk_loss
             # d(row loss)/d(logits) = softmax - one_hot(target), built in place in the logits buffer;
             # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one.
             grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
@@ -90,3 +102,13 @@ class Head:
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden
+
+
+def _chunk_loss(rows: Tensor, target: Tensor, matrix: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(fp32 logits [rows, vocab], their log-sum-exp, targets clamped to valid indices [rows, 1],
+    summed cross-entropy over targets != -100) of one chunk of rows."""
+    logits = upcast(rows @ matrix.T)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    safe_target = target.clamp_min(0).unsqueeze(1)
+    valid = (target != IGNORE_INDEX).to(logits.dtype)
+    return logits, log_norm, safe_target, ((log_norm - logits.gather(1, safe_target).squeeze(1)) * valid).sum()

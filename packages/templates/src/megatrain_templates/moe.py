@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
 from .ops import compiled_on_cuda, rms_norm, upcast
@@ -284,29 +285,38 @@ class MoeBlock(DecoderBlock):
             out = out + torch.sigmoid(F.linear(h, w["shared_gate"])) * shared
         return out, probs, top_index
 
-    def _block_and_router(self, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        x = self._attention(w, x)
+    def _block_and_router(
+        self, w: dict[str, Tensor], x: Tensor, documents: Documents | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        x = self._attention(w, x, documents)
         h = rms_norm(x, w["post_norm"], self.shape.rms_eps)
         out, probs, top_index = self._mlp(w, h.reshape(-1, h.shape[-1]))
         return x + out.view_as(x), probs, top_index
 
-    def forward(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
+    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
         check_buffers(weights, self.groups, "MoeBlock.forward")
         out, probs, top_index = self._block_and_router(
-            {name: span.view(weights[0]) for name, span in self._spans.items()}, hidden
+            {name: span.view(weights[0]) for name, span in self._spans.items()}, hidden, documents
         )
         self.router_load.record(top_index, probs)
         return out
 
-    def backward(self, weights: list[Tensor], hidden: Tensor, grad_out: Tensor, grads: list[Tensor]) -> Tensor:
+    def backward(
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        grad_out: Tensor,
+        grads: list[Tensor],
+        documents: Documents | None = None,
+    ) -> Tensor:
         """Recompute from `hidden` under a graph local to this call, add weight gradients (and the
         load-balancing loss's, when on) into `grads[0]` (flat fp32), return d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeBlock.backward")
         leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            out, probs, _ = self._block_and_router(leaves, x)
+            out, probs, _ = self._block_and_router(leaves, x, documents)
         outputs, grad_outputs = [out], [grad_out]
         probs_grad = self.router_load.probs_grad()
         if probs_grad is not None:

@@ -1,0 +1,85 @@
+"""Causal self-attention over whole rows, or over several documents packed into each row.
+
+Packed rows keep documents apart: a token attends only to earlier tokens of its own
+document and its rotary position restarts at each document, so a packed step computes
+exactly what the same documents in rows of their own would. The pipeline builds one
+`Documents` per micro-batch and hands it to every layer, which also shares its mask.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# FlexAttention kernels exist for these on CUDA; elsewhere (the CPU, float64) a dense mask is used.
+_FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Documents:
+    """Which document each token of a micro-batch belongs to, from its position ids.
+
+    position_ids: [batch, seq] int64; a position of 0 starts a new document (padding at
+    the end of a row is a document of its own, which no target ever sees)."""
+
+    def __init__(self, position_ids: Tensor):
+        if position_ids.ndim != 2:
+            raise ValueError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}")
+        self.position_ids = position_ids
+        self.doc_ids = (position_ids == 0).cumsum(-1)
+        self._masks: dict = {}
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Documents":
+        return Documents(self.position_ids.to(device, non_blocking=non_blocking))
+
+    def rope_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin [seq, head_dim] for positions 0..seq-1 -> [batch, 1, seq, head_dim] at each token's position."""
+        return cos[self.position_ids].unsqueeze(1), sin[self.position_ids].unsqueeze(1)
+
+    def dense_mask(self) -> Tensor:
+        """[batch, 1, seq, seq] bool: query i may attend key j (same document, j <= i)."""
+        if "dense" not in self._masks:
+            seq = self.doc_ids.shape[1]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=self.doc_ids.device).tril()
+            same = self.doc_ids.unsqueeze(2) == self.doc_ids.unsqueeze(1)
+            self._masks["dense"] = (same & causal).unsqueeze(1)
+        return self._masks["dense"]
+
+    def block_mask(self):
+        """The FlexAttention block mask of `dense_mask` (only blocks holding a pair of one document are visited)."""
+        if "block" not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc_ids = self.doc_ids
+
+            def same_document_causal(b, h, q, kv):
+                return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
+
+            batch, seq = doc_ids.shape
+            self._masks["block"] = create_block_mask(
+                same_document_causal, batch, None, seq, seq, device=doc_ids.device, _compile=True
+            )
+        return self._masks["block"]
+
+
+_flex_attention = None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, enable_gqa: bool) -> Tensor:
+    global _flex_attention
+    if _flex_attention is None:  # compiled once; eager FlexAttention is a slow reference implementation
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_attention = torch.compile(flex_attention)
+    return _flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | None = None) -> Tensor:
+    """q: [batch, n_heads, seq, head_dim], k/v: [batch, n_kv_heads, seq, head_dim] -> like q.
+
+    Without `documents` every row is one causal sequence; with them, attention stays inside
+    each document (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
+    gqa = q.shape[1] != k.shape[1]
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q.is_cuda and q.dtype in _FLEX_DTYPES:
+        return _flex(q, k, v, documents.block_mask(), gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=gqa)
