@@ -138,6 +138,7 @@ def load_checkpoint(trainer, directory: Path) -> dict:
     if trainer.sync is not None:
         trainer.sync.barrier()
     trainer.restore_step(manifest["step"])
-    trainer.optimizer.step_count = manifest["optimizer_step"]
+    if trainer.optimizer is not None:
+        trainer.optimizer.step_count = manifest["optimizer_step"]
     trainer.bad_steps = manifest["bad_steps"]
     return manifest

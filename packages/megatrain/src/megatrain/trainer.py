@@ -107,7 +107,8 @@ class Trainer:
             if self.ranks.is_local_main:
                 self.store.shared.unlink()
         train = config.train
-        self.optimizer = HostAdamW(self.store, AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay))
+        adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
+        self.optimizer = HostAdamW(self.store, adamw) if training else None
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
         self.stepper = BackgroundStepper()
         self.timeline = Timeline(enabled=config.engine.trace)

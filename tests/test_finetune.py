@@ -1,0 +1,336 @@
+"""Fine-tuning as users do it: the model's own chat template (token ids equal to transformers'
+apply_chat_template), packed documents equal to the same documents unpacked, evaluation equal to
+plain PyTorch, and the data/eval commands end to end."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from chat_templates import CHATML_WITH_GENERATION, SPECIAL_TOKENS, TEMPLATES
+from reference_model import ReferenceLM, reference_adamw
+from test_exactness import randomize_, rel_err
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from megatrain import Trainer
+from megatrain.chat import ChatTemplate, encode_conversation
+from megatrain.cli import main
+from megatrain.config import Config, ConfigError, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.data import Tokens, TokenWindows, builtin_corpus, load_token_data
+from megatrain.records import Examples, to_rows
+from megatrain_optim import Schedule, lr_at
+
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<s>",
+    "</s>",
+    "<unk>",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": " Blue "},  # the Llama template trims it; the mask follows
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green."},
+    ],
+    [
+        {"role": "user", "content": "Say hi.\n\nTwice."},
+        {"role": "assistant", "content": "hi hi"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You're welcome!"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer with the chat models' special tokens, saved as tokenizer.json."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([builtin_corpus().read_text()[:60000]], trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def hf_tokenizer(tokenizer_dir, name, template):
+    from transformers import PreTrainedTokenizerFast
+
+    special = {k: v for k, v in SPECIAL_TOKENS[name].items() if v is not None}
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_dir / "tokenizer.json"), chat_template=template, **special
+    )
+
+
+def hf_ids(hf, messages, **options):
+    """apply_chat_template's token ids (a list in transformers 4, a BatchEncoding in 5), or its dict."""
+    out = hf.apply_chat_template(messages, tokenize=True, **options)
+    if options.get("return_dict"):
+        return dict(out)
+    return out if isinstance(out, list) else out["input_ids"]
+
+
+def our_template(name, template):
+    special = {k: v for k, v in SPECIAL_TOKENS[name].items() if v is not None}
+    return ChatTemplate(name, template, special)
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_template_ids_equal_transformers_and_train_assistant_turns(name, tokenizer_dir):
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    hf = hf_tokenizer(tokenizer_dir, name, TEMPLATES[name])
+    template = our_template(name, TEMPLATES[name])
+    end_of_turn = SPECIAL_TOKENS[name]["eos_token"] if name != "qwen2.5" else "<|im_end|>"
+    conversations = CONVERSATIONS if name != "mistral" else [c for c in CONVERSATIONS if c[0]["role"] != "system"]
+    for messages in conversations:
+        ids, trained = encode_conversation(template, tokenizer, messages)
+        assert ids == hf_ids(hf, messages)
+        decoded = tokenizer.decode([i for i, t in zip(ids, trained) if t], skip_special_tokens=False)
+        expected = "".join(m["content"].strip() + end_of_turn for m in messages if m["role"] == "assistant")
+        assert decoded.replace(" ", "") == expected.replace(" ", "")  # byte-level BPE keeps leading spaces in tokens
+        everything = encode_conversation(template, tokenizer, messages, train_on_prompt=True)[1]
+        assert all(everything)
+    if name == "qwen2.5":  # the template's default system turn is rendered (and not trained)
+        text = tokenizer.decode(encode_conversation(template, tokenizer, CONVERSATIONS[0])[0], skip_special_tokens=False)
+        assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+
+
+def test_generation_blocks_give_transformers_assistant_mask(tokenizer_dir):
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    hf = hf_tokenizer(tokenizer_dir, "qwen2.5", CHATML_WITH_GENERATION)
+    template = our_template("qwen2.5", CHATML_WITH_GENERATION)
+    for messages in CONVERSATIONS:
+        ids, trained = encode_conversation(template, tokenizer, messages)
+        expected = hf_ids(hf, messages, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids == expected["input_ids"]
+        assert [bool(m) for m in expected["assistant_masks"]] == trained
+
+
+def write_model_tokenizer(directory, tokenizer_dir, name):
+    directory.mkdir(exist_ok=True)
+    (directory / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    config = {k: v for k, v in SPECIAL_TOKENS[name].items()}
+    config["chat_template"] = TEMPLATES[name]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
+    model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "llama-3.1")
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    section = DataSection(dataset=str(source), format="messages", seq_len=160, tokenizer=str(model_dir / "tokenizer.json"))
+    data = load_token_data(section, 700, tmp_path / "cache", None)
+    assert data.report[0] == f"chat template: {model_dir / 'tokenizer_config.json'}"
+    hf = hf_tokenizer(tokenizer_dir, "llama-3.1", TEMPLATES["llama-3.1"])
+    for row, messages in enumerate(CONVERSATIONS):
+        expected = hf_ids(hf, messages)
+        assert data.train.tokens[row, : len(expected)].tolist() == expected
+        assert not data.train.loss_mask[row, len(expected) :].any()  # padding is never trained
+
+    mistral_dir = write_model_tokenizer(tmp_path / "mistral", tokenizer_dir, "mistral")
+    section = DataSection(
+        dataset=str(source), format="messages", seq_len=160, tokenizer=str(mistral_dir / "tokenizer.json")
+    )
+    with pytest.raises(ConfigError, match=r"record 1 cannot be rendered.*Conversation roles must alternate"):
+        load_token_data(section, 700, tmp_path / "cache2", None)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}{{ message.content }")
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_token_data(
+            DataSection(dataset=str(source), format="messages", chat_template=str(broken), tokenizer=section.tokenizer),
+            700,
+            tmp_path / "cache3",
+            None,
+        )
+
+
+def fp64_config(tmp_path, dtype="float64", device="cpu", **train) -> Config:
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    defaults = dict(steps=2, batch_size=4, micro_batch_size=2, lr=1e-3, grad_clip=0.5, warmup_steps=0, seed=seed)
+    return Config(
+        model=ModelSection(preset="tiny-llama"),
+        data=DataSection(seq_len=16),
+        train=TrainSection(**{**defaults, **train}),
+        precision=PrecisionSection(dtype),
+        device=device,
+        output_dir=str(tmp_path),
+    )
+
+
+def random_documents(n, vocab, generator, lengths=(3, 13)):
+    """Examples of random lengths with random trained spans (each has targets past its first token)."""
+    docs = []
+    for _ in range(n):
+        length = int(torch.randint(*lengths, (), generator=generator))
+        ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
+        trained = (torch.rand(length, generator=generator) < 0.6).tolist()
+        trained[-1] = True
+        docs.append((ids, trained))
+    return docs
+
+
+def padded_rows(rows, n: int) -> Tokens:
+    """`rows` followed by rows of padding only (no targets) up to n rows."""
+    extra, seq_len = n - len(rows.tokens), rows.tokens.shape[1]
+    positions = rows.position_ids
+    if positions is not None:
+        positions = np.concatenate([positions, np.tile(np.arange(seq_len, dtype=np.int32), (extra, 1))])
+    return Tokens(
+        np.concatenate([rows.tokens, np.zeros((extra, seq_len), np.int32)]),
+        np.concatenate([rows.loss_mask, np.zeros((extra, seq_len), bool)]),
+        positions,
+    )
+
+
+def reference_loss(reference, docs):
+    """Summed next-token loss of each document in a row of its own, and its target count."""
+    total, count = 0.0, 0
+    device = next(reference.parameters()).device
+    for ids, trained in docs:
+        ids_t = torch.tensor([ids], device=device)
+        labels = torch.full_like(ids_t, -100)
+        labels[0, :-1] = torch.where(torch.tensor(trained[1:], device=device), ids_t[0, 1:], -100)
+        logits = reference.logits(ids_t)
+        total = total + torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
+        count += int((labels != -100).sum())
+    return total, count
+
+
+def check_packed_steps(pack, tmp_path, dtype, device, tolerance):
+    """Steps on rows that pack several documents (block-diagonal attention, positions restarting) or hold
+    one each (padded) equal plain PyTorch + AdamW on every document in a row of its own."""
+    config = fp64_config(tmp_path, dtype, device)
+    trainer = Trainer(config)
+    generator = torch.Generator().manual_seed(config.train.seed)
+    randomize_(trainer, generator)
+    reference = ReferenceLM(trainer.model_config).to(device=device, dtype=getattr(torch, dtype))
+    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
+    optimizer = reference_adamw(reference, config.train)
+    schedule = Schedule(config.train.lr, config.train.steps, 0, "cosine", config.train.min_lr_ratio)
+    vocab = trainer.model_config.vocab_size
+    for step in range(config.train.steps):
+        # packed: six documents of 3-8 tokens fill at most three rows of 16; unpacked: four, one per row
+        docs = random_documents(6, vocab, generator, (3, 9)) if pack else random_documents(4, vocab, generator)
+        rows = padded_rows(to_rows(Examples([d[0] for d in docs], [d[1] for d in docs]), 16, pack, pad_id=0), 4)
+        batch = TokenWindows(rows, 16, 4, False, 0).batch(0)
+        metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids)
+
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        total, count = reference_loss(reference, docs)
+        (total / count).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), config.train.grad_clip)
+        optimizer.step()
+        assert metrics.loss == pytest.approx((total / count).item(), rel=tolerance)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=tolerance)
+    ours = trainer.named_weights()
+    for name, param in reference.named_parameters():
+        assert rel_err(ours[name], param.detach().cpu()) < 3 * tolerance, name
+    trainer.close()
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_packed_steps_equal_the_documents_unpacked_in_plain_pytorch(pack, tmp_path):
+    check_packed_steps(pack, tmp_path, "float64", "cpu", 1e-10)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_steps_equal_the_documents_unpacked(tmp_path):
+    """fp32 on CUDA: packed rows go through FlexAttention's block-sparse kernel."""
+    check_packed_steps(True, tmp_path, "float32", "cuda", 1e-5)
+
+
+def test_evaluation_equals_plain_pytorch_loss(tmp_path):
+    config = fp64_config(tmp_path, micro_batch_size=1)
+    trainer = Trainer(config)
+    generator = torch.Generator().manual_seed(config.train.seed)
+    randomize_(trainer, generator)
+    reference = ReferenceLM(trainer.model_config).double()
+    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
+    docs = random_documents(7, trainer.model_config.vocab_size, generator)
+    for pack in (False, True):
+        rows = to_rows(Examples([d[0] for d in docs], [d[1] for d in docs]), 16, pack, pad_id=0)
+        windows = TokenWindows(Tokens(rows.tokens, rows.loss_mask, rows.position_ids), 16, 1, False, 0)
+        batch = windows.rows(list(range(windows.n_windows)))  # 3 rows: micro-batches of 1, the last short
+        loss_sum, n_targets = trainer.evaluate(batch.input_ids, batch.labels, batch.position_ids)
+        with torch.no_grad():
+            total, count = reference_loss(reference, docs)
+        assert n_targets == count and loss_sum == pytest.approx(total.item(), rel=1e-12)
+    trainer.close()
+
+
+def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_dir, capsys):
+    model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "qwen2.5")
+    records = [
+        {"conversations": [{"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": " ".join(map(str, range(i)))}]}
+        for i in range(2, 42)
+    ]
+    write_jsonl(tmp_path / "count.jsonl", records)
+    (tmp_path / "dataset_info.json").write_text(
+        json.dumps({"count": {"file_name": "count.jsonl", "formatting": "sharegpt"}})
+    )
+    config = {
+        "model": {"preset": "small-llama"},
+        "data": {
+            "dataset": "count",
+            "dataset_dir": str(tmp_path),
+            "tokenizer": str(model_dir / "tokenizer.json"),
+            "seq_len": 256,
+            "pack": True,
+            "validation": 0.2,
+        },
+        "train": {"steps": 4, "batch_size": 2, "lr": 1e-3, "eval_every": 2},
+        "device": "cpu",
+        "output_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "dataset count: 40 records -> 40 examples\n" in err and "validation: 8 examples" in err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["val_perplexity"] == pytest.approx(
+        np.exp(evals[-1]["val_loss"]), rel=1e-4
+    )
+
+    assert main(["eval", "--config", str(path), "--checkpoint", str(tmp_path / "run" / "final")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
+
+    assert main(["data", "--config", str(path), "--dump", "3"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 3
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    for line in lines:
+        ids, labels, positions = line["input_ids"], line["labels"], line["position_ids"]
+        assert len(ids) == len(labels) == len(positions) == 256
+        assert all(label in (-100, token) for label, token in zip(labels, ids))  # HF convention: unshifted
+        trained = tokenizer.decode([t for t, label in zip(ids, labels) if label != -100], skip_special_tokens=False)
+        assert trained.endswith("<|im_end|>") and "<|im_start|>" not in trained and "Count" not in trained
+    assert any(line["position_ids"].count(0) > 2 for line in lines)  # rows hold several conversations
+    assert main(["data", "--config", str(path), "--dump", "1", "--text"]) == 0
+    shown = capsys.readouterr().out
+    assert "<|im_start|>user\nCount to" in shown and "<|im_end|>⟧" in shown
