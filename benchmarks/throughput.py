@@ -41,11 +41,17 @@ class BenchTrainer(Trainer):
         self.store.refresh_wire()
 
 
-def random_batch(n_seqs, seq_len, vocab):
+def random_batch(n_seqs, seq_len, vocab, doc_len=0):
+    """(input_ids, labels, position_ids): random tokens; with doc_len, each row packs documents of
+    doc_len tokens (positions restart, no label crosses a boundary), else position_ids is None."""
     ids = torch.randint(0, vocab, (n_seqs, seq_len))
     labels = torch.roll(ids, -1, dims=1)
     labels[:, -1] = -100
-    return ids, labels
+    if not doc_len:
+        return ids, labels, None
+    positions = (torch.arange(seq_len) % doc_len).expand(n_seqs, -1).contiguous()
+    labels[:, :-1][positions[:, 1:] == 0] = -100
+    return ids, labels, positions
 
 
 def base_row(system, name, model, seq_len, n_seqs, micro_seqs, step_s) -> dict:
@@ -96,6 +102,7 @@ def bench_megatrain(
     lr=1e-5,
     real_text=False,
     engine_options=None,
+    doc_len=0,
 ):
     config = Config(
         model=ModelSection(preset=name),
@@ -131,11 +138,11 @@ def bench_megatrain(
             windows.setdefault(n_seqs, TokenWindows(tokens_array, seq_len, n_seqs, shuffle=True, seed=0))
             step_counter[0] += 1
             batch = windows[n_seqs].batch(step_counter[0])
-            return batch.input_ids, batch.labels
+            return batch.input_ids, batch.labels, None
     else:
 
         def next_batch(n_seqs, vocab):
-            return random_batch(n_seqs, seq_len, vocab)
+            return random_batch(n_seqs, seq_len, vocab, doc_len)
 
     rows = []
     for tokens in token_counts:
@@ -173,6 +180,9 @@ def bench_megatrain(
                 "pinned_gib": round(report.pinned_bytes / 2**30, 1),
                 "pin_seconds": round(report.pin_seconds, 2),
                 "grad_clip": grad_clip,
+                "doc_len": doc_len,  # 0: one sequence per row
+                # attention FLOPs of what is computed: within documents when packed
+                "model_tflops": round(flops_per_token(model, doc_len or seq_len) * n_seqs * seq_len / step_s / 1e12, 1),
                 "wire_copy": config.engine.wire_copy,
                 "disk_gib": round(sum((report.disk or {}).values()) / 2**30, 1),
                 "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
@@ -221,7 +231,7 @@ def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
 
             def step():
                 optimizer.zero_grad(set_to_none=True)
-                ids, labels = random_batch(n_seqs, seq_len, config.vocab_size)
+                ids, labels, _ = random_batch(n_seqs, seq_len, config.vocab_size)
                 loss_total = 0.0
                 for mb_ids, mb_labels in zip(ids.split(micro_seqs), labels.split(micro_seqs)):
                     mb_ids, mb_labels = mb_ids.cuda(), mb_labels.cuda()
@@ -288,6 +298,9 @@ def main():
     )
     parser.add_argument("--baseline-max-b", type=float, default=4.0)
     parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each model's largest point here")
+    parser.add_argument(
+        "--doc-len", type=int, default=0, help="pack documents of this many tokens per row (per-document attention)"
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -313,6 +326,7 @@ def main():
                 else float(args.disk_state_fraction),
                 "wire_copy": args.wire_copy,
             },
+            args.doc_len,
         )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:

@@ -46,30 +46,30 @@ class Documents:
     def block_mask(self):
         """The FlexAttention block mask of `dense_mask` (only blocks holding a pair of one document are visited)."""
         if "block" not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             doc_ids = self.doc_ids
 
             def same_document_causal(b, h, q, kv):
                 return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
 
             batch, seq = doc_ids.shape
-            self._masks["block"] = create_block_mask(
-                same_document_causal, batch, None, seq, seq, device=doc_ids.device, _compile=True
+            self._masks["block"] = _flex_kernels()[1](
+                same_document_causal, batch, None, seq, seq, device=doc_ids.device
             )
         return self._masks["block"]
 
 
-_flex_attention = None
+_FLEX = None
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, enable_gqa: bool) -> Tensor:
-    global _flex_attention
-    if _flex_attention is None:  # compiled once; eager FlexAttention is a slow reference implementation
-        from torch.nn.attention.flex_attention import flex_attention
+def _flex_kernels():
+    """(flex_attention, create_block_mask), compiled once: eager FlexAttention is a slow reference, and an
+    eager block mask would materialise [batch, seq, seq]."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        _flex_attention = torch.compile(flex_attention)
-    return _flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        _FLEX = torch.compile(flex_attention), torch.compile(create_block_mask)
+    return _FLEX
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | None = None) -> Tensor:
@@ -81,5 +81,5 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | Non
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
-        return _flex(q, k, v, documents.block_mask(), gqa)
+        return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=gqa)
