@@ -316,7 +316,9 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
         np.exp(evals[-1]["val_loss"]), rel=1e-4
     )
 
-    assert main(["eval", "--config", str(path), "--checkpoint", str(tmp_path / "run" / "final")]) == 0
+    final = tmp_path / "run" / "final"  # the exported model keeps its chat template
+    assert json.loads((final / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATES["qwen2.5"]
+    assert main(["eval", "--config", str(path), "--checkpoint", str(final)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
 

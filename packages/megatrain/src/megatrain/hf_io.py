@@ -85,10 +85,14 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     store.refresh_wire()
 
 
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
 def write_hf_directory(
     out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int = SHARD_BYTES
 ) -> Path:
-    """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known.
+    """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known, with
+    the tokenizer files beside it (tokenizer_config.json holds the chat template a fine-tuned model needs).
 
     entries: (name, nbytes, load) in file order; `load()` returns the tensor to write, so
     only one shard's tensors are materialized at a time."""
@@ -113,6 +117,9 @@ def write_hf_directory(
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
     if tokenizer is not None and Path(tokenizer).exists():
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer).parent / name).exists() and Path(tokenizer).parent != out_dir:
+                shutil.copyfile(Path(tokenizer).parent / name, out_dir / name)
     return out_dir
 
 
