@@ -5,6 +5,11 @@ parameters, its CPU AdamW), Hugging Face gradient checkpointing, bf16. Config:
 benchmarks/baselines/ds_zero3_offload.json. Prints one JSON row per point, like throughput.py.
 
     python benchmarks/baselines/deepspeed_zero3.py --model qwen2.5-3b --tokens 131072 --micro-batch 4
+
+Several GPUs (data parallel, `--tokens` stays the global tokens per step):
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/baselines/deepspeed_zero3.py --model qwen2.5-7b \
+        --tokens 131072 --micro-batch 8
 """
 
 import argparse
@@ -47,6 +52,8 @@ def main():
     ds_config = json.loads((Path(__file__).parent / "ds_zero3_offload.json").read_text())
     ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     deepspeed.init_distributed()
+    world = torch.distributed.get_world_size()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
     hf_config.use_cache = False
     rows = []
@@ -57,12 +64,12 @@ def main():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for tokens in [args.tokens]:  # one point per process: deepspeed.initialize wraps the model once
         n_seqs = tokens // args.seq_len
-        ds_config["gradient_accumulation_steps"] = n_seqs // args.micro_batch
+        ds_config["gradient_accumulation_steps"] = n_seqs // (args.micro_batch * world)
         ds_config["train_batch_size"] = n_seqs
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
         def step():
-            for _ in range(n_seqs // args.micro_batch):
+            for _ in range(n_seqs // (args.micro_batch * world)):
                 ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), device=engine.device)
                 loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
@@ -83,6 +90,7 @@ def main():
             {
                 "system": "deepspeed-zero3-offload",
                 "model": args.model,
+                "gpus": world,
                 "params_b": round(config.n_params / 1e9, 3),
                 "seq_len": args.seq_len,
                 "tokens_per_step": n_seqs * args.seq_len,
@@ -94,6 +102,8 @@ def main():
                 "deepspeed": deepspeed.__version__,
             }
         )
+        if torch.distributed.get_rank():
+            continue
         print(rows[-1], flush=True)
         write_results(
             Path(args.out),
