@@ -17,7 +17,8 @@ from megatrain_optim import Schedule, lr_at
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
 
-MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe"]
+MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-gpt-oss"]
+NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
 
 
 def rel_err(a, b):
@@ -66,8 +67,8 @@ def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_s
 
 def hf_adamw(model, train):
     params = dict(model.named_parameters())
-    no_decay = [p for n, p in params.items() if n.endswith("norm.weight") or n.endswith(".bias")]
-    decay = [p for n, p in params.items() if not (n.endswith("norm.weight") or n.endswith(".bias"))]
+    no_decay = [p for n, p in params.items() if n.endswith(NO_DECAY)]
+    decay = [p for n, p in params.items() if not n.endswith(NO_DECAY)]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
 
@@ -244,3 +245,36 @@ def test_megatrain_train_matches_transformers(tmp_path):
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
         assert loss == pytest.approx(out.loss.item(), rel=1e-5)
+
+
+def test_mxfp4_experts_are_dequantized_on_import(tmp_path):
+    """gpt-oss publishes its experts in MXFP4 (blocks + scales): they load, dequantized exactly as
+    transformers dequantizes them, into the fp32 masters; the config's quantization_config is accepted."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from megatrain.hf_io import dequantize_mxfp4, mxfp4_shapes
+
+    reference = hf_model("tiny-gpt-oss", False, 6)
+    reference.save_pretrained(tmp_path / "hf")
+    (weights,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(str(weights))
+    generator = torch.Generator().manual_seed(6)
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks_shape, scales_shape = mxfp4_shapes(tuple(tensors.pop(name).shape))
+        blocks = torch.randint(0, 256, blocks_shape, generator=generator, dtype=torch.uint8)
+        scales = torch.randint(120, 130, scales_shape, generator=generator, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(dequantize_mxfp4(blocks, scales), expected[name])
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    ours = trainer.named_weights()
+    for name, value in expected.items():
+        assert torch.equal(ours[name], value), name
+    assert torch.equal(ours["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    trainer.close()

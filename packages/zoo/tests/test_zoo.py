@@ -97,8 +97,8 @@ def test_unsupported_inputs_are_refused():
         config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ZooError, match="attention_bias"):
         config_from_hf({**LLAMA31_HF, "attention_bias": True})
-    with pytest.raises(ZooError, match="rope_scaling type 'yarn'|yarn"):
-        build_model(config_from_hf({**LLAMA31_HF, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ZooError, match="rope_scaling type 'dynamic'"):
+        build_model(config_from_hf({**LLAMA31_HF, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
     with pytest.raises(ZooError, match="unknown model preset 'llama9-8b'"):
         preset("llama9-8b")
     with pytest.raises(ZooError, match="multiple of n_kv_heads"):
@@ -113,6 +113,10 @@ PUBLISHED_MOE = {
     "qwen3-30b-a3b": (30.5, 3.3),
     "qwen3-235b-a22b": (235.1, 22.2),
     "olmoe-1b-7b": (6.9, 1.3),
+    # OpenAI's model card: 20.91B / 116.83B total; its 3.61B / 5.13B active leave out the input embedding
+    # (0.58B), which megatrain's count, like the other families', includes
+    "gpt-oss-20b": (20.91, 3.61 + 0.58),
+    "gpt-oss-120b": (116.83, 5.13 + 0.58),
 }
 
 
@@ -127,7 +131,16 @@ def test_moe_parameter_counts_match_published(name):
 
 
 def test_moe_specs_and_hf_round_trip():
-    for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "qwen1.5-moe-a2.7b", "olmoe-1b-7b"):
+    for name in (
+        "tiny-mixtral",
+        "tiny-qwen2-moe",
+        "tiny-qwen3-moe",
+        "tiny-olmoe",
+        "qwen1.5-moe-a2.7b",
+        "olmoe-1b-7b",
+        "tiny-gpt-oss",
+        "gpt-oss-120b",
+    ):
         config = PRESETS[name]
         assert config_from_hf(config_to_hf(config)) == config, name
         model = build_model(config)
@@ -147,11 +160,22 @@ def test_moe_specs_and_hf_round_trip():
 
 
 def test_unsupported_moe_inputs_are_refused():
-    with pytest.raises(ZooError, match="gpt-oss .* not implemented"):
-        config_from_hf({"model_type": "gpt_oss"})
+    with pytest.raises(ZooError, match="DeepSeek-V2 .* not implemented"):
+        config_from_hf({"model_type": "deepseek_v2"})
     with pytest.raises(ZooError, match="quantization_config 'mxfp4'"):
         config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(ZooError, match="router_jitter_noise"):
         config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "router_jitter_noise": 0.1})
     with pytest.raises(ZooError, match="n_experts_per_tok must be in 1..n_experts"):
         PRESETS["tiny-mixtral"].with_changes(n_experts_per_tok=9)
+
+
+def test_gpt_oss_layers_alternate_windowed_and_full_attention():
+    model = build_model(PRESETS["gpt-oss-20b"])
+    windows = [stage.template.shape.sliding_window for stage in model.stages[1:-1]]
+    assert windows[:4] == [128, None, 128, None] and len(windows) == 24
+    assert model.stages[1].template is model.stages[3].template  # one template per kind of layer
+    layer = {p.name: p for p in model.groups[1].params}
+    assert layer["model.layers.0.mlp.experts.gate_up_proj"].shape == (32, 2880, 5760)
+    assert not layer["model.layers.0.self_attn.sinks"].weight_decay
+    assert not layer["model.layers.0.mlp.experts.down_proj_bias"].weight_decay

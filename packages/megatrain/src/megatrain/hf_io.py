@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 from math import prod
 from pathlib import Path
 
@@ -11,11 +12,33 @@ from megatrain_store import (
     load_tensors_into,
     match_tensors,
     read_safetensors_header,
+    read_tensor,
     write_safetensors,
 )
 from megatrain_zoo import ModelSpec, ZooError, config_to_hf
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
+# MXFP4 (OCP microscaling, gpt-oss' published experts): e2m1 values, two per byte (low nibble first),
+# 32 per block sharing an 8-bit power-of-two scale (biased by 127)
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+def mxfp4_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(blocks, scales) shapes of an MXFP4 expert tensor [n_experts, in, out] as gpt-oss stores it:
+    [n_experts, out, in / 32, 16] bytes and [n_experts, out, in / 32] exponents."""
+    experts, rows_in, rows_out = shape
+    return (experts, rows_out, rows_in // MXFP4_BLOCK, MXFP4_BLOCK // 2), (experts, rows_out, rows_in // MXFP4_BLOCK)
+
+
+def dequantize_mxfp4(blocks, scales):
+    """MXFP4 blocks [E, out, G, 16] uint8 and scales [E, out, G] uint8 -> fp32 [E, in = 32 G, out]."""
+    import torch
+
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
+    values = values.reshape(*scales.shape, MXFP4_BLOCK) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.reshape(*scales.shape[:2], -1).transpose(1, 2).contiguous()
 
 
 def named_masters(store: HostStore) -> dict:
@@ -62,12 +85,30 @@ def _checkpoint_layout(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[tu
     return layout
 
 
+def _quantized(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Stored tensors the files hold in MXFP4 (`NAME_blocks` + `NAME_scales`), with their shapes."""
+    present = {name for path in files for name in read_safetensors_header(path)}
+    return {
+        name: shape
+        for name, shape in spec.param_shapes().items()
+        if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present
+    }
+
+
+def _header_shapes(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the files must hold -> its shape (MXFP4 tensors as their blocks and scales)."""
+    shapes = {name: shape for name, (shape, _) in _checkpoint_layout(spec, files).items()}
+    for name, shape in _quantized(spec, files).items():
+        del shapes[name]
+        shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
+    return shapes
+
+
 def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
     """Refuse, from the headers alone and before any memory is allocated, a directory whose tensors
     are missing, unexpected or mis-shaped for `spec`."""
     files = checkpoint_files(model_dir)
-    shapes = {name: shape for name, (shape, _) in _checkpoint_layout(spec, files).items()}
-    match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
+    match_tensors(files, _header_shapes(spec, files), ignore=spec.checkpoint_names_to_ignore)
 
 
 def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
@@ -77,11 +118,22 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     (they lie back to back in the layer's buffer)."""
     files = checkpoint_files(model_dir)
     masters = named_masters(store)
+    quantized = _quantized(spec, files)
+    where = match_tensors(files, _header_shapes(spec, files), ignore=spec.checkpoint_names_to_ignore)
     targets = {}
     for name, (shape, covered) in _checkpoint_layout(spec, files).items():
-        first = masters[covered[0]]
-        targets[name] = first.view(-1).as_strided((prod(shape),), (1,)).view(shape)
-    load_tensors_into(files, targets, ignore=spec.checkpoint_names_to_ignore)
+        if name not in quantized:
+            first = masters[covered[0]]
+            targets[name] = first.view(-1).as_strided((prod(shape),), (1,)).view(shape)
+    ignore_quantized = {f"{name}_{part}" for name in quantized for part in ("blocks", "scales")}
+    load_tensors_into(files, targets, ignore=lambda n: spec.checkpoint_names_to_ignore(n) or n in ignore_quantized)
+    if quantized:
+        print(
+            f"megatrain: dequantizing {len(quantized)} MXFP4 expert tensors into fp32 master weights", file=sys.stderr
+        )
+    for name in quantized:
+        blocks, scales = (read_tensor(where[f"{name}_{part}"], f"{name}_{part}") for part in ("blocks", "scales"))
+        masters[name].copy_(dequantize_mxfp4(blocks, scales))
     store.refresh_wire()
 
 

@@ -272,7 +272,7 @@ def make_plan(
 
 def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
     """Refuse, before anything is allocated, a run that cannot work, naming the fix."""
-    if model.sliding_window is not None and config.data.seq_len > model.sliding_window:
+    if model.sliding_window is not None and not model.sliding_layers and config.data.seq_len > model.sliding_window:
         raise ConfigError(
             f"data.seq_len {config.data.seq_len} exceeds the model's sliding_window {model.sliding_window}, "
             "which megatrain does not implement; use data.seq_len <= sliding_window"

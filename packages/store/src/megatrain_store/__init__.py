@@ -8,6 +8,7 @@ from .io import (
     load_tensors_into,
     match_tensors,
     read_safetensors_header,
+    read_tensor,
     write_safetensors,
 )
 from .layout import Entry, GroupLayout
@@ -30,6 +31,7 @@ __all__ = [
     "match_tensors",
     "pin_in_place",
     "read_safetensors_header",
+    "read_tensor",
     "unpin",
     "write_safetensors",
 ]

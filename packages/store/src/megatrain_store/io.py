@@ -151,3 +151,9 @@ def load_tensors_into(
         with safe_open(str(path), framework="pt") as handle:
             for name in names:
                 targets[name].copy_(handle.get_tensor(name))
+
+
+def read_tensor(path: Path, name: str) -> Tensor:
+    """One tensor of a safetensors file, as stored."""
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.get_tensor(name)

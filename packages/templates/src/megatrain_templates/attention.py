@@ -83,3 +83,32 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | Non
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
         return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=gqa)
+
+
+def windowed_attention_with_sinks(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, window: int | None, documents: Documents | None = None
+) -> Tensor:
+    """Causal attention with what the fused kernels lack (gpt-oss): keys limited to the last `window`
+    positions, and per-head sink logits `sinks` [n_heads] that join each softmax's denominator without
+    contributing a value. Shapes as `causal_attention`. Written out (scores materialised, [batch,
+    n_heads, seq, seq]) and computed as transformers' eager implementation does."""
+    batch, n_heads, seq, head_dim = q.shape
+    repeat = n_heads // k.shape[1]
+    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    scores = (q @ k.transpose(-1, -2)) * head_dim**-0.5
+    position = torch.arange(seq, device=q.device)
+    distance = position.unsqueeze(1) - position.unsqueeze(0)  # query - key
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
+    if documents is not None:
+        allowed = allowed & documents.dense_mask()
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, n_heads, 1, 1).expand(batch, n_heads, seq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = scores.softmax(dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs.to(v.dtype) @ v

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Documents, causal_attention
+from .attention import Documents, causal_attention, windowed_attention_with_sinks
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
 from .ops import RopeConfig, apply_rope, rms_norm, rope_cos_sin
 
@@ -31,6 +31,9 @@ class BlockShape:
     rope: RopeConfig | None = None
     qk_norm_scope: str = "head"  # "head": one norm per head (Qwen3); "full": over all heads at once (OLMoE)
     clip_qkv: float | None = None  # clamp q, k and v to [-clip_qkv, clip_qkv] (OLMoE)
+    o_bias: bool = False  # a bias on the output projection too (gpt-oss)
+    sinks: bool = False  # a learned sink logit per head that takes attention probability but no value (gpt-oss)
+    sliding_window: int | None = None  # attend only to the last `sliding_window` positions (gpt-oss' even layers)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -64,6 +67,10 @@ def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[Pa
             ParamSpec("self_attn.k_proj.bias", (kv_out,), weight_decay=False),
             ParamSpec("self_attn.v_proj.bias", (kv_out,), weight_decay=False),
         ]
+    if shape.o_bias:
+        small.append(ParamSpec("self_attn.o_proj.bias", (d,), weight_decay=False))
+    if shape.sinks:
+        small.append(ParamSpec("self_attn.sinks", (shape.n_heads,), weight_decay=False))
     if shape.qk_norm:
         full = shape.qk_norm_scope == "full"
         small += [
@@ -100,6 +107,10 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
         spans["qkv_bias"] = fused_span(
             params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
         )
+    if shape.o_bias:
+        spans["o_bias"] = span_of(params, "self_attn.o_proj.bias")
+    if shape.sinks:
+        spans["sinks"] = span_of(params, "self_attn.sinks")
     if shape.qk_norm:
         spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
         spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
@@ -150,8 +161,12 @@ class DecoderBlock:
             cos, sin = documents.rope_tables(cos, sin)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        attn = causal_attention(q, k, v, documents)
-        return x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"])
+        if s.sinks or s.sliding_window is not None:
+            attn = windowed_attention_with_sinks(q, k, v, w.get("sinks"), s.sliding_window, documents)
+        else:
+            attn = causal_attention(q, k, v, documents)
+        out = attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim)
+        return x + F.linear(out, w["o_weight"], w.get("o_bias"))
 
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""

@@ -39,21 +39,42 @@ class MoeShape:
     d_ff: int  # each expert's intermediate size
     shared_d_ff: int = 0  # shared expert's intermediate size; 0: none
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
-    naming: str = "qwen"  # a key of EXPERT_NAMING
+    # a key of EXPERT_NAMING, or "gpt_oss": experts stored fused as [n_experts, d_model, 2 * d_ff] with
+    # gate and up interleaved, biases on the router and the experts, the clamped SwiGLU below
+    naming: str = "qwen"
+    swiglu_limit: float = 7.0  # gpt_oss: gate clamped to <= limit, up to [-limit, limit]
+    swiglu_alpha: float = 1.702  # gpt_oss: gate * sigmoid(alpha * gate) * (up + 1)
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
-        if self.naming not in EXPERT_NAMING:
-            raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)}, got {self.naming!r}")
+        if self.naming not in (*EXPERT_NAMING, "gpt_oss"):
+            raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or gpt_oss, got {self.naming!r}")
+
+    @property
+    def gpt_oss(self) -> bool:
+        return self.naming == "gpt_oss"
 
 
 def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
     """Buffer order: attention matrices, router, experts' (gate, up) pairs, experts' downs,
     shared expert, then norms and biases (no decay)."""
     d = shape.d_model
-    module, (gate, up, down) = EXPERT_NAMING[moe.naming]
     matrices, small = attention_params(shape)
+    if moe.gpt_oss:  # the published fused layout: x @ gate_up_proj[e], gate/up interleaved along its last dim
+        n, f = moe.n_experts, moe.d_ff
+        experts = (
+            ParamSpec("mlp.router.weight", (n, d)),
+            ParamSpec("mlp.experts.gate_up_proj", (n, d, 2 * f)),
+            ParamSpec("mlp.experts.down_proj", (n, f, d)),
+        )
+        biases = (
+            ParamSpec("mlp.router.bias", (n,), weight_decay=False),
+            ParamSpec("mlp.experts.gate_up_proj_bias", (n, 2 * f), weight_decay=False),
+            ParamSpec("mlp.experts.down_proj_bias", (n, d), weight_decay=False),
+        )
+        return matrices + experts + small + biases
+    module, (gate, up, down) = EXPERT_NAMING[moe.naming]
     experts = [ParamSpec(f"{module}.gate.weight", (moe.n_experts, d))]
     for e in range(moe.n_experts):
         experts += [
@@ -74,6 +95,8 @@ def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
 def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
     """transformers' fused 3-D expert tensors of a layer (module-relative names) -> (the first
     per-expert name they cover, how many names, shape): the same bytes as those tensors."""
+    if moe.gpt_oss:  # stored fused already
+        return {}
     module, (gate, _, down) = EXPERT_NAMING[moe.naming]
     fused = "mlp" if moe.naming == "mixtral" else module  # transformers >= 5 calls Mixtral's module mlp too
     n = moe.n_experts
@@ -214,6 +237,18 @@ class MoeBlock(DecoderBlock):
         params = moe_params(shape, moe)
         self.groups = (params,)
         self.numel = total_numel(params)
+        self._rope_cache = {}
+        if moe.gpt_oss:
+            self._spans = {
+                **attention_spans(shape, params),
+                "router": span_of(params, "mlp.router.weight"),
+                "router_bias": span_of(params, "mlp.router.bias"),
+                "experts_gate_up": span_of(params, "mlp.experts.gate_up_proj"),
+                "experts_gate_up_bias": span_of(params, "mlp.experts.gate_up_proj_bias"),
+                "experts_down": span_of(params, "mlp.experts.down_proj"),
+                "experts_down_bias": span_of(params, "mlp.experts.down_proj_bias"),
+            }
+            return
         module, (gate, up, down) = EXPERT_NAMING[moe.naming]
         first_gate = span_of(params, f"{module}.experts.0.{gate}.weight")
         first_down = span_of(params, f"{module}.experts.0.{down}.weight")
@@ -229,12 +264,11 @@ class MoeBlock(DecoderBlock):
             )
             self._spans["shared_down"] = span_of(params, f"{module}.shared_expert.down_proj.weight")
             self._spans["shared_gate"] = span_of(params, f"{module}.shared_expert_gate.weight")
-        self._rope_cache = {}
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] -> (probs [tokens, n_experts], top_index [tokens, k], top_weight [tokens, k]);
         probabilities in fp32 (fp64 when computing in fp64), as transformers' routers."""
-        probs = upcast(F.linear(h, w["router"])).softmax(dim=-1)
+        probs = upcast(F.linear(h, w["router"], w.get("router_bias"))).softmax(dim=-1)
         top_weight, top_index = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
@@ -252,6 +286,8 @@ class MoeBlock(DecoderBlock):
         inverse[order] = torch.arange(order.numel(), device=order.device)
         x = _Dispatch.apply(h, order, inverse, k)  # [tokens * k, d_model], grouped by expert
         weight = top_weight.reshape(-1)[order].to(h.dtype).unsqueeze(1)
+        if self.moe.gpt_oss:
+            return _Combine.apply(self._gpt_oss_experts(w, x, flat[order], weight), order, inverse, k)
         gate_up, down = w["experts_gate_up"], w["experts_down"]
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
         if aligned and _grouped_mm_works(h.device, h.dtype):
@@ -274,6 +310,25 @@ class MoeBlock(DecoderBlock):
                     start += count
             y = torch.cat(pieces)
         return _Combine.apply(y, order, inverse, k)
+
+    def _gpt_oss_experts(self, w: dict[str, Tensor], x: Tensor, expert_of_row: Tensor, weight: Tensor) -> Tensor:
+        """gpt-oss experts on rows grouped by expert: (x @ gate_up[e] + b) -> clamped SwiGLU -> @ down[e] + b,
+        times the routing weight (applied before the down projection, its bias scaled to match)."""
+        moe = self.moe
+        gate_ups, downs = w["experts_gate_up"].unbind(0), w["experts_down"].unbind(0)
+        gate_up_bias, down_bias = w["experts_gate_up_bias"], w["experts_down_bias"]
+        counts = torch.bincount(expert_of_row, minlength=moe.n_experts).tolist()
+        pieces, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                gate_up = x[rows] @ gate_ups[e] + gate_up_bias[e]
+                gate = gate_up[:, ::2].clamp(max=moe.swiglu_limit)
+                up = gate_up[:, 1::2].clamp(-moe.swiglu_limit, moe.swiglu_limit)
+                hidden = (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha)) * weight[rows]
+                pieces.append(hidden @ downs[e] + weight[rows] * down_bias[e])
+                start += count
+        return torch.cat(pieces)
 
     def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] (post-norm) -> (MLP output, router probs, top_index)."""

@@ -58,9 +58,9 @@ class RopeConfig:
 
     def __post_init__(self):
         kind = self.scaling_dict.get("rope_type", self.scaling_dict.get("type", "default"))
-        if kind not in ("default", "llama3", "linear"):
+        if kind not in ("default", "llama3", "linear", "yarn"):
             raise ValueError(
-                f"rope_scaling type {kind!r} is not supported; use 'default', 'llama3' or 'linear' "
+                f"rope_scaling type {kind!r} is not supported; use 'default', 'llama3', 'linear' or 'yarn' "
                 "(or remove rope_scaling for training at the model's native context length)"
             )
         if self.head_dim % 2:
@@ -79,6 +79,8 @@ def rope_inv_freq(config: RopeConfig) -> Tensor:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, config)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling["low_freq_factor"])
@@ -95,13 +97,53 @@ def rope_inv_freq(config: RopeConfig) -> Tensor:
     return inv_freq
 
 
+def _yarn_inv_freq(inv_freq: Tensor, config: RopeConfig) -> Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: each frequency is interpolated (divided by
+    `factor`), kept, or blended, by how many turns it makes over the original context."""
+    scaling, dim, base = config.scaling_dict, config.head_dim, config.theta
+    factor = float(scaling["factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies keep their value), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(config: RopeConfig) -> float:
+    """The factor YaRN applies to cos and sin (1 for every other kind)."""
+    scaling = config.scaling_dict
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
 def rope_cos_sin(config: RopeConfig, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
     """cos and sin tables [seq_len, head_dim] for positions 0..seq_len-1."""
     inv_freq = rope_inv_freq(config).to(device)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    factor = rope_attention_factor(config)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:

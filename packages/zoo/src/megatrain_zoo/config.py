@@ -10,9 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
-ROPE_SCALINGS = ("default", "llama3", "linear")
+ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
 
 
@@ -53,11 +53,20 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead of experts
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss ...
     output_router_logits: bool = False  # ... which, as in transformers, is added only when this is true
+    # gpt-oss: biases on all four attention projections, a sink logit per head, `sliding_window` on
+    # `sliding_layers` only (full attention elsewhere), router and expert biases, a clamped SwiGLU
+    o_bias: bool = False
+    attention_sinks: bool = False
+    sliding_layers: tuple[int, ...] = ()
+    swiglu_limit: float = 0.0
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ZooError(f"unknown architecture {self.arch!r}; supported: {ARCHITECTURES}")
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
+        object.__setattr__(self, "sliding_layers", tuple(sorted(int(i) for i in self.sliding_layers)))
+        if self.sliding_layers and not self.sliding_window:
+            raise ZooError("sliding_layers needs sliding_window (the window those layers attend over)")
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ZooError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
         if self.n_experts < 0 or (self.arch in MOE_ARCHITECTURES) != (self.n_experts > 0):
@@ -110,7 +119,8 @@ class ModelConfig:
     def _attention_params(self) -> tuple[int, int]:
         """(matrix parameters, norm and bias parameters) of one layer's attention and its two norms."""
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        small = 2 * d + (q + 2 * kv if self.qkv_bias else 0)
+        small = 2 * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        small += self.n_heads if self.attention_sinks else 0
         if self.qk_norm:
             small += q + kv if self.qk_norm_scope == "full" else 2 * self.head_dim
         return 2 * d * q + 2 * d * kv, small
@@ -123,7 +133,8 @@ class ModelConfig:
         router = self.n_experts * d
         shared = 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
         expert = 3 * d * self.moe_d_ff
-        return router + shared + self.n_experts * expert, router + shared + self.n_experts_per_tok * expert
+        biases = self.n_experts * (1 + 2 * self.moe_d_ff + d) if self.arch == "gpt_oss" else 0  # not multiplied with
+        return router + shared + self.n_experts * expert + biases, router + shared + self.n_experts_per_tok * expert
 
     def layer_params(self, layer: int) -> int:
         """Trainable parameters of decoder layer `layer` (all experts counted)."""
@@ -160,6 +171,11 @@ class ModelConfig:
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward, recomputation not counted:
-    6 x matmul parameters + causal attention (QK^T and AV over half the square)."""
-    attention = 6 * config.n_layers * seq_len * config.n_heads * config.head_dim
+    6 x matmul parameters + causal attention (QK^T and AV over half the square; over the window, at
+    most, in sliding-window layers)."""
+    per_layer = 6 * config.n_heads * config.head_dim
+    windowed = min(seq_len, 2 * config.sliding_window) if config.sliding_window else seq_len
+    attention = per_layer * sum(
+        windowed if layer in config.sliding_layers else seq_len for layer in range(config.n_layers)
+    )
     return 6 * config.matmul_params + attention

@@ -14,10 +14,10 @@ _HF_CLASSES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
 _UNSUPPORTED_MOE = {
-    "gpt_oss": "gpt-oss (attention sinks, clamped SwiGLU, MXFP4 experts) is not implemented yet",
     "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, group-limited routing) is not implemented yet",
     "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, sigmoid routing with bias) is not implemented yet",
 }
@@ -36,12 +36,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss)"
         )
     if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     quantization = hf.get("quantization_config")
-    if quantization:
+    # gpt-oss publishes its experts in MXFP4; they are dequantized into the fp32 masters on import
+    if quantization and not (model_type == "gpt_oss" and quantization.get("quant_method") == "mxfp4"):
         raise ZooError(
             f"config.json has quantization_config {quantization.get('quant_method', quantization)!r}: megatrain trains "
             "full-precision weights; convert the checkpoint to bf16/fp32 safetensors first"
@@ -54,7 +55,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
     scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
-    sliding = hf.get("sliding_window") if hf.get("use_sliding_window", model_type in ("mistral", "mixtral")) else None
+    sliding = (
+        hf.get("sliding_window")
+        if hf.get("use_sliding_window", model_type in ("mistral", "mixtral", "gpt_oss"))
+        else None
+    )
     heads = hf["num_attention_heads"]
     return ModelConfig(
         arch=model_type,
@@ -70,7 +75,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         rope_scaling=scaling,
         rms_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and hf.get("qkv_bias", True)),
+        qkv_bias=model_type == "qwen2"
+        or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
+        or (model_type == "gpt_oss" and hf.get("attention_bias", True)),
         qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_scope="full" if model_type == "olmoe" else "head",
         clip_qkv=hf.get("clip_qkv"),
@@ -80,7 +87,27 @@ def config_from_hf(hf: dict) -> ModelConfig:
         eos_token_id=_first_id(hf.get("eos_token_id")),
         pad_token_id=_pad_token(hf),
         **_moe_from_hf(hf, model_type),
+        **_gpt_oss_from_hf(hf, model_type),
     )
+
+
+def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
+    if model_type != "gpt_oss":
+        return {}
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])
+    ]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ZooError(f"gpt_oss layer_types {unknown} are not supported (sliding_attention, full_attention)")
+    if hf.get("swiglu_alpha", 1.702) != 1.702:
+        raise ZooError(f"gpt_oss swiglu_alpha {hf['swiglu_alpha']} is not supported (1.702)")
+    return {
+        "o_bias": bool(hf.get("attention_bias", True)),
+        "attention_sinks": True,
+        "sliding_layers": tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"),
+        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+    }
 
 
 def _pad_token(hf: dict) -> int | None:
@@ -91,7 +118,7 @@ def _pad_token(hf: dict) -> int | None:
 
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return {}
     if hf.get("router_jitter_noise"):
         raise ZooError(
@@ -107,7 +134,9 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
         "output_router_logits": bool(hf.get("output_router_logits", False)),
     }
-    if model_type in ("mixtral", "olmoe"):  # every layer is sparse; intermediate_size is the experts' width
+    if model_type == "gpt_oss":  # softmax over the top-k logits: the top-k probabilities renormalised
+        fields["norm_topk_prob"] = True
+    if model_type in ("mixtral", "olmoe", "gpt_oss"):  # every layer is sparse; intermediate_size is the experts'
         return {**fields, "moe_d_ff": hf["intermediate_size"]}
     step = hf.get("decoder_sparse_step", 1) or 1
     only_mlp = set(hf.get("mlp_only_layers") or [])
@@ -157,6 +186,17 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["sliding_window"] = config.sliding_window
     if config.is_moe:
         hf.update(_moe_to_hf(config))
+    if config.arch == "gpt_oss":
+        hf.pop("rope_scaling")
+        hf.update(
+            attention_bias=config.o_bias,
+            sliding_window=config.sliding_window,
+            layer_types=[
+                "sliding_attention" if i in config.sliding_layers else "full_attention" for i in range(config.n_layers)
+            ],
+            swiglu_limit=config.swiglu_limit,
+            rope_parameters={"rope_theta": config.rope_theta, **(config.rope_scaling or {"rope_type": "default"})},
+        )
     return hf
 
 
@@ -167,7 +207,14 @@ def _moe_to_hf(config: ModelConfig) -> dict:
         "output_router_logits": config.output_router_logits,
     }
     if config.arch == "mixtral":
-        return {**hf, "num_local_experts": config.n_experts, "intermediate_size": config.moe_d_ff, "router_jitter_noise": 0.0}
+        return {
+            **hf,
+            "num_local_experts": config.n_experts,
+            "intermediate_size": config.moe_d_ff,
+            "router_jitter_noise": 0.0,
+        }
+    if config.arch == "gpt_oss":
+        return {**hf, "num_local_experts": config.n_experts, "intermediate_size": config.moe_d_ff}
     hf.update(num_experts=config.n_experts, norm_topk_prob=config.norm_topk_prob)
     if config.arch == "olmoe":
         return {**hf, "intermediate_size": config.moe_d_ff, "clip_qkv": config.clip_qkv}

@@ -72,7 +72,8 @@ class ModelSpec:
         return {p.name: p.shape for group in self.groups for p in group.params}
 
 
-def block_shape(config: ModelConfig) -> BlockShape:
+def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
+    """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window)."""
     scaling = tuple(sorted(config.rope_scaling.items())) if config.rope_scaling else None
     return BlockShape(
         d_model=config.d_model,
@@ -86,6 +87,9 @@ def block_shape(config: ModelConfig) -> BlockShape:
         qk_norm_scope=config.qk_norm_scope,
         clip_qkv=config.clip_qkv,
         rope=RopeConfig(head_dim=config.head_dim, theta=config.rope_theta, scaling=scaling),
+        o_bias=config.o_bias,
+        sinks=config.attention_sinks,
+        sliding_window=config.sliding_window if layer in config.sliding_layers else None,
     )
 
 
@@ -100,7 +104,8 @@ def moe_shape(config: ModelConfig) -> MoeShape:
         d_ff=config.moe_d_ff,
         shared_d_ff=config.shared_expert_d_ff,
         norm_topk_prob=config.norm_topk_prob,
-        naming="mixtral" if config.arch == "mixtral" else "qwen",
+        naming={"mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(config.arch, "qwen"),
+        swiglu_limit=config.swiglu_limit,
     )
 
 
@@ -110,14 +115,19 @@ def build_model(config: ModelConfig) -> ModelSpec:
     One template serves every layer of a kind (dense or MoE): templates are stateless; the
     MoE layers share the step's routing statistics."""
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id)
-    shape = block_shape(config)
-    dense = DecoderBlock(shape)
     router_load = None
     if config.is_moe:
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
         router_load = RouterLoad(config.n_experts, config.n_experts_per_tok, coef)
-        moe = MoeBlock(shape, moe_shape(config), router_load)
-    blocks = [moe if config.layer_is_moe(layer) else dense for layer in range(config.n_layers)]
+    templates: dict[tuple, DecoderBlock] = {}  # one per kind of layer (dense or MoE, windowed or not)
+    blocks = []
+    for layer in range(config.n_layers):
+        shape, is_moe = block_shape(config, layer), config.layer_is_moe(layer)
+        if (shape, is_moe) not in templates:
+            templates[shape, is_moe] = (
+                MoeBlock(shape, moe_shape(config), router_load) if is_moe else DecoderBlock(shape)
+            )
+        blocks.append(templates[shape, is_moe])
     head = Head(config.vocab_size, config.d_model, config.rms_eps, tied=config.tie_embeddings)
     groups = [Group("embed", _renamed(embedding.groups[0], "model."))]
     for layer, block in enumerate(blocks):
@@ -143,7 +153,7 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, generator: torch
     """Hugging Face initialisation: norms at one, biases at zero, matrices N(0, initializer_range)."""
     if name.endswith("norm.weight"):
         tensor.fill_(1.0)
-    elif name.endswith(".bias"):
+    elif name.endswith((".bias", "_bias")) and not name.endswith("router.bias"):
         tensor.zero_()
     else:
         tensor.normal_(0.0, config.initializer_range, generator=generator)

@@ -120,6 +120,46 @@ def _qwen3_moe(d, layers, heads, expert_ff, dense_ff):
     )
 
 
+def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
+    """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
+    YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
+    return ModelConfig(
+        "gpt_oss",
+        201088,
+        2880,
+        n_layers,
+        64,
+        8,
+        2880,
+        head_dim=64,
+        max_seq_len=131072,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        rms_eps=1e-5,
+        qkv_bias=True,
+        o_bias=True,
+        attention_sinks=True,
+        sliding_window=128,
+        sliding_layers=tuple(range(0, n_layers, 2)),
+        bos_token_id=199998,
+        eos_token_id=200002,
+        pad_token_id=199999,
+        n_experts=n_experts,
+        n_experts_per_tok=4,
+        moe_d_ff=2880,
+        norm_topk_prob=True,  # softmax over the top-k logits = the top-k probabilities renormalised
+        swiglu_limit=7.0,
+        router_aux_loss_coef=0.9,
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Llama 2
     "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
@@ -208,6 +248,8 @@ PRESETS: dict[str, ModelConfig] = {
         moe_d_ff=1024,
         router_aux_loss_coef=0.01,
     ),
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
     "dense-120b": _llama3(12288, 76, 96, 8, 32768),
     # Tiny models for tests and the built-in CPU demo.
@@ -224,6 +266,14 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen2-moe": ModelConfig(
         "qwen2_moe", 256, 64, 3, 4, 2, 128, max_seq_len=256, rms_eps=1e-6, qkv_bias=True, n_experts=6,
         n_experts_per_tok=3, moe_d_ff=48, shared_expert_d_ff=80, dense_layers=(1,), router_aux_loss_coef=0.01,
+        output_router_logits=True,
+    ),
+    "tiny-gpt-oss": ModelConfig(
+        "gpt_oss", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 8},
+        qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=4, sliding_layers=(0,), n_experts=4,
+        n_experts_per_tok=2, moe_d_ff=32, norm_topk_prob=True, swiglu_limit=1.0, router_aux_loss_coef=0.05,
         output_router_logits=True,
     ),
     "tiny-qwen3-moe": ModelConfig(
