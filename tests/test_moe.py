@@ -278,3 +278,28 @@ def test_mxfp4_experts_are_dequantized_on_import(tmp_path):
         assert torch.equal(ours[name], value), name
     assert torch.equal(ours["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
+    """gpt-oss' attention on CUDA (FlexAttention, sinks through its log-sum-exp) equals the written-out
+    attention on the CPU, forward and backward, fp32, with and without packed documents."""
+    from megatrain_templates import Documents
+    from megatrain_templates.attention import windowed_attention_with_sinks
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 40, 16, generator=generator)
+    k, v = torch.randn(2, 2, 40, 16, generator=generator), torch.randn(2, 2, 40, 16, generator=generator)
+    sinks, grad_out = torch.randn(4, generator=generator), torch.randn(2, 4, 40, 16, generator=generator)
+    positions = torch.cat([torch.arange(17), torch.arange(23)]).expand(2, -1) if packed else None
+    results = []
+    for device in ("cpu", "cuda"):
+        inputs = [t.to(device).requires_grad_(True) for t in (q, k, v, sinks)]
+        documents = None if positions is None else Documents(positions.to(device))
+        out = windowed_attention_with_sinks(*inputs[:3], inputs[3], 5, documents)
+        out.backward(grad_out.to(device))
+        results.append([out.detach().cpu()] + [t.grad.cpu() for t in inputs])
+    for ours, reference in zip(results[1], results[0]):
+        assert rel_err(ours, reference) < 1e-5

@@ -43,22 +43,31 @@ class Documents:
             self._masks["dense"] = (same & causal).unsqueeze(1)
         return self._masks["dense"]
 
-    def block_mask(self):
-        """The FlexAttention block mask of `dense_mask` (only blocks holding a pair of one document are visited)."""
-        if "block" not in self._masks:
-            doc_ids = self.doc_ids
-
-            def same_document_causal(b, h, q, kv):
-                return (doc_ids[b, q] == doc_ids[b, kv]) & (q >= kv)
-
-            batch, seq = doc_ids.shape
-            self._masks["block"] = _flex_kernels()[1](
-                same_document_causal, batch, None, seq, seq, device=doc_ids.device
-            )
-        return self._masks["block"]
+    def block_mask(self, window: int | None = None):
+        """The FlexAttention block mask of `dense_mask` (only blocks holding a pair of one document are
+        visited), limited to the last `window` positions when given."""
+        if ("block", window) not in self._masks:
+            self._masks["block", window] = _block_mask(self.doc_ids.shape[1], window, self.doc_ids.device, self.doc_ids)
+        return self._masks["block", window]
 
 
 _FLEX = None
+_ROW_MASKS: dict = {}  # (seq, window, device) -> block mask of one sequence per row, shared by every batch
+
+
+def _block_mask(seq: int, window: int | None, device, doc_ids: Tensor | None = None):
+    """FlexAttention block mask: causal, within `window` positions if given, within a document if `doc_ids`."""
+
+    def allowed(b, h, q, kv):
+        keep = q >= kv
+        if window is not None:
+            keep = keep & (q - kv < window)
+        if doc_ids is not None:
+            keep = keep & (doc_ids[b, q] == doc_ids[b, kv])
+        return keep
+
+    batch = None if doc_ids is None else doc_ids.shape[0]
+    return _flex_kernels()[1](allowed, batch, None, seq, seq, device=device)
 
 
 def _flex_kernels():
@@ -90,9 +99,12 @@ def windowed_attention_with_sinks(
 ) -> Tensor:
     """Causal attention with what the fused kernels lack (gpt-oss): keys limited to the last `window`
     positions, and per-head sink logits `sinks` [n_heads] that join each softmax's denominator without
-    contributing a value. Shapes as `causal_attention`. Written out (scores materialised, [batch,
-    n_heads, seq, seq]) and computed as transformers' eager implementation does."""
+    contributing a value. Shapes as `causal_attention`. On CUDA: FlexAttention (only the blocks inside
+    the window are visited) with the sinks folded in through its log-sum-exp; elsewhere written out
+    (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape
+    if q.is_cuda and q.dtype in _FLEX_DTYPES:
+        return _flex_with_sinks(q, k, v, sinks, window, documents)
     repeat = n_heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = (q @ k.transpose(-1, -2)) * head_dim**-0.5
@@ -112,3 +124,25 @@ def windowed_attention_with_sinks(
     if sinks is not None:
         probs = probs[..., :-1]
     return probs.to(v.dtype) @ v
+
+
+def _flex_with_sinks(q, k, v, sinks, window, documents):
+    """A sink logit s joins the softmax's denominator, so the output is the sink-free one times
+    Z / (Z + e^s) = sigmoid(lse - s), lse = log Z; FlexAttention returns lse and differentiates through it."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    seq = q.shape[2]
+    if documents is not None:
+        mask = documents.block_mask(window)
+    else:
+        key = (seq, window, str(q.device))
+        if key not in _ROW_MASKS:
+            _ROW_MASKS[key] = _block_mask(seq, window, q.device)
+        mask = _ROW_MASKS[key]
+    out, aux = _flex_kernels()[0](
+        q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True)
+    )
+    if sinks is None:
+        return out
+    lse = aux.lse  # [batch, n_heads, seq], fp32
+    return out * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
