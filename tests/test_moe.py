@@ -136,26 +136,30 @@ def check_steps_match_transformers(name, aux, tmp_path, device):
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_experts_equal_the_expert_loop():
+@pytest.mark.parametrize("naming", ["qwen", "gpt_oss"])
+def test_gpu_grouped_experts_equal_the_expert_loop(naming):
     """bf16 on the GPU: torch._grouped_mm (one kernel per projection, no host sync) and the
     per-expert loop compute the same block, forward and backward, to bf16 rounding."""
     import megatrain_templates.moe as moe_module
     from megatrain_templates import BlockShape, MoeBlock, MoeShape, RopeConfig, RouterLoad
 
-    assert moe_module._grouped_mm_works(torch.device("cuda"), torch.bfloat16), "grouped GEMMs unavailable"
-    shape = BlockShape(256, 4, 2, 64, 1, rope=RopeConfig(64))
-    block = MoeBlock(shape, MoeShape(16, 4, 128, 192), RouterLoad(16, 4, 0.01))
+    gpt_oss = naming == "gpt_oss"
+    key = (str(torch.device("cuda")), torch.bfloat16) + (("row_major",) if gpt_oss else ())
+    assert moe_module._grouped_mm_works(torch.device("cuda"), torch.bfloat16, gpt_oss), "grouped GEMMs unavailable"
+    shape = BlockShape(256, 4, 2, 64, 1, rope=RopeConfig(64), sinks=gpt_oss, sliding_window=16 if gpt_oss else None)
+    moe = MoeShape(16, 4, 128, 0 if gpt_oss else 192, naming=naming, norm_topk_prob=gpt_oss)
+    block = MoeBlock(shape, moe, RouterLoad(16, 4, 0.01))
     weights = [(torch.randn(block.numel, device="cuda") * 0.05).bfloat16()]
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
     results = []
     for grouped in (True, False):
-        moe_module._GROUPED_MM[(str(x.device), torch.bfloat16)] = grouped
+        moe_module._GROUPED_MM[key] = grouped
         block.router_load.reset()
         out = block.forward(weights, x)
         grads = [torch.zeros(block.numel, device="cuda")]
         results.append((out.float(), block.backward(weights, x, grad_out, grads).float(), grads[0]))
-    del moe_module._GROUPED_MM[(str(x.device), torch.bfloat16)]
+    del moe_module._GROUPED_MM[key]
     for grouped, loop in zip(*results):
         assert rel_err(grouped, loop) < 2e-2
 
@@ -296,7 +300,7 @@ def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
     positions = torch.cat([torch.arange(17), torch.arange(23)]).expand(2, -1) if packed else None
     results = []
     for device in ("cpu", "cuda"):
-        inputs = [t.to(device).requires_grad_(True) for t in (q, k, v, sinks)]
+        inputs = [t.detach().to(device).requires_grad_(True) for t in (q, k, v, sinks)]
         documents = None if positions is None else Documents(positions.to(device))
         out = windowed_attention_with_sinks(*inputs[:3], inputs[3], 5, documents)
         out.backward(grad_out.to(device))

@@ -163,10 +163,11 @@ class RouterLoad:
         return self.coef * self.n_experts * stats[: self.n_experts] / stats[-1] / stats[-1]
 
 
-def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype, row_major: bool = False) -> bool:
     """torch._grouped_mm runs the experts as one kernel per projection with no host sync; it
-    exists for bf16 on recent GPUs. Probed once per (device, dtype); the loop is the fallback."""
-    key = (str(device), dtype)
+    exists for bf16 on recent GPUs. Probed once per (device, dtype, layout of the expert matrices:
+    [E, out, in] transposed, or [E, in, out] as gpt-oss stores them); the loop is the fallback."""
+    key = (str(device), dtype) if not row_major else (str(device), dtype, "row_major")
     if key not in _GROUPED_MM:
         ok = device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
         if ok:
@@ -174,7 +175,8 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
                 a = torch.randn(24, 32, device=device, dtype=dtype)
                 b = torch.randn(2, 16, 32, device=device, dtype=dtype)
                 offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
-                got = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+                mat2 = b.transpose(1, 2).contiguous() if row_major else b.transpose(1, 2)
+                got = torch._grouped_mm(a, mat2, offs=offs)
                 want = torch.cat([a[:8] @ b[0].T, a[8:] @ b[1].T])
                 ok = bool(torch.allclose(got.float(), want.float(), atol=1e-1, rtol=2e-2))
             except (RuntimeError, TypeError, NotImplementedError):
@@ -189,6 +191,16 @@ _GROUPED_MM: dict[tuple, bool] = {}
 def _swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up * weight
+
+
+def _gpt_oss_glu_weighted(gate_up: Tensor, weight: Tensor, limit: float, alpha: float) -> Tensor:
+    gate = gate_up[:, ::2].clamp(max=limit)
+    up = gate_up[:, 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha)) * weight
+
+
+gpt_oss_glu_weighted = compiled_on_cuda(_gpt_oss_glu_weighted)
+gpt_oss_glu_weighted.__doc__ = """gpt-oss' clamped SwiGLU of interleaved (gate, up) columns, times the routing weight."""
 
 
 # on [tokens * k, 2 * d_ff] the activation's elementwise kernels cost more than the expert GEMMs
@@ -315,17 +327,23 @@ class MoeBlock(DecoderBlock):
         """gpt-oss experts on rows grouped by expert: (x @ gate_up[e] + b) -> clamped SwiGLU -> @ down[e] + b,
         times the routing weight (applied before the down projection, its bias scaled to match)."""
         moe = self.moe
-        gate_ups, downs = w["experts_gate_up"].unbind(0), w["experts_down"].unbind(0)
         gate_up_bias, down_bias = w["experts_gate_up_bias"], w["experts_down_bias"]
+        aligned = all(t.data_ptr() % 16 == 0 for t in (x, w["experts_gate_up"], w["experts_down"]))
+        if aligned and _grouped_mm_works(x.device, x.dtype, row_major=True):
+            counts = torch.zeros(moe.n_experts, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row, dtype=torch.int32))
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            gate_up = torch._grouped_mm(x, w["experts_gate_up"], offs=offsets) + gate_up_bias[expert_of_row]
+            hidden = gpt_oss_glu_weighted(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
+            return torch._grouped_mm(hidden, w["experts_down"], offs=offsets) + weight * down_bias[expert_of_row]
+        gate_ups, downs = w["experts_gate_up"].unbind(0), w["experts_down"].unbind(0)
         counts = torch.bincount(expert_of_row, minlength=moe.n_experts).tolist()
         pieces, start = [], 0
         for e, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
                 gate_up = x[rows] @ gate_ups[e] + gate_up_bias[e]
-                gate = gate_up[:, ::2].clamp(max=moe.swiglu_limit)
-                up = gate_up[:, 1::2].clamp(-moe.swiglu_limit, moe.swiglu_limit)
-                hidden = (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha)) * weight[rows]
+                hidden = _gpt_oss_glu_weighted(gate_up, weight[rows], moe.swiglu_limit, moe.swiglu_alpha)
                 pieces.append(hidden @ downs[e] + weight[rows] * down_bias[e])
                 start += count
         return torch.cat(pieces)
