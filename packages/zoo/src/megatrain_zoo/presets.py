@@ -273,7 +273,7 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                       "original_max_position_embeddings": 8},
         qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=4, sliding_layers=(0,), n_experts=4,
-        n_experts_per_tok=2, moe_d_ff=32, norm_topk_prob=True, swiglu_limit=1.0, router_aux_loss_coef=0.05,
+        n_experts_per_tok=2, moe_d_ff=32, norm_topk_prob=True, swiglu_limit=7.0, router_aux_loss_coef=0.05,
         output_router_logits=True,
     ),
     "tiny-qwen3-moe": ModelConfig(
