@@ -117,6 +117,8 @@ PUBLISHED_MOE = {
     # (0.58B), which megatrain's count, like the other families', includes
     "gpt-oss-20b": (20.91, 3.61 + 0.58),
     "gpt-oss-120b": (116.83, 5.13 + 0.58),
+    # DeepSeek's 2.4B active leaves out the input embedding (0.21B)
+    "deepseek-v2-lite": (15.7, 2.45 + 0.21),
 }
 
 
@@ -160,8 +162,10 @@ def test_moe_specs_and_hf_round_trip():
 
 
 def test_unsupported_moe_inputs_are_refused():
-    with pytest.raises(ZooError, match="DeepSeek-V2 .* not implemented"):
-        config_from_hf({"model_type": "deepseek_v2"})
+    with pytest.raises(ZooError, match="DeepSeek-V3 .* not implemented"):
+        config_from_hf({"model_type": "deepseek_v3"})
+    with pytest.raises(ZooError, match="topk_method 'noaux_tc'"):
+        config_from_hf({**config_to_hf(PRESETS["tiny-deepseek-v2"]), "topk_method": "noaux_tc"})
     with pytest.raises(ZooError, match="quantization_config 'mxfp4'"):
         config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(ZooError, match="router_jitter_noise"):

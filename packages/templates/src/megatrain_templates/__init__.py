@@ -1,7 +1,7 @@
 """Stateless layer templates: layouts plus pure forward/backward over flat weight buffers."""
 
 from .attention import Documents, causal_attention
-from .decoder import BlockShape, DecoderBlock, attention_params, block_params
+from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
 from .layout import ParamSpec, Span, param_offsets, total_numel
@@ -14,6 +14,7 @@ __all__ = [
     "DecoderBlock",
     "Documents",
     "Embedding",
+    "MlaShape",
     "MoeBlock",
     "MoeShape",
     "RouterLoad",

@@ -13,7 +13,25 @@ from torch import Tensor
 
 from .attention import Documents, causal_attention, windowed_attention_with_sinks
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
-from .ops import RopeConfig, apply_rope, rms_norm, rope_cos_sin
+from .ops import RopeConfig, apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention (DeepSeek-V2): each head's key (non-rotary part) and value come
+    from one shared low-rank latent; the rotary part of the key is one head shared by all."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # = BlockShape.head_dim, the rotary tables' width
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale squared where the model has it
+    q_lora_rank: int = 0  # 0: queries straight from the hidden state
+    latent_eps: float = 1e-6  # the latents' RMSNorm epsilon (transformers' default, not the model's)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,7 @@ class BlockShape:
     o_bias: bool = False  # a bias on the output projection too (gpt-oss)
     sinks: bool = False  # a learned sink logit per head that takes attention probability but no value (gpt-oss)
     sliding_window: int | None = None  # attend only to the last `sliding_window` positions (gpt-oss' even layers)
+    mla: MlaShape | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek-V2)
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -50,6 +69,8 @@ def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[Pa
     """(matrices, norms and biases) of the attention half of a block, Hugging Face names.
 
     q, k and v are adjacent so that they are one GEMM; the second tuple takes no weight decay."""
+    if shape.mla is not None:
+        return _mla_params(shape)
     d, q_out, kv_out = shape.d_model, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     matrices = (
         ParamSpec("self_attn.q_proj.weight", (q_out, d)),
@@ -93,8 +114,39 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
     return matrices + mlp + small
 
 
+def _mla_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
+    d, heads, m = shape.d_model, shape.n_heads, shape.mla
+    if m.q_lora_rank:
+        queries = (
+            ParamSpec("self_attn.q_a_proj.weight", (m.q_lora_rank, d)),
+            ParamSpec("self_attn.q_b_proj.weight", (heads * m.qk_head_dim, m.q_lora_rank)),
+        )
+    else:
+        queries = (ParamSpec("self_attn.q_proj.weight", (heads * m.qk_head_dim, d)),)
+    matrices = queries + (
+        ParamSpec("self_attn.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, d)),
+        ParamSpec("self_attn.kv_b_proj.weight", (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
+        ParamSpec("self_attn.o_proj.weight", (d, heads * m.v_head_dim)),
+    )
+    small = [
+        ParamSpec("input_layernorm.weight", (d,), weight_decay=False),
+        ParamSpec("post_attention_layernorm.weight", (d,), weight_decay=False),
+        ParamSpec("self_attn.kv_a_layernorm.weight", (m.kv_lora_rank,), weight_decay=False),
+    ]
+    if m.q_lora_rank:
+        small.append(ParamSpec("self_attn.q_a_layernorm.weight", (m.q_lora_rank,), weight_decay=False))
+    return matrices, tuple(small)
+
+
 def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[str, Span]:
     """Where the attention half's (fused) weights lie in a layout made with `attention_params`."""
+    if shape.mla is not None:
+        names = [p.name for p in params if p.name.startswith("self_attn.")]
+        return {
+            "input_norm": span_of(params, "input_layernorm.weight"),
+            "post_norm": span_of(params, "post_attention_layernorm.weight"),
+            **{name.removeprefix("self_attn.").removesuffix(".weight"): span_of(params, name) for name in names},
+        }
     spans = {
         "qkv_weight": fused_span(
             params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
@@ -140,6 +192,8 @@ class DecoderBlock:
 
     def _attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """x + attention(input_norm(x)): the residual stream after the attention half."""
+        if self.shape.mla is not None:
+            return self._latent_attention(w, x, documents)
         s = self.shape
         batch, seq, _ = x.shape
         h = rms_norm(x, w["input_norm"], s.rms_eps)
@@ -167,6 +221,39 @@ class DecoderBlock:
             attn = causal_attention(q, k, v, documents)
         out = attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim)
         return x + F.linear(out, w["o_weight"], w.get("o_bias"))
+
+    def _latent_attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
+        """Multi-head latent attention as transformers' DeepSeek-V2: queries (optionally through a
+        normed low-rank latent), a normed latent for every head's key and value, one shared rotary
+        key head, rotary embedding on interleaved pairs."""
+        s, m = self.shape, self.shape.mla
+        batch, seq, _ = x.shape
+        h = rms_norm(x, w["input_norm"], s.rms_eps)
+        if m.q_lora_rank:
+            q = F.linear(rms_norm(F.linear(h, w["q_a_proj"]), w["q_a_layernorm"], m.latent_eps), w["q_b_proj"])
+        else:
+            q = F.linear(h, w["q_proj"])
+        q_nope, q_rot = (
+            q.view(batch, seq, s.n_heads, m.qk_head_dim)
+            .transpose(1, 2)
+            .split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        )
+        latent, k_rot = F.linear(h, w["kv_a_proj_with_mqa"]).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent = rms_norm(latent, w["kv_a_layernorm"], m.latent_eps)
+        cos, sin = self._rope(seq, x.device, torch.float32)
+        half = m.qk_rope_head_dim // 2
+        cos, sin = cos[:, :half], sin[:, :half]
+        if documents is not None:
+            cos, sin = documents.rope_tables(cos, sin)
+        q_rot = apply_rope_interleaved(q_rot, cos, sin)
+        k_rot = apply_rope_interleaved(k_rot.unsqueeze(1), cos, sin)
+        kv = F.linear(latent, w["kv_b_proj"]).view(batch, seq, s.n_heads, m.qk_nope_head_dim + m.v_head_dim)
+        k_nope, v = kv.transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, s.n_heads, -1, -1)], dim=-1)
+        mask = None if documents is None else documents.dense_mask()
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
+        return x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
 
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""

@@ -27,7 +27,10 @@ from .ops import compiled_on_cuda, rms_norm, upcast
 EXPERT_NAMING = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+# The shared expert's module and whether a sigmoid gate scales it, per family
+SHARED_EXPERT = {"qwen": ("shared_expert", True), "deepseek": ("shared_experts", False)}
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,20 @@ class MoeShape:
     naming: str = "qwen"
     swiglu_limit: float = 7.0  # gpt_oss: gate clamped to <= limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702  # gpt_oss: gate * sigmoid(alpha * gate) * (up + 1)
+    routed_scaling: float = 1.0  # the routing weights' factor (DeepSeek's routed_scaling_factor)
+    # group-limited routing (DeepSeek-V2): experts in n_groups groups, a token's top-k only from the
+    # topk_groups groups holding its highest expert probabilities
+    n_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+        if self.n_experts % self.n_groups or not 0 < self.topk_groups <= self.n_groups:
+            raise ValueError(
+                f"group-limited routing needs n_experts ({self.n_experts}) divisible by n_groups ({self.n_groups}) "
+                f"and 1 <= topk_groups ({self.topk_groups}) <= n_groups"
+            )
         if self.naming not in (*EXPERT_NAMING, "gpt_oss"):
             raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or gpt_oss, got {self.naming!r}")
 
@@ -83,12 +96,14 @@ def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
         ]
     experts += [ParamSpec(f"{module}.experts.{e}.{down}.weight", (d, moe.d_ff)) for e in range(moe.n_experts)]
     if moe.shared_d_ff:
+        shared, gated = SHARED_EXPERT[moe.naming]
         experts += [
-            ParamSpec(f"{module}.shared_expert.gate_proj.weight", (moe.shared_d_ff, d)),
-            ParamSpec(f"{module}.shared_expert.up_proj.weight", (moe.shared_d_ff, d)),
-            ParamSpec(f"{module}.shared_expert.down_proj.weight", (d, moe.shared_d_ff)),
-            ParamSpec(f"{module}.shared_expert_gate.weight", (1, d)),
+            ParamSpec(f"{module}.{shared}.gate_proj.weight", (moe.shared_d_ff, d)),
+            ParamSpec(f"{module}.{shared}.up_proj.weight", (moe.shared_d_ff, d)),
+            ParamSpec(f"{module}.{shared}.down_proj.weight", (d, moe.shared_d_ff)),
         ]
+        if gated:
+            experts.append(ParamSpec(f"{module}.{shared}_gate.weight", (1, d)))
     return matrices + tuple(experts) + small
 
 
@@ -200,7 +215,9 @@ def _gpt_oss_glu_weighted(gate_up: Tensor, weight: Tensor, limit: float, alpha: 
 
 
 gpt_oss_glu_weighted = compiled_on_cuda(_gpt_oss_glu_weighted)
-gpt_oss_glu_weighted.__doc__ = """gpt-oss' clamped SwiGLU of interleaved (gate, up) columns, times the routing weight."""
+gpt_oss_glu_weighted.__doc__ = (
+    """gpt-oss' clamped SwiGLU of interleaved (gate, up) columns, times the routing weight."""
+)
 
 
 # on [tokens * k, 2 * d_ff] the activation's elementwise kernels cost more than the expert GEMMs
@@ -271,19 +288,30 @@ class MoeBlock(DecoderBlock):
             "experts_down": Span(first_down.offset, (moe.n_experts, shape.d_model, moe.d_ff)),
         }
         if moe.shared_d_ff:
+            shared, gated = SHARED_EXPERT[moe.naming]
             self._spans["shared_gate_up"] = fused_span(
-                params, [f"{module}.shared_expert.gate_proj.weight", f"{module}.shared_expert.up_proj.weight"]
+                params, [f"{module}.{shared}.gate_proj.weight", f"{module}.{shared}.up_proj.weight"]
             )
-            self._spans["shared_down"] = span_of(params, f"{module}.shared_expert.down_proj.weight")
-            self._spans["shared_gate"] = span_of(params, f"{module}.shared_expert_gate.weight")
+            self._spans["shared_down"] = span_of(params, f"{module}.{shared}.down_proj.weight")
+            if gated:
+                self._spans["shared_gate"] = span_of(params, f"{module}.{shared}_gate.weight")
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] -> (probs [tokens, n_experts], top_index [tokens, k], top_weight [tokens, k]);
         probabilities in fp32 (fp64 when computing in fp64), as transformers' routers."""
+        moe = self.moe
         probs = upcast(F.linear(h, w["router"], w.get("router_bias"))).softmax(dim=-1)
-        top_weight, top_index = probs.topk(self.moe.top_k, dim=-1)
-        if self.moe.norm_topk_prob:
+        candidates = probs
+        if moe.n_groups > 1:  # keep the experts of the topk_groups groups with the highest best probability
+            groups = probs.view(-1, moe.n_groups, moe.n_experts // moe.n_groups)
+            chosen = groups.amax(dim=-1).topk(moe.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, chosen, True)
+            candidates = (groups * keep.unsqueeze(-1)).view_as(probs)
+        top_weight, top_index = candidates.topk(moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
             top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
+        if moe.routed_scaling != 1.0:
+            top_weight = top_weight * moe.routed_scaling
         return probs, top_index, top_weight
 
     def _experts(self, w: dict[str, Tensor], h: Tensor, top_index: Tensor, top_weight: Tensor) -> Tensor:
@@ -355,7 +383,7 @@ class MoeBlock(DecoderBlock):
         if self.moe.shared_d_ff:
             gate, up = F.linear(h, w["shared_gate_up"]).chunk(2, dim=-1)
             shared = F.linear(F.silu(gate) * up, w["shared_down"])
-            out = out + torch.sigmoid(F.linear(h, w["shared_gate"])) * shared
+            out = out + (torch.sigmoid(F.linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared)
         return out, probs, top_index
 
     def _block_and_router(

@@ -155,3 +155,11 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding on adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's complex-number form),
+    in fp32 and cast back. x: [batch, heads, seq, dim]; cos/sin: [seq, dim / 2] or [batch, 1, seq, dim / 2]."""
+    x32 = upcast(x)
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)

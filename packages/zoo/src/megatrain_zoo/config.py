@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
@@ -59,6 +59,15 @@ class ModelConfig:
     attention_sinks: bool = False
     sliding_layers: tuple[int, ...] = ()
     swiglu_limit: float = 0.0
+    # DeepSeek-V2: multi-head latent attention (kv_lora_rank > 0; head_dim is the rotary part's width),
+    # routing weights scaled by routed_scaling_factor, group-limited routing (n_group > 1)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries straight from the hidden state
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -116,8 +125,20 @@ class ModelConfig:
     def layer_is_moe(self, layer: int) -> bool:
         return self.n_experts > 0 and layer not in self.dense_layers
 
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """(query/key width, value width) of one attention head."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
     def _attention_params(self) -> tuple[int, int]:
         """(matrix parameters, norm and bias parameters) of one layer's attention and its two norms."""
+        if self.kv_lora_rank:
+            d, heads, (qk, v) = self.d_model, self.n_heads, self.attention_widths
+            queries = d * self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else d * heads * qk
+            latent = d * (self.kv_lora_rank + self.head_dim) + self.kv_lora_rank * heads * (self.qk_nope_head_dim + v)
+            return queries + latent + heads * v * d, 2 * d + self.kv_lora_rank + self.q_lora_rank
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         small = 2 * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
         small += self.n_heads if self.attention_sinks else 0
@@ -131,7 +152,8 @@ class ModelConfig:
         if not self.layer_is_moe(layer):
             return 3 * d * self.d_ff, 3 * d * self.d_ff
         router = self.n_experts * d
-        shared = 3 * d * self.shared_expert_d_ff + d if self.shared_expert_d_ff else 0
+        shared_gate = d if self.arch == "qwen2_moe" else 0
+        shared = 3 * d * self.shared_expert_d_ff + shared_gate if self.shared_expert_d_ff else 0
         expert = 3 * d * self.moe_d_ff
         biases = self.n_experts * (1 + 2 * self.moe_d_ff + d) if self.arch == "gpt_oss" else 0  # not multiplied with
         return router + shared + self.n_experts * expert + biases, router + shared + self.n_experts_per_tok * expert
@@ -173,7 +195,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward, recomputation not counted:
     6 x matmul parameters + causal attention (QK^T and AV over half the square; over the window, at
     most, in sliding-window layers)."""
-    per_layer = 6 * config.n_heads * config.head_dim
+    per_layer = 3 * config.n_heads * sum(config.attention_widths)
     windowed = min(seq_len, 2 * config.sliding_window) if config.sliding_window else seq_len
     attention = per_layer * sum(
         windowed if layer in config.sliding_layers else seq_len for layer in range(config.n_layers)

@@ -15,10 +15,10 @@ _HF_CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
 _UNSUPPORTED_MOE = {
-    "deepseek_v2": "DeepSeek-V2 (multi-head latent attention, group-limited routing) is not implemented yet",
     "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, sigmoid routing with bias) is not implemented yet",
 }
 
@@ -36,9 +36,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2)"
         )
-    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"):
+    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", "deepseek_v2"):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     quantization = hf.get("quantization_config")
     # gpt-oss publishes its experts in MXFP4; they are dequantized into the fp32 masters on import
@@ -61,6 +61,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         else None
     )
     heads = hf["num_attention_heads"]
+    if model_type == "deepseek_v2":  # the rotary part of a head is its head_dim; every head has its own k/v
+        hf = {**hf, "head_dim": hf["qk_rope_head_dim"], "num_key_value_heads": heads}
     return ModelConfig(
         arch=model_type,
         vocab_size=hf["vocab_size"],
@@ -88,7 +90,26 @@ def config_from_hf(hf: dict) -> ModelConfig:
         pad_token_id=_pad_token(hf),
         **_moe_from_hf(hf, model_type),
         **_gpt_oss_from_hf(hf, model_type),
+        **_deepseek_from_hf(hf, model_type),
     )
+
+
+def _deepseek_from_hf(hf: dict, model_type: str) -> dict:
+    if model_type != "deepseek_v2":
+        return {}
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ZooError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    return {
+        "kv_lora_rank": hf["kv_lora_rank"],
+        "q_lora_rank": hf.get("q_lora_rank") or 0,
+        "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "v_head_dim": hf["v_head_dim"],
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "n_group": hf.get("n_group") or 1 if grouped else 1,
+        "topk_group": hf.get("topk_group") or 1 if grouped else 1,
+    }
 
 
 def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
@@ -118,8 +139,16 @@ def _pad_token(hf: dict) -> int | None:
 
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2"):
         return {}
+    if model_type == "deepseek_v2":  # transformers adds no load-balancing loss and never renormalises
+        return {
+            "n_experts": hf["n_routed_experts"],
+            "n_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_d_ff": hf["moe_intermediate_size"],
+            "shared_expert_d_ff": (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
+            "dense_layers": tuple(range(hf.get("first_k_dense_replace", 0))),
+        }
     if hf.get("router_jitter_noise"):
         raise ZooError(
             f"router_jitter_noise={hf['router_jitter_noise']} (random router noise in training) is not supported; "
@@ -186,6 +215,25 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["sliding_window"] = config.sliding_window
     if config.is_moe:
         hf.update(_moe_to_hf(config))
+    if config.arch == "deepseek_v2":
+        hf.update(
+            attention_bias=False,
+            mlp_bias=False,
+            kv_lora_rank=config.kv_lora_rank,
+            q_lora_rank=config.q_lora_rank or None,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.head_dim,
+            v_head_dim=config.v_head_dim,
+            n_routed_experts=config.n_experts,
+            n_shared_experts=config.shared_expert_d_ff // config.moe_d_ff,
+            moe_intermediate_size=config.moe_d_ff,
+            first_k_dense_replace=len(config.dense_layers),
+            routed_scaling_factor=config.routed_scaling_factor,
+            topk_method="group_limited_greedy" if config.n_group > 1 else "greedy",
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            norm_topk_prob=False,
+        )
     if config.arch == "gpt_oss":
         hf.pop("rope_scaling")
         hf.update(
@@ -215,6 +263,8 @@ def _moe_to_hf(config: ModelConfig) -> dict:
         }
     if config.arch == "gpt_oss":
         return {**hf, "num_local_experts": config.n_experts, "intermediate_size": config.moe_d_ff}
+    if config.arch == "deepseek_v2":
+        return {**hf, "num_experts_per_tok": config.n_experts_per_tok}
     hf.update(num_experts=config.n_experts, norm_topk_prob=config.norm_topk_prob)
     if config.arch == "olmoe":
         return {**hf, "intermediate_size": config.moe_d_ff, "clip_qkv": config.clip_qkv}

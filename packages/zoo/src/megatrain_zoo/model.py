@@ -1,5 +1,6 @@
 """A model as groups (transfer units of parameters, Hugging Face names) and stages (templates)."""
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from megatrain_templates import (
     DecoderBlock,
     Embedding,
     Head,
+    MlaShape,
     MoeBlock,
     MoeShape,
     ParamSpec,
@@ -90,6 +92,25 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         o_bias=config.o_bias,
         sinks=config.attention_sinks,
         sliding_window=config.sliding_window if layer in config.sliding_layers else None,
+        mla=_mla_shape(config),
+    )
+
+
+def _mla_shape(config: ModelConfig) -> MlaShape | None:
+    if not config.kv_lora_rank:
+        return None
+    qk = config.qk_nope_head_dim + config.head_dim
+    scale = qk**-0.5
+    scaling = config.rope_scaling or {}
+    if scaling.get("mscale_all_dim") and float(scaling.get("factor", 1)) > 1:  # YaRN's mscale, squared
+        scale *= (0.1 * float(scaling["mscale_all_dim"]) * math.log(float(scaling["factor"])) + 1.0) ** 2
+    return MlaShape(
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.head_dim,
+        v_head_dim=config.v_head_dim,
+        softmax_scale=scale,
+        q_lora_rank=config.q_lora_rank,
     )
 
 
@@ -104,8 +125,11 @@ def moe_shape(config: ModelConfig) -> MoeShape:
         d_ff=config.moe_d_ff,
         shared_d_ff=config.shared_expert_d_ff,
         norm_topk_prob=config.norm_topk_prob,
-        naming={"mixtral": "mixtral", "gpt_oss": "gpt_oss"}.get(config.arch, "qwen"),
+        naming={"mixtral": "mixtral", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek"}.get(config.arch, "qwen"),
         swiglu_limit=config.swiglu_limit,
+        routed_scaling=config.routed_scaling_factor,
+        n_groups=config.n_group,
+        topk_groups=config.topk_group,
     )
 
 
