@@ -255,3 +255,10 @@ def test_tokenized_once_then_cached(tmp_path, tokenizer_path, monkeypatch):
     again = load_token_data(section, 512, tmp_path / "cache", None)
     assert np.array_equal(first.train.tokens, again.train.tokens)
     assert np.array_equal(first.validation.loss_mask, again.validation.loss_mask) and again.report == first.report
+
+
+def test_eval_every_without_validation_data_is_refused_in_the_config():
+    from megatrain.config import load_config
+
+    with pytest.raises(ConfigError, match="train.eval_every needs held-out data"):
+        load_config(None, ["train.eval_every=10"])

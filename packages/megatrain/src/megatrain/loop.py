@@ -141,8 +141,6 @@ def train(config: Config, resume: Path | None = None) -> Path:
     validation = None
     if data.validation is not None:
         validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
-    elif config.train.eval_every:
-        raise ConfigError("train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)")
     metrics_path = out / "metrics.jsonl"
     if main:
         (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
