@@ -79,9 +79,7 @@ class Trainer:
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
         ]
         self.eager_updates = config.train.grad_clip == 0
-        pool = GRADIENT_POOL if self.eager_updates else None
-        if not training:
-            pool = 1
+        pool = (GRADIENT_POOL if self.eager_updates else None) if training else 1  # evaluation lands no gradient
         self.ranks = init_ranks(self.device.type)
         if self.ranks is not None:
             check_data_parallel(config, self.ranks)
