@@ -322,3 +322,33 @@ def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
         results.append([out.detach().cpu()] + [t.grad.cpu() for t in inputs])
     for ours, reference in zip(results[1], results[0]):
         assert rel_err(ours, reference) < 1e-5
+
+
+def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(tmp_path):
+    """Fine-tuning rows padded to seq_len: transformers, given the attention mask, leaves padding out of
+    the routing statistics; so does megatrain, given the rows' real tokens (steps, aux loss, gradients)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_model("tiny-qwen3-moe", True, seed)
+    reference.save_pretrained(tmp_path / "hf")
+    trainer, train = make_trainer(tmp_path / "hf", tmp_path, 0.5, steps=2, batch_size=4, micro_batch_size=2)
+    optimizer = hf_adamw(reference, train)
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids, labels = random_batch(4, 12, trainer.model_config.vocab_size, generator)
+        lengths = torch.randint(5, 13, (4, 1), generator=generator)
+        valid = torch.arange(12).unsqueeze(0) < lengths
+        ids, labels = ids.masked_fill(~valid, 0), labels.masked_fill(~valid, -100)
+        labels[:, :-1] = labels[:, :-1].masked_fill(~valid[:, 1:], -100)  # no target is a padding token
+        metrics = trainer.train_step(ids, labels, None, valid)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        out = reference(input_ids=ids, attention_mask=valid.long(), labels=hf_labels(labels))
+        out.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        optimizer.step()
+        assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
+        assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    trainer.close()

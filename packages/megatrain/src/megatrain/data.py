@@ -105,12 +105,13 @@ class Tokens:
     tokens: np.ndarray
     loss_mask: np.ndarray | None = None
     position_ids: np.ndarray | None = None
+    valid: np.ndarray | None = None  # rows: False where a row is padding
 
     @classmethod
     def of(cls, data) -> "Tokens":
         if isinstance(data, np.ndarray):
             return cls(data)
-        return cls(data.tokens, data.loss_mask, data.position_ids)
+        return cls(data.tokens, data.loss_mask, data.position_ids, data.valid)
 
 
 @dataclass
@@ -225,11 +226,12 @@ def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_
 @dataclass
 class Batch:
     """Rows of one step: input_ids and next-token labels (-100: no loss), [rows, seq_len] int64 each,
-    and position ids (restarting at each packed document) or None."""
+    position ids (restarting at each packed document) or None, real tokens (bool; False: padding) or None."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
 
 class TokenWindows:
@@ -286,4 +288,7 @@ class TokenWindows:
         if data.position_ids is not None:
             positions = torch.from_numpy(np.stack([np.asarray(data.position_ids[i]) for i in indices]).astype(np.int64))
             labels[:, :-1][positions[:, 1:] == 0] = IGNORE_INDEX  # the next token starts another document
-        return Batch(input_ids, labels, positions)
+        valid = None
+        if data.valid is not None:
+            valid = torch.from_numpy(np.stack([np.asarray(data.valid[i]) for i in indices]))
+        return Batch(input_ids, labels, positions, valid)

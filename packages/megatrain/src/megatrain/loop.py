@@ -89,7 +89,7 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
     batches = windows.in_order(trainer.config.train.batch_size)
     bar = tqdm(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main, file=sys.stderr)
     for _, batch in zip(range(n_batches), batches):
-        loss_sum, n_targets = trainer.evaluate(batch.input_ids, batch.labels, batch.position_ids)
+        loss_sum, n_targets = trainer.evaluate(batch.input_ids, batch.labels, batch.position_ids, batch.valid)
         total_loss += loss_sum
         total_targets += n_targets
         bar.update(1)
@@ -186,7 +186,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
         stop.__enter__()
         for step in range(trainer.step_index, config.train.steps):
             batch = windows.batch(step)
-            metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids)
+            metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid)
             if main:
                 write_jsonl(metrics_path, metrics.as_dict())
             if writer is not None:

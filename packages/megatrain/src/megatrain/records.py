@@ -376,15 +376,18 @@ def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int) -> 
 # ----------------------------------------------------------------- rows
 @dataclass
 class Rows:
-    """Training rows: [rows, seq_len] token ids and trained flags, and position ids when packed."""
+    """Training rows: [rows, seq_len] token ids, trained flags, real tokens (False: padding), and
+    position ids when packed."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     position_ids: np.ndarray | None
+    valid: np.ndarray
 
     def save(self, prefix: Path) -> None:
         np.save(f"{prefix}.tokens.npy", self.tokens)
         np.save(f"{prefix}.mask.npy", self.loss_mask)
+        np.save(f"{prefix}.valid.npy", self.valid)
         if self.position_ids is not None:
             np.save(f"{prefix}.positions.npy", self.position_ids)
 
@@ -395,6 +398,7 @@ class Rows:
             np.load(f"{prefix}.tokens.npy", mmap_mode="r"),
             np.load(f"{prefix}.mask.npy", mmap_mode="r"),
             np.load(positions, mmap_mode="r") if positions.exists() else None,
+            np.load(f"{prefix}.valid.npy", mmap_mode="r"),
         )
 
 
@@ -424,6 +428,7 @@ def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Rows:
     groups = pack_rows([len(ids) for ids in examples.ids], seq_len) if pack else [[i] for i in range(len(examples.ids))]
     tokens = np.full((len(groups), seq_len), pad_id, dtype=np.int32)
     mask = np.zeros((len(groups), seq_len), dtype=bool)
+    valid = np.zeros((len(groups), seq_len), dtype=bool)
     positions = np.zeros((len(groups), seq_len), dtype=np.int32) if pack else None
     for row, members in enumerate(groups):
         cursor = 0
@@ -431,12 +436,13 @@ def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Rows:
             ids, trained = examples.ids[example], examples.trained[example]
             tokens[row, cursor : cursor + len(ids)] = ids
             mask[row, cursor : cursor + len(ids)] = trained
+            valid[row, cursor : cursor + len(ids)] = True
             if positions is not None:
                 positions[row, cursor : cursor + len(ids)] = np.arange(len(ids))
             cursor += len(ids)
         if positions is not None:
             positions[row, cursor:] = np.arange(seq_len - cursor)
-    return Rows(tokens, mask, positions)
+    return Rows(tokens, mask, positions, valid)
 
 
 def pad_token_id(tokenizer, eos: str) -> int:

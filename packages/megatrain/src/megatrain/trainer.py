@@ -185,14 +185,21 @@ class Trainer:
 
     # ------------------------------------------------------------------- step
     def _micro_batches(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, rows: slice
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        rows: slice,
     ) -> list[MicroBatch]:
         """This rank's `rows` of a batch in micro-batches of train.micro_batch_size rows (the last may be short)."""
         size = self.config.train.micro_batch_size
         micro = []
         for start in range(rows.start, rows.stop, size):
             part = slice(start, min(start + size, rows.stop))
-            documents = None if position_ids is None else Documents(position_ids[part])
+            documents = None
+            if position_ids is not None or valid is not None:
+                documents = Documents(*(None if t is None else t[part] for t in (position_ids, valid)))
             micro.append(MicroBatch(input_ids[part], labels[part], documents))
         return micro
 
@@ -204,10 +211,15 @@ class Trainer:
         return slice(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
 
     def train_step(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
     ) -> StepMetrics:
         """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
-        restarting at 0 where each packed document begins, or None for one sequence per row).
+        restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
+        False for padding tokens, which MoE routing statistics leave out, or None).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
@@ -217,7 +229,7 @@ class Trainer:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
         tokens = input_ids.numel()
         seq_len = input_ids.shape[1]
-        micro = self._micro_batches(input_ids, labels, position_ids, self._my_rows(input_ids.shape[0]))
+        micro = self._micro_batches(input_ids, labels, position_ids, valid, self._my_rows(input_ids.shape[0]))
         train = self.config.train
         lr = self._lr = lr_at(self.step_index, self.schedule)
         if self.eager_updates:
@@ -271,7 +283,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
     ) -> tuple[float, int]:
         """(summed token loss, number of target tokens) of the current weights on a batch, forward only,
         streaming the layers once for all its rows; every rank takes a share of the rows."""
@@ -279,7 +295,7 @@ class Trainer:
         mine = self._my_rows(input_ids.shape[0])
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
         if mine.stop > mine.start:
-            loss_sum = self.pipeline.evaluate(self._micro_batches(input_ids, labels, position_ids, mine))
+            loss_sum = self.pipeline.evaluate(self._micro_batches(input_ids, labels, position_ids, valid, mine))
         if self.spec.router_load is not None:
             self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
         if self.sync is not None:

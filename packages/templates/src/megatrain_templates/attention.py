@@ -15,20 +15,33 @@ _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Documents:
-    """Which document each token of a micro-batch belongs to, from its position ids.
+    """How a micro-batch's rows are laid out: which document each token belongs to (from position
+    ids), and which tokens are padding.
 
-    position_ids: [batch, seq] int64; a position of 0 starts a new document (padding at
-    the end of a row is a document of its own, which no target ever sees)."""
+    position_ids: [batch, seq] int64; a position of 0 starts a new document (padding at the end of
+    a row is a document of its own, which no target ever sees); None: one sequence per row.
+    valid: [batch, seq] bool, False for padding (transformers' attention_mask), or None: no padding.
+    Padding changes no real token's output (it only ever follows them); the MoE routing statistics
+    leave it out, as transformers' load-balancing loss does."""
 
-    def __init__(self, position_ids: Tensor):
-        if position_ids.ndim != 2:
+    def __init__(self, position_ids: Tensor | None, valid: Tensor | None = None):
+        if position_ids is not None and position_ids.ndim != 2:
             raise ValueError(f"position_ids must be [batch, seq], got shape {tuple(position_ids.shape)}")
-        self.position_ids = position_ids
-        self.doc_ids = (position_ids == 0).cumsum(-1)
+        self.position_ids, self.valid = position_ids, valid
+        self.doc_ids = None if position_ids is None else (position_ids == 0).cumsum(-1)
         self._masks: dict = {}
 
+    @property
+    def packed(self) -> bool:
+        """Several documents per row (attention must be kept inside each)."""
+        return self.position_ids is not None
+
     def to(self, device: torch.device, non_blocking: bool = False) -> "Documents":
-        return Documents(self.position_ids.to(device, non_blocking=non_blocking))
+        return Documents(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self._tensors))
+
+    @property
+    def _tensors(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.position_ids, self.valid
 
     def rope_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin [seq, head_dim] for positions 0..seq-1 -> [batch, 1, seq, head_dim] at each token's position."""
@@ -87,7 +100,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | Non
     Without `documents` every row is one causal sequence; with them, attention stays inside
     each document (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
-    if documents is None:
+    if documents is None or not documents.packed:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
         return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa)
@@ -113,7 +126,7 @@ def windowed_attention_with_sinks(
     allowed = distance >= 0
     if window is not None:
         allowed = allowed & (distance < window)
-    if documents is not None:
+    if documents is not None and documents.packed:
         allowed = allowed & documents.dense_mask()
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     if sinks is not None:
@@ -132,7 +145,7 @@ def _flex_with_sinks(q, k, v, sinks, window, documents):
     from torch.nn.attention.flex_attention import AuxRequest
 
     seq = q.shape[2]
-    if documents is not None:
+    if documents is not None and documents.packed:
         mask = documents.block_mask(window)
     else:
         key = (seq, window, str(q.device))

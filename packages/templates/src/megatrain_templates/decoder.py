@@ -211,7 +211,7 @@ class DecoderBlock:
             q = rms_norm(q, w["q_norm"], s.rms_eps)
             k = rms_norm(k, w["k_norm"], s.rms_eps)
         cos, sin = self._rope(seq, x.device, x.dtype)
-        if documents is not None:
+        if documents is not None and documents.packed:
             cos, sin = documents.rope_tables(cos, sin)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
@@ -243,7 +243,7 @@ class DecoderBlock:
         cos, sin = self._rope(seq, x.device, torch.float32)
         half = m.qk_rope_head_dim // 2
         cos, sin = cos[:, :half], sin[:, :half]
-        if documents is not None:
+        if documents is not None and documents.packed:
             cos, sin = documents.rope_tables(cos, sin)
         q_rot = apply_rope_interleaved(q_rot, cos, sin)
         k_rot = apply_rope_interleaved(k_rot.unsqueeze(1), cos, sin)
@@ -251,7 +251,7 @@ class DecoderBlock:
         k_nope, v = kv.transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, s.n_heads, -1, -1)], dim=-1)
-        mask = None if documents is None else documents.dense_mask()
+        mask = documents.dense_mask() if documents is not None and documents.packed else None
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
         return x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
 

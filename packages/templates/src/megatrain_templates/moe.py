@@ -143,13 +143,18 @@ class RouterLoad:
         self._stats: Tensor | None = None  # [picks per expert, probability sums per expert, rows], fp32
         self._final = False
 
-    def record(self, top_index: Tensor, probs: Tensor) -> None:
-        """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] router probabilities (fp32 or fp64)."""
+    def record(self, top_index: Tensor, probs: Tensor, valid: Tensor | None = None) -> None:
+        """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] router probabilities (fp32 or fp64);
+        valid: [tokens] bool, False for padding, which is left out (as transformers' attention_mask does)."""
         stats = torch.zeros(2 * self.n_experts + 1, dtype=probs.dtype, device=probs.device)
-        picks = top_index.reshape(-1)
-        stats[: self.n_experts].scatter_add_(0, picks, torch.ones_like(picks, dtype=probs.dtype))
-        stats[self.n_experts : 2 * self.n_experts] = probs.detach().sum(0)
-        stats[-1] = probs.shape[0]
+        weight = (
+            torch.ones(probs.shape[0], dtype=probs.dtype, device=probs.device)
+            if valid is None
+            else valid.to(probs.dtype)
+        )
+        stats[: self.n_experts].scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(top_index.shape[1]))
+        stats[self.n_experts : 2 * self.n_experts] = (probs.detach() * weight.unsqueeze(1)).sum(0)
+        stats[-1] = weight.sum()
         self._stats = stats if self._stats is None else self._stats + stats
 
     def _finished(self) -> Tensor | None:
@@ -255,6 +260,11 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (order,) = ctx.saved_tensors
         return grad.index_select(0, order // ctx.k), None, None, None
+
+
+def _valid_tokens(documents: Documents | None) -> Tensor | None:
+    """[tokens] bool: False for padding, in the routing's token order; None when nothing is padding."""
+    return None if documents is None or documents.valid is None else documents.valid.reshape(-1)
 
 
 class MoeBlock(DecoderBlock):
@@ -400,7 +410,7 @@ class MoeBlock(DecoderBlock):
         out, probs, top_index = self._block_and_router(
             {name: span.view(weights[0]) for name, span in self._spans.items()}, hidden, documents
         )
-        self.router_load.record(top_index, probs)
+        self.router_load.record(top_index, probs, _valid_tokens(documents))
         return out
 
     def backward(
@@ -421,8 +431,10 @@ class MoeBlock(DecoderBlock):
         outputs, grad_outputs = [out], [grad_out]
         probs_grad = self.router_load.probs_grad()
         if probs_grad is not None:
+            grad_probs = probs_grad.to(probs.dtype).expand_as(probs)
+            valid = _valid_tokens(documents)
             outputs.append(probs)
-            grad_outputs.append(probs_grad.to(probs.dtype).expand_as(probs))
+            grad_outputs.append(grad_probs if valid is None else grad_probs * valid.to(probs.dtype).unsqueeze(1))
         grad_in, *grad_leaves = torch.autograd.grad(outputs, [x, *leaves.values()], grad_outputs, allow_unused=True)
         for name, grad in zip(leaves, grad_leaves):
             if grad is not None:
