@@ -336,3 +336,14 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
     assert main(["data", "--config", str(path), "--dump", "1", "--text"]) == 0
     shown = capsys.readouterr().out
     assert "<|im_start|>user\nCount to" in shown and "<|im_end|>⟧" in shown
+
+
+def test_a_short_answer_is_found_in_its_own_turn_not_in_the_system_prompt(tokenizer_dir):
+    """Qwen2.5's default system prompt contains 'Qwen'; an assistant answering 'Qwen' is trained on its
+    own turn's token, not on the system prompt's."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    template = our_template("qwen2.5", TEMPLATES["qwen2.5"])
+    messages = [{"role": "user", "content": "You"}, {"role": "assistant", "content": "Qwen"}]
+    ids, trained = encode_conversation(template, tokenizer, messages)
+    text = tokenizer.decode(ids[: trained.index(True)], skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n")

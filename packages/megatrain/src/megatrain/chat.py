@@ -148,12 +148,27 @@ def _content_text(content) -> str:
     return "" if content is None else str(content)
 
 
-def _assistant_spans(text: str, messages: list[dict]) -> list[tuple[int, int]]:
+def _rendered_before(template: ChatTemplate, text: str, messages: list[dict], turn: int, tools) -> int:
+    """Where turn `turn` can start in `text`: after the rendering of the turns before it when that is a
+    prefix of the whole (most templates), else 0 (templates that rewrite earlier turns, e.g. Qwen3's
+    reasoning), so that a short answer is never matched inside a system prompt or an earlier turn."""
+    if turn == 0:
+        return 0
+    try:
+        before = template.render(messages[:turn], tools)[0]
+    except Exception:  # a template may refuse a partial conversation; the in-order search still holds
+        return 0
+    return len(before) if text.startswith(before) else 0
+
+
+def _assistant_spans(text: str, messages: list[dict], template: ChatTemplate, tools=None) -> list[tuple[int, int]]:
     """Character ranges of each assistant turn's content in the rendered text, found in order.
     Raises ValueError naming the turn when the template does not render it verbatim."""
     spans, cursor = [], 0
     for turn, message in enumerate(messages):
         content = _content_text(message.get("content")).strip()
+        if message.get("role") == ASSISTANT:
+            cursor = max(cursor, _rendered_before(template, text, messages, turn, tools))
         start = text.find(content, cursor) if content else cursor
         if start < 0:
             if message.get("role") == ASSISTANT:
@@ -178,7 +193,7 @@ def render_conversation(
     text, spans = template.render(messages, tools)
     if template.marks_generation:
         return text, spans, False
-    return text, _assistant_spans(text, messages), True
+    return text, _assistant_spans(text, messages, template, tools), True
 
 
 def trained_tokens(

@@ -489,6 +489,11 @@ def records_to_rows(
     text = sources[0].formatting == "text"
     if any((s.formatting == "text") != text for s in sources):
         raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
+    if text and data.pack:
+        raise ConfigError(
+            "data.pack packs chat and instruction examples; text records are already one stream cut into "
+            "windows (set data.pack: false, or data.format to the records' chat format)"
+        )
     template = None
     if not text:
         template = load_chat_template(tokenizer_path.parent, data.chat_template, eos)
