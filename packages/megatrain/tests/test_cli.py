@@ -130,3 +130,13 @@ def test_tensorboard_needs_its_package_or_logs(write_config, tmp_path, capsys):
     except ImportError:
         assert main(["train", "--config", str(write_config(train={"tensorboard": True}))]) == 2
         assert "pip install tensorboard" in capsys.readouterr().err
+
+
+def test_bad_data_stops_the_run_before_host_memory_is_allocated(write_config, tmp_path, capsys, monkeypatch):
+    import megatrain.loop
+
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.array([0, 999], dtype=np.int32))  # ids beyond tiny-llama's vocabulary of 256
+    monkeypatch.setattr(megatrain.loop, "Trainer", lambda *a, **k: pytest.fail("the trainer was built first"))
+    assert main(["train", "--config", str(write_config(data={"tokens": str(bad), "seq_len": 32}))]) == 2
+    assert "vocab_size is 256" in capsys.readouterr().err

@@ -9,9 +9,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from megatrain_zoo import ModelConfig
+
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, ConfigError
+from .config import Config, ConfigError, model_config_of
 from .data import TokenData, TokenWindows, load_token_data
+from .distributed import launch_shape
 from .trainer import NonFiniteError, Trainer
 
 
@@ -104,22 +107,17 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
     }
 
 
-def load_data(config: Config, trainer: Trainer, out: Path) -> TokenData:
-    """The run's tokens: rank 0 tokenizes and fills the cache, then the other ranks read it."""
+def load_data(config: Config, model: ModelConfig, out: Path, trainer: Trainer | None = None) -> TokenData:
+    """The run's tokens. With several ranks (`trainer` given) rank 0 tokenizes and fills the cache,
+    then the other ranks read it."""
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
 
     def load():
-        return load_token_data(
-            config.data,
-            trainer.model_config.vocab_size,
-            out / "cache",
-            model_dir,
-            trainer.model_config.eos_token_id,
-            config.train.seed,
-        )
+        cache = out / "cache"
+        return load_token_data(config.data, model.vocab_size, cache, model_dir, model.eos_token_id, config.train.seed)
 
-    data = load() if trainer.is_main else None
-    if trainer.sync is not None:
+    data = load() if trainer is None or trainer.is_main else None
+    if trainer is not None and trainer.sync is not None:
         trainer.sync.barrier()
     return data if data is not None else load()
 
@@ -128,12 +126,16 @@ def train(config: Config, resume: Path | None = None) -> Path:
     """Run training as configured (continuing from a checkpoint with `resume`); returns the output directory."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config)
+    model = model_config_of(config)
+    # alone, the data is read first: a bad record stops the run before any host memory is allocated
+    data = load_data(config, model, out) if launch_shape() == (1, 1) else None
+    trainer = Trainer(config, model)
     if resume is not None:
         manifest = load_checkpoint(trainer, resume)
         print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
     main = trainer.is_main
-    data = load_data(config, trainer, out)
+    if data is None:
+        data = load_data(config, model, out, trainer)
     tokenizer = data.tokenizer
     windows = TokenWindows(
         data.train, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed
