@@ -71,6 +71,13 @@ def launch_shape() -> tuple[int, int]:
     return local, world // local
 
 
+def leave_ranks() -> None:
+    """Leave the process group (a local teardown, no collective): left to the interpreter's exit, gloo's
+    threads can be destroyed still running, which aborts a finished rank ("terminate called ...")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_ranks(device_type: str) -> Ranks | None:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone."""
     local_world, hosts = launch_shape()

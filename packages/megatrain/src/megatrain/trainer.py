@@ -27,7 +27,7 @@ from megatrain_templates import Documents
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import RankSync, check_data_parallel, init_ranks, launch_shape, shared_arenas
+from .distributed import RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
 from .hf_io import check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
@@ -359,3 +359,5 @@ class Trainer:
     def close(self) -> None:
         self.finish_updates()
         self.stepper.close()
+        if self.ranks is not None:
+            leave_ranks()
