@@ -57,6 +57,8 @@ DEFAULT_TAGS = {
     },
 }
 UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+# Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
+CACHE_FORMAT = 2
 REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
 
 
@@ -511,7 +513,9 @@ def records_to_rows(
     fingerprints = [getattr(r, "_fingerprint", "") or s.location for r, s in zip(all_records, sources)]
     if validation_records is not None:
         fingerprints.append(getattr(validation_records, "_fingerprint", "") or data.validation)
-    settings = json.dumps([data.as_key(), eos, seed, fingerprints, template and template.template], default=str)
+    settings = json.dumps(
+        [CACHE_FORMAT, data.as_key(), eos, seed, fingerprints, template and template.template], default=str
+    )
     key = hashlib.sha256(settings.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
     prefix = cache_dir / f"records-{key}"
     report_path = Path(f"{prefix}.report.json")
