@@ -81,18 +81,10 @@ def run_data(config, args) -> None:
     import json
 
     from .config import model_config_of
-    from .data import TokenWindows, load_token_data
+    from .data import TokenWindows
+    from .loop import load_data
 
-    model = model_config_of(config)
-    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    data = load_token_data(
-        config.data,
-        model.vocab_size,
-        Path(config.output_dir) / "cache",
-        model_dir,
-        model.eos_token_id,
-        config.train.seed,
-    )
+    data = load_data(config, model_config_of(config), Path(config.output_dir))
     for line in data.report:
         print(f"megatrain: {line}", file=sys.stderr)
     tokenizer = None

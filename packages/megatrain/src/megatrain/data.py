@@ -7,7 +7,7 @@ end); with shuffle on, each pass over the windows uses a fresh permutation seede
 """
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
@@ -107,11 +107,17 @@ class Tokens:
     position_ids: np.ndarray | None = None
     valid: np.ndarray | None = None  # rows: False where a row is padding
 
+    def save(self, prefix: str) -> None:
+        """prefix.tokens.npy and, when present, prefix.loss_mask.npy, ... (the tokenized-data cache)."""
+        for item in fields(self):
+            if getattr(self, item.name) is not None:
+                np.save(f"{prefix}.{item.name}.npy", getattr(self, item.name))
+
     @classmethod
-    def of(cls, data) -> "Tokens":
-        if isinstance(data, np.ndarray):
-            return cls(data)
-        return cls(data.tokens, data.loss_mask, data.position_ids, data.valid)
+    def load(cls, prefix: str) -> "Tokens":
+        """What `save` wrote, memory-mapped."""
+        paths = {item.name: Path(f"{prefix}.{item.name}.npy") for item in fields(cls)}
+        return cls(**{name: np.load(path, mmap_mode="r") for name, path in paths.items() if path.exists()})
 
 
 @dataclass
@@ -208,13 +214,11 @@ def load_token_data(
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
     rows = records_to_rows(data, loaded, tokenizer, _eos_token(loaded, eos_token_id), cache_dir, seed)
-    train = Tokens.of(rows.train)
-    check_tokens(np.asarray(train.tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
+    check_tokens(np.asarray(rows.train.tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
     report = list(rows.report)
     if rows.template_source is not None:
         report.insert(0, f"chat template: {rows.template_source}")
-    validation = None if rows.validation is None else Tokens.of(rows.validation)
-    return TokenData(train, validation, tokenizer, report)
+    return TokenData(rows.train, rows.validation, tokenizer, report)
 
 
 def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):

@@ -63,17 +63,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _checkpoint_layout(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Checkpoint tensor name -> (shape, the stored tensors it holds, in buffer order), for the
-    names these files use: published per-expert names, or transformers' in-memory layout (fused
-    3-D expert tensors, Mixtral's module renamed `mlp`), either way."""
-    shapes = spec.param_shapes()
-    layout = {name: (shape, (name,)) for name, shape in shapes.items()}
-    fused = spec.fused_checkpoint_names()
-    if not fused:
-        return layout
-    present = {name for path in files for name in read_safetensors_header(path)}
-    for name, (shape, covered) in fused.items():
+    names the files (holding `present`) use: published per-expert names, or transformers' in-memory
+    layout (fused 3-D expert tensors, Mixtral's module renamed `mlp`), either way."""
+    layout = {name: (shape, (name,)) for name, shape in spec.param_shapes().items()}
+    for name, (shape, covered) in spec.fused_checkpoint_names().items():
         if name in present:
             for part in covered:
                 del layout[part]
@@ -85,43 +80,41 @@ def _checkpoint_layout(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[tu
     return layout
 
 
-def _quantized(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Stored tensors the files hold in MXFP4 (`NAME_blocks` + `NAME_scales`), with their shapes."""
+def _read_layout(spec: ModelSpec, files: list[Path]):
+    """From the files' headers, read once: (the layout as `_checkpoint_layout`, the stored tensors they
+    hold in MXFP4 (`NAME_blocks` + `NAME_scales`) with their shapes, every name the files must hold
+    -> its shape)."""
     present = {name for path in files for name in read_safetensors_header(path)}
-    return {
+    layout = _checkpoint_layout(spec, present)
+    quantized = {
         name: shape
         for name, shape in spec.param_shapes().items()
         if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present
     }
-
-
-def _header_shapes(spec: ModelSpec, files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor name the files must hold -> its shape (MXFP4 tensors as their blocks and scales)."""
-    shapes = {name: shape for name, (shape, _) in _checkpoint_layout(spec, files).items()}
-    for name, shape in _quantized(spec, files).items():
-        del shapes[name]
+    shapes = {name: shape for name, (shape, _) in layout.items() if name not in quantized}
+    for name, shape in quantized.items():
         shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
-    return shapes
+    return layout, quantized, shapes
 
 
 def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
     """Refuse, from the headers alone and before any memory is allocated, a directory whose tensors
     are missing, unexpected or mis-shaped for `spec`."""
     files = checkpoint_files(model_dir)
-    match_tensors(files, _header_shapes(spec, files), ignore=spec.checkpoint_names_to_ignore)
+    match_tensors(files, _read_layout(spec, files)[2], ignore=spec.checkpoint_names_to_ignore)
 
 
 def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     """Stream the directory's tensors into the fp32 masters (any stored dtype), then refresh wire copies.
 
     A fused expert tensor is loaded into the view of the masters that spans the tensors it covers
-    (they lie back to back in the layer's buffer)."""
+    (they lie back to back in the layer's buffer); MXFP4 experts are dequantized into theirs."""
     files = checkpoint_files(model_dir)
     masters = named_masters(store)
-    quantized = _quantized(spec, files)
-    where = match_tensors(files, _header_shapes(spec, files), ignore=spec.checkpoint_names_to_ignore)
+    layout, quantized, shapes = _read_layout(spec, files)
+    where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
     targets = {}
-    for name, (shape, covered) in _checkpoint_layout(spec, files).items():
+    for name, (shape, covered) in layout.items():
         if name not in quantized:
             first = masters[covered[0]]
             targets[name] = first.view(-1).as_strided((prod(shape),), (1,)).view(shape)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .config import ConfigError, DataSection
+from .data import Tokens
 
 # The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
 DEFAULT_COLUMNS = {
@@ -34,7 +35,6 @@ DEFAULT_COLUMNS = {
     },
     "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"},
     "messages": {"messages": "messages", "system": "system", "tools": "tools"},
-    "text": {"prompt": "text"},
 }
 DEFAULT_TAGS = {
     "sharegpt": {
@@ -58,7 +58,7 @@ DEFAULT_TAGS = {
 }
 UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
 
 
@@ -207,24 +207,23 @@ ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "obse
 def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
     """(messages as role/content dicts with roles user/assistant/system/tool, tools or None)."""
     where = f"dataset {source.name!r}: record {index}"
-    tools = record.get(source.column("tools")) if source.formatting != "alpaca" else None
+    tools = record.get(source.column("tools"))  # alpaca has no tools column
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as error:
             raise ConfigError(f"{where}: its tools field is not valid JSON ({error})") from error
     messages = []
-    system = record.get(source.column("system")) if source.column("system") else None
+    system = record.get(source.column("system"))
     if system:
         messages.append({"role": "system", "content": str(system)})
     if source.formatting == "alpaca":
-        history = record.get(source.column("history")) if source.column("history") else None
-        for turn in history or []:
+        for turn in record.get(source.column("history")) or []:
             if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
                 raise ConfigError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
             messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
         prompt = str(_field(record, source.column("prompt"), index, source, "prompt"))
-        query = record.get(source.column("query")) if source.column("query") else None
+        query = record.get(source.column("query"))
         response = _field(record, source.column("response"), index, source, "response")
         if not isinstance(response, str):
             raise ConfigError(f"{where}: the response must be text, got {type(response).__name__}")
@@ -376,34 +375,6 @@ def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int) -> 
 
 
 # ----------------------------------------------------------------- rows
-@dataclass
-class Rows:
-    """Training rows: [rows, seq_len] token ids, trained flags, real tokens (False: padding), and
-    position ids when packed."""
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    position_ids: np.ndarray | None
-    valid: np.ndarray
-
-    def save(self, prefix: Path) -> None:
-        np.save(f"{prefix}.tokens.npy", self.tokens)
-        np.save(f"{prefix}.mask.npy", self.loss_mask)
-        np.save(f"{prefix}.valid.npy", self.valid)
-        if self.position_ids is not None:
-            np.save(f"{prefix}.positions.npy", self.position_ids)
-
-    @classmethod
-    def load(cls, prefix: Path) -> "Rows":
-        positions = Path(f"{prefix}.positions.npy")
-        return cls(
-            np.load(f"{prefix}.tokens.npy", mmap_mode="r"),
-            np.load(f"{prefix}.mask.npy", mmap_mode="r"),
-            np.load(positions, mmap_mode="r") if positions.exists() else None,
-            np.load(f"{prefix}.valid.npy", mmap_mode="r"),
-        )
-
-
 def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
     """Examples per row, best-fit decreasing: each example (longest first) goes to the row with the
     least room that still holds it, so rows fill up and no example is split."""
@@ -424,7 +395,7 @@ def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
-def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Rows:
+def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Tokens:
     """One example per row (padded; padding is never trained), or whole examples packed per row with
     positions restarting at each (padding at a row's end is a document of its own)."""
     groups = pack_rows([len(ids) for ids in examples.ids], seq_len) if pack else [[i] for i in range(len(examples.ids))]
@@ -444,7 +415,7 @@ def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Rows:
             cursor += len(ids)
         if positions is not None:
             positions[row, cursor:] = np.arange(seq_len - cursor)
-    return Rows(tokens, mask, positions, valid)
+    return Tokens(tokens, mask, positions, valid)
 
 
 def pad_token_id(tokenizer, eos: str) -> int:
@@ -458,8 +429,8 @@ def pad_token_id(tokenizer, eos: str) -> int:
 class RecordData:
     """What records become: training rows (or a token stream for text records), validation rows, the report."""
 
-    train: Rows | np.ndarray
-    validation: Rows | np.ndarray | None
+    train: Tokens
+    validation: Tokens | None
     report: list[str]
     template_source: str | None
 
@@ -479,8 +450,8 @@ def _hold_out(examples: Examples, fraction: float, seed: int) -> tuple[Examples,
     return examples.select(sorted(order[n_val:])), examples.select(sorted(order[:n_val]))
 
 
-def _stream(examples: Examples) -> np.ndarray:
-    return np.fromiter((t for ids in examples.ids for t in ids), dtype=np.int32)
+def _stream(examples: Examples) -> Tokens:
+    return Tokens(np.fromiter((t for ids in examples.ids for t in ids), dtype=np.int32))
 
 
 def records_to_rows(
@@ -521,13 +492,8 @@ def records_to_rows(
     report_path = Path(f"{prefix}.report.json")
     if report_path.exists():
         report = json.loads(report_path.read_text())
-        train = np.load(f"{prefix}.stream.npy", mmap_mode="r") if text else Rows.load(prefix)
-        validation = None
-        if report["validation"]:
-            validation = (
-                np.load(f"{prefix}.val.stream.npy", mmap_mode="r") if text else Rows.load(Path(f"{prefix}.val"))
-            )
-        return RecordData(train, validation, report["lines"], template and template.source)
+        validation = Tokens.load(f"{prefix}.val") if report["validation"] else None
+        return RecordData(Tokens.load(str(prefix)), validation, report["lines"], template and template.source)
 
     lines, parts, held_out = [], [], []
     for source, records in zip(sources, all_records):
@@ -538,7 +504,7 @@ def records_to_rows(
             examples, validation_part = _hold_out(examples, data.validation, seed)
             held_out.append(validation_part)
         parts.append(examples)
-    validation_examples = Examples([i for p in held_out for i in p.ids], [t for p in held_out for t in p.trained])
+    validation_examples = mix(held_out, None, seed)
     if validation_records is not None:
         source = _validation_source(data, sources[0])
         validation_examples = tokenize_source(validation_records, source, data, template, tokenizer, eos)
@@ -551,19 +517,18 @@ def records_to_rows(
     has_validation = data.validation is not None
     if text:
         train, validation = _stream(train_examples), _stream(validation_examples) if has_validation else None
-        np.save(f"{prefix}.stream.npy", train)
-        if validation is not None:
-            np.save(f"{prefix}.val.stream.npy", validation)
     else:
         train = to_rows(train_examples, data.seq_len, data.pack, pad)
         validation = to_rows(validation_examples, data.seq_len, data.pack, pad) if has_validation else None
-        train.save(prefix)
-        if validation is not None:
-            validation.save(Path(f"{prefix}.val"))
         if data.pack:
             used = sum(len(ids) for ids in train_examples.ids) / max(1, train.tokens.size)
             lines.append(
                 f"packed {len(train_examples.ids)} examples into {len(train.tokens)} rows ({used:.0%} tokens used)"
             )
-    report_path.write_text(json.dumps({"lines": lines, "validation": has_validation}))
+    train.save(str(prefix))
+    if validation is not None:
+        validation.save(f"{prefix}.val")
+    report_path.write_text(
+        json.dumps({"lines": lines, "validation": has_validation})
+    )  # written last: the cache is whole
     return RecordData(train, validation, lines, template and template.source)

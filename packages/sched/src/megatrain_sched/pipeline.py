@@ -324,9 +324,8 @@ class LayerPipeline:
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
 
         acts: list[Any] = [mb.input_ids for mb in batches]
-        n_offloaded = (
-            self.offloaded_stages(batches) if train else 0
-        )  # stages 1 .. n_offloaded send their checkpoints out
+        # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
+        n_offloaded = self.offloaded_stages(batches) if train else 0
         reloaded: dict[int, list] = {}
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):

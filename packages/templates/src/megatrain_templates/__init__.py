@@ -6,7 +6,7 @@ from .embedding import Embedding
 from .head import Head
 from .layout import ParamSpec, Span, param_offsets, total_numel
 from .moe import EXPERT_NAMING, MoeBlock, MoeShape, RouterLoad, fused_expert_names, moe_params
-from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast
+from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
 
 __all__ = [
     "EXPERT_NAMING",
@@ -35,4 +35,5 @@ __all__ = [
     "rope_inv_freq",
     "total_numel",
     "upcast",
+    "yarn_mscale",
 ]

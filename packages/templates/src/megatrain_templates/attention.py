@@ -31,17 +31,11 @@ class Documents:
         self.doc_ids = None if position_ids is None else (position_ids == 0).cumsum(-1)
         self._masks: dict = {}
 
-    @property
-    def packed(self) -> bool:
-        """Several documents per row (attention must be kept inside each)."""
-        return self.position_ids is not None
-
     def to(self, device: torch.device, non_blocking: bool = False) -> "Documents":
-        return Documents(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self._tensors))
-
-    @property
-    def _tensors(self) -> tuple[Tensor | None, Tensor | None]:
-        return self.position_ids, self.valid
+        moved = (
+            None if t is None else t.to(device, non_blocking=non_blocking) for t in (self.position_ids, self.valid)
+        )
+        return Documents(*moved)
 
     def rope_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin [seq, head_dim] for positions 0..seq-1 -> [batch, 1, seq, head_dim] at each token's position."""
@@ -62,6 +56,11 @@ class Documents:
         if ("block", window) not in self._masks:
             self._masks["block", window] = _block_mask(self.doc_ids.shape[1], window, self.doc_ids.device, self.doc_ids)
         return self._masks["block", window]
+
+
+def packed_documents(documents: Documents | None) -> Documents | None:
+    """`documents` when its rows pack several documents (attention must stay inside each), else None."""
+    return documents if documents is not None and documents.position_ids is not None else None
 
 
 _FLEX = None
@@ -97,10 +96,10 @@ def _flex_kernels():
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | None = None) -> Tensor:
     """q: [batch, n_heads, seq, head_dim], k/v: [batch, n_kv_heads, seq, head_dim] -> like q.
 
-    Without `documents` every row is one causal sequence; with them, attention stays inside
-    each document (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
+    Without `documents` (see `packed_documents`) every row is one causal sequence; with them,
+    attention stays inside each document (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
-    if documents is None or not documents.packed:
+    if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
         return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa)
@@ -112,7 +111,7 @@ def windowed_attention_with_sinks(
 ) -> Tensor:
     """Causal attention with what the fused kernels lack (gpt-oss): keys limited to the last `window`
     positions, and per-head sink logits `sinks` [n_heads] that join each softmax's denominator without
-    contributing a value. Shapes as `causal_attention`. On CUDA: FlexAttention (only the blocks inside
+    contributing a value. Shapes and `documents` as `causal_attention`. On CUDA: FlexAttention (only the blocks inside
     the window are visited) with the sinks folded in through its log-sum-exp; elsewhere written out
     (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape
@@ -126,7 +125,7 @@ def windowed_attention_with_sinks(
     allowed = distance >= 0
     if window is not None:
         allowed = allowed & (distance < window)
-    if documents is not None and documents.packed:
+    if documents is not None:
         allowed = allowed & documents.dense_mask()
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     if sinks is not None:
@@ -145,7 +144,7 @@ def _flex_with_sinks(q, k, v, sinks, window, documents):
     from torch.nn.attention.flex_attention import AuxRequest
 
     seq = q.shape[2]
-    if documents is not None and documents.packed:
+    if documents is not None:
         mask = documents.block_mask(window)
     else:
         key = (seq, window, str(q.device))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Documents, causal_attention, windowed_attention_with_sinks
+from .attention import Documents, causal_attention, packed_documents, windowed_attention_with_sinks
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
 from .ops import RopeConfig, apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin
 
@@ -192,6 +192,7 @@ class DecoderBlock:
 
     def _attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """x + attention(input_norm(x)): the residual stream after the attention half."""
+        documents = packed_documents(documents)  # padding alone changes nothing here
         if self.shape.mla is not None:
             return self._latent_attention(w, x, documents)
         s = self.shape
@@ -211,7 +212,7 @@ class DecoderBlock:
             q = rms_norm(q, w["q_norm"], s.rms_eps)
             k = rms_norm(k, w["k_norm"], s.rms_eps)
         cos, sin = self._rope(seq, x.device, x.dtype)
-        if documents is not None and documents.packed:
+        if documents is not None:
             cos, sin = documents.rope_tables(cos, sin)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
@@ -243,7 +244,7 @@ class DecoderBlock:
         cos, sin = self._rope(seq, x.device, torch.float32)
         half = m.qk_rope_head_dim // 2
         cos, sin = cos[:, :half], sin[:, :half]
-        if documents is not None and documents.packed:
+        if documents is not None:
             cos, sin = documents.rope_tables(cos, sin)
         q_rot = apply_rope_interleaved(q_rot, cos, sin)
         k_rot = apply_rope_interleaved(k_rot.unsqueeze(1), cos, sin)
@@ -251,7 +252,7 @@ class DecoderBlock:
         k_nope, v = kv.transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, s.n_heads, -1, -1)], dim=-1)
-        mask = documents.dense_mask() if documents is not None and documents.packed else None
+        mask = None if documents is None else documents.dense_mask()
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
         return x + F.linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
 

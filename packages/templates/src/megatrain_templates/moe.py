@@ -336,16 +336,24 @@ class MoeBlock(DecoderBlock):
         inverse[order] = torch.arange(order.numel(), device=order.device)
         x = _Dispatch.apply(h, order, inverse, k)  # [tokens * k, d_model], grouped by expert
         weight = top_weight.reshape(-1)[order].to(h.dtype).unsqueeze(1)
-        if self.moe.gpt_oss:
-            return _Combine.apply(self._gpt_oss_experts(w, x, flat[order], weight), order, inverse, k)
+        expert_of_row = flat[order]
+        # each expert's matrices as [in, out]: the per-expert (transformers) layout is [out, in], gpt-oss'
+        # [in, out]; gpt-oss adds biases, the down projection's scaled by the routing weight like its input
         gate_up, down = w["experts_gate_up"], w["experts_down"]
+        if not self.moe.gpt_oss:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        gate_up_bias, down_bias = w.get("experts_gate_up_bias"), w.get("experts_down_bias")
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
-        if aligned and _grouped_mm_works(h.device, h.dtype):
+        if aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.gpt_oss):
             counts = torch.zeros(n_experts, dtype=torch.int32, device=h.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
-            hidden = swiglu_weighted(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets), weight)
-            y = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+            hidden = torch._grouped_mm(x, gate_up, offs=offsets)
+            if gate_up_bias is not None:
+                hidden = hidden + gate_up_bias[expert_of_row]
+            y = torch._grouped_mm(self._activation(hidden, weight, compiled=True), down, offs=offsets)
+            if down_bias is not None:
+                y = y + weight * down_bias[expert_of_row]
         else:
             counts = torch.bincount(flat, minlength=n_experts).tolist()
             # unbind, not gate_up[e]: its backward stacks the per-expert gradients once instead of
@@ -355,36 +363,23 @@ class MoeBlock(DecoderBlock):
             for e, count in enumerate(counts):
                 if count:
                     rows = slice(start, start + count)
-                    hidden = _swiglu_weighted(F.linear(x[rows], gate_ups[e]), weight[rows])  # shapes vary: eager
-                    pieces.append(F.linear(hidden, downs[e]))
+                    hidden = x[rows] @ gate_ups[e]
+                    if gate_up_bias is not None:
+                        hidden = hidden + gate_up_bias[e]
+                    piece = self._activation(hidden, weight[rows], compiled=False) @ downs[e]  # shapes vary: eager
+                    pieces.append(piece if down_bias is None else piece + weight[rows] * down_bias[e])
                     start += count
             y = torch.cat(pieces)
         return _Combine.apply(y, order, inverse, k)
 
-    def _gpt_oss_experts(self, w: dict[str, Tensor], x: Tensor, expert_of_row: Tensor, weight: Tensor) -> Tensor:
-        """gpt-oss experts on rows grouped by expert: (x @ gate_up[e] + b) -> clamped SwiGLU -> @ down[e] + b,
-        times the routing weight (applied before the down projection, its bias scaled to match)."""
+    def _activation(self, gate_up: Tensor, weight: Tensor, compiled: bool) -> Tensor:
+        """The experts' activation times the routing weight: SwiGLU on (gate, up) halves, or gpt-oss'
+        clamped SwiGLU on interleaved columns; compiled on CUDA for the grouped GEMMs' fixed layout."""
         moe = self.moe
-        gate_up_bias, down_bias = w["experts_gate_up_bias"], w["experts_down_bias"]
-        aligned = all(t.data_ptr() % 16 == 0 for t in (x, w["experts_gate_up"], w["experts_down"]))
-        if aligned and _grouped_mm_works(x.device, x.dtype, row_major=True):
-            counts = torch.zeros(moe.n_experts, dtype=torch.int32, device=x.device)
-            counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row, dtype=torch.int32))
-            offsets = counts.cumsum(0, dtype=torch.int32)
-            gate_up = torch._grouped_mm(x, w["experts_gate_up"], offs=offsets) + gate_up_bias[expert_of_row]
-            hidden = gpt_oss_glu_weighted(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
-            return torch._grouped_mm(hidden, w["experts_down"], offs=offsets) + weight * down_bias[expert_of_row]
-        gate_ups, downs = w["experts_gate_up"].unbind(0), w["experts_down"].unbind(0)
-        counts = torch.bincount(expert_of_row, minlength=moe.n_experts).tolist()
-        pieces, start = [], 0
-        for e, count in enumerate(counts):
-            if count:
-                rows = slice(start, start + count)
-                gate_up = x[rows] @ gate_ups[e] + gate_up_bias[e]
-                hidden = _gpt_oss_glu_weighted(gate_up, weight[rows], moe.swiglu_limit, moe.swiglu_alpha)
-                pieces.append(hidden @ downs[e] + weight[rows] * down_bias[e])
-                start += count
-        return torch.cat(pieces)
+        if moe.gpt_oss:
+            glu = gpt_oss_glu_weighted if compiled else _gpt_oss_glu_weighted
+            return glu(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
+        return (swiglu_weighted if compiled else _swiglu_weighted)(gate_up, weight)
 
     def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] (post-norm) -> (MLP output, router probs, top_index)."""

@@ -119,6 +119,11 @@ def _yarn_inv_freq(inv_freq: Tensor, config: RopeConfig) -> Tensor:
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_attention_factor(config: RopeConfig) -> float:
     """The factor YaRN applies to cos and sin (1 for every other kind)."""
     scaling = config.scaling_dict
@@ -126,14 +131,10 @@ def rope_attention_factor(config: RopeConfig) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     factor = float(scaling["factor"])
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
-    return mscale(factor)
+        return yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 def rope_cos_sin(config: RopeConfig, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:

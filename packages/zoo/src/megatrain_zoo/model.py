@@ -1,6 +1,5 @@
 """A model as groups (transfer units of parameters, Hugging Face names) and stages (templates)."""
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from megatrain_templates import (
     RopeConfig,
     RouterLoad,
     fused_expert_names,
+    yarn_mscale,
 )
 
 from .config import ModelConfig
@@ -102,8 +102,8 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
     qk = config.qk_nope_head_dim + config.head_dim
     scale = qk**-0.5
     scaling = config.rope_scaling or {}
-    if scaling.get("mscale_all_dim") and float(scaling.get("factor", 1)) > 1:  # YaRN's mscale, squared
-        scale *= (0.1 * float(scaling["mscale_all_dim"]) * math.log(float(scaling["factor"])) + 1.0) ** 2
+    if scaling.get("mscale_all_dim"):  # YaRN's magnitude correction, squared, in the softmax scale
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     return MlaShape(
         kv_lora_rank=config.kv_lora_rank,
         qk_nope_head_dim=config.qk_nope_head_dim,
