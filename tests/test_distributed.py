@@ -145,6 +145,7 @@ def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tok
 
 
 @pytest.mark.gpu
+@pytest.mark.two_gpus
 def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):
     """NCCL, one GPU per rank, pinned shared arenas, collectives on the copy-out stream: float64,
     so a missing stream dependency would show far above rounding."""
