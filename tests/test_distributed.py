@@ -36,16 +36,21 @@ def run(tmp_path, name, launcher, device="cpu", **changes):
     """Train with `launcher` (a list of argv before `-m megatrain`); returns (metrics rows, exported weights)."""
     config = json.loads(json.dumps(CONFIG))
     for section, values in changes.items():
-        config[section].update(values)
+        config.setdefault(section, {}).update(values)
     config["device"] = device
     config["data"]["tokens"] = str(tmp_path / "tokens.npy")
     config["output_dir"] = str(tmp_path / name)
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps(config))
+    return launch(tmp_path, name, launcher, ["--config", str(path)])
+
+
+def launch(tmp_path, name, launcher, args):
+    """Run `megatrain train ARGS` under `launcher`; (metrics rows, exported weights) of output_dir `name`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
     commands = launcher if isinstance(launcher[0], list) else [launcher]
     processes = [
-        subprocess.Popen([*command, "-m", "megatrain", "train", "--config", str(path)], env=env, stderr=subprocess.PIPE)
+        subprocess.Popen([*command, "-m", "megatrain", "train", *args], env=env, stderr=subprocess.PIPE)
         for command in commands
     ]
     for process in processes:
@@ -53,6 +58,17 @@ def run(tmp_path, name, launcher, device="cpu", **changes):
         assert process.returncode == 0, err.decode()
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return rows, load_file(str(tmp_path / name / "final" / "model.safetensors"))
+
+
+def resume(tmp_path, name, launcher, steps, **changes):
+    """Continue run `name` from its newest checkpoint up to `steps`, under `launcher`, with `changes`."""
+    config = json.loads((tmp_path / f"{name}.yaml").read_text())
+    config["train"]["steps"] = steps
+    for section, values in changes.items():
+        config.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}-resumed.yaml"
+    path.write_text(json.dumps(config))
+    return launch(tmp_path, name, launcher, ["--config", str(path), "--resume", str(tmp_path / name)])
 
 
 def torchrun(n, *extra):
@@ -91,17 +107,43 @@ def test_two_and_four_ranks_equal_one_process(tmp_path, tokens, grad_clip):
         assert_same_training(one, run(tmp_path, "four", torchrun(4, "--standalone"), train=train))
 
 
-def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):
-    """Two torchrun agents on this machine stand for two hosts: each keeps its own replica of the
-    state in its own shared memory, gradients are reduced within and then across the hosts."""
+def two_hosts(ranks_per_host: int) -> list[list[str]]:
+    """Two torchrun agents on this machine, standing for two hosts (each with its own shared memory)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    hosts = [
-        torchrun(2, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}")
+    return [
+        torchrun(ranks_per_host, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}")
         for node in range(2)
     ]
-    assert_same_training(run(tmp_path, "one", [sys.executable]), run(tmp_path, "hosts", hosts))
+
+
+def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):
+    """Each host keeps its own replica of the state; gradients are reduced within and then across hosts."""
+    assert_same_training(run(tmp_path, "one", [sys.executable]), run(tmp_path, "hosts", two_hosts(2)))
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 0.0])
+def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_clip):
+    """engine.shard_across_hosts: each host holds the masters and moments of half of every layer and
+    receives the other half's updated weights; training, checkpoints and the export equal one process,
+    and a checkpoint written by the split hosts resumes on one process (and one process's on them)."""
+    train = {"grad_clip": grad_clip, "save_every": 2}
+    one = run(tmp_path, "one", [sys.executable], train=train)
+    split = run(tmp_path, "split", two_hosts(2), train=train, engine={"shard_across_hosts": True})
+    assert_same_training(one, split)
+    for name in ("one", "split"):  # the same checkpoint files, whoever wrote them
+        checkpoint = tmp_path / name / "checkpoints" / "step-00000004"
+        for kind in ("model", "optimizer"):
+            assert_same_weights(load_file(str(tmp_path / "one" / "checkpoints" / "step-00000004" / f"{kind}.safetensors")),
+                                load_file(str(checkpoint / f"{kind}.safetensors")))
+    if grad_clip:
+        resumed = resume(tmp_path, "split", [sys.executable], steps=6)  # split hosts' checkpoint on one process
+        again = resume(tmp_path, "one", two_hosts(1), steps=6, engine={"shard_across_hosts": True})
+        assert [r["step"] for r in resumed[0]] == [r["step"] for r in again[0]] == [1, 2, 3, 4, 5, 6]
+        for a, b in zip(resumed[0], again[0]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert_same_weights(resumed[1], again[1])
 
 
 def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, tokens):
@@ -114,23 +156,11 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, tokens):
     """A checkpoint written by two ranks resumes on one process and continues as if never stopped."""
     full = run(tmp_path, "full", [sys.executable])
     run(tmp_path, "part", torchrun(2, "--standalone"), train={"steps": 2, "save_every": 2})
-    config = json.loads((tmp_path / "part.yaml").read_text())
-    config["train"]["steps"] = 4
-    path = tmp_path / "resume.yaml"
-    path.write_text(json.dumps(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "megatrain", "train", "--config", str(path), "--resume", str(tmp_path / "part")],
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    rows, weights = resume(tmp_path, "part", [sys.executable], steps=4)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(full[0], rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
-    assert_same_weights(full[1], load_file(str(tmp_path / "part" / "final" / "model.safetensors")))
+    assert_same_weights(full[1], weights)
 
 
 def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tokens):

@@ -157,3 +157,43 @@ def test_sharded_updates_equal_one_update(tmp_path):
         assert rel_err(shards[1].state(name, 0), whole.state(name, 0)) < 1e-6
     assert rel_err(shards[2].master(0), whole.master(0)) < 1e-6
     assert rel_err(shards[2].master(0), weights) > 1e-3  # the weights did move
+
+
+def test_hosts_that_split_the_state_update_as_one_store(tmp_path):
+    """Two hosts of two processes, each host holding the master and moments of half of every group
+    (`owned`) and a full wire copy: every process's update equals the unsharded one on its range,
+    and writes its range of the wire copy (the other host's half arrives by the network)."""
+    from megatrain_store import SharedArenas, StoreError
+
+    layouts = [GroupLayout.from_specs([("w", (50, 7), True), ("norm", (7,), False)])]
+    names = ("exp_avg", "exp_avg_sq")
+    whole = HostStore(layouts, state_names=names)
+    hosts = [SharedArenas(tmp_path / f"host{h}") for h in range(2)]
+    ranks = [
+        HostStore(layouts, torch.bfloat16, names, shared=hosts[r // 2], shard=(r, 4), owned=(r // 2 * 2, 2))
+        for r in range(4)
+    ]
+    weights, grad = torch.randn(layouts[0].numel), torch.randn(layouts[0].numel)
+    whole.master(0).copy_(weights)
+    for store in ranks[::2]:  # each host's first process fills its host's part
+        with store.writing(0) as views:
+            for view, part in zip(views.values(), weights.split([v.numel() for v in views.values()])):
+                view.copy_(part.view_as(view))
+    assert ranks[1].master(0).numel() == ranks[1].owned_numel(0) < layouts[0].numel
+    assert torch.equal(ranks[3].wire(0), weights.to(torch.bfloat16))  # every host streams the whole group
+    with pytest.raises(StoreError, match="writing"):
+        ranks[0].master_views(0)
+    optimizers = [HostAdamW(store, AdamWConfig(lr=1e-2, weight_decay=0.1)) for store in [whole, *ranks]]
+    whole.grad(0).copy_(grad)
+    for store in ranks:
+        start, end = store.shard_range(0)
+        store.grad(0).copy_(grad[start:end])
+    for optimizer in optimizers:
+        optimizer.begin_step()
+        optimizer.update_group(0, lr=1e-2)
+    for store in ranks:
+        start, end = store.shard_range(0)
+        offset = store.owned_range(0)[0]
+        assert rel_err(store.master(0)[start - offset : end - offset], whole.master(0)[start:end]) < 1e-6
+        assert rel_err(store.state("exp_avg_sq", 0)[start - offset : end - offset], whole.state("exp_avg_sq", 0)[start:end]) < 1e-6
+        assert torch.equal(store.wire(0)[start:end], store.master(0)[start - offset : end - offset].to(torch.bfloat16))

@@ -14,10 +14,10 @@ import shutil
 import zlib
 from pathlib import Path
 
-from megatrain_store import StoreError, atomic_write_text, fsync_dir, load_tensors_into, write_safetensors
+from megatrain_store import StoreError, atomic_write_text, fsync_dir, write_safetensors
 
 from .config import ConfigError
-from .hf_io import named_masters
+from .hf_io import WholeGroups, load_groups
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -31,22 +31,27 @@ def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
     return crc
 
 
-def optimizer_tensors(trainer) -> dict:
-    store = trainer.store
-    out = {}
+def checkpoint_entries(trainer) -> dict[str, list]:
+    """File name -> (tensor name, Pending) in file order: the masters by Hugging Face name, then each
+    group's optimizer state as `STATE.name`; gathered group by group where hosts split the state."""
+    store, whole = trainer.store, trainer.whole_groups()
+    optimizer = []
     for group in range(store.n_groups):
         for state in store.state_names:
-            for name, view in store.layouts[group].views(store.state(state, group)).items():
-                out[f"{state}.{name}"] = view
-    return out
+            optimizer += whole.entries(f"state.{state}", f"{state}.", groups=[group])
+    return {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
 
 
 def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`.
-    With several ranks only rank 0 writes (its host's store holds every rank's updates)."""
+    With several ranks only rank 0 writes (its host's store holds every rank's updates; where hosts
+    split the state, the other hosts' first ranks send it their parts group by group)."""
     trainer.finish_updates()
     root = Path(root)
     if not trainer.is_main:
+        if trainer.store_is_split and trainer.ranks.is_local_main:
+            for entries in checkpoint_entries(trainer).values():
+                WholeGroups.replay(entries)
         return root / f"step-{trainer.step_index:08d}"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{trainer.step_index:08d}"
@@ -54,10 +59,7 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.partial"
     tmp.mkdir()
-    files = {
-        "model.safetensors": list(named_masters(trainer.store).items()),
-        "optimizer.safetensors": list(optimizer_tensors(trainer).items()),
-    }
+    files = checkpoint_entries(trainer)
     manifest = {
         "format": FORMAT,
         "step": trainer.step_index,
@@ -130,11 +132,10 @@ def load_checkpoint(trainer, directory: Path) -> dict:
             "resume with the configuration it was written with"
         )
     trainer.finish_updates()
-    if trainer.ranks is None or trainer.ranks.is_local_main:  # one copy of the state per host
-        load_tensors_into([directory / "model.safetensors"], named_masters(trainer.store))
-        if trainer.store.state_names:  # a trainer made for evaluation holds none
-            load_tensors_into([directory / "optimizer.safetensors"], optimizer_tensors(trainer))
-        trainer.store.refresh_wire()
+    if trainer.ranks is None or trainer.ranks.is_local_main:  # one copy of the state (or of its part) per host
+        load_groups(trainer.store, [directory / "model.safetensors"])
+        for state in trainer.store.state_names:  # a trainer made for evaluation holds none
+            load_groups(trainer.store, [directory / "optimizer.safetensors"], f"state.{state}", f"{state}.")
     if trainer.sync is not None:
         trainer.sync.barrier()
     trainer.restore_step(manifest["step"])

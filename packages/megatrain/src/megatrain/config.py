@@ -143,6 +143,10 @@ class EngineSection:
     # keep a bf16 copy of the weights in host memory (+2 B/param) to halve host->GPU traffic:
     # worth it only when a step has too few tokens (under ~16k) to hide fp32 weight copies
     wire_copy: bool = False
+    # several hosts (torchrun --nnodes > 1): split the master weights and AdamW moments over the hosts
+    # instead of keeping a replica on each, so H hosts hold a model about H times larger (each keeps
+    # a full bf16 copy of the weights to stream, 2 B/param, and receives the others' updates)
+    shard_across_hosts: bool = False
 
     def __post_init__(self):
         if self.offload_checkpoints not in (True, False, "auto"):

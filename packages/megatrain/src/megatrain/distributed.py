@@ -1,14 +1,22 @@
 """Several GPUs and hosts: one process per GPU (launched by torchrun), data parallel, one copy
-of the training state per host.
+of the training state per host, or one copy split over the hosts.
 
 Every rank streams all layers through its GPU and runs its share of the step's sequences.
 A group's gradient is summed over the ranks of a host on the GPUs (NCCL reduce-scatter; gloo
 on the CPU), then, with several hosts, over the hosts (all-reduce of each shard among the
-ranks with the same local rank), so each rank ends up with its 1/N slice of the global
-gradient and sends only that slice to host memory; its CPU threads update only that slice
-of the shared master weights and moments. Every host keeps a full replica of the state
-(host bytes per parameter do not grow with the GPUs); ranks of a host see one another's
-updates through shared memory and wait for them through shared flags, not collectives.
+ranks with the same local rank), so each rank ends up with its 1/L slice of the global
+gradient (L ranks per host) and sends only that slice to host memory; its CPU threads update
+only that slice of the shared master weights and moments. Every host keeps a full replica of
+the state (host bytes per parameter do not grow with the GPUs); ranks of a host see one
+another's updates through shared memory and wait for them through shared flags, not collectives.
+
+With `engine.shard_across_hosts` the hosts split the state instead: the gradient is reduce-
+scattered over all N ranks, so rank r owns slice r of each group and host h the contiguous
+slices of its ranks; a host keeps master weights and moments for its part only, plus a full
+compute-dtype copy of the weights to stream (2 B/param in bf16). After updating its slice a
+rank sends it, in the compute dtype, to the ranks with its local rank on the other hosts and
+receives theirs (gloo, from the optimizer thread), before it marks the group updated: H hosts
+of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 replicated).
 """
 
 import os
@@ -44,6 +52,9 @@ class Ranks:
     local_world_size: int
     node_group: object = None  # the ranks of this host
     cross_group: object = None  # the ranks with this local rank on every host
+    split_state: bool = False  # the hosts split the state (engine.shard_across_hosts)
+    exchange_group: object = None  # split state: cross_group on gloo, for the optimizer thread's weight exchange
+    host_mains_group: object = None  # split state: every host's first rank on gloo, to gather whole groups
 
     @property
     def node(self) -> int:
@@ -78,8 +89,9 @@ def leave_ranks() -> None:
         dist.destroy_process_group()
 
 
-def init_ranks(device_type: str) -> Ranks | None:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone."""
+def init_ranks(device_type: str, split_state: bool = False) -> Ranks | None:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone.
+    `split_state`: the hosts split the training state (see the module's note)."""
     local_world, hosts = launch_shape()
     world = local_world * hosts
     if world == 1:
@@ -88,6 +100,7 @@ def init_ranks(device_type: str) -> Ranks | None:
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     rank = dist.get_rank()
     ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
+    ranks.split_state = split_state and hosts > 1
     # torchrun sets OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core:
     # the host's cores are split among its ranks instead (MEGATRAIN_CPU_THREADS overrides)
     cores = len(os.sched_getaffinity(0))
@@ -101,6 +114,14 @@ def init_ranks(device_type: str) -> Ranks | None:
         group = dist.new_group(list(range(local, world, local_world)))
         if local == ranks.local_rank:
             ranks.cross_group = group
+    if ranks.split_state:
+        # host tensors, on gloo; the exchange runs on the optimizer thread, beside the main thread's
+        # collectives, so it has process groups of its own
+        for local in range(local_world):
+            group = dist.new_group(list(range(local, world, local_world)), backend="gloo")
+            if local == ranks.local_rank:
+                ranks.exchange_group = group
+        ranks.host_mains_group = dist.new_group(list(range(0, world, local_world)), backend="gloo")
     return ranks
 
 
@@ -138,10 +159,13 @@ class RankSync:
     def reduce_grad(self, group: int, buffer: Tensor) -> Tensor:
         """This rank's shard of the gradient summed over every rank (on the current stream)."""
         ranks = self.ranks
-        shard = torch.empty(buffer.numel() // ranks.local_world_size, dtype=buffer.dtype, device=buffer.device)
-        dist.reduce_scatter_tensor(shard, buffer, group=ranks.node_group)
-        if ranks.n_nodes > 1:
-            dist.all_reduce(shard, group=ranks.cross_group)
+        shard = torch.empty(buffer.numel() // self.store.shard[1], dtype=buffer.dtype, device=buffer.device)
+        if ranks.split_state:
+            dist.reduce_scatter_tensor(shard, buffer)
+        else:
+            dist.reduce_scatter_tensor(shard, buffer, group=ranks.node_group)
+            if ranks.n_nodes > 1:
+                dist.all_reduce(shard, group=ranks.cross_group)
         start, end = self.store.shard_range(group)
         return shard[: end - start]
 
@@ -149,6 +173,48 @@ class RankSync:
         """Sum `tensor` in place over every rank (or over this host's ranks)."""
         dist.all_reduce(tensor, group=None if across_hosts else self.ranks.node_group)
         return tensor
+
+    def sum_over_shards(self, tensor: Tensor) -> Tensor:
+        """Sum per-shard quantities (squared gradient norms) over the ranks whose shards tile the
+        gradient once: this host's, or every rank where the hosts split the state."""
+        return self.all_reduce(tensor, across_hosts=self.ranks.split_state)
+
+    def exchange_updated_weights(self, group: int) -> None:
+        """Split state, after this rank updated its slice of `group`: send that slice of the wire copy
+        to the ranks with this local rank on the other hosts and write theirs into this host's copy.
+        Raw bytes travel (gloo has no bf16), padded to whole shards."""
+        store, ranks = self.store, self.ranks
+        wire = store.wire(group)
+        size = store.shard_size(group)
+        start, end = store.shard_range(group)
+        mine = torch.zeros(size, dtype=wire.dtype)
+        mine[: end - start] = wire[start:end]
+        parts = [torch.empty_like(mine) for _ in range(ranks.n_nodes)]
+        dist.all_gather([p.view(torch.uint8) for p in parts], mine.view(torch.uint8), group=ranks.exchange_group)
+        for node, part in enumerate(parts):
+            if node != ranks.node:
+                first, last = store.shard_range(group, node * ranks.local_world_size + ranks.local_rank)
+                wire[first:last] = part[: last - first]
+
+    def gather_whole(self, group: int, arena: str) -> Tensor | None:
+        """Split state: `group`'s whole flat master weights (`arena` "master") or optimizer state
+        ("state.NAME"), gathered from every host's first rank to rank 0; None on the other ranks.
+        Every host's first rank must call it for the same groups in the same order."""
+        store, ranks = self.store, self.ranks
+        own = store.master(group) if arena == "master" else store.state(arena[len("state.") :], group)
+        size = store.shard_size(group) * store.owned[1]
+        part = torch.zeros(size, dtype=own.dtype)
+        part[: own.numel()] = own
+        parts = [torch.empty_like(part) for _ in range(ranks.n_nodes)] if ranks.is_main else None
+        dist.gather(part, parts, dst=0, group=ranks.host_mains_group)
+        if not ranks.is_main:
+            return None
+        whole = torch.empty(store.layouts[group].numel, dtype=own.dtype)
+        for node, part in enumerate(parts):
+            first = min(node * size, whole.numel())
+            last = min(first + size, whole.numel())
+            whole[first:last] = part[: last - first]
+        return whole
 
     def any(self, flag: bool) -> bool:
         """True on every rank if it is true on any (a stop request seen by one rank stops all)."""

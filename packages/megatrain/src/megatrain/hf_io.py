@@ -8,8 +8,8 @@ from pathlib import Path
 
 from megatrain_store import (
     HostStore,
+    Pending,
     atomic_write_text,
-    load_tensors_into,
     match_tensors,
     read_safetensors_header,
     read_tensor,
@@ -42,8 +42,62 @@ def dequantize_mxfp4(blocks, scales):
 
 
 def named_masters(store: HostStore) -> dict:
-    """fp32 master weights by Hugging Face name (views into the store)."""
+    """fp32 master weights by Hugging Face name (views into the store, which must hold every group whole)."""
     return {name: view for group in range(store.n_groups) for name, view in store.master_views(group).items()}
+
+
+class WholeGroups:
+    """A store's master weights or optimizer state as named tensors to write, produced a group at a
+    time in group order: views of its own buffers when it holds whole groups; otherwise (hosts split
+    the state) each group is gathered from every host when its turn comes, by `gather(group, arena)`,
+    which returns the whole flat group on the writing rank and None on the others. Those `replay`
+    the same entries, so every host takes part in each gather in the same order."""
+
+    def __init__(self, store: HostStore, gather=None):
+        self.store, self.gather = store, gather
+        self._last = (None, None)
+
+    def _whole(self, arena: str, group: int):
+        if self.gather is None:
+            return self.store.master(group) if arena == "master" else self.store.state(arena[len("state.") :], group)
+        if self._last[0] != (arena, group):
+            self._last = (None, None)  # let the previous group go before the next arrives
+            self._last = ((arena, group), self.gather(group, arena))
+        return self._last[1]
+
+    def entries(self, arena: str = "master", prefix: str = "", groups=None) -> list:
+        """(prefix + name, Pending) for every tensor of `groups` (default all), in buffer order."""
+        out = []
+        for group in range(self.store.n_groups) if groups is None else groups:
+            for e in self.store.layouts[group].entries:
+
+                def load(arena=arena, group=group, e=e):
+                    whole = self._whole(arena, group)
+                    return None if whole is None else whole[e.offset : e.offset + e.numel].view(e.shape)
+
+                out.append((prefix + e.name, Pending(e.shape, self.store.master_dtype, load)))
+        return out
+
+    @staticmethod
+    def replay(entries: list) -> None:
+        """Take part in writing `entries` without writing them (a rank that holds part of the state)."""
+        for _, pending in entries:
+            pending.load()
+
+
+def load_groups(store: HostStore, files: list[Path], arena: str = "master", prefix: str = "") -> None:
+    """Fill the store's master weights (or optimizer state `state.NAME`) from safetensors files naming
+    them `prefix + name`, group by group through `store.writing` (whatever part of the state it holds);
+    every tensor's presence and shape is checked first, so a bad file leaves the store untouched."""
+    from safetensors import safe_open
+
+    shapes = {prefix + e.name: e.shape for layout in store.layouts for e in layout.entries}
+    where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
+    handles = {path: safe_open(str(path), framework="pt") for path in set(where.values())}
+    for group in range(store.n_groups):
+        with store.writing(group, arena) as views:
+            for name, view in views.items():
+                view.copy_(handles[where[prefix + name]].get_tensor(prefix + name))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -105,29 +159,35 @@ def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
 
 
 def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
-    """Stream the directory's tensors into the fp32 masters (any stored dtype), then refresh wire copies.
+    """Stream the directory's tensors into the fp32 masters (any stored dtype), group by group through
+    `store.writing` (which also refreshes the wire copies).
 
     A fused expert tensor is loaded into the view of the masters that spans the tensors it covers
     (they lie back to back in the layer's buffer); MXFP4 experts are dequantized into theirs."""
+    from safetensors import safe_open
+
     files = checkpoint_files(model_dir)
-    masters = named_masters(store)
     layout, quantized, shapes = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
-    targets = {}
-    for name, (shape, covered) in layout.items():
-        if name not in quantized:
-            first = masters[covered[0]]
-            targets[name] = first.view(-1).as_strided((prod(shape),), (1,)).view(shape)
-    ignore_quantized = {f"{name}_{part}" for name in quantized for part in ("blocks", "scales")}
-    load_tensors_into(files, targets, ignore=lambda n: spec.checkpoint_names_to_ignore(n) or n in ignore_quantized)
     if quantized:
         print(
             f"megatrain: dequantizing {len(quantized)} MXFP4 expert tensors into fp32 master weights", file=sys.stderr
         )
-    for name in quantized:
-        blocks, scales = (read_tensor(where[f"{name}_{part}"], f"{name}_{part}") for part in ("blocks", "scales"))
-        masters[name].copy_(dequantize_mxfp4(blocks, scales))
-    store.refresh_wire()
+    group_of = {name: group for group, lay in enumerate(store.layouts) for name in lay.names}
+    by_group: dict[int, list[str]] = {}
+    for name, (_, covered) in layout.items():
+        by_group.setdefault(group_of[covered[0]], []).append(name)
+    handles = {path: safe_open(str(path), framework="pt") for path in set(where.values())}
+    for group in range(store.n_groups):
+        with store.writing(group) as masters:
+            for name in by_group.get(group, ()):
+                shape, covered = layout[name]
+                if name in quantized:
+                    blocks, scales = (read_tensor(where[f"{name}_{p}"], f"{name}_{p}") for p in ("blocks", "scales"))
+                    masters[name].copy_(dequantize_mxfp4(blocks, scales))
+                else:  # the view spanning the tensors `name` covers
+                    target = masters[covered[0]].view(-1).as_strided((prod(shape),), (1,)).view(shape)
+                    target.copy_(handles[where[name]].get_tensor(name))
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
@@ -139,23 +199,22 @@ def write_hf_directory(
     """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known, with
     the tokenizer files beside it (tokenizer_config.json holds the chat template a fine-tuned model needs).
 
-    entries: (name, nbytes, load) in file order; `load()` returns the tensor to write, so
-    only one shard's tensors are materialized at a time."""
+    entries: (name, Pending) in file order, each loaded as it is written: one tensor at a time."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards, size = [[]], 0
-    for entry in entries:
-        if shards[-1] and size + entry[1] > shard_bytes:
+    for name, pending in entries:
+        nbytes = pending.numel() * pending.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(entry)
-        size += entry[1]
+        shards[-1].append((name, pending))
+        size += nbytes
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = [(name, load()) for name, _, load in shard]
-        total += write_safetensors(out_dir / filename, tensors, metadata={"format": "pt"})
-        weight_map.update({name: filename for name, _ in tensors})
+        total += write_safetensors(out_dir / filename, shard, metadata={"format": "pt"})
+        weight_map.update({name: filename for name, _ in shard})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
@@ -169,11 +228,17 @@ def write_hf_directory(
 
 
 def export_hf(
-    store: HostStore, spec: ModelSpec, out_dir: Path, tokenizer: Path | None = None, shard_bytes: int = SHARD_BYTES
+    store: HostStore,
+    spec: ModelSpec,
+    out_dir: Path,
+    tokenizer: Path | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    gather=None,
 ) -> Path:
     """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
-    transformers loads as the matching *ForCausalLM; copies tokenizer.json when given."""
-    entries = [(name, t.numel() * t.element_size(), lambda t=t: t) for name, t in named_masters(store).items()]
+    transformers loads as the matching *ForCausalLM; copies tokenizer.json when given. With hosts
+    that split the state, `gather` brings each group to this rank (see `WholeGroups`)."""
+    entries = WholeGroups(store, gather).entries("master")
     return write_hf_directory(out_dir, entries, config_to_hf(spec.config), tokenizer, shard_bytes)
 
 
@@ -203,8 +268,8 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                nbytes = torch.Size(handle.get_slice(name).get_shape()).numel() * target.itemsize
-                entries.append((name, nbytes, lambda path=path, name=name: load(path, name)))
+                shape = tuple(handle.get_slice(name).get_shape())
+                entries.append((name, Pending(shape, target, lambda path=path, name=name: load(path, name))))
     tokenizer = next(
         (t for t in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json") if t.exists()), None
     )

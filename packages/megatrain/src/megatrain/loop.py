@@ -242,13 +242,11 @@ def train(config: Config, resume: Path | None = None) -> Path:
         if config.engine.trace:
             suffix = "" if trainer.ranks is None else f"-rank{trainer.ranks.rank}"
             trainer.timeline.write_chrome_trace(out / f"trace{suffix}.json")
+        final = trainer.export(out / "final", tokenizer)  # every rank: hosts holding parts of the state send them
         if main:
-            final = trainer.export(out / "final", tokenizer)
             if plot_loss(metrics_path, out / "loss.png"):
                 print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
             print(f"model written to {final}", file=sys.stderr)
-        else:
-            trainer.finish_updates()
     finally:
         stop.__exit__()
         if writer is not None:

@@ -28,7 +28,7 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
-from .hf_io import check_hf_weights, export_hf, load_hf_weights, named_masters
+from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
 # Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
@@ -80,7 +80,7 @@ class Trainer:
         ]
         self.eager_updates = config.train.grad_clip == 0
         pool = (GRADIENT_POOL if self.eager_updates else None) if training else 1  # evaluation lands no gradient
-        self.ranks = init_ranks(self.device.type)
+        self.ranks = init_ranks(self.device.type, config.engine.shard_across_hosts)
         if self.ranks is not None:
             check_data_parallel(config, self.ranks)
             if self.device.type == "cuda":
@@ -95,7 +95,7 @@ class Trainer:
             first_disk_group=plan.first_disk_group,
             wire_copy=config.engine.wire_copy,
             shared=None if self.ranks is None else shared_arenas(self.ranks),
-            shard=(0, 1) if self.ranks is None else (self.ranks.local_rank, self.ranks.local_world_size),
+            **self._shards(),
         )
         self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
@@ -130,15 +130,30 @@ class Trainer:
         self._landed: dict[int, object] = {}
         self._lr = 0.0
 
+    def _shards(self) -> dict:
+        """The store's `shard` (the slice of each group this rank updates) and `owned` (the slices
+        its host holds the state of): its host's 1/L, or with split hosts its own 1/N of N ranks."""
+        ranks = self.ranks
+        if ranks is None:
+            return {}
+        if ranks.split_state:
+            return {"shard": (ranks.rank, ranks.world_size), "owned": (ranks.node * ranks.local_world_size, ranks.local_world_size)}
+        return {"shard": (ranks.local_rank, ranks.local_world_size)}
+
+    @property
+    def store_is_split(self) -> bool:
+        """The hosts split the master weights and optimizer state (each holds its part)."""
+        return self.ranks is not None and self.ranks.split_state
+
     def _init_weights(self) -> None:
         if self.config.model.hf_dir is not None:
             load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
             return
         generator = torch.Generator().manual_seed(self.config.train.seed)
-        for group in range(self.store.n_groups):
-            for name, view in self.store.master_views(group).items():
-                init_param_(name, view, self.model_config, generator)
-        self.store.refresh_wire()
+        for group in range(self.store.n_groups):  # every host draws every group: the same weights as one process
+            with self.store.writing(group) as views:
+                for name, view in views.items():
+                    init_param_(name, view, self.model_config, generator)
 
     # ------------------------------------------------------------ engine hooks
     def _wait_for_updates(self, groups: tuple[int, ...]) -> None:
@@ -173,6 +188,8 @@ class Trainer:
                 self.optimizer.update_group(group, lr, clip, step)
         self.store.write_behind_state(group)
         self.store.release_grad(group)
+        if self.store_is_split:  # (skipped or not: every host's rank takes part in each exchange)
+            self.sync.exchange_updated_weights(group)
         self._mark_applied(group, applied)  # `applied` optimizer steps are in this rank's shard
 
     def _read_ahead(self, group: int, first: int) -> None:
@@ -242,7 +259,7 @@ class Trainer:
         loss_sum, sq_norms = result.loss_sum, result.group_sq_norms
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
-            sq_norms = self.sync.all_reduce(sq_norms, across_hosts=False)  # shards of one host cover the gradient
+            sq_norms = self.sync.sum_over_shards(sq_norms)
         loss = loss_sum.item() / n_targets
         aux = None
         if router_load is not None:
@@ -352,9 +369,18 @@ class Trainer:
         return [self.store.wire(g).to(self.device, self.compute_dtype) for g in groups]
 
     def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
-        """Write the current weights as a Hugging Face model directory (see `export_hf`)."""
+        """Write the current weights as a Hugging Face model directory (see `export_hf`); with several
+        ranks, call it on every rank: rank 0 writes (gathering whole groups where hosts split the state)."""
         self.finish_updates()
-        return export_hf(self.store, self.spec, out_dir, tokenizer, **options)
+        if not self.is_main:
+            if self.store_is_split and self.ranks.is_local_main:
+                WholeGroups.replay(self.whole_groups().entries("master"))
+            return Path(out_dir)
+        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=self.whole_groups().gather, **options)
+
+    def whole_groups(self) -> WholeGroups:
+        """The store's state as whole groups to write (gathered to rank 0 where the hosts split it)."""
+        return WholeGroups(self.store, self.sync.gather_whole if self.store_is_split else None)
 
     def close(self) -> None:
         self.finish_updates()

@@ -141,6 +141,7 @@ class HostAdamW:
             raise OptimError("update_group called before begin_step")
         store, cfg = self.store, self.config
         start, end = store.shard_range(group)
+        offset = store.owned_range(group)[0]  # master and moments hold [offset, ...) of the group
         master, grad = store.master(group), store.grad(group)  # grad holds [start, end) only
         exp_avg, exp_avg_sq = store.state("exp_avg", group), store.state("exp_avg_sq", group)
         grad_scale = None
@@ -156,10 +157,10 @@ class HostAdamW:
             if not runs:
                 continue
             adamw_update_(
-                [master[a:b] for a, b in runs],
+                [master[a - offset : b - offset] for a, b in runs],
                 [grad[a - start : b - start] for a, b in runs],
-                [exp_avg[a:b] for a, b in runs],
-                [exp_avg_sq[a:b] for a, b in runs],
+                [exp_avg[a - offset : b - offset] for a, b in runs],
+                [exp_avg_sq[a - offset : b - offset] for a, b in runs],
                 self._step_tensor if step is None else step,
                 lr=lr,
                 beta1=cfg.betas[0],

@@ -2,6 +2,7 @@
 
 from .errors import StoreError
 from .io import (
+    Pending,
     atomic_write,
     atomic_write_text,
     fsync_dir,
@@ -21,6 +22,7 @@ __all__ = [
     "GroupLayout",
     "HostStore",
     "MemoryReport",
+    "Pending",
     "SharedArenas",
     "StoreError",
     "atomic_write",

@@ -9,6 +9,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,8 +57,28 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda handle: handle.write(text.encode()))
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, Tensor]], metadata: dict[str, str] | None = None) -> int:
-    """Write named tensors (views are fine: each is written from its own memory) atomically.
+@dataclass(frozen=True)
+class Pending:
+    """A tensor to write that is produced only when its turn comes (`load()`, called once, in file
+    order): a file can then stream from sources that are never all in memory at once, such as
+    state gathered from other hosts one group at a time."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], Tensor]
+
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+def write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, Tensor | Pending]], metadata: dict[str, str] | None = None
+) -> int:
+    """Write named tensors (views are fine: each is written from its own memory; `Pending` ones are
+    loaded as they are written) atomically.
 
     Returns the file size in bytes."""
     items = [(name, t) for name, t in tensors]
@@ -81,7 +102,11 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, Tensor]], metadat
     def write(handle):
         handle.write(struct.pack("<Q", len(encoded)))
         handle.write(encoded)
-        for _, tensor in items:
+        for name, tensor in items:
+            if isinstance(tensor, Pending):
+                expected, tensor = tensor, tensor.load()
+                if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
+                    raise StoreError(f"tensor {name!r} arrived as {tensor.dtype}{tuple(tensor.shape)}, not as announced")
             if tensor.numel():
                 handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 

@@ -7,6 +7,7 @@ writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 
 import mmap
 import threading
+from contextlib import contextmanager
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,13 @@ class HostStore:
     and optimizer-state arenas are mapped from files every process of the host opens, and
     `shard=(index, count)` makes this process hold gradients only for its 1/count slice of
     each group (`shard_range`), the part it updates.
+
+    Several hosts may split the state instead of each keeping all of it: `owned=(first, n)`
+    keeps master weights and optimizer state only for shards first .. first+n-1 of each group
+    (`owned_range`, contiguous); `master(group)` and `state(name, group)` are then that range
+    only, and a full compute-dtype wire copy of every group is kept for streaming (its other
+    hosts' parts are received from them after each update). Whole groups are written through
+    `writing(group)`.
     """
 
     def __init__(
@@ -102,6 +110,7 @@ class HostStore:
         wire_copy: bool = False,
         shared: SharedArenas | None = None,
         shard: tuple[int, int] = (0, 1),
+        owned: tuple[int, int] | None = None,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -120,8 +129,20 @@ class HostStore:
         if not 0 <= shard[0] < shard[1]:
             raise StoreError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
         self.shard = shard
+        self.owned = (0, shard[1]) if owned is None else owned
+        if not (0 <= self.owned[0] and self.owned[1] >= 1 and sum(self.owned) <= shard[1]):
+            raise StoreError(f"owned must be (first shard, number of shards) within the {shard[1]} shards, got {owned}")
+        if not self.owned[0] <= shard[0] < sum(self.owned):
+            raise StoreError(f"this process's shard {shard[0]} must be among the owned shards {self.owned}")
+        self.owns_all = self.owned == (0, shard[1])
         if shared is not None and state_dir is not None:
             raise StoreError("the disk tier (state_dir) cannot be combined with shared arenas yet")
+        # master weights and optimizer state: the owned range of each group, back to back
+        self.owned_starts: list[int] = []
+        owned_total = 0
+        for group in range(self.n_groups):
+            self.owned_starts.append(owned_total)
+            owned_total += _align(self.owned_numel(group))
         # gradients: this shard's slice of each group, back to back
         self.grad_starts: list[int] = []
         grad_total = 0
@@ -129,8 +150,8 @@ class HostStore:
             self.grad_starts.append(grad_total)
             grad_total += _align(self.shard_numel(group))
 
-        self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, name="master")}
-        if wire_copy and compute_dtype != self.master_dtype:
+        self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
+        if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
         self.grad_buffers = grad_buffers
         if grad_buffers is None:
@@ -148,7 +169,7 @@ class HostStore:
             raise StoreError(f"first_disk_group must be in 0..{self.n_groups}, got {first_disk_group}")
         # groups from here on keep their optimizer state in files (all of it in RAM without a state_dir)
         self.first_disk_group = first_disk_group if state_dir is not None else self.n_groups
-        ram_numel = self.starts[self.first_disk_group] if self.first_disk_group < self.n_groups else total
+        ram_numel = self.owned_starts[self.first_disk_group] if self.first_disk_group < self.n_groups else owned_total
         self._state_maps: dict[str, np.memmap] = {}
         on_disk = self.first_disk_group < self.n_groups
         # one thread reads ahead, one writes behind: the disk serves both directions at once
@@ -157,7 +178,7 @@ class HostStore:
         for name in self.state_names:
             self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel, name=f"state.{name}")
             if on_disk:
-                self._map(name, total - ram_numel)
+                self._map(name, owned_total - ram_numel)
 
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"
@@ -187,7 +208,7 @@ class HostStore:
 
     def _disk_offset(self, group: int) -> int:
         """Where `group`'s optimizer state starts in the state files, in elements."""
-        return self.starts[group] - self.starts[self.first_disk_group]
+        return self.owned_starts[group] - self.owned_starts[self.first_disk_group]
 
     def _state_range(self, name: str, group: int) -> tuple[mmap.mmap, int, int]:
         """The page-aligned byte range of `group` in state file `name`."""
@@ -254,25 +275,39 @@ class HostStore:
         count = self.shard[1]
         return _align(-(-self.layouts[group].numel // count))
 
-    def shard_range(self, group: int) -> tuple[int, int]:
-        """[start, end) of this process's shard within `group`'s flat buffers."""
+    def shard_range(self, group: int, index: int | None = None) -> tuple[int, int]:
+        """[start, end) of this process's shard (or shard `index`) within `group`'s flat buffers."""
         numel, size = self.layouts[group].numel, self.shard_size(group)
-        start = min(self.shard[0] * size, numel)
+        start = min((self.shard[0] if index is None else index) * size, numel)
         return start, min(start + size, numel)
 
     def shard_numel(self, group: int) -> int:
         start, end = self.shard_range(group)
         return end - start
 
+    def owned_range(self, group: int) -> tuple[int, int]:
+        """[start, end) of `group` whose master weights and optimizer state this store holds."""
+        numel, size = self.layouts[group].numel, self.shard_size(group)
+        first, count = self.owned
+        start = min(first * size, numel)
+        return start, min((first + count) * size, numel)
+
+    def owned_numel(self, group: int) -> int:
+        start, end = self.owned_range(group)
+        return end - start
+
     def _slice(self, arena: str, group: int) -> Tensor:
         if arena == "grad":
             start = self.grad_starts[group]
             return self.arenas[arena][start : start + self.shard_numel(group)]
-        start = self.starts[group]
-        return self.arenas[arena][start : start + self.layouts[group].numel]
+        if arena == "wire":
+            start = self.starts[group]
+            return self.arenas[arena][start : start + self.layouts[group].numel]
+        start = self.owned_starts[group]
+        return self.arenas[arena][start : start + self.owned_numel(group)]
 
     def master(self, group: int) -> Tensor:
-        """fp32 master weights of `group`, flat."""
+        """fp32 master weights of `group`, flat: [owned_range) of it (all of it unless hosts split the state)."""
         return self._slice("master", group)
 
     def wire(self, group: int) -> Tensor:
@@ -307,25 +342,49 @@ class HostStore:
             self._grads_changed.notify_all()
 
     def state(self, name: str, group: int) -> Tensor:
-        """Named fp32 optimizer state of `group`, flat (same layout as the master)."""
+        """Named fp32 optimizer state of `group`, flat (same range as the master)."""
         if name not in self.state_names:
             raise StoreError(f"no optimizer state named {name!r}; this store holds {list(self.state_names)}")
         if group >= self.first_disk_group:
             start = self._disk_offset(group)
-            return torch.from_numpy(self._state_maps[name][start : start + self.layouts[group].numel])
+            return torch.from_numpy(self._state_maps[name][start : start + self.owned_numel(group)])
         return self._slice(f"state.{name}", group)
 
     def master_views(self, group: int) -> dict[str, Tensor]:
+        """The named parameters of `group` as views of its master (this store must hold all of it)."""
+        if not self.owns_all:
+            raise StoreError(
+                f"this store holds only [{self.owned_range(group)}) of group {group}'s master weights (hosts split the "
+                "state); write whole groups through writing(group)"
+            )
         return self.layouts[group].views(self.master(group))
 
+    @contextmanager
+    def writing(self, group: int, arena: str = "master"):
+        """Named views of a whole group to fill (the master, or optimizer state `state.NAME`); on exit
+        the store keeps its owned range and, for the master, refreshes the wire copy of the group.
+        They are the store's own buffers when it holds the whole group, else a temporary buffer."""
+        own = self.master(group) if arena == "master" else self.state(arena.removeprefix("state."), group)
+        whole = own if self.owns_all else torch.zeros(self.layouts[group].numel, dtype=self.master_dtype)
+        yield self.layouts[group].views(whole)
+        if not self.owns_all:
+            start, end = self.owned_range(group)
+            own.copy_(whole[start:end])
+            if arena == "master":
+                self.wire(group).copy_(whole)
+        elif arena == "master":
+            self.refresh_wire(group)
+
     def refresh_wire(self, group: int | None = None, span: tuple[int, int] | None = None) -> None:
-        """Rewrite the wire copy of `group` (None: of every group; `span`: only [start, end) of it) from
-        its master, after the master was written outside the optimizer; a no-op without a wire copy."""
+        """Rewrite the wire copy of `group` (None: of every group; `span`: only [start, end) of it, within
+        the owned range) from its master, after the master was written outside the optimizer; a no-op
+        without a wire copy."""
         if "wire" not in self.arenas:
             return
         for g in range(self.n_groups) if group is None else (group,):
-            start, end = span or (0, self.layouts[g].numel)
-            self.wire(g)[start:end].copy_(self.master(g)[start:end])
+            offset, owned_end = self.owned_range(g)
+            start, end = span or (offset, owned_end)
+            self.wire(g)[start:end].copy_(self.master(g)[start - offset : end - offset])
 
     def memory_report(self) -> MemoryReport:
         sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
