@@ -113,7 +113,9 @@ def two_hosts(ranks_per_host: int) -> list[list[str]]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return [
-        torchrun(ranks_per_host, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}")
+        torchrun(
+            ranks_per_host, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"
+        )
         for node in range(2)
     ]
 
@@ -135,8 +137,10 @@ def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_cli
     for name in ("one", "split"):  # the same checkpoint files, whoever wrote them
         checkpoint = tmp_path / name / "checkpoints" / "step-00000004"
         for kind in ("model", "optimizer"):
-            assert_same_weights(load_file(str(tmp_path / "one" / "checkpoints" / "step-00000004" / f"{kind}.safetensors")),
-                                load_file(str(checkpoint / f"{kind}.safetensors")))
+            assert_same_weights(
+                load_file(str(tmp_path / "one" / "checkpoints" / "step-00000004" / f"{kind}.safetensors")),
+                load_file(str(checkpoint / f"{kind}.safetensors")),
+            )
     if grad_clip:
         resumed = resume(tmp_path, "split", [sys.executable], steps=6)  # split hosts' checkpoint on one process
         again = resume(tmp_path, "one", two_hosts(1), steps=6, engine={"shard_across_hosts": True})

@@ -195,5 +195,10 @@ def test_hosts_that_split_the_state_update_as_one_store(tmp_path):
         start, end = store.shard_range(0)
         offset = store.owned_range(0)[0]
         assert rel_err(store.master(0)[start - offset : end - offset], whole.master(0)[start:end]) < 1e-6
-        assert rel_err(store.state("exp_avg_sq", 0)[start - offset : end - offset], whole.state("exp_avg_sq", 0)[start:end]) < 1e-6
+        assert (
+            rel_err(
+                store.state("exp_avg_sq", 0)[start - offset : end - offset], whole.state("exp_avg_sq", 0)[start:end]
+            )
+            < 1e-6
+        )
         assert torch.equal(store.wire(0)[start:end], store.master(0)[start - offset : end - offset].to(torch.bfloat16))

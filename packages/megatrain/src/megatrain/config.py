@@ -172,7 +172,9 @@ class Config:
 
     def __post_init__(self):
         if self.train.eval_every and self.data.validation is None:
-            raise ConfigError("train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)")
+            raise ConfigError(
+                "train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
 

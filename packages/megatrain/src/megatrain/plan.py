@@ -236,7 +236,10 @@ def make_plan(
     # compute grows with the tokens, the rest does not: the step is compute-bound from here on
     per_token = compute_s / gpu_tokens
     others = max(
-        transfer_s / per_token, optimizer_s / ((1 - serial_share) * per_token), disk_s / per_token, network_s / per_token
+        transfer_s / per_token,
+        optimizer_s / ((1 - serial_share) * per_token),
+        disk_s / per_token,
+        network_s / per_token,
     )
     compute_bound_tokens = int(math.ceil(others)) * gpus * hosts if compute_s else 0
     return Plan(

@@ -137,7 +137,10 @@ class Trainer:
         if ranks is None:
             return {}
         if ranks.split_state:
-            return {"shard": (ranks.rank, ranks.world_size), "owned": (ranks.node * ranks.local_world_size, ranks.local_world_size)}
+            return {
+                "shard": (ranks.rank, ranks.world_size),
+                "owned": (ranks.node * ranks.local_world_size, ranks.local_world_size),
+            }
         return {"shard": (ranks.local_rank, ranks.local_world_size)}
 
     @property

@@ -152,7 +152,9 @@ class HostAdamW:
                 grad.mul_(clip_coef)  # the fused kernel takes only an fp32 scale
         for decay in (True, False):
             runs = [
-                (max(o, start), min(o + n, end)) for o, n, d in self._runs[group] if d == decay and o < end and o + n > start
+                (max(o, start), min(o + n, end))
+                for o, n, d in self._runs[group]
+                if d == decay and o < end and o + n > start
             ]
             if not runs:
                 continue

@@ -106,7 +106,9 @@ def write_safetensors(
             if isinstance(tensor, Pending):
                 expected, tensor = tensor, tensor.load()
                 if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
-                    raise StoreError(f"tensor {name!r} arrived as {tensor.dtype}{tuple(tensor.shape)}, not as announced")
+                    raise StoreError(
+                        f"tensor {name!r} arrived as {tensor.dtype}{tuple(tensor.shape)}, not as announced"
+                    )
             if tensor.numel():
                 handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 

@@ -7,10 +7,10 @@ writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 
 import mmap
 import threading
-from contextlib import contextmanager
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
