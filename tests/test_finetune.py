@@ -107,9 +107,7 @@ def test_template_ids_equal_transformers_and_train_assistant_turns(name, tokeniz
         everything = encode_conversation(template, tokenizer, messages, train_on_prompt=True)[1]
         assert all(everything)
     if name == "qwen2.5":  # the template's default system turn is rendered (and not trained)
-        text = tokenizer.decode(
-            encode_conversation(template, tokenizer, CONVERSATIONS[0])[0], skip_special_tokens=False
-        )
+        text = tokenizer.decode(encode_conversation(template, tokenizer, CONVERSATIONS[0])[0], skip_special_tokens=False)
         assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
 
 
@@ -141,9 +139,7 @@ def write_jsonl(path, records):
 def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
     model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "llama-3.1")
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS])
-    section = DataSection(
-        dataset=str(source), format="messages", seq_len=160, tokenizer=str(model_dir / "tokenizer.json")
-    )
+    section = DataSection(dataset=str(source), format="messages", seq_len=160, tokenizer=str(model_dir / "tokenizer.json"))
     data = load_token_data(section, 700, tmp_path / "cache", None)
     assert data.report[0] == f"chat template: {model_dir / 'tokenizer_config.json'}"
     hf = hf_tokenizer(tokenizer_dir, "llama-3.1", TEMPLATES["llama-3.1"])
@@ -288,12 +284,7 @@ def test_evaluation_equals_plain_pytorch_loss(tmp_path):
 def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_dir, capsys):
     model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "qwen2.5")
     records = [
-        {
-            "conversations": [
-                {"from": "human", "value": f"Count to {i}."},
-                {"from": "gpt", "value": " ".join(map(str, range(i)))},
-            ]
-        }
+        {"conversations": [{"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": " ".join(map(str, range(i)))}]}
         for i in range(2, 42)
     ]
     write_jsonl(tmp_path / "count.jsonl", records)
