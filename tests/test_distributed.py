@@ -238,3 +238,21 @@ def test_each_rank_plans_for_its_share_of_the_global_batch(monkeypatch):
     alone, shared = make_plan(config), make_plan(config, gpus=4, hosts=2)
     assert shared.tokens_per_step == alone.tokens_per_step
     assert shared.compute_s == pytest.approx(alone.compute_s / 8, rel=0.05)
+
+
+def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
+    """Split over 4 hosts, a host holds a quarter of the masters, moments and gradients and a whole
+    bf16 copy (2 + 16 / 4 B/param with clipping), updates a quarter, and sends its quarter of the
+    weights plus the others' part of its gradient sum."""
+    from megatrain.config import load_config
+    from megatrain.plan import make_plan
+
+    overrides = ["model.preset=qwen2.5-7b", "train.batch_size=64", "data.seq_len=2048", "device=cpu"]
+    config = load_config(None, [*overrides, "precision.compute_dtype=bfloat16"])
+    split = load_config(None, [*overrides, "precision.compute_dtype=bfloat16", "engine.shard_across_hosts=true"])
+    replicated, parts = make_plan(config, gpus=8, hosts=4), make_plan(split, gpus=8, hosts=4)
+    assert replicated.host_bytes_per_param == pytest.approx(16, abs=0.1)
+    assert parts.split_state and parts.host_bytes_per_param == pytest.approx(2 + 16 / 4, abs=0.1)
+    assert parts.optimizer_s == pytest.approx(replicated.optimizer_s / 4)
+    assert parts.network_bytes == pytest.approx(3 / 4 * (4 + 2) * parts.n_params, rel=1e-6)
+    assert make_plan(split).host_bytes == make_plan(config).host_bytes  # one host: nothing to split

@@ -85,8 +85,9 @@ class Plan:
     compute_bound_tokens: int = 0  # tokens per step from which the GPU's work is the longest part
     gpus: int = 1  # per host
     hosts: int = 1
-    network_bytes: int = 0  # sent by each host per step (gradient all-reduce across hosts)
+    network_bytes: int = 0  # sent by each host per step (gradients, and weights where hosts split the state)
     network_s: float = 0.0
+    split_state: bool = False  # the hosts split the master weights and moments (engine.shard_across_hosts)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -159,18 +160,23 @@ def make_plan(
     hosts: int = 1,
 ) -> Plan:
     """The plan for `config` on this machine's GPU, or on one with `gpu_memory` bytes; with `gpus`
-    per host and `hosts` (data parallel, a replica of the state per host) host bytes are per host,
-    GPU bytes per GPU, and the step splits the global batch over every GPU."""
+    per host and `hosts` (data parallel: a replica of the state per host, or the state split over
+    them with engine.shard_across_hosts) host bytes are per host, GPU bytes per GPU, and the step
+    splits the global batch over every GPU."""
     model = model or model_config_of(config)
     rates = rates or load_rates()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.precision.compute_dtype, device)
     element = torch.finfo(dtype).bits // 8
     full_grads = config.train.grad_clip > 0
-    wire_copy = config.engine.wire_copy and dtype != torch.float32
+    split = config.engine.shard_across_hosts and hosts > 1
+    wire_copy = (config.engine.wire_copy or split) and dtype != torch.float32
     per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads, wire_copy)
     largest_group = max(group_sizes(model))
     pool = 0 if full_grads else GRADIENT_POOL * largest_group * 4
+    if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
+        per_param = element + (per_param - (element if wire_copy else 0)) / hosts
+        pool /= hosts
     tokens = config.train.batch_size * config.data.seq_len
     gpu_tokens = tokens // (gpus * hosts)  # each GPU runs its share of the global batch
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
@@ -211,10 +217,15 @@ def make_plan(
     transfer_s = model.n_params * max(2 * wire, 4) / (rates.pcie_gbps * 1e9)
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
-    optimizer_s = model.n_params / rates.cpu_adam_params_per_s
-    # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce
-    network_bytes = int(2 * (hosts - 1) / hosts * 4 * model.n_params)
+    optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
+    # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
+    # split: the other hosts' parts of its gradient sum (a reduce-scatter), then its updated part of
+    # the weights to each of them
+    fraction = (hosts - 1) / hosts
+    network_bytes = int(fraction * (4 + element) * model.n_params if split else 2 * fraction * 4 * model.n_params)
     network_s = network_bytes / (rates.network_gbps * 1e9)
+    # split: a host's updated part goes out from the optimizer thread, after each group's update
+    exchange_s = fraction * element * model.n_params / (rates.network_gbps * 1e9) if split else 0.0
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / (rates.pcie_gbps * 1e9)
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
@@ -227,7 +238,7 @@ def make_plan(
     bounds = {
         "compute": compute_s,
         "pcie": transfer_s,
-        "cpu_optimizer": optimizer_s + serial_share * compute_s,
+        "cpu_optimizer": optimizer_s + exchange_s + serial_share * compute_s,
         "disk": disk_s,
         "network": network_s,
     }
@@ -237,7 +248,7 @@ def make_plan(
     per_token = compute_s / gpu_tokens
     others = max(
         transfer_s / per_token,
-        optimizer_s / ((1 - serial_share) * per_token),
+        (optimizer_s + exchange_s) / ((1 - serial_share) * per_token),
         disk_s / per_token,
         network_s / per_token,
     )
@@ -270,6 +281,7 @@ def make_plan(
         hosts,
         network_bytes,
         network_s,
+        split,
     )
 
 
@@ -447,7 +459,9 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f", {plan.offloaded_layers} layers' activation checkpoints in host memory" if plan.offloaded_layers else ""),
         f"tokens per step  {plan.tokens_per_step:,}"
         + (
-            f" over {plan.gpus} GPU(s) x {plan.hosts} host(s); host memory per host, GPU memory per GPU"
+            f" over {plan.gpus} GPU(s) x {plan.hosts} host(s)"
+            + (" splitting the state" if plan.split_state else "")
+            + "; host memory per host, GPU memory per GPU"
             + (f"; {plan.network_bytes / 1e9:.1f} GB per host per step between hosts" if plan.hosts > 1 else "")
             if plan.gpus * plan.hosts > 1
             else ""
