@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory instead of this machine's"
     )
     plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per host (data parallel, torchrun)")
-    plan_parser.add_argument("--hosts", type=int, default=1, help="hosts (a replica of the state each, or a part: engine.shard_across_hosts)")
+    plan_parser.add_argument(
+        "--hosts", type=int, default=1, help="hosts (a replica of the state each, or a part: engine.shard_across_hosts)"
+    )
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
     convert_parser.add_argument("source", help="a checkpoint directory (step-NNNNNNNN) or a Hugging Face directory")
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
