@@ -138,7 +138,7 @@ def run_eval(config, args) -> None:
         load_checkpoint(trainer, directory)  # the weights (a trainer for evaluation holds no optimizer state)
         what = f"{directory} (step {manifest['step']})"
     try:
-        data = load_data(config, trainer.model_config, Path(config.output_dir), trainer)
+        data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
         windows = TokenWindows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
         result = evaluate(trainer, windows, args.batches, leave=True)

@@ -7,14 +7,15 @@ import signal
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 from megatrain_zoo import ModelConfig
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, ConfigError, model_config_of
+from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import TokenData, TokenWindows, load_token_data
-from .distributed import launch_shape
+from .distributed import Ranks, init_ranks
 from .trainer import NonFiniteError, Trainer
 
 
@@ -107,18 +108,17 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
     }
 
 
-def load_data(config: Config, model: ModelConfig, out: Path, trainer: Trainer | None = None) -> TokenData:
-    """The run's tokens. With several ranks (`trainer` given) rank 0 tokenizes and fills the cache,
-    then the other ranks read it."""
+def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None = None) -> TokenData:
+    """The run's tokens. With several ranks rank 0 tokenizes and fills the cache, then the others read it."""
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
 
     def load():
         cache = out / "cache"
         return load_token_data(config.data, model.vocab_size, cache, model_dir, model.eos_token_id, config.train.seed)
 
-    data = load() if trainer is None or trainer.is_main else None
-    if trainer is not None and trainer.sync is not None:
-        trainer.sync.barrier()
+    data = load() if ranks is None or ranks.is_main else None
+    if ranks is not None:
+        dist.barrier()
     return data if data is not None else load()
 
 
@@ -127,15 +127,14 @@ def train(config: Config, resume: Path | None = None) -> Path:
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = model_config_of(config)
-    # alone, the data is read first: a bad record stops the run before any host memory is allocated
-    data = load_data(config, model, out) if launch_shape() == (1, 1) else None
-    trainer = Trainer(config, model)
+    ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
+    # the data is read first: a bad record stops the run before any host memory is allocated
+    data = load_data(config, model, out, ranks)
+    trainer = Trainer(config, model, ranks=ranks)
     if resume is not None:
         manifest = load_checkpoint(trainer, resume)
         print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
     main = trainer.is_main
-    if data is None:
-        data = load_data(config, model, out, trainer)
     tokenizer = data.tokenizer
     windows = TokenWindows(
         data.train, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed

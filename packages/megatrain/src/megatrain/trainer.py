@@ -27,7 +27,7 @@ from megatrain_templates import Documents
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
+from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
 from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import GRADIENT_POOL, check_plan, make_plan
 
@@ -63,7 +63,13 @@ class Trainer:
     `training=False` keeps only the weights in host memory (no gradients to hold, no optimizer
     state): for `evaluate` alone."""
 
-    def __init__(self, config: Config, model_config: ModelConfig | None = None, training: bool = True):
+    def __init__(
+        self,
+        config: Config,
+        model_config: ModelConfig | None = None,
+        training: bool = True,
+        ranks: Ranks | None = None,
+    ):
         self.config = config
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
@@ -80,7 +86,8 @@ class Trainer:
         ]
         self.eager_updates = config.train.grad_clip == 0
         pool = (GRADIENT_POOL if self.eager_updates else None) if training else 1  # evaluation lands no gradient
-        self.ranks = init_ranks(self.device.type, config.engine.shard_across_hosts)
+        # the process group, where the caller has not joined it already (to read the data first)
+        self.ranks = ranks or init_ranks(self.device.type, config.engine.shard_across_hosts)
         if self.ranks is not None:
             check_data_parallel(config, self.ranks)
             if self.device.type == "cuda":
