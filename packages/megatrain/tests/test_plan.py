@@ -70,6 +70,20 @@ def test_step_time_model_is_overlap_aware():
     tokens = -(-slow_cpu.compute_bound_tokens // (8 * 2048)) * 8 * 2048  # whole micro-batches of 8 sequences
     at_crossover = make_plan(config_for("qwen2.5-7b", tokens), rates=Rates(500, 400, 50, 0.2e9))
     assert at_crossover.bound == "compute"
+    below = make_plan(config_for("qwen2.5-7b", tokens - 8 * 2048), rates=Rates(500, 400, 50, 0.2e9))
+    assert below.bound == "cpu_optimizer"
+
+
+def test_a_moe_forward_waits_for_its_weights():
+    """OLMoE at 64k tokens: the forward (a quarter of little active work) is shorter than one pass
+    of all 6.9B weights over PCIe, so the next step waits for the weights and the optimizer, not
+    for the GPU's work."""
+    rates = Rates(500, 400, 50, 3.6e9, moe_gpu_tflops=410)
+    plan = make_plan(config_for("olmoe-1b-7b", 65536), rates=rates)
+    weight_pass = plan.n_params * 4 / 50e9
+    assert 0.25 * plan.compute_s < weight_pass
+    assert plan.bound == "cpu_optimizer"
+    assert plan.step_s == pytest.approx(plan.optimizer_s + weight_pass + plan.bubble_s)
 
 
 def test_refuses_what_cannot_fit_and_names_the_largest(monkeypatch):

@@ -9,9 +9,9 @@ them on the current machine and saves them.
 """
 
 import json
-import math
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,6 +25,8 @@ from megatrain_zoo import ModelConfig, flops_per_token
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 
 CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "calibration.json"
+# the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
+FORWARD_SHARE = 0.25
 LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk plus its bf16 copies
 # Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
 # the backward by a few layers before the pipeline waits for it.
@@ -51,7 +53,7 @@ class Rates:
     gpu_tflops: float = 500.0  # hardware bf16 rate of a decoder block, recompute + backward (H100, 7B shape)
     head_tflops: float = 390.0  # the chunked LM head + loss + its backward (H100, Qwen2.5-7B vocabulary)
     pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
-    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host, while weights stream to the GPU
+    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host, in a step (beside the GPU's work and copies)
     disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
     moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
     network_gbps: float = 50.0  # between hosts, each way, per host (an assumption: 400 Gb/s; not calibrated)
@@ -206,15 +208,22 @@ def make_plan(
 
     # performance model
     counted = flops_per_token(model, config.data.seq_len) * tokens
-    head_work = 6 * model.vocab_size * model.d_model * gpu_tokens
     layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
-    compute_s = block_work(model, config.data.seq_len, gpu_tokens) / (layer_rate * 1e12) + head_work / (
-        rates.head_tflops * 1e12
-    )
+
+    def gpu_seconds(gpu_tokens: int) -> float:
+        head_work = 6 * model.vocab_size * model.d_model * gpu_tokens
+        return block_work(model, config.data.seq_len, gpu_tokens) / (layer_rate * 1e12) + head_work / (
+            rates.head_tflops * 1e12
+        )
+
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
     # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
-    transfer_s = model.n_params * max(2 * wire, 4) / (rates.pcie_gbps * 1e9)
+    pcie = rates.pcie_gbps * 1e9
+    transfer_s = model.n_params * max(2 * wire, 4) / pcie
+    # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
+    # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
+    weight_pass_s = model.n_params * wire / pcie
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
@@ -227,32 +236,43 @@ def make_plan(
     # split: a host's updated part goes out from the optimizer thread, after each group's update
     exchange_s = fraction * element * model.n_params / (rates.network_gbps * 1e9) if split else 0.0
     embed_params = model.vocab_size * model.d_model
-    bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / (rates.pcie_gbps * 1e9)
+    bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / pcie
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
-    # copies run beside compute; the disk tier reads ahead and writes behind all step long
-    # The optimizer can overlap only part of the GPU's work: updates applied as gradients land start
-    # after the forward (a quarter of the work) and the next forward waits for the last of them;
-    # with clipping they start after the backward, and the next backward waits for the forward
-    # they pace.
-    serial_share = 0.75 if full_grads else 0.25
-    bounds = {
-        "compute": compute_s,
-        "pcie": transfer_s,
-        "cpu_optimizer": optimizer_s + exchange_s + serial_share * compute_s,
-        "disk": disk_s,
-        "network": network_s,
-    }
-    bound = max(bounds, key=bounds.get)
-    step_s = bounds[bound] + bubble_s
-    # compute grows with the tokens, the rest does not: the step is compute-bound from here on
-    per_token = compute_s / gpu_tokens
-    others = max(
-        transfer_s / per_token,
-        (optimizer_s + exchange_s) / ((1 - serial_share) * per_token),
-        disk_s / per_token,
-        network_s / per_token,
-    )
-    compute_bound_tokens = int(math.ceil(others)) * gpus * hosts if compute_s else 0
+
+    def phases(gpu_tokens: int) -> dict[str, float]:
+        """What each bound would make a step of `gpu_tokens` per GPU last."""
+        compute_s = gpu_seconds(gpu_tokens)
+        forward_s = max(FORWARD_SHARE * compute_s, weight_pass_s)
+        backward_s = max((1 - FORWARD_SHARE) * compute_s, weight_pass_s, model.n_params * 4 / pcie)
+        # Updates applied as gradients land start after the forward and the next forward waits for the
+        # last of them; with clipping they start after the backward, and the next backward waits for
+        # the forward they pace.
+        serial_s = (1 - FORWARD_SHARE) * compute_s if full_grads else forward_s
+        return {
+            "compute": compute_s,
+            "pcie": forward_s + backward_s,  # = compute where both passes hide their copies (compute wins ties)
+            "cpu_optimizer": optimizer_s + exchange_s + serial_s,
+            "disk": disk_s,
+            "network": network_s,
+        }
+
+    parts = phases(gpu_tokens)
+    compute_s = parts["compute"]
+    bound = max(parts, key=parts.get)
+    step_s = parts[bound] + bubble_s
+
+    def compute_bound(gpu_tokens: int) -> bool:
+        bounds = phases(gpu_tokens)
+        return max(bounds, key=bounds.get) == "compute"
+
+    # compute grows with the tokens, the rest (nearly) does not: the step is compute-bound from here on
+    low, high = 0, max(1, gpu_tokens)
+    while not compute_bound(high) and high < 2**40:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if compute_bound(middle) else (middle, high)
+    compute_bound_tokens = high * gpus * hosts if compute_s else 0
     return Plan(
         model.n_params,
         model.active_params,
@@ -406,21 +426,34 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     torch.cuda.synchronize()
     pcie = 5 * host.numel() / (time.perf_counter() - start) / 1e9
 
-    # far larger than the caches, as the optimizer's groups are; one untimed update starts the threads
+    # AdamW as in a step: on another thread, over groups far larger than the caches, while this thread
+    # launches the layer's forward and backward and weights stream in and gradients out. (Timed beside
+    # weight copies alone, it ran ~25% faster than in the steps; beside saturated copies both ways, ~25%
+    # slower.) One untimed update first starts the threads.
     n = 256 * 2**20
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     step = torch.tensor(1.0)
-    adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    # as in a step, the weights stream to the GPU meanwhile and compete for the same memory bandwidth
-    with torch.cuda.stream(torch.cuda.Stream()):
-        for _ in range(80):
-            device.copy_(host, non_blocking=True)
+
+    def update(times: int) -> None:
+        for _ in range(times):
+            adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    update(1)
+    returned = torch.empty_like(host, pin_memory=True)
+    copies = [torch.cuda.Stream(), torch.cuda.Stream()]
+    optimizer = threading.Thread(target=update, args=(3,))
     start = time.perf_counter()
-    for _ in range(3):
-        adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    optimizer.start()
+    while optimizer.is_alive():
+        with torch.cuda.stream(copies[0]):
+            device.copy_(host, non_blocking=True)
+        with torch.cuda.stream(copies[1]):
+            returned.copy_(device, non_blocking=True)
+        block.forward(weights, x)
+        block.backward(weights, x, x, grads)
+        torch.cuda.synchronize()
     cpu = 3 * n / (time.perf_counter() - start)
-    torch.cuda.synchronize()
     previous = load_rates()  # a dense calibration keeps the MoE rate it had, and the other way round
     rates = replace(
         previous,
