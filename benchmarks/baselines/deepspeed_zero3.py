@@ -56,6 +56,8 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
     hf_config.use_cache = False
+    # under zero.Init the embedding is partitioned: transformers cannot zero its padding row (OLMoE sets one)
+    hf_config.pad_token_id = None
     rows = []
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = transformers.AutoModelForCausalLM.from_config(
