@@ -3,6 +3,7 @@
 import json
 import shutil
 import sys
+from contextlib import ExitStack
 from math import prod
 from pathlib import Path
 
@@ -12,7 +13,6 @@ from megatrain_store import (
     atomic_write_text,
     match_tensors,
     read_safetensors_header,
-    read_tensor,
     write_safetensors,
 )
 from megatrain_zoo import ModelSpec, ZooError, config_to_hf
@@ -93,11 +93,12 @@ def load_groups(store: HostStore, files: list[Path], arena: str = "master", pref
 
     shapes = {prefix + e.name: e.shape for layout in store.layouts for e in layout.entries}
     where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
-    handles = {path: safe_open(str(path), framework="pt") for path in set(where.values())}
-    for group in range(store.n_groups):
-        with store.writing(group, arena) as views:
-            for name, view in views.items():
-                view.copy_(handles[where[prefix + name]].get_tensor(prefix + name))
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(where.values())}
+        for group in range(store.n_groups):
+            with store.writing(group, arena) as views:
+                for name, view in views.items():
+                    view.copy_(handles[where[prefix + name]].get_tensor(prefix + name))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -177,17 +178,20 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     by_group: dict[int, list[str]] = {}
     for name, (_, covered) in layout.items():
         by_group.setdefault(group_of[covered[0]], []).append(name)
-    handles = {path: safe_open(str(path), framework="pt") for path in set(where.values())}
-    for group in range(store.n_groups):
-        with store.writing(group) as masters:
-            for name in by_group.get(group, ()):
-                shape, covered = layout[name]
-                if name in quantized:
-                    blocks, scales = (read_tensor(where[f"{name}_{p}"], f"{name}_{p}") for p in ("blocks", "scales"))
-                    masters[name].copy_(dequantize_mxfp4(blocks, scales))
-                else:  # the view spanning the tensors `name` covers
-                    target = masters[covered[0]].view(-1).as_strided((prod(shape),), (1,)).view(shape)
-                    target.copy_(handles[where[name]].get_tensor(name))
+    with ExitStack() as stack:
+        handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(where.values())}
+        for group in range(store.n_groups):
+            with store.writing(group) as masters:
+                for name in by_group.get(group, ()):
+                    shape, covered = layout[name]
+                    if name in quantized:
+                        blocks, scales = (
+                            handles[where[f"{name}_{p}"]].get_tensor(f"{name}_{p}") for p in ("blocks", "scales")
+                        )
+                        masters[name].copy_(dequantize_mxfp4(blocks, scales))
+                    else:  # the view spanning the tensors `name` covers
+                        target = masters[covered[0]].view(-1).as_strided((prod(shape),), (1,)).view(shape)
+                        target.copy_(handles[where[name]].get_tensor(name))
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")

@@ -361,6 +361,11 @@ class Trainer:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """fp32 master weights by Hugging Face name, up to date (views into host memory)."""
+        if self.store_is_split:
+            raise ConfigError(
+                "the hosts split the master weights (engine.shard_across_hosts): no process holds them all; "
+                "export() or a checkpoint gathers them to rank 0"
+            )
         self.finish_updates()
         return named_masters(self.store)
 
