@@ -191,8 +191,10 @@ def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-10)
 
 
-def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, tokens):
-    """Rank 1 is made to hang in its optimizer; rank 0, waiting for its shard, names it and stops."""
+@pytest.mark.parametrize("split", [False, True])
+def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, tokens, split):
+    """Rank 1 is made to hang in its optimizer; rank 0, waiting for its shard, names it and stops
+    (or, where two hosts split the state, waiting for its updated weights, names the other hosts)."""
     script = tmp_path / "hang.py"
     script.write_text(
         textwrap.dedent(
@@ -212,17 +214,22 @@ def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, to
     )
     config = json.loads(json.dumps(CONFIG)) | {"output_dir": str(tmp_path / "run")}
     config["data"]["tokens"] = str(tmp_path / "tokens.npy")
+    config["engine"] = {"shard_across_hosts": split}
     (tmp_path / "c.yaml").write_text(json.dumps(config))
     env = {**os.environ, "MEGATRAIN_RANK_WAIT_S": "5", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
-    result = subprocess.run(
-        [*torchrun(2, "--standalone"), str(script), "train", "--config", str(tmp_path / "c.yaml")],
-        env=env,
-        capture_output=True,
-        timeout=300,
+    launchers = (
+        [[*host, str(script)] for host in two_hosts(1)] if split else [[*torchrun(2, "--standalone"), str(script)]]
     )
-    err = result.stderr.decode()
-    assert result.returncode != 0
-    assert "rank(s) [1] of host 0 have not updated group" in err, err[-4000:]
+    processes = [
+        subprocess.Popen([*launcher, "train", "--config", str(tmp_path / "c.yaml")], env=env, stderr=subprocess.PIPE)
+        for launcher in launchers
+    ]
+    err = processes[0].communicate(timeout=300)[1].decode()
+    for process in processes[1:]:
+        process.kill()
+    assert processes[0].returncode != 0
+    expected = "did not receive the other hosts' updated weights" if split else "rank(s) [1] of host 0 have not updated"
+    assert expected in err, err[-4000:]
 
 
 def test_each_rank_plans_for_its_share_of_the_global_batch(monkeypatch):

@@ -23,6 +23,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -117,8 +118,10 @@ def init_ranks(device_type: str, split_state: bool = False) -> Ranks | None:
     if ranks.split_state:
         # host tensors, on gloo; the exchange runs on the optimizer thread, beside the main thread's
         # collectives, so it has process groups of its own
+        # (a host that stops sending is noticed after WAIT_LIMIT_S, as a local rank that stops updating)
+        limit = timedelta(seconds=WAIT_LIMIT_S)
         for local in range(local_world):
-            group = dist.new_group(list(range(local, world, local_world)), backend="gloo")
+            group = dist.new_group(list(range(local, world, local_world)), backend="gloo", timeout=limit)
             if local == ranks.local_rank:
                 ranks.exchange_group = group
         ranks.host_mains_group = dist.new_group(list(range(0, world, local_world)), backend="gloo")
@@ -155,6 +158,7 @@ class RankSync:
         self.ranks, self.store, self.device = ranks, store, device
         self.flags = store.shared.tensor("update-flags", torch.int64, store.n_groups * ranks.local_world_size)
         self.flags = self.flags.view(store.n_groups, ranks.local_world_size)
+        self._exchange_failed: str | None = None
 
     def reduce_grad(self, group: int, buffer: Tensor) -> Tensor:
         """This rank's shard of the gradient summed over every rank (on the current stream)."""
@@ -184,13 +188,24 @@ class RankSync:
         to the ranks with this local rank on the other hosts and write theirs into this host's copy.
         Raw bytes travel (gloo has no bf16), padded to whole shards."""
         store, ranks = self.store, self.ranks
+        if self._exchange_failed:  # the later groups' exchanges would each wait out the limit again
+            raise RankError(self._exchange_failed)
         wire = store.wire(group)
         size = store.shard_size(group)
         start, end = store.shard_range(group)
         mine = torch.zeros(size, dtype=wire.dtype)
         mine[: end - start] = wire[start:end]
         parts = [torch.empty_like(mine) for _ in range(ranks.n_nodes)]
-        dist.all_gather([p.view(torch.uint8) for p in parts], mine.view(torch.uint8), group=ranks.exchange_group)
+        try:
+            dist.all_gather([p.view(torch.uint8) for p in parts], mine.view(torch.uint8), group=ranks.exchange_group)
+        except (RuntimeError, dist.DistError) as error:
+            self._exchange_failed = (
+                f"rank {ranks.rank} (host {ranks.node}) did not receive the other hosts' updated weights of group "
+                f"{group} within {WAIT_LIMIT_S:.0f} s: a host died or hung (see its log; {str(error).splitlines()[0]}). "
+                "The last complete checkpoint is intact; resume from it with --resume, on the same or another number "
+                "of hosts."
+            )
+            raise RankError(self._exchange_failed) from error
         for node, part in enumerate(parts):
             if node != ranks.node:
                 first, last = store.shard_range(group, node * ranks.local_world_size + ranks.local_rank)
