@@ -15,7 +15,7 @@ scattered over all N ranks, so rank r owns slice r of each group and host h the 
 slices of its ranks; a host keeps master weights and moments for its part only, plus a full
 compute-dtype copy of the weights to stream (2 B/param in bf16). After updating its slice a
 rank sends it, in the compute dtype, to the ranks with its local rank on the other hosts and
-receives theirs (gloo, from the optimizer thread), before it marks the group updated: H hosts
+receives theirs (gloo, from a thread beside the optimizer's), before it marks the group updated: H hosts
 of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 replicated).
 """
 
@@ -54,7 +54,7 @@ class Ranks:
     node_group: object = None  # the ranks of this host
     cross_group: object = None  # the ranks with this local rank on every host
     split_state: bool = False  # the hosts split the state (engine.shard_across_hosts)
-    exchange_group: object = None  # split state: cross_group on gloo, for the optimizer thread's weight exchange
+    exchange_group: object = None  # split state: cross_group on gloo, for the exchange thread's weights
     host_mains_group: object = None  # split state: every host's first rank on gloo, to gather whole groups
 
     @property
@@ -116,7 +116,7 @@ def init_ranks(device_type: str, split_state: bool = False) -> Ranks | None:
         if local == ranks.local_rank:
             ranks.cross_group = group
     if ranks.split_state:
-        # host tensors, on gloo; the exchange runs on the optimizer thread, beside the main thread's
+        # host tensors, on gloo; the exchange runs on a thread of its own, beside the main thread's
         # collectives, so it has process groups of its own
         # (a host that stops sending is noticed after WAIT_LIMIT_S, as a local rank that stops updating)
         limit = timedelta(seconds=WAIT_LIMIT_S)

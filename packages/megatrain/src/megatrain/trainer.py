@@ -116,6 +116,9 @@ class Trainer:
         self.optimizer = HostAdamW(self.store, adamw) if training else None
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
         self.stepper = BackgroundStepper()
+        # split state: updated weights go to the other hosts from a thread of their own, in update order,
+        # so the optimizer moves on to the next group while the network carries the last one
+        self.exchanger = BackgroundStepper(enabled=self.store_is_split)
         self.timeline = Timeline(enabled=config.engine.trace)
         self.pipeline = LayerPipeline(
             [Stage(s.template, s.groups, s.name) for s in self.spec.stages],
@@ -169,6 +172,7 @@ class Trainer:
     def _wait_for_updates(self, groups: tuple[int, ...]) -> None:
         for group in groups:
             self.stepper.wait(group)
+            self.exchanger.wait(group)
         if self.sync is not None:  # and for the other ranks of this host, which update other shards
             self.sync.wait_applied(groups, self.step_index)
 
@@ -198,9 +202,21 @@ class Trainer:
                 self.optimizer.update_group(group, lr, clip, step)
         self.store.write_behind_state(group)
         self.store.release_grad(group)
-        if self.store_is_split:  # (skipped or not: every host's rank takes part in each exchange)
+        self._share_update(group, applied)
+
+    def _share_update(self, group: int, applied: int) -> None:
+        """Mark `group` as holding `applied` optimizer steps in this rank's shard; where the hosts split
+        the state, once the other hosts' updated slices have arrived (skipped or not, every host's rank
+        takes part in each exchange)."""
+        if not self.store_is_split:
+            self._mark_applied(group, applied)
+            return
+
+        def exchange():
             self.sync.exchange_updated_weights(group)
-        self._mark_applied(group, applied)  # `applied` optimizer steps are in this rank's shard
+            self._mark_applied(group, applied)
+
+        self.exchanger.submit(group, exchange)
 
     def _read_ahead(self, group: int, first: int) -> None:
         """Start reading the disk-tier state of the groups updated `first` .. DISK_READ_AHEAD after `group`
@@ -282,7 +298,7 @@ class Trainer:
             applied = self.step_index + 1
             if skipped:
                 for group in range(self.store.n_groups):
-                    self._mark_applied(group, applied)
+                    self._mark_applied(group, applied)  # (no update, so nothing to exchange, on every rank)
             else:
                 clip = clip_coefficient(grad_norm, train.grad_clip)
                 self.optimizer.begin_step()
@@ -337,6 +353,7 @@ class Trainer:
         """Wait until every queued optimizer update has been applied (re-raising worker errors),
         on every rank of this host."""
         self.stepper.wait_all()
+        self.exchanger.wait_all()
         if self.sync is not None:
             self.sync.wait_applied(range(self.store.n_groups), self.step_index)
 
@@ -400,5 +417,6 @@ class Trainer:
     def close(self) -> None:
         self.finish_updates()
         self.stepper.close()
+        self.exchanger.close()
         if self.ranks is not None:
             leave_ranks()
