@@ -251,9 +251,10 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     """Split over 4 hosts, a host holds a quarter of the masters, moments and gradients and a whole
     bf16 copy (2 + 16 / 4 B/param with clipping), updates a quarter, and sends its quarter of the
     weights plus the others' part of its gradient sum."""
-    from megatrain.config import load_config
-    from megatrain.plan import make_plan
+    from megatrain.config import ConfigError, load_config, model_config_of
+    from megatrain.plan import check_plan, make_plan
 
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "64")  # a replica (16 B/param) does not fit, a quarter does
     overrides = ["model.preset=qwen2.5-7b", "train.batch_size=64", "data.seq_len=2048", "device=cpu"]
     config = load_config(None, [*overrides, "precision.compute_dtype=bfloat16"])
     split = load_config(None, [*overrides, "precision.compute_dtype=bfloat16", "engine.shard_across_hosts=true"])
@@ -263,3 +264,6 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     assert parts.optimizer_s == pytest.approx(replicated.optimizer_s / 4)
     assert parts.network_bytes == pytest.approx(3 / 4 * (4 + 2) * parts.n_params, rel=1e-6)
     assert make_plan(split).host_bytes == make_plan(config).host_bytes  # one host: nothing to split
+    with pytest.raises(ConfigError, match="engine.shard_across_hosts: true splits the state over the 4 hosts"):
+        check_plan(replicated, config, model_config_of(config))
+    check_plan(parts, split, model_config_of(split))

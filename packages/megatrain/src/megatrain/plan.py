@@ -325,6 +325,11 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
             + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
             + (
+                f"; engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
+                if plan.hosts > 1 and not plan.split_state
+                else ""
+            )
+            + (
                 ""
                 if config.engine.optimizer_state_dir
                 else "; engine.optimizer_state_dir moves optimizer state to disk"
