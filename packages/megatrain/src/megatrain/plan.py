@@ -210,9 +210,9 @@ def make_plan(
     counted = flops_per_token(model, config.data.seq_len) * tokens
     layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
 
-    def gpu_seconds(gpu_tokens: int) -> float:
-        head_work = 6 * model.vocab_size * model.d_model * gpu_tokens
-        return block_work(model, config.data.seq_len, gpu_tokens) / (layer_rate * 1e12) + head_work / (
+    def gpu_seconds(tokens_per_gpu: int) -> float:
+        head_work = 6 * model.vocab_size * model.d_model * tokens_per_gpu
+        return block_work(model, config.data.seq_len, tokens_per_gpu) / (layer_rate * 1e12) + head_work / (
             rates.head_tflops * 1e12
         )
 
@@ -239,9 +239,9 @@ def make_plan(
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / pcie
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
 
-    def phases(gpu_tokens: int) -> dict[str, float]:
-        """What each bound would make a step of `gpu_tokens` per GPU last."""
-        compute_s = gpu_seconds(gpu_tokens)
+    def phases(tokens_per_gpu: int) -> dict[str, float]:
+        """What each bound would make a step of `tokens_per_gpu` last."""
+        compute_s = gpu_seconds(tokens_per_gpu)
         forward_s = max(FORWARD_SHARE * compute_s, weight_pass_s)
         backward_s = max((1 - FORWARD_SHARE) * compute_s, weight_pass_s, model.n_params * 4 / pcie)
         # Updates applied as gradients land start after the forward and the next forward waits for the
@@ -261,8 +261,8 @@ def make_plan(
     bound = max(parts, key=parts.get)
     step_s = parts[bound] + bubble_s
 
-    def compute_bound(gpu_tokens: int) -> bool:
-        bounds = phases(gpu_tokens)
+    def compute_bound(tokens_per_gpu: int) -> bool:
+        bounds = phases(tokens_per_gpu)
         return max(bounds, key=bounds.get) == "compute"
 
     # compute grows with the tokens, the rest (nearly) does not: the step is compute-bound from here on
