@@ -149,3 +149,13 @@ def test_moe_plan_moves_all_parameters_and_computes_the_active_ones():
     assert make_plan(config_for("olmoe-1b-7b", tokens), rates=rates).bound == "compute"
     dense = make_plan(config_for("qwen2.5-7b", 32768), rates=rates)
     assert dense.compute_s > 3 * small.compute_s  # 7.6B active against 1.3B
+
+
+def test_a_layer_too_large_for_the_gpu_is_named():
+    """gpt-oss-120b on a 24 GiB GPU: two slots of a 3.3B-parameter layer and its fp32 gradients alone
+    exceed it, whatever the batch: the error says so instead of suggesting a batch size of zero."""
+    config = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1})
+    plan = make_plan(config, gpu_memory=24 * 2**30)
+    assert plan.offloaded_layers == preset("gpt-oss-120b").n_layers
+    with pytest.raises(ConfigError, match=r"the largest layer alone takes .* GiB .* a GPU with more memory"):
+        check_plan(plan, config, preset("gpt-oss-120b"))

@@ -195,7 +195,7 @@ def make_plan(
         gpu_available = torch.cuda.get_device_properties(device).total_memory
     offload = config.engine.offload_checkpoints
     if offload == "auto":  # as the scheduler decides: what does not fit in half the free GPU memory
-        fit = model.n_layers if gpu_available is None else int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint)
+        fit = model.n_layers if gpu_available is None else max(0, int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint))
         offloaded = max(0, model.n_layers - fit)
     else:
         offloaded = model.n_layers if offload else 0
@@ -350,6 +350,13 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
         kept = plan.checkpoint_bytes * (model.n_layers - plan.offloaded_layers) // model.n_layers
         fixed = plan.gpu_bytes - kept
         largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
+        if largest_batch < config.train.micro_batch_size:  # not even one micro-batch: the layers themselves
+            raise ConfigError(
+                f"the step needs {plan.gpu_bytes / 2**30:.1f} GiB of GPU memory but the GPU has "
+                f"{plan.gpu_available / 2**30:.1f} GiB: the largest layer alone takes {fixed / 2**30:.1f} GiB (two "
+                "weight slots, its fp32 gradient and one micro-batch's recompute); lower train.micro_batch_size or "
+                "use a GPU with more memory (streaming one layer's experts in parts is not built yet)"
+            )
         raise ConfigError(
             f"the step needs {plan.gpu_bytes / 2**30:.1f} GiB of GPU memory but the GPU has "
             f"{plan.gpu_available / 2**30:.1f} GiB; set engine.offload_checkpoints: true, lower "
