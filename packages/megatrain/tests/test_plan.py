@@ -151,9 +151,10 @@ def test_moe_plan_moves_all_parameters_and_computes_the_active_ones():
     assert dense.compute_s > 3 * small.compute_s  # 7.6B active against 1.3B
 
 
-def test_a_layer_too_large_for_the_gpu_is_named():
+def test_a_layer_too_large_for_the_gpu_is_named(monkeypatch):
     """gpt-oss-120b on a 24 GiB GPU: two slots of a 3.3B-parameter layer and its fp32 gradients alone
     exceed it, whatever the batch: the error says so instead of suggesting a batch size of zero."""
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
     config = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1})
     plan = make_plan(config, gpu_memory=24 * 2**30)
     assert plan.offloaded_layers == preset("gpt-oss-120b").n_layers
