@@ -150,6 +150,16 @@ def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_cli
         assert_same_weights(resumed[1], again[1])
 
 
+def test_two_ranks_with_the_disk_tier_equal_one_process(tmp_path, tokens):
+    """The host's ranks share one set of disk-tier state files (half the moments on disk), each
+    updating its slice; the files are named for the run and gone when it ends."""
+    state_dir = tmp_path / "state"
+    engine = {"optimizer_state_dir": str(state_dir), "disk_state_fraction": 0.5}
+    one = run(tmp_path, "one", [sys.executable])
+    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), engine=engine))
+    assert not list(state_dir.iterdir())
+
+
 def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, tokens):
     with pytest.raises(AssertionError) as failure:
         run(tmp_path, "bad", torchrun(4, "--standalone"), train={"batch_size": 12})

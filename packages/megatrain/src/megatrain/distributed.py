@@ -138,8 +138,6 @@ def check_data_parallel(config, ranks: Ranks) -> None:
             f"times train.micro_batch_size ({train.micro_batch_size}): each rank runs whole micro-batches of its "
             f"share; e.g. train.batch_size: {unit * max(1, train.batch_size // unit)}"
         )
-    if config.engine.optimizer_state_dir:
-        raise ConfigError("engine.optimizer_state_dir (the disk tier) is not supported with several ranks yet")
 
 
 def shared_arenas(ranks: Ranks) -> SharedArenas:

@@ -33,6 +33,7 @@ class SharedArenas:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._files: list[Path] = []  # arrays kept elsewhere (the disk tier), unlinked with the arenas
 
     def tensor(self, name: str, dtype: torch.dtype, numel: int) -> Tensor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -57,6 +58,23 @@ class SharedArenas:
         tensor = torch.from_numpy(array)
         return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
 
+    def file_array(self, directory: Path, name: str, dtype: np.dtype, numel: int) -> np.memmap:
+        """A zero-filled array of `numel` elements memory-mapped from a file in `directory` (on disk: the
+        disk tier's optimizer state), named after these arenas so that the host's processes share it and
+        no other run's file is reused; every process opens it without truncating it."""
+        path = Path(directory) / f"{self.directory.name}.{name}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            nbytes = numel * np.dtype(dtype).itemsize
+            if os.fstat(fd).st_size != nbytes:
+                os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._files.append(path)
+        return np.memmap(path, dtype=dtype, mode="r+", shape=(numel,))
+
     def unlink(self) -> None:
         """Remove the files (the mappings stay valid); call once every process has mapped them."""
         shutil.rmtree(self.directory, ignore_errors=True)
+        for path in self._files:
+            path.unlink(missing_ok=True)

@@ -135,8 +135,6 @@ class HostStore:
         if not self.owned[0] <= shard[0] < sum(self.owned):
             raise StoreError(f"this process's shard {shard[0]} must be among the owned shards {self.owned}")
         self.owns_all = self.owned == (0, shard[1])
-        if shared is not None and state_dir is not None:
-            raise StoreError("the disk tier (state_dir) cannot be combined with shared arenas yet")
         # master weights and optimizer state: the owned range of each group, back to back
         self.owned_starts: list[int] = []
         owned_total = 0
@@ -197,7 +195,10 @@ class HostStore:
         path = self.state_dir / f"state.{name}.bin"
         dtype = np.float64 if self.master_dtype == torch.float64 else np.float32
         try:
-            array = np.memmap(path, dtype=dtype, mode="w+", shape=(numel,))
+            if self.shared is not None:  # one file for the host's processes, removed with the shared arenas
+                array = self.shared.file_array(self.state_dir, f"state.{name}.bin", dtype, numel)
+            else:
+                array = np.memmap(path, dtype=dtype, mode="w+", shape=(numel,))
         except OSError as error:
             need = numel * np.dtype(dtype).itemsize
             raise StoreError(
