@@ -15,7 +15,7 @@ from megatrain_zoo import ModelConfig
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import TokenData, TokenWindows, load_token_data
-from .distributed import Ranks, init_ranks
+from .distributed import Ranks, init_ranks, leave_ranks
 from .trainer import NonFiniteError, Trainer
 
 
@@ -128,9 +128,13 @@ def train(config: Config, resume: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model = model_config_of(config)
     ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
-    # the data is read first: a bad record stops the run before any host memory is allocated
-    data = load_data(config, model, out, ranks)
-    trainer = Trainer(config, model, ranks=ranks)
+    try:
+        # the data is read first: a bad record stops the run before any host memory is allocated
+        data = load_data(config, model, out, ranks)
+        trainer = Trainer(config, model, ranks=ranks)
+    except BaseException:
+        leave_ranks()  # (the Trainer leaves them on close; without one, this does)
+        raise
     if resume is not None:
         manifest = load_checkpoint(trainer, resume)
         print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
