@@ -53,9 +53,10 @@ def launch(tmp_path, name, launcher, args):
         subprocess.Popen([*command, "-m", "megatrain", "train", *args], env=env, stderr=subprocess.PIPE)
         for command in commands
     ]
-    for process in processes:
+    for index, process in enumerate(processes):
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err.decode()
+        (tmp_path / name / f"stderr-{index}.txt").write_bytes(err)  # per launcher (host)
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return rows, load_file(str(tmp_path / name / "final" / "model.safetensors"))
 
@@ -134,6 +135,7 @@ def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_cli
     one = run(tmp_path, "one", [sys.executable], train=train)
     split = run(tmp_path, "split", two_hosts(2), train=train, engine={"shard_across_hosts": True})
     assert_same_training(one, split)
+    assert "the state split over 2 hosts" in (tmp_path / "split" / "stderr-0.txt").read_text()
     for name in ("one", "split"):  # the same checkpoint files, whoever wrote them
         checkpoint = tmp_path / name / "checkpoints" / "step-00000004"
         for kind in ("model", "optimizer"):

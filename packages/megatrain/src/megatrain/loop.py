@@ -159,6 +159,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
             print(f"megatrain: {line}", file=sys.stderr)
         host_bytes = trainer.host_bytes()
         ranks = "" if trainer.ranks is None else f" x {trainer.ranks.world_size} ranks"
+        if trainer.store_is_split:
+            ranks += f", the state split over {trainer.ranks.n_nodes} hosts"
         print(
             f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on "
             f"{trainer.device}{ranks} ({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host "
