@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from megatrain_zoo import flops_per_token
+
 
 def machine() -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -23,6 +25,24 @@ def machine() -> dict:
     except (OSError, ValueError):
         pass
     return info
+
+
+def base_row(system, name, model, seq_len, n_seqs, micro_seqs, step_s) -> dict:
+    """The fields every system reports for one measured point."""
+    tokens = n_seqs * seq_len
+    return {
+        "system": system,
+        "model": name,
+        "params_b": round(model.n_params / 1e9, 3),
+        "active_params_b": round(model.active_params / 1e9, 3),
+        "seq_len": seq_len,
+        "tokens_per_step": tokens,
+        "micro_batch_seqs": micro_seqs,
+        "step_time_s": round(step_s, 3),
+        "tokens_per_s": round(tokens / step_s),
+        "model_tflops": round(flops_per_token(model, seq_len) * tokens / step_s / 1e12, 1),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+    }
 
 
 def fill_random_(flat: torch.Tensor, std: float, block: int = 1 << 24) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import base_row, machine  # noqa: E402
 from throughput import BenchTrainer, random_batch  # noqa: E402
 
 from megatrain.config import (  # noqa: E402
@@ -26,7 +26,6 @@ from megatrain.config import (  # noqa: E402
     PrecisionSection,
     TrainSection,
 )
-from megatrain_zoo import flops_per_token  # noqa: E402
 
 
 def main():
@@ -84,20 +83,11 @@ def main():
     if trainer.sync is not None:
         trainer.sync.barrier()
     if trainer.is_main:
-        tokens = n_seqs * args.seq_len
-        row = {
-            "system": "megatrain",
-            "model": args.model,
+        row = base_row("megatrain", args.model, model, args.seq_len, n_seqs, args.micro_batch, step_s)
+        row |= {
             "gpus": gpus,
-            "params_b": round(model.n_params / 1e9, 3),
-            "seq_len": args.seq_len,
-            "tokens_per_step": tokens,
             "tokens_per_gpu": args.tokens_per_gpu,
-            "step_time_s": round(step_s, 3),
-            "tokens_per_s": round(tokens / step_s),
-            "model_tflops": round(flops_per_token(model, args.seq_len) * tokens / step_s / 1e12, 1),
             "host_bytes_per_param": round(trainer.host_bytes() / model.n_params, 2),
-            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "setup_s": round(setup_s, 1),
             "losses": [round(x, 4) for x in losses],
             "machine": machine(),

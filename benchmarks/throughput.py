@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import fill_random_, machine, table, write_results  # noqa: E402
+from common import base_row, fill_random_, machine, table, write_results  # noqa: E402
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
@@ -52,24 +52,6 @@ def random_batch(n_seqs, seq_len, vocab, doc_len=0):
     positions = (torch.arange(seq_len) % doc_len).expand(n_seqs, -1).contiguous()
     labels[:, :-1][positions[:, 1:] == 0] = -100
     return ids, labels, positions
-
-
-def base_row(system, name, model, seq_len, n_seqs, micro_seqs, step_s) -> dict:
-    """The fields every system reports for one measured point."""
-    tokens = n_seqs * seq_len
-    return {
-        "system": system,
-        "model": name,
-        "params_b": round(model.n_params / 1e9, 3),
-        "active_params_b": round(model.active_params / 1e9, 3),
-        "seq_len": seq_len,
-        "tokens_per_step": tokens,
-        "micro_batch_seqs": micro_seqs,
-        "step_time_s": round(step_s, 3),
-        "tokens_per_s": round(tokens / step_s),
-        "model_tflops": round(flops_per_token(model, seq_len) * tokens / step_s / 1e12, 1),
-        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-    }
 
 
 def span_totals(timeline, t_start_us, t_end_us) -> dict:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from common import machine  # noqa: E402
+from common import base_row, machine  # noqa: E402
 
-from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
+from megatrain_zoo import config_to_hf, preset  # noqa: E402
 
 
 def main():
@@ -105,19 +105,12 @@ def main():
     dist.all_reduce(rss)  # this host's ranks together
     if rank == 0:
         tokens = args.tokens_per_gpu * world
-        row = {
-            "system": "fsdp2-cpu-offload",
-            "model": args.model,
+        row = base_row(
+            "fsdp2-cpu-offload", args.model, zoo, args.seq_len, tokens // args.seq_len, args.micro_batch, step_s
+        )
+        row |= {
             "gpus": world,
-            "params_b": round(zoo.n_params / 1e9, 3),
-            "seq_len": args.seq_len,
-            "tokens_per_step": tokens,
             "tokens_per_gpu": args.tokens_per_gpu,
-            "micro_batch_seqs": args.micro_batch,
-            "step_time_s": round(step_s, 3),
-            "tokens_per_s": round(tokens / step_s),
-            "model_tflops": round(flops_per_token(zoo, args.seq_len) * tokens / step_s / 1e12, 1),
-            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "host_peak_rss_gib_all_ranks": round(rss.item(), 1),
             "host_bytes_per_param": round(rss.item() * 2**30 / zoo.n_params, 2),
             "setup_s": round(setup_s, 1),
