@@ -269,7 +269,11 @@ class DecoderBlock:
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
         check_buffers(weights, self.groups, "DecoderBlock.forward")
-        return self._block({name: span.view(weights[0]) for name, span in self._spans.items()}, hidden, documents)
+        return self._block(self._views(weights[0]), hidden, documents)
+
+    def _views(self, buffer: Tensor) -> dict[str, Tensor]:
+        """Every parameter of the block as a view of its flat weight buffer."""
+        return {name: span.view(buffer) for name, span in self._spans.items()}
 
     def backward(
         self,

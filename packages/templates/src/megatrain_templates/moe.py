@@ -402,9 +402,7 @@ class MoeBlock(DecoderBlock):
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
         check_buffers(weights, self.groups, "MoeBlock.forward")
-        out, probs, top_index = self._block_and_router(
-            {name: span.view(weights[0]) for name, span in self._spans.items()}, hidden, documents
-        )
+        out, probs, top_index = self._block_and_router(self._views(weights[0]), hidden, documents)
         self.router_load.record(top_index, probs, _valid_tokens(documents))
         return out
 
