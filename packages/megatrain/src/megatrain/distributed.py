@@ -214,7 +214,7 @@ class RankSync:
         ("state.NAME"), gathered from every host's first rank to rank 0; None on the other ranks.
         Every host's first rank must call it for the same groups in the same order."""
         store, ranks = self.store, self.ranks
-        own = store.master(group) if arena == "master" else store.state(arena[len("state.") :], group)
+        own = store.held(arena, group)
         size = store.shard_size(group) * store.owned[1]
         part = torch.zeros(size, dtype=own.dtype)
         part[: own.numel()] = own

@@ -3,7 +3,6 @@
 import json
 import shutil
 import sys
-from contextlib import ExitStack
 from math import prod
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from megatrain_store import (
     Pending,
     atomic_write_text,
     match_tensors,
+    open_safetensors,
     read_safetensors_header,
     write_safetensors,
 )
@@ -59,7 +59,7 @@ class WholeGroups:
 
     def _whole(self, arena: str, group: int):
         if self.gather is None:
-            return self.store.master(group) if arena == "master" else self.store.state(arena[len("state.") :], group)
+            return self.store.held(arena, group)
         if self._last[0] != (arena, group):
             self._last = (None, None)  # let the previous group go before the next arrives
             self._last = ((arena, group), self.gather(group, arena))
@@ -89,12 +89,9 @@ def load_groups(store: HostStore, files: list[Path], arena: str = "master", pref
     """Fill the store's master weights (or optimizer state `state.NAME`) from safetensors files naming
     them `prefix + name`, group by group through `store.writing` (whatever part of the state it holds);
     every tensor's presence and shape is checked first, so a bad file leaves the store untouched."""
-    from safetensors import safe_open
-
     shapes = {prefix + e.name: e.shape for layout in store.layouts for e in layout.entries}
     where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
-    with ExitStack() as stack:
-        handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(where.values())}
+    with open_safetensors(where.values()) as handles:
         for group in range(store.n_groups):
             with store.writing(group, arena) as views:
                 for name, view in views.items():
@@ -165,8 +162,6 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
 
     A fused expert tensor is loaded into the view of the masters that spans the tensors it covers
     (they lie back to back in the layer's buffer); MXFP4 experts are dequantized into theirs."""
-    from safetensors import safe_open
-
     files = checkpoint_files(model_dir)
     layout, quantized, shapes = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
@@ -178,8 +173,7 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     by_group: dict[int, list[str]] = {}
     for name, (_, covered) in layout.items():
         by_group.setdefault(group_of[covered[0]], []).append(name)
-    with ExitStack() as stack:
-        handles = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(where.values())}
+    with open_safetensors(where.values()) as handles:
         for group in range(store.n_groups):
             with store.writing(group) as masters:
                 for name in by_group.get(group, ()):

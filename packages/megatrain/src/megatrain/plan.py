@@ -195,7 +195,11 @@ def make_plan(
         gpu_available = torch.cuda.get_device_properties(device).total_memory
     offload = config.engine.offload_checkpoints
     if offload == "auto":  # as the scheduler decides: what does not fit in half the free GPU memory
-        fit = model.n_layers if gpu_available is None else max(0, int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint))
+        fit = (
+            model.n_layers
+            if gpu_available is None
+            else max(0, int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint))
+        )
         offloaded = max(0, model.n_layers - fit)
     else:
         offloaded = model.n_layers if offload else 0

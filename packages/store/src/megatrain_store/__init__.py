@@ -8,8 +8,8 @@ from .io import (
     fsync_dir,
     load_tensors_into,
     match_tensors,
+    open_safetensors,
     read_safetensors_header,
-    read_tensor,
     write_safetensors,
 )
 from .layout import Entry, GroupLayout
@@ -31,9 +31,9 @@ __all__ = [
     "fsync_dir",
     "load_tensors_into",
     "match_tensors",
+    "open_safetensors",
     "pin_in_place",
     "read_safetensors_header",
-    "read_tensor",
     "unpin",
     "write_safetensors",
 ]

@@ -9,6 +9,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,22 +166,19 @@ def match_tensors(
     return where
 
 
+@contextmanager
+def open_safetensors(paths: Iterable[Path]):
+    """{path: an open safe_open handle} for each of `paths`, closed on exit."""
+    with ExitStack() as stack:
+        yield {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(paths)}
+
+
 def load_tensors_into(
     paths: list[Path], targets: dict[str, Tensor], ignore: Callable[[str], bool] = lambda name: False
 ) -> None:
     """Copy every tensor named in `targets` from the safetensors `paths` into it, one at a time,
     after `match_tensors` has checked them all: a bad file leaves the targets untouched."""
     where = match_tensors(paths, {name: tuple(t.shape) for name, t in targets.items()}, ignore)
-    by_file: dict[Path, list[str]] = {}
-    for name, path in where.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
-            for name in names:
-                targets[name].copy_(handle.get_tensor(name))
-
-
-def read_tensor(path: Path, name: str) -> Tensor:
-    """One tensor of a safetensors file, as stored."""
-    with safe_open(str(path), framework="pt") as handle:
-        return handle.get_tensor(name)
+    with open_safetensors(where.values()) as handles:
+        for name, path in where.items():
+            targets[name].copy_(handles[path].get_tensor(name))

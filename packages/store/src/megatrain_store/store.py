@@ -215,7 +215,7 @@ class HostStore:
         """The page-aligned byte range of `group` in state file `name`."""
         array = self._state_maps[name]
         start = self._disk_offset(group) * array.itemsize
-        end = start + self.layouts[group].numel * array.itemsize
+        end = start + self.owned_numel(group) * array.itemsize
         page = mmap.PAGESIZE
         return array._mmap, start // page * page, end - start // page * page
 
@@ -360,12 +360,16 @@ class HostStore:
             )
         return self.layouts[group].views(self.master(group))
 
+    def held(self, arena: str, group: int) -> Tensor:
+        """What this store holds of `group` in `arena`: "master" or "state.NAME" (its owned range)."""
+        return self.master(group) if arena == "master" else self.state(arena.removeprefix("state."), group)
+
     @contextmanager
     def writing(self, group: int, arena: str = "master"):
         """Named views of a whole group to fill (the master, or optimizer state `state.NAME`); on exit
         the store keeps its owned range and, for the master, refreshes the wire copy of the group.
         They are the store's own buffers when it holds the whole group, else a temporary buffer."""
-        own = self.master(group) if arena == "master" else self.state(arena.removeprefix("state."), group)
+        own = self.held(arena, group)
         whole = own if self.owns_all else torch.zeros(self.layouts[group].numel, dtype=self.master_dtype)
         yield self.layouts[group].views(whole)
         if not self.owns_all:
