@@ -4,7 +4,7 @@ import pytest
 
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
-from megatrain.plan import DISK_TIER_RAM_SHARE, Rates, check_plan, group_sizes, make_plan, measure_disk_gbps
+from megatrain.plan import DISK_TIER_RAM_SHARE, Rates, check_plan, layout_sizes, make_plan, measure_disk_gbps
 from megatrain_zoo import preset
 
 
@@ -43,7 +43,7 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
     assert plan.host_bytes <= DISK_TIER_RAM_SHARE * 64 * 2**30
     # one group fewer on disk would not fit that share
     assert plan.host_bytes + model.block_params * 8 > DISK_TIER_RAM_SHARE * 64 * 2**30
-    assert plan.disk_bytes == 8 * sum(group_sizes(model)[plan.first_disk_group :])
+    assert plan.disk_bytes == 8 * sum(layout_sizes(model)[0][plan.first_disk_group :])
     assert plan.disk_s == pytest.approx(2 * plan.disk_bytes / (plan.rates.disk_gbps * 1e9))
     assert plan.step_s >= plan.disk_s  # the disk moves every byte of its state in and out each step
     everything = make_plan(

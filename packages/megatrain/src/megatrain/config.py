@@ -147,6 +147,9 @@ class EngineSection:
     # instead of keeping a replica on each, so H hosts hold a model about H times larger (each keeps
     # a full bf16 copy of the weights to stream, 2 B/param, and receives the others' updates)
     shard_across_hosts: bool = False
+    # a MoE layer's experts stream in parts of at most this many, a stage each, so a GPU slot holds a
+    # part, not the layer; "auto": whole layers where they fit the GPU, else the fewest parts that do
+    experts_per_stage: int | str = "auto"
 
     def __post_init__(self):
         if self.offload_checkpoints not in (True, False, "auto"):
@@ -158,6 +161,9 @@ class EngineSection:
         fraction = self.disk_state_fraction
         if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
             raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")
+        parts = self.experts_per_stage
+        if parts != "auto" and (isinstance(parts, (str, bool)) or not isinstance(parts, int) or parts < 1):
+            raise ConfigError(f"engine.experts_per_stage must be auto or an integer >= 1, got {parts!r}")
 
 
 @dataclass(frozen=True)

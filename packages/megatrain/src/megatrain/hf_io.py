@@ -15,6 +15,7 @@ from megatrain_store import (
     read_safetensors_header,
     write_safetensors,
 )
+from megatrain_templates import file_tensors
 from megatrain_zoo import ModelSpec, ZooError, config_to_hf
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
@@ -42,8 +43,20 @@ def dequantize_mxfp4(blocks, scales):
 
 
 def named_masters(store: HostStore) -> dict:
-    """fp32 master weights by Hugging Face name (views into the store, which must hold every group whole)."""
-    return {name: view for group in range(store.n_groups) for name, view in store.master_views(group).items()}
+    """fp32 master weights by the names files use (the store must hold every group whole): views into
+    the store, or copies joined from the row slices of a tensor split over several groups."""
+    import torch
+
+    views = {name: view for group in range(store.n_groups) for name, view in store.master_views(group).items()}
+    return {
+        name: views[covered[0]] if len(covered) == 1 else torch.cat([views[part] for part in covered])
+        for name, (_, covered) in _store_layout(store).items()
+    }
+
+
+def _store_layout(store: HostStore) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """File tensor name -> (shape, the stored tensors it is, back to back), for every stored tensor."""
+    return file_tensors({e.name: e.shape for layout in store.layouts for e in layout.entries})
 
 
 class WholeGroups:
@@ -66,16 +79,29 @@ class WholeGroups:
         return self._last[1]
 
     def entries(self, arena: str = "master", prefix: str = "", groups=None) -> list:
-        """(prefix + name, Pending) for every tensor of `groups` (default all), in buffer order."""
+        """(prefix + name, Pending) for every tensor of `groups` (default all) as files name them: the
+        row slices of a tensor split over several groups are joined, at its first slice's place."""
+        import torch
+
+        place = {
+            e.name: (group, e)
+            for group in (range(self.store.n_groups) if groups is None else groups)
+            for e in self.store.layouts[group].entries
+        }
         out = []
-        for group in range(self.store.n_groups) if groups is None else groups:
-            for e in self.store.layouts[group].entries:
+        for name, (shape, covered) in file_tensors({n: e.shape for n, (_, e) in place.items()}).items():
 
-                def load(arena=arena, group=group, e=e):
+            def load(arena=arena, covered=covered, shape=shape):
+                pieces = []
+                for part in covered:
+                    group, e = place[part]
                     whole = self._whole(arena, group)
-                    return None if whole is None else whole[e.offset : e.offset + e.numel].view(e.shape)
+                    if whole is None:
+                        return None
+                    pieces.append(whole[e.offset : e.offset + e.numel])
+                return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(shape)
 
-                out.append((prefix + e.name, Pending(e.shape, self.store.master_dtype, load)))
+            out.append((prefix + name, Pending(shape, self.store.master_dtype, load)))
         return out
 
     @staticmethod
@@ -87,15 +113,56 @@ class WholeGroups:
 
 def load_groups(store: HostStore, files: list[Path], arena: str = "master", prefix: str = "") -> None:
     """Fill the store's master weights (or optimizer state `state.NAME`) from safetensors files naming
-    them `prefix + name`, group by group through `store.writing` (whatever part of the state it holds);
-    every tensor's presence and shape is checked first, so a bad file leaves the store untouched."""
-    shapes = {prefix + e.name: e.shape for layout in store.layouts for e in layout.entries}
+    them `prefix + name` (as `WholeGroups` writes them); every tensor's presence and shape is checked
+    first, so a bad file leaves the store untouched."""
+    layout = _store_layout(store)
+    shapes = {prefix + name: shape for name, (shape, _) in layout.items()}
     where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
     with open_safetensors(where.values()) as handles:
-        for group in range(store.n_groups):
-            with store.writing(group, arena) as views:
-                for name, view in views.items():
-                    view.copy_(handles[where[prefix + name]].get_tensor(prefix + name))
+        _fill_groups(store, handles, where, layout, arena, prefix)
+
+
+def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=()) -> None:
+    """Copy file tensors into the store group by group through `store.writing` (whatever part of the
+    state it holds). `layout`: file tensor name (less `prefix`) -> (shape, the stored tensors it is,
+    back to back); a file tensor spanning several groups (a layer's experts streamed in parts) is read
+    a group's rows at a time. `quantized` names MXFP4 tensors, dequantized as they are read."""
+    numel = {e.name: e.numel for lay in store.layouts for e in lay.entries}
+    place = {}  # stored name -> (file tensor, its flat offset there)
+    for name, (_, covered) in layout.items():
+        offset = 0
+        for part in covered:
+            place[part] = (name, offset)
+            offset += numel[part]
+    for group in range(store.n_groups):
+        with store.writing(group, arena) as views:
+            targets: dict[str, list] = {}
+            for part, view in views.items():
+                name, offset = place[part]
+                targets.setdefault(name, []).append((view, offset))
+            for name, parts in targets.items():
+                low = min(offset for _, offset in parts)
+                high = max(offset + view.numel() for view, offset in parts)
+                rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, name in quantized)
+                flat = rows.reshape(-1)
+                for view, offset in parts:
+                    view.view(-1).copy_(flat[offset - start : offset - start + view.numel()])
+
+
+def _read_rows(handles, where, name: str, shape: tuple[int, ...], low: int, high: int, quantized: bool):
+    """The rows (along dim 0) of file tensor `name` that hold its flat elements low..high-1, as
+    (tensor, the flat offset of its first element); the whole tensor when they are all of it."""
+    row = prod(shape[1:])
+    first, stop = low // row, -(-high // row)
+    whole = (first, stop) == (0, shape[0] if shape else 1)
+
+    def read(key: str):
+        handle = handles[where[key]]
+        return handle.get_tensor(key) if whole else handle.get_slice(key)[first:stop]
+
+    if quantized:
+        return dequantize_mxfp4(read(f"{name}_blocks"), read(f"{name}_scales")), first * row
+    return read(name), first * row
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -119,7 +186,7 @@ def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tu
     """Checkpoint tensor name -> (shape, the stored tensors it holds, in buffer order), for the
     names the files (holding `present`) use: published per-expert names, or transformers' in-memory
     layout (fused 3-D expert tensors, Mixtral's module renamed `mlp`), either way."""
-    layout = {name: (shape, (name,)) for name, shape in spec.param_shapes().items()}
+    layout = file_tensors(spec.param_shapes())
     for name, (shape, covered) in spec.fused_checkpoint_names().items():
         if name in present:
             for part in covered:
@@ -140,7 +207,7 @@ def _read_layout(spec: ModelSpec, files: list[Path]):
     layout = _checkpoint_layout(spec, present)
     quantized = {
         name: shape
-        for name, shape in spec.param_shapes().items()
+        for name, (shape, _) in layout.items()
         if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present
     }
     shapes = {name: shape for name, (shape, _) in layout.items() if name not in quantized}
@@ -160,8 +227,8 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     """Stream the directory's tensors into the fp32 masters (any stored dtype), group by group through
     `store.writing` (which also refreshes the wire copies).
 
-    A fused expert tensor is loaded into the view of the masters that spans the tensors it covers
-    (they lie back to back in the layer's buffer); MXFP4 experts are dequantized into theirs."""
+    A fused expert tensor fills the tensors it covers (back to back, in one group or several); MXFP4
+    experts are dequantized into theirs."""
     files = checkpoint_files(model_dir)
     layout, quantized, shapes = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
@@ -169,23 +236,8 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
         print(
             f"megatrain: dequantizing {len(quantized)} MXFP4 expert tensors into fp32 master weights", file=sys.stderr
         )
-    group_of = {name: group for group, lay in enumerate(store.layouts) for name in lay.names}
-    by_group: dict[int, list[str]] = {}
-    for name, (_, covered) in layout.items():
-        by_group.setdefault(group_of[covered[0]], []).append(name)
     with open_safetensors(where.values()) as handles:
-        for group in range(store.n_groups):
-            with store.writing(group) as masters:
-                for name in by_group.get(group, ()):
-                    shape, covered = layout[name]
-                    if name in quantized:
-                        blocks, scales = (
-                            handles[where[f"{name}_{p}"]].get_tensor(f"{name}_{p}") for p in ("blocks", "scales")
-                        )
-                        masters[name].copy_(dequantize_mxfp4(blocks, scales))
-                    else:  # the view spanning the tensors `name` covers
-                        target = masters[covered[0]].view(-1).as_strided((prod(shape),), (1,)).view(shape)
-                        target.copy_(handles[where[name]].get_tensor(name))
+        _fill_groups(store, handles, where, layout, quantized=quantized)
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")

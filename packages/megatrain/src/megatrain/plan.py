@@ -20,7 +20,7 @@ import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_store import bytes_per_param
-from megatrain_zoo import ModelConfig, flops_per_token
+from megatrain_zoo import ModelConfig, build_model, flops_per_token
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 
@@ -28,6 +28,9 @@ CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache"
 # the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
 FORWARD_SHARE = 0.25
 LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk plus its bf16 copies
+# With engine.experts_per_stage auto, a MoE layer streams in parts once its two slots, two gradients
+# and recompute would take more than this share of the GPU: the rest is for activation checkpoints.
+LAYER_GPU_SHARE = 0.5
 # Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
 # the backward by a few layers before the pipeline waits for it.
 GRADIENT_POOL = 3
@@ -90,6 +93,10 @@ class Plan:
     network_bytes: int = 0  # sent by each host per step (gradients, and weights where hosts split the state)
     network_s: float = 0.0
     split_state: bool = False  # the hosts split the master weights and moments (engine.shard_across_hosts)
+    experts_per_stage: int = 0  # a MoE layer's experts streamed in parts of this many (0: whole layers)
+    checkpoint_stages: int = (
+        0  # [tokens, d_model] activation checkpoints a micro-batch keeps (offloaded_layers of them offloaded)
+    )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -101,11 +108,14 @@ def load_rates() -> Rates:
     return Rates()
 
 
-def group_sizes(model: ModelConfig) -> list[int]:
-    """Parameters per store group, in store order: embedding, layers, head (as megatrain_zoo builds them)."""
-    embed = model.vocab_size * model.d_model
-    head = model.d_model + (0 if model.tie_embeddings else embed)
-    return [embed] + [model.layer_params(layer) for layer in range(model.n_layers)] + [head]
+def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[int], list[int], int]:
+    """(parameters per store group in store order, parameters each stage binds, how many [tokens,
+    d_model] activation checkpoints a micro-batch keeps), as megatrain_zoo builds the model."""
+    spec = build_model(model, experts_per_stage)
+    groups = [sum(p.numel for p in group.params) for group in spec.groups]
+    stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
+    planes = sum(getattr(stage.template, "input_planes", 1) for stage in spec.stages[1:-1])
+    return groups, stages, planes
 
 
 def mlp_width_per_token(model: ModelConfig) -> int:
@@ -125,10 +135,12 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int) -> float:
     return (8 * matmul_layers - skipped_down) * tokens + attention
 
 
-def first_disk_group(config: Config, model: ModelConfig, ram_bytes: int, host_available: int | None) -> int:
-    """The first group whose optimizer state goes to the disk tier (the last groups go): with
-    disk_state_fraction auto, as few as bring `ram_bytes` within the host's share for the run."""
-    sizes = group_sizes(model)
+def first_disk_group(
+    config: Config, model: ModelConfig, sizes: list[int], ram_bytes: int, host_available: int | None
+) -> int:
+    """The first group (of `sizes`, parameters per group) whose optimizer state goes to the disk tier
+    (the last groups go): with disk_state_fraction auto, as few as bring `ram_bytes` within the
+    host's share for the run."""
     if not config.engine.optimizer_state_dir:
         return len(sizes)
     fraction = config.engine.disk_state_fraction
@@ -174,40 +186,46 @@ def make_plan(
     split = config.engine.shard_across_hosts and hosts > 1
     wire_copy = (config.engine.wire_copy or split) and dtype != torch.float32
     per_param = bytes_per_param(dtype, len(STATE_NAMES), full_grads, wire_copy)
-    largest_group = max(group_sizes(model))
-    pool = 0 if full_grads else GRADIENT_POOL * largest_group * 4
-    if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
-        per_param = element + (per_param - (element if wire_copy else 0)) / hosts
-        pool /= hosts
     tokens = config.train.batch_size * config.data.seq_len
     gpu_tokens = tokens // (gpus * hosts)  # each GPU runs its share of the global batch
     micro_tokens = config.train.micro_batch_size * config.data.seq_len
     layer_checkpoint = gpu_tokens * model.d_model * element
-    checkpoints = layer_checkpoint * model.n_layers
     # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in the
     # compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)
     width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
     recompute = micro_tokens * (8 * model.d_model + 3 * width) * element
-    largest_stage = max(model.block_params, model.vocab_size * model.d_model + model.d_model)
-    fixed_gpu = 2 * largest_stage * element + 2 * largest_group * 4 + recompute + LOGITS_CHUNK_BYTES
     gpu_available = gpu_memory
     if gpu_available is None and device.type == "cuda":
         gpu_available = torch.cuda.get_device_properties(device).total_memory
+
+    def layout(experts_per_stage: int):
+        """(group sizes, checkpoints per micro-batch, GPU bytes of two slots, two gradients and a recompute)"""
+        groups, stages, planes = layout_sizes(model, experts_per_stage)
+        return groups, planes, 2 * max(stages) * element + 2 * max(groups) * 4 + recompute + LOGITS_CHUNK_BYTES
+
+    experts_per_stage = choose_experts_per_stage(config, model, gpu_available, lambda e: layout(e)[2])
+    sizes, n_checkpoints, fixed_gpu = layout(experts_per_stage)
+    largest_group = max(sizes)
+    pool = 0 if full_grads else GRADIENT_POOL * largest_group * 4
+    if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
+        per_param = element + (per_param - (element if wire_copy else 0)) / hosts
+        pool /= hosts
+    checkpoints = layer_checkpoint * n_checkpoints
     offload = config.engine.offload_checkpoints
     if offload == "auto":  # as the scheduler decides: what does not fit in half the free GPU memory
         fit = (
-            model.n_layers
+            n_checkpoints
             if gpu_available is None
             else max(0, int(0.5 * (gpu_available - fixed_gpu) // layer_checkpoint))
         )
-        offloaded = max(0, model.n_layers - fit)
+        offloaded = max(0, n_checkpoints - fit)
     else:
-        offloaded = model.n_layers if offload else 0
-    gpu_bytes = fixed_gpu + (model.n_layers - offloaded) * layer_checkpoint
+        offloaded = n_checkpoints if offload else 0
+    gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
     host_available = host_memory_limit()
-    first_disk = first_disk_group(config, model, host_bytes, host_available)
-    disk_bytes = sum(group_sizes(model)[first_disk:]) * 4 * len(STATE_NAMES)
+    first_disk = first_disk_group(config, model, sizes, host_bytes, host_available)
+    disk_bytes = sum(sizes[first_disk:]) * 4 * len(STATE_NAMES)
     host_bytes -= disk_bytes
 
     # performance model
@@ -306,7 +324,26 @@ def make_plan(
         network_bytes,
         network_s,
         split,
+        experts_per_stage,
+        n_checkpoints,
     )
+
+
+def choose_experts_per_stage(config: Config, model: ModelConfig, gpu_available: int | None, fixed_gpu) -> int:
+    """engine.experts_per_stage resolved, 0 for whole layers (and dense models). auto: whole layers
+    unless a layer's slots, gradients and recompute (`fixed_gpu(experts_per_stage)`, bytes) would take
+    over LAYER_GPU_SHARE of the GPU, then the fewest parts (2, 4, 8, ...) that do not, so that the
+    rest stays for activation checkpoints."""
+    n = model.n_experts
+    setting = config.engine.experts_per_stage
+    if not model.is_moe:
+        return 0
+    if setting != "auto":
+        return setting if setting < n else 0
+    parts = 1
+    while gpu_available is not None and parts < n and fixed_gpu(-(-n // parts)) > LAYER_GPU_SHARE * gpu_available:
+        parts *= 2
+    return 0 if parts == 1 else -(-n // min(parts, n))
 
 
 def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
@@ -351,15 +388,21 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             )
     if plan.gpu_available is not None and plan.gpu_bytes > 0.95 * plan.gpu_available:
         per_sequence = plan.checkpoint_bytes // config.train.batch_size
-        kept = plan.checkpoint_bytes * (model.n_layers - plan.offloaded_layers) // model.n_layers
+        kept = plan.checkpoint_bytes * (plan.checkpoint_stages - plan.offloaded_layers) // plan.checkpoint_stages
         fixed = plan.gpu_bytes - kept
         largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
         if largest_batch < config.train.micro_batch_size:  # not even one micro-batch: the layers themselves
             raise ConfigError(
                 f"the step needs {plan.gpu_bytes / 2**30:.1f} GiB of GPU memory but the GPU has "
                 f"{plan.gpu_available / 2**30:.1f} GiB: the largest layer alone takes {fixed / 2**30:.1f} GiB (two "
-                "weight slots, its fp32 gradient and one micro-batch's recompute); lower train.micro_batch_size or "
-                "use a GPU with more memory (streaming one layer's experts in parts is not built yet)"
+                "weight slots, its fp32 gradient and one micro-batch's recompute); lower train.micro_batch_size"
+                + (
+                    ", stream the experts in smaller parts (engine.experts_per_stage below "
+                    f"{plan.experts_per_stage or model.n_experts})"
+                    if model.is_moe and plan.experts_per_stage != 1
+                    else ""
+                )
+                + " or use a GPU with more memory"
             )
         raise ConfigError(
             f"the step needs {plan.gpu_bytes / 2**30:.1f} GiB of GPU memory but the GPU has "
@@ -505,7 +548,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else ""),
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
-        + (f", {plan.offloaded_layers} layers' activation checkpoints in host memory" if plan.offloaded_layers else ""),
+        + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
+        + (f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}" if plan.experts_per_stage else ""),
         f"tokens per step  {plan.tokens_per_step:,}"
         + (
             f" over {plan.gpus} GPU(s) x {plan.hosts} host(s)"

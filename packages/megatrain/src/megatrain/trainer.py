@@ -78,7 +78,7 @@ class Trainer:
         plan = make_plan(config, self.model_config, gpus=gpus, hosts=hosts)  # each GPU runs its share of the batch
         if training:
             check_plan(plan, config, self.model_config)
-        self.spec = build_model(self.model_config)
+        self.spec = build_model(self.model_config, plan.experts_per_stage)
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
         layouts = [

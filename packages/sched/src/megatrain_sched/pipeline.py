@@ -253,11 +253,13 @@ class LayerPipeline:
 
     # ---------------------------------------------------------- checkpoints
     def checkpoint_bytes(self, batches: list[MicroBatch]) -> int:
-        """Device bytes the activation checkpoints of a step take: every block stage's input."""
+        """Device bytes the activation checkpoints of a step take: every block stage's input (a template's
+        `input_planes`, default 1, says how many [tokens, d_model] tensors its input is)."""
         tokens = sum(mb.input_ids.numel() for mb in batches)
         d_model = getattr(self.stages[-1].template, "d_model", 0)
         element = torch.finfo(self.store.compute_dtype).bits // 8
-        return tokens * d_model * element * (len(self.stages) - 2)
+        planes = sum(getattr(stage.template, "input_planes", 1) for stage in self.stages[1:-1])
+        return tokens * d_model * element * planes
 
     def offloaded_stages(self, batches: list[MicroBatch]) -> int:
         """How many block stages, the first ones, keep this step's checkpoints in pinned host memory:

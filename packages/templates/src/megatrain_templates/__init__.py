@@ -4,8 +4,17 @@ from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
-from .layout import ParamSpec, Span, param_offsets, total_numel
-from .moe import EXPERT_NAMING, MoeBlock, MoeShape, RouterLoad, fused_expert_names, moe_params
+from .layout import ParamSpec, Span, file_tensors, param_offsets, row_slice_name, total_numel
+from .moe import (
+    EXPERT_NAMING,
+    MoeAttention,
+    MoeBlock,
+    MoeExperts,
+    MoeShape,
+    RouterLoad,
+    fused_expert_names,
+    moe_params,
+)
 from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
 
 __all__ = [
@@ -15,7 +24,9 @@ __all__ = [
     "Documents",
     "Embedding",
     "MlaShape",
+    "MoeAttention",
     "MoeBlock",
+    "MoeExperts",
     "MoeShape",
     "RouterLoad",
     "Head",
@@ -27,10 +38,12 @@ __all__ = [
     "attention_params",
     "causal_attention",
     "block_params",
+    "file_tensors",
     "fused_expert_names",
     "moe_params",
     "param_offsets",
     "rms_norm",
+    "row_slice_name",
     "rope_cos_sin",
     "rope_inv_freq",
     "total_numel",

@@ -142,19 +142,22 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
     """Where the attention half's (fused) weights lie in a layout made with `attention_params`."""
     if shape.mla is not None:
         names = [p.name for p in params if p.name.startswith("self_attn.")]
-        return {
+        spans = {
             "input_norm": span_of(params, "input_layernorm.weight"),
-            "post_norm": span_of(params, "post_attention_layernorm.weight"),
             **{name.removeprefix("self_attn.").removesuffix(".weight"): span_of(params, name) for name in names},
         }
-    spans = {
-        "qkv_weight": fused_span(
-            params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-        ),
-        "o_weight": span_of(params, "self_attn.o_proj.weight"),
-        "input_norm": span_of(params, "input_layernorm.weight"),
-        "post_norm": span_of(params, "post_attention_layernorm.weight"),
-    }
+    else:
+        spans = {
+            "qkv_weight": fused_span(
+                params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+            ),
+            "o_weight": span_of(params, "self_attn.o_proj.weight"),
+            "input_norm": span_of(params, "input_layernorm.weight"),
+        }
+    if any(p.name == "post_attention_layernorm.weight" for p in params):  # a split MoE layer keeps it with the router
+        spans["post_norm"] = span_of(params, "post_attention_layernorm.weight")
+    if shape.mla is not None:
+        return spans
     if shape.qkv_bias:
         spans["qkv_bias"] = fused_span(
             params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]

@@ -5,6 +5,7 @@ from that order. The host store builds its per-layer buffers from the same specs
 the template and the store always agree on where each tensor lives.
 """
 
+import re
 from dataclasses import dataclass
 from math import prod
 
@@ -94,3 +95,38 @@ def check_buffers(buffers: list[Tensor], groups: tuple[tuple[ParamSpec, ...], ..
             raise ValueError(
                 f"{what}: flat buffer has shape {tuple(buffer.shape)}, layout needs ({total_numel(params)},)"
             )
+
+
+_ROW_SLICE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")
+
+
+def row_slice_name(name: str, start: int, stop: int) -> str:
+    """The name of rows start..stop (along dim 0) of tensor `name` kept as a tensor of its own (a
+    layer split over several groups); files always hold `name` whole (see `file_tensors`)."""
+    return f"{name}[{start}:{stop}]"
+
+
+def file_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Stored tensors (name -> shape) as files name them: file name -> (shape, the stored tensors it
+    is, back to back). Row slices `NAME[a:b]` join into NAME; every other tensor is itself."""
+    out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+    slices: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
+    for name, shape in shapes.items():
+        match = _ROW_SLICE.match(name)
+        if match is None:
+            out[name] = (tuple(shape), (name,))
+            continue
+        base, start, stop = match.group(1), int(match.group(2)), int(match.group(3))
+        if base not in slices:
+            out[base] = ((), ())  # keeps the file order of its first slice
+            slices[base] = []
+        slices[base].append((start, stop, name, tuple(shape)))
+    for base, parts in slices.items():
+        parts.sort()
+        rows = 0
+        for start, stop, _, shape in parts:
+            if start != rows or shape[0] != stop - start or shape[1:] != parts[0][3][1:]:
+                raise ValueError(f"row slices of {base} do not tile it: {[p[2] for p in parts]}")
+            rows = stop
+        out[base] = ((rows, *parts[0][3][1:]), tuple(p[2] for p in parts))
+    return out

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
-from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
+from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, row_slice_name, span_of, total_numel
 from .ops import compiled_on_cuda, rms_norm, upcast
 
 # Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
@@ -69,55 +69,124 @@ class MoeShape:
         return self.naming == "gpt_oss"
 
 
+def router_name(moe: MoeShape) -> str:
+    return "mlp.router.weight" if moe.gpt_oss else f"{EXPERT_NAMING[moe.naming][0]}.gate.weight"
+
+
+def expert_params(moe: MoeShape, d_model: int, first: int = 0, stop: int | None = None) -> tuple[ParamSpec, ...]:
+    """Experts first..stop-1 in buffer order: each expert's (gate, up) pair, then the downs; gpt-oss'
+    fused tensors and their biases instead (row slices of them when not every expert)."""
+    stop = moe.n_experts if stop is None else stop
+    d, f = d_model, moe.d_ff
+    if moe.gpt_oss:  # the published fused layout: x @ gate_up_proj[e], gate/up interleaved along its last dim
+        n, whole = stop - first, (first, stop) == (0, moe.n_experts)
+
+        def name(base: str) -> str:
+            return base if whole else row_slice_name(base, first, stop)
+
+        return (
+            ParamSpec(name("mlp.experts.gate_up_proj"), (n, d, 2 * f)),
+            ParamSpec(name("mlp.experts.down_proj"), (n, f, d)),
+            ParamSpec(name("mlp.experts.gate_up_proj_bias"), (n, 2 * f), weight_decay=False),
+            ParamSpec(name("mlp.experts.down_proj_bias"), (n, d), weight_decay=False),
+        )
+    module, (gate, up, down) = EXPERT_NAMING[moe.naming]
+    experts = []
+    for e in range(first, stop):
+        experts += [
+            ParamSpec(f"{module}.experts.{e}.{gate}.weight", (f, d)),
+            ParamSpec(f"{module}.experts.{e}.{up}.weight", (f, d)),
+        ]
+    experts += [ParamSpec(f"{module}.experts.{e}.{down}.weight", (d, f)) for e in range(first, stop)]
+    return tuple(experts)
+
+
+def _shared_expert_params(moe: MoeShape, d: int) -> tuple[ParamSpec, ...]:
+    if not moe.shared_d_ff:
+        return ()
+    module = EXPERT_NAMING[moe.naming][0]
+    shared, gated = SHARED_EXPERT[moe.naming]
+    params = (
+        ParamSpec(f"{module}.{shared}.gate_proj.weight", (moe.shared_d_ff, d)),
+        ParamSpec(f"{module}.{shared}.up_proj.weight", (moe.shared_d_ff, d)),
+        ParamSpec(f"{module}.{shared}.down_proj.weight", (d, moe.shared_d_ff)),
+    )
+    return params + ((ParamSpec(f"{module}.{shared}_gate.weight", (1, d)),) if gated else ())
+
+
+def _router_bias(moe: MoeShape) -> tuple[ParamSpec, ...]:
+    return (ParamSpec("mlp.router.bias", (moe.n_experts,), weight_decay=False),) if moe.gpt_oss else ()
+
+
 def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
-    """Buffer order: attention matrices, router, experts' (gate, up) pairs, experts' downs,
-    shared expert, then norms and biases (no decay)."""
+    """Buffer order: attention matrices, router, experts, shared expert, then norms and biases (no decay)."""
     d = shape.d_model
     matrices, small = attention_params(shape)
-    if moe.gpt_oss:  # the published fused layout: x @ gate_up_proj[e], gate/up interleaved along its last dim
-        n, f = moe.n_experts, moe.d_ff
-        experts = (
-            ParamSpec("mlp.router.weight", (n, d)),
-            ParamSpec("mlp.experts.gate_up_proj", (n, d, 2 * f)),
-            ParamSpec("mlp.experts.down_proj", (n, f, d)),
-        )
-        biases = (
-            ParamSpec("mlp.router.bias", (n,), weight_decay=False),
-            ParamSpec("mlp.experts.gate_up_proj_bias", (n, 2 * f), weight_decay=False),
-            ParamSpec("mlp.experts.down_proj_bias", (n, d), weight_decay=False),
-        )
-        return matrices + experts + small + biases
-    module, (gate, up, down) = EXPERT_NAMING[moe.naming]
-    experts = [ParamSpec(f"{module}.gate.weight", (moe.n_experts, d))]
-    for e in range(moe.n_experts):
-        experts += [
-            ParamSpec(f"{module}.experts.{e}.{gate}.weight", (moe.d_ff, d)),
-            ParamSpec(f"{module}.experts.{e}.{up}.weight", (moe.d_ff, d)),
-        ]
-    experts += [ParamSpec(f"{module}.experts.{e}.{down}.weight", (d, moe.d_ff)) for e in range(moe.n_experts)]
-    if moe.shared_d_ff:
-        shared, gated = SHARED_EXPERT[moe.naming]
-        experts += [
-            ParamSpec(f"{module}.{shared}.gate_proj.weight", (moe.shared_d_ff, d)),
-            ParamSpec(f"{module}.{shared}.up_proj.weight", (moe.shared_d_ff, d)),
-            ParamSpec(f"{module}.{shared}.down_proj.weight", (d, moe.shared_d_ff)),
-        ]
-        if gated:
-            experts.append(ParamSpec(f"{module}.{shared}_gate.weight", (1, d)))
-    return matrices + tuple(experts) + small
+    router = ParamSpec(router_name(moe), (moe.n_experts, d))
+    return matrices + (router,) + expert_params(moe, d) + _shared_expert_params(moe, d) + small + _router_bias(moe)
 
 
-def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    """transformers' fused 3-D expert tensors of a layer (module-relative names) -> (the first
-    per-expert name they cover, how many names, shape): the same bytes as those tensors."""
-    if moe.gpt_oss:  # stored fused already
-        return {}
-    module, (gate, _, down) = EXPERT_NAMING[moe.naming]
-    fused = "mlp" if moe.naming == "mixtral" else module  # transformers >= 5 calls Mixtral's module mlp too
-    n = moe.n_experts
+def split_moe_params(shape: BlockShape, moe: MoeShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
+    """A MoE layer whose experts stream in parts, less its experts: (the trunk: attention and shared
+    expert; the router group: post-attention norm and router, which every part binds to route)."""
+    d = shape.d_model
+    matrices, small = attention_params(shape)
+    post_norm = next(p for p in small if p.name == "post_attention_layernorm.weight")
+    trunk = matrices + _shared_expert_params(moe, d) + tuple(p for p in small if p is not post_norm)
+    return trunk, (post_norm, ParamSpec(router_name(moe), (moe.n_experts, d))) + _router_bias(moe)
+
+
+def _router_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Span]:
+    spans = {"router": span_of(params, router_name(moe))}
+    if moe.gpt_oss:
+        spans["router_bias"] = span_of(params, "mlp.router.bias")
+    return spans
+
+
+def _expert_spans(moe: MoeShape, d: int, params: tuple[ParamSpec, ...], first: int, stop: int) -> dict[str, Span]:
+    """Experts first..stop-1 as [count, ...] tensors: (gate, up) pairs and downs, biases for gpt-oss."""
+    names = [p.name for p in expert_params(moe, d, first, stop)]
+    if moe.gpt_oss:
+        keys = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
+        return {key: span_of(params, name) for key, name in zip(keys, names)}
+    count = stop - first
     return {
-        f"{fused}.experts.gate_up_proj": (f"{module}.experts.0.{gate}.weight", 2 * n, (n, 2 * moe.d_ff, d_model)),
-        f"{fused}.experts.down_proj": (f"{module}.experts.0.{down}.weight", n, (n, d_model, moe.d_ff)),
+        "experts_gate_up": Span(span_of(params, names[0]).offset, (count, 2 * moe.d_ff, d)),
+        "experts_down": Span(span_of(params, names[2 * count]).offset, (count, d, moe.d_ff)),
+    }
+
+
+def _shared_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Span]:
+    if not moe.shared_d_ff:
+        return {}
+    module = EXPERT_NAMING[moe.naming][0]
+    shared, gated = SHARED_EXPERT[moe.naming]
+    spans = {
+        "shared_gate_up": fused_span(
+            params, [f"{module}.{shared}.gate_proj.weight", f"{module}.{shared}.up_proj.weight"]
+        ),
+        "shared_down": span_of(params, f"{module}.{shared}.down_proj.weight"),
+    }
+    if gated:
+        spans["shared_gate"] = span_of(params, f"{module}.{shared}_gate.weight")
+    return spans
+
+
+def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """transformers' fused 3-D expert tensors of a layer (module-relative names) -> (shape, the
+    per-expert tensors they are, back to back). gpt-oss stores them fused already."""
+    if moe.gpt_oss:
+        return {}
+    n = moe.n_experts
+    module, (gate, up, down) = EXPERT_NAMING[moe.naming]
+    fused = "mlp" if moe.naming == "mixtral" else module  # transformers >= 5 calls Mixtral's module mlp too
+    pairs = tuple(f"{module}.experts.{e}.{proj}.weight" for e in range(n) for proj in (gate, up))
+    return {
+        f"{fused}.experts.gate_up_proj": ((n, 2 * moe.d_ff, d_model), pairs),
+        f"{fused}.experts.down_proj": (
+            (n, d_model, moe.d_ff),
+            tuple(f"{module}.experts.{e}.{down}.weight" for e in range(n)),
+        ),
     }
 
 
@@ -230,30 +299,38 @@ swiglu_weighted = compiled_on_cuda(_swiglu_weighted)
 swiglu_weighted.__doc__ = """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1]."""
 
 
+def _with_zero_row(rows: Tensor, inverse: Tensor, n_rows: int) -> Tensor:
+    """`rows` with a zero row appended where some slots chose none of them (inverse points there)."""
+    return rows if inverse.numel() == n_rows else torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+
+
 class _Dispatch(torch.autograd.Function):
-    """Each token's row copied to its k expert slots: x[i] = h[order[i] // k]. Backward gathers the
-    k copies' gradients back and sums them, with no atomics (index_add would collide k ways)."""
+    """Each token's row copied to its expert slots: x[i] = h[order[i] // k]. Backward gathers the
+    k slots' gradients back and sums them, with no atomics (index_add would collide k ways); a slot
+    whose expert is not among the rows (experts streamed in parts) reads a zero row."""
 
     @staticmethod
     def forward(ctx, h: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
         ctx.save_for_backward(inverse)
-        ctx.k = k
+        ctx.k, ctx.n_rows = k, order.numel()
         return h.index_select(0, order // k)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (inverse,) = ctx.saved_tensors
+        grad = _with_zero_row(grad, inverse, ctx.n_rows)
         return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """The transpose of _Dispatch: out[t] = sum of the k expert outputs of token t (gathered, then
-    summed in fp32 by the reduction); backward copies each token's gradient to its k slots."""
+    """The transpose of _Dispatch: out[t] = sum of token t's expert outputs over its k slots (gathered,
+    then summed in fp32 by the reduction); backward copies each token's gradient to its slots."""
 
     @staticmethod
     def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
         ctx.save_for_backward(order)
         ctx.k = k
+        y = _with_zero_row(y, inverse, order.numel())
         return y.index_select(0, inverse).view(-1, k, y.shape[-1]).sum(1)
 
     @staticmethod
@@ -277,34 +354,12 @@ class MoeBlock(DecoderBlock):
         self.groups = (params,)
         self.numel = total_numel(params)
         self._rope_cache = {}
-        if moe.gpt_oss:
-            self._spans = {
-                **attention_spans(shape, params),
-                "router": span_of(params, "mlp.router.weight"),
-                "router_bias": span_of(params, "mlp.router.bias"),
-                "experts_gate_up": span_of(params, "mlp.experts.gate_up_proj"),
-                "experts_gate_up_bias": span_of(params, "mlp.experts.gate_up_proj_bias"),
-                "experts_down": span_of(params, "mlp.experts.down_proj"),
-                "experts_down_bias": span_of(params, "mlp.experts.down_proj_bias"),
-            }
-            return
-        module, (gate, up, down) = EXPERT_NAMING[moe.naming]
-        first_gate = span_of(params, f"{module}.experts.0.{gate}.weight")
-        first_down = span_of(params, f"{module}.experts.0.{down}.weight")
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
-            "router": span_of(params, f"{module}.gate.weight"),
-            "experts_gate_up": Span(first_gate.offset, (moe.n_experts, 2 * moe.d_ff, shape.d_model)),
-            "experts_down": Span(first_down.offset, (moe.n_experts, shape.d_model, moe.d_ff)),
+            **_router_spans(moe, params),
+            **_expert_spans(moe, shape.d_model, params, 0, moe.n_experts),
+            **_shared_spans(moe, params),
         }
-        if moe.shared_d_ff:
-            shared, gated = SHARED_EXPERT[moe.naming]
-            self._spans["shared_gate_up"] = fused_span(
-                params, [f"{module}.{shared}.gate_proj.weight", f"{module}.{shared}.up_proj.weight"]
-            )
-            self._spans["shared_down"] = span_of(params, f"{module}.{shared}.down_proj.weight")
-            if gated:
-                self._spans["shared_gate"] = span_of(params, f"{module}.{shared}_gate.weight")
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] -> (probs [tokens, n_experts], top_index [tokens, k], top_weight [tokens, k]);
@@ -324,19 +379,33 @@ class MoeBlock(DecoderBlock):
             top_weight = top_weight * moe.routed_scaling
         return probs, top_index, top_weight
 
-    def _experts(self, w: dict[str, Tensor], h: Tensor, top_index: Tensor, top_weight: Tensor) -> Tensor:
-        """sum_k top_weight * expert_k(h), dropless, as grouped GEMMs over tokens sorted by expert.
+    def _experts(
+        self, w: dict[str, Tensor], h: Tensor, top_index: Tensor, top_weight: Tensor, first: int = 0, stop: int = 0
+    ) -> Tensor:
+        """sum_k top_weight * expert_k(h) over the experts first..stop-1 that `w` holds (stop 0: all),
+        dropless, as grouped GEMMs over tokens sorted by expert.
 
         The routing weight scales each expert's down-projection input (d_ff wide), not its output
         (d_model wide): the same by linearity, with half the elementwise traffic or less."""
-        n_experts, k = self.moe.n_experts, self.moe.top_k
+        k = self.moe.top_k
+        count = (stop or self.moe.n_experts) - first
         flat = top_index.reshape(-1)
-        order = flat.argsort(stable=True)  # sorted slot -> (token, choice); stable keeps token order per expert
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        x = _Dispatch.apply(h, order, inverse, k)  # [tokens * k, d_model], grouped by expert
+        if count == self.moe.n_experts:
+            expert = flat
+            order = flat.argsort(stable=True)  # sorted slot -> (token, choice); stable keeps token order per expert
+        else:  # the slots of other experts sort last and are cut off
+            local = flat - first
+            expert = torch.where((local >= 0) & (local < count), local, count)
+            order = expert.argsort(stable=True)
+            order = order[: int((expert < count).sum())]  # a host sync, once per micro-batch and part
+            if order.numel() == 0:  # no token chose these experts
+                return h.new_zeros(h.shape)
+        n_rows = order.numel()
+        inverse = torch.full_like(flat, n_rows) if n_rows < flat.numel() else torch.empty_like(order)
+        inverse[order] = torch.arange(n_rows, device=order.device)
+        x = _Dispatch.apply(h, order, inverse, k)  # [rows, d_model], grouped by expert
         weight = top_weight.reshape(-1)[order].to(h.dtype).unsqueeze(1)
-        expert_of_row = flat[order]
+        expert_of_row = expert[order]
         # each expert's matrices as [in, out]: the per-expert (transformers) layout is [out, in], gpt-oss'
         # [in, out]; gpt-oss adds biases, the down projection's scaled by the routing weight like its input
         gate_up, down = w["experts_gate_up"], w["experts_down"]
@@ -345,8 +414,8 @@ class MoeBlock(DecoderBlock):
         gate_up_bias, down_bias = w.get("experts_gate_up_bias"), w.get("experts_down_bias")
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
         if aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.gpt_oss):
-            counts = torch.zeros(n_experts, dtype=torch.int32, device=h.device)
-            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            counts = torch.zeros(count, dtype=torch.int32, device=h.device)
+            counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
             hidden = torch._grouped_mm(x, gate_up, offs=offsets)
             if gate_up_bias is not None:
@@ -355,20 +424,20 @@ class MoeBlock(DecoderBlock):
             if down_bias is not None:
                 y = y + weight * down_bias[expert_of_row]
         else:
-            counts = torch.bincount(flat, minlength=n_experts).tolist()
+            counts = torch.bincount(expert_of_row, minlength=count).tolist()
             # unbind, not gate_up[e]: its backward stacks the per-expert gradients once instead of
-            # adding n_experts full-size zero-padded gradients
+            # adding count full-size zero-padded gradients
             gate_ups, downs = gate_up.unbind(0), down.unbind(0)
             pieces, start = [], 0
-            for e, count in enumerate(counts):
-                if count:
-                    rows = slice(start, start + count)
+            for e, rows_of_e in enumerate(counts):
+                if rows_of_e:
+                    rows = slice(start, start + rows_of_e)
                     hidden = x[rows] @ gate_ups[e]
                     if gate_up_bias is not None:
                         hidden = hidden + gate_up_bias[e]
                     piece = self._activation(hidden, weight[rows], compiled=False) @ downs[e]  # shapes vary: eager
                     pieces.append(piece if down_bias is None else piece + weight[rows] * down_bias[e])
-                    start += count
+                    start += rows_of_e
             y = torch.cat(pieces)
         return _Combine.apply(y, order, inverse, k)
 
@@ -381,15 +450,20 @@ class MoeBlock(DecoderBlock):
             return glu(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
         return (swiglu_weighted if compiled else _swiglu_weighted)(gate_up, weight)
 
+    def _shared_expert(self, w: dict[str, Tensor], h: Tensor) -> Tensor | None:
+        """The shared expert's output (behind its sigmoid gate where the family has one); None: no shared expert."""
+        if not self.moe.shared_d_ff:
+            return None
+        gate, up = F.linear(h, w["shared_gate_up"]).chunk(2, dim=-1)
+        shared = F.linear(F.silu(gate) * up, w["shared_down"])
+        return torch.sigmoid(F.linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared
+
     def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h: [tokens, d_model] (post-norm) -> (MLP output, router probs, top_index)."""
         probs, top_index, top_weight = self.route(w, h)
         out = self._experts(w, h, top_index, top_weight)
-        if self.moe.shared_d_ff:
-            gate, up = F.linear(h, w["shared_gate_up"]).chunk(2, dim=-1)
-            shared = F.linear(F.silu(gate) * up, w["shared_down"])
-            out = out + (torch.sigmoid(F.linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared)
-        return out, probs, top_index
+        shared = self._shared_expert(w, h)
+        return (out if shared is None else out + shared), probs, top_index
 
     def _block_and_router(
         self, w: dict[str, Tensor], x: Tensor, documents: Documents | None
@@ -406,6 +480,15 @@ class MoeBlock(DecoderBlock):
         self.router_load.record(top_index, probs, _valid_tokens(documents))
         return out
 
+    def _aux_outputs(self, probs: Tensor | None, documents: Documents | None) -> tuple[list, list]:
+        """(outputs, their gradients) that add the load-balancing loss's gradient to a backward."""
+        probs_grad = self.router_load.probs_grad()
+        if probs_grad is None or probs is None:
+            return [], []
+        grad_probs = probs_grad.to(probs.dtype).expand_as(probs)
+        valid = _valid_tokens(documents)
+        return [probs], [grad_probs if valid is None else grad_probs * valid.to(probs.dtype).unsqueeze(1)]
+
     def backward(
         self,
         weights: list[Tensor],
@@ -421,15 +504,125 @@ class MoeBlock(DecoderBlock):
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             out, probs, _ = self._block_and_router(leaves, x, documents)
-        outputs, grad_outputs = [out], [grad_out]
-        probs_grad = self.router_load.probs_grad()
-        if probs_grad is not None:
-            grad_probs = probs_grad.to(probs.dtype).expand_as(probs)
-            valid = _valid_tokens(documents)
-            outputs.append(probs)
-            grad_outputs.append(grad_probs if valid is None else grad_probs * valid.to(probs.dtype).unsqueeze(1))
-        grad_in, *grad_leaves = torch.autograd.grad(outputs, [x, *leaves.values()], grad_outputs, allow_unused=True)
+        aux, aux_grads = self._aux_outputs(probs, documents)
+        grad_in, *grad_leaves = torch.autograd.grad(
+            [out, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
+        )
         for name, grad in zip(leaves, grad_leaves):
             if grad is not None:
                 accumulate(grads[0], self._spans[name], grad)
         return grad_in
+
+
+class _MoePart(MoeBlock):
+    """A stage of a MoE layer whose experts stream in parts (a layer too large for a GPU slot): the
+    layer's groups are its trunk (attention, shared expert), its router group (post-attention norm,
+    router) and one group per part of its experts. The stages pass the residual stream after
+    attention `a` and the MLP output summed so far as one stacked [2, batch, seq, d_model] pair."""
+
+    def _bind(self, weights: list[Tensor], leaves: bool = False) -> dict[str, Tensor]:
+        bound = {}
+        for buffer, spans in zip(weights, self._group_spans):
+            bound.update({name: leaf(buffer, span) if leaves else span.view(buffer) for name, span in spans.items()})
+        return bound
+
+    def _accumulate(self, grads: list[Tensor], leaves: dict[str, Tensor], grad_leaves: list[Tensor | None]) -> None:
+        grad_of = dict(zip(leaves, grad_leaves))
+        for buffer, spans in zip(grads, self._group_spans):
+            for name, span in spans.items():
+                if grad_of.get(name) is not None:
+                    accumulate(buffer, span, grad_of[name])
+
+
+class MoeAttention(_MoePart):
+    """The first stage of a MoE layer streamed in parts: attention, the routing statistics (and the
+    load-balancing loss's gradient) and the shared expert; binds (trunk, router group) and returns
+    the pair [a, shared expert output or zeros]."""
+
+    def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
+        self.shape, self.moe = shape, moe
+        self.router_load = router_load or RouterLoad(moe.n_experts, moe.top_k)
+        self.groups = split_moe_params(shape, moe)
+        self.numel = sum(total_numel(params) for params in self.groups)
+        self._rope_cache = {}
+        trunk, router = self.groups
+        self._group_spans = (
+            {**attention_spans(shape, trunk), **_shared_spans(moe, trunk)},
+            {"post_norm": span_of(router, "post_attention_layernorm.weight"), **_router_spans(moe, router)},
+        )
+
+    def _pair(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None, route: bool):
+        a = self._attention(w, x, documents)
+        h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+        shared = self._shared_expert(w, h)
+        probs, top_index, _ = self.route(w, h) if route else (None, None, None)
+        return torch.stack([a, torch.zeros_like(a) if shared is None else shared.view_as(a)]), probs, top_index
+
+    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
+        """hidden: [batch, seq, d_model] -> the pair [2, batch, seq, d_model]; records routing statistics."""
+        check_buffers(weights, self.groups, "MoeAttention.forward")
+        pair, probs, top_index = self._pair(self._bind(weights), hidden, documents, route=True)
+        self.router_load.record(top_index, probs, _valid_tokens(documents))
+        return pair
+
+    def backward(self, weights, hidden, grad_out, grads, documents: Documents | None = None) -> Tensor:
+        """grad_out: the pair's gradient; returns d/d(hidden)."""
+        check_buffers(weights, self.groups, "MoeAttention.backward")
+        leaves = self._bind(weights, leaves=True)
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():  # routing again only for the load-balancing loss's gradient
+            pair, probs, _ = self._pair(leaves, x, documents, route=self.router_load.probs_grad() is not None)
+        aux, aux_grads = self._aux_outputs(probs, documents)
+        grad_in, *grad_leaves = torch.autograd.grad(
+            [pair, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
+        )
+        self._accumulate(grads, leaves, grad_leaves)
+        return grad_in
+
+
+class MoeExperts(_MoePart):
+    """Experts first..stop-1 of a MoE layer streamed in parts: binds (router group, these experts),
+    routes again (the router is tiny next to the experts) and adds their output to the pair's sum; the
+    last part returns the layer's output, a + the sum."""
+
+    input_planes = 2  # its input (kept for the backward) is the pair
+
+    def __init__(self, shape: BlockShape, moe: MoeShape, first: int, stop: int):
+        self.shape, self.moe, self.first, self.stop = shape, moe, first, stop
+        self.last = stop == moe.n_experts
+        _, router = split_moe_params(shape, moe)
+        experts = expert_params(moe, shape.d_model, first, stop)
+        self.groups = (router, experts)
+        self.numel = total_numel(router) + total_numel(experts)
+        self._group_spans = (
+            {"post_norm": span_of(router, "post_attention_layernorm.weight"), **_router_spans(moe, router)},
+            _expert_spans(moe, shape.d_model, experts, first, stop),
+        )
+
+    def _output(self, w: dict[str, Tensor], a: Tensor) -> Tensor:
+        h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+        _, top_index, top_weight = self.route(w, h)
+        return self._experts(w, h, top_index, top_weight, self.first, self.stop).view_as(a)
+
+    def forward(self, weights: list[Tensor], pair: Tensor, documents: Documents | None = None) -> Tensor:
+        check_buffers(weights, self.groups, "MoeExperts.forward")
+        a, total = pair.unbind(0)
+        total = total + self._output(self._bind(weights), a)
+        return a + total if self.last else torch.stack([a, total])
+
+    def backward(self, weights, pair, grad_out, grads, documents: Documents | None = None) -> Tensor:
+        """grad_out: the layer output's gradient (last part) or the pair's; returns the input pair's."""
+        check_buffers(weights, self.groups, "MoeExperts.backward")
+        grad_a, grad_total = (grad_out, grad_out) if self.last else grad_out.unbind(0)
+        leaves = self._bind(weights, leaves=True)
+        a = pair[0].detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._output(leaves, a)
+        if out.requires_grad:  # some token chose one of these experts
+            grad_via_experts, *grad_leaves = torch.autograd.grad(
+                [out], [a, *leaves.values()], [grad_total], allow_unused=True
+            )
+            self._accumulate(grads, leaves, grad_leaves)
+            if grad_via_experts is not None:
+                grad_a = grad_a + grad_via_experts
+        return torch.stack([grad_a, grad_total])

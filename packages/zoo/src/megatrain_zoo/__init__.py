@@ -2,7 +2,7 @@
 
 from .config import ARCHITECTURES, ModelConfig, ZooError, flops_per_token
 from .hf import config_from_hf, config_to_hf, read_hf_config
-from .model import Group, ModelSpec, StageSpec, block_shape, build_model, init_param_
+from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "ZooError",
     "block_shape",
     "build_model",
+    "expert_parts",
     "config_from_hf",
     "config_to_hf",
     "flops_per_token",

@@ -12,7 +12,9 @@ from megatrain_templates import (
     Embedding,
     Head,
     MlaShape,
+    MoeAttention,
     MoeBlock,
+    MoeExperts,
     MoeShape,
     ParamSpec,
     RopeConfig,
@@ -45,6 +47,8 @@ class ModelSpec:
     groups: tuple[Group, ...]
     stages: tuple[StageSpec, ...]
     router_load: RouterLoad | None = None  # the MoE layers' shared routing statistics (None: dense)
+    # (first, stop) expert ranges a MoE layer streams in, one stage and group each; empty: whole layers
+    expert_parts: tuple[tuple[int, int], ...] = ()
 
     def checkpoint_names_to_ignore(self, name: str) -> bool:
         """Tensors a Hugging Face checkpoint may carry that this model does not store."""
@@ -52,17 +56,15 @@ class ModelSpec:
 
     def fused_checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """transformers' fused 3-D expert tensors -> (shape, the per-expert names it covers): the
-        fused tensor is the same bytes as those tensors, which lie back to back in the layer."""
+        fused tensor is the same bytes as those tensors back to back."""
+        if not self.config.is_moe:
+            return {}
         fused = {}
         for layer in range(self.config.n_layers):
-            template = self.stages[layer + 1].template
-            if not isinstance(template, MoeBlock):
-                continue
-            prefix = f"model.layers.{layer}."
-            names = [p.name for p in template.groups[0]]
-            for name, (first, count, shape) in fused_expert_names(template.moe, self.config.d_model).items():
-                start = names.index(first)
-                fused[prefix + name] = (shape, tuple(prefix + n for n in names[start : start + count]))
+            if self.config.layer_is_moe(layer):
+                prefix = f"model.layers.{layer}."
+                for name, (shape, covered) in fused_expert_names(moe_shape(self.config), self.config.d_model).items():
+                    fused[prefix + name] = (shape, tuple(prefix + n for n in covered))
         return fused
 
     def checkpoint_alias(self, name: str) -> str:
@@ -133,44 +135,73 @@ def moe_shape(config: ModelConfig) -> MoeShape:
     )
 
 
-def build_model(config: ModelConfig) -> ModelSpec:
+def expert_parts(n_experts: int, experts_per_stage: int) -> tuple[tuple[int, int], ...]:
+    """(first, stop) expert ranges of at most `experts_per_stage` experts; empty where that is all of them."""
+    if not 0 < experts_per_stage < n_experts:
+        return ()
+    return tuple((first, min(first + experts_per_stage, n_experts)) for first in range(0, n_experts, experts_per_stage))
+
+
+def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     """Groups: [embedding, layer 0 .. layer L-1, head]; stages: embedding, blocks, head.
 
     One template serves every layer of a kind (dense or MoE): templates are stateless; the
-    MoE layers share the step's routing statistics."""
+    MoE layers share the step's routing statistics. With `experts_per_stage` below the expert count
+    (0: all), a MoE layer is several groups and stages so that a GPU slot holds a part of its experts:
+    trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts."""
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id)
     router_load = None
     if config.is_moe:
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
         router_load = RouterLoad(config.n_experts, config.n_experts_per_tok, coef)
-    templates: dict[tuple, DecoderBlock] = {}  # one per kind of layer (dense or MoE, windowed or not)
-    blocks = []
-    for layer in range(config.n_layers):
-        shape, is_moe = block_shape(config, layer), config.layer_is_moe(layer)
-        if (shape, is_moe) not in templates:
-            templates[shape, is_moe] = (
-                MoeBlock(shape, moe_shape(config), router_load) if is_moe else DecoderBlock(shape)
-            )
-        blocks.append(templates[shape, is_moe])
-    head = Head(config.vocab_size, config.d_model, config.rms_eps, tied=config.tie_embeddings)
+    parts = expert_parts(config.n_experts, experts_per_stage) if config.is_moe else ()
+    templates: dict[tuple, object] = {}  # one per kind of layer (dense or MoE, windowed or not) and part
+
+    def template(key: tuple, make):
+        if key not in templates:
+            templates[key] = make()
+        return templates[key]
+
     groups = [Group("embed", _renamed(embedding.groups[0], "model."))]
-    for layer, block in enumerate(blocks):
-        groups.append(Group(f"layer{layer}", _renamed(block.groups[0], f"model.layers.{layer}.")))
+    stages = [StageSpec("embed", embedding, (0,))]
+    group_index = {"embed": 0}
+
+    def add_stage(name: str, block, group_names: tuple[str, ...], prefix: str) -> None:
+        """A stage binding `group_names` (in the template's order), each made at its first stage."""
+        for group_name, params in zip(group_names, block.groups):
+            if group_name not in group_index:
+                group_index[group_name] = len(groups)
+                groups.append(Group(group_name, _renamed(params, prefix)))
+        stages.append(StageSpec(name, block, tuple(group_index[g] for g in group_names)))
+
+    for layer in range(config.n_layers):
+        shape, prefix, name = block_shape(config, layer), f"model.layers.{layer}.", f"layer{layer}"
+        if not config.layer_is_moe(layer):
+            add_stage(name, template((shape, "dense"), lambda: DecoderBlock(shape)), (name,), prefix)
+        elif not parts:
+            block = template((shape, "moe"), lambda: MoeBlock(shape, moe_shape(config), router_load))
+            add_stage(name, block, (name,), prefix)
+        else:
+            attention = template((shape, "attention"), lambda: MoeAttention(shape, moe_shape(config), router_load))
+            add_stage(f"{name}.attention", attention, (name, f"{name}.router"), prefix)
+            for first, stop in parts:
+                part = template((shape, first), lambda: MoeExperts(shape, moe_shape(config), first, stop))
+                add_stage(
+                    f"{name}.experts{first}-{stop - 1}", part, (f"{name}.router", f"{name}.experts{first}"), prefix
+                )
+    head = Head(config.vocab_size, config.d_model, config.rms_eps, tied=config.tie_embeddings)
     head_group = len(groups)
-    head_params = head.groups[-1]
     groups.append(
         Group(
             "head",
             tuple(
                 ParamSpec("model." + p.name if p.name == "norm.weight" else p.name, p.shape, p.weight_decay)
-                for p in head_params
+                for p in head.groups[-1]
             ),
         )
     )
-    stages = [StageSpec("embed", embedding, (0,))]
-    stages += [StageSpec(f"layer{layer}", block, (layer + 1,)) for layer, block in enumerate(blocks)]
     stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))
-    return ModelSpec(config, tuple(groups), tuple(stages), router_load)
+    return ModelSpec(config, tuple(groups), tuple(stages), router_load, parts)
 
 
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, generator: torch.Generator) -> None:
