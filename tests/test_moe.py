@@ -12,7 +12,7 @@ import transformers  # installed by the integration nox session
 from safetensors.torch import save_file
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
@@ -43,7 +43,9 @@ def hf_model(name, aux: bool, seed: int, **overrides):
     return model.train()
 
 
-def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_size=2, device="cpu"):
+def make_trainer(
+    hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_size=2, device="cpu", engine=EngineSection()
+):
     train = TrainSection(
         steps=steps,
         batch_size=batch_size,
@@ -59,6 +61,7 @@ def make_trainer(hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_s
         data=DataSection(seq_len=12),
         train=train,
         precision=PrecisionSection("float32"),
+        engine=engine,
         device=device,
         output_dir=str(tmp_path / "run"),
     )
@@ -113,12 +116,20 @@ def clamp_that_bites(name) -> dict:
     return {"swiglu_limit": 1.0} if honoured == 1.0 else {}
 
 
-def check_steps_match_transformers(name, aux, tmp_path, device):
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_experts_streamed_in_parts_match_transformers(name, tmp_path):
+    """A layer's experts in parts of 3 (uneven: 4, 6 and 8 experts make 2, 2 and 3 parts), a stage
+    and a group each, the pair [residual, MLP sum] passed between them: the same training steps."""
+    check_steps_match_transformers(name, True, tmp_path, "cpu", EngineSection(experts_per_stage=3))
+
+
+def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSection()):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(name, aux, seed, **clamp_that_bites(name))
     reference.save_pretrained(tmp_path / "hf")
     grad_clip = 0.5 if aux else 0.0  # both update policies: clipped (held gradients) and eager
-    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device)
+    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine)
+    assert bool(trainer.spec.expert_parts) == (engine.experts_per_stage != "auto")
     optimizer = hf_adamw(reference, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
@@ -199,7 +210,8 @@ def test_aux_loss_gradient_matches_transformers_across_micro_batches(tmp_path):
     assert runs[0].router_aux_loss == pytest.approx(runs[1].router_aux_loss, rel=1e-6)
 
 
-def test_fused_expert_layout_imports(tmp_path):
+@pytest.mark.parametrize("experts_per_stage", ["auto", 3])
+def test_fused_expert_layout_imports(experts_per_stage, tmp_path):
     """transformers' in-memory layout (experts as [n_experts, 2 * d_ff, d_model] gate_up_proj and
     [n_experts, d_model, d_ff] down_proj) written as is imports to the same model."""
     reference = hf_model("tiny-mixtral", False, 3)
@@ -209,7 +221,8 @@ def test_fused_expert_layout_imports(tmp_path):
     save_file(tensors, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "fused" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
     assert any(n.endswith("experts.gate_up_proj") for n in tensors)
-    trainer, _ = make_trainer(tmp_path / "fused", tmp_path, 0.0, steps=1)
+    engine = EngineSection(experts_per_stage=experts_per_stage)  # 3: each fused tensor spans two groups
+    trainer, _ = make_trainer(tmp_path / "fused", tmp_path, 0.0, steps=1, engine=engine)
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         assert rel_err(trainer.logits(ids), reference.eval()(ids).logits) < 1e-5
@@ -266,7 +279,8 @@ def test_megatrain_train_matches_transformers(tmp_path):
         assert loss == pytest.approx(out.loss.item(), rel=1e-5)
 
 
-def test_mxfp4_experts_are_dequantized_on_import(tmp_path):
+@pytest.mark.parametrize("experts_per_stage", ["auto", 3])
+def test_mxfp4_experts_are_dequantized_on_import(experts_per_stage, tmp_path):
     """gpt-oss publishes its experts in MXFP4 (blocks + scales): they load, dequantized exactly as
     transformers dequantizes them, into the fp32 masters; the config's quantization_config is accepted."""
     from safetensors.torch import load_file, save_file
@@ -291,7 +305,8 @@ def test_mxfp4_experts_are_dequantized_on_import(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    engine = EngineSection(experts_per_stage=experts_per_stage)  # 3: row slices of each tensor in two groups
+    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, engine=engine)
     ours = trainer.named_weights()
     for name, value in expected.items():
         assert torch.equal(ours[name], value), name
@@ -352,3 +367,31 @@ def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(tmp
         assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
     trainer.close()
+
+
+@pytest.mark.parametrize("saved, resumed", [(3, "auto"), ("auto", 2)])
+def test_checkpoints_resume_whatever_the_experts_parts(saved, resumed, tmp_path):
+    """Checkpoint files name tensors as transformers does (gpt-oss' row slices joined), so a run saved
+    with its experts in parts resumes with whole layers or other parts: the same loss, and weights to
+    fp32 rounding (the clipping norm sums the groups' squared norms, which the parts regroup)."""
+    from megatrain.checkpoint import load_checkpoint, save_checkpoint
+
+    reference = hf_model("tiny-gpt-oss", True, 7)
+    reference.save_pretrained(tmp_path / "hf")
+    generator = torch.Generator().manual_seed(7)
+    batches = [random_batch(6, 12, 256, generator) for _ in range(3)]
+    first, _ = make_trainer(tmp_path / "hf", tmp_path, 0.5, 3, engine=EngineSection(experts_per_stage=saved))
+    for ids, labels in batches[:2]:
+        first.train_step(ids, labels)
+    checkpoint = save_checkpoint(first, tmp_path / "checkpoints")
+    expected = first.train_step(*batches[2]).loss
+    want = first.named_weights()
+    first.close()
+    second, _ = make_trainer(tmp_path / "hf", tmp_path, 0.5, 3, engine=EngineSection(experts_per_stage=resumed))
+    load_checkpoint(second, checkpoint)
+    assert second.train_step(*batches[2]).loss == expected
+    got = second.named_weights()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-6, name
+    second.close()

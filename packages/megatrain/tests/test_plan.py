@@ -122,7 +122,7 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
     settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
     settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
     assert main(["plan", "--gpu-memory-gib", "140"] + [a for s in settings for a in ("--set", s)]) == 0
-    assert f"{plan.offloaded_layers} layers' activation checkpoints in host memory" in capsys.readouterr().out
+    assert f"{plan.offloaded_layers} stages' activation checkpoints in host memory" in capsys.readouterr().out
 
 
 def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
@@ -151,12 +151,30 @@ def test_moe_plan_moves_all_parameters_and_computes_the_active_ones():
     assert dense.compute_s > 3 * small.compute_s  # 7.6B active against 1.3B
 
 
-def test_a_layer_too_large_for_the_gpu_is_named(monkeypatch):
-    """gpt-oss-120b on a 24 GiB GPU: two slots of a 3.3B-parameter layer and its fp32 gradients alone
-    exceed it, whatever the batch: the error says so instead of suggesting a batch size of zero."""
+def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch, capsys):
+    """gpt-oss-120b on a 24 GiB GPU: two slots of a 3.2B-parameter layer and its fp32 gradients alone
+    exceed it, whatever the batch. Kept whole, the error says so (instead of suggesting a batch size
+    of zero) and names the fix; auto streams each layer's experts in the fewest parts that leave half
+    the GPU for activation checkpoints; where whole layers fit, they stay whole."""
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
-    config = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1})
-    plan = make_plan(config, gpu_memory=24 * 2**30)
-    assert plan.offloaded_layers == preset("gpt-oss-120b").n_layers
-    with pytest.raises(ConfigError, match=r"the largest layer alone takes .* GiB .* a GPU with more memory"):
-        check_plan(plan, config, preset("gpt-oss-120b"))
+    model = preset("gpt-oss-120b")
+    whole = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1, "engine.experts_per_stage": 128})
+    plan = make_plan(whole, gpu_memory=24 * 2**30)
+    assert plan.experts_per_stage == 0 and plan.offloaded_layers == plan.checkpoint_stages == model.n_layers
+    with pytest.raises(ConfigError, match=r"the largest layer alone takes .*engine\.experts_per_stage below 128"):
+        check_plan(plan, whole, model)
+
+    auto = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1})
+    plan = make_plan(auto, gpu_memory=24 * 2**30)
+    assert plan.experts_per_stage == 16  # 8 parts: 4 would leave under half of the GPU
+    groups, stages, planes = layout_sizes(model, plan.experts_per_stage)
+    assert max(stages[1:-1]) < 0.4e9 and planes == model.n_layers * (1 + 2 * 8)  # the parts take pairs
+    assert plan.checkpoint_stages == planes and plan.gpu_bytes < 0.95 * 24 * 2**30
+    check_plan(plan, auto, model)
+    settings = ["model.preset=gpt-oss-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=16"]
+    settings += ["train.micro_batch_size=1", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
+    assert main(["plan", "--gpu-memory-gib", "24"] + [a for s in settings for a in ("--set", s)]) == 0
+    assert "each MoE layer's experts stream in parts of 16" in capsys.readouterr().out
+
+    assert make_plan(auto, gpu_memory=80 * 2**30).experts_per_stage == 0  # an H100 holds whole layers
+    assert make_plan(config_for("qwen2.5-7b", 16 * 2048, **{"engine.experts_per_stage": 4})).experts_per_stage == 0

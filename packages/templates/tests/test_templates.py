@@ -10,11 +10,15 @@ from megatrain_templates import (
     Documents,
     Embedding,
     Head,
+    MoeAttention,
     MoeBlock,
+    MoeExperts,
     MoeShape,
     RopeConfig,
     RouterLoad,
+    file_tensors,
     rope_inv_freq,
+    row_slice_name,
 )
 
 
@@ -105,6 +109,60 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
     for name, p in ref.named_parameters():
         assert rel_err(by_name[name], p.grad) < 1e-10, name
     assert "mlp.experts.5.down_proj.weight" in by_name  # per-expert Hugging Face names
+
+
+@pytest.mark.parametrize("naming,shared_d_ff", [("qwen", 40), ("gpt_oss", 0)])
+def test_moe_layer_in_parts_equals_the_whole_block(naming, shared_d_ff):
+    """float64: attention + shared expert (MoeAttention), then the experts in parts of 2, 1 and 3
+    (MoeExperts; for gpt-oss one that no token chooses), passing the [residual, MLP sum] pair, give the whole
+    block's output, input gradient and weight gradients (load-balancing loss on); gpt-oss' fused expert
+    tensors are stored as row slices, one per part."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, n_experts = 32, 6
+    shape = BlockShape(d, 4, 2, 8, 1, 1e-5, rope=RopeConfig(head_dim=8, theta=500.0))
+    moe = MoeShape(n_experts, 2, 24, shared_d_ff, naming=naming)
+    whole = MoeBlock(shape, moe, RouterLoad(n_experts, 2, 0.3))
+    load = RouterLoad(n_experts, 2, 0.3)
+    (specs,) = whole.groups
+    values = {p.name: torch.randn(p.shape, dtype=torch.float64) * 0.3 for p in specs}
+    if naming == "gpt_oss":
+        values["mlp.router.bias"][2] = -100.0  # no token picks expert 2, the part (2, 3)
+    parts = ((0, 2), (2, 3), (3, 6))
+    values |= {row_slice_name(n, a, b): v[a:b] for n, v in list(values.items()) for a, b in parts if v.dim() > 0}
+
+    def part_values(params):
+        return torch.cat([values[p.name].reshape(-1) for p in params])
+
+    x = torch.randn(3, 11, d, dtype=torch.float64)
+    grad_out = torch.randn(3, 11, d, dtype=torch.float64)
+    flat = part_values(specs)
+    stages = [MoeAttention(shape, moe, load)] + [MoeExperts(shape, moe, a, b) for a, b in parts]
+    want = whole.forward([flat], x)
+    weights = [[part_values(params) for params in stage.groups] for stage in stages]
+    inputs, h = [], x
+    for stage, w in zip(stages, weights):
+        inputs.append(h)
+        h = stage.forward(w, h)
+    assert rel_err(h, want) < 1e-12
+    assert load.loss().item() == pytest.approx(whole.router_load.loss().item(), rel=1e-12)
+
+    grads = [torch.zeros(whole.numel, dtype=torch.float64)]
+    want_grad_in = whole.backward([flat], x, grad_out, grads)
+    want_grads = unflatten_grads(grads[0], specs)
+    got_grads: dict[str, torch.Tensor] = {}
+    g = grad_out
+    for stage, w, h in reversed(list(zip(stages, weights, inputs))):
+        part_grads = [torch.zeros(t.numel(), dtype=torch.float64) for t in w]
+        g = stage.backward(w, h, g, part_grads)
+        for params, buffer in zip(stage.groups, part_grads):
+            for name, grad in unflatten_grads(buffer, params).items():
+                got_grads[name] = got_grads.get(name, 0) + grad
+    assert rel_err(g, want_grad_in) < 1e-12
+    joined = file_tensors({name: tuple(t.shape) for name, t in got_grads.items()})
+    for name, (_, covered) in joined.items():
+        got = torch.cat([got_grads[part] for part in covered]) if len(covered) > 1 else got_grads[name]
+        assert rel_err(got, want_grads[name]) < 1e-12, name
+    assert joined.keys() == want_grads.keys()
 
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():

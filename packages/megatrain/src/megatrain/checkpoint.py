@@ -33,12 +33,9 @@ def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
 
 def checkpoint_entries(trainer) -> dict[str, list]:
     """File name -> (tensor name, Pending) in file order: the masters by Hugging Face name, then each
-    group's optimizer state as `STATE.name`; gathered group by group where hosts split the state."""
-    store, whole = trainer.store, trainer.whole_groups()
-    optimizer = []
-    for group in range(store.n_groups):
-        for state in store.state_names:
-            optimizer += whole.entries(f"state.{state}", f"{state}.", groups=[group])
+    optimizer state as `STATE.name`; gathered a group at a time where hosts split the state."""
+    whole = trainer.whole_groups()
+    optimizer = [entry for state in trainer.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")]
     return {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
 
 
