@@ -85,7 +85,11 @@ def bench_megatrain(
     real_text=False,
     engine_options=None,
     doc_len=0,
+    n_layers=0,
 ):
+    model = preset(name)
+    if n_layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
+        model = replace(model, n_layers=n_layers, sliding_layers=tuple(i for i in model.sliding_layers if i < n_layers))
     config = Config(
         model=ModelSection(preset=name),
         data=DataSection(seq_len=seq_len),
@@ -104,10 +108,9 @@ def bench_megatrain(
         output_dir=tempfile.mkdtemp(),
     )
     t0 = time.perf_counter()
-    trainer = BenchTrainer(config)
+    trainer = BenchTrainer(config, model)
     trainer.timeline.keep_steps = None  # the timed steps' spans are all summed below
     setup_s = time.perf_counter() - t0
-    model = trainer.model_config
     report = trainer.store.memory_report()
     if real_text:  # the shipped corpus with a BPE tokenizer trained on it: losses that mean something
         from megatrain.data import TokenWindows, load_token_array
@@ -169,6 +172,8 @@ def bench_megatrain(
                 "disk_gib": round(sum((report.disk or {}).values()) / 2**30, 1),
                 "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
                 "n_slots": n_slots,
+                "n_layers": model.n_layers,
+                "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
                 | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
@@ -283,6 +288,10 @@ def main():
     parser.add_argument(
         "--doc-len", type=int, default=0, help="pack documents of this many tokens per row (per-document attention)"
     )
+    parser.add_argument("--layers", type=int, default=0, help="keep only the first N layers of each model")
+    parser.add_argument(
+        "--experts-per-stage", default="auto", help="MoE: stream a layer's experts in parts of this many"
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -307,8 +316,12 @@ def main():
                 if args.disk_state_fraction == "auto"
                 else float(args.disk_state_fraction),
                 "wire_copy": args.wire_copy,
+                "experts_per_stage": args.experts_per_stage
+                if args.experts_per_stage == "auto"
+                else int(args.experts_per_stage),
             },
             args.doc_len,
+            args.layers,
         )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:

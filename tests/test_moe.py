@@ -190,6 +190,52 @@ def test_gpu_grouped_experts_equal_the_expert_loop(naming):
         assert rel_err(grouped, loop) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("naming", ["qwen", "gpt_oss"])
+def test_gpu_experts_in_parts_equal_the_whole_block(naming):
+    """bf16 on the GPU with the grouped GEMMs: the layer as MoeAttention + three MoeExperts parts
+    (each a host sync for its row count) computes the whole block, forward and backward, to bf16 rounding."""
+    from megatrain_templates import (
+        BlockShape,
+        MoeAttention,
+        MoeBlock,
+        MoeExperts,
+        MoeShape,
+        RopeConfig,
+        RouterLoad,
+        row_slice_name,
+    )
+
+    gpt_oss = naming == "gpt_oss"
+    shape = BlockShape(256, 4, 2, 64, 1, rope=RopeConfig(64), sinks=gpt_oss, sliding_window=16 if gpt_oss else None)
+    moe = MoeShape(16, 4, 128, 0 if gpt_oss else 192, naming=naming, norm_topk_prob=gpt_oss)
+    whole = MoeBlock(shape, moe, RouterLoad(16, 4, 0.01))
+    parts = ((0, 5), (5, 11), (11, 16))
+    load = RouterLoad(16, 4, 0.01)
+    stages = [MoeAttention(shape, moe, load)] + [MoeExperts(shape, moe, a, b) for a, b in parts]
+    flat = (torch.randn(whole.numel, device="cuda") * 0.05).bfloat16()
+    offset, values = 0, {}
+    for spec in whole.groups[0]:
+        values[spec.name] = flat[offset : offset + spec.numel].view(spec.shape)
+        offset += spec.numel
+    values |= {row_slice_name(n, a, b): v[a:b] for n, v in list(values.items()) for a, b in parts if v.dim() > 0}
+    weights = [[torch.cat([values[p.name].reshape(-1) for p in params]) for params in s.groups] for s in stages]
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+    want = whole.forward([flat], x)
+    grads = [torch.zeros(whole.numel, device="cuda")]
+    want_grad_in = whole.backward([flat], x, grad_out, grads)
+    inputs, h = [], x
+    for stage, w in zip(stages, weights):
+        inputs.append(h)
+        h = stage.forward(w, h)
+    assert rel_err(h.float(), want.float()) < 2e-2
+    g = grad_out
+    for stage, w, h in reversed(list(zip(stages, weights, inputs))):
+        g = stage.backward(w, h, g, [torch.zeros(t.numel(), device="cuda") for t in w])
+    assert rel_err(g.float(), want_grad_in.float()) < 2e-2
+
+
 def test_aux_loss_gradient_matches_transformers_across_micro_batches(tmp_path):
     """The load-balancing loss belongs to the whole step: one micro-batch or three give the same
     step, equal to transformers on the whole batch (gradient of the aux term included)."""

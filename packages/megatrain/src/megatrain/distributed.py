@@ -238,12 +238,16 @@ class RankSync:
     def mark_applied(self, group: int, steps: int) -> None:
         self.flags[group, self.ranks.local_rank] = steps
 
+    def applied(self, groups, steps: int) -> bool:
+        """Whether every rank of this host has applied `steps` optimizer steps to `groups` (no waiting)."""
+        return all(int(self.flags[group].min()) >= steps for group in groups)
+
     def wait_applied(self, groups, steps: int) -> None:
         """Block until every rank of this host has applied `steps` optimizer steps to `groups`;
         a rank that has not done so in WAIT_LIMIT_S has died or hung, and this one stops too."""
         for group in groups:
             start = time.monotonic()
-            while int(self.flags[group].min()) < steps:
+            while not self.applied((group,), steps):
                 if time.monotonic() - start > WAIT_LIMIT_S:
                     behind = [r for r, done in enumerate(self.flags[group].tolist()) if done < steps]
                     raise RankError(

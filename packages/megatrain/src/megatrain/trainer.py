@@ -129,6 +129,7 @@ class Trainer:
             if config.engine.offload_checkpoints == "auto"
             else config.engine.offload_checkpoints,
             before_fetch=self._wait_for_updates,
+            updates_done=self._updates_done,
             on_grads_landed=self._grads_landed,
             timeline=self.timeline,
             reduce_grad=None if self.sync is None else self.sync.reduce_grad,
@@ -175,6 +176,12 @@ class Trainer:
             self.exchanger.wait(group)
         if self.sync is not None:  # and for the other ranks of this host, which update other shards
             self.sync.wait_applied(groups, self.step_index)
+
+    def _updates_done(self, groups: tuple[int, ...]) -> bool:
+        """Whether `_wait_for_updates(groups)` would return at once."""
+        if any(self.stepper.busy(g) or self.exchanger.busy(g) for g in groups):
+            return False
+        return self.sync is None or self.sync.applied(groups, self.step_index)
 
     def _grads_landed(self, group: int, event, sq_norm: torch.Tensor) -> None:
         if self.eager_updates:

@@ -90,7 +90,8 @@ class LayerPipeline:
     """Runs forward and backward of all stages for a list of micro-batches.
 
     `before_fetch(groups)` is called before a stage's weights are read from the store
-    (the optimizer must have finished updating them); `on_grads_landed(group, event,
+    (the optimizer must have finished updating them); `updates_done(groups)` says, without
+    waiting, whether it has (so that copies can be queued early); `on_grads_landed(group, event,
     sq_norm)` is called when a group's gradient copy-out has been queued: `event`
     completes when the host buffer holds it (None on the CPU, where it already does) and
     `sq_norm` is a host scalar tensor, valid from then on, with the gradient's squared norm.
@@ -108,6 +109,7 @@ class LayerPipeline:
         n_slots: int = 2,
         offload_checkpoints: bool | None = False,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
+        updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True,
         on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
@@ -133,7 +135,7 @@ class LayerPipeline:
         self.streams = Streams(self.device)
         # None: decided each step from the checkpoints' size and the free device memory
         self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
-        self.before_fetch, self.on_grads_landed = before_fetch, on_grads_landed
+        self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.reduce_grad = reduce_grad or self._own_shard
         self.timeline = timeline or Timeline(enabled=False)
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
@@ -336,6 +338,17 @@ class LayerPipeline:
             while fetched < position:
                 fetched += 1
                 self._fetch(fetched, log)
+            # Queue the next positions' copies before this compute is launched, where that costs the host no
+            # wait: a template that waits for the GPU (a MoE part reads how many rows it has) would otherwise
+            # hold them back until its compute is nearly done, and the next stage would wait for its copies.
+            last = min(position + n_slots - 1, len(self.order) - 1)
+            while fetched < last and self.updates_done(stages[self.order[fetched + 1]].groups):
+                fetched += 1
+                self._fetch(fetched, log)
+            if train and position >= n_stages - 1:  # the next backward stage's offloaded checkpoints
+                next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
+                if 0 < next_stage <= n_offloaded:
+                    reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
             streams.wait(streams.compute, slot.ready)
             weights = self._slot_weights(slot, stage_index)
             backward = position >= n_stages
@@ -370,11 +383,7 @@ class LayerPipeline:
             slot.free = streams.record(streams.compute)
             if train and position >= n_stages - 1:
                 self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log)
-                # bring the next backward stage's offloaded checkpoints back while this one computes
-                next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
-                if 0 < next_stage <= n_offloaded:
-                    reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
-            while fetched < min(position + n_slots - 1, len(self.order) - 1):
+            while fetched < last:  # what the optimizer had not finished before, waiting for it now
                 fetched += 1
                 self._fetch(fetched, log)
         # the squared norms are written on the copy-out stream, behind each group's reduction
