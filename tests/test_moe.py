@@ -103,6 +103,16 @@ def test_gpu_steps_match_transformers(name, tmp_path):
     check_steps_match_transformers(name, True, tmp_path, "cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-gpt-oss"])
+def test_gpu_experts_in_parts_with_offloaded_checkpoints_match_transformers(name, tmp_path):
+    """The CUDA engine with each layer's experts in parts and every checkpoint in pinned host memory:
+    the parts of a layer keep one `a`, copied out once and brought back once, as exact as ever."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    engine = EngineSection(experts_per_stage=3, offload_checkpoints=True)
+    check_steps_match_transformers(name, True, tmp_path, "cuda", engine)
+
+
 def clamp_that_bites(name) -> dict:
     """gpt-oss' SwiGLU clamp at 1 instead of 7, so random weights hit it, where transformers reads the
     limit from the config (before 5.18 it fixed 7.0, which the published models use)."""
@@ -227,7 +237,7 @@ def test_gpu_experts_in_parts_equal_the_whole_block(naming):
     want_grad_in = whole.backward([flat], x, grad_out, grads)
     inputs, h = [], x
     for stage, w in zip(stages, weights):
-        inputs.append(h)
+        inputs.append(stage.checkpoint(h) if hasattr(stage, "checkpoint") else h)
         h = stage.forward(w, h)
     assert rel_err(h.float(), want.float()) < 2e-2
     g = grad_out

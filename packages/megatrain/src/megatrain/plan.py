@@ -114,7 +114,7 @@ def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[i
     spec = build_model(model, experts_per_stage)
     groups = [sum(p.numel for p in group.params) for group in spec.groups]
     stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
-    planes = sum(getattr(stage.template, "input_planes", 1) for stage in spec.stages[1:-1])
+    planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in spec.stages[1:-1])
     return groups, stages, planes
 
 

@@ -16,6 +16,7 @@ engine never waits for one: a cast is a kernel, and it may wait for SMs behind t
 compute stream's GEMMs.
 """
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +45,9 @@ class Stage:
 
     The template provides `groups` (its layouts), `forward(weights, x)` and
     `backward(weights, x, grad_out, grads)` (both also taking `documents=` when a micro-batch
-    packs documents); the last stage provides `loss(weights, x, labels, loss_scale, grads)`
-    instead, and `loss_sum(weights, x, labels)` for forward-only evaluation."""
+    packs documents; `x` is what the optional `checkpoint(x)` keeps of the input, a tensor, else the
+    input; activations between stages may be tuples of tensors); the last stage provides
+    `loss(weights, x, labels, loss_scale, grads)` instead, and `loss_sum(weights, x, labels)` for forward-only evaluation."""
 
     template: Any
     groups: tuple[int, ...]
@@ -76,6 +78,19 @@ class StepResult:
     loss_sum: Tensor  # fp32 scalar on the device: summed token losses of the step
     group_sq_norms: Tensor  # [n_groups] fp32 on the device: squared gradient norm per group
     log: list[tuple] = field(default_factory=list)  # ("copy_in"|"reuse"|"compute"|"grad_out", stage or group, slot)
+
+
+@dataclass
+class _Reloaded:
+    x: Tensor  # the checkpoint back on the device
+    ready: Any  # event: its copy finished
+
+
+@dataclass
+class _Offloaded:
+    host: Tensor  # pinned
+    copied: Any  # event: the copy out finished
+    reloaded: _Reloaded | None = None
 
 
 @dataclass
@@ -255,12 +270,13 @@ class LayerPipeline:
 
     # ---------------------------------------------------------- checkpoints
     def checkpoint_bytes(self, batches: list[MicroBatch]) -> int:
-        """Device bytes the activation checkpoints of a step take: every block stage's input (a template's
-        `input_planes`, default 1, says how many [tokens, d_model] tensors its input is)."""
+        """Device bytes the activation checkpoints of a step take: every block stage's input, or what its
+        template's `checkpoint(x)` keeps of it (`checkpoint_planes`, default 1: how many [tokens, d_model]
+        tensors that adds, 0 where it is another stage's)."""
         tokens = sum(mb.input_ids.numel() for mb in batches)
         d_model = getattr(self.stages[-1].template, "d_model", 0)
         element = torch.finfo(self.store.compute_dtype).bits // 8
-        planes = sum(getattr(stage.template, "input_planes", 1) for stage in self.stages[1:-1])
+        planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in self.stages[1:-1])
         return tokens * d_model * element * planes
 
     def offloaded_stages(self, batches: list[MicroBatch]) -> int:
@@ -277,8 +293,11 @@ class LayerPipeline:
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return max(0, n_blocks - int(0.5 * (free + reusable) // per_stage))
 
-    def _offload(self, x: Tensor) -> tuple[Tensor, Any]:
-        """Start moving a checkpoint to pinned host memory; returns (host tensor, event when copied)."""
+    def _offload(self, x: Tensor, copies: dict) -> "_Offloaded":
+        """Start moving a checkpoint to pinned host memory (once per tensor and step: `copies` holds the
+        step's, by tensor identity, for stages that keep the same tensor)."""
+        if id(x) in copies and copies[id(x)][0]() is x:
+            return copies[id(x)][1]
         streams = self.streams
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         produced = streams.record(streams.compute)
@@ -287,18 +306,20 @@ class LayerPipeline:
             host.copy_(x, non_blocking=True)
             copied = streams.record(streams.copy_out)
         streams.keep_alive(x, streams.copy_out)
-        return host, copied
+        copies[id(x)] = (weakref.ref(x), _Offloaded(host, copied))  # not keeping x alive: it leaves the device
+        return copies[id(x)][1]
 
-    def _reload(self, offloaded: tuple[Tensor, Any]) -> tuple[Tensor, Any]:
-        """Start bringing an offloaded checkpoint back; returns (device tensor, event when ready)."""
-        streams = self.streams
-        host, copied = offloaded
-        with streams.on(streams.copy_in):
-            streams.wait(streams.copy_in, copied)
-            x = host.to(self.device, non_blocking=True)
-            ready = streams.record(streams.copy_in)
-        streams.keep_alive(x, streams.compute)
-        return x, ready
+    def _reload(self, offloaded: "_Offloaded") -> "_Reloaded":
+        """Start bringing an offloaded checkpoint back (once while it is in use)."""
+        if offloaded.reloaded is None:
+            streams = self.streams
+            with streams.on(streams.copy_in):
+                streams.wait(streams.copy_in, offloaded.copied)
+                x = offloaded.host.to(self.device, non_blocking=True)
+                ready = streams.record(streams.copy_in)
+            streams.keep_alive(x, streams.compute)
+            offloaded.reloaded = _Reloaded(x, ready)
+        return offloaded.reloaded
 
     # -------------------------------------------------------------------- step
     def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
@@ -331,6 +352,7 @@ class LayerPipeline:
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
         reloaded: dict[int, list] = {}
+        offloaded_copies: dict[int, tuple] = {}
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):
             stage = stages[stage_index]
@@ -357,8 +379,10 @@ class LayerPipeline:
             ):
                 if position < n_stages - 1:  # forward
                     for m, x in enumerate(acts):
-                        if train:
-                            checkpoints[stage_index][m] = self._offload(x) if 0 < stage_index <= n_offloaded else x
+                        if train:  # what the backward needs of the input: all of it, unless the template says
+                            kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
+                            offload = 0 < stage_index <= n_offloaded
+                            checkpoints[stage_index][m] = self._offload(kept, offloaded_copies) if offload else kept
                         acts[m] = stage.template.forward(weights, x, **batches[m].template_kwargs)
                 elif not train:
                     for m, x in enumerate(acts):
@@ -373,9 +397,9 @@ class LayerPipeline:
                     inputs = reloaded.pop(stage_index, None) or checkpoints[stage_index]
                     for m, grad_out in enumerate(acts):
                         x = inputs[m]
-                        if isinstance(x, tuple):
-                            x, ready = x
-                            streams.wait(streams.compute, ready)
+                        if isinstance(x, _Reloaded):
+                            streams.wait(streams.compute, x.ready)
+                            x = x.x
                         acts[m] = stage.template.backward(weights, x, grad_out, grads, **batches[m].template_kwargs)
                         inputs[m] = None
                     checkpoints[stage_index] = None

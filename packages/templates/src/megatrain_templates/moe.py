@@ -517,8 +517,9 @@ class MoeBlock(DecoderBlock):
 class _MoePart(MoeBlock):
     """A stage of a MoE layer whose experts stream in parts (a layer too large for a GPU slot): the
     layer's groups are its trunk (attention, shared expert), its router group (post-attention norm,
-    router) and one group per part of its experts. The stages pass the residual stream after
-    attention `a` and the MLP output summed so far as one stacked [2, batch, seq, d_model] pair."""
+    router) and one group per part of its experts. The stages pass the pair (a, total): the residual
+    stream after attention, the same tensor through every part, and the MLP output summed so far
+    (None before any)."""
 
     def _bind(self, weights: list[Tensor], leaves: bool = False) -> dict[str, Tensor]:
         bound = {}
@@ -537,7 +538,7 @@ class _MoePart(MoeBlock):
 class MoeAttention(_MoePart):
     """The first stage of a MoE layer streamed in parts: attention, the routing statistics (and the
     load-balancing loss's gradient) and the shared expert; binds (trunk, router group) and returns
-    the pair [a, shared expert output or zeros]."""
+    the pair (a, shared expert output or None)."""
 
     def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
         self.shape, self.moe = shape, moe
@@ -556,25 +557,26 @@ class MoeAttention(_MoePart):
         h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
         shared = self._shared_expert(w, h)
         probs, top_index, _ = self.route(w, h) if route else (None, None, None)
-        return torch.stack([a, torch.zeros_like(a) if shared is None else shared.view_as(a)]), probs, top_index
+        return (a, None if shared is None else shared.view_as(a)), probs, top_index
 
-    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
-        """hidden: [batch, seq, d_model] -> the pair [2, batch, seq, d_model]; records routing statistics."""
+    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> tuple:
+        """hidden: [batch, seq, d_model] -> the pair; records routing statistics."""
         check_buffers(weights, self.groups, "MoeAttention.forward")
         pair, probs, top_index = self._pair(self._bind(weights), hidden, documents, route=True)
         self.router_load.record(top_index, probs, _valid_tokens(documents))
         return pair
 
-    def backward(self, weights, hidden, grad_out, grads, documents: Documents | None = None) -> Tensor:
+    def backward(self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None) -> Tensor:
         """grad_out: the pair's gradient; returns d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeAttention.backward")
         leaves = self._bind(weights, leaves=True)
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():  # routing again only for the load-balancing loss's gradient
-            pair, probs, _ = self._pair(leaves, x, documents, route=self.router_load.probs_grad() is not None)
+            (a, shared), probs, _ = self._pair(leaves, x, documents, route=self.router_load.probs_grad() is not None)
+        outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))
         aux, aux_grads = self._aux_outputs(probs, documents)
         grad_in, *grad_leaves = torch.autograd.grad(
-            [pair, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
+            outputs + aux, [x, *leaves.values()], grad_outputs + aux_grads, allow_unused=True
         )
         self._accumulate(grads, leaves, grad_leaves)
         return grad_in
@@ -582,14 +584,13 @@ class MoeAttention(_MoePart):
 
 class MoeExperts(_MoePart):
     """Experts first..stop-1 of a MoE layer streamed in parts: binds (router group, these experts),
-    routes again (the router is tiny next to the experts) and adds their output to the pair's sum; the
-    last part returns the layer's output, a + the sum."""
-
-    input_planes = 2  # its input (kept for the backward) is the pair
+    routes again (the router is tiny next to the experts) and adds their output to the pair's total;
+    the last part returns the layer's output, a + total. Its backward needs only `a`."""
 
     def __init__(self, shape: BlockShape, moe: MoeShape, first: int, stop: int):
         self.shape, self.moe, self.first, self.stop = shape, moe, first, stop
         self.last = stop == moe.n_experts
+        self.checkpoint_planes = 1 if first == 0 else 0  # the parts of a layer keep the same `a`
         _, router = split_moe_params(shape, moe)
         experts = expert_params(moe, shape.d_model, first, stop)
         self.groups = (router, experts)
@@ -604,18 +605,24 @@ class MoeExperts(_MoePart):
         _, top_index, top_weight = self.route(w, h)
         return self._experts(w, h, top_index, top_weight, self.first, self.stop).view_as(a)
 
-    def forward(self, weights: list[Tensor], pair: Tensor, documents: Documents | None = None) -> Tensor:
+    def forward(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None):
         check_buffers(weights, self.groups, "MoeExperts.forward")
-        a, total = pair.unbind(0)
-        total = total + self._output(self._bind(weights), a)
-        return a + total if self.last else torch.stack([a, total])
+        a, total = pair
+        out = self._output(self._bind(weights), a)
+        total = out if total is None else total + out
+        return a + total if self.last else (a, total)
 
-    def backward(self, weights, pair, grad_out, grads, documents: Documents | None = None) -> Tensor:
-        """grad_out: the layer output's gradient (last part) or the pair's; returns the input pair's."""
+    @staticmethod
+    def checkpoint(pair: tuple) -> Tensor:
+        return pair[0]
+
+    def backward(self, weights, a: Tensor, grad_out, grads, documents: Documents | None = None) -> tuple:
+        """a: the pair's first tensor; grad_out: the layer output's gradient (last part) or the pair's;
+        returns the input pair's gradient."""
         check_buffers(weights, self.groups, "MoeExperts.backward")
-        grad_a, grad_total = (grad_out, grad_out) if self.last else grad_out.unbind(0)
+        grad_a, grad_total = (grad_out, grad_out) if self.last else grad_out
         leaves = self._bind(weights, leaves=True)
-        a = pair[0].detach().requires_grad_(True)
+        a = a.detach().requires_grad_(True)
         with torch.enable_grad():
             out = self._output(leaves, a)
         if out.requires_grad:  # some token chose one of these experts
@@ -625,4 +632,4 @@ class MoeExperts(_MoePart):
             self._accumulate(grads, leaves, grad_leaves)
             if grad_via_experts is not None:
                 grad_a = grad_a + grad_via_experts
-        return torch.stack([grad_a, grad_total])
+        return grad_a, grad_total
