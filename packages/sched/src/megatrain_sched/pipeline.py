@@ -46,7 +46,10 @@ class Stage:
     The template provides `groups` (its layouts), `forward(weights, x)` and
     `backward(weights, x, grad_out, grads)` (both also taking `documents=` when a micro-batch
     packs documents; `x` is what the optional `checkpoint(x)` keeps of the input, a tensor, else the
-    input; activations between stages may be tuples of tensors); the last stage provides
+    input; activations between stages may be tuples of tensors). A template may also provide
+    `prepare(weights, x)`, run for every micro-batch before the first forward, whose results are
+    given to `forward` and `backward` as `prepared=` (work that waits for the GPU, started early);
+    the last stage provides
     `loss(weights, x, labels, loss_scale, grads)` instead, and `loss_sum(weights, x, labels)` for forward-only evaluation."""
 
     template: Any
@@ -353,6 +356,7 @@ class LayerPipeline:
         n_offloaded = self.offloaded_stages(batches) if train else 0
         reloaded: dict[int, list] = {}
         offloaded_copies: dict[int, tuple] = {}
+        prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):
             stage = stages[stage_index]
@@ -378,12 +382,18 @@ class LayerPipeline:
                 f"{'bwd' if backward else 'fwd'} {stage.name}", "compute", streams, streams.compute
             ):
                 if position < n_stages - 1:  # forward
+                    kwargs = [mb.template_kwargs for mb in batches]
+                    if hasattr(stage.template, "prepare"):  # every micro-batch's, before the first forward
+                        prepared[stage_index] = [
+                            stage.template.prepare(weights, x, **kw) for x, kw in zip(acts, kwargs)
+                        ]
+                        kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
                     for m, x in enumerate(acts):
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
                             checkpoints[stage_index][m] = self._offload(kept, offloaded_copies) if offload else kept
-                        acts[m] = stage.template.forward(weights, x, **batches[m].template_kwargs)
+                        acts[m] = stage.template.forward(weights, x, **kwargs[m])
                 elif not train:
                     for m, x in enumerate(acts):
                         loss_sum += stage.template.loss_sum(weights, x, batches[m].labels)
@@ -395,12 +405,16 @@ class LayerPipeline:
                 else:  # backward, recomputing from the checkpoint
                     grads = self._grad_buffers(stage_index, grad_buffers)
                     inputs = reloaded.pop(stage_index, None) or checkpoints[stage_index]
+                    forward_prepared = prepared.pop(stage_index, None)
                     for m, grad_out in enumerate(acts):
                         x = inputs[m]
                         if isinstance(x, _Reloaded):
                             streams.wait(streams.compute, x.ready)
                             x = x.x
-                        acts[m] = stage.template.backward(weights, x, grad_out, grads, **batches[m].template_kwargs)
+                        kwargs = batches[m].template_kwargs
+                        if forward_prepared is not None:
+                            kwargs = kwargs | {"prepared": forward_prepared[m]}
+                        acts[m] = stage.template.backward(weights, x, grad_out, grads, **kwargs)
                         inputs[m] = None
                     checkpoints[stage_index] = None
             log.append(("compute", stage_index, position % n_slots))

@@ -380,10 +380,18 @@ class MoeBlock(DecoderBlock):
         return probs, top_index, top_weight
 
     def _experts(
-        self, w: dict[str, Tensor], h: Tensor, top_index: Tensor, top_weight: Tensor, first: int = 0, stop: int = 0
+        self,
+        w: dict[str, Tensor],
+        h: Tensor,
+        top_index: Tensor,
+        top_weight: Tensor,
+        first: int = 0,
+        stop: int = 0,
+        n_rows: int | None = None,
     ) -> Tensor:
         """sum_k top_weight * expert_k(h) over the experts first..stop-1 that `w` holds (stop 0: all),
-        dropless, as grouped GEMMs over tokens sorted by expert.
+        dropless, as grouped GEMMs over tokens sorted by expert. For a part of the experts, `n_rows`
+        is how many of the tokens' choices fall in it where already known (else read from the GPU).
 
         The routing weight scales each expert's down-projection input (d_ff wide), not its output
         (d_model wide): the same by linearity, with half the elementwise traffic or less."""
@@ -397,7 +405,11 @@ class MoeBlock(DecoderBlock):
             local = flat - first
             expert = torch.where((local >= 0) & (local < count), local, count)
             order = expert.argsort(stable=True)
-            order = order[: int((expert < count).sum())]  # a host sync, once per micro-batch and part
+            if n_rows is None:
+                n_rows = int((expert < count).sum())  # the host waits for the GPU
+            else:  # checked on the device, without waiting
+                torch._assert_async((expert < count).sum() == n_rows, "a MoE part's row count changed")
+            order = order[:n_rows]
             if order.numel() == 0:  # no token chose these experts
                 return h.new_zeros(h.shape)
         n_rows = order.numel()
@@ -600,31 +612,51 @@ class MoeExperts(_MoePart):
             _expert_spans(moe, shape.d_model, experts, first, stop),
         )
 
-    def _output(self, w: dict[str, Tensor], a: Tensor) -> Tensor:
+    def _output(self, w: dict[str, Tensor], a: Tensor, n_rows: int | None = None) -> Tensor:
         h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
         _, top_index, top_weight = self.route(w, h)
-        return self._experts(w, h, top_index, top_weight, self.first, self.stop).view_as(a)
+        return self._experts(w, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
 
-    def forward(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None):
+    def prepare(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None) -> "PartRouting":
+        """Route a micro-batch and start copying how many of its tokens' choices fall in this part to
+        the host. The pipeline prepares every micro-batch before the first forward, so the forwards
+        find their row counts there instead of each waiting for the GPU to catch up."""
+        w = self._bind(weights)
+        a = pair[0]
+        h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+        _, top_index, top_weight = self.route(w, h)
+        count = ((top_index >= self.first) & (top_index < self.stop)).sum()
+        if not count.is_cuda:
+            return PartRouting(h, top_index, top_weight, count)
+        host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        host.copy_(count, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PartRouting(h, top_index, top_weight, host, ready)
+
+    def forward(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None, prepared=None):
         check_buffers(weights, self.groups, "MoeExperts.forward")
         a, total = pair
-        out = self._output(self._bind(weights), a)
-        total = out if total is None else total + out
+        routing = prepared or self.prepare(weights, pair)
+        w = self._bind(weights)
+        out = self._experts(w, routing.h, routing.top_index, routing.top_weight, self.first, self.stop, routing.rows())
+        routing.release()  # the backward routes again, under autograd
+        total = out.view_as(a) if total is None else total + out.view_as(a)
         return a + total if self.last else (a, total)
 
     @staticmethod
     def checkpoint(pair: tuple) -> Tensor:
         return pair[0]
 
-    def backward(self, weights, a: Tensor, grad_out, grads, documents: Documents | None = None) -> tuple:
+    def backward(self, weights, a: Tensor, grad_out, grads, documents: Documents | None = None, prepared=None) -> tuple:
         """a: the pair's first tensor; grad_out: the layer output's gradient (last part) or the pair's;
-        returns the input pair's gradient."""
+        `prepared`: the forward's routing, for its row count; returns the input pair's gradient."""
         check_buffers(weights, self.groups, "MoeExperts.backward")
         grad_a, grad_total = (grad_out, grad_out) if self.last else grad_out
         leaves = self._bind(weights, leaves=True)
         a = a.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = self._output(leaves, a)
+            out = self._output(leaves, a, None if prepared is None else prepared.rows())
         if out.requires_grad:  # some token chose one of these experts
             grad_via_experts, *grad_leaves = torch.autograd.grad(
                 [out], [a, *leaves.values()], [grad_total], allow_unused=True
@@ -633,3 +665,28 @@ class MoeExperts(_MoePart):
             if grad_via_experts is not None:
                 grad_a = grad_a + grad_via_experts
         return grad_a, grad_total
+
+
+@dataclass
+class PartRouting:
+    """A micro-batch's routing for one part of a MoE layer's experts (`MoeExperts.prepare`), with the
+    number of its tokens' choices in the part on its way to host memory."""
+
+    h: Tensor | None  # the post-attention-norm input, [tokens, d_model]
+    top_index: Tensor | None
+    top_weight: Tensor | None
+    count: Tensor  # host scalar once `ready` has passed (the device scalar on the CPU)
+    ready: object = None  # CUDA event: the count's copy finished
+    _rows: int | None = None
+
+    def rows(self) -> int:
+        if self._rows is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._rows = int(self.count)
+        return self._rows
+
+    def release(self) -> None:
+        """Keep only the row count (the backward needs nothing else of it)."""
+        self.rows()
+        self.h = self.top_index = self.top_weight = None
