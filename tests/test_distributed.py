@@ -152,6 +152,25 @@ def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_cli
         assert_same_weights(resumed[1], again[1])
 
 
+def test_experts_in_parts_on_hosts_that_split_the_state_equal_one_process(tmp_path, tokens):
+    """gpt-oss with its experts in parts of 3 (row slices of its fused expert tensors, one group per
+    part) on two hosts that split the state, against one process with whole layers: the same
+    training, and checkpoints gathered from the hosts hold transformers' whole tensors."""
+    model, train = {"preset": "tiny-gpt-oss"}, {"save_every": 4}
+    one = run(tmp_path, "one", [sys.executable], model=model, train=train)
+    engine = {"shard_across_hosts": True, "experts_per_stage": 3}
+    split = run(tmp_path, "split", two_hosts(2), model=model, train=train, engine=engine)
+    assert_same_training(one, split)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in split[1]
+    for kind in ("model", "optimizer"):
+        assert_same_weights(
+            *(
+                load_file(str(tmp_path / name / "checkpoints" / "step-00000004" / f"{kind}.safetensors"))
+                for name in ("one", "split")
+            )
+        )
+
+
 def test_two_ranks_with_the_disk_tier_equal_one_process(tmp_path, tokens):
     """The host's ranks share one set of disk-tier state files (half the moments on disk), each
     updating its slice; the files are named for the run and gone when it ends."""

@@ -451,3 +451,28 @@ def test_checkpoints_resume_whatever_the_experts_parts(saved, resumed, tmp_path)
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-6, name
     second.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen2-moe"])
+def test_random_initialisation_does_not_depend_on_the_parts(name, tmp_path):
+    """A preset's weights come from the seed alone, whatever the layout: each tensor draws from a
+    generator of its own, expert by expert for gpt-oss' fused tensors and their row slices."""
+    weights = []
+    for experts_per_stage in ("auto", 3):
+        config = Config(
+            model=ModelSection(preset=name),
+            data=DataSection(seq_len=12),
+            train=TrainSection(seed=11),
+            precision=PrecisionSection("float32"),
+            engine=EngineSection(experts_per_stage=experts_per_stage),
+            device="cpu",
+            output_dir=str(tmp_path / "run"),
+        )
+        trainer = Trainer(config, training=False)
+        weights.append(trainer.named_weights())
+        trainer.close()
+    assert weights[0].keys() == weights[1].keys()
+    for tensor_name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][tensor_name]), tensor_name
+    if name == "tiny-gpt-oss":  # biases start at zero, also as row slices
+        assert not weights[1]["model.layers.0.mlp.experts.gate_up_proj_bias"].any()

@@ -93,12 +93,12 @@ class WholeGroups:
 
             def load(arena=arena, covered=covered, shape=shape):
                 pieces = []
-                for part in covered:
+                for part in covered:  # every part's group, also where it is not written here (the gathers)
                     group, e = place[part]
                     whole = self._whole(arena, group)
-                    if whole is None:
-                        return None
-                    pieces.append(whole[e.offset : e.offset + e.numel])
+                    pieces.append(None if whole is None else whole[e.offset : e.offset + e.numel])
+                if pieces[0] is None:
+                    return None
                 return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(shape)
 
             out.append((prefix + name, Pending(shape, self.store.master_dtype, load)))

@@ -163,11 +163,10 @@ class Trainer:
         if self.config.model.hf_dir is not None:
             load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
             return
-        generator = torch.Generator().manual_seed(self.config.train.seed)
         for group in range(self.store.n_groups):  # every host draws every group: the same weights as one process
             with self.store.writing(group) as views:
                 for name, view in views.items():
-                    init_param_(name, view, self.model_config, generator)
+                    init_param_(name, view, self.model_config, self.config.train.seed)
 
     # ------------------------------------------------------------ engine hooks
     def _wait_for_updates(self, groups: tuple[int, ...]) -> None:

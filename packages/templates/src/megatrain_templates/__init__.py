@@ -4,7 +4,7 @@ from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
-from .layout import ParamSpec, Span, file_tensors, param_offsets, row_slice_name, total_numel
+from .layout import ParamSpec, Span, file_tensors, param_offsets, row_slice_name, row_slice_of, total_numel
 from .moe import (
     EXPERT_NAMING,
     MoeAttention,
@@ -44,6 +44,7 @@ __all__ = [
     "param_offsets",
     "rms_norm",
     "row_slice_name",
+    "row_slice_of",
     "rope_cos_sin",
     "rope_inv_freq",
     "total_numel",

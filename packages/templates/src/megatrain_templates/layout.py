@@ -106,17 +106,23 @@ def row_slice_name(name: str, start: int, stop: int) -> str:
     return f"{name}[{start}:{stop}]"
 
 
+def row_slice_of(name: str) -> tuple[str, int, int] | None:
+    """(tensor, start, stop) for a name made by `row_slice_name`; None for any other name."""
+    match = _ROW_SLICE.match(name)
+    return None if match is None else (match.group(1), int(match.group(2)), int(match.group(3)))
+
+
 def file_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Stored tensors (name -> shape) as files name them: file name -> (shape, the stored tensors it
     is, back to back). Row slices `NAME[a:b]` join into NAME; every other tensor is itself."""
     out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
     slices: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
     for name, shape in shapes.items():
-        match = _ROW_SLICE.match(name)
-        if match is None:
+        sliced = row_slice_of(name)
+        if sliced is None:
             out[name] = (tuple(shape), (name,))
             continue
-        base, start, stop = match.group(1), int(match.group(2)), int(match.group(3))
+        base, start, stop = sliced
         if base not in slices:
             out[base] = ((), ())  # keeps the file order of its first slice
             slices[base] = []

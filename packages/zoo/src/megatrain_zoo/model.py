@@ -1,5 +1,6 @@
 """A model as groups (transfer units of parameters, Hugging Face names) and stages (templates)."""
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from megatrain_templates import (
     RopeConfig,
     RouterLoad,
     fused_expert_names,
+    row_slice_of,
     yarn_mscale,
 )
 
@@ -204,13 +206,28 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     return ModelSpec(config, tuple(groups), tuple(stages), router_load, parts)
 
 
-def init_param_(name: str, tensor: Tensor, config: ModelConfig, generator: torch.Generator) -> None:
-    """Hugging Face initialisation: norms at one, biases at zero, matrices N(0, initializer_range)."""
-    if name.endswith("norm.weight"):
+def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> None:
+    """Hugging Face initialisation: norms at one, biases at zero, matrices N(0, initializer_range).
+
+    Each tensor is drawn from a generator of its own, seeded by (seed, name), so the weights do not
+    depend on how the tensors are grouped or in which order they are made (a MoE layer in parts,
+    hosts that split the state); 3-D expert tensors, and their row slices `NAME[a:b]`, draw expert
+    by expert, so a slice holds the same rows as the whole tensor."""
+    base, first, _ = row_slice_of(name) or (name, 0, 0)
+    if base.endswith("norm.weight"):
         tensor.fill_(1.0)
-    elif name.endswith((".bias", "_bias")) and not name.endswith("router.bias"):
+        return
+    if base.endswith((".bias", "_bias")) and not base.endswith("router.bias"):
         tensor.zero_()
+        return
+    if tensor.dim() == 3:
+        for index, expert in enumerate(tensor):
+            expert.normal_(0.0, config.initializer_range, generator=_generator(seed, base, first + index))
     else:
-        tensor.normal_(0.0, config.initializer_range, generator=generator)
-        if name.endswith("embed_tokens.weight") and config.pad_token_id is not None:
-            tensor[config.pad_token_id].zero_()  # as nn.Embedding(padding_idx=...) starts
+        tensor.normal_(0.0, config.initializer_range, generator=_generator(seed, base))
+    if base.endswith("embed_tokens.weight") and config.pad_token_id is not None:
+        tensor[config.pad_token_id].zero_()  # as nn.Embedding(padding_idx=...) starts
+
+
+def _generator(seed: int, *key) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(repr(key).encode())) % 2**63)
