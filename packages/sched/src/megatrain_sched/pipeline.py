@@ -48,9 +48,9 @@ class Stage:
     packs documents; `x` is what the optional `checkpoint(x)` keeps of the input, a tensor, else the
     input; activations between stages may be tuples of tensors). A template may also provide
     `prepare(weights, x)`, run for every micro-batch before the first forward, whose results are
-    given to `forward` and `backward` as `prepared=` (work that waits for the GPU, started early);
-    the last stage provides
-    `loss(weights, x, labels, loss_scale, grads)` instead, and `loss_sum(weights, x, labels)` for forward-only evaluation."""
+    given to `forward` and `backward` as `prepared=` (work that waits for the GPU, started early).
+    The last stage provides `loss(weights, x, labels, loss_scale, grads)` instead, and
+    `loss_sum(weights, x, labels)` for forward-only evaluation."""
 
     template: Any
     groups: tuple[int, ...]
@@ -371,6 +371,8 @@ class LayerPipeline:
             while fetched < last and self.updates_done(stages[self.order[fetched + 1]].groups):
                 fetched += 1
                 self._fetch(fetched, log)
+            if position == n_stages - 1:  # forward done: no checkpoint is offloaded again (nor kept by this map)
+                offloaded_copies.clear()
             if train and position >= n_stages - 1:  # the next backward stage's offloaded checkpoints
                 next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
                 if 0 < next_stage <= n_offloaded:
