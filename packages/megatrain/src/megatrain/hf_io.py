@@ -78,16 +78,12 @@ class WholeGroups:
             self._last = ((arena, group), self.gather(group, arena))
         return self._last[1]
 
-    def entries(self, arena: str = "master", prefix: str = "", groups=None) -> list:
-        """(prefix + name, Pending) for every tensor of `groups` (default all) as files name them: the
-        row slices of a tensor split over several groups are joined, at its first slice's place."""
+    def entries(self, arena: str = "master", prefix: str = "") -> list:
+        """(prefix + name, Pending) for every tensor as files name them, in buffer order: the row
+        slices of a tensor split over several groups are joined, at its first slice's place."""
         import torch
 
-        place = {
-            e.name: (group, e)
-            for group in (range(self.store.n_groups) if groups is None else groups)
-            for e in self.store.layouts[group].entries
-        }
+        place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
         out = []
         for name, (shape, covered) in file_tensors({n: e.shape for n, (_, e) in place.items()}).items():
 

@@ -9,6 +9,9 @@ of the slot is the [n_experts, 2 * d_ff, d_model] gate-up tensor and another the
 checkpoints. The load-balancing loss is a property of the whole step (all MoE layers, all
 micro-batches), so its statistics live in a `RouterLoad` shared by the model's MoE layers:
 forward records, backward adds the loss's gradient w.r.t. the router probabilities.
+
+A layer too large for a GPU slot streams its experts in parts: `MoeAttention` (attention, shared
+expert, routing statistics) and one `MoeExperts` stage per range of experts, each its own group.
 """
 
 from collections.abc import Callable
