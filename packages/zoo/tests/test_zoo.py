@@ -43,6 +43,25 @@ def test_model_spec_matches_counts():
     assert "model.layers.1.self_attn.k_proj.bias" in names and "lm_head.weight" not in names  # tied
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-gpt-oss", "qwen3-30b-a3b"])
+def test_moe_layers_in_parts(name):
+    """Experts in parts of 3 (the last one shorter): per MoE layer a trunk stage binding (trunk, router)
+    and a stage per part binding (router, part); every parameter stored once, every stage binding
+    groups of its template's sizes."""
+    config = PRESETS[name]
+    model = build_model(config, 3)
+    parts = -(-config.n_experts // 3)
+    assert model.expert_parts[-1][1] == config.n_experts and len(model.expert_parts) == parts
+    n_moe = sum(config.layer_is_moe(layer) for layer in range(config.n_layers))
+    assert len(model.stages) == config.n_layers + 2 + n_moe * parts
+    assert sum(p.numel for g in model.groups for p in g.params) == config.n_params
+    for stage in model.stages:
+        for group, params in zip(stage.groups, stage.template.groups):
+            assert [p.shape for p in model.groups[group].params] == [p.shape for p in params]
+    router = next(i for i, g in enumerate(model.groups) if g.name.endswith(".router"))
+    assert sum(router in stage.groups for stage in model.stages) == 1 + parts  # accumulated, sent out once
+
+
 def test_flops_per_token():
     c = PRESETS["llama3-8b"]
     # 6 x (block matmuls + LM head) + causal attention
