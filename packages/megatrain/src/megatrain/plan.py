@@ -8,6 +8,7 @@ rates default to the H100 machine's measurements; `megatrain plan --calibrate` m
 them on the current machine and saves them.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -94,9 +95,8 @@ class Plan:
     network_s: float = 0.0
     split_state: bool = False  # the hosts split the master weights and moments (engine.shard_across_hosts)
     experts_per_stage: int = 0  # a MoE layer's experts streamed in parts of this many (0: whole layers)
-    checkpoint_stages: int = (
-        0  # [tokens, d_model] activation checkpoints a micro-batch keeps (offloaded_layers of them offloaded)
-    )
+    # [tokens, d_model] activation checkpoints a micro-batch keeps (offloaded_layers of them offloaded)
+    checkpoint_stages: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -198,6 +198,7 @@ def make_plan(
     if gpu_available is None and device.type == "cuda":
         gpu_available = torch.cuda.get_device_properties(device).total_memory
 
+    @functools.cache  # asked again for the parts chosen
     def layout(experts_per_stage: int):
         """(group sizes, checkpoints per micro-batch, GPU bytes of two slots, two gradients and a recompute)"""
         groups, stages, planes = layout_sizes(model, experts_per_stage)

@@ -146,6 +146,11 @@ def _router_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Spa
     return spans
 
 
+def _router_group_spans(moe: MoeShape, router: tuple[ParamSpec, ...]) -> dict[str, Span]:
+    """The router group of a layer in parts (`split_moe_params`): post-attention norm and router."""
+    return {"post_norm": span_of(router, "post_attention_layernorm.weight"), **_router_spans(moe, router)}
+
+
 def _expert_spans(moe: MoeShape, d: int, params: tuple[ParamSpec, ...], first: int, stop: int) -> dict[str, Span]:
     """Experts first..stop-1 as [count, ...] tensors: (gate, up) pairs and downs, biases for gpt-oss."""
     names = [p.name for p in expert_params(moe, d, first, stop)]
@@ -410,8 +415,6 @@ class MoeBlock(DecoderBlock):
             order = expert.argsort(stable=True)
             if n_rows is None:
                 n_rows = int((expert < count).sum())  # the host waits for the GPU
-            else:  # checked on the device, without waiting
-                torch._assert_async((expert < count).sum() == n_rows, "a MoE part's row count changed")
             order = order[:n_rows]
             if order.numel() == 0:  # no token chose these experts
                 return h.new_zeros(h.shape)
@@ -542,6 +545,10 @@ class _MoePart(MoeBlock):
             bound.update({name: leaf(buffer, span) if leaves else span.view(buffer) for name, span in spans.items()})
         return bound
 
+    def _normed(self, w: dict[str, Tensor], a: Tensor) -> Tensor:
+        """The router's and the experts' input: post-attention norm of `a`, as [tokens, d_model]."""
+        return rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+
     def _accumulate(self, grads: list[Tensor], leaves: dict[str, Tensor], grad_leaves: list[Tensor | None]) -> None:
         grad_of = dict(zip(leaves, grad_leaves))
         for buffer, spans in zip(grads, self._group_spans):
@@ -564,12 +571,12 @@ class MoeAttention(_MoePart):
         trunk, router = self.groups
         self._group_spans = (
             {**attention_spans(shape, trunk), **_shared_spans(moe, trunk)},
-            {"post_norm": span_of(router, "post_attention_layernorm.weight"), **_router_spans(moe, router)},
+            _router_group_spans(moe, router),
         )
 
     def _pair(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None, route: bool):
         a = self._attention(w, x, documents)
-        h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+        h = self._normed(w, a)
         shared = self._shared_expert(w, h)
         probs, top_index, _ = self.route(w, h) if route else (None, None, None)
         return (a, None if shared is None else shared.view_as(a)), probs, top_index
@@ -611,24 +618,21 @@ class MoeExperts(_MoePart):
         self.groups = (router, experts)
         self.numel = total_numel(router) + total_numel(experts)
         self._group_spans = (
-            {"post_norm": span_of(router, "post_attention_layernorm.weight"), **_router_spans(moe, router)},
+            _router_group_spans(moe, router),
             _expert_spans(moe, shape.d_model, experts, first, stop),
         )
 
-    def _output(self, w: dict[str, Tensor], a: Tensor, n_rows: int | None = None) -> Tensor:
-        h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+    def _route(self, w: dict[str, Tensor], a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(normed input, top_index, top_weight, how many of the tokens' choices fall in this part, on the device)."""
+        h = self._normed(w, a)
         _, top_index, top_weight = self.route(w, h)
-        return self._experts(w, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
+        return h, top_index, top_weight, ((top_index >= self.first) & (top_index < self.stop)).sum()
 
     def prepare(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None) -> "PartRouting":
         """Route a micro-batch and start copying how many of its tokens' choices fall in this part to
         the host. The pipeline prepares every micro-batch before the first forward, so the forwards
         find their row counts there instead of each waiting for the GPU to catch up."""
-        w = self._bind(weights)
-        a = pair[0]
-        h = rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
-        _, top_index, top_weight = self.route(w, h)
-        count = ((top_index >= self.first) & (top_index < self.stop)).sum()
+        h, top_index, top_weight, count = self._route(self._bind(weights), pair[0])
         if not count.is_cuda:
             return PartRouting(h, top_index, top_weight, count)
         host = torch.empty((), dtype=count.dtype, pin_memory=True)
@@ -659,7 +663,12 @@ class MoeExperts(_MoePart):
         leaves = self._bind(weights, leaves=True)
         a = a.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = self._output(leaves, a, None if prepared is None else prepared.rows())
+            h, top_index, top_weight, count = self._route(leaves, a)
+            n_rows = None
+            if prepared is not None:  # the forward's count, checked on the device without waiting
+                n_rows = prepared.rows()
+                torch._assert_async(count == n_rows, "a MoE part's row count changed between forward and backward")
+            out = self._experts(leaves, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
         if out.requires_grad:  # some token chose one of these experts
             grad_via_experts, *grad_leaves = torch.autograd.grad(
                 [out], [a, *leaves.values()], [grad_total], allow_unused=True
