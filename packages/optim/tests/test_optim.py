@@ -127,6 +127,36 @@ def test_stepper_runs_in_order_and_propagates_errors():
     stepper.close()
 
 
+def test_stepper_takes_the_most_urgent_queued_work_first():
+    import threading
+
+    stepper = BackgroundStepper()
+    gate, order = threading.Event(), []
+    stepper.submit(99, gate.wait)  # holds the worker while the rest is queued
+    for group in (5, 3, 4, 1, 2):  # arriving last layer first, as gradients do
+        stepper.submit(group, lambda g=group: order.append(g), priority=group)
+    stepper.submit(0, lambda: order.append("same priority, later"), priority=3)
+    assert stepper.busy(1) and not order
+    gate.set()
+    stepper.wait_all()
+    assert order == [1, 2, 3, "same priority, later", 4, 5]
+    # work that would wait (its gradient has not landed) gives way to ready work, however urgent;
+    # when none is ready, the oldest goes first (it lands first)
+    landed, order = {1: False, 2: True, 3: False}, []
+    stepper.submit(99, gate.clear)
+    stepper.wait(99)
+    stepper.submit(98, gate.wait)
+    for group in (3, 2, 1):
+        stepper.submit(group, lambda g=group: order.append(g), priority=group, ready=lambda g=group: landed[g])
+    gate.set()
+    stepper.wait(2)
+    stepper.wait_all()
+    assert order == [2, 3, 1]
+    stepper.submit(6, gate.wait)
+    stepper.close()
+    assert not stepper.busy(6)
+
+
 def test_sharded_updates_equal_one_update(tmp_path):
     """Three processes' worth of shards, each updating its slice of shared weights and moments,
     give the update of one unsharded store (weight decay runs cut at shard edges too), to fp32

@@ -103,7 +103,7 @@ def test_damaged_files_are_refused_without_writing(tmp_path):
 def test_gradient_pool_hands_out_and_recycles_buffers():
     import threading
 
-    store = HostStore(make_layouts(), grad_buffers=1)
+    store = HostStore(make_layouts(), grad_pool=1)
     first = store.acquire_grad(0)
     assert first.numel() == store.layouts[0].numel and store.grad(0).data_ptr() == first.data_ptr()
     assert store.acquire_grad(0).data_ptr() == first.data_ptr()  # idempotent while held
@@ -111,14 +111,30 @@ def test_gradient_pool_hands_out_and_recycles_buffers():
     waiter = threading.Thread(target=lambda: got.append(store.acquire_grad(1)))
     waiter.start()
     waiter.join(0.2)
-    assert waiter.is_alive() and not got  # the only buffer is taken: acquire blocks
+    assert waiter.is_alive() and not got  # the pool is taken: acquire blocks
     store.release_grad(0)
     waiter.join(2)
     assert got and got[0].numel() == store.layouts[1].numel and got[0].data_ptr() == first.data_ptr()
     with pytest.raises(StoreError, match="acquire_grad"):
         store.grad(0)
     report = store.memory_report()
-    assert report.arenas["grad"] == 4 * 64  # one buffer: the largest group (30 elements), aligned to 64
+    assert report.arenas["grad"] == 4 * 64  # the largest group (30 elements), aligned to 64
+    with pytest.raises(StoreError, match="largest group"):
+        HostStore(make_layouts(), grad_pool=0.5)
+
+
+def test_gradient_pool_holds_several_small_groups_where_a_large_one_fits():
+    layouts = [GroupLayout.from_specs([(f"g{i}.w", (n,), True)]) for i, n in enumerate((256, 64, 64, 64, 64))]
+    store = HostStore(layouts, grad_pool=1)
+    small = [store.acquire_grad(g) for g in (1, 2, 3, 4)]  # four 64-element gradients share the room of one 256
+    starts = sorted(t.data_ptr() for t in small)
+    assert len(set(starts)) == 4 and starts[-1] - starts[0] == 3 * 64 * 4
+    for group, value in zip((1, 2, 3, 4), (1.0, 2.0, 3.0, 4.0)):
+        store.grad(group).fill_(value)
+    assert [float(store.grad(g)[0]) for g in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]  # no overlap
+    for group in (3, 1, 4, 2):  # out of order: the freed pieces join again
+        store.release_grad(group)
+    assert store.acquire_grad(0).numel() == 256
 
 
 def test_disk_tier_state_lives_in_files(tmp_path):

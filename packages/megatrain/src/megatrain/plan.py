@@ -10,6 +10,7 @@ them on the current machine and saves them.
 
 import functools
 import json
+import math
 import os
 import shutil
 import threading
@@ -32,8 +33,9 @@ LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk plus its bf16 cop
 # With engine.experts_per_stage auto, a MoE layer streams in parts once its two slots, two gradients
 # and recompute would take more than this share of the GPU: the rest is for activation checkpoints.
 LAYER_GPU_SHARE = 0.5
-# Landing buffers when updates run as gradients arrive: enough for the optimizer to lag
-# the backward by a few layers before the pipeline waits for it.
+# Landing buffers when updates run as gradients arrive, in largest groups (the embedding's room
+# holds several layers'): at least enough for the optimizer to lag the backward by a few layers;
+# more where it is slower than the backward (small steps), see `gradient_pool`.
 GRADIENT_POOL = 3
 # With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
 # host memory: the rest is page cache for the disk tier's read-ahead and write-behind.
@@ -97,6 +99,8 @@ class Plan:
     experts_per_stage: int = 0  # a MoE layer's experts streamed in parts of this many (0: whole layers)
     # [tokens, d_model] activation checkpoints a micro-batch keeps (offloaded_layers of them offloaded)
     checkpoint_stages: int = 0
+    # gradient landing pool, in largest groups' gradients (store.grad_pool); 0: one buffer per group
+    gradient_pool: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -207,7 +211,21 @@ def make_plan(
     experts_per_stage = choose_experts_per_stage(config, model, gpu_available, lambda e: layout(e)[2])
     sizes, n_checkpoints, fixed_gpu = layout(experts_per_stage)
     largest_group = max(sizes)
-    pool = 0 if full_grads else GRADIENT_POOL * largest_group * 4
+
+    # performance model, first what sizes the gradient pool
+    counted = flops_per_token(model, config.data.seq_len) * tokens
+    layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
+
+    def head_seconds(tokens_per_gpu: int) -> float:
+        return 6 * model.vocab_size * model.d_model * tokens_per_gpu / (rates.head_tflops * 1e12)
+
+    def gpu_seconds(tokens_per_gpu: int) -> float:
+        block_s = block_work(model, config.data.seq_len, tokens_per_gpu) / (layer_rate * 1e12)
+        return block_s + head_seconds(tokens_per_gpu)
+
+    optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
+    gradient_pool = 0.0 if full_grads else gradient_pool_size(optimizer_s, gpu_seconds(gpu_tokens), sizes, rates)
+    pool = gradient_pool * largest_group * 4
     if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
         per_param = element + (per_param - (element if wire_copy else 0)) / hosts
         pool /= hosts
@@ -225,19 +243,12 @@ def make_plan(
     gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
     host_available = host_memory_limit()
+    if host_available is not None and gradient_pool > GRADIENT_POOL and host_bytes > 0.9 * host_available:
+        host_bytes -= (gradient_pool - GRADIENT_POOL) * largest_group * 4 / (hosts if split else 1)
+        gradient_pool = float(GRADIENT_POOL)  # the deeper pool is a speed-up, not worth the host memory it lacks
     first_disk = first_disk_group(config, model, sizes, host_bytes, host_available)
     disk_bytes = sum(sizes[first_disk:]) * 4 * len(STATE_NAMES)
     host_bytes -= disk_bytes
-
-    # performance model
-    counted = flops_per_token(model, config.data.seq_len) * tokens
-    layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
-
-    def gpu_seconds(tokens_per_gpu: int) -> float:
-        head_work = 6 * model.vocab_size * model.d_model * tokens_per_gpu
-        return block_work(model, config.data.seq_len, tokens_per_gpu) / (layer_rate * 1e12) + head_work / (
-            rates.head_tflops * 1e12
-        )
 
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
     # a MoE model moves every expert, used or not
@@ -249,7 +260,6 @@ def make_plan(
     weight_pass_s = model.n_params * wire / pcie
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
-    optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
     # split: the other hosts' parts of its gradient sum (a reduce-scatter), then its updated part of
     # the weights to each of them
@@ -267,10 +277,17 @@ def make_plan(
         compute_s = gpu_seconds(tokens_per_gpu)
         forward_s = max(FORWARD_SHARE * compute_s, weight_pass_s)
         backward_s = max((1 - FORWARD_SHARE) * compute_s, weight_pass_s, model.n_params * 4 / pcie)
-        # Updates applied as gradients land start after the forward and the next forward waits for the
-        # last of them; with clipping they start after the backward, and the next backward waits for
-        # the forward they pace.
-        serial_s = (1 - FORWARD_SHARE) * compute_s if full_grads else forward_s
+        # Updates applied as gradients land start after the head and, first layers first, run beside the
+        # backward and the next forward, which reaches the head once the last is done: with a pool deep
+        # enough for what the optimizer has left when the backward ends, only the head waits for them, else
+        # the whole forward does. With clipping they start after the backward, and the next backward
+        # waits for the forward they pace.
+        if full_grads:
+            serial_s = (1 - FORWARD_SHARE) * compute_s
+        elif gradient_pool >= gradient_pool_size(optimizer_s, compute_s, sizes, rates):
+            serial_s = head_seconds(tokens_per_gpu)
+        else:
+            serial_s = forward_s
         return {
             "compute": compute_s,
             "pcie": forward_s + backward_s,  # = compute where both passes hide their copies (compute wins ties)
@@ -327,7 +344,17 @@ def make_plan(
         split,
         experts_per_stage,
         n_checkpoints,
+        gradient_pool,
     )
+
+
+def gradient_pool_size(optimizer_s: float, compute_s: float, sizes: list[int], rates: Rates) -> float:
+    """The gradient pool, in largest groups (`sizes`: parameters per group): GRADIENT_POOL, or where the
+    optimizer takes longer than the backward, room for the gradients it has not taken when the backward
+    ends plus the largest (the embedding's, which lands last), so that the backward never waits for it."""
+    backward_s = (1 - FORWARD_SHARE) * compute_s
+    left = max(0.0, optimizer_s - backward_s) * rates.cpu_adam_params_per_s
+    return max(float(GRADIENT_POOL), math.ceil(1 + left / max(sizes)))
 
 
 def choose_experts_per_stage(config: Config, model: ModelConfig, gpu_available: int | None, fixed_gpu) -> int:

@@ -11,6 +11,9 @@ gradient in host memory. Two update policies, both equal to a synchronous AdamW 
   lands, overlapping the rest of the backward, and gradients land in a small pool of
   buffers instead of a full fp32 copy of the model (4 bytes per parameter less). A
   group whose gradient is non-finite is not updated and the step is reported skipped.
+  Where the optimizer is slower than the backward (small steps), the worker takes the
+  landed gradient the next forward needs first, so that forward starts while it still
+  updates the last layers (the planner deepens the pool to hold what waits).
 """
 
 import math
@@ -29,7 +32,7 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
 from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
-from .plan import GRADIENT_POOL, check_plan, make_plan
+from .plan import check_plan, make_plan
 
 # Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
 # the disk busy while one group's read would otherwise wait for the previous update.
@@ -85,7 +88,7 @@ class Trainer:
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
         ]
         self.eager_updates = config.train.grad_clip == 0
-        pool = (GRADIENT_POOL if self.eager_updates else None) if training else 1  # evaluation lands no gradient
+        pool = (plan.gradient_pool if self.eager_updates else None) if training else 1  # evaluation lands none
         # the process group, where the caller has not joined it already (to read the data first)
         self.ranks = ranks or init_ranks(self.device.type, config.engine.shard_across_hosts)
         if self.ranks is not None:
@@ -97,7 +100,7 @@ class Trainer:
             layouts,
             self.compute_dtype,
             STATE_NAMES if training else (),
-            grad_buffers=pool,
+            grad_pool=pool,
             state_dir=config.engine.optimizer_state_dir if training else None,
             first_disk_group=plan.first_disk_group,
             wire_copy=config.engine.wire_copy,
@@ -136,6 +139,11 @@ class Trainer:
         )
         if self.spec.router_load is not None and self.sync is not None:
             self.spec.router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
+        # where each group is first needed in a forward: the optimizer worker's order when it lags behind
+        self._forward_order = {}
+        for index, stage in enumerate(self.spec.stages):
+            for group in stage.groups:
+                self._forward_order.setdefault(group, index)
         self.step_index = 0
         self.bad_steps = 0
         self._landed: dict[int, object] = {}
@@ -186,7 +194,12 @@ class Trainer:
         if self.eager_updates:
             lr, step = self._lr, self.optimizer.step_tensor  # the next step may begin before this update runs
             applied = self.step_index + 1
-            self.stepper.submit(group, lambda: self._update(group, lr, 1.0, event, step, applied, sq_norm))
+            self.stepper.submit(
+                group,
+                lambda: self._update(group, lr, 1.0, event, step, applied, sq_norm),
+                priority=self._forward_order[group],
+                ready=None if event is None else event.query,
+            )
         else:
             self._landed[group] = event
 
@@ -312,7 +325,9 @@ class Trainer:
                 step = self.optimizer.step_tensor
                 for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
                     self.stepper.submit(
-                        group, lambda g=group: self._update(g, lr, clip, self._landed[g], step, applied)
+                        group,
+                        lambda g=group: self._update(g, lr, clip, self._landed[g], step, applied),
+                        priority=self._forward_order[group],
                     )
         self.step_index += 1
         elapsed = time.perf_counter() - start

@@ -5,6 +5,7 @@ layer); a group's buffers are slices of the arenas. The GPU side reads `wire` an
 writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 """
 
+import math
 import mmap
 import threading
 import time
@@ -73,11 +74,12 @@ class HostStore:
     keeps a second, compute-dtype copy (bf16: 2 B/param more host memory for half the
     host->GPU bytes, worth it only when a step has too few tokens to hide the copies);
     the scheduler casts an fp32 master to the compute dtype on the GPU as it arrives.
-    `grad_buffers=None` gives every group its own gradient landing buffer (needed when
-    all gradients must be held until the global norm is known); an integer N gives a pool
-    of N landing buffers of the largest group's size, handed out by `acquire_grad` and
-    returned by `release_grad`, so gradients cost O(N layers) of memory instead of 4 B per
-    parameter (for updates applied as gradients land). `state_dir` puts the optimizer
+    `grad_pool=None` gives every group its own gradient landing buffer (needed when
+    all gradients must be held until the global norm is known); a number N >= 1 gives a pool
+    of N times the largest group's gradient from which `acquire_grad` hands each group a
+    buffer of its own size (first fit) and `release_grad` takes it back, so gradients cost a
+    few layers of memory instead of 4 B per parameter (for updates applied as gradients
+    land), and the room of a large group (the embedding) holds several layers'. `state_dir` puts the optimizer
     state of groups `first_disk_group` .. n-1 in memory-mapped files there (the disk
     tier): `prefetch_state(group)` starts reading a group's state ahead and
     `write_behind_state(group)` flushes it to disk on a background thread, so that state
@@ -104,7 +106,7 @@ class HostStore:
         compute_dtype: torch.dtype = torch.float32,
         state_names: tuple[str, ...] = (),
         pin: bool | None = None,
-        grad_buffers: int | None = None,
+        grad_pool: float | None = None,
         state_dir: Path | None = None,
         first_disk_group: int = 0,
         wire_copy: bool = False,
@@ -151,16 +153,20 @@ class HostStore:
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
         if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
-        self.grad_buffers = grad_buffers
-        if grad_buffers is None:
+        self.grad_pool = grad_pool
+        if grad_pool is None:
             self.arenas["grad"] = self._allocate(self.master_dtype, grad_total)
         else:
-            if grad_buffers < 1:
-                raise StoreError(f"grad_buffers must be >= 1 (or None for one per group), got {grad_buffers}")
-            slot = _align(max(self.shard_numel(group) for group in range(self.n_groups)))
-            self.arenas["grad"] = self._allocate(self.master_dtype, grad_buffers * slot)
-            self._free_grads = [self.arenas["grad"][i * slot : (i + 1) * slot] for i in range(grad_buffers)]
-            self._held_grads: dict[int, Tensor] = {}  # group -> the whole pool buffer it holds
+            if not grad_pool >= 1:
+                raise StoreError(
+                    f"grad_pool must be >= 1 (times the largest group's gradient), or None for one buffer per "
+                    f"group; got {grad_pool}"
+                )
+            largest = _align(max(self.shard_numel(group) for group in range(self.n_groups)))
+            pool_numel = _align(math.ceil(grad_pool * largest))
+            self.arenas["grad"] = self._allocate(self.master_dtype, pool_numel)
+            self._free_extents = [(0, pool_numel)]  # (start, length) in the pool, by start
+            self._held_grads: dict[int, tuple[int, int]] = {}  # group -> (start, length) it holds
             self._grads_changed = threading.Condition()
         self.state_dir = Path(state_dir) if state_dir is not None else None
         if not 0 <= first_disk_group <= self.n_groups:
@@ -317,29 +323,52 @@ class HostStore:
 
     def grad(self, group: int) -> Tensor:
         """fp32 gradient landing buffer of this shard of `group`, flat (with a pool: the one it holds)."""
-        if self.grad_buffers is None:
+        if self.grad_pool is None:
             return self._slice("grad", group)
         with self._grads_changed:
             if group not in self._held_grads:
                 raise StoreError(f"group {group} holds no gradient buffer; call acquire_grad({group}) first")
-            return self._held_grads[group][: self.shard_numel(group)]
+            return self._pool_view(group)
+
+    def _pool_view(self, group: int) -> Tensor:
+        start = self._held_grads[group][0]
+        return self.arenas["grad"][start : start + self.shard_numel(group)]
 
     def acquire_grad(self, group: int) -> Tensor:
-        """The landing buffer for `group`'s gradient; with a pool, blocks until one is free."""
-        if self.grad_buffers is None:
+        """The landing buffer for `group`'s gradient; with a pool, blocks until enough of it is free."""
+        if self.grad_pool is None:
             return self._slice("grad", group)
+        need = _align(self.shard_numel(group))
         with self._grads_changed:
             if group not in self._held_grads:
-                self._grads_changed.wait_for(lambda: self._free_grads)
-                self._held_grads[group] = self._free_grads.pop()
-            return self._held_grads[group][: self.shard_numel(group)]
+                self._grads_changed.wait_for(lambda: self._first_fit(need) is not None)
+                index = self._first_fit(need)
+                start, length = self._free_extents[index]
+                if length == need:
+                    del self._free_extents[index]
+                else:
+                    self._free_extents[index] = (start + need, length - need)
+                self._held_grads[group] = (start, need)
+            return self._pool_view(group)
+
+    def _first_fit(self, need: int) -> int | None:
+        return next((i for i, (_, length) in enumerate(self._free_extents) if length >= need), None)
 
     def release_grad(self, group: int) -> None:
         """Return `group`'s landing buffer to the pool once its gradient has been consumed."""
-        if self.grad_buffers is None:
+        if self.grad_pool is None:
             return
         with self._grads_changed:
-            self._free_grads.append(self._held_grads.pop(group))
+            start, length = self._held_grads.pop(group)
+            extents = sorted([*self._free_extents, (start, length)])
+            merged = [extents[0]]
+            for extent in extents[1:]:  # join neighbours, so that a large group finds its room again
+                last = merged[-1]
+                if last[0] + last[1] == extent[0]:
+                    merged[-1] = (last[0], last[1] + extent[1])
+                else:
+                    merged.append(extent)
+            self._free_extents = merged
             self._grads_changed.notify_all()
 
     def state(self, name: str, group: int) -> Tensor:
