@@ -26,7 +26,7 @@ from common import base_row, fill_random_, machine, table, write_results  # noqa
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
-from megatrain.plan import make_plan  # noqa: E402
+from megatrain.plan import host_memory_limit, make_plan  # noqa: E402
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
@@ -107,6 +107,7 @@ def bench_megatrain(
         device="cuda",
         output_dir=tempfile.mkdtemp(),
     )
+    host_memory = host_memory_limit()  # what the plans below see: the host before this run allocates
     t0 = time.perf_counter()
     trainer = BenchTrainer(config, model)
     trainer.timeline.keep_steps = None  # the timed steps' spans are all summed below
@@ -151,7 +152,9 @@ def bench_megatrain(
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
         if trace_dir and tokens == token_counts[-1]:
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
-        plan = make_plan(replace(config, train=replace(config.train, batch_size=n_seqs)), model)
+        plan = make_plan(
+            replace(config, train=replace(config.train, batch_size=n_seqs)), model, host_memory=host_memory
+        )
         rows.append(
             base_row("megatrain", name, model, seq_len, n_seqs, micro_seqs, step_s)
             | {

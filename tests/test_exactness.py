@@ -44,14 +44,14 @@ def randomize_(trainer, generator):
     trainer.store.refresh_wire()
 
 
-def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, output_dir, **engine):
+def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, output_dir, batch_size=6, **engine):
     """N optimizer steps of megatrain and of the reference on `device` from the same random
     weights and data: losses, gradient norms and every final weight agree to the tolerance."""
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
     train = TrainSection(
         steps=4,
-        batch_size=6,
+        batch_size=batch_size,
         micro_batch_size=2,
         lr=lr,
         betas=(0.9, 0.95),
@@ -111,6 +111,29 @@ def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, outpu
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
 def test_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
     check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path)
+
+
+def check_embedding_rows_first(dtype, preset_name, grad_clip, device, output_dir, monkeypatch):
+    """Steps whose tokens read few embedding rows get those rows updated and sent first, the rest of the
+    table updated beside the forward: the same steps as plain PyTorch."""
+    given = []
+    first_rows = Trainer._first_rows
+
+    def counting(self, group, rows):
+        table = first_rows(self, group, rows)
+        given.append(table is not None and table.shape[0] == len(rows))
+        return table
+
+    monkeypatch.setattr(Trainer, "_first_rows", counting)
+    check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, output_dir, batch_size=2)
+    assert given == [False, True, True, True]  # the first step has no update pending
+
+
+@pytest.mark.parametrize("dtype", list(CASES))
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2"])  # untied and tied tables
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])  # updates as gradients land, and after clipping
+def test_embedding_rows_updated_first_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path, monkeypatch):
+    check_embedding_rows_first(dtype, preset_name, grad_clip, "cpu", tmp_path, monkeypatch)
 
 
 def test_three_slots_match_plain_pytorch(tmp_path):

@@ -3,7 +3,7 @@ PyTorch on the same GPU. CPU twins: test_exactness.py."""
 
 import pytest
 import torch
-from test_exactness import check_steps_match_plain_pytorch, check_wire_copy_changes_nothing
+from test_exactness import check_embedding_rows_first, check_steps_match_plain_pytorch, check_wire_copy_changes_nothing
 
 import megatrain_sched.pipeline
 
@@ -45,3 +45,40 @@ def test_gpu_partial_checkpoint_offload_stays_exact(tmp_path, monkeypatch):
     # what auto does when only some layers' checkpoints fit: the first block goes to host, the rest stay
     monkeypatch.setattr(megatrain_sched.pipeline.LayerPipeline, "offloaded_stages", lambda self, batches: 1)
     check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gpu_embedding_rows_updated_first_match_plain_pytorch(dtype, tmp_path, monkeypatch):
+    check_embedding_rows_first(dtype, "tiny-qwen2", 0.0, "cuda", tmp_path, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_path):
+    """bf16 compute from fp32 masters (rows staged and cast on the GPU, in small chunks): the same losses as
+    a run that copies the whole table at every step's start."""
+    from megatrain import Trainer
+    from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+
+    losses = []
+    for rows_first in (True, False):
+        config = Config(
+            model=ModelSection(preset="tiny-llama"),
+            data=DataSection(seq_len=16),
+            train=TrainSection(steps=5, batch_size=2, micro_batch_size=1, lr=1e-3, grad_clip=0.0, seed=3),
+            precision=PrecisionSection("bfloat16"),
+            device="cuda",
+            output_dir=str(tmp_path),
+        )
+        trainer = Trainer(config)
+        if not rows_first:
+            trainer._row_groups.clear()
+        generator = torch.Generator().manual_seed(5)
+        run = []
+        for _ in range(5):
+            ids = torch.randint(0, trainer.model_config.vocab_size, (2, 16), generator=generator)
+            labels = torch.roll(ids, -1, dims=1)
+            run.append(trainer.train_step(ids, labels).loss)
+        losses.append(run)
+        trainer.close()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)

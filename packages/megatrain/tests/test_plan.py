@@ -1,10 +1,19 @@
+import math
 import shutil
 
 import pytest
 
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
-from megatrain.plan import DISK_TIER_RAM_SHARE, Rates, check_plan, layout_sizes, make_plan, measure_disk_gbps
+from megatrain.plan import (
+    DISK_TIER_RAM_SHARE,
+    GRADIENT_POOL,
+    Rates,
+    check_plan,
+    layout_sizes,
+    make_plan,
+    measure_disk_gbps,
+)
 from megatrain_zoo import preset
 
 
@@ -57,7 +66,8 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
         check_plan(everything, config, model)
 
 
-def test_step_time_model_is_overlap_aware():
+def test_step_time_model_is_overlap_aware(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # no room for a deeper gradient pool
     rates = Rates(gpu_tflops=500, head_tflops=400, pcie_gbps=50, cpu_adam_params_per_s=3.4e9)
     plan = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
     assert plan.disk_s == 0
@@ -74,10 +84,34 @@ def test_step_time_model_is_overlap_aware():
     assert below.bound == "cpu_optimizer"
 
 
-def test_a_moe_forward_waits_for_its_weights():
+def test_small_steps_get_a_gradient_pool_deep_enough_for_the_optimizer(monkeypatch):
+    """16k tokens of a 7B model: the CPU optimizer takes longer than the backward. With the room, the pool
+    holds what it has left when the backward ends, and only the head waits for it (its work goes first
+    layers first, beside the next forward); without, the pool stays small and the forward waits."""
+    rates = Rates(570, 385, 50, 4.3e9)
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "126")
+    small = make_plan(config_for("qwen2.5-7b", 16384), rates=rates)
+    backward_s = 0.75 * small.compute_s
+    left = (small.optimizer_s - backward_s) * rates.cpu_adam_params_per_s
+    largest = max(layout_sizes(preset("qwen2.5-7b"))[0])  # the head: its matrix and the final norm
+    assert small.gradient_pool == math.ceil(1 + left / largest) > GRADIENT_POOL
+    assert small.bound == "cpu_optimizer"
+    head_s = 6 * preset("qwen2.5-7b").vocab_size * 3584 * 16384 / 385e12
+    assert small.step_s == pytest.approx(small.optimizer_s + head_s + small.bubble_s)
+    large = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
+    assert large.gradient_pool == GRADIENT_POOL and large.bound == "compute"
+    assert small.host_bytes - large.host_bytes == pytest.approx((small.gradient_pool - GRADIENT_POOL) * largest * 4)
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # the deeper pool would not fit: the forward waits
+    tight = make_plan(config_for("qwen2.5-7b", 16384), rates=rates)
+    assert tight.gradient_pool == GRADIENT_POOL and tight.host_bytes == pytest.approx(large.host_bytes)
+    assert tight.step_s > small.step_s
+
+
+def test_a_moe_forward_waits_for_its_weights(monkeypatch):
     """OLMoE at 64k tokens: the forward (a quarter of little active work) is shorter than one pass
     of all 6.9B weights over PCIe, so the next step waits for the weights and the optimizer, not
     for the GPU's work."""
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "90")  # no room for a deeper gradient pool
     rates = Rates(500, 400, 50, 3.6e9, moe_gpu_tflops=410)
     plan = make_plan(config_for("olmoe-1b-7b", 65536), rates=rates)
     weight_pass = plan.n_params * 4 / 50e9

@@ -176,8 +176,10 @@ def make_plan(
     gpu_memory: int | None = None,
     gpus: int = 1,
     hosts: int = 1,
+    host_memory: int | None = None,
 ) -> Plan:
-    """The plan for `config` on this machine's GPU, or on one with `gpu_memory` bytes; with `gpus`
+    """The plan for `config` on this machine's GPU, or on one with `gpu_memory` bytes, and the host memory
+    it has available now, or `host_memory` bytes (a run's own, asked after it has allocated); with `gpus`
     per host and `hosts` (data parallel: a replica of the state per host, or the state split over
     them with engine.shard_across_hosts) host bytes are per host, GPU bytes per GPU, and the step
     splits the global batch over every GPU."""
@@ -242,7 +244,7 @@ def make_plan(
         offloaded = n_checkpoints if offload else 0
     gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
-    host_available = host_memory_limit()
+    host_available = host_memory if host_memory is not None else host_memory_limit()
     if host_available is not None and gradient_pool > GRADIENT_POOL and host_bytes > 0.9 * host_available:
         host_bytes -= (gradient_pool - GRADIENT_POOL) * largest_group * 4 / (hosts if split else 1)
         gradient_pool = float(GRADIENT_POOL)  # the deeper pool is a speed-up, not worth the host memory it lacks

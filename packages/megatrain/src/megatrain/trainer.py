@@ -133,6 +133,7 @@ class Trainer:
             else config.engine.offload_checkpoints,
             before_fetch=self._wait_for_updates,
             updates_done=self._updates_done,
+            first_rows=self._first_rows,
             on_grads_landed=self._grads_landed,
             timeline=self.timeline,
             reduce_grad=None if self.sync is None else self.sync.reduce_grad,
@@ -144,6 +145,25 @@ class Trainer:
         for index, stage in enumerate(self.spec.stages):
             for group in stage.groups:
                 self._forward_order.setdefault(group, index)
+        # The first stage's table (the embedding) is the last gradient of a step and the first weights of the
+        # next: its update waits here until the next step says which rows it reads, which are then updated,
+        # and sent, first (`_first_rows`). Not with ranks (each updates a slice of every row), a wire copy or
+        # the table's state on disk.
+        first = self.spec.stages[0]
+        self._row_groups = set()
+        if (
+            training
+            and hasattr(first.template, "forward_rows")
+            and self.ranks is None
+            and "wire" not in self.store.arenas
+            and all(g < self.store.first_disk_group for g in first.groups)
+        ):
+            self._row_groups = set(first.groups)
+        self._deferred: dict[int, tuple] = {}  # group -> its update's arguments, held for `_first_rows`
+        self._rows_out = None  # pinned: the updated rows on their way to the GPU, up to a quarter of the table
+        if self._row_groups:
+            numel = self.store.layouts[first.groups[0]].numel // 4 + first.template.d_model
+            self._rows_out = torch.empty(numel, dtype=self.store.master_dtype, pin_memory=self.device.type == "cuda")
         self.step_index = 0
         self.bad_steps = 0
         self._landed: dict[int, object] = {}
@@ -179,6 +199,7 @@ class Trainer:
     # ------------------------------------------------------------ engine hooks
     def _wait_for_updates(self, groups: tuple[int, ...]) -> None:
         for group in groups:
+            self._submit_deferred(group)
             self.stepper.wait(group)
             self.exchanger.wait(group)
         if self.sync is not None:  # and for the other ranks of this host, which update other shards
@@ -186,22 +207,68 @@ class Trainer:
 
     def _updates_done(self, groups: tuple[int, ...]) -> bool:
         """Whether `_wait_for_updates(groups)` would return at once."""
-        if any(self.stepper.busy(g) or self.exchanger.busy(g) for g in groups):
+        if any(g in self._deferred or self.stepper.busy(g) or self.exchanger.busy(g) for g in groups):
             return False
         return self.sync is None or self.sync.applied(groups, self.step_index)
 
     def _grads_landed(self, group: int, event, sq_norm: torch.Tensor) -> None:
-        if self.eager_updates:
-            lr, step = self._lr, self.optimizer.step_tensor  # the next step may begin before this update runs
-            applied = self.step_index + 1
-            self.stepper.submit(
-                group,
-                lambda: self._update(group, lr, 1.0, event, step, applied, sq_norm),
-                priority=self._forward_order[group],
-                ready=None if event is None else event.query,
-            )
+        if self.eager_updates:  # (the next step may begin before this update runs: its lr and count are kept)
+            self._queue_update(group, self._lr, 1.0, event, self.optimizer.step_tensor, self.step_index + 1, sq_norm)
         else:
             self._landed[group] = event
+
+    def _queue_update(self, group: int, lr: float, clip: float, landed, step, applied: int, sq_norm=None) -> None:
+        """Give the optimizer worker `group`'s update, or hold it for `_first_rows` (the first stage's table)."""
+        if group in self._row_groups:
+            self._deferred[group] = (lr, clip, landed, step, applied, sq_norm)
+            return
+        self.stepper.submit(
+            group,
+            lambda: self._update(group, lr, clip, landed, step, applied, sq_norm),
+            priority=(applied, self._forward_order[group]),  # what the next forward needs first
+            ready=None if landed is None else landed.query,
+        )
+
+    def _submit_deferred(self, group: int) -> None:
+        """A held update, queued as it is (whole), where something needs it before the next step's rows."""
+        if group in self._deferred:
+            lr, clip, landed, step, applied, sq_norm = self._deferred.pop(group)
+            self._row_groups.discard(group)  # (queue it, not hold it again)
+            try:
+                self._queue_update(group, lr, clip, landed, step, applied, sq_norm)
+            finally:
+                self._row_groups.add(group)
+
+    def _first_rows(self, group: int, rows: torch.Tensor) -> torch.Tensor | None:
+        """The first stage's table's `rows` (sorted unique indices) as this step's forward reads them, updated
+        before the rest of the table (whose update then runs beside the forward), in pinned memory: a
+        [len(rows), row] tensor, valid until the next step. None where no update is held (or too many rows
+        for it to pay): the pipeline copies the whole table."""
+        table = self.spec.stages[0].template
+        if group not in self._deferred or len(rows) > table.vocab_size // 4:
+            return None
+        lr, clip, landed, step, applied, sq_norm = self._deferred.pop(group)
+        out = self._rows_out[: len(rows) * table.d_model].view(-1, table.d_model)
+
+        def rows_first():
+            synchronize(landed)
+            with self.timeline.host_span(f"adamw {self.spec.groups[group].name} rows", "optimizer"):
+                if sq_norm is None or math.isfinite(float(sq_norm)):
+                    self.optimizer.update_rows(group, rows, out, lr, clip, step)
+                else:  # not updated, as `_update` will not update the rest
+                    torch.index_select(self.store.master(group).view(-1, table.d_model), 0, rows, out=out)
+
+        def the_rest():
+            self._update(group, lr, clip, None, step, applied, sq_norm)
+            if sq_norm is None or math.isfinite(float(sq_norm)):
+                self.optimizer.write_rows(group, rows, out)
+
+        # the rows before anything else; the rest after the updates this step's forward waits for and before
+        # those of its own gradients (the tied head of the forward, or the table's backward, waits for it)
+        rows_done = self.stepper.submit(group, rows_first, priority=(applied, -1))
+        self.stepper.submit(group, the_rest, priority=(applied, len(self.spec.stages)))
+        rows_done.result()
+        return out
 
     def _update(
         self,
@@ -324,11 +391,7 @@ class Trainer:
                 self._read_ahead(0, 0)
                 step = self.optimizer.step_tensor
                 for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
-                    self.stepper.submit(
-                        group,
-                        lambda g=group: self._update(g, lr, clip, self._landed[g], step, applied),
-                        priority=self._forward_order[group],
-                    )
+                    self._queue_update(group, lr, clip, self._landed[group], step, applied)
         self.step_index += 1
         elapsed = time.perf_counter() - start
         flops = flops_per_token(self.model_config, seq_len) * tokens
@@ -373,6 +436,8 @@ class Trainer:
     def finish_updates(self) -> None:
         """Wait until every queued optimizer update has been applied (re-raising worker errors),
         on every rank of this host."""
+        for group in list(self._deferred):
+            self._submit_deferred(group)
         self.stepper.wait_all()
         self.exchanger.wait_all()
         if self.sync is not None:

@@ -12,6 +12,8 @@ from torch import Tensor
 from megatrain_store import HostStore
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
+# Elements per gathered chunk of rows in `update_rows` (16 MiB per fp32 buffer, three buffers)
+ROWS_CHUNK_NUMEL = 2**22
 
 
 class OptimError(Exception):
@@ -120,6 +122,7 @@ class HostAdamW:
         self.step_count = 0
         self._step_tensor = torch.zeros(())
         self._runs = [layout.decay_runs() for layout in store.layouts]
+        self._row_temps: list[Tensor] | None = None  # update_rows' gathered gradient and moments
 
     @property
     def step_tensor(self) -> Tensor:
@@ -173,6 +176,64 @@ class HostAdamW:
             )
         if start < end:
             store.refresh_wire(group, (start, end))
+
+    def update_rows(
+        self,
+        group: int,
+        rows: Tensor,
+        out: Tensor,
+        lr: float,
+        clip_coef: float = 1.0,
+        step: Tensor | None = None,
+    ) -> Tensor:
+        """The master weights of only `rows` of a group of rows (an embedding table) as AdamW makes them,
+        written to `out` ([len(rows), row], pinned for a copy to the GPU), leaving the store as it is.
+        AdamW is elementwise, so these are the rows `update_group` makes, up to where the fused kernel's
+        vector lanes fall; `write_rows` puts them in the store after it. The group must be unsharded,
+        with one weight-decay setting throughout."""
+        store, cfg = self.store, self.config
+        runs = self._runs[group]
+        if len(runs) != 1 or store.shard_range(group) != (0, store.layouts[group].numel) or not store.owns_all:
+            raise OptimError(
+                f"update_rows needs an unsharded group with one weight-decay setting; group {group} is not"
+            )
+        row = out.shape[1]
+        tables = [t.view(-1, row) for t in (store.grad(group), *(store.state(n, group) for n in STATE_NAMES))]
+        torch.index_select(store.master(group).view(-1, row), 0, rows, out=out)
+        chunk = max(1, ROWS_CHUNK_NUMEL // row)
+        if self._row_temps is None or self._row_temps[0].shape != (chunk, row):
+            self._row_temps = [torch.empty(chunk, row, dtype=out.dtype) for _ in tables]  # reused: no page faults
+        grad_scale = None
+        if clip_coef != 1.0 and FUSED and out.dtype == torch.float32:  # as update_group applies it
+            grad_scale = torch.tensor(1.0 / clip_coef)
+        for start in range(0, len(rows), chunk):
+            picked = rows[start : start + chunk]
+            grad, exp_avg, exp_avg_sq = (
+                torch.index_select(table, 0, picked, out=temp[: len(picked)])
+                for table, temp in zip(tables, self._row_temps)
+            )
+            if clip_coef != 1.0 and grad_scale is None:
+                grad.mul_(clip_coef)
+            adamw_update_(
+                [out[start : start + chunk]],
+                [grad],
+                [exp_avg],
+                [exp_avg_sq],
+                self._step_tensor if step is None else step,
+                lr=lr,
+                beta1=cfg.betas[0],
+                beta2=cfg.betas[1],
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay if runs[0][2] else 0.0,
+                grad_scale=grad_scale,
+            )
+        return out
+
+    def write_rows(self, group: int, rows: Tensor, master_rows: Tensor) -> None:
+        """Put `update_rows`' master rows into the store after `update_group` (its rows may differ in the
+        last bit): the weights kept are the ones the GPU was given, so a resumed run sees them too."""
+        self.store.master(group).view(-1, master_rows.shape[1]).index_copy_(0, rows, master_rows)
+        self.store.refresh_wire(group)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -4,11 +4,11 @@ import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class _Job(NamedTuple):
-    priority: float
+    priority: Any
     order: int  # submission order: ties, and which of the waiting work can start first
     future: Future
     work: Callable[[], None]
@@ -56,18 +56,23 @@ class BackgroundStepper:
                 job.future.set_result(None)
 
     def submit(
-        self, group: int, work: Callable[[], None], priority: float = 0, ready: Callable[[], bool] | None = None
-    ) -> None:
-        if self._thread is None:
-            work()
-            return
+        self, group: int, work: Callable[[], None], priority: Any = 0, ready: Callable[[], bool] | None = None
+    ) -> Future:
+        """Queue `work` for `group` (`wait(group)` waits for the latest); its future. Priorities compare
+        with each other (numbers, or tuples such as (step, place))."""
         future = Future()
+        if self._thread is None:
+            future.set_running_or_notify_cancel()
+            work()
+            future.set_result(None)
+            return future
         with self._changed:
             if self._closed:
                 raise RuntimeError("the stepper is closed")
             self._queue.append(_Job(priority, next(self._order), future, work, ready))
             self._pending[group] = future
             self._changed.notify()
+        return future
 
     def wait(self, group: int) -> None:
         future = self._pending.pop(group, None)

@@ -97,6 +97,13 @@ class _Offloaded:
 
 
 @dataclass
+class _Rows:
+    ids: Tensor  # the sorted unique input ids of a step (host)
+    local: list[Tensor]  # each micro-batch's input ids as indices into `ids` (device)
+    table: Tensor | None = None  # what first_rows gave for them (None: the whole table was copied)
+
+
+@dataclass
 class _Slot:
     buffer: Tensor
     stage: int | None = None  # which stage's weights it holds (valid within a step)
@@ -117,6 +124,12 @@ class LayerPipeline:
     returns this process's shard of the sum (`store.shard_range`), which alone is sent to host
     memory; it is called on the copy-out stream, so collectives there never hold up compute.
     `buffer` is padded to a whole number of shards.
+
+    Where the first stage's template reads only the rows of its one group that the tokens select
+    (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
+    `first_rows(group, rows)` for those (sorted unique input ids): a host tensor [len(rows), row]
+    of them, up to date, given while the rest of the group may still be updating (so this is not
+    preceded by `before_fetch`), or None to copy the whole group as usual.
     """
 
     def __init__(
@@ -128,6 +141,7 @@ class LayerPipeline:
         offload_checkpoints: bool | None = False,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
         updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True,
+        first_rows: Callable[[int, Tensor], Tensor | None] = lambda group, rows: None,
         on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
@@ -154,6 +168,8 @@ class LayerPipeline:
         # None: decided each step from the checkpoints' size and the free device memory
         self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
+        self.first_rows = first_rows
+        self._rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
         self.reduce_grad = reduce_grad or self._own_shard
         self.timeline = timeline or Timeline(enabled=False)
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
@@ -197,19 +213,26 @@ class LayerPipeline:
         if slot.stage == stage:
             log.append(("reuse", stage, position % len(self.slots)))
             return
-        streams = self.streams
-        self.before_fetch(self.stages[stage].groups)
+        streams, groups = self.streams, self.stages[stage].groups
+        rows = None
+        if position == 0 and self._rows is not None:
+            rows = self._rows.table = self.first_rows(groups[0], self._rows.ids)
+        if rows is None:
+            self.before_fetch(groups)
         streams.wait(streams.copy_in, slot.free)  # before the span opens: the span times the transfer alone
         with (
             streams.on(streams.copy_in),
             self.timeline.device_span(f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in),
         ):
-            for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
-                self._copy_weights(view, self.store.wire(group))
+            if rows is not None:
+                self._copy_weights(slot.buffer[: rows.numel()], rows.reshape(-1))
+            else:
+                for view, group in zip(self._slot_weights(slot, stage), groups):
+                    self._copy_weights(view, self.store.wire(group))
             if self._cast_stream is not None:  # the slot is complete once the last cast has run
                 streams.wait(streams.copy_in, streams.record(self._cast_stream))
             slot.ready = streams.record(streams.copy_in)
-        slot.stage = stage
+        slot.stage = stage if rows is None else None  # (some rows are not the stage's weights)
         log.append(("copy_in", stage, position % len(self.slots)))
 
     def _copy_weights(self, view: Tensor, source: Tensor) -> None:
@@ -352,6 +375,15 @@ class LayerPipeline:
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
 
         acts: list[Any] = [mb.input_ids for mb in batches]
+        self._rows = None
+        if train and hasattr(stages[0].template, "forward_rows") and len(stages[0].groups) == 1:
+            ids = [mb.input_ids for mb in micro_batches]
+            unique, local = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_inverse=True)
+            pieces = local.split([i.numel() for i in ids])
+            self._rows = _Rows(unique, [p.view_as(i).to(self.device, non_blocking=True) for p, i in zip(pieces, ids)])
+            if not self.updates_done(stages[0].groups) and self.updates_done(stages[self.order[1]].groups):
+                # the first layer's update is done before the table's rows: its copy goes first, not behind them
+                self._fetch(1, log)
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
         reloaded: dict[int, list] = {}
@@ -395,7 +427,11 @@ class LayerPipeline:
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
                             checkpoints[stage_index][m] = self._offload(kept, offloaded_copies) if offload else kept
-                        acts[m] = stage.template.forward(weights, x, **kwargs[m])
+                        if position == 0 and self._rows is not None and self._rows.table is not None:
+                            rows = slot.buffer[: self._rows.table.numel()]
+                            acts[m] = stage.template.forward_rows(rows, self._rows.local[m], **kwargs[m])
+                        else:
+                            acts[m] = stage.template.forward(weights, x, **kwargs[m])
                 elif not train:
                     for m, x in enumerate(acts):
                         loss_sum += stage.template.loss_sum(weights, x, batches[m].labels)

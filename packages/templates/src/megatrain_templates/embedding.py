@@ -21,6 +21,12 @@ class Embedding:
         check_buffers(weights, self.groups, "Embedding.forward")
         return F.embedding(token_ids, weights[0].view(self.vocab_size, self.d_model))
 
+    def forward_rows(self, rows: Tensor, local_ids: Tensor, documents=None) -> Tensor:
+        """The forward given only the table rows the tokens read: `rows` flat ([n, d_model] in a row-major
+        buffer), `local_ids` [batch, seq] indices into them (what the pipeline streams at a step's start,
+        while the rest of the table is still being updated)."""
+        return F.embedding(local_ids, rows.view(-1, self.d_model))
+
     def backward(
         self, weights: list[Tensor], token_ids: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None
     ) -> None:
