@@ -25,8 +25,13 @@ def losses(run_dir):
 
 
 @pytest.mark.parametrize("grad_clip", [0.5, 0.0])
-def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip):
-    settings = {"steps": 6, "save_every": 2, "keep_last": 3, "grad_clip": grad_clip}
+@pytest.mark.parametrize("batch_size", [4, 1])  # 1: 32 tokens, so steps update their embedding rows first
+def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip, batch_size, monkeypatch):
+    rows_given = []
+    first_rows = Trainer._first_rows
+    monkeypatch.setattr(Trainer, "_first_rows", lambda *a: rows_given.append(first_rows(*a)) or rows_given[-1])
+    settings = {"steps": 6, "save_every": 2, "keep_last": 3, "grad_clip": grad_clip, "batch_size": batch_size}
+    settings["micro_batch_size"] = min(2, batch_size)
     full = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "full"))
     assert main(["train", "--config", str(full)]) == 0
     assert sorted(p.name for p in (tmp_path / "full/checkpoints").iterdir()) == [
@@ -42,6 +47,7 @@ def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip):
     a = load_file(str(tmp_path / "full/final/model.safetensors"))
     b = load_file(str(tmp_path / "resumed/final/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(t is not None for t in rows_given) == (batch_size == 1)
 
 
 def test_sigterm_checkpoints_and_resume_continues_exactly(write_config, tmp_path):

@@ -160,10 +160,14 @@ class Trainer:
         ):
             self._row_groups = set(first.groups)
         self._deferred: dict[int, tuple] = {}  # group -> its update's arguments, held for `_first_rows`
-        self._rows_out = None  # pinned: the updated rows on their way to the GPU, up to a quarter of the table
+        # pinned: the updated rows on their way to the GPU, up to a quarter of the table (beyond that, updating
+        # them first would not pay); updates are held only where a step's tokens cannot read more
+        self._rows_out = torch.empty(0)
+        self._row_numel = first.template.d_model if self._row_groups else 1
         if self._row_groups:
-            numel = self.store.layouts[first.groups[0]].numel // 4 + first.template.d_model
+            numel = self.store.layouts[first.groups[0]].numel // 4 // self._row_numel * self._row_numel
             self._rows_out = torch.empty(numel, dtype=self.store.master_dtype, pin_memory=self.device.type == "cuda")
+        self._tokens_per_step = 0  # this rank's, of the last step: the next is expected to be alike
         self.step_index = 0
         self.bad_steps = 0
         self._landed: dict[int, object] = {}
@@ -217,9 +221,11 @@ class Trainer:
         else:
             self._landed[group] = event
 
-    def _queue_update(self, group: int, lr: float, clip: float, landed, step, applied: int, sq_norm=None) -> None:
+    def _queue_update(
+        self, group: int, lr: float, clip: float, landed, step, applied: int, sq_norm=None, hold: bool = True
+    ) -> None:
         """Give the optimizer worker `group`'s update, or hold it for `_first_rows` (the first stage's table)."""
-        if group in self._row_groups:
+        if hold and group in self._row_groups and self._tokens_per_step * self._row_numel <= self._rows_out.numel():
             self._deferred[group] = (lr, clip, landed, step, applied, sq_norm)
             return
         self.stepper.submit(
@@ -232,23 +238,17 @@ class Trainer:
     def _submit_deferred(self, group: int) -> None:
         """A held update, queued as it is (whole), where something needs it before the next step's rows."""
         if group in self._deferred:
-            lr, clip, landed, step, applied, sq_norm = self._deferred.pop(group)
-            self._row_groups.discard(group)  # (queue it, not hold it again)
-            try:
-                self._queue_update(group, lr, clip, landed, step, applied, sq_norm)
-            finally:
-                self._row_groups.add(group)
+            self._queue_update(group, *self._deferred.pop(group), hold=False)
 
     def _first_rows(self, group: int, rows: torch.Tensor) -> torch.Tensor | None:
         """The first stage's table's `rows` (sorted unique indices) as this step's forward reads them, updated
         before the rest of the table (whose update then runs beside the forward), in pinned memory: a
         [len(rows), row] tensor, valid until the next step. None where no update is held (or too many rows
         for it to pay): the pipeline copies the whole table."""
-        table = self.spec.stages[0].template
-        if group not in self._deferred or len(rows) > table.vocab_size // 4:
+        if group not in self._deferred or len(rows) * self._row_numel > self._rows_out.numel():
             return None
         lr, clip, landed, step, applied, sq_norm = self._deferred.pop(group)
-        out = self._rows_out[: len(rows) * table.d_model].view(-1, table.d_model)
+        out = self._rows_out[: len(rows) * self._row_numel].view(-1, self._row_numel)
 
         def rows_first():
             synchronize(landed)
@@ -256,7 +256,7 @@ class Trainer:
                 if sq_norm is None or math.isfinite(float(sq_norm)):
                     self.optimizer.update_rows(group, rows, out, lr, clip, step)
                 else:  # not updated, as `_update` will not update the rest
-                    torch.index_select(self.store.master(group).view(-1, table.d_model), 0, rows, out=out)
+                    torch.index_select(self.store.master(group).view(-1, self._row_numel), 0, rows, out=out)
 
         def the_rest():
             self._update(group, lr, clip, None, step, applied, sq_norm)
@@ -359,6 +359,7 @@ class Trainer:
         tokens = input_ids.numel()
         seq_len = input_ids.shape[1]
         micro = self._micro_batches(input_ids, labels, position_ids, valid, self._my_rows(input_ids.shape[0]))
+        self._tokens_per_step = sum(mb.input_ids.numel() for mb in micro)
         train = self.config.train
         lr = self._lr = lr_at(self.step_index, self.schedule)
         if self.eager_updates:

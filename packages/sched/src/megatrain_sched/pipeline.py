@@ -376,12 +376,13 @@ class LayerPipeline:
 
         acts: list[Any] = [mb.input_ids for mb in batches]
         self._rows = None
-        if train and hasattr(stages[0].template, "forward_rows") and len(stages[0].groups) == 1:
+        first_pending = train and not self.updates_done(stages[0].groups)  # else the whole table goes at once
+        if first_pending and hasattr(stages[0].template, "forward_rows") and len(stages[0].groups) == 1:
             ids = [mb.input_ids for mb in micro_batches]
             unique, local = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_inverse=True)
             pieces = local.split([i.numel() for i in ids])
             self._rows = _Rows(unique, [p.view_as(i).to(self.device, non_blocking=True) for p, i in zip(pieces, ids)])
-            if not self.updates_done(stages[0].groups) and self.updates_done(stages[self.order[1]].groups):
+            if self.updates_done(stages[self.order[1]].groups):
                 # the first layer's update is done before the table's rows: its copy goes first, not behind them
                 self._fetch(1, log)
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
