@@ -136,6 +136,31 @@ def test_embedding_rows_updated_first_match_plain_pytorch(dtype, preset_name, gr
     check_embedding_rows_first(dtype, preset_name, grad_clip, "cpu", tmp_path, monkeypatch)
 
 
+def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tmp_path):
+    """The embedding's update waits for the next step's rows; evaluation, weights and checkpoints between
+    steps apply it first (whole), so they see the same weights as a run that never holds it."""
+    config = Config(
+        model=ModelSection(preset="tiny-llama"),
+        data=DataSection(seq_len=12),
+        train=TrainSection(steps=2, batch_size=2, micro_batch_size=2, lr=1e-2, grad_clip=0.0, seed=7),
+        precision=PrecisionSection("float64"),
+        device="cpu",
+        output_dir=str(tmp_path),
+    )
+    ids, labels = random_batch(2, 12, 256, torch.Generator().manual_seed(1))
+    held, plain = Trainer(config), Trainer(config)
+    plain._row_groups.clear()
+    for trainer in (held, plain):
+        trainer.train_step(ids, labels)
+    assert held._deferred and not plain._deferred
+    assert held.evaluate(ids, labels) == plain.evaluate(ids, labels)
+    assert not held._deferred
+    ours, theirs = held.named_weights(), plain.named_weights()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    held.close()
+    plain.close()
+
+
 def test_three_slots_match_plain_pytorch(tmp_path):
     check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cpu", tmp_path, n_slots=3)
 

@@ -575,7 +575,13 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params != plan.n_params else ""),
         f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
         + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else "")
-        + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else ""),
+        + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else "")
+        + (
+            f"; gradient pool of {plan.gradient_pool:g} largest groups, for the updates the CPU optimizer has left "
+            "when the backward ends"
+            if plan.gradient_pool > GRADIENT_POOL
+            else ""
+        ),
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
