@@ -94,7 +94,10 @@ def test_bench_command(capsys):
 
 
 @pytest.mark.parametrize("grad_clip", [1.0, 0.0])
-def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path, capsys, monkeypatch, grad_clip):
+@pytest.mark.parametrize("batch_size", [4, 1])  # 1: the embedding's rows go first, and are not updated either
+def test_non_finite_steps_are_skipped_then_stop_the_run(
+    write_config, tmp_path, capsys, monkeypatch, grad_clip, batch_size
+):
     from megatrain.trainer import Trainer
 
     real_init = Trainer._init_weights
@@ -105,7 +108,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(write_config, tmp_path, 
         self.store.refresh_wire(1)
 
     monkeypatch.setattr(Trainer, "_init_weights", poisoned)
-    config = write_config(train={"steps": 10, "max_bad_steps": 3, "grad_clip": grad_clip})
+    settings = {"steps": 10, "max_bad_steps": 3, "grad_clip": grad_clip, "batch_size": batch_size}
+    config = write_config(train=settings | {"micro_batch_size": min(2, batch_size)})
     assert main(["train", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert "non-finite loss or gradient" in err and "3 non-finite steps in a row; stopping" in err
