@@ -35,7 +35,7 @@ LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk plus its bf16 cop
 LAYER_GPU_SHARE = 0.5
 # Landing buffers when updates run as gradients arrive, in largest groups (the embedding's room
 # holds several layers'): at least enough for the optimizer to lag the backward by a few layers;
-# more where it is slower than the backward (small steps), see `gradient_pool`.
+# more where it is slower than the backward (small steps), see `gradient_pool_size`.
 GRADIENT_POOL = 3
 # With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
 # host memory: the rest is page cache for the disk tier's read-ahead and write-behind.

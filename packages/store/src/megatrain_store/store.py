@@ -79,11 +79,11 @@ class HostStore:
     of N times the largest group's gradient from which `acquire_grad` hands each group a
     buffer of its own size (first fit) and `release_grad` takes it back, so gradients cost a
     few layers of memory instead of 4 B per parameter (for updates applied as gradients
-    land), and the room of a large group (the embedding) holds several layers'. `state_dir` puts the optimizer
-    state of groups `first_disk_group` .. n-1 in memory-mapped files there (the disk
-    tier): `prefetch_state(group)` starts reading a group's state ahead and
-    `write_behind_state(group)` flushes it to disk on a background thread, so that state
-    needs disk, not RAM. float64 compute (everything in fp64) exists for exactness tests
+    land), and the room of a large group (the embedding) holds several layers'.
+    `state_dir` puts the optimizer state of groups `first_disk_group` .. n-1 in
+    memory-mapped files there (the disk tier): `prefetch_state(group)` starts reading a
+    group's state ahead and `write_behind_state(group)` flushes it to disk on a background
+    thread, so that state needs disk, not RAM. float64 compute (everything in fp64) exists for exactness tests
     that must not depend on fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
 
