@@ -34,6 +34,19 @@ def random_batch(batch, seq, vocab, generator):
     return ids, labels
 
 
+def tiny_llama_config(output_dir, device, dtype, seq_len, engine=None, **train) -> Config:
+    """A tiny-llama run of `train` settings (TrainSection's) on `device`."""
+    return Config(
+        model=ModelSection(preset="tiny-llama"),
+        data=DataSection(seq_len=seq_len),
+        train=TrainSection(**train),
+        precision=PrecisionSection(dtype),
+        engine=engine or EngineSection(),
+        device=device,
+        output_dir=str(output_dir),
+    )
+
+
 def randomize_(trainer, generator):
     """Fresh random norms and biases too (initialisation leaves them at one and zero)."""
     for name, view in trainer.named_weights().items():
@@ -139,17 +152,12 @@ def test_embedding_rows_updated_first_match_plain_pytorch(dtype, preset_name, gr
 def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tmp_path):
     """The embedding's update waits for the next step's rows; evaluation, weights and checkpoints between
     steps apply it first (whole), so they see the same weights as a run that never holds it."""
-    config = Config(
-        model=ModelSection(preset="tiny-llama"),
-        data=DataSection(seq_len=12),
-        train=TrainSection(steps=2, batch_size=2, micro_batch_size=2, lr=1e-2, grad_clip=0.0, seed=7),
-        precision=PrecisionSection("float64"),
-        device="cpu",
-        output_dir=str(tmp_path),
+    config = tiny_llama_config(
+        tmp_path, "cpu", "float64", 12, steps=2, batch_size=2, micro_batch_size=2, lr=1e-2, grad_clip=0.0, seed=7
     )
     ids, labels = random_batch(2, 12, 256, torch.Generator().manual_seed(1))
     held, plain = Trainer(config), Trainer(config)
-    plain._row_groups.clear()
+    plain._row_group = None
     for trainer in (held, plain):
         trainer.train_step(ids, labels)
     assert held._deferred and not plain._deferred
@@ -192,14 +200,18 @@ def check_wire_copy_changes_nothing(device, output_dir):
     batches = [random_batch(4, 16, 256, torch.Generator().manual_seed(step)) for step in range(3)]
     runs = []
     for wire_copy in (False, True):
-        config = Config(
-            model=ModelSection(preset="tiny-llama"),
-            data=DataSection(seq_len=16),
-            train=TrainSection(steps=3, batch_size=4, micro_batch_size=2, lr=1e-2, grad_clip=0.0, seed=3),
-            precision=PrecisionSection("bfloat16"),
-            engine=EngineSection(wire_copy=wire_copy),
-            device=device,
-            output_dir=str(output_dir),
+        config = tiny_llama_config(
+            output_dir,
+            device,
+            "bfloat16",
+            16,
+            EngineSection(wire_copy=wire_copy),
+            steps=3,
+            batch_size=4,
+            micro_batch_size=2,
+            lr=1e-2,
+            grad_clip=0.0,
+            seed=3,
         )
         trainer = Trainer(config)
         assert ("wire" in trainer.store.arenas) == wire_copy

@@ -3,7 +3,13 @@ PyTorch on the same GPU. CPU twins: test_exactness.py."""
 
 import pytest
 import torch
-from test_exactness import check_embedding_rows_first, check_steps_match_plain_pytorch, check_wire_copy_changes_nothing
+from test_exactness import (
+    check_embedding_rows_first,
+    check_steps_match_plain_pytorch,
+    check_wire_copy_changes_nothing,
+    random_batch,
+    tiny_llama_config,
+)
 
 import megatrain_sched.pipeline
 
@@ -58,27 +64,16 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
     """bf16 compute from fp32 masters (rows staged and cast on the GPU, in small chunks): the same losses as
     a run that copies the whole table at every step's start."""
     from megatrain import Trainer
-    from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
 
+    config = tiny_llama_config(
+        tmp_path, "cuda", "bfloat16", 16, steps=5, batch_size=2, micro_batch_size=1, lr=1e-3, grad_clip=0.0, seed=3
+    )
     losses = []
     for rows_first in (True, False):
-        config = Config(
-            model=ModelSection(preset="tiny-llama"),
-            data=DataSection(seq_len=16),
-            train=TrainSection(steps=5, batch_size=2, micro_batch_size=1, lr=1e-3, grad_clip=0.0, seed=3),
-            precision=PrecisionSection("bfloat16"),
-            device="cuda",
-            output_dir=str(tmp_path),
-        )
         trainer = Trainer(config)
         if not rows_first:
-            trainer._row_groups.clear()
+            trainer._row_group = None
         generator = torch.Generator().manual_seed(5)
-        run = []
-        for _ in range(5):
-            ids = torch.randint(0, trainer.model_config.vocab_size, (2, 16), generator=generator)
-            labels = torch.roll(ids, -1, dims=1)
-            run.append(trainer.train_step(ids, labels).loss)
-        losses.append(run)
+        losses.append([trainer.train_step(*random_batch(2, 16, 256, generator)).loss for _ in range(5)])
         trainer.close()
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)

@@ -85,7 +85,7 @@ class WholeGroups:
 
         place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
         out = []
-        for name, (shape, covered) in file_tensors({n: e.shape for n, (_, e) in place.items()}).items():
+        for name, (shape, covered) in _store_layout(self.store).items():
 
             def load(arena=arena, covered=covered, shape=shape):
                 pieces = []

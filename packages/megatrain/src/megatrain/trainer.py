@@ -39,6 +39,11 @@ from .plan import check_plan, make_plan
 DISK_READ_AHEAD = 2
 
 
+def _finite(sq_norm: torch.Tensor | None) -> bool:
+    """Whether a landed gradient may be applied: its squared norm is finite (None: not checked per group)."""
+    return sq_norm is None or math.isfinite(float(sq_norm))
+
+
 class NonFiniteError(RuntimeError):
     """Training produced non-finite losses or gradients several steps in a row."""
 
@@ -150,23 +155,26 @@ class Trainer:
         # and sent, first (`_first_rows`). Not with ranks (each updates a slice of every row), a wire copy or
         # the table's state on disk.
         first = self.spec.stages[0]
-        self._row_groups = set()
-        if (
+        eligible = (
             training
             and hasattr(first.template, "forward_rows")
+            and len(first.groups) == 1
             and self.ranks is None
             and "wire" not in self.store.arenas
-            and all(g < self.store.first_disk_group for g in first.groups)
-        ):
-            self._row_groups = set(first.groups)
+            and first.groups[0] < self.store.first_disk_group
+        )
+        self._row_group = first.groups[0] if eligible else None
         self._deferred: dict[int, tuple] = {}  # group -> its update's arguments, held for `_first_rows`
         # pinned: the updated rows on their way to the GPU, up to a quarter of the table (beyond that, updating
         # them first would not pay); updates are held only where a step's tokens cannot read more
-        self._rows_out = torch.empty(0)
-        self._row_numel = first.template.d_model if self._row_groups else 1
-        if self._row_groups:
-            numel = self.store.layouts[first.groups[0]].numel // 4 // self._row_numel * self._row_numel
-            self._rows_out = torch.empty(numel, dtype=self.store.master_dtype, pin_memory=self.device.type == "cuda")
+        self._rows_out = None
+        if eligible:
+            d_model = first.template.d_model
+            self._rows_out = torch.empty(
+                (self.store.layouts[first.groups[0]].numel // 4 // d_model, d_model),
+                dtype=self.store.master_dtype,
+                pin_memory=self.device.type == "cuda",
+            )
         self._tokens_per_step = 0  # this rank's, of the last step: the next is expected to be alike
         self.step_index = 0
         self.bad_steps = 0
@@ -225,7 +233,7 @@ class Trainer:
         self, group: int, lr: float, clip: float, landed, step, applied: int, sq_norm=None, hold: bool = True
     ) -> None:
         """Give the optimizer worker `group`'s update, or hold it for `_first_rows` (the first stage's table)."""
-        if hold and group in self._row_groups and self._tokens_per_step * self._row_numel <= self._rows_out.numel():
+        if hold and group == self._row_group and self._tokens_per_step <= len(self._rows_out):
             self._deferred[group] = (lr, clip, landed, step, applied, sq_norm)
             return
         self.stepper.submit(
@@ -245,22 +253,22 @@ class Trainer:
         before the rest of the table (whose update then runs beside the forward), in pinned memory: a
         [len(rows), row] tensor, valid until the next step. None where no update is held (or too many rows
         for it to pay): the pipeline copies the whole table."""
-        if group not in self._deferred or len(rows) * self._row_numel > self._rows_out.numel():
+        if group not in self._deferred or len(rows) > len(self._rows_out):
             return None
         lr, clip, landed, step, applied, sq_norm = self._deferred.pop(group)
-        out = self._rows_out[: len(rows) * self._row_numel].view(-1, self._row_numel)
+        out = self._rows_out[: len(rows)]
 
         def rows_first():
             synchronize(landed)
             with self.timeline.host_span(f"adamw {self.spec.groups[group].name} rows", "optimizer"):
-                if sq_norm is None or math.isfinite(float(sq_norm)):
+                if _finite(sq_norm):
                     self.optimizer.update_rows(group, rows, out, lr, clip, step)
                 else:  # not updated, as `_update` will not update the rest
-                    torch.index_select(self.store.master(group).view(-1, self._row_numel), 0, rows, out=out)
+                    torch.index_select(self.store.master(group).view(-1, out.shape[1]), 0, rows, out=out)
 
         def the_rest():
             self._update(group, lr, clip, None, step, applied, sq_norm)
-            if sq_norm is None or math.isfinite(float(sq_norm)):
+            if _finite(sq_norm):
                 self.optimizer.write_rows(group, rows, out)
 
         # the rows before anything else; the rest after the updates this step's forward waits for and before
@@ -283,7 +291,7 @@ class Trainer:
         """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
         synchronize(landed)
         self._read_ahead(group, 1)
-        if sq_norm is None or math.isfinite(float(sq_norm)):
+        if _finite(sq_norm):
             with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
                 self.optimizer.update_group(group, lr, clip, step)
         self.store.write_behind_state(group)

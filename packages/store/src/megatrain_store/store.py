@@ -83,8 +83,8 @@ class HostStore:
     `state_dir` puts the optimizer state of groups `first_disk_group` .. n-1 in
     memory-mapped files there (the disk tier): `prefetch_state(group)` starts reading a
     group's state ahead and `write_behind_state(group)` flushes it to disk on a background
-    thread, so that state needs disk, not RAM. float64 compute (everything in fp64) exists for exactness tests
-    that must not depend on fp32 rounding.
+    thread, so that state needs disk, not RAM. float64 compute (everything in fp64) exists
+    for exactness tests that must not depend on fp32 rounding.
     `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
 
     Several processes (one per GPU) share one host's state: with `shared`, the master, wire

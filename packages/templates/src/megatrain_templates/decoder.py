@@ -154,21 +154,19 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
             "o_weight": span_of(params, "self_attn.o_proj.weight"),
             "input_norm": span_of(params, "input_layernorm.weight"),
         }
+        if shape.qkv_bias:
+            spans["qkv_bias"] = fused_span(
+                params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+            )
+        if shape.o_bias:
+            spans["o_bias"] = span_of(params, "self_attn.o_proj.bias")
+        if shape.sinks:
+            spans["sinks"] = span_of(params, "self_attn.sinks")
+        if shape.qk_norm:
+            spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
+            spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
     if any(p.name == "post_attention_layernorm.weight" for p in params):  # a split MoE layer keeps it with the router
         spans["post_norm"] = span_of(params, "post_attention_layernorm.weight")
-    if shape.mla is not None:
-        return spans
-    if shape.qkv_bias:
-        spans["qkv_bias"] = fused_span(
-            params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-        )
-    if shape.o_bias:
-        spans["o_bias"] = span_of(params, "self_attn.o_proj.bias")
-    if shape.sinks:
-        spans["sinks"] = span_of(params, "self_attn.sinks")
-    if shape.qk_norm:
-        spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
-        spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
     return spans
 
 
