@@ -44,9 +44,10 @@ def kind_of(name: str) -> str:
 
 
 def kernel_table(events, steps: int, on_device: bool) -> tuple[list[dict], dict]:
-    """Rows of (kind, ms per step, share, kernels per step), largest first, and the largest names of 'other'."""
+    """Rows of (kind, ms per step, share, kernels per step), largest first, and the 25 largest kernels
+    by name (ms per step, with their kind)."""
     totals: dict[str, list[float]] = {}
-    others: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for event in events:
         if on_device and getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue  # a CPU op's self device time is its kernels', which come as events of their own
@@ -57,8 +58,7 @@ def kernel_table(events, steps: int, on_device: bool) -> tuple[list[dict], dict]
         total = totals.setdefault(kind, [0.0, 0])
         total[0] += micros
         total[1] += event.count
-        if kind == "other":
-            others[event.key] = others.get(event.key, 0.0) + micros
+        by_name[event.key] = by_name.get(event.key, 0.0) + micros
     busy = sum(t[0] for t in totals.values()) or 1.0
     rows = [
         {
@@ -69,8 +69,10 @@ def kernel_table(events, steps: int, on_device: bool) -> tuple[list[dict], dict]
         }
         for kind, t in sorted(totals.items(), key=lambda item: -item[1][0])
     ]
-    largest_others = dict(sorted(others.items(), key=lambda item: -item[1])[:10])
-    return rows, {name: round(us / steps / 1e3, 2) for name, us in largest_others.items()}
+    largest = sorted(by_name.items(), key=lambda item: -item[1])[:25]
+    return rows, [
+        {"kernel": name[:160], "kind": kind_of(name), "ms_per_step": round(us / steps / 1e3, 2)} for name, us in largest
+    ]
 
 
 def main():
@@ -111,7 +113,7 @@ def main():
             torch.cuda.synchronize()
         step_s = (time.perf_counter() - start) / args.steps
     trainer.close()
-    rows, others = kernel_table(profiler.key_averages(), args.steps, on_device)
+    rows, largest = kernel_table(profiler.key_averages(), args.steps, on_device)
     result = {
         "benchmark": "kernel_table",
         "machine": machine(),
@@ -119,7 +121,7 @@ def main():
         "timed": "device time of kernels and copies" if on_device else "CPU op self time (no GPU: a smoke run)",
         "profiled_step_s": round(step_s, 3),  # with the profiler's overhead: compare kinds, not this
         "kinds": rows,
-        "largest_other": others,
+        "largest_kernels": largest,
         "command": "python benchmarks/kernel_table.py " + " ".join(sys.argv[1:]),
     }
     if args.out:
@@ -127,6 +129,8 @@ def main():
     print("| kind | ms per step | share | kernels per step |\n| --- | ---: | ---: | ---: |")
     for row in rows:
         print(f"| {row['kind']} | {row['ms_per_step']} | {100 * row['share']:.1f}% | {row['count']} |")
+    for kernel in largest:
+        print(f"{kernel['ms_per_step']:9.2f} ms  {kernel['kind']:<34} {kernel['kernel'][:110]}")
 
 
 if __name__ == "__main__":

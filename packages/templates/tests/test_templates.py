@@ -4,6 +4,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from reference import RefBlock, RefMoeBlock, RMSNorm, flatten_params, unflatten_grads
 
+import megatrain_templates.head as head_module
 from megatrain_templates import (
     BlockShape,
     DecoderBlock,
@@ -205,7 +206,11 @@ def test_embedding_forward_backward():
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk_rows", [7, 10_000])
-def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows):
+@pytest.mark.parametrize("fused", [False, True], ids=["in-place", "fused"])
+def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, monkeypatch):
+    """Both forms of the logits' gradient: in place (eager, the CPU's) and the one CUDA compiles."""
+    if fused:
+        monkeypatch.setattr(head_module, "logits_grad", head_module._logits_grad_fused)
     vocab, d, eps = 37, 16, 1e-6
     head = Head(vocab, d, eps, tied=tied)
     head.chunk_rows = chunk_rows

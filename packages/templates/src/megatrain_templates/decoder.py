@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .attention import Documents, causal_attention, packed_documents, windowed_attention_with_sinks
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
-from .ops import RopeConfig, apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin
+from .ops import RopeConfig, apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin, swiglu
 
 
 @dataclass(frozen=True)
@@ -260,8 +260,7 @@ class DecoderBlock:
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""
         x = self._attention(w, x, documents)
-        gate, up = F.linear(rms_norm(x, w["post_norm"], self.shape.rms_eps), w["gate_up_weight"]).chunk(2, dim=-1)
-        return x, F.silu(gate) * up
+        return x, swiglu(F.linear(rms_norm(x, w["post_norm"], self.shape.rms_eps), w["gate_up_weight"]))
 
     def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         x, mlp_hidden = self._up_to_mlp_output(w, x, documents)

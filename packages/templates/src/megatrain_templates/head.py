@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .layout import ParamSpec, Span, accumulate, check_buffers, leaf
-from .ops import IGNORE_INDEX, rms_norm, upcast
+from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm, upcast
 
 # Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (2 GiB):
 # thousands of rows per chunk keep the head's GEMMs efficient and the number of full
@@ -55,9 +55,8 @@ class Head:
         rows, targets = normed.reshape(-1, self.d_model), labels.reshape(-1)
         loss_sum = torch.zeros((), dtype=upcast(rows[:0]).dtype, device=hidden.device)
         for start in range(0, rows.shape[0], self.chunk_rows):
-            loss_sum += _chunk_loss(
-                rows[start : start + self.chunk_rows], targets[start : start + self.chunk_rows], matrix
-            )[3]
+            logits = upcast(rows[start : start + self.chunk_rows] @ matrix.T)
+            loss_sum += _loss_terms(logits, targets[start : start + self.chunk_rows])[2]
         return loss_sum
 
     def loss(
@@ -88,27 +87,47 @@ class Head:
         row_scale = (targets != IGNORE_INDEX).to(loss_dtype) * loss_scale
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = rows[start : start + self.chunk_rows]
-            target = targets[start : start + self.chunk_rows]
             scale = row_scale[start : start + self.chunk_rows].unsqueeze(1)
-            logits, log_norm, safe_target, chunk_loss = _chunk_loss(chunk, target, matrix)
+            grad_logits, chunk_loss = logits_grad(chunk @ matrix.T, targets[start : start + self.chunk_rows])
             loss_sum += chunk_loss
-            # d(row loss)/d(logits) = softmax - one_hot(target), built in place in the logits buffer;
-            # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one.
-            grad_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
-            grad_logits.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=loss_dtype))
-            grad_logits = grad_logits.to(matrix.dtype)
+            # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one
             grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
-            grad_matrix.add_((grad_logits.T @ (upcast(chunk) * scale).to(chunk.dtype)).to(grad_matrix.dtype))
+            grad_matrix.add_(grad_logits.T @ (upcast(chunk) * scale).to(chunk.dtype))  # cast and add: one pass
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden
 
 
-def _chunk_loss(rows: Tensor, target: Tensor, matrix: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(fp32 logits [rows, vocab], their log-sum-exp, targets clamped to valid indices [rows, 1],
-    summed cross-entropy over targets != -100) of one chunk of rows."""
-    logits = upcast(rows @ matrix.T)
-    log_norm = torch.logsumexp(logits, dim=-1)
+def _loss_terms(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-sum-exp [rows, 1], targets clamped to valid indices [rows, 1], summed cross-entropy over
+    targets != -100) of upcast logits [rows, vocab]."""
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
     safe_target = target.clamp_min(0).unsqueeze(1)
     valid = (target != IGNORE_INDEX).to(logits.dtype)
-    return logits, log_norm, safe_target, ((log_norm - logits.gather(1, safe_target).squeeze(1)) * valid).sum()
+    return log_norm, safe_target, ((log_norm - logits.gather(1, safe_target)).squeeze(1) * valid).sum()
+
+
+def _logits_grad_in_place(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """Eager `logits_grad`: softmax - one_hot built in place in the upcast logits (no second [rows, vocab])."""
+    upcast_logits = upcast(logits)
+    log_norm, safe_target, loss = _loss_terms(upcast_logits, target)
+    grad = upcast_logits.sub_(log_norm).exp_()
+    grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=grad.dtype))
+    return grad.to(logits.dtype), loss
+
+
+def _logits_grad_fused(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """The same arithmetic written for Inductor: one pass reads the [rows, vocab] logits for the
+    log-sum-exp, one more writes the gradient in their dtype; the one-hot is a comparison with the
+    column index instead of a scatter, so nothing in between is materialised in fp32."""
+    upcast_logits = upcast(logits)
+    log_norm, safe_target, loss = _loss_terms(upcast_logits, target)
+    probs = (upcast_logits - log_norm).exp()
+    is_target = torch.arange(logits.shape[1], device=logits.device) == safe_target
+    return torch.where(is_target, probs - 1, probs).to(logits.dtype), loss
+
+
+# Eager, the fp32 copy of a chunk's logits, its log-sum-exp, exp, scatter and cast were a quarter of the head's time
+logits_grad = compiled_on_cuda(_logits_grad_fused, eager=_logits_grad_in_place)
+logits_grad.__doc__ = """(d(row loss)/d(logits) = softmax - one_hot(target) in the logits' dtype, summed cross-entropy
+over targets != -100 in fp32 or wider) for one chunk: logits [rows, vocab], target [rows] int64."""

@@ -24,7 +24,7 @@ from torch import Tensor
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
 from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, row_slice_name, span_of, total_numel
-from .ops import compiled_on_cuda, rms_norm, upcast
+from .ops import compiled_on_cuda, rms_norm, swiglu, upcast
 
 # Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
 EXPERT_NAMING = {
@@ -472,8 +472,7 @@ class MoeBlock(DecoderBlock):
         """The shared expert's output (behind its sigmoid gate where the family has one); None: no shared expert."""
         if not self.moe.shared_d_ff:
             return None
-        gate, up = F.linear(h, w["shared_gate_up"]).chunk(2, dim=-1)
-        shared = F.linear(F.silu(gate) * up, w["shared_down"])
+        shared = F.linear(swiglu(F.linear(h, w["shared_gate_up"])), w["shared_down"])
         return torch.sigmoid(F.linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared
 
     def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
