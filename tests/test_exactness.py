@@ -57,9 +57,12 @@ def randomize_(trainer, generator):
     trainer.store.refresh_wire()
 
 
-def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, output_dir, batch_size=6, **engine):
+def check_steps_match_plain_pytorch(
+    dtype, preset_name, grad_clip, device, output_dir, batch_size=6, expect_kept=None, **engine
+):
     """N optimizer steps of megatrain and of the reference on `device` from the same random
-    weights and data: losses, gradient norms and every final weight agree to the tolerance."""
+    weights and data: losses, gradient norms and every final weight agree to the tolerance
+    (and, where `expect_kept` is given, that many layers kept their forward's graph)."""
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
     train = TrainSection(
@@ -109,6 +112,7 @@ def check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, outpu
         assert abs(metrics.loss - loss.item()) <= tolerance * abs(loss.item())
         assert abs(metrics.grad_norm - norm.item()) <= tolerance * norm.item()
         assert metrics.lr == pytest.approx(lr_at(step, schedule))
+        assert expect_kept is None or trainer.pipeline.last_kept == expect_kept
     assert clipped or not grad_clip  # clipping really was exercised
     ours = trainer.named_weights()
     # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token
@@ -167,6 +171,14 @@ def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tm
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
     held.close()
     plain.close()
+
+
+@pytest.mark.parametrize("dtype", list(CASES))
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_kept_layers_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
+    """The last block keeps its forward's graph (no recompute), the others recompute: same steps."""
+    check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path, expect_kept=1, kept_layers=1)
 
 
 def test_three_slots_match_plain_pytorch(tmp_path):

@@ -12,6 +12,7 @@ from test_exactness import (
 )
 
 import megatrain_sched.pipeline
+from megatrain_zoo import preset
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +27,19 @@ def no_tf32():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
-def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
-    check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cuda", tmp_path)
+@pytest.mark.parametrize("kept_layers", [0, "auto"], ids=["recomputed", "kept"])
+def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layers, tmp_path):
+    # auto keeps every layer's graph of these tiny models (the GPU has the room); 0 recomputes them all
+    n_layers = preset(preset_name).n_layers
+    check_steps_match_plain_pytorch(
+        dtype,
+        preset_name,
+        grad_clip,
+        "cuda",
+        tmp_path,
+        expect_kept=n_layers if kept_layers == "auto" else 0,
+        kept_layers=kept_layers,
+    )
 
 
 @pytest.mark.gpu

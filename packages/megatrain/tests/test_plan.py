@@ -212,3 +212,24 @@ def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch,
 
     assert make_plan(auto, gpu_memory=80 * 2**30).experts_per_stage == 0  # an H100 holds whole layers
     assert make_plan(config_for("qwen2.5-7b", 16 * 2048, **{"engine.experts_per_stage": 4})).experts_per_stage == 0
+
+
+def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    h100 = 79 * 2**30
+    plans = {
+        kept: make_plan(config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": kept}), gpu_memory=h100)
+        for kept in ("auto", 0, 28)
+    }
+    auto = plans["auto"]
+    assert 0 < auto.kept_layers < 28  # some fit beside the checkpoints, not all
+    assert plans[0].kept_layers == 0 and plans[28].kept_layers == 28
+    assert auto.gpu_bytes <= h100 < plans[28].gpu_bytes  # auto fits, keeping every layer would not
+    assert plans[28].compute_s < auto.compute_s < plans[0].compute_s
+    # the whole recompute skipped: a quarter of a dense 7B layer's GPU work, a little less (no down GEMM)
+    saved = (plans[0].compute_s - plans[28].compute_s) / plans[0].compute_s
+    assert 0.15 < saved < 0.25
+    # the more tokens, the fewer layers fit
+    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).kept_layers < auto.kept_layers
+    # a MoE model's layers always recompute
+    assert make_plan(config_for("olmoe-1b-7b", 32768), gpu_memory=h100).kept_layers == 0

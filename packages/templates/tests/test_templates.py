@@ -74,6 +74,18 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
     for name, p in ref.named_parameters():
         assert rel_err(by_name[name], p.grad) < 1e-5, name
 
+    # the kept graph: the slot it ran in is overwritten by later layers, its backward reads the weights
+    # from where they are streamed in again (another slot, at another offset of its storage)
+    slot = flat.clone()
+    out_kept, graph = block.forward_kept([slot], x.detach())
+    slot.normal_()
+    other_slot = torch.empty(flat.numel() + 7)[7:]
+    other_slot.copy_(flat)
+    kept_grads = [torch.full((block.numel,), 0.5)]
+    assert torch.equal(out_kept, out)
+    assert rel_err(block.backward_kept([other_slot], graph, grad_out, kept_grads), x.grad) < 1e-5
+    assert rel_err(kept_grads[0], grads[0]) < 1e-5
+
 
 @pytest.mark.parametrize("shared_d_ff,norm_topk,coef", [(0, True, 0.0), (40, False, 0.3), (0, False, 0.1)])
 def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):

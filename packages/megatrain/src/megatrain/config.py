@@ -134,6 +134,9 @@ class EngineSection:
     n_slots: int = 2  # device weight slots (2 = double buffering)
     # activation checkpoints in pinned host memory; "auto": when they would take over half the free GPU memory
     offload_checkpoints: bool | str = "auto"
+    # layers (the last ones) whose forward keeps its activations for the backward instead of
+    # recomputing it there; "auto": as many as the GPU's free memory holds (none on the CPU)
+    kept_layers: int | str = "auto"
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
     # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM
     optimizer_state_dir: str | None = None
@@ -158,6 +161,9 @@ class EngineSection:
             )
         if self.n_slots < 2:
             raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
+        kept = self.kept_layers
+        if kept != "auto" and (isinstance(kept, (str, bool)) or not isinstance(kept, int) or kept < 0):
+            raise ConfigError(f"engine.kept_layers must be auto or an integer >= 0, got {kept!r}")
         fraction = self.disk_state_fraction
         if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
             raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")

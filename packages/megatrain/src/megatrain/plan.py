@@ -40,6 +40,9 @@ GRADIENT_POOL = 3
 # With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
 # host memory: the rest is page cache for the disk tier's read-ahead and write-behind.
 DISK_TIER_RAM_SHARE = 0.85
+# GPU memory the scheduler leaves free beside kept layers' graphs, past what fixed_gpu counts: the CUDA
+# context and allocator slack
+KEPT_RESERVE_BYTES = 3 * 2**30
 
 
 def available_host_bytes() -> int | None:
@@ -101,6 +104,7 @@ class Plan:
     checkpoint_stages: int = 0
     # gradient landing pool, in largest groups' gradients (store.grad_pool); 0: one buffer per group
     gradient_pool: float = 0.0
+    kept_layers: int = 0  # layers whose forward keeps its graph for the backward (no recompute)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,15 +132,26 @@ def mlp_width_per_token(model: ModelConfig) -> int:
     return max(moe if model.layer_is_moe(layer) else model.d_ff for layer in range(model.n_layers))
 
 
-def block_work(model: ModelConfig, seq_len: int, tokens: int) -> float:
+def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
     parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
-    down projection, which the dense recompute skips. Routers and experts count their active part."""
+    down projection, which the dense recompute skips, and less the whole recompute of `kept_layers`
+    (dense layers whose forward's graph is kept). Routers and experts count their active part."""
     attention = 8 * model.n_layers * seq_len * model.n_heads * model.head_dim * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
     skipped_down = 2 * dense_layers * model.d_ff * model.d_model
-    return (8 * matmul_layers - skipped_down) * tokens + attention
+    # a dense layer's recompute: 2 x its matmul parameters but the down projection, and attention's forward
+    recompute = 2 * (matmul_layers / model.n_layers - model.d_ff * model.d_model) * tokens
+    recompute += 2 * seq_len * model.n_heads * model.head_dim * tokens
+    return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recompute
+
+
+def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
+    """GPU bytes per token that one layer's kept forward graph holds; 0 where the layers always recompute."""
+    template = build_model(model).stages[-2].template
+    keeps = callable(getattr(template, "forward_kept", None))
+    return template.kept_bytes_per_token(element_size) if keeps else 0
 
 
 def first_disk_group(
@@ -214,23 +229,6 @@ def make_plan(
     sizes, n_checkpoints, fixed_gpu = layout(experts_per_stage)
     largest_group = max(sizes)
 
-    # performance model, first what sizes the gradient pool
-    counted = flops_per_token(model, config.data.seq_len) * tokens
-    layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
-
-    def head_seconds(tokens_per_gpu: int) -> float:
-        return 6 * model.vocab_size * model.d_model * tokens_per_gpu / (rates.head_tflops * 1e12)
-
-    def gpu_seconds(tokens_per_gpu: int) -> float:
-        block_s = block_work(model, config.data.seq_len, tokens_per_gpu) / (layer_rate * 1e12)
-        return block_s + head_seconds(tokens_per_gpu)
-
-    optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
-    gradient_pool = 0.0 if full_grads else gradient_pool_size(optimizer_s, gpu_seconds(gpu_tokens), sizes, rates)
-    pool = gradient_pool * largest_group * 4
-    if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
-        per_param = element + (per_param - (element if wire_copy else 0)) / hosts
-        pool /= hosts
     checkpoints = layer_checkpoint * n_checkpoints
     offload = config.engine.offload_checkpoints
     if offload == "auto":  # as the scheduler decides: what does not fit in half the free GPU memory
@@ -243,6 +241,46 @@ def make_plan(
     else:
         offloaded = n_checkpoints if offload else 0
     gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
+    # layers whose forward keeps its graph: as the scheduler decides, the last ones, as many as the GPU
+    # holds beside the checkpoints and a reserve (the head's chunk, two gradients and a recompute in
+    # fixed_gpu, plus what the scheduler keeps free)
+    per_token_kept = kept_bytes_per_token(model, element) if not experts_per_stage else 0
+    trailing_dense = next(
+        (count for count, layer in enumerate(reversed(range(model.n_layers))) if model.layer_is_moe(layer)),
+        model.n_layers,
+    )
+    keepable = max(0, min(trailing_dense, model.n_layers - offloaded)) if per_token_kept else 0
+
+    def kept_at(tokens_per_gpu: int) -> int:
+        if config.engine.kept_layers != "auto":
+            return min(config.engine.kept_layers, keepable)
+        if gpu_available is None or not keepable or offloaded:
+            return 0
+        checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
+        room = gpu_available - fixed_gpu - checkpoints_there - KEPT_RESERVE_BYTES
+        return min(keepable, max(0, int(room // (tokens_per_gpu * per_token_kept))))
+
+    kept_layers = kept_at(gpu_tokens)
+    gpu_bytes += kept_layers * gpu_tokens * per_token_kept
+
+    # performance model, first what sizes the gradient pool
+    counted = flops_per_token(model, config.data.seq_len) * tokens
+    layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
+
+    def head_seconds(tokens_per_gpu: int) -> float:
+        return 6 * model.vocab_size * model.d_model * tokens_per_gpu / (rates.head_tflops * 1e12)
+
+    def gpu_seconds(tokens_per_gpu: int) -> float:
+        work = block_work(model, config.data.seq_len, tokens_per_gpu, kept_at(tokens_per_gpu))
+        block_s = work / (layer_rate * 1e12)
+        return block_s + head_seconds(tokens_per_gpu)
+
+    optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
+    gradient_pool = 0.0 if full_grads else gradient_pool_size(optimizer_s, gpu_seconds(gpu_tokens), sizes, rates)
+    pool = gradient_pool * largest_group * 4
+    if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
+        per_param = element + (per_param - (element if wire_copy else 0)) / hosts
+        pool /= hosts
     host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
     host_available = host_memory if host_memory is not None else host_memory_limit()
     if host_available is not None and gradient_pool > GRADIENT_POOL and host_bytes > 0.9 * host_available:
@@ -347,6 +385,7 @@ def make_plan(
         experts_per_stage,
         n_checkpoints,
         gradient_pool,
+        kept_layers,
     )
 
 
@@ -587,6 +626,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
+        + (f", {plan.kept_layers} layers keep their activations (no recompute)" if plan.kept_layers else "")
         + (f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}" if plan.experts_per_stage else ""),
         f"tokens per step  {plan.tokens_per_step:,}"
         + (

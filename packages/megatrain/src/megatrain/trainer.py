@@ -136,6 +136,7 @@ class Trainer:
             offload_checkpoints=None
             if config.engine.offload_checkpoints == "auto"
             else config.engine.offload_checkpoints,
+            kept_layers=None if config.engine.kept_layers == "auto" else config.engine.kept_layers,
             before_fetch=self._wait_for_updates,
             updates_done=self._updates_done,
             first_rows=self._first_rows,

@@ -104,6 +104,11 @@ class _Rows:
 
 
 @dataclass
+class _Kept:
+    graph: Any  # what the template's forward_kept gave: its backward runs through it, no recompute
+
+
+@dataclass
 class _Slot:
     buffer: Tensor
     stage: int | None = None  # which stage's weights it holds (valid within a step)
@@ -125,6 +130,11 @@ class LayerPipeline:
     memory; it is called on the copy-out stream, so collectives there never hold up compute.
     `buffer` is padded to a whole number of shards.
 
+    A block template that provides `forward_kept(weights, x) -> (y, graph)` and
+    `backward_kept(weights, graph, grad_out, grads)` (and `kept_bytes_per_token(element_size)`) has
+    its forward's graph kept instead of a checkpoint, for the last `kept_layers` block stages (None:
+    as many as fit the free device memory), so their backward does not recompute the forward.
+
     Where the first stage's template reads only the rows of its one group that the tokens select
     (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
     `first_rows(group, rows)` for those (sorted unique input ids): a host tensor [len(rows), row]
@@ -139,6 +149,7 @@ class LayerPipeline:
         device: torch.device,
         n_slots: int = 2,
         offload_checkpoints: bool | None = False,
+        kept_layers: int | None = 0,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
         updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True,
         first_rows: Callable[[int, Tensor], Tensor | None] = lambda group, rows: None,
@@ -167,6 +178,9 @@ class LayerPipeline:
         self.streams = Streams(self.device)
         # None: decided each step from the checkpoints' size and the free device memory
         self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
+        # None: as many of the last block stages as the free device memory holds (none on the CPU)
+        self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
+        self.last_kept = 0  # how many block stages the last training step kept the graph of
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows = first_rows
         self._rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
@@ -319,6 +333,36 @@ class LayerPipeline:
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return max(0, n_blocks - int(0.5 * (free + reusable) // per_stage))
 
+    def kept_stages(self, batches: list[MicroBatch], n_offloaded: int) -> range:
+        """The block stages, the last ones, whose forward keeps its graph this step: `kept_layers` of them
+        where set, else as many as the device memory holds beside the checkpoints kept there and a
+        reserve (two fp32 gradients of the largest stage, one micro-batch's recompute, the head's
+        logits chunk, 2 GiB); none where a template cannot keep one or the stage's checkpoints are
+        offloaded (memory is short there)."""
+        n_stages = len(self.stages)
+        keepable = 0
+        for stage in reversed(self.stages[1:-1]):
+            if not callable(getattr(stage.template, "forward_kept", None)):
+                break
+            keepable += 1
+        keepable = min(keepable, n_stages - 2 - n_offloaded)
+        if self.kept_layers is not None:
+            count = min(self.kept_layers, keepable)
+        elif keepable == 0 or n_offloaded:  # checkpoints sent to host memory: none to spare here
+            count = 0
+        else:
+            element = torch.finfo(self.store.compute_dtype).bits // 8
+            tokens = sum(mb.input_ids.numel() for mb in batches)
+            per_token = self.stages[-2].template.kept_bytes_per_token(element)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            on_device = self.checkpoint_bytes(batches) * (n_stages - 2 - n_offloaded) // max(1, n_stages - 2)
+            largest = max(sum(self.store.layouts[g].numel for g in stage.groups) for stage in self.stages[1:-1])
+            micro_tokens = max(mb.input_ids.numel() for mb in batches)
+            reserve = 2 * largest * 4 + micro_tokens * per_token + 3 * 2**30 + 2 * 2**30
+            count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
+        return range(n_stages - 1 - count, n_stages - 1)
+
     def _offload(self, x: Tensor, copies: dict) -> "_Offloaded":
         """Start moving a checkpoint to pinned host memory (once per tensor and step: `copies` holds the
         step's, by tensor identity, for stages that keep the same tensor)."""
@@ -387,6 +431,8 @@ class LayerPipeline:
                 self._fetch(1, log)
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
+        kept_graphs = self.kept_stages(batches, n_offloaded) if train else range(0)
+        self.last_kept = len(kept_graphs)
         reloaded: dict[int, list] = {}
         offloaded_copies: dict[int, tuple] = {}
         prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
@@ -424,6 +470,10 @@ class LayerPipeline:
                         ]
                         kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
                     for m, x in enumerate(acts):
+                        if stage_index in kept_graphs:
+                            acts[m], graph = stage.template.forward_kept(weights, x, **kwargs[m])
+                            checkpoints[stage_index][m] = _Kept(graph)
+                            continue
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
@@ -447,6 +497,10 @@ class LayerPipeline:
                     forward_prepared = prepared.pop(stage_index, None)
                     for m, grad_out in enumerate(acts):
                         x = inputs[m]
+                        inputs[m] = None
+                        if isinstance(x, _Kept):
+                            acts[m] = stage.template.backward_kept(weights, x.graph, grad_out, grads)
+                            continue
                         if isinstance(x, _Reloaded):
                             streams.wait(streams.compute, x.ready)
                             x = x.x
@@ -454,7 +508,6 @@ class LayerPipeline:
                         if forward_prepared is not None:
                             kwargs = kwargs | {"prepared": forward_prepared[m]}
                         acts[m] = stage.template.backward(weights, x, grad_out, grads, **kwargs)
-                        inputs[m] = None
                     checkpoints[stage_index] = None
             log.append(("compute", stage_index, position % n_slots))
             slot.free = streams.record(streams.compute)

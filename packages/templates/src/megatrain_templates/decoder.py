@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import Documents, causal_attention, packed_documents, windowed_attention_with_sinks
-from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
+from .layout import KeptGraph, ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, span_of, total_numel
 from .ops import RopeConfig, apply_rope, apply_rope_interleaved, rms_norm, rope_cos_sin, swiglu
 
 
@@ -270,6 +270,42 @@ class DecoderBlock:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
         check_buffers(weights, self.groups, "DecoderBlock.forward")
         return self._block(self._views(weights[0]), hidden, documents)
+
+    def forward_kept(
+        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None
+    ) -> tuple[Tensor, KeptGraph]:
+        """`forward`, keeping its autograd graph for `backward_kept` instead of a checkpoint to recompute
+        from: about `kept_bytes_per_token` bytes of GPU memory per token until then."""
+        check_buffers(weights, self.groups, "DecoderBlock.forward_kept")
+        graph = KeptGraph(weights)
+        leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
+        x = hidden.detach().requires_grad_(True)
+        with graph.recording():
+            out = self._block(leaves, x, documents)
+        graph.keep(out, [x, *leaves.values()])
+        return out.detach(), graph
+
+    def backward_kept(self, weights: list[Tensor], graph: KeptGraph, grad_out: Tensor, grads: list[Tensor]) -> Tensor:
+        """`backward` through the graph `forward_kept` kept, with the weights streamed in again."""
+        check_buffers(weights, self.groups, "DecoderBlock.backward_kept")
+        grad_in, *grad_leaves = graph.backward(weights, grad_out)
+        for name, grad in zip(self._spans, grad_leaves):
+            accumulate(grads[0], self._spans[name], grad)
+        return grad_in
+
+    def kept_bytes_per_token(self, element_size: int) -> int:
+        """GPU bytes per token that `forward_kept` holds until the backward, an upper estimate: the
+        normed inputs, q/k/v (rotated and not), the attention output (and its reshaped copy), the MLP's
+        input, gate/up and activation, in the compute dtype (`element_size` bytes), plus a quarter for
+        what is smaller (norm statistics, the attention's log-sum-exp) and the allocator's rounding."""
+        s = self.shape
+        if s.mla is not None:
+            q_width = s.n_heads * s.mla.qk_head_dim
+            kv_width = s.n_heads * (s.mla.qk_head_dim + s.mla.v_head_dim) // 2 + s.mla.kv_lora_rank
+        else:
+            q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        planes = 3 * s.d_model + 4 * q_width + 3 * kv_width + 3 * s.d_ff
+        return planes * element_size * 5 // 4
 
     def _views(self, buffer: Tensor) -> dict[str, Tensor]:
         """Every parameter of the block as a view of its flat weight buffer."""

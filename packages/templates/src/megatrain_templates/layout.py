@@ -6,9 +6,11 @@ the template and the store always agree on where each tensor lives.
 """
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 
+import torch
 from torch import Tensor
 
 
@@ -136,3 +138,52 @@ def file_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[in
             rows = stop
         out[base] = ((rows, *parts[0][3][1:]), tuple(p[2] for p in parts))
     return out
+
+
+class KeptGraph:
+    """A forward's autograd graph kept for its backward, so that the backward runs without recomputing
+    the forward (selective recomputation: a layer whose activations fit in GPU memory).
+
+    The weights it was computed with lived in a device slot that later layers overwrite. So every
+    tensor the graph saves that is a view of the weight buffers is stored as its place in them
+    (buffer, offset, shape, strides) and read, in `backward`, from the buffers the weights are
+    streamed into again, which may be another slot. The rest (activations) is kept as it is."""
+
+    def __init__(self, weights: list[Tensor]):
+        self._weights = weights  # while recording: the slot's; in backward: the slot it is streamed into again
+        self.output: Tensor | None = None
+        self.inputs: list[Tensor] = []
+
+    def _pack(self, tensor: Tensor):
+        storage = tensor.untyped_storage().data_ptr()
+        for index, buffer in enumerate(self._weights):
+            offset = tensor.storage_offset() - buffer.storage_offset()
+            if storage == buffer.untyped_storage().data_ptr() and 0 <= offset < buffer.numel():
+                return index, offset, tensor.shape, tensor.stride()
+        return tensor
+
+    def _unpack(self, packed) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        index, offset, shape, stride = packed
+        buffer = self._weights[index]
+        return buffer.as_strided(shape, stride, buffer.storage_offset() + offset)
+
+    @contextmanager
+    def recording(self):
+        """Build the graph inside this block (autograd on, saved weight views recorded by place)."""
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def keep(self, output: Tensor, inputs: list[Tensor]) -> None:
+        """The recorded forward's output and the leaves (block input first, then weight leaves) whose
+        gradients `backward` returns."""
+        self.output, self.inputs = output, inputs
+
+    def backward(self, weights: list[Tensor], grad_output: Tensor) -> list[Tensor]:
+        """Gradients of the inputs given to `keep`, in that order, with the weights read from `weights`
+        (same layout as at recording); the graph is freed."""
+        self._weights = weights
+        grads = torch.autograd.grad(self.output, self.inputs, grad_output)
+        self.output, self.inputs, self._weights = None, [], []
+        return list(grads)

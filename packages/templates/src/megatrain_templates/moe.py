@@ -355,6 +355,10 @@ def _valid_tokens(documents: Documents | None) -> Tensor | None:
 class MoeBlock(DecoderBlock):
     """Stateless MoE decoder block; `router_load` is the model's shared step statistics."""
 
+    # no kept graphs: the routing statistics are collected by each forward and their loss's gradient
+    # added by the recompute's, so a MoE layer always recomputes
+    forward_kept = None
+
     def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
         self.shape, self.moe = shape, moe
         self.router_load = router_load or RouterLoad(moe.n_experts, moe.top_k)
