@@ -176,6 +176,8 @@ def bench_megatrain(
                 "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
                 "n_slots": n_slots,
                 "n_layers": model.n_layers,
+                "kept_layers": trainer.pipeline.last_kept,  # their forward's graph kept: no recompute
+                "predicted_kept_layers": plan.kept_layers,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
@@ -295,6 +297,9 @@ def main():
     parser.add_argument(
         "--experts-per-stage", default="auto", help="MoE: stream a layer's experts in parts of this many"
     )
+    parser.add_argument(
+        "--kept-layers", default="auto", help="layers that keep their activations (auto: what fits the GPU; 0: none)"
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -322,6 +327,7 @@ def main():
                 "experts_per_stage": args.experts_per_stage
                 if args.experts_per_stage == "auto"
                 else int(args.experts_per_stage),
+                "kept_layers": args.kept_layers if args.kept_layers == "auto" else int(args.kept_layers),
             },
             args.doc_len,
             args.layers,
