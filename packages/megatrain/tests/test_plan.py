@@ -233,3 +233,10 @@ def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(m
     assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).kept_layers < auto.kept_layers
     # a MoE model's layers always recompute
     assert make_plan(config_for("olmoe-1b-7b", 32768), gpu_memory=h100).kept_layers == 0
+
+
+def test_more_kept_layers_than_the_gpu_holds_are_refused_naming_the_setting(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    config = config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": 28})
+    with pytest.raises(ConfigError, match="engine.kept_layers: 28 keeps .* set engine.kept_layers: auto"):
+        check_plan(make_plan(config, gpu_memory=79 * 2**30), config, preset("qwen2.5-7b"))

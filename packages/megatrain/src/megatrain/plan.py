@@ -105,6 +105,7 @@ class Plan:
     # gradient landing pool, in largest groups' gradients (store.grad_pool); 0: one buffer per group
     gradient_pool: float = 0.0
     kept_layers: int = 0  # layers whose forward keeps its graph for the backward (no recompute)
+    kept_bytes: int = 0  # GPU memory their graphs hold
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -257,11 +258,12 @@ def make_plan(
         if gpu_available is None or not keepable or offloaded:
             return 0
         checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
-        room = gpu_available - fixed_gpu - checkpoints_there - KEPT_RESERVE_BYTES
+        room = min(gpu_available - KEPT_RESERVE_BYTES, 0.9 * gpu_available) - fixed_gpu - checkpoints_there
         return min(keepable, max(0, int(room // (tokens_per_gpu * per_token_kept))))
 
     kept_layers = kept_at(gpu_tokens)
-    gpu_bytes += kept_layers * gpu_tokens * per_token_kept
+    kept_bytes = kept_layers * gpu_tokens * per_token_kept
+    gpu_bytes += kept_bytes
 
     # performance model, first what sizes the gradient pool
     counted = flops_per_token(model, config.data.seq_len) * tokens
@@ -386,6 +388,7 @@ def make_plan(
         n_checkpoints,
         gradient_pool,
         kept_layers,
+        kept_bytes,
     )
 
 
@@ -458,9 +461,15 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
                 "engine.disk_state_fraction lower"
             )
     if plan.gpu_available is not None and plan.gpu_bytes > 0.95 * plan.gpu_available:
+        if plan.gpu_bytes - plan.kept_bytes <= 0.95 * plan.gpu_available:
+            raise ConfigError(
+                f"engine.kept_layers: {plan.kept_layers} keeps {plan.kept_bytes / 2**30:.1f} GiB of activations "
+                f"on the GPU, more than its {plan.gpu_available / 2**30:.1f} GiB leave beside the rest of the "
+                "step; set engine.kept_layers: auto (as many as fit) or fewer"
+            )
         per_sequence = plan.checkpoint_bytes // config.train.batch_size
         kept = plan.checkpoint_bytes * (plan.checkpoint_stages - plan.offloaded_layers) // plan.checkpoint_stages
-        fixed = plan.gpu_bytes - kept
+        fixed = plan.gpu_bytes - kept - plan.kept_bytes
         largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
         if largest_batch < config.train.micro_batch_size:  # not even one micro-batch: the layers themselves
             raise ConfigError(
