@@ -296,8 +296,8 @@ class DecoderBlock:
     def kept_bytes_per_token(self, element_size: int) -> int:
         """GPU bytes per token that `forward_kept` holds until the backward, an upper estimate: the
         normed inputs, q/k/v (rotated and not), the attention output (and its reshaped copy), the MLP's
-        input, gate/up and activation, in the compute dtype (`element_size` bytes), plus a quarter for
-        what is smaller (norm statistics, the attention's log-sum-exp) and the allocator's rounding."""
+        input, gate/up and activation, in the compute dtype (`element_size` bytes). (Qwen2.5-7B on an
+        H100: 167 KB estimated, 149 KB measured; compiled kernels save less than eager ones.)"""
         s = self.shape
         if s.mla is not None:
             q_width = s.n_heads * s.mla.qk_head_dim
@@ -305,7 +305,7 @@ class DecoderBlock:
         else:
             q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         planes = 3 * s.d_model + 4 * q_width + 3 * kv_width + 3 * s.d_ff
-        return planes * element_size * 5 // 4
+        return planes * element_size
 
     def _views(self, buffer: Tensor) -> dict[str, Tensor]:
         """Every parameter of the block as a view of its flat weight buffer."""
