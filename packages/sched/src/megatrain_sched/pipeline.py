@@ -119,8 +119,9 @@ class _Slot:
 class LayerPipeline:
     """Runs forward and backward of all stages for a list of micro-batches.
 
-    `before_fetch(groups)` is called before a stage's weights are read from the store
-    (the optimizer must have finished updating them); `updates_done(groups)` says, without
+    `before_fetch(groups)` is called before a stage's weights are read from the store, and before
+    the gradient of a stage that reads none in its backward is sent (the optimizer must have
+    finished updating them); `updates_done(groups)` says, without
     waiting, whether it has (so that copies can be queued early); `on_grads_landed(group, event,
     sq_norm)` is called when a group's gradient copy-out has been queued: `event`
     completes when the host buffer holds it (None on the CPU, where it already does) and
@@ -134,6 +135,9 @@ class LayerPipeline:
     `backward_kept(weights, graph, grad_out, grads)` (and `kept_bytes_per_token(element_size)`) has
     its forward's graph kept instead of a checkpoint, for the last `kept_layers` block stages (None:
     as many as fit the free device memory), so their backward does not recompute the forward.
+
+    A template whose backward reads none of its weights (`backward_reads_weights = False`: an
+    embedding's only scatters its gradient) gets no copy of them for it, nor waits for their update.
 
     Where the first stage's template reads only the rows of its one group that the tokens select
     (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
@@ -228,6 +232,9 @@ class LayerPipeline:
             log.append(("reuse", stage, position % len(self.slots)))
             return
         streams, groups = self.streams, self.stages[stage].groups
+        if position >= len(self.stages) and not getattr(self.stages[stage].template, "backward_reads_weights", True):
+            log.append(("no_copy", stage, position % len(self.slots)))  # its backward binds no weights
+            return
         rows = None
         if position == 0 and self._rows is not None:
             rows = self._rows.table = self.first_rows(groups[0], self._rows.ids)
@@ -292,6 +299,9 @@ class LayerPipeline:
             if remaining[group]:
                 continue
             buffer = grad_buffers.pop(group)
+            if not getattr(self.stages[stage].template, "backward_reads_weights", True):
+                # no weight copy waited for the group's last update; its gradient must not land before it
+                self.before_fetch((group,))
             done = streams.record(streams.compute)
             destination = self.store.acquire_grad(group)  # may wait for the optimizer to free a buffer
             streams.wait(streams.copy_out, done)
