@@ -134,10 +134,12 @@ def bench_megatrain(
     for tokens in token_counts:
         n_seqs = tokens // seq_len
         torch.cuda.reset_peak_memory_stats()
+        warm0 = time.perf_counter()
         for _ in range(warmup):
             trainer.train_step(*next_batch(n_seqs, model.vocab_size))
         trainer.finish_updates()
         torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - warm0  # the first point's includes compiling the kernels
         trainer.timeline.spans.clear()
         trainer.timeline.start_step(trainer.pipeline.streams)
         wall0 = time.perf_counter()
@@ -180,6 +182,7 @@ def bench_megatrain(
                 "predicted_kept_layers": plan.kept_layers,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),
+                "warmup_steps_s": round(warmup_s, 1),
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
                 | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
                 "losses": [round(x, 4) for x in losses],

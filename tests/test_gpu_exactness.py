@@ -12,6 +12,8 @@ from test_exactness import (
 )
 
 import megatrain_sched.pipeline
+from megatrain.config import EngineSection
+from megatrain.trainer import Trainer
 from megatrain_zoo import preset
 
 
@@ -89,3 +91,31 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
         losses.append([trainer.train_step(*random_batch(2, 16, 256, generator)).loss for _ in range(5)])
         trainer.close()
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
+    """The compiled norms, rotary embedding, SwiGLU and loss head compile in the first step (one graph per
+    shape and grad mode, shared by every layer and micro-batch: kept layers and recomputed ones); later
+    steps of the same shapes recompile nothing."""
+    config = tiny_llama_config(
+        tmp_path,
+        "cuda",
+        "bfloat16",
+        64,
+        engine=EngineSection(kept_layers=1),
+        steps=3,
+        batch_size=4,
+        micro_batch_size=2,
+        lr=1e-3,
+        grad_clip=0.0,
+        seed=3,
+    )
+    trainer = Trainer(config)
+    generator = torch.Generator().manual_seed(0)
+    vocab = trainer.model_config.vocab_size
+    trainer.train_step(*random_batch(4, 64, vocab, generator))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            trainer.train_step(*random_batch(4, 64, vocab, generator))
+    trainer.close()

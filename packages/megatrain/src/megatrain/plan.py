@@ -59,14 +59,15 @@ def available_host_bytes() -> int | None:
 class Rates:
     """Machine rates the performance model uses."""
 
-    gpu_tflops: float = 500.0  # hardware bf16 rate of a decoder block, recompute + backward (H100, 7B shape)
-    head_tflops: float = 390.0  # the chunked LM head + loss + its backward (H100, Qwen2.5-7B vocabulary)
-    pcie_gbps: float = 50.0  # pinned host<->GPU copy, each direction
-    cpu_adam_params_per_s: float = 3.4e9  # fused AdamW on the host, in a step (beside the GPU's work and copies)
+    # the defaults are `megatrain plan --calibrate` on a lent H100 machine (16 cores), Qwen2.5-7B, seq 4096 x 4
+    gpu_tflops: float = 607.0  # hardware bf16 rate of a decoder block, recompute + backward (7B shape)
+    head_tflops: float = 580.0  # the chunked LM head + loss + its backward (Qwen2.5-7B vocabulary)
+    pcie_gbps: float = 55.0  # pinned host<->GPU copy, each direction
+    cpu_adam_params_per_s: float = 4.2e9  # fused AdamW on the host, in a step (beside the GPU's work and copies)
     disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
     moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
     network_gbps: float = 50.0  # between hosts, each way, per host (an assumption: 400 Gb/s; not calibrated)
-    source: str = "defaults (measured on an H100 machine, 16 cores)"
+    source: str = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-23)"
 
 
 @dataclass
