@@ -34,6 +34,10 @@ from .timeline import Timeline
 # the slots.
 STAGING_NUMEL = 2**25
 
+# Device memory left free beside kept layers' graphs, past two gradients and a recompute: the head's
+# logits chunk with its gradient (3 GiB) and the allocator's slack.
+KEPT_SLACK_BYTES = 5 * 2**30
+
 
 class SchedError(Exception):
     """A stage list or batch the scheduler cannot run, with the fix in the message."""
@@ -346,9 +350,9 @@ class LayerPipeline:
     def kept_stages(self, batches: list[MicroBatch], n_offloaded: int) -> range:
         """The block stages, the last ones, whose forward keeps its graph this step: `kept_layers` of them
         where set, else as many as the device memory holds beside the checkpoints kept there and a
-        reserve (two fp32 gradients of the largest stage, one micro-batch's recompute, the head's
-        logits chunk, 2 GiB); none where a template cannot keep one or the stage's checkpoints are
-        offloaded (memory is short there)."""
+        reserve (two fp32 gradients of the largest stage, one micro-batch's recompute and
+        KEPT_SLACK_BYTES); none where a template cannot keep one or checkpoints are offloaded (memory
+        is short there)."""
         n_stages = len(self.stages)
         keepable = 0
         for stage in reversed(self.stages[1:-1]):
@@ -369,7 +373,7 @@ class LayerPipeline:
             on_device = self.checkpoint_bytes(batches) * (n_stages - 2 - n_offloaded) // max(1, n_stages - 2)
             largest = max(sum(self.store.layouts[g].numel for g in stage.groups) for stage in self.stages[1:-1])
             micro_tokens = max(mb.input_ids.numel() for mb in batches)
-            reserve = 2 * largest * 4 + micro_tokens * per_token + 3 * 2**30 + 2 * 2**30
+            reserve = 2 * largest * 4 + micro_tokens * per_token + KEPT_SLACK_BYTES
             count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
         return range(n_stages - 1 - count, n_stages - 1)
 
