@@ -16,7 +16,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from megatrain import Trainer
 from megatrain.chat import ChatTemplate, encode_conversation
 from megatrain.cli import main
-from megatrain.config import Config, ConfigError, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import (
+    Config,
+    ConfigError,
+    DataSection,
+    EngineSection,
+    ModelSection,
+    PrecisionSection,
+    TrainSection,
+)
 from megatrain.data import Tokens, TokenWindows, builtin_corpus, load_token_data
 from megatrain.records import Examples, to_rows
 from megatrain_optim import Schedule, lr_at
@@ -107,7 +115,9 @@ def test_template_ids_equal_transformers_and_train_assistant_turns(name, tokeniz
         everything = encode_conversation(template, tokenizer, messages, train_on_prompt=True)[1]
         assert all(everything)
     if name == "qwen2.5":  # the template's default system turn is rendered (and not trained)
-        text = tokenizer.decode(encode_conversation(template, tokenizer, CONVERSATIONS[0])[0], skip_special_tokens=False)
+        text = tokenizer.decode(
+            encode_conversation(template, tokenizer, CONVERSATIONS[0])[0], skip_special_tokens=False
+        )
         assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
 
 
@@ -139,7 +149,9 @@ def write_jsonl(path, records):
 def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
     model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "llama-3.1")
     source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS])
-    section = DataSection(dataset=str(source), format="messages", seq_len=160, tokenizer=str(model_dir / "tokenizer.json"))
+    section = DataSection(
+        dataset=str(source), format="messages", seq_len=160, tokenizer=str(model_dir / "tokenizer.json")
+    )
     data = load_token_data(section, 700, tmp_path / "cache", None)
     assert data.report[0] == f"chat template: {model_dir / 'tokenizer_config.json'}"
     hf = hf_tokenizer(tokenizer_dir, "llama-3.1", TEMPLATES["llama-3.1"])
@@ -165,7 +177,7 @@ def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
         )
 
 
-def fp64_config(tmp_path, dtype="float64", device="cpu", **train) -> Config:
+def fp64_config(tmp_path, dtype="float64", device="cpu", engine=None, **train) -> Config:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     defaults = dict(steps=2, batch_size=4, micro_batch_size=2, lr=1e-3, grad_clip=0.5, warmup_steps=0, seed=seed)
     return Config(
@@ -173,6 +185,7 @@ def fp64_config(tmp_path, dtype="float64", device="cpu", **train) -> Config:
         data=DataSection(seq_len=16),
         train=TrainSection(**{**defaults, **train}),
         precision=PrecisionSection(dtype),
+        engine=engine or EngineSection(),
         device=device,
         output_dir=str(tmp_path),
     )
@@ -217,10 +230,10 @@ def reference_loss(reference, docs):
     return total, count
 
 
-def check_packed_steps(pack, tmp_path, dtype, device, tolerance):
+def check_packed_steps(pack, tmp_path, dtype, device, tolerance, engine=None):
     """Steps on rows that pack several documents (block-diagonal attention, positions restarting) or hold
     one each (padded) equal plain PyTorch + AdamW on every document in a row of its own."""
-    config = fp64_config(tmp_path, dtype, device)
+    config = fp64_config(tmp_path, dtype, device, engine)
     trainer = Trainer(config)
     generator = torch.Generator().manual_seed(config.train.seed)
     randomize_(trainer, generator)
@@ -252,8 +265,10 @@ def check_packed_steps(pack, tmp_path, dtype, device, tolerance):
 
 
 @pytest.mark.parametrize("pack", [True, False])
-def test_packed_steps_equal_the_documents_unpacked_in_plain_pytorch(pack, tmp_path):
-    check_packed_steps(pack, tmp_path, "float64", "cpu", 1e-10)
+@pytest.mark.parametrize("kept_layers", [0, 1], ids=["recomputed", "last-layer-kept"])
+def test_packed_steps_equal_the_documents_unpacked_in_plain_pytorch(pack, kept_layers, tmp_path):
+    engine = EngineSection(kept_layers=kept_layers)
+    check_packed_steps(pack, tmp_path, "float64", "cpu", 1e-10, engine)
 
 
 @pytest.mark.gpu
@@ -284,7 +299,12 @@ def test_evaluation_equals_plain_pytorch_loss(tmp_path):
 def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_dir, capsys):
     model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "qwen2.5")
     records = [
-        {"conversations": [{"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": " ".join(map(str, range(i)))}]}
+        {
+            "conversations": [
+                {"from": "human", "value": f"Count to {i}."},
+                {"from": "gpt", "value": " ".join(map(str, range(i)))},
+            ]
+        }
         for i in range(2, 42)
     ]
     write_jsonl(tmp_path / "count.jsonl", records)

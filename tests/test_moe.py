@@ -133,9 +133,16 @@ def test_experts_streamed_in_parts_match_transformers(name, tmp_path):
     check_steps_match_transformers(name, True, tmp_path, "cpu", EngineSection(experts_per_stage=3))
 
 
-def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSection()):
+def test_dense_layers_after_the_last_moe_layer_keep_their_graph_the_moe_ones_recompute(tmp_path):
+    """Qwen2-MoE with its last layer dense (mlp_only_layers): asked to keep two layers, the dense one keeps
+    its forward's graph, the MoE one before it recomputes; the same steps as transformers."""
+    engine = EngineSection(kept_layers=2)
+    check_steps_match_transformers("tiny-qwen2-moe", True, tmp_path, "cpu", engine, mlp_only_layers=[2])
+
+
+def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSection(), **overrides):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    reference = hf_model(name, aux, seed, **clamp_that_bites(name))
+    reference = hf_model(name, aux, seed, **{**clamp_that_bites(name), **overrides})
     reference.save_pretrained(tmp_path / "hf")
     grad_clip = 0.5 if aux else 0.0  # both update policies: clipped (held gradients) and eager
     trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine)
@@ -159,8 +166,16 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
             assert getattr(out, "aux_loss", None) is None
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    # a MoE layer always recomputes (its routing statistics belong to each forward); dense layers after
+    # the last MoE one may keep their graph
+    model = trainer.model_config
+    trailing_dense = next(
+        (i for i, layer in enumerate(reversed(range(model.n_layers))) if model.layer_is_moe(layer)), model.n_layers
+    )
+    asked = 0 if engine.kept_layers == "auto" else engine.kept_layers  # auto keeps none on the CPU
+    assert trainer.pipeline.last_kept == min(asked, trailing_dense)
     exported = trainer.export(tmp_path / "out")
-    ids = torch.randint(0, trainer.model_config.vocab_size, (2, 12))
+    ids = torch.randint(0, model.vocab_size, (2, 12))
     our_logits = trainer.logits(ids)
     trainer.close()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
