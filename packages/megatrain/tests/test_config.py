@@ -27,6 +27,8 @@ def test_yaml_and_overrides(write_config):
         (["data.seq_len=1"], "seq_len must be >= 2"),
         (["device=tpu"], "device must be"),
         (["train"], "key.sub=value"),
+        (["engine.kept_layers=-1"], "engine.kept_layers must be auto or an integer >= 0"),
+        (["engine.kept_layers=some"], "engine.kept_layers must be auto or an integer >= 0"),
     ],
 )
 def test_bad_configs_name_the_key_and_fix(write_config, overrides, message):
