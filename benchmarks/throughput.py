@@ -178,6 +178,7 @@ def bench_megatrain(
                 "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
                 "n_slots": n_slots,
                 "n_layers": model.n_layers,
+                "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
                 "kept_layers": trainer.pipeline.last_kept,  # their forward's graph kept: no recompute
                 "predicted_kept_layers": plan.kept_layers,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
@@ -303,6 +304,9 @@ def main():
     parser.add_argument(
         "--kept-layers", default="auto", help="layers that keep their activations (auto: what fits the GPU; 0: none)"
     )
+    parser.add_argument(
+        "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -331,6 +335,7 @@ def main():
                 if args.experts_per_stage == "auto"
                 else int(args.experts_per_stage),
                 "kept_layers": args.kept_layers if args.kept_layers == "auto" else int(args.kept_layers),
+                "gradient_pool": args.gradient_pool if args.gradient_pool == "auto" else float(args.gradient_pool),
             },
             args.doc_len,
             args.layers,

@@ -241,3 +241,15 @@ def test_more_kept_layers_than_the_gpu_holds_are_refused_naming_the_setting(monk
     config = config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": 28})
     with pytest.raises(ConfigError, match="engine.kept_layers: 28 keeps .* set engine.kept_layers: auto"):
         check_plan(make_plan(config, gpu_memory=79 * 2**30), config, preset("qwen2.5-7b"))
+
+
+def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    auto = make_plan(config_for("qwen2.5-7b", 16384))
+    assert auto.gradient_pool > GRADIENT_POOL  # the optimizer lags the backward at 16k tokens: deepened
+    deeper = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.gradient_pool": auto.gradient_pool + 2}))
+    largest = max(layout_sizes(preset("qwen2.5-7b"))[0])
+    assert deeper.gradient_pool == auto.gradient_pool + 2
+    assert deeper.host_bytes == auto.host_bytes + 2 * largest * 4
+    clipped = config_for("qwen2.5-7b", 16384, **{"engine.gradient_pool": 12, "train.grad_clip": 1.0})
+    assert make_plan(clipped).gradient_pool == 0  # clipping holds every gradient: no pool

@@ -137,6 +137,9 @@ class EngineSection:
     # layers (the last ones) whose forward keeps its activations for the backward instead of
     # recomputing it there; "auto": as many as the GPU's free memory holds (none on the CPU)
     kept_layers: int | str = "auto"
+    # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
+    # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
+    gradient_pool: float | str = "auto"
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
     # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM
     optimizer_state_dir: str | None = None
@@ -161,6 +164,9 @@ class EngineSection:
             )
         if self.n_slots < 2:
             raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
+        pool = self.gradient_pool
+        if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
+            raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
         kept = self.kept_layers
         if kept != "auto" and (isinstance(kept, (str, bool)) or not isinstance(kept, int) or kept < 0):
             raise ConfigError(f"engine.kept_layers must be auto or an integer >= 0, got {kept!r}")

@@ -279,14 +279,20 @@ def make_plan(
         return block_s + head_seconds(tokens_per_gpu)
 
     optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
-    gradient_pool = 0.0 if full_grads else gradient_pool_size(optimizer_s, gpu_seconds(gpu_tokens), sizes, rates)
+    if full_grads:
+        gradient_pool = 0.0
+    elif config.engine.gradient_pool != "auto":
+        gradient_pool = float(config.engine.gradient_pool)
+    else:
+        gradient_pool = gradient_pool_size(optimizer_s, gpu_seconds(gpu_tokens), sizes, rates)
     pool = gradient_pool * largest_group * 4
     if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
         per_param = element + (per_param - (element if wire_copy else 0)) / hosts
         pool /= hosts
     host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
     host_available = host_memory if host_memory is not None else host_memory_limit()
-    if host_available is not None and gradient_pool > GRADIENT_POOL and host_bytes > 0.9 * host_available:
+    deeper_pool = config.engine.gradient_pool == "auto" and gradient_pool > GRADIENT_POOL
+    if host_available is not None and deeper_pool and host_bytes > 0.9 * host_available:
         host_bytes -= (gradient_pool - GRADIENT_POOL) * largest_group * 4 / (hosts if split else 1)
         gradient_pool = float(GRADIENT_POOL)  # the deeper pool is a speed-up, not worth the host memory it lacks
     first_disk = first_disk_group(config, model, sizes, host_bytes, host_available)
