@@ -174,7 +174,7 @@ def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tm
 
 
 @pytest.mark.parametrize("dtype", list(CASES))
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2"])  # untied and tied
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
 def test_kept_layers_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
     """The last block keeps its forward's graph (no recompute), the others recompute: same steps."""
