@@ -118,10 +118,15 @@ def load_rates() -> Rates:
     return Rates()
 
 
+@functools.cache  # a plan asks for the same model's stages several times (layout, kept layers)
+def _built(model: ModelConfig, experts_per_stage: int):
+    return build_model(model, experts_per_stage)
+
+
 def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[int], list[int], int]:
     """(parameters per store group in store order, parameters each stage binds, how many [tokens,
     d_model] activation checkpoints a micro-batch keeps), as megatrain_zoo builds the model."""
-    spec = build_model(model, experts_per_stage)
+    spec = _built(model, experts_per_stage)
     groups = [sum(p.numel for p in group.params) for group in spec.groups]
     stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
     planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in spec.stages[1:-1])
@@ -151,7 +156,7 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
 
 def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
     """GPU bytes per token that one layer's kept forward graph holds; 0 where the layers always recompute."""
-    template = build_model(model).stages[-2].template
+    template = _built(model, 0).stages[-2].template
     keeps = callable(getattr(template, "forward_kept", None))
     return template.kept_bytes_per_token(element_size) if keeps else 0
 

@@ -141,7 +141,8 @@ class LayerPipeline:
     as many as fit the free device memory), so their backward does not recompute the forward.
 
     A template whose backward reads none of its weights (`backward_reads_weights = False`: an
-    embedding's only scatters its gradient) gets no copy of them for it, nor waits for their update.
+    embedding's only scatters its gradient) gets no copy of them for it; the wait for their last
+    update comes before its gradient is sent instead.
 
     Where the first stage's template reads only the rows of its one group that the tokens select
     (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
@@ -218,6 +219,17 @@ class LayerPipeline:
         for stage in stages:
             for group in stage.groups:
                 self._users[group] += 1
+        # stages whose backward reads no weights: no copy for it (`backward_reads_weights = False`)
+        self._weightless_backward = {
+            index for index, stage in enumerate(stages) if not getattr(stage.template, "backward_reads_weights", True)
+        }
+        # how many of the last block stages can keep their forward's graph (their templates have `forward_kept`)
+        self._keepable = 0
+        for stage in reversed(stages[1:-1]):
+            if not callable(getattr(stage.template, "forward_kept", None)):
+                break
+            self._keepable += 1
+        self._largest_block = max((sum(store.layouts[g].numel for g in s.groups) for s in stages[1:-1]), default=0)
 
     # ----------------------------------------------------------------- weights
     def _slot_weights(self, slot: _Slot, stage: int) -> list[Tensor]:
@@ -236,7 +248,7 @@ class LayerPipeline:
             log.append(("reuse", stage, position % len(self.slots)))
             return
         streams, groups = self.streams, self.stages[stage].groups
-        if position >= len(self.stages) and not getattr(self.stages[stage].template, "backward_reads_weights", True):
+        if position >= len(self.stages) and stage in self._weightless_backward:
             log.append(("no_copy", stage, position % len(self.slots)))  # its backward binds no weights
             return
         rows = None
@@ -303,7 +315,7 @@ class LayerPipeline:
             if remaining[group]:
                 continue
             buffer = grad_buffers.pop(group)
-            if not getattr(self.stages[stage].template, "backward_reads_weights", True):
+            if stage in self._weightless_backward:
                 # no weight copy waited for the group's last update; its gradient must not land before it
                 self.before_fetch((group,))
             done = streams.record(streams.compute)
@@ -354,12 +366,7 @@ class LayerPipeline:
         KEPT_SLACK_BYTES); none where a template cannot keep one or checkpoints are offloaded (memory
         is short there)."""
         n_stages = len(self.stages)
-        keepable = 0
-        for stage in reversed(self.stages[1:-1]):
-            if not callable(getattr(stage.template, "forward_kept", None)):
-                break
-            keepable += 1
-        keepable = min(keepable, n_stages - 2 - n_offloaded)
+        keepable = min(self._keepable, n_stages - 2 - n_offloaded)
         if self.kept_layers is not None:
             count = min(self.kept_layers, keepable)
         elif keepable == 0 or n_offloaded:  # checkpoints sent to host memory: none to spare here
@@ -371,9 +378,8 @@ class LayerPipeline:
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             on_device = self.checkpoint_bytes(batches) * (n_stages - 2 - n_offloaded) // max(1, n_stages - 2)
-            largest = max(sum(self.store.layouts[g].numel for g in stage.groups) for stage in self.stages[1:-1])
             micro_tokens = max(mb.input_ids.numel() for mb in batches)
-            reserve = 2 * largest * 4 + micro_tokens * per_token + KEPT_SLACK_BYTES
+            reserve = 2 * self._largest_block * 4 + micro_tokens * per_token + KEPT_SLACK_BYTES
             count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
         return range(n_stages - 1 - count, n_stages - 1)
 
