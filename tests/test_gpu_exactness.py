@@ -95,9 +95,9 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
 
 @pytest.mark.gpu
 def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
-    """The compiled norms, rotary embedding, SwiGLU and loss head compile in the first step (one graph per
-    shape and grad mode, shared by every layer and micro-batch: kept layers and recomputed ones); later
-    steps of the same shapes recompile nothing."""
+    """The compiled norms, rotary embedding, SwiGLU and loss head compile in the trainer's setup warm-up
+    (one graph per shape and grad mode, shared by every layer and micro-batch: kept layers and recomputed
+    ones); the steps compile and recompile nothing."""
     config = tiny_llama_config(
         tmp_path,
         "cuda",
@@ -112,10 +112,12 @@ def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
         seed=3,
     )
     trainer = Trainer(config)
+    assert trainer.warm_up_s > 0
     generator = torch.Generator().manual_seed(0)
     vocab = trainer.model_config.vocab_size
-    trainer.train_step(*random_batch(4, 64, vocab, generator))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(2):
+        for _ in range(3):
             trainer.train_step(*random_batch(4, 64, vocab, generator))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     trainer.close()

@@ -168,6 +168,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
             f"{windows.n_windows} windows of {config.data.seq_len} tokens",
             file=sys.stderr,
         )
+        if trainer.warm_up_s:
+            print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)
     bar = tqdm(
         disable=not main,
         total=config.train.steps,

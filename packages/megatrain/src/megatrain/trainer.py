@@ -181,6 +181,9 @@ class Trainer:
         self.bad_steps = 0
         self._landed: dict[int, object] = {}
         self._lr = 0.0
+        # torch.compile's kernels are built here (setup) rather than inside the first step, which would
+        # otherwise take tens of seconds longer than the rest
+        self.warm_up_s = self.warm_up() if training and self.device.type == "cuda" else 0.0
 
     def _shards(self) -> dict:
         """The store's `shard` (the slice of each group this rank updates) and `owned` (the slices
@@ -320,6 +323,21 @@ class Trainer:
         for ahead in range(first, DISK_READ_AHEAD + 1):
             if 0 <= group + direction * ahead < self.store.n_groups:
                 self.store.prefetch_state(group + direction * ahead)
+
+    def warm_up(self) -> float:
+        """Seconds to run a step's forward and backward once on random tokens, each micro-batch shape of a
+        configured batch once, gradients dropped (`LayerPipeline.warm_up`); the weights are only read."""
+        start = time.perf_counter()
+        train, seq_len = self.config.train, self.config.data.seq_len
+        tokens = torch.randint(
+            0, self.model_config.vocab_size, (train.batch_size, seq_len), generator=torch.Generator()
+        )
+        shapes = {}
+        for micro in self._micro_batches(tokens, tokens, None, None, self._my_rows(train.batch_size)):
+            shapes.setdefault(micro.input_ids.shape, micro)
+        if shapes:
+            self.pipeline.warm_up(list(shapes.values()))
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------- step
     def _micro_batches(

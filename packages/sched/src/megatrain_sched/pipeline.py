@@ -307,7 +307,13 @@ class LayerPipeline:
         return buffer[start:end]
 
     def _send_grads(
-        self, stage: int, grad_buffers: dict[int, Tensor], remaining: list[int], sq_norms: Tensor, log: list
+        self,
+        stage: int,
+        grad_buffers: dict[int, Tensor],
+        remaining: list[int],
+        sq_norms: Tensor,
+        log: list,
+        drop: bool = False,
     ) -> None:
         streams = self.streams
         for group in self.stages[stage].groups:
@@ -315,6 +321,8 @@ class LayerPipeline:
             if remaining[group]:
                 continue
             buffer = grad_buffers.pop(group)
+            if drop:
+                continue
             if stage in self._weightless_backward:
                 # no weight copy waited for the group's last update; its gradient must not land before it
                 self.before_fetch((group,))
@@ -421,7 +429,23 @@ class LayerPipeline:
         (fp32 scalar on the device). Nothing is kept for a backward and no gradient is made."""
         return self._run(micro_batches, 0.0, train=False).loss_sum
 
-    def _run(self, micro_batches: list[MicroBatch], loss_scale: float, train: bool) -> StepResult:
+    def warm_up(self, micro_batches: list[MicroBatch]) -> None:
+        """Forward and backward of one step on `micro_batches`, its gradients dropped (nothing reaches the
+        store or the optimizer): what is built on first use (torch.compile's kernels for each shape and
+        grad mode, cuBLAS's plans, the allocator's pools) is built here, at setup, instead of inside the
+        first step. Where layers may keep their graph only the last one does, so that both kinds of
+        backward are built."""
+        enabled, self.timeline.enabled = self.timeline.enabled, False
+        try:
+            self._run(micro_batches, 1.0, train=True, warm_up=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.timeline.enabled = enabled
+
+    def _run(
+        self, micro_batches: list[MicroBatch], loss_scale: float, train: bool, warm_up: bool = False
+    ) -> StepResult:
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
         streams, stages, timeline = self.streams, self.stages, self.timeline
@@ -452,6 +476,8 @@ class LayerPipeline:
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
         kept_graphs = self.kept_stages(batches, n_offloaded) if train else range(0)
+        if warm_up:
+            kept_graphs = kept_graphs[-1:]
         self.last_kept = len(kept_graphs)
         reloaded: dict[int, list] = {}
         offloaded_copies: dict[int, tuple] = {}
@@ -532,7 +558,7 @@ class LayerPipeline:
             log.append(("compute", stage_index, position % n_slots))
             slot.free = streams.record(streams.compute)
             if train and position >= n_stages - 1:
-                self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log)
+                self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log, drop=warm_up)
             while fetched < last:  # what the optimizer had not finished before, waiting for it now
                 fetched += 1
                 self._fetch(fetched, log)
