@@ -181,6 +181,7 @@ def bench_megatrain(
                 "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
                 "kept_layers": trainer.pipeline.last_kept,  # their forward's graph kept: no recompute
                 "predicted_kept_layers": plan.kept_layers,
+                "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),  # the compile warm-up included
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),
@@ -306,6 +307,9 @@ def main():
         "--kept-layers", default="auto", help="layers that keep their activations (auto: what fits the GPU; 0: none)"
     )
     parser.add_argument(
+        "--held-layers", default="auto", help="layers whose weights stay on the GPU from forward to backward"
+    )
+    parser.add_argument(
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"
     )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
@@ -336,6 +340,7 @@ def main():
                 if args.experts_per_stage == "auto"
                 else int(args.experts_per_stage),
                 "kept_layers": args.kept_layers if args.kept_layers == "auto" else int(args.kept_layers),
+                "held_layers": args.held_layers if args.held_layers == "auto" else int(args.held_layers),
                 "gradient_pool": args.gradient_pool if args.gradient_pool == "auto" else float(args.gradient_pool),
             },
             args.doc_len,

@@ -188,6 +188,15 @@ def test_kept_layers_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path
     check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path, expect_kept=1, kept_layers=1)
 
 
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
+    """The first blocks' weights stay in buffers of their own from forward to backward (one copy in a
+    step), next to a kept last layer: same steps."""
+    check_steps_match_plain_pytorch(
+        "float64", "tiny-qwen2", grad_clip, "cpu", tmp_path, expect_kept=1, kept_layers=1, held_layers=1
+    )
+
+
 def test_a_warmed_up_trainer_matches_plain_pytorch(tmp_path):
     """The setup warm-up (a step's forward and backward, the last layer keeping its graph and the
     others recomputing) only reads the weights: weights, moments, step count and the next steps are

@@ -64,7 +64,7 @@ class Readout:
         return (dot**2).sum(), grad_x
 
 
-def build(n_mix, tied, n_slots=2):
+def build(n_mix, tied, n_slots=2, held_layers=0):
     readout = Readout(tied)
     templates = [Lookup()] + [Mix() for _ in range(n_mix)]
     layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
@@ -80,6 +80,7 @@ def build(n_mix, tied, n_slots=2):
         store,
         torch.device("cpu"),
         n_slots=n_slots,
+        held_layers=held_layers,
         on_grads_landed=lambda g, e, sq: landed.append(g),
         timeline=Timeline(enabled=True),
     )
@@ -113,9 +114,9 @@ def make_batches(n_micro, micro=2, seq=5):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("n_slots", [2, 3])
-def test_gradients_match_autograd(tied, n_slots):
-    store, pipeline, landed = build(3, tied, n_slots)
+@pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 2)])
+def test_gradients_match_autograd(tied, n_slots, held_layers):
+    store, pipeline, landed = build(3, tied, n_slots, held_layers)
     batches = make_batches(3)
     result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
     loss, grads = autograd_reference(store, 3, tied, batches, 0.1)
@@ -126,10 +127,12 @@ def test_gradients_match_autograd(tied, n_slots):
     assert sorted(landed) == list(range(store.n_groups))  # every group's gradient sent exactly once
 
 
-@pytest.mark.parametrize("n_slots", [2, 3])
-def test_weights_present_before_every_compute(n_slots):
-    store, pipeline, _ = build(4, tied=True, n_slots=n_slots)
-    log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0).log
+@pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 3)])
+def test_weights_present_before_every_compute(n_slots, held_layers):
+    store, pipeline, _ = build(4, tied=True, n_slots=n_slots, held_layers=held_layers)
+    log = []
+    for _ in range(2):  # the second step copies every stage in again: the weights have changed
+        log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0).log
     held = {}
     copies = 0
     for kind, what, slot in log:
@@ -146,9 +149,11 @@ def test_weights_present_before_every_compute(n_slots):
             assert held.get(slot) is not None or what == 0
     n_stages = len(pipeline.stages)
     forward_copies = n_stages  # every stage copied once in forward ...
-    # ... and again in backward, except the head, the stage next to it and the lookup
-    backward_copies = n_stages - 3
+    # ... and again in backward, except the head, the stage next to it, the lookup and the held ones
+    backward_copies = n_stages - 3 - held_layers
     assert copies == forward_copies + backward_copies + (0 if n_slots == 2 else 1)
+    held = [what for kind, what, slot in log if kind == "compute" and str(slot).startswith("held")]
+    assert held == [*range(1, 1 + held_layers), *range(held_layers, 0, -1)]  # the first blocks, both ways
     grad_outs = [what for kind, what, _ in log if kind == "grad_out"]
     assert sorted(grad_outs) == list(range(store.n_groups))
 
@@ -186,6 +191,8 @@ def test_bad_stage_lists():
     store, pipeline, _ = build(1, tied=False)
     with pytest.raises(SchedError, match="n_slots"):
         LayerPipeline(pipeline.stages, store, torch.device("cpu"), n_slots=1)
+    with pytest.raises(SchedError, match="held_layers must be between 0 and 0"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), held_layers=1)
     with pytest.raises(SchedError, match="loss"):
         LayerPipeline(pipeline.stages[:-1], store, torch.device("cpu"))
     wrong = [Stage(Mix(), (0,), "bad")] + list(pipeline.stages[1:])

@@ -137,6 +137,11 @@ class EngineSection:
     # layers (the last ones) whose forward keeps its activations for the backward instead of
     # recomputing it there; "auto": as many as the GPU's free memory holds (none on the CPU)
     kept_layers: int | str = "auto"
+    # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
+    # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;
+    # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
+    # than the GPU's work (small steps; none on the CPU)
+    held_layers: int | str = "auto"
     # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
     # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
     gradient_pool: float | str = "auto"
@@ -167,9 +172,10 @@ class EngineSection:
         pool = self.gradient_pool
         if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
             raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
-        kept = self.kept_layers
-        if kept != "auto" and (isinstance(kept, (str, bool)) or not isinstance(kept, int) or kept < 0):
-            raise ConfigError(f"engine.kept_layers must be auto or an integer >= 0, got {kept!r}")
+        for name in ("kept_layers", "held_layers"):
+            layers = getattr(self, name)
+            if layers != "auto" and (isinstance(layers, (str, bool)) or not isinstance(layers, int) or layers < 0):
+                raise ConfigError(f"engine.{name} must be auto or an integer >= 0, got {layers!r}")
         fraction = self.disk_state_fraction
         if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
             raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")

@@ -9,6 +9,7 @@ them on the current machine and saves them.
 """
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -43,6 +44,10 @@ DISK_TIER_RAM_SHARE = 0.85
 # GPU memory the scheduler leaves free beside kept layers' graphs, past what fixed_gpu counts: the CUDA
 # context and allocator slack
 KEPT_RESERVE_BYTES = 3 * 2**30
+# With engine.held_layers auto, the blocks' weights stay on the GPU from forward to backward, in at most
+# this share of its memory, where the CPU optimizer takes longer than the GPU's work (small steps): the
+# second copy in of every weight then no longer competes with the optimizer for host memory bandwidth.
+HELD_GPU_SHARE = 0.25
 
 
 def available_host_bytes() -> int | None:
@@ -107,6 +112,8 @@ class Plan:
     gradient_pool: float = 0.0
     kept_layers: int = 0  # layers whose forward keeps its graph for the backward (no recompute)
     kept_bytes: int = 0  # GPU memory their graphs hold
+    held_layers: int = 0  # block stages (the first) whose weights stay on the GPU from forward to backward
+    held_bytes: int = 0  # GPU memory those weights take
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -235,6 +242,7 @@ def make_plan(
     experts_per_stage = choose_experts_per_stage(config, model, gpu_available, lambda e: layout(e)[2])
     sizes, n_checkpoints, fixed_gpu = layout(experts_per_stage)
     largest_group = max(sizes)
+    holdable = layout_sizes(model, experts_per_stage)[1][1:-2]  # the blocks but the last (it reuses its slot)
 
     checkpoints = layer_checkpoint * n_checkpoints
     offload = config.engine.offload_checkpoints
@@ -258,18 +266,18 @@ def make_plan(
     )
     keepable = max(0, min(trailing_dense, model.n_layers - offloaded)) if per_token_kept else 0
 
+    def room_at(tokens_per_gpu: int) -> float:
+        """GPU bytes left beside the step's fixed needs and checkpoints, for kept graphs and held weights."""
+        checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
+        return min(gpu_available - KEPT_RESERVE_BYTES, 0.9 * gpu_available) - fixed_gpu - checkpoints_there
+
     def kept_at(tokens_per_gpu: int) -> int:
         if config.engine.kept_layers != "auto":
             return min(config.engine.kept_layers, keepable)
         if gpu_available is None or not keepable or offloaded:
             return 0
-        checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
-        room = min(gpu_available - KEPT_RESERVE_BYTES, 0.9 * gpu_available) - fixed_gpu - checkpoints_there
+        room = room_at(tokens_per_gpu) - held_bytes
         return min(keepable, max(0, int(room // (tokens_per_gpu * per_token_kept))))
-
-    kept_layers = kept_at(gpu_tokens)
-    kept_bytes = kept_layers * gpu_tokens * per_token_kept
-    gpu_bytes += kept_bytes
 
     # performance model, first what sizes the gradient pool
     counted = flops_per_token(model, config.data.seq_len) * tokens
@@ -284,6 +292,20 @@ def make_plan(
         return block_s + head_seconds(tokens_per_gpu)
 
     optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
+    held_bytes = 0
+    if config.engine.held_layers != "auto":
+        held_layers = config.engine.held_layers
+    elif gpu_available is None or offloaded or gpu_seconds(gpu_tokens) >= optimizer_s:
+        held_layers = 0
+    else:
+        budget = min(HELD_GPU_SHARE * gpu_available, room_at(gpu_tokens))
+        held_so_far = itertools.accumulate(size * element for size in holdable)
+        held_layers = sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
+    held_layers = min(held_layers, len(holdable))
+    held_bytes = sum(holdable[:held_layers]) * element
+    kept_layers = kept_at(gpu_tokens)
+    kept_bytes = kept_layers * gpu_tokens * per_token_kept
+    gpu_bytes += kept_bytes + held_bytes
     if full_grads:
         gradient_pool = 0.0
     elif config.engine.gradient_pool != "auto":
@@ -308,10 +330,12 @@ def make_plan(
     # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
     pcie = rates.pcie_gbps * 1e9
-    transfer_s = model.n_params * max(2 * wire, 4) / pcie
+    # (held layers' weights go in once)
+    transfer_s = max((2 * model.n_params - sum(holdable[:held_layers])) * wire, 4 * model.n_params) / pcie
     # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
     # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
     weight_pass_s = model.n_params * wire / pcie
+    backward_weights_s = (model.n_params - sum(holdable[:held_layers])) * wire / pcie
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
@@ -330,7 +354,7 @@ def make_plan(
         """What each bound would make a step of `tokens_per_gpu` last."""
         compute_s = gpu_seconds(tokens_per_gpu)
         forward_s = max(FORWARD_SHARE * compute_s, weight_pass_s)
-        backward_s = max((1 - FORWARD_SHARE) * compute_s, weight_pass_s, model.n_params * 4 / pcie)
+        backward_s = max((1 - FORWARD_SHARE) * compute_s, backward_weights_s, model.n_params * 4 / pcie)
         # Updates applied as gradients land start after the head and, first layers first, run beside the
         # backward and the next forward, which reaches the head once the last is done: with a pool deep
         # enough for what the optimizer has left when the backward ends, only the head waits for them, else
@@ -401,6 +425,8 @@ def make_plan(
         gradient_pool,
         kept_layers,
         kept_bytes,
+        held_layers,
+        held_bytes,
     )
 
 
@@ -479,9 +505,15 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
                 f"on the GPU, more than its {plan.gpu_available / 2**30:.1f} GiB leave beside the rest of the "
                 "step; set engine.kept_layers: auto (as many as fit) or fewer"
             )
+        if plan.held_layers and plan.gpu_bytes - plan.held_bytes <= 0.95 * plan.gpu_available:
+            raise ConfigError(
+                f"engine.held_layers: {plan.held_layers} holds {plan.held_bytes / 2**30:.1f} GiB of weights on the "
+                f"GPU, more than its {plan.gpu_available / 2**30:.1f} GiB leave beside the rest of the step; set "
+                "engine.held_layers: auto or fewer"
+            )
         per_sequence = plan.checkpoint_bytes // config.train.batch_size
         kept = plan.checkpoint_bytes * (plan.checkpoint_stages - plan.offloaded_layers) // plan.checkpoint_stages
-        fixed = plan.gpu_bytes - kept - plan.kept_bytes
+        fixed = plan.gpu_bytes - kept - plan.kept_bytes - plan.held_bytes
         largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
         if largest_batch < config.train.micro_batch_size:  # not even one micro-batch: the layers themselves
             raise ConfigError(
@@ -648,6 +680,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
         + (f", {plan.kept_layers} layers keep their activations (no recompute)" if plan.kept_layers else "")
+        + (f", {plan.held_layers} layers' weights held from forward to backward" if plan.held_layers else "")
         + (f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}" if plan.experts_per_stage else ""),
         f"tokens per step  {plan.tokens_per_step:,}"
         + (

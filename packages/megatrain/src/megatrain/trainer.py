@@ -137,6 +137,7 @@ class Trainer:
             if config.engine.offload_checkpoints == "auto"
             else config.engine.offload_checkpoints,
             kept_layers=None if config.engine.kept_layers == "auto" else config.engine.kept_layers,
+            held_layers=plan.held_layers if training else 0,
             before_fetch=self._wait_for_updates,
             updates_done=self._updates_done,
             first_rows=self._first_rows,
