@@ -5,7 +5,8 @@ backward stages n-2..0. Position p computes in slot p % n_slots; while it comput
 the weights of positions p+1 .. p+n_slots-1 are copied in on the copy-in stream (a
 slot is refilled only after the compute that used it has finished). Position n (the
 last block, backward) finds its weights still in the slot of position n-2, so with two
-slots they are not copied again. Gradients of a group accumulate in one fp32 device
+slots they are not copied again; held stages (`held_layers`, the first blocks) have a buffer
+of their own instead, which keeps their weights from forward to backward. Gradients of a group accumulate in one fp32 device
 buffer and are copied out once, when the last stage that binds the group has run
 backward.
 
