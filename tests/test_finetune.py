@@ -3,6 +3,7 @@ apply_chat_template), packed documents equal to the same documents unpacked, eva
 plain PyTorch, and the data/eval commands end to end."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -275,6 +276,27 @@ def test_packed_steps_equal_the_documents_unpacked_in_plain_pytorch(pack, kept_l
 def test_gpu_packed_steps_equal_the_documents_unpacked(tmp_path):
     """fp32 on CUDA: packed rows go through FlexAttention's block-sparse kernel."""
     check_packed_steps(True, tmp_path, "float32", "cuda", 1e-5)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_the_setup_warm_up_brings_rows_as_the_fine_tuning_data_will(pack, tmp_path, monkeypatch):
+    """A fine-tuning run's warm-up step carries the padding mask, and packed documents' restarting positions,
+    so the attention path the data takes (FlexAttention on the GPU) is the one built at setup."""
+    config = fp64_config(tmp_path)
+    config = replace(config, data=replace(config.data, dataset="count", pack=pack))
+    trainer = Trainer(config)
+    seen = []
+    real_warm_up = trainer.pipeline.warm_up
+    monkeypatch.setattr(trainer.pipeline, "warm_up", lambda micro: (seen.extend(micro), real_warm_up(micro)))
+    trainer.warm_up()
+    assert len(seen) == 1 and seen[0].input_ids.shape == (2, 16)  # micro-batches of 2 rows, one shape
+    documents = seen[0].documents
+    assert documents.valid.all()
+    if pack:
+        assert documents.position_ids[0].tolist() == list(range(8)) * 2  # two documents a row
+    else:
+        assert documents.position_ids is None
+    trainer.close()
 
 
 def test_evaluation_equals_plain_pytorch_loss(tmp_path):

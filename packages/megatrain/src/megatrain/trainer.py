@@ -327,14 +327,21 @@ class Trainer:
 
     def warm_up(self) -> float:
         """Seconds to run a step's forward and backward once on random tokens, each micro-batch shape of a
-        configured batch once, gradients dropped (`LayerPipeline.warm_up`); the weights are only read."""
+        configured batch once, gradients dropped (`LayerPipeline.warm_up`); the weights are only read.
+        Fine-tuning rows come as the data will bring them (padding marked, packed documents' positions
+        restarting), so the attention kernels they take are built too."""
         start = time.perf_counter()
-        train, seq_len = self.config.train, self.config.data.seq_len
+        train, data = self.config.train, self.config.data
         tokens = torch.randint(
-            0, self.model_config.vocab_size, (train.batch_size, seq_len), generator=torch.Generator()
+            0, self.model_config.vocab_size, (train.batch_size, data.seq_len), generator=torch.Generator()
         )
+        valid = positions = None
+        if data.dataset is not None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+            if data.pack:  # two documents a row
+                positions = (torch.arange(data.seq_len) % max(1, data.seq_len // 2)).expand_as(tokens).contiguous()
         shapes = {}
-        for micro in self._micro_batches(tokens, tokens, None, None, self._my_rows(train.batch_size)):
+        for micro in self._micro_batches(tokens, tokens, positions, valid, self._my_rows(train.batch_size)):
             shapes.setdefault(micro.input_ids.shape, micro)
         if shapes:
             self.pipeline.warm_up(list(shapes.values()))
