@@ -235,14 +235,16 @@ def make_plan(
 
     @functools.cache  # asked again for the parts chosen
     def layout(experts_per_stage: int):
-        """(group sizes, checkpoints per micro-batch, GPU bytes of two slots, two gradients and a recompute)"""
+        """(group sizes, stage sizes, checkpoints per micro-batch, GPU bytes of two slots, two gradients and a
+        recompute)"""
         groups, stages, planes = layout_sizes(model, experts_per_stage)
-        return groups, planes, 2 * max(stages) * element + 2 * max(groups) * 4 + recompute + LOGITS_CHUNK_BYTES
+        fixed = 2 * max(stages) * element + 2 * max(groups) * 4 + recompute + LOGITS_CHUNK_BYTES
+        return groups, stages, planes, fixed
 
-    experts_per_stage = choose_experts_per_stage(config, model, gpu_available, lambda e: layout(e)[2])
-    sizes, n_checkpoints, fixed_gpu = layout(experts_per_stage)
+    experts_per_stage = choose_experts_per_stage(config, model, gpu_available, lambda e: layout(e)[3])
+    sizes, stage_sizes, n_checkpoints, fixed_gpu = layout(experts_per_stage)
     largest_group = max(sizes)
-    holdable = layout_sizes(model, experts_per_stage)[1][1:-2]  # the blocks but the last (it reuses its slot)
+    holdable = stage_sizes[1:-2]  # the blocks but the last (its backward finds its rotating slot still full)
 
     checkpoints = layer_checkpoint * n_checkpoints
     offload = config.engine.offload_checkpoints
@@ -292,7 +294,7 @@ def make_plan(
         return block_s + head_seconds(tokens_per_gpu)
 
     optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
-    held_bytes = 0
+    held_bytes = 0  # (what kept_at leaves room for while auto decides below)
     if config.engine.held_layers != "auto":
         held_layers = config.engine.held_layers
     elif gpu_available is None or offloaded or gpu_seconds(gpu_tokens) >= optimizer_s:
@@ -302,7 +304,8 @@ def make_plan(
         held_so_far = itertools.accumulate(size * element for size in holdable)
         held_layers = sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
     held_layers = min(held_layers, len(holdable))
-    held_bytes = sum(holdable[:held_layers]) * element
+    held_params = sum(holdable[:held_layers])
+    held_bytes = held_params * element
     kept_layers = kept_at(gpu_tokens)
     kept_bytes = kept_layers * gpu_tokens * per_token_kept
     gpu_bytes += kept_bytes + held_bytes
@@ -331,11 +334,11 @@ def make_plan(
     wire = element if wire_copy else 4
     pcie = rates.pcie_gbps * 1e9
     # (held layers' weights go in once)
-    transfer_s = max((2 * model.n_params - sum(holdable[:held_layers])) * wire, 4 * model.n_params) / pcie
+    transfer_s = max((2 * model.n_params - held_params) * wire, 4 * model.n_params) / pcie
     # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
     # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
     weight_pass_s = model.n_params * wire / pcie
-    backward_weights_s = (model.n_params - sum(holdable[:held_layers])) * wire / pcie
+    backward_weights_s = (model.n_params - held_params) * wire / pcie
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;

@@ -5,10 +5,10 @@ backward stages n-2..0. Position p computes in slot p % n_slots; while it comput
 the weights of positions p+1 .. p+n_slots-1 are copied in on the copy-in stream (a
 slot is refilled only after the compute that used it has finished). Position n (the
 last block, backward) finds its weights still in the slot of position n-2, so with two
-slots they are not copied again; held stages (`held_layers`, the first blocks) have a buffer
-of their own instead, which keeps their weights from forward to backward. Gradients of a group accumulate in one fp32 device
-buffer and are copied out once, when the last stage that binds the group has run
-backward.
+slots they are not copied again; held stages (`held_layers`, the first blocks) have a
+buffer of their own instead, which keeps their weights from forward to backward.
+Gradients of a group accumulate in one fp32 device buffer and are copied out once, when
+the last stage that binds the group has run backward.
 
 Weights travel as the store keeps them: an fp32 master is copied in through two small
 fp32 staging buffers and cast to the compute dtype on a cast stream, so the host needs no
@@ -199,7 +199,8 @@ class LayerPipeline:
         self.timeline = timeline or Timeline(enabled=False)
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
         self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
-        slot_numel = max(sum(store.layouts[g].numel for g in stage.groups) for stage in stages)
+        stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
+        slot_numel = max(stage_numels)
         self.slots = [
             _Slot(torch.empty(slot_numel, dtype=store.compute_dtype, device=self.device)) for _ in range(n_slots)
         ]
@@ -231,7 +232,7 @@ class LayerPipeline:
             if not callable(getattr(stage.template, "forward_kept", None)):
                 break
             self._keepable += 1
-        self._largest_block = max((sum(store.layouts[g].numel for g in s.groups) for s in stages[1:-1]), default=0)
+        self._largest_block = max(stage_numels[1:-1], default=0)
         # the first `held_layers` block stages keep the weights copied in for their forward in a buffer of their
         # own until their backward: one copy in a step instead of two, half the host memory reads of the
         # weights (the last block's backward finds its rotating slot still holding them anyway)
@@ -242,11 +243,7 @@ class LayerPipeline:
             )
         self.held_layers = held_layers
         self._held = {
-            i: _Slot(
-                torch.empty(
-                    sum(store.layouts[g].numel for g in stages[i].groups), dtype=store.compute_dtype, device=self.device
-                )
-            )
+            i: _Slot(torch.empty(stage_numels[i], dtype=store.compute_dtype, device=self.device))
             for i in holdable[:held_layers]
         }
 
