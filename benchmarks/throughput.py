@@ -182,6 +182,8 @@ def bench_megatrain(
                 "kept_layers": trainer.pipeline.last_kept,  # their forward's graph kept: no recompute
                 "predicted_kept_layers": plan.kept_layers,
                 "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
+                # masters and moments on the GPU, updated there
+                "gpu_updated_layers": len(trainer.device_optimizer.groups) if trainer.device_optimizer else 0,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),  # the compile warm-up included
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),
@@ -310,6 +312,9 @@ def main():
         "--held-layers", default="auto", help="layers whose weights stay on the GPU from forward to backward"
     )
     parser.add_argument(
+        "--gpu-updated-layers", default="auto", help="first layers whose masters and moments live on the GPU"
+    )
+    parser.add_argument(
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"
     )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
@@ -341,6 +346,9 @@ def main():
                 else int(args.experts_per_stage),
                 "kept_layers": args.kept_layers if args.kept_layers == "auto" else int(args.kept_layers),
                 "held_layers": args.held_layers if args.held_layers == "auto" else int(args.held_layers),
+                "gpu_updated_layers": args.gpu_updated_layers
+                if args.gpu_updated_layers == "auto"
+                else int(args.gpu_updated_layers),
                 "gradient_pool": args.gradient_pool if args.gradient_pool == "auto" else float(args.gradient_pool),
             },
             args.doc_len,

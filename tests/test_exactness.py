@@ -16,7 +16,7 @@ from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
-from megatrain_optim import Schedule, lr_at
+from megatrain_optim import DeviceAdamW, Schedule, lr_at
 from megatrain_zoo import preset
 
 CASES = {"float64": (1e-2, 1e-10), "float32": (1e-4, 1e-5)}  # dtype: (lr, relative tolerance)
@@ -195,6 +195,25 @@ def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
     check_steps_match_plain_pytorch(
         "float64", "tiny-qwen2", grad_clip, "cpu", tmp_path, expect_kept=1, kept_layers=1, held_layers=1
     )
+
+
+@pytest.mark.parametrize("dtype", list(CASES))
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])  # updated as the gradient is made, and after clipping
+@pytest.mark.parametrize(
+    "preset_name,engine",
+    [("tiny-qwen2", {"gpu_updated_layers": 1, "kept_layers": 1}), ("tiny-llama", {"gpu_updated_layers": 2})],
+    ids=["first-layer-next-to-a-kept-one", "every-layer"],
+)
+def test_gpu_updated_layers_match_plain_pytorch(dtype, grad_clip, preset_name, engine, tmp_path, monkeypatch):
+    """The first blocks' masters and moments live on the device and are updated there (here the CPU
+    device, as a separate copy of the store's): same steps, and `named_weights` brings them back."""
+    updated = []
+    update = DeviceAdamW.update
+    monkeypatch.setattr(
+        DeviceAdamW, "update", lambda self, group, *a, **k: updated.append(group) or update(self, group, *a, **k)
+    )
+    check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path, **engine)
+    assert sorted(updated) == sorted(list(range(1, 1 + engine["gpu_updated_layers"])) * 4)  # 4 steps
 
 
 def test_a_warmed_up_trainer_matches_plain_pytorch(tmp_path):

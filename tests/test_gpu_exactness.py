@@ -29,10 +29,11 @@ def no_tf32():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
-@pytest.mark.parametrize("kept_layers", [0, "auto"], ids=["recomputed-held", "kept"])
+@pytest.mark.parametrize("kept_layers", [0, "auto"], ids=["recomputed-held", "kept-gpu-updated"])
 def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layers, tmp_path):
-    # auto keeps every layer's graph of these tiny models (the GPU has the room); 0 recomputes them all,
-    # the first block from weights held since its forward (cast on arrival into a buffer of its own)
+    # auto keeps every layer's graph of these tiny models (the GPU has the room), the first block's
+    # master and moments living and updated on the GPU; 0 recomputes them all, the first block from
+    # weights held since its forward (cast on arrival into a buffer of its own)
     n_layers = preset(preset_name).n_layers
     check_steps_match_plain_pytorch(
         dtype,
@@ -43,12 +44,19 @@ def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layer
         expect_kept=n_layers if kept_layers == "auto" else 0,
         kept_layers=kept_layers,
         held_layers=1 if kept_layers == 0 else 0,
+        gpu_updated_layers=0 if kept_layers == 0 else 1,
     )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "engine", [{"n_slots": 3}, {"offload_checkpoints": True}, {"n_slots": 4, "offload_checkpoints": True}]
+    "engine",
+    [
+        {"n_slots": 3},
+        {"offload_checkpoints": True},
+        {"n_slots": 4, "offload_checkpoints": True},
+        {"gpu_updated_layers": 2, "kept_layers": 0},  # every block cast from GPU masters, both ways
+    ],
 )
 def test_gpu_engine_options_stay_exact(engine, tmp_path):
     # float64: a race between streams would show up as a difference far above 1e-10

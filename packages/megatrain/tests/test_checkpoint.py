@@ -24,15 +24,25 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in rows}
 
 
-@pytest.mark.parametrize("grad_clip", [0.5, 0.0])
-@pytest.mark.parametrize("batch_size", [4, 1])  # 1: 32 tokens, so steps update their embedding rows first
-def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip, batch_size, monkeypatch):
+@pytest.mark.parametrize(
+    "grad_clip,batch_size,gpu_updated_layers",
+    [
+        (0.5, 4, 0),
+        (0.0, 4, 0),
+        (0.5, 1, 0),  # 32 tokens: steps update their embedding rows first
+        (0.0, 1, 0),
+        (0.5, 4, 1),  # the first layer's state lives on the device: saved from there, loaded back there
+        (0.0, 1, 1),
+    ],
+)
+def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip, batch_size, gpu_updated_layers, monkeypatch):
     rows_given = []
     first_rows = Trainer._first_rows
     monkeypatch.setattr(Trainer, "_first_rows", lambda *a: rows_given.append(first_rows(*a)) or rows_given[-1])
     settings = {"steps": 6, "save_every": 2, "keep_last": 3, "grad_clip": grad_clip, "batch_size": batch_size}
     settings["micro_batch_size"] = min(2, batch_size)
-    full = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "full"))
+    engine = {"engine": {"gpu_updated_layers": gpu_updated_layers}}
+    full = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "full"), **engine)
     assert main(["train", "--config", str(full)]) == 0
     assert sorted(p.name for p in (tmp_path / "full/checkpoints").iterdir()) == [
         "step-00000002",
@@ -40,7 +50,7 @@ def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip, batch_s
         "step-00000006",
     ]
 
-    resumed = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "resumed"))
+    resumed = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "resumed"), **engine)
     assert main(["train", "--config", str(resumed), "--resume", str(tmp_path / "full/checkpoints/step-00000004")]) == 0
     expected, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(got) == [5, 6] and all(got[s] == expected[s] for s in got)  # exactly, not approximately

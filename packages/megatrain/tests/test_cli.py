@@ -93,10 +93,19 @@ def test_bench_command(capsys):
     assert "tokens/s" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
-@pytest.mark.parametrize("batch_size", [4, 1])  # 1: the embedding's rows go first, and are not updated either
+@pytest.mark.parametrize(
+    "grad_clip,batch_size,gpu_updated_layers",
+    [
+        (1.0, 4, 0),
+        (0.0, 4, 0),
+        (1.0, 1, 0),  # 1: the embedding's rows go first, and are not updated either
+        (0.0, 1, 0),
+        (1.0, 4, 1),  # the poisoned layer is updated on the device: not updated either
+        (0.0, 4, 1),
+    ],
+)
 def test_non_finite_steps_are_skipped_then_stop_the_run(
-    write_config, tmp_path, capsys, monkeypatch, grad_clip, batch_size
+    write_config, tmp_path, capsys, monkeypatch, grad_clip, batch_size, gpu_updated_layers
 ):
     from megatrain.trainer import Trainer
 
@@ -109,7 +118,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(
 
     monkeypatch.setattr(Trainer, "_init_weights", poisoned)
     settings = {"steps": 10, "max_bad_steps": 3, "grad_clip": grad_clip, "batch_size": batch_size}
-    config = write_config(train=settings | {"micro_batch_size": min(2, batch_size)})
+    config = write_config(
+        train=settings | {"micro_batch_size": min(2, batch_size)}, engine={"gpu_updated_layers": gpu_updated_layers}
+    )
     assert main(["train", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert "non-finite loss or gradient" in err and "3 non-finite steps in a row; stopping" in err

@@ -30,6 +30,7 @@ def test_yaml_and_overrides(write_config):
         (["engine.kept_layers=-1"], "engine.kept_layers must be auto or an integer >= 0"),
         (["engine.kept_layers=some"], "engine.kept_layers must be auto or an integer >= 0"),
         (["engine.held_layers=1.5"], "engine.held_layers must be auto or an integer >= 0"),
+        (["engine.gpu_updated_layers=-1"], "engine.gpu_updated_layers must be auto or an integer >= 0"),
         (["engine.gradient_pool=0.5"], "engine.gradient_pool must be auto or a number >= 1"),
     ],
 )

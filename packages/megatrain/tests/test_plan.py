@@ -248,8 +248,9 @@ def test_small_steps_hold_the_blocks_weights_from_forward_to_backward(monkeypatc
     the GPU until its backward (a quarter of the GPU at most); kept layers get the rest."""
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
     h100 = 79 * 2**30
-    small = make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100)
-    none = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.held_layers": 0}), gpu_memory=h100)
+    host_updates = {"engine.gpu_updated_layers": 0}  # (auto would take the optimizer's load off instead)
+    small = make_plan(config_for("qwen2.5-7b", 16384, **host_updates), gpu_memory=h100)
+    none = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.held_layers": 0}, **host_updates), gpu_memory=h100)
     _, stages, _ = layout_sizes(preset("qwen2.5-7b"))
     assert small.held_layers == 27 and small.held_bytes == 2 * sum(stages[1:-2])
     assert small.transfer_s < none.transfer_s and small.kept_layers < none.kept_layers
@@ -257,11 +258,41 @@ def test_small_steps_hold_the_blocks_weights_from_forward_to_backward(monkeypatc
     # a large step is the GPU's: its memory keeps activations instead
     assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).held_layers == 0
     # a 14B model's blocks take more than a quarter of the GPU: as many as fit there
-    larger = make_plan(config_for("qwen2.5-14b", 16384), gpu_memory=h100)
+    larger = make_plan(config_for("qwen2.5-14b", 16384, **host_updates), gpu_memory=h100)
     assert 0 < larger.held_layers < preset("qwen2.5-14b").n_layers - 1 and larger.held_bytes <= h100 / 4
     config = config_for("qwen2.5-7b", 16384, **{"engine.held_layers": 27, "engine.kept_layers": 24})
     with pytest.raises(ConfigError, match="engine.kept_layers: 24 keeps"):
         check_plan(make_plan(config, gpu_memory=h100), config, preset("qwen2.5-7b"))
+
+
+def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
+    """Where the CPU optimizer is slower than the GPU's work, the first blocks' masters and moments move to
+    the GPU, as few as bring the optimizer within the GPU's work; not for large steps, several processes,
+    or more than the GPU holds."""
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    h100 = 79 * 2**30
+    model = preset("qwen2.5-7b")
+    auto = make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100)
+    host = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 0}), gpu_memory=h100)
+    _, stages, _ = layout_sizes(model)
+    on_gpu = sum(stages[1 : 1 + auto.gpu_updated_layers])
+    assert 0 < auto.gpu_updated_layers < model.n_layers and auto.gpu_updated_bytes == 12 * on_gpu
+    assert auto.optimizer_s == pytest.approx(host.optimizer_s * (1 - on_gpu / model.n_params))
+    assert auto.optimizer_s + 0.2 < host.optimizer_s and auto.step_s < host.step_s and auto.gpu_bytes <= h100
+    one_fewer = make_plan(
+        config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": auto.gpu_updated_layers - 1}), gpu_memory=h100
+    )
+    assert one_fewer.bound == "cpu_optimizer" and auto.bound != "cpu_optimizer"  # the fewest that do
+    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).gpu_updated_layers == 0
+    assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100, gpus=2).gpu_updated_layers == 0
+    clipped = make_plan(config_for("qwen2.5-7b", 16384, **{"train.grad_clip": 1.0}), gpu_memory=h100)
+    assert clipped.gpu_updated_bytes == 16 * sum(stages[1 : 1 + clipped.gpu_updated_layers])  # and the gradients
+    several = config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 2})
+    with pytest.raises(ConfigError, match="engine.gpu_updated_layers: 2 needs one process"):
+        check_plan(make_plan(several, gpu_memory=h100, gpus=2), several, model)
+    too_many = config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 28, "engine.kept_layers": 0})
+    with pytest.raises(ConfigError, match="engine.gpu_updated_layers: 28 keeps .* GiB"):
+        check_plan(make_plan(too_many, gpu_memory=h100), too_many, model)
 
 
 def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):

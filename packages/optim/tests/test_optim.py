@@ -4,7 +4,16 @@ import pytest
 import torch
 
 import megatrain_optim.adamw as adamw_module
-from megatrain_optim import AdamWConfig, BackgroundStepper, HostAdamW, OptimError, Schedule, clip_coefficient, lr_at
+from megatrain_optim import (
+    AdamWConfig,
+    BackgroundStepper,
+    DeviceAdamW,
+    HostAdamW,
+    OptimError,
+    Schedule,
+    clip_coefficient,
+    lr_at,
+)
 from megatrain_store import GroupLayout, HostStore
 
 SPECS = [
@@ -59,6 +68,44 @@ def test_matches_torch_adamw(weight_decay, max_norm):
 def test_unfused_fallback_matches_torch_adamw(monkeypatch):
     monkeypatch.setattr(adamw_module, "FUSED", False)
     assert run_both(0.1, 1.0) < 1e-6
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_device_updates_equal_host_updates(fused, monkeypatch):
+    """A group kept on the device steps exactly as the store's copy of it would: clipped, skipped where
+    its gradient is non-finite (read on the device), and back in the store after to_host."""
+    monkeypatch.setattr(adamw_module, "FUSED", fused and adamw_module.FUSED)
+    config = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    stores = [
+        HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=("exp_avg", "exp_avg_sq")) for _ in "ab"
+    ]
+    for g in range(2):
+        weights = torch.randn(stores[0].layouts[g].numel)
+        for store in stores:
+            store.master(g).copy_(weights)
+    host, on_host = HostAdamW(stores[0], config), HostAdamW(stores[1], config)
+    device = DeviceAdamW(on_host, [1], torch.device("cpu"))
+    device.to_device()
+    for clip, poisoned in [(1.0, False), (0.5, False), (1.0, True), (0.3, False)]:
+        grad = torch.randn(stores[0].layouts[1].numel)
+        if poisoned:
+            grad[3] = float("inf")
+        for optimizer in (host, on_host):
+            optimizer.begin_step()
+        if not poisoned:  # the host path skips a non-finite group by not updating it
+            stores[0].grad(1).copy_(grad)
+            host.update_group(1, 1e-2, clip)
+        device.update(1, grad.clone(), 1e-2, clip, sq_norm=grad.pow(2).sum())
+        assert not torch.equal(stores[1].master(1), device.masters[1]) or poisoned  # the store waits for to_host
+    device.to_host()
+    for name in ("master", "state.exp_avg", "state.exp_avg_sq"):
+        assert torch.equal(stores[1].held(name, 1), stores[0].held(name, 1)), name
+
+
+def test_device_groups_need_one_unsharded_store():
+    store = HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=("exp_avg", "exp_avg_sq"), shard=(0, 2))
+    with pytest.raises(OptimError, match="unsharded store"):
+        DeviceAdamW(HostAdamW(store, AdamWConfig()), [1], torch.device("cpu"))
 
 
 def test_wire_copy_refreshed():

@@ -158,6 +158,47 @@ def test_weights_present_before_every_compute(n_slots, held_layers):
     assert sorted(grad_outs) == list(range(store.n_groups))
 
 
+def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over():
+    """Stages whose masters live on the device: no copy from the store, no before_fetch, their gradient
+    handed to on_device_grads (with its squared norm) instead of landing; held layers skip them."""
+    store, host_pipeline, _ = build(4, tied=False)
+    device_masters = {g: torch.randn_like(store.master(g)) for g in (1, 2)}  # not what the store holds
+    handed, fetched, landed = {}, [], []
+    pipeline = LayerPipeline(
+        host_pipeline.stages,
+        store,
+        torch.device("cpu"),
+        held_layers=1,
+        device_masters=device_masters,
+        on_device_grads=lambda g, grad, sq: handed.setdefault(g, (grad.clone(), sq.clone())),
+        before_fetch=lambda groups: fetched.append(groups),
+        on_grads_landed=lambda g, e, sq: landed.append(g),
+    )
+    batches = make_batches(2)
+    result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
+    for g, master in device_masters.items():
+        store.master(g).copy_(master)  # the model the pipeline ran
+    loss, grads = autograd_reference(store, 4, False, batches, 0.5)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    for g in range(store.n_groups):
+        got = handed[g][0] if g in device_masters else store.grad(g)
+        assert torch.allclose(got, grads[g], rtol=1e-4, atol=1e-6), g
+        assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
+    assert all(torch.allclose(sq, grads[g].pow(2).sum(), rtol=1e-4) for g, (_, sq) in handed.items())
+    assert sorted(landed) == [0, 3, 4, 5] and sorted(handed) == [1, 2]
+    assert (1,) not in fetched and (2,) not in fetched
+    casts = [what for kind, what, _ in result.log if kind == "cast"]
+    assert casts == [1, 2, 2, 1]  # forward and backward (stage 2 not next to the head: cast again)
+    held = [what for kind, what, slot in result.log if kind == "compute" and str(slot).startswith("held")]
+    assert held == [3, 3]  # the first block not updated on the device
+
+
+def test_a_stage_binding_device_and_host_masters_is_refused():
+    store, pipeline, _ = build(2, tied=True)
+    with pytest.raises(SchedError, match="binds groups with device masters and groups without"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), device_masters={0: store.master(0).clone()})
+
+
 def test_layer_major_order():
     """Every micro-batch passes through a stage before the next stage's weights are used."""
     store, pipeline, _ = build(2, tied=False)

@@ -43,7 +43,7 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`.
     With several ranks only rank 0 writes (its host's store holds every rank's updates; where hosts
     split the state, the other hosts' first ranks send it their parts group by group)."""
-    trainer.finish_updates()
+    trainer.sync_store()
     root = Path(root)
     if not trainer.is_main:
         if trainer.store_is_split and trainer.ranks.is_local_main:

@@ -142,6 +142,12 @@ class EngineSection:
     # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
     # than the GPU's work (small steps; none on the CPU)
     held_layers: int | str = "auto"
+    # blocks (the first ones) whose fp32 master weights and AdamW moments stay on the GPU, updated there
+    # (12 B/param of GPU memory, kept in step with host memory for checkpoints): neither their weights nor
+    # their gradients cross PCIe and the CPU optimizer has that much less to do; "auto": where the CPU
+    # optimizer is slower than the GPU's work (small steps), enough to even them out, in up to a third of
+    # the GPU (one process per machine only; none on the CPU)
+    gpu_updated_layers: int | str = "auto"
     # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
     # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
     gradient_pool: float | str = "auto"
@@ -173,7 +179,7 @@ class EngineSection:
         pool = self.gradient_pool
         if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
             raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
-        for name in ("kept_layers", "held_layers"):
+        for name in ("kept_layers", "held_layers", "gpu_updated_layers"):
             layers = getattr(self, name)
             if layers != "auto" and (isinstance(layers, (str, bool)) or not isinstance(layers, int) or layers < 0):
                 raise ConfigError(f"engine.{name} must be auto or an integer >= 0, got {layers!r}")

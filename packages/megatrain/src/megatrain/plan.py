@@ -48,6 +48,9 @@ KEPT_RESERVE_BYTES = 3 * 2**30
 # this share of its memory, where the CPU optimizer takes longer than the GPU's work (small steps): the
 # second copy in of every weight then no longer competes with the optimizer for host memory bandwidth.
 HELD_GPU_SHARE = 0.25
+# With engine.gpu_updated_layers auto, the first blocks' masters and moments live and are updated on the GPU,
+# in at most this share of its memory, where the CPU optimizer is slower than the GPU's work (small steps).
+GPU_UPDATED_SHARE = 0.35
 
 
 def available_host_bytes() -> int | None:
@@ -114,6 +117,8 @@ class Plan:
     kept_bytes: int = 0  # GPU memory their graphs hold
     held_layers: int = 0  # block stages (the first) whose weights stay on the GPU from forward to backward
     held_bytes: int = 0  # GPU memory those weights take
+    gpu_updated_layers: int = 0  # block stages (the first) whose masters and moments live and update on the GPU
+    gpu_updated_bytes: int = 0  # GPU memory their state takes (and, with clipping, their gradients)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -278,7 +283,7 @@ def make_plan(
             return min(config.engine.kept_layers, keepable)
         if gpu_available is None or not keepable or offloaded:
             return 0
-        room = room_at(tokens_per_gpu) - held_bytes
+        room = room_at(tokens_per_gpu) - reserved_bytes
         return min(keepable, max(0, int(room // (tokens_per_gpu * per_token_kept))))
 
     # performance model, first what sizes the gradient pool
@@ -293,22 +298,52 @@ def make_plan(
         block_s = work / (layer_rate * 1e12)
         return block_s + head_seconds(tokens_per_gpu)
 
-    optimizer_s = model.n_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
-    held_bytes = 0  # (what kept_at leaves room for while auto decides below)
-    if config.engine.held_layers != "auto":
-        held_layers = config.engine.held_layers
-    elif gpu_available is None or offloaded or gpu_seconds(gpu_tokens) >= optimizer_s:
-        held_layers = 0
-    else:
-        budget = min(HELD_GPU_SHARE * gpu_available, room_at(gpu_tokens))
-        held_so_far = itertools.accumulate(size * element for size in holdable)
-        held_layers = sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
-    held_layers = min(held_layers, len(holdable))
+    def optimizer_seconds(cpu_params: int) -> float:
+        return cpu_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
+
+    def held_for(blocks: list[int]) -> int:
+        """engine.held_layers resolved for these holdable blocks (parameters each), beside reserved_bytes."""
+        if config.engine.held_layers != "auto":
+            return min(config.engine.held_layers, len(blocks))
+        if gpu_available is None or offloaded or gpu_seconds(gpu_tokens) >= optimizer_s:
+            return 0
+        budget = min(HELD_GPU_SHARE * gpu_available, room_at(gpu_tokens) - reserved_bytes)
+        held_so_far = itertools.accumulate(size * element for size in blocks)
+        return sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
+
+    # GPU-updated blocks (the first): 12 B/param of masters and moments, and with clipping their gradients
+    # kept there until the norm is known; one process per machine only
+    device_state_per_param = 4 * (1 + len(STATE_NAMES)) + (4 if full_grads else 0)
+    reserved_bytes = 0  # held weights and GPU-updated state: what kept_at leaves room for
+    optimizer_s = optimizer_seconds(model.n_params)
+    one_process = gpus * hosts == 1
+    if config.engine.gpu_updated_layers != "auto":
+        gpu_updated = min(config.engine.gpu_updated_layers, len(stage_sizes) - 2)
+    elif gpu_available is None or offloaded or not one_process or gpu_seconds(gpu_tokens) >= optimizer_s:
+        gpu_updated = 0
+    else:  # the fewest that bring the CPU optimizer (and the head, which waits for it) within the GPU's work
+        budget = min(GPU_UPDATED_SHARE * gpu_available, room_at(gpu_tokens))
+        gpu_updated = 0
+        while gpu_updated < len(stage_sizes) - 2:
+            on_gpu = sum(stage_sizes[1 : gpu_updated + 1])
+            reserved_bytes = on_gpu * device_state_per_param
+            if optimizer_seconds(model.n_params - on_gpu) + head_seconds(gpu_tokens) <= gpu_seconds(gpu_tokens):
+                break
+            if (on_gpu + stage_sizes[gpu_updated + 1]) * device_state_per_param > budget:
+                break
+            gpu_updated += 1
+    gpu_updated_params = sum(stage_sizes[1 : gpu_updated + 1])
+    gpu_updated_bytes = gpu_updated_params * device_state_per_param
+    holdable = holdable[gpu_updated:]  # (those updated on the GPU need no held copy)
+    reserved_bytes = gpu_updated_bytes
+    optimizer_s = optimizer_seconds(model.n_params - gpu_updated_params)
+    held_layers = held_for(holdable)
     held_params = sum(holdable[:held_layers])
     held_bytes = held_params * element
+    reserved_bytes += held_bytes
     kept_layers = kept_at(gpu_tokens)
     kept_bytes = kept_layers * gpu_tokens * per_token_kept
-    gpu_bytes += kept_bytes + held_bytes
+    gpu_bytes += kept_bytes + reserved_bytes
     if full_grads:
         gradient_pool = 0.0
     elif config.engine.gradient_pool != "auto":
@@ -333,12 +368,13 @@ def make_plan(
     # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
     pcie = rates.pcie_gbps * 1e9
-    # (held layers' weights go in once)
-    transfer_s = max((2 * model.n_params - held_params) * wire, 4 * model.n_params) / pcie
+    # (held layers' weights go in once, GPU-updated layers' not at all, nor do their gradients go out)
+    streamed = model.n_params - gpu_updated_params
+    transfer_s = max((2 * streamed - held_params) * wire, 4 * streamed) / pcie
     # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
     # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
-    weight_pass_s = model.n_params * wire / pcie
-    backward_weights_s = (model.n_params - held_params) * wire / pcie
+    weight_pass_s = streamed * wire / pcie
+    backward_weights_s = (streamed - held_params) * wire / pcie
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
@@ -357,7 +393,7 @@ def make_plan(
         """What each bound would make a step of `tokens_per_gpu` last."""
         compute_s = gpu_seconds(tokens_per_gpu)
         forward_s = max(FORWARD_SHARE * compute_s, weight_pass_s)
-        backward_s = max((1 - FORWARD_SHARE) * compute_s, backward_weights_s, model.n_params * 4 / pcie)
+        backward_s = max((1 - FORWARD_SHARE) * compute_s, backward_weights_s, streamed * 4 / pcie)
         # Updates applied as gradients land start after the head and, first layers first, run beside the
         # backward and the next forward, which reaches the head once the last is done: with a pool deep
         # enough for what the optimizer has left when the backward ends, only the head waits for them, else
@@ -430,6 +466,8 @@ def make_plan(
         kept_bytes,
         held_layers,
         held_bytes,
+        gpu_updated,
+        gpu_updated_bytes,
     )
 
 
@@ -473,6 +511,18 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
             f"{model.max_seq_len}); lower data.seq_len"
         )
+    if plan.gpu_updated_layers and plan.gpus * plan.hosts > 1:
+        raise ConfigError(
+            f"engine.gpu_updated_layers: {plan.gpu_updated_layers} needs one process holding all of the state; "
+            f"with {plan.gpus * plan.hosts} GPUs set engine.gpu_updated_layers: 0 (or auto)"
+        )
+    if plan.gpu_updated_layers:
+        stages = _built(model, plan.experts_per_stage).stages[1 : 1 + plan.gpu_updated_layers]
+        if max(g for stage in stages for g in stage.groups) >= plan.first_disk_group:
+            raise ConfigError(
+                f"engine.gpu_updated_layers: {plan.gpu_updated_layers} reaches the layers whose optimizer state is on "
+                "disk (engine.optimizer_state_dir); set engine.gpu_updated_layers: auto or fewer"
+            )
     if plan.host_available is not None and plan.host_bytes > 0.95 * plan.host_available:
         largest = 0.95 * plan.host_available / plan.host_bytes_per_param
         raise ConfigError(
@@ -514,9 +564,15 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
                 f"GPU, more than its {plan.gpu_available / 2**30:.1f} GiB leave beside the rest of the step; set "
                 "engine.held_layers: auto or fewer"
             )
+        if plan.gpu_updated_layers and plan.gpu_bytes - plan.gpu_updated_bytes <= 0.95 * plan.gpu_available:
+            raise ConfigError(
+                f"engine.gpu_updated_layers: {plan.gpu_updated_layers} keeps {plan.gpu_updated_bytes / 2**30:.1f} GiB "
+                f"of weights and moments on the GPU, more than its {plan.gpu_available / 2**30:.1f} GiB leave beside "
+                "the rest of the step; set engine.gpu_updated_layers: auto or fewer"
+            )
         per_sequence = plan.checkpoint_bytes // config.train.batch_size
         kept = plan.checkpoint_bytes * (plan.checkpoint_stages - plan.offloaded_layers) // plan.checkpoint_stages
-        fixed = plan.gpu_bytes - kept - plan.kept_bytes - plan.held_bytes
+        fixed = plan.gpu_bytes - kept - plan.kept_bytes - plan.held_bytes - plan.gpu_updated_bytes
         largest_batch = max(0, int((0.95 * plan.gpu_available - fixed) // per_sequence))
         if largest_batch < config.train.micro_batch_size:  # not even one micro-batch: the layers themselves
             raise ConfigError(
@@ -684,6 +740,12 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
         + (f", {plan.kept_layers} layers keep their activations (no recompute)" if plan.kept_layers else "")
         + (f", {plan.held_layers} layers' weights held from forward to backward" if plan.held_layers else "")
+        + (
+            f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "
+            f"({plan.gpu_updated_bytes / gib:.1f} GiB)"
+            if plan.gpu_updated_layers
+            else ""
+        )
         + (f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}" if plan.experts_per_stage else ""),
         f"tokens per step  {plan.tokens_per_step:,}"
         + (

@@ -14,6 +14,10 @@ gradient in host memory. Two update policies, both equal to a synchronous AdamW 
   Where the optimizer is slower than the backward (small steps), the worker takes the
   landed gradient the next forward needs first, so that forward starts while it still
   updates the last layers (the planner deepens the pool to hold what waits).
+
+Where small steps leave the CPU optimizer slower than the GPU, the first blocks' masters and
+moments live on the GPU (`engine.gpu_updated_layers`, `DeviceAdamW`) and are updated there under
+the same policy: as their gradient is made, or once the clip coefficient is known.
 """
 
 import math
@@ -23,7 +27,16 @@ from pathlib import Path
 
 import torch
 
-from megatrain_optim import STATE_NAMES, AdamWConfig, BackgroundStepper, HostAdamW, Schedule, clip_coefficient, lr_at
+from megatrain_optim import (
+    STATE_NAMES,
+    AdamWConfig,
+    BackgroundStepper,
+    DeviceAdamW,
+    HostAdamW,
+    Schedule,
+    clip_coefficient,
+    lr_at,
+)
 from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import Documents
@@ -122,6 +135,10 @@ class Trainer:
         train = config.train
         adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
         self.optimizer = HostAdamW(self.store, adamw) if training else None
+        # the first blocks' masters and moments on the GPU, updated there (where the plan puts any)
+        on_device = sorted({g for s in self.spec.stages[1 : 1 + plan.gpu_updated_layers] for g in s.groups})
+        self.device_optimizer = DeviceAdamW(self.optimizer, on_device, self.device) if training and on_device else None
+        self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
         self.stepper = BackgroundStepper()
         # split state: updated weights go to the other hosts from a thread of their own, in update order,
@@ -138,6 +155,8 @@ class Trainer:
             else config.engine.offload_checkpoints,
             kept_layers=None if config.engine.kept_layers == "auto" else config.engine.kept_layers,
             held_layers=plan.held_layers if training else 0,
+            device_masters=None if self.device_optimizer is None else self.device_optimizer.masters,
+            on_device_grads=self._device_grads_made,
             before_fetch=self._wait_for_updates,
             updates_done=self._updates_done,
             first_rows=self._first_rows,
@@ -233,6 +252,17 @@ class Trainer:
             self._queue_update(group, self._lr, 1.0, event, self.optimizer.step_tensor, self.step_index + 1, sq_norm)
         else:
             self._landed[group] = event
+
+    def _device_grads_made(self, group: int, grad: torch.Tensor, sq_norm: torch.Tensor) -> None:
+        """A GPU-updated group's gradient (on the device): updated now, on the compute stream, or with
+        clipping kept there until the coefficient is known."""
+        if self.eager_updates:
+            with self.timeline.device_span(
+                f"adamw {self.spec.groups[group].name}", "compute", self.pipeline.streams, self.pipeline.streams.compute
+            ):
+                self.device_optimizer.update(group, grad, self._lr, 1.0, self.optimizer.step_tensor, sq_norm)
+        else:
+            self._landed[group] = grad
 
     def _queue_update(
         self, group: int, lr: float, clip: float, landed, step, applied: int, sq_norm=None, hold: bool = True
@@ -388,6 +418,7 @@ class Trainer:
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
         start = time.perf_counter()
+        self._load_device_state()
         n_targets = int((labels != -100).sum())
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
@@ -418,6 +449,7 @@ class Trainer:
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         if not self.eager_updates:
             applied = self.step_index + 1
+            landed, self._landed = self._landed, {}
             if skipped:
                 for group in range(self.store.n_groups):
                     self._mark_applied(group, applied)  # (no update, so nothing to exchange, on every rank)
@@ -427,7 +459,10 @@ class Trainer:
                 self._read_ahead(0, 0)
                 step = self.optimizer.step_tensor
                 for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
-                    self._queue_update(group, lr, clip, self._landed[group], step, applied)
+                    if self.device_optimizer is not None and group in self.device_optimizer.masters:
+                        self.device_optimizer.update(group, landed[group], lr, clip, step)
+                    else:
+                        self._queue_update(group, lr, clip, landed[group], step, applied)
         self.step_index += 1
         elapsed = time.perf_counter() - start
         flops = flops_per_token(self.model_config, seq_len) * tokens
@@ -455,6 +490,7 @@ class Trainer:
         """(summed token loss, number of target tokens) of the current weights on a batch, forward only,
         streaming the layers once for all its rows; every rank takes a share of the rows."""
         self.finish_updates()
+        self._load_device_state()
         mine = self._my_rows(input_ids.shape[0])
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
         if mine.stop > mine.start:
@@ -471,7 +507,8 @@ class Trainer:
 
     def finish_updates(self) -> None:
         """Wait until every queued optimizer update has been applied (re-raising worker errors),
-        on every rank of this host."""
+        on every rank of this host. The store then holds the current state, except for the GPU-updated
+        layers' (their updates run in the GPU's stream order): `sync_store` brings those too."""
         for group in list(self._deferred):
             self._submit_deferred(group)
         self.stepper.wait_all()
@@ -479,11 +516,27 @@ class Trainer:
         if self.sync is not None:
             self.sync.wait_applied(range(self.store.n_groups), self.step_index)
 
+    def _load_device_state(self) -> None:
+        """Give the GPU-updated layers the store's state, where it changed since they last took it (a new
+        trainer whose weights may still be written, a checkpoint loaded)."""
+        if self.device_optimizer is not None and not self._device_state_loaded:
+            self.device_optimizer.to_device()
+            self._device_state_loaded = True
+
+    def sync_store(self) -> None:
+        """Finish the updates and copy the GPU-updated layers' masters and moments into the store, so that
+        it holds the whole current state (for checkpoints, export and anything else that reads it)."""
+        self.finish_updates()
+        if self.device_optimizer is not None:
+            self.device_optimizer.to_host()
+
     def restore_step(self, step_index: int) -> None:
-        """After loading a checkpoint: the weights hold `step_index` optimizer steps, on every rank."""
+        """After loading a checkpoint into the store: the weights hold `step_index` optimizer steps, on every
+        rank (the GPU-updated layers take the store's state at the next step)."""
         self.step_index = step_index
         for group in range(self.store.n_groups):
             self._mark_applied(group, step_index)
+        self._device_state_loaded = False
 
     def host_bytes(self) -> int:
         """Host memory of this host's copy of the training state: the shared arenas once, and the
@@ -505,14 +558,14 @@ class Trainer:
                 "the hosts split the master weights (engine.shard_across_hosts): no process holds them all; "
                 "export() or a checkpoint gathers them to rank 0"
             )
-        self.finish_updates()
+        self.sync_store()
         return named_masters(self.store)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-precision logits [batch, seq, vocab] of the current weights, stage by stage
         (for evaluation and interop checks on small inputs; training never builds them)."""
-        self.finish_updates()
+        self.sync_store()
         x = input_ids.to(self.device)
         *body, head = self.spec.stages
         for stage in body:
@@ -525,7 +578,7 @@ class Trainer:
     def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
         """Write the current weights as a Hugging Face model directory (see `export_hf`); with several
         ranks, call it on every rank: rank 0 writes (gathering whole groups where hosts split the state)."""
-        self.finish_updates()
+        self.sync_store()
         if not self.is_main:
             if self.store_is_split and self.ranks.is_local_main:
                 WholeGroups.replay(self.whole_groups().entries("master"))

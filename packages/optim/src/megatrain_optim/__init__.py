@@ -1,6 +1,6 @@
-"""CPU optimizers over flat host buffers: AdamW, clipping, LR schedules, a background stepper."""
+"""CPU optimizers over flat host buffers (and a few groups on the GPU): AdamW, clipping, LR schedules, a background stepper."""
 
-from .adamw import FUSED, STATE_NAMES, AdamWConfig, HostAdamW, OptimError, adamw_update_, clip_coefficient
+from .adamw import FUSED, STATE_NAMES, AdamWConfig, DeviceAdamW, HostAdamW, OptimError, adamw_update_, clip_coefficient
 from .schedule import SCHEDULES, Schedule, lr_at
 from .stepper import BackgroundStepper
 
@@ -10,6 +10,7 @@ __all__ = [
     "STATE_NAMES",
     "AdamWConfig",
     "BackgroundStepper",
+    "DeviceAdamW",
     "HostAdamW",
     "OptimError",
     "Schedule",

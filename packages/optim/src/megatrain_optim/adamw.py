@@ -1,7 +1,9 @@
 """AdamW over a HostStore's flat fp32 buffers, one group at a time.
 
 One optimizer step = begin_step() then update_group(g) for every group, in any order
-and on any thread; the result equals torch.optim.AdamW over the whole model.
+and on any thread; the result equals torch.optim.AdamW over the whole model. `DeviceAdamW`
+keeps a few groups' masters and moments on the GPU instead and updates them there, in the
+same step count.
 """
 
 from dataclasses import dataclass
@@ -77,11 +79,14 @@ def adamw_update_(
     eps: float,
     weight_decay: float,
     grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
-    """In-place AdamW on fp32 CPU tensors; `step` (0-dim fp32) is the already-incremented count.
+    """In-place AdamW on fp32 tensors of one device; `step` (0-dim fp32, on that device) is the
+    already-incremented count.
 
     With `grad_scale`, gradients are divided by it first (used to apply a clip coefficient
-    without a separate pass over the gradients)."""
+    without a separate pass over the gradients); where `found_inf` (0-dim) is 1, nothing changes
+    (a GPU update skips a non-finite gradient without the host reading it)."""
     if FUSED:
         torch._fused_adamw_(
             params,
@@ -98,7 +103,10 @@ def adamw_update_(
             amsgrad=False,
             maximize=False,
             grad_scale=grad_scale,
+            found_inf=found_inf,
         )
+        return
+    if found_inf is not None and bool(found_inf):
         return
     count = float(step)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
@@ -142,7 +150,7 @@ class HostAdamW:
         current one): an update still queued when the next step begins must keep its own count."""
         if self.step_count == 0:
             raise OptimError("update_group called before begin_step")
-        store, cfg = self.store, self.config
+        store = self.store
         start, end = store.shard_range(group)
         offset = store.owned_range(group)[0]  # master and moments hold [offset, ...) of the group
         master, grad = store.master(group), store.grad(group)  # grad holds [start, end) only
@@ -153,6 +161,30 @@ class HostAdamW:
                 grad_scale = torch.tensor(1.0 / clip_coef)  # applied inside the kernel: no extra pass
             else:
                 grad.mul_(clip_coef)  # the fused kernel takes only an fp32 scale
+        self.update_runs(
+            group, (master, grad, exp_avg, exp_avg_sq), (start, end), offset, lr, step, grad_scale=grad_scale
+        )
+        if start < end:
+            store.refresh_wire(group, (start, end))
+
+    def update_runs(
+        self,
+        group: int,
+        buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+        span: tuple[int, int],
+        offset: int,
+        lr: float,
+        step: Tensor | None = None,
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
+    ) -> None:
+        """AdamW on [start, end) of `group` in `buffers` (master, gradient, exp_avg, exp_avg_sq, flat, of
+        one device; the gradient holds [start, end), the others [offset, ...)), weight decay run by run."""
+        cfg, (start, end) = self.config, span
+        master, grad, exp_avg, exp_avg_sq = buffers
+        step = self._step_tensor if step is None else step
+        if step.device != master.device:
+            step = step.to(master.device, non_blocking=True)
         for decay in (True, False):
             runs = [
                 (max(o, start), min(o + n, end))
@@ -166,16 +198,15 @@ class HostAdamW:
                 [grad[a - start : b - start] for a, b in runs],
                 [exp_avg[a - offset : b - offset] for a, b in runs],
                 [exp_avg_sq[a - offset : b - offset] for a, b in runs],
-                self._step_tensor if step is None else step,
+                step,
                 lr=lr,
                 beta1=cfg.betas[0],
                 beta2=cfg.betas[1],
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay if decay else 0.0,
                 grad_scale=grad_scale,
+                found_inf=found_inf,
             )
-        if start < end:
-            store.refresh_wire(group, (start, end))
 
     def update_rows(
         self,
@@ -234,6 +265,88 @@ class HostAdamW:
         last bit): the weights kept are the ones the GPU was given, so a resumed run sees them too."""
         self.store.master(group).view(-1, master_rows.shape[1]).index_copy_(0, rows, master_rows)
         self.store.refresh_wire(group)
+
+
+class DeviceAdamW:
+    """AdamW for groups whose master weights and moments stay on the GPU between steps (the first
+    decoder layers, where a small step leaves the CPU optimizer slower than the GPU's work): each
+    update runs on the device right after the group's backward (or once the clip coefficient is
+    known), so neither its weights nor its gradient cross PCIe and the CPU does not touch it.
+
+    The store keeps host copies of these groups: `to_device` loads them (before the first update,
+    and after the store was written: a checkpoint loaded), `to_host` brings the store up to date
+    (checkpoints, export). Step count and decay runs are those of the `HostAdamW` it extends."""
+
+    def __init__(self, host: HostAdamW, groups: list[int], device: torch.device):
+        store = host.store
+        if not store.owns_all or store.shard[1] != 1:
+            raise OptimError("GPU-updated groups need an unsharded store (one process holding all of the state)")
+        late = [g for g in groups if g >= store.first_disk_group]
+        if late:
+            raise OptimError(f"groups {late} keep their optimizer state on disk; they cannot be updated on the GPU")
+        self.host, self.device = host, torch.device(device)
+        numel = {g: store.layouts[g].numel for g in groups}
+        # zeros until to_device: what reads them before (a compile warm-up) sees finite numbers
+        self.masters = {g: torch.zeros(numel[g], dtype=store.master_dtype, device=self.device) for g in groups}
+        self.states = {
+            g: [torch.zeros(numel[g], dtype=store.master_dtype, device=self.device) for _ in STATE_NAMES]
+            for g in groups
+        }
+        self._stale_host: set[int] = set()  # updated here since the last to_host
+
+    @property
+    def groups(self) -> list[int]:
+        return list(self.masters)
+
+    def nbytes(self) -> int:
+        """Device bytes of the masters and moments held here."""
+        return sum(t.numel() * t.element_size() * (1 + len(STATE_NAMES)) for t in self.masters.values())
+
+    def update(
+        self,
+        group: int,
+        grad: Tensor,
+        lr: float,
+        clip_coef: float = 1.0,
+        step: Tensor | None = None,
+        sq_norm: Tensor | None = None,
+    ) -> None:
+        """Queue AdamW on `group` from its gradient (a flat device tensor, times clip_coef) on the current
+        stream. `step` as in `HostAdamW.update_group`; with `sq_norm` (the gradient's squared norm, on
+        the device) a non-finite gradient leaves the group as it is."""
+        if self.host.step_count == 0:
+            raise OptimError("update called before begin_step")
+        grad_scale = found_inf = None
+        if clip_coef != 1.0:
+            if FUSED and grad.dtype == torch.float32:  # as update_group applies it
+                grad_scale = torch.full((), 1.0 / clip_coef, device=self.device)
+            else:
+                grad.mul_(clip_coef)
+        if sq_norm is not None:
+            found_inf = (~torch.isfinite(sq_norm)).float()
+        numel = self.masters[group].numel()
+        buffers = (self.masters[group], grad, *self.states[group])
+        self.host.update_runs(group, buffers, (0, numel), 0, lr, step, grad_scale, found_inf)
+        self._stale_host.add(group)
+
+    def to_host(self) -> None:
+        """Copy the masters and moments updated here since the last call into the store (waits for them)."""
+        store = self.host.store
+        for group in sorted(self._stale_host):
+            store.master(group).copy_(self.masters[group])
+            for name, state in zip(STATE_NAMES, self.states[group]):
+                store.state(name, group).copy_(state)
+            store.refresh_wire(group)
+        self._stale_host.clear()
+
+    def to_device(self) -> None:
+        """Load the groups' masters and moments from the store (after it was written)."""
+        store = self.host.store
+        for group, master in self.masters.items():
+            master.copy_(store.master(group))
+            for name, state in zip(STATE_NAMES, self.states[group]):
+                state.copy_(store.state(name, group))
+        self._stale_host.clear()
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -8,7 +8,9 @@ last block, backward) finds its weights still in the slot of position n-2, so wi
 slots they are not copied again; held stages (`held_layers`, the first blocks) have a
 buffer of their own instead, which keeps their weights from forward to backward.
 Gradients of a group accumulate in one fp32 device buffer and are copied out once, when
-the last stage that binds the group has run backward.
+the last stage that binds the group has run backward. Groups whose master weights live on
+the device (`device_masters`: the optimizer updates them there) are cast into the slot from
+that master instead, and their gradient is handed over on the device instead of copied out.
 
 Weights travel as the store keeps them: an fp32 master is copied in through two small
 fp32 staging buffers and cast to the compute dtype on a cast stream, so the host needs no
@@ -145,6 +147,13 @@ class LayerPipeline:
     embedding's only scatters its gradient) gets no copy of them for it; the wait for their last
     update comes before its gradient is sent instead.
 
+    `device_masters` maps groups whose fp32 master weights live on the device (updated there, by work
+    queued on the compute stream) to that master: their stages are cast from it into the slot, with
+    no copy from the store, no `before_fetch` and no held buffer, and instead of being copied out
+    their gradient goes to `on_device_grads(group, grad, sq_norm)` (both device tensors; called on
+    the compute stream once the group's last backward is queued; the buffer is the callee's from then
+    on). A stage binds only such groups or none.
+
     Where the first stage's template reads only the rows of its one group that the tokens select
     (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
     `first_rows(group, rows)` for those (sorted unique input ids): a host tensor [len(rows), row]
@@ -161,6 +170,8 @@ class LayerPipeline:
         offload_checkpoints: bool | None = False,
         kept_layers: int | None = 0,
         held_layers: int = 0,
+        device_masters: dict[int, Tensor] | None = None,
+        on_device_grads: Callable[[int, Tensor, Tensor], None] = lambda group, grad, sq_norm: None,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
         updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True,
         first_rows: Callable[[int, Tensor], Tensor | None] = lambda group, rows: None,
@@ -194,6 +205,16 @@ class LayerPipeline:
         self.last_kept = 0  # how many block stages the last training step kept the graph of
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows = first_rows
+        self.device_masters, self.on_device_grads = device_masters or {}, on_device_grads
+        self._on_device = set()  # stages whose weights are cast from device masters
+        for index, stage in enumerate(stages):
+            resident = [g in self.device_masters for g in stage.groups]
+            if any(resident) and not all(resident):
+                raise SchedError(f"stage {index} ({stage.name}) binds groups with device masters and groups without")
+            if all(resident):
+                self._on_device.add(index)
+        if self.device_masters and reduce_grad is not None:
+            raise SchedError("groups updated on the device cannot be reduced over processes (reduce_grad)")
         self._rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
         self.reduce_grad = reduce_grad or self._own_shard
         self.timeline = timeline or Timeline(enabled=False)
@@ -236,10 +257,11 @@ class LayerPipeline:
         # the first `held_layers` block stages keep the weights copied in for their forward in a buffer of their
         # own until their backward: one copy in a step instead of two, half the host memory reads of the
         # weights (the last block's backward finds its rotating slot still holding them anyway)
-        holdable = [i for i in range(1, n - 2) if i not in self._weightless_backward]
+        holdable = [i for i in range(1, n - 2) if i not in self._weightless_backward | self._on_device]
         if not 0 <= held_layers <= len(holdable):
             raise SchedError(
-                f"held_layers must be between 0 and {len(holdable)} (the blocks but the last), got {held_layers}"
+                f"held_layers must be between 0 and {len(holdable)} (the blocks but the last, not updated on the "
+                f"device), got {held_layers}"
             )
         self.held_layers = held_layers
         self._held = {
@@ -275,6 +297,10 @@ class LayerPipeline:
         if position >= len(self.stages) and stage in self._weightless_backward:
             log.append(("no_copy", stage, slot_name))  # its backward binds no weights
             return
+        if stage in self._on_device:
+            self._cast_device_masters(slot, stage)
+            log.append(("cast", stage, slot_name))
+            return
         rows = None
         if position == 0 and self._rows is not None:
             rows = self._rows.table = self.first_rows(groups[0], self._rows.ids)
@@ -295,6 +321,18 @@ class LayerPipeline:
             slot.ready = streams.record(streams.copy_in)
         slot.stage = stage if rows is None else None  # (some rows are not the stage's weights)
         log.append(("copy_in", stage, slot_name))
+
+    def _cast_device_masters(self, slot: _Slot, stage: int) -> None:
+        """Queue the cast of a stage's device masters into its slot: behind the compute queued so far (their
+        last update, and the last read of the slot), on the cast stream where there is one."""
+        streams = self.streams
+        stream = self._cast_stream or streams.copy_in
+        streams.wait(stream, streams.record(streams.compute))
+        with streams.on(stream):
+            for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
+                view.copy_(self.device_masters[group])
+            slot.ready = streams.record(stream)
+        slot.stage = stage
 
     def _copy_weights(self, view: Tensor, source: Tensor) -> None:
         """Queue host `source` -> device `view` on the copy-in stream, or through the staging buffers and
@@ -346,6 +384,11 @@ class LayerPipeline:
                 continue
             buffer = grad_buffers.pop(group)
             if drop:
+                continue
+            if group in self.device_masters:
+                sq_norms[group] = torch.linalg.vector_norm(buffer).square()
+                self.on_device_grads(group, buffer[: self.store.layouts[group].numel], sq_norms[group])
+                log.append(("grad_on_device", group, None))
                 continue
             if stage in self._weightless_backward:
                 # no weight copy waited for the group's last update; its gradient must not land before it
