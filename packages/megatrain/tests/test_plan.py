@@ -6,15 +6,17 @@ import pytest
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain.plan import (
+    CPU_OPTIMIZER_MARGIN,
     DISK_TIER_RAM_SHARE,
     GRADIENT_POOL,
     Rates,
     check_plan,
+    gpu_updated_groups,
     layout_sizes,
     make_plan,
     measure_disk_gbps,
 )
-from megatrain_zoo import preset
+from megatrain_zoo import build_model, preset
 
 
 def config_for(preset, tokens, **extra):
@@ -275,18 +277,25 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     auto = make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100)
     host = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 0}), gpu_memory=h100)
     _, stages, _ = layout_sizes(model)
-    on_gpu = sum(stages[1 : 1 + auto.gpu_updated_layers])
+    on_gpu = sum(stages[: 1 + auto.gpu_updated_layers])  # the embedding (untied) and the first blocks
+    assert gpu_updated_groups(build_model(model), auto.gpu_updated_layers) == list(range(1 + auto.gpu_updated_layers))
     assert 0 < auto.gpu_updated_layers < model.n_layers and auto.gpu_updated_bytes == 12 * on_gpu
     assert auto.optimizer_s == pytest.approx(host.optimizer_s * (1 - on_gpu / model.n_params))
     assert auto.optimizer_s + 0.2 < host.optimizer_s and auto.step_s < host.step_s and auto.gpu_bytes <= h100
     one_fewer = make_plan(
         config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": auto.gpu_updated_layers - 1}), gpu_memory=h100
     )
-    assert one_fewer.bound == "cpu_optimizer" and auto.bound != "cpu_optimizer"  # the fewest that do
+    head_s = 6 * model.vocab_size * model.d_model * 16384 / (auto.rates.head_tflops * 1e12)
+    # the fewest that bring the CPU optimizer within the GPU's work, with a margin
+    assert auto.optimizer_s + head_s <= CPU_OPTIMIZER_MARGIN * auto.compute_s
+    assert one_fewer.optimizer_s + head_s > CPU_OPTIMIZER_MARGIN * one_fewer.compute_s
+    assert auto.bound != "cpu_optimizer" and host.bound == "cpu_optimizer"
     assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).gpu_updated_layers == 0
     assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100, gpus=2).gpu_updated_layers == 0
     clipped = make_plan(config_for("qwen2.5-7b", 16384, **{"train.grad_clip": 1.0}), gpu_memory=h100)
-    assert clipped.gpu_updated_bytes == 16 * sum(stages[1 : 1 + clipped.gpu_updated_layers])  # and the gradients
+    assert clipped.gpu_updated_bytes == 16 * sum(stages[: 1 + clipped.gpu_updated_layers])  # and the gradients
+    tied = preset("qwen2.5-0.5b")  # its table is the head's weight too: the blocks alone
+    assert gpu_updated_groups(build_model(tied), 2) == [1, 2]
     several = config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 2})
     with pytest.raises(ConfigError, match="engine.gpu_updated_layers: 2 needs one process"):
         check_plan(make_plan(several, gpu_memory=h100, gpus=2), several, model)

@@ -49,8 +49,12 @@ KEPT_RESERVE_BYTES = 3 * 2**30
 # second copy in of every weight then no longer competes with the optimizer for host memory bandwidth.
 HELD_GPU_SHARE = 0.25
 # With engine.gpu_updated_layers auto, the first blocks' masters and moments live and are updated on the GPU,
-# in at most this share of its memory, where the CPU optimizer is slower than the GPU's work (small steps).
-GPU_UPDATED_SHARE = 0.35
+# in at most this share of its memory, where the CPU optimizer is slower than the GPU's work (small steps),
+# until the CPU optimizer's time (and the head's, which waits for it) is within this share of the GPU's
+# work: its rate varies by 20% between machines and in a step, and a step it holds back loses more than
+# the kept layers that memory would have held save.
+GPU_UPDATED_SHARE = 0.5
+CPU_OPTIMIZER_MARGIN = 0.8
 
 
 def available_host_bytes() -> int | None:
@@ -143,6 +147,20 @@ def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[i
     stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
     planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in spec.stages[1:-1])
     return groups, stages, planes
+
+
+def gpu_updated_groups(spec, layers: int) -> list[int]:
+    """The groups (of a built model `spec`) whose masters and moments live on the GPU for
+    engine.gpu_updated_layers = `layers`: the first `layers` blocks', and with any, the embedding table's
+    where no other stage binds it (untied): it is the last gradient of a step and the first weight of the
+    next, so the step boundary then waits for no copy out, CPU update or copy in."""
+    if not layers:
+        return []
+    groups = {g for stage in spec.stages[1 : 1 + layers] for g in stage.groups}
+    table = spec.stages[0].groups
+    if not any(g in stage.groups for stage in spec.stages[1:] for g in table):
+        groups.update(table)
+    return sorted(groups)
 
 
 def mlp_width_per_token(model: ModelConfig) -> int:
@@ -305,34 +323,41 @@ def make_plan(
         """engine.held_layers resolved for these holdable blocks (parameters each), beside reserved_bytes."""
         if config.engine.held_layers != "auto":
             return min(config.engine.held_layers, len(blocks))
-        if gpu_available is None or offloaded or gpu_seconds(gpu_tokens) >= optimizer_s:
+        if gpu_available is None or offloaded or not small_step:
             return 0
         budget = min(HELD_GPU_SHARE * gpu_available, room_at(gpu_tokens) - reserved_bytes)
         held_so_far = itertools.accumulate(size * element for size in blocks)
         return sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
 
-    # GPU-updated blocks (the first): 12 B/param of masters and moments, and with clipping their gradients
-    # kept there until the norm is known; one process per machine only
+    # GPU-updated blocks (the first, and the untied embedding): 12 B/param of masters and moments, and with
+    # clipping their gradients kept there until the norm is known; one process per machine only
     device_state_per_param = 4 * (1 + len(STATE_NAMES)) + (4 if full_grads else 0)
+    n_blocks = len(stage_sizes) - 2
+
+    def gpu_updated_params_of(layers: int) -> int:
+        return sum(sizes[g] for g in gpu_updated_groups(_built(model, experts_per_stage), layers))
+
     reserved_bytes = 0  # held weights and GPU-updated state: what kept_at leaves room for
     optimizer_s = optimizer_seconds(model.n_params)
-    one_process = gpus * hosts == 1
+    # a small step: the CPU optimizer would take longer than the GPU's work, so GPU memory is worth more
+    # holding weights and updating the first blocks than keeping activations
+    small_step = gpu_seconds(gpu_tokens) < optimizer_s
     if config.engine.gpu_updated_layers != "auto":
-        gpu_updated = min(config.engine.gpu_updated_layers, len(stage_sizes) - 2)
-    elif gpu_available is None or offloaded or not one_process or gpu_seconds(gpu_tokens) >= optimizer_s:
+        gpu_updated = min(config.engine.gpu_updated_layers, n_blocks)
+    elif gpu_available is None or offloaded or gpus * hosts > 1 or not small_step:
         gpu_updated = 0
     else:  # the fewest that bring the CPU optimizer (and the head, which waits for it) within the GPU's work
         budget = min(GPU_UPDATED_SHARE * gpu_available, room_at(gpu_tokens))
         gpu_updated = 0
-        while gpu_updated < len(stage_sizes) - 2:
-            on_gpu = sum(stage_sizes[1 : gpu_updated + 1])
-            reserved_bytes = on_gpu * device_state_per_param
-            if optimizer_seconds(model.n_params - on_gpu) + head_seconds(gpu_tokens) <= gpu_seconds(gpu_tokens):
+        while gpu_updated < n_blocks:
+            reserved_bytes = gpu_updated_params_of(gpu_updated) * device_state_per_param
+            cpu_s = optimizer_seconds(model.n_params - gpu_updated_params_of(gpu_updated)) + head_seconds(gpu_tokens)
+            if cpu_s <= CPU_OPTIMIZER_MARGIN * gpu_seconds(gpu_tokens):
                 break
-            if (on_gpu + stage_sizes[gpu_updated + 1]) * device_state_per_param > budget:
+            if gpu_updated_params_of(gpu_updated + 1) * device_state_per_param > budget:
                 break
             gpu_updated += 1
-    gpu_updated_params = sum(stage_sizes[1 : gpu_updated + 1])
+    gpu_updated_params = gpu_updated_params_of(gpu_updated)
     gpu_updated_bytes = gpu_updated_params * device_state_per_param
     holdable = holdable[gpu_updated:]  # (those updated on the GPU need no held copy)
     reserved_bytes = gpu_updated_bytes
@@ -344,12 +369,17 @@ def make_plan(
     kept_layers = kept_at(gpu_tokens)
     kept_bytes = kept_layers * gpu_tokens * per_token_kept
     gpu_bytes += kept_bytes + reserved_bytes
+
+    def host_backward_s(compute_s: float) -> float:
+        """The part of the backward that lands gradients in host memory: all but the GPU-updated blocks',
+        which come last."""
+        return (1 - FORWARD_SHARE) * compute_s * (1 - gpu_updated_params / model.n_params)
     if full_grads:
         gradient_pool = 0.0
     elif config.engine.gradient_pool != "auto":
         gradient_pool = float(config.engine.gradient_pool)
     else:
-        gradient_pool = gradient_pool_size(optimizer_s, gpu_seconds(gpu_tokens), sizes, rates)
+        gradient_pool = gradient_pool_size(optimizer_s, host_backward_s(gpu_seconds(gpu_tokens)), sizes, rates)
     pool = gradient_pool * largest_group * 4
     if split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
         per_param = element + (per_param - (element if wire_copy else 0)) / hosts
@@ -387,6 +417,8 @@ def make_plan(
     exchange_s = fraction * element * model.n_params / (rates.network_gbps * 1e9) if split else 0.0
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / pcie
+    if 0 in gpu_updated_groups(_built(model, experts_per_stage), gpu_updated):  # the table is updated on the GPU
+        bubble_s = 0.0
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
 
     def phases(tokens_per_gpu: int) -> dict[str, float]:
@@ -401,7 +433,7 @@ def make_plan(
         # waits for the forward they pace.
         if full_grads:
             serial_s = (1 - FORWARD_SHARE) * compute_s
-        elif gradient_pool >= gradient_pool_size(optimizer_s, compute_s, sizes, rates):
+        elif gradient_pool >= gradient_pool_size(optimizer_s, host_backward_s(compute_s), sizes, rates):
             serial_s = head_seconds(tokens_per_gpu)
         else:
             serial_s = forward_s
@@ -471,13 +503,13 @@ def make_plan(
     )
 
 
-def gradient_pool_size(optimizer_s: float, compute_s: float, sizes: list[int], rates: Rates) -> float:
+def gradient_pool_size(optimizer_s: float, backward_s: float, sizes: list[int], rates: Rates) -> float:
     """The gradient pool, in largest groups (`sizes`: parameters per group): GRADIENT_POOL, or where the
-    optimizer takes longer than the backward, room for the gradients it has not taken when the backward
-    ends plus two of the largest (the embedding's, which lands last, and room for first-fit's gaps), so
-    that the backward never waits for it (one did at a pool one smaller, on a machine whose optimizer ran
-    below its rate: a 16k-token 7B step waited 0.2 s for room for the embedding's gradient)."""
-    backward_s = (1 - FORWARD_SHARE) * compute_s
+    optimizer takes longer than the part of the backward that lands its gradients (`backward_s`), room for
+    the gradients it has not taken when that part ends plus two of the largest (the embedding's, which
+    lands last, and room for first-fit's gaps), so that the backward never waits for it (one did at a pool
+    one smaller, on a machine whose optimizer ran below its rate: a 16k-token 7B step waited 0.2 s for
+    room for the embedding's gradient)."""
     left = max(0.0, optimizer_s - backward_s) * rates.cpu_adam_params_per_s
     return max(float(GRADIENT_POOL), math.ceil(2 + left / max(sizes)))
 
@@ -517,8 +549,9 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"with {plan.gpus * plan.hosts} GPUs set engine.gpu_updated_layers: 0 (or auto)"
         )
     if plan.gpu_updated_layers:
-        stages = _built(model, plan.experts_per_stage).stages[1 : 1 + plan.gpu_updated_layers]
-        if max(g for stage in stages for g in stage.groups) >= plan.first_disk_group:
+        if max(gpu_updated_groups(_built(model, plan.experts_per_stage), plan.gpu_updated_layers)) >= (
+            plan.first_disk_group
+        ):
             raise ConfigError(
                 f"engine.gpu_updated_layers: {plan.gpu_updated_layers} reaches the layers whose optimizer state is on "
                 "disk (engine.optimizer_state_dir); set engine.gpu_updated_layers: auto or fewer"

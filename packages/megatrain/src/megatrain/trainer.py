@@ -45,7 +45,7 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
 from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
-from .plan import check_plan, make_plan
+from .plan import check_plan, gpu_updated_groups, make_plan
 
 # Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
 # the disk busy while one group's read would otherwise wait for the previous update.
@@ -135,8 +135,8 @@ class Trainer:
         train = config.train
         adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
         self.optimizer = HostAdamW(self.store, adamw) if training else None
-        # the first blocks' masters and moments on the GPU, updated there (where the plan puts any)
-        on_device = sorted({g for s in self.spec.stages[1 : 1 + plan.gpu_updated_layers] for g in s.groups})
+        # the first blocks' (and the untied embedding's) masters and moments on the GPU, updated there
+        on_device = gpu_updated_groups(self.spec, plan.gpu_updated_layers)
         self.device_optimizer = DeviceAdamW(self.optimizer, on_device, self.device) if training and on_device else None
         self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
@@ -183,6 +183,7 @@ class Trainer:
             and self.ranks is None
             and "wire" not in self.store.arenas
             and first.groups[0] < self.store.first_disk_group
+            and self.device_optimizer is None
         )
         self._row_group = first.groups[0] if eligible else None
         self._deferred: dict[int, tuple] = {}  # group -> its update's arguments, held for `_first_rows`

@@ -183,8 +183,8 @@ class HostAdamW:
         cfg, (start, end) = self.config, span
         master, grad, exp_avg, exp_avg_sq = buffers
         step = self._step_tensor if step is None else step
-        if step.device != master.device:
-            step = step.to(master.device, non_blocking=True)
+        if step.device != master.device:  # (CUDA's fused kernel reads the count as fp32, whatever the params)
+            step = step.to(master.device, torch.float32)
         for decay in (True, False):
             runs = [
                 (max(o, start), min(o + n, end))

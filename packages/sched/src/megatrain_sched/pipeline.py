@@ -322,16 +322,25 @@ class LayerPipeline:
         slot.stage = stage if rows is None else None  # (some rows are not the stage's weights)
         log.append(("copy_in", stage, slot_name))
 
+    def _fetch_held_ahead(self, fetched: int, log: list) -> None:
+        """Queue the forward copies of held stages beyond `fetched` whose updates are done, in order: their
+        buffers are their own, so the copy engine need not wait for the rotating slots (while stages cast
+        from device masters compute, it would otherwise idle). Their turn in the order then finds them there."""
+        for stage, slot in self._held.items():  # (forward position = stage index)
+            if stage <= fetched or slot.stage == stage:
+                continue
+            if not self.updates_done(self.stages[stage].groups):
+                return
+            self._fetch(stage, log)
+
     def _cast_device_masters(self, slot: _Slot, stage: int) -> None:
-        """Queue the cast of a stage's device masters into its slot: behind the compute queued so far (their
-        last update, and the last read of the slot), on the cast stream where there is one."""
-        streams = self.streams
-        stream = self._cast_stream or streams.copy_in
-        streams.wait(stream, streams.record(streams.compute))
-        with streams.on(stream):
+        """Queue the cast of a stage's device masters into its slot on the compute stream, which orders it
+        after their last update and the slot's last reader, and before the stage's compute, with no event
+        (a cast is under a millisecond; on the cast stream it would queue behind the copies' casts)."""
+        with self.streams.on(self.streams.compute):
             for view, group in zip(self._slot_weights(slot, stage), self.stages[stage].groups):
                 view.copy_(self.device_masters[group])
-            slot.ready = streams.record(stream)
+        slot.ready = None
         slot.stage = stage
 
     def _copy_weights(self, view: Tensor, source: Tensor) -> None:
@@ -563,6 +572,8 @@ class LayerPipeline:
             while fetched < last and self.updates_done(stages[self.order[fetched + 1]].groups):
                 fetched += 1
                 self._fetch(fetched, log)
+            if train:
+                self._fetch_held_ahead(fetched, log)
             if position == n_stages - 1:  # forward done: no checkpoint is offloaded again (nor kept by this map)
                 offloaded_copies.clear()
             if train and position >= n_stages - 1:  # the next backward stage's offloaded checkpoints
