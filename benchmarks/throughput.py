@@ -182,8 +182,9 @@ def bench_megatrain(
                 "kept_layers": trainer.pipeline.last_kept,  # their forward's graph kept: no recompute
                 "predicted_kept_layers": plan.kept_layers,
                 "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
-                # masters and moments on the GPU, updated there
-                "gpu_updated_layers": len(trainer.device_optimizer.groups) if trainer.device_optimizer else 0,
+                # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
+                "gpu_updated_layers": trainer.plan.gpu_updated_layers,
+                "gpu_updated_groups": len(trainer.device_optimizer.groups) if trainer.device_optimizer else 0,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),  # the compile warm-up included
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),

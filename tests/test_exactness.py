@@ -149,7 +149,10 @@ def check_embedding_rows_first(dtype, preset_name, grad_clip, device, output_dir
         return table
 
     monkeypatch.setattr(Trainer, "_first_rows", counting)
-    check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, device, output_dir, batch_size=2)
+    # (a table updated on the GPU has no rows to send: auto may put it there for small steps on a GPU)
+    check_steps_match_plain_pytorch(
+        dtype, preset_name, grad_clip, device, output_dir, batch_size=2, gpu_updated_layers=0
+    )
     assert given == [True, True, True]  # steps 2-4 (the first has no update pending: the whole table goes)
 
 

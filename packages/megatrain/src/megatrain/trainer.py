@@ -96,7 +96,8 @@ class Trainer:
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
         gpus, hosts = launch_shape()
-        plan = make_plan(config, self.model_config, gpus=gpus, hosts=hosts)  # each GPU runs its share of the batch
+        # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
+        self.plan = plan = make_plan(config, self.model_config, gpus=gpus, hosts=hosts)  # each GPU: its share
         if training:
             check_plan(plan, config, self.model_config)
         self.spec = build_model(self.model_config, plan.experts_per_stage)
