@@ -64,9 +64,8 @@ def draw(ax, events: list, steps: int) -> None:
     """The last `steps` steps of one trace, one row per stream, time from the first step's start."""
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
-    # a step starts where the embedding is copied in for the forward
-    starts = [e["ts"] for e in spans if e["name"] == "copy_in embed" and tracks[e["tid"]] == "copy_in"]
-    forward_starts = starts[::2] if len(starts) > 1 else starts
+    # a step starts with the embedding's forward (its copy in may be missing: the table may live on the GPU)
+    forward_starts = [e["ts"] for e in spans if e["name"] == "fwd embed" and tracks[e["tid"]] == "compute"]
     begin = forward_starts[-steps] if len(forward_starts) >= steps else spans[0]["ts"]
     shown = [e for e in spans if e["ts"] >= begin]
     end = max(e["ts"] + e["dur"] for e in shown)
