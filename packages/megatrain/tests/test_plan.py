@@ -282,13 +282,8 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     assert 0 < auto.gpu_updated_layers < model.n_layers and auto.gpu_updated_bytes == 12 * on_gpu
     assert auto.optimizer_s == pytest.approx(host.optimizer_s * (1 - on_gpu / model.n_params))
     assert auto.optimizer_s + 0.2 < host.optimizer_s and auto.step_s < host.step_s and auto.gpu_bytes <= h100
-    one_fewer = make_plan(
-        config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": auto.gpu_updated_layers - 1}), gpu_memory=h100
-    )
     head_s = 6 * model.vocab_size * model.d_model * 16384 / (auto.rates.head_tflops * 1e12)
-    # the fewest that bring the CPU optimizer within the GPU's work, with a margin
-    assert auto.optimizer_s + head_s <= CPU_OPTIMIZER_MARGIN * auto.compute_s
-    assert one_fewer.optimizer_s + head_s > CPU_OPTIMIZER_MARGIN * one_fewer.compute_s
+    assert auto.optimizer_s + head_s <= CPU_OPTIMIZER_MARGIN * auto.compute_s  # within the GPU's work, with a margin
     assert auto.bound != "cpu_optimizer" and host.bound == "cpu_optimizer"
     assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).gpu_updated_layers == 0
     assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100, gpus=2).gpu_updated_layers == 0

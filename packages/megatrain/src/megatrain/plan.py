@@ -53,7 +53,7 @@ HELD_GPU_SHARE = 0.25
 # until the CPU optimizer's time (and the head's, which waits for it) is within this share of the GPU's
 # work: its rate varies by 20% between machines and in a step, and a step it holds back loses more than
 # the kept layers that memory would have held save.
-GPU_UPDATED_SHARE = 0.5
+GPU_UPDATED_SHARE = 0.75
 CPU_OPTIMIZER_MARGIN = 0.8
 
 
