@@ -374,6 +374,7 @@ def make_plan(
         """The part of the backward that lands gradients in host memory: all but the GPU-updated blocks',
         which come last."""
         return (1 - FORWARD_SHARE) * compute_s * (1 - gpu_updated_params / model.n_params)
+
     if full_grads:
         gradient_pool = 0.0
     elif config.engine.gradient_pool != "auto":
@@ -417,7 +418,8 @@ def make_plan(
     exchange_s = fraction * element * model.n_params / (rates.network_gbps * 1e9) if split else 0.0
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / pcie
-    if 0 in gpu_updated_groups(_built(model, experts_per_stage), gpu_updated):  # the table is updated on the GPU
+    spec = _built(model, experts_per_stage)
+    if spec.stages[0].groups[0] in gpu_updated_groups(spec, gpu_updated):  # the table is updated on the GPU
         bubble_s = 0.0
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
 
@@ -543,15 +545,14 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
             f"{model.max_seq_len}); lower data.seq_len"
         )
-    if plan.gpu_updated_layers and plan.gpus * plan.hosts > 1:
-        raise ConfigError(
-            f"engine.gpu_updated_layers: {plan.gpu_updated_layers} needs one process holding all of the state; "
-            f"with {plan.gpus * plan.hosts} GPUs set engine.gpu_updated_layers: 0 (or auto)"
-        )
     if plan.gpu_updated_layers:
-        if max(gpu_updated_groups(_built(model, plan.experts_per_stage), plan.gpu_updated_layers)) >= (
-            plan.first_disk_group
-        ):
+        if plan.gpus * plan.hosts > 1:
+            raise ConfigError(
+                f"engine.gpu_updated_layers: {plan.gpu_updated_layers} needs one process holding all of the state; "
+                f"with {plan.gpus * plan.hosts} GPUs set engine.gpu_updated_layers: 0 (or auto)"
+            )
+        on_gpu = gpu_updated_groups(_built(model, plan.experts_per_stage), plan.gpu_updated_layers)
+        if max(on_gpu) >= plan.first_disk_group:
             raise ConfigError(
                 f"engine.gpu_updated_layers: {plan.gpu_updated_layers} reaches the layers whose optimizer state is on "
                 "disk (engine.optimizer_state_dir); set engine.gpu_updated_layers: auto or fewer"

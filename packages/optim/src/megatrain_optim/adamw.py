@@ -179,12 +179,11 @@ class HostAdamW:
         found_inf: Tensor | None = None,
     ) -> None:
         """AdamW on [start, end) of `group` in `buffers` (master, gradient, exp_avg, exp_avg_sq, flat, of
-        one device; the gradient holds [start, end), the others [offset, ...)), weight decay run by run."""
+        one device, as `step` is; the gradient holds [start, end), the others [offset, ...)), weight decay
+        run by run."""
         cfg, (start, end) = self.config, span
         master, grad, exp_avg, exp_avg_sq = buffers
         step = self._step_tensor if step is None else step
-        if step.device != master.device:  # (CUDA's fused kernel reads the count as fp32, whatever the params)
-            step = step.to(master.device, torch.float32)
         for decay in (True, False):
             runs = [
                 (max(o, start), min(o + n, end))
@@ -268,8 +267,8 @@ class HostAdamW:
 
 
 class DeviceAdamW:
-    """AdamW for groups whose master weights and moments stay on the GPU between steps (the first
-    decoder layers, where a small step leaves the CPU optimizer slower than the GPU's work): each
+    """AdamW for groups whose master weights and moments stay on the GPU between steps (the embedding and
+    first decoder layers, where a small step leaves the CPU optimizer slower than the GPU's work): each
     update runs on the device right after the group's backward (or once the clip coefficient is
     known), so neither its weights nor its gradient cross PCIe and the CPU does not touch it.
 
@@ -298,10 +297,6 @@ class DeviceAdamW:
     def groups(self) -> list[int]:
         return list(self.masters)
 
-    def nbytes(self) -> int:
-        """Device bytes of the masters and moments held here."""
-        return sum(t.numel() * t.element_size() * (1 + len(STATE_NAMES)) for t in self.masters.values())
-
     def update(
         self,
         group: int,
@@ -324,9 +319,13 @@ class DeviceAdamW:
                 grad.mul_(clip_coef)
         if sq_norm is not None:
             found_inf = (~torch.isfinite(sq_norm)).float()
+        # the count made here rather than copied: a copy from pageable memory would wait for the stream;
+        # fp32 whatever the params (CUDA's fused kernel reads it as fp32)
+        count = float(self.host.step_tensor if step is None else step)
+        step_here = torch.full((), count, dtype=torch.float32, device=self.device)
         numel = self.masters[group].numel()
         buffers = (self.masters[group], grad, *self.states[group])
-        self.host.update_runs(group, buffers, (0, numel), 0, lr, step, grad_scale, found_inf)
+        self.host.update_runs(group, buffers, (0, numel), 0, lr, step_here, grad_scale, found_inf)
         self._stale_host.add(group)
 
     def to_host(self) -> None:
