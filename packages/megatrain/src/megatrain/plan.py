@@ -423,11 +423,23 @@ def make_plan(
         bubble_s = 0.0
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
 
+    # GPU-updated blocks compute with no copy to wait for, first in the forward and last in the backward:
+    # only the other blocks' work hides the copies (the held blocks' forward copies may start while the
+    # GPU-updated blocks compute: their buffers are their own)
+    on_gpu_share = gpu_updated_params / model.n_params
+    held_copy_s = held_params * wire / pcie
+
     def phases(tokens_per_gpu: int) -> dict[str, float]:
         """What each bound would make a step of `tokens_per_gpu` last."""
         compute_s = gpu_seconds(tokens_per_gpu)
-        forward_s = max(FORWARD_SHARE * compute_s, weight_pass_s)
-        backward_s = max((1 - FORWARD_SHARE) * compute_s, backward_weights_s, streamed * 4 / pcie)
+        forward_compute_s, backward_compute_s = FORWARD_SHARE * compute_s, (1 - FORWARD_SHARE) * compute_s
+        early_s = min(held_copy_s, on_gpu_share * forward_compute_s)
+        forward_s = on_gpu_share * forward_compute_s + max(
+            (1 - on_gpu_share) * forward_compute_s, weight_pass_s - early_s
+        )
+        backward_s = on_gpu_share * backward_compute_s + max(
+            (1 - on_gpu_share) * backward_compute_s, backward_weights_s, streamed * 4 / pcie
+        )
         # Updates applied as gradients land start after the head and, first layers first, run beside the
         # backward and the next forward, which reaches the head once the last is done: with a pool deep
         # enough for what the optimizer has left when the backward ends, only the head waits for them, else
