@@ -220,6 +220,51 @@ def test_gpu_updated_layers_match_plain_pytorch(dtype, grad_clip, preset_name, e
     assert sorted(updated) == sorted(on_gpu * 4)  # 4 steps
 
 
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_gpu_updated_layers_evaluate_and_resume_like_host_updates(grad_clip, tmp_path):
+    """Evaluation reads the device masters; the store is behind them until sync_store, and a trainer that
+    restores a step takes the store's state back at its next step: losses equal a host-updated run's."""
+    from megatrain.checkpoint import load_checkpoint, save_checkpoint
+
+    generator = torch.Generator().manual_seed(3)
+    batches = [random_batch(4, 12, 256, generator) for _ in range(4)]
+
+    def trainer(gpu_updated_layers, name):
+        engine = EngineSection(gpu_updated_layers=gpu_updated_layers)
+        config = tiny_llama_config(
+            tmp_path / name,
+            "cpu",
+            "float64",
+            12,
+            engine,
+            batch_size=4,
+            micro_batch_size=2,
+            lr=1e-2,
+            grad_clip=grad_clip,
+        )
+        return Trainer(config)
+
+    on_device, on_host = trainer(2, "device"), trainer(0, "host")
+    for ids, labels in batches[:2]:
+        assert on_device.train_step(ids, labels).loss == pytest.approx(on_host.train_step(ids, labels).loss, rel=1e-12)
+    on_device.finish_updates()
+    stale = on_device.store.master(1).clone()
+    assert on_device.evaluate(*batches[2]) == pytest.approx(on_host.evaluate(*batches[2]), rel=1e-12)
+    assert torch.equal(on_device.store.master(1), stale)  # evaluation read the device's masters
+    saved = save_checkpoint(on_device, tmp_path / "checkpoints")
+    assert not torch.equal(on_device.store.master(1), stale)  # sync_store brought them to the store
+    resumed = trainer(2, "resumed")
+    load_checkpoint(resumed, saved)
+    for ids, labels in batches[2:]:
+        expected = on_host.train_step(ids, labels).loss
+        assert resumed.train_step(ids, labels).loss == pytest.approx(expected, rel=1e-12)
+        assert on_device.train_step(ids, labels).loss == pytest.approx(expected, rel=1e-12)
+    ours, theirs = resumed.named_weights(), on_host.named_weights()
+    assert all(torch.allclose(ours[n], theirs[n], rtol=1e-10, atol=1e-14) for n in theirs)
+    for t in (on_device, on_host, resumed):
+        t.close()
+
+
 def test_a_warmed_up_trainer_matches_plain_pytorch(tmp_path):
     """The setup warm-up (a step's forward and backward, the last layer keeping its graph and the
     others recomputing) only reads the weights: weights, moments, step count and the next steps are
