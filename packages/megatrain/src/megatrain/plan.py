@@ -49,11 +49,11 @@ KEPT_RESERVE_BYTES = 3 * 2**30
 # second copy in of every weight then no longer competes with the optimizer for host memory bandwidth.
 HELD_GPU_SHARE = 0.25
 # With engine.gpu_updated_layers auto, the first blocks' masters and moments live and are updated on the GPU,
-# in at most this share of its memory, where the CPU optimizer is slower than the GPU's work (small steps),
-# until the CPU optimizer's time (and the head's, which waits for it) is within this share of the GPU's
+# in at most this share of its memory, where the CPU optimizer is slower than the GPU's work (small steps)...
+GPU_UPDATED_SHARE = 0.75
+# ... until the CPU optimizer's time (and the head's, which waits for it) is within this share of the GPU's
 # work: its rate varies by 20% between machines and in a step, and a step it holds back loses more than
 # the kept layers that memory would have held save.
-GPU_UPDATED_SHARE = 0.75
 CPU_OPTIMIZER_MARGIN = 0.8
 
 
@@ -319,23 +319,14 @@ def make_plan(
     def optimizer_seconds(cpu_params: int) -> float:
         return cpu_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
 
-    def held_for(blocks: list[int]) -> int:
-        """engine.held_layers resolved for these holdable blocks (parameters each), beside reserved_bytes."""
-        if config.engine.held_layers != "auto":
-            return min(config.engine.held_layers, len(blocks))
-        if gpu_available is None or offloaded or not small_step:
-            return 0
-        budget = min(HELD_GPU_SHARE * gpu_available, room_at(gpu_tokens) - reserved_bytes)
-        held_so_far = itertools.accumulate(size * element for size in blocks)
-        return sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
-
     # GPU-updated blocks (the first, and the untied embedding): 12 B/param of masters and moments, and with
     # clipping their gradients kept there until the norm is known; one process per machine only
     device_state_per_param = 4 * (1 + len(STATE_NAMES)) + (4 if full_grads else 0)
     n_blocks = len(stage_sizes) - 2
+    spec = _built(model, experts_per_stage)
 
     def gpu_updated_params_of(layers: int) -> int:
-        return sum(sizes[g] for g in gpu_updated_groups(_built(model, experts_per_stage), layers))
+        return sum(sizes[g] for g in gpu_updated_groups(spec, layers))
 
     reserved_bytes = 0  # held weights and GPU-updated state: what kept_at leaves room for
     optimizer_s = optimizer_seconds(model.n_params)
@@ -350,8 +341,9 @@ def make_plan(
         budget = min(GPU_UPDATED_SHARE * gpu_available, room_at(gpu_tokens))
         gpu_updated = 0
         while gpu_updated < n_blocks:
-            reserved_bytes = gpu_updated_params_of(gpu_updated) * device_state_per_param
-            cpu_s = optimizer_seconds(model.n_params - gpu_updated_params_of(gpu_updated)) + head_seconds(gpu_tokens)
+            on_gpu = gpu_updated_params_of(gpu_updated)
+            reserved_bytes = on_gpu * device_state_per_param
+            cpu_s = optimizer_seconds(model.n_params - on_gpu) + head_seconds(gpu_tokens)
             if cpu_s <= CPU_OPTIMIZER_MARGIN * gpu_seconds(gpu_tokens):
                 break
             if gpu_updated_params_of(gpu_updated + 1) * device_state_per_param > budget:
@@ -359,10 +351,17 @@ def make_plan(
             gpu_updated += 1
     gpu_updated_params = gpu_updated_params_of(gpu_updated)
     gpu_updated_bytes = gpu_updated_params * device_state_per_param
-    holdable = holdable[gpu_updated:]  # (those updated on the GPU need no held copy)
     reserved_bytes = gpu_updated_bytes
     optimizer_s = optimizer_seconds(model.n_params - gpu_updated_params)
-    held_layers = held_for(holdable)
+    holdable = holdable[gpu_updated:]  # (those updated on the GPU need no held copy)
+    if config.engine.held_layers != "auto":
+        held_layers = min(config.engine.held_layers, len(holdable))
+    elif gpu_available is None or offloaded or not small_step:
+        held_layers = 0
+    else:
+        budget = min(HELD_GPU_SHARE * gpu_available, room_at(gpu_tokens) - reserved_bytes)
+        held_so_far = itertools.accumulate(size * element for size in holdable)
+        held_layers = sum(1 for _ in itertools.takewhile(lambda held: held <= budget, held_so_far))
     held_params = sum(holdable[:held_layers])
     held_bytes = held_params * element
     reserved_bytes += held_bytes
@@ -418,7 +417,6 @@ def make_plan(
     exchange_s = fraction * element * model.n_params / (rates.network_gbps * 1e9) if split else 0.0
     embed_params = model.vocab_size * model.d_model
     bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / pcie
-    spec = _built(model, experts_per_stage)
     if spec.stages[0].groups[0] in gpu_updated_groups(spec, gpu_updated):  # the table is updated on the GPU
         bubble_s = 0.0
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
