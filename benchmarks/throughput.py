@@ -307,7 +307,7 @@ def main():
         "--experts-per-stage", default="auto", help="MoE: stream a layer's experts in parts of this many"
     )
     parser.add_argument(
-        "--kept-layers", default="auto", help="layers that keep their activations (auto: what fits the GPU; 0: none)"
+        "--kept-layers", default="auto", help="layers that keep their matmul products (auto: what fits the GPU; 0: none)"
     )
     parser.add_argument(
         "--held-layers", default="auto", help="layers whose weights stay on the GPU from forward to backward"

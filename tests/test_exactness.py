@@ -62,7 +62,7 @@ def check_steps_match_plain_pytorch(
 ):
     """N optimizer steps of megatrain and of the reference on `device` from the same random
     weights and data: losses, gradient norms and every final weight agree to the tolerance
-    (and, where `expect_kept` is given, that many layers kept their forward's graph). With `warm_up`
+    (and, where `expect_kept` is given, that many layers kept their forward's matmul products). With `warm_up`
     the trainer first runs its setup warm-up (on the GPU it always does), which must change nothing."""
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run

@@ -167,7 +167,7 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
     # a MoE layer always recomputes (its routing statistics belong to each forward); dense layers after
-    # the last MoE one may keep their graph
+    # the last MoE one may keep their products
     model = trainer.model_config
     trailing_dense = next(
         (i for i, layer in enumerate(reversed(range(model.n_layers))) if model.layer_is_moe(layer)), model.n_layers

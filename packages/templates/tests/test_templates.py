@@ -74,17 +74,26 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
     for name, p in ref.named_parameters():
         assert rel_err(by_name[name], p.grad) < 1e-5, name
 
-    # the kept graph: the slot it ran in is overwritten by later layers, its backward reads the weights
-    # from where they are streamed in again (another slot, at another offset of its storage)
-    slot = flat.clone()
-    out_kept, graph = block.forward_kept([slot], x.detach())
-    slot.normal_()
+    # a kept layer's slot is overwritten by later layers; its backward reads the weights from where they
+    # are streamed in again (another slot, at another offset of its storage)
     other_slot = torch.empty(flat.numel() + 7)[7:]
     other_slot.copy_(flat)
-    kept_grads = [torch.full((block.numel,), 0.5)]
-    assert torch.equal(out_kept, out)
-    assert rel_err(block.backward_kept([other_slot], graph, grad_out, kept_grads), x.grad) < 1e-5
-    assert rel_err(kept_grads[0], grads[0]) < 1e-5
+
+    # kept matmul products stand for the recompute's GEMMs: the backward reads them, not the weights,
+    # for those products (so a product from other weights shows in the gradients)
+    slot = flat.clone()
+    out_products, products = block.forward_keeping_products([slot], x.detach())
+    slot.normal_()
+    assert torch.equal(out_products, out)
+    assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight"}
+    assert sum(p.shape[-1] for p in products.values()) * 4 == block.product_bytes_per_token(4)
+    product_grads = [torch.full((block.numel,), 0.5)]
+    assert rel_err(block.backward([other_slot], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
+    assert rel_err(product_grads[0], grads[0]) < 1e-5
+    products["gate_up_weight"] = products["gate_up_weight"] * 1.5
+    changed = [torch.zeros(block.numel)]
+    block.backward([other_slot], x.detach(), grad_out, changed, products=products)
+    assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
 
 
 @pytest.mark.parametrize("shared_d_ff,norm_topk,coef", [(0, True, 0.0), (40, False, 0.3), (0, False, 0.1)])

@@ -134,8 +134,9 @@ class EngineSection:
     n_slots: int = 2  # device weight slots (2 = double buffering)
     # activation checkpoints in pinned host memory; "auto": when they would take over half the free GPU memory
     offload_checkpoints: bool | str = "auto"
-    # layers (the last ones) whose forward keeps its activations for the backward instead of
-    # recomputing it there; "auto": as many as the GPU's free memory holds (none on the CPU)
+    # layers (the last ones) whose forward keeps its matmul products for the backward, which then
+    # recomputes no GEMM (only norms, rotary embedding, attention and activation); "auto": as many as
+    # the GPU's free memory holds (none on the CPU)
     kept_layers: int | str = "auto"
     # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
     # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;

@@ -41,7 +41,7 @@ GRADIENT_POOL = 3
 # With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
 # host memory: the rest is page cache for the disk tier's read-ahead and write-behind.
 DISK_TIER_RAM_SHARE = 0.85
-# GPU memory the scheduler leaves free beside kept layers' graphs, past what fixed_gpu counts: the CUDA
+# GPU memory the scheduler leaves free beside kept layers' products, past what fixed_gpu counts: the CUDA
 # context and allocator slack
 KEPT_RESERVE_BYTES = 3 * 2**30
 # With engine.held_layers auto, the blocks' weights stay on the GPU from forward to backward, in at most
@@ -117,8 +117,8 @@ class Plan:
     checkpoint_stages: int = 0
     # gradient landing pool, in largest groups' gradients (store.grad_pool); 0: one buffer per group
     gradient_pool: float = 0.0
-    kept_layers: int = 0  # layers whose forward keeps its graph for the backward (no recompute)
-    kept_bytes: int = 0  # GPU memory their graphs hold
+    kept_layers: int = 0  # layers whose forward keeps its matmul products for the backward (no GEMM recomputed)
+    kept_bytes: int = 0  # GPU memory their products hold
     held_layers: int = 0  # block stages (the first) whose weights stay on the GPU from forward to backward
     held_bytes: int = 0  # GPU memory those weights take
     gpu_updated_layers: int = 0  # block stages (the first) whose masters and moments live and update on the GPU
@@ -172,23 +172,22 @@ def mlp_width_per_token(model: ModelConfig) -> int:
 def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
     parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
-    down projection, which the dense recompute skips, and less the whole recompute of `kept_layers`
-    (dense layers whose forward's graph is kept). Routers and experts count their active part."""
+    down projection, which the dense recompute skips, and less the recompute's GEMMs in `kept_layers`
+    (dense layers whose forward's matmul products are kept). Routers and experts count their active part."""
     attention = 8 * model.n_layers * seq_len * model.n_heads * model.head_dim * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
     skipped_down = 2 * dense_layers * model.d_ff * model.d_model
-    # a dense layer's recompute: 2 x its matmul parameters but the down projection, and attention's forward
-    recompute = 2 * (matmul_layers / model.n_layers - model.d_ff * model.d_model) * tokens
-    recompute += 2 * seq_len * model.n_heads * model.head_dim * tokens
-    return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recompute
+    # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection
+    recomputed_matmuls = 2 * (matmul_layers / model.n_layers - model.d_ff * model.d_model) * tokens
+    return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
 
 
 def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
-    """GPU bytes per token that one layer's kept forward graph holds; 0 where the layers always recompute."""
+    """GPU bytes per token that one kept layer's matmul products hold; 0 where the layers always recompute."""
     template = _built(model, 0).stages[-2].template
-    keeps = callable(getattr(template, "forward_kept", None))
-    return template.kept_bytes_per_token(element_size) if keeps else 0
+    keeps = callable(getattr(template, "forward_keeping_products", None))
+    return template.product_bytes_per_token(element_size) if keeps else 0
 
 
 def first_disk_group(
@@ -281,7 +280,7 @@ def make_plan(
     else:
         offloaded = n_checkpoints if offload else 0
     gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
-    # layers whose forward keeps its graph: as the scheduler decides, the last ones, as many as the GPU
+    # layers whose forward keeps its matmul products: as the scheduler decides, the last ones, as many as the GPU
     # holds beside the checkpoints and a reserve (the head's chunk, two gradients and a recompute in
     # fixed_gpu, plus what the scheduler keeps free)
     per_token_kept = kept_bytes_per_token(model, element) if not experts_per_stage else 0
@@ -292,7 +291,7 @@ def make_plan(
     keepable = max(0, min(trailing_dense, model.n_layers - offloaded)) if per_token_kept else 0
 
     def room_at(tokens_per_gpu: int) -> float:
-        """GPU bytes left beside the step's fixed needs and checkpoints, for kept graphs and held weights."""
+        """GPU bytes left beside the step's fixed needs and checkpoints, for kept products and held weights."""
         checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
         return min(gpu_available - KEPT_RESERVE_BYTES, 0.9 * gpu_available) - fixed_gpu - checkpoints_there
 
@@ -782,7 +781,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
-        + (f", {plan.kept_layers} layers keep their activations (no recompute)" if plan.kept_layers else "")
+        + (f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)" if plan.kept_layers else "")
         + (f", {plan.held_layers} layers' weights held from forward to backward" if plan.held_layers else "")
         + (
             f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "

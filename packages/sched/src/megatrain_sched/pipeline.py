@@ -37,7 +37,7 @@ from .timeline import Timeline
 # the slots.
 STAGING_NUMEL = 2**25
 
-# Device memory left free beside kept layers' graphs, past two gradients and a recompute: the head's
+# Device memory left free beside kept layers' products, past two gradients and a recompute: the head's
 # logits chunk with its gradient (3 GiB) and the allocator's slack.
 KEPT_SLACK_BYTES = 5 * 2**30
 
@@ -112,7 +112,8 @@ class _Rows:
 
 @dataclass
 class _Kept:
-    graph: Any  # what the template's forward_kept gave: its backward runs through it, no recompute
+    x: Any  # the checkpoint, as for any layer
+    products: dict  # what the template's forward_keeping_products gave: its backward skips those GEMMs
 
 
 @dataclass
@@ -138,10 +139,10 @@ class LayerPipeline:
     memory; it is called on the copy-out stream, so collectives there never hold up compute.
     `buffer` is padded to a whole number of shards.
 
-    A block template that provides `forward_kept(weights, x) -> (y, graph)` and
-    `backward_kept(weights, graph, grad_out, grads)` (and `kept_bytes_per_token(element_size)`) has
-    its forward's graph kept instead of a checkpoint, for the last `kept_layers` block stages (None:
-    as many as fit the free device memory), so their backward does not recompute the forward.
+    A block template that provides `forward_keeping_products(weights, x) -> (y, products)` (and
+    `product_bytes_per_token(element_size)`) has its forward's matmul products kept beside the
+    checkpoint, for the last `kept_layers` block stages (None: as many as fit the free device
+    memory), and given to its backward as `products=`, which then recomputes no GEMM.
 
     A template whose backward reads none of its weights (`backward_reads_weights = False`: an
     embedding's only scatters its gradient) gets no copy of them for it; the wait for their last
@@ -202,7 +203,7 @@ class LayerPipeline:
         self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
         # None: as many of the last block stages as the free device memory holds (none on the CPU)
         self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
-        self.last_kept = 0  # how many block stages the last training step kept the graph of
+        self.last_kept = 0  # how many block stages the last training step kept the products of
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows = first_rows
         self.device_masters, self.on_device_grads = device_masters or {}, on_device_grads
@@ -247,10 +248,10 @@ class LayerPipeline:
         self._weightless_backward = {
             index for index, stage in enumerate(stages) if not getattr(stage.template, "backward_reads_weights", True)
         }
-        # how many of the last block stages can keep their forward's graph (their templates have `forward_kept`)
+        # how many of the last block stages can keep their forward's products (`forward_keeping_products`)
         self._keepable = 0
         for stage in reversed(stages[1:-1]):
-            if not callable(getattr(stage.template, "forward_kept", None)):
+            if not callable(getattr(stage.template, "forward_keeping_products", None)):
                 break
             self._keepable += 1
         self._largest_block = max(stage_numels[1:-1], default=0)
@@ -444,10 +445,10 @@ class LayerPipeline:
         return max(0, n_blocks - int(0.5 * (free + reusable) // per_stage))
 
     def kept_stages(self, batches: list[MicroBatch], n_offloaded: int) -> range:
-        """The block stages, the last ones, whose forward keeps its graph this step: `kept_layers` of them
+        """The block stages, the last ones, whose forward keeps its products this step: `kept_layers` of them
         where set, else as many as the device memory holds beside the checkpoints kept there and a
         reserve (two fp32 gradients of the largest stage, one micro-batch's recompute and
-        KEPT_SLACK_BYTES); none where a template cannot keep one or checkpoints are offloaded (memory
+        KEPT_SLACK_BYTES); none where a template cannot keep them or checkpoints are offloaded (memory
         is short there)."""
         n_stages = len(self.stages)
         keepable = min(self._keepable, n_stages - 2 - n_offloaded)
@@ -458,12 +459,13 @@ class LayerPipeline:
         else:
             element = torch.finfo(self.store.compute_dtype).bits // 8
             tokens = sum(mb.input_ids.numel() for mb in batches)
-            per_token = self.stages[-2].template.kept_bytes_per_token(element)
+            per_token = self.stages[-2].template.product_bytes_per_token(element)
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             on_device = self.checkpoint_bytes(batches) * (n_stages - 2 - n_offloaded) // max(1, n_stages - 2)
             micro_tokens = max(mb.input_ids.numel() for mb in batches)
-            reserve = 2 * self._largest_block * 4 + micro_tokens * per_token + KEPT_SLACK_BYTES
+            # a recompute's graph holds about twice a layer's products (its inputs, attention, activation)
+            reserve = 2 * self._largest_block * 4 + 2 * micro_tokens * per_token + KEPT_SLACK_BYTES
             count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
         return range(n_stages - 1 - count, n_stages - 1)
 
@@ -509,7 +511,7 @@ class LayerPipeline:
         """Forward and backward of one step on `micro_batches`, its gradients dropped (nothing reaches the
         store or the optimizer): what is built on first use (torch.compile's kernels for each shape and
         grad mode, cuBLAS's plans, the allocator's pools) is built here, at setup, instead of inside the
-        first step. Where layers may keep their graph only the last one does, so that both kinds of
+        first step. Where layers may keep their products only the last one does, so that both kinds of
         backward are built."""
         enabled, self.timeline.enabled = self.timeline.enabled, False
         try:
@@ -551,10 +553,10 @@ class LayerPipeline:
                 self._fetch(1, log)
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
-        kept_graphs = self.kept_stages(batches, n_offloaded) if train else range(0)
+        kept_products = self.kept_stages(batches, n_offloaded) if train else range(0)
         if warm_up:
-            kept_graphs = kept_graphs[-1:]
-        self.last_kept = len(kept_graphs)
+            kept_products = kept_products[-1:]
+        self.last_kept = len(kept_products)
         reloaded: dict[int, list] = {}
         offloaded_copies: dict[int, tuple] = {}
         prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
@@ -594,15 +596,14 @@ class LayerPipeline:
                         ]
                         kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
                     for m, x in enumerate(acts):
-                        if stage_index in kept_graphs:
-                            acts[m], graph = stage.template.forward_kept(weights, x, **kwargs[m])
-                            checkpoints[stage_index][m] = _Kept(graph)
-                            continue
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
                             checkpoints[stage_index][m] = self._offload(kept, offloaded_copies) if offload else kept
-                        if position == 0 and self._rows is not None and self._rows.table is not None:
+                        if stage_index in kept_products:
+                            acts[m], products = stage.template.forward_keeping_products(weights, x, **kwargs[m])
+                            checkpoints[stage_index][m] = _Kept(checkpoints[stage_index][m], products)
+                        elif position == 0 and self._rows is not None and self._rows.table is not None:
                             rows = slot.buffer[: self._rows.table.numel()]
                             acts[m] = stage.template.forward_rows(rows, self._rows.local[m], **kwargs[m])
                         else:
@@ -622,13 +623,12 @@ class LayerPipeline:
                     for m, grad_out in enumerate(acts):
                         x = inputs[m]
                         inputs[m] = None
+                        kwargs = batches[m].template_kwargs
                         if isinstance(x, _Kept):
-                            acts[m] = stage.template.backward_kept(weights, x.graph, grad_out, grads)
-                            continue
+                            x, kwargs = x.x, kwargs | {"products": x.products}
                         if isinstance(x, _Reloaded):
                             streams.wait(streams.compute, x.ready)
                             x = x.x
-                        kwargs = batches[m].template_kwargs
                         if forward_prepared is not None:
                             kwargs = kwargs | {"prepared": forward_prepared[m]}
                         acts[m] = stage.template.backward(weights, x, grad_out, grads, **kwargs)

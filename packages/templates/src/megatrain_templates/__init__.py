@@ -4,7 +4,7 @@ from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
-from .layout import KeptGraph, ParamSpec, Span, file_tensors, param_offsets, row_slice_name, row_slice_of, total_numel
+from .layout import ParamSpec, Span, file_tensors, param_offsets, row_slice_name, row_slice_of, total_numel
 from .moe import (
     EXPERT_NAMING,
     MoeAttention,
@@ -31,7 +31,6 @@ __all__ = [
     "RouterLoad",
     "Head",
     "IGNORE_INDEX",
-    "KeptGraph",
     "ParamSpec",
     "RopeConfig",
     "Span",

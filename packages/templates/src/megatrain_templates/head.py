@@ -9,7 +9,7 @@ a second flat buffer, and its gradient lands in that buffer's gradient.
 import torch
 from torch import Tensor
 
-from .layout import ParamSpec, Span, accumulate, check_buffers, leaf
+from .layout import ParamSpec, Span, accumulate, add_matmul_, check_buffers, leaf
 from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm, upcast
 
 # Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (2 GiB):
@@ -92,7 +92,7 @@ class Head:
             loss_sum += chunk_loss
             # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one
             grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
-            grad_matrix.add_(grad_logits.T @ (upcast(chunk) * scale).to(chunk.dtype))  # cast and add: one pass
+            add_matmul_(grad_matrix, grad_logits.T, (upcast(chunk) * scale).to(chunk.dtype))
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden

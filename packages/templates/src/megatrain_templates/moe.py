@@ -355,9 +355,9 @@ def _valid_tokens(documents: Documents | None) -> Tensor | None:
 class MoeBlock(DecoderBlock):
     """Stateless MoE decoder block; `router_load` is the model's shared step statistics."""
 
-    # no kept graphs: the routing statistics are collected by each forward and their loss's gradient
-    # added by the recompute's, so a MoE layer always recomputes
-    forward_kept = None
+    # no kept products: the routing statistics are collected by each forward and their loss's gradient
+    # added by the recompute's, so a MoE layer always recomputes all of it
+    forward_keeping_products = None
 
     def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
         self.shape, self.moe = shape, moe

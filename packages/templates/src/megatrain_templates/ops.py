@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .layout import BoundWeight, ProductKeeper, add_matmul_
+
 IGNORE_INDEX = -100
 
 
@@ -39,6 +41,38 @@ def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
 
     run.__doc__, run.__name__ = fn.__doc__, fn.__name__
     return run
+
+
+class _LinearIntoGrad(torch.autograd.Function):
+    """F.linear whose backward adds the weight's gradient into `bound.grad`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, bound: BoundWeight) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bound = bound
+        if bound.product is not None:
+            return bound.product.view_as(bound.product)  # a new tensor for autograd to own, not a copy
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        add_matmul_(ctx.bound.grad, grad_2d.T, x.reshape(-1, x.shape[-1]))
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias, None
+
+
+def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", bias: Tensor | None = None) -> Tensor:
+    """F.linear; a `BoundWeight`'s gradient goes straight into its gradient buffer in backward (and its
+    kept product, where it has one, stands for the GEMM); a `ProductKeeper` keeps the product."""
+    if isinstance(weight, BoundWeight):
+        return _LinearIntoGrad.apply(x, weight.value, bias, weight)
+    if isinstance(weight, ProductKeeper):
+        weight.products[weight.name] = out = F.linear(x, weight.value, bias)
+        return out
+    return F.linear(x, weight, bias)
 
 
 @compiled_on_cuda
