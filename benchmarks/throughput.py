@@ -95,7 +95,9 @@ def bench_megatrain(
         data=DataSection(seq_len=seq_len),
         train=TrainSection(
             steps=10**6,
-            batch_size=micro_seqs,
+            # the engine (held, GPU-updated and kept layers) is planned for the largest point; each point
+            # gets its own plan only in a call of its own
+            batch_size=max(token_counts) // seq_len,
             micro_batch_size=micro_seqs,
             grad_clip=grad_clip,
             lr=lr,
@@ -179,7 +181,7 @@ def bench_megatrain(
                 "n_slots": n_slots,
                 "n_layers": model.n_layers,
                 "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
-                "kept_layers": trainer.pipeline.last_kept,  # their forward's graph kept: no recompute
+                "kept_layers": trainer.pipeline.last_kept,  # their matmul products kept: no GEMM recomputed
                 "predicted_kept_layers": plan.kept_layers,
                 "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
                 # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
