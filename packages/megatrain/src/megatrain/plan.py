@@ -72,14 +72,17 @@ class Rates:
     """Machine rates the performance model uses."""
 
     # the defaults are `megatrain plan --calibrate` on a lent H100 machine (16 cores), Qwen2.5-7B, seq 4096 x 4
-    gpu_tflops: float = 607.0  # hardware bf16 rate of a decoder block, recompute + backward (7B shape)
-    head_tflops: float = 580.0  # the chunked LM head + loss + its backward (Qwen2.5-7B vocabulary)
-    pcie_gbps: float = 55.0  # pinned host<->GPU copy, each direction
-    cpu_adam_params_per_s: float = 4.2e9  # fused AdamW on the host, in a step (beside the GPU's work and copies)
+    gpu_tflops: float = 605.3  # hardware bf16 rate of a decoder block, recompute + backward (7B shape)
+    head_tflops: float = 630.8  # the chunked LM head + loss + its backward (Qwen2.5-7B vocabulary)
+    pcie_gbps: float = 55.0  # pinned host<->GPU copy, one direction alone
+    cpu_adam_params_per_s: float = 4.0e9  # fused AdamW on the host, in a step (beside the GPU's work and copies)
     disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
     moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
     network_gbps: float = 50.0  # between hosts, each way, per host (an assumption: 400 Gb/s; not calibrated)
-    source: str = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-23)"
+    pcie_duplex_gbps: float = 48.3  # each direction while the other copies too (the backward)
+    # GPU-updated layers: their fused AdamW on the GPU plus the casts of their masters into the slots, a step
+    gpu_adam_params_per_s: float = 66.6e9
+    source: str = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-24)"
 
 
 @dataclass
@@ -396,14 +399,14 @@ def make_plan(
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
     # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
-    pcie = rates.pcie_gbps * 1e9
+    pcie, pcie_duplex = rates.pcie_gbps * 1e9, rates.pcie_duplex_gbps * 1e9
     # (held layers' weights go in once, GPU-updated layers' not at all, nor do their gradients go out)
     streamed = model.n_params - gpu_updated_params
     transfer_s = max((2 * streamed - held_params) * wire, 4 * streamed) / pcie
     # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
     # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
     weight_pass_s = streamed * wire / pcie
-    backward_weights_s = (streamed - held_params) * wire / pcie
+    backward_weights_s = (streamed - held_params) * wire / pcie_duplex
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
@@ -426,16 +429,22 @@ def make_plan(
     on_gpu_share = gpu_updated_params / model.n_params
     held_copy_s = held_params * wire / pcie
 
+    # the GPU-updated layers' AdamW and casts run on the compute stream, no copy to hide behind them
+    device_update_s = gpu_updated_params / rates.gpu_adam_params_per_s
+
     def phases(tokens_per_gpu: int) -> dict[str, float]:
         """What each bound would make a step of `tokens_per_gpu` last."""
-        compute_s = gpu_seconds(tokens_per_gpu)
-        forward_compute_s, backward_compute_s = FORWARD_SHARE * compute_s, (1 - FORWARD_SHARE) * compute_s
+        layers_s = gpu_seconds(tokens_per_gpu)
+        compute_s = layers_s + device_update_s
+        forward_compute_s, backward_compute_s = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
         early_s = min(held_copy_s, on_gpu_share * forward_compute_s)
         forward_s = on_gpu_share * forward_compute_s + max(
             (1 - on_gpu_share) * forward_compute_s, weight_pass_s - early_s
         )
-        backward_s = on_gpu_share * backward_compute_s + max(
-            (1 - on_gpu_share) * backward_compute_s, backward_weights_s, streamed * 4 / pcie
+        backward_s = (
+            on_gpu_share * backward_compute_s
+            + device_update_s
+            + max((1 - on_gpu_share) * backward_compute_s, backward_weights_s, streamed * 4 / pcie_duplex)
         )
         # Updates applied as gradients land start after the head and, first layers first, run beside the
         # backward and the next forward, which reaches the head once the last is done: with a pool deep
@@ -710,6 +719,41 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
         device.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
     pcie = 5 * host.numel() / (time.perf_counter() - start) / 1e9
+    # both ways at once, as in the backward (weights in beside gradients out): each runs slower than alone
+    returned = torch.empty_like(host, pin_memory=True)
+    outgoing = torch.empty_like(device)
+    copies = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        with torch.cuda.stream(copies[0]):
+            device.copy_(host, non_blocking=True)
+        with torch.cuda.stream(copies[1]):
+            returned.copy_(outgoing, non_blocking=True)
+    torch.cuda.synchronize()
+    pcie_duplex = 5 * host.numel() / (time.perf_counter() - start) / 1e9
+
+    # a GPU-updated layer's share of a step: its fused AdamW on the GPU, its master cast into a slot twice
+    n_device = 64 * 2**20
+    masters, device_grads, exp_avgs, exp_avg_sqs = (torch.rand(n_device, device="cuda") for _ in range(4))
+    slot = torch.empty(n_device, device="cuda", dtype=torch.bfloat16)
+    device_step = torch.ones((), device="cuda")
+
+    def device_update() -> None:
+        moments = [exp_avgs], [exp_avg_sqs]
+        adamw_update_(
+            [masters], [device_grads], *moments, device_step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
+        )
+        slot.copy_(masters)
+        slot.copy_(masters)
+
+    device_update()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        device_update()
+    torch.cuda.synchronize()
+    gpu_adam = 5 * n_device / (time.perf_counter() - start)
 
     # AdamW as in a step: on another thread, over groups far larger than the caches, while this thread
     # launches the layer's forward and backward and weights stream in and gradients out. (Timed beside
@@ -725,8 +769,6 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
             adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
     update(1)
-    returned = torch.empty_like(host, pin_memory=True)
-    copies = [torch.cuda.Stream(), torch.cuda.Stream()]
     optimizer = threading.Thread(target=update, args=(3,))
     start = time.perf_counter()
     optimizer.start()
@@ -745,7 +787,9 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
         gpu_tflops=previous.gpu_tflops if model.is_moe else round(layer_tflops, 1),
         head_tflops=round(head_tflops, 1),
         pcie_gbps=round(pcie, 1),
+        pcie_duplex_gbps=round(pcie_duplex, 1),
         cpu_adam_params_per_s=round(cpu, -6),
+        gpu_adam_params_per_s=round(gpu_adam, -8),
         disk_gbps=round(measure_disk_gbps(Path(state_dir)), 2) if state_dir else previous.disk_gbps,
         moe_gpu_tflops=round(layer_tflops, 1) if model.is_moe else previous.moe_gpu_tflops,
         source=f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
