@@ -182,7 +182,9 @@ def bench_megatrain(
                 "n_layers": model.n_layers,
                 "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
                 "kept_layers": trainer.pipeline.last_kept,  # their matmul products kept: no GEMM recomputed
-                "predicted_kept_layers": plan.kept_layers,
+                "predicted_kept_layers": plan.kept_layers + plan.host_kept_layers,
+                "host_kept_layers": trainer.pipeline.last_host_kept,  # of those, kept in pinned host memory
+                "predicted_host_kept_layers": plan.host_kept_layers,
                 "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
                 # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
                 "gpu_updated_layers": trainer.plan.gpu_updated_layers,

@@ -187,8 +187,19 @@ def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tm
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2"])  # untied and tied
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
 def test_kept_layers_match_plain_pytorch(dtype, preset_name, grad_clip, tmp_path):
-    """The last block keeps its forward's graph (no recompute), the others recompute: same steps."""
+    """The last block keeps its forward's matmul products (no GEMM recomputed), the others recompute: same
+    steps."""
     check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path, expect_kept=1, kept_layers=1)
+
+
+@pytest.mark.parametrize("dtype", list(CASES))
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_products_kept_in_host_memory_match_plain_pytorch(dtype, grad_clip, tmp_path):
+    """The block before the last keeps its products in host memory (out after its forward, back before its
+    backward), the last on the device, the first recomputes: same steps."""
+    check_steps_match_plain_pytorch(
+        dtype, "tiny-llama", grad_clip, "cpu", tmp_path, expect_kept=2, kept_layers=1, host_kept_layers=1
+    )
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])

@@ -12,6 +12,7 @@ from megatrain.plan import (
     Rates,
     check_plan,
     gpu_updated_groups,
+    kept_bytes_per_token,
     layout_sizes,
     make_plan,
     measure_disk_gbps,
@@ -220,8 +221,9 @@ def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch,
 def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
     h100 = 79 * 2**30
+    gpu_only = {"engine.host_kept_layers": 0}
     plans = {
-        kept: make_plan(config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": kept}), gpu_memory=h100)
+        kept: make_plan(config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": kept}, **gpu_only), gpu_memory=h100)
         for kept in ("auto", 0, 28)
     }
     auto = plans["auto"]
@@ -229,13 +231,37 @@ def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(m
     assert plans[0].kept_layers == 0 and plans[28].kept_layers == 28
     assert auto.gpu_bytes <= h100 < plans[28].gpu_bytes  # auto fits, keeping every layer would not
     assert plans[28].compute_s < auto.compute_s < plans[0].compute_s
-    # the whole recompute skipped: a quarter of a dense 7B layer's GPU work, a little less (no down GEMM)
+    # the recompute's GEMMs skipped: a fifth of a dense 7B layer's GPU work (no down GEMM; attention recomputed)
     saved = (plans[0].compute_s - plans[28].compute_s) / plans[0].compute_s
     assert 0.15 < saved < 0.25
     # the more tokens, the fewer layers fit
-    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).kept_layers < auto.kept_layers
+    assert make_plan(config_for("qwen2.5-7b", 131072, **gpu_only), gpu_memory=h100).kept_layers < auto.kept_layers
     # a MoE model's layers always recompute
     assert make_plan(config_for("olmoe-1b-7b", 32768), gpu_memory=h100).kept_layers == 0
+
+
+def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
+    """Where the GPU is the bound, layers before those kept on the GPU keep their products in pinned host
+    memory: as many as the host's room and the forward's copy-out time allow, a stage of them reserved on
+    the GPU; none for small steps; an explicit count beyond the host is refused."""
+    h100, model = 79 * 2**30, preset("qwen2.5-7b")
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    large = make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100)
+    gpu_only = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 0}), gpu_memory=h100)
+    stage = 131072 * kept_bytes_per_token(model, 2)
+    assert large.host_kept_layers > 0 and large.host_kept_bytes == large.host_kept_layers * stage
+    assert large.host_bytes == pytest.approx(gpu_only.host_bytes + large.host_kept_bytes)
+    assert large.kept_layers + large.host_kept_layers <= model.n_layers
+    assert gpu_only.kept_layers - 1 <= large.kept_layers <= gpu_only.kept_layers  # one stage in flight reserved
+    assert large.compute_s < gpu_only.compute_s and large.step_s < gpu_only.step_s and large.gpu_bytes <= h100
+    # the forward's idle copy-out carries them: no more than its time (a quarter of the GPU's work) allows
+    assert large.host_kept_bytes <= 0.8 * 0.25 * gpu_only.compute_s * large.rates.pcie_gbps * 1e9
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "126")  # a host with room for fewer
+    assert 0 < make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).host_kept_layers < large.host_kept_layers
+    assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100).host_kept_layers == 0  # a small step
+    config = config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 20})
+    with pytest.raises(ConfigError, match="host memory"):
+        check_plan(make_plan(config, gpu_memory=h100), config, model)
 
 
 def test_more_kept_layers_than_the_gpu_holds_are_refused_naming_the_setting(monkeypatch):

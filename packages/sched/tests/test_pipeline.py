@@ -103,6 +103,12 @@ def autograd_reference(store, n_mix, tied, batches, scale):
     return total.detach(), [p.grad for p in params]
 
 
+def close(got, expected, rtol=1e-4):
+    """Equal to fp32 rounding relative to the whole tensor: a few elements that cancel (N(0, 1) weights,
+    several layers) may differ elementwise by more than rtol of themselves."""
+    return bool((got - expected).norm() <= rtol * expected.norm())
+
+
 def make_batches(n_micro, micro=2, seq=5):
     out = []
     for _ in range(n_micro):
@@ -122,7 +128,7 @@ def test_gradients_match_autograd(tied, n_slots, held_layers):
     loss, grads = autograd_reference(store, 3, tied, batches, 0.1)
     assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
     for g in range(store.n_groups):
-        assert torch.allclose(store.grad(g), grads[g], rtol=1e-4, atol=1e-6), g
+        assert close(store.grad(g), grads[g]), g
         assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
     assert sorted(landed) == list(range(store.n_groups))  # every group's gradient sent exactly once
 
@@ -182,7 +188,7 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
     assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
     for g in range(store.n_groups):
         got = handed[g][0] if g in device_masters else store.grad(g)
-        assert torch.allclose(got, grads[g], rtol=1e-4, atol=1e-6), g
+        assert close(got, grads[g]), g
         assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
     assert all(torch.allclose(sq, grads[g].pow(2).sum(), rtol=1e-4) for g, (_, sq) in handed.items())
     assert sorted(landed) == [0, 3, 4, 5] and sorted(handed) == [1, 2]

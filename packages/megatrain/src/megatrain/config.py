@@ -138,6 +138,11 @@ class EngineSection:
     # recomputes no GEMM (only norms, rotary embedding, attention and activation); "auto": as many as
     # the GPU's free memory holds (none on the CPU)
     kept_layers: int | str = "auto"
+    # more kept layers, before those, whose products wait in pinned host memory instead (copied out in the
+    # forward, when PCIe carries no gradient, and back a layer ahead of their backward); "auto": at large
+    # steps (the GPU is the bound), as many as 85% of host memory, with the rest of the run, and the
+    # forward's copy time allow (none on the CPU)
+    host_kept_layers: int | str = "auto"
     # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
     # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;
     # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
@@ -181,7 +186,7 @@ class EngineSection:
         pool = self.gradient_pool
         if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
             raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
-        for name in ("kept_layers", "held_layers", "gpu_updated_layers"):
+        for name in ("kept_layers", "host_kept_layers", "held_layers", "gpu_updated_layers"):
             layers = getattr(self, name)
             if layers != "auto" and (isinstance(layers, (str, bool)) or not isinstance(layers, int) or layers < 0):
                 raise ConfigError(f"engine.{name} must be auto or an integer >= 0, got {layers!r}")

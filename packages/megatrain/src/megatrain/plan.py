@@ -55,6 +55,11 @@ GPU_UPDATED_SHARE = 0.75
 # work: its rate varies by 20% between machines and in a step, and a step it holds back loses more than
 # the kept layers that memory would have held save.
 CPU_OPTIMIZER_MARGIN = 0.8
+# With engine.host_kept_layers auto (large steps), kept products also go to pinned host memory, up to this
+# share of it with the rest of the plan, and as many as the forward's idle copy-out time carries at
+# HOST_KEPT_PCIE_SHARE of the link (the backward, three times longer, brings them back beside the weights).
+HOST_KEPT_RAM_SHARE = 0.85
+HOST_KEPT_PCIE_SHARE = 0.8
 
 
 def available_host_bytes() -> int | None:
@@ -126,6 +131,8 @@ class Plan:
     held_bytes: int = 0  # GPU memory those weights take
     gpu_updated_layers: int = 0  # block stages (the first) whose masters and moments live and update on the GPU
     gpu_updated_bytes: int = 0  # GPU memory their state takes (and, with clipping, their gradients)
+    host_kept_layers: int = 0  # kept layers (before those on the GPU) whose products wait in pinned host memory
+    host_kept_bytes: int = 0  # host memory those products take (in host_bytes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -298,6 +305,8 @@ def make_plan(
         checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
         return min(gpu_available - KEPT_RESERVE_BYTES, 0.9 * gpu_available) - fixed_gpu - checkpoints_there
 
+    host_kept = 0  # kept layers whose products wait in host memory, decided with the host's room below
+
     def kept_at(tokens_per_gpu: int) -> int:
         if config.engine.kept_layers != "auto":
             return min(config.engine.kept_layers, keepable)
@@ -314,7 +323,7 @@ def make_plan(
         return 6 * model.vocab_size * model.d_model * tokens_per_gpu / (rates.head_tflops * 1e12)
 
     def gpu_seconds(tokens_per_gpu: int) -> float:
-        work = block_work(model, config.data.seq_len, tokens_per_gpu, kept_at(tokens_per_gpu))
+        work = block_work(model, config.data.seq_len, tokens_per_gpu, kept_at(tokens_per_gpu) + host_kept)
         block_s = work / (layer_rate * 1e12)
         return block_s + head_seconds(tokens_per_gpu)
 
@@ -368,8 +377,6 @@ def make_plan(
     held_bytes = held_params * element
     reserved_bytes += held_bytes
     kept_layers = kept_at(gpu_tokens)
-    kept_bytes = kept_layers * gpu_tokens * per_token_kept
-    gpu_bytes += kept_bytes + reserved_bytes
 
     def host_backward_s(compute_s: float) -> float:
         """The part of the backward that lands gradients in host memory: all but the GPU-updated blocks',
@@ -396,6 +403,26 @@ def make_plan(
     disk_bytes = sum(sizes[first_disk:]) * 4 * len(STATE_NAMES)
     host_bytes -= disk_bytes
 
+    # kept layers' products in pinned host memory, the layers before those kept on the GPU: where the step
+    # is the GPU's (not small), as many as the host's room and the forward's idle copy-out time allow
+    stage_products = gpu_tokens * per_token_kept
+    candidates = max(0, keepable - kept_layers)
+    if config.engine.host_kept_layers != "auto":
+        host_kept = min(config.engine.host_kept_layers, candidates)
+    elif gpu_available is None or host_available is None or small_step or offloaded or disk_bytes or not stage_products:
+        host_kept = 0
+    else:
+        host_room = HOST_KEPT_RAM_SHARE * host_available - host_bytes
+        copy_out = HOST_KEPT_PCIE_SHARE * FORWARD_SHARE * gpu_seconds(gpu_tokens) * rates.pcie_gbps * 1e9
+        host_kept = max(0, min(candidates, int(host_room // (gpus * stage_products)), int(copy_out // stage_products)))
+    if host_kept:  # a stage of them on the GPU on its way out or back: the kept layers make room
+        reserved_bytes += stage_products
+        kept_layers = kept_at(gpu_tokens)
+        host_kept = min(host_kept, keepable - kept_layers)
+        host_bytes += gpus * host_kept * stage_products
+    kept_bytes = kept_layers * gpu_tokens * per_token_kept
+    gpu_bytes += kept_bytes + reserved_bytes
+
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
     # a MoE model moves every expert, used or not
     wire = element if wire_copy else 4
@@ -406,7 +433,8 @@ def make_plan(
     # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
     # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
     weight_pass_s = streamed * wire / pcie
-    backward_weights_s = (streamed - held_params) * wire / pcie_duplex
+    backward_weights_s = ((streamed - held_params) * wire + host_kept * stage_products) / pcie_duplex
+    products_out_s = host_kept * stage_products / pcie  # in the forward, on the otherwise idle copy-out
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
@@ -439,7 +467,7 @@ def make_plan(
         forward_compute_s, backward_compute_s = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
         early_s = min(held_copy_s, on_gpu_share * forward_compute_s)
         forward_s = on_gpu_share * forward_compute_s + max(
-            (1 - on_gpu_share) * forward_compute_s, weight_pass_s - early_s
+            (1 - on_gpu_share) * forward_compute_s, weight_pass_s - early_s, products_out_s
         )
         backward_s = (
             on_gpu_share * backward_compute_s
@@ -520,6 +548,8 @@ def make_plan(
         held_bytes,
         gpu_updated,
         gpu_updated_bytes,
+        host_kept,
+        gpus * host_kept * stage_products,
     )
 
 
@@ -826,6 +856,11 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
         + (f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)" if plan.kept_layers else "")
+        + (
+            f", {plan.host_kept_layers} more in host memory ({plan.host_kept_bytes / 2**30:.1f} GiB)"
+            if plan.host_kept_layers
+            else ""
+        )
         + (f", {plan.held_layers} layers' weights held from forward to backward" if plan.held_layers else "")
         + (
             f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "

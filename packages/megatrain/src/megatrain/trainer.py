@@ -155,6 +155,7 @@ class Trainer:
             if config.engine.offload_checkpoints == "auto"
             else config.engine.offload_checkpoints,
             kept_layers=None if config.engine.kept_layers == "auto" else config.engine.kept_layers,
+            host_kept_layers=plan.host_kept_layers if training else 0,
             held_layers=plan.held_layers if training else 0,
             device_masters=None if self.device_optimizer is None else self.device_optimizer.masters,
             on_device_grads=self._device_grads_made,

@@ -142,7 +142,10 @@ class LayerPipeline:
     A block template that provides `forward_keeping_products(weights, x) -> (y, products)` (and
     `product_bytes_per_token(element_size)`) has its forward's matmul products kept beside the
     checkpoint, for the last `kept_layers` block stages (None: as many as fit the free device
-    memory), and given to its backward as `products=`, which then recomputes no GEMM.
+    memory), and given to its backward as `products=`, which then recomputes no GEMM. Another
+    `host_kept_layers` stages before those, spread evenly over the rest, keep theirs in pinned host
+    memory: copied out on the copy-out stream, idle in the forward, and back on the copy-in stream
+    a stage ahead of their backward (large steps, whose GPU is the bound and PCIe has time to spare).
 
     A template whose backward reads none of its weights (`backward_reads_weights = False`: an
     embedding's only scatters its gradient) gets no copy of them for it; the wait for their last
@@ -170,6 +173,7 @@ class LayerPipeline:
         n_slots: int = 2,
         offload_checkpoints: bool | None = False,
         kept_layers: int | None = 0,
+        host_kept_layers: int = 0,
         held_layers: int = 0,
         device_masters: dict[int, Tensor] | None = None,
         on_device_grads: Callable[[int, Tensor, Tensor], None] = lambda group, grad, sq_norm: None,
@@ -204,6 +208,8 @@ class LayerPipeline:
         # None: as many of the last block stages as the free device memory holds (none on the CPU)
         self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
         self.last_kept = 0  # how many block stages the last training step kept the products of
+        self.host_kept_layers = host_kept_layers
+        self.last_host_kept = 0  # ... of those, how many in host memory
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows = first_rows
         self.device_masters, self.on_device_grads = device_masters or {}, on_device_grads
@@ -466,16 +472,28 @@ class LayerPipeline:
             micro_tokens = max(mb.input_ids.numel() for mb in batches)
             # a recompute's graph holds about twice a layer's products (its inputs, attention, activation)
             reserve = 2 * self._largest_block * 4 + 2 * micro_tokens * per_token + KEPT_SLACK_BYTES
+            # host-kept products wait on the device for their copy out, and come back a stage ahead
+            reserve += tokens * per_token if self.host_kept_layers else 0
             count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
         return range(n_stages - 1 - count, n_stages - 1)
 
+    def host_kept_stages(self, kept: range, n_offloaded: int) -> set[int]:
+        """The `host_kept_layers` block stages before `kept` that keep their products in host memory,
+        spread evenly from the first keepable one (the copies out then keep pace with the forward, and
+        the first layers' backward, last, leaves the copies back the most time); none with offloaded
+        checkpoints."""
+        first_keepable = max(1 + n_offloaded, len(self.stages) - 1 - self._keepable)
+        candidates = list(range(first_keepable, kept.start))
+        count = min(self.host_kept_layers, len(candidates)) if not n_offloaded else 0
+        return {candidates[i * len(candidates) // count] for i in range(count)}
+
     def _offload(self, x: Tensor, copies: dict) -> "_Offloaded":
-        """Start moving a checkpoint to pinned host memory (once per tensor and step: `copies` holds the
-        step's, by tensor identity, for stages that keep the same tensor)."""
+        """Start moving a checkpoint or kept product to pinned host memory (once per tensor and step:
+        `copies` holds the step's, by tensor identity, for stages that keep the same tensor)."""
         if id(x) in copies and copies[id(x)][0]() is x:
             return copies[id(x)][1]
         streams = self.streams
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=streams.cuda)
         produced = streams.record(streams.compute)
         with streams.on(streams.copy_out):
             streams.wait(streams.copy_out, produced)
@@ -486,7 +504,7 @@ class LayerPipeline:
         return copies[id(x)][1]
 
     def _reload(self, offloaded: "_Offloaded") -> "_Reloaded":
-        """Start bringing an offloaded checkpoint back (once while it is in use)."""
+        """Start bringing an offloaded tensor back (once while it is in use)."""
         if offloaded.reloaded is None:
             streams = self.streams
             with streams.on(streams.copy_in):
@@ -496,6 +514,13 @@ class LayerPipeline:
             streams.keep_alive(x, streams.compute)
             offloaded.reloaded = _Reloaded(x, ready)
         return offloaded.reloaded
+
+    def _arrived(self, products: dict) -> dict:
+        """Kept products as tensors, the compute stream waiting for those copied back from host memory."""
+        for value in products.values():
+            if isinstance(value, _Reloaded):
+                self.streams.wait(self.streams.compute, value.ready)
+        return {k: v.x if isinstance(v, _Reloaded) else v for k, v in products.items()}
 
     # -------------------------------------------------------------------- step
     def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
@@ -554,9 +579,10 @@ class LayerPipeline:
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
         kept_products = self.kept_stages(batches, n_offloaded) if train else range(0)
+        host_kept = self.host_kept_stages(kept_products, n_offloaded) if train and not warm_up else set()
         if warm_up:
             kept_products = kept_products[-1:]
-        self.last_kept = len(kept_products)
+        self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
         reloaded: dict[int, list] = {}
         offloaded_copies: dict[int, tuple] = {}
         prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
@@ -582,6 +608,9 @@ class LayerPipeline:
                 next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
                 if 0 < next_stage <= n_offloaded:
                     reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
+                if next_stage in host_kept:
+                    for kept in checkpoints[next_stage]:
+                        kept.products = {k: self._reload(v) for k, v in kept.products.items()}
             streams.wait(streams.compute, slot.ready)
             weights = self._slot_weights(slot, stage_index)
             backward = position >= n_stages
@@ -600,8 +629,10 @@ class LayerPipeline:
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
                             checkpoints[stage_index][m] = self._offload(kept, offloaded_copies) if offload else kept
-                        if stage_index in kept_products:
+                        if stage_index in kept_products or stage_index in host_kept:
                             acts[m], products = stage.template.forward_keeping_products(weights, x, **kwargs[m])
+                            if stage_index in host_kept:
+                                products = {k: self._offload(v, offloaded_copies) for k, v in products.items()}
                             checkpoints[stage_index][m] = _Kept(checkpoints[stage_index][m], products)
                         elif position == 0 and self._rows is not None and self._rows.table is not None:
                             rows = slot.buffer[: self._rows.table.numel()]
@@ -625,7 +656,7 @@ class LayerPipeline:
                         inputs[m] = None
                         kwargs = batches[m].template_kwargs
                         if isinstance(x, _Kept):
-                            x, kwargs = x.x, kwargs | {"products": x.products}
+                            x, kwargs = x.x, kwargs | {"products": self._arrived(x.products)}
                         if isinstance(x, _Reloaded):
                             streams.wait(streams.compute, x.ready)
                             x = x.x
