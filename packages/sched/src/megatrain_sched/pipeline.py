@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatrain_store import HostStore
+from megatrain_store import HostStore, pin_in_place, unpin
 
 from .streams import Streams
 from .timeline import Timeline
@@ -101,6 +101,46 @@ class _Offloaded:
     host: Tensor  # pinned
     copied: Any  # event: the copy out finished
     reloaded: _Reloaded | None = None
+
+
+class _HostProducts:
+    """Pinned host memory for the products of host-kept stages: a flat buffer per stage (by its rank among
+    them), page-locked in place (the CUDA host allocator rounds each allocation up to a power of two, so a
+    7B layer's 10 GB of products at 128k tokens would take 16), grown when a step needs more. A step's
+    copies into a buffer are ordered after the previous step's copies out of it by the compute stream,
+    which waited for those before the step's forward could run."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self.buffers: list[Tensor] = []
+        self._pinned: dict[int, int] = {}  # stage rank -> data_ptr page-locked
+        weakref.finalize(self, lambda pinned: [unpin(ptr) for ptr in pinned.values()], self._pinned)
+
+    def stage(self, rank: int, nbytes: int) -> "_Cursor":
+        """Room for `nbytes` of the `rank`-th host-kept stage's products, handed out in order."""
+        while len(self.buffers) <= rank:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8))
+        if self.buffers[rank].numel() < nbytes:
+            if rank in self._pinned:
+                torch.cuda.synchronize(self.streams.device)  # no copy may still read or write it
+                unpin(self._pinned.pop(rank))
+            self.buffers[rank] = torch.empty(nbytes, dtype=torch.uint8)
+            if self.streams.cuda and pin_in_place(self.buffers[rank]):
+                self._pinned[rank] = self.buffers[rank].data_ptr()
+        return _Cursor(self.buffers[rank])
+
+
+@dataclass
+class _Cursor:
+    buffer: Tensor
+    offset: int = 0
+
+    def take(self, like: Tensor) -> Tensor:
+        """The next `like`-shaped tensor of the buffer."""
+        nbytes = like.numel() * like.element_size()
+        view = self.buffer[self.offset : self.offset + nbytes].view(like.dtype).view(like.shape)
+        self.offset += nbytes
+        return view
 
 
 @dataclass
@@ -209,6 +249,7 @@ class LayerPipeline:
         self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
         self.last_kept = 0  # how many block stages the last training step kept the products of
         self.host_kept_layers = host_kept_layers
+        self._host_products = _HostProducts(self.streams)
         self.last_host_kept = 0  # ... of those, how many in host memory
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows = first_rows
@@ -487,13 +528,15 @@ class LayerPipeline:
         count = min(self.host_kept_layers, len(candidates)) if not n_offloaded else 0
         return {candidates[i * len(candidates) // count] for i in range(count)}
 
-    def _offload(self, x: Tensor, copies: dict) -> "_Offloaded":
-        """Start moving a checkpoint or kept product to pinned host memory (once per tensor and step:
-        `copies` holds the step's, by tensor identity, for stages that keep the same tensor)."""
+    def _offload(self, x: Tensor, copies: dict, host: Tensor | None = None) -> "_Offloaded":
+        """Start moving a checkpoint or kept product to pinned host memory, `host` where given (once per
+        tensor and step: `copies` holds the step's, by tensor identity, for stages that keep the same
+        tensor)."""
         if id(x) in copies and copies[id(x)][0]() is x:
             return copies[id(x)][1]
         streams = self.streams
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=streams.cuda)
+        if host is None:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         produced = streams.record(streams.compute)
         with streams.on(streams.copy_out):
             streams.wait(streams.copy_out, produced)
@@ -624,6 +667,12 @@ class LayerPipeline:
                             stage.template.prepare(weights, x, **kw) for x, kw in zip(acts, kwargs)
                         ]
                         kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
+                    if stage_index in host_kept:  # its products' room in pinned host memory, this step
+                        per_token = stage.template.product_bytes_per_token(self.store.compute_dtype.itemsize)
+                        host_products = self._host_products.stage(
+                            sorted(host_kept).index(stage_index),
+                            per_token * sum(mb.input_ids.numel() for mb in batches),
+                        )
                     for m, x in enumerate(acts):
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
@@ -632,7 +681,10 @@ class LayerPipeline:
                         if stage_index in kept_products or stage_index in host_kept:
                             acts[m], products = stage.template.forward_keeping_products(weights, x, **kwargs[m])
                             if stage_index in host_kept:
-                                products = {k: self._offload(v, offloaded_copies) for k, v in products.items()}
+                                products = {
+                                    k: self._offload(v, offloaded_copies, host_products.take(v))
+                                    for k, v in products.items()
+                                }
                             checkpoints[stage_index][m] = _Kept(checkpoints[stage_index][m], products)
                         elif position == 0 and self._rows is not None and self._rows.table is not None:
                             rows = slot.buffer[: self._rows.table.numel()]
