@@ -56,8 +56,9 @@ GPU_UPDATED_SHARE = 0.75
 # the kept layers that memory would have held save.
 CPU_OPTIMIZER_MARGIN = 0.8
 # With engine.host_kept_layers auto (large steps), kept products also go to pinned host memory, up to this
-# share of it with the rest of the plan, and as many as the forward's idle copy-out time carries at
-# HOST_KEPT_PCIE_SHARE of the link (the backward, three times longer, brings them back beside the weights).
+# share of it with the rest of the plan, and only as many as the forward's idle copy-out carries at
+# HOST_KEPT_PCIE_SHARE of the link while the layers between two of them compute (each waits for the one
+# before to be out; the backward, three times longer, brings them back beside the weights).
 HOST_KEPT_RAM_SHARE = 0.85
 HOST_KEPT_PCIE_SHARE = 0.8
 
@@ -413,8 +414,12 @@ def make_plan(
         host_kept = 0
     else:
         host_room = HOST_KEPT_RAM_SHARE * host_available - host_bytes
-        copy_out = HOST_KEPT_PCIE_SHARE * FORWARD_SHARE * gpu_seconds(gpu_tokens) * rates.pcie_gbps * 1e9
-        host_kept = max(0, min(candidates, int(host_room // (gpus * stage_products)), int(copy_out // stage_products)))
+        # one layer's forward against one stage's copy out: how many layers apart they must be
+        layer_forward_s = FORWARD_SHARE * gpu_seconds(gpu_tokens) / model.n_layers
+        spacing = stage_products / (HOST_KEPT_PCIE_SHARE * rates.pcie_gbps * 1e9) / layer_forward_s
+        host_kept = max(
+            0, min(candidates, int(host_room // (gpus * stage_products)), int(candidates / max(1.0, spacing)))
+        )
     if host_kept:  # a stage of them on the GPU on its way out or back: the kept layers make room
         reserved_bytes += stage_products
         kept_layers = kept_at(gpu_tokens)

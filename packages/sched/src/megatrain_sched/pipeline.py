@@ -628,6 +628,7 @@ class LayerPipeline:
         self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
         reloaded: dict[int, list] = {}
         offloaded_copies: dict[int, tuple] = {}
+        last_host_copy = None  # event: the last host-kept stage's products are in host memory
         prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
         fetched = -1  # highest position whose weights have been queued
         for position, stage_index in enumerate(self.order):
@@ -668,6 +669,8 @@ class LayerPipeline:
                         ]
                         kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
                     if stage_index in host_kept:  # its products' room in pinned host memory, this step
+                        # the previous host-kept stage's products out first: one stage of them on the device
+                        streams.wait(streams.compute, last_host_copy)
                         per_token = stage.template.product_bytes_per_token(self.store.compute_dtype.itemsize)
                         host_products = self._host_products.stage(
                             sorted(host_kept).index(stage_index),
@@ -685,6 +688,7 @@ class LayerPipeline:
                                     k: self._offload(v, offloaded_copies, host_products.take(v))
                                     for k, v in products.items()
                                 }
+                                last_host_copy = streams.record(streams.copy_out)
                             checkpoints[stage_index][m] = _Kept(checkpoints[stage_index][m], products)
                         elif position == 0 and self._rows is not None and self._rows.table is not None:
                             rows = slot.buffer[: self._rows.table.numel()]
