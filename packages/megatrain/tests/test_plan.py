@@ -241,12 +241,14 @@ def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(m
 
 
 def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
-    """Where the GPU is the bound, layers before those kept on the GPU keep their products in pinned host
-    memory: as many as the host's room and the forward's copy-out time allow, a stage of them reserved on
-    the GPU; none for small steps; an explicit count beyond the host is refused."""
+    """With auto, where the GPU is the bound, layers before those kept on the GPU keep their products in
+    pinned host memory: as many as the host's room and the forward's copy-out time allow, a stage of them
+    reserved on the GPU; none for small steps; an explicit count beyond the host is refused."""
     h100, model = 79 * 2**30, preset("qwen2.5-7b")
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
-    large = make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100)
+    auto = {"engine.host_kept_layers": "auto"}
+    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).host_kept_layers == 0  # off by default
+    large = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
     gpu_only = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 0}), gpu_memory=h100)
     stage = 131072 * kept_bytes_per_token(model, 2)
     assert large.host_kept_layers > 0 and large.host_kept_bytes == large.host_kept_layers * stage
@@ -257,8 +259,9 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     # the forward's idle copy-out carries them: no more than its time (a quarter of the GPU's work) allows
     assert large.host_kept_bytes <= 0.8 * 0.25 * gpu_only.compute_s * large.rates.pcie_gbps * 1e9
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "126")  # a host with room for fewer
-    assert 0 < make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).host_kept_layers < large.host_kept_layers
-    assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100).host_kept_layers == 0  # a small step
+    smaller_host = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
+    assert 0 < smaller_host.host_kept_layers < large.host_kept_layers
+    assert make_plan(config_for("qwen2.5-7b", 16384, **auto), gpu_memory=h100).host_kept_layers == 0  # a small step
     config = config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 20})
     with pytest.raises(ConfigError, match="host memory"):
         check_plan(make_plan(config, gpu_memory=h100), config, model)
