@@ -775,9 +775,17 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     device_step = torch.ones((), device="cuda")
 
     def device_update() -> None:
-        moments = [exp_avgs], [exp_avg_sqs]
         adamw_update_(
-            [masters], [device_grads], *moments, device_step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
+            [masters],
+            [device_grads],
+            [exp_avgs],
+            [exp_avg_sqs],
+            device_step,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
         )
         slot.copy_(masters)
         slot.copy_(masters)
