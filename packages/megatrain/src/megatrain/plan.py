@@ -611,6 +611,13 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
                 "disk (engine.optimizer_state_dir); set engine.gpu_updated_layers: auto or fewer"
             )
     if plan.host_available is not None and plan.host_bytes > 0.95 * plan.host_available:
+        if plan.host_kept_layers and plan.host_bytes - plan.host_kept_bytes <= 0.95 * plan.host_available:
+            raise ConfigError(
+                f"engine.host_kept_layers: {plan.host_kept_layers} keeps {plan.host_kept_bytes / 2**30:.1f} GiB of "
+                f"matmul products in host memory, which with the rest of the run "
+                f"({(plan.host_bytes - plan.host_kept_bytes) / 2**30:.1f} GiB) passes the "
+                f"{plan.host_available / 2**30:.1f} GiB available; set engine.host_kept_layers: auto or fewer"
+            )
         largest = 0.95 * plan.host_available / plan.host_bytes_per_param
         raise ConfigError(
             f"{model.arch} with {plan.n_params / 1e9:.2f}B parameters needs {plan.host_bytes / 2**30:.1f} GiB of host "
