@@ -424,8 +424,9 @@ def make_plan(
         reserved_bytes += stage_products
         kept_layers = kept_at(gpu_tokens)
         host_kept = min(host_kept, keepable - kept_layers)
-        host_bytes += gpus * host_kept * stage_products
-    kept_bytes = kept_layers * gpu_tokens * per_token_kept
+    host_kept_bytes = gpus * host_kept * stage_products
+    host_bytes += host_kept_bytes
+    kept_bytes = kept_layers * stage_products
     gpu_bytes += kept_bytes + reserved_bytes
 
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
@@ -554,7 +555,7 @@ def make_plan(
         gpu_updated,
         gpu_updated_bytes,
         host_kept,
-        gpus * host_kept * stage_products,
+        host_kept_bytes,
     )
 
 

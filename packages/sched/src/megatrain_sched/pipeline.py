@@ -518,15 +518,15 @@ class LayerPipeline:
             count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
         return range(n_stages - 1 - count, n_stages - 1)
 
-    def host_kept_stages(self, kept: range, n_offloaded: int) -> set[int]:
-        """The `host_kept_layers` block stages before `kept` that keep their products in host memory,
-        spread evenly from the first keepable one (the copies out then keep pace with the forward, and
-        the first layers' backward, last, leaves the copies back the most time); none with offloaded
-        checkpoints."""
+    def host_kept_stages(self, kept: range, n_offloaded: int) -> dict[int, int]:
+        """The `host_kept_layers` block stages before `kept` that keep their products in host memory, each
+        with its rank among them (its host buffer), spread evenly from the first keepable one (the copies
+        out then keep pace with the forward, and the first layers' backward, last, leaves the copies back
+        the most time); none with offloaded checkpoints."""
         first_keepable = max(1 + n_offloaded, len(self.stages) - 1 - self._keepable)
         candidates = list(range(first_keepable, kept.start))
         count = min(self.host_kept_layers, len(candidates)) if not n_offloaded else 0
-        return {candidates[i * len(candidates) // count] for i in range(count)}
+        return {candidates[i * len(candidates) // count]: i for i in range(count)}
 
     def _offload(self, x: Tensor, copies: dict, host: Tensor | None = None) -> "_Offloaded":
         """Start moving a checkpoint or kept product to pinned host memory, `host` where given (once per
@@ -558,12 +558,13 @@ class LayerPipeline:
             offloaded.reloaded = _Reloaded(x, ready)
         return offloaded.reloaded
 
-    def _arrived(self, products: dict) -> dict:
-        """Kept products as tensors, the compute stream waiting for those copied back from host memory."""
-        for value in products.values():
-            if isinstance(value, _Reloaded):
-                self.streams.wait(self.streams.compute, value.ready)
-        return {k: v.x if isinstance(v, _Reloaded) else v for k, v in products.items()}
+    def _arrived(self, value: Any) -> Any:
+        """What a backward reads: a tensor brought back from host memory once the compute stream has
+        waited for its copy, anything else as it is."""
+        if isinstance(value, _Reloaded):
+            self.streams.wait(self.streams.compute, value.ready)
+            return value.x
+        return value
 
     # -------------------------------------------------------------------- step
     def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
@@ -622,7 +623,10 @@ class LayerPipeline:
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
         kept_products = self.kept_stages(batches, n_offloaded) if train else range(0)
-        host_kept = self.host_kept_stages(kept_products, n_offloaded) if train and not warm_up else set()
+        host_kept = self.host_kept_stages(kept_products, n_offloaded) if train and not warm_up else {}
+        if host_kept:  # each host-kept stage's products, every micro-batch's
+            per_token = self.stages[-2].template.product_bytes_per_token(self.store.compute_dtype.itemsize)
+            host_stage_bytes = per_token * sum(mb.input_ids.numel() for mb in batches)
         if warm_up:
             kept_products = kept_products[-1:]
         self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
@@ -671,11 +675,7 @@ class LayerPipeline:
                     if stage_index in host_kept:  # its products' room in pinned host memory, this step
                         # the previous host-kept stage's products out first: one stage of them on the device
                         streams.wait(streams.compute, last_host_copy)
-                        per_token = stage.template.product_bytes_per_token(self.store.compute_dtype.itemsize)
-                        host_products = self._host_products.stage(
-                            sorted(host_kept).index(stage_index),
-                            per_token * sum(mb.input_ids.numel() for mb in batches),
-                        )
+                        host_products = self._host_products.stage(host_kept[stage_index], host_stage_bytes)
                     for m, x in enumerate(acts):
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
@@ -712,10 +712,9 @@ class LayerPipeline:
                         inputs[m] = None
                         kwargs = batches[m].template_kwargs
                         if isinstance(x, _Kept):
-                            x, kwargs = x.x, kwargs | {"products": self._arrived(x.products)}
-                        if isinstance(x, _Reloaded):
-                            streams.wait(streams.compute, x.ready)
-                            x = x.x
+                            products = {name: self._arrived(product) for name, product in x.products.items()}
+                            x, kwargs = x.x, kwargs | {"products": products}
+                        x = self._arrived(x)
                         if forward_prepared is not None:
                             kwargs = kwargs | {"prepared": forward_prepared[m]}
                         acts[m] = stage.template.backward(weights, x, grad_out, grads, **kwargs)
