@@ -185,6 +185,8 @@ def bench_megatrain(
                 "predicted_kept_layers": plan.kept_layers + plan.host_kept_layers,
                 "host_kept_layers": trainer.pipeline.last_host_kept,  # of those, kept in pinned host memory
                 "predicted_host_kept_layers": plan.host_kept_layers,
+                "offloaded_layers": trainer.pipeline.last_offloaded,  # activation checkpoints in host memory
+                "predicted_offloaded_layers": plan.offloaded_layers,
                 "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
                 # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
                 "gpu_updated_layers": trainer.plan.gpu_updated_layers,
@@ -311,7 +313,15 @@ def main():
         "--experts-per-stage", default="auto", help="MoE: stream a layer's experts in parts of this many"
     )
     parser.add_argument(
-        "--kept-layers", default="auto", help="layers that keep their matmul products (auto: what fits the GPU; 0: none)"
+        "--kept-layers",
+        default="auto",
+        help="layers that keep their matmul products (auto: what fits the GPU; 0: none)",
+    )
+    parser.add_argument(
+        "--host-kept-layers", default="0", help="more layers keeping their products in pinned host memory (auto)"
+    )
+    parser.add_argument(
+        "--offload-checkpoints", default="auto", choices=["auto", "true", "false"], help="checkpoints to host memory"
     )
     parser.add_argument(
         "--held-layers", default="auto", help="layers whose weights stay on the GPU from forward to backward"
@@ -350,6 +360,12 @@ def main():
                 if args.experts_per_stage == "auto"
                 else int(args.experts_per_stage),
                 "kept_layers": args.kept_layers if args.kept_layers == "auto" else int(args.kept_layers),
+                "host_kept_layers": args.host_kept_layers
+                if args.host_kept_layers == "auto"
+                else int(args.host_kept_layers),
+                "offload_checkpoints": "auto"
+                if args.offload_checkpoints == "auto"
+                else args.offload_checkpoints == "true",
                 "held_layers": args.held_layers if args.held_layers == "auto" else int(args.held_layers),
                 "gpu_updated_layers": args.gpu_updated_layers
                 if args.gpu_updated_layers == "auto"

@@ -203,6 +203,23 @@ def test_products_kept_in_host_memory_match_plain_pytorch(dtype, grad_clip, tmp_
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+def test_offloaded_checkpoints_beside_kept_products_match_plain_pytorch(grad_clip, tmp_path):
+    """Every block's checkpoint goes to host memory and back, the kept layers' too (one keeps its products on the
+    device, one in host memory): same steps."""
+    check_steps_match_plain_pytorch(
+        "float64",
+        "tiny-llama",
+        grad_clip,
+        "cpu",
+        tmp_path,
+        expect_kept=2,
+        offload_checkpoints=True,
+        kept_layers=1,
+        host_kept_layers=1,
+    )
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
 def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
     """The first blocks' weights stay in buffers of their own from forward to backward (one copy in a
     step), next to a kept last layer: same steps."""

@@ -57,6 +57,8 @@ def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layer
         {"n_slots": 4, "offload_checkpoints": True},
         {"gpu_updated_layers": 2, "kept_layers": 0},  # every block cast from GPU masters, both ways
         {"kept_layers": 1, "host_kept_layers": 1},  # a block's products through pinned host memory and back
+        # every checkpoint through host memory, the kept layers' too
+        {"offload_checkpoints": True, "kept_layers": 1, "host_kept_layers": 1},
     ],
 )
 def test_gpu_engine_options_stay_exact(engine, tmp_path):

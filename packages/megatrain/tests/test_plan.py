@@ -149,7 +149,9 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
     model = preset("dense-120b")
     h200 = 140 * 2**30
-    plan = make_plan(config_for("dense-120b", 65536, **{"train.micro_batch_size": 4}), gpu_memory=h200)
+    # (no layer keeps its products: the checkpoints' own rule alone)
+    recompute_all = {"train.micro_batch_size": 4, "engine.kept_layers": 0}
+    plan = make_plan(config_for("dense-120b", 65536, **recompute_all), gpu_memory=h200)
     per_layer = plan.checkpoint_bytes // model.n_layers
     assert 0 < plan.offloaded_layers < model.n_layers  # some stay on the GPU, the rest go to host
     kept = model.n_layers - plan.offloaded_layers
@@ -158,8 +160,30 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
     assert plan.host_bytes >= 12 * model.n_params + plan.offloaded_layers * per_layer
     settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
     settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
+    settings += ["engine.kept_layers=0"]
     assert main(["plan", "--gpu-memory-gib", "140"] + [a for s in settings for a in ("--set", s)]) == 0
     assert f"{plan.offloaded_layers} stages' activation checkpoints in host memory" in capsys.readouterr().out
+
+
+def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
+    """Where the GPU is the bound and products are short of room, the first layers' checkpoints go to host memory:
+    the fewest that let the most layers keep their products; not for small steps, nor past the host's room."""
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    h200, model = 140 * 2**30, preset("llama2-7b")
+    large = config_for("llama2-7b", 131072)
+    plan = make_plan(large, gpu_memory=h200)
+    on_gpu = make_plan(config_for("llama2-7b", 131072, **{"engine.offload_checkpoints": False}), gpu_memory=h200)
+    per_layer = plan.checkpoint_bytes // model.n_layers
+    assert 0 < plan.offloaded_layers <= model.n_layers and plan.kept_layers > on_gpu.kept_layers
+    # the fewest: a GPU with two checkpoints' room less keeps as many products with two more offloaded
+    fewer = make_plan(large, gpu_memory=h200 - per_layer * 2)
+    assert (fewer.kept_layers, fewer.offloaded_layers) == (plan.kept_layers, plan.offloaded_layers + 2)
+    assert plan.compute_s < on_gpu.compute_s and plan.gpu_bytes <= h200
+    assert plan.host_bytes == pytest.approx(on_gpu.host_bytes + plan.offloaded_layers * per_layer)
+    small = make_plan(config_for("llama2-7b", 16384), gpu_memory=80 * 2**30)  # the CPU optimizer's step
+    assert small.kept_layers < model.n_layers and small.offloaded_layers == 0
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # 12 B a parameter fits, the checkpoints beside not
+    assert make_plan(large, gpu_memory=h200).offloaded_layers == 0
 
 
 def test_data_parallel_plan_splits_the_batch_not_the_host_memory():

@@ -28,16 +28,24 @@ class Lookup:
 
 
 class Mix:
-    """y = tanh(x @ M)."""
+    """y = tanh(x @ M); its forward can keep the product x @ M for the backward."""
 
     groups = ((spec("m", D, D),),)
 
     def forward(self, w, x):
         return torch.tanh(x @ w[0].view(D, D))
 
-    def backward(self, w, x, grad, grads):
+    def forward_keeping_products(self, w, x):
+        product = x @ w[0].view(D, D)
+        return torch.tanh(product), {"product": product}
+
+    def product_bytes_per_token(self, element_size):
+        return D * element_size
+
+    def backward(self, w, x, grad, grads, products=None):
         m = w[0].view(D, D)
-        pre_grad = grad * (1 - torch.tanh(x @ m) ** 2)
+        product = products["product"] if products is not None else x @ m
+        pre_grad = grad * (1 - torch.tanh(product) ** 2)
         grads[0].view(D, D).add_(x.reshape(-1, D).T @ pre_grad.reshape(-1, D))
         return pre_grad @ m.T
 
@@ -64,7 +72,7 @@ class Readout:
         return (dot**2).sum(), grad_x
 
 
-def build(n_mix, tied, n_slots=2, held_layers=0):
+def build(n_mix, tied, n_slots=2, held_layers=0, **engine):
     readout = Readout(tied)
     templates = [Lookup()] + [Mix() for _ in range(n_mix)]
     layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
@@ -81,6 +89,7 @@ def build(n_mix, tied, n_slots=2, held_layers=0):
         torch.device("cpu"),
         n_slots=n_slots,
         held_layers=held_layers,
+        **engine,
         on_grads_landed=lambda g, e, sq: landed.append(g),
         timeline=Timeline(enabled=True),
     )
@@ -131,6 +140,26 @@ def test_gradients_match_autograd(tied, n_slots, held_layers):
         assert close(store.grad(g), grads[g]), g
         assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
     assert sorted(landed) == list(range(store.n_groups))  # every group's gradient sent exactly once
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"kept_layers": 2},
+        {"kept_layers": 1, "host_kept_layers": 2},
+        {"offload_checkpoints": True},
+        {"offload_checkpoints": True, "kept_layers": 1, "host_kept_layers": 1},  # kept layers' checkpoints too
+    ],
+)
+def test_kept_products_and_offloaded_checkpoints_match_autograd(engine):
+    store, pipeline, _ = build(4, tied=True, **engine)
+    batches = make_batches(3)
+    for _ in range(2):  # the second step reuses the first's host buffers
+        result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
+    loss, grads = autograd_reference(store, 4, True, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
+    assert pipeline.last_kept == engine.get("kept_layers", 0) + engine.get("host_kept_layers", 0)
 
 
 @pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 3)])
@@ -268,3 +297,24 @@ def test_offload_decision_from_checkpoint_size():
     pipeline.stages[-1].template.d_model = D
     # three micro-batches of 2 x 5 tokens, D wide, fp32, for the two middle stages
     assert pipeline.checkpoint_bytes(batches) == 3 * 2 * 5 * D * 4 * 2
+
+
+def test_checkpoints_make_way_for_kept_products(monkeypatch):
+    """With both decided from the device's memory, the fewest first blocks' checkpoints go to host memory
+    that let the most layers keep their products."""
+    store, pipeline, _ = build(4, tied=False)
+    pipeline.stages[-1].template.d_model = D
+    pipeline.offload_checkpoints = pipeline.kept_layers = None  # (the CPU's default: none of either)
+    monkeypatch.setattr("megatrain_sched.pipeline.KEPT_SLACK_BYTES", 0)
+    batches = [MicroBatch(i, lab) for i, lab in make_batches(3)]
+    stage = 30 * D * 4  # a stage's checkpoints, and its products (30 tokens a step, fp32)
+    reserve = 2 * D * D * 4 + 2 * 10 * D * 4  # two fp32 gradients of a block, a micro-batch's recompute
+    # room for 3 stages' products beside the 4 checkpoints, for all 4 with 2 of those offloaded (one back at a time)
+    free = reserve + 7 * stage + stage // 2
+    monkeypatch.setattr(pipeline, "_free_device_bytes", lambda: free)
+    offloaded = pipeline.offloaded_stages(batches)
+    assert [offloaded, len(pipeline.kept_stages(batches, 0)), len(pipeline.kept_stages(batches, offloaded))] == [
+        2,
+        3,
+        4,
+    ]

@@ -290,7 +290,6 @@ def make_plan(
         offloaded = max(0, n_checkpoints - fit)
     else:
         offloaded = n_checkpoints if offload else 0
-    gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     # layers whose forward keeps its matmul products: as the scheduler decides, the last ones, as many as the GPU
     # holds beside the checkpoints and a reserve (the head's chunk, two gradients and a recompute in
     # fixed_gpu, plus what the scheduler keeps free)
@@ -299,21 +298,24 @@ def make_plan(
         (count for count, layer in enumerate(reversed(range(model.n_layers))) if model.layer_is_moe(layer)),
         model.n_layers,
     )
-    keepable = max(0, min(trailing_dense, model.n_layers - offloaded)) if per_token_kept else 0
+    keepable = max(0, min(trailing_dense, model.n_layers)) if per_token_kept else 0
 
-    def room_at(tokens_per_gpu: int) -> float:
-        """GPU bytes left beside the step's fixed needs and checkpoints, for kept products and held weights."""
-        checkpoints_there = (n_checkpoints - offloaded) * tokens_per_gpu * model.d_model * element
+    def room_at(tokens_per_gpu: int, offloaded_there: int | None = None) -> float:
+        """GPU bytes left beside the step's fixed needs and checkpoints (all but `offloaded_there`, by default
+        the plan's, with one of those back ahead of its backward), for kept products and held weights."""
+        offloaded_there = offloaded if offloaded_there is None else offloaded_there
+        there = n_checkpoints - offloaded_there + (1 if offloaded_there else 0)
+        checkpoints_there = there * tokens_per_gpu * model.d_model * element
         return min(gpu_available - KEPT_RESERVE_BYTES, 0.9 * gpu_available) - fixed_gpu - checkpoints_there
 
     host_kept = 0  # kept layers whose products wait in host memory, decided with the host's room below
 
-    def kept_at(tokens_per_gpu: int) -> int:
+    def kept_at(tokens_per_gpu: int, offloaded_there: int | None = None) -> int:
         if config.engine.kept_layers != "auto":
             return min(config.engine.kept_layers, keepable)
-        if gpu_available is None or not keepable or offloaded:
+        if gpu_available is None or not keepable:
             return 0
-        room = room_at(tokens_per_gpu) - reserved_bytes
+        room = room_at(tokens_per_gpu, offloaded_there) - reserved_bytes
         return min(keepable, max(0, int(room // (tokens_per_gpu * per_token_kept))))
 
     # performance model, first what sizes the gradient pool
@@ -345,6 +347,19 @@ def make_plan(
     # a small step: the CPU optimizer would take longer than the GPU's work, so GPU memory is worth more
     # holding weights and updating the first blocks than keeping activations
     small_step = gpu_seconds(gpu_tokens) < optimizer_s
+    host_available = host_memory if host_memory is not None else host_memory_limit()
+    if offload == "auto" and config.engine.kept_layers == "auto" and keepable and not small_step:
+        # as the scheduler decides: the fewest first checkpoints offloaded that let the most layers keep their
+        # products (large steps, whose GPU is the bound: the copies ride on time PCIe has to spare), where
+        # the host holds them beside the rest of the plan
+        most = kept_at(gpu_tokens, n_checkpoints)
+        needed = offloaded
+        while needed < n_checkpoints and kept_at(gpu_tokens, needed) < most:
+            needed += 1
+        around = model.n_params * per_param + GRADIENT_POOL * largest_group * 4
+        if host_available is None or around + gpus * needed * layer_checkpoint <= HOST_KEPT_RAM_SHARE * host_available:
+            offloaded = needed
+    gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     if config.engine.gpu_updated_layers != "auto":
         gpu_updated = min(config.engine.gpu_updated_layers, n_blocks)
     elif gpu_available is None or offloaded or gpus * hosts > 1 or not small_step:
@@ -395,7 +410,6 @@ def make_plan(
         per_param = element + (per_param - (element if wire_copy else 0)) / hosts
         pool /= hosts
     host_bytes = model.n_params * per_param + pool + gpus * offloaded * layer_checkpoint
-    host_available = host_memory if host_memory is not None else host_memory_limit()
     deeper_pool = config.engine.gradient_pool == "auto" and gradient_pool > GRADIENT_POOL
     if host_available is not None and deeper_pool and host_bytes > 0.9 * host_available:
         host_bytes -= (gradient_pool - GRADIENT_POOL) * largest_group * 4 / (hosts if split else 1)
@@ -410,13 +424,16 @@ def make_plan(
     candidates = max(0, keepable - kept_layers)
     if config.engine.host_kept_layers != "auto":
         host_kept = min(config.engine.host_kept_layers, candidates)
-    elif gpu_available is None or host_available is None or small_step or offloaded or disk_bytes or not stage_products:
+    elif gpu_available is None or host_available is None or small_step or disk_bytes or not stage_products:
         host_kept = 0
     else:
         host_room = HOST_KEPT_RAM_SHARE * host_available - host_bytes
-        # one layer's forward against one stage's copy out: how many layers apart they must be
+        # one layer's forward, less its checkpoint's copy out, against one stage's copy out: how many layers
+        # apart they must be
+        link = HOST_KEPT_PCIE_SHARE * rates.pcie_gbps * 1e9
         layer_forward_s = FORWARD_SHARE * gpu_seconds(gpu_tokens) / model.n_layers
-        spacing = stage_products / (HOST_KEPT_PCIE_SHARE * rates.pcie_gbps * 1e9) / layer_forward_s
+        layer_forward_s -= (layer_checkpoint / link) * offloaded / n_checkpoints
+        spacing = stage_products / link / max(layer_forward_s, 1e-9)
         host_kept = max(
             0, min(candidates, int(host_room // (gpus * stage_products)), int(candidates / max(1.0, spacing)))
         )
@@ -439,8 +456,11 @@ def make_plan(
     # neither pass runs faster than its weights arrive (the backward's gradients leave meanwhile, on
     # the link's other direction): a MoE forward, a quarter of little active work, often waits for them
     weight_pass_s = streamed * wire / pcie
-    backward_weights_s = ((streamed - held_params) * wire + host_kept * stage_products) / pcie_duplex
-    products_out_s = host_kept * stage_products / pcie  # in the forward, on the otherwise idle copy-out
+    # (and the kept products and offloaded checkpoints, back in the backward; out in the forward, on the
+    # otherwise idle copy-out)
+    activations_out = host_kept * stage_products + offloaded * layer_checkpoint
+    backward_weights_s = ((streamed - held_params) * wire + activations_out) / pcie_duplex
+    activations_out_s = activations_out / pcie
     # each GPU's link carries every weight in; gradients out and the optimizer's work are split over
     # the GPUs of a host (and its cores over their processes), so the host's total stays the same
     # a replica per host: each host sends and receives its gradient shards' share of a ring all-reduce;
@@ -473,7 +493,7 @@ def make_plan(
         forward_compute_s, backward_compute_s = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
         early_s = min(held_copy_s, on_gpu_share * forward_compute_s)
         forward_s = on_gpu_share * forward_compute_s + max(
-            (1 - on_gpu_share) * forward_compute_s, weight_pass_s - early_s, products_out_s
+            (1 - on_gpu_share) * forward_compute_s, weight_pass_s - early_s, activations_out_s
         )
         backward_s = (
             on_gpu_share * backward_compute_s

@@ -19,6 +19,7 @@ engine never waits for one: a cast is a kernel, and it may wait for SMs behind t
 compute stream's GEMMs.
 """
 
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,21 @@ STAGING_NUMEL = 2**25
 # Device memory left free beside kept layers' products, past two gradients and a recompute: the head's
 # logits chunk with its gradient (3 GiB) and the allocator's slack.
 KEPT_SLACK_BYTES = 5 * 2**30
+
+
+def expandable_device_memory() -> None:
+    """Let the CUDA caching allocator grow its segments in place (`expandable_segments`) unless the user's
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF says otherwise. Kept products fill the device to a few GiB, in
+    tensors of a few sizes that come and go in a different order each pass: in fixed segments the freed
+    pieces end up too small for the head's 1 GB logits chunk (Llama-2-7B at 128k tokens, an H200: 6.6 GiB
+    free in pieces, out of memory), grown segments keep the free memory whole."""
+    settings = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in settings:
+        return
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # (the older name warns)
+    if set_settings is None:
+        set_settings = torch.cuda.memory._set_allocator_settings
+    set_settings("expandable_segments:True")
 
 
 class SchedError(Exception):
@@ -100,6 +116,7 @@ class _Reloaded:
 class _Offloaded:
     host: Tensor  # pinned
     copied: Any  # event: the copy out finished
+    name: str  # what it is, in the timeline: "checkpoint <stage>" or "products <stage>"
     reloaded: _Reloaded | None = None
 
 
@@ -186,6 +203,10 @@ class LayerPipeline:
     `host_kept_layers` stages before those, spread evenly over the rest, keep theirs in pinned host
     memory: copied out on the copy-out stream, idle in the forward, and back on the copy-in stream
     a stage ahead of their backward (large steps, whose GPU is the bound and PCIe has time to spare).
+    Activation checkpoints (each block stage's input) stay on the device, or go to pinned host memory
+    for the first blocks (`offload_checkpoints`: True all, None as the free device memory decides, and
+    with `offload_for_products` also as many as make room for more kept layers' products), kept
+    layers' included.
 
     A template whose backward reads none of its weights (`backward_reads_weights = False`: an
     embedding's only scatters its gradient) gets no copy of them for it; the wait for their last
@@ -212,6 +233,7 @@ class LayerPipeline:
         device: torch.device,
         n_slots: int = 2,
         offload_checkpoints: bool | None = False,
+        offload_for_products: bool = True,
         kept_layers: int | None = 0,
         host_kept_layers: int = 0,
         held_layers: int = 0,
@@ -243,14 +265,21 @@ class LayerPipeline:
                     )
         self.stages, self.store, self.device = stages, store, torch.device(device)
         self.streams = Streams(self.device)
-        # None: decided each step from the checkpoints' size and the free device memory
-        self.offload_checkpoints = offload_checkpoints if self.streams.cuda else False
+        if self.streams.cuda:
+            expandable_device_memory()
+        # None: decided each step from the checkpoints' size and the free device memory (on the CPU: none; set,
+        # they are copied to other host tensors there, the same logic with nothing to gain)
+        self.offload_checkpoints = (
+            offload_checkpoints if self.streams.cuda or offload_checkpoints is not None else False
+        )
+        self.offload_for_products = offload_for_products
         # None: as many of the last block stages as the free device memory holds (none on the CPU)
         self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
         self.last_kept = 0  # how many block stages the last training step kept the products of
         self.host_kept_layers = host_kept_layers
         self._host_products = _HostProducts(self.streams)
         self.last_host_kept = 0  # ... of those, how many in host memory
+        self.last_offloaded = 0  # how many block stages' checkpoints the last training step sent to host memory
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows = first_rows
         self.device_masters, self.on_device_grads = device_masters or {}, on_device_grads
@@ -480,83 +509,135 @@ class LayerPipeline:
     def offloaded_stages(self, batches: list[MicroBatch]) -> int:
         """How many block stages, the first ones, keep this step's checkpoints in pinned host memory:
         all or none when set, else as many as do not fit in half of the free device memory (the
-        other half is for the slots, gradients and one layer's recompute)."""
+        other half is for the slots, gradients and one layer's recompute), and more where that lets
+        more layers keep their products (`kept_layers` None and `offload_for_products`): the fewest that
+        let the most keep them.
+        A checkpoint is a layer's input, a product several times that, and its recompute costs far
+        more than its copies (out in the forward, on the idle copy-out stream; back a stage ahead of
+        the backward), so where products are short of room checkpoints make way for them."""
         n_blocks = len(self.stages) - 2
         if self.offload_checkpoints is not None:
             return n_blocks if self.offload_checkpoints else 0
         per_stage = self.checkpoint_bytes(batches) // max(1, n_blocks)
         if per_stage == 0:
             return 0
-        free, _ = torch.cuda.mem_get_info(self.device)
-        reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return max(0, n_blocks - int(0.5 * (free + reusable) // per_stage))
+        free = self._free_device_bytes()
+        offloaded = max(0, n_blocks - int(0.5 * free // per_stage))
+        if self.kept_layers is None and self._keepable and self.offload_for_products:
+            room, stage_products = self._product_room(batches, free)
+            most = self._kept_count(batches, room, stage_products, n_blocks)
+            while offloaded < n_blocks and self._kept_count(batches, room, stage_products, offloaded) < most:
+                offloaded += 1
+        return offloaded
 
     def kept_stages(self, batches: list[MicroBatch], n_offloaded: int) -> range:
         """The block stages, the last ones, whose forward keeps its products this step: `kept_layers` of them
         where set, else as many as the device memory holds beside the checkpoints kept there and a
         reserve (two fp32 gradients of the largest stage, one micro-batch's recompute and
-        KEPT_SLACK_BYTES); none where a template cannot keep them or checkpoints are offloaded (memory
-        is short there)."""
+        KEPT_SLACK_BYTES); none where a template cannot keep them."""
         n_stages = len(self.stages)
-        keepable = min(self._keepable, n_stages - 2 - n_offloaded)
         if self.kept_layers is not None:
-            count = min(self.kept_layers, keepable)
-        elif keepable == 0 or n_offloaded:  # checkpoints sent to host memory: none to spare here
+            count = min(self.kept_layers, self._keepable)
+        elif self._keepable == 0:
             count = 0
         else:
-            element = torch.finfo(self.store.compute_dtype).bits // 8
-            tokens = sum(mb.input_ids.numel() for mb in batches)
-            per_token = self.stages[-2].template.product_bytes_per_token(element)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            on_device = self.checkpoint_bytes(batches) * (n_stages - 2 - n_offloaded) // max(1, n_stages - 2)
-            micro_tokens = max(mb.input_ids.numel() for mb in batches)
-            # a recompute's graph holds about twice a layer's products (its inputs, attention, activation)
-            reserve = 2 * self._largest_block * 4 + 2 * micro_tokens * per_token + KEPT_SLACK_BYTES
-            # host-kept products wait on the device for their copy out, and come back a stage ahead
-            reserve += tokens * per_token if self.host_kept_layers else 0
-            count = min(keepable, max(0, int((free - on_device - reserve) // (tokens * per_token))))
+            room, stage_products = self._product_room(batches, self._free_device_bytes())
+            count = self._kept_count(batches, room, stage_products, n_offloaded)
         return range(n_stages - 1 - count, n_stages - 1)
 
-    def host_kept_stages(self, kept: range, n_offloaded: int) -> dict[int, int]:
+    def _free_device_bytes(self) -> int:
+        """Device memory free now, with what the allocator holds unused."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def _product_room(self, batches: list[MicroBatch], free: int) -> tuple[int, int]:
+        """(device bytes of `free` left for checkpoints and kept products past the reserve, bytes of one
+        stage's products) this step."""
+        element = torch.finfo(self.store.compute_dtype).bits // 8
+        tokens = sum(mb.input_ids.numel() for mb in batches)
+        per_token = self.stages[-2].template.product_bytes_per_token(element)
+        micro_tokens = max(mb.input_ids.numel() for mb in batches)
+        # a recompute's graph holds about twice a layer's products (its inputs, attention, activation)
+        reserve = 2 * self._largest_block * 4 + 2 * micro_tokens * per_token + KEPT_SLACK_BYTES
+        # host-kept products wait on the device for their copy out, and come back a stage ahead
+        reserve += tokens * per_token if self.host_kept_layers else 0
+        return free - reserve, tokens * per_token
+
+    def _kept_count(self, batches: list[MicroBatch], room: int, stage_products: int, n_offloaded: int) -> int:
+        """How many layers' products fit `room` beside the checkpoints left on the device with `n_offloaded`
+        stages' sent to host memory (and one stage's of those back a stage ahead of its backward)."""
+        n_blocks = len(self.stages) - 2
+        on_device = n_blocks - n_offloaded + (1 if n_offloaded else 0)
+        checkpoints = self.checkpoint_bytes(batches) * on_device // max(1, n_blocks)
+        return min(self._keepable, max(0, int((room - checkpoints) // stage_products)))
+
+    def host_kept_stages(self, kept: range) -> dict[int, int]:
         """The `host_kept_layers` block stages before `kept` that keep their products in host memory, each
         with its rank among them (its host buffer), spread evenly from the first keepable one (the copies
         out then keep pace with the forward, and the first layers' backward, last, leaves the copies back
-        the most time); none with offloaded checkpoints."""
-        first_keepable = max(1 + n_offloaded, len(self.stages) - 1 - self._keepable)
+        the most time)."""
+        first_keepable = max(1, len(self.stages) - 1 - self._keepable)
         candidates = list(range(first_keepable, kept.start))
-        count = min(self.host_kept_layers, len(candidates)) if not n_offloaded else 0
+        count = min(self.host_kept_layers, len(candidates))
         return {candidates[i * len(candidates) // count]: i for i in range(count)}
 
-    def _offload(self, x: Tensor, copies: dict, host: Tensor | None = None) -> "_Offloaded":
-        """Start moving a checkpoint or kept product to pinned host memory, `host` where given (once per
+    def _offload(self, x: Tensor, copies: dict, name: str, host: Tensor | None = None) -> "_Offloaded":
+        """Start moving a checkpoint or kept product (`name`d) to pinned host memory, `host` where given (once per
         tensor and step: `copies` holds the step's, by tensor identity, for stages that keep the same
         tensor)."""
         if id(x) in copies and copies[id(x)][0]() is x:
             return copies[id(x)][1]
         streams = self.streams
         if host is None:
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.streams.cuda)
         produced = streams.record(streams.compute)
-        with streams.on(streams.copy_out):
-            streams.wait(streams.copy_out, produced)
+        streams.wait(streams.copy_out, produced)
+        with (
+            streams.on(streams.copy_out),
+            self.timeline.device_span(f"{name} out", "copy_out", streams, streams.copy_out),
+        ):
             host.copy_(x, non_blocking=True)
             copied = streams.record(streams.copy_out)
         streams.keep_alive(x, streams.copy_out)
-        copies[id(x)] = (weakref.ref(x), _Offloaded(host, copied))  # not keeping x alive: it leaves the device
+        copies[id(x)] = (weakref.ref(x), _Offloaded(host, copied, name))  # not keeping x alive: it leaves the device
         return copies[id(x)][1]
 
-    def _reload(self, offloaded: "_Offloaded") -> "_Reloaded":
-        """Start bringing an offloaded tensor back (once while it is in use)."""
+    def _reload(self, offloaded: "_Offloaded", after: Any) -> "_Reloaded":
+        """Start bringing an offloaded tensor back (once while it is in use), into memory of the compute stream's
+        (what the backward frees is there: memory taken on the copy-in stream could not be given what the
+        compute stream frees, and the caching allocator would have to synchronize the device to find it), so
+        copied once the compute work queued before (`after`, an event), which may have used it, has run."""
         if offloaded.reloaded is None:
             streams = self.streams
-            with streams.on(streams.copy_in):
-                streams.wait(streams.copy_in, offloaded.copied)
-                x = offloaded.host.to(self.device, non_blocking=True)
+            with streams.on(streams.compute):
+                x = torch.empty_like(offloaded.host, device=self.device)
+            streams.wait(streams.copy_in, offloaded.copied)
+            streams.wait(streams.copy_in, after)
+            with (
+                streams.on(streams.copy_in),
+                self.timeline.device_span(f"{offloaded.name} in", "copy_in", streams, streams.copy_in),
+            ):
+                x.copy_(offloaded.host, non_blocking=True)
                 ready = streams.record(streams.copy_in)
-            streams.keep_alive(x, streams.compute)
             offloaded.reloaded = _Reloaded(x, ready)
         return offloaded.reloaded
+
+    def _reload_checkpoints(self, checkpoints: list[Any], products: bool) -> None:
+        """Start bringing a stage's offloaded checkpoints back, and with `products` its kept products (each
+        entry replaced in place), behind the compute work queued so far (the stage before it in the backward
+        runs meanwhile)."""
+        after = self.streams.record(self.streams.compute)
+
+        def back(value: Any) -> Any:
+            return self._reload(value, after) if isinstance(value, _Offloaded) else value
+
+        for m, checkpoint in enumerate(checkpoints):
+            if isinstance(checkpoint, _Kept):
+                checkpoint.x = back(checkpoint.x)
+                if products:
+                    checkpoint.products = {name: back(value) for name, value in checkpoint.products.items()}
+            else:
+                checkpoints[m] = back(checkpoint)
 
     def _arrived(self, value: Any) -> Any:
         """What a backward reads: a tensor brought back from host memory once the compute stream has
@@ -623,14 +704,14 @@ class LayerPipeline:
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
         n_offloaded = self.offloaded_stages(batches) if train else 0
         kept_products = self.kept_stages(batches, n_offloaded) if train else range(0)
-        host_kept = self.host_kept_stages(kept_products, n_offloaded) if train and not warm_up else {}
+        host_kept = self.host_kept_stages(kept_products) if train and not warm_up else {}
         if host_kept:  # each host-kept stage's products, every micro-batch's
             per_token = self.stages[-2].template.product_bytes_per_token(self.store.compute_dtype.itemsize)
             host_stage_bytes = per_token * sum(mb.input_ids.numel() for mb in batches)
         if warm_up:
             kept_products = kept_products[-1:]
         self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
-        reloaded: dict[int, list] = {}
+        self.last_offloaded = n_offloaded
         offloaded_copies: dict[int, tuple] = {}
         last_host_copy = None  # event: the last host-kept stage's products are in host memory
         prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
@@ -654,11 +735,8 @@ class LayerPipeline:
                 offloaded_copies.clear()
             if train and position >= n_stages - 1:  # the next backward stage's offloaded checkpoints
                 next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
-                if 0 < next_stage <= n_offloaded:
-                    reloaded[next_stage] = [self._reload(h) for h in checkpoints[next_stage]]
-                if next_stage in host_kept:
-                    for kept in checkpoints[next_stage]:
-                        kept.products = {k: self._reload(v) for k, v in kept.products.items()}
+                if 0 < next_stage <= n_offloaded or next_stage in host_kept:
+                    self._reload_checkpoints(checkpoints[next_stage], next_stage in host_kept)
             streams.wait(streams.compute, slot.ready)
             weights = self._slot_weights(slot, stage_index)
             backward = position >= n_stages
@@ -680,12 +758,16 @@ class LayerPipeline:
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
-                            checkpoints[stage_index][m] = self._offload(kept, offloaded_copies) if offload else kept
+                            checkpoints[stage_index][m] = (
+                                self._offload(kept, offloaded_copies, f"checkpoint {stage.name}") if offload else kept
+                            )
                         if stage_index in kept_products or stage_index in host_kept:
                             acts[m], products = stage.template.forward_keeping_products(weights, x, **kwargs[m])
                             if stage_index in host_kept:
                                 products = {
-                                    k: self._offload(v, offloaded_copies, host_products.take(v))
+                                    k: self._offload(
+                                        v, offloaded_copies, f"products {stage.name}", host_products.take(v)
+                                    )
                                     for k, v in products.items()
                                 }
                                 last_host_copy = streams.record(streams.copy_out)
@@ -705,7 +787,7 @@ class LayerPipeline:
                         loss_sum += loss
                 else:  # backward, recomputing from the checkpoint
                     grads = self._grad_buffers(stage_index, grad_buffers)
-                    inputs = reloaded.pop(stage_index, None) or checkpoints[stage_index]
+                    inputs = checkpoints[stage_index]
                     forward_prepared = prepared.pop(stage_index, None)
                     for m, grad_out in enumerate(acts):
                         x = inputs[m]

@@ -120,4 +120,5 @@ class Timeline:
             }
             for s in self.spans
         ]
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"traceEvents": events}))
