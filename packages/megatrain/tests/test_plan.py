@@ -170,9 +170,11 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     the fewest that let the most layers keep their products; not for small steps, nor past the host's room."""
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
     h200, model = 140 * 2**30, preset("llama2-7b")
-    large = config_for("llama2-7b", 131072)
+    host_updates = {"engine.gpu_updated_layers": 0}  # (the rule alone)
+    large = config_for("llama2-7b", 131072, **host_updates)
     plan = make_plan(large, gpu_memory=h200)
-    on_gpu = make_plan(config_for("llama2-7b", 131072, **{"engine.offload_checkpoints": False}), gpu_memory=h200)
+    checkpoints_there = {"engine.offload_checkpoints": False} | host_updates
+    on_gpu = make_plan(config_for("llama2-7b", 131072, **checkpoints_there), gpu_memory=h200)
     per_layer = plan.checkpoint_bytes // model.n_layers
     assert 0 < plan.offloaded_layers <= model.n_layers and plan.kept_layers > on_gpu.kept_layers
     # the fewest: a GPU with two checkpoints' room less keeps as many products with two more offloaded
@@ -184,6 +186,24 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     assert small.kept_layers < model.n_layers and small.offloaded_layers == 0
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # 12 B a parameter fits, the checkpoints beside not
     assert make_plan(large, gpu_memory=h200).offloaded_layers == 0
+
+
+def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch):
+    """Where the GPU is the bound, the step boundary (the embedding's and first block's gradients out, their CPU
+    update, their weights back in) is worth their state on the GPU, which takes less of the kept products' room
+    than that wait costs; where the head binds the table (tied) it would still wait, so nothing goes."""
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    h200 = 140 * 2**30
+    auto = make_plan(config_for("llama2-7b", 131072), gpu_memory=h200)
+    host = make_plan(config_for("llama2-7b", 131072, **{"engine.gpu_updated_layers": 0}), gpu_memory=h200)
+    assert (auto.gpu_updated_layers, auto.bubble_s, auto.held_layers) == (1, 0.0, 0)
+    assert host.bubble_s > 0 and auto.step_s < host.step_s and auto.gpu_bytes <= h200
+    model = preset("llama2-7b")  # (untied: embedding, head, blocks, final norm)
+    table = model.vocab_size * model.d_model
+    block = (model.n_params - 2 * table - model.d_model) // model.n_layers
+    assert auto.gpu_updated_bytes == 12 * (table + block)  # fp32 master and two moments
+    tied = make_plan(config_for("llama3.2-3b", 131072), gpu_memory=h200)
+    assert tied.gpu_updated_layers == 0 and tied.bubble_s > 0
 
 
 def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
@@ -338,7 +358,7 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     head_s = 6 * model.vocab_size * model.d_model * 16384 / (auto.rates.head_tflops * 1e12)
     assert auto.optimizer_s + head_s <= CPU_OPTIMIZER_MARGIN * auto.compute_s  # within the GPU's work, with a margin
     assert auto.bound != "cpu_optimizer" and host.bound == "cpu_optimizer"
-    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).gpu_updated_layers == 0
+    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).gpu_updated_layers == 1  # see below
     assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100, gpus=2).gpu_updated_layers == 0
     clipped = make_plan(config_for("qwen2.5-7b", 16384, **{"train.grad_clip": 1.0}), gpu_memory=h100)
     assert clipped.gpu_updated_bytes == 16 * sum(stages[: 1 + clipped.gpu_updated_layers])  # and the gradients

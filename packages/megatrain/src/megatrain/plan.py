@@ -224,6 +224,13 @@ def first_disk_group(
     return first
 
 
+def slowest(parts: dict[str, float]) -> str:
+    """The phase that bounds a step; the first of those within rounding of it (compute wins ties: a pass
+    whose copies are hidden sums to the same seconds by another path)."""
+    longest = max(parts.values())
+    return next(name for name, seconds in parts.items() if seconds >= longest * (1 - 1e-9))
+
+
 def host_memory_limit() -> int | None:
     """Host memory the run may use: MEGATRAIN_HOST_MEMORY_GIB if set (machines whose
     MemAvailable grows as memory is touched), else MemAvailable."""
@@ -343,27 +350,33 @@ def make_plan(
         return sum(sizes[g] for g in gpu_updated_groups(spec, layers))
 
     reserved_bytes = 0  # held weights and GPU-updated state: what kept_at leaves room for
+    wire = element if wire_copy else 4  # bytes a weight crosses PCIe in
+    pcie, pcie_duplex = rates.pcie_gbps * 1e9, rates.pcie_duplex_gbps * 1e9
+    # The step boundary, where the CPU updates the embedding and the first block: their gradients are the step's
+    # last, their weights the next's first, so the GPU waits for them to go out, be updated and come back
+    table_group = spec.stages[0].groups[0]
+    first_params = model.vocab_size * model.d_model + sum(sizes[g] for g in spec.stages[1].groups)
+    boundary_s = first_params / rates.cpu_adam_params_per_s + first_params * (wire + 4) / pcie
+    # what a layer keeping its products saves of the GPU's work
+    recompute_saved_s = (
+        block_work(model, config.data.seq_len, gpu_tokens) - block_work(model, config.data.seq_len, gpu_tokens, 1)
+    ) / (layer_rate * 1e12)
     optimizer_s = optimizer_seconds(model.n_params)
     # a small step: the CPU optimizer would take longer than the GPU's work, so GPU memory is worth more
     # holding weights and updating the first blocks than keeping activations
     small_step = gpu_seconds(gpu_tokens) < optimizer_s
-    host_available = host_memory if host_memory is not None else host_memory_limit()
-    if offload == "auto" and config.engine.kept_layers == "auto" and keepable and not small_step:
-        # as the scheduler decides: the fewest first checkpoints offloaded that let the most layers keep their
-        # products (large steps, whose GPU is the bound: the copies ride on time PCIe has to spare), where
-        # the host holds them beside the rest of the plan
-        most = kept_at(gpu_tokens, n_checkpoints)
-        needed = offloaded
-        while needed < n_checkpoints and kept_at(gpu_tokens, needed) < most:
-            needed += 1
-        around = model.n_params * per_param + GRADIENT_POOL * largest_group * 4
-        if host_available is None or around + gpus * needed * layer_checkpoint <= HOST_KEPT_RAM_SHARE * host_available:
-            offloaded = needed
-    gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     if config.engine.gpu_updated_layers != "auto":
         gpu_updated = min(config.engine.gpu_updated_layers, n_blocks)
-    elif gpu_available is None or offloaded or gpus * hosts > 1 or not small_step:
+    elif gpu_available is None or offloaded or gpus * hosts > 1:
         gpu_updated = 0
+    elif not small_step:  # the GPU is the bound: only the step boundary's wait is worth the memory
+        reserved_bytes = gpu_updated_params_of(1) * device_state_per_param
+        # (the kept layers' products whose room its state takes: none where every layer keeps them anyway)
+        displaced = reserved_bytes / (gpu_tokens * per_token_kept) if kept_at(gpu_tokens) < keepable else 0.0
+        displaced_s = displaced * recompute_saved_s
+        first_on_gpu = table_group in gpu_updated_groups(spec, 1)
+        fits = reserved_bytes <= min(GPU_UPDATED_SHARE * gpu_available, room_at(gpu_tokens))
+        gpu_updated = 1 if first_on_gpu and fits and boundary_s > displaced_s else 0
     else:  # the fewest that bring the CPU optimizer (and the head, which waits for it) within the GPU's work
         budget = min(GPU_UPDATED_SHARE * gpu_available, room_at(gpu_tokens))
         gpu_updated = 0
@@ -392,6 +405,19 @@ def make_plan(
     held_params = sum(holdable[:held_layers])
     held_bytes = held_params * element
     reserved_bytes += held_bytes
+    host_available = host_memory if host_memory is not None else host_memory_limit()
+    if offload == "auto" and config.engine.kept_layers == "auto" and keepable and not small_step:
+        # as the scheduler decides: the fewest first checkpoints offloaded that let the most layers keep their
+        # products (large steps, whose GPU is the bound: the copies ride on time PCIe has to spare), where
+        # the host holds them beside the rest of the plan
+        most = kept_at(gpu_tokens, n_checkpoints)
+        needed = offloaded
+        while needed < n_checkpoints and kept_at(gpu_tokens, needed) < most:
+            needed += 1
+        around = model.n_params * per_param + GRADIENT_POOL * largest_group * 4
+        if host_available is None or around + gpus * needed * layer_checkpoint <= HOST_KEPT_RAM_SHARE * host_available:
+            offloaded = needed
+    gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     kept_layers = kept_at(gpu_tokens)
 
     def host_backward_s(compute_s: float) -> float:
@@ -448,8 +474,6 @@ def make_plan(
 
     # weights go in twice a step (forward, backward) and fp32 gradients out once, on a duplex link;
     # a MoE model moves every expert, used or not
-    wire = element if wire_copy else 4
-    pcie, pcie_duplex = rates.pcie_gbps * 1e9, rates.pcie_duplex_gbps * 1e9
     # (held layers' weights go in once, GPU-updated layers' not at all, nor do their gradients go out)
     streamed = model.n_params - gpu_updated_params
     transfer_s = max((2 * streamed - held_params) * wire, 4 * streamed) / pcie
@@ -471,10 +495,7 @@ def make_plan(
     network_s = network_bytes / (rates.network_gbps * 1e9)
     # split: a host's updated part goes out group by group as the optimizer finishes each (beside it)
     exchange_s = fraction * element * model.n_params / (rates.network_gbps * 1e9) if split else 0.0
-    embed_params = model.vocab_size * model.d_model
-    bubble_s = embed_params / rates.cpu_adam_params_per_s + embed_params * (wire + 4) / pcie
-    if spec.stages[0].groups[0] in gpu_updated_groups(spec, gpu_updated):  # the table is updated on the GPU
-        bubble_s = 0.0
+    bubble_s = 0.0 if table_group in gpu_updated_groups(spec, gpu_updated) else boundary_s
     disk_s = 2 * disk_bytes / (rates.disk_gbps * 1e9)  # every step reads and writes the state on disk
 
     # GPU-updated blocks compute with no copy to wait for, first in the forward and last in the backward:
@@ -521,12 +542,12 @@ def make_plan(
 
     parts = phases(gpu_tokens)
     compute_s = parts["compute"]
-    bound = max(parts, key=parts.get)
+    bound = slowest(parts)
     step_s = parts[bound] + bubble_s
 
     def compute_bound(tokens_per_gpu: int) -> bool:
         bounds = phases(tokens_per_gpu)
-        return max(bounds, key=bounds.get) == "compute"
+        return slowest(bounds) == "compute"
 
     # compute grows with the tokens, the rest (nearly) does not: the step is compute-bound from here on
     low, high = 0, max(1, gpu_tokens)
