@@ -290,10 +290,14 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     reserved on the GPU; none for small steps; an explicit count beyond the host is refused."""
     h100, model = 79 * 2**30, preset("qwen2.5-7b")
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
-    auto = {"engine.host_kept_layers": "auto"}
     assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).host_kept_layers == 0  # off by default
+    # (checkpoints kept on the GPU: offloaded, they would take the smaller host's room first, see below)
+    checkpoints_there = {"engine.offload_checkpoints": False}
+    auto = {"engine.host_kept_layers": "auto"} | checkpoints_there
     large = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
-    gpu_only = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 0}), gpu_memory=h100)
+    gpu_only = make_plan(
+        config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 0} | checkpoints_there), gpu_memory=h100
+    )
     stage = 131072 * kept_bytes_per_token(model, 2)
     assert large.host_kept_layers > 0 and large.host_kept_bytes == large.host_kept_layers * stage
     assert large.host_bytes == pytest.approx(gpu_only.host_bytes + large.host_kept_bytes)
@@ -305,6 +309,10 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "126")  # a host with room for fewer
     smaller_host = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
     assert 0 < smaller_host.host_kept_layers < large.host_kept_layers
+    # checkpoints offloaded first: each of their bytes in host memory makes room for as many products on the GPU
+    # as a byte of host-kept products keeps, at half the copies (out and back of a layer's input, not its products)
+    both = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": "auto"}), gpu_memory=h100)
+    assert both.offloaded_layers > 0 and both.host_kept_layers < smaller_host.host_kept_layers
     assert make_plan(config_for("qwen2.5-7b", 16384, **auto), gpu_memory=h100).host_kept_layers == 0  # a small step
     config = config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 20})
     with pytest.raises(ConfigError, match="engine.host_kept_layers: 20 keeps .* set engine.host_kept_layers: auto"):

@@ -408,15 +408,16 @@ def make_plan(
     host_available = host_memory if host_memory is not None else host_memory_limit()
     if offload == "auto" and config.engine.kept_layers == "auto" and keepable and not small_step:
         # as the scheduler decides: the fewest first checkpoints offloaded that let the most layers keep their
-        # products (large steps, whose GPU is the bound: the copies ride on time PCIe has to spare), where
-        # the host holds them beside the rest of the plan
-        most = kept_at(gpu_tokens, n_checkpoints)
-        needed = offloaded
-        while needed < n_checkpoints and kept_at(gpu_tokens, needed) < most:
-            needed += 1
-        around = model.n_params * per_param + GRADIENT_POOL * largest_group * 4
-        if host_available is None or around + gpus * needed * layer_checkpoint <= HOST_KEPT_RAM_SHARE * host_available:
-            offloaded = needed
+        # products (large steps, whose GPU is the bound: the copies ride on time PCIe has to spare), as many
+        # as the host holds beside the rest of the plan
+        limit = n_checkpoints
+        if host_available is not None:
+            around = model.n_params * per_param + GRADIENT_POOL * largest_group * 4
+            room = HOST_KEPT_RAM_SHARE * host_available - around
+            limit = max(offloaded, min(n_checkpoints, int(room // (gpus * layer_checkpoint))))
+        most = kept_at(gpu_tokens, limit)
+        while offloaded < limit and kept_at(gpu_tokens, offloaded) < most:
+            offloaded += 1
     gpu_bytes = fixed_gpu + (n_checkpoints - offloaded) * layer_checkpoint
     kept_layers = kept_at(gpu_tokens)
 

@@ -154,8 +154,8 @@ class Trainer:
             offload_checkpoints=None
             if config.engine.offload_checkpoints == "auto"
             else config.engine.offload_checkpoints,
-            # only where the plan offloads some: it knows the host's room, and that a small step's PCIe has none
-            offload_for_products=plan.offloaded_layers > 0,
+            # as many as the plan does at most: it knows the host's room, and that a small step's PCIe has none
+            offload_for_products=plan.offloaded_layers,
             kept_layers=None if config.engine.kept_layers == "auto" else config.engine.kept_layers,
             host_kept_layers=plan.host_kept_layers if training else 0,
             held_layers=plan.held_layers if training else 0,

@@ -205,7 +205,7 @@ class LayerPipeline:
     a stage ahead of their backward (large steps, whose GPU is the bound and PCIe has time to spare).
     Activation checkpoints (each block stage's input) stay on the device, or go to pinned host memory
     for the first blocks (`offload_checkpoints`: True all, None as the free device memory decides, and
-    with `offload_for_products` also as many as make room for more kept layers' products), kept
+    also as many as make room for more kept layers' products, up to `offload_for_products`), kept
     layers' included.
 
     A template whose backward reads none of its weights (`backward_reads_weights = False`: an
@@ -233,7 +233,7 @@ class LayerPipeline:
         device: torch.device,
         n_slots: int = 2,
         offload_checkpoints: bool | None = False,
-        offload_for_products: bool = True,
+        offload_for_products: int | None = None,
         kept_layers: int | None = 0,
         host_kept_layers: int = 0,
         held_layers: int = 0,
@@ -510,8 +510,8 @@ class LayerPipeline:
         """How many block stages, the first ones, keep this step's checkpoints in pinned host memory:
         all or none when set, else as many as do not fit in half of the free device memory (the
         other half is for the slots, gradients and one layer's recompute), and more where that lets
-        more layers keep their products (`kept_layers` None and `offload_for_products`): the fewest that
-        let the most keep them.
+        more layers keep their products (`kept_layers` None; up to `offload_for_products` stages, None: all):
+        the fewest that let the most keep them.
         A checkpoint is a layer's input, a product several times that, and its recompute costs far
         more than its copies (out in the forward, on the idle copy-out stream; back a stage ahead of
         the backward), so where products are short of room checkpoints make way for them."""
@@ -523,10 +523,11 @@ class LayerPipeline:
             return 0
         free = self._free_device_bytes()
         offloaded = max(0, n_blocks - int(0.5 * free // per_stage))
-        if self.kept_layers is None and self._keepable and self.offload_for_products:
+        limit = n_blocks if self.offload_for_products is None else min(n_blocks, self.offload_for_products)
+        if self.kept_layers is None and self._keepable and offloaded < limit:
             room, stage_products = self._product_room(batches, free)
-            most = self._kept_count(batches, room, stage_products, n_blocks)
-            while offloaded < n_blocks and self._kept_count(batches, room, stage_products, offloaded) < most:
+            most = self._kept_count(batches, room, stage_products, limit)
+            while offloaded < limit and self._kept_count(batches, room, stage_products, offloaded) < most:
                 offloaded += 1
         return offloaded
 
