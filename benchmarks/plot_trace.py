@@ -14,20 +14,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROWS = ["copy_in", "compute", "copy_out", "optimizer"]
-COLORS = {
-    "copy_in": "#4C72B0",
-    "fwd": "#55A868",
-    "bwd": "#C44E52",
-    "head": "#8172B2",
-    "grad_out": "#DD8452",
-    "adamw": "#937860",
+COLORS = {  # span kind: (color, legend)
+    "copy_in": ("#4C72B0", "weights in"),
+    "fwd": ("#55A868", "forward"),
+    "bwd": ("#C44E52", "backward (recompute)"),
+    "head": ("#8172B2", "head: loss + grad"),
+    "grad_out": ("#DD8452", "grads out"),
+    "adamw": ("#937860", "AdamW update"),
+    "checkpoint": ("#64B5CD", "checkpoints out / in"),
+    "products": ("#CCB974", "kept products out / in"),
 }
 
 
 def color(name: str) -> str:
     if name.startswith("fwd head"):
-        return COLORS["head"]
-    return COLORS.get(name.split()[0], "#999999")
+        return COLORS["head"][0]
+    return COLORS.get(name.split()[0], ("#999999",))[0]
 
 
 def main():
@@ -44,11 +46,11 @@ def main():
             ax.set_ylabel(f"rank {index}", rotation=0, labelpad=30)
     ax = axes[-1, 0]
     ax.set_xlabel("time (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in COLORS.values()]
     ax.legend(
         handles,
-        ["weights in", "forward", "backward (recompute)", "head: loss + grad", "grads out", "AdamW update"],
-        ncol=6,
+        [label for _, label in COLORS.values()],
+        ncol=4,
         loc="upper center",
         bbox_to_anchor=(0.5, -0.28),
         frameon=False,
