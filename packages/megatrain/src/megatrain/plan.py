@@ -353,9 +353,11 @@ def make_plan(
     wire = element if wire_copy else 4  # bytes a weight crosses PCIe in
     pcie, pcie_duplex = rates.pcie_gbps * 1e9, rates.pcie_duplex_gbps * 1e9
     # The step boundary, where the CPU updates the embedding and the first block: their gradients are the step's
-    # last, their weights the next's first, so the GPU waits for them to go out, be updated and come back
+    # last, their weights the next's first, so the GPU waits for them to go out, be updated and come back (of
+    # the table, the rows the next step's tokens read: the rest is updated beside its forward)
     table_group = spec.stages[0].groups[0]
-    first_params = model.vocab_size * model.d_model + sum(sizes[g] for g in spec.stages[1].groups)
+    first_rows = min(model.vocab_size, gpu_tokens) * model.d_model
+    first_params = first_rows + sum(sizes[g] for g in spec.stages[1].groups)
     boundary_s = first_params / rates.cpu_adam_params_per_s + first_params * (wire + 4) / pcie
     # what a layer keeping its products saves of the GPU's work
     recompute_saved_s = (
