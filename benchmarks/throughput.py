@@ -154,7 +154,7 @@ def bench_megatrain(
         trainer.timeline.resolve()
         origin = (wall0 - trainer.timeline._origin_host) * 1e6
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
-        if trace_dir and tokens == token_counts[-1]:
+        if trace_dir and tokens == max(token_counts):
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
         plan = make_plan(
             replace(config, train=replace(config.train, batch_size=n_seqs)), model, host_memory=host_memory

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatrain_sched import LayerPipeline, MicroBatch, SchedError, Stage, Timeline
+from megatrain_sched.pipeline import expandable_device_memory
 from megatrain_store import GroupLayout, HostStore
 
 Spec = namedtuple("Spec", "name shape numel")
@@ -317,3 +318,15 @@ def test_checkpoints_make_way_for_kept_products(monkeypatch):
     assert (offloaded, *kept) == (2, 3, 4)
     pipeline.offload_for_products = 1  # (the host's room): one more would not let another layer keep them
     assert pipeline.offloaded_stages(batches) == 0
+
+
+def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    expandable_device_memory()
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's choice stands
+    expandable_device_memory()
+    assert calls == ["expandable_segments:True"]
