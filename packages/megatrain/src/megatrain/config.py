@@ -141,8 +141,9 @@ class EngineSection:
     # more kept layers, before those, whose products wait in pinned host memory instead (copied out in the
     # forward, when PCIe carries no gradient, and back a layer ahead of their backward); "auto": at large
     # steps (the GPU is the bound), as many as 85% of host memory, with the rest of the run, and the
-    # forward's copy time allow (none on the CPU). Off by default: measured, 8 such layers of a 7B model
-    # at 128k tokens took 75 GB of pinned host memory for 0.8% (docs/benchmarks.md)
+    # forward's copy time allow (none on the CPU). Off by default: offloaded checkpoints take the host's room
+    # first (the same GPU room per host byte, half the copies), and both together are unmeasured
+    # (docs/benchmarks.md)
     host_kept_layers: int | str = 0
     # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
     # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;

@@ -306,6 +306,7 @@ def make_plan(
         model.n_layers,
     )
     keepable = max(0, min(trailing_dense, model.n_layers)) if per_token_kept else 0
+    stage_products = gpu_tokens * per_token_kept  # one kept layer's products, the step's
 
     def room_at(tokens_per_gpu: int, offloaded_there: int | None = None) -> float:
         """GPU bytes left beside the step's fixed needs and checkpoints (all but `offloaded_there`, by default
@@ -374,7 +375,7 @@ def make_plan(
     elif not small_step:  # the GPU is the bound: only the step boundary's wait is worth the memory
         reserved_bytes = gpu_updated_params_of(1) * device_state_per_param
         # (the kept layers' products whose room its state takes: none where every layer keeps them anyway)
-        displaced = reserved_bytes / (gpu_tokens * per_token_kept) if kept_at(gpu_tokens) < keepable else 0.0
+        displaced = reserved_bytes / stage_products if kept_at(gpu_tokens) < keepable else 0.0
         displaced_s = displaced * recompute_saved_s
         first_on_gpu = table_group in gpu_updated_groups(spec, 1)
         fits = reserved_bytes <= min(GPU_UPDATED_SHARE * gpu_available, room_at(gpu_tokens))
@@ -449,7 +450,6 @@ def make_plan(
 
     # kept layers' products in pinned host memory, the layers before those kept on the GPU: where the step
     # is the GPU's (not small), as many as the host's room and the forward's idle copy-out time allow
-    stage_products = gpu_tokens * per_token_kept
     candidates = max(0, keepable - kept_layers)
     if config.engine.host_kept_layers != "auto":
         host_kept = min(config.engine.host_kept_layers, candidates)

@@ -525,9 +525,9 @@ class LayerPipeline:
         offloaded = max(0, n_blocks - int(0.5 * free // per_stage))
         limit = n_blocks if self.offload_for_products is None else min(n_blocks, self.offload_for_products)
         if self.kept_layers is None and self._keepable and offloaded < limit:
-            room, stage_products = self._product_room(batches, free)
-            most = self._kept_count(batches, room, stage_products, limit)
-            while offloaded < limit and self._kept_count(batches, room, stage_products, offloaded) < most:
+            room = self._product_room(batches, free)
+            most = self._kept_count(room, per_stage, limit)
+            while offloaded < limit and self._kept_count(room, per_stage, offloaded) < most:
                 offloaded += 1
         return offloaded
 
@@ -542,8 +542,8 @@ class LayerPipeline:
         elif self._keepable == 0:
             count = 0
         else:
-            room, stage_products = self._product_room(batches, self._free_device_bytes())
-            count = self._kept_count(batches, room, stage_products, n_offloaded)
+            per_stage = self.checkpoint_bytes(batches) // max(1, n_stages - 2)
+            count = self._kept_count(self._product_room(batches, self._free_device_bytes()), per_stage, n_offloaded)
         return range(n_stages - 1 - count, n_stages - 1)
 
     def _free_device_bytes(self) -> int:
@@ -551,26 +551,28 @@ class LayerPipeline:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
 
+    def _product_bytes(self, tokens: int) -> int:
+        """Bytes of one stage's products for `tokens`."""
+        return tokens * self.stages[-2].template.product_bytes_per_token(self.store.compute_dtype.itemsize)
+
     def _product_room(self, batches: list[MicroBatch], free: int) -> tuple[int, int]:
         """(device bytes of `free` left for checkpoints and kept products past the reserve, bytes of one
         stage's products) this step."""
-        element = torch.finfo(self.store.compute_dtype).bits // 8
-        tokens = sum(mb.input_ids.numel() for mb in batches)
-        per_token = self.stages[-2].template.product_bytes_per_token(element)
-        micro_tokens = max(mb.input_ids.numel() for mb in batches)
+        stage_products = self._product_bytes(sum(mb.input_ids.numel() for mb in batches))
+        micro_products = self._product_bytes(max(mb.input_ids.numel() for mb in batches))
         # a recompute's graph holds about twice a layer's products (its inputs, attention, activation)
-        reserve = 2 * self._largest_block * 4 + 2 * micro_tokens * per_token + KEPT_SLACK_BYTES
+        reserve = 2 * self._largest_block * 4 + 2 * micro_products + KEPT_SLACK_BYTES
         # host-kept products wait on the device for their copy out, and come back a stage ahead
-        reserve += tokens * per_token if self.host_kept_layers else 0
-        return free - reserve, tokens * per_token
+        reserve += stage_products if self.host_kept_layers else 0
+        return free - reserve, stage_products
 
-    def _kept_count(self, batches: list[MicroBatch], room: int, stage_products: int, n_offloaded: int) -> int:
-        """How many layers' products fit `room` beside the checkpoints left on the device with `n_offloaded`
-        stages' sent to host memory (and one stage's of those back a stage ahead of its backward)."""
-        n_blocks = len(self.stages) - 2
-        on_device = n_blocks - n_offloaded + (1 if n_offloaded else 0)
-        checkpoints = self.checkpoint_bytes(batches) * on_device // max(1, n_blocks)
-        return min(self._keepable, max(0, int((room - checkpoints) // stage_products)))
+    def _kept_count(self, room: tuple[int, int], per_stage: int, n_offloaded: int) -> int:
+        """How many layers' products fit `room` (`_product_room`'s) beside the checkpoints (`per_stage` bytes
+        a block) left on the device with `n_offloaded` stages' sent to host memory (and one stage's of those
+        back a stage ahead of its backward)."""
+        free, stage_products = room
+        on_device = len(self.stages) - 2 - n_offloaded + (1 if n_offloaded else 0)
+        return min(self._keepable, max(0, int((free - on_device * per_stage) // stage_products)))
 
     def host_kept_stages(self, kept: range) -> dict[int, int]:
         """The `host_kept_layers` block stages before `kept` that keep their products in host memory, each
@@ -707,8 +709,7 @@ class LayerPipeline:
         kept_products = self.kept_stages(batches, n_offloaded) if train else range(0)
         host_kept = self.host_kept_stages(kept_products) if train and not warm_up else {}
         if host_kept:  # each host-kept stage's products, every micro-batch's
-            per_token = self.stages[-2].template.product_bytes_per_token(self.store.compute_dtype.itemsize)
-            host_stage_bytes = per_token * sum(mb.input_ids.numel() for mb in batches)
+            host_stage_bytes = self._product_bytes(sum(mb.input_ids.numel() for mb in batches))
         if warm_up:
             kept_products = kept_products[-1:]
         self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
