@@ -287,7 +287,9 @@ def test_the_setup_warm_up_brings_rows_as_the_fine_tuning_data_will(pack, tmp_pa
     trainer = Trainer(config)
     seen = []
     real_warm_up = trainer.pipeline.warm_up
-    monkeypatch.setattr(trainer.pipeline, "warm_up", lambda micro: (seen.extend(micro), real_warm_up(micro)))
+    monkeypatch.setattr(
+        trainer.pipeline, "warm_up", lambda micro, step: (seen.extend(micro), real_warm_up(micro, step))
+    )
     trainer.warm_up()
     assert len(seen) == 1 and seen[0].input_ids.shape == (2, 16)  # micro-batches of 2 rows, one shape
     documents = seen[0].documents

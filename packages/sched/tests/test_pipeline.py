@@ -163,6 +163,24 @@ def test_kept_products_and_offloaded_checkpoints_match_autograd(engine):
     assert pipeline.last_kept == engine.get("kept_layers", 0) + engine.get("host_kept_layers", 0)
 
 
+def test_the_warm_up_takes_the_host_memory_of_a_whole_step():
+    """The warm-up runs one micro-batch but takes the host memory a whole step's offloaded checkpoints and host-kept
+    products go to, exact bytes (the CUDA host allocator would round each up to a power of two): the first step
+    takes none (pinning 20 GB there made it twice as long)."""
+    store, pipeline, _ = build(4, tied=True, offload_checkpoints=True, kept_layers=1, host_kept_layers=1)
+    pipeline.stages[-1].template.d_model = D  # (the checkpoints' width)
+    step = [MicroBatch(i, lab) for i, lab in make_batches(3)]
+    pipeline.warm_up(step[:1], step)
+    stage_bytes = sum(mb.input_ids.numel() for mb in step) * D * store.compute_dtype.itemsize
+    taken = dict(pipeline._host_memory.buffers)
+    expected = {("checkpoint", stage): stage_bytes for stage in range(1, 5)} | {("products", 0): stage_bytes}
+    assert {use: buffer.numel() for use, buffer in taken.items()} == expected
+    pipeline.run(step, loss_scale=1.0)
+    assert pipeline.last_offloaded == 4 and pipeline.last_host_kept == 1
+    assert pipeline._host_memory.buffers.keys() == taken.keys()
+    assert all(pipeline._host_memory.buffers[use] is buffer for use, buffer in taken.items())
+
+
 @pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 3)])
 def test_weights_present_before_every_compute(n_slots, held_layers):
     store, pipeline, _ = build(4, tied=True, n_slots=n_slots, held_layers=held_layers)

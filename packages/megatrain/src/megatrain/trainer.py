@@ -362,7 +362,8 @@ class Trainer:
 
     def warm_up(self) -> float:
         """Seconds to run a step's forward and backward once on random tokens, each micro-batch shape of a
-        configured batch once, gradients dropped (`LayerPipeline.warm_up`); the weights are only read.
+        configured batch once, gradients dropped, and the step's pinned host memory taken (`LayerPipeline.warm_up`);
+        the weights are only read.
         Fine-tuning rows come as the data will bring them (padding marked, packed documents' positions
         restarting), so the attention kernels they take are built too."""
         start = time.perf_counter()
@@ -375,11 +376,12 @@ class Trainer:
             valid = torch.ones_like(tokens, dtype=torch.bool)
             if data.pack:  # two documents a row
                 positions = (torch.arange(data.seq_len) % max(1, data.seq_len // 2)).expand_as(tokens).contiguous()
+        step = self._micro_batches(tokens, tokens, positions, valid, self._my_rows(train.batch_size))
         shapes = {}
-        for micro in self._micro_batches(tokens, tokens, positions, valid, self._my_rows(train.batch_size)):
+        for micro in step:
             shapes.setdefault(micro.input_ids.shape, micro)
         if shapes:
-            self.pipeline.warm_up(list(shapes.values()))
+            self.pipeline.warm_up(list(shapes.values()), step)
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------- step

@@ -120,41 +120,47 @@ class _Offloaded:
     reloaded: _Reloaded | None = None
 
 
-class _HostProducts:
-    """Pinned host memory for the products of host-kept stages: a flat buffer per stage (by its rank among
-    them), page-locked in place (the CUDA host allocator rounds each allocation up to a power of two, so a
-    7B layer's 10 GB of products at 128k tokens would take 16), grown when a step needs more. A step's
+class _HostMemory:
+    """Pinned host memory for what a step sends out and brings back: a flat buffer per use (each offloaded
+    stage's checkpoints, each host-kept stage's products), touched and page-locked in place, exact bytes (the CUDA
+    host allocator rounds each allocation up to a power of two: a 112 MiB checkpoint would take 128, a
+    7B layer's 10 GB of products at 128k tokens 16), grown when a step needs more and kept across steps,
+    so that only the first step that needs it (or `LayerPipeline.warm_up`) pays for pinning it. A step's
     copies into a buffer are ordered after the previous step's copies out of it by the compute stream,
-    which waited for those before the step's forward could run."""
+    which waited for those before that step's backward read them."""
 
     def __init__(self, streams: Streams):
         self.streams = streams
-        self.buffers: list[Tensor] = []
-        self._pinned: dict[int, int] = {}  # stage rank -> data_ptr page-locked
+        self.buffers: dict[Any, Tensor] = {}
+        self._pinned: dict[Any, int] = {}  # use -> data_ptr page-locked
         weakref.finalize(self, lambda pinned: [unpin(ptr) for ptr in pinned.values()], self._pinned)
 
-    def stage(self, rank: int, nbytes: int) -> "_Cursor":
-        """Room for `nbytes` of the `rank`-th host-kept stage's products, handed out in order."""
-        while len(self.buffers) <= rank:
-            self.buffers.append(torch.empty(0, dtype=torch.uint8))
-        if self.buffers[rank].numel() < nbytes:
-            if rank in self._pinned:
+    def room(self, use: Any, nbytes: int) -> "_Cursor":
+        """`nbytes` of the buffer for `use`, handed out in order."""
+        if use not in self.buffers or self.buffers[use].numel() < nbytes:
+            if use in self._pinned:
                 torch.cuda.synchronize(self.streams.device)  # no copy may still read or write it
-                unpin(self._pinned.pop(rank))
-            self.buffers[rank] = torch.empty(nbytes, dtype=torch.uint8)
-            if self.streams.cuda and pin_in_place(self.buffers[rank]):
-                self._pinned[rank] = self.buffers[rank].data_ptr()
-        return _Cursor(self.buffers[rank])
+                unpin(self._pinned.pop(use))
+            self.buffers.pop(use, None)  # freed before the larger one is taken
+            # touched by torch's threads before it is locked: registering faulted-in pages is faster
+            self.buffers[use] = torch.zeros(nbytes, dtype=torch.uint8)
+            if self.streams.cuda and pin_in_place(self.buffers[use]):
+                self._pinned[use] = self.buffers[use].data_ptr()
+        return _Cursor(self.buffers[use], self.streams.cuda)
 
 
 @dataclass
 class _Cursor:
     buffer: Tensor
+    pin: bool  # whether what the buffer has no room for is taken pinned
     offset: int = 0
 
     def take(self, like: Tensor) -> Tensor:
-        """The next `like`-shaped tensor of the buffer."""
+        """The next `like`-shaped tensor of the buffer, or of the CUDA host allocator where it is full (a model
+        whose head template gives no `d_model`, or whose block templates' `checkpoint_planes` undercount)."""
         nbytes = like.numel() * like.element_size()
+        if self.offset + nbytes > self.buffer.numel():
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
         view = self.buffer[self.offset : self.offset + nbytes].view(like.dtype).view(like.shape)
         self.offset += nbytes
         return view
@@ -277,7 +283,7 @@ class LayerPipeline:
         self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
         self.last_kept = 0  # how many block stages the last training step kept the products of
         self.host_kept_layers = host_kept_layers
-        self._host_products = _HostProducts(self.streams)
+        self._host_memory = _HostMemory(self.streams)
         self.last_host_kept = 0  # ... of those, how many in host memory
         self.last_offloaded = 0  # how many block stages' checkpoints the last training step sent to host memory
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
@@ -500,11 +506,12 @@ class LayerPipeline:
         """Device bytes the activation checkpoints of a step take: every block stage's input, or what its
         template's `checkpoint(x)` keeps of it (`checkpoint_planes`, default 1: how many [tokens, d_model]
         tensors that adds, 0 where it is another stage's)."""
-        tokens = sum(mb.input_ids.numel() for mb in batches)
+        return self._checkpoint_bytes(sum(mb.input_ids.numel() for mb in batches), self.stages[1:-1])
+
+    def _checkpoint_bytes(self, tokens: int, stages: list[Stage]) -> int:
         d_model = getattr(self.stages[-1].template, "d_model", 0)
-        element = torch.finfo(self.store.compute_dtype).bits // 8
-        planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in self.stages[1:-1])
-        return tokens * d_model * element * planes
+        planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in stages)
+        return tokens * d_model * self.store.compute_dtype.itemsize * planes
 
     def offloaded_stages(self, batches: list[MicroBatch]) -> int:
         """How many block stages, the first ones, keep this step's checkpoints in pinned host memory:
@@ -584,15 +591,39 @@ class LayerPipeline:
         count = min(self.host_kept_layers, len(candidates))
         return {candidates[i * len(candidates) // count]: i for i in range(count)}
 
-    def _offload(self, x: Tensor, copies: dict, name: str, host: Tensor | None = None) -> "_Offloaded":
-        """Start moving a checkpoint or kept product (`name`d) to pinned host memory, `host` where given (once per
+    def _step_choices(self, batches: list[MicroBatch]) -> tuple[int, range, dict[int, int]]:
+        """A training step's (`offloaded_stages`, `kept_stages`, `host_kept_stages`) for `batches`."""
+        n_offloaded = self.offloaded_stages(batches)
+        kept = self.kept_stages(batches, n_offloaded)
+        return n_offloaded, kept, self.host_kept_stages(kept)
+
+    def _host_rooms(
+        self, batches: list[MicroBatch], n_offloaded: int, host_kept: dict[int, int]
+    ) -> tuple[dict[int, "_Cursor"], dict[int, "_Cursor"]]:
+        """A step's pinned host memory, by block stage: (for the checkpoints of the first `n_offloaded`, for the
+        products of each `host_kept` one). A buffer each, so that a step offloading one more stage pins only
+        that one's."""
+        tokens = sum(mb.input_ids.numel() for mb in batches)
+        checkpoints = {
+            stage: self._host_memory.room(
+                ("checkpoint", stage), self._checkpoint_bytes(tokens, self.stages[stage : stage + 1])
+            )
+            for stage in range(1, n_offloaded + 1)
+        }
+        products = {
+            stage: self._host_memory.room(("products", rank), self._product_bytes(tokens))
+            for stage, rank in host_kept.items()
+        }
+        return checkpoints, products
+
+    def _offload(self, x: Tensor, copies: dict, name: str, room: "_Cursor") -> "_Offloaded":
+        """Start moving a checkpoint or kept product (`name`d) to pinned host memory, the next of `room` (once per
         tensor and step: `copies` holds the step's, by tensor identity, for stages that keep the same
         tensor)."""
         if id(x) in copies and copies[id(x)][0]() is x:
             return copies[id(x)][1]
         streams = self.streams
-        if host is None:
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.streams.cuda)
+        host = room.take(x)
         produced = streams.record(streams.compute)
         streams.wait(streams.copy_out, produced)
         with (
@@ -660,14 +691,19 @@ class LayerPipeline:
         (fp32 scalar on the device). Nothing is kept for a backward and no gradient is made."""
         return self._run(micro_batches, 0.0, train=False).loss_sum
 
-    def warm_up(self, micro_batches: list[MicroBatch]) -> None:
+    def warm_up(self, micro_batches: list[MicroBatch], step: list[MicroBatch] | None = None) -> None:
         """Forward and backward of one step on `micro_batches`, its gradients dropped (nothing reaches the
         store or the optimizer): what is built on first use (torch.compile's kernels for each shape and
         grad mode, cuBLAS's plans, the allocator's pools) is built here, at setup, instead of inside the
         first step. Where layers may keep their products only the last one does, so that both kinds of
-        backward are built."""
+        backward are built. `step`: a whole training step's micro-batches (only their sizes are read), whose
+        pinned host memory for offloaded checkpoints and host-kept products is taken here too (pinning
+        20 GB takes seconds: the first step would run at half speed)."""
         enabled, self.timeline.enabled = self.timeline.enabled, False
         try:
+            if step:
+                n_offloaded, _, host_kept = self._step_choices(step)
+                self._host_rooms(step, n_offloaded, host_kept)
             self._run(micro_batches, 1.0, train=True, warm_up=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -705,13 +741,10 @@ class LayerPipeline:
                 # the first layer's update is done before the table's rows: its copy goes first, not behind them
                 self._fetch(1, log)
         # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
-        n_offloaded = self.offloaded_stages(batches) if train else 0
-        kept_products = self.kept_stages(batches, n_offloaded) if train else range(0)
-        host_kept = self.host_kept_stages(kept_products) if train and not warm_up else {}
-        if host_kept:  # each host-kept stage's products, every micro-batch's
-            host_stage_bytes = self._product_bytes(sum(mb.input_ids.numel() for mb in batches))
+        n_offloaded, kept_products, host_kept = self._step_choices(batches) if train else (0, range(0), {})
         if warm_up:
-            kept_products = kept_products[-1:]
+            kept_products, host_kept = kept_products[-1:], {}
+        checkpoint_rooms, product_rooms = self._host_rooms(batches, n_offloaded, host_kept)
         self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
         self.last_offloaded = n_offloaded
         offloaded_copies: dict[int, tuple] = {}
@@ -752,23 +785,25 @@ class LayerPipeline:
                             stage.template.prepare(weights, x, **kw) for x, kw in zip(acts, kwargs)
                         ]
                         kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
-                    if stage_index in host_kept:  # its products' room in pinned host memory, this step
-                        # the previous host-kept stage's products out first: one stage of them on the device
-                        streams.wait(streams.compute, last_host_copy)
-                        host_products = self._host_products.stage(host_kept[stage_index], host_stage_bytes)
+                    if stage_index in host_kept:  # the previous host-kept stage's products out first: one
+                        streams.wait(streams.compute, last_host_copy)  # stage of them on the device
                     for m, x in enumerate(acts):
                         if train:  # what the backward needs of the input: all of it, unless the template says
                             kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
                             offload = 0 < stage_index <= n_offloaded
                             checkpoints[stage_index][m] = (
-                                self._offload(kept, offloaded_copies, f"checkpoint {stage.name}") if offload else kept
+                                self._offload(
+                                    kept, offloaded_copies, f"checkpoint {stage.name}", checkpoint_rooms[stage_index]
+                                )
+                                if offload
+                                else kept
                             )
                         if stage_index in kept_products or stage_index in host_kept:
                             acts[m], products = stage.template.forward_keeping_products(weights, x, **kwargs[m])
                             if stage_index in host_kept:
                                 products = {
                                     k: self._offload(
-                                        v, offloaded_copies, f"products {stage.name}", host_products.take(v)
+                                        v, offloaded_copies, f"products {stage.name}", product_rooms[stage_index]
                                     )
                                     for k, v in products.items()
                                 }
