@@ -318,7 +318,7 @@ def main():
         help="layers that keep their matmul products (auto: what fits the GPU; 0: none)",
     )
     parser.add_argument(
-        "--host-kept-layers", default="0", help="more layers keeping their products in pinned host memory (auto)"
+        "--host-kept-layers", default="auto", help="more layers keeping their products in pinned host memory (0: none)"
     )
     parser.add_argument(
         "--offload-checkpoints", default="auto", choices=["auto", "true", "false"], help="checkpoints to host memory"

@@ -170,7 +170,7 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     the fewest that let the most layers keep their products; not for small steps, nor past the host's room."""
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
     h200, model = 140 * 2**30, preset("llama2-7b")
-    host_updates = {"engine.gpu_updated_layers": 0}  # (the rule alone)
+    host_updates = {"engine.gpu_updated_layers": 0, "engine.host_kept_layers": 0}  # (the rule alone)
     large = config_for("llama2-7b", 131072, **host_updates)
     plan = make_plan(large, gpu_memory=h200)
     checkpoints_there = {"engine.offload_checkpoints": False} | host_updates
@@ -287,10 +287,12 @@ def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(m
 def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     """With auto, where the GPU is the bound, layers before those kept on the GPU keep their products in
     pinned host memory: as many as the host's room and the forward's copy-out time allow, a stage of them
-    reserved on the GPU; none for small steps; an explicit count beyond the host is refused."""
+    reserved on the GPU; none for small steps, nor where the optimizer is over half the GPU's work; an
+    explicit count beyond the host is refused."""
     h100, model = 79 * 2**30, preset("qwen2.5-7b")
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
-    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).host_kept_layers == 0  # off by default
+    default = make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100)
+    assert default.offloaded_layers > 0 and default.host_kept_layers > 0  # both by default where the host has room
     # (checkpoints kept on the GPU: offloaded, they would take the smaller host's room first, see below)
     checkpoints_there = {"engine.offload_checkpoints": False}
     auto = {"engine.host_kept_layers": "auto"} | checkpoints_there
@@ -314,6 +316,9 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     both = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": "auto"}), gpu_memory=h100)
     assert both.offloaded_layers > 0 and both.host_kept_layers < smaller_host.host_kept_layers
     assert make_plan(config_for("qwen2.5-7b", 16384, **auto), gpu_memory=h100).host_kept_layers == 0  # a small step
+    # nor where the CPU optimizer, bound by the host memory their copies go through, takes over half the GPU's work
+    at_32k, at_64k = (make_plan(config_for("qwen2.5-7b", t, **auto), gpu_memory=h100) for t in (32768, 65536))
+    assert at_32k.host_kept_layers == 0 and at_64k.host_kept_layers > 0
     config = config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 20})
     with pytest.raises(ConfigError, match="engine.host_kept_layers: 20 keeps .* set engine.host_kept_layers: auto"):
         check_plan(make_plan(config, gpu_memory=h100), config, model)

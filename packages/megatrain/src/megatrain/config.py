@@ -141,10 +141,10 @@ class EngineSection:
     # more kept layers, before those, whose products wait in pinned host memory instead (copied out in the
     # forward, when PCIe carries no gradient, and back a layer ahead of their backward); "auto": at large
     # steps (the GPU is the bound), as many as 85% of host memory, with the rest of the run, and the
-    # forward's copy time allow (none on the CPU). Off by default: offloaded checkpoints take the host's room
-    # first (the same GPU room per host byte, half the copies), and both together are unmeasured
-    # (docs/benchmarks.md)
-    host_kept_layers: int | str = 0
+    # forward's copy time allow, after the offloaded checkpoints (the same GPU room per host byte, half the
+    # copies), where the CPU optimizer takes under half the GPU's work (none on the CPU, nor for
+    # Llama-2-7B at 128k on a 128 GiB host, which the checkpoints fill)
+    host_kept_layers: int | str = "auto"
     # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
     # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;
     # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
