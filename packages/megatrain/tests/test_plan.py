@@ -191,7 +191,7 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
 def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch):
     """Where the GPU is the bound, the step boundary (the embedding's and first block's gradients out, their CPU
     update, their weights back in) is worth their state on the GPU, which takes less of the kept products' room
-    than that wait costs; where the head binds the table (tied) it would still wait, so nothing goes."""
+    than that wait costs; where the head binds the table (tied) the head's norm goes with it."""
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
     h200 = 140 * 2**30
     auto = make_plan(config_for("llama2-7b", 131072), gpu_memory=h200)
@@ -203,7 +203,12 @@ def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch
     block = (model.n_params - 2 * table - model.d_model) // model.n_layers
     assert auto.gpu_updated_bytes == 12 * (table + block)  # fp32 master and two moments
     tied = make_plan(config_for("llama3.2-3b", 131072), gpu_memory=h200)
-    assert tied.gpu_updated_layers == 0 and tied.bubble_s > 0
+    tied_host = make_plan(config_for("llama3.2-3b", 131072, **{"engine.gpu_updated_layers": 0}), gpu_memory=h200)
+    assert (tied.gpu_updated_layers, tied.bubble_s) == (1, 0.0) and tied_host.bubble_s > 0
+    model = preset("llama3.2-3b")  # (tied: the embedding is the head's weight; the head's group is its norm)
+    table = model.vocab_size * model.d_model
+    block = (model.n_params - table - model.d_model) // model.n_layers
+    assert tied.gpu_updated_bytes == 12 * (table + block + model.d_model)
 
 
 def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
@@ -375,8 +380,8 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100, gpus=2).gpu_updated_layers == 0
     clipped = make_plan(config_for("qwen2.5-7b", 16384, **{"train.grad_clip": 1.0}), gpu_memory=h100)
     assert clipped.gpu_updated_bytes == 16 * sum(stages[: 1 + clipped.gpu_updated_layers])  # and the gradients
-    tied = preset("qwen2.5-0.5b")  # its table is the head's weight too: the blocks alone
-    assert gpu_updated_groups(build_model(tied), 2) == [1, 2]
+    tied = preset("qwen2.5-0.5b")  # its table is the head's weight too: the head's norm group goes with it
+    assert gpu_updated_groups(build_model(tied), 2) == [0, 1, 2, tied.n_layers + 1]
     several = config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 2})
     with pytest.raises(ConfigError, match="engine.gpu_updated_layers: 2 needs one process"):
         check_plan(make_plan(several, gpu_memory=h100, gpus=2), several, model)

@@ -150,8 +150,8 @@ class EngineSection:
     # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
     # than the GPU's work (small steps; none on the CPU)
     held_layers: int | str = "auto"
-    # blocks (the first ones; with any, the untied embedding too) whose fp32 master weights and AdamW
-    # moments stay on the GPU, updated there (12 B/param of GPU memory; the store's copy is brought up to
+    # blocks (the first ones; with any, the embedding too, and the head's norm where it is tied) whose fp32
+    # master weights and AdamW moments stay on the GPU, updated there (12 B/param of GPU memory; the store's copy is brought up to
     # date for checkpoints): their weights and gradients do not cross PCIe and the CPU optimizer has that
     # much less to do; "auto": where the CPU optimizer is slower than the GPU's work (small steps), enough
     # to bring it within 80% of that work, in up to three quarters of the GPU (one process per machine

@@ -166,15 +166,16 @@ def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[i
 
 def gpu_updated_groups(spec, layers: int) -> list[int]:
     """The groups (of a built model `spec`) whose masters and moments live on the GPU for
-    engine.gpu_updated_layers = `layers`: the first `layers` blocks', and with any, the embedding table's
-    where no other stage binds it (untied): it is the last gradient of a step and the first weight of the
-    next, so the step boundary then waits for no copy out, CPU update or copy in."""
+    engine.gpu_updated_layers = `layers`: the first `layers` blocks', and with any, the embedding table's:
+    it is the last gradient of a step and the first weight of the next, so the step boundary then waits
+    for no copy out, CPU update or copy in. Tied, the head's other groups (its norm) with it: a stage binds
+    groups updated on the GPU only, or none."""
     if not layers:
         return []
     groups = {g for stage in spec.stages[1 : 1 + layers] for g in stage.groups}
-    table = spec.stages[0].groups
-    if not any(g in stage.groups for stage in spec.stages[1:] for g in table):
-        groups.update(table)
+    table = set(spec.stages[0].groups)
+    groups |= table
+    groups.update(g for stage in spec.stages[1:] if table & set(stage.groups) for g in stage.groups)
     return sorted(groups)
 
 
@@ -345,7 +346,7 @@ def make_plan(
     def optimizer_seconds(cpu_params: int) -> float:
         return cpu_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
 
-    # GPU-updated blocks (the first, and the untied embedding): 12 B/param of masters and moments, and with
+    # GPU-updated blocks (the first, and the embedding with the head's norm where tied): 12 B/param of masters and moments, and with
     # clipping their gradients kept there until the norm is known; one process per machine only
     device_state_per_param = 4 * (1 + len(STATE_NAMES)) + (4 if full_grads else 0)
     n_blocks = len(stage_sizes) - 2

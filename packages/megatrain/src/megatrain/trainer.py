@@ -136,7 +136,7 @@ class Trainer:
         train = config.train
         adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
         self.optimizer = HostAdamW(self.store, adamw) if training else None
-        # the first blocks' (and the untied embedding's) masters and moments on the GPU, updated there
+        # the first blocks' (and the embedding's, tied or not) masters and moments on the GPU, updated there
         on_device = gpu_updated_groups(self.spec, plan.gpu_updated_layers)
         self.device_optimizer = DeviceAdamW(self.optimizer, on_device, self.device) if training and on_device else None
         self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
