@@ -151,11 +151,11 @@ class EngineSection:
     # than the GPU's work (small steps; none on the CPU)
     held_layers: int | str = "auto"
     # blocks (the first ones; with any, the embedding too, and the head's norm where it is tied) whose fp32
-    # master weights and AdamW moments stay on the GPU, updated there (12 B/param of GPU memory; the store's copy is brought up to
-    # date for checkpoints): their weights and gradients do not cross PCIe and the CPU optimizer has that
-    # much less to do; "auto": where the CPU optimizer is slower than the GPU's work (small steps), enough
-    # to bring it within 80% of that work, in up to three quarters of the GPU (one process per machine
-    # only; none on the CPU)
+    # master weights and AdamW moments stay on the GPU, updated there (12 B/param of GPU memory; the store's
+    # copy is brought up to date for checkpoints): their weights and gradients do not cross PCIe and the CPU
+    # optimizer has that much less to do; "auto": where the CPU optimizer is slower than the GPU's work (small
+    # steps), enough to bring it within 80% of that work, in up to three quarters of the GPU (one process per
+    # machine only; none on the CPU)
     gpu_updated_layers: int | str = "auto"
     # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
     # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)

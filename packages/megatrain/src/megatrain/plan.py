@@ -346,8 +346,9 @@ def make_plan(
     def optimizer_seconds(cpu_params: int) -> float:
         return cpu_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
 
-    # GPU-updated blocks (the first, and the embedding with the head's norm where tied): 12 B/param of masters and moments, and with
-    # clipping their gradients kept there until the norm is known; one process per machine only
+    # GPU-updated blocks (the first, and the embedding with the head's norm where tied): 12 B/param of masters
+    # and moments, and with clipping their gradients kept there until the norm is known; one process per machine
+    # only
     device_state_per_param = 4 * (1 + len(STATE_NAMES)) + (4 if full_grads else 0)
     n_blocks = len(stage_sizes) - 2
     spec = _built(model, experts_per_stage)
@@ -458,11 +459,15 @@ def make_plan(
     candidates = max(0, keepable - kept_layers)
     if config.engine.host_kept_layers != "auto":
         host_kept = min(config.engine.host_kept_layers, candidates)
-    elif gpu_available is None or host_available is None or small_step or disk_bytes or not stage_products:
-        host_kept = 0
-    elif config.engine.kept_layers == 0:  # products kept nowhere, as asked
-        host_kept = 0
-    elif optimizer_s > HOST_KEPT_OPTIMIZER_SHARE * gpu_seconds(gpu_tokens):
+    elif (
+        gpu_available is None
+        or host_available is None
+        or small_step
+        or disk_bytes
+        or not stage_products
+        or config.engine.kept_layers == 0  # products kept nowhere, as asked
+        or optimizer_s > HOST_KEPT_OPTIMIZER_SHARE * gpu_seconds(gpu_tokens)
+    ):
         host_kept = 0
     else:
         host_room = HOST_KEPT_RAM_SHARE * host_available - host_bytes
