@@ -157,7 +157,10 @@ def bench_megatrain(
         if trace_dir and tokens == max(token_counts):
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
         plan = make_plan(
-            replace(config, train=replace(config.train, batch_size=n_seqs)), model, host_memory=host_memory
+            replace(config, train=replace(config.train, batch_size=n_seqs)),
+            model,
+            trainer.plan.rates,
+            host_memory=host_memory,
         )
         rows.append(
             base_row("megatrain", name, model, seq_len, n_seqs, micro_seqs, step_s)

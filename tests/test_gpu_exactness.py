@@ -107,6 +107,27 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
 
 
 @pytest.mark.gpu
+def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatch, capfd):
+    """A bf16 run on the GPU plans with this GPU's rates at its own shape: measured by the first trainer
+    of that shape, remembered for the next; a tiny model's rates (hundredths of a TFLOPS) are not zero."""
+    from megatrain import plan
+    from megatrain.plan import Rates
+
+    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
+    monkeypatch.setattr(plan, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    config = tiny_llama_config(tmp_path, "cuda", "bfloat16", 16, steps=1, batch_size=2, micro_batch_size=1)
+    first = Trainer(config)
+    first.close()
+    assert "measuring this GPU's block and head" in capfd.readouterr().err
+    rates = first.plan.rates
+    assert rates.source.startswith("GPU block and head measured") and 0 < rates.gpu_tflops != Rates().gpu_tflops
+    assert 0 < rates.head_tflops != Rates().head_tflops and rates.pcie_gbps == Rates().pcie_gbps
+    second = Trainer(config)
+    second.close()
+    assert second.plan.rates == rates and "measuring" not in capfd.readouterr().err
+
+
+@pytest.mark.gpu
 def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
     """The compiled norms, rotary embedding, SwiGLU and loss head compile in the trainer's setup warm-up
     (one graph per shape and grad mode, shared by every layer and micro-batch: kept layers and recomputed

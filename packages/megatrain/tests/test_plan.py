@@ -1,7 +1,11 @@
+import contextlib
+import json
 import math
 import shutil
+from dataclasses import asdict
 
 import pytest
+import torch
 
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
@@ -400,3 +404,49 @@ def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):
     assert deeper.host_bytes == auto.host_bytes + 2 * largest * 4
     clipped = config_for("qwen2.5-7b", 16384, **{"engine.gradient_pool": 12, "train.grad_clip": 1.0})
     assert make_plan(clipped).gradient_pool == 0  # clipping holds every gradient: no pool
+
+
+def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeypatch):
+    from megatrain import plan as planning
+
+    monkeypatch.setattr(planning, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    assert planning.load_rates("H100: a 7B") == Rates()  # nothing calibrated here: the defaults
+    seven, half = Rates(gpu_tflops=627.5, source="7B"), Rates(gpu_tflops=314.5, source="0.5B")
+    planning.save_rates("H100: a 7B", seven, machine=True)  # `megatrain plan --calibrate`: every rate
+    planning.save_rates("H100: a 0.5B", half, machine=False)  # a run's GPU rates at its shape
+    assert planning.load_rates("H100: a 7B") == seven and planning.load_rates("H100: a 0.5B") == half
+    assert planning.load_rates("H100: a 3B") == seven  # not measured: the machine's calibration
+    (tmp_path / "calibration.json").write_text(json.dumps(asdict(half)))  # one rates object: an older file
+    assert planning.load_rates("H100: a 7B") == half
+
+    # a bf16 run on a CUDA GPU measures its shape's block and head once; fp32 runs, launches of several
+    # processes and MEGATRAIN_MEASURE_RATES=0 do not
+    measured = []
+
+    def gpu_rates(model, seq_len, micro_batch):
+        measured.append((seq_len, micro_batch))
+        return 300.0, 500.0, None
+
+    monkeypatch.setattr(planning, "measure_gpu_rates", gpu_rates)
+    monkeypatch.setattr(
+        planning, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
+    )
+    monkeypatch.setattr(planning, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
+    config, model = config_for("qwen2.5-0.5b", 16384), preset("qwen2.5-0.5b")
+    rates = planning.run_rates(config, model)
+    assert (rates.gpu_tflops, rates.head_tflops, rates.pcie_gbps) == (300.0, 500.0, half.pcie_gbps)
+    assert "measured" in rates.source and measured == [(2048, 8)]
+    assert planning.run_rates(config, model) == rates and measured == [(2048, 8)]  # remembered
+    other = config_for("qwen2.5-0.5b", 16384, **{"train.micro_batch_size": 4})
+    assert planning.run_rates(other, model, measure=False) == half and len(measured) == 1  # the machine's
+    fp32 = config_for("qwen2.5-0.5b", 16384, **{"train.micro_batch_size": 4, "precision.compute_dtype": "float32"})
+    assert planning.run_rates(fp32, model) == half and len(measured) == 1
+    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "0")
+    assert planning.run_rates(other, model) == half and len(measured) == 1
+    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
+    assert planning.run_rates(other, model).gpu_tflops == 300.0 and measured == [(2048, 8), (2048, 4)]
+    assert planning.load_rates("another shape") == half  # what a run measures is not the machine's calibration

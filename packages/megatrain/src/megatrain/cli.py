@@ -152,13 +152,13 @@ def run_plan(config, args) -> None:
     import json
 
     from .config import model_config_of
-    from .plan import calibrate, check_plan, format_plan, make_plan
+    from .plan import calibrate, check_plan, format_plan, make_plan, run_rates
 
     model = model_config_of(config)
     rates = (
         calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)
         if args.calibrate
-        else None
+        else run_rates(config, model, measure=args.gpu_memory_gib is None)  # planning for another GPU: not this one's
     )
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
     plan = make_plan(config, model, rates, gpu_memory, args.gpus, args.hosts)

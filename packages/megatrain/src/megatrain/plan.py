@@ -9,20 +9,23 @@ them on the current machine and saves them.
 """
 
 import functools
+import hashlib
 import itertools
 import json
 import math
 import os
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from megatrain_optim import STATE_NAMES
-from megatrain_store import bytes_per_param
+from megatrain_store import atomic_write_text, bytes_per_param
 from megatrain_zoo import ModelConfig, build_model, flops_per_token
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -143,10 +146,78 @@ class Plan:
         return asdict(self)
 
 
-def load_rates() -> Rates:
-    if CALIBRATION_FILE.exists():
-        return Rates(**json.loads(CALIBRATION_FILE.read_text()))
-    return Rates()
+def calibration_key(model: ModelConfig, seq_len: int, micro_batch: int) -> str:
+    """What a calibration is of: this machine's GPU and CPUs, and a run's model and micro-batch shape (the
+    GPU's rates depend on the shape: a Qwen2.5-0.5B block runs at half a 7B block's rate on an H100)."""
+    digest = hashlib.sha1(repr(model).encode()).hexdigest()[:8]
+    return (
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs: {model.arch} d_model {model.d_model}, "
+        f"{model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
+    )
+
+
+def _calibrations() -> dict:
+    """The calibration file: {"machine": the newest `calibrate` here, "shapes": {key: rates}} (older files
+    hold one rates object: the machine's)."""
+    if not CALIBRATION_FILE.exists():
+        return {"machine": None, "shapes": {}}
+    saved = json.loads(CALIBRATION_FILE.read_text())
+    return saved if "shapes" in saved else {"machine": saved, "shapes": {}}
+
+
+def load_rates(key: str | None = None) -> Rates:
+    """The rates measured for `key` (`calibration_key`) on this machine; else the newest calibration here;
+    else the defaults."""
+    saved = _calibrations()
+    chosen = saved["shapes"].get(key) or saved["machine"]
+    return Rates(**chosen) if chosen else Rates()
+
+
+def save_rates(key: str, rates: Rates, machine: bool) -> None:
+    """Remember `rates` for `key`, and with `machine` (all of them measured) as this machine's too."""
+    saved = _calibrations()
+    saved["shapes"][key] = asdict(rates)
+    if machine:
+        saved["machine"] = asdict(rates)
+    CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(CALIBRATION_FILE, json.dumps(saved, indent=2))
+
+
+def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
+    """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
+    the run's own shape, measured the first time (about a second beside the kernels' compilation, which the
+    run's warm-up then reuses; remembered) where `measure` allows and the run computes in bf16 on a CUDA GPU
+    (the rates are bf16's). PCIe and CPU rates do not depend on the shape and vary from one burst to the
+    next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time them too,
+    so a launch of several leaves it to `megatrain plan`; MEGATRAIN_MEASURE_RATES=0 turns it off (the tests:
+    plans from remembered or default rates, the same on every machine)."""
+    device = resolve_device(config.device)
+    measure = measure and os.environ.get("MEGATRAIN_MEASURE_RATES", "1") != "0"
+    if not measure or device.type != "cuda" or resolve_dtype(config.precision.compute_dtype, device) != torch.bfloat16:
+        return load_rates()
+    seq_len, micro_batch = config.data.seq_len, config.train.micro_batch_size
+    with torch.cuda.device(device):
+        key = calibration_key(model, seq_len, micro_batch)
+        machine = load_rates(key)
+        if key in _calibrations()["shapes"]:
+            return machine
+        print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
+        try:
+            with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
+                layer_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
+        except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
+            return machine
+        finally:
+            torch.cuda.empty_cache()  # the plan counts the GPU's free memory
+        rates = replace(
+            machine,
+            gpu_tflops=machine.gpu_tflops if model.is_moe else layer_tflops,
+            moe_gpu_tflops=layer_tflops if model.is_moe else machine.moe_gpu_tflops,
+            head_tflops=head_tflops,
+            source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape; the rest {machine.source}",
+        )
+        save_rates(key, rates, machine=False)
+        return rates
 
 
 @functools.cache  # a plan asks for the same model's stages several times (layout, kept layers)
@@ -771,68 +842,95 @@ def measure_disk_gbps(directory: Path, size: int = 2**30) -> float:
 def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None = None) -> Rates:
     """Measure the rates on this machine (GPU block rate at the run's micro-batch shape, pinned
     PCIe bandwidth, CPU AdamW, and the disk tier's disk if `state_dir` is set) and save them."""
-    from megatrain_optim import adamw_update_
-    from megatrain_zoo import build_model
-
     if not torch.cuda.is_available():
         raise ConfigError("megatrain plan --calibrate needs a CUDA GPU to measure")
-    # the model's own largest layer (a MoE block for a MoE model), at the run's micro-batch shape
+    key = calibration_key(model, seq_len, micro_batch)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        rates = _measure_rates(model, seq_len, micro_batch, state_dir, load_rates(key))
+    torch.cuda.empty_cache()  # a plan made next counts the GPU's free memory
+    save_rates(key, rates, machine=True)
+    return rates
+
+
+def _rounded(rate: float) -> float:
+    """Four significant digits (a tiny test model's block runs at hundredths of a TFLOPS)."""
+    return float(f"{rate:.4g}")
+
+
+def _best_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Seconds a call of `run` takes on the GPU: the best of three windows of `repeats` calls, after two
+    untimed (with one window, two 7B calibrations in a row timed its block at 584 and 638 TFLOPS)."""
+    for _ in range(2):
+        run()
+    best = math.inf
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+def measure_gpu_rates(model: ModelConfig, seq_len: int, micro_batch: int) -> tuple[float, float, Callable[[], None]]:
+    """This GPU's rates at a run's micro-batch shape: its largest layer's forward, recompute and backward
+    (TFLOPS as `block_work` counts them; a MoE block for a MoE model) and the loss head's (6 FLOPs per
+    weight and token); and that layer's pass, to run beside other measurements."""
+    from megatrain_templates import Head
+    from megatrain_zoo import build_model
+
     spec = build_model(model)
     layer = max(range(model.n_layers), key=model.layer_params)
     block = spec.stages[layer + 1].template
     weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
     grads = [torch.zeros(block.numel, device="cuda")]
     x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
-    for _ in range(2):
+
+    def layer_pass() -> None:
         block.forward(weights, x)
         block.backward(weights, x, x, grads)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        block.forward(weights, x)
-        block.backward(weights, x, x, grads)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / 5
+
     tokens = micro_batch * seq_len
-    layer_tflops = block_work(model, seq_len, tokens) / model.n_layers / seconds / 1e12
-
-    from megatrain_templates import Head
-
+    layer_tflops = block_work(model, seq_len, tokens) / model.n_layers / _best_seconds(layer_pass, 5) / 1e12
     head = Head(model.vocab_size, model.d_model, model.rms_eps)
     head_weights = [torch.randn(head.groups[0][0].numel + model.d_model, device="cuda", dtype=torch.bfloat16) * 0.02]
     head_grads = [torch.zeros_like(head_weights[0], dtype=torch.float32)]
     labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
-    for _ in range(2):
-        head.loss(head_weights, x, labels, 1.0, head_grads)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        head.loss(head_weights, x, labels, 1.0, head_grads)
-    torch.cuda.synchronize()
-    head_tflops = 6 * model.vocab_size * model.d_model * tokens / ((time.perf_counter() - start) / 3) / 1e12
+    head_s = _best_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads), 3)
+    head_tflops = 6 * model.vocab_size * model.d_model * tokens / head_s / 1e12
+    return _rounded(layer_tflops), _rounded(head_tflops), layer_pass
 
+
+def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
+    from megatrain_optim import adamw_update_
+
+    layer_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
     host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(host, device="cuda")
-    device.copy_(host)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    pcie = 5 * host.numel() / (time.perf_counter() - start) / 1e9
-    # both ways at once, as in the backward (weights in beside gradients out): each runs slower than alone
     returned = torch.empty_like(host, pin_memory=True)
     outgoing = torch.empty_like(device)
     copies = [torch.cuda.Stream(), torch.cuda.Stream()]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        with torch.cuda.stream(copies[0]):
-            device.copy_(host, non_blocking=True)
-        with torch.cuda.stream(copies[1]):
-            returned.copy_(outgoing, non_blocking=True)
-    torch.cuda.synchronize()
-    pcie_duplex = 5 * host.numel() / (time.perf_counter() - start) / 1e9
+
+    def copy_gbps(both_ways: bool) -> float:
+        """The best of three bursts (a remembered rate should not be one burst's hiccup; calls 2 and 3 of
+        a session once timed 31 and 55 GB/s on the same H100)."""
+        rates = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                with torch.cuda.stream(copies[0]):
+                    device.copy_(host, non_blocking=True)
+                if both_ways:  # as in the backward (weights in beside gradients out): each slower than alone
+                    with torch.cuda.stream(copies[1]):
+                        returned.copy_(outgoing, non_blocking=True)
+            torch.cuda.synchronize()
+            rates.append(5 * host.numel() / (time.perf_counter() - start) / 1e9)
+        return max(rates)
+
+    copy_gbps(True)  # the first copies set up the streams and the host mappings
+    pcie, pcie_duplex = copy_gbps(False), copy_gbps(True)
 
     # a GPU-updated layer's share of a step: its fused AdamW on the GPU, its master cast into a slot twice
     n_device = 64 * 2**20
@@ -869,8 +967,7 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     # weight copies alone, it ran ~25% faster than in the steps; beside saturated copies both ways, ~25%
     # slower.) One untimed update first starts the threads.
     n = 256 * 2**20
-    p, g, m, v = (torch.randn(n) for _ in range(4))
-    v.abs_()
+    p, g, m, v = (torch.full((n,), value) for value in (0.02, 1e-3, 1e-4, 1e-6))  # randn: seconds of its own
     step = torch.tensor(1.0)
 
     def update(times: int) -> None:
@@ -878,7 +975,7 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
             adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
     update(1)
-    optimizer = threading.Thread(target=update, args=(3,))
+    optimizer = threading.Thread(target=update, args=(8,))  # a second or so: a layer pass is 50 ms of it
     start = time.perf_counter()
     optimizer.start()
     while optimizer.is_alive():
@@ -886,26 +983,22 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
             device.copy_(host, non_blocking=True)
         with torch.cuda.stream(copies[1]):
             returned.copy_(device, non_blocking=True)
-        block.forward(weights, x)
-        block.backward(weights, x, x, grads)
+        layer_pass()
         torch.cuda.synchronize()
-    cpu = 3 * n / (time.perf_counter() - start)
-    previous = load_rates()  # a dense calibration keeps the MoE rate it had, and the other way round
-    rates = replace(
+    cpu = 8 * n / (time.perf_counter() - start)
+    # a dense calibration keeps the MoE rate it had, and the other way round
+    return replace(
         previous,
-        gpu_tflops=previous.gpu_tflops if model.is_moe else round(layer_tflops, 1),
-        head_tflops=round(head_tflops, 1),
-        pcie_gbps=round(pcie, 1),
-        pcie_duplex_gbps=round(pcie_duplex, 1),
-        cpu_adam_params_per_s=round(cpu, -6),
-        gpu_adam_params_per_s=round(gpu_adam, -8),
-        disk_gbps=round(measure_disk_gbps(Path(state_dir)), 2) if state_dir else previous.disk_gbps,
-        moe_gpu_tflops=round(layer_tflops, 1) if model.is_moe else previous.moe_gpu_tflops,
-        source=f"calibrated {time.strftime('%Y-%m-%d')} on {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs",
+        gpu_tflops=previous.gpu_tflops if model.is_moe else layer_tflops,
+        head_tflops=head_tflops,
+        pcie_gbps=_rounded(pcie),
+        pcie_duplex_gbps=_rounded(pcie_duplex),
+        cpu_adam_params_per_s=_rounded(cpu),
+        gpu_adam_params_per_s=_rounded(gpu_adam),
+        disk_gbps=_rounded(measure_disk_gbps(Path(state_dir))) if state_dir else previous.disk_gbps,
+        moe_gpu_tflops=layer_tflops if model.is_moe else previous.moe_gpu_tflops,
+        source=f"calibrated {time.strftime('%Y-%m-%d')}: {calibration_key(model, seq_len, micro_batch)}",
     )
-    CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
-    CALIBRATION_FILE.write_text(json.dumps(asdict(rates), indent=2))
-    return rates
 
 
 BOUND_NAMES = {

@@ -45,7 +45,7 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
 from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
-from .plan import check_plan, gpu_updated_groups, make_plan
+from .plan import check_plan, gpu_updated_groups, make_plan, run_rates
 
 # Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
 # the disk busy while one group's read would otherwise wait for the previous update.
@@ -97,7 +97,8 @@ class Trainer:
         self.model_config = model_config or model_config_of(config)
         gpus, hosts = launch_shape()
         # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
-        self.plan = plan = make_plan(config, self.model_config, gpus=gpus, hosts=hosts)  # each GPU: its share
+        rates = run_rates(config, self.model_config, measure=gpus * hosts == 1)
+        self.plan = plan = make_plan(config, self.model_config, rates, gpus=gpus, hosts=hosts)  # each GPU: its share
         if training:
             check_plan(plan, config, self.model_config)
         self.spec = build_model(self.model_config, plan.experts_per_stage)
