@@ -185,7 +185,7 @@ def save_rates(key: str, rates: Rates, machine: bool) -> None:
 
 def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
     """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
-    the run's own shape, measured the first time (about a second beside the kernels' compilation, which the
+    the run's own shape, measured the first time (seconds, most of them the kernels' compilation, which the
     run's warm-up then reuses; remembered) where `measure` allows and the run computes in bf16 on a CUDA GPU
     (the rates are bf16's). PCIe and CPU rates do not depend on the shape and vary from one burst to the
     next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time them too,
@@ -913,8 +913,8 @@ def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir
     copies = [torch.cuda.Stream(), torch.cuda.Stream()]
 
     def copy_gbps(both_ways: bool) -> float:
-        """The best of three bursts (a remembered rate should not be one burst's hiccup; calls 2 and 3 of
-        a session once timed 31 and 55 GB/s on the same H100)."""
+        """The best of three bursts (a remembered rate should not be one burst's hiccup: two calibrations
+        on H100 machines of one session timed 31 and 55 GB/s)."""
         rates = []
         for _ in range(3):
             torch.cuda.synchronize()

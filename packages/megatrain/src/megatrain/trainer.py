@@ -97,7 +97,7 @@ class Trainer:
         self.model_config = model_config or model_config_of(config)
         gpus, hosts = launch_shape()
         # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
-        rates = run_rates(config, self.model_config, measure=gpus * hosts == 1)
+        rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
         self.plan = plan = make_plan(config, self.model_config, rates, gpus=gpus, hosts=hosts)  # each GPU: its share
         if training:
             check_plan(plan, config, self.model_config)
