@@ -13,23 +13,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from block import time_ms  # noqa: E402
 from common import machine, table, write_results  # noqa: E402
 
 from megatrain.plan import measure_gpu_rates  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
-
-
-def seconds(run, repeats: int = 5) -> float:
-    for _ in range(2):
-        run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def gemms_alone(model, tokens: int) -> float:
@@ -50,7 +38,7 @@ def gemms_alone(model, tokens: int) -> float:
             dy @ w
             dy.t() @ x
 
-    return seconds(run)
+    return time_ms(run) / 1e3
 
 
 def attention_alone(model, seq_len: int, micro_batch: int) -> float:
@@ -68,7 +56,7 @@ def attention_alone(model, seq_len: int, micro_batch: int) -> float:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out.backward(torch.ones_like(out))
 
-    return seconds(run)
+    return time_ms(run) / 1e3
 
 
 def main():
@@ -92,7 +80,7 @@ def main():
                 "d_ff": model.d_ff,
                 "block_tflops": block_tflops,
                 "head_tflops": head_tflops,
-                "block_ms": round(seconds(layer_pass) * 1e3, 2),
+                "block_ms": round(time_ms(layer_pass), 2),
                 "gemms_alone_ms": round(gemms_alone(model, seq_len * micro_batch) * 1e3, 2),
                 "attention_alone_ms": round(attention_alone(model, seq_len, micro_batch) * 1e3, 2),
             }
