@@ -1,6 +1,7 @@
 """A decoder block's rate by shape: what `megatrain plan` measures at a run's shape (the block's forward,
-recompute and backward, and the loss head), with the block's GEMMs alone and its attention alone beside it,
-for several zoo presets in one process (each shape compiled afresh).
+recompute and backward, the same keeping its matmul products, and the loss head), with the block's GEMMs
+alone and its attention alone beside it, for several zoo presets in one process (each shape compiled
+afresh).
 
     python benchmarks/block_shapes.py qwen2.5-0.5b:2048:8 qwen2.5-7b:4096:4 --out shapes.json
 """
@@ -70,7 +71,7 @@ def main():
         seq_len, micro_batch = int(seq_len), int(micro_batch)
         model = preset(name)
         torch._dynamo.reset()  # each shape compiles as a run of it would: alone, static
-        block_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
+        block_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
         rows.append(
             {
                 "model": name,
@@ -79,6 +80,7 @@ def main():
                 "d_model": model.d_model,
                 "d_ff": model.d_ff,
                 "block_tflops": block_tflops,
+                "kept_layer_tflops": kept_tflops,  # its matmul products kept: no GEMM recomputed
                 "head_tflops": head_tflops,
                 "block_ms": round(time_ms(layer_pass), 2),
                 "gemms_alone_ms": round(gemms_alone(model, seq_len * micro_batch) * 1e3, 2),

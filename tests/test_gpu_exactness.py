@@ -121,7 +121,8 @@ def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatc
     assert "measuring this GPU's block and head" in capfd.readouterr().err
     rates = first.plan.rates
     assert rates.source.startswith("GPU block and head measured") and 0 < rates.gpu_tflops != Rates().gpu_tflops
-    assert 0 < rates.head_tflops != Rates().head_tflops and rates.pcie_gbps == Rates().pcie_gbps
+    assert 0 < rates.head_tflops != Rates().head_tflops and rates.gpu_kept_tflops > 0
+    assert rates.pcie_gbps == Rates().pcie_gbps
     second = Trainer(config)
     second.close()
     assert second.plan.rates == rates and "measuring" not in capfd.readouterr().err

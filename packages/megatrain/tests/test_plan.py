@@ -14,6 +14,7 @@ from megatrain.plan import (
     DISK_TIER_RAM_SHARE,
     GRADIENT_POOL,
     Rates,
+    block_work,
     check_plan,
     gpu_updated_groups,
     kept_bytes_per_token,
@@ -425,7 +426,7 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
 
     def gpu_rates(model, seq_len, micro_batch):
         measured.append((seq_len, micro_batch))
-        return 300.0, 500.0, None
+        return 300.0, 280.0, 500.0, None
 
     monkeypatch.setattr(planning, "measure_gpu_rates", gpu_rates)
     monkeypatch.setattr(
@@ -438,7 +439,8 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
     config, model = config_for("qwen2.5-0.5b", 16384), preset("qwen2.5-0.5b")
     rates = planning.run_rates(config, model)
-    assert (rates.gpu_tflops, rates.head_tflops, rates.pcie_gbps) == (300.0, 500.0, half.pcie_gbps)
+    assert (rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops) == (300.0, 280.0, 500.0)
+    assert rates.pcie_gbps == half.pcie_gbps
     assert "measured" in rates.source and measured == [(2048, 8)]
     assert planning.run_rates(config, model) == rates and measured == [(2048, 8)]  # remembered
     other = config_for("qwen2.5-0.5b", 16384, **{"train.micro_batch_size": 4})
@@ -450,3 +452,22 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
     assert planning.run_rates(other, model).gpu_tflops == 300.0 and measured == [(2048, 8), (2048, 4)]
     assert planning.load_rates("another shape") == half  # what a run measures is not the machine's calibration
+
+
+def test_kept_layers_are_planned_at_their_own_rate():
+    """A kept layer's time is its work (no recomputed GEMMs) at the kept rate where one was measured; the
+    block's rate for it otherwise, which is the block work less the skipped GEMMs at the block's rate."""
+    config = config_for("qwen2.5-0.5b", 131072)
+    model = preset("qwen2.5-0.5b")
+    h100 = int(79.2 * 2**30)
+    same = make_plan(config, rates=Rates(gpu_tflops=400.0), gpu_memory=h100)
+    explicit = make_plan(config, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=400.0), gpu_memory=h100)
+    assert (explicit.compute_s, explicit.step_s) == pytest.approx((same.compute_s, same.step_s), rel=1e-12)
+    slower = make_plan(config, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=300.0), gpu_memory=h100)
+    assert slower.kept_layers == same.kept_layers > 0
+    tokens, seq = 131072, 2048
+    kept_work = block_work(model, seq, tokens) / model.n_layers - (
+        block_work(model, seq, tokens) - block_work(model, seq, tokens, 1)
+    )
+    expected = same.kept_layers * kept_work * (1 / 300.0 - 1 / 400.0) / 1e12
+    assert slower.compute_s - same.compute_s == pytest.approx(expected, rel=1e-9)

@@ -96,6 +96,9 @@ class Rates:
     # GPU-updated layers: their fused AdamW on the GPU plus the casts of their masters into the slots, a step
     gpu_adam_params_per_s: float = 66.6e9
     source: str = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-24)"
+    # a layer keeping its matmul products (no GEMM recomputed), counted as `block_work` counts it; None: the
+    # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
+    gpu_kept_tflops: float | None = None
 
 
 @dataclass
@@ -204,7 +207,7 @@ def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
         try:
             with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
-                layer_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
+                layer_tflops, kept_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
         except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
             return machine
         finally:
@@ -212,6 +215,7 @@ def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates
         rates = replace(
             machine,
             gpu_tflops=machine.gpu_tflops if model.is_moe else layer_tflops,
+            gpu_kept_tflops=machine.gpu_kept_tflops if model.is_moe else kept_tflops,
             moe_gpu_tflops=layer_tflops if model.is_moe else machine.moe_gpu_tflops,
             head_tflops=head_tflops,
             source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape; the rest {machine.source}",
@@ -268,6 +272,12 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
     # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection
     recomputed_matmuls = 2 * (matmul_layers / model.n_layers - model.d_ff * model.d_model) * tokens
     return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
+
+
+def layer_works(model: ModelConfig, seq_len: int, tokens: int) -> tuple[float, float]:
+    """`block_work` of one dense layer recomputing, and of one keeping its products."""
+    whole = block_work(model, seq_len, tokens) / model.n_layers
+    return whole, whole - (block_work(model, seq_len, tokens) - block_work(model, seq_len, tokens, 1))
 
 
 def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
@@ -405,14 +415,19 @@ def make_plan(
     # performance model, first what sizes the gradient pool
     counted = flops_per_token(model, config.data.seq_len) * tokens
     layer_rate = rates.moe_gpu_tflops if model.is_moe else rates.gpu_tflops
+    kept_rate = layer_rate if model.is_moe else rates.gpu_kept_tflops or layer_rate
 
     def head_seconds(tokens_per_gpu: int) -> float:
         return 6 * model.vocab_size * model.d_model * tokens_per_gpu / (rates.head_tflops * 1e12)
 
+    def blocks_seconds(tokens_per_gpu: int, kept: int) -> float:
+        """The decoder layers' GPU time, `kept` of them keeping their products."""
+        whole, kept_layer = layer_works(model, config.data.seq_len, tokens_per_gpu)
+        recomputing = block_work(model, config.data.seq_len, tokens_per_gpu) - kept * whole
+        return recomputing / (layer_rate * 1e12) + kept * kept_layer / (kept_rate * 1e12)
+
     def gpu_seconds(tokens_per_gpu: int) -> float:
-        work = block_work(model, config.data.seq_len, tokens_per_gpu, kept_at(tokens_per_gpu) + host_kept)
-        block_s = work / (layer_rate * 1e12)
-        return block_s + head_seconds(tokens_per_gpu)
+        return blocks_seconds(tokens_per_gpu, kept_at(tokens_per_gpu) + host_kept) + head_seconds(tokens_per_gpu)
 
     def optimizer_seconds(cpu_params: int) -> float:
         return cpu_params / (hosts if split else 1) / rates.cpu_adam_params_per_s
@@ -438,9 +453,7 @@ def make_plan(
     first_params = first_rows + sum(sizes[g] for g in spec.stages[1].groups)
     boundary_s = first_params / rates.cpu_adam_params_per_s + first_params * (wire + 4) / pcie
     # what a layer keeping its products saves of the GPU's work
-    recompute_saved_s = (
-        block_work(model, config.data.seq_len, gpu_tokens) - block_work(model, config.data.seq_len, gpu_tokens, 1)
-    ) / (layer_rate * 1e12)
+    recompute_saved_s = blocks_seconds(gpu_tokens, 0) - blocks_seconds(gpu_tokens, 1)
     optimizer_s = optimizer_seconds(model.n_params)
     # a small step: the CPU optimizer would take longer than the GPU's work, so GPU memory is worth more
     # holding weights and updating the first blocks than keeping activations
@@ -879,10 +892,13 @@ def _sustained_seconds(run: Callable[[], None], warm_s: float = 0.5, timed_s: fl
     return (time.perf_counter() - start) / calls
 
 
-def measure_gpu_rates(model: ModelConfig, seq_len: int, micro_batch: int) -> tuple[float, float, Callable[[], None]]:
-    """This GPU's rates at a run's micro-batch shape: its largest layer's forward, recompute and backward
-    (TFLOPS as `block_work` counts them; a MoE block for a MoE model) and the loss head's (6 FLOPs per
-    weight and token); and that layer's pass, to run beside other measurements."""
+def measure_gpu_rates(
+    model: ModelConfig, seq_len: int, micro_batch: int
+) -> tuple[float, float | None, float, Callable[[], None]]:
+    """This GPU's rates at a run's micro-batch shape, in TFLOPS as `block_work` counts them: its largest
+    layer's forward, recompute and backward (a MoE block for a MoE model), a dense layer's keeping its
+    products (None for MoE layers, which always recompute), and the loss head's (6 FLOPs per weight and
+    token); and the recomputing layer's pass, to run beside other measurements."""
     from megatrain_templates import Head
     from megatrain_zoo import build_model
 
@@ -897,21 +913,28 @@ def measure_gpu_rates(model: ModelConfig, seq_len: int, micro_batch: int) -> tup
         block.forward(weights, x)
         block.backward(weights, x, x, grads)
 
+    def kept_layer_pass() -> None:
+        _, products = block.forward_keeping_products(weights, x)
+        block.backward(weights, x, x, grads, products=products)
+
     tokens = micro_batch * seq_len
-    layer_tflops = block_work(model, seq_len, tokens) / model.n_layers / _sustained_seconds(layer_pass) / 1e12
+    whole, kept_layer = layer_works(model, seq_len, tokens)
+    layer_tflops = whole / _sustained_seconds(layer_pass) / 1e12
+    kept_tflops = None if model.layer_is_moe(layer) else kept_layer / _sustained_seconds(kept_layer_pass) / 1e12
     head = Head(model.vocab_size, model.d_model, model.rms_eps)
     head_weights = [torch.randn(head.groups[0][0].numel + model.d_model, device="cuda", dtype=torch.bfloat16) * 0.02]
     head_grads = [torch.zeros_like(head_weights[0], dtype=torch.float32)]
     labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
     head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
     head_tflops = 6 * model.vocab_size * model.d_model * tokens / head_s / 1e12
-    return _rounded(layer_tflops), _rounded(head_tflops), layer_pass
+    kept_tflops = None if kept_tflops is None else _rounded(kept_tflops)
+    return _rounded(layer_tflops), kept_tflops, _rounded(head_tflops), layer_pass
 
 
 def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
     from megatrain_optim import adamw_update_
 
-    layer_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
+    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
     host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(host, device="cuda")
     returned = torch.empty_like(host, pin_memory=True)
@@ -996,6 +1019,7 @@ def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir
     return replace(
         previous,
         gpu_tflops=previous.gpu_tflops if model.is_moe else layer_tflops,
+        gpu_kept_tflops=previous.gpu_kept_tflops if model.is_moe else kept_tflops,
         head_tflops=head_tflops,
         pcie_gbps=_rounded(pcie),
         pcie_duplex_gbps=_rounded(pcie_duplex),
