@@ -1092,7 +1092,9 @@ def format_plan(plan: Plan, model_name: str) -> str:
             else f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
         ),
         f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS",
-        f"rates            GPU blocks {plan.rates.gpu_tflops} / head {plan.rates.head_tflops} TFLOPS, "
+        f"rates            GPU blocks {plan.rates.gpu_tflops}"
+        + (f" (kept {plan.rates.gpu_kept_tflops})" if plan.rates.gpu_kept_tflops else "")
+        + f" / head {plan.rates.head_tflops} TFLOPS, "
         f"PCIe {plan.rates.pcie_gbps} GB/s, "
         f"CPU AdamW {plan.rates.cpu_adam_params_per_s / 1e9:.1f} G params/s, disk {plan.rates.disk_gbps} GB/s "
         f"({plan.rates.source})",
