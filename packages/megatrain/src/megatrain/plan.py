@@ -213,11 +213,7 @@ def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates
         finally:
             torch.cuda.empty_cache()  # the plan counts the GPU's free memory
         rates = replace(
-            machine,
-            gpu_tflops=machine.gpu_tflops if model.is_moe else layer_tflops,
-            gpu_kept_tflops=machine.gpu_kept_tflops if model.is_moe else kept_tflops,
-            moe_gpu_tflops=layer_tflops if model.is_moe else machine.moe_gpu_tflops,
-            head_tflops=head_tflops,
+            _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops),
             source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape; the rest {machine.source}",
         )
         save_rates(key, rates, machine=False)
@@ -276,8 +272,9 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
 
 def layer_works(model: ModelConfig, seq_len: int, tokens: int) -> tuple[float, float]:
     """`block_work` of one dense layer recomputing, and of one keeping its products."""
-    whole = block_work(model, seq_len, tokens) / model.n_layers
-    return whole, whole - (block_work(model, seq_len, tokens) - block_work(model, seq_len, tokens, 1))
+    all_layers = block_work(model, seq_len, tokens)
+    whole = all_layers / model.n_layers
+    return whole, whole - (all_layers - block_work(model, seq_len, tokens, 1))
 
 
 def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
@@ -423,8 +420,7 @@ def make_plan(
     def blocks_seconds(tokens_per_gpu: int, kept: int) -> float:
         """The decoder layers' GPU time, `kept` of them keeping their products."""
         whole, kept_layer = layer_works(model, config.data.seq_len, tokens_per_gpu)
-        recomputing = block_work(model, config.data.seq_len, tokens_per_gpu) - kept * whole
-        return recomputing / (layer_rate * 1e12) + kept * kept_layer / (kept_rate * 1e12)
+        return ((model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
 
     def gpu_seconds(tokens_per_gpu: int) -> float:
         return blocks_seconds(tokens_per_gpu, kept_at(tokens_per_gpu) + host_kept) + head_seconds(tokens_per_gpu)
@@ -865,6 +861,20 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     return rates
 
 
+def _with_gpu_rates(
+    rates: Rates, model: ModelConfig, layer_tflops: float, kept_tflops: float | None, head_tflops: float
+) -> Rates:
+    """`rates` with `measure_gpu_rates`' results for `model`: a MoE model's layer rate is the MoE one, and
+    the dense rates stay as they were (and the other way round)."""
+    return replace(
+        rates,
+        gpu_tflops=rates.gpu_tflops if model.is_moe else layer_tflops,
+        gpu_kept_tflops=rates.gpu_kept_tflops if model.is_moe else kept_tflops,
+        moe_gpu_tflops=layer_tflops if model.is_moe else rates.moe_gpu_tflops,
+        head_tflops=head_tflops,
+    )
+
+
 def _rounded(rate: float) -> float:
     """Four significant digits (a tiny test model's block runs at hundredths of a TFLOPS)."""
     return float(f"{rate:.4g}")
@@ -919,16 +929,17 @@ def measure_gpu_rates(
 
     tokens = micro_batch * seq_len
     whole, kept_layer = layer_works(model, seq_len, tokens)
-    layer_tflops = whole / _sustained_seconds(layer_pass) / 1e12
-    kept_tflops = None if model.layer_is_moe(layer) else kept_layer / _sustained_seconds(kept_layer_pass) / 1e12
+    layer_tflops = _rounded(whole / _sustained_seconds(layer_pass) / 1e12)
+    kept_tflops = (
+        None if model.layer_is_moe(layer) else _rounded(kept_layer / _sustained_seconds(kept_layer_pass) / 1e12)
+    )
     head = Head(model.vocab_size, model.d_model, model.rms_eps)
     head_weights = [torch.randn(head.groups[0][0].numel + model.d_model, device="cuda", dtype=torch.bfloat16) * 0.02]
     head_grads = [torch.zeros_like(head_weights[0], dtype=torch.float32)]
     labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
     head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
-    head_tflops = 6 * model.vocab_size * model.d_model * tokens / head_s / 1e12
-    kept_tflops = None if kept_tflops is None else _rounded(kept_tflops)
-    return _rounded(layer_tflops), kept_tflops, _rounded(head_tflops), layer_pass
+    head_tflops = _rounded(6 * model.vocab_size * model.d_model * tokens / head_s / 1e12)
+    return layer_tflops, kept_tflops, head_tflops, layer_pass
 
 
 def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
@@ -1015,18 +1026,13 @@ def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir
         layer_pass()
         torch.cuda.synchronize()
     cpu = 8 * n / (time.perf_counter() - start)
-    # a dense calibration keeps the MoE rate it had, and the other way round
     return replace(
-        previous,
-        gpu_tflops=previous.gpu_tflops if model.is_moe else layer_tflops,
-        gpu_kept_tflops=previous.gpu_kept_tflops if model.is_moe else kept_tflops,
-        head_tflops=head_tflops,
+        _with_gpu_rates(previous, model, layer_tflops, kept_tflops, head_tflops),
         pcie_gbps=_rounded(pcie),
         pcie_duplex_gbps=_rounded(pcie_duplex),
         cpu_adam_params_per_s=_rounded(cpu),
         gpu_adam_params_per_s=_rounded(gpu_adam),
         disk_gbps=_rounded(measure_disk_gbps(Path(state_dir))) if state_dir else previous.disk_gbps,
-        moe_gpu_tflops=layer_tflops if model.is_moe else previous.moe_gpu_tflops,
         source=f"calibrated {time.strftime('%Y-%m-%d')}: {calibration_key(model, seq_len, micro_batch)}",
     )
 
