@@ -45,7 +45,9 @@ for _name in DEPENDS:
 @nox.session(python="3.11")
 def integration(session: nox.Session) -> None:
     """Tests across packages, against plain PyTorch and Hugging Face transformers."""
-    install(session, *DEPENDS["megatrain"], "megatrain", extra=("transformers",))
+    install(
+        session, *DEPENDS["megatrain"], "megatrain", extra=("transformers", "accelerate")
+    )  # accelerate: FP8 checkpoints
     session.run("pytest", "-q", "-m", "not gpu", "tests", *session.posargs)
 
 

@@ -17,7 +17,16 @@ from megatrain_optim import Schedule, lr_at
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
 
-MOE_PRESETS = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-gpt-oss", "tiny-deepseek-v2"]
+MOE_PRESETS = [
+    "tiny-mixtral",
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
+    "tiny-olmoe",
+    "tiny-gpt-oss",
+    "tiny-deepseek-v2",
+    "tiny-deepseek-v3",
+]
+NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3")  # transformers trains DeepSeek with no load-balancing loss
 NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
 
 
@@ -40,6 +49,11 @@ def hf_model(name, aux: bool, seed: int, **overrides):
                 param.copy_(0.05 * torch.randn_like(param))
             else:  # a router as large as the rest makes routing decisions that matter
                 param.normal_(0.0, 0.1)
+        for buffer_name, buffer in model.named_buffers():
+            # as large as the scores' differences, so that it changes choices (a published model's offset of
+            # ~7 would only coarsen fp32's grid, and its near-ties flip with the noise of the two computations)
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     return model.train()
 
 
@@ -162,7 +176,7 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
         optimizer.step()
         assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
-        if aux and name == "tiny-deepseek-v2":  # transformers trains DeepSeek-V2 with no load-balancing loss
+        if aux and name in NO_AUX_LOSS:
             assert getattr(out, "aux_loss", None) is None
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
@@ -182,6 +196,10 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
     ours = dict(reloaded.named_parameters())
     for param_name, param in reference.named_parameters():
         assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
+    our_buffers = dict(reloaded.named_buffers())
+    for buffer_name, buffer in reference.named_buffers():
+        if buffer_name.endswith("e_score_correction_bias"):  # not trained, written back bit for bit
+            assert torch.equal(our_buffers[buffer_name], buffer), buffer_name
     with torch.no_grad():
         assert rel_err(our_logits.cpu(), reloaded(ids).logits) < 1e-5
 
@@ -383,6 +401,71 @@ def test_mxfp4_experts_are_dequantized_on_import(experts_per_stage, tmp_path):
         assert torch.equal(ours[name], value), name
     assert torch.equal(ours["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     trainer.close()
+
+
+@pytest.mark.parametrize("experts_per_stage", ["auto", 3])
+def test_fp8_checkpoints_are_dequantized_on_import(experts_per_stage, tmp_path):
+    """DeepSeek-V3 publishes its matrices in block-scaled FP8 (e4m3 + an inverse scale per tile) and
+    its multi-token-prediction module as a layer past the last: the matrices load as transformers
+    dequantizes them, the extra layer is left out, as there. (transformers takes tiles that divide the
+    matrix; the tiles that overhang it, as DeepSeek-V3's 576-row kv_a_proj_with_mqa, below.)"""
+    from safetensors.torch import load_file
+
+    reference = hf_model("tiny-deepseek-v3", False, 7)
+    reference.save_pretrained(tmp_path / "hf")
+    (weights,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(str(weights))
+    block, generator = 4, torch.Generator().manual_seed(7)
+    matrices = [n for n, t in tensors.items() if ".layers." in n and t.dim() == 2 and not n.endswith("gate.weight")]
+    for name in matrices:  # as published: every matrix of a layer but the router
+        rows, cols = tensors[name].shape
+        scale_inv = 0.001 + 0.01 * torch.rand(-(-rows // block), -(-cols // block), generator=generator)
+        tiles = scale_inv.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+        tensors[name] = (tensors[name] / tiles).to(torch.float8_e4m3fn)
+        tensors[f"{name}_scale_inv"] = scale_inv
+    tensors["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)  # the multi-token-prediction layer
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    dequantized = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf",
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=(block, block)),
+        dtype=torch.float32,
+    ).eval()
+    engine = EngineSection(experts_per_stage=experts_per_stage)
+    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, engine=engine)
+    ours = trainer.named_weights()
+    theirs = dict(dequantized.state_dict())
+    experts = "model.layers.1.mlp.experts."  # fused in transformers: [expert, gate rows + up rows, d_model]
+    for e in range(8):
+        theirs[f"{experts}{e}.gate_proj.weight"], theirs[f"{experts}{e}.up_proj.weight"] = theirs[
+            f"{experts}gate_up_proj"
+        ][e].chunk(2)
+        theirs[f"{experts}{e}.down_proj.weight"] = theirs[f"{experts}down_proj"][e]
+    compared = [name for name in matrices if ".layers.1." in name]
+    assert len(compared) == 5 + 3 + 3 * 8  # attention, shared expert, experts
+    for name in compared:
+        assert torch.equal(ours[name], theirs[name]), name
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert rel_err(trainer.logits(ids), dequantized(ids).logits) < 1e-5
+    trainer.close()
+
+
+def test_fp8_tiles_that_overhang_the_matrix_scale_what_they_cover():
+    """DeepSeek's own dequantization (inference/kernel.py): ceil(rows / 128) x ceil(cols / 128) scales,
+    the last row and column of tiles cut off at the matrix's edge; also for a group's rows alone."""
+    from megatrain.hf_io import dequantize_fp8_blocks
+
+    weight = torch.randn(40, 20).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(3, 2) + 0.5  # 16 x 16 tiles: 40 = 16 + 16 + 8 rows, 20 = 16 + 4 columns
+    expected = weight.float().clone()
+    for i in range(40):
+        for j in range(20):
+            expected[i, j] *= scale_inv[i // 16, j // 16]
+    assert torch.equal(dequantize_fp8_blocks(weight, scale_inv, (16, 16)), expected)
+    assert torch.equal(dequantize_fp8_blocks(weight[20:], scale_inv[1:], (16, 16), first_row=4), expected[20:])
 
 
 @pytest.mark.gpu

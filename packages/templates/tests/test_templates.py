@@ -20,6 +20,7 @@ from megatrain_templates import (
     file_tensors,
     rope_inv_freq,
     row_slice_name,
+    split_precision,
 )
 
 
@@ -185,6 +186,26 @@ def test_moe_layer_in_parts_equals_the_whole_block(naming, shared_d_ff):
         got = torch.cat([got_grads[part] for part in covered]) if len(covered) > 1 else got_grads[name]
         assert rel_err(got, want_grads[name]) < 1e-12, name
     assert joined.keys() == want_grads.keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sigmoid_routing_chooses_by_the_fp32_correction_bias_in_any_slot(dtype):
+    """DeepSeek-V3's correction bias sits near 7 in published checkpoints, with differences far below
+    bf16's step there (1/32): kept as hi + lo, a bf16 slot still orders the experts as the fp32 master
+    does. With a zero router every score is 0.5, so the bias alone chooses."""
+    n_experts, d = 16, 32
+    shape = BlockShape(d, 4, 4, 8, 64, rope=RopeConfig(head_dim=8))
+    moe = MoeShape(n_experts, 4, 16, 16, True, naming="deepseek", routed_scaling=2.5, scoring="sigmoid")
+    block = MoeBlock(shape, moe)
+    bias = 7.0 + 0.003 * torch.randperm(n_experts, dtype=torch.float32)  # 0.003 apart: one bf16 value
+    hi, lo = split_precision(bias)
+    assert torch.equal(hi + lo, bias) and len(set(bias.to(torch.bfloat16).tolist())) < n_experts / 2
+    values = {p.name: torch.zeros(p.shape) for p in block.groups[0]}
+    values["mlp.gate.e_score_correction_bias{hi}"], values["mlp.gate.e_score_correction_bias{lo}"] = hi, lo
+    flat = torch.cat([values[p.name].reshape(-1) for p in block.groups[0]]).to(dtype)  # the slot, cast
+    _, top_index, top_weight = block.route(block._views(flat), torch.randn(5, d, dtype=dtype))
+    assert (top_index.sort(dim=-1).values == bias.topk(4).indices.sort().values).all()
+    assert torch.equal(top_weight, torch.full_like(top_weight, 2.5 / 4))  # unbiased scores, renormalised
 
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():

@@ -138,6 +138,10 @@ PUBLISHED_MOE = {
     "gpt-oss-120b": (116.83, 5.13 + 0.58),
     # DeepSeek's 2.4B active leaves out the input embedding (0.21B)
     "deepseek-v2-lite": (15.7, 2.45 + 0.21),
+    # DeepSeek-V3: 671B total, 37B active (the published checkpoint's 685B adds the 14B multi-token-prediction
+    # module, which megatrain does not train); Kimi K2: 1T total, 32B active
+    "deepseek-v3": (671.0, 37.0),
+    "kimi-k2": (1026.0, 32.9),
 }
 
 
@@ -161,6 +165,10 @@ def test_moe_specs_and_hf_round_trip():
         "olmoe-1b-7b",
         "tiny-gpt-oss",
         "gpt-oss-120b",
+        "tiny-deepseek-v2",
+        "tiny-deepseek-v3",
+        "deepseek-v3",
+        "kimi-k2",
     ):
         config = PRESETS[name]
         assert config_from_hf(config_to_hf(config)) == config, name
@@ -180,13 +188,33 @@ def test_moe_specs_and_hf_round_trip():
     )
 
 
+def test_deepseek_v3_configs_as_published():
+    """DeepSeek-V3's and Kimi K2's published config.json fields (FP8 quantization_config, the
+    multi-token-prediction layer count, Kimi's own model_type) read as the presets."""
+    v3 = {**config_to_hf(PRESETS["deepseek-v3"]), "num_nextn_predict_layers": 1}
+    v3["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    assert config_from_hf(v3) == PRESETS["deepseek-v3"]
+    kimi = {**config_to_hf(PRESETS["kimi-k2"]), "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert config_from_hf(kimi) == PRESETS["kimi-k2"]
+    assert config_from_hf({**v3, "rope_interleave": False}).rope_interleave is False
+    model = build_model(PRESETS["deepseek-v3"])
+    assert model.stages[1].template is model.stages[3].template  # dense layers 0-2 share one template
+    assert model.stages[4].template.moe.scoring == "sigmoid" and model.stages[4].template.moe.n_groups == 8
+    assert model.is_mtp_tensor("model.layers.61.eh_proj.weight")
+    assert not model.is_mtp_tensor("model.layers.60.mlp.gate.weight")
+
+
 def test_unsupported_moe_inputs_are_refused():
-    with pytest.raises(ZooError, match="DeepSeek-V3 .* not implemented"):
-        config_from_hf({"model_type": "deepseek_v3"})
+    with pytest.raises(ZooError, match="DeepSeek-V3.2's sparse attention"):
+        config_from_hf({"model_type": "deepseek_v32"})
     with pytest.raises(ZooError, match="topk_method 'noaux_tc'"):
         config_from_hf({**config_to_hf(PRESETS["tiny-deepseek-v2"]), "topk_method": "noaux_tc"})
     with pytest.raises(ZooError, match="quantization_config 'mxfp4'"):
         config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ZooError, match="quantization_config 'fp8'"):  # per-tensor FP8: no weight_block_size
+        config_from_hf({**config_to_hf(PRESETS["tiny-deepseek-v3"]), "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ZooError, match="sigmoid"):
+        PRESETS["tiny-deepseek-v2"].with_changes(router_scoring="sigmoid")
     with pytest.raises(ZooError, match="router_jitter_noise"):
         config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "router_jitter_noise": 0.1})
     with pytest.raises(ZooError, match="n_experts_per_tok must be in 1..n_experts"):

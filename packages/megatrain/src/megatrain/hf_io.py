@@ -3,6 +3,7 @@
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from megatrain_store import (
     read_safetensors_header,
     write_safetensors,
 )
-from megatrain_templates import file_tensors
+from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
 from megatrain_zoo import ModelSpec, ZooError, config_to_hf
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
@@ -42,14 +43,21 @@ def dequantize_mxfp4(blocks, scales):
     return values.reshape(*scales.shape[:2], -1).transpose(1, 2).contiguous()
 
 
+def dequantize_fp8_blocks(weight, scale_inv, block: tuple[int, int], first_row: int = 0):
+    """Block-scaled FP8 (DeepSeek-V3's checkpoints): rows first_row.. of an e4m3 matrix times the inverse
+    scale of each [block[0], block[1]] tile it falls in ([ceil(out / b0), ceil(in / b1)] fp32) -> fp32."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * scale[first_row : first_row + rows, :cols]
+
+
 def named_masters(store: HostStore) -> dict:
     """fp32 master weights by the names files use (the store must hold every group whole): views into
     the store, or copies joined from the row slices of a tensor split over several groups."""
-    import torch
 
     views = {name: view for group in range(store.n_groups) for name, view in store.master_views(group).items()}
     return {
-        name: views[covered[0]] if len(covered) == 1 else torch.cat([views[part] for part in covered])
+        name: join_stored(covered, [views[part] for part in covered])
         for name, (_, covered) in _store_layout(store).items()
     }
 
@@ -81,7 +89,6 @@ class WholeGroups:
     def entries(self, arena: str = "master", prefix: str = "") -> list:
         """(prefix + name, Pending) for every tensor as files name them, in buffer order: the row
         slices of a tensor split over several groups are joined, at its first slice's place."""
-        import torch
 
         place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
         out = []
@@ -95,7 +102,7 @@ class WholeGroups:
                     pieces.append(None if whole is None else whole[e.offset : e.offset + e.numel])
                 if pieces[0] is None:
                     return None
-                return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(shape)
+                return join_stored(covered, pieces).view(shape)
 
             out.append((prefix + name, Pending(shape, self.store.master_dtype, load)))
         return out
@@ -118,47 +125,59 @@ def load_groups(store: HostStore, files: list[Path], arena: str = "master", pref
         _fill_groups(store, handles, where, layout, arena, prefix)
 
 
-def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=()) -> None:
+def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=None) -> None:
     """Copy file tensors into the store group by group through `store.writing` (whatever part of the
     state it holds). `layout`: file tensor name (less `prefix`) -> (shape, the stored tensors it is,
     back to back); a file tensor spanning several groups (a layer's experts streamed in parts) is read
-    a group's rows at a time. `quantized` names MXFP4 tensors, dequantized as they are read."""
+    a group's rows at a time. `quantized` maps tensors stored quantized to how (`Quantized`), dequantized
+    as they are read."""
+    quantized = quantized or {}
     numel = {e.name: e.numel for lay in store.layouts for e in lay.entries}
     place = {}  # stored name -> (file tensor, its flat offset there)
     for name, (_, covered) in layout.items():
         offset = 0
         for part in covered:
             place[part] = (name, offset)
-            offset += numel[part]
+            offset += 0 if split_precision_of(part) else numel[part]
     for group in range(store.n_groups):
         with store.writing(group, arena) as views:
             targets: dict[str, list] = {}
+            parts_of: dict[str, list[str]] = {}
             for part, view in views.items():
                 name, offset = place[part]
                 targets.setdefault(name, []).append((view, offset))
+                parts_of.setdefault(name, []).append(part)
             for name, parts in targets.items():
                 low = min(offset for _, offset in parts)
                 high = max(offset + view.numel() for view, offset in parts)
-                rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, name in quantized)
+                rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, quantized.get(name))
                 flat = rows.reshape(-1)
-                for view, offset in parts:
-                    view.view(-1).copy_(flat[offset - start : offset - start + view.numel()])
+                for (view, offset), part in zip(parts, parts_of[name]):
+                    piece = flat[offset - start : offset - start + view.numel()]
+                    split = split_precision_of(part)
+                    if split is not None:  # its hi or its lo, in the store's dtype
+                        piece = split_precision(piece.to(view.dtype))[split[1]]
+                    view.view(-1).copy_(piece)
 
 
-def _read_rows(handles, where, name: str, shape: tuple[int, ...], low: int, high: int, quantized: bool):
+def _read_rows(handles, where, name: str, shape: tuple[int, ...], low: int, high: int, quantized=None):
     """The rows (along dim 0) of file tensor `name` that hold its flat elements low..high-1, as
     (tensor, the flat offset of its first element); the whole tensor when they are all of it."""
     row = prod(shape[1:])
     first, stop = low // row, -(-high // row)
     whole = (first, stop) == (0, shape[0] if shape else 1)
 
-    def read(key: str):
+    def read(key: str, rows: tuple[int, int] = (first, stop)):
         handle = handles[where[key]]
-        return handle.get_tensor(key) if whole else handle.get_slice(key)[first:stop]
+        return handle.get_tensor(key) if whole else handle.get_slice(key)[rows[0] : rows[1]]
 
-    if quantized:
+    if quantized is None:
+        return read(name), first * row
+    if quantized.kind == "mxfp4":
         return dequantize_mxfp4(read(f"{name}_blocks"), read(f"{name}_scales")), first * row
-    return read(name), first * row
+    tile = quantized.block[0]
+    scale = read(f"{name}_scale_inv", (first // tile, -(-stop // tile)))
+    return dequantize_fp8_blocks(read(name), scale, quantized.block, first % tile), first * row
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -195,20 +214,48 @@ def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tu
     return layout
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """How a checkpoint tensor is stored: "mxfp4" (`NAME_blocks` + `NAME_scales`, gpt-oss' experts) or
+    "fp8" (`NAME` in e4m3 + `NAME_scale_inv` per `block` tile, DeepSeek-V3's matrices)."""
+
+    kind: str
+    block: tuple[int, int] = (0, 0)
+
+
+def _fp8_block(files: list[Path]) -> tuple[int, int]:
+    """The FP8 tile of the directory's config.json (`quantization_config.weight_block_size`)."""
+    config = files[0].parent / "config.json"
+    quantization = json.loads(config.read_text()).get("quantization_config") or {} if config.exists() else {}
+    block = quantization.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ZooError(
+            f"{files[0].parent}: the checkpoint holds FP8 weights with weight_scale_inv, but config.json names no "
+            "quantization_config.weight_block_size (DeepSeek-V3's is [128, 128]); add it"
+        )
+    return int(block[0]), int(block[1])
+
+
 def _read_layout(spec: ModelSpec, files: list[Path]):
-    """From the files' headers, read once: (the layout as `_checkpoint_layout`, the stored tensors they
-    hold in MXFP4 (`NAME_blocks` + `NAME_scales`) with their shapes, every name the files must hold
-    -> its shape)."""
+    """From the files' headers, read once: (the layout as `_checkpoint_layout`, the tensors they hold
+    quantized -> `Quantized`, every name the files must hold -> its shape)."""
     present = {name for path in files for name in read_safetensors_header(path)}
     layout = _checkpoint_layout(spec, present)
-    quantized = {
-        name: shape
-        for name, (shape, _) in layout.items()
-        if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present
+    quantized = {}
+    for name, (shape, _) in layout.items():
+        if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present:
+            quantized[name] = Quantized("mxfp4")
+        elif len(shape) == 2 and f"{name}_scale_inv" in present:
+            quantized[name] = Quantized("fp8", _fp8_block(files))
+    shapes = {
+        name: shape for name, (shape, _) in layout.items() if name not in quantized or quantized[name].kind == "fp8"
     }
-    shapes = {name: shape for name, (shape, _) in layout.items() if name not in quantized}
-    for name, shape in quantized.items():
-        shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
+    for name, how in quantized.items():
+        shape = layout[name][0]
+        if how.kind == "mxfp4":
+            shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
+        else:
+            shapes[f"{name}_scale_inv"] = (-(-shape[0] // how.block[0]), -(-shape[1] // how.block[1]))
     return layout, quantized, shapes
 
 
@@ -224,13 +271,19 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     `store.writing` (which also refreshes the wire copies).
 
     A fused expert tensor fills the tensors it covers (back to back, in one group or several); MXFP4
-    experts are dequantized into theirs."""
+    experts and block-scaled FP8 matrices are dequantized into theirs."""
     files = checkpoint_files(model_dir)
     layout, quantized, shapes = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
-    if quantized:
+    for kind in sorted({how.kind for how in quantized.values()}):
+        count = sum(how.kind == kind for how in quantized.values())
+        print(f"megatrain: dequantizing {count} {kind.upper()} tensors into fp32 master weights", file=sys.stderr)
+    skipped = sorted({name for path in files for name in read_safetensors_header(path) if spec.is_mtp_tensor(name)})
+    if skipped:
         print(
-            f"megatrain: dequantizing {len(quantized)} MXFP4 expert tensors into fp32 master weights", file=sys.stderr
+            f"megatrain: leaving out {len(skipped)} multi-token-prediction tensors ({skipped[0]} ...): transformers "
+            "does not use them and megatrain does not train them",
+            file=sys.stderr,
         )
     with open_safetensors(where.values()) as handles:
         _fill_groups(store, handles, where, layout, quantized=quantized)

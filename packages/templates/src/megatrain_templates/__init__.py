@@ -4,7 +4,19 @@ from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
 from .embedding import Embedding
 from .head import Head
-from .layout import ParamSpec, Span, file_tensors, param_offsets, row_slice_name, row_slice_of, total_numel
+from .layout import (
+    ParamSpec,
+    Span,
+    file_tensors,
+    join_stored,
+    param_offsets,
+    row_slice_name,
+    row_slice_of,
+    split_precision,
+    split_precision_names,
+    split_precision_of,
+    total_numel,
+)
 from .moe import (
     EXPERT_NAMING,
     MoeAttention,
@@ -40,6 +52,7 @@ __all__ = [
     "block_params",
     "file_tensors",
     "fused_expert_names",
+    "join_stored",
     "moe_params",
     "param_offsets",
     "rms_norm",
@@ -47,6 +60,9 @@ __all__ = [
     "row_slice_of",
     "rope_cos_sin",
     "rope_inv_freq",
+    "split_precision",
+    "split_precision_names",
+    "split_precision_of",
     "total_numel",
     "upcast",
     "yarn_mscale",

@@ -25,7 +25,16 @@ from .layout import (
     span_of,
     total_numel,
 )
-from .ops import RopeConfig, apply_rope, apply_rope_interleaved, linear, rms_norm, rope_cos_sin, swiglu
+from .ops import (
+    RopeConfig,
+    apply_rope,
+    apply_rope_in_fp32,
+    apply_rope_interleaved,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class MlaShape:
     softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale squared where the model has it
     q_lora_rank: int = 0  # 0: queries straight from the hidden state
     latent_eps: float = 1e-6  # the latents' RMSNorm epsilon (transformers' default, not the model's)
+    rope_interleaved: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek; else Llama's halves
 
     @property
     def qk_head_dim(self) -> int:
@@ -241,9 +251,9 @@ class DecoderBlock:
         return x + linear(out, w["o_weight"], w.get("o_bias"))
 
     def _latent_attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
-        """Multi-head latent attention as transformers' DeepSeek-V2: queries (optionally through a
+        """Multi-head latent attention as transformers' DeepSeek-V2/V3: queries (optionally through a
         normed low-rank latent), a normed latent for every head's key and value, one shared rotary
-        key head, rotary embedding on interleaved pairs."""
+        key head, rotary embedding on interleaved pairs (or on halves)."""
         s, m = self.shape, self.shape.mla
         batch, seq, _ = x.shape
         h = rms_norm(x, w["input_norm"], s.rms_eps)
@@ -259,12 +269,14 @@ class DecoderBlock:
         latent, k_rot = linear(h, w["kv_a_proj_with_mqa"]).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, w["kv_a_layernorm"], m.latent_eps)
         cos, sin = self._rope(seq, x.device, torch.float32)
-        half = m.qk_rope_head_dim // 2
-        cos, sin = cos[:, :half], sin[:, :half]
+        if m.rope_interleaved:
+            half = m.qk_rope_head_dim // 2
+            cos, sin = cos[:, :half], sin[:, :half]
         if documents is not None:
             cos, sin = documents.rope_tables(cos, sin)
-        q_rot = apply_rope_interleaved(q_rot, cos, sin)
-        k_rot = apply_rope_interleaved(k_rot.unsqueeze(1), cos, sin)
+        rope = apply_rope_interleaved if m.rope_interleaved else apply_rope_in_fp32
+        q_rot = rope(q_rot, cos, sin)
+        k_rot = rope(k_rot.unsqueeze(1), cos, sin)
         kv = linear(latent, w["kv_b_proj"]).view(batch, seq, s.n_heads, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)

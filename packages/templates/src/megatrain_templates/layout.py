@@ -148,12 +148,50 @@ def row_slice_of(name: str) -> tuple[str, int, int] | None:
     return None if match is None else (match.group(1), int(match.group(2)), int(match.group(3)))
 
 
+_SPLIT_PRECISION = ("{hi}", "{lo}")
+
+
+def split_precision_names(name: str) -> tuple[str, str]:
+    """The two stored tensors of tensor `name` kept as hi + lo, where hi is exact in bfloat16 and lo the
+    rest: a layer's slot in bf16 then holds it to ~16 bits instead of 8, and fp32/fp64 slots exactly.
+    For a small fp32 tensor whose low bits decide something, such as DeepSeek-V3's router correction
+    bias (values near 7 whose spread is a few tenths: bf16 steps by 1/32 there)."""
+    return name + _SPLIT_PRECISION[0], name + _SPLIT_PRECISION[1]
+
+
+def split_precision_of(name: str) -> tuple[str, int] | None:
+    """(tensor, 0 for its hi part or 1 for its lo part) for a name made by `split_precision_names`."""
+    for part, suffix in enumerate(_SPLIT_PRECISION):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), part
+    return None
+
+
+def split_precision(value: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) with hi exact in bfloat16 and hi + lo == value exactly, in value's dtype."""
+    hi = value.to(torch.bfloat16).to(value.dtype)
+    return hi, value - hi
+
+
+def join_stored(covered: tuple[str, ...], tensors: list[Tensor]) -> Tensor:
+    """A file tensor from its stored tensors (`file_tensors`' names for it, in order, all flat or all
+    shaped): hi + lo for a split-precision pair, else the tensors back to back."""
+    if split_precision_of(covered[0]) is not None:
+        return tensors[0] + tensors[1]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def file_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Stored tensors (name -> shape) as files name them: file name -> (shape, the stored tensors it
-    is, back to back). Row slices `NAME[a:b]` join into NAME; every other tensor is itself."""
+    is). Row slices `NAME[a:b]` join into NAME, back to back; a split-precision pair `NAME{hi}`,
+    `NAME{lo}` is NAME = hi + lo (`split_precision_names`); every other tensor is itself."""
     out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
     slices: dict[str, list[tuple[int, int, str, tuple[int, ...]]]] = {}
     for name, shape in shapes.items():
+        split = split_precision_of(name)
+        if split is not None:
+            out[split[0]] = (tuple(shape), split_precision_names(split[0]))
+            continue
         sliced = row_slice_of(name)
         if sliced is None:
             out[name] = (tuple(shape), (name,))

@@ -23,7 +23,18 @@ from torch import Tensor
 
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
-from .layout import ParamSpec, Span, accumulate, check_buffers, fused_span, leaf, row_slice_name, span_of, total_numel
+from .layout import (
+    ParamSpec,
+    Span,
+    accumulate,
+    check_buffers,
+    fused_span,
+    leaf,
+    row_slice_name,
+    span_of,
+    split_precision_names,
+    total_numel,
+)
 from .ops import compiled_on_cuda, rms_norm, swiglu, upcast
 
 # Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
@@ -51,10 +62,14 @@ class MoeShape:
     swiglu_limit: float = 7.0  # gpt_oss: gate clamped to <= limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702  # gpt_oss: gate * sigmoid(alpha * gate) * (up + 1)
     routed_scaling: float = 1.0  # the routing weights' factor (DeepSeek's routed_scaling_factor)
-    # group-limited routing (DeepSeek-V2): experts in n_groups groups, a token's top-k only from the
-    # topk_groups groups holding its highest expert probabilities
+    # group-limited routing (DeepSeek-V2/V3): experts in n_groups groups, a token's top-k only from the
+    # topk_groups groups holding its highest expert probabilities (V3: the highest sums of two scores)
     n_groups: int = 1
     topk_groups: int = 1
+    # "softmax" over the router logits, or "sigmoid" (DeepSeek-V3): each expert scored on its own, in fp32
+    # as transformers does, the top-k chosen by score + a correction bias that is not trained (DeepSeek
+    # balances load by moving it, `e_score_correction_bias`), weighted by their scores alone
+    scoring: str = "softmax"
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.n_experts:
@@ -66,6 +81,10 @@ class MoeShape:
             )
         if self.naming not in (*EXPERT_NAMING, "gpt_oss"):
             raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or gpt_oss, got {self.naming!r}")
+        if self.scoring not in ("softmax", "sigmoid") or (self.scoring == "sigmoid" and self.naming != "deepseek"):
+            raise ValueError(f"scoring must be softmax, or sigmoid with deepseek naming, got {self.scoring!r}")
+        if self.scoring == "sigmoid" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
+            raise ValueError("sigmoid scoring ranks groups by their two best experts: each group needs two or more")
 
     @property
     def gpt_oss(self) -> bool:
@@ -117,8 +136,19 @@ def _shared_expert_params(moe: MoeShape, d: int) -> tuple[ParamSpec, ...]:
     return params + ((ParamSpec(f"{module}.{shared}_gate.weight", (1, d)),) if gated else ())
 
 
+def _score_bias_names(moe: MoeShape) -> tuple[str, str]:
+    return split_precision_names(f"{EXPERT_NAMING[moe.naming][0]}.gate.e_score_correction_bias")
+
+
 def _router_bias(moe: MoeShape) -> tuple[ParamSpec, ...]:
-    return (ParamSpec("mlp.router.bias", (moe.n_experts,), weight_decay=False),) if moe.gpt_oss else ()
+    """gpt-oss' router bias; or the correction bias of sigmoid scoring, kept to ~16 bits in a bf16 slot
+    (as hi + lo: it decides the routing by differences far below bf16's step at its values) and never
+    given a gradient, so that AdamW leaves it exactly as it is."""
+    if moe.gpt_oss:
+        return (ParamSpec("mlp.router.bias", (moe.n_experts,), weight_decay=False),)
+    if moe.scoring == "sigmoid":
+        return tuple(ParamSpec(name, (moe.n_experts,), weight_decay=False) for name in _score_bias_names(moe))
+    return ()
 
 
 def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
@@ -143,6 +173,8 @@ def _router_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Spa
     spans = {"router": span_of(params, router_name(moe))}
     if moe.gpt_oss:
         spans["router_bias"] = span_of(params, "mlp.router.bias")
+    if moe.scoring == "sigmoid":
+        spans["score_bias_hi"], spans["score_bias_lo"] = (span_of(params, name) for name in _score_bias_names(moe))
     return spans
 
 
@@ -377,6 +409,8 @@ class MoeBlock(DecoderBlock):
         """h: [tokens, d_model] -> (probs [tokens, n_experts], top_index [tokens, k], top_weight [tokens, k]);
         probabilities in fp32 (fp64 when computing in fp64), as transformers' routers."""
         moe = self.moe
+        if moe.scoring == "sigmoid":
+            return self._route_by_scores(w, h)
         probs = upcast(F.linear(h, w["router"], w.get("router_bias"))).softmax(dim=-1)
         candidates = probs
         if moe.n_groups > 1:  # keep the experts of the topk_groups groups with the highest best probability
@@ -390,6 +424,27 @@ class MoeBlock(DecoderBlock):
         if moe.routed_scaling != 1.0:
             top_weight = top_weight * moe.routed_scaling
         return probs, top_index, top_weight
+
+    def _route_by_scores(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter): sigmoid scores from an fp32 GEMM; the
+        topk_groups groups with the highest sums of their two best biased scores; in them the top-k biased
+        scores; weights the unbiased scores, renormalised, times routed_scaling. The probabilities recorded
+        for the load statistics are the scores normalised per token (DeepSeek's balance-loss affinities)."""
+        moe = self.moe
+        scores = F.linear(upcast(h), upcast(w["router"])).sigmoid()
+        with torch.no_grad():  # the bias only chooses: it has no gradient
+            choice = scores + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"]))
+            if moe.n_groups > 1:
+                groups = choice.view(-1, moe.n_groups, moe.n_experts // moe.n_groups)
+                chosen = groups.topk(2, dim=-1).values.sum(dim=-1).topk(moe.topk_groups, dim=-1).indices
+                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, chosen, True)
+                choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+            top_index = choice.topk(moe.top_k, dim=-1).indices
+        top_weight = scores.gather(1, top_index)
+        if moe.norm_topk_prob:
+            top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        top_weight = top_weight * moe.routed_scaling
+        return scores / scores.sum(dim=-1, keepdim=True), top_index, top_weight
 
     def _experts(
         self,

@@ -203,6 +203,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def apply_rope_in_fp32(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`apply_rope` in fp32 and cast back, as the interleaved form (the rotary part of latent attention)."""
+    return apply_rope(upcast(x), cos, sin).to(x.dtype)
+
+
 def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding on adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's complex-number form),
     in fp32 and cast back. x: [batch, heads, seq, dim]; cos/sin: [seq, dim / 2] or [batch, 1, seq, dim / 2]."""

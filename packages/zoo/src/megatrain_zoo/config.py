@@ -10,10 +10,11 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 class ZooError(Exception):
@@ -59,15 +60,18 @@ class ModelConfig:
     attention_sinks: bool = False
     sliding_layers: tuple[int, ...] = ()
     swiglu_limit: float = 0.0
-    # DeepSeek-V2: multi-head latent attention (kv_lora_rank > 0; head_dim is the rotary part's width),
+    # DeepSeek-V2/V3: multi-head latent attention (kv_lora_rank > 0; head_dim is the rotary part's width),
     # routing weights scaled by routed_scaling_factor, group-limited routing (n_group > 1)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # 0: queries straight from the hidden state
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = True  # latent attention's rotary part on adjacent pairs (DeepSeek) or halves
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    # "softmax" routers, or "sigmoid" (DeepSeek-V3): scores chosen from with a fixed correction bias
+    router_scoring: str = "softmax"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -76,6 +80,13 @@ class ModelConfig:
         object.__setattr__(self, "sliding_layers", tuple(sorted(int(i) for i in self.sliding_layers)))
         if self.sliding_layers and not self.sliding_window:
             raise ZooError("sliding_layers needs sliding_window (the window those layers attend over)")
+        if self.router_scoring not in ROUTER_SCORINGS or (self.router_scoring == "sigmoid") != (
+            self.arch == "deepseek_v3"
+        ):
+            raise ZooError(
+                f"router_scoring {self.router_scoring!r}: DeepSeek-V3 scores experts with a sigmoid, the other "
+                f"families with a softmax ({ROUTER_SCORINGS})"
+            )
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ZooError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
         if self.n_experts < 0 or (self.arch in MOE_ARCHITECTURES) != (self.n_experts > 0):
@@ -156,6 +167,8 @@ class ModelConfig:
         shared = 3 * d * self.shared_expert_d_ff + shared_gate if self.shared_expert_d_ff else 0
         expert = 3 * d * self.moe_d_ff
         biases = self.n_experts * (1 + 2 * self.moe_d_ff + d) if self.arch == "gpt_oss" else 0  # not multiplied with
+        if self.router_scoring == "sigmoid":  # the correction bias, stored as hi + lo (not trained)
+            biases = 2 * self.n_experts
         return router + shared + self.n_experts * expert + biases, router + shared + self.n_experts_per_tok * expert
 
     def layer_params(self, layer: int) -> int:

@@ -16,11 +16,15 @@ _HF_CLASSES = {
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# model_type values of published configs that are one of the above (transformers maps them the same way)
+_SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
 _UNSUPPORTED_MOE = {
-    "deepseek_v3": "DeepSeek-V3 (multi-head latent attention, sigmoid routing with bias) is not implemented yet",
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention (an indexer choosing the keys) is not implemented yet",
 }
+_LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 
 
 def _first_id(value):
@@ -29,24 +33,18 @@ def _first_id(value):
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
-    model_type = hf.get("model_type")
+    model_type = _SAME_AS.get(hf.get("model_type"), hf.get("model_type"))
     if model_type not in _HF_CLASSES:
         archs = hf.get("architectures")
         why = _UNSUPPORTED_MOE.get(model_type, "")
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3 and Kimi K2)"
         )
-    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", "deepseek_v2"):
+    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", *_LATENT_ATTENTION):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
-    quantization = hf.get("quantization_config")
-    # gpt-oss publishes its experts in MXFP4; they are dequantized into the fp32 masters on import
-    if quantization and not (model_type == "gpt_oss" and quantization.get("quant_method") == "mxfp4"):
-        raise ZooError(
-            f"config.json has quantization_config {quantization.get('quant_method', quantization)!r}: megatrain trains "
-            "full-precision weights; convert the checkpoint to bf16/fp32 safetensors first"
-        )
+    _check_quantization(hf.get("quantization_config"), model_type)
     if hf.get("mlp_bias"):
         raise ZooError("mlp_bias=true is not supported")
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
@@ -61,7 +59,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         else None
     )
     heads = hf["num_attention_heads"]
-    if model_type == "deepseek_v2":  # the rotary part of a head is its head_dim; every head has its own k/v
+    if model_type in _LATENT_ATTENTION:  # the rotary part of a head is its head_dim; every head has its own k/v
         hf = {**hf, "head_dim": hf["qk_rope_head_dim"], "num_key_value_heads": heads}
     return ModelConfig(
         arch=model_type,
@@ -94,21 +92,44 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
+def _check_quantization(quantization: dict | None, model_type: str) -> None:
+    """Quantized checkpoints megatrain dequantizes into its fp32 masters on import: gpt-oss' MXFP4
+    experts, and block-scaled FP8 (DeepSeek-V3, Kimi K2, Qwen3 FP8: `weight` in e4m3 with
+    `weight_scale_inv` per block). Anything else is refused."""
+    if not quantization:
+        return
+    method = quantization.get("quant_method", quantization)
+    if model_type == "gpt_oss" and method == "mxfp4":
+        return
+    if method == "fp8" and quantization.get("weight_block_size") and quantization.get("fmt", "e4m3") == "e4m3":
+        return
+    raise ZooError(
+        f"config.json has quantization_config {method!r}: megatrain trains full-precision weights and reads "
+        "only gpt-oss' MXFP4 and block-scaled FP8 (e4m3 + weight_scale_inv) checkpoints; convert this one to "
+        "bf16/fp32 safetensors first"
+    )
+
+
 def _deepseek_from_hf(hf: dict, model_type: str) -> dict:
-    if model_type != "deepseek_v2":
+    if model_type not in _LATENT_ATTENTION:
         return {}
-    method = hf.get("topk_method", "greedy")
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ZooError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
-    grouped = method == "group_limited_greedy"
+    if model_type == "deepseek_v3":  # transformers routes every V3 model the noaux_tc way
+        method, grouped = "noaux_tc", True
+    else:
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ZooError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
     return {
         "kv_lora_rank": hf["kv_lora_rank"],
         "q_lora_rank": hf.get("q_lora_rank") or 0,
         "qk_nope_head_dim": hf["qk_nope_head_dim"],
         "v_head_dim": hf["v_head_dim"],
+        "rope_interleave": bool(hf.get("rope_interleave", True)),
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "n_group": hf.get("n_group") or 1 if grouped else 1,
         "topk_group": hf.get("topk_group") or 1 if grouped else 1,
+        "router_scoring": "sigmoid" if method == "noaux_tc" else "softmax",
     }
 
 
@@ -139,15 +160,16 @@ def _pad_token(hf: dict) -> int | None:
 
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2"):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", *_LATENT_ATTENTION):
         return {}
-    if model_type == "deepseek_v2":  # transformers adds no load-balancing loss and never renormalises
+    if model_type in _LATENT_ATTENTION:  # transformers adds no load-balancing loss; V2 never renormalises
         return {
             "n_experts": hf["n_routed_experts"],
             "n_experts_per_tok": hf["num_experts_per_tok"],
             "moe_d_ff": hf["moe_intermediate_size"],
             "shared_expert_d_ff": (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
             "dense_layers": tuple(range(hf.get("first_k_dense_replace", 0))),
+            "norm_topk_prob": model_type == "deepseek_v3" and bool(hf.get("norm_topk_prob", True)),
         }
     if hf.get("router_jitter_noise"):
         raise ZooError(
@@ -215,7 +237,7 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["sliding_window"] = config.sliding_window
     if config.is_moe:
         hf.update(_moe_to_hf(config))
-    if config.arch == "deepseek_v2":
+    if config.arch in _LATENT_ATTENTION:
         hf.update(
             attention_bias=False,
             mlp_bias=False,
@@ -229,11 +251,14 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
             moe_intermediate_size=config.moe_d_ff,
             first_k_dense_replace=len(config.dense_layers),
             routed_scaling_factor=config.routed_scaling_factor,
-            topk_method="group_limited_greedy" if config.n_group > 1 else "greedy",
             n_group=config.n_group,
             topk_group=config.topk_group,
-            norm_topk_prob=False,
+            norm_topk_prob=config.norm_topk_prob,
         )
+    if config.arch == "deepseek_v2":
+        hf["topk_method"] = "group_limited_greedy" if config.n_group > 1 else "greedy"
+    if config.arch == "deepseek_v3":  # no multi-token-prediction layers are trained or written
+        hf.update(topk_method="noaux_tc", rope_interleave=config.rope_interleave, num_nextn_predict_layers=0)
     if config.arch == "gpt_oss":
         hf.pop("rope_scaling")
         hf.update(
@@ -263,7 +288,7 @@ def _moe_to_hf(config: ModelConfig) -> dict:
         }
     if config.arch == "gpt_oss":
         return {**hf, "num_local_experts": config.n_experts, "intermediate_size": config.moe_d_ff}
-    if config.arch == "deepseek_v2":
+    if config.arch in _LATENT_ATTENTION:
         return {**hf, "num_experts_per_tok": config.n_experts_per_tok}
     hf.update(num_experts=config.n_experts, norm_topk_prob=config.norm_topk_prob)
     if config.arch == "olmoe":

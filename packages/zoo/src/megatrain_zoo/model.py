@@ -22,6 +22,7 @@ from megatrain_templates import (
     RouterLoad,
     fused_expert_names,
     row_slice_of,
+    split_precision_of,
     yarn_mscale,
 )
 
@@ -54,7 +55,19 @@ class ModelSpec:
 
     def checkpoint_names_to_ignore(self, name: str) -> bool:
         """Tensors a Hugging Face checkpoint may carry that this model does not store."""
-        return name.endswith("rotary_emb.inv_freq") or (self.config.tie_embeddings and name == "lm_head.weight")
+        return (
+            name.endswith("rotary_emb.inv_freq")
+            or (self.config.tie_embeddings and name == "lm_head.weight")
+            or self.is_mtp_tensor(name)
+        )
+
+    def is_mtp_tensor(self, name: str) -> bool:
+        """DeepSeek-V3's multi-token-prediction modules, published as layers past the last (transformers
+        leaves them out too)."""
+        if self.config.arch != "deepseek_v3" or not name.startswith("model.layers."):
+            return False
+        layer = name.split(".")[2]
+        return layer.isdigit() and int(layer) >= self.config.n_layers
 
     def fused_checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """transformers' fused 3-D expert tensors -> (shape, the per-expert names it covers): the
@@ -115,6 +128,7 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
         v_head_dim=config.v_head_dim,
         softmax_scale=scale,
         q_lora_rank=config.q_lora_rank,
+        rope_interleaved=config.rope_interleave,
     )
 
 
@@ -129,11 +143,14 @@ def moe_shape(config: ModelConfig) -> MoeShape:
         d_ff=config.moe_d_ff,
         shared_d_ff=config.shared_expert_d_ff,
         norm_topk_prob=config.norm_topk_prob,
-        naming={"mixtral": "mixtral", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek"}.get(config.arch, "qwen"),
+        naming={"mixtral": "mixtral", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}.get(
+            config.arch, "qwen"
+        ),
         swiglu_limit=config.swiglu_limit,
         routed_scaling=config.routed_scaling_factor,
         n_groups=config.n_group,
         topk_groups=config.topk_group,
+        scoring=config.router_scoring,
     )
 
 
@@ -214,6 +231,7 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> No
     hosts that split the state); 3-D expert tensors, and their row slices `NAME[a:b]`, draw expert
     by expert, so a slice holds the same rows as the whole tensor."""
     base, first, _ = row_slice_of(name) or (name, 0, 0)
+    base = (split_precision_of(base) or (base,))[0]
     if base.endswith("norm.weight"):
         tensor.fill_(1.0)
         return

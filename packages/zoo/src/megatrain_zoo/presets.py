@@ -120,6 +120,52 @@ def _qwen3_moe(d, layers, heads, expert_ff, dense_ff):
     )
 
 
+_DEEPSEEK_V3_YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def _deepseek_v3(**changes) -> ModelConfig:
+    """DeepSeek-V3 (671B, 37B active): latent attention, 8 of 256 experts per token chosen by sigmoid
+    scores plus a correction bias within 4 of 8 groups, one shared expert, the first 3 layers dense."""
+    config = ModelConfig(
+        "deepseek_v3",
+        129280,
+        7168,
+        61,
+        128,
+        128,
+        18432,  # the dense layers' MLP
+        head_dim=64,  # the rotary part of each head
+        max_seq_len=163840,
+        rope_scaling=_DEEPSEEK_V3_YARN,
+        rms_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        n_experts=256,
+        n_experts_per_tok=8,
+        moe_d_ff=2048,
+        shared_expert_d_ff=2048,
+        norm_topk_prob=True,
+        dense_layers=(0, 1, 2),
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        router_scoring="sigmoid",
+    )
+    return config.with_changes(**changes)
+
+
 def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
     YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
@@ -279,6 +325,23 @@ PRESETS: dict[str, ModelConfig] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
     ),
+    "deepseek-v3": _deepseek_v3(),  # also DeepSeek-R1 and V3.1
+    # Kimi K2 (Moonshot, 2025): DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer
+    "kimi-k2": _deepseek_v3(
+        vocab_size=163840,
+        n_heads=64,
+        n_kv_heads=64,
+        n_experts=384,
+        n_group=1,
+        topk_group=1,
+        dense_layers=(0,),
+        routed_scaling_factor=2.827,
+        rope_theta=50000.0,
+        rope_scaling={**_DEEPSEEK_V3_YARN, "factor": 32.0, "beta_fast": 1.0},
+        max_seq_len=131072,
+        bos_token_id=163584,
+        eos_token_id=163585,
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -313,6 +376,14 @@ PRESETS: dict[str, ModelConfig] = {
                       "mscale_all_dim": 0.707, "original_max_position_embeddings": 64},
         n_experts=8, n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=64, dense_layers=(0,), kv_lora_rank=24,
         q_lora_rank=20, qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=1.5, n_group=4, topk_group=2,
+    ),
+    "tiny-deepseek-v3": ModelConfig(
+        "deepseek_v3", 256, 64, 3, 4, 4, 96, head_dim=8, max_seq_len=256, rms_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 64},
+        n_experts=8, n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, dense_layers=(0,), kv_lora_rank=24,
+        q_lora_rank=20, qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+        norm_topk_prob=True, router_scoring="sigmoid",
     ),
     "tiny-qwen3-moe": ModelConfig(
         "qwen3_moe", 256, 64, 2, 4, 2, 128, head_dim=32, max_seq_len=256, rms_eps=1e-6, qk_norm=True,
