@@ -169,6 +169,7 @@ def test_moe_specs_and_hf_round_trip():
         "tiny-deepseek-v3",
         "deepseek-v3",
         "kimi-k2",
+        "moonlight-16b-a3b",
     ):
         config = PRESETS[name]
         assert config_from_hf(config_to_hf(config)) == config, name

@@ -28,7 +28,13 @@ COMPILE = os.environ.get("MEGATRAIN_COMPILE", "1") != "0"
 
 def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
     """`fn`, run through torch.compile when its first argument is a CUDA tensor (compiled on first use);
-    elsewhere `eager` (same arguments and result) or `fn` itself."""
+    elsewhere `eager` (same arguments and result) or `fn` itself.
+
+    The first argument's last dim (a norm's width, a head's, the experts' 2 * d_ff) stays static: it is
+    what the kernels reduce or pair over. Left to torch, the second width one function meets (a latent
+    attention layer's 512-wide latent beside its 2048-wide hidden state, Qwen3's per-head q/k norms)
+    recompiles it for any width, and that kernel took 2.3 ms for an RMSNorm backward on [16384, 2048]
+    (H100) that takes ~0.1 ms compiled for its width; the rows may still become dynamic."""
     compiled = None
 
     def run(x: Tensor, *args):
@@ -37,6 +43,7 @@ def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
             return (eager or fn)(x, *args)
         if compiled is None:
             compiled = torch.compile(fn)
+        torch._dynamo.mark_static(x, x.dim() - 1)
         return compiled(x, *args)
 
     run.__doc__, run.__name__ = fn.__doc__, fn.__name__
