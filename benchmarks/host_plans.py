@@ -17,8 +17,17 @@ from common import table, write_results
 from megatrain.config import load_config
 from megatrain.plan import Rates, make_plan
 
-RATES = Rates(560.0, 515.0, 54.7, 5.04e9, 1.55, 300.0, 50.0, "H100 calibration of the dense-120b plans (scaling.md)")
-CANDIDATES = ["qwen2.5-32b", "llama3.1-70b", "dense-120b", "qwen3-235b-a22b", "llama3.1-405b"]
+RATES = Rates(
+    gpu_tflops=560.0,
+    head_tflops=515.0,
+    pcie_gbps=54.7,
+    cpu_adam_params_per_s=5.04e9,
+    disk_gbps=1.55,
+    moe_gpu_tflops=300.0,
+    network_gbps=50.0,
+    source="H100 calibration of the dense-120b plans (scaling.md)",
+)
+CANDIDATES = ["qwen2.5-32b", "llama3.1-70b", "dense-120b", "qwen3-235b-a22b", "llama3.1-405b", "deepseek-v3", "kimi-k2"]
 GPUS, SEQ, TOKENS_PER_GPU = 8, 4096, 16384  # per host; sequences; each GPU's share of a step
 H200_MEMORY = int(139.8 * 2**30)
 
