@@ -147,6 +147,11 @@ def test_experts_streamed_in_parts_match_transformers(name, tmp_path):
     check_steps_match_transformers(name, True, tmp_path, "cpu", EngineSection(experts_per_stage=3))
 
 
+def test_deepseek_v3_rotary_embedding_on_halves_matches_transformers(tmp_path):
+    """`rope_interleave: false`: latent attention's rotary part on Llama's halves instead of pairs."""
+    check_steps_match_transformers("tiny-deepseek-v3", False, tmp_path, "cpu", rope_interleave=False)
+
+
 def test_dense_layers_after_the_last_moe_layer_keep_their_graph_the_moe_ones_recompute(tmp_path):
     """Qwen2-MoE with its last layer dense (mlp_only_layers): asked to keep two layers, the dense one keeps
     its forward's graph, the MoE one before it recomputes; the same steps as transformers."""
@@ -523,14 +528,17 @@ def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(tmp
     trainer.close()
 
 
-@pytest.mark.parametrize("saved, resumed", [(3, "auto"), ("auto", 2)])
-def test_checkpoints_resume_whatever_the_experts_parts(saved, resumed, tmp_path):
-    """Checkpoint files name tensors as transformers does (gpt-oss' row slices joined), so a run saved
-    with its experts in parts resumes with whole layers or other parts: the same loss, and weights to
-    fp32 rounding (the clipping norm sums the groups' squared norms, which the parts regroup)."""
+@pytest.mark.parametrize(
+    "name, saved, resumed", [("tiny-gpt-oss", 3, "auto"), ("tiny-gpt-oss", "auto", 2), ("tiny-deepseek-v3", 3, "auto")]
+)
+def test_checkpoints_resume_whatever_the_experts_parts(name, saved, resumed, tmp_path):
+    """Checkpoint files name tensors as transformers does (gpt-oss' row slices joined, DeepSeek-V3's
+    split-precision bias summed), so a run saved with its experts in parts resumes with whole layers or
+    other parts: the same loss, and weights to fp32 rounding (the clipping norm sums the groups'
+    squared norms, which the parts regroup)."""
     from megatrain.checkpoint import load_checkpoint, save_checkpoint
 
-    reference = hf_model("tiny-gpt-oss", True, 7)
+    reference = hf_model(name, True, 7)
     reference.save_pretrained(tmp_path / "hf")
     generator = torch.Generator().manual_seed(7)
     batches = [random_batch(6, 12, 256, generator) for _ in range(3)]
