@@ -401,14 +401,6 @@ PRESETS: dict[str, ModelConfig] = {
         n_experts=8, n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=64, dense_layers=(0,), kv_lora_rank=24,
         q_lora_rank=20, qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=1.5, n_group=4, topk_group=2,
     ),
-    "tiny-deepseek-v3": ModelConfig(
-        "deepseek_v3", 256, 64, 3, 4, 4, 96, head_dim=8, max_seq_len=256, rms_eps=1e-6,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
-                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 64},
-        n_experts=8, n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, dense_layers=(0,), kv_lora_rank=24,
-        q_lora_rank=20, qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-        norm_topk_prob=True, router_scoring="sigmoid",
-    ),
     "tiny-qwen3-moe": ModelConfig(
         "qwen3_moe", 256, 64, 2, 4, 2, 128, head_dim=32, max_seq_len=256, rms_eps=1e-6, qk_norm=True,
         n_experts=8, n_experts_per_tok=2, moe_d_ff=48, norm_topk_prob=True, router_aux_loss_coef=0.01,
@@ -419,6 +411,16 @@ PRESETS: dict[str, ModelConfig] = {
         n_experts=8, n_experts_per_tok=3, moe_d_ff=64, router_aux_loss_coef=0.01, output_router_logits=True,
     ),
 }
+
+# tiny DeepSeek-V2's shape with V3's routing (sigmoid scores, correction bias, renormalised) and one shared expert
+PRESETS["tiny-deepseek-v3"] = PRESETS["tiny-deepseek-v2"].with_changes(
+    arch="deepseek_v3",
+    rope_scaling={**PRESETS["tiny-deepseek-v2"].rope_scaling, "mscale": 1.0, "mscale_all_dim": 1.0},
+    shared_expert_d_ff=32,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    router_scoring="sigmoid",
+)
 
 
 def preset(name: str) -> ModelConfig:
