@@ -406,6 +406,13 @@ def test_mxfp4_experts_are_dequantized_on_import(experts_per_stage, tmp_path):
         assert torch.equal(ours[name], value), name
     assert torch.equal(ours["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     trainer.close()
+    if experts_per_stage == "auto":  # `megatrain convert` writes the experts dequantized too
+        from megatrain.hf_io import convert
+
+        written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
+        for name, value in expected.items():
+            assert torch.equal(written[name], value), name
+        assert not any(name.endswith(("_blocks", "_scales")) for name in written)
 
 
 @pytest.mark.parametrize("experts_per_stage", ["auto", 3])
@@ -456,6 +463,14 @@ def test_fp8_checkpoints_are_dequantized_on_import(experts_per_stage, tmp_path):
     with torch.no_grad():
         assert rel_err(trainer.logits(ids), dequantized(ids).logits) < 1e-5
     trainer.close()
+    if experts_per_stage == "auto":  # `megatrain convert` writes such a directory dequantized too
+        from megatrain.hf_io import convert
+
+        written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
+        assert not any(name.endswith("_scale_inv") or ".layers.3." in name for name in written)
+        converted = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.equal(converted(ids).logits, dequantized(ids).logits)
 
 
 def test_fp8_tiles_that_overhang_the_matrix_scale_what_they_cover():

@@ -343,11 +343,12 @@ def export_hf(
 
 def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES) -> Path:
     """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
-    tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16."""
+    tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16. A quantized source
+    (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without DeepSeek-V3's
+    multi-token-prediction layer."""
     import torch
-    from safetensors import safe_open
 
-    from megatrain_zoo import ModelConfig, read_hf_config
+    from megatrain_zoo import ModelConfig, build_model, read_hf_config
 
     source = Path(source)
     manifest = source / "manifest.json"
@@ -358,17 +359,32 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
         model = read_hf_config(source)
         files = checkpoint_files(source)
     target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    headers = {path: read_safetensors_header(path) for path in files}
+    where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
+    shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
+    leave_out = build_model(model).is_mtp_tensor  # the config written says it has none
 
-    def load(path, name):
-        with safe_open(str(path), framework="pt") as handle:
-            return handle.get_tensor(name).to(target)
+    def load(name: str, how: str | None):
+        keys = {"fp8": (name, f"{name}_scale_inv"), "mxfp4": (f"{name}_blocks", f"{name}_scales")}.get(how, (name,))
+        with open_safetensors({where[key] for key in keys}) as handles:
+            tensors = [handles[where[key]].get_tensor(key) for key in keys]
+        if how == "fp8":
+            tensors = [dequantize_fp8_blocks(*tensors, _fp8_block(files))]
+        elif how == "mxfp4":
+            tensors = [dequantize_mxfp4(*tensors)]
+        return tensors[0].to(target)
 
     entries = []
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                shape = tuple(handle.get_slice(name).get_shape())
-                entries.append((name, Pending(shape, target, lambda path=path, name=name: load(path, name))))
+    for name in where:  # quantized tensors written dequantized, under their own names
+        if name.endswith(("_scale_inv", "_scales")) or leave_out(name):
+            continue
+        shape = shapes[name]
+        how = "fp8" if f"{name}_scale_inv" in where else None
+        if name.endswith("_blocks"):
+            name, how = name.removesuffix("_blocks"), "mxfp4"
+            experts, rows_out, groups, _ = shape
+            shape = (experts, groups * MXFP4_BLOCK, rows_out)
+        entries.append((name, Pending(shape, target, lambda name=name, how=how: load(name, how))))
     tokenizer = next(
         (t for t in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json") if t.exists()), None
     )
