@@ -156,8 +156,12 @@ def bench_megatrain(
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
         if trace_dir and tokens == max(token_counts):
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
+        # the engine that ran: its held and GPU-updated layers were planned for the largest point
+        ran = replace(
+            config.engine, held_layers=trainer.plan.held_layers, gpu_updated_layers=trainer.plan.gpu_updated_layers
+        )
         plan = make_plan(
-            replace(config, train=replace(config.train, batch_size=n_seqs)),
+            replace(config, train=replace(config.train, batch_size=n_seqs), engine=ran),
             model,
             trainer.plan.rates,
             host_memory=host_memory,
