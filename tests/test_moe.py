@@ -25,8 +25,10 @@ MOE_PRESETS = [
     "tiny-gpt-oss",
     "tiny-deepseek-v2",
     "tiny-deepseek-v3",
+    "tiny-glm4-moe",
 ]
-NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3")  # transformers trains DeepSeek with no load-balancing loss
+# transformers trains these with no load-balancing loss
+NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe")
 NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
 
 

@@ -142,6 +142,8 @@ PUBLISHED_MOE = {
     # module, which megatrain does not train); Kimi K2: 1T total, 32B active
     "deepseek-v3": (671.0, 37.0),
     "kimi-k2": (1026.0, 32.9),
+    # GLM-4.5-Air: 106B total; Zhipu's 12B active leaves out the input embedding and the output head (0.62B each)
+    "glm-4.5-air": (106.0, 12.0 + 2 * 0.62),
 }
 
 
@@ -170,6 +172,8 @@ def test_moe_specs_and_hf_round_trip():
         "deepseek-v3",
         "kimi-k2",
         "moonlight-16b-a3b",
+        "tiny-glm4-moe",
+        "glm-4.5-air",
     ):
         config = PRESETS[name]
         assert config_from_hf(config_to_hf(config)) == config, name

@@ -241,8 +241,13 @@ class DecoderBlock:
         cos, sin = self._rope(seq, x.device, x.dtype)
         if documents is not None:
             cos, sin = documents.rope_tables(cos, sin)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        rotary = cos.shape[-1]
+        if rotary < s.head_dim:  # partial rotary (GLM-4.5): the leading dims rotate, the rest pass
+            q = torch.cat([apply_rope(q[..., :rotary], cos, sin), q[..., rotary:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :rotary], cos, sin), k[..., rotary:]], dim=-1)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if s.sinks or s.sliding_window is not None:
             attn = windowed_attention_with_sinks(q, k, v, w.get("sinks"), s.sliding_window, documents)
         else:

@@ -10,7 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
+# families whose routers score experts with a sigmoid and choose with a correction bias
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
@@ -70,8 +72,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    # "softmax" routers, or "sigmoid" (DeepSeek-V3): scores chosen from with a fixed correction bias
+    # "softmax" routers, or "sigmoid" (DeepSeek-V3, GLM-4.5): scores chosen from with a fixed correction bias
     router_scoring: str = "softmax"
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (GLM-4.5: the first half)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -81,10 +84,10 @@ class ModelConfig:
         if self.sliding_layers and not self.sliding_window:
             raise ZooError("sliding_layers needs sliding_window (the window those layers attend over)")
         if self.router_scoring not in ROUTER_SCORINGS or (self.router_scoring == "sigmoid") != (
-            self.arch == "deepseek_v3"
+            self.arch in SIGMOID_ROUTED
         ):
             raise ZooError(
-                f"router_scoring {self.router_scoring!r}: DeepSeek-V3 scores experts with a sigmoid, the other "
+                f"router_scoring {self.router_scoring!r}: {SIGMOID_ROUTED} score experts with a sigmoid, the other "
                 f"families with a softmax ({ROUTER_SCORINGS})"
             )
         if self.qk_norm_scope not in QK_NORM_SCOPES:
@@ -115,6 +118,11 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.head_dim % 2:
             raise ZooError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ZooError(
+                f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
+                f"{self.head_dim}: it must be an even number of them, at least two"
+            )
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if kind not in ROPE_SCALINGS:
             raise ZooError(
@@ -128,6 +136,11 @@ class ModelConfig:
     def as_dict(self) -> dict:
         """Plain JSON types (lists, not tuples), so that a dict read back from JSON compares equal."""
         return json.loads(json.dumps(asdict(self)))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each query and key head that rotate (all but with partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:

@@ -17,6 +17,7 @@ _HF_CLASSES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
@@ -25,6 +26,8 @@ _UNSUPPORTED_MOE = {
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (an indexer choosing the keys) is not implemented yet",
 }
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
+# families with DeepSeek's MoE config fields (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
+_DEEPSEEK_MOE = (*_LATENT_ATTENTION, "glm4_moe")
 
 
 def _first_id(value):
@@ -40,7 +43,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3 and Kimi K2)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2 and GLM-4.5)"
         )
     if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", *_LATENT_ATTENTION):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -50,7 +53,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
     rope = dict(hf.get("rope_parameters") or {})
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
+    partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+    scaling = hf.get("rope_scaling") or (
+        {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")} or None
+    )
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     sliding = (
@@ -77,8 +83,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
-        or (model_type == "gpt_oss" and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+        or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe") or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
+        partial_rotary_factor=partial_rotary,
         qk_norm_scope="full" if model_type == "olmoe" else "head",
         clip_qkv=hf.get("clip_qkv"),
         sliding_window=sliding or None,
@@ -160,17 +167,25 @@ def _pad_token(hf: dict) -> int | None:
 
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", *_LATENT_ATTENTION):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", *_DEEPSEEK_MOE):
         return {}
-    if model_type in _LATENT_ATTENTION:  # transformers adds no load-balancing loss; V2 never renormalises
-        return {
+    if model_type in _DEEPSEEK_MOE:  # transformers adds no load-balancing loss; DeepSeek-V2 never renormalises
+        fields = {
             "n_experts": hf["n_routed_experts"],
             "n_experts_per_tok": hf["num_experts_per_tok"],
             "moe_d_ff": hf["moe_intermediate_size"],
             "shared_expert_d_ff": (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
             "dense_layers": tuple(range(hf.get("first_k_dense_replace", 0))),
-            "norm_topk_prob": model_type == "deepseek_v3" and bool(hf.get("norm_topk_prob", True)),
+            "norm_topk_prob": model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", True)),
         }
+        if model_type == "glm4_moe":  # DeepSeek-V3's router on grouped-query attention
+            fields.update(
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                n_group=hf.get("n_group") or 1,
+                topk_group=hf.get("topk_group") or 1,
+                router_scoring="sigmoid",
+            )
+        return fields
     if hf.get("router_jitter_noise"):
         raise ZooError(
             f"router_jitter_noise={hf['router_jitter_noise']} (random router noise in training) is not supported; "
@@ -259,6 +274,21 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["topk_method"] = "group_limited_greedy" if config.n_group > 1 else "greedy"
     if config.arch == "deepseek_v3":  # no multi-token-prediction layers are trained or written
         hf.update(topk_method="noaux_tc", rope_interleave=config.rope_interleave, num_nextn_predict_layers=0)
+    if config.arch == "glm4_moe":
+        hf.update(
+            attention_bias=config.qkv_bias,
+            use_qk_norm=config.qk_norm,
+            partial_rotary_factor=config.partial_rotary_factor,
+            n_routed_experts=config.n_experts,
+            n_shared_experts=config.shared_expert_d_ff // config.moe_d_ff,
+            moe_intermediate_size=config.moe_d_ff,
+            first_k_dense_replace=len(config.dense_layers),
+            routed_scaling_factor=config.routed_scaling_factor,
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            norm_topk_prob=config.norm_topk_prob,
+            num_nextn_predict_layers=0,
+        )
     if config.arch == "gpt_oss":
         hf.pop("rope_scaling")
         hf.update(
@@ -288,7 +318,7 @@ def _moe_to_hf(config: ModelConfig) -> dict:
         }
     if config.arch == "gpt_oss":
         return {**hf, "num_local_experts": config.n_experts, "intermediate_size": config.moe_d_ff}
-    if config.arch in _LATENT_ATTENTION:
+    if config.arch in _DEEPSEEK_MOE:
         return {**hf, "num_experts_per_tok": config.n_experts_per_tok}
     hf.update(num_experts=config.n_experts, norm_topk_prob=config.norm_topk_prob)
     if config.arch == "olmoe":

@@ -26,7 +26,7 @@ from megatrain_templates import (
     yarn_mscale,
 )
 
-from .config import ModelConfig
+from .config import SIGMOID_ROUTED, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ class ModelSpec:
         )
 
     def is_mtp_tensor(self, name: str) -> bool:
-        """DeepSeek-V3's multi-token-prediction modules, published as layers past the last (transformers
-        leaves them out too)."""
-        if self.config.arch != "deepseek_v3" or not name.startswith("model.layers."):
+        """DeepSeek-V3's and GLM-4.5's multi-token-prediction modules, published as layers past the last
+        (transformers leaves them out too)."""
+        if self.config.arch not in SIGMOID_ROUTED or not name.startswith("model.layers."):
             return False
         layer = name.split(".")[2]
         return layer.isdigit() and int(layer) >= self.config.n_layers
@@ -105,7 +105,7 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         qk_norm=config.qk_norm,
         qk_norm_scope=config.qk_norm_scope,
         clip_qkv=config.clip_qkv,
-        rope=RopeConfig(head_dim=config.head_dim, theta=config.rope_theta, scaling=scaling),
+        rope=RopeConfig(head_dim=config.rotary_dim, theta=config.rope_theta, scaling=scaling),
         o_bias=config.o_bias,
         sinks=config.attention_sinks,
         sliding_window=config.sliding_window if layer in config.sliding_layers else None,
@@ -132,6 +132,16 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
     )
 
 
+# the template's parameter naming (`EXPERT_NAMING`) per family; "qwen" for the others
+EXPERT_NAMING_OF = {
+    "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+    "glm4_moe": "deepseek",
+}
+
+
 def _renamed(params: tuple[ParamSpec, ...], prefix: str) -> tuple[ParamSpec, ...]:
     return tuple(ParamSpec(prefix + p.name, p.shape, p.weight_decay) for p in params)
 
@@ -143,9 +153,7 @@ def moe_shape(config: ModelConfig) -> MoeShape:
         d_ff=config.moe_d_ff,
         shared_d_ff=config.shared_expert_d_ff,
         norm_topk_prob=config.norm_topk_prob,
-        naming={"mixtral": "mixtral", "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}.get(
-            config.arch, "qwen"
-        ),
+        naming=EXPERT_NAMING_OF.get(config.arch, "qwen"),
         swiglu_limit=config.swiglu_limit,
         routed_scaling=config.routed_scaling_factor,
         n_groups=config.n_group,

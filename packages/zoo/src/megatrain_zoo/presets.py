@@ -366,6 +366,32 @@ PRESETS: dict[str, ModelConfig] = {
         n_group=1,
         topk_group=1,
     ),
+    # GLM-4.5-Air (Zhipu, 2025): DeepSeek-V3's routing on grouped-query attention with QKV biases, the
+    # first half of each head rotating
+    "glm-4.5-air": ModelConfig(
+        "glm4_moe",
+        151552,
+        4096,
+        46,
+        96,
+        8,
+        10944,  # the dense first layer's MLP
+        head_dim=128,
+        max_seq_len=131072,
+        rope_theta=1000000.0,
+        rms_eps=1e-5,
+        qkv_bias=True,
+        eos_token_id=151329,
+        pad_token_id=151329,
+        n_experts=128,
+        n_experts_per_tok=8,
+        moe_d_ff=1408,
+        shared_expert_d_ff=1408,
+        norm_topk_prob=True,
+        dense_layers=(0,),
+        router_scoring="sigmoid",
+        partial_rotary_factor=0.5,
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -420,6 +446,11 @@ PRESETS["tiny-deepseek-v3"] = PRESETS["tiny-deepseek-v2"].with_changes(
     routed_scaling_factor=2.5,
     norm_topk_prob=True,
     router_scoring="sigmoid",
+)
+PRESETS["tiny-glm4-moe"] = ModelConfig(
+    "glm4_moe", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, qkv_bias=True, qk_norm=True, n_experts=8,
+    n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, norm_topk_prob=True, dense_layers=(0,),
+    routed_scaling_factor=1.5, n_group=2, topk_group=1, router_scoring="sigmoid", partial_rotary_factor=0.5,
 )
 
 
