@@ -54,7 +54,6 @@ def dequantize_fp8_blocks(weight, scale_inv, block: tuple[int, int], first_row: 
 def named_masters(store: HostStore) -> dict:
     """fp32 master weights by the names files use (the store must hold every group whole): views into
     the store, or copies joined from the row slices of a tensor split over several groups."""
-
     views = {name: view for group in range(store.n_groups) for name, view in store.master_views(group).items()}
     return {
         name: join_stored(covered, [views[part] for part in covered])
@@ -89,7 +88,6 @@ class WholeGroups:
     def entries(self, arena: str = "master", prefix: str = "") -> list:
         """(prefix + name, Pending) for every tensor as files name them, in buffer order: the row
         slices of a tensor split over several groups are joined, at its first slice's place."""
-
         place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
         out = []
         for name, (shape, covered) in _store_layout(self.store).items():
@@ -142,17 +140,15 @@ def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master",
     for group in range(store.n_groups):
         with store.writing(group, arena) as views:
             targets: dict[str, list] = {}
-            parts_of: dict[str, list[str]] = {}
             for part, view in views.items():
                 name, offset = place[part]
-                targets.setdefault(name, []).append((view, offset))
-                parts_of.setdefault(name, []).append(part)
+                targets.setdefault(name, []).append((view, offset, part))
             for name, parts in targets.items():
-                low = min(offset for _, offset in parts)
-                high = max(offset + view.numel() for view, offset in parts)
+                low = min(offset for _, offset, _ in parts)
+                high = max(offset + view.numel() for view, offset, _ in parts)
                 rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, quantized.get(name))
                 flat = rows.reshape(-1)
-                for (view, offset), part in zip(parts, parts_of[name]):
+                for view, offset, part in parts:
                     piece = flat[offset - start : offset - start + view.numel()]
                     split = split_precision_of(part)
                     if split is not None:  # its hi or its lo, in the store's dtype
@@ -344,8 +340,8 @@ def export_hf(
 def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES) -> Path:
     """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
     tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16. A quantized source
-    (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without DeepSeek-V3's
-    multi-token-prediction layer."""
+    (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without the
+    multi-token-prediction layers of DeepSeek-V3 and GLM-4.5."""
     import torch
 
     from megatrain_zoo import ModelConfig, build_model, read_hf_config
