@@ -252,15 +252,8 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["sliding_window"] = config.sliding_window
     if config.is_moe:
         hf.update(_moe_to_hf(config))
-    if config.arch in _LATENT_ATTENTION:
+    if config.arch in _DEEPSEEK_MOE:
         hf.update(
-            attention_bias=False,
-            mlp_bias=False,
-            kv_lora_rank=config.kv_lora_rank,
-            q_lora_rank=config.q_lora_rank or None,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.head_dim,
-            v_head_dim=config.v_head_dim,
             n_routed_experts=config.n_experts,
             n_shared_experts=config.shared_expert_d_ff // config.moe_d_ff,
             moe_intermediate_size=config.moe_d_ff,
@@ -270,23 +263,26 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
             topk_group=config.topk_group,
             norm_topk_prob=config.norm_topk_prob,
         )
+    if config.arch in _LATENT_ATTENTION:
+        hf.update(
+            attention_bias=False,
+            mlp_bias=False,
+            kv_lora_rank=config.kv_lora_rank,
+            q_lora_rank=config.q_lora_rank or None,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.head_dim,
+            v_head_dim=config.v_head_dim,
+        )
     if config.arch == "deepseek_v2":
         hf["topk_method"] = "group_limited_greedy" if config.n_group > 1 else "greedy"
-    if config.arch == "deepseek_v3":  # no multi-token-prediction layers are trained or written
+    # no multi-token-prediction layers are trained or written
+    if config.arch == "deepseek_v3":
         hf.update(topk_method="noaux_tc", rope_interleave=config.rope_interleave, num_nextn_predict_layers=0)
     if config.arch == "glm4_moe":
         hf.update(
             attention_bias=config.qkv_bias,
             use_qk_norm=config.qk_norm,
             partial_rotary_factor=config.partial_rotary_factor,
-            n_routed_experts=config.n_experts,
-            n_shared_experts=config.shared_expert_d_ff // config.moe_d_ff,
-            moe_intermediate_size=config.moe_d_ff,
-            first_k_dense_replace=len(config.dense_layers),
-            routed_scaling_factor=config.routed_scaling_factor,
-            n_group=config.n_group,
-            topk_group=config.topk_group,
-            norm_topk_prob=config.norm_topk_prob,
             num_nextn_predict_layers=0,
         )
     if config.arch == "gpt_oss":
