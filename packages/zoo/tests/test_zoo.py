@@ -144,6 +144,8 @@ PUBLISHED_MOE = {
     "kimi-k2": (1026.0, 32.9),
     # GLM-4.5-Air: 106B total; Zhipu's 12B active leaves out the input embedding and the output head (0.62B each)
     "glm-4.5-air": (106.0, 12.0 + 2 * 0.62),
+    # MiniMax-M2: 230B total, 10B active without the input embedding and the output head (0.61B each)
+    "minimax-m2": (230.0, 10.0 + 2 * 0.61),
 }
 
 
@@ -174,6 +176,8 @@ def test_moe_specs_and_hf_round_trip():
         "moonlight-16b-a3b",
         "tiny-glm4-moe",
         "glm-4.5-air",
+        "tiny-minimax-m2",
+        "minimax-m2",
     ):
         config = PRESETS[name]
         assert config_from_hf(config_to_hf(config)) == config, name
@@ -206,6 +210,8 @@ def test_deepseek_v3_configs_as_published():
     assert model.stages[1].template is model.stages[3].template  # dense layers 0-2 share one template
     assert model.stages[4].template.moe.scoring == "sigmoid" and model.stages[4].template.moe.n_groups == 8
     assert model.is_mtp_tensor("model.layers.61.eh_proj.weight")
+    minimax = config_to_hf(PRESETS["minimax-m2"])  # published with the rotating width, 64 of 128
+    assert minimax["rotary_dim"] == 64 and config_from_hf(minimax).partial_rotary_factor == 0.5
     assert not model.is_mtp_tensor("model.layers.60.mlp.gate.weight")
 
 

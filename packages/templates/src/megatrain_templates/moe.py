@@ -66,7 +66,7 @@ class MoeShape:
     # topk_groups groups holding its highest expert probabilities (V3: the highest sums of two scores)
     n_groups: int = 1
     topk_groups: int = 1
-    # "softmax" over the router logits, or "sigmoid" (DeepSeek-V3): each expert scored on its own, in fp32
+    # "softmax" over the router logits, or "sigmoid" (DeepSeek-V3, MiniMax-M2): each expert scored on its own, in fp32
     # as transformers does, the top-k chosen by score + a correction bias that is not trained (DeepSeek
     # balances load by moving it, `e_score_correction_bias`), weighted by their scores alone
     scoring: str = "softmax"
@@ -81,8 +81,8 @@ class MoeShape:
             )
         if self.naming not in (*EXPERT_NAMING, "gpt_oss"):
             raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or gpt_oss, got {self.naming!r}")
-        if self.scoring not in ("softmax", "sigmoid") or (self.scoring == "sigmoid" and self.naming != "deepseek"):
-            raise ValueError(f"scoring must be softmax, or sigmoid with deepseek naming, got {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid") or (self.scoring == "sigmoid" and self.naming == "gpt_oss"):
+            raise ValueError(f"scoring must be softmax, or sigmoid with an EXPERT_NAMING naming, got {self.scoring!r}")
         if self.scoring == "sigmoid" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
             raise ValueError("sigmoid scoring ranks groups by their two best experts: each group needs two or more")
 
@@ -137,7 +137,10 @@ def _shared_expert_params(moe: MoeShape, d: int) -> tuple[ParamSpec, ...]:
 
 
 def _score_bias_names(moe: MoeShape) -> tuple[str, str]:
-    return split_precision_names(f"{EXPERT_NAMING[moe.naming][0]}.gate.e_score_correction_bias")
+    """DeepSeek keeps the correction bias in the router (`mlp.gate`), MiniMax-M2 in the MoE module."""
+    module = EXPERT_NAMING[moe.naming][0]
+    owner = f"{module}.gate" if moe.naming == "deepseek" else module
+    return split_precision_names(f"{owner}.e_score_correction_bias")
 
 
 def _router_bias(moe: MoeShape) -> tuple[ParamSpec, ...]:

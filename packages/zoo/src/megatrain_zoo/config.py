@@ -10,9 +10,19 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
+MOE_ARCHITECTURES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "minimax_m2",
+)
 # families whose routers score experts with a sigmoid and choose with a correction bias
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "minimax_m2")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)

@@ -18,6 +18,7 @@ _HF_CLASSES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
@@ -43,7 +44,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2 and GLM-4.5)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5 and MiniMax-M2)"
         )
     if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", *_LATENT_ATTENTION):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -54,6 +55,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     rope = dict(hf.get("rope_parameters") or {})
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+    if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
+        partial_rotary = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
     scaling = hf.get("rope_scaling") or (
         {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")} or None
     )
@@ -84,9 +87,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
         or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe") or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2")
+        or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
         partial_rotary_factor=partial_rotary,
-        qk_norm_scope="full" if model_type == "olmoe" else "head",
+        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2") else "head",
         clip_qkv=hf.get("clip_qkv"),
         sliding_window=sliding or None,
         initializer_range=hf.get("initializer_range", 0.02),
@@ -167,7 +171,7 @@ def _pad_token(hf: dict) -> int | None:
 
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", *_DEEPSEEK_MOE):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "minimax_m2", *_DEEPSEEK_MOE):
         return {}
     if model_type in _DEEPSEEK_MOE:  # transformers adds no load-balancing loss; DeepSeek-V2 never renormalises
         fields = {
@@ -186,6 +190,11 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
                 router_scoring="sigmoid",
             )
         return fields
+    if model_type == "minimax_m2" and hf.get("output_router_logits"):
+        raise ZooError(
+            "minimax_m2 with output_router_logits=true: transformers' load-balancing loss for it counts each token's "
+            "unbiased top-k, which megatrain's routing statistics (the chosen experts) do not; set it to false"
+        )
     if hf.get("router_jitter_noise"):
         raise ZooError(
             f"router_jitter_noise={hf['router_jitter_noise']} (random router noise in training) is not supported; "
@@ -202,7 +211,9 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
     }
     if model_type == "gpt_oss":  # softmax over the top-k logits: the top-k probabilities renormalised
         fields["norm_topk_prob"] = True
-    if model_type in ("mixtral", "olmoe", "gpt_oss"):  # every layer is sparse; intermediate_size is the experts'
+    if model_type == "minimax_m2":  # its router: a sigmoid, a correction bias, the top-k renormalised
+        fields.update(norm_topk_prob=True, router_scoring="sigmoid")
+    if model_type in ("mixtral", "olmoe", "gpt_oss", "minimax_m2"):  # all layers sparse; intermediate_size: experts'
         return {**fields, "moe_d_ff": hf["intermediate_size"]}
     step = hf.get("decoder_sparse_step", 1) or 1
     only_mlp = set(hf.get("mlp_only_layers") or [])
@@ -278,6 +289,8 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     # no multi-token-prediction layers are trained or written
     if config.arch == "deepseek_v3":
         hf.update(topk_method="noaux_tc", rope_interleave=config.rope_interleave, num_nextn_predict_layers=0)
+    if config.arch == "minimax_m2":
+        hf.update(rotary_dim=config.rotary_dim, use_qk_norm=True)
     if config.arch == "glm4_moe":
         hf.update(
             attention_bias=config.qkv_bias,
@@ -305,7 +318,7 @@ def _moe_to_hf(config: ModelConfig) -> dict:
         "router_aux_loss_coef": config.router_aux_loss_coef,
         "output_router_logits": config.output_router_logits,
     }
-    if config.arch == "mixtral":
+    if config.arch in ("mixtral", "minimax_m2"):
         return {
             **hf,
             "num_local_experts": config.n_experts,

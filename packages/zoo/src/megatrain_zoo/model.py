@@ -26,7 +26,7 @@ from megatrain_templates import (
     yarn_mscale,
 )
 
-from .config import SIGMOID_ROUTED, ModelConfig
+from .config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ModelSpec:
     def is_mtp_tensor(self, name: str) -> bool:
         """DeepSeek-V3's and GLM-4.5's multi-token-prediction modules, published as layers past the last
         (transformers leaves them out too)."""
-        if self.config.arch not in SIGMOID_ROUTED or not name.startswith("model.layers."):
+        if self.config.arch not in ("deepseek_v3", "glm4_moe") or not name.startswith("model.layers."):
             return False
         layer = name.split(".")[2]
         return layer.isdigit() and int(layer) >= self.config.n_layers
@@ -139,6 +139,7 @@ EXPERT_NAMING_OF = {
     "deepseek_v2": "deepseek",
     "deepseek_v3": "deepseek",
     "glm4_moe": "deepseek",
+    "minimax_m2": "mixtral",
 }
 
 

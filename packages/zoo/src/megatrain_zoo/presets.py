@@ -392,6 +392,32 @@ PRESETS: dict[str, ModelConfig] = {
         router_scoring="sigmoid",
         partial_rotary_factor=0.5,
     ),
+    # MiniMax-M2 (2025): 8 of 256 experts chosen by sigmoid scores + a correction bias, q/k norms over all
+    # heads, the first 64 of each head's 128 dims rotating
+    "minimax-m2": ModelConfig(
+        "minimax_m2",
+        200064,
+        3072,
+        62,
+        48,
+        8,
+        1536,
+        head_dim=128,
+        max_seq_len=196608,
+        rope_theta=5000000.0,
+        rms_eps=1e-6,
+        qk_norm=True,
+        qk_norm_scope="full",
+        bos_token_id=200034,
+        eos_token_id=200020,
+        n_experts=256,
+        n_experts_per_tok=8,
+        moe_d_ff=1536,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+        router_scoring="sigmoid",
+        partial_rotary_factor=0.5,
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -451,6 +477,11 @@ PRESETS["tiny-glm4-moe"] = ModelConfig(
     "glm4_moe", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, qkv_bias=True, qk_norm=True, n_experts=8,
     n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, norm_topk_prob=True, dense_layers=(0,),
     routed_scaling_factor=1.5, n_group=2, topk_group=1, router_scoring="sigmoid", partial_rotary_factor=0.5,
+)
+PRESETS["tiny-minimax-m2"] = ModelConfig(
+    "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
+    n_experts=8, n_experts_per_tok=3, moe_d_ff=32, norm_topk_prob=True, router_scoring="sigmoid",
+    partial_rotary_factor=0.5,
 )
 
 
