@@ -289,8 +289,8 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     # no multi-token-prediction layers are trained or written
     if config.arch == "deepseek_v3":
         hf.update(topk_method="noaux_tc", rope_interleave=config.rope_interleave, num_nextn_predict_layers=0)
-    if config.arch == "minimax_m2":
-        hf.update(rotary_dim=config.rotary_dim, use_qk_norm=True)
+    if config.arch == "minimax_m2":  # published as rotary_dim, which transformers before ~5.2x ignores
+        hf.update(rotary_dim=config.rotary_dim, partial_rotary_factor=config.partial_rotary_factor, use_qk_norm=True)
     if config.arch == "glm4_moe":
         hf.update(
             attention_bias=config.qkv_bias,
