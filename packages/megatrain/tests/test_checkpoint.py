@@ -141,6 +141,24 @@ def test_checkpoint_of_another_model_is_refused(write_config, tmp_path):
         find_checkpoint(tmp_path / "nowhere")
 
 
+def test_checkpoint_of_an_older_megatrain_resumes_and_of_a_newer_one_is_refused(write_config, tmp_path):
+    """A model field added since a checkpoint was written takes its default (what every model had then);
+    a field this version does not know names the fix."""
+    trainer = make_trainer(write_config, tmp_path)
+    path = save_checkpoint(trainer, tmp_path / "ck")
+    manifest_path = path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for added in ("rope_interleave", "router_scoring", "partial_rotary_factor"):  # fields added in session 15
+        del manifest["model"][added]
+    manifest_path.write_text(json.dumps(manifest))
+    assert load_checkpoint(trainer, path)["step"] == manifest["step"]
+    manifest["model"]["a_field_from_the_future"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"newer megatrain .*a_field_from_the_future"):
+        load_checkpoint(trainer, path)
+    trainer.close()
+
+
 def test_keep_last(write_config, tmp_path):
     trainer = make_trainer(write_config, tmp_path)
     for step in range(1, 5):

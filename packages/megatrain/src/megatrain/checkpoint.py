@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 from megatrain_store import StoreError, atomic_write_text, fsync_dir, write_safetensors
+from megatrain_zoo import ModelConfig
 
 from .config import ConfigError
 from .hf_io import WholeGroups, load_groups
@@ -122,8 +123,16 @@ def load_checkpoint(trainer, directory: Path) -> dict:
     """Restore weights, moments (when the trainer holds them) and step from a verified checkpoint into `trainer`."""
     directory = find_checkpoint(directory)
     manifest = verify_checkpoint(directory)
-    if manifest["model"] != trainer.model_config.as_dict():
-        changed = sorted(k for k, v in manifest["model"].items() if trainer.model_config.as_dict().get(k) != v)
+    current = trainer.model_config.as_dict()
+    unknown = sorted(set(manifest["model"]) - set(current))
+    if unknown:
+        raise ConfigError(
+            f"checkpoint {directory} was written by a newer megatrain (its model has {unknown}); upgrade to resume it"
+        )
+    # fields added to ModelConfig since the checkpoint was written take their defaults: what the model had then
+    saved = ModelConfig(**manifest["model"]).as_dict()
+    if saved != current:
+        changed = sorted(k for k, v in saved.items() if current[k] != v)
         raise ConfigError(
             f"checkpoint {directory} is for a different model (differs in {changed}); "
             "resume with the configuration it was written with"
