@@ -234,15 +234,15 @@ def _fp8_block(files: list[Path]) -> tuple[int, int]:
 
 def _read_layout(spec: ModelSpec, files: list[Path]):
     """From the files' headers, read once: (the layout as `_checkpoint_layout`, the tensors they hold
-    quantized -> `Quantized`, every name the files must hold -> its shape)."""
+    quantized -> `Quantized`, every name the files must hold -> its shape, every name they hold)."""
     present = {name for path in files for name in read_safetensors_header(path)}
     layout = _checkpoint_layout(spec, present)
-    quantized = {}
+    quantized, fp8 = {}, None
     for name, (shape, _) in layout.items():
         if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present:
             quantized[name] = Quantized("mxfp4")
         elif len(shape) == 2 and f"{name}_scale_inv" in present:
-            quantized[name] = Quantized("fp8", _fp8_block(files))
+            quantized[name] = fp8 = fp8 or Quantized("fp8", _fp8_block(files))  # config.json read once
     shapes = {
         name: shape for name, (shape, _) in layout.items() if name not in quantized or quantized[name].kind == "fp8"
     }
@@ -252,7 +252,7 @@ def _read_layout(spec: ModelSpec, files: list[Path]):
             shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
         else:
             shapes[f"{name}_scale_inv"] = (-(-shape[0] // how.block[0]), -(-shape[1] // how.block[1]))
-    return layout, quantized, shapes
+    return layout, quantized, shapes, present
 
 
 def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
@@ -269,12 +269,12 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     A fused expert tensor fills the tensors it covers (back to back, in one group or several); MXFP4
     experts and block-scaled FP8 matrices are dequantized into theirs."""
     files = checkpoint_files(model_dir)
-    layout, quantized, shapes = _read_layout(spec, files)
+    layout, quantized, shapes, present = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
     for kind in sorted({how.kind for how in quantized.values()}):
         count = sum(how.kind == kind for how in quantized.values())
         print(f"megatrain: dequantizing {count} {kind.upper()} tensors into fp32 master weights", file=sys.stderr)
-    skipped = sorted({name for path in files for name in read_safetensors_header(path) if spec.is_mtp_tensor(name)})
+    skipped = sorted(name for name in present if spec.is_mtp_tensor(name))
     if skipped:
         print(
             f"megatrain: leaving out {len(skipped)} multi-token-prediction tensors ({skipped[0]} ...): transformers "
@@ -359,13 +359,14 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
     shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
     leave_out = build_model(model).is_mtp_tensor  # the config written says it has none
+    fp8_block = _fp8_block(files) if any(name.endswith("_scale_inv") for name in where) else None
 
     def load(name: str, how: str | None):
         keys = {"fp8": (name, f"{name}_scale_inv"), "mxfp4": (f"{name}_blocks", f"{name}_scales")}.get(how, (name,))
         with open_safetensors({where[key] for key in keys}) as handles:
             tensors = [handles[where[key]].get_tensor(key) for key in keys]
         if how == "fp8":
-            tensors = [dequantize_fp8_blocks(*tensors, _fp8_block(files))]
+            tensors = [dequantize_fp8_blocks(*tensors, fp8_block)]
         elif how == "mxfp4":
             tensors = [dequantize_mxfp4(*tensors)]
         return tensors[0].to(target)

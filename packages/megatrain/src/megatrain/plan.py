@@ -168,10 +168,10 @@ def _calibrations() -> dict:
     return saved if "shapes" in saved else {"machine": saved, "shapes": {}}
 
 
-def load_rates(key: str | None = None) -> Rates:
+def load_rates(key: str | None = None, saved: dict | None = None) -> Rates:
     """The rates measured for `key` (`calibration_key`) on this machine; else the newest calibration here;
-    else the defaults."""
-    saved = _calibrations()
+    else the defaults. `saved`: the calibration file already read."""
+    saved = saved or _calibrations()
     chosen = saved["shapes"].get(key) or saved["machine"]
     return Rates(**chosen) if chosen else Rates()
 
@@ -201,8 +201,9 @@ def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates
     seq_len, micro_batch = config.data.seq_len, config.train.micro_batch_size
     with torch.cuda.device(device):
         key = calibration_key(model, seq_len, micro_batch)
-        machine = load_rates(key)
-        if key in _calibrations()["shapes"]:
+        saved = _calibrations()
+        machine = load_rates(key, saved)
+        if key in saved["shapes"]:
             return machine
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
         try:

@@ -429,8 +429,9 @@ class MoeBlock(DecoderBlock):
         return probs, top_index, top_weight
 
     def _route_by_scores(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter): sigmoid scores from an fp32 GEMM; the
-        topk_groups groups with the highest sums of their two best biased scores; in them the top-k biased
+        """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter; GLM-4.5's and MiniMax-M2's the same with
+        one group or more): sigmoid scores from an fp32 GEMM; the topk_groups groups with the highest sums of
+        their two best biased scores; in them the top-k biased
         scores; weights the unbiased scores, renormalised, times routed_scaling. The probabilities recorded
         for the load statistics are the scores normalised per token (DeepSeek's balance-loss affinities)."""
         moe = self.moe

@@ -82,7 +82,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    # "softmax" routers, or "sigmoid" (DeepSeek-V3, GLM-4.5): scores chosen from with a fixed correction bias
+    # "softmax" routers, or "sigmoid" (SIGMOID_ROUTED): scores chosen from with a fixed correction bias
     router_scoring: str = "softmax"
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (GLM-4.5: the first half)
 

@@ -99,7 +99,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         pad_token_id=_pad_token(hf),
         **_moe_from_hf(hf, model_type),
         **_gpt_oss_from_hf(hf, model_type),
-        **_deepseek_from_hf(hf, model_type),
+        **_latent_attention_from_hf(hf, model_type),
     )
 
 
@@ -121,22 +121,28 @@ def _check_quantization(quantization: dict | None, model_type: str) -> None:
     )
 
 
-def _deepseek_from_hf(hf: dict, model_type: str) -> dict:
+def _latent_attention_from_hf(hf: dict, model_type: str) -> dict:
     if model_type not in _LATENT_ATTENTION:
         return {}
-    if model_type == "deepseek_v3":  # transformers routes every V3 model the noaux_tc way
-        method, grouped = "noaux_tc", True
-    else:
-        method = hf.get("topk_method", "greedy")
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ZooError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
-        grouped = method == "group_limited_greedy"
     return {
         "kv_lora_rank": hf["kv_lora_rank"],
         "q_lora_rank": hf.get("q_lora_rank") or 0,
         "qk_nope_head_dim": hf["qk_nope_head_dim"],
         "v_head_dim": hf["v_head_dim"],
         "rope_interleave": bool(hf.get("rope_interleave", True)),
+    }
+
+
+def _deepseek_routing_from_hf(hf: dict, model_type: str) -> dict:
+    """DeepSeek's routing fields: V2 softmax, greedy or group-limited; V3 and GLM-4.5 the noaux_tc way
+    (sigmoid scores, correction bias), which transformers uses for every model of theirs."""
+    method = "noaux_tc"
+    if model_type == "deepseek_v2":
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ZooError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    grouped = method != "greedy"
+    return {
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "n_group": hf.get("n_group") or 1 if grouped else 1,
         "topk_group": hf.get("topk_group") or 1 if grouped else 1,
@@ -174,22 +180,15 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
     if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "minimax_m2", *_DEEPSEEK_MOE):
         return {}
     if model_type in _DEEPSEEK_MOE:  # transformers adds no load-balancing loss; DeepSeek-V2 never renormalises
-        fields = {
+        return {
             "n_experts": hf["n_routed_experts"],
             "n_experts_per_tok": hf["num_experts_per_tok"],
             "moe_d_ff": hf["moe_intermediate_size"],
             "shared_expert_d_ff": (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
             "dense_layers": tuple(range(hf.get("first_k_dense_replace", 0))),
             "norm_topk_prob": model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", True)),
+            **_deepseek_routing_from_hf(hf, model_type),
         }
-        if model_type == "glm4_moe":  # DeepSeek-V3's router on grouped-query attention
-            fields.update(
-                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                n_group=hf.get("n_group") or 1,
-                topk_group=hf.get("topk_group") or 1,
-                router_scoring="sigmoid",
-            )
-        return fields
     if model_type == "minimax_m2" and hf.get("output_router_logits"):
         raise ZooError(
             "minimax_m2 with output_router_logits=true: transformers' load-balancing loss for it counts each token's "
