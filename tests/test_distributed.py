@@ -209,6 +209,22 @@ def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tok
         assert b["router_aux_loss"] == pytest.approx(a["router_aux_loss"], rel=1e-6)
 
 
+def test_correction_biases_balanced_by_load_over_ranks_and_split_hosts_equal_one_process(tmp_path, tokens):
+    """DeepSeek-V3's biases move by the sign of their layer's excess load over the global batch: two ranks
+    average their loads as they do gradients; two hosts that split the state, experts in parts, hold
+    shards whose edges may fall between a bias's hi and lo halves. Both equal one process."""
+    model, train = {"preset": "tiny-deepseek-v3"}, {"router_bias_update_rate": 0.01}
+    one = run(tmp_path, "one", [sys.executable], model=model, train=train)
+    biases = [name for name in one[1] if name.endswith("e_score_correction_bias")]
+    assert biases and all(one[1][name].abs().max() > 0.005 for name in biases)  # from zero, steps of 0.01
+    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), model=model, train=train))
+    engine = {"shard_across_hosts": True, "experts_per_stage": 3}
+    split = run(tmp_path, "split", two_hosts(2), model=model, train=train, engine=engine)
+    assert_same_training(one, split)
+    for name in biases:
+        assert split[1][name].sub(one[1][name]).abs().max() < 1e-6, name
+
+
 @pytest.mark.gpu
 @pytest.mark.two_gpus
 def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):

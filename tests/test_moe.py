@@ -64,7 +64,15 @@ def hf_model(name, aux: bool, seed: int, **overrides):
 
 
 def make_trainer(
-    hf_dir, tmp_path, grad_clip, steps, batch_size=6, micro_batch_size=2, device="cpu", engine=EngineSection()
+    hf_dir,
+    tmp_path,
+    grad_clip,
+    steps,
+    batch_size=6,
+    micro_batch_size=2,
+    device="cpu",
+    engine=EngineSection(),
+    router_bias_update_rate=0.0,
 ):
     train = TrainSection(
         steps=steps,
@@ -75,6 +83,7 @@ def make_trainer(
         grad_clip=grad_clip,
         warmup_steps=1,
         schedule="cosine",
+        router_bias_update_rate=router_bias_update_rate,
     )
     config = Config(
         model=ModelSection(hf_dir=str(hf_dir)),
@@ -167,6 +176,28 @@ def test_minimax_m2_load_balancing_loss_is_refused(tmp_path):
         make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
 
 
+SIGMOID_PRESETS = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2"]
+
+
+@pytest.mark.parametrize("experts_per_stage", ["auto", 3])
+@pytest.mark.parametrize("name", SIGMOID_PRESETS)
+def test_correction_biases_balanced_by_load_match_the_reference_rule(name, experts_per_stage, tmp_path):
+    """`train.router_bias_update_rate`: each layer's correction bias moves by the rate against the sign of its
+    experts' excess load over the step's micro-batches, exactly as DeepSeek-V3's rule applied to transformers'
+    model (its loads read from the indices its experts are given), whole layers and experts in parts, clipped
+    (the loads are no gradients: the norm leaves them out) and eager; the other weights as before."""
+    engine = EngineSection(experts_per_stage=experts_per_stage)
+    check_steps_match_transformers(name, name not in AUX_LOSS_REFUSED, tmp_path, "cpu", engine, bias_rate=0.01)
+
+
+def test_a_bias_update_rate_needs_a_router_with_a_correction_bias(tmp_path):
+    from megatrain.config import ConfigError
+
+    hf_model("tiny-qwen3-moe", False, 5).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="router_aux_loss_coef"):
+        make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, router_bias_update_rate=1e-3)
+
+
 def test_deepseek_v3_rotary_embedding_on_halves_matches_transformers(tmp_path):
     """`rope_interleave: false`: latent attention's rotary part on Llama's halves instead of pairs."""
     check_steps_match_transformers("tiny-deepseek-v3", False, tmp_path, "cpu", rope_interleave=False)
@@ -179,14 +210,50 @@ def test_dense_layers_after_the_last_moe_layer_keep_their_graph_the_moe_ones_rec
     check_steps_match_transformers("tiny-qwen2-moe", True, tmp_path, "cpu", engine, mlp_only_layers=[2])
 
 
-def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSection(), **overrides):
+class LoadBalancedBiases:
+    """DeepSeek-V3's aux-loss-free balancing on a transformers model, as Megatron's
+    `get_updated_expert_bias` does it: each layer's expert loads of the step (the indices its experts
+    module is given), then bias += rate * sign(mean load - load), in the bias's fp32."""
+
+    def __init__(self, model, rate: float):
+        self.rate, self.layers = rate, []
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is None and hasattr(module, "gate"):
+                bias = getattr(module.gate, "e_score_correction_bias", None)
+            if bias is not None and hasattr(module, "experts"):
+                loads = torch.zeros(bias.numel())
+                module.experts.register_forward_pre_hook(self._count(loads), with_kwargs=True)
+                self.layers.append((bias, loads))
+
+    @staticmethod
+    def _count(loads):
+        def hook(module, args, kwargs):
+            top_index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "index" in k)
+            loads.add_(torch.bincount(top_index.reshape(-1), minlength=loads.numel()).float())
+
+        return hook
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for bias, loads in self.layers:
+                bias.add_(torch.sign(loads.sum() / loads.numel() - loads) * self.rate)
+                loads.zero_()
+
+
+def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSection(), bias_rate=0.0, **overrides):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(name, aux, seed, **{**clamp_that_bites(name), **overrides})
     reference.save_pretrained(tmp_path / "hf")
     grad_clip = 0.5 if aux else 0.0  # both update policies: clipped (held gradients) and eager
-    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine)
+    trainer, train = make_trainer(
+        tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine, router_bias_update_rate=bias_rate
+    )
     assert bool(trainer.spec.expert_parts) == (engine.experts_per_stage != "auto")
     optimizer = hf_adamw(reference, train)
+    balancing = LoadBalancedBiases(reference, bias_rate)
+    assert bool(balancing.layers) == (trainer.model_config.router_scoring == "sigmoid")
+    initial_biases = [bias.clone() for bias, _ in balancing.layers]
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
@@ -199,6 +266,7 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
         optimizer.step()
+        balancing.step()
         assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
         if aux and name in NO_AUX_LOSS:
@@ -223,8 +291,10 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
         assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
     our_buffers = dict(reloaded.named_buffers())
     for buffer_name, buffer in reference.named_buffers():
-        if buffer_name.endswith("e_score_correction_bias"):  # not trained, written back bit for bit
+        if buffer_name.endswith("e_score_correction_bias"):  # moved by load only (or not), bit for bit
             assert torch.equal(our_buffers[buffer_name], buffer), buffer_name
+    moved = [not torch.equal(bias, initial) for (bias, _), initial in zip(balancing.layers, initial_biases)]
+    assert all(moved) if bias_rate else not any(moved)
     with torch.no_grad():
         assert rel_err(our_logits.cpu(), reloaded(ids).logits) < 1e-5
 

@@ -14,7 +14,7 @@ from megatrain_optim import (
     clip_coefficient,
     lr_at,
 )
-from megatrain_store import GroupLayout, HostStore
+from megatrain_store import LOAD_BIAS, GroupLayout, HostStore
 
 SPECS = [
     [("l0.w", (6, 5), True), ("l0.norm", (5,), False), ("l0.v", (4, 5), True)],
@@ -279,3 +279,116 @@ def test_hosts_that_split_the_state_update_as_one_store(tmp_path):
             < 1e-6
         )
         assert torch.equal(store.wire(0)[start:end], store.master(0)[start - offset : end - offset].to(torch.bfloat16))
+
+
+LOAD_SPECS = [
+    ("w", (8, 5), True),
+    ("gate.bias{hi}", (6,), False, LOAD_BIAS),
+    ("gate.bias{lo}", (6,), False, LOAD_BIAS),
+    ("norm", (5,), False),
+]
+
+
+def load_bias_store(bias: torch.Tensor, **kwargs) -> HostStore:
+    store = HostStore([GroupLayout.from_specs(LOAD_SPECS)], state_names=("exp_avg", "exp_avg_sq"), **kwargs)
+    hi = bias.to(torch.bfloat16).float()
+    if store.owns_all:
+        store.master_views(0)["gate.bias{hi}"].copy_(hi)
+        store.master_views(0)["gate.bias{lo}"].copy_(bias - hi)
+    return store
+
+
+def excess_loads(generator) -> torch.Tensor:
+    """n_experts * picks - top_k * tokens of 6 experts, top-2 of 30 tokens: integers, some exactly 0."""
+    picks = torch.multinomial(torch.ones(6), 60, replacement=True, generator=generator).bincount(minlength=6)
+    picks[:2] = 10
+    return (6 * picks - 2 * 30).float()
+
+
+@pytest.mark.parametrize("rate", [0.0, 1e-3])
+def test_load_balanced_bias_moves_against_its_excess_load(rate):
+    """The pair's gradient slots hold each expert's excess load: the bias moves by rate * sign(mean - load)
+    exactly as DeepSeek-V3's rule in fp32 (hi + lo, hi re-split exact in bfloat16), or not at all at rate 0,
+    its moments stay zero, and neither the statistic nor the bias disturbs AdamW on the rest."""
+    generator = torch.Generator().manual_seed(3)
+    bias = 7 + 0.3 * torch.randn(6, generator=generator)
+    store = load_bias_store(bias)
+    w, norm = torch.randn(8, 5, requires_grad=True), torch.randn(5, requires_grad=True)
+    store.master_views(0)["w"].copy_(w.detach())
+    store.master_views(0)["norm"].copy_(norm.detach())
+    groups = [{"params": [w], "weight_decay": 0.1}, {"params": [norm], "weight_decay": 0.0}]
+    reference = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+    optimizer = HostAdamW(store, AdamWConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1), load_bias_rate=rate)
+    for _ in range(3):
+        w.grad, norm.grad = torch.randn(8, 5, generator=generator), torch.randn(5, generator=generator)
+        excess = excess_loads(generator)
+        grads = store.layouts[0].views(store.grad(0))
+        grads["w"].copy_(w.grad)
+        grads["norm"].copy_(norm.grad)
+        grads["gate.bias{hi}"].copy_(excess)
+        grads["gate.bias{lo}"].copy_(excess)
+        w.grad.mul_(0.5), norm.grad.mul_(0.5)  # the clip coefficient, which scales the statistic too
+        reference.step()
+        mean_load_minus_load = -excess / 6
+        bias = bias + torch.sign(mean_load_minus_load) * rate
+        optimizer.begin_step()
+        optimizer.update_group(0, lr=1e-3, clip_coef=0.5)
+    views = store.master_views(0)
+    hi, lo = views["gate.bias{hi}"], views["gate.bias{lo}"]
+    assert torch.equal(hi, hi.to(torch.bfloat16).float())
+    assert torch.equal(hi + lo, bias)
+    assert torch.equal(store.state("exp_avg_sq", 0)[40:52], torch.zeros(12))
+    assert rel_err(views["w"], w.detach()) < 1e-6
+    assert rel_err(views["norm"], norm.detach()) < 1e-6
+
+
+@pytest.mark.parametrize("count", [2, 3, 5, 7])
+def test_shards_move_a_load_balanced_bias_as_one_store(count, tmp_path):
+    """Shards whose edges fall between an expert's hi and lo agree without talking: the shard holding both
+    re-splits, one holding only the lo moves it, one holding only the hi leaves it. The sum is the
+    unsharded update to fp32 rounding ((hi + lo) + step against hi + (lo + step))."""
+    from megatrain_store import SharedArenas
+
+    bias = 7 + 0.3 * torch.randn(6)
+    whole = load_bias_store(bias)
+    shared = SharedArenas(tmp_path / "shm")
+    shards = [load_bias_store(bias, shared=shared, shard=(i, count)) for i in range(count)]
+    shards[0].master(0).copy_(whole.master(0))
+    excess = excess_loads(torch.Generator().manual_seed(count))
+    optimizers = [HostAdamW(store, AdamWConfig(lr=1e-3), load_bias_rate=0.01) for store in [whole, *shards]]
+    for step in range(2):
+        grad = torch.zeros(whole.layouts[0].numel)
+        grad[40:46] = grad[46:52] = excess * (step + 1)
+        whole.grad(0).copy_(grad)
+        for store in shards:
+            start, end = store.shard_range(0)
+            store.grad(0).copy_(grad[start:end])
+        for optimizer in optimizers:
+            optimizer.begin_step()
+            optimizer.update_group(0, lr=1e-3)
+    sharded, unsharded = shards[0].master_views(0), whole.master_views(0)
+    total = sharded["gate.bias{hi}"] + sharded["gate.bias{lo}"]
+    assert torch.allclose(total, unsharded["gate.bias{hi}"] + unsharded["gate.bias{lo}"], rtol=2e-7, atol=0)
+    assert not torch.equal(total, bias)
+
+
+def test_device_updates_move_load_balanced_biases_unless_the_gradient_is_not_finite():
+    bias = 7 + 0.3 * torch.randn(6)
+    stores = [load_bias_store(bias) for _ in "ab"]
+    host, on_host = (HostAdamW(store, AdamWConfig(lr=1e-3), load_bias_rate=0.01) for store in stores)
+    device = DeviceAdamW(on_host, [0], torch.device("cpu"))
+    device.to_device()
+    for poisoned in (False, True, False):
+        grad = torch.randn(stores[0].layouts[0].numel)
+        grad[40:46] = grad[46:52] = excess_loads(torch.Generator().manual_seed(int(poisoned)))
+        if poisoned:
+            grad[0] = float("nan")
+        for optimizer in (host, on_host):
+            optimizer.begin_step()
+        if not poisoned:
+            stores[0].grad(0).copy_(grad)
+            host.update_group(0, 1e-3)
+        device.update(0, grad.clone(), 1e-3, sq_norm=grad.pow(2).sum())
+    device.to_host()
+    assert torch.equal(stores[1].master(0), stores[0].master(0))
+    assert not torch.equal(stores[1].master(0)[40:52], load_bias_store(bias).master(0)[40:52])

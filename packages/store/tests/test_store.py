@@ -3,7 +3,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain_store import GroupLayout, HostStore, StoreError, bytes_per_param, load_tensors_into, write_safetensors
+from megatrain_store import (
+    LOAD_BIAS,
+    GroupLayout,
+    HostStore,
+    StoreError,
+    bytes_per_param,
+    load_tensors_into,
+    write_safetensors,
+)
 
 
 def make_layouts():
@@ -13,14 +21,38 @@ def make_layouts():
     ]
 
 
-def test_layout_round_trip_and_decay_runs():
+def test_layout_round_trip_and_update_runs():
     layout = make_layouts()[0]
     assert layout.numel == 15 + 5 + 10
     flat = torch.arange(layout.numel, dtype=torch.float32)
     views = layout.views(flat)
     assert torch.equal(torch.cat([v.reshape(-1) for v in views.values()]), flat)
     assert views["a.norm"].data_ptr() == flat[15:].data_ptr()  # views, not copies
-    assert layout.decay_runs() == [(0, 15, True), (15, 5, False), (20, 10, True)]
+    assert layout.update_runs() == [(0, 15, "decay"), (15, 5, "no_decay"), (20, 10, "decay")]
+    assert layout.gradient_runs() == [(0, 30)]
+
+
+def test_load_balanced_biases_are_runs_of_their_own_pair_by_pair():
+    layout = GroupLayout.from_specs(
+        [
+            ("w", (2, 3), True),
+            ("b1{hi}", (4,), False, LOAD_BIAS),
+            ("b1{lo}", (4,), False, LOAD_BIAS),
+            ("b2{hi}", (4,), False, LOAD_BIAS),
+            ("b2{lo}", (4,), False, LOAD_BIAS),
+            ("norm", (3,), False),
+        ]
+    )
+    assert layout.update_runs() == [(0, 6, "decay"), (6, 8, LOAD_BIAS), (14, 8, LOAD_BIAS), (22, 3, "no_decay")]
+    assert layout.gradient_runs() == [(0, 6), (22, 3)]
+    with pytest.raises(ValueError, match="no lo half"):
+        GroupLayout.from_specs([("b{hi}", (4,), False, LOAD_BIAS), ("n", (4,), False)])
+    with pytest.raises(ValueError, match="followed by its lo half"):
+        GroupLayout.from_specs(
+            [("b{hi}", (4,), False, LOAD_BIAS), ("n", (4,), False), ("b{lo}", (4,), False, LOAD_BIAS)]
+        )
+    with pytest.raises(ValueError, match="update must be"):
+        GroupLayout.from_specs([("x", (1,), True, "sgd")])
 
 
 def test_duplicate_names_refused():

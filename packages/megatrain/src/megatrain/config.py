@@ -97,6 +97,10 @@ class TrainSection:
     min_lr_ratio: float = 0.1
     seed: int = 0
     max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
+    # MoE routers with a correction bias (sigmoid scoring: DeepSeek-V3, GLM-4.5, MiniMax-M2): moved by this
+    # much per step against each expert's excess load of the step in its layer (DeepSeek-V3's aux-loss-free
+    # balancing, 0.001 in its pre-training; Megatron's moe_router_bias_update_rate); 0 keeps the bias as loaded
+    router_bias_update_rate: float = 0.0
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
     eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
@@ -117,6 +121,8 @@ class TrainSection:
             raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if not self.router_bias_update_rate >= 0:
+            raise ConfigError(f"train.router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
 
 
 @dataclass(frozen=True)

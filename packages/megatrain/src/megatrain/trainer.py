@@ -40,7 +40,7 @@ from megatrain_optim import (
 from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import Documents
-from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
+from megatrain_zoo import SIGMOID_ROUTED, ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
@@ -95,6 +95,12 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
+        if config.train.router_bias_update_rate and self.model_config.router_scoring != "sigmoid":
+            raise ConfigError(
+                f"train.router_bias_update_rate moves a router's correction bias, which only sigmoid-scored "
+                f"routers have ({', '.join(SIGMOID_ROUTED)}); this {self.model_config.arch} model has none: set it "
+                f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
+            )
         gpus, hosts = launch_shape()
         # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
         rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
@@ -105,7 +111,8 @@ class Trainer:
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
         layouts = [
-            GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in g.params) for g in self.spec.groups
+            GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params)
+            for g in self.spec.groups
         ]
         self.eager_updates = config.train.grad_clip == 0
         pool = (plan.gradient_pool if self.eager_updates else None) if training else 1  # evaluation lands none
@@ -136,7 +143,7 @@ class Trainer:
                 self.store.shared.unlink()
         train = config.train
         adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
-        self.optimizer = HostAdamW(self.store, adamw) if training else None
+        self.optimizer = HostAdamW(self.store, adamw, train.router_bias_update_rate) if training else None
         # the first blocks' (and the embedding's, tied or not) masters and moments on the GPU, updated there
         on_device = gpu_updated_groups(self.spec, plan.gpu_updated_layers)
         self.device_optimizer = DeviceAdamW(self.optimizer, on_device, self.device) if training and on_device else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatrain_store import HostStore
+from megatrain_store import LOAD_BIAS, HostStore
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 # Elements per gathered chunk of rows in `update_rows` (16 MiB per fp32 buffer, three buffers)
@@ -120,16 +120,22 @@ def adamw_update_(
 
 
 class HostAdamW:
-    """AdamW state (two fp32 moments in the store, a step count) and per-group updates."""
+    """AdamW state (two fp32 moments in the store, a step count) and per-group updates.
 
-    def __init__(self, store: HostStore, config: AdamWConfig):
+    The store's load-balanced router biases (`LOAD_BIAS`) move by `load_bias_rate` per step against
+    the sign of their experts' excess load (DeepSeek-V3's aux-loss-free balancing: b += rate * sign(mean
+    load - load)); 0 leaves them as they are."""
+
+    def __init__(self, store: HostStore, config: AdamWConfig, load_bias_rate: float = 0.0):
         missing = [name for name in STATE_NAMES if name not in store.state_names]
         if missing:
             raise OptimError(f"the store has no buffers for {missing}; create it with state_names={STATE_NAMES}")
-        self.store, self.config = store, config
+        if not load_bias_rate >= 0:
+            raise OptimError(f"load_bias_rate must be >= 0, got {load_bias_rate}")
+        self.store, self.config, self.load_bias_rate = store, config, load_bias_rate
         self.step_count = 0
         self._step_tensor = torch.zeros(())
-        self._runs = [layout.decay_runs() for layout in store.layouts]
+        self._runs = [layout.update_runs() for layout in store.layouts]
         self._row_temps: list[Tensor] | None = None  # update_rows' gathered gradient and moments
 
     @property
@@ -180,15 +186,18 @@ class HostAdamW:
     ) -> None:
         """AdamW on [start, end) of `group` in `buffers` (master, gradient, exp_avg, exp_avg_sq, flat, of
         one device, as `step` is; the gradient holds [start, end), the others [offset, ...)), weight decay
-        run by run."""
+        run by run; load-balanced biases by their rule."""
         cfg, (start, end) = self.config, span
         master, grad, exp_avg, exp_avg_sq = buffers
         step = self._step_tensor if step is None else step
+        if self.load_bias_rate:
+            self._move_load_biases(group, master, grad, span, offset, found_inf)
         for decay in (True, False):
+            rule = "decay" if decay else "no_decay"
             runs = [
                 (max(o, start), min(o + n, end))
-                for o, n, d in self._runs[group]
-                if d == decay and o < end and o + n > start
+                for o, n, r in self._runs[group]
+                if r == rule and o < end and o + n > start
             ]
             if not runs:
                 continue
@@ -206,6 +215,37 @@ class HostAdamW:
                 grad_scale=grad_scale,
                 found_inf=found_inf,
             )
+
+    def _move_load_biases(
+        self, group: int, master: Tensor, grad: Tensor, span: tuple[int, int], offset: int, found_inf: Tensor | None
+    ) -> None:
+        """Each load-balanced bias of [start, end) one `load_bias_rate` against the sign of its excess load
+        (both halves' gradient slots hold it), kept a split-precision pair: an expert whose hi and lo are
+        both here is re-split (hi exact in bfloat16, lo the rest); one whose hi lies in the shard before
+        moves its lo alone, and that shard leaves the hi as it is, so the shards agree without talking."""
+        start, end = span
+        for o, n, rule in self._runs[group]:
+            if rule != LOAD_BIAS or o >= end or o + n <= start:
+                continue
+            half = n // 2
+            # experts whose hi, and whose lo, fall in [start, end)
+            hi_first, hi_stop = max(o, start) - o, min(o + half, end) - o
+            lo_first, lo_stop = max(o + half, start) - o - half, min(o + n, end) - o - half
+            first, stop = max(hi_first, lo_first), min(hi_stop, lo_stop)
+            if first < stop:
+                hi = master[o + first - offset : o + stop - offset]
+                lo = master[o + half + first - offset : o + half + stop - offset]
+                total = hi + lo + self._load_step(grad[o + first - start : o + stop - start], found_inf)
+                hi.copy_(total.to(torch.bfloat16))
+                lo.copy_(total - hi)
+            lo_alone = min(lo_stop, hi_first)
+            if lo_first < lo_alone:
+                lo = master[o + half + lo_first - offset : o + half + lo_alone - offset]
+                lo.add_(self._load_step(grad[o + half + lo_first - start : o + half + lo_alone - start], found_inf))
+
+    def _load_step(self, excess_load: Tensor, found_inf: Tensor | None) -> Tensor:
+        step = excess_load.sign().mul_(-self.load_bias_rate)
+        return step if found_inf is None else step.mul_(1 - found_inf)
 
     def update_rows(
         self,
@@ -254,7 +294,7 @@ class HostAdamW:
                 beta1=cfg.betas[0],
                 beta2=cfg.betas[1],
                 eps=cfg.eps,
-                weight_decay=cfg.weight_decay if runs[0][2] else 0.0,
+                weight_decay=cfg.weight_decay if runs[0][2] == "decay" else 0.0,
                 grad_scale=grad_scale,
             )
         return out

@@ -303,6 +303,11 @@ class LayerPipeline:
         self.timeline = timeline or Timeline(enabled=False)
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
         self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
+        # what of each group's gradient buffer is gradient, where not all of it (load-balanced biases' statistics)
+        self._gradient_runs = [
+            runs if runs != [(0, layout.numel)] else None
+            for layout, runs in ((layout, layout.gradient_runs()) for layout in store.layouts)
+        ]
         stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
         slot_numel = max(stage_numels)
         self.slots = [
@@ -460,6 +465,18 @@ class LayerPipeline:
         start, end = self.store.shard_range(group)
         return buffer[start:end]
 
+    def _gradient_sq_norm(self, group: int, grad: Tensor, start: int) -> Tensor:
+        """The squared norm of a group's gradient buffer holding its flat range from `start` on, less the
+        load-balanced biases' slots: they hold load statistics, not gradients (megatrain_store.LOAD_BIAS)."""
+        runs = self._gradient_runs[group]
+        if runs is None:
+            return torch.linalg.vector_norm(grad).square()
+        end = start + grad.numel()
+        pieces = [grad[max(o, start) - start : min(o + n, end) - start] for o, n in runs if o < end and o + n > start]
+        if not pieces:
+            return grad.new_zeros(())
+        return torch.stack([torch.linalg.vector_norm(piece).square() for piece in pieces]).sum()
+
     def _send_grads(
         self,
         stage: int,
@@ -478,7 +495,7 @@ class LayerPipeline:
             if drop:
                 continue
             if group in self.device_masters:
-                sq_norms[group] = torch.linalg.vector_norm(buffer).square()
+                sq_norms[group] = self._gradient_sq_norm(group, buffer, 0)
                 self.on_device_grads(group, buffer[: self.store.layouts[group].numel], sq_norms[group])
                 log.append(("grad_on_device", group, None))
                 continue
@@ -493,7 +510,7 @@ class LayerPipeline:
                 self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
                 shard = self.reduce_grad(group, buffer)
-                sq_norms[group] = torch.linalg.vector_norm(shard).square()
+                sq_norms[group] = self._gradient_sq_norm(group, shard, self.store.shard_range(group)[0])
                 destination.copy_(shard, non_blocking=True)
                 self._host_sq_norms[group].copy_(sq_norms[group], non_blocking=True)
                 landed = streams.record(streams.copy_out)

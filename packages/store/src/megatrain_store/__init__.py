@@ -12,12 +12,14 @@ from .io import (
     read_safetensors_header,
     write_safetensors,
 )
-from .layout import Entry, GroupLayout
+from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
 from .pinning import pin_in_place, unpin
 from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
 
 __all__ = [
+    "ADAMW",
+    "LOAD_BIAS",
     "Entry",
     "GroupLayout",
     "HostStore",

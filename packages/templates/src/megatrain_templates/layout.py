@@ -12,14 +12,19 @@ from math import prod
 import torch
 from torch import Tensor
 
+# A ParamSpec's `update`: AdamW from its gradient, or (a split-precision router correction bias) moved by
+# its experts' load, whose statistic the backward writes into its gradient slots (megatrain_store.LOAD_BIAS)
+ADAMW, LOAD_BIAS = "adamw", "load_bias"
+
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of a layer: its name, shape and whether weight decay applies."""
+    """One parameter of a layer: its name, shape, whether weight decay applies and how it is updated."""
 
     name: str
     shape: tuple[int, ...]
     weight_decay: bool = True
+    update: str = ADAMW
 
     @property
     def numel(self) -> int:

@@ -24,6 +24,7 @@ from torch import Tensor
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
 from .layout import (
+    LOAD_BIAS,
     ParamSpec,
     Span,
     accumulate,
@@ -145,12 +146,15 @@ def _score_bias_names(moe: MoeShape) -> tuple[str, str]:
 
 def _router_bias(moe: MoeShape) -> tuple[ParamSpec, ...]:
     """gpt-oss' router bias; or the correction bias of sigmoid scoring, kept to ~16 bits in a bf16 slot
-    (as hi + lo: it decides the routing by differences far below bf16's step at its values) and never
-    given a gradient, so that AdamW leaves it exactly as it is."""
+    (as hi + lo: it decides the routing by differences far below bf16's step at its values). It has no
+    gradient: its slots get the experts' excess load, by which the optimizer moves it (`LOAD_BIAS`;
+    not at all at rate 0, transformers' way)."""
     if moe.gpt_oss:
         return (ParamSpec("mlp.router.bias", (moe.n_experts,), weight_decay=False),)
     if moe.scoring == "sigmoid":
-        return tuple(ParamSpec(name, (moe.n_experts,), weight_decay=False) for name in _score_bias_names(moe))
+        return tuple(
+            ParamSpec(name, (moe.n_experts,), weight_decay=False, update=LOAD_BIAS) for name in _score_bias_names(moe)
+        )
     return ()
 
 
@@ -583,7 +587,7 @@ class MoeBlock(DecoderBlock):
         leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            out, probs, _ = self._block_and_router(leaves, x, documents)
+            out, probs, top_index = self._block_and_router(leaves, x, documents)
         aux, aux_grads = self._aux_outputs(probs, documents)
         grad_in, *grad_leaves = torch.autograd.grad(
             [out, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
@@ -591,7 +595,26 @@ class MoeBlock(DecoderBlock):
         for name, grad in zip(leaves, grad_leaves):
             if grad is not None:
                 accumulate(grads[0], self._spans[name], grad)
+        self._add_excess_load(grads[0], self._spans, top_index, documents)
         return grad_in
+
+    def _add_excess_load(self, grads: Tensor, spans: dict[str, Span], top_index: Tensor, documents) -> None:
+        """Sigmoid scoring: each expert's excess load of this micro-batch, n_experts * picks - top_k * tokens
+        (padding left out), added into both halves of the correction bias's gradient slots (`LOAD_BIAS`)."""
+        moe = self.moe
+        if moe.scoring != "sigmoid":
+            return
+        valid = _valid_tokens(documents)
+        weight = (
+            torch.ones(top_index.shape[0], dtype=grads.dtype, device=grads.device)
+            if valid is None
+            else valid.to(grads.dtype)
+        )
+        picks = torch.zeros(moe.n_experts, dtype=grads.dtype, device=grads.device)
+        picks.scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(moe.top_k))
+        excess = picks * moe.n_experts - moe.top_k * weight.sum()
+        for half in ("score_bias_hi", "score_bias_lo"):
+            accumulate(grads, spans[half], excess)
 
 
 class _MoePart(MoeBlock):
@@ -655,14 +678,18 @@ class MoeAttention(_MoePart):
         check_buffers(weights, self.groups, "MoeAttention.backward")
         leaves = self._bind(weights, leaves=True)
         x = hidden.detach().requires_grad_(True)
-        with torch.enable_grad():  # routing again only for the load-balancing loss's gradient
-            (a, shared), probs, _ = self._pair(leaves, x, documents, route=self.router_load.probs_grad() is not None)
+        # routing again only for the load-balancing loss's gradient or the correction bias's load
+        route = self.router_load.probs_grad() is not None or self.moe.scoring == "sigmoid"
+        with torch.enable_grad():
+            (a, shared), probs, top_index = self._pair(leaves, x, documents, route=route)
         outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))
         aux, aux_grads = self._aux_outputs(probs, documents)
         grad_in, *grad_leaves = torch.autograd.grad(
             outputs + aux, [x, *leaves.values()], grad_outputs + aux_grads, allow_unused=True
         )
         self._accumulate(grads, leaves, grad_leaves)
+        if route:
+            self._add_excess_load(grads[1], self._group_spans[1], top_index, documents)
         return grad_in
 
 

@@ -1,6 +1,6 @@
 """Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
 
-from .config import ARCHITECTURES, ModelConfig, ZooError, flops_per_token
+from .config import ARCHITECTURES, SIGMOID_ROUTED, ModelConfig, ZooError, flops_per_token
 from .hf import config_from_hf, config_to_hf, read_hf_config
 from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
@@ -8,6 +8,7 @@ from .presets import PRESETS, preset
 __all__ = [
     "ARCHITECTURES",
     "PRESETS",
+    "SIGMOID_ROUTED",
     "Group",
     "ModelConfig",
     "ModelSpec",

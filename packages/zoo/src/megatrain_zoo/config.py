@@ -82,7 +82,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    # "softmax" routers, or "sigmoid" (SIGMOID_ROUTED): scores chosen from with a fixed correction bias
+    # "softmax" routers, or "sigmoid" (SIGMOID_ROUTED): scores chosen from with a correction bias, moved
+    # only by load (train.router_bias_update_rate)
     router_scoring: str = "softmax"
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (GLM-4.5: the first half)
 
@@ -190,7 +191,7 @@ class ModelConfig:
         shared = 3 * d * self.shared_expert_d_ff + shared_gate if self.shared_expert_d_ff else 0
         expert = 3 * d * self.moe_d_ff
         biases = self.n_experts * (1 + 2 * self.moe_d_ff + d) if self.arch == "gpt_oss" else 0  # not multiplied with
-        if self.router_scoring == "sigmoid":  # the correction bias, stored as hi + lo (not trained)
+        if self.router_scoring == "sigmoid":  # the correction bias, stored as hi + lo (no gradient)
             biases = 2 * self.n_experts
         return router + shared + self.n_experts * expert + biases, router + shared + self.n_experts_per_tok * expert
 

@@ -1,7 +1,7 @@
 """A model as groups (transfer units of parameters, Hugging Face names) and stages (templates)."""
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -144,7 +144,7 @@ EXPERT_NAMING_OF = {
 
 
 def _renamed(params: tuple[ParamSpec, ...], prefix: str) -> tuple[ParamSpec, ...]:
-    return tuple(ParamSpec(prefix + p.name, p.shape, p.weight_decay) for p in params)
+    return tuple(replace(p, name=prefix + p.name) for p in params)
 
 
 def moe_shape(config: ModelConfig) -> MoeShape:
@@ -222,10 +222,7 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     groups.append(
         Group(
             "head",
-            tuple(
-                ParamSpec("model." + p.name if p.name == "norm.weight" else p.name, p.shape, p.weight_decay)
-                for p in head.groups[-1]
-            ),
+            tuple(replace(p, name="model." + p.name) if p.name == "norm.weight" else p for p in head.groups[-1]),
         )
     )
     stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))
