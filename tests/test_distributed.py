@@ -90,6 +90,7 @@ def assert_same_training(one, many):
     for a, b in zip(rows_1, rows_n):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b.get("router_max_violation") == pytest.approx(a.get("router_max_violation"))  # global loads
     assert rows_1[0]["grad_norm"] > CONFIG["train"]["grad_clip"]  # clipping really acts (when on)
     assert_same_weights(weights_1, weights_n)
 

@@ -210,34 +210,41 @@ def test_dense_layers_after_the_last_moe_layer_keep_their_graph_the_moe_ones_rec
     check_steps_match_transformers("tiny-qwen2-moe", True, tmp_path, "cpu", engine, mlp_only_layers=[2])
 
 
-class LoadBalancedBiases:
-    """DeepSeek-V3's aux-loss-free balancing on a transformers model, as Megatron's
-    `get_updated_expert_bias` does it: each layer's expert loads of the step (the indices its experts
-    module is given), then bias += rate * sign(mean load - load), in the bias's fp32."""
+class ReferenceLoads:
+    """Each MoE layer's expert loads of a step in a transformers model (the indices its experts module is
+    given), and DeepSeek-V3's aux-loss-free balancing on it as Megatron's `get_updated_expert_bias` does
+    it: bias += rate * sign(mean load - load) after the step, in the bias's fp32."""
 
-    def __init__(self, model, rate: float):
-        self.rate, self.layers = rate, []
+    def __init__(self, model, n_experts: int, rate: float):
+        self.rate, self.loads, self.biases = rate, [], []
         for module in model.modules():
+            if not isinstance(getattr(module, "experts", None), torch.nn.Module):
+                continue
+            loads = torch.zeros(n_experts)
+            module.experts.register_forward_pre_hook(self._count(loads), with_kwargs=True)
+            self.loads.append(loads)
             bias = getattr(module, "e_score_correction_bias", None)
             if bias is None and hasattr(module, "gate"):
                 bias = getattr(module.gate, "e_score_correction_bias", None)
-            if bias is not None and hasattr(module, "experts"):
-                loads = torch.zeros(bias.numel())
-                module.experts.register_forward_pre_hook(self._count(loads), with_kwargs=True)
-                self.layers.append((bias, loads))
+            self.biases.append(bias)
 
     @staticmethod
     def _count(loads):
         def hook(module, args, kwargs):
-            top_index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "index" in k)
+            top_index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
             loads.add_(torch.bincount(top_index.reshape(-1), minlength=loads.numel()).float())
 
         return hook
 
+    def max_violation(self) -> float:
+        loads = torch.stack(self.loads)
+        return (loads.amax(1) / loads.mean(1) - 1).max().item()
+
     def step(self) -> None:
         with torch.no_grad():
-            for bias, loads in self.layers:
-                bias.add_(torch.sign(loads.sum() / loads.numel() - loads) * self.rate)
+            for loads, bias in zip(self.loads, self.biases):
+                if bias is not None:
+                    bias.add_(torch.sign(loads.sum() / loads.numel() - loads) * self.rate)
                 loads.zero_()
 
 
@@ -251,9 +258,11 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
     )
     assert bool(trainer.spec.expert_parts) == (engine.experts_per_stage != "auto")
     optimizer = hf_adamw(reference, train)
-    balancing = LoadBalancedBiases(reference, bias_rate)
-    assert bool(balancing.layers) == (trainer.model_config.router_scoring == "sigmoid")
-    initial_biases = [bias.clone() for bias, _ in balancing.layers]
+    loads = ReferenceLoads(reference, trainer.model_config.n_experts, bias_rate)
+    biases = [bias for bias in loads.biases if bias is not None]
+    assert len(loads.loads) == sum(map(trainer.model_config.layer_is_moe, range(trainer.model_config.n_layers)))
+    assert bool(biases) == (trainer.model_config.router_scoring == "sigmoid")
+    initial_biases = [bias.clone() for bias in biases]
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
@@ -266,7 +275,8 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
         optimizer.step()
-        balancing.step()
+        assert metrics.router_max_violation == pytest.approx(loads.max_violation())
+        loads.step()
         assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
         if aux and name in NO_AUX_LOSS:
@@ -293,7 +303,7 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
     for buffer_name, buffer in reference.named_buffers():
         if buffer_name.endswith("e_score_correction_bias"):  # moved by load only (or not), bit for bit
             assert torch.equal(our_buffers[buffer_name], buffer), buffer_name
-    moved = [not torch.equal(bias, initial) for (bias, _), initial in zip(balancing.layers, initial_biases)]
+    moved = [not torch.equal(bias, initial) for bias, initial in zip(biases, initial_biases)]
     assert all(moved) if bias_rate else not any(moved)
     with torch.no_grad():
         assert rel_err(our_logits.cpu(), reloaded(ids).logits) < 1e-5

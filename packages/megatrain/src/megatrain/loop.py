@@ -199,8 +199,17 @@ def train(config: Config, resume: Path | None = None) -> Path:
             if main:
                 write_jsonl(metrics_path, metrics.as_dict())
             if writer is not None:
-                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
-                    writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
+                for key in (
+                    "loss",
+                    "lr",
+                    "grad_norm",
+                    "tokens_per_s",
+                    "tflops",
+                    "router_aux_loss",
+                    "router_max_violation",
+                ):
+                    if getattr(metrics, key) is not None:
+                        writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
             postfix = {
                 "loss": f"{metrics.loss:.4f}",
                 "tok_s": f"{metrics.tokens_per_s:,.0f}",
@@ -208,6 +217,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
             }
             if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
                 postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
+                postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"  # the worst layer's load / mean - 1
             every = config.train.eval_every
             if validation is not None and (
                 (every and trainer.step_index % every == 0) or trainer.step_index == config.train.steps

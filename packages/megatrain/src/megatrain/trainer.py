@@ -73,6 +73,8 @@ class StepMetrics:
     tflops: float
     skipped: bool
     router_aux_loss: float | None = None  # MoE: the load-balancing loss (in `loss` only when the model adds it)
+    # MoE: the worst layer's max expert load / mean load - 1 (DeepSeek-V3's MaxVio; 0: perfectly even)
+    router_max_violation: float | None = None
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items() if v is not None}
@@ -455,10 +457,11 @@ class Trainer:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
         loss = loss_sum.item() / n_targets
-        aux = None
+        aux = violation = None
         if router_load is not None:
             aux = router_load.loss().item()
             loss += router_load.coef * aux  # what transformers reports as the loss, aux term included
+            violation = router_load.max_violation().item()
         grad_norm = math.sqrt(sq_norms.sum().item())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -492,6 +495,7 @@ class Trainer:
             flops / elapsed / 1e12,
             skipped,
             aux,
+            violation,
         )
 
     @torch.no_grad()

@@ -246,10 +246,13 @@ class RouterLoad:
 
     where rows = tokens x MoE layers. Its gradient w.r.t. a router probability p_e is
     n_experts * f_e / rows, the same for every token and layer, known once the forward is done.
-    `coef` 0 records the statistics (the loss is still reported) but adds no gradient."""
+    `coef` 0 records the statistics (the loss is still reported) but adds no gradient.
 
-    def __init__(self, n_experts: int, top_k: int, coef: float = 0.0):
-        self.n_experts, self.top_k, self.coef = n_experts, top_k, coef
+    Each layer's expert loads are kept too, for `max_violation`: the forwards of a step record layer
+    by layer (the pipeline is layer-major), each of the `n_layers` MoE layers once per micro-batch."""
+
+    def __init__(self, n_experts: int, top_k: int, coef: float = 0.0, n_layers: int = 1):
+        self.n_experts, self.top_k, self.coef, self.n_layers = n_experts, top_k, coef, n_layers
         # with data parallelism: sums a tensor over the ranks in place, so that the statistics
         # (and the loss's gradient) are those of the global batch
         self.reduce: Callable[[Tensor], Tensor] | None = None
@@ -257,6 +260,8 @@ class RouterLoad:
 
     def reset(self) -> None:
         self._stats: Tensor | None = None  # [picks per expert, probability sums per expert, rows], fp32
+        self._records: list[Tensor] = []  # picks per expert of each forward, in record order
+        self._layer_loads: Tensor | None = None  # [n_layers, n_experts], once final
         self._final = False
 
     def record(self, top_index: Tensor, probs: Tensor, valid: Tensor | None = None) -> None:
@@ -272,14 +277,29 @@ class RouterLoad:
         stats[self.n_experts : 2 * self.n_experts] = (probs.detach() * weight.unsqueeze(1)).sum(0)
         stats[-1] = weight.sum()
         self._stats = stats if self._stats is None else self._stats + stats
+        self._records.append(stats[: self.n_experts])
 
     def _finished(self) -> Tensor | None:
         """The step's statistics, summed over the ranks the first time they are read after the forward."""
         if self._stats is not None and not self._final:
+            if len(self._records) % self.n_layers:
+                raise ValueError(f"{len(self._records)} routing records for {self.n_layers} MoE layers")
+            layers = torch.stack(self._records).view(self.n_layers, -1, self.n_experts).sum(1)
+            both = torch.cat([self._stats, layers.view(-1)])  # one collective for both
             if self.reduce is not None:
-                self.reduce(self._stats)
+                self.reduce(both)
+            self._stats, self._layer_loads = both[: self._stats.numel()], both[self._stats.numel() :].view_as(layers)
+            self._records = []
             self._final = True
         return self._stats
+
+    def max_violation(self) -> Tensor | None:
+        """The step's worst balanced MoE layer's "MaxVio" (DeepSeek-V3): max over its experts of load / mean
+        load - 1; 0 when every expert of every layer got as many tokens; None before any record."""
+        if self._finished() is None:
+            return None
+        loads = self._layer_loads
+        return (loads.amax(dim=1) / loads.mean(dim=1).clamp_min(1e-30) - 1).max()
 
     def loss(self) -> Tensor | None:
         """The (uncoefficiented) auxiliary loss of the step recorded so far; None before any record."""

@@ -181,7 +181,8 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     router_load = None
     if config.is_moe:
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
-        router_load = RouterLoad(config.n_experts, config.n_experts_per_tok, coef)
+        n_moe_layers = sum(config.layer_is_moe(layer) for layer in range(config.n_layers))
+        router_load = RouterLoad(config.n_experts, config.n_experts_per_tok, coef, n_moe_layers)
     parts = expert_parts(config.n_experts, experts_per_stage) if config.is_moe else ()
     templates: dict[tuple, object] = {}  # one per kind of layer (dense or MoE, windowed or not) and part
 
