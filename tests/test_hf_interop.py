@@ -56,6 +56,40 @@ def test_transformers_directory_imports(name, tmp_path):
     assert ((ours - expected).norm() / expected.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize(
+    "name, arch, windows",
+    [
+        ("tiny-llama", "mistral", {"sliding_window": 5}),  # every layer
+        ("tiny-qwen2", "qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+        ("tiny-qwen3", "qwen3", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    ],
+)
+def test_sliding_windows_apply_where_transformers_applies_them(name, arch, windows, tmp_path):
+    """A config.json's sliding window over 16-token rows: on every layer for Mistral, from max_window_layers
+    on for Qwen (with use_sliding_window); equal logits, and the export carries the windows back."""
+    plain = config_to_hf(preset(name).with_changes(arch=arch))
+    hf_config = transformers.AutoConfig.for_model(**{**plain, **windows})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():  # attention that matters: windows change the output
+        for param in model.parameters():
+            param.normal_(1.0, 0.2) if param.dim() == 1 else param.normal_(0.0, 0.15)
+    model.save_pretrained(tmp_path / "hf")
+    trainer = make_trainer(tmp_path, hf_dir=str(tmp_path / "hf"))
+    assert trainer.model_config.sliding_window == 5 and trainer.model_config.sliding_layers
+    ids = torch.randint(0, trainer.model_config.vocab_size, (2, 16))
+    unwindowed = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**plain)).eval()
+    unwindowed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        full = unwindowed(ids).logits.float()
+    assert ((full - expected).norm() / expected.norm()).item() > 1e-3  # the window bites
+    ours = trainer.logits(ids)
+    assert ((ours - expected).norm() / expected.norm()).item() < 1e-5
+    exported = trainer.export(tmp_path / "out")
+    assert make_trainer(tmp_path, hf_dir=str(exported)).model_config == trainer.model_config
+
+
 def test_convert_checkpoint_to_transformers(tmp_path):
     from megatrain.checkpoint import save_checkpoint
     from megatrain.cli import main

@@ -27,10 +27,16 @@ MOE_PRESETS = [
     "tiny-deepseek-v3",
     "tiny-glm4-moe",
     "tiny-minimax-m2",
+    "tiny-dots1",
 ]
-SIGMOID_PRESETS = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2"]  # routers with a correction bias
+SIGMOID_PRESETS = [
+    "tiny-deepseek-v3",
+    "tiny-glm4-moe",
+    "tiny-minimax-m2",
+    "tiny-dots1",
+]  # routers with a correction bias
 # transformers trains these with no load-balancing loss
-NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe")
+NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-dots1")
 # transformers' load-balancing loss for these counts other experts than the ones chosen: refused with the fix
 # (`test_minimax_m2_load_balancing_loss_is_refused`), so their steps run without it
 AUX_LOSS_REFUSED = ("tiny-minimax-m2",)
@@ -196,6 +202,12 @@ def test_a_bias_update_rate_needs_a_router_with_a_correction_bias(tmp_path):
     hf_model("tiny-qwen3-moe", False, 5).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError, match="router_aux_loss_coef"):
         make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, router_bias_update_rate=1e-3)
+
+
+def test_dots1_sliding_window_layers_match_transformers(tmp_path):
+    """dots.llm1's windows from `max_window_layers` on (a window of 4 in 12-token rows: it bites), read
+    from the `layer_types` transformers writes; the same steps, and exported back the same way."""
+    check_steps_match_transformers("tiny-dots1", False, tmp_path, "cpu", sliding_window=4, max_window_layers=1)
 
 
 def test_deepseek_v3_rotary_embedding_on_halves_matches_transformers(tmp_path):

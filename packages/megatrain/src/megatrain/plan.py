@@ -728,11 +728,6 @@ def choose_experts_per_stage(config: Config, model: ModelConfig, gpu_available: 
 
 def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
     """Refuse, before anything is allocated, a run that cannot work, naming the fix."""
-    if model.sliding_window is not None and not model.sliding_layers and config.data.seq_len > model.sliding_window:
-        raise ConfigError(
-            f"data.seq_len {config.data.seq_len} exceeds the model's sliding_window {model.sliding_window}, "
-            "which megatrain does not implement; use data.seq_len <= sliding_window"
-        )
     if config.data.seq_len > model.max_seq_len:
         raise ConfigError(
             f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "

@@ -248,8 +248,10 @@ class DecoderBlock:
             k = torch.cat([apply_rope(k[..., :rotary], cos, sin), k[..., rotary:]], dim=-1)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if s.sinks or s.sliding_window is not None:
-            attn = windowed_attention_with_sinks(q, k, v, w.get("sinks"), s.sliding_window, documents)
+        # a window at least as long as the sequence masks nothing: the plain kernel then (Mistral's 4096)
+        window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
+        if s.sinks or window is not None:
+            attn = windowed_attention_with_sinks(q, k, v, w.get("sinks"), window, documents)
         else:
             attn = causal_attention(q, k, v, documents)
         out = attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim)

@@ -20,9 +20,10 @@ MOE_ARCHITECTURES = (
     "deepseek_v3",
     "glm4_moe",
     "minimax_m2",
+    "dots1",
 )
 # families whose routers score experts with a sigmoid and choose with a correction bias
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "minimax_m2")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
@@ -66,8 +67,8 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of width d_ff instead of experts
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss ...
     output_router_logits: bool = False  # ... which, as in transformers, is added only when this is true
-    # gpt-oss: biases on all four attention projections, a sink logit per head, `sliding_window` on
-    # `sliding_layers` only (full attention elsewhere), router and expert biases, a clamped SwiGLU
+    # gpt-oss: biases on all four attention projections, a sink logit per head, router and expert biases,
+    # a clamped SwiGLU; `sliding_window` on `sliding_layers` only (full attention elsewhere), any family
     o_bias: bool = False
     attention_sinks: bool = False
     sliding_layers: tuple[int, ...] = ()
@@ -92,8 +93,11 @@ class ModelConfig:
             raise ZooError(f"unknown architecture {self.arch!r}; supported: {ARCHITECTURES}")
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
         object.__setattr__(self, "sliding_layers", tuple(sorted(int(i) for i in self.sliding_layers)))
-        if self.sliding_layers and not self.sliding_window:
-            raise ZooError("sliding_layers needs sliding_window (the window those layers attend over)")
+        if bool(self.sliding_layers) != bool(self.sliding_window):
+            raise ZooError(
+                "sliding_window and sliding_layers go together: the window, and the layers that attend over it "
+                "(every layer for Mistral)"
+            )
         if self.router_scoring not in ROUTER_SCORINGS or (self.router_scoring == "sigmoid") != (
             self.arch in SIGMOID_ROUTED
         ):

@@ -19,6 +19,7 @@ _HF_CLASSES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "dots1": "Dots1ForCausalLM",
 }
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
@@ -28,7 +29,7 @@ _UNSUPPORTED_MOE = {
 }
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 # families with DeepSeek's MoE config fields (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
-_DEEPSEEK_MOE = (*_LATENT_ATTENTION, "glm4_moe")
+_DEEPSEEK_MOE = (*_LATENT_ATTENTION, "glm4_moe", "dots1")
 
 
 def _first_id(value):
@@ -44,9 +45,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5 and MiniMax-M2)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2 and "
+            "dots.llm1)"
         )
-    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", *_LATENT_ATTENTION):
+    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     _check_quantization(hf.get("quantization_config"), model_type)
     if hf.get("mlp_bias"):
@@ -62,11 +64,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
-    sliding = (
-        hf.get("sliding_window")
-        if hf.get("use_sliding_window", model_type in ("mistral", "mixtral", "gpt_oss"))
-        else None
-    )
+    sliding_layers = _sliding_layers(hf, model_type)
     heads = hf["num_attention_heads"]
     if model_type in _LATENT_ATTENTION:  # the rotary part of a head is its head_dim; every head has its own k/v
         hf = {**hf, "head_dim": hf["qk_rope_head_dim"], "num_key_value_heads": heads}
@@ -87,12 +85,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
         or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2")
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1")
         or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
         partial_rotary_factor=partial_rotary,
         qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2") else "head",
         clip_qkv=hf.get("clip_qkv"),
-        sliding_window=sliding or None,
+        sliding_window=hf["sliding_window"] if sliding_layers else None,
+        sliding_layers=sliding_layers,
         initializer_range=hf.get("initializer_range", 0.02),
         bos_token_id=_first_id(hf.get("bos_token_id")),
         eos_token_id=_first_id(hf.get("eos_token_id")),
@@ -153,20 +152,37 @@ def _deepseek_routing_from_hf(hf: dict, model_type: str) -> dict:
 def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
     if model_type != "gpt_oss":
         return {}
-    types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])
-    ]
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ZooError(f"gpt_oss layer_types {unknown} are not supported (sliding_attention, full_attention)")
     if hf.get("swiglu_alpha", 1.702) != 1.702:
         raise ZooError(f"gpt_oss swiglu_alpha {hf['swiglu_alpha']} is not supported (1.702)")
     return {
         "o_bias": bool(hf.get("attention_bias", True)),
         "attention_sinks": True,
-        "sliding_layers": tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"),
         "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
     }
+
+
+def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
+    """The layers that attend over a sliding window, as transformers decides them: `layer_types` where
+    written; else gpt-oss every other layer, Mistral and Mixtral every layer, Qwen and dots.llm1 the
+    layers from `max_window_layers` on (Qwen only with `use_sliding_window`). None without a window."""
+    n_layers = hf["num_hidden_layers"]
+    if not hf.get("sliding_window"):
+        return ()
+    types = hf.get("layer_types")
+    if types is None and model_type == "gpt_oss":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+    if types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise ZooError(f"{model_type} layer_types {unknown} are not supported (sliding_attention, full_attention)")
+        return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    if model_type in ("mistral", "mixtral"):
+        return tuple(range(n_layers))
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1") and hf.get(
+        "use_sliding_window", model_type == "dots1"
+    ):
+        return tuple(range(hf.get("max_window_layers", n_layers), n_layers))
+    return ()
 
 
 def _pad_token(hf: dict) -> int | None:
@@ -186,7 +202,8 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
             "moe_d_ff": hf["moe_intermediate_size"],
             "shared_expert_d_ff": (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
             "dense_layers": tuple(range(hf.get("first_k_dense_replace", 0))),
-            "norm_topk_prob": model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", True)),
+            # transformers' defaults: V3 and GLM-4.5 renormalise, dots.llm1 not (its published config does)
+            "norm_topk_prob": model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", model_type != "dots1")),
             **_deepseek_routing_from_hf(hf, model_type),
         }
     if model_type == "minimax_m2" and hf.get("output_router_logits"):
@@ -251,15 +268,16 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
-    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe"):
+    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1"):
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
-    if config.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        hf["use_sliding_window"] = False
-        hf["sliding_window"] = None
-        hf["max_window_layers"] = config.n_layers
-    if config.arch in ("mistral", "mixtral"):
-        hf["sliding_window"] = config.sliding_window
+    windowed = config.sliding_layers
+    if config.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1"):  # windows from max_window_layers on
+        hf["use_sliding_window"] = bool(windowed)
+        hf["max_window_layers"] = windowed[0] if windowed else config.n_layers
+    hf["sliding_window"] = config.sliding_window if windowed else None
+    if windowed:
+        hf["layer_types"] = ["sliding_attention" if i in windowed else "full_attention" for i in range(config.n_layers)]
     if config.is_moe:
         hf.update(_moe_to_hf(config))
     if config.arch in _DEEPSEEK_MOE:
@@ -301,10 +319,6 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf.pop("rope_scaling")
         hf.update(
             attention_bias=config.o_bias,
-            sliding_window=config.sliding_window,
-            layer_types=[
-                "sliding_attention" if i in config.sliding_layers else "full_attention" for i in range(config.n_layers)
-            ],
             swiglu_limit=config.swiglu_limit,
             rope_parameters={"rope_theta": config.rope_theta, **(config.rope_scaling or {"rope_type": "default"})},
         )

@@ -139,6 +139,7 @@ EXPERT_NAMING_OF = {
     "deepseek_v2": "deepseek",
     "deepseek_v3": "deepseek",
     "glm4_moe": "deepseek",
+    "dots1": "deepseek",
     "minimax_m2": "mixtral",
 }
 

@@ -418,6 +418,31 @@ PRESETS: dict[str, ModelConfig] = {
         router_scoring="sigmoid",
         partial_rotary_factor=0.5,
     ),
+    # dots.llm1 (rednote, 2025; 142.8B, 14.0B active): DeepSeek-V3's router (no groups) and shared experts on
+    # Qwen3's attention (per-head q/k norms, 32 heads of 128), the first layer dense
+    "dots-llm1": ModelConfig(
+        "dots1",
+        152064,
+        4096,
+        62,
+        32,
+        32,
+        10944,
+        head_dim=128,
+        max_seq_len=32768,
+        rope_theta=10000000.0,
+        rms_eps=1e-5,
+        qk_norm=True,
+        eos_token_id=151649,
+        n_experts=128,
+        n_experts_per_tok=6,
+        moe_d_ff=1408,
+        shared_expert_d_ff=2 * 1408,
+        norm_topk_prob=True,
+        dense_layers=(0,),
+        routed_scaling_factor=2.5,
+        router_scoring="sigmoid",
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -477,6 +502,11 @@ PRESETS["tiny-glm4-moe"] = ModelConfig(
     "glm4_moe", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, qkv_bias=True, qk_norm=True, n_experts=8,
     n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, norm_topk_prob=True, dense_layers=(0,),
     routed_scaling_factor=1.5, n_group=2, topk_group=1, router_scoring="sigmoid", partial_rotary_factor=0.5,
+)
+PRESETS["tiny-dots1"] = ModelConfig(
+    "dots1", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, qk_norm=True, n_experts=8, n_experts_per_tok=3,
+    moe_d_ff=32, shared_expert_d_ff=64, norm_topk_prob=True, dense_layers=(0,), routed_scaling_factor=2.5,
+    router_scoring="sigmoid",
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
