@@ -167,3 +167,4 @@ def test_pre_training_a_sigmoid_routed_moe_without_balancing_is_warned_of(write_
     assert ("train.router_bias_update_rate: 0.001" in err) == (rate == 0)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["router_max_violation"] >= 0 for row in rows)
+    assert (tmp_path / "run" / "loss.png").exists()  # loss beside the load balance

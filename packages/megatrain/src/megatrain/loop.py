@@ -27,7 +27,8 @@ def write_jsonl(path: Path, record: dict) -> None:
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> bool:
-    """Loss curve PNG from metrics.jsonl; False when matplotlib is not installed."""
+    """Loss curve PNG from metrics.jsonl, beside the experts' load balance for a MoE run; False when
+    matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -38,7 +39,16 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     rows = [r for r in records if "loss" in r and not r.get("skipped")]
     evals = [r for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    balance = [r for r in rows if "router_max_violation" in r]
+    fig, axes = plt.subplots(1, 2 if balance else 1, figsize=(12 if balance else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    if balance:
+        vio = axes[0][1]
+        vio.plot([r["step"] for r in balance], [r["router_max_violation"] for r in balance])
+        vio.set_xlabel("optimizer step")
+        vio.set_ylabel("worst layer's max expert load / mean - 1")
+        vio.set_title("expert load balance (MaxVio; 0: even)")
+        vio.grid(alpha=0.3)
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training")
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
