@@ -28,7 +28,7 @@ def randomize(trainer):
     trainer.store.refresh_wire()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-ernie4_5"])
 def test_export_loads_in_transformers_with_equal_logits(name, tmp_path):
     trainer = make_trainer(tmp_path, preset=name)
     randomize(trainer)
@@ -42,7 +42,7 @@ def test_export_loads_in_transformers_with_equal_logits(name, tmp_path):
     assert ((ours - expected).norm() / expected.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-ernie4_5"])
 def test_transformers_directory_imports(name, tmp_path):
     hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(name)))
     model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32).eval()

@@ -28,18 +28,15 @@ MOE_PRESETS = [
     "tiny-glm4-moe",
     "tiny-minimax-m2",
     "tiny-dots1",
+    "tiny-ernie4_5-moe",
 ]
-SIGMOID_PRESETS = [
-    "tiny-deepseek-v3",
-    "tiny-glm4-moe",
-    "tiny-minimax-m2",
-    "tiny-dots1",
-]  # routers with a correction bias
+# routers that choose with a correction bias
+BIASED_PRESETS = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-dots1", "tiny-ernie4_5-moe"]
 # transformers trains these with no load-balancing loss
 NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-dots1")
 # transformers' load-balancing loss for these counts other experts than the ones chosen: refused with the fix
-# (`test_minimax_m2_load_balancing_loss_is_refused`), so their steps run without it
-AUX_LOSS_REFUSED = ("tiny-minimax-m2",)
+# (`test_load_balancing_loss_over_other_experts_is_refused`), so their steps run without it
+AUX_LOSS_REFUSED = ("tiny-minimax-m2", "tiny-ernie4_5-moe")
 NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
 
 
@@ -139,7 +136,7 @@ def test_gpu_steps_match_transformers(name, tmp_path):
     """The CUDA engine (streams, pinned memory) in fp32, TF32 off, against transformers on the CPU; correction
     biases balanced by load (on the GPU where the plan updates the first layers there)."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    bias_rate = 0.01 if name in SIGMOID_PRESETS else 0.0
+    bias_rate = 0.01 if name in BIASED_PRESETS else 0.0
     check_steps_match_transformers(name, name not in AUX_LOSS_REFUSED, tmp_path, "cuda", bias_rate=bias_rate)
 
 
@@ -175,18 +172,20 @@ def test_experts_streamed_in_parts_match_transformers(name, tmp_path):
     )
 
 
-def test_minimax_m2_load_balancing_loss_is_refused(tmp_path):
-    """transformers adds MiniMax-M2's loss over each token's unbiased top-k (softmax of the logits), not the
-    experts its biased scores chose: a config asking for it is refused before anything is allocated."""
+@pytest.mark.parametrize("name", AUX_LOSS_REFUSED)
+def test_load_balancing_loss_over_other_experts_is_refused(name, tmp_path):
+    """transformers adds MiniMax-M2's and ERNIE 4.5's loss over each token's unbiased top-k (softmax of the
+    logits), not the experts its biased scores chose: a config asking for it is refused before anything is
+    allocated."""
     from megatrain_zoo import ZooError
 
-    hf_model("tiny-minimax-m2", True, 8).save_pretrained(tmp_path / "hf")
+    hf_model(name, True, 8).save_pretrained(tmp_path / "hf")
     with pytest.raises(ZooError, match="output_router_logits=true"):
         make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
 
 
 @pytest.mark.parametrize("experts_per_stage", ["auto", 3])
-@pytest.mark.parametrize("name", SIGMOID_PRESETS)
+@pytest.mark.parametrize("name", BIASED_PRESETS)
 def test_correction_biases_balanced_by_load_match_the_reference_rule(name, experts_per_stage, tmp_path):
     """`train.router_bias_update_rate`: each layer's correction bias moves by the rate against the sign of its
     experts' excess load over the step's micro-batches, exactly as DeepSeek-V3's rule applied to transformers'
@@ -235,10 +234,8 @@ class ReferenceLoads:
             loads = torch.zeros(n_experts)
             module.experts.register_forward_pre_hook(self._count(loads), with_kwargs=True)
             self.loads.append(loads)
-            bias = getattr(module, "e_score_correction_bias", None)
-            if bias is None and hasattr(module, "gate"):
-                bias = getattr(module.gate, "e_score_correction_bias", None)
-            self.biases.append(bias)
+            tensors = [*module.named_buffers(), *module.named_parameters()]  # (ERNIE's is a parameter)
+            self.biases.append(next((t for name, t in tensors if name.endswith("e_score_correction_bias")), None))
 
     @staticmethod
     def _count(loads):
@@ -273,7 +270,7 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
     loads = ReferenceLoads(reference, trainer.model_config.n_experts, bias_rate)
     biases = [bias for bias in loads.biases if bias is not None]
     assert len(loads.loads) == sum(map(trainer.model_config.layer_is_moe, range(trainer.model_config.n_layers)))
-    assert bool(biases) == (trainer.model_config.router_scoring == "sigmoid")
+    assert bool(biases) == trainer.model_config.router_bias
     initial_biases = [bias.clone() for bias in biases]
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
@@ -669,7 +666,7 @@ def test_checkpoints_resume_whatever_the_experts_parts(name, saved, resumed, tmp
     reference.save_pretrained(tmp_path / "hf")
     generator = torch.Generator().manual_seed(7)
     batches = [random_batch(6, 12, 256, generator) for _ in range(3)]
-    rate = 0.01 if name in SIGMOID_PRESETS else 0.0
+    rate = 0.01 if name in BIASED_PRESETS else 0.0
     first, _ = make_trainer(
         tmp_path / "hf", tmp_path, 0.5, 3, engine=EngineSection(experts_per_stage=saved), router_bias_update_rate=rate
     )

@@ -180,10 +180,10 @@ def train(config: Config, resume: Path | None = None) -> Path:
         )
         if trainer.warm_up_s:
             print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)
-        if model.router_scoring == "sigmoid" and config.model.preset and resume is None:
+        if model.router_bias and config.model.preset and resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
                 print(
-                    "megatrain: warning: pre-training a sigmoid-routed MoE with its correction bias fixed: its routers "
+                    "megatrain: warning: pre-training a MoE with its routers' correction bias fixed: they "
                     "collapse onto a few experts (watch maxvio); DeepSeek-V3 balanced them with "
                     "train.router_bias_update_rate: 0.001",
                     file=sys.stderr,

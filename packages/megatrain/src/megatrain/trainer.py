@@ -40,7 +40,7 @@ from megatrain_optim import (
 from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import Documents
-from megatrain_zoo import SIGMOID_ROUTED, ModelConfig, build_model, flops_per_token, init_param_
+from megatrain_zoo import CORRECTION_BIASED, ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
@@ -97,10 +97,10 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
-        if config.train.router_bias_update_rate and self.model_config.router_scoring != "sigmoid":
+        if config.train.router_bias_update_rate and not self.model_config.router_bias:
             raise ConfigError(
-                f"train.router_bias_update_rate moves a router's correction bias, which only sigmoid-scored "
-                f"routers have ({', '.join(SIGMOID_ROUTED)}); this {self.model_config.arch} model has none: set it "
+                f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
+                f"have ({', '.join(CORRECTION_BIASED)}); this {self.model_config.arch} model has none: set it "
                 f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
             )
         gpus, hosts = launch_shape()

@@ -49,7 +49,6 @@ class MlaShape:
     softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale squared where the model has it
     q_lora_rank: int = 0  # 0: queries straight from the hidden state
     latent_eps: float = 1e-6  # the latents' RMSNorm epsilon (transformers' default, not the model's)
-    rope_interleaved: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek; else Llama's halves
 
     @property
     def qk_head_dim(self) -> int:
@@ -75,6 +74,9 @@ class BlockShape:
     sinks: bool = False  # a learned sink logit per head that takes attention probability but no value (gpt-oss)
     sliding_window: int | None = None  # attend only to the last `sliding_window` positions (gpt-oss' even layers)
     mla: MlaShape | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek-V2)
+    # rotary embedding on adjacent pairs (x0, x1), (x2, x3), ... in fp32 (DeepSeek's latent attention, ERNIE
+    # 4.5); else on Llama's halves
+    rope_interleaved: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -239,15 +241,18 @@ class DecoderBlock:
             q = rms_norm(q, w["q_norm"], s.rms_eps)
             k = rms_norm(k, w["k_norm"], s.rms_eps)
         cos, sin = self._rope(seq, x.device, x.dtype)
+        rotary = cos.shape[-1]
+        if s.rope_interleaved:  # a pair shares one frequency: the tables' first half (ERNIE 4.5)
+            cos, sin = cos[:, : rotary // 2], sin[:, : rotary // 2]
         if documents is not None:
             cos, sin = documents.rope_tables(cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        rotary = cos.shape[-1]
+        rope = apply_rope_interleaved if s.rope_interleaved else apply_rope
         if rotary < s.head_dim:  # partial rotary (GLM-4.5): the leading dims rotate, the rest pass
-            q = torch.cat([apply_rope(q[..., :rotary], cos, sin), q[..., rotary:]], dim=-1)
-            k = torch.cat([apply_rope(k[..., :rotary], cos, sin), k[..., rotary:]], dim=-1)
+            q = torch.cat([rope(q[..., :rotary], cos, sin), q[..., rotary:]], dim=-1)
+            k = torch.cat([rope(k[..., :rotary], cos, sin), k[..., rotary:]], dim=-1)
         else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         # a window at least as long as the sequence masks nothing: the plain kernel then (Mistral's 4096)
         window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
         if s.sinks or window is not None:
@@ -276,12 +281,12 @@ class DecoderBlock:
         latent, k_rot = linear(h, w["kv_a_proj_with_mqa"]).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, w["kv_a_layernorm"], m.latent_eps)
         cos, sin = self._rope(seq, x.device, torch.float32)
-        if m.rope_interleaved:
+        if s.rope_interleaved:
             half = m.qk_rope_head_dim // 2
             cos, sin = cos[:, :half], sin[:, :half]
         if documents is not None:
             cos, sin = documents.rope_tables(cos, sin)
-        rope = apply_rope_interleaved if m.rope_interleaved else apply_rope_in_fp32
+        rope = apply_rope_interleaved if s.rope_interleaved else apply_rope_in_fp32
         q_rot = rope(q_rot, cos, sin)
         k_rot = rope(k_rot.unsqueeze(1), cos, sin)
         kv = linear(latent, w["kv_b_proj"]).view(batch, seq, s.n_heads, m.qk_nope_head_dim + m.v_head_dim)

@@ -43,9 +43,14 @@ EXPERT_NAMING = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "ernie": ("mlp", ("gate_proj", "up_proj", "down_proj")),  # its correction bias in mlp.moe_statics
 }
 # The shared expert's module and whether a sigmoid gate scales it, per family
-SHARED_EXPERT = {"qwen": ("shared_expert", True), "deepseek": ("shared_experts", False)}
+SHARED_EXPERT = {
+    "qwen": ("shared_expert", True),
+    "deepseek": ("shared_experts", False),
+    "ernie": ("shared_experts", False),
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class MoeShape:
     # as transformers does, the top-k chosen by score + a correction bias that is not trained (DeepSeek
     # balances load by moving it, `e_score_correction_bias`), weighted by their scores alone
     scoring: str = "softmax"
+    # softmax scoring with a correction bias (ERNIE 4.5): the top-k chosen by probability + bias, weighted by
+    # their probabilities renormalised (sigmoid scoring always has the bias)
+    correction_bias: bool = False
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.n_experts:
@@ -86,6 +94,13 @@ class MoeShape:
             raise ValueError(f"scoring must be softmax, or sigmoid with an EXPERT_NAMING naming, got {self.scoring!r}")
         if self.scoring == "sigmoid" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
             raise ValueError("sigmoid scoring ranks groups by their two best experts: each group needs two or more")
+        if self.correction_bias and (self.scoring != "softmax" or self.n_groups > 1 or self.gpt_oss):
+            raise ValueError("correction_bias is softmax scoring's, without groups, in an EXPERT_NAMING naming")
+
+    @property
+    def biased_choice(self) -> bool:
+        """Whether a correction bias (a split-precision pair, moved by load only) takes part in choosing."""
+        return self.scoring == "sigmoid" or self.correction_bias
 
     @property
     def gpt_oss(self) -> bool:
@@ -138,9 +153,10 @@ def _shared_expert_params(moe: MoeShape, d: int) -> tuple[ParamSpec, ...]:
 
 
 def _score_bias_names(moe: MoeShape) -> tuple[str, str]:
-    """DeepSeek keeps the correction bias in the router (`mlp.gate`), MiniMax-M2 in the MoE module."""
+    """DeepSeek keeps the correction bias in the router (`mlp.gate`), MiniMax-M2 in the MoE module, ERNIE
+    4.5 in `mlp.moe_statics` (as published; transformers' module is the router's, its files not)."""
     module = EXPERT_NAMING[moe.naming][0]
-    owner = f"{module}.gate" if moe.naming == "deepseek" else module
+    owner = {"deepseek": f"{module}.gate", "ernie": f"{module}.moe_statics"}.get(moe.naming, module)
     return split_precision_names(f"{owner}.e_score_correction_bias")
 
 
@@ -151,10 +167,9 @@ def _router_bias(moe: MoeShape) -> tuple[ParamSpec, ...]:
     not at all at rate 0, transformers' way)."""
     if moe.gpt_oss:
         return (ParamSpec("mlp.router.bias", (moe.n_experts,), weight_decay=False),)
-    if moe.scoring == "sigmoid":
-        return tuple(
-            ParamSpec(name, (moe.n_experts,), weight_decay=False, update=LOAD_BIAS) for name in _score_bias_names(moe)
-        )
+    if moe.biased_choice:
+        shape = (1, moe.n_experts) if moe.naming == "ernie" else (moe.n_experts,)  # as the files hold it
+        return tuple(ParamSpec(name, shape, weight_decay=False, update=LOAD_BIAS) for name in _score_bias_names(moe))
     return ()
 
 
@@ -180,7 +195,7 @@ def _router_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Spa
     spans = {"router": span_of(params, router_name(moe))}
     if moe.gpt_oss:
         spans["router_bias"] = span_of(params, "mlp.router.bias")
-    if moe.scoring == "sigmoid":
+    if moe.biased_choice:
         spans["score_bias_hi"], spans["score_bias_lo"] = (span_of(params, name) for name in _score_bias_names(moe))
     return spans
 
@@ -438,6 +453,8 @@ class MoeBlock(DecoderBlock):
         moe = self.moe
         if moe.scoring == "sigmoid":
             return self._route_by_scores(w, h)
+        if moe.correction_bias:
+            return self._route_by_biased_probabilities(w, h)
         probs = upcast(F.linear(h, w["router"], w.get("router_bias"))).softmax(dim=-1)
         candidates = probs
         if moe.n_groups > 1:  # keep the experts of the topk_groups groups with the highest best probability
@@ -473,6 +490,17 @@ class MoeBlock(DecoderBlock):
             top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
         top_weight = top_weight * moe.routed_scaling
         return scores / scores.sum(dim=-1, keepdim=True), top_index, top_weight
+
+    def _route_by_biased_probabilities(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """ERNIE 4.5's routing (transformers' Ernie4_5_MoeTopKRouter): softmax probabilities of an fp32 GEMM,
+        the top-k of probability + correction bias, weighted by their probabilities over their sum (at
+        least `moe_norm_min`, 1e-12)."""
+        probs = F.linear(upcast(h), upcast(w["router"])).softmax(dim=-1)
+        with torch.no_grad():  # the bias only chooses: it has no gradient
+            choice = probs + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"])).view(-1)
+            top_index = choice.topk(self.moe.top_k, dim=-1).indices
+        top_weight = probs.gather(1, top_index)
+        return probs, top_index, top_weight / top_weight.sum(dim=-1, keepdim=True).clamp_min(1e-12)
 
     def _experts(
         self,
@@ -619,10 +647,10 @@ class MoeBlock(DecoderBlock):
         return grad_in
 
     def _add_excess_load(self, grads: Tensor, spans: dict[str, Span], top_index: Tensor, documents) -> None:
-        """Sigmoid scoring: each expert's excess load of this micro-batch, n_experts * picks - top_k * tokens
-        (padding left out), added into both halves of the correction bias's gradient slots (`LOAD_BIAS`)."""
+        """A correction bias: each expert's excess load of this micro-batch, n_experts * picks - top_k * tokens
+        (padding left out), added into both halves of its gradient slots (`LOAD_BIAS`)."""
         moe = self.moe
-        if moe.scoring != "sigmoid":
+        if not moe.biased_choice:
             return
         valid = _valid_tokens(documents)
         weight = (
@@ -699,7 +727,7 @@ class MoeAttention(_MoePart):
         leaves = self._bind(weights, leaves=True)
         x = hidden.detach().requires_grad_(True)
         # routing again only for the load-balancing loss's gradient or the correction bias's load
-        route = self.router_load.probs_grad() is not None or self.moe.scoring == "sigmoid"
+        route = self.router_load.probs_grad() is not None or self.moe.biased_choice
         with torch.enable_grad():
             (a, shared), probs, top_index = self._pair(leaves, x, documents, route=route)
         outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))

@@ -1,14 +1,14 @@
 """Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
 
-from .config import ARCHITECTURES, SIGMOID_ROUTED, ModelConfig, ZooError, flops_per_token
+from .config import ARCHITECTURES, CORRECTION_BIASED, ModelConfig, ZooError, flops_per_token
 from .hf import config_from_hf, config_to_hf, read_hf_config
 from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
 
 __all__ = [
     "ARCHITECTURES",
+    "CORRECTION_BIASED",
     "PRESETS",
-    "SIGMOID_ROUTED",
     "Group",
     "ModelConfig",
     "ModelSpec",

@@ -9,7 +9,7 @@ expert. Parameter counts are per layer; FLOPs count the active parameters only.
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5")
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -21,9 +21,13 @@ MOE_ARCHITECTURES = (
     "glm4_moe",
     "minimax_m2",
     "dots1",
+    "ernie4_5_moe",
 )
 # families whose routers score experts with a sigmoid and choose with a correction bias
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1")
+ERNIE = ("ernie4_5", "ernie4_5_moe")
+# routers that choose by score + a correction bias: the sigmoid ones and ERNIE 4.5's softmax
+CORRECTION_BIASED = (*SIGMOID_ROUTED, "ernie4_5_moe")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
@@ -153,6 +157,16 @@ class ModelConfig:
         return json.loads(json.dumps(asdict(self)))
 
     @property
+    def rope_interleaved(self) -> bool:
+        """Rotary embedding on adjacent pairs: latent attention as `rope_interleave` says, ERNIE 4.5 always."""
+        return self.rope_interleave if self.kv_lora_rank else self.arch in ERNIE
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether the router chooses by score + a correction bias (moved only by load)."""
+        return self.arch in CORRECTION_BIASED
+
+    @property
     def rotary_dim(self) -> int:
         """The leading dims of each query and key head that rotate (all but with partial_rotary_factor)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -195,7 +209,7 @@ class ModelConfig:
         shared = 3 * d * self.shared_expert_d_ff + shared_gate if self.shared_expert_d_ff else 0
         expert = 3 * d * self.moe_d_ff
         biases = self.n_experts * (1 + 2 * self.moe_d_ff + d) if self.arch == "gpt_oss" else 0  # not multiplied with
-        if self.router_scoring == "sigmoid":  # the correction bias, stored as hi + lo (no gradient)
+        if self.router_bias:  # the correction bias, stored as hi + lo (no gradient)
             biases = 2 * self.n_experts
         return router + shared + self.n_experts * expert + biases, router + shared + self.n_experts_per_tok * expert
 

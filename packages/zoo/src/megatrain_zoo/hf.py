@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from .config import ModelConfig, ZooError
+from .config import ERNIE, ModelConfig, ZooError
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -20,6 +20,8 @@ _HF_CLASSES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "dots1": "Dots1ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
@@ -45,17 +47,17 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
-            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2 and "
-            "dots.llm1)"
+            "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
+            "dots.llm1 and ERNIE 4.5)"
         )
     if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION):
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     _check_quantization(hf.get("quantization_config"), model_type)
-    if hf.get("mlp_bias"):
-        raise ZooError("mlp_bias=true is not supported")
+    if hf.get("mlp_bias") or (model_type in ERNIE and hf.get("use_bias")):
+        raise ZooError(f"{model_type} with biases on the MLP projections (mlp_bias / use_bias=true) is not supported")
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
     rope = dict(hf.get("rope_parameters") or {})
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta = hf.get("rope_theta", rope.get("rope_theta", 500000.0 if model_type in ERNIE else 10000.0))
     partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
         partial_rotary = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
@@ -194,7 +196,7 @@ def _pad_token(hf: dict) -> int | None:
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
     if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "minimax_m2", *_DEEPSEEK_MOE):
-        return {}
+        return _ernie_moe_from_hf(hf) if model_type == "ernie4_5_moe" else {}
     if model_type in _DEEPSEEK_MOE:  # transformers adds no load-balancing loss; DeepSeek-V2 never renormalises
         return {
             "n_experts": hf["n_routed_experts"],
@@ -242,6 +244,60 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
     }
 
 
+def _ernie_moe_from_hf(hf: dict) -> dict:
+    """ERNIE 4.5's MoE fields: softmax routing with a correction bias, shared experts, the MoE layers every
+    `moe_layer_interval` from `moe_layer_start_index` to `moe_layer_end_index` (-1: the last)."""
+    n_layers = hf["num_hidden_layers"]
+    n_experts = hf.get("moe_num_experts", hf.get("num_experts"))
+    if not isinstance(n_experts, int):
+        raise ZooError(f"ernie4_5_moe with moe_num_experts={n_experts!r}: only text models (one expert count) train")
+    if hf.get("output_router_logits"):
+        raise ZooError(
+            "ernie4_5_moe with output_router_logits=true: transformers' load-balancing loss for it counts each token's "
+            "unbiased top-k, which megatrain's routing statistics (the chosen experts) do not; set it to false "
+            "(train.router_bias_update_rate balances by its correction bias instead)"
+        )
+    start, interval = hf.get("moe_layer_start_index", 1), hf.get("moe_layer_interval", 1)
+    end = hf.get("moe_layer_end_index", -1)
+    end = n_layers - 1 if end == -1 else end
+    d_ff = hf["moe_intermediate_size"]
+    return {
+        "n_experts": n_experts,
+        "n_experts_per_tok": hf.get("moe_k", hf.get("num_experts_per_tok")),
+        "moe_d_ff": d_ff,
+        "shared_expert_d_ff": (hf.get("moe_num_shared_experts") or 0) * d_ff,
+        "dense_layers": tuple(i for i in range(n_layers) if not ((i + 1) % interval == 0 and start <= i <= end)),
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+    }
+
+
+def _ernie_moe_to_hf(config: ModelConfig) -> dict:
+    moe = [i for i in range(config.n_layers) if config.layer_is_moe(i)]
+    interval = next(
+        (
+            n
+            for n in range(1, config.n_layers + 1)
+            if [i for i in range(moe[0], moe[-1] + 1) if (i + 1) % n == 0] == moe
+        ),
+        None,
+    )
+    if interval is None:
+        raise ZooError(f"ERNIE 4.5 cannot express MoE layers {moe}: every interval-th layer of a range only")
+    return {
+        "moe_num_experts": config.n_experts,
+        "moe_k": config.n_experts_per_tok,
+        "moe_intermediate_size": config.moe_d_ff,
+        "moe_num_shared_experts": config.shared_expert_d_ff // config.moe_d_ff,
+        "moe_layer_start_index": moe[0],
+        "moe_layer_end_index": moe[-1],
+        "moe_layer_interval": interval,
+        "moe_norm_min": 1e-12,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+
+
 def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     """A config.json that transformers loads as the matching *ForCausalLM."""
     hf = {
@@ -278,7 +334,11 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     hf["sliding_window"] = config.sliding_window if windowed else None
     if windowed:
         hf["layer_types"] = ["sliding_attention" if i in windowed else "full_attention" for i in range(config.n_layers)]
-    if config.is_moe:
+    if config.arch in ERNIE:  # (biases on every projection, the MLP's too, where true)
+        hf["use_bias"] = False
+    if config.arch == "ernie4_5_moe":
+        hf.update(_ernie_moe_to_hf(config))
+    elif config.is_moe:
         hf.update(_moe_to_hf(config))
     if config.arch in _DEEPSEEK_MOE:
         hf.update(

@@ -110,6 +110,7 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         sinks=config.attention_sinks,
         sliding_window=config.sliding_window if layer in config.sliding_layers else None,
         mla=_mla_shape(config),
+        rope_interleaved=config.rope_interleaved,
     )
 
 
@@ -128,7 +129,6 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
         v_head_dim=config.v_head_dim,
         softmax_scale=scale,
         q_lora_rank=config.q_lora_rank,
-        rope_interleaved=config.rope_interleave,
     )
 
 
@@ -140,6 +140,7 @@ EXPERT_NAMING_OF = {
     "deepseek_v3": "deepseek",
     "glm4_moe": "deepseek",
     "dots1": "deepseek",
+    "ernie4_5_moe": "ernie",
     "minimax_m2": "mixtral",
 }
 
@@ -161,6 +162,7 @@ def moe_shape(config: ModelConfig) -> MoeShape:
         n_groups=config.n_group,
         topk_groups=config.topk_group,
         scoring=config.router_scoring,
+        correction_bias=config.router_bias and config.router_scoring == "softmax",
     )
 
 

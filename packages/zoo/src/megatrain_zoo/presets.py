@@ -443,6 +443,49 @@ PRESETS: dict[str, ModelConfig] = {
         routed_scaling_factor=2.5,
         router_scoring="sigmoid",
     ),
+    # ERNIE 4.5 (Baidu, 2025): rotary embedding on adjacent pairs; the MoE's router chooses by softmax
+    # probability + a correction bias (transformers' Ernie4_5Config / Ernie4_5_MoeConfig defaults)
+    "ernie-4.5-0.3b": ModelConfig(
+        "ernie4_5",
+        103424,
+        1024,
+        18,
+        16,
+        2,
+        3072,
+        head_dim=128,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    "ernie-4.5-21b-a3b": ModelConfig(
+        "ernie4_5_moe",
+        103424,
+        2560,
+        28,
+        20,
+        4,
+        12288,
+        head_dim=128,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        n_experts=64,
+        n_experts_per_tok=6,
+        moe_d_ff=1536,
+        shared_expert_d_ff=2 * 1536,
+        norm_topk_prob=True,
+        dense_layers=(0,),
+        router_aux_loss_coef=0.001,
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -507,6 +550,13 @@ PRESETS["tiny-dots1"] = ModelConfig(
     "dots1", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, qk_norm=True, n_experts=8, n_experts_per_tok=3,
     moe_d_ff=32, shared_expert_d_ff=64, norm_topk_prob=True, dense_layers=(0,), routed_scaling_factor=2.5,
     router_scoring="sigmoid",
+)
+PRESETS["tiny-ernie4_5"] = ModelConfig(
+    "ernie4_5", 256, 64, 2, 4, 2, 160, head_dim=32, max_seq_len=256, tie_embeddings=True
+)
+PRESETS["tiny-ernie4_5-moe"] = ModelConfig(
+    "ernie4_5_moe", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, n_experts=8,
+    n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, norm_topk_prob=True, dense_layers=(0,),
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
