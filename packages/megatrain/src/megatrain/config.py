@@ -97,7 +97,7 @@ class TrainSection:
     min_lr_ratio: float = 0.1
     seed: int = 0
     max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
-    # MoE routers with a correction bias (sigmoid scoring: DeepSeek-V3, GLM-4.5, MiniMax-M2): moved by this
+    # MoE routers with a correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1, ERNIE 4.5): moved by this
     # much per step against each expert's excess load of the step in its layer (DeepSeek-V3's aux-loss-free
     # balancing, 0.001 in its pre-training; Megatron's moe_router_bias_update_rate); 0 keeps the bias as loaded
     router_bias_update_rate: float = 0.0

@@ -235,7 +235,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
             }
             if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
                 postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
-                postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"  # the worst layer's load / mean - 1
+            if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
+                postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
             every = config.train.eval_every
             if validation is not None and (
                 (every and trainer.step_index % every == 0) or trainer.step_index == config.train.steps

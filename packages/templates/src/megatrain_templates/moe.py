@@ -73,8 +73,8 @@ class MoeShape:
     n_groups: int = 1
     topk_groups: int = 1
     # "softmax" over the router logits, or "sigmoid" (DeepSeek-V3, MiniMax-M2): each expert scored on its own, in fp32
-    # as transformers does, the top-k chosen by score + a correction bias that is not trained (DeepSeek
-    # balances load by moving it, `e_score_correction_bias`), weighted by their scores alone
+    # as transformers does, the top-k chosen by score + a correction bias that gets no gradient (it moves
+    # only by load, `LOAD_BIAS`: DeepSeek's `e_score_correction_bias`), weighted by their scores alone
     scoring: str = "softmax"
     # softmax scoring with a correction bias (ERNIE 4.5): the top-k chosen by probability + bias, weighted by
     # their probabilities renormalised (sigmoid scoring always has the bias)
@@ -309,8 +309,8 @@ class RouterLoad:
         return self._stats
 
     def max_violation(self) -> Tensor | None:
-        """The step's worst balanced MoE layer's "MaxVio" (DeepSeek-V3): max over its experts of load / mean
-        load - 1; 0 when every expert of every layer got as many tokens; None before any record."""
+        """The "MaxVio" (DeepSeek-V3) of the step's least balanced MoE layer: max over its experts of load /
+        mean load - 1; 0 when every expert of every layer got as many tokens; None before any record."""
         if self._finished() is None:
             return None
         loads = self._layer_loads
