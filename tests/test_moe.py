@@ -77,6 +77,7 @@ def make_trainer(
     device="cpu",
     engine=EngineSection(),
     router_bias_update_rate=0.0,
+    router_seq_aux_loss_coef=0.0,
 ):
     train = TrainSection(
         steps=steps,
@@ -88,6 +89,7 @@ def make_trainer(
         warmup_steps=1,
         schedule="cosine",
         router_bias_update_rate=router_bias_update_rate,
+        router_seq_aux_loss_coef=router_seq_aux_loss_coef,
     )
     config = Config(
         model=ModelSection(hf_dir=str(hf_dir)),
@@ -195,6 +197,21 @@ def test_correction_biases_balanced_by_load_match_the_reference_rule(name, exper
     check_steps_match_transformers(name, name not in AUX_LOSS_REFUSED, tmp_path, "cpu", engine, bias_rate=0.01)
 
 
+@pytest.mark.parametrize(
+    "name, experts_per_stage",
+    [("tiny-deepseek-v3", "auto"), ("tiny-deepseek-v3", 3), ("tiny-qwen3-moe", "auto"), ("tiny-ernie4_5-moe", 3)],
+)
+def test_sequence_wise_balance_loss_matches_deepseeks(name, experts_per_stage, tmp_path):
+    """`train.router_seq_aux_loss_coef`: DeepSeek-V3's sequence-wise balance loss (with its biases moving by
+    load where the router has them; with transformers' own load-balancing loss for Qwen3-MoE), each layer's
+    statistics per sequence of each micro-batch: the same loss and steps as transformers' model with the
+    loss added by DeepSeek's formula, whole layers and experts in parts, clipped and eager."""
+    engine = EngineSection(experts_per_stage=experts_per_stage)
+    bias_rate = 0.01 if name in BIASED_PRESETS else 0.0
+    aux = name not in AUX_LOSS_REFUSED and name not in NO_AUX_LOSS
+    check_steps_match_transformers(name, aux, tmp_path, "cpu", engine, bias_rate=bias_rate, seq_coef=0.05)
+
+
 def test_a_bias_update_rate_needs_a_router_with_a_correction_bias(tmp_path):
     from megatrain.config import ConfigError
 
@@ -223,27 +240,56 @@ def test_dense_layers_after_the_last_moe_layer_keep_their_graph_the_moe_ones_rec
 
 class ReferenceLoads:
     """Each MoE layer's expert loads of a step in a transformers model (the indices its experts module is
-    given), and DeepSeek-V3's aux-loss-free balancing on it as Megatron's `get_updated_expert_bias` does
-    it: bias += rate * sign(mean load - load) after the step, in the bias's fp32."""
+    given), and DeepSeek-V3's balancing on it: the aux-loss-free rule as Megatron's `get_updated_expert_bias`
+    (bias += rate * sign(mean load - load) after the step, in the bias's fp32), and the sequence-wise loss as
+    DeepSeek's MoEGate `seq_aux` (per sequence: sum_e f_e P_e, f_e = n_experts * picks / (top_k * tokens),
+    P_e the mean of the normalised scores or the probabilities; the mean over sequences, summed over layers)."""
 
-    def __init__(self, model, n_experts: int, rate: float):
-        self.rate, self.loads, self.biases = rate, [], []
+    def __init__(self, model, n_experts: int, rate: float, sigmoid: bool = False):
+        self.rate, self.sigmoid, self.loads, self.biases = rate, sigmoid, [], []
+        self.sequence_terms, self._router_input = [], {}
         for module in model.modules():
             if not isinstance(getattr(module, "experts", None), torch.nn.Module):
                 continue
             loads = torch.zeros(n_experts)
-            module.experts.register_forward_pre_hook(self._count(loads), with_kwargs=True)
+            if isinstance(getattr(module, "gate", None), torch.nn.Module):
+                module.gate.register_forward_pre_hook(self._keep_router_input(module))
+            module.experts.register_forward_pre_hook(self._count(module, loads), with_kwargs=True)
             self.loads.append(loads)
             tensors = [*module.named_buffers(), *module.named_parameters()]  # (ERNIE's is a parameter)
             self.biases.append(next((t for name, t in tensors if name.endswith("e_score_correction_bias")), None))
 
-    @staticmethod
-    def _count(loads):
+    def _keep_router_input(self, module):
+        def hook(gate, args):
+            self._router_input[module] = args[0]
+
+        return hook
+
+    def _count(self, moe, loads):
         def hook(module, args, kwargs):
             top_index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
             loads.add_(torch.bincount(top_index.reshape(-1), minlength=loads.numel()).float())
+            if moe in self._router_input:
+                self.sequence_terms.append(self._sequence_term(moe, top_index))
 
         return hook
+
+    def _sequence_term(self, moe, top_index):
+        h = self._router_input.pop(moe)
+        logits = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).float(), moe.gate.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        probs = scores / scores.sum(-1, keepdim=True) if self.sigmoid else scores
+        n_experts, k = probs.shape[-1], top_index.shape[-1]
+        batch = self.batch
+        picks = torch.zeros(batch, n_experts).scatter_add_(
+            1, top_index.reshape(batch, -1), torch.ones(batch, top_index.numel() // batch)
+        )
+        tokens = top_index.shape[0] // batch
+        shares = picks * n_experts / (k * tokens)
+        return (shares * probs.view(batch, tokens, n_experts).mean(1)).sum(1).mean()
+
+    def sequence_loss(self):
+        return sum(self.sequence_terms)
 
     def max_violation(self) -> float:
         loads = torch.stack(self.loads)
@@ -255,19 +301,31 @@ class ReferenceLoads:
                 if bias is not None:
                     bias.add_(torch.sign(loads.sum() / loads.numel() - loads) * self.rate)
                 loads.zero_()
+        self.sequence_terms = []
 
 
-def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSection(), bias_rate=0.0, **overrides):
+def check_steps_match_transformers(
+    name, aux, tmp_path, device, engine=EngineSection(), bias_rate=0.0, seq_coef=0.0, **overrides
+):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(name, aux, seed, **{**clamp_that_bites(name), **overrides})
     reference.save_pretrained(tmp_path / "hf")
     grad_clip = 0.5 if aux else 0.0  # both update policies: clipped (held gradients) and eager
     trainer, train = make_trainer(
-        tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine, router_bias_update_rate=bias_rate
+        tmp_path / "hf",
+        tmp_path,
+        grad_clip,
+        steps=4,
+        device=device,
+        engine=engine,
+        router_bias_update_rate=bias_rate,
+        router_seq_aux_loss_coef=seq_coef,
     )
     assert bool(trainer.spec.expert_parts) == (engine.experts_per_stage != "auto")
     optimizer = hf_adamw(reference, train)
-    loads = ReferenceLoads(reference, trainer.model_config.n_experts, bias_rate)
+    sigmoid = trainer.model_config.router_scoring == "sigmoid"
+    loads = ReferenceLoads(reference, trainer.model_config.n_experts, bias_rate, sigmoid)
+    loads.batch = train.batch_size
     biases = [bias for bias in loads.biases if bias is not None]
     assert len(loads.loads) == sum(map(trainer.model_config.layer_is_moe, range(trainer.model_config.n_layers)))
     assert bool(biases) == trainer.model_config.router_bias
@@ -281,12 +339,15 @@ def check_steps_match_transformers(name, aux, tmp_path, device, engine=EngineSec
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
         out = reference(input_ids=ids, labels=hf_labels(labels))
-        out.loss.backward()
+        loss = out.loss + seq_coef * loads.sequence_loss() if seq_coef else out.loss
+        loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
         optimizer.step()
         assert metrics.router_max_violation == pytest.approx(loads.max_violation())
+        if seq_coef:
+            assert metrics.router_seq_aux_loss == pytest.approx(loads.sequence_loss().item(), rel=1e-5)
         loads.step()
-        assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
         if aux and name in NO_AUX_LOSS:
             assert getattr(out, "aux_loss", None) is None

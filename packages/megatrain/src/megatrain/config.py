@@ -101,6 +101,9 @@ class TrainSection:
     # much per step against each expert's excess load of the step in its layer (DeepSeek-V3's aux-loss-free
     # balancing, 0.001 in its pre-training; Megatron's moe_router_bias_update_rate); 0 keeps the bias as loaded
     router_bias_update_rate: float = 0.0
+    # MoE: DeepSeek-V3's complementary sequence-wise balance loss, its weight (alpha; 0.0001 in DeepSeek-V3's
+    # pre-training): the sum over MoE layers of the mean over sequences of sum_e f_e P_e (Megatron's seq_aux_loss)
+    router_seq_aux_loss_coef: float = 0.0
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
     eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
@@ -123,6 +126,8 @@ class TrainSection:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if not self.router_bias_update_rate >= 0:
             raise ConfigError(f"train.router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
+        if not self.router_seq_aux_loss_coef >= 0:
+            raise ConfigError(f"train.router_seq_aux_loss_coef must be >= 0, got {self.router_seq_aux_loss_coef}")
 
 
 @dataclass(frozen=True)

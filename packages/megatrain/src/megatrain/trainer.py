@@ -75,6 +75,7 @@ class StepMetrics:
     router_aux_loss: float | None = None  # MoE: the load-balancing loss (in `loss` only when the model adds it)
     # MoE: the worst layer's max expert load / mean load - 1 (DeepSeek-V3's MaxVio; 0: perfectly even)
     router_max_violation: float | None = None
+    router_seq_aux_loss: float | None = None  # MoE: the sequence-wise balance loss, where on (in `loss`)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items() if v is not None}
@@ -102,6 +103,11 @@ class Trainer:
                 f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
                 f"have ({', '.join(CORRECTION_BIASED)}); this {self.model_config.arch} model has none: set it "
                 f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
+            )
+        if config.train.router_seq_aux_loss_coef and not self.model_config.is_moe:
+            raise ConfigError(
+                "train.router_seq_aux_loss_coef balances a mixture of experts' routers; this "
+                f"{self.model_config.arch} model has none: set it to 0"
             )
         gpus, hosts = launch_shape()
         # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
@@ -178,8 +184,11 @@ class Trainer:
             timeline=self.timeline,
             reduce_grad=None if self.sync is None else self.sync.reduce_grad,
         )
-        if self.spec.router_load is not None and self.sync is not None:
-            self.spec.router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
+        if self.spec.router_load is not None:
+            self.spec.router_load.seq_coef = train.router_seq_aux_loss_coef
+            self.spec.router_load.sequences = train.batch_size  # over all ranks
+            if self.sync is not None:
+                self.spec.router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
         # where each group is first needed in a forward: the optimizer worker's order when it lags behind
         self._forward_order = {}
         for index, stage in enumerate(self.spec.stages):
@@ -457,11 +466,14 @@ class Trainer:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
         loss = loss_sum.item() / n_targets
-        aux = violation = None
+        aux = violation = sequence_aux = None
         if router_load is not None:
             aux = router_load.loss().item()
             loss += router_load.coef * aux  # what transformers reports as the loss, aux term included
             violation = router_load.max_violation().item()
+            if router_load.seq_coef:
+                sequence_aux = router_load.sequence_loss().item()
+                loss += router_load.seq_coef * sequence_aux
         grad_norm = math.sqrt(sq_norms.sum().item())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -496,6 +508,7 @@ class Trainer:
             skipped,
             aux,
             violation,
+            sequence_aux,
         )
 
     @torch.no_grad()

@@ -264,33 +264,50 @@ class RouterLoad:
     `coef` 0 records the statistics (the loss is still reported) but adds no gradient.
 
     Each layer's expert loads are kept too, for `max_violation`: the forwards of a step record layer
-    by layer (the pipeline is layer-major), each of the `n_layers` MoE layers once per micro-batch."""
+    by layer (the pipeline is layer-major), each of the `n_layers` MoE layers once per micro-batch.
 
-    def __init__(self, n_experts: int, top_k: int, coef: float = 0.0, n_layers: int = 1):
+    `seq_coef` adds DeepSeek-V3's complementary sequence-wise balance loss, alpha times the sum over MoE
+    layers of the mean over the step's `sequences` of
+
+        sum_e f_e * P_e,  f_e = n_experts * picks of e / (top_k * tokens),  P_e = sum of p_e / tokens
+
+    over each sequence's own tokens (DeepSeek's and Megatron's `seq_aux_loss`). It is local to a layer and
+    a micro-batch: its gradient w.r.t. p_e is alpha * f_e / (tokens * sequences), from that sequence alone."""
+
+    def __init__(self, n_experts: int, top_k: int, coef: float = 0.0, n_layers: int = 1, seq_coef: float = 0.0):
         self.n_experts, self.top_k, self.coef, self.n_layers = n_experts, top_k, coef, n_layers
+        self.seq_coef = seq_coef
+        self.sequences = 1  # the step's sequences over all ranks: the sequence-wise loss is a mean over them
         # with data parallelism: sums a tensor over the ranks in place, so that the statistics
         # (and the loss's gradient) are those of the global batch
         self.reduce: Callable[[Tensor], Tensor] | None = None
         self.reset()
 
+    @property
+    def routes_in_backward(self) -> bool:
+        """Whether a backward needs the routing again for a loss's gradient."""
+        return bool(self.coef or self.seq_coef)
+
     def reset(self) -> None:
-        self._stats: Tensor | None = None  # [picks per expert, probability sums per expert, rows], fp32
+        # [picks per expert, probability sums per expert, rows, sequence-wise loss summed over sequences]
+        self._stats: Tensor | None = None
         self._records: list[Tensor] = []  # picks per expert of each forward, in record order
         self._layer_loads: Tensor | None = None  # [n_layers, n_experts], once final
         self._final = False
 
-    def record(self, top_index: Tensor, probs: Tensor, valid: Tensor | None = None) -> None:
+    def record(self, top_index: Tensor, probs: Tensor, valid: Tensor | None = None, sequences: int = 1) -> None:
         """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] router probabilities (fp32 or fp64);
-        valid: [tokens] bool, False for padding, which is left out (as transformers' attention_mask does)."""
-        stats = torch.zeros(2 * self.n_experts + 1, dtype=probs.dtype, device=probs.device)
-        weight = (
-            torch.ones(probs.shape[0], dtype=probs.dtype, device=probs.device)
-            if valid is None
-            else valid.to(probs.dtype)
-        )
+        valid: [tokens] bool, False for padding, which is left out (as transformers' attention_mask does);
+        the tokens are `sequences` sequences of equal length, one after another."""
+        stats = torch.zeros(2 * self.n_experts + 2, dtype=probs.dtype, device=probs.device)
+        weight = _token_weights(valid, probs)
         stats[: self.n_experts].scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(top_index.shape[1]))
         stats[self.n_experts : 2 * self.n_experts] = (probs.detach() * weight.unsqueeze(1)).sum(0)
-        stats[-1] = weight.sum()
+        stats[-2] = weight.sum()
+        if self.seq_coef:
+            shares, tokens = self._sequence_shares(top_index, weight, sequences)
+            per_token = probs.detach().view(sequences, -1, self.n_experts) * weight.view(sequences, -1, 1)
+            stats[-1] = (shares * per_token.sum(1) / tokens.unsqueeze(1)).sum()
         self._stats = stats if self._stats is None else self._stats + stats
         self._records.append(stats[: self.n_experts])
 
@@ -321,8 +338,13 @@ class RouterLoad:
         stats = self._finished()
         if stats is None:
             return None
-        picks, prob_sums, rows = stats[: self.n_experts], stats[self.n_experts : -1], stats[-1]
+        picks, prob_sums, rows = stats[: self.n_experts], stats[self.n_experts : -2], stats[-2]
         return self.n_experts * (picks / rows * prob_sums / rows).sum()
+
+    def sequence_loss(self) -> Tensor | None:
+        """The (uncoefficiented) sequence-wise balance loss of the step; None when it is off or before any record."""
+        stats = self._finished()
+        return None if stats is None or not self.seq_coef else stats[-1] / self.sequences
 
     def probs_grad(self) -> Tensor | None:
         """d(coef * aux) / d(router probability), [n_experts]; None when the loss is off."""
@@ -331,7 +353,30 @@ class RouterLoad:
         stats = self._finished()
         if stats is None:
             return None
-        return self.coef * self.n_experts * stats[: self.n_experts] / stats[-1] / stats[-1]
+        return self.coef * self.n_experts * stats[: self.n_experts] / stats[-2] / stats[-2]
+
+    def _sequence_shares(self, top_index: Tensor, weight: Tensor, sequences: int) -> tuple[Tensor, Tensor]:
+        """(f [sequences, n_experts]: each sequence's picks of each expert over an even share of them,
+        its tokens [sequences])."""
+        picks = torch.zeros(sequences, self.n_experts, dtype=weight.dtype, device=weight.device)
+        slots = weight.repeat_interleave(self.top_k).view(sequences, -1)
+        picks.scatter_add_(1, top_index.reshape(sequences, -1), slots)
+        tokens = weight.view(sequences, -1).sum(1).clamp_min(1)
+        return picks * self.n_experts / (self.top_k * tokens.unsqueeze(1)), tokens
+
+    def sequence_probs_grad(self, top_index: Tensor, probs: Tensor, valid: Tensor | None, sequences: int) -> Tensor:
+        """d(seq_coef * sequence-wise loss) / d(router probability) of one layer's micro-batch, [tokens, n_experts]."""
+        weight = _token_weights(valid, probs)
+        shares, tokens = self._sequence_shares(top_index, weight, sequences)
+        per_sequence = shares * (self.seq_coef / self.sequences) / tokens.unsqueeze(1)
+        return (per_sequence.unsqueeze(1) * weight.view(sequences, -1, 1)).view_as(probs)
+
+
+def _token_weights(valid: Tensor | None, like: Tensor) -> Tensor:
+    """[tokens]: 1 for a real token, 0 for padding, in `like`'s dtype and device."""
+    if valid is None:
+        return torch.ones(like.shape[0], dtype=like.dtype, device=like.device)
+    return valid.to(like.dtype)
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype, row_major: bool = False) -> bool:
@@ -609,17 +654,23 @@ class MoeBlock(DecoderBlock):
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
         check_buffers(weights, self.groups, "MoeBlock.forward")
         out, probs, top_index = self._block_and_router(self._views(weights[0]), hidden, documents)
-        self.router_load.record(top_index, probs, _valid_tokens(documents))
+        self.router_load.record(top_index, probs, _valid_tokens(documents), hidden.shape[0])
         return out
 
-    def _aux_outputs(self, probs: Tensor | None, documents: Documents | None) -> tuple[list, list]:
-        """(outputs, their gradients) that add the load-balancing loss's gradient to a backward."""
-        probs_grad = self.router_load.probs_grad()
-        if probs_grad is None or probs is None:
+    def _aux_outputs(
+        self, probs: Tensor | None, top_index: Tensor | None, documents: Documents | None, sequences: int
+    ) -> tuple[list, list]:
+        """(outputs, their gradients) that add the balance losses' gradients (where on) to a backward."""
+        load = self.router_load
+        if probs is None or not load.routes_in_backward:
             return [], []
-        grad_probs = probs_grad.to(probs.dtype).expand_as(probs)
         valid = _valid_tokens(documents)
-        return [probs], [grad_probs if valid is None else grad_probs * valid.to(probs.dtype).unsqueeze(1)]
+        grad_probs = torch.zeros_like(probs)
+        if load.coef:
+            grad_probs += load.probs_grad().to(probs.dtype) * _token_weights(valid, probs).unsqueeze(1)
+        if load.seq_coef:
+            grad_probs += load.sequence_probs_grad(top_index, probs, valid, sequences)
+        return [probs], [grad_probs]
 
     def backward(
         self,
@@ -636,7 +687,7 @@ class MoeBlock(DecoderBlock):
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             out, probs, top_index = self._block_and_router(leaves, x, documents)
-        aux, aux_grads = self._aux_outputs(probs, documents)
+        aux, aux_grads = self._aux_outputs(probs, top_index, documents, x.shape[0])
         grad_in, *grad_leaves = torch.autograd.grad(
             [out, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
         )
@@ -718,7 +769,7 @@ class MoeAttention(_MoePart):
         """hidden: [batch, seq, d_model] -> the pair; records routing statistics."""
         check_buffers(weights, self.groups, "MoeAttention.forward")
         pair, probs, top_index = self._pair(self._bind(weights), hidden, documents, route=True)
-        self.router_load.record(top_index, probs, _valid_tokens(documents))
+        self.router_load.record(top_index, probs, _valid_tokens(documents), hidden.shape[0])
         return pair
 
     def backward(self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None) -> Tensor:
@@ -726,12 +777,12 @@ class MoeAttention(_MoePart):
         check_buffers(weights, self.groups, "MoeAttention.backward")
         leaves = self._bind(weights, leaves=True)
         x = hidden.detach().requires_grad_(True)
-        # routing again only for the load-balancing loss's gradient or the correction bias's load
-        route = self.router_load.probs_grad() is not None or self.moe.biased_choice
+        # routing again only for a balance loss's gradient or the correction bias's load
+        route = self.router_load.routes_in_backward or self.moe.biased_choice
         with torch.enable_grad():
             (a, shared), probs, top_index = self._pair(leaves, x, documents, route=route)
         outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))
-        aux, aux_grads = self._aux_outputs(probs, documents)
+        aux, aux_grads = self._aux_outputs(probs, top_index, documents, x.shape[0])
         grad_in, *grad_leaves = torch.autograd.grad(
             outputs + aux, [x, *leaves.values()], grad_outputs + aux_grads, allow_unused=True
         )
