@@ -136,10 +136,12 @@ def test_steps_match_transformers(name, aux, tmp_path):
 @pytest.mark.parametrize("name", MOE_PRESETS)
 def test_gpu_steps_match_transformers(name, tmp_path):
     """The CUDA engine (streams, pinned memory) in fp32, TF32 off, against transformers on the CPU; correction
-    biases balanced by load (on the GPU where the plan updates the first layers there)."""
+    biases balanced by load (on the GPU where the plan updates the first layers there) beside the
+    sequence-wise balance loss."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    bias_rate = 0.01 if name in BIASED_PRESETS else 0.0
-    check_steps_match_transformers(name, name not in AUX_LOSS_REFUSED, tmp_path, "cuda", bias_rate=bias_rate)
+    bias_rate, seq_coef = (0.01, 0.05) if name in BIASED_PRESETS else (0.0, 0.0)
+    aux = name not in AUX_LOSS_REFUSED
+    check_steps_match_transformers(name, aux, tmp_path, "cuda", bias_rate=bias_rate, seq_coef=seq_coef)
 
 
 @pytest.mark.gpu
