@@ -166,6 +166,29 @@ def _deepseek_v3(**changes) -> ModelConfig:
     return config.with_changes(**changes)
 
 
+def _ernie4_5(arch: str, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, **moe) -> ModelConfig:
+    """ERNIE 4.5 (Baidu, 2025): heads of 128 with rotary embedding on adjacent pairs, tied embeddings; the
+    MoE's router chooses by softmax probability + a correction bias (transformers' config defaults)."""
+    return ModelConfig(
+        arch,
+        103424,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        d_ff,
+        head_dim=128,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tie_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **moe,
+    )
+
+
 def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
     YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
@@ -443,41 +466,14 @@ PRESETS: dict[str, ModelConfig] = {
         routed_scaling_factor=2.5,
         router_scoring="sigmoid",
     ),
-    # ERNIE 4.5 (Baidu, 2025): rotary embedding on adjacent pairs; the MoE's router chooses by softmax
-    # probability + a correction bias (transformers' Ernie4_5Config / Ernie4_5_MoeConfig defaults)
-    "ernie-4.5-0.3b": ModelConfig(
-        "ernie4_5",
-        103424,
-        1024,
-        18,
-        16,
-        2,
-        3072,
-        head_dim=128,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-        rms_eps=1e-5,
-        tie_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    ),
-    "ernie-4.5-21b-a3b": ModelConfig(
+    "ernie-4.5-0.3b": _ernie4_5("ernie4_5", 1024, 18, 16, 2, 3072),
+    "ernie-4.5-21b-a3b": _ernie4_5(
         "ernie4_5_moe",
-        103424,
         2560,
         28,
         20,
         4,
         12288,
-        head_dim=128,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-        rms_eps=1e-5,
-        tie_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
         n_experts=64,
         n_experts_per_tok=6,
         moe_d_ff=1536,
