@@ -50,6 +50,7 @@ def train(args, rate: float, workdir: Path) -> dict:
         grad_clip=1.0,
         seed=0,
         router_bias_update_rate=rate,
+        router_seq_aux_loss_coef=args.seq_aux_coef,
     )
     config = Config(
         model=ModelSection(preset="moonlight-16b-a3b"),  # (replaced by `model(args)`)
@@ -81,6 +82,7 @@ def train(args, rate: float, workdir: Path) -> dict:
     tail = rows[-args.steps // 5 :]
     return {
         "router_bias_update_rate": rate,
+        "router_seq_aux_loss_coef": args.seq_aux_coef,
         "params": trainer.model_config.n_params,
         "active_params": trainer.model_config.active_params,
         "final_loss_mean_last_fifth": round(sum(r["loss"] for r in tail) / len(tail), 4),
@@ -115,6 +117,7 @@ def plot(runs: list[dict], path: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.001, 0.01])
+    parser.add_argument("--seq-aux-coef", type=float, default=0.0, help="train.router_seq_aux_loss_coef of every run")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
