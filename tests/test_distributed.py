@@ -92,6 +92,7 @@ def assert_same_training(one, many):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b.get("router_max_violation") == pytest.approx(a.get("router_max_violation"))  # global loads
         assert b.get("router_seq_aux_loss") == pytest.approx(a.get("router_seq_aux_loss"))
+        assert b.get("router_z_loss") == pytest.approx(a.get("router_z_loss"))
     assert rows_1[0]["grad_norm"] > CONFIG["train"]["grad_clip"]  # clipping really acts (when on)
     assert_same_weights(weights_1, weights_n)
 
@@ -215,8 +216,9 @@ def test_correction_biases_balanced_by_load_over_ranks_and_split_hosts_equal_one
     """DeepSeek-V3's biases move by the sign of their layer's excess load over the global batch: two ranks
     average their loads as they do gradients; two hosts that split the state, experts in parts, hold
     shards whose edges may fall between a bias's hi and lo halves. Its sequence-wise balance loss is a
-    mean over the global batch's sequences. Both equal one process."""
-    model, train = {"preset": "tiny-deepseek-v3"}, {"router_bias_update_rate": 0.01, "router_seq_aux_loss_coef": 0.05}
+    mean over the global batch's sequences, the router z-loss over its tokens. Both equal one process."""
+    model = {"preset": "tiny-deepseek-v3"}
+    train = {"router_bias_update_rate": 0.01, "router_seq_aux_loss_coef": 0.05, "router_z_loss_coef": 0.01}
     one = run(tmp_path, "one", [sys.executable], model=model, train=train)
     biases = [name for name in one[1] if name.endswith("e_score_correction_bias")]
     assert biases and all(one[1][name].abs().max() > 0.005 for name in biases)  # from zero, steps of 0.01

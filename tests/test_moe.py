@@ -78,6 +78,7 @@ def make_trainer(
     engine=EngineSection(),
     router_bias_update_rate=0.0,
     router_seq_aux_loss_coef=0.0,
+    router_z_loss_coef=0.0,
 ):
     train = TrainSection(
         steps=steps,
@@ -90,6 +91,7 @@ def make_trainer(
         schedule="cosine",
         router_bias_update_rate=router_bias_update_rate,
         router_seq_aux_loss_coef=router_seq_aux_loss_coef,
+        router_z_loss_coef=router_z_loss_coef,
     )
     config = Config(
         model=ModelSection(hf_dir=str(hf_dir)),
@@ -137,11 +139,11 @@ def test_steps_match_transformers(name, aux, tmp_path):
 def test_gpu_steps_match_transformers(name, tmp_path):
     """The CUDA engine (streams, pinned memory) in fp32, TF32 off, against transformers on the CPU; correction
     biases balanced by load (on the GPU where the plan updates the first layers there) beside the
-    sequence-wise balance loss."""
+    sequence-wise balance loss and the router z-loss."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    bias_rate, seq_coef = (0.01, 0.05) if name in BIASED_PRESETS else (0.0, 0.0)
+    bias_rate, seq_coef, z_coef = (0.01, 0.05, 0.01) if name in BIASED_PRESETS else (0.0, 0.0, 0.0)
     aux = name not in AUX_LOSS_REFUSED
-    check_steps_match_transformers(name, aux, tmp_path, "cuda", bias_rate=bias_rate, seq_coef=seq_coef)
+    check_steps_match_transformers(name, aux, tmp_path, "cuda", bias_rate=bias_rate, seq_coef=seq_coef, z_coef=z_coef)
 
 
 @pytest.mark.gpu
@@ -214,6 +216,17 @@ def test_sequence_wise_balance_loss_matches_deepseeks(name, experts_per_stage, t
     check_steps_match_transformers(name, aux, tmp_path, "cpu", engine, bias_rate=bias_rate, seq_coef=0.05)
 
 
+@pytest.mark.parametrize(
+    "name, experts_per_stage", [("tiny-olmoe", "auto"), ("tiny-deepseek-v3", 3), ("tiny-ernie4_5-moe", "auto")]
+)
+def test_router_z_loss_matches_st_moes(name, experts_per_stage, tmp_path):
+    """`train.router_z_loss_coef`: ST-MoE's router z-loss (OLMoE's recipe with its load-balancing loss;
+    DeepSeek-V3's logits in parts): the same loss and steps as transformers' model with the z-loss added."""
+    engine = EngineSection(experts_per_stage=experts_per_stage)
+    aux = name not in AUX_LOSS_REFUSED and name not in NO_AUX_LOSS
+    check_steps_match_transformers(name, aux, tmp_path, "cpu", engine, z_coef=0.05)
+
+
 def test_a_bias_update_rate_needs_a_router_with_a_correction_bias(tmp_path):
     from megatrain.config import ConfigError
 
@@ -245,11 +258,12 @@ class ReferenceLoads:
     given), and DeepSeek-V3's balancing on it: the aux-loss-free rule as Megatron's `get_updated_expert_bias`
     (bias += rate * sign(mean load - load) after the step, in the bias's fp32), and the sequence-wise loss as
     DeepSeek's MoEGate `seq_aux` (per sequence: sum_e f_e P_e, f_e = n_experts * picks / (top_k * tokens),
-    P_e the mean of the normalised scores or the probabilities; the mean over sequences, summed over layers)."""
+    P_e the mean of the normalised scores or the probabilities; the mean over sequences, summed over layers),
+    and ST-MoE's router z-loss (the mean over tokens of logsumexp(logits)^2, summed over layers)."""
 
     def __init__(self, model, n_experts: int, rate: float, sigmoid: bool = False):
         self.rate, self.sigmoid, self.loads, self.biases = rate, sigmoid, [], []
-        self.sequence_terms, self._router_input = [], {}
+        self.sequence_terms, self.z_terms, self._router_input = [], [], {}
         for module in model.modules():
             if not isinstance(getattr(module, "experts", None), torch.nn.Module):
                 continue
@@ -272,13 +286,14 @@ class ReferenceLoads:
             top_index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
             loads.add_(torch.bincount(top_index.reshape(-1), minlength=loads.numel()).float())
             if moe in self._router_input:
-                self.sequence_terms.append(self._sequence_term(moe, top_index))
+                h = self._router_input.pop(moe)
+                logits = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).float(), moe.gate.weight.float())
+                self.sequence_terms.append(self._sequence_term(logits, top_index))
+                self.z_terms.append(logits.logsumexp(-1).square().mean())
 
         return hook
 
-    def _sequence_term(self, moe, top_index):
-        h = self._router_input.pop(moe)
-        logits = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).float(), moe.gate.weight.float())
+    def _sequence_term(self, logits, top_index):
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
         probs = scores / scores.sum(-1, keepdim=True) if self.sigmoid else scores
         n_experts, k = probs.shape[-1], top_index.shape[-1]
@@ -293,6 +308,9 @@ class ReferenceLoads:
     def sequence_loss(self):
         return sum(self.sequence_terms)
 
+    def z_loss(self):
+        return sum(self.z_terms)
+
     def max_violation(self) -> float:
         loads = torch.stack(self.loads)
         return (loads.amax(1) / loads.mean(1) - 1).max().item()
@@ -303,11 +321,11 @@ class ReferenceLoads:
                 if bias is not None:
                     bias.add_(torch.sign(loads.sum() / loads.numel() - loads) * self.rate)
                 loads.zero_()
-        self.sequence_terms = []
+        self.sequence_terms, self.z_terms = [], []
 
 
 def check_steps_match_transformers(
-    name, aux, tmp_path, device, engine=EngineSection(), bias_rate=0.0, seq_coef=0.0, **overrides
+    name, aux, tmp_path, device, engine=EngineSection(), bias_rate=0.0, seq_coef=0.0, z_coef=0.0, **overrides
 ):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(name, aux, seed, **{**clamp_that_bites(name), **overrides})
@@ -322,6 +340,7 @@ def check_steps_match_transformers(
         engine=engine,
         router_bias_update_rate=bias_rate,
         router_seq_aux_loss_coef=seq_coef,
+        router_z_loss_coef=z_coef,
     )
     assert bool(trainer.spec.expert_parts) == (engine.experts_per_stage != "auto")
     optimizer = hf_adamw(reference, train)
@@ -341,13 +360,19 @@ def check_steps_match_transformers(
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
         out = reference(input_ids=ids, labels=hf_labels(labels))
-        loss = out.loss + seq_coef * loads.sequence_loss() if seq_coef else out.loss
+        loss = out.loss
+        if seq_coef:
+            loss = loss + seq_coef * loads.sequence_loss()
+        if z_coef:
+            loss = loss + z_coef * loads.z_loss()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
         optimizer.step()
         assert metrics.router_max_violation == pytest.approx(loads.max_violation())
         if seq_coef:
             assert metrics.router_seq_aux_loss == pytest.approx(loads.sequence_loss().item(), rel=1e-5)
+        if z_coef:
+            assert metrics.router_z_loss == pytest.approx(loads.z_loss().item(), rel=1e-5)
         loads.step()
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)

@@ -203,7 +203,8 @@ def test_sigmoid_routing_chooses_by_the_fp32_correction_bias_in_any_slot(dtype):
     values = {p.name: torch.zeros(p.shape) for p in block.groups[0]}
     values["mlp.gate.e_score_correction_bias{hi}"], values["mlp.gate.e_score_correction_bias{lo}"] = hi, lo
     flat = torch.cat([values[p.name].reshape(-1) for p in block.groups[0]]).to(dtype)  # the slot, cast
-    _, top_index, top_weight = block.route(block._views(flat), torch.randn(5, d, dtype=dtype))
+    routing = block.route(block._views(flat), torch.randn(5, d, dtype=dtype))
+    top_index, top_weight = routing.top_index, routing.top_weight
     assert (top_index.sort(dim=-1).values == bias.topk(4).indices.sort().values).all()
     assert torch.equal(top_weight, torch.full_like(top_weight, 2.5 / 4))  # unbiased scores, renormalised
 

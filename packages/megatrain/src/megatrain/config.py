@@ -104,6 +104,9 @@ class TrainSection:
     # MoE: DeepSeek-V3's complementary sequence-wise balance loss, its weight (alpha; 0.0001 in DeepSeek-V3's
     # pre-training): the sum over MoE layers of the mean over sequences of sum_e f_e P_e (Megatron's seq_aux_loss)
     router_seq_aux_loss_coef: float = 0.0
+    # MoE: ST-MoE's router z-loss, its weight (OLMoE pre-trained with 0.001): the sum over MoE layers of the
+    # mean over tokens of logsumexp(router logits)^2 (Megatron's moe_z_loss_coeff)
+    router_z_loss_coef: float = 0.0
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
     eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
@@ -126,8 +129,9 @@ class TrainSection:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if not self.router_bias_update_rate >= 0:
             raise ConfigError(f"train.router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
-        if not self.router_seq_aux_loss_coef >= 0:
-            raise ConfigError(f"train.router_seq_aux_loss_coef must be >= 0, got {self.router_seq_aux_loss_coef}")
+        for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ class StepMetrics:
     # MoE: the worst layer's max expert load / mean load - 1 (DeepSeek-V3's MaxVio; 0: perfectly even)
     router_max_violation: float | None = None
     router_seq_aux_loss: float | None = None  # MoE: the sequence-wise balance loss, where on (in `loss`)
+    router_z_loss: float | None = None  # MoE: the router z-loss, where on (in `loss`)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items() if v is not None}
@@ -104,11 +105,12 @@ class Trainer:
                 f"have ({', '.join(CORRECTION_BIASED)}); this {self.model_config.arch} model has none: set it "
                 f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
             )
-        if config.train.router_seq_aux_loss_coef and not self.model_config.is_moe:
-            raise ConfigError(
-                "train.router_seq_aux_loss_coef balances a mixture of experts' routers; this "
-                f"{self.model_config.arch} model has none: set it to 0"
-            )
+        for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(config.train, name) and not self.model_config.is_moe:
+                raise ConfigError(
+                    f"train.{name} acts on a mixture of experts' routers; this {self.model_config.arch} model has "
+                    "none: set it to 0"
+                )
         gpus, hosts = launch_shape()
         # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
         rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
@@ -186,6 +188,7 @@ class Trainer:
         )
         if self.spec.router_load is not None:
             self.spec.router_load.seq_coef = train.router_seq_aux_loss_coef
+            self.spec.router_load.z_coef = train.router_z_loss_coef
             self.spec.router_load.sequences = train.batch_size  # over all ranks
             if self.sync is not None:
                 self.spec.router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
@@ -466,7 +469,7 @@ class Trainer:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
         loss = loss_sum.item() / n_targets
-        aux = violation = sequence_aux = None
+        aux = violation = sequence_aux = z = None
         if router_load is not None:
             aux = router_load.loss().item()
             loss += router_load.coef * aux  # what transformers reports as the loss, aux term included
@@ -474,6 +477,9 @@ class Trainer:
             if router_load.seq_coef:
                 sequence_aux = router_load.sequence_loss().item()
                 loss += router_load.seq_coef * sequence_aux
+            if router_load.z_coef:
+                z = router_load.z_loss().item()
+                loss += router_load.z_coef * z
         grad_norm = math.sqrt(sq_norms.sum().item())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -509,6 +515,7 @@ class Trainer:
             aux,
             violation,
             sequence_aux,
+            z,
         )
 
     @torch.no_grad()

@@ -252,6 +252,19 @@ def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[tuple[int
     }
 
 
+@dataclass
+class Routing:
+    """A router's decision for [tokens] rows: probabilities in fp32 (fp64 when computing in fp64), as
+    transformers' routers ([tokens, n_experts]; sigmoid scoring: the scores normalised per token, the
+    affinities DeepSeek's balance losses use), the chosen experts and their weights ([tokens, k]), and
+    the logits the probabilities came from (for the router z-loss)."""
+
+    probs: Tensor
+    top_index: Tensor
+    top_weight: Tensor
+    logits: Tensor
+
+
 class RouterLoad:
     """Routing statistics of one optimizer step over every MoE layer and micro-batch: the
     Switch-Transformer load-balancing loss exactly as transformers' `load_balancing_loss_func`
@@ -272,11 +285,22 @@ class RouterLoad:
         sum_e f_e * P_e,  f_e = n_experts * picks of e / (top_k * tokens),  P_e = sum of p_e / tokens
 
     over each sequence's own tokens (DeepSeek's and Megatron's `seq_aux_loss`). It is local to a layer and
-    a micro-batch: its gradient w.r.t. p_e is alpha * f_e / (tokens * sequences), from that sequence alone."""
+    a micro-batch: its gradient w.r.t. p_e is alpha * f_e / (tokens * sequences), from that sequence alone.
 
-    def __init__(self, n_experts: int, top_k: int, coef: float = 0.0, n_layers: int = 1, seq_coef: float = 0.0):
+    `z_coef` adds ST-MoE's router z-loss, the sum over MoE layers of the mean over the step's tokens of
+    logsumexp(router logits)^2, which keeps the logits small (OLMoE pre-trained with 0.001)."""
+
+    def __init__(
+        self,
+        n_experts: int,
+        top_k: int,
+        coef: float = 0.0,
+        n_layers: int = 1,
+        seq_coef: float = 0.0,
+        z_coef: float = 0.0,
+    ):
         self.n_experts, self.top_k, self.coef, self.n_layers = n_experts, top_k, coef, n_layers
-        self.seq_coef = seq_coef
+        self.seq_coef, self.z_coef = seq_coef, z_coef
         self.sequences = 1  # the step's sequences over all ranks: the sequence-wise loss is a mean over them
         # with data parallelism: sums a tensor over the ranks in place, so that the statistics
         # (and the loss's gradient) are those of the global batch
@@ -286,28 +310,32 @@ class RouterLoad:
     @property
     def routes_in_backward(self) -> bool:
         """Whether a backward needs the routing again for a loss's gradient."""
-        return bool(self.coef or self.seq_coef)
+        return bool(self.coef or self.seq_coef or self.z_coef)
 
     def reset(self) -> None:
-        # [picks per expert, probability sums per expert, rows, sequence-wise loss summed over sequences]
+        # [picks per expert, probability sums per expert, rows, sequence-wise loss summed over sequences,
+        # squared logsumexp summed over tokens]
         self._stats: Tensor | None = None
         self._records: list[Tensor] = []  # picks per expert of each forward, in record order
         self._layer_loads: Tensor | None = None  # [n_layers, n_experts], once final
         self._final = False
 
-    def record(self, top_index: Tensor, probs: Tensor, valid: Tensor | None = None, sequences: int = 1) -> None:
-        """top_index: [tokens, top_k] int64; probs: [tokens, n_experts] router probabilities (fp32 or fp64);
-        valid: [tokens] bool, False for padding, which is left out (as transformers' attention_mask does);
-        the tokens are `sequences` sequences of equal length, one after another."""
-        stats = torch.zeros(2 * self.n_experts + 2, dtype=probs.dtype, device=probs.device)
+    def record(self, routing: Routing, valid: Tensor | None = None, sequences: int = 1) -> None:
+        """One layer's routing of a micro-batch; valid: [tokens] bool, False for padding, which is left out
+        (as transformers' attention_mask does); the tokens are `sequences` sequences of equal length, one
+        after another."""
+        top_index, probs = routing.top_index, routing.probs.detach()
+        stats = torch.zeros(2 * self.n_experts + 3, dtype=probs.dtype, device=probs.device)
         weight = _token_weights(valid, probs)
         stats[: self.n_experts].scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(top_index.shape[1]))
-        stats[self.n_experts : 2 * self.n_experts] = (probs.detach() * weight.unsqueeze(1)).sum(0)
-        stats[-2] = weight.sum()
+        stats[self.n_experts : 2 * self.n_experts] = (probs * weight.unsqueeze(1)).sum(0)
+        stats[-3] = weight.sum()
         if self.seq_coef:
             shares, tokens = self._sequence_shares(top_index, weight, sequences)
-            per_token = probs.detach().view(sequences, -1, self.n_experts) * weight.view(sequences, -1, 1)
-            stats[-1] = (shares * per_token.sum(1) / tokens.unsqueeze(1)).sum()
+            per_token = probs.view(sequences, -1, self.n_experts) * weight.view(sequences, -1, 1)
+            stats[-2] = (shares * per_token.sum(1) / tokens.unsqueeze(1)).sum()
+        if self.z_coef:
+            stats[-1] = (upcast(routing.logits.detach()).logsumexp(dim=-1).square() * weight).sum()
         self._stats = stats if self._stats is None else self._stats + stats
         self._records.append(stats[: self.n_experts])
 
@@ -338,13 +366,27 @@ class RouterLoad:
         stats = self._finished()
         if stats is None:
             return None
-        picks, prob_sums, rows = stats[: self.n_experts], stats[self.n_experts : -2], stats[-2]
+        picks, prob_sums, rows = stats[: self.n_experts], stats[self.n_experts : 2 * self.n_experts], stats[-3]
         return self.n_experts * (picks / rows * prob_sums / rows).sum()
 
     def sequence_loss(self) -> Tensor | None:
         """The (uncoefficiented) sequence-wise balance loss of the step; None when it is off or before any record."""
         stats = self._finished()
-        return None if stats is None or not self.seq_coef else stats[-1] / self.sequences
+        return None if stats is None or not self.seq_coef else stats[-2] / self.sequences
+
+    def z_loss(self) -> Tensor | None:
+        """The (uncoefficiented) router z-loss of the step; None when it is off or before any record."""
+        stats = self._finished()
+        return None if stats is None or not self.z_coef else stats[-1] / self._tokens(stats)
+
+    def _tokens(self, stats: Tensor) -> Tensor:
+        """The step's tokens (not padding) over all ranks: rows counts each once per MoE layer."""
+        return stats[-3] / self.n_layers
+
+    def z_lse_grad(self, lse: Tensor, valid: Tensor | None) -> Tensor:
+        """d(z_coef * z-loss) / d(logsumexp of a token's logits), [tokens]."""
+        stats = self._finished()
+        return self.z_coef * 2 * lse.detach() * _token_weights(valid, lse) / self._tokens(stats)
 
     def probs_grad(self) -> Tensor | None:
         """d(coef * aux) / d(router probability), [n_experts]; None when the loss is off."""
@@ -353,7 +395,7 @@ class RouterLoad:
         stats = self._finished()
         if stats is None:
             return None
-        return self.coef * self.n_experts * stats[: self.n_experts] / stats[-2] / stats[-2]
+        return self.coef * self.n_experts * stats[: self.n_experts] / stats[-3] / stats[-3]
 
     def _sequence_shares(self, top_index: Tensor, weight: Tensor, sequences: int) -> tuple[Tensor, Tensor]:
         """(f [sequences, n_experts]: each sequence's picks of each expert over an even share of them,
@@ -492,15 +534,15 @@ class MoeBlock(DecoderBlock):
             **_shared_spans(moe, params),
         }
 
-    def route(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """h: [tokens, d_model] -> (probs [tokens, n_experts], top_index [tokens, k], top_weight [tokens, k]);
-        probabilities in fp32 (fp64 when computing in fp64), as transformers' routers."""
+    def route(self, w: dict[str, Tensor], h: Tensor) -> Routing:
+        """h: [tokens, d_model] -> the routing of each token."""
         moe = self.moe
         if moe.scoring == "sigmoid":
             return self._route_by_scores(w, h)
         if moe.correction_bias:
             return self._route_by_biased_probabilities(w, h)
-        probs = upcast(F.linear(h, w["router"], w.get("router_bias"))).softmax(dim=-1)
+        logits = F.linear(h, w["router"], w.get("router_bias"))
+        probs = upcast(logits).softmax(dim=-1)
         candidates = probs
         if moe.n_groups > 1:  # keep the experts of the topk_groups groups with the highest best probability
             groups = probs.view(-1, moe.n_groups, moe.n_experts // moe.n_groups)
@@ -512,16 +554,17 @@ class MoeBlock(DecoderBlock):
             top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
         if moe.routed_scaling != 1.0:
             top_weight = top_weight * moe.routed_scaling
-        return probs, top_index, top_weight
+        return Routing(probs, top_index, top_weight, logits)
 
-    def _route_by_scores(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _route_by_scores(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter; GLM-4.5's and MiniMax-M2's the same with
         one group or more): sigmoid scores from an fp32 GEMM; the topk_groups groups with the highest sums of
         their two best biased scores; in them the top-k biased
         scores; weights the unbiased scores, renormalised, times routed_scaling. The probabilities recorded
         for the load statistics are the scores normalised per token (DeepSeek's balance-loss affinities)."""
         moe = self.moe
-        scores = F.linear(upcast(h), upcast(w["router"])).sigmoid()
+        logits = F.linear(upcast(h), upcast(w["router"]))
+        scores = logits.sigmoid()
         with torch.no_grad():  # the bias only chooses: it has no gradient
             choice = scores + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"]))
             if moe.n_groups > 1:
@@ -534,18 +577,19 @@ class MoeBlock(DecoderBlock):
         if moe.norm_topk_prob:
             top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
         top_weight = top_weight * moe.routed_scaling
-        return scores / scores.sum(dim=-1, keepdim=True), top_index, top_weight
+        return Routing(scores / scores.sum(dim=-1, keepdim=True), top_index, top_weight, logits)
 
-    def _route_by_biased_probabilities(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _route_by_biased_probabilities(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """ERNIE 4.5's routing (transformers' Ernie4_5_MoeTopKRouter): softmax probabilities of an fp32 GEMM,
         the top-k of probability + correction bias, weighted by their probabilities over their sum (at
         least `moe_norm_min`, 1e-12)."""
-        probs = F.linear(upcast(h), upcast(w["router"])).softmax(dim=-1)
+        logits = F.linear(upcast(h), upcast(w["router"]))
+        probs = logits.softmax(dim=-1)
         with torch.no_grad():  # the bias only chooses: it has no gradient
             choice = probs + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"])).view(-1)
             top_index = choice.topk(self.moe.top_k, dim=-1).indices
         top_weight = probs.gather(1, top_index)
-        return probs, top_index, top_weight / top_weight.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+        return Routing(probs, top_index, top_weight / top_weight.sum(dim=-1, keepdim=True).clamp_min(1e-12), logits)
 
     def _experts(
         self,
@@ -635,42 +679,42 @@ class MoeBlock(DecoderBlock):
         shared = F.linear(swiglu(F.linear(h, w["shared_gate_up"])), w["shared_down"])
         return torch.sigmoid(F.linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared
 
-    def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """h: [tokens, d_model] (post-norm) -> (MLP output, router probs, top_index)."""
-        probs, top_index, top_weight = self.route(w, h)
-        out = self._experts(w, h, top_index, top_weight)
+    def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Routing]:
+        """h: [tokens, d_model] (post-norm) -> (MLP output, its routing)."""
+        routing = self.route(w, h)
+        out = self._experts(w, h, routing.top_index, routing.top_weight)
         shared = self._shared_expert(w, h)
-        return (out if shared is None else out + shared), probs, top_index
+        return (out if shared is None else out + shared), routing
 
-    def _block_and_router(
-        self, w: dict[str, Tensor], x: Tensor, documents: Documents | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def _block_and_router(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Routing]:
         x = self._attention(w, x, documents)
         h = rms_norm(x, w["post_norm"], self.shape.rms_eps)
-        out, probs, top_index = self._mlp(w, h.reshape(-1, h.shape[-1]))
-        return x + out.view_as(x), probs, top_index
+        out, routing = self._mlp(w, h.reshape(-1, h.shape[-1]))
+        return x + out.view_as(x), routing
 
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
         check_buffers(weights, self.groups, "MoeBlock.forward")
-        out, probs, top_index = self._block_and_router(self._views(weights[0]), hidden, documents)
-        self.router_load.record(top_index, probs, _valid_tokens(documents), hidden.shape[0])
+        out, routing = self._block_and_router(self._views(weights[0]), hidden, documents)
+        self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out
 
-    def _aux_outputs(
-        self, probs: Tensor | None, top_index: Tensor | None, documents: Documents | None, sequences: int
-    ) -> tuple[list, list]:
-        """(outputs, their gradients) that add the balance losses' gradients (where on) to a backward."""
+    def _aux_outputs(self, routing: Routing | None, documents: Documents | None, sequences: int) -> tuple[list, list]:
+        """(outputs, their gradients) that add the balance losses' and the z-loss's gradients (where on) to a
+        backward."""
         load = self.router_load
-        if probs is None or not load.routes_in_backward:
+        if routing is None or not load.routes_in_backward:
             return [], []
-        valid = _valid_tokens(documents)
+        valid, probs = _valid_tokens(documents), routing.probs
         grad_probs = torch.zeros_like(probs)
         if load.coef:
             grad_probs += load.probs_grad().to(probs.dtype) * _token_weights(valid, probs).unsqueeze(1)
         if load.seq_coef:
-            grad_probs += load.sequence_probs_grad(top_index, probs, valid, sequences)
-        return [probs], [grad_probs]
+            grad_probs += load.sequence_probs_grad(routing.top_index, probs, valid, sequences)
+        if not load.z_coef:
+            return [probs], [grad_probs]
+        lse = upcast(routing.logits).logsumexp(dim=-1)
+        return [probs, lse], [grad_probs, load.z_lse_grad(lse, valid)]
 
     def backward(
         self,
@@ -686,15 +730,15 @@ class MoeBlock(DecoderBlock):
         leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            out, probs, top_index = self._block_and_router(leaves, x, documents)
-        aux, aux_grads = self._aux_outputs(probs, top_index, documents, x.shape[0])
+            out, routing = self._block_and_router(leaves, x, documents)
+        aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])
         grad_in, *grad_leaves = torch.autograd.grad(
             [out, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
         )
         for name, grad in zip(leaves, grad_leaves):
             if grad is not None:
                 accumulate(grads[0], self._spans[name], grad)
-        self._add_excess_load(grads[0], self._spans, top_index, documents)
+        self._add_excess_load(grads[0], self._spans, routing.top_index, documents)
         return grad_in
 
     def _add_excess_load(self, grads: Tensor, spans: dict[str, Span], top_index: Tensor, documents) -> None:
@@ -762,14 +806,13 @@ class MoeAttention(_MoePart):
         a = self._attention(w, x, documents)
         h = self._normed(w, a)
         shared = self._shared_expert(w, h)
-        probs, top_index, _ = self.route(w, h) if route else (None, None, None)
-        return (a, None if shared is None else shared.view_as(a)), probs, top_index
+        return (a, None if shared is None else shared.view_as(a)), self.route(w, h) if route else None
 
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> tuple:
         """hidden: [batch, seq, d_model] -> the pair; records routing statistics."""
         check_buffers(weights, self.groups, "MoeAttention.forward")
-        pair, probs, top_index = self._pair(self._bind(weights), hidden, documents, route=True)
-        self.router_load.record(top_index, probs, _valid_tokens(documents), hidden.shape[0])
+        pair, routing = self._pair(self._bind(weights), hidden, documents, route=True)
+        self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return pair
 
     def backward(self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None) -> Tensor:
@@ -777,18 +820,18 @@ class MoeAttention(_MoePart):
         check_buffers(weights, self.groups, "MoeAttention.backward")
         leaves = self._bind(weights, leaves=True)
         x = hidden.detach().requires_grad_(True)
-        # routing again only for a balance loss's gradient or the correction bias's load
+        # routing again only for a router loss's gradient or the correction bias's load
         route = self.router_load.routes_in_backward or self.moe.biased_choice
         with torch.enable_grad():
-            (a, shared), probs, top_index = self._pair(leaves, x, documents, route=route)
+            (a, shared), routing = self._pair(leaves, x, documents, route=route)
         outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))
-        aux, aux_grads = self._aux_outputs(probs, top_index, documents, x.shape[0])
+        aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])
         grad_in, *grad_leaves = torch.autograd.grad(
             outputs + aux, [x, *leaves.values()], grad_outputs + aux_grads, allow_unused=True
         )
         self._accumulate(grads, leaves, grad_leaves)
         if route:
-            self._add_excess_load(grads[1], self._group_spans[1], top_index, documents)
+            self._add_excess_load(grads[1], self._group_spans[1], routing.top_index, documents)
         return grad_in
 
 
@@ -813,8 +856,9 @@ class MoeExperts(_MoePart):
     def _route(self, w: dict[str, Tensor], a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(normed input, top_index, top_weight, how many of the tokens' choices fall in this part, on the device)."""
         h = self._normed(w, a)
-        _, top_index, top_weight = self.route(w, h)
-        return h, top_index, top_weight, ((top_index >= self.first) & (top_index < self.stop)).sum()
+        routing = self.route(w, h)
+        top_index = routing.top_index
+        return h, top_index, routing.top_weight, ((top_index >= self.first) & (top_index < self.stop)).sum()
 
     def prepare(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None) -> "PartRouting":
         """Route a micro-batch and start copying how many of its tokens' choices fall in this part to
