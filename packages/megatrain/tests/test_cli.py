@@ -168,3 +168,23 @@ def test_pre_training_a_sigmoid_routed_moe_without_balancing_is_warned_of(write_
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["router_max_violation"] >= 0 for row in rows)
     assert (tmp_path / "run" / "loss.png").exists()  # loss beside the load balance
+
+
+def test_tensorboard_gets_every_metric_of_a_step_the_router_ones_too(write_config, tmp_path, monkeypatch):
+    import megatrain.loop
+
+    class Writer:
+        tags: set = set()
+
+        def add_scalar(self, tag, value, step):
+            assert isinstance(value, float | int)
+            self.tags.add(tag)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(megatrain.loop, "tensorboard_writer", lambda config, out: Writer())
+    config = write_config(model={"preset": "tiny-deepseek-v3"}, train={"router_z_loss_coef": 0.001})
+    assert main(["train", "--config", str(config)]) == 0
+    wanted = {"loss", "grad_norm", "tokens_per_s", "router_aux_loss", "router_max_violation", "router_z_loss"}
+    assert {f"train/{key}" for key in wanted} <= Writer.tags

@@ -217,17 +217,9 @@ def train(config: Config, resume: Path | None = None) -> Path:
             if main:
                 write_jsonl(metrics_path, metrics.as_dict())
             if writer is not None:
-                for key in (
-                    "loss",
-                    "lr",
-                    "grad_norm",
-                    "tokens_per_s",
-                    "tflops",
-                    "router_aux_loss",
-                    "router_max_violation",
-                ):
-                    if getattr(metrics, key) is not None:
-                        writer.add_scalar(f"train/{key}", getattr(metrics, key), metrics.step)
+                for key, value in metrics.as_dict().items():  # (the MoE router losses and balance where on)
+                    if key not in ("step", "skipped", "tokens"):
+                        writer.add_scalar(f"train/{key}", value, metrics.step)
             postfix = {
                 "loss": f"{metrics.loss:.4f}",
                 "tok_s": f"{metrics.tokens_per_s:,.0f}",
