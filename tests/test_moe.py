@@ -227,6 +227,15 @@ def test_router_z_loss_matches_st_moes(name, experts_per_stage, tmp_path):
     check_steps_match_transformers(name, aux, tmp_path, "cpu", engine, z_coef=0.05)
 
 
+def test_templates_and_store_name_the_load_balanced_rule_alike():
+    """The templates mark the bias pair's specs; the store, which they do not import, acts on the mark."""
+    import megatrain_store
+    import megatrain_templates.layout
+
+    assert megatrain_templates.layout.LOAD_BIAS == megatrain_store.LOAD_BIAS
+    assert megatrain_templates.layout.ADAMW == megatrain_store.ADAMW
+
+
 def test_a_bias_update_rate_needs_a_router_with_a_correction_bias(tmp_path):
     from megatrain.config import ConfigError
 
