@@ -341,7 +341,7 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
     tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16. A quantized source
     (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without the
-    multi-token-prediction layers of DeepSeek-V3 and GLM-4.5."""
+    multi-token-prediction layers of DeepSeek-V3, GLM-4.5 and ERNIE 4.5."""
     import torch
 
     from megatrain_zoo import ModelConfig, build_model, read_hf_config

@@ -337,7 +337,7 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     if config.arch in ERNIE:  # (biases on every projection, the MLP's too, where true)
         hf["use_bias"] = False
     if config.arch == "ernie4_5_moe":
-        hf.update(_ernie_moe_to_hf(config))
+        hf.update(_ernie_moe_to_hf(config), num_nextn_predict_layers=0)
     elif config.is_moe:
         hf.update(_moe_to_hf(config))
     if config.arch in _DEEPSEEK_MOE:

@@ -62,8 +62,10 @@ class ModelSpec:
         )
 
     def is_mtp_tensor(self, name: str) -> bool:
-        """DeepSeek-V3's and GLM-4.5's multi-token-prediction modules, published as layers past the last
-        (transformers leaves them out too)."""
+        """Multi-token-prediction modules, which transformers leaves out too: DeepSeek-V3's and GLM-4.5's,
+        published as layers past the last; ERNIE 4.5's, named `mtp` (`model.mtp_block.0...`)."""
+        if self.config.arch == "ernie4_5_moe":
+            return "mtp" in name
         if self.config.arch not in ("deepseek_v3", "glm4_moe") or not name.startswith("model.layers."):
             return False
         layer = name.split(".")[2]
