@@ -327,7 +327,7 @@ class RouterLoad:
         top_index, probs = routing.top_index, routing.probs.detach()
         stats = torch.zeros(2 * self.n_experts + 3, dtype=probs.dtype, device=probs.device)
         weight = _token_weights(valid, probs)
-        stats[: self.n_experts].scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(top_index.shape[1]))
+        stats[: self.n_experts] = _expert_picks(top_index, weight, self.n_experts)
         stats[self.n_experts : 2 * self.n_experts] = (probs * weight.unsqueeze(1)).sum(0)
         stats[-3] = weight.sum()
         if self.seq_coef:
@@ -414,11 +414,19 @@ class RouterLoad:
         return (per_sequence.unsqueeze(1) * weight.view(sequences, -1, 1)).view_as(probs)
 
 
-def _token_weights(valid: Tensor | None, like: Tensor) -> Tensor:
-    """[tokens]: 1 for a real token, 0 for padding, in `like`'s dtype and device."""
+def _token_weights(valid: Tensor | None, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """[tokens]: 1 for a real token, 0 for padding, for `like`'s rows ([tokens, ...]), in `dtype` (default
+    `like`'s) on its device."""
+    dtype = dtype or like.dtype
     if valid is None:
-        return torch.ones(like.shape[0], dtype=like.dtype, device=like.device)
-    return valid.to(like.dtype)
+        return torch.ones(like.shape[0], dtype=dtype, device=like.device)
+    return valid.to(dtype)
+
+
+def _expert_picks(top_index: Tensor, weight: Tensor, n_experts: int) -> Tensor:
+    """[n_experts]: how many (real) tokens chose each expert, in `weight`'s dtype."""
+    picks = torch.zeros(n_experts, dtype=weight.dtype, device=weight.device)
+    return picks.scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(top_index.shape[1]))
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype, row_major: bool = False) -> bool:
@@ -747,15 +755,8 @@ class MoeBlock(DecoderBlock):
         moe = self.moe
         if not moe.biased_choice:
             return
-        valid = _valid_tokens(documents)
-        weight = (
-            torch.ones(top_index.shape[0], dtype=grads.dtype, device=grads.device)
-            if valid is None
-            else valid.to(grads.dtype)
-        )
-        picks = torch.zeros(moe.n_experts, dtype=grads.dtype, device=grads.device)
-        picks.scatter_add_(0, top_index.reshape(-1), weight.repeat_interleave(moe.top_k))
-        excess = picks * moe.n_experts - moe.top_k * weight.sum()
+        weight = _token_weights(_valid_tokens(documents), top_index, grads.dtype)
+        excess = _expert_picks(top_index, weight, moe.n_experts) * moe.n_experts - moe.top_k * weight.sum()
         for half in ("score_bias_hi", "score_bias_lo"):
             accumulate(grads, spans[half], excess)
 

@@ -32,6 +32,8 @@ _UNSUPPORTED_MOE = {
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 # families with DeepSeek's MoE config fields (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
 _DEEPSEEK_MOE = (*_LATENT_ATTENTION, "glm4_moe", "dots1")
+# families whose transformers load-balancing loss counts the unbiased top-k, not the experts chosen with the bias
+_AUX_OVER_UNBIASED_TOP_K = ("minimax_m2", "ernie4_5_moe")
 
 
 def _first_id(value):
@@ -195,6 +197,12 @@ def _pad_token(hf: dict) -> int | None:
 
 def _moe_from_hf(hf: dict, model_type: str) -> dict:
     """The ModelConfig fields of a mixture-of-experts config.json ({} for a dense one)."""
+    if model_type in _AUX_OVER_UNBIASED_TOP_K and hf.get("output_router_logits"):
+        raise ZooError(
+            f"{model_type} with output_router_logits=true: transformers' load-balancing loss for it counts each "
+            "token's unbiased top-k, which megatrain's routing statistics (the chosen experts) do not; set it to "
+            "false (train.router_bias_update_rate balances by its correction bias instead)"
+        )
     if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "minimax_m2", *_DEEPSEEK_MOE):
         return _ernie_moe_from_hf(hf) if model_type == "ernie4_5_moe" else {}
     if model_type in _DEEPSEEK_MOE:  # transformers adds no load-balancing loss; DeepSeek-V2 never renormalises
@@ -208,11 +216,6 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
             "norm_topk_prob": model_type != "deepseek_v2" and bool(hf.get("norm_topk_prob", model_type != "dots1")),
             **_deepseek_routing_from_hf(hf, model_type),
         }
-    if model_type == "minimax_m2" and hf.get("output_router_logits"):
-        raise ZooError(
-            "minimax_m2 with output_router_logits=true: transformers' load-balancing loss for it counts each token's "
-            "unbiased top-k, which megatrain's routing statistics (the chosen experts) do not; set it to false"
-        )
     if hf.get("router_jitter_noise"):
         raise ZooError(
             f"router_jitter_noise={hf['router_jitter_noise']} (random router noise in training) is not supported; "
@@ -251,12 +254,6 @@ def _ernie_moe_from_hf(hf: dict) -> dict:
     n_experts = hf.get("moe_num_experts", hf.get("num_experts"))
     if not isinstance(n_experts, int):
         raise ZooError(f"ernie4_5_moe with moe_num_experts={n_experts!r}: only text models (one expert count) train")
-    if hf.get("output_router_logits"):
-        raise ZooError(
-            "ernie4_5_moe with output_router_logits=true: transformers' load-balancing loss for it counts each token's "
-            "unbiased top-k, which megatrain's routing statistics (the chosen experts) do not; set it to false "
-            "(train.router_bias_update_rate balances by its correction bias instead)"
-        )
     start, interval = hf.get("moe_layer_start_index", 1), hf.get("moe_layer_interval", 1)
     end = hf.get("moe_layer_end_index", -1)
     end = n_layers - 1 if end == -1 else end
@@ -274,15 +271,8 @@ def _ernie_moe_from_hf(hf: dict) -> dict:
 
 def _ernie_moe_to_hf(config: ModelConfig) -> dict:
     moe = [i for i in range(config.n_layers) if config.layer_is_moe(i)]
-    interval = next(
-        (
-            n
-            for n in range(1, config.n_layers + 1)
-            if [i for i in range(moe[0], moe[-1] + 1) if (i + 1) % n == 0] == moe
-        ),
-        None,
-    )
-    if interval is None:
+    interval = moe[1] - moe[0] if len(moe) > 1 else moe[0] + 1
+    if [i for i in range(moe[0], moe[-1] + 1) if (i + 1) % interval == 0] != moe:
         raise ZooError(f"ERNIE 4.5 cannot express MoE layers {moe}: every interval-th layer of a range only")
     return {
         "moe_num_experts": config.n_experts,
