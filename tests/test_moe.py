@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers  # installed by the integration nox session
+from hf_steps import hf_adamw, hf_labels, make_trainer, random_batch, rel_err
 from safetensors.torch import save_file
 
 from megatrain import Trainer
@@ -37,13 +38,6 @@ NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-do
 # transformers' load-balancing loss for these counts other experts than the ones chosen: refused with the fix
 # (`test_load_balancing_loss_over_other_experts_is_refused`), so their steps run without it
 AUX_LOSS_REFUSED = ("tiny-minimax-m2", "tiny-ernie4_5-moe")
-NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def hf_model(name, aux: bool, seed: int, **overrides):
     """A transformers model of preset `name` with fresh random weights (norms and biases too)."""
     hf_config = transformers.AutoConfig.for_model(
@@ -65,65 +59,6 @@ def hf_model(name, aux: bool, seed: int, **overrides):
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn_like(buffer))
     return model.train()
-
-
-def make_trainer(
-    hf_dir,
-    tmp_path,
-    grad_clip,
-    steps,
-    batch_size=6,
-    micro_batch_size=2,
-    device="cpu",
-    engine=EngineSection(),
-    router_bias_update_rate=0.0,
-    router_seq_aux_loss_coef=0.0,
-    router_z_loss_coef=0.0,
-):
-    train = TrainSection(
-        steps=steps,
-        batch_size=batch_size,
-        micro_batch_size=micro_batch_size,
-        lr=1e-4,  # fp32 noise in near-zero gradients (e.g. k_proj.bias) stays well under the tolerance
-        weight_decay=0.1,
-        grad_clip=grad_clip,
-        warmup_steps=1,
-        schedule="cosine",
-        router_bias_update_rate=router_bias_update_rate,
-        router_seq_aux_loss_coef=router_seq_aux_loss_coef,
-        router_z_loss_coef=router_z_loss_coef,
-    )
-    config = Config(
-        model=ModelSection(hf_dir=str(hf_dir)),
-        data=DataSection(seq_len=12),
-        train=train,
-        precision=PrecisionSection("float32"),
-        engine=engine,
-        device=device,
-        output_dir=str(tmp_path / "run"),
-    )
-    return Trainer(config), train
-
-
-def hf_adamw(model, train):
-    params = dict(model.named_parameters())
-    no_decay = [p for n, p in params.items() if n.endswith(NO_DECAY)]
-    decay = [p for n, p in params.items() if not n.endswith(NO_DECAY)]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
-
-
-def random_batch(batch, seq, vocab, generator):
-    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    labels[torch.rand(batch, seq, generator=generator) < 0.2] = -100
-    return ids, labels
-
-
-def hf_labels(labels):
-    """megatrain's labels hold the next token at each position; transformers shifts by itself."""
-    return torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
 
 
 @pytest.mark.parametrize(
@@ -700,7 +635,7 @@ def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
     """gpt-oss' attention on CUDA (FlexAttention, sinks through its log-sum-exp) equals the written-out
     attention on the CPU, forward and backward, fp32, with and without packed documents."""
     from megatrain_templates import Documents
-    from megatrain_templates.attention import windowed_attention_with_sinks
+    from megatrain_templates.attention import masked_attention
 
     torch.backends.cuda.matmul.allow_tf32 = False
     generator = torch.Generator().manual_seed(7)
@@ -712,7 +647,7 @@ def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
     for device in ("cpu", "cuda"):
         inputs = [t.detach().to(device).requires_grad_(True) for t in (q, k, v, sinks)]
         documents = None if positions is None else Documents(positions.to(device))
-        out = windowed_attention_with_sinks(*inputs[:3], inputs[3], 5, documents)
+        out = masked_attention(*inputs[:3], inputs[3], 5, documents)
         out.backward(grad_out.to(device))
         results.append([out.detach().cpu()] + [t.grad.cpu() for t in inputs])
     for ours, reference in zip(results[1], results[0]):
@@ -825,7 +760,7 @@ def test_ernie_multi_token_prediction_tensors_are_left_out_as_transformers_does(
     tensors["model.mtp_linear_proj.0.weight"] = torch.randn(64, 128)
     save_file(tensors, str(weights), metadata={"format": "pt"})
     trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
-    assert "leaving out 2 multi-token-prediction tensors" in capsys.readouterr().err
+    assert "leaving out 2 tensors of multi-token-prediction modules" in capsys.readouterr().err
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         assert rel_err(trainer.logits(ids), reference(ids).logits) < 1e-5

@@ -71,6 +71,54 @@ class RefBlock(nn.Module):
         return self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Scales by (1 + weight), in fp32."""
+
+    def forward(self, x):
+        x32 = x if x.dtype == torch.float64 else x.float()
+        return (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)).to(x.dtype)
+
+
+class RefGemmaBlock(RefBlock):
+    """Gemma 2/3: norms before and after attention and MLP, gelu(tanh) gate, scores scaled by `scale`,
+    soft-capped by `softcap`, limited to the last `window` keys; per-head q/k norms with `qk_norm` (Gemma 3)."""
+
+    def __init__(self, d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq, qk_norm, scale, softcap, window):
+        super().__init__(d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq, qk_norm=qk_norm)
+        self.scale, self.softcap, self.window = scale, softcap, window
+        self.input_layernorm = GemmaRMSNorm(d, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
+        if qk_norm:
+            self.self_attn.q_norm = GemmaRMSNorm(head_dim, eps)
+            self.self_attn.k_norm = GemmaRMSNorm(head_dim, eps)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = a.q_proj(h).view(b, s, self.n_heads, self.head_dim)
+        k = a.k_proj(h).view(b, s, self.n_kv, self.head_dim)
+        v = a.v_proj(h).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = rope(q.transpose(1, 2), self.inv_freq), rope(k.transpose(1, 2), self.inv_freq)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = q @ k.transpose(-1, -2) * self.scale
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        position = torch.arange(s)
+        distance = position[:, None] - position[None, :]
+        hidden = (distance < 0) | (distance >= self.window)
+        att = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+        x = x + self.post_attention_layernorm(a.o_proj(att.transpose(1, 2).reshape(b, s, -1)))
+        h = self.pre_feedforward_layernorm(x)
+        mlp = self.mlp.down_proj(F.gelu(self.mlp.gate_proj(h), approximate="tanh") * self.mlp.up_proj(h))
+        return x + self.post_feedforward_layernorm(mlp)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d, d_ff):
         super().__init__()

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import RefBlock, RefMoeBlock, RMSNorm, flatten_params, unflatten_grads
+from reference import GemmaRMSNorm, RefBlock, RefGemmaBlock, RefMoeBlock, RMSNorm, flatten_params, unflatten_grads
 
 import megatrain_templates.head as head_module
 from megatrain_templates import (
@@ -95,6 +95,55 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
     changed = [torch.zeros(block.numel)]
     block.backward([other_slot], x.detach(), grad_out, changed, products=products)
     assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
+
+
+@pytest.mark.parametrize("qk_norm,softcap,window", [(False, 1.5, 4), (True, None, 100)], ids=["gemma2", "gemma3"])
+def test_gemma_block_matches_module(qk_norm, softcap, window):
+    """Gemma's block: (1 + weight) norms around both halves, a gelu(tanh)-gated MLP, scores scaled by
+    query_pre_attn_scalar ** -0.5, soft-capped (Gemma 2) and windowed; per-head q/k norms (Gemma 3). The norm
+    on the MLP's output makes the backward recompute (or reuse) the down projection too."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim, d_ff, eps, scalar = 32, 4, 8, 48, 1e-6, 24.0
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(
+        d,
+        heads,
+        2,
+        head_dim,
+        d_ff,
+        eps,
+        qk_norm=qk_norm,
+        rope=rope,
+        sliding_window=window,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        softmax_scale=scalar**-0.5,
+        attn_softcap=softcap,
+    )
+    block = DecoderBlock(shape)
+    ref = RefGemmaBlock(d, heads, 2, head_dim, d_ff, eps, rope_inv_freq(rope), qk_norm, scalar**-0.5, softcap, window)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, d, requires_grad=True)
+    grad_out = torch.randn(3, 11, d)
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    assert rel_err(block.forward([flat], x.detach()), out_ref) < 1e-6
+    grads = [torch.full((block.numel,), 0.5)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-5
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-5, name
+    out_products, products = block.forward_keeping_products([flat.clone()], x.detach())
+    assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight", "down_weight"}
+    assert sum(p.shape[-1] for p in products.values()) * 4 == block.product_bytes_per_token(4)
+    product_grads = [torch.full((block.numel,), 0.5)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
+    assert rel_err(product_grads[0], grads[0]) < 1e-5
 
 
 @pytest.mark.parametrize("shared_d_ff,norm_topk,coef", [(0, True, 0.0), (40, False, 0.3), (0, False, 0.1)])
@@ -247,17 +296,37 @@ def test_embedding_forward_backward():
     assert rel_err(grads[0].view(vocab, d), table.grad) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_embedding_forward_backward(dtype):
+    """Gemma's embedding: rows times sqrt(d_model) rounded to their dtype, as transformers multiplies."""
+    vocab, d = 50, 24
+    table = torch.randn(vocab, d, requires_grad=True)
+    emb = Embedding(vocab, d, scale=d**0.5)
+    ids = torch.randint(0, vocab, (4, 9))
+    expected = F.embedding(ids, table.to(dtype)) * torch.tensor(d**0.5, dtype=dtype)
+    out = emb.forward([table.detach().to(dtype).reshape(-1)], ids)
+    assert torch.equal(out, expected)
+    assert torch.equal(emb.forward_rows(table.detach().to(dtype).reshape(-1), ids), expected)
+    grad_out = torch.randn(4, 9, d)
+    (F.embedding(ids, table) * d**0.5).backward(grad_out)
+    grads = [torch.zeros(vocab * d)]
+    emb.backward([table.detach().reshape(-1)], ids, grad_out, grads)
+    assert rel_err(grads[0].view(vocab, d), table.grad) < 1e-6
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk_rows", [7, 10_000])
 @pytest.mark.parametrize("fused", [False, True], ids=["in-place", "fused"])
-def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, monkeypatch):
-    """Both forms of the logits' gradient: in place (eager, the CPU's) and the one CUDA compiles."""
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma2"])
+def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, gemma, monkeypatch):
+    """Both forms of the logits' gradient: in place (eager, the CPU's) and the one CUDA compiles; Gemma 2's
+    final norm (1 + weight) and soft-capped logits."""
     if fused:
         monkeypatch.setattr(head_module, "logits_grad", head_module._logits_grad_fused)
-    vocab, d, eps = 37, 16, 1e-6
-    head = Head(vocab, d, eps, tied=tied)
+    vocab, d, eps, softcap = 37, 16, 1e-6, (1.5 if gemma else None)
+    head = Head(vocab, d, eps, tied=tied, norm_plus_one=gemma, logit_softcap=softcap)
     head.chunk_rows = chunk_rows
-    norm = RMSNorm(d, eps)
+    norm = GemmaRMSNorm(d, eps) if gemma else RMSNorm(d, eps)
     with torch.no_grad():
         norm.weight.normal_(1, 0.2)
     matrix = torch.randn(vocab, d, requires_grad=True)
@@ -268,6 +337,9 @@ def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, monkey
     n_valid = int((labels != -100).sum())
 
     logits = norm(hidden) @ matrix.T
+    if gemma:
+        logits = softcap * torch.tanh(logits / softcap)
+        assert logits.abs().max() > 0.9 * softcap  # the cap bites
     ref_loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100)
     ref_loss.backward()
 
@@ -283,6 +355,7 @@ def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, monkey
     assert rel_err(flat_grads[: vocab * d].view(vocab, d), matrix.grad) < 1e-5
     assert rel_err(flat_grads[vocab * d :], norm.weight.grad) < 1e-5
     assert rel_err(head.logits(weights, hidden.detach()), logits.detach()) < 1e-6
+    assert head.loss_sum(weights, hidden.detach(), labels).item() == pytest.approx(loss_sum.item(), rel=1e-6)
 
 
 def test_wrong_buffer_size_is_refused():

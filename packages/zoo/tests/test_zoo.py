@@ -209,10 +209,10 @@ def test_deepseek_v3_configs_as_published():
     model = build_model(PRESETS["deepseek-v3"])
     assert model.stages[1].template is model.stages[3].template  # dense layers 0-2 share one template
     assert model.stages[4].template.moe.scoring == "sigmoid" and model.stages[4].template.moe.n_groups == 8
-    assert model.is_mtp_tensor("model.layers.61.eh_proj.weight")
+    assert model.left_out("model.layers.61.eh_proj.weight") == "multi-token-prediction modules"
     minimax = config_to_hf(PRESETS["minimax-m2"])  # published with the rotating width, 64 of 128
     assert minimax["rotary_dim"] == 64 and config_from_hf(minimax).partial_rotary_factor == 0.5
-    assert not model.is_mtp_tensor("model.layers.60.mlp.gate.weight")
+    assert model.left_out("model.layers.60.mlp.gate.weight") is None
 
 
 def test_unsupported_moe_inputs_are_refused():

@@ -204,8 +204,8 @@ def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tu
                 del layout[part]
             layout[name] = (shape, covered)
     for name in list(layout):
-        alias = spec.checkpoint_alias(name)
-        if alias != name and alias in present:
+        alias = next((alias for alias in spec.checkpoint_aliases(name) if alias in present), None)
+        if alias is not None:
             layout[alias] = layout.pop(name)
     return layout
 
@@ -274,11 +274,11 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     for kind in sorted({how.kind for how in quantized.values()}):
         count = sum(how.kind == kind for how in quantized.values())
         print(f"megatrain: dequantizing {count} {kind.upper()} tensors into fp32 master weights", file=sys.stderr)
-    skipped = sorted(name for name in present if spec.is_mtp_tensor(name))
+    skipped = sorted(name for name in present if spec.left_out(name) is not None)
     if skipped:
         print(
-            f"megatrain: leaving out {len(skipped)} multi-token-prediction tensors ({skipped[0]} ...): transformers "
-            "does not use them and megatrain does not train them",
+            f"megatrain: leaving out {len(skipped)} tensors of {spec.left_out(skipped[0])} ({skipped[0]} ...): "
+            "the causal language model does not use them and megatrain does not train them",
             file=sys.stderr,
         )
     with open_safetensors(where.values()) as handles:
@@ -358,7 +358,10 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     headers = {path: read_safetensors_header(path) for path in files}
     where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
     shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
-    leave_out = build_model(model).is_mtp_tensor  # the config written says it has none
+    spec = build_model(model)
+    leave_out = spec.checkpoint_names_to_ignore  # the config written says it has none of what is left out
+    # tensors under another name (Gemma 3's text model inside its image-text checkpoint) under the model's
+    canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}
     fp8_block = _fp8_block(files) if any(name.endswith("_scale_inv") for name in where) else None
 
     def load(name: str, how: str | None):
@@ -381,7 +384,7 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
             name, how = name.removesuffix("_blocks"), "mxfp4"
             experts, rows_out, groups, _ = shape
             shape = (experts, groups * MXFP4_BLOCK, rows_out)
-        entries.append((name, Pending(shape, target, lambda name=name, how=how: load(name, how))))
+        entries.append((canonical.get(name, name), Pending(shape, target, lambda name=name, how=how: load(name, how))))
     tokenizer = next(
         (t for t in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json") if t.exists()), None
     )

@@ -260,14 +260,16 @@ def mlp_width_per_token(model: ModelConfig) -> int:
 def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
     parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
-    down projection, which the dense recompute skips, and less the recompute's GEMMs in `kept_layers`
-    (dense layers whose forward's matmul products are kept). Routers and experts count their active part."""
+    down projection, which the dense recompute skips (but for Gemma's, whose output is normed), and less
+    the recompute's GEMMs in `kept_layers` (dense layers whose forward's matmul products are kept).
+    Routers and experts count their active part."""
     attention = 8 * model.n_layers * seq_len * model.n_heads * model.head_dim * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
-    skipped_down = 2 * dense_layers * model.d_ff * model.d_model
-    # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection
-    recomputed_matmuls = 2 * (matmul_layers / model.n_layers - model.d_ff * model.d_model) * tokens
+    down = 0 if model.gemma else model.d_ff * model.d_model
+    skipped_down = 2 * dense_layers * down
+    # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped)
+    recomputed_matmuls = 2 * (matmul_layers / model.n_layers - down) * tokens
     return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
 
 
@@ -905,7 +907,6 @@ def measure_gpu_rates(
     layer's forward, recompute and backward (a MoE block for a MoE model), a dense layer's keeping its
     products (None for MoE layers, which always recompute), and the loss head's (6 FLOPs per weight and
     token); and the recomputing layer's pass, to run beside other measurements."""
-    from megatrain_templates import Head
     from megatrain_zoo import build_model
 
     spec = build_model(model)
@@ -929,9 +930,11 @@ def measure_gpu_rates(
     kept_tflops = (
         None if model.layer_is_moe(layer) else _rounded(kept_layer / _sustained_seconds(kept_layer_pass) / 1e12)
     )
-    head = Head(model.vocab_size, model.d_model, model.rms_eps)
-    head_weights = [torch.randn(head.groups[0][0].numel + model.d_model, device="cuda", dtype=torch.bfloat16) * 0.02]
-    head_grads = [torch.zeros_like(head_weights[0], dtype=torch.float32)]
+    head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
+    head_weights = [
+        torch.randn(sum(p.numel for p in group), device="cuda", dtype=torch.bfloat16) * 0.02 for group in head.groups
+    ]
+    head_grads = [torch.zeros_like(weights, dtype=torch.float32) for weights in head_weights]
     labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
     head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
     head_tflops = _rounded(6 * model.vocab_size * model.d_model * tokens / head_s / 1e12)

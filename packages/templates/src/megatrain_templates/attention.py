@@ -93,33 +93,48 @@ def _flex_kernels():
     return _FLEX
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Documents | None = None) -> Tensor:
-    """q: [batch, n_heads, seq, head_dim], k/v: [batch, n_kv_heads, seq, head_dim] -> like q.
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, documents: Documents | None = None, scale: float | None = None
+) -> Tensor:
+    """q: [batch, n_heads, seq, head_dim], k/v: [batch, n_kv_heads, seq, head_dim] -> like q; scores
+    scaled by `scale` (None: head_dim ** -0.5).
 
     Without `documents` (see `packed_documents`) every row is one causal sequence; with them,
     attention stays inside each document (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
     if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
-        return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=gqa)
+        return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=gqa, scale=scale)
 
 
-def windowed_attention_with_sinks(
-    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, window: int | None, documents: Documents | None = None
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Tensor | None = None,
+    window: int | None = None,
+    documents: Documents | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Causal attention with what the fused kernels lack (gpt-oss): keys limited to the last `window`
-    positions, and per-head sink logits `sinks` [n_heads] that join each softmax's denominator without
-    contributing a value. Shapes and `documents` as `causal_attention`. On CUDA: FlexAttention (only the blocks inside
-    the window are visited) with the sinks folded in through its log-sum-exp; elsewhere written out
+    """Causal attention with what the fused kernels lack: keys limited to the last `window` positions
+    (gpt-oss, Gemma), per-head sink logits `sinks` [n_heads] that join each softmax's denominator
+    without contributing a value (gpt-oss), scores soft-capped to (-softcap, softcap) by
+    softcap * tanh(score / softcap) after scaling (Gemma 2). Shapes, `documents` and `scale` as
+    `causal_attention`. On CUDA: FlexAttention (only the blocks inside the window are visited), the cap
+    as its score modification and the sinks folded in through its log-sum-exp; elsewhere written out
     (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape
+    scale = head_dim**-0.5 if scale is None else scale
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
-        return _flex_with_sinks(q, k, v, sinks, window, documents)
+        return _flex_masked(q, k, v, sinks, window, documents, scale, softcap)
     repeat = n_heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-    scores = (q @ k.transpose(-1, -2)) * head_dim**-0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     position = torch.arange(seq, device=q.device)
     distance = position.unsqueeze(1) - position.unsqueeze(0)  # query - key
     allowed = distance >= 0
@@ -138,7 +153,20 @@ def windowed_attention_with_sinks(
     return probs.to(v.dtype) @ v
 
 
-def _flex_with_sinks(q, k, v, sinks, window, documents):
+_SOFTCAPS: dict = {}  # cap -> FlexAttention score_mod, one function per cap so the compiled kernel is reused
+
+
+def _softcap_score_mod(softcap: float):
+    if softcap not in _SOFTCAPS:
+
+        def capped(score, batch, head, q_index, kv_index):
+            return torch.tanh(score / softcap) * softcap
+
+        _SOFTCAPS[softcap] = capped
+    return _SOFTCAPS[softcap]
+
+
+def _flex_masked(q, k, v, sinks, window, documents, scale, softcap):
     """A sink logit s joins the softmax's denominator, so the output is the sink-free one times
     Z / (Z + e^s) = sigmoid(lse - s), lse = log Z; FlexAttention returns lse and differentiates through it."""
     from torch.nn.attention.flex_attention import AuxRequest
@@ -152,7 +180,14 @@ def _flex_with_sinks(q, k, v, sinks, window, documents):
             _ROW_MASKS[key] = _block_mask(seq, window, q.device)
         mask = _ROW_MASKS[key]
     out, aux = _flex_kernels()[0](
-        q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True)
+        q,
+        k,
+        v,
+        score_mod=None if softcap is None else _softcap_score_mod(softcap),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_aux=AuxRequest(lse=True),
     )
     if sinks is None:
         return out

@@ -1,4 +1,5 @@
-"""The decoder block template: pre-norm attention + SwiGLU MLP, Llama/Qwen/Mistral style.
+"""The decoder block template: pre-norm attention + gated MLP, Llama/Qwen/Mistral style (and Gemma's
+sandwich of norms around both halves).
 
 `forward` runs the block on weights bound from a flat buffer; `backward` recomputes the
 forward from the checkpointed input under a graph that lives only inside the call and
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Documents, causal_attention, packed_documents, windowed_attention_with_sinks
+from .attention import Documents, causal_attention, masked_attention, packed_documents
 from .layout import (
     BoundWeight,
     ParamSpec,
@@ -26,14 +27,15 @@ from .layout import (
     total_numel,
 )
 from .ops import (
+    GATED_ACTIVATIONS,
     RopeConfig,
     apply_rope,
     apply_rope_in_fp32,
     apply_rope_interleaved,
     linear,
     rms_norm,
+    rms_norm_plus_one,
     rope_cos_sin,
-    swiglu,
 )
 
 
@@ -77,16 +79,32 @@ class BlockShape:
     # rotary embedding on adjacent pairs (x0, x1), (x2, x3), ... in fp32 (DeepSeek's latent attention, ERNIE
     # 4.5); else on Llama's halves
     rope_interleaved: bool = False
+    # Gemma 2/3: RMSNorm scaling by (1 + weight), in fp32; norms on the attention's and the MLP's outputs too,
+    # before each residual add (`sandwich_norms`); scores scaled by `softmax_scale` (its query_pre_attn_scalar
+    # ** -0.5); Gemma 2's scores soft-capped to (-attn_softcap, attn_softcap)
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"  # the dense MLP's gate (GATED_ACTIVATIONS): silu (SwiGLU) or gelu_tanh (GeGLU)
+    softmax_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.qk_norm_scope not in ("head", "full"):
             raise ValueError(f"qk_norm_scope must be 'head' or 'full', got {self.qk_norm_scope!r}")
+        if self.activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(GATED_ACTIVATIONS)}, got {self.activation!r}")
+        if self.mla is not None and (self.sandwich_norms or self.norm_plus_one or self.attn_softcap):
+            raise ValueError("latent attention (mla) has none of Gemma's norms or soft-capping")
 
     @property
     def rope_config(self) -> RopeConfig:
         return self.rope or RopeConfig(head_dim=self.head_dim)
+
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        """The block's RMSNorm of x with `weight` (and its epsilon): Llama's, or Gemma's (1 + weight)."""
+        return (rms_norm_plus_one if self.norm_plus_one else rms_norm)(x, weight, self.rms_eps)
 
 
 def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
@@ -135,6 +153,11 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
         ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)),
         ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),
     )
+    if shape.sandwich_norms:  # the MLP's own norms: before it, and on its output
+        small += (
+            ParamSpec("pre_feedforward_layernorm.weight", (d,), weight_decay=False),
+            ParamSpec("post_feedforward_layernorm.weight", (d,), weight_decay=False),
+        )
     return matrices + mlp + small
 
 
@@ -189,7 +212,9 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
         if shape.qk_norm:
             spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
             spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
-    if any(p.name == "post_attention_layernorm.weight" for p in params):  # a split MoE layer keeps it with the router
+    if shape.sandwich_norms:  # Gemma's post_attention_layernorm is on the attention's output, not the MLP's input
+        spans["attention_out_norm"] = span_of(params, "post_attention_layernorm.weight")
+    elif any(p.name == "post_attention_layernorm.weight" for p in params):  # a split MoE layer keeps it elsewhere
         spans["post_norm"] = span_of(params, "post_attention_layernorm.weight")
     return spans
 
@@ -207,9 +232,16 @@ class DecoderBlock:
             "gate_up_weight": fused_span(params, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
             "down_weight": span_of(params, "mlp.down_proj.weight"),
         }
+        if shape.sandwich_norms:
+            self._spans["post_norm"] = span_of(params, "pre_feedforward_layernorm.weight")
+            self._spans["mlp_out_norm"] = span_of(params, "post_feedforward_layernorm.weight")
+        self._activation = GATED_ACTIVATIONS[shape.activation]
         self._vectors = tuple(name for name, span in self._spans.items() if len(span.shape) == 1)  # norms, biases
+        # a norm on the MLP's output needs the down projection's product in the backward too
         self._recomputed_matrices = tuple(
-            name for name in self._spans if name not in self._vectors and name != "down_weight"
+            name
+            for name in self._spans
+            if name not in self._vectors and (name != "down_weight" or shape.sandwich_norms)
         )
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
 
@@ -226,20 +258,20 @@ class DecoderBlock:
             return self._latent_attention(w, x, documents)
         s = self.shape
         batch, seq, _ = x.shape
-        h = rms_norm(x, w["input_norm"], s.rms_eps)
+        h = s.norm(x, w["input_norm"])
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
         q, k, v = qkv.split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
         if s.qk_norm and s.qk_norm_scope == "full":
-            q = rms_norm(q, w["q_norm"], s.rms_eps)
-            k = rms_norm(k, w["k_norm"], s.rms_eps)
+            q = s.norm(q, w["q_norm"])
+            k = s.norm(k, w["k_norm"])
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
         q = q.reshape(batch, seq, s.n_heads, s.head_dim)
         k = k.reshape(batch, seq, s.n_kv_heads, s.head_dim)
         v = v.reshape(batch, seq, s.n_kv_heads, s.head_dim).transpose(1, 2)
         if s.qk_norm and s.qk_norm_scope == "head":
-            q = rms_norm(q, w["q_norm"], s.rms_eps)
-            k = rms_norm(k, w["k_norm"], s.rms_eps)
+            q = s.norm(q, w["q_norm"])
+            k = s.norm(k, w["k_norm"])
         cos, sin = self._rope(seq, x.device, x.dtype)
         rotary = cos.shape[-1]
         if s.rope_interleaved:  # a pair shares one frequency: the tables' first half (ERNIE 4.5)
@@ -255,12 +287,12 @@ class DecoderBlock:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         # a window at least as long as the sequence masks nothing: the plain kernel then (Mistral's 4096)
         window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
-        if s.sinks or window is not None:
-            attn = windowed_attention_with_sinks(q, k, v, w.get("sinks"), window, documents)
+        if s.sinks or window is not None or s.attn_softcap is not None:
+            attn = masked_attention(q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap)
         else:
-            attn = causal_attention(q, k, v, documents)
-        out = attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim)
-        return x + linear(out, w["o_weight"], w.get("o_bias"))
+            attn = causal_attention(q, k, v, documents, s.softmax_scale)
+        out = linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"], w.get("o_bias"))
+        return x + (s.norm(out, w["attention_out_norm"]) if s.sandwich_norms else out)
 
     def _latent_attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """Multi-head latent attention as transformers' DeepSeek-V2/V3: queries (optionally through a
@@ -298,13 +330,14 @@ class DecoderBlock:
         return x + linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
 
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
-        """Everything but the last GEMM: returns (x after attention, silu(gate) * up)."""
+        """Everything but the last GEMM: returns (x after attention, activation(gate) * up)."""
         x = self._attention(w, x, documents)
-        return x, swiglu(linear(rms_norm(x, w["post_norm"], self.shape.rms_eps), w["gate_up_weight"]))
+        return x, self._activation(linear(self.shape.norm(x, w["post_norm"]), w["gate_up_weight"]))
 
     def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         x, mlp_hidden = self._up_to_mlp_output(w, x, documents)
-        return x + linear(mlp_hidden, w["down_weight"])
+        out = linear(mlp_hidden, w["down_weight"])
+        return x + (self.shape.norm(out, w["mlp_out_norm"]) if self.shape.sandwich_norms else out)
 
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
@@ -315,7 +348,7 @@ class DecoderBlock:
         self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward`, also returning the products of its matmuls that the backward would recompute (all
-        but the MLP's down projection, which it never does): given to `backward` as `products`, they
+        but the MLP's down projection, which it does only under a norm): given to `backward` as `products`, they
         stand for those GEMMs, and the recompute is left with the norms, rotary embedding, attention
         and activation. `product_bytes_per_token` bytes per token: Qwen2.5-7B 92 KB, about half of what
         its whole autograd graph would hold (167 KB), and faster to go back through (H100, 16k tokens,
@@ -367,8 +400,10 @@ class DecoderBlock:
 
         The recompute stops before the MLP's down projection: its output is not needed for
         any gradient, so that GEMM (about a quarter of a block's matmul work) is skipped and
-        its two backward GEMMs are done here by hand."""
+        its two backward GEMMs are done here by hand (unless a norm follows it: Gemma's sandwich)."""
         check_buffers(weights, self.groups, "DecoderBlock.backward")
+        if self.shape.sandwich_norms:
+            return self._backward_through_block(weights[0], hidden, grad_out, grads[0], documents, products)
         bound, leaves = self._bind(weights[0], grads[0], skip=("down_weight",), products=products)
         down = self._spans["down_weight"]
         x = hidden.detach().requires_grad_(True)
@@ -387,4 +422,24 @@ class DecoderBlock:
         )
         for name, grad in zip(leaves, grad_leaves):
             accumulate(grads[0], self._spans[name], grad)
+        return grad_in
+
+    def _backward_through_block(
+        self,
+        buffer: Tensor,
+        hidden: Tensor,
+        grad_out: Tensor,
+        grad_flat: Tensor,
+        documents: Documents | None,
+        products: dict[str, Tensor] | None,
+    ) -> Tensor:
+        """`backward` when a norm follows the MLP's down projection: its gradient needs that GEMM's output,
+        so the whole block is recomputed (or its kept products reused) under the call's graph."""
+        bound, leaves = self._bind(buffer, grad_flat, products=products)
+        x = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._block(bound, x, documents)
+        grad_in, *grad_leaves = torch.autograd.grad(out, [x, *leaves.values()], grad_out)
+        for name, grad in zip(leaves, grad_leaves):
+            accumulate(grad_flat, self._spans[name], grad)
         return grad_in

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .layout import ParamSpec, Span, accumulate, add_matmul_, check_buffers, leaf
-from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm, upcast
+from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm, rms_norm_plus_one, upcast
 
 # Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (2 GiB):
 # thousands of rows per chunk keep the head's GEMMs efficient and the number of full
@@ -23,10 +23,22 @@ class Head:
 
     Untied: one buffer [lm_head.weight, norm.weight].
     Tied: two buffers, the embedding's [embed_tokens.weight] and [norm.weight].
+    Gemma: the final norm scales by (1 + weight) (`norm_plus_one`); Gemma 2's logits are soft-capped to
+    (-logit_softcap, logit_softcap) by logit_softcap * tanh(logits / logit_softcap) (in fp32 here).
     """
 
-    def __init__(self, vocab_size: int, d_model: int, rms_eps: float = 1e-6, tied: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        rms_eps: float = 1e-6,
+        tied: bool = False,
+        norm_plus_one: bool = False,
+        logit_softcap: float | None = None,
+    ):
         self.vocab_size, self.d_model, self.rms_eps, self.tied = vocab_size, d_model, rms_eps, tied
+        self.logit_softcap = logit_softcap
+        self._norm_fn = rms_norm_plus_one if norm_plus_one else rms_norm
         norm = ParamSpec("norm.weight", (d_model,), weight_decay=False)
         if tied:
             self.groups = ((ParamSpec("embed_tokens.weight", (vocab_size, d_model)),), (norm,))
@@ -42,8 +54,11 @@ class Head:
     def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
         """Full logits [batch, seq, vocab] in fp32, for inference and checks on small inputs."""
         check_buffers(weights, self.groups, "Head.logits")
-        normed = rms_norm(hidden, self._norm_span.view(weights[self._norm_group]), self.rms_eps)
-        return upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T)
+        normed = self._norm(hidden, self._norm_span.view(weights[self._norm_group]))
+        return _capped(upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T), self.logit_softcap)
+
+    def _norm(self, hidden: Tensor, weight: Tensor) -> Tensor:
+        return self._norm_fn(hidden, weight, self.rms_eps)
 
     @torch.no_grad()
     def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
@@ -51,11 +66,11 @@ class Head:
         with the arithmetic of `loss`. hidden: [batch, seq, d_model]; labels: [batch, seq]."""
         check_buffers(weights, self.groups, "Head.loss_sum")
         matrix = self._matrix_span.view(weights[self._matrix_group])
-        normed = rms_norm(hidden, self._norm_span.view(weights[self._norm_group]), self.rms_eps)
+        normed = self._norm(hidden, self._norm_span.view(weights[self._norm_group]))
         rows, targets = normed.reshape(-1, self.d_model), labels.reshape(-1)
         loss_sum = torch.zeros((), dtype=upcast(rows[:0]).dtype, device=hidden.device)
         for start in range(0, rows.shape[0], self.chunk_rows):
-            logits = upcast(rows[start : start + self.chunk_rows] @ matrix.T)
+            logits = _capped(upcast(rows[start : start + self.chunk_rows] @ matrix.T), self.logit_softcap)
             loss_sum += _loss_terms(logits, targets[start : start + self.chunk_rows])[2]
         return loss_sum
 
@@ -77,7 +92,7 @@ class Head:
         norm_weight = leaf(weights[self._norm_group], self._norm_span)
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            normed = rms_norm(x, norm_weight, self.rms_eps)
+            normed = self._norm(x, norm_weight)
         rows = normed.detach().reshape(-1, self.d_model)
         targets = labels.reshape(-1)
         grad_rows = torch.empty_like(rows)
@@ -88,7 +103,9 @@ class Head:
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = rows[start : start + self.chunk_rows]
             scale = row_scale[start : start + self.chunk_rows].unsqueeze(1)
-            grad_logits, chunk_loss = logits_grad(chunk @ matrix.T, targets[start : start + self.chunk_rows])
+            grad_logits, chunk_loss = logits_grad(
+                chunk @ matrix.T, targets[start : start + self.chunk_rows], self.logit_softcap
+            )
             loss_sum += chunk_loss
             # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one
             grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
@@ -96,6 +113,10 @@ class Head:
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden
+
+
+def _capped(logits: Tensor, softcap: float | None) -> Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def _loss_terms(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,27 +128,40 @@ def _loss_terms(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return log_norm, safe_target, ((log_norm - logits.gather(1, safe_target)).squeeze(1) * valid).sum()
 
 
-def _logits_grad_in_place(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """Eager `logits_grad`: softmax - one_hot built in place in the upcast logits (no second [rows, vocab])."""
+def _logits_grad_in_place(logits: Tensor, target: Tensor, softcap: float | None) -> tuple[Tensor, Tensor]:
+    """Eager `logits_grad`: softmax - one_hot built in place in the upcast logits (no second [rows, vocab]
+    unless the logits are capped)."""
     upcast_logits = upcast(logits)
+    if softcap is not None:
+        tanh = torch.tanh(upcast_logits / softcap)
+        upcast_logits = tanh * softcap
     log_norm, safe_target, loss = _loss_terms(upcast_logits, target)
     grad = upcast_logits.sub_(log_norm).exp_()
     grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=grad.dtype))
+    if softcap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+        grad.mul_(1 - tanh.square_())
     return grad.to(logits.dtype), loss
 
 
-def _logits_grad_fused(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+def _logits_grad_fused(logits: Tensor, target: Tensor, softcap: float | None) -> tuple[Tensor, Tensor]:
     """The same arithmetic written for Inductor: one pass reads the [rows, vocab] logits for the
     log-sum-exp, one more writes the gradient in their dtype; the one-hot is a comparison with the
     column index instead of a scatter, so nothing in between is materialised in fp32."""
     upcast_logits = upcast(logits)
+    if softcap is not None:
+        tanh = torch.tanh(upcast_logits / softcap)
+        upcast_logits = tanh * softcap
     log_norm, safe_target, loss = _loss_terms(upcast_logits, target)
     probs = (upcast_logits - log_norm).exp()
     is_target = torch.arange(logits.shape[1], device=logits.device) == safe_target
-    return torch.where(is_target, probs - 1, probs).to(logits.dtype), loss
+    grad = torch.where(is_target, probs - 1, probs)
+    if softcap is not None:
+        grad = grad * (1 - tanh * tanh)
+    return grad.to(logits.dtype), loss
 
 
 # Eager, the fp32 copy of a chunk's logits, its log-sum-exp, exp, scatter and cast were a quarter of the head's time
 logits_grad = compiled_on_cuda(_logits_grad_fused, eager=_logits_grad_in_place)
 logits_grad.__doc__ = """(d(row loss)/d(logits) = softmax - one_hot(target) in the logits' dtype, summed cross-entropy
-over targets != -100 in fp32 or wider) for one chunk: logits [rows, vocab], target [rows] int64."""
+over targets != -100 in fp32 or wider) for one chunk: logits [rows, vocab], target [rows] int64; with `softcap`,
+of the capped logits (and the gradient through the cap)."""

@@ -9,7 +9,10 @@ expert. Parameter counts are per layer; FLOPs count the active parameters only.
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5")
+# Gemma 2 and 3: (1 + weight) RMSNorms before and after both halves of a block, a GELU-gated MLP, embeddings
+# scaled by sqrt(d_model), attention scaled by query_pre_attn_scalar, soft caps (Gemma 2), windowed layers
+GEMMA = ("gemma2", "gemma3_text")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA)
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -32,6 +35,7 @@ ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+GEMMA_ACTIVATIONS = ("gelu_tanh", "gelu")  # transformers' gelu_pytorch_tanh (every published Gemma) and gelu
 
 
 class ZooError(Exception):
@@ -91,6 +95,15 @@ class ModelConfig:
     # only by load (train.router_bias_update_rate)
     router_scoring: str = "softmax"
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate (GLM-4.5: the first half)
+    # the dense MLP's gate: silu (SwiGLU), or for Gemma one of GEMMA_ACTIVATIONS
+    activation: str = "silu"
+    # Gemma (GEMMA): scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim's; soft caps
+    # cap * tanh(x / cap) on the attention scores and the final logits (Gemma 2); the sliding-window
+    # layers' own rotary base, never scaled (Gemma 3's rope_local_base_freq)
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -142,6 +155,13 @@ class ModelConfig:
                 f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
                 f"{self.head_dim}: it must be an even number of them, at least two"
             )
+        gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta")
+        set_here = [name for name in gemma_only if getattr(self, name) is not None]
+        if set_here and self.arch not in GEMMA:
+            raise ZooError(f"{set_here} are Gemma's ({GEMMA}); {self.arch} has none of them: leave them unset")
+        activations = GEMMA_ACTIVATIONS if self.arch in GEMMA else ("silu",)
+        if self.activation not in activations:
+            raise ZooError(f"{self.arch}'s activation must be one of {activations}, got {self.activation!r}")
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if kind not in ROPE_SCALINGS:
             raise ZooError(
@@ -160,6 +180,12 @@ class ModelConfig:
     def rope_interleaved(self) -> bool:
         """Rotary embedding on adjacent pairs: latent attention as `rope_interleave` says, ERNIE 4.5 always."""
         return self.rope_interleave if self.kv_lora_rank else self.arch in ERNIE
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's block and embedding: (1 + weight) RMSNorms on both halves' inputs and outputs, a GELU-gated
+        MLP, the embedding's rows scaled by sqrt(d_model)."""
+        return self.arch in GEMMA
 
     @property
     def router_bias(self) -> bool:
@@ -193,7 +219,8 @@ class ModelConfig:
             latent = d * (self.kv_lora_rank + self.head_dim) + self.kv_lora_rank * heads * (self.qk_nope_head_dim + v)
             return queries + latent + heads * v * d, 2 * d + self.kv_lora_rank + self.q_lora_rank
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        small = 2 * d + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        norms = 4 * d if self.gemma else 2 * d
+        small = norms + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
         small += self.n_heads if self.attention_sinks else 0
         if self.qk_norm:
             small += q + kv if self.qk_norm_scope == "full" else 2 * self.head_dim

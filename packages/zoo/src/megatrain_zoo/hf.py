@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from .config import ERNIE, ModelConfig, ZooError
+from .config import ERNIE, GEMMA, ModelConfig, ZooError
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -22,6 +22,47 @@ _HF_CLASSES = {
     "dots1": "Dots1ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+# transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
+# writes only what differs from Gemma3TextConfig's)
+_DEFAULTS = {
+    "gemma2": {
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3_text": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    },
 }
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
@@ -42,7 +83,10 @@ def _first_id(value):
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
+    if hf.get("model_type") == "gemma3":  # an image-text model: its text model trains (and exports) alone
+        hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
     model_type = _SAME_AS.get(hf.get("model_type"), hf.get("model_type"))
+    hf = {**_DEFAULTS.get(model_type, {}), **hf}
     if model_type not in _HF_CLASSES:
         archs = hf.get("architectures")
         why = _UNSUPPORTED_MOE.get(model_type, "")
@@ -50,16 +94,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1 and ERNIE 4.5)"
+            "dots.llm1 and ERNIE 4.5; Gemma 2 and 3)"
         )
-    if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION):
+    biased_attention_refused = ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION, *GEMMA)
+    if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     _check_quantization(hf.get("quantization_config"), model_type)
     if hf.get("mlp_bias") or (model_type in ERNIE and hf.get("use_bias")):
         raise ZooError(f"{model_type} with biases on the MLP projections (mlp_bias / use_bias=true) is not supported")
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
     rope = dict(hf.get("rope_parameters") or {})
-    theta = hf.get("rope_theta", rope.get("rope_theta", 500000.0 if model_type in ERNIE else 10000.0))
+    gemma = _gemma_from_hf(hf, model_type)
+    if model_type == "gemma3_text":
+        rope, gemma["rope_local_theta"] = _gemma3_rope(hf, rope)
+    theta = hf.get("rope_theta") or rope.get("rope_theta") or (500000.0 if model_type in ERNIE else 10000.0)
     partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
         partial_rotary = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
@@ -89,7 +137,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
         or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1")
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text")
         or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
         partial_rotary_factor=partial_rotary,
         qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2") else "head",
@@ -103,7 +151,45 @@ def config_from_hf(hf: dict) -> ModelConfig:
         **_moe_from_hf(hf, model_type),
         **_gpt_oss_from_hf(hf, model_type),
         **_latent_attention_from_hf(hf, model_type),
+        **gemma,
     )
+
+
+_GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' name -> ModelConfig's
+
+
+def _gemma_from_hf(hf: dict, model_type: str) -> dict:
+    if model_type not in GEMMA:
+        return {}
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _GEMMA_ACTIVATIONS:
+        raise ZooError(
+            f"{model_type} with hidden_activation={activation!r} is not supported ({list(_GEMMA_ACTIVATIONS)})"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise ZooError(f"{model_type} with use_bidirectional_attention=true (an embedding model) is not supported")
+    caps = ("attn_logit_softcapping", "final_logit_softcapping")
+    return {
+        "activation": _GEMMA_ACTIVATIONS[activation],
+        "query_pre_attn_scalar": _int_if_whole(hf["query_pre_attn_scalar"]),  # transformers' field is an int
+        **{cap: None if hf.get(cap) is None else float(hf[cap]) for cap in caps},
+    }
+
+
+def _int_if_whole(value: float) -> float:
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def _gemma3_rope(hf: dict, rope: dict) -> tuple[dict, float]:
+    """Gemma 3's two rotary settings: (the full-attention layers' rope_theta and rope_scaling, the sliding
+    layers' base, rope_local_base_freq, never scaled); transformers >= 5 writes rope_parameters per layer type."""
+    by_layer_type = rope if {"full_attention", "sliding_attention"} & set(rope) else {}
+    full = {"rope_theta": hf.get("rope_theta") or 1_000_000.0, **(by_layer_type.get("full_attention") or {})}
+    full.update(hf.get("rope_scaling") or {})
+    local = by_layer_type.get("sliding_attention") or {}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ZooError(f"gemma3_text with rotary scaling {local} on its sliding-window layers is not supported")
+    return full, float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
 
 
 def _check_quantization(quantization: dict | None, model_type: str) -> None:
@@ -167,14 +253,16 @@ def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
 
 def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     """The layers that attend over a sliding window, as transformers decides them: `layer_types` where
-    written; else gpt-oss every other layer, Mistral and Mixtral every layer, Qwen and dots.llm1 the
-    layers from `max_window_layers` on (Qwen only with `use_sliding_window`). None without a window."""
+    written; else gpt-oss and Gemma 2 every other layer, Gemma 3 five of six (`sliding_window_pattern`),
+    Mistral and Mixtral every layer, Qwen and dots.llm1 the layers from `max_window_layers` on (Qwen only
+    with `use_sliding_window`). None without a window."""
     n_layers = hf["num_hidden_layers"]
     if not hf.get("sliding_window"):
         return ()
     types = hf.get("layer_types")
-    if types is None and model_type == "gpt_oss":
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+    every = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": hf.get("sliding_window_pattern", 6)}.get(model_type)
+    if types is None and every:  # the every-th layer attends fully, the others over the window
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
     if types is not None:
         unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
         if unknown:
@@ -324,6 +412,18 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     hf["sliding_window"] = config.sliding_window if windowed else None
     if windowed:
         hf["layer_types"] = ["sliding_attention" if i in windowed else "full_attention" for i in range(config.n_layers)]
+    if config.arch in GEMMA:
+        activation = next(name for name, ours in _GEMMA_ACTIVATIONS.items() if ours == config.activation)
+        hf.update(
+            hidden_activation=activation,
+            hidden_act=activation,
+            attention_bias=False,
+            query_pre_attn_scalar=config.query_pre_attn_scalar,
+            attn_logit_softcapping=config.attn_logit_softcapping,
+            final_logit_softcapping=config.final_logit_softcapping,
+        )
+    if config.rope_local_theta is not None:  # read by transformers 4 and 5 alike (5 folds it into rope_parameters)
+        hf["rope_local_base_freq"] = config.rope_local_theta
     if config.arch in ERNIE:  # (biases on every projection, the MLP's too, where true)
         hf["use_bias"] = False
     if config.arch == "ernie4_5_moe":

@@ -57,19 +57,25 @@ class ModelSpec:
         """Tensors a Hugging Face checkpoint may carry that this model does not store."""
         return (
             name.endswith("rotary_emb.inv_freq")
-            or (self.config.tie_embeddings and name == "lm_head.weight")
-            or self.is_mtp_tensor(name)
+            or (self.config.tie_embeddings and name in ("lm_head.weight", "language_model.lm_head.weight"))
+            or self.left_out(name) is not None
         )
 
-    def is_mtp_tensor(self, name: str) -> bool:
-        """Multi-token-prediction modules, which transformers leaves out too: DeepSeek-V3's and GLM-4.5's,
-        published as layers past the last; ERNIE 4.5's, named `mtp` (`model.mtp_block.0...`)."""
-        if self.config.arch == "ernie4_5_moe":
-            return "mtp" in name
-        if self.config.arch not in ("deepseek_v3", "glm4_moe") or not name.startswith("model.layers."):
-            return False
-        layer = name.split(".")[2]
-        return layer.isdigit() and int(layer) >= self.config.n_layers
+    def left_out(self, name: str) -> str | None:
+        """What tensor `name` of a published checkpoint belongs to when it is a part the causal language model
+        does not have (so transformers' *ForCausalLM leaves it out too), else None: multi-token-prediction
+        modules (DeepSeek-V3's and GLM-4.5's, published as layers past the last; ERNIE 4.5's, named `mtp`),
+        Gemma 3's vision tower and projector (its image-text checkpoints hold the text model trained here)."""
+        arch = self.config.arch
+        if arch == "ernie4_5_moe" and "mtp" in name:
+            return "multi-token-prediction modules"
+        if arch == "gemma3_text" and name.startswith(_GEMMA3_VISION):
+            return "the vision tower and its projector"
+        if arch in ("deepseek_v3", "glm4_moe") and name.startswith("model.layers."):
+            layer = name.split(".")[2]
+            if layer.isdigit() and int(layer) >= self.config.n_layers:
+                return "multi-token-prediction modules"
+        return None
 
     def fused_checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """transformers' fused 3-D expert tensors -> (shape, the per-expert names it covers): the
@@ -84,9 +90,14 @@ class ModelSpec:
                     fused[prefix + name] = (shape, tuple(prefix + n for n in covered))
         return fused
 
-    def checkpoint_alias(self, name: str) -> str:
-        """The name transformers >= 5 gives tensor `name` in memory (Mixtral's block_sparse_moe is mlp there)."""
-        return name.replace(".block_sparse_moe.", ".mlp.")
+    def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
+        """Other names files may give tensor `name`: transformers >= 5's in memory (Mixtral's block_sparse_moe
+        is mlp there); Gemma 3's image-text checkpoints' for its text model (`language_model.model.*` as
+        published, `model.language_model.*` as transformers 4.52 and later write them)."""
+        if self.config.arch == "gemma3_text" and name.startswith("model."):
+            return "language_model." + name, "model.language_model." + name.removeprefix("model.")
+        alias = name.replace(".block_sparse_moe.", ".mlp.")
+        return (alias,) if alias != name else ()
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every stored tensor's shape by Hugging Face name."""
@@ -94,8 +105,13 @@ class ModelSpec:
 
 
 def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
-    """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window)."""
+    """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window, and with it
+    Gemma 3's rotary base)."""
+    windowed = layer in config.sliding_layers
     scaling = tuple(sorted(config.rope_scaling.items())) if config.rope_scaling else None
+    rope = RopeConfig(head_dim=config.rotary_dim, theta=config.rope_theta, scaling=scaling)
+    if windowed and config.rope_local_theta is not None:
+        rope = RopeConfig(head_dim=config.rotary_dim, theta=config.rope_local_theta)
     return BlockShape(
         d_model=config.d_model,
         n_heads=config.n_heads,
@@ -107,12 +123,17 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         qk_norm=config.qk_norm,
         qk_norm_scope=config.qk_norm_scope,
         clip_qkv=config.clip_qkv,
-        rope=RopeConfig(head_dim=config.rotary_dim, theta=config.rope_theta, scaling=scaling),
+        rope=rope,
         o_bias=config.o_bias,
         sinks=config.attention_sinks,
-        sliding_window=config.sliding_window if layer in config.sliding_layers else None,
+        sliding_window=config.sliding_window if windowed else None,
         mla=_mla_shape(config),
         rope_interleaved=config.rope_interleaved,
+        norm_plus_one=config.gemma,
+        sandwich_norms=config.gemma,
+        activation=config.activation,
+        softmax_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5,
+        attn_softcap=config.attn_logit_softcapping,
     )
 
 
@@ -133,6 +154,9 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
         q_lora_rank=config.q_lora_rank,
     )
 
+
+# the parts of Gemma 3's image-text checkpoints beside its text model, in every layout transformers has written
+_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 # the template's parameter naming (`EXPERT_NAMING`) per family; "qwen" for the others
 EXPERT_NAMING_OF = {
@@ -182,7 +206,8 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     MoE layers share the step's routing statistics. With `experts_per_stage` below the expert count
     (0: all), a MoE layer is several groups and stages so that a GPU slot holds a part of its experts:
     trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts."""
-    embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id)
+    embed_scale = config.d_model**0.5 if config.gemma else None
+    embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id, embed_scale)
     router_load = None
     if config.is_moe:
         coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
@@ -223,7 +248,14 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
                 add_stage(
                     f"{name}.experts{first}-{stop - 1}", part, (f"{name}.router", f"{name}.experts{first}"), prefix
                 )
-    head = Head(config.vocab_size, config.d_model, config.rms_eps, tied=config.tie_embeddings)
+    head = Head(
+        config.vocab_size,
+        config.d_model,
+        config.rms_eps,
+        tied=config.tie_embeddings,
+        norm_plus_one=config.gemma,
+        logit_softcap=config.final_logit_softcapping,
+    )
     head_group = len(groups)
     groups.append(
         Group(
@@ -236,7 +268,8 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
 
 
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> None:
-    """Hugging Face initialisation: norms at one, biases at zero, matrices N(0, initializer_range).
+    """Hugging Face initialisation: norms at one (Gemma's, which scale by 1 + weight, at zero), biases at
+    zero, matrices N(0, initializer_range).
 
     Each tensor is drawn from a generator of its own, seeded by (seed, name), so the weights do not
     depend on how the tensors are grouped or in which order they are made (a MoE layer in parts,
@@ -245,7 +278,7 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> No
     base, first, _ = row_slice_of(name) or (name, 0, 0)
     base = (split_precision_of(base) or (base,))[0]
     if base.endswith("norm.weight"):
-        tensor.fill_(1.0)
+        tensor.fill_(0.0 if config.gemma else 1.0)
         return
     if base.endswith((".bias", "_bias")) and not base.endswith("router.bias"):
         tensor.zero_()

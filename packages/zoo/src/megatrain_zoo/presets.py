@@ -189,6 +189,22 @@ def _ernie4_5(arch: str, d_model: int, n_layers: int, n_heads: int, n_kv_heads: 
     )
 
 
+def _gemma(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, **changes):
+    """Gemma 2 and 3 (Google, 2024-25): heads of 256 (128 at 27B), tied embeddings, sliding-window layers
+    (Gemma 2 every other one over 4096 tokens, soft-capped; Gemma 3 five of six over 1024 with a rotary base
+    of their own), transformers' config defaults."""
+    windowed = range(0, n_layers, 2) if arch == "gemma2" else [i for i in range(n_layers) if (i + 1) % 6]
+    defaults = {
+        "gemma2": dict(max_seq_len=8192, sliding_window=4096, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0),
+        "gemma3_text": dict(max_seq_len=131072, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+                            sliding_window=1024, qk_norm=True, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    }[arch]
+    common = dict(head_dim=256, rms_eps=1e-6, tie_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                  activation="gelu_tanh", query_pre_attn_scalar=256, sliding_layers=tuple(windowed))
+    return ModelConfig(arch, vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**common, **defaults, **changes})
+
+
 def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
     YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
@@ -482,6 +498,16 @@ PRESETS: dict[str, ModelConfig] = {
         dense_layers=(0,),
         router_aux_loss_coef=0.001,
     ),
+    "gemma-2-2b": _gemma("gemma2", 256000, 2304, 26, 8, 4, 9216),
+    "gemma-2-9b": _gemma("gemma2", 256000, 3584, 42, 16, 8, 14336, query_pre_attn_scalar=224),
+    "gemma-2-27b": _gemma("gemma2", 256000, 4608, 46, 32, 16, 36864, head_dim=128, query_pre_attn_scalar=144),
+    "gemma-3-1b": _gemma(
+        "gemma3_text", 262144, 1152, 26, 4, 1, 6912, max_seq_len=32768, sliding_window=512, rope_scaling=None
+    ),
+    # the text models inside the published image-text checkpoints (their vocabulary has 64 image tokens more)
+    "gemma-3-4b": _gemma("gemma3_text", 262208, 2560, 34, 8, 4, 10240),
+    "gemma-3-12b": _gemma("gemma3_text", 262208, 3840, 48, 16, 8, 15360),
+    "gemma-3-27b": _gemma("gemma3_text", 262208, 5376, 62, 32, 16, 21504, head_dim=128, query_pre_attn_scalar=168),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -553,6 +579,14 @@ PRESETS["tiny-ernie4_5"] = ModelConfig(
 PRESETS["tiny-ernie4_5-moe"] = ModelConfig(
     "ernie4_5_moe", 256, 64, 3, 4, 2, 96, head_dim=16, max_seq_len=256, n_experts=8,
     n_experts_per_tok=3, moe_d_ff=32, shared_expert_d_ff=32, norm_topk_prob=True, dense_layers=(0,),
+)
+PRESETS["tiny-gemma2"] = _gemma(
+    "gemma2", 256, 64, 3, 4, 2, 160, head_dim=32, max_seq_len=256, sliding_window=5, query_pre_attn_scalar=24,
+    attn_logit_softcapping=2.0, final_logit_softcapping=3.0,  # low enough that random weights meet the caps
+)
+PRESETS["tiny-gemma3"] = _gemma(
+    "gemma3_text", 256, 64, 3, 4, 2, 160, head_dim=32, max_seq_len=256, sliding_window=5, rope_theta=50_000.0,
+    rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_layers=(0, 2), query_pre_attn_scalar=24,
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",

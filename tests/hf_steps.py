@@ -1,0 +1,72 @@
+"""What the tests that train against transformers share: megatrain's trainer on a Hugging Face directory,
+torch's AdamW with megatrain's weight-decay rule, random batches and transformers' label convention."""
+
+import torch
+
+from megatrain import Trainer
+from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+
+NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_trainer(
+    hf_dir,
+    tmp_path,
+    grad_clip,
+    steps,
+    batch_size=6,
+    micro_batch_size=2,
+    device="cpu",
+    engine=EngineSection(),
+    router_bias_update_rate=0.0,
+    router_seq_aux_loss_coef=0.0,
+    router_z_loss_coef=0.0,
+):
+    train = TrainSection(
+        steps=steps,
+        batch_size=batch_size,
+        micro_batch_size=micro_batch_size,
+        lr=1e-4,  # fp32 noise in near-zero gradients (e.g. k_proj.bias) stays well under the tolerance
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        warmup_steps=1,
+        schedule="cosine",
+        router_bias_update_rate=router_bias_update_rate,
+        router_seq_aux_loss_coef=router_seq_aux_loss_coef,
+        router_z_loss_coef=router_z_loss_coef,
+    )
+    config = Config(
+        model=ModelSection(hf_dir=str(hf_dir)),
+        data=DataSection(seq_len=12),
+        train=train,
+        precision=PrecisionSection("float32"),
+        engine=engine,
+        device=device,
+        output_dir=str(tmp_path / "run"),
+    )
+    return Trainer(config), train
+
+
+def hf_adamw(model, train):
+    params = dict(model.named_parameters())
+    no_decay = [p for n, p in params.items() if n.endswith(NO_DECAY)]
+    decay = [p for n, p in params.items() if not n.endswith(NO_DECAY)]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
+
+
+def random_batch(batch, seq, vocab, generator):
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[torch.rand(batch, seq, generator=generator) < 0.2] = -100
+    return ids, labels
+
+
+def hf_labels(labels):
+    """megatrain's labels hold the next token at each position; transformers shifts by itself."""
+    return torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)

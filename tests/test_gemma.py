@@ -1,0 +1,248 @@
+"""Gemma 2 and 3 train exactly like transformers: several optimizer steps of megatrain (fp32, micro-batches,
+clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM / Gemma3ForCausalLM + torch.optim.AdamW
+on the same batches, with windows, soft caps, per-layer rotary bases and (1 + weight) norms that bite;
+exports load in transformers with equal logits; published config forms parse to the presets."""
+
+import pytest
+import torch
+import transformers  # installed by the integration nox session
+from hf_steps import hf_adamw, hf_labels, make_trainer, random_batch, rel_err
+
+from megatrain.config import EngineSection
+from megatrain_optim import Schedule, lr_at
+from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
+
+GEMMA_PRESETS = ["tiny-gemma2", "tiny-gemma3"]
+
+
+def gemma_model(name: str, seed: int, **overrides):
+    """transformers' model of preset `name` with fresh random weights: norms around 0 (Gemma scales by
+    1 + weight), matrices large enough that the soft caps and windows change the result."""
+    hf_config = transformers.AutoConfig.for_model(**{**config_to_hf(preset(name)), **overrides})
+    torch.manual_seed(seed)
+    # eager: transformers' SDPA path leaves Gemma 2's attention soft cap out (5.17 picks it by default)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.normal_(0.0, 0.2 if param_name.endswith("norm.weight") else 0.15)
+    return model.train()
+
+
+def check_steps_match_transformers(name, tmp_path, device, grad_clip, engine=EngineSection()):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = gemma_model(name, seed)
+    reference.save_pretrained(tmp_path / "hf")
+    trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine)
+    assert trainer.model_config == preset(name).with_changes(initializer_range=trainer.model_config.initializer_range)
+    optimizer = hf_adamw(reference, train)
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
+        metrics = trainer.train_step(ids, labels)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        loss = reference(input_ids=ids, labels=hf_labels(labels)).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
+        optimizer.step()
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    if engine.kept_layers != "auto":
+        assert trainer.pipeline.last_kept == engine.kept_layers
+    ids = torch.randint(0, trainer.model_config.vocab_size, (2, 12))
+    our_logits = trainer.logits(ids)
+    exported = trainer.export(tmp_path / "out")
+    trainer.close()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ours = dict(reloaded.named_parameters())
+    for param_name, param in reference.named_parameters():
+        assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
+    with torch.no_grad():
+        assert rel_err(our_logits.cpu(), reloaded(ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("grad_clip", [0.5, 0.0], ids=["clipped", "eager"])
+@pytest.mark.parametrize("name", GEMMA_PRESETS)
+def test_steps_match_transformers(name, grad_clip, tmp_path):
+    check_steps_match_transformers(name, tmp_path, "cpu", grad_clip)
+
+
+@pytest.mark.parametrize("name", GEMMA_PRESETS)
+def test_layers_keeping_their_products_match_transformers(name, tmp_path):
+    """Layers that keep their matmul products for the backward keep the down projection's too (the norm
+    on the MLP's output needs it)."""
+    check_steps_match_transformers(name, tmp_path, "cpu", 0.5, EngineSection(kept_layers=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GEMMA_PRESETS)
+def test_gpu_steps_match_transformers(name, tmp_path):
+    """The CUDA engine in fp32 (TF32 off; FlexAttention with the soft cap as its score modification and the
+    window as its block mask; the layers keep their products where the GPU has room) against transformers
+    on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    check_steps_match_transformers(name, tmp_path, "cuda", 0.5)
+
+
+def test_caps_and_windows_change_the_result():
+    """The tiny presets' soft caps and windows bite at the tests' scale: without them transformers'
+    logits differ (so the steps above test them)."""
+    ids = torch.randint(0, 256, (2, 12))
+    for name, changes in [
+        ("tiny-gemma2", {"attn_logit_softcapping": None}),
+        ("tiny-gemma2", {"final_logit_softcapping": None}),
+        ("tiny-gemma2", {"sliding_window": 64}),
+        ("tiny-gemma3", {"sliding_window": 64}),
+        ("tiny-gemma3", {"rope_local_base_freq": 1_000_000.0}),
+    ]:
+        model = gemma_model(name, 3).eval()
+        changed = gemma_model(name, 3, **changes).eval()
+        with torch.no_grad():
+            assert rel_err(changed(ids).logits, model(ids).logits) > 1e-3, (name, changes)
+
+
+# Published config.json forms (transformers 4's keys; Gemma 3's image-text models' text_config writes only what
+# differs from transformers' defaults)
+GEMMA_3_1B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "vocab_size": 262144,
+}
+GEMMA_3_27B_TEXT = {
+    "model_type": "gemma3_text",
+    "head_dim": 128,
+    "hidden_size": 5376,
+    "intermediate_size": 21504,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 16,
+    "query_pre_attn_scalar": 168,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+}
+GEMMA_2_9B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 8,
+    "query_pre_attn_scalar": 224,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "vocab_size": 256000,
+}
+
+
+@pytest.mark.parametrize(
+    "published, name",
+    [(GEMMA_3_1B, "gemma-3-1b"), (GEMMA_3_27B_TEXT, "gemma-3-27b"), (GEMMA_2_9B, "gemma-2-9b")],
+)
+def test_published_configs_parse_to_the_presets_as_transformers_reads_them(published, name):
+    """The published form (rope_theta + rope_local_base_freq + rope_scaling, a window pattern instead of
+    layer_types, defaults left out) and transformers' own reading of it (rope_parameters per layer type,
+    layer_types) both parse to the preset; the preset's config.json reads back the same in transformers."""
+    assert config_from_hf(published) == preset(name)
+    as_read = transformers.AutoConfig.for_model(**published).to_dict()
+    assert config_from_hf(as_read) == preset(name)
+    exported = transformers.AutoConfig.for_model(**config_to_hf(preset(name))).to_dict()
+    for key in ("layer_types", "rope_parameters", "query_pre_attn_scalar", "final_logit_softcapping", "sliding_window"):
+        assert exported[key] == as_read[key], key
+
+
+def test_unsupported_gemma_settings_are_refused():
+    with pytest.raises(ZooError, match="use_bidirectional_attention"):
+        config_from_hf({**GEMMA_3_1B, "use_bidirectional_attention": True})
+    with pytest.raises(ZooError, match="hidden_activation='silu'"):
+        config_from_hf({**GEMMA_2_9B, "hidden_activation": "silu"})
+    with pytest.raises(ZooError, match="Gemma's"):
+        preset("tiny-llama").with_changes(final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."], ids=["published", "4.52-4.57"])
+def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(layout, tmp_path, capfd):
+    """Gemma 3's 4B-27B are published as image-text models (Gemma3ForConditionalGeneration): megatrain reads its
+    text model (text_config; `language_model.model.*` as published, or `model.language_model.*` as transformers
+    4.52-4.57 wrote), leaves the vision tower and projector out (and says so), trains the same logits as the
+    image-text model on text, and exports a Gemma3ForCausalLM; `megatrain convert` writes the same text model."""
+    from safetensors.torch import load_file, save_file
+
+    from megatrain.cli import main
+
+    text = config_to_hf(preset("tiny-gemma3"))
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    hf_config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=255,
+        boi_token_index=253,
+        eoi_token_index=254,
+    )
+    torch.manual_seed(5)
+    image_text = transformers.Gemma3ForConditionalGeneration(hf_config).eval()
+    with torch.no_grad():
+        for param_name, param in image_text.named_parameters():
+            param.normal_(0.0, 0.2 if param_name.endswith("norm.weight") else 0.15)
+    image_text.save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    renamed = {name.replace("language_model.model.", layout, 1): value for name, value in tensors.items()}
+    assert any(name.startswith("vision_tower.") for name in renamed)
+    save_file(renamed, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+
+    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    assert "leaving out" in capfd.readouterr().err
+    assert trainer.model_config == preset("tiny-gemma3").with_changes(
+        initializer_range=trainer.model_config.initializer_range
+    )
+    ids = torch.randint(0, 250, (2, 12))
+    with torch.no_grad():
+        expected = image_text(input_ids=ids).logits
+    assert rel_err(trainer.logits(ids), expected) < 1e-5
+    exported = trainer.export(tmp_path / "out")
+    trainer.close()
+    for directory in (exported, tmp_path / "converted"):
+        if directory != exported:
+            assert main(["convert", str(tmp_path / "hf"), str(directory), "--dtype", "float32"]) == 0
+        text_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        assert type(text_model).__name__ == "Gemma3ForCausalLM"
+        with torch.no_grad():
+            assert rel_err(text_model(ids).logits, expected) < 1e-5
