@@ -24,6 +24,7 @@ def upcast(x: Tensor) -> Tensor:
 # and everywhere with MEGATRAIN_COMPILE=0. Not fullgraph: past torch's recompile limit a shape
 # falls back to eager instead of failing.
 COMPILE = os.environ.get("MEGATRAIN_COMPILE", "1") != "0"
+RECOMPILE_LIMIT = 32
 
 
 def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
@@ -42,6 +43,10 @@ def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
         if not (COMPILE and x.is_cuda):
             return (eager or fn)(x, *args)
         if compiled is None:
+            # a graph per width, rank and autograd mode a function meets: Gemma's RMSNorm meets more than torch's
+            # default of 8 (six norms per layer, 3-D and per head, forward and recompute, the head's) and fell
+            # back to eager past them
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             compiled = torch.compile(fn)
         torch._dynamo.mark_static(x, x.dim() - 1)
         return compiled(x, *args)
