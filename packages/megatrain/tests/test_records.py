@@ -44,6 +44,35 @@ def test_pretraining_records_are_one_stream_with_eos(tmp_path, tokenizer_path):
     assert tok.decode([int(t) for t in tokens if t != eos]) == "first documentsecond one"
 
 
+def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
+    """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
+    it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""
+    from tokenizers import processors
+
+    from megatrain.data import tokenize_text
+    from megatrain.records import document_start_ids
+
+    plain = Tokenizer.from_file(str(tokenizer_path))
+    assert document_start_ids(plain) == []
+    with_bos = Tokenizer.from_file(str(tokenizer_path))
+    with_bos.add_special_tokens(["<bos>"])
+    bos, eos = with_bos.token_to_id("<bos>"), with_bos.token_to_id(EOS_TOKEN)
+    with_bos.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    path = tmp_path / "bos" / "tokenizer.json"
+    path.parent.mkdir()
+    with_bos.save(str(path))
+    assert document_start_ids(with_bos) == [bos]
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": "first document"}, {"text": "second one"}])
+    data = load_token_data(DataSection(dataset=str(source), tokenizer=str(path), seq_len=4), 1024, tmp_path / "c", None)
+    first = with_bos.encode("first document", add_special_tokens=False).ids
+    second = with_bos.encode("second one", add_special_tokens=False).ids
+    assert list(data.train.tokens) == [bos, *first, eos, bos, *second, eos]
+    text = tmp_path / "book.txt"
+    text.write_text("one paragraph\n\nanother paragraph\n\nand a third")
+    tokens, _ = tokenize_text(text, path, 1024, tmp_path / "c2")
+    assert tokens[0] == bos and list(tokens).count(bos) == 1
+
+
 def test_alpaca_with_the_simple_template_trains_the_response_and_eos(tmp_path, tokenizer_path, capsys):
     source = write_jsonl(
         tmp_path / "sft.jsonl",

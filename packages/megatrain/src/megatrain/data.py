@@ -85,12 +85,16 @@ def tokenize_text(
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
     key = hashlib.sha256(text.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
-    cached = cache_dir / f"tokens-{key}.npy"
+    cached = cache_dir / f"tokens-v2-{key}.npy"  # v2: the document's start tokens once, not per paragraph
     if cached.exists():
         return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
-    # one document; encoded paragraph by paragraph so the tokenizer can use all cores
+    from .records import document_start_ids
+
+    # one document (starting as the tokenizer starts a text: Gemma's and Llama's <bos>); encoded paragraph by
+    # paragraph so the tokenizer can use all cores
     paragraphs = [p + "\n\n" for p in text.split("\n\n")]
-    ids = [i for encoding in tokenizer.encode_batch(paragraphs) for i in encoding.ids]
+    encoded = tokenizer.encode_batch(paragraphs, add_special_tokens=False)
+    ids = document_start_ids(tokenizer) + [i for encoding in encoded for i in encoding.ids]
     tokens = np.asarray(ids, dtype=np.int32)
     cache_dir.mkdir(parents=True, exist_ok=True)
     np.save(cached, tokens)

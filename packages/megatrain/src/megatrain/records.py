@@ -58,7 +58,7 @@ DEFAULT_TAGS = {
 }
 UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
 
 
@@ -291,6 +291,7 @@ def tokenize_source(
     from tqdm import tqdm
 
     special = special_token_ids(tokenizer)
+    document_start = document_start_ids(tokenizer) if source.formatting == "text" else []
     examples = Examples([], [], len(records))
     for start in tqdm(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
         rows = records[start : start + batch]
@@ -315,7 +316,7 @@ def tokenize_source(
                 raise _render_error(source, index, error) from error
         encoded = tokenizer.encode_batch([text for text, _, _ in rendered], add_special_tokens=False)
         for (text, spans, end_of_turn), encoding in zip(rendered, encoded):
-            ids = encoding.ids
+            ids = document_start + encoding.ids
             trained = (
                 [True] * len(ids)
                 if data.train_on_prompt or source.formatting == "text"
@@ -416,6 +417,17 @@ def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Tokens
         if positions is not None:
             positions[row, cursor:] = np.arange(seq_len - cursor)
     return Tokens(tokens, mask, positions, valid)
+
+
+def document_start_ids(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text, as transformers' `tokenizer(text)` adds them
+    (`<bos>`: Gemma, Llama, Mistral; none: Qwen): each document of pre-training text starts with them."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
 
 
 def pad_token_id(tokenizer, eos: str) -> int:
