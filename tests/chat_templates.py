@@ -1,6 +1,7 @@
 # ruff: noqa: E501 -- the templates are kept verbatim, long lines included
 """Chat templates of real instruct models, written out here (tests download nothing): Qwen2.5-Instruct,
-Llama-3.1-Instruct and Mistral-7B-Instruct-v0.1/v0.2, as their tokenizer_config.json ship them."""
+Llama-3.1-Instruct, Mistral-7B-Instruct-v0.1/v0.2 and Gemma 3 (google/gemma-3-4b-it, image parts included),
+as their tokenizer_config.json ship them."""
 
 QWEN2_5 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -177,6 +178,48 @@ MISTRAL = (
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
 
+GEMMA3 = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
 # A ChatML template that marks what to train with {% generation %} blocks (as TRL's templates do)
 CHATML_WITH_GENERATION = (
     "{% for message in messages %}"
@@ -186,9 +229,12 @@ CHATML_WITH_GENERATION = (
     "{{ '\n' }}{% endfor %}"
 )
 
-TEMPLATES = {"qwen2.5": QWEN2_5, "llama-3.1": LLAMA3_1, "mistral": MISTRAL}
+TEMPLATES = {"qwen2.5": QWEN2_5, "llama-3.1": LLAMA3_1, "mistral": MISTRAL, "gemma-3": GEMMA3}
 SPECIAL_TOKENS = {
     "qwen2.5": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     "llama-3.1": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
     "mistral": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+    "gemma-3": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
 }
+# the token that ends an assistant turn, trained with it
+END_OF_TURN = {"qwen2.5": "<|im_end|>", "llama-3.1": "<|eot_id|>", "mistral": "</s>", "gemma-3": "<end_of_turn>"}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from chat_templates import CHATML_WITH_GENERATION, SPECIAL_TOKENS, TEMPLATES
+from chat_templates import CHATML_WITH_GENERATION, END_OF_TURN, SPECIAL_TOKENS, TEMPLATES
 from reference_model import ReferenceLM, reference_adamw
 from test_exactness import randomize_, rel_err
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,6 +41,11 @@ SPECIALS = [
     "<s>",
     "</s>",
     "<unk>",
+    "<bos>",
+    "<eos>",
+    "<pad>",
+    "<start_of_turn>",
+    "<end_of_turn>",
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}],
@@ -105,7 +110,7 @@ def test_template_ids_equal_transformers_and_train_assistant_turns(name, tokeniz
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     hf = hf_tokenizer(tokenizer_dir, name, TEMPLATES[name])
     template = our_template(name, TEMPLATES[name])
-    end_of_turn = SPECIAL_TOKENS[name]["eos_token"] if name != "qwen2.5" else "<|im_end|>"
+    end_of_turn = END_OF_TURN[name]
     conversations = CONVERSATIONS if name != "mistral" else [c for c in CONVERSATIONS if c[0]["role"] != "system"]
     for messages in conversations:
         ids, trained = encode_conversation(template, tokenizer, messages)
