@@ -97,6 +97,22 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
     assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
 
 
+def test_fused_projection_names_are_the_same_bytes():
+    """Phi-3's qkv_proj and gate_up_proj are q/k/v and gate/up back to back: one layout, other names."""
+    shape = BlockShape(32, 4, 2, 8, 48, rope=RopeConfig(head_dim=8))
+    fused = DecoderBlock(BlockShape(32, 4, 2, 8, 48, rope=RopeConfig(head_dim=8), fused_projections=True))
+    plain = DecoderBlock(shape)
+    names = [p.name for p in fused.groups[0]]
+    assert names[:3] == ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight"]
+    assert fused.numel == plain.numel
+    flat, x, grad_out = torch.randn(plain.numel), torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    assert torch.equal(fused.forward([flat], x), plain.forward([flat], x))
+    grads = [[torch.zeros(plain.numel)] for _ in range(2)]
+    fused.backward([flat], x, grad_out, grads[0])
+    plain.backward([flat], x, grad_out, grads[1])
+    assert torch.equal(grads[0][0], grads[1][0])
+
+
 @pytest.mark.parametrize("qk_norm,softcap,window", [(False, 1.5, 4), (True, None, 100)], ids=["gemma2", "gemma3"])
 def test_gemma_block_matches_module(qk_norm, softcap, window):
     """Gemma's block: (1 + weight) norms around both halves, a gelu(tanh)-gated MLP, scores scaled by

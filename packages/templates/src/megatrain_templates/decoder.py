@@ -87,6 +87,8 @@ class BlockShape:
     activation: str = "silu"  # the dense MLP's gate (GATED_ACTIVATIONS): silu (SwiGLU) or gelu_tanh (GeGLU)
     softmax_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
+    # Phi-3: q, k and v stored as one `qkv_proj`, gate and up as one `gate_up_proj` (the same bytes, one name)
+    fused_projections: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -95,6 +97,8 @@ class BlockShape:
             raise ValueError(f"qk_norm_scope must be 'head' or 'full', got {self.qk_norm_scope!r}")
         if self.activation not in GATED_ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(GATED_ACTIVATIONS)}, got {self.activation!r}")
+        if self.fused_projections and self.qkv_bias:
+            raise ValueError("fused_projections (Phi-3's qkv_proj) has no q/k/v biases")
         if self.mla is not None and (self.sandwich_norms or self.norm_plus_one or self.attn_softcap):
             raise ValueError("latent attention (mla) has none of Gemma's norms or soft-capping")
 
@@ -114,12 +118,15 @@ def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[Pa
     if shape.mla is not None:
         return _mla_params(shape)
     d, q_out, kv_out = shape.d_model, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    matrices = (
-        ParamSpec("self_attn.q_proj.weight", (q_out, d)),
-        ParamSpec("self_attn.k_proj.weight", (kv_out, d)),
-        ParamSpec("self_attn.v_proj.weight", (kv_out, d)),
-        ParamSpec("self_attn.o_proj.weight", (d, q_out)),
-    )
+    if shape.fused_projections:
+        projections = (ParamSpec("self_attn.qkv_proj.weight", (q_out + 2 * kv_out, d)),)
+    else:
+        projections = (
+            ParamSpec("self_attn.q_proj.weight", (q_out, d)),
+            ParamSpec("self_attn.k_proj.weight", (kv_out, d)),
+            ParamSpec("self_attn.v_proj.weight", (kv_out, d)),
+        )
+    matrices = projections + (ParamSpec("self_attn.o_proj.weight", (d, q_out)),)
     small = [
         ParamSpec("input_layernorm.weight", (d,), weight_decay=False),
         ParamSpec("post_attention_layernorm.weight", (d,), weight_decay=False),
@@ -148,11 +155,11 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
     gate, up adjacent so each set is one GEMM), then norms and biases, which take no decay."""
     d = shape.d_model
     matrices, small = attention_params(shape)
-    mlp = (
-        ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)),
-        ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)),
-        ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),
-    )
+    if shape.fused_projections:
+        gate_up = (ParamSpec("mlp.gate_up_proj.weight", (2 * shape.d_ff, d)),)
+    else:
+        gate_up = (ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)), ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)))
+    mlp = gate_up + (ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),)
     if shape.sandwich_norms:  # the MLP's own norms: before it, and on its output
         small += (
             ParamSpec("pre_feedforward_layernorm.weight", (d,), weight_decay=False),
@@ -194,10 +201,13 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
             **{name.removeprefix("self_attn.").removesuffix(".weight"): span_of(params, name) for name in names},
         }
     else:
+        qkv = (
+            ["self_attn.qkv_proj.weight"]
+            if shape.fused_projections
+            else ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+        )
         spans = {
-            "qkv_weight": fused_span(
-                params, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-            ),
+            "qkv_weight": fused_span(params, qkv),
             "o_weight": span_of(params, "self_attn.o_proj.weight"),
             "input_norm": span_of(params, "input_layernorm.weight"),
         }
@@ -229,7 +239,12 @@ class DecoderBlock:
         self.numel = total_numel(params)
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
-            "gate_up_weight": fused_span(params, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+            "gate_up_weight": fused_span(
+                params,
+                ["mlp.gate_up_proj.weight"]
+                if shape.fused_projections
+                else ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            ),
             "down_weight": span_of(params, "mlp.down_proj.weight"),
         }
         if shape.sandwich_norms:

@@ -141,9 +141,9 @@ class RopeConfig:
 
     def __post_init__(self):
         kind = self.scaling_dict.get("rope_type", self.scaling_dict.get("type", "default"))
-        if kind not in ("default", "llama3", "linear", "yarn"):
+        if kind not in ("default", "llama3", "linear", "yarn", "longrope"):
             raise ValueError(
-                f"rope_scaling type {kind!r} is not supported; use 'default', 'llama3', 'linear' or 'yarn' "
+                f"rope_scaling type {kind!r} is not supported; use 'default', 'llama3', 'linear', 'yarn' or 'longrope' "
                 "(or remove rope_scaling for training at the model's native context length)"
             )
         if self.head_dim % 2:
@@ -154,12 +154,17 @@ class RopeConfig:
         return dict(self.scaling or ())
 
 
-def rope_inv_freq(config: RopeConfig) -> Tensor:
-    """Inverse frequencies [head_dim / 2] in fp32, including Llama-3 / linear scaling."""
+def rope_inv_freq(config: RopeConfig, seq_len: int | None = None) -> Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, including Llama-3 / linear / YaRN scaling, and LongRoPE's,
+    whose per-frequency factors are its long ones for sequences longer than the original context (`seq_len`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.scaling_dict
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "longrope":
+        longer = seq_len is not None and seq_len > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if longer else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "yarn":
@@ -208,13 +213,17 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_factor(config: RopeConfig) -> float:
-    """The factor YaRN applies to cos and sin (1 for every other kind)."""
+    """The factor YaRN and LongRoPE apply to cos and sin (1 for every other kind)."""
     scaling = config.scaling_dict
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if kind == "longrope":  # the context's stretch over its original length
+        original = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
         return yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
     return yarn_mscale(factor)
@@ -222,7 +231,7 @@ def rope_attention_factor(config: RopeConfig) -> float:
 
 def rope_cos_sin(config: RopeConfig, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
     """cos and sin tables [seq_len, head_dim] for positions 0..seq_len-1."""
-    inv_freq = rope_inv_freq(config).to(device)
+    inv_freq = rope_inv_freq(config, seq_len).to(device)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 # Gemma 2 and 3: (1 + weight) RMSNorms before and after both halves of a block, a GELU-gated MLP, embeddings
 # scaled by sqrt(d_model), attention scaled by query_pre_attn_scalar, soft caps (Gemma 2), windowed layers
 GEMMA = ("gemma2", "gemma3_text")
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA)
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3")
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -32,7 +32,7 @@ ERNIE = ("ernie4_5", "ernie4_5_moe")
 # routers that choose by score + a correction bias: the sigmoid ones and ERNIE 4.5's softmax
 CORRECTION_BIASED = (*SIGMOID_ROUTED, "ernie4_5_moe")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
-ROPE_SCALINGS = ("default", "llama3", "linear", "yarn")
+ROPE_SCALINGS = ("default", "llama3", "linear", "yarn", "longrope")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 GEMMA_ACTIVATIONS = ("gelu_tanh", "gelu")  # transformers' gelu_pytorch_tanh (every published Gemma) and gelu
@@ -168,6 +168,21 @@ class ModelConfig:
                 f"rope_scaling type {kind!r} is not supported (supported: {ROPE_SCALINGS}); remove rope_scaling "
                 "from config.json to train at the model's native context length"
             )
+        if kind == "longrope":
+            missing = {"short_factor", "long_factor", "original_max_position_embeddings", "factor"} - set(
+                self.rope_scaling
+            )
+            wrong = [
+                k
+                for k in ("short_factor", "long_factor")
+                if len(self.rope_scaling.get(k) or ()) != self.rotary_dim // 2
+            ]
+            if missing or wrong:
+                raise ZooError(
+                    f"LongRoPE scaling needs short_factor and long_factor of rotary_dim / 2 = {self.rotary_dim // 2} "
+                    f"values each, original_max_position_embeddings and factor; missing {sorted(missing)}, "
+                    f"wrong length {wrong}"
+                )
 
     def with_changes(self, **changes) -> "ModelConfig":
         return replace(self, **changes)

@@ -24,6 +24,7 @@ _HF_CLASSES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -73,6 +74,8 @@ _UNSUPPORTED_MOE = {
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 # families with DeepSeek's MoE config fields (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
 _DEEPSEEK_MOE = (*_LATENT_ATTENTION, "glm4_moe", "dots1")
+# families whose sliding window, where config.json sets one, is on every layer (no layer_types)
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 # families whose transformers load-balancing loss counts the unbiased top-k, not the experts chosen with the bias
 _AUX_OVER_UNBIASED_TOP_K = ("minimax_m2", "ernie4_5_moe")
 
@@ -94,12 +97,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1 and ERNIE 4.5; Gemma 2 and 3)"
+            "dots.llm1 and ERNIE 4.5; Gemma 2 and 3, Phi-3 and Phi-4)"
         )
-    biased_attention_refused = ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION, *GEMMA)
+    biased_attention_refused = ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION, *GEMMA, "phi3")
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     _check_quantization(hf.get("quantization_config"), model_type)
+    dropout = {key: hf[key] for key in ("resid_pdrop", "embd_pdrop", "attention_dropout") if hf.get(key)}
+    if dropout:
+        raise ZooError(f"{model_type} with dropout {dropout}: megatrain trains without dropout; set them to 0.0")
     if hf.get("mlp_bias") or (model_type in ERNIE and hf.get("use_bias")):
         raise ZooError(f"{model_type} with biases on the MLP projections (mlp_bias / use_bias=true) is not supported")
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
@@ -116,6 +122,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":  # as transformers completes it
+        original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+        max_len = hf.get("max_position_embeddings", 4096)
+        scaling = {"original_max_position_embeddings": original, "factor": max_len / original, **scaling}
     sliding_layers = _sliding_layers(hf, model_type)
     heads = hf["num_attention_heads"]
     if model_type in _LATENT_ATTENTION:  # the rotary part of a head is its head_dim; every head has its own k/v
@@ -254,7 +264,7 @@ def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
 def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     """The layers that attend over a sliding window, as transformers decides them: `layer_types` where
     written; else gpt-oss and Gemma 2 every other layer, Gemma 3 five of six (`sliding_window_pattern`),
-    Mistral and Mixtral every layer, Qwen and dots.llm1 the layers from `max_window_layers` on (Qwen only
+    Mistral, Mixtral and Phi-3 every layer, Qwen and dots.llm1 the layers from `max_window_layers` on (Qwen only
     with `use_sliding_window`). None without a window."""
     n_layers = hf["num_hidden_layers"]
     if not hf.get("sliding_window"):
@@ -268,7 +278,7 @@ def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
         if unknown:
             raise ZooError(f"{model_type} layer_types {unknown} are not supported (sliding_attention, full_attention)")
         return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
-    if model_type in ("mistral", "mixtral"):
+    if model_type in _WINDOW_ON_EVERY_LAYER:
         return tuple(range(n_layers))
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1") and hf.get(
         "use_sliding_window", model_type == "dots1"
@@ -410,7 +420,7 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["use_sliding_window"] = bool(windowed)
         hf["max_window_layers"] = windowed[0] if windowed else config.n_layers
     hf["sliding_window"] = config.sliding_window if windowed else None
-    if windowed:
+    if windowed and config.arch not in _WINDOW_ON_EVERY_LAYER:
         hf["layer_types"] = ["sliding_attention" if i in windowed else "full_attention" for i in range(config.n_layers)]
     if config.arch in GEMMA:
         activation = next(name for name, ours in _GEMMA_ACTIVATIONS.items() if ours == config.activation)
@@ -422,6 +432,9 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
             attn_logit_softcapping=config.attn_logit_softcapping,
             final_logit_softcapping=config.final_logit_softcapping,
         )
+    if config.arch == "phi3":
+        original = (config.rope_scaling or {}).get("original_max_position_embeddings", config.max_seq_len)
+        hf.update(partial_rotary_factor=config.partial_rotary_factor, original_max_position_embeddings=original)
     if config.rope_local_theta is not None:  # read by transformers 4 and 5 alike (5 folds it into rope_parameters)
         hf["rope_local_base_freq"] = config.rope_local_theta
     if config.arch in ERNIE:  # (biases on every projection, the MLP's too, where true)

@@ -108,7 +108,12 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
     """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window, and with it
     Gemma 3's rotary base)."""
     windowed = layer in config.sliding_layers
-    scaling = tuple(sorted(config.rope_scaling.items())) if config.rope_scaling else None
+    # frozen (hashable) form; LongRoPE's per-frequency factors are lists
+    scaling = (
+        tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in config.rope_scaling.items()))
+        if config.rope_scaling
+        else None
+    )
     rope = RopeConfig(head_dim=config.rotary_dim, theta=config.rope_theta, scaling=scaling)
     if windowed and config.rope_local_theta is not None:
         rope = RopeConfig(head_dim=config.rotary_dim, theta=config.rope_local_theta)
@@ -134,6 +139,7 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         activation=config.activation,
         softmax_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5,
         attn_softcap=config.attn_logit_softcapping,
+        fused_projections=config.arch == "phi3",
     )
 
 

@@ -205,6 +205,13 @@ def _gemma(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_k
     return ModelConfig(arch, vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**common, **defaults, **changes})
 
 
+def _phi3(vocab: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, **changes):
+    """Phi-3 and Phi-4 (Microsoft, 2024): Llama's block with q/k/v and gate/up each stored as one tensor."""
+    return ModelConfig(
+        "phi3", vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, rms_eps=1e-5, **{"max_seq_len": 4096, **changes}
+    )
+
+
 def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
     YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
@@ -508,6 +515,17 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-3-4b": _gemma("gemma3_text", 262208, 2560, 34, 8, 4, 10240),
     "gemma-3-12b": _gemma("gemma3_text", 262208, 3840, 48, 16, 8, 15360),
     "gemma-3-27b": _gemma("gemma3_text", 262208, 5376, 62, 32, 16, 21504, head_dim=128, query_pre_attn_scalar=168),
+    # the 4k-context models (the 128k ones and Phi-4-mini scale their rotary embedding by LongRoPE, not supported)
+    "phi-3-mini-4k": _phi3(
+        32064, 3072, 32, 32, 32, 8192, sliding_window=2047, sliding_layers=tuple(range(32)), bos_token_id=1,
+        eos_token_id=32000, pad_token_id=32000,
+    ),
+    "phi-3-medium-4k": _phi3(
+        32064, 5120, 40, 40, 10, 17920, sliding_window=2047, sliding_layers=tuple(range(40)), bos_token_id=1,
+        eos_token_id=32000, pad_token_id=32000,
+    ),
+    "phi-4": _phi3(100352, 5120, 40, 40, 10, 17920, max_seq_len=16384, rope_theta=250000.0, bos_token_id=100257,
+                   eos_token_id=100265),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -587,6 +605,10 @@ PRESETS["tiny-gemma2"] = _gemma(
 PRESETS["tiny-gemma3"] = _gemma(
     "gemma3_text", 256, 64, 3, 4, 2, 160, head_dim=32, max_seq_len=256, sliding_window=5, rope_theta=50_000.0,
     rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_layers=(0, 2), query_pre_attn_scalar=24,
+)
+PRESETS["tiny-phi3"] = _phi3(
+    256, 64, 2, 4, 2, 160, max_seq_len=256, partial_rotary_factor=0.75, sliding_window=5,
+    sliding_layers=(0, 1),
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",

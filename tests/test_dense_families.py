@@ -1,7 +1,8 @@
-"""Gemma 2 and 3 train exactly like transformers: several optimizer steps of megatrain (fp32, micro-batches,
-clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM / Gemma3ForCausalLM + torch.optim.AdamW
-on the same batches, with windows, soft caps, per-layer rotary bases and (1 + weight) norms that bite;
-exports load in transformers with equal logits; published config forms parse to the presets."""
+"""Gemma 2, Gemma 3 and Phi-3/Phi-4 train exactly like transformers: several optimizer steps of megatrain (fp32,
+micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM / Gemma3ForCausalLM /
+Phi3ForCausalLM + torch.optim.AdamW on the same batches, with windows, soft caps, per-layer rotary bases,
+(1 + weight) norms and partial rotary embedding that bite; exports load in transformers with equal logits;
+published config forms parse to the presets."""
 
 import pytest
 import torch
@@ -12,25 +13,28 @@ from megatrain.config import EngineSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
-GEMMA_PRESETS = ["tiny-gemma2", "tiny-gemma3"]
+PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
 
 
-def gemma_model(name: str, seed: int, **overrides):
-    """transformers' model of preset `name` with fresh random weights: norms around 0 (Gemma scales by
-    1 + weight), matrices large enough that the soft caps and windows change the result."""
+def hf_dense_model(name: str, seed: int, **overrides):
+    """transformers' model of preset `name` with fresh random weights: norms around 1 (around 0 for Gemma, which
+    scales by 1 + weight), matrices large enough that the soft caps and windows change the result."""
     hf_config = transformers.AutoConfig.for_model(**{**config_to_hf(preset(name)), **overrides})
     torch.manual_seed(seed)
     # eager: transformers' SDPA path leaves Gemma 2's attention soft cap out (5.17 picks it by default)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            param.normal_(0.0, 0.2 if param_name.endswith("norm.weight") else 0.15)
+            if param_name.endswith("norm.weight"):
+                param.normal_(0.0 if preset(name).gemma else 1.0, 0.2)
+            else:
+                param.normal_(0.0, 0.15)
     return model.train()
 
 
 def check_steps_match_transformers(name, tmp_path, device, grad_clip, engine=EngineSection()):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    reference = gemma_model(name, seed)
+    reference = hf_dense_model(name, seed)
     reference.save_pretrained(tmp_path / "hf")
     trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine)
     assert trainer.model_config == preset(name).with_changes(initializer_range=trainer.model_config.initializer_range)
@@ -66,12 +70,12 @@ def check_steps_match_transformers(name, tmp_path, device, grad_clip, engine=Eng
 
 
 @pytest.mark.parametrize("grad_clip", [0.5, 0.0], ids=["clipped", "eager"])
-@pytest.mark.parametrize("name", GEMMA_PRESETS)
+@pytest.mark.parametrize("name", PRESETS)
 def test_steps_match_transformers(name, grad_clip, tmp_path):
     check_steps_match_transformers(name, tmp_path, "cpu", grad_clip)
 
 
-@pytest.mark.parametrize("name", GEMMA_PRESETS)
+@pytest.mark.parametrize("name", PRESETS)
 def test_layers_keeping_their_products_match_transformers(name, tmp_path):
     """Layers that keep their matmul products for the backward keep the down projection's too (the norm
     on the MLP's output needs it)."""
@@ -79,7 +83,7 @@ def test_layers_keeping_their_products_match_transformers(name, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", GEMMA_PRESETS)
+@pytest.mark.parametrize("name", PRESETS)
 def test_gpu_steps_match_transformers(name, tmp_path):
     """The CUDA engine in fp32 (TF32 off; FlexAttention with the soft cap as its score modification and the
     window as its block mask; the layers keep their products where the GPU has room) against transformers
@@ -88,9 +92,9 @@ def test_gpu_steps_match_transformers(name, tmp_path):
     check_steps_match_transformers(name, tmp_path, "cuda", 0.5)
 
 
-def test_caps_and_windows_change_the_result():
-    """The tiny presets' soft caps and windows bite at the tests' scale: without them transformers'
-    logits differ (so the steps above test them)."""
+def test_caps_windows_and_rotary_parts_change_the_result():
+    """The tiny presets' soft caps, windows and partial rotary embedding bite at the tests' scale: without
+    them transformers' logits differ (so the steps above test them)."""
     ids = torch.randint(0, 256, (2, 12))
     for name, changes in [
         ("tiny-gemma2", {"attn_logit_softcapping": None}),
@@ -98,9 +102,11 @@ def test_caps_and_windows_change_the_result():
         ("tiny-gemma2", {"sliding_window": 64}),
         ("tiny-gemma3", {"sliding_window": 64}),
         ("tiny-gemma3", {"rope_local_base_freq": 1_000_000.0}),
+        ("tiny-phi3", {"partial_rotary_factor": 1.0}),
+        ("tiny-phi3", {"sliding_window": 64}),
     ]:
-        model = gemma_model(name, 3).eval()
-        changed = gemma_model(name, 3, **changes).eval()
+        model = hf_dense_model(name, 3).eval()
+        changed = hf_dense_model(name, 3, **changes).eval()
         with torch.no_grad():
             assert rel_err(changed(ids).logits, model(ids).logits) > 1e-3, (name, changes)
 
@@ -142,6 +148,31 @@ GEMMA_3_27B_TEXT = {
     "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
     "sliding_window": 1024,
 }
+PHI_3_MINI_4K = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "embd_pdrop": 0.0,
+    "eos_token_id": 32000,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000,
+    "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "sliding_window": 2047,
+    "tie_word_embeddings": False,
+    "vocab_size": 32064,
+}
 GEMMA_2_9B = {
     "architectures": ["Gemma2ForCausalLM"],
     "model_type": "gemma2",
@@ -166,7 +197,12 @@ GEMMA_2_9B = {
 
 @pytest.mark.parametrize(
     "published, name",
-    [(GEMMA_3_1B, "gemma-3-1b"), (GEMMA_3_27B_TEXT, "gemma-3-27b"), (GEMMA_2_9B, "gemma-2-9b")],
+    [
+        (GEMMA_3_1B, "gemma-3-1b"),
+        (GEMMA_3_27B_TEXT, "gemma-3-27b"),
+        (GEMMA_2_9B, "gemma-2-9b"),
+        (PHI_3_MINI_4K, "phi-3-mini-4k"),
+    ],
 )
 def test_published_configs_parse_to_the_presets_as_transformers_reads_them(published, name):
     """The published form (rope_theta + rope_local_base_freq + rope_scaling, a window pattern instead of
@@ -177,16 +213,18 @@ def test_published_configs_parse_to_the_presets_as_transformers_reads_them(publi
     assert config_from_hf(as_read) == preset(name)
     exported = transformers.AutoConfig.for_model(**config_to_hf(preset(name))).to_dict()
     for key in ("layer_types", "rope_parameters", "query_pre_attn_scalar", "final_logit_softcapping", "sliding_window"):
-        assert exported[key] == as_read[key], key
+        assert exported.get(key) == as_read.get(key), key
 
 
-def test_unsupported_gemma_settings_are_refused():
+def test_unsupported_settings_are_refused():
     with pytest.raises(ZooError, match="use_bidirectional_attention"):
         config_from_hf({**GEMMA_3_1B, "use_bidirectional_attention": True})
     with pytest.raises(ZooError, match="hidden_activation='silu'"):
         config_from_hf({**GEMMA_2_9B, "hidden_activation": "silu"})
     with pytest.raises(ZooError, match="Gemma's"):
         preset("tiny-llama").with_changes(final_logit_softcapping=30.0)
+    with pytest.raises(ZooError, match="without dropout"):
+        config_from_hf({**PHI_3_MINI_4K, "resid_pdrop": 0.1})
 
 
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."], ids=["published", "4.52-4.57"])
@@ -246,3 +284,39 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(layout,
         assert type(text_model).__name__ == "Gemma3ForCausalLM"
         with torch.no_grad():
             assert rel_err(text_model(ids).logits, expected) < 1e-5
+
+
+@pytest.mark.parametrize("original_context", [8, 16], ids=["long-factors", "short-factors"])
+def test_longrope_matches_transformers_on_both_sides_of_the_original_context(original_context, tmp_path):
+    """Phi-3.5's and Phi-4-mini's LongRoPE: per-frequency factors, the long ones for sequences longer than the
+    original context (12 tokens here against 8 and 16), and cos/sin scaled by sqrt(1 + ln(stretch) / ln(original));
+    logits as transformers' after a config.json round trip, and training steps."""
+    generator = torch.Generator().manual_seed(original_context)
+    half = preset("tiny-phi3").rotary_dim // 2
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": (1 + torch.rand(half, generator=generator)).tolist(),
+        "long_factor": (1 + 3 * torch.rand(half, generator=generator)).tolist(),
+    }
+    published = {**config_to_hf(preset("tiny-phi3")), "rope_scaling": longrope}
+    published["original_max_position_embeddings"] = original_context
+    config = config_from_hf(published)
+    assert config.rope_scaling["factor"] == 256 / original_context
+    reference = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**published), dtype=torch.float32
+    )
+    with torch.no_grad():
+        for param_name, param in reference.named_parameters():
+            param.normal_(1.0, 0.2) if param_name.endswith("norm.weight") else param.normal_(0.0, 0.15)
+    reference.save_pretrained(tmp_path / "hf")
+    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    assert trainer.model_config == config.with_changes(initializer_range=trainer.model_config.initializer_range)
+    ids = torch.randint(0, 256, (2, 12), generator=generator)
+    with torch.no_grad():
+        expected = reference.eval()(ids).logits
+    assert rel_err(trainer.logits(ids), expected) < 1e-5
+    exported = trainer.export(tmp_path / "out")
+    trainer.close()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(reloaded(ids).logits, expected) < 1e-5
