@@ -1,8 +1,8 @@
-"""Gemma 2, Gemma 3 and Phi-3/Phi-4 train exactly like transformers: several optimizer steps of megatrain (fp32,
-micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM / Gemma3ForCausalLM /
-Phi3ForCausalLM + torch.optim.AdamW on the same batches, with windows, soft caps, per-layer rotary bases,
-(1 + weight) norms and partial rotary embedding that bite; exports load in transformers with equal logits;
-published config forms parse to the presets."""
+"""Gemma 2, Gemma 3, Phi-3/Phi-4 and OLMo 2 train exactly like transformers: several optimizer steps of megatrain
+(fp32, micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM, Gemma3ForCausalLM,
+Phi3ForCausalLM and Olmo2ForCausalLM + torch.optim.AdamW on the same batches, with windows, soft caps, per-layer
+rotary bases, (1 + weight) norms, norms after the halves and partial rotary embedding that bite; exports load in
+transformers with equal logits; published config forms parse to the presets."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from megatrain.config import EngineSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
-PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3"]
+PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2"]
 
 
 def hf_dense_model(name: str, seed: int, **overrides):

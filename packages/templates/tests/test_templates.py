@@ -131,8 +131,8 @@ def test_gemma_block_matches_module(qk_norm, softcap, window):
         qk_norm=qk_norm,
         rope=rope,
         sliding_window=window,
-        norm_plus_one=True,
-        sandwich_norms=True,
+        norm_scale="one_plus_fp32",
+        norm_placement="sandwich",
         activation="gelu_tanh",
         softmax_scale=scalar**-0.5,
         attn_softcap=softcap,
@@ -340,7 +340,7 @@ def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, gemma,
     if fused:
         monkeypatch.setattr(head_module, "logits_grad", head_module._logits_grad_fused)
     vocab, d, eps, softcap = 37, 16, 1e-6, (1.5 if gemma else None)
-    head = Head(vocab, d, eps, tied=tied, norm_plus_one=gemma, logit_softcap=softcap)
+    head = Head(vocab, d, eps, tied=tied, norm_scale="one_plus_fp32" if gemma else "cast_first", logit_softcap=softcap)
     head.chunk_rows = chunk_rows
     norm = GemmaRMSNorm(d, eps) if gemma else RMSNorm(d, eps)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """The decoder block template: pre-norm attention + gated MLP, Llama/Qwen/Mistral style (and Gemma's
-sandwich of norms around both halves).
+and OLMo 2's norms around or after both halves).
 
 `forward` runs the block on weights bound from a flat buffer; `backward` recomputes the
 forward from the checkpointed input under a graph that lives only inside the call and
@@ -28,13 +28,14 @@ from .layout import (
 )
 from .ops import (
     GATED_ACTIVATIONS,
+    NORM_SCALES,
     RopeConfig,
     apply_rope,
     apply_rope_in_fp32,
     apply_rope_interleaved,
     linear,
     rms_norm,
-    rms_norm_plus_one,
+    rms_norm_as,
     rope_cos_sin,
 )
 
@@ -55,6 +56,9 @@ class MlaShape:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,13 @@ class BlockShape:
     # rotary embedding on adjacent pairs (x0, x1), (x2, x3), ... in fp32 (DeepSeek's latent attention, ERNIE
     # 4.5); else on Llama's halves
     rope_interleaved: bool = False
-    # Gemma 2/3: RMSNorm scaling by (1 + weight), in fp32; norms on the attention's and the MLP's outputs too,
-    # before each residual add (`sandwich_norms`); scores scaled by `softmax_scale` (its query_pre_attn_scalar
-    # ** -0.5); Gemma 2's scores soft-capped to (-attn_softcap, attn_softcap)
-    norm_plus_one: bool = False
-    sandwich_norms: bool = False
+    # how the norms apply their weights (NORM_SCALES): Llama's "cast_first", OLMo 2's "fp32", Gemma's
+    # "one_plus_fp32"; and where they are (NORM_PLACEMENTS): before attention and MLP ("pre"), before and on
+    # their outputs, before each residual add ("sandwich": Gemma), on their outputs only ("post": OLMo 2)
+    norm_scale: str = "cast_first"
+    norm_placement: str = "pre"
+    # Gemma: scores scaled by `softmax_scale` (its query_pre_attn_scalar ** -0.5); Gemma 2's soft-capped to
+    # (-attn_softcap, attn_softcap)
     activation: str = "silu"  # the dense MLP's gate (GATED_ACTIVATIONS): silu (SwiGLU) or gelu_tanh (GeGLU)
     softmax_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
@@ -99,16 +105,28 @@ class BlockShape:
             raise ValueError(f"activation must be one of {sorted(GATED_ACTIVATIONS)}, got {self.activation!r}")
         if self.fused_projections and self.qkv_bias:
             raise ValueError("fused_projections (Phi-3's qkv_proj) has no q/k/v biases")
-        if self.mla is not None and (self.sandwich_norms or self.norm_plus_one or self.attn_softcap):
-            raise ValueError("latent attention (mla) has none of Gemma's norms or soft-capping")
+        if self.norm_scale not in NORM_SCALES or self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(
+                f"norm_scale must be one of {NORM_SCALES} and norm_placement one of {NORM_PLACEMENTS}, got "
+                f"{self.norm_scale!r} and {self.norm_placement!r}"
+            )
+        if self.mla is not None and (
+            self.norm_placement != "pre" or self.norm_scale != "cast_first" or self.attn_softcap
+        ):
+            raise ValueError("latent attention (mla) has pre-norms of Llama's kind and no soft cap")
 
     @property
     def rope_config(self) -> RopeConfig:
         return self.rope or RopeConfig(head_dim=self.head_dim)
 
+    @property
+    def normed_outputs(self) -> bool:
+        """Whether attention's and the MLP's outputs are normed before their residual adds (Gemma, OLMo 2)."""
+        return self.norm_placement != "pre"
+
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:
-        """The block's RMSNorm of x with `weight` (and its epsilon): Llama's, or Gemma's (1 + weight)."""
-        return (rms_norm_plus_one if self.norm_plus_one else rms_norm)(x, weight, self.rms_eps)
+        """The block's RMSNorm of x with `weight` (and its epsilon, and its way of scaling)."""
+        return rms_norm_as(self.norm_scale, x, weight, self.rms_eps)
 
 
 def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
@@ -127,10 +145,13 @@ def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[Pa
             ParamSpec("self_attn.v_proj.weight", (kv_out, d)),
         )
     matrices = projections + (ParamSpec("self_attn.o_proj.weight", (d, q_out)),)
-    small = [
-        ParamSpec("input_layernorm.weight", (d,), weight_decay=False),
-        ParamSpec("post_attention_layernorm.weight", (d,), weight_decay=False),
-    ]
+    # post_attention_layernorm: the MLP's input norm ("pre"), or the attention output's (the others)
+    norms = (
+        ("post_attention_layernorm",)
+        if shape.norm_placement == "post"
+        else ("input_layernorm", "post_attention_layernorm")
+    )
+    small = [ParamSpec(f"{name}.weight", (d,), weight_decay=False) for name in norms]
     if shape.qkv_bias:
         small += [
             ParamSpec("self_attn.q_proj.bias", (q_out,), weight_decay=False),
@@ -160,11 +181,11 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
     else:
         gate_up = (ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)), ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)))
     mlp = gate_up + (ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),)
-    if shape.sandwich_norms:  # the MLP's own norms: before it, and on its output
-        small += (
-            ParamSpec("pre_feedforward_layernorm.weight", (d,), weight_decay=False),
-            ParamSpec("post_feedforward_layernorm.weight", (d,), weight_decay=False),
-        )
+    # the MLP's own norms where the attention's output has one: before it (Gemma), and on its output
+    norms = {"pre": (), "sandwich": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}.get(
+        shape.norm_placement, ("post_feedforward_layernorm",)
+    )
+    small += tuple(ParamSpec(f"{name}.weight", (d,), weight_decay=False) for name in norms)
     return matrices + mlp + small
 
 
@@ -209,8 +230,9 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
         spans = {
             "qkv_weight": fused_span(params, qkv),
             "o_weight": span_of(params, "self_attn.o_proj.weight"),
-            "input_norm": span_of(params, "input_layernorm.weight"),
         }
+        if shape.norm_placement != "post":
+            spans["input_norm"] = span_of(params, "input_layernorm.weight")
         if shape.qkv_bias:
             spans["qkv_bias"] = fused_span(
                 params, ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
@@ -222,7 +244,7 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
         if shape.qk_norm:
             spans["q_norm"] = span_of(params, "self_attn.q_norm.weight")
             spans["k_norm"] = span_of(params, "self_attn.k_norm.weight")
-    if shape.sandwich_norms:  # Gemma's post_attention_layernorm is on the attention's output, not the MLP's input
+    if shape.normed_outputs:  # Gemma's and OLMo 2's post_attention_layernorm is on the attention's output
         spans["attention_out_norm"] = span_of(params, "post_attention_layernorm.weight")
     elif any(p.name == "post_attention_layernorm.weight" for p in params):  # a split MoE layer keeps it elsewhere
         spans["post_norm"] = span_of(params, "post_attention_layernorm.weight")
@@ -247,8 +269,9 @@ class DecoderBlock:
             ),
             "down_weight": span_of(params, "mlp.down_proj.weight"),
         }
-        if shape.sandwich_norms:
+        if shape.norm_placement == "sandwich":
             self._spans["post_norm"] = span_of(params, "pre_feedforward_layernorm.weight")
+        if shape.normed_outputs:
             self._spans["mlp_out_norm"] = span_of(params, "post_feedforward_layernorm.weight")
         self._activation = GATED_ACTIVATIONS[shape.activation]
         self._vectors = tuple(name for name, span in self._spans.items() if len(span.shape) == 1)  # norms, biases
@@ -256,7 +279,7 @@ class DecoderBlock:
         self._recomputed_matrices = tuple(
             name
             for name in self._spans
-            if name not in self._vectors and (name != "down_weight" or shape.sandwich_norms)
+            if name not in self._vectors and (name != "down_weight" or shape.normed_outputs)
         )
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
 
@@ -273,7 +296,7 @@ class DecoderBlock:
             return self._latent_attention(w, x, documents)
         s = self.shape
         batch, seq, _ = x.shape
-        h = s.norm(x, w["input_norm"])
+        h = x if s.norm_placement == "post" else s.norm(x, w["input_norm"])
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
         q, k, v = qkv.split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
         if s.qk_norm and s.qk_norm_scope == "full":
@@ -307,7 +330,7 @@ class DecoderBlock:
         else:
             attn = causal_attention(q, k, v, documents, s.softmax_scale)
         out = linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"], w.get("o_bias"))
-        return x + (s.norm(out, w["attention_out_norm"]) if s.sandwich_norms else out)
+        return x + (s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out)
 
     def _latent_attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """Multi-head latent attention as transformers' DeepSeek-V2/V3: queries (optionally through a
@@ -347,12 +370,13 @@ class DecoderBlock:
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, activation(gate) * up)."""
         x = self._attention(w, x, documents)
-        return x, self._activation(linear(self.shape.norm(x, w["post_norm"]), w["gate_up_weight"]))
+        h = x if self.shape.norm_placement == "post" else self.shape.norm(x, w["post_norm"])
+        return x, self._activation(linear(h, w["gate_up_weight"]))
 
     def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         x, mlp_hidden = self._up_to_mlp_output(w, x, documents)
         out = linear(mlp_hidden, w["down_weight"])
-        return x + (self.shape.norm(out, w["mlp_out_norm"]) if self.shape.sandwich_norms else out)
+        return x + (self.shape.norm(out, w["mlp_out_norm"]) if self.shape.normed_outputs else out)
 
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
@@ -415,9 +439,9 @@ class DecoderBlock:
 
         The recompute stops before the MLP's down projection: its output is not needed for
         any gradient, so that GEMM (about a quarter of a block's matmul work) is skipped and
-        its two backward GEMMs are done here by hand (unless a norm follows it: Gemma's sandwich)."""
+        its two backward GEMMs are done here by hand (unless a norm follows it: Gemma, OLMo 2)."""
         check_buffers(weights, self.groups, "DecoderBlock.backward")
-        if self.shape.sandwich_norms:
+        if self.shape.normed_outputs:
             return self._backward_through_block(weights[0], hidden, grad_out, grads[0], documents, products)
         bound, leaves = self._bind(weights[0], grads[0], skip=("down_weight",), products=products)
         down = self._spans["down_weight"]

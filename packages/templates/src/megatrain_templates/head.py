@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .layout import ParamSpec, Span, accumulate, add_matmul_, check_buffers, leaf
-from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm, rms_norm_plus_one, upcast
+from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm_as, upcast
 
 # Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (2 GiB):
 # thousands of rows per chunk keep the head's GEMMs efficient and the number of full
@@ -23,7 +23,7 @@ class Head:
 
     Untied: one buffer [lm_head.weight, norm.weight].
     Tied: two buffers, the embedding's [embed_tokens.weight] and [norm.weight].
-    Gemma: the final norm scales by (1 + weight) (`norm_plus_one`); Gemma 2's logits are soft-capped to
+    The final norm applies its weight the `norm_scale` way (`ops.NORM_SCALES`); Gemma 2's logits are soft-capped to
     (-logit_softcap, logit_softcap) by logit_softcap * tanh(logits / logit_softcap) (in fp32 here).
     """
 
@@ -33,12 +33,12 @@ class Head:
         d_model: int,
         rms_eps: float = 1e-6,
         tied: bool = False,
-        norm_plus_one: bool = False,
+        norm_scale: str = "cast_first",
         logit_softcap: float | None = None,
     ):
         self.vocab_size, self.d_model, self.rms_eps, self.tied = vocab_size, d_model, rms_eps, tied
         self.logit_softcap = logit_softcap
-        self._norm_fn = rms_norm_plus_one if norm_plus_one else rms_norm
+        self.norm_scale = norm_scale
         norm = ParamSpec("norm.weight", (d_model,), weight_decay=False)
         if tied:
             self.groups = ((ParamSpec("embed_tokens.weight", (vocab_size, d_model)),), (norm,))
@@ -58,7 +58,7 @@ class Head:
         return _capped(upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T), self.logit_softcap)
 
     def _norm(self, hidden: Tensor, weight: Tensor) -> Tensor:
-        return self._norm_fn(hidden, weight, self.rms_eps)
+        return rms_norm_as(self.norm_scale, hidden, weight, self.rms_eps)
 
     @torch.no_grad()
     def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:

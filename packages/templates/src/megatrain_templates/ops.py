@@ -97,12 +97,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @compiled_on_cuda
-def rms_norm_plus_one(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Gemma's RMSNorm: scales by (1 + weight), multiplied in fp32 before the cast back (where
-    `rms_norm` casts first), so a weight of zero is the identity scale."""
+def rms_norm_scaled_in_fp32(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """RMSNorm scaled by (offset + weight) in fp32 before the cast back, where `rms_norm` casts first: OLMo 2's
+    (offset 0) and Gemma's (offset 1, so that a weight of zero is the identity scale)."""
     x32 = upcast(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + upcast(weight))).to(x.dtype)
+    return (x32 * (offset + upcast(weight))).to(x.dtype)
+
+
+# How a norm applies its weight: Llama's (normed in fp32, cast, times the weight), OLMo 2's (times the weight in
+# fp32, then cast), Gemma's (times 1 + weight in fp32)
+NORM_SCALES = ("cast_first", "fp32", "one_plus_fp32")
+
+
+def rms_norm_as(scale: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x with `weight` applied the `scale` way (NORM_SCALES)."""
+    if scale == "cast_first":
+        return rms_norm(x, weight, eps)
+    return rms_norm_scaled_in_fp32(x, weight, eps, 1.0 if scale == "one_plus_fp32" else 0.0)
 
 
 @compiled_on_cuda

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 # Gemma 2 and 3: (1 + weight) RMSNorms before and after both halves of a block, a GELU-gated MLP, embeddings
 # scaled by sqrt(d_model), attention scaled by query_pre_attn_scalar, soft caps (Gemma 2), windowed layers
 GEMMA = ("gemma2", "gemma3_text")
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3", "olmo2")
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -201,6 +201,12 @@ class ModelConfig:
         """Gemma's block and embedding: (1 + weight) RMSNorms on both halves' inputs and outputs, a GELU-gated
         MLP, the embedding's rows scaled by sqrt(d_model)."""
         return self.arch in GEMMA
+
+    @property
+    def norm_scale(self) -> str:
+        """How the norms apply their weights (the templates' NORM_SCALES): Gemma's 1 + weight and OLMo 2's weight
+        in fp32 before the cast back, Llama's after it."""
+        return {"olmo2": "fp32"}.get(self.arch, "one_plus_fp32" if self.gemma else "cast_first")
 
     @property
     def router_bias(self) -> bool:

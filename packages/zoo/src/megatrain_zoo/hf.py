@@ -25,6 +25,7 @@ _HF_CLASSES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -97,9 +98,19 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1 and ERNIE 4.5; Gemma 2 and 3, Phi-3 and Phi-4)"
+            "dots.llm1 and ERNIE 4.5; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2)"
         )
-    biased_attention_refused = ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *_LATENT_ATTENTION, *GEMMA, "phi3")
+    biased_attention_refused = (
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "olmoe",
+        "dots1",
+        *_LATENT_ATTENTION,
+        *GEMMA,
+        "phi3",
+        "olmo2",
+    )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     _check_quantization(hf.get("quantization_config"), model_type)
@@ -147,10 +158,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
         or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text")
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", "olmo2")
         or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
         partial_rotary_factor=partial_rotary,
-        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2") else "head",
+        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2", "olmo2") else "head",
         clip_qkv=hf.get("clip_qkv"),
         sliding_window=hf["sliding_window"] if sliding_layers else None,
         sliding_layers=sliding_layers,
@@ -412,7 +423,7 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
-    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1"):
+    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", "olmo2"):
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
     windowed = config.sliding_layers

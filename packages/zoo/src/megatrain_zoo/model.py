@@ -134,8 +134,8 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         sliding_window=config.sliding_window if windowed else None,
         mla=_mla_shape(config),
         rope_interleaved=config.rope_interleaved,
-        norm_plus_one=config.gemma,
-        sandwich_norms=config.gemma,
+        norm_scale=config.norm_scale,
+        norm_placement="sandwich" if config.gemma else "post" if config.arch == "olmo2" else "pre",
         activation=config.activation,
         softmax_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5,
         attn_softcap=config.attn_logit_softcapping,
@@ -259,7 +259,7 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
         config.d_model,
         config.rms_eps,
         tied=config.tie_embeddings,
-        norm_plus_one=config.gemma,
+        norm_scale=config.norm_scale,
         logit_softcap=config.final_logit_softcapping,
     )
     head_group = len(groups)

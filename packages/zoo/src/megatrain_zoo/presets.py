@@ -212,6 +212,14 @@ def _phi3(vocab: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int
     )
 
 
+def _olmo2(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, **changes) -> ModelConfig:
+    """OLMo 2 (Ai2, 2024-25): norms on the attention's and the MLP's outputs instead of their inputs, q/k normed
+    over all heads at once, the weight applied in fp32."""
+    common = dict(max_seq_len=4096, rope_theta=500000.0, rms_eps=1e-6, qk_norm=True, qk_norm_scope="full",
+                  eos_token_id=100257, pad_token_id=100277)
+    return ModelConfig("olmo2", 100352, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**common, **changes})
+
+
 def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
     YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
@@ -526,6 +534,10 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "phi-4": _phi3(100352, 5120, 40, 40, 10, 17920, max_seq_len=16384, rope_theta=250000.0, bos_token_id=100257,
                    eos_token_id=100265),
+    "olmo-2-1b": _olmo2(2048, 16, 16, 16, 8192),
+    "olmo-2-7b": _olmo2(4096, 32, 32, 32, 11008),
+    "olmo-2-13b": _olmo2(5120, 40, 40, 40, 13824),
+    "olmo-2-32b": _olmo2(5120, 64, 40, 8, 27648),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
@@ -609,6 +621,9 @@ PRESETS["tiny-gemma3"] = _gemma(
 PRESETS["tiny-phi3"] = _phi3(
     256, 64, 2, 4, 2, 160, max_seq_len=256, partial_rotary_factor=0.75, sliding_window=5,
     sliding_layers=(0, 1),
+)
+PRESETS["tiny-olmo2"] = _olmo2(64, 2, 4, 2, 160, max_seq_len=256, eos_token_id=None, pad_token_id=1).with_changes(
+    vocab_size=256
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
