@@ -260,13 +260,13 @@ def mlp_width_per_token(model: ModelConfig) -> int:
 def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
     parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
-    down projection, which the dense recompute skips (but for Gemma's, whose output is normed), and less
+    down projection, which the dense recompute skips (but where its output is normed: Gemma, OLMo 2), and less
     the recompute's GEMMs in `kept_layers` (dense layers whose forward's matmul products are kept).
     Routers and experts count their active part."""
     attention = 8 * model.n_layers * seq_len * model.n_heads * model.head_dim * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
-    down = 0 if model.gemma else model.d_ff * model.d_model
+    down = 0 if model.norm_placement != "pre" else model.d_ff * model.d_model
     skipped_down = 2 * dense_layers * down
     # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped)
     recomputed_matmuls = 2 * (matmul_layers / model.n_layers - down) * tokens

@@ -209,6 +209,12 @@ class ModelConfig:
         return {"olmo2": "fp32"}.get(self.arch, "one_plus_fp32" if self.gemma else "cast_first")
 
     @property
+    def norm_placement(self) -> str:
+        """Where the block's norms are (the templates' NORM_PLACEMENTS): before attention and MLP, also on their
+        outputs (Gemma), or on their outputs only (OLMo 2)."""
+        return "sandwich" if self.gemma else "post" if self.arch == "olmo2" else "pre"
+
+    @property
     def router_bias(self) -> bool:
         """Whether the router chooses by score + a correction bias (moved only by load)."""
         return self.arch in CORRECTION_BIASED

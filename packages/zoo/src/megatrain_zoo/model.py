@@ -135,7 +135,7 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         mla=_mla_shape(config),
         rope_interleaved=config.rope_interleaved,
         norm_scale=config.norm_scale,
-        norm_placement="sandwich" if config.gemma else "post" if config.arch == "olmo2" else "pre",
+        norm_placement=config.norm_placement,
         activation=config.activation,
         softmax_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5,
         attn_softcap=config.attn_logit_softcapping,
