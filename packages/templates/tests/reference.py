@@ -32,6 +32,7 @@ class RefBlock(nn.Module):
     def __init__(self, d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq, qkv_bias=False, qk_norm=False):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.inv_freq = n_heads, n_kv, head_dim, inv_freq
+        self.scale, self.softcap, self.window = 1 / math.sqrt(head_dim), None, float("inf")
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.self_attn = nn.Module()
@@ -49,10 +50,10 @@ class RefBlock(nn.Module):
         self.mlp.up_proj = nn.Linear(d, d_ff, bias=False)
         self.mlp.down_proj = nn.Linear(d_ff, d, bias=False)
 
-    def forward(self, x):
-        b, s, _ = x.shape
+    def attention(self, h):
+        """o_proj of causal attention over h, keys within `window` positions, scores soft-capped by `softcap`."""
+        b, s, _ = h.shape
         a = self.self_attn
-        h = self.input_layernorm(x)
         q = a.q_proj(h).view(b, s, self.n_heads, self.head_dim)
         k = a.k_proj(h).view(b, s, self.n_kv, self.head_dim)
         v = a.v_proj(h).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
@@ -61,10 +62,17 @@ class RefBlock(nn.Module):
         q, k = rope(q.transpose(1, 2), self.inv_freq), rope(k.transpose(1, 2), self.inv_freq)
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
-        att = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
-        x = x + a.o_proj(att.transpose(1, 2).reshape(b, s, -1))
+        scores = q @ k.transpose(-1, -2) * self.scale
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        position = torch.arange(s)
+        distance = position[:, None] - position[None, :]
+        hidden = (distance < 0) | (distance >= self.window)
+        att = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+        return a.o_proj(att.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x):
+        x = x + self.attention(self.input_layernorm(x))
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
     def feed_forward(self, h):
@@ -95,28 +103,23 @@ class RefGemmaBlock(RefBlock):
             self.self_attn.k_norm = GemmaRMSNorm(head_dim, eps)
 
     def forward(self, x):
-        b, s, _ = x.shape
-        a = self.self_attn
-        h = self.input_layernorm(x)
-        q = a.q_proj(h).view(b, s, self.n_heads, self.head_dim)
-        k = a.k_proj(h).view(b, s, self.n_kv, self.head_dim)
-        v = a.v_proj(h).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = rope(q.transpose(1, 2), self.inv_freq), rope(k.transpose(1, 2), self.inv_freq)
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = q @ k.transpose(-1, -2) * self.scale
-        if self.softcap:
-            scores = self.softcap * torch.tanh(scores / self.softcap)
-        position = torch.arange(s)
-        distance = position[:, None] - position[None, :]
-        hidden = (distance < 0) | (distance >= self.window)
-        att = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
-        x = x + self.post_attention_layernorm(a.o_proj(att.transpose(1, 2).reshape(b, s, -1)))
+        x = x + self.post_attention_layernorm(self.attention(self.input_layernorm(x)))
         h = self.pre_feedforward_layernorm(x)
         mlp = self.mlp.down_proj(F.gelu(self.mlp.gate_proj(h), approximate="tanh") * self.mlp.up_proj(h))
         return x + self.post_feedforward_layernorm(mlp)
+
+
+class RefPostNormBlock(RefBlock):
+    """OLMo 2: norms on the attention's and the MLP's outputs only (none on their inputs)."""
+
+    def __init__(self, d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq):
+        super().__init__(d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq)
+        del self.input_layernorm
+        self.post_feedforward_layernorm = RMSNorm(d, eps)
+
+    def forward(self, x):
+        x = x + self.post_attention_layernorm(self.attention(x))
+        return x + self.post_feedforward_layernorm(self.feed_forward(x))
 
 
 class SwiGLU(nn.Module):

@@ -2,7 +2,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import GemmaRMSNorm, RefBlock, RefGemmaBlock, RefMoeBlock, RMSNorm, flatten_params, unflatten_grads
+from reference import (
+    GemmaRMSNorm,
+    RefBlock,
+    RefGemmaBlock,
+    RefMoeBlock,
+    RefPostNormBlock,
+    RMSNorm,
+    flatten_params,
+    unflatten_grads,
+)
 
 import megatrain_templates.head as head_module
 from megatrain_templates import (
@@ -116,33 +125,36 @@ def test_fused_projection_names_are_the_same_bytes():
 @pytest.mark.parametrize("qk_norm,softcap,window", [(False, 1.5, 4), (True, None, 100)], ids=["gemma2", "gemma3"])
 def test_gemma_block_matches_module(qk_norm, softcap, window):
     """Gemma's block: (1 + weight) norms around both halves, a gelu(tanh)-gated MLP, scores scaled by
-    query_pre_attn_scalar ** -0.5, soft-capped (Gemma 2) and windowed; per-head q/k norms (Gemma 3). The norm
-    on the MLP's output makes the backward recompute (or reuse) the down projection too."""
-    torch.manual_seed(torch.seed() % 2**31)
+    query_pre_attn_scalar ** -0.5, soft-capped (Gemma 2) and windowed; per-head q/k norms (Gemma 3)."""
     d, heads, head_dim, d_ff, eps, scalar = 32, 4, 8, 48, 1e-6, 24.0
     rope = RopeConfig(head_dim=head_dim, theta=500.0)
     shape = BlockShape(
-        d,
-        heads,
-        2,
-        head_dim,
-        d_ff,
-        eps,
-        qk_norm=qk_norm,
-        rope=rope,
-        sliding_window=window,
-        norm_scale="one_plus_fp32",
-        norm_placement="sandwich",
-        activation="gelu_tanh",
-        softmax_scale=scalar**-0.5,
+        d, heads, 2, head_dim, d_ff, eps, qk_norm=qk_norm, rope=rope, sliding_window=window,
+        norm_scale="one_plus_fp32", norm_placement="sandwich", activation="gelu_tanh", softmax_scale=scalar**-0.5,
         attn_softcap=softcap,
-    )
-    block = DecoderBlock(shape)
+    )  # fmt: skip
     ref = RefGemmaBlock(d, heads, 2, head_dim, d_ff, eps, rope_inv_freq(rope), qk_norm, scalar**-0.5, softcap, window)
+    check_block_with_normed_outputs(DecoderBlock(shape), ref, d)
+
+
+def test_olmo2_block_matches_module():
+    """OLMo 2's block: norms on the attention's and the MLP's outputs only, the weight applied in fp32."""
+    d, heads, head_dim, d_ff, eps = 32, 4, 8, 48, 1e-6
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(d, heads, 2, head_dim, d_ff, eps, rope=rope, norm_scale="fp32", norm_placement="post")
+    ref = RefPostNormBlock(d, heads, 2, head_dim, d_ff, eps, rope_inv_freq(rope))
+    check_block_with_normed_outputs(DecoderBlock(shape), ref, d)
+
+
+def check_block_with_normed_outputs(block, ref, d):
+    """Forward, backward and kept products against the module: the norm on the MLP's output makes the backward
+    recompute (or reuse) the down projection too."""
+    torch.manual_seed(torch.seed() % 2**31)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.3)
     (specs,) = block.groups
+    assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
     flat = flatten_params(ref, specs)
     x = torch.randn(3, 11, d, requires_grad=True)
     grad_out = torch.randn(3, 11, d)

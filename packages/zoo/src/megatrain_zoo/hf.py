@@ -29,42 +29,30 @@ _HF_CLASSES = {
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
+_GEMMA_DEFAULTS = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
 _DEFAULTS = {
     "gemma2": {
+        **_GEMMA_DEFAULTS,
         "vocab_size": 256000,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
         "max_position_embeddings": 8192,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
         "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0,
     },
-    "gemma3_text": {
-        "vocab_size": 262208,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-    },
+    "gemma3_text": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072},
 }
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
