@@ -22,6 +22,15 @@ PUBLISHED = {
     "qwen3-8b": 8.19,
     "qwen3-32b": 32.76,
     "mistral-7b": 7.25,
+    "gemma-2-2b": 2.61,
+    "gemma-2-9b": 9.24,
+    "gemma-2-27b": 27.23,
+    "gemma-3-270m": 0.268,
+    "gemma-3-1b": 1.00,
+    "phi-3-mini-4k": 3.82,
+    "phi-4": 14.66,
+    "olmo-2-1b": 1.485,
+    "olmo-2-7b": 7.30,
 }
 
 

@@ -516,6 +516,9 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-2-2b": _gemma("gemma2", 256000, 2304, 26, 8, 4, 9216),
     "gemma-2-9b": _gemma("gemma2", 256000, 3584, 42, 16, 8, 14336, query_pre_attn_scalar=224),
     "gemma-2-27b": _gemma("gemma2", 256000, 4608, 46, 32, 16, 36864, head_dim=128, query_pre_attn_scalar=144),
+    "gemma-3-270m": _gemma(
+        "gemma3_text", 262144, 640, 18, 4, 1, 2048, max_seq_len=32768, sliding_window=512, rope_scaling=None
+    ),
     "gemma-3-1b": _gemma(
         "gemma3_text", 262144, 1152, 26, 4, 1, 6912, max_seq_len=32768, sliding_window=512, rope_scaling=None
     ),
