@@ -360,7 +360,7 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
     spec = build_model(model)
     leave_out = spec.checkpoint_names_to_ignore  # the config written says it has none of what is left out
-    # tensors under another name (Gemma 3's text model inside its image-text checkpoint) under the model's
+    # tensors the files name otherwise (Gemma 3's text model in its image-text checkpoint) go out under the model's names
     canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}
     fp8_block = _fp8_block(files) if any(name.endswith("_scale_inv") for name in where) else None
 
