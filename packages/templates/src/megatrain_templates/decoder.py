@@ -88,9 +88,9 @@ class BlockShape:
     # their outputs, before each residual add ("sandwich": Gemma), on their outputs only ("post": OLMo 2)
     norm_scale: str = "cast_first"
     norm_placement: str = "pre"
+    activation: str = "silu"  # the dense MLP's gate (GATED_ACTIVATIONS): silu (SwiGLU) or gelu_tanh (GeGLU)
     # Gemma: scores scaled by `softmax_scale` (its query_pre_attn_scalar ** -0.5); Gemma 2's soft-capped to
     # (-attn_softcap, attn_softcap)
-    activation: str = "silu"  # the dense MLP's gate (GATED_ACTIVATIONS): silu (SwiGLU) or gelu_tanh (GeGLU)
     softmax_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
     # Phi-3: q, k and v stored as one `qkv_proj`, gate and up as one `gate_up_proj` (the same bytes, one name)
@@ -441,44 +441,26 @@ class DecoderBlock:
         any gradient, so that GEMM (about a quarter of a block's matmul work) is skipped and
         its two backward GEMMs are done here by hand (unless a norm follows it: Gemma, OLMo 2)."""
         check_buffers(weights, self.groups, "DecoderBlock.backward")
-        if self.shape.normed_outputs:
-            return self._backward_through_block(weights[0], hidden, grad_out, grads[0], documents, products)
-        bound, leaves = self._bind(weights[0], grads[0], skip=("down_weight",), products=products)
-        down = self._spans["down_weight"]
+        by_hand = not self.shape.normed_outputs  # a norm after the down projection needs its output
+        bound, leaves = self._bind(weights[0], grads[0], skip=("down_weight",) if by_hand else (), products=products)
         x = hidden.detach().requires_grad_(True)
-        with torch.enable_grad():
-            after_attention, mlp_hidden = self._up_to_mlp_output(bound, x, documents)
-        grad_mlp_hidden = grad_out @ down.view(weights[0])  # [batch, seq, d_ff]
-        add_matmul_(
-            down.view(grads[0]),
-            grad_out.reshape(-1, grad_out.shape[-1]).T,
-            mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
-        )
-        # the residual passes grad_out straight to after_attention; autograd adds the MLP path (and
-        # the bound matrices' gradients go into grads[0] as it passes them)
-        grad_in, *grad_leaves = torch.autograd.grad(
-            [after_attention, mlp_hidden], [x, *leaves.values()], [grad_out, grad_mlp_hidden]
-        )
+        if by_hand:
+            with torch.enable_grad():
+                after_attention, mlp_hidden = self._up_to_mlp_output(bound, x, documents)
+            down = self._spans["down_weight"]
+            grad_mlp_hidden = grad_out @ down.view(weights[0])  # [batch, seq, d_ff]
+            add_matmul_(
+                down.view(grads[0]),
+                grad_out.reshape(-1, grad_out.shape[-1]).T,
+                mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
+            )
+            # the residual passes grad_out straight to after_attention; autograd adds the MLP path
+            outputs, grad_outputs = [after_attention, mlp_hidden], [grad_out, grad_mlp_hidden]
+        else:
+            with torch.enable_grad():
+                outputs, grad_outputs = [self._block(bound, x, documents)], [grad_out]
+        # (the bound matrices' gradients go into grads[0] as autograd passes them)
+        grad_in, *grad_leaves = torch.autograd.grad(outputs, [x, *leaves.values()], grad_outputs)
         for name, grad in zip(leaves, grad_leaves):
             accumulate(grads[0], self._spans[name], grad)
-        return grad_in
-
-    def _backward_through_block(
-        self,
-        buffer: Tensor,
-        hidden: Tensor,
-        grad_out: Tensor,
-        grad_flat: Tensor,
-        documents: Documents | None,
-        products: dict[str, Tensor] | None,
-    ) -> Tensor:
-        """`backward` when a norm follows the MLP's down projection: its gradient needs that GEMM's output,
-        so the whole block is recomputed (or its kept products reused) under the call's graph."""
-        bound, leaves = self._bind(buffer, grad_flat, products=products)
-        x = hidden.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = self._block(bound, x, documents)
-        grad_in, *grad_leaves = torch.autograd.grad(out, [x, *leaves.values()], grad_out)
-        for name, grad in zip(leaves, grad_leaves):
-            accumulate(grad_flat, self._spans[name], grad)
         return grad_in

@@ -116,7 +116,15 @@ class Head:
 
 
 def _capped(logits: Tensor, softcap: float | None) -> Tensor:
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+    return _cap(logits, softcap)[0]
+
+
+def _cap(logits: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """(softcap * tanh(logits / softcap), the tanh, whose 1 - tanh^2 is the cap's slope), or (logits, None)."""
+    if softcap is None:
+        return logits, None
+    tanh = torch.tanh(logits / softcap)
+    return tanh * softcap, tanh
 
 
 def _loss_terms(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -131,14 +139,11 @@ def _loss_terms(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]
 def _logits_grad_in_place(logits: Tensor, target: Tensor, softcap: float | None) -> tuple[Tensor, Tensor]:
     """Eager `logits_grad`: softmax - one_hot built in place in the upcast logits (no second [rows, vocab]
     unless the logits are capped)."""
-    upcast_logits = upcast(logits)
-    if softcap is not None:
-        tanh = torch.tanh(upcast_logits / softcap)
-        upcast_logits = tanh * softcap
+    upcast_logits, tanh = _cap(upcast(logits), softcap)
     log_norm, safe_target, loss = _loss_terms(upcast_logits, target)
     grad = upcast_logits.sub_(log_norm).exp_()
     grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1, dtype=grad.dtype))
-    if softcap is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+    if tanh is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
         grad.mul_(1 - tanh.square_())
     return grad.to(logits.dtype), loss
 
@@ -147,15 +152,12 @@ def _logits_grad_fused(logits: Tensor, target: Tensor, softcap: float | None) ->
     """The same arithmetic written for Inductor: one pass reads the [rows, vocab] logits for the
     log-sum-exp, one more writes the gradient in their dtype; the one-hot is a comparison with the
     column index instead of a scatter, so nothing in between is materialised in fp32."""
-    upcast_logits = upcast(logits)
-    if softcap is not None:
-        tanh = torch.tanh(upcast_logits / softcap)
-        upcast_logits = tanh * softcap
+    upcast_logits, tanh = _cap(upcast(logits), softcap)
     log_norm, safe_target, loss = _loss_terms(upcast_logits, target)
     probs = (upcast_logits - log_norm).exp()
     is_target = torch.arange(logits.shape[1], device=logits.device) == safe_target
     grad = torch.where(is_target, probs - 1, probs)
-    if softcap is not None:
+    if tanh is not None:
         grad = grad * (1 - tanh * tanh)
     return grad.to(logits.dtype), loss
 

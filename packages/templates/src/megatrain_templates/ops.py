@@ -170,13 +170,14 @@ def rope_inv_freq(config: RopeConfig, seq_len: int | None = None) -> Tensor:
     """Inverse frequencies [head_dim / 2] in fp32, including Llama-3 / linear / YaRN scaling, and LongRoPE's,
     whose per-frequency factors are its long ones for sequences longer than the original context (`seq_len`)."""
     dim = config.head_dim
+    theta_powers = config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     scaling = config.scaling_dict
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "longrope":
         longer = seq_len is not None and seq_len > scaling["original_max_position_embeddings"]
         factors = torch.tensor(scaling["long_factor" if longer else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    inv_freq = 1.0 / (config.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return 1.0 / (factors * theta_powers)
+    inv_freq = 1.0 / theta_powers
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "yarn":

@@ -38,6 +38,12 @@ ROUTER_SCORINGS = ("softmax", "sigmoid")
 GEMMA_ACTIVATIONS = ("gelu_tanh", "gelu")  # transformers' gelu_pytorch_tanh (every published Gemma) and gelu
 
 
+def windowed_but_every(n_layers: int, every: int) -> tuple[int, ...]:
+    """The layers that attend over a sliding window when every `every`-th one attends fully (gpt-oss and
+    Gemma 2: every other; Gemma 3: one of six), as transformers' default layer_types make them."""
+    return tuple(i for i in range(n_layers) if (i + 1) % every)
+
+
 class ZooError(Exception):
     """An unknown or unsupported model description, with the fix in the message."""
 
@@ -246,7 +252,7 @@ class ModelConfig:
             latent = d * (self.kv_lora_rank + self.head_dim) + self.kv_lora_rank * heads * (self.qk_nope_head_dim + v)
             return queries + latent + heads * v * d, 2 * d + self.kv_lora_rank + self.q_lora_rank
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        norms = 4 * d if self.gemma else 2 * d
+        norms = (4 if self.norm_placement == "sandwich" else 2) * d
         small = norms + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0)
         small += self.n_heads if self.attention_sinks else 0
         if self.qk_norm:

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from .config import ERNIE, GEMMA, ModelConfig, ZooError
+from .config import ERNIE, GEMMA, ModelConfig, ZooError, windowed_but_every
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -270,8 +270,8 @@ def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
         return ()
     types = hf.get("layer_types")
     every = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": hf.get("sliding_window_pattern", 6)}.get(model_type)
-    if types is None and every:  # the every-th layer attends fully, the others over the window
-        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+    if types is None and every:
+        return windowed_but_every(n_layers, every)
     if types is not None:
         unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
         if unknown:

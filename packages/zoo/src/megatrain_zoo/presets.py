@@ -1,6 +1,6 @@
 """Named model shapes: the published sizes of each family, a 120B dense shape, and tiny test models."""
 
-from .config import ModelConfig, ZooError
+from .config import ModelConfig, ZooError, windowed_but_every
 
 _LLAMA31_ROPE = {
     "rope_type": "llama3",
@@ -193,7 +193,7 @@ def _gemma(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_k
     """Gemma 2 and 3 (Google, 2024-25): heads of 256 (128 at 27B), tied embeddings, sliding-window layers
     (Gemma 2 every other one over 4096 tokens, soft-capped; Gemma 3 five of six over 1024 with a rotary base
     of their own), transformers' config defaults."""
-    windowed = range(0, n_layers, 2) if arch == "gemma2" else [i for i in range(n_layers) if (i + 1) % 6]
+    windowed = windowed_but_every(n_layers, 2 if arch == "gemma2" else 6)
     defaults = {
         "gemma2": dict(max_seq_len=8192, sliding_window=4096, attn_logit_softcapping=50.0,
                        final_logit_softcapping=30.0),
@@ -201,7 +201,7 @@ def _gemma(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_k
                             sliding_window=1024, qk_norm=True, rope_scaling={"rope_type": "linear", "factor": 8.0}),
     }[arch]
     common = dict(head_dim=256, rms_eps=1e-6, tie_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-                  activation="gelu_tanh", query_pre_attn_scalar=256, sliding_layers=tuple(windowed))
+                  activation="gelu_tanh", query_pre_attn_scalar=256, sliding_layers=windowed)
     return ModelConfig(arch, vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**common, **defaults, **changes})
 
 
@@ -247,7 +247,7 @@ def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
         o_bias=True,
         attention_sinks=True,
         sliding_window=128,
-        sliding_layers=tuple(range(0, n_layers, 2)),
+        sliding_layers=windowed_but_every(n_layers, 2),
         bos_token_id=199998,
         eos_token_id=200002,
         pad_token_id=199999,
