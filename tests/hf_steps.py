@@ -5,6 +5,7 @@ import torch
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_optim import Schedule, lr_at
 
 NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks")  # megatrain's rule: no weight decay on norms, biases, sinks
 
@@ -70,3 +71,19 @@ def random_batch(batch, seq, vocab, generator):
 def hf_labels(labels):
     """megatrain's labels hold the next token at each position; transformers shifts by itself."""
     return torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
+
+
+def reference_step(model, optimizer, train, step: int, grad_clip: float, extra_loss=None, **inputs):
+    """One optimizer step of transformers' `model` as megatrain takes step `step` of `train`: its learning rate,
+    the loss (plus `extra_loss()`, where given) on `inputs` (megatrain's labels, shifted here), clipping at
+    `grad_clip` (0: none). Returns (the model's output, the loss stepped on, the gradient norm before clipping)."""
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, schedule)
+    optimizer.zero_grad()
+    out = model(**{**inputs, "labels": hf_labels(inputs["labels"])})
+    loss = out.loss if extra_loss is None else out.loss + extra_loss()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    optimizer.step()
+    return out, loss, norm

@@ -7,10 +7,9 @@ transformers with equal logits; published config forms parse to the presets."""
 import pytest
 import torch
 import transformers  # installed by the integration nox session
-from hf_steps import hf_adamw, hf_labels, make_trainer, random_batch, rel_err
+from hf_steps import hf_adamw, make_trainer, random_batch, reference_step, rel_err
 
 from megatrain.config import EngineSection
-from megatrain_optim import Schedule, lr_at
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
 PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2"]
@@ -39,18 +38,11 @@ def check_steps_match_transformers(name, tmp_path, device, grad_clip, engine=Eng
     trainer, train = make_trainer(tmp_path / "hf", tmp_path, grad_clip, steps=4, device=device, engine=engine)
     assert trainer.model_config == preset(name).with_changes(initializer_range=trainer.model_config.initializer_range)
     optimizer = hf_adamw(reference, train)
-    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
         ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
         metrics = trainer.train_step(ids, labels)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        optimizer.zero_grad()
-        loss = reference(input_ids=ids, labels=hf_labels(labels)).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
-        optimizer.step()
+        _, loss, norm = reference_step(reference, optimizer, train, step, grad_clip, input_ids=ids, labels=labels)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
     if engine.kept_layers != "auto":

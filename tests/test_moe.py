@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 import transformers  # installed by the integration nox session
-from hf_steps import hf_adamw, hf_labels, make_trainer, random_batch, rel_err
+from hf_steps import hf_adamw, hf_labels, make_trainer, random_batch, reference_step, rel_err
 from safetensors.torch import save_file
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
-from megatrain_optim import Schedule, lr_at
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
 
@@ -38,6 +37,8 @@ NO_AUX_LOSS = ("tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-do
 # transformers' load-balancing loss for these counts other experts than the ones chosen: refused with the fix
 # (`test_load_balancing_loss_over_other_experts_is_refused`), so their steps run without it
 AUX_LOSS_REFUSED = ("tiny-minimax-m2", "tiny-ernie4_5-moe")
+
+
 def hf_model(name, aux: bool, seed: int, **overrides):
     """A transformers model of preset `name` with fresh random weights (norms and biases too)."""
     hf_config = transformers.AutoConfig.for_model(
@@ -295,23 +296,18 @@ def check_steps_match_transformers(
     assert len(loads.loads) == sum(map(trainer.model_config.layer_is_moe, range(trainer.model_config.n_layers)))
     assert bool(biases) == trainer.model_config.router_bias
     initial_biases = [bias.clone() for bias in biases]
-    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
+
+    def router_losses():
+        return sum(coef * loss() for coef, loss in ((seq_coef, loads.sequence_loss), (z_coef, loads.z_loss)) if coef)
+
     for step in range(train.steps):
         ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
         metrics = trainer.train_step(ids, labels)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        optimizer.zero_grad()
-        out = reference(input_ids=ids, labels=hf_labels(labels))
-        loss = out.loss
-        if seq_coef:
-            loss = loss + seq_coef * loads.sequence_loss()
-        if z_coef:
-            loss = loss + z_coef * loads.z_loss()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip or float("inf"))
-        optimizer.step()
+        extra = router_losses if seq_coef or z_coef else None
+        out, loss, norm = reference_step(
+            reference, optimizer, train, step, grad_clip, extra, input_ids=ids, labels=labels
+        )
         assert metrics.router_max_violation == pytest.approx(loads.max_violation())
         if seq_coef:
             assert metrics.router_seq_aux_loss == pytest.approx(loads.sequence_loss().item(), rel=1e-5)
@@ -662,7 +658,6 @@ def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(tmp
     reference.save_pretrained(tmp_path / "hf")
     trainer, train = make_trainer(tmp_path / "hf", tmp_path, 0.5, steps=2, batch_size=4, micro_batch_size=2)
     optimizer = hf_adamw(reference, train)
-    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
         ids, labels = random_batch(4, 12, trainer.model_config.vocab_size, generator)
@@ -671,13 +666,9 @@ def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(tmp
         ids, labels = ids.masked_fill(~valid, 0), labels.masked_fill(~valid, -100)
         labels[:, :-1] = labels[:, :-1].masked_fill(~valid[:, 1:], -100)  # no target is a padding token
         metrics = trainer.train_step(ids, labels, None, valid)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        optimizer.zero_grad()
-        out = reference(input_ids=ids, attention_mask=valid.long(), labels=hf_labels(labels))
-        out.loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-        optimizer.step()
+        out, _, norm = reference_step(
+            reference, optimizer, train, step, 0.5, input_ids=ids, attention_mask=valid.long(), labels=labels
+        )
         assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
         assert metrics.loss == pytest.approx(out.loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-5)
