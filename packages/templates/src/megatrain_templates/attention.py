@@ -50,12 +50,14 @@ class Documents:
             self._masks["dense"] = (same & causal).unsqueeze(1)
         return self._masks["dense"]
 
-    def block_mask(self, window: int | None = None):
+    def block_mask(self, window: int | None = None, chunk: int | None = None):
         """The FlexAttention block mask of `dense_mask` (only blocks holding a pair of one document are
-        visited), limited to the last `window` positions when given."""
-        if ("block", window) not in self._masks:
-            self._masks["block", window] = _block_mask(self.doc_ids.shape[1], window, self.doc_ids.device, self.doc_ids)
-        return self._masks["block", window]
+        visited), limited to the last `window` positions, or to the query's `chunk`, when given."""
+        if ("block", window, chunk) not in self._masks:
+            self._masks["block", window, chunk] = _block_mask(
+                self.doc_ids.shape[1], window, self.doc_ids.device, self.doc_ids, chunk, self.position_ids
+            )
+        return self._masks["block", window, chunk]
 
 
 def packed_documents(documents: Documents | None) -> Documents | None:
@@ -63,12 +65,27 @@ def packed_documents(documents: Documents | None) -> Documents | None:
     return documents if documents is not None and documents.position_ids is not None else None
 
 
+def token_positions(documents: Documents | None, seq: int, device) -> Tensor:
+    """[batch, seq] (or [1, seq] for one sequence per row) int64: each token's position in its document."""
+    if documents is None:
+        return torch.arange(seq, device=device).unsqueeze(0)
+    return documents.position_ids
+
+
 _FLEX = None
-_ROW_MASKS: dict = {}  # (seq, window, device) -> block mask of one sequence per row, shared by every batch
+_ROW_MASKS: dict = {}  # (seq, window, chunk, device) -> block mask of one sequence per row, shared by every batch
 
 
-def _block_mask(seq: int, window: int | None, device, doc_ids: Tensor | None = None):
-    """FlexAttention block mask: causal, within `window` positions if given, within a document if `doc_ids`."""
+def _block_mask(
+    seq: int,
+    window: int | None,
+    device,
+    doc_ids: Tensor | None = None,
+    chunk: int | None = None,
+    position_ids: Tensor | None = None,
+):
+    """FlexAttention block mask: causal, within `window` positions if given, within the query's chunk of
+    `chunk` positions if given, within a document if `doc_ids` (whose positions are `position_ids`)."""
 
     def allowed(b, h, q, kv):
         keep = q >= kv
@@ -76,6 +93,10 @@ def _block_mask(seq: int, window: int | None, device, doc_ids: Tensor | None = N
             keep = keep & (q - kv < window)
         if doc_ids is not None:
             keep = keep & (doc_ids[b, q] == doc_ids[b, kv])
+        if chunk is not None and position_ids is not None:
+            keep = keep & (position_ids[b, q] // chunk == position_ids[b, kv] // chunk)
+        elif chunk is not None:
+            keep = keep & (q // chunk == kv // chunk)
         return keep
 
     batch = None if doc_ids is None else doc_ids.shape[0]
@@ -118,9 +139,10 @@ def masked_attention(
     documents: Documents | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> Tensor:
     """Causal attention with what the fused kernels lack: keys limited to the last `window` positions
-    (gpt-oss, Gemma), per-head sink logits `sinks` [n_heads] that join each softmax's denominator
+    (gpt-oss, Gemma) or to the query's chunk of `chunk` positions (Llama 4's chunked layers), per-head sink logits `sinks` [n_heads] that join each softmax's denominator
     without contributing a value (gpt-oss), scores soft-capped to (-softcap, softcap) by
     softcap * tanh(score / softcap) after scaling (Gemma 2). Shapes, `documents` and `scale` as
     `causal_attention`. On CUDA: FlexAttention (only the blocks inside the window are visited), the cap
@@ -129,7 +151,7 @@ def masked_attention(
     batch, n_heads, seq, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
-        return _flex_masked(q, k, v, sinks, window, documents, scale, softcap)
+        return _flex_masked(q, k, v, sinks, window, documents, scale, softcap, chunk)
     repeat = n_heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -140,6 +162,9 @@ def masked_attention(
     allowed = distance >= 0
     if window is not None:
         allowed = allowed & (distance < window)
+    if chunk is not None:
+        chunk_of = token_positions(documents, seq, q.device) // chunk
+        allowed = allowed & (chunk_of.unsqueeze(-1) == chunk_of.unsqueeze(-2)).unsqueeze(1)
     if documents is not None:
         allowed = allowed & documents.dense_mask()
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
@@ -166,18 +191,18 @@ def _softcap_score_mod(softcap: float):
     return _SOFTCAPS[softcap]
 
 
-def _flex_masked(q, k, v, sinks, window, documents, scale, softcap):
+def _flex_masked(q, k, v, sinks, window, documents, scale, softcap, chunk):
     """A sink logit s joins the softmax's denominator, so the output is the sink-free one times
     Z / (Z + e^s) = sigmoid(lse - s), lse = log Z; FlexAttention returns lse and differentiates through it."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     seq = q.shape[2]
     if documents is not None:
-        mask = documents.block_mask(window)
+        mask = documents.block_mask(window, chunk)
     else:
-        key = (seq, window, str(q.device))
+        key = (seq, window, chunk, str(q.device))
         if key not in _ROW_MASKS:
-            _ROW_MASKS[key] = _block_mask(seq, window, q.device)
+            _ROW_MASKS[key] = _block_mask(seq, window, q.device, chunk=chunk)
         mask = _ROW_MASKS[key]
     out, aux = _flex_kernels()[0](
         q,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Documents, causal_attention, masked_attention, packed_documents
+from .attention import Documents, causal_attention, masked_attention, packed_documents, token_positions
 from .layout import (
     BoundWeight,
     ParamSpec,
@@ -36,6 +36,7 @@ from .ops import (
     linear,
     rms_norm,
     rms_norm_as,
+    rms_normalized,
     rope_cos_sin,
 )
 
@@ -95,6 +96,16 @@ class BlockShape:
     attn_softcap: float | None = None
     # Phi-3: q, k and v stored as one `qkv_proj`, gate and up as one `gate_up_proj` (the same bytes, one name)
     fused_projections: bool = False
+    # Llama 4 (its "iRoPE"): layers with the rotary embedding (`rotary`) have their queries and keys RMS-normed
+    # with no weight after it (`qk_rms_normalized`) and attend within chunks of `attention_chunk` positions;
+    # the others ("NoPE") attend over everything, their queries scaled by position-dependent temperatures,
+    # log(floor((position + 1) / floor_scale) + 1) * attn_scale + 1 (`attn_temperature`: (floor_scale,
+    # attn_scale)). Its MLP module is `feed_forward`.
+    rotary: bool = True
+    qk_rms_normalized: bool = False
+    attention_chunk: int | None = None
+    attn_temperature: tuple[float, float] | None = None
+    mlp_module: str = "mlp"
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -114,6 +125,10 @@ class BlockShape:
             self.norm_placement != "pre" or self.norm_scale != "cast_first" or self.attn_softcap
         ):
             raise ValueError("latent attention (mla) has pre-norms of Llama's kind and no soft cap")
+        if self.mla is not None and (
+            not self.rotary or self.qk_rms_normalized or self.attention_chunk or self.attn_temperature
+        ):
+            raise ValueError("latent attention (mla) always rotates, with no chunks, temperatures or q/k RMS")
 
     @property
     def rope_config(self) -> RopeConfig:
@@ -176,17 +191,21 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
     gate, up adjacent so each set is one GEMM), then norms and biases, which take no decay."""
     d = shape.d_model
     matrices, small = attention_params(shape)
-    if shape.fused_projections:
-        gate_up = (ParamSpec("mlp.gate_up_proj.weight", (2 * shape.d_ff, d)),)
-    else:
-        gate_up = (ParamSpec("mlp.gate_proj.weight", (shape.d_ff, d)), ParamSpec("mlp.up_proj.weight", (shape.d_ff, d)))
-    mlp = gate_up + (ParamSpec("mlp.down_proj.weight", (d, shape.d_ff)),)
+    gate_up_names = _gate_up_names(shape)
+    gate_up = tuple(ParamSpec(name, (2 * shape.d_ff // len(gate_up_names), d)) for name in gate_up_names)
+    mlp = gate_up + (ParamSpec(f"{shape.mlp_module}.down_proj.weight", (d, shape.d_ff)),)
     # the MLP's own norms where the attention's output has one: before it (Gemma), and on its output
     norms = {"pre": (), "sandwich": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}.get(
         shape.norm_placement, ("post_feedforward_layernorm",)
     )
     small += tuple(ParamSpec(f"{name}.weight", (d,), weight_decay=False) for name in norms)
     return matrices + mlp + small
+
+
+def _gate_up_names(shape: BlockShape) -> list[str]:
+    """The dense MLP's gate and up projections: one fused tensor (Phi-3) or two."""
+    names = ["gate_up_proj"] if shape.fused_projections else ["gate_proj", "up_proj"]
+    return [f"{shape.mlp_module}.{name}.weight" for name in names]
 
 
 def _mla_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
@@ -261,13 +280,8 @@ class DecoderBlock:
         self.numel = total_numel(params)
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
-            "gate_up_weight": fused_span(
-                params,
-                ["mlp.gate_up_proj.weight"]
-                if shape.fused_projections
-                else ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-            ),
-            "down_weight": span_of(params, "mlp.down_proj.weight"),
+            "gate_up_weight": fused_span(params, _gate_up_names(shape)),
+            "down_weight": span_of(params, f"{shape.mlp_module}.down_proj.weight"),
         }
         if shape.norm_placement == "sandwich":
             self._spans["post_norm"] = span_of(params, "pre_feedforward_layernorm.weight")
@@ -310,27 +324,45 @@ class DecoderBlock:
         if s.qk_norm and s.qk_norm_scope == "head":
             q = s.norm(q, w["q_norm"])
             k = s.norm(k, w["k_norm"])
-        cos, sin = self._rope(seq, x.device, x.dtype)
-        rotary = cos.shape[-1]
-        if s.rope_interleaved:  # a pair shares one frequency: the tables' first half (ERNIE 4.5)
-            cos, sin = cos[:, : rotary // 2], sin[:, : rotary // 2]
-        if documents is not None:
-            cos, sin = documents.rope_tables(cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        rope = apply_rope_interleaved if s.rope_interleaved else apply_rope
-        if rotary < s.head_dim:  # partial rotary (GLM-4.5): the leading dims rotate, the rest pass
-            q = torch.cat([rope(q[..., :rotary], cos, sin), q[..., rotary:]], dim=-1)
-            k = torch.cat([rope(k[..., :rotary], cos, sin), k[..., rotary:]], dim=-1)
-        else:
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-        # a window at least as long as the sequence masks nothing: the plain kernel then (Mistral's 4096)
+        if s.rotary:
+            q, k = self._rotated(q, k, documents)
+        if s.qk_rms_normalized:
+            q, k = rms_normalized(q, s.rms_eps), rms_normalized(k, s.rms_eps)
+        if s.attn_temperature is not None:
+            floor_scale, attn_scale = s.attn_temperature
+            position = token_positions(documents, seq, x.device).float()
+            temperature = torch.log1p(torch.floor((position + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * temperature[:, None, :, None]).to(q.dtype)
+        # a window or chunk at least as long as the sequence masks nothing: the plain kernel then (Mistral's
+        # 4096 window, Llama 4's 8192 chunks)
         window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
-        if s.sinks or window is not None or s.attn_softcap is not None:
-            attn = masked_attention(q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap)
+        chunk = s.attention_chunk if s.attention_chunk is not None and s.attention_chunk < seq else None
+        if s.sinks or window is not None or s.attn_softcap is not None or chunk is not None:
+            attn = masked_attention(
+                q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap, chunk
+            )
         else:
             attn = causal_attention(q, k, v, documents, s.softmax_scale)
         out = linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"], w.get("o_bias"))
         return x + (s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out)
+
+    def _rotated(self, q: Tensor, k: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
+        """q and k ([batch, heads, seq, head_dim]) with the rotary embedding at each token's position."""
+        s, seq = self.shape, q.shape[2]
+        # on adjacent pairs in fp32, tables too (ERNIE 4.5, Llama 4); on halves with tables in the compute dtype
+        cos, sin = self._rope(seq, q.device, torch.float32 if s.rope_interleaved else q.dtype)
+        rotary = cos.shape[-1]
+        if s.rope_interleaved:  # a pair shares one frequency: the tables' first half
+            cos, sin = cos[:, : rotary // 2], sin[:, : rotary // 2]
+        if documents is not None:
+            cos, sin = documents.rope_tables(cos, sin)
+        rope = apply_rope_interleaved if s.rope_interleaved else apply_rope
+        if rotary < s.head_dim:  # partial rotary (GLM-4.5): the leading dims rotate, the rest pass
+            q = torch.cat([rope(q[..., :rotary], cos, sin), q[..., rotary:]], dim=-1)
+            k = torch.cat([rope(k[..., :rotary], cos, sin), k[..., rotary:]], dim=-1)
+            return q, k
+        return rope(q, cos, sin), rope(k, cos, sin)
 
     def _latent_attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """Multi-head latent attention as transformers' DeepSeek-V2/V3: queries (optionally through a

@@ -45,12 +45,19 @@ EXPERT_NAMING = {
     "deepseek": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "ernie": ("mlp", ("gate_proj", "up_proj", "down_proj")),  # its correction bias in mlp.moe_statics
 }
+# Families whose experts are stored fused as [n_experts, d_model, 2 * d_ff] and [n_experts, d_ff, d_model] (x @
+# gate_up_proj[e]), with the module holding them: gpt-oss (gate and up interleaved, biases) and Llama 4 (halves)
+FUSED_EXPERTS = {"gpt_oss": "mlp", "llama4": "feed_forward"}
 # The shared expert's module and whether a sigmoid gate scales it, per family
 SHARED_EXPERT = {
     "qwen": ("shared_expert", True),
     "deepseek": ("shared_experts", False),
     "ernie": ("shared_experts", False),
+    "llama4": ("shared_expert", False),
 }
+# How routers score: "softmax" over the logits; "sigmoid" of each logit, chosen with a correction bias (DeepSeek-V3,
+# MiniMax-M2); "sigmoid_of_top_k", the top-k logits chosen and each one's sigmoid the weight (Llama 4)
+SCORINGS = ("softmax", "sigmoid", "sigmoid_of_top_k")
 
 
 @dataclass(frozen=True)
@@ -62,8 +69,8 @@ class MoeShape:
     d_ff: int  # each expert's intermediate size
     shared_d_ff: int = 0  # shared expert's intermediate size; 0: none
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
-    # a key of EXPERT_NAMING, or "gpt_oss": experts stored fused as [n_experts, d_model, 2 * d_ff] with
-    # gate and up interleaved, biases on the router and the experts, the clamped SwiGLU below
+    # a key of EXPERT_NAMING, or of FUSED_EXPERTS: "gpt_oss" (gate and up interleaved, biases on the router
+    # and the experts, the clamped SwiGLU below) or "llama4" (the routing weight scales each expert's input)
     naming: str = "qwen"
     swiglu_limit: float = 7.0  # gpt_oss: gate clamped to <= limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702  # gpt_oss: gate * sigmoid(alpha * gate) * (up + 1)
@@ -72,9 +79,10 @@ class MoeShape:
     # topk_groups groups holding its highest expert probabilities (V3: the highest sums of two scores)
     n_groups: int = 1
     topk_groups: int = 1
-    # "softmax" over the router logits, or "sigmoid" (DeepSeek-V3, MiniMax-M2): each expert scored on its own, in fp32
-    # as transformers does, the top-k chosen by score + a correction bias that gets no gradient (it moves
-    # only by load, `LOAD_BIAS`: DeepSeek's `e_score_correction_bias`), weighted by their scores alone
+    # one of SCORINGS: "softmax" over the router logits, or "sigmoid" (DeepSeek-V3, MiniMax-M2): each expert
+    # scored on its own, in fp32 as transformers does, the top-k chosen by score + a correction bias that gets no
+    # gradient (it moves only by load, `LOAD_BIAS`: DeepSeek's `e_score_correction_bias`), weighted by their
+    # scores alone; or "sigmoid_of_top_k" (Llama 4's, with its naming)
     scoring: str = "softmax"
     # softmax scoring with a correction bias (ERNIE 4.5): the top-k chosen by probability + bias, weighted by
     # their probabilities renormalised (sigmoid scoring always has the bias)
@@ -88,13 +96,20 @@ class MoeShape:
                 f"group-limited routing needs n_experts ({self.n_experts}) divisible by n_groups ({self.n_groups}) "
                 f"and 1 <= topk_groups ({self.topk_groups}) <= n_groups"
             )
-        if self.naming not in (*EXPERT_NAMING, "gpt_oss"):
-            raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or gpt_oss, got {self.naming!r}")
-        if self.scoring not in ("softmax", "sigmoid") or (self.scoring == "sigmoid" and self.naming == "gpt_oss"):
-            raise ValueError(f"scoring must be softmax, or sigmoid with an EXPERT_NAMING naming, got {self.scoring!r}")
+        if self.naming not in (*EXPERT_NAMING, *FUSED_EXPERTS):
+            raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or {sorted(FUSED_EXPERTS)}, got {self.naming!r}")
+        if (
+            self.scoring not in SCORINGS
+            or (self.scoring == "sigmoid" and self.naming not in EXPERT_NAMING)
+            or ((self.scoring == "sigmoid_of_top_k") != (self.naming == "llama4"))
+        ):
+            raise ValueError(
+                f"scoring must be one of {SCORINGS}: sigmoid with an EXPERT_NAMING naming, sigmoid_of_top_k with "
+                f"llama4's and only there; got {self.scoring!r} with {self.naming!r}"
+            )
         if self.scoring == "sigmoid" and self.n_groups > 1 and self.n_experts // self.n_groups < 2:
             raise ValueError("sigmoid scoring ranks groups by their two best experts: each group needs two or more")
-        if self.correction_bias and (self.scoring != "softmax" or self.n_groups > 1 or self.gpt_oss):
+        if self.correction_bias and (self.scoring != "softmax" or self.n_groups > 1 or self.fused):
             raise ValueError("correction_bias is softmax scoring's, without groups, in an EXPERT_NAMING naming")
 
     @property
@@ -106,27 +121,43 @@ class MoeShape:
     def gpt_oss(self) -> bool:
         return self.naming == "gpt_oss"
 
+    @property
+    def fused(self) -> bool:
+        """Whether the experts are stored fused, [n_experts, in, out] (FUSED_EXPERTS)."""
+        return self.naming in FUSED_EXPERTS
+
+    @property
+    def module(self) -> str:
+        """The MoE module's name in a layer: `mlp`, Mixtral's `block_sparse_moe`, Llama 4's `feed_forward`."""
+        return FUSED_EXPERTS[self.naming] if self.fused else EXPERT_NAMING[self.naming][0]
+
+    @property
+    def weights_inputs(self) -> bool:
+        """Whether the routing weight scales each expert's input (Llama 4) rather than its output."""
+        return self.naming == "llama4"
+
 
 def router_name(moe: MoeShape) -> str:
-    return "mlp.router.weight" if moe.gpt_oss else f"{EXPERT_NAMING[moe.naming][0]}.gate.weight"
+    return f"{moe.module}.router.weight" if moe.fused else f"{moe.module}.gate.weight"
 
 
 def expert_params(moe: MoeShape, d_model: int, first: int = 0, stop: int | None = None) -> tuple[ParamSpec, ...]:
-    """Experts first..stop-1 in buffer order: each expert's (gate, up) pair, then the downs; gpt-oss'
-    fused tensors and their biases instead (row slices of them when not every expert)."""
+    """Experts first..stop-1 in buffer order: each expert's (gate, up) pair, then the downs; the fused
+    tensors (and gpt-oss' biases) instead, row slices of them when not every expert."""
     stop = moe.n_experts if stop is None else stop
     d, f = d_model, moe.d_ff
-    if moe.gpt_oss:  # the published fused layout: x @ gate_up_proj[e], gate/up interleaved along its last dim
+    if moe.fused:  # the published fused layout: x @ gate_up_proj[e]
         n, whole = stop - first, (first, stop) == (0, moe.n_experts)
 
         def name(base: str) -> str:
-            return base if whole else row_slice_name(base, first, stop)
+            return f"{moe.module}.experts.{base}" if whole else row_slice_name(f"{moe.module}.experts.{base}", first, stop)
 
-        return (
-            ParamSpec(name("mlp.experts.gate_up_proj"), (n, d, 2 * f)),
-            ParamSpec(name("mlp.experts.down_proj"), (n, f, d)),
-            ParamSpec(name("mlp.experts.gate_up_proj_bias"), (n, 2 * f), weight_decay=False),
-            ParamSpec(name("mlp.experts.down_proj_bias"), (n, d), weight_decay=False),
+        matrices = (ParamSpec(name("gate_up_proj"), (n, d, 2 * f)), ParamSpec(name("down_proj"), (n, f, d)))
+        if not moe.gpt_oss:
+            return matrices
+        return matrices + (
+            ParamSpec(name("gate_up_proj_bias"), (n, 2 * f), weight_decay=False),
+            ParamSpec(name("down_proj_bias"), (n, d), weight_decay=False),
         )
     module, (gate, up, down) = EXPERT_NAMING[moe.naming]
     experts = []
@@ -142,7 +173,7 @@ def expert_params(moe: MoeShape, d_model: int, first: int = 0, stop: int | None 
 def _shared_expert_params(moe: MoeShape, d: int) -> tuple[ParamSpec, ...]:
     if not moe.shared_d_ff:
         return ()
-    module = EXPERT_NAMING[moe.naming][0]
+    module = moe.module
     shared, gated = SHARED_EXPERT[moe.naming]
     params = (
         ParamSpec(f"{module}.{shared}.gate_proj.weight", (moe.shared_d_ff, d)),
@@ -208,7 +239,7 @@ def _router_group_spans(moe: MoeShape, router: tuple[ParamSpec, ...]) -> dict[st
 def _expert_spans(moe: MoeShape, d: int, params: tuple[ParamSpec, ...], first: int, stop: int) -> dict[str, Span]:
     """Experts first..stop-1 as [count, ...] tensors: (gate, up) pairs and downs, biases for gpt-oss."""
     names = [p.name for p in expert_params(moe, d, first, stop)]
-    if moe.gpt_oss:
+    if moe.fused:  # (gpt-oss' biases after the matrices)
         keys = ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias")
         return {key: span_of(params, name) for key, name in zip(keys, names)}
     count = stop - first
@@ -221,7 +252,7 @@ def _expert_spans(moe: MoeShape, d: int, params: tuple[ParamSpec, ...], first: i
 def _shared_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Span]:
     if not moe.shared_d_ff:
         return {}
-    module = EXPERT_NAMING[moe.naming][0]
+    module = moe.module
     shared, gated = SHARED_EXPERT[moe.naming]
     spans = {
         "shared_gate_up": fused_span(
@@ -236,8 +267,8 @@ def _shared_spans(moe: MoeShape, params: tuple[ParamSpec, ...]) -> dict[str, Spa
 
 def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """transformers' fused 3-D expert tensors of a layer (module-relative names) -> (shape, the
-    per-expert tensors they are, back to back). gpt-oss stores them fused already."""
-    if moe.gpt_oss:
+    per-expert tensors they are, back to back). gpt-oss and Llama 4 store them fused already."""
+    if moe.fused:
         return {}
     n = moe.n_experts
     module, (gate, up, down) = EXPERT_NAMING[moe.naming]
@@ -547,6 +578,8 @@ class MoeBlock(DecoderBlock):
         moe = self.moe
         if moe.scoring == "sigmoid":
             return self._route_by_scores(w, h)
+        if moe.scoring == "sigmoid_of_top_k":
+            return self._route_by_top_logits(w, h)
         if moe.correction_bias:
             return self._route_by_biased_probabilities(w, h)
         logits = F.linear(h, w["router"], w.get("router_bias"))
@@ -586,6 +619,15 @@ class MoeBlock(DecoderBlock):
             top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
         top_weight = top_weight * moe.routed_scaling
         return Routing(scores / scores.sum(dim=-1, keepdim=True), top_index, top_weight, logits)
+
+    def _route_by_top_logits(self, w: dict[str, Tensor], h: Tensor) -> Routing:
+        """Llama 4's routing (transformers' Llama4Router): the top-k logits of a GEMM in the compute dtype, each
+        weighted by its sigmoid (in fp32, rounded to the compute dtype where it scales the expert's input). The
+        probabilities recorded for the load statistics are the sigmoids normalised per token."""
+        logits = F.linear(h, w["router"])
+        top_logit, top_index = logits.topk(self.moe.top_k, dim=-1)
+        scores = upcast(logits).sigmoid()
+        return Routing(scores / scores.sum(dim=-1, keepdim=True), top_index, upcast(top_logit).sigmoid(), logits)
 
     def _route_by_biased_probabilities(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """ERNIE 4.5's routing (transformers' Ernie4_5_MoeTopKRouter): softmax probabilities of an fp32 GEMM,
@@ -635,15 +677,17 @@ class MoeBlock(DecoderBlock):
         inverse[order] = torch.arange(n_rows, device=order.device)
         x = _Dispatch.apply(h, order, inverse, k)  # [rows, d_model], grouped by expert
         weight = top_weight.reshape(-1)[order].to(h.dtype).unsqueeze(1)
+        if self.moe.weights_inputs:  # Llama 4: the expert sees its input scaled, its output is not
+            x, weight = x * weight, None
         expert_of_row = expert[order]
-        # each expert's matrices as [in, out]: the per-expert (transformers) layout is [out, in], gpt-oss'
-        # [in, out]; gpt-oss adds biases, the down projection's scaled by the routing weight like its input
+        # each expert's matrices as [in, out]: the per-expert (transformers) layout is [out, in], the fused
+        # one [in, out]; gpt-oss adds biases, the down projection's scaled by the routing weight like its input
         gate_up, down = w["experts_gate_up"], w["experts_down"]
-        if not self.moe.gpt_oss:
+        if not self.moe.fused:
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         gate_up_bias, down_bias = w.get("experts_gate_up_bias"), w.get("experts_down_bias")
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
-        if aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.gpt_oss):
+        if aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.fused):
             counts = torch.zeros(count, dtype=torch.int32, device=h.device)
             counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
@@ -665,19 +709,23 @@ class MoeBlock(DecoderBlock):
                     hidden = x[rows] @ gate_ups[e]
                     if gate_up_bias is not None:
                         hidden = hidden + gate_up_bias[e]
-                    piece = self._activation(hidden, weight[rows], compiled=False) @ downs[e]  # shapes vary: eager
+                    weight_of_e = None if weight is None else weight[rows]
+                    piece = self._activation(hidden, weight_of_e, compiled=False) @ downs[e]  # shapes vary: eager
                     pieces.append(piece if down_bias is None else piece + weight[rows] * down_bias[e])
                     start += rows_of_e
             y = torch.cat(pieces)
         return _Combine.apply(y, order, inverse, k)
 
-    def _activation(self, gate_up: Tensor, weight: Tensor, compiled: bool) -> Tensor:
-        """The experts' activation times the routing weight: SwiGLU on (gate, up) halves, or gpt-oss'
-        clamped SwiGLU on interleaved columns; compiled on CUDA for the grouped GEMMs' fixed layout."""
+    def _activation(self, gate_up: Tensor, weight: Tensor | None, compiled: bool) -> Tensor:
+        """The experts' activation times the routing weight (None: Llama 4's, which scaled the input):
+        SwiGLU on (gate, up) halves, or gpt-oss' clamped SwiGLU on interleaved columns; compiled on CUDA
+        for the grouped GEMMs' fixed layout."""
         moe = self.moe
         if moe.gpt_oss:
             glu = gpt_oss_glu_weighted if compiled else _gpt_oss_glu_weighted
             return glu(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
+        if weight is None:
+            return swiglu(gate_up)  # (compiled on CUDA)
         return (swiglu_weighted if compiled else _swiglu_weighted)(gate_up, weight)
 
     def _shared_expert(self, w: dict[str, Tensor], h: Tensor) -> Tensor | None:

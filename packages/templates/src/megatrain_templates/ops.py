@@ -97,6 +97,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @compiled_on_cuda
+def rms_normalized(x: Tensor, eps: float) -> Tensor:
+    """RMSNorm with no weight, in fp32 and cast back: Llama 4's `L2Norm` of queries and keys."""
+    x32 = upcast(x)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@compiled_on_cuda
 def rms_norm_scaled_in_fp32(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     """RMSNorm scaled by (offset + weight) in fp32 before the cast back, where `rms_norm` casts first: OLMo 2's
     (offset 0) and Gemma's (offset 1, so that a weight of zero is the identity scale)."""

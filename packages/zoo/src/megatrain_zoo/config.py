@@ -25,6 +25,7 @@ MOE_ARCHITECTURES = (
     "minimax_m2",
     "dots1",
     "ernie4_5_moe",
+    "llama4_text",
 )
 # families whose routers score experts with a sigmoid and choose with a correction bias
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1")
@@ -34,7 +35,7 @@ CORRECTION_BIASED = (*SIGMOID_ROUTED, "ernie4_5_moe")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 ROPE_SCALINGS = ("default", "llama3", "linear", "yarn", "longrope")
 QK_NORM_SCOPES = ("head", "full")  # per head (Qwen3) or over all heads' concatenation (OLMoE)
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "sigmoid_of_top_k")  # the templates' SCORINGS
 GEMMA_ACTIVATIONS = ("gelu_tanh", "gelu")  # transformers' gelu_pytorch_tanh (every published Gemma) and gelu
 
 
@@ -110,23 +111,44 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
+    # Llama 4: layers without the rotary embedding ("NoPE": every fourth), whose queries are scaled by
+    # log(floor((position + 1) / attn_temperature_floor_scale) + 1) * attn_temperature_scale + 1 (floor scale 0:
+    # not at all); the others attend within chunks of `attention_chunk_size` positions (`chunked_layers`) and,
+    # with `qk_rms_normalized`, RMS-norm their queries and keys with no weight after the rotary embedding
+    nope_layers: tuple[int, ...] = ()
+    attention_chunk_size: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    qk_rms_normalized: bool = False
+    attn_temperature_floor_scale: float = 0.0
+    attn_temperature_scale: float = 0.0
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ZooError(f"unknown architecture {self.arch!r}; supported: {ARCHITECTURES}")
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
-        object.__setattr__(self, "sliding_layers", tuple(sorted(int(i) for i in self.sliding_layers)))
+        for name in ("sliding_layers", "nope_layers", "chunked_layers"):
+            object.__setattr__(self, name, tuple(sorted(int(i) for i in getattr(self, name))))
         if bool(self.sliding_layers) != bool(self.sliding_window):
             raise ZooError(
                 "sliding_window and sliding_layers go together: the window, and the layers that attend over it "
                 "(every layer for Mistral)"
             )
-        if self.router_scoring not in ROUTER_SCORINGS or (self.router_scoring == "sigmoid") != (
-            self.arch in SIGMOID_ROUTED
-        ):
+        if bool(self.chunked_layers) != bool(self.attention_chunk_size):
+            raise ZooError("attention_chunk_size and chunked_layers go together: the chunk, and the layers it is on")
+        llama4_only = ("nope_layers", "chunked_layers", "qk_rms_normalized", "attn_temperature_floor_scale")
+        if self.arch != "llama4_text" and any(getattr(self, name) for name in llama4_only):
+            raise ZooError(f"{llama4_only} are Llama 4's; {self.arch} has none of them: leave them unset")
+        if self.arch == "llama4_text" and self.shared_expert_d_ff != self.moe_d_ff:
             raise ZooError(
-                f"router_scoring {self.router_scoring!r}: {SIGMOID_ROUTED} score experts with a sigmoid, the other "
-                f"families with a softmax ({ROUTER_SCORINGS})"
+                f"Llama 4's shared expert is as wide as its routed ones (intermediate_size): shared_expert_d_ff "
+                f"{self.shared_expert_d_ff} must equal moe_d_ff {self.moe_d_ff}"
+            )
+        if set(self.nope_layers) & set(self.chunked_layers):
+            raise ZooError("Llama 4's layers without rotary embedding (nope_layers) attend over everything: not chunked")
+        if self.router_scoring not in ROUTER_SCORINGS or self.router_scoring != self.expected_router_scoring:
+            raise ZooError(
+                f"router_scoring {self.router_scoring!r}: {SIGMOID_ROUTED} score experts with a sigmoid, Llama 4 with "
+                f"the sigmoid of each top-k logit, the other families with a softmax ({ROUTER_SCORINGS})"
             )
         if self.qk_norm_scope not in QK_NORM_SCOPES:
             raise ZooError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
@@ -190,6 +212,13 @@ class ModelConfig:
                     f"wrong length {wrong}"
                 )
 
+    @property
+    def expected_router_scoring(self) -> str:
+        """The router scoring of the family (ROUTER_SCORINGS)."""
+        if self.arch in SIGMOID_ROUTED:
+            return "sigmoid"
+        return "sigmoid_of_top_k" if self.arch == "llama4_text" else "softmax"
+
     def with_changes(self, **changes) -> "ModelConfig":
         return replace(self, **changes)
 
@@ -199,8 +228,9 @@ class ModelConfig:
 
     @property
     def rope_interleaved(self) -> bool:
-        """Rotary embedding on adjacent pairs: latent attention as `rope_interleave` says, ERNIE 4.5 always."""
-        return self.rope_interleave if self.kv_lora_rank else self.arch in ERNIE
+        """Rotary embedding on adjacent pairs: latent attention as `rope_interleave` says, ERNIE 4.5 and Llama 4
+        always."""
+        return self.rope_interleave if self.kv_lora_rank else self.arch in (*ERNIE, "llama4_text")
 
     @property
     def gemma(self) -> bool:
@@ -309,10 +339,13 @@ class ModelConfig:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward, recomputation not counted:
     6 x matmul parameters + causal attention (QK^T and AV over half the square; over the window, at
-    most, in sliding-window layers)."""
+    most, in sliding-window layers; over half a chunk, at most, in chunked layers)."""
     per_layer = 3 * config.n_heads * sum(config.attention_widths)
     windowed = min(seq_len, 2 * config.sliding_window) if config.sliding_window else seq_len
-    attention = per_layer * sum(
-        windowed if layer in config.sliding_layers else seq_len for layer in range(config.n_layers)
-    )
+    chunked = min(seq_len, config.attention_chunk_size or seq_len)
+
+    def keys(layer: int) -> int:  # twice the mean number of keys a query attends to
+        return windowed if layer in config.sliding_layers else chunked if layer in config.chunked_layers else seq_len
+
+    attention = per_layer * sum(keys(layer) for layer in range(config.n_layers))
     return 6 * config.matmul_params + attention

@@ -26,6 +26,7 @@ _HF_CLASSES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -53,7 +54,34 @@ _DEFAULTS = {
         "attn_logit_softcapping": 50.0,
     },
     "gemma3_text": {**_GEMMA_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072},
+    # Llama4TextConfig's (Scout's shape)
+    "llama4_text": {
+        "vocab_size": 202048,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "use_qk_norm": True,
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 8192,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+    },
 }
+# image-text model_types whose text model trains (and exports) alone
+_TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
@@ -75,8 +103,8 @@ def _first_id(value):
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
-    if hf.get("model_type") == "gemma3":  # an image-text model: its text model trains (and exports) alone
-        hf = {**hf.get("text_config", {}), "model_type": "gemma3_text"}
+    if hf.get("model_type") in _TEXT_MODEL_OF:  # an image-text model: its text model trains (and exports) alone
+        hf = {**hf.get("text_config", {}), "model_type": _TEXT_MODEL_OF[hf["model_type"]]}
     model_type = _SAME_AS.get(hf.get("model_type"), hf.get("model_type"))
     hf = {**_DEFAULTS.get(model_type, {}), **hf}
     if model_type not in _HF_CLASSES:
@@ -86,7 +114,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1 and ERNIE 4.5; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2)"
+            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2)"
         )
     biased_attention_refused = (
         "llama",
@@ -98,6 +126,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         *GEMMA,
         "phi3",
         "olmo2",
+        "llama4_text",
     )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -116,9 +145,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
         partial_rotary = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    scaling = hf.get("rope_scaling") or (
-        {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")} or None
-    )
+    # (transformers 5 writes some families' rope_parameters under rope_scaling too, rope_theta and all)
+    scaling = {
+        k: v for k, v in (hf.get("rope_scaling") or rope).items() if k not in ("rope_theta", "partial_rotary_factor")
+    } or None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":  # as transformers completes it
@@ -136,7 +166,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
-        d_ff=hf["intermediate_size"],
+        d_ff=hf["intermediate_size_mlp" if model_type == "llama4_text" else "intermediate_size"],
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         max_seq_len=hf.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
@@ -160,6 +190,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         **_moe_from_hf(hf, model_type),
         **_gpt_oss_from_hf(hf, model_type),
         **_latent_attention_from_hf(hf, model_type),
+        **_llama4_from_hf(hf, model_type),
         **gemma,
     )
 
@@ -257,6 +288,67 @@ def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
         "o_bias": bool(hf.get("attention_bias", True)),
         "attention_sinks": True,
         "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+    }
+
+
+def _llama4_from_hf(hf: dict, model_type: str) -> dict:
+    """Llama 4's layers as transformers' Llama4TextConfig makes them: without rotary embedding where
+    `no_rope_layers` says 0 (default: every `no_rope_layer_interval`-th), chunked where `layer_types` says
+    (default: the rotary layers, when there is a chunk size), sparse in `moe_layers` (default: every
+    `interleave_moe_layer_step`-th); one routed expert as wide as the shared one. transformers adds no
+    load-balancing loss for it."""
+    if model_type != "llama4_text":
+        return {}
+    n_layers = hf["num_hidden_layers"]
+    interval = hf.get("no_rope_layer_interval", 4)
+    rotates = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+    chunk = hf.get("attention_chunk_size")
+    types = hf.get("layer_types") or [
+        "chunked_attention" if rotary and chunk is not None else "full_attention" for rotary in rotates
+    ]
+    unknown = sorted(set(types) - {"chunked_attention", "full_attention"})
+    if unknown:
+        raise ZooError(f"llama4_text layer_types {unknown} are not supported (chunked_attention, full_attention)")
+    chunked = tuple(i for i, kind in enumerate(types[:n_layers]) if kind == "chunked_attention")
+    step = hf.get("interleave_moe_layer_step", 1)
+    moe_layers = hf.get("moe_layers")
+    moe_layers = set(range(step - 1, n_layers, step) if moe_layers is None else moe_layers)
+    tuning = bool(hf.get("attn_temperature_tuning"))
+    return {
+        "nope_layers": tuple(i for i, rotary in enumerate(rotates[:n_layers]) if not rotary),
+        "attention_chunk_size": chunk if chunked else None,
+        "chunked_layers": chunked,
+        "qk_rms_normalized": bool(hf.get("use_qk_norm")),
+        "attn_temperature_floor_scale": float(hf["floor_scale"]) if tuning else 0.0,
+        "attn_temperature_scale": float(hf["attn_scale"]) if tuning else 0.0,
+        "n_experts": hf["num_local_experts"],
+        "n_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_d_ff": hf["intermediate_size"],
+        "shared_expert_d_ff": hf["intermediate_size"],
+        "dense_layers": tuple(i for i in range(n_layers) if i not in moe_layers),
+        "router_scoring": "sigmoid_of_top_k",
+    }
+
+
+def _llama4_to_hf(config: ModelConfig) -> dict:
+    n_layers = config.n_layers
+    return {
+        "intermediate_size": config.moe_d_ff,
+        "intermediate_size_mlp": config.d_ff,
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.n_experts_per_tok,
+        "moe_layers": [i for i in range(n_layers) if config.layer_is_moe(i)],
+        "no_rope_layers": [int(i not in config.nope_layers) for i in range(n_layers)],
+        "attention_chunk_size": config.attention_chunk_size,
+        "layer_types": ["chunked_attention" if i in config.chunked_layers else "full_attention" for i in range(n_layers)],
+        "use_qk_norm": config.qk_rms_normalized,
+        "attn_temperature_tuning": config.attn_temperature_floor_scale > 0,
+        "floor_scale": _int_if_whole(config.attn_temperature_floor_scale or 8192),
+        "attn_scale": config.attn_temperature_scale,
+        "attention_bias": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
+        "router_jitter_noise": 0.0,
     }
 
 
@@ -399,7 +491,7 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         "head_dim": config.head_dim,
         "max_position_embeddings": config.max_seq_len,
         "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
+        "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,  # (transformers adds to it)
         "rms_norm_eps": config.rms_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "hidden_act": "silu",
@@ -440,6 +532,8 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["use_bias"] = False
     if config.arch == "ernie4_5_moe":
         hf.update(_ernie_moe_to_hf(config), num_nextn_predict_layers=0)
+    elif config.arch == "llama4_text":
+        hf.update(_llama4_to_hf(config))
     elif config.is_moe:
         hf.update(_moe_to_hf(config))
     if config.arch in _DEEPSEEK_MOE:

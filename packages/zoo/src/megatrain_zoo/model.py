@@ -69,7 +69,7 @@ class ModelSpec:
         arch = self.config.arch
         if arch == "ernie4_5_moe" and "mtp" in name:
             return "multi-token-prediction modules"
-        if arch == "gemma3_text" and name.startswith(_GEMMA3_VISION):
+        if name.startswith(_VISION_PARTS.get(arch, ())):
             return "the vision tower and its projector"
         if arch in ("deepseek_v3", "glm4_moe") and name.startswith("model.layers."):
             layer = name.split(".")[2]
@@ -92,10 +92,12 @@ class ModelSpec:
 
     def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
         """Other names files may give tensor `name`: transformers >= 5's in memory (Mixtral's block_sparse_moe
-        is mlp there); Gemma 3's image-text checkpoints' for its text model (`language_model.model.*` as
-        published, `model.language_model.*` as transformers 4.52 and later write them)."""
-        if self.config.arch == "gemma3_text" and name.startswith("model."):
-            return "language_model." + name, "model.language_model." + name.removeprefix("model.")
+        is mlp there); image-text checkpoints' for their text model (Gemma 3's and Llama 4's
+        `language_model.model.*` and `language_model.lm_head.weight` as published, Gemma 3's
+        `model.language_model.*` as transformers 4.52 and later write them)."""
+        if self.config.arch in _VISION_PARTS and name.startswith(("model.", "lm_head.")):
+            inside = ("model.language_model." + name.removeprefix("model."),) if name.startswith("model.") else ()
+            return ("language_model." + name, *inside)
         alias = name.replace(".block_sparse_moe.", ".mlp.")
         return (alias,) if alias != name else ()
 
@@ -106,8 +108,9 @@ class ModelSpec:
 
 def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
     """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window, and with it
-    Gemma 3's rotary base)."""
+    Gemma 3's rotary base; in Llama 4's rotary embedding, chunks and temperatures)."""
     windowed = layer in config.sliding_layers
+    rotary = layer not in config.nope_layers
     # frozen (hashable) form; LongRoPE's per-frequency factors are lists
     scaling = (
         tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in config.rope_scaling.items()))
@@ -140,6 +143,13 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         softmax_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5,
         attn_softcap=config.attn_logit_softcapping,
         fused_projections=config.arch == "phi3",
+        rotary=rotary,
+        qk_rms_normalized=config.qk_rms_normalized and rotary,
+        attention_chunk=config.attention_chunk_size if layer in config.chunked_layers else None,
+        attn_temperature=(config.attn_temperature_floor_scale, config.attn_temperature_scale)
+        if config.attn_temperature_floor_scale and not rotary
+        else None,
+        mlp_module="feed_forward" if config.arch == "llama4_text" else "mlp",
     )
 
 
@@ -161,8 +171,11 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
     )
 
 
-# the parts of Gemma 3's image-text checkpoints beside its text model, in every layout transformers has written
-_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# the parts of image-text checkpoints beside their text model, in every layout transformers has written
+_VISION_PARTS = {
+    "gemma3_text": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    "llama4_text": ("vision_model.", "multi_modal_projector."),
+}
 
 # the template's parameter naming (`EXPERT_NAMING`) per family; "qwen" for the others
 EXPERT_NAMING_OF = {
@@ -174,6 +187,7 @@ EXPERT_NAMING_OF = {
     "dots1": "deepseek",
     "ernie4_5_moe": "ernie",
     "minimax_m2": "mixtral",
+    "llama4_text": "llama4",
 }
 
 

@@ -260,6 +260,40 @@ def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     )
 
 
+def _llama4(
+    vocab: int, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int, moe_d_ff: int, **changes
+) -> ModelConfig:
+    """Llama 4 (Meta, 2025): every fourth layer without rotary embedding (attending over everything, its
+    queries' temperature rising with position), the others in chunks of 8192 positions; one routed expert
+    per token (weight: its logit's sigmoid, applied to its input) beside a shared one; `moe_every`-th layers
+    sparse, the rest dense MLPs `d_ff` wide."""
+    moe_every = changes.pop("moe_every", 1)
+    nope = tuple(range(3, n_layers, 4))
+    chunk = changes.pop("attention_chunk_size", 8192)
+    config = dict(
+        head_dim=128,
+        max_seq_len=10485760,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        bos_token_id=200000,
+        eos_token_id=200001,
+        pad_token_id=200018,
+        nope_layers=nope,
+        attention_chunk_size=chunk,
+        chunked_layers=tuple(i for i in range(n_layers) if i not in nope),
+        qk_rms_normalized=True,
+        attn_temperature_floor_scale=8192.0,
+        attn_temperature_scale=0.1,
+        n_experts=16,
+        n_experts_per_tok=1,
+        moe_d_ff=moe_d_ff,
+        shared_expert_d_ff=moe_d_ff,
+        dense_layers=tuple(i for i in range(n_layers) if (i + 1) % moe_every),
+        router_scoring="sigmoid_of_top_k",
+    )
+    return ModelConfig("llama4_text", vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**config, **changes})
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Llama 2
     "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
@@ -543,6 +577,16 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo-2-32b": _olmo2(5120, 64, 40, 8, 27648),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
+    # the text models of Llama 4's image-text checkpoints
+    "llama-4-scout-17b-16e": _llama4(
+        202048, 5120, 48, 40, 8, 16384, 8192,
+        rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "llama-4-maverick-17b-128e": _llama4(
+        202048, 5120, 48, 40, 8, 16384, 8192, max_seq_len=1048576, n_experts=128, moe_every=2,
+        qk_rms_normalized=False,
+    ),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
     "dense-120b": _llama3(12288, 76, 96, 8, 32768),
     # Tiny models for tests and the built-in CPU demo.
@@ -627,6 +671,15 @@ PRESETS["tiny-phi3"] = _phi3(
 )
 PRESETS["tiny-olmo2"] = _olmo2(64, 2, 4, 2, 160, max_seq_len=256, eos_token_id=None, pad_token_id=1).with_changes(
     vocab_size=256
+)
+# five layers: dense and sparse, chunked and not, with and without the rotary embedding (layer 3), temperatures
+# and rotary scaling that bite at 12 positions
+PRESETS["tiny-llama4"] = _llama4(
+    256, 64, 5, 4, 2, 96, 32, head_dim=16, max_seq_len=256, attention_chunk_size=5, moe_every=2, n_experts=4,
+    n_experts_per_tok=2, attn_temperature_floor_scale=3.0, attn_temperature_scale=0.5, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0,
+    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16},
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
