@@ -142,10 +142,12 @@ def masked_attention(
     chunk: int | None = None,
 ) -> Tensor:
     """Causal attention with what the fused kernels lack: keys limited to the last `window` positions
-    (gpt-oss, Gemma) or to the query's chunk of `chunk` positions (Llama 4's chunked layers), per-head sink logits `sinks` [n_heads] that join each softmax's denominator
-    without contributing a value (gpt-oss), scores soft-capped to (-softcap, softcap) by
-    softcap * tanh(score / softcap) after scaling (Gemma 2). Shapes, `documents` and `scale` as
-    `causal_attention`. On CUDA: FlexAttention (only the blocks inside the window are visited), the cap
+    (gpt-oss, Gemma) or to the query's chunk of `chunk` positions (Llama 4: positions c * chunk to
+    (c + 1) * chunk - 1 of a document attend only among themselves), per-head sink logits `sinks`
+    [n_heads] that join each softmax's denominator without contributing a value (gpt-oss), scores
+    soft-capped to (-softcap, softcap) by softcap * tanh(score / softcap) after scaling (Gemma 2).
+    Shapes, `documents` and `scale` as `causal_attention`. On CUDA: FlexAttention (only the blocks
+    inside the window or chunk are visited), the cap
     as its score modification and the sinks folded in through its log-sum-exp; elsewhere written out
     (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape

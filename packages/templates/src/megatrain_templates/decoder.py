@@ -339,9 +339,7 @@ class DecoderBlock:
         window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
         chunk = s.attention_chunk if s.attention_chunk is not None and s.attention_chunk < seq else None
         if s.sinks or window is not None or s.attn_softcap is not None or chunk is not None:
-            attn = masked_attention(
-                q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap, chunk
-            )
+            attn = masked_attention(q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap, chunk)
         else:
             attn = causal_attention(q, k, v, documents, s.softmax_scale)
         out = linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"], w.get("o_bias"))

@@ -97,7 +97,9 @@ class MoeShape:
                 f"and 1 <= topk_groups ({self.topk_groups}) <= n_groups"
             )
         if self.naming not in (*EXPERT_NAMING, *FUSED_EXPERTS):
-            raise ValueError(f"naming must be one of {sorted(EXPERT_NAMING)} or {sorted(FUSED_EXPERTS)}, got {self.naming!r}")
+            raise ValueError(
+                f"naming must be one of {sorted(EXPERT_NAMING)} or {sorted(FUSED_EXPERTS)}, got {self.naming!r}"
+            )
         if (
             self.scoring not in SCORINGS
             or (self.scoring == "sigmoid" and self.naming not in EXPERT_NAMING)
@@ -150,7 +152,8 @@ def expert_params(moe: MoeShape, d_model: int, first: int = 0, stop: int | None 
         n, whole = stop - first, (first, stop) == (0, moe.n_experts)
 
         def name(base: str) -> str:
-            return f"{moe.module}.experts.{base}" if whole else row_slice_name(f"{moe.module}.experts.{base}", first, stop)
+            full = f"{moe.module}.experts.{base}"
+            return full if whole else row_slice_name(full, first, stop)
 
         matrices = (ParamSpec(name("gate_up_proj"), (n, d, 2 * f)), ParamSpec(name("down_proj"), (n, f, d)))
         if not moe.gpt_oss:

@@ -144,7 +144,9 @@ class ModelConfig:
                 f"{self.shared_expert_d_ff} must equal moe_d_ff {self.moe_d_ff}"
             )
         if set(self.nope_layers) & set(self.chunked_layers):
-            raise ZooError("Llama 4's layers without rotary embedding (nope_layers) attend over everything: not chunked")
+            raise ZooError(
+                "Llama 4's layers without rotary embedding (nope_layers) attend over everything: not chunked"
+            )
         if self.router_scoring not in ROUTER_SCORINGS or self.router_scoring != self.expected_router_scoring:
             raise ZooError(
                 f"router_scoring {self.router_scoring!r}: {SIGMOID_ROUTED} score experts with a sigmoid, Llama 4 with "

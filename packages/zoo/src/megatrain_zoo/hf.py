@@ -340,7 +340,9 @@ def _llama4_to_hf(config: ModelConfig) -> dict:
         "moe_layers": [i for i in range(n_layers) if config.layer_is_moe(i)],
         "no_rope_layers": [int(i not in config.nope_layers) for i in range(n_layers)],
         "attention_chunk_size": config.attention_chunk_size,
-        "layer_types": ["chunked_attention" if i in config.chunked_layers else "full_attention" for i in range(n_layers)],
+        "layer_types": [
+            "chunked_attention" if i in config.chunked_layers else "full_attention" for i in range(n_layers)
+        ],
         "use_qk_norm": config.qk_rms_normalized,
         "attn_temperature_tuning": config.attn_temperature_floor_scale > 0,
         "floor_scale": _int_if_whole(config.attn_temperature_floor_scale or 8192),
