@@ -402,14 +402,26 @@ def test_no_module_or_graph_survives_a_call():
     assert grad_in.grad_fn is None
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_packed_documents_equal_separate_rows(moe):
-    """float64: documents packed into one row (block-diagonal attention, positions restarting) give
-    each token the output and the weights the gradient of the same documents in rows of their own."""
+# Llama 4's two kinds of layer: chunked with the rotary embedding and q/k RMS norms, and without rotary
+# embedding, its queries' temperatures rising with position (both bite at these documents' lengths)
+LLAMA4_CHUNKED = dict(rope_interleaved=True, qk_rms_normalized=True, attention_chunk=2, mlp_module="feed_forward")
+LLAMA4_NOPE = dict(rotary=False, attn_temperature=(2.0, 0.5), mlp_module="feed_forward")
+LLAMA4_MOE = MoeShape(4, 2, 24, shared_d_ff=24, naming="llama4", scoring="sigmoid_of_top_k")
+
+
+@pytest.mark.parametrize(
+    "moe, llama4",
+    [(None, {}), (MoeShape(4, 2, 24), {}), (None, LLAMA4_CHUNKED), (LLAMA4_MOE, LLAMA4_NOPE)],
+    ids=["dense", "moe", "llama4-chunked", "llama4-moe-nope"],
+)
+def test_packed_documents_equal_separate_rows(moe, llama4):
+    """float64: documents packed into one row (block-diagonal attention, positions restarting: Llama 4's
+    chunks and temperatures by each document's positions) give each token the output and the weights the
+    gradient of the same documents in rows of their own."""
     torch.manual_seed(torch.seed() % 2**31)
     d, heads, head_dim = 32, 4, 8
-    shape = BlockShape(d, heads, 2, head_dim, 40, 1e-5, rope=RopeConfig(head_dim=head_dim, theta=500.0))
-    block = MoeBlock(shape, MoeShape(4, 2, 24), RouterLoad(4, 2, 0.0)) if moe else DecoderBlock(shape)
+    shape = BlockShape(d, heads, 2, head_dim, 40, 1e-5, rope=RopeConfig(head_dim=head_dim, theta=500.0), **llama4)
+    block = MoeBlock(shape, moe, RouterLoad(4, 2, 0.0)) if moe else DecoderBlock(shape)
     flat = torch.randn(block.numel, dtype=torch.float64) * 0.3
     lengths = (5, 3, 4)
     docs = [torch.randn(1, n, d, dtype=torch.float64) for n in lengths]
