@@ -89,7 +89,7 @@ def bench_megatrain(
 ):
     model = preset(name)
     if n_layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
-        model = replace(model, n_layers=n_layers, sliding_layers=tuple(i for i in model.sliding_layers if i < n_layers))
+        model = model.first_layers(n_layers)
     config = Config(
         model=ModelSection(preset=name),
         data=DataSection(seq_len=seq_len),

@@ -148,6 +148,8 @@ def test_unsupported_settings_are_refused():
         config_from_hf({**text, "layer_types": ["sliding_attention"] * 48})
     with pytest.raises(ZooError, match="Llama 4's"):
         preset("tiny-llama").with_changes(nope_layers=(1,))
+    with pytest.raises(ZooError, match="fbgemm_fp8"):  # Maverick's FP8 checkpoint
+        config_from_hf({**MAVERICK, "quantization_config": {"quant_method": "fbgemm_fp8"}})
     with pytest.raises(ZooError, match="as wide as its routed ones"):
         preset("tiny-llama4").with_changes(shared_expert_d_ff=64)
 

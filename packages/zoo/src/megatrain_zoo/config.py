@@ -221,6 +221,16 @@ class ModelConfig:
             return "sigmoid"
         return "sigmoid_of_top_k" if self.arch == "llama4_text" else "softmax"
 
+    def first_layers(self, n_layers: int) -> "ModelConfig":
+        """The model cut to its first `n_layers` layers, each as it was (its window, chunk, rotary, MLP kind)."""
+        per_layer = ("dense_layers", "sliding_layers", "nope_layers", "chunked_layers")
+        cut = {name: tuple(i for i in getattr(self, name) if i < n_layers) for name in per_layer}
+        if not cut["sliding_layers"]:
+            cut["sliding_window"] = None
+        if not cut["chunked_layers"]:
+            cut["attention_chunk_size"] = None
+        return replace(self, n_layers=n_layers, **cut)
+
     def with_changes(self, **changes) -> "ModelConfig":
         return replace(self, **changes)
 

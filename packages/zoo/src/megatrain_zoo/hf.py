@@ -104,7 +104,8 @@ def _first_id(value):
 def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
     if hf.get("model_type") in _TEXT_MODEL_OF:  # an image-text model: its text model trains (and exports) alone
-        hf = {**hf.get("text_config", {}), "model_type": _TEXT_MODEL_OF[hf["model_type"]]}
+        outer = {k: hf[k] for k in ("quantization_config",) if k in hf}  # (written beside text_config)
+        hf = {**outer, **hf.get("text_config", {}), "model_type": _TEXT_MODEL_OF[hf["model_type"]]}
     model_type = _SAME_AS.get(hf.get("model_type"), hf.get("model_type"))
     hf = {**_DEFAULTS.get(model_type, {}), **hf}
     if model_type not in _HF_CLASSES:
