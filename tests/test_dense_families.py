@@ -1,8 +1,9 @@
-"""Gemma 2, Gemma 3, Phi-3/Phi-4 and OLMo 2 train exactly like transformers: several optimizer steps of megatrain
-(fp32, micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM and Olmo2ForCausalLM + torch.optim.AdamW on the same batches, with windows, soft caps, per-layer
-rotary bases, (1 + weight) norms, norms after the halves and partial rotary embedding that bite; exports load in
-transformers with equal logits; published config forms parse to the presets."""
+"""Gemma 2, Gemma 3, Phi-3/Phi-4, OLMo 2 and SmolLM3 train exactly like transformers: several optimizer steps of
+megatrain (fp32, micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM,
+Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM and SmolLM3ForCausalLM + torch.optim.AdamW on the same batches,
+with windows, soft caps, per-layer rotary bases, (1 + weight) norms, norms after the halves, partial rotary
+embedding and layers without it that bite; exports load in transformers with equal logits; published config forms
+parse to the presets."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hf_steps import hf_adamw, make_trainer, random_batch, reference_step, rel_e
 from megatrain.config import EngineSection
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
-PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2"]
+PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2", "tiny-smollm3"]
 
 
 def hf_dense_model(name: str, seed: int, **overrides):
@@ -96,6 +97,8 @@ def test_caps_windows_and_rotary_parts_change_the_result():
         ("tiny-gemma3", {"rope_local_base_freq": 1_000_000.0}),
         ("tiny-phi3", {"partial_rotary_factor": 1.0}),
         ("tiny-phi3", {"sliding_window": 64}),
+        ("tiny-smollm3", {"no_rope_layers": [1] * 4}),
+        ("tiny-smollm3", {"sliding_window": 64}),
     ]:
         model = hf_dense_model(name, 3).eval()
         changed = hf_dense_model(name, 3, **changes).eval()
@@ -208,6 +211,42 @@ def test_published_configs_parse_to_the_presets_as_transformers_reads_them(publi
         assert exported.get(key) == as_read.get(key), key
 
 
+# SmolLM3-3B's published config.json (no_rope_layers written out: 0 on every fourth layer)
+SMOLLM3_3B = {
+    "architectures": ["SmolLM3ForCausalLM"],
+    "model_type": "smollm3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128012,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 65536,
+    "mlp_bias": False,
+    "no_rope_layer_interval": 4,
+    "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+    "num_attention_heads": 16,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 4,
+    "pad_token_id": 128004,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 5000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "vocab_size": 128256,
+}
+
+
+def test_smollm3_published_config_parses_to_the_preset():
+    assert config_from_hf(SMOLLM3_3B) == preset("smollm3-3b")
+    assert config_from_hf(transformers.AutoConfig.for_model(**SMOLLM3_3B).to_dict()) == preset("smollm3-3b")
+    assert round(preset("smollm3-3b").n_params / 1e9, 2) == 3.08
+
+
 def test_unsupported_settings_are_refused():
     with pytest.raises(ZooError, match="use_bidirectional_attention"):
         config_from_hf({**GEMMA_3_1B, "use_bidirectional_attention": True})
@@ -215,6 +254,8 @@ def test_unsupported_settings_are_refused():
         config_from_hf({**GEMMA_2_9B, "hidden_activation": "silu"})
     with pytest.raises(ZooError, match="Gemma's"):
         preset("tiny-llama").with_changes(final_logit_softcapping=30.0)
+    with pytest.raises(ZooError, match="nope_layers"):
+        preset("tiny-llama").with_changes(nope_layers=(1,))
     with pytest.raises(ZooError, match="without dropout"):
         config_from_hf({**PHI_3_MINI_4K, "resid_pdrop": 0.1})
 

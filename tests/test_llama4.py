@@ -147,7 +147,7 @@ def test_unsupported_settings_are_refused():
     with pytest.raises(ZooError, match="layer_types"):
         config_from_hf({**text, "layer_types": ["sliding_attention"] * 48})
     with pytest.raises(ZooError, match="Llama 4's"):
-        preset("tiny-llama").with_changes(nope_layers=(1,))
+        preset("tiny-llama").with_changes(attention_chunk_size=4, chunked_layers=(0,))
     with pytest.raises(ZooError, match="fbgemm_fp8"):  # Maverick's FP8 checkpoint
         config_from_hf({**MAVERICK, "quantization_config": {"quant_method": "fbgemm_fp8"}})
     with pytest.raises(ZooError, match="as wide as its routed ones"):
@@ -170,7 +170,11 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(tmp_pat
     (tmp_path / "hf").mkdir()
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     text_config = {**config_to_hf(preset("tiny-llama4")), "architectures": None}
-    image_text = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text_config}
+    image_text = {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text_config,
+    }
     (tmp_path / "hf" / "config.json").write_text(json.dumps(image_text))
 
     trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field, replace
 # Gemma 2 and 3: (1 + weight) RMSNorms before and after both halves of a block, a GELU-gated MLP, embeddings
 # scaled by sqrt(d_model), attention scaled by query_pre_attn_scalar, soft caps (Gemma 2), windowed layers
 GEMMA = ("gemma2", "gemma3_text")
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3", "olmo2")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3", "olmo2", "smollm3")
+# families with layers that have no rotary embedding (every fourth, by default)
+NOPE_ARCHITECTURES = ("llama4_text", "smollm3")
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -111,7 +113,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
-    # Llama 4: layers without the rotary embedding ("NoPE": every fourth), whose queries are scaled by
+    # Llama 4 (SmolLM3: nope_layers only): layers without the rotary embedding ("NoPE": every fourth), whose
+    # queries are scaled by
     # log(floor((position + 1) / attn_temperature_floor_scale) + 1) * attn_temperature_scale + 1 (floor scale 0:
     # not at all); the others attend within chunks of `attention_chunk_size` positions (`chunked_layers`) and,
     # with `qk_rms_normalized`, RMS-norm their queries and keys with no weight after the rotary embedding
@@ -135,9 +138,11 @@ class ModelConfig:
             )
         if bool(self.chunked_layers) != bool(self.attention_chunk_size):
             raise ZooError("attention_chunk_size and chunked_layers go together: the chunk, and the layers it is on")
-        llama4_only = ("nope_layers", "chunked_layers", "qk_rms_normalized", "attn_temperature_floor_scale")
+        llama4_only = ("chunked_layers", "qk_rms_normalized", "attn_temperature_floor_scale")
         if self.arch != "llama4_text" and any(getattr(self, name) for name in llama4_only):
             raise ZooError(f"{llama4_only} are Llama 4's; {self.arch} has none of them: leave them unset")
+        if self.nope_layers and self.arch not in NOPE_ARCHITECTURES:
+            raise ZooError(f"nope_layers (layers without rotary embedding) are {NOPE_ARCHITECTURES}'; leave them unset")
         if self.arch == "llama4_text" and self.shared_expert_d_ff != self.moe_d_ff:
             raise ZooError(
                 f"Llama 4's shared expert is as wide as its routed ones (intermediate_size): shared_expert_d_ff "

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from .config import ERNIE, GEMMA, ModelConfig, ZooError, windowed_but_every
+from .config import ERNIE, GEMMA, NOPE_ARCHITECTURES, ModelConfig, ZooError, windowed_but_every
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -27,6 +27,7 @@ _HF_CLASSES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -115,7 +116,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2)"
+            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2, SmolLM3)"
         )
     biased_attention_refused = (
         "llama",
@@ -128,6 +129,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "phi3",
         "olmo2",
         "llama4_text",
+        "smollm3",
     )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -192,6 +194,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         **_gpt_oss_from_hf(hf, model_type),
         **_latent_attention_from_hf(hf, model_type),
         **_llama4_from_hf(hf, model_type),
+        nope_layers=_nope_layers(hf, model_type),
         **gemma,
     )
 
@@ -301,8 +304,7 @@ def _llama4_from_hf(hf: dict, model_type: str) -> dict:
     if model_type != "llama4_text":
         return {}
     n_layers = hf["num_hidden_layers"]
-    interval = hf.get("no_rope_layer_interval", 4)
-    rotates = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
+    rotates = _rotary_layer_flags(hf)
     chunk = hf.get("attention_chunk_size")
     types = hf.get("layer_types") or [
         "chunked_attention" if rotary and chunk is not None else "full_attention" for rotary in rotates
@@ -316,7 +318,6 @@ def _llama4_from_hf(hf: dict, model_type: str) -> dict:
     moe_layers = set(range(step - 1, n_layers, step) if moe_layers is None else moe_layers)
     tuning = bool(hf.get("attn_temperature_tuning"))
     return {
-        "nope_layers": tuple(i for i, rotary in enumerate(rotates[:n_layers]) if not rotary),
         "attention_chunk_size": chunk if chunked else None,
         "chunked_layers": chunked,
         "qk_rms_normalized": bool(hf.get("use_qk_norm")),
@@ -331,6 +332,20 @@ def _llama4_from_hf(hf: dict, model_type: str) -> dict:
     }
 
 
+def _rotary_layer_flags(hf: dict) -> list[int]:
+    """Llama 4's and SmolLM3's `no_rope_layers`: 1 where a layer has the rotary embedding, 0 where not
+    (default: every `no_rope_layer_interval`-th layer has none)."""
+    interval = hf.get("no_rope_layer_interval", 4)
+    return hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
+
+
+def _nope_layers(hf: dict, model_type: str) -> tuple[int, ...]:
+    """The layers without rotary embedding."""
+    if model_type not in NOPE_ARCHITECTURES:
+        return ()
+    return tuple(i for i, rotary in enumerate(_rotary_layer_flags(hf)[: hf["num_hidden_layers"]]) if not rotary)
+
+
 def _llama4_to_hf(config: ModelConfig) -> dict:
     n_layers = config.n_layers
     return {
@@ -339,7 +354,6 @@ def _llama4_to_hf(config: ModelConfig) -> dict:
         "num_local_experts": config.n_experts,
         "num_experts_per_tok": config.n_experts_per_tok,
         "moe_layers": [i for i in range(n_layers) if config.layer_is_moe(i)],
-        "no_rope_layers": [int(i not in config.nope_layers) for i in range(n_layers)],
         "attention_chunk_size": config.attention_chunk_size,
         "layer_types": [
             "chunked_attention" if i in config.chunked_layers else "full_attention" for i in range(n_layers)
@@ -359,10 +373,13 @@ def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     """The layers that attend over a sliding window, as transformers decides them: `layer_types` where
     written; else gpt-oss and Gemma 2 every other layer, Gemma 3 five of six (`sliding_window_pattern`),
     Mistral, Mixtral and Phi-3 every layer, Qwen and dots.llm1 the layers from `max_window_layers` on (Qwen only
-    with `use_sliding_window`). None without a window."""
+    with `use_sliding_window`), SmolLM3 its layers without rotary embedding (with `use_sliding_window`). None
+    without a window."""
     n_layers = hf["num_hidden_layers"]
     if not hf.get("sliding_window"):
         return ()
+    if model_type == "smollm3" and hf.get("layer_types") is None:  # by default on the layers without rotary embedding
+        return _nope_layers(hf, model_type) if hf.get("use_sliding_window") else ()
     types = hf.get("layer_types")
     every = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": hf.get("sliding_window_pattern", 6)}.get(model_type)
     if types is None and every:
@@ -506,7 +523,11 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
-    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", "olmo2"):
+    if config.arch in NOPE_ARCHITECTURES:
+        hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
+    if config.arch == "smollm3":
+        hf["use_sliding_window"] = bool(config.sliding_layers)
+    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", "olmo2", "smollm3"):
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
     windowed = config.sliding_layers

@@ -575,6 +575,12 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo-2-7b": _olmo2(4096, 32, 32, 32, 11008),
     "olmo-2-13b": _olmo2(5120, 40, 40, 40, 13824),
     "olmo-2-32b": _olmo2(5120, 64, 40, 8, 27648),
+    # SmolLM3 (Hugging Face, 2025): Llama's block, every fourth layer without rotary embedding
+    "smollm3-3b": ModelConfig(
+        "smollm3", 128256, 2048, 36, 16, 4, 11008, max_seq_len=65536, rope_theta=5_000_000.0, rms_eps=1e-6,
+        tie_embeddings=True, bos_token_id=128000, eos_token_id=128012, pad_token_id=128004,
+        nope_layers=tuple(range(3, 36, 4)),
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # the text models of Llama 4's image-text checkpoints
@@ -680,6 +686,10 @@ PRESETS["tiny-llama4"] = _llama4(
     eos_token_id=2, pad_token_id=0,
     rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16},
+)
+PRESETS["tiny-smollm3"] = ModelConfig(
+    "smollm3", 256, 64, 4, 4, 2, 160, max_seq_len=256, rms_eps=1e-6, tie_embeddings=True, nope_layers=(1, 3),
+    sliding_window=5, sliding_layers=(1, 3),
 )
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
