@@ -1,9 +1,9 @@
-"""Gemma 2, Gemma 3, Phi-3/Phi-4, OLMo 2 and SmolLM3 train exactly like transformers: several optimizer steps of
-megatrain (fp32, micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM,
-Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM and SmolLM3ForCausalLM + torch.optim.AdamW on the same batches,
-with windows, soft caps, per-layer rotary bases, (1 + weight) norms, norms after the halves, partial rotary
-embedding and layers without it that bite; exports load in transformers with equal logits; published config forms
-parse to the presets."""
+"""Gemma 2, Gemma 3, Phi-3/Phi-4, OLMo 2 and 3 and SmolLM3 train exactly like transformers: several optimizer steps
+of megatrain (fp32, micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM,
+Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM and SmolLM3ForCausalLM + torch.optim.AdamW on
+the same batches, with windows, soft caps, per-layer rotary bases and scaling, (1 + weight) norms, norms after the
+halves, partial rotary embedding and layers without it that bite; exports load in transformers with equal logits;
+published config forms parse to the presets."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from hf_steps import hf_adamw, make_trainer, random_batch, reference_step, rel_e
 from megatrain.config import EngineSection
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
-PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2", "tiny-smollm3"]
+PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2", "tiny-olmo3", "tiny-smollm3"]
 
 
 def hf_dense_model(name: str, seed: int, **overrides):
@@ -85,6 +85,9 @@ def test_gpu_steps_match_transformers(name, tmp_path):
     check_steps_match_transformers(name, tmp_path, "cuda", 0.5)
 
 
+OLMO3_ROPE = config_to_hf(preset("tiny-olmo3"))["rope_parameters"]  # YaRN on full attention, a base of its own
+
+
 def test_caps_windows_and_rotary_parts_change_the_result():
     """The tiny presets' soft caps, windows and partial rotary embedding bite at the tests' scale: without
     them transformers' logits differ (so the steps above test them)."""
@@ -99,6 +102,9 @@ def test_caps_windows_and_rotary_parts_change_the_result():
         ("tiny-phi3", {"sliding_window": 64}),
         ("tiny-smollm3", {"no_rope_layers": [1] * 4}),
         ("tiny-smollm3", {"sliding_window": 64}),
+        ("tiny-olmo3", {"sliding_window": 64}),
+        ("tiny-olmo3", {"rope_parameters": {**OLMO3_ROPE, "full_attention": OLMO3_ROPE["sliding_attention"]}}),
+        ("tiny-olmo3", {"rope_parameters": {**OLMO3_ROPE, "sliding_attention": OLMO3_ROPE["full_attention"]}}),
     ]:
         model = hf_dense_model(name, 3).eval()
         changed = hf_dense_model(name, 3, **changes).eval()
@@ -241,10 +247,48 @@ SMOLLM3_3B = {
 }
 
 
-def test_smollm3_published_config_parses_to_the_preset():
-    assert config_from_hf(SMOLLM3_3B) == preset("smollm3-3b")
-    assert config_from_hf(transformers.AutoConfig.for_model(**SMOLLM3_3B).to_dict()) == preset("smollm3-3b")
-    assert round(preset("smollm3-3b").n_params / 1e9, 2) == 3.08
+# OLMo-3-7B's (YaRN in rope_scaling, for the full-attention layers only; no layer_types: three of four windowed)
+OLMO_3_7B = {
+    "architectures": ["Olmo3ForCausalLM"],
+    "model_type": "olmo3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "eos_token_id": 100257,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 65536,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "pad_token_id": 100277,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "attention_factor": 1.2079441541679836,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "yarn",
+    },
+    "rope_theta": 500000,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "vocab_size": 100278,
+}
+
+
+@pytest.mark.parametrize(
+    "published, name, billions",
+    [(SMOLLM3_3B, "smollm3-3b", 3.08), (OLMO_3_7B, "olmo-3-7b", 7.30)],
+    ids=["smollm3", "olmo3"],
+)
+def test_published_configs_of_layers_without_rotary_or_with_their_own_parse_to_the_presets(published, name, billions):
+    """SmolLM3's and OLMo 3's published config.json, and transformers' reading of them, parse to the presets."""
+    assert config_from_hf(published) == preset(name)
+    assert config_from_hf(transformers.AutoConfig.for_model(**published).to_dict()) == preset(name)
+    assert round(preset(name).n_params / 1e9, 2) == billions
 
 
 def test_unsupported_settings_are_refused():

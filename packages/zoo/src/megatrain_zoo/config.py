@@ -12,7 +12,11 @@ from dataclasses import asdict, dataclass, field, replace
 # Gemma 2 and 3: (1 + weight) RMSNorms before and after both halves of a block, a GELU-gated MLP, embeddings
 # scaled by sqrt(d_model), attention scaled by query_pre_attn_scalar, soft caps (Gemma 2), windowed layers
 GEMMA = ("gemma2", "gemma3_text")
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3", "olmo2", "smollm3")
+# OLMo 2 and 3: norms on the attention's and the MLP's outputs, q/k normed over all heads, weights applied in fp32
+OLMO = ("olmo2", "olmo3")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3", *OLMO, "smollm3")
+# families whose sliding-window layers have their own rotary base, never scaled (`rope_local_theta`)
+LOCAL_ROPE_ARCHITECTURES = ("gemma3_text", "olmo3")
 # families with layers that have no rotary embedding (every fourth, by default)
 NOPE_ARCHITECTURES = ("llama4_text", "smollm3")
 MOE_ARCHITECTURES = (
@@ -190,10 +194,12 @@ class ModelConfig:
                 f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
                 f"{self.head_dim}: it must be an even number of them, at least two"
             )
-        gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta")
+        gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
         set_here = [name for name in gemma_only if getattr(self, name) is not None]
         if set_here and self.arch not in GEMMA:
             raise ZooError(f"{set_here} are Gemma's ({GEMMA}); {self.arch} has none of them: leave them unset")
+        if self.rope_local_theta is not None and self.arch not in LOCAL_ROPE_ARCHITECTURES:
+            raise ZooError(f"rope_local_theta is {LOCAL_ROPE_ARCHITECTURES}'s; {self.arch} has none: leave it unset")
         activations = GEMMA_ACTIVATIONS if self.arch in GEMMA else ("silu",)
         if self.activation not in activations:
             raise ZooError(f"{self.arch}'s activation must be one of {activations}, got {self.activation!r}")
@@ -259,13 +265,13 @@ class ModelConfig:
     def norm_scale(self) -> str:
         """How the norms apply their weights (the templates' NORM_SCALES): Gemma's 1 + weight and OLMo 2's weight
         in fp32 before the cast back, Llama's after it."""
-        return {"olmo2": "fp32"}.get(self.arch, "one_plus_fp32" if self.gemma else "cast_first")
+        return "fp32" if self.arch in OLMO else "one_plus_fp32" if self.gemma else "cast_first"
 
     @property
     def norm_placement(self) -> str:
         """Where the block's norms are (the templates' NORM_PLACEMENTS): before attention and MLP, also on their
         outputs (Gemma), or on their outputs only (OLMo 2)."""
-        return "sandwich" if self.gemma else "post" if self.arch == "olmo2" else "pre"
+        return "sandwich" if self.gemma else "post" if self.arch in OLMO else "pre"
 
     @property
     def router_bias(self) -> bool:

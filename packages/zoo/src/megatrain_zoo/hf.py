@@ -3,7 +3,16 @@
 import json
 from pathlib import Path
 
-from .config import ERNIE, GEMMA, NOPE_ARCHITECTURES, ModelConfig, ZooError, windowed_but_every
+from .config import (
+    ERNIE,
+    GEMMA,
+    LOCAL_ROPE_ARCHITECTURES,
+    NOPE_ARCHITECTURES,
+    OLMO,
+    ModelConfig,
+    ZooError,
+    windowed_but_every,
+)
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -26,6 +35,7 @@ _HF_CLASSES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
 }
@@ -127,7 +137,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         *_LATENT_ATTENTION,
         *GEMMA,
         "phi3",
-        "olmo2",
+        *OLMO,
         "llama4_text",
         "smollm3",
     )
@@ -142,8 +152,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
     rope = dict(hf.get("rope_parameters") or {})
     gemma = _gemma_from_hf(hf, model_type)
-    if model_type == "gemma3_text":
-        rope, gemma["rope_local_theta"] = _gemma3_rope(hf, rope)
+    local_theta = None
+    if model_type in LOCAL_ROPE_ARCHITECTURES:
+        rope, local_theta = _rope_per_layer_type(hf, rope, model_type)
     theta = hf.get("rope_theta") or rope.get("rope_theta") or (500000.0 if model_type in ERNIE else 10000.0)
     partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
@@ -179,10 +190,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
         or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", "olmo2")
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", *OLMO)
         or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
         partial_rotary_factor=partial_rotary,
-        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2", "olmo2") else "head",
+        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2", *OLMO) else "head",
         clip_qkv=hf.get("clip_qkv"),
         sliding_window=hf["sliding_window"] if sliding_layers else None,
         sliding_layers=sliding_layers,
@@ -195,6 +206,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         **_latent_attention_from_hf(hf, model_type),
         **_llama4_from_hf(hf, model_type),
         nope_layers=_nope_layers(hf, model_type),
+        rope_local_theta=local_theta,
         **gemma,
     )
 
@@ -224,16 +236,20 @@ def _int_if_whole(value: float) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
-def _gemma3_rope(hf: dict, rope: dict) -> tuple[dict, float]:
-    """Gemma 3's two rotary settings: (the full-attention layers' rope_theta and rope_scaling, the sliding
-    layers' base, rope_local_base_freq, never scaled); transformers >= 5 writes rope_parameters per layer type."""
+def _rope_per_layer_type(hf: dict, rope: dict, model_type: str) -> tuple[dict, float]:
+    """Gemma 3's and OLMo 3's two rotary settings: (the full-attention layers' rope_theta and rope_scaling, the
+    sliding layers' base, never scaled); transformers >= 5 writes rope_parameters per layer type. Unwritten, the
+    sliding layers' base is Gemma 3's rope_local_base_freq, and OLMo 3's transformers default (500000: its
+    config gives a published rope_theta to the full-attention layers only)."""
     by_layer_type = rope if {"full_attention", "sliding_attention"} & set(rope) else {}
-    full = {"rope_theta": hf.get("rope_theta") or 1_000_000.0, **(by_layer_type.get("full_attention") or {})}
+    default_theta = 1_000_000.0 if model_type == "gemma3_text" else 500_000.0
+    full = {"rope_theta": hf.get("rope_theta") or default_theta, **(by_layer_type.get("full_attention") or {})}
     full.update(hf.get("rope_scaling") or {})
     local = by_layer_type.get("sliding_attention") or {}
     if local.get("rope_type", local.get("type", "default")) != "default":
-        raise ZooError(f"gemma3_text with rotary scaling {local} on its sliding-window layers is not supported")
-    return full, float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+        raise ZooError(f"{model_type} with rotary scaling {local} on its sliding-window layers is not supported")
+    local_default = hf.get("rope_local_base_freq", 10_000.0) if model_type == "gemma3_text" else 500_000.0
+    return full, float(local.get("rope_theta", local_default))
 
 
 def _check_quantization(quantization: dict | None, model_type: str) -> None:
@@ -381,7 +397,7 @@ def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     if model_type == "smollm3" and hf.get("layer_types") is None:  # by default on the layers without rotary embedding
         return _nope_layers(hf, model_type) if hf.get("use_sliding_window") else ()
     types = hf.get("layer_types")
-    every = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": hf.get("sliding_window_pattern", 6)}.get(model_type)
+    every = {"gpt_oss": 2, "gemma2": 2, "gemma3_text": hf.get("sliding_window_pattern", 6), "olmo3": 4}.get(model_type)
     if types is None and every:
         return windowed_but_every(n_layers, every)
     if types is not None:
@@ -527,7 +543,7 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
     if config.arch == "smollm3":
         hf["use_sliding_window"] = bool(config.sliding_layers)
-    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", "olmo2", "smollm3"):
+    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *OLMO, "smollm3"):
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
     windowed = config.sliding_layers
@@ -550,8 +566,12 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     if config.arch == "phi3":
         original = (config.rope_scaling or {}).get("original_max_position_embeddings", config.max_seq_len)
         hf.update(partial_rotary_factor=config.partial_rotary_factor, original_max_position_embeddings=original)
-    if config.rope_local_theta is not None:  # read by transformers 4 and 5 alike (5 folds it into rope_parameters)
+    if config.arch == "gemma3_text":  # read by transformers 4 and 5 alike (5 folds it into rope_parameters)
         hf["rope_local_base_freq"] = config.rope_local_theta
+    if config.arch == "olmo3":  # each layer type's own: transformers' reading of rope_theta alone gives it one
+        full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+        local = {"rope_type": "default", "rope_theta": config.rope_local_theta}
+        hf.update(rope_scaling=None, rope_parameters={"full_attention": full, "sliding_attention": local})
     if config.arch in ERNIE:  # (biases on every projection, the MLP's too, where true)
         hf["use_bias"] = False
     if config.arch == "ernie4_5_moe":

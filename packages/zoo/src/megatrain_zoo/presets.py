@@ -220,6 +220,19 @@ def _olmo2(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int
     return ModelConfig("olmo2", 100352, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**common, **changes})
 
 
+def _olmo3(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_ff: int) -> ModelConfig:
+    """OLMo 3 (Ai2, 2025): OLMo 2's block, three of four layers attending over a 4096-token window with the
+    plain rotary embedding, YaRN (8x) on the fourth, to 65k positions."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+            "beta_slow": 1.0, "attention_factor": 1.2079441541679836}
+    return ModelConfig(
+        "olmo3", 100278, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_seq_len=65536, rope_theta=500000.0,
+        rope_scaling=yarn, rope_local_theta=500000.0, rms_eps=1e-6, qk_norm=True, qk_norm_scope="full",
+        sliding_window=4096, sliding_layers=windowed_but_every(n_layers, 4), eos_token_id=100257,
+        pad_token_id=100277,
+    )
+
+
 def _gpt_oss(n_layers: int, n_experts: int) -> ModelConfig:
     """gpt-oss (OpenAI, 2025): alternating 128-token sliding-window and full attention with sinks,
     YaRN to 131k positions, 4 of n_experts clamped-SwiGLU experts per token (published in MXFP4)."""
@@ -575,6 +588,8 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo-2-7b": _olmo2(4096, 32, 32, 32, 11008),
     "olmo-2-13b": _olmo2(5120, 40, 40, 40, 13824),
     "olmo-2-32b": _olmo2(5120, 64, 40, 8, 27648),
+    "olmo-3-7b": _olmo3(4096, 32, 32, 32, 11008),
+    "olmo-3-32b": _olmo3(5120, 64, 40, 8, 27648),
     # SmolLM3 (Hugging Face, 2025): Llama's block, every fourth layer without rotary embedding
     "smollm3-3b": ModelConfig(
         "smollm3", 128256, 2048, 36, 16, 4, 11008, max_seq_len=65536, rope_theta=5_000_000.0, rms_eps=1e-6,
@@ -686,6 +701,12 @@ PRESETS["tiny-llama4"] = _llama4(
     eos_token_id=2, pad_token_id=0,
     rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16},
+)
+PRESETS["tiny-olmo3"] = ModelConfig(
+    "olmo3", 256, 64, 4, 4, 2, 160, max_seq_len=256, rope_theta=10_000.0, rope_local_theta=1_000.0, rms_eps=1e-6,
+    qk_norm=True, qk_norm_scope="full", sliding_window=5, sliding_layers=(0, 1, 2),
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "attention_factor": 1.1},
 )
 PRESETS["tiny-smollm3"] = ModelConfig(
     "smollm3", 256, 64, 4, 4, 2, 160, max_seq_len=256, rms_eps=1e-6, tie_embeddings=True, nope_layers=(1, 3),
