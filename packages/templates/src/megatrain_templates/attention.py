@@ -147,9 +147,9 @@ def masked_attention(
     [n_heads] that join each softmax's denominator without contributing a value (gpt-oss), scores
     soft-capped to (-softcap, softcap) by softcap * tanh(score / softcap) after scaling (Gemma 2).
     Shapes, `documents` and `scale` as `causal_attention`. On CUDA: FlexAttention (only the blocks
-    inside the window or chunk are visited), the cap
-    as its score modification and the sinks folded in through its log-sum-exp; elsewhere written out
-    (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
+    inside the window or chunk are visited), the cap as its score modification and the sinks folded
+    in through its log-sum-exp; elsewhere written out (scores materialised, [batch, n_heads, seq, seq])
+    as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
     if q.is_cuda and q.dtype in _FLEX_DTYPES:

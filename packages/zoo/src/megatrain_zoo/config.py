@@ -118,10 +118,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rope_local_theta: float | None = None
     # Llama 4 (SmolLM3: nope_layers only): layers without the rotary embedding ("NoPE": every fourth), whose
-    # queries are scaled by
-    # log(floor((position + 1) / attn_temperature_floor_scale) + 1) * attn_temperature_scale + 1 (floor scale 0:
-    # not at all); the others attend within chunks of `attention_chunk_size` positions (`chunked_layers`) and,
-    # with `qk_rms_normalized`, RMS-norm their queries and keys with no weight after the rotary embedding
+    # queries are scaled by log(floor((position + 1) / attn_temperature_floor_scale) + 1) *
+    # attn_temperature_scale + 1 (floor scale 0: not at all); the others attend within chunks of
+    # `attention_chunk_size` positions (`chunked_layers`) and, with `qk_rms_normalized`, RMS-norm their queries
+    # and keys with no weight after the rotary embedding
     nope_layers: tuple[int, ...] = ()
     attention_chunk_size: int | None = None
     chunked_layers: tuple[int, ...] = ()
@@ -146,7 +146,9 @@ class ModelConfig:
         if self.arch != "llama4_text" and any(getattr(self, name) for name in llama4_only):
             raise ZooError(f"{llama4_only} are Llama 4's; {self.arch} has none of them: leave them unset")
         if self.nope_layers and self.arch not in NOPE_ARCHITECTURES:
-            raise ZooError(f"nope_layers (layers without rotary embedding) are {NOPE_ARCHITECTURES}'; leave them unset")
+            raise ZooError(
+                f"nope_layers (layers without rotary embedding) are only {NOPE_ARCHITECTURES}': leave them unset"
+            )
         if self.arch == "llama4_text" and self.shared_expert_d_ff != self.moe_d_ff:
             raise ZooError(
                 f"Llama 4's shared expert is as wide as its routed ones (intermediate_size): shared_expert_d_ff "
@@ -263,14 +265,14 @@ class ModelConfig:
 
     @property
     def norm_scale(self) -> str:
-        """How the norms apply their weights (the templates' NORM_SCALES): Gemma's 1 + weight and OLMo 2's weight
+        """How the norms apply their weights (the templates' NORM_SCALES): Gemma's 1 + weight and OLMo's weight
         in fp32 before the cast back, Llama's after it."""
         return "fp32" if self.arch in OLMO else "one_plus_fp32" if self.gemma else "cast_first"
 
     @property
     def norm_placement(self) -> str:
         """Where the block's norms are (the templates' NORM_PLACEMENTS): before attention and MLP, also on their
-        outputs (Gemma), or on their outputs only (OLMo 2)."""
+        outputs (Gemma), or on their outputs only (OLMo)."""
         return "sandwich" if self.gemma else "post" if self.arch in OLMO else "pre"
 
     @property
