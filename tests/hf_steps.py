@@ -87,3 +87,27 @@ def reference_step(model, optimizer, train, step: int, grad_clip: float, extra_l
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     optimizer.step()
     return out, loss, norm
+
+
+def check_text_model_trains_and_exports_alone(hf_dir, tmp_path, capfd, name, expected_logits, ids, text_class):
+    """An image-text checkpoint in `hf_dir` whose text model is preset `name`: megatrain reads the text model and
+    says it leaves the rest out, computes `expected_logits` on `ids`, and exports a `text_class` (as does
+    `megatrain convert`) with the same logits."""
+    import transformers
+
+    from megatrain.cli import main
+    from megatrain_zoo import preset
+
+    trainer, _ = make_trainer(hf_dir, tmp_path, 0.0, steps=1)
+    assert "leaving out" in capfd.readouterr().err
+    assert trainer.model_config == preset(name).with_changes(initializer_range=trainer.model_config.initializer_range)
+    assert rel_err(trainer.logits(ids), expected_logits) < 1e-5
+    exported = trainer.export(tmp_path / "out")
+    trainer.close()
+    converted = tmp_path / "converted"
+    assert main(["convert", str(hf_dir), str(converted), "--dtype", "float32"]) == 0
+    for directory in (exported, converted):
+        text_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        assert type(text_model).__name__ == text_class
+        with torch.no_grad():
+            assert rel_err(text_model(ids).logits, expected_logits) < 1e-5

@@ -8,7 +8,14 @@ published config forms parse to the presets."""
 import pytest
 import torch
 import transformers  # installed by the integration nox session
-from hf_steps import hf_adamw, make_trainer, random_batch, reference_step, rel_err
+from hf_steps import (
+    check_text_model_trains_and_exports_alone,
+    hf_adamw,
+    make_trainer,
+    random_batch,
+    reference_step,
+    rel_err,
+)
 
 from megatrain.config import EngineSection
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
@@ -312,8 +319,6 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(layout,
     image-text model on text, and exports a Gemma3ForCausalLM; `megatrain convert` writes the same text model."""
     from safetensors.torch import load_file, save_file
 
-    from megatrain.cli import main
-
     text = config_to_hf(preset("tiny-gemma3"))
     vision = dict(
         model_type="siglip_vision_model",
@@ -343,24 +348,12 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(layout,
     assert any(name.startswith("vision_tower.") for name in renamed)
     save_file(renamed, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
 
-    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
-    assert "leaving out" in capfd.readouterr().err
-    assert trainer.model_config == preset("tiny-gemma3").with_changes(
-        initializer_range=trainer.model_config.initializer_range
-    )
     ids = torch.randint(0, 250, (2, 12))
     with torch.no_grad():
         expected = image_text(input_ids=ids).logits
-    assert rel_err(trainer.logits(ids), expected) < 1e-5
-    exported = trainer.export(tmp_path / "out")
-    trainer.close()
-    for directory in (exported, tmp_path / "converted"):
-        if directory != exported:
-            assert main(["convert", str(tmp_path / "hf"), str(directory), "--dtype", "float32"]) == 0
-        text_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        assert type(text_model).__name__ == "Gemma3ForCausalLM"
-        with torch.no_grad():
-            assert rel_err(text_model(ids).logits, expected) < 1e-5
+    check_text_model_trains_and_exports_alone(
+        tmp_path / "hf", tmp_path, capfd, "tiny-gemma3", expected, ids, "Gemma3ForCausalLM"
+    )
 
 
 @pytest.mark.parametrize("original_context", [8, 16], ids=["long-factors", "short-factors"])

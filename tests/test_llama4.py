@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers  # installed by the integration nox session
-from hf_steps import make_trainer, rel_err
+from hf_steps import check_text_model_trains_and_exports_alone, rel_err
 from test_dense_families import check_steps_match_transformers, hf_dense_model
 
 from megatrain.config import EngineSection
@@ -161,8 +161,6 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(tmp_pat
     convert` writes the same text model."""
     from safetensors.torch import save_file
 
-    from megatrain.cli import main
-
     text_model = hf_dense_model("tiny-llama4", 5).eval()
     tensors = {f"language_model.{name}": param.detach().clone() for name, param in text_model.named_parameters()}
     tensors["vision_model.patch_embedding.linear.weight"] = torch.randn(16, 12)
@@ -177,46 +175,9 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(tmp_pat
     }
     (tmp_path / "hf" / "config.json").write_text(json.dumps(image_text))
 
-    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
-    assert "leaving out" in capfd.readouterr().err
-    assert trainer.model_config == preset("tiny-llama4").with_changes(
-        initializer_range=trainer.model_config.initializer_range
-    )
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         expected = text_model(ids).logits
-    assert rel_err(trainer.logits(ids), expected) < 1e-5
-    exported = trainer.export(tmp_path / "out")
-    trainer.close()
-    for directory in (exported, tmp_path / "converted"):
-        if directory != exported:
-            assert main(["convert", str(tmp_path / "hf"), str(directory), "--dtype", "float32"]) == 0
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        assert type(reloaded).__name__ == "Llama4ForCausalLM"
-        with torch.no_grad():
-            assert rel_err(reloaded(ids).logits, expected) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True])
-def test_gpu_flex_attention_in_chunks_equals_eager(packed):
-    """Chunked attention on CUDA (FlexAttention, chunks by each document's positions) equals the written-out
-    attention on the CPU, forward and backward, fp32, with and without packed documents."""
-    from megatrain_templates import Documents
-    from megatrain_templates.attention import masked_attention
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    generator = torch.Generator().manual_seed(11)
-    q = torch.randn(2, 4, 40, 16, generator=generator)
-    k, v = torch.randn(2, 2, 40, 16, generator=generator), torch.randn(2, 2, 40, 16, generator=generator)
-    grad_out = torch.randn(2, 4, 40, 16, generator=generator)
-    positions = torch.cat([torch.arange(17), torch.arange(23)]).expand(2, -1) if packed else None
-    results = []
-    for device in ("cpu", "cuda"):
-        inputs = [t.detach().to(device).requires_grad_(True) for t in (q, k, v)]
-        documents = None if positions is None else Documents(positions.to(device))
-        out = masked_attention(*inputs, documents=documents, chunk=6)
-        out.backward(grad_out.to(device))
-        results.append([out.detach().cpu()] + [t.grad.cpu() for t in inputs])
-    for ours, reference in zip(results[1], results[0]):
-        assert rel_err(ours, reference) < 1e-5
+    check_text_model_trains_and_exports_alone(
+        tmp_path / "hf", tmp_path, capfd, "tiny-llama4", expected, ids, "Llama4ForCausalLM"
+    )

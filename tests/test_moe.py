@@ -626,10 +626,12 @@ def test_fp8_tiles_that_overhang_the_matrix_scale_what_they_cover():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunked", [False, True], ids=["sinks-and-window", "chunks"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
-    """gpt-oss' attention on CUDA (FlexAttention, sinks through its log-sum-exp) equals the written-out
-    attention on the CPU, forward and backward, fp32, with and without packed documents."""
+def test_gpu_flex_attention_equals_eager(packed, chunked):
+    """gpt-oss' attention on CUDA (FlexAttention, sinks through its log-sum-exp), and Llama 4's chunked attention
+    (chunks by each document's positions), equal the written-out attention on the CPU, forward and backward,
+    fp32, with and without packed documents."""
     from megatrain_templates import Documents
     from megatrain_templates.attention import masked_attention
 
@@ -641,9 +643,12 @@ def test_gpu_flex_attention_with_sinks_and_window_equals_eager(packed):
     positions = torch.cat([torch.arange(17), torch.arange(23)]).expand(2, -1) if packed else None
     results = []
     for device in ("cpu", "cuda"):
-        inputs = [t.detach().to(device).requires_grad_(True) for t in (q, k, v, sinks)]
+        inputs = [t.detach().to(device).requires_grad_(True) for t in (q, k, v) + (() if chunked else (sinks,))]
         documents = None if positions is None else Documents(positions.to(device))
-        out = masked_attention(*inputs[:3], inputs[3], 5, documents)
+        if chunked:
+            out = masked_attention(*inputs, documents=documents, chunk=6)
+        else:
+            out = masked_attention(*inputs, window=5, documents=documents)
         out.backward(grad_out.to(device))
         results.append([out.detach().cpu()] + [t.grad.cpu() for t in inputs])
     for ours, reference in zip(results[1], results[0]):
