@@ -89,18 +89,17 @@ def reference_step(model, optimizer, train, step: int, grad_clip: float, extra_l
     return out, loss, norm
 
 
-def check_text_model_trains_and_exports_alone(hf_dir, tmp_path, capfd, name, expected_logits, ids, text_class):
-    """An image-text checkpoint in `hf_dir` whose text model is preset `name`: megatrain reads the text model and
-    says it leaves the rest out, computes `expected_logits` on `ids`, and exports a `text_class` (as does
-    `megatrain convert`) with the same logits."""
+def check_text_model_trains_and_exports_alone(hf_dir, tmp_path, capfd, config, expected_logits, ids, text_class):
+    """An image-text checkpoint in `hf_dir` whose text model is `config`: megatrain reads the text model and says
+    it leaves the rest out, computes `expected_logits` on `ids`, and exports a `text_class` (as does `megatrain
+    convert`) with the same logits."""
     import transformers
 
     from megatrain.cli import main
-    from megatrain_zoo import preset
 
     trainer, _ = make_trainer(hf_dir, tmp_path, 0.0, steps=1)
     assert "leaving out" in capfd.readouterr().err
-    assert trainer.model_config == preset(name).with_changes(initializer_range=trainer.model_config.initializer_range)
+    assert trainer.model_config == config.with_changes(initializer_range=trainer.model_config.initializer_range)
     assert rel_err(trainer.logits(ids), expected_logits) < 1e-5
     exported = trainer.export(tmp_path / "out")
     trainer.close()

@@ -5,6 +5,8 @@ the same batches, with windows, soft caps, per-layer rotary bases and scaling, (
 halves, partial rotary embedding and layers without it that bite; exports load in transformers with equal logits;
 published config forms parse to the presets."""
 
+import json
+
 import pytest
 import torch
 import transformers  # installed by the integration nox session
@@ -352,7 +354,34 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(layout,
     with torch.no_grad():
         expected = image_text(input_ids=ids).logits
     check_text_model_trains_and_exports_alone(
-        tmp_path / "hf", tmp_path, capfd, "tiny-gemma3", expected, ids, "Gemma3ForCausalLM"
+        tmp_path / "hf", tmp_path, capfd, preset("tiny-gemma3"), expected, ids, "Gemma3ForCausalLM"
+    )
+
+
+def test_text_model_of_mistral_small_3_image_text_checkpoint_trains_and_exports_alone(tmp_path, capfd):
+    """Mistral Small 3.1/3.2 (and Magistral, Devstral Small) are published as image-text models
+    (Mistral3ForConditionalGeneration, a Mistral text model): megatrain reads its text model (text_config;
+    `language_model.model.*`, `language_model.lm_head.weight`), leaves the vision tower and projector out, and
+    exports a MistralForCausalLM."""
+    from safetensors.torch import save_file
+
+    config = preset("tiny-llama").with_changes(arch="mistral", head_dim=32)
+    text_config = config_to_hf(config)
+    torch.manual_seed(9)
+    text_model = transformers.MistralForCausalLM(transformers.MistralConfig(**text_config)).eval()
+    tensors = {f"language_model.{name}": param.detach().clone() for name, param in text_model.named_parameters()}
+    tensors["vision_tower.patch_conv.weight"] = torch.randn(16, 3, 4, 4)
+    tensors["multi_modal_projector.linear_1.weight"] = torch.randn(64, 16)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    image_text = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3"}
+    image_text["text_config"] = {k: v for k, v in text_config.items() if k not in ("architectures", "model_type")}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(image_text))
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        expected = text_model(ids).logits
+    check_text_model_trains_and_exports_alone(
+        tmp_path / "hf", tmp_path, capfd, config, expected, ids, "MistralForCausalLM"
     )
 
 

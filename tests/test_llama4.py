@@ -179,5 +179,5 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(tmp_pat
     with torch.no_grad():
         expected = text_model(ids).logits
     check_text_model_trains_and_exports_alone(
-        tmp_path / "hf", tmp_path, capfd, "tiny-llama4", expected, ids, "Llama4ForCausalLM"
+        tmp_path / "hf", tmp_path, capfd, preset("tiny-llama4"), expected, ids, "Llama4ForCausalLM"
     )

@@ -91,8 +91,9 @@ _DEFAULTS = {
         "attn_scale": 0.1,
     },
 }
-# image-text model_types whose text model trains (and exports) alone
-_TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+# image-text model_types whose text model trains (and exports) alone, with its model_type where text_config
+# does not say (Mistral Small 3.1/3.2, Magistral, Devstral: Mistral3ForConditionalGeneration)
+_TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llama4": "llama4_text", "mistral3": "mistral"}
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
@@ -116,7 +117,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
     if hf.get("model_type") in _TEXT_MODEL_OF:  # an image-text model: its text model trains (and exports) alone
         outer = {k: hf[k] for k in ("quantization_config",) if k in hf}  # (written beside text_config)
-        hf = {**outer, **hf.get("text_config", {}), "model_type": _TEXT_MODEL_OF[hf["model_type"]]}
+        text = hf.get("text_config") or {}
+        hf = {**outer, **text, "model_type": text.get("model_type") or _TEXT_MODEL_OF[hf["model_type"]]}
     model_type = _SAME_AS.get(hf.get("model_type"), hf.get("model_type"))
     hf = {**_DEFAULTS.get(model_type, {}), **hf}
     if model_type not in _HF_CLASSES:

@@ -65,7 +65,8 @@ class ModelSpec:
         """What tensor `name` of a published checkpoint belongs to when it is a part the causal language model
         does not have (so transformers' *ForCausalLM leaves it out too), else None: multi-token-prediction
         modules (DeepSeek-V3's and GLM-4.5's, published as layers past the last; ERNIE 4.5's, named `mtp`),
-        Gemma 3's vision tower and projector (its image-text checkpoints hold the text model trained here)."""
+        the vision towers and projectors of Gemma 3's, Mistral Small 3's and Llama 4's image-text checkpoints
+        (which hold the text model trained here)."""
         arch = self.config.arch
         if arch == "ernie4_5_moe" and "mtp" in name:
             return "multi-token-prediction modules"
@@ -92,9 +93,9 @@ class ModelSpec:
 
     def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
         """Other names files may give tensor `name`: transformers >= 5's in memory (Mixtral's block_sparse_moe
-        is mlp there); image-text checkpoints' for their text model (Gemma 3's and Llama 4's
-        `language_model.model.*` and `language_model.lm_head.weight` as published, Gemma 3's
-        `model.language_model.*` as transformers 4.52 and later write them)."""
+        is mlp there); image-text checkpoints' for their text model (Gemma 3's, Mistral Small 3's and Llama 4's
+        `language_model.model.*` and `language_model.lm_head.weight` as published, `model.language_model.*` as
+        transformers 4.52 and later write them)."""
         if self.config.arch in _VISION_PARTS and name.startswith(("model.", "lm_head.")):
             inside = ("model.language_model." + name.removeprefix("model."),) if name.startswith("model.") else ()
             return ("language_model." + name, *inside)
@@ -172,8 +173,10 @@ def _mla_shape(config: ModelConfig) -> MlaShape | None:
 
 
 # the parts of image-text checkpoints beside their text model, in every layout transformers has written
+_LLAVA_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _VISION_PARTS = {
-    "gemma3_text": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    "gemma3_text": _LLAVA_VISION,
+    "mistral": _LLAVA_VISION,  # Mistral Small 3.1 and later
     "llama4_text": ("vision_model.", "multi_modal_projector."),
 }
 
