@@ -444,3 +444,23 @@ def test_packed_documents_equal_separate_rows(moe, llama4):
         assert rel_err(grad_in[:, start : start + n], doc_grad_in) < 1e-12
         start += n
     assert rel_err(packed_grads[0], separate_grads[0]) < 1e-12
+
+
+@pytest.mark.parametrize("seq", [24, 26], ids=["whole-chunks", "a-shorter-last-chunk"])
+def test_chunks_as_rows_equal_the_masked_attention(seq):
+    """float64: Llama 4's chunked attention with the chunks made rows of their own for the fused kernel equals
+    the written-out attention under the chunk mask, forward and backward, with grouped queries."""
+    from megatrain_templates.attention import chunked_causal_attention, masked_attention
+
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    shapes = [(2, 4, seq, 8), (2, 2, seq, 8), (2, 2, seq, 8)]
+    q, k, v = (torch.randn(*shape, dtype=torch.float64, generator=generator) for shape in shapes)
+    grad_out = torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=generator)
+    results = []
+    for attend in (lambda *t: chunked_causal_attention(*t, 6), lambda *t: masked_attention(*t, chunk=6)):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = attend(*inputs)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12

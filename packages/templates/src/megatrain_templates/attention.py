@@ -130,6 +130,28 @@ def causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=gqa, scale=scale)
 
 
+def chunked_causal_attention(q: Tensor, k: Tensor, v: Tensor, chunk: int, scale: float | None = None) -> Tensor:
+    """Causal attention within chunks of `chunk` positions (Llama 4) of rows that are one sequence each; shapes
+    and `scale` as `causal_attention`. The chunks are independent sequences, so they become rows of their own
+    for the fused kernel, with no mask (a FlexAttention mask's first compilation at a 16k-token row took
+    minutes); a last, shorter chunk is one more call."""
+    batch, _, seq, _ = q.shape
+    n_chunks = seq // chunk
+    whole = n_chunks * chunk
+    gqa = q.shape[1] != k.shape[1]
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+
+    def as_rows(t: Tensor) -> Tensor:  # [batch, heads, whole, dim] -> [batch * n_chunks, heads, chunk, dim]
+        return t[:, :, :whole].unflatten(2, (n_chunks, chunk)).transpose(1, 2).flatten(0, 1)
+
+    out = attend(as_rows(q), as_rows(k), as_rows(v)).unflatten(0, (batch, n_chunks)).transpose(1, 2).flatten(2, 3)
+    if whole == seq:
+        return out
+    return torch.cat([out, attend(q[:, :, whole:], k[:, :, whole:], v[:, :, whole:])], dim=2)
+
+
 def masked_attention(
     q: Tensor,
     k: Tensor,

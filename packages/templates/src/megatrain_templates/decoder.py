@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import Documents, causal_attention, masked_attention, packed_documents, token_positions
+from .attention import (
+    Documents,
+    causal_attention,
+    chunked_causal_attention,
+    masked_attention,
+    packed_documents,
+    token_positions,
+)
 from .layout import (
     BoundWeight,
     ParamSpec,
@@ -338,8 +345,12 @@ class DecoderBlock:
         # 4096 window, Llama 4's 8192 chunks)
         window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
         chunk = s.attention_chunk if s.attention_chunk is not None and s.attention_chunk < seq else None
-        if s.sinks or window is not None or s.attn_softcap is not None or chunk is not None:
+        # chunks of rows holding one sequence each are rows of their own for the fused kernel; of packed rows
+        # (chunks by each document's positions) a mask's work, as are sinks, windows and caps
+        if s.sinks or window is not None or s.attn_softcap is not None or (chunk and documents is not None):
             attn = masked_attention(q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap, chunk)
+        elif chunk is not None:
+            attn = chunked_causal_attention(q, k, v, chunk, s.softmax_scale)
         else:
             attn = causal_attention(q, k, v, documents, s.softmax_scale)
         out = linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"], w.get("o_bias"))
