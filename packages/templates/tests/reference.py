@@ -122,6 +122,87 @@ class RefPostNormBlock(RefBlock):
         return x + self.post_feedforward_layernorm(self.feed_forward(x))
 
 
+class RefGatedAttentionBlock(RefBlock):
+    """Qwen3-Next's and Qwen3.5's softmax-attention layers: (1 + weight) norms (the per-head q/k norms too), and
+    attention's output times sigmoid(gate) before o_proj, the gate each query head's second half of q_proj."""
+
+    def __init__(self, d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq):
+        super().__init__(d, n_heads, n_kv, head_dim, d_ff, eps, inv_freq, qk_norm=True)
+        self.self_attn.q_proj = nn.Linear(d, 2 * n_heads * head_dim, bias=False)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(self, name, GemmaRMSNorm(d, eps))
+        self.self_attn.q_norm, self.self_attn.k_norm = GemmaRMSNorm(head_dim, eps), GemmaRMSNorm(head_dim, eps)
+
+    def attention(self, h):
+        b, s, _ = h.shape
+        a = self.self_attn
+        q, gate = a.q_proj(h).view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = a.k_proj(h).view(b, s, self.n_kv, self.head_dim)
+        v = a.v_proj(h).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = rope(a.q_norm(q).transpose(1, 2), self.inv_freq), rope(a.k_norm(k).transpose(1, 2), self.inv_freq)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = (q @ k.transpose(-1, -2) * self.scale).masked_fill(torch.ones(s, s).triu(1).bool(), float("-inf"))
+        att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        return a.o_proj(att * torch.sigmoid(gate.reshape(b, s, -1)))
+
+
+def delta_rule_recurrence(q, k, v, log_decay, beta):
+    """The gated delta rule token by token (one sequence per row), q/k L2-normalised and q scaled here.
+    q, k: [batch, seq, heads, d_k] (heads as v's), v: [batch, seq, heads, d_v], log_decay, beta: [batch, seq,
+    heads] -> [batch, seq, heads, d_v]."""
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(q.shape[-1])
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * log_decay[:, t].exp()[..., None, None]
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * (v[:, t] - predicted))
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outputs, dim=1)
+
+
+class RefGatedDeltaNetBlock(nn.Module):
+    """Qwen3.5's linear-attention layer the textbook way: F.conv1d over the sequence, the delta rule token by
+    token, the output normed per value head and gated by silu(z); (1 + weight) norms around a SwiGLU MLP."""
+
+    def __init__(self, d, n_k, n_v, d_k, d_v, kernel, d_ff, eps):
+        super().__init__()
+        self.n_k, self.n_v, self.d_k, self.d_v = n_k, n_v, d_k, d_v
+        self.input_layernorm = GemmaRMSNorm(d, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps)
+        a = self.linear_attn = nn.Module()
+        channels = 2 * n_k * d_k + n_v * d_v
+        a.in_proj_qkv = nn.Linear(d, channels, bias=False)
+        a.in_proj_z = nn.Linear(d, n_v * d_v, bias=False)
+        a.in_proj_b = nn.Linear(d, n_v, bias=False)
+        a.in_proj_a = nn.Linear(d, n_v, bias=False)
+        a.conv1d = nn.Conv1d(channels, channels, kernel, groups=channels, bias=False, padding=kernel - 1)
+        a.out_proj = nn.Linear(n_v * d_v, d, bias=False)
+        a.norm = RMSNorm(d_v, eps)
+        a.A_log = nn.Parameter(torch.zeros(n_v))
+        a.dt_bias = nn.Parameter(torch.ones(n_v))
+        self.mlp = SwiGLU(d, d_ff)
+
+    def mixer(self, h):
+        b, s, _ = h.shape
+        a = self.linear_attn
+        qkv = F.silu(a.conv1d(a.in_proj_qkv(h).transpose(1, 2))[..., :s]).transpose(1, 2)
+        q, k, v = qkv.split([self.n_k * self.d_k, self.n_k * self.d_k, self.n_v * self.d_v], dim=-1)
+        rep = self.n_v // self.n_k
+        q = q.reshape(b, s, self.n_k, self.d_k).repeat_interleave(rep, 2)
+        k = k.reshape(b, s, self.n_k, self.d_k).repeat_interleave(rep, 2)
+        log_decay = -a.A_log.exp() * F.softplus(a.in_proj_a(h) + a.dt_bias)
+        out = delta_rule_recurrence(q, k, v.reshape(b, s, self.n_v, self.d_v), log_decay, a.in_proj_b(h).sigmoid())
+        out = a.norm(out) * F.silu(a.in_proj_z(h).reshape(b, s, self.n_v, self.d_v))
+        return a.out_proj(out.reshape(b, s, -1))
+
+    def forward(self, x):
+        x = x + self.mixer(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d, d_ff):
         super().__init__()

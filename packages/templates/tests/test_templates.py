@@ -5,10 +5,13 @@ import torch.nn.functional as F
 from reference import (
     GemmaRMSNorm,
     RefBlock,
+    RefGatedAttentionBlock,
+    RefGatedDeltaNetBlock,
     RefGemmaBlock,
     RefMoeBlock,
     RefPostNormBlock,
     RMSNorm,
+    delta_rule_recurrence,
     flatten_params,
     unflatten_grads,
 )
@@ -19,6 +22,7 @@ from megatrain_templates import (
     DecoderBlock,
     Documents,
     Embedding,
+    GatedDeltaNetShape,
     Head,
     MoeAttention,
     MoeBlock,
@@ -26,6 +30,7 @@ from megatrain_templates import (
     MoeShape,
     RopeConfig,
     RouterLoad,
+    chunked_gated_delta_rule,
     file_tensors,
     rope_inv_freq,
     row_slice_name,
@@ -409,10 +414,27 @@ LLAMA4_NOPE = dict(rotary=False, attn_temperature=(2.0, 0.5), mlp_module="feed_f
 LLAMA4_MOE = MoeShape(4, 2, 24, shared_d_ff=24, naming="llama4", scoring="sigmoid_of_top_k")
 
 
+# Qwen3-Next's and Qwen3.5's two kinds of layer: linear attention (chunks of two tokens, so documents start inside
+# chunks), and softmax attention whose output a gate scales
+LINEAR = dict(
+    norm_scale="one_plus_fp32",
+    linear_attention=GatedDeltaNetShape(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=6, chunk=2),
+)
+GATED = dict(norm_scale="one_plus_fp32", qk_norm=True, attn_output_gate=True)
+
+
 @pytest.mark.parametrize(
     "moe, llama4",
-    [(None, {}), (MoeShape(4, 2, 24), {}), (None, LLAMA4_CHUNKED), (LLAMA4_MOE, LLAMA4_NOPE)],
-    ids=["dense", "moe", "llama4-chunked", "llama4-moe-nope"],
+    [
+        (None, {}),
+        (MoeShape(4, 2, 24), {}),
+        (None, LLAMA4_CHUNKED),
+        (LLAMA4_MOE, LLAMA4_NOPE),
+        (None, LINEAR),
+        (MoeShape(4, 2, 24, shared_d_ff=16), LINEAR),
+        (None, GATED),
+    ],
+    ids=["dense", "moe", "llama4-chunked", "llama4-moe-nope", "linear-attention", "linear-attention-moe", "gated"],
 )
 def test_packed_documents_equal_separate_rows(moe, llama4):
     """float64: documents packed into one row (block-diagonal attention, positions restarting: Llama 4's
@@ -464,3 +486,144 @@ def test_chunks_as_rows_equal_the_masked_attention(seq):
         results.append([out.detach(), *(t.grad for t in inputs)])
     for ours, reference in zip(*results):
         assert rel_err(ours, reference) < 1e-12
+
+
+@pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6)), (3, (3, 3, 1))])
+def test_chunked_gated_delta_rule_equals_the_recurrence(chunk, lengths):
+    """float64: the chunked form (a chunk longer than the row, a shorter last chunk, documents starting inside a
+    chunk, on its first token and one token long) equals the delta rule token by token, each document from a zero
+    state, with grouped value heads; and so do the gradients of all five inputs."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq, n_k, n_v = sum(lengths), 2, 4
+
+    def randn(*shape):
+        return torch.randn(2, seq, *shape, dtype=torch.float64, generator=generator)
+
+    q, k, v = randn(n_k, 8), randn(n_k, 8), randn(n_v, 6)
+    log_decay = -torch.rand(2, seq, n_v, dtype=torch.float64, generator=generator) * 2
+    beta = torch.rand(2, seq, n_v, dtype=torch.float64, generator=generator)
+    grad_out = randn(n_v, 6)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    documents = Documents(positions) if len(lengths) > 1 else None
+    results = []
+    for packed in (True, False):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, log_decay, beta)]
+        if packed:
+            out = chunked_gated_delta_rule(*inputs, None if documents is None else documents.doc_ids, chunk)
+        else:
+            qr, kr, vr, gr, br = inputs
+            qr, kr = qr.repeat_interleave(n_v // n_k, 2), kr.repeat_interleave(n_v // n_k, 2)
+            ends = torch.tensor(lengths).cumsum(0).tolist()
+            out = torch.cat(
+                [
+                    delta_rule_recurrence(*(t[:, end - n : end] for t in (qr, kr, vr, gr, br)))
+                    for n, end in zip(lengths, ends)
+                ],
+                dim=1,
+            )
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12
+
+
+LINEAR_SHAPE = dict(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk=4)
+
+
+def linear_attention_block(grouped: bool = False) -> DecoderBlock:
+    """Qwen3.5's (grouped: Qwen3-Next's) linear-attention layer at a small shape, chunks of 4 tokens."""
+    linear = GatedDeltaNetShape(**LINEAR_SHAPE, grouped_projections=grouped)
+    return DecoderBlock(BlockShape(32, 4, 2, 8, 40, 1e-6, norm_scale="one_plus_fp32", linear_attention=linear))
+
+
+def random_linear_reference() -> RefGatedDeltaNetBlock:
+    ref = RefGatedDeltaNetBlock(32, 2, 4, 8, 6, 4, 40, 1e-6).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    return ref
+
+
+def test_linear_attention_block_matches_module():
+    """float64: the linear-attention block (Gated DeltaNet on the chunked delta rule, the short convolution as
+    shifted taps) against the textbook module (F.conv1d, the delta rule token by token): output, input and
+    weight gradients, added into the buffer; kept products stand for the projections' GEMMs."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block, ref = linear_attention_block(), random_linear_reference()
+    (specs,) = block.groups
+    assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, 32, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 11, 32, dtype=torch.float64)
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    assert rel_err(block.forward([flat], x.detach()), out_ref) < 1e-12
+    grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-10
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-10, name
+    _, products = block.forward_keeping_products([flat], x.detach())
+    assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
+    assert sum(p.shape[-1] for p in products.values()) * 8 == block.product_bytes_per_token(8)
+    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    assert rel_err(product_grads[0], grads[0]) < 1e-12
+
+
+def grouped_projections(flat_split: torch.Tensor, split: DecoderBlock, grouped: DecoderBlock) -> torch.Tensor:
+    """The split layout's buffer rewritten in Qwen3-Next's: in_proj_qkvz and in_proj_ba rows grouped by key
+    head (its q, its k, its value heads' v, their z; its value heads' b, their a)."""
+    views = {p.name: v for p, v in zip(split.groups[0], flat_split.split([p.numel for p in split.groups[0]]))}
+    d, n_k, d_k, per, d_v = 32, 2, 8, 2, 6
+    qkv = views["linear_attn.in_proj_qkv.weight"].view(-1, d)
+    q, k, v = qkv.split([n_k * d_k, n_k * d_k, n_k * per * d_v])
+    z = views["linear_attn.in_proj_z.weight"].view(-1, d)
+    b, a = views["linear_attn.in_proj_b.weight"].view(-1, d), views["linear_attn.in_proj_a.weight"].view(-1, d)
+    qkvz = torch.cat([torch.cat([t.view(n_k, -1, d)[i] for t in (q, k, v, z)]) for i in range(n_k)])
+    ba = torch.cat([torch.cat([t.view(n_k, -1, d)[i] for t in (b, a)]) for i in range(n_k)])
+    views["linear_attn.in_proj_qkvz.weight"], views["linear_attn.in_proj_ba.weight"] = qkvz, ba
+    return torch.cat([views[p.name].reshape(-1) for p in grouped.groups[0]])
+
+
+def test_grouped_projections_are_the_split_ones_reordered():
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba layout computes what Qwen3.5's four projections do with the same
+    rows, forward and backward (its gradients are the split ones, reordered the same way)."""
+    split, grouped = linear_attention_block(), linear_attention_block(grouped=True)
+    assert split.numel == grouped.numel
+    flat = flatten_params(random_linear_reference(), split.groups[0])
+    flat_grouped = grouped_projections(flat, split, grouped)
+    x, grad_out = torch.randn(2, 9, 32, dtype=torch.float64), torch.randn(2, 9, 32, dtype=torch.float64)
+    assert rel_err(grouped.forward([flat_grouped], x), split.forward([flat], x)) < 1e-14
+    grads = [[torch.zeros(split.numel, dtype=torch.float64)] for _ in range(2)]
+    grad_split = split.backward([flat], x, grad_out, grads[0])
+    grad_grouped = grouped.backward([flat_grouped], x, grad_out, grads[1])
+    assert rel_err(grad_grouped, grad_split) < 1e-13
+    assert rel_err(grads[1][0], grouped_projections(grads[0][0], split, grouped)) < 1e-13
+
+
+def test_gated_attention_block_matches_module():
+    """float64: Qwen3-Next's and Qwen3.5's softmax-attention layer (the gate as each query head's second half of
+    q_proj, (1 + weight) norms on the input, the MLP's input and per-head q/k) against the textbook module."""
+    torch.manual_seed(torch.seed() % 2**31)
+    rope = RopeConfig(head_dim=8, theta=500.0)
+    shape = BlockShape(
+        32, 4, 2, 8, 40, 1e-6, qk_norm=True, rope=rope, norm_scale="one_plus_fp32", attn_output_gate=True
+    )
+    block, ref = DecoderBlock(shape), RefGatedAttentionBlock(32, 4, 2, 8, 40, 1e-6, rope_inv_freq(rope)).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, 32, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 11, 32, dtype=torch.float64)
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    assert rel_err(block.forward([flat], x.detach()), out_ref) < 1e-10  # (the rotary angles in fp32 on both sides)
+    grads = [torch.zeros(block.numel, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-10
+    by_name = unflatten_grads(grads[0], specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-10, name

@@ -17,6 +17,7 @@ from .layout import (
     split_precision_of,
     total_numel,
 )
+from .linear_attention import GatedDeltaNetShape, chunked_gated_delta_rule
 from .moe import (
     EXPERT_NAMING,
     MoeAttention,
@@ -32,6 +33,7 @@ from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, r
 __all__ = [
     "EXPERT_NAMING",
     "BlockShape",
+    "GatedDeltaNetShape",
     "DecoderBlock",
     "Documents",
     "Embedding",
@@ -49,6 +51,7 @@ __all__ = [
     "apply_rope",
     "attention_params",
     "causal_attention",
+    "chunked_gated_delta_rule",
     "block_params",
     "file_tensors",
     "fused_expert_names",

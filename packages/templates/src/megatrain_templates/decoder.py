@@ -33,6 +33,13 @@ from .layout import (
     span_of,
     total_numel,
 )
+from .linear_attention import (
+    LINEAR_ATTENTION_LEAVES,
+    GatedDeltaNetShape,
+    gated_delta_net,
+    linear_attention_params,
+    linear_attention_spans,
+)
 from .ops import (
     GATED_ACTIVATIONS,
     NORM_SCALES,
@@ -113,6 +120,11 @@ class BlockShape:
     attention_chunk: int | None = None
     attn_temperature: tuple[float, float] | None = None
     mlp_module: str = "mlp"
+    # Qwen3-Next and Qwen3.5: linear attention (Gated DeltaNet) instead of softmax attention on this layer; on
+    # the others, attention's output gated per element by sigmoid(gate), the gate a second half of each query
+    # head's q_proj rows (query, then gate, per head)
+    linear_attention: GatedDeltaNetShape | None = None
+    attn_output_gate: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -136,6 +148,10 @@ class BlockShape:
             not self.rotary or self.qk_rms_normalized or self.attention_chunk or self.attn_temperature
         ):
             raise ValueError("latent attention (mla) always rotates, with no chunks, temperatures or q/k RMS")
+        if self.linear_attention is not None and (self.mla is not None or self.norm_placement != "pre"):
+            raise ValueError("linear attention replaces softmax attention (not latent attention) in a pre-norm block")
+        if self.attn_output_gate and (self.mla is not None or self.fused_projections or self.qkv_bias):
+            raise ValueError("attn_output_gate is grouped-query attention's with q/k/v stored apart and no biases")
 
     @property
     def rope_config(self) -> RopeConfig:
@@ -157,12 +173,14 @@ def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[Pa
     q, k and v are adjacent so that they are one GEMM; the second tuple takes no weight decay."""
     if shape.mla is not None:
         return _mla_params(shape)
+    if shape.linear_attention is not None:
+        return linear_attention_params(shape.d_model, shape.linear_attention)
     d, q_out, kv_out = shape.d_model, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     if shape.fused_projections:
         projections = (ParamSpec("self_attn.qkv_proj.weight", (q_out + 2 * kv_out, d)),)
     else:
         projections = (
-            ParamSpec("self_attn.q_proj.weight", (q_out, d)),
+            ParamSpec("self_attn.q_proj.weight", (2 * q_out if shape.attn_output_gate else q_out, d)),
             ParamSpec("self_attn.k_proj.weight", (kv_out, d)),
             ParamSpec("self_attn.v_proj.weight", (kv_out, d)),
         )
@@ -247,6 +265,8 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
             "input_norm": span_of(params, "input_layernorm.weight"),
             **{name.removeprefix("self_attn.").removesuffix(".weight"): span_of(params, name) for name in names},
         }
+    elif shape.linear_attention is not None:
+        spans = linear_attention_spans(params, shape.linear_attention)
     else:
         qkv = (
             ["self_attn.qkv_proj.weight"]
@@ -295,7 +315,10 @@ class DecoderBlock:
         if shape.normed_outputs:
             self._spans["mlp_out_norm"] = span_of(params, "post_feedforward_layernorm.weight")
         self._activation = GATED_ACTIVATIONS[shape.activation]
-        self._vectors = tuple(name for name, span in self._spans.items() if len(span.shape) == 1)  # norms, biases
+        # what autograd differentiates as leaves: norms, biases, the linear attention's convolution taps
+        self._vectors = tuple(
+            name for name, span in self._spans.items() if len(span.shape) == 1 or name in LINEAR_ATTENTION_LEAVES
+        )
         # a norm on the MLP's output needs the down projection's product in the backward too
         self._recomputed_matrices = tuple(
             name
@@ -318,8 +341,13 @@ class DecoderBlock:
         s = self.shape
         batch, seq, _ = x.shape
         h = x if s.norm_placement == "post" else s.norm(x, w["input_norm"])
+        if s.linear_attention is not None:
+            return x + gated_delta_net(s.linear_attention, w, h, documents, s.rms_eps)
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
-        q, k, v = qkv.split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], dim=-1)
+        q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        q, k, v = qkv.split([2 * q_width if s.attn_output_gate else q_width, kv_width, kv_width], dim=-1)
+        if s.attn_output_gate:  # each head's rows: its query, then its gate
+            q, gate = q.reshape(batch, seq, s.n_heads, 2 * s.head_dim).chunk(2, dim=-1)
         if s.qk_norm and s.qk_norm_scope == "full":
             q = s.norm(q, w["q_norm"])
             k = s.norm(k, w["k_norm"])
@@ -353,7 +381,10 @@ class DecoderBlock:
             attn = chunked_causal_attention(q, k, v, chunk, s.softmax_scale)
         else:
             attn = causal_attention(q, k, v, documents, s.softmax_scale)
-        out = linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * s.head_dim), w["o_weight"], w.get("o_bias"))
+        attn = attn.transpose(1, 2).reshape(batch, seq, q_width)
+        if s.attn_output_gate:
+            attn = attn * torch.sigmoid(gate.reshape(batch, seq, q_width))
+        out = linear(attn, w["o_weight"], w.get("o_bias"))
         return x + (s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out)
 
     def _rotated(self, q: Tensor, k: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:

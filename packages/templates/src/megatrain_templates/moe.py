@@ -36,7 +36,7 @@ from .layout import (
     split_precision_names,
     total_numel,
 )
-from .ops import compiled_on_cuda, rms_norm, swiglu, upcast
+from .ops import compiled_on_cuda, swiglu, upcast
 
 # Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
 EXPERT_NAMING = {
@@ -747,7 +747,7 @@ class MoeBlock(DecoderBlock):
 
     def _block_and_router(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Routing]:
         x = self._attention(w, x, documents)
-        h = rms_norm(x, w["post_norm"], self.shape.rms_eps)
+        h = self.shape.norm(x, w["post_norm"])
         out, routing = self._mlp(w, h.reshape(-1, h.shape[-1]))
         return x + out.view_as(x), routing
 
@@ -827,7 +827,7 @@ class _MoePart(MoeBlock):
 
     def _normed(self, w: dict[str, Tensor], a: Tensor) -> Tensor:
         """The router's and the experts' input: post-attention norm of `a`, as [tokens, d_model]."""
-        return rms_norm(a, w["post_norm"], self.shape.rms_eps).reshape(-1, a.shape[-1])
+        return self.shape.norm(a, w["post_norm"]).reshape(-1, a.shape[-1])
 
     def _accumulate(self, grads: list[Tensor], leaves: dict[str, Tensor], grad_leaves: list[Tensor | None]) -> None:
         grad_of = dict(zip(leaves, grad_leaves))

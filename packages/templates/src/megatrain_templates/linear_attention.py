@@ -1,0 +1,249 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next and Qwen3.5 (three of every four layers).
+
+Each value head keeps a [key_head_dim, value_head_dim] state S instead of a key-value cache. Per token, S decays
+by exp(g), the delta rule moves it toward the token's value (S += beta * k (v - S^T k)^T) and the token reads
+q^T S: a recurrence, computed here in chunks of 64 tokens (within a chunk as matmuls, between chunks the state
+carried), as transformers' own PyTorch implementation computes it. A short causal convolution mixes the last
+few tokens into q, k and v first. Packed documents restart both: the state does not cross into the next
+document, nor do the convolution's taps, so a packed row computes what its documents would in rows of their own.
+The mixer is an attention variant of the decoder block (`BlockShape.linear_attention`), with its parameters,
+spans and forward here; the block's recompute-based backward differentiates it like any other.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention import Documents
+from .layout import ParamSpec, Span, fused_span, span_of
+from .ops import compiled_on_cuda, linear, upcast
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetShape:
+    """The linear-attention half of a block: `n_key_heads` query/key heads of `key_head_dim`, each serving
+    n_value_heads / n_key_heads consecutive value heads of `value_head_dim`."""
+
+    n_key_heads: int
+    n_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    # Qwen3-Next stores q, k, v and z as one `in_proj_qkvz` and b, a as one `in_proj_ba`, grouped by key head
+    # (each key head's q and k, then its value heads' v, then their z); Qwen3.5 as in_proj_qkv, in_proj_z,
+    # in_proj_b, in_proj_a. Either is one GEMM: the buffer keeps the published layout
+    grouped_projections: bool = False
+    chunk: int = 64  # tokens per chunk of the chunked form (transformers' and FLA's)
+
+    def __post_init__(self):
+        sizes = (self.n_key_heads, self.n_value_heads, self.key_head_dim, self.value_head_dim, self.conv_kernel)
+        if min(sizes) <= 0 or self.n_value_heads % self.n_key_heads:
+            raise ValueError(
+                f"linear attention needs positive sizes and n_value_heads ({self.n_value_heads}) a multiple of "
+                f"n_key_heads ({self.n_key_heads}); got {self}"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution mixes: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+def linear_attention_params(d_model: int, shape: GatedDeltaNetShape) -> tuple[tuple[ParamSpec, ...], ...]:
+    """(matrices, norms and vectors) of a linear-attention half, Hugging Face names; the input projections
+    adjacent (one GEMM), the convolution's taps decayed like a matrix, A_log and dt_bias (vectors) not."""
+    d, n_v = d_model, shape.n_value_heads
+    if shape.grouped_projections:
+        inputs = (
+            ParamSpec("linear_attn.in_proj_qkvz.weight", (2 * shape.key_dim + 2 * shape.value_dim, d)),
+            ParamSpec("linear_attn.in_proj_ba.weight", (2 * n_v, d)),
+        )
+    else:
+        inputs = (
+            ParamSpec("linear_attn.in_proj_qkv.weight", (shape.conv_dim, d)),
+            ParamSpec("linear_attn.in_proj_z.weight", (shape.value_dim, d)),
+            ParamSpec("linear_attn.in_proj_b.weight", (n_v, d)),
+            ParamSpec("linear_attn.in_proj_a.weight", (n_v, d)),
+        )
+    matrices = inputs + (
+        ParamSpec("linear_attn.out_proj.weight", (d, shape.value_dim)),
+        ParamSpec("linear_attn.conv1d.weight", (shape.conv_dim, 1, shape.conv_kernel)),
+    )
+    small = tuple(
+        ParamSpec(name, shape_of, weight_decay=False)
+        for name, shape_of in (
+            ("input_layernorm.weight", (d,)),
+            ("post_attention_layernorm.weight", (d,)),
+            ("linear_attn.norm.weight", (shape.value_head_dim,)),
+            ("linear_attn.A_log", (n_v,)),
+            ("linear_attn.dt_bias", (n_v,)),
+        )
+    )
+    return matrices, small
+
+
+def linear_attention_spans(params: tuple[ParamSpec, ...], shape: GatedDeltaNetShape) -> dict[str, Span]:
+    """Where the linear-attention half's weights lie in a layout made with `linear_attention_params` (the
+    convolution's taps as [conv_dim, kernel])."""
+    inputs = [p.name for p in params if p.name.startswith("linear_attn.in_proj_")]
+    conv = span_of(params, "linear_attn.conv1d.weight")
+    return {
+        "input_norm": span_of(params, "input_layernorm.weight"),
+        "linear_in": fused_span(params, inputs),
+        "linear_out": span_of(params, "linear_attn.out_proj.weight"),
+        "linear_conv": Span(conv.offset, (shape.conv_dim, shape.conv_kernel)),
+        "linear_norm": span_of(params, "linear_attn.norm.weight"),
+        "linear_A_log": span_of(params, "linear_attn.A_log"),
+        "linear_dt_bias": span_of(params, "linear_attn.dt_bias"),
+    }
+
+
+# spans of the mixer that are not GEMM operands: autograd differentiates them as leaves, like norms
+LINEAR_ATTENTION_LEAVES = ("linear_conv",)
+
+
+def gated_delta_net(
+    shape: GatedDeltaNetShape, w: dict[str, Tensor], h: Tensor, documents: Documents | None, eps: float
+) -> Tensor:
+    """The mixer on the normed residual stream h [batch, seq, d_model] -> [batch, seq, d_model], as
+    transformers' Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet compute it (`documents`: packed rows, see
+    `packed_documents`; `eps`: the gated norm's)."""
+    batch, seq, _ = h.shape
+    qkv, z, b, a = _split_projections(shape, linear(h, w["linear_in"]))
+    doc_ids = None if documents is None else documents.doc_ids
+    qkv = F.silu(causal_conv(qkv, w["linear_conv"], doc_ids))
+    q, k, v = qkv.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+    q = q.reshape(batch, seq, shape.n_key_heads, shape.key_head_dim)
+    k = k.reshape(batch, seq, shape.n_key_heads, shape.key_head_dim)
+    v = v.reshape(batch, seq, shape.n_value_heads, shape.value_head_dim)
+    log_decay = -upcast(w["linear_A_log"]).exp() * F.softplus(upcast(a) + w["linear_dt_bias"])
+    out = chunked_gated_delta_rule(q, k, v, log_decay, b.sigmoid(), doc_ids, shape.chunk).to(h.dtype)
+    out = gated_rms_norm(out, z, w["linear_norm"], eps)
+    return linear(out.reshape(batch, seq, shape.value_dim), w["linear_out"])
+
+
+def _split_projections(shape: GatedDeltaNetShape, projected: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The one input GEMM's output [batch, seq, width] -> (q|k|v [batch, seq, conv_dim], z [batch, seq,
+    n_value_heads, value_head_dim], b and a [batch, seq, n_value_heads])."""
+    batch, seq, _ = projected.shape
+    n_v, d_v = shape.n_value_heads, shape.value_head_dim
+    if not shape.grouped_projections:
+        qkv, z, b, a = projected.split([shape.conv_dim, shape.value_dim, n_v, n_v], dim=-1)
+        return qkv, z.reshape(batch, seq, n_v, d_v), b, a
+    per_key = n_v // shape.n_key_heads  # value heads per key head
+    qkvz, ba = projected.split([2 * shape.key_dim + 2 * shape.value_dim, 2 * n_v], dim=-1)
+    q, k, v, z = qkvz.reshape(batch, seq, shape.n_key_heads, -1).split(
+        [shape.key_head_dim, shape.key_head_dim, per_key * d_v, per_key * d_v], dim=-1
+    )
+    b, a = ba.reshape(batch, seq, shape.n_key_heads, 2 * per_key).split([per_key, per_key], dim=-1)
+    qkv = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
+    return qkv, z.reshape(batch, seq, n_v, d_v), b.reshape(batch, seq, n_v), a.reshape(batch, seq, n_v)
+
+
+@compiled_on_cuda
+def causal_conv(x: Tensor, taps: Tensor, doc_ids: Tensor | None) -> Tensor:
+    """Depthwise causal convolution over the sequence: x [batch, seq, channels], taps [channels, kernel] (the
+    last tap on the token itself) -> like x. A tap that would reach into an earlier document reads zero, as
+    the row's start does. Summed in fp32 and rounded once, as the fused conv1d kernels accumulate."""
+    kernel, seq = taps.shape[1], x.shape[1]
+    x32, taps32 = upcast(x), upcast(taps)
+    out = x32 * taps32[:, -1]
+    for shift in range(1, min(kernel, seq)):
+        earlier = x32[:, :-shift]
+        if doc_ids is not None:
+            earlier = earlier * (doc_ids[:, shift:] == doc_ids[:, :-shift]).unsqueeze(-1)
+        out = out + F.pad(earlier * taps32[:, kernel - 1 - shift], (0, 0, shift, 0))
+    return out.to(x.dtype)
+
+
+@compiled_on_cuda
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x over its last dim (weight after the cast, Llama's way) times silu(gate) in fp32, cast back:
+    the mixer's output norm, per value head (x and gate [..., value_head_dim])."""
+    x32 = upcast(x)
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (upcast(normed) * F.silu(upcast(gate))).to(x.dtype)
+
+
+def _l2_normalized(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def chunked_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, doc_ids: Tensor | None = None, chunk: int = 64
+) -> Tensor:
+    """The gated delta rule over whole rows, in fp32 (fp64 stays fp64).
+
+    q, k: [batch, seq, n_key_heads, key_head_dim]; v: [batch, seq, n_value_heads, value_head_dim]; log_decay
+    (g <= 0) and beta: [batch, seq, n_value_heads]; doc_ids: [batch, seq] (`Documents.doc_ids`) or None for one
+    sequence per row. q and k are L2-normalised and q scaled by key_head_dim ** -0.5 here. Returns
+    [batch, seq, n_value_heads, value_head_dim]: per token, with S (per value head, [key_head_dim,
+    value_head_dim], zero at each row's and document's start) S <- exp(g) S; S <- S + k (beta (v - S^T k))^T;
+    output S^T q.
+
+    In chunks of `chunk` tokens: within one, the updates' mutual corrections are a unit lower-triangular
+    system (the UT transform) solved at once, and the outputs a masked attention; between chunks only S is
+    carried. A document that starts inside a chunk is masked out of everything before it: pairs across the
+    start, the carried state's reach into the chunk and the carry out of it."""
+    dtype = torch.promote_types(upcast(q).dtype, torch.float32)
+    batch, seq, n_key_heads, d_k = k.shape
+    n_heads = v.shape[2]
+    if n_heads != n_key_heads:  # each query/key head serves n_heads / n_key_heads consecutive value heads
+        q = q.repeat_interleave(n_heads // n_key_heads, dim=2)
+        k = k.repeat_interleave(n_heads // n_key_heads, dim=2)
+    # [batch, heads, seq, ...] in fp32
+    q, k, v, log_decay, beta = (t.transpose(1, 2).to(dtype) for t in (q, k, v, log_decay, beta))
+    q = _l2_normalized(q) * d_k**-0.5
+    k = _l2_normalized(k)
+    pad = -seq % chunk  # padding tokens (zero k, v, beta and decay) change nothing
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        log_decay, beta = (F.pad(t, (0, pad)) for t in (log_decay, beta))
+        if doc_ids is not None:
+            doc_ids = torch.cat([doc_ids, doc_ids[:, -1:].expand(-1, pad)], dim=1)
+    n_chunks = (seq + pad) // chunk
+
+    def chunked(t: Tensor) -> Tensor:  # [batch, heads, seq, ...] -> [batch, heads, n_chunks, chunk, ...]
+        return t.reshape(batch, n_heads, n_chunks, chunk, *t.shape[3:])
+
+    q, k, v, log_decay, beta = (chunked(t) for t in (q, k, v, log_decay, beta))
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    decayed = log_decay.cumsum(dim=-1)  # log of the decay from the chunk's start to each token
+    last = decayed[..., -1:]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # reaches[t]: the state carried in reaches token t; to_end[t]: token t's update reaches the chunk's end
+    reaches, to_end = torch.ones_like(decayed), torch.ones_like(decayed)
+    if doc_ids is not None:
+        docs = doc_ids.reshape(batch, 1, n_chunks, chunk)
+        causal = causal & (docs.unsqueeze(-1) == docs.unsqueeze(-2))
+        before = torch.cat([torch.full_like(docs[..., :1, :1], -1), docs[..., :-1, -1:]], dim=2)  # previous token's
+        reaches, to_end = (docs == before).to(dtype), (docs == docs[..., -1:]).to(dtype)
+    pair_decay = (decayed.unsqueeze(-1) - decayed.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    ut_system = (k_beta @ k.transpose(-1, -2)) * pair_decay  # unit diagonal: solve_triangular reads below it
+    attention = (q @ k.transpose(-1, -2)) * pair_decay
+    carried = decayed.exp() * reaches  # the carried state's decay at each token (0 past a document's start)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    carried_keys = torch.linalg.solve_triangular(
+        ut_system, k_beta * carried.unsqueeze(-1), upper=False, unitriangular=True
+    )
+    q_carried = q * carried.unsqueeze(-1)
+    k_to_end = k * ((last - decayed).exp() * to_end).unsqueeze(-1)
+    chunk_carry = (last.exp() * reaches[..., -1:]).unsqueeze(-1)  # [batch, heads, n_chunks, 1, 1]
+    state = q.new_zeros(batch, n_heads, d_k, v.shape[-1])
+    outputs = []
+    for c in range(n_chunks):
+        delta = new_values[:, :, c] - carried_keys[:, :, c] @ state
+        outputs.append(q_carried[:, :, c] @ state + attention[:, :, c] @ delta)
+        state = state * chunk_carry[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ delta
+    out = torch.stack(outputs, dim=2).reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq]
+    return out.transpose(1, 2)
