@@ -1,6 +1,15 @@
 import pytest
 
-from megatrain_zoo import PRESETS, ZooError, build_model, config_from_hf, config_to_hf, flops_per_token, preset
+from megatrain_zoo import (
+    PRESETS,
+    ZooError,
+    build_model,
+    config_from_hf,
+    config_to_hf,
+    flops_per_token,
+    linear_attention_flops_per_token,
+    preset,
+)
 
 # Published parameter counts (billions, from the model cards / safetensors totals).
 PUBLISHED = {
@@ -250,3 +259,44 @@ def test_gpt_oss_layers_alternate_windowed_and_full_attention():
     assert layer["model.layers.0.mlp.experts.gate_up_proj"].shape == (32, 2880, 5760)
     assert not layer["model.layers.0.self_attn.sinks"].weight_decay
     assert not layer["model.layers.0.mlp.experts.down_proj_bias"].weight_decay
+
+
+# Qwen3.5 and Qwen3-Next as named (Qwen3.5's image-text checkpoints' totals include a vision tower of 0.1-0.4B, which
+# megatrain does not train): totals within 2% of the names; active parameters (the embedding and head counted, as
+# for the other families) within 3% of "A10B" and "A17B" (9.8B, 17.3B), while the "A3B" names round 3.5B and 3.9B
+LINEAR_ATTENTION_SIZES = {
+    "qwen3.5-0.8b": (0.8, None),
+    "qwen3.5-27b": (27.0, None),
+    "qwen3.5-35b-a3b": (35.0, None),
+    "qwen3.5-122b-a10b": (122.0, 10.0),
+    "qwen3.5-397b-a17b": (397.0, 17.0),
+    "qwen3-next-80b-a3b": (80.0, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_ATTENTION_SIZES))
+def test_linear_attention_counts_match_their_names(name):
+    total, active = LINEAR_ATTENTION_SIZES[name]
+    config = PRESETS[name]
+    assert config.n_params / 1e9 == pytest.approx(total, rel=0.02 if total > 1 else 0.07)
+    if active is not None:
+        assert config.active_params / 1e9 == pytest.approx(active, rel=0.03)
+    assert config.linear_attention_layers == tuple(i for i in range(config.n_layers) if (i + 1) % 4)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next", "qwen3.5-27b"])
+def test_linear_attention_specs_and_flops(name):
+    """Every stored tensor counted once; linear-attention layers differ from the others in kind (their template),
+    and their FLOPs are their matmul parameters' plus the delta rule's, without softmax attention's."""
+    config = PRESETS[name]
+    model = build_model(config)
+    assert sum(p.numel for g in model.groups for p in g.params) == config.n_params
+    templates = {config.layer_is_linear(layer): model.stages[layer + 1].template for layer in range(config.n_layers)}
+    assert templates[True].shape.linear_attention is not None and templates[False].shape.linear_attention is None
+    assert templates[False].shape.attn_output_gate
+    assert templates[True].shape.linear_attention.grouped_projections == (config.arch == "qwen3_next")
+    softmax_layers = config.n_layers - len(config.linear_attention_layers)
+    attention = 6 * config.n_heads * config.head_dim * 4096 * softmax_layers
+    linear = len(config.linear_attention_layers) * linear_attention_flops_per_token(config)
+    assert flops_per_token(config, 4096) == 6 * config.matmul_params + attention + linear
+    assert config_from_hf(config_to_hf(config)) == config

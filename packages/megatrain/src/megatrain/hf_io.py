@@ -196,10 +196,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Checkpoint tensor name -> (shape, the stored tensors it holds, in buffer order), for the
     names the files (holding `present`) use: published per-expert names, or transformers' in-memory
-    layout (fused 3-D expert tensors, Mixtral's module renamed `mlp`), either way."""
+    layout (fused 3-D expert tensors, Mixtral's module renamed `mlp`), either way, under any of the names'
+    aliases (an image-text checkpoint's text model)."""
     layout = file_tensors(spec.param_shapes())
     for name, (shape, covered) in spec.fused_checkpoint_names().items():
-        if name in present:
+        if not present.isdisjoint((name, *spec.checkpoint_aliases(name))):
             for part in covered:
                 del layout[part]
             layout[name] = (shape, covered)

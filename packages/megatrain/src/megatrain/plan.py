@@ -26,7 +26,7 @@ import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_store import atomic_write_text, bytes_per_param
-from megatrain_zoo import ModelConfig, build_model, flops_per_token
+from megatrain_zoo import ModelConfig, build_model, flops_per_token, linear_attention_flops_per_token
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 
@@ -262,8 +262,10 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
     parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
     down projection, which the dense recompute skips (but where its output is normed: Gemma, OLMo 2), and less
     the recompute's GEMMs in `kept_layers` (dense layers whose forward's matmul products are kept).
-    Routers and experts count their active part."""
-    attention = 8 * model.n_layers * seq_len * model.n_heads * model.head_dim * tokens
+    Routers and experts count their active part; linear-attention layers their delta rule instead of attention."""
+    n_linear = len(model.linear_attention_layers)
+    attention = 8 * (model.n_layers - n_linear) * seq_len * model.n_heads * model.head_dim * tokens
+    attention += 8 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
     down = 0 if model.norm_placement != "pre" else model.d_ff * model.d_model

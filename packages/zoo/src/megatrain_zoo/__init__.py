@@ -1,6 +1,13 @@
 """Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
 
-from .config import ARCHITECTURES, CORRECTION_BIASED, ModelConfig, ZooError, flops_per_token
+from .config import (
+    ARCHITECTURES,
+    CORRECTION_BIASED,
+    ModelConfig,
+    ZooError,
+    flops_per_token,
+    linear_attention_flops_per_token,
+)
 from .hf import config_from_hf, config_to_hf, read_hf_config
 from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
@@ -20,6 +27,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "flops_per_token",
+    "linear_attention_flops_per_token",
     "init_param_",
     "preset",
     "read_hf_config",

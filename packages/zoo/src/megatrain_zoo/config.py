@@ -14,7 +14,21 @@ from dataclasses import asdict, dataclass, field, replace
 GEMMA = ("gemma2", "gemma3_text")
 # OLMo 2 and 3: norms on the attention's and the MLP's outputs, q/k normed over all heads, weights applied in fp32
 OLMO = ("olmo2", "olmo3")
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ernie4_5", *GEMMA, "phi3", *OLMO, "smollm3")
+# Qwen3-Next and Qwen3.5: three of four layers Gated DeltaNet (linear attention), the others softmax attention
+# whose output a gate scales; (1 + weight) norms, a quarter of each head rotating
+LINEAR_ATTENTION_ARCHITECTURES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+DENSE_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "ernie4_5",
+    *GEMMA,
+    "phi3",
+    *OLMO,
+    "smollm3",
+    "qwen3_5_text",
+)
 # families whose sliding-window layers have their own rotary base, never scaled (`rope_local_theta`)
 LOCAL_ROPE_ARCHITECTURES = ("gemma3_text", "olmo3")
 # families with layers that have no rotary embedding (every fourth, by default)
@@ -32,7 +46,13 @@ MOE_ARCHITECTURES = (
     "dots1",
     "ernie4_5_moe",
     "llama4_text",
+    "qwen3_next",
+    "qwen3_5_moe_text",
 )
+# families whose shared expert a sigmoid gate scales (the templates' "qwen" expert naming)
+GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
+# the linear attention's chunk (the templates' GatedDeltaNetShape.chunk), for FLOP counts
+LINEAR_ATTENTION_CHUNK = 64
 # families whose routers score experts with a sigmoid and choose with a correction bias
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe", "minimax_m2", "dots1")
 ERNIE = ("ernie4_5", "ernie4_5_moe")
@@ -128,12 +148,20 @@ class ModelConfig:
     qk_rms_normalized: bool = False
     attn_temperature_floor_scale: float = 0.0
     attn_temperature_scale: float = 0.0
+    # Qwen3-Next and Qwen3.5 (LINEAR_ATTENTION_ARCHITECTURES): the layers whose token mixer is Gated DeltaNet, its
+    # query/key heads and value heads (several value heads per key head), and its short convolution's taps
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_n_key_heads: int = 0
+    linear_n_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ZooError(f"unknown architecture {self.arch!r}; supported: {ARCHITECTURES}")
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
-        for name in ("sliding_layers", "nope_layers", "chunked_layers"):
+        for name in ("sliding_layers", "nope_layers", "chunked_layers", "linear_attention_layers"):
             object.__setattr__(self, name, tuple(sorted(int(i) for i in getattr(self, name))))
         if bool(self.sliding_layers) != bool(self.sliding_window):
             raise ZooError(
@@ -158,6 +186,7 @@ class ModelConfig:
             raise ZooError(
                 "Llama 4's layers without rotary embedding (nope_layers) attend over everything: not chunked"
             )
+        self._check_linear_attention()
         if self.router_scoring not in ROUTER_SCORINGS or self.router_scoring != self.expected_router_scoring:
             raise ZooError(
                 f"router_scoring {self.router_scoring!r}: {SIGMOID_ROUTED} score experts with a sigmoid, Llama 4 with "
@@ -227,6 +256,37 @@ class ModelConfig:
                     f"wrong length {wrong}"
                 )
 
+    def _check_linear_attention(self) -> None:
+        if self.arch not in LINEAR_ATTENTION_ARCHITECTURES:
+            if self.linear_attention_layers:
+                raise ZooError(
+                    f"linear_attention_layers are {LINEAR_ATTENTION_ARCHITECTURES}'; {self.arch} has none: leave them unset"
+                )
+            return
+        heads = (self.linear_n_key_heads, self.linear_n_value_heads)
+        dims = (self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel)
+        if min(*heads, *dims) <= 0 or heads[1] % heads[0]:
+            raise ZooError(
+                f"{self.arch}'s linear attention needs positive head counts, head dims and conv kernel, and "
+                f"linear_n_value_heads a multiple of linear_n_key_heads; got heads {heads}, dims and kernel {dims}"
+            )
+        outside = [i for i in self.linear_attention_layers if not 0 <= i < self.n_layers]
+        if outside:
+            raise ZooError(f"linear_attention_layers {outside} are not layers of a {self.n_layers}-layer model")
+        if self.sliding_layers or self.nope_layers:
+            raise ZooError(f"{self.arch} has no sliding-window layers and no layers without rotary embedding")
+        if self.arch == "qwen3_5_moe_text" and self.dense_layers:
+            raise ZooError("Qwen3.5-MoE has experts on every layer: dense_layers must be empty (use qwen3_next)")
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """Whether `layer`'s token mixer is linear attention (Gated DeltaNet) rather than softmax attention."""
+        return layer in self.linear_attention_layers
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """Whether softmax attention's output is scaled by sigmoid(gate), the gate from q_proj (Qwen3-Next, 3.5)."""
+        return self.arch in LINEAR_ATTENTION_ARCHITECTURES
+
     @property
     def expected_router_scoring(self) -> str:
         """The router scoring of the family (ROUTER_SCORINGS)."""
@@ -236,7 +296,7 @@ class ModelConfig:
 
     def first_layers(self, n_layers: int) -> "ModelConfig":
         """The model cut to its first `n_layers` layers, each as it was (its window, chunk, rotary, MLP kind)."""
-        per_layer = ("dense_layers", "sliding_layers", "nope_layers", "chunked_layers")
+        per_layer = ("dense_layers", "sliding_layers", "nope_layers", "chunked_layers", "linear_attention_layers")
         cut = {name: tuple(i for i in getattr(self, name) if i < n_layers) for name in per_layer}
         if not cut["sliding_layers"]:
             cut["sliding_window"] = None
@@ -267,7 +327,9 @@ class ModelConfig:
     def norm_scale(self) -> str:
         """How the norms apply their weights (the templates' NORM_SCALES): Gemma's 1 + weight and OLMo's weight
         in fp32 before the cast back, Llama's after it."""
-        return "fp32" if self.arch in OLMO else "one_plus_fp32" if self.gemma else "cast_first"
+        if self.arch in OLMO:
+            return "fp32"
+        return "one_plus_fp32" if self.gemma or self.arch in LINEAR_ATTENTION_ARCHITECTURES else "cast_first"
 
     @property
     def norm_placement(self) -> str:
@@ -299,8 +361,15 @@ class ModelConfig:
             return self.qk_nope_head_dim + self.head_dim, self.v_head_dim
         return self.head_dim, self.head_dim
 
-    def _attention_params(self) -> tuple[int, int]:
-        """(matrix parameters, norm and bias parameters) of one layer's attention and its two norms."""
+    def _attention_params(self, layer: int) -> tuple[int, int]:
+        """(matrix parameters, norm and bias parameters) of `layer`'s attention and its two norms (the linear
+        attention's convolution taps counted as matrix parameters: a token multiplies with each once)."""
+        if self.layer_is_linear(layer):
+            d, keys = self.d_model, self.linear_n_key_heads * self.linear_key_head_dim
+            values, heads = self.linear_n_value_heads * self.linear_value_head_dim, self.linear_n_value_heads
+            channels = 2 * keys + values
+            matrices = d * (channels + values + 2 * heads) + values * d + channels * self.linear_conv_kernel
+            return matrices, 2 * d + self.linear_value_head_dim + 2 * heads
         if self.kv_lora_rank:
             d, heads, (qk, v) = self.d_model, self.n_heads, self.attention_widths
             queries = d * self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else d * heads * qk
@@ -312,7 +381,7 @@ class ModelConfig:
         small += self.n_heads if self.attention_sinks else 0
         if self.qk_norm:
             small += q + kv if self.qk_norm_scope == "full" else 2 * self.head_dim
-        return 2 * d * q + 2 * d * kv, small
+        return (3 if self.attn_output_gate else 2) * d * q + 2 * d * kv, small
 
     def _mlp_params(self, layer: int) -> tuple[int, int]:
         """(all MLP parameters, those one token multiplies with) of `layer`."""
@@ -320,7 +389,7 @@ class ModelConfig:
         if not self.layer_is_moe(layer):
             return 3 * d * self.d_ff, 3 * d * self.d_ff
         router = self.n_experts * d
-        shared_gate = d if self.arch == "qwen2_moe" else 0
+        shared_gate = d if self.arch in GATED_SHARED_EXPERT else 0
         shared = 3 * d * self.shared_expert_d_ff + shared_gate if self.shared_expert_d_ff else 0
         expert = 3 * d * self.moe_d_ff
         biases = self.n_experts * (1 + 2 * self.moe_d_ff + d) if self.arch == "gpt_oss" else 0  # not multiplied with
@@ -330,7 +399,7 @@ class ModelConfig:
 
     def layer_params(self, layer: int) -> int:
         """Trainable parameters of decoder layer `layer` (all experts counted)."""
-        matrices, small = self._attention_params()
+        matrices, small = self._attention_params(layer)
         return matrices + small + self._mlp_params(layer)[0]
 
     @property
@@ -350,8 +419,7 @@ class ModelConfig:
         """Parameters one token multiplies with: attention matrices, the router, shared and active
         experts (or the dense MLP) and the LM head (tied or not), but not the embedding lookup,
         norms or biases. For a dense model these are all the matrices."""
-        attention = self._attention_params()[0]
-        layers = sum(attention + self._mlp_params(layer)[1] for layer in range(self.n_layers))
+        layers = sum(self._attention_params(layer)[0] + self._mlp_params(layer)[1] for layer in range(self.n_layers))
         return layers + self.vocab_size * self.d_model
 
     @property
@@ -361,10 +429,20 @@ class ModelConfig:
         return self.n_params - inactive
 
 
+def linear_attention_flops_per_token(config: ModelConfig) -> float:
+    """Forward + backward FLOPs per token of one linear-attention layer's delta rule (its projections and
+    convolution are matmul parameters): within its chunk as causal attention over the chunk, and three
+    [key_head_dim, value_head_dim] products with the state (its read, the delta's prediction, its update); the
+    chunks' triangular solves not counted."""
+    d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
+    return 3 * config.linear_n_value_heads * ((d_k + d_v) * LINEAR_ATTENTION_CHUNK + 6 * d_k * d_v)
+
+
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, forward + backward, recomputation not counted:
     6 x matmul parameters + causal attention (QK^T and AV over half the square; over the window, at
-    most, in sliding-window layers; over half a chunk, at most, in chunked layers)."""
+    most, in sliding-window layers; over half a chunk, at most, in chunked layers) + linear attention's
+    delta rule (`linear_attention_flops_per_token`)."""
     per_layer = 3 * config.n_heads * sum(config.attention_widths)
     windowed = min(seq_len, 2 * config.sliding_window) if config.sliding_window else seq_len
     chunked = min(seq_len, config.attention_chunk_size or seq_len)
@@ -372,5 +450,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     def keys(layer: int) -> int:  # twice the mean number of keys a query attends to
         return windowed if layer in config.sliding_layers else chunked if layer in config.chunked_layers else seq_len
 
-    attention = per_layer * sum(keys(layer) for layer in range(config.n_layers))
-    return 6 * config.matmul_params + attention
+    softmax_layers = [layer for layer in range(config.n_layers) if not config.layer_is_linear(layer)]
+    attention = per_layer * sum(keys(layer) for layer in softmax_layers)
+    linear = len(config.linear_attention_layers) * linear_attention_flops_per_token(config)
+    return 6 * config.matmul_params + attention + linear

@@ -5,7 +5,9 @@ from pathlib import Path
 
 from .config import (
     ERNIE,
+    GATED_SHARED_EXPERT,
     GEMMA,
+    LINEAR_ATTENTION_ARCHITECTURES,
     LOCAL_ROPE_ARCHITECTURES,
     NOPE_ARCHITECTURES,
     OLMO,
@@ -38,6 +40,9 @@ _HF_CLASSES = {
     "olmo3": "Olmo3ForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -55,7 +60,19 @@ _GEMMA_DEFAULTS = {
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
 }
+# transformers' Qwen3-Next and Qwen3.5 defaults for what their published configs might leave out
+_LINEAR_ATTENTION_DEFAULTS = {
+    "head_dim": 256,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
 _DEFAULTS = {
+    **{model_type: _LINEAR_ATTENTION_DEFAULTS for model_type in LINEAR_ATTENTION_ARCHITECTURES},
     "gemma2": {
         **_GEMMA_DEFAULTS,
         "vocab_size": 256000,
@@ -93,7 +110,13 @@ _DEFAULTS = {
 }
 # image-text model_types whose text model trains (and exports) alone, with its model_type where text_config
 # does not say (Mistral Small 3.1/3.2, Magistral, Devstral: Mistral3ForConditionalGeneration)
-_TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llama4": "llama4_text", "mistral3": "mistral"}
+_TEXT_MODEL_OF = {
+    "gemma3": "gemma3_text",
+    "llama4": "llama4_text",
+    "mistral3": "mistral",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 # model_type values of published configs that are one of the above (transformers maps them the same way)
 _SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
@@ -128,7 +151,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2, SmolLM3)"
+            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2 and 3, SmolLM3; with linear "
+            "attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE)"
         )
     biased_attention_refused = (
         "llama",
@@ -142,6 +166,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         *OLMO,
         "llama4_text",
         "smollm3",
+        *LINEAR_ATTENTION_ARCHITECTURES,
     )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -161,10 +186,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
         partial_rotary = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    # (transformers 5 writes some families' rope_parameters under rope_scaling too, rope_theta and all)
-    scaling = {
-        k: v for k, v in (hf.get("rope_scaling") or rope).items() if k not in ("rope_theta", "partial_rotary_factor")
-    } or None
+    # (transformers 5 writes some families' rope_parameters under rope_scaling too, rope_theta and all; Qwen3.5's
+    # multimodal rotary sections give a text's tokens one position on every axis, which is the plain embedding)
+    not_scaling = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    scaling = {k: v for k, v in (hf.get("rope_scaling") or rope).items() if k not in not_scaling} or None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":  # as transformers completes it
@@ -182,7 +207,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
-        d_ff=hf["intermediate_size_mlp" if model_type == "llama4_text" else "intermediate_size"],
+        d_ff=_dense_d_ff(hf, model_type),
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         max_seq_len=hf.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
@@ -192,7 +217,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         qkv_bias=model_type == "qwen2"
         or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
         or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", *OLMO)
+        qk_norm=model_type
+        in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", *OLMO, *LINEAR_ATTENTION_ARCHITECTURES)
         or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
         partial_rotary_factor=partial_rotary,
         qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2", *OLMO) else "head",
@@ -207,10 +233,50 @@ def config_from_hf(hf: dict) -> ModelConfig:
         **_gpt_oss_from_hf(hf, model_type),
         **_latent_attention_from_hf(hf, model_type),
         **_llama4_from_hf(hf, model_type),
+        **_linear_attention_from_hf(hf, model_type),
         nope_layers=_nope_layers(hf, model_type),
         rope_local_theta=local_theta,
         **gemma,
     )
+
+
+def _dense_d_ff(hf: dict, model_type: str) -> int:
+    """The dense MLP's width (Qwen3.5-MoE has none: its experts' then, unused)."""
+    if model_type == "llama4_text":
+        return hf["intermediate_size_mlp"]
+    if model_type == "qwen3_5_moe_text":
+        return hf.get("intermediate_size") or hf["moe_intermediate_size"]
+    return hf["intermediate_size"]
+
+
+def _linear_attention_layer_types(hf: dict) -> list[str]:
+    """Qwen3-Next's and Qwen3.5's `layer_types`, or transformers' default: softmax attention every
+    `full_attention_interval`-th layer, linear attention on the others."""
+    interval = hf["full_attention_interval"]
+    default = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(hf["num_hidden_layers"])
+    ]
+    types = hf.get("layer_types") or default
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ZooError(f"layer_types {unknown} are not supported here (linear_attention, full_attention)")
+    return types
+
+
+def _linear_attention_from_hf(hf: dict, model_type: str) -> dict:
+    if model_type not in LINEAR_ATTENTION_ARCHITECTURES:
+        return {}
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ZooError(f"{model_type} with hidden_act={hf['hidden_act']!r} is not supported (silu)")
+    types = _linear_attention_layer_types(hf)[: hf["num_hidden_layers"]]
+    return {
+        "linear_attention_layers": tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        "linear_n_key_heads": hf["linear_num_key_heads"],
+        "linear_n_value_heads": hf["linear_num_value_heads"],
+        "linear_key_head_dim": hf["linear_key_head_dim"],
+        "linear_value_head_dim": hf["linear_value_head_dim"],
+        "linear_conv_kernel": hf["linear_conv_kernel_dim"],
+    }
 
 
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # transformers' name -> ModelConfig's
@@ -394,7 +460,7 @@ def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     with `use_sliding_window`), SmolLM3 its layers without rotary embedding (with `use_sliding_window`). None
     without a window."""
     n_layers = hf["num_hidden_layers"]
-    if not hf.get("sliding_window"):
+    if not hf.get("sliding_window") or model_type in LINEAR_ATTENTION_ARCHITECTURES:
         return ()
     if model_type == "smollm3" and hf.get("layer_types") is None:  # by default on the layers without rotary embedding
         return _nope_layers(hf, model_type) if hf.get("use_sliding_window") else ()
@@ -430,7 +496,8 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
             "token's unbiased top-k, which megatrain's routing statistics (the chosen experts) do not; set it to "
             "false (train.router_bias_update_rate balances by its correction bias instead)"
         )
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "minimax_m2", *_DEEPSEEK_MOE):
+    generic = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "minimax_m2", "qwen3_next", "qwen3_5_moe_text")
+    if model_type not in (*generic, *_DEEPSEEK_MOE):
         return _ernie_moe_from_hf(hf) if model_type == "ernie4_5_moe" else {}
     if model_type in _DEEPSEEK_MOE:  # transformers adds no load-balancing loss; DeepSeek-V2 never renormalises
         return {
@@ -453,7 +520,9 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
         # transformers writes num_local_experts for some families that published as num_experts
         "n_experts": hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"],
         "n_experts_per_tok": hf["num_experts_per_tok"],
-        "norm_topk_prob": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+        # (Qwen3-Next's transformers default renormalises; Qwen3.5-MoE's router always does)
+        "norm_topk_prob": model_type in ("mixtral", "qwen3_5_moe_text")
+        or bool(hf.get("norm_topk_prob", model_type == "qwen3_next")),
         "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
         "output_router_logits": bool(hf.get("output_router_logits", False)),
     }
@@ -469,7 +538,7 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
     return {
         **fields,
         "moe_d_ff": hf["moe_intermediate_size"],
-        "shared_expert_d_ff": hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0,
+        "shared_expert_d_ff": hf.get("shared_expert_intermediate_size", 0) if model_type in GATED_SHARED_EXPERT else 0,
         "dense_layers": dense,
     }
 
@@ -617,6 +686,8 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
             partial_rotary_factor=config.partial_rotary_factor,
             num_nextn_predict_layers=0,
         )
+    if config.arch in LINEAR_ATTENTION_ARCHITECTURES:
+        hf.update(_linear_attention_to_hf(config))
     if config.arch == "gpt_oss":
         hf.pop("rope_scaling")
         hf.update(
@@ -652,9 +723,30 @@ def _moe_to_hf(config: ModelConfig) -> dict:
         decoder_sparse_step=1,
         mlp_only_layers=list(config.dense_layers),
     )
+    if config.arch in GATED_SHARED_EXPERT:
+        hf["shared_expert_intermediate_size"] = config.shared_expert_d_ff
     if config.arch == "qwen2_moe":
-        hf.update(shared_expert_intermediate_size=config.shared_expert_d_ff, qkv_bias=config.qkv_bias)
+        hf["qkv_bias"] = config.qkv_bias
     return hf
+
+
+def _linear_attention_to_hf(config: ModelConfig) -> dict:
+    rope = {"rope_type": "default", **(config.rope_scaling or {})}
+    rope.update(rope_theta=config.rope_theta, partial_rotary_factor=config.partial_rotary_factor)
+    return {
+        "rope_scaling": None,
+        "rope_parameters": rope,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "attention_bias": False,
+        "layer_types": [
+            "linear_attention" if config.layer_is_linear(i) else "full_attention" for i in range(config.n_layers)
+        ],
+        "linear_num_key_heads": config.linear_n_key_heads,
+        "linear_num_value_heads": config.linear_n_value_heads,
+        "linear_key_head_dim": config.linear_key_head_dim,
+        "linear_value_head_dim": config.linear_value_head_dim,
+        "linear_conv_kernel_dim": config.linear_conv_kernel,
+    }
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:

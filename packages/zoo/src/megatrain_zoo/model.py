@@ -11,6 +11,7 @@ from megatrain_templates import (
     BlockShape,
     DecoderBlock,
     Embedding,
+    GatedDeltaNetShape,
     Head,
     MlaShape,
     MoeAttention,
@@ -26,7 +27,7 @@ from megatrain_templates import (
     yarn_mscale,
 )
 
-from .config import ModelConfig
+from .config import LINEAR_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_CHUNK, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,12 @@ class ModelSpec:
         """What tensor `name` of a published checkpoint belongs to when it is a part the causal language model
         does not have (so transformers' *ForCausalLM leaves it out too), else None: multi-token-prediction
         modules (DeepSeek-V3's and GLM-4.5's, published as layers past the last; ERNIE 4.5's, named `mtp`),
-        the vision towers and projectors of Gemma 3's, Mistral Small 3's and Llama 4's image-text checkpoints
-        (which hold the text model trained here)."""
+        and Qwen3-Next's and Qwen3.5's, named `mtp.*`), the vision towers and projectors of Gemma 3's, Mistral
+        Small 3's, Llama 4's and Qwen3.5's image-text checkpoints (which hold the text model trained here)."""
         arch = self.config.arch
-        if arch == "ernie4_5_moe" and "mtp" in name:
+        if (arch == "ernie4_5_moe" and "mtp" in name) or (
+            arch in LINEAR_ATTENTION_ARCHITECTURES and name[:4] == "mtp."
+        ):
             return "multi-token-prediction modules"
         if name.startswith(_VISION_PARTS.get(arch, ())):
             return "the vision tower and its projector"
@@ -95,7 +98,7 @@ class ModelSpec:
         """Other names files may give tensor `name`: transformers >= 5's in memory (Mixtral's block_sparse_moe
         is mlp there); image-text checkpoints' for their text model (Gemma 3's, Mistral Small 3's and Llama 4's
         `language_model.model.*` and `language_model.lm_head.weight` as published, `model.language_model.*` as
-        transformers 4.52 and later write them)."""
+        transformers 4.52 and later write them and Qwen3.5 publishes them)."""
         if self.config.arch in _VISION_PARTS and name.startswith(("model.", "lm_head.")):
             inside = ("model.language_model." + name.removeprefix("model."),) if name.startswith("model.") else ()
             return ("language_model." + name, *inside)
@@ -109,7 +112,9 @@ class ModelSpec:
 
 def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
     """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window, and with it
-    Gemma 3's rotary base; in Llama 4's rotary embedding, chunks and temperatures)."""
+    Gemma 3's rotary base; in Llama 4's rotary embedding, chunks and temperatures; in Qwen3-Next's and Qwen3.5's
+    token mixer, linear or softmax attention)."""
+    linear = config.layer_is_linear(layer)
     windowed = layer in config.sliding_layers
     rotary = layer not in config.nope_layers
     # frozen (hashable) form; LongRoPE's per-frequency factors are lists
@@ -151,6 +156,20 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         if config.attn_temperature_floor_scale and not rotary
         else None,
         mlp_module="feed_forward" if config.arch == "llama4_text" else "mlp",
+        linear_attention=_linear_attention_shape(config) if linear else None,
+        attn_output_gate=config.attn_output_gate and not linear,
+    )
+
+
+def _linear_attention_shape(config: ModelConfig) -> GatedDeltaNetShape:
+    return GatedDeltaNetShape(
+        n_key_heads=config.linear_n_key_heads,
+        n_value_heads=config.linear_n_value_heads,
+        key_head_dim=config.linear_key_head_dim,
+        value_head_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel,
+        grouped_projections=config.arch == "qwen3_next",  # its published in_proj_qkvz / in_proj_ba
+        chunk=LINEAR_ATTENTION_CHUNK,
     )
 
 
@@ -178,6 +197,8 @@ _VISION_PARTS = {
     "gemma3_text": _LLAVA_VISION,
     "mistral": _LLAVA_VISION,  # Mistral Small 3.1 and later
     "llama4_text": ("vision_model.", "multi_modal_projector."),
+    "qwen3_5_text": ("model.visual.",),
+    "qwen3_5_moe_text": ("model.visual.",),
 }
 
 # the template's parameter naming (`EXPERT_NAMING`) per family; "qwen" for the others
@@ -291,8 +312,9 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
 
 
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> None:
-    """Hugging Face initialisation: norms at one (Gemma's, which scale by 1 + weight, at zero), biases at
-    zero, matrices N(0, initializer_range).
+    """Hugging Face initialisation: norms at one (those that scale by 1 + weight at zero), biases at zero,
+    matrices N(0, initializer_range); linear attention's dt_bias at one and A_log at log(U(0.01, 16)), as
+    transformers' Qwen3-Next and Qwen3.5 start them.
 
     Each tensor is drawn from a generator of its own, seeded by (seed, name), so the weights do not
     depend on how the tensors are grouped or in which order they are made (a MoE layer in parts,
@@ -300,8 +322,15 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> No
     by expert, so a slice holds the same rows as the whole tensor."""
     base, first, _ = row_slice_of(name) or (name, 0, 0)
     base = (split_precision_of(base) or (base,))[0]
-    if base.endswith("norm.weight"):
-        tensor.fill_(0.0 if config.gemma else 1.0)
+    if base.endswith("norm.weight"):  # (the linear attention's gated norm scales by its weight alone)
+        one_plus = config.norm_scale == "one_plus_fp32" and not base.endswith("linear_attn.norm.weight")
+        tensor.fill_(0.0 if one_plus else 1.0)
+        return
+    if base.endswith("linear_attn.dt_bias"):
+        tensor.fill_(1.0)
+        return
+    if base.endswith("linear_attn.A_log"):
+        tensor.copy_(torch.empty(tensor.shape).uniform_(0.01, 16, generator=_generator(seed, base)).log())
         return
     if base.endswith((".bias", "_bias")) and not base.endswith("router.bias"):
         tensor.zero_()

@@ -307,6 +307,43 @@ def _llama4(
     return ModelConfig("llama4_text", vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**config, **changes})
 
 
+def _qwen3_5(
+    arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, d_ff: int, linear_value_heads: int, **changes
+) -> ModelConfig:
+    """Qwen3-Next and Qwen3.5 (Alibaba, 2025-26): three of four layers Gated DeltaNet (16 query/key heads of 128,
+    `linear_value_heads` value heads of 128, a 4-tap convolution), every fourth softmax attention over two or four
+    key/value heads of 256 with an output gate, a quarter of each head rotating, (1 + weight) norms."""
+    config = dict(
+        head_dim=256,
+        max_seq_len=262144,
+        rope_theta=10_000_000.0,
+        rms_eps=1e-6,
+        qk_norm=True,
+        partial_rotary_factor=0.25,
+        bos_token_id=248045,
+        eos_token_id=248046,
+        linear_attention_layers=windowed_but_every(n_layers, 4),  # (all but every fourth)
+        linear_n_key_heads=16,
+        linear_n_value_heads=linear_value_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )
+    n_kv_heads = changes.pop("n_kv_heads", 2)
+    return ModelConfig(arch, vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, **{**config, **changes})
+
+
+def _qwen3_5_moe(
+    d_model: int, n_layers: int, n_heads: int, linear_value_heads: int, n_experts: int, top_k: int, expert_d_ff: int
+) -> ModelConfig:
+    """Qwen3.5's MoE models: every layer's MLP `n_experts` routed experts (`top_k` per token, renormalised) and a
+    shared one as wide behind a sigmoid gate."""
+    return _qwen3_5(
+        "qwen3_5_moe_text", 248320, d_model, n_layers, n_heads, expert_d_ff, linear_value_heads, n_experts=n_experts,
+        n_experts_per_tok=top_k, moe_d_ff=expert_d_ff, shared_expert_d_ff=expert_d_ff, norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+    )  # fmt: skip
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Llama 2
     "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
@@ -608,6 +645,16 @@ PRESETS: dict[str, ModelConfig] = {
         202048, 5120, 48, 40, 8, 16384, 8192, max_seq_len=1048576, n_experts=128, moe_every=2,
         qk_rms_normalized=False,
     ),
+    # Qwen3.5 (the text models of its image-text checkpoints) and Qwen3-Next: linear attention on three of four layers
+    "qwen3.5-0.8b": _qwen3_5("qwen3_5_text", 248320, 1024, 24, 8, 3584, 16, tie_embeddings=True),
+    "qwen3.5-27b": _qwen3_5("qwen3_5_text", 248320, 5120, 64, 24, 17408, 48, n_kv_heads=4),
+    "qwen3.5-35b-a3b": _qwen3_5_moe(2048, 40, 16, 32, 256, 8, 512),
+    "qwen3.5-122b-a10b": _qwen3_5_moe(3072, 48, 32, 64, 256, 8, 1024),
+    "qwen3.5-397b-a17b": _qwen3_5_moe(4096, 60, 32, 64, 512, 10, 1024),
+    "qwen3-next-80b-a3b": _qwen3_5(
+        "qwen3_next", 151936, 2048, 48, 16, 5120, 32, bos_token_id=151643, eos_token_id=151645, n_experts=512,
+        n_experts_per_tok=10, moe_d_ff=512, shared_expert_d_ff=512, norm_topk_prob=True, router_aux_loss_coef=0.001,
+    ),
     # A 120B dense Llama-style shape (the size class of the published single-GPU result).
     "dense-120b": _llama3(12288, 76, 96, 8, 32768),
     # Tiny models for tests and the built-in CPU demo.
@@ -716,6 +763,22 @@ PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
     n_experts=8, n_experts_per_tok=3, moe_d_ff=32, norm_topk_prob=True, router_scoring="sigmoid",
     partial_rotary_factor=0.5,
+)
+
+# Qwen3.5 and Qwen3-Next at a tiny shape: linear attention on layers 0-2, gated softmax attention on layer 3 (two
+# value heads per key head); Qwen3-Next's layer 1 a dense MLP (mlp_only_layers), its projections grouped by key head
+_TINY_LINEAR = dict(
+    head_dim=16, max_seq_len=256, rope_theta=10_000.0, linear_attention_layers=(0, 1, 2), linear_n_key_heads=2,
+    linear_n_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+_TINY_EXPERTS = dict(n_experts=8, n_experts_per_tok=2, moe_d_ff=32, shared_expert_d_ff=48, norm_topk_prob=True)
+PRESETS["tiny-qwen3.5"] = _qwen3_5("qwen3_5_text", 256, 64, 4, 4, 160, 4, tie_embeddings=True, **_TINY_LINEAR)
+PRESETS["tiny-qwen3.5-moe"] = _qwen3_5(
+    "qwen3_5_moe_text", 256, 64, 4, 4, 32, 4, router_aux_loss_coef=0.02, output_router_logits=True,
+    **_TINY_EXPERTS, **_TINY_LINEAR,
+)  # fmt: skip
+PRESETS["tiny-qwen3-next"] = _qwen3_5(
+    "qwen3_next", 256, 64, 4, 4, 96, 4, dense_layers=(1,), **_TINY_EXPERTS, **_TINY_LINEAR
 )
 
 
