@@ -177,3 +177,25 @@ def delta_rule_token_by_token():
     finally:
         for module, original in zip(modules, saved):
             module.torch_chunk_gated_delta_rule = original
+
+
+def check_extra_tensors_are_left_out(reference, extra: dict, what: str, tmp_path, capsys):
+    """`reference` (a transformers model) saved with the `extra` tensors added, which megatrain's model does not
+    have (`ModelSpec.left_out`): it says it leaves them out as `what`, computes the reference's logits, and
+    `megatrain convert` writes the checkpoint without them."""
+    from safetensors.torch import load_file, save_file
+
+    from megatrain.hf_io import convert
+
+    reference.save_pretrained(tmp_path / "hf")
+    (weights,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = {**load_file(str(weights)), **extra}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    assert f"leaving out {len(extra)} tensors of {what}" in capsys.readouterr().err
+    ids = torch.randint(0, trainer.model_config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert rel_err(trainer.logits(ids), reference(ids).logits) < 1e-5
+    trainer.close()
+    written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
+    assert set(written) == set(tensors) - set(extra)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers  # installed by the integration nox session
 from hf_steps import (
+    check_extra_tensors_are_left_out,
     check_text_model_trains_and_exports_alone,
     exact_reference,
     grad_norm_tolerance,
@@ -19,7 +20,7 @@ from hf_steps import (
     reference_step,
     rel_err,
 )
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from test_dense_families import hf_dense_model
 
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
@@ -118,23 +119,12 @@ def test_text_model_of_an_image_text_checkpoint_trains_and_exports_alone(name, t
 
 def test_qwen3_next_multi_token_prediction_tensors_are_left_out(tmp_path, capsys):
     """Qwen3-Next's published checkpoints carry an `mtp.*` module transformers does not load: left out, said so."""
-    from megatrain.hf_io import convert
-
+    extra = {
+        "mtp.pre_fc_norm_hidden.weight": torch.randn(64),
+        "mtp.layers.0.self_attn.q_proj.weight": torch.randn(128, 64),
+    }
     reference = hf_dense_model("tiny-qwen3-next", 3).eval()
-    reference.save_pretrained(tmp_path / "hf")
-    (weights,) = (tmp_path / "hf").glob("*.safetensors")
-    tensors = load_file(str(weights))
-    tensors["mtp.pre_fc_norm_hidden.weight"] = torch.randn(64)
-    tensors["mtp.layers.0.self_attn.q_proj.weight"] = torch.randn(128, 64)
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
-    assert "leaving out 2 tensors of multi-token-prediction modules" in capsys.readouterr().err
-    ids = torch.randint(0, 256, (2, 12))
-    with torch.no_grad():
-        assert rel_err(trainer.logits(ids), reference(ids).logits) < 1e-5
-    trainer.close()
-    written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
-    assert not any(name.startswith("mtp.") for name in written) and len(written) == len(tensors) - 2
+    check_extra_tensors_are_left_out(reference, extra, "multi-token-prediction modules", tmp_path, capsys)
 
 
 # The published config.json forms (the fields other projects copy from them): Qwen3.5's as image-text models with
@@ -260,6 +250,18 @@ def test_published_configs_parse_to_the_presets_as_transformers_reads_them(publi
     assert exported["layer_types"] == text["layer_types"]
     for key in ("rope_theta", "partial_rotary_factor"):
         assert exported["rope_parameters"][key] == text["rope_parameters"][key], key
+
+
+def test_rotary_settings_are_read_where_either_form_writes_them():
+    """partial_rotary_factor inside rope_parameters (transformers 5, Qwen3.5) or beside it, else the families' 0.25."""
+    text = QWEN3_5_27B["text_config"]
+    assert config_from_hf({**text, "rope_parameters": {**QWEN3_5_ROPE, "partial_rotary_factor": 0.5}}).rotary_dim == 128
+    unwritten = {k: v for k, v in QWEN3_5_ROPE.items() if k != "partial_rotary_factor"}
+    assert config_from_hf({**text, "rope_parameters": unwritten}).rotary_dim == 64
+    assert (
+        config_from_hf({**text, "rope_parameters": None, "rope_theta": 1e7, "partial_rotary_factor": 0.5}).rotary_dim
+        == 128
+    )
 
 
 def test_unsupported_settings_are_refused():

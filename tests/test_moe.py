@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers  # installed by the integration nox session
 from hf_steps import (
+    check_extra_tensors_are_left_out,
     exact_reference,
     grad_norm_tolerance,
     hf_adamw,
@@ -765,22 +766,9 @@ def test_random_initialisation_does_not_depend_on_the_parts(name, tmp_path):
 def test_ernie_multi_token_prediction_tensors_are_left_out_as_transformers_does(tmp_path, capsys):
     """ERNIE-4.5's published checkpoints carry `mtp` modules that transformers' model does not load: megatrain
     leaves them out too, says so, and trains the rest; `megatrain convert` writes it without them."""
-    from safetensors.torch import load_file
-
-    from megatrain.hf_io import convert
-
+    extra = {
+        "model.mtp_block.0.mlp.gate_proj.weight": torch.randn(96, 64),
+        "model.mtp_linear_proj.0.weight": torch.randn(64, 128),
+    }
     reference = hf_model("tiny-ernie4_5-moe", False, 3).eval()
-    reference.save_pretrained(tmp_path / "hf")
-    (weights,) = (tmp_path / "hf").glob("*.safetensors")
-    tensors = load_file(str(weights))
-    tensors["model.mtp_block.0.mlp.gate_proj.weight"] = torch.randn(96, 64)
-    tensors["model.mtp_linear_proj.0.weight"] = torch.randn(64, 128)
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
-    assert "leaving out 2 tensors of multi-token-prediction modules" in capsys.readouterr().err
-    ids = torch.randint(0, 256, (2, 12))
-    with torch.no_grad():
-        assert rel_err(trainer.logits(ids), reference(ids).logits) < 1e-5
-    trainer.close()
-    written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
-    assert not any("mtp" in name for name in written) and len(written) == len(tensors) - 2
+    check_extra_tensors_are_left_out(reference, extra, "multi-token-prediction modules", tmp_path, capsys)

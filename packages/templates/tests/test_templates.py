@@ -544,12 +544,9 @@ def random_linear_reference() -> RefGatedDeltaNetBlock:
     return ref
 
 
-def test_linear_attention_block_matches_module():
-    """float64: the linear-attention block (Gated DeltaNet on the chunked delta rule, the short convolution as
-    shifted taps) against the textbook module (F.conv1d, the delta rule token by token): output, input and
-    weight gradients, added into the buffer; kept products stand for the projections' GEMMs."""
-    torch.manual_seed(torch.seed() % 2**31)
-    block, ref = linear_attention_block(), random_linear_reference()
+def check_float64_block_against_module(block: DecoderBlock, ref: nn.Module, out_tolerance: float):
+    """float64: `block` on `ref`'s weights against `ref`: the output, the input's gradient and the weights' (added
+    into the buffer, not written). Returns (weights, input, output gradient, the weights' gradient buffer)."""
     (specs,) = block.groups
     assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
     flat = flatten_params(ref, specs)
@@ -557,18 +554,28 @@ def test_linear_attention_block_matches_module():
     grad_out = torch.randn(3, 11, 32, dtype=torch.float64)
     out_ref = ref(x)
     out_ref.backward(grad_out)
-    assert rel_err(block.forward([flat], x.detach()), out_ref) < 1e-12
+    assert rel_err(block.forward([flat], x.detach()), out_ref) < out_tolerance
     grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
     assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-10
     by_name = unflatten_grads(grads[0] - 0.5, specs)
     for name, p in ref.named_parameters():
         assert rel_err(by_name[name], p.grad) < 1e-10, name
+    return flat, x, grad_out, grads[0]
+
+
+def test_linear_attention_block_matches_module():
+    """float64: the linear-attention block (Gated DeltaNet on the chunked delta rule, the short convolution as
+    shifted taps) against the textbook module (F.conv1d, the delta rule token by token): output, input and
+    weight gradients, added into the buffer; kept products stand for the projections' GEMMs."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block = linear_attention_block()
+    flat, x, grad_out, grads = check_float64_block_against_module(block, random_linear_reference(), 1e-12)
     _, products = block.forward_keeping_products([flat], x.detach())
     assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
     assert sum(p.shape[-1] for p in products.values()) * 8 == block.product_bytes_per_token(8)
     product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
     assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
-    assert rel_err(product_grads[0], grads[0]) < 1e-12
+    assert rel_err(product_grads[0], grads) < 1e-12
 
 
 def grouped_projections(flat_split: torch.Tensor, split: DecoderBlock, grouped: DecoderBlock) -> torch.Tensor:
@@ -610,20 +617,8 @@ def test_gated_attention_block_matches_module():
     shape = BlockShape(
         32, 4, 2, 8, 40, 1e-6, qk_norm=True, rope=rope, norm_scale="one_plus_fp32", attn_output_gate=True
     )
-    block, ref = DecoderBlock(shape), RefGatedAttentionBlock(32, 4, 2, 8, 40, 1e-6, rope_inv_freq(rope)).double()
+    ref = RefGatedAttentionBlock(32, 4, 2, 8, 40, 1e-6, rope_inv_freq(rope)).double()
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.3)
-    (specs,) = block.groups
-    assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
-    flat = flatten_params(ref, specs)
-    x = torch.randn(3, 11, 32, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(3, 11, 32, dtype=torch.float64)
-    out_ref = ref(x)
-    out_ref.backward(grad_out)
-    assert rel_err(block.forward([flat], x.detach()), out_ref) < 1e-10  # (the rotary angles in fp32 on both sides)
-    grads = [torch.zeros(block.numel, dtype=torch.float64)]
-    assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-10
-    by_name = unflatten_grads(grads[0], specs)
-    for name, p in ref.named_parameters():
-        assert rel_err(by_name[name], p.grad) < 1e-10, name
+    check_float64_block_against_module(DecoderBlock(shape), ref, 1e-10)  # (rotary angles in fp32 on both sides)

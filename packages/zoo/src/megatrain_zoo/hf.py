@@ -63,7 +63,6 @@ _GEMMA_DEFAULTS = {
 # transformers' Qwen3-Next and Qwen3.5 defaults for what their published configs might leave out
 _LINEAR_ATTENTION_DEFAULTS = {
     "head_dim": 256,
-    "partial_rotary_factor": 0.25,
     "full_attention_interval": 4,
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 128,
@@ -183,7 +182,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if model_type in LOCAL_ROPE_ARCHITECTURES:
         rope, local_theta = _rope_per_layer_type(hf, rope, model_type)
     theta = hf.get("rope_theta") or rope.get("rope_theta") or (500000.0 if model_type in ERNIE else 10000.0)
-    partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+    default_rotary = 0.25 if model_type in LINEAR_ATTENTION_ARCHITECTURES else 1.0  # (transformers' default)
+    partial_rotary = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", default_rotary)))
     if hf.get("rotary_dim"):  # MiniMax-M2 publishes the rotating width itself
         partial_rotary = hf["rotary_dim"] / (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
     # (transformers 5 writes some families' rope_parameters under rope_scaling too, rope_theta and all; Qwen3.5's
