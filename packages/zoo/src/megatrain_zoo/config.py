@@ -325,8 +325,8 @@ class ModelConfig:
 
     @property
     def norm_scale(self) -> str:
-        """How the norms apply their weights (the templates' NORM_SCALES): Gemma's 1 + weight and OLMo's weight
-        in fp32 before the cast back, Llama's after it."""
+        """How the norms apply their weights (the templates' NORM_SCALES): Gemma's, Qwen3-Next's and Qwen3.5's
+        1 + weight and OLMo's weight in fp32 before the cast back, Llama's after it."""
         if self.arch in OLMO:
             return "fp32"
         return "one_plus_fp32" if self.gemma or self.arch in LINEAR_ATTENTION_ARCHITECTURES else "cast_first"

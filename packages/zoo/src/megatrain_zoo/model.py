@@ -70,7 +70,7 @@ class ModelSpec:
         Small 3's, Llama 4's and Qwen3.5's image-text checkpoints (which hold the text model trained here)."""
         arch = self.config.arch
         if (arch == "ernie4_5_moe" and "mtp" in name) or (
-            arch in LINEAR_ATTENTION_ARCHITECTURES and name[:4] == "mtp."
+            arch in LINEAR_ATTENTION_ARCHITECTURES and name.startswith("mtp.")
         ):
             return "multi-token-prediction modules"
         if name.startswith(_VISION_PARTS.get(arch, ())):
