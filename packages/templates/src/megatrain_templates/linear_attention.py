@@ -232,18 +232,73 @@ def chunked_gated_delta_rule(
     ut_system = (k_beta @ k.transpose(-1, -2)) * pair_decay  # unit diagonal: solve_triangular reads below it
     attention = (q @ k.transpose(-1, -2)) * pair_decay
     carried = decayed.exp() * reaches  # the carried state's decay at each token (0 past a document's start)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    carried_keys = torch.linalg.solve_triangular(
-        ut_system, k_beta * carried.unsqueeze(-1), upper=False, unitriangular=True
-    )
+    # the system's inverse once (64 right-hand sides), applied to both right-hand sides as GEMMs: a third of the
+    # triangular-solve work of solving for each
+    eye = torch.eye(chunk, dtype=dtype, device=q.device)
+    ut_inverse = torch.linalg.solve_triangular(ut_system, eye, upper=False, unitriangular=True)
+    new_values = ut_inverse @ v_beta
+    carried_keys = ut_inverse @ (k_beta * carried.unsqueeze(-1))
     q_carried = q * carried.unsqueeze(-1)
     k_to_end = k * ((last - decayed).exp() * to_end).unsqueeze(-1)
     chunk_carry = (last.exp() * reaches[..., -1:]).unsqueeze(-1)  # [batch, heads, n_chunks, 1, 1]
-    state = q.new_zeros(batch, n_heads, d_k, v.shape[-1])
-    outputs = []
-    for c in range(n_chunks):
-        delta = new_values[:, :, c] - carried_keys[:, :, c] @ state
-        outputs.append(q_carried[:, :, c] @ state + attention[:, :, c] @ delta)
-        state = state * chunk_carry[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ delta
-    out = torch.stack(outputs, dim=2).reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq]
-    return out.transpose(1, 2)
+    states, delta = _ChunkStates.apply(carried_keys, new_values, k_to_end, chunk_carry)
+    out = q_carried @ states + attention @ delta
+    return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
+
+
+class _ChunkStates(torch.autograd.Function):
+    """The delta rule's one sequential part: the state entering each chunk and each chunk's corrected values.
+
+    Per chunk c (all [batch, heads, n_chunks, ...]; S_0 = 0): delta_c = new_values_c - carried_keys_c S_c,
+    S_{c+1} = carry_c S_c + k_to_end_c^T delta_c. Returns (S [..., n_chunks, key_head_dim, value_head_dim],
+    delta [..., n_chunks, chunk, value_head_dim]). The loop runs chunk-major (each chunk's slice contiguous) and
+    writes its two small GEMMs a chunk in place, each way; everything that does not carry the state is batched
+    over the chunks outside it. Left to autograd, the loop's slices, stacks and saved per-chunk products made a
+    4096-token row of Qwen3.5-27B's shape (micro-batch 4) take 238 ms forward + backward on an H100."""
+
+    @staticmethod
+    def forward(ctx, carried_keys: Tensor, new_values: Tensor, k_to_end: Tensor, carry: Tensor):
+        *lead, n_chunks, chunk, d_k = carried_keys.shape
+        w, u, k_end = (_chunk_major(t) for t in (carried_keys, new_values, k_to_end))
+        g = _chunk_major(carry)
+        states = w.new_empty(n_chunks, w.shape[1], d_k, u.shape[-1])
+        delta = torch.empty_like(u)
+        states[0].zero_()
+        for c in range(n_chunks):
+            torch.baddbmm(u[c], w[c], states[c], alpha=-1, out=delta[c])
+            if c + 1 < n_chunks:  # the state leaving the last chunk is not read
+                torch.baddbmm(states[c] * g[c], k_end[c].transpose(1, 2), delta[c], out=states[c + 1])
+        ctx.save_for_backward(w, k_end, g, states, delta)
+        ctx.lead = lead
+        return _batch_major(states, lead), _batch_major(delta, lead)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_states: Tensor | None, d_delta: Tensor | None):
+        w, k_end, g, states, delta = ctx.saved_tensors
+        n_chunks = w.shape[0]
+        d_states = torch.zeros_like(states) if d_states is None else _chunk_major(d_states)
+        d_delta = torch.zeros_like(delta) if d_delta is None else _chunk_major(d_delta)
+        d_leaving = torch.empty_like(states)  # the loss's gradient by the state leaving each chunk
+        d_leaving[-1].zero_()
+        d_delta_total = torch.empty_like(delta)
+        for c in reversed(range(n_chunks)):
+            torch.baddbmm(d_delta[c], k_end[c], d_leaving[c], out=d_delta_total[c])
+            if c > 0:
+                entering = torch.addcmul(d_states[c], g[c], d_leaving[c])
+                torch.baddbmm(entering, w[c].transpose(1, 2), d_delta_total[c], alpha=-1, out=d_leaving[c - 1])
+        d_w = -(d_delta_total @ states.transpose(-1, -2))
+        d_k_end = delta @ d_leaving.transpose(-1, -2)
+        d_g = (states * d_leaving).sum(dim=(-1, -2), keepdim=True)
+        return tuple(_batch_major(t, ctx.lead) for t in (d_w, d_delta_total, d_k_end, d_g))
+
+
+def _chunk_major(t: Tensor) -> Tensor:
+    """[*lead, n_chunks, ...] -> contiguous [n_chunks, prod(lead), ...]."""
+    n_lead = t.dim() - 3
+    return t.reshape(-1, *t.shape[n_lead:]).transpose(0, 1).contiguous()
+
+
+def _batch_major(t: Tensor, lead: list[int]) -> Tensor:
+    """The inverse of `_chunk_major` (a view)."""
+    return t.transpose(0, 1).reshape(*lead, *t.shape[:1], *t.shape[2:])
