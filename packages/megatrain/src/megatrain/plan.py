@@ -905,33 +905,54 @@ def _sustained_seconds(run: Callable[[], None], warm_s: float = 0.5, timed_s: fl
 def measure_gpu_rates(
     model: ModelConfig, seq_len: int, micro_batch: int
 ) -> tuple[float, float | None, float, Callable[[], None]]:
-    """This GPU's rates at a run's micro-batch shape, in TFLOPS as `block_work` counts them: its largest
-    layer's forward, recompute and backward (a MoE block for a MoE model), a dense layer's keeping its
-    products (None for MoE layers, which always recompute), and the loss head's (6 FLOPs per weight and
-    token); and the recomputing layer's pass, to run beside other measurements."""
+    """This GPU's rates at a run's micro-batch shape, in TFLOPS as `block_work` counts them: its layers'
+    forward, recompute and backward (one layer of each kind timed, weighted by how many layers it stands for:
+    Qwen3.5's linear-attention layers run at a rate of their own beside its softmax ones, a model's first dense
+    layers beside its MoE ones), its dense layers' keeping their products likewise (None where the largest layer
+    is a MoE layer, which always recomputes), and the loss head's (6 FLOPs per weight and token); and the largest
+    layer's recomputing pass, to run beside other measurements."""
     from megatrain_zoo import build_model
+    from megatrain_zoo.model import block_shape
 
     spec = build_model(model)
-    layer = max(range(model.n_layers), key=model.layer_params)
-    block = spec.stages[layer + 1].template
-    weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
-    grads = [torch.zeros(block.numel, device="cuda")]
+    largest = max(range(model.n_layers), key=model.layer_params)
+    kinds: dict[tuple, list[int]] = {}
+    for layer in range(model.n_layers):
+        kinds.setdefault((block_shape(model, layer), model.layer_is_moe(layer)), []).append(layer)
     x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
 
-    def layer_pass() -> None:
-        block.forward(weights, x)
-        block.backward(weights, x, x, grads)
+    def passes(layer: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Layer `layer`'s recomputing pass and its pass keeping its products."""
+        block = spec.stages[layer + 1].template
+        weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
+        grads = [torch.zeros(block.numel, device="cuda")]
 
-    def kept_layer_pass() -> None:
-        _, products = block.forward_keeping_products(weights, x)
-        block.backward(weights, x, x, grads, products=products)
+        def layer_pass() -> None:
+            block.forward(weights, x)
+            block.backward(weights, x, x, grads)
+
+        def kept_layer_pass() -> None:
+            _, products = block.forward_keeping_products(weights, x)
+            block.backward(weights, x, x, grads, products=products)
+
+        return layer_pass, kept_layer_pass
 
     tokens = micro_batch * seq_len
     whole, kept_layer = layer_works(model, seq_len, tokens)
-    layer_tflops = _rounded(whole / _sustained_seconds(layer_pass) / 1e12)
-    kept_tflops = (
-        None if model.layer_is_moe(layer) else _rounded(kept_layer / _sustained_seconds(kept_layer_pass) / 1e12)
+    layer_pass, kept_layer_pass = passes(largest)
+    seconds = sum(
+        len(layers) * _sustained_seconds(layer_pass if largest in layers else passes(layers[0])[0])
+        for layers in kinds.values()
     )
+    layer_tflops = _rounded(whole * model.n_layers / seconds / 1e12)
+    kept_tflops = None
+    if not model.layer_is_moe(largest):
+        dense_kinds = [layers for (_, moe), layers in kinds.items() if not moe]
+        kept_seconds = sum(
+            len(layers) * _sustained_seconds(kept_layer_pass if largest in layers else passes(layers[0])[1])
+            for layers in dense_kinds
+        )
+        kept_tflops = _rounded(kept_layer * sum(map(len, dense_kinds)) / kept_seconds / 1e12)
     head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
     head_weights = [
         torch.randn(sum(p.numel for p in group), device="cuda", dtype=torch.bfloat16) * 0.02 for group in head.groups
