@@ -1,8 +1,8 @@
-"""Gemma 2, Gemma 3, Phi-3/Phi-4, OLMo 2 and 3 and SmolLM3 train exactly like transformers: several optimizer steps
-of megatrain (fp32, micro-batches, clipped and eager, weight decay) equal transformers' Gemma2ForCausalLM,
-Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM and SmolLM3ForCausalLM + torch.optim.AdamW on
-the same batches, with windows, soft caps, per-layer rotary bases and scaling, (1 + weight) norms, norms after the
-halves, partial rotary embedding and layers without it that bite; exports load in transformers with equal logits;
+"""Gemma 2, Gemma 3, Phi-3/Phi-4, OLMo 2 and 3, SmolLM3, Qwen3.5 and Granite train exactly like transformers: several
+optimizer steps of megatrain (fp32, micro-batches, clipped and eager, weight decay) equal transformers' *ForCausalLM
+of each + torch.optim.AdamW on the same batches, with windows, soft caps, per-layer rotary bases and scaling,
+(1 + weight) norms, norms after the halves, partial rotary embedding and layers without it, Granite's multipliers,
+that bite; exports load in transformers with equal logits;
 published config forms parse to the presets."""
 
 import json
@@ -24,7 +24,16 @@ from hf_steps import (
 from megatrain.config import EngineSection
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
-PRESETS = ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-olmo2", "tiny-olmo3", "tiny-smollm3", "tiny-qwen3.5"]
+PRESETS = [
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-olmo2",
+    "tiny-olmo3",
+    "tiny-smollm3",
+    "tiny-qwen3.5",
+    "tiny-granite",
+]
 
 
 def hf_dense_model(name: str, seed: int, **overrides):
@@ -119,6 +128,10 @@ def test_caps_windows_and_rotary_parts_change_the_result():
         ("tiny-gemma3", {"rope_local_base_freq": 1_000_000.0}),
         ("tiny-phi3", {"partial_rotary_factor": 1.0}),
         ("tiny-phi3", {"sliding_window": 64}),
+        ("tiny-granite", {"embedding_multiplier": 1.0}),
+        ("tiny-granite", {"residual_multiplier": 1.0}),
+        ("tiny-granite", {"attention_multiplier": 0.25}),  # head_dim ** -0.5
+        ("tiny-granite", {"logits_scaling": 1.0}),
         ("tiny-smollm3", {"no_rope_layers": [1] * 4}),
         ("tiny-smollm3", {"sliding_window": 64}),
         ("tiny-olmo3", {"sliding_window": 64}),
@@ -298,13 +311,46 @@ OLMO_3_7B = {
 }
 
 
+# Granite-3.3-8B's published config.json (transformers 4.49 wrote it)
+GRANITE_3_3_8B = {
+    "architectures": ["GraniteForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attention_multiplier": 0.0078125,
+    "bos_token_id": 0,
+    "embedding_multiplier": 12.0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12800,
+    "logits_scaling": 16.0,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "granite",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 49159,
+}
+
+
 @pytest.mark.parametrize(
     "published, name, billions",
-    [(SMOLLM3_3B, "smollm3-3b", 3.08), (OLMO_3_7B, "olmo-3-7b", 7.30)],
-    ids=["smollm3", "olmo3"],
+    [(SMOLLM3_3B, "smollm3-3b", 3.08), (OLMO_3_7B, "olmo-3-7b", 7.30), (GRANITE_3_3_8B, "granite-3.3-8b", 8.17)],
+    ids=["smollm3", "olmo3", "granite"],
 )
 def test_published_configs_of_layers_without_rotary_or_with_their_own_parse_to_the_presets(published, name, billions):
-    """SmolLM3's and OLMo 3's published config.json, and transformers' reading of them, parse to the presets."""
+    """SmolLM3's, OLMo 3's and Granite's published config.json, and transformers' reading of them, parse to the
+    presets."""
     assert config_from_hf(published) == preset(name)
     assert config_from_hf(transformers.AutoConfig.for_model(**published).to_dict()) == preset(name)
     assert round(preset(name).n_params / 1e9, 2) == billions
@@ -321,6 +367,14 @@ def test_unsupported_settings_are_refused():
         preset("tiny-llama").with_changes(nope_layers=(1,))
     with pytest.raises(ZooError, match="without dropout"):
         config_from_hf({**PHI_3_MINI_4K, "resid_pdrop": 0.1})
+    with pytest.raises(ZooError, match="Granite's"):
+        preset("tiny-llama").with_changes(residual_multiplier=0.5)
+    with pytest.raises(ZooError, match="all four positive"):
+        preset("tiny-granite").with_changes(logits_scaling=0.0)
+    with pytest.raises(ZooError, match="attention_bias"):
+        config_from_hf({**GRANITE_3_3_8B, "attention_bias": True})
+    with pytest.raises(ZooError, match="Mamba-2"):
+        config_from_hf({**GRANITE_3_3_8B, "model_type": "granitemoehybrid"})
 
 
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."], ids=["published", "4.52-4.57"])

@@ -33,6 +33,7 @@ class RefBlock(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim, self.inv_freq = n_heads, n_kv, head_dim, inv_freq
         self.scale, self.softcap, self.window = 1 / math.sqrt(head_dim), None, float("inf")
+        self.residual_scale = 1.0  # Granite's residual_multiplier
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         self.self_attn = nn.Module()
@@ -72,8 +73,8 @@ class RefBlock(nn.Module):
         return a.o_proj(att.transpose(1, 2).reshape(b, s, -1))
 
     def forward(self, x):
-        x = x + self.attention(self.input_layernorm(x))
-        return x + self.feed_forward(self.post_attention_layernorm(x))
+        x = x + self.attention(self.input_layernorm(x)) * self.residual_scale
+        return x + self.feed_forward(self.post_attention_layernorm(x)) * self.residual_scale
 
     def feed_forward(self, h):
         return self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))

@@ -43,11 +43,11 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize(
-    "qkv_bias,qk_norm,n_kv,rope_scaling",
+    "qkv_bias,qk_norm,n_kv,rope_scaling,granite",
     [
-        (False, False, 2, None),
-        (True, False, 4, None),
-        (False, True, 1, None),
+        (False, False, 2, None, False),
+        (True, False, 4, None, False),
+        (False, True, 1, None, False),
         (
             False,
             False,
@@ -59,16 +59,21 @@ def rel_err(a, b):
                 ("high_freq_factor", 4.0),
                 ("original_max_position_embeddings", 16),
             ),
+            False,
         ),
+        (False, False, 2, None, True),  # Granite's multipliers on the residual branches and the scores
     ],
 )
-def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling):
+def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite):
     torch.manual_seed(torch.seed() % 2**31)
     d, heads, head_dim, d_ff, eps = 32, 4, 8, 48, 1e-5
     rope = RopeConfig(head_dim=head_dim, theta=500.0, scaling=rope_scaling)
-    shape = BlockShape(d, heads, n_kv, head_dim, d_ff, eps, qkv_bias, qk_norm, rope)
+    multipliers = dict(residual_scale=0.3, softmax_scale=0.2) if granite else {}
+    shape = BlockShape(d, heads, n_kv, head_dim, d_ff, eps, qkv_bias, qk_norm, rope, **multipliers)
     block = DecoderBlock(shape)
     ref = RefBlock(d, heads, n_kv, head_dim, d_ff, eps, rope_inv_freq(rope), qkv_bias, qk_norm)
+    if granite:
+        ref.residual_scale, ref.scale = 0.3, 0.2
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.3)
@@ -350,14 +355,24 @@ def test_scaled_embedding_forward_backward(dtype):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk_rows", [7, 10_000])
 @pytest.mark.parametrize("fused", [False, True], ids=["in-place", "fused"])
-@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma2"])
-def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, gemma, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
+def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, family, monkeypatch):
     """Both forms of the logits' gradient: in place (eager, the CPU's) and the one CUDA compiles; Gemma 2's
-    final norm (1 + weight) and soft-capped logits."""
+    final norm (1 + weight) and soft-capped logits; Granite's logits divided by its logits_scaling."""
     if fused:
         monkeypatch.setattr(head_module, "logits_grad", head_module._logits_grad_fused)
+    gemma = family == "gemma2"
     vocab, d, eps, softcap = 37, 16, 1e-6, (1.5 if gemma else None)
-    head = Head(vocab, d, eps, tied=tied, norm_scale="one_plus_fp32" if gemma else "cast_first", logit_softcap=softcap)
+    divisor = 2.5 if family == "granite" else None
+    head = Head(
+        vocab,
+        d,
+        eps,
+        tied=tied,
+        norm_scale="one_plus_fp32" if gemma else "cast_first",
+        logit_softcap=softcap,
+        logit_divisor=divisor,
+    )
     head.chunk_rows = chunk_rows
     norm = GemmaRMSNorm(d, eps) if gemma else RMSNorm(d, eps)
     with torch.no_grad():
@@ -370,6 +385,8 @@ def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, gemma,
     n_valid = int((labels != -100).sum())
 
     logits = norm(hidden) @ matrix.T
+    if divisor:
+        logits = logits / divisor
     if gemma:
         logits = softcap * torch.tanh(logits / softcap)
         assert logits.abs().max() > 0.9 * softcap  # the cap bites

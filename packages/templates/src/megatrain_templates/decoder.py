@@ -125,6 +125,9 @@ class BlockShape:
     # head's q_proj rows (query, then gate, per head)
     linear_attention: GatedDeltaNetShape | None = None
     attn_output_gate: bool = False
+    # Granite: attention's and the MLP's outputs scaled by `residual_scale` (its residual_multiplier) before
+    # their residual adds
+    residual_scale: float | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -152,6 +155,10 @@ class BlockShape:
             raise ValueError("linear attention replaces softmax attention (not latent attention) in a pre-norm block")
         if self.attn_output_gate and (self.mla is not None or self.fused_projections or self.qkv_bias):
             raise ValueError("attn_output_gate is grouped-query attention's with q/k/v stored apart and no biases")
+
+    def residual_add(self, x: Tensor, out: Tensor) -> Tensor:
+        """x + out, out scaled by `residual_scale` where there is one."""
+        return x + (out if self.residual_scale is None else out * self.residual_scale)
 
     @property
     def rope_config(self) -> RopeConfig:
@@ -342,7 +349,7 @@ class DecoderBlock:
         batch, seq, _ = x.shape
         h = x if s.norm_placement == "post" else s.norm(x, w["input_norm"])
         if s.linear_attention is not None:
-            return x + gated_delta_net(s.linear_attention, w, h, documents, s.rms_eps)
+            return s.residual_add(x, gated_delta_net(s.linear_attention, w, h, documents, s.rms_eps))
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         q, k, v = qkv.split([2 * q_width if s.attn_output_gate else q_width, kv_width, kv_width], dim=-1)
@@ -385,7 +392,7 @@ class DecoderBlock:
         if s.attn_output_gate:
             attn = attn * torch.sigmoid(gate.reshape(batch, seq, q_width))
         out = linear(attn, w["o_weight"], w.get("o_bias"))
-        return x + (s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out)
+        return s.residual_add(x, s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out)
 
     def _rotated(self, q: Tensor, k: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """q and k ([batch, heads, seq, head_dim]) with the rotary embedding at each token's position."""
@@ -437,7 +444,9 @@ class DecoderBlock:
         k = torch.cat([k_nope, k_rot.expand(-1, s.n_heads, -1, -1)], dim=-1)
         mask = None if documents is None else documents.dense_mask()
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
-        return x + linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
+        return s.residual_add(
+            x, linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
+        )
 
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, activation(gate) * up)."""
@@ -448,7 +457,7 @@ class DecoderBlock:
     def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         x, mlp_hidden = self._up_to_mlp_output(w, x, documents)
         out = linear(mlp_hidden, w["down_weight"])
-        return x + (self.shape.norm(out, w["mlp_out_norm"]) if self.shape.normed_outputs else out)
+        return self.shape.residual_add(x, self.shape.norm(out, w["mlp_out_norm"]) if self.shape.normed_outputs else out)
 
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
@@ -520,10 +529,12 @@ class DecoderBlock:
             with torch.enable_grad():
                 after_attention, mlp_hidden = self._up_to_mlp_output(bound, x, documents)
             down = self._spans["down_weight"]
-            grad_mlp_hidden = grad_out @ down.view(weights[0])  # [batch, seq, d_ff]
+            scale = self.shape.residual_scale
+            grad_down_out = grad_out if scale is None else grad_out * scale
+            grad_mlp_hidden = grad_down_out @ down.view(weights[0])  # [batch, seq, d_ff]
             add_matmul_(
                 down.view(grads[0]),
-                grad_out.reshape(-1, grad_out.shape[-1]).T,
+                grad_down_out.reshape(-1, grad_out.shape[-1]).T,
                 mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
             )
             # the residual passes grad_out straight to after_attention; autograd adds the MLP path

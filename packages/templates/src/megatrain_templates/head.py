@@ -24,7 +24,8 @@ class Head:
     Untied: one buffer [lm_head.weight, norm.weight].
     Tied: two buffers, the embedding's [embed_tokens.weight] and [norm.weight].
     The final norm applies its weight the `norm_scale` way (`ops.NORM_SCALES`); Gemma 2's logits are soft-capped to
-    (-logit_softcap, logit_softcap) by logit_softcap * tanh(logits / logit_softcap) (in fp32 here).
+    (-logit_softcap, logit_softcap) by logit_softcap * tanh(logits / logit_softcap) (in fp32 here). Granite's are
+    divided by `logit_divisor` (its logits_scaling): here the normed rows are, before the GEMM.
     """
 
     def __init__(
@@ -35,9 +36,10 @@ class Head:
         tied: bool = False,
         norm_scale: str = "cast_first",
         logit_softcap: float | None = None,
+        logit_divisor: float | None = None,
     ):
         self.vocab_size, self.d_model, self.rms_eps, self.tied = vocab_size, d_model, rms_eps, tied
-        self.logit_softcap = logit_softcap
+        self.logit_softcap, self.logit_divisor = logit_softcap, logit_divisor
         self.norm_scale = norm_scale
         norm = ParamSpec("norm.weight", (d_model,), weight_decay=False)
         if tied:
@@ -54,11 +56,13 @@ class Head:
     def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
         """Full logits [batch, seq, vocab] in fp32, for inference and checks on small inputs."""
         check_buffers(weights, self.groups, "Head.logits")
-        normed = self._norm(hidden, self._norm_span.view(weights[self._norm_group]))
+        normed = self._normed_rows(hidden, self._norm_span.view(weights[self._norm_group]))
         return _capped(upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T), self.logit_softcap)
 
-    def _norm(self, hidden: Tensor, weight: Tensor) -> Tensor:
-        return rms_norm_as(self.norm_scale, hidden, weight, self.rms_eps)
+    def _normed_rows(self, hidden: Tensor, weight: Tensor) -> Tensor:
+        """The final norm, and Granite's logit divisor (dividing the rows divides the logits)."""
+        normed = rms_norm_as(self.norm_scale, hidden, weight, self.rms_eps)
+        return normed if self.logit_divisor is None else normed / self.logit_divisor
 
     @torch.no_grad()
     def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
@@ -66,7 +70,7 @@ class Head:
         with the arithmetic of `loss`. hidden: [batch, seq, d_model]; labels: [batch, seq]."""
         check_buffers(weights, self.groups, "Head.loss_sum")
         matrix = self._matrix_span.view(weights[self._matrix_group])
-        normed = self._norm(hidden, self._norm_span.view(weights[self._norm_group]))
+        normed = self._normed_rows(hidden, self._norm_span.view(weights[self._norm_group]))
         rows, targets = normed.reshape(-1, self.d_model), labels.reshape(-1)
         loss_sum = torch.zeros((), dtype=upcast(rows[:0]).dtype, device=hidden.device)
         for start in range(0, rows.shape[0], self.chunk_rows):
@@ -92,7 +96,7 @@ class Head:
         norm_weight = leaf(weights[self._norm_group], self._norm_span)
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
-            normed = self._norm(x, norm_weight)
+            normed = self._normed_rows(x, norm_weight)
         rows = normed.detach().reshape(-1, self.d_model)
         targets = labels.reshape(-1)
         grad_rows = torch.empty_like(rows)

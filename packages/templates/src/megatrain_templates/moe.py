@@ -207,8 +207,14 @@ def _router_bias(moe: MoeShape) -> tuple[ParamSpec, ...]:
     return ()
 
 
+def _check_unscaled_residuals(shape: BlockShape) -> None:
+    if shape.residual_scale is not None:
+        raise ValueError("residual_scale (Granite's) is the dense block's: a MoE block adds its halves unscaled")
+
+
 def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
     """Buffer order: attention matrices, router, experts, shared expert, then norms and biases (no decay)."""
+    _check_unscaled_residuals(shape)
     d = shape.d_model
     matrices, small = attention_params(shape)
     router = ParamSpec(router_name(moe), (moe.n_experts, d))
@@ -218,6 +224,7 @@ def moe_params(shape: BlockShape, moe: MoeShape) -> tuple[ParamSpec, ...]:
 def split_moe_params(shape: BlockShape, moe: MoeShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
     """A MoE layer whose experts stream in parts, less its experts: (the trunk: attention and shared
     expert; the router group: post-attention norm and router, which every part binds to route)."""
+    _check_unscaled_residuals(shape)
     d = shape.d_model
     matrices, small = attention_params(shape)
     post_norm = next(p for p in small if p.name == "post_attention_layernorm.weight")

@@ -28,7 +28,9 @@ DENSE_ARCHITECTURES = (
     *OLMO,
     "smollm3",
     "qwen3_5_text",
+    "granite",
 )
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # families whose sliding-window layers have their own rotary base, never scaled (`rope_local_theta`)
 LOCAL_ROPE_ARCHITECTURES = ("gemma3_text", "olmo3")
 # families with layers that have no rotary embedding (every fourth, by default)
@@ -156,6 +158,13 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    # Granite: the embedding's rows scaled by embedding_multiplier, attention's and the MLP's outputs by
+    # residual_multiplier before their residual adds, the scores by attention_multiplier (in place of
+    # head_dim ** -0.5), the logits divided by logits_scaling (GRANITE_MULTIPLIERS, all set or none)
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
@@ -225,6 +234,13 @@ class ModelConfig:
                 f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
                 f"{self.head_dim}: it must be an even number of them, at least two"
             )
+        multipliers = [getattr(self, name) for name in GRANITE_MULTIPLIERS]
+        expected = len(GRANITE_MULTIPLIERS) if self.arch == "granite" else 0
+        if sum(m is not None for m in multipliers) != expected or any(m is not None and not m > 0 for m in multipliers):
+            raise ZooError(
+                f"{GRANITE_MULTIPLIERS} are Granite's, all four positive (transformers' default is 1.0 each); "
+                f"{self.arch} got {multipliers}"
+            )
         gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
         set_here = [name for name in gemma_only if getattr(self, name) is not None]
         if set_here and self.arch not in GEMMA:
@@ -281,6 +297,14 @@ class ModelConfig:
     def layer_is_linear(self, layer: int) -> bool:
         """Whether `layer`'s token mixer is linear attention (Gated DeltaNet) rather than softmax attention."""
         return layer in self.linear_attention_layers
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The attention scores' scale where it is not head_dim ** -0.5: Granite's attention_multiplier, Gemma's
+        query_pre_attn_scalar ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
 
     @property
     def attn_output_gate(self) -> bool:

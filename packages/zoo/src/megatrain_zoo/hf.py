@@ -7,6 +7,7 @@ from .config import (
     ERNIE,
     GATED_SHARED_EXPERT,
     GEMMA,
+    GRANITE_MULTIPLIERS,
     LINEAR_ATTENTION_ARCHITECTURES,
     LOCAL_ROPE_ARCHITECTURES,
     NOPE_ARCHITECTURES,
@@ -43,6 +44,7 @@ _HF_CLASSES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -121,6 +123,9 @@ _SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
 _UNSUPPORTED_MOE = {
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (an indexer choosing the keys) is not implemented yet",
+    "granitemoehybrid": "Granite 4.0's Mamba-2 layers and its experts are not implemented yet (Granite 3.x and 4.1, "
+    "model_type granite, are)",
+    "granitemoe": "Granite's mixture-of-experts models are not implemented yet (its dense ones, model_type granite, are)",
 }
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 # families with DeepSeek's MoE config fields (n_routed_experts, n_shared_experts, first_k_dense_replace, ...)
@@ -150,8 +155,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2 and 3, SmolLM3; with linear "
-            "attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE)"
+            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2 and 3, SmolLM3, Granite 3 and "
+            "4.1; with linear attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE)"
         )
     biased_attention_refused = (
         "llama",
@@ -166,6 +171,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "llama4_text",
         "smollm3",
         *LINEAR_ATTENTION_ARCHITECTURES,
+        "granite",
     )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -237,6 +243,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         nope_layers=_nope_layers(hf, model_type),
         rope_local_theta=local_theta,
         **gemma,
+        **{name: float(hf.get(name) or 1.0) for name in GRANITE_MULTIPLIERS if model_type == "granite"},
     )
 
 
@@ -614,9 +621,11 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
     if config.arch == "smollm3":
         hf["use_sliding_window"] = bool(config.sliding_layers)
-    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *OLMO, "smollm3"):
+    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *OLMO, "smollm3", "granite"):
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
+    if config.arch == "granite":
+        hf.update({name: getattr(config, name) for name in GRANITE_MULTIPLIERS})
     windowed = config.sliding_layers
     if config.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1"):  # windows from max_window_layers on
         hf["use_sliding_window"] = bool(windowed)

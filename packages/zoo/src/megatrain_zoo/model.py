@@ -146,7 +146,7 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         norm_scale=config.norm_scale,
         norm_placement=config.norm_placement,
         activation=config.activation,
-        softmax_scale=None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5,
+        softmax_scale=config.softmax_scale,
         attn_softcap=config.attn_logit_softcapping,
         fused_projections=config.arch == "phi3",
         rotary=rotary,
@@ -158,6 +158,7 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         mlp_module="feed_forward" if config.arch == "llama4_text" else "mlp",
         linear_attention=_linear_attention_shape(config) if linear else None,
         attn_output_gate=config.attn_output_gate and not linear,
+        residual_scale=config.residual_multiplier,
     )
 
 
@@ -250,7 +251,7 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     MoE layers share the step's routing statistics. With `experts_per_stage` below the expert count
     (0: all), a MoE layer is several groups and stages so that a GPU slot holds a part of its experts:
     trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts."""
-    embed_scale = config.d_model**0.5 if config.gemma else None
+    embed_scale = config.d_model**0.5 if config.gemma else config.embedding_multiplier
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id, embed_scale)
     router_load = None
     if config.is_moe:
@@ -299,6 +300,7 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
         tied=config.tie_embeddings,
         norm_scale=config.norm_scale,
         logit_softcap=config.final_logit_softcapping,
+        logit_divisor=config.logits_scaling,
     )
     head_group = len(groups)
     groups.append(

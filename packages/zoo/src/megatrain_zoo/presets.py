@@ -344,6 +344,15 @@ def _qwen3_5_moe(
     )  # fmt: skip
 
 
+def _granite(vocab: int, d_model: int, n_heads: int, d_ff: int, **changes) -> ModelConfig:
+    """Granite 3.x and 4.1 (dense): 40 layers, 8 key-value heads, multipliers on the embedding (12), the residual
+    branches (0.22), the scores and the logits."""
+    return ModelConfig(
+        "granite", vocab, d_model, 40, n_heads, 8, d_ff, max_seq_len=131072, rope_theta=10_000_000.0, rms_eps=1e-5,
+        tie_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22, **changes,
+    )  # fmt: skip
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Llama 2
     "llama2-7b": _llama2(4096, 32, 32, 32, 11008),
@@ -633,6 +642,15 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=True, bos_token_id=128000, eos_token_id=128012, pad_token_id=128004,
         nope_layers=tuple(range(3, 36, 4)),
     ),
+    # IBM Granite 3.3 and 4.1 (dense; Granite 4.0's Mamba-2 hybrids are another family)
+    "granite-3.3-2b": _granite(49159, 2048, 32, 8192, attention_multiplier=0.015625, logits_scaling=8.0,
+                               bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "granite-3.3-8b": _granite(49159, 4096, 32, 12800, attention_multiplier=0.0078125, logits_scaling=16.0,
+                               bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "granite-4.1-3b": _granite(100352, 2560, 40, 8192, attention_multiplier=0.015625, logits_scaling=10.0,
+                               bos_token_id=100257, eos_token_id=100257, pad_token_id=100256),
+    "granite-4.1-8b": _granite(100352, 4096, 32, 12800, attention_multiplier=0.0078125, logits_scaling=16.0,
+                               bos_token_id=100257, eos_token_id=100257, pad_token_id=100256),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # the text models of Llama 4's image-text checkpoints
@@ -759,6 +777,10 @@ PRESETS["tiny-smollm3"] = ModelConfig(
     "smollm3", 256, 64, 4, 4, 2, 160, max_seq_len=256, rms_eps=1e-6, tie_embeddings=True, nope_layers=(1, 3),
     sliding_window=5, sliding_layers=(1, 3),
 )
+PRESETS["tiny-granite"] = ModelConfig(
+    "granite", 256, 64, 3, 4, 2, 160, max_seq_len=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.4, logits_scaling=2.0,
+)  # fmt: skip
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
     n_experts=8, n_experts_per_tok=3, moe_d_ff=32, norm_topk_prob=True, router_scoring="sigmoid",
