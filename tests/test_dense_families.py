@@ -33,6 +33,7 @@ PRESETS = [
     "tiny-smollm3",
     "tiny-qwen3.5",
     "tiny-granite",
+    "tiny-granite-4.0",
 ]
 
 
@@ -132,6 +133,7 @@ def test_caps_windows_and_rotary_parts_change_the_result():
         ("tiny-granite", {"residual_multiplier": 1.0}),
         ("tiny-granite", {"attention_multiplier": 0.25}),  # head_dim ** -0.5
         ("tiny-granite", {"logits_scaling": 1.0}),
+        ("tiny-granite-4.0", {"position_embedding_type": "rope"}),
         ("tiny-smollm3", {"no_rope_layers": [1] * 4}),
         ("tiny-smollm3", {"sliding_window": 64}),
         ("tiny-olmo3", {"sliding_window": 64}),
@@ -373,8 +375,12 @@ def test_unsupported_settings_are_refused():
         preset("tiny-granite").with_changes(logits_scaling=0.0)
     with pytest.raises(ZooError, match="attention_bias"):
         config_from_hf({**GRANITE_3_3_8B, "attention_bias": True})
-    with pytest.raises(ZooError, match="Mamba-2"):
-        config_from_hf({**GRANITE_3_3_8B, "model_type": "granitemoehybrid"})
+    granite_4 = {**GRANITE_3_3_8B, "model_type": "granitemoehybrid", "shared_intermediate_size": 8192}
+    with pytest.raises(ZooError, match="Mamba-2 layers \\(36 of 40\\)"):
+        config_from_hf({**granite_4, "layer_types": (["mamba"] * 9 + ["attention"]) * 4})
+    with pytest.raises(ZooError, match="experts"):
+        config_from_hf({**granite_4, "layer_types": ["attention"] * 40, "num_local_experts": 62})
+    assert config_from_hf({**granite_4, "layer_types": ["attention"] * 40, "num_local_experts": 0}).d_ff == 8192
 
 
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."], ids=["published", "4.52-4.57"])

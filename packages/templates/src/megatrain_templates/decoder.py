@@ -120,6 +120,9 @@ class BlockShape:
     attention_chunk: int | None = None
     attn_temperature: tuple[float, float] | None = None
     mlp_module: str = "mlp"
+    # the dense MLP as one fused gate|up tensor and the down projection under names of their own (Granite 4.0's
+    # shared_mlp.input_linear, shared_mlp.output_linear), in place of `mlp_module`'s
+    mlp_names: tuple[str, str] | None = None
     # Qwen3-Next and Qwen3.5: linear attention (Gated DeltaNet) instead of softmax attention on this layer; on
     # the others, attention's output gated per element by sigmoid(gate), the gate a second half of each query
     # head's q_proj rows (query, then gate, per head)
@@ -223,9 +226,9 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
     gate, up adjacent so each set is one GEMM), then norms and biases, which take no decay."""
     d = shape.d_model
     matrices, small = attention_params(shape)
-    gate_up_names = _gate_up_names(shape)
+    gate_up_names, down = _mlp_names(shape)
     gate_up = tuple(ParamSpec(name, (2 * shape.d_ff // len(gate_up_names), d)) for name in gate_up_names)
-    mlp = gate_up + (ParamSpec(f"{shape.mlp_module}.down_proj.weight", (d, shape.d_ff)),)
+    mlp = gate_up + (ParamSpec(down, (d, shape.d_ff)),)
     # the MLP's own norms where the attention's output has one: before it (Gemma), and on its output
     norms = {"pre": (), "sandwich": ("pre_feedforward_layernorm", "post_feedforward_layernorm")}.get(
         shape.norm_placement, ("post_feedforward_layernorm",)
@@ -234,10 +237,13 @@ def block_params(shape: BlockShape) -> tuple[ParamSpec, ...]:
     return matrices + mlp + small
 
 
-def _gate_up_names(shape: BlockShape) -> list[str]:
-    """The dense MLP's gate and up projections: one fused tensor (Phi-3) or two."""
+def _mlp_names(shape: BlockShape) -> tuple[list[str], str]:
+    """The dense MLP's gate and up projections, one fused tensor (Phi-3, Granite 4.0) or two, and its down
+    projection."""
+    if shape.mlp_names:
+        return [f"{shape.mlp_names[0]}.weight"], f"{shape.mlp_names[1]}.weight"
     names = ["gate_up_proj"] if shape.fused_projections else ["gate_proj", "up_proj"]
-    return [f"{shape.mlp_module}.{name}.weight" for name in names]
+    return [f"{shape.mlp_module}.{name}.weight" for name in names], f"{shape.mlp_module}.down_proj.weight"
 
 
 def _mla_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
@@ -312,10 +318,11 @@ class DecoderBlock:
         params = block_params(shape)
         self.groups: tuple[tuple[ParamSpec, ...], ...] = (params,)
         self.numel = total_numel(params)
+        gate_up_names, down = _mlp_names(shape)
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
-            "gate_up_weight": fused_span(params, _gate_up_names(shape)),
-            "down_weight": span_of(params, f"{shape.mlp_module}.down_proj.weight"),
+            "gate_up_weight": fused_span(params, gate_up_names),
+            "down_weight": span_of(params, down),
         }
         if shape.norm_placement == "sandwich":
             self._spans["post_norm"] = span_of(params, "pre_feedforward_layernorm.weight")

@@ -29,12 +29,17 @@ DENSE_ARCHITECTURES = (
     "smollm3",
     "qwen3_5_text",
     "granite",
+    "granitemoehybrid",
 )
+# IBM Granite 3.x/4.1 (granite) and 4.0 (granitemoehybrid: here its attention-only models, the MLP stored as
+# `shared_mlp`, every layer without rotary embedding where position_embedding_type is not "rope"): multipliers on
+# the embedding, the residual branches, the scores and the logits
+GRANITE = ("granite", "granitemoehybrid")
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # families whose sliding-window layers have their own rotary base, never scaled (`rope_local_theta`)
 LOCAL_ROPE_ARCHITECTURES = ("gemma3_text", "olmo3")
 # families with layers that have no rotary embedding (every fourth, by default)
-NOPE_ARCHITECTURES = ("llama4_text", "smollm3")
+NOPE_ARCHITECTURES = ("llama4_text", "smollm3", "granitemoehybrid")
 MOE_ARCHITECTURES = (
     "mixtral",
     "qwen2_moe",
@@ -158,7 +163,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
-    # Granite: the embedding's rows scaled by embedding_multiplier, attention's and the MLP's outputs by
+    # Granite (GRANITE): the embedding's rows scaled by embedding_multiplier, attention's and the MLP's outputs by
     # residual_multiplier before their residual adds, the scores by attention_multiplier (in place of
     # head_dim ** -0.5), the logits divided by logits_scaling (GRANITE_MULTIPLIERS, all set or none)
     embedding_multiplier: float | None = None
@@ -235,7 +240,7 @@ class ModelConfig:
                 f"{self.head_dim}: it must be an even number of them, at least two"
             )
         multipliers = [getattr(self, name) for name in GRANITE_MULTIPLIERS]
-        expected = len(GRANITE_MULTIPLIERS) if self.arch == "granite" else 0
+        expected = len(GRANITE_MULTIPLIERS) if self.arch in GRANITE else 0
         if sum(m is not None for m in multipliers) != expected or any(m is not None and not m > 0 for m in multipliers):
             raise ZooError(
                 f"{GRANITE_MULTIPLIERS} are Granite's, all four positive (transformers' default is 1.0 each); "

@@ -7,6 +7,7 @@ from .config import (
     ERNIE,
     GATED_SHARED_EXPERT,
     GEMMA,
+    GRANITE,
     GRANITE_MULTIPLIERS,
     LINEAR_ATTENTION_ARCHITECTURES,
     LOCAL_ROPE_ARCHITECTURES,
@@ -45,6 +46,7 @@ _HF_CLASSES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 # transformers' config defaults where a family's published configs rely on them (Gemma 3's text_config
 # writes only what differs from Gemma3TextConfig's)
@@ -123,8 +125,6 @@ _SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Mixture-of-experts families transformers has but megatrain does not (yet) implement, with the reason.
 _UNSUPPORTED_MOE = {
     "deepseek_v32": "DeepSeek-V3.2's sparse attention (an indexer choosing the keys) is not implemented yet",
-    "granitemoehybrid": "Granite 4.0's Mamba-2 layers and its experts are not implemented yet (Granite 3.x and 4.1, "
-    "model_type granite, are)",
     "granitemoe": "Granite's mixture-of-experts models are not implemented yet (its dense ones, model_type granite, are)",
 }
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
@@ -171,7 +171,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "llama4_text",
         "smollm3",
         *LINEAR_ATTENTION_ARCHITECTURES,
-        "granite",
+        *GRANITE,
     )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
         raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
@@ -243,8 +243,31 @@ def config_from_hf(hf: dict) -> ModelConfig:
         nope_layers=_nope_layers(hf, model_type),
         rope_local_theta=local_theta,
         **gemma,
-        **{name: float(hf.get(name) or 1.0) for name in GRANITE_MULTIPLIERS if model_type == "granite"},
+        **_granite_from_hf(hf, model_type),
     )
+
+
+def _granite_from_hf(hf: dict, model_type: str) -> dict:
+    """Granite's multipliers (transformers' default: 1.0 each); Granite 4.0's layers must all be attention
+    layers, and its MLP dense."""
+    if model_type not in GRANITE:
+        return {}
+    if model_type == "granitemoehybrid":
+        types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
+        mamba = sum(kind in ("mamba", "linear_attention") for kind in types)
+        unknown = sorted(set(types) - {"mamba", "linear_attention", "attention", "full_attention"})
+        if unknown:
+            raise ZooError(f"Granite 4.0 layer_types {unknown} are not known (mamba, attention)")
+        if mamba:
+            raise ZooError(
+                f"Granite 4.0-H's Mamba-2 layers ({mamba} of {len(types)}) are not implemented yet; Granite 4.0's "
+                "attention-only models (Micro, 1B, 350M) and Granite 3.x and 4.1 are"
+            )
+        if hf.get("num_local_experts"):
+            raise ZooError(
+                "Granite 4.0's experts (num_local_experts > 0) are not implemented yet; its dense models are"
+            )
+    return {name: float(hf.get(name) or 1.0) for name in GRANITE_MULTIPLIERS}
 
 
 def _dense_d_ff(hf: dict, model_type: str) -> int:
@@ -253,6 +276,8 @@ def _dense_d_ff(hf: dict, model_type: str) -> int:
         return hf["intermediate_size_mlp"]
     if model_type == "qwen3_5_moe_text":
         return hf.get("intermediate_size") or hf["moe_intermediate_size"]
+    if model_type == "granitemoehybrid":  # (its dense MLP is the shared one; intermediate_size is the experts')
+        return hf["shared_intermediate_size"]
     return hf["intermediate_size"]
 
 
@@ -434,6 +459,8 @@ def _nope_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     """The layers without rotary embedding."""
     if model_type not in NOPE_ARCHITECTURES:
         return ()
+    if model_type == "granitemoehybrid":  # rotary on every layer or on none
+        return () if hf.get("position_embedding_type") == "rope" else tuple(range(hf["num_hidden_layers"]))
     return tuple(i for i, rotary in enumerate(_rotary_layer_flags(hf)[: hf["num_hidden_layers"]]) if not rotary)
 
 
@@ -617,15 +644,23 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
-    if config.arch in NOPE_ARCHITECTURES:
+    if config.arch in ("llama4_text", "smollm3"):
         hf["no_rope_layers"] = [int(i not in config.nope_layers) for i in range(config.n_layers)]
     if config.arch == "smollm3":
         hf["use_sliding_window"] = bool(config.sliding_layers)
-    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *OLMO, "smollm3", "granite"):
+    if config.arch in ("llama", "qwen3", "qwen3_moe", "olmoe", "dots1", *OLMO, "smollm3", *GRANITE):
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
-    if config.arch == "granite":
+    if config.arch in GRANITE:
         hf.update({name: getattr(config, name) for name in GRANITE_MULTIPLIERS})
+    if config.arch == "granitemoehybrid":
+        hf.update(
+            shared_intermediate_size=config.d_ff,
+            num_local_experts=0,
+            layer_types=["attention"] * config.n_layers,
+            position_embedding_type=None if config.nope_layers else "rope",
+            mamba_n_heads=1,  # (no Mamba layers; transformers checks that 2 x hidden_size divides by them)
+        )
     windowed = config.sliding_layers
     if config.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1"):  # windows from max_window_layers on
         hf["use_sliding_window"] = bool(windowed)

@@ -156,6 +156,9 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
         if config.attn_temperature_floor_scale and not rotary
         else None,
         mlp_module="feed_forward" if config.arch == "llama4_text" else "mlp",
+        mlp_names=("shared_mlp.input_linear", "shared_mlp.output_linear")
+        if config.arch == "granitemoehybrid"
+        else None,
         linear_attention=_linear_attention_shape(config) if linear else None,
         attn_output_gate=config.attn_output_gate and not linear,
         residual_scale=config.residual_multiplier,

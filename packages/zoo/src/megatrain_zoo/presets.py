@@ -781,6 +781,10 @@ PRESETS["tiny-granite"] = ModelConfig(
     "granite", 256, 64, 3, 4, 2, 160, max_seq_len=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.4, logits_scaling=2.0,
 )  # fmt: skip
+# Granite 4.0's attention-only form (granitemoehybrid): the MLP as shared_mlp, no rotary embedding on any layer
+PRESETS["tiny-granite-4.0"] = PRESETS["tiny-granite"].with_changes(
+    arch="granitemoehybrid", tie_embeddings=True, nope_layers=(0, 1, 2)
+)
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
     n_experts=8, n_experts_per_tok=3, moe_d_ff=32, norm_topk_prob=True, router_scoring="sigmoid",
