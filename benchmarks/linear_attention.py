@@ -19,6 +19,7 @@ from common import machine, table, write_results  # noqa: E402
 
 from megatrain_templates import linear_attention as la  # noqa: E402
 from megatrain_zoo import linear_attention_flops_per_token, preset  # noqa: E402
+from megatrain_zoo.config import LINEAR_ATTENTION_ARCHITECTURES  # noqa: E402
 from megatrain_zoo.model import block_shape  # noqa: E402
 
 
@@ -48,6 +49,10 @@ def main():
     torch.manual_seed(0)
     model = preset(args.model)
     mb, seq, tokens = args.micro_batch, args.seq_len, args.micro_batch * args.seq_len
+    if not model.linear_attention_layers or model.arch not in LINEAR_ATTENTION_ARCHITECTURES:
+        parser.error(
+            f"{args.model} has no Gated DeltaNet layers (Qwen3.5, Qwen3-Next: {LINEAR_ATTENTION_ARCHITECTURES})"
+        )
     shape = block_shape(model, model.linear_attention_layers[0]).linear_attention
     n_k, n_v, d_k, d_v = shape.n_key_heads, shape.n_value_heads, shape.key_head_dim, shape.value_head_dim
     rows = []

@@ -34,6 +34,7 @@ PRESETS = [
     "tiny-qwen3.5",
     "tiny-granite",
     "tiny-granite-4.0",
+    "tiny-granite-4.0-h",
 ]
 
 
@@ -376,10 +377,13 @@ def test_unsupported_settings_are_refused():
     with pytest.raises(ZooError, match="attention_bias"):
         config_from_hf({**GRANITE_3_3_8B, "attention_bias": True})
     granite_4 = {**GRANITE_3_3_8B, "model_type": "granitemoehybrid", "shared_intermediate_size": 8192}
-    with pytest.raises(ZooError, match="Mamba-2 layers \\(36 of 40\\)"):
-        config_from_hf({**granite_4, "layer_types": (["mamba"] * 9 + ["attention"]) * 4})
+    granite_4_h = {**granite_4, "layer_types": (["mamba"] * 9 + ["attention"]) * 4, "mamba_n_heads": 128}
     with pytest.raises(ZooError, match="experts"):
         config_from_hf({**granite_4, "layer_types": ["attention"] * 40, "num_local_experts": 62})
+    with pytest.raises(ZooError, match="time_step_limit"):
+        config_from_hf({**granite_4_h, "mamba_d_state": 128, "time_step_limit": [0.0, 1.0]})
+    with pytest.raises(ZooError, match="mamba_proj_bias"):
+        config_from_hf({**granite_4_h, "mamba_d_state": 128, "mamba_proj_bias": True})
     assert config_from_hf({**granite_4, "layer_types": ["attention"] * 40, "num_local_experts": 0}).d_ff == 8192
 
 

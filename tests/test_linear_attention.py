@@ -1,7 +1,8 @@
 """Qwen3-Next and Qwen3.5 (dense and MoE): linear attention (Gated DeltaNet) on three of four layers, gated softmax
-attention on the fourth. Their training steps against transformers run with the other families' (test_dense_families,
-test_moe); here what is theirs alone: rows several chunks long, the image-text checkpoints Qwen3.5 is published as
-(with their multi-token-prediction modules), the published config forms, and the refusals."""
+attention on the fourth; Granite 4.0-H's Mamba-2 layers where rows run several chunks long. Their training steps
+against transformers run with the other families' (test_dense_families, test_moe); here what is theirs alone: rows
+several chunks long, the image-text checkpoints Qwen3.5 is published as (with their multi-token-prediction
+modules), the published config forms, and the refusals."""
 
 import contextlib
 import json
@@ -30,15 +31,16 @@ LINEAR_PRESETS = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"]
 
 @pytest.mark.parametrize(
     "name, kernel",
-    [("tiny-qwen3.5", True), *((name, False) for name in LINEAR_PRESETS)],
-    ids=["tiny-qwen3.5-transformers-kernel", *LINEAR_PRESETS],
+    [("tiny-qwen3.5", True), ("tiny-granite-4.0-h", True), *((name, False) for name in LINEAR_PRESETS)],
+    ids=["tiny-qwen3.5-transformers-kernel", "tiny-granite-4.0-h-transformers-kernel", *LINEAR_PRESETS],
 )
 def test_rows_of_several_chunks_match_transformers(name, kernel, tmp_path):
     """Rows of 150 tokens: two whole chunks of 64 and a shorter third, the state carried between them: the logits,
     and a step's loss, gradient norm and updated weights, equal transformers' model + AdamW. Against its own
     chunked delta rule (the same in the three families) in fp32, where both sides' noise allows 1e-4 on the
     gradient norm (2.6e-5 measured) and experts are left out (a routing near-tie may flip at this length); and
-    against the float64 reference of `exact_reference`, experts included."""
+    against the float64 reference of `exact_reference`, experts included. Granite 4.0-H's Mamba-2 layers against
+    transformers' own chunked scan in fp32."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference, options, stepping = hf_dense_model(name, seed), {}, contextlib.nullcontext()
     if not kernel:
@@ -234,10 +236,52 @@ QWEN3_NEXT_80B = {
 }
 
 
+# Granite-4.0-H-Micro's config.json as other projects copied it (the fields that shape the model)
+GRANITE_4_0_H_MICRO = {
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "attention_multiplier": 0.015625,
+    "bos_token_id": 100257,
+    "embedding_multiplier": 12,
+    "eos_token_id": 100257,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "layer_types": (["mamba"] * 5 + ["attention"] + ["mamba"] * 4) * 4,
+    "logits_scaling": 8,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 64,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 0,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "num_local_experts": 0,
+    "pad_token_id": 100256,
+    "position_embedding_type": "nope",
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05,
+    "shared_intermediate_size": 8192,
+    "tie_word_embeddings": True,
+    "vocab_size": 100352,
+}
+
+
 @pytest.mark.parametrize(
     "published, name",
-    [(QWEN3_5_27B, "qwen3.5-27b"), (QWEN3_5_397B, "qwen3.5-397b-a17b"), (QWEN3_NEXT_80B, "qwen3-next-80b-a3b")],
-    ids=["qwen3.5-27b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"],
+    [
+        (QWEN3_5_27B, "qwen3.5-27b"),
+        (QWEN3_5_397B, "qwen3.5-397b-a17b"),
+        (QWEN3_NEXT_80B, "qwen3-next-80b-a3b"),
+        (GRANITE_4_0_H_MICRO, "granite-4.0-h-micro"),
+    ],
+    ids=["qwen3.5-27b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b", "granite-4.0-h-micro"],
 )
 def test_published_configs_parse_to_the_presets_as_transformers_reads_them(published, name):
     """The published form and transformers' reading of it (layer_types written out) parse to the preset, and the
@@ -249,7 +293,7 @@ def test_published_configs_parse_to_the_presets_as_transformers_reads_them(publi
     exported = transformers.AutoConfig.for_model(**config_to_hf(preset(name))).to_dict()
     assert exported["layer_types"] == text["layer_types"]
     for key in ("rope_theta", "partial_rotary_factor"):
-        assert exported["rope_parameters"][key] == text["rope_parameters"][key], key
+        assert exported["rope_parameters"].get(key) == text["rope_parameters"].get(key), key
 
 
 def test_rotary_settings_are_read_where_either_form_writes_them():

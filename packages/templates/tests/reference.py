@@ -204,6 +204,60 @@ class RefGatedDeltaNetBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def ssd_recurrence(x, dt, a, b, c):
+    """Mamba-2's state-space recurrence token by token (one sequence per row), without D x. x: [batch, seq, heads,
+    head_dim], dt: [batch, seq, heads], a: [heads], b, c: [batch, seq, heads, state_dim] (per head) -> like x."""
+    state = x.new_zeros(x.shape[0], x.shape[2], b.shape[3], x.shape[3])
+    outputs = []
+    for t in range(x.shape[1]):
+        state = state * (dt[:, t] * a).exp()[..., None, None]
+        state = state + torch.einsum("bhn,bhp->bhnp", b[:, t], dt[:, t, :, None] * x[:, t])
+        outputs.append(torch.einsum("bhnp,bhn->bhp", state, c[:, t]))
+    return torch.stack(outputs, dim=1)
+
+
+class RefMamba2Block(nn.Module):
+    """Granite 4.0-H's Mamba-2 layer the textbook way: F.conv1d (with its bias) over the sequence, the
+    recurrence token by token plus D x, silu(z) then an RMSNorm per group; Granite's residual multiplier."""
+
+    def __init__(self, d, n_groups, n_heads, state_dim, head_dim, kernel, d_ff, eps, residual_scale):
+        super().__init__()
+        self.g, self.h, self.n, self.p, self.eps, self.residual_scale = (
+            n_groups, n_heads, state_dim, head_dim, eps, residual_scale
+        )  # fmt: skip
+        inner = n_heads * head_dim
+        channels = inner + 2 * n_groups * state_dim
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        m = self.mamba = nn.Module()
+        m.in_proj = nn.Linear(d, inner + channels + n_heads, bias=False)
+        m.conv1d = nn.Conv1d(channels, channels, kernel, groups=channels, bias=True, padding=kernel - 1)
+        m.out_proj = nn.Linear(inner, d, bias=False)
+        m.norm = nn.Module()
+        m.norm.weight = nn.Parameter(torch.ones(inner))
+        m.A_log = nn.Parameter(torch.zeros(n_heads))
+        m.D = nn.Parameter(torch.ones(n_heads))
+        m.dt_bias = nn.Parameter(torch.ones(n_heads))
+        self.mlp = SwiGLU(d, d_ff)
+
+    def mixer(self, hidden):
+        batch, s, _ = hidden.shape
+        m, inner = self.mamba, self.h * self.p
+        z, xbc, dt = m.in_proj(hidden).split([inner, inner + 2 * self.g * self.n, self.h], dim=-1)
+        xbc = F.silu(m.conv1d(xbc.transpose(1, 2))[..., :s]).transpose(1, 2)
+        x, b, c = xbc.split([inner, self.g * self.n, self.g * self.n], dim=-1)
+        x = x.reshape(batch, s, self.h, self.p)
+        b, c = (t.reshape(batch, s, self.g, self.n).repeat_interleave(self.h // self.g, 2) for t in (b, c))
+        y = ssd_recurrence(x, F.softplus(dt + m.dt_bias), -m.A_log.exp(), b, c) + m.D[:, None] * x
+        gated = (y.reshape(batch, s, inner) * F.silu(z)).reshape(batch, s, self.g, -1)
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return m.out_proj(m.norm.weight * normed.reshape(batch, s, inner))
+
+    def forward(self, x):
+        x = x + self.mixer(self.input_layernorm(x)) * self.residual_scale
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_scale
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d, d_ff):
         super().__init__()

@@ -8,11 +8,13 @@ from reference import (
     RefGatedAttentionBlock,
     RefGatedDeltaNetBlock,
     RefGemmaBlock,
+    RefMamba2Block,
     RefMoeBlock,
     RefPostNormBlock,
     RMSNorm,
     delta_rule_recurrence,
     flatten_params,
+    ssd_recurrence,
     unflatten_grads,
 )
 
@@ -24,6 +26,7 @@ from megatrain_templates import (
     Embedding,
     GatedDeltaNetShape,
     Head,
+    Mamba2Shape,
     MoeAttention,
     MoeBlock,
     MoeExperts,
@@ -31,6 +34,7 @@ from megatrain_templates import (
     RopeConfig,
     RouterLoad,
     chunked_gated_delta_rule,
+    chunked_ssd,
     file_tensors,
     rope_inv_freq,
     row_slice_name,
@@ -542,6 +546,66 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(chunk, lengths):
         results.append([out.detach(), *(t.grad for t in inputs)])
     for ours, reference in zip(*results):
         assert rel_err(ours, reference) < 1e-12
+
+
+@pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])
+def test_chunked_ssd_equals_the_recurrence(chunk, lengths):
+    """float64: Mamba-2's chunked recurrence (groups of heads sharing B and C, documents restarting the state)
+    equals it token by token, each document from a zero state; and so do the gradients of all five inputs."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq, groups, heads = sum(lengths), 2, 4
+
+    def randn(*shape):
+        return torch.randn(2, seq, *shape, dtype=torch.float64, generator=generator)
+
+    x, b, c = randn(heads, 6), randn(groups, 8), randn(groups, 8)
+    dt = torch.rand(2, seq, heads, dtype=torch.float64, generator=generator) + 0.1
+    a = -torch.rand(heads, dtype=torch.float64, generator=generator) * 2
+    grad_out = randn(heads, 6)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    documents = Documents(positions) if len(lengths) > 1 else None
+    results = []
+    for chunked in (True, False):
+        inputs = [t.clone().requires_grad_(True) for t in (x, dt, a, b, c)]
+        if chunked:
+            out = chunked_ssd(*inputs, None if documents is None else documents.doc_ids, chunk)
+        else:
+            xr, dtr, ar, br, cr = inputs
+            br, cr = br.repeat_interleave(heads // groups, 2), cr.repeat_interleave(heads // groups, 2)
+            ends = torch.tensor(lengths).cumsum(0).tolist()
+            out = torch.cat(
+                [
+                    ssd_recurrence(
+                        *(t[:, end - n : end] for t in (xr, dtr)), ar, *(t[:, end - n : end] for t in (br, cr))
+                    )
+                    for n, end in zip(lengths, ends)
+                ],
+                dim=1,
+            )
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12
+
+
+def test_mamba2_block_matches_module():
+    """float64: Granite 4.0-H's Mamba-2 block (the chunked recurrence, the convolution with its bias as shifted
+    taps, the grouped gated norm, residual multipliers) against the textbook module: output, input and weight
+    gradients; kept products stand for the projections' GEMMs."""
+    torch.manual_seed(torch.seed() % 2**31)
+    mamba = Mamba2Shape(n_groups=2, n_heads=4, state_dim=8, head_dim=6, conv_kernel=4, chunk=4)
+    block = DecoderBlock(BlockShape(32, 4, 2, 8, 40, 1e-6, linear_attention=mamba, residual_scale=0.4))
+    ref = RefMamba2Block(32, 2, 4, 8, 6, 4, 40, 1e-6, 0.4).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+        ref.mamba.A_log.uniform_(-1, 1)
+    flat, x, grad_out, grads = check_float64_block_against_module(block, ref, 1e-12)
+    _, products = block.forward_keeping_products([flat], x.detach())
+    assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
+    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    assert rel_err(product_grads[0], grads) < 1e-12
 
 
 LINEAR_SHAPE = dict(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk=4)

@@ -17,7 +17,7 @@ from .layout import (
     split_precision_of,
     total_numel,
 )
-from .linear_attention import GatedDeltaNetShape, chunked_gated_delta_rule
+from .linear_attention import GatedDeltaNetShape, Mamba2Shape, chunked_gated_delta_rule, chunked_ssd
 from .moe import (
     EXPERT_NAMING,
     MoeAttention,
@@ -34,6 +34,7 @@ __all__ = [
     "EXPERT_NAMING",
     "BlockShape",
     "GatedDeltaNetShape",
+    "Mamba2Shape",
     "DecoderBlock",
     "Documents",
     "Embedding",
@@ -52,6 +53,7 @@ __all__ = [
     "attention_params",
     "causal_attention",
     "chunked_gated_delta_rule",
+    "chunked_ssd",
     "block_params",
     "file_tensors",
     "fused_expert_names",

@@ -36,7 +36,8 @@ from .layout import (
 from .linear_attention import (
     LINEAR_ATTENTION_LEAVES,
     GatedDeltaNetShape,
-    gated_delta_net,
+    Mamba2Shape,
+    linear_attention,
     linear_attention_params,
     linear_attention_spans,
 )
@@ -126,7 +127,7 @@ class BlockShape:
     # Qwen3-Next and Qwen3.5: linear attention (Gated DeltaNet) instead of softmax attention on this layer; on
     # the others, attention's output gated per element by sigmoid(gate), the gate a second half of each query
     # head's q_proj rows (query, then gate, per head)
-    linear_attention: GatedDeltaNetShape | None = None
+    linear_attention: GatedDeltaNetShape | Mamba2Shape | None = None  # (Granite 4.0-H: Mamba-2)
     attn_output_gate: bool = False
     # Granite: attention's and the MLP's outputs scaled by `residual_scale` (its residual_multiplier) before
     # their residual adds
@@ -356,7 +357,7 @@ class DecoderBlock:
         batch, seq, _ = x.shape
         h = x if s.norm_placement == "post" else s.norm(x, w["input_norm"])
         if s.linear_attention is not None:
-            return s.residual_add(x, gated_delta_net(s.linear_attention, w, h, documents, s.rms_eps))
+            return s.residual_add(x, linear_attention(s.linear_attention, w, h, documents, s.rms_eps))
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         q, k, v = qkv.split([2 * q_width if s.attn_output_gate else q_width, kv_width, kv_width], dim=-1)

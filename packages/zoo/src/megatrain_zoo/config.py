@@ -156,7 +156,9 @@ class ModelConfig:
     attn_temperature_floor_scale: float = 0.0
     attn_temperature_scale: float = 0.0
     # Qwen3-Next and Qwen3.5 (LINEAR_ATTENTION_ARCHITECTURES): the layers whose token mixer is Gated DeltaNet, its
-    # query/key heads and value heads (several value heads per key head), and its short convolution's taps
+    # query/key heads and value heads (several value heads per key head), and its short convolution's taps;
+    # Granite 4.0-H (granitemoehybrid): its Mamba-2 layers, the key heads its groups (B and C), the key head dim
+    # its state size, the value heads and their dim its heads and head dim
     linear_attention_layers: tuple[int, ...] = ()
     linear_n_key_heads: int = 0
     linear_n_value_heads: int = 0
@@ -278,12 +280,15 @@ class ModelConfig:
                 )
 
     def _check_linear_attention(self) -> None:
-        if self.arch not in LINEAR_ATTENTION_ARCHITECTURES:
+        if self.arch not in (*LINEAR_ATTENTION_ARCHITECTURES, "granitemoehybrid"):
             if self.linear_attention_layers:
                 raise ZooError(
-                    f"linear_attention_layers are {LINEAR_ATTENTION_ARCHITECTURES}'; {self.arch} has none: leave them unset"
+                    f"linear_attention_layers are {LINEAR_ATTENTION_ARCHITECTURES}' and Granite 4.0-H's (Mamba-2); "
+                    f"{self.arch} has none: leave them unset"
                 )
             return
+        if self.arch == "granitemoehybrid" and not self.linear_attention_layers:
+            return  # Granite 4.0's attention-only models
         heads = (self.linear_n_key_heads, self.linear_n_value_heads)
         dims = (self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel)
         if min(*heads, *dims) <= 0 or heads[1] % heads[0]:
@@ -294,8 +299,13 @@ class ModelConfig:
         outside = [i for i in self.linear_attention_layers if not 0 <= i < self.n_layers]
         if outside:
             raise ZooError(f"linear_attention_layers {outside} are not layers of a {self.n_layers}-layer model")
-        if self.sliding_layers or self.nope_layers:
+        if self.sliding_layers or (self.nope_layers and self.arch != "granitemoehybrid"):
             raise ZooError(f"{self.arch} has no sliding-window layers and no layers without rotary embedding")
+        if self.arch == "granitemoehybrid" and self.linear_n_value_heads * self.linear_value_head_dim % self.d_model:
+            raise ZooError(
+                f"Granite 4.0-H's Mamba-2 width (heads {self.linear_n_value_heads} x head dim "
+                f"{self.linear_value_head_dim}) must be a multiple of d_model {self.d_model} (mamba_expand)"
+            )
         if self.arch == "qwen3_5_moe_text" and self.dense_layers:
             raise ZooError("Qwen3.5-MoE has experts on every layer: dense_layers must be empty (use qwen3_next)")
 
@@ -464,7 +474,8 @@ def linear_attention_flops_per_token(config: ModelConfig) -> float:
     [key_head_dim, value_head_dim] products with the state (its read, the delta's prediction, its update); the
     chunks' triangular solves not counted."""
     d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
-    return 3 * config.linear_n_value_heads * ((d_k + d_v) * LINEAR_ATTENTION_CHUNK + 6 * d_k * d_v)
+    state_products = 2 if config.arch == "granitemoehybrid" else 3  # (Mamba-2 has no delta to predict)
+    return 3 * config.linear_n_value_heads * ((d_k + d_v) * LINEAR_ATTENTION_CHUNK + 2 * state_products * d_k * d_v)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -248,26 +248,46 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def _granite_from_hf(hf: dict, model_type: str) -> dict:
-    """Granite's multipliers (transformers' default: 1.0 each); Granite 4.0's layers must all be attention
-    layers, and its MLP dense."""
+    """Granite's multipliers (transformers' default: 1.0 each); Granite 4.0's Mamba-2 layers (`mamba` in
+    layer_types, or transformers 5's `linear_attention`) as its linear-attention layers. Its experts are refused."""
     if model_type not in GRANITE:
         return {}
-    if model_type == "granitemoehybrid":
-        types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
-        mamba = sum(kind in ("mamba", "linear_attention") for kind in types)
-        unknown = sorted(set(types) - {"mamba", "linear_attention", "attention", "full_attention"})
-        if unknown:
-            raise ZooError(f"Granite 4.0 layer_types {unknown} are not known (mamba, attention)")
-        if mamba:
-            raise ZooError(
-                f"Granite 4.0-H's Mamba-2 layers ({mamba} of {len(types)}) are not implemented yet; Granite 4.0's "
-                "attention-only models (Micro, 1B, 350M) and Granite 3.x and 4.1 are"
-            )
-        if hf.get("num_local_experts"):
-            raise ZooError(
-                "Granite 4.0's experts (num_local_experts > 0) are not implemented yet; its dense models are"
-            )
-    return {name: float(hf.get(name) or 1.0) for name in GRANITE_MULTIPLIERS}
+    multipliers = {name: float(hf.get(name) or 1.0) for name in GRANITE_MULTIPLIERS}
+    if model_type == "granite":
+        return multipliers
+    if hf.get("num_local_experts"):
+        raise ZooError(
+            "Granite 4.0's experts (num_local_experts > 0: H-Tiny, H-Small) are not implemented yet; its dense "
+            "models (Micro, H-Micro, 1B, H-1B, 350M, H-350M) are"
+        )
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * hf["num_hidden_layers"]
+    unknown = sorted(set(types) - {"mamba", "linear_attention", "attention", "full_attention"})
+    if unknown:
+        raise ZooError(f"Granite 4.0 layer_types {unknown} are not known (mamba, attention)")
+    mamba = tuple(i for i, kind in enumerate(types) if kind in ("mamba", "linear_attention"))
+    if not mamba:
+        return multipliers
+    refused = {
+        "mamba_conv_bias": hf.get("mamba_conv_bias", True) is not True,
+        "mamba_proj_bias": bool(hf.get("mamba_proj_bias")),
+        "time_step_limit": tuple(hf.get("time_step_limit") or (0.0, float("inf"))) != (0.0, float("inf")),
+    }
+    if any(refused.values()):
+        raise ZooError(
+            f"Granite 4.0-H with {[name for name, bad in refused.items() if bad]} other than transformers' defaults "
+            "(a bias on the convolution, none on the projections, dt unclamped) is not supported"
+        )
+    heads, head_dim = hf.get("mamba_n_heads", 128), hf.get("mamba_d_head", "auto")  # (transformers' defaults)
+    if head_dim in (None, "auto"):
+        head_dim = hf.get("mamba_expand", 2) * hf["hidden_size"] // heads
+    return multipliers | {
+        "linear_attention_layers": mamba,
+        "linear_n_key_heads": hf.get("mamba_n_groups", 1),
+        "linear_n_value_heads": heads,
+        "linear_key_head_dim": hf.get("mamba_d_state", 256),
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel": hf.get("mamba_d_conv", 4),
+    }
 
 
 def _dense_d_ff(hf: dict, model_type: str) -> int:
@@ -657,10 +677,23 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
         hf.update(
             shared_intermediate_size=config.d_ff,
             num_local_experts=0,
-            layer_types=["attention"] * config.n_layers,
+            layer_types=["mamba" if config.layer_is_linear(i) else "attention" for i in range(config.n_layers)],
             position_embedding_type=None if config.nope_layers else "rope",
-            mamba_n_heads=1,  # (no Mamba layers; transformers checks that 2 x hidden_size divides by them)
         )
+        if config.linear_attention_layers:
+            inner = config.linear_n_value_heads * config.linear_value_head_dim
+            hf.update(
+                mamba_n_heads=config.linear_n_value_heads,
+                mamba_d_head=config.linear_value_head_dim,
+                mamba_n_groups=config.linear_n_key_heads,
+                mamba_d_state=config.linear_key_head_dim,
+                mamba_d_conv=config.linear_conv_kernel,
+                mamba_expand=inner // config.d_model,
+                mamba_conv_bias=True,
+                mamba_proj_bias=False,
+            )
+        else:  # (no Mamba layers; transformers still checks that its default heads divide 2 x hidden_size)
+            hf["mamba_n_heads"] = 1
     windowed = config.sliding_layers
     if config.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "dots1"):  # windows from max_window_layers on
         hf["use_sliding_window"] = bool(windowed)
@@ -793,10 +826,16 @@ def _linear_attention_to_hf(config: ModelConfig) -> dict:
     }
 
 
+def _special_floats(pairs: dict) -> "dict | float":
+    """transformers writes infinities and NaNs of a config as {"__float__": "Infinity"} (Granite 4.0-H's
+    time_step_limit)."""
+    return float(pairs["__float__"]) if set(pairs) == {"__float__"} else pairs
+
+
 def read_hf_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     try:
-        return config_from_hf(json.loads(path.read_text()))
+        return config_from_hf(json.loads(path.read_text(), object_hook=_special_floats))
     except FileNotFoundError:
         raise ZooError(
             f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"

@@ -13,6 +13,7 @@ from megatrain_templates import (
     Embedding,
     GatedDeltaNetShape,
     Head,
+    Mamba2Shape,
     MlaShape,
     MoeAttention,
     MoeBlock,
@@ -165,7 +166,16 @@ def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
     )
 
 
-def _linear_attention_shape(config: ModelConfig) -> GatedDeltaNetShape:
+def _linear_attention_shape(config: ModelConfig) -> GatedDeltaNetShape | Mamba2Shape:
+    if config.arch == "granitemoehybrid":
+        return Mamba2Shape(
+            n_groups=config.linear_n_key_heads,
+            n_heads=config.linear_n_value_heads,
+            state_dim=config.linear_key_head_dim,
+            head_dim=config.linear_value_head_dim,
+            conv_kernel=config.linear_conv_kernel,
+            chunk=LINEAR_ATTENTION_CHUNK,
+        )
     return GatedDeltaNetShape(
         n_key_heads=config.linear_n_key_heads,
         n_value_heads=config.linear_n_value_heads,
@@ -319,7 +329,8 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> None:
     """Hugging Face initialisation: norms at one (those that scale by 1 + weight at zero), biases at zero,
     matrices N(0, initializer_range); linear attention's dt_bias at one and A_log at log(U(0.01, 16)), as
-    transformers' Qwen3-Next and Qwen3.5 start them.
+    transformers' Qwen3-Next and Qwen3.5 start them; Mamba-2's dt_bias and D at one, A_log at log(1 .. n_heads), as
+    Granite 4.0-H's.
 
     Each tensor is drawn from a generator of its own, seeded by (seed, name), so the weights do not
     depend on how the tensors are grouped or in which order they are made (a MoE layer in parts,
@@ -336,6 +347,12 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> No
         return
     if base.endswith("linear_attn.A_log"):
         tensor.copy_(torch.empty(tensor.shape).uniform_(0.01, 16, generator=_generator(seed, base)).log())
+        return
+    if base.endswith(("mamba.dt_bias", "mamba.D")):
+        tensor.fill_(1.0)
+        return
+    if base.endswith("mamba.A_log"):  # log(1 .. n_heads)
+        tensor.copy_(torch.arange(1, tensor.numel() + 1, dtype=torch.float64).log())
         return
     if base.endswith((".bias", "_bias")) and not base.endswith("router.bias"):
         tensor.zero_()

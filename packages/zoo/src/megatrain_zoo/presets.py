@@ -651,6 +651,15 @@ PRESETS: dict[str, ModelConfig] = {
                                bos_token_id=100257, eos_token_id=100257, pad_token_id=100256),
     "granite-4.1-8b": _granite(100352, 4096, 32, 12800, attention_multiplier=0.0078125, logits_scaling=16.0,
                                bos_token_id=100257, eos_token_id=100257, pad_token_id=100256),
+    # Granite 4.0-H-Micro: Mamba-2 on 36 of 40 layers (64 heads of 64, state 128), attention without rotary
+    # embedding on layers 5, 15, 25 and 35
+    "granite-4.0-h-micro": ModelConfig(
+        "granitemoehybrid", 100352, 2048, 40, 32, 8, 8192, max_seq_len=131072, rms_eps=1e-5, tie_embeddings=True,
+        bos_token_id=100257, eos_token_id=100257, pad_token_id=100256, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0, nope_layers=tuple(range(40)),
+        linear_attention_layers=tuple(i for i in range(40) if i % 10 != 5), linear_n_key_heads=1,
+        linear_n_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=64,
+    ),
     "gpt-oss-20b": _gpt_oss(24, 32),
     "gpt-oss-120b": _gpt_oss(36, 128),
     # the text models of Llama 4's image-text checkpoints
@@ -785,6 +794,11 @@ PRESETS["tiny-granite"] = ModelConfig(
 PRESETS["tiny-granite-4.0"] = PRESETS["tiny-granite"].with_changes(
     arch="granitemoehybrid", tie_embeddings=True, nope_layers=(0, 1, 2)
 )
+# Granite 4.0-H's form: Mamba-2 on layers 0 and 2 (two groups of B and C, four heads, the state 8 x 32)
+PRESETS["tiny-granite-4.0-h"] = PRESETS["tiny-granite-4.0"].with_changes(
+    linear_attention_layers=(0, 2), linear_n_key_heads=2, linear_n_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=32,
+)  # fmt: skip
 PRESETS["tiny-minimax-m2"] = ModelConfig(
     "minimax_m2", 256, 64, 2, 4, 2, 32, head_dim=16, max_seq_len=256, qk_norm=True, qk_norm_scope="full",
     n_experts=8, n_experts_per_tok=3, moe_d_ff=32, norm_topk_prob=True, router_scoring="sigmoid",
