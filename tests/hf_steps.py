@@ -11,7 +11,7 @@ from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
 
-NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks", "A_log")  # megatrain's rule: no weight decay on vectors
+NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks", "A_log", "mamba.D")  # megatrain's rule: no weight decay on vectors
 
 
 def rel_err(a, b):
@@ -121,8 +121,8 @@ def check_text_model_trains_and_exports_alone(hf_dir, tmp_path, capfd, config, e
 
 def exact_reference(reference, model_config):
     """(reference, `make_trainer` options, context to step the reference in) for training steps against
-    transformers: as they are in fp32; with linear attention both in float64, the reference's delta rule token by
-    token (`delta_rule_token_by_token`), AdamW's epsilon 1e-3. Measured on the tiny Qwen3.5 and Qwen3-Next models:
+    transformers: as they are in fp32; with linear attention both in float64, the reference's delta rule or Mamba-2
+    scan token by token (`recurrences_token_by_token`), AdamW's epsilon 1e-3. Measured on the tiny Qwen3.5 and Qwen3-Next models:
     transformers' own delta rule computes in fp32 whatever the model's dtype, and its chunked triangular solves
     leave fp32 gradient norms up to 2.6e-5 from float64 (megatrain's the same; with softmax attention on every
     layer 3e-7); with experts that noise flipped routing near-ties in about one test of 150. AdamW's first update
@@ -135,7 +135,7 @@ def exact_reference(reference, model_config):
     reference = reference.double()
     if model_config.is_moe:
         reference.set_experts_implementation("eager")  # (transformers' grouped GEMMs take no float64)
-    return reference, {"precision": "float64", "adam_eps": 1e-3}, delta_rule_token_by_token()
+    return reference, {"precision": "float64", "adam_eps": 1e-3}, recurrences_token_by_token()
 
 
 def grad_norm_tolerance(model_config) -> float:
@@ -144,16 +144,18 @@ def grad_norm_tolerance(model_config) -> float:
 
 
 _DELTA_RULE_MODULES = [f"transformers.models.{m}.modeling_{m}" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe")]
+_SSD_MODULE = "transformers.models.granitemoehybrid.modeling_granitemoehybrid"
 
 
 @contextlib.contextmanager
-def delta_rule_token_by_token():
-    """transformers' Qwen3-Next and Qwen3.5 models with their delta rule computed token by token in the inputs' dtype
-    (transformers' own chunked form computes in fp32 whatever the model's): a float64 reference whose remaining
-    fp32 steps (its norms, A_log) are as small as other families' (~6e-8), so that a routing near-tie does not
-    flip between it and megatrain. An independent form: megatrain's chunked one is not used."""
+def recurrences_token_by_token():
+    """transformers' Qwen3-Next, Qwen3.5 and Granite 4.0-H models with their delta rule and Mamba-2 scan computed
+    token by token in the inputs' dtype (transformers' own chunked forms compute in fp32 whatever the model's): a
+    float64 reference whose remaining fp32 steps (its norms, A_log) are as small as other families' (~6e-8), so
+    that a routing near-tie does not flip between it and megatrain. Independent forms: megatrain's chunked ones
+    are not used."""
 
-    def recurrence(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+    def delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
         repeat = value.shape[2] // key.shape[2]
         query, key = query.repeat_interleave(repeat, 2), key.repeat_interleave(repeat, 2)
         query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / math.sqrt(query.shape[-1])
@@ -168,15 +170,35 @@ def delta_rule_token_by_token():
             outputs.append(torch.einsum("bhkv,bhk->bhv", state, query[:, t]))
         return torch.stack(outputs, dim=1), state if output_final_state else None
 
-    modules = [importlib.import_module(name) for name in _DELTA_RULE_MODULES]
-    saved = [module.torch_chunk_gated_delta_rule for module in modules]
-    for module in modules:
-        module.torch_chunk_gated_delta_rule = recurrence
+    def ssd(x, dt, a, b, c, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False, **kwargs):
+        dt = dt + dt_bias if dt_bias is not None else dt
+        dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+        dt, a = dt.clamp(*kwargs.get("dt_limit", (0.0, math.inf))).to(x.dtype), a.to(x.dtype)
+        b, c = (t.to(x.dtype).repeat_interleave(x.shape[2] // t.shape[2], 2) for t in (b, c))
+        state = x.new_zeros(x.shape[0], x.shape[2], x.shape[-1], b.shape[-1])  # [batch, heads, head_dim, state]
+        if initial_states is not None:
+            state = initial_states.to(x.dtype)
+        outputs = []
+        for t in range(x.shape[1]):
+            state = state * (dt[:, t] * a).exp()[..., None, None]
+            state = state + torch.einsum("bhp,bhn->bhpn", dt[:, t, :, None] * x[:, t], b[:, t])
+            outputs.append(torch.einsum("bhpn,bhn->bhp", state, c[:, t]))
+        out = torch.stack(outputs, dim=1)
+        out = out if D is None else out + D[:, None].to(x.dtype) * x
+        return (out, state) if kwargs.get("return_final_states") else out
+
+    patches = [
+        (importlib.import_module(name), "torch_chunk_gated_delta_rule", delta_rule) for name in _DELTA_RULE_MODULES
+    ]
+    patches.append((importlib.import_module(_SSD_MODULE), "mamba2_chunk_scan", ssd))
+    saved = [getattr(module, name) for module, name, _ in patches]
+    for module, name, replacement in patches:
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        for module, original in zip(modules, saved):
-            module.torch_chunk_gated_delta_rule = original
+        for (module, name, _), original in zip(patches, saved):
+            setattr(module, name, original)
 
 
 def check_extra_tensors_are_left_out(reference, extra: dict, what: str, tmp_path, capsys):
