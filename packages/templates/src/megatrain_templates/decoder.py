@@ -37,7 +37,7 @@ from .linear_attention import (
     LINEAR_ATTENTION_LEAVES,
     GatedDeltaNetShape,
     Mamba2Shape,
-    linear_attention,
+    linear_attention_mixer,
     linear_attention_params,
     linear_attention_spans,
 )
@@ -357,7 +357,7 @@ class DecoderBlock:
         batch, seq, _ = x.shape
         h = x if s.norm_placement == "post" else s.norm(x, w["input_norm"])
         if s.linear_attention is not None:
-            return s.residual_add(x, linear_attention(s.linear_attention, w, h, documents, s.rms_eps))
+            return s.residual_add(x, linear_attention_mixer(s.linear_attention, w, h, documents, s.rms_eps))
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         q, k, v = qkv.split([2 * q_width if s.attn_output_gate else q_width, kv_width, kv_width], dim=-1)

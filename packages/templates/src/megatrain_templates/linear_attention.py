@@ -175,7 +175,7 @@ def linear_attention_spans(params: tuple[ParamSpec, ...], shape: "GatedDeltaNetS
 LINEAR_ATTENTION_LEAVES = ("linear_conv",)
 
 
-def linear_attention(
+def linear_attention_mixer(
     shape: "GatedDeltaNetShape | Mamba2Shape", w: dict[str, Tensor], h: Tensor, documents: Documents | None, eps: float
 ) -> Tensor:
     """The linear-attention mixer of `shape`'s kind on the normed residual stream h."""
@@ -200,7 +200,7 @@ def mamba2(shape: Mamba2Shape, w: dict[str, Tensor], h: Tensor, documents: Docum
     out = chunked_ssd(x, dt, -upcast(w["linear_A_log"]).exp(), b, c, doc_ids, shape.chunk)
     out = out + upcast(w["linear_D"]).unsqueeze(-1) * upcast(x)
     out = gated_group_rms_norm(out.reshape(batch, seq, shape.inner_dim), z, w["linear_norm"], eps, shape.n_groups)
-    return linear(out.to(h.dtype), w["linear_out"])
+    return linear(out, w["linear_out"])
 
 
 def gated_delta_net(

@@ -31,9 +31,9 @@ DENSE_ARCHITECTURES = (
     "granite",
     "granitemoehybrid",
 )
-# IBM Granite 3.x/4.1 (granite) and 4.0 (granitemoehybrid: here its attention-only models, the MLP stored as
-# `shared_mlp`, every layer without rotary embedding where position_embedding_type is not "rope"): multipliers on
-# the embedding, the residual branches, the scores and the logits
+# IBM Granite 3.x/4.1 (granite) and 4.0 (granitemoehybrid, its dense models: the MLP stored as `shared_mlp`, every
+# layer without rotary embedding where position_embedding_type is not "rope", the H models' Mamba-2 layers as
+# linear attention): multipliers on the embedding, the residual branches, the scores and the logits
 GRANITE = ("granite", "granitemoehybrid")
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 # families whose sliding-window layers have their own rotary base, never scaled (`rope_local_theta`)
@@ -310,7 +310,8 @@ class ModelConfig:
             raise ZooError("Qwen3.5-MoE has experts on every layer: dense_layers must be empty (use qwen3_next)")
 
     def layer_is_linear(self, layer: int) -> bool:
-        """Whether `layer`'s token mixer is linear attention (Gated DeltaNet) rather than softmax attention."""
+        """Whether `layer`'s token mixer is linear attention (Gated DeltaNet; Granite 4.0-H's Mamba-2) rather than
+        softmax attention."""
         return layer in self.linear_attention_layers
 
     @property
@@ -471,8 +472,8 @@ class ModelConfig:
 def linear_attention_flops_per_token(config: ModelConfig) -> float:
     """Forward + backward FLOPs per token of one linear-attention layer's delta rule (its projections and
     convolution are matmul parameters): within its chunk as causal attention over the chunk, and three
-    [key_head_dim, value_head_dim] products with the state (its read, the delta's prediction, its update); the
-    chunks' triangular solves not counted."""
+    [key_head_dim, value_head_dim] products with the state (its read, the delta's prediction, its update; Mamba-2
+    has no prediction); the chunks' triangular solves not counted."""
     d_k, d_v = config.linear_key_head_dim, config.linear_value_head_dim
     state_products = 2 if config.arch == "granitemoehybrid" else 3  # (Mamba-2 has no delta to predict)
     return 3 * config.linear_n_value_heads * ((d_k + d_v) * LINEAR_ATTENTION_CHUNK + 2 * state_products * d_k * d_v)
