@@ -11,14 +11,8 @@ from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
 
-NO_DECAY = (
-    "norm.weight",
-    ".bias",
-    "_bias",
-    "sinks",
-    "A_log",
-    "mamba.D",
-)  # megatrain's rule: no weight decay on vectors
+# megatrain's rule: no weight decay on vectors
+NO_DECAY = ("norm.weight", ".bias", "_bias", "sinks", "A_log", "mamba.D")
 
 
 def rel_err(a, b):
