@@ -509,6 +509,26 @@ def test_chunks_as_rows_equal_the_masked_attention(seq):
         assert rel_err(ours, reference) < 1e-12
 
 
+def check_chunked_equals_recurrence(chunked, recurrence, inputs, lengths, chunk, grad_out):
+    """float64: `chunked(*inputs, doc_ids, chunk)` over rows packing documents of `lengths` tokens equals
+    `recurrence(inputs, start, stop)` (one document's tokens, from a zero state) document by document: the
+    output and every input's gradient."""
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    documents = Documents(positions) if len(lengths) > 1 else None
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    results = []
+    for packed in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        if packed:
+            out = chunked(*leaves, None if documents is None else documents.doc_ids, chunk)
+        else:
+            out = torch.cat([recurrence(leaves, end - n, end) for n, end in zip(lengths, ends)], dim=1)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12
+
+
 @pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6)), (3, (3, 3, 1))])
 def test_chunked_gated_delta_rule_equals_the_recurrence(chunk, lengths):
     """float64: the chunked form (a chunk longer than the row, a shorter last chunk, documents starting inside a
@@ -523,29 +543,13 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(chunk, lengths):
     q, k, v = randn(n_k, 8), randn(n_k, 8), randn(n_v, 6)
     log_decay = -torch.rand(2, seq, n_v, dtype=torch.float64, generator=generator) * 2
     beta = torch.rand(2, seq, n_v, dtype=torch.float64, generator=generator)
-    grad_out = randn(n_v, 6)
-    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
-    documents = Documents(positions) if len(lengths) > 1 else None
-    results = []
-    for packed in (True, False):
-        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, log_decay, beta)]
-        if packed:
-            out = chunked_gated_delta_rule(*inputs, None if documents is None else documents.doc_ids, chunk)
-        else:
-            qr, kr, vr, gr, br = inputs
-            qr, kr = qr.repeat_interleave(n_v // n_k, 2), kr.repeat_interleave(n_v // n_k, 2)
-            ends = torch.tensor(lengths).cumsum(0).tolist()
-            out = torch.cat(
-                [
-                    delta_rule_recurrence(*(t[:, end - n : end] for t in (qr, kr, vr, gr, br)))
-                    for n, end in zip(lengths, ends)
-                ],
-                dim=1,
-            )
-        out.backward(grad_out)
-        results.append([out.detach(), *(t.grad for t in inputs)])
-    for ours, reference in zip(*results):
-        assert rel_err(ours, reference) < 1e-12
+
+    def recurrence(inputs, start, stop):
+        q, k, *rest = (t[:, start:stop] for t in inputs)
+        return delta_rule_recurrence(q.repeat_interleave(n_v // n_k, 2), k.repeat_interleave(n_v // n_k, 2), *rest)
+
+    inputs = [q, k, v, log_decay, beta]
+    check_chunked_equals_recurrence(chunked_gated_delta_rule, recurrence, inputs, lengths, chunk, randn(n_v, 6))
 
 
 @pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])
@@ -561,31 +565,13 @@ def test_chunked_ssd_equals_the_recurrence(chunk, lengths):
     x, b, c = randn(heads, 6), randn(groups, 8), randn(groups, 8)
     dt = torch.rand(2, seq, heads, dtype=torch.float64, generator=generator) + 0.1
     a = -torch.rand(heads, dtype=torch.float64, generator=generator) * 2
-    grad_out = randn(heads, 6)
-    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
-    documents = Documents(positions) if len(lengths) > 1 else None
-    results = []
-    for chunked in (True, False):
-        inputs = [t.clone().requires_grad_(True) for t in (x, dt, a, b, c)]
-        if chunked:
-            out = chunked_ssd(*inputs, None if documents is None else documents.doc_ids, chunk)
-        else:
-            xr, dtr, ar, br, cr = inputs
-            br, cr = br.repeat_interleave(heads // groups, 2), cr.repeat_interleave(heads // groups, 2)
-            ends = torch.tensor(lengths).cumsum(0).tolist()
-            out = torch.cat(
-                [
-                    ssd_recurrence(
-                        *(t[:, end - n : end] for t in (xr, dtr)), ar, *(t[:, end - n : end] for t in (br, cr))
-                    )
-                    for n, end in zip(lengths, ends)
-                ],
-                dim=1,
-            )
-        out.backward(grad_out)
-        results.append([out.detach(), *(t.grad for t in inputs)])
-    for ours, reference in zip(*results):
-        assert rel_err(ours, reference) < 1e-12
+
+    def recurrence(inputs, start, stop):
+        x, dt, a, b, c = inputs
+        b, c = (t[:, start:stop].repeat_interleave(heads // groups, 2) for t in (b, c))
+        return ssd_recurrence(x[:, start:stop], dt[:, start:stop], a, b, c)
+
+    check_chunked_equals_recurrence(chunked_ssd, recurrence, [x, dt, a, b, c], lengths, chunk, randn(heads, 6))
 
 
 def test_mamba2_block_matches_module():
