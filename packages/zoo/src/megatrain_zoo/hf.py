@@ -155,8 +155,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
-            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2 and 3, SmolLM3, Granite 3 and "
-            "4.1; with linear attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE)"
+            "dots.llm1, ERNIE 4.5 and Llama 4; Gemma 2 and 3, Phi-3 and Phi-4, OLMo 2 and 3, SmolLM3, Granite 3, 4.0 "
+            "(dense) and 4.1; with linear attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, Granite 4.0-H)"
         )
     biased_attention_refused = (
         "llama",
