@@ -939,19 +939,17 @@ def measure_gpu_rates(
 
     tokens = micro_batch * seq_len
     whole, kept_layer = layer_works(model, seq_len, tokens)
-    layer_pass, kept_layer_pass = passes(largest)
-    seconds = sum(
-        len(layers) * _sustained_seconds(layer_pass if largest in layers else passes(layers[0])[0])
-        for layers in kinds.values()
-    )
-    layer_tflops = _rounded(whole * model.n_layers / seconds / 1e12)
+    largest_passes = passes(largest)
+
+    def seconds_of(layers: list[int], keeping: bool) -> float:
+        """All of one kind's `layers`, from one of them timed (the largest, where it is among them)."""
+        return len(layers) * _sustained_seconds((largest_passes if largest in layers else passes(layers[0]))[keeping])
+
+    layer_tflops = _rounded(whole * model.n_layers / sum(seconds_of(layers, False) for layers in kinds.values()) / 1e12)
     kept_tflops = None
     if not model.layer_is_moe(largest):
         dense_kinds = [layers for (_, moe), layers in kinds.items() if not moe]
-        kept_seconds = sum(
-            len(layers) * _sustained_seconds(kept_layer_pass if largest in layers else passes(layers[0])[1])
-            for layers in dense_kinds
-        )
+        kept_seconds = sum(seconds_of(layers, True) for layers in dense_kinds)
         kept_tflops = _rounded(kept_layer * sum(map(len, dense_kinds)) / kept_seconds / 1e12)
     head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
     head_weights = [
@@ -961,7 +959,7 @@ def measure_gpu_rates(
     labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
     head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
     head_tflops = _rounded(6 * model.vocab_size * model.d_model * tokens / head_s / 1e12)
-    return layer_tflops, kept_tflops, head_tflops, layer_pass
+    return layer_tflops, kept_tflops, head_tflops, largest_passes[0]
 
 
 def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:

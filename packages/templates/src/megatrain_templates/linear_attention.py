@@ -1,4 +1,5 @@
-"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next and Qwen3.5 (three of every four layers).
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next and Qwen3.5 (three of every four layers), and
+Mamba-2, Granite 4.0-H's (`Mamba2Shape`: the same chunked recurrence without the delta's correction).
 
 Each value head keeps a [key_head_dim, value_head_dim] state S instead of a key-value cache. Per token, S decays
 by exp(g), the delta rule moves it toward the token's value (S += beta * k (v - S^T k)^T) and the token reads
@@ -91,84 +92,63 @@ def linear_attention_params(
     d_model: int, shape: "GatedDeltaNetShape | Mamba2Shape"
 ) -> tuple[tuple[ParamSpec, ...], ...]:
     """(matrices, norms and vectors) of a linear-attention half, Hugging Face names; the input projections
-    adjacent (one GEMM), the convolution's taps decayed like a matrix, A_log and dt_bias (vectors) not."""
-    if isinstance(shape, Mamba2Shape):
-        return _mamba2_params(d_model, shape)
-    d, n_v = d_model, shape.n_value_heads
-    if shape.grouped_projections:
-        inputs = (
-            ParamSpec("linear_attn.in_proj_qkvz.weight", (2 * shape.key_dim + 2 * shape.value_dim, d)),
-            ParamSpec("linear_attn.in_proj_ba.weight", (2 * n_v, d)),
-        )
+    adjacent (one GEMM), the convolution's taps decayed like a matrix, A_log, dt_bias (Mamba-2's convolution bias
+    and D too: vectors) not."""
+    d = d_model
+    if isinstance(shape, Mamba2Shape):  # in_proj's rows: z (the gate), x|B|C (the convolution's channels), dt
+        heads, out_width, norm_width = shape.n_heads, shape.inner_dim, shape.inner_dim
+        inputs = (ParamSpec("mamba.in_proj.weight", (shape.inner_dim + shape.conv_dim + heads, d)),)
+        extra = (("mamba.conv1d.bias", (shape.conv_dim,)), ("mamba.D", (heads,)))
     else:
-        inputs = (
-            ParamSpec("linear_attn.in_proj_qkv.weight", (shape.conv_dim, d)),
-            ParamSpec("linear_attn.in_proj_z.weight", (shape.value_dim, d)),
-            ParamSpec("linear_attn.in_proj_b.weight", (n_v, d)),
-            ParamSpec("linear_attn.in_proj_a.weight", (n_v, d)),
-        )
+        heads, out_width, norm_width, extra = shape.n_value_heads, shape.value_dim, shape.value_head_dim, ()
+        if shape.grouped_projections:
+            inputs = (
+                ParamSpec("linear_attn.in_proj_qkvz.weight", (2 * shape.key_dim + 2 * shape.value_dim, d)),
+                ParamSpec("linear_attn.in_proj_ba.weight", (2 * heads, d)),
+            )
+        else:
+            inputs = (
+                ParamSpec("linear_attn.in_proj_qkv.weight", (shape.conv_dim, d)),
+                ParamSpec("linear_attn.in_proj_z.weight", (shape.value_dim, d)),
+                ParamSpec("linear_attn.in_proj_b.weight", (heads, d)),
+                ParamSpec("linear_attn.in_proj_a.weight", (heads, d)),
+            )
+    prefix = _module_of(shape)
     matrices = inputs + (
-        ParamSpec("linear_attn.out_proj.weight", (d, shape.value_dim)),
-        ParamSpec("linear_attn.conv1d.weight", (shape.conv_dim, 1, shape.conv_kernel)),
+        ParamSpec(f"{prefix}.out_proj.weight", (d, out_width)),
+        ParamSpec(f"{prefix}.conv1d.weight", (shape.conv_dim, 1, shape.conv_kernel)),
     )
-    small = tuple(
-        ParamSpec(name, shape_of, weight_decay=False)
-        for name, shape_of in (
-            ("input_layernorm.weight", (d,)),
-            ("post_attention_layernorm.weight", (d,)),
-            ("linear_attn.norm.weight", (shape.value_head_dim,)),
-            ("linear_attn.A_log", (n_v,)),
-            ("linear_attn.dt_bias", (n_v,)),
-        )
+    vectors = (
+        ("input_layernorm.weight", (d,)),
+        ("post_attention_layernorm.weight", (d,)),
+        (f"{prefix}.norm.weight", (norm_width,)),
+        (f"{prefix}.A_log", (heads,)),
+        (f"{prefix}.dt_bias", (heads,)),
+        *extra,
     )
-    return matrices, small
+    return matrices, tuple(ParamSpec(name, shape_of, weight_decay=False) for name, shape_of in vectors)
 
 
-def _mamba2_params(d: int, shape: Mamba2Shape) -> tuple[tuple[ParamSpec, ...], ...]:
-    """in_proj's rows: z (the gate), x|B|C (the convolution's channels), dt per head."""
-    matrices = (
-        ParamSpec("mamba.in_proj.weight", (shape.inner_dim + shape.conv_dim + shape.n_heads, d)),
-        ParamSpec("mamba.out_proj.weight", (d, shape.inner_dim)),
-        ParamSpec("mamba.conv1d.weight", (shape.conv_dim, 1, shape.conv_kernel)),
-    )
-    small = tuple(
-        ParamSpec(name, shape_of, weight_decay=False)
-        for name, shape_of in (
-            ("input_layernorm.weight", (d,)),
-            ("post_attention_layernorm.weight", (d,)),
-            ("mamba.conv1d.bias", (shape.conv_dim,)),
-            ("mamba.norm.weight", (shape.inner_dim,)),
-            ("mamba.A_log", (shape.n_heads,)),
-            ("mamba.D", (shape.n_heads,)),
-            ("mamba.dt_bias", (shape.n_heads,)),
-        )
-    )
-    return matrices, small
+def _module_of(shape: "GatedDeltaNetShape | Mamba2Shape") -> str:
+    """The mixer's module in the Hugging Face names: Qwen's `linear_attn`, Granite's `mamba`."""
+    return "mamba" if isinstance(shape, Mamba2Shape) else "linear_attn"
 
 
 def linear_attention_spans(params: tuple[ParamSpec, ...], shape: "GatedDeltaNetShape | Mamba2Shape") -> dict[str, Span]:
     """Where the linear-attention half's weights lie in a layout made with `linear_attention_params` (the
     convolution's taps as [conv_dim, kernel])."""
-    if isinstance(shape, Mamba2Shape):
-        conv = span_of(params, "mamba.conv1d.weight")
-        spans = {
-            "input_norm": span_of(params, "input_layernorm.weight"),
-            "linear_conv": Span(conv.offset, (shape.conv_dim, shape.conv_kernel)),
-        }
-        names = {"in": "in_proj.weight", "out": "out_proj.weight", "conv_bias": "conv1d.bias"}
-        names.update(norm="norm.weight", A_log="A_log", D="D", dt_bias="dt_bias")
-        return spans | {f"linear_{key}": span_of(params, f"mamba.{name}") for key, name in names.items()}
-    inputs = [p.name for p in params if p.name.startswith("linear_attn.in_proj_")]
-    conv = span_of(params, "linear_attn.conv1d.weight")
-    return {
+    prefix = _module_of(shape)
+    inputs = [p.name for p in params if p.name.startswith(f"{prefix}.in_proj")]
+    conv = span_of(params, f"{prefix}.conv1d.weight")
+    spans = {
         "input_norm": span_of(params, "input_layernorm.weight"),
         "linear_in": fused_span(params, inputs),
-        "linear_out": span_of(params, "linear_attn.out_proj.weight"),
         "linear_conv": Span(conv.offset, (shape.conv_dim, shape.conv_kernel)),
-        "linear_norm": span_of(params, "linear_attn.norm.weight"),
-        "linear_A_log": span_of(params, "linear_attn.A_log"),
-        "linear_dt_bias": span_of(params, "linear_attn.dt_bias"),
     }
+    by_name = {"out": "out_proj.weight", "norm": "norm.weight", "A_log": "A_log", "dt_bias": "dt_bias"}
+    if isinstance(shape, Mamba2Shape):
+        by_name.update(conv_bias="conv1d.bias", D="D")
+    return spans | {f"linear_{key}": span_of(params, f"{prefix}.{name}") for key, name in by_name.items()}
 
 
 # spans of the mixer that are not GEMM operands: autograd differentiates them as leaves, like norms

@@ -265,8 +265,12 @@ def _granite_from_hf(hf: dict, model_type: str) -> dict:
     if unknown:
         raise ZooError(f"Granite 4.0 layer_types {unknown} are not known (mamba, attention)")
     mamba = tuple(i for i, kind in enumerate(types) if kind in ("mamba", "linear_attention"))
-    if not mamba:
-        return multipliers
+    return multipliers | (_mamba_from_hf(hf, mamba) if mamba else {})
+
+
+def _mamba_from_hf(hf: dict, layers: tuple[int, ...]) -> dict:
+    """Granite 4.0-H's Mamba-2 `layers` as linear-attention fields: its groups as key heads, its state size as the
+    key head dim, its heads and their dim as the value heads'."""
     refused = {
         "mamba_conv_bias": hf.get("mamba_conv_bias", True) is not True,
         "mamba_proj_bias": bool(hf.get("mamba_proj_bias")),
@@ -280,8 +284,8 @@ def _granite_from_hf(hf: dict, model_type: str) -> dict:
     heads, head_dim = hf.get("mamba_n_heads", 128), hf.get("mamba_d_head", "auto")  # (transformers' defaults)
     if head_dim in (None, "auto"):
         head_dim = hf.get("mamba_expand", 2) * hf["hidden_size"] // heads
-    return multipliers | {
-        "linear_attention_layers": mamba,
+    return {
+        "linear_attention_layers": layers,
         "linear_n_key_heads": hf.get("mamba_n_groups", 1),
         "linear_n_value_heads": heads,
         "linear_key_head_dim": hf.get("mamba_d_state", 256),
