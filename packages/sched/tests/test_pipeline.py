@@ -5,7 +5,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from megatrain_sched import LayerPipeline, MicroBatch, SchedError, Stage, Timeline
+from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, SchedError, Stage, Timeline
 from megatrain_sched.pipeline import expandable_device_memory
 from megatrain_store import GroupLayout, HostStore
 
@@ -73,7 +73,8 @@ class Readout:
         return (dot**2).sum(), grad_x
 
 
-def build(n_mix, tied, n_slots=2, held_layers=0, **engine):
+def build(n_mix, tied, n_slots=2, **placed):
+    """A lookup, `n_mix` Mix blocks and a readout on the CPU; `placed`: `Placement.build`'s stage indices."""
     readout = Readout(tied)
     templates = [Lookup()] + [Mix() for _ in range(n_mix)]
     layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
@@ -89,8 +90,7 @@ def build(n_mix, tied, n_slots=2, held_layers=0, **engine):
         store,
         torch.device("cpu"),
         n_slots=n_slots,
-        held_layers=held_layers,
-        **engine,
+        placement=Placement.build(len(stages), **placed),
         on_grads_landed=lambda g, e, sq: landed.append(g),
         timeline=Timeline(enabled=True),
     )
@@ -130,9 +130,9 @@ def make_batches(n_micro, micro=2, seq=5):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 2)])
-def test_gradients_match_autograd(tied, n_slots, held_layers):
-    store, pipeline, landed = build(3, tied, n_slots, held_layers)
+@pytest.mark.parametrize("n_slots, held", [(2, ()), (3, ()), (2, (1, 2))])
+def test_gradients_match_autograd(tied, n_slots, held):
+    store, pipeline, landed = build(3, tied, n_slots, held=held)
     batches = make_batches(3)
     result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
     loss, grads = autograd_reference(store, 3, tied, batches, 0.1)
@@ -144,30 +144,31 @@ def test_gradients_match_autograd(tied, n_slots, held_layers):
 
 
 @pytest.mark.parametrize(
-    "engine",
+    "placed",
     [
-        {"kept_layers": 2},
-        {"kept_layers": 1, "host_kept_layers": 2},
-        {"offload_checkpoints": True},
-        {"offload_checkpoints": True, "kept_layers": 1, "host_kept_layers": 1},  # kept layers' checkpoints too
+        {"kept": (3, 4)},
+        {"kept": (4,), "host_kept": (1, 3)},
+        {"offloaded": (1, 2, 3, 4)},
+        {"offloaded": (1, 2, 3, 4), "kept": (4,), "host_kept": (2,)},  # kept layers' checkpoints too
+        {"offloaded": (1, 2), "kept": (1, 4), "held": (2,)},  # any stages, not only the first or last ones
     ],
 )
-def test_kept_products_and_offloaded_checkpoints_match_autograd(engine):
-    store, pipeline, _ = build(4, tied=True, **engine)
+def test_kept_products_and_offloaded_checkpoints_match_autograd(placed):
+    store, pipeline, _ = build(4, tied=True, **placed)
     batches = make_batches(3)
     for _ in range(2):  # the second step reuses the first's host buffers
         result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
     loss, grads = autograd_reference(store, 4, True, batches, 0.1)
     assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
     assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
-    assert pipeline.last_kept == engine.get("kept_layers", 0) + engine.get("host_kept_layers", 0)
+    assert pipeline.executed == pipeline.placement and pipeline.fallback is None  # run as given
 
 
 def test_the_warm_up_takes_the_host_memory_of_a_whole_step():
     """The warm-up runs one micro-batch but takes the host memory a whole step's offloaded checkpoints and host-kept
     products go to, exact bytes (the CUDA host allocator would round each up to a power of two): the first step
     takes none (pinning 20 GB there made it twice as long)."""
-    store, pipeline, _ = build(4, tied=True, offload_checkpoints=True, kept_layers=1, host_kept_layers=1)
+    store, pipeline, _ = build(4, tied=True, offloaded=(1, 2, 3, 4), kept=(4,), host_kept=(2,))
     pipeline.stages[-1].template.d_model = D  # (the checkpoints' width)
     step = [MicroBatch(i, lab) for i, lab in make_batches(3)]
     pipeline.warm_up(step[:1], step)
@@ -176,14 +177,14 @@ def test_the_warm_up_takes_the_host_memory_of_a_whole_step():
     expected = {("checkpoint", stage): stage_bytes for stage in range(1, 5)} | {("products", 0): stage_bytes}
     assert {use: buffer.numel() for use, buffer in taken.items()} == expected
     pipeline.run(step, loss_scale=1.0)
-    assert pipeline.last_offloaded == 4 and pipeline.last_host_kept == 1
+    assert pipeline.executed.offloaded == (1, 2, 3, 4) and pipeline.executed.host_kept == (2,)
     assert pipeline._host_memory.buffers.keys() == taken.keys()
     assert all(pipeline._host_memory.buffers[use] is buffer for use, buffer in taken.items())
 
 
 @pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 3)])
 def test_weights_present_before_every_compute(n_slots, held_layers):
-    store, pipeline, _ = build(4, tied=True, n_slots=n_slots, held_layers=held_layers)
+    store, pipeline, _ = build(4, tied=True, n_slots=n_slots, held=tuple(range(1, 1 + held_layers)))
     log = []
     for _ in range(2):  # the second step copies every stage in again: the weights have changed
         log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0).log
@@ -222,7 +223,7 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
         host_pipeline.stages,
         store,
         torch.device("cpu"),
-        held_layers=1,
+        placement=Placement.build(len(host_pipeline.stages), resident=(1, 2), held=(3,)),
         device_masters=device_masters,
         on_device_grads=lambda g, grad, sq: handed.setdefault(g, (grad.clone(), sq.clone())),
         before_fetch=lambda groups: fetched.append(groups),
@@ -251,6 +252,9 @@ def test_a_stage_binding_device_and_host_masters_is_refused():
     store, pipeline, _ = build(2, tied=True)
     with pytest.raises(SchedError, match="binds groups with device masters and groups without"):
         LayerPipeline(pipeline.stages, store, torch.device("cpu"), device_masters={0: store.master(0).clone()})
+    placement = Placement.build(len(pipeline.stages), resident=(1,))
+    with pytest.raises(PlacementError, match="stage 1 .* is resident but its groups lack device masters"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=placement)
 
 
 def test_layer_major_order():
@@ -286,8 +290,13 @@ def test_bad_stage_lists():
     store, pipeline, _ = build(1, tied=False)
     with pytest.raises(SchedError, match="n_slots"):
         LayerPipeline(pipeline.stages, store, torch.device("cpu"), n_slots=1)
-    with pytest.raises(SchedError, match="held_layers must be between 0 and 0"):
-        LayerPipeline(pipeline.stages, store, torch.device("cpu"), held_layers=1)
+    n = len(pipeline.stages)
+    with pytest.raises(PlacementError, match="stage 1 .* cannot be held: only blocks before the last"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=Placement.build(n, held=(1,)))
+    with pytest.raises(PlacementError, match="stage 0 .* is no block"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=Placement.build(n, offloaded=(0,)))
+    with pytest.raises(PlacementError, match="places 2 stages; the model has 3"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=Placement.build(2))
     with pytest.raises(SchedError, match="loss"):
         LayerPipeline(pipeline.stages[:-1], store, torch.device("cpu"))
     wrong = [Stage(Mix(), (0,), "bad")] + list(pipeline.stages[1:])
@@ -309,33 +318,53 @@ def test_timeline_keeps_only_recent_steps():
     assert len(pipeline.timeline.spans) >= 3 * per_step
 
 
-def test_offload_decision_from_checkpoint_size():
-    store, pipeline, _ = build(2, tied=False)
-    batches = [MicroBatch(i, lab) for i, lab in make_batches(3)]
-    assert pipeline.offloaded_stages(batches) == 0  # the CPU never offloads
+def test_the_placement_runs_as_given_unless_the_device_lacks_the_memory_it_counts_on(caplog):
+    """Where the free memory falls short of what the placement counts on, the first layers keeping products on the
+    device recompute them, then the first blocks' checkpoints go to host memory, as few as make up the difference;
+    the change is logged in one line and the step stays exact."""
+    tokens = 3 * 2 * 5
+    stage = tokens * D * 4  # a stage's checkpoints, and its products (fp32)
+    need = 10 * stage
+    store, pipeline, _ = build(4, tied=False, kept=(2, 3, 4), tokens=tokens, device_step_bytes=need)
     pipeline.stages[-1].template.d_model = D
-    # three micro-batches of 2 x 5 tokens, D wide, fp32, for the two middle stages
-    assert pipeline.checkpoint_bytes(batches) == 3 * 2 * 5 * D * 4 * 2
+    batches = make_batches(3)
+    micro = [MicroBatch(i, lab) for i, lab in batches]
+    pipeline.free_device_memory = lambda: need
+    pipeline.run(micro, loss_scale=0.1)
+    assert pipeline.executed == pipeline.placement and pipeline.fallback is None
+    pipeline.free_device_memory = lambda: need - stage - 1  # one product stage and a byte short: two go
+    with caplog.at_level("WARNING", logger="megatrain_sched"):
+        result = pipeline.run(micro, loss_scale=0.1)
+    assert pipeline.executed.kept == (4,) and pipeline.executed.offloaded == ()
+    assert "2 layers recompute their matmul products instead of keeping them, 0 more" in pipeline.fallback
+    assert caplog.records[-1].getMessage() == f"megatrain_sched: {pipeline.fallback}"
+    loss, grads = autograd_reference(store, 4, False, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
+    pipeline.free_device_memory = lambda: need - 4 * stage  # no products, then one checkpoint
+    pipeline.run(micro, loss_scale=0.1)
+    assert pipeline.executed.kept == () and pipeline.executed.offloaded == (1,)
+    # a step of other tokens than the placement was made for counts what it keeps at its own size
+    pipeline.free_device_memory = lambda: need
+    pipeline.run(micro + micro[:1], loss_scale=0.1)
+    # 10 tokens more of 4 stages' checkpoints and 3 stages' products: 1.75 stages of products at 40 tokens
+    assert pipeline.executed.kept == (4,)
 
 
-def test_checkpoints_make_way_for_kept_products(monkeypatch):
-    """With both decided from the device's memory, the fewest first blocks' checkpoints go to host memory
-    that let the most layers keep their products."""
-    store, pipeline, _ = build(4, tied=False)
+def test_a_new_placement_between_steps(monkeypatch):
+    """`place` changes held buffers and host memory between steps; the result stays exact."""
+    store, pipeline, _ = build(4, tied=True, held=(1, 2), offloaded=(1, 2, 3, 4), host_kept=(3,))
     pipeline.stages[-1].template.d_model = D
-    pipeline.offload_checkpoints = pipeline.kept_layers = None  # (the CPU's default: none of either)
-    monkeypatch.setattr("megatrain_sched.pipeline.KEPT_SLACK_BYTES", 0)
-    batches = [MicroBatch(i, lab) for i, lab in make_batches(3)]
-    stage = 30 * D * 4  # a stage's checkpoints, and its products (30 tokens a step, fp32)
-    reserve = 2 * D * D * 4 + 2 * 10 * D * 4  # two fp32 gradients of a block, a micro-batch's recompute
-    # room for 3 stages' products beside the 4 checkpoints, for all 4 with 2 of those offloaded (one back at a time)
-    free = reserve + 7 * stage + stage // 2
-    monkeypatch.setattr(pipeline, "_free_device_bytes", lambda: free)
-    offloaded = pipeline.offloaded_stages(batches)
-    kept = len(pipeline.kept_stages(batches, 0)), len(pipeline.kept_stages(batches, offloaded))
-    assert (offloaded, *kept) == (2, 3, 4)
-    pipeline.offload_for_products = 1  # (the host's room): one more would not let another layer keep them
-    assert pipeline.offloaded_stages(batches) == 0
+    batches = make_batches(2)
+    micro = [MicroBatch(i, lab) for i, lab in batches]
+    pipeline.run(micro, loss_scale=1.0)
+    assert set(pipeline._host_memory.buffers) == {*(("checkpoint", s) for s in range(1, 5)), ("products", 0)}
+    pipeline.place(Placement.build(len(pipeline.stages), held=(2, 3), offloaded=(1,)))
+    assert set(pipeline._held) == {2, 3} and set(pipeline._host_memory.buffers) == {("checkpoint", 1)}
+    result = pipeline.run(micro, loss_scale=1.0)
+    loss, grads = autograd_reference(store, 4, True, batches, 1.0)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):

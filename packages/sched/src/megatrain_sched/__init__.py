@@ -1,7 +1,26 @@
 """The stream scheduler: layer-major forward/backward over device weight slots and three streams."""
 
 from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult
+from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
 from .streams import Streams, synchronize
 from .timeline import Timeline
 
-__all__ = ["LayerPipeline", "MicroBatch", "SchedError", "Stage", "StepResult", "Streams", "Timeline", "synchronize"]
+__all__ = [
+    "DEVICE",
+    "HELD",
+    "HOST",
+    "RECOMPUTE",
+    "RESIDENT",
+    "STREAMED",
+    "LayerPipeline",
+    "MicroBatch",
+    "Placement",
+    "PlacementError",
+    "SchedError",
+    "Stage",
+    "StagePlacement",
+    "StepResult",
+    "Streams",
+    "Timeline",
+    "synchronize",
+]

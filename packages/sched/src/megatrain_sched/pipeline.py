@@ -1,16 +1,16 @@
-"""One optimizer step's forward and backward, layer-major over device weight slots.
+"""One optimizer step's forward and backward, layer-major over device weight slots, as a `Placement` says.
 
 Positions of a step: forward stages 0..n-2, the head n-1 (loss + its backward), then
 backward stages n-2..0. Position p computes in slot p % n_slots; while it computes,
 the weights of positions p+1 .. p+n_slots-1 are copied in on the copy-in stream (a
 slot is refilled only after the compute that used it has finished). Position n (the
 last block, backward) finds its weights still in the slot of position n-2, so with two
-slots they are not copied again; held stages (`held_layers`, the first blocks) have a
-buffer of their own instead, which keeps their weights from forward to backward.
-Gradients of a group accumulate in one fp32 device buffer and are copied out once, when
-the last stage that binds the group has run backward. Groups whose master weights live on
-the device (`device_masters`: the optimizer updates them there) are cast into the slot from
-that master instead, and their gradient is handed over on the device instead of copied out.
+slots they are not copied again; held stages have a buffer of their own instead, which
+keeps their weights from forward to backward. Gradients of a group accumulate in one fp32
+device buffer and are copied out once, when the last stage that binds the group has run
+backward. Resident stages' fp32 masters live on the device (the optimizer updates them
+there): they are cast into the slot from that master, and their gradient is handed over on
+the device instead of copied out.
 
 Weights travel as the store keeps them: an fp32 master is copied in through two small
 fp32 staging buffers and cast to the compute dtype on a cast stream, so the host needs no
@@ -19,10 +19,11 @@ engine never waits for one: a cast is a kernel, and it may wait for SMs behind t
 compute stream's GEMMs.
 """
 
+import logging
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,17 +31,16 @@ from torch import Tensor
 
 from megatrain_store import HostStore, pin_in_place, unpin
 
+from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, Placement, PlacementError
 from .streams import Streams
 from .timeline import Timeline
+
+logger = logging.getLogger("megatrain_sched")
 
 # Elements per staged host->device copy of an fp32 master (128 MiB per buffer, two buffers):
 # large enough to run at full PCIe speed and to absorb a cast's wait for SMs, small next to
 # the slots.
 STAGING_NUMEL = 2**25
-
-# Device memory left free beside kept layers' products, past two gradients and a recompute: the head's
-# logits chunk with its gradient (3 GiB) and the allocator's slack.
-KEPT_SLACK_BYTES = 5 * 2**30
 
 
 def expandable_device_memory() -> None:
@@ -148,6 +148,14 @@ class _HostMemory:
                 self._pinned[use] = self.buffers[use].data_ptr()
         return _Cursor(self.buffers[use], self.streams.cuda)
 
+    def keep_only(self, uses: set) -> None:
+        """Give back the buffers of other uses (a new placement offloads or keeps other stages; nothing may be
+        in flight)."""
+        for use in [use for use in self.buffers if use not in uses]:
+            if use in self._pinned:
+                unpin(self._pinned.pop(use))
+            del self.buffers[use]
+
 
 @dataclass
 class _Cursor:
@@ -172,6 +180,13 @@ class _Rows:
     local: list[Tensor]  # each micro-batch's input ids as indices into `ids` (device)
     table: Tensor | None = None  # what first_rows gave for them (None: the whole table was copied)
 
+    @classmethod
+    def of(cls, micro_batches: list[MicroBatch], device: torch.device) -> "_Rows":
+        ids = [mb.input_ids for mb in micro_batches]
+        unique, local = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_inverse=True)
+        pieces = local.split([i.numel() for i in ids])
+        return cls(unique, [p.view_as(i).to(device, non_blocking=True) for p, i in zip(pieces, ids)])
+
 
 @dataclass
 class _Kept:
@@ -187,43 +202,69 @@ class _Slot:
     free: Any = None  # event: the last compute reading it finished
 
 
-class LayerPipeline:
-    """Runs forward and backward of all stages for a list of micro-batches.
+@dataclass
+class _Step:
+    """What one step's run of the stages carries from position to position."""
 
-    `before_fetch(groups)` is called before a stage's weights are read from the store, and before
+    batches: list[MicroBatch]  # on the device
+    train: bool
+    warm_up: bool
+    placement: Placement | None  # as this step runs it (None: evaluation)
+    loss_scale: float
+    acts: list[Any]  # each micro-batch's activation between stages (token ids first)
+    checkpoints: list[list[Any] | None]  # stage -> each micro-batch's checkpoint (or _Kept, _Offloaded)
+    sq_norms: Tensor
+    loss_sum: Tensor
+    remaining: list[int]  # group -> stages yet to run its backward
+    offloaded: set = field(default_factory=set)  # block stages whose checkpoints go to host memory
+    kept: set = field(default_factory=set)  # stages keeping their products on the device
+    host_kept: dict = field(default_factory=dict)  # stage -> its host buffer's rank, products in host memory
+    checkpoint_rooms: dict = field(default_factory=dict)
+    product_rooms: dict = field(default_factory=dict)
+    grad_buffers: dict[int, Tensor] = field(default_factory=dict)
+    offloaded_copies: dict[int, tuple] = field(default_factory=dict)
+    last_host_copy: Any = None  # event: the last host-kept stage's products are in host memory
+    prepared: dict[int, list] = field(default_factory=dict)  # stage -> what its template's prepare() gave
+    fetched: int = -1  # highest position whose weights have been queued
+    log: list[tuple] = field(default_factory=list)
+
+
+class LayerPipeline:
+    """Runs forward and backward of all stages for a list of micro-batches, placed by a `Placement`.
+
+    The placement (`place`, or `placement=` at construction; by default every stage streamed, every
+    checkpoint on the device, nothing kept) says per stage where its weights live between uses
+    (streamed each pass, held from forward to backward, resident on the device), where a block's
+    activation checkpoint waits for its backward (device or pinned host memory, then reloaded a stage
+    ahead), and whether its forward's matmul products are kept for the backward (on the device or in
+    pinned host memory: copied out on the copy-out stream, idle in the forward, back a stage ahead), in
+    which case the backward recomputes no GEMM. The pipeline runs it as given; only where the device
+    lacks the memory the placement counts on (`Placement.device_step_bytes`) does it keep fewer products
+    and offload more checkpoints, and says so (`fallback`, and a warning on the "megatrain_sched" logger).
+    `executed` is the placement the last training step ran.
+
+    Hooks: `before_fetch(groups)` is called before a stage's weights are read from the store, and before
     the gradient of a stage that reads none in its backward is sent (the optimizer must have
-    finished updating them); `updates_done(groups)` says, without
-    waiting, whether it has (so that copies can be queued early); `on_grads_landed(group, event,
-    sq_norm)` is called when a group's gradient copy-out has been queued: `event`
-    completes when the host buffer holds it (None on the CPU, where it already does) and
-    `sq_norm` is a host scalar tensor, valid from then on, with the gradient's squared norm.
-    With several processes, `reduce_grad(group, buffer)` sums a group's gradient over them and
-    returns this process's shard of the sum (`store.shard_range`), which alone is sent to host
-    memory; it is called on the copy-out stream, so collectives there never hold up compute.
-    `buffer` is padded to a whole number of shards.
+    finished updating them); `updates_done(groups)` says, without waiting, whether it has (so that copies
+    can be queued early); `on_grads_landed(group, event, sq_norm)` is called when a group's gradient
+    copy-out has been queued: `event` completes when the host buffer holds it (None on the CPU, where it
+    already does) and `sq_norm` is a host scalar tensor, valid from then on, with the gradient's squared
+    norm. With several processes, `reduce_grad(group, buffer)` sums a group's gradient over them and
+    returns this process's shard of the sum (`store.shard_range`), which alone is sent to host memory; it
+    is called on the copy-out stream, so collectives there never hold up compute. `buffer` is padded to a
+    whole number of shards.
 
     A block template that provides `forward_keeping_products(weights, x) -> (y, products)` (and
-    `product_bytes_per_token(element_size)`) has its forward's matmul products kept beside the
-    checkpoint, for the last `kept_layers` block stages (None: as many as fit the free device
-    memory), and given to its backward as `products=`, which then recomputes no GEMM. Another
-    `host_kept_layers` stages before those, spread evenly over the rest, keep theirs in pinned host
-    memory: copied out on the copy-out stream, idle in the forward, and back on the copy-in stream
-    a stage ahead of their backward (large steps, whose GPU is the bound and PCIe has time to spare).
-    Activation checkpoints (each block stage's input) stay on the device, or go to pinned host memory
-    for the first blocks (`offload_checkpoints`: True all, None as the free device memory decides, and
-    also as many as make room for more kept layers' products, up to `offload_for_products`), kept
-    layers' included.
+    `product_bytes_per_token(element_size)`) may keep its products; its backward gets them as `products=`.
+    A template whose backward reads none of its weights (`backward_reads_weights = False`: an embedding's
+    only scatters its gradient) gets no copy of them for it; the wait for their last update comes before
+    its gradient is sent instead.
 
-    A template whose backward reads none of its weights (`backward_reads_weights = False`: an
-    embedding's only scatters its gradient) gets no copy of them for it; the wait for their last
-    update comes before its gradient is sent instead.
-
-    `device_masters` maps groups whose fp32 master weights live on the device (updated there, by work
-    queued on the compute stream) to that master: their stages are cast from it into the slot, with
-    no copy from the store, no `before_fetch` and no held buffer, and instead of being copied out
-    their gradient goes to `on_device_grads(group, grad, sq_norm)` (both device tensors; called on
-    the compute stream once the group's last backward is queued; the buffer is the callee's from then
-    on). A stage binds only such groups or none.
+    Resident stages are cast from `device_masters` (group -> fp32 master on the device, updated there by
+    work queued on the compute stream): no copy from the store, no `before_fetch`, and instead of being
+    copied out their gradient goes to `on_device_grads(group, grad, sq_norm)` (both device tensors;
+    called on the compute stream once the group's last backward is queued; the buffer is the callee's
+    from then on). A stage binds only such groups or none.
 
     Where the first stage's template reads only the rows of its one group that the tokens select
     (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
@@ -238,11 +279,7 @@ class LayerPipeline:
         store: HostStore,
         device: torch.device,
         n_slots: int = 2,
-        offload_checkpoints: bool | None = False,
-        offload_for_products: int | None = None,
-        kept_layers: int | None = 0,
-        host_kept_layers: int = 0,
-        held_layers: int = 0,
+        placement: Placement | None = None,
         device_masters: dict[int, Tensor] | None = None,
         on_device_grads: Callable[[int, Tensor, Tensor], None] = lambda group, grad, sq_norm: None,
         before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
@@ -252,55 +289,20 @@ class LayerPipeline:
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
     ):
-        if len(stages) < 2:
-            raise SchedError("a model needs at least two stages: an input stage and a loss stage")
+        _check_stages(stages, store)
         if n_slots < 2:
             raise SchedError(f"n_slots must be >= 2 to overlap copies with compute, got {n_slots}")
-        if not hasattr(stages[-1].template, "loss"):
-            raise SchedError(f"the last stage {stages[-1].name!r} must provide loss()")
-        for index, stage in enumerate(stages):
-            layouts = stage.template.groups
-            if len(layouts) != len(stage.groups):
-                raise SchedError(f"stage {index} binds {len(stage.groups)} groups, its template has {len(layouts)}")
-            for group, params in zip(stage.groups, layouts):
-                need = sum(p.numel for p in params)
-                if store.layouts[group].numel != need:
-                    raise SchedError(
-                        f"stage {index} ({stage.name}) expects {need} elements in group {group}, "
-                        f"the store holds {store.layouts[group].numel}"
-                    )
         self.stages, self.store, self.device = stages, store, torch.device(device)
         self.streams = Streams(self.device)
         if self.streams.cuda:
             expandable_device_memory()
-        # None: decided each step from the checkpoints' size and the free device memory (on the CPU: none; set,
-        # they are copied to other host tensors there, the same logic with nothing to gain)
-        self.offload_checkpoints = (
-            offload_checkpoints if self.streams.cuda or offload_checkpoints is not None else False
-        )
-        self.offload_for_products = offload_for_products
-        # None: as many of the last block stages as the free device memory holds (none on the CPU)
-        self.kept_layers = kept_layers if self.streams.cuda or kept_layers is not None else 0
-        self.last_kept = 0  # how many block stages the last training step kept the products of
-        self.host_kept_layers = host_kept_layers
-        self._host_memory = _HostMemory(self.streams)
-        self.last_host_kept = 0  # ... of those, how many in host memory
-        self.last_offloaded = 0  # how many block stages' checkpoints the last training step sent to host memory
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
-        self.first_rows = first_rows
-        self.device_masters, self.on_device_grads = device_masters or {}, on_device_grads
-        self._on_device = set()  # stages whose weights are cast from device masters
-        for index, stage in enumerate(stages):
-            resident = [g in self.device_masters for g in stage.groups]
-            if any(resident) and not all(resident):
-                raise SchedError(f"stage {index} ({stage.name}) binds groups with device masters and groups without")
-            if all(resident):
-                self._on_device.add(index)
-        if self.device_masters and reduce_grad is not None:
-            raise SchedError("groups updated on the device cannot be reduced over processes (reduce_grad)")
-        self._rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
+        self.first_rows, self.on_device_grads = first_rows, on_device_grads
+        self._reduce_grad = reduce_grad
         self.reduce_grad = reduce_grad or self._own_shard
         self.timeline = timeline or Timeline(enabled=False)
+        self._host_memory = _HostMemory(self.streams)
+        self._rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
         # squared gradient norms as they land, readable by the optimizer thread without a device sync
         self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
         # what of each group's gradient buffer is gradient, where not all of it (load-balanced biases' statistics)
@@ -308,20 +310,12 @@ class LayerPipeline:
             runs if runs != [(0, layout.numel)] else None
             for layout, runs in ((layout, layout.gradient_runs()) for layout in store.layouts)
         ]
-        stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
-        slot_numel = max(stage_numels)
+        self._stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
         self.slots = [
-            _Slot(torch.empty(slot_numel, dtype=store.compute_dtype, device=self.device)) for _ in range(n_slots)
+            _Slot(torch.empty(max(self._stage_numels), dtype=store.compute_dtype, device=self.device))
+            for _ in range(n_slots)
         ]
-        cast_on_device = self.streams.cuda and store.wire(0).dtype != store.compute_dtype
-        staging_numel = min(slot_numel, STAGING_NUMEL)
-        self._staging = (
-            [torch.empty(staging_numel, dtype=store.wire(0).dtype, device=self.device) for _ in range(2)]
-            if cast_on_device
-            else None
-        )
-        self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
-        self._staging_free = [None, None]  # events: the cast that last read each staging buffer finished
+        self._init_staging(max(self._stage_numels))
         n = len(stages)
         self._train_order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
         self._eval_order = list(range(n))
@@ -335,27 +329,135 @@ class LayerPipeline:
         self._weightless_backward = {
             index for index, stage in enumerate(stages) if not getattr(stage.template, "backward_reads_weights", True)
         }
-        # how many of the last block stages can keep their forward's products (`forward_keeping_products`)
-        self._keepable = 0
-        for stage in reversed(stages[1:-1]):
-            if not callable(getattr(stage.template, "forward_keeping_products", None)):
+        self.fallback: str | None = None  # what the last step changed of its placement, and why; None: nothing
+        self.executed: Placement | None = None  # the placement the last training step ran
+        # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
+        self.free_device_memory: Callable[[], int] | None = self._free_cuda_bytes if self.streams.cuda else None
+        self._held: dict[int, _Slot] = {}
+        self.place(placement or Placement.build(n), device_masters)
+
+    def _init_staging(self, slot_numel: int) -> None:
+        """Staging buffers and the cast stream, where fp32 masters are cast on the device."""
+        cast_on_device = self.streams.cuda and self.store.wire(0).dtype != self.store.compute_dtype
+        staging_numel = min(slot_numel, STAGING_NUMEL)
+        self._staging = (
+            [torch.empty(staging_numel, dtype=self.store.wire(0).dtype, device=self.device) for _ in range(2)]
+            if cast_on_device
+            else None
+        )
+        self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
+        self._staging_free = [None, None]  # events: the cast that last read each staging buffer finished
+
+    # --------------------------------------------------------------- placement
+    def place(self, placement: Placement, device_masters: dict[int, Tensor] | None = None) -> None:
+        """Run the next steps as `placement` says, resident stages cast from `device_masters` (group -> fp32
+        master on the device). Between steps only: held buffers are (re)allocated, pinned host memory no longer
+        used is given back."""
+        self._check_placement(placement, device_masters or {})
+        self.placement, self.device_masters = placement, device_masters or {}
+        self._on_device = set(placement.resident)
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)  # nothing in flight reads the buffers given back below
+        self._held = {i: self._held[i] if i in self._held else _Slot(self._new_slot_buffer(i)) for i in placement.held}
+        host_kept = dict(enumerate(placement.host_kept))
+        self._host_memory.keep_only(
+            {("checkpoint", s) for s in placement.offloaded} | {("products", r) for r in host_kept}
+        )
+
+    def _new_slot_buffer(self, stage: int) -> Tensor:
+        return torch.empty(self._stage_numels[stage], dtype=self.store.compute_dtype, device=self.device)
+
+    def _check_placement(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
+        """Refuse a placement these stages cannot run, naming the stage and what it lacks."""
+        n = len(self.stages)
+        if len(placement.stages) != n:
+            raise PlacementError(f"the placement places {len(placement.stages)} stages; the model has {n}")
+        if device_masters and self._reduce_grad is not None:
+            raise SchedError("resident groups cannot be reduced over processes (reduce_grad)")
+        for index, stage in enumerate(self.stages):
+            on_device = [g in device_masters for g in stage.groups]
+            if any(on_device) and not all(on_device):
+                raise SchedError(f"stage {index} ({stage.name}) binds groups with device masters and groups without")
+        for index, (stage, choice) in enumerate(zip(self.stages, placement.stages)):
+            on_device = [g in device_masters for g in stage.groups]
+            if (choice.weights == RESIDENT) != all(on_device):
+                raise PlacementError(
+                    f"stage {index} ({stage.name}) is {choice.weights} but its groups "
+                    f"{'have' if all(on_device) else 'lack'} device masters"
+                )
+            block = 0 < index < n - 1
+            if choice.weights == HELD and not (block and index < n - 2 and index not in self._weightless_backward):
+                raise PlacementError(
+                    f"stage {index} ({stage.name}) cannot be held: only blocks before the last (whose backward "
+                    "finds its rotating slot still full) hold their weights"
+                )
+            if (choice.checkpoint == HOST or choice.products != RECOMPUTE) and not block:
+                raise PlacementError(f"stage {index} ({stage.name}) is no block: it has no checkpoint or products")
+            keeps = callable(getattr(stage.template, "forward_keeping_products", None))
+            if choice.products != RECOMPUTE and not keeps:
+                raise PlacementError(f"stage {index} ({stage.name}) cannot keep its products: its template recomputes")
+
+    def _fitted(self, placement: Placement, tokens: int) -> Placement:
+        """The placement as a training step of `tokens` runs it: as given, unless the device lacks the memory it
+        counts on. Then the first layers keeping products on the device recompute them instead, then more
+        checkpoints go to host memory (first layers first), until it fits; `fallback` says what and why."""
+        self.fallback = None
+        if self.free_device_memory is None or placement.device_step_bytes is None:
+            return placement
+        need = placement.device_step_bytes
+        if placement.tokens and tokens != placement.tokens:  # what it keeps grows with the tokens
+            need += (tokens - placement.tokens) * self._kept_bytes_per_token(placement)
+        free = self.free_device_memory()
+        over = need - free
+        if over <= 0:
+            return placement
+        stages = list(placement.stages)
+        recomputed = offloaded = 0
+        for index in placement.kept:
+            if over <= 0:
                 break
-            self._keepable += 1
-        self._largest_block = max(stage_numels[1:-1], default=0)
-        # the first `held_layers` block stages keep the weights copied in for their forward in a buffer of their
-        # own until their backward: one copy in a step instead of two, half the host memory reads of the
-        # weights (the last block's backward finds its rotating slot still holding them anyway)
-        holdable = [i for i in range(1, n - 2) if i not in self._weightless_backward | self._on_device]
-        if not 0 <= held_layers <= len(holdable):
-            raise SchedError(
-                f"held_layers must be between 0 and {len(holdable)} (the blocks but the last, not updated on the "
-                f"device), got {held_layers}"
-            )
-        self.held_layers = held_layers
-        self._held = {
-            i: _Slot(torch.empty(stage_numels[i], dtype=store.compute_dtype, device=self.device))
-            for i in holdable[:held_layers]
-        }
+            stages[index] = replace(stages[index], products=RECOMPUTE)
+            over -= tokens * self._product_bytes_per_token(index)
+            recomputed += 1
+        for index in range(1, len(stages) - 1):
+            if over <= 0:
+                break
+            if stages[index].checkpoint == DEVICE:
+                stages[index] = replace(stages[index], checkpoint=HOST)
+                over -= tokens * self._checkpoint_bytes_per_token(index)
+                offloaded += 1
+        self.fallback = (
+            f"the placement for {tokens:,} tokens counts on {need / 2**30:.1f} GiB of device memory beside the "
+            f"weights but {free / 2**30:.1f} GiB are free: {recomputed} layers recompute their matmul products "
+            f"instead of keeping them, {offloaded} more send their checkpoints to host memory"
+            + (" (still short: it may run out of memory)" if over > 0 else "")
+        )
+        logger.warning("megatrain_sched: %s", self.fallback)
+        return replace(placement, stages=tuple(stages))
+
+    def _free_cuda_bytes(self) -> int:
+        """Device memory free now, with what the allocator holds unused."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def _checkpoint_bytes_per_token(self, stage: int) -> int:
+        """Device bytes a token of a step takes in stage's checkpoint: its input, or what its template's
+        `checkpoint(x)` keeps of it (`checkpoint_planes` [tokens, d_model] tensors, default 1; 0 where it is
+        another stage's)."""
+        d_model = getattr(self.stages[-1].template, "d_model", 0)
+        planes = getattr(self.stages[stage].template, "checkpoint_planes", 1)
+        return d_model * self.store.compute_dtype.itemsize * planes
+
+    def _product_bytes_per_token(self, stage: int) -> int:
+        return self.stages[stage].template.product_bytes_per_token(self.store.compute_dtype.itemsize)
+
+    def _kept_bytes_per_token(self, placement: Placement) -> int:
+        """Device bytes per token of a step that `placement` keeps there: checkpoints and products."""
+        blocks = range(1, len(self.stages) - 1)
+        checkpoints = sum(
+            self._checkpoint_bytes_per_token(i) for i in blocks if placement.stages[i].checkpoint == DEVICE
+        )
+        return checkpoints + sum(self._product_bytes_per_token(i) for i in placement.kept)
 
     # ----------------------------------------------------------------- weights
     def _slot_weights(self, slot: _Slot, stage: int) -> list[Tensor]:
@@ -412,8 +514,8 @@ class LayerPipeline:
 
     def _fetch_held_ahead(self, fetched: int, log: list) -> None:
         """Queue the forward copies of held stages beyond `fetched` whose updates are done, in order: their
-        buffers are their own, so the copy engine need not wait for the rotating slots (while stages cast
-        from device masters compute, it would otherwise idle). Their turn in the order then finds them there."""
+        buffers are their own, so the copy engine need not wait for the rotating slots (while resident stages
+        compute, it would otherwise idle). Their turn in the order then finds them there."""
         for stage, slot in self._held.items():  # (forward position = stage index)
             if stage <= fetched or slot.stage == stage:
                 continue
@@ -477,27 +579,21 @@ class LayerPipeline:
             return grad.new_zeros(())
         return torch.stack([torch.linalg.vector_norm(piece).square() for piece in pieces]).sum()
 
-    def _send_grads(
-        self,
-        stage: int,
-        grad_buffers: dict[int, Tensor],
-        remaining: list[int],
-        sq_norms: Tensor,
-        log: list,
-        drop: bool = False,
-    ) -> None:
+    def _send_grads(self, stage: int, step: _Step) -> None:
+        """Send out the gradients of stage's groups that no later backward adds to: to host memory on the
+        copy-out stream, or to `on_device_grads` for resident groups (none in a warm-up)."""
         streams = self.streams
         for group in self.stages[stage].groups:
-            remaining[group] -= 1
-            if remaining[group]:
+            step.remaining[group] -= 1
+            if step.remaining[group]:
                 continue
-            buffer = grad_buffers.pop(group)
-            if drop:
+            buffer = step.grad_buffers.pop(group)
+            if step.warm_up:
                 continue
             if group in self.device_masters:
-                sq_norms[group] = self._gradient_sq_norm(group, buffer, 0)
-                self.on_device_grads(group, buffer[: self.store.layouts[group].numel], sq_norms[group])
-                log.append(("grad_on_device", group, None))
+                step.sq_norms[group] = self._gradient_sq_norm(group, buffer, 0)
+                self.on_device_grads(group, buffer[: self.store.layouts[group].numel], step.sq_norms[group])
+                step.log.append(("grad_on_device", group, None))
                 continue
             if stage in self._weightless_backward:
                 # no weight copy waited for the group's last update; its gradient must not land before it
@@ -510,126 +606,25 @@ class LayerPipeline:
                 self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
                 shard = self.reduce_grad(group, buffer)
-                sq_norms[group] = self._gradient_sq_norm(group, shard, self.store.shard_range(group)[0])
+                step.sq_norms[group] = self._gradient_sq_norm(group, shard, self.store.shard_range(group)[0])
                 destination.copy_(shard, non_blocking=True)
-                self._host_sq_norms[group].copy_(sq_norms[group], non_blocking=True)
+                self._host_sq_norms[group].copy_(step.sq_norms[group], non_blocking=True)
                 landed = streams.record(streams.copy_out)
             streams.keep_alive(buffer, streams.copy_out)
-            log.append(("grad_out", group, None))
+            step.log.append(("grad_out", group, None))
             self.on_grads_landed(group, landed, self._host_sq_norms[group])
 
-    # ---------------------------------------------------------- checkpoints
-    def checkpoint_bytes(self, batches: list[MicroBatch]) -> int:
-        """Device bytes the activation checkpoints of a step take: every block stage's input, or what its
-        template's `checkpoint(x)` keeps of it (`checkpoint_planes`, default 1: how many [tokens, d_model]
-        tensors that adds, 0 where it is another stage's)."""
-        return self._checkpoint_bytes(sum(mb.input_ids.numel() for mb in batches), self.stages[1:-1])
-
-    def _checkpoint_bytes(self, tokens: int, stages: list[Stage]) -> int:
-        d_model = getattr(self.stages[-1].template, "d_model", 0)
-        planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in stages)
-        return tokens * d_model * self.store.compute_dtype.itemsize * planes
-
-    def offloaded_stages(self, batches: list[MicroBatch]) -> int:
-        """How many block stages, the first ones, keep this step's checkpoints in pinned host memory:
-        all or none when set, else as many as do not fit in half of the free device memory (the
-        other half is for the slots, gradients and one layer's recompute), and more where that lets
-        more layers keep their products (`kept_layers` None; up to `offload_for_products` stages, None: all):
-        the fewest that let the most keep them.
-        A checkpoint is a layer's input, a product several times that, and its recompute costs far
-        more than its copies (out in the forward, on the idle copy-out stream; back a stage ahead of
-        the backward), so where products are short of room checkpoints make way for them."""
-        n_blocks = len(self.stages) - 2
-        if self.offload_checkpoints is not None:
-            return n_blocks if self.offload_checkpoints else 0
-        per_stage = self.checkpoint_bytes(batches) // max(1, n_blocks)
-        if per_stage == 0:
-            return 0
-        free = self._free_device_bytes()
-        offloaded = max(0, n_blocks - int(0.5 * free // per_stage))
-        limit = n_blocks if self.offload_for_products is None else min(n_blocks, self.offload_for_products)
-        if self.kept_layers is None and self._keepable and offloaded < limit:
-            room = self._product_room(batches, free)
-            most = self._kept_count(room, per_stage, limit)
-            while offloaded < limit and self._kept_count(room, per_stage, offloaded) < most:
-                offloaded += 1
-        return offloaded
-
-    def kept_stages(self, batches: list[MicroBatch], n_offloaded: int) -> range:
-        """The block stages, the last ones, whose forward keeps its products this step: `kept_layers` of them
-        where set, else as many as the device memory holds beside the checkpoints kept there and a
-        reserve (two fp32 gradients of the largest stage, one micro-batch's recompute and
-        KEPT_SLACK_BYTES); none where a template cannot keep them."""
-        n_stages = len(self.stages)
-        if self.kept_layers is not None:
-            count = min(self.kept_layers, self._keepable)
-        elif self._keepable == 0:
-            count = 0
-        else:
-            per_stage = self.checkpoint_bytes(batches) // max(1, n_stages - 2)
-            count = self._kept_count(self._product_room(batches, self._free_device_bytes()), per_stage, n_offloaded)
-        return range(n_stages - 1 - count, n_stages - 1)
-
-    def _free_device_bytes(self) -> int:
-        """Device memory free now, with what the allocator holds unused."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-
-    def _product_bytes(self, tokens: int) -> int:
-        """Bytes of one stage's products for `tokens`."""
-        return tokens * self.stages[-2].template.product_bytes_per_token(self.store.compute_dtype.itemsize)
-
-    def _product_room(self, batches: list[MicroBatch], free: int) -> tuple[int, int]:
-        """(device bytes of `free` left for checkpoints and kept products past the reserve, bytes of one
-        stage's products) this step."""
-        stage_products = self._product_bytes(sum(mb.input_ids.numel() for mb in batches))
-        micro_products = self._product_bytes(max(mb.input_ids.numel() for mb in batches))
-        # a recompute's graph holds about twice a layer's products (its inputs, attention, activation)
-        reserve = 2 * self._largest_block * 4 + 2 * micro_products + KEPT_SLACK_BYTES
-        # host-kept products wait on the device for their copy out, and come back a stage ahead
-        reserve += stage_products if self.host_kept_layers else 0
-        return free - reserve, stage_products
-
-    def _kept_count(self, room: tuple[int, int], per_stage: int, n_offloaded: int) -> int:
-        """How many layers' products fit `room` (`_product_room`'s) beside the checkpoints (`per_stage` bytes
-        a block) left on the device with `n_offloaded` stages' sent to host memory (and one stage's of those
-        back a stage ahead of its backward)."""
-        free, stage_products = room
-        on_device = len(self.stages) - 2 - n_offloaded + (1 if n_offloaded else 0)
-        return min(self._keepable, max(0, int((free - on_device * per_stage) // stage_products)))
-
-    def host_kept_stages(self, kept: range) -> dict[int, int]:
-        """The `host_kept_layers` block stages before `kept` that keep their products in host memory, each
-        with its rank among them (its host buffer), spread evenly from the first keepable one (the copies
-        out then keep pace with the forward, and the first layers' backward, last, leaves the copies back
-        the most time)."""
-        first_keepable = max(1, len(self.stages) - 1 - self._keepable)
-        candidates = list(range(first_keepable, kept.start))
-        count = min(self.host_kept_layers, len(candidates))
-        return {candidates[i * len(candidates) // count]: i for i in range(count)}
-
-    def _step_choices(self, batches: list[MicroBatch]) -> tuple[int, range, dict[int, int]]:
-        """A training step's (`offloaded_stages`, `kept_stages`, `host_kept_stages`) for `batches`."""
-        n_offloaded = self.offloaded_stages(batches)
-        kept = self.kept_stages(batches, n_offloaded)
-        return n_offloaded, kept, self.host_kept_stages(kept)
-
-    def _host_rooms(
-        self, batches: list[MicroBatch], n_offloaded: int, host_kept: dict[int, int]
-    ) -> tuple[dict[int, "_Cursor"], dict[int, "_Cursor"]]:
-        """A step's pinned host memory, by block stage: (for the checkpoints of the first `n_offloaded`, for the
-        products of each `host_kept` one). A buffer each, so that a step offloading one more stage pins only
-        that one's."""
-        tokens = sum(mb.input_ids.numel() for mb in batches)
+    # ------------------------------------------------ checkpoints and products
+    def _host_rooms(self, tokens: int, placement: Placement) -> tuple[dict[int, "_Cursor"], dict[int, "_Cursor"]]:
+        """A step's pinned host memory, by block stage: (for the checkpoints of each offloaded one, for the products
+        of each host-kept one). A buffer each, so that a step offloading one more stage pins only that one's."""
         checkpoints = {
-            stage: self._host_memory.room(
-                ("checkpoint", stage), self._checkpoint_bytes(tokens, self.stages[stage : stage + 1])
-            )
-            for stage in range(1, n_offloaded + 1)
+            stage: self._host_memory.room(("checkpoint", stage), tokens * self._checkpoint_bytes_per_token(stage))
+            for stage in placement.offloaded
         }
         products = {
-            stage: self._host_memory.room(("products", rank), self._product_bytes(tokens))
-            for stage, rank in host_kept.items()
+            stage: self._host_memory.room(("products", rank), tokens * self._product_bytes_per_token(stage))
+            for rank, stage in enumerate(placement.host_kept)
         }
         return checkpoints, products
 
@@ -673,19 +668,23 @@ class LayerPipeline:
             offloaded.reloaded = _Reloaded(x, ready)
         return offloaded.reloaded
 
-    def _reload_checkpoints(self, checkpoints: list[Any], products: bool) -> None:
-        """Start bringing a stage's offloaded checkpoints back, and with `products` its kept products (each
-        entry replaced in place), behind the compute work queued so far (the stage before it in the backward
-        runs meanwhile)."""
+    def _reload_ahead(self, step: _Step, position: int) -> None:
+        """Start bringing back the offloaded checkpoints (and host-kept products) of the stage whose backward
+        comes after `position`'s, behind the compute work queued so far (this position runs meanwhile)."""
+        n_stages = len(self.stages)
+        stage = self.order[position] - 1 if position >= n_stages else n_stages - 2
+        if stage <= 0 or (stage not in step.offloaded and stage not in step.host_kept):
+            return
         after = self.streams.record(self.streams.compute)
 
         def back(value: Any) -> Any:
             return self._reload(value, after) if isinstance(value, _Offloaded) else value
 
+        checkpoints = step.checkpoints[stage]
         for m, checkpoint in enumerate(checkpoints):
             if isinstance(checkpoint, _Kept):
                 checkpoint.x = back(checkpoint.x)
-                if products:
+                if stage in step.host_kept:
                     checkpoint.products = {name: back(value) for name, value in checkpoint.products.items()}
             else:
                 checkpoints[m] = back(checkpoint)
@@ -712,15 +711,14 @@ class LayerPipeline:
         """Forward and backward of one step on `micro_batches`, its gradients dropped (nothing reaches the
         store or the optimizer): what is built on first use (torch.compile's kernels for each shape and
         grad mode, cuBLAS's plans, the allocator's pools) is built here, at setup, instead of inside the
-        first step. Where layers may keep their products only the last one does, so that both kinds of
-        backward are built. `step`: a whole training step's micro-batches (only their sizes are read), whose
-        pinned host memory for offloaded checkpoints and host-kept products is taken here too (pinning
-        20 GB takes seconds: the first step would run at half speed)."""
+        first step. Of the layers placed to keep their products only the last one does (on the device), so
+        that both kinds of backward are built. `step`: a whole training step's micro-batches (only their sizes
+        are read), whose pinned host memory for offloaded checkpoints and host-kept products is taken here too
+        (pinning 20 GB takes seconds: the first step would run at half speed)."""
         enabled, self.timeline.enabled = self.timeline.enabled, False
         try:
             if step:
-                n_offloaded, _, host_kept = self._step_choices(step)
-                self._host_rooms(step, n_offloaded, host_kept)
+                self._host_rooms(sum(mb.input_ids.numel() for mb in step), self.placement)
             self._run(micro_batches, 1.0, train=True, warm_up=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -732,136 +730,179 @@ class LayerPipeline:
     ) -> StepResult:
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
-        streams, stages, timeline = self.streams, self.stages, self.timeline
-        n_stages, n_slots = len(stages), len(self.slots)
+        streams, n_stages = self.streams, len(self.stages)
+        step = self._begin(micro_batches, loss_scale, train, warm_up)
+        for position, stage_index in enumerate(self.order):
+            slot_name, slot = self._slot(position)
+            last = self._queue_copies(step, position)
+            if train and position >= n_stages - 1:
+                self._reload_ahead(step, position)
+            streams.wait(streams.compute, slot.ready)
+            weights = self._slot_weights(slot, stage_index)
+            span = f"{'bwd' if position >= n_stages else 'fwd'} {self.stages[stage_index].name}"
+            with self.timeline.device_span(span, "compute", streams, streams.compute):
+                if position < n_stages - 1:
+                    self._forward(step, stage_index, weights, slot)
+                elif position == n_stages - 1:
+                    self._loss(step, stage_index, weights)
+                else:
+                    self._backward(step, stage_index, weights)
+            step.log.append(("compute", stage_index, slot_name))
+            slot.free = streams.record(streams.compute)
+            if train and position >= n_stages - 1:
+                self._send_grads(stage_index, step)
+            while step.fetched < last:  # what the optimizer had not finished before, waiting for it now
+                step.fetched += 1
+                self._fetch(step.fetched, step.log)
+        # the squared norms are written on the copy-out stream, behind each group's reduction
+        streams.wait(streams.compute, streams.record(streams.copy_out))
+        return StepResult(step.loss_sum, step.sq_norms, step.log)
+
+    def _begin(self, micro_batches: list[MicroBatch], loss_scale: float, train: bool, warm_up: bool) -> _Step:
+        """A step's state: the micro-batches on the device, the placement as it runs, its host memory."""
         self.order = self._train_order if train else self._eval_order
-        timeline.start_step(streams)
-        log: list[tuple] = []
+        self.timeline.start_step(self.streams)
         for slot in [*self.slots, *self._held.values()]:
             slot.stage = None  # the optimizer has changed the host weights since the last step
         batches = [mb.to(self.device) for mb in micro_batches]
-        checkpoints: list[list[Any]] = [[None] * len(batches) for _ in range(n_stages)]
-        grad_buffers: dict[int, Tensor] = {}
-        remaining = list(self._users)
-        sq_norms = torch.zeros(self.store.n_groups, dtype=self.store.master_dtype, device=self.device)
-        loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
-
-        acts: list[Any] = [mb.input_ids for mb in batches]
+        tokens = sum(mb.input_ids.numel() for mb in micro_batches)
+        dtype, device = self.store.master_dtype, self.device
+        step = _Step(
+            batches,
+            train,
+            warm_up,
+            self._fitted(self.placement, tokens) if train and not warm_up else self.placement if train else None,
+            loss_scale,
+            acts=[mb.input_ids for mb in batches],
+            checkpoints=[[None] * len(batches) for _ in self.stages],
+            sq_norms=torch.zeros(self.store.n_groups, dtype=dtype, device=device),
+            loss_sum=torch.zeros((), dtype=dtype, device=device),
+            remaining=list(self._users),
+        )
+        if train:
+            keeping = sorted(step.placement.kept + step.placement.host_kept)
+            step.offloaded = set(step.placement.offloaded)
+            step.kept = set(keeping[-1:]) if warm_up else set(step.placement.kept)
+            step.host_kept = {} if warm_up else {stage: rank for rank, stage in enumerate(step.placement.host_kept)}
+            step.checkpoint_rooms, step.product_rooms = self._host_rooms(tokens, step.placement)
+            self.executed = replace(
+                step.placement,
+                stages=tuple(
+                    replace(s, products=DEVICE if i in step.kept else HOST if i in step.host_kept else RECOMPUTE)
+                    for i, s in enumerate(step.placement.stages)
+                ),
+            )
         self._rows = None
-        first_pending = train and not self.updates_done(stages[0].groups)  # else the whole table goes at once
-        if first_pending and hasattr(stages[0].template, "forward_rows") and len(stages[0].groups) == 1:
-            ids = [mb.input_ids for mb in micro_batches]
-            unique, local = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_inverse=True)
-            pieces = local.split([i.numel() for i in ids])
-            self._rows = _Rows(unique, [p.view_as(i).to(self.device, non_blocking=True) for p, i in zip(pieces, ids)])
-            if self.updates_done(stages[self.order[1]].groups):
+        first_pending = train and not self.updates_done(self.stages[0].groups)  # else the whole table goes at once
+        if first_pending and hasattr(self.stages[0].template, "forward_rows") and len(self.stages[0].groups) == 1:
+            self._rows = _Rows.of(micro_batches, self.device)
+            if self.updates_done(self.stages[self.order[1]].groups):
                 # the first layer's update is done before the table's rows: its copy goes first, not behind them
-                self._fetch(1, log)
-        # stages 1 .. n_offloaded send their checkpoints out (evaluation keeps none)
-        n_offloaded, kept_products, host_kept = self._step_choices(batches) if train else (0, range(0), {})
-        if warm_up:
-            kept_products, host_kept = kept_products[-1:], {}
-        checkpoint_rooms, product_rooms = self._host_rooms(batches, n_offloaded, host_kept)
-        self.last_kept, self.last_host_kept = len(kept_products) + len(host_kept), len(host_kept)
-        self.last_offloaded = n_offloaded
-        offloaded_copies: dict[int, tuple] = {}
-        last_host_copy = None  # event: the last host-kept stage's products are in host memory
-        prepared: dict[int, list] = {}  # stage -> what its template's prepare() gave each micro-batch
-        fetched = -1  # highest position whose weights have been queued
-        for position, stage_index in enumerate(self.order):
-            stage = stages[stage_index]
-            slot_name, slot = self._slot(position)
-            while fetched < position:
-                fetched += 1
-                self._fetch(fetched, log)
-            # Queue the next positions' copies before this compute is launched, where that costs the host no
-            # wait: a template that waits for the GPU (a MoE part reads how many rows it has) would otherwise
-            # hold them back until its compute is nearly done, and the next stage would wait for its copies.
-            last = min(position + n_slots - 1, len(self.order) - 1)
-            while fetched < last and self.updates_done(stages[self.order[fetched + 1]].groups):
-                fetched += 1
-                self._fetch(fetched, log)
-            if train:
-                self._fetch_held_ahead(fetched, log)
-            if position == n_stages - 1:  # forward done: no checkpoint is offloaded again (nor kept by this map)
-                offloaded_copies.clear()
-            if train and position >= n_stages - 1:  # the next backward stage's offloaded checkpoints
-                next_stage = stage_index - 1 if position >= n_stages else n_stages - 2
-                if 0 < next_stage <= n_offloaded or next_stage in host_kept:
-                    self._reload_checkpoints(checkpoints[next_stage], next_stage in host_kept)
-            streams.wait(streams.compute, slot.ready)
-            weights = self._slot_weights(slot, stage_index)
-            backward = position >= n_stages
-            with timeline.device_span(
-                f"{'bwd' if backward else 'fwd'} {stage.name}", "compute", streams, streams.compute
-            ):
-                if position < n_stages - 1:  # forward
-                    kwargs = [mb.template_kwargs for mb in batches]
-                    if hasattr(stage.template, "prepare"):  # every micro-batch's, before the first forward
-                        prepared[stage_index] = [
-                            stage.template.prepare(weights, x, **kw) for x, kw in zip(acts, kwargs)
-                        ]
-                        kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, prepared[stage_index])]
-                    if stage_index in host_kept:  # the previous host-kept stage's products out first: one
-                        streams.wait(streams.compute, last_host_copy)  # stage of them on the device
-                    for m, x in enumerate(acts):
-                        if train:  # what the backward needs of the input: all of it, unless the template says
-                            kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
-                            offload = 0 < stage_index <= n_offloaded
-                            checkpoints[stage_index][m] = (
-                                self._offload(
-                                    kept, offloaded_copies, f"checkpoint {stage.name}", checkpoint_rooms[stage_index]
-                                )
-                                if offload
-                                else kept
-                            )
-                        if stage_index in kept_products or stage_index in host_kept:
-                            acts[m], products = stage.template.forward_keeping_products(weights, x, **kwargs[m])
-                            if stage_index in host_kept:
-                                products = {
-                                    k: self._offload(
-                                        v, offloaded_copies, f"products {stage.name}", product_rooms[stage_index]
-                                    )
-                                    for k, v in products.items()
-                                }
-                                last_host_copy = streams.record(streams.copy_out)
-                            checkpoints[stage_index][m] = _Kept(checkpoints[stage_index][m], products)
-                        elif position == 0 and self._rows is not None and self._rows.table is not None:
-                            rows = slot.buffer[: self._rows.table.numel()]
-                            acts[m] = stage.template.forward_rows(rows, self._rows.local[m], **kwargs[m])
-                        else:
-                            acts[m] = stage.template.forward(weights, x, **kwargs[m])
-                elif not train:
-                    for m, x in enumerate(acts):
-                        loss_sum += stage.template.loss_sum(weights, x, batches[m].labels)
-                elif position == n_stages - 1:  # loss and its gradient
-                    grads = self._grad_buffers(stage_index, grad_buffers)
-                    for m, x in enumerate(acts):
-                        loss, acts[m] = stage.template.loss(weights, x, batches[m].labels, loss_scale, grads)
-                        loss_sum += loss
-                else:  # backward, recomputing from the checkpoint
-                    grads = self._grad_buffers(stage_index, grad_buffers)
-                    inputs = checkpoints[stage_index]
-                    forward_prepared = prepared.pop(stage_index, None)
-                    for m, grad_out in enumerate(acts):
-                        x = inputs[m]
-                        inputs[m] = None
-                        kwargs = batches[m].template_kwargs
-                        if isinstance(x, _Kept):
-                            products = {name: self._arrived(product) for name, product in x.products.items()}
-                            x, kwargs = x.x, kwargs | {"products": products}
-                        x = self._arrived(x)
-                        if forward_prepared is not None:
-                            kwargs = kwargs | {"prepared": forward_prepared[m]}
-                        acts[m] = stage.template.backward(weights, x, grad_out, grads, **kwargs)
-                    checkpoints[stage_index] = None
-            log.append(("compute", stage_index, slot_name))
-            slot.free = streams.record(streams.compute)
-            if train and position >= n_stages - 1:
-                self._send_grads(stage_index, grad_buffers, remaining, sq_norms, log, drop=warm_up)
-            while fetched < last:  # what the optimizer had not finished before, waiting for it now
-                fetched += 1
-                self._fetch(fetched, log)
-        # the squared norms are written on the copy-out stream, behind each group's reduction
-        streams.wait(streams.compute, streams.record(streams.copy_out))
-        return StepResult(loss_sum, sq_norms, log)
+                self._fetch(1, step.log)
+        return step
+
+    def _queue_copies(self, step: _Step, position: int) -> int:
+        """Queue the weights of every position up to `position` (waiting for their updates where need be), then
+        those of the next positions whose updates are done; the last position the slots hold meanwhile.
+        (A template that waits for the GPU, a MoE part reading its row count, would otherwise hold the next
+        copies back until its compute is nearly done, and the next stage would wait for them.)"""
+        while step.fetched < position:
+            step.fetched += 1
+            self._fetch(step.fetched, step.log)
+        last = min(position + len(self.slots) - 1, len(self.order) - 1)
+        while step.fetched < last and self.updates_done(self.stages[self.order[step.fetched + 1]].groups):
+            step.fetched += 1
+            self._fetch(step.fetched, step.log)
+        if step.train:
+            self._fetch_held_ahead(step.fetched, step.log)
+        return last
+
+    def _forward(self, step: _Step, stage_index: int, weights: list[Tensor], slot: _Slot) -> None:
+        """Every micro-batch through a stage, keeping what its backward needs: the checkpoint (on the device or on
+        its way to host memory) and, where placed, the forward's products."""
+        stage = self.stages[stage_index]
+        template = stage.template
+        kwargs = [mb.template_kwargs for mb in step.batches]
+        if hasattr(template, "prepare"):  # every micro-batch's, before the first forward
+            step.prepared[stage_index] = [template.prepare(weights, x, **kw) for x, kw in zip(step.acts, kwargs)]
+            kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, step.prepared[stage_index])]
+        host_kept = stage_index in step.host_kept
+        if host_kept:  # the previous host-kept stage's products out first: one stage of them on the device
+            self.streams.wait(self.streams.compute, step.last_host_copy)
+        for m, x in enumerate(step.acts):
+            if step.train:
+                step.checkpoints[stage_index][m] = self._checkpoint(step, stage_index, x)
+            if stage_index in step.kept or host_kept:
+                step.acts[m], products = template.forward_keeping_products(weights, x, **kwargs[m])
+                if host_kept:
+                    room = step.product_rooms[stage_index]
+                    name = f"products {stage.name}"
+                    products = {k: self._offload(v, step.offloaded_copies, name, room) for k, v in products.items()}
+                    step.last_host_copy = self.streams.record(self.streams.copy_out)
+                step.checkpoints[stage_index][m] = _Kept(step.checkpoints[stage_index][m], products)
+            elif stage_index == 0 and self._rows is not None and self._rows.table is not None:
+                rows = slot.buffer[: self._rows.table.numel()]
+                step.acts[m] = template.forward_rows(rows, self._rows.local[m], **kwargs[m])
+            else:
+                step.acts[m] = template.forward(weights, x, **kwargs[m])
+
+    def _checkpoint(self, step: _Step, stage_index: int, x: Any) -> Any:
+        """What a block's backward needs of its input (all of it, unless its template's `checkpoint(x)` says),
+        on the device or on its way to host memory."""
+        stage = self.stages[stage_index]
+        kept = stage.template.checkpoint(x) if hasattr(stage.template, "checkpoint") else x
+        if stage_index not in step.offloaded:
+            return kept
+        room = step.checkpoint_rooms[stage_index]
+        return self._offload(kept, step.offloaded_copies, f"checkpoint {stage.name}", room)
+
+    def _loss(self, step: _Step, stage_index: int, weights: list[Tensor]) -> None:
+        """The head: each micro-batch's summed loss and, training, the gradient of its input."""
+        template = self.stages[stage_index].template
+        if not step.train:
+            for m, x in enumerate(step.acts):
+                step.loss_sum += template.loss_sum(weights, x, step.batches[m].labels)
+            return
+        step.offloaded_copies.clear()  # the forward is done: no checkpoint is offloaded again (nor kept by this map)
+        grads = self._grad_buffers(stage_index, step.grad_buffers)
+        for m, x in enumerate(step.acts):
+            loss, step.acts[m] = template.loss(weights, x, step.batches[m].labels, step.loss_scale, grads)
+            step.loss_sum += loss
+
+    def _backward(self, step: _Step, stage_index: int, weights: list[Tensor]) -> None:
+        """Each micro-batch's backward through a stage from its checkpoint (and kept products), weight gradients
+        accumulating in the stage's groups' device buffers."""
+        template = self.stages[stage_index].template
+        grads = self._grad_buffers(stage_index, step.grad_buffers)
+        inputs = step.checkpoints[stage_index]
+        prepared = step.prepared.pop(stage_index, None)
+        for m, grad_out in enumerate(step.acts):
+            x, inputs[m] = inputs[m], None
+            kwargs = step.batches[m].template_kwargs
+            if isinstance(x, _Kept):
+                products = {name: self._arrived(product) for name, product in x.products.items()}
+                x, kwargs = x.x, kwargs | {"products": products}
+            x = self._arrived(x)
+            if prepared is not None:
+                kwargs = kwargs | {"prepared": prepared[m]}
+            step.acts[m] = template.backward(weights, x, grad_out, grads, **kwargs)
+        step.checkpoints[stage_index] = None
+
+
+def _check_stages(stages: list[Stage], store: HostStore) -> None:
+    """Refuse a stage list the pipeline cannot run, naming the stage."""
+    if len(stages) < 2:
+        raise SchedError("a model needs at least two stages: an input stage and a loss stage")
+    if not hasattr(stages[-1].template, "loss"):
+        raise SchedError(f"the last stage {stages[-1].name!r} must provide loss()")
+    for index, stage in enumerate(stages):
+        layouts = stage.template.groups
+        if len(layouts) != len(stage.groups):
+            raise SchedError(f"stage {index} binds {len(stage.groups)} groups, its template has {len(layouts)}")
+        for group, params in zip(stage.groups, layouts):
+            need = sum(p.numel for p in params)
+            if store.layouts[group].numel != need:
+                raise SchedError(
+                    f"stage {index} ({stage.name}) expects {need} elements in group {group}, "
+                    f"the store holds {store.layouts[group].numel}"
+                )
