@@ -16,7 +16,7 @@ from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
-from megatrain_optim import DeviceAdamW, Schedule, lr_at
+from megatrain_optim import DeviceAdamW, EmbeddingRowsFirst, Schedule, lr_at
 from megatrain_zoo import preset
 
 CASES = {"float64": (1e-2, 1e-10), "float32": (1e-4, 1e-5)}  # dtype: (lr, relative tolerance)
@@ -96,7 +96,7 @@ def check_steps_match_plain_pytorch(
     randomize_(trainer, generator)
     if warm_up:
         trainer.warm_up()
-        assert trainer.pipeline.last_kept == min(1, expect_kept or 0)  # both kinds of backward were run
+        assert len(trainer.pipeline.executed.keeping) == min(1, expect_kept or 0)  # both kinds of backward were run
     c = trainer.model_config
     reference = ReferenceLM(c).to(device=device, dtype=getattr(torch, dtype))
     reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
@@ -119,7 +119,7 @@ def check_steps_match_plain_pytorch(
         assert abs(metrics.loss - loss.item()) <= tolerance * abs(loss.item())
         assert abs(metrics.grad_norm - norm.item()) <= tolerance * norm.item()
         assert metrics.lr == pytest.approx(lr_at(step, schedule))
-        assert expect_kept is None or trainer.pipeline.last_kept == expect_kept
+        assert expect_kept is None or len(trainer.pipeline.executed.keeping) == expect_kept
     assert clipped or not grad_clip  # clipping really was exercised
     ours = trainer.named_weights()
     # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token
@@ -141,14 +141,14 @@ def check_embedding_rows_first(dtype, preset_name, grad_clip, device, output_dir
     """Steps whose tokens read few embedding rows get those rows updated and sent first, the rest of the
     table updated beside the forward: the same steps as plain PyTorch."""
     given = []
-    first_rows = Trainer._first_rows
+    first_rows = EmbeddingRowsFirst.rows
 
     def counting(self, group, rows):
         table = first_rows(self, group, rows)
         given.append(table is not None and table.shape[0] == len(rows))
         return table
 
-    monkeypatch.setattr(Trainer, "_first_rows", counting)
+    monkeypatch.setattr(EmbeddingRowsFirst, "rows", counting)
     # (a table updated on the GPU has no rows to send: auto may put it there for small steps on a GPU)
     check_steps_match_plain_pytorch(
         dtype, preset_name, grad_clip, device, output_dir, batch_size=2, gpu_updated_layers=0
@@ -171,12 +171,13 @@ def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tm
     )
     ids, labels = random_batch(2, 12, 256, torch.Generator().manual_seed(1))
     held, plain = Trainer(config), Trainer(config)
-    plain._row_group = None
+    plain.updates.rows_first = None
     for trainer in (held, plain):
         trainer.train_step(ids, labels)
-    assert held._deferred and not plain._deferred
+    rows_first = held.updates.rows_first
+    assert rows_first.holds(rows_first.group)
     assert held.evaluate(ids, labels) == plain.evaluate(ids, labels)
-    assert not held._deferred
+    assert not rows_first.holds(rows_first.group)
     ours, theirs = held.named_weights(), plain.named_weights()
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
     held.close()

@@ -99,7 +99,7 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
     for rows_first in (True, False):
         trainer = Trainer(config)
         if not rows_first:
-            trainer._row_group = None
+            trainer.updates.rows_first = None
         generator = torch.Generator().manual_seed(5)
         losses.append([trainer.train_step(*random_batch(2, 16, 256, generator)).loss for _ in range(5)])
         trainer.close()
@@ -110,11 +110,11 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
 def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatch, capfd):
     """A bf16 run on the GPU plans with this GPU's rates at its own shape: measured by the first trainer
     of that shape, remembered for the next; a tiny model's rates (hundredths of a TFLOPS) are not zero."""
-    from megatrain import plan
-    from megatrain.plan import Rates
+    from megatrain import rates as calibration
+    from megatrain.rates import Rates
 
     monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
-    monkeypatch.setattr(plan, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
     config = tiny_llama_config(tmp_path, "cuda", "bfloat16", 16, steps=1, batch_size=2, micro_batch_size=1)
     first = Trainer(config)
     first.close()
@@ -133,7 +133,7 @@ def test_gpu_layer_rate_weighs_each_kind_of_layer_by_its_count(monkeypatch):
     """Qwen3.5's layers are of two kinds (linear attention on three of four): the measured layer rates
     (recomputing, keeping products) are the layers' work over one timed layer of each kind, weighted by how many
     layers it stands for (kinds in layer order: layer 0 is linear)."""
-    from megatrain import plan
+    from megatrain import rates
 
     model = preset("tiny-qwen3.5")
     timed = []
@@ -142,12 +142,12 @@ def test_gpu_layer_rate_weighs_each_kind_of_layer_by_its_count(monkeypatch):
         timed.append(plan_seconds(run))
         return timed[-1]
 
-    plan_seconds = plan._sustained_seconds
-    monkeypatch.setattr(plan, "_sustained_seconds", sustained_seconds)
-    layer_tflops, kept_tflops, _, _ = plan.measure_gpu_rates(model, 64, 2)
+    plan_seconds = rates._sustained_seconds
+    monkeypatch.setattr(rates, "_sustained_seconds", sustained_seconds)
+    layer_tflops, kept_tflops, _, _ = rates.measure_gpu_rates(model, 64, 2)
     n_linear = len(model.linear_attention_layers)
     assert 0 < n_linear < model.n_layers and len(timed) == 5  # two kinds, recomputing and keeping; the head
-    whole, kept = plan.layer_works(model, 64, 128)
+    whole, kept = rates.layer_works(model, 64, 128)
     for rate, work, (linear_s, softmax_s) in [(layer_tflops, whole, timed[:2]), (kept_tflops, kept, timed[2:4])]:
         expected = work * model.n_layers / (n_linear * linear_s + (model.n_layers - n_linear) * softmax_s) / 1e12
         assert rate == pytest.approx(expected, rel=1e-3)

@@ -16,6 +16,7 @@ from megatrain import Trainer
 from megatrain.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
+from megatrain_optim import EmbeddingRowsFirst
 from megatrain_store import StoreError
 
 
@@ -37,8 +38,8 @@ def losses(run_dir):
 )
 def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip, batch_size, gpu_updated_layers, monkeypatch):
     rows_given = []
-    first_rows = Trainer._first_rows
-    monkeypatch.setattr(Trainer, "_first_rows", lambda *a: rows_given.append(first_rows(*a)) or rows_given[-1])
+    first_rows = EmbeddingRowsFirst.rows
+    monkeypatch.setattr(EmbeddingRowsFirst, "rows", lambda *a: rows_given.append(first_rows(*a)) or rows_given[-1])
     settings = {"steps": 6, "save_every": 2, "keep_last": 3, "grad_clip": grad_clip, "batch_size": batch_size}
     settings["micro_batch_size"] = min(2, batch_size)
     engine = {"engine": {"gpu_updated_layers": gpu_updated_layers}}

@@ -13,15 +13,13 @@ from megatrain.plan import (
     CPU_OPTIMIZER_MARGIN,
     DISK_TIER_RAM_SHARE,
     GRADIENT_POOL,
-    Rates,
-    block_work,
     check_plan,
     gpu_updated_groups,
     kept_bytes_per_token,
     layout_sizes,
     make_plan,
-    measure_disk_gbps,
 )
+from megatrain.rates import Rates, block_work, measure_disk_gbps
 from megatrain_zoo import build_model, preset
 
 
@@ -162,8 +160,9 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
     per_layer = plan.checkpoint_bytes // model.n_layers
     assert 0 < plan.offloaded_layers < model.n_layers  # some stay on the GPU, the rest go to host
     kept = model.n_layers - plan.offloaded_layers
-    fixed = plan.gpu_bytes - kept * per_layer  # slots, gradient buffers, recompute, logits
-    assert kept == int(0.5 * (h200 - fixed) // per_layer)  # half of the rest, as the scheduler keeps
+    # slots, gradient buffers, recompute, logits, and one offloaded layer's checkpoints back ahead of its backward
+    fixed = plan.gpu_bytes - kept * per_layer - per_layer
+    assert kept == int(0.5 * (h200 - fixed) // per_layer)  # half of the rest
     assert plan.host_bytes >= 12 * model.n_params + plan.offloaded_layers * per_layer
     settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
     settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
@@ -191,8 +190,9 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     assert plan.host_bytes == pytest.approx(on_gpu.host_bytes + plan.offloaded_layers * per_layer)
     small = make_plan(config_for("llama2-7b", 16384), gpu_memory=80 * 2**30)  # the CPU optimizer's step
     assert small.kept_layers < model.n_layers and small.offloaded_layers == 0
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # 12 B a parameter fits, the checkpoints beside not
-    assert make_plan(large, gpu_memory=h200).offloaded_layers == 0
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # 12 B a parameter fits, all the checkpoints beside not
+    tight = make_plan(large, gpu_memory=h200)
+    assert tight.offloaded_layers < plan.offloaded_layers and tight.host_bytes <= 0.85 * 100 * 2**30
 
 
 def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch):
@@ -410,7 +410,7 @@ def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):
 
 
 def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeypatch):
-    from megatrain import plan as planning
+    from megatrain import rates as planning
 
     monkeypatch.setattr(planning, "CALIBRATION_FILE", tmp_path / "calibration.json")
     assert planning.load_rates("H100: a 7B") == Rates()  # nothing calibrated here: the defaults

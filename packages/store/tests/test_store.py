@@ -169,6 +169,22 @@ def test_gradient_pool_holds_several_small_groups_where_a_large_one_fits():
     assert store.acquire_grad(0).numel() == 256
 
 
+def test_gradient_pool_resizes_between_steps():
+    layouts = [GroupLayout.from_specs([(f"g{i}.w", (n,), True)]) for i, n in enumerate((256, 64, 64))]
+    store = HostStore(layouts, grad_pool=1)
+    store.acquire_grad(1)
+    with pytest.raises(StoreError, match=r"cannot change while groups \[1\] hold buffers"):
+        store.resize_grad_pool(2)
+    store.release_grad(1)
+    store.resize_grad_pool(2)
+    assert store.grad_pool == 2 and store.memory_report().arenas["grad"] == 4 * 512
+    both = [store.acquire_grad(0), store.acquire_grad(1), store.acquire_grad(2)]  # room for the large one and more
+    assert len({t.data_ptr() for t in both}) == 3
+    per_group = HostStore(layouts)
+    per_group.resize_grad_pool(3)  # one buffer per group stays so
+    assert per_group.grad_pool is None
+
+
 def test_disk_tier_state_lives_in_files(tmp_path):
     store = HostStore(make_layouts(), state_names=("exp_avg", "exp_avg_sq"), state_dir=tmp_path)
     store.state("exp_avg", 1).fill_(3.0)

@@ -152,7 +152,8 @@ def run_plan(config, args) -> None:
     import json
 
     from .config import model_config_of
-    from .plan import calibrate, check_plan, format_plan, make_plan, run_rates
+    from .plan import check_plan, format_plan, make_plan
+    from .rates import calibrate, run_rates
 
     model = model_config_of(config)
     rates = (

@@ -146,6 +146,12 @@ class PrecisionSection:
 
 @dataclass(frozen=True)
 class EngineSection:
+    """How the engine places the model. `placement: auto` lets the planner decide every layer's placement for each
+    step size (`megatrain plan` prints it); the knobs below it override one choice of that plan each (auto: the
+    planner's), and a placement file (`placement.json`, as a run writes into its output_dir) is executed as written."""
+
+    # auto: planned for each step size; or a placement.json to execute as written
+    placement: str = "auto"
     n_slots: int = 2  # device weight slots (2 = double buffering)
     # activation checkpoints in pinned host memory; "auto": when they would take over half the free GPU memory
     offload_checkpoints: bool | str = "auto"
@@ -200,6 +206,8 @@ class EngineSection:
             )
         if self.n_slots < 2:
             raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
+        if not isinstance(self.placement, str) or not self.placement:
+            raise ConfigError(f"engine.placement must be auto or a placement.json file, got {self.placement!r}")
         pool = self.gradient_pool
         if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
             raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatrain_optim import BackgroundStepper, Sharing
 from megatrain_store import HostStore, SharedArenas
 
 from .config import ConfigError
@@ -259,3 +260,41 @@ class RankSync:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+class RankSharing(Sharing):
+    """What a rank does once it has updated its shard of a group: mark it in the host's shared flags, so the host's
+    other ranks may read the group; where the hosts split the state, first swap its updated slice of the weights with
+    the same local rank of the other hosts, from a thread of its own in update order (the optimizer moves on to the
+    next group while the network carries the last one)."""
+
+    def __init__(self, sync: RankSync):
+        self.sync = sync
+        self.exchanger = BackgroundStepper(enabled=sync.ranks.split_state)
+
+    def updated(self, group: int, steps: int) -> None:
+        if not self.sync.ranks.split_state:
+            self.sync.mark_applied(group, steps)
+            return
+
+        def exchange() -> None:  # (skipped or not, every host's rank takes part in each exchange)
+            self.sync.exchange_updated_weights(group)
+            self.sync.mark_applied(group, steps)
+
+        self.exchanger.submit(group, exchange)
+
+    def mark(self, group: int, steps: int) -> None:
+        self.sync.mark_applied(group, steps)
+
+    def wait(self, groups, steps: int) -> None:
+        groups = tuple(groups)
+        for group in groups:
+            self.exchanger.wait(group)
+        self.sync.wait_applied(groups, steps)
+
+    def done(self, groups, steps: int) -> bool:
+        groups = tuple(groups)
+        return not any(self.exchanger.busy(g) for g in groups) and self.sync.applied(groups, steps)
+
+    def close(self) -> None:
+        self.exchanger.close()

@@ -1,28 +1,17 @@
-"""The Trainer: a thin loop that composes store, optimizer, scheduler, templates and zoo.
+"""The Trainer: the planner, store, optimizer, update policy and pipeline of one model, composed.
 
-One step: the pipeline runs forward + backward layer-major and lands each group's fp32
-gradient in host memory. Two update policies, both equal to a synchronous AdamW step:
-
-- clipping on (train.grad_clip > 0): every gradient is kept until the global norm is
-  known after the last layer; the clip coefficient is then fixed and group updates are
-  queued in layer order, overlapping the next step's forward (which waits for each
-  layer's update just before copying it in). A non-finite norm or loss skips the step.
-- clipping off: each group is updated by the optimizer worker as soon as its gradient
-  lands, overlapping the rest of the backward, and gradients land in a small pool of
-  buffers instead of a full fp32 copy of the model (4 bytes per parameter less). A
-  group whose gradient is non-finite is not updated and the step is reported skipped.
-  Where the optimizer is slower than the backward (small steps), the worker takes the
-  landed gradient the next forward needs first, so that forward starts while it still
-  updates the last layers (the planner deepens the pool to hold what waits).
-
-Where small steps leave the CPU optimizer slower than the GPU, the first blocks' masters and
-moments live on the GPU (`engine.gpu_updated_layers`, `DeviceAdamW`) and are updated there under
-the same policy: as their gradient is made, or once the clip coefficient is known.
+A step: the planner's `Placement` for the step's size (planned again when the size changes) says where each
+layer's weights and activations live; the pipeline runs forward and backward layer-major as it says and lands
+each group's fp32 gradient in host memory (or hands a resident group's over on the GPU); the update policy
+(`megatrain_optim`) updates each group as its gradient lands (clipping off) or once the clip coefficient is
+known (clipping on). Either way the step equals a synchronous AdamW step; a non-finite loss or gradient norm
+skips the step (a non-finite group, its update).
 """
 
 import math
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,31 +19,36 @@ import torch
 from megatrain_optim import (
     STATE_NAMES,
     AdamWConfig,
-    BackgroundStepper,
     DeviceAdamW,
+    EmbeddingRowsFirst,
     HostAdamW,
+    HostUpdates,
     Schedule,
-    clip_coefficient,
+    Sharing,
+    UpdatesAfterClipping,
+    UpdatesAsGradientsLand,
     lr_at,
 )
-from megatrain_sched import LayerPipeline, MicroBatch, Stage, Timeline, synchronize
+from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import Documents
-from megatrain_zoo import CORRECTION_BIASED, ModelConfig, build_model, flops_per_token, init_param_
+from megatrain_zoo import CORRECTION_BIASED, ModelConfig, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks, shared_arenas
+from .distributed import (
+    Ranks,
+    RankSharing,
+    RankSync,
+    check_data_parallel,
+    init_ranks,
+    launch_shape,
+    leave_ranks,
+    shared_arenas,
+)
 from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
-from .plan import check_plan, gpu_updated_groups, make_plan, run_rates
-
-# Groups whose disk-tier optimizer state is read ahead of the update that needs it: two keep
-# the disk busy while one group's read would otherwise wait for the previous update.
-DISK_READ_AHEAD = 2
-
-
-def _finite(sq_norm: torch.Tensor | None) -> bool:
-    """Whether a landed gradient may be applied: its squared norm is finite (None: not checked per group)."""
-    return sq_norm is None or math.isfinite(float(sq_norm))
+from .plan import Machine, Planner, check_plan
+from .rates import run_rates
+from .warmup import warm_up_pipeline
 
 
 class NonFiniteError(RuntimeError):
@@ -82,8 +76,23 @@ class StepMetrics:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items() if v is not None}
 
 
+def check_router_settings(config: Config, model: ModelConfig) -> None:
+    """Refuse router options the model's routers do not have, naming the fix."""
+    if config.train.router_bias_update_rate and not model.router_bias:
+        raise ConfigError(
+            f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
+            f"have ({', '.join(CORRECTION_BIASED)}); this {model.arch} model has none: set it "
+            f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
+        )
+    for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(config.train, name) and not model.is_moe:
+            raise ConfigError(
+                f"train.{name} acts on a mixture of experts' routers; this {model.arch} model has none: set it to 0"
+            )
+
+
 class Trainer:
-    """Owns the host store, optimizer, background stepper and pipeline for one model.
+    """Owns the host store, optimizer, update policy and pipeline of one model, placed by its planner.
 
     `training=False` keeps only the weights in host memory (no gradients to hold, no optimizer
     state): for `evaluate` alone."""
@@ -95,37 +104,21 @@ class Trainer:
         training: bool = True,
         ranks: Ranks | None = None,
     ):
-        self.config = config
+        self.config, self.training = config, training
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
-        if config.train.router_bias_update_rate and not self.model_config.router_bias:
-            raise ConfigError(
-                f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
-                f"have ({', '.join(CORRECTION_BIASED)}); this {self.model_config.arch} model has none: set it "
-                f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
-            )
-        for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
-            if getattr(config.train, name) and not self.model_config.is_moe:
-                raise ConfigError(
-                    f"train.{name} acts on a mixture of experts' routers; this {self.model_config.arch} model has "
-                    "none: set it to 0"
-                )
+        check_router_settings(config, self.model_config)
         gpus, hosts = launch_shape()
-        # (what the engine uses of it: kept, held and GPU-updated layers, the gradient pool, the disk tier)
         rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
-        self.plan = plan = make_plan(config, self.model_config, rates, gpus=gpus, hosts=hosts)  # each GPU: its share
+        self.planner = Planner(config, self.model_config, rates, Machine.of(config, gpus=gpus, hosts=hosts))
+        self.placement = self._configured_placement()  # each GPU: its share of the batch
+        self.plan = self.planner.plan(self.placement)
         if training:
-            check_plan(plan, config, self.model_config)
-        self.spec = build_model(self.model_config, plan.experts_per_stage)
+            check_plan(self.plan, config, self.model_config)
+        self.spec = self.planner.spec
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
-        layouts = [
-            GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params)
-            for g in self.spec.groups
-        ]
-        self.eager_updates = config.train.grad_clip == 0
-        pool = (plan.gradient_pool if self.eager_updates else None) if training else 1  # evaluation lands none
         # the process group, where the caller has not joined it already (to read the data first)
         self.ranks = ranks or init_ranks(self.device.type, config.engine.shard_across_hosts)
         if self.ranks is not None:
@@ -133,17 +126,7 @@ class Trainer:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", self.ranks.local_rank)
                 torch.cuda.set_device(self.device)
-        self.store = HostStore(
-            layouts,
-            self.compute_dtype,
-            STATE_NAMES if training else (),
-            grad_pool=pool,
-            state_dir=config.engine.optimizer_state_dir if training else None,
-            first_disk_group=plan.first_disk_group,
-            wire_copy=config.engine.wire_copy,
-            shared=None if self.ranks is None else shared_arenas(self.ranks),
-            **self._shards(),
-        )
+        self.store = self._new_store()
         self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
             self._init_weights()
@@ -152,85 +135,55 @@ class Trainer:
             if self.ranks.is_local_main:
                 self.store.shared.unlink()
         train = config.train
-        adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
-        self.optimizer = HostAdamW(self.store, adamw, train.router_bias_update_rate) if training else None
-        # the first blocks' (and the embedding's, tied or not) masters and moments on the GPU, updated there
-        on_device = gpu_updated_groups(self.spec, plan.gpu_updated_layers)
-        self.device_optimizer = DeviceAdamW(self.optimizer, on_device, self.device) if training and on_device else None
-        self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
-        self.stepper = BackgroundStepper()
-        # split state: updated weights go to the other hosts from a thread of their own, in update order,
-        # so the optimizer moves on to the next group while the network carries the last one
-        self.exchanger = BackgroundStepper(enabled=self.store_is_split)
         self.timeline = Timeline(enabled=config.engine.trace)
-        self.pipeline = LayerPipeline(
-            [Stage(s.template, s.groups, s.name) for s in self.spec.stages],
-            self.store,
-            self.device,
-            n_slots=config.engine.n_slots,
-            offload_checkpoints=None
-            if config.engine.offload_checkpoints == "auto"
-            else config.engine.offload_checkpoints,
-            # as many as the plan does at most: it knows the host's room, and that a small step's PCIe has none
-            offload_for_products=plan.offloaded_layers,
-            kept_layers=None if config.engine.kept_layers == "auto" else config.engine.kept_layers,
-            host_kept_layers=plan.host_kept_layers if training else 0,
-            held_layers=plan.held_layers if training else 0,
-            device_masters=None if self.device_optimizer is None else self.device_optimizer.masters,
-            on_device_grads=self._device_grads_made,
-            before_fetch=self._wait_for_updates,
-            updates_done=self._updates_done,
-            first_rows=self._first_rows,
-            on_grads_landed=self._grads_landed,
-            timeline=self.timeline,
-            reduce_grad=None if self.sync is None else self.sync.reduce_grad,
-        )
-        if self.spec.router_load is not None:
-            self.spec.router_load.seq_coef = train.router_seq_aux_loss_coef
-            self.spec.router_load.z_coef = train.router_z_loss_coef
-            self.spec.router_load.sequences = train.batch_size  # over all ranks
-            if self.sync is not None:
-                self.spec.router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
-        # where each group is first needed in a forward: the optimizer worker's order when it lags behind
-        self._forward_order = {}
-        for index, stage in enumerate(self.spec.stages):
-            for group in stage.groups:
-                self._forward_order.setdefault(group, index)
-        # The first stage's table (the embedding) is the last gradient of a step and the first weights of the
-        # next: its update waits here until the next step says which rows it reads, which are then updated,
-        # and sent, first (`_first_rows`). Not with ranks (each updates a slice of every row), a wire copy or
-        # the table's state on disk.
-        first = self.spec.stages[0]
-        eligible = (
-            training
-            and hasattr(first.template, "forward_rows")
-            and len(first.groups) == 1
-            and self.ranks is None
-            and "wire" not in self.store.arenas
-            and first.groups[0] < self.store.first_disk_group
-            and self.device_optimizer is None
-        )
-        self._row_group = first.groups[0] if eligible else None
-        self._deferred: dict[int, tuple] = {}  # group -> its update's arguments, held for `_first_rows`
-        # pinned: the updated rows on their way to the GPU, up to a quarter of the table (beyond that, updating
-        # them first would not pay); updates are held only where a step's tokens cannot read more
-        self._rows_out = None
-        if eligible:
-            d_model = first.template.d_model
-            self._rows_out = torch.empty(
-                (self.store.layouts[first.groups[0]].numel // 4 // d_model, d_model),
-                dtype=self.store.master_dtype,
-                pin_memory=self.device.type == "cuda",
-            )
-        self._tokens_per_step = 0  # this rank's, of the last step: the next is expected to be alike
+        self.optimizer = self.updates = self.policy = self.device_optimizer = None
+        if training:
+            self._new_updates()
+        self.pipeline = self._new_pipeline()
+        self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
+        self._place(self.placement)
+        self._route_statistics()
         self.step_index = 0
         self.bad_steps = 0
-        self._landed: dict[int, object] = {}
-        self._lr = 0.0
         # torch.compile's kernels are built here (setup) rather than inside the first step, which would
         # otherwise take tens of seconds longer than the rest
         self.warm_up_s = self.warm_up() if training and self.device.type == "cuda" else 0.0
+
+    def warm_up(self) -> float:
+        """Seconds of the setup's warm-up step (`warmup.py`): nothing it does reaches the weights or optimizer."""
+        return warm_up_pipeline(self)
+
+    # ------------------------------------------------------------------ setup
+    def _configured_placement(self) -> Placement:
+        """The planner's placement for the configured step (evaluation: every layer streamed, nothing resident),
+        or the one engine.placement's file holds."""
+        planner, engine = self.planner, self.config.engine
+        tokens = self.config.train.batch_size * self.config.data.seq_len // planner.world
+        if not self.training:
+            return Placement.build(planner.n_stages, tokens=tokens, experts_per_stage=planner.experts_per_stage)
+        if engine.placement == "auto":
+            return planner.place(tokens)
+        return read_placement(Path(engine.placement), planner)
+
+    def _new_store(self) -> HostStore:
+        """Host memory for the weights, and, training, their gradients and optimizer state, as placed."""
+        layouts = [
+            GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params)
+            for g in self.spec.groups
+        ]
+        training, placement = self.training, self.placement
+        return HostStore(
+            layouts,
+            self.compute_dtype,
+            STATE_NAMES if training else (),
+            grad_pool=placement.gradient_pool if training else 1,  # (evaluation lands none)
+            state_dir=self.config.engine.optimizer_state_dir if training else None,
+            first_disk_group=self.plan.first_disk_group,
+            wire_copy=self.config.engine.wire_copy,
+            shared=None if self.ranks is None else shared_arenas(self.ranks),
+            **self._shards(),
+        )
 
     def _shards(self) -> dict:
         """The store's `shard` (the slice of each group this rank updates) and `owned` (the slices
@@ -245,11 +198,6 @@ class Trainer:
             }
         return {"shard": (ranks.local_rank, ranks.local_world_size)}
 
-    @property
-    def store_is_split(self) -> bool:
-        """The hosts split the master weights and optimizer state (each holds its part)."""
-        return self.ranks is not None and self.ranks.split_state
-
     def _init_weights(self) -> None:
         if self.config.model.hf_dir is not None:
             load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
@@ -259,179 +207,144 @@ class Trainer:
                 for name, view in views.items():
                     init_param_(name, view, self.model_config, self.config.train.seed)
 
-    # ------------------------------------------------------------ engine hooks
-    def _wait_for_updates(self, groups: tuple[int, ...]) -> None:
-        for group in groups:
-            self._submit_deferred(group)
-            self.stepper.wait(group)
-            self.exchanger.wait(group)
-        if self.sync is not None:  # and for the other ranks of this host, which update other shards
-            self.sync.wait_applied(groups, self.step_index)
-
-    def _updates_done(self, groups: tuple[int, ...]) -> bool:
-        """Whether `_wait_for_updates(groups)` would return at once."""
-        if any(g in self._deferred or self.stepper.busy(g) or self.exchanger.busy(g) for g in groups):
-            return False
-        return self.sync is None or self.sync.applied(groups, self.step_index)
-
-    def _grads_landed(self, group: int, event, sq_norm: torch.Tensor) -> None:
-        if self.eager_updates:  # (the next step may begin before this update runs: its lr and count are kept)
-            self._queue_update(group, self._lr, 1.0, event, self.optimizer.step_tensor, self.step_index + 1, sq_norm)
+    def _new_updates(self) -> None:
+        """The host optimizer, the worker that runs its updates, and the policy that decides when."""
+        train = self.config.train
+        adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
+        self.optimizer = HostAdamW(self.store, adamw, train.router_bias_update_rate)
+        forward_order: dict[int, int] = {}  # where each group is first needed in a forward
+        for index, stage in enumerate(self.spec.stages):
+            for group in stage.groups:
+                forward_order.setdefault(group, index)
+        names = [group.name for group in self.spec.groups]
+        sharing = Sharing() if self.sync is None else RankSharing(self.sync)
+        span = lambda name: self.timeline.host_span(name, "optimizer")  # noqa: E731
+        self.updates = HostUpdates(self.optimizer, forward_order, names, sharing, span)
+        if train.grad_clip > 0:
+            self.policy = UpdatesAfterClipping(self.updates, train.grad_clip)
         else:
-            self._landed[group] = event
+            self.policy = UpdatesAsGradientsLand(self.updates, device_span=self._device_span)
 
-    def _device_grads_made(self, group: int, grad: torch.Tensor, sq_norm: torch.Tensor) -> None:
-        """A GPU-updated group's gradient (on the device): updated now, on the compute stream, or with
-        clipping kept there until the coefficient is known."""
-        if self.eager_updates:
-            with self.timeline.device_span(
-                f"adamw {self.spec.groups[group].name}", "compute", self.pipeline.streams, self.pipeline.streams.compute
-            ):
-                self.device_optimizer.update(group, grad, self._lr, 1.0, self.optimizer.step_tensor, sq_norm)
-        else:
-            self._landed[group] = grad
+    def _device_span(self, name: str):
+        streams = self.pipeline.streams
+        return self.timeline.device_span(name, "compute", streams, streams.compute)
 
-    def _queue_update(
-        self, group: int, lr: float, clip: float, landed, step, applied: int, sq_norm=None, hold: bool = True
-    ) -> None:
-        """Give the optimizer worker `group`'s update, or hold it for `_first_rows` (the first stage's table)."""
-        if hold and group == self._row_group and self._tokens_per_step <= len(self._rows_out):
-            self._deferred[group] = (lr, clip, landed, step, applied, sq_norm)
-            return
-        self.stepper.submit(
-            group,
-            lambda: self._update(group, lr, clip, landed, step, applied, sq_norm),
-            priority=(applied, self._forward_order[group]),  # what the next forward needs first
-            ready=None if landed is None else landed.query,
+    def _new_pipeline(self) -> LayerPipeline:
+        hooks = {}
+        if self.training:
+            hooks = {
+                "on_device_grads": self.policy.device_grads_made,
+                "before_fetch": self.updates.wait,
+                "updates_done": self.updates.done,
+                "first_rows": self.updates.first_rows,
+                "on_grads_landed": self.policy.grads_landed,
+            }
+        return LayerPipeline(
+            [Stage(s.template, s.groups, s.name) for s in self.spec.stages],
+            self.store,
+            self.device,
+            n_slots=self.config.engine.n_slots,
+            timeline=self.timeline,
+            reduce_grad=None if self.sync is None else self.sync.reduce_grad,
+            **hooks,
         )
 
-    def _submit_deferred(self, group: int) -> None:
-        """A held update, queued as it is (whole), where something needs it before the next step's rows."""
-        if group in self._deferred:
-            self._queue_update(group, *self._deferred.pop(group), hold=False)
+    def _route_statistics(self) -> None:
+        """The MoE routers' step-level statistics: their loss weights, the global batch, every rank's routing."""
+        router_load, train = self.spec.router_load, self.config.train
+        if router_load is None:
+            return
+        router_load.seq_coef = train.router_seq_aux_loss_coef
+        router_load.z_coef = train.router_z_loss_coef
+        router_load.sequences = train.batch_size  # over all ranks
+        if self.sync is not None:
+            router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
 
-    def _first_rows(self, group: int, rows: torch.Tensor) -> torch.Tensor | None:
-        """The first stage's table's `rows` (sorted unique indices) as this step's forward reads them, updated
-        before the rest of the table (whose update then runs beside the forward), in pinned memory: a
-        [len(rows), row] tensor, valid until the next step. None where no update is held (or too many rows
-        for it to pay): the pipeline copies the whole table."""
-        if group not in self._deferred or len(rows) > len(self._rows_out):
+    # -------------------------------------------------------------- placement
+    def _place(self, placement: Placement) -> None:
+        """Run the next steps as `placement` says: the resident groups' state moved to (or from) the GPU, the
+        gradient pool resized, the embedding's rows-first update where the table streams, the pipeline told."""
+        resident = sorted({g for i in placement.resident for g in self.spec.stages[i].groups})
+        if self.device_optimizer is not None and self.device_optimizer.groups != resident:
+            self.finish_updates()
+            self.device_optimizer.to_host()  # the store holds the current state of the groups leaving the GPU
+            self.device_optimizer = None
+        if self.device_optimizer is None and resident:
+            self.finish_updates()
+            self.device_optimizer = DeviceAdamW(self.optimizer, resident, self.device)
+            self._device_state_loaded = False
+        if self.policy is not None:
+            self.policy.device = self.device_optimizer
+            if placement.gradient_pool is not None:
+                self.finish_updates()
+                self.store.resize_grad_pool(placement.gradient_pool)
+            self.updates.rows_first = self._rows_first(placement)
+        masters = None if self.device_optimizer is None else self.device_optimizer.masters
+        self.pipeline.place(placement, masters)
+        self.placement, self._planned_tokens = placement, placement.tokens * self.planner.world
+
+    def _rows_first(self, placement: Placement) -> EmbeddingRowsFirst | None:
+        """The embedding's rows updated and sent first, where its table streams from this process's store
+        (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk)."""
+        first = self.spec.stages[0]
+        eligible = (
+            hasattr(first.template, "forward_rows")
+            and len(first.groups) == 1
+            and self.ranks is None
+            and "wire" not in self.store.arenas
+            and first.groups[0] < self.store.first_disk_group
+            and 0 not in placement.resident
+        )
+        if not eligible:
             return None
-        lr, clip, landed, step, applied, sq_norm = self._deferred.pop(group)
-        out = self._rows_out[: len(rows)]
-
-        def rows_first():
-            synchronize(landed)
-            with self.timeline.host_span(f"adamw {self.spec.groups[group].name} rows", "optimizer"):
-                if _finite(sq_norm):
-                    self.optimizer.update_rows(group, rows, out, lr, clip, step)
-                else:  # not updated, as `_update` will not update the rest
-                    torch.index_select(self.store.master(group).view(-1, out.shape[1]), 0, rows, out=out)
-
-        def the_rest():
-            self._update(group, lr, clip, None, step, applied, sq_norm)
-            if _finite(sq_norm):
-                self.optimizer.write_rows(group, rows, out)
-
-        # the rows before anything else; the rest after the updates this step's forward waits for and before
-        # those of its own gradients (the tied head of the forward, or the table's backward, waits for it)
-        rows_done = self.stepper.submit(group, rows_first, priority=(applied, -1))
-        self.stepper.submit(group, the_rest, priority=(applied, len(self.spec.stages)))
-        rows_done.result()
-        return out
-
-    def _update(
-        self,
-        group: int,
-        lr: float,
-        clip: float,
-        landed,
-        step: torch.Tensor,
-        applied: int,
-        sq_norm: torch.Tensor | None = None,
-    ) -> None:
-        """Runs on the optimizer worker: wait for the gradient to land, update, free the buffer."""
-        synchronize(landed)
-        self._read_ahead(group, 1)
-        if _finite(sq_norm):
-            with self.timeline.host_span(f"adamw {self.spec.groups[group].name}", "optimizer"):
-                self.optimizer.update_group(group, lr, clip, step)
-        self.store.write_behind_state(group)
-        self.store.release_grad(group)
-        self._share_update(group, applied)
-
-    def _share_update(self, group: int, applied: int) -> None:
-        """Mark `group` as holding `applied` optimizer steps in this rank's shard; where the hosts split
-        the state, once the other hosts' updated slices have arrived (skipped or not, every host's rank
-        takes part in each exchange)."""
-        if not self.store_is_split:
-            self._mark_applied(group, applied)
-            return
-
-        def exchange():
-            self.sync.exchange_updated_weights(group)
-            self._mark_applied(group, applied)
-
-        self.exchanger.submit(group, exchange)
-
-    def _read_ahead(self, group: int, first: int) -> None:
-        """Start reading the disk-tier state of the groups updated `first` .. DISK_READ_AHEAD after `group`
-        (updates run backward with eager updates, forward otherwise)."""
-        direction = -1 if self.eager_updates else 1
-        for ahead in range(first, DISK_READ_AHEAD + 1):
-            if 0 <= group + direction * ahead < self.store.n_groups:
-                self.store.prefetch_state(group + direction * ahead)
-
-    def warm_up(self) -> float:
-        """Seconds to run a step's forward and backward once on random tokens, each micro-batch shape of a
-        configured batch once, gradients dropped, and the step's pinned host memory taken (`LayerPipeline.warm_up`);
-        the weights are only read.
-        Fine-tuning rows come as the data will bring them (padding marked, packed documents' positions
-        restarting), so the attention kernels they take are built too."""
-        start = time.perf_counter()
-        train, data = self.config.train, self.config.data
-        tokens = torch.randint(
-            0, self.model_config.vocab_size, (train.batch_size, data.seq_len), generator=torch.Generator()
+        if self.updates.rows_first is not None:
+            return self.updates.rows_first
+        d_model = first.template.d_model
+        # pinned: the updated rows on their way to the GPU, up to a quarter of the table (beyond, it would not pay)
+        rows_out = torch.empty(
+            (self.store.layouts[first.groups[0]].numel // 4 // d_model, d_model),
+            dtype=self.store.master_dtype,
+            pin_memory=self.device.type == "cuda",
         )
-        valid = positions = None
-        if data.dataset is not None:
-            valid = torch.ones_like(tokens, dtype=torch.bool)
-            if data.pack:  # two documents a row
-                positions = (torch.arange(data.seq_len) % max(1, data.seq_len // 2)).expand_as(tokens).contiguous()
-        step = self._micro_batches(tokens, tokens, positions, valid, self._my_rows(train.batch_size))
-        shapes = {}
-        for micro in step:
-            shapes.setdefault(micro.input_ids.shape, micro)
-        if shapes:
-            self.pipeline.warm_up(list(shapes.values()), step)
-        return time.perf_counter() - start
+        return EmbeddingRowsFirst(self.updates, first.groups[0], rows_out)
+
+    def _follow_step_size(self, tokens: int) -> None:
+        """Place again for a step of another size than the placement's (engine.placement auto): a placement made
+        for a large step loses a small one a third of its speed."""
+        if tokens == self._planned_tokens or self.config.engine.placement != "auto":
+            return
+        placement = self.planner.place(tokens // self.planner.world, first_disk_group=self.placement.first_disk_group)
+        if placement.gradient_pool is not None and self.placement.gradient_pool is not None:
+            # (a pool no smaller than the one allocated: shrinking it would give nothing back worth the re-pinning)
+            placement = replace(placement, gradient_pool=max(placement.gradient_pool, self.placement.gradient_pool))
+        print(f"megatrain: placed again for steps of {tokens:,} tokens", file=sys.stderr)
+        self._place(placement)
+        self.plan = self.planner.plan(placement)
 
     # ------------------------------------------------------------------- step
-    def _micro_batches(
+    def micro_batches(
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        valid: torch.Tensor | None,
-        rows: slice,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
     ) -> list[MicroBatch]:
-        """This rank's `rows` of a batch in micro-batches of train.micro_batch_size rows (the last may be short)."""
-        size = self.config.train.micro_batch_size
+        """This rank's rows of a batch in micro-batches of train.micro_batch_size rows (the last may be short):
+        all of them, or its contiguous share with several ranks."""
+        rows, size = input_ids.shape[0], self.config.train.micro_batch_size
+        if self.ranks is not None:
+            bounds = [rows * r // self.ranks.world_size for r in range(self.ranks.world_size + 1)]
+            mine = range(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
+        else:
+            mine = range(rows)
         micro = []
-        for start in range(rows.start, rows.stop, size):
-            part = slice(start, min(start + size, rows.stop))
+        for start in range(mine.start, mine.stop, size):
+            part = slice(start, min(start + size, mine.stop))
             documents = None
             if position_ids is not None or valid is not None:
                 documents = Documents(*(None if t is None else t[part] for t in (position_ids, valid)))
             micro.append(MicroBatch(input_ids[part], labels[part], documents))
         return micro
-
-    def _my_rows(self, n_rows: int) -> slice:
-        """The rows of a batch this rank runs: all of them, or its contiguous share with several ranks."""
-        if self.ranks is None:
-            return slice(0, n_rows)
-        bounds = [n_rows * r // self.ranks.world_size for r in range(self.ranks.world_size + 1)]
-        return slice(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
 
     def train_step(
         self,
@@ -447,32 +360,44 @@ class Trainer:
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
         start = time.perf_counter()
-        self._load_device_state()
         n_targets = int((labels != -100).sum())
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
+        self._follow_step_size(input_ids.numel())
+        self._load_device_state()
+        micro = self.micro_batches(input_ids, labels, position_ids, valid)
+        if self.updates.rows_first is not None:
+            self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
+        lr = lr_at(self.step_index, self.schedule)
+        self.policy.begin_step(self.step_index, lr)
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()
+        loss, grad_norm, router = self._step_values(self.pipeline.run(micro, loss_scale=1.0 / n_targets), n_targets)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        self.policy.end_step(grad_norm, skipped)
+        self.step_index += 1
+        elapsed = time.perf_counter() - start
         tokens = input_ids.numel()
-        seq_len = input_ids.shape[1]
-        micro = self._micro_batches(input_ids, labels, position_ids, valid, self._my_rows(input_ids.shape[0]))
-        self._tokens_per_step = sum(mb.input_ids.numel() for mb in micro)
-        train = self.config.train
-        lr = self._lr = lr_at(self.step_index, self.schedule)
-        if self.eager_updates:
-            self.optimizer.begin_step()
-            self._read_ahead(self.store.n_groups - 1, 0)  # the head updates first, after the forward
-        router_load = self.spec.router_load
-        if router_load is not None:
-            router_load.reset()
-        result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
+        flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
+        return StepMetrics(
+            self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped,
+            *router,
+        )  # fmt: skip
+
+    def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
+        """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
+        step, over every rank: the loss as transformers reports it, the routers' terms included."""
         loss_sum, sq_norms = result.loss_sum, result.group_sq_norms
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
         loss = loss_sum.item() / n_targets
+        router_load = self.spec.router_load
         aux = violation = sequence_aux = z = None
         if router_load is not None:
             aux = router_load.loss().item()
-            loss += router_load.coef * aux  # what transformers reports as the loss, aux term included
+            loss += router_load.coef * aux
             violation = router_load.max_violation().item()
             if router_load.seq_coef:
                 sequence_aux = router_load.sequence_loss().item()
@@ -480,43 +405,7 @@ class Trainer:
             if router_load.z_coef:
                 z = router_load.z_loss().item()
                 loss += router_load.z_coef * z
-        grad_norm = math.sqrt(sq_norms.sum().item())
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        self.bad_steps = self.bad_steps + 1 if skipped else 0
-        if not self.eager_updates:
-            applied = self.step_index + 1
-            landed, self._landed = self._landed, {}
-            if skipped:
-                for group in range(self.store.n_groups):
-                    self._mark_applied(group, applied)  # (no update, so nothing to exchange, on every rank)
-            else:
-                clip = clip_coefficient(grad_norm, train.grad_clip)
-                self.optimizer.begin_step()
-                self._read_ahead(0, 0)
-                step = self.optimizer.step_tensor
-                for group in range(self.store.n_groups):  # layer order: the next forward needs layer 0 first
-                    if self.device_optimizer is not None and group in self.device_optimizer.masters:
-                        self.device_optimizer.update(group, landed[group], lr, clip, step)
-                    else:
-                        self._queue_update(group, lr, clip, landed[group], step, applied)
-        self.step_index += 1
-        elapsed = time.perf_counter() - start
-        flops = flops_per_token(self.model_config, seq_len) * tokens
-        return StepMetrics(
-            self.step_index,
-            loss,
-            lr,
-            grad_norm,
-            tokens,
-            elapsed,
-            tokens / elapsed,
-            flops / elapsed / 1e12,
-            skipped,
-            aux,
-            violation,
-            sequence_aux,
-            z,
-        )
+        return loss, math.sqrt(sq_norms.sum().item()), (aux, violation, sequence_aux, z)
 
     @torch.no_grad()
     def evaluate(
@@ -530,40 +419,33 @@ class Trainer:
         streaming the layers once for all its rows; every rank takes a share of the rows."""
         self.finish_updates()
         self._load_device_state()
-        mine = self._my_rows(input_ids.shape[0])
+        micro = self.micro_batches(input_ids, labels, position_ids, valid)
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
-        if mine.stop > mine.start:
-            loss_sum = self.pipeline.evaluate(self._micro_batches(input_ids, labels, position_ids, valid, mine))
+        if micro:
+            loss_sum = self.pipeline.evaluate(micro)
         if self.spec.router_load is not None:
             self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
         return loss_sum.item(), int((labels != -100).sum())
 
-    def _mark_applied(self, group: int, applied: int) -> None:
-        if self.sync is not None:
-            self.sync.mark_applied(group, applied)
-
+    # ------------------------------------------------------------------ state
     def finish_updates(self) -> None:
         """Wait until every queued optimizer update has been applied (re-raising worker errors),
-        on every rank of this host. The store then holds the current state, except for the GPU-updated
-        layers' (their updates run in the GPU's stream order): `sync_store` brings those too."""
-        for group in list(self._deferred):
-            self._submit_deferred(group)
-        self.stepper.wait_all()
-        self.exchanger.wait_all()
-        if self.sync is not None:
-            self.sync.wait_applied(range(self.store.n_groups), self.step_index)
+        on every rank of this host. The store then holds the current state, except for the resident
+        groups' (their updates run in the GPU's stream order): `sync_store` brings those too."""
+        if self.updates is not None:
+            self.updates.wait_all()
 
     def _load_device_state(self) -> None:
-        """Give the GPU-updated layers the store's state, where it changed since they last took it (a new
+        """Give the resident groups the store's state, where it changed since they last took it (a new
         trainer whose weights may still be written, a checkpoint loaded)."""
         if self.device_optimizer is not None and not self._device_state_loaded:
             self.device_optimizer.to_device()
             self._device_state_loaded = True
 
     def sync_store(self) -> None:
-        """Finish the updates and copy the GPU-updated layers' masters and moments into the store, so that
+        """Finish the updates and copy the resident groups' masters and moments into the store, so that
         it holds the whole current state (for checkpoints, export and anything else that reads it)."""
         self.finish_updates()
         if self.device_optimizer is not None:
@@ -571,10 +453,12 @@ class Trainer:
 
     def restore_step(self, step_index: int) -> None:
         """After loading a checkpoint into the store: the weights hold `step_index` optimizer steps, on every
-        rank (the GPU-updated layers take the store's state at the next step)."""
+        rank (the resident groups take the store's state at the next step)."""
         self.step_index = step_index
-        for group in range(self.store.n_groups):
-            self._mark_applied(group, step_index)
+        if self.updates is not None:
+            self.updates.steps = step_index
+            for group in range(self.store.n_groups):
+                self.updates.sharing.mark(group, step_index)
         self._device_state_loaded = False
 
     def host_bytes(self) -> int:
@@ -584,6 +468,11 @@ class Trainer:
         if self.ranks is None:
             return report.total_bytes
         return report.total_bytes + (self.ranks.local_world_size - 1) * report.arenas["grad"]
+
+    @property
+    def store_is_split(self) -> bool:
+        """The hosts split the master weights and optimizer state (each holds its part)."""
+        return self.ranks is not None and self.ranks.split_state
 
     @property
     def is_main(self) -> bool:
@@ -630,7 +519,25 @@ class Trainer:
 
     def close(self) -> None:
         self.finish_updates()
-        self.stepper.close()
-        self.exchanger.close()
+        if self.updates is not None:
+            self.updates.close()
         if self.ranks is not None:
             leave_ranks()
+
+
+def read_placement(path: Path, planner: Planner) -> Placement:
+    """The placement a file holds (`placement.json`, as a run writes), checked against the model it is to place."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        placement = Placement.from_dict(data.get("placement", data))
+    except (OSError, ValueError, PlacementError) as error:
+        raise ConfigError(f"engine.placement: cannot read a placement from {path}: {error}; use auto") from error
+    if len(placement.stages) != planner.n_stages or placement.experts_per_stage != planner.experts_per_stage:
+        raise ConfigError(
+            f"engine.placement {path} places {len(placement.stages)} stages (experts in parts of "
+            f"{placement.experts_per_stage}); this model has {planner.n_stages} (parts of {planner.experts_per_stage}): "
+            "use the placement of this model and engine.experts_per_stage, or auto"
+        )
+    return placement

@@ -1,6 +1,6 @@
 """The stream scheduler: layer-major forward/backward over device weight slots and three streams."""
 
-from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult
+from .pipeline import STAGING_NUMEL, LayerPipeline, MicroBatch, SchedError, Stage, StepResult
 from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
 from .streams import Streams, synchronize
 from .timeline import Timeline
@@ -11,6 +11,7 @@ __all__ = [
     "HOST",
     "RECOMPUTE",
     "RESIDENT",
+    "STAGING_NUMEL",
     "STREAMED",
     "LayerPipeline",
     "MicroBatch",

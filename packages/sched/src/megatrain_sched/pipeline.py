@@ -780,7 +780,7 @@ class LayerPipeline:
             remaining=list(self._users),
         )
         if train:
-            keeping = sorted(step.placement.kept + step.placement.host_kept)
+            keeping = step.placement.keeping
             step.offloaded = set(step.placement.offloaded)
             step.kept = set(keeping[-1:]) if warm_up else set(step.placement.kept)
             step.host_kept = {} if warm_up else {stage: rank for rank, stage in enumerate(step.placement.host_kept)}

@@ -98,6 +98,11 @@ class Placement:
         """Stages whose products wait in pinned host memory."""
         return self.where(products=HOST)
 
+    @property
+    def keeping(self) -> tuple[int, ...]:
+        """Stages keeping their products, on the device or in host memory: the backwards that recompute no GEMM."""
+        return tuple(sorted(self.kept + self.host_kept))
+
     def runs(self) -> list[tuple[int, int, StagePlacement]]:
         """(first, last, choices) of each run of consecutive blocks with the same choices; the embedding (the
         first stage) and the head (the last) are runs of their own."""

@@ -162,10 +162,8 @@ class HostStore:
                     f"grad_pool must be >= 1 (times the largest group's gradient), or None for one buffer per "
                     f"group; got {grad_pool}"
                 )
-            largest = _align(max(self.shard_numel(group) for group in range(self.n_groups)))
-            pool_numel = _align(math.ceil(grad_pool * largest))
-            self.arenas["grad"] = self._allocate(self.master_dtype, pool_numel)
-            self._free_extents = [(0, pool_numel)]  # (start, length) in the pool, by start
+            self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
+            self._free_extents = [(0, self.arenas["grad"].numel())]  # (start, length) in the pool, by start
             self._held_grads: dict[int, tuple[int, int]] = {}  # group -> (start, length) it holds
             self._grads_changed = threading.Condition()
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -188,12 +186,47 @@ class HostStore:
         wire_arena = "wire" if "wire" in self.arenas else "master"
         self.pinned = {name: False for name in self.arenas}
         start = time.perf_counter()
+        self._should_pin = should_pin
+        # page-locked arenas' addresses, unpinned when the store goes (or an arena is replaced)
+        self._pinned_ptrs: list[int] = []
+        weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], self._pinned_ptrs)
         if should_pin:
             for name in (wire_arena, "grad"):
-                self.pinned[name] = pin_in_place(self.arenas[name])
-            pinned_ptrs = [self.arenas[n].data_ptr() for n, p in self.pinned.items() if p]
-            weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], pinned_ptrs)
+                self._pin(name)
         self.pin_seconds = time.perf_counter() - start
+
+    def _pin(self, arena: str) -> None:
+        self.pinned[arena] = pin_in_place(self.arenas[arena])
+        if self.pinned[arena]:
+            self._pinned_ptrs.append(self.arenas[arena].data_ptr())
+
+    def _pool_numel(self, grad_pool: float) -> int:
+        largest = _align(max(self.shard_numel(group) for group in range(self.n_groups)))
+        return _align(math.ceil(grad_pool * largest))
+
+    def resize_grad_pool(self, grad_pool: float) -> None:
+        """Make the gradient pool `grad_pool` times the largest group (between steps: no gradient may be held;
+        a store with a buffer per group keeps it)."""
+        if self.grad_pool is None or grad_pool == self.grad_pool:
+            return
+        if not grad_pool >= 1:
+            raise StoreError(f"grad_pool must be >= 1 (times the largest group's gradient), got {grad_pool}")
+        with self._grads_changed:
+            if self._held_grads:
+                raise StoreError(
+                    f"the gradient pool cannot change while groups {sorted(self._held_grads)} hold buffers"
+                )
+            old = self.arenas.pop("grad")
+            if self.pinned.get("grad"):
+                self._pinned_ptrs.remove(old.data_ptr())
+                unpin(old.data_ptr())
+            del old  # freed before the new one is taken
+            self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
+            self.pinned["grad"] = False
+            if self._should_pin:
+                self._pin("grad")
+            self.grad_pool = grad_pool
+            self._free_extents = [(0, self.arenas["grad"].numel())]
 
     def _map(self, name: str, numel: int) -> None:
         """A zero-filled file-backed array of `numel` elements for optimizer state `name` in `state_dir`."""
