@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatrain_store import atomic_write_text
 from megatrain_zoo import ModelConfig
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -159,6 +160,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
     metrics_path = out / "metrics.jsonl"
     if main:
         (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+        atomic_write_text(out / "placement.json", json.dumps(trainer.plan.record(), indent=2))
         kept = []
         if resume is not None and metrics_path.exists():  # the steps the checkpoint already contains
             kept = [
@@ -178,6 +180,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
             f"{windows.n_windows} windows of {config.data.seq_len} tokens",
             file=sys.stderr,
         )
+        print(f"megatrain: {trainer.plan.summary()} (placement.json)", file=sys.stderr)
         if trainer.warm_up_s:
             print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)
         if model.router_bias and config.model.preset and resume is None:

@@ -194,6 +194,39 @@ class Plan:
         fields = asdict(self) | {"placement": self.placement.as_dict()}
         return fields | {name: getattr(self, name) for name in _COUNTS}
 
+    def record(self) -> dict:
+        """The placement and what it was predicted to cost: what a run writes as placement.json and benchmark rows
+        record (`engine.placement: FILE` executes the placement as written)."""
+        return {
+            "placement": self.placement.as_dict(),
+            "predicted": {
+                "step_s": round(self.step_s, 4),
+                "bound": self.bound,
+                "phases_s": {name: round(seconds, 4) for name, seconds in self.phases.items()},
+                "gpu_gib": round(self.gpu_bytes / 2**30, 2),
+                "host_gib": round(self.host_bytes / 2**30, 2),
+                "rates": self.rates.source,
+            },
+        }
+
+    def summary(self) -> str:
+        """One line: the placement's choices and the predicted step."""
+        parts = [
+            f"{count} {what}"
+            for count, what in (
+                (self.gpu_updated_layers, "blocks updated on the GPU"),
+                (self.held_layers, "holding their weights"),
+                (self.offloaded_layers, "with checkpoints in host memory"),
+                (self.kept_layers, "keeping their products on the GPU"),
+                (self.host_kept_layers, "in host memory"),
+            )
+            if count
+        ]
+        return (
+            f"placed for {self.placement.tokens:,} tokens a step per GPU: {', '.join(parts) or 'every layer streamed'}"
+            f"; predicted {self.step_s:.2f} s a step, bound by {BOUND_NAMES[self.bound]}"
+        )
+
 
 _COUNTS = ("experts_per_stage", "gradient_pool", "offloaded_layers", "kept_layers", "host_kept_layers")
 _COUNTS += ("held_layers", "gpu_updated_layers")
