@@ -66,7 +66,9 @@ def write_results(path: Path, payload: dict) -> None:
     payload = normalize(payload)
     problems = check_results(payload)
     if problems:
-        raise ValueError(f"{path}: not written, the results do not fit benchmarks/results_schema.py: " + "; ".join(problems))
+        raise ValueError(
+            f"{path}: not written, the results do not fit benchmarks/results_schema.py: " + "; ".join(problems)
+        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -88,7 +89,9 @@ def check_row(row, where: str) -> list[str]:
         problems.append(f"{where}.date: must read YYYY-MM-DD or YYYY-MM-DD HH:MM, got {row['date']!r}")
     for key, types in (REQUIRED_ROW_TYPES | OPTIONAL_ROW_TYPES).items():
         if key in row and not _is(row[key], types):
-            problems.append(f"{where}.{key}: has type {type(row[key]).__name__}, expected {'/'.join(t.__name__ for t in types)}")
+            problems.append(
+                f"{where}.{key}: has type {type(row[key]).__name__}, expected {'/'.join(t.__name__ for t in types)}"
+            )
     if "machine" in row:
         problems += check_machine(row["machine"], f"{where}.machine", required=False)
     return problems + _check_row_kind(row, where)
@@ -105,7 +108,11 @@ def _check_row_kind(row: dict, where: str) -> list[str]:
     if "scope" in row or row.get("system") == "published-layer-streaming":
         return []
     missing = [key for key in ("tokens_per_step", "step_time_s") if not _is(row.get(key), NUMBER)]
-    return [f"{where}: a measured step needs {' and '.join(missing)} (or a 'scope' saying what else was timed)"] if missing else []
+    return (
+        [f"{where}: a measured step needs {' and '.join(missing)} (or a 'scope' saying what else was timed)"]
+        if missing
+        else []
+    )
 
 
 def check_results(payload) -> list[str]:
@@ -154,7 +161,9 @@ def load_rows(results_dir: Path = RESULTS_DIR) -> list[dict]:
     for path in sorted(Path(results_dir).glob("*.json")):
         payload = json.loads(path.read_text())
         for row in payload["results"]:
-            rows.append(row | {"file": path.name, "file_machine": payload["machine"], "file_commands": payload["commands"]})
+            rows.append(
+                row | {"file": path.name, "file_machine": payload["machine"], "file_commands": payload["commands"]}
+            )
     return rows
 
 
@@ -188,6 +197,8 @@ def normalize(payload: dict, command: str | None = None) -> dict:
     filled in. Files already in the schema pass through unchanged."""
     payload = dict(payload)
     machine = {key: None for key in MACHINE_FIELDS} | (payload.pop("machine", None) or {})
+    machine["device"] = machine["device"] or "not recorded"  # plans made without a device, merged files without one
+    machine["date"] = machine["date"] or time.strftime("%Y-%m-%d %H:%M")
     name = payload.pop("benchmark", None) or _script_name(payload)
     rows = _rows(payload, machine)
     configs = dict(payload.pop("configs", {}))
@@ -253,19 +264,27 @@ def _block_rows(payload: dict) -> list[dict]:
     model, tokens, seq_len = payload.pop("model"), payload.pop("tokens"), payload.pop("seq_len")
     rows = []
     for backend, measured in payload.pop("variants").items():
-        row = {"system": "megatrain", "model": model, "scope": f"one decoder block, fwd + recompute+bwd, SDPA {backend}"}
+        row = {
+            "system": "megatrain",
+            "model": model,
+            "scope": f"one decoder block, fwd + recompute+bwd, SDPA {backend}",
+        }
         row |= {"tokens_per_step": tokens, "seq_len": seq_len, "tokens_per_s": None}
         if "error" in measured:
             rows.append(row | {"step_time_s": None, "model_tflops": None, "fits": False, "error": measured["error"]})
             continue
         step_s = (measured["forward_ms"] + measured["recompute_backward_ms"]) / 1e3
-        rows.append(row | {"step_time_s": round(step_s, 6), "model_tflops": measured["model_tflops_ceiling"]} | measured)
+        rows.append(
+            row | {"step_time_s": round(step_s, 6), "model_tflops": measured["model_tflops_ceiling"]} | measured
+        )
     return rows
 
 
 def _layer_row(payload: dict) -> dict:
     """moe_block.py: one layer's fwd + recompute + bwd as the timed call (taken out of the payload)."""
-    measured = {key: payload.pop(key) for key in list(payload) if key not in ("args", "commands", "command", "note", "notes")}
+    measured = {
+        key: payload.pop(key) for key in list(payload) if key not in ("args", "commands", "command", "note", "notes")
+    }
     return {
         "system": "megatrain",
         "model": measured.pop("model"),
