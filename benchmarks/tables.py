@@ -18,7 +18,7 @@ from results_schema import load_rows  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "scaling.md"]
-REGION = re.compile(r"(<!-- table: (?P<name>[a-z0-9.-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+REGION = re.compile(r"(<!-- table: (?P<name>[a-z][a-z0-9.-]*) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 
 @dataclass
