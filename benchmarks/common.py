@@ -61,17 +61,17 @@ def fill_random_(flat: torch.Tensor, std: float, block: int = 1 << 24) -> None:
 
 
 def write_results(path: Path, payload: dict) -> None:
-    """Write a script's payload as a results file in the one schema (its rows dated, its command line recorded);
-    raise ValueError naming every problem instead of writing a file that tools cannot read."""
+    """Write a script's payload as a results file in the one schema (its rows dated, its command line recorded).
+    A payload that fails the schema's check goes to PATH.rejected.json instead, so no measurement is lost,
+    and ValueError names every problem."""
     payload = normalize(payload)
     problems = check_results(payload)
-    if problems:
-        raise ValueError(
-            f"{path}: not written, the results do not fit benchmarks/results_schema.py: " + "; ".join(problems)
-        )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    target = path.with_name(path.stem + ".rejected.json") if problems else path
+    target.write_text(json.dumps(payload, indent=2) + "\n")
+    if problems:
+        raise ValueError(f"{target}: does not fit benchmarks/results_schema.py: " + "; ".join(problems))
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

@@ -27,7 +27,7 @@ def kind(row: dict) -> str:
 
 def main():
     out = sys.argv[1]
-    rows = [row | {"order": index} for index, row in enumerate(load_rows())]
+    rows = load_rows()
     runs = planner_validation(rows).sources
     fig, ax = plt.subplots(figsize=(6, 5.5))
     low = min(min(r["measured_step_s"], r["predicted_step_s"]) for r in runs) * 0.7

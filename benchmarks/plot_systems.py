@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--tokens", default="131072", help="tokens per step, comma-separated")
     parser.add_argument("--title", default="")
     args = parser.parse_args()
-    rows = [row | {"order": index} for index, row in enumerate(load_rows())]
+    rows = load_rows()
     points = [(m, int(t)) for m in args.models.split(",") for t in args.tokens.split(",")]
     fig, ax = plt.subplots(figsize=(2.6 * len(points) + 2, 4.2))
     width = 0.8 / len(SYSTEMS)

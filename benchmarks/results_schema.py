@@ -156,14 +156,14 @@ def check_file(path: Path) -> list[str]:
 
 
 def load_rows(results_dir: Path = RESULTS_DIR) -> list[dict]:
-    """Every row of every results file, each with `file` (its file's name) and `file_machine` added, in file order."""
+    """Every row of every results file, in file order, each with its file's name (`file`), machine
+    (`file_machine`) and commands (`file_commands`), and its place among all rows (`order`)."""
     rows = []
     for path in sorted(Path(results_dir).glob("*.json")):
         payload = json.loads(path.read_text())
         for row in payload["results"]:
-            rows.append(
-                row | {"file": path.name, "file_machine": payload["machine"], "file_commands": payload["commands"]}
-            )
+            context = {"file": path.name, "file_machine": payload["machine"], "file_commands": payload["commands"]}
+            rows.append(row | context | {"order": len(rows)})
     return rows
 
 

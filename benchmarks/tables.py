@@ -915,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if a doc's generated tables are stale")
     args = parser.parse_args(argv)
-    rows = [row | {"order": index} for index, row in enumerate(load_rows())]
+    rows = load_rows()
     stale = []
     for doc in DOCS:
         text = doc.read_text()
