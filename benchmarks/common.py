@@ -1,24 +1,29 @@
-"""Helpers shared by the benchmark scripts: machine facts, fast weight fill, JSON output, tables."""
+"""Helpers shared by the benchmark scripts: machine facts, fast weight fill, JSON output in the one
+results schema (`results_schema.py`), tables."""
 
 import json
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from megatrain_zoo import flops_per_token
+sys.path.insert(0, str(Path(__file__).parent))
+from results_schema import check_results, normalize  # noqa: E402
+
+from megatrain_zoo import flops_per_token  # noqa: E402
 
 
 def machine() -> dict:
+    """This machine as results files record it: device, GPU and host memory in GiB, cores, torch, date."""
     info = {"torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    info |= {"device": "cpu", "gpu_memory_gib": None, "host_memory_gib": None, "cpu_cores": None}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["device"] = props.name
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-    else:
-        info["device"] = "cpu"
     try:
         info["host_memory_gib"] = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
         info["cpu_cores"] = int(subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip())
@@ -56,9 +61,17 @@ def fill_random_(flat: torch.Tensor, std: float, block: int = 1 << 24) -> None:
 
 
 def write_results(path: Path, payload: dict) -> None:
+    """Write a script's payload as a results file in the one schema (its rows dated, its command line recorded).
+    A payload that fails the schema's check goes to PATH.rejected.json instead, so no measurement is lost,
+    and ValueError names every problem."""
+    payload = normalize(payload)
+    problems = check_results(payload)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    target = path.with_name(path.stem + ".rejected.json") if problems else path
+    target.write_text(json.dumps(payload, indent=2) + "\n")
+    if problems:
+        raise ValueError(f"{target}: does not fit benchmarks/results_schema.py: " + "; ".join(problems))
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

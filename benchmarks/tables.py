@@ -1,0 +1,938 @@
+"""The docs' result tables, generated from the rows of benchmarks/results (one schema: results_schema.py).
+Each table answers one question from the newest rows that answer it, and lists under it the commands,
+machines and dates of those rows. It lives in a doc between `<!-- table: NAME -->` and `<!-- end table -->`.
+
+    python benchmarks/tables.py          # rewrite every generated table in README.md and docs/*.md
+    python benchmarks/tables.py --check  # exit 1 naming each doc whose tables are stale
+"""
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_schema import load_rows  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "scaling.md"]
+REGION = re.compile(r"(<!-- table: (?P<name>[a-z][a-z0-9.-]*) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+
+
+@dataclass
+class Table:
+    """A generated table: its header, its body cells, and the result rows it was made from."""
+
+    header: list[str]
+    body: list[list[str]]
+    sources: list[dict]
+    align: str = ""  # one letter per column, l or r (default: the first left, the rest right)
+
+
+# Selecting rows
+
+
+def device(row: dict) -> str:
+    """The GPU a row ran on: its own machine's where it names one, else its file's."""
+    return (row.get("machine") or {}).get("device") or row["file_machine"]["device"]
+
+
+def gpu(row: dict) -> str:
+    """A short name of the row's GPU (H100, H200, ...)."""
+    match = re.search(r"(H100|H200|A100|B200)", device(row))
+    return match.group(1) if match else device(row)
+
+
+def is_default(row: dict) -> bool:
+    """Whether the row ran the engine as it was by default then (rows of other settings carry an `engine` label)."""
+    return not row.get("engine") or row["engine"].startswith("default")
+
+
+def steps(rows: list[dict], system: str = "megatrain", parts: bool = False, **match) -> list[dict]:
+    """Measured training steps of the default engine whose fields match: of whole models, and with `parts` also of
+    a model's first layers."""
+    chosen = []
+    for row in rows:
+        scope = row.get("scope", "")
+        if row["system"] != system or row.get("fits") is False or not row.get("step_time_s") or not is_default(row):
+            continue
+        if scope and not (parts and scope.startswith("first")):
+            continue
+        if all(row.get(key) == value for key, value in match.items()):
+            chosen.append(row)
+    return chosen
+
+
+def newest(rows: list[dict], key: Callable[[dict], object]) -> dict:
+    """For each key, the row measured last (by date, then by its place in the files)."""
+    best: dict = {}
+    for row in rows:
+        k = key(row)
+        if k not in best or (row["date"], row["order"]) >= (best[k]["date"], best[k]["order"]):
+            best[k] = row
+    return best
+
+
+def part(row: dict) -> str:
+    """What of the model a row timed: the whole model, or the scope it names."""
+    return row.get("scope", "whole model")
+
+
+# Formatting
+
+
+def num(value, digits: int | None = None) -> str:
+    """A number as the docs show it: thousands separated, `digits` decimals if given, '-' when absent."""
+    if value is None:
+        return "-"
+    return f"{value:,}" if digits is None else f"{value:,.{digits}f}"
+
+
+def seconds(value) -> str:
+    """A time in seconds as written in its file (a planner's unrounded one to the millisecond)."""
+    return "-" if value is None else f"{round(value, 3)} s"
+
+
+def tokens(value) -> str:
+    """Tokens per step as 16k, 128k, ..."""
+    return "-" if value is None else f"{value // 1024}k" if value % 1024 == 0 else f"{value:,}"
+
+
+def ratio(ours, theirs) -> str:
+    return "-" if not ours or not theirs else f"**{ours / theirs:.2f}x**"
+
+
+def error(predicted, measured) -> str:
+    return "-" if predicted is None or not measured else f"{predicted / measured - 1:+.1%}"
+
+
+# The tables
+
+
+def dense_7b_by_step_size(rows: list[dict]) -> Table:
+    """Qwen2.5-7B (sequences of 4096) on one H100, the newest default-engine row per step size."""
+    h100 = [r for r in steps(rows, model="qwen2.5-7b", seq_len=4096) if gpu(r) == "H100"]
+    best = newest([r for r in h100 if r["tokens_per_step"] in (16384, 32768, 131072)], lambda r: r["tokens_per_step"])
+    chosen = [best[t] for t in sorted(best)]
+    header = [
+        "tokens/step",
+        "step",
+        "tokens/s",
+        "model TFLOPS",
+        "planned step",
+        "kept layers",
+        "GPU-updated layers",
+        "date",
+    ]
+    body = [
+        [
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{r['model_tflops']}**",
+            seconds(r.get("predicted_step_s")),
+            num(r.get("kept_layers")),
+            num(r.get("gpu_updated_layers")),
+            r["date"],
+        ]
+        for r in chosen
+    ]
+    return Table(header, body, chosen)
+
+
+def dense_7b_time_split(rows: list[dict]) -> Table:
+    """Where a Qwen2.5-7B step's time goes, per step size: the newest default rows that recorded the split."""
+    traced = [
+        r for r in steps(rows, model="qwen2.5-7b", seq_len=4096) if gpu(r) == "H100" and "time_split_s_per_step" in r
+    ]
+    best = newest(traced, lambda r: r["tokens_per_step"])
+    chosen = [best[t] for t in sorted(best) if t >= 16384]
+    header = [
+        "tokens/step",
+        "step",
+        "GPU compute busy",
+        "weights in",
+        "gradients out",
+        "CPU AdamW",
+        "GPU idle",
+        "planner's bound",
+    ]
+    body = []
+    for r in chosen:
+        split = r["time_split_s_per_step"]
+        body.append(
+            [tokens(r["tokens_per_step"]), seconds(r["step_time_s"])]
+            + [seconds(split[k]) for k in ("compute", "copy_in", "copy_out", "optimizer", "gpu_compute_idle")]
+            + [r.get("bound", "-")]
+        )
+    return Table(header, body, chosen)
+
+
+COMPARED = [
+    ("qwen2.5-3b", "H100", 32768),
+    ("qwen2.5-3b", "H100", 131072),
+    ("llama2-7b", "H200", 32768),
+    ("llama2-7b", "H200", 131072),
+]
+
+
+def against_deepspeed(rows: list[dict]) -> Table:
+    """megatrain against DeepSpeed ZeRO-3 offload (at its best micro-batch, 16) and plain PyTorch on the GPU."""
+    header = [
+        "model",
+        "GPU",
+        "tokens/step",
+        "megatrain",
+        "DeepSpeed ZeRO-3 offload",
+        "plain PyTorch on the GPU",
+        "megatrain / DeepSpeed",
+        "megatrain / PyTorch",
+    ]
+    body, sources = [], []
+    for model, kind, tokens_per_step in COMPARED:
+        found = []
+        for system, extra in (
+            ("megatrain", {}),
+            ("deepspeed-zero3-offload", {"micro_batch_seqs": 16}),
+            ("pytorch-gpu", {}),
+        ):
+            candidates = [
+                r for r in steps(rows, system, model=model, tokens_per_step=tokens_per_step, **extra) if gpu(r) == kind
+            ]
+            found.append(newest(candidates, lambda r: 0).get(0))
+        ours, deepspeed, pytorch = found
+        cells = [f"{r['model_tflops']} ({seconds(r['step_time_s'])})" if r else "-" for r in found]
+        cells[0] = f"**{cells[0]}**"
+        body.append(
+            [model, kind, tokens(tokens_per_step)]
+            + cells
+            + [
+                ratio(ours and ours["model_tflops"], deepspeed and deepspeed["model_tflops"]),
+                ratio(ours and ours["model_tflops"], pytorch and pytorch["model_tflops"]),
+            ]
+        )
+        sources += [r for r in found if r]
+    return Table(header, body, sources, align="llr" + "r" * 5)
+
+
+def against_published(rows: list[dict]) -> Table:
+    """megatrain's newest Qwen2.5-7B row on an H100 against what the published layer-streaming system reports."""
+    published = [r for r in rows if r["system"] == "published-layer-streaming"]
+    ours = newest(
+        [r for r in steps(rows, model="qwen2.5-7b", seq_len=4096, tokens_per_step=131072) if gpu(r) == "H100"],
+        lambda r: 0,
+    )[0]
+    body = [
+        [
+            r["model"],
+            "H100",
+            f"**{ours['model_tflops']}** ({tokens(ours['tokens_per_step'])} tokens/step)",
+            f"{r['model_tflops']} (as published)",
+            ratio(ours["model_tflops"], r["model_tflops"]),
+        ]
+        for r in published
+    ]
+    return Table(
+        ["model", "GPU", "megatrain model TFLOPS", "published layer-streaming system", "ratio"],
+        body,
+        [ours] + published,
+        align="llrrr",
+    )
+
+
+def does_not_fit(rows: list[dict]) -> Table:
+    """What a baseline could not train, and how it failed."""
+    failed = [r for r in rows if r.get("fits") is False and r["system"] != "megatrain" and "scope" not in r]
+    body = [
+        [r["system"], r["model"], gpu(r), f"{r['file_machine']['host_memory_gib']} GiB", r["error"]] for r in failed
+    ]
+    return Table(["system", "model", "GPU", "host memory", "what happened"], body, failed, align="lllrl")
+
+
+FAMILIES = [
+    "gemma-3-1b",
+    "gemma-3-4b",
+    "gemma-2-2b",
+    "phi-3-mini-4k",
+    "olmo-2-1b",
+    "qwen3-8b",
+    "llama-4-scout-17b-16e",
+    "qwen3.5-0.8b",
+    "qwen3.5-27b",
+]
+
+
+def families(rows: list[dict]) -> Table:
+    """Each dense family on one H100 (first layers where the whole model does not fit the host), transformers beside."""
+    ours = newest(
+        [r for r in steps(rows, parts=True) if r["model"] in FAMILIES and gpu(r) == "H100"],
+        lambda r: (r["model"], part(r), r["tokens_per_step"]),
+    )
+    theirs = newest(
+        [r for r in steps(rows, "pytorch-gpu") if r["model"] in FAMILIES], lambda r: (r["model"], r["tokens_per_step"])
+    )
+    chosen = sorted(ours.values(), key=lambda r: (FAMILIES.index(r["model"]), r["tokens_per_step"]))
+    header = ["model", "part", "tokens/step", "step", "tokens/s", "model TFLOPS", "transformers on the GPU", "date"]
+    body, sources = [], list(chosen)
+    for r in chosen:
+        baseline = theirs.get((r["model"], r["tokens_per_step"])) if "scope" not in r else None
+        sources += [baseline] if baseline else []
+        cell = f"{baseline['model_tflops']} (micro-batch {baseline['micro_batch_seqs']})" if baseline else "-"
+        body.append(
+            [
+                r["model"],
+                part(r),
+                tokens(r["tokens_per_step"]),
+                seconds(r["step_time_s"]),
+                num(r["tokens_per_s"]),
+                f"**{r['model_tflops']}**",
+                cell,
+                r["date"],
+            ]
+        )
+    return Table(header, body, sources, align="ll" + "r" * 6)
+
+
+def block_ceilings(rows: list[dict]) -> Table:
+    """One decoder block's forward and recompute + backward (default SDPA backends): the per-layer ceiling."""
+    blocks = [r for r in rows if r.get("scope", "").endswith("SDPA default")]
+    best = newest(blocks, lambda r: r["model"])
+    chosen = sorted(best.values(), key=lambda r: r["model_tflops"])
+    body = [
+        [
+            r["model"],
+            f"{r['tokens_per_step'] // r['seq_len']} x {r['seq_len']}",
+            f"{r['forward_ms']} ms",
+            f"{r['recompute_backward_ms']} ms",
+            f"**{r['model_tflops']}**",
+        ]
+        for r in chosen
+    ]
+    header = ["block of", "sequences", "forward", "recompute + backward", "model-TFLOPS ceiling"]
+    return Table(header, body, chosen, align="llrrr")
+
+
+def linear_attention_parts(rows: list[dict]) -> Table:
+    """One Gated DeltaNet layer's parts against a full-attention layer's SDPA, current engine."""
+    parts = [r for r in rows if r["file"].startswith("qwen3.5") and r.get("tflops") is not None and is_default(r)]
+    chosen = list(newest(parts, lambda r: (r["model"], r["scope"])).values())
+    body = [[r["model"], r["scope"], f"{r['timed_ms']} ms", num(r["tflops"])] for r in chosen]
+    return Table(["model", "part (16k tokens, forward + backward)", "time", "TFLOPS"], body, chosen, align="llrr")
+
+
+MOE_MODELS = [
+    "olmoe-1b-7b",
+    "qwen1.5-moe-a2.7b",
+    "moonlight-16b-a3b",
+    "deepseek-v2-lite",
+    "glm-4.5-air",
+    "gpt-oss-120b",
+]
+
+
+def moe_steps(rows: list[dict]) -> Table:
+    """Mixtures of experts, whole models or their first layers, newest default rows (experts whole)."""
+    candidates = [r for r in steps(rows, parts=True) if r["model"] in MOE_MODELS and not r.get("expert_parts")]
+    best = newest(candidates, lambda r: (r["model"], part(r), gpu(r), r["tokens_per_step"]))
+    chosen = sorted(best.values(), key=lambda r: (MOE_MODELS.index(r["model"]), r["tokens_per_step"]))
+    header = [
+        "model",
+        "part",
+        "GPU",
+        "tokens/step",
+        "step",
+        "tokens/s",
+        "model TFLOPS (active)",
+        "planned step",
+        "date",
+    ]
+    body = [
+        [
+            r["model"],
+            part(r),
+            gpu(r),
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{r['model_tflops']}**",
+            seconds(r.get("predicted_step_s")),
+            r["date"],
+        ]
+        for r in chosen
+    ]
+    return Table(header, body, chosen, align="lll" + "r" * 6)
+
+
+def moe_expert_parts(rows: list[dict]) -> Table:
+    """A MoE layer's experts whole or streamed in parts (engine.experts_per_stage)."""
+    chosen = [r for r in rows if r["file"] == "moe-expert-parts-h100.json" and is_default(r)]
+    body = [
+        [
+            r["model"],
+            part(r),
+            "whole" if not r["expert_parts"] else f"{r['expert_parts']} parts",
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            f"**{r['model_tflops']}**",
+            f"{r['peak_gpu_gib']} GiB",
+            seconds(r["time_split_s_per_step"]["compute"]),
+        ]
+        for r in chosen
+    ]
+    header = ["model", "part", "experts", "tokens/step", "step", "model TFLOPS", "peak GPU", "GPU compute busy"]
+    return Table(header, body, chosen, align="lll" + "r" * 5)
+
+
+def moe_layers(rows: list[dict]) -> Table:
+    """One MoE layer's forward + recompute + backward, newest default row per model and tokens."""
+    layers = [r for r in rows if r.get("scope") == "one MoE layer, fwd + recompute+bwd" and is_default(r)]
+    chosen = sorted(
+        newest(layers, lambda r: (r["model"], r["tokens_per_step"])).values(),
+        key=lambda r: (r["model"], r["tokens_per_step"]),
+    )
+    body = [
+        [
+            r["model"],
+            gpu(r),
+            tokens(r["tokens_per_step"]),
+            f"{r['forward_recompute_backward_ms']} ms" if "forward_recompute_backward_ms" in r else "-",
+            f"**{r['hardware_tflops']}**",
+        ]
+        for r in chosen
+    ]
+    return Table(
+        ["MoE layer of", "GPU", "tokens", "fwd + recompute + bwd", "hardware TFLOPS"], body, chosen, align="llrrr"
+    )
+
+
+def plan_rows(rows: list[dict], file: str) -> list[dict]:
+    return [r for r in rows if r["file"] == file and r["system"] == "megatrain plan"]
+
+
+def moe_plans(rows: list[dict]) -> Table:
+    """The planner's step times for published MoE shapes on one H200."""
+    chosen = plan_rows(rows, "moe-plans.json")
+    body = [
+        [
+            r["model"],
+            f"{r['params_b']}B ({r['active_params_b']}B)",
+            f"{r['host_gib']:,} GiB",
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["model_tflops"]),
+            r["bound"],
+            tokens(r["compute_bound_tokens"]),
+        ]
+        for r in chosen
+    ]
+    header = [
+        "model",
+        "params (active)",
+        "host memory",
+        "tokens/step",
+        "planned step",
+        "model TFLOPS",
+        "bound",
+        "compute-bound from",
+    ]
+    return Table(header, body, chosen, align="l" + "r" * 5 + "lr")
+
+
+def load_balance(rows: list[dict]) -> Table:
+    """The worst MoE layer's load violation and the loss by balancing rate, a small model pre-trained from scratch."""
+    chosen = [r for r in rows if r["file"].startswith("load-balance")]
+    body = [
+        [
+            str(r["router_bias_update_rate"]),
+            str(r.get("router_seq_aux_loss_coef", 0)),
+            str(len(r["per_step"])),
+            f"**{r['max_violation_mean_last_fifth']}**",
+            f"**{r['final_loss_mean_last_fifth']}**",
+            str(r["bias_spread"]),
+        ]
+        for r in chosen
+    ]
+    header = [
+        "bias update rate",
+        "sequence-wise loss",
+        "steps",
+        "MaxVio, last fifth",
+        "loss, last fifth",
+        "bias spread",
+    ]
+    return Table(header, body, chosen, align="rrrrrr")
+
+
+def long_context(rows: list[dict]) -> Table:
+    """Llama-3.1-8B by sequence length, and packed documents (attention within each document)."""
+    chosen = [r for r in steps(rows, model="llama3.1-8b") if r["file"] == "long-context-h100.json"]
+    body = [
+        [
+            num(r["seq_len"]),
+            "1" if not r["doc_len"] else f"{r['seq_len'] // r['doc_len']} x {r['doc_len']:,} (packed)",
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{r['model_tflops']}**",
+            f"{r['peak_gpu_gib']} GiB",
+            error(r["predicted_step_s"], r["step_time_s"]),
+        ]
+        for r in chosen
+    ]
+    header = ["sequence", "documents per row", "step", "tokens/s", "model TFLOPS", "peak GPU", "planner error"]
+    return Table(header, body, chosen, align="rl" + "r" * 5)
+
+
+def several_gpus(rows: list[dict]) -> Table:
+    """One host, one shared copy of the state, 1 and 2 GPUs."""
+    best = newest([r for r in steps(rows) if r["file"].startswith("data-parallel")], lambda r: r["gpus"])
+    chosen = [best[g] for g in sorted(best)]
+    one = best.get(1)
+    body = [
+        [
+            str(r["gpus"]),
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{r['model_tflops']}**",
+            ratio(r["tokens_per_s"], one and one["tokens_per_s"]),
+            str(r["host_bytes_per_param"]),
+        ]
+        for r in chosen
+    ]
+    header = [
+        "GPUs",
+        "tokens/step",
+        "step",
+        "tokens/s",
+        "model TFLOPS (all GPUs)",
+        "tokens/s against one GPU",
+        "host B/param",
+    ]
+    return Table(header, body, chosen, align="r" * 7)
+
+
+LARGEST = [
+    ("llama3-8b", "scaling-h100.json"),
+    ("llama2-13b", "scaling-h100.json"),
+    ("qwen2.5-32b", "largest-qwen2.5-32b-h200.json"),
+]
+
+
+def largest_models(rows: list[dict]) -> Table:
+    """The largest models trained on one GPU: in RAM, past RAM with the disk tier, on a larger host."""
+    chosen = [newest([r for r in steps(rows, model=m) if r["file"] == f], lambda r: 0)[0] for m, f in LARGEST]
+    body = [
+        [
+            r["model"],
+            f"{r['params_b']}B",
+            gpu(r),
+            f"{r['file_machine']['host_memory_gib']} GiB",
+            f"{r['host_gib']} GiB",
+            str(r["host_bytes_per_param"]),
+            f"{r['disk_gib']} GiB" if r.get("disk_gib") else "-",
+            f"{r['peak_gpu_gib']} GiB",
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{r['model_tflops']}**",
+        ]
+        for r in chosen
+    ]
+    header = [
+        "model",
+        "params",
+        "GPU",
+        "host",
+        "in RAM",
+        "B/param in RAM",
+        "on disk",
+        "peak GPU",
+        "tokens/step",
+        "step",
+        "tokens/s",
+        "model TFLOPS",
+    ]
+    return Table(header, body, chosen, align="lrl" + "r" * 9)
+
+
+def disk_tier(rows: list[dict]) -> Table:
+    """Training with AdamW moments on disk (engine.optimizer_state_dir): the disk bounds the step."""
+    chosen = [r for r in steps(rows) if r.get("disk_gib")]
+    body = [
+        [
+            r["model"],
+            gpu(r),
+            f"{r['disk_gib']} GiB",
+            f"{r['host_gib']} GiB",
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{r['model_tflops']}**",
+            error(r.get("predicted_step_s"), r["step_time_s"]),
+        ]
+        for r in chosen
+    ]
+    header = [
+        "model",
+        "GPU",
+        "moments on disk",
+        "in RAM",
+        "tokens/step",
+        "step",
+        "tokens/s",
+        "model TFLOPS",
+        "planner error",
+    ]
+    return Table(header, body, chosen, align="ll" + "r" * 7)
+
+
+def planner_at_shape(rows: list[dict]) -> Table:
+    """The planner with the block, a kept layer and the head measured at the run's own shape, against 7B-shaped defaults."""
+    chosen = [r for r in rows if r.get("planner", "").endswith("(final)")]
+    body = [
+        [
+            r["model"],
+            f"{r['seq_len']} x {r['micro_batch_seqs']}",
+            seconds(r["step_time_s"]),
+            f"{seconds(r['predicted_with_default_rates_s'])} ({error(r['predicted_with_default_rates_s'], r['step_time_s'])})",
+            f"**{seconds(r['predicted_step_s'])} ({error(r['predicted_step_s'], r['step_time_s'])})**",
+            f"{r['rates']['gpu_tflops']} / {r['rates']['gpu_kept_tflops']}",
+        ]
+        for r in chosen
+    ]
+    header = [
+        "model",
+        "sequence x micro-batch",
+        "measured",
+        "planned with 7B-shaped defaults",
+        "planned at its shape",
+        "block / kept layer TFLOPS",
+    ]
+    return Table(header, body, chosen, align="ll" + "r" * 4)
+
+
+def run_key(row: dict) -> tuple:
+    """What makes two rows the same run: model, part, GPU, tokens per step, a long sequence, packing, the disk tier."""
+    long_sequence = row["seq_len"] if row.get("seq_len", 0) > 4096 else None
+    return (
+        row["model"],
+        part(row),
+        gpu(row),
+        row["tokens_per_step"],
+        long_sequence,
+        row.get("doc_len") or 0,
+        bool(row.get("disk_gib")),
+    )
+
+
+def planner_validation(rows: list[dict]) -> Table:
+    """The planner's newest prediction for each run against its measured step, across models, steps and GPUs."""
+    measured = [r | {"measured_step_s": r["step_time_s"]} for r in steps(rows, parts=True) if r.get("predicted_step_s")]
+    plans = [r for r in rows if r["system"] == "megatrain plan" and r.get("measured_step_s")]
+    current = [r for r in measured + plans if "final" in r.get("planner", "final")]  # not an earlier planner's rates
+    chosen = sorted(
+        newest(current, run_key).values(), key=lambda r: (r["model"], part(r), r["tokens_per_step"], r["seq_len"])
+    )
+    body = []
+    for r in chosen:
+        name = r["model"] + ("" if part(r) == "whole model" else f", {part(r)}")
+        name += ", disk tier" if r.get("disk_gib") else f", documents of {r['doc_len']}" if r.get("doc_len") else ""
+        shape = f"{tokens(r['tokens_per_step'])} ({r['seq_len']:,} x {r['tokens_per_step'] // r['seq_len']})"
+        body.append(
+            [
+                name,
+                gpu(r),
+                shape,
+                seconds(r["measured_step_s"]),
+                seconds(r["predicted_step_s"]),
+                error(r["predicted_step_s"], r["measured_step_s"]),
+                r["date"],
+            ]
+        )
+    header = ["run", "GPU", "tokens/step (sequence x count)", "measured", "planned", "error", "date"]
+    return Table(header, body, chosen, align="ll" + "r" * 4 + "l")
+
+
+def block_rates(rows: list[dict]) -> Table:
+    """A decoder block's and the head's GPU rates by shape, as megatrain plan measures them."""
+    chosen = [r for r in rows if "block_tflops" in r]
+    body = [
+        [
+            r["model"],
+            f"{r['seq_len']} x {r['micro_batch_seqs']}",
+            num(r["d_model"]),
+            f"**{r['block_tflops']}**",
+            str(r["head_tflops"]),
+            f"{r['gemms_alone_ms'] / r['block_ms']:.0%}",
+        ]
+        for r in chosen
+    ]
+    header = [
+        "block of",
+        "sequence x micro-batch",
+        "d_model",
+        "block TFLOPS",
+        "head TFLOPS",
+        "GEMMs' share of the block",
+    ]
+    return Table(header, body, chosen, align="llrrrr")
+
+
+def dense_120b_plans(rows: list[dict]) -> Table:
+    """dense-120b (119.8B) planned on one GPU, with and without exact global-norm clipping."""
+    plans = plan_rows(rows, "scaling-h100.json")
+    clipped = {(gpu(r), r["tokens_per_step"]): r for r in plans if r["grad_clip"]}
+    chosen = [r for r in plans if not r["grad_clip"]]
+    body = [
+        [
+            gpu(r),
+            tokens(r["tokens_per_step"]),
+            f"**{r['host_gib']:,} GiB**",
+            str(r["host_bytes_per_param"]),
+            f"{clipped[(gpu(r), r['tokens_per_step'])]['host_gib']:,} GiB",
+            f"{r['offloaded_layers']} of 76",
+            f"{r['predicted_gpu_gib']} GiB",
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            num(r["model_tflops"]),
+        ]
+        for r in chosen
+    ]
+    header = [
+        "GPU",
+        "tokens/step",
+        "host memory",
+        "B/param",
+        "with clipping",
+        "checkpoints in host memory",
+        "GPU memory",
+        "step",
+        "tokens/s",
+        "model TFLOPS",
+    ]
+    return Table(header, body, chosen + list(clipped.values()), align="l" + "r" * 9)
+
+
+def hosts_plans(rows: list[dict]) -> Table:
+    """The largest model 1-64 hosts would train (8 H200s each, 16k tokens per GPU): a replica per host or split state."""
+    chosen = plan_rows(rows, "hosts-plans.json")
+    body = [
+        [
+            f"{r['host_size_gib']:,} GiB",
+            r["state"],
+            f"{r['hosts']} x 8",
+            str(r["host_bytes_per_param"]),
+            f"{r['largest_params_b']}B",
+            r["model"],
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"{r['network_gb_per_host']:,} GB ({r['network_s']} s)",
+            r["bound"],
+        ]
+        for r in chosen
+    ]
+    header = [
+        "host",
+        "state",
+        "hosts x GPUs",
+        "B/param per host",
+        "largest that fits",
+        "model",
+        "step",
+        "tokens/s",
+        "network per host per step",
+        "bound",
+    ]
+    return Table(header, body, chosen, align="rlrrrlrrrl")
+
+
+def kernel_kinds(rows: list[dict]) -> Table:
+    """GPU time per kernel kind in one profiled Qwen2.5-7B step, the newest engine at 32k and 128k tokens."""
+    profiled = [r for r in rows if "kinds" in r and is_default(r)]
+    best = newest(profiled, lambda r: r["tokens_per_step"])
+    chosen = [best[t] for t in sorted(best)]
+    kinds = [k["kind"] for k in chosen[0]["kinds"]]
+    ms = [{k["kind"]: k["ms_per_step"] for k in r["kinds"]} for r in chosen]
+    body = [[kind] + [num(m.get(kind), 0) for m in ms] for kind in kinds]
+    return Table(["kind, ms per step"] + [f"{tokens(r['tokens_per_step'])} tokens" for r in chosen], body, chosen)
+
+
+def headline(rows: list[dict]) -> Table:
+    """The README's headline numbers, each a row of the docs' tables (linked)."""
+    lines = [
+        (
+            f"qwen2.5-7b, {tokens(r['tokens_per_step'])} tokens/step",
+            r,
+            "benchmarks.md#dense-7b-on-one-h100-by-step-size",
+            "",
+        )
+        for r in dense_7b_by_step_size(rows).sources
+    ]
+    published = against_published(rows)
+    lines[-1] = lines[-1][:3] + (f"{published.body[0][4]} the published layer-streaming system",)
+    compared = against_deepspeed(rows)
+    for (model, _, tokens_per_step), cells in zip(COMPARED, compared.body):
+        if model == "llama2-7b" or tokens_per_step == 131072:
+            ours = newest(
+                [
+                    r
+                    for r in compared.sources
+                    if r["model"] == model and r["tokens_per_step"] == tokens_per_step and r["system"] == "megatrain"
+                ],
+                lambda r: 0,
+            )[0]
+            lines.append(
+                (
+                    f"{model}, {tokens(tokens_per_step)} tokens/step",
+                    ours,
+                    "benchmarks.md#against-deepspeed-zero-3-offload",
+                    f"{cells[6]} DeepSpeed ZeRO-3 offload",
+                )
+            )
+    lines.append(
+        (
+            "qwen2.5-32b, the largest trained on one GPU",
+            largest_models(rows).sources[-1],
+            "scaling.md#the-largest-models-on-one-gpu",
+            "",
+        )
+    )
+    two = several_gpus(rows)
+    lines.append(
+        (
+            "qwen2.5-7b on two GPUs of one host",
+            two.sources[-1],
+            "scaling.md#several-gpus-on-one-host",
+            f"{two.body[-1][5]} one GPU",
+        )
+    )
+    moe = [r for r in moe_steps(rows).sources if r["model"] == "olmoe-1b-7b" and r["tokens_per_step"] == 131072]
+    lines.append(("olmoe-1b-7b (a mixture of experts), 128k tokens/step", moe[0], "scaling.md#mixtures-of-experts", ""))
+    longest = max(long_context(rows).sources, key=lambda r: r["seq_len"])
+    lines.append(
+        (
+            f"llama3.1-8b, sequences of {tokens(longest['seq_len'])} tokens",
+            longest,
+            "benchmarks.md#long-sequences-and-packed-documents",
+            "",
+        )
+    )
+    body = [
+        [f"[{what}](docs/{link})", gpu(r), f"**{r['model_tflops']}**", versus or "-", r["date"][:10]]
+        for what, r, link, versus in lines
+    ]
+    return Table(
+        ["what", "GPU", "model TFLOPS", "against", "measured"], body, [r for _, r, _, _ in lines], align="llrll"
+    )
+
+
+TABLES: dict[str, Callable[[list[dict]], Table]] = {
+    "headline": headline,
+    "dense-7b-by-step-size": dense_7b_by_step_size,
+    "dense-7b-time-split": dense_7b_time_split,
+    "against-deepspeed": against_deepspeed,
+    "against-published": against_published,
+    "does-not-fit": does_not_fit,
+    "families": families,
+    "block-ceilings": block_ceilings,
+    "linear-attention-parts": linear_attention_parts,
+    "moe-steps": moe_steps,
+    "moe-expert-parts": moe_expert_parts,
+    "moe-layers": moe_layers,
+    "moe-plans": moe_plans,
+    "load-balance": load_balance,
+    "long-context": long_context,
+    "several-gpus": several_gpus,
+    "largest-models": largest_models,
+    "disk-tier": disk_tier,
+    "planner-at-shape": planner_at_shape,
+    "planner-validation": planner_validation,
+    "block-rates": block_rates,
+    "dense-120b-plans": dense_120b_plans,
+    "hosts-plans": hosts_plans,
+    "kernel-kinds": kernel_kinds,
+}
+
+
+# Rendering
+
+
+def markdown(table: Table) -> list[str]:
+    """The table as markdown lines."""
+    align = table.align or "l" + "r" * (len(table.header) - 1)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    return ["| " + " | ".join(cells) + " |" for cells in [table.header, rule] + table.body]
+
+
+def provenance(table: Table, doc: Path) -> list[str]:
+    """Under a table: each source file with its machine, the rows' dates and the commands that reproduce them."""
+    lines = ["", "<details><summary>Commands, machines and dates of these rows</summary>", ""]
+    by_file: dict[str, list[dict]] = {}
+    for row in table.sources:
+        by_file.setdefault(row["file"], []).append(row)
+    for name, rows in by_file.items():
+        link = Path("benchmarks/results", name)
+        target = link if doc.parent == ROOT else Path("..") / link
+        machines = sorted({machine_text(r) for r in rows})
+        dates = sorted({r["date"] for r in rows})
+        lines.append(f"- [`{link}`]({target.as_posix()}): {'; '.join(machines)}; measured {', '.join(dates)}")
+        commands = list(dict.fromkeys(r["command"] for r in rows if r.get("command"))) or rows[0]["file_commands"]
+        lines += ["", "  ```bash"] + [f"  {command}" for command in commands] + ["  ```", ""]
+    return lines + ["</details>", ""]
+
+
+def machine_text(row: dict) -> str:
+    """The machine a row ran on, in words: device, GPU memory, host memory, cores, torch."""
+    machine = row["file_machine"] | (row.get("machine") or {})
+    parts = [machine["device"]]
+    if machine.get("gpu_memory_gib"):
+        parts[0] += f" ({machine['gpu_memory_gib']} GiB)"
+    if machine.get("host_memory_gib"):
+        parts.append(f"{machine['host_memory_gib']} GiB host")
+    if machine.get("cpu_cores"):
+        parts.append(f"{machine['cpu_cores']} cores")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    return ", ".join(parts)
+
+
+def render(name: str, rows: list[dict], doc: Path) -> str:
+    """The generated region of table `name` as it should read in `doc`."""
+    if name not in TABLES:
+        raise SystemExit(f"{doc}: unknown table '{name}' (known: {', '.join(TABLES)})")
+    table = TABLES[name](rows)
+    return "\n".join(markdown(table) + provenance(table, doc)) + "\n"
+
+
+def regenerate(text: str, rows: list[dict], doc: Path) -> str:
+    """The doc's text with every generated table region rewritten from the rows."""
+    return REGION.sub(lambda m: m.group(1) + render(m.group("name"), rows, doc) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if a doc's generated tables are stale")
+    args = parser.parse_args(argv)
+    rows = load_rows()
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        updated = regenerate(text, rows, doc)
+        if updated != text:
+            stale.append(doc.relative_to(ROOT).as_posix())
+            if not args.check:
+                doc.write_text(updated)
+    if args.check and stale:
+        print(f"stale generated tables in {', '.join(stale)}: run python benchmarks/tables.py", file=sys.stderr)
+        return 1
+    print(
+        f"{'checked' if args.check else 'wrote'} {len(DOCS)} docs"
+        + (f"; rewrote {', '.join(stale)}" if stale and not args.check else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

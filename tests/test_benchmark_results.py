@@ -1,0 +1,143 @@
+"""The benchmark results and the docs made from them: every committed results file fits the one schema
+(benchmarks/results_schema.py), the docs' generated tables are current (benchmarks/tables.py), and the
+docs' links to each other's sections resolve. CPU only, no GPU, no timers."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import results_schema  # noqa: E402
+import tables  # noqa: E402
+
+RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+LINKING_DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md"] + sorted(
+    (ROOT / "docs").glob("*.md")
+)
+
+
+def a_row(**fields) -> dict:
+    row = {"system": "megatrain", "model": "qwen2.5-7b", "tokens_per_step": 32768, "step_time_s": 2.784}
+    return row | {"tokens_per_s": 11770, "model_tflops": 528.3, "date": "2026-11-24 09:13"} | fields
+
+
+def a_file(*rows) -> dict:
+    machine = {"device": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.2, "host_memory_gib": 125.9, "cpu_cores": 16}
+    machine |= {"torch": "2.11.0+cu130", "date": "2026-11-24 09:13"}
+    return {
+        "benchmark": "a question",
+        "machine": machine,
+        "commands": ["python x.py"],
+        "notes": [],
+        "results": list(rows),
+    }
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.name for p in RESULTS])
+def test_every_results_file_fits_the_schema(path):
+    assert results_schema.check_file(path) == []
+
+
+def test_a_valid_file_has_no_problems():
+    plan = a_row(system="megatrain plan", step_time_s=3.0, predicted_step_s=3.0)
+    failed = a_row(
+        system="pytorch-gpu", step_time_s=None, tokens_per_s=None, model_tflops=None, fits=False, error="OOM"
+    )
+    part = a_row(scope="one MoE layer, fwd + recompute+bwd", tokens_per_s=None, model_tflops=None)
+    assert results_schema.check_results(a_file(a_row(), plan, failed, part)) == []
+
+
+@pytest.mark.parametrize(
+    "broken, problem",
+    [
+        (a_file(a_row(system="pytorch")), "results[0].system: 'pytorch' is not one of"),
+        (a_file(a_row(date="24 Nov")), "results[0].date: must read YYYY-MM-DD"),
+        (a_file(a_row(step_time_s="2.8 s")), "results[0].step_time_s: has type str"),
+        (a_file(a_row(step_time_s=None)), "a measured step needs step_time_s"),
+        (a_file(a_row(system="megatrain plan", predicted_step_s=1.0)), "step_time_s equal to it"),
+        (a_file(a_row(fits=False)), "says why in 'error'"),
+        (a_file(a_row(placement=[0, 1])), "results[0].placement: has type list"),
+        ({k: v for k, v in a_file(a_row()).items() if k != "commands"}, "missing top-level 'commands'"),
+        (a_file(a_row()) | {"args": {}}, "unknown top-level 'args'"),
+        (a_file(), "results: must be a non-empty list"),
+    ],
+)
+def test_check_results_names_the_problem(broken, problem):
+    assert any(problem in line for line in results_schema.check_results(broken)), results_schema.check_results(broken)
+
+
+def test_normalize_puts_each_script_s_output_in_the_schema():
+    machine = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-24 09:13", "torch": "2.11.0+cu130"}
+    block = {
+        "machine": machine,
+        "model": "qwen2.5-7b",
+        "tokens": 16384,
+        "seq_len": 2048,
+        "variants": {
+            "default": {
+                "forward_ms": 15.0,
+                "recompute_backward_ms": 45.0,
+                "forward_tflops": 519.6,
+                "model_tflops_ceiling": 393.8,
+            },
+            "cudnn": {"error": "no kernel"},
+        },
+    }
+    layer = {
+        "machine": machine,
+        "model": "olmoe-1b-7b",
+        "tokens": 16384,
+        "seq_len": 4096,
+        "forward_ms": 5.9,
+        "forward_recompute_backward_ms": 24.5,
+        "hardware_tflops": 405.1,
+        "model_tflops_ceiling": 303.8,
+    }
+    throughput = {
+        "benchmark": "throughput",
+        "machine": machine,
+        "args": {"models": "qwen2.5-7b"},
+        "results": [
+            a_row(date=None) | {"placement": None},
+            {"system": "pytorch-gpu", "model": "qwen2.5-7b", "micro_batch_seqs": 8, "fits": False, "error": "OOM"},
+        ],
+    }
+    for payload in (block, layer, throughput):
+        normalized = results_schema.normalize(payload, command="python benchmarks/x.py")
+        assert results_schema.check_results(normalized) == []
+        assert all(row["date"] == "2026-11-24 09:13" for row in normalized["results"])
+    assert results_schema.normalize(block)["results"][0]["step_time_s"] == pytest.approx(0.06)
+    assert results_schema.normalize(throughput)["configs"] == {"args": {"models": "qwen2.5-7b"}}
+
+
+def test_normalize_leaves_a_file_in_the_schema_as_it_is():
+    payload = a_file(a_row(engine="--kept-layers 0"))
+    assert results_schema.normalize(payload) == payload
+
+
+def test_the_docs_tables_are_current():
+    assert tables.main(["--check"]) == 0, "run: python benchmarks/tables.py"
+
+
+def test_every_table_marker_names_a_table():
+    for doc in tables.DOCS:
+        for name in re.findall(r"<!-- table: ([a-z][a-z0-9.-]*) -->\n", doc.read_text()):
+            assert name in tables.TABLES, f"{doc.name}: unknown table {name}"
+
+
+def slug(heading: str) -> str:
+    """A markdown heading's anchor as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_sections_of_the_docs_resolve():
+    for doc in LINKING_DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)#([^)\s]+)\)", doc.read_text()):
+            path = (doc.parent / target).resolve()
+            headings = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)
+            assert anchor in {slug(h) for h in headings}, (
+                f"{doc.relative_to(ROOT)}: {target}#{anchor} has no such section"
+            )
