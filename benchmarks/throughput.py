@@ -16,7 +16,6 @@ import resource
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,7 +25,6 @@ from common import base_row, fill_random_, machine, table, write_results  # noqa
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
-from megatrain.plan import host_memory_limit, make_plan  # noqa: E402
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
@@ -95,8 +93,7 @@ def bench_megatrain(
         data=DataSection(seq_len=seq_len),
         train=TrainSection(
             steps=10**6,
-            # the engine (held, GPU-updated and kept layers) is planned for the largest point; each point
-            # gets its own plan only in a call of its own
+            # set up for the largest point; each point's first step places the engine for its own size
             batch_size=max(token_counts) // seq_len,
             micro_batch_size=micro_seqs,
             grad_clip=grad_clip,
@@ -109,7 +106,6 @@ def bench_megatrain(
         device="cuda",
         output_dir=tempfile.mkdtemp(),
     )
-    host_memory = host_memory_limit()  # what the plans below see: the host before this run allocates
     t0 = time.perf_counter()
     trainer = BenchTrainer(config, model)
     trainer.timeline.keep_steps = None  # the timed steps' spans are all summed below
@@ -156,16 +152,8 @@ def bench_megatrain(
         busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
         if trace_dir and tokens == max(token_counts):
             trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
-        # the engine that ran: its held and GPU-updated layers were planned for the largest point
-        ran = replace(
-            config.engine, held_layers=trainer.plan.held_layers, gpu_updated_layers=trainer.plan.gpu_updated_layers
-        )
-        plan = make_plan(
-            replace(config, train=replace(config.train, batch_size=n_seqs), engine=ran),
-            model,
-            trainer.plan.rates,
-            host_memory=host_memory,
-        )
+        # the trainer placed this point for its own size (its first step did, where the size changed)
+        plan, executed = trainer.plan, trainer.pipeline.executed
         rows.append(
             base_row("megatrain", name, model, seq_len, n_seqs, micro_seqs, step_s)
             | {
@@ -174,6 +162,14 @@ def bench_megatrain(
                 "bound": plan.bound,
                 "compute_bound_tokens": plan.compute_bound_tokens,
                 "rates": plan.rates.source,
+                # the placement the steps ran, and whether it is the planner's as planned (no fallback)
+                "placement": executed.as_dict(),
+                "placement_as_planned": executed == trainer.placement and trainer.pipeline.fallback is None,
+                "fallback": trainer.pipeline.fallback,
+                # device memory the planner left free beside what the step counts on (GiB; negative: short)
+                "device_headroom_gib": None
+                if trainer.pipeline.device_headroom is None
+                else round(trainer.pipeline.device_headroom / 2**30, 2),
                 "host_gib": round(report.total_bytes / 2**30, 1),
                 "host_bytes_per_param": round(report.bytes_per_param, 2),
                 "pinned_gib": round(report.pinned_bytes / 2**30, 1),
@@ -188,16 +184,12 @@ def bench_megatrain(
                 "n_slots": n_slots,
                 "n_layers": model.n_layers,
                 "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
-                "kept_layers": trainer.pipeline.last_kept,  # their matmul products kept: no GEMM recomputed
-                "predicted_kept_layers": plan.kept_layers + plan.host_kept_layers,
-                "host_kept_layers": trainer.pipeline.last_host_kept,  # of those, kept in pinned host memory
-                "predicted_host_kept_layers": plan.host_kept_layers,
-                "offloaded_layers": trainer.pipeline.last_offloaded,  # activation checkpoints in host memory
-                "predicted_offloaded_layers": plan.offloaded_layers,
-                "held_layers": trainer.pipeline.held_layers,  # weights on the GPU from forward to backward
+                "kept_layers": len(executed.keeping),  # their matmul products kept: no GEMM recomputed
+                "host_kept_layers": len(executed.host_kept),  # of those, kept in pinned host memory
+                "offloaded_layers": len(executed.offloaded),  # activation checkpoints in host memory
+                "held_layers": len(executed.held),  # weights on the GPU from forward to backward
                 # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
-                "gpu_updated_layers": trainer.plan.gpu_updated_layers,
-                "gpu_updated_groups": len(trainer.device_optimizer.groups) if trainer.device_optimizer else 0,
+                "gpu_updated_layers": plan.gpu_updated_layers,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),  # the compile warm-up included
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),

@@ -1037,8 +1037,11 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else "")
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else "")
         + (f"; gradient pool of {plan.gradient_pool:g} largest groups" if plan.gradient_pool else ""),
-        f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB"
-        + (f" of {plan.gpu_available / gib:.1f} GiB" if plan.gpu_available else " (no GPU here)")
+        (
+            f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB"
+            if plan.gpu_available
+            else "compute on       the CPU (no GPU): weight slots and activations live in host memory"
+        )
         + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
         + (f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)" if plan.kept_layers else "")
         + (
@@ -1064,7 +1067,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
             else ""
         ),
         "",
-        plan.placement.table(plan.stage_names),
+        plan.placement.table(plan.stage_names, "GPU" if plan.gpu_available else "device"),
         *(f"  - {reason}" for reason in plan.placement.why.values()),
         "",
         f"step time        {plan.step_s:.2f} s  (GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, "
@@ -1072,14 +1075,14 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f", disk {plan.disk_s:.2f} s" if plan.disk_s else "")
         + (f", network {plan.network_s:.2f} s" if plan.network_s else "")
         + f" overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
-        f"bound by         {BOUND_NAMES[plan.bound]}"
+        f"bound by         {BOUND_NAMES[plan.bound] if plan.gpu_available or plan.bound != 'compute' else 'compute'}"
         + (
             ""
             if plan.bound == "compute"
             else f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
         ),
         f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS",
-        f"rates            GPU blocks {plan.rates.gpu_tflops}"
+        f"rates            {'GPU' if plan.gpu_available else 'CPU'} blocks {plan.rates.gpu_tflops}"
         + (f" (kept {plan.rates.gpu_kept_tflops})" if plan.rates.gpu_kept_tflops else "")
         + f" / head {plan.rates.head_tflops} TFLOPS, "
         f"PCIe {plan.rates.pcie_gbps} GB/s, "

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import sys
 import threading
 import time
@@ -91,8 +92,11 @@ def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates
     so a launch of several leaves it to `megatrain plan`; MEGATRAIN_MEASURE_RATES=0 turns it off (the tests:
     plans from remembered or default rates, the same on every machine)."""
     device = resolve_device(config.device)
+    dtype = resolve_dtype(config.precision.compute_dtype, device)
     measure = measure and os.environ.get("MEGATRAIN_MEASURE_RATES", "1") != "0"
-    if not measure or device.type != "cuda" or resolve_dtype(config.precision.compute_dtype, device) != torch.bfloat16:
+    if device.type == "cpu":
+        return cpu_rates(dtype, measure)
+    if not measure or dtype != torch.bfloat16:
         return load_rates()
     seq_len, micro_batch = config.data.seq_len, config.train.micro_batch_size
     with torch.cuda.device(device):
@@ -115,6 +119,45 @@ def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates
         )
         save_rates(key, rates, machine=False)
         return rates
+
+
+def cpu_rates(dtype: torch.dtype, measure: bool = True) -> Rates:
+    """The rates of a run whose device is this machine's CPU: its matrix multiplications in `dtype` as the
+    "GPU" rates, its memory copies as the "PCIe" ones (a slot is a host buffer), measured here the first time
+    (a fraction of a second; remembered per CPU and dtype). Without `measure`, the defaults (an H100 machine's),
+    as the tests plan."""
+    if not measure:
+        return load_rates()
+    key = f"CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}: {dtype}"
+    saved = _calibrations()
+    if key in saved["shapes"]:
+        return Rates(**saved["shapes"][key])
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    matmul_s = _host_seconds(lambda: a @ b)
+    source, target = torch.empty(2**24), torch.empty(2**24)
+    copy_gbps = source.numel() * 4 / _host_seconds(lambda: target.copy_(source)) / 1e9
+    tflops = _rounded(2 * 1024**3 / matmul_s / 1e12)
+    rates = Rates(
+        gpu_tflops=tflops,
+        head_tflops=tflops,
+        moe_gpu_tflops=tflops,
+        pcie_gbps=_rounded(copy_gbps),
+        pcie_duplex_gbps=_rounded(copy_gbps / 2),
+        gpu_adam_params_per_s=Rates().cpu_adam_params_per_s,
+        source=f"this machine's CPU ({key}), measured {time.strftime('%Y-%m-%d')}; its AdamW rate an H100 machine's",
+    )
+    save_rates(key, rates, machine=False)
+    return rates
+
+
+def _host_seconds(run: Callable[[], object], timed_s: float = 0.2) -> float:
+    """Seconds a call of `run` takes on the CPU: the mean over about `timed_s` after one untimed call."""
+    run()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < timed_s:
+        run()
+        calls += 1
+    return (time.perf_counter() - start) / calls
 
 
 def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:

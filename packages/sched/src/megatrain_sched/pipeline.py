@@ -330,6 +330,7 @@ class LayerPipeline:
             index for index, stage in enumerate(stages) if not getattr(stage.template, "backward_reads_weights", True)
         }
         self.fallback: str | None = None  # what the last step changed of its placement, and why; None: nothing
+        self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
         self.executed: Placement | None = None  # the placement the last training step ran
         # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
         self.free_device_memory: Callable[[], int] | None = self._free_cuda_bytes if self.streams.cuda else None
@@ -401,7 +402,7 @@ class LayerPipeline:
         """The placement as a training step of `tokens` runs it: as given, unless the device lacks the memory it
         counts on. Then the first layers keeping products on the device recompute them instead, then more
         checkpoints go to host memory (first layers first), until it fits; `fallback` says what and why."""
-        self.fallback = None
+        self.fallback = self.device_headroom = None
         if self.free_device_memory is None or placement.device_step_bytes is None:
             return placement
         need = placement.device_step_bytes
@@ -409,6 +410,7 @@ class LayerPipeline:
             need += (tokens - placement.tokens) * self._kept_bytes_per_token(placement)
         free = self.free_device_memory()
         over = need - free
+        self.device_headroom = -over
         if over <= 0:
             return placement
         stages = list(placement.stages)

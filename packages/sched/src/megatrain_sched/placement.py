@@ -134,13 +134,15 @@ class Placement:
         except (KeyError, IndexError, TypeError) as error:
             raise PlacementError(f"not a placement written by Placement.as_dict: {error!r}") from error
 
-    def table(self, names: list[str]) -> str:
-        """A text table: one line per run of stages with the same choices, `names` giving each stage's."""
+    def table(self, names: list[str], device: str = DEVICE) -> str:
+        """A text table: one line per run of stages with the same choices, `names` giving each stage's and
+        `device` the device's name."""
         rows = [("stages", "weights", "checkpoint", "matmul products")]
         for first, last, stage in self.runs():
             label = names[first] if first == last else f"{names[first]} .. {names[last]} ({last - first + 1})"
-            checkpoint = "-" if first == 0 or last == len(self.stages) - 1 else f"on {stage.checkpoint}"
-            products = "recomputed" if stage.products == RECOMPUTE else f"kept on {stage.products}"
+            where = {DEVICE: device, HOST: HOST}
+            checkpoint = "-" if first == 0 or last == len(self.stages) - 1 else f"on {where[stage.checkpoint]}"
+            products = "recomputed" if stage.products == RECOMPUTE else f"kept on {where[stage.products]}"
             rows.append((label, stage.weights, checkpoint, products if checkpoint != "-" else "-"))
         widths = [max(len(row[c]) for row in rows) for c in range(4)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
