@@ -58,11 +58,21 @@ def randomize_(trainer, generator):
 
 
 def check_steps_match_plain_pytorch(
-    dtype, preset_name, grad_clip, device, output_dir, batch_size=6, expect_kept=None, warm_up=False, **engine
+    dtype,
+    preset_name,
+    grad_clip,
+    device,
+    output_dir,
+    batch_size=6,
+    expect_kept=None,
+    warm_up=False,
+    expect_offloaded=None,
+    **engine,
 ):
     """N optimizer steps of megatrain and of the reference on `device` from the same random
     weights and data: losses, gradient norms and every final weight agree to the tolerance
-    (and, where `expect_kept` is given, that many layers kept their forward's matmul products). With `warm_up`
+    (and, where `expect_kept` is given, that many layers kept their forward's matmul products; where
+    `expect_offloaded` is, those blocks' checkpoints went to host memory). With `warm_up`
     the trainer first runs its setup warm-up (on the GPU it always does), which must change nothing."""
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
@@ -120,6 +130,7 @@ def check_steps_match_plain_pytorch(
         assert abs(metrics.grad_norm - norm.item()) <= tolerance * norm.item()
         assert metrics.lr == pytest.approx(lr_at(step, schedule))
         assert expect_kept is None or len(trainer.pipeline.executed.keeping) == expect_kept
+        assert expect_offloaded is None or trainer.pipeline.executed.offloaded == expect_offloaded
     assert clipped or not grad_clip  # clipping really was exercised
     ours = trainer.named_weights()
     # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token

@@ -75,9 +75,11 @@ def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypat
 
 @pytest.mark.gpu
 def test_gpu_partial_checkpoint_offload_stays_exact(tmp_path, monkeypatch):
-    # what auto does when only some layers' checkpoints fit: the first block goes to host, the rest stay
-    monkeypatch.setattr(megatrain_sched.pipeline.LayerPipeline, "offloaded_stages", lambda self, batches: 1)
-    check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path)
+    # what auto plans when only some layers' checkpoints fit: the first block goes to host, the rest stay
+    from megatrain.plan import Planner
+
+    monkeypatch.setattr(Planner, "_offloaded_to_fit", lambda self, tokens: 1)
+    check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path, expect_offloaded=(1,))
 
 
 @pytest.mark.gpu
@@ -180,4 +182,34 @@ def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
         for _ in range(3):
             trainer.train_step(*random_batch(4, 64, vocab, generator))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16384, 131072])
+def test_gpu_the_planned_placement_runs_as_planned(tokens, tmp_path):
+    """The planner's placement fits the GPU as the pipeline finds it: no fallback fires, the step runs it as
+    planned. A small step makes layers resident and holds weights; a large one fills the GPU with kept products
+    (Qwen2.5-1.5B at 128k tokens: not every layer's fit) and offloads checkpoints to make room for them."""
+    from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+
+    config = Config(
+        model=ModelSection(preset="qwen2.5-1.5b"),
+        data=DataSection(seq_len=4096),
+        train=TrainSection(steps=2, batch_size=tokens // 4096, micro_batch_size=4, grad_clip=0.0, warmup_steps=0),
+        precision=PrecisionSection("bfloat16"),
+        device="cuda",
+        output_dir=str(tmp_path),
+    )
+    trainer = Trainer(config)
+    n_layers = trainer.model_config.n_layers
+    if tokens == 16384:
+        assert trainer.plan.gpu_updated_layers > 0
+    else:
+        assert 0 < trainer.plan.kept_layers < n_layers and trainer.plan.offloaded_layers > 0
+    ids = torch.randint(0, trainer.model_config.vocab_size, (tokens // 4096, 4096))
+    for _ in range(2):
+        trainer.train_step(ids, torch.roll(ids, -1, 1))
+    assert trainer.pipeline.fallback is None and trainer.pipeline.device_headroom >= 0
+    assert trainer.pipeline.executed == trainer.placement
     trainer.close()
