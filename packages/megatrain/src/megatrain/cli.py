@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--calibrate", action="store_true", help="measure GPU, PCIe and CPU-optimizer rates here")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.add_argument(
-        "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory instead of this machine's"
+        "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory free instead of this machine's"
     )
     plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per host (data parallel, torchrun)")
     plan_parser.add_argument(

@@ -42,8 +42,10 @@ from .rates import Rates, layer_works, load_rates
 
 # the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
 FORWARD_SHARE = 0.25
-# Device memory no buffer of megatrain's accounts for: the CUDA context, cuBLAS's workspaces, compiled kernels.
-RUNTIME_DEVICE_BYTES = 2**30
+# Device memory a run takes after it is planned that no buffer of megatrain's accounts for: cuBLAS's workspaces,
+# compiled kernels, the allocator's rounding. (Qwen2.5-7B on an H100 found 0.1-1.1 GiB free beyond its plan with
+# this and the CUDA context counted: `device_headroom_gib` in benchmarks/results/placement-qwen2.5-7b-h100.json.)
+RUNTIME_DEVICE_BYTES = 3 * 2**28
 LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk with its gradient
 # Device memory a step takes beside its checkpoints, products, gradients and recompute: the head's chunk and the
 # allocator's slack.
@@ -104,7 +106,8 @@ def host_memory_limit() -> int | None:
 
 @dataclass(frozen=True)
 class Machine:
-    """What a run has: one GPU's memory (None: no GPU), the host memory available to it, GPUs per host, hosts."""
+    """What a run has: one GPU's memory free for it (None: no GPU), the host memory available to it, GPUs per host,
+    hosts."""
 
     gpu_memory: int | None
     host_memory: int | None
@@ -113,10 +116,13 @@ class Machine:
 
     @classmethod
     def of(cls, config: Config, gpu_memory: int | None = None, host_memory: int | None = None, gpus=1, hosts=1):
-        """This machine for `config`'s device, or the one with `gpu_memory` / `host_memory` bytes."""
+        """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free for the run. A
+        GPU's is what it has free now, with what this process's allocator holds unused (the CUDA context and other
+        processes' memory are not the run's)."""
         device = resolve_device(config.device)
         if gpu_memory is None and device.type == "cuda":
-            gpu_memory = torch.cuda.get_device_properties(device).total_memory
+            free, _ = torch.cuda.mem_get_info(device)
+            gpu_memory = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return cls(gpu_memory, host_memory if host_memory is not None else host_memory_limit(), gpus, hosts)
 
 
@@ -1038,7 +1044,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else "")
         + (f"; gradient pool of {plan.gradient_pool:g} largest groups" if plan.gradient_pool else ""),
         (
-            f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB"
+            f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB free"
             if plan.gpu_available
             else "compute on       the CPU (no GPU): weight slots and activations live in host memory"
         )
