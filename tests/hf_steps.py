@@ -3,6 +3,7 @@ torch's AdamW with megatrain's weight-decay rule, random batches and transformer
 
 import contextlib
 import importlib
+import inspect
 import math
 
 import torch
@@ -139,6 +140,37 @@ def exact_reference(reference, model_config):
     return reference, {"precision": "float64", "adam_eps": 1e-3}, recurrences_token_by_token()
 
 
+def _mamba2_norms_per_group() -> None:
+    """transformers' Granite 4.0-H with its Mamba-2 layers' gated output norm normalising each group of channels
+    apart, as Mamba-2 defines it (mamba_ssm's RMSNormGated with group_size = inner / n_groups, and transformers'
+    own since it fixed its norm): up to 5.17 (the GPU machines' at this writing) it normalised the whole width,
+    which differs where a model has several groups (the tiny preset does; the published models have one). A
+    no-op on a transformers whose norm takes its group size."""
+    module = importlib.import_module(_SSD_MODULE)
+    norm_class, layer_class = module.GraniteMoeHybridRMSNormGated, module.GraniteMoeHybridMambaLayer
+    if "group_size" in inspect.signature(norm_class.__init__).parameters:
+        return
+    layer_init = layer_class.__init__
+
+    def init_with_groups(self, *args, **kwargs):
+        layer_init(self, *args, **kwargs)
+        self.norm.group_size = self.intermediate_size // self.n_groups
+
+    layer_class.__init__ = init_with_groups
+    norm_class.forward = _group_gated_rms_norm
+
+
+def _group_gated_rms_norm(self, hidden_states, gate=None):
+    """Mamba-2's gated RMSNorm over groups of `self.group_size` channels, in fp32 as transformers computes it."""
+    dtype = hidden_states.dtype
+    gated = (
+        hidden_states.float() * torch.nn.functional.silu(gate.float()) if gate is not None else hidden_states.float()
+    )
+    groups = gated.unflatten(-1, (-1, self.group_size))
+    normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).flatten(-2)
+    return self.weight * normed.to(dtype)
+
+
 def grad_norm_tolerance(model_config) -> float:
     """Relative tolerance for gradient norms in steps against `exact_reference`: 1e-5, 1e-4 with linear attention."""
     return 1e-4 if model_config.linear_attention_layers else 1e-5
@@ -146,6 +178,7 @@ def grad_norm_tolerance(model_config) -> float:
 
 _DELTA_RULE_MODULES = [f"transformers.models.{m}.modeling_{m}" for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe")]
 _SSD_MODULE = "transformers.models.granitemoehybrid.modeling_granitemoehybrid"
+_mamba2_norms_per_group()
 
 
 @contextlib.contextmanager
