@@ -145,7 +145,9 @@ def test_a_run_that_diverges_keeps_its_last_good_step(write_config, tmp_path, ca
     it; the run stops after three skipped steps with the first step's weights saved (finite, so saved)."""
     settings = {"steps": 10, "max_bad_steps": 3, "lr": 1e30, "grad_clip": 1.0}
     assert main(["train", "--config", str(write_config(train=settings))]) == 1
-    assert "3 non-finite steps in a row; stopping. The weights are those of the last good step" in capsys.readouterr().err
+    assert (
+        "3 non-finite steps in a row; stopping. The weights are those of the last good step" in capsys.readouterr().err
+    )
     one_step = write_config(train=settings | {"steps": 1}, output_dir=str(tmp_path / "one"))
     assert main(["train", "--config", str(one_step)]) == 0
     saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-00000004" / "model.safetensors"))
@@ -228,7 +230,9 @@ def test_tensorboard_gets_every_metric_of_a_step_the_router_ones_too(write_confi
             pass
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_module("tb", SummaryWriter=SummaryWriter))
-    config = write_config(model={"preset": "tiny-deepseek-v3"}, train={"router_z_loss_coef": 0.001, "tensorboard": True})
+    config = write_config(
+        model={"preset": "tiny-deepseek-v3"}, train={"router_z_loss_coef": 0.001, "tensorboard": True}
+    )
     assert main(["train", "--config", str(config)]) == 0
     wanted = {"loss", "grad_norm", "tokens_per_s", "router_aux_loss", "router_max_violation", "router_z_loss"}
     assert {f"train/{key}" for key in wanted} <= tags
@@ -285,7 +289,9 @@ def test_wandb_and_mlflow_get_the_metrics_and_the_config(write_config, tmp_path,
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
-def test_a_tracker_that_is_not_installed_is_one_line_before_anything_runs(write_config, tmp_path, capsys, monkeypatch, tracker):
+def test_a_tracker_that_is_not_installed_is_one_line_before_anything_runs(
+    write_config, tmp_path, capsys, monkeypatch, tracker
+):
     monkeypatch.setitem(sys.modules, tracker, None)  # (import fails, as when it is not installed)
     assert main(["train", "--config", str(write_config()), "--set", f"train.report_to={tracker}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

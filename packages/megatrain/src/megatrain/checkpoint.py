@@ -20,7 +20,7 @@ from megatrain_zoo import ModelConfig
 
 from .config import ConfigError
 from .hf_io import WholeGroups, all_finite, is_hf_directory, load_groups
-from .rundir import SaveError, free_bytes, gib
+from .rundir import SaveError, free_bytes, size_text
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -81,11 +81,13 @@ def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
     going = old[: max(0, len(old) - (keep_last - 1))][: max(0, len(old) - 1)]  # (never the newest)
     freed = sum(f.stat().st_size for p in going for f in p.rglob("*") if f.is_file())
     if free + freed < needed:
-        also = f" (with {', '.join(p.name for p in going)} removed, {gib(free + freed)})" if going else ""
-        keep = f"; train.keep_last: {keep_last} keeps that many besides" if keep_last > 1 else ""
+        also = f" ({size_text(free + freed)} with {', '.join(p.name for p in going)} removed)" if going else ""
+        kept = "the newest checkpoint stays until the new one is whole" + (
+            f", and train.keep_last: {keep_last} keeps {keep_last - 1} more" if keep_last > 1 else ""
+        )
         raise SaveError(
-            f"checkpoint {name} needs {gib(needed)} in {root}, whose disk has {gib(free)} free{also}{keep}; "
-            "free space there"
+            f"checkpoint {name} needs {size_text(needed)} in {root}, whose disk has {size_text(free)} free{also} "
+            f"({kept}); free space there"
         )
     removed = []
     for path in going:

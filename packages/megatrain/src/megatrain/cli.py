@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
     convert_parser.add_argument(
-        "source", help="a run's output_dir (its newest weights), a checkpoint (step-NNNNNNNN) or a Hugging Face directory"
+        "source",
+        help="a run's output_dir (its newest weights), a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
     )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -343,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         known = _error_types()  # (the imports of torch and the engine: a Ctrl-C among them is handled below)
         run_command(args)
     except KeyboardInterrupt:
-        started = " (training had not started: nothing was written)" if args.command == "train" else ""
+        started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
         print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
         return 130
     except Exception as error:

@@ -147,7 +147,7 @@ class TrainSection:
         checkpoint, save_every -1 saved every step) or deep in a step (seed -1)."""
         limits = {  # field: (lowest allowed, what it means)
             "warmup_steps": (0, "0: no warmup"),
-            "seed": (0, "any integer >= 0"),
+            "seed": (0, "the random seed of the weights and the data order"),
             "save_every": (0, "0: only on SIGINT/SIGTERM"),
             "keep_last": (1, "the newest N checkpoints are kept"),
             "eval_every": (0, "0: only after the last step"),
@@ -370,7 +370,11 @@ def config_changes(base: dict | None, config: Config) -> list[str]:
         before = _flat(config_from_dict(base).as_dict())
     except ConfigError:  # (a config of another megatrain version: compared as written)
         before = _flat(base)
-    return [f"{key} {before.get(key)!r} -> {value!r}" for key, value in _flat(config.as_dict()).items() if before.get(key) != value]
+    return [
+        f"{key} {before.get(key)!r} -> {value!r}"
+        for key, value in _flat(config.as_dict()).items()
+        if before.get(key) != value
+    ]
 
 
 def default_config_path() -> Path:

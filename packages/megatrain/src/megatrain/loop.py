@@ -176,7 +176,10 @@ def train(config: Config, resume: Path | None = None) -> Path:
             prepare_output_dir(out)
             earlier = lock.acquire()
             if earlier is not None:
-                print(f"megatrain: took over {out} from a run that ended without releasing it ({earlier})", file=sys.stderr)
+                print(
+                    f"megatrain: took over {out} from a run that ended without releasing it ({earlier})",
+                    file=sys.stderr,
+                )
         # the data is read first: a bad record stops the run before any host memory is allocated
         data = load_data(config, model, out, ranks)
         trainer = Trainer(config, model, ranks=ranks)
@@ -306,7 +309,9 @@ class TrainingRun:
         if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
             postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
         every = train.eval_every
-        if self.validation is not None and ((every and trainer.step_index % every == 0) or trainer.step_index == train.steps):
+        if self.validation is not None and (
+            (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
+        ):
             self.last_eval.update(evaluate(trainer, self.validation))
             self._record({"step": trainer.step_index, **self.last_eval})
         if self.last_eval:
@@ -363,7 +368,9 @@ class TrainingRun:
                 "written there instead"
             )
         try:
-            path = save_checkpoint(self.trainer, Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last)
+            path = save_checkpoint(
+                self.trainer, Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last
+            )
         except SaveError as error:
             raise SaveError(f"{failure}; fallback_dir failed too: {error}; {self._lost()}") from None
         if self.main:

@@ -24,8 +24,9 @@ class SaveError(RuntimeError):
     which, where, and what was kept."""
 
 
-def gib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**30:.2f} GiB"
+def size_text(n_bytes: int) -> str:
+    """Bytes in words: GiB from one GiB on, else MiB."""
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
 def free_bytes(path: Path) -> int:
@@ -40,7 +41,7 @@ def check_room(directory: Path, needed: int, what: str) -> None:
     """Refuse (`SaveError`) to write `needed` bytes of `what` into `directory` where its disk has less free."""
     free = free_bytes(directory)
     if free < needed:
-        raise SaveError(f"{what} needs {gib(needed)} in {directory}, whose disk has {gib(free)} free")
+        raise SaveError(f"{what} needs {size_text(needed)} in {directory}, whose disk has {size_text(free)} free")
 
 
 def prepare_output_dir(out: Path) -> None:
