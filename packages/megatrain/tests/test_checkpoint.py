@@ -333,7 +333,7 @@ def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
         return
     (line,) = [line for line in err.splitlines() if line.startswith("megatrain: SaveError")]
     assert "step-00000004 could not be written (the disk is full)" in line
-    assert f"the 2 steps since {tmp_path / 'run' / 'checkpoints' / 'step-00000002'} are lost" in line
+    assert f"the steps since {tmp_path / 'run' / 'checkpoints' / 'step-00000002'} (2) are lost" in line
     assert "--resume" in line and "Traceback" not in err
 
 
@@ -357,7 +357,7 @@ def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tm
     assert f"the model could not be written to {tmp_path / 'run' / 'final'}" in line
     assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".final.partial").exists()
     if not fallback:
-        assert "this run has no checkpoint: its 3 steps are lost; set fallback_dir" in line
+        assert "this run has no checkpoint: all its steps (3) are lost; set fallback_dir" in line
         return
     kept = tmp_path / "fallback" / "checkpoints" / "step-00000003"
     assert f"the trained state (step 3) is in {kept} instead" in line

@@ -381,10 +381,10 @@ class TrainingRun:
         """What a run that stops now loses, and how to continue."""
         step = self.trainer.step_index
         if self.last_checkpoint is None:
-            return f"this run has no checkpoint: its {step} steps are lost"
+            return f"this run has no checkpoint: all its steps ({step}) are lost"
         since = step - step_of(self.last_checkpoint)
         return (
-            f"the {since} steps since {self.last_checkpoint} are lost; free space and continue from it with "
+            f"the steps since {self.last_checkpoint} ({since}) are lost; free space and continue from it with "
             f"`megatrain train --resume {self.last_checkpoint}` (--set output_dir=DIR to continue elsewhere)"
         )
 
