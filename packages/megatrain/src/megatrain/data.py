@@ -155,7 +155,9 @@ def tokenize_text(
     ids = document_start_ids(tokenizer) + [i for encoding in encoded for i in encoding.ids]
     tokens = np.asarray(ids, dtype=np.int32)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    np.save(cached, tokens)
+    staged = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npy")
+    np.save(staged, tokens)
+    os.replace(staged, cached)  # (an evaluation reading the cache beside a run never sees half a file)
     return tokens, Path(tokenizer_path)
 
 

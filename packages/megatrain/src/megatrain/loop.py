@@ -174,12 +174,9 @@ def train(config: Config, resume: Path | None = None) -> Path:
     try:
         if lock is not None:
             prepare_output_dir(out)
-            earlier = lock.acquire()
-            if earlier is not None:
-                print(
-                    f"megatrain: took over {out} from a run that ended without releasing it ({earlier})",
-                    file=sys.stderr,
-                )
+            note = lock.acquire()
+            if note is not None:
+                print(f"megatrain: {note}", file=sys.stderr)
         # the data is read first: a bad record stops the run before any host memory is allocated
         data = load_data(config, model, out, ranks)
         trainer = Trainer(config, model, ranks=ranks)
@@ -205,15 +202,12 @@ class TrainingRun:
         self.metrics_path = out / "metrics.jsonl"
         self.checkpoints = out / CHECKPOINTS
         self.last_checkpoint = resume  # the newest saved state of this run: where a failed save leaves it
-        train = config.train
-        self.windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
-        self.validation = None
-        if data.validation is not None:
-            self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
+        self.windows = self.validation = None  # (made by `_start`, inside `run`, which closes the trainer)
         self.trackers: list = []
         self.last_eval: dict = {}
 
     def run(self) -> Path:
+        """The steps, then the export; returns the output directory."""
         stop = StopRequested()
         bar = None
         try:
@@ -248,8 +242,11 @@ class TrainingRun:
         return self.out
 
     def _start(self) -> None:
-        """Load the checkpoint resumed, keep the metrics it holds, say what runs."""
-        trainer, config = self.trainer, self.config
+        """Cut the data into windows, load the checkpoint resumed, keep the metrics it holds, say what runs."""
+        trainer, config, data, train = self.trainer, self.config, self.data, self.config.train
+        self.windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+        if data.validation is not None:
+            self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
         if self.resume is not None:
             manifest = load_checkpoint(trainer, self.resume)
             print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)

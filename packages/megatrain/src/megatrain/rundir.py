@@ -66,8 +66,9 @@ class RunLock:
         self._handle = None
 
     def acquire(self) -> str | None:
-        """Take the directory, or raise `ConfigError` naming the run that holds it. Returns a description of
-        an earlier run that ended without releasing it (killed), whose lock this one took over, or None."""
+        """Take the directory, or raise `ConfigError` naming the run that holds it. Returns what to say, or
+        None: that this run took over the lock of an earlier one that ended without releasing it (killed),
+        or that the file system takes no locks (then nothing keeps a second run out)."""
         try:
             handle = open(self.path, "a+")
         except OSError as error:
@@ -76,21 +77,27 @@ class RunLock:
             ) from error
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             holder = _holder(handle)
             handle.close()
             raise ConfigError(
                 f"output_dir {self.out} is in use by another run ({holder}); wait for it to end, stop it, "
                 "or set output_dir to another directory"
             ) from None
-        previous = _holder(handle) if _read(handle) else None
+        except OSError as error:  # (a file system without locks)
+            handle.close()
+            return f"{self.out} cannot be locked ({error.strerror}): make sure no other run writes there"
+        earlier = _read(handle)
+        note = (
+            f"took over {self.out} from a run that ended without releasing it ({_holder(handle)})" if earlier else None
+        )
         handle.seek(0)
         handle.truncate()
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         handle.write(json.dumps(me | {"command": " ".join(sys.argv)}))
         handle.flush()
         self._handle = handle
-        return previous
+        return note
 
     def release(self) -> None:
         """Let the directory go (an empty lock file: the run ended as it should)."""
