@@ -365,13 +365,17 @@ def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tm
 
 
 def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp_path, capsys, monkeypatch):
+    """Said at the start (a warning), then refused before final/ is written, saying how much it needs."""
+    import megatrain.loop
     import megatrain.rundir as rundir
 
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: 2**20)
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 2**17)
+    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
     assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 1
     err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'run'}'s disk has 0.1 MiB free; the final model needs" in err
     assert (
         f"the model {tmp_path / 'run' / 'final'} needs" in err
-        and f"MiB in {tmp_path / 'run'}, whose disk has 1.0 MiB free" in err
+        and f"MiB in {tmp_path / 'run'}, whose disk has 0.1 MiB free" in err
     )
     assert not (tmp_path / "run" / "final").exists()

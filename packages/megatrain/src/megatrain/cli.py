@@ -53,7 +53,8 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
         return code, f"megatrain: {prefix}: {error}"
     if isinstance(error, OSError):
         hint = OS_ERROR_HINTS.get(error.errno, "check the path")
-        return 1, f"megatrain: {error.strerror or error}: {error.filename or ''}; {hint}"
+        where = f": {error.filename}" if error.filename else ""
+        return 1, f"megatrain: {error.strerror or error}{where}; {hint}"
     return None
 
 

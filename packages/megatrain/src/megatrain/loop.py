@@ -30,7 +30,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
-from .rundir import RunLock, SaveError, prepare_output_dir
+from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
 
@@ -157,6 +157,22 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
     return data if data is not None else load()
 
 
+def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
+    """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a
+    checkpoint where they are due) as it is now: better then than after the training."""
+    store = trainer.store
+    model_bytes = store.n_params * store.master_dtype.itemsize
+    needed = model_bytes + (model_bytes * (1 + len(store.state_names)) if config.train.save_every else 0)
+    free = free_bytes(out)
+    if free >= needed:
+        return None
+    what = "the final model and a checkpoint need" if config.train.save_every else "the final model needs"
+    return (
+        f"{out}'s disk has {size_text(free)} free; {what} {size_text(needed)}: free space there before the run "
+        "ends, or set fallback_dir to a directory on another disk"
+    )
+
+
 def train(config: Config, resume: Path | None = None) -> Path:
     """Run training as configured, continuing from a checkpoint with `resume` (a step-NNNNNNNN directory or a
     run directory: its newest); returns the output directory. A wrong `resume`, a checkpoint of another model,
@@ -273,6 +289,9 @@ class TrainingRun:
         )
         if trainer.warm_up_s:
             print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)
+        room = room_warning(trainer, config, self.out)
+        if room is not None:
+            print(f"megatrain: warning: {room}", file=sys.stderr)
         model = trainer.model_config
         if model.router_bias and config.model.preset and self.resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
