@@ -44,9 +44,9 @@ OS_ERROR_HINTS = {
 
 def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
     """(exit code, the one line to print) for an error a user can act on; None for a bug."""
-    from_signal = getattr(error, "exit_code", None)  # loop.RunInterrupted: a checkpoint was written
-    if from_signal is not None:
-        return from_signal, f"megatrain: {error}" if str(error) else ""  # (said by the first rank only)
+    loop = sys.modules.get("megatrain.loop")
+    if loop is not None and isinstance(error, loop.RunInterrupted):  # a signal, after the run's checkpoint
+        return error.exit_code, f"megatrain: {error}" if str(error) else ""  # (said by the first rank only)
     code = next((code for kind, code in known.items() if isinstance(error, kind)), None)
     if code is not None:
         prefix = "config error" if code == 2 else type(error).__name__
