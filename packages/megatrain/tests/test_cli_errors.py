@@ -116,13 +116,16 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
     process = subprocess.Popen(
         [sys.executable, "-m", "megatrain", "train", *args], stderr=subprocess.PIPE, text=True, cwd=tmp_path
     )
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run / LOCK).exists() and (run / LOCK).read_text()):
-        time.sleep(0.05)  # the lock is taken just before the data is read
-    assert (run / LOCK).read_text(), "the run never started"
-    time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run / LOCK).exists() and (run / LOCK).read_text()):
+            time.sleep(0.05)  # the lock is taken just before the data is read
+        assert (run / LOCK).read_text(), "the run never started"
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()  # (where it failed: it waits on the pipe for ever)
     assert process.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "interrupted; train stopped before it finished" in err
     assert (run / LOCK).read_text() == ""
