@@ -463,6 +463,34 @@ def test_aux_loss_gradient_matches_transformers_across_micro_batches(tmp_path):
     assert runs[0].router_aux_loss == pytest.approx(runs[1].router_aux_loss, rel=1e-6)
 
 
+def test_gpt_oss_routers_of_experts_no_token_picks_stay_as_transformers_leaves_them(tmp_path):
+    """float32 steps of a gpt-oss with more experts than a few tokens pick: an expert no token picked in a layer
+    over four steps keeps its router row as transformers' (whose softmax over the top-k logits gives it a
+    gradient of exactly zero, so AdamW leaves its bias unchanged), bit for bit."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_model("tiny-gpt-oss", False, seed, num_local_experts=32)
+    reference.save_pretrained(tmp_path / "hf")
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters() if n.endswith("router.bias")}
+    trainer, train = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=4, batch_size=1, micro_batch_size=1)
+    optimizer = hf_adamw(reference, train)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids = torch.randint(0, trainer.model_config.vocab_size, (1, 3), generator=generator)
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        metrics = trainer.train_step(ids, labels)
+        _, loss, _ = reference_step(reference, optimizer, train, step, 0.0, input_ids=ids, labels=labels)
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
+    ours = trainer.named_weights()
+    unpicked = 0
+    for name, start in initial.items():
+        theirs = dict(reference.named_parameters())[name].detach()
+        never = theirs == start  # no gradient in any step: AdamW left the bias as it was
+        unpicked += int(never.sum())
+        assert torch.equal(ours[name][never], theirs[never]), name
+    trainer.close()
+    assert unpicked >= 8  # of the 64 router rows, 2 layers x 32 experts (about 30 expected)
+
+
 @pytest.mark.parametrize("experts_per_stage", ["auto", 3])
 def test_fused_expert_layout_imports(experts_per_stage, tmp_path):
     """transformers' in-memory layout (experts as [n_experts, 2 * d_ff, d_model] gate_up_proj and

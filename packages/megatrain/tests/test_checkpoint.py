@@ -1,5 +1,6 @@
 """Checkpoints: atomic, verified, and a resumed run continues exactly like an uninterrupted one."""
 
+import errno
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from megatrain import Trainer
 from megatrain.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
+from megatrain.rundir import SaveError
 from megatrain_optim import EmbeddingRowsFirst
 from megatrain_store import StoreError
 
@@ -79,7 +81,7 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(write_config, tmp_path
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
-    assert process.returncode == 0, err
+    assert process.returncode == 143, err  # 128 + SIGTERM, the shell's convention: not a finished run
     assert "SIGTERM received" in err
     stopped_at = find_checkpoint(tmp_path / "run")
     step = int(stopped_at.name.split("-")[1])
@@ -105,10 +107,11 @@ def test_crash_during_save_leaves_previous_checkpoint(write_config, tmp_path, mo
         return real_write(path, tensors)
 
     monkeypatch.setattr(checkpoint_module, "write_safetensors", dies_on_optimizer)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(SaveError, match="step-00000007 could not be written: disk full"):
         save_checkpoint(trainer, tmp_path / "ck")
     assert find_checkpoint(tmp_path / "ck") == first  # the half-written one is invisible
     assert not (tmp_path / "ck" / "step-00000007").exists()
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == [first.name]  # and gone
     load_checkpoint(trainer, tmp_path / "ck")
     assert trainer.step_index == 0
 
@@ -138,7 +141,7 @@ def test_checkpoint_of_another_model_is_refused(write_config, tmp_path):
     other = Trainer(load_config(write_config(model={"preset": "tiny-qwen3"}, output_dir=str(tmp_path / "o"))))
     with pytest.raises(ConfigError, match="different model"):
         load_checkpoint(other, path)
-    with pytest.raises(ConfigError, match="no checkpoint found"):
+    with pytest.raises(ConfigError, match="no checkpoint at .*nowhere: it does not exist"):
         find_checkpoint(tmp_path / "nowhere")
 
 
@@ -167,3 +170,213 @@ def test_keep_last(write_config, tmp_path):
         save_checkpoint(trainer, tmp_path / "ck", keep_last=2)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000004"]
     assert os.path.exists(tmp_path / "ck" / "step-00000004" / "manifest.json")
+
+
+def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config, tmp_path, monkeypatch, capsys):
+    """`megatrain train --set train.steps=8 --resume RUN` (no --config): the run's own config and directory, the
+    override said at start; metrics.jsonl then holds every step. A missing --resume path is refused first."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(write_config(train={"steps": 4, "save_every": 2}))]) == 0
+    capsys.readouterr()
+    assert main(["train", "--set", "train.steps=8", "--resume", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"resuming in {run} with the config of {run / 'checkpoints' / 'step-00000004'}; changed: train.steps 4 -> 8"
+        in err
+    )
+    assert sorted(losses(run)) == list(range(1, 9)) and not (tmp_path / "runs").exists()
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 8
+    assert json.loads((run / "final" / "trainer_state.json").read_text())["global_step"] == 8
+
+    import megatrain.loop
+
+    monkeypatch.setattr(megatrain.loop, "load_data", lambda *a, **k: pytest.fail("data was loaded"))
+    assert main(["train", "--resume", str(tmp_path / "no-such-run")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_every_form_of_a_run_names_its_weights(write_config, tmp_path, capsys):
+    """A run directory, its checkpoints/, a step-N and final/ work wherever weights or a checkpoint are asked
+    for: eval and convert take the newest (final/ once written), --resume the newest checkpoint."""
+    from megatrain.checkpoint import find_weights
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(write_config(train={"steps": 4, "save_every": 2}))]) == 0
+    step4, final = run / "checkpoints" / "step-00000004", run / "final"
+    assert find_weights(run) == find_weights(run / "checkpoints") == final  # (final/ holds step 4 too)
+    assert find_checkpoint(run) == find_checkpoint(run / "checkpoints") == find_checkpoint(final) == step4
+    capsys.readouterr()
+    for form in (run, run / "checkpoints", step4, final):
+        assert main(["eval", "--checkpoint", str(form), "--batches", "1"]) == 0  # the run's own config and data
+        assert json.loads(capsys.readouterr().out)["val_tokens"] == 4 * 31
+        assert main(["convert", str(form), str(tmp_path / "out" / form.name)]) == 0
+        assert capsys.readouterr().out.startswith("wrote ")
+        assert (tmp_path / "out" / form.name / "model.safetensors").exists()
+    converted = load_file(str(tmp_path / "out" / "run" / "model.safetensors"))
+    exported = load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(converted[k], v) for k, v in exported.items())
+    (final / "trainer_state.json").write_text(json.dumps({"global_step": 2}))  # final/ older than step 4
+    assert find_weights(run) == step4
+
+
+def test_final_alone_cannot_resume(write_config, tmp_path, capsys):
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run" / "final")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot resume a run; start a new one from it with model.hf_dir" in err[0]
+
+
+def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during training: the step ends, its checkpoint is written, the exit code is 130, not 0."""
+    real_step = Trainer.train_step
+
+    def interrupted_at_step_2(self, *args):
+        metrics = real_step(self, *args)
+        if self.step_index == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # (the run's handler turns it into a flag)
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_step_2)
+    assert main(["train", "--config", str(write_config(train={"steps": 5}))]) == 130
+    assert "SIGINT received; checkpoint" in capsys.readouterr().err
+    assert find_checkpoint(tmp_path / "run").name == "step-00000002"
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_second_run_into_the_same_directory_is_refused_and_a_stale_lock_taken_over(write_config, tmp_path, capsys):
+    from megatrain.rundir import LOCK, RunLock
+
+    config = write_config(train={"steps": 1})
+    (tmp_path / "run").mkdir()
+    holder = RunLock(tmp_path / "run")
+    assert holder.acquire() is None  # (another live run: its lock is held)
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"output_dir {tmp_path / 'run'} is in use by another run (pid {os.getpid()}" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    holder.release()
+
+    # a run killed with -9 leaves its lock file naming it, but no lock: the next run takes over and says so
+    (tmp_path / "run" / LOCK).write_text(json.dumps({"pid": 4242, "host": "h", "started": "then", "command": "x"}))
+    assert main(["train", "--config", str(config)]) == 0
+    assert "took over" in (err := capsys.readouterr().err) and "(pid 4242 on h, started then: x)" in err
+    assert (tmp_path / "run" / LOCK).read_text() == ""  # released when the run ended
+
+
+def small_disk(monkeypatch, root, capacity: int) -> None:
+    """`root`'s disk holds `capacity` bytes: the room checked before a save, and a write past it fails with
+    ENOSPC (after the file is written: it is removed), as on a real disk."""
+
+    def used() -> int:
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+    real_write = checkpoint_module.write_safetensors
+
+    def write(path, tensors):
+        size = real_write(path, tensors)
+        if used() > capacity:
+            path.unlink()
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return size
+
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", write)
+    monkeypatch.setattr(checkpoint_module, "free_bytes", lambda path: capacity - used())
+
+
+def test_a_nearly_full_disk_saves_after_removing_what_the_save_lets_go(write_config, tmp_path, monkeypatch):
+    """keep_last: 2 on a disk with room for 2.5 checkpoints: the oldest goes before the third is written (it went
+    after, so no save could ever succeed again). keep_last: 1 with room for 1.5: refused before writing,
+    saying how much is needed, the newest kept."""
+    trainer = make_trainer(write_config, tmp_path)
+    first = save_checkpoint(trainer, tmp_path / "probe")
+    size = sum(f.stat().st_size for f in first.iterdir())
+    root = tmp_path / "ck"
+    small_disk(monkeypatch, root, int(2.5 * size))
+    for step in (1, 2, 3):
+        trainer.step_index = step
+        save_checkpoint(trainer, root, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003"]
+
+    root = tmp_path / "ck1"
+    small_disk(monkeypatch, root, int(1.5 * size))
+    save_checkpoint(trainer, root, keep_last=1)
+    trainer.step_index = 4
+    with pytest.raises(SaveError, match=r"step-00000004 needs .* MiB in .*, whose disk has .* MiB free \(the newest"):
+        save_checkpoint(trainer, root, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+    trainer.close()
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
+    write_config, tmp_path, capsys, monkeypatch, fallback
+):
+    """Disk full (ENOSPC) at the second of two checkpoints: one line saying which steps are lost and how to
+    continue, exit 1; with fallback_dir the checkpoint goes there and the run finishes."""
+    real_write = checkpoint_module.write_safetensors
+
+    def full_at_step_4(path, tensors):
+        if "step-00000004" in str(path) and "fallback" not in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, tensors)
+
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", full_at_step_4)
+    extra = {"fallback_dir": str(tmp_path / "fallback")} if fallback else {}
+    config = write_config(train={"steps": 5, "save_every": 2}, **extra)
+    assert main(["train", "--config", str(config)]) == (0 if fallback else 1)
+    err = capsys.readouterr().err
+    if fallback:
+        assert "the checkpoint went to fallback_dir instead" in err
+        assert find_checkpoint(tmp_path / "fallback").name == "step-00000004"
+        assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+        return
+    (line,) = [line for line in err.splitlines() if line.startswith("megatrain: SaveError")]
+    assert "step-00000004 could not be written (the disk is full)" in line
+    assert f"the steps since {tmp_path / 'run' / 'checkpoints' / 'step-00000002'} (2) are lost" in line
+    assert "--resume" in line and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tmp_path, capsys, monkeypatch, fallback):
+    """Disk full while writing final/ with save_every 0: the state goes to fallback_dir as a checkpoint (which
+    converts to the model), or the line says the whole run is lost; final/ is not left half-written."""
+    import megatrain.hf_io as hf_io
+
+    real_write = hf_io.write_safetensors
+
+    def full_in_run(path, tensors, metadata=None):
+        if str(tmp_path / "run") in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, tensors, metadata=metadata)
+
+    monkeypatch.setattr(hf_io, "write_safetensors", full_in_run)
+    extra = {"fallback_dir": str(tmp_path / "fallback")} if fallback else {}
+    assert main(["train", "--config", str(write_config(train={"steps": 3}, **extra))]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatrain: SaveError")]
+    assert f"the model could not be written to {tmp_path / 'run' / 'final'}" in line
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".final.partial").exists()
+    if not fallback:
+        assert "this run has no checkpoint: all its steps (3) are lost; set fallback_dir" in line
+        return
+    kept = tmp_path / "fallback" / "checkpoints" / "step-00000003"
+    assert f"the trained state (step 3) is in {kept} instead" in line
+    assert main(["convert", str(kept), str(tmp_path / "model")]) == 0
+
+
+def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp_path, capsys, monkeypatch):
+    """Said at the start (a warning), then refused before final/ is written, saying how much it needs."""
+    import megatrain.loop
+    import megatrain.rundir as rundir
+
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 2**17)
+    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 1
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'run'}'s disk has 0.1 MiB free; the final model needs" in err
+    assert (
+        f"the model {tmp_path / 'run' / 'final'} needs" in err
+        and f"MiB in {tmp_path / 'run'}, whose disk has 0.1 MiB free" in err
+    )
+    assert not (tmp_path / "run" / "final").exists()

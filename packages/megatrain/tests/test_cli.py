@@ -1,9 +1,11 @@
 import json
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatrain.cli import main
 
@@ -107,33 +109,65 @@ def test_bench_command(capsys):
 def test_non_finite_steps_are_skipped_then_stop_the_run(
     write_config, tmp_path, capsys, monkeypatch, grad_clip, batch_size, gpu_updated_layers
 ):
+    """A weight turned NaN in memory (past the check of loaded weights): every step is skipped and changes
+    nothing; the run stops after max_bad_steps, and writes no checkpoint of a state holding NaN."""
     from megatrain.trainer import Trainer
 
-    real_init = Trainer._init_weights
+    real_step, states = Trainer.train_step, []
 
-    def poisoned(self):
-        real_init(self)
-        self.store.master_views(1)["model.layers.0.input_layernorm.weight"][0] = float("nan")
-        self.store.refresh_wire(1)
+    def poisoned_step(self, *args):
+        if self.step_index == 0:
+            self.store.master_views(1)["model.layers.0.input_layernorm.weight"][0] = float("nan")
+            self.store.refresh_wire(1)
+        metrics = real_step(self, *args)
+        states.append({name: t.clone() for name, t in self.named_weights().items()})
+        return metrics
 
-    monkeypatch.setattr(Trainer, "_init_weights", poisoned)
+    monkeypatch.setattr(Trainer, "train_step", poisoned_step)
     settings = {"steps": 10, "max_bad_steps": 3, "grad_clip": grad_clip, "batch_size": batch_size}
     config = write_config(
-        train=settings | {"micro_batch_size": min(2, batch_size)}, engine={"gpu_updated_layers": gpu_updated_layers}
+        train=settings | {"micro_batch_size": min(2, batch_size), "save_every": 0},
+        engine={"gpu_updated_layers": gpu_updated_layers},
     )
     assert main(["train", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert "non-finite loss or gradient" in err and "3 non-finite steps in a row; stopping" in err
+    assert "holds NaN or Inf (" in err and "no checkpoint was written" in err
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["skipped"] for r in rows)
-    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
-    assert (checkpoint / "manifest.json").exists()
-    weights = load_file(str(checkpoint / "model.safetensors"))
-    from megatrain.config import load_config
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    for name, tensor in states[-1].items():  # skipped steps changed nothing
+        torch.testing.assert_close(tensor, states[0][name], rtol=0, atol=0, equal_nan=True)
 
-    initial = Trainer(load_config(config)).named_weights()  # skipped steps changed nothing
-    for name, tensor in weights.items():
-        torch.testing.assert_close(tensor, initial[name], rtol=0, atol=0, equal_nan=True)
+
+def test_a_run_that_diverges_keeps_its_last_good_step(write_config, tmp_path, capsys):
+    """A learning rate of 1e30: the first step is finite, the weights it makes overflow every gradient after
+    it; the run stops after three skipped steps with the first step's weights saved (finite, so saved)."""
+    settings = {"steps": 10, "max_bad_steps": 3, "lr": 1e30, "grad_clip": 1.0}
+    assert main(["train", "--config", str(write_config(train=settings))]) == 1
+    assert (
+        "3 non-finite steps in a row; stopping. The weights are those of the last good step" in capsys.readouterr().err
+    )
+    one_step = write_config(train=settings | {"steps": 1}, output_dir=str(tmp_path / "one"))
+    assert main(["train", "--config", str(one_step)]) == 0
+    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step-00000004" / "model.safetensors"))
+    after_one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    assert all(torch.equal(saved[name], tensor) for name, tensor in after_one.items())
+
+
+def test_weights_holding_nan_are_refused_on_load_naming_the_tensor(write_config, tmp_path, capsys):
+    """An hf_dir whose weights hold NaN: refused before any step, the tensor and file named; nothing written."""
+    assert main(["train", "--config", str(write_config(train={"steps": 1}, output_dir=str(tmp_path / "src")))]) == 0
+    weights = tmp_path / "src" / "final" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("inf")
+    save_file(tensors, str(weights))
+    capsys.readouterr()
+    config = write_config(model={"preset": None, "hf_dir": str(tmp_path / "src" / "final")})
+    assert main(["train", "--config", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tensor model.layers.1.mlp.up_proj.weight in" in err[0] and "NaN or Inf" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_tensorboard_needs_its_package_or_logs(write_config, tmp_path, capsys):
@@ -170,21 +204,107 @@ def test_pre_training_a_sigmoid_routed_moe_without_balancing_is_warned_of(write_
     assert (tmp_path / "run" / "loss.png").exists()  # loss beside the load balance
 
 
-def test_tensorboard_gets_every_metric_of_a_step_the_router_ones_too(write_config, tmp_path, monkeypatch):
-    import megatrain.loop
+def fake_module(name: str, **functions) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for key, value in functions.items():
+        setattr(module, key, value)
+    return module
 
-    class Writer:
-        tags: set = set()
+
+def test_tensorboard_gets_every_metric_of_a_step_the_router_ones_too(write_config, tmp_path, monkeypatch):
+    """`train.tensorboard: true` (the alias of report_to: [tensorboard]) writes every field of each step."""
+    tags: set = set()
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            assert log_dir == str(tmp_path / "run" / "tensorboard")
+
+        def add_text(self, tag, text):
+            assert tag == "config" and "router_z_loss_coef" in text
 
         def add_scalar(self, tag, value, step):
             assert isinstance(value, float | int)
-            self.tags.add(tag)
+            tags.add(tag)
 
         def close(self):
             pass
 
-    monkeypatch.setattr(megatrain.loop, "tensorboard_writer", lambda config, out: Writer())
-    config = write_config(model={"preset": "tiny-deepseek-v3"}, train={"router_z_loss_coef": 0.001})
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake_module("tb", SummaryWriter=SummaryWriter))
+    config = write_config(
+        model={"preset": "tiny-deepseek-v3"}, train={"router_z_loss_coef": 0.001, "tensorboard": True}
+    )
     assert main(["train", "--config", str(config)]) == 0
     wanted = {"loss", "grad_norm", "tokens_per_s", "router_aux_loss", "router_max_violation", "router_z_loss"}
-    assert {f"train/{key}" for key in wanted} <= Writer.tags
+    assert {f"train/{key}" for key in wanted} <= tags
+
+
+def test_wandb_and_mlflow_get_the_metrics_and_the_config(write_config, tmp_path, monkeypatch):
+    """report_to: [wandb, mlflow] (neither is installed in CI: fakes stand in), each gets every metrics.jsonl
+    field of every step and validation, and the run's config; W&B and MLflow runs are finished at the end."""
+    logged = {"wandb": [], "mlflow": []}
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            logged["wandb"].append((step, values))
+
+        def finish(self):
+            calls.append("wandb.finish")
+
+    def init(project, name, dir, config):
+        calls.append(("wandb.init", project, name, dir, config["train"]["lr"]))
+        return Run()
+
+    mlflow = fake_module(
+        "mlflow",
+        set_tracking_uri=lambda uri: calls.append(("mlflow.uri", uri)),
+        set_experiment=lambda name: calls.append(("mlflow.experiment", name)),
+        start_run=lambda run_name: calls.append(("mlflow.start_run", run_name)),
+        log_params=lambda params: calls.append(("mlflow.params", params["train.lr"], params["output_dir"])),
+        log_metrics=lambda values, step: logged["mlflow"].append((step, values)),
+        end_run=lambda: calls.append("mlflow.end_run"),
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", init=init))
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = tmp_path / "run"
+    config = write_config(train={"report_to": ["wandb", "mlflow"], "eval_every": 2}, data={"validation": 0.1})
+    assert main(["train", "--config", str(config)]) == 0
+    assert calls == [
+        ("wandb.init", "megatrain", "run", str(run), 1e-3),
+        ("mlflow.uri", f"sqlite:///{run / 'mlflow.db'}"),
+        ("mlflow.experiment", "megatrain"),
+        ("mlflow.start_run", "run"),
+        ("mlflow.params", "0.001", str(run)),
+        "wandb.finish",
+        "mlflow.end_run",
+    ]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for tracker, entries in logged.items():
+        assert [step for step, _ in entries] == [r["step"] for r in records], tracker
+        assert entries[0][1]["train/loss"] == records[0]["loss"] and entries[0][1]["train/skipped"] == 0.0
+        validation = [values for _, values in entries if "val/loss" in values]
+        assert [v["val/loss"] for v in validation] == [r["val_loss"] for r in records if "val_loss" in r]
+        assert len(validation) == 2  # steps 2 and 3 (the last)
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_tracker_that_is_not_installed_is_one_line_before_anything_runs(
+    write_config, tmp_path, capsys, monkeypatch, tracker
+):
+    monkeypatch.setitem(sys.modules, tracker, None)  # (import fails, as when it is not installed)
+    assert main(["train", "--config", str(write_config()), "--set", f"train.report_to={tracker}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"pip install {tracker}" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_metrics_are_written_as_null(write_config, tmp_path):
+    """metrics.jsonl is JSON: a NaN loss is null, and the record says non_finite."""
+    from megatrain.loop import finite_record, write_jsonl
+
+    write_jsonl(tmp_path / "m.jsonl", {"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    write_jsonl(tmp_path / "m.jsonl", {"step": 2, "loss": 2.5})
+    first, second = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert first == {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3, "non_finite": True}
+    assert second == {"step": 2, "loss": 2.5} and finite_record(second) is second

@@ -57,3 +57,37 @@ def test_unreadable_and_empty_sources(tmp_path):
     empty.write_text("  \n")
     with pytest.raises(ConfigError, match="is empty"):
         load_token_array(DataSection(text=str(empty)), 256, tmp_path, None)
+
+
+def test_a_tiny_model_gets_a_tokenizer_that_fits_and_reuses_it(tmp_path, monkeypatch):
+    """vocab_size 256 (the tiny presets) on the built-in corpus: the trained tokenizer holds the bytes the text
+    uses, EOS and merges, at most 256 tokens, and encodes the text losslessly; a second load (a resumed run)
+    reuses it without training again."""
+    from tokenizers import Tokenizer
+
+    import megatrain.data as data_module
+
+    text = tmp_path / "a.txt"
+    text.write_text(builtin_corpus().read_text()[:50000])
+    tokens, path = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
+    tokenizer = Tokenizer.from_file(str(path))
+    assert tokenizer.get_vocab_size() <= 256 and tokens.max() < 256
+    assert tokenizer.decode(list(tokens)).startswith(text.read_text())  # (each paragraph ends in a blank line)
+    monkeypatch.setattr(data_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
+    again, same = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
+    assert same == path and np.array_equal(tokens, again)
+
+
+def test_a_text_with_more_bytes_than_the_vocabulary_says_what_to_change(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("".join(chr(c) for c in range(32, 127)) * 20)  # 95 distinct bytes
+    with pytest.raises(ConfigError, match="uses 95 distinct bytes.*needs 96 tokens, more than .* vocab_size of 64"):
+        load_token_array(DataSection(text=str(text)), 64, tmp_path / "cache", None)
+
+
+def test_a_missing_tokenizer_is_named(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("some text\n")
+    missing = tmp_path / "no" / "tokenizer.json"
+    with pytest.raises(ConfigError, match=f"data.tokenizer {missing} does not exist"):
+        load_token_array(DataSection(text=str(text), tokenizer=str(missing)), 256, tmp_path / "cache", None)

@@ -279,6 +279,34 @@ def test_moe_layer_in_parts_equals_the_whole_block(naming, shared_d_ff):
     assert joined.keys() == want_grads.keys()
 
 
+def test_gpt_oss_experts_no_token_picks_get_exactly_zero_router_gradient():
+    """float32, as transformers' GptOssTopKRouter computes it: the top-k logits weighted by their softmax, so an
+    expert no token picked gets a router gradient (weight row and bias) of exactly zero. The top-k probabilities
+    renormalised, equal in value, left rounding noise there, which AdamW's eps of 1e-8 turned into updates of up
+    to lr."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, n_experts, top_k = 32, 16, 2
+    shape = BlockShape(d, 4, 2, 8, 1, 1e-5, rope=RopeConfig(head_dim=8, theta=500.0), sinks=True, o_bias=True)
+    moe = MoeShape(n_experts, top_k, 24, 0, norm_topk_prob=True, naming="gpt_oss")
+    block = MoeBlock(shape, moe)
+    (specs,) = block.groups
+    flat = torch.cat([torch.randn(p.numel) * 0.3 for p in specs])
+    unpicked_rows = 0
+    for _ in range(4):  # 6 picks of 16 experts a call
+        x = torch.randn(1, 3, d)
+        _, routing = block._block_and_router(block._views(flat), x, None)
+        unpicked = sorted(set(range(n_experts)) - set(routing.top_index.flatten().tolist()))
+        grads = [torch.zeros(block.numel)]
+        block.backward([flat], x, torch.randn(1, 3, d), grads)
+        by_name = unflatten_grads(grads[0], specs)
+        router, bias = by_name["mlp.router.weight"], by_name["mlp.router.bias"]
+        assert torch.count_nonzero(router[unpicked]) == 0 and torch.count_nonzero(bias[unpicked]) == 0
+        picked = sorted(set(range(n_experts)) - set(unpicked))
+        assert torch.count_nonzero(bias[picked]) == len(picked)  # (the picked ones do learn)
+        unpicked_rows += len(unpicked)
+    assert unpicked_rows >= 4 * (n_experts - 3 * top_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sigmoid_routing_chooses_by_the_fp32_correction_bias_in_any_slot(dtype):
     """DeepSeek-V3's correction bias sits near 7 in published checkpoints, with differences far below

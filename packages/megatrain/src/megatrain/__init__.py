@@ -1,20 +1,34 @@
-"""megatrain: full-precision training of very large LLMs on one GPU, the model in host memory."""
+"""megatrain: full-precision training of very large LLMs on one GPU, the model in host memory.
 
-from .config import Config, ConfigError, load_config
-from .data import TokenWindows, builtin_corpus, load_token_array
-from .hf_io import export_hf, load_hf_weights
-from .trainer import NonFiniteError, StepMetrics, Trainer
+The public names load on first use (PEP 562), so that the `megatrain` command starts without torch
+and imports it where Ctrl-C or a missing package ends in one line."""
 
-__all__ = [
-    "Config",
-    "ConfigError",
-    "NonFiniteError",
-    "StepMetrics",
-    "TokenWindows",
-    "Trainer",
-    "builtin_corpus",
-    "export_hf",
-    "load_config",
-    "load_hf_weights",
-    "load_token_array",
-]
+import importlib
+
+_PUBLIC = {
+    "Config": "config",
+    "ConfigError": "config",
+    "load_config": "config",
+    "TokenWindows": "data",
+    "builtin_corpus": "data",
+    "load_token_array": "data",
+    "export_hf": "hf_io",
+    "load_hf_weights": "hf_io",
+    "NonFiniteError": "trainer",
+    "StepMetrics": "trainer",
+    "Trainer": "trainer",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'megatrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,19 +1,61 @@
-"""The `megatrain` command: train, plan, data, eval, convert, bench."""
+"""The `megatrain` command: train, plan, data, eval, convert, bench.
+
+Torch and the engine are imported inside `main`, so that Ctrl-C while they load (seconds) ends in one
+line, as every error a user can fix does (exit 2 for a configuration, 1 otherwise, 130 for Ctrl-C, 128 +
+the signal for a run stopped by one after its checkpoint); anything else is a bug and keeps its traceback."""
 
 import argparse
+import errno
+import os
 import sys
 from pathlib import Path
 
-from megatrain_optim import OptimError
-from megatrain_sched import SchedError
-from megatrain_store import StoreError
-from megatrain_zoo import ZooError
 
-from .config import ConfigError, default_config_path, load_config
-from .distributed import RankError
-from .trainer import NonFiniteError
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage is in --help)."""
 
-KNOWN_ERRORS = (ZooError, StoreError, OptimError, SchedError, NonFiniteError, RankError)
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _error_types() -> dict:
+    """Exception type -> exit code, for the errors that end in one line (imports torch and the engine)."""
+    from megatrain_optim import OptimError
+    from megatrain_sched import SchedError
+    from megatrain_store import StoreError
+    from megatrain_zoo import ZooError
+
+    from .config import ConfigError
+    from .distributed import RankError
+    from .rundir import SaveError
+    from .trainer import NonFiniteError
+
+    others = (ZooError, StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
+    return {ConfigError: 2} | dict.fromkeys(others, 1)
+
+
+OS_ERROR_HINTS = {
+    errno.ENOSPC: "the disk is full: free space on it, or write elsewhere (output_dir)",
+    errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere (output_dir)",
+    errno.EROFS: "the file system is read-only: write elsewhere (output_dir)",
+    errno.EACCES: "no permission: write elsewhere (output_dir) or fix the permissions",
+}
+
+
+def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
+    """(exit code, the one line to print) for an error a user can act on; None for a bug."""
+    loop = sys.modules.get("megatrain.loop")
+    if loop is not None and isinstance(error, loop.RunInterrupted):  # a signal, after the run's checkpoint
+        return error.exit_code, f"megatrain: {error}" if str(error) else ""  # (said by the first rank only)
+    code = next((code for kind, code in known.items() if isinstance(error, kind)), None)
+    if code is not None:
+        prefix = "config error" if code == 2 else type(error).__name__
+        return code, f"megatrain: {prefix}: {error}"
+    if isinstance(error, OSError):
+        hint = OS_ERROR_HINTS.get(error.errno, "check the path")
+        where = f": {error.filename}" if error.filename else ""
+        return 1, f"megatrain: {error.strerror or error}{where}; {hint}"
+    return None
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +122,8 @@ def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
 def run_data(config, args) -> None:
     import json
 
-    from .config import model_config_of
-    from .data import TokenWindows
+    from .config import ConfigError, model_config_of
+    from .data import TokenWindows, load_tokenizer
     from .loop import load_data
 
     data = load_data(config, model_config_of(config), Path(config.output_dir))
@@ -91,9 +133,7 @@ def run_data(config, args) -> None:
     if args.text:
         if data.tokenizer is None:
             raise ConfigError("--text needs a tokenizer; data.tokens holds ids only")
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(data.tokenizer))
+        tokenizer = load_tokenizer(data.tokenizer)
     train = config.train
     windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
     shown, step = 0, 0
@@ -115,28 +155,74 @@ def run_data(config, args) -> None:
         step += 1
 
 
+def _config(args, base: dict | None = None):
+    """The command's config: --config (or, without a run's own config as `base`, the built-in default job)
+    with --set overrides."""
+    from .config import default_config_path, load_config
+
+    return load_config(args.config or (None if base is not None else default_config_path()), args.overrides, base)
+
+
+def _at_least(value, lowest, option: str) -> None:
+    from .config import ConfigError
+
+    if value is not None and not value >= lowest:
+        raise ConfigError(f"{option} must be >= {lowest}, got {value}")
+
+
+def run_train(args) -> None:
+    """`megatrain train`; with --resume, in the checkpoint's own run directory with its run's config."""
+    from .checkpoint import find_checkpoint, run_config
+    from .config import config_changes
+    from .loop import train
+
+    checkpoint = base = None
+    if args.resume:
+        checkpoint = find_checkpoint(Path(args.resume))  # (refused before any data or model is loaded)
+        base = run_config(checkpoint)
+    config = _config(args, base)
+    if checkpoint is not None and os.environ.get("RANK", "0") == "0":
+        changes = config_changes(base, config)
+        print(
+            f"megatrain: resuming in {config.output_dir} with the config of {checkpoint}"
+            f"{'; changed: ' + ', '.join(changes) if changes else ''}",
+            file=sys.stderr,
+        )
+    train(config, checkpoint)
+
+
+def run_convert(args) -> None:
+    from .checkpoint import find_weights
+    from .config import ConfigError
+    from .hf_io import convert
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; name a directory to write the model into (new, or a model's to replace)")
+    print(f"wrote {convert(find_weights(Path(args.source)), out, args.dtype)}")
+
+
 def run_eval(config, args) -> None:
     import json
     from dataclasses import replace
 
     from megatrain_zoo import ModelConfig
 
-    from .checkpoint import MANIFEST, find_checkpoint, load_checkpoint, verify_checkpoint
+    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
     from .config import ModelSection
     from .data import TokenWindows
     from .loop import evaluate, load_data
     from .trainer import Trainer
 
-    source = Path(args.checkpoint)
-    if (source / "config.json").exists() and not (source / MANIFEST).exists():  # a Hugging Face directory
+    source = args.weights
+    if not (source / MANIFEST).exists():  # a Hugging Face directory (a run's final/ among them)
         trainer = Trainer(replace(config, model=ModelSection(hf_dir=str(source))), training=False)
         what = str(source)
     else:
-        directory = find_checkpoint(source)
-        manifest = verify_checkpoint(directory)
+        manifest = verify_checkpoint(source)
         trainer = Trainer(config, ModelConfig(**manifest["model"]), training=False)
-        load_checkpoint(trainer, directory)  # the weights (a trainer for evaluation holds no optimizer state)
-        what = f"{directory} (step {manifest['step']})"
+        load_checkpoint(trainer, source)  # the weights (a trainer for evaluation holds no optimizer state)
+        what = f"{source} (step {manifest['step']})"
     try:
         data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
@@ -171,13 +257,16 @@ def run_plan(config, args) -> None:
     check_plan(plan, config, model)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatrain", description="Full-precision LLM training on one GPU.")
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatrain", description="Full-precision LLM training on one GPU.")
     commands = parser.add_subparsers(dest="command")
     train_parser = commands.add_parser("train", help="train a model (no arguments: the built-in default job)")
     _add_config_args(train_parser)
     train_parser.add_argument(
-        "--resume", metavar="DIR", help="continue from a checkpoint directory or a run's output_dir"
+        "--resume",
+        metavar="DIR",
+        help="continue a run: its output_dir, its checkpoints/, a step-NNNNNNNN or its final/ (then its newest "
+        "checkpoint); in that run directory, with the run's own config under --config and --set",
     )
     plan_parser = commands.add_parser(
         "plan", help="memory and step-time estimate for a config; refuses what cannot fit"
@@ -193,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         "--hosts", type=int, default=1, help="hosts (a replica of the state each, or a part: engine.shard_across_hosts)"
     )
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
-    convert_parser.add_argument("source", help="a checkpoint directory (step-NNNNNNNN) or a Hugging Face directory")
+    convert_parser.add_argument(
+        "source",
+        help="a run's output_dir (its newest weights), a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
+    )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     data_parser = commands.add_parser("data", help="show the training sequences a config makes (template, mask)")
@@ -207,41 +299,64 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument(
         "--checkpoint",
         required=True,
-        help="a checkpoint (step-NNNNNNNN), a run's output_dir or a Hugging Face directory",
+        help="a run's output_dir (its newest weights, and its config unless --config), a checkpoint "
+        "(step-NNNNNNNN) or a Hugging Face directory (a run's final/ among them)",
     )
     eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
     bench_parser = commands.add_parser("bench", help="time training steps of a config on random tokens")
     _add_config_args(bench_parser)
     bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    return parser
+
+
+def run_command(args) -> None:
+    """Run the parsed command (its errors propagate)."""
+    if args.command == "convert":
+        run_convert(args)
+    elif args.command == "train":
+        run_train(args)
+    elif args.command == "eval":
+        from .checkpoint import find_weights, run_config
+
+        _at_least(args.batches, 1, "--batches")
+        args.weights = find_weights(Path(args.checkpoint))
+        run_eval(_config(args, run_config(args.weights)), args)
+    elif args.command == "bench":
+        _at_least(args.steps, 1, "--steps")
+        run_bench(_config(args), args.steps)
+    elif args.command == "plan":
+        for option in ("gpus", "hosts"):
+            _at_least(getattr(args, option), 1, f"--{option}")
+        _at_least(args.gpu_memory_gib, 1, "--gpu-memory-gib")
+        run_plan(_config(args), args)
+    elif args.command == "data":
+        _at_least(args.dump, 1, "--dump")
+        run_data(_config(args), args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `megatrain` command; returns its exit code."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    known: dict = {}
     try:
-        if args.command == "convert":
-            from .hf_io import convert
-
-            print(f"wrote {convert(Path(args.source), Path(args.out), args.dtype)}")
-            return 0
-        config = load_config(args.config or default_config_path(), args.overrides)
-        if args.command == "bench":
-            run_bench(config, args.steps)
-        if args.command == "train":
-            from .loop import train
-
-            train(config, Path(args.resume) if args.resume else None)
-        elif args.command == "plan":
-            run_plan(config, args)
-        elif args.command == "data":
-            run_data(config, args)
-        elif args.command == "eval":
-            run_eval(config, args)
-    except ConfigError as error:
-        print(f"megatrain: config error: {error}", file=sys.stderr)
-        return 2
-    except KNOWN_ERRORS as error:  # one readable line; anything else is a bug and keeps its traceback
-        print(f"megatrain: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+        known = _error_types()  # (the imports of torch and the engine: a Ctrl-C among them is handled below)
+        run_command(args)
+    except KeyboardInterrupt:
+        started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
+        print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
+        return 130
+    except Exception as error:
+        reply = _error_line(error, known)
+        if reply is None:
+            raise
+        code, line = reply
+        if line:
+            print(" ".join(line.split()), file=sys.stderr)  # (one line, whatever the message's own layout)
+        return code
     return 0
 
 

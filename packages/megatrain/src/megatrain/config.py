@@ -3,6 +3,7 @@
 Every key is checked: an unknown or mistyped key is an error that names it and lists
 the keys that section accepts."""
 
+import copy
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
@@ -31,6 +32,7 @@ class ModelSection:
 
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages")
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,10 @@ class TrainSection:
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
     eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
-    tensorboard: bool = False  # also log metrics to output_dir/tensorboard (needs the tensorboard package)
+    # experiment trackers that get every metrics.jsonl record and the config: any of REPORT_TO, as a list or
+    # comma-separated (HF Trainer's report_to); none: metrics.jsonl only
+    report_to: str | None = None
+    tensorboard: bool = False  # the same as naming tensorboard in report_to (kept for older configs)
 
     def __post_init__(self):
         if self.micro_batch_size == 0:
@@ -123,6 +128,10 @@ class TrainSection:
                 f"train.batch_size ({self.batch_size}) must be divisible by train.micro_batch_size "
                 f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
             )
+        self._check_ranges()
+        unknown = sorted(set(self.trackers) - set(REPORT_TO))
+        if unknown:
+            raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
         if self.grad_clip < 0:
@@ -132,6 +141,39 @@ class TrainSection:
         for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+    def _check_ranges(self) -> None:
+        """Values outside their range fail here rather than being taken silently (keep_last 0 kept every
+        checkpoint, save_every -1 saved every step) or deep in a step (seed -1)."""
+        limits = {  # field: (lowest allowed, what it means)
+            "warmup_steps": (0, "0: no warmup"),
+            "seed": (0, "the random seed of the weights and the data order"),
+            "save_every": (0, "0: only on SIGINT/SIGTERM"),
+            "keep_last": (1, "the newest N checkpoints are kept"),
+            "eval_every": (0, "0: only after the last step"),
+            "max_bad_steps": (1, "non-finite steps in a row that stop the run"),
+            "lr": (0, "the peak learning rate"),
+            "weight_decay": (0, "0: none"),
+        }
+        for name, (lowest, meaning) in limits.items():
+            if not getattr(self, name) >= lowest:
+                raise ConfigError(f"train.{name} must be >= {lowest} ({meaning}), got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(
+                f"train.min_lr_ratio must be in [0, 1] (the final learning rate over the peak), got {self.min_lr_ratio}"
+            )
+        if not self.eps > 0:
+            raise ConfigError(f"train.eps must be > 0 (AdamW's denominator term, e.g. 1e-8), got {self.eps}")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {list(self.betas)}")
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The experiment trackers to log to: report_to's names, and tensorboard where `tensorboard: true`."""
+        names = [n.strip() for n in (self.report_to or "").split(",") if n.strip() and n.strip() != "none"]
+        if self.tensorboard and "tensorboard" not in names:
+            names.insert(0, "tensorboard")
+        return tuple(names)
 
 
 @dataclass(frozen=True)
@@ -232,13 +274,22 @@ class Config:
     engine: EngineSection = field(default_factory=EngineSection)
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     output_dir: str = "runs/default"
+    # a directory on another disk: where a checkpoint goes when one to output_dir (or the final model) cannot be
+    # written (its disk full), so the run's state is kept instead of lost
+    fallback_dir: str | None = None
 
     def __post_init__(self):
         if self.train.eval_every and self.data.validation is None:
             raise ConfigError(
                 "train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)"
             )
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not isinstance(self.output_dir, str) or not self.output_dir.strip():
+            raise ConfigError(
+                f"output_dir must name a directory for the run's metrics, checkpoints and model, got {self.output_dir!r}"
+            )
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
 
     def as_dict(self) -> dict:
@@ -308,21 +359,57 @@ def _set_path(values: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(base: dict | None, config: Config) -> list[str]:
+    """`key old -> new` for each setting `config` has otherwise than `base` (values as `Config.as_dict` gives
+    them: a resumed run's own config)."""
+    if base is None:
+        return []
+    try:
+        before = _flat(config_from_dict(base).as_dict())
+    except ConfigError:  # (a config of another megatrain version: compared as written)
+        before = _flat(base)
+    return [
+        f"{key} {before.get(key)!r} -> {value!r}"
+        for key, value in _flat(config.as_dict()).items()
+        if before.get(key) != value
+    ]
+
+
 def default_config_path() -> Path:
     """The built-in default job: `megatrain train` with no --config."""
     return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read a YAML config (or start from the defaults) and apply `key.sub=value` overrides."""
-    values: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read a YAML config (or start from the defaults) and apply `key.sub=value` overrides. `base`: values
+    as `Config.as_dict` gives them (a resumed run's own config); a section the file names replaces the base's
+    whole, as the file is written (model.preset and model.hf_dir, data.tokens and data.text are alternatives),
+    and each override then replaces one key."""
+    values: dict = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         try:
-            values = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory; name the YAML file in it") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"config file {path} cannot be read ({error}); name a readable YAML file") from error
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must be a mapping of sections, got {type(loaded).__name__}")
+        values.update(loaded)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")

@@ -7,6 +7,8 @@ end); with shuffle on, each pass over the windows uses a fresh permutation seede
 """
 
 import hashlib
+import json
+import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -39,46 +41,102 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         )
 
 
-def train_tokenizer(text_path: Path | None, vocab_size: int, out_path: Path, texts=None):
-    """Train a byte-level BPE tokenizer on a text file (or an iterator of texts); save it as tokenizer.json."""
+# Bumped whenever the tokenizer megatrain trains changes for the same text and vocabulary (its cache key)
+TOKENIZER_FORMAT = 2  # 2: the text's own bytes where the model's vocabulary cannot hold all 256 beside EOS
+
+
+def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_path: Path, texts=None):
+    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens on text files (or an iterator of texts);
+    save it as `out_path`. Its alphabet is every byte where the vocabulary holds them all beside EOS, else (the
+    tiny test models' 256) the bytes the texts use: any other byte cannot be encoded. Refused (`ConfigError`)
+    where the texts use more distinct bytes than the vocabulary holds."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    every_byte = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=every_byte if len(every_byte) + 1 <= vocab_size else [],
         show_progress=False,
     )
     if texts is not None:
         tokenizer.train_from_iterator(texts, trainer)
     else:
-        tokenizer.train([str(text_path)], trainer)
+        paths = text_path if isinstance(text_path, list) else [text_path]
+        tokenizer.train([str(p) for p in paths], trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ConfigError(
+            f"the text uses {tokenizer.get_vocab_size() - 1} distinct bytes: a tokenizer of them and EOS needs "
+            f"{tokenizer.get_vocab_size()} tokens, more than the model's vocab_size of {vocab_size}; train a model "
+            "with a larger vocabulary, or set data.tokenizer to a tokenizer.json that fits it"
+        )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_path))
+    staged = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    tokenizer.save(str(staged))
+    os.replace(staged, out_path)  # (a run reading the cache never sees half a file)
     return tokenizer
+
+
+def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train) -> Path:
+    """The tokenizer megatrain trains for data whose content `key` names (with the vocabulary size and
+    TOKENIZER_FORMAT), trained by `train(path)` only the first time: a resumed or repeated run reuses it."""
+    settings = json.dumps([TOKENIZER_FORMAT, vocab_size, key])
+    path = cache_dir / f"tokenizer-{hashlib.sha256(settings.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        train(path)
+    return path
+
+
+def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path) -> Path:
+    """The BPE tokenizer trained on plain-text files (the training text and a validation file, so that it
+    knows every byte of both), cached by their content."""
+    digest = hashlib.sha256()
+    for path in text_paths:
+        digest.update(_read_text(path, "data.text").encode() + b"\0")
+    return cached_tokenizer(
+        digest.hexdigest(), vocab_size, cache_dir, lambda out: train_tokenizer(list(text_paths), vocab_size, out)
+    )
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {what} {path}: {error}") from error
+    if not text.strip():
+        raise ConfigError(f"{what} {path} is empty")
+    return text
+
+
+def load_tokenizer(path: Path, what: str = "data.tokenizer"):
+    """A tokenizers.Tokenizer from a tokenizer.json, or a `ConfigError` naming the file and the fix."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"{what} {path} does not exist; point it at a tokenizer.json, or leave data.tokenizer out to use the "
+            "model directory's (or, for plain text, one trained on it)"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises its own exception type
+        raise ConfigError(f"{what} {path} is not a tokenizer.json that tokenizers reads: {error}") from error
 
 
 def tokenize_text(
     text_path: Path, tokenizer_path: Path | None, vocab_size: int, cache_dir: Path
 ) -> tuple[np.ndarray, Path]:
-    """Token ids of a text file (cached on disk by content + tokenizer) and the tokenizer used."""
-    from tokenizers import Tokenizer
-
+    """Token ids of a text file (cached on disk by content + tokenizer) and the tokenizer used (None: one
+    trained on the text, see `text_tokenizer`)."""
     text_path = Path(text_path)
-    try:
-        text = text_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read data.text {text_path}: {error}") from error
-    if not text.strip():
-        raise ConfigError(f"data.text {text_path} is empty")
+    text = _read_text(text_path, "data.text")
     if tokenizer_path is None:
-        tokenizer_path = cache_dir / "tokenizer.json"
-        tokenizer = train_tokenizer(text_path, vocab_size, tokenizer_path)
-    else:
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        tokenizer_path = text_tokenizer([text_path], vocab_size, cache_dir)
+    tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.get_vocab_size() > vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
@@ -97,7 +155,9 @@ def tokenize_text(
     ids = document_start_ids(tokenizer) + [i for encoding in encoded for i in encoding.ids]
     tokens = np.asarray(ids, dtype=np.int32)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    np.save(cached, tokens)
+    staged = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npy")
+    np.save(staged, tokens)
+    os.replace(staged, cached)  # (an evaluation reading the cache beside a run never sees half a file)
     return tokens, Path(tokenizer_path)
 
 
@@ -179,10 +239,14 @@ def load_token_data(
         train, held = _split_stream(_read_npy(Path(data.tokens), vocab_size, "data.tokens"), data, validation)
         return TokenData(train, held, None)
     tokenizer = Path(data.tokenizer) if data.tokenizer else None
+    if tokenizer is not None:
+        load_tokenizer(tokenizer)  # (a missing or unreadable file named before anything is read)
     if tokenizer is None and model_dir is not None and (model_dir / "tokenizer.json").exists():
         tokenizer = model_dir / "tokenizer.json"
     if data.dataset is None:
         text = Path(data.text) if data.text is not None else builtin_corpus()
+        if tokenizer is None:
+            tokenizer = text_tokenizer([text] + ([Path(data.validation)] if as_file else []), vocab_size, cache_dir)
         tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
         check_tokens(tokens, vocab_size, f"tokens of {text}")
         validation = None
@@ -191,8 +255,6 @@ def load_token_data(
             check_tokens(validation, vocab_size, f"tokens of data.validation {data.validation}")
         train, held = _split_stream(tokens, data, validation)
         return TokenData(train, held, tokenizer)
-
-    from tokenizers import Tokenizer
 
     from .records import load_records, records_to_rows, resolve_sources
 
@@ -209,9 +271,12 @@ def load_token_data(
                 f"dataset {source.name!r} has no field {data.text_field!r} (fields: {records.column_names}); "
                 "set data.text_field"
             )
-        tokenizer = cache_dir / "tokenizer.json"
-        train_tokenizer(None, vocab_size, tokenizer, texts=(str(r[data.text_field]) for r in records))
-    loaded = Tokenizer.from_file(str(tokenizer))
+        key = json.dumps([getattr(records, "_fingerprint", "") or source.location, data.text_field])
+        texts = (str(r[data.text_field]) for r in records)
+        tokenizer = cached_tokenizer(
+            key, vocab_size, cache_dir, lambda out: train_tokenizer(None, vocab_size, out, texts=texts)
+        )
+    loaded = load_tokenizer(tokenizer)
     if loaded.get_vocab_size() > vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens but the model's vocab_size is "

@@ -1,6 +1,7 @@
 """Hugging Face model directories: initial weights in, trained weights out, by tensor name."""
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from megatrain_store import (
     HostStore,
     Pending,
     atomic_write_text,
+    fsync_dir,
     match_tensors,
     open_safetensors,
     read_safetensors_header,
@@ -18,6 +20,8 @@ from megatrain_store import (
 )
 from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
 from megatrain_zoo import ModelSpec, ZooError, config_to_hf
+
+from .rundir import check_room
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
 # MXFP4 (OCP microscaling, gpt-oss' published experts): e2m1 values, two per byte (low nibble first),
@@ -49,6 +53,26 @@ def dequantize_fp8_blocks(weight, scale_inv, block: tuple[int, int], first_row: 
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return weight.float() * scale[first_row : first_row + rows, :cols]
+
+
+def is_hf_directory(path: Path) -> bool:
+    """A Hugging Face model directory: a config.json that describes a model (`model_type`), not a run
+    directory's training config.json."""
+    try:
+        values = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(values, dict) and "model_type" in values
+
+
+def all_finite(tensor, chunk: int = 2**24) -> bool:
+    """Whether a tensor holds no NaN or Inf (checked a chunk at a time: no full-size temporary)."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if not flat.is_floating_point():
+        return True
+    return all(bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def named_masters(store: HostStore) -> dict:
@@ -123,12 +147,22 @@ def load_groups(store: HostStore, files: list[Path], arena: str = "master", pref
         _fill_groups(store, handles, where, layout, arena, prefix)
 
 
+def _check_finite(tensor, name: str, path: Path) -> None:
+    """Refuse weights holding NaN or Inf as they are read, naming the tensor and its file: training from them
+    only makes non-finite steps (and would save them)."""
+    if not all_finite(tensor):
+        raise ZooError(
+            f"tensor {name} in {path} holds NaN or Inf values; these weights are damaged (a diverged run "
+            "saved them?): use an earlier checkpoint or the original weights"
+        )
+
+
 def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=None) -> None:
     """Copy file tensors into the store group by group through `store.writing` (whatever part of the
-    state it holds). `layout`: file tensor name (less `prefix`) -> (shape, the stored tensors it is,
-    back to back); a file tensor spanning several groups (a layer's experts streamed in parts) is read
-    a group's rows at a time. `quantized` maps tensors stored quantized to how (`Quantized`), dequantized
-    as they are read."""
+    state it holds), refusing any that holds NaN or Inf. `layout`: file tensor name (less `prefix`) ->
+    (shape, the stored tensors it is, back to back); a file tensor spanning several groups (a layer's
+    experts streamed in parts) is read a group's rows at a time. `quantized` maps tensors stored
+    quantized to how (`Quantized`), dequantized as they are read."""
     quantized = quantized or {}
     numel = {e.name: e.numel for lay in store.layouts for e in lay.entries}
     place = {}  # stored name -> (file tensor, its flat offset there)
@@ -147,6 +181,7 @@ def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master",
                 low = min(offset for _, offset, _ in parts)
                 high = max(offset + view.numel() for view, offset, _ in parts)
                 rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, quantized.get(name))
+                _check_finite(rows, prefix + name, where.get(prefix + name) or where.get(f"{prefix}{name}_blocks"))
                 flat = rows.reshape(-1)
                 for view, offset, part in parts:
                     piece = flat[offset - start : offset - start + view.numel()]
@@ -295,9 +330,38 @@ def write_hf_directory(
     """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known, with
     the tokenizer files beside it (tokenizer_config.json holds the chat template a fine-tuned model needs).
 
-    entries: (name, Pending) in file order, each loaded as it is written: one tensor at a time."""
+    entries: (name, Pending) in file order, each loaded as it is written: one tensor at a time. The files are
+    written into a folder beside `out_dir` first (refused before that, `SaveError`, where its disk has no room
+    for them) and moved in once all are whole, so a write that fails leaves `out_dir` as it was."""
     out_dir = Path(out_dir)
+    weight_bytes = sum(p.numel() * p.element_size() for _, p in entries)
+    check_room(out_dir.parent, weight_bytes + 2**20, f"the model {out_dir}")
+    staging = out_dir.parent / f".{out_dir.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed
+    staging.mkdir(parents=True)
+    try:
+        _write_model_files(staging, entries, config, tokenizer, shard_bytes)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _move_into(staging, out_dir)
+    return out_dir
+
+
+def _move_into(staging: Path, out_dir: Path) -> None:
+    """Move a model's files from `staging` into `out_dir`, whose weight files of an earlier model go (stale
+    shards beside a new index would be read as the model)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:
+        if stale.exists() and not (staging / stale.name).exists():
+            stale.unlink()
+    for path in staging.iterdir():
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
+    fsync_dir(out_dir)
+
+
+def _write_model_files(out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int) -> None:
     shards, size = [[]], 0
     for name, pending in entries:
         nbytes = pending.numel() * pending.element_size()
@@ -320,7 +384,6 @@ def write_hf_directory(
         for name in TOKENIZER_FILES:
             if (Path(tokenizer).parent / name).exists() and Path(tokenizer).parent != out_dir:
                 shutil.copyfile(Path(tokenizer).parent / name, out_dir / name)
-    return out_dir
 
 
 def export_hf(

@@ -1,4 +1,8 @@
-"""`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out."""
+"""`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out.
+
+The run holds its output_dir (a lock) from before its data is read until it ends; every save goes to
+output_dir, or where that fails to `fallback_dir`, or stops the run saying what is lost; SIGINT and
+SIGTERM stop it after a checkpoint with the shell's exit code (`RunInterrupted`)."""
 
 import json
 import math
@@ -13,16 +17,46 @@ from tqdm import tqdm
 from megatrain_store import atomic_write_text
 from megatrain_zoo import ModelConfig
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CHECKPOINTS,
+    FINAL,
+    MANIFEST,
+    check_same_model,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_of,
+    write_trainer_state,
+)
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
+from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
+from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
+
+
+class RunInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run after its checkpoint was written; `exit_code` is 128 + the signal
+    (130, 143: the shell's convention), so that a scheduler tells it from a run that finished."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+def finite_record(record: dict) -> dict:
+    """A metrics record as JSON can hold it: a NaN or Inf value becomes null and the record says
+    `"non_finite": true` (bare NaN is not JSON, and other tools reject it)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {k: (None if k in bad else v) for k, v in record.items()} | {"non_finite": True}
 
 
 def write_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+        handle.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -38,7 +72,7 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
     except ImportError:
         return False
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    rows = [r for r in records if "loss" in r and not r.get("skipped")]
+    rows = [r for r in records if r.get("loss") is not None and not r.get("skipped")]
     evals = [r for r in records if "val_loss" in r]
     balance = [r for r in rows if "router_max_violation" in r]
     fig, axes = plt.subplots(1, 2 if balance else 1, figsize=(12 if balance else 7, 4), squeeze=False)
@@ -68,7 +102,8 @@ class StopRequested:
     """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops)."""
 
     def __init__(self):
-        self.signal = None
+        self.signal = None  # the name of the signal received, and its number
+        self.signum = 0
         self._previous = {}
 
     def __enter__(self):
@@ -77,21 +112,11 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        self.signal, self.signum = signal.Signals(signum).name, signum
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def tensorboard_writer(config: Config, out: Path):
-    if not config.train.tensorboard:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise ConfigError("train.tensorboard: true needs the tensorboard package: pip install tensorboard") from error
-    return SummaryWriter(str(out / "tensorboard"))
 
 
 def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = None, leave: bool = False) -> dict:
@@ -133,41 +158,125 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
     return data if data is not None else load()
 
 
+def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
+    """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a
+    checkpoint where they are due) as it is now: better then than after the training."""
+    store = trainer.store
+    model_bytes = store.n_params * store.master_dtype.itemsize
+    needed = model_bytes + (model_bytes * (1 + len(store.state_names)) if config.train.save_every else 0)
+    free = free_bytes(out)
+    if free >= needed:
+        return None
+    what = "the final model and a checkpoint need" if config.train.save_every else "the final model needs"
+    return (
+        f"{out}'s disk has {size_text(free)} free; {what} {size_text(needed)}: free space there before the run "
+        "ends, or set fallback_dir to a directory on another disk"
+    )
+
+
 def train(config: Config, resume: Path | None = None) -> Path:
-    """Run training as configured (continuing from a checkpoint with `resume`); returns the output directory."""
+    """Run training as configured, continuing from a checkpoint with `resume` (a step-NNNNNNNN directory or a
+    run directory: its newest); returns the output directory. A wrong `resume`, a checkpoint of another model,
+    a missing tracker package or an output_dir in use by another run are refused before anything is loaded.
+    Raises `RunInterrupted` where a signal stopped the run (after its checkpoint) and `SaveError` where a save
+    failed and nothing took it (saying what is lost)."""
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model = model_config_of(config)
+    if resume is not None:
+        resume = find_checkpoint(resume)
+        check_same_model(resume, json.loads((resume / MANIFEST).read_text())["model"], model)
+    check_trackers(config)
     ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
+    lock = RunLock(out) if ranks is None or ranks.is_main else None
     try:
+        if lock is not None:
+            prepare_output_dir(out)
+            note = lock.acquire()
+            if note is not None:
+                print(f"megatrain: {note}", file=sys.stderr)
         # the data is read first: a bad record stops the run before any host memory is allocated
         data = load_data(config, model, out, ranks)
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
+        if lock is not None:
+            lock.release()
         leave_ranks()  # (the Trainer leaves them on close; without one, this does)
         raise
-    if resume is not None:
-        manifest = load_checkpoint(trainer, resume)
-        print(f"megatrain: resumed from step {manifest['step']} ({resume})", file=sys.stderr)
-    main = trainer.is_main
-    tokenizer = data.tokenizer
-    windows = TokenWindows(
-        data.train, config.data.seq_len, config.train.batch_size, config.data.shuffle, config.train.seed
-    )
-    validation = None
-    if data.validation is not None:
-        validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
-    metrics_path = out / "metrics.jsonl"
-    if main:
-        (out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
-        atomic_write_text(out / "placement.json", json.dumps(trainer.plan.record(), indent=2))
+    try:
+        return TrainingRun(config, trainer, data, out, resume).run()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class TrainingRun:
+    """One run once its data and trainer are ready: the checkpoint it resumes, the steps with their metrics,
+    validation and checkpoints, then the export. Closes the trainer when it ends."""
+
+    def __init__(self, config: Config, trainer: Trainer, data: TokenData, out: Path, resume: Path | None):
+        self.config, self.trainer, self.data, self.out, self.resume = config, trainer, data, out, resume
+        self.main = trainer.is_main
+        self.metrics_path = out / "metrics.jsonl"
+        self.checkpoints = out / CHECKPOINTS
+        self.last_checkpoint = resume  # the newest saved state of this run: where a failed save leaves it
+        self.windows = self.validation = None  # (made by `_start`, inside `run`, which closes the trainer)
+        self.trackers: list = []
+        self.last_eval: dict = {}
+
+    def run(self) -> Path:
+        """The steps, then the export; returns the output directory."""
+        stop = StopRequested()
+        bar = None
+        try:
+            self._start()
+            self.trackers = open_trackers(self.config, self.out) if self.main else []
+            bar = tqdm(
+                disable=not self.main,
+                total=self.config.train.steps,
+                initial=self.trainer.step_index,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            stop.__enter__()
+            for step in range(self.trainer.step_index, self.config.train.steps):
+                self._step(step, bar)
+                stopping = stop.signal is not None
+                if self.trainer.sync is not None:  # a signal seen by one rank stops all of them at the same step
+                    stopping = self.trainer.sync.any(stopping)
+                if stopping:
+                    self._stop(stop, bar)
+            bar.close()
+            self._finish()
+        finally:
+            stop.__exit__()
+            for tracker in self.trackers:
+                tracker.close()
+            if bar is not None:
+                bar.close()
+            self.trainer.close()
+        return self.out
+
+    def _start(self) -> None:
+        """Cut the data into windows, load the checkpoint resumed, keep the metrics it holds, say what runs."""
+        trainer, config, data, train = self.trainer, self.config, self.data, self.config.train
+        self.windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+        if data.validation is not None:
+            self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
+        if self.resume is not None:
+            manifest = load_checkpoint(trainer, self.resume)
+            print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
+        if not self.main:
+            return
+        (self.out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+        atomic_write_text(self.out / "placement.json", json.dumps(trainer.plan.record(), indent=2))
         kept = []
-        if resume is not None and metrics_path.exists():  # the steps the checkpoint already contains
-            kept = [
-                line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= trainer.step_index
-            ]
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-        for line in data.report:
+        if self.resume is not None and self.metrics_path.exists():  # the steps the checkpoint already contains
+            lines = self.metrics_path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= trainer.step_index]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        for line in self.data.report:
             print(f"megatrain: {line}", file=sys.stderr)
         host_bytes = trainer.host_bytes()
         ranks = "" if trainer.ranks is None else f" x {trainer.ranks.world_size} ranks"
@@ -177,13 +286,17 @@ def train(config: Config, resume: Path | None = None) -> Path:
             f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on "
             f"{trainer.device}{ranks} ({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host "
             f"{host_bytes / 2**30:.2f} GiB per host ({host_bytes / trainer.model_config.n_params:.1f} B/param), "
-            f"{windows.n_windows} windows of {config.data.seq_len} tokens",
+            f"{self.windows.n_windows} windows of {config.data.seq_len} tokens",
             file=sys.stderr,
         )
         print(f"megatrain: {trainer.plan.summary()} (placement.json)", file=sys.stderr)
         if trainer.warm_up_s:
             print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)
-        if model.router_bias and config.model.preset and resume is None:
+        room = room_warning(trainer, config, self.out)
+        if room is not None:
+            print(f"megatrain: warning: {room}", file=sys.stderr)
+        model = trainer.model_config
+        if model.router_bias and config.model.preset and self.resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
                 print(
                     "megatrain: warning: pre-training a MoE with its routers' correction bias fixed: they "
@@ -191,97 +304,135 @@ def train(config: Config, resume: Path | None = None) -> Path:
                     "train.router_bias_update_rate: 0.001",
                     file=sys.stderr,
                 )
-    bar = tqdm(
-        disable=not main,
-        total=config.train.steps,
-        initial=trainer.step_index,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
-    checkpoints = out / "checkpoints"
-    writer = tensorboard_writer(config, out) if main else None
-    stop = StopRequested()
-    last_eval: dict = {}
 
-    def run_eval():
-        last_eval.update(evaluate(trainer, validation))
-        if main:
-            write_jsonl(metrics_path, {"step": trainer.step_index, **last_eval})
-        if writer is not None:
-            writer.add_scalar("val/loss", last_eval["val_loss"], trainer.step_index)
+    def _record(self, record: dict) -> None:
+        """A metrics record into metrics.jsonl and every tracker."""
+        if self.main:
+            write_jsonl(self.metrics_path, record)
+        for tracker in self.trackers:
+            tracker.log(finite_record(record))
 
-    try:
-        stop.__enter__()
-        for step in range(trainer.step_index, config.train.steps):
-            batch = windows.batch(step)
-            metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid)
-            if main:
-                write_jsonl(metrics_path, metrics.as_dict())
-            if writer is not None:
-                for key, value in metrics.as_dict().items():  # (the MoE router losses and balance where on)
-                    if key not in ("step", "skipped", "tokens"):
-                        writer.add_scalar(f"train/{key}", value, metrics.step)
-            postfix = {
-                "loss": f"{metrics.loss:.4f}",
-                "tok_s": f"{metrics.tokens_per_s:,.0f}",
-                "tflops": f"{metrics.tflops:.3g}",
-            }
-            if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
-                postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
-            if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
-                postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
-            every = config.train.eval_every
-            if validation is not None and (
-                (every and trainer.step_index % every == 0) or trainer.step_index == config.train.steps
-            ):
-                run_eval()
-            if last_eval:
-                postfix["val"] = f"{last_eval['val_loss']:.4f}"
-            bar.set_postfix(**postfix)
-            bar.update(1)
-            if metrics.skipped and main:
-                tqdm.write(
-                    f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
-                    f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged",
-                    file=sys.stderr,
-                )
-            if metrics.skipped and trainer.bad_steps >= config.train.max_bad_steps:  # the same on every rank
-                save_checkpoint(trainer, checkpoints, config.train.keep_last)
-                raise NonFiniteError(
-                    f"{trainer.bad_steps} non-finite steps in a row; stopping. The weights are those of the last "
-                    "good step, saved in checkpoints/. Lower train.lr, raise train.warmup_steps or turn on "
-                    "train.grad_clip."
-                )
-            if config.train.save_every and trainer.step_index % config.train.save_every == 0:
-                save_checkpoint(trainer, checkpoints, config.train.keep_last)
-            stopping = stop.signal is not None
-            if trainer.sync is not None:  # a signal seen by one rank stops all of them at the same step
-                stopping = trainer.sync.any(stopping)
-            if stopping:
-                path = save_checkpoint(trainer, checkpoints, config.train.keep_last)
-                bar.close()
-                if main:
-                    print(
-                        f"megatrain: {stop.signal or 'a stop'} received; checkpoint {path} written. Continue with "
-                        f"`megatrain train --config ... --resume {out}`",
-                        file=sys.stderr,
-                    )
-                return out
+    def _step(self, step: int, bar) -> None:
+        """One optimizer step with its record, validation, progress and checkpoint where due."""
+        trainer, train = self.trainer, self.config.train
+        batch = self.windows.batch(step)
+        metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid)
+        self._record(metrics.as_dict())
+        postfix = {
+            "loss": f"{metrics.loss:.4f}",
+            "tok_s": f"{metrics.tokens_per_s:,.0f}",
+            "tflops": f"{metrics.tflops:.3g}",
+        }
+        if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
+            postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
+        if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
+            postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
+        every = train.eval_every
+        if self.validation is not None and (
+            (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
+        ):
+            self.last_eval.update(evaluate(trainer, self.validation))
+            self._record({"step": trainer.step_index, **self.last_eval})
+        if self.last_eval:
+            postfix["val"] = f"{self.last_eval['val_loss']:.4f}"
+        bar.set_postfix(**postfix)
+        bar.update(1)
+        if metrics.skipped and self.main:
+            tqdm.write(
+                f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
+                f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged",
+                file=sys.stderr,
+            )
+        if metrics.skipped and trainer.bad_steps >= train.max_bad_steps:  # the same on every rank
+            self._stop_for_bad_steps()
+        if train.save_every and trainer.step_index % train.save_every == 0:
+            self.save()
+
+    def _stop_for_bad_steps(self) -> None:
+        try:
+            saved = f"The weights are those of the last good step, saved in {self.save()}."
+        except NonFiniteError as error:  # the last good step's weights hold NaN or Inf themselves
+            saved = str(error) + "."
+        raise NonFiniteError(
+            f"{self.trainer.bad_steps} non-finite steps in a row; stopping. {saved} Lower train.lr, raise "
+            "train.warmup_steps or turn on train.grad_clip."
+        )
+
+    def _stop(self, stop: StopRequested, bar) -> None:
+        """A signal: checkpoint, then `RunInterrupted` (the exit code says which signal)."""
+        path = self.save()
         bar.close()
-        if config.engine.trace:
+        message = (
+            f"{stop.signal or 'a stop'} received; checkpoint {path} written. Continue with "
+            f"`megatrain train --resume {self.out}`"
+        )
+        raise RunInterrupted(stop.signum or signal.SIGTERM, message if self.main else "")
+
+    def save(self) -> Path:
+        """A checkpoint of the current step in output_dir/checkpoints, or where that fails in fallback_dir;
+        `SaveError` saying what is lost where neither takes it."""
+        try:
+            path = save_checkpoint(self.trainer, self.checkpoints, self.config.train.keep_last)
+        except SaveError as error:
+            path = self._save_elsewhere(str(error))
+        self.last_checkpoint = path
+        return path
+
+    def _save_elsewhere(self, failure: str) -> Path:
+        """The checkpoint in fallback_dir after `failure` (a save that output_dir's disk refused), or
+        `SaveError` saying what is lost."""
+        if self.config.fallback_dir is None:
+            raise SaveError(
+                f"{failure}; {self._lost()}; set fallback_dir to a directory on another disk to have the state "
+                "written there instead"
+            )
+        try:
+            path = save_checkpoint(
+                self.trainer, Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last
+            )
+        except SaveError as error:
+            raise SaveError(f"{failure}; fallback_dir failed too: {error}; {self._lost()}") from None
+        if self.main:
+            tqdm.write(f"megatrain: {failure}; the checkpoint went to fallback_dir instead: {path}", file=sys.stderr)
+        return path
+
+    def _lost(self) -> str:
+        """What a run that stops now loses, and how to continue."""
+        step = self.trainer.step_index
+        if self.last_checkpoint is None:
+            return f"this run has no checkpoint: all its steps ({step}) are lost"
+        since = step - step_of(self.last_checkpoint)
+        return (
+            f"the steps since {self.last_checkpoint} ({since}) are lost; free space and continue from it with "
+            f"`megatrain train --resume {self.last_checkpoint}` (--set output_dir=DIR to continue elsewhere)"
+        )
+
+    def _finish(self) -> None:
+        """After the last step: the trace, the model, the loss curve."""
+        trainer, out = self.trainer, self.out
+        if self.config.engine.trace:
             suffix = "" if trainer.ranks is None else f"-rank{trainer.ranks.rank}"
             trainer.timeline.write_chrome_trace(out / f"trace{suffix}.json")
-        final = trainer.export(out / "final", tokenizer)  # every rank: hosts holding parts of the state send them
-        if main:
-            if plot_loss(metrics_path, out / "loss.png"):
+        final = self._export()
+        if self.main:
+            if plot_loss(self.metrics_path, out / "loss.png"):
                 print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
             print(f"model written to {final}", file=sys.stderr)
-    finally:
-        stop.__exit__()
-        if writer is not None:
-            writer.close()
-        bar.close()
-        trainer.close()
-    return out
+
+    def _export(self) -> Path:
+        """output_dir/final (every rank: hosts holding parts of the state send them), with the step it holds;
+        where it cannot be written, the state goes to fallback_dir as a checkpoint, or `SaveError` says what
+        is lost."""
+        target = self.out / FINAL
+        try:
+            final = self.trainer.export(target, self.data.tokenizer)
+        except (SaveError, OSError) as error:
+            failure = f"the model could not be written to {target}: {error}"
+            path = self._save_elsewhere(failure)
+            raise SaveError(
+                f"{failure}; the trained state (step {self.trainer.step_index}) is in {path} instead: "
+                f"`megatrain convert {path} DIR` writes the model from it"
+            ) from None
+        if self.main:
+            write_trainer_state(final, self.trainer.step_index, self.config.train.steps)
+        return final

@@ -593,6 +593,8 @@ class MoeBlock(DecoderBlock):
         if moe.correction_bias:
             return self._route_by_biased_probabilities(w, h)
         logits = F.linear(h, w["router"], w.get("router_bias"))
+        if moe.gpt_oss:
+            return self._route_by_softmax_of_top_logits(logits)
         probs = upcast(logits).softmax(dim=-1)
         candidates = probs
         if moe.n_groups > 1:  # keep the experts of the topk_groups groups with the highest best probability
@@ -606,6 +608,16 @@ class MoeBlock(DecoderBlock):
         if moe.routed_scaling != 1.0:
             top_weight = top_weight * moe.routed_scaling
         return Routing(probs, top_index, top_weight, logits)
+
+    def _route_by_softmax_of_top_logits(self, logits: Tensor) -> Routing:
+        """gpt-oss' routing (transformers' GptOssTopKRouter): logits [tokens, n_experts] -> the top-k experts,
+        weighted by the softmax of their logits alone. That equals the top-k probabilities renormalised, but
+        only this form gives the experts no token picked exactly zero gradient: the renormalised one leaves
+        them rounding noise, which AdamW (eps 1e-8) turns into updates of up to lr. The probabilities over
+        every expert are kept for the load statistics."""
+        top_logit, top_index = logits.topk(self.moe.top_k, dim=-1)
+        probs = upcast(logits).softmax(dim=-1)
+        return Routing(probs, top_index, upcast(top_logit).softmax(dim=-1), logits)
 
     def _route_by_scores(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter; GLM-4.5's and MiniMax-M2's the same with
