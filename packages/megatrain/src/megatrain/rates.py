@@ -319,17 +319,24 @@ def measure_gpu_rates(
     return layer_tflops, kept_tflops, head_tflops, largest_passes[0]
 
 
-def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
-    from megatrain_optim import adamw_update_
+class _Copies:
+    """256 MiB each way between pinned host memory and the GPU, on two streams."""
 
-    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
-    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty_like(host, device="cuda")
-    returned = torch.empty_like(host, pin_memory=True)
-    outgoing = torch.empty_like(device)
-    copies = [torch.cuda.Stream(), torch.cuda.Stream()]
+    def __init__(self):
+        self.host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+        self.device = torch.empty_like(self.host, device="cuda")
+        self.returned = torch.empty_like(self.host, pin_memory=True)
+        self.outgoing = torch.empty_like(self.device)
+        self.streams = [torch.cuda.Stream(), torch.cuda.Stream()]
 
-    def copy_gbps(both_ways: bool) -> float:
+    def queue(self, both_ways: bool) -> None:
+        with torch.cuda.stream(self.streams[0]):
+            self.device.copy_(self.host, non_blocking=True)
+        if both_ways:  # as in the backward (weights in beside gradients out): each slower than alone
+            with torch.cuda.stream(self.streams[1]):
+                self.returned.copy_(self.outgoing, non_blocking=True)
+
+    def gbps(self, both_ways: bool) -> float:
         """The best of three bursts (a remembered rate should not be one burst's hiccup: two calibrations
         on H100 machines of one session timed 31 and 55 GB/s)."""
         rates = []
@@ -337,72 +344,72 @@ def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(5):
-                with torch.cuda.stream(copies[0]):
-                    device.copy_(host, non_blocking=True)
-                if both_ways:  # as in the backward (weights in beside gradients out): each slower than alone
-                    with torch.cuda.stream(copies[1]):
-                        returned.copy_(outgoing, non_blocking=True)
+                self.queue(both_ways)
             torch.cuda.synchronize()
-            rates.append(5 * host.numel() / (time.perf_counter() - start) / 1e9)
+            rates.append(5 * self.host.numel() / (time.perf_counter() - start) / 1e9)
         return max(rates)
 
-    copy_gbps(True)  # the first copies set up the streams and the host mappings
-    pcie, pcie_duplex = copy_gbps(False), copy_gbps(True)
 
-    # a GPU-updated layer's share of a step: its fused AdamW on the GPU, its master cast into a slot twice
-    n_device = 64 * 2**20
-    masters, device_grads, exp_avgs, exp_avg_sqs = (torch.rand(n_device, device="cuda") for _ in range(4))
-    slot = torch.empty(n_device, device="cuda", dtype=torch.bfloat16)
-    device_step = torch.ones((), device="cuda")
+def _adamw(params, grads, exp_avgs, exp_avg_sqs, step) -> None:
+    from megatrain_optim import adamw_update_
 
-    def device_update() -> None:
-        adamw_update_(
-            [masters],
-            [device_grads],
-            [exp_avgs],
-            [exp_avg_sqs],
-            device_step,
-            lr=1e-4,
-            beta1=0.9,
-            beta2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-        )
-        slot.copy_(masters)
-        slot.copy_(masters)
+    adamw_update_(
+        params, grads, exp_avgs, exp_avg_sqs, step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
+    )
 
-    device_update()
+
+def _device_adam_params_per_s() -> float:
+    """A resident layer's share of a step: its fused AdamW on the GPU and its master cast into a slot twice."""
+    n = 64 * 2**20
+    master, grad, exp_avg, exp_avg_sq = (torch.rand(n, device="cuda") for _ in range(4))
+    slot = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    step = torch.ones((), device="cuda")
+
+    def update() -> None:
+        _adamw([master], [grad], [exp_avg], [exp_avg_sq], step)
+        slot.copy_(master)
+        slot.copy_(master)
+
+    update()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(5):
-        device_update()
+        update()
     torch.cuda.synchronize()
-    gpu_adam = 5 * n_device / (time.perf_counter() - start)
+    return 5 * n / (time.perf_counter() - start)
 
-    # AdamW as in a step: on another thread, over groups far larger than the caches, while this thread
-    # launches the layer's forward and backward and weights stream in and gradients out. (Timed beside
-    # weight copies alone, it ran ~25% faster than in the steps; beside saturated copies both ways, ~25%
-    # slower.) One untimed update first starts the threads.
+
+def _cpu_adam_params_per_s(copies: _Copies, layer_pass: Callable[[], None]) -> float:
+    """AdamW as in a step: on another thread, over groups far larger than the caches, while this thread launches
+    a layer's forward and backward and weights stream in and gradients out. (Timed beside weight copies alone, it
+    ran ~25% faster than in the steps; beside saturated copies both ways, ~25% slower.) One untimed update first
+    starts the threads."""
     n = 256 * 2**20
     p, g, m, v = (torch.full((n,), value) for value in (0.02, 1e-3, 1e-4, 1e-6))  # randn: seconds of its own
     step = torch.tensor(1.0)
 
     def update(times: int) -> None:
         for _ in range(times):
-            adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+            _adamw([p], [g], [m], [v], step)
 
     update(1)
     optimizer = threading.Thread(target=update, args=(8,))  # a second or so: a layer pass is 50 ms of it
     start = time.perf_counter()
     optimizer.start()
     while optimizer.is_alive():
-        with torch.cuda.stream(copies[0]):
-            device.copy_(host, non_blocking=True)
-        with torch.cuda.stream(copies[1]):
-            returned.copy_(device, non_blocking=True)
+        copies.queue(both_ways=True)
         layer_pass()
         torch.cuda.synchronize()
-    cpu = 8 * n / (time.perf_counter() - start)
+    return 8 * n / (time.perf_counter() - start)
+
+
+def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
+    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
+    copies = _Copies()
+    copies.gbps(True)  # the first copies set up the streams and the host mappings
+    pcie, pcie_duplex = copies.gbps(False), copies.gbps(True)
+    gpu_adam = _device_adam_params_per_s()
+    cpu = _cpu_adam_params_per_s(copies, layer_pass)
     return replace(
         _with_gpu_rates(previous, model, layer_tflops, kept_tflops, head_tflops),
         pcie_gbps=_rounded(pcie),
