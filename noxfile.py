@@ -6,7 +6,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["store", "optim", "sched", "templates", "zoo", "megatrain", "integration", "lint"]
+nox.options.sessions = ["store", "optim", "sched", "templates", "zoo", "megatrain", "integration", "examples", "lint"]
 nox.options.default_venv_backend = "virtualenv"
 
 # torch==2.13.0 is the CPU wheel on the project machines; set MEGATRAIN_TORCH to choose another.
@@ -49,6 +49,13 @@ def integration(session: nox.Session) -> None:
         session, *DEPENDS["megatrain"], "megatrain", extra=("transformers", "accelerate")
     )  # accelerate: FP8 checkpoints
     session.run("pytest", "-q", "-m", "not gpu", "tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def examples(session: nox.Session) -> None:
+    """The custom trainer of examples/, composed from the five packages without `megatrain`, against plain PyTorch."""
+    install(session, *DEPENDS["megatrain"])
+    session.run("pytest", "-q", "examples", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -1,0 +1,74 @@
+"""A custom trainer composed from megatrain's pieces, without the `megatrain` package: a model from the zoo, its
+state in a host store, AdamW applied as gradients land, and the layer-streaming pipeline running a placement you
+write yourself (here the last block keeps its matmul products, the first holds its weights from forward to
+backward). `tests/test_custom_trainer.py` checks its steps against plain PyTorch and torch.optim.AdamW.
+
+    pip install torch ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo
+    python examples/custom_trainer.py
+"""
+
+import torch
+
+from megatrain_optim import STATE_NAMES, AdamWConfig, HostAdamW, HostUpdates, UpdatesAsGradientsLand
+from megatrain_sched import LayerPipeline, MicroBatch, Placement, Stage
+from megatrain_store import GroupLayout, HostStore
+from megatrain_zoo import build_model, init_param_, preset
+
+
+class CustomTrainer:
+    """Trains a zoo preset on `device`, every parameter and AdamW moment in host memory."""
+
+    def __init__(self, preset_name: str, adamw: AdamWConfig, dtype=torch.float32, device="cpu", seed=0):
+        self.model = preset(preset_name)
+        spec = build_model(self.model)
+        layouts = [GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params) for g in spec.groups]
+        # fp32 masters and moments; gradients land in a pool of three groups' room and are updated as they land
+        self.store = HostStore(layouts, dtype, STATE_NAMES, grad_pool=3)
+        for group in range(self.store.n_groups):
+            with self.store.writing(group) as views:
+                for name, view in views.items():
+                    init_param_(name, view, self.model, seed)
+        first_use = {}  # the worker updates first what the next forward needs first
+        for index, stage in enumerate(spec.stages):
+            for group in stage.groups:
+                first_use.setdefault(group, index)
+        self.updates = HostUpdates(HostAdamW(self.store, adamw), first_use, [g.name for g in spec.groups])
+        self.policy = UpdatesAsGradientsLand(self.updates)
+        n_stages = len(spec.stages)  # the embedding, the blocks, the head
+        placement = Placement.build(n_stages, held=(1,), kept=(n_stages - 2,))
+        self.pipeline = LayerPipeline(
+            [Stage(s.template, s.groups, s.name) for s in spec.stages],
+            self.store,
+            torch.device(device),
+            placement=placement,
+            on_grads_landed=self.policy.grads_landed,
+            before_fetch=self.updates.wait,
+            updates_done=self.updates.done,
+        )
+        self.step_index = 0
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float, micro_batch: int = 2) -> float:
+        """One AdamW step on [batch, seq] tokens (labels -100: no loss), in micro-batches; the mean token loss."""
+        n_targets = int((labels != -100).sum())
+        micro = [MicroBatch(i, t) for i, t in zip(input_ids.split(micro_batch), labels.split(micro_batch))]
+        self.policy.begin_step(self.step_index, lr)
+        result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
+        self.policy.end_step(result.group_sq_norms.sum().sqrt().item(), skipped=False)
+        self.step_index += 1
+        return result.loss_sum.item() / n_targets
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by Hugging Face name, up to date."""
+        self.updates.wait_all()
+        return {name: view for g in range(self.store.n_groups) for name, view in self.store.master_views(g).items()}
+
+    def close(self) -> None:
+        self.updates.close()
+
+
+if __name__ == "__main__":
+    trainer = CustomTrainer("tiny-llama", AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
+    tokens = torch.randint(0, trainer.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    for step in range(5):
+        print(f"step {step}: loss {trainer.train_step(tokens[:, :-1], tokens[:, 1:], lr=1e-3):.4f}")
+    trainer.close()

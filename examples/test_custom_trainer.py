@@ -1,0 +1,45 @@
+"""The custom trainer of custom_trainer.py against plain PyTorch: the same model as an nn.Module, autograd and
+torch.optim.AdamW, from the same weights on the same fresh random batches (run by `nox -s examples`, with the
+five packages installed and not `megatrain`)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from custom_trainer import CustomTrainer  # noqa: E402
+from reference_model import ReferenceLM  # noqa: E402
+
+from megatrain_optim import AdamWConfig  # noqa: E402
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2"])  # an untied and a tied embedding
+def test_custom_trainer_steps_equal_plain_pytorch(preset_name):
+    adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    trainer = CustomTrainer(preset_name, adamw, dtype=torch.float64, seed=int(torch.randint(0, 2**31, ())))
+    reference = ReferenceLM(trainer.model).double()
+    reference.load_named({name: weight.clone() for name, weight in trainer.weights().items()})
+    no_decay = [p for n, p in reference.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
+    decay = [p for p in reference.parameters() if all(p is not q for q in no_decay)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": adamw.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=adamw.lr,
+        betas=adamw.betas,
+        eps=adamw.eps,
+    )
+    for _ in range(3):
+        tokens = torch.randint(0, trainer.model.vocab_size, (6, 13))
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        loss = trainer.train_step(ids, labels, lr=1e-2)
+        optimizer.zero_grad()
+        expected = reference.loss(ids, labels)
+        expected.backward()
+        optimizer.step()
+        assert loss == pytest.approx(expected.item(), rel=1e-10)
+    ours = trainer.weights()
+    for name, param in reference.named_parameters():
+        assert torch.allclose(ours[name], param.detach(), rtol=1e-9, atol=1e-12), name
+    trainer.close()
