@@ -380,3 +380,14 @@ def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp
         and f"MiB in {tmp_path / 'run'}, whose disk has 0.1 MiB free" in err
     )
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_an_export_of_non_finite_weights_is_refused_naming_the_group(write_config, tmp_path):
+    from megatrain.trainer import NonFiniteError
+
+    trainer = make_trainer(write_config, tmp_path)
+    trainer.store.master(1)[3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"the weights of layer0 hold NaN or Inf; nothing exported"):
+        trainer.export(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    trainer.close()

@@ -45,7 +45,7 @@ from .distributed import (
     leave_ranks,
     shared_arenas,
 )
-from .hf_io import WholeGroups, check_hf_weights, export_hf, load_hf_weights, named_masters
+from .hf_io import WholeGroups, all_finite, check_hf_weights, export_hf, load_hf_weights, named_masters
 from .plan import Machine, Planner, check_plan
 from .rates import run_rates
 from .warmup import warm_up_pipeline
@@ -505,8 +505,15 @@ class Trainer:
 
     def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
         """Write the current weights as a Hugging Face model directory (see `export_hf`); with several
-        ranks, call it on every rank: rank 0 writes (gathering whole groups where hosts split the state)."""
+        ranks, call it on every rank: rank 0 writes (gathering whole groups where hosts split the state). A state
+        holding NaN or Inf is refused, naming the group, before anything is written."""
         self.sync_store()
+        broken = [self.spec.groups[g].name for g in range(self.store.n_groups) if not all_finite(self.store.master(g))]
+        if broken:
+            raise NonFiniteError(
+                f"the weights of {', '.join(broken)} hold NaN or Inf; nothing exported. Resume from the last "
+                "checkpoint (checkpoints hold finite states only) with a lower train.lr or train.grad_clip on"
+            )
         if not self.is_main:
             if self.store_is_split and self.ranks.is_local_main:
                 WholeGroups.replay(self.whole_groups().entries("master"))
