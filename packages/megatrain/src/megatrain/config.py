@@ -31,7 +31,10 @@ class ModelSection:
             )
 
 
-DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages")
+DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference")
+OBJECTIVES = ("sft", "dpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
 
 
@@ -44,7 +47,8 @@ class DataSection:
     dataset: str | None = None
     dataset_dir: str | None = None  # a LLaMA-Factory-style folder with dataset_info.json
     mix_weights: tuple[float, ...] | None = None  # one per dataset: its share of the examples
-    # text: pre-training on `text_field`; alpaca / sharegpt / messages: fine-tuning, loss on assistant turns
+    # text: pre-training on `text_field`; alpaca / sharegpt / messages: fine-tuning, loss on assistant turns;
+    # preference: TRL's prompt / chosen / rejected pairs, as strings or conversations (train.objective: dpo)
     format: str = "text"
     text_field: str = "text"
     tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on the text
@@ -85,10 +89,46 @@ class DataSection:
 
 
 @dataclass(frozen=True)
+class DPOSection:
+    """train.objective: dpo. Names as TRL's DPOConfig (and CPOConfig's simpo_gamma); loss_type picks the loss:
+    sigmoid (DPO; with label_smoothing, cDPO), ipo, hinge, robust, and the reference-free simpo and orpo."""
+
+    beta: float = 0.1  # the inverse temperature of the implicit reward (ORPO: the odds-ratio term's weight)
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0  # cDPO's (sigmoid) and the robust loss's rate of flipped preferences
+    reference_free: bool = False  # a reference that assigns every sequence the same log-probability
+    ref_model: str | None = None  # a Hugging Face directory; None: the policy's initial weights
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+    # prompt tokens kept (its last ones) before the completions are cut to data.seq_len; None: data.seq_len // 2
+    max_prompt_length: int | None = None
+
+    def __post_init__(self):
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ConfigError(f"train.dpo.loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {self.loss_type!r}")
+        if not self.beta > 0:
+            raise ConfigError(f"train.dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"train.dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ConfigError(
+                f"train.dpo.label_smoothing applies to the sigmoid and robust losses, not {self.loss_type}; set it to 0"
+            )
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"train.dpo.max_prompt_length must be >= 1 or null, got {self.max_prompt_length}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
+
+
+@dataclass(frozen=True)
 class TrainSection:
     steps: int = 100
-    batch_size: int = 8  # sequences per optimizer step
-    micro_batch_size: int = 0  # sequences per forward/backward pass; 0 = batch_size
+    batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
+    micro_batch_size: int = 0  # sequences per forward/backward pass (dpo: pairs); 0 = batch_size
+    # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference)
+    objective: str = "sft"
+    dpo: DPOSection = field(default_factory=DPOSection)
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -129,6 +169,8 @@ class TrainSection:
                 f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
             )
         self._check_ranges()
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         unknown = sorted(set(self.trackers) - set(REPORT_TO))
         if unknown:
             raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")
