@@ -440,6 +440,35 @@ def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, family
     assert head.loss_sum(weights, hidden.detach(), labels).item() == pytest.approx(loss_sum.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_rows", [5, 10_000])
+def test_head_token_logps_and_per_token_scales(tied, chunk_rows):
+    """What a step-level objective uses: each target's log-probability (log_softmax's, 0 where ignored), and a
+    [batch, seq] loss scale giving the gradient of sum(scale * token cross-entropy)."""
+    vocab, d, eps = 29, 12, 1e-6
+    head = Head(vocab, d, eps, tied=tied, logit_softcap=2.0)
+    head.chunk_rows = chunk_rows
+    norm = RMSNorm(d, eps)
+    matrix = torch.randn(vocab, d, dtype=torch.float64, requires_grad=True)
+    norm = norm.double()
+    hidden = torch.randn(2, 7, d, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, 7))
+    labels[0, :3] = -100
+    scales = torch.randn(2, 7, dtype=torch.float64)
+    logits = 2.0 * torch.tanh(norm(hidden) @ matrix.T / 2.0)
+    token_logps = logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    token_logps = token_logps * (labels != -100)
+    (-(token_logps * scales).sum()).backward()
+    weights = [matrix.detach().reshape(-1), norm.weight.detach().clone()]
+    if not tied:
+        weights = [torch.cat(weights)]
+    grads = [torch.zeros_like(w) for w in weights]
+    assert rel_err(head.token_logps(weights, hidden.detach(), labels), token_logps.detach()) < 1e-12
+    _, grad_hidden = head.loss(weights, hidden.detach(), labels, scales, grads)
+    assert rel_err(grad_hidden, hidden.grad) < 1e-12
+    assert rel_err(torch.cat(grads)[: vocab * d].view(vocab, d), matrix.grad) < 1e-12
+
+
 def test_wrong_buffer_size_is_refused():
     block = DecoderBlock(BlockShape(8, 2, 2, 4, 16))
     with pytest.raises(ValueError, match="layout needs"):

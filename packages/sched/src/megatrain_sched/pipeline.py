@@ -104,6 +104,7 @@ class StepResult:
     loss_sum: Tensor  # fp32 scalar on the device: summed token losses of the step
     group_sq_norms: Tensor  # [n_groups] fp32 on the device: squared gradient norm per group
     log: list[tuple] = field(default_factory=list)  # ("copy_in"|"reuse"|"compute"|"grad_out", stage or group, slot)
+    token_logps: list[Tensor] | None = None  # per micro-batch [rows, seq], where the head was asked for them
 
 
 @dataclass
@@ -209,6 +210,7 @@ class _Step:
     batches: list[MicroBatch]  # on the device
     train: bool
     warm_up: bool
+    token_logps: list[Tensor] | None  # the head's per-token log-probabilities, where asked for (forward only)
     placement: Placement | None  # as this step runs it (None: evaluation)
     loss_scale: float
     acts: list[Any]  # each micro-batch's activation between stages (token ids first)
@@ -266,6 +268,10 @@ class LayerPipeline:
     called on the compute stream once the group's last backward is queued; the buffer is the callee's
     from then on). A stage binds only such groups or none.
 
+    A step-level `objective` (e.g. `megatrain_templates.DPO`) replaces the summed cross-entropy: the head gives it
+    every micro-batch's target log-probabilities (`token_logps`) before any backward, and it returns the step's
+    loss and each token's coefficient, which the head's backward applies (`loss` with a tensor scale).
+
     Where the first stage's template reads only the rows of its one group that the tokens select
     (`forward_rows(rows, local_ids)`, an embedding), a training step first asks
     `first_rows(group, rows)` for those (sorted unique input ids): a host tensor [len(rows), row]
@@ -288,6 +294,7 @@ class LayerPipeline:
         on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
+        objective: Callable[[list[Tensor]], tuple[Tensor, list[Tensor]]] | None = None,
     ):
         _check_stages(stages, store)
         if n_slots < 2:
@@ -298,6 +305,7 @@ class LayerPipeline:
             expandable_device_memory()
         self.before_fetch, self.updates_done, self.on_grads_landed = before_fetch, updates_done, on_grads_landed
         self.first_rows, self.on_device_grads = first_rows, on_device_grads
+        self.objective = objective
         self._reduce_grad = reduce_grad
         self.reduce_grad = reduce_grad or self._own_shard
         self.timeline = timeline or Timeline(enabled=False)
@@ -709,6 +717,11 @@ class LayerPipeline:
         (fp32 scalar on the device). Nothing is kept for a backward and no gradient is made."""
         return self._run(micro_batches, 0.0, train=False).loss_sum
 
+    def token_logps(self, micro_batches: list[MicroBatch]) -> list[Tensor]:
+        """Forward only, as `evaluate`: each micro-batch's target log-probabilities ([rows, seq], 0 where a label
+        is -100; the head's `token_logps`): what a reference model's pass or an objective's evaluation reads."""
+        return self._run(micro_batches, 0.0, train=False, token_logps=True).token_logps
+
     def warm_up(self, micro_batches: list[MicroBatch], step: list[MicroBatch] | None = None) -> None:
         """Forward and backward of one step on `micro_batches`, its gradients dropped (nothing reaches the
         store or the optimizer): what is built on first use (torch.compile's kernels for each shape and
@@ -728,12 +741,18 @@ class LayerPipeline:
             self.timeline.enabled = enabled
 
     def _run(
-        self, micro_batches: list[MicroBatch], loss_scale: float, train: bool, warm_up: bool = False
+        self,
+        micro_batches: list[MicroBatch],
+        loss_scale: float,
+        train: bool,
+        warm_up: bool = False,
+        token_logps: bool = False,
     ) -> StepResult:
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
         streams, n_stages = self.streams, len(self.stages)
         step = self._begin(micro_batches, loss_scale, train, warm_up)
+        step.token_logps = [] if token_logps else None
         for position, stage_index in enumerate(self.order):
             slot_name, slot = self._slot(position)
             last = self._queue_copies(step, position)
@@ -758,7 +777,7 @@ class LayerPipeline:
                 self._fetch(step.fetched, step.log)
         # the squared norms are written on the copy-out stream, behind each group's reduction
         streams.wait(streams.compute, streams.record(streams.copy_out))
-        return StepResult(step.loss_sum, step.sq_norms, step.log)
+        return StepResult(step.loss_sum, step.sq_norms, step.log, step.token_logps)
 
     def _begin(self, micro_batches: list[MicroBatch], loss_scale: float, train: bool, warm_up: bool) -> _Step:
         """A step's state: the micro-batches on the device, the placement as it runs, its host memory."""
@@ -773,6 +792,7 @@ class LayerPipeline:
             batches,
             train,
             warm_up,
+            None,
             self._fitted(self.placement, tokens) if train and not warm_up else self.placement if train else None,
             loss_scale,
             acts=[mb.input_ids for mb in batches],
@@ -859,17 +879,28 @@ class LayerPipeline:
         return self._offload(kept, step.offloaded_copies, f"checkpoint {stage.name}", room)
 
     def _loss(self, step: _Step, stage_index: int, weights: list[Tensor]) -> None:
-        """The head: each micro-batch's summed loss and, training, the gradient of its input."""
+        """The head: each micro-batch's summed loss (or token log-probabilities) and, training, the gradient of its
+        input: of the loss scaled by `loss_scale`, or, with an `objective`, of the step's objective, whose
+        coefficients for every token come from all micro-batches' log-probabilities before any backward."""
         template = self.stages[stage_index].template
+        labels = [mb.labels for mb in step.batches]
         if not step.train:
-            for m, x in enumerate(step.acts):
-                step.loss_sum += template.loss_sum(weights, x, step.batches[m].labels)
+            for x, target in zip(step.acts, labels):
+                if step.token_logps is not None:
+                    step.token_logps.append(template.token_logps(weights, x, target))
+                else:
+                    step.loss_sum += template.loss_sum(weights, x, target)
             return
         step.offloaded_copies.clear()  # the forward is done: no checkpoint is offloaded again (nor kept by this map)
         grads = self._grad_buffers(stage_index, step.grad_buffers)
-        for m, x in enumerate(step.acts):
-            loss, step.acts[m] = template.loss(weights, x, step.batches[m].labels, step.loss_scale, grads)
+        scales = [step.loss_scale] * len(step.acts)
+        if self.objective is not None and not step.warm_up:
+            loss, scales = self.objective([template.token_logps(weights, x, t) for x, t in zip(step.acts, labels)])
             step.loss_sum += loss
+        for m, x in enumerate(step.acts):
+            loss, step.acts[m] = template.loss(weights, x, labels[m], scales[m], grads)
+            if self.objective is None:
+                step.loss_sum += loss
 
     def _backward(self, step: _Step, stage_index: int, weights: list[Tensor]) -> None:
         """Each micro-batch's backward through a stage from its checkpoint (and kept products), weight gradients

@@ -1,4 +1,5 @@
-"""Stateless layer templates: layouts plus pure forward/backward over flat weight buffers."""
+"""Stateless layer templates: layouts plus pure forward/backward over flat weight buffers; the step-level objectives
+beside the head."""
 
 from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
@@ -28,10 +29,15 @@ from .moe import (
     fused_expert_names,
     moe_params,
 )
+from .objectives import DPO, SequenceObjective, Sequences, dpo_losses
 from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
 
 __all__ = [
+    "DPO",
     "EXPERT_NAMING",
+    "SequenceObjective",
+    "Sequences",
+    "dpo_losses",
     "BlockShape",
     "GatedDeltaNetShape",
     "Mamba2Shape",

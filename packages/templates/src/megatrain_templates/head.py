@@ -78,16 +78,40 @@ class Head:
             loss_sum += _loss_terms(logits, targets[start : start + self.chunk_rows])[2]
         return loss_sum
 
+    @torch.no_grad()
+    def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
+        """Each target's log-probability, forward only: [batch, seq] in fp32 or wider, 0 where labels are -100
+        (what a step-level objective sums per sequence: DPO's log-probability of a completion). Chunk by chunk
+        with the arithmetic of `loss`: -token_logps.sum() is `loss_sum`."""
+        check_buffers(weights, self.groups, "Head.token_logps")
+        matrix = self._matrix_span.view(weights[self._matrix_group])
+        normed = self._normed_rows(hidden, self._norm_span.view(weights[self._norm_group]))
+        rows, targets = normed.reshape(-1, self.d_model), labels.reshape(-1)
+        logps = torch.empty(rows.shape[0], dtype=upcast(rows[:0]).dtype, device=hidden.device)
+        for start in range(0, rows.shape[0], self.chunk_rows):
+            logits = _capped(upcast(rows[start : start + self.chunk_rows] @ matrix.T), self.logit_softcap)
+            chunk_targets = targets[start : start + self.chunk_rows]
+            log_norm, safe_target, _ = _loss_terms(logits, chunk_targets)
+            valid = (chunk_targets != IGNORE_INDEX).to(logits.dtype)
+            logps[start : start + logits.shape[0]] = (logits.gather(1, safe_target) - log_norm).squeeze(1) * valid
+        return logps.view(labels.shape)
+
     def loss(
-        self, weights: list[Tensor], hidden: Tensor, labels: Tensor, loss_scale: float, grads: list[Tensor]
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        labels: Tensor,
+        loss_scale: float | Tensor,
+        grads: list[Tensor],
     ) -> tuple[Tensor, Tensor]:
         """Summed cross-entropy over labels != -100 and its gradient.
 
         hidden: [batch, seq, d_model]; labels: [batch, seq] int64 (already shifted: the
         target of position t). The gradient is that of `loss_scale * sum`, so with
         loss_scale = 1 / (labels counted over the whole optimizer step) micro-batches add
-        up to the gradient of the mean. Returns (sum as an fp32 scalar tensor,
-        grad w.r.t. hidden); weight gradients are added into `grads` (flat fp32).
+        up to the gradient of the mean; `loss_scale` may also be a [batch, seq] tensor, each token's
+        d(loss)/d(its cross-entropy) (a step-level objective's coefficients). Returns (sum as an fp32
+        scalar tensor, grad w.r.t. hidden); weight gradients are added into `grads` (flat fp32).
         """
         check_buffers(weights, self.groups, "Head.loss")
         check_buffers(grads, self.groups, "Head.loss grads")
@@ -103,6 +127,8 @@ class Head:
         loss_dtype = upcast(rows[:0]).dtype
         loss_sum = torch.zeros((), dtype=loss_dtype, device=hidden.device)
         # d(scaled loss)/d(row loss), kept in fp32 so that a bf16 rounding of loss_scale never biases gradients
+        if isinstance(loss_scale, Tensor):
+            loss_scale = loss_scale.reshape(-1).to(device=hidden.device, dtype=loss_dtype)
         row_scale = (targets != IGNORE_INDEX).to(loss_dtype) * loss_scale
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = rows[start : start + self.chunk_rows]

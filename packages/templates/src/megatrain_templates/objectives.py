@@ -1,0 +1,176 @@
+"""Step-level objectives: a loss over the log-probabilities the head gives each sequence of a step, turned into the
+coefficient of every token's cross-entropy, which the head's backward applies (`Head.loss` with a tensor scale).
+
+The pipeline calls an objective once per training step, at the head, with every micro-batch's token
+log-probabilities (`Head.token_logps`), before any backward: the loss may couple any sequences of the step (a
+preference pair's chosen and rejected). `SequenceObjective` sums the tokens per sequence, differentiates its
+subclass's `loss` of those sums by autograd, and spreads each sequence's coefficient over its tokens: a new
+objective is a `loss` of a page (see `DPO`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class Sequences:
+    """A step's sequences as the head scores them: the summed log-probability of each one's trained tokens
+    ([n_sequences], differentiable inside an objective's `loss`) and how many trained tokens each has."""
+
+    logps: Tensor
+    lengths: Tensor
+
+    @property
+    def mean_logps(self) -> Tensor:
+        """Per-token average log-probability (SimPO's, IPO's and ORPO's length-normalised scores)."""
+        return self.logps / self.lengths.clamp_min(1)
+
+
+class SequenceObjective:
+    """A loss of the step's per-sequence log-probabilities. Before a step, `begin_step(sequence_of)` says which
+    sequence each trained token belongs to: per micro-batch a [rows, seq] int64 tensor, -1 where a token is not
+    trained (its label is -100). Subclasses implement `loss(policy) -> (loss, metrics)`."""
+
+    def __init__(self):
+        self.sequence_of: list[Tensor] = []
+        self.n_sequences = 0
+        self.metrics: dict[str, float] = {}
+
+    def begin_step(self, sequence_of: list[Tensor]) -> None:
+        self.sequence_of = sequence_of
+        self.n_sequences = max(int(s.max()) for s in sequence_of) + 1 if sequence_of else 0
+
+    def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def __call__(self, token_logps: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The pipeline's hook: (the step's loss, per micro-batch each token's d loss / d its cross-entropy)."""
+        device, dtype = token_logps[0].device, token_logps[0].dtype
+        sums = torch.zeros(self.n_sequences, dtype=dtype, device=device)
+        lengths = torch.zeros(self.n_sequences, dtype=dtype, device=device)
+        owners = []
+        for logps, sequence_of in zip(token_logps, self.sequence_of):
+            owner = sequence_of.to(device)
+            trained = owner >= 0
+            owner = torch.where(trained, owner, self.n_sequences)  # an extra bin for tokens of no sequence
+            owners.append(owner)
+            padded = torch.zeros(self.n_sequences + 1, dtype=dtype, device=device)
+            sums += padded.index_add(0, owner.reshape(-1), logps.reshape(-1))[:-1]
+            lengths += padded.index_add(0, owner.reshape(-1), trained.reshape(-1).to(dtype))[:-1]
+        with torch.enable_grad():
+            policy = Sequences(sums.detach().requires_grad_(True), lengths)
+            loss, metrics = self.loss(policy)
+            (coefficient,) = torch.autograd.grad(loss, policy.logps)
+        self.metrics = {name: float(value) for name, value in metrics.items()}
+        # d loss / d(token cross-entropy) = -d loss / d(token log-probability), per sequence; 0 for none
+        per_token = torch.cat([-coefficient, coefficient.new_zeros(1)])
+        return loss.detach(), [per_token[owner] for owner in owners]
+
+
+class DPO(SequenceObjective):
+    """Direct preference optimisation and its family over pairs: sequence 2i is pair i's chosen completion, 2i + 1
+    its rejected one (the prompt's tokens are not trained, so each sum is the completion's log-probability). The
+    loss is the mean over the step's pairs (`n_pairs`, all processes'), as TRL's DPOTrainer, CPOTrainer (SimPO)
+    and ORPOTrainer compute it; `reference` are the reference model's sums for the same sequences (None for the
+    reference-free losses). Metrics as TRL names them."""
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        reference_free: bool = False,
+        simpo_gamma: float = 0.5,
+    ):
+        super().__init__()
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.reference_free, self.simpo_gamma = reference_free, simpo_gamma
+        self.reference: Sequences | None = None
+        self.n_pairs = 0
+
+    def begin_step(self, sequence_of: list[Tensor], reference: Sequences | None = None, n_pairs: int = 0) -> None:
+        """`reference`: the reference model's summed log-probabilities of the step's sequences (and lengths);
+        `n_pairs`: the pairs the loss averages over (0: this step's)."""
+        super().begin_step(sequence_of)
+        self.reference, self.n_pairs = reference, n_pairs or self.n_sequences // 2
+
+    def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
+        if self.loss_type == "orpo":
+            return self._orpo(policy)
+        if self.loss_type == "simpo":
+            return self._simpo(policy)
+        average = self.loss_type == "ipo"  # (TRL's IPO scores each completion by its mean log-probability)
+        scores = policy.mean_logps if average else policy.logps
+        if self.reference is None or self.reference_free:
+            reference = torch.zeros_like(scores)
+        else:
+            reference = self.reference.mean_logps if average else self.reference.logps
+            reference = reference.to(scores)
+        chosen, rejected = scores[0::2] - reference[0::2], scores[1::2] - reference[1::2]
+        losses = dpo_losses(chosen - rejected, self.beta, self.loss_type, self.label_smoothing)
+        rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
+        return losses.sum() / self.n_pairs, _pair_metrics(scores.detach(), *rewards)
+
+    def _simpo(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
+        """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward", eq. 6):
+        -log sigmoid(beta (mean logp_chosen - mean logp_rejected) - gamma), label smoothing as cDPO's. TRL's
+        CPOTrainer adds cpo_alpha x the chosen completions' cross-entropy by default; the paper's SimPO does not."""
+        scores = policy.mean_logps
+        margin = scores[0::2] - scores[1::2] - self.simpo_gamma / self.beta
+        losses = dpo_losses(margin, self.beta, "sigmoid", self.label_smoothing)
+        rewards = self.beta * scores[0::2].detach(), self.beta * scores[1::2].detach()
+        return losses.sum() / self.n_pairs, _pair_metrics(scores.detach(), *rewards)
+
+    def _orpo(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
+        """ORPO (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference Model", eq. 6-7): the
+        chosen completions' cross-entropy (mean over their tokens) minus beta x the mean over pairs of
+        log sigmoid(log odds(chosen) - log odds(rejected)), each odds of the completion's mean log-probability p:
+        p - log(1 - e^p)."""
+        scores = policy.mean_logps
+        chosen, rejected = scores[0::2], scores[1::2]
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        chosen_tokens = policy.lengths[0::2].sum()
+        nll = -policy.logps[0::2].sum() / chosen_tokens
+        loss = nll - self.beta * F.logsigmoid(log_odds).sum() / self.n_pairs
+        metrics = _pair_metrics(scores.detach(), self.beta * chosen.detach(), self.beta * rejected.detach())
+        return loss, metrics | {"nll_loss": nll.detach(), "log_odds_ratio": F.logsigmoid(log_odds).detach().mean()}
+
+
+def dpo_losses(logits: Tensor, beta: float, loss_type: str, label_smoothing: float = 0.0) -> Tensor:
+    """Each pair's loss of `logits` = (policy - reference) log-ratio of chosen over rejected, as TRL's dpo_loss:
+
+    - sigmoid: DPO (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward
+      Model", eq. 7); with label_smoothing eps, cDPO (Mitchell 2023, "A note on DPO with noisy preferences", eq. 3):
+      -(1 - eps) log sigmoid(beta x) - eps log sigmoid(-beta x)
+    - robust: Chowdhury et al. 2024, "Provably Robust DPO", eq. 8:
+      (-(1 - eps) log sigmoid(beta x) + eps log sigmoid(-beta x)) / (1 - 2 eps)
+    - hinge: the SLiC / RSO hinge (Liu et al. 2023, "Statistical Rejection Sampling Improves Preference
+      Optimization", eq. 9): max(0, 1 - beta x)
+    - ipo: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences", eq. 17:
+      (x - 1 / (2 beta))^2, beta the paper's tau
+    """
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
+    if loss_type == "robust":
+        flipped = F.logsigmoid(-beta * logits) * label_smoothing
+        return (-F.logsigmoid(beta * logits) * (1 - label_smoothing) + flipped) / (1 - 2 * label_smoothing)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * logits)
+    if loss_type == "ipo":
+        return (logits - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown DPO loss type {loss_type!r}")
+
+
+def _pair_metrics(scores: Tensor, chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor]:
+    """TRL's metrics of a step's pairs: the rewards' means, accuracy and margin, the completions' scores."""
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(scores.dtype).mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "logps/chosen": scores[0::2].mean(),
+        "logps/rejected": scores[1::2].mean(),
+    }
