@@ -184,6 +184,19 @@ class TrainSection:
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
+    @property
+    def rows_per_example(self) -> int:
+        """Rows (sequences) an example of batch_size is: a preference pair's two for dpo, else one."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.rows_per_example
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.rows_per_example
+
     def _check_ranges(self) -> None:
         """Values outside their range fail here rather than being taken silently (keep_last 0 kept every
         checkpoint, save_every -1 saved every step) or deep in a step (seed -1)."""

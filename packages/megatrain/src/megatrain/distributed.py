@@ -177,6 +177,12 @@ class RankSync:
         dist.all_reduce(tensor, group=None if across_hosts else self.ranks.node_group)
         return tensor
 
+    def gather_rows(self, rows: Tensor) -> Tensor:
+        """Every rank's `rows` (a host tensor of its share of a batch's rows, any length), in rank order."""
+        parts = [None] * self.ranks.world_size
+        dist.all_gather_object(parts, rows)
+        return torch.cat(parts)
+
     def sum_over_shards(self, tensor: Tensor) -> Tensor:
         """Sum per-shard quantities (squared gradient norms) over the ranks whose shards tile the
         gradient once: this host's, or every rank where the hosts split the state."""

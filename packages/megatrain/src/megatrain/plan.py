@@ -355,7 +355,7 @@ class Planner:
         self.wire_copy = (engine.wire_copy or self.split) and self.dtype != torch.float32
         self.per_param = bytes_per_param(self.dtype, len(STATE_NAMES), self.full_grads, self.wire_copy)
         self.world = machine.gpus * machine.hosts
-        self.micro_tokens = config.train.micro_batch_size * config.data.seq_len
+        self.micro_tokens = config.train.rows_per_micro_batch * config.data.seq_len
         width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
         # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in the
         # compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)
@@ -604,7 +604,7 @@ class Planner:
         def compute_bound(tokens: int) -> bool:
             return slowest(self.phases(self.place(tokens, explain=False))) == "compute"
 
-        low, high = 0, max(1, self.config.train.batch_size * self.config.data.seq_len // self.world)
+        low, high = 0, max(1, self.config.train.rows_per_step * self.config.data.seq_len // self.world)
         while not compute_bound(high) and high < 2**40:
             low, high = high, 2 * high
         while high - low > max(1, high // 1000):  # to 0.1%: a plan per probe
@@ -913,7 +913,7 @@ def make_plan(
     per GPU, and the step splits the global batch over every GPU."""
     model = model or model_config_of(config)
     planner = Planner(config, model, rates or load_rates(), Machine.of(config, gpu_memory, host_memory, gpus, hosts))
-    tokens = config.train.batch_size * config.data.seq_len // (gpus * hosts)
+    tokens = config.train.rows_per_step * config.data.seq_len // (gpus * hosts)
     return planner.plan(planner.place(tokens))
 
 
@@ -1000,7 +1000,7 @@ def _check_gpu(plan: Plan, config: Config, model: ModelConfig) -> None:
                 f"engine.{setting}: {count} keeps {nbytes / gib:.1f} GiB {what} on the GPU, more than its "
                 f"{available / gib:.1f} GiB leave beside the rest of the step; set engine.{setting}: auto or fewer"
             )
-    per_sequence = plan.checkpoint_bytes // config.train.batch_size
+    per_sequence = plan.checkpoint_bytes // config.train.rows_per_step
     on_gpu = plan.checkpoint_bytes * (plan.checkpoint_stages - plan.offloaded_layers) // max(1, plan.checkpoint_stages)
     fixed = plan.gpu_bytes - on_gpu - plan.kept_bytes - plan.held_bytes - plan.gpu_updated_bytes
     largest_batch = max(0, int((available - fixed) // max(1, per_sequence)))

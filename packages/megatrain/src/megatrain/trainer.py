@@ -31,7 +31,7 @@ from megatrain_optim import (
 )
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
-from megatrain_templates import Documents
+from megatrain_templates import DPO, Documents, SequenceObjective, Sequences
 from megatrain_zoo import CORRECTION_BIASED, ModelConfig, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -71,9 +71,12 @@ class StepMetrics:
     router_max_violation: float | None = None
     router_seq_aux_loss: float | None = None  # MoE: the sequence-wise balance loss, where on (in `loss`)
     router_z_loss: float | None = None  # MoE: the router z-loss, where on (in `loss`)
+    objective: dict | None = None  # a step-level objective's metrics (DPO: TRL's rewards/*, logps/*)
 
     def as_dict(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items() if v is not None}
+        values = {k: v for k, v in self.__dict__.items() if v is not None and k != "objective"}
+        values |= self.objective or {}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}
 
 
 def check_router_settings(config: Config, model: ModelConfig) -> None:
@@ -140,6 +143,8 @@ class Trainer:
         self.optimizer = self.updates = self.policy = self.device_optimizer = None
         if training:
             self._new_updates()
+        self.objective = make_objective(config)
+        self.rows_per_example = config.train.rows_per_example  # a preference pair: chosen, rejected
         self.pipeline = self._new_pipeline()
         self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
         self._place(self.placement)
@@ -159,7 +164,7 @@ class Trainer:
         """The planner's placement for the configured step (evaluation: every layer streamed, nothing resident),
         or the one engine.placement's file holds."""
         planner, engine = self.planner, self.config.engine
-        tokens = self.config.train.batch_size * self.config.data.seq_len // planner.world
+        tokens = self.config.train.rows_per_step * self.config.data.seq_len // planner.world
         if not self.training:
             return Placement.build(planner.n_stages, tokens=tokens, experts_per_stage=planner.experts_per_stage)
         if engine.placement == "auto":
@@ -246,6 +251,7 @@ class Trainer:
             n_slots=self.config.engine.n_slots,
             timeline=self.timeline,
             reduce_grad=None if self.sync is None else self.sync.reduce_grad,
+            objective=self.objective,
             **hooks,
         )
 
@@ -322,6 +328,15 @@ class Trainer:
         self.plan = self.planner.plan(placement)
 
     # ------------------------------------------------------------------- step
+    def my_rows(self, n_rows: int) -> range:
+        """The rows of a batch this rank runs: all of them, or its contiguous share with several ranks (whole
+        examples: a preference pair's two rows stay on one rank)."""
+        unit = self.rows_per_example
+        if self.ranks is None:
+            return range(n_rows)
+        bounds = [n_rows // unit * r // self.ranks.world_size * unit for r in range(self.ranks.world_size + 1)]
+        return range(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
+
     def micro_batches(
         self,
         input_ids: torch.Tensor,
@@ -329,14 +344,9 @@ class Trainer:
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
     ) -> list[MicroBatch]:
-        """This rank's rows of a batch in micro-batches of train.micro_batch_size rows (the last may be short):
-        all of them, or its contiguous share with several ranks."""
-        rows, size = input_ids.shape[0], self.config.train.micro_batch_size
-        if self.ranks is not None:
-            bounds = [rows * r // self.ranks.world_size for r in range(self.ranks.world_size + 1)]
-            mine = range(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
-        else:
-            mine = range(rows)
+        """This rank's rows of a batch (`my_rows`) in micro-batches of train.micro_batch_size examples (rows; a
+        preference pair's two) (the last may be short)."""
+        mine, size = self.my_rows(input_ids.shape[0]), self.config.train.rows_per_micro_batch
         micro = []
         for start in range(mine.start, mine.stop, size):
             part = slice(start, min(start + size, mine.stop))
@@ -352,10 +362,13 @@ class Trainer:
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        reference: Sequences | None = None,
     ) -> StepMetrics:
         """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
         restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
-        False for padding tokens, which MoE routing statistics leave out, or None).
+        False for padding tokens, which MoE routing statistics leave out, or None). With the DPO objective rows
+        2i and 2i + 1 are pair i's chosen and rejected sequences and `reference` the reference model's summed
+        log-probabilities of every row (`sequence_logps`; None where the loss needs none).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
@@ -368,6 +381,9 @@ class Trainer:
         micro = self.micro_batches(input_ids, labels, position_ids, valid)
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
+        if self.objective is not None:
+            self._begin_objective(micro, input_ids.shape[0], reference)
+            n_targets = 1  # (the objective's loss is the step's loss)
         lr = lr_at(self.step_index, self.schedule)
         self.policy.begin_step(self.step_index, lr)
         if self.spec.router_load is not None:
@@ -380,10 +396,30 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = input_ids.numel()
         flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
+        metrics = None if self.objective is None else self.objective.metrics
         return StepMetrics(
             self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped,
-            *router,
+            *router, metrics,
         )  # fmt: skip
+
+    def _begin_objective(self, micro: list[MicroBatch], n_rows: int, reference: Sequences | None) -> None:
+        """Tell the objective which of this rank's sequences each trained token belongs to (one a row) and, for
+        DPO, the reference's scores of those rows and the pairs of the whole step."""
+        owners, first = [], self.my_rows(n_rows).start
+        row = 0
+        for mb in micro:
+            rows = torch.arange(row, row + mb.labels.shape[0]).unsqueeze(1)
+            owners.append(torch.where(mb.labels != -100, rows, -1))
+            row += mb.labels.shape[0]
+        if not isinstance(self.objective, DPO):
+            self.objective.begin_step(owners)
+            return
+        if reference is not None:
+            mine = slice(first, first + row)
+            reference = Sequences(reference.logps[mine], reference.lengths[mine])
+        elif self.config.train.dpo.needs_reference:
+            raise ConfigError("train.dpo.loss_type needs the reference model's log-probabilities: give `reference`")
+        self.objective.begin_step(owners, reference, n_pairs=n_rows // 2)
 
     def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
         """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
@@ -392,7 +428,7 @@ class Trainer:
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
-        loss = loss_sum.item() / n_targets
+        loss = loss_sum.item() / n_targets  # (an objective's loss is the step's already: n_targets 1)
         router_load = self.spec.router_load
         aux = violation = sequence_aux = z = None
         if router_load is not None:
@@ -428,6 +464,28 @@ class Trainer:
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
         return loss_sum.item(), int((labels != -100).sum())
+
+    @torch.no_grad()
+    def sequence_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> Sequences:
+        """Every row's summed log-probability of its trained tokens and their count ([rows] each, float64 on the
+        host), forward only, the weights streamed once for all rows (a reference model's pass); every rank runs its
+        share of the rows."""
+        self.finish_updates()
+        self._load_device_state()
+        micro = self.micro_batches(input_ids, labels, position_ids, valid)
+        sums = [t.sum(-1).double().cpu() for t in (self.pipeline.token_logps(micro) if micro else [])]
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
+        sums = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+        if self.sync is not None:
+            sums = self.sync.gather_rows(sums)
+        return Sequences(sums, (labels != -100).sum(-1).to(torch.float64))
 
     # ------------------------------------------------------------------ state
     def finish_updates(self) -> None:
@@ -548,3 +606,11 @@ def read_placement(path: Path, planner: Planner) -> Placement:
             "use the placement of this model and engine.experts_per_stage, or auto"
         )
     return placement
+
+
+def make_objective(config: Config) -> SequenceObjective | None:
+    """The step-level objective train.objective names (None: the summed cross-entropy of SFT)."""
+    if config.train.objective == "sft":
+        return None
+    dpo = config.train.dpo
+    return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)

@@ -14,7 +14,7 @@ def warm_up_pipeline(trainer) -> float:
     start = time.perf_counter()
     train, data = trainer.config.train, trainer.config.data
     tokens = torch.randint(
-        0, trainer.model_config.vocab_size, (train.batch_size, data.seq_len), generator=torch.Generator()
+        0, trainer.model_config.vocab_size, (train.rows_per_step, data.seq_len), generator=torch.Generator()
     )
     valid = positions = None
     if data.dataset is not None:

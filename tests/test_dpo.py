@@ -1,0 +1,166 @@
+"""DPO steps against plain PyTorch + torch.optim.AdamW: each completion's summed log-probability from the model's
+logits, the loss as the papers state it (written out here, apart from megatrain_templates.objectives), the
+reference model a frozen copy of the initial weights. The model is transformers' in float32 and the tests' own
+nn.Module in float64 (transformers computes its norms in fp32 whatever the dtype: 1e-9 from float64). Fresh
+weights and pairs every run."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from reference_model import ReferenceLM
+from test_exactness import CASES, rel_err
+
+from megatrain import Trainer
+from megatrain.config import Config, DataSection, DPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_optim import Schedule, lr_at
+from megatrain_templates import Sequences
+from megatrain_zoo import config_to_hf, preset
+
+SEQ = 14
+
+
+def random_pairs(n_pairs: int, vocab: int, generator: torch.Generator):
+    """(input_ids, labels) of n_pairs pairs: rows 2i (chosen) and 2i + 1 (rejected) share a prompt of 3-6 tokens
+    (untrained) and end in completions of their own, trained, padded to SEQ."""
+    ids = torch.randint(0, vocab, (2 * n_pairs, SEQ), generator=generator)
+    labels = torch.full_like(ids, -100)
+    for pair in range(n_pairs):
+        prompt = int(torch.randint(3, 7, (), generator=generator))
+        ids[2 * pair + 1, :prompt] = ids[2 * pair, :prompt]
+        for row in (2 * pair, 2 * pair + 1):
+            end = int(torch.randint(prompt + 2, SEQ + 1, (), generator=generator))
+            labels[row, prompt - 1 : end - 1] = ids[row, prompt:end]
+    return ids, labels
+
+
+def completion_logps(model, ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's trained tokens, their count) from the model's logits."""
+    logits = model.logits(ids) if isinstance(model, ReferenceLM) else model(input_ids=ids).logits
+    logps = logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    trained = labels != -100
+    return (logps * trained).sum(-1), trained.sum(-1)
+
+
+def paper_loss(sums, lengths, ref_sums, dpo: DPOSection):
+    """The mean over pairs of each paper's loss (rows 2i chosen, 2i + 1 rejected)."""
+    beta, eps = dpo.beta, dpo.label_smoothing
+    mean, ref_mean = sums / lengths, ref_sums / lengths
+    c, r = sums[0::2], sums[1::2]
+    if dpo.loss_type in ("sigmoid", "robust", "hinge"):
+        x = (c - ref_sums[0::2]) - (r - ref_sums[1::2])
+        if dpo.loss_type == "hinge":
+            return torch.clamp(1 - beta * x, min=0).mean()
+        sign = -1 if dpo.loss_type == "sigmoid" else 1
+        loss = -(1 - eps) * F.logsigmoid(beta * x) + sign * eps * F.logsigmoid(-beta * x)
+        return (loss / (1 if dpo.loss_type == "sigmoid" else 1 - 2 * eps)).mean()
+    if dpo.loss_type == "ipo":
+        x = (mean[0::2] - ref_mean[0::2]) - (mean[1::2] - ref_mean[1::2])
+        return ((x - 1 / (2 * beta)) ** 2).mean()
+    if dpo.loss_type == "simpo":
+        return -F.logsigmoid(beta * (mean[0::2] - mean[1::2]) - dpo.simpo_gamma).mean()
+    chosen, rejected = mean[0::2], mean[1::2]  # orpo
+    odds = torch.log(chosen.exp() / (1 - chosen.exp())) - torch.log(rejected.exp() / (1 - rejected.exp()))
+    return -c.sum() / lengths[0::2].sum() - beta * F.logsigmoid(odds).mean()
+
+
+@pytest.mark.parametrize("dtype", list(CASES))
+@pytest.mark.parametrize(
+    "dpo",
+    [
+        DPOSection(beta=0.5),
+        DPOSection(beta=0.3, label_smoothing=0.2),  # cDPO
+        DPOSection(beta=0.3, loss_type="robust", label_smoothing=0.2),
+        DPOSection(beta=0.5, loss_type="hinge"),
+        DPOSection(beta=0.5, loss_type="ipo"),
+        DPOSection(beta=2.0, loss_type="simpo", simpo_gamma=0.5),
+        DPOSection(beta=0.5, loss_type="orpo"),
+    ],
+    ids=["sigmoid", "cdpo", "robust", "hinge", "ipo", "simpo", "orpo"],
+)
+def test_dpo_steps_equal_transformers(dtype, dpo, tmp_path):
+    check_dpo_steps(dtype, dpo, "tiny-llama", tmp_path, micro_batch_size=1)
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])  # a pair's two rows in one micro-batch, pairs across two
+def test_dpo_micro_batches_give_the_step_of_one_batch(micro_batch_size, tmp_path):
+    check_dpo_steps("float64", DPOSection(beta=0.5), "tiny-qwen2", tmp_path, micro_batch_size=micro_batch_size)
+
+
+def plain_model(preset_name: str, dtype: str, weights: dict):
+    """transformers' model of the preset (float32), or the tests' own (float64), with `weights`."""
+    if dtype == "float64":
+        model = ReferenceLM(preset(preset_name)).double()
+        model.load_named({k: v.clone() for k, v in weights.items()})
+        return model
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(preset_name)))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict({k: v.clone() for k, v in weights.items()}, strict=False)
+    if preset(preset_name).tie_embeddings:
+        model.tie_weights()
+    return model
+
+
+def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3):
+    lr, tolerance = CASES[dtype]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    train = TrainSection(
+        steps=steps,
+        batch_size=n_pairs,
+        micro_batch_size=micro_batch_size,
+        lr=lr,
+        eps=1e-6,
+        weight_decay=0.1,
+        grad_clip=0.0,
+        warmup_steps=1,
+        seed=seed,
+        objective="dpo",
+        dpo=dpo,
+    )
+    config = Config(
+        model=ModelSection(preset=preset_name),
+        data=DataSection(seq_len=SEQ),
+        train=train,
+        precision=PrecisionSection(dtype),
+        device="cpu",
+        output_dir=str(tmp_path),
+    )
+    trainer = Trainer(config)
+    model = plain_model(preset_name, dtype, trainer.named_weights())
+    frozen = copy.deepcopy(model).eval()
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
+    decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=train.betas,
+        eps=1e-6,
+    )
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
+        ours_reference = trainer.sequence_logps(ids, labels) if step == 0 else None
+        with torch.no_grad():
+            ref_sums, lengths = completion_logps(frozen, ids, labels)
+        if ours_reference is not None:  # the engine's forward-only pass equals the model's at the initial weights
+            assert rel_err(ours_reference.logps, ref_sums) < tolerance
+        reference = Sequences(ref_sums.double(), lengths.double()) if dpo.needs_reference else None
+        metrics = trainer.train_step(ids, labels, reference=reference)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        sums, _ = completion_logps(model, ids, labels)
+        loss = paper_loss(sums, lengths.to(sums.dtype), ref_sums, dpo)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        optimizer.step()
+        assert metrics.loss == pytest.approx(loss.item(), rel=tolerance, abs=tolerance)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=10 * tolerance)
+        assert {"rewards/chosen", "rewards/accuracies", "logps/rejected"} <= set(metrics.as_dict())
+    ours = trainer.named_weights()
+    for name, param in model.named_parameters():
+        assert rel_err(ours[name], param.detach()) < 10 * tolerance, name
+    trainer.close()
