@@ -103,7 +103,14 @@ def plain_model(preset_name: str, dtype: str, weights: dict):
     return model
 
 
-def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3):
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo"])
+def test_gpu_dpo_steps_equal_plain_pytorch(loss_type, tmp_path):
+    """The CUDA engine (streams, the head's chunks, resident first layers) in float64 against the plain model."""
+    check_dpo_steps("float64", DPOSection(beta=0.5, loss_type=loss_type), "tiny-qwen2", tmp_path, 1, device="cuda")
+
+
+def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3, device="cpu"):
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()))
     train = TrainSection(
@@ -124,7 +131,7 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
         data=DataSection(seq_len=SEQ),
         train=train,
         precision=PrecisionSection(dtype),
-        device="cpu",
+        device=device,
         output_dir=str(tmp_path),
     )
     trainer = Trainer(config)
@@ -144,7 +151,7 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
         ours_reference = trainer.sequence_logps(ids, labels) if step == 0 else None
         with torch.no_grad():
-            ref_sums, lengths = completion_logps(frozen, ids, labels)
+            ref_sums, lengths = completion_logps(frozen, ids, labels)  # (the plain models stay on the CPU)
         if ours_reference is not None:  # the engine's forward-only pass equals the model's at the initial weights
             assert rel_err(ours_reference.logps, ref_sums) < tolerance
         reference = Sequences(ref_sums.double(), lengths.double()) if dpo.needs_reference else None

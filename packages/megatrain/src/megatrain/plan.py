@@ -165,6 +165,7 @@ class Plan:
     gpu_updated_bytes: int = 0  # GPU memory the resident state takes (and, with clipping, their gradients)
     host_kept_bytes: int = 0  # host memory the host-kept products take (in host_bytes)
     stage_names: list[str] = field(default_factory=list)
+    reference_tokens_per_s: float = 0.0  # DPO's reference pass, forward only (0: none)
 
     @property
     def experts_per_stage(self) -> int:
@@ -594,6 +595,18 @@ class Planner:
             "network": self.network_s(),
         }
 
+    def reference_tokens_per_s(self, placement: Placement) -> float:
+        """DPO's reference pass (forward only, before training): tokens per second, the weights streamed once for
+        `reference.PASS_STEPS` steps' rows; 0 where the objective needs no reference."""
+        from .reference import PASS_STEPS
+
+        dpo = self.config.train.dpo
+        if self.config.train.objective != "dpo" or not dpo.needs_reference:
+            return 0.0
+        forward_s = FORWARD_SHARE * self.layers_s(placement) * PASS_STEPS
+        weights_s = self.model.n_params * self._wire() / (self.rates.pcie_gbps * 1e9)
+        return PASS_STEPS * placement.tokens * self.world / max(forward_s, weights_s)
+
     def step_s(self, placement: Placement) -> float:
         return max(self.phases(placement).values()) + self.boundary_s(placement)
 
@@ -895,6 +908,7 @@ class Planner:
             gpu_updated_bytes=self.resident_state_bytes(placement),
             host_kept_bytes=self.machine.gpus * len(placement.host_kept) * stage_products,
             stage_names=self.names,
+            reference_tokens_per_s=self.reference_tokens_per_s(placement),
         )
 
 
@@ -1087,7 +1101,12 @@ def format_plan(plan: Plan, model_name: str) -> str:
             if plan.bound == "compute"
             else f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
         ),
-        f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS",
+        f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS"
+        + (
+            f"; DPO's reference pass before training (forward only) {plan.reference_tokens_per_s:,.0f} tokens/s"
+            if plan.reference_tokens_per_s
+            else ""
+        ),
         f"rates            {'GPU' if plan.gpu_available else 'CPU'} blocks {plan.rates.gpu_tflops}"
         + (f" (kept {plan.rates.gpu_kept_tflops})" if plan.rates.gpu_kept_tflops else "")
         + f" / head {plan.rates.head_tflops} TFLOPS, "

@@ -203,6 +203,20 @@ class Trainer:
             }
         return {"shard": (ranks.local_rank, ranks.local_world_size)}
 
+    def load_weights(self, model_dir: Path | None) -> None:
+        """Put a Hugging Face directory's weights into the store (None: the run's initial weights again), on every
+        rank of the host (a reference model's pass between two policies, say); the optimizer state is untouched."""
+        self.finish_updates()
+        if self.ranks is None or self.ranks.is_local_main:
+            if model_dir is None:
+                self._init_weights()
+            else:
+                check_hf_weights(self.spec, model_dir)
+                load_hf_weights(self.store, self.spec, model_dir)
+        if self.sync is not None:
+            self.sync.barrier()
+        self._device_state_loaded = False  # resident groups take the store's weights at their next use
+
     def _init_weights(self) -> None:
         if self.config.model.hf_dir is not None:
             load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))

@@ -1,0 +1,118 @@
+"""DPO's reference model, streamed once: every preference row's log-probability under the reference weights,
+computed in one forward-only pass before training and cached on disk beside the tokenised data, so that training
+holds one model. The reference is the policy's initial weights, or `train.dpo.ref_model`'s directory (loaded into
+the same host store for the pass, then replaced by the policy's weights).
+"""
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from megatrain_store import atomic_write
+from megatrain_templates import Sequences
+from megatrain_zoo import ZooError, read_hf_config
+
+from .config import ConfigError
+from .data import Tokens
+
+# The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
+# only each micro-batch's current activation)
+PASS_STEPS = 4
+
+
+def check_reference_model(ref_dir: Path, policy) -> None:
+    """Refuse, before any weights are loaded, a reference whose architecture or vocabulary is not the policy's."""
+    try:
+        reference = read_hf_config(ref_dir)
+    except ZooError as error:
+        raise ConfigError(f"train.dpo.ref_model {ref_dir}: {error}") from error
+    for field in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
+        if getattr(reference, field) != getattr(policy, field):
+            raise ConfigError(
+                f"train.dpo.ref_model {ref_dir} has {field} {getattr(reference, field)!r} where the policy has "
+                f"{getattr(policy, field)!r}; the reference must be the policy's model with other weights "
+                "(its SFT checkpoint, say), or leave ref_model unset to use the initial weights"
+            )
+
+
+def reference_key(trainer, rows: Tokens) -> str:
+    """What the cached scores depend on: the rows' tokens and masks, the reference weights (a directory's files,
+    or the policy's initial weights: its directory's or the seeded initialisation), the model and compute dtype."""
+    config = trainer.config
+    digest = hashlib.sha256()
+    for array in (rows.tokens, rows.loss_mask):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    source = config.train.dpo.ref_model or config.model.hf_dir
+    if source is not None:
+        for path in sorted(Path(source).glob("*.safetensors")) + [Path(source) / "config.json"]:
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    else:
+        digest.update(f"{config.model.preset}:{config.train.seed}".encode())
+    digest.update(json.dumps([repr(trainer.model_config), str(trainer.compute_dtype)]).encode())
+    return digest.hexdigest()[:16]
+
+
+def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "training") -> np.ndarray:
+    """Every row's summed log-probability of its trained tokens under the reference ([rows] float64), from the cache
+    or one forward-only streamed pass (said in one line, with its time and tokens/s). The trainer's store must hold
+    the policy's initial weights; it does again afterwards."""
+    path = cache_dir / f"reference-{reference_key(trainer, rows)}.npy"
+    if path.exists():
+        return np.load(path)
+    ref_dir = trainer.config.train.dpo.ref_model
+    if ref_dir is not None:
+        trainer.load_weights(Path(ref_dir))
+    start = time.perf_counter()
+    scores = _forward_pass(trainer, rows, what)
+    seconds = time.perf_counter() - start
+    if ref_dir is not None:
+        trainer.load_weights(None)  # the policy's initial weights back
+    if trainer.is_main:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda handle: np.save(handle, scores))
+        tokens = int(np.asarray(rows.tokens).size)
+        print(
+            f"megatrain: reference log-probabilities of {len(scores)} {what} sequences in {seconds:.1f} s "
+            f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, forward only), cached in {path}",
+            file=sys.stderr,
+        )
+    return scores
+
+
+def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
+    """The rows' summed log-probabilities, PASS_STEPS training steps' rows at a time."""
+    n_rows = len(rows.tokens)
+    per_pass = PASS_STEPS * trainer.config.train.rows_per_step
+    scores = np.zeros(n_rows, dtype=np.float64)
+    bar = tqdm(total=n_rows, desc=f"reference ({what})", unit="seq", disable=not trainer.is_main, file=sys.stderr)
+    for start in range(0, n_rows, per_pass):
+        batch = rows_batch(rows, range(start, min(start + per_pass, n_rows)))
+        scores[start : start + len(batch[0])] = trainer.sequence_logps(*batch).logps.numpy()
+        bar.update(len(batch[0]))
+    bar.close()
+    return scores
+
+
+def rows_batch(rows: Tokens, indices) -> tuple[torch.Tensor, ...]:
+    """(input_ids, labels, position_ids, valid) of the rows at `indices`: labels the next token where it is trained
+    (`loss_mask`), -100 elsewhere, as `data.TokenWindows` makes them."""
+    indices = list(indices)
+    tokens = torch.from_numpy(np.asarray(rows.tokens[indices], dtype=np.int64))
+    labels = torch.full_like(tokens, -100)
+    trained = torch.from_numpy(np.asarray(rows.loss_mask[indices], dtype=bool))
+    labels[:, :-1] = torch.where(trained[:, 1:], tokens[:, 1:], -100)
+    valid = None if rows.valid is None else torch.from_numpy(np.asarray(rows.valid[indices], dtype=bool))
+    return tokens, labels, None, valid
+
+
+def step_reference(scores: np.ndarray, indices, labels: torch.Tensor) -> Sequences:
+    """The reference's `Sequences` of a step's rows (`indices` into the cached scores, labels as the step's)."""
+    logps = torch.from_numpy(scores[list(indices)])
+    return Sequences(logps, (labels != -100).sum(-1).to(torch.float64))
