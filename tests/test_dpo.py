@@ -5,6 +5,7 @@ nn.Module in float64 (transformers computes its norms in fp32 whatever the dtype
 weights and pairs every run."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,9 +15,17 @@ from reference_model import ReferenceLM
 from test_exactness import CASES, rel_err
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, DPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import (
+    Config,
+    ConfigError,
+    DataSection,
+    DPOSection,
+    ModelSection,
+    PrecisionSection,
+    TrainSection,
+)
 from megatrain_optim import Schedule, lr_at
-from megatrain_templates import Sequences
+from megatrain_templates import SequenceObjective, Sequences
 from megatrain_zoo import config_to_hf, preset
 
 SEQ = 14
@@ -171,3 +180,57 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
     for name, param in model.named_parameters():
         assert rel_err(ours[name], param.detach()) < 10 * tolerance, name
     trainer.close()
+
+
+class PerSequenceMean(SequenceObjective):
+    """An objective of a few lines (the guide's example): the cross-entropy averaged over each sequence's tokens,
+    then over the sequences, so that each example counts once, long or short."""
+
+    def loss(self, policy: Sequences):
+        per_sequence = -policy.mean_logps
+        return per_sequence.mean(), {"loss/per_sequence_max": per_sequence.max().detach()}
+
+
+def test_an_objective_of_your_own_trains_as_its_formula(tmp_path):
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    train = TrainSection(
+        steps=3, batch_size=4, micro_batch_size=2, lr=1e-2, eps=1e-6, grad_clip=0.0, warmup_steps=1, seed=seed,
+        objective="test_dpo:PerSequenceMean",
+    )  # fmt: skip
+    config = Config(
+        model=ModelSection(preset="tiny-llama"),
+        data=DataSection(seq_len=SEQ),
+        train=train,
+        precision=PrecisionSection("float64"),
+        device="cpu",
+        output_dir=str(tmp_path),
+    )
+    trainer = Trainer(config)
+    model = plain_model("tiny-llama", "float64", trainer.named_weights())
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=train.betas,
+        eps=1e-6,
+    )
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids, labels = random_pairs(2, trainer.model_config.vocab_size, generator)  # four sequences of any lengths
+        metrics = trainer.train_step(ids, labels)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        sums, lengths = completion_logps(model, ids, labels)
+        loss = (-sums / lengths).mean()
+        loss.backward()
+        optimizer.step()
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-10)
+        assert metrics.as_dict()["loss/per_sequence_max"] == pytest.approx((-sums / lengths).max().item())
+    ours = trainer.named_weights()
+    assert all(rel_err(ours[name], param.detach()) < 1e-9 for name, param in model.named_parameters())
+    trainer.close()
+    with pytest.raises(ConfigError, match="train.objective 'test_dpo:Nothing' cannot be made"):
+        Trainer(replace(config, train=replace(train, objective="test_dpo:Nothing")))

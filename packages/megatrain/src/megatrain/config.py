@@ -126,7 +126,8 @@ class TrainSection:
     steps: int = 100
     batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
     micro_batch_size: int = 0  # sequences per forward/backward pass (dpo: pairs); 0 = batch_size
-    # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference)
+    # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference);
+    # module:Class: a megatrain_templates.SequenceObjective of your own
     objective: str = "sft"
     dpo: DPOSection = field(default_factory=DPOSection)
     lr: float = 3e-4
@@ -169,8 +170,11 @@ class TrainSection:
                 f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
             )
         self._check_ranges()
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective not in OBJECTIVES and ":" not in self.objective:
+            raise ConfigError(
+                f"train.objective must be one of {', '.join(OBJECTIVES)} or module:Class (a SequenceObjective of "
+                f"your own, docs/guide.md), got {self.objective!r}"
+            )
         unknown = sorted(set(self.trackers) - set(REPORT_TO))
         if unknown:
             raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")

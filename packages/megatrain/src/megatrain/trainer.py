@@ -8,6 +8,7 @@ known (clipping on). Either way the step equals a synchronous AdamW step; a non-
 skips the step (a non-finite group, its update).
 """
 
+import importlib
 import math
 import sys
 import time
@@ -623,8 +624,21 @@ def read_placement(path: Path, planner: Planner) -> Placement:
 
 
 def make_objective(config: Config) -> SequenceObjective | None:
-    """The step-level objective train.objective names (None: the summed cross-entropy of SFT)."""
-    if config.train.objective == "sft":
+    """The step-level objective train.objective names (None: the summed cross-entropy of SFT): DPO, or a
+    `module:Class` of the user's, a SequenceObjective made with no arguments."""
+    name = config.train.objective
+    if name == "sft":
         return None
-    dpo = config.train.dpo
-    return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
+    if name == "dpo":
+        dpo = config.train.dpo
+        return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
+    module_name, _, class_name = name.partition(":")
+    try:
+        objective = getattr(importlib.import_module(module_name), class_name)()
+    except (ImportError, AttributeError, TypeError) as error:
+        raise ConfigError(
+            f"train.objective {name!r} cannot be made: {error}; name an importable module:Class"
+        ) from error
+    if not isinstance(objective, SequenceObjective):
+        raise ConfigError(f"train.objective {name!r} is a {type(objective).__name__}, not a SequenceObjective")
+    return objective
