@@ -100,7 +100,8 @@ def _kind(value, name: str, where: str) -> str:
                 )
         return "conversation"
     raise ConfigError(
-        f"{where}: {name} must be text or a conversation (a list of role/content turns), got {type(value).__name__}"
+        f"{where}: {name} must be text or a conversation (a list of role/content turns), got "
+        f"{type(value).__name__}; fix the record"
     )
 
 
@@ -122,12 +123,15 @@ def _ranking_answer(record: dict, name: str, source: Source, index: int, where: 
     value = record_field(record, source.column(name), index, source, name)
     if source.formatting == "alpaca":
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: {name} must be text in a ranking alpaca record, got {type(value).__name__}")
+            raise ConfigError(
+                f"{where}: {name} must be text in a ranking alpaca record, got {type(value).__name__}; fix the "
+                "record, or the registry's columns"
+            )
         return [{"role": "assistant", "content": value}]
     if not isinstance(value, dict):
         raise ConfigError(
             f"{where}: {name} must be one turn such as {{'from': 'gpt', 'value': ...}} in a ranking sharegpt "
-            f"record, got {type(value).__name__}"
+            f"record, got {type(value).__name__}; fix the record, or the registry's columns"
         )
     turn = sharegpt_turn(value, name, source, where)
     if turn["role"] != "assistant":
