@@ -63,6 +63,7 @@ def uses_pairs(data: DataSection) -> bool:
 
 
 def pair_sources(sources: list[Source]) -> bool:
+    """Whether the sources are preference pairs, all of them; a ConfigError where only some are."""
     kinds = {source.is_preference for source in sources}
     if len(kinds) > 1:
         pairs = [s.name for s in sources if s.is_preference]
