@@ -119,14 +119,55 @@ def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
     return "".join(pieces)
 
 
+def pair_record(batch, pair: int) -> dict:
+    """Pair `pair` of a batch of pairs (rows 2 * pair, 2 * pair + 1) as TRL tokenizes one: the prompt's ids, then
+    each sequence's ids and labels in the Hugging Face convention (see `hf_labels`), padding left out."""
+    record = {}
+    for name, row in (("chosen", 2 * pair), ("rejected", 2 * pair + 1)):
+        length = int(batch.valid[row].sum())
+        record[f"{name}_input_ids"] = batch.input_ids[row, :length].tolist()
+        record[f"{name}_labels"] = hf_labels(batch, row)[:length]
+    labels = record["chosen_labels"]
+    prompt_length = next((t for t, label in enumerate(labels) if label != -100), len(labels))
+    return {"prompt": record["chosen_input_ids"][:prompt_length], **record}
+
+
+def dump_pairs(windows, count: int, tokenizer) -> None:
+    """The first `count` pairs training draws: JSON lines (`pair_record`), or with a tokenizer, decoded text."""
+    import json
+
+    shown, step = 0, 0
+    while shown < count:
+        batch = windows.batch(step)
+        for pair in range(min(len(batch.input_ids) // 2, count - shown)):
+            record = pair_record(batch, pair)
+            if tokenizer is None:
+                print(json.dumps(record))
+            else:
+                print(f"--- pair {shown} (step {step}, pair {pair}); trained spans in ⟦ ⟧")
+                for name in ("chosen", "rejected"):
+                    ids, labels = record[f"{name}_input_ids"], record[f"{name}_labels"]
+                    print(f"{name}:\n{marked_text(tokenizer, ids, labels)}")
+            shown += 1
+        step += 1
+
+
 def run_data(config, args) -> None:
     import json
 
     from .config import ConfigError, model_config_of
-    from .data import TokenWindows, load_tokenizer
-    from .loop import load_data
+    from .data import PairWindows, TokenWindows, load_token_data, load_tokenizer
 
-    data = load_data(config, model_config_of(config), Path(config.output_dir))
+    model = model_config_of(config)
+    data = load_token_data(
+        config.data,
+        model.vocab_size,
+        Path(config.output_dir) / "cache",
+        Path(config.model.hf_dir) if config.model.hf_dir else None,
+        model.eos_token_id,
+        config.train.seed,
+        config.train.dpo,
+    )
     for line in data.report:
         print(f"megatrain: {line}", file=sys.stderr)
     tokenizer = None
@@ -135,6 +176,9 @@ def run_data(config, args) -> None:
             raise ConfigError("--text needs a tokenizer; data.tokens holds ids only")
         tokenizer = load_tokenizer(data.tokenizer)
     train = config.train
+    if data.pairs:
+        dump_pairs(PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed), args.dump, tokenizer)
+        return
     windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
     shown, step = 0, 0
     while shown < args.dump:
@@ -290,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     data_parser = commands.add_parser("data", help="show the training sequences a config makes (template, mask)")
     _add_config_args(data_parser)
-    data_parser.add_argument("--dump", type=int, default=4, metavar="N", help="how many sequences (default 4)")
+    data_parser.add_argument(
+        "--dump", type=int, default=4, metavar="N", help="how many sequences (preference data: pairs; default 4)"
+    )
     data_parser.add_argument(
         "--text", action="store_true", help="decoded text with trained spans marked, instead of JSON lines of ids"
     )

@@ -86,6 +86,22 @@ class DataSection:
             raise ConfigError(f"data.mix_weights must be positive, got {list(self.mix_weights)}")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
+        if self.format == "preference":
+            self.check_pair_settings()
+
+    def check_pair_settings(self) -> None:
+        """Refuse the settings preference pairs cannot take (data.format preference here; ranking registry
+        entries when they are read)."""
+        if self.pack:
+            raise ConfigError(
+                "data.pack packs supervised examples; preference pairs take a row per chosen and rejected "
+                "sequence: set data.pack: false"
+            )
+        if self.train_on_prompt:
+            raise ConfigError(
+                "data.train_on_prompt applies to supervised examples; DPO trains the completions only: "
+                "set data.train_on_prompt: false"
+            )
 
 
 @dataclass(frozen=True)

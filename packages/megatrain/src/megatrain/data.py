@@ -4,6 +4,7 @@ With shuffle off, step k uses windows k*batch_size .. (k+1)*batch_size-1 of the 
 array cut into consecutive non-overlapping seq_len windows (wrapping around at the
 end); with shuffle on, each pass over the windows uses a fresh permutation seeded by
 (seed, pass). Labels are the next token; the last position of a window has none.
+Preference pairs (rows 2i and 2i + 1) are drawn the same way, a pair at a time.
 """
 
 import hashlib
@@ -18,7 +19,7 @@ import torch
 
 from megatrain_templates import IGNORE_INDEX
 
-from .config import ConfigError, DataSection
+from .config import ConfigError, DataSection, DPOSection
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -192,6 +193,7 @@ class TokenData:
     validation: Tokens | None
     tokenizer: Path | None
     report: list[str] = field(default_factory=list)
+    pairs: bool = False  # preference pairs: rows 2i and 2i + 1 are pair i's chosen and rejected (PairWindows)
 
 
 def _eos_token(tokenizer, eos_token_id: int | None) -> str:
@@ -231,8 +233,10 @@ def load_token_data(
     model_dir: Path | None,
     eos_token_id: int | None = None,
     seed: int = 0,
+    dpo: DPOSection | None = None,
 ) -> TokenData:
-    """The training (and validation) tokens `data` describes, tokenized once and cached under `cache_dir`."""
+    """The training (and validation) tokens `data` describes, tokenized once and cached under `cache_dir`.
+    Preference datasets give pairs (`TokenData.pairs`), truncated as `dpo` says (None: its defaults)."""
     as_file = isinstance(data.validation, str)
     if data.tokens is not None:
         validation = _read_npy(Path(data.validation), vocab_size, "data.validation") if as_file else None
@@ -256,10 +260,12 @@ def load_token_data(
         train, held = _split_stream(tokens, data, validation)
         return TokenData(train, held, tokenizer)
 
+    from .preference import preference_rows, uses_pairs
     from .records import load_records, records_to_rows, resolve_sources
 
+    pairs = uses_pairs(data)
     if tokenizer is None:
-        if data.format != "text":
+        if data.format != "text" or pairs:
             raise ConfigError(
                 "fine-tuning data needs the model's tokenizer: set data.tokenizer or use model.hf_dir "
                 "with a tokenizer.json"
@@ -282,12 +288,16 @@ def load_token_data(
             f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens but the model's vocab_size is "
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
-    rows = records_to_rows(data, loaded, tokenizer, _eos_token(loaded, eos_token_id), cache_dir, seed)
+    eos = _eos_token(loaded, eos_token_id)
+    if pairs:
+        rows = preference_rows(data, dpo or DPOSection(), loaded, tokenizer, eos, cache_dir, seed)
+    else:
+        rows = records_to_rows(data, loaded, tokenizer, eos, cache_dir, seed)
     check_tokens(np.asarray(rows.train.tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
     report = list(rows.report)
     if rows.template_source is not None:
         report.insert(0, f"chat template: {rows.template_source}")
-    return TokenData(rows.train, rows.validation, tokenizer, report)
+    return TokenData(rows.train, rows.validation, tokenizer, report, pairs)
 
 
 def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):
@@ -365,3 +375,52 @@ class TokenWindows:
         if data.valid is not None:
             valid = torch.from_numpy(np.stack([np.asarray(data.valid[i]) for i in indices]))
         return Batch(input_ids, labels, positions, valid)
+
+
+class PairWindows(TokenWindows):
+    """Batches of whole preference pairs, addressed by optimizer step: `batch(step)` holds `batch_size` pairs as
+    2 * batch_size rows, the j-th pair drawn at rows 2j (chosen) and 2j + 1 (rejected). Pairs are what is
+    ordered: step k takes pairs k*batch_size .. (k+1)*batch_size-1 of the order (wrapping around), the order
+    being 0, 1, ... or, shuffled, a fresh permutation of the pairs each pass, seeded by (seed, pass)."""
+
+    def __init__(self, tokens: Tokens, batch_size: int, shuffle: bool, seed: int):
+        rows = tokens.tokens
+        if rows.ndim != 2 or len(rows) % 2:
+            raise ConfigError(
+                f"preference pairs are an even number of rows (chosen, rejected), got tokens of shape {rows.shape}"
+            )
+        self.data, self.seq_len, self.batch_size, self.shuffle, self.seed = (
+            tokens,
+            rows.shape[1],
+            batch_size,
+            shuffle,
+            seed,
+        )
+        self.n_windows = len(rows) // 2  # (the unit TokenWindows orders: here a pair)
+        if self.n_windows < batch_size:
+            raise ConfigError(
+                f"the data has {self.n_windows} preference pairs, fewer than one batch of train.batch_size "
+                f"{batch_size} pairs; use more data or a smaller train.batch_size"
+            )
+        self._order_cache = None
+
+    @property
+    def n_pairs(self) -> int:
+        return self.n_windows
+
+    def pair_indices(self, step: int) -> list[int]:
+        """The pairs of optimizer step `step`, in batch order."""
+        return self.window_indices(step)
+
+    def batch(self, step: int) -> Batch:
+        """The 2 * batch_size rows of optimizer step `step`: chosen, rejected of each of its pairs."""
+        return self.pair_rows(self.pair_indices(step))
+
+    def in_order(self, pairs_per_batch: int):
+        """Every pair once, in order, `pairs_per_batch` at a time (the last batch may be short): for evaluation."""
+        for start in range(0, self.n_pairs, pairs_per_batch):
+            yield self.pair_rows(list(range(start, min(start + pairs_per_batch, self.n_pairs))))
+
+    def pair_rows(self, pairs: list[int]) -> Batch:
+        """Rows 2j and 2j + 1 of the batch: pair pairs[j]'s chosen and rejected sequences."""
+        return self.rows([row for pair in pairs for row in (2 * pair, 2 * pair + 1)])

@@ -8,7 +8,8 @@ model's chat template (chat.py), loss on assistant turns. An example longer than
 is truncated or dropped as configured; every such example is counted and reported.
 Fine-tuning rows hold one example each (padded) or, packed, several whole examples with
 positions restarting at each, which the engine keeps apart (block-diagonal attention).
-Everything is tokenized once and cached on disk.
+Everything is tokenized once and cached on disk. Preference pairs (data.format preference,
+ranking registry entries) are resolved and read here and tokenized by preference.py.
 """
 
 import bisect
@@ -32,9 +33,18 @@ DEFAULT_COLUMNS = {
         "response": "output",
         "history": "history",
         "system": "system",
+        "chosen": "chosen",  # ranking entries
+        "rejected": "rejected",
     },
-    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools"},
+    "sharegpt": {
+        "messages": "conversations",
+        "system": "system",
+        "tools": "tools",
+        "chosen": "chosen",
+        "rejected": "rejected",
+    },
     "messages": {"messages": "messages", "system": "system", "tools": "tools"},
+    "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "tools": "tools"},
 }
 DEFAULT_TAGS = {
     "sharegpt": {
@@ -57,6 +67,7 @@ DEFAULT_TAGS = {
     },
 }
 UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+PAIR_COLUMNS = ("chosen", "rejected")  # read in ranking entries only
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
 CACHE_FORMAT = 4
 REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
@@ -68,12 +79,18 @@ class Source:
 
     name: str
     location: str  # a path or a hub name
-    formatting: str  # text | alpaca | sharegpt | messages
+    formatting: str  # text | alpaca | sharegpt | messages | preference
     columns: dict = field(default_factory=dict)
     tags: dict = field(default_factory=dict)
     split: str = "train"
     subset: str | None = None
     num_samples: int | None = None
+    ranking: bool = False  # a registry entry of chosen/rejected pairs (alpaca or sharegpt formatting)
+
+    @property
+    def is_preference(self) -> bool:
+        """Records of chosen/rejected pairs (preference.py reads them), not supervised examples."""
+        return self.ranking or self.formatting == "preference"
 
     def column(self, key: str):
         return self.columns.get(key, DEFAULT_COLUMNS[self.formatting].get(key))
@@ -98,10 +115,9 @@ def _registry(data: DataSection) -> dict:
 def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
     where = f"{Path(data.dataset_dir) / 'dataset_info.json'} entry {name!r}"
     unknown = sorted(set(entry) - set(REGISTRY_KEYS) - {"ranking", "ms_hub_url", "om_hub_url", "script_url", "folder"})
-    if entry.get("ranking"):
-        raise ConfigError(f"{where} is a ranking (preference) dataset; megatrain trains supervised examples only")
+    ranking = bool(entry.get("ranking"))
     columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
-    bad = sorted(set(columns) & set(UNSUPPORTED_COLUMNS))
+    bad = sorted(set(columns) & (set(UNSUPPORTED_COLUMNS) - (set(PAIR_COLUMNS) if ranking else set())))
     if bad or unknown:
         raise ConfigError(f"{where} uses {bad + unknown}, which megatrain does not support (text records only)")
     formatting = entry.get("formatting", "alpaca")
@@ -122,6 +138,7 @@ def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
         entry.get("split", "train"),
         entry.get("subset"),
         entry.get("num_samples"),
+        ranking,
     )
 
 
@@ -182,7 +199,7 @@ def load_records(source: Source):
 
 
 # ------------------------------------------------------------------ formats
-def _field(record: dict, key, index: int, source: Source, what: str):
+def record_field(record: dict, key, index: int, source: Source, what: str):
     value = record.get(key) if key is not None else None
     if value is None:
         raise ConfigError(
@@ -198,43 +215,44 @@ def _messages_format_turns(record: dict, source: Source, index: int) -> list:
     for key in (source.column("messages"), "conversations"):
         if isinstance(record.get(key), list):
             return record[key]
-    return _field(record, source.column("messages"), index, source, "messages")
+    return record_field(record, source.column("messages"), index, source, "messages")
 
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "observation": "tool", "ipython": "tool"}
 
 
-def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
-    """(messages as role/content dicts with roles user/assistant/system/tool, tools or None)."""
-    where = f"dataset {source.name!r}: record {index}"
-    tools = record.get(source.column("tools"))  # alpaca has no tools column
+def record_tools(record: dict, source: Source, where: str):
+    """The record's tools (a list, or JSON text of one) or None; alpaca has no tools column."""
+    tools = record.get(source.column("tools"))
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as error:
             raise ConfigError(f"{where}: its tools field is not valid JSON ({error})") from error
+    return tools
+
+
+def alpaca_prompt(record: dict, source: Source, index: int) -> list[dict]:
+    """An alpaca record's turns before its response: system, history pairs, then instruction and input as the
+    user's turn (joined with a newline)."""
+    where = f"dataset {source.name!r}: record {index}"
     messages = []
     system = record.get(source.column("system"))
     if system:
         messages.append({"role": "system", "content": str(system)})
-    if source.formatting == "alpaca":
-        for turn in record.get(source.column("history")) or []:
-            if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
-                raise ConfigError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
-            messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
-        prompt = str(_field(record, source.column("prompt"), index, source, "prompt"))
-        query = record.get(source.column("query"))
-        response = _field(record, source.column("response"), index, source, "response")
-        if not isinstance(response, str):
-            raise ConfigError(f"{where}: the response must be text, got {type(response).__name__}")
-        messages.append({"role": "user", "content": "\n".join([prompt, str(query)]) if query else prompt})
-        messages.append({"role": "assistant", "content": response})
-        return messages, None
-    turns = (
-        _messages_format_turns(record, source, index)
-        if source.formatting == "messages"
-        else _field(record, source.column("messages"), index, source, "messages")
-    )
+    for turn in record.get(source.column("history")) or []:
+        if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
+            raise ConfigError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
+        messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
+    prompt = str(record_field(record, source.column("prompt"), index, source, "prompt"))
+    query = record.get(source.column("query"))
+    messages.append({"role": "user", "content": "\n".join([prompt, str(query)]) if query else prompt})
+    return messages
+
+
+def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
+    """One sharegpt or messages turn (`what` names it in errors: "turn 3") as a role/content dict, its role
+    one of user/assistant/system/tool through the source's tags."""
     role_of = {
         source.tag("user_tag"): "user",
         source.tag("assistant_tag"): "assistant",
@@ -242,21 +260,43 @@ def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict
         source.tag("observation_tag"): "tool",
         source.tag("system_tag"): "system",
     }
+    if not isinstance(turn, dict):
+        raise ConfigError(f"{where}: {what} is not a mapping: {turn!r}")
+    role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
+    if source.formatting == "messages" and role_key not in turn:  # from/value turns in a messages file
+        role_key, content_key = "from", "value"
+    role = turn.get(role_key)
+    role = role_of.get(role, ROLE_ALIASES.get(role) if source.formatting == "messages" else None)
+    if role is None:
+        raise ConfigError(
+            f"{where}: {what} has role {turn.get(role_key)!r} under {role_key!r}, not one of "
+            f"{sorted(r for r in role_of if r)}; set the registry's tags to the dataset's role names"
+        )
+    content = turn.get(content_key)
+    return {"role": role, "content": "" if content is None else content}
+
+
+def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
+    """(messages as role/content dicts with roles user/assistant/system/tool, tools or None)."""
+    where = f"dataset {source.name!r}: record {index}"
+    if source.formatting == "alpaca":
+        messages = alpaca_prompt(record, source, index)
+        response = record_field(record, source.column("response"), index, source, "response")
+        if not isinstance(response, str):
+            raise ConfigError(f"{where}: the response must be text, got {type(response).__name__}")
+        return messages + [{"role": "assistant", "content": response}], None
+    tools = record_tools(record, source, where)
+    messages = []
+    system = record.get(source.column("system"))
+    if system:
+        messages.append({"role": "system", "content": str(system)})
+    turns = (
+        _messages_format_turns(record, source, index)
+        if source.formatting == "messages"
+        else record_field(record, source.column("messages"), index, source, "messages")
+    )
     for turn_index, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise ConfigError(f"{where}: turn {turn_index} is not a mapping: {turn!r}")
-        role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
-        if source.formatting == "messages" and role_key not in turn:  # from/value turns in a messages file
-            role_key, content_key = "from", "value"
-        role = turn.get(role_key)
-        role = role_of.get(role, ROLE_ALIASES.get(role) if source.formatting == "messages" else None)
-        if role is None:
-            raise ConfigError(
-                f"{where}: turn {turn_index} has role {turn.get(role_key)!r} under {role_key!r}, not one of "
-                f"{sorted(r for r in role_of if r)}; set the registry's tags to the dataset's role names"
-            )
-        content = turn.get(content_key)
-        messages.append({"role": role, "content": "" if content is None else content})
+        messages.append(sharegpt_turn(turn, f"turn {turn_index}", source, where))
     return messages, tools
 
 
@@ -272,11 +312,14 @@ class Examples:
     dropped_long: int = 0
     dropped_untrained: int = 0
 
+    def __len__(self) -> int:
+        return len(self.ids)
+
     def select(self, indices) -> "Examples":
         return Examples([self.ids[i] for i in indices], [self.trained[i] for i in indices], len(indices))
 
 
-def _render_error(source: Source, index: int, error: Exception) -> ConfigError:
+def render_error(source: Source, index: int, error: Exception) -> ConfigError:
     return ConfigError(
         f"dataset {source.name!r}: record {index} cannot be rendered with the chat template: "
         f"{type(error).__name__}: {error}; fix the record, or set data.chat_template (simple, or a .jinja file)"
@@ -301,7 +344,7 @@ def tokenize_source(
             index, record = start + offset, {k: rows[k][offset] for k in keys}
             if source.formatting == "text":
                 column = source.columns.get("prompt", data.text_field)
-                text = str(_field(record, column, index, source, "text")) + eos
+                text = str(record_field(record, column, index, source, "text")) + eos
                 rendered.append((text, [(0, len(text))], False))
                 continue
             messages, tools = to_conversation(record, source, index)
@@ -313,7 +356,7 @@ def tokenize_source(
             try:
                 rendered.append(render_conversation(template, messages, tools))
             except (jinja2.TemplateError, ValueError, TypeError) as error:
-                raise _render_error(source, index, error) from error
+                raise render_error(source, index, error) from error
         encoded = tokenizer.encode_batch([text for text, _, _ in rendered], add_special_tokens=False)
         for (text, spans, end_of_turn), encoding in zip(rendered, encoded):
             ids = document_start + encoding.ids
@@ -358,18 +401,26 @@ def check_kept(source: Source, examples: Examples, data: DataSection) -> None:
         )
 
 
-def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int) -> Examples:
-    """All examples of every source, or with weights: source i contributes weight_i / sum(weights) of
-    the total count (whole repeats of its examples, then a seeded sample of them)."""
+def mix_indices(sizes: list[int], weights: tuple[float, ...] | None, seed: int) -> list[list[int]]:
+    """Which examples of each source (by index, repeats included) a mix takes: all of every source, or with
+    weights, source i contributes weight_i / sum(weights) of the total count (whole repeats of its
+    examples, then a seeded sample of them)."""
     if not weights:
-        return Examples([i for p in parts for i in p.ids], [t for p in parts for t in p.trained])
-    total = sum(len(p.ids) for p in parts)
+        return [list(range(size)) for size in sizes]
+    total = sum(sizes)
     rng = np.random.default_rng([seed, 1])
-    ids, trained = [], []
-    for part, weight in zip(parts, weights):
+    chosen = []
+    for size, weight in zip(sizes, weights):
         want = round(total * weight / sum(weights))
-        repeats, rest = divmod(want, len(part.ids))
-        indices = list(range(len(part.ids))) * repeats + sorted(rng.choice(len(part.ids), rest, replace=False))
+        repeats, rest = divmod(want, size)
+        chosen.append(list(range(size)) * repeats + sorted(rng.choice(size, rest, replace=False)))
+    return chosen
+
+
+def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int) -> Examples:
+    """The examples of every source, mixed as `mix_indices` says."""
+    ids, trained = [], []
+    for part, indices in zip(parts, mix_indices([len(p) for p in parts], weights, seed)):
         ids += [part.ids[i] for i in indices]
         trained += [part.trained[i] for i in indices]
     return Examples(ids, trained)
@@ -447,15 +498,17 @@ class RecordData:
     template_source: str | None
 
 
-def _validation_source(data: DataSection, first: Source) -> Source:
+def validation_source(data: DataSection, first: Source) -> Source:
     """data.validation given as a string: a file of the same format, else a split of the first dataset."""
     if Path(data.validation).exists():
         return replace(first, name=f"{first.name} (validation)", location=data.validation, split="train")
     return replace(first, name=f"{first.name} ({data.validation})", split=data.validation)
 
 
-def _hold_out(examples: Examples, fraction: float, seed: int) -> tuple[Examples, Examples]:
-    order = np.random.default_rng([seed, 2]).permutation(len(examples.ids))
+def hold_out(examples, fraction: float, seed: int) -> tuple:
+    """(training, validation) parts of `examples` (anything with `len` and `select`): a seeded
+    `fraction` of them held out."""
+    order = np.random.default_rng([seed, 2]).permutation(len(examples))
     n_val = max(1, round(fraction * len(order)))
     if n_val >= len(order):
         raise ConfigError(f"data.validation {fraction} holds out all {len(order)} examples; use a smaller fraction")
@@ -471,6 +524,8 @@ def records_to_rows(
 ) -> RecordData:
     """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`)."""
     sources = resolve_sources(data)
+    if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
+        raise ConfigError("data.dataset names preference pairs: read them with megatrain.preference.preference_rows")
     text = sources[0].formatting == "text"
     if any((s.formatting == "text") != text for s in sources):
         raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
@@ -490,9 +545,7 @@ def records_to_rows(
                 file=sys.stderr,
             )
     all_records = [load_records(s) for s in sources]
-    validation_records = (
-        load_records(_validation_source(data, sources[0])) if isinstance(data.validation, str) else None
-    )
+    validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None
     fingerprints = [getattr(r, "_fingerprint", "") or s.location for r, s in zip(all_records, sources)]
     if validation_records is not None:
         fingerprints.append(getattr(validation_records, "_fingerprint", "") or data.validation)
@@ -513,12 +566,12 @@ def records_to_rows(
         check_kept(source, examples, data)
         lines.append(report_line(source, examples, data))
         if isinstance(data.validation, float):
-            examples, validation_part = _hold_out(examples, data.validation, seed)
+            examples, validation_part = hold_out(examples, data.validation, seed)
             held_out.append(validation_part)
         parts.append(examples)
     validation_examples = mix(held_out, None, seed)
     if validation_records is not None:
-        source = _validation_source(data, sources[0])
+        source = validation_source(data, sources[0])
         validation_examples = tokenize_source(validation_records, source, data, template, tokenizer, eos)
         lines.append(report_line(source, validation_examples, data))
     if data.validation is not None:
