@@ -21,7 +21,9 @@ class CustomTrainer:
     def __init__(self, preset_name: str, adamw: AdamWConfig, dtype=torch.float32, device="cpu", seed=0):
         self.model = preset(preset_name)
         spec = build_model(self.model)
-        layouts = [GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params) for g in spec.groups]
+        layouts = [
+            GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params) for g in spec.groups
+        ]
         # fp32 masters and moments; gradients land in a pool of three groups' room and are updated as they land
         self.store = HostStore(layouts, dtype, STATE_NAMES, grad_pool=3)
         for group in range(self.store.n_groups):

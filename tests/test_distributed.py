@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from megatrain.data import train_tokenizer
+
 CONFIG = {
     "model": {"preset": "tiny-qwen2"},
     "data": {"seq_len": 16, "shuffle": True},
@@ -38,7 +40,8 @@ def run(tmp_path, name, launcher, device="cpu", **changes):
     for section, values in changes.items():
         config.setdefault(section, {}).update(values)
     config["device"] = device
-    config["data"]["tokens"] = str(tmp_path / "tokens.npy")
+    if "dataset" not in config["data"]:
+        config["data"]["tokens"] = str(tmp_path / "tokens.npy")
     config["output_dir"] = str(tmp_path / name)
     path = tmp_path / f"{name}.yaml"
     path.write_text(json.dumps(config))
@@ -122,6 +125,24 @@ def two_hosts(ranks_per_host: int) -> list[list[str]]:
         )
         for node in range(2)
     ]
+
+
+def test_dpo_over_two_ranks_equals_one_process(tmp_path):
+    """Preference pairs stay whole on a rank; the loss averages over every rank's pairs; the reference pass runs on
+    every rank's share of the pairs and is gathered."""
+    pairs = [{"prompt": f"Item {i} is", "chosen": f" good {i % 3}.", "rejected": f" bad {i % 5}!"} for i in range(16)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((tmp_path / "pairs.jsonl").read_text() * 20)
+    train_tokenizer(corpus, 256, tmp_path / "tokenizer.json")
+    data = {
+        "dataset": str(tmp_path / "pairs.jsonl"),
+        "format": "preference",
+        "tokenizer": str(tmp_path / "tokenizer.json"),
+    }
+    train = {"objective": "dpo", "batch_size": 4, "micro_batch_size": 1, "dpo": {"beta": 0.3}}
+    one = run(tmp_path, "one", [sys.executable], data=data, train=train)
+    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train))
 
 
 def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):

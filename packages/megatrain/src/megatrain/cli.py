@@ -258,6 +258,8 @@ def run_eval(config, args) -> None:
     from .loop import evaluate, load_data
     from .trainer import Trainer
 
+    if config.train.objective == "dpo":
+        return run_pair_eval(config, args)
     source = args.weights
     if not (source / MANIFEST).exists():  # a Hugging Face directory (a run's final/ among them)
         trainer = Trainer(replace(config, model=ModelSection(hf_dir=str(source))), training=False)
@@ -272,6 +274,39 @@ def run_eval(config, args) -> None:
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
         windows = TokenWindows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
         result = evaluate(trainer, windows, args.batches, leave=True)
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(json.dumps({"checkpoint": what, "data": split, **result}))
+
+
+def run_pair_eval(config, args) -> None:
+    """`megatrain eval` of a DPO run: its loss and TRL's metrics on held-out pairs (or the training pairs). The
+    trainer starts from the run's initial weights, which give the reference's scores (the run's cache, or a pass),
+    then takes the weights evaluated."""
+    import json
+
+    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
+    from .data import PairWindows
+    from .loop import evaluate_pairs, load_data
+    from .reference import reference_scores
+    from .trainer import Trainer
+
+    trainer = Trainer(config, training=False)
+    try:
+        data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
+        rows, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
+        reference = None
+        if config.train.dpo.needs_reference:
+            reference = reference_scores(trainer, rows, Path(config.output_dir) / "cache", split)
+        source = args.weights
+        if (source / MANIFEST).exists():
+            what = f"{source} (step {verify_checkpoint(source)['step']})"
+            load_checkpoint(trainer, source)
+        else:
+            what = str(source)
+            trainer.load_weights(source)
+        result = evaluate_pairs(trainer, PairWindows(rows, 1, shuffle=False, seed=0), reference, leave=True)
     finally:
         trainer.close()
     if trainer.is_main:

@@ -11,10 +11,13 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from megatrain_store import atomic_write_text
+from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig
 
 from .checkpoint import (
@@ -29,8 +32,9 @@ from .checkpoint import (
     write_trainer_state,
 )
 from .config import Config, ConfigError, model_config_of, resolve_device
-from .data import TokenData, TokenWindows, load_token_data
+from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
+from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
@@ -119,6 +123,37 @@ class StopRequested:
             signal.signal(sig, handler)
 
 
+def check_objective_data(config: Config, data: TokenData) -> None:
+    """Refuse preference pairs without the DPO objective, and DPO without pairs, before the model is built."""
+    dpo = config.train.objective == "dpo"
+    if dpo and not data.pairs:
+        raise ConfigError(
+            "train.objective dpo trains on preference pairs: set data.format: preference (prompt/chosen/rejected "
+            'records) or name a dataset_info.json entry with "ranking": true'
+        )
+    if data.pairs and not dpo:
+        raise ConfigError("the data are preference pairs (chosen/rejected): set train.objective: dpo to train on them")
+
+
+def evaluate_pairs(trainer: Trainer, pairs: PairWindows, reference: np.ndarray | None, leave: bool = False) -> dict:
+    """The DPO loss and TRL's metrics of the trainer's current weights over every pair (`reference`: their cached
+    reference scores, None where the loss needs none), forward only."""
+    sums = []
+    bar = tqdm(total=pairs.n_pairs, desc="eval", unit="pair", leave=leave, disable=not trainer.is_main, file=sys.stderr)
+    for batch in pairs.in_order(PASS_STEPS * trainer.config.train.batch_size):
+        sums.append(trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid))
+        bar.update(len(batch.input_ids) // 2)
+    bar.close()
+    policy = Sequences(torch.cat([s.logps for s in sums]), torch.cat([s.lengths for s in sums]))
+    objective = trainer.objective
+    scores = None if reference is None else Sequences(torch.from_numpy(reference), policy.lengths)
+    objective.begin_step([], scores, n_pairs=pairs.n_pairs)
+    loss, metrics = objective.loss(policy)
+    return {"val_loss": round(float(loss), 6), "val_pairs": pairs.n_pairs} | {
+        f"val_{name}": round(float(value), 6) for name, value in metrics.items()
+    }
+
+
 def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = None, leave: bool = False) -> dict:
     """Validation loss and perplexity of the trainer's current weights over every window (or the first
     `max_batches` batches of train.batch_size rows), forward only."""
@@ -150,7 +185,9 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
 
     def load():
         cache = out / "cache"
-        return load_token_data(config.data, model.vocab_size, cache, model_dir, model.eos_token_id, config.train.seed)
+        return load_token_data(
+            config.data, model.vocab_size, cache, model_dir, model.eos_token_id, config.train.seed, config.train.dpo
+        )
 
     data = load() if ranks is None or ranks.is_main else None
     if ranks is not None:
@@ -196,6 +233,9 @@ def train(config: Config, resume: Path | None = None) -> Path:
                 print(f"megatrain: {note}", file=sys.stderr)
         # the data is read first: a bad record stops the run before any host memory is allocated
         data = load_data(config, model, out, ranks)
+        check_objective_data(config, data)
+        if config.train.dpo.ref_model is not None and config.train.objective == "dpo":
+            check_reference_model(Path(config.train.dpo.ref_model), model)
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
         if lock is not None:
@@ -222,6 +262,7 @@ class TrainingRun:
         self.windows = self.validation = None  # (made by `_start`, inside `run`, which closes the trainer)
         self.trackers: list = []
         self.last_eval: dict = {}
+        self.reference = self.validation_reference = None  # DPO: the reference's scores of the pairs (rows)
 
     def run(self) -> Path:
         """The steps, then the export; returns the output directory."""
@@ -259,11 +300,24 @@ class TrainingRun:
         return self.out
 
     def _start(self) -> None:
-        """Cut the data into windows, load the checkpoint resumed, keep the metrics it holds, say what runs."""
+        """Cut the data into windows (or pairs), score them under DPO's reference, load the checkpoint resumed, keep
+        the metrics it holds, say what runs."""
         trainer, config, data, train = self.trainer, self.config, self.data, self.config.train
-        self.windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
-        if data.validation is not None:
-            self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
+        if data.pairs:
+            self.windows = PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed)
+            if data.validation is not None:
+                self.validation = PairWindows(data.validation, 1, shuffle=False, seed=0)
+            if train.dpo.needs_reference:  # (before a checkpoint is loaded: the store holds the initial weights)
+                cache = self.out / "cache"
+                self.reference = reference_scores(trainer, data.train, cache)
+                if data.validation is not None:
+                    self.validation_reference = reference_scores(trainer, data.validation, cache, "validation")
+        else:
+            self.windows = TokenWindows(
+                data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed
+            )
+            if data.validation is not None:
+                self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
         if self.resume is not None:
             manifest = load_checkpoint(trainer, self.resume)
             print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
@@ -316,7 +370,10 @@ class TrainingRun:
         """One optimizer step with its record, validation, progress and checkpoint where due."""
         trainer, train = self.trainer, self.config.train
         batch = self.windows.batch(step)
-        metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid)
+        reference = None
+        if self.reference is not None:
+            reference = step_reference(self.reference, self.windows.pair_indices(step), batch.labels)
+        metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid, reference)
         self._record(metrics.as_dict())
         postfix = {
             "loss": f"{metrics.loss:.4f}",
@@ -327,11 +384,17 @@ class TrainingRun:
             postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
         if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
             postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
+        if metrics.objective and "rewards/accuracies" in metrics.objective:  # DPO: how often chosen beats rejected
+            postfix["acc"] = f"{metrics.objective['rewards/accuracies']:.2f}"
+            postfix["margin"] = f"{metrics.objective['rewards/margins']:.3f}"
         every = train.eval_every
         if self.validation is not None and (
             (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
         ):
-            self.last_eval.update(evaluate(trainer, self.validation))
+            if isinstance(self.validation, PairWindows):
+                self.last_eval.update(evaluate_pairs(trainer, self.validation, self.validation_reference))
+            else:
+                self.last_eval.update(evaluate(trainer, self.validation))
             self._record({"step": trainer.step_index, **self.last_eval})
         if self.last_eval:
             postfix["val"] = f"{self.last_eval['val_loss']:.4f}"

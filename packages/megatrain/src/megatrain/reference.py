@@ -19,7 +19,7 @@ from megatrain_templates import Sequences
 from megatrain_zoo import ZooError, read_hf_config
 
 from .config import ConfigError
-from .data import Tokens
+from .data import PairWindows, Tokens
 
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
 # only each micro-batch's current activation)
@@ -87,32 +87,25 @@ def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "traini
 
 
 def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
-    """The rows' summed log-probabilities, PASS_STEPS training steps' rows at a time."""
-    n_rows = len(rows.tokens)
-    per_pass = PASS_STEPS * trainer.config.train.rows_per_step
-    scores = np.zeros(n_rows, dtype=np.float64)
-    bar = tqdm(total=n_rows, desc=f"reference ({what})", unit="seq", disable=not trainer.is_main, file=sys.stderr)
-    for start in range(0, n_rows, per_pass):
-        batch = rows_batch(rows, range(start, min(start + per_pass, n_rows)))
-        scores[start : start + len(batch[0])] = trainer.sequence_logps(*batch).logps.numpy()
-        bar.update(len(batch[0]))
+    """The rows' summed log-probabilities, PASS_STEPS training steps' pairs at a time, in order."""
+    pairs = PairWindows(rows, 1, shuffle=False, seed=0)
+    per_pass = PASS_STEPS * trainer.config.train.batch_size
+    scores = np.zeros(2 * pairs.n_pairs, dtype=np.float64)
+    bar = tqdm(
+        total=pairs.n_pairs, desc=f"reference ({what})", unit="pair", disable=not trainer.is_main, file=sys.stderr
+    )
+    done = 0
+    for batch in pairs.in_order(per_pass):
+        logps = trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid).logps
+        scores[done : done + len(logps)] = logps.numpy()
+        done += len(logps)
+        bar.update(len(logps) // 2)
     bar.close()
     return scores
 
 
-def rows_batch(rows: Tokens, indices) -> tuple[torch.Tensor, ...]:
-    """(input_ids, labels, position_ids, valid) of the rows at `indices`: labels the next token where it is trained
-    (`loss_mask`), -100 elsewhere, as `data.TokenWindows` makes them."""
-    indices = list(indices)
-    tokens = torch.from_numpy(np.asarray(rows.tokens[indices], dtype=np.int64))
-    labels = torch.full_like(tokens, -100)
-    trained = torch.from_numpy(np.asarray(rows.loss_mask[indices], dtype=bool))
-    labels[:, :-1] = torch.where(trained[:, 1:], tokens[:, 1:], -100)
-    valid = None if rows.valid is None else torch.from_numpy(np.asarray(rows.valid[indices], dtype=bool))
-    return tokens, labels, None, valid
-
-
-def step_reference(scores: np.ndarray, indices, labels: torch.Tensor) -> Sequences:
-    """The reference's `Sequences` of a step's rows (`indices` into the cached scores, labels as the step's)."""
-    logps = torch.from_numpy(scores[list(indices)])
-    return Sequences(logps, (labels != -100).sum(-1).to(torch.float64))
+def step_reference(scores: np.ndarray, pairs: list[int], labels: torch.Tensor) -> Sequences:
+    """The reference's `Sequences` of a step's rows: `pairs` (indices into the data's pairs) in batch order, their
+    chosen and rejected rows' cached scores; labels as the step's."""
+    rows = [row for pair in pairs for row in (2 * pair, 2 * pair + 1)]
+    return Sequences(torch.from_numpy(scores[rows]), (labels != -100).sum(-1).to(torch.float64))
