@@ -322,6 +322,26 @@ def linear_attention_parts(rows: list[dict]) -> Table:
     return Table(["model", "part (16k tokens, forward + backward)", "time", "TFLOPS"], body, chosen, align="llrr")
 
 
+def preference_training(rows: list[dict]) -> Table:
+    """DPO against SFT of the same tokens, and its reference pass: the newest default rows of `benchmarks/dpo.py`."""
+    dpo = [r for r in rows if r["file"].startswith("dpo-") and is_default(r)]
+    chosen = list(newest(dpo, lambda r: (r["model"], r["scope"])).values())
+    body = [
+        [
+            r["model"],
+            r["scope"],
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{num(r['model_tflops'])}**" if r.get("model_tflops") else "-",
+            f"{r.get('host_bytes_per_param', '-')}",
+        ]
+        for r in chosen
+    ]
+    header = ["model", "what", "tokens", "time", "tokens/s", "model TFLOPS", "host B/param"]
+    return Table(header, body, chosen, align="llrrrrr")
+
+
 MOE_MODELS = [
     "olmoe-1b-7b",
     "qwen1.5-moe-a2.7b",
@@ -838,6 +858,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "families": families,
     "block-ceilings": block_ceilings,
     "linear-attention-parts": linear_attention_parts,
+    "preference-training": preference_training,
     "moe-steps": moe_steps,
     "moe-expert-parts": moe_expert_parts,
     "moe-layers": moe_layers,

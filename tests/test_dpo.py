@@ -144,7 +144,7 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
         output_dir=str(tmp_path),
     )
     trainer = Trainer(config)
-    model = plain_model(preset_name, dtype, trainer.named_weights())
+    model = plain_model(preset_name, dtype, trainer.named_weights()).to(device)  # (on the engine's device: its GEMMs)
     frozen = copy.deepcopy(model).eval()
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
@@ -160,7 +160,7 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
         ours_reference = trainer.sequence_logps(ids, labels) if step == 0 else None
         with torch.no_grad():
-            ref_sums, lengths = completion_logps(frozen, ids, labels)  # (the plain models stay on the CPU)
+            ref_sums, lengths = (t.cpu() for t in completion_logps(frozen, ids.to(device), labels.to(device)))
         if ours_reference is not None:  # the engine's forward-only pass equals the model's at the initial weights
             assert rel_err(ours_reference.logps, ref_sums) < tolerance
         reference = Sequences(ref_sums.double(), lengths.double()) if dpo.needs_reference else None
@@ -168,8 +168,8 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
-        sums, _ = completion_logps(model, ids, labels)
-        loss = paper_loss(sums, lengths.to(sums.dtype), ref_sums, dpo)
+        sums, _ = completion_logps(model, ids.to(device), labels.to(device))
+        loss = paper_loss(sums, lengths.to(sums), ref_sums.to(sums), dpo)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         optimizer.step()
@@ -178,7 +178,7 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
         assert {"rewards/chosen", "rewards/accuracies", "logps/rejected"} <= set(metrics.as_dict())
     ours = trainer.named_weights()
     for name, param in model.named_parameters():
-        assert rel_err(ours[name], param.detach()) < 10 * tolerance, name
+        assert rel_err(ours[name], param.detach().cpu()) < 10 * tolerance, name
     trainer.close()
 
 
