@@ -66,8 +66,8 @@ def write_jsonl(path: Path, record: dict) -> None:
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> bool:
-    """Loss curve PNG from metrics.jsonl, beside the experts' load balance for a MoE run; False when
-    matplotlib is not installed."""
+    """Loss curve PNG from metrics.jsonl, beside the experts' load balance for a MoE run and the rewards' accuracy
+    and margin for a DPO run; False when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -78,28 +78,51 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     rows = [r for r in records if r.get("loss") is not None and not r.get("skipped")]
     evals = [r for r in records if "val_loss" in r]
-    balance = [r for r in rows if "router_max_violation" in r]
-    fig, axes = plt.subplots(1, 2 if balance else 1, figsize=(12 if balance else 7, 4), squeeze=False)
+    panels = [_plot_balance] if any("router_max_violation" in r for r in rows) else []
+    panels += [_plot_rewards] if any("rewards/margins" in r for r in rows) else []
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(7 + 5 * len(panels), 4), squeeze=False)
+    for panel, ax in zip(panels, axes[0][1:]):
+        panel(ax, rows, evals)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
     ax = axes[0][0]
-    if balance:
-        vio = axes[0][1]
-        vio.plot([r["step"] for r in balance], [r["router_max_violation"] for r in balance])
-        vio.set_xlabel("optimizer step")
-        vio.set_ylabel("worst layer's max expert load / mean - 1")
-        vio.set_title("expert load balance (MaxVio; 0: even)")
-        vio.grid(alpha=0.3)
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training")
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
         ax.legend()
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss" if panels and panels[-1] is _plot_rewards else "loss (nats/token)")
     ax.set_title("megatrain loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _plot_balance(ax, rows: list[dict], evals: list[dict]) -> None:
+    balance = [r for r in rows if "router_max_violation" in r]
+    ax.plot([r["step"] for r in balance], [r["router_max_violation"] for r in balance])
+    ax.set_ylabel("worst layer's max expert load / mean - 1")
+    ax.set_title("expert load balance (MaxVio; 0: even)")
+
+
+def _plot_rewards(ax, rows: list[dict], evals: list[dict]) -> None:
+    """DPO: how often the chosen completion's implicit reward beats the rejected one's, and by how much."""
+    pairs = [r for r in rows if "rewards/margins" in r]
+    steps = [r["step"] for r in pairs]
+    ax.plot(steps, [r["rewards/accuracies"] for r in pairs], label="accuracy (training)")
+    ax.plot(steps, [r["rewards/margins"] for r in pairs], label="margin (training)")
+    held_out = [r for r in evals if "val_rewards/accuracies" in r]
+    if held_out:
+        ax.plot(
+            [r["step"] for r in held_out],
+            [r["val_rewards/accuracies"] for r in held_out],
+            "o-",
+            label="accuracy (validation)",
+        )
+    ax.set_title("rewards: chosen against rejected")
+    ax.legend()
 
 
 class StopRequested:
