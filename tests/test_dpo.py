@@ -234,3 +234,58 @@ def test_an_objective_of_your_own_trains_as_its_formula(tmp_path):
     trainer.close()
     with pytest.raises(ConfigError, match="train.objective 'test_dpo:Nothing' cannot be made"):
         Trainer(replace(config, train=replace(train, objective="test_dpo:Nothing")))
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_dpo_on_a_mixture_of_experts_adds_its_load_balancing_loss(name, tmp_path):
+    """A mixture of experts trained with DPO: the step's loss is DPO's plus the routers' load-balancing loss over
+    every sequence of the step, as transformers' model (output_router_logits) gives it; steps equal transformers."""
+    from test_moe import hf_model
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    model = hf_model(name, True, seed)
+    frozen = copy.deepcopy(model).eval()
+    model.save_pretrained(tmp_path / "hf")
+    dpo = DPOSection(beta=0.5)
+    train = TrainSection(
+        steps=3, batch_size=3, micro_batch_size=1, lr=1e-4, grad_clip=0.0, warmup_steps=1, seed=seed,
+        objective="dpo", dpo=dpo,
+    )  # fmt: skip
+    config = Config(
+        model=ModelSection(hf_dir=str(tmp_path / "hf")),
+        data=DataSection(seq_len=SEQ),
+        train=train,
+        precision=PrecisionSection("float32"),
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
+    trainer = Trainer(config)
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
+    decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=train.betas,
+        eps=train.eps,
+    )
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids, labels = random_pairs(train.batch_size, trainer.model_config.vocab_size, generator)
+        with torch.no_grad():
+            ref_sums, lengths = completion_logps(frozen, ids, labels)
+        metrics = trainer.train_step(ids, labels, reference=Sequences(ref_sums.double(), lengths.double()))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        out = model(input_ids=ids)
+        logps = out.logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        sums = (logps * (labels != -100)).sum(-1)
+        loss = paper_loss(sums, lengths.to(sums), ref_sums, dpo) + model.config.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        optimizer.step()
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
+        assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+    trainer.close()
