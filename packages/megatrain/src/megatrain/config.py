@@ -12,7 +12,7 @@ from typing import Any, get_type_hints
 import torch
 import yaml
 
-from megatrain_zoo import ModelConfig, preset, read_hf_config
+from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config
 
 
 class ConfigError(Exception):
@@ -23,12 +23,17 @@ class ConfigError(Exception):
 class ModelSection:
     preset: str | None = None  # a megatrain_zoo preset name
     hf_dir: str | None = None  # a Hugging Face directory: config.json + safetensors (initial weights)
+    # native: megatrain's own templates (fast); transformers: the family's transformers layers, called with the
+    # streamed weights (any decoder transformers knows); auto: native where megatrain has the family, else transformers
+    implementation: str = "auto"
 
     def __post_init__(self):
         if (self.preset is None) == (self.hf_dir is None):
             raise ConfigError(
                 "set exactly one of model.preset (a preset name) or model.hf_dir (a Hugging Face directory)"
             )
+        if self.implementation not in ("auto", "native", "transformers"):
+            raise ConfigError(f"model.implementation must be auto, native or transformers, got {self.implementation!r}")
 
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference")
@@ -513,5 +518,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def model_config_of(config: Config) -> ModelConfig:
     """The model a config names: a zoo preset or a Hugging Face directory's config.json."""
     if config.model.hf_dir is not None:
-        return read_hf_config(Path(config.model.hf_dir))
+        return read_hf_config(Path(config.model.hf_dir), config.model.implementation)
+    if config.model.implementation == "transformers":  # (a preset through transformers' modules: to compare paths)
+        return model_config_from_hf(config_to_hf(preset(config.model.preset)), "transformers")
     return preset(config.model.preset)

@@ -172,8 +172,18 @@ class ModelConfig:
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    # "transformers": a family trained through transformers' own modules (generic.py), whose config.json this keeps
+    # (as JSON text) and whose counts come from its modules: per decoder layer (parameters, those a token uses, the
+    # matrices among those), and the parameters outside the layers (embedding, final norm, LM head)
+    implementation: str = "native"
+    hf_config: str | None = None
+    layer_counts: tuple[tuple[int, int, int], ...] = ()
+    outer_params: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "layer_counts", tuple(tuple(counts) for counts in self.layer_counts))  # (from JSON)
+        if self.implementation == "transformers":
+            return  # (its own modules define it: none of the native templates' checks apply)
         if self.arch not in ARCHITECTURES:
             raise ZooError(f"unknown architecture {self.arch!r}; supported: {ARCHITECTURES}")
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
@@ -439,6 +449,8 @@ class ModelConfig:
 
     def layer_params(self, layer: int) -> int:
         """Trainable parameters of decoder layer `layer` (all experts counted)."""
+        if self.layer_counts:
+            return self.layer_counts[layer][0]
         matrices, small = self._attention_params(layer)
         return matrices + small + self._mlp_params(layer)[0]
 
@@ -452,6 +464,8 @@ class ModelConfig:
         """All trainable parameters (the tied embedding counted once, every expert counted)."""
         embed = self.vocab_size * self.d_model
         layers = sum(self.layer_params(layer) for layer in range(self.n_layers))
+        if self.layer_counts:
+            return layers + self.outer_params
         return embed + layers + self.d_model + (0 if self.tie_embeddings else embed)
 
     @property
@@ -459,12 +473,16 @@ class ModelConfig:
         """Parameters one token multiplies with: attention matrices, the router, shared and active
         experts (or the dense MLP) and the LM head (tied or not), but not the embedding lookup,
         norms or biases. For a dense model these are all the matrices."""
+        if self.layer_counts:
+            return sum(matrices for _, _, matrices in self.layer_counts) + self.vocab_size * self.d_model
         layers = sum(self._attention_params(layer)[0] + self._mlp_params(layer)[1] for layer in range(self.n_layers))
         return layers + self.vocab_size * self.d_model
 
     @property
     def active_params(self) -> int:
         """Parameters a token uses (the tied embedding counted once); n_params for a dense model."""
+        if self.layer_counts:
+            return self.n_params - sum(params - active for params, active, _ in self.layer_counts)
         inactive = sum(self._mlp_params(layer)[0] - self._mlp_params(layer)[1] for layer in range(self.n_layers))
         return self.n_params - inactive
 

@@ -140,6 +140,23 @@ def _first_id(value):
     return value[0] if isinstance(value, list) and value else value
 
 
+def model_config_from_hf(hf: dict, implementation: str = "auto") -> ModelConfig:
+    """`config_from_hf`, or where `implementation` says so, or no native template exists (auto), the config of the
+    model that runs transformers' own modules (`generic.py`)."""
+    if implementation != "transformers":
+        try:
+            return config_from_hf(hf)
+        except ZooError as error:
+            if implementation == "native" or not str(error).startswith("unsupported architecture"):
+                raise
+    from .generic import GenericError, generic_model_config
+
+    try:
+        return generic_model_config(hf)
+    except GenericError as error:
+        raise ZooError(str(error)) from error
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
     if hf.get("model_type") in _TEXT_MODEL_OF:  # an image-text model: its text model trains (and exports) alone
@@ -644,6 +661,8 @@ def _ernie_moe_to_hf(config: ModelConfig) -> dict:
 
 def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     """A config.json that transformers loads as the matching *ForCausalLM."""
+    if config.implementation == "transformers":  # (its own config.json, as read)
+        return {**json.loads(config.hf_config), "torch_dtype": torch_dtype}
     hf = {
         "architectures": [_HF_CLASSES[config.arch]],
         "model_type": config.arch,
@@ -836,10 +855,12 @@ def _special_floats(pairs: dict) -> "dict | float":
     return float(pairs["__float__"]) if set(pairs) == {"__float__"} else pairs
 
 
-def read_hf_config(model_dir: Path) -> ModelConfig:
+def read_hf_config(model_dir: Path, implementation: str = "auto") -> ModelConfig:
+    """A directory's config.json as a `ModelConfig`: a native family's (`implementation` native or auto), or one that
+    runs transformers' own modules (transformers, or auto for a family with no native template)."""
     path = Path(model_dir) / "config.json"
     try:
-        return config_from_hf(json.loads(path.read_text(), object_hook=_special_floats))
+        return model_config_from_hf(json.loads(path.read_text(), object_hook=_special_floats), implementation)
     except FileNotFoundError:
         raise ZooError(
             f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"

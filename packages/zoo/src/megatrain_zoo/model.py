@@ -263,7 +263,12 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     One template serves every layer of a kind (dense or MoE): templates are stateless; the
     MoE layers share the step's routing statistics. With `experts_per_stage` below the expert count
     (0: all), a MoE layer is several groups and stages so that a GPU slot holds a part of its experts:
-    trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts."""
+    trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts. A model of
+    no native family (`implementation` "transformers") runs transformers' own modules (`generic.py`)."""
+    if config.implementation == "transformers":
+        from .generic import build_generic_model
+
+        return build_generic_model(config)
     embed_scale = config.d_model**0.5 if config.gemma else config.embedding_multiplier
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id, embed_scale)
     router_load = None
