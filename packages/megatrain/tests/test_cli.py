@@ -52,11 +52,14 @@ def test_bad_input_is_one_clear_line_and_no_output(write_config, tmp_path, capsy
 
 
 def test_unsupported_hf_architecture(write_config, tmp_path, capsys):
-    hf = tmp_path / "gpt2"
+    """A family neither megatrain's templates nor transformers (where installed) know: one line naming it."""
+    hf = tmp_path / "unknown"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (hf / "config.json").write_text(json.dumps({"model_type": "no_such_family", "vocab_size": 256}))
     assert main(["train", "--config", str(write_config(model={"preset": None, "hf_dir": str(hf)}))]) != 0
-    assert "unsupported architecture: model_type='gpt2'" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'no_such_family'" in err[0]
+    assert "install transformers" in err[0] or "upgrade transformers" in err[0]
 
 
 def test_token_ids_beyond_vocab(write_config, tmp_path, capsys):

@@ -19,7 +19,7 @@ from megatrain_store import (
     write_safetensors,
 )
 from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
-from megatrain_zoo import ModelSpec, ZooError, config_to_hf
+from megatrain_zoo import GenericError, ModelSpec, ZooError, config_to_hf
 
 from .rundir import check_room
 
@@ -295,6 +295,9 @@ def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
     """Refuse, from the headers alone and before any memory is allocated, a directory whose tensors
     are missing, unexpected or mis-shaped for `spec`."""
     files = checkpoint_files(model_dir)
+    if spec.checkpoint_layout is not None:
+        _generic_sources(spec, files)
+        return
     match_tensors(files, _read_layout(spec, files)[2], ignore=spec.checkpoint_names_to_ignore)
 
 
@@ -305,6 +308,9 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
     A fused expert tensor fills the tensors it covers (back to back, in one group or several); MXFP4
     experts and block-scaled FP8 matrices are dequantized into theirs."""
     files = checkpoint_files(model_dir)
+    if spec.checkpoint_layout is not None:
+        _load_generic(store, spec, files)
+        return
     layout, quantized, shapes, present = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
     for kind in sorted({how.kind for how in quantized.values()}):
@@ -319,6 +325,66 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
         )
     with open_safetensors(where.values()) as handles:
         _fill_groups(store, handles, where, layout, quantized=quantized)
+
+
+def _generic_sources(spec: ModelSpec, files: list[Path]) -> tuple[dict[str, list[str]], dict[str, Path]]:
+    """(a generic model's parameter -> the checkpoint tensors making it, checkpoint tensor -> its file)."""
+    where = {name: path for path in files for name in read_safetensors_header(path) if name != "__metadata__"}
+    try:
+        return spec.checkpoint_layout.sources(list(where), str(files[0].parent)), where
+    except GenericError as error:
+        raise ZooError(str(error)) from None
+
+
+def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path]) -> None:
+    """A generic model's weights, a group at a time: its checkpoint tensors read, converted to its modules'
+    names and layouts as transformers' loader converts them, checked and copied into the store."""
+    sources, where = _generic_sources(spec, files)
+    with open_safetensors(set(where.values())) as handles:
+        for group in range(store.n_groups):
+            with store.writing(group) as views:
+                keys = [key for name in views for key in sources[name]]
+                read = {key: handles[where[key]].get_tensor(key) for key in keys}
+                for key, tensor in read.items():
+                    _check_finite(tensor, key, where[key])
+                loaded = spec.checkpoint_layout.load(read)
+                for name, view in views.items():
+                    if tuple(loaded[name].shape) != tuple(view.shape):
+                        raise ZooError(
+                            f"{files[0].parent}: {name} is {tuple(loaded[name].shape)} in the checkpoint, the model "
+                            f"needs {tuple(view.shape)}; the checkpoint is for a different configuration"
+                        )
+                    view.copy_(loaded[name])
+
+
+def checkpoint_entries(spec: ModelSpec, entries: list) -> list:
+    """`entries` ((name, Pending) by the model's names) as the family's checkpoints name and lay them out: a
+    generic model's converted a group at a time, as transformers saves them; a native model's as they are."""
+    if spec.checkpoint_layout is None:
+        return entries
+    import torch
+
+    pending = dict(entries)
+    out = []
+    for group in spec.groups:
+        names = [p.name for p in group.params if p.name in pending]
+        meta = {name: torch.empty(pending[name].shape, dtype=pending[name].dtype, device="meta") for name in names}
+        converted = _ConvertedGroup(spec.checkpoint_layout, {name: pending[name] for name in names})
+        for key, tensor in spec.checkpoint_layout.save(meta).items():
+            out.append((key, Pending(tuple(tensor.shape), tensor.dtype, lambda key=key, c=converted: c.take(key))))
+    return out
+
+
+class _ConvertedGroup:
+    """A group's tensors in checkpoint form: converted once, when the first is written; each handed out once."""
+
+    def __init__(self, layout, pending: dict):
+        self.layout, self.pending, self.tensors = layout, pending, None
+
+    def take(self, key: str):
+        if self.tensors is None:
+            self.tensors = self.layout.save({name: p.load() for name, p in self.pending.items()})
+        return self.tensors.pop(key)
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
@@ -397,7 +463,7 @@ def export_hf(
     """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
     transformers loads as the matching *ForCausalLM; copies tokenizer.json when given. With hosts
     that split the state, `gather` brings each group to this rank (see `WholeGroups`)."""
-    entries = WholeGroups(store, gather).entries("master")
+    entries = checkpoint_entries(spec, WholeGroups(store, gather).entries("master"))
     return write_hf_directory(out_dir, entries, config_to_hf(spec.config), tokenizer, shard_bytes)
 
 
@@ -423,6 +489,13 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
     where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
     shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
     spec = build_model(model)
+    if manifest.exists() and spec.checkpoint_layout is not None:  # (a generic model's own names: as its family's)
+        entries = [
+            (name, Pending(shapes[name], target, lambda name=name: _read(where, name).to(target))) for name in where
+        ]
+        return write_hf_directory(
+            out_dir, checkpoint_entries(spec, entries), config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes
+        )
     leave_out = spec.checkpoint_names_to_ignore  # the config written says it has none of what is left out
     # tensors the files name otherwise (Gemma 3's text model in its image-text checkpoint) go out under the model's names
     canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}
@@ -449,7 +522,16 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
             experts, rows_out, groups, _ = shape
             shape = (experts, groups * MXFP4_BLOCK, rows_out)
         entries.append((canonical.get(name, name), Pending(shape, target, lambda name=name, how=how: load(name, how))))
-    tokenizer = next(
+    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes)
+
+
+def _tokenizer_of(source: Path) -> Path | None:
+    """The tokenizer.json beside a checkpoint or HF directory, or in its run's final/."""
+    return next(
         (t for t in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json") if t.exists()), None
     )
-    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), tokenizer, shard_bytes)
+
+
+def _read(where: dict, name: str):
+    with open_safetensors({where[name]}) as handles:
+        return handles[where[name]].get_tensor(name)

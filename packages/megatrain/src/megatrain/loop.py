@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from megatrain_store import atomic_write_text
 from megatrain_templates import Sequences
-from megatrain_zoo import ModelConfig
+from megatrain_zoo import ModelConfig, generic_notes
 
 from .checkpoint import (
     CHECKPOINTS,
@@ -366,6 +366,9 @@ class TrainingRun:
             f"{self.windows.n_windows} windows of {config.data.seq_len} tokens",
             file=sys.stderr,
         )
+        if trainer.model_config.implementation == "transformers":
+            for note in generic_notes(trainer.model_config):
+                print(f"megatrain: {note}", file=sys.stderr)
         print(f"megatrain: {trainer.plan.summary()} (placement.json)", file=sys.stderr)
         if trainer.warm_up_s:
             print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)

@@ -8,6 +8,7 @@ from .config import (
     flops_per_token,
     linear_attention_flops_per_token,
 )
+from .generic import GenericError, generic_notes
 from .hf import config_from_hf, config_to_hf, model_config_from_hf, read_hf_config
 from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
@@ -26,6 +27,8 @@ __all__ = [
     "expert_parts",
     "config_from_hf",
     "model_config_from_hf",
+    "GenericError",
+    "generic_notes",
     "config_to_hf",
     "flops_per_token",
     "linear_attention_flops_per_token",

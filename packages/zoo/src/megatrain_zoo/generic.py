@@ -14,6 +14,7 @@ micro-batch shape.
 import contextlib
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -44,7 +45,7 @@ def _parameters_on_meta():
 
     def on_meta(module, name, param):
         register(module, name, param)
-        if param is not None:
+        if param is not None and not param.is_meta:  # (one on meta already is kept: tying shares the object)
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta
@@ -76,20 +77,98 @@ class HFSkeleton:
         self.layers = _decoder_layers(self.base, config.num_hidden_layers)
         self._device = torch.device("cpu")
         self._arguments: OrderedDict = OrderedDict()
+        self.layer_output = _hidden_states  # (how the forward reads a layer's output: settled by `parts`)
+        self.parts  # noqa: B018 (traced now: the stages need it, and it settles `layer_output`)
 
     @cached_property
     def names(self) -> dict[int, str]:
         """id(parameter) -> its name in the model's state dict (a tied parameter under its first name)."""
         return {id(p): name for name, p in self.model.named_parameters(remove_duplicate=True)}
 
-    def parts(self) -> tuple[list[str], list[list[str]], list[str]]:
-        """Parameter names (as the model's state dict and checkpoints name them) of (the embedding, each decoder
-        layer, everything else: final norm, LM head)."""
-        embedding = [self.names[id(p)] for p in self.model.get_input_embeddings().parameters()]
-        layers = [[self.names[id(p)] for p in layer.parameters()] for layer in self.layers]
-        taken = set(embedding) | {n for names in layers for n in names}
-        rest = [name for name in self.names.values() if name not in taken]
-        return embedding, layers, rest
+    @cached_property
+    def parts(self) -> "Parts":
+        """Parameter names (as the model's state dict and checkpoints name them) of the embedding stage (what the
+        forward uses before its first decoder layer: the token table, a position table), each decoder layer, and
+        the head (everything else: final norm, LM head), found by running the forward once on a one-token input."""
+        before, after = self._modules_called()
+        layer_ids = [[id(p) for p in layer.parameters()] for layer in self.layers]
+        in_layers = {i for ids in layer_ids for i in ids}
+        embedding_ids = dict.fromkeys(
+            id(p) for module in before for p in module.parameters(recurse=False) if id(p) not in in_layers
+        )
+        head_ids = [i for i in self.names if i not in embedding_ids and i not in in_layers]
+        reads_embedding = any(id(p) in embedding_ids for module in after for p in module.parameters(recurse=False))
+        return Parts(
+            embedding=[self.names[i] for i in embedding_ids],
+            layers=[[self.names[i] for i in ids] for ids in layer_ids],
+            head=[self.names[i] for i in head_ids],
+            head_reads_embedding=reads_embedding,
+        )
+
+    def _modules_called(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The modules the forward calls before its first decoder layer (the input embedding included) and after
+        its last (up to its LM head), run on one token with zero weights (stride-0 views: no memory). Settles on
+        the way the forward reads its layers' outputs (`layer_output`): the one token reaches the LM head whole."""
+        weights = {
+            name: torch.zeros((), dtype=p.dtype).expand(p.shape)
+            for name, p in self.model.named_parameters()
+            if name not in {n for names in self._layer_names for n in names}
+        }
+        failures = []
+        for form in (_hidden_states, _hidden_states_first):
+            self.layer_output = form
+            try:  # (the wrong form breaks the model's forward, or leaves the hidden states cut)
+                phases, reached = self._trace(weights)
+            except Exception as error:  # noqa: BLE001
+                failures.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            if tuple(reached.shape[:2]) == (1, 1):
+                return phases[0], phases[2]
+            failures.append(f"one token reached the LM head as {tuple(reached.shape)}")
+        raise GenericError(
+            f"{type(self.model).__name__}'s forward cannot run with its decoder layers streamed ({failures[0]}); "
+            "use a family with a native template"
+        )
+
+    @cached_property
+    def _layer_names(self) -> list[list[str]]:
+        return [[self.names[id(p)] for p in layer.parameters()] for layer in self.layers]
+
+    def _trace(self, weights: dict[str, Tensor]) -> tuple[list[list[nn.Module]], Tensor]:
+        """(the modules outside the layers called before, between and after them; what reached the LM head)."""
+        inside = {id(m) for layer in self.layers for m in layer.modules()}
+        phases: list[list[nn.Module]] = [[], [], []]
+        phase = 0
+        lm_head = self.model.get_output_embeddings()
+
+        def called(module, args):
+            phases[phase].append(module)
+            if module is lm_head:
+                raise _Reached(args[0])
+
+        def stand_in(index, hidden_states, *args, **kwargs):
+            nonlocal phase
+            phase = 2 if index == len(self.layers) - 1 else 1
+            return hidden_states
+
+        handles = [m.register_forward_pre_hook(called) for m in self.model.modules() if id(m) not in inside]
+        try:
+            with torch.no_grad():
+                reached = self.run(weights, {"input_ids": torch.zeros(1, 1, dtype=torch.long)}, None, stand_in, True)
+                reached = reached.logits
+        except _Reached as at_head:
+            reached = at_head.hidden
+        finally:
+            for handle in handles:
+                handle.remove()
+        shared = [m for m in phases[1] if any(True for _ in m.parameters(recurse=False))]
+        if shared:
+            raise GenericError(
+                f"{type(self.model).__name__} calls {type(shared[0]).__name__} between its decoder layers (a block "
+                "shared across layers), which the generic path's one-stage-per-layer cannot stream; use a family "
+                "with a native template"
+            )
+        return phases, reached
 
     def to(self, device: torch.device) -> None:
         """The buffers (rotary tables) to `device` (the parameters stay on meta: each call binds its own)."""
@@ -101,14 +180,15 @@ class HFSkeleton:
             self._device = device
             self._arguments.clear()
 
-    def run(self, weights: dict[str, Tensor], inputs_embeds: Tensor, documents, stand_in, head: bool = False):
-        """The model's forward (the causal LM's with `head`, else its decoder's) from `inputs_embeds`, bound to
-        `weights`, each decoder layer replaced by `stand_in(index, hidden_states, *args, **kwargs)`."""
-        self.to(inputs_embeds.device)
-        inputs = {"inputs_embeds": inputs_embeds, "use_cache": False, **_position_inputs(documents)}
+    def run(self, weights: dict[str, Tensor], inputs: dict, documents, stand_in, head: bool = False):
+        """The model's forward (the causal LM's with `head`, else its decoder's) on `inputs` (input_ids or
+        inputs_embeds), bound to `weights`, each decoder layer replaced by `stand_in(index, hidden_states, *args,
+        **kwargs)`, whose hidden states the model reads as it reads a layer's (`_LayerOutput`)."""
+        self.to(next(iter(inputs.values())).device)
+        inputs = {**inputs, "use_cache": False, **_position_inputs(documents)}
         for index, layer in enumerate(self.layers):
-            layer.forward = lambda hidden_states, *args, _index=index, **kwargs: stand_in(
-                _index, hidden_states, *args, **kwargs
+            layer.forward = lambda hidden_states, *args, _index=index, **kwargs: self.layer_output(
+                stand_in(_index, hidden_states, *args, **kwargs)
             )
         try:
             module = self.model if head else self.base
@@ -117,27 +197,139 @@ class HFSkeleton:
             for layer in self.layers:
                 del layer.forward
 
+    def placeholders(self, names: list[str], like: Tensor) -> dict[str, Tensor]:
+        """Zeros (stride-0 views: no memory) for the parameters `names` on `like`'s device, for a forward whose
+        use of them is thrown away."""
+        zero = torch.zeros((), dtype=like.dtype, device=like.device)
+        return {name: zero.expand(self.shapes[name]) for name in names}
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in self.model.named_parameters(remove_duplicate=False)}
+
     def layer_arguments(self, hidden: Tensor, documents) -> list[tuple[tuple, dict]]:
         """What the model's forward gives each layer besides the hidden states, for a micro-batch like `hidden`
-        ([batch, seq, d_model]) with `documents`: computed once per shape and layout, remembered."""
-        key = (tuple(hidden.shape), hidden.device, hidden.dtype, id(documents) if documents is not None else None)
-        if key not in self._arguments:
-            recorded: list = [None] * len(self.layers)
-
-            def record(index, hidden_states, *args, **kwargs):
-                recorded[index] = (args, kwargs)
-                if index == len(self.layers) - 1:
-                    raise _Reached(hidden_states)
-                return hidden_states
-
-            with contextlib.suppress(_Reached), torch.no_grad():
-                self.run({}, torch.zeros_like(hidden), documents, record)
-            if any(r is None for r in recorded):
-                raise GenericError(f"{type(self.model).__name__}'s forward did not call every decoder layer")
-            self._arguments[key] = recorded
+        ([batch, seq, d_model]) laid out as `documents`: computed once per micro-batch (kept in its `Documents`,
+        as the native templates keep its masks) or, without one, once per shape."""
+        key = ("generic", tuple(hidden.shape), hidden.device, hidden.dtype)
+        cache = self._arguments if documents is None else documents._masks
+        if key not in cache:
+            cache[key] = self._record_layer_arguments(hidden, documents)
             while len(self._arguments) > ARGUMENTS_CACHED:
                 self._arguments.popitem(last=False)
-        return self._arguments[key]
+        return cache[key]
+
+    def _record_layer_arguments(self, hidden: Tensor, documents) -> list[tuple[tuple, dict]]:
+        recorded: list = [None] * len(self.layers)
+
+        def record(index, hidden_states, *args, **kwargs):
+            recorded[index] = (args, kwargs)
+            if index == len(self.layers) - 1:
+                raise _Reached(hidden_states)
+            return hidden_states
+
+        embeds = torch.zeros_like(hidden)
+        with contextlib.suppress(_Reached), torch.no_grad():
+            self.run(self.placeholders(self.parts.embedding, hidden), {"inputs_embeds": embeds}, documents, record)
+        if any(r is None for r in recorded):
+            raise GenericError(f"{type(self.model).__name__}'s forward did not call every decoder layer")
+        return recorded
+
+
+def _hidden_states(hidden: Tensor):
+    """A layer's output as most families' layers return it."""
+    return hidden
+
+
+def _hidden_states_first(hidden: Tensor) -> tuple:
+    """A layer's output as Falcon-H1's, Bamba's, Chameleon's layers return it: (hidden states, attention weights)."""
+    return hidden, None
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A generic model's parameter names by stage."""
+
+    embedding: list[str]
+    layers: list[list[str]]
+    head: list[str]
+    head_reads_embedding: bool  # (a tied LM head: the head stage binds the embedding's group too)
+
+
+class CheckpointLayout:
+    """How the family's checkpoints name and lay out the weights its modules hold: transformers' own conversion
+    mapping (Phi-MoE's checkpoints hold an expert's matrices one tensor each, its modules all experts' in one),
+    applied a group of tensors at a time (a layer's: no more than a layer in memory)."""
+
+    def __init__(self, skeleton: HFSkeleton):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        self.skeleton = skeleton
+        mapping = get_model_conversion_mapping(skeleton.model)
+        self._renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        self._converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self._mapping = mapping
+        # every name a parameter has (a tied LM head's too) -> the name it is stored under
+        self._canonical = {
+            name: skeleton.names[id(p)] for name, p in skeleton.model.named_parameters(remove_duplicate=False)
+        }
+
+    def sources(self, present: list[str], where: str) -> dict[str, list[str]]:
+        """The model's parameter name -> the checkpoint tensors it is made from, for a checkpoint holding
+        `present`; a tensor the model has no place for, or a parameter no tensor makes, is refused (`where`
+        names the checkpoint)."""
+        from transformers.core_model_loading import rename_source_key
+
+        meta = self.skeleton.model.state_dict()
+        prefix = self.skeleton.model.base_model_prefix
+        made: dict[str, list[str]] = {}
+        for key in present:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            target, _ = rename_source_key(key, self._renamings, self._converters, prefix, meta)
+            if target not in self._canonical:
+                raise GenericError(
+                    f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has no "
+                    "place for it); the checkpoint does not belong to this config.json"
+                )
+            made.setdefault(self._canonical[target], []).append(key)
+        missing = [name for name in self.skeleton.names.values() if name not in made]
+        if missing:
+            raise GenericError(
+                f"{where}: tensor(s) for {missing[:5]}{' ...' if len(missing) > 5 else ''} missing; the checkpoint "
+                "is incomplete or for a different model"
+            )
+        return made
+
+    def load(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Checkpoint tensors (all those making some parameters) -> those parameters, by the model's names, in
+        fp32, as transformers' loader converts them."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.utils import logging
+
+        model = self.skeleton.model
+        held = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()]
+        bar = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()
+        try:
+            config = LoadStateDictConfig(weight_mapping=self._mapping, dtype=torch.float32)
+            convert_and_load_state_dict_in_model(model, dict(tensors), config)
+            loaded = {name: p.detach() for name, p in model.named_parameters() if not p.is_meta}
+        finally:
+            for module, name, p in held:  # (back to the meta parameters: tied ones stay one object)
+                module._parameters[name] = p
+            if bar:
+                logging.enable_progress_bar()
+        return loaded
+
+    def save(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Parameters by the model's names -> the tensors a checkpoint of the family holds (meta tensors give
+        their names and shapes alone)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.skeleton.model, dict(tensors))
 
 
 def _decoder_layers(base: nn.Module, n_layers: int) -> nn.ModuleList:
@@ -174,7 +366,7 @@ class _GenericStage:
 
     def __init__(self, skeleton: HFSkeleton, groups: tuple[tuple[str, ...], ...]):
         self.skeleton = skeleton
-        self.shapes = {name: tuple(p.shape) for name, p in skeleton.model.named_parameters(remove_duplicate=False)}
+        self.shapes = skeleton.shapes
         self.param_groups = groups
         self.names = [name for group in groups for name in group]
         self.groups = tuple(tuple(_spec(name, self.shapes[name]) for name in group) for group in groups)
@@ -223,15 +415,11 @@ class GenericEmbedding(_GenericStage):
             return self._first_layer_input(self.weights(weights), ids, documents)
 
     def _first_layer_input(self, views: dict, ids: Tensor, documents) -> Tensor:
-        embedding = self.skeleton.model.get_input_embeddings()
-        local = {self.skeleton.names[id(p)]: name for name, p in embedding.named_parameters()}
-        embeds = torch.func.functional_call(embedding, {local[n]: v for n, v in views.items() if n in local}, (ids,))
-
         def reached(index, hidden_states, *args, **kwargs):
             raise _Reached(hidden_states)
 
         try:
-            self.skeleton.run(views, embeds, documents, reached)
+            self.skeleton.run(views, {"input_ids": ids}, documents, reached)
         except _Reached as first:
             return first.hidden
         raise GenericError("the model's forward reached no decoder layer")
@@ -278,6 +466,9 @@ class GenericHead(_GenericStage):
         super().__init__(skeleton, groups)
         self.d_model, self.vocab_size = d_model, vocab_size
         self.chunk_rows = 1
+        # what the forward uses before the first layer (a position table) where the head is bound without it: its
+        # outputs are replaced by the hidden states at the first layer
+        self.unbound = [name for name in skeleton.parts.embedding if name not in self.names]
 
     def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
         """Logits [batch, seq, vocab] in fp32 (or wider)."""
@@ -289,7 +480,9 @@ class GenericHead(_GenericStage):
         def inject(index, hidden_states, *args, **kwargs):
             return hidden if index == 0 else hidden_states
 
-        return self.skeleton.run(views, torch.zeros_like(hidden.detach()), None, inject, head=True).logits
+        views = {**self.skeleton.placeholders(self.unbound, hidden), **views}
+        embeds = {"inputs_embeds": torch.zeros_like(hidden.detach())}
+        return self.skeleton.run(views, embeds, None, inject, head=True).logits
 
     @torch.no_grad()
     def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
@@ -361,7 +554,7 @@ def generic_model_config(hf: dict):
             "forward, which the generic path does not run as a whole; set output_router_logits: false in its "
             "config.json (experts then train without it) or use a family with a native template"
         )
-    embedding, layers, rest = skeleton.parts()
+    parts = skeleton.parts
     params = dict(skeleton.model.named_parameters())
     k = getattr(config, "num_experts_per_tok", 0) or 0
     n_experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
@@ -389,16 +582,30 @@ def generic_model_config(hf: dict):
         d_ff=getattr(config, "intermediate_size", None) or 4 * d_model,
         head_dim=getattr(config, "head_dim", None) or d_model // heads,
         max_seq_len=getattr(config, "max_position_embeddings", None) or 4096,
-        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        tie_embeddings=parts.head_reads_embedding,
         initializer_range=getattr(config, "initializer_range", 0.02) or 0.02,
         bos_token_id=_token_id(getattr(config, "bos_token_id", None)),
         eos_token_id=_token_id(getattr(config, "eos_token_id", None)),
         pad_token_id=_token_id(getattr(config, "pad_token_id", None)),
         implementation="transformers",
         hf_config=hf_config_json(hf),
-        layer_counts=tuple(counts(names) for names in layers),
-        outer_params=counts(embedding + rest)[0],
+        layer_counts=tuple(counts(names) for names in parts.layers),
+        outer_params=counts(parts.embedding + parts.head)[0],
     )
+
+
+def generic_notes(config) -> list[str]:
+    """What a run of a generic model says at its start: the path it takes and why, what of its config.json it
+    leaves out (dropout: megatrain trains without it)."""
+    from .hf import has_template
+
+    hf = json.loads(config.hf_config)
+    native = "" if has_template(hf) else " (megatrain has no template for it)"
+    notes = [f"{config.arch} trains through transformers' own modules{native}: exact, slower than a native template"]
+    dropout = {k: v for k, v in hf.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+    if dropout:
+        notes.append(f"megatrain trains without dropout: config.json's {dropout} are not applied")
+    return notes
 
 
 def _token_id(value) -> int | None:
@@ -413,18 +620,22 @@ def build_generic_model(config):
 
     skeleton = HFSkeleton(json.loads(config.hf_config))
     shapes = {name: tuple(p.shape) for name, p in skeleton.model.named_parameters()}
-    embedding, layers, rest = skeleton.parts()
+    parts = skeleton.parts
 
     def group(name: str, names: list[str]) -> Group:
         return Group(name, tuple(_spec(n, shapes[n]) for n in names))
 
-    groups = [group("embed", embedding)]
-    stages = [StageSpec("embed", GenericEmbedding(skeleton, (tuple(embedding),)), (0,))]
-    for index, names in enumerate(layers):
+    groups = [group("embed", parts.embedding)]
+    stages = [StageSpec("embed", GenericEmbedding(skeleton, (tuple(parts.embedding),)), (0,))]
+    for index, names in enumerate(parts.layers):
         groups.append(group(f"layer{index}", names))
         stages.append(StageSpec(f"layer{index}", GenericLayer(skeleton, index, tuple(names)), (index + 1,)))
-    groups.append(group("head", rest))
-    head_groups = ((0, len(groups) - 1), (tuple(embedding), tuple(rest))) if config.tie_embeddings else None
-    bound, names = head_groups or ((len(groups) - 1,), (tuple(rest),))
+    groups.append(group("head", parts.head))
+    head = len(groups) - 1
+    bound, names = (
+        ((0, head), (tuple(parts.embedding), tuple(parts.head)))
+        if config.tie_embeddings
+        else ((head,), (tuple(parts.head),))
+    )
     stages.append(StageSpec("head", GenericHead(skeleton, names, config.d_model, config.vocab_size), bound))
-    return ModelSpec(config, tuple(groups), tuple(stages))
+    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=CheckpointLayout(skeleton))

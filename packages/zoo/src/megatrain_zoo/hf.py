@@ -1,5 +1,6 @@
 """Hugging Face `config.json` <-> ModelConfig, for the architectures the templates implement."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -149,12 +150,23 @@ def model_config_from_hf(hf: dict, implementation: str = "auto") -> ModelConfig:
         except ZooError as error:
             if implementation == "native" or not str(error).startswith("unsupported architecture"):
                 raise
+            if importlib.util.find_spec("transformers") is None:
+                raise ZooError(
+                    f"{error}; or install transformers (pip install 'megatrain-zoo[transformers]') to train it "
+                    "through transformers' own modules"
+                ) from None
     from .generic import GenericError, generic_model_config
 
     try:
         return generic_model_config(hf)
     except GenericError as error:
         raise ZooError(str(error)) from error
+
+
+def has_template(hf: dict) -> bool:
+    """Whether megatrain has a native template for a config.json's family."""
+    model_type = _TEXT_MODEL_OF.get(hf.get("model_type"), hf.get("model_type"))
+    return _SAME_AS.get(model_type, model_type) in _HF_CLASSES
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

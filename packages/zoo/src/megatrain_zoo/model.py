@@ -54,6 +54,8 @@ class ModelSpec:
     router_load: RouterLoad | None = None  # the MoE layers' shared routing statistics (None: dense)
     # (first, stop) expert ranges a MoE layer streams in, one stage and group each; empty: whole layers
     expert_parts: tuple[tuple[int, int], ...] = ()
+    # a model of transformers' own modules: how its family's checkpoints name and lay out its weights
+    checkpoint_layout: Any = None
 
     def checkpoint_names_to_ignore(self, name: str) -> bool:
         """Tensors a Hugging Face checkpoint may carry that this model does not store."""

@@ -1,0 +1,178 @@
+"""Families megatrain has no template for train through transformers' own modules exactly like transformers: several
+optimizer steps of megatrain (fp32, micro-batches, clipped and eager, weight decay on matrices) equal the family's
+*ForCausalLM + torch.optim.AdamW on the same batches; dense decoders with learned positions, parallel blocks,
+sliding windows, partial rotary embedding and biases; hybrids of attention and Mamba or convolutions; mixtures of
+experts; exports load in transformers with equal weights and logits. A native family run through transformers equals
+its native template; a model the generic path cannot train is refused in one line."""
+
+import pytest
+import torch
+import transformers  # installed by the integration nox session
+from hf_steps import random_batch, reference_step, rel_err
+
+from megatrain import Trainer
+from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_zoo import ZooError, model_config_from_hf
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+FAMILIES = {
+    # dense: learned positions, LayerNorm with biases, a tied head
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256, bos_token_id=1, eos_token_id=2),
+    "cohere2": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
+    "exaone4": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    "seed_oss": dict(head_dim=16, attention_bias=True),
+    "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=True),
+    "starcoder2": dict(sliding_window=4, use_bias=True),
+    "glm4": dict(head_dim=16),
+    "olmo": dict(clip_qkv=1.0),
+    "nemotron": dict(head_dim=16, partial_rotary_factor=0.5),
+    "helium": dict(head_dim=16),
+    # hybrids: attention beside Mamba-2 or short convolutions
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=4),
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=128, block_auto_adjust_ff_dim=False),
+    "bamba": dict(
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=4, mamba_expand=1
+    ),
+    # mixtures of experts (their load-balancing loss left off: see test_a_load_balancing_loss_is_refused)
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16, output_router_logits=False),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
+}
+
+
+def tiny_hf_config(model_type: str) -> dict:
+    extra = FAMILIES[model_type]
+    common = {} if model_type == "gpt2" else COMMON
+    return {"model_type": model_type, **common, **extra}
+
+
+def hf_model(hf_config: dict, seed: int):
+    """transformers' model of `hf_config` with fresh random weights: norms around 1, the rest around 0, large enough
+    that every part changes the result; in eval mode, as megatrain trains (no dropout, no router jitter)."""
+    config = transformers.AutoConfig.for_model(**hf_config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight"):
+                param.normal_(1.0, 0.2)
+            else:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def adamw_decaying_matrices(model, train: TrainSection):
+    """torch's AdamW with the generic path's rule: matrices decay, vectors (norms, biases, Mamba's A_log and D) do
+    not."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
+
+
+def generic_trainer(hf_dir, tmp_path, grad_clip: float, steps: int = 3, implementation: str = "auto") -> Trainer:
+    train = TrainSection(
+        steps=steps,
+        batch_size=6,
+        micro_batch_size=2,
+        lr=1e-4,  # (fp32 noise in gradients that are zero in exact arithmetic, k_proj.bias, stays small)
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        warmup_steps=1,
+        schedule="cosine",
+    )
+    config = Config(
+        model=ModelSection(hf_dir=str(hf_dir), implementation=implementation),
+        data=DataSection(seq_len=12),
+        train=train,
+        precision=PrecisionSection("float32"),
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
+    return Trainer(config)
+
+
+def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_model(tiny_hf_config(model_type), seed)
+    reference.save_pretrained(tmp_path / "hf")
+    trainer = generic_trainer(tmp_path / "hf", tmp_path, grad_clip)
+    assert trainer.model_config.implementation == "transformers"
+    assert trainer.model_config.n_params == sum(p.numel() for p in reference.parameters())
+    train = trainer.config.train
+    optimizer = adamw_decaying_matrices(reference, train)
+    generator = torch.Generator().manual_seed(seed)
+    noise_only = {}  # name -> elements whose gradient is zero in exact arithmetic (fp32 noise, AdamW scales it)
+    for step in range(train.steps):
+        ids, labels = random_batch(train.batch_size, 12, 256, generator)
+        metrics = trainer.train_step(ids, labels)
+        _, loss, norm = reference_step(reference, optimizer, train, step, grad_clip, input_ids=ids, labels=labels)
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5), step
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4), step
+        for name, p in reference.named_parameters():
+            noise_only[name] = noise_only.get(name, False) | (p.grad.abs() < 1e-7 * norm)
+    ids = torch.randint(0, 256, (2, 12), generator=generator)
+    our_logits = trainer.logits(ids)
+    exported = trainer.export(tmp_path / "out")
+    trainer.close()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    ours = dict(reloaded.named_parameters())
+    for name, param in reference.named_parameters():
+        # (the key bias's gradient, but where rotated, is zero in exact arithmetic: AdamW scales its noise up)
+        signal = ~noise_only[name]
+        assert rel_err(ours[name].detach()[signal], param.detach()[signal]) < 1e-4, name
+    with torch.no_grad():
+        assert rel_err(our_logits, reloaded(ids).logits) < 1e-5
+        assert rel_err(our_logits, reference(ids).logits) < 1e-4
+
+
+@pytest.mark.parametrize("grad_clip", [0.5, 0.0], ids=["clipped", "eager"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_steps_match_transformers(model_type, grad_clip, tmp_path):
+    check_trains_like_transformers(model_type, tmp_path, grad_clip)
+
+
+def test_a_native_family_through_transformers_equals_its_template(tmp_path):
+    """Llama through transformers' modules and through megatrain's template: the same losses, gradient norms and
+    weights (fp32; transformers' RMSNorm computes in fp32 whatever the dtype, so float64 would differ by that)."""
+    hf = {**COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    hf_model(hf, 0).save_pretrained(tmp_path / "hf")
+    native = generic_trainer(tmp_path / "hf", tmp_path / "native", 0.5, implementation="native")
+    generic = generic_trainer(tmp_path / "hf", tmp_path / "generic", 0.5, implementation="transformers")
+    assert (native.model_config.implementation, generic.model_config.implementation) == ("native", "transformers")
+    assert native.model_config.n_params == generic.model_config.n_params
+    assert native.model_config.matmul_params == generic.model_config.matmul_params
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids, labels = random_batch(6, 12, 256, generator)
+        ours, theirs = generic.train_step(ids, labels), native.train_step(ids, labels)
+        assert ours.loss == pytest.approx(theirs.loss, rel=1e-5)
+        assert ours.grad_norm == pytest.approx(theirs.grad_norm, rel=1e-5)
+    ids = torch.randint(0, 256, (2, 12), generator=generator)
+    assert rel_err(generic.logits(ids), native.logits(ids)) < 1e-5
+    native.close()
+    generic.close()
+
+
+def test_a_load_balancing_loss_is_refused():
+    hf = {**tiny_hf_config("phimoe"), "output_router_logits": True, "router_aux_loss_coef": 0.01}
+    with pytest.raises(ZooError, match="set output_router_logits: false"):
+        model_config_from_hf(hf)
+
+
+def test_a_native_family_cannot_be_forced_native_when_it_has_no_template():
+    with pytest.raises(ZooError, match="unsupported architecture"):
+        model_config_from_hf(tiny_hf_config("cohere2"), "native")
