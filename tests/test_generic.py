@@ -5,14 +5,17 @@ sliding windows, partial rotary embedding and biases; hybrids of attention and M
 experts; exports load in transformers with equal weights and logits. A native family run through transformers equals
 its native template; a model the generic path cannot train is refused in one line."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers  # installed by the integration nox session
 from hf_steps import random_batch, reference_step, rel_err
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
-from megatrain_zoo import ZooError, model_config_from_hf
+from megatrain.cli import main
+from megatrain.config import Config, ConfigError, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_zoo import GenericError, ZooError, model_config_from_hf
 
 COMMON = dict(
     vocab_size=256,
@@ -39,15 +42,30 @@ FAMILIES = {
     "olmo": dict(clip_qkv=1.0),
     "nemotron": dict(head_dim=16, partial_rotary_factor=0.5),
     "helium": dict(head_dim=16),
+    "hunyuan_v1_dense": dict(head_dim=16),
     # hybrids: attention beside Mamba-2 or short convolutions
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=4),
     "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=128, block_auto_adjust_ff_dim=False),
+    "recurrent_gemma": dict(lru_width=64, block_types=["recurrent", "attention"], attention_window_size=4, head_dim=16),
+    "jamba": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        output_router_logits=False,
+    ),
     "bamba": dict(
         attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=4, mamba_expand=1
     ),
     # mixtures of experts (their load-balancing loss left off: see test_a_load_balancing_loss_is_refused)
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16, output_router_logits=False),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
+    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, num_shared_expert=1),
 }
 
 
@@ -176,3 +194,109 @@ def test_a_load_balancing_loss_is_refused():
 def test_a_native_family_cannot_be_forced_native_when_it_has_no_template():
     with pytest.raises(ZooError, match="unsupported architecture"):
         model_config_from_hf(tiny_hf_config("cohere2"), "native")
+
+
+PACKING = [name for name in FAMILIES if name not in ("falcon_h1", "lfm2", "recurrent_gemma", "jamba", "bamba")]
+
+
+@pytest.mark.parametrize("model_type", PACKING)
+def test_packed_documents_train_as_rows_of_their_own(model_type, tmp_path):
+    """Two documents packed into a row (positions restarting at the second) give the loss and gradient norm of the
+    same documents in rows of their own, in transformers: where transformers keeps a row's documents apart (every
+    family whose layers mix tokens by attention alone), the generic path does too."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_model(tiny_hf_config(model_type), seed)
+    reference.save_pretrained(tmp_path / "hf")
+    trainer = generic_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    generator = torch.Generator().manual_seed(seed)
+    ids, labels = random_batch(6, 12, 256, generator)
+    labels[:, 4] = -100  # (the first document's last token has no target in the second)
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(6, 12)
+    metrics = trainer.train_step(ids, labels, position_ids=positions)
+    trainer.close()
+    loss = 0.0
+    for part in (slice(0, 5), slice(5, 12)):
+        loss = loss + torch.nn.functional.cross_entropy(
+            reference(input_ids=ids[:, part]).logits.flatten(0, 1), labels[:, part].flatten(), reduction="sum"
+        )
+    loss = loss / (labels != -100).sum()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - set(PACKING)))
+def test_packing_is_refused_where_layers_carry_state(model_type, tmp_path):
+    """Mamba, linear recurrences and short convolutions run through a packed row's documents in transformers:
+    packing is refused, in the config and in a step given position ids."""
+    hf_model(tiny_hf_config(model_type), 0).save_pretrained(tmp_path / "hf")
+    trainer = generic_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
+    assert not trainer.model_config.packs_documents
+    ids, labels = random_batch(2, 12, 256, torch.Generator().manual_seed(0))
+    with pytest.raises(GenericError, match="carries state along a row"):
+        trainer.train_step(ids, labels, position_ids=torch.arange(12).expand(2, 12))
+    trainer.close()
+    config = trainer.config
+    with pytest.raises(ConfigError, match="layers carry state along a row"):
+        Trainer(replace(config, data=replace(config.data, pack=True, dataset="unused")))
+
+
+def test_a_layer_given_inputs_from_the_tokens_is_refused():
+    """Gemma 3n gives each layer an embedding of the tokens of its own (per_layer_input): refused, naming it."""
+    extra = dict(
+        head_dim=16,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=256,
+        laurel_rank=8,
+        num_kv_shared_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0, 0.0],
+    )
+    with pytest.raises(ZooError, match="given 'per_layer_input', computed from the tokens or the weights"):
+        model_config_from_hf({**COMMON, "model_type": "gemma3n_text", **extra})
+
+
+def test_an_invalid_config_is_refused_in_transformers_words():
+    with pytest.raises(ZooError, match="config.json is no valid zamba2 config for transformers .*layer_types"):
+        model_config_from_hf({**COMMON, "model_type": "zamba2", "layer_types": ["mamba"] * 3})
+
+
+def test_a_run_says_its_path_resumes_exactly_and_exports_its_family(tmp_path, capsys):
+    """`megatrain train` on a Cohere 2 directory: says it trains through transformers' modules (and that it leaves
+    the config's dropout out), resumes bit-exactly, evaluates, and its final/ loads in transformers."""
+    import numpy as np
+    import yaml
+    from safetensors.torch import load_file
+
+    hf_model({**tiny_hf_config("cohere2"), "attention_dropout": 0.1}, 0).save_pretrained(tmp_path / "hf")
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 256, 4096).astype(np.int32))
+
+    def config(name: str) -> str:
+        path = tmp_path / f"{name}.yaml"
+        settings = {"steps": 4, "save_every": 2, "batch_size": 4, "micro_batch_size": 2, "lr": 1e-3}
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "model": {"hf_dir": str(tmp_path / "hf")},
+                    "data": {"tokens": str(tmp_path / "tokens.npy"), "seq_len": 16},
+                    "train": settings,
+                    "precision": {"compute_dtype": "float32"},
+                    "device": "cpu",
+                    "output_dir": str(tmp_path / name),
+                }
+            )
+        )
+        return str(path)
+
+    assert main(["train", "--config", config("full")]) == 0
+    err = capsys.readouterr().err
+    assert "cohere2 trains through transformers' own modules (megatrain has no template for it)" in err
+    assert "config.json's {'attention_dropout': 0.1} are not applied" in err
+    step2 = tmp_path / "full/checkpoints/step-00000002"
+    assert main(["train", "--config", config("resumed"), "--resume", str(step2)]) == 0
+    a, b = (load_file(str(tmp_path / run / "final/model.safetensors")) for run in ("full", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["eval", "--checkpoint", str(tmp_path / "full"), "--batches", "1"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full/final", dtype=torch.float32)
+    assert type(model).__name__ == "Cohere2ForCausalLM"

@@ -163,7 +163,8 @@ def _host_seconds(run: Callable[[], object], timed_s: float = 0.2) -> float:
 def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
     parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
-    down projection, which the dense recompute skips (but where its output is normed: Gemma, OLMo 2), and less
+    down projection, which the dense recompute skips (but where its output is normed: Gemma, OLMo 2; and in a
+    generic model's layers, which recompute all), and less
     the recompute's GEMMs in `kept_layers` (dense layers whose forward's matmul products are kept).
     Routers and experts count their active part; linear-attention layers their delta rule instead of attention."""
     n_linear = len(model.linear_attention_layers)
@@ -171,7 +172,8 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
     attention += 8 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
-    down = 0 if model.norm_placement != "pre" else model.d_ff * model.d_model
+    skips_down = model.norm_placement == "pre" and model.implementation == "native"  # (a generic layer: none)
+    down = model.d_ff * model.d_model if skips_down else 0
     skipped_down = 2 * dense_layers * down
     # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped)
     recomputed_matmuls = 2 * (matmul_layers / model.n_layers - down) * tokens
@@ -266,16 +268,23 @@ def measure_gpu_rates(
     """This GPU's rates at a run's micro-batch shape, in TFLOPS as `block_work` counts them: its layers'
     forward, recompute and backward (one layer of each kind timed, weighted by how many layers it stands for:
     Qwen3.5's linear-attention layers run at a rate of their own beside its softmax ones, a model's first dense
-    layers beside its MoE ones), its dense layers' keeping their products likewise (None where the largest layer
-    is a MoE layer, which always recomputes), and the loss head's (6 FLOPs per weight and token); and the largest
-    layer's recomputing pass, to run beside other measurements."""
+    layers beside its MoE ones, a generic model's layers by their module and layer type), its dense layers'
+    keeping their products likewise (None where the largest layer always recomputes: a MoE layer, a generic one),
+    and the loss head's (6 FLOPs per weight and token); and the largest layer's recomputing pass, to run beside
+    other measurements."""
     from megatrain_zoo.model import block_shape
 
     spec = build_model(model)
     largest = max(range(model.n_layers), key=model.layer_params)
     kinds: dict[tuple, list[int]] = {}
     for layer in range(model.n_layers):
-        kinds.setdefault((block_shape(model, layer), model.layer_is_moe(layer)), []).append(layer)
+        template = spec.stages[layer + 1].template
+        kind = getattr(template, "kind", None) or (block_shape(model, layer), model.layer_is_moe(layer))
+        kinds.setdefault(kind, []).append(layer)
+    keepable = [
+        callable(getattr(spec.stages[layer + 1].template, "forward_keeping_products", None))
+        for layer in range(model.n_layers)
+    ]
     x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
 
     def passes(layer: int) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -304,10 +313,10 @@ def measure_gpu_rates(
 
     layer_tflops = _rounded(whole * model.n_layers / sum(seconds_of(layers, False) for layers in kinds.values()) / 1e12)
     kept_tflops = None
-    if not model.layer_is_moe(largest):
-        dense_kinds = [layers for (_, moe), layers in kinds.items() if not moe]
-        kept_seconds = sum(seconds_of(layers, True) for layers in dense_kinds)
-        kept_tflops = _rounded(kept_layer * sum(map(len, dense_kinds)) / kept_seconds / 1e12)
+    if keepable[largest]:
+        keeping_kinds = [layers for layers in kinds.values() if keepable[layers[0]]]
+        kept_seconds = sum(seconds_of(layers, True) for layers in keeping_kinds)
+        kept_tflops = _rounded(kept_layer * sum(map(len, keeping_kinds)) / kept_seconds / 1e12)
     head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
     head_weights = [
         torch.randn(sum(p.numel for p in group), device="cuda", dtype=torch.bfloat16) * 0.02 for group in head.groups

@@ -80,8 +80,14 @@ class StepMetrics:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}
 
 
-def check_router_settings(config: Config, model: ModelConfig) -> None:
-    """Refuse router options the model's routers do not have, naming the fix."""
+def check_model_settings(config: Config, model: ModelConfig) -> None:
+    """Refuse options the model cannot honour (router options its routers lack, packed documents its layers would
+    mix), naming the fix."""
+    if config.data.pack and not model.packs_documents:
+        raise ConfigError(
+            f"data.pack: {model.arch}'s layers carry state along a row (a recurrence or convolution), which "
+            "transformers does not restart at each packed document; set data.pack: false (a row per example)"
+        )
     if config.train.router_bias_update_rate and not model.router_bias:
         raise ConfigError(
             f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
@@ -89,9 +95,10 @@ def check_router_settings(config: Config, model: ModelConfig) -> None:
             f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
         )
     for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
-        if getattr(config.train, name) and not model.is_moe:
+        if getattr(config.train, name) and not model.is_moe:  # (a generic model's routers are transformers')
             raise ConfigError(
-                f"train.{name} acts on a mixture of experts' routers; this {model.arch} model has none: set it to 0"
+                f"train.{name} acts on the routers of megatrain's mixture-of-experts templates; this {model.arch} "
+                "model has none: set it to 0"
             )
 
 
@@ -112,7 +119,7 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
-        check_router_settings(config, self.model_config)
+        check_model_settings(config, self.model_config)
         gpus, hosts = launch_shape()
         rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
         self.planner = Planner(config, self.model_config, rates, Machine.of(config, gpus=gpus, hosts=hosts))

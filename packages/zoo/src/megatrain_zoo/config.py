@@ -179,6 +179,7 @@ class ModelConfig:
     hf_config: str | None = None
     layer_counts: tuple[tuple[int, int, int], ...] = ()
     outer_params: int = 0
+    packs_documents: bool = True  # whether packed documents stay apart (not in a generic recurrence or convolution)
 
     def __post_init__(self):
         object.__setattr__(self, "layer_counts", tuple(tuple(counts) for counts in self.layer_counts))  # (from JSON)

@@ -12,6 +12,7 @@ micro-batch shape.
 """
 
 import contextlib
+import inspect
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -123,12 +124,50 @@ class HFSkeleton:
                 failures.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 continue
             if tuple(reached.shape[:2]) == (1, 1):
+                self._check_layer_inputs(weights)
                 return phases[0], phases[2]
             failures.append(f"one token reached the LM head as {tuple(reached.shape)}")
         raise GenericError(
             f"{type(self.model).__name__}'s forward cannot run with its decoder layers streamed ({failures[0]}); "
             "use a family with a native template"
         )
+
+    def _check_layer_inputs(self, weights: dict[str, Tensor]) -> None:
+        """Refuse a model whose layers are given more than hidden states and what follows from positions (masks,
+        rotary tables): an input computed from the tokens or the weights (Gemma 3n's per-layer embeddings) would
+        need its gradient, which the generic path's stages do not carry; found by giving the first layer's
+        arguments two different token and weight values."""
+
+        signature = inspect.signature(type(self.layers[0]).forward).parameters
+        positional = [name for name in signature if name != "self"][1:]  # (after the hidden states)
+
+        def first_layer_arguments(fill: float, token: int) -> dict:
+            recorded = {}
+
+            def record(index, hidden_states, *args, **kwargs):
+                recorded.update(zip(positional, args), **kwargs)
+                raise _Reached(hidden_states)
+
+            filled = {name: torch.full((), fill, dtype=w.dtype).expand(w.shape) for name, w in weights.items()}
+            with contextlib.suppress(_Reached), torch.no_grad():
+                self.run(filled, {"input_ids": torch.full((1, 2), token)}, None, record)
+            return recorded
+
+        first, second = first_layer_arguments(0.0, 0), first_layer_arguments(0.5, 1)
+        for name, value in first.items():
+            if not _same(value, second[name]):
+                raise GenericError(
+                    f"{type(self.layers[0]).__name__} is given {name!r}, computed from the tokens or the weights "
+                    "before it; the generic path gives a layer only its hidden states and what follows from "
+                    f"positions, so {self.config.model_type} needs a native template"
+                )
+
+    @cached_property
+    def carries_state(self) -> bool:
+        """Whether the layers mix tokens along a row by more than attention (a Mamba or linear recurrence, a short
+        convolution): transformers' implementations of those run through a packed row's documents as one."""
+        convolves = any(isinstance(m, nn.Conv1d) for layer in self.layers for m in layer.modules())
+        return convolves or bool(getattr(self.model, "_is_stateful", False))
 
     @cached_property
     def _layer_names(self) -> list[list[str]]:
@@ -234,6 +273,17 @@ class HFSkeleton:
         if any(r is None for r in recorded):
             raise GenericError(f"{type(self.model).__name__}'s forward did not call every decoder layer")
         return recorded
+
+
+def _same(a, b) -> bool:
+    """Whether two layer arguments are equal: tensors by value, containers item by item, the rest by identity."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a is b or type(a) is type(b) and not isinstance(a, Tensor)
 
 
 def _hidden_states(hidden: Tensor):
@@ -439,8 +489,19 @@ class GenericLayer(_GenericStage):
         super().__init__(skeleton, (names,))
         self.index, self.module = index, skeleton.layers[index]
         self.prefix = next(n for n, m in skeleton.model.named_modules() if m is self.module) + "."
+        self.numel = sum(spec.numel for spec in self.groups[0])
+        # what sets its speed (the planner times one layer of each kind): its module, its layer type where the
+        # config names one (sliding or full attention, Mamba or attention), its sizes
+        layer_types = getattr(skeleton.config, "layer_types", None) or ()
+        layer_type = layer_types[index] if index < len(layer_types) else None
+        self.kind = (type(self.module).__name__, layer_type, tuple(spec.shape for spec in self.groups[0]))
 
     def _call(self, views: dict, x: Tensor, documents) -> Tensor:
+        if documents is not None and documents.position_ids is not None and self.skeleton.carries_state:
+            raise GenericError(
+                f"{type(self.module).__name__} carries state along a row, which transformers does not restart at "
+                "each packed document: give it a row per sequence (no position_ids)"
+            )
         args, kwargs = self.skeleton.layer_arguments(x, documents)[self.index]
         local = {name.removeprefix(self.prefix): value for name, value in views.items()}
         return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
@@ -539,14 +600,20 @@ def generic_model_config(hf: dict):
 
     from .config import ModelConfig
 
-    try:
-        skeleton = HFSkeleton(hf)
-    except (ValueError, KeyError) as error:
+    model_type = hf.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
         raise GenericError(
-            f"model_type {hf.get('model_type')!r} is known to neither megatrain nor the installed transformers "
-            f"{transformers.__version__} ({str(error).splitlines()[0][:160]}); upgrade transformers or use a "
-            "supported family"
-        ) from error
+            f"model_type {model_type!r} is known to neither megatrain nor the installed transformers "
+            f"{transformers.__version__}; upgrade transformers (a newer one may know it) or use a supported family"
+        )
+    try:
+        transformers.AutoConfig.for_model(**hf)
+    except Exception as error:  # noqa: BLE001 (transformers' validators raise several kinds)
+        raise GenericError(
+            f"config.json is no valid {model_type} config for transformers {transformers.__version__}: "
+            f"{' '.join(str(error).split())[:240]}"
+        ) from None
+    skeleton = HFSkeleton(hf)
     config = skeleton.config
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
         raise GenericError(
@@ -588,6 +655,7 @@ def generic_model_config(hf: dict):
         eos_token_id=_token_id(getattr(config, "eos_token_id", None)),
         pad_token_id=_token_id(getattr(config, "pad_token_id", None)),
         implementation="transformers",
+        packs_documents=not skeleton.carries_state,
         hf_config=hf_config_json(hf),
         layer_counts=tuple(counts(names) for names in parts.layers),
         outer_params=counts(parts.embedding + parts.head)[0],
