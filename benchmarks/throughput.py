@@ -12,6 +12,7 @@ x tokens / step time, recomputation not counted. Results: JSON (--out) and a tab
 
 import argparse
 import gc
+import itertools
 import resource
 import sys
 import tempfile
@@ -24,7 +25,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import base_row, fill_random_, machine, table, write_results  # noqa: E402
 
 from megatrain import Trainer  # noqa: E402
-from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain.config import (  # noqa: E402
+    Config,
+    DataSection,
+    EngineSection,
+    ModelSection,
+    PrecisionSection,
+    TrainSection,
+    model_config_of,
+)
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
@@ -84,12 +93,14 @@ def bench_megatrain(
     engine_options=None,
     doc_len=0,
     n_layers=0,
+    implementation="native",
 ):
-    model = preset(name)
+    section = ModelSection(preset=name, implementation=implementation)
+    model = model_config_of(Config(model=section))
     if n_layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
         model = model.first_layers(n_layers)
     config = Config(
-        model=ModelSection(preset=name),
+        model=section,
         data=DataSection(seq_len=seq_len),
         train=TrainSection(
             steps=10**6,
@@ -197,6 +208,7 @@ def bench_megatrain(
                 "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
                 | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
                 "losses": [round(x, 4) for x in losses],
+                "implementation": implementation,  # native: megatrain's templates; transformers: its own modules
             }
         )
         print(rows[-1], flush=True)
@@ -331,12 +343,17 @@ def main():
     parser.add_argument(
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"
     )
+    parser.add_argument(
+        "--implementation",
+        default="native",
+        help="comma-separated: native (megatrain's templates), transformers (the family's own modules)",
+    )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
     results = []
     payload = {"benchmark": "throughput", "machine": machine(), "args": vars(args), "results": results}
-    for name in args.models.split(","):
+    for name, implementation in itertools.product(args.models.split(","), args.implementation.split(",")):
         results += bench_megatrain(
             name,
             args.seq_len,
@@ -373,6 +390,7 @@ def main():
             },
             args.doc_len,
             args.layers,
+            implementation,
         )
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:

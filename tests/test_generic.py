@@ -101,7 +101,9 @@ def adamw_decaying_matrices(model, train: TrainSection):
     return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
 
 
-def generic_trainer(hf_dir, tmp_path, grad_clip: float, steps: int = 3, implementation: str = "auto") -> Trainer:
+def generic_trainer(
+    hf_dir, tmp_path, grad_clip: float, steps: int = 3, implementation: str = "auto", device: str = "cpu"
+) -> Trainer:
     train = TrainSection(
         steps=steps,
         batch_size=6,
@@ -117,17 +119,17 @@ def generic_trainer(hf_dir, tmp_path, grad_clip: float, steps: int = 3, implemen
         data=DataSection(seq_len=12),
         train=train,
         precision=PrecisionSection("float32"),
-        device="cpu",
+        device=device,
         output_dir=str(tmp_path / "run"),
     )
     return Trainer(config)
 
 
-def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float):
+def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float, device: str = "cpu"):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(tiny_hf_config(model_type), seed)
     reference.save_pretrained(tmp_path / "hf")
-    trainer = generic_trainer(tmp_path / "hf", tmp_path, grad_clip)
+    trainer = generic_trainer(tmp_path / "hf", tmp_path, grad_clip, device=device)
     assert trainer.model_config.implementation == "transformers"
     assert trainer.model_config.n_params == sum(p.numel() for p in reference.parameters())
     train = trainer.config.train
@@ -143,7 +145,7 @@ def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float):
         for name, p in reference.named_parameters():
             noise_only[name] = noise_only.get(name, False) | (p.grad.abs() < 1e-7 * norm)
     ids = torch.randint(0, 256, (2, 12), generator=generator)
-    our_logits = trainer.logits(ids)
+    our_logits = trainer.logits(ids).cpu()
     exported = trainer.export(tmp_path / "out")
     trainer.close()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
@@ -161,6 +163,28 @@ def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float):
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_steps_match_transformers(model_type, grad_clip, tmp_path):
     check_trains_like_transformers(model_type, tmp_path, grad_clip)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["gpt2", "cohere2", "stablelm", "falcon_h1", "lfm2", "phimoe", "jamba"])
+def test_gpu_steps_match_transformers(model_type, tmp_path):
+    """The CUDA engine in fp32 (TF32 off) through transformers' modules against transformers on the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    check_trains_like_transformers(model_type, tmp_path, 0.5, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
+    """A generic model's layer rate on the GPU: one layer of each kind timed (Jamba's Mamba layer and its attention
+    and experts layer), recomputing only (its layers keep no products), and the head's."""
+    from megatrain import rates
+
+    timed = []
+    sustained_seconds = rates._sustained_seconds
+    monkeypatch.setattr(rates, "_sustained_seconds", lambda run: timed.append(sustained_seconds(run)) or timed[-1])
+    model = model_config_from_hf(tiny_hf_config("jamba"))
+    layer_tflops, kept_tflops, head_tflops, _ = rates.measure_gpu_rates(model, 64, 2)
+    assert len(timed) == 3 and kept_tflops is None and layer_tflops > 0 and head_tflops > 0
 
 
 def test_a_native_family_through_transformers_equals_its_template(tmp_path):
