@@ -14,7 +14,15 @@ from hf_steps import random_batch, reference_step, rel_err
 
 from megatrain import Trainer
 from megatrain.cli import main
-from megatrain.config import Config, ConfigError, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import (
+    Config,
+    ConfigError,
+    DataSection,
+    EngineSection,
+    ModelSection,
+    PrecisionSection,
+    TrainSection,
+)
 from megatrain_zoo import GenericError, ZooError, model_config_from_hf
 
 COMMON = dict(
@@ -102,7 +110,13 @@ def adamw_decaying_matrices(model, train: TrainSection):
 
 
 def generic_trainer(
-    hf_dir, tmp_path, grad_clip: float, steps: int = 3, implementation: str = "auto", device: str = "cpu"
+    hf_dir,
+    tmp_path,
+    grad_clip: float,
+    steps: int = 3,
+    implementation: str = "auto",
+    device: str = "cpu",
+    engine: EngineSection = EngineSection(),
 ) -> Trainer:
     train = TrainSection(
         steps=steps,
@@ -120,16 +134,19 @@ def generic_trainer(
         train=train,
         precision=PrecisionSection("float32"),
         device=device,
+        engine=engine,
         output_dir=str(tmp_path / "run"),
     )
     return Trainer(config)
 
 
-def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float, device: str = "cpu"):
+def check_trains_like_transformers(
+    model_type: str, tmp_path, grad_clip: float, device: str = "cpu", engine: EngineSection = EngineSection()
+):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_model(tiny_hf_config(model_type), seed)
     reference.save_pretrained(tmp_path / "hf")
-    trainer = generic_trainer(tmp_path / "hf", tmp_path, grad_clip, device=device)
+    trainer = generic_trainer(tmp_path / "hf", tmp_path, grad_clip, device=device, engine=engine)
     assert trainer.model_config.implementation == "transformers"
     assert trainer.model_config.n_params == sum(p.numel() for p in reference.parameters())
     train = trainer.config.train
@@ -142,6 +159,9 @@ def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float, 
         _, loss, norm = reference_step(reference, optimizer, train, step, grad_clip, input_ids=ids, labels=labels)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5), step
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4), step
+        if engine.kept_layers != "auto":  # (the layers keeping their graphs: on the device and in host memory)
+            kept = trainer.pipeline.executed
+            assert (len(kept.keeping), len(kept.host_kept)) == (engine.kept_layers + engine.host_kept_layers, 1)
         for name, p in reference.named_parameters():
             noise_only[name] = noise_only.get(name, False) | (p.grad.abs() < 1e-7 * norm)
     ids = torch.randint(0, 256, (2, 12), generator=generator)
@@ -163,6 +183,13 @@ def check_trains_like_transformers(model_type: str, tmp_path, grad_clip: float, 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_steps_match_transformers(model_type, grad_clip, tmp_path):
     check_trains_like_transformers(model_type, tmp_path, grad_clip)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "cohere2", "falcon_h1", "lfm2", "jamba", "phimoe", "hunyuan_v1_moe"])
+def test_layers_keeping_their_graphs_match_transformers(model_type, tmp_path):
+    """Layers keeping their forward's graph for the backward (its saved tensors as products: on the device for
+    one layer, in host memory for the other) recompute nothing and train the same."""
+    check_trains_like_transformers(model_type, tmp_path, 0.5, engine=EngineSection(kept_layers=1, host_kept_layers=1))
 
 
 @pytest.mark.gpu

@@ -278,10 +278,11 @@ def mlp_width_per_token(model: ModelConfig) -> int:
 
 
 def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
-    """GPU bytes per token that one kept layer's matmul products hold; 0 where the layers always recompute."""
-    template = _built(model, 0).stages[-2].template
-    keeps = callable(getattr(template, "forward_keeping_products", None))
-    return template.product_bytes_per_token(element_size) if keeps else 0
+    """GPU bytes per token that one kept layer's products hold (the largest kind's); 0 where the layers always
+    recompute."""
+    templates = [stage.template for stage in _built(model, 0).stages[1:-1]]
+    keeps = all(callable(getattr(t, "forward_keeping_products", None)) for t in templates)
+    return max(t.product_bytes_per_token(element_size) for t in templates) if keeps else 0
 
 
 def slowest(parts: dict[str, float]) -> str:
@@ -370,7 +371,8 @@ class Planner:
         self.planes = [getattr(t, "checkpoint_planes", 1) if i in self.blocks else 0 for i, t in enumerate(templates)]
         keeps = [callable(getattr(t, "forward_keeping_products", None)) for t in templates]
         self.keepable = next((n for n, i in enumerate(reversed(self.blocks)) if not keeps[i]), len(self.blocks))
-        self.product_bytes_per_token = templates[-2].product_bytes_per_token(self.element) if self.keepable else 0
+        keepers = [templates[i] for i in self.blocks[len(self.blocks) - self.keepable :]]
+        self.product_bytes_per_token = max((t.product_bytes_per_token(self.element) for t in keepers), default=0)
         weightless = {i for i, t in enumerate(templates) if not getattr(t, "backward_reads_weights", True)}
         self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
         self.table_group = self.spec.stages[0].groups[0]

@@ -168,6 +168,7 @@ class _Cursor:
         """The next `like`-shaped tensor of the buffer, or of the CUDA host allocator where it is full (a model
         whose head template gives no `d_model`, or whose block templates' `checkpoint_planes` undercount)."""
         nbytes = like.numel() * like.element_size()
+        self.offset = -(-self.offset // like.element_size()) * like.element_size()  # (products of mixed dtypes)
         if self.offset + nbytes > self.buffer.numel():
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
         view = self.buffer[self.offset : self.offset + nbytes].view(like.dtype).view(like.shape)

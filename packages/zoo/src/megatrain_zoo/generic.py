@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from megatrain_templates import IGNORE_INDEX, ParamSpec
+from megatrain_templates.kept_graph import KeptGraphs, saved_bytes
 
 # micro-batch shapes whose layer arguments are remembered (a step's micro-batches, evaluation's, a warm-up's)
 ARGUMENTS_CACHED = 64
@@ -79,6 +80,7 @@ class HFSkeleton:
         self._device = torch.device("cpu")
         self._arguments: OrderedDict = OrderedDict()
         self.layer_output = _hidden_states  # (how the forward reads a layer's output: settled by `parts`)
+        self.product_bytes: dict = {}  # (kind of layer, dtype) -> bytes per token its kept graph holds
         self.parts  # noqa: B018 (traced now: the stages need it, and it settles `layer_output`)
 
     @cached_property
@@ -440,14 +442,29 @@ class _GenericStage:
 
     def accumulate(self, grads: list[Tensor], views: dict, outputs, grad_outputs, inputs=()) -> tuple:
         """autograd.grad of `outputs` w.r.t. `inputs` and the parameter leaves `views`; the parameters' gradients are
-        added into the flat fp32 `grads` (unused ones skipped); returns the inputs' gradients."""
+        added into the flat fp32 `grads`; returns the inputs' gradients."""
         leaves = [views[name] for name in self.names]
         found = torch.autograd.grad(outputs, [*inputs, *leaves], grad_outputs, allow_unused=True)
-        by_name = dict(zip(self.names, found[len(inputs) :]))
+        self._add(grads, found[len(inputs) :])
+        return found[: len(inputs)]
+
+    def _add(self, grads: list[Tensor], found) -> None:
+        """The parameters' gradients (in `self.names` order; None: unused) added into the flat fp32 `grads`."""
+        by_name = dict(zip(self.names, found))
         for name, span in self._spans(grads):
             if by_name[name] is not None:
                 span.add_(by_name[name].reshape(-1).to(span.dtype))
-        return found[: len(inputs)]
+
+
+def _zeros_of_little_memory(shape: tuple, dtype: torch.dtype) -> Tensor:
+    """Zeros of `shape` that take about one matrix's memory: stride 0 (a vector's or matrix's), or, for a stack of
+    experts' matrices (whose grouped GEMM takes no stride 0), the matrices overlapping 16 elements apart."""
+    if len(shape) < 3:
+        return torch.zeros((), dtype=dtype).expand(shape).requires_grad_(True)
+    inner = torch.Size(shape[1:]).numel()
+    base = torch.zeros(inner + 16 * shape[0], dtype=dtype)
+    strides = (16, *torch.empty(shape[1:]).stride())
+    return base.as_strided(shape, strides).detach().requires_grad_(True)
 
 
 def _spec(name: str, shape: tuple) -> ParamSpec:
@@ -483,7 +500,8 @@ class GenericEmbedding(_GenericStage):
 
 
 class GenericLayer(_GenericStage):
-    """Decoder layer `index` of the model, as its own module computes it; the backward recomputes it under autograd."""
+    """Decoder layer `index` of the model, as its own module computes it; the backward recomputes it under autograd,
+    or, where the placement keeps the layer's products, goes back through the forward's own graph."""
 
     def __init__(self, skeleton: HFSkeleton, index: int, names: tuple[str, ...]):
         super().__init__(skeleton, (names,))
@@ -495,6 +513,7 @@ class GenericLayer(_GenericStage):
         layer_types = getattr(skeleton.config, "layer_types", None) or ()
         layer_type = layer_types[index] if index < len(layer_types) else None
         self.kind = (type(self.module).__name__, layer_type, tuple(spec.shape for spec in self.groups[0]))
+        self.kept = KeptGraphs()
 
     def _call(self, views: dict, x: Tensor, documents) -> Tensor:
         if documents is not None and documents.position_ids is not None and self.skeleton.carries_state:
@@ -510,7 +529,51 @@ class GenericLayer(_GenericStage):
         with torch.no_grad():
             return self._call(self.weights(weights), x, documents)
 
-    def backward(self, weights: list[Tensor], x: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None):
+    @property
+    def forward_keeping_products(self):
+        """`_keeping_products` where the layer's forward can be traced on the CPU (its products then known), else
+        None: it recomputes."""
+        return self._keeping_products if self._product_bytes(torch.float32) is not None else None
+
+    def _keeping_products(self, weights: list[Tensor], x: Tensor, documents=None) -> tuple[Tensor, dict]:
+        """`forward`, also returning what its backward reads (`KeptGraphs`): given to `backward` as `products`,
+        the backward recomputes nothing."""
+        views = self.weights(weights, grad=True)
+        leaves = [views[name] for name in self.names]
+        return self.kept.forward(lambda x: self._call(views, x, documents), x, weights, leaves)
+
+    def product_bytes_per_token(self, element_size: int) -> int:
+        """Device bytes per token that `forward_keeping_products` returns (in the compute dtype)."""
+        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[element_size]
+        measured = self._product_bytes(dtype)
+        if measured is None:
+            raise GenericError(f"{type(self.module).__name__}'s forward could not be traced in {dtype}")
+        return measured
+
+    def _product_bytes(self, dtype: torch.dtype) -> int | None:
+        """Bytes per token the layer's autograd graph saves (beyond its weights and input), from its forward on the
+        CPU at two lengths (zero weights of no memory); None where that forward fails. Once per kind of layer."""
+        key = (self.kind, dtype)
+        if key not in self.skeleton.product_bytes:
+            views = {name: _zeros_of_little_memory(self.shapes[name], dtype) for name in self.names}
+
+            def at(tokens: int) -> int:  # (the weights saved count the same at both lengths: only products differ)
+                x = torch.zeros(1, tokens, self.skeleton.config.hidden_size, dtype=dtype)
+                return saved_bytes(lambda x: self._call(views, x, None), x, [])
+
+            try:  # (a forward that cannot run so, a MoE's on some backends: the layer recomputes)
+                self.skeleton.product_bytes[key] = max(0, (at(64) - at(32)) // 32)
+            except Exception:  # noqa: BLE001
+                self.skeleton.product_bytes[key] = None
+        return self.skeleton.product_bytes[key]
+
+    def backward(
+        self, weights: list[Tensor], x: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None, products=None
+    ):
+        if products is not None:  # (its forward's graph, kept)
+            grad_x, *found = self.kept.backward(products, x, weights, grad_out)
+            self._add(grads, found)
+            return grad_x
         views = self.weights(weights, grad=True)
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
