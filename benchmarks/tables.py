@@ -342,6 +342,29 @@ def preference_training(rows: list[dict]) -> Table:
     return Table(header, body, chosen, align="llrrrrr")
 
 
+def generic_template(rows: list[dict]) -> Table:
+    """Any transformers decoder through its own modules against megatrain's native templates, same model and step
+    size: the newest rows of `benchmarks/results/generic-template-*.json`."""
+    generic = [r for r in rows if r["file"].startswith("generic-template-")]
+    chosen = list(newest(generic, lambda r: (r["model"], r["tokens_per_step"], r["implementation"])).values())
+    chosen.sort(key=lambda r: (r["model"], r["tokens_per_step"], r["implementation"] != "native"))
+    body = [
+        [
+            r["model"],
+            r["implementation"],
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            num(r["tokens_per_s"]),
+            f"**{num(r['model_tflops'])}**",
+            f"{r['of_native']:.0%}" if r.get("of_native") else "-",
+            f"{r['kept_layers']} + {r['host_kept_layers']} host",
+        ]
+        for r in chosen
+    ]
+    header = ["model", "layers", "tokens", "time", "tokens/s", "model TFLOPS", "of native", "layers keeping products"]
+    return Table(header, body, chosen, align="llrrrrrr")
+
+
 MOE_MODELS = [
     "olmoe-1b-7b",
     "qwen1.5-moe-a2.7b",
@@ -859,6 +882,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "block-ceilings": block_ceilings,
     "linear-attention-parts": linear_attention_parts,
     "preference-training": preference_training,
+    "generic-template": generic_template,
     "moe-steps": moe_steps,
     "moe-expert-parts": moe_expert_parts,
     "moe-layers": moe_layers,

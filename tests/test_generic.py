@@ -202,8 +202,8 @@ def test_gpu_steps_match_transformers(model_type, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
-    """A generic model's layer rate on the GPU: one layer of each kind timed (Jamba's Mamba layer and its attention
-    and experts layer), recomputing only (its layers keep no products), and the head's."""
+    """A generic model's layer rates on the GPU: one layer of each kind timed (Jamba's Mamba layer and its attention
+    and experts layer), recomputing and keeping its graph, and the head's."""
     from megatrain import rates
 
     timed = []
@@ -211,7 +211,7 @@ def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
     monkeypatch.setattr(rates, "_sustained_seconds", lambda run: timed.append(sustained_seconds(run)) or timed[-1])
     model = model_config_from_hf(tiny_hf_config("jamba"))
     layer_tflops, kept_tflops, head_tflops, _ = rates.measure_gpu_rates(model, 64, 2)
-    assert len(timed) == 3 and kept_tflops is None and layer_tflops > 0 and head_tflops > 0
+    assert len(timed) == 5 and min(layer_tflops, kept_tflops, head_tflops) > 0
 
 
 def test_a_native_family_through_transformers_equals_its_template(tmp_path):
