@@ -341,3 +341,13 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     with pytest.raises(ConfigError, match="engine.shard_across_hosts: true splits the state over the 4 hosts"):
         check_plan(replicated, config, model_config_of(config))
     check_plan(parts, split, model_config_of(split))
+
+
+def test_a_model_through_transformers_modules_on_split_hosts_with_the_disk_tier_equals_one_process(tmp_path, tokens):
+    """The generic template (model.implementation: transformers) on two hosts of two ranks that split the state,
+    half the moments on disk, trains as one process does; its weights keep transformers' names."""
+    model = {"preset": "tiny-qwen2", "implementation": "transformers"}
+    one = run(tmp_path, "one", [sys.executable], model=model)
+    engine = {"shard_across_hosts": True, "optimizer_state_dir": str(tmp_path / "state"), "disk_state_fraction": 0.5}
+    assert_same_training(one, run(tmp_path, "split", two_hosts(2), model=model, engine=engine))
+    assert "model.layers.0.self_attn.q_proj.weight" in one[1]
