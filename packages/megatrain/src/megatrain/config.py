@@ -37,7 +37,8 @@ class ModelSection:
 
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference")
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
@@ -143,14 +144,68 @@ class DPOSection:
 
 
 @dataclass(frozen=True)
+class GRPOSection:
+    """train.objective: grpo. Names as TRL's GRPOConfig. A step's train.batch_size rows are
+    batch_size / num_generations prompts with num_generations completions each, generated from the current weights
+    or read from `rollouts`."""
+
+    num_generations: int = 8  # completions per prompt: a group, whose rewards set each one's advantage
+    beta: float = 0.0  # the KL penalty's weight (0: no reference model)
+    epsilon: float = 0.2  # the importance ratio's clip below (and above, unless epsilon_high)
+    epsilon_high: float | None = None  # DAPO's clip above (0.28); None: epsilon
+    loss_type: str = "dapo"  # grpo, bnpo, dr_grpo or dapo: how the tokens' losses are averaged
+    importance_sampling_level: str = "token"  # token (GRPO) or sequence (GSPO)
+    scale_rewards: str = "group"  # group, batch or none (Dr. GRPO): what divides the advantages
+    num_iterations: int = 1  # updates per batch of rollouts (the first's policy is the "old" one after)
+    max_prompt_length: int = 512  # prompt tokens kept (the last ones)
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    # module:function (f(prompts, completions, **columns) -> list[float], TRL's signature) or a built-in name:
+    # exact_match, boxed_number (a math answer's number against `answer`), format:REGEX
+    reward_funcs: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] | None = None  # None: 1 each
+    rollouts: str | None = None  # a JSONL of completions to train on (prompt, completion, reward or advantage)
+    ref_model: str | None = None  # the KL's reference: a Hugging Face directory; None: the initial weights
+    log_completions_every: int = 10  # steps between samples written to completions.jsonl (0: never)
+
+    def __post_init__(self):
+        object.__setattr__(self, "reward_funcs", tuple(self.reward_funcs))
+        if self.reward_weights is not None:
+            object.__setattr__(self, "reward_weights", tuple(float(w) for w in self.reward_weights))
+            if len(self.reward_weights) != len(self.reward_funcs):
+                raise ConfigError(
+                    f"train.grpo.reward_weights has {len(self.reward_weights)} weights for "
+                    f"{len(self.reward_funcs)} reward_funcs; give one each, or none"
+                )
+        choices = {
+            "loss_type": GRPO_LOSS_TYPES,
+            "importance_sampling_level": ("token", "sequence"),
+            "scale_rewards": ("group", "batch", "none"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.grpo.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("num_generations", "num_iterations", "max_prompt_length", "max_completion_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.grpo.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.beta >= 0 and self.epsilon >= 0 and (self.epsilon_high or 0) >= 0 and self.temperature > 0):
+            raise ConfigError("train.grpo.beta, epsilon and epsilon_high must be >= 0 and temperature > 0")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"train.grpo.top_p must be in (0, 1] and top_k >= 0, got {self.top_p}, {self.top_k}")
+
+
+@dataclass(frozen=True)
 class TrainSection:
     steps: int = 100
     batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
     micro_batch_size: int = 0  # sequences per forward/backward pass (dpo: pairs); 0 = batch_size
     # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference);
-    # module:Class: a megatrain_templates.SequenceObjective of your own
+    # grpo: online RL on prompts (train.grpo.*, data.format prompt); module:Class: a megatrain_templates objective
     objective: str = "sft"
     dpo: DPOSection = field(default_factory=DPOSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -191,6 +246,11 @@ class TrainSection:
                 f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
             )
         self._check_ranges()
+        if self.objective == "grpo" and self.batch_size % self.grpo.num_generations:
+            raise ConfigError(
+                f"train.batch_size {self.batch_size} (completions per step) must be a multiple of "
+                f"train.grpo.num_generations {self.grpo.num_generations}: a step holds whole groups"
+            )
         if self.objective not in OBJECTIVES and ":" not in self.objective:
             raise ConfigError(
                 f"train.objective must be one of {', '.join(OBJECTIVES)} or module:Class (a SequenceObjective of "
@@ -401,6 +461,10 @@ def _coerce(value: Any, hint, name: str):
     if value is None:
         return None
     types = getattr(hint, "__args__", None) or (hint,)
+    if getattr(hint, "__origin__", None) is tuple and types[0] is str:  # names: a list, or comma-separated
+        names = value.split(",") if isinstance(value, str) else value
+        if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
+            return tuple(v.strip() for v in names if v.strip())
     if float in types and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if float in types and isinstance(value, str):

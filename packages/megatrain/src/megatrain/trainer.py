@@ -32,7 +32,7 @@ from megatrain_optim import (
 )
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
-from megatrain_templates import DPO, Documents, SequenceObjective, Sequences
+from megatrain_templates import DPO, GRPO, Documents, Objective, Rollout, Sequences
 from megatrain_zoo import CORRECTION_BIASED, ModelConfig, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -385,12 +385,14 @@ class Trainer:
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         reference: Sequences | None = None,
+        rollout: Rollout | None = None,
     ) -> StepMetrics:
         """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
         restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
         False for padding tokens, which MoE routing statistics leave out, or None). With the DPO objective rows
         2i and 2i + 1 are pair i's chosen and rejected sequences and `reference` the reference model's summed
-        log-probabilities of every row (`sequence_logps`; None where the loss needs none).
+        log-probabilities of every row (`sequence_logps`; None where the loss needs none). With GRPO each row is a
+        prompt and a completion (its tokens trained) and `rollout` holds the rows' advantages (and log-probabilities).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
@@ -404,7 +406,7 @@ class Trainer:
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:
-            self._begin_objective(micro, input_ids.shape[0], reference)
+            self._begin_objective(micro, labels, reference, rollout)
             n_targets = 1  # (the objective's loss is the step's loss)
         lr = lr_at(self.step_index, self.schedule)
         self.policy.begin_step(self.step_index, lr)
@@ -424,24 +426,33 @@ class Trainer:
             *router, metrics,
         )  # fmt: skip
 
-    def _begin_objective(self, micro: list[MicroBatch], n_rows: int, reference: Sequences | None) -> None:
-        """Tell the objective which of this rank's sequences each trained token belongs to (one a row) and, for
-        DPO, the reference's scores of those rows and the pairs of the whole step."""
-        owners, first = [], self.my_rows(n_rows).start
+    def _begin_objective(
+        self, micro: list[MicroBatch], labels: torch.Tensor, reference: Sequences | None, rollout: Rollout | None
+    ) -> None:
+        """Tell the objective which of this rank's sequences each trained token belongs to (one a row) and what it
+        needs of the step's other rows: DPO the reference's scores and the pairs of the whole step, GRPO the
+        rows' advantages and log-probabilities and the step's sequences and tokens."""
+        owners, first, n_rows = [], self.my_rows(labels.shape[0]).start, labels.shape[0]
         row = 0
         for mb in micro:
             rows = torch.arange(row, row + mb.labels.shape[0]).unsqueeze(1)
             owners.append(torch.where(mb.labels != -100, rows, -1))
             row += mb.labels.shape[0]
-        if not isinstance(self.objective, DPO):
+        mine = slice(first, first + row)
+        if isinstance(self.objective, GRPO):
+            if rollout is None:
+                raise ConfigError("train.objective grpo needs each row's advantage: give `rollout`")
+            part = rollout.rows(mine)
+            n_tokens = int((labels != -100).sum())
+            self.objective.begin_step(owners, part.advantages, part.old_logps, part.ref_logps, n_rows, n_tokens)
+        elif isinstance(self.objective, DPO):
+            if reference is not None:
+                reference = Sequences(reference.logps[mine], reference.lengths[mine])
+            elif self.config.train.dpo.needs_reference:
+                raise ConfigError("train.dpo.loss_type needs the reference model's log-probabilities: give `reference`")
+            self.objective.begin_step(owners, reference, n_pairs=n_rows // 2)
+        else:
             self.objective.begin_step(owners)
-            return
-        if reference is not None:
-            mine = slice(first, first + row)
-            reference = Sequences(reference.logps[mine], reference.lengths[mine])
-        elif self.config.train.dpo.needs_reference:
-            raise ConfigError("train.dpo.loss_type needs the reference model's log-probabilities: give `reference`")
-        self.objective.begin_step(owners, reference, n_pairs=n_rows // 2)
 
     def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
         """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
@@ -630,15 +641,25 @@ def read_placement(path: Path, planner: Planner) -> Placement:
     return placement
 
 
-def make_objective(config: Config) -> SequenceObjective | None:
-    """The step-level objective train.objective names (None: the summed cross-entropy of SFT): DPO, or a
-    `module:Class` of the user's, a SequenceObjective made with no arguments."""
+def make_objective(config: Config) -> Objective | None:
+    """The step-level objective train.objective names (None: the summed cross-entropy of SFT): DPO, GRPO, or a
+    `module:Class` of the user's, a megatrain_templates Objective made with no arguments."""
     name = config.train.objective
     if name == "sft":
         return None
     if name == "dpo":
         dpo = config.train.dpo
         return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
+    if name == "grpo":
+        grpo = config.train.grpo
+        return GRPO(
+            grpo.beta,
+            grpo.epsilon,
+            grpo.epsilon_high,
+            grpo.loss_type,
+            grpo.importance_sampling_level,
+            grpo.max_completion_length,
+        )
     module_name, _, class_name = name.partition(":")
     try:
         objective = getattr(importlib.import_module(module_name), class_name)()
@@ -646,6 +667,9 @@ def make_objective(config: Config) -> SequenceObjective | None:
         raise ConfigError(
             f"train.objective {name!r} cannot be made: {error}; name an importable module:Class"
         ) from error
-    if not isinstance(objective, SequenceObjective):
-        raise ConfigError(f"train.objective {name!r} is a {type(objective).__name__}, not a SequenceObjective")
+    if not isinstance(objective, Objective):
+        raise ConfigError(
+            f"train.objective {name!r} is a {type(objective).__name__}, not a megatrain_templates objective "
+            "(SequenceObjective or TokenObjective)"
+        )
     return objective

@@ -29,13 +29,28 @@ from .moe import (
     fused_expert_names,
     moe_params,
 )
-from .objectives import DPO, SequenceObjective, Sequences, dpo_losses
+from .objectives import (
+    DPO,
+    GRPO,
+    Objective,
+    Rollout,
+    SequenceObjective,
+    Sequences,
+    TokenObjective,
+    dpo_losses,
+    group_advantages,
+)
 from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
 
 __all__ = [
     "DPO",
     "EXPERT_NAMING",
     "SequenceObjective",
+    "Objective",
+    "Rollout",
+    "TokenObjective",
+    "GRPO",
+    "group_advantages",
     "Sequences",
     "dpo_losses",
     "BlockShape",

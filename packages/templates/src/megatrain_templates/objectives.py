@@ -1,11 +1,12 @@
-"""Step-level objectives: a loss over the log-probabilities the head gives each sequence of a step, turned into the
+"""Step-level objectives: a loss over the log-probabilities the head gives each token of a step, turned into the
 coefficient of every token's cross-entropy, which the head's backward applies (`Head.loss` with a tensor scale).
 
 The pipeline calls an objective once per training step, at the head, with every micro-batch's token
 log-probabilities (`Head.token_logps`), before any backward: the loss may couple any sequences of the step (a
-preference pair's chosen and rejected). `SequenceObjective` sums the tokens per sequence, differentiates its
-subclass's `loss` of those sums by autograd, and spreads each sequence's coefficient over its tokens: a new
-objective is a `loss` of a page (see `DPO`).
+preference pair's chosen and rejected, a prompt's group of completions). `SequenceObjective` sums the tokens per
+sequence, differentiates its subclass's `loss` of those sums by autograd, and spreads each sequence's coefficient
+over its tokens (see `DPO`); `TokenObjective` differentiates its subclass's `loss` of the trained tokens'
+log-probabilities themselves (see `GRPO`): a new objective is a `loss` of a page.
 """
 
 from dataclasses import dataclass
@@ -29,10 +30,11 @@ class Sequences:
         return self.logps / self.lengths.clamp_min(1)
 
 
-class SequenceObjective:
-    """A loss of the step's per-sequence log-probabilities. Before a step, `begin_step(sequence_of)` says which
-    sequence each trained token belongs to: per micro-batch a [rows, seq] int64 tensor, -1 where a token is not
-    trained (its label is -100). Subclasses implement `loss(policy) -> (loss, metrics)`."""
+class Objective:
+    """What the pipeline calls at the head of a training step: `objective(token_logps) -> (loss, scales)`, every
+    micro-batch's token log-probabilities in, the step's loss and each token's d loss / d its cross-entropy out.
+    Before a step, `begin_step(sequence_of)` says which sequence each trained token belongs to: per micro-batch a
+    [rows, seq] int64 tensor, -1 where a token is not trained (its label is -100). `metrics` are the last step's."""
 
     def __init__(self):
         self.sequence_of: list[Tensor] = []
@@ -42,6 +44,13 @@ class SequenceObjective:
     def begin_step(self, sequence_of: list[Tensor]) -> None:
         self.sequence_of = sequence_of
         self.n_sequences = max(int(s.max()) for s in sequence_of) + 1 if sequence_of else 0
+
+    def __call__(self, token_logps: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        raise NotImplementedError
+
+
+class SequenceObjective(Objective):
+    """A loss of the step's per-sequence log-probabilities: subclasses implement `loss(policy) -> (loss, metrics)`."""
 
     def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
@@ -68,6 +77,37 @@ class SequenceObjective:
         # d loss / d(token cross-entropy) = -d loss / d(token log-probability), per sequence; 0 for none
         per_token = torch.cat([-coefficient, coefficient.new_zeros(1)])
         return loss.detach(), [per_token[owner] for owner in owners]
+
+
+class TokenObjective(Objective):
+    """A loss of the step's trained tokens' log-probabilities, flat in step order (micro-batch, row, position):
+    subclasses implement `loss(logps) -> (loss, metrics)`; `owner` holds each token's sequence, `lengths` each
+    sequence's trained tokens."""
+
+    def begin_step(self, sequence_of: list[Tensor]) -> None:
+        super().begin_step(sequence_of)
+        self.owner = torch.cat([s[s >= 0] for s in sequence_of]) if sequence_of else torch.zeros(0, dtype=torch.long)
+        self.lengths = torch.bincount(self.owner, minlength=self.n_sequences)
+
+    def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def __call__(self, token_logps: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        device = token_logps[0].device
+        trained = [owner.to(device) >= 0 for owner in self.sequence_of]
+        flat = torch.cat([logps[mask] for logps, mask in zip(token_logps, trained)])
+        with torch.enable_grad():
+            leaf = flat.detach().requires_grad_(True)
+            loss, metrics = self.loss(leaf)
+            (coefficient,) = torch.autograd.grad(loss, leaf)
+        self.metrics = {name: float(value) for name, value in metrics.items()}
+        scales, start = [], 0
+        for logps, mask in zip(token_logps, trained):
+            scale = torch.zeros_like(logps)
+            scale[mask] = -coefficient[start : start + int(mask.sum())]  # (d loss / d cross-entropy)
+            start += int(mask.sum())
+            scales.append(scale)
+        return loss.detach(), scales
 
 
 class DPO(SequenceObjective):
@@ -174,3 +214,135 @@ def _pair_metrics(scores: Tensor, chosen_rewards: Tensor, rejected_rewards: Tens
         "logps/chosen": scores[0::2].mean(),
         "logps/rejected": scores[1::2].mean(),
     }
+
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class Rollout:
+    """What GRPO needs of a step's rows beside their tokens: each row's advantage ([rows]) and, per token ([rows,
+    seq], as the labels), the log-probabilities under the policy that sampled it (None: the current one, a single
+    update per rollout) and under the reference (None: no KL term)."""
+
+    advantages: Tensor
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+
+    def rows(self, rows: slice) -> "Rollout":
+        """These rows' part (a process's share of the step)."""
+        return Rollout(*(None if t is None else t[rows] for t in (self.advantages, self.old_logps, self.ref_logps)))
+
+
+class GRPO(TokenObjective):
+    """Group relative policy optimisation (Shao et al. 2024, "DeepSeekMath", eq. 3) with TRL's GRPOTrainer options
+    and names: each completion's tokens weighted by its `advantage`, the importance ratio to the policy that sampled
+    it (`old_logps`; None: this policy, one update per rollout) clipped to [1 - epsilon, 1 + epsilon_high] per token,
+    or per sequence as GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7: the ratio of the
+    sequences' mean token log-probabilities), plus `beta` x the k3 estimate of the KL divergence to the reference
+    per token (Schulman 2020, "Approximating KL divergence": e^(ref - logp) - (ref - logp) - 1). The tokens' losses
+    aggregate as TRL's `loss_type`: grpo, the mean over sequences of each one's token mean; bnpo and dapo, the mean
+    over the step's tokens (TRL's bnpo normalises per micro-batch: the same with one per step); dr_grpo (Liu et al.
+    2025, "Understanding R1-Zero-Like Training"), the sum over the step's tokens / (sequences x
+    `max_completion_length`). Normalisers count the whole step (every process's), so processes' losses add up."""
+
+    def __init__(
+        self,
+        beta: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        loss_type: str = "dapo",
+        importance_sampling_level: str = "token",
+        max_completion_length: int = 256,
+    ):
+        super().__init__()
+        if loss_type not in GRPO_LOSS_TYPES:
+            raise ValueError(f"unknown GRPO loss type {loss_type!r}; one of {GRPO_LOSS_TYPES}")
+        if importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
+        self.beta, self.loss_type, self.level = beta, loss_type, importance_sampling_level
+        self.epsilon_low, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+        self.max_completion_length = max_completion_length
+
+    def begin_step(
+        self,
+        sequence_of: list[Tensor],
+        advantages: Tensor,
+        old_logps: Tensor | None = None,
+        ref_logps: Tensor | None = None,
+        n_sequences: int = 0,
+        n_tokens: int = 0,
+    ) -> None:
+        """`advantages` per sequence; `old_logps`, `ref_logps` [sequences, seq] per token of the rows (as the
+        micro-batches' rows, back to back), or None; `n_sequences`, `n_tokens`: the whole step's (0: these)."""
+        super().begin_step(sequence_of)
+        trained = torch.cat([s >= 0 for s in sequence_of]) if sequence_of else None
+        self.advantages = advantages
+        self.old = None if old_logps is None else old_logps[trained]
+        self.ref = None if ref_logps is None else ref_logps[trained]
+        self.total_sequences = n_sequences or self.n_sequences
+        self.total_tokens = n_tokens or int(self.lengths.sum())
+        if self.beta and self.ref is None:
+            raise ValueError("GRPO with beta > 0 needs the reference's token log-probabilities (ref_logps)")
+
+    def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        owner = self.owner.to(logps.device)
+        lengths = self.lengths.to(logps).clamp_min(1)
+        old = logps.detach() if self.old is None else self.old.to(logps)
+        log_ratio = logps - old
+        if self.level == "sequence":
+            per_sequence = torch.zeros(self.n_sequences, dtype=logps.dtype, device=logps.device)
+            log_ratio = (per_sequence.index_add(0, owner, log_ratio) / lengths)[owner]
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        advantages = self.advantages.to(logps)[owner]
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+        metrics = _clip_metrics(ratio.detach(), advantages, self.epsilon_low, self.epsilon_high)
+        if self.beta:
+            gap = self.ref.to(logps) - logps
+            kl = torch.exp(gap) - gap - 1
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = kl.detach().mean()
+        return self._aggregate(per_token, owner, lengths), metrics
+
+    def _aggregate(self, per_token: Tensor, owner: Tensor, lengths: Tensor) -> Tensor:
+        if self.loss_type == "grpo":
+            sums = torch.zeros(self.n_sequences, dtype=per_token.dtype, device=per_token.device)
+            return (sums.index_add(0, owner, per_token) / lengths).sum() / self.total_sequences
+        if self.loss_type == "dr_grpo":
+            return per_token.sum() / (self.total_sequences * self.max_completion_length)
+        return per_token.sum() / max(self.total_tokens, 1)  # bnpo, dapo
+
+
+def _clip_metrics(ratio: Tensor, advantages: Tensor, low: float, high: float) -> dict[str, Tensor]:
+    """TRL's clip ratios: the share of tokens whose ratio the clip holds (below with a negative advantage, above
+    with a positive one)."""
+    below = (ratio < 1 - low) & (advantages < 0)
+    above = (ratio > 1 + high) & (advantages > 0)
+    return {
+        "clip_ratio/low_mean": below.to(ratio.dtype).mean(),
+        "clip_ratio/high_mean": above.to(ratio.dtype).mean(),
+        "clip_ratio/region_mean": (below | above).to(ratio.dtype).mean(),
+    }
+
+
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> tuple[Tensor, dict]:
+    """Each completion's advantage from the rewards of a step's groups (`num_generations` consecutive completions of
+    one prompt), as TRL's GRPOTrainer: the reward less its group's mean, divided (scale_rewards "group") by the
+    group's standard deviation + 1e-4, ("batch") by the whole batch's, or ("none") not (Dr. GRPO). Metrics: TRL's
+    reward, reward_std and frac_reward_zero_std (groups whose rewards are all equal: zero advantage)."""
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations {num_generations}")
+    groups = rewards.view(-1, num_generations)
+    mean = groups.mean(1).repeat_interleave(num_generations)
+    group_std = groups.std(1) if num_generations > 1 else torch.zeros(len(groups), dtype=rewards.dtype)
+    std = group_std.repeat_interleave(num_generations) if scale_rewards != "batch" else rewards.std().expand_as(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    metrics = {
+        "reward": rewards.mean(),
+        "reward_std": std.mean(),
+        "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).to(rewards.dtype).mean(),
+    }
+    return advantages, metrics
