@@ -499,6 +499,25 @@ class Trainer:
         return loss_sum.item(), int((labels != -100).sum())
 
     @torch.no_grad()
+    def token_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every row's log-probability of each trained token ([rows, seq] float64 on the host, 0 where the label is
+        -100), forward only, the weights streamed once for all rows (a reference model's pass, the policy's that
+        sampled a rollout); every rank runs its share of the rows."""
+        self.finish_updates()
+        self._load_device_state()
+        micro = self.micro_batches(input_ids, labels, position_ids, valid)
+        logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro) if micro else [])]
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
+        logps = torch.cat(logps) if logps else torch.zeros(0, labels.shape[1], dtype=torch.float64)
+        return self.sync.gather_rows(logps) if self.sync is not None else logps
+
     def sequence_logps(
         self,
         input_ids: torch.Tensor,
@@ -507,17 +526,8 @@ class Trainer:
         valid: torch.Tensor | None = None,
     ) -> Sequences:
         """Every row's summed log-probability of its trained tokens and their count ([rows] each, float64 on the
-        host), forward only, the weights streamed once for all rows (a reference model's pass); every rank runs its
-        share of the rows."""
-        self.finish_updates()
-        self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid)
-        sums = [t.sum(-1).double().cpu() for t in (self.pipeline.token_logps(micro) if micro else [])]
-        if self.spec.router_load is not None:
-            self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
-        sums = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
-        if self.sync is not None:
-            sums = self.sync.gather_rows(sums)
+        host), as `token_logps`."""
+        sums = self.token_logps(input_ids, labels, position_ids, valid).sum(-1)
         return Sequences(sums, (labels != -100).sum(-1).to(torch.float64))
 
     # ------------------------------------------------------------------ state

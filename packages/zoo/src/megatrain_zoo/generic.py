@@ -70,11 +70,16 @@ class HFSkeleton:
         import transformers
 
         config = transformers.AutoConfig.for_model(**hf_config)
-        config._attn_implementation = attention
-        with _parameters_on_meta():
-            self.model = transformers.AutoModelForCausalLM.from_config(config)
+        try:
+            with _parameters_on_meta():
+                self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        except ValueError as error:  # (a family without SDPA support, Gemma 2's soft-capped scores: eager)
+            if "attention implementation" not in str(error):
+                raise
+            with _parameters_on_meta():
+                self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         self.model.eval()
-        self.config = config
+        self.config = self.model.config
         self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
         self.layers = _decoder_layers(self.base, config.num_hidden_layers)
         self._device = torch.device("cpu")
