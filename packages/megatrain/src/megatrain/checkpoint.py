@@ -40,10 +40,14 @@ def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
 
 def checkpoint_entries(trainer) -> dict[str, list]:
     """File name -> (tensor name, Pending) in file order: the masters by Hugging Face name, then each
-    optimizer state as `STATE.name`; gathered a group at a time where hosts split the state."""
+    optimizer state as `STATE.name`; gathered a group at a time where hosts split the state; then the trainer's
+    `extra_state` files (what a run's step needs beside the weights, such as GRPO's rollout in use)."""
     whole = trainer.whole_groups()
     optimizer = [entry for state in trainer.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")]
-    return {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
+    files = {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
+    for filename, tensors in trainer.extra_state.items():  # (GRPO's rollout in use)
+        files[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in tensors.items()]
+    return files
 
 
 def entries_bytes(entries: list) -> int:

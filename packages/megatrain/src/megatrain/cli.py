@@ -248,27 +248,13 @@ def run_convert(args) -> None:
 
 def run_eval(config, args) -> None:
     import json
-    from dataclasses import replace
 
-    from megatrain_zoo import ModelConfig
-
-    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
-    from .config import ModelSection
     from .data import TokenWindows
     from .loop import evaluate, load_data
-    from .trainer import Trainer
 
     if config.train.objective == "dpo":
         return run_pair_eval(config, args)
-    source = args.weights
-    if not (source / MANIFEST).exists():  # a Hugging Face directory (a run's final/ among them)
-        trainer = Trainer(replace(config, model=ModelSection(hf_dir=str(source))), training=False)
-        what = str(source)
-    else:
-        manifest = verify_checkpoint(source)
-        trainer = Trainer(config, ModelConfig(**manifest["model"]), training=False)
-        load_checkpoint(trainer, source)  # the weights (a trainer for evaluation holds no optimizer state)
-        what = f"{source} (step {manifest['step']})"
+    trainer, what = trainer_for_weights(config, args.weights)
     try:
         data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
@@ -278,6 +264,47 @@ def run_eval(config, args) -> None:
         trainer.close()
     if trainer.is_main:
         print(json.dumps({"checkpoint": what, "data": split, **result}))
+
+
+def trainer_for_weights(config, weights: Path):
+    """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, or a checkpoint) and no
+    optimizer state: for evaluation and generation."""
+    from dataclasses import replace
+
+    from megatrain_zoo import ModelConfig
+
+    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
+    from .config import ModelSection
+    from .trainer import Trainer
+
+    if not (weights / MANIFEST).exists():
+        return Trainer(replace(config, model=ModelSection(hf_dir=str(weights))), training=False), str(weights)
+    manifest = verify_checkpoint(weights)
+    trainer = Trainer(config, ModelConfig(**manifest["model"]), training=False)
+    load_checkpoint(trainer, weights)
+    return trainer, f"{weights} (step {manifest['step']})"
+
+
+def run_generate(config, args) -> None:
+    """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
+    import json
+
+    from .data import load_tokenizer
+    from .generate import Sampling, generate_completions, read_prompts
+    from .rollouts import tokenizer_of
+
+    prompts = read_prompts(args.prompts)
+    trainer, _ = trainer_for_weights(config, args.weights)
+    try:
+        own = args.weights / "tokenizer.json"
+        tokenizer, path = (load_tokenizer(own), own) if own.exists() else tokenizer_of(trainer.config)
+        stops = tuple(i for i in [trainer.model_config.eos_token_id] if i is not None)
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, stops)
+        texts = generate_completions(trainer, tokenizer, path, prompts, sampling, args.seed)
+    finally:
+        trainer.close()
+    for prompt, text in zip(prompts, texts):
+        print(json.dumps({"prompt": prompt, "completion": text}))
 
 
 def run_pair_eval(config, args) -> None:
@@ -384,6 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(step-NNNNNNNN) or a Hugging Face directory (a run's final/ among them)",
     )
     eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
+    generate_parser = commands.add_parser("generate", help="completions of prompts from a checkpoint's weights")
+    _add_config_args(generate_parser)
+    generate_parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run's output_dir, a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
+    )
+    generate_parser.add_argument(
+        "--prompts", required=True, help='a JSONL of {"prompt": text or messages}, or a text file of one per line'
+    )
+    generate_parser.add_argument("--max-new-tokens", type=int, default=256)
+    generate_parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    generate_parser.add_argument("--top-p", type=float, default=1.0)
+    generate_parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    generate_parser.add_argument("--seed", type=int, default=0)
     bench_parser = commands.add_parser("bench", help="time training steps of a config on random tokens")
     _add_config_args(bench_parser)
     bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
@@ -402,6 +444,13 @@ def run_command(args) -> None:
         _at_least(args.batches, 1, "--batches")
         args.weights = find_weights(Path(args.checkpoint))
         run_eval(_config(args, run_config(args.weights)), args)
+    elif args.command == "generate":
+        from .checkpoint import find_weights, run_config
+
+        _at_least(args.max_new_tokens, 1, "--max-new-tokens")
+        _at_least(args.temperature, 0, "--temperature")
+        args.weights = find_weights(Path(args.checkpoint))
+        run_generate(_config(args, run_config(args.weights)), args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")
         run_bench(_config(args), args.steps)

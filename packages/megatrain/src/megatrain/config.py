@@ -36,7 +36,7 @@ class ModelSection:
             raise ConfigError(f"model.implementation must be auto, native or transformers, got {self.implementation!r}")
 
 
-DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference")
+DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
 OBJECTIVES = ("sft", "dpo", "grpo")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
@@ -54,7 +54,8 @@ class DataSection:
     dataset_dir: str | None = None  # a LLaMA-Factory-style folder with dataset_info.json
     mix_weights: tuple[float, ...] | None = None  # one per dataset: its share of the examples
     # text: pre-training on `text_field`; alpaca / sharegpt / messages: fine-tuning, loss on assistant turns;
-    # preference: TRL's prompt / chosen / rejected pairs, as strings or conversations (train.objective: dpo)
+    # preference: TRL's prompt / chosen / rejected pairs, as strings or conversations (train.objective: dpo);
+    # prompt: TRL's prompt-only records, other columns going to the reward functions (train.objective: grpo)
     format: str = "text"
     text_field: str = "text"
     tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on the text

@@ -106,3 +106,51 @@ def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
         if token in stop_ids:
             return tokens[: index + 1]
     return tokens
+
+
+def read_prompts(path) -> list:
+    """A prompts file's prompts: JSONL records with `prompt` (text or messages), or one text prompt per line."""
+    from pathlib import Path
+
+    from .config import ConfigError
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f'--prompts {path} does not exist; give a JSONL of {{"prompt": ...}} or a text file')
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix in (".jsonl", ".json"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{path} line {number} is not JSON: {error}") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise ConfigError(f"{path} line {number} has no 'prompt' field")
+            prompts.append(record["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ConfigError(f"--prompts {path} holds no prompts")
+    return prompts
+
+
+def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, sampling: Sampling, seed: int) -> list[str]:
+    """Completions (text) of `prompts` (text, or messages rendered with the chat template's generation prompt) from
+    the trainer's weights, a batch at a time of train.batch_size."""
+    from .chat import load_chat_template
+    from .data import _eos_token
+    from .records import pad_token_id
+    from .rollouts import render_prompt
+
+    eos = _eos_token(tokenizer, trainer.model_config.eos_token_id)
+    template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)
+    ids = [render_prompt(p, template, tokenizer, f"prompt {i + 1}") for i, p in enumerate(prompts)]
+    generator, texts, batch = Generator(trainer), [], trainer.config.train.batch_size
+    for start in range(0, len(ids), batch):
+        completions = generator.generate(
+            ids[start : start + batch], sampling, pad_token_id(tokenizer, eos), seed + start
+        )
+        texts += tokenizer.decode_batch(completions, skip_special_tokens=True)
+    return texts

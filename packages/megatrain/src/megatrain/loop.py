@@ -35,6 +35,7 @@ from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
+from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
@@ -255,8 +256,12 @@ def train(config: Config, resume: Path | None = None) -> Path:
             if note is not None:
                 print(f"megatrain: {note}", file=sys.stderr)
         # the data is read first: a bad record stops the run before any host memory is allocated
-        data = load_data(config, model, out, ranks)
-        check_objective_data(config, data)
+        if config.train.objective == "grpo":  # (prompts or given completions: read once the trainer is made)
+            check_grpo_settings(config, ranks)
+            data = TokenData(None, None, tokenizer_of(config)[1])
+        else:
+            data = load_data(config, model, out, ranks)
+            check_objective_data(config, data)
         if config.train.dpo.ref_model is not None and config.train.objective == "dpo":
             check_reference_model(Path(config.train.dpo.ref_model), model)
         trainer = Trainer(config, model, ranks=ranks)
@@ -286,6 +291,7 @@ class TrainingRun:
         self.trackers: list = []
         self.last_eval: dict = {}
         self.reference = self.validation_reference = None  # DPO: the reference's scores of the pairs (rows)
+        self.rollouts = None  # GRPO: each step's prompts, completions and advantages
 
     def run(self) -> Path:
         """The steps, then the export; returns the output directory."""
@@ -326,7 +332,9 @@ class TrainingRun:
         """Cut the data into windows (or pairs), score them under DPO's reference, load the checkpoint resumed, keep
         the metrics it holds, say what runs."""
         trainer, config, data, train = self.trainer, self.config, self.data, self.config.train
-        if data.pairs:
+        if train.objective == "grpo":  # (before a checkpoint is loaded: a reference pass reads the initial weights)
+            self.rollouts = make_rollouts(trainer, config)
+        elif data.pairs:
             self.windows = PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed)
             if data.validation is not None:
                 self.validation = PairWindows(data.validation, 1, shuffle=False, seed=0)
@@ -343,6 +351,8 @@ class TrainingRun:
                 self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
         if self.resume is not None:
             manifest = load_checkpoint(trainer, self.resume)
+            if self.rollouts is not None:
+                self.rollouts.resume(self.resume)
             print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
         if not self.main:
             return
@@ -363,7 +373,7 @@ class TrainingRun:
             f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on "
             f"{trainer.device}{ranks} ({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host "
             f"{host_bytes / 2**30:.2f} GiB per host ({host_bytes / trainer.model_config.n_params:.1f} B/param), "
-            f"{self.windows.n_windows} windows of {config.data.seq_len} tokens",
+            f"{'rows' if self.windows is None else f'{self.windows.n_windows} windows'} of {config.data.seq_len} tokens",
             file=sys.stderr,
         )
         if trainer.model_config.implementation == "transformers":
@@ -395,12 +405,18 @@ class TrainingRun:
     def _step(self, step: int, bar) -> None:
         """One optimizer step with its record, validation, progress and checkpoint where due."""
         trainer, train = self.trainer, self.config.train
-        batch = self.windows.batch(step)
-        reference = None
-        if self.reference is not None:
-            reference = step_reference(self.reference, self.windows.pair_indices(step), batch.labels)
-        metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid, reference)
-        self._record(metrics.as_dict())
+        if self.rollouts is not None:
+            made = self.rollouts.step(step)
+            batch, made_metrics = made.batch, made.metrics
+            metrics = trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=made.rollout)
+            self._write_samples(made, step)
+        else:
+            batch, made_metrics = self.windows.batch(step), {}
+            reference = None
+            if self.reference is not None:
+                reference = step_reference(self.reference, self.windows.pair_indices(step), batch.labels)
+            metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid, reference)
+        self._record(metrics.as_dict() | made_metrics)
         postfix = {
             "loss": f"{metrics.loss:.4f}",
             "tok_s": f"{metrics.tokens_per_s:,.0f}",
@@ -413,6 +429,8 @@ class TrainingRun:
         if metrics.objective and "rewards/accuracies" in metrics.objective:  # DPO: how often chosen beats rejected
             postfix["acc"] = f"{metrics.objective['rewards/accuracies']:.2f}"
             postfix["margin"] = f"{metrics.objective['rewards/margins']:.3f}"
+        if "reward" in made_metrics:  # GRPO: the mean reward of the step's completions
+            postfix["reward"] = f"{made_metrics['reward']:.3f}"
         every = train.eval_every
         if self.validation is not None and (
             (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
@@ -436,6 +454,14 @@ class TrainingRun:
             self._stop_for_bad_steps()
         if train.save_every and trainer.step_index % train.save_every == 0:
             self.save()
+
+    def _write_samples(self, made, step: int) -> None:
+        """Every train.grpo.log_completions_every steps, the step's completions (a new rollout's) into
+        completions.jsonl: prompt, completion, reward, advantage."""
+        every = self.config.train.grpo.log_completions_every
+        if self.main and every and step % every == 0 and made.samples:
+            for sample in made.samples:
+                write_jsonl(self.out / "completions.jsonl", {"step": step + 1, **sample})
 
     def _stop_for_bad_steps(self) -> None:
         try:

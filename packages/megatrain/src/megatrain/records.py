@@ -45,6 +45,7 @@ DEFAULT_COLUMNS = {
     },
     "messages": {"messages": "messages", "system": "system", "tools": "tools"},
     "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "tools": "tools"},
+    "prompt": {"prompt": "prompt"},
 }
 DEFAULT_TAGS = {
     "sharegpt": {

@@ -152,6 +152,7 @@ class Trainer:
         if training:
             self._new_updates()
         self.objective = make_objective(config)
+        self.extra_state: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint file -> tensors (GRPO's rollout)
         self.rows_per_example = config.train.rows_per_example  # a preference pair: chosen, rejected
         self.pipeline = self._new_pipeline()
         self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
