@@ -289,16 +289,18 @@ def run_generate(config, args) -> None:
     """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
     import json
 
-    from .data import load_tokenizer
+    from .data import _eos_token, load_tokenizer
     from .generate import Sampling, generate_completions, read_prompts
-    from .rollouts import tokenizer_of
+    from .rollouts import stop_ids, tokenizer_of
 
     prompts = read_prompts(args.prompts)
     trainer, _ = trainer_for_weights(config, args.weights)
     try:
         own = args.weights / "tokenizer.json"
         tokenizer, path = (load_tokenizer(own), own) if own.exists() else tokenizer_of(trainer.config)
-        stops = tuple(i for i in [trainer.model_config.eos_token_id] if i is not None)
+        stops = stop_ids(
+            trainer.model_config, tokenizer, path, _eos_token(tokenizer, trainer.model_config.eos_token_id)
+        )
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, stops)
         texts = generate_completions(trainer, tokenizer, path, prompts, sampling, args.seed)
     finally:

@@ -67,8 +67,8 @@ def write_jsonl(path: Path, record: dict) -> None:
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> bool:
-    """Loss curve PNG from metrics.jsonl, beside the experts' load balance for a MoE run and the rewards' accuracy
-    and margin for a DPO run; False when matplotlib is not installed."""
+    """Loss curve PNG from metrics.jsonl, beside the experts' load balance for a MoE run, the rewards' accuracy
+    and margin for a DPO run, the completions' mean reward for a GRPO run; False when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -81,6 +81,7 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
     evals = [r for r in records if "val_loss" in r]
     panels = [_plot_balance] if any("router_max_violation" in r for r in rows) else []
     panels += [_plot_rewards] if any("rewards/margins" in r for r in rows) else []
+    panels += [_plot_grpo_reward] if any("reward" in r for r in rows) else []
     fig, axes = plt.subplots(1, 1 + len(panels), figsize=(7 + 5 * len(panels), 4), squeeze=False)
     for panel, ax in zip(panels, axes[0][1:]):
         panel(ax, rows, evals)
@@ -92,7 +93,7 @@ def plot_loss(metrics_path: Path, out_path: Path) -> bool:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
         ax.legend()
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss" if panels and panels[-1] is _plot_rewards else "loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)" if not panels or panels[-1] is _plot_balance else "loss")
     ax.set_title("megatrain loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -106,6 +107,18 @@ def _plot_balance(ax, rows: list[dict], evals: list[dict]) -> None:
     ax.plot([r["step"] for r in balance], [r["router_max_violation"] for r in balance])
     ax.set_ylabel("worst layer's max expert load / mean - 1")
     ax.set_title("expert load balance (MaxVio; 0: even)")
+
+
+def _plot_grpo_reward(ax, rows: list[dict], evals: list[dict]) -> None:
+    """GRPO: the step's completions' mean reward, and its mean over the last 10 steps."""
+    scored = [r for r in rows if "reward" in r]
+    steps, rewards = [r["step"] for r in scored], [r["reward"] for r in scored]
+    ax.plot(steps, rewards, alpha=0.4, label="step")
+    window = [sum(rewards[max(0, i - 9) : i + 1]) / len(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+    ax.plot(steps, window, label="mean of 10 steps")
+    ax.set_ylabel("reward")
+    ax.set_title("completions' mean reward")
+    ax.legend()
 
 
 def _plot_rewards(ax, rows: list[dict], evals: list[dict]) -> None:
@@ -407,9 +420,11 @@ class TrainingRun:
         trainer, train = self.trainer, self.config.train
         if self.rollouts is not None:
             made = self.rollouts.step(step)
-            batch, made_metrics = made.batch, made.metrics
+            fresh = step % train.grpo.num_iterations == 0  # (a rollout's rewards are recorded at its first update)
+            batch, made_metrics = made.batch, made.metrics if fresh else {}
             metrics = trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=made.rollout)
-            self._write_samples(made, step)
+            if fresh:
+                self._write_samples(made, step)
         else:
             batch, made_metrics = self.windows.batch(step), {}
             reference = None

@@ -54,9 +54,10 @@ def tokenizer_of(config: Config):
     return load_tokenizer(Path(path)), Path(path)
 
 
-def stop_ids(config: Config, model, tokenizer, tokenizer_path: Path) -> tuple[int, ...]:
-    """Where a completion ends: the model's EOS ids, the tokenizer's EOS token and generation_config.json's."""
-    ids = set()
+def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...]:
+    """Where a completion ends: the model's EOS ids, the tokenizer's EOS token (tokenizer_config.json's, or the
+    document end megatrain's tokenizers mark, `eos`) and generation_config.json's."""
+    ids = {tokenizer.token_to_id(eos)} if eos and tokenizer.token_to_id(eos) is not None else set()
     for value in (model.eos_token_id, _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")):
         ids.update(value if isinstance(value, list) else [value] if value is not None else [])
     eos = _json(tokenizer_path.parent / "tokenizer_config.json").get("eos_token")
@@ -159,7 +160,8 @@ class _Rollouts:
             return
         generation, made = self.current
         tensors = {"generation": torch.tensor([generation]), "input_ids": made.batch.input_ids}
-        tensors |= {"labels": made.batch.labels, "valid": made.batch.valid, "advantages": made.rollout.advantages}
+        valid = made.batch.valid.to(torch.uint8)  # (safetensors as megatrain writes them: no bool)
+        tensors |= {"labels": made.batch.labels, "valid": valid, "advantages": made.rollout.advantages}
         for name in ("old_logps", "ref_logps"):
             if getattr(made.rollout, name) is not None:
                 tensors[name] = getattr(made.rollout, name)
@@ -176,7 +178,7 @@ class _Rollouts:
         rollout = Rollout(t["advantages"], t.get("old_logps"), t.get("ref_logps"))
         self.current = (
             int(t["generation"][0]),
-            StepRollout(Batch(t["input_ids"], t["labels"], None, t["valid"]), rollout),
+            StepRollout(Batch(t["input_ids"], t["labels"], None, t["valid"].bool()), rollout),
         )
         self._keep_for_checkpoints()
 
@@ -289,7 +291,7 @@ def make_rollouts(trainer, config: Config):
 
         return FileRollouts(trainer, config, tokenizer, path, eos, pad)
     prompts = load_prompts(config, tokenizer, path, eos)
-    stops = stop_ids(config, trainer.model_config, tokenizer, path)
+    stops = stop_ids(trainer.model_config, tokenizer, path, eos)
     if trainer.is_main:
         print(
             f"megatrain: GRPO on {len(prompts.ids)} prompts, {config.train.grpo.num_generations} completions each "
