@@ -365,6 +365,22 @@ def generic_template(rows: list[dict]) -> Table:
     return Table(header, body, chosen, align="llrrrrrr")
 
 
+def grpo_toy(rows: list[dict]) -> Table:
+    """GRPO learning a toy task from random weights: the mean reward per window of steps, `benchmarks/grpo_toy.py`."""
+    toy = [r for r in rows if r["file"].startswith("grpo-toy")]
+    chosen = list(newest(toy, lambda r: (r["model"], r["scope"])).values())
+    body = [
+        [
+            r["model"],
+            r["scope"].removeprefix("GRPO toy task, "),
+            f"**{r['reward_mean']}**",
+            num(r["frac_reward_zero_std"]),
+        ]
+        for r in chosen
+    ]
+    return Table(["model", "steps", "mean reward", "groups with equal rewards"], body, chosen, align="llrr")
+
+
 MOE_MODELS = [
     "olmoe-1b-7b",
     "qwen1.5-moe-a2.7b",
@@ -883,6 +899,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "linear-attention-parts": linear_attention_parts,
     "preference-training": preference_training,
     "generic-template": generic_template,
+    "grpo-toy": grpo_toy,
     "moe-steps": moe_steps,
     "moe-expert-parts": moe_expert_parts,
     "moe-layers": moe_layers,
