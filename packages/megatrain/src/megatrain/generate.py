@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from megatrain_zoo import config_to_hf
-from megatrain_zoo.generic import CheckpointLayout, HFSkeleton
+from megatrain_zoo.checkpoint_layout import CheckpointLayout
+from megatrain_zoo.generic import HFSkeleton
 
 
 @dataclass(frozen=True)

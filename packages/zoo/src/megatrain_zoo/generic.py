@@ -313,82 +313,6 @@ class Parts:
     head_reads_embedding: bool  # (a tied LM head: the head stage binds the embedding's group too)
 
 
-class CheckpointLayout:
-    """How the family's checkpoints name and lay out the weights its modules hold: transformers' own conversion
-    mapping (Phi-MoE's checkpoints hold an expert's matrices one tensor each, its modules all experts' in one),
-    applied a group of tensors at a time (a layer's: no more than a layer in memory)."""
-
-    def __init__(self, skeleton: HFSkeleton):
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-        self.skeleton = skeleton
-        mapping = get_model_conversion_mapping(skeleton.model)
-        self._renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-        self._converters = [m for m in mapping if isinstance(m, WeightConverter)]
-        self._mapping = mapping
-        # every name a parameter has (a tied LM head's too) -> the name it is stored under
-        self._canonical = {
-            name: skeleton.names[id(p)] for name, p in skeleton.model.named_parameters(remove_duplicate=False)
-        }
-
-    def sources(self, present: list[str], where: str) -> dict[str, list[str]]:
-        """The model's parameter name -> the checkpoint tensors it is made from, for a checkpoint holding
-        `present`; a tensor the model has no place for, or a parameter no tensor makes, is refused (`where`
-        names the checkpoint)."""
-        from transformers.core_model_loading import rename_source_key
-
-        meta = self.skeleton.model.state_dict()
-        prefix = self.skeleton.model.base_model_prefix
-        made: dict[str, list[str]] = {}
-        for key in present:
-            if key.endswith("rotary_emb.inv_freq"):
-                continue
-            target, _ = rename_source_key(key, self._renamings, self._converters, prefix, meta)
-            if target not in self._canonical:
-                raise GenericError(
-                    f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has no "
-                    "place for it); the checkpoint does not belong to this config.json"
-                )
-            made.setdefault(self._canonical[target], []).append(key)
-        missing = [name for name in self.skeleton.names.values() if name not in made]
-        if missing:
-            raise GenericError(
-                f"{where}: tensor(s) for {missing[:5]}{' ...' if len(missing) > 5 else ''} missing; the checkpoint "
-                "is incomplete or for a different model"
-            )
-        return made
-
-    def load(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Checkpoint tensors (all those making some parameters) -> those parameters, by the model's names, in
-        fp32, as transformers' loader converts them."""
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
-        from transformers.utils import logging
-
-        model = self.skeleton.model
-        held = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()]
-        bar = logging.is_progress_bar_enabled()
-        logging.disable_progress_bar()
-        try:
-            config = LoadStateDictConfig(weight_mapping=self._mapping, dtype=torch.float32)
-            convert_and_load_state_dict_in_model(model, dict(tensors), config)
-            loaded = {name: p.detach() for name, p in model.named_parameters() if not p.is_meta}
-        finally:
-            for module, name, p in held:  # (back to the meta parameters: tied ones stay one object)
-                module._parameters[name] = p
-            if bar:
-                logging.enable_progress_bar()
-        return loaded
-
-    def save(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Parameters by the model's names -> the tensors a checkpoint of the family holds (meta tensors give
-        their names and shapes alone)."""
-        from transformers.core_model_loading import revert_weight_conversion
-
-        return revert_weight_conversion(self.skeleton.model, dict(tensors))
-
-
 def _decoder_layers(base: nn.Module, n_layers: int) -> nn.ModuleList:
     """The decoder's ModuleList of its layers."""
     for module in base.children():
@@ -662,49 +586,14 @@ def hf_config_json(hf_config: dict) -> str:
 
 def generic_model_config(hf: dict):
     """The `ModelConfig` of a config.json trained through transformers' own modules: the sizes megatrain plans with,
-    its counts from the modules themselves. Refuses, naming it, a model_type transformers does not know and a
-    load-balancing loss the generic path cannot add."""
-    import transformers
-
+    its counts from the modules themselves. Refuses, naming it, a model_type transformers does not know, a config
+    it does not accept and a load-balancing loss the generic path cannot add."""
     from .config import ModelConfig
 
-    model_type = hf.get("model_type")
-    if model_type not in transformers.CONFIG_MAPPING:
-        raise GenericError(
-            f"model_type {model_type!r} is known to neither megatrain nor the installed transformers "
-            f"{transformers.__version__}; upgrade transformers (a newer one may know it) or use a supported family"
-        )
-    try:
-        transformers.AutoConfig.for_model(**hf)
-    except Exception as error:  # noqa: BLE001 (transformers' validators raise several kinds)
-        raise GenericError(
-            f"config.json is no valid {model_type} config for transformers {transformers.__version__}: "
-            f"{' '.join(str(error).split())[:240]}"
-        ) from None
+    _check_config(hf)
     skeleton = HFSkeleton(hf)
-    config = skeleton.config
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
-        raise GenericError(
-            f"{config.model_type}'s load-balancing loss (output_router_logits) is added by transformers' model "
-            "forward, which the generic path does not run as a whole; set output_router_logits: false in its "
-            "config.json (experts then train without it) or use a family with a native template"
-        )
-    parts = skeleton.parts
-    params = dict(skeleton.model.named_parameters())
-    k = getattr(config, "num_experts_per_tok", 0) or 0
-    n_experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
-
-    def counts(names: list[str]) -> tuple[int, int, int]:
-        """(parameters, those a token uses: an expert's k / n_experts share, the matrices among those)."""
-        total = active = matrices = 0
-        for name in names:
-            numel = params[name].numel()
-            share = k / n_experts if n_experts and k and ".experts." in name else 1.0
-            total += numel
-            active += round(numel * share)
-            matrices += round(numel * share) if params[name].dim() >= 2 else 0
-        return total, active, matrices
-
+    config, parts = skeleton.config, skeleton.parts
+    counts = _counter(skeleton)
     heads = getattr(config, "num_attention_heads", 1) or 1
     d_model = config.hidden_size
     return ModelConfig(
@@ -728,6 +617,49 @@ def generic_model_config(hf: dict):
         layer_counts=tuple(counts(names) for names in parts.layers),
         outer_params=counts(parts.embedding + parts.head)[0],
     )
+
+
+def _check_config(hf: dict) -> None:
+    import transformers
+
+    model_type = hf.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise GenericError(
+            f"model_type {model_type!r} is known to neither megatrain nor the installed transformers "
+            f"{transformers.__version__}; upgrade transformers (a newer one may know it) or use a supported family"
+        )
+    try:
+        config = transformers.AutoConfig.for_model(**hf)
+    except Exception as error:  # noqa: BLE001 (transformers' validators raise several kinds)
+        raise GenericError(
+            f"config.json is no valid {model_type} config for transformers {transformers.__version__}: "
+            f"{' '.join(str(error).split())[:240]}"
+        ) from None
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise GenericError(
+            f"{model_type}'s load-balancing loss (output_router_logits) is added by transformers' model "
+            "forward, which the generic path does not run as a whole; set output_router_logits: false in its "
+            "config.json (experts then train without it) or use a family with a native template"
+        )
+
+
+def _counter(skeleton: HFSkeleton):
+    """counts(names) -> (parameters, those a token uses: an expert's k / n_experts share, the matrices among those)."""
+    config, params = skeleton.config, dict(skeleton.model.named_parameters())
+    k = getattr(config, "num_experts_per_tok", 0) or 0
+    n_experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
+
+    def counts(names: list[str]) -> tuple[int, int, int]:
+        total = active = matrices = 0
+        for name in names:
+            numel = params[name].numel()
+            share = k / n_experts if n_experts and k and ".experts." in name else 1.0
+            total += numel
+            active += round(numel * share)
+            matrices += round(numel * share) if params[name].dim() >= 2 else 0
+        return total, active, matrices
+
+    return counts
 
 
 def generic_notes(config) -> list[str]:
@@ -774,4 +706,6 @@ def build_generic_model(config):
         else ((head,), (tuple(parts.head),))
     )
     stages.append(StageSpec("head", GenericHead(skeleton, names, config.d_model, config.vocab_size), bound))
+    from .checkpoint_layout import CheckpointLayout
+
     return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=CheckpointLayout(skeleton))

@@ -1,0 +1,83 @@
+"""How a family's checkpoints name and lay out the weights transformers' modules hold (`megatrain_zoo.generic`):
+transformers' own conversion mapping, both ways, a group of tensors at a time."""
+
+import torch
+from torch import Tensor
+
+from .generic import GenericError, HFSkeleton
+
+
+class CheckpointLayout:
+    """How the family's checkpoints name and lay out the weights its modules hold: transformers' own conversion
+    mapping (Phi-MoE's checkpoints hold an expert's matrices one tensor each, its modules all experts' in one),
+    applied a group of tensors at a time (a layer's: no more than a layer in memory)."""
+
+    def __init__(self, skeleton: HFSkeleton):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        self.skeleton = skeleton
+        mapping = get_model_conversion_mapping(skeleton.model)
+        self._renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        self._converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self._mapping = mapping
+        # every name a parameter has (a tied LM head's too) -> the name it is stored under
+        self._canonical = {
+            name: skeleton.names[id(p)] for name, p in skeleton.model.named_parameters(remove_duplicate=False)
+        }
+
+    def sources(self, present: list[str], where: str) -> dict[str, list[str]]:
+        """The model's parameter name -> the checkpoint tensors it is made from, for a checkpoint holding
+        `present`; a tensor the model has no place for, or a parameter no tensor makes, is refused (`where`
+        names the checkpoint)."""
+        from transformers.core_model_loading import rename_source_key
+
+        meta = self.skeleton.model.state_dict()
+        prefix = self.skeleton.model.base_model_prefix
+        made: dict[str, list[str]] = {}
+        for key in present:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            target, _ = rename_source_key(key, self._renamings, self._converters, prefix, meta)
+            if target not in self._canonical:
+                raise GenericError(
+                    f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has no "
+                    "place for it); the checkpoint does not belong to this config.json"
+                )
+            made.setdefault(self._canonical[target], []).append(key)
+        missing = [name for name in self.skeleton.names.values() if name not in made]
+        if missing:
+            raise GenericError(
+                f"{where}: tensor(s) for {missing[:5]}{' ...' if len(missing) > 5 else ''} missing; the checkpoint "
+                "is incomplete or for a different model"
+            )
+        return made
+
+    def load(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Checkpoint tensors (all those making some parameters) -> those parameters, by the model's names, in
+        fp32, as transformers' loader converts them."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.utils import logging
+
+        model = self.skeleton.model
+        held = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()]
+        bar = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()
+        try:
+            config = LoadStateDictConfig(weight_mapping=self._mapping, dtype=torch.float32)
+            convert_and_load_state_dict_in_model(model, dict(tensors), config)
+            loaded = {name: p.detach() for name, p in model.named_parameters() if not p.is_meta}
+        finally:
+            for module, name, p in held:  # (back to the meta parameters: tied ones stay one object)
+                module._parameters[name] = p
+            if bar:
+                logging.enable_progress_bar()
+        return loaded
+
+    def save(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Parameters by the model's names -> the tensors a checkpoint of the family holds (meta tensors give
+        their names and shapes alone)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.skeleton.model, dict(tensors))
