@@ -4,6 +4,7 @@ rollout's updates continues exactly; given completions train with a reference pa
 bad input gets one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -142,3 +143,14 @@ def test_bad_grpo_input_is_one_line(toy, capsys, grpo, train, message):
     assert main(["train", "--config", toy("bad", grpo, **train)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_data_shows_the_prompts_and_eval_points_to_generate(toy, capsys):
+    config = toy("run")
+    assert main(["data", "--config", config, "--dump", "2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["answer"] for line in lines] == ["0", "1"] and all(line["input_ids"] for line in lines)
+    assert main(["train", "--config", toy("run", steps=1)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--config", config, "--checkpoint", str(Path(config).parent / "run")]) != 0
+    assert "megatrain generate" in capsys.readouterr().err

@@ -152,12 +152,35 @@ def dump_pairs(windows, count: int, tokenizer) -> None:
         step += 1
 
 
+def dump_prompts(config, args) -> None:
+    """`megatrain data` of a GRPO run: its first prompts as the model sees them (rendered, tokenized), with their
+    reward columns."""
+    import json
+
+    from .config import model_config_of
+    from .data import _eos_token
+    from .rollouts import load_prompts, tokenizer_of
+
+    tokenizer, path = tokenizer_of(config)
+    prompts = load_prompts(config, tokenizer, path, _eos_token(tokenizer, model_config_of(config).eos_token_id))
+    for index in range(min(args.dump, len(prompts.ids))):
+        columns = {name: values[index] for name, values in prompts.columns.items()}
+        if args.text:
+            print(
+                f"--- prompt {index} {json.dumps(columns)}\n{tokenizer.decode(prompts.ids[index], skip_special_tokens=False)}"
+            )
+        else:
+            print(json.dumps({"input_ids": prompts.ids[index], **columns}))
+
+
 def run_data(config, args) -> None:
     import json
 
     from .config import ConfigError, model_config_of
     from .data import PairWindows, TokenWindows, load_token_data, load_tokenizer
 
+    if config.train.objective == "grpo":
+        return dump_prompts(config, args)
     model = model_config_of(config)
     data = load_token_data(
         config.data,
@@ -254,6 +277,13 @@ def run_eval(config, args) -> None:
 
     if config.train.objective == "dpo":
         return run_pair_eval(config, args)
+    if config.train.objective == "grpo":
+        from .config import ConfigError
+
+        raise ConfigError(
+            "megatrain eval scores held-out text or pairs; a GRPO run's prompts have no targets: use "
+            "`megatrain generate --checkpoint RUN --prompts FILE` and score the completions"
+        )
     trainer, what = trainer_for_weights(config, args.weights)
     try:
         data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
