@@ -8,7 +8,6 @@ known (clipping on). Either way the step equals a synchronous AdamW step; a non-
 skips the step (a non-finite group, its update).
 """
 
-import importlib
 import math
 import sys
 import time
@@ -32,8 +31,8 @@ from megatrain_optim import (
 )
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
-from megatrain_templates import DPO, GRPO, Documents, Objective, Rollout, Sequences
-from megatrain_zoo import CORRECTION_BIASED, ModelConfig, flops_per_token, init_param_
+from megatrain_templates import DPO, GRPO, Documents, Rollout, Sequences
+from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import (
@@ -47,6 +46,7 @@ from .distributed import (
     shared_arenas,
 )
 from .hf_io import WholeGroups, all_finite, check_hf_weights, export_hf, load_hf_weights, named_masters
+from .objectives import check_model_settings, make_objective
 from .plan import Machine, Planner, check_plan
 from .rates import run_rates
 from .warmup import warm_up_pipeline
@@ -78,28 +78,6 @@ class StepMetrics:
         values = {k: v for k, v in self.__dict__.items() if v is not None and k != "objective"}
         values |= self.objective or {}
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}
-
-
-def check_model_settings(config: Config, model: ModelConfig) -> None:
-    """Refuse options the model cannot honour (router options its routers lack, packed documents its layers would
-    mix), naming the fix."""
-    if config.data.pack and not model.packs_documents:
-        raise ConfigError(
-            f"data.pack: {model.arch}'s layers carry state along a row (a recurrence or convolution), which "
-            "transformers does not restart at each packed document; set data.pack: false (a row per example)"
-        )
-    if config.train.router_bias_update_rate and not model.router_bias:
-        raise ConfigError(
-            f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
-            f"have ({', '.join(CORRECTION_BIASED)}); this {model.arch} model has none: set it "
-            f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
-        )
-    for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
-        if getattr(config.train, name) and not model.is_moe:  # (a generic model's routers are transformers')
-            raise ConfigError(
-                f"train.{name} acts on the routers of megatrain's mixture-of-experts templates; this {model.arch} "
-                "model has none: set it to 0"
-            )
 
 
 class Trainer:
@@ -650,37 +628,3 @@ def read_placement(path: Path, planner: Planner) -> Placement:
             "use the placement of this model and engine.experts_per_stage, or auto"
         )
     return placement
-
-
-def make_objective(config: Config) -> Objective | None:
-    """The step-level objective train.objective names (None: the summed cross-entropy of SFT): DPO, GRPO, or a
-    `module:Class` of the user's, a megatrain_templates Objective made with no arguments."""
-    name = config.train.objective
-    if name == "sft":
-        return None
-    if name == "dpo":
-        dpo = config.train.dpo
-        return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
-    if name == "grpo":
-        grpo = config.train.grpo
-        return GRPO(
-            grpo.beta,
-            grpo.epsilon,
-            grpo.epsilon_high,
-            grpo.loss_type,
-            grpo.importance_sampling_level,
-            grpo.max_completion_length,
-        )
-    module_name, _, class_name = name.partition(":")
-    try:
-        objective = getattr(importlib.import_module(module_name), class_name)()
-    except (ImportError, AttributeError, TypeError) as error:
-        raise ConfigError(
-            f"train.objective {name!r} cannot be made: {error}; name an importable module:Class"
-        ) from error
-    if not isinstance(objective, Objective):
-        raise ConfigError(
-            f"train.objective {name!r} is a {type(objective).__name__}, not a megatrain_templates objective "
-            "(SequenceObjective or TokenObjective)"
-        )
-    return objective
