@@ -158,11 +158,11 @@ def dump_prompts(config, args) -> None:
     import json
 
     from .config import model_config_of
-    from .data import _eos_token
+    from .data import eos_token_text
     from .rollouts import load_prompts, tokenizer_of
 
     tokenizer, path = tokenizer_of(config)
-    prompts = load_prompts(config, tokenizer, path, _eos_token(tokenizer, model_config_of(config).eos_token_id))
+    prompts = load_prompts(config, tokenizer, path, eos_token_text(tokenizer, model_config_of(config).eos_token_id))
     for index in range(min(args.dump, len(prompts.ids))):
         columns = {name: values[index] for name, values in prompts.columns.items()}
         if args.text:
@@ -319,7 +319,7 @@ def run_generate(config, args) -> None:
     """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
     import json
 
-    from .data import _eos_token, load_tokenizer
+    from .data import eos_token_text, load_tokenizer
     from .generate import Sampling, generate_completions, read_prompts
     from .rollouts import stop_ids, tokenizer_of
 
@@ -329,7 +329,7 @@ def run_generate(config, args) -> None:
         own = args.weights / "tokenizer.json"
         tokenizer, path = (load_tokenizer(own), own) if own.exists() else tokenizer_of(trainer.config)
         stops = stop_ids(
-            trainer.model_config, tokenizer, path, _eos_token(tokenizer, trainer.model_config.eos_token_id)
+            trainer.model_config, tokenizer, path, eos_token_text(tokenizer, trainer.model_config.eos_token_id)
         )
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, stops)
         texts = generate_completions(trainer, tokenizer, path, prompts, sampling, args.seed)

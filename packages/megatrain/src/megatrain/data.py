@@ -196,7 +196,8 @@ class TokenData:
     pairs: bool = False  # preference pairs: rows 2i and 2i + 1 are pair i's chosen and rejected (PairWindows)
 
 
-def _eos_token(tokenizer, eos_token_id: int | None) -> str:
+def eos_token_text(tokenizer, eos_token_id: int | None) -> str:
+    """The text of the token that ends a document: the model's EOS where the tokenizer has it, else megatrain's."""
     if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
         return tokenizer.id_to_token(eos_token_id)
     return EOS_TOKEN if tokenizer.token_to_id(EOS_TOKEN) is not None else ""
@@ -288,7 +289,7 @@ def load_token_data(
             f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens but the model's vocab_size is "
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
-    eos = _eos_token(loaded, eos_token_id)
+    eos = eos_token_text(loaded, eos_token_id)
     if pairs:
         rows = preference_rows(data, dpo or DPOSection(), loaded, tokenizer, eos, cache_dir, seed)
     else:

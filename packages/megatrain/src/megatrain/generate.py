@@ -141,11 +141,11 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     """Completions (text) of `prompts` (text, or messages rendered with the chat template's generation prompt) from
     the trainer's weights, a batch at a time of train.batch_size."""
     from .chat import load_chat_template
-    from .data import _eos_token
+    from .data import eos_token_text
     from .records import pad_token_id
     from .rollouts import render_prompt
 
-    eos = _eos_token(tokenizer, trainer.model_config.eos_token_id)
+    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
     template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)
     ids = [render_prompt(p, template, tokenizer, f"prompt {i + 1}") for i, p in enumerate(prompts)]
     generator, texts, batch = Generator(trainer), [], trainer.config.train.batch_size

@@ -26,6 +26,7 @@ from megatrain_templates import Rollout, group_advantages
 
 from .chat import load_chat_template
 from .config import Config, ConfigError
+from .data import Batch
 from .rollouts import StepRollout, _Rollouts, order, render_prompt, rows_of
 
 
@@ -54,7 +55,7 @@ class FileRollouts(_Rollouts):
                 file=sys.stderr,
             )
 
-    def _rows(self, rows) -> "Batch":  # noqa: F821
+    def _rows(self, rows) -> Batch:
         return rows_of(
             [self.prompt_ids[i] for i in rows],
             [self.completion_ids[i] for i in rows],

@@ -281,10 +281,10 @@ def check_grpo_settings(config: Config, ranks=None) -> None:
 
 def make_rollouts(trainer, config: Config):
     """The run's rollouts: generated from its prompts, or read from train.grpo.rollouts; said in one line."""
-    from .data import _eos_token
+    from .data import eos_token_text
 
     tokenizer, path = tokenizer_of(config)
-    eos = _eos_token(tokenizer, trainer.model_config.eos_token_id)
+    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
     pad = pad_token_id(tokenizer, eos)
     if config.train.grpo.rollouts is not None:
         from .rollout_file import FileRollouts
