@@ -127,9 +127,10 @@ def two_hosts(ranks_per_host: int) -> list[list[str]]:
     ]
 
 
-def test_dpo_over_two_ranks_equals_one_process(tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_dpo_over_two_ranks_equals_one_process(tmp_path, pack):
     """Preference pairs stay whole on a rank; the loss averages over every rank's pairs; the reference pass runs on
-    every rank's share of the pairs and is gathered."""
+    every rank's share of the pairs and is gathered. Packed, each rank's share of a step's pairs shares rows."""
     pairs = [{"prompt": f"Item {i} is", "chosen": f" good {i % 3}.", "rejected": f" bad {i % 5}!"} for i in range(16)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     corpus = tmp_path / "corpus.txt"
@@ -139,10 +140,14 @@ def test_dpo_over_two_ranks_equals_one_process(tmp_path):
         "dataset": str(tmp_path / "pairs.jsonl"),
         "format": "preference",
         "tokenizer": str(tmp_path / "tokenizer.json"),
+        "pack": pack,
+        "seq_len": 48 if pack else 16,
     }
     train = {"objective": "dpo", "batch_size": 4, "micro_batch_size": 1, "dpo": {"beta": 0.3}}
     one = run(tmp_path, "one", [sys.executable], data=data, train=train)
     assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train))
+    if pack:
+        assert "the first step's 4 pairs share 2 rows of 48 tokens, not 8" in (tmp_path / "one" / "stderr-0.txt").read_text()
 
 
 def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):

@@ -24,6 +24,7 @@ from megatrain.config import (
     PrecisionSection,
     TrainSection,
 )
+from megatrain.data import Batch, pack_pairs
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import SequenceObjective, Sequences
 from megatrain_zoo import config_to_hf, preset
@@ -98,6 +99,27 @@ def test_dpo_micro_batches_give_the_step_of_one_batch(micro_batch_size, tmp_path
     check_dpo_steps("float64", DPOSection(beta=0.5), "tiny-qwen2", tmp_path, micro_batch_size=micro_batch_size)
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+@pytest.mark.parametrize("dpo", [DPOSection(beta=0.5), DPOSection(beta=0.5, loss_type="ipo")], ids=["sigmoid", "ipo"])
+def test_packed_pairs_give_the_steps_of_pairs_a_row_each(dpo, micro_batch_size, tmp_path):
+    """data.pack: pairs share rows of twice the width (each sequence attending only to itself, positions
+    restarting), and the steps, the reference pass and the weights equal the plain model's on the unpacked rows."""
+    check_dpo_steps("float64", dpo, "tiny-llama", tmp_path, micro_batch_size, n_pairs=6, pack=True)
+
+
+def packed(ids: torch.Tensor, labels: torch.Tensor) -> Batch:
+    """The pairs packed into rows of 2 * SEQ: each row's real tokens end at its last target."""
+    last = torch.where(labels != -100, torch.arange(SEQ), -1).amax(-1)
+    valid = torch.arange(2 * SEQ) < (last + 2).unsqueeze(1)
+    wide = torch.zeros(len(ids), 2 * SEQ, dtype=ids.dtype)
+    wide[:, :SEQ] = ids
+    wide_labels = torch.full_like(wide, -100)
+    wide_labels[:, :SEQ] = labels
+    batch = pack_pairs(Batch(wide, wide_labels, None, valid))
+    assert len(batch.input_ids) < len(ids)  # (some pairs share a row)
+    return batch
+
+
 def plain_model(preset_name: str, dtype: str, weights: dict):
     """transformers' model of the preset (float32), or the tests' own (float64), with `weights`."""
     if dtype == "float64":
@@ -119,7 +141,9 @@ def test_gpu_dpo_steps_equal_plain_pytorch(loss_type, tmp_path):
     check_dpo_steps("float64", DPOSection(beta=0.5, loss_type=loss_type), "tiny-qwen2", tmp_path, 1, device="cuda")
 
 
-def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3, device="cpu"):
+def check_dpo_steps(
+    dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3, device="cpu", pack=False
+):
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()))
     train = TrainSection(
@@ -158,13 +182,15 @@ def check_dpo_steps(dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_s
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
-        ours_reference = trainer.sequence_logps(ids, labels) if step == 0 else None
+        rows = packed(ids, labels) if pack else Batch(ids, labels)
+        given = (rows.input_ids, rows.labels, rows.position_ids, rows.valid)
+        ours_reference = trainer.sequence_logps(*given, rows.sequences) if step == 0 else None
         with torch.no_grad():
             ref_sums, lengths = (t.cpu() for t in completion_logps(frozen, ids.to(device), labels.to(device)))
         if ours_reference is not None:  # the engine's forward-only pass equals the model's at the initial weights
             assert rel_err(ours_reference.logps, ref_sums) < tolerance
         reference = Sequences(ref_sums.double(), lengths.double()) if dpo.needs_reference else None
-        metrics = trainer.train_step(ids, labels, reference=reference)
+        metrics = trainer.train_step(*given, reference=reference, sequences=rows.sequences)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()

@@ -232,8 +232,8 @@ def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monke
     """Ctrl-C during training: the step ends, its checkpoint is written, the exit code is 130, not 0."""
     real_step = Trainer.train_step
 
-    def interrupted_at_step_2(self, *args):
-        metrics = real_step(self, *args)
+    def interrupted_at_step_2(self, *args, **kwargs):
+        metrics = real_step(self, *args, **kwargs)
         if self.step_index == 2:
             os.kill(os.getpid(), signal.SIGINT)  # (the run's handler turns it into a flag)
         return metrics

@@ -118,11 +118,11 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(
 
     real_step, states = Trainer.train_step, []
 
-    def poisoned_step(self, *args):
+    def poisoned_step(self, *args, **kwargs):
         if self.step_index == 0:
             self.store.master_views(1)["model.layers.0.input_layernorm.weight"][0] = float("nan")
             self.store.refresh_wire(1)
-        metrics = real_step(self, *args)
+        metrics = real_step(self, *args, **kwargs)
         states.append({name: t.clone() for name, t in self.named_weights().items()})
         return metrics
 

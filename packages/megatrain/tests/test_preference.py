@@ -305,8 +305,6 @@ def test_pairs_whose_chosen_equals_rejected_are_dropped_and_counted(tmp_path, to
 
 
 def test_settings_pairs_cannot_take_are_refused():
-    with pytest.raises(ConfigError, match="set data.pack: false"):
-        DataSection(dataset="p.jsonl", format="preference", pack=True)
     with pytest.raises(ConfigError, match="set data.train_on_prompt: false"):
         DataSection(dataset="p.jsonl", format="preference", train_on_prompt=True)
 

@@ -346,7 +346,6 @@ def run_pair_eval(config, args) -> None:
     import json
 
     from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
-    from .data import PairWindows
     from .loop import evaluate_pairs, load_data
     from .reference import reference_scores
     from .trainer import Trainer
@@ -365,7 +364,7 @@ def run_pair_eval(config, args) -> None:
         else:
             what = str(source)
             trainer.load_weights(source)
-        result = evaluate_pairs(trainer, PairWindows(rows, 1, shuffle=False, seed=0), reference, leave=True)
+        result = evaluate_pairs(trainer, trainer.pair_windows(rows), reference, leave=True)
     finally:
         trainer.close()
     if trainer.is_main:

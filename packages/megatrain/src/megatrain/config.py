@@ -99,11 +99,6 @@ class DataSection:
     def check_pair_settings(self) -> None:
         """Refuse the settings preference pairs cannot take (data.format preference here; ranking registry
         entries when they are read)."""
-        if self.pack:
-            raise ConfigError(
-                "data.pack packs supervised examples; preference pairs take a row per chosen and rejected "
-                "sequence: set data.pack: false"
-            )
         if self.train_on_prompt:
             raise ConfigError(
                 "data.train_on_prompt applies to supervised examples; DPO trains the completions only: "

@@ -310,12 +310,30 @@ def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_
 @dataclass
 class Batch:
     """Rows of one step: input_ids and next-token labels (-100: no loss), [rows, seq_len] int64 each,
-    position ids (restarting at each packed document) or None, real tokens (bool; False: padding) or None."""
+    position ids (restarting at each packed document) or None, real tokens (bool; False: padding) or None, and
+    for packed preference pairs the sequence each trained token belongs to (`sequences`; None: a row each)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    sequences: torch.Tensor | None = None
+
+
+def sequence_of_tokens(labels: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
+    """Which of a batch's sequences each trained token belongs to ([rows, seq] int64, -1 where the label is
+    -100): `sequences` where given (packed pairs), else the token's row."""
+    if sequences is not None:
+        return sequences
+    rows = torch.arange(labels.shape[0]).unsqueeze(1)
+    return torch.where(labels != IGNORE_INDEX, rows, -1)
+
+
+def sequence_lengths(labels: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sequence's number of trained tokens ([sequences] float64)."""
+    owner = sequence_of_tokens(labels, sequences)
+    count = labels.shape[0] if sequences is None else int(sequences.max()) + 1
+    return torch.bincount(owner[owner >= 0], minlength=count).to(torch.float64)
 
 
 class TokenWindows:
@@ -382,9 +400,13 @@ class PairWindows(TokenWindows):
     """Batches of whole preference pairs, addressed by optimizer step: `batch(step)` holds `batch_size` pairs as
     2 * batch_size rows, the j-th pair drawn at rows 2j (chosen) and 2j + 1 (rejected). Pairs are what is
     ordered: step k takes pairs k*batch_size .. (k+1)*batch_size-1 of the order (wrapping around), the order
-    being 0, 1, ... or, shuffled, a fresh permutation of the pairs each pass, seeded by (seed, pass)."""
+    being 0, 1, ... or, shuffled, a fresh permutation of the pairs each pass, seeded by (seed, pass).
 
-    def __init__(self, tokens: Tokens, batch_size: int, shuffle: bool, seed: int):
+    With `pack`, a batch's pairs share rows instead (`pack_pairs`), `shares` parts of them packed apart, so that
+    each of that many ranks takes whole rows of its own pairs."""
+
+    def __init__(self, tokens: Tokens, batch_size: int, shuffle: bool, seed: int, pack: bool = False, shares: int = 1):
+        self.pack, self.shares = pack, shares
         rows = tokens.tokens
         if rows.ndim != 2 or len(rows) % 2:
             raise ConfigError(
@@ -423,5 +445,57 @@ class PairWindows(TokenWindows):
             yield self.pair_rows(list(range(start, min(start + pairs_per_batch, self.n_pairs))))
 
     def pair_rows(self, pairs: list[int]) -> Batch:
-        """Rows 2j and 2j + 1 of the batch: pair pairs[j]'s chosen and rejected sequences."""
-        return self.rows([row for pair in pairs for row in (2 * pair, 2 * pair + 1)])
+        """Pair pairs[j]'s chosen and rejected sequences: rows 2j and 2j + 1 of the batch, or with `pack` its
+        sequences 2j and 2j + 1, packed."""
+        rows = self.rows([row for pair in pairs for row in (2 * pair, 2 * pair + 1)])
+        if not self.pack:
+            return rows
+        bounds = [len(pairs) * share // self.shares for share in range(self.shares + 1)]
+        parts = [pack_pairs(_row_slice(rows, 2 * lo, 2 * hi), 2 * lo) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        joined = {f.name: [getattr(part, f.name) for part in parts] for f in fields(Batch)}
+        return Batch(**{name: torch.cat(tensors) for name, tensors in joined.items()})
+
+
+def _row_slice(batch: Batch, start: int, stop: int) -> Batch:
+    return Batch(*(None if t is None else t[start:stop] for t in (batch.input_ids, batch.labels, None, batch.valid)))
+
+
+def pack_pairs(batch: Batch, first_sequence: int = 0) -> Batch:
+    """Preference pairs (rows 2j, 2j + 1, right-padded) packed several to a row: each pair's chosen then rejected
+    sequence side by side (position ids restarting at each, so each attends only to itself) in the first row with
+    room for both, in the batch's order; a pair too long for one row takes two of its own. `sequences` numbers
+    the pairs' sequences from `first_sequence` on, as the unpacked rows were."""
+    seq_len = batch.input_ids.shape[1]
+    lengths = (batch.valid.sum(1) if batch.valid is not None else torch.full((len(batch.labels),), seq_len)).tolist()
+    placed: list[list[int]] = []  # per packed row, the batch rows (sequences) it holds, in order
+    room: list[int] = []
+    for pair in range(len(lengths) // 2):
+        chosen, rejected = 2 * pair, 2 * pair + 1
+        need = lengths[chosen] + lengths[rejected]
+        if need > seq_len:
+            placed += [[chosen], [rejected]]
+            room += [seq_len - lengths[chosen], seq_len - lengths[rejected]]
+            continue
+        target = next((i for i, free in enumerate(room) if free >= need), None)
+        if target is None:
+            placed.append([])
+            room.append(seq_len)
+            target = len(placed) - 1
+        placed[target] += [chosen, rejected]
+        room[target] -= need
+    shape = (len(placed), seq_len)
+    ids, labels = torch.zeros(shape, dtype=torch.long), torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    positions, valid = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.bool)
+    sequences = torch.full(shape, -1, dtype=torch.long)
+    for row, members in enumerate(placed):
+        cursor = 0
+        for member in members:
+            span = slice(cursor, cursor + lengths[member])
+            ids[row, span] = batch.input_ids[member, : lengths[member]]
+            labels[row, span] = batch.labels[member, : lengths[member]]
+            positions[row, span] = torch.arange(lengths[member])
+            valid[row, span] = True
+            sequences[row, span] = torch.where(labels[row, span] != IGNORE_INDEX, first_sequence + member, -1)
+            cursor += lengths[member]
+        positions[row, cursor:] = torch.arange(seq_len - cursor)  # (the padding is a document of its own)
+    return Batch(ids, labels, positions, valid, sequences)

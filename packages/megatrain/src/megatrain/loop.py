@@ -178,8 +178,10 @@ def evaluate_pairs(trainer: Trainer, pairs: PairWindows, reference: np.ndarray |
     sums = []
     bar = tqdm(total=pairs.n_pairs, desc="eval", unit="pair", leave=leave, disable=not trainer.is_main, file=sys.stderr)
     for batch in pairs.in_order(PASS_STEPS * trainer.config.train.batch_size):
-        sums.append(trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid))
-        bar.update(len(batch.input_ids) // 2)
+        sums.append(
+            trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences)
+        )
+        bar.update(len(sums[-1].logps) // 2)
     bar.close()
     policy = Sequences(torch.cat([s.logps for s in sums]), torch.cat([s.lengths for s in sums]))
     objective = trainer.objective
@@ -348,9 +350,16 @@ class TrainingRun:
         if train.objective == "grpo":  # (before a checkpoint is loaded: a reference pass reads the initial weights)
             self.rollouts = make_rollouts(trainer, config)
         elif data.pairs:
-            self.windows = PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed)
+            self.windows = trainer.pair_windows(data.train, train.batch_size, config.data.shuffle, train.seed)
+            if config.data.pack and trainer.is_main:
+                rows = len(self.windows.batch(0).input_ids)
+                print(
+                    f"megatrain: data.pack: the first step's {train.batch_size} pairs share {rows} rows of "
+                    f"{config.data.seq_len} tokens, not {2 * train.batch_size} ({rows / (2 * train.batch_size):.0%} of the tokens)",
+                    file=sys.stderr,
+                )
             if data.validation is not None:
-                self.validation = PairWindows(data.validation, 1, shuffle=False, seed=0)
+                self.validation = trainer.pair_windows(data.validation)
             if train.dpo.needs_reference:  # (before a checkpoint is loaded: the store holds the initial weights)
                 cache = self.out / "cache"
                 self.reference = reference_scores(trainer, data.train, cache)
@@ -429,8 +438,10 @@ class TrainingRun:
             batch, made_metrics = self.windows.batch(step), {}
             reference = None
             if self.reference is not None:
-                reference = step_reference(self.reference, self.windows.pair_indices(step), batch.labels)
-            metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids, batch.valid, reference)
+                reference = step_reference(self.reference, self.windows.pair_indices(step), batch)
+            metrics = trainer.train_step(
+                batch.input_ids, batch.labels, batch.position_ids, batch.valid, reference, sequences=batch.sequences
+            )
         self._record(metrics.as_dict() | made_metrics)
         postfix = {
             "loss": f"{metrics.loss:.4f}",

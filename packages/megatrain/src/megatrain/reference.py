@@ -19,7 +19,7 @@ from megatrain_templates import Sequences
 from megatrain_zoo import ZooError, read_hf_config
 
 from .config import ConfigError
-from .data import PairWindows, Tokens
+from .data import Batch, Tokens, sequence_lengths
 
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
 # only each micro-batch's current activation)
@@ -88,7 +88,7 @@ def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "traini
 
 def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
     """The rows' summed log-probabilities, PASS_STEPS training steps' pairs at a time, in order."""
-    pairs = PairWindows(rows, 1, shuffle=False, seed=0)
+    pairs = trainer.pair_windows(rows)
     per_pass = PASS_STEPS * trainer.config.train.batch_size
     scores = np.zeros(2 * pairs.n_pairs, dtype=np.float64)
     bar = tqdm(
@@ -96,7 +96,9 @@ def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
     )
     done = 0
     for batch in pairs.in_order(per_pass):
-        logps = trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid).logps
+        logps = trainer.sequence_logps(
+            batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences
+        ).logps
         scores[done : done + len(logps)] = logps.numpy()
         done += len(logps)
         bar.update(len(logps) // 2)
@@ -104,8 +106,8 @@ def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
     return scores
 
 
-def step_reference(scores: np.ndarray, pairs: list[int], labels: torch.Tensor) -> Sequences:
-    """The reference's `Sequences` of a step's rows: `pairs` (indices into the data's pairs) in batch order, their
-    chosen and rejected rows' cached scores; labels as the step's."""
+def step_reference(scores: np.ndarray, pairs: list[int], batch: Batch) -> Sequences:
+    """The reference's `Sequences` of a step's batch: `pairs` (indices into the data's pairs) in batch order, their
+    chosen and rejected sequences' cached scores."""
     rows = [row for pair in pairs for row in (2 * pair, 2 * pair + 1)]
-    return Sequences(torch.from_numpy(scores[rows]), (labels != -100).sum(-1).to(torch.float64))
+    return Sequences(torch.from_numpy(scores[rows]), sequence_lengths(batch.labels, batch.sequences))

@@ -35,6 +35,7 @@ from megatrain_templates import DPO, GRPO, Documents, Rollout, Sequences
 from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+from .data import PairWindows, sequence_lengths, sequence_of_tokens
 from .distributed import (
     Ranks,
     RankSharing,
@@ -54,6 +55,9 @@ from .warmup import warm_up_pipeline
 
 class NonFiniteError(RuntimeError):
     """Training produced non-finite losses or gradients several steps in a row."""
+
+
+SMALLER_STEP_KEEPS_PLACEMENT = 0.75  # (a step down to this share of the planned tokens runs as placed)
 
 
 @dataclass
@@ -316,9 +320,11 @@ class Trainer:
         return EmbeddingRowsFirst(self.updates, first.groups[0], rows_out)
 
     def _follow_step_size(self, tokens: int) -> None:
-        """Place again for a step of another size than the placement's (engine.placement auto): a placement made
-        for a large step loses a small one a third of its speed."""
-        if tokens == self._planned_tokens or self.config.engine.placement != "auto":
+        """Place again for a step of another size than the placement's (engine.placement auto): a larger one needs
+        the memory, and a placement made for a large step loses a much smaller one a third of its speed. Steps a
+        little smaller (packed preference pairs vary by a row or two) keep it: the pipeline fits it to them."""
+        planned = self._planned_tokens
+        if self.config.engine.placement != "auto" or planned * SMALLER_STEP_KEEPS_PLACEMENT <= tokens <= planned:
             return
         placement = self.planner.place(tokens // self.planner.world, first_disk_group=self.placement.first_disk_group)
         if placement.gradient_pool is not None and self.placement.gradient_pool is not None:
@@ -329,14 +335,35 @@ class Trainer:
         self.plan = self.planner.plan(placement)
 
     # ------------------------------------------------------------------- step
-    def my_rows(self, n_rows: int) -> range:
+    def my_rows(self, n_rows: int, sequences: torch.Tensor | None = None) -> range:
         """The rows of a batch this rank runs: all of them, or its contiguous share with several ranks (whole
-        examples: a preference pair's two rows stay on one rank)."""
-        unit = self.rows_per_example
+        examples: a preference pair's two rows stay on one rank; packed pairs, the rows of its share of the pairs,
+        which `data.PairWindows` packs apart)."""
         if self.ranks is None:
             return range(n_rows)
-        bounds = [n_rows // unit * r // self.ranks.world_size * unit for r in range(self.ranks.world_size + 1)]
-        return range(bounds[self.ranks.rank], bounds[self.ranks.rank + 1])
+        world, rank = self.ranks.world_size, self.ranks.rank
+        if sequences is None:
+            unit = self.rows_per_example
+            bounds = [n_rows // unit * r // world * unit for r in range(world + 1)]
+            return range(bounds[rank], bounds[rank + 1])
+        share = self._my_sequences(sequences)
+        mine = [r for r, row in enumerate(sequences) if (row >= 0).any() and int(row[row >= 0].min()) in share]
+        rows = range(mine[0], mine[-1] + 1) if mine else range(0)
+        owned = sequences[rows.start : rows.stop]
+        if any(int(s) not in share for s in owned[owned >= 0].unique()):
+            raise ValueError("packed pairs: each rank's share of the pairs must be packed apart (PairWindows shares)")
+        return rows
+
+    def pair_windows(self, tokens, batch_size: int = 1, shuffle: bool = False, seed: int = 0) -> PairWindows:
+        """Preference pairs batched as this trainer runs them: packed where data.pack says, a share per rank."""
+        world = 1 if self.ranks is None else self.ranks.world_size
+        return PairWindows(tokens, batch_size, shuffle, seed, pack=self.config.data.pack, shares=world)
+
+    def _my_sequences(self, sequences: torch.Tensor) -> range:
+        """The sequences (of packed pairs) of this rank's share of the pairs."""
+        n_pairs = (int(sequences.max()) + 1) // 2
+        world, rank = (1, 0) if self.ranks is None else (self.ranks.world_size, self.ranks.rank)
+        return range(2 * (n_pairs * rank // world), 2 * (n_pairs * (rank + 1) // world))
 
     def micro_batches(
         self,
@@ -344,10 +371,11 @@ class Trainer:
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        sequences: torch.Tensor | None = None,
     ) -> list[MicroBatch]:
         """This rank's rows of a batch (`my_rows`) in micro-batches of train.micro_batch_size examples (rows; a
         preference pair's two) (the last may be short)."""
-        mine, size = self.my_rows(input_ids.shape[0]), self.config.train.rows_per_micro_batch
+        mine, size = self.my_rows(input_ids.shape[0], sequences), self.config.train.rows_per_micro_batch
         micro = []
         for start in range(mine.start, mine.stop, size):
             part = slice(start, min(start + size, mine.stop))
@@ -365,12 +393,14 @@ class Trainer:
         valid: torch.Tensor | None = None,
         reference: Sequences | None = None,
         rollout: Rollout | None = None,
+        sequences: torch.Tensor | None = None,
     ) -> StepMetrics:
         """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
         restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
         False for padding tokens, which MoE routing statistics leave out, or None). With the DPO objective rows
         2i and 2i + 1 are pair i's chosen and rejected sequences and `reference` the reference model's summed
-        log-probabilities of every row (`sequence_logps`; None where the loss needs none). With GRPO each row is a
+        log-probabilities of every sequence (`sequence_logps`; None where the loss needs none); packed pairs
+        share rows, `sequences` numbering each trained token's sequence (`data.pack_pairs`). With GRPO each row is a
         prompt and a completion (its tokens trained) and `rollout` holds the rows' advantages (and log-probabilities).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
@@ -381,11 +411,11 @@ class Trainer:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
         self._follow_step_size(input_ids.numel())
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid)
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences)
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:
-            self._begin_objective(micro, labels, reference, rollout)
+            self._begin_objective(micro, labels, sequences, reference, rollout)
             n_targets = 1  # (the objective's loss is the step's loss)
         lr = lr_at(self.step_index, self.schedule)
         self.policy.begin_step(self.step_index, lr)
@@ -406,30 +436,38 @@ class Trainer:
         )  # fmt: skip
 
     def _begin_objective(
-        self, micro: list[MicroBatch], labels: torch.Tensor, reference: Sequences | None, rollout: Rollout | None
+        self,
+        micro: list[MicroBatch],
+        labels: torch.Tensor,
+        sequences: torch.Tensor | None,
+        reference: Sequences | None,
+        rollout: Rollout | None,
     ) -> None:
-        """Tell the objective which of this rank's sequences each trained token belongs to (one a row) and what it
+        """Tell the objective which of this rank's sequences each trained token belongs to (a row each, or as
+        `sequences` says for packed pairs) and what it
         needs of the step's other rows: DPO the reference's scores and the pairs of the whole step, GRPO the
         rows' advantages and log-probabilities and the step's sequences and tokens."""
-        owners, first, n_rows = [], self.my_rows(labels.shape[0]).start, labels.shape[0]
-        row = 0
+        owner = sequence_of_tokens(labels, sequences)
+        n_sequences = labels.shape[0] if sequences is None else int(sequences.max()) + 1
+        share = self.my_rows(n_sequences) if sequences is None else self._my_sequences(sequences)
+        owners, row = [], self.my_rows(labels.shape[0], sequences).start
         for mb in micro:
-            rows = torch.arange(row, row + mb.labels.shape[0]).unsqueeze(1)
-            owners.append(torch.where(mb.labels != -100, rows, -1))
+            part = owner[row : row + mb.labels.shape[0]]
+            owners.append(torch.where(part >= 0, part - share.start, -1))
             row += mb.labels.shape[0]
-        mine = slice(first, first + row)
+        mine = slice(share.start, share.stop)
         if isinstance(self.objective, GRPO):
             if rollout is None:
                 raise ConfigError("train.objective grpo needs each row's advantage: give `rollout`")
             part = rollout.rows(mine)
             n_tokens = int((labels != -100).sum())
-            self.objective.begin_step(owners, part.advantages, part.old_logps, part.ref_logps, n_rows, n_tokens)
+            self.objective.begin_step(owners, part.advantages, part.old_logps, part.ref_logps, n_sequences, n_tokens)
         elif isinstance(self.objective, DPO):
             if reference is not None:
                 reference = Sequences(reference.logps[mine], reference.lengths[mine])
             elif self.config.train.dpo.needs_reference:
                 raise ConfigError("train.dpo.loss_type needs the reference model's log-probabilities: give `reference`")
-            self.objective.begin_step(owners, reference, n_pairs=n_rows // 2)
+            self.objective.begin_step(owners, reference, n_pairs=n_sequences // 2)
         else:
             self.objective.begin_step(owners)
 
@@ -484,13 +522,14 @@ class Trainer:
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        sequences: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every row's log-probability of each trained token ([rows, seq] float64 on the host, 0 where the label is
         -100), forward only, the weights streamed once for all rows (a reference model's pass, the policy's that
         sampled a rollout); every rank runs its share of the rows."""
         self.finish_updates()
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid)
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences)
         logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro) if micro else [])]
         if self.spec.router_load is not None:
             self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
@@ -503,11 +542,18 @@ class Trainer:
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        sequences: torch.Tensor | None = None,
     ) -> Sequences:
-        """Every row's summed log-probability of its trained tokens and their count ([rows] each, float64 on the
-        host), as `token_logps`."""
-        sums = self.token_logps(input_ids, labels, position_ids, valid).sum(-1)
-        return Sequences(sums, (labels != -100).sum(-1).to(torch.float64))
+        """Every sequence's summed log-probability of its trained tokens and their count ([sequences] each, float64
+        on the host; a sequence a row, or as `sequences` numbers packed pairs), as `token_logps`."""
+        logps = self.token_logps(input_ids, labels, position_ids, valid, sequences)
+        if sequences is None:
+            return Sequences(logps.sum(-1), sequence_lengths(labels))
+        lengths = sequence_lengths(labels, sequences)
+        sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(
+            0, sequences[sequences >= 0], logps[sequences >= 0]
+        )
+        return Sequences(sums, lengths)
 
     # ------------------------------------------------------------------ state
     def finish_updates(self) -> None:
