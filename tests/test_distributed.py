@@ -147,7 +147,10 @@ def test_dpo_over_two_ranks_equals_one_process(tmp_path, pack):
     one = run(tmp_path, "one", [sys.executable], data=data, train=train)
     assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train))
     if pack:
-        assert "the first step's 4 pairs share 2 rows of 48 tokens, not 8" in (tmp_path / "one" / "stderr-0.txt").read_text()
+        assert (
+            "the first step's 4 pairs share 2 rows of 48 tokens, not 8"
+            in (tmp_path / "one" / "stderr-0.txt").read_text()
+        )
 
 
 def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):
