@@ -13,13 +13,13 @@ from megatrain.config import Config, DataSection, ModelSection, PrecisionSection
 from megatrain.generate import Generator, Sampling
 
 
-def trainer_of(model: ModelSection, tmp_path) -> Trainer:
+def trainer_of(model: ModelSection, tmp_path, device="cpu") -> Trainer:
     config = Config(
         model=model,
         data=DataSection(seq_len=32),
         train=TrainSection(steps=1, batch_size=2, lr=1e-3, seed=int(torch.randint(0, 2**31 - 1, ()))),
         precision=PrecisionSection("float32"),
-        device="cpu",
+        device=device,
         output_dir=str(tmp_path / "run"),
     )
     return Trainer(config)
@@ -29,15 +29,16 @@ def prompts_of(generator: torch.Generator, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (5, 9, 2)]
 
 
-def check_greedy_equals_transformers(trainer: Trainer, tmp_path):
+def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto"):
     generator = torch.Generator().manual_seed(0)
     prompts = prompts_of(generator, trainer.model_config.vocab_size)
     sampling = Sampling(max_new_tokens=6, temperature=0.0, stop_ids=(2,))
-    ours = Generator(trainer).generate(prompts, sampling, pad_id=0)
+    ours = Generator(trainer, weights).generate(prompts, sampling, pad_id=0)
     reference = transformers.AutoModelForCausalLM.from_pretrained(trainer.export(tmp_path / "out"), dtype=torch.float32)
+    reference.to(trainer.device)
     for prompt, completion in zip(prompts, ours):
         out = reference.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=trainer.device),
             max_new_tokens=6,
             do_sample=False,
             eos_token_id=[2],
@@ -52,7 +53,7 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path):
         labels = torch.full_like(ids, -100)
         labels[0, len(prompt) - 1 : -1] = torch.tensor(completion)
         logps = trainer.token_logps(ids, labels)[0, len(prompt) - 1 : -1]
-        scores = torch.stack(out.logits)[: len(completion), 0].log_softmax(-1)
+        scores = torch.stack(out.logits)[: len(completion), 0].cpu().log_softmax(-1)
         assert rel_err(logps, scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)) < 1e-5
 
 
@@ -60,6 +61,24 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path):
 def test_greedy_generation_equals_transformers(preset_name, tmp_path):
     trainer = trainer_of(ModelSection(preset=preset_name), tmp_path)
     check_greedy_equals_transformers(trainer, tmp_path)
+    trainer.close()
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2"])  # (2 and 3 layers: see the GPU test)
+def test_streamed_layers_generate_as_resident_ones(preset_name, tmp_path):
+    trainer = trainer_of(ModelSection(preset=preset_name), tmp_path)
+    check_greedy_equals_transformers(trainer, tmp_path, weights="streamed")
+    trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["resident", "streamed"])
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2"])
+def test_gpu_greedy_generation_equals_transformers(preset_name, weights, tmp_path):
+    """On the GPU: the layers' copies on their own stream, each waiting for its buffer to be free (with 3 layers
+    the last layer's buffer is the next step's first layer's)."""
+    trainer = trainer_of(ModelSection(preset=preset_name), tmp_path, device="cuda")
+    check_greedy_equals_transformers(trainer, tmp_path, weights)
     trainer.close()
 
 

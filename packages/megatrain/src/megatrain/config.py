@@ -165,6 +165,9 @@ class GRPOSection:
     rollouts: str | None = None  # a JSONL of completions to train on (prompt, completion, reward or advantage)
     ref_model: str | None = None  # the KL's reference: a Hugging Face directory; None: the initial weights
     log_completions_every: int = 10  # steps between samples written to completions.jsonl (0: never)
+    # generation's weights on the GPU: resident (where they fit beside a KV cache), streamed layer by layer, or
+    # auto (resident where they fit); megatrain's own option, not TRL's
+    generation_weights: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "reward_funcs", tuple(self.reward_funcs))
@@ -179,6 +182,7 @@ class GRPOSection:
             "loss_type": GRPO_LOSS_TYPES,
             "importance_sampling_level": ("token", "sequence"),
             "scale_rewards": ("group", "batch", "none"),
+            "generation_weights": ("auto", "resident", "streamed"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -1,11 +1,18 @@
 """Completions from a trainer's current weights: transformers' own `generate` (its KV cache, sampling and stopping)
 run on the family's transformers modules (`megatrain_zoo.generic.HFSkeleton`) with the weights of megatrain's
-store, in the compute dtype on the trainer's device, resident for the whole generation. The skeleton is the one
-the generic template trains with, or, for a family with a native template, the same model built from the
-config.json megatrain exports; weights reach it as transformers' loader converts a checkpoint. Exact by
-construction: greedy decoding equals transformers' `generate` on the exported model."""
+store, in the compute dtype on the trainer's device. The skeleton is the one the generic template trains with, or,
+for a family with a native template, the same model built from the config.json megatrain exports; weights reach it
+as transformers' loader converts a checkpoint. Exact by construction: greedy decoding equals transformers'
+`generate` on the exported model.
+
+The weights stay on the GPU for a whole generation where they fit beside a useful KV cache (`resident`), else the
+decoder layers stream from pinned host copies, layer i + 1's copy overlapping layer i's work, once per decoding
+step of the whole batch (`streamed`), the batch as large as the KV cache's room allows so that each streamed
+layer serves many sequences (`GenerationPlan`)."""
 
 import json
+import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +21,9 @@ from torch import Tensor, nn
 from megatrain_zoo import config_to_hf
 from megatrain_zoo.checkpoint_layout import CheckpointLayout
 from megatrain_zoo.generic import HFSkeleton
+
+KV_ROOM_SHARE = 0.8  # of the device's free memory, what the KV cache may take (the rest: activations, logits)
+RESIDENT_NEEDS_SEQUENCES = 64  # resident weights only where a KV cache of this many sequences fits beside them
 
 
 @dataclass(frozen=True)
@@ -39,40 +49,107 @@ class _Generating(nn.Module):
         return self.model.generate(**kwargs)
 
 
-class Generator:
-    """Completions of a trainer's model from its current weights (`weights_changed` after they move)."""
+@dataclass(frozen=True)
+class GenerationPlan:
+    """How a generation runs: the decoder layers resident on the device or streamed, and how many sequences decode
+    together (their KV cache's room)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    resident: bool
+    batch: int
+    reason: str
+
+
+class Generator:
+    """Completions of a trainer's model from its current weights (`weights_changed` after they move). `weights`:
+    auto (resident where they fit beside a KV cache of RESIDENT_NEEDS_SEQUENCES), resident or streamed."""
+
+    def __init__(self, trainer, weights: str = "auto"):
+        self.trainer, self.weights = trainer, weights
         model = trainer.model_config
         hf = json.loads(model.hf_config) if model.implementation == "transformers" else config_to_hf(model)
         self.skeleton = HFSkeleton(hf)
         self.layout = CheckpointLayout(self.skeleton)
-        self._weights: dict[str, Tensor] | None = None
+        self._bound_weights: dict[str, Tensor] | None = None
+        self._streamed: _StreamedLayers | None = None
+        self.last_plan: GenerationPlan | None = None
 
     def weights_changed(self) -> None:
-        self._weights = None
+        self._bound_weights = None
 
-    def _bound(self) -> dict[str, Tensor]:
-        """The model's parameters in the compute dtype on the device, converted a stage's group at a time."""
-        if self._weights is None:
-            trainer = self.trainer
-            masters = trainer.named_weights()
-            sources = self.layout.sources(list(masters), "the store")
-            parts = self.skeleton.parts
-            self._weights = {}
-            for names in [parts.embedding, *parts.layers, parts.head]:
-                loaded = self.layout.load({key: masters[key] for name in names for key in sources[name]})
-                for name in names:
-                    self._weights[name] = loaded[name].to(trainer.device, trainer.compute_dtype)
-        return self._weights
+    def _converted(self, names_per_part):
+        """Each part's parameters (transformers' names), converted from the store's masters (host, float32)."""
+        masters = self.trainer.named_weights()
+        sources = self.layout.sources(list(masters), "the store")
+        for names in names_per_part:
+            loaded = self.layout.load({key: masters[key] for name in names for key in sources[name]})
+            yield {name: loaded[name] for name in names}
+
+    def _bound(self, resident: bool) -> dict[str, Tensor]:
+        """The parameters the forward binds, in the compute dtype on the device: all of them where resident, else
+        the embedding's and the head's, the layers' as views of the streaming buffers (filled as each layer runs)."""
+        if self._bound_weights is None or (self._streamed is None) != resident:
+            trainer, parts = self.trainer, self.skeleton.parts
+            on_device = [parts.embedding, *parts.layers, parts.head] if resident else [parts.embedding, parts.head]
+            self._bound_weights = {}
+            for part in self._converted(on_device):
+                self._bound_weights |= {n: w.to(trainer.device, trainer.compute_dtype) for n, w in part.items()}
+            if resident:
+                self._streamed = None
+            else:
+                if self._streamed is None:
+                    self._streamed = _StreamedLayers(self.skeleton, trainer.device, trainer.compute_dtype)
+                self._streamed.fill(self._converted(parts.layers))
+                self._bound_weights |= self._streamed.views
+        return self._bound_weights
+
+    def plan(self, n_sequences: int, length: int) -> GenerationPlan:
+        """Resident or streamed layers, and the decoding batch, for `n_sequences` of up to `length` tokens."""
+        trainer = self.trainer
+        if trainer.device.type != "cuda":
+            how = "streamed layer by layer" if self.weights == "streamed" else "resident"
+            return GenerationPlan(self.weights != "streamed", n_sequences, f"on the CPU: weights {how}, one batch")
+        itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
+        per_sequence = kv_bytes_per_token(self.skeleton.config, itemsize) * length
+        weights = sum(math.prod(p.shape) for p in self.skeleton.model.parameters()) * itemsize
+        free = _free_device_bytes(trainer.device) + self._held_bytes()  # (what this generator holds is room too)
+        fits = weights + RESIDENT_NEEDS_SEQUENCES * per_sequence <= free * KV_ROOM_SHARE
+        resident = self.weights == "resident" or (self.weights == "auto" and fits)
+        held = weights if resident else _StreamedLayers.held_bytes(self.skeleton, itemsize)
+        batch = max(1, min(n_sequences, int((free * KV_ROOM_SHARE - held) // per_sequence)))
+        how = "resident" if resident else "streamed layer by layer"
+        reason = (
+            f"weights {how} ({weights / 2**30:.1f} GiB in {trainer.compute_dtype}), {batch} sequences per batch "
+            f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free)"
+        )
+        return GenerationPlan(resident, batch, reason)
+
+    def _held_bytes(self) -> int:
+        """Device bytes this generator's weights take now (the streamed layers' views are their buffers')."""
+        if self._bound_weights is None:
+            return 0
+        streamed = {} if self._streamed is None else self._streamed.views
+        held = sum(w.nbytes for name, w in self._bound_weights.items() if name not in streamed)
+        return held + (0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling, pad_id: int, seed: int = 0) -> list[list[int]]:
         """Each prompt's completion (token ids, ending at its stop token where one came), drawn with `seed`
-        (the same seed draws the same completions; the global RNG is left as it was)."""
+        (the same seed and plan draw the same completions; the global RNG is left as it was)."""
+        longest = max(len(p) for p in prompts)
+        plan = self.last_plan = self.plan(len(prompts), longest + sampling.max_new_tokens)
+        weights = {f"model.{name}": w for name, w in self._bound(plan.resident).items()}
+        self.skeleton.to(self.trainer.device)
+        completions = []
+        for start in range(0, len(prompts), plan.batch):
+            batch = prompts[start : start + plan.batch]
+            streamed = None if plan.resident else self._streamed
+            completions += self._generate_batch(batch, sampling, pad_id, seed + start, weights, streamed)
+        if self.trainer.device.type == "cuda":
+            torch.cuda.empty_cache()  # (the KV cache's memory back for training's placement)
+        return completions
+
+    def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, seed: int, weights, streamed):
         device = self.trainer.device
-        self.skeleton.to(device)
         longest = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -93,12 +170,123 @@ class Generator:
             options |= dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
         else:
             options |= dict(temperature=None, top_p=None, top_k=None)
-        weights = {f"model.{name}": w for name, w in self._bound().items()}
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _streaming(streamed, self.skeleton.layers):
             torch.manual_seed(seed)
             out = torch.func.functional_call(_Generating(self.skeleton.model), weights, (), options, strict=False)
         return [_until_stop(row[longest:].tolist(), sampling.stop_ids) for row in out.cpu()]
+
+
+class _StreamedLayers:
+    """The decoder layers' weights for streaming: per layer one pinned host tensor of all its parameters (compute
+    dtype), two device buffers that take turns holding a layer, and `views` binding each layer's parameters to its
+    buffer. While layer i runs, layer i + 1 copies into the other buffer on a stream of its own, once the layer
+    that last used that buffer is done."""
+
+    def __init__(self, skeleton: HFSkeleton, device: torch.device, dtype: torch.dtype):
+        shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
+        self.names = skeleton.parts.layers
+        sizes = [sum(math.prod(shapes[n].shape) for n in names) for names in self.names]
+        self.on_cuda = device.type == "cuda"
+        self.host = [torch.empty(size, dtype=dtype, pin_memory=self.on_cuda) for size in sizes]
+        self.buffers = [torch.empty(max(sizes), dtype=dtype, device=device) for _ in range(2)]
+        self.views: dict[str, Tensor] = {}
+        for index, names in enumerate(self.names):
+            offset, buffer = 0, self.buffers[index % 2]
+            for name in names:
+                shape = shapes[name].shape
+                self.views[name] = buffer[offset : offset + math.prod(shape)].view(shape)
+                offset += math.prod(shape)
+        self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self.copied: list[torch.cuda.Event | None] = [None] * len(sizes)
+        self.released = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else []  # (as a buffer's layer ends)
+        self.deferred: int | None = None
+
+    @staticmethod
+    def held_bytes(skeleton: HFSkeleton, itemsize: int) -> int:
+        """Device bytes streaming holds: the embedding and head, and two layers' buffers."""
+        shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
+        parts = skeleton.parts
+        ends = sum(math.prod(shapes[n].shape) for n in [*parts.embedding, *parts.head])
+        largest = max(sum(math.prod(shapes[n].shape) for n in names) for names in parts.layers)
+        return (ends + 2 * largest) * itemsize
+
+    def fill(self, layers) -> None:
+        """The layers' current weights (an iterable of name -> tensor per layer) into the host copies."""
+        for host, names, weights in zip(self.host, self.names, layers):
+            offset = 0
+            for name in names:
+                flat = weights[name].reshape(-1)
+                host[offset : offset + flat.numel()].copy_(flat)
+                offset += flat.numel()
+
+    def _copy(self, index: int) -> None:
+        target = self.buffers[index % 2][: self.host[index].numel()]
+        if not self.on_cuda:
+            target.copy_(self.host[index])
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.released[index % 2])
+            target.copy_(self.host[index], non_blocking=True)
+            self.copied[index] = torch.cuda.Event()
+            self.copied[index].record(self.copy_stream)
+
+    def before_layer(self, index: int) -> None:
+        """Wait for the layer's weights (copying them now where no prefetch did), then prefetch the next layer
+        where its buffer is not this one's (else after this layer: `after_layer`)."""
+        if not self.on_cuda:
+            return self._copy(index)
+        if self.copied[index] is None:
+            self._copy(index)
+        torch.cuda.current_stream().wait_event(self.copied[index])
+        self.copied[index] = None
+        following = (index + 1) % len(self.host)
+        if following % 2 != index % 2:
+            self._copy(following)
+        else:
+            self.deferred = following
+
+    def after_layer(self, index: int) -> None:
+        if not self.on_cuda:
+            return
+        self.released[index % 2].record(torch.cuda.current_stream())
+        if self.deferred is not None:
+            self._copy(self.deferred)
+            self.deferred = None
+
+
+class _streaming:
+    """Streamed layers' hooks on the decoder layers for the duration of a generation (none where resident)."""
+
+    def __init__(self, streamed: _StreamedLayers | None, layers: list[nn.Module]):
+        self.streamed, self.layers, self.hooks = streamed, layers, []
+
+    def __enter__(self):
+        if self.streamed is not None:
+            for index, layer in enumerate(self.layers):
+                self.hooks.append(layer.register_forward_pre_hook(lambda *_, i=index: self.streamed.before_layer(i)))
+                self.hooks.append(layer.register_forward_hook(lambda *_, i=index: self.streamed.after_layer(i)))
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """A sequence's KV-cache bytes per token: keys and values of every layer (an upper bound for hybrids, whose
+    linear layers keep a fixed state instead)."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * itemsize
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    """Device memory free now, the allocator's cached blocks included."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
@@ -139,7 +327,8 @@ def read_prompts(path) -> list:
 
 def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, sampling: Sampling, seed: int) -> list[str]:
     """Completions (text) of `prompts` (text, or messages rendered with the chat template's generation prompt) from
-    the trainer's weights, a batch at a time of train.batch_size."""
+    the trainer's weights, as many at a time as the KV cache's room allows (train.grpo.generation_weights: resident or
+    streamed layers)."""
     from .chat import load_chat_template
     from .data import eos_token_text
     from .records import pad_token_id
@@ -148,10 +337,7 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
     template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)
     ids = [render_prompt(p, template, tokenizer, f"prompt {i + 1}") for i, p in enumerate(prompts)]
-    generator, texts, batch = Generator(trainer), [], trainer.config.train.batch_size
-    for start in range(0, len(ids), batch):
-        completions = generator.generate(
-            ids[start : start + batch], sampling, pad_token_id(tokenizer, eos), seed + start
-        )
-        texts += tokenizer.decode_batch(completions, skip_special_tokens=True)
-    return texts
+    generator = Generator(trainer, trainer.config.train.grpo.generation_weights)
+    completions = generator.generate(ids, sampling, pad_token_id(tokenizer, eos), seed)
+    print(f"megatrain: generation: {generator.last_plan.reason}", file=sys.stderr)
+    return tokenizer.decode_batch(completions, skip_special_tokens=True)

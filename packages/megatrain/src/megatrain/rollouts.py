@@ -10,6 +10,7 @@ anywhere continues as one that never stopped."""
 
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,10 +193,11 @@ class GeneratedRollouts(_Rollouts):
         super().__init__(trainer, config)
         self.prompts, self.tokenizer, self.pad_id = prompts, tokenizer, pad_id
         self.rewards = Rewards(self.grpo.reward_funcs, self.grpo.reward_weights)
-        self.generator = Generator(trainer)
+        self.generator = Generator(trainer, self.grpo.generation_weights)
         g = self.grpo
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops)
         self.conversational = any(isinstance(p, list) for p in prompts.given)
+        self.said_plan = None
 
     def _make(self, generation: int) -> StepRollout:
         g, train = self.grpo, self.config.train
@@ -209,9 +211,14 @@ class GeneratedRollouts(_Rollouts):
         rows = [i for i in chosen for _ in range(g.num_generations)]
         self.generator.weights_changed()
         prompt_ids = [self.prompts.ids[i] for i in rows]
+        start = time.perf_counter()
         completions = self.generator.generate(
             prompt_ids, self.sampling, self.pad_id, seed=train.seed * 1_000_003 + generation
         )
+        seconds = time.perf_counter() - start
+        if self.said_plan != self.generator.last_plan and self.trainer.is_main:
+            self.said_plan = self.generator.last_plan
+            print(f"megatrain: generation: {self.said_plan.reason}", file=sys.stderr)
         texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
         given = [self.prompts.given[i] for i in rows]
         shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
@@ -222,10 +229,12 @@ class GeneratedRollouts(_Rollouts):
         old = (
             self.trainer.token_logps(batch.input_ids, batch.labels, None, batch.valid) if g.num_iterations > 1 else None
         )
+        generated = sum(len(c) for c in completions)
         metrics = (
             {k: float(v) for k, v in metrics.items()}
             | reward_metrics
             | _length_metrics(completions, self.sampling.stop_ids)
+            | {"generation/seconds": seconds, "generation/tokens_per_s": generated / seconds}
         )
         samples = [
             {
@@ -296,7 +305,7 @@ def make_rollouts(trainer, config: Config):
         print(
             f"megatrain: GRPO on {len(prompts.ids)} prompts, {config.train.grpo.num_generations} completions each "
             f"of up to {config.train.grpo.max_completion_length} tokens (stop tokens {list(stops)}), generated "
-            "from the current weights (resident in the compute dtype)",
+            f"from the current weights (train.grpo.generation_weights {config.train.grpo.generation_weights})",
             file=sys.stderr,
         )
     return GeneratedRollouts(trainer, config, prompts, tokenizer, stops, pad)
