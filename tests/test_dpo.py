@@ -107,6 +107,11 @@ def test_packed_pairs_give_the_steps_of_pairs_a_row_each(dpo, micro_batch_size, 
     check_dpo_steps("float64", dpo, "tiny-llama", tmp_path, micro_batch_size, n_pairs=6, pack=True)
 
 
+@pytest.mark.gpu
+def test_gpu_packed_pairs_give_the_steps_of_pairs_a_row_each(tmp_path):
+    check_dpo_steps("float64", DPOSection(beta=0.5), "tiny-llama", tmp_path, 2, n_pairs=6, device="cuda", pack=True)
+
+
 def packed(ids: torch.Tensor, labels: torch.Tensor) -> Batch:
     """The pairs packed into rows of 2 * SEQ: each row's real tokens end at its last target."""
     last = torch.where(labels != -100, torch.arange(SEQ), -1).amax(-1)

@@ -93,7 +93,16 @@ def test_grpo_micro_batches_give_the_step_of_one_batch(micro_batch_size, tmp_pat
     check_grpo_steps("float64", CASES_GRPO["grpo-kl"], tmp_path, micro_batch_size=micro_batch_size, with_old=True)
 
 
-def check_grpo_steps(dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_old, steps=3, n_prompts=2):
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["grpo-kl", "gspo-kl"])
+def test_gpu_grpo_steps_equal_trl_formulas(case, tmp_path):
+    """The CUDA engine (streams, the head's chunks) in float64 against the plain model on the GPU."""
+    check_grpo_steps("float64", CASES_GRPO[case], tmp_path, micro_batch_size=2, with_old=True, device="cuda")
+
+
+def check_grpo_steps(
+    dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_old, steps=3, n_prompts=2, device="cpu"
+):
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()))
     rows = n_prompts * grpo.num_generations
@@ -106,11 +115,11 @@ def check_grpo_steps(dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_
         data=DataSection(seq_len=SEQ),
         train=train,
         precision=PrecisionSection(dtype),
-        device="cpu",
+        device=device,
         output_dir=str(tmp_path),
     )
     trainer = Trainer(config)
-    model = plain_model("tiny-llama", dtype, trainer.named_weights())
+    model = plain_model("tiny-llama", dtype, trainer.named_weights()).to(device)
     frozen = copy.deepcopy(model).eval()
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
@@ -124,6 +133,7 @@ def check_grpo_steps(dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
         ids, labels = random_groups(n_prompts, grpo.num_generations, 256, generator)
+        ids, labels = ids.to(device), labels.to(device)
         mask = labels != -100
         rewards = torch.rand(rows, generator=generator, dtype=torch.float64)
         advantages = trl_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
@@ -132,9 +142,9 @@ def check_grpo_steps(dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_
         with torch.no_grad():
             ref = token_logps(frozen, ids, labels)
             # the sampling policy's: the current weights a little off (as after an earlier update of the rollout)
-            old = token_logps(model, ids, labels) + 0.05 * torch.randn(ids.shape, generator=generator) * mask
-        rollout = Rollout(advantages, old if with_old else None, ref if grpo.beta else None)
-        metrics = trainer.train_step(ids, labels, rollout=rollout)
+            old = token_logps(model, ids, labels) + 0.05 * torch.randn(ids.shape, generator=generator).to(device) * mask
+        rollout = Rollout(advantages, old.cpu() if with_old else None, ref.cpu() if grpo.beta else None)
+        metrics = trainer.train_step(ids.cpu(), labels.cpu(), rollout=rollout)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
@@ -148,5 +158,5 @@ def check_grpo_steps(dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_
         assert {"clip_ratio/region_mean"} | ({"kl"} if grpo.beta else set()) <= set(metrics.as_dict())
     ours = trainer.named_weights()
     for name, param in model.named_parameters():
-        assert rel_err(ours[name], param.detach()) < 10 * tolerance, name
+        assert rel_err(ours[name], param.detach().cpu()) < 10 * tolerance, name
     trainer.close()
