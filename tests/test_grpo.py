@@ -42,6 +42,14 @@ def token_logps(model, ids, labels):
     return logps * (labels != -100)
 
 
+def mean_entropy(model, ids, labels) -> float:
+    """TRL's `entropy`: the next-token distribution's entropy, averaged over the trained positions."""
+    with torch.no_grad():
+        logits = model.logits(ids) if hasattr(model, "logits") else model(input_ids=ids).logits
+        logps = logits.log_softmax(-1)
+        return float(-(logps.exp() * logps).sum(-1)[labels != -100].mean())
+
+
 def trl_loss(logps, old, ref, advantages, mask, grpo: GRPOSection):
     """TRL's GRPOTrainer._compute_loss, written out: [rows, seq] tensors, one micro-batch per step."""
     mask = mask.to(logps.dtype)
@@ -93,6 +101,11 @@ def test_grpo_micro_batches_give_the_step_of_one_batch(micro_batch_size, tmp_pat
     check_grpo_steps("float64", CASES_GRPO["grpo-kl"], tmp_path, micro_batch_size=micro_batch_size, with_old=True)
 
 
+def test_grpo_through_transformers_modules(tmp_path):
+    """The generic template's head gives the same log-probabilities and entropies."""
+    check_grpo_steps("float32", CASES_GRPO["grpo-kl"], tmp_path, 2, with_old=True, implementation="transformers")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["grpo-kl", "gspo-kl"])
 def test_gpu_grpo_steps_equal_trl_formulas(case, tmp_path):
@@ -101,7 +114,15 @@ def test_gpu_grpo_steps_equal_trl_formulas(case, tmp_path):
 
 
 def check_grpo_steps(
-    dtype, grpo: GRPOSection, tmp_path, micro_batch_size, with_old, steps=3, n_prompts=2, device="cpu"
+    dtype,
+    grpo: GRPOSection,
+    tmp_path,
+    micro_batch_size,
+    with_old,
+    steps=3,
+    n_prompts=2,
+    device="cpu",
+    implementation="auto",
 ):
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -111,7 +132,7 @@ def check_grpo_steps(
         grad_clip=0.0, warmup_steps=1, seed=seed, objective="grpo", grpo=grpo,
     )  # fmt: skip
     config = Config(
-        model=ModelSection(preset="tiny-llama"),
+        model=ModelSection(preset="tiny-llama", implementation=implementation),
         data=DataSection(seq_len=SEQ),
         train=train,
         precision=PrecisionSection(dtype),
@@ -143,6 +164,7 @@ def check_grpo_steps(
             ref = token_logps(frozen, ids, labels)
             # the sampling policy's: the current weights a little off (as after an earlier update of the rollout)
             old = token_logps(model, ids, labels) + 0.05 * torch.randn(ids.shape, generator=generator).to(device) * mask
+        entropy = mean_entropy(model, ids, labels)  # (of the weights the step starts from)
         rollout = Rollout(advantages, old.cpu() if with_old else None, ref.cpu() if grpo.beta else None)
         metrics = trainer.train_step(ids.cpu(), labels.cpu(), rollout=rollout)
         for group in optimizer.param_groups:
@@ -156,6 +178,7 @@ def check_grpo_steps(
         assert metrics.loss == pytest.approx(loss.item(), rel=tolerance, abs=tolerance)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=10 * tolerance)
         assert {"clip_ratio/region_mean"} | ({"kl"} if grpo.beta else set()) <= set(metrics.as_dict())
+        assert metrics.as_dict()["entropy"] == pytest.approx(entropy, rel=max(tolerance, 1e-6))  # (as recorded)
     ours = trainer.named_weights()
     for name, param in model.named_parameters():
         assert rel_err(ours[name], param.detach().cpu()) < 10 * tolerance, name

@@ -896,7 +896,13 @@ class LayerPipeline:
         grads = self._grad_buffers(stage_index, step.grad_buffers)
         scales = [step.loss_scale] * len(step.acts)
         if self.objective is not None and not step.warm_up:
-            loss, scales = self.objective([template.token_logps(weights, x, t) for x, t in zip(step.acts, labels)])
+            if getattr(self.objective, "wants_entropy", False):
+                scored = [template.token_logps(weights, x, t, entropy=True) for x, t in zip(step.acts, labels)]
+                self.objective.token_entropy = [entropy for _, entropy in scored]
+                token_logps = [logps for logps, _ in scored]
+            else:
+                token_logps = [template.token_logps(weights, x, t) for x, t in zip(step.acts, labels)]
+            loss, scales = self.objective(token_logps)
             step.loss_sum += loss
         for m, x in enumerate(step.acts):
             loss, step.acts[m] = template.loss(weights, x, labels[m], scales[m], grads)

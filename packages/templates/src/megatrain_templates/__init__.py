@@ -4,7 +4,7 @@ beside the head."""
 from .attention import Documents, causal_attention
 from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
 from .embedding import Embedding
-from .head import Head
+from .head import Head, distribution_entropy
 from .layout import (
     ParamSpec,
     Span,
@@ -66,6 +66,7 @@ __all__ = [
     "MoeShape",
     "RouterLoad",
     "Head",
+    "distribution_entropy",
     "IGNORE_INDEX",
     "ParamSpec",
     "RopeConfig",

@@ -79,22 +79,30 @@ class Head:
         return loss_sum
 
     @torch.no_grad()
-    def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
+    def token_logps(
+        self, weights: list[Tensor], hidden: Tensor, labels: Tensor, entropy: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Each target's log-probability, forward only: [batch, seq] in fp32 or wider, 0 where labels are -100
         (what a step-level objective sums per sequence: DPO's log-probability of a completion). Chunk by chunk
-        with the arithmetic of `loss`: -token_logps.sum() is `loss_sum`."""
+        with the arithmetic of `loss`: -token_logps.sum() is `loss_sum`. With `entropy`, also each position's
+        entropy of the next-token distribution (0 where labels are -100)."""
         check_buffers(weights, self.groups, "Head.token_logps")
         matrix = self._matrix_span.view(weights[self._matrix_group])
         normed = self._normed_rows(hidden, self._norm_span.view(weights[self._norm_group]))
         rows, targets = normed.reshape(-1, self.d_model), labels.reshape(-1)
         logps = torch.empty(rows.shape[0], dtype=upcast(rows[:0]).dtype, device=hidden.device)
+        entropies = torch.empty_like(logps) if entropy else None
         for start in range(0, rows.shape[0], self.chunk_rows):
             logits = _capped(upcast(rows[start : start + self.chunk_rows] @ matrix.T), self.logit_softcap)
             chunk_targets = targets[start : start + self.chunk_rows]
             log_norm, safe_target, _ = _loss_terms(logits, chunk_targets)
             valid = (chunk_targets != IGNORE_INDEX).to(logits.dtype)
-            logps[start : start + logits.shape[0]] = (logits.gather(1, safe_target) - log_norm).squeeze(1) * valid
-        return logps.view(labels.shape)
+            span = slice(start, start + logits.shape[0])
+            logps[span] = (logits.gather(1, safe_target) - log_norm).squeeze(1) * valid
+            if entropy:
+                entropies[span] = distribution_entropy(logits, log_norm) * valid
+        logps = logps.view(labels.shape)
+        return (logps, entropies.view(labels.shape)) if entropy else logps
 
     def loss(
         self,
@@ -143,6 +151,12 @@ class Head:
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden
+
+
+def distribution_entropy(logits: Tensor, log_norm: Tensor) -> Tensor:
+    """Each row's entropy of softmax(logits) [..., vocab] -> [...], given log Z [..., 1]: log Z - sum p * logits
+    (one temporary of the logits' size)."""
+    return log_norm.squeeze(-1) - (logits - log_norm).exp_().mul_(logits).sum(-1)
 
 
 def _capped(logits: Tensor, softcap: float | None) -> Tensor:

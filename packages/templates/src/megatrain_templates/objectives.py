@@ -36,10 +36,13 @@ class Objective:
     Before a step, `begin_step(sequence_of)` says which sequence each trained token belongs to: per micro-batch a
     [rows, seq] int64 tensor, -1 where a token is not trained (its label is -100). `metrics` are the last step's."""
 
+    wants_entropy = False  # the head then gives `token_entropy` too: per micro-batch each position's entropy
+
     def __init__(self):
         self.sequence_of: list[Tensor] = []
         self.n_sequences = 0
         self.metrics: dict[str, float] = {}
+        self.token_entropy: list[Tensor] | None = None
 
     def begin_step(self, sequence_of: list[Tensor]) -> None:
         self.sequence_of = sequence_of
@@ -100,6 +103,8 @@ class TokenObjective(Objective):
             leaf = flat.detach().requires_grad_(True)
             loss, metrics = self.loss(leaf)
             (coefficient,) = torch.autograd.grad(loss, leaf)
+        if self.token_entropy is not None:  # (TRL's `entropy`: the mean over the trained tokens)
+            metrics["entropy"] = torch.cat([e[mask] for e, mask in zip(self.token_entropy, trained)]).mean()
         self.metrics = {name: float(value) for name, value in metrics.items()}
         scales, start = [], 0
         for logps, mask in zip(token_logps, trained):
@@ -245,6 +250,8 @@ class GRPO(TokenObjective):
     over the step's tokens (TRL's bnpo normalises per micro-batch: the same with one per step); dr_grpo (Liu et al.
     2025, "Understanding R1-Zero-Like Training"), the sum over the step's tokens / (sequences x
     `max_completion_length`). Normalisers count the whole step (every process's), so processes' losses add up."""
+
+    wants_entropy = True
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from megatrain_templates import IGNORE_INDEX, ParamSpec
+from megatrain_templates import IGNORE_INDEX, ParamSpec, distribution_entropy
 from megatrain_templates.kept_graph import KeptGraphs, saved_bytes
 
 # micro-batch shapes whose layer arguments are remembered (a step's micro-batches, evaluation's, a warm-up's)
@@ -538,14 +538,21 @@ class GenericHead(_GenericStage):
         return self.skeleton.run(views, embeds, None, inject, head=True).logits
 
     @torch.no_grad()
-    def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
-        """Each target's log-probability [batch, seq], 0 where the label is -100 (as `Head.token_logps`)."""
+    def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor, entropy: bool = False):
+        """Each target's log-probability [batch, seq], 0 where the label is -100, and with `entropy` each position's
+        entropy (as `Head.token_logps`)."""
         views = self.weights(weights)
         out = torch.zeros(labels.shape, dtype=_loss_dtype(hidden), device=hidden.device)
+        entropies = torch.zeros_like(out) if entropy else None
         for start in range(0, hidden.shape[0], self.chunk_rows):
             rows = slice(start, start + self.chunk_rows)
-            out[rows] = _target_logps(self._logits(views, hidden[rows]), labels[rows])
-        return out
+            logits = self._logits(views, hidden[rows])
+            out[rows] = _target_logps(logits, labels[rows])
+            if entropy:
+                wide = logits.to(out.dtype)
+                log_norm = wide.logsumexp(-1, keepdim=True)
+                entropies[rows] = distribution_entropy(wide, log_norm) * (labels[rows] != IGNORE_INDEX)
+        return (out, entropies) if entropy else out
 
     @torch.no_grad()
     def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
