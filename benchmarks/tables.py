@@ -381,6 +381,29 @@ def grpo_toy(rows: list[dict]) -> Table:
     return Table(["model", "steps", "mean reward", "groups with equal rewards"], body, chosen, align="llrr")
 
 
+def grpo_speed(rows: list[dict]) -> Table:
+    """GRPO on one GPU: generation with the weights resident or streamed, and the training step, with each phase's
+    share of a step: the newest rows of `benchmarks/grpo.py`."""
+    speed = [r for r in rows if r["file"].startswith("grpo-qwen")]
+    chosen = list(newest(speed, lambda r: (r["model"], r["scope"])).values())
+    chosen.sort(key=lambda r: (r["params_b"], r["scope"].startswith("GRPO"), r["scope"]))
+    body = [
+        [
+            r["model"],
+            r["scope"],
+            num(r.get("generated_tokens") or r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            f"**{num(r['tokens_per_s'])}**",
+            num(r["model_tflops"]) if r.get("model_tflops") else "-",
+            str(r.get("kv_batch", "-")),
+            f"{r['share_of_grpo_step']:.0%}" if r.get("share_of_grpo_step") else "-",
+        ]
+        for r in chosen
+    ]
+    header = ["model", "phase", "tokens", "time", "tokens/s", "model TFLOPS", "KV batch", "share of a step"]
+    return Table(header, body, chosen, align="llrrrrrr")
+
+
 MOE_MODELS = [
     "olmoe-1b-7b",
     "qwen1.5-moe-a2.7b",
@@ -900,6 +923,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "preference-training": preference_training,
     "generic-template": generic_template,
     "grpo-toy": grpo_toy,
+    "grpo-speed": grpo_speed,
     "moe-steps": moe_steps,
     "moe-expert-parts": moe_expert_parts,
     "moe-layers": moe_layers,
