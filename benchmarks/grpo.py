@@ -74,6 +74,7 @@ def main():
     parser.add_argument("--streamed-tokens", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch of the GRPO step")
     parser.add_argument("--weights", default="resident,streamed")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (4 B/param less host memory)")
     parser.add_argument("--out", default="benchmarks/results/grpo.json")
     parser.add_argument("--device", default="cuda", help="cuda (a CPU run checks the script only)")
     parser.add_argument("--plot", nargs="*", help="results files to draw the phases of (no run)")
@@ -91,7 +92,7 @@ def main():
         num_generations=args.generations, max_prompt_length=args.prompt_len, max_completion_length=args.completion_len
     )
     train = TrainSection(
-        steps=10**6, batch_size=n_rows, micro_batch_size=args.micro_batch, lr=1e-6, grad_clip=1.0, warmup_steps=0,
+        steps=10**6, batch_size=n_rows, micro_batch_size=args.micro_batch, lr=1e-6, grad_clip=args.grad_clip, warmup_steps=0,
         schedule="constant", objective="grpo", grpo=grpo,
     )  # fmt: skip
     config = Config(
