@@ -60,7 +60,7 @@ class GenerationPlan:
 
 
 class Generator:
-    """Completions of a trainer's model from its current weights (`weights_changed` after they move). `weights`:
+    """Completions of a trainer's model from its current weights (converted afresh for each `generate`). `weights`:
     auto (resident where they fit beside a KV cache of RESIDENT_NEEDS_SEQUENCES), resident or streamed."""
 
     def __init__(self, trainer, weights: str = "auto"):
@@ -72,9 +72,6 @@ class Generator:
         self._bound_weights: dict[str, Tensor] | None = None
         self._streamed: _StreamedLayers | None = None
         self.last_plan: GenerationPlan | None = None
-
-    def weights_changed(self) -> None:
-        self._bound_weights = None
 
     def _converted(self, names_per_part):
         """Each part's parameters (transformers' names), converted from the store's masters (host, float32)."""
@@ -144,8 +141,9 @@ class Generator:
             batch = prompts[start : start + plan.batch]
             streamed = None if plan.resident else self._streamed
             completions += self._generate_batch(batch, sampling, pad_id, seed + start, weights, streamed)
+        self._bound_weights = None  # (the device copies go: training's placement counts on that memory)
         if self.trainer.device.type == "cuda":
-            torch.cuda.empty_cache()  # (the KV cache's memory back for training's placement)
+            torch.cuda.empty_cache()
         return completions
 
     def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, seed: int, weights, streamed):

@@ -209,7 +209,6 @@ class GeneratedRollouts(_Rollouts):
             self.config.data.shuffle,
         )
         rows = [i for i in chosen for _ in range(g.num_generations)]
-        self.generator.weights_changed()
         prompt_ids = [self.prompts.ids[i] for i in rows]
         start = time.perf_counter()
         completions = self.generator.generate(
