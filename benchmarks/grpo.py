@@ -13,6 +13,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,7 +64,7 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
     return row, completions
 
 
-def main():
+def arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-1.5b")
     parser.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
@@ -79,34 +80,58 @@ def main():
     parser.add_argument("--device", default="cuda", help="cuda (a CPU run checks the script only)")
     parser.add_argument("--plot", nargs="*", help="results files to draw the phases of (no run)")
     parser.add_argument("--keep", default="docs/grpo-phases.png")
-    args = parser.parse_args()
-    if args.plot:
-        return plot(args.plot, Path(args.keep))
-    model = preset(args.model)
-    if args.layers:
-        from dataclasses import replace
+    return parser.parse_args()
 
-        model = replace(model, n_layers=args.layers)
-    n_rows, seq_len = args.prompts * args.generations, args.prompt_len + args.completion_len
+
+def grpo_trainer(args, model) -> BenchTrainer:
+    """A trainer of GRPO steps of --prompts x --generations rows of prompt + completion, random weights."""
     grpo = GRPOSection(
         num_generations=args.generations, max_prompt_length=args.prompt_len, max_completion_length=args.completion_len
     )
     train = TrainSection(
-        steps=10**6, batch_size=n_rows, micro_batch_size=args.micro_batch, lr=1e-6, grad_clip=args.grad_clip, warmup_steps=0,
-        schedule="constant", objective="grpo", grpo=grpo,
+        steps=10**6, batch_size=args.prompts * args.generations, micro_batch_size=args.micro_batch, lr=1e-6,
+        grad_clip=args.grad_clip, warmup_steps=0, schedule="constant", objective="grpo", grpo=grpo,
     )  # fmt: skip
     config = Config(
         model=ModelSection(preset=args.model),
-        data=DataSection(seq_len=seq_len),
+        data=DataSection(seq_len=args.prompt_len + args.completion_len),
         train=train,
         precision=PrecisionSection("bfloat16" if args.device == "cuda" else "float32"),
         device=args.device,
         output_dir=tempfile.mkdtemp(),
     )
-    trainer = BenchTrainer(config, model)
+    return BenchTrainer(config, model)
+
+
+def training_row(args, model, trainer, prompts, completions) -> dict:
+    """One GRPO step on the completions (random rewards), timed after a first step placed for its size."""
+    seq_len = args.prompt_len + args.completion_len
+    advantages, _ = group_advantages(torch.rand(len(prompts), dtype=torch.float64), args.generations, "group")
+    batch = rows_of(prompts, completions, seq_len, pad_id=0)
+
+    def step():
+        trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=Rollout(advantages, None))
+        trainer.finish_updates()
+
+    step()
+    _, step_s = timed(step)
+    row = base_row("megatrain", args.model, model, seq_len, len(prompts), args.micro_batch, step_s)
+    return row | {
+        "scope": "GRPO step (training)",
+        "host_bytes_per_param": round(trainer.store.memory_report().bytes_per_param, 2),
+    }
+
+
+def main():
+    args = arguments()
+    if args.plot:
+        return plot(args.plot, Path(args.keep))
+    model = preset(args.model)
+    if args.layers:
+        model = replace(model, n_layers=args.layers)
+    trainer = grpo_trainer(args, model)
     generator = Generator(trainer)
-    vocab = model.vocab_size
-    prompts = [torch.randint(3, vocab, (args.prompt_len,)).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(3, model.vocab_size, (args.prompt_len,)).tolist() for _ in range(args.prompts)]
     prompts = [p for p in prompts for _ in range(args.generations)]
     rows, completions = [], None
     for weights in args.weights.split(","):
@@ -116,31 +141,13 @@ def main():
         completions = made if new == args.completion_len else completions
         print(f"{row['scope']}: {row['tokens_per_s']:,} tokens/s ({row['plan']})", file=sys.stderr)
     if completions is None:
-        completions = [torch.randint(3, vocab, (args.completion_len,)).tolist() for _ in prompts]
-    rewards = torch.rand(n_rows, dtype=torch.float64)
-    advantages, _ = group_advantages(rewards, args.generations, "group")
-    batch = rows_of(prompts, completions, seq_len, pad_id=0)
-    rollout = Rollout(advantages, None)
-
-    def step():
-        metrics = trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=rollout)
-        trainer.finish_updates()
-        return metrics
-
-    step()  # (placed for this size)
-    _, step_s = timed(step)
-    train_row = base_row("megatrain", args.model, model, seq_len, n_rows, args.micro_batch, step_s)
-    train_row |= {
-        "scope": "GRPO step (training)",
-        "host_bytes_per_param": round(trainer.store.memory_report().bytes_per_param, 2),
-    }
-    rows.append(train_row)
+        completions = [torch.randint(3, model.vocab_size, (args.completion_len,)).tolist() for _ in prompts]
+    rows.append(training_row(args, model, trainer, prompts, completions))
     trainer.close()
-    resident = next((r for r in rows if r["scope"] == "generation, weights resident"), None)
-    if resident is not None:  # one GRPO step's phases: generation (resident), training
-        total = resident["step_time_s"] + step_s
-        for row in (resident, train_row):
-            row["share_of_grpo_step"] = round(row["step_time_s"] / total, 3)
+    phases = [r for r in rows if r["scope"] in ("generation, weights resident", "GRPO step (training)")]
+    if len(phases) == 2:  # one GRPO step's phases: generation (resident), training
+        for row in phases:
+            row["share_of_grpo_step"] = round(row["step_time_s"] / sum(r["step_time_s"] for r in phases), 3)
     payload = {
         "benchmark": (
             f"GRPO on one GPU: {args.model}{f' (first {args.layers} layers)' if args.layers else ''}, "

@@ -69,7 +69,6 @@ class Generator:
         hf = json.loads(model.hf_config) if model.implementation == "transformers" else config_to_hf(model)
         self.skeleton = HFSkeleton(hf)
         self.layout = CheckpointLayout(self.skeleton)
-        self._bound_weights: dict[str, Tensor] | None = None
         self._streamed: _StreamedLayers | None = None
         self.last_plan: GenerationPlan | None = None
 
@@ -84,20 +83,18 @@ class Generator:
     def _bound(self, resident: bool) -> dict[str, Tensor]:
         """The parameters the forward binds, in the compute dtype on the device: all of them where resident, else
         the embedding's and the head's, the layers' as views of the streaming buffers (filled as each layer runs)."""
-        if self._bound_weights is None or (self._streamed is None) != resident:
-            trainer, parts = self.trainer, self.skeleton.parts
-            on_device = [parts.embedding, *parts.layers, parts.head] if resident else [parts.embedding, parts.head]
-            self._bound_weights = {}
-            for part in self._converted(on_device):
-                self._bound_weights |= {n: w.to(trainer.device, trainer.compute_dtype) for n, w in part.items()}
-            if resident:
-                self._streamed = None
-            else:
-                if self._streamed is None:
-                    self._streamed = _StreamedLayers(self.skeleton, trainer.device, trainer.compute_dtype)
-                self._streamed.fill(self._converted(parts.layers))
-                self._bound_weights |= self._streamed.views
-        return self._bound_weights
+        trainer, parts = self.trainer, self.skeleton.parts
+        on_device = [parts.embedding, *parts.layers, parts.head] if resident else [parts.embedding, parts.head]
+        bound = {}
+        for part in self._converted(on_device):
+            bound |= {n: w.to(trainer.device, trainer.compute_dtype) for n, w in part.items()}
+        if resident:
+            self._streamed = None
+            return bound
+        if self._streamed is None:
+            self._streamed = _StreamedLayers(self.skeleton, trainer.device, trainer.compute_dtype)
+        self._streamed.fill(self._converted(parts.layers))
+        return bound | self._streamed.views
 
     def plan(self, n_sequences: int, length: int) -> GenerationPlan:
         """Resident or streamed layers, and the decoding batch, for `n_sequences` of up to `length` tokens."""
@@ -108,7 +105,8 @@ class Generator:
         itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
         per_sequence = kv_bytes_per_token(self.skeleton.config, itemsize) * length
         weights = sum(math.prod(p.shape) for p in self.skeleton.model.parameters()) * itemsize
-        free = _free_device_bytes(trainer.device) + self._held_bytes()  # (what this generator holds is room too)
+        streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
+        free = _free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
         fits = weights + RESIDENT_NEEDS_SEQUENCES * per_sequence <= free * KV_ROOM_SHARE
         resident = self.weights == "resident" or (self.weights == "auto" and fits)
         held = weights if resident else _StreamedLayers.held_bytes(self.skeleton, itemsize)
@@ -119,14 +117,6 @@ class Generator:
             f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free)"
         )
         return GenerationPlan(resident, batch, reason)
-
-    def _held_bytes(self) -> int:
-        """Device bytes this generator's weights take now (the streamed layers' views are their buffers')."""
-        if self._bound_weights is None:
-            return 0
-        streamed = {} if self._streamed is None else self._streamed.views
-        held = sum(w.nbytes for name, w in self._bound_weights.items() if name not in streamed)
-        return held + (0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling, pad_id: int, seed: int = 0) -> list[list[int]]:
@@ -141,7 +131,7 @@ class Generator:
             batch = prompts[start : start + plan.batch]
             streamed = None if plan.resident else self._streamed
             completions += self._generate_batch(batch, sampling, pad_id, seed + start, weights, streamed)
-        self._bound_weights = None  # (the device copies go: training's placement counts on that memory)
+        del weights  # (the device copies go: training's placement counts on that memory)
         if self.trainer.device.type == "cuda":
             torch.cuda.empty_cache()
         return completions

@@ -547,12 +547,8 @@ class Trainer:
         """Every sequence's summed log-probability of its trained tokens and their count ([sequences] each, float64
         on the host; a sequence a row, or as `sequences` numbers packed pairs), as `token_logps`."""
         logps = self.token_logps(input_ids, labels, position_ids, valid, sequences)
-        if sequences is None:
-            return Sequences(logps.sum(-1), sequence_lengths(labels))
-        lengths = sequence_lengths(labels, sequences)
-        sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(
-            0, sequences[sequences >= 0], logps[sequences >= 0]
-        )
+        owner, lengths = sequence_of_tokens(labels, sequences), sequence_lengths(labels, sequences)
+        sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, owner[owner >= 0], logps[owner >= 0])
         return Sequences(sums, lengths)
 
     # ------------------------------------------------------------------ state
