@@ -2,7 +2,8 @@
 log-probability from the model's logits and TRL's GRPOTrainer loss written out here (apart from
 megatrain_templates.objectives) for every loss type, with and without the KL term to a frozen reference, token- and
 sequence-level importance sampling (GRPO, GSPO), one update per rollout and several (the old policy's
-log-probabilities given). float64 with the tests' own model (1e-10), float32 with transformers'. Fresh weights,
+log-probabilities given); the reference's log-probabilities streamed from the store's reference copy of the initial
+weights equal the frozen model's. float64 with the tests' own model (1e-10), float32 with transformers'. Fresh weights,
 completions and rewards every run."""
 
 import copy
@@ -140,6 +141,8 @@ def check_grpo_steps(
         output_dir=str(tmp_path),
     )
     trainer = Trainer(config)
+    if grpo.beta:  # (generated rollouts' reference: the initial weights, kept in the store and streamed per step)
+        trainer.keep_reference()
     model = plain_model("tiny-llama", dtype, trainer.named_weights()).to(device)
     frozen = copy.deepcopy(model).eval()
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
@@ -165,7 +168,10 @@ def check_grpo_steps(
             # the sampling policy's: the current weights a little off (as after an earlier update of the rollout)
             old = token_logps(model, ids, labels) + 0.05 * torch.randn(ids.shape, generator=generator).to(device) * mask
         entropy = mean_entropy(model, ids, labels)  # (of the weights the step starts from)
-        rollout = Rollout(advantages, old.cpu() if with_old else None, ref.cpu() if grpo.beta else None)
+        ours_ref = trainer.token_logps(ids.cpu(), labels.cpu(), reference=True) if grpo.beta else None
+        if grpo.beta:  # (after a step, the current weights' would differ)
+            assert rel_err(ours_ref, ref.cpu()) < tolerance
+        rollout = Rollout(advantages, old.cpu() if with_old else None, ours_ref)
         metrics = trainer.train_step(ids.cpu(), labels.cpu(), rollout=rollout)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)

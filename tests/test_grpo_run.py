@@ -84,10 +84,12 @@ def test_the_mean_reward_rises_on_a_toy_task(toy, tmp_path):
     assert {"prompt", "completion", "reward", "advantage"} <= set(samples[0]) and samples[0]["step"] == 1
 
 
-def test_a_run_resumed_inside_a_rollouts_updates_continues_exactly(toy, tmp_path):
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_a_run_resumed_inside_a_rollouts_updates_continues_exactly(toy, tmp_path, beta):
     """Two updates per rollout, a checkpoint after step 3 (the second rollout's first update): the resumed run
-    takes the rollout from the checkpoint and samples the next ones with the same seeds."""
-    settings = {"steps": 6, "save_every": 3, "grpo": {"num_iterations": 2, "temperature": 0.9}}
+    takes the rollout from the checkpoint and samples the next ones with the same seeds; with the KL term, its
+    reference is still the initial weights (not the checkpoint's)."""
+    settings = {"steps": 6, "save_every": 3, "grpo": {"num_iterations": 2, "temperature": 0.9, "beta": beta}}
     assert main(["train", "--config", toy("full", **settings)]) == 0
     step3 = tmp_path / "full" / "checkpoints" / "step-00000003"
     assert (step3 / "rollout.safetensors").exists()
@@ -95,7 +97,10 @@ def test_a_run_resumed_inside_a_rollouts_updates_continues_exactly(toy, tmp_path
     full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(full[3:], resumed):
-        assert (a["loss"], a["grad_norm"], a.get("reward")) == (b["loss"], b["grad_norm"], b.get("reward"))
+        assert (a["loss"], a["grad_norm"], a.get("reward"), a.get("kl")) == (
+            b["loss"], b["grad_norm"], b.get("reward"), b.get("kl")
+        )  # fmt: skip
+    assert (full[0].get("kl"), full[-1].get("kl", 0) > 0) == ((0.0, True) if beta else (None, False))
     a, b = (load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("full", "resumed"))
     assert all((a[k] == b[k]).all() for k in a)
 
@@ -134,7 +139,7 @@ def test_generate_answers_prompts_from_a_run(toy, tmp_path, capsys):
         ({"reward_funcs": ["toy_rewards:infinite"]}, {}, "rewards must be finite"),
         ({"max_prompt_length": 2, "max_completion_length": 4}, {}, "prompts are longer than"),
         ({"num_generations": 5}, {}, "must be a multiple of train.grpo.num_generations 5"),
-        ({"beta": 0.1}, {}, "train.grpo.beta > 0 needs"),
+        ({"beta": 0.1, "ref_model": "no_such_dir"}, {}, "train.grpo.ref_model no_such_dir"),
         ({"max_completion_length": 20}, {}, "data.seq_len 16 cannot hold"),
         ({"rollouts": "missing.jsonl"}, {}, "does not exist"),
     ],

@@ -65,36 +65,50 @@ class Generator:
 
     def __init__(self, trainer, weights: str = "auto"):
         self.trainer, self.weights = trainer, weights
-        model = trainer.model_config
-        hf = json.loads(model.hf_config) if model.implementation == "transformers" else config_to_hf(model)
-        self.skeleton = HFSkeleton(hf)
+        self.skeleton = HFSkeleton(_hf_config(trainer.model_config))
         self.layout = CheckpointLayout(self.skeleton)
         self._streamed: _StreamedLayers | None = None
+        self._renamed: dict[str, str] | None = None  # parameter -> the stored tensor that is it (see `_bound`)
+        self._sources: dict[str, list[str]] = {}
         self.last_plan: GenerationPlan | None = None
-
-    def _converted(self, names_per_part):
-        """Each part's parameters (transformers' names), converted from the store's masters (host, float32)."""
-        masters = self.trainer.named_weights()
-        sources = self.layout.sources(list(masters), "the store")
-        for names in names_per_part:
-            loaded = self.layout.load({key: masters[key] for name in names for key in sources[name]})
-            yield {name: loaded[name] for name in names}
 
     def _bound(self, resident: bool) -> dict[str, Tensor]:
         """The parameters the forward binds, in the compute dtype on the device: all of them where resident, else
         the embedding's and the head's, the layers' as views of the streaming buffers (filled as each layer runs)."""
-        trainer, parts = self.trainer, self.skeleton.parts
+        parts = self.skeleton.parts
+        wire = self.trainer.streamed_weights()
+        if self._renamed is None:
+            self._renamed = self.layout.renamed(wire, "the store")
+            self._sources = self.layout.sources(list(wire), "the store", buffers=True)
         on_device = [parts.embedding, *parts.layers, parts.head] if resident else [parts.embedding, parts.head]
-        bound = {}
-        for part in self._converted(on_device):
-            bound |= {n: w.to(trainer.device, trainer.compute_dtype) for n, w in part.items()}
+        buffers = dict(self.skeleton.model.named_buffers())  # (those the store holds: in their own dtype)
+        bound = {
+            n: wire[self._renamed[n]].to(self.trainer.device, buffers[n].dtype, non_blocking=True)
+            for n in self.layout.buffers
+            if n in self._sources
+        }
+        for names, converted in zip(on_device, self._converted(on_device, wire)):
+            bound |= {n: self._on_device(wire[self._renamed[n]]) for n in names if n in self._renamed}
+            bound |= {n: self._on_device(w) for n, w in converted.items()}
         if resident:
             self._streamed = None
             return bound
         if self._streamed is None:
-            self._streamed = _StreamedLayers(self.skeleton, trainer.device, trainer.compute_dtype)
-        self._streamed.fill(self._converted(parts.layers))
+            self._streamed = _StreamedLayers(self.skeleton, self.trainer.device, self.trainer.compute_dtype, self._renamed)
+        self._streamed.bind(wire, self._renamed, self._converted(parts.layers, wire))
         return bound | self._streamed.views
+
+    def _converted(self, names_per_part, wire):
+        """Each part's parameters that renaming alone does not give (transformers' loader converts them on the
+        host, fp32), by name; the rest come straight from the store's views."""
+        for names in names_per_part:
+            rest = [n for n in names if n not in self._renamed]
+            loaded = self.layout.load({key: wire[key] for n in rest for key in self._sources[n]}) if rest else {}
+            yield {n: loaded[n] for n in rest}
+
+    def _on_device(self, weight: Tensor) -> Tensor:
+        """A weight in the compute dtype on the device (from pinned memory: cast on the device, asynchronously)."""
+        return weight.to(self.trainer.device, self.trainer.compute_dtype, non_blocking=True)
 
     def plan(self, n_sequences: int, length: int) -> GenerationPlan:
         """Resident or streamed layers, and the decoding batch, for `n_sequences` of up to `length` tokens."""
@@ -107,8 +121,7 @@ class Generator:
         weights = sum(math.prod(p.shape) for p in self.skeleton.model.parameters()) * itemsize
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
         free = _free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
-        fits = weights + RESIDENT_NEEDS_SEQUENCES * per_sequence <= free * KV_ROOM_SHARE
-        resident = self.weights == "resident" or (self.weights == "auto" and fits)
+        resident = self.weights == "resident" or (self.weights == "auto" and _resident_fits(weights, per_sequence, free))
         held = weights if resident else _StreamedLayers.held_bytes(self.skeleton, itemsize)
         batch = max(1, min(n_sequences, int((free * KV_ROOM_SHARE - held) // per_sequence)))
         how = "resident" if resident else "streamed layer by layer"
@@ -166,17 +179,24 @@ class Generator:
 
 
 class _StreamedLayers:
-    """The decoder layers' weights for streaming: per layer one pinned host tensor of all its parameters (compute
-    dtype), two device buffers that take turns holding a layer, and `views` binding each layer's parameters to its
-    buffer. While layer i runs, layer i + 1 copies into the other buffer on a stream of its own, once the layer
-    that last used that buffer is done."""
+    """The decoder layers' weights for streaming: two device buffers that take turns holding a layer, and `views`
+    binding each layer's parameters to its buffer. While layer i runs, layer i + 1 copies into the other buffer on a
+    stream of its own, once the layer that last used that buffer is done. A parameter that is a stored tensor
+    renamed copies straight from the store's pinned view (fp32 masters cast on the device); one transformers'
+    loader converts (stacked experts) from a pinned host copy in the compute dtype, refilled for each generation
+    (`host_copy_numel`: what the planner counts)."""
 
-    def __init__(self, skeleton: HFSkeleton, device: torch.device, dtype: torch.dtype):
+    def __init__(self, skeleton: HFSkeleton, device: torch.device, dtype: torch.dtype, renamed: dict[str, str]):
         shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
         self.names = skeleton.parts.layers
         sizes = [sum(math.prod(shapes[n].shape) for n in names) for names in self.names]
         self.on_cuda = device.type == "cuda"
-        self.host = [torch.empty(size, dtype=dtype, pin_memory=self.on_cuda) for size in sizes]
+        self.host = {
+            name: torch.empty(shapes[name].shape, dtype=dtype, pin_memory=self.on_cuda)
+            for names in self.names
+            for name in names
+            if name not in renamed
+        }
         self.buffers = [torch.empty(max(sizes), dtype=dtype, device=device) for _ in range(2)]
         self.views: dict[str, Tensor] = {}
         for index, names in enumerate(self.names):
@@ -185,6 +205,7 @@ class _StreamedLayers:
                 shape = shapes[name].shape
                 self.views[name] = buffer[offset : offset + math.prod(shape)].view(shape)
                 offset += math.prod(shape)
+        self.copies: list[list[tuple[Tensor, Tensor]]] = []  # per layer: (device view, host source) pairs
         self.copy_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.copied: list[torch.cuda.Event | None] = [None] * len(sizes)
         self.released = [torch.cuda.Event(), torch.cuda.Event()] if self.on_cuda else []  # (as a buffer's layer ends)
@@ -199,23 +220,24 @@ class _StreamedLayers:
         largest = max(sum(math.prod(shapes[n].shape) for n in names) for names in parts.layers)
         return (ends + 2 * largest) * itemsize
 
-    def fill(self, layers) -> None:
-        """The layers' current weights (an iterable of name -> tensor per layer) into the host copies."""
-        for host, names, weights in zip(self.host, self.names, layers):
-            offset = 0
-            for name in names:
-                flat = weights[name].reshape(-1)
-                host[offset : offset + flat.numel()].copy_(flat)
-                offset += flat.numel()
+    def bind(self, wire: dict[str, Tensor], renamed: dict[str, str], converted) -> None:
+        """This generation's sources: the store's views (`wire`) of renamed parameters, the host copies refilled
+        from `converted` (per layer, name -> the loader's fp32 tensor) for the rest."""
+        self.copies = []
+        for names, weights in zip(self.names, converted):
+            for name, weight in weights.items():
+                self.host[name].copy_(weight)
+            self.copies.append([(self.views[n], wire[renamed[n]] if n in renamed else self.host[n]) for n in names])
 
     def _copy(self, index: int) -> None:
-        target = self.buffers[index % 2][: self.host[index].numel()]
         if not self.on_cuda:
-            target.copy_(self.host[index])
+            for view, source in self.copies[index]:
+                view.copy_(source)
             return
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.released[index % 2])
-            target.copy_(self.host[index], non_blocking=True)
+            for view, source in self.copies[index]:  # (an fp32 source is cast on the device, on this stream)
+                view.copy_(source, non_blocking=True)
             self.copied[index] = torch.cuda.Event()
             self.copied[index].record(self.copy_stream)
 
@@ -228,7 +250,7 @@ class _StreamedLayers:
             self._copy(index)
         torch.cuda.current_stream().wait_event(self.copied[index])
         self.copied[index] = None
-        following = (index + 1) % len(self.host)
+        following = (index + 1) % len(self.names)
         if following % 2 != index % 2:
             self._copy(following)
         else:
@@ -260,6 +282,34 @@ class _streaming:
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+
+
+def _hf_config(model) -> dict:
+    """The transformers config.json of a megatrain model: its own where it is a generic one, else as exported."""
+    return json.loads(model.hf_config) if model.implementation == "transformers" else config_to_hf(model)
+
+
+def _resident_fits(weights: int, per_sequence: int, free: int) -> bool:
+    return weights + RESIDENT_NEEDS_SEQUENCES * per_sequence <= free * KV_ROOM_SHARE
+
+
+def generation_host_bytes(model, stored: dict[str, tuple], dtype: torch.dtype, weights: str, gpu_bytes, length) -> int:
+    """Host bytes a generation of up to `length` tokens per sequence takes beside the store: the host copies of the
+    layer parameters streaming converts (`_StreamedLayers`; none for most dense families, whose stored tensors are
+    the parameters), where the layers may stream (weights `streamed`, or `auto` and the weights with a KV cache of
+    RESIDENT_NEEDS_SEQUENCES not fitting `gpu_bytes`). `stored`: the store's tensors' shapes by file name."""
+    skeleton = HFSkeleton(_hf_config(model))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
+    n_weights = sum(math.prod(p.shape) for p in skeleton.model.parameters())
+    per_sequence = kv_bytes_per_token(skeleton.config, itemsize) * length
+    if weights == "resident" or (
+        weights == "auto" and (gpu_bytes is None or _resident_fits(n_weights * itemsize, per_sequence, gpu_bytes))
+    ):  # (on the CPU, auto is resident)
+        return 0
+    meta = {name: torch.empty(shape, device="meta") for name, shape in stored.items()}
+    renamed = CheckpointLayout(skeleton).renamed(meta, "the store")
+    return itemsize * sum(math.prod(shapes[n].shape) for names in skeleton.parts.layers for n in names if n not in renamed)
 
 
 def kv_bytes_per_token(config, itemsize: int) -> int:

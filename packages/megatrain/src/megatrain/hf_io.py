@@ -78,7 +78,18 @@ def all_finite(tensor, chunk: int = 2**24) -> bool:
 def named_masters(store: HostStore) -> dict:
     """fp32 master weights by the names files use (the store must hold every group whole): views into
     the store, or copies joined from the row slices of a tensor split over several groups."""
-    views = {name: view for group in range(store.n_groups) for name, view in store.master_views(group).items()}
+    return _named(store, {name: view for g in range(store.n_groups) for name, view in store.master_views(g).items()})
+
+
+def named_wire(store: HostStore) -> dict:
+    """What the device copies, by the names files use: views of the store's wire copy (compute dtype), or of the
+    fp32 master where it keeps none; pinned where the store pins (joined copies for a tensor split over groups)."""
+    return _named(
+        store, {name: view for g in range(store.n_groups) for name, view in store.layouts[g].views(store.wire(g)).items()}
+    )
+
+
+def _named(store: HostStore, views: dict) -> dict:
     return {
         name: join_stored(covered, [views[part] for part in covered])
         for name, (_, covered) in _store_layout(store).items()

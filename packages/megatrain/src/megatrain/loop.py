@@ -277,8 +277,10 @@ def train(config: Config, resume: Path | None = None) -> Path:
         else:
             data = load_data(config, model, out, ranks)
             check_objective_data(config, data)
-        if config.train.dpo.ref_model is not None and config.train.objective == "dpo":
-            check_reference_model(Path(config.train.dpo.ref_model), model)
+        objective = config.train.objective
+        ref_model = {"dpo": config.train.dpo.ref_model, "grpo": config.train.grpo.ref_model}.get(objective)
+        if ref_model is not None:
+            check_reference_model(Path(ref_model), model, f"train.{objective}.ref_model")
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
         if lock is not None:

@@ -35,6 +35,7 @@ import torch
 from megatrain_optim import STATE_NAMES
 from megatrain_sched import STAGING_NUMEL, Placement
 from megatrain_store import bytes_per_param
+from megatrain_templates import file_tensors
 from megatrain_zoo import ModelConfig, build_model, flops_per_token
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -166,6 +167,8 @@ class Plan:
     host_kept_bytes: int = 0  # host memory the host-kept products take (in host_bytes)
     stage_names: list[str] = field(default_factory=list)
     reference_tokens_per_s: float = 0.0  # DPO's reference pass, forward only (0: none)
+    reference_copy: bool = False  # the store keeps the reference weights GRPO's KL streams (in host_bytes)
+    generation_host_bytes: int = 0  # host copies GRPO's streamed generation keeps (in host_bytes)
 
     @property
     def experts_per_stage(self) -> int:
@@ -355,7 +358,12 @@ class Planner:
         self.full_grads = config.train.grad_clip > 0
         self.split = engine.shard_across_hosts and machine.hosts > 1
         self.wire_copy = (engine.wire_copy or self.split) and self.dtype != torch.float32
-        self.per_param = bytes_per_param(self.dtype, len(STATE_NAMES), self.full_grads, self.wire_copy)
+        grpo = config.train.grpo
+        self.generating = config.train.objective == "grpo" and grpo.rollouts is None  # (GRPO's rollouts made here)
+        self.reference_copy = self.generating and grpo.beta > 0  # (the KL's reference weights, streamed per step)
+        self.per_param = bytes_per_param(
+            self.dtype, len(STATE_NAMES), self.full_grads, self.wire_copy, self.reference_copy
+        )
         self.world = machine.gpus * machine.hosts
         self.micro_tokens = config.train.rows_per_micro_batch * config.data.seq_len
         width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
@@ -376,7 +384,22 @@ class Planner:
         weightless = {i for i, t in enumerate(templates) if not getattr(t, "backward_reads_weights", True)}
         self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
         self.table_group = self.spec.stages[0].groups[0]
+        self.generation_host_bytes = self._generation_host_bytes()
         self.names = [stage.name for stage in self.spec.stages]
+
+    def _generation_host_bytes(self) -> int:
+        """Host bytes GRPO's generation takes beside the store (`megatrain.generate.generation_host_bytes`)."""
+        if not self.generating:
+            return 0
+        from .generate import generation_host_bytes
+
+        grpo = self.config.train.grpo
+        stored = file_tensors({p.name: p.shape for group in self.spec.groups for p in group.params})
+        length = grpo.max_prompt_length + grpo.max_completion_length
+        shapes = {name: shape for name, (shape, _) in stored.items()}
+        return generation_host_bytes(
+            self.model, shapes, self.dtype, grpo.generation_weights, self.machine.gpu_memory, length
+        )
 
     def _experts_per_stage(self) -> int:
         """engine.experts_per_stage resolved, 0 for whole layers (and dense models). auto: whole layers unless a
@@ -446,13 +469,15 @@ class Planner:
         return self.machine.gpu_memory - self.device_bytes(placement)
 
     def host_state_bytes(self, gradient_pool: float | None) -> float:
-        """Host bytes of masters, moments, gradients (or their pool) and any wire copy, per host."""
+        """Host bytes of masters, moments, gradients (or their pool), any wire and reference copy, and what
+        generation keeps beside them, per host."""
         per_param = self.per_param
         pool = (gradient_pool or 0) * max(self.group_sizes) * 4
-        if self.split:  # a host holds its 1/H of masters, moments and gradients, and a whole copy to stream
-            per_param = self.element + (per_param - (self.element if self.wire_copy else 0)) / self.machine.hosts
+        if self.split:  # a host holds its 1/H of masters, moments and gradients, and whole copies to stream
+            whole = self.element * (int(self.wire_copy) + int(self.reference_copy))
+            per_param = whole + (per_param - whole) / self.machine.hosts
             pool /= self.machine.hosts
-        return self.model.n_params * per_param + pool
+        return self.model.n_params * per_param + pool + self.generation_host_bytes
 
     def host_activation_bytes(self, placement: Placement) -> int:
         """Pinned host bytes of offloaded checkpoints and host-kept products, for every GPU of the host."""
@@ -911,6 +936,8 @@ class Planner:
             host_kept_bytes=self.machine.gpus * len(placement.host_kept) * stage_products,
             stage_names=self.names,
             reference_tokens_per_s=self.reference_tokens_per_s(placement),
+            reference_copy=self.reference_copy,
+            generation_host_bytes=self.generation_host_bytes,
         )
 
 
@@ -978,6 +1005,13 @@ def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
         f"memory ({plan.host_bytes_per_param:.1f} B/param) but {plan.host_available / 2**30:.1f} GiB is available; "
         f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
         + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
+        + ("; train.grpo.beta: 0 saves the KL reference's copy of the weights" if plan.reference_copy else "")
+        + (
+            f"; train.grpo.generation_weights: resident saves {plan.generation_host_bytes / 2**30:.1f} GiB of "
+            "streamed layers' copies"
+            if plan.generation_host_bytes
+            else ""
+        )
         + (
             f"; engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
             if plan.hosts > 1 and not plan.split_state
@@ -1058,7 +1092,13 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
         + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else "")
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else "")
-        + (f"; gradient pool of {plan.gradient_pool:g} largest groups" if plan.gradient_pool else ""),
+        + (f"; gradient pool of {plan.gradient_pool:g} largest groups" if plan.gradient_pool else "")
+        + ("; with GRPO's KL reference weights" if plan.reference_copy else "")
+        + (
+            f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation"
+            if plan.generation_host_bytes
+            else ""
+        ),
         (
             f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB free"
             if plan.gpu_available

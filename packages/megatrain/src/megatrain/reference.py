@@ -26,16 +26,16 @@ from .data import Batch, Tokens, sequence_lengths
 PASS_STEPS = 4
 
 
-def check_reference_model(ref_dir: Path, policy) -> None:
+def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:
     """Refuse, before any weights are loaded, a reference whose architecture or vocabulary is not the policy's."""
     try:
         reference = read_hf_config(ref_dir)
     except ZooError as error:
-        raise ConfigError(f"train.dpo.ref_model {ref_dir}: {error}") from error
+        raise ConfigError(f"{setting} {ref_dir}: {error}") from error
     for field in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
         if getattr(reference, field) != getattr(policy, field):
             raise ConfigError(
-                f"train.dpo.ref_model {ref_dir} has {field} {getattr(reference, field)!r} where the policy has "
+                f"{setting} {ref_dir} has {field} {getattr(reference, field)!r} where the policy has "
                 f"{getattr(policy, field)!r}; the reference must be the policy's model with other weights "
                 "(its SFT checkpoint, say), or leave ref_model unset to use the initial weights"
             )

@@ -198,6 +198,8 @@ class GeneratedRollouts(_Rollouts):
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops)
         self.conversational = any(isinstance(p, list) for p in prompts.given)
         self.said_plan = None
+        if g.beta:  # (the store holds the initial weights still: a resumed checkpoint is loaded after this)
+            trainer.keep_reference(Path(g.ref_model) if g.ref_model else None)
 
     def _make(self, generation: int) -> StepRollout:
         g, train = self.grpo, self.config.train
@@ -225,9 +227,9 @@ class GeneratedRollouts(_Rollouts):
         rewards, reward_metrics = self.rewards(given, shown, columns)
         advantages, metrics = group_advantages(rewards, g.num_generations, g.scale_rewards)
         batch = rows_of(prompt_ids, completions, self.config.data.seq_len, self.pad_id)
-        old = (
-            self.trainer.token_logps(batch.input_ids, batch.labels, None, batch.valid) if g.num_iterations > 1 else None
-        )
+        scored = (batch.input_ids, batch.labels, None, batch.valid)
+        old = self.trainer.token_logps(*scored) if g.num_iterations > 1 else None
+        ref = self.trainer.token_logps(*scored, reference=True) if g.beta else None
         generated = sum(len(c) for c in completions)
         metrics = (
             {k: float(v) for k, v in metrics.items()}
@@ -244,7 +246,7 @@ class GeneratedRollouts(_Rollouts):
             }
             for p, t, r, a in zip(given, texts, rewards, advantages)
         ]
-        return StepRollout(batch, Rollout(advantages, old), metrics, samples)
+        return StepRollout(batch, Rollout(advantages, old, ref), metrics, samples)
 
 
 def _length_metrics(completions: list[list[int]], stops: tuple[int, ...]) -> dict:
@@ -266,12 +268,6 @@ def check_grpo_settings(config: Config, ranks=None) -> None:
         raise ConfigError(
             "GRPO generating its completions runs in one process for now: launch it without torchrun, or give "
             "train.grpo.rollouts (given completions train over several ranks)"
-        )
-    if g.rollouts is None and g.beta:
-        raise ConfigError(
-            "train.grpo.beta > 0 needs the reference's log-probabilities of every step's new completions, which "
-            "megatrain scores in one pass before training: give train.grpo.rollouts (completions known in "
-            "advance), or set beta: 0 (TRL's default)"
         )
     if g.rollouts is None and data.dataset is None:
         raise ConfigError(

@@ -46,7 +46,7 @@ from .distributed import (
     leave_ranks,
     shared_arenas,
 )
-from .hf_io import WholeGroups, all_finite, check_hf_weights, export_hf, load_hf_weights, named_masters
+from .hf_io import WholeGroups, all_finite, check_hf_weights, export_hf, load_hf_weights, named_masters, named_wire
 from .objectives import check_model_settings, make_objective
 from .plan import Machine, Planner, check_plan
 from .rates import run_rates
@@ -177,6 +177,7 @@ class Trainer:
             state_dir=self.config.engine.optimizer_state_dir if training else None,
             first_disk_group=self.plan.first_disk_group,
             wire_copy=self.config.engine.wire_copy,
+            reference_copy=self.plan.reference_copy,
             shared=None if self.ranks is None else shared_arenas(self.ranks),
             **self._shards(),
         )
@@ -207,6 +208,18 @@ class Trainer:
         if self.sync is not None:
             self.sync.barrier()
         self._device_state_loaded = False  # resident groups take the store's weights at their next use
+
+    def keep_reference(self, model_dir: Path | None = None) -> None:
+        """Keep the initial weights (or a Hugging Face directory's, which replace them meanwhile) in the store's
+        reference copy, which `token_logps(reference=True)` streams: before training, on every rank of the host."""
+        if model_dir is not None:
+            self.load_weights(model_dir)
+        if self.ranks is None or self.ranks.is_local_main:
+            self.store.keep_reference()
+        if model_dir is not None:
+            self.load_weights(None)
+        elif self.sync is not None:
+            self.sync.barrier()
 
     def _init_weights(self) -> None:
         if self.config.model.hf_dir is not None:
@@ -523,14 +536,16 @@ class Trainer:
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         sequences: torch.Tensor | None = None,
+        reference: bool = False,
     ) -> torch.Tensor:
         """Every row's log-probability of each trained token ([rows, seq] float64 on the host, 0 where the label is
         -100), forward only, the weights streamed once for all rows (a reference model's pass, the policy's that
-        sampled a rollout); every rank runs its share of the rows."""
+        sampled a rollout); every rank runs its share of the rows. `reference`: under the weights `keep_reference`
+        took instead of the current ones."""
         self.finish_updates()
         self._load_device_state()
         micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences)
-        logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro) if micro else [])]
+        logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro, reference) if micro else [])]
         if self.spec.router_load is not None:
             self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
         logps = torch.cat(logps) if logps else torch.zeros(0, labels.shape[1], dtype=torch.float64)
@@ -610,6 +625,12 @@ class Trainer:
             )
         self.sync_store()
         return named_masters(self.store)
+
+    def streamed_weights(self) -> dict[str, torch.Tensor]:
+        """What the device copies, by Hugging Face name, up to date: views of the store's pinned wire copy, or of
+        the fp32 masters where it keeps none."""
+        self.sync_store()
+        return named_wire(self.store)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -344,6 +344,7 @@ class LayerPipeline:
         # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
         self.free_device_memory: Callable[[], int] | None = self._free_cuda_bytes if self.streams.cuda else None
         self._held: dict[int, _Slot] = {}
+        self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
         self.place(placement or Placement.build(n), device_masters)
 
     def _init_staging(self, slot_numel: int) -> None:
@@ -498,7 +499,7 @@ class LayerPipeline:
         if position >= len(self.stages) and stage in self._weightless_backward:
             log.append(("no_copy", stage, slot_name))  # its backward binds no weights
             return
-        if stage in self._on_device:
+        if stage in self._on_device and not self._reference:
             self._cast_device_masters(slot, stage)
             log.append(("cast", stage, slot_name))
             return
@@ -515,8 +516,9 @@ class LayerPipeline:
             if rows is not None:
                 self._copy_weights(slot.buffer[: rows.numel()], rows.reshape(-1))
             else:
+                source = self.store.reference if self._reference else self.store.wire
                 for view, group in zip(self._slot_weights(slot, stage), groups):
-                    self._copy_weights(view, self.store.wire(group))
+                    self._copy_weights(view, source(group))
             if self._cast_stream is not None:  # the slot is complete once the last cast has run
                 streams.wait(streams.copy_in, streams.record(self._cast_stream))
             slot.ready = streams.record(streams.copy_in)
@@ -547,7 +549,7 @@ class LayerPipeline:
     def _copy_weights(self, view: Tensor, source: Tensor) -> None:
         """Queue host `source` -> device `view` on the copy-in stream, or through the staging buffers and
         the cast stream when the device casts (then `view` is complete when the cast stream's work is)."""
-        if self._staging is None:  # same dtype, or the CPU, where copy_ casts
+        if self._staging is None or source.dtype == view.dtype:  # the CPU (where copy_ casts), or nothing to cast
             view.copy_(source, non_blocking=True)
             return
         streams, chunk_numel = self.streams, self._staging[0].numel()
@@ -718,10 +720,15 @@ class LayerPipeline:
         (fp32 scalar on the device). Nothing is kept for a backward and no gradient is made."""
         return self._run(micro_batches, 0.0, train=False).loss_sum
 
-    def token_logps(self, micro_batches: list[MicroBatch]) -> list[Tensor]:
+    def token_logps(self, micro_batches: list[MicroBatch], reference: bool = False) -> list[Tensor]:
         """Forward only, as `evaluate`: each micro-batch's target log-probabilities ([rows, seq], 0 where a label
-        is -100; the head's `token_logps`): what a reference model's pass or an objective's evaluation reads."""
-        return self._run(micro_batches, 0.0, train=False, token_logps=True).token_logps
+        is -100; the head's `token_logps`): what a reference model's pass or an objective's evaluation reads.
+        `reference`: of the store's reference copy (`HostStore.reference`) instead of the current weights."""
+        self._reference = reference
+        try:
+            return self._run(micro_batches, 0.0, train=False, token_logps=True).token_logps
+        finally:
+            self._reference = False
 
     def warm_up(self, micro_batches: list[MicroBatch], step: list[MicroBatch] | None = None) -> None:
         """Forward and backward of one step on `micro_batches`, its gradients dropped (nothing reaches the

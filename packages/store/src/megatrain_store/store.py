@@ -68,7 +68,7 @@ class MemoryReport:
 
 
 class HostStore:
-    """Flat per-group host buffers: fp32 master, fp32 grads, named state, optionally a wire copy.
+    """Flat per-group host buffers: fp32 master, fp32 grads, named state, optionally a wire copy and a reference.
 
     What the GPU copies in is `wire(group)`: the fp32 master itself unless `wire_copy`
     keeps a second, compute-dtype copy (bf16: 2 B/param more host memory for half the
@@ -98,6 +98,10 @@ class HostStore:
     only, and a full compute-dtype wire copy of every group is kept for streaming (its other
     hosts' parts are received from them after each update). Whole groups are written through
     `writing(group)`.
+
+    `reference_copy` keeps one more compute-dtype copy of every group, written only by `keep_reference` (the
+    weights a policy is held near, e.g. GRPO's KL reference: the initial ones), which forward-only passes stream
+    from instead of the master (`reference(group)`); pinned and shared like the wire copy.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class HostStore:
         shared: SharedArenas | None = None,
         shard: tuple[int, int] = (0, 1),
         owned: tuple[int, int] | None = None,
+        reference_copy: bool = False,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -153,6 +158,8 @@ class HostStore:
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
         if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
+        if reference_copy:
+            self.arenas["reference"] = self._allocate(compute_dtype, name="reference")
         self.grad_pool = grad_pool
         if grad_pool is None:
             self.arenas["grad"] = self._allocate(self.master_dtype, grad_total)
@@ -191,7 +198,7 @@ class HostStore:
         self._pinned_ptrs: list[int] = []
         weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], self._pinned_ptrs)
         if should_pin:
-            for name in (wire_arena, "grad"):
+            for name in (wire_arena, "grad", *(["reference"] if reference_copy else [])):
                 self._pin(name)
         self.pin_seconds = time.perf_counter() - start
 
@@ -340,7 +347,7 @@ class HostStore:
         if arena == "grad":
             start = self.grad_starts[group]
             return self.arenas[arena][start : start + self.shard_numel(group)]
-        if arena == "wire":
+        if arena in ("wire", "reference"):  # (whole groups, whatever this host owns)
             start = self.starts[group]
             return self.arenas[arena][start : start + self.layouts[group].numel]
         start = self.owned_starts[group]
@@ -353,6 +360,17 @@ class HostStore:
     def wire(self, group: int) -> Tensor:
         """What is copied to the device for `group`, flat: the compute-dtype copy if kept, else the master."""
         return self._slice("wire" if "wire" in self.arenas else "master", group)
+
+    def reference(self, group: int) -> Tensor:
+        """The reference copy of `group`, flat, in the compute dtype (what `keep_reference` last took)."""
+        if "reference" not in self.arenas:
+            raise StoreError("this store keeps no reference copy; create it with reference_copy=True")
+        return self._slice("reference", group)
+
+    def keep_reference(self) -> None:
+        """Take the current weights of every group as the reference (one process of a host that shares it)."""
+        for group in range(self.n_groups):
+            self.reference(group).copy_(self.wire(group) if "wire" in self.arenas else self.master(group))
 
     def grad(self, group: int) -> Tensor:
         """fp32 gradient landing buffer of this shard of `group`, flat (with a pool: the one it holds)."""
@@ -459,8 +477,15 @@ class HostStore:
         return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds, on_disk)
 
 
-def bytes_per_param(compute_dtype: torch.dtype, n_state: int, full_grads: bool = True, wire_copy: bool = False) -> int:
-    """Host bytes per parameter of a HostStore: master + grad + state (fp32 each) + the wire copy
-    if kept; a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter."""
-    wire = torch.finfo(compute_dtype).bits // 8 if wire_copy and compute_dtype != torch.float32 else 0
-    return 4 + wire + (4 if full_grads else 0) + 4 * n_state
+def bytes_per_param(
+    compute_dtype: torch.dtype,
+    n_state: int,
+    full_grads: bool = True,
+    wire_copy: bool = False,
+    reference_copy: bool = False,
+) -> int:
+    """Host bytes per parameter of a HostStore: master + grad + state (fp32 each) + the wire copy and the
+    reference copy if kept; a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter."""
+    element = torch.finfo(compute_dtype).bits // 8
+    wire = element if wire_copy and compute_dtype != torch.float32 else 0
+    return 4 + wire + (element if reference_copy else 0) + (4 if full_grads else 0) + 4 * n_state

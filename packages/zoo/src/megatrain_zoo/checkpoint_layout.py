@@ -25,33 +25,54 @@ class CheckpointLayout:
         self._canonical = {
             name: skeleton.names[id(p)] for name, p in skeleton.model.named_parameters(remove_duplicate=False)
         }
+        # persistent buffers, which megatrain's native stores may hold (DeepSeek-V3's routing bias)
+        self.buffers = [name for name in skeleton.model.state_dict() if name not in self._canonical]
 
-    def sources(self, present: list[str], where: str) -> dict[str, list[str]]:
+    def sources(self, present: list[str], where: str, buffers: bool = False) -> dict[str, list[str]]:
         """The model's parameter name -> the checkpoint tensors it is made from, for a checkpoint holding
         `present`; a tensor the model has no place for, or a parameter no tensor makes, is refused (`where`
-        names the checkpoint)."""
+        names the checkpoint). `buffers`: a tensor may also be a persistent buffer's (named as itself)."""
+        return self._made(present, where, buffers)[0]
+
+    def _made(self, present: list[str], where: str, buffers: bool) -> tuple[dict[str, list[str]], set[str]]:
+        """`sources`, and the parameters a converter makes (not renaming alone)."""
+        canonical = self._canonical | ({name: name for name in self.buffers} if buffers else {})
         from transformers.core_model_loading import rename_source_key
 
         meta = self.skeleton.model.state_dict()
         prefix = self.skeleton.model.base_model_prefix
         made: dict[str, list[str]] = {}
+        converted: set[str] = set()
         for key in present:
             if key.endswith("rotary_emb.inv_freq"):
                 continue
-            target, _ = rename_source_key(key, self._renamings, self._converters, prefix, meta)
-            if target not in self._canonical:
+            target, converter = rename_source_key(key, self._renamings, self._converters, prefix, meta)
+            if target not in canonical:
                 raise GenericError(
                     f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has no "
                     "place for it); the checkpoint does not belong to this config.json"
                 )
-            made.setdefault(self._canonical[target], []).append(key)
+            made.setdefault(canonical[target], []).append(key)
+            if converter is not None:
+                converted.add(canonical[target])
         missing = [name for name in self.skeleton.names.values() if name not in made]
         if missing:
             raise GenericError(
                 f"{where}: tensor(s) for {missing[:5]}{' ...' if len(missing) > 5 else ''} missing; the checkpoint "
                 "is incomplete or for a different model"
             )
-        return made
+        return made, converted
+
+    def renamed(self, tensors: dict[str, Tensor], where: str) -> dict[str, str]:
+        """The parameters a checkpoint holding `tensors` gives by renaming alone (one tensor, no conversion, the
+        same shape: the parameter may be that tensor itself) -> the tensor's name; persistent buffers likewise."""
+        sources, converted = self._made(list(tensors), where, buffers=True)
+        shapes = {name: t.shape for name, t in self.skeleton.model.state_dict(keep_vars=True).items()}
+        return {
+            name: keys[0]
+            for name, keys in sources.items()
+            if len(keys) == 1 and name not in converted and shapes[name] == tensors[keys[0]].shape
+        }
 
     def load(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """Checkpoint tensors (all those making some parameters) -> those parameters, by the model's names, in

@@ -40,6 +40,17 @@ class _Reached(Exception):
         self.hidden = hidden
 
 
+class _EmptyOnMeta(torch.overrides.TorchFunctionMode):
+    """`torch.empty` with no device makes a meta tensor: what modules make their parameters with (a large MoE
+    layer's experts would otherwise take tens of GB for a moment); buffers (rotary tables) are computed, not empty."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Modules made inside put their parameters on the meta device as they register them (buffers stay real)."""
@@ -52,7 +63,8 @@ def _parameters_on_meta():
 
     nn.Module.register_parameter = on_meta
     try:
-        yield
+        with _EmptyOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = register
 
