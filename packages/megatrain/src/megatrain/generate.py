@@ -94,7 +94,9 @@ class Generator:
             self._streamed = None
             return bound
         if self._streamed is None:
-            self._streamed = _StreamedLayers(self.skeleton, self.trainer.device, self.trainer.compute_dtype, self._renamed)
+            self._streamed = _StreamedLayers(
+                self.skeleton, self.trainer.device, self.trainer.compute_dtype, self._renamed
+            )
         self._streamed.bind(wire, self._renamed, self._converted(parts.layers, wire))
         return bound | self._streamed.views
 
@@ -121,7 +123,9 @@ class Generator:
         weights = sum(math.prod(p.shape) for p in self.skeleton.model.parameters()) * itemsize
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
         free = _free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
-        resident = self.weights == "resident" or (self.weights == "auto" and _resident_fits(weights, per_sequence, free))
+        resident = self.weights == "resident" or (
+            self.weights == "auto" and _resident_fits(weights, per_sequence, free)
+        )
         held = weights if resident else _StreamedLayers.held_bytes(self.skeleton, itemsize)
         batch = max(1, min(n_sequences, int((free * KV_ROOM_SHARE - held) // per_sequence)))
         how = "resident" if resident else "streamed layer by layer"
@@ -309,7 +313,9 @@ def generation_host_bytes(model, stored: dict[str, tuple], dtype: torch.dtype, w
         return 0
     meta = {name: torch.empty(shape, device="meta") for name, shape in stored.items()}
     renamed = CheckpointLayout(skeleton).renamed(meta, "the store")
-    return itemsize * sum(math.prod(shapes[n].shape) for names in skeleton.parts.layers for n in names if n not in renamed)
+    return itemsize * sum(
+        math.prod(shapes[n].shape) for names in skeleton.parts.layers for n in names if n not in renamed
+    )
 
 
 def kv_bytes_per_token(config, itemsize: int) -> int:

@@ -85,7 +85,8 @@ def named_wire(store: HostStore) -> dict:
     """What the device copies, by the names files use: views of the store's wire copy (compute dtype), or of the
     fp32 master where it keeps none; pinned where the store pins (joined copies for a tensor split over groups)."""
     return _named(
-        store, {name: view for g in range(store.n_groups) for name, view in store.layouts[g].views(store.wire(g)).items()}
+        store,
+        {name: view for g in range(store.n_groups) for name, view in store.layouts[g].views(store.wire(g)).items()},
     )
 
 
