@@ -153,6 +153,48 @@ def test_dpo_over_two_ranks_equals_one_process(tmp_path, pack):
         )
 
 
+REWARD = """
+def starts_with_answer(prompts, completions, answer, **_):
+    return [float(c.strip().startswith(a)) + 0.1 * len(c) for c, a in zip(completions, answer)]
+"""
+
+
+def test_grpo_generating_over_two_ranks_equals_one_process(tmp_path, monkeypatch):
+    """Each rank generates and scores its share of a step's groups, which every rank then gathers: the rewards,
+    advantages, the reference's (KL) and old policy's log-probabilities and the updates equal one process's (a
+    row's sample is its own, whichever rank draws it)."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "corpus.txt").write_text(" ".join(f"{a}+{b}={a + b}" for a in range(10) for b in range(10)) * 5)
+    train_tokenizer(tmp_path / "corpus.txt", 64, tmp_path / "tokenizer.json")
+    (tmp_path / "grpo_rewards.py").write_text(REWARD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    data = {
+        "dataset": str(tmp_path / "prompts.jsonl"),
+        "format": "prompt",
+        "tokenizer": str(tmp_path / "tokenizer.json"),
+    }
+    grpo = {
+        "num_generations": 4,
+        "max_prompt_length": 8,
+        "max_completion_length": 6,
+        "reward_funcs": ["grpo_rewards:starts_with_answer"],
+        "beta": 0.05,
+        "num_iterations": 2,
+    }
+    train = {"objective": "grpo", "batch_size": 8, "micro_batch_size": 2, "grpo": grpo}
+    one = run(tmp_path, "one", [sys.executable], data=data, train=train)
+    two = run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train)
+    assert_same_training(one, two)
+    for a, b in zip(one[0], two[0]):  # (a rollout's second update logs no reward)
+        assert (a.get("reward"), a.get("completions/mean_length")) == (
+            b.get("reward"),
+            b.get("completions/mean_length"),
+        )
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-5, abs=1e-9)
+    assert one[0][-1]["kl"] > 0 and "reward" in one[0][0]
+
+
 def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):
     """Each host keeps its own replica of the state; gradients are reduced within and then across hosts."""
     assert_same_training(run(tmp_path, "one", [sys.executable]), run(tmp_path, "hosts", two_hosts(2)))

@@ -105,3 +105,40 @@ def test_the_same_seed_samples_the_same_completions(tmp_path):
     assert generator.generate(prompts, sampling, pad_id=0, seed=8) != first
     assert len({tuple(c) for c in first}) > 3  # (sampled: the copies of a prompt differ)
     trainer.close()
+
+
+def test_a_rows_sample_does_not_depend_on_the_rows_beside_it(tmp_path):
+    """Generated in one batch or in two (as by two ranks, or KV batches of another size), each row samples the
+    same completion: its noise is its own."""
+    trainer = trainer_of(ModelSection(preset="tiny-llama"), tmp_path)
+    generator = Generator(trainer)
+    prompts = prompts_of(torch.Generator().manual_seed(2), 256) * 3
+    sampling = Sampling(max_new_tokens=8, temperature=0.8, top_k=40)
+    whole = generator.generate(prompts, sampling, pad_id=0, seed=11)
+    split = generator.generate(prompts[:4], sampling, pad_id=0, seed=11)
+    split += generator.generate(prompts[4:], sampling, pad_id=0, seed=11, first_row=4)
+    assert whole == split and len({tuple(c) for c in whole}) > 3
+    trainer.close()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.7)])
+def test_row_sampler_draws_from_the_warped_distribution(top_k, top_p):
+    """Over many rows (keys), the Gumbel-max draws' frequencies match the softmax of transformers' warped logits."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from megatrain.generate import RowSampler, row_keys
+
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))))
+    rows, temperature = 200_000, 0.7
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampler = RowSampler(row_keys(3, torch.arange(rows)), prompt_length=4, sampling=sampling)
+    draws = sampler(torch.zeros(rows, 6, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+    frequencies = torch.bincount(draws, minlength=12).double() / rows
+    warped = logits / temperature
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = warped.softmax(-1)[0].double()
+    assert (frequencies - expected).abs().max() < 5 * (expected * (1 - expected) / rows).sqrt().max() + 1e-9
+    assert (frequencies[expected == 0] == 0).all()

@@ -179,9 +179,13 @@ class RankSync:
 
     def gather_rows(self, rows: Tensor) -> Tensor:
         """Every rank's `rows` (a host tensor of its share of a batch's rows, any length), in rank order."""
+        return torch.cat(self.gather_objects(rows))
+
+    def gather_objects(self, value) -> list:
+        """Every rank's `value` (any picklable object), in rank order."""
         parts = [None] * self.ranks.world_size
-        dist.all_gather_object(parts, rows)
-        return torch.cat(parts)
+        dist.all_gather_object(parts, value)
+        return parts
 
     def sum_over_shards(self, tensor: Tensor) -> Tensor:
         """Sum per-shard quantities (squared gradient norms) over the ranks whose shards tile the

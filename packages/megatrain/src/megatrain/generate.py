@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from transformers.generation.logits_process import LogitsProcessorList
 
 from megatrain_zoo import config_to_hf
 from megatrain_zoo.checkpoint_layout import CheckpointLayout
@@ -136,9 +137,12 @@ class Generator:
         return GenerationPlan(resident, batch, reason)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: Sampling, pad_id: int, seed: int = 0) -> list[list[int]]:
-        """Each prompt's completion (token ids, ending at its stop token where one came), drawn with `seed`
-        (the same seed and plan draw the same completions; the global RNG is left as it was)."""
+    def generate(
+        self, prompts: list[list[int]], sampling: Sampling, pad_id: int, seed: int = 0, first_row: int = 0
+    ) -> list[list[int]]:
+        """Each prompt's completion (token ids, ending at its stop token where one came), drawn with `seed` from
+        noise of the prompt's own row (`first_row` + its index): the same seed samples the same completion of a
+        row whichever rows share its batch (`RowSampler`); the global RNG is not used."""
         longest = max(len(p) for p in prompts)
         plan = self.last_plan = self.plan(len(prompts), longest + sampling.max_new_tokens)
         weights = {f"model.{name}": w for name, w in self._bound(plan.resident).items()}
@@ -147,13 +151,14 @@ class Generator:
         for start in range(0, len(prompts), plan.batch):
             batch = prompts[start : start + plan.batch]
             streamed = None if plan.resident else self._streamed
-            completions += self._generate_batch(batch, sampling, pad_id, seed + start, weights, streamed)
+            rows = torch.arange(first_row + start, first_row + start + len(batch))
+            completions += self._generate_batch(batch, sampling, pad_id, row_keys(seed, rows), weights, streamed)
         del weights  # (the device copies go: training's placement counts on that memory)
         if self.trainer.device.type == "cuda":
             torch.cuda.empty_cache()
         return completions
 
-    def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, seed: int, weights, streamed):
+    def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, keys: Tensor, weights, streamed):
         device = self.trainer.device
         longest = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -165,21 +170,61 @@ class Generator:
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=sampling.max_new_tokens,
-            do_sample=sampling.temperature > 0,
             pad_token_id=pad_id,
             eos_token_id=list(sampling.stop_ids) or None,
         )
         if hasattr(self.skeleton.config, "output_router_logits"):  # (a load-balancing loss is no generation's)
             options["output_router_logits"] = False
+        options |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # (sampled: by RowSampler)
         if sampling.temperature > 0:
-            options |= dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
-        else:
-            options |= dict(temperature=None, top_p=None, top_k=None)
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), _streaming(streamed, self.skeleton.layers):
-            torch.manual_seed(seed)
+            options["logits_processor"] = LogitsProcessorList([RowSampler(keys.to(device), longest, sampling)])
+        with _streaming(streamed, self.skeleton.layers):
             out = torch.func.functional_call(_Generating(self.skeleton.model), weights, (), options, strict=False)
         return [_until_stop(row[longest:].tolist(), sampling.stop_ids) for row in out.cpu()]
+
+
+_SPLITMIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # (2^64-wrapped int64 constants)
+
+
+def _mixed(x: Tensor) -> Tensor:
+    """splitmix64 on int64 tensors (wrapping products, logical shifts): well-spread bits of each element."""
+
+    def shifted(value: Tensor, bits: int) -> Tensor:
+        return (value >> bits) & ((1 << (64 - bits)) - 1)
+
+    x = x + _SPLITMIX[0]
+    x = (x ^ shifted(x, 30)) * _SPLITMIX[1]
+    x = (x ^ shifted(x, 27)) * _SPLITMIX[2]
+    return x ^ shifted(x, 31)
+
+
+def row_keys(seed: int, rows: Tensor) -> Tensor:
+    """Each row's sampling key: of the seed and the row's index alone."""
+    return _mixed(_mixed(torch.full_like(rows, seed)) + rows)
+
+
+class RowSampler:
+    """Sampling with transformers' temperature, top-k and top-p warpers as the argmax of the warped log-probabilities
+    plus Gumbel noise (the Gumbel-max trick: a draw from their softmax) whose uniform of (row, decoding step, token)
+    is a hash of the row's key, the step and the token, not a stream shared by the batch: a row's completion is the
+    same whichever rows decode beside it (a KV batch of another size, a rank's share of the step)."""
+
+    def __init__(self, keys: Tensor, prompt_length: int, sampling: Sampling):
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        self.keys, self.prompt_length = keys, prompt_length
+        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        self.warpers += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []
+        self.warpers += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        step = input_ids.shape[1] - self.prompt_length
+        tokens = torch.arange(scores.shape[-1], device=scores.device)
+        bits = _mixed(_mixed(self.keys + step)[:, None] + tokens)
+        uniform = (((bits >> 40) & (2**24 - 1)).float() + 0.5) / 2**24  # (0, 1), 24 bits
+        return scores.float() - (-uniform.log()).log()
 
 
 class _StreamedLayers:

@@ -95,9 +95,16 @@ class Rewards:
 
     def __call__(self, prompts: list, completions: list, columns: dict[str, list]) -> tuple[torch.Tensor, dict]:
         """(each completion's reward [n] float64, metrics: TRL's rewards/NAME/mean and /std)."""
-        values = torch.stack(
+        return self.combined(self.values(prompts, completions, columns))
+
+    def values(self, prompts: list, completions: list, columns: dict[str, list]) -> torch.Tensor:
+        """Each function's value of each completion, [n, functions] float64 (NaN: no opinion)."""
+        return torch.stack(
             [self._values(n, f, prompts, completions, columns) for n, f in zip(self.names, self.functions)], 1
         )
+
+    def combined(self, values: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The weighted rewards of `values` (those of a whole step, gathered from its ranks) and their metrics."""
         total = (values * self.weights).nansum(1)
         metrics = {}
         for index, name in enumerate(self.names):

@@ -212,19 +212,16 @@ class GeneratedRollouts(_Rollouts):
         )
         rows = [i for i in chosen for _ in range(g.num_generations)]
         prompt_ids = [self.prompts.ids[i] for i in rows]
+        given = [self.prompts.given[i] for i in rows]
+        columns = {name: [values[i] for i in rows] for name, values in self.prompts.columns.items()}
         start = time.perf_counter()
-        completions = self.generator.generate(
-            prompt_ids, self.sampling, self.pad_id, seed=train.seed * 1_000_003 + generation
-        )
+        completions, values = self._generated(prompt_ids, given, columns, seed=train.seed * 1_000_003 + generation)
         seconds = time.perf_counter() - start
         if self.said_plan != self.generator.last_plan and self.trainer.is_main:
             self.said_plan = self.generator.last_plan
             print(f"megatrain: generation: {self.said_plan.reason}", file=sys.stderr)
         texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
-        given = [self.prompts.given[i] for i in rows]
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-        columns = {name: [values[i] for i in rows] for name, values in self.prompts.columns.items()}
-        rewards, reward_metrics = self.rewards(given, shown, columns)
+        rewards, reward_metrics = self.rewards.combined(values)
         advantages, metrics = group_advantages(rewards, g.num_generations, g.scale_rewards)
         batch = rows_of(prompt_ids, completions, self.config.data.seq_len, self.pad_id)
         scored = (batch.input_ids, batch.labels, None, batch.valid)
@@ -248,6 +245,40 @@ class GeneratedRollouts(_Rollouts):
         ]
         return StepRollout(batch, Rollout(advantages, old, ref), metrics, samples)
 
+    def _generated(
+        self, prompt_ids: list, given: list, columns: dict, seed: int
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """The step's completions and their reward functions' values ([rows, functions]): this rank's share of the
+        groups (all of them in one process) generated and scored here, the other ranks' gathered."""
+        sync, share = self.trainer.sync, self._my_rows(len(prompt_ids))
+        completions = self.generator.generate(
+            [prompt_ids[i] for i in share], self.sampling, self.pad_id, seed, first_row=share.start
+        )
+        texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        mine = {name: values[share.start : share.stop] for name, values in columns.items()}
+        try:
+            values = self.rewards.values(given[share.start : share.stop], shown, mine)
+        except ConfigError as error:
+            if sync is None:
+                raise
+            values = error  # (said on every rank, which would otherwise wait for this one's share)
+        if sync is None:
+            return completions, values
+        parts = sync.gather_objects((completions, values))
+        for _, part in parts:
+            if isinstance(part, ConfigError):
+                raise part
+        return [c for cs, _ in parts for c in cs], torch.cat([part for _, part in parts])
+
+    def _my_rows(self, n_rows: int) -> range:
+        """This rank's rows of a step: a contiguous share of its groups, each group whole."""
+        ranks, size = self.trainer.ranks, self.grpo.num_generations
+        if ranks is None:
+            return range(n_rows)
+        groups, world, rank = n_rows // size, ranks.world_size, ranks.rank
+        return range(groups * rank // world * size, groups * (rank + 1) // world * size)
+
 
 def _length_metrics(completions: list[list[int]], stops: tuple[int, ...]) -> dict:
     """TRL's completions/* metrics: lengths, and the share cut at the length limit (no stop token)."""
@@ -264,10 +295,10 @@ def _length_metrics(completions: list[list[int]], stops: tuple[int, ...]) -> dic
 def check_grpo_settings(config: Config, ranks=None) -> None:
     """Refuse GRPO settings that cannot run, before anything is loaded."""
     g, data = config.train.grpo, config.data
-    if g.rollouts is None and ranks is not None:
+    if g.rollouts is None and ranks is not None and ranks.split_state:
         raise ConfigError(
-            "GRPO generating its completions runs in one process for now: launch it without torchrun, or give "
-            "train.grpo.rollouts (given completions train over several ranks)"
+            "GRPO generating its completions needs every host to hold the whole weights: set "
+            "engine.shard_across_hosts: false, or give train.grpo.rollouts (given completions train on split hosts)"
         )
     if g.rollouts is None and data.dataset is None:
         raise ConfigError(

@@ -442,11 +442,22 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = input_ids.numel()
         flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
-        metrics = None if self.objective is None else self.objective.metrics
+        metrics = None if self.objective is None else self._objective_metrics()
         return StepMetrics(
             self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped,
             *router, metrics,
         )  # fmt: skip
+
+    def _objective_metrics(self) -> dict[str, float]:
+        """The objective's metrics of the step: this rank's, or with several the mean of every rank's, each weighted
+        by what it is a mean over (its sequences or tokens)."""
+        metrics, weight = self.objective.metrics, self.objective.metrics_weight
+        if self.sync is None or not metrics:
+            return metrics
+        names = sorted(metrics)
+        sums = [weight] + [metrics[name] * weight if weight else 0.0 for name in names]
+        sums = self.sync.all_reduce(torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
+        return {name: value / sums[0] if sums[0] else math.nan for name, value in zip(names, sums[1:])}
 
     def _begin_objective(
         self,

@@ -34,7 +34,8 @@ class Objective:
     """What the pipeline calls at the head of a training step: `objective(token_logps) -> (loss, scales)`, every
     micro-batch's token log-probabilities in, the step's loss and each token's d loss / d its cross-entropy out.
     Before a step, `begin_step(sequence_of)` says which sequence each trained token belongs to: per micro-batch a
-    [rows, seq] int64 tensor, -1 where a token is not trained (its label is -100). `metrics` are the last step's."""
+    [rows, seq] int64 tensor, -1 where a token is not trained (its label is -100). `metrics` are the last step's,
+    means over its `metrics_weight` sequences or tokens (so that several ranks' combine)."""
 
     wants_entropy = False  # the head then gives `token_entropy` too: per micro-batch each position's entropy
 
@@ -42,6 +43,7 @@ class Objective:
         self.sequence_of: list[Tensor] = []
         self.n_sequences = 0
         self.metrics: dict[str, float] = {}
+        self.metrics_weight = 0  # what the metrics are means over: the step's sequences or trained tokens
         self.token_entropy: list[Tensor] | None = None
 
     def begin_step(self, sequence_of: list[Tensor]) -> None:
@@ -77,6 +79,7 @@ class SequenceObjective(Objective):
             loss, metrics = self.loss(policy)
             (coefficient,) = torch.autograd.grad(loss, policy.logps)
         self.metrics = {name: float(value) for name, value in metrics.items()}
+        self.metrics_weight = self.n_sequences
         # d loss / d(token cross-entropy) = -d loss / d(token log-probability), per sequence; 0 for none
         per_token = torch.cat([-coefficient, coefficient.new_zeros(1)])
         return loss.detach(), [per_token[owner] for owner in owners]
@@ -106,6 +109,7 @@ class TokenObjective(Objective):
         if self.token_entropy is not None:  # (TRL's `entropy`: the mean over the trained tokens)
             metrics["entropy"] = torch.cat([e[mask] for e, mask in zip(self.token_entropy, trained)]).mean()
         self.metrics = {name: float(value) for name, value in metrics.items()}
+        self.metrics_weight = len(flat)
         scales, start = [], 0
         for logps, mask in zip(token_logps, trained):
             scale = torch.zeros_like(logps)
