@@ -52,7 +52,7 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
     completions, seconds = timed(lambda: generator.generate(prompts, sampling, pad_id=0, seed=1))
     generated = sum(len(c) for c in completions)
     plan = generator.last_plan
-    row = base_row("megatrain", args.model, model, args.prompt_len + new_tokens, len(prompts), plan.batch, seconds)
+    row = base_row("megatrain", model_name(args), model, args.prompt_len + new_tokens, len(prompts), plan.batch, seconds)
     row |= {
         "scope": f"generation, weights {weights}",
         "tokens_per_s": round(generated / seconds),  # (generated tokens, the prompts' not counted)
@@ -62,6 +62,10 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
         "plan": plan.reason,
     }
     return row, completions
+
+
+def model_name(args) -> str:
+    return args.model + (f" (first {args.layers} layers)" if args.layers else "")
 
 
 def arguments():
@@ -115,7 +119,7 @@ def training_row(args, model, trainer, prompts, completions) -> dict:
 
     step()
     _, step_s = timed(step)
-    row = base_row("megatrain", args.model, model, seq_len, len(prompts), args.micro_batch, step_s)
+    row = base_row("megatrain", model_name(args), model, seq_len, len(prompts), args.micro_batch, step_s)
     return row | {
         "scope": "GRPO step (training)",
         "host_bytes_per_param": round(trainer.store.memory_report().bytes_per_param, 2),
@@ -150,7 +154,7 @@ def main():
             row["share_of_grpo_step"] = round(row["step_time_s"] / sum(r["step_time_s"] for r in phases), 3)
     payload = {
         "benchmark": (
-            f"GRPO on one GPU: {args.model}{f' (first {args.layers} layers)' if args.layers else ''}, "
+            f"GRPO on one GPU: {model_name(args)}, "
             f"{args.prompts} prompts x {args.generations} generations of {args.completion_len} tokens after "
             f"{args.prompt_len}-token prompts"
         ),
