@@ -52,7 +52,9 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
     completions, seconds = timed(lambda: generator.generate(prompts, sampling, pad_id=0, seed=1))
     generated = sum(len(c) for c in completions)
     plan = generator.last_plan
-    row = base_row("megatrain", model_name(args), model, args.prompt_len + new_tokens, len(prompts), plan.batch, seconds)
+    row = base_row(
+        "megatrain", model_name(args), model, args.prompt_len + new_tokens, len(prompts), plan.batch, seconds
+    )
     row |= {
         "scope": f"generation, weights {weights}",
         "tokens_per_s": round(generated / seconds),  # (generated tokens, the prompts' not counted)

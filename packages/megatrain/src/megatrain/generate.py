@@ -6,9 +6,10 @@ as transformers' loader converts a checkpoint. Exact by construction: greedy dec
 `generate` on the exported model.
 
 The weights stay on the GPU for a whole generation where they fit beside a useful KV cache (`resident`), else the
-decoder layers stream from pinned host copies, layer i + 1's copy overlapping layer i's work, once per decoding
-step of the whole batch (`streamed`), the batch as large as the KV cache's room allows so that each streamed
-layer serves many sequences (`GenerationPlan`)."""
+decoder layers stream from the store's pinned memory, layer i + 1's copy overlapping layer i's work, once per
+decoding step of the whole batch (`streamed`), the batch as large as the KV cache's room allows so that each
+streamed layer serves many sequences (`GenerationPlan`). Sampling draws each row's noise from its own key
+(`RowSampler`), so a completion does not depend on the rows decoded beside it."""
 
 import json
 import math
@@ -204,10 +205,10 @@ def row_keys(seed: int, rows: Tensor) -> Tensor:
 
 
 class RowSampler:
-    """Sampling with transformers' temperature, top-k and top-p warpers as the argmax of the warped log-probabilities
-    plus Gumbel noise (the Gumbel-max trick: a draw from their softmax) whose uniform of (row, decoding step, token)
-    is a hash of the row's key, the step and the token, not a stream shared by the batch: a row's completion is the
-    same whichever rows decode beside it (a KV batch of another size, a rank's share of the step)."""
+    """Sampling with transformers' temperature, top-k and top-p warpers by the inverse of each row's cumulative
+    distribution at a uniform hashed from the row's key and the decoding step, not drawn from a stream the batch
+    shares: a row's completion is the same whichever rows decode beside it (a KV batch of another size, a rank's
+    share of the step). As a logits processor it leaves only the drawn token finite, so decoding's argmax takes it."""
 
     def __init__(self, keys: Tensor, prompt_length: int, sampling: Sampling):
         from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -220,11 +221,12 @@ class RowSampler:
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
-        step = input_ids.shape[1] - self.prompt_length
-        tokens = torch.arange(scores.shape[-1], device=scores.device)
-        bits = _mixed(_mixed(self.keys + step)[:, None] + tokens)
-        uniform = (((bits >> 40) & (2**24 - 1)).float() + 0.5) / 2**24  # (0, 1), 24 bits
-        return scores.float() - (-uniform.log()).log()
+        bits = _mixed(self.keys + (input_ids.shape[1] - self.prompt_length))  # (one per row and step)
+        uniform = ((bits >> 11) & (2**53 - 1)).double() / 2**53  # [0, 1), 53 bits
+        cumulative = scores.float().softmax(-1).double().cumsum(-1)  # (float64: no token's share lost to rounding)
+        at = (uniform * cumulative[:, -1]).unsqueeze(-1)
+        token = torch.searchsorted(cumulative, at, right=True).clamp_max(scores.shape[-1] - 1)
+        return torch.full_like(scores, -math.inf).scatter_(1, token, 0.0)
 
 
 class _StreamedLayers:
