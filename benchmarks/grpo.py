@@ -125,6 +125,8 @@ def training_row(args, model, trainer, prompts, completions) -> dict:
     return row | {
         "scope": "GRPO step (training)",
         "host_bytes_per_param": round(trainer.store.memory_report().bytes_per_param, 2),
+        "placement": trainer.pipeline.executed.as_dict(),  # (what the timed step ran, and what it changed: why)
+        "placement_fallback": trainer.pipeline.fallback,
     }
 
 
