@@ -245,31 +245,35 @@ class GeneratedRollouts(_Rollouts):
         ]
         return StepRollout(batch, Rollout(advantages, old, ref), metrics, samples)
 
-    def _generated(
-        self, prompt_ids: list, given: list, columns: dict, seed: int
-    ) -> tuple[list[list[int]], torch.Tensor]:
+    def _generated(self, prompt_ids: list, given: list, columns: dict, seed: int) -> tuple[list, torch.Tensor]:
         """The step's completions and their reward functions' values ([rows, functions]): this rank's share of the
         groups (all of them in one process) generated and scored here, the other ranks' gathered."""
         sync, share = self.trainer.sync, self._my_rows(len(prompt_ids))
+        try:
+            mine = self._scored_share(share, prompt_ids, given, columns, seed)
+        except ConfigError as error:
+            if sync is None:
+                raise
+            mine = error  # (said on every rank, which would otherwise wait for this one's share)
+        if sync is None:
+            return mine
+        parts = sync.gather_objects(mine)
+        for part in parts:
+            if isinstance(part, ConfigError):
+                raise part
+        return [c for completions, _ in parts for c in completions], torch.cat([values for _, values in parts])
+
+    def _scored_share(self, share: range, prompt_ids: list, given: list, columns: dict, seed: int):
+        """(completions, reward values) of the step's rows `share`."""
+        if not share:  # (fewer groups than ranks: none here)
+            return [], torch.zeros(0, len(self.rewards.names), dtype=torch.float64)
         completions = self.generator.generate(
             [prompt_ids[i] for i in share], self.sampling, self.pad_id, seed, first_row=share.start
         )
         texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
         shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         mine = {name: values[share.start : share.stop] for name, values in columns.items()}
-        try:
-            values = self.rewards.values(given[share.start : share.stop], shown, mine)
-        except ConfigError as error:
-            if sync is None:
-                raise
-            values = error  # (said on every rank, which would otherwise wait for this one's share)
-        if sync is None:
-            return completions, values
-        parts = sync.gather_objects((completions, values))
-        for _, part in parts:
-            if isinstance(part, ConfigError):
-                raise part
-        return [c for cs, _ in parts for c in cs], torch.cat([part for _, part in parts])
+        return completions, self.rewards.values(given[share.start : share.stop], shown, mine)
 
     def _my_rows(self, n_rows: int) -> range:
         """This rank's rows of a step: a contiguous share of its groups, each group whole."""
