@@ -142,3 +142,24 @@ def test_row_sampler_draws_from_the_warped_distribution(top_k, top_p):
     expected = warped.softmax(-1)[0].double()
     assert (frequencies - expected).abs().max() < 5 * (expected * (1 - expected) / rows).sqrt().max() + 1e-9
     assert (frequencies[expected == 0] == 0).all()
+
+
+def test_the_plan_counts_streamed_generations_host_copies():
+    """Streamed generation keeps host copies only of what transformers' loader converts (OLMoE's stacked experts),
+    none for a family whose stored tensors are its parameters; resident generation none."""
+    from megatrain.config import load_config
+    from megatrain.plan import make_plan
+    from megatrain_zoo import preset
+
+    def plan(name: str, weights: str):
+        overrides = [f"model.preset={name}", "data.seq_len=2048", "train.batch_size=16", "device=cpu"]
+        overrides += ["precision.compute_dtype=bfloat16", "train.objective=grpo"]
+        overrides += ["train.grpo.max_completion_length=1024", f"train.grpo.generation_weights={weights}"]
+        return make_plan(load_config(None, overrides))
+
+    assert plan("qwen2.5-7b", "streamed").generation_host_bytes == 0
+    model = preset("olmoe-1b-7b")
+    experts = model.n_layers * model.n_experts * 3 * model.d_model * model.moe_d_ff
+    streamed, resident = plan("olmoe-1b-7b", "streamed"), plan("olmoe-1b-7b", "resident")
+    assert streamed.generation_host_bytes == 2 * experts and resident.generation_host_bytes == 0
+    assert streamed.host_bytes == resident.host_bytes + 2 * experts

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers.generation.logits_process import LogitsProcessorList
 
 from megatrain_zoo import config_to_hf
 from megatrain_zoo.checkpoint_layout import CheckpointLayout
@@ -178,6 +177,8 @@ class Generator:
             options["output_router_logits"] = False
         options |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # (sampled: by RowSampler)
         if sampling.temperature > 0:
+            from transformers.generation.logits_process import LogitsProcessorList
+
             options["logits_processor"] = LogitsProcessorList([RowSampler(keys.to(device), longest, sampling)])
         with _streaming(streamed, self.skeleton.layers):
             out = torch.func.functional_call(_Generating(self.skeleton.model), weights, (), options, strict=False)
