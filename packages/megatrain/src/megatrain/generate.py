@@ -350,14 +350,14 @@ def generation_host_bytes(model, stored: dict[str, tuple], dtype: torch.dtype, w
     layer parameters streaming converts (`_StreamedLayers`; none for most dense families, whose stored tensors are
     the parameters), where the layers may stream (weights `streamed`, or `auto` and the weights with a KV cache of
     RESIDENT_NEEDS_SEQUENCES not fitting `gpu_bytes`). `stored`: the store's tensors' shapes by file name."""
+    if weights == "resident" or (weights == "auto" and gpu_bytes is None):  # (on the CPU, auto is resident)
+        return 0
     skeleton = HFSkeleton(_hf_config(model))
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
     n_weights = sum(math.prod(p.shape) for p in skeleton.model.parameters())
     per_sequence = kv_bytes_per_token(skeleton.config, itemsize) * length
-    if weights == "resident" or (
-        weights == "auto" and (gpu_bytes is None or _resident_fits(n_weights * itemsize, per_sequence, gpu_bytes))
-    ):  # (on the CPU, auto is resident)
+    if weights == "auto" and _resident_fits(n_weights * itemsize, per_sequence, gpu_bytes):
         return 0
     meta = {name: torch.empty(shape, device="meta") for name, shape in stored.items()}
     renamed = CheckpointLayout(skeleton).renamed(meta, "the store")
