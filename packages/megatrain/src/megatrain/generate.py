@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from megatrain_sched import free_device_bytes
 from megatrain_zoo import config_to_hf
 from megatrain_zoo.checkpoint_layout import CheckpointLayout
 from megatrain_zoo.generic import HFSkeleton
@@ -120,10 +121,9 @@ class Generator:
             how = "streamed layer by layer" if self.weights == "streamed" else "resident"
             return GenerationPlan(self.weights != "streamed", n_sequences, f"on the CPU: weights {how}, one batch")
         itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
-        per_sequence = kv_bytes_per_token(self.skeleton.config, itemsize) * length
-        weights = sum(math.prod(p.shape) for p in self.skeleton.model.parameters()) * itemsize
+        weights, per_sequence = _weight_and_kv_bytes(self.skeleton, itemsize, length)
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
-        free = _free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
+        free = free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
         resident = self.weights == "resident" or (
             self.weights == "auto" and _resident_fits(weights, per_sequence, free)
         )
@@ -236,7 +236,7 @@ class _StreamedLayers:
     stream of its own, once the layer that last used that buffer is done. A parameter that is a stored tensor
     renamed copies straight from the store's pinned view (fp32 masters cast on the device); one transformers'
     loader converts (stacked experts) from a pinned host copy in the compute dtype, refilled for each generation
-    (`host_copy_numel`: what the planner counts)."""
+    (`generation_host_bytes`: what the planner counts)."""
 
     def __init__(self, skeleton: HFSkeleton, device: torch.device, dtype: torch.dtype, renamed: dict[str, str]):
         shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
@@ -341,6 +341,12 @@ def _hf_config(model) -> dict:
     return json.loads(model.hf_config) if model.implementation == "transformers" else config_to_hf(model)
 
 
+def _weight_and_kv_bytes(skeleton: HFSkeleton, itemsize: int, length: int) -> tuple[int, int]:
+    """(the weights' bytes, a sequence of `length` tokens' KV-cache bytes) in a dtype of `itemsize` bytes."""
+    weights = sum(math.prod(p.shape) for p in skeleton.model.parameters()) * itemsize
+    return weights, kv_bytes_per_token(skeleton.config, itemsize) * length
+
+
 def _resident_fits(weights: int, per_sequence: int, free: int) -> bool:
     return weights + RESIDENT_NEEDS_SEQUENCES * per_sequence <= free * KV_ROOM_SHARE
 
@@ -355,9 +361,7 @@ def generation_host_bytes(model, stored: dict[str, tuple], dtype: torch.dtype, w
     skeleton = HFSkeleton(_hf_config(model))
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = dict(skeleton.model.named_parameters(remove_duplicate=False))
-    n_weights = sum(math.prod(p.shape) for p in skeleton.model.parameters())
-    per_sequence = kv_bytes_per_token(skeleton.config, itemsize) * length
-    if weights == "auto" and _resident_fits(n_weights * itemsize, per_sequence, gpu_bytes):
+    if weights == "auto" and _resident_fits(*_weight_and_kv_bytes(skeleton, itemsize, length), gpu_bytes):
         return 0
     meta = {name: torch.empty(shape, device="meta") for name, shape in stored.items()}
     renamed = CheckpointLayout(skeleton).renamed(meta, "the store")
@@ -373,12 +377,6 @@ def kv_bytes_per_token(config, itemsize: int) -> int:
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return 2 * text.num_hidden_layers * heads * head_dim * itemsize
-
-
-def _free_device_bytes(device: torch.device) -> int:
-    """Device memory free now, the allocator's cached blocks included."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:

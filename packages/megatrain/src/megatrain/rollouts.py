@@ -248,7 +248,7 @@ class GeneratedRollouts(_Rollouts):
     def _generated(self, prompt_ids: list, given: list, columns: dict, seed: int) -> tuple[list, torch.Tensor]:
         """The step's completions and their reward functions' values ([rows, functions]): this rank's share of the
         groups (all of them in one process) generated and scored here, the other ranks' gathered."""
-        sync, share = self.trainer.sync, self._my_rows(len(prompt_ids))
+        sync, share = self.trainer.sync, self.trainer.share(len(prompt_ids), self.grpo.num_generations)
         try:
             mine = self._scored_share(share, prompt_ids, given, columns, seed)
         except ConfigError as error:
@@ -274,14 +274,6 @@ class GeneratedRollouts(_Rollouts):
         shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         mine = {name: values[share.start : share.stop] for name, values in columns.items()}
         return completions, self.rewards.values(given[share.start : share.stop], shown, mine)
-
-    def _my_rows(self, n_rows: int) -> range:
-        """This rank's rows of a step: a contiguous share of its groups, each group whole."""
-        ranks, size = self.trainer.ranks, self.grpo.num_generations
-        if ranks is None:
-            return range(n_rows)
-        groups, world, rank = n_rows // size, ranks.world_size, ranks.rank
-        return range(groups * rank // world * size, groups * (rank + 1) // world * size)
 
 
 def _length_metrics(completions: list[list[int]], stops: tuple[int, ...]) -> dict:

@@ -354,11 +354,8 @@ class Trainer:
         which `data.PairWindows` packs apart)."""
         if self.ranks is None:
             return range(n_rows)
-        world, rank = self.ranks.world_size, self.ranks.rank
         if sequences is None:
-            unit = self.rows_per_example
-            bounds = [n_rows // unit * r // world * unit for r in range(world + 1)]
-            return range(bounds[rank], bounds[rank + 1])
+            return self.share(n_rows, self.rows_per_example)
         share = self._my_sequences(sequences)
         mine = [r for r, row in enumerate(sequences) if (row >= 0).any() and int(row[row >= 0].min()) in share]
         rows = range(mine[0], mine[-1] + 1) if mine else range(0)
@@ -374,9 +371,14 @@ class Trainer:
 
     def _my_sequences(self, sequences: torch.Tensor) -> range:
         """The sequences (of packed pairs) of this rank's share of the pairs."""
-        n_pairs = (int(sequences.max()) + 1) // 2
+        return self.share(int(sequences.max()) + 1, 2)
+
+    def share(self, n: int, unit: int = 1) -> range:
+        """This rank's contiguous share of `n` items taken in whole units of `unit` (a pair's two rows, a GRPO
+        group's completions): all of them in one process."""
         world, rank = (1, 0) if self.ranks is None else (self.ranks.world_size, self.ranks.rank)
-        return range(2 * (n_pairs * rank // world), 2 * (n_pairs * (rank + 1) // world))
+        units = n // unit
+        return range(units * rank // world * unit, units * (rank + 1) // world * unit)
 
     def micro_batches(
         self,

@@ -43,6 +43,12 @@ logger = logging.getLogger("megatrain_sched")
 STAGING_NUMEL = 2**25
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Device memory free now, with what the caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def expandable_device_memory() -> None:
     """Let the CUDA caching allocator grow its segments in place (`expandable_segments`) unless the user's
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF says otherwise. Kept products fill the device to a few GiB, in
@@ -342,7 +348,9 @@ class LayerPipeline:
         self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
         self.executed: Placement | None = None  # the placement the last training step ran
         # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
-        self.free_device_memory: Callable[[], int] | None = self._free_cuda_bytes if self.streams.cuda else None
+        self.free_device_memory: Callable[[], int] | None = (
+            (lambda: free_device_bytes(self.device)) if self.streams.cuda else None
+        )
         self._held: dict[int, _Slot] = {}
         self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
         self.place(placement or Placement.build(n), device_masters)
@@ -446,11 +454,6 @@ class LayerPipeline:
         )
         logger.warning("megatrain_sched: %s", self.fallback)
         return replace(placement, stages=tuple(stages))
-
-    def _free_cuda_bytes(self) -> int:
-        """Device memory free now, with what the allocator holds unused."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
 
     def _checkpoint_bytes_per_token(self, stage: int) -> int:
         """Device bytes a token of a step takes in stage's checkpoint: its input, or what its template's

@@ -370,7 +370,7 @@ class HostStore:
     def keep_reference(self) -> None:
         """Take the current weights of every group as the reference (one process of a host that shares it)."""
         for group in range(self.n_groups):
-            self.reference(group).copy_(self.wire(group) if "wire" in self.arenas else self.master(group))
+            self.reference(group).copy_(self.wire(group))  # (whole: the master where no wire copy is kept)
 
     def grad(self, group: int) -> Tensor:
         """fp32 gradient landing buffer of this shard of `group`, flat (with a pool: the one it holds)."""
