@@ -26,6 +26,10 @@ class ModelSection:
     # native: megatrain's own templates (fast); transformers: the family's transformers layers, called with the
     # streamed weights (any decoder transformers knows); auto: native where megatrain has the family, else transformers
     implementation: str = "auto"
+    # an image-text checkpoint: true trains the whole model (its vision tower and projector streamed as stages before
+    # the decoder's), false its text model alone; auto: whole unless megatrain has a native template for its text
+    # model (Gemma 3, Llama 4, Mistral 3, Qwen3.5: their text model alone, at native speed)
+    image_text: str | bool = "auto"
 
     def __post_init__(self):
         if (self.preset is None) == (self.hf_dir is None):
@@ -34,6 +38,8 @@ class ModelSection:
             )
         if self.implementation not in ("auto", "native", "transformers"):
             raise ConfigError(f"model.implementation must be auto, native or transformers, got {self.implementation!r}")
+        if self.image_text not in ("auto", True, False):
+            raise ConfigError(f"model.image_text must be auto, true or false, got {self.image_text!r}")
 
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
@@ -582,7 +588,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def model_config_of(config: Config) -> ModelConfig:
     """The model a config names: a zoo preset or a Hugging Face directory's config.json."""
     if config.model.hf_dir is not None:
-        return read_hf_config(Path(config.model.hf_dir), config.model.implementation)
+        return read_hf_config(Path(config.model.hf_dir), config.model.implementation, config.model.image_text)
     if config.model.implementation == "transformers":  # (a preset through transformers' modules: to compare paths)
         return model_config_from_hf(config_to_hf(preset(config.model.preset)), "transformers")
     return preset(config.model.preset)

@@ -31,7 +31,7 @@ from megatrain_optim import (
 )
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
-from megatrain_templates import DPO, GRPO, Documents, Rollout, Sequences
+from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences
 from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -387,9 +387,11 @@ class Trainer:
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         sequences: torch.Tensor | None = None,
+        media: list[dict[str, torch.Tensor]] | None = None,
     ) -> list[MicroBatch]:
         """This rank's rows of a batch (`my_rows`) in micro-batches of train.micro_batch_size examples (rows; a
-        preference pair's two) (the last may be short)."""
+        preference pair's two) (the last may be short). `media`: an image-text model's rows' processor outputs
+        (pixel values and grids; an empty dict for a row of no image), None for no images."""
         mine, size = self.my_rows(input_ids.shape[0], sequences), self.config.train.rows_per_micro_batch
         micro = []
         for start in range(mine.start, mine.stop, size):
@@ -397,7 +399,15 @@ class Trainer:
             documents = None
             if position_ids is not None or valid is not None:
                 documents = Documents(*(None if t is None else t[part] for t in (position_ids, valid)))
-            micro.append(MicroBatch(input_ids[part], labels[part], documents))
+            rows_media = None
+            if self.model_config.image_text:  # (its stages read the tokens and images of every micro-batch)
+                rows_media = Media.of_rows(input_ids[part], media[part] if media is not None else [])
+            elif media is not None and any(media):
+                raise ConfigError(
+                    f"the data has images but {self.model_config.arch} trains as a text model; set "
+                    "model.image_text: true to train the whole image-text model"
+                )
+            micro.append(MicroBatch(input_ids[part], labels[part], documents, rows_media))
         return micro
 
     def train_step(
@@ -409,6 +419,7 @@ class Trainer:
         reference: Sequences | None = None,
         rollout: Rollout | None = None,
         sequences: torch.Tensor | None = None,
+        media: list[dict[str, torch.Tensor]] | None = None,
     ) -> StepMetrics:
         """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
         restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
@@ -417,6 +428,7 @@ class Trainer:
         log-probabilities of every sequence (`sequence_logps`; None where the loss needs none); packed pairs
         share rows, `sequences` numbering each trained token's sequence (`data.pack_pairs`). With GRPO each row is a
         prompt and a completion (its tokens trained) and `rollout` holds the rows' advantages (and log-probabilities).
+        An image-text model's rows' images are `media` (`micro_batches`).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
@@ -426,7 +438,7 @@ class Trainer:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
         self._follow_step_size(input_ids.numel())
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences)
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:
@@ -526,12 +538,13 @@ class Trainer:
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        media: list[dict[str, torch.Tensor]] | None = None,
     ) -> tuple[float, int]:
         """(summed token loss, number of target tokens) of the current weights on a batch, forward only,
         streaming the layers once for all its rows; every rank takes a share of the rows."""
         self.finish_updates()
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid)
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, media=media)
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
         if micro:
             loss_sum = self.pipeline.evaluate(micro)
@@ -550,6 +563,7 @@ class Trainer:
         valid: torch.Tensor | None = None,
         sequences: torch.Tensor | None = None,
         reference: bool = False,
+        media: list[dict[str, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Every row's log-probability of each trained token ([rows, seq] float64 on the host, 0 where the label is
         -100), forward only, the weights streamed once for all rows (a reference model's pass, the policy's that
@@ -557,7 +571,7 @@ class Trainer:
         took instead of the current ones."""
         self.finish_updates()
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences)
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
         logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro, reference) if micro else [])]
         if self.spec.router_load is not None:
             self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)

@@ -93,16 +93,22 @@ class MicroBatch:
     # several documents per row (e.g. megatrain_templates.Documents): given to every template as
     # `documents=`, moved to the device with `.to(device, non_blocking=True)`; None: one sequence per row
     documents: Any = None
+    # an image-text model's inputs besides the token ids (e.g. megatrain_templates.Media): given to every template as
+    # `media=`, moved to the device with `.to(device, non_blocking=True)`; None: a text model's micro-batch
+    media: Any = None
 
     def to(self, device: torch.device) -> "MicroBatch":
-        documents = None if self.documents is None else self.documents.to(device, non_blocking=True)
+        documents, media = (
+            None if x is None else x.to(device, non_blocking=True) for x in (self.documents, self.media)
+        )
         return MicroBatch(
-            self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), documents
+            self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), documents, media
         )
 
     @property
     def template_kwargs(self) -> dict:
-        return {} if self.documents is None else {"documents": self.documents}
+        kwargs = {} if self.documents is None else {"documents": self.documents}
+        return kwargs if self.media is None else kwargs | {"media": self.media}
 
 
 @dataclass

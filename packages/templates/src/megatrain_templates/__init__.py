@@ -18,6 +18,7 @@ from .layout import (
     split_precision_of,
     total_numel,
 )
+from .media import Media
 from .linear_attention import GatedDeltaNetShape, Mamba2Shape, chunked_gated_delta_rule, chunked_ssd
 from .moe import (
     EXPERT_NAMING,
@@ -58,6 +59,7 @@ __all__ = [
     "Mamba2Shape",
     "DecoderBlock",
     "Documents",
+    "Media",
     "Embedding",
     "MlaShape",
     "MoeAttention",

@@ -180,6 +180,9 @@ class ModelConfig:
     layer_counts: tuple[tuple[int, int, int], ...] = ()
     outer_params: int = 0
     packs_documents: bool = True  # whether packed documents stay apart (not in a generic recurrence or convolution)
+    # an image-text model trained whole (image_text.py): its vision tower and projector stream as stages before the
+    # decoder's, counted in outer_params
+    image_text: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "layer_counts", tuple(tuple(counts) for counts in self.layer_counts))  # (from JSON)

@@ -78,27 +78,36 @@ class HFSkeleton:
     """transformers' causal LM of `hf_config` (a config.json dict), its parameters on the meta device, in eval mode
     (no dropout); the layer arguments its forward makes, per micro-batch."""
 
+    auto_class = "AutoModelForCausalLM"  # (transformers' auto class the skeleton is built with)
+
     def __init__(self, hf_config: dict, attention: str = "sdpa"):
         import transformers
 
         config = transformers.AutoConfig.for_model(**hf_config)
+        auto = getattr(transformers, self.auto_class)
         try:
             with _parameters_on_meta():
-                self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+                self.model = auto.from_config(config, attn_implementation=attention)
         except ValueError as error:  # (a family without SDPA support, Gemma 2's soft-capped scores: eager)
             if "attention implementation" not in str(error):
                 raise
             with _parameters_on_meta():
-                self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+                self.model = auto.from_config(config, attn_implementation="eager")
         self.model.eval()
         self.config = self.model.config
-        self.base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
-        self.layers = _decoder_layers(self.base, config.num_hidden_layers)
+        self.text_config = self.config.get_text_config()
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
+        self.base = self._base_module(decoder)
+        self.layers = _decoder_layers(decoder, self.text_config.num_hidden_layers)
         self._device = torch.device("cpu")
         self._arguments: OrderedDict = OrderedDict()
         self.layer_output = _hidden_states  # (how the forward reads a layer's output: settled by `parts`)
         self.product_bytes: dict = {}  # (kind of layer, dtype) -> bytes per token its kept graph holds
         self.parts  # noqa: B018 (traced now: the stages need it, and it settles `layer_output`)
+
+    def _base_module(self, decoder: nn.Module) -> nn.Module:
+        """The module a forward without the head runs: the decoder."""
+        return decoder
 
     @cached_property
     def names(self) -> dict[int, str]:
@@ -107,6 +116,9 @@ class HFSkeleton:
 
     @cached_property
     def parts(self) -> "Parts":
+        return self._parts()
+
+    def _parts(self) -> "Parts":
         """Parameter names (as the model's state dict and checkpoints name them) of the embedding stage (what the
         forward uses before its first decoder layer: the token table, a position table), each decoder layer, and
         the head (everything else: final norm, LM head), found by running the forward once on a one-token input."""
@@ -265,10 +277,11 @@ class HFSkeleton:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self.model.named_parameters(remove_duplicate=False)}
 
-    def layer_arguments(self, hidden: Tensor, documents) -> list[tuple[tuple, dict]]:
+    def layer_arguments(self, hidden: Tensor, documents, media=None) -> list[tuple[tuple, dict]]:
         """What the model's forward gives each layer besides the hidden states, for a micro-batch like `hidden`
         ([batch, seq, d_model]) laid out as `documents`: computed once per micro-batch (kept in its `Documents`,
-        as the native templates keep its masks) or, without one, once per shape."""
+        as the native templates keep its masks) or, without one, once per shape. (`media`: an image-text model's,
+        `megatrain_zoo.image_text`.)"""
         key = ("generic", tuple(hidden.shape), hidden.device, hidden.dtype)
         cache = self._arguments if documents is None else documents._masks
         if key not in cache:
@@ -451,24 +464,24 @@ class GenericLayer(_GenericStage):
         self.numel = sum(spec.numel for spec in self.groups[0])
         # what sets its speed (the planner times one layer of each kind): its module, its layer type where the
         # config names one (sliding or full attention, Mamba or attention), its sizes
-        layer_types = getattr(skeleton.config, "layer_types", None) or ()
+        layer_types = getattr(skeleton.text_config, "layer_types", None) or ()
         layer_type = layer_types[index] if index < len(layer_types) else None
         self.kind = (type(self.module).__name__, layer_type, tuple(spec.shape for spec in self.groups[0]))
         self.kept = KeptGraphs()
 
-    def _call(self, views: dict, x: Tensor, documents) -> Tensor:
+    def _call(self, views: dict, x: Tensor, documents, media=None) -> Tensor:
         if documents is not None and documents.position_ids is not None and self.skeleton.carries_state:
             raise GenericError(
                 f"{type(self.module).__name__} carries state along a row, which transformers does not restart at "
                 "each packed document: give it a row per sequence (no position_ids)"
             )
-        args, kwargs = self.skeleton.layer_arguments(x, documents)[self.index]
+        args, kwargs = self.skeleton.layer_arguments(x, documents, media)[self.index]
         local = {name.removeprefix(self.prefix): value for name, value in views.items()}
         return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
 
-    def forward(self, weights: list[Tensor], x: Tensor, documents=None) -> Tensor:
+    def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
         with torch.no_grad():
-            return self._call(self.weights(weights), x, documents)
+            return self._call(self.weights(weights), x, documents, media)
 
     @property
     def forward_keeping_products(self):
@@ -476,12 +489,12 @@ class GenericLayer(_GenericStage):
         None: it recomputes."""
         return self._keeping_products if self._product_bytes(torch.float32) is not None else None
 
-    def _keeping_products(self, weights: list[Tensor], x: Tensor, documents=None) -> tuple[Tensor, dict]:
+    def _keeping_products(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> tuple[Tensor, dict]:
         """`forward`, also returning what its backward reads (`KeptGraphs`): given to `backward` as `products`,
         the backward recomputes nothing."""
         views = self.weights(weights, grad=True)
         leaves = [views[name] for name in self.names]
-        return self.kept.forward(lambda x: self._call(views, x, documents), x, weights, leaves)
+        return self.kept.forward(lambda x: self._call(views, x, documents, media), x, weights, leaves)
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """Device bytes per token that `forward_keeping_products` returns (in the compute dtype)."""
@@ -499,7 +512,7 @@ class GenericLayer(_GenericStage):
             views = {name: _zeros_of_little_memory(self.shapes[name], dtype) for name in self.names}
 
             def at(tokens: int) -> int:  # (the weights saved count the same at both lengths: only products differ)
-                x = torch.zeros(1, tokens, self.skeleton.config.hidden_size, dtype=dtype)
+                x = torch.zeros(1, tokens, self.skeleton.text_config.hidden_size, dtype=dtype)
                 return saved_bytes(lambda x: self._call(views, x, None), x, [])
 
             try:  # (a forward that cannot run so, a MoE's on some backends: the layer recomputes)
@@ -509,7 +522,14 @@ class GenericLayer(_GenericStage):
         return self.skeleton.product_bytes[key]
 
     def backward(
-        self, weights: list[Tensor], x: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None, products=None
+        self,
+        weights: list[Tensor],
+        x: Tensor,
+        grad_out: Tensor,
+        grads: list[Tensor],
+        documents=None,
+        products=None,
+        media=None,
     ):
         if products is not None:  # (its forward's graph, kept)
             grad_x, *found = self.kept.backward(products, x, weights, grad_out)
@@ -518,7 +538,7 @@ class GenericLayer(_GenericStage):
         views = self.weights(weights, grad=True)
         x = x.detach().requires_grad_(True)
         with torch.enable_grad():
-            out = self._call(views, x, documents)
+            out = self._call(views, x, documents, media)
             (grad_x,) = self.accumulate(grads, views, out, grad_out, (x,))
         return grad_x
 
@@ -603,20 +623,26 @@ def hf_config_json(hf_config: dict) -> str:
     return json.dumps(hf_config, sort_keys=True)
 
 
-def generic_model_config(hf: dict):
+def generic_model_config(hf: dict, image_text: bool = False):
     """The `ModelConfig` of a config.json trained through transformers' own modules: the sizes megatrain plans with,
     its counts from the modules themselves. Refuses, naming it, a model_type transformers does not know, a config
-    it does not accept and a load-balancing loss the generic path cannot add."""
+    it does not accept and a load-balancing loss the generic path cannot add. `image_text`: the whole image-text
+    model, its vision tower streamed too (`image_text.py`)."""
     from .config import ModelConfig
 
     _check_config(hf)
-    skeleton = HFSkeleton(hf)
-    config, parts = skeleton.config, skeleton.parts
+    if image_text:
+        from .image_text import ImageTextSkeleton as Skeleton
+    else:
+        Skeleton = HFSkeleton
+    skeleton = Skeleton(hf)
+    config, parts = skeleton.text_config, skeleton.parts
     counts = _counter(skeleton)
     heads = getattr(config, "num_attention_heads", 1) or 1
     d_model = config.hidden_size
+    in_layers = {name for names in parts.layers for name in names}
     return ModelConfig(
-        arch=config.model_type,
+        arch=skeleton.config.model_type,
         vocab_size=config.vocab_size,
         d_model=d_model,
         n_layers=config.num_hidden_layers,
@@ -631,10 +657,11 @@ def generic_model_config(hf: dict):
         eos_token_id=_token_id(getattr(config, "eos_token_id", None)),
         pad_token_id=_token_id(getattr(config, "pad_token_id", None)),
         implementation="transformers",
-        packs_documents=not skeleton.carries_state,
+        packs_documents=not skeleton.carries_state and not image_text,
         hf_config=hf_config_json(hf),
         layer_counts=tuple(counts(names) for names in parts.layers),
-        outer_params=counts(parts.embedding + parts.head)[0],
+        outer_params=counts([name for name in skeleton.names.values() if name not in in_layers])[0],
+        image_text=image_text,
     )
 
 
@@ -664,7 +691,7 @@ def _check_config(hf: dict) -> None:
 
 def _counter(skeleton: HFSkeleton):
     """counts(names) -> (parameters, those a token uses: an expert's k / n_experts share, the matrices among those)."""
-    config, params = skeleton.config, dict(skeleton.model.named_parameters())
+    config, params = skeleton.text_config, dict(skeleton.model.named_parameters())
     k = getattr(config, "num_experts_per_tok", 0) or 0
     n_experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
 
@@ -688,7 +715,10 @@ def generic_notes(config) -> list[str]:
 
     hf = json.loads(config.hf_config)
     native = "" if has_template(hf) else " (megatrain has no template for it)"
-    notes = [f"{config.arch} trains through transformers' own modules{native}: exact, slower than a native template"]
+    whole = " (the whole image-text model, its vision tower streamed too)" if config.image_text else ""
+    notes = [
+        f"{config.arch}{whole} trains through transformers' own modules{native}: exact, slower than a native template"
+    ]
     dropout = {k: v for k, v in hf.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
     if dropout:
         notes.append(f"megatrain trains without dropout: config.json's {dropout} are not applied")

@@ -141,9 +141,24 @@ def _first_id(value):
     return value[0] if isinstance(value, list) and value else value
 
 
-def model_config_from_hf(hf: dict, implementation: str = "auto") -> ModelConfig:
+def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str | bool = "auto") -> ModelConfig:
     """`config_from_hf`, or where `implementation` says so, or no native template exists (auto), the config of the
-    model that runs transformers' own modules (`generic.py`)."""
+    model that runs transformers' own modules (`generic.py`). An image-text config.json (one with a vision_config)
+    trains whole (`image_text.py`) where `image_text` is true, or auto and megatrain has no native template for its
+    text model; else its text model alone."""
+    whole = image_text is True or (image_text == "auto" and not has_template(hf))
+    if "vision_config" in hf and whole:
+        if importlib.util.find_spec("transformers") is None:
+            raise ZooError(
+                f"{hf.get('model_type')} is an image-text model, trained whole through transformers' own modules: "
+                "install transformers (pip install 'megatrain-zoo[transformers]')"
+            )
+        from .generic import GenericError, generic_model_config
+
+        try:
+            return generic_model_config(hf, image_text=True)
+        except GenericError as error:
+            raise ZooError(str(error)) from error
     if implementation != "transformers":
         try:
             return config_from_hf(hf)
@@ -867,12 +882,14 @@ def _special_floats(pairs: dict) -> "dict | float":
     return float(pairs["__float__"]) if set(pairs) == {"__float__"} else pairs
 
 
-def read_hf_config(model_dir: Path, implementation: str = "auto") -> ModelConfig:
+def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: str | bool = "auto") -> ModelConfig:
     """A directory's config.json as a `ModelConfig`: a native family's (`implementation` native or auto), or one that
-    runs transformers' own modules (transformers, or auto for a family with no native template)."""
+    runs transformers' own modules (transformers, or auto for a family with no native template); an image-text
+    model's whole or its text model alone (`model_config_from_hf`)."""
     path = Path(model_dir) / "config.json"
     try:
-        return model_config_from_hf(json.loads(path.read_text(), object_hook=_special_floats), implementation)
+        hf = json.loads(path.read_text(), object_hook=_special_floats)
+        return model_config_from_hf(hf, implementation, image_text)
     except FileNotFoundError:
         raise ZooError(
             f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"

@@ -267,6 +267,10 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     (0: all), a MoE layer is several groups and stages so that a GPU slot holds a part of its experts:
     trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts. A model of
     no native family (`implementation` "transformers") runs transformers' own modules (`generic.py`)."""
+    if config.image_text:
+        from .image_text import build_image_text_model
+
+        return build_image_text_model(config)
     if config.implementation == "transformers":
         from .generic import build_generic_model
 

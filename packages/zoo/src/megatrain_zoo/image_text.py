@@ -1,0 +1,389 @@
+"""Image-text models trained whole: the vision tower's blocks are stages of the same pipeline as the decoder's layers.
+
+transformers' image-text model (`AutoModelForImageTextToText`) is built once on the meta device, as the generic
+decoder's causal LM is (`generic.HFSkeleton`), and its forward drives every stage with the tower's blocks and the
+decoder's layers stood in for:
+
+    vision embedding    the forward up to the tower's first block (patch and position embeddings, a window
+                        reordering): the micro-batch's pixels -> the first block's input
+    vision block i      the tower's block i, on every image's (and video's) patches
+    connector           the forward from the tower's last block to the first decoder layer: the tower's end (a
+                        merger, a post-norm), the projector, the token embedding and the splice of the image
+                        features into it at the placeholder tokens
+    decoder layer j     as the generic decoder's, its arguments (a multimodal rotary embedding's positions among
+                        them) from the forward on the micro-batch's own tokens and images
+    head                as the generic decoder's
+
+Every stage runs the model's own code, so what a family does between its parts (Qwen2.5-VL's window reordering,
+Gemma 3's pooling, LLaVA's feature selection) is exact by construction. The tower's activations are its patches
+[patches, width] of every call the forward makes to it (images, then videos), back to back.
+"""
+
+import contextlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor, nn
+
+from .generic import (
+    GenericError,
+    GenericHead,
+    GenericLayer,
+    HFSkeleton,
+    Parts,
+    _GenericStage,
+    _hidden_states,
+    _output,
+    _Reached,
+    _spec,
+)
+
+# where transformers' image-text models keep their vision tower
+VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
+
+
+@dataclass(frozen=True)
+class ImageTextParts(Parts):
+    """The generic parts, the embedding stage's being the connector's, and the vision tower's stages'."""
+
+    vision_embedding: list[str] = ()
+    vision_blocks: list[list[str]] = ()
+
+
+@dataclass
+class _Recorded:
+    """What the forward gives the tower's blocks and the decoder's layers for one micro-batch."""
+
+    sizes: list[int]  # patches of each tower call, in call order
+    blocks: list[list[tuple[tuple, dict]]]  # [call][block] -> (args, kwargs)
+    layers: list[tuple[tuple, dict]]  # [layer] -> (args, kwargs)
+
+
+class ImageTextSkeleton(HFSkeleton):
+    """transformers' image-text model of `hf_config`, its parameters on the meta device: `HFSkeleton` with the
+    vision tower's blocks stood in for as the decoder's layers are."""
+
+    auto_class = "AutoModelForImageTextToText"
+
+    def _base_module(self, decoder: nn.Module) -> nn.Module:
+        return self.model.base_model  # (the forward that encodes and splices the images)
+
+    @cached_property
+    def tower(self) -> nn.Module:
+        base = self.model.base_model
+        for name in VISION_TOWERS:
+            if isinstance(getattr(base, name, None), nn.Module):
+                return getattr(base, name)
+        raise GenericError(f"{type(self.model).__name__} has no vision tower the image-text path recognises")
+
+    @cached_property
+    def blocks(self) -> nn.ModuleList:
+        """The tower's list of blocks: its longest ModuleList."""
+        lists = [m for m in self.tower.modules() if isinstance(m, nn.ModuleList)]
+        if not lists:
+            raise GenericError(f"{type(self.tower).__name__} has no list of blocks the image-text path recognises")
+        return max(lists, key=len)
+
+    @cached_property
+    def width(self) -> int:
+        """The width of the tower's blocks' hidden states."""
+        config = self.config.vision_config
+        return getattr(config, "hidden_size", None) or config.embed_dim
+
+    def run(self, weights, inputs, documents, stand_in, head=False, vision=None):
+        """`HFSkeleton.run`, each of the tower's blocks replaced by `vision(call, index, hidden_states, *args,
+        **kwargs)` (`call`: the how-manyth call of the tower in this forward), or passing its input through."""
+        calls = [-1]
+
+        def block(hidden_states, *args, _index, **kwargs):
+            calls[0] += _index == 0
+            out = hidden_states if vision is None else vision(calls[0], _index, hidden_states, *args, **kwargs)
+            return self.block_output(out)
+
+        for index, module in enumerate(self.blocks):
+            module.forward = lambda hidden_states, *args, _index=index, **kwargs: block(
+                hidden_states, *args, _index=_index, **kwargs
+            )
+        try:
+            return super().run(weights, inputs, documents, stand_in, head)
+        finally:
+            for module in self.blocks:
+                del module.forward
+
+    block_output = staticmethod(_hidden_states)  # (how the tower reads a block's output)
+
+    def _parts(self) -> ImageTextParts:
+        """The generic parts (the text forward's), the tower's split off them by one forward on a small image: what
+        it calls before its first block, each block, and the rest it calls before the first decoder layer (the
+        tower's end, the projector), which the connector stage binds beside the token embedding."""
+        text = super()._parts()
+        before, between = self._tower_trace()
+        in_blocks = {id(p) for block in self.blocks for p in block.parameters()}
+        tower_ids = {id(p) for p in self.tower.parameters()}
+        vision_embedding = dict.fromkeys(
+            id(p) for m in before for p in m.parameters(recurse=False) if id(p) in tower_ids and id(p) not in in_blocks
+        )
+        connector = dict.fromkeys(self.names[id(p)] for m in between for p in m.parameters(recurse=False))
+        connector = [n for n in connector if n not in text.embedding] + list(text.embedding)
+        block_names = [[self.names[id(p)] for p in block.parameters()] for block in self.blocks]
+        taken = {*connector, *(self.names[i] for i in vision_embedding), *(n for b in block_names for n in b)}
+        taken |= {n for layer in text.layers for n in layer}
+        return ImageTextParts(
+            embedding=connector,
+            layers=text.layers,
+            head=[n for n in self.names.values() if n not in taken],
+            head_reads_embedding=text.head_reads_embedding,
+            vision_embedding=[self.names[i] for i in vision_embedding],
+            vision_blocks=block_names,
+        )
+
+    def _tower_trace(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """(the modules the forward calls before the tower's first block, those after its last block and before the
+        first decoder layer), on a small image with zero weights; refuses a module with weights between blocks."""
+        inside = {id(m) for block in self.blocks for m in block.modules()} | {
+            id(m) for layer in self.layers for m in layer.modules()
+        }
+        phases: list[list[nn.Module]] = [[], [], []]
+        phase = [0]
+
+        def called(module, args):
+            phases[phase[0]].append(module)
+
+        def vision(call, index, hidden, *args, **kwargs):
+            phase[0] = 2 if index == len(self.blocks) - 1 else 1
+            return hidden
+
+        def first_layer(index, hidden, *args, **kwargs):
+            raise _Reached(hidden)
+
+        zeros = {name: torch.zeros((), dtype=p.dtype).expand(p.shape) for name, p in self.model.named_parameters()}
+        handles = [m.register_forward_pre_hook(called) for m in self.model.modules() if id(m) not in inside]
+        try:
+            with torch.no_grad(), contextlib.suppress(_Reached):
+                self.run(zeros, probe_inputs(self), None, first_layer, vision=vision)
+        finally:
+            for handle in handles:
+                handle.remove()
+        shared = [m for m in phases[1] if any(True for _ in m.parameters(recurse=False))]
+        if shared:
+            raise GenericError(
+                f"{type(self.model).__name__}'s vision tower calls {type(shared[0]).__name__} between its blocks "
+                "(features taken from inside the tower), which the image-text path cannot stream yet"
+            )
+        return phases[0], phases[2]
+
+    def media_inputs(self, media) -> dict:
+        return {"input_ids": media.input_ids, **media.tensors}
+
+    def recorded(self, media, like: Tensor, documents) -> _Recorded:
+        """The blocks' and layers' arguments for the micro-batch `media`, computed once (kept in its cache)."""
+        key = ("image-text", like.device, like.dtype)
+        if key not in media.cache:
+            media.cache[key] = self._record(media, like, documents)
+        return media.cache[key]
+
+    def _record(self, media, like: Tensor, documents) -> _Recorded:
+        sizes, blocks, layers = [], [], [None] * len(self.layers)
+
+        def vision(call, index, hidden, *args, **kwargs):
+            if index == 0:
+                sizes.append(hidden.shape[0])
+                blocks.append([])
+            blocks[call].append((args, kwargs))
+            return hidden
+
+        def layer(index, hidden, *args, **kwargs):
+            layers[index] = (args, kwargs)
+            if index == len(self.layers) - 1:
+                raise _Reached(hidden)
+            return hidden
+
+        names = [*self.parts.vision_embedding, *self.parts.embedding]
+        with torch.no_grad(), contextlib.suppress(_Reached):
+            self.run(self.placeholders(names, like), self.media_inputs(media), documents, layer, vision=vision)
+        return _Recorded(sizes, blocks, layers)
+
+    def layer_arguments(self, hidden: Tensor, documents, media=None) -> list[tuple[tuple, dict]]:
+        if media is None:  # (a forward of the text alone: the planner's trace of a layer)
+            return super().layer_arguments(hidden, documents)
+        return self.recorded(media, hidden, documents).layers
+
+
+def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
+    """A one-image input the forward accepts (zero pixels and their placeholder tokens): what the trace runs on."""
+    config, vision = skeleton.config, skeleton.config.vision_config
+    image_token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+    if image_token is None:
+        raise GenericError(f"{config.model_type}'s config names no image token (image_token_id)")
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+    if getattr(vision, "temporal_patch_size", None):  # (Qwen2-VL's family: patches as rows, a grid per image)
+        merge = vision.spatial_merge_size
+        grid = torch.tensor([[1, 2 * merge, 2 * merge]])
+        patch = channels * vision.temporal_patch_size * vision.patch_size**2
+        pixels = {"pixel_values": torch.zeros(4 * merge * merge, patch), "image_grid_thw": grid}
+        tokens = 4
+    else:  # (a fixed-size image: Gemma 3's pooled tokens, or LLaVA's patches)
+        size = vision.image_size
+        pixels = {"pixel_values": torch.zeros(1, channels, size, size)}
+        tokens = getattr(config, "mm_tokens_per_image", None) or (size // vision.patch_size) ** 2
+        if getattr(config, "vision_feature_select_strategy", "default") == "full":
+            tokens += 1  # (the class token kept)
+    ids = torch.full((1, tokens + 2), image_token)
+    ids[0, 0] = ids[0, -1] = 0
+    start = getattr(config, "vision_start_token_id", None)
+    if start is not None:
+        ids[0, 0] = start
+    return {"input_ids": ids, **pixels}
+
+
+class _ImageTextStage(_GenericStage):
+    """What the vision stages share: the placeholders of what they do not bind, the forward on the micro-batch."""
+
+    def _run(self, views: dict, media, documents, layer, vision):
+        others = self.skeleton.parts.vision_embedding + self.skeleton.parts.embedding
+        like = next(iter(views.values()))
+        weights = {**self.skeleton.placeholders([n for n in others if n not in views], like), **views}
+        return self.skeleton.run(weights, self.skeleton.media_inputs(media), documents, layer, vision=vision)
+
+    @staticmethod
+    def _until_first_layer(index, hidden, *args, **kwargs):
+        raise _Reached(hidden)
+
+
+class VisionEmbedding(_ImageTextStage):
+    """The forward up to the tower's first block: the micro-batch's pixels -> the first block's input ([patches,
+    width], every tower call's back to back; none without pixels)."""
+
+    backward_reads_weights = True
+
+    def forward(self, weights: list[Tensor], ids: Tensor, documents=None, media=None) -> Tensor:
+        with torch.no_grad():
+            return self._first_block_input(self.weights(weights), documents, media)
+
+    def _first_block_input(self, views: dict, documents, media) -> Tensor:
+        like = next(iter(views.values()))
+        calls = len(self.skeleton.recorded(media, like, documents).sizes)
+        if calls == 0:
+            return like.new_zeros(0, self.skeleton.width)
+        inputs = []
+
+        def vision(call, index, hidden, *args, **kwargs):
+            if index == 0:
+                inputs.append(hidden)
+                if len(inputs) == calls:
+                    raise _Reached(hidden)
+            return hidden
+
+        with contextlib.suppress(_Reached):
+            self._run(views, media, documents, self._until_first_layer, vision)
+        return torch.cat(inputs)
+
+    def backward(self, weights, ids, grad_out: Tensor, grads: list[Tensor], documents=None, media=None):
+        if grad_out.numel():
+            views = self.weights(weights, grad=True)
+            with torch.enable_grad():
+                out = self._first_block_input(views, documents, media)
+                self.accumulate(grads, views, out, grad_out)
+        return None
+
+
+class VisionBlock(_ImageTextStage):
+    """The tower's block `index` on each call's patches, as its own module computes it; the backward recomputes it."""
+
+    def __init__(self, skeleton: ImageTextSkeleton, index: int, names: tuple[str, ...]):
+        super().__init__(skeleton, (names,))
+        self.index, self.module = index, skeleton.blocks[index]
+        self.prefix = next(n for n, m in skeleton.model.named_modules() if m is self.module) + "."
+
+    def _call(self, views: dict, x: Tensor, documents, media) -> Tensor:
+        recorded = self.skeleton.recorded(media, x, documents)
+        local = {name.removeprefix(self.prefix): value for name, value in views.items()}
+        outputs = []
+        for patches, blocks in zip(x.split(recorded.sizes), recorded.blocks):
+            args, kwargs = blocks[self.index]
+            call = torch.func.functional_call(self.module, local, (patches, *args), kwargs, strict=False)
+            outputs.append(_output(call))
+        return torch.cat(outputs) if outputs else x
+
+    def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
+        with torch.no_grad():
+            return self._call(self.weights(weights), x, documents, media)
+
+    def backward(self, weights, x: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None, media=None):
+        if not x.numel():
+            return torch.zeros_like(x)
+        views = self.weights(weights, grad=True)
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._call(views, x, documents, media)
+            (grad_x,) = self.accumulate(grads, views, out, grad_out, (x,))
+        return grad_x
+
+
+class Connector(_ImageTextStage):
+    """The forward from the tower's last block to the first decoder layer: the tower's end, the projector, the token
+    embedding and the splice of the image features in at their placeholder tokens. Its backward gives the gradient
+    of the tower's output (none where no stage before it needs one: a frozen tower)."""
+
+    backward_reads_weights = True
+
+    def _first_layer_input(self, views: dict, x: Tensor, documents, media) -> Tensor:
+        pieces = x.split(self.skeleton.recorded(media, x, documents).sizes) if x.numel() else ()
+        last = len(self.skeleton.blocks) - 1
+
+        def vision(call, index, hidden, *args, **kwargs):
+            return pieces[call] if index == last else hidden
+
+        try:
+            self._run(views, media, documents, self._until_first_layer, vision)
+        except _Reached as first:
+            return first.hidden
+        raise GenericError("the model's forward reached no decoder layer")
+
+    def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
+        with torch.no_grad():
+            return self._first_layer_input(self.weights(weights), x, documents, media)
+
+    def backward(self, weights, x: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None, media=None):
+        views = self.weights(weights, grad=True)
+        x = x.detach().requires_grad_(x.numel() > 0)
+        with torch.enable_grad():
+            out = self._first_layer_input(views, x, documents, media)
+            inputs = (x,) if x.numel() else ()
+            found = self.accumulate(grads, views, out, grad_out, inputs)
+        return found[0] if found and found[0] is not None else torch.zeros_like(x)
+
+
+def build_image_text_model(config):
+    """The `ModelSpec` of an image-text model: groups [the tower's embedding, each of its blocks, the connector
+    (tower's end, projector, token embedding), each decoder layer, the head], one stage each."""
+    from .checkpoint_layout import CheckpointLayout
+    from .model import Group, ModelSpec, StageSpec
+
+    skeleton = ImageTextSkeleton(json.loads(config.hf_config))
+    parts, shapes = skeleton.parts, skeleton.shapes
+
+    def group(name: str, names: list[str]) -> Group:
+        return Group(name, tuple(_spec(n, shapes[n]) for n in names))
+
+    groups = [group("vision.embed", parts.vision_embedding)]
+    stages = [StageSpec("vision.embed", VisionEmbedding(skeleton, (tuple(parts.vision_embedding),)), (0,))]
+    for index, names in enumerate(parts.vision_blocks):
+        groups.append(group(f"vision.block{index}", names))
+        stages.append(StageSpec(f"vision.block{index}", VisionBlock(skeleton, index, tuple(names)), (len(groups) - 1,)))
+    embed = len(groups)
+    groups.append(group("embed", parts.embedding))
+    stages.append(StageSpec("embed", Connector(skeleton, (tuple(parts.embedding),)), (embed,)))
+    for index, names in enumerate(parts.layers):
+        groups.append(group(f"layer{index}", names))
+        stages.append(StageSpec(f"layer{index}", GenericLayer(skeleton, index, tuple(names)), (len(groups) - 1,)))
+    groups.append(group("head", parts.head))
+    head = len(groups) - 1
+    tied = config.tie_embeddings
+    bound = (embed, head) if tied else (head,)
+    names = (tuple(parts.embedding), tuple(parts.head)) if tied else (tuple(parts.head),)
+    text = skeleton.text_config
+    stages.append(StageSpec("head", GenericHead(skeleton, names, text.hidden_size, text.vocab_size), bound))
+    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=CheckpointLayout(skeleton))

@@ -1,0 +1,157 @@
+"""Image-text models trained whole: the vision tower's blocks stream as pipeline stages before the decoder's layers.
+Several optimizer steps of megatrain (fp32, micro-batches, clipped and eager, rows with and without images) equal
+transformers' image-text model + torch.optim.AdamW on the same processed inputs; the exported directory reloads in
+transformers' image-text auto class with equal weights and logits."""
+
+import pytest
+import torch
+import transformers  # installed by the integration nox session
+from hf_steps import hf_labels, rel_err
+from test_generic import adamw_decaying_matrices
+
+from megatrain import Trainer
+from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_optim import Schedule, lr_at
+
+IMAGE, VIDEO, START, END = 250, 251, 252, 253
+QWEN_VISION = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+FAMILIES = {
+    "qwen2_5_vl": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        vision_config=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            **QWEN_VISION,
+        ),
+    ),
+}
+SEQ = 24
+
+
+def image_text_model(hf_config: dict, seed: int):
+    """transformers' image-text model with fresh random weights (norms around 1, the rest around 0), in eval mode."""
+    config = transformers.AutoConfig.for_model(**hf_config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            normish = param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight")
+            param.normal_(1.0, 0.2) if normish else param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def qwen_rows(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """(input_ids, megatrain's labels, each row's processor outputs): rows with an image of a few patches' grid at a
+    random place, or a video clip of two frames, or none; the tokens after each are trained."""
+    patch = 3 * QWEN_VISION["temporal_patch_size"] * QWEN_VISION["patch_size"] ** 2
+    ids = torch.randint(3, IMAGE, (rows, SEQ), generator=generator)
+    media = []
+    for row in range(rows):
+        kind = row % 3
+        if kind == 2:  # (text alone)
+            media.append({})
+            continue
+        t, h, w = (1, 4, 6) if kind == 0 else (2, 4, 4)
+        tokens = t * h * w // 4
+        start = int(torch.randint(0, SEQ - tokens - 3, (), generator=generator))
+        ids[row, start] = START
+        ids[row, start + 1 : start + 1 + tokens] = IMAGE if kind == 0 else VIDEO
+        ids[row, start + 1 + tokens] = END
+        pixels = torch.randn(t * h * w, patch, generator=generator)
+        grid = torch.tensor([[t, h, w]])
+        media.append({"pixel_values": pixels, "image_grid_thw": grid} if kind == 0 else
+                     {"pixel_values_videos": pixels, "video_grid_thw": grid})  # fmt: skip
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[(labels >= IMAGE) | (torch.rand(rows, SEQ, generator=generator) < 0.2)] = -100
+    return ids, labels, media
+
+
+def batch_inputs(media: list[dict]) -> dict:
+    """The whole batch's processor outputs, as transformers' model takes them."""
+    names = dict.fromkeys(name for row in media for name in row)
+    return {name: torch.cat([row[name] for row in media if name in row]) for name in names}
+
+
+def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, engine=EngineSection()) -> Trainer:
+    train = TrainSection(
+        steps=steps,
+        batch_size=6,
+        micro_batch_size=2,
+        lr=1e-4,
+        weight_decay=0.1,
+        grad_clip=grad_clip,
+        warmup_steps=1,
+        schedule="cosine",
+    )
+    config = Config(
+        model=ModelSection(hf_dir=str(hf_dir)),
+        data=DataSection(seq_len=SEQ),
+        train=train,
+        precision=PrecisionSection("float32"),
+        engine=engine,
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
+    return Trainer(config)
+
+
+def reference_step(model, optimizer, train, step, grad_clip, ids, labels, media):
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, schedule)
+    optimizer.zero_grad()
+    out = model(input_ids=ids, labels=hf_labels(labels), **batch_inputs(media))
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    optimizer.step()
+    return out.loss, norm
+
+
+@pytest.mark.parametrize("grad_clip", [0.5, 0.0], ids=["clipped", "eager"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_steps_match_transformers(family, grad_clip, tmp_path):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = image_text_model({"model_type": family, **FAMILIES[family]}, seed)
+    reference.save_pretrained(tmp_path / "hf")
+    trainer = trainer_of(tmp_path / "hf", tmp_path, grad_clip, steps=3)
+    assert trainer.model_config.image_text
+    assert trainer.model_config.n_params == sum(p.numel() for p in reference.parameters())
+    train = trainer.config.train
+    optimizer = adamw_decaying_matrices(reference, train)
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(train.steps):
+        ids, labels, media = qwen_rows(train.batch_size, generator)
+        metrics = trainer.train_step(ids, labels, media=media)
+        loss, norm = reference_step(reference, optimizer, train, step, grad_clip, ids, labels, media)
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5), step
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4), step
+    exported = trainer.export(tmp_path / "out")
+    trainer.close()
+    reloaded = transformers.AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    ours = dict(reloaded.named_parameters())
+    for name, param in reference.named_parameters():
+        assert rel_err(ours[name].detach(), param.detach()) < 1e-4, name
+    ids, labels, media = qwen_rows(3, generator)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, **batch_inputs(media)).logits
+        assert rel_err(reloaded(input_ids=ids, **batch_inputs(media)).logits, expected) < 1e-5
