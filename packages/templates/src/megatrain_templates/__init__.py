@@ -18,8 +18,8 @@ from .layout import (
     split_precision_of,
     total_numel,
 )
-from .media import Media
 from .linear_attention import GatedDeltaNetShape, Mamba2Shape, chunked_gated_delta_rule, chunked_ssd
+from .media import Media
 from .moe import (
     EXPERT_NAMING,
     MoeAttention,
