@@ -92,7 +92,7 @@ def batch_inputs(media: list[dict]) -> dict:
     return {name: torch.cat([row[name] for row in media if name in row]) for name in names}
 
 
-def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, engine=EngineSection()) -> Trainer:
+def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, engine=EngineSection(), device="cpu") -> Trainer:
     train = TrainSection(
         steps=steps,
         batch_size=6,
@@ -109,7 +109,7 @@ def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, engine=EngineSect
         train=train,
         precision=PrecisionSection("float32"),
         engine=engine,
-        device="cpu",
+        device=device,
         output_dir=str(tmp_path / "run"),
     )
     return Trainer(config)
@@ -130,10 +130,23 @@ def reference_step(model, optimizer, train, step, grad_clip, ids, labels, media)
 @pytest.mark.parametrize("grad_clip", [0.5, 0.0], ids=["clipped", "eager"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_steps_match_transformers(family, grad_clip, tmp_path):
+    check_trains_like_transformers(family, grad_clip, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_steps_match_transformers(family, tmp_path):
+    """The CUDA engine in fp32 (TF32 off), the tower's stages streamed like the decoder's, against transformers on
+    the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    check_trains_like_transformers(family, 0.5, tmp_path, "cuda")
+
+
+def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, device: str = "cpu") -> None:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = image_text_model({"model_type": family, **FAMILIES[family]}, seed)
     reference.save_pretrained(tmp_path / "hf")
-    trainer = trainer_of(tmp_path / "hf", tmp_path, grad_clip, steps=3)
+    trainer = trainer_of(tmp_path / "hf", tmp_path, grad_clip, steps=3, device=device)
     assert trainer.model_config.image_text
     assert trainer.model_config.n_params == sum(p.numel() for p in reference.parameters())
     train = trainer.config.train
