@@ -178,9 +178,8 @@ def main() -> None:
         row |= {"scope": scope, "model_tflops": round(work / seconds / 1e12, 1)}
         row |= {"placement": trainer.pipeline.executed.as_dict() if trainer.pipeline.executed else None}
         if batch[2] is not None:
-            row["note"] = (
-                f"{patches} patches ({args.images_per_row} images of {args.image_size}^2 and a clip of {args.video_frames} frames per row)"
-            )
+            items = f"{args.images_per_row} images of {args.image_size}^2 and a clip of {args.video_frames} frames"
+            row["note"] = f"{patches} patches ({items} per row)"
         rows.append(row)
         print(table([row], ["scope", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops"]), flush=True)
     trainer.close()
