@@ -1,7 +1,9 @@
 """Image-text models trained whole: the vision tower's blocks stream as pipeline stages before the decoder's layers.
-Several optimizer steps of megatrain (fp32, micro-batches, clipped and eager, rows with and without images) equal
-transformers' image-text model + torch.optim.AdamW on the same processed inputs; the exported directory reloads in
-transformers' image-text auto class with equal weights and logits."""
+Several optimizer steps of megatrain (fp32, micro-batches, clipped and eager, rows with images, a video clip or
+none) equal transformers' image-text model + torch.optim.AdamW on the same processed inputs, with the tower, the
+projector or the language model frozen (those keep no gradient and no optimizer state, and the backward stops where
+nothing before it trains) or nothing; the exported directory reloads in transformers' image-text auto class with
+equal weights and logits."""
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from hf_steps import hf_labels, rel_err
 from test_generic import adamw_decaying_matrices
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
@@ -92,8 +94,11 @@ def batch_inputs(media: list[dict]) -> dict:
     return {name: torch.cat([row[name] for row in media if name in row]) for name in names}
 
 
-def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, engine=EngineSection(), device="cpu") -> Trainer:
+def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, frozen=(), device="cpu") -> Trainer:
     train = TrainSection(
+        freeze_vision_tower="vision_tower" in frozen,
+        freeze_multi_modal_projector="multi_modal_projector" in frozen,
+        freeze_language_model="language_model" in frozen,
         steps=steps,
         batch_size=6,
         micro_batch_size=2,
@@ -108,7 +113,6 @@ def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, engine=EngineSect
         data=DataSection(seq_len=SEQ),
         train=train,
         precision=PrecisionSection("float32"),
-        engine=engine,
         device=device,
         output_dir=str(tmp_path / "run"),
     )
@@ -133,6 +137,13 @@ def test_steps_match_transformers(family, grad_clip, tmp_path):
     check_trains_like_transformers(family, grad_clip, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "frozen", [("vision_tower",), ("multi_modal_projector",), ("language_model",), ("vision_tower", "language_model")]
+)
+def test_frozen_parts_keep_no_state_and_train_the_rest_like_transformers(frozen, tmp_path):
+    check_trains_like_transformers("qwen2_5_vl", 0.5, tmp_path, frozen=frozen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gpu_steps_match_transformers(family, tmp_path):
@@ -142,13 +153,25 @@ def test_gpu_steps_match_transformers(family, tmp_path):
     check_trains_like_transformers(family, 0.5, tmp_path, "cuda")
 
 
-def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, device: str = "cpu") -> None:
+def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, device="cpu", frozen=()) -> None:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = image_text_model({"model_type": family, **FAMILIES[family]}, seed)
     reference.save_pretrained(tmp_path / "hf")
-    trainer = trainer_of(tmp_path / "hf", tmp_path, grad_clip, steps=3, device=device)
+    initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    trainer = trainer_of(tmp_path / "hf", tmp_path, grad_clip, steps=3, frozen=frozen, device=device)
     assert trainer.model_config.image_text
     assert trainer.model_config.n_params == sum(p.numel() for p in reference.parameters())
+    spec, store = trainer.spec, trainer.store
+    frozen_groups = spec.frozen_groups(set(frozen))
+    frozen_names = {p.name for g in frozen_groups for p in spec.groups[g].params}
+    for name, param in reference.named_parameters():
+        param.requires_grad_(name not in frozen_names)
+    # a frozen group keeps no gradient and no optimizer state; the backward stops at the first stage that trains
+    assert all(store.state_numel(g) == 0 and store.grad_numel(g) == 0 for g in frozen_groups)
+    trained = sum(store.layouts[g].numel for g in range(store.n_groups) if g not in frozen_groups)
+    assert store.arenas["state.exp_avg"].numel() < trained + 64 * store.n_groups
+    first = next(i for i, s in enumerate(spec.stages) if any(g not in frozen_groups for g in s.groups))
+    assert trainer.pipeline.first_backward == first
     train = trainer.config.train
     optimizer = adamw_decaying_matrices(reference, train)
     generator = torch.Generator().manual_seed(seed)
@@ -164,6 +187,8 @@ def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, devi
     ours = dict(reloaded.named_parameters())
     for name, param in reference.named_parameters():
         assert rel_err(ours[name].detach(), param.detach()) < 1e-4, name
+        if name in frozen_names:
+            assert torch.equal(ours[name].detach(), initial[name]), name
     ids, labels, media = qwen_rows(3, generator)
     with torch.no_grad():
         expected = reference(input_ids=ids, **batch_inputs(media)).logits

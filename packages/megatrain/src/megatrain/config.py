@@ -232,6 +232,11 @@ class TrainSection:
     # MoE: ST-MoE's router z-loss, its weight (OLMoE pre-trained with 0.001): the sum over MoE layers of the
     # mean over tokens of logsumexp(router logits)^2 (Megatron's moe_z_loss_coeff)
     router_z_loss_coef: float = 0.0
+    # an image-text model trained whole: which parts keep their weights (no gradient, no optimizer state, no backward
+    # where nothing before them trains), as LLaMA-Factory names them and with its defaults
+    freeze_vision_tower: bool = True
+    freeze_multi_modal_projector: bool = False
+    freeze_language_model: bool = False
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
     eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
@@ -283,6 +288,12 @@ class TrainSection:
     @property
     def rows_per_step(self) -> int:
         return self.batch_size * self.rows_per_example
+
+    @property
+    def frozen_parts(self) -> set[str]:
+        """The parts of an image-text model the freeze_* options name (`ModelSpec.group_parts`)."""
+        names = ("vision_tower", "multi_modal_projector", "language_model")
+        return {name for name in names if getattr(self, f"freeze_{name}")}
 
     @property
     def rows_per_micro_batch(self) -> int:

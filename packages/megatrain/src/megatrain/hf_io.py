@@ -97,9 +97,12 @@ def _named(store: HostStore, views: dict) -> dict:
     }
 
 
-def _store_layout(store: HostStore) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """File tensor name -> (shape, the stored tensors it is, back to back), for every stored tensor."""
-    return file_tensors({e.name: e.shape for layout in store.layouts for e in layout.entries})
+def _store_layout(store: HostStore, arena: str = "master") -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """File tensor name -> (shape, the stored tensors it is, back to back), for every stored tensor (of `arena`:
+    optimizer state leaves out the frozen groups, which keep none)."""
+    frozen = store.frozen if arena.startswith("state.") else ()
+    layouts = [layout for group, layout in enumerate(store.layouts) if group not in frozen]
+    return file_tensors({e.name: e.shape for layout in layouts for e in layout.entries})
 
 
 class WholeGroups:
@@ -126,7 +129,7 @@ class WholeGroups:
         slices of a tensor split over several groups are joined, at its first slice's place."""
         place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
         out = []
-        for name, (shape, covered) in _store_layout(self.store).items():
+        for name, (shape, covered) in _store_layout(self.store, arena).items():
 
             def load(arena=arena, covered=covered, shape=shape):
                 pieces = []
@@ -152,7 +155,7 @@ def load_groups(store: HostStore, files: list[Path], arena: str = "master", pref
     """Fill the store's master weights (or optimizer state `state.NAME`) from safetensors files naming
     them `prefix + name` (as `WholeGroups` writes them); every tensor's presence and shape is checked
     first, so a bad file leaves the store untouched."""
-    layout = _store_layout(store)
+    layout = _store_layout(store, arena)
     shapes = {prefix + name: shape for name, (shape, _) in layout.items()}
     where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
     with open_safetensors(where.values()) as handles:

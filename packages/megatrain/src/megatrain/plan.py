@@ -384,6 +384,10 @@ class Planner:
         weightless = {i for i, t in enumerate(templates) if not getattr(t, "backward_reads_weights", True)}
         self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
         self.table_group = self.spec.stages[0].groups[0]
+        # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
+        self.frozen = self.spec.frozen_groups(config.train.frozen_parts)
+        self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
+        self.frozen_per_param = bytes_per_param(self.dtype, 0, False, self.wire_copy, self.reference_copy)
         self.generation_host_bytes = self._generation_host_bytes()
         self.names = [stage.name for stage in self.spec.stages]
 
@@ -477,7 +481,8 @@ class Planner:
             whole = self.element * (int(self.wire_copy) + int(self.reference_copy))
             per_param = whole + (per_param - whole) / self.machine.hosts
             pool /= self.machine.hosts
-        return self.model.n_params * per_param + pool + self.generation_host_bytes
+        frozen = self.frozen_params * (self.frozen_per_param - per_param)
+        return self.model.n_params * per_param + frozen + pool + self.generation_host_bytes
 
     def host_activation_bytes(self, placement: Placement) -> int:
         """Pinned host bytes of offloaded checkpoints and host-kept products, for every GPU of the host."""
@@ -738,6 +743,8 @@ class Planner:
         work, in up to GPU_UPDATED_SHARE of it; in a large one the first, where the step boundary's wait costs
         more than the kept products its state displaces."""
         setting, n_blocks = self.config.engine.gpu_updated_layers, len(self.blocks)
+        if self.frozen:  # (the first stages are a frozen tower's, whose groups keep no state to update)
+            return 0
         if setting != "auto":
             return min(setting, n_blocks)
         if self.machine.gpu_memory is None or counts.offloaded or self.world > 1:

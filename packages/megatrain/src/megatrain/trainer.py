@@ -178,6 +178,7 @@ class Trainer:
             first_disk_group=self.plan.first_disk_group,
             wire_copy=self.config.engine.wire_copy,
             reference_copy=self.plan.reference_copy,
+            frozen=self.planner.frozen if training else frozenset(),
             shared=None if self.ranks is None else shared_arenas(self.ranks),
             **self._shards(),
         )

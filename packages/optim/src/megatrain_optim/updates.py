@@ -112,8 +112,9 @@ class HostUpdates:
                 self.store.prefetch_state(other)
 
     def wait(self, groups: Iterable[int]) -> None:
-        """Until `groups` hold `steps` updates (a held one queued whole first): before their weights are read."""
-        groups = tuple(groups)
+        """Until `groups` hold `steps` updates (a held one queued whole first): before their weights are read. (A
+        frozen group, `HostStore.frozen`, is never updated: nothing to wait for.)"""
+        groups = tuple(g for g in groups if g not in self.store.frozen)
         for group in groups:
             if self.rows_first is not None:
                 self.rows_first.release(group)
@@ -122,7 +123,7 @@ class HostUpdates:
 
     def done(self, groups: Iterable[int]) -> bool:
         """Whether `wait(groups)` would return at once."""
-        groups = tuple(groups)
+        groups = tuple(g for g in groups if g not in self.store.frozen)
         if any(self.stepper.busy(g) or (self.rows_first is not None and self.rows_first.holds(g)) for g in groups):
             return False
         return self.sharing.done(groups, self.steps)
@@ -261,6 +262,8 @@ class UpdatesAfterClipping:
         host.read_ahead(0, 0)
         step = host.optimizer.step_tensor
         for group in range(host.store.n_groups):  # layer order: the next forward needs layer 0 first
+            if group in host.store.frozen:
+                continue
             if self.device is not None and group in self.device.masters:
                 self.device.update(group, landed[group], self.lr, clip, step)
             else:

@@ -75,7 +75,8 @@ class Stage:
     The template provides `groups` (its layouts), `forward(weights, x)` and
     `backward(weights, x, grad_out, grads)` (both also taking `documents=` when a micro-batch
     packs documents; `x` is what the optional `checkpoint(x)` keeps of the input, a tensor, else the
-    input; activations between stages may be tuples of tensors). A template may also provide
+    input; activations between stages may be tuples of tensors; `grads` holds None for a group the store
+    keeps frozen: no gradient for it). A template may also provide
     `prepare(weights, x)`, run for every micro-batch before the first forward, whose results are
     given to `forward` and `backward` as `prepared=` (work that waits for the GPU, started early).
     The last stage provides `loss(weights, x, labels, loss_scale, grads)` instead, and
@@ -338,7 +339,13 @@ class LayerPipeline:
         ]
         self._init_staging(max(self._stage_numels))
         n = len(stages)
-        self._train_order = list(range(n - 1)) + [n - 1] + list(range(n - 2, -1, -1))
+        # the backward stops at the first stage that trains a group: before it, nothing needs a gradient (a frozen
+        # vision tower's store groups keep none, `HostStore.frozen`)
+        trains = [i for i, stage in enumerate(stages) if any(g not in store.frozen for g in stage.groups)]
+        if not trains:
+            raise SchedError("every group is frozen: nothing to train")
+        self.first_backward = trains[0]
+        self._train_order = list(range(n - 1)) + [n - 1] + list(range(n - 2, self.first_backward - 1, -1))
         self._eval_order = list(range(n))
         self.order = self._train_order  # the step being run's
         # how many stages bind each group in backward: its gradient leaves after the last one
@@ -579,6 +586,9 @@ class LayerPipeline:
         """The stage's groups' device gradient buffers (padded to whole shards), as exact-size views."""
         buffers = []
         for group in self.stages[stage].groups:
+            if group in self.store.frozen:
+                buffers.append(None)  # (the template computes no gradient for it)
+                continue
             if group not in grad_buffers:
                 padded = self.store.shard_size(group) * self.store.shard[1]
                 grad_buffers[group] = torch.zeros(padded, dtype=self.store.master_dtype, device=self.device)
@@ -607,7 +617,7 @@ class LayerPipeline:
         streams = self.streams
         for group in self.stages[stage].groups:
             step.remaining[group] -= 1
-            if step.remaining[group]:
+            if step.remaining[group] or group in self.store.frozen:
                 continue
             buffer = step.grad_buffers.pop(group)
             if step.warm_up:
@@ -869,7 +879,7 @@ class LayerPipeline:
         if host_kept:  # the previous host-kept stage's products out first: one stage of them on the device
             self.streams.wait(self.streams.compute, step.last_host_copy)
         for m, x in enumerate(step.acts):
-            if step.train:
+            if step.train and stage_index >= self.first_backward:
                 step.checkpoints[stage_index][m] = self._checkpoint(step, stage_index, x)
             if stage_index in step.kept or host_kept:
                 step.acts[m], products = template.forward_keeping_products(weights, x, **kwargs[m])

@@ -99,6 +99,8 @@ class HostStore:
     hosts' parts are received from them after each update). Whole groups are written through
     `writing(group)`.
 
+    `frozen` groups (a frozen vision tower's) keep their weights only: no gradient buffer and no optimizer state.
+
     `reference_copy` keeps one more compute-dtype copy of every group, written only by `keep_reference` (the
     weights a policy is held near, e.g. GRPO's KL reference: the initial ones), which forward-only passes stream
     from instead of the master (`reference(group)`); pinned and shared like the wire copy.
@@ -118,6 +120,7 @@ class HostStore:
         shard: tuple[int, int] = (0, 1),
         owned: tuple[int, int] | None = None,
         reference_copy: bool = False,
+        frozen: frozenset[int] = frozenset(),
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -142,18 +145,12 @@ class HostStore:
         if not self.owned[0] <= shard[0] < sum(self.owned):
             raise StoreError(f"this process's shard {shard[0]} must be among the owned shards {self.owned}")
         self.owns_all = self.owned == (0, shard[1])
-        # master weights and optimizer state: the owned range of each group, back to back
-        self.owned_starts: list[int] = []
-        owned_total = 0
-        for group in range(self.n_groups):
-            self.owned_starts.append(owned_total)
-            owned_total += _align(self.owned_numel(group))
-        # gradients: this shard's slice of each group, back to back
-        self.grad_starts: list[int] = []
-        grad_total = 0
-        for group in range(self.n_groups):
-            self.grad_starts.append(grad_total)
-            grad_total += _align(self.shard_numel(group))
+        self.frozen = frozenset(frozen)
+        # master weights: the owned range of each group, back to back; optimizer state likewise, frozen groups left out
+        self.owned_starts, owned_total = self._starts(self.owned_numel)
+        self.state_starts, state_total = self._starts(self.state_numel)
+        # gradients: this shard's slice of each group, back to back (none of a frozen group)
+        self.grad_starts, grad_total = self._starts(self.grad_numel)
 
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
         if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
@@ -178,7 +175,7 @@ class HostStore:
             raise StoreError(f"first_disk_group must be in 0..{self.n_groups}, got {first_disk_group}")
         # groups from here on keep their optimizer state in files (all of it in RAM without a state_dir)
         self.first_disk_group = first_disk_group if state_dir is not None else self.n_groups
-        ram_numel = self.owned_starts[self.first_disk_group] if self.first_disk_group < self.n_groups else owned_total
+        ram_numel = self.state_starts[self.first_disk_group] if self.first_disk_group < self.n_groups else state_total
         self._state_maps: dict[str, np.memmap] = {}
         on_disk = self.first_disk_group < self.n_groups
         # one thread reads ahead, one writes behind: the disk serves both directions at once
@@ -187,7 +184,7 @@ class HostStore:
         for name in self.state_names:
             self.arenas[f"state.{name}"] = self._allocate(self.master_dtype, ram_numel, name=f"state.{name}")
             if on_disk:
-                self._map(name, owned_total - ram_numel)
+                self._map(name, state_total - ram_numel)
 
         should_pin = cuda_available() if pin is None else pin
         wire_arena = "wire" if "wire" in self.arenas else "master"
@@ -202,13 +199,29 @@ class HostStore:
                 self._pin(name)
         self.pin_seconds = time.perf_counter() - start
 
+    def _starts(self, numel) -> tuple[list[int], int]:
+        """(each group's aligned start in an arena holding `numel(group)` elements of each, back to back; its size)."""
+        starts, total = [], 0
+        for group in range(self.n_groups):
+            starts.append(total)
+            total += _align(numel(group))
+        return starts, total
+
+    def grad_numel(self, group: int) -> int:
+        """Elements of `group`'s gradient this process lands (its shard; none where frozen)."""
+        return 0 if group in self.frozen else self.shard_numel(group)
+
+    def state_numel(self, group: int) -> int:
+        """Elements of `group`'s optimizer state this store holds (its owned range; none where frozen)."""
+        return 0 if group in self.frozen else self.owned_numel(group)
+
     def _pin(self, arena: str) -> None:
         self.pinned[arena] = pin_in_place(self.arenas[arena])
         if self.pinned[arena]:
             self._pinned_ptrs.append(self.arenas[arena].data_ptr())
 
     def _pool_numel(self, grad_pool: float) -> int:
-        largest = _align(max(self.shard_numel(group) for group in range(self.n_groups)))
+        largest = _align(max(self.grad_numel(group) for group in range(self.n_groups)))
         return _align(math.ceil(grad_pool * largest))
 
     def resize_grad_pool(self, grad_pool: float) -> None:
@@ -255,13 +268,13 @@ class HostStore:
 
     def _disk_offset(self, group: int) -> int:
         """Where `group`'s optimizer state starts in the state files, in elements."""
-        return self.owned_starts[group] - self.owned_starts[self.first_disk_group]
+        return self.state_starts[group] - self.state_starts[self.first_disk_group]
 
     def _state_range(self, name: str, group: int) -> tuple[mmap.mmap, int, int]:
         """The page-aligned byte range of `group` in state file `name`."""
         array = self._state_maps[name]
         start = self._disk_offset(group) * array.itemsize
-        end = start + self.owned_numel(group) * array.itemsize
+        end = start + self.state_numel(group) * array.itemsize
         page = mmap.PAGESIZE
         return array._mmap, start // page * page, end - start // page * page
 
@@ -346,10 +359,13 @@ class HostStore:
     def _slice(self, arena: str, group: int) -> Tensor:
         if arena == "grad":
             start = self.grad_starts[group]
-            return self.arenas[arena][start : start + self.shard_numel(group)]
+            return self.arenas[arena][start : start + self.grad_numel(group)]
         if arena in ("wire", "reference"):  # (whole groups, whatever this host owns)
             start = self.starts[group]
             return self.arenas[arena][start : start + self.layouts[group].numel]
+        if arena.startswith("state."):
+            start = self.state_starts[group]
+            return self.arenas[arena][start : start + self.state_numel(group)]
         start = self.owned_starts[group]
         return self.arenas[arena][start : start + self.owned_numel(group)]
 
@@ -428,7 +444,7 @@ class HostStore:
             raise StoreError(f"no optimizer state named {name!r}; this store holds {list(self.state_names)}")
         if group >= self.first_disk_group:
             start = self._disk_offset(group)
-            return torch.from_numpy(self._state_maps[name][start : start + self.owned_numel(group)])
+            return torch.from_numpy(self._state_maps[name][start : start + self.state_numel(group)])
         return self._slice(f"state.{name}", group)
 
     def master_views(self, group: int) -> dict[str, Tensor]:

@@ -378,8 +378,10 @@ class _GenericStage:
         self.groups = tuple(tuple(_spec(name, self.shapes[name]) for name in group) for group in groups)
 
     def _spans(self, buffers: list[Tensor]):
-        """(name, its flat span of the buffer bound to its group)."""
+        """(name, its flat span of the buffer bound to its group; a group without one, frozen, has none)."""
         for names, buffer in zip(self.param_groups, buffers):
+            if buffer is None:
+                continue
             offset = 0
             for name in names:
                 numel = int(torch.Size(self.shapes[name]).numel())
@@ -396,17 +398,23 @@ class _GenericStage:
 
     def accumulate(self, grads: list[Tensor], views: dict, outputs, grad_outputs, inputs=()) -> tuple:
         """autograd.grad of `outputs` w.r.t. `inputs` and the parameter leaves `views`; the parameters' gradients are
-        added into the flat fp32 `grads`; returns the inputs' gradients."""
-        leaves = [views[name] for name in self.names]
+        added into the flat fp32 `grads` (None for a frozen group's: none is computed); returns the inputs'
+        gradients."""
+        trained = self._trained(grads)
+        leaves = [views[name] for name in trained]
         found = torch.autograd.grad(outputs, [*inputs, *leaves], grad_outputs, allow_unused=True)
-        self._add(grads, found[len(inputs) :])
+        self._add(grads, dict(zip(trained, found[len(inputs) :])))
         return found[: len(inputs)]
 
+    def _trained(self, grads: list) -> list[str]:
+        """The parameter names of the groups that take a gradient (a frozen group's buffer is None)."""
+        return [name for names, grad in zip(self.param_groups, grads) if grad is not None for name in names]
+
     def _add(self, grads: list[Tensor], found) -> None:
-        """The parameters' gradients (in `self.names` order; None: unused) added into the flat fp32 `grads`."""
-        by_name = dict(zip(self.names, found))
+        """The parameters' gradients (name -> gradient; None or absent: unused) added into the flat fp32 `grads`."""
+        by_name = found if isinstance(found, dict) else dict(zip(self.names, found))
         for name, span in self._spans(grads):
-            if by_name[name] is not None:
+            if by_name.get(name) is not None:
                 span.add_(by_name[name].reshape(-1).to(span.dtype))
 
 

@@ -87,6 +87,10 @@ class ImageTextSkeleton(HFSkeleton):
         return max(lists, key=len)
 
     @cached_property
+    def tower_prefix(self) -> str:
+        return next(name for name, m in self.model.named_modules() if m is self.tower) + "."
+
+    @cached_property
     def width(self) -> int:
         """The width of the tower's blocks' hidden states."""
         config = self.config.vision_config
@@ -356,9 +360,18 @@ class Connector(_ImageTextStage):
         return found[0] if found and found[0] is not None else torch.zeros_like(x)
 
 
+def part_of(skeleton: ImageTextSkeleton, name: str) -> str:
+    """Which part of the model a parameter is, as LLaMA-Factory's freeze_* options name them: the projector (a
+    `multi_modal_projector`, Qwen's `merger`), the vision tower (the rest of the tower), or the language model."""
+    if "projector" in name or ".merger." in name:
+        return "multi_modal_projector"
+    return "vision_tower" if name.startswith(skeleton.tower_prefix) else "language_model"
+
+
 def build_image_text_model(config):
-    """The `ModelSpec` of an image-text model: groups [the tower's embedding, each of its blocks, the connector
-    (tower's end, projector, token embedding), each decoder layer, the head], one stage each."""
+    """The `ModelSpec` of an image-text model: groups [the tower's embedding, each of its blocks, the connector's
+    (the tower's end, the projector, the token embedding: a group per part, so that each can be frozen alone),
+    each decoder layer, the head], one stage each."""
     from .checkpoint_layout import CheckpointLayout
     from .model import Group, ModelSpec, StageSpec
 
@@ -373,9 +386,15 @@ def build_image_text_model(config):
     for index, names in enumerate(parts.vision_blocks):
         groups.append(group(f"vision.block{index}", names))
         stages.append(StageSpec(f"vision.block{index}", VisionBlock(skeleton, index, tuple(names)), (len(groups) - 1,)))
-    embed = len(groups)
-    groups.append(group("embed", parts.embedding))
-    stages.append(StageSpec("embed", Connector(skeleton, (tuple(parts.embedding),)), (embed,)))
+    connector = {}  # part -> its names among the connector's
+    for name in parts.embedding:
+        connector.setdefault(part_of(skeleton, name), []).append(name)
+    labels = {"vision_tower": "vision.end", "multi_modal_projector": "projector", "language_model": "embed"}
+    bound = tuple(range(len(groups), len(groups) + len(connector)))
+    groups += [group(labels[part], names) for part, names in connector.items()]
+    embed = groups.index(next(g for g in groups if g.name == "embed"))
+    connector_names = tuple(tuple(names) for names in connector.values())
+    stages.append(StageSpec("embed", Connector(skeleton, connector_names), bound))
     for index, names in enumerate(parts.layers):
         groups.append(group(f"layer{index}", names))
         stages.append(StageSpec(f"layer{index}", GenericLayer(skeleton, index, tuple(names)), (len(groups) - 1,)))
@@ -383,7 +402,9 @@ def build_image_text_model(config):
     head = len(groups) - 1
     tied = config.tie_embeddings
     bound = (embed, head) if tied else (head,)
-    names = (tuple(parts.embedding), tuple(parts.head)) if tied else (tuple(parts.head),)
+    names = (connector["language_model"], tuple(parts.head)) if tied else (tuple(parts.head),)
     text = skeleton.text_config
     stages.append(StageSpec("head", GenericHead(skeleton, names, text.hidden_size, text.vocab_size), bound))
-    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=CheckpointLayout(skeleton))
+    group_parts = tuple(part_of(skeleton, g.params[0].name) if g.params else "vision_tower" for g in groups)
+    layout = CheckpointLayout(skeleton)
+    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=layout, group_parts=group_parts)
