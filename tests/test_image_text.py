@@ -17,6 +17,21 @@ from megatrain_optim import Schedule, lr_at
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
 QWEN_VISION = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+TEXT = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FIXED_SIZE_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, patch_size=14
+)
 FAMILIES = {
     "qwen2_5_vl": dict(
         vocab_size=256,
@@ -44,6 +59,24 @@ FAMILIES = {
             fullatt_block_indexes=[1],
             **QWEN_VISION,
         ),
+    ),
+    # SigLIP's tower (its pooling head off, as Gemma 3's published configs have it), pooled to 4 tokens an image,
+    # a tied head, soft caps and windows of its own decoder
+    "gemma3": dict(
+        text_config=dict(model_type="gemma3_text", **TEXT, sliding_window=4, query_pre_attn_scalar=16),
+        vision_config=dict(model_type="siglip_vision_model", **FIXED_SIZE_VISION, image_size=56, vision_use_head=False),
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE,
+        boi_token_index=START,
+        eoi_token_index=END,
+    ),
+    # CLIP's tower whose second-last block's output the projector takes (the last block is stored, never run)
+    "llava": dict(
+        text_config=dict(model_type="llama", **TEXT),
+        vision_config=dict(model_type="clip_vision_model", **FIXED_SIZE_VISION, image_size=28, projection_dim=32),
+        image_token_index=IMAGE,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
     ),
 }
 SEQ = 24
@@ -88,6 +121,30 @@ def qwen_rows(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torc
     return ids, labels, media
 
 
+def fixed_size_rows(family: str, rows: int, generator: torch.Generator) -> tuple:
+    """As `qwen_rows`, for towers of fixed-size images ([1, 3, size, size] pixels, 4 tokens each): rows with one or
+    two images, or none; Gemma 3's token types (1 at image tokens) for every row."""
+    size = FAMILIES[family]["vision_config"]["image_size"]
+    ids = torch.randint(3, IMAGE, (rows, SEQ), generator=generator)
+    media = []
+    for row in range(rows):
+        n_images = row % 3
+        for image in range(n_images):
+            ids[row, 2 + 8 * image : 6 + 8 * image] = IMAGE
+        pixels = {"pixel_values": torch.randn(n_images, 3, size, size, generator=generator)} if n_images else {}
+        if family == "gemma3":
+            pixels["token_type_ids"] = (ids[row : row + 1] == IMAGE).long()
+        media.append(pixels)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[(labels >= IMAGE) | (torch.rand(rows, SEQ, generator=generator) < 0.2)] = -100
+    return ids, labels, media
+
+
+def rows_of(family: str, rows: int, generator: torch.Generator) -> tuple:
+    return qwen_rows(rows, generator) if family == "qwen2_5_vl" else fixed_size_rows(family, rows, generator)
+
+
 def batch_inputs(media: list[dict]) -> dict:
     """The whole batch's processor outputs, as transformers' model takes them."""
     names = dict.fromkeys(name for row in media for name in row)
@@ -109,7 +166,7 @@ def trainer_of(hf_dir, tmp_path, grad_clip: float, steps: int, frozen=(), device
         schedule="cosine",
     )
     config = Config(
-        model=ModelSection(hf_dir=str(hf_dir)),
+        model=ModelSection(hf_dir=str(hf_dir), image_text=True),  # (Gemma 3's text model alone is its default)
         data=DataSection(seq_len=SEQ),
         train=train,
         precision=PrecisionSection("float32"),
@@ -176,7 +233,7 @@ def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, devi
     optimizer = adamw_decaying_matrices(reference, train)
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
-        ids, labels, media = qwen_rows(train.batch_size, generator)
+        ids, labels, media = rows_of(family, train.batch_size, generator)
         metrics = trainer.train_step(ids, labels, media=media)
         loss, norm = reference_step(reference, optimizer, train, step, grad_clip, ids, labels, media)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5), step
@@ -189,7 +246,7 @@ def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, devi
         assert rel_err(ours[name].detach(), param.detach()) < 1e-4, name
         if name in frozen_names:
             assert torch.equal(ours[name].detach(), initial[name]), name
-    ids, labels, media = qwen_rows(3, generator)
+    ids, labels, media = rows_of(family, 3, generator)
     with torch.no_grad():
         expected = reference(input_ids=ids, **batch_inputs(media)).logits
         assert rel_err(reloaded(input_ids=ids, **batch_inputs(media)).logits, expected) < 1e-5

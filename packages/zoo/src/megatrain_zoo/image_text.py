@@ -50,6 +50,7 @@ class ImageTextParts(Parts):
 
     vision_embedding: list[str] = ()
     vision_blocks: list[list[str]] = ()
+    unused: list[str] = ()  # the tower's blocks after the one whose output the model takes: stored, never run
 
 
 @dataclass
@@ -79,12 +80,37 @@ class ImageTextSkeleton(HFSkeleton):
         raise GenericError(f"{type(self.model).__name__} has no vision tower the image-text path recognises")
 
     @cached_property
-    def blocks(self) -> nn.ModuleList:
+    def all_blocks(self) -> nn.ModuleList:
         """The tower's list of blocks: its longest ModuleList."""
         lists = [m for m in self.tower.modules() if isinstance(m, nn.ModuleList)]
         if not lists:
             raise GenericError(f"{type(self.tower).__name__} has no list of blocks the image-text path recognises")
         return max(lists, key=len)
+
+    @cached_property
+    def blocks(self) -> nn.ModuleList:
+        """The blocks whose output reaches the decoder: all, or those up to the one whose hidden states the model
+        takes (LLaVA's `vision_feature_layer` -2 leaves the last out), found by which blocks' outputs the first
+        decoder layer's input depends on (zero weights, a marker added to each block's output)."""
+        markers = [torch.zeros((), requires_grad=True) for _ in self.all_blocks]
+        reached = []
+
+        def vision(call, index, hidden, *args, **kwargs):
+            return hidden + markers[index]
+
+        def first_layer(index, hidden, *args, **kwargs):
+            reached.append(hidden)
+            raise _Reached(hidden)
+
+        zeros = {name: torch.zeros((), dtype=p.dtype).expand(p.shape) for name, p in self.model.named_parameters()}
+        with torch.enable_grad():
+            with contextlib.suppress(_Reached):
+                self._run_blocks(self.all_blocks, zeros, probe_inputs(self), None, first_layer, vision)
+            found = torch.autograd.grad(reached[0].sum(), markers, allow_unused=True)
+        used = [index for index, grad in enumerate(found) if grad is not None]
+        if not used:
+            raise GenericError(f"{type(self.model).__name__}'s decoder reads no output of its vision tower's blocks")
+        return nn.ModuleList(self.all_blocks[: used[-1] + 1])
 
     @cached_property
     def tower_prefix(self) -> str:
@@ -99,21 +125,26 @@ class ImageTextSkeleton(HFSkeleton):
     def run(self, weights, inputs, documents, stand_in, head=False, vision=None):
         """`HFSkeleton.run`, each of the tower's blocks replaced by `vision(call, index, hidden_states, *args,
         **kwargs)` (`call`: the how-manyth call of the tower in this forward), or passing its input through."""
+        return self._run_blocks(self.blocks, weights, inputs, documents, stand_in, vision, head)
+
+    def _run_blocks(self, blocks, weights, inputs, documents, stand_in, vision, head=False):
+        """`run` with `blocks` (the first of the tower's) stood in for; the rest pass their input through."""
         calls = [-1]
 
         def block(hidden_states, *args, _index, **kwargs):
             calls[0] += _index == 0
-            out = hidden_states if vision is None else vision(calls[0], _index, hidden_states, *args, **kwargs)
-            return self.block_output(out)
+            if vision is None or _index >= len(blocks):
+                return self.block_output(hidden_states)
+            return self.block_output(vision(calls[0], _index, hidden_states, *args, **kwargs))
 
-        for index, module in enumerate(self.blocks):
+        for index, module in enumerate(self.all_blocks):
             module.forward = lambda hidden_states, *args, _index=index, **kwargs: block(
                 hidden_states, *args, _index=_index, **kwargs
             )
         try:
-            return super().run(weights, inputs, documents, stand_in, head)
+            return HFSkeleton.run(self, weights, inputs, documents, stand_in, head)
         finally:
-            for module in self.blocks:
+            for module in self.all_blocks:
                 del module.forward
 
     block_output = staticmethod(_hidden_states)  # (how the tower reads a block's output)
@@ -122,9 +153,10 @@ class ImageTextSkeleton(HFSkeleton):
         """The generic parts (the text forward's), the tower's split off them by one forward on a small image: what
         it calls before its first block, each block, and the rest it calls before the first decoder layer (the
         tower's end, the projector), which the connector stage binds beside the token embedding."""
+        self.blocks  # noqa: B018 (traced first: the text forward's trace must not see its forward's modules)
         text = super()._parts()
         before, between = self._tower_trace()
-        in_blocks = {id(p) for block in self.blocks for p in block.parameters()}
+        in_blocks = {id(p) for block in self.all_blocks for p in block.parameters()}
         tower_ids = {id(p) for p in self.tower.parameters()}
         vision_embedding = dict.fromkeys(
             id(p) for m in before for p in m.parameters(recurse=False) if id(p) in tower_ids and id(p) not in in_blocks
@@ -132,12 +164,14 @@ class ImageTextSkeleton(HFSkeleton):
         connector = dict.fromkeys(self.names[id(p)] for m in between for p in m.parameters(recurse=False))
         connector = [n for n in connector if n not in text.embedding] + list(text.embedding)
         block_names = [[self.names[id(p)] for p in block.parameters()] for block in self.blocks]
+        unused = [self.names[id(p)] for block in self.all_blocks[len(self.blocks) :] for p in block.parameters()]
         taken = {*connector, *(self.names[i] for i in vision_embedding), *(n for b in block_names for n in b)}
-        taken |= {n for layer in text.layers for n in layer}
+        taken |= {n for layer in text.layers for n in layer} | set(unused)
         return ImageTextParts(
             embedding=connector,
             layers=text.layers,
             head=[n for n in self.names.values() if n not in taken],
+            unused=unused,
             head_reads_embedding=text.head_reads_embedding,
             vision_embedding=[self.names[i] for i in vision_embedding],
             vision_blocks=block_names,
@@ -146,7 +180,7 @@ class ImageTextSkeleton(HFSkeleton):
     def _tower_trace(self) -> tuple[list[nn.Module], list[nn.Module]]:
         """(the modules the forward calls before the tower's first block, those after its last block and before the
         first decoder layer), on a small image with zero weights; refuses a module with weights between blocks."""
-        inside = {id(m) for block in self.blocks for m in block.modules()} | {
+        inside = {id(m) for block in self.all_blocks for m in block.modules()} | {
             id(m) for layer in self.layers for m in layer.modules()
         }
         phases: list[list[nn.Module]] = [[], [], []]
@@ -405,6 +439,9 @@ def build_image_text_model(config):
     names = (connector["language_model"], tuple(parts.head)) if tied else (tuple(parts.head),)
     text = skeleton.text_config
     stages.append(StageSpec("head", GenericHead(skeleton, names, text.hidden_size, text.vocab_size), bound))
-    group_parts = tuple(part_of(skeleton, g.params[0].name) if g.params else "vision_tower" for g in groups)
+    group_parts = [part_of(skeleton, g.params[0].name) if g.params else "vision_tower" for g in groups]
+    if parts.unused:  # (stored and exported, never run: no stage binds them)
+        groups.append(group("vision.unused", parts.unused))
+        group_parts.append("unused")
     layout = CheckpointLayout(skeleton)
-    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=layout, group_parts=group_parts)
+    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=layout, group_parts=tuple(group_parts))

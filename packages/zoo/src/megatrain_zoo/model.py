@@ -57,12 +57,14 @@ class ModelSpec:
     # a model of transformers' own modules: how its family's checkpoints name and lay out its weights
     checkpoint_layout: Any = None
     # an image-text model's part of each group: "vision_tower", "multi_modal_projector" or "language_model" (what
-    # train.freeze_* names); empty: a text model's, all language model
+    # train.freeze_* names), or "unused" (tower blocks after those whose output the model takes: always frozen);
+    # empty: a text model's, all language model
     group_parts: tuple[str, ...] = ()
 
     def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
-        """The groups of the parts `frozen_parts` names (those keep no gradient and no optimizer state)."""
-        return frozenset(g for g, part in enumerate(self.group_parts) if part in frozen_parts)
+        """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
+        state)."""
+        return frozenset(g for g, part in enumerate(self.group_parts) if part in frozen_parts or part == "unused")
 
     def checkpoint_names_to_ignore(self, name: str) -> bool:
         """Tensors a Hugging Face checkpoint may carry that this model does not store."""
