@@ -46,7 +46,7 @@ for _name in DEPENDS:
 def integration(session: nox.Session) -> None:
     """Tests across packages, against plain PyTorch and Hugging Face transformers."""
     # accelerate: FP8 checkpoints; pytest-xdist: the tests in two processes (CI's two cores: 8 min -> under 4)
-    install(session, *DEPENDS["megatrain"], "megatrain", extra=("transformers", "accelerate", "pytest-xdist"))
+    install(session, *DEPENDS["megatrain"], "megatrain", extra=("transformers", "accelerate", "pillow", "pytest-xdist"))
     session.run("pytest", "-q", "-n", "2", "-m", "not gpu", "tests", *session.posargs)
 
 

@@ -119,6 +119,23 @@ def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
     return "".join(pieces)
 
 
+def marked_media_text(tokenizer, ids: list[int], labels: list[int], placeholders: dict[int, str]) -> str:
+    """`marked_text` with each run of N image (video) placeholder tokens shown as <image x N> (<video x N>)."""
+    pieces, start = [], 0
+    while start < len(ids):
+        end = start
+        if ids[start] in placeholders:
+            while end < len(ids) and ids[end] == ids[start]:
+                end += 1
+            pieces.append(f"<{placeholders[ids[start]]} x {end - start}>")
+        else:
+            while end < len(ids) and ids[end] not in placeholders:
+                end += 1
+            pieces.append(marked_text(tokenizer, ids[start:end], labels[start:end]))
+        start = end
+    return "".join(pieces)
+
+
 def pair_record(batch, pair: int) -> dict:
     """Pair `pair` of a batch of pairs (rows 2 * pair, 2 * pair + 1) as TRL tokenizes one: the prompt's ids, then
     each sequence's ids and labels in the Hugging Face convention (see `hf_labels`), padding left out."""
@@ -178,6 +195,7 @@ def run_data(config, args) -> None:
 
     from .config import ConfigError, model_config_of
     from .data import PairWindows, TokenWindows, load_token_data, load_tokenizer
+    from .multimodal import MediaRows, MultimodalRows
 
     if config.train.objective == "grpo":
         return dump_prompts(config, args)
@@ -202,7 +220,12 @@ def run_data(config, args) -> None:
     if data.pairs:
         dump_pairs(PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed), args.dump, tokenizer)
         return
-    windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+    placeholders = {}
+    if isinstance(data.train, MediaRows):
+        windows = MultimodalRows(data.train, train.batch_size, config.data.shuffle, train.seed)
+        placeholders = data.train.placeholders
+    else:
+        windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
     shown, step = 0, 0
     while shown < args.dump:
         batch = windows.batch(step)
@@ -212,7 +235,7 @@ def run_data(config, args) -> None:
             ids, labels = batch.input_ids[row].tolist(), hf_labels(batch, row)
             if tokenizer is not None:
                 print(f"--- sequence {shown} (step {step}, row {row}); trained spans in ⟦ ⟧")
-                print(marked_text(tokenizer, ids, labels))
+                print(marked_media_text(tokenizer, ids, labels, placeholders))
             else:
                 record = {"input_ids": ids, "labels": labels}
                 if batch.position_ids is not None:

@@ -293,7 +293,7 @@ def load_token_data(
     if pairs:
         rows = preference_rows(data, dpo or DPOSection(), loaded, tokenizer, eos, cache_dir, seed)
     else:
-        rows = records_to_rows(data, loaded, tokenizer, eos, cache_dir, seed)
+        rows = records_to_rows(data, loaded, tokenizer, eos, cache_dir, seed, model_dir)
     check_tokens(np.asarray(rows.train.tokens).reshape(-1), vocab_size, f"tokens of {data.dataset}")
     report = list(rows.report)
     if rows.template_source is not None:

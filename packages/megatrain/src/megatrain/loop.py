@@ -34,6 +34,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
+from .multimodal import MediaRows, MultimodalRows, check_media_model, media_of
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
@@ -203,7 +204,9 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
     batches = windows.in_order(trainer.config.train.batch_size)
     bar = tqdm(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main, file=sys.stderr)
     for _, batch in zip(range(n_batches), batches):
-        loss_sum, n_targets = trainer.evaluate(batch.input_ids, batch.labels, batch.position_ids, batch.valid)
+        loss_sum, n_targets = trainer.evaluate(
+            batch.input_ids, batch.labels, batch.position_ids, batch.valid, media=media_of(batch)
+        )
         total_loss += loss_sum
         total_targets += n_targets
         bar.update(1)
@@ -277,6 +280,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
         else:
             data = load_data(config, model, out, ranks)
             check_objective_data(config, data)
+            if isinstance(data.train, MediaRows):
+                check_media_model(data.train, model, config.model.hf_dir)
         objective = config.train.objective
         ref_model = {"dpo": config.train.dpo.ref_model, "grpo": config.train.grpo.ref_model}.get(objective)
         if ref_model is not None:
@@ -367,6 +372,10 @@ class TrainingRun:
                 self.reference = reference_scores(trainer, data.train, cache)
                 if data.validation is not None:
                     self.validation_reference = reference_scores(trainer, data.validation, cache, "validation")
+        elif isinstance(data.train, MediaRows):  # rows with images: each step's pixels made when it comes
+            self.windows = MultimodalRows(data.train, train.batch_size, config.data.shuffle, train.seed)
+            if data.validation is not None:
+                self.validation = MultimodalRows(data.validation, 1, shuffle=False, seed=0)
         else:
             self.windows = TokenWindows(
                 data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed
@@ -442,7 +451,13 @@ class TrainingRun:
             if self.reference is not None:
                 reference = step_reference(self.reference, self.windows.pair_indices(step), batch)
             metrics = trainer.train_step(
-                batch.input_ids, batch.labels, batch.position_ids, batch.valid, reference, sequences=batch.sequences
+                batch.input_ids,
+                batch.labels,
+                batch.position_ids,
+                batch.valid,
+                reference,
+                sequences=batch.sequences,
+                media=media_of(batch),
             )
         self._record(metrics.as_dict() | made_metrics)
         postfix = {

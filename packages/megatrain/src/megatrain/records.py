@@ -67,7 +67,7 @@ DEFAULT_TAGS = {
         "system_tag": "system",
     },
 }
-UNSUPPORTED_COLUMNS = ("images", "videos", "audios", "chosen", "rejected", "kto_tag")
+UNSUPPORTED_COLUMNS = ("audios", "chosen", "rejected", "kto_tag")  # (images and videos: multimodal.py)
 PAIR_COLUMNS = ("chosen", "rejected")  # read in ranking entries only
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
 CACHE_FORMAT = 4
@@ -120,7 +120,7 @@ def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
     columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
     bad = sorted(set(columns) & (set(UNSUPPORTED_COLUMNS) - (set(PAIR_COLUMNS) if ranking else set())))
     if bad or unknown:
-        raise ConfigError(f"{where} uses {bad + unknown}, which megatrain does not support (text records only)")
+        raise ConfigError(f"{where} uses {bad + unknown}, which megatrain does not support (text, images, videos)")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt"):
         raise ConfigError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
@@ -521,9 +521,16 @@ def _stream(examples: Examples) -> Tokens:
 
 
 def records_to_rows(
-    data: DataSection, tokenizer, tokenizer_path: Path, eos: str, cache_dir: Path, seed: int
+    data: DataSection,
+    tokenizer,
+    tokenizer_path: Path,
+    eos: str,
+    cache_dir: Path,
+    seed: int,
+    model_dir: Path | None = None,
 ) -> RecordData:
-    """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`)."""
+    """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`); records with images
+    or videos go through the processor of `model_dir` instead (multimodal.py), uncached."""
     sources = resolve_sources(data)
     if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
         raise ConfigError("data.dataset names preference pairs: read them with megatrain.preference.preference_rows")
@@ -547,6 +554,13 @@ def records_to_rows(
             )
     all_records = [load_records(s) for s in sources]
     validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None
+    from .multimodal import media_columns, media_rows  # (it builds on this module)
+
+    if any(media_columns(s, r) for s, r in zip(sources, all_records)):
+        pad = pad_token_id(tokenizer, eos)
+        args = (data, sources, all_records, validation_records, tokenizer, template, pad, seed, model_dir)
+        train, validation, lines = media_rows(*args)
+        return RecordData(train, validation, lines, template.source)
     fingerprints = [getattr(r, "_fingerprint", "") or s.location for r, s in zip(all_records, sources)]
     if validation_records is not None:
         fingerprints.append(getattr(validation_records, "_fingerprint", "") or data.validation)
