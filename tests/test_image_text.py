@@ -78,6 +78,13 @@ FAMILIES = {
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     ),
+    # Pixtral's tower (2D rotary positions, images of any size: `image_sizes`), a patch-merging projector
+    "mistral3": dict(
+        text_config=dict(model_type="mistral", **TEXT),
+        vision_config=dict(model_type="pixtral", **FIXED_SIZE_VISION, image_size=56, head_dim=16),
+        image_token_index=IMAGE,
+        spatial_merge_size=2,
+    ),
 }
 SEQ = 24
 
@@ -132,6 +139,8 @@ def fixed_size_rows(family: str, rows: int, generator: torch.Generator) -> tuple
         for image in range(n_images):
             ids[row, 2 + 8 * image : 6 + 8 * image] = IMAGE
         pixels = {"pixel_values": torch.randn(n_images, 3, size, size, generator=generator)} if n_images else {}
+        if family == "mistral3" and n_images:
+            pixels["image_sizes"] = torch.tensor([[size, size]] * n_images)
         if family == "gemma3":
             pixels["token_type_ids"] = (ids[row : row + 1] == IMAGE).long()
         media.append(pixels)

@@ -339,8 +339,8 @@ class Parts:
 
 
 def _decoder_layers(base: nn.Module, n_layers: int) -> nn.ModuleList:
-    """The decoder's ModuleList of its layers."""
-    for module in base.children():
+    """The decoder's ModuleList of its layers (a child's, or deeper: Llama 4's language model is a causal LM)."""
+    for module in [*base.children(), *base.modules()]:
         if isinstance(module, nn.ModuleList) and len(module) == n_layers:
             return module
     raise GenericError(f"{type(base).__name__} has no list of {n_layers} decoder layers the generic path recognises")

@@ -20,6 +20,7 @@ Gemma 3's pooling, LLaVA's feature selection) is exact by construction. The towe
 """
 
 import contextlib
+import inspect
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,6 +36,7 @@ from .generic import (
     Parts,
     _GenericStage,
     _hidden_states,
+    _hidden_states_first,
     _output,
     _Reached,
     _spec,
@@ -103,10 +105,22 @@ class ImageTextSkeleton(HFSkeleton):
             raise _Reached(hidden)
 
         zeros = {name: torch.zeros((), dtype=p.dtype).expand(p.shape) for name, p in self.model.named_parameters()}
-        with torch.enable_grad():
-            with contextlib.suppress(_Reached):
-                self._run_blocks(self.all_blocks, zeros, probe_inputs(self), None, first_layer, vision)
-            found = torch.autograd.grad(reached[0].sum(), markers, allow_unused=True)
+        failures = []
+        for form in (_hidden_states, _hidden_states_first):  # (how the tower reads a block's output)
+            self.block_output = form
+            try:
+                with torch.enable_grad():
+                    with contextlib.suppress(_Reached):
+                        self._run_blocks(self.all_blocks, zeros, probe_inputs(self), None, first_layer, vision)
+                    found = torch.autograd.grad(reached[0].sum(), markers, allow_unused=True)
+                break
+            except Exception as error:  # noqa: BLE001 (the wrong form breaks the tower's forward)
+                failures.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        else:
+            raise GenericError(
+                f"{type(self.model).__name__}'s forward cannot run with its vision tower's blocks streamed "
+                f"({'; '.join(failures)})"
+            )
         used = [index for index, grad in enumerate(found) if grad is not None]
         if not used:
             raise GenericError(f"{type(self.model).__name__}'s decoder reads no output of its vision tower's blocks")
@@ -130,17 +144,17 @@ class ImageTextSkeleton(HFSkeleton):
     def _run_blocks(self, blocks, weights, inputs, documents, stand_in, vision, head=False):
         """`run` with `blocks` (the first of the tower's) stood in for; the rest pass their input through."""
         calls = [-1]
+        hidden_name = list(inspect.signature(type(self.all_blocks[0]).forward).parameters)[1]  # (after self)
 
-        def block(hidden_states, *args, _index, **kwargs):
+        def block(*args, _index, **kwargs):
+            hidden_states, args = (args[0], args[1:]) if args else (kwargs.pop(hidden_name), ())
             calls[0] += _index == 0
             if vision is None or _index >= len(blocks):
                 return self.block_output(hidden_states)
             return self.block_output(vision(calls[0], _index, hidden_states, *args, **kwargs))
 
         for index, module in enumerate(self.all_blocks):
-            module.forward = lambda hidden_states, *args, _index=index, **kwargs: block(
-                hidden_states, *args, _index=_index, **kwargs
-            )
+            module.forward = lambda *args, _index=index, **kwargs: block(*args, _index=_index, **kwargs)
         try:
             return HFSkeleton.run(self, weights, inputs, documents, stand_in, head)
         finally:
@@ -208,7 +222,8 @@ class ImageTextSkeleton(HFSkeleton):
         if shared:
             raise GenericError(
                 f"{type(self.model).__name__}'s vision tower calls {type(shared[0]).__name__} between its blocks "
-                "(features taken from inside the tower), which the image-text path cannot stream yet"
+                "(features taken from inside the tower, as Qwen3-VL's deepstack mergers are), which the image-text "
+                "path cannot stream yet"
             )
         return phases[0], phases[2]
 
@@ -262,10 +277,11 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
         patch = channels * vision.temporal_patch_size * vision.patch_size**2
         pixels = {"pixel_values": torch.zeros(4 * merge * merge, patch), "image_grid_thw": grid}
         tokens = 4
-    else:  # (a fixed-size image: Gemma 3's pooled tokens, or LLaVA's patches)
+    else:  # (a fixed-size image: Gemma 3's pooled tokens, LLaVA's patches, Pixtral's merged ones)
         size = vision.image_size
         pixels = {"pixel_values": torch.zeros(1, channels, size, size)}
-        tokens = getattr(config, "mm_tokens_per_image", None) or (size // vision.patch_size) ** 2
+        side = size // vision.patch_size // (getattr(config, "spatial_merge_size", None) or 1)
+        tokens = getattr(config, "mm_tokens_per_image", None) or side**2
         if getattr(config, "vision_feature_select_strategy", "default") == "full":
             tokens += 1  # (the class token kept)
     ids = torch.full((1, tokens + 2), image_token)
@@ -273,6 +289,11 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
     start = getattr(config, "vision_start_token_id", None)
     if start is not None:
         ids[0, 0] = start
+    takes = inspect.signature(type(skeleton.model.base_model).forward).parameters
+    if "image_sizes" in takes and "image_grid_thw" not in pixels:
+        pixels["image_sizes"] = torch.tensor([[size, size]])
+    if "mm_token_type_ids" in takes:  # (which tokens are an image's, for the multimodal rotary positions)
+        pixels["mm_token_type_ids"] = (ids == image_token).int()
     return {"input_ids": ids, **pixels}
 
 
