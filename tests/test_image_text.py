@@ -259,3 +259,24 @@ def check_trains_like_transformers(family: str, grad_clip: float, tmp_path, devi
     with torch.no_grad():
         expected = reference(input_ids=ids, **batch_inputs(media)).logits
         assert rel_err(reloaded(input_ids=ids, **batch_inputs(media)).logits, expected) < 1e-5
+
+
+def test_the_plan_counts_frozen_parts_as_weights_only(tmp_path):
+    """A frozen tower's parameters cost their fp32 master alone in the plan (no gradient, no moments), as the store
+    allocates them, and the plan says so."""
+    from megatrain.plan import Machine, Planner, format_plan
+    from megatrain.rates import Rates
+
+    image_text_model({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, 0).save_pretrained(tmp_path / "hf")
+    plans = {}
+    for frozen in ((), ("vision_tower",)):
+        trainer = trainer_of(tmp_path / "hf", tmp_path, 0.5, steps=1, frozen=frozen)
+        config, model = trainer.config, trainer.model_config
+        planner = Planner(config, model, Rates(), Machine(gpu_memory=80 * 2**30, host_memory=None))
+        plans[frozen] = planner.plan(trainer.placement)
+        tower = sum(trainer.store.layouts[g].numel for g in trainer.spec.frozen_groups({"vision_tower"}))
+        trainer.close()
+    whole, frozen = plans[()], plans[("vision_tower",)]
+    assert whole.host_bytes - frozen.host_bytes == tower * 12  # (gradient and two moments, fp32 each)
+    assert frozen.frozen_params == tower and frozen.frozen_parts == ("vision_tower",)
+    assert "frozen parameters (vision_tower) hold weights only" in format_plan(frozen, "tiny")

@@ -169,6 +169,8 @@ class Plan:
     reference_tokens_per_s: float = 0.0  # DPO's reference pass, forward only (0: none)
     reference_copy: bool = False  # the store keeps the reference weights GRPO's KL streams (in host_bytes)
     generation_host_bytes: int = 0  # host copies GRPO's streamed generation keeps (in host_bytes)
+    frozen_params: int = 0  # an image-text model's frozen parts' parameters: weights only, no gradient or moments
+    frozen_parts: tuple[str, ...] = ()  # which (train.freeze_*)
 
     @property
     def experts_per_stage(self) -> int:
@@ -528,7 +530,7 @@ class Planner:
 
     def optimizer_s(self, placement: Placement) -> float:
         """The CPU AdamW of every group not resident (this host's part of them where the hosts split the state)."""
-        cpu_params = self.model.n_params - self.params(placement.resident)
+        cpu_params = self.model.n_params - self.frozen_params - self.params(placement.resident)
         return cpu_params / (self.machine.hosts if self.split else 1) / self.rates.cpu_adam_params_per_s
 
     def _wire(self) -> int:
@@ -943,6 +945,8 @@ class Planner:
             host_kept_bytes=self.machine.gpus * len(placement.host_kept) * stage_products,
             stage_names=self.names,
             reference_tokens_per_s=self.reference_tokens_per_s(placement),
+            frozen_params=self.frozen_params,
+            frozen_parts=tuple(sorted({self.spec.group_parts[g] for g in self.frozen} - {"unused"})),
             reference_copy=self.reference_copy,
             generation_host_bytes=self.generation_host_bytes,
         )
@@ -1101,6 +1105,12 @@ def format_plan(plan: Plan, model_name: str) -> str:
         + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else "")
         + (f"; gradient pool of {plan.gradient_pool:g} largest groups" if plan.gradient_pool else "")
         + ("; with GRPO's KL reference weights" if plan.reference_copy else "")
+        + (
+            f"; {plan.frozen_params / 1e9:.2f}B frozen parameters ({', '.join(plan.frozen_parts) or 'unused'}) hold "
+            "weights only"
+            if plan.frozen_params
+            else ""
+        )
         + (
             f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation"
             if plan.generation_host_bytes
