@@ -171,6 +171,17 @@ def test_ids_equal_the_processor_and_only_assistant_turns_train(model_dir, tmp_p
         assert targets.tolist() == answer["input_ids"]
 
 
+def test_a_messages_file_with_images_beside_it_reads_without_a_registry(model_dir, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    records = demo_records(folder, n=3)
+    (folder / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = DataSection(dataset=str(folder / "chat.jsonl"), format="messages", seq_len=96)
+    loaded = load_token_data(data, VOCAB, tmp_path / "cache", model_dir, TURN_END)
+    assert [len(row.images) for row in loaded.train.inputs] == [len(r["images"]) for r in records]
+    assert all(path.startswith(str(folder)) for row in loaded.train.inputs for path in row.images)
+
+
 def run_config(tmp_path, model_dir, data: dict | None = None, model: dict | None = None, **train) -> str:
     config = {
         "model": {"hf_dir": str(model_dir)} | (model or {}),
@@ -193,7 +204,11 @@ def test_a_run_through_the_cli_trains_on_images_and_dumps_them(model_dir, tmp_pa
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2] and all(np.isfinite(m["loss"]) for m in steps)
-    assert any("val_loss" in m for m in metrics)
+    evals = [m for m in metrics if "val_loss" in m]
+    assert [m["step"] for m in evals] == [2]
+    assert main(["eval", "--config", path, "--checkpoint", str(tmp_path / "run" / "final")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[0]["val_loss"], rel=1e-5)
 
     assert main(["data", "--config", path, "--dump", "2", "--text"]) == 0
     shown = capsys.readouterr().out

@@ -194,8 +194,8 @@ def run_data(config, args) -> None:
     import json
 
     from .config import ConfigError, model_config_of
-    from .data import PairWindows, TokenWindows, load_token_data, load_tokenizer
-    from .multimodal import MediaRows, MultimodalRows
+    from .data import PairWindows, load_token_data, load_tokenizer
+    from .multimodal import MediaRows, row_windows
 
     if config.train.objective == "grpo":
         return dump_prompts(config, args)
@@ -220,12 +220,8 @@ def run_data(config, args) -> None:
     if data.pairs:
         dump_pairs(PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed), args.dump, tokenizer)
         return
-    placeholders = {}
-    if isinstance(data.train, MediaRows):
-        windows = MultimodalRows(data.train, train.batch_size, config.data.shuffle, train.seed)
-        placeholders = data.train.placeholders
-    else:
-        windows = TokenWindows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+    windows = row_windows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+    placeholders = data.train.placeholders if isinstance(data.train, MediaRows) else {}
     shown, step = 0, 0
     while shown < args.dump:
         batch = windows.batch(step)
@@ -295,8 +291,8 @@ def run_convert(args) -> None:
 def run_eval(config, args) -> None:
     import json
 
-    from .data import TokenWindows
     from .loop import evaluate, load_data
+    from .multimodal import row_windows
 
     if config.train.objective == "dpo":
         return run_pair_eval(config, args)
@@ -311,7 +307,7 @@ def run_eval(config, args) -> None:
     try:
         data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
-        windows = TokenWindows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
+        windows = row_windows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
         result = evaluate(trainer, windows, args.batches, leave=True)
     finally:
         trainer.close()

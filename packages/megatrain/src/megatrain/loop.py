@@ -34,7 +34,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
-from .multimodal import MediaRows, MultimodalRows, check_media_model, media_of
+from .multimodal import MediaRows, check_media_model, media_of, row_windows
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
@@ -372,16 +372,12 @@ class TrainingRun:
                 self.reference = reference_scores(trainer, data.train, cache)
                 if data.validation is not None:
                     self.validation_reference = reference_scores(trainer, data.validation, cache, "validation")
-        elif isinstance(data.train, MediaRows):  # rows with images: each step's pixels made when it comes
-            self.windows = MultimodalRows(data.train, train.batch_size, config.data.shuffle, train.seed)
-            if data.validation is not None:
-                self.validation = MultimodalRows(data.validation, 1, shuffle=False, seed=0)
-        else:
-            self.windows = TokenWindows(
+        else:  # (rows with images: MultimodalRows, each step's pixels made when it comes)
+            self.windows = row_windows(
                 data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed
             )
             if data.validation is not None:
-                self.validation = TokenWindows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
+                self.validation = row_windows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
         if self.resume is not None:
             manifest = load_checkpoint(trainer, self.resume)
             if self.rollouts is not None:

@@ -164,7 +164,7 @@ def open_image(path: str, where: str):
 def check_placeholders(messages: list[dict], counts: dict[str, int], where: str) -> None:
     """One `<image>` (`<video>`) placeholder in the text per image (video) of the record."""
     for kind, placeholder in PLACEHOLDERS.items():
-        written = sum(str(m["content"]).count(placeholder) for m in messages)
+        written = sum(m["content"].count(placeholder) for m in messages if isinstance(m["content"], str))
         if written != counts[kind]:
             raise ConfigError(
                 f"{where} has {written} {placeholder} placeholders in its text but {counts[kind]} {kind}; "
@@ -172,10 +172,10 @@ def check_placeholders(messages: list[dict], counts: dict[str, int], where: str)
             )
 
 
-def with_media(content: str, tokens: dict[str, str], items: dict[str, bool]):
+def with_media(content, tokens: dict[str, str], items: dict[str, bool]):
     """A turn's text with its placeholders as the template takes them: content items ({"type": "image"}) where the
     template renders them, else the processor's own token in the text."""
-    if not any(placeholder in content for placeholder in PLACEHOLDERS.values()):
+    if not isinstance(content, str) or not any(placeholder in content for placeholder in PLACEHOLDERS.values()):
         return content  # (a turn of text alone renders as in text records)
     kind_of = {PLACEHOLDERS[kind]: kind for kind in tokens}
     pieces = re.split("(" + "|".join(map(re.escape, kind_of)) + ")", content)
@@ -281,7 +281,7 @@ class MediaEncoder:
         counts = {kind: len(paths) for kind, paths in files.items()}
         check_placeholders(messages, counts, where)
         self.check_media_support(counts, where)
-        messages = [m | {"content": with_media(str(m["content"]), self.tokens, self.items)} for m in messages]
+        messages = [m | {"content": with_media(m["content"], self.tokens, self.items)} for m in messages]
         try:
             text, spans, end_of_turn = render_conversation(self.template, messages, tools)
         except (jinja2.TemplateError, ValueError, TypeError) as error:
@@ -476,6 +476,13 @@ class MultimodalRows(TokenWindows):
             item, where = self.media_rows.inputs[index], f"training row {index}"
             media.append(row_media(run_processor(self.processor, item, where), batch.input_ids[row], where))
         return MediaBatch(batch.input_ids, batch.labels, batch.position_ids, batch.valid, media=media)
+
+
+def row_windows(tokens, seq_len: int, batch_size: int, shuffle: bool, seed: int) -> TokenWindows:
+    """The batches of a run's rows: `MultimodalRows` for rows with media, else `TokenWindows`."""
+    if isinstance(tokens, MediaRows):
+        return MultimodalRows(tokens, batch_size, shuffle, seed)
+    return TokenWindows(tokens, seq_len, batch_size, shuffle, seed)
 
 
 def check_media_model(data: MediaRows, model, hf_dir: str | None) -> None:
