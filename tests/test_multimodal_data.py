@@ -292,9 +292,13 @@ def test_images_for_the_text_model_of_an_image_text_model_are_refused(model_dir)
         check_media_model(rows, text_model, str(model_dir))
 
 
-def test_images_without_the_models_processor_are_refused(tmp_path):
+def test_images_without_the_models_processor_are_refused(model_dir, tmp_path):
     write_dataset(tmp_path, demo_records(tmp_path, n=3))
     tokenizer = tmp_path / "tokenizer.json"
     Tokenizer(models.BPE()).save(str(tokenizer))
     with pytest.raises(ConfigError, match="set model.hf_dir"):
         load_token_data(data_section(tmp_path, tokenizer=str(tokenizer)), VOCAB, tmp_path / "cache", None)
+    text_model = text_model_dir(model_dir, tmp_path / "text_model")
+    (text_model / "processor_config.json").unlink()  # (AutoProcessor gives it its tokenizer alone)
+    with pytest.raises(ConfigError, match="has no (image )?processor"):
+        load_token_data(data_section(tmp_path), VOCAB, tmp_path / "cache", text_model, TURN_END)

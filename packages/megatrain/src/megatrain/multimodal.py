@@ -53,7 +53,7 @@ def load_processor(model_dir: str):
             "(pip install 'megatrain[transformers]')"
         ) from None
     try:
-        return transformers.AutoProcessor.from_pretrained(model_dir)
+        processor = transformers.AutoProcessor.from_pretrained(model_dir)
     except ImportError as error:  # (transformers >= 5.4 builds image-text processors with torchvision)
         raise ConfigError(
             f"the processor of {model_dir} cannot be loaded: {str(error).strip().splitlines()[0]}; install the "
@@ -65,6 +65,13 @@ def load_processor(model_dir: str):
             f"{str(error)[:200]}); copy the model's processor files (preprocessor_config.json or "
             "processor_config.json) into it"
         ) from error
+    media = [getattr(processor, name, None) for name in ("image_processor", "video_processor")]
+    if not hasattr(processor, "tokenizer") or not any(media):  # (AutoProcessor gives a text model its tokenizer)
+        raise ConfigError(
+            f"model.hf_dir {model_dir} has no image processor: records with images need an image-text model's "
+            "directory, its processor files (preprocessor_config.json or processor_config.json) included"
+        )
+    return processor
 
 
 def placeholder_tokens(processor) -> dict[str, str]:
