@@ -285,7 +285,8 @@ def mlp_width_per_token(model: ModelConfig) -> int:
 def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
     """GPU bytes per token that one kept layer's products hold (the largest kind's); 0 where the layers always
     recompute."""
-    templates = [stage.template for stage in _built(model, 0).stages[1:-1]]
+    spec = _built(model, 0)
+    templates = [spec.stages[spec.layer_stage(layer)].template for layer in range(model.n_layers)]
     keeps = all(callable(getattr(t, "forward_keeping_products", None)) for t in templates)
     return max(t.product_bytes_per_token(element_size) for t in templates) if keeps else 0
 

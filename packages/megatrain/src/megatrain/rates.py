@@ -278,18 +278,18 @@ def measure_gpu_rates(
     largest = max(range(model.n_layers), key=model.layer_params)
     kinds: dict[tuple, list[int]] = {}
     for layer in range(model.n_layers):
-        template = spec.stages[layer + 1].template
+        template = spec.stages[spec.layer_stage(layer)].template
         kind = getattr(template, "kind", None) or (block_shape(model, layer), model.layer_is_moe(layer))
         kinds.setdefault(kind, []).append(layer)
     keepable = [
-        callable(getattr(spec.stages[layer + 1].template, "forward_keeping_products", None))
+        callable(getattr(spec.stages[spec.layer_stage(layer)].template, "forward_keeping_products", None))
         for layer in range(model.n_layers)
     ]
     x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
 
     def passes(layer: int) -> tuple[Callable[[], None], Callable[[], None]]:
         """Layer `layer`'s recomputing pass and its pass keeping its products."""
-        block = spec.stages[layer + 1].template
+        block = spec.stages[spec.layer_stage(layer)].template
         weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
         grads = [torch.zeros(block.numel, device="cuda")]
 

@@ -147,6 +147,11 @@ def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str
     trains whole (`image_text.py`) where `image_text` is true, or auto and megatrain has no native template for its
     text model; else its text model alone."""
     whole = image_text is True or (image_text == "auto" and not has_template(hf))
+    if "vision_config" in hf and not whole and hf.get("model_type") not in _TEXT_MODEL_OF:
+        raise ZooError(
+            f"{hf.get('model_type')}'s text model cannot train alone (megatrain reads it alone only from Gemma 3, "
+            "Llama 4, Mistral 3 and Qwen3.5 checkpoints); set model.image_text: auto to train the whole model"
+        )
     if "vision_config" in hf and whole:
         if importlib.util.find_spec("transformers") is None:
             raise ZooError(

@@ -290,7 +290,7 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
     if start is not None:
         ids[0, 0] = start
     takes = inspect.signature(type(skeleton.model.base_model).forward).parameters
-    if "image_sizes" in takes and "image_grid_thw" not in pixels:
+    if "image_sizes" in inspect.signature(type(skeleton.tower).forward).parameters:  # (Pixtral: images of any size)
         pixels["image_sizes"] = torch.tensor([[size, size]])
     if "mm_token_type_ids" in takes:  # (which tokens are an image's, for the multimodal rotary positions)
         pixels["mm_token_type_ids"] = (ids == image_token).int()

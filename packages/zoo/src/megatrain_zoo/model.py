@@ -61,6 +61,11 @@ class ModelSpec:
     # empty: a text model's, all language model
     group_parts: tuple[str, ...] = ()
 
+    def layer_stage(self, layer: int) -> int:
+        """The stage of decoder layer `layer` (whole layers: no expert parts): after the embedding, or after an
+        image-text model's vision stages."""
+        return next(i for i, stage in enumerate(self.stages) if stage.name == "layer0") + layer
+
     def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
         """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
         state)."""
