@@ -206,7 +206,10 @@ def test_a_run_through_the_cli_trains_on_images_and_dumps_them(model_dir, tmp_pa
     assert [m["step"] for m in steps] == [1, 2] and all(np.isfinite(m["loss"]) for m in steps)
     evals = [m for m in metrics if "val_loss" in m]
     assert [m["step"] for m in evals] == [2]
-    assert main(["eval", "--config", path, "--checkpoint", str(tmp_path / "run" / "final")]) == 0
+    final = tmp_path / "run" / "final"  # (the whole image-text model, its processor's files beside it)
+    processor_files = [(final / name).exists() for name in ("preprocessor_config.json", "processor_config.json")]
+    assert any(processor_files) and (final / "tokenizer.json").exists()
+    assert main(["eval", "--config", path, "--checkpoint", str(final)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[0]["val_loss"], rel=1e-5)
 

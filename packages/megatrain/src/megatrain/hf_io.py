@@ -402,7 +402,10 @@ class _ConvertedGroup:
         return self.tensors.pop(key)
 
 
+# copied beside tokenizer.json into an export: the tokenizer's, and an image-text model's processor's
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES += ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+TOKENIZER_FILES += ("chat_template.json",)
 
 
 def write_hf_directory(
