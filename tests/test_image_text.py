@@ -291,3 +291,28 @@ def test_the_plan_counts_frozen_parts_as_weights_only(tmp_path):
     assert whole.host_bytes - frozen.host_bytes == tower * 12  # (gradient and two moments, fp32 each)
     assert frozen.frozen_params == tower and frozen.frozen_parts == ("vision_tower",)
     assert "frozen parameters (vision_tower) hold weights only" in format_plan(frozen, "tiny")
+
+
+def test_a_resumed_run_with_a_frozen_tower_equals_one_run(tmp_path):
+    """Checkpoints of an image-text model (a frozen tower's weights, no optimizer state for it) resume bit-exactly:
+    two steps, a checkpoint, two more in a new trainer equal four steps in one."""
+    from megatrain.checkpoint import load_checkpoint, save_checkpoint
+
+    image_text_model({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, 1).save_pretrained(tmp_path / "hf")
+    generator = torch.Generator().manual_seed(1)
+    batches = [rows_of("qwen2_5_vl", 6, generator) for _ in range(4)]
+    frozen = ("vision_tower",)
+    whole = trainer_of(tmp_path / "hf", tmp_path / "whole", 0.5, steps=4, frozen=frozen)
+    losses = [whole.train_step(ids, labels, media=media).loss for ids, labels, media in batches]
+    first = trainer_of(tmp_path / "hf", tmp_path / "first", 0.5, steps=4, frozen=frozen)
+    for ids, labels, media in batches[:2]:
+        first.train_step(ids, labels, media=media)
+    saved = save_checkpoint(first, tmp_path / "checkpoints")
+    first.close()
+    resumed = trainer_of(tmp_path / "hf", tmp_path / "resumed", 0.5, steps=4, frozen=frozen)
+    load_checkpoint(resumed, saved)
+    assert [resumed.train_step(ids, labels, media=media).loss for ids, labels, media in batches[2:]] == losses[2:]
+    ours, theirs = resumed.named_weights(), whole.named_weights()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    whole.close()
+    resumed.close()

@@ -186,7 +186,10 @@ def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master",
         for part in covered:
             place[part] = (name, offset)
             offset += 0 if split_precision_of(part) else numel[part]
+    frozen = store.frozen if arena.startswith("state.") else ()
     for group in range(store.n_groups):
+        if group in frozen:  # (a frozen group keeps no optimizer state)
+            continue
         with store.writing(group, arena) as views:
             targets: dict[str, list] = {}
             for part, view in views.items():
