@@ -141,6 +141,26 @@ def timed_steps(trainer, batch, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def bench_config(args, freeze_vision_tower: bool) -> Config:
+    train = TrainSection(
+        steps=10**6,
+        batch_size=args.rows,
+        micro_batch_size=args.micro_batch,
+        grad_clip=args.grad_clip,
+        lr=1e-5,
+        freeze_vision_tower=freeze_vision_tower,
+    )
+    return Config(
+        model=ModelSection(preset="tiny"),  # (the model is given whole)
+        data=DataSection(seq_len=args.seq_len),
+        train=train,
+        precision=PrecisionSection("auto"),
+        engine=EngineSection(),
+        device="auto",
+        output_dir=tempfile.mkdtemp(),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-vl-7b")
@@ -156,40 +176,36 @@ def main() -> None:
     args = parser.parse_args()
     hf = MODELS[args.model]
     model = generic_model_config(hf, image_text=True)
-    config = Config(
-        model=ModelSection(preset="tiny"),  # (the model is given whole below)
-        data=DataSection(seq_len=args.seq_len),
-        train=TrainSection(
-            steps=10**6, batch_size=args.rows, micro_batch_size=args.micro_batch, grad_clip=args.grad_clip, lr=1e-5
-        ),
-        precision=PrecisionSection("auto"),
-        engine=EngineSection(),
-        device="auto",
-        output_dir=tempfile.mkdtemp(),
-    )
-    trainer = BenchTrainer(config, model)
     ids, labels, media, patches = rows_with_media(args, hf)
+    items = f"{args.images_per_row} images of {args.image_size}^2 and a clip of {args.video_frames} frames per row"
+    runs = [  # (scope, the tower frozen, the step's media)
+        ("images and video, the whole model trained", False, media),
+        ("images and video, the vision tower frozen", True, media),
+        ("text alone", True, None),
+    ]
     rows = []
-    for scope, batch in (("images and video", (ids, labels, media)), ("text alone", (ids, labels, None))):
-        seconds = timed_steps(trainer, batch, args.steps)
-        row = base_row("megatrain", args.model, model, args.seq_len, args.rows, args.micro_batch, seconds)
-        text = flops_per_token(model, args.seq_len) * ids.numel()
-        work = text + (vision_flops(hf, args, patches) if batch[2] is not None else 0.0)
-        row |= {"scope": scope, "model_tflops": round(work / seconds / 1e12, 1)}
-        row |= {"placement": trainer.pipeline.executed.as_dict() if trainer.pipeline.executed else None}
-        if batch[2] is not None:
-            items = f"{args.images_per_row} images of {args.image_size}^2 and a clip of {args.video_frames} frames"
-            row["note"] = f"{patches} patches ({items} per row)"
-        rows.append(row)
-        print(table([row], ["scope", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops"]), flush=True)
-    trainer.close()
+    for frozen in (False, True):  # (a trainer each: the host holds one 8B model's state at a time)
+        trainer = BenchTrainer(bench_config(args, frozen), model)
+        for scope, _, step_media in (run for run in runs if run[1] == frozen):
+            seconds = timed_steps(trainer, (ids, labels, step_media), args.steps)
+            row = base_row("megatrain", args.model, model, args.seq_len, args.rows, args.micro_batch, seconds)
+            work = flops_per_token(model, args.seq_len) * ids.numel()
+            if step_media is not None:  # (a frozen tower runs forward only)
+                work += vision_flops(hf, args, patches) / (3 if frozen else 1)
+                row["note"] = f"{patches} patches ({items})"
+            row |= {"scope": scope, "model_tflops": round(work / seconds / 1e12, 1)}
+            row["placement"] = trainer.pipeline.executed.as_dict() if trainer.pipeline.executed else None
+            rows.append(row)
+            print(table([row], ["scope", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops"]), flush=True)
+        trainer.close()
     payload = {
         "benchmark": f"{args.model} trained whole (vision tower streamed) on one GPU, against its text-only rate",
         "machine": machine(),
         "commands": ["python " + " ".join(sys.argv)],
         "notes": [
             "Random weights, pixels and tokens; every state in host memory (fp32 masters, AdamW moments); bf16 compute.",
-            "model_tflops of the images row count the vision tower's FLOPs (benchmarks/image_text.py vision_flops).",
+            "model_tflops of the image rows count the vision tower's FLOPs (benchmarks/image_text.py vision_flops): "
+            "forward and backward where it trains, its forward alone where it is frozen.",
         ],
         "results": rows,
     }

@@ -316,3 +316,35 @@ def test_a_resumed_run_with_a_frozen_tower_equals_one_run(tmp_path):
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
     whole.close()
     resumed.close()
+
+
+@pytest.mark.gpu
+def test_gpu_vision_attention_in_one_varlen_call_equals_a_call_per_window(monkeypatch):
+    """On the GPU in bf16 the tower's windowed and full attention run as one varlen flash call per block: its output
+    and gradients equal transformers' call per window (SDPA) within bf16 rounding."""
+    from megatrain_templates import Media
+    from megatrain_zoo import image_text
+    from megatrain_zoo.generic import generic_model_config
+    from megatrain_zoo.model import build_model
+
+    spec = build_model(generic_model_config({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, image_text=True))
+    ids, _, media = qwen_rows(6, torch.Generator().manual_seed(0))
+    media = Media.of_rows(ids, media).to("cuda")
+    patches = media.tensors["pixel_values"].shape[0] + media.tensors["pixel_values_videos"].shape[0]
+    assert image_text._varlen_available()  # (torch has the kernel; the attention is registered)
+    results = []
+    for varlen in (True, False):
+        monkeypatch.setattr(image_text, "_varlen_available", lambda varlen=varlen: varlen)
+        for index in (0, 1):  # (a windowed block, a full-attention one)
+            block = spec.stages[1 + index].template
+            generator = torch.Generator(device="cuda").manual_seed(index)
+            weights = [(torch.randn(block.numel, device="cuda", generator=generator) * 0.1).bfloat16()]
+            width = block.skeleton.width
+            x = torch.randn(patches, width, device="cuda", generator=generator).bfloat16()
+            grads = [torch.zeros(block.numel, device="cuda")]
+            out = block.forward(weights, x, media=media)
+            grad_x = block.backward(weights, x, torch.ones_like(out), grads, media=media)
+            results.append((out.float(), grad_x.float(), grads[0]))
+    for fast, own in zip(results[:2], results[2:]):
+        for a, b in zip(fast, own):
+            assert rel_err(a, b) < 2e-2

@@ -20,6 +20,7 @@ Gemma 3's pooling, LLaVA's feature selection) is exact by construction. The towe
 """
 
 import contextlib
+import functools
 import inspect
 import json
 from dataclasses import dataclass
@@ -44,6 +45,40 @@ from .generic import (
 
 # where transformers' image-text models keep their vision tower
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
+# the tower's attention on the GPU in half precision: every window and image in one call of torch's flash varlen
+# kernel ("flash" in the name: transformers then gives the attention its cu_seqlens instead of a call per window)
+VARLEN_ATTENTION = "megatrain_flash_varlen"
+
+
+def varlen_attention(module, query, key, value, attention_mask=None, **kwargs):
+    """transformers' attention interface over the sequences `cu_seq_lens_q` delimits ([1, heads, tokens, head_dim]
+    in, [1, tokens, heads, head_dim] out) in one varlen flash call; without them transformers' SDPA."""
+    cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
+    max_q, max_k = kwargs.pop("max_length_q", None), kwargs.pop("max_length_k", None)
+    if cu_q is None or query.shape[0] != 1:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
+    out = varlen_attn(
+        q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), scale=kwargs.get("scaling"),
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+    return out.unsqueeze(0), None
+
+
+@functools.cache
+def _varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    return True
 
 
 @dataclass(frozen=True)
@@ -125,6 +160,19 @@ class ImageTextSkeleton(HFSkeleton):
         if not used:
             raise GenericError(f"{type(self.model).__name__}'s decoder reads no output of its vision tower's blocks")
         return nn.ModuleList(self.all_blocks[: used[-1] + 1])
+
+    @contextlib.contextmanager
+    def attention_for(self, x: Tensor):
+        """The tower's attention for a block call on `x`: one varlen flash call (CUDA, half precision), else the
+        model's own (SDPA: a call per window or image)."""
+        config = self.tower.config
+        fast = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _varlen_available()
+        own = config._attn_implementation
+        config._attn_implementation = VARLEN_ATTENTION if fast else own
+        try:
+            yield
+        finally:
+            config._attn_implementation = own
 
     @cached_property
     def tower_prefix(self) -> str:
@@ -355,15 +403,17 @@ class VisionBlock(_ImageTextStage):
         super().__init__(skeleton, (names,))
         self.index, self.module = index, skeleton.blocks[index]
         self.prefix = next(n for n, m in skeleton.model.named_modules() if m is self.module) + "."
+        self.numel = sum(spec.numel for spec in self.groups[0])
 
     def _call(self, views: dict, x: Tensor, documents, media) -> Tensor:
         recorded = self.skeleton.recorded(media, x, documents)
         local = {name.removeprefix(self.prefix): value for name, value in views.items()}
         outputs = []
-        for patches, blocks in zip(x.split(recorded.sizes), recorded.blocks):
-            args, kwargs = blocks[self.index]
-            call = torch.func.functional_call(self.module, local, (patches, *args), kwargs, strict=False)
-            outputs.append(_output(call))
+        with self.skeleton.attention_for(x):
+            for patches, blocks in zip(x.split(recorded.sizes), recorded.blocks):
+                args, kwargs = blocks[self.index]
+                call = torch.func.functional_call(self.module, local, (patches, *args), kwargs, strict=False)
+                outputs.append(_output(call))
         return torch.cat(outputs) if outputs else x
 
     def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
