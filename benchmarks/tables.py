@@ -404,6 +404,29 @@ def grpo_speed(rows: list[dict]) -> Table:
     return Table(header, body, chosen, align="llrrrrrr")
 
 
+def image_text(rows: list[dict]) -> Table:
+    """An image-text model trained whole on one GPU beside its text-only rate: the newest rows of
+    `benchmarks/image_text.py`."""
+    chosen = list(
+        newest([r for r in rows if r["file"].startswith("image-text")], lambda r: (r["model"], r["scope"])).values()
+    )
+    chosen.sort(key=lambda r: (r["model"], r["scope"] == "text alone", r["scope"]))
+    body = [
+        [
+            r["model"],
+            r["scope"],
+            num(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            f"**{num(r['tokens_per_s'])}**",
+            num(r["model_tflops"]),
+            r.get("note") or "-",
+        ]
+        for r in chosen
+    ]
+    header = ["model", "step", "tokens", "time", "tokens/s", "model TFLOPS", "vision input"]
+    return Table(header, body, chosen, align="llrrrrl")
+
+
 MOE_MODELS = [
     "olmoe-1b-7b",
     "qwen1.5-moe-a2.7b",
@@ -924,6 +947,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "generic-template": generic_template,
     "grpo-toy": grpo_toy,
     "grpo-speed": grpo_speed,
+    "image-text": image_text,
     "moe-steps": moe_steps,
     "moe-expert-parts": moe_expert_parts,
     "moe-layers": moe_layers,

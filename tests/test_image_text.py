@@ -5,6 +5,7 @@ projector or the language model frozen (those keep no gradient and no optimizer 
 nothing before it trains) or nothing; the exported directory reloads in transformers' image-text auto class with
 equal weights and logits."""
 
+import functools
 import inspect
 
 import pytest
@@ -80,6 +81,40 @@ FAMILIES = {
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     ),
+    # Qwen3.5's tower (learned position embeddings) before its hybrid decoder (Gated DeltaNet on three of four
+    # layers, transformers' own delta rule on both sides)
+    "qwen3_5": dict(
+        text_config=dict(
+            model_type="qwen3_5_text",
+            **TEXT,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },  # fmt: skip
+        )
+        | dict(num_hidden_layers=4),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            **QWEN_VISION,
+        ),  # fmt: skip
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    ),
     # Pixtral's tower (2D rotary positions, images of any size: `image_sizes`), a patch-merging projector
     "mistral3": dict(
         text_config=dict(model_type="mistral", **TEXT),
@@ -103,14 +138,14 @@ def image_text_model(hf_config: dict, seed: int):
     return model.eval()
 
 
-def qwen_rows(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+def qwen_rows(rows: int, generator: torch.Generator, token_types: bool, videos: bool = True) -> tuple:
     """(input_ids, megatrain's labels, each row's processor outputs): rows with an image of a few patches' grid at a
     random place, or a video clip of two frames, or none; the tokens after each are trained."""
     patch = 3 * QWEN_VISION["temporal_patch_size"] * QWEN_VISION["patch_size"] ** 2
     ids = torch.randint(3, IMAGE, (rows, SEQ), generator=generator)
     media = []
     for row in range(rows):
-        kind = row % 3
+        kind = row % 3 if videos or row % 3 != 1 else 0
         if kind == 2:  # (text alone)
             media.append({})
             continue
@@ -124,7 +159,7 @@ def qwen_rows(rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torc
         grid = torch.tensor([[t, h, w]])
         media.append({"pixel_values": pixels, "image_grid_thw": grid} if kind == 0 else
                      {"pixel_values_videos": pixels, "video_grid_thw": grid})  # fmt: skip
-    if "mm_token_type_ids" in inspect.signature(transformers.Qwen2_5_VLModel.forward).parameters:
+    if token_types:
         for row, pixels in enumerate(media):  # (the processor's: 1 at image tokens, 2 at video tokens; every row)
             types = (ids[row : row + 1] == IMAGE).int() + 2 * (ids[row : row + 1] == VIDEO).int()
             media[row] = {**pixels, "mm_token_type_ids": types}
@@ -157,7 +192,20 @@ def fixed_size_rows(family: str, rows: int, generator: torch.Generator) -> tuple
 
 
 def rows_of(family: str, rows: int, generator: torch.Generator) -> tuple:
-    return qwen_rows(rows, generator) if family == "qwen2_5_vl" else fixed_size_rows(family, rows, generator)
+    if "temporal_patch_size" not in FAMILIES[family]["vision_config"]:
+        return fixed_size_rows(family, rows, generator)
+    # (Qwen3.5 places a video's frames apart, with their times between them: its rows hold images)
+    return qwen_rows(rows, generator, takes_token_types(family), videos=family == "qwen2_5_vl")
+
+
+@functools.cache
+def takes_token_types(family: str) -> bool:
+    """Whether the installed transformers' model takes `mm_token_type_ids` (5.24's Qwen models place their 3-D
+    rotary positions by them), so that the processor makes them."""
+    config = transformers.AutoConfig.for_model(model_type=family, **FAMILIES[family])
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    return "mm_token_type_ids" in inspect.signature(type(model.base_model).forward).parameters
 
 
 def batch_inputs(media: list[dict]) -> dict:
@@ -328,7 +376,7 @@ def test_gpu_vision_attention_in_one_varlen_call_equals_a_call_per_window(monkey
     from megatrain_zoo.model import build_model
 
     spec = build_model(generic_model_config({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, image_text=True))
-    ids, _, media = qwen_rows(6, torch.Generator().manual_seed(0))
+    ids, _, media = rows_of("qwen2_5_vl", 6, torch.Generator().manual_seed(0))
     media = Media.of_rows(ids, media).to("cuda")
     patches = media.tensors["pixel_values"].shape[0] + media.tensors["pixel_values_videos"].shape[0]
     assert image_text._varlen_available()  # (torch has the kernel; the attention is registered)

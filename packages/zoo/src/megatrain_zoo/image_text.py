@@ -62,10 +62,9 @@ def varlen_attention(module, query, key, value, attention_mask=None, **kwargs):
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
-    out = varlen_attn(
-        q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), scale=kwargs.get("scaling"),
-        enable_gqa=k.shape[1] != q.shape[1],
-    )  # fmt: skip
+    if k.shape[1] != q.shape[1]:  # (grouped keys: torch 2.11's kernel takes as many as queries)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out = varlen_attn(q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), scale=kwargs.get("scaling"))
     return out.unsqueeze(0), None
 
 
