@@ -262,12 +262,13 @@ def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[i
 def resident_stages(spec, layers: int) -> tuple[int, ...]:
     """The stages (of a built model `spec`) whose masters and moments live on the GPU for `layers` resident
     blocks: the first `layers` blocks and, with any, the embedding: it is the last gradient of a step and the
-    first weight of the next, so the step boundary then waits for no copy out, CPU update or copy in. Tied,
-    the head too (it binds the table; a stage binds resident groups only, or none)."""
+    first weight of the next, so the step boundary then waits for no copy out, CPU update or copy in. A later
+    stage binding one of their groups too (a head tied to the table, which an image-text model's first blocks
+    reach: a stage binds resident groups only, or none)."""
     if not layers:
         return ()
-    table = set(spec.stages[0].groups)
-    tied = tuple(i for i, stage in enumerate(spec.stages) if i > layers and table & set(stage.groups))
+    resident = {g for stage in spec.stages[: layers + 1] for g in stage.groups}
+    tied = tuple(i for i, stage in enumerate(spec.stages) if i > layers and resident & set(stage.groups))
     return (*range(layers + 1), *tied)
 
 
