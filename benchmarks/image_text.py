@@ -8,6 +8,7 @@ vision tower's work (its matrices on every patch, its window and full attention)
 """
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -198,6 +199,8 @@ def main() -> None:
             rows.append(row)
             print(table([row], ["scope", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops"]), flush=True)
         trainer.close()
+        del trainer  # (its host memory, before the next trainer takes its own)
+        gc.collect()
     payload = {
         "benchmark": f"{args.model} trained whole (vision tower streamed) on one GPU, against its text-only rate",
         "machine": machine(),
