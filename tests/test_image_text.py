@@ -420,3 +420,38 @@ def test_gpu_vision_attention_in_one_varlen_call_equals_a_call_per_window(monkey
     for fast, own in zip(results[:2], results[2:]):
         for a, b in zip(fast, own):
             assert rel_err(a, b) < 2e-2
+
+
+def test_what_the_image_text_path_cannot_train_is_refused_in_one_line():
+    """Qwen2.5-VL's text model alone (no native template reads it), and Qwen3-VL, whose tower feeds features from
+    inside it to the decoder's first layers (deepstack): one line each, naming the fix or the reason."""
+    from megatrain_zoo import ZooError, model_config_from_hf
+
+    with pytest.raises(ZooError, match="cannot train alone.*model.image_text: auto"):
+        model_config_from_hf({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, image_text=False)
+    qwen3_vl = {
+        "model_type": "qwen3_vl",
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            **TEXT,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        },  # fmt: skip
+        "vision_config": {
+            "model_type": "qwen3_vl",
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "deepstack_visual_indexes": [0, 1],
+            "num_position_embeddings": 16,
+            **QWEN_VISION,
+        },  # fmt: skip
+        "image_token_id": IMAGE,
+        "video_token_id": VIDEO,
+        "vision_start_token_id": START,
+        "vision_end_token_id": END,
+    }
+    with pytest.raises(ZooError, match="between its blocks.*deepstack") as refused:
+        model_config_from_hf(qwen3_vl)
+    assert "\n" not in str(refused.value)
