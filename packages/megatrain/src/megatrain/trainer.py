@@ -661,14 +661,18 @@ class Trainer:
         return named_wire(self.store)
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, media: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
         """Full-precision logits [batch, seq, vocab] of the current weights, stage by stage
-        (for evaluation and interop checks on small inputs; training never builds them)."""
+        (for evaluation and interop checks on small inputs; training never builds them). `media`: an image-text
+        model's rows' images (`micro_batches`)."""
         self.sync_store()
         x = input_ids.to(self.device)
+        kwargs = {}
+        if self.model_config.image_text:
+            kwargs["media"] = Media.of_rows(x, media or []).to(self.device)
         *body, head = self.spec.stages
         for stage in body:
-            x = stage.template.forward(self._device_weights(stage.groups), x)
+            x = stage.template.forward(self._device_weights(stage.groups), x, **kwargs)
         return head.template.logits(self._device_weights(head.groups), x)
 
     def _device_weights(self, groups: tuple[int, ...]) -> list[torch.Tensor]:
