@@ -275,14 +275,19 @@ class RankSync:
 class RankSharing(Sharing):
     """What a rank does once it has updated its shard of a group: mark it in the host's shared flags, so the host's
     other ranks may read the group; where the hosts split the state, first swap its updated slice of the weights with
-    the same local rank of the other hosts, from a thread of its own in update order (the optimizer moves on to the
-    next group while the network carries the last one)."""
+    the same local rank of the other hosts, from a thread of its own (the optimizer moves on to the next group while
+    the network carries the last one). The exchanges run in `order` (each step's host groups, the same on every
+    rank): the optimizer's update order depends on when each gradient landed, which differs between ranks, and
+    collectives issued in different orders pair one group's bytes with another's. An update that comes early is
+    held until the groups before it in `order` are updated."""
 
-    def __init__(self, sync: RankSync):
+    def __init__(self, sync: RankSync, order: list[int]):
         self.sync = sync
         self.exchanger = BackgroundStepper(enabled=sync.ranks.split_state)
+        self.order, self._next, self._held = list(order), 0, {}
 
     def updated(self, group: int, steps: int) -> None:
+        """Runs on the optimizer's worker (one thread)."""
         if not self.sync.ranks.split_state:
             self.sync.mark_applied(group, steps)
             return
@@ -291,7 +296,11 @@ class RankSharing(Sharing):
             self.sync.exchange_updated_weights(group)
             self.sync.mark_applied(group, steps)
 
-        self.exchanger.submit(group, exchange)
+        self._held[group] = exchange
+        while self.order[self._next] in self._held:
+            due = self.order[self._next]
+            self.exchanger.submit(due, self._held.pop(due))
+            self._next = (self._next + 1) % len(self.order)
 
     def mark(self, group: int, steps: int) -> None:
         self.sync.mark_applied(group, steps)

@@ -241,7 +241,10 @@ class Trainer:
             for group in stage.groups:
                 forward_order.setdefault(group, index)
         names = [group.name for group in self.spec.groups]
-        sharing = Sharing() if self.sync is None else RankSharing(self.sync)
+        host_groups = [g for g in range(self.store.n_groups) if g not in self.store.frozen]
+        # (split hosts swap updated weights in one order on every rank: the order each policy updates in, roughly)
+        exchange_order = host_groups if train.grad_clip > 0 else host_groups[::-1]
+        sharing = Sharing() if self.sync is None else RankSharing(self.sync, exchange_order)
         span = lambda name: self.timeline.host_span(name, "optimizer")  # noqa: E731
         self.updates = HostUpdates(self.optimizer, forward_order, names, sharing, span)
         if train.grad_clip > 0:
