@@ -33,36 +33,19 @@ TEXT = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# a Qwen tower's sizes and the tokens around its images
+QWEN_TOWER = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, **QWEN_VISION)
+QWEN_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
 FIXED_SIZE_VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, patch_size=14
 )
 FAMILIES = {
     "qwen2_5_vl": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TEXT,
+        **QWEN_TOKENS,
         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
         tie_word_embeddings=False,
-        vision_config=dict(
-            depth=3,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            window_size=56,
-            fullatt_block_indexes=[1],
-            **QWEN_VISION,
-        ),
+        vision_config=dict(depth=3, window_size=56, fullatt_block_indexes=[1], **QWEN_TOWER),
     ),
     # SigLIP's tower (its pooling head off, as Gemma 3's published configs have it), pooled to 4 tokens an image,
     # a tied head, soft caps and windows of its own decoder
@@ -99,22 +82,11 @@ FAMILIES = {
                 "partial_rotary_factor": 0.25,
                 "mrope_section": [1, 1, 0],
                 "mrope_interleaved": True,
-            },  # fmt: skip
+            },
         )
         | dict(num_hidden_layers=4),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            num_position_embeddings=16,
-            **QWEN_VISION,
-        ),  # fmt: skip
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
+        vision_config=dict(depth=2, num_position_embeddings=16, **QWEN_TOWER),
+        **QWEN_TOKENS,
     ),
     # Pixtral's tower (2D rotary positions, images of any size: `image_sizes`), a patch-merging projector
     "mistral3": dict(
@@ -405,10 +377,10 @@ def test_gpu_vision_attention_in_one_varlen_call_equals_a_call_per_window(monkey
     ids, _, media = rows_of("qwen2_5_vl", 6, torch.Generator().manual_seed(0))
     media = Media.of_rows(ids, media).to("cuda")
     patches = media.tensors["pixel_values"].shape[0] + media.tensors["pixel_values_videos"].shape[0]
-    assert image_text._varlen_available()  # (torch has the kernel; the attention is registered)
+    assert image_text._varlen_attention_registered()  # (torch has the kernel; the attention is registered)
     results = []
     for varlen in (True, False):
-        monkeypatch.setattr(image_text, "_varlen_available", lambda varlen=varlen: varlen)
+        monkeypatch.setattr(image_text, "_varlen_attention_registered", lambda varlen=varlen: varlen)
         for index in (0, 1):  # (a windowed block, a full-attention one)
             block = spec.stages[1 + index].template
             generator = torch.Generator(device="cuda").manual_seed(index)
@@ -431,29 +403,14 @@ def test_what_the_image_text_path_cannot_train_is_refused_in_one_line():
 
     with pytest.raises(ZooError, match="cannot train alone.*model.image_text: auto"):
         model_config_from_hf({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, image_text=False)
-    qwen3_vl = {
-        "model_type": "qwen3_vl",
-        "text_config": {
-            "model_type": "qwen3_vl_text",
-            **TEXT,
-            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-        },  # fmt: skip
-        "vision_config": {
-            "model_type": "qwen3_vl",
-            "depth": 3,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-            "deepstack_visual_indexes": [0, 1],
-            "num_position_embeddings": 16,
-            **QWEN_VISION,
-        },  # fmt: skip
-        "image_token_id": IMAGE,
-        "video_token_id": VIDEO,
-        "vision_start_token_id": START,
-        "vision_end_token_id": END,
-    }
+    deepstack = dict(model_type="qwen3_vl", depth=3, deepstack_visual_indexes=[0, 1], num_position_embeddings=16)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    qwen3_vl = dict(
+        model_type="qwen3_vl",
+        text_config=dict(model_type="qwen3_vl_text", **TEXT, rope_scaling=rope),
+        vision_config=dict(**deepstack, **QWEN_TOWER),
+        **QWEN_TOKENS,
+    )
     with pytest.raises(ZooError, match="between its blocks.*deepstack") as refused:
         model_config_from_hf(qwen3_vl)
     assert "\n" not in str(refused.value)

@@ -25,14 +25,10 @@ from .data import Batch, Tokens, TokenWindows
 from .records import (
     Examples,
     Source,
-    check_kept,
-    hold_out,
-    mix_indices,
+    examples_of,
     render_error,
-    report_line,
     to_conversation,
     to_rows,
-    validation_source,
 )
 
 MEDIA_KINDS = ("images", "videos")
@@ -247,7 +243,25 @@ class MediaExamples(Examples):
             [self.trained[i] for i in indices],
             len(indices),
             inputs=[self.inputs[i] for i in indices],
+            first_media=self.first_media,
         )
+
+    def extend(self, other: "MediaExamples") -> None:
+        super().extend(other)
+        self.inputs += other.inputs
+        self.first_media = self.first_media or other.first_media
+
+    def drop_notes(self, data: DataSection) -> list[str]:
+        notes = super().drop_notes(data)
+        if self.dropped_cut_media:
+            notes.append(
+                f"{self.dropped_cut_media} dropped as truncating them to seq_len {data.seq_len} would cut an image"
+            )
+        return notes
+
+    @property
+    def lost(self) -> int:
+        return super().lost + self.dropped_cut_media
 
 
 class MediaEncoder:
@@ -338,35 +352,6 @@ def media_examples(records, source: Source, encoder: MediaEncoder, data: DataSec
     return examples
 
 
-def media_report_line(source: Source, examples: MediaExamples, data: DataSection) -> str:
-    line = report_line(source, examples, data)
-    if not examples.dropped_cut_media:
-        return line
-    note = f"{examples.dropped_cut_media} dropped as truncating them to seq_len {data.seq_len} would cut an image"
-    return f"{line[:-1]}; {note})" if line.endswith(")") else f"{line} ({note})"
-
-
-def check_media_kept(source: Source, examples: MediaExamples, data: DataSection) -> None:
-    """records.check_kept, counting the examples dropped to keep their images whole too."""
-    check_kept(source, examples, data)
-    lost = examples.dropped_long + examples.dropped_untrained + examples.dropped_cut_media
-    if lost * 2 > examples.records:
-        raise ConfigError(
-            f"{media_report_line(source, examples, data)}: most records would be skipped; raise data.seq_len"
-        )
-
-
-def mix_media(parts: list[MediaExamples], weights, seed: int) -> MediaExamples:
-    """The examples of every source, mixed as records.mix_indices says."""
-    mixed = MediaExamples([], [])
-    for part, indices in zip(parts, mix_indices([len(p) for p in parts], weights, seed)):
-        chosen = part.select(indices)
-        mixed.ids += chosen.ids
-        mixed.trained += chosen.trained
-        mixed.inputs += chosen.inputs
-    return mixed
-
-
 @dataclass
 class MediaRows:
     """Rows of one example each (`Tokens`: ids, trained mask, padding) and per row what the processor reads to
@@ -406,30 +391,18 @@ def media_rows(
             "data.pack packs text examples; an image-text model trains one example per row: set data.pack: false"
         )
     encoder = MediaEncoder(load_processor(str(model_dir)), template, tokenizer, data)
-    lines, parts, held_out = [], [], []
-    for source, records in zip(sources, all_records):
-        examples = media_examples(records, source, encoder, data)
-        check_media_kept(source, examples, data)
-        lines.append(media_report_line(source, examples, data))
-        if isinstance(data.validation, float):
-            examples, validation_part = hold_out(examples, data.validation, seed)
-            held_out.append(validation_part)
-        parts.append(examples)
-    validation = mix_media(held_out, None, seed)
-    if validation_records is not None:
-        source = validation_source(data, sources[0])
-        validation = media_examples(validation_records, source, encoder, data)
-        lines.append(media_report_line(source, validation, data))
-    if data.validation is not None:
-        lines.append(f"validation: {len(validation.ids)} examples")
-    first_media = next((p.first_media for p in parts if p.first_media), None)
+
+    def encode(records, source: Source) -> MediaExamples:
+        return media_examples(records, source, encoder, data)
+
+    train, validation, lines = examples_of(sources, all_records, validation_records, data, seed, encode)
+    first_media = train.first_media
 
     def rows_of(examples: MediaExamples) -> MediaRows:
         rows = to_rows(examples, data.seq_len, False, pad_id)
         return MediaRows(rows, examples.inputs, str(model_dir), encoder.placeholders, first_media)
 
-    train = rows_of(mix_media(parts, data.mix_weights, seed))
-    return train, rows_of(validation) if data.validation is not None else None, lines
+    return rows_of(train), rows_of(validation) if validation is not None else None, lines
 
 
 # ------------------------------------------------------------ rows of a step

@@ -319,6 +319,28 @@ class Examples:
     def select(self, indices) -> "Examples":
         return Examples([self.ids[i] for i in indices], [self.trained[i] for i in indices], len(indices))
 
+    def extend(self, other: "Examples") -> None:
+        """`other`'s examples after these (a mix's parts)."""
+        self.ids += other.ids
+        self.trained += other.trained
+
+    def drop_notes(self, data: DataSection) -> list[str]:
+        """What happened to the records on the way, for the report line; each count is also a lost record where it
+        says "dropped"."""
+        notes = []
+        if self.truncated:
+            notes.append(f"{self.truncated} truncated to seq_len {data.seq_len}")
+        if self.dropped_long:
+            notes.append(f"{self.dropped_long} dropped as longer than seq_len {data.seq_len}")
+        if self.dropped_untrained:
+            notes.append(f"{self.dropped_untrained} dropped with no trained token within seq_len")
+        return notes
+
+    @property
+    def lost(self) -> int:
+        """Records that became no example."""
+        return self.dropped_long + self.dropped_untrained
+
 
 def render_error(source: Source, index: int, error: Exception) -> ConfigError:
     return ConfigError(
@@ -381,21 +403,14 @@ def tokenize_source(
 
 
 def report_line(source: Source, examples: Examples, data: DataSection) -> str:
-    notes = []
-    if examples.truncated:
-        notes.append(f"{examples.truncated} truncated to seq_len {data.seq_len}")
-    if examples.dropped_long:
-        notes.append(f"{examples.dropped_long} dropped as longer than seq_len {data.seq_len}")
-    if examples.dropped_untrained:
-        notes.append(f"{examples.dropped_untrained} dropped with no trained token within seq_len")
+    notes = examples.drop_notes(data)
     detail = f" ({'; '.join(notes)})" if notes else ""
     return f"dataset {source.name}: {examples.records} records -> {len(examples.ids)} examples{detail}"
 
 
 def check_kept(source: Source, examples: Examples, data: DataSection) -> None:
     """Refuse a dataset most of whose records would be skipped: that is a wrong setting, not data noise."""
-    lost = examples.dropped_long + examples.dropped_untrained
-    if lost * 2 > examples.records:
+    if examples.lost * 2 > examples.records:
         raise ConfigError(
             f"{report_line(source, examples, data)}: most records would be skipped; raise data.seq_len"
             + (", or set data.too_long: truncate" if examples.dropped_long else "")
@@ -418,13 +433,37 @@ def mix_indices(sizes: list[int], weights: tuple[float, ...] | None, seed: int) 
     return chosen
 
 
-def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int) -> Examples:
-    """The examples of every source, mixed as `mix_indices` says."""
-    ids, trained = [], []
+def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int, kind: type = Examples) -> Examples:
+    """The examples of every source (`kind`, or a subclass's, such as multimodal.py's), mixed as `mix_indices`
+    says."""
+    mixed = kind([], [])
     for part, indices in zip(parts, mix_indices([len(p) for p in parts], weights, seed)):
-        ids += [part.ids[i] for i in indices]
-        trained += [part.trained[i] for i in indices]
-    return Examples(ids, trained)
+        mixed.extend(part.select(indices))
+    return mixed
+
+
+def examples_of(sources: list[Source], all_records: list, validation_records, data: DataSection, seed: int, encode):
+    """(the training examples of every source, mixed; the validation examples or None; the report lines), each
+    source's records made examples by `encode(records, source)` (an `Examples` or a subclass's) and checked."""
+    lines, parts, held_out = [], [], []
+    for source, records in zip(sources, all_records):
+        examples = encode(records, source)
+        check_kept(source, examples, data)
+        lines.append(report_line(source, examples, data))
+        if isinstance(data.validation, float):
+            examples, validation_part = hold_out(examples, data.validation, seed)
+            held_out.append(validation_part)
+        parts.append(examples)
+    kind = type(parts[0]) if parts else Examples
+    validation = mix(held_out, None, seed, kind)
+    if validation_records is not None:
+        source = validation_source(data, sources[0])
+        validation = encode(validation_records, source)
+        lines.append(report_line(source, validation, data))
+    if data.validation is not None:
+        lines.append(f"validation: {len(validation.ids)} examples")
+    train = mix(parts, data.mix_weights, seed, kind)
+    return train, validation if data.validation is not None else None, lines
 
 
 # ----------------------------------------------------------------- rows
@@ -575,23 +614,12 @@ def records_to_rows(
         validation = Tokens.load(f"{prefix}.val") if report["validation"] else None
         return RecordData(Tokens.load(str(prefix)), validation, report["lines"], template and template.source)
 
-    lines, parts, held_out = [], [], []
-    for source, records in zip(sources, all_records):
-        examples = tokenize_source(records, source, data, template, tokenizer, eos)
-        check_kept(source, examples, data)
-        lines.append(report_line(source, examples, data))
-        if isinstance(data.validation, float):
-            examples, validation_part = hold_out(examples, data.validation, seed)
-            held_out.append(validation_part)
-        parts.append(examples)
-    validation_examples = mix(held_out, None, seed)
-    if validation_records is not None:
-        source = validation_source(data, sources[0])
-        validation_examples = tokenize_source(validation_records, source, data, template, tokenizer, eos)
-        lines.append(report_line(source, validation_examples, data))
-    if data.validation is not None:
-        lines.append(f"validation: {len(validation_examples.ids)} examples")
-    train_examples = mix(parts, data.mix_weights, seed)
+    def encode(records, source: Source) -> Examples:
+        return tokenize_source(records, source, data, template, tokenizer, eos)
+
+    train_examples, validation_examples, lines = examples_of(
+        sources, all_records, validation_records, data, seed, encode
+    )
     pad = pad_token_id(tokenizer, eos)
     cache_dir.mkdir(parents=True, exist_ok=True)
     has_validation = data.validation is not None

@@ -20,10 +20,6 @@ class Media:
         moved = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors.items()}
         return Media(self.input_ids.to(device, non_blocking=non_blocking), moved)
 
-    @property
-    def has_pixels(self) -> bool:
-        return any(name.startswith("pixel_values") for name in self.tensors)
-
     @staticmethod
     def of_rows(input_ids: Tensor, rows: list[dict[str, Tensor]]) -> "Media":
         """A micro-batch's media from its rows' (each row's processor outputs, those of no image left out)."""

@@ -207,38 +207,25 @@ class HFSkeleton:
     def _trace(self, weights: dict[str, Tensor]) -> tuple[list[list[nn.Module]], Tensor]:
         """(the modules outside the layers called before, between and after them; what reached the LM head)."""
         inside = {id(m) for layer in self.layers for m in layer.modules()}
-        phases: list[list[nn.Module]] = [[], [], []]
-        phase = 0
-        lm_head = self.model.get_output_embeddings()
-
-        def called(module, args):
-            phases[phase].append(module)
-            if module is lm_head:
-                raise _Reached(args[0])
+        calls = CalledModules(self.model, inside, stop_at=self.model.get_output_embeddings())
 
         def stand_in(index, hidden_states, *args, **kwargs):
-            nonlocal phase
-            phase = 2 if index == len(self.layers) - 1 else 1
+            calls.passed(index, len(self.layers))
             return hidden_states
 
-        handles = [m.register_forward_pre_hook(called) for m in self.model.modules() if id(m) not in inside]
         try:
-            with torch.no_grad():
+            with calls, torch.no_grad():
                 reached = self.run(weights, {"input_ids": torch.zeros(1, 1, dtype=torch.long)}, None, stand_in, True)
                 reached = reached.logits
         except _Reached as at_head:
             reached = at_head.hidden
-        finally:
-            for handle in handles:
-                handle.remove()
-        shared = [m for m in phases[1] if any(True for _ in m.parameters(recurse=False))]
-        if shared:
+        if calls.shared is not None:
             raise GenericError(
-                f"{type(self.model).__name__} calls {type(shared[0]).__name__} between its decoder layers (a block "
+                f"{type(self.model).__name__} calls {type(calls.shared).__name__} between its decoder layers (a block "
                 "shared across layers), which the generic path's one-stage-per-layer cannot stream; use a family "
                 "with a native template"
             )
-        return phases, reached
+        return calls.phases, reached
 
     def to(self, device: torch.device) -> None:
         """The buffers (rotary tables) to `device` (the parameters stay on meta: each call binds its own)."""
@@ -305,6 +292,39 @@ class HFSkeleton:
         if any(r is None for r in recorded):
             raise GenericError(f"{type(self.model).__name__}'s forward did not call every decoder layer")
         return recorded
+
+
+class CalledModules:
+    """The modules outside `inside` (the stood-in blocks' own) that a forward calls, by phase: before the first
+    stood-in block, between them, after the last (`passed(index, n)` from each stand-in moves the phase);
+    `stop_at`: a module whose call ends the forward (`_Reached` with its input)."""
+
+    def __init__(self, model: nn.Module, inside: set[int], stop_at: nn.Module | None = None):
+        self.phases: list[list[nn.Module]] = [[], [], []]
+        self.phase = 0
+        self._modules = [m for m in model.modules() if id(m) not in inside]
+        self._stop_at, self._handles = stop_at, []
+
+    def passed(self, index: int, n_blocks: int) -> None:
+        self.phase = 2 if index == n_blocks - 1 else 1
+
+    def _called(self, module: nn.Module, args) -> None:
+        self.phases[self.phase].append(module)
+        if module is self._stop_at:
+            raise _Reached(args[0])
+
+    def __enter__(self) -> "CalledModules":
+        self._handles = [m.register_forward_pre_hook(self._called) for m in self._modules]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    @property
+    def shared(self) -> nn.Module | None:
+        """The first module with weights called between the blocks (None: none)."""
+        return next((m for m in self.phases[1] if any(True for _ in m.parameters(recurse=False))), None)
 
 
 def _same(a, b) -> bool:

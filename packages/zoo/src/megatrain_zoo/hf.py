@@ -146,25 +146,14 @@ def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str
     model that runs transformers' own modules (`generic.py`). An image-text config.json (one with a vision_config)
     trains whole (`image_text.py`) where `image_text` is true, or auto and megatrain has no native template for its
     text model; else its text model alone."""
-    whole = image_text is True or (image_text == "auto" and not has_template(hf))
-    if "vision_config" in hf and not whole and hf.get("model_type") not in _TEXT_MODEL_OF:
+    vision = "vision_config" in hf
+    whole = vision and (image_text is True or (image_text == "auto" and not has_template(hf)))
+    if vision and not whole and hf.get("model_type") not in _TEXT_MODEL_OF:
         raise ZooError(
             f"{hf.get('model_type')}'s text model cannot train alone (megatrain reads it alone only from Gemma 3, "
             "Llama 4, Mistral 3 and Qwen3.5 checkpoints); set model.image_text: auto to train the whole model"
         )
-    if "vision_config" in hf and whole:
-        if importlib.util.find_spec("transformers") is None:
-            raise ZooError(
-                f"{hf.get('model_type')} is an image-text model, trained whole through transformers' own modules: "
-                "install transformers (pip install 'megatrain-zoo[transformers]')"
-            )
-        from .generic import GenericError, generic_model_config
-
-        try:
-            return generic_model_config(hf, image_text=True)
-        except GenericError as error:
-            raise ZooError(str(error)) from error
-    if implementation != "transformers":
+    if implementation != "transformers" and not whole:
         try:
             return config_from_hf(hf)
         except ZooError as error:
@@ -175,10 +164,15 @@ def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str
                     f"{error}; or install transformers (pip install 'megatrain-zoo[transformers]') to train it "
                     "through transformers' own modules"
                 ) from None
+    if whole and importlib.util.find_spec("transformers") is None:
+        raise ZooError(
+            f"{hf.get('model_type')} is an image-text model, trained whole through transformers' own modules: "
+            "install transformers (pip install 'megatrain-zoo[transformers]')"
+        )
     from .generic import GenericError, generic_model_config
 
     try:
-        return generic_model_config(hf)
+        return generic_model_config(hf, image_text=whole)
     except GenericError as error:
         raise ZooError(str(error)) from error
 

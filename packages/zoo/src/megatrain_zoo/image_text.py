@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .generic import (
+    CalledModules,
     GenericError,
     GenericHead,
     GenericLayer,
@@ -69,7 +70,7 @@ def varlen_attention(module, query, key, value, attention_mask=None, **kwargs):
 
 
 @functools.cache
-def _varlen_available() -> bool:
+def _varlen_attention_registered() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
@@ -138,14 +139,13 @@ class ImageTextSkeleton(HFSkeleton):
             reached.append(hidden)
             raise _Reached(hidden)
 
-        zeros = {name: torch.zeros((), dtype=p.dtype).expand(p.shape) for name, p in self.model.named_parameters()}
         failures = []
         for form in (_hidden_states, _hidden_states_first):  # (how the tower reads a block's output)
             self.block_output = form
             try:
                 with torch.enable_grad():
                     with contextlib.suppress(_Reached):
-                        self._run_blocks(self.all_blocks, zeros, probe_inputs(self), None, first_layer, vision)
+                        self._run_blocks(self.all_blocks, self.zero_weights, self.probe, None, first_layer, vision)
                     found = torch.autograd.grad(reached[0].sum(), markers, allow_unused=True)
                 break
             except Exception as error:  # noqa: BLE001 (the wrong form breaks the tower's forward)
@@ -165,13 +165,27 @@ class ImageTextSkeleton(HFSkeleton):
         """The tower's attention for a block call on `x`: one varlen flash call (CUDA, half precision), else the
         model's own (SDPA: a call per window or image)."""
         config = self.tower.config
-        fast = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _varlen_available()
+        fast = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _varlen_attention_registered()
         own = config._attn_implementation
         config._attn_implementation = VARLEN_ATTENTION if fast else own
         try:
             yield
         finally:
             config._attn_implementation = own
+
+    @cached_property
+    def _hidden_name(self) -> str:
+        """The name a block's forward gives its hidden states (hidden_states; Llama 4's hidden_state)."""
+        return list(inspect.signature(type(self.all_blocks[0]).forward).parameters)[1]  # (after self)
+
+    @cached_property
+    def zero_weights(self) -> dict[str, Tensor]:
+        """Every parameter as zeros of no memory (stride 0): what the traces run with."""
+        return {name: torch.zeros((), dtype=p.dtype).expand(p.shape) for name, p in self.model.named_parameters()}
+
+    @cached_property
+    def probe(self) -> dict:
+        return probe_inputs(self)
 
     @cached_property
     def tower_prefix(self) -> str:
@@ -190,8 +204,7 @@ class ImageTextSkeleton(HFSkeleton):
 
     def _run_blocks(self, blocks, weights, inputs, documents, stand_in, vision, head=False):
         """`run` with `blocks` (the first of the tower's) stood in for; the rest pass their input through."""
-        calls = [-1]
-        hidden_name = list(inspect.signature(type(self.all_blocks[0]).forward).parameters)[1]  # (after self)
+        calls, hidden_name = [-1], self._hidden_name
 
         def block(*args, _index, **kwargs):
             hidden_states, args = (args[0], args[1:]) if args else (kwargs.pop(hidden_name), ())
@@ -241,38 +254,26 @@ class ImageTextSkeleton(HFSkeleton):
     def _tower_trace(self) -> tuple[list[nn.Module], list[nn.Module]]:
         """(the modules the forward calls before the tower's first block, those after its last block and before the
         first decoder layer), on a small image with zero weights; refuses a module with weights between blocks."""
-        inside = {id(m) for block in self.all_blocks for m in block.modules()} | {
-            id(m) for layer in self.layers for m in layer.modules()
-        }
-        phases: list[list[nn.Module]] = [[], [], []]
-        phase = [0]
-
-        def called(module, args):
-            phases[phase[0]].append(module)
+        inside = {id(m) for block in self.all_blocks for m in block.modules()}
+        inside |= {id(m) for layer in self.layers for m in layer.modules()}
+        calls = CalledModules(self.model, inside)
 
         def vision(call, index, hidden, *args, **kwargs):
-            phase[0] = 2 if index == len(self.blocks) - 1 else 1
+            calls.passed(index, len(self.blocks))
             return hidden
 
         def first_layer(index, hidden, *args, **kwargs):
             raise _Reached(hidden)
 
-        zeros = {name: torch.zeros((), dtype=p.dtype).expand(p.shape) for name, p in self.model.named_parameters()}
-        handles = [m.register_forward_pre_hook(called) for m in self.model.modules() if id(m) not in inside]
-        try:
-            with torch.no_grad(), contextlib.suppress(_Reached):
-                self.run(zeros, probe_inputs(self), None, first_layer, vision=vision)
-        finally:
-            for handle in handles:
-                handle.remove()
-        shared = [m for m in phases[1] if any(True for _ in m.parameters(recurse=False))]
-        if shared:
+        with calls, torch.no_grad(), contextlib.suppress(_Reached):
+            self.run(self.zero_weights, self.probe, None, first_layer, vision=vision)
+        if calls.shared is not None:
             raise GenericError(
-                f"{type(self.model).__name__}'s vision tower calls {type(shared[0]).__name__} between its blocks "
+                f"{type(self.model).__name__}'s vision tower calls {type(calls.shared).__name__} between its blocks "
                 "(features taken from inside the tower, as Qwen3-VL's deepstack mergers are), which the image-text "
                 "path cannot stream yet"
             )
-        return phases[0], phases[2]
+        return calls.phases[0], calls.phases[2]
 
     def media_inputs(self, media) -> dict:
         return {"input_ids": media.input_ids, **media.tensors}
@@ -347,10 +348,15 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
 class _ImageTextStage(_GenericStage):
     """What the vision stages share: the placeholders of what they do not bind, the forward on the micro-batch."""
 
+    @cached_property
+    def _unbound(self) -> list[str]:
+        """What the forward calls before the first decoder layer that this stage does not bind."""
+        parts = self.skeleton.parts
+        return [n for n in parts.vision_embedding + parts.embedding if n not in set(self.names)]
+
     def _run(self, views: dict, media, documents, layer, vision):
-        others = self.skeleton.parts.vision_embedding + self.skeleton.parts.embedding
         like = next(iter(views.values()))
-        weights = {**self.skeleton.placeholders([n for n in others if n not in views], like), **views}
+        weights = {**self.skeleton.placeholders(self._unbound, like), **views}
         return self.skeleton.run(weights, self.skeleton.media_inputs(media), documents, layer, vision=vision)
 
     @staticmethod
