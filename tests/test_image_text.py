@@ -88,6 +88,17 @@ FAMILIES = {
         vision_config=dict(depth=2, num_position_embeddings=16, **QWEN_TOWER),
         **QWEN_TOKENS,
     ),
+    # Qwen3-VL: features merged from inside the tower (deepstack, after its first two blocks) added to the output of
+    # the decoder's first two layers at the image tokens
+    "qwen3_vl": dict(
+        text_config=dict(
+            model_type="qwen3_vl_text",
+            **TEXT | dict(num_hidden_layers=3),
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        ),
+        vision_config=dict(depth=3, deepstack_visual_indexes=[0, 1], num_position_embeddings=16, **QWEN_TOWER),
+        **QWEN_TOKENS,
+    ),
     # Pixtral's tower (2D rotary positions, images of any size: `image_sizes`), a patch-merging projector
     "mistral3": dict(
         text_config=dict(model_type="mistral", **TEXT),
@@ -111,18 +122,19 @@ def image_text_model(hf_config: dict, seed: int):
     return model.eval()
 
 
-def qwen_rows(rows: int, generator: torch.Generator, token_types: bool, videos: bool = True) -> tuple:
+def qwen_rows(rows: int, generator: torch.Generator, token_types: bool, video_patches: int = 2) -> tuple:
     """(input_ids, megatrain's labels, each row's processor outputs): rows with an image of a few patches' grid at a
-    random place, or a video clip of two frames, or none; the tokens after each are trained."""
+    random place, or a video clip of `video_patches` temporal patches (none: no video), or none; the tokens after
+    each are trained."""
     patch = 3 * QWEN_VISION["temporal_patch_size"] * QWEN_VISION["patch_size"] ** 2
     ids = torch.randint(3, IMAGE, (rows, SEQ), generator=generator)
     media = []
     for row in range(rows):
-        kind = row % 3 if videos or row % 3 != 1 else 0
+        kind = row % 3 if video_patches or row % 3 != 1 else 0
         if kind == 2:  # (text alone)
             media.append({})
             continue
-        t, h, w = (1, 4, 6) if kind == 0 else (2, 4, 4)
+        t, h, w = (1, 4, 6) if kind == 0 else (video_patches, 4, 4)
         tokens = t * h * w // 4
         start = int(torch.randint(0, SEQ - tokens - 3, (), generator=generator))
         ids[row, start] = START
@@ -167,8 +179,10 @@ def fixed_size_rows(family: str, rows: int, generator: torch.Generator) -> tuple
 def rows_of(family: str, rows: int, generator: torch.Generator) -> tuple:
     if "temporal_patch_size" not in FAMILIES[family]["vision_config"]:
         return fixed_size_rows(family, rows, generator)
-    # (Qwen3.5 places a video's frames apart, with their times between them: its rows hold images)
-    return qwen_rows(rows, generator, takes_token_types(family), videos=family == "qwen2_5_vl")
+    # (Qwen3-VL and Qwen3.5 place a video's temporal patches apart, their times between them: a clip of one for
+    # Qwen3-VL, none for Qwen3.5)
+    video_patches = {"qwen2_5_vl": 2, "qwen3_vl": 1}.get(family, 0)
+    return qwen_rows(rows, generator, takes_token_types(family), video_patches)
 
 
 @functools.cache
@@ -243,10 +257,18 @@ def test_stages_updated_on_the_gpu_reach_the_tied_table(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "frozen", [("vision_tower",), ("multi_modal_projector",), ("language_model",), ("vision_tower", "language_model")]
+    "family, frozen",
+    [
+        ("qwen2_5_vl", ("vision_tower",)),
+        ("qwen2_5_vl", ("multi_modal_projector",)),
+        ("qwen2_5_vl", ("language_model",)),
+        ("qwen2_5_vl", ("vision_tower", "language_model")),
+        ("qwen3_vl", ("vision_tower",)),  # (its deepstack mergers with it, as LLaMA-Factory counts them)
+        ("qwen3_vl", ("language_model",)),  # (the deepstack features' gradients through the frozen layers)
+    ],
 )
-def test_frozen_parts_keep_no_state_and_train_the_rest_like_transformers(frozen, tmp_path):
-    check_trains_like_transformers("qwen2_5_vl", 0.5, tmp_path, frozen=frozen)
+def test_frozen_parts_keep_no_state_and_train_the_rest_like_transformers(family, frozen, tmp_path):
+    check_trains_like_transformers(family, 0.5, tmp_path, frozen=frozen)
 
 
 @pytest.mark.gpu
@@ -396,21 +418,10 @@ def test_gpu_vision_attention_in_one_varlen_call_equals_a_call_per_window(monkey
             assert rel_err(a, b) < 2e-2
 
 
-def test_what_the_image_text_path_cannot_train_is_refused_in_one_line():
-    """Qwen2.5-VL's text model alone (no native template reads it), and Qwen3-VL, whose tower feeds features from
-    inside it to the decoder's first layers (deepstack): one line each, naming the fix or the reason."""
+def test_a_text_model_that_cannot_train_alone_is_refused_in_one_line():
+    """Qwen2.5-VL's text model alone (no native template reads it): one line, naming the fix."""
     from megatrain_zoo import ZooError, model_config_from_hf
 
-    with pytest.raises(ZooError, match="cannot train alone.*model.image_text: auto"):
+    with pytest.raises(ZooError, match="cannot train alone.*model.image_text: auto") as refused:
         model_config_from_hf({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, image_text=False)
-    deepstack = dict(model_type="qwen3_vl", depth=3, deepstack_visual_indexes=[0, 1], num_position_embeddings=16)
-    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
-    qwen3_vl = dict(
-        model_type="qwen3_vl",
-        text_config=dict(model_type="qwen3_vl_text", **TEXT, rope_scaling=rope),
-        vision_config=dict(**deepstack, **QWEN_TOWER),
-        **QWEN_TOKENS,
-    )
-    with pytest.raises(ZooError, match="between its blocks.*deepstack") as refused:
-        model_config_from_hf(qwen3_vl)
     assert "\n" not in str(refused.value)

@@ -302,14 +302,18 @@ class CalledModules:
     def __init__(self, model: nn.Module, inside: set[int], stop_at: nn.Module | None = None):
         self.phases: list[list[nn.Module]] = [[], [], []]
         self.phase = 0
+        self.after: dict[int, list[nn.Module]] = {}  # block index -> the modules called between it and the next
+        self._block = None
         self._modules = [m for m in model.modules() if id(m) not in inside]
         self._stop_at, self._handles = stop_at, []
 
     def passed(self, index: int, n_blocks: int) -> None:
-        self.phase = 2 if index == n_blocks - 1 else 1
+        self.phase, self._block = (2 if index == n_blocks - 1 else 1), index
 
     def _called(self, module: nn.Module, args) -> None:
         self.phases[self.phase].append(module)
+        if self.phase == 1:
+            self.after.setdefault(self._block, []).append(module)
         if module is self._stop_at:
             raise _Reached(args[0])
 

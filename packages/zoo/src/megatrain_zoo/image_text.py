@@ -17,13 +17,20 @@ decoder's layers stood in for:
 Every stage runs the model's own code, so what a family does between its parts (Qwen2.5-VL's window reordering,
 Gemma 3's pooling, LLaVA's feature selection) is exact by construction. The tower's activations are its patches
 [patches, width] of every call the forward makes to it (images, then videos), back to back.
+
+Qwen3-VL's deepstack takes features from inside the tower (a merger on the output of some of its blocks) and adds
+them to the output of the decoder's first layers at the image tokens. Those features travel with the activations:
+from the block whose output they merge to the decoder layer that adds them, a stage's activation is its hidden states
+and the features it carries, flat and back to back (`pack`), so the pipeline keeps, offloads and differentiates them
+as it does any activation.
 """
 
 import contextlib
 import functools
 import inspect
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -88,6 +95,7 @@ class ImageTextParts(Parts):
     vision_embedding: list[str] = ()
     vision_blocks: list[list[str]] = ()
     unused: list[str] = ()  # the tower's blocks after the one whose output the model takes: stored, never run
+    deepstack: dict[int, list[str]] = field(default_factory=dict)  # block index -> its deepstack merger's names
 
 
 @dataclass
@@ -97,6 +105,33 @@ class _Recorded:
     sizes: list[int]  # patches of each tower call, in call order
     blocks: list[list[tuple[tuple, dict]]]  # [call][block] -> (args, kwargs)
     layers: list[tuple[tuple, dict]]  # [layer] -> (args, kwargs)
+    visual_mask: Tensor | None = None  # where the deepstack features are added: the image and video tokens
+
+
+def pack(main: Tensor, carried: list[Tensor]) -> Tensor:
+    """A stage's activation: `main` alone, or with the deepstack features it carries, flat and back to back."""
+    return torch.cat([main.reshape(-1), *(f.reshape(-1) for f in carried)]) if carried else main
+
+
+def unpack(x: Tensor, shape: tuple, count: int, width: int) -> tuple[Tensor, list[Tensor]]:
+    """(the hidden states of `shape`, the `count` features of `width` carried after them) of a `pack`ed `x`."""
+    if not count:
+        return x, []
+    flat = x.reshape(-1)
+    main = math.prod(shape)
+    rows = (flat.numel() - main) // (count * width)
+    return flat[:main].view(shape), list(flat[main:].view(count, rows, width).unbind())
+
+
+@contextlib.contextmanager
+def _keyword_arguments(module: nn.Module):
+    """The keyword arguments `module` is called with, inside the block (a dict, filled at the call)."""
+    seen = {}
+    handle = module.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 class ImageTextSkeleton(HFSkeleton):
@@ -197,14 +232,20 @@ class ImageTextSkeleton(HFSkeleton):
         config = self.config.vision_config
         return getattr(config, "hidden_size", None) or config.embed_dim
 
-    def run(self, weights, inputs, documents, stand_in, head=False, vision=None):
+    def run(self, weights, inputs, documents, stand_in, head=False, vision=None, deepstack=None):
         """`HFSkeleton.run`, each of the tower's blocks replaced by `vision(call, index, hidden_states, *args,
-        **kwargs)` (`call`: the how-manyth call of the tower in this forward), or passing its input through."""
-        return self._run_blocks(self.blocks, weights, inputs, documents, stand_in, vision, head)
+        **kwargs)` (`call`: the how-manyth call of the tower in this forward), or passing its input through, and
+        the deepstack merger after block `index` by `deepstack(call, index, hidden_states)`, or zeros."""
+        deepstack = deepstack or self._deepstack_zeros
+        return self._run_blocks(self.blocks, weights, inputs, documents, stand_in, vision, head, deepstack)
 
-    def _run_blocks(self, blocks, weights, inputs, documents, stand_in, vision, head=False):
-        """`run` with `blocks` (the first of the tower's) stood in for; the rest pass their input through."""
+    def _run_blocks(self, blocks, weights, inputs, documents, stand_in, vision, head=False, deepstack=None):
+        """`run` with `blocks` (the first of the tower's) stood in for; the rest pass their input through. Without
+        `deepstack`, the deepstack mergers run as the model's own (their weights among `weights`)."""
         calls, hidden_name = [-1], self._hidden_name
+        mergers = self.deepstack_mergers if deepstack is not None else {}
+        for index, merger in mergers.items():
+            merger.forward = lambda hidden, _index=index: deepstack(calls[0], _index, hidden)
 
         def block(*args, _index, **kwargs):
             hidden_states, args = (args[0], args[1:]) if args else (kwargs.pop(hidden_name), ())
@@ -218,18 +259,34 @@ class ImageTextSkeleton(HFSkeleton):
         try:
             return HFSkeleton.run(self, weights, inputs, documents, stand_in, head)
         finally:
-            for module in self.all_blocks:
+            for module in [*self.all_blocks, *mergers.values()]:
                 del module.forward
 
     block_output = staticmethod(_hidden_states)  # (how the tower reads a block's output)
+
+    def _deepstack_zeros(self, call, index, hidden: Tensor) -> Tensor:
+        """Zeros of the shape the deepstack merger after block `index` gives (found on meta): for a forward that
+        does not bind the merger, and whose use of its output is thrown away."""
+        merger = self.deepstack_mergers[index]
+        shape = type(merger).forward(merger, hidden.to("meta")).shape
+        return hidden.new_zeros(()).expand(shape)
+
+    @cached_property
+    def text_model(self) -> nn.Module:
+        """The decoder: the module whose forward calls the decoder's layers."""
+        return next(m for m in self.model.modules() if getattr(m, "layers", None) is self.layers)
+
+    def unpack_tower(self, x: Tensor, recorded: "_Recorded", count: int) -> tuple[Tensor, list[Tensor]]:
+        """`unpack` of a tower stage's activation: [patches, width] and `count` deepstack features."""
+        return unpack(x, (sum(recorded.sizes), self.width), count, self.text_config.hidden_size)
 
     def _parts(self) -> ImageTextParts:
         """The generic parts (the text forward's), the tower's split off them by one forward on a small image: what
         it calls before its first block, each block, and the rest it calls before the first decoder layer (the
         tower's end, the projector), which the connector stage binds beside the token embedding."""
-        self.blocks  # noqa: B018 (traced first: the text forward's trace must not see its forward's modules)
+        self.blocks, self.deepstack_mergers  # noqa: B018 (traced first: the text forward's trace must not see theirs)
         text = super()._parts()
-        before, between = self._tower_trace()
+        before, between, _ = self._tower_trace
         in_blocks = {id(p) for block in self.all_blocks for p in block.parameters()}
         tower_ids = {id(p) for p in self.tower.parameters()}
         vision_embedding = dict.fromkeys(
@@ -239,8 +296,9 @@ class ImageTextSkeleton(HFSkeleton):
         connector = [n for n in connector if n not in text.embedding] + list(text.embedding)
         block_names = [[self.names[id(p)] for p in block.parameters()] for block in self.blocks]
         unused = [self.names[id(p)] for block in self.all_blocks[len(self.blocks) :] for p in block.parameters()]
+        deepstack = {k: [self.names[id(p)] for p in m.parameters()] for k, m in self.deepstack_mergers.items()}
         taken = {*connector, *(self.names[i] for i in vision_embedding), *(n for b in block_names for n in b)}
-        taken |= {n for layer in text.layers for n in layer} | set(unused)
+        taken |= {n for layer in text.layers for n in layer} | set(unused) | {n for m in deepstack.values() for n in m}
         return ImageTextParts(
             embedding=connector,
             layers=text.layers,
@@ -249,11 +307,13 @@ class ImageTextSkeleton(HFSkeleton):
             head_reads_embedding=text.head_reads_embedding,
             vision_embedding=[self.names[i] for i in vision_embedding],
             vision_blocks=block_names,
+            deepstack=deepstack,
         )
 
-    def _tower_trace(self) -> tuple[list[nn.Module], list[nn.Module]]:
+    @cached_property
+    def _tower_trace(self) -> tuple[list[nn.Module], list[nn.Module], dict[int, list[nn.Module]]]:
         """(the modules the forward calls before the tower's first block, those after its last block and before the
-        first decoder layer), on a small image with zero weights; refuses a module with weights between blocks."""
+        first decoder layer, those after each block and before the next), on a small image with zero weights."""
         inside = {id(m) for block in self.all_blocks for m in block.modules()}
         inside |= {id(m) for layer in self.layers for m in layer.modules()}
         calls = CalledModules(self.model, inside)
@@ -266,14 +326,30 @@ class ImageTextSkeleton(HFSkeleton):
             raise _Reached(hidden)
 
         with calls, torch.no_grad(), contextlib.suppress(_Reached):
-            self.run(self.zero_weights, self.probe, None, first_layer, vision=vision)
-        if calls.shared is not None:
-            raise GenericError(
-                f"{type(self.model).__name__}'s vision tower calls {type(calls.shared).__name__} between its blocks "
-                "(features taken from inside the tower, as Qwen3-VL's deepstack mergers are), which the image-text "
-                "path cannot stream yet"
-            )
-        return calls.phases[0], calls.phases[2]
+            self._run_blocks(self.blocks, self.zero_weights, self.probe, None, first_layer, vision)
+        return calls.phases[0], calls.phases[2], calls.after
+
+    @cached_property
+    def deepstack_mergers(self) -> dict[int, nn.Module]:
+        """block index -> the module the tower calls on that block's output, whose output the decoder adds to its
+        first layers' at the image tokens (Qwen3-VL's deepstack); refuses any other module with weights called
+        between blocks."""
+        mergers = {}
+        for index, called in self._tower_trace[2].items():
+            weighted = [m for m in called if any(True for _ in m.parameters())]
+            if not weighted:
+                continue
+            merger = weighted[0]  # (called first: its own modules are called inside it)
+            inside = {id(m) for m in merger.modules()}
+            takes = inspect.signature(type(self.text_model).forward).parameters
+            if "deepstack_visual_embeds" not in takes or any(id(m) not in inside for m in weighted):
+                raise GenericError(
+                    f"{type(self.model).__name__}'s vision tower calls {type(merger).__name__} between its blocks "
+                    "(features taken from inside the tower) for a decoder that reads them in a way the image-text "
+                    "path does not know (it streams Qwen3-VL's deepstack)"
+                )
+            mergers[index] = merger
+        return mergers
 
     def media_inputs(self, media) -> dict:
         return {"input_ids": media.input_ids, **media.tensors}
@@ -302,9 +378,9 @@ class ImageTextSkeleton(HFSkeleton):
             return hidden
 
         names = [*self.parts.vision_embedding, *self.parts.embedding]
-        with torch.no_grad(), contextlib.suppress(_Reached):
+        with torch.no_grad(), contextlib.suppress(_Reached), _keyword_arguments(self.text_model) as decoder:
             self.run(self.placeholders(names, like), self.media_inputs(media), documents, layer, vision=vision)
-        return _Recorded(sizes, blocks, layers)
+        return _Recorded(sizes, blocks, layers, decoder.get("visual_pos_masks"))
 
     def layer_arguments(self, hidden: Tensor, documents, media=None) -> list[tuple[tuple, dict]]:
         if media is None:  # (a forward of the text alone: the planner's trace of a layer)
@@ -354,10 +430,11 @@ class _ImageTextStage(_GenericStage):
         parts = self.skeleton.parts
         return [n for n in parts.vision_embedding + parts.embedding if n not in set(self.names)]
 
-    def _run(self, views: dict, media, documents, layer, vision):
+    def _run(self, views: dict, media, documents, layer, vision, deepstack=None):
         like = next(iter(views.values()))
         weights = {**self.skeleton.placeholders(self._unbound, like), **views}
-        return self.skeleton.run(weights, self.skeleton.media_inputs(media), documents, layer, vision=vision)
+        inputs = self.skeleton.media_inputs(media)
+        return self.skeleton.run(weights, inputs, documents, layer, vision=vision, deepstack=deepstack)
 
     @staticmethod
     def _until_first_layer(index, hidden, *args, **kwargs):
@@ -402,24 +479,37 @@ class VisionEmbedding(_ImageTextStage):
 
 
 class VisionBlock(_ImageTextStage):
-    """The tower's block `index` on each call's patches, as its own module computes it; the backward recomputes it."""
+    """The tower's block `index` on each call's patches, as its own module computes it, and the deepstack merger on
+    its output where the model has one there (its weights a second group: `merger_names`); the backward recomputes
+    it."""
 
-    def __init__(self, skeleton: ImageTextSkeleton, index: int, names: tuple[str, ...]):
-        super().__init__(skeleton, (names,))
+    def __init__(self, skeleton: ImageTextSkeleton, index: int, names: tuple[str, ...], merger_names=()):
+        super().__init__(skeleton, (names, tuple(merger_names)) if merger_names else (names,))
         self.index, self.module = index, skeleton.blocks[index]
-        self.prefix = next(n for n, m in skeleton.model.named_modules() if m is self.module) + "."
+        self.merger = skeleton.deepstack_mergers.get(index)
+        self.carried = sum(block < index for block in skeleton.deepstack_mergers)  # (features in its input)
         self.numel = sum(spec.numel for spec in self.groups[0])
+        self.prefixes = {m: prefix for prefix, m in skeleton.model.named_modules() if m in (self.module, self.merger)}
 
     def _call(self, views: dict, x: Tensor, documents, media) -> Tensor:
         recorded = self.skeleton.recorded(media, x, documents)
-        local = {name.removeprefix(self.prefix): value for name, value in views.items()}
-        outputs = []
+        hidden, carried = self.skeleton.unpack_tower(x, recorded, self.carried)
+        outputs, features = [], []
         with self.skeleton.attention_for(x):
-            for patches, blocks in zip(x.split(recorded.sizes), recorded.blocks):
+            for patches, blocks in zip(hidden.split(recorded.sizes), recorded.blocks):
                 args, kwargs = blocks[self.index]
-                call = torch.func.functional_call(self.module, local, (patches, *args), kwargs, strict=False)
-                outputs.append(_output(call))
-        return torch.cat(outputs) if outputs else x
+                outputs.append(_output(self._module_call(self.module, views, (patches, *args), kwargs)))
+                if self.merger is not None:
+                    features.append(self._module_call(self.merger, views, (outputs[-1],), {}))
+        hidden = torch.cat(outputs) if outputs else hidden
+        if self.merger is not None:
+            carried.append(torch.cat(features) if features else x.new_zeros(0, self.skeleton.text_config.hidden_size))
+        return pack(hidden, carried)
+
+    def _module_call(self, module: nn.Module, views: dict, args: tuple, kwargs: dict):
+        prefix = self.prefixes[module] + "."
+        local = {name.removeprefix(prefix): value for name, value in views.items() if name.startswith(prefix)}
+        return torch.func.functional_call(module, local, args, kwargs, strict=False)
 
     def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
         with torch.no_grad():
@@ -444,16 +534,26 @@ class Connector(_ImageTextStage):
     backward_reads_weights = True
 
     def _first_layer_input(self, views: dict, x: Tensor, documents, media) -> Tensor:
-        pieces = x.split(self.skeleton.recorded(media, x, documents).sizes) if x.numel() else ()
+        """The first decoder layer's input, with the deepstack features the decoder is given (`pack`ed)."""
+        recorded = self.skeleton.recorded(media, x, documents)
+        mergers = list(self.skeleton.deepstack_mergers)
+        hidden, carried = self.skeleton.unpack_tower(x, recorded, len(mergers))
+        pieces = hidden.split(recorded.sizes) if hidden.numel() else ()
+        patches = max(1, hidden.shape[0])  # (a call's features: its share of the rows, mergers merge evenly)
+        features = [f.split([size * f.shape[0] // patches for size in recorded.sizes]) for f in carried]
         last = len(self.skeleton.blocks) - 1
 
         def vision(call, index, hidden, *args, **kwargs):
             return pieces[call] if index == last else hidden
 
+        def deepstack(call, index, hidden):
+            return features[mergers.index(index)][call]
+
         try:
-            self._run(views, media, documents, self._until_first_layer, vision)
+            with _keyword_arguments(self.skeleton.text_model) as decoder:
+                self._run(views, media, documents, self._until_first_layer, vision, deepstack)
         except _Reached as first:
-            return first.hidden
+            return pack(first.hidden, decoder.get("deepstack_visual_embeds") or [])
         raise GenericError("the model's forward reached no decoder layer")
 
     def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
@@ -468,6 +568,28 @@ class Connector(_ImageTextStage):
             inputs = (x,) if x.numel() else ()
             found = self.accumulate(grads, views, out, grad_out, inputs)
         return found[0] if found and found[0] is not None else torch.zeros_like(x)
+
+
+class DeepstackLayer(GenericLayer):
+    """A decoder layer whose output the model adds deepstack features to (Qwen3-VL's first layers): its input carries
+    those features (`pack`ed), the first of them added after the layer by the model's own `_deepstack_process`, the
+    rest passed on."""
+
+    def __init__(self, skeleton: ImageTextSkeleton, index: int, names: tuple[str, ...]):
+        super().__init__(skeleton, index, names)
+        self.carried = len(skeleton.deepstack_mergers) - index
+        self.checkpoint_planes = 1 + self.carried  # (at most: the features sit at the image tokens alone)
+
+    def _call(self, views: dict, x: Tensor, documents, media=None) -> Tensor:
+        if media is None:  # (the layer alone on hidden states: the planner's trace)
+            return super()._call(views, x, documents)
+        width = self.skeleton.text_config.hidden_size
+        hidden, carried = unpack(x, (*media.input_ids.shape, width), self.carried, width)
+        out = super()._call(views, hidden, documents, media)
+        mask = self.skeleton.recorded(media, x, documents).visual_mask
+        if mask is not None:
+            out = self.skeleton.text_model._deepstack_process(out, mask, carried[0])
+        return pack(out, carried[1:])
 
 
 def part_of(skeleton: ImageTextSkeleton, name: str) -> str:
@@ -495,7 +617,12 @@ def build_image_text_model(config):
     stages = [StageSpec("vision.embed", VisionEmbedding(skeleton, (tuple(parts.vision_embedding),)), (0,))]
     for index, names in enumerate(parts.vision_blocks):
         groups.append(group(f"vision.block{index}", names))
-        stages.append(StageSpec(f"vision.block{index}", VisionBlock(skeleton, index, tuple(names)), (len(groups) - 1,)))
+        merger = parts.deepstack.get(index, ())
+        if merger:  # (its deepstack merger: a group of its own, bound beside the block)
+            groups.append(group(f"vision.deepstack{list(parts.deepstack).index(index)}", merger))
+        bound = tuple(range(len(groups) - 1 - bool(merger), len(groups)))
+        template = VisionBlock(skeleton, index, tuple(names), tuple(merger))
+        stages.append(StageSpec(f"vision.block{index}", template, bound))
     connector = {}  # part -> its names among the connector's
     for name in parts.embedding:
         connector.setdefault(part_of(skeleton, name), []).append(name)
@@ -507,7 +634,8 @@ def build_image_text_model(config):
     stages.append(StageSpec("embed", Connector(skeleton, connector_names), bound))
     for index, names in enumerate(parts.layers):
         groups.append(group(f"layer{index}", names))
-        stages.append(StageSpec(f"layer{index}", GenericLayer(skeleton, index, tuple(names)), (len(groups) - 1,)))
+        kind = DeepstackLayer if index < len(parts.deepstack) else GenericLayer
+        stages.append(StageSpec(f"layer{index}", kind(skeleton, index, tuple(names)), (len(groups) - 1,)))
     groups.append(group("head", parts.head))
     head = len(groups) - 1
     tied = config.tie_embeddings
