@@ -18,6 +18,7 @@ from test_generic import adamw_decaying_matrices
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import Schedule, lr_at
+from megatrain_templates import Media
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
 QWEN_VISION = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -62,6 +63,16 @@ FAMILIES = {
         text_config=dict(model_type="llama", **TEXT),
         vision_config=dict(model_type="clip_vision_model", **FIXED_SIZE_VISION, image_size=28, projection_dim=32),
         image_token_index=IMAGE,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    ),
+    # LLaVA-NeXT: an image as tiles at one of the grid's resolutions plus the whole image, their features unpadded
+    # and a learned newline after each row
+    "llava_next": dict(
+        text_config=dict(model_type="llama", **TEXT),
+        vision_config=dict(model_type="clip_vision_model", **FIXED_SIZE_VISION, image_size=28, projection_dim=32),
+        image_token_index=IMAGE,
+        image_grid_pinpoints=[[28, 28], [28, 56], [56, 28]],
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     ),
@@ -176,7 +187,28 @@ def fixed_size_rows(family: str, rows: int, generator: torch.Generator) -> tuple
     return ids, labels, media
 
 
+def tiled_rows(rows: int, generator: torch.Generator) -> tuple:
+    """As `qwen_rows`, for LLaVA-NeXT: rows with an image of 28x28 (2 tiles, 10 tokens) or 28x56 pixels (3 tiles, 14
+    tokens), or none."""
+    ids = torch.randint(3, IMAGE, (rows, SEQ), generator=generator)
+    media = []
+    for row in range(rows):
+        if row % 3 == 2:
+            media.append({})
+            continue
+        (height, width), tiles, tokens = ((28, 28), 2, 10) if row % 3 == 0 else ((28, 56), 3, 14)
+        ids[row, 3 : 3 + tokens] = IMAGE
+        pixels = torch.randn(1, tiles, 3, 28, 28, generator=generator)
+        media.append({"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]])})
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[(labels >= IMAGE) | (torch.rand(rows, SEQ, generator=generator) < 0.2)] = -100
+    return ids, labels, media
+
+
 def rows_of(family: str, rows: int, generator: torch.Generator) -> tuple:
+    if family == "llava_next":
+        return tiled_rows(rows, generator)
     if "temporal_patch_size" not in FAMILIES[family]["vision_config"]:
         return fixed_size_rows(family, rows, generator)
     # (Qwen3-VL and Qwen3.5 place a video's temporal patches apart, their times between them: a clip of one for
@@ -196,9 +228,9 @@ def takes_token_types(family: str) -> bool:
 
 
 def batch_inputs(media: list[dict]) -> dict:
-    """The whole batch's processor outputs, as transformers' model takes them."""
-    names = dict.fromkeys(name for row in media for name in row)
-    return {name: torch.cat([row[name] for row in media if name in row]) for name in names}
+    """The whole batch's processor outputs, as transformers' model takes them (LLaVA-NeXT's tiles padded to the
+    most an image has, as its processor pads them)."""
+    return Media.of_rows(None, media).tensors
 
 
 def trainer_of(

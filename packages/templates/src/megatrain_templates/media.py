@@ -22,6 +22,17 @@ class Media:
 
     @staticmethod
     def of_rows(input_ids: Tensor, rows: list[dict[str, Tensor]]) -> "Media":
-        """A micro-batch's media from its rows' (each row's processor outputs, those of no image left out)."""
+        """A micro-batch's media from its rows' (each row's processor outputs, those of no image left out); tensors
+        of different sizes past their first dimension padded with zeros to the largest, as the processor pads a
+        batch (LLaVA-NeXT's tiles of an image: the model reads each image's own)."""
         names = dict.fromkeys(name for row in rows for name in row)
-        return Media(input_ids, {name: torch.cat([row[name] for row in rows if name in row]) for name in names})
+        return Media(input_ids, {name: _padded_cat([row[name] for row in rows if name in row]) for name in names})
+
+
+def _padded_cat(tensors: list[Tensor]) -> Tensor:
+    largest = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
+    padded = []
+    for t in tensors:
+        pad = [p for have, want in zip(reversed(t.shape[1:]), reversed(largest)) for p in (0, want - have)]
+        padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return torch.cat(padded)

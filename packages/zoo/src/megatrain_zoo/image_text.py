@@ -401,6 +401,14 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
         patch = channels * vision.temporal_patch_size * vision.patch_size**2
         pixels = {"pixel_values": torch.zeros(4 * merge * merge, patch), "image_grid_thw": grid}
         tokens = 4
+    elif getattr(config, "image_grid_pinpoints", None):  # (LLaVA-NeXT: an image of tiles, the first resolution's)
+        size, (height, width) = vision.image_size, config.image_grid_pinpoints[0]
+        tiles = 1 + (height // size) * (width // size)  # (and the whole image, resized)
+        pixels = {
+            "pixel_values": torch.zeros(1, tiles, channels, size, size),
+            "image_sizes": torch.tensor([[height, width]]),
+        }
+        tokens = _image_tokens(skeleton, pixels)
     else:  # (a fixed-size image: Gemma 3's pooled tokens, LLaVA's patches, Pixtral's merged ones)
         size = vision.image_size
         pixels = {"pixel_values": torch.zeros(1, channels, size, size)}
@@ -419,6 +427,14 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
     if "mm_token_type_ids" in takes:  # (which tokens are an image's, for the multimodal rotary positions)
         pixels["mm_token_type_ids"] = (ids == image_token).int()
     return {"input_ids": ids, **pixels}
+
+
+def _image_tokens(skeleton: ImageTextSkeleton, pixels: dict) -> int:
+    """How many tokens the model's own `get_image_features` makes of `pixels` (computed on meta: shapes alone)."""
+    meta = {name: t.to("meta") if name == "pixel_values" else t for name, t in pixels.items()}
+    features = skeleton.model.base_model.get_image_features(**meta)
+    features = getattr(features, "pooler_output", features)
+    return sum(f.shape[-2] for f in features) if isinstance(features, (list, tuple)) else features.shape[-2]
 
 
 class _ImageTextStage(_GenericStage):
@@ -594,8 +610,8 @@ class DeepstackLayer(GenericLayer):
 
 def part_of(skeleton: ImageTextSkeleton, name: str) -> str:
     """Which part of the model a parameter is, as LLaMA-Factory's freeze_* options name them: the projector (a
-    `multi_modal_projector`, Qwen's `merger`), the vision tower (the rest of the tower), or the language model."""
-    if "projector" in name or ".merger." in name:
+    `multi_modal_projector`, Qwen's `merger`, LLaVA-NeXT's `image_newline`), the vision tower (the rest of the tower), or the language model."""
+    if "projector" in name or ".merger." in name or "image_newline" in name:
         return "multi_modal_projector"
     return "vision_tower" if name.startswith(skeleton.tower_prefix) else "language_model"
 
