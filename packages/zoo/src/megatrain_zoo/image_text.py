@@ -610,7 +610,8 @@ class DeepstackLayer(GenericLayer):
 
 def part_of(skeleton: ImageTextSkeleton, name: str) -> str:
     """Which part of the model a parameter is, as LLaMA-Factory's freeze_* options name them: the projector (a
-    `multi_modal_projector`, Qwen's `merger`, LLaVA-NeXT's `image_newline`), the vision tower (the rest of the tower), or the language model."""
+    `multi_modal_projector`, Qwen's `merger`, LLaVA-NeXT's `image_newline`), the vision tower (the rest of the
+    tower), or the language model."""
     if "projector" in name or ".merger." in name or "image_newline" in name:
         return "multi_modal_projector"
     return "vision_tower" if name.startswith(skeleton.tower_prefix) else "language_model"
