@@ -248,11 +248,17 @@ class HFSkeleton:
                 stand_in(_index, hidden_states, *args, **kwargs)
             )
         try:
-            module = self.model if head else self.base
+            module = self.causal_lm if head else self.base
             return torch.func.functional_call(module, _relative(weights, module, self.model), (), inputs, strict=False)
         finally:
             for layer in self.layers:
                 del layer.forward
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The module whose forward gives the logits (the model; an image-text model's language model where that is
+        a causal LM of its own)."""
+        return self.model
 
     def placeholders(self, names: list[str], like: Tensor) -> dict[str, Tensor]:
         """Zeros (stride-0 views: no memory) for the parameters `names` on `like`'s device, for a forward whose

@@ -144,6 +144,21 @@ class ImageTextSkeleton(HFSkeleton):
         return self.model.base_model  # (the forward that encodes and splices the images)
 
     @cached_property
+    def causal_lm(self) -> nn.Module:
+        """The language model where it is a causal LM of its own (Llama 4's: transformers 5.24's image-text forward
+        fails building its output object after it), else the model."""
+        output = self.model.get_output_embeddings()
+        inner = [
+            m
+            for m in self.model.modules()
+            if m is not self.model
+            and callable(getattr(m, "get_output_embeddings", None))
+            and m.get_output_embeddings() is output
+            and any(child is self.layers for child in m.modules())
+        ]
+        return inner[0] if inner else self.model
+
+    @cached_property
     def tower(self) -> nn.Module:
         base = self.model.base_model
         for name in VISION_TOWERS:
@@ -413,7 +428,8 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
         size = vision.image_size
         pixels = {"pixel_values": torch.zeros(1, channels, size, size)}
         side = size // vision.patch_size // (getattr(config, "spatial_merge_size", None) or 1)
-        tokens = getattr(config, "mm_tokens_per_image", None) or side**2
+        shuffled = getattr(vision, "pixel_shuffle_ratio", None) or 1  # (Llama 4's patches shuffled into channels)
+        tokens = getattr(config, "mm_tokens_per_image", None) or int(side**2 * shuffled**2)
         if getattr(config, "vision_feature_select_strategy", "default") == "full":
             tokens += 1  # (the class token kept)
     ids = torch.full((1, tokens + 2), image_token)
