@@ -156,7 +156,7 @@ def bench_config(args, freeze_vision_tower: bool) -> Config:
         data=DataSection(seq_len=args.seq_len),
         train=train,
         precision=PrecisionSection("auto"),
-        engine=EngineSection(),
+        engine=EngineSection(trace=bool(args.trace_dir)),
         device="auto",
         output_dir=tempfile.mkdtemp(),
     )
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--video-frames", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--grad-clip", type=float, default=0.0)
+    parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each run's last step here")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hf = MODELS[args.model]
@@ -189,6 +190,9 @@ def main() -> None:
         trainer = BenchTrainer(bench_config(args, frozen), model)
         for scope, _, step_media in (run for run in runs if run[1] == frozen):
             seconds = timed_steps(trainer, (ids, labels, step_media), args.steps)
+            if args.trace_dir:
+                slug = scope.replace(",", "").replace(" ", "-")
+                trainer.timeline.write_chrome_trace(Path(args.trace_dir) / f"trace-{slug}.json")
             row = base_row("megatrain", args.model, model, args.seq_len, args.rows, args.micro_batch, seconds)
             work = flops_per_token(model, args.seq_len) * ids.numel()
             if step_media is not None:  # (a frozen tower runs forward only)
