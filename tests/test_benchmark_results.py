@@ -2,6 +2,7 @@
 (benchmarks/results_schema.py), the docs' generated tables are current (benchmarks/tables.py), and the
 docs' links to each other's sections resolve. CPU only, no GPU, no timers."""
 
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -141,3 +142,12 @@ def test_links_to_sections_of_the_docs_resolve():
             assert anchor in {slug(h) for h in headings}, (
                 f"{doc.relative_to(ROOT)}: {target}#{anchor} has no such section"
             )
+
+
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_every_benchmark_script_imports(path):
+    """What a script imports from megatrain exists (a moved function breaks a benchmark only on the GPU machine)."""
+    importlib.import_module(path.stem)
