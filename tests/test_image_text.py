@@ -463,11 +463,9 @@ def test_a_resumed_run_with_a_frozen_tower_equals_one_run(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_vision_blocks_compiled_with_one_varlen_call_equal_transformers_eager_blocks(monkeypatch):
-    """On the GPU in bf16 the tower's blocks run compiled (one graph for the blocks of a kind: the full-attention
-    block through the windowed one's module) and their windowed and full attention as one varlen flash call per
-    block: outputs and gradients equal transformers' eager blocks with a call per window (SDPA) within bf16
-    rounding."""
+def test_gpu_vision_attention_in_one_varlen_call_equals_a_call_per_window(monkeypatch):
+    """On the GPU in bf16 the tower's windowed and full attention run as one varlen flash call per block: its output
+    and gradients equal transformers' call per window (SDPA) within bf16 rounding."""
     from megatrain_templates import Media
     from megatrain_zoo import image_text
     from megatrain_zoo.generic import generic_model_config
@@ -479,9 +477,8 @@ def test_gpu_vision_blocks_compiled_with_one_varlen_call_equal_transformers_eage
     patches = media.tensors["pixel_values"].shape[0] + media.tensors["pixel_values_videos"].shape[0]
     assert image_text._varlen_attention_registered()  # (torch has the kernel; the attention is registered)
     results = []
-    fast = image_text._fast
-    for fast_path in (True, False):
-        monkeypatch.setattr(image_text, "_fast", lambda x, fast_path=fast_path: fast_path and fast(x))
+    for varlen in (True, False):
+        monkeypatch.setattr(image_text, "_varlen_attention_registered", lambda varlen=varlen: varlen)
         for index in (0, 1):  # (a windowed block, a full-attention one)
             block = spec.stages[1 + index].template
             generator = torch.Generator(device="cuda").manual_seed(index)

@@ -36,8 +36,6 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from megatrain_templates.ops import compiled_on_cuda
-
 from .generic import (
     CalledModules,
     GenericError,
@@ -76,11 +74,6 @@ def varlen_attention(module, query, key, value, attention_mask=None, **kwargs):
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     out = varlen_attn(q, k, v, cu_q.int(), cu_k.int(), int(max_q), int(max_k), scale=kwargs.get("scaling"))
     return out.unsqueeze(0), None
-
-
-def _fast(x: Tensor) -> bool:
-    """Whether `x` takes the tower's fast path: CUDA, half precision."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -222,42 +215,13 @@ class ImageTextSkeleton(HFSkeleton):
         """The tower's attention for a block call on `x`: one varlen flash call (CUDA, half precision), else the
         model's own (SDPA: a call per window or image)."""
         config = self.tower.config
-        fast = _fast(x) and _varlen_attention_registered()
+        fast = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _varlen_attention_registered()
         own = config._attn_implementation
         config._attn_implementation = VARLEN_ATTENTION if fast else own
         try:
             yield
         finally:
             config._attn_implementation = own
-
-    def block_call(self, module: nn.Module, weights: dict, patches: Tensor, args: tuple, kwargs: dict):
-        """The tower's block `module` on `patches` with its `weights` (names relative to it): on CUDA in half
-        precision through torch.compile (transformers' eager blocks ran the tower at 86 model TFLOPS on an H100: a
-        width of 1280 leaves their elementwise kernels dominant), one graph for every block of a kind (the first
-        of them runs each with its own weights); else eager."""
-        if not _fast(patches):
-            return torch.func.functional_call(module, weights, (patches, *args), kwargs, strict=False)
-        first = self._first_of_kind[module]
-        if first not in self._compiled_blocks:
-            self._compiled_blocks[first] = compiled_on_cuda(
-                lambda patches, weights, args, kwargs: torch.func.functional_call(
-                    first, weights, (patches, *args), kwargs, strict=False
-                )
-            )
-        return self._compiled_blocks[first](patches, weights, args, kwargs)
-
-    @cached_property
-    def _compiled_blocks(self) -> dict:
-        return {}
-
-    @cached_property
-    def _first_of_kind(self) -> dict[nn.Module, nn.Module]:
-        """Each block -> the first block of its type and parameter shapes (a block with buffers: itself)."""
-        kinds, first = {}, {}
-        for block in self.blocks:
-            kind = (type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
-            first[block] = block if any(True for _ in block.buffers()) else kinds.setdefault(kind, block)
-        return first
 
     @cached_property
     def _hidden_name(self) -> str:
@@ -566,20 +530,18 @@ class VisionBlock(_ImageTextStage):
         with self.skeleton.attention_for(x):
             for patches, blocks in zip(hidden.split(recorded.sizes), recorded.blocks):
                 args, kwargs = blocks[self.index]
-                block = self.skeleton.block_call(self.module, self._local(self.module, views), patches, args, kwargs)
-                outputs.append(_output(block))
+                outputs.append(_output(self._module_call(self.module, views, (patches, *args), kwargs)))
                 if self.merger is not None:
-                    merger = self._local(self.merger, views)
-                    features.append(torch.func.functional_call(self.merger, merger, (outputs[-1],), strict=False))
+                    features.append(self._module_call(self.merger, views, (outputs[-1],), {}))
         hidden = torch.cat(outputs) if outputs else hidden
         if self.merger is not None:
             carried.append(torch.cat(features) if features else x.new_zeros(0, self.skeleton.text_config.hidden_size))
         return pack(hidden, carried)
 
-    def _local(self, module: nn.Module, views: dict) -> dict:
-        """`module`'s weights among `views`, by their names relative to it."""
+    def _module_call(self, module: nn.Module, views: dict, args: tuple, kwargs: dict):
         prefix = self.prefixes[module] + "."
-        return {name.removeprefix(prefix): value for name, value in views.items() if name.startswith(prefix)}
+        local = {name.removeprefix(prefix): value for name, value in views.items() if name.startswith(prefix)}
+        return torch.func.functional_call(module, local, args, kwargs, strict=False)
 
     def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
         with torch.no_grad():
