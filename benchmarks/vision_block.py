@@ -55,8 +55,9 @@ def main() -> None:
     x = torch.randn(patches, block.skeleton.width, device="cuda", dtype=torch.bfloat16)
     v = hf["vision_config"]
     flops = 2 * patches * (4 * v["hidden_size"] ** 2 + 3 * v["hidden_size"] * v["intermediate_size"])
+    registered = image_text._varlen_attention_registered()  # (registers it with transformers)
     for path, varlen in (("one varlen call", True), ("a call per window", False)):
-        image_text._varlen_attention_registered = lambda varlen=varlen: varlen
+        image_text._varlen_attention_registered = lambda varlen=varlen: varlen and registered
 
         def forward():
             block.forward(weights, x, media=media)
