@@ -436,6 +436,16 @@ class _GenericStage:
         self._add(grads, dict(zip(trained, found[len(inputs) :])))
         return found[: len(inputs)]
 
+    def _recomputed_backward(self, weights, x: Tensor, grad_out: Tensor, grads: list[Tensor], documents, media):
+        """The backward of a stage that computes `self._call(views, x, documents, media)`: recomputed under
+        autograd, the weights' gradients added into `grads`, the input's returned."""
+        views = self.weights(weights, grad=True)
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._call(views, x, documents, media)
+            (grad_x,) = self.accumulate(grads, views, out, grad_out, (x,))
+        return grad_x
+
     def _trained(self, grads: list) -> list[str]:
         """The parameter names of the groups that take a gradient (a frozen group's buffer is None)."""
         return [name for names, grad in zip(self.param_groups, grads) if grad is not None for name in names]
@@ -573,12 +583,7 @@ class GenericLayer(_GenericStage):
             grad_x, *found = self.kept.backward(products, x, weights, grad_out)
             self._add(grads, found)
             return grad_x
-        views = self.weights(weights, grad=True)
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = self._call(views, x, documents, media)
-            (grad_x,) = self.accumulate(grads, views, out, grad_out, (x,))
-        return grad_x
+        return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
 
 
 class GenericHead(_GenericStage):

@@ -550,12 +550,7 @@ class VisionBlock(_ImageTextStage):
     def backward(self, weights, x: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None, media=None):
         if not x.numel():
             return torch.zeros_like(x)
-        views = self.weights(weights, grad=True)
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = self._call(views, x, documents, media)
-            (grad_x,) = self.accumulate(grads, views, out, grad_out, (x,))
-        return grad_x
+        return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
 
 
 class Connector(_ImageTextStage):
