@@ -1,7 +1,7 @@
-"""One MoE decoder block on the GPU: forward and recompute-backward time and rate, and where the
-time goes (the profiler's top CUDA kernels), beside a dense block of the same attention.
+"""One MoE decoder block on the GPU: forward and backward time and rate, recomputing or keeping its matmul
+products (`--kept`), and where the time goes (the profiler's top CUDA kernels).
 
-    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096
+    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096 [--kept] [--profile]
 """
 
 import argparse
@@ -16,7 +16,7 @@ from common import machine, write_results  # noqa: E402
 
 from megatrain.rates import block_work  # noqa: E402
 from megatrain_templates import MoeBlock  # noqa: E402
-from megatrain_zoo import build_model, preset  # noqa: E402
+from megatrain_zoo import build_model, flops_per_token, preset  # noqa: E402
 
 
 def main():
@@ -24,6 +24,7 @@ def main():
     parser.add_argument("--model", default="olmoe-1b-7b")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--kept", action="store_true", help="the forward keeps its matmul products for the backward")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of forward + backward")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -35,12 +36,20 @@ def main():
     grads = [torch.zeros(block.numel, device="cuda", dtype=torch.float32)]
     x = torch.randn(args.tokens // args.seq_len, args.seq_len, config.d_model, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
-    work = block_work(config, args.seq_len, args.tokens) / config.n_layers  # forward + recompute + backward
+    # forward + recompute + backward, less the recompute's GEMMs where the products are kept
+    work = block_work(config, args.seq_len, args.tokens, config.n_layers if args.kept else 0) / config.n_layers
 
     def step():
-        block.forward(weights, x)
-        block.backward(weights, x, grad_out, grads)
+        if args.kept:
+            _, products = block.forward_keeping_products(weights, x)
+            block.backward(weights, x, grad_out, grads, products=products)
+        else:
+            block.forward(weights, x)
+            block.backward(weights, x, grad_out, grads)
 
+    # what model TFLOPS count of one layer: 6 x its active matmul parameters + attention, a token
+    model_work = (flops_per_token(config, args.seq_len) - 6 * config.vocab_size * config.d_model) * args.tokens
+    model_work /= config.n_layers
     fwd = time_ms(lambda: block.forward(weights, x))
     total = time_ms(step)
     result = {
@@ -48,10 +57,12 @@ def main():
         "model": args.model,
         "tokens": args.tokens,
         "seq_len": args.seq_len,
+        "kept_products": args.kept,
+        "product_bytes_per_token": block.product_bytes_per_token(2) if args.kept else 0,
         "forward_ms": round(fwd, 3),
         "forward_recompute_backward_ms": round(total, 3),
         "hardware_tflops": round(work / total / 1e9, 1),
-        "model_tflops_ceiling": round(work * 6 / 8 / total / 1e9, 1),
+        "model_tflops_ceiling": round(model_work / total / 1e9, 1),
     }
     print(result, flush=True)
     if args.profile:

@@ -80,7 +80,9 @@ def hf_model(name, aux: bool, seed: int, **overrides):
     [(name, aux) for name in MOE_PRESETS for aux in (True, False) if not (aux and name in AUX_LOSS_REFUSED)],
 )
 def test_steps_match_transformers(name, aux, tmp_path):
-    check_steps_match_transformers(name, aux, tmp_path, "cpu")
+    """With the load-balancing loss the last layer keeps its forward's matmul products (the backward's
+    recompute reads them for its GEMMs); without it every layer recomputes."""
+    check_steps_match_transformers(name, aux, tmp_path, "cpu", EngineSection(kept_layers=1 if aux else 0))
 
 
 @pytest.mark.gpu
@@ -204,9 +206,9 @@ def test_deepseek_v3_rotary_embedding_on_halves_matches_transformers(tmp_path):
     check_steps_match_transformers("tiny-deepseek-v3", False, tmp_path, "cpu", rope_interleave=False)
 
 
-def test_dense_layers_after_the_last_moe_layer_keep_their_graph_the_moe_ones_recompute(tmp_path):
-    """Qwen2-MoE with its last layer dense (mlp_only_layers): asked to keep two layers, the dense one keeps
-    its forward's graph, the MoE one before it recomputes; the same steps as transformers."""
+def test_a_dense_layer_and_a_moe_layer_keep_their_products_alike(tmp_path):
+    """Qwen2-MoE with its last layer dense (mlp_only_layers): asked to keep two layers, the dense one and the
+    MoE one before it keep their forward's matmul products; the same steps as transformers."""
     engine = EngineSection(kept_layers=2)
     check_steps_match_transformers("tiny-qwen2-moe", True, tmp_path, "cpu", engine, mlp_only_layers=[2])
 
@@ -342,14 +344,9 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
             assert getattr(out, "aux_loss", None) is None
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
-    # a MoE layer always recomputes (its routing statistics belong to each forward); dense layers after
-    # the last MoE one may keep their products
     model = trainer.model_config
-    trailing_dense = next(
-        (i for i, layer in enumerate(reversed(range(model.n_layers))) if model.layer_is_moe(layer)), model.n_layers
-    )
     asked = 0 if engine.kept_layers == "auto" else engine.kept_layers  # auto keeps none on the CPU
-    assert len(trainer.pipeline.executed.keeping) == min(asked, trailing_dense)
+    assert len(trainer.pipeline.executed.keeping) == min(asked, model.n_layers)
     exported = trainer.export(tmp_path / "out")
     ids = torch.randint(0, model.vocab_size, (2, 12))
     our_logits = trainer.logits(ids)
@@ -372,7 +369,8 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
 @pytest.mark.parametrize("naming", ["qwen", "gpt_oss"])
 def test_gpu_grouped_experts_equal_the_expert_loop(naming):
     """bf16 on the GPU: torch._grouped_mm (one kernel per projection, no host sync) and the
-    per-expert loop compute the same block, forward and backward, to bf16 rounding."""
+    per-expert loop compute the same block, forward and backward, recomputing or from kept products, to bf16
+    rounding."""
     import megatrain_templates.moe as moe_module
     from megatrain_templates import BlockShape, MoeBlock, MoeShape, RopeConfig, RouterLoad
 
@@ -388,13 +386,36 @@ def test_gpu_grouped_experts_equal_the_expert_loop(naming):
     results = []
     for grouped in (True, False):
         moe_module._GROUPED_MM[key] = grouped
-        block.router_load.reset()
-        out = block.forward(weights, x)
-        grads = [torch.zeros(block.numel, device="cuda")]
-        results.append((out.float(), block.backward(weights, x, grad_out, grads).float(), grads[0]))
+        for kept in (False, True):
+            block.router_load.reset()
+            out, products = block.forward_keeping_products(weights, x) if kept else (block.forward(weights, x), None)
+            grads = [torch.zeros(block.numel, device="cuda")]
+            grad_in = block.backward(weights, x, grad_out, grads, products=products)
+            results.append((out.float(), grad_in.float(), grads[0]))
     del moe_module._GROUPED_MM[key]
-    for grouped, loop in zip(*results):
-        assert rel_err(grouped, loop) < 2e-2
+    for result in results[1:]:
+        for got, want in zip(result, results[0]):
+            assert rel_err(got, want) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_weight_gradient_of_an_expert_no_row_chose_is_zero():
+    """The grouped kernel's weight gradient (groups along the rows it sums over) is zero for an expert with no
+    rows, as the loop's, not what the memory held."""
+    from megatrain_templates.moe import _grouped_weight_grad, _Slots
+
+    rows, n_experts = 48, 4
+    expert = torch.tensor([0] * 16 + [2] * 32, device="cuda")  # experts 1 and 3: no rows
+    a, b = (torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for width in (64, 32))
+    order = torch.arange(rows, device="cuda")
+    for _ in range(2):  # the second time into memory the first freed
+        results = []
+        for grouped in (True, False):
+            slots = _Slots(order, order, expert, order, 1, n_experts, grouped)
+            results.append(_grouped_weight_grad(a, b, slots).float())
+        assert torch.equal(results[0][1], torch.zeros(64, 32, device="cuda"))
+        assert torch.equal(results[0][3], torch.zeros(64, 32, device="cuda"))
+        assert rel_err(results[0], results[1]) < 1e-2
 
 
 @pytest.mark.gpu

@@ -224,6 +224,26 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
         assert rel_err(by_name[name], p.grad) < 1e-10, name
     assert "mlp.experts.5.down_proj.weight" in by_name  # per-expert Hugging Face names
 
+    # kept products stand for the recompute's GEMMs (the experts' gate-up rows too), read from a slot the
+    # weights were streamed into again; the routing statistics are the forward's, recorded once a micro-batch
+    router_load.reset()
+    out_products, products = block.forward_keeping_products([flat.clone()], x.detach())
+    assert torch.equal(out_products, out)
+    assert router_load.loss().item() == pytest.approx(ref.load_balancing_loss().item(), rel=1e-10)
+    shared = {"shared_gate_up", "shared_down", "shared_gate"} if shared_d_ff else set()
+    assert set(products) == {"qkv_weight", "o_weight", "experts_gate_up"} | shared
+    assert products["experts_gate_up"].shape == (3 * 11 * top_k, 2 * d_ff)
+    assert sum(p.numel() for p in products.values()) * 8 == block.product_bytes_per_token(8) * 3 * 11
+    other_slot = torch.empty(flat.numel() + 3, dtype=torch.float64)[3:]
+    other_slot.copy_(flat)
+    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([other_slot], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    assert rel_err(product_grads[0], grads[0]) < 1e-10
+    products["experts_gate_up"] = products["experts_gate_up"] * 1.5
+    changed = [torch.zeros(block.numel, dtype=torch.float64)]
+    block.backward([other_slot], x.detach(), grad_out, changed, products=products)
+    assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
+
 
 @pytest.mark.parametrize("naming,shared_d_ff", [("qwen", 40), ("gpt_oss", 0)])
 def test_moe_layer_in_parts_equals_the_whole_block(naming, shared_d_ff):

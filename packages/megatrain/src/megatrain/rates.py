@@ -162,21 +162,23 @@ def _host_seconds(run: Callable[[], object], timed_s: float = 0.2) -> float:
 
 def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
-    parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
-    down projection, which the dense recompute skips (but where its output is normed: Gemma, OLMo 2; and in a
-    generic model's layers, which recompute all), and less
-    the recompute's GEMMs in `kept_layers` (dense layers whose forward's matmul products are kept).
-    Routers and experts count their active part; linear-attention layers their delta rule instead of attention."""
+    parameters a token multiplies with, plus attention 8/6 of the counted), less the MLP's down projections
+    (a dense layer's, a MoE layer's experts'), which the recompute skips (but where a dense layer's output is
+    normed: Gemma, OLMo 2; where gpt-oss' down bias is scaled by the routing weight; and in a generic model's
+    layers, which recompute all), and less the recompute's GEMMs in `kept_layers` (layers whose forward's
+    matmul products are kept). Routers and experts count their active part; linear-attention layers their
+    delta rule instead of attention."""
     n_linear = len(model.linear_attention_layers)
     attention = 8 * (model.n_layers - n_linear) * seq_len * model.n_heads * model.head_dim * tokens
     attention += 8 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
-    dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
-    skips_down = model.norm_placement == "pre" and model.implementation == "native"  # (a generic layer: none)
-    down = model.d_ff * model.d_model if skips_down else 0
-    skipped_down = 2 * dense_layers * down
-    # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped)
-    recomputed_matmuls = 2 * (matmul_layers / model.n_layers - down) * tokens
+    moe_layers = sum(model.layer_is_moe(layer) for layer in range(model.n_layers))
+    native = model.implementation == "native"  # (a generic layer skips none)
+    dense_down = model.d_ff * model.d_model if native and model.norm_placement == "pre" else 0
+    moe_down = model.n_experts_per_tok * model.moe_d_ff * model.d_model if native and model.arch != "gpt_oss" else 0
+    skipped_down = 2 * ((model.n_layers - moe_layers) * dense_down + moe_layers * moe_down)
+    # a layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped), on average
+    recomputed_matmuls = (2 * matmul_layers - skipped_down) / model.n_layers * tokens
     return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
 
 
@@ -269,7 +271,7 @@ def measure_gpu_rates(
     forward, recompute and backward (one layer of each kind timed, weighted by how many layers it stands for:
     Qwen3.5's linear-attention layers run at a rate of their own beside its softmax ones, a model's first dense
     layers beside its MoE ones, a generic model's layers by their module and layer type), its dense layers'
-    keeping their products likewise (None where the largest layer always recomputes: a MoE layer, a generic one),
+    keeping their products likewise (None where the largest layer always recomputes: a generic one),
     and the loss head's (6 FLOPs per weight and token); and the largest layer's recomputing pass, to run beside
     other measurements."""
     from megatrain_zoo.model import block_shape

@@ -14,6 +14,7 @@ A layer too large for a GPU slot streams its experts in parts: `MoeAttention` (a
 expert, routing statistics) and one `MoeExperts` stage per range of experts, each its own group.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,9 @@ from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
 from .layout import (
     LOAD_BIAS,
+    BoundWeight,
     ParamSpec,
+    ProductKeeper,
     Span,
     accumulate,
     check_buffers,
@@ -36,7 +39,8 @@ from .layout import (
     split_precision_names,
     total_numel,
 )
-from .ops import compiled_on_cuda, swiglu, upcast
+from .linear_attention import LINEAR_ATTENTION_LEAVES
+from .ops import compiled_on_cuda, linear, swiglu, upcast
 
 # Parameter names of one expert's (gate, up, down) projections and of the MLP module, per family.
 EXPERT_NAMING = {
@@ -517,44 +521,161 @@ swiglu_weighted = compiled_on_cuda(_swiglu_weighted)
 swiglu_weighted.__doc__ = """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1]."""
 
 
-def _with_zero_row(rows: Tensor, inverse: Tensor, n_rows: int) -> Tensor:
-    """`rows` with a zero row appended where some slots chose none of them (inverse points there)."""
-    return rows if inverse.numel() == n_rows else torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+@dataclass
+class _Slots:
+    """A micro-batch's expert choices (tokens * k) that fall in the experts a stage holds, sorted by expert:
+    row i of the grouped GEMMs is choice `order[i]`, of token `token[i]`, for expert `expert[i]` (counted from
+    the stage's first); `inverse` maps each choice to its row (`rows` for a choice of another expert). The
+    grouped kernel reads each expert's end row on the device (`offsets`), the loop its row count on the host."""
+
+    order: Tensor  # [rows]
+    token: Tensor  # [rows]
+    expert: Tensor  # [rows]
+    inverse: Tensor  # [tokens * k]
+    k: int
+    n_experts: int
+    grouped: bool  # torch._grouped_mm, else a loop over the experts
+
+    @property
+    def rows(self) -> int:
+        return self.order.numel()
+
+    @functools.cached_property
+    def offsets(self) -> Tensor:
+        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=self.expert.device)
+        counts.scatter_add_(0, self.expert, torch.ones_like(self.expert, dtype=torch.int32))
+        return counts.cumsum(0, dtype=torch.int32)
+
+    @functools.cached_property
+    def counts(self) -> list[int]:
+        return torch.bincount(self.expert, minlength=self.n_experts).tolist()  # (the host waits for the device)
+
+    def runs(self):
+        """(expert, its rows as a slice) for each expert with rows, in row order (the loop's)."""
+        start = 0
+        for expert, count in enumerate(self.counts):
+            if count:
+                yield expert, slice(start, start + count)
+                start += count
+
+
+def _grouped_matmul(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
+    """a [rows, in] grouped by expert, each group times its expert's b [n_experts, in, out] -> [rows, out]."""
+    if slots.grouped:
+        return torch._grouped_mm(a, b, offs=slots.offsets)
+    return torch.cat([a[rows] @ b[expert] for expert, rows in slots.runs()])
+
+
+def _grouped_weight_grad(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
+    """Each expert's sum over its rows of a^T b: a [rows, m], b [rows, n] -> [n_experts, m, n] (zeros for an
+    expert with no rows)."""
+    if slots.grouped:
+        return torch._grouped_mm(a.T, b, offs=slots.offsets)
+    grad = a.new_zeros(slots.n_experts, a.shape[1], b.shape[1])
+    for expert, rows in slots.runs():
+        grad[expert] = a[rows].T @ b[rows]
+    return grad
+
+
+def _grouped_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None):
+    """The backward of `_grouped_matmul(x, weight)` for `grad` [rows, out]: (x's gradient, the weight's, or None
+    where it was added into `into`). The weight's is computed in the orientation its storage has, so that adding
+    it reads and writes memory in order."""
+    grad = grad.contiguous()
+    grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
+    target = weight if into is None else into
+    if target.transpose(1, 2).is_contiguous():  # stored [n_experts, out, in]: transformers' per-expert layout
+        grad_weight = _grouped_weight_grad(grad, x, slots).transpose(1, 2)
+    else:
+        grad_weight = _grouped_weight_grad(x, grad, slots)
+    if into is None:
+        return grad_x, grad_weight
+    into.add_(grad_weight)
+    return grad_x, None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """`_grouped_matmul` whose backward adds the weight's gradient into `into` (the weight's view of the flat
+    fp32 gradient buffer) where given, else returns it; a kept `product` stands for the forward's GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, slots: _Slots, into: Tensor | None, product: Tensor | None):
+        ctx.save_for_backward(x, weight)
+        ctx.slots, ctx.into = slots, into
+        if product is not None:
+            return product.view_as(product)  # a new tensor for autograd to own, not a copy
+        return _grouped_matmul(x, weight, slots)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight = _grouped_linear_backward(x, weight, grad, ctx.slots, ctx.into)
+        return grad_x, grad_weight, None, None, None
+
+
+def grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool) -> Tensor:
+    """x [rows, in] grouped by expert times each expert's matrix, stored [n_experts, out, in] (`out_in`:
+    transformers' per-expert layout) or [n_experts, in, out] (the fused one), as `ops.linear` treats a
+    `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
+
+    def in_out(matrix: Tensor) -> Tensor:
+        return matrix.transpose(1, 2) if out_in else matrix
+
+    if isinstance(weight, BoundWeight):
+        return _GroupedLinear.apply(x, in_out(weight.value), slots, in_out(weight.grad), weight.product)
+    if isinstance(weight, ProductKeeper):
+        weight.products[weight.name] = out = _grouped_matmul(x, in_out(weight.value), slots)
+        return out
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _GroupedLinear.apply(x, in_out(weight), slots, None, None)
+    return _grouped_matmul(x, in_out(weight), slots)
+
+
+def _with_zero_row(rows: Tensor, slots: _Slots) -> Tensor:
+    """`rows` with a zero row appended where some choices fall in other experts (inverse points there)."""
+    return rows if slots.rows == slots.inverse.numel() else torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+
+
+def _sum_of_rows(rows: Tensor, inverse: Tensor, k: int) -> Tensor:
+    return rows.index_select(0, inverse).view(-1, k, rows.shape[-1]).sum(1)
+
+
+# one kernel that reads each token's k rows and writes their sum, where eager writes the k rows gathered and
+# reads them back (OLMoE's combine and dispatch backward: [16384 * 8, 2048] rows a micro-batch)
+sum_of_rows = compiled_on_cuda(_sum_of_rows)
+
+
+def _gathered_sum(rows: Tensor, slots: _Slots) -> Tensor:
+    """[tokens, d]: each token's k rows summed (in fp32 by the reduction), a row outside these experts as zero."""
+    return sum_of_rows(_with_zero_row(rows, slots), slots.inverse, slots.k)
 
 
 class _Dispatch(torch.autograd.Function):
-    """Each token's row copied to its expert slots: x[i] = h[order[i] // k]. Backward gathers the
-    k slots' gradients back and sums them, with no atomics (index_add would collide k ways); a slot
-    whose expert is not among the rows (experts streamed in parts) reads a zero row."""
+    """Each token's row copied to its expert rows: x[i] = h[token[i]]. Backward gathers the k rows'
+    gradients back and sums them, with no atomics (index_add would collide k ways)."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.k, ctx.n_rows = k, order.numel()
-        return h.index_select(0, order // k)
+    def forward(ctx, h: Tensor, slots: _Slots) -> Tensor:
+        ctx.slots = slots
+        return h.index_select(0, slots.token)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        grad = _with_zero_row(grad, inverse, ctx.n_rows)
-        return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+        return _gathered_sum(grad, ctx.slots), None
 
 
 class _Combine(torch.autograd.Function):
-    """The transpose of _Dispatch: out[t] = sum of token t's expert outputs over its k slots (gathered,
-    then summed in fp32 by the reduction); backward copies each token's gradient to its slots."""
+    """The transpose of _Dispatch: out[t] = the sum of token t's expert rows; backward copies each token's
+    gradient to its rows."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
-        ctx.save_for_backward(order)
-        ctx.k = k
-        y = _with_zero_row(y, inverse, order.numel())
-        return y.index_select(0, inverse).view(-1, k, y.shape[-1]).sum(1)
+    def forward(ctx, y: Tensor, slots: _Slots) -> Tensor:
+        ctx.slots = slots
+        return _gathered_sum(y, slots)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order // ctx.k), None, None, None
+        return grad.index_select(0, ctx.slots.token), None
 
 
 def _valid_tokens(documents: Documents | None) -> Tensor | None:
@@ -563,11 +684,11 @@ def _valid_tokens(documents: Documents | None) -> Tensor | None:
 
 
 class MoeBlock(DecoderBlock):
-    """Stateless MoE decoder block; `router_load` is the model's shared step statistics."""
+    """Stateless MoE decoder block; `router_load` is the model's shared step statistics.
 
-    # no kept products: the routing statistics are collected by each forward and their loss's gradient
-    # added by the recompute's, so a MoE layer always recomputes all of it
-    forward_keeping_products = None
+    Its backward recomputes the forward (routing again, which adds the balance losses' gradients) but not the
+    experts' down projection, whose output no gradient needs; a forward that kept its matmul products
+    (`forward_keeping_products`) leaves the recompute the norms, attention, router and activation."""
 
     def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
         self.shape, self.moe = shape, moe
@@ -582,6 +703,26 @@ class MoeBlock(DecoderBlock):
             **_expert_spans(moe, shape.d_model, params, 0, moe.n_experts),
             **_shared_spans(moe, params),
         }
+        # autograd's leaves: norms, biases, the router (its GEMM is small and some scorings upcast it)
+        self._vectors = tuple(
+            name
+            for name, span in self._spans.items()
+            if len(span.shape) == 1 or name in LINEAR_ATTENTION_LEAVES or name == "router" or "bias" in name
+        )
+        # the matrices whose products a forward keeps: all but the experts' down projection (the backward's own)
+        self._recomputed_matrices = tuple(
+            name for name in self._spans if name not in self._vectors and name != "experts_down"
+        )
+
+    def product_bytes_per_token(self, element_size: int) -> int:
+        """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype): the experts'
+        gate-up products are top_k rows a token."""
+        moe = self.moe
+        widths = [
+            moe.top_k * 2 * moe.d_ff if name == "experts_gate_up" else self._spans[name].shape[0]
+            for name in self._recomputed_matrices
+        ]
+        return sum(widths) * element_size
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """h: [tokens, d_model] -> the routing of each token."""
@@ -663,9 +804,43 @@ class MoeBlock(DecoderBlock):
         top_weight = probs.gather(1, top_index)
         return Routing(probs, top_index, top_weight / top_weight.sum(dim=-1, keepdim=True).clamp_min(1e-12), logits)
 
+    def _slots(
+        self, w: dict, h: Tensor, top_index: Tensor, first: int = 0, stop: int = 0, n_rows: int | None = None
+    ) -> _Slots | None:
+        """The tokens' choices of experts first..stop-1 (stop 0: all), which `w` holds, sorted by expert; None
+        where none chose them. `n_rows`: how many choices fall in them, where already known (else read from
+        the device)."""
+        count = (stop or self.moe.n_experts) - first
+        flat = top_index.reshape(-1)
+        if count == self.moe.n_experts:
+            expert = flat
+            order = flat.argsort(stable=True)  # row -> choice; stable keeps the token order per expert
+        else:  # the choices of other experts sort last and are cut off
+            local = flat - first
+            expert = torch.where((local >= 0) & (local < count), local, count)
+            order = expert.argsort(stable=True)
+            if n_rows is None:
+                n_rows = int((expert < count).sum())  # the host waits for the device
+            order = order[:n_rows]
+            if order.numel() == 0:
+                return None
+        rows = order.numel()
+        inverse = torch.full_like(flat, rows) if rows < flat.numel() else torch.empty_like(order)
+        inverse[order] = torch.arange(rows, device=order.device)
+        k = self.moe.top_k
+        return _Slots(order, order // k, expert[order], inverse, k, count, self._grouped(w, h))
+
+    def _grouped(self, w: dict, h: Tensor) -> bool:
+        """Whether the grouped kernel runs the experts (else the loop): bf16 on a GPU that has it, the expert
+        matrices 16-byte aligned in their slot (the kernel reads 16-byte rows)."""
+        matrices = (w["experts_gate_up"], w["experts_down"])
+        values = [m.value if isinstance(m, (BoundWeight, ProductKeeper)) else m for m in matrices]
+        aligned = all(t.data_ptr() % 16 == 0 for t in values)
+        return aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.fused)
+
     def _experts(
         self,
-        w: dict[str, Tensor],
+        w: dict,
         h: Tensor,
         top_index: Tensor,
         top_weight: Tensor,
@@ -674,88 +849,58 @@ class MoeBlock(DecoderBlock):
         n_rows: int | None = None,
     ) -> Tensor:
         """sum_k top_weight * expert_k(h) over the experts first..stop-1 that `w` holds (stop 0: all),
-        dropless, as grouped GEMMs over tokens sorted by expert. For a part of the experts, `n_rows`
-        is how many of the tokens' choices fall in it where already known (else read from the GPU).
+        dropless, as grouped GEMMs over the tokens' choices sorted by expert (`_slots`)."""
+        slots = self._slots(w, h, top_index, first, stop, n_rows)
+        if slots is None:  # no token chose these experts
+            return h.new_zeros(h.shape)
+        act, weight = self._expert_activation(w, h, top_weight, slots)
+        return self._expert_output(w, act, weight, slots)
+
+    def _expert_activation(self, w: dict, h: Tensor, top_weight: Tensor, slots: _Slots) -> tuple[Tensor, Tensor | None]:
+        """(the experts' activations [rows, d_ff] times the routing weights, the weights [rows, 1]); Llama 4's
+        weights scale the experts' inputs instead (None).
 
         The routing weight scales each expert's down-projection input (d_ff wide), not its output
         (d_model wide): the same by linearity, with half the elementwise traffic or less."""
-        k = self.moe.top_k
-        count = (stop or self.moe.n_experts) - first
-        flat = top_index.reshape(-1)
-        if count == self.moe.n_experts:
-            expert = flat
-            order = flat.argsort(stable=True)  # sorted slot -> (token, choice); stable keeps token order per expert
-        else:  # the slots of other experts sort last and are cut off
-            local = flat - first
-            expert = torch.where((local >= 0) & (local < count), local, count)
-            order = expert.argsort(stable=True)
-            if n_rows is None:
-                n_rows = int((expert < count).sum())  # the host waits for the GPU
-            order = order[:n_rows]
-            if order.numel() == 0:  # no token chose these experts
-                return h.new_zeros(h.shape)
-        n_rows = order.numel()
-        inverse = torch.full_like(flat, n_rows) if n_rows < flat.numel() else torch.empty_like(order)
-        inverse[order] = torch.arange(n_rows, device=order.device)
-        x = _Dispatch.apply(h, order, inverse, k)  # [rows, d_model], grouped by expert
-        weight = top_weight.reshape(-1)[order].to(h.dtype).unsqueeze(1)
+        x = _Dispatch.apply(h, slots)  # [rows, d_model], grouped by expert
+        weight = top_weight.reshape(-1)[slots.order].to(h.dtype).unsqueeze(1)
         if self.moe.weights_inputs:  # Llama 4: the expert sees its input scaled, its output is not
             x, weight = x * weight, None
-        expert_of_row = expert[order]
-        # each expert's matrices as [in, out]: the per-expert (transformers) layout is [out, in], the fused
-        # one [in, out]; gpt-oss adds biases, the down projection's scaled by the routing weight like its input
-        gate_up, down = w["experts_gate_up"], w["experts_down"]
-        if not self.moe.fused:
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        gate_up_bias, down_bias = w.get("experts_gate_up_bias"), w.get("experts_down_bias")
-        aligned = all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))  # the grouped kernel reads 16-byte rows
-        if aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.fused):
-            counts = torch.zeros(count, dtype=torch.int32, device=h.device)
-            counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row, dtype=torch.int32))
-            offsets = counts.cumsum(0, dtype=torch.int32)
-            hidden = torch._grouped_mm(x, gate_up, offs=offsets)
-            if gate_up_bias is not None:
-                hidden = hidden + gate_up_bias[expert_of_row]
-            y = torch._grouped_mm(self._activation(hidden, weight, compiled=True), down, offs=offsets)
-            if down_bias is not None:
-                y = y + weight * down_bias[expert_of_row]
-        else:
-            counts = torch.bincount(expert_of_row, minlength=count).tolist()
-            # unbind, not gate_up[e]: its backward stacks the per-expert gradients once instead of
-            # adding count full-size zero-padded gradients
-            gate_ups, downs = gate_up.unbind(0), down.unbind(0)
-            pieces, start = [], 0
-            for e, rows_of_e in enumerate(counts):
-                if rows_of_e:
-                    rows = slice(start, start + rows_of_e)
-                    hidden = x[rows] @ gate_ups[e]
-                    if gate_up_bias is not None:
-                        hidden = hidden + gate_up_bias[e]
-                    weight_of_e = None if weight is None else weight[rows]
-                    piece = self._activation(hidden, weight_of_e, compiled=False) @ downs[e]  # shapes vary: eager
-                    pieces.append(piece if down_bias is None else piece + weight[rows] * down_bias[e])
-                    start += rows_of_e
-            y = torch.cat(pieces)
-        return _Combine.apply(y, order, inverse, k)
+        hidden = grouped_linear(x, w["experts_gate_up"], slots, out_in=not self.moe.fused)
+        if "experts_gate_up_bias" in w:  # gpt-oss
+            hidden = hidden + w["experts_gate_up_bias"][slots.expert]
+        return self._activation(hidden, weight), weight
 
-    def _activation(self, gate_up: Tensor, weight: Tensor | None, compiled: bool) -> Tensor:
+    def _expert_output(self, w: dict, act: Tensor, weight: Tensor | None, slots: _Slots) -> Tensor:
+        """[tokens, d_model]: the experts' down projections of `act` summed over each token's choices (gpt-oss'
+        down bias scaled by the routing weight, as its input is)."""
+        y = grouped_linear(act, w["experts_down"], slots, out_in=not self.moe.fused)
+        if "experts_down_bias" in w:
+            y = y + weight * w["experts_down_bias"][slots.expert]
+        return _Combine.apply(y, slots)
+
+    def _expert_output_backward(self, down: BoundWeight, act: Tensor, grad_out: Tensor, slots: _Slots) -> Tensor:
+        """`_expert_output`'s backward, its forward not recomputed (no gradient needs its output): adds the down
+        projection's weight gradient into its buffer and returns `act`'s gradient. grad_out: [tokens, d_model]."""
+        out_in = not self.moe.fused
+        weight, into = (down.value.transpose(1, 2), down.grad.transpose(1, 2)) if out_in else (down.value, down.grad)
+        grad_rows = grad_out.index_select(0, slots.token)  # the combine's backward
+        return _grouped_linear_backward(act.detach(), weight, grad_rows, slots, into)[0]
+
+    def _activation(self, gate_up: Tensor, weight: Tensor | None) -> Tensor:
         """The experts' activation times the routing weight (None: Llama 4's, which scaled the input):
-        SwiGLU on (gate, up) halves, or gpt-oss' clamped SwiGLU on interleaved columns; compiled on CUDA
-        for the grouped GEMMs' fixed layout."""
+        SwiGLU on (gate, up) halves, or gpt-oss' clamped SwiGLU on interleaved columns (compiled on CUDA)."""
         moe = self.moe
         if moe.gpt_oss:
-            glu = gpt_oss_glu_weighted if compiled else _gpt_oss_glu_weighted
-            return glu(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
-        if weight is None:
-            return swiglu(gate_up)  # (compiled on CUDA)
-        return (swiglu_weighted if compiled else _swiglu_weighted)(gate_up, weight)
+            return gpt_oss_glu_weighted(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
+        return swiglu(gate_up) if weight is None else swiglu_weighted(gate_up, weight)
 
     def _shared_expert(self, w: dict[str, Tensor], h: Tensor) -> Tensor | None:
         """The shared expert's output (behind its sigmoid gate where the family has one); None: no shared expert."""
         if not self.moe.shared_d_ff:
             return None
-        shared = F.linear(swiglu(F.linear(h, w["shared_gate_up"])), w["shared_down"])
-        return torch.sigmoid(F.linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared
+        shared = linear(swiglu(linear(h, w["shared_gate_up"])), w["shared_down"])
+        return torch.sigmoid(linear(h, w["shared_gate"])) * shared if "shared_gate" in w else shared
 
     def _mlp(self, w: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Routing]:
         """h: [tokens, d_model] (post-norm) -> (MLP output, its routing)."""
@@ -776,6 +921,21 @@ class MoeBlock(DecoderBlock):
         out, routing = self._block_and_router(self._views(weights[0]), hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out
+
+    def forward_keeping_products(
+        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`forward`, also returning the products of its matmuls but the experts' down projection, which the
+        backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token)."""
+        check_buffers(weights, self.groups, "MoeBlock.forward_keeping_products")
+        products: dict[str, Tensor] = {}
+        w = {
+            name: ProductKeeper(view, name, products) if name in self._recomputed_matrices else view
+            for name, view in self._views(weights[0]).items()
+        }
+        out, routing = self._block_and_router(w, hidden, documents)
+        self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
+        return out, products
 
     def _aux_outputs(self, routing: Routing | None, documents: Documents | None, sequences: int) -> tuple[list, list]:
         """(outputs, their gradients) that add the balance losses' and the z-loss's gradients (where on) to a
@@ -801,17 +961,36 @@ class MoeBlock(DecoderBlock):
         grad_out: Tensor,
         grads: list[Tensor],
         documents: Documents | None = None,
+        products: dict[str, Tensor] | None = None,
     ) -> Tensor:
-        """Recompute from `hidden` under a graph local to this call, add weight gradients (and the
-        load-balancing loss's, when on) into `grads[0]` (flat fp32), return d/d(hidden)."""
+        """Recompute from `hidden` (the experts' down projection left out, `products` standing for the GEMMs
+        that made them), add the weight gradients (and the router losses', where on) into `grads[0]` (flat
+        fp32), return d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeBlock.backward")
-        leaves = {name: leaf(weights[0], span) for name, span in self._spans.items()}
+        w, leaves = self._bind(weights[0], grads[0], products=products)
         x = hidden.detach().requires_grad_(True)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.enable_grad():
-            out, routing = self._block_and_router(leaves, x, documents)
+            after_attention = self._attention(w, x, documents)
+            h = self.shape.norm(after_attention, w["post_norm"]).reshape(-1, x.shape[-1])
+            routing = self.route(w, h)
+            slots = self._slots(w, h, routing.top_index)
+            act, weight = self._expert_activation(w, h, routing.top_weight, slots)
+            shared = self._shared_expert(w, h)
+            if self.moe.gpt_oss:  # its down bias, scaled by the routing weight, needs the weight's gradient
+                outputs, grad_outputs = [self._expert_output(w, act, weight, slots)], [flat_grad]
+            else:
+                grad_act = self._expert_output_backward(w["experts_down"], act, flat_grad, slots)
+                outputs, grad_outputs = [act], [grad_act]
+        if shared is not None:
+            outputs, grad_outputs = outputs + [shared], grad_outputs + [flat_grad]
         aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])
+        # (the residual passes grad_out straight to after_attention; autograd adds the MLP's path)
         grad_in, *grad_leaves = torch.autograd.grad(
-            [out, *aux], [x, *leaves.values()], [grad_out, *aux_grads], allow_unused=True
+            [after_attention, *outputs, *aux],
+            [x, *leaves.values()],
+            [grad_out, *grad_outputs, *aux_grads],
+            allow_unused=True,
         )
         for name, grad in zip(leaves, grad_leaves):
             if grad is not None:
@@ -836,7 +1015,9 @@ class _MoePart(MoeBlock):
     layer's groups are its trunk (attention, shared expert), its router group (post-attention norm,
     router) and one group per part of its experts. The stages pass the pair (a, total): the residual
     stream after attention, the same tensor through every part, and the MLP output summed so far
-    (None before any)."""
+    (None before any). Each recomputes all of its forward: none keeps products."""
+
+    forward_keeping_products = None
 
     def _bind(self, weights: list[Tensor], leaves: bool = False) -> dict[str, Tensor]:
         bound = {}
