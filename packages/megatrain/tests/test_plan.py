@@ -292,8 +292,8 @@ def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(m
     assert 0.15 < saved < 0.25
     # the more tokens, the fewer layers fit
     assert make_plan(config_for("qwen2.5-7b", 131072, **gpu_only), gpu_memory=h100).kept_layers < auto.kept_layers
-    # a MoE model's layers always recompute
-    assert make_plan(config_for("olmoe-1b-7b", 32768), gpu_memory=h100).kept_layers == 0
+    # a MoE model's layers keep theirs as well: at 128k tokens some of OLMoE's 16, not all
+    assert 0 < make_plan(config_for("olmoe-1b-7b", 131072, **gpu_only), gpu_memory=h100).kept_layers < 16
 
 
 def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
