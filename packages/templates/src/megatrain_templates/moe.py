@@ -16,7 +16,7 @@ expert, routing statistics) and one `MoeExperts` stage per range of experts, eac
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,6 @@ from .layout import (
     ProductKeeper,
     Span,
     accumulate,
-    add_matmul_,
     check_buffers,
     fused_span,
     leaf,
@@ -522,10 +521,6 @@ swiglu_weighted = compiled_on_cuda(_swiglu_weighted)
 swiglu_weighted.__doc__ = """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1]."""
 
 
-# the rows per expert (on average) from which each expert's weight-gradient GEMM adds into the fp32 buffer itself
-ACCUMULATING_ROWS = 512
-
-
 @dataclass
 class _Slots:
     """A micro-batch's expert choices (tokens * k) that fall in the experts a stage holds, sorted by expert:
@@ -540,28 +535,10 @@ class _Slots:
     k: int
     n_experts: int
     grouped: bool  # torch._grouped_mm, else a loop over the experts
-    _host_counts: tuple | None = field(default=None, repr=False)  # (pinned counts, event of their copy)
 
     @property
     def rows(self) -> int:
         return self.order.numel()
-
-    def send_counts_to_host(self) -> None:
-        """Start copying each expert's row count to the host, for a backward that reads `counts` later (by
-        then the copy is done: the host does not wait for the device to catch up)."""
-        if self.expert.is_cuda:
-            host = torch.empty(self.n_experts, dtype=torch.int64, pin_memory=True)
-            host.copy_(torch.bincount(self.expert, minlength=self.n_experts), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            self._host_counts = (host, ready)
-
-    @property
-    def accumulates_weight_grads(self) -> bool:
-        """Whether each expert's weight gradient is one GEMM that adds into the fp32 buffer as it computes
-        (`add_matmul_`), rather than one grouped GEMM whose bf16 result a second pass adds: on the GPU with
-        the counts on their way to the host, and the experts' GEMMs large enough to run at the grouped rate."""
-        return self.grouped and self._host_counts is not None and self.rows >= ACCUMULATING_ROWS * self.n_experts
 
     @functools.cached_property
     def offsets(self) -> Tensor:
@@ -571,10 +548,6 @@ class _Slots:
 
     @functools.cached_property
     def counts(self) -> list[int]:
-        if self._host_counts is not None:
-            host, ready = self._host_counts
-            ready.synchronize()
-            return host.tolist()
         return torch.bincount(self.expert, minlength=self.n_experts).tolist()  # (the host waits for the device)
 
     def runs(self):
@@ -611,15 +584,7 @@ def _grouped_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, slots: _Sl
     grad = grad.contiguous()
     grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
     target = weight if into is None else into
-    out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
-    if into is not None and slots.accumulates_weight_grads:
-        for expert, rows in slots.runs():
-            if out_in:
-                add_matmul_(into[expert].T, grad[rows].T, x[rows])
-            else:
-                add_matmul_(into[expert], x[rows].T, grad[rows])
-        return grad_x, None
-    if out_in:
+    if target.transpose(1, 2).is_contiguous():  # stored [n_experts, out, in]: transformers' per-expert layout
         grad_weight = _grouped_weight_grad(grad, x, slots).transpose(1, 2)
     else:
         grad_weight = _grouped_weight_grad(x, grad, slots)
@@ -1016,7 +981,6 @@ class MoeBlock(DecoderBlock):
             h = self.shape.norm(after_attention, w["post_norm"]).reshape(-1, x.shape[-1])
             routing = self.route(w, h)
             slots = self._slots(w, h, routing.top_index)
-            slots.send_counts_to_host()
             act, weight = self._expert_activation(w, h, routing.top_weight, slots)
             shared = self._shared_expert(w, h)
             if self.moe.gpt_oss:  # its down bias, scaled by the routing weight, needs the weight's gradient

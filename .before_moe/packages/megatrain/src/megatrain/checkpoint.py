@@ -1,0 +1,315 @@
+"""Training checkpoints: everything needed to continue a run exactly.
+
+A checkpoint is a directory `step-NNNNNNNN/` holding the fp32 master weights
+(`model.safetensors`, Hugging Face names), the AdamW moments (`optimizer.safetensors`)
+and `manifest.json` (step, optimizer step count, config, file sizes and CRC32s). It is
+written under a temporary name, every file fsynced, then renamed into place, so a
+crash at any instant leaves the previous checkpoints intact and never a partial one
+that looks complete. The data position and learning rate are functions of the step, so
+the step restores them; resuming gives the same losses as a run that never stopped.
+"""
+
+import errno
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, write_safetensors
+from megatrain_zoo import ModelConfig
+
+from .config import ConfigError
+from .hf_io import WholeGroups, all_finite, is_hf_directory, load_groups
+from .rundir import SaveError, free_bytes, size_text
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
+FINAL = "final"  # a run directory's exported model (weights alone)
+# in final/: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
+TRAINER_STATE = "trainer_state.json"
+
+
+def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def checkpoint_entries(trainer) -> dict[str, list]:
+    """File name -> (tensor name, Pending) in file order: the masters by Hugging Face name, then each
+    optimizer state as `STATE.name`; gathered a group at a time where hosts split the state; then the trainer's
+    `extra_state` files (what a run's step needs beside the weights, such as GRPO's rollout in use)."""
+    whole = trainer.whole_groups()
+    optimizer = [entry for state in trainer.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")]
+    files = {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
+    for filename, tensors in trainer.extra_state.items():  # (GRPO's rollout in use)
+        files[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in tensors.items()]
+    return files
+
+
+def entries_bytes(entries: list) -> int:
+    """Bytes of safetensors files holding `entries` ((name, tensor or Pending) pairs), headers included."""
+    return sum(p.numel() * p.element_size() + 160 + len(name) for name, p in entries) + 4096
+
+
+def finite_checked(entries: list, offenders: list[str]) -> list:
+    """`entries` whose tensors are checked for NaN/Inf as they are loaded to be written (no second pass over
+    the state); the names of those that hold any are appended to `offenders`."""
+
+    def load(name: str, pending):
+        tensor = pending.load() if isinstance(pending, Pending) else pending
+        if tensor is not None and not all_finite(tensor):
+            offenders.append(name)
+        return tensor
+
+    return [(name, Pending(tuple(p.shape), p.dtype, lambda n=name, p=p: load(n, p))) for name, p in entries]
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step a step-NNNNNNNN directory's name says."""
+    return int(checkpoint.name.split("-")[1])
+
+
+def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
+    """Room for `needed` bytes in `root` before a checkpoint `name` is written: the old checkpoints this save
+    would delete afterwards anyway (all but the newest keep_last - 1) go first, oldest first, as long as room
+    is short, so a nearly full disk can still take the next save. The newest stays until the new one is
+    whole. Returns the names removed; raises `SaveError` (nothing removed) where even that is not enough."""
+    free = free_bytes(root)
+    if free >= needed:
+        return []
+    old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)
+    going = old[: max(0, len(old) - (keep_last - 1))][: max(0, len(old) - 1)]  # (never the newest)
+    freed = sum(f.stat().st_size for p in going for f in p.rglob("*") if f.is_file())
+    if free + freed < needed:
+        also = f" ({size_text(free + freed)} with {', '.join(p.name for p in going)} removed)" if going else ""
+        kept = "the newest checkpoint stays until the new one is whole" + (
+            f", and train.keep_last: {keep_last} keeps {keep_last - 1} more" if keep_last > 1 else ""
+        )
+        raise SaveError(
+            f"checkpoint {name} needs {size_text(needed)} in {root}, whose disk has {size_text(free)} free{also} "
+            f"({kept}); free space there"
+        )
+    removed = []
+    for path in going:
+        shutil.rmtree(path)
+        removed.append(path.name)
+        if free_bytes(root) >= needed:
+            break
+    return removed
+
+
+def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
+    """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`.
+    With several ranks only rank 0 writes (its host's store holds every rank's updates; where hosts
+    split the state, the other hosts' first ranks send it their parts group by group).
+
+    Refused before anything is written, with `SaveError`, where the disk has no room for it (after the old
+    checkpoints it replaces are removed); a write that fails (the disk filled meanwhile) leaves the previous
+    checkpoints as they were and raises `SaveError`; a state holding NaN or Inf is never saved (`NonFiniteError`,
+    naming the tensor)."""
+    trainer.sync_store()
+    root = Path(root)
+    files = checkpoint_entries(trainer)
+    if not trainer.is_main:
+        if trainer.store_is_split and trainer.ranks.is_local_main:
+            for entries in files.values():
+                WholeGroups.replay(entries)
+        return root / f"step-{trainer.step_index:08d}"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{trainer.step_index:08d}"
+    for stale in root.glob(".step-*.partial"):  # left by a save that was killed (the run lock keeps other runs out)
+        shutil.rmtree(stale, ignore_errors=True)
+    make_room(root, sum(entries_bytes(entries) for entries in files.values()), keep_last, final.name)
+    tmp = root / f".{final.name}.partial"
+    try:
+        _write_checkpoint(trainer, tmp, files)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = " (the disk is full)" if error.errno == errno.ENOSPC else ""
+        raise SaveError(f"checkpoint {final} could not be written{full}: {error}") from error
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # re-saving the same step: replace it only once the new one is complete
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(root)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def _write_checkpoint(trainer, tmp: Path, files: dict[str, list]) -> None:
+    """The checkpoint's files and manifest in `tmp`, fsynced; refused (`NonFiniteError`) if any tensor holds
+    NaN or Inf."""
+    from .trainer import NonFiniteError
+
+    tmp.mkdir()
+    manifest = {
+        "format": FORMAT,
+        "step": trainer.step_index,
+        "optimizer_step": trainer.optimizer.step_count,
+        "bad_steps": trainer.bad_steps,
+        "n_params": trainer.model_config.n_params,
+        "model": trainer.model_config.as_dict(),
+        "config": trainer.config.as_dict(),
+        "files": {},
+    }
+    offenders: list[str] = []
+    for filename, tensors in files.items():
+        write_safetensors(tmp / filename, finite_checked(tensors, offenders))
+        manifest["files"][filename] = {"bytes": (tmp / filename).stat().st_size, "crc32": file_crc32(tmp / filename)}
+    if offenders:
+        raise NonFiniteError(
+            f"the state at step {trainer.step_index} holds NaN or Inf ({len(offenders)} tensors: {offenders[0]}, ...); "
+            "no checkpoint was written, the earlier ones are as they were"
+        )
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
+    fsync_dir(tmp)
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint to resume from: a step-NNNNNNNN directory itself, or the newest complete one of a
+    run directory, its checkpoints/ folder, or the run of its final/ export (whose weights alone, without
+    the optimizer state, cannot resume a run exactly)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    roots = [path, path / CHECKPOINTS] + ([path.parent / CHECKPOINTS] if path.name == FINAL else [])
+    for root in roots:
+        candidates = _complete_checkpoints(root)
+        if candidates:
+            return candidates[-1]
+    if not path.exists():
+        raise ConfigError(f"no checkpoint at {path}: it does not exist; name a run's output_dir or a checkpoint in it")
+    if is_hf_directory(path):
+        raise ConfigError(
+            f"{path} holds a model's weights alone, without optimizer state or step, and its run has no checkpoint: "
+            f"it cannot resume a run; start a new one from it with model.hf_dir: {path}"
+        )
+    raise ConfigError(
+        f"no checkpoint found at {path}: expected a step-NNNNNNNN directory with {MANIFEST} "
+        "or an output_dir whose checkpoints/ folder holds one"
+    )
+
+
+def find_weights(path: Path) -> Path:
+    """The weights to evaluate or convert at `path`: a checkpoint or a Hugging Face model directory itself
+    (a run's final/ among them); in a run directory (or its checkpoints/ folder) the newest of its checkpoints
+    and its final/ export."""
+    path = Path(path)
+    if (path / MANIFEST).exists() or is_hf_directory(path):
+        return path
+    run = path.parent if path.name == CHECKPOINTS else path
+    checkpoints = _complete_checkpoints(run / CHECKPOINTS) or _complete_checkpoints(path)
+    final = run / FINAL
+    if is_hf_directory(final) and (not checkpoints or _final_is_newer(final, checkpoints[-1])):
+        return final
+    if checkpoints:
+        return checkpoints[-1]
+    what = "it does not exist" if not path.exists() else "it holds neither a checkpoint nor a final/ model"
+    raise ConfigError(
+        f"no weights at {path}: {what}; name a run's output_dir, a step-NNNNNNNN checkpoint "
+        "or a Hugging Face model directory"
+    )
+
+
+def _final_is_newer(final: Path, checkpoint: Path) -> bool:
+    """Whether a run's final/ export holds at least as many steps as `checkpoint` (by its trainer_state.json;
+    by the files' times for an export written before it had one)."""
+    try:
+        return json.loads((final / TRAINER_STATE).read_text())["global_step"] >= step_of(checkpoint)
+    except (OSError, ValueError, KeyError, TypeError):
+        return (final / "config.json").stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
+
+
+def write_trainer_state(final: Path, step: int, steps: int) -> None:
+    """Record in an export the optimizer step its weights hold (`find_weights` picks the newest weights)."""
+    atomic_write_text(final / TRAINER_STATE, json.dumps({"global_step": step, "max_steps": steps}, indent=2))
+
+
+def run_config(weights: Path) -> dict | None:
+    """The training config (as `Config.as_dict`) of the run `weights` come from, its output_dir set to where
+    the run directory is now: a checkpoint's manifest, or a run's config.json beside final/; None: unknown."""
+    weights = Path(weights)
+    if (weights / MANIFEST).exists():
+        values = json.loads((weights / MANIFEST).read_text())["config"]
+        run = weights.parent.parent if weights.parent.name == CHECKPOINTS else None
+    else:
+        run = weights.parent if weights.name == FINAL else None
+        try:
+            values = json.loads((run / "config.json").read_text()) if run is not None else None
+        except (OSError, json.JSONDecodeError):
+            values = None
+        if not isinstance(values, dict) or "train" not in values:
+            return None
+    if run is not None:
+        values["output_dir"] = str(run)
+    return values
+
+
+def check_same_model(directory: Path, saved: dict, current: ModelConfig) -> None:
+    """Refuse a checkpoint whose model (its manifest's `saved`) is not `current`, naming what differs."""
+    current = current.as_dict()
+    unknown = sorted(set(saved) - set(current))
+    if unknown:
+        raise ConfigError(
+            f"checkpoint {directory} was written by a newer megatrain (its model has {unknown}); upgrade to resume it"
+        )
+    # fields added to ModelConfig since the checkpoint was written take their defaults: what the model had then
+    saved = ModelConfig(**saved).as_dict()
+    if saved != current:
+        changed = sorted(k for k, v in saved.items() if current[k] != v)
+        raise ConfigError(
+            f"checkpoint {directory} is for a different model (differs in {changed}); "
+            "resume with the configuration it was written with"
+        )
+
+
+def verify_checkpoint(directory: Path) -> dict:
+    """Read and check the manifest and every file's size and CRC32; raise naming the damaged file."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise StoreError(f"{directory / MANIFEST} is unreadable ({error}); the checkpoint is damaged") from error
+    if manifest.get("format") != FORMAT:
+        raise StoreError(f"{directory} has checkpoint format {manifest.get('format')}, this megatrain reads {FORMAT}")
+    for filename, expected in manifest["files"].items():
+        path = directory / filename
+        if not path.exists():
+            raise StoreError(f"checkpoint file {path} is missing")
+        if path.stat().st_size != expected["bytes"]:
+            raise StoreError(
+                f"checkpoint file {path} has {path.stat().st_size} bytes, the manifest says "
+                f"{expected['bytes']}: the file is truncated or was replaced"
+            )
+        if file_crc32(path) != expected["crc32"]:
+            raise StoreError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
+    return manifest
+
+
+def load_checkpoint(trainer, directory: Path) -> dict:
+    """Restore weights, moments (when the trainer holds them) and step from a verified checkpoint into `trainer`."""
+    directory = find_checkpoint(directory)
+    manifest = verify_checkpoint(directory)
+    check_same_model(directory, manifest["model"], trainer.model_config)
+    trainer.finish_updates()
+    if trainer.ranks is None or trainer.ranks.is_local_main:  # one copy of the state (or of its part) per host
+        load_groups(trainer.store, [directory / "model.safetensors"])
+        for state in trainer.store.state_names:  # a trainer made for evaluation holds none
+            load_groups(trainer.store, [directory / "optimizer.safetensors"], f"state.{state}", f"{state}.")
+    if trainer.sync is not None:
+        trainer.sync.barrier()
+    trainer.restore_step(manifest["step"])
+    if trainer.optimizer is not None:
+        trainer.optimizer.step_count = manifest["optimizer_step"]
+    trainer.bad_steps = manifest["bad_steps"]
+    return manifest

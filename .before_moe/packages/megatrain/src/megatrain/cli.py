@@ -1,0 +1,544 @@
+"""The `megatrain` command: train, plan, data, eval, convert, bench.
+
+Torch and the engine are imported inside `main`, so that Ctrl-C while they load (seconds) ends in one
+line, as every error a user can fix does (exit 2 for a configuration, 1 otherwise, 130 for Ctrl-C, 128 +
+the signal for a run stopped by one after its checkpoint); anything else is a bug and keeps its traceback."""
+
+import argparse
+import errno
+import os
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (the usage is in --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _error_types() -> dict:
+    """Exception type -> exit code, for the errors that end in one line (imports torch and the engine)."""
+    from megatrain_optim import OptimError
+    from megatrain_sched import SchedError
+    from megatrain_store import StoreError
+    from megatrain_zoo import ZooError
+
+    from .config import ConfigError
+    from .distributed import RankError
+    from .rundir import SaveError
+    from .trainer import NonFiniteError
+
+    others = (ZooError, StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
+    return {ConfigError: 2} | dict.fromkeys(others, 1)
+
+
+OS_ERROR_HINTS = {
+    errno.ENOSPC: "the disk is full: free space on it, or write elsewhere (output_dir)",
+    errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere (output_dir)",
+    errno.EROFS: "the file system is read-only: write elsewhere (output_dir)",
+    errno.EACCES: "no permission: write elsewhere (output_dir) or fix the permissions",
+}
+
+
+def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
+    """(exit code, the one line to print) for an error a user can act on; None for a bug."""
+    loop = sys.modules.get("megatrain.loop")
+    if loop is not None and isinstance(error, loop.RunInterrupted):  # a signal, after the run's checkpoint
+        return error.exit_code, f"megatrain: {error}" if str(error) else ""  # (said by the first rank only)
+    code = next((code for kind, code in known.items() if isinstance(error, kind)), None)
+    if code is not None:
+        prefix = "config error" if code == 2 else type(error).__name__
+        return code, f"megatrain: {prefix}: {error}"
+    if isinstance(error, OSError):
+        hint = OS_ERROR_HINTS.get(error.errno, "check the path")
+        where = f": {error.filename}" if error.filename else ""
+        return 1, f"megatrain: {error.strerror or error}{where}; {hint}"
+    return None
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (default: the built-in small model on the built-in corpus)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=1e-4 (repeatable)",
+    )
+
+
+def run_bench(config, steps: int) -> None:
+    import time
+
+    import torch
+
+    from .trainer import Trainer
+
+    trainer = Trainer(config)
+    vocab, seq, batch = trainer.model_config.vocab_size, config.data.seq_len, config.train.batch_size
+    rows = []
+    for step in range(steps + 1):
+        ids = torch.randint(0, vocab, (batch, seq))
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = -100
+        start = time.perf_counter()
+        metrics = trainer.train_step(ids, labels)
+        trainer.finish_updates()
+        if step:  # the first step warms up
+            rows.append((time.perf_counter() - start, metrics))
+    trainer.close()
+    seconds = sum(r[0] for r in rows) / len(rows)
+    tflops = sum(r[1].tflops * r[1].step_time_s for r in rows) / sum(r[0] for r in rows)
+    print(
+        f"{config.model.preset or config.model.hf_dir}: {batch * seq:,} tokens/step, {seconds:.3f} s/step, "
+        f"{batch * seq / seconds:,.0f} tokens/s, {tflops:.1f} model TFLOPS on {trainer.device}"
+    )
+
+
+def hf_labels(batch, row: int) -> list[int]:
+    """Labels of a row in the Hugging Face convention: labels[t] = input_ids[t] where token t is trained
+    (the engine's labels are shifted: its label at t - 1 is the target token t)."""
+    ids, shifted = batch.input_ids[row].tolist(), batch.labels[row].tolist()
+    return [-100] + [ids[t] if shifted[t - 1] != -100 else -100 for t in range(1, len(ids))]
+
+
+def marked_text(tokenizer, ids: list[int], labels: list[int]) -> str:
+    """The decoded row with each trained span between ⟦ and ⟧."""
+    pieces, run, trained = [], [], None
+    for token, label in zip(ids, labels):
+        if (label != -100) != trained and run:
+            pieces.append(("⟦{}⟧" if trained else "{}").format(tokenizer.decode(run, skip_special_tokens=False)))
+            run = []
+        trained = label != -100
+        run.append(token)
+    if run:
+        pieces.append(("⟦{}⟧" if trained else "{}").format(tokenizer.decode(run, skip_special_tokens=False)))
+    return "".join(pieces)
+
+
+def marked_media_text(tokenizer, ids: list[int], labels: list[int], placeholders: dict[int, str]) -> str:
+    """`marked_text` with each run of N image (video) placeholder tokens shown as <image x N> (<video x N>)."""
+    pieces, start = [], 0
+    while start < len(ids):
+        end = start
+        if ids[start] in placeholders:
+            while end < len(ids) and ids[end] == ids[start]:
+                end += 1
+            pieces.append(f"<{placeholders[ids[start]]} x {end - start}>")
+        else:
+            while end < len(ids) and ids[end] not in placeholders:
+                end += 1
+            pieces.append(marked_text(tokenizer, ids[start:end], labels[start:end]))
+        start = end
+    return "".join(pieces)
+
+
+def pair_record(batch, pair: int) -> dict:
+    """Pair `pair` of a batch of pairs (rows 2 * pair, 2 * pair + 1) as TRL tokenizes one: the prompt's ids, then
+    each sequence's ids and labels in the Hugging Face convention (see `hf_labels`), padding left out."""
+    record = {}
+    for name, row in (("chosen", 2 * pair), ("rejected", 2 * pair + 1)):
+        length = int(batch.valid[row].sum())
+        record[f"{name}_input_ids"] = batch.input_ids[row, :length].tolist()
+        record[f"{name}_labels"] = hf_labels(batch, row)[:length]
+    labels = record["chosen_labels"]
+    prompt_length = next((t for t, label in enumerate(labels) if label != -100), len(labels))
+    return {"prompt": record["chosen_input_ids"][:prompt_length], **record}
+
+
+def dump_pairs(windows, count: int, tokenizer) -> None:
+    """The first `count` pairs training draws: JSON lines (`pair_record`), or with a tokenizer, decoded text."""
+    import json
+
+    shown, step = 0, 0
+    while shown < count:
+        batch = windows.batch(step)
+        for pair in range(min(len(batch.input_ids) // 2, count - shown)):
+            record = pair_record(batch, pair)
+            if tokenizer is None:
+                print(json.dumps(record))
+            else:
+                print(f"--- pair {shown} (step {step}, pair {pair}); trained spans in ⟦ ⟧")
+                for name in ("chosen", "rejected"):
+                    ids, labels = record[f"{name}_input_ids"], record[f"{name}_labels"]
+                    print(f"{name}:\n{marked_text(tokenizer, ids, labels)}")
+            shown += 1
+        step += 1
+
+
+def dump_prompts(config, args) -> None:
+    """`megatrain data` of a GRPO run: its first prompts as the model sees them (rendered, tokenized), with their
+    reward columns."""
+    import json
+
+    from .config import model_config_of
+    from .data import eos_token_text
+    from .rollouts import load_prompts, tokenizer_of
+
+    tokenizer, path = tokenizer_of(config)
+    prompts = load_prompts(config, tokenizer, path, eos_token_text(tokenizer, model_config_of(config).eos_token_id))
+    for index in range(min(args.dump, len(prompts.ids))):
+        columns = {name: values[index] for name, values in prompts.columns.items()}
+        if args.text:
+            print(
+                f"--- prompt {index} {json.dumps(columns)}\n{tokenizer.decode(prompts.ids[index], skip_special_tokens=False)}"
+            )
+        else:
+            print(json.dumps({"input_ids": prompts.ids[index], **columns}))
+
+
+def run_data(config, args) -> None:
+    import json
+
+    from .config import ConfigError, model_config_of
+    from .data import PairWindows, load_token_data, load_tokenizer
+    from .multimodal import MediaRows, row_windows
+
+    if config.train.objective == "grpo":
+        return dump_prompts(config, args)
+    model = model_config_of(config)
+    data = load_token_data(
+        config.data,
+        model.vocab_size,
+        Path(config.output_dir) / "cache",
+        Path(config.model.hf_dir) if config.model.hf_dir else None,
+        model.eos_token_id,
+        config.train.seed,
+        config.train.dpo,
+    )
+    for line in data.report:
+        print(f"megatrain: {line}", file=sys.stderr)
+    tokenizer = None
+    if args.text:
+        if data.tokenizer is None:
+            raise ConfigError("--text needs a tokenizer; data.tokens holds ids only")
+        tokenizer = load_tokenizer(data.tokenizer)
+    train = config.train
+    if data.pairs:
+        dump_pairs(PairWindows(data.train, train.batch_size, config.data.shuffle, train.seed), args.dump, tokenizer)
+        return
+    windows = row_windows(data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed)
+    placeholders = data.train.placeholders if isinstance(data.train, MediaRows) else {}
+    shown, step = 0, 0
+    while shown < args.dump:
+        batch = windows.batch(step)
+        for row in range(len(batch.input_ids)):
+            if shown == args.dump:
+                break
+            ids, labels = batch.input_ids[row].tolist(), hf_labels(batch, row)
+            if tokenizer is not None:
+                print(f"--- sequence {shown} (step {step}, row {row}); trained spans in ⟦ ⟧")
+                print(marked_media_text(tokenizer, ids, labels, placeholders))
+            else:
+                record = {"input_ids": ids, "labels": labels}
+                if batch.position_ids is not None:
+                    record["position_ids"] = batch.position_ids[row].tolist()
+                print(json.dumps(record))
+            shown += 1
+        step += 1
+
+
+def _config(args, base: dict | None = None):
+    """The command's config: --config (or, without a run's own config as `base`, the built-in default job)
+    with --set overrides."""
+    from .config import default_config_path, load_config
+
+    return load_config(args.config or (None if base is not None else default_config_path()), args.overrides, base)
+
+
+def _at_least(value, lowest, option: str) -> None:
+    from .config import ConfigError
+
+    if value is not None and not value >= lowest:
+        raise ConfigError(f"{option} must be >= {lowest}, got {value}")
+
+
+def run_train(args) -> None:
+    """`megatrain train`; with --resume, in the checkpoint's own run directory with its run's config."""
+    from .checkpoint import find_checkpoint, run_config
+    from .config import config_changes
+    from .loop import train
+
+    checkpoint = base = None
+    if args.resume:
+        checkpoint = find_checkpoint(Path(args.resume))  # (refused before any data or model is loaded)
+        base = run_config(checkpoint)
+    config = _config(args, base)
+    if checkpoint is not None and os.environ.get("RANK", "0") == "0":
+        changes = config_changes(base, config)
+        print(
+            f"megatrain: resuming in {config.output_dir} with the config of {checkpoint}"
+            f"{'; changed: ' + ', '.join(changes) if changes else ''}",
+            file=sys.stderr,
+        )
+    train(config, checkpoint)
+
+
+def run_convert(args) -> None:
+    from .checkpoint import find_weights
+    from .config import ConfigError
+    from .hf_io import convert
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; name a directory to write the model into (new, or a model's to replace)")
+    print(f"wrote {convert(find_weights(Path(args.source)), out, args.dtype)}")
+
+
+def run_eval(config, args) -> None:
+    import json
+
+    from .loop import evaluate, load_data
+    from .multimodal import row_windows
+
+    if config.train.objective == "dpo":
+        return run_pair_eval(config, args)
+    if config.train.objective == "grpo":
+        from .config import ConfigError
+
+        raise ConfigError(
+            "megatrain eval scores held-out text or pairs; a GRPO run's prompts have no targets: use "
+            "`megatrain generate --checkpoint RUN --prompts FILE` and score the completions"
+        )
+    trainer, what = trainer_for_weights(config, args.weights)
+    try:
+        data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
+        tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
+        windows = row_windows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
+        result = evaluate(trainer, windows, args.batches, leave=True)
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(json.dumps({"checkpoint": what, "data": split, **result}))
+
+
+def trainer_for_weights(config, weights: Path):
+    """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, or a checkpoint) and no
+    optimizer state: for evaluation and generation."""
+    from dataclasses import replace
+
+    from megatrain_zoo import ModelConfig
+
+    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
+    from .config import ModelSection
+    from .trainer import Trainer
+
+    if not (weights / MANIFEST).exists():
+        return Trainer(replace(config, model=ModelSection(hf_dir=str(weights))), training=False), str(weights)
+    manifest = verify_checkpoint(weights)
+    trainer = Trainer(config, ModelConfig(**manifest["model"]), training=False)
+    load_checkpoint(trainer, weights)
+    return trainer, f"{weights} (step {manifest['step']})"
+
+
+def run_generate(config, args) -> None:
+    """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
+    import json
+
+    from .data import eos_token_text, load_tokenizer
+    from .generate import Sampling, generate_completions, read_prompts
+    from .rollouts import stop_ids, tokenizer_of
+
+    prompts = read_prompts(args.prompts)
+    trainer, _ = trainer_for_weights(config, args.weights)
+    try:
+        own = args.weights / "tokenizer.json"
+        tokenizer, path = (load_tokenizer(own), own) if own.exists() else tokenizer_of(trainer.config)
+        stops = stop_ids(
+            trainer.model_config, tokenizer, path, eos_token_text(tokenizer, trainer.model_config.eos_token_id)
+        )
+        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, stops)
+        texts = generate_completions(trainer, tokenizer, path, prompts, sampling, args.seed)
+    finally:
+        trainer.close()
+    for prompt, text in zip(prompts, texts):
+        print(json.dumps({"prompt": prompt, "completion": text}))
+
+
+def run_pair_eval(config, args) -> None:
+    """`megatrain eval` of a DPO run: its loss and TRL's metrics on held-out pairs (or the training pairs). The
+    trainer starts from the run's initial weights, which give the reference's scores (the run's cache, or a pass),
+    then takes the weights evaluated."""
+    import json
+
+    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
+    from .loop import evaluate_pairs, load_data
+    from .reference import reference_scores
+    from .trainer import Trainer
+
+    trainer = Trainer(config, training=False)
+    try:
+        data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
+        rows, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
+        reference = None
+        if config.train.dpo.needs_reference:
+            reference = reference_scores(trainer, rows, Path(config.output_dir) / "cache", split)
+        source = args.weights
+        if (source / MANIFEST).exists():
+            what = f"{source} (step {verify_checkpoint(source)['step']})"
+            load_checkpoint(trainer, source)
+        else:
+            what = str(source)
+            trainer.load_weights(source)
+        result = evaluate_pairs(trainer, trainer.pair_windows(rows), reference, leave=True)
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(json.dumps({"checkpoint": what, "data": split, **result}))
+
+
+def run_plan(config, args) -> None:
+    import json
+
+    from .config import model_config_of
+    from .plan import check_plan, format_plan, make_plan
+    from .rates import calibrate, run_rates
+
+    model = model_config_of(config)
+    rates = (
+        calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)
+        if args.calibrate
+        else run_rates(config, model, measure=args.gpu_memory_gib is None)  # planning for another GPU: not this one's
+    )
+    gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
+    plan = make_plan(config, model, rates, gpu_memory, args.gpus, args.hosts)
+    print(
+        json.dumps(plan.as_dict(), indent=2)
+        if args.json
+        else format_plan(plan, config.model.preset or config.model.hf_dir)
+    )
+    check_plan(plan, config, model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatrain", description="Full-precision LLM training on one GPU.")
+    commands = parser.add_subparsers(dest="command")
+    train_parser = commands.add_parser("train", help="train a model (no arguments: the built-in default job)")
+    _add_config_args(train_parser)
+    train_parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue a run: its output_dir, its checkpoints/, a step-NNNNNNNN or its final/ (then its newest "
+        "checkpoint); in that run directory, with the run's own config under --config and --set",
+    )
+    plan_parser = commands.add_parser(
+        "plan", help="memory and step-time estimate for a config; refuses what cannot fit"
+    )
+    _add_config_args(plan_parser)
+    plan_parser.add_argument("--calibrate", action="store_true", help="measure GPU, PCIe and CPU-optimizer rates here")
+    plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan_parser.add_argument(
+        "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory free instead of this machine's"
+    )
+    plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per host (data parallel, torchrun)")
+    plan_parser.add_argument(
+        "--hosts", type=int, default=1, help="hosts (a replica of the state each, or a part: engine.shard_across_hosts)"
+    )
+    convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
+    convert_parser.add_argument(
+        "source",
+        help="a run's output_dir (its newest weights), a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
+    )
+    convert_parser.add_argument("out", help="the Hugging Face directory to write")
+    convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    data_parser = commands.add_parser("data", help="show the training sequences a config makes (template, mask)")
+    _add_config_args(data_parser)
+    data_parser.add_argument(
+        "--dump", type=int, default=4, metavar="N", help="how many sequences (preference data: pairs; default 4)"
+    )
+    data_parser.add_argument(
+        "--text", action="store_true", help="decoded text with trained spans marked, instead of JSON lines of ids"
+    )
+    eval_parser = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint, forward only")
+    _add_config_args(eval_parser)
+    eval_parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run's output_dir (its newest weights, and its config unless --config), a checkpoint "
+        "(step-NNNNNNNN) or a Hugging Face directory (a run's final/ among them)",
+    )
+    eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
+    generate_parser = commands.add_parser("generate", help="completions of prompts from a checkpoint's weights")
+    _add_config_args(generate_parser)
+    generate_parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run's output_dir, a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
+    )
+    generate_parser.add_argument(
+        "--prompts", required=True, help='a JSONL of {"prompt": text or messages}, or a text file of one per line'
+    )
+    generate_parser.add_argument("--max-new-tokens", type=int, default=256)
+    generate_parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    generate_parser.add_argument("--top-p", type=float, default=1.0)
+    generate_parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    generate_parser.add_argument("--seed", type=int, default=0)
+    bench_parser = commands.add_parser("bench", help="time training steps of a config on random tokens")
+    _add_config_args(bench_parser)
+    bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    return parser
+
+
+def run_command(args) -> None:
+    """Run the parsed command (its errors propagate)."""
+    if args.command == "convert":
+        run_convert(args)
+    elif args.command == "train":
+        run_train(args)
+    elif args.command == "eval":
+        from .checkpoint import find_weights, run_config
+
+        _at_least(args.batches, 1, "--batches")
+        args.weights = find_weights(Path(args.checkpoint))
+        run_eval(_config(args, run_config(args.weights)), args)
+    elif args.command == "generate":
+        from .checkpoint import find_weights, run_config
+
+        _at_least(args.max_new_tokens, 1, "--max-new-tokens")
+        _at_least(args.temperature, 0, "--temperature")
+        args.weights = find_weights(Path(args.checkpoint))
+        run_generate(_config(args, run_config(args.weights)), args)
+    elif args.command == "bench":
+        _at_least(args.steps, 1, "--steps")
+        run_bench(_config(args), args.steps)
+    elif args.command == "plan":
+        for option in ("gpus", "hosts"):
+            _at_least(getattr(args, option), 1, f"--{option}")
+        _at_least(args.gpu_memory_gib, 1, "--gpu-memory-gib")
+        run_plan(_config(args), args)
+    elif args.command == "data":
+        _at_least(args.dump, 1, "--dump")
+        run_data(_config(args), args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `megatrain` command; returns its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    known: dict = {}
+    try:
+        known = _error_types()  # (the imports of torch and the engine: a Ctrl-C among them is handled below)
+        run_command(args)
+    except KeyboardInterrupt:
+        started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
+        print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
+        return 130
+    except Exception as error:
+        reply = _error_line(error, known)
+        if reply is None:
+            raise
+        code, line = reply
+        if line:
+            print(" ".join(line.split()), file=sys.stderr)  # (one line, whatever the message's own layout)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""The training configuration: frozen dataclasses loaded from YAML plus `key=value` overrides.
+
+Every key is checked: an unknown or mistyped key is an error that names it and lists
+the keys that section accepts."""
+
+import copy
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import torch
+import yaml
+
+from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config
+
+
+class ConfigError(Exception):
+    """A configuration the trainer cannot run, with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str | None = None  # a megatrain_zoo preset name
+    hf_dir: str | None = None  # a Hugging Face directory: config.json + safetensors (initial weights)
+    # native: megatrain's own templates (fast); transformers: the family's transformers layers, called with the
+    # streamed weights (any decoder transformers knows); auto: native where megatrain has the family, else transformers
+    implementation: str = "auto"
+    # an image-text checkpoint: true trains the whole model (its vision tower and projector streamed as stages before
+    # the decoder's), false its text model alone; auto: whole unless megatrain has a native template for its text
+    # model (Gemma 3, Llama 4, Mistral 3, Qwen3.5: their text model alone, at native speed)
+    image_text: str | bool = "auto"
+
+    def __post_init__(self):
+        if (self.preset is None) == (self.hf_dir is None):
+            raise ConfigError(
+                "set exactly one of model.preset (a preset name) or model.hf_dir (a Hugging Face directory)"
+            )
+        if self.implementation not in ("auto", "native", "transformers"):
+            raise ConfigError(f"model.implementation must be auto, native or transformers, got {self.implementation!r}")
+        if self.image_text not in ("auto", True, False):
+            raise ConfigError(f"model.image_text must be auto, true or false, got {self.image_text!r}")
+
+
+DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
+OBJECTIVES = ("sft", "dpo", "grpo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    tokens: str | None = None  # a .npy array of token ids
+    text: str | None = None  # a UTF-8 text file, tokenized with `tokenizer` or a tokenizer trained on it
+    # records: .jsonl/.json/.parquet files, `datasets` save_to_disk directories, hub dataset names, or
+    # names in dataset_dir/dataset_info.json; several comma-separated (or a YAML list) are mixed
+    dataset: str | None = None
+    dataset_dir: str | None = None  # a LLaMA-Factory-style folder with dataset_info.json
+    mix_weights: tuple[float, ...] | None = None  # one per dataset: its share of the examples
+    # text: pre-training on `text_field`; alpaca / sharegpt / messages: fine-tuning, loss on assistant turns;
+    # preference: TRL's prompt / chosen / rejected pairs, as strings or conversations (train.objective: dpo);
+    # prompt: TRL's prompt-only records, other columns going to the reward functions (train.objective: grpo)
+    format: str = "text"
+    text_field: str = "text"
+    tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on the text
+    chat_template: str | None = None  # None: the tokenizer's own; "simple"; or a .jinja file
+    train_on_prompt: bool = False  # also train on system/user turns and the template's text
+    seq_len: int = 256
+    too_long: str = "truncate"  # an example longer than seq_len: truncate | drop (counted and reported)
+    pack: bool = False  # several whole examples per row, each attending only to itself
+    shuffle: bool = True
+    # held-out data for validation loss: a fraction of the examples (0.05), a file, or a split name
+    validation: float | str | None = None
+
+    def as_key(self) -> dict:
+        """The settings that change tokenized data (cache keys)."""
+        return asdict(self)
+
+    def __post_init__(self):
+        if sum(x is not None for x in (self.tokens, self.text, self.dataset)) > 1:
+            raise ConfigError("set only one of data.tokens (.npy token ids), data.text (a text file) or data.dataset")
+        if self.format not in DATA_FORMATS:
+            raise ConfigError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
+        if self.format != "text" and self.dataset is None:
+            raise ConfigError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
+        if self.dataset_dir is not None and self.dataset is None:
+            raise ConfigError("data.dataset_dir is set: name the dataset_info.json entries to train on in data.dataset")
+        if self.too_long not in ("truncate", "drop"):
+            raise ConfigError(f"data.too_long must be truncate or drop, got {self.too_long!r}")
+        if self.pack and self.dataset is None:
+            raise ConfigError(
+                "data.pack packs fine-tuning examples: set data.dataset (text streams are already packed)"
+            )
+        if isinstance(self.validation, float) and not 0 < self.validation < 1:
+            raise ConfigError(f"data.validation as a fraction must be in (0, 1), got {self.validation}")
+        if self.mix_weights is not None and any(w <= 0 for w in self.mix_weights):
+            raise ConfigError(f"data.mix_weights must be positive, got {list(self.mix_weights)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
+        if self.format == "preference":
+            self.check_pair_settings()
+
+    def check_pair_settings(self) -> None:
+        """Refuse the settings preference pairs cannot take (data.format preference here; ranking registry
+        entries when they are read)."""
+        if self.train_on_prompt:
+            raise ConfigError(
+                "data.train_on_prompt applies to supervised examples; DPO trains the completions only: "
+                "set data.train_on_prompt: false"
+            )
+
+
+@dataclass(frozen=True)
+class DPOSection:
+    """train.objective: dpo. Names as TRL's DPOConfig (and CPOConfig's simpo_gamma); loss_type picks the loss:
+    sigmoid (DPO; with label_smoothing, cDPO), ipo, hinge, robust, and the reference-free simpo and orpo."""
+
+    beta: float = 0.1  # the inverse temperature of the implicit reward (ORPO: the odds-ratio term's weight)
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0  # cDPO's (sigmoid) and the robust loss's rate of flipped preferences
+    reference_free: bool = False  # a reference that assigns every sequence the same log-probability
+    ref_model: str | None = None  # a Hugging Face directory; None: the policy's initial weights
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+    # prompt tokens kept (its last ones) before the completions are cut to data.seq_len; None: data.seq_len // 2
+    max_prompt_length: int | None = None
+
+    def __post_init__(self):
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ConfigError(f"train.dpo.loss_type must be one of {', '.join(DPO_LOSS_TYPES)}, got {self.loss_type!r}")
+        if not self.beta > 0:
+            raise ConfigError(f"train.dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"train.dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ConfigError(
+                f"train.dpo.label_smoothing applies to the sigmoid and robust losses, not {self.loss_type}; set it to 0"
+            )
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"train.dpo.max_prompt_length must be >= 1 or null, got {self.max_prompt_length}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
+
+
+@dataclass(frozen=True)
+class GRPOSection:
+    """train.objective: grpo. Names as TRL's GRPOConfig. A step's train.batch_size rows are
+    batch_size / num_generations prompts with num_generations completions each, generated from the current weights
+    or read from `rollouts`."""
+
+    num_generations: int = 8  # completions per prompt: a group, whose rewards set each one's advantage
+    beta: float = 0.0  # the KL penalty's weight (0: no reference model)
+    epsilon: float = 0.2  # the importance ratio's clip below (and above, unless epsilon_high)
+    epsilon_high: float | None = None  # DAPO's clip above (0.28); None: epsilon
+    loss_type: str = "dapo"  # grpo, bnpo, dr_grpo or dapo: how the tokens' losses are averaged
+    importance_sampling_level: str = "token"  # token (GRPO) or sequence (GSPO)
+    scale_rewards: str = "group"  # group, batch or none (Dr. GRPO): what divides the advantages
+    num_iterations: int = 1  # updates per batch of rollouts (the first's policy is the "old" one after)
+    max_prompt_length: int = 512  # prompt tokens kept (the last ones)
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    # module:function (f(prompts, completions, **columns) -> list[float], TRL's signature) or a built-in name:
+    # exact_match, boxed_number (a math answer's number against `answer`), format:REGEX
+    reward_funcs: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] | None = None  # None: 1 each
+    rollouts: str | None = None  # a JSONL of completions to train on (prompt, completion, reward or advantage)
+    ref_model: str | None = None  # the KL's reference: a Hugging Face directory; None: the initial weights
+    log_completions_every: int = 10  # steps between samples written to completions.jsonl (0: never)
+    # generation's weights on the GPU: resident (where they fit beside a KV cache), streamed layer by layer, or
+    # auto (resident where they fit); megatrain's own option, not TRL's
+    generation_weights: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "reward_funcs", tuple(self.reward_funcs))
+        if self.reward_weights is not None:
+            object.__setattr__(self, "reward_weights", tuple(float(w) for w in self.reward_weights))
+            if len(self.reward_weights) != len(self.reward_funcs):
+                raise ConfigError(
+                    f"train.grpo.reward_weights has {len(self.reward_weights)} weights for "
+                    f"{len(self.reward_funcs)} reward_funcs; give one each, or none"
+                )
+        choices = {
+            "loss_type": GRPO_LOSS_TYPES,
+            "importance_sampling_level": ("token", "sequence"),
+            "scale_rewards": ("group", "batch", "none"),
+            "generation_weights": ("auto", "resident", "streamed"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.grpo.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("num_generations", "num_iterations", "max_prompt_length", "max_completion_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.grpo.{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.beta >= 0 and self.epsilon >= 0 and (self.epsilon_high or 0) >= 0 and self.temperature > 0):
+            raise ConfigError("train.grpo.beta, epsilon and epsilon_high must be >= 0 and temperature > 0")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"train.grpo.top_p must be in (0, 1] and top_k >= 0, got {self.top_p}, {self.top_k}")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 100
+    batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
+    micro_batch_size: int = 0  # sequences per forward/backward pass (dpo: pairs); 0 = batch_size
+    # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference);
+    # grpo: online RL on prompts (train.grpo.*, data.format prompt); module:Class: a megatrain_templates objective
+    objective: str = "sft"
+    dpo: DPOSection = field(default_factory=DPOSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # constant | cosine | linear
+    min_lr_ratio: float = 0.1
+    seed: int = 0
+    max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
+    # MoE routers with a correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1, ERNIE 4.5): moved by this
+    # much per step against each expert's excess load of the step in its layer (DeepSeek-V3's aux-loss-free
+    # balancing, 0.001 in its pre-training; Megatron's moe_router_bias_update_rate); 0 keeps the bias as loaded
+    router_bias_update_rate: float = 0.0
+    # MoE: DeepSeek-V3's complementary sequence-wise balance loss, its weight (alpha; 0.0001 in DeepSeek-V3's
+    # pre-training): the sum over MoE layers of the mean over sequences of sum_e f_e P_e (Megatron's seq_aux_loss)
+    router_seq_aux_loss_coef: float = 0.0
+    # MoE: ST-MoE's router z-loss, its weight (OLMoE pre-trained with 0.001): the sum over MoE layers of the
+    # mean over tokens of logsumexp(router logits)^2 (Megatron's moe_z_loss_coeff)
+    router_z_loss_coef: float = 0.0
+    # an image-text model trained whole: which parts keep their weights (no gradient, no optimizer state, no backward
+    # where nothing before them trains), as LLaMA-Factory names them and with its defaults
+    freeze_vision_tower: bool = True
+    freeze_multi_modal_projector: bool = False
+    freeze_language_model: bool = False
+    save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
+    keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
+    eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
+    # experiment trackers that get every metrics.jsonl record and the config: any of REPORT_TO, as a list or
+    # comma-separated (HF Trainer's report_to); none: metrics.jsonl only
+    report_to: str | None = None
+    tensorboard: bool = False  # the same as naming tensorboard in report_to (kept for older configs)
+
+    def __post_init__(self):
+        if self.micro_batch_size == 0:
+            object.__setattr__(self, "micro_batch_size", self.batch_size)
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
+            raise ConfigError("train.steps, train.batch_size and train.micro_batch_size must be >= 1")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.batch_size ({self.batch_size}) must be divisible by train.micro_batch_size "
+                f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
+            )
+        self._check_ranges()
+        if self.objective == "grpo" and self.batch_size % self.grpo.num_generations:
+            raise ConfigError(
+                f"train.batch_size {self.batch_size} (completions per step) must be a multiple of "
+                f"train.grpo.num_generations {self.grpo.num_generations}: a step holds whole groups"
+            )
+        if self.objective not in OBJECTIVES and ":" not in self.objective:
+            raise ConfigError(
+                f"train.objective must be one of {', '.join(OBJECTIVES)} or module:Class (a SequenceObjective of "
+                f"your own, docs/guide.md), got {self.objective!r}"
+            )
+        unknown = sorted(set(self.trackers) - set(REPORT_TO))
+        if unknown:
+            raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
+        if not self.router_bias_update_rate >= 0:
+            raise ConfigError(f"train.router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}")
+        for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def rows_per_example(self) -> int:
+        """Rows (sequences) an example of batch_size is: a preference pair's two for dpo, else one."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.rows_per_example
+
+    @property
+    def frozen_parts(self) -> set[str]:
+        """The parts of an image-text model the freeze_* options name (`ModelSpec.group_parts`)."""
+        names = ("vision_tower", "multi_modal_projector", "language_model")
+        return {name for name in names if getattr(self, f"freeze_{name}")}
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.rows_per_example
+
+    def _check_ranges(self) -> None:
+        """Values outside their range fail here rather than being taken silently (keep_last 0 kept every
+        checkpoint, save_every -1 saved every step) or deep in a step (seed -1)."""
+        limits = {  # field: (lowest allowed, what it means)
+            "warmup_steps": (0, "0: no warmup"),
+            "seed": (0, "the random seed of the weights and the data order"),
+            "save_every": (0, "0: only on SIGINT/SIGTERM"),
+            "keep_last": (1, "the newest N checkpoints are kept"),
+            "eval_every": (0, "0: only after the last step"),
+            "max_bad_steps": (1, "non-finite steps in a row that stop the run"),
+            "lr": (0, "the peak learning rate"),
+            "weight_decay": (0, "0: none"),
+        }
+        for name, (lowest, meaning) in limits.items():
+            if not getattr(self, name) >= lowest:
+                raise ConfigError(f"train.{name} must be >= {lowest} ({meaning}), got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(
+                f"train.min_lr_ratio must be in [0, 1] (the final learning rate over the peak), got {self.min_lr_ratio}"
+            )
+        if not self.eps > 0:
+            raise ConfigError(f"train.eps must be > 0 (AdamW's denominator term, e.g. 1e-8), got {self.eps}")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {list(self.betas)}")
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The experiment trackers to log to: report_to's names, and tensorboard where `tensorboard: true`."""
+        names = [n.strip() for n in (self.report_to or "").split(",") if n.strip() and n.strip() != "none"]
+        if self.tensorboard and "tensorboard" not in names:
+            names.insert(0, "tensorboard")
+        return tuple(names)
+
+
+@dataclass(frozen=True)
+class PrecisionSection:
+    # float32 | bfloat16 | auto (bfloat16 on a GPU, float32 on the CPU); float64 is for exactness tests
+    compute_dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("auto", "float32", "bfloat16", "float64"):
+            raise ConfigError(f"precision.compute_dtype must be float32, bfloat16 or auto, got {self.compute_dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """How the engine places the model. `placement: auto` lets the planner decide every layer's placement for each
+    step size (`megatrain plan` prints it); the knobs below it override one choice of that plan each (auto: the
+    planner's), and a placement file (`placement.json`, as a run writes into its output_dir) is executed as written."""
+
+    # auto: planned for each step size; or a placement.json to execute as written
+    placement: str = "auto"
+    n_slots: int = 2  # device weight slots (2 = double buffering)
+    # activation checkpoints in pinned host memory; "auto": when they would take over half the free GPU memory
+    offload_checkpoints: bool | str = "auto"
+    # layers (the last ones) whose forward keeps its matmul products for the backward, which then
+    # recomputes no GEMM (only norms, rotary embedding, attention and activation); "auto": as many as
+    # the GPU's free memory holds (none on the CPU)
+    kept_layers: int | str = "auto"
+    # more kept layers, before those, whose products wait in pinned host memory instead (copied out in the
+    # forward, when PCIe carries no gradient, and back a layer ahead of their backward); "auto": at large
+    # steps (the GPU is the bound), as many as 85% of host memory, with the rest of the run, and the
+    # forward's copy time allow, after the offloaded checkpoints (the same GPU room per host byte, half the
+    # copies), where the CPU optimizer takes under half the GPU's work (none on the CPU, nor for
+    # Llama-2-7B at 128k on a 128 GiB host, which the checkpoints fill)
+    host_kept_layers: int | str = "auto"
+    # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
+    # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;
+    # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
+    # than the GPU's work (small steps; none on the CPU)
+    held_layers: int | str = "auto"
+    # blocks (the first ones; with any, the embedding too, and the head's norm where it is tied) whose fp32
+    # master weights and AdamW moments stay on the GPU, updated there (12 B/param of GPU memory; the store's
+    # copy is brought up to date for checkpoints): their weights and gradients do not cross PCIe and the CPU
+    # optimizer has that much less to do; "auto": where the CPU optimizer is slower than the GPU's work (small
+    # steps), enough to bring it within 80% of that work, in up to three quarters of the GPU (one process per
+    # machine only; none on the CPU)
+    gpu_updated_layers: int | str = "auto"
+    # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
+    # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
+    gradient_pool: float | str = "auto"
+    trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
+    # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM
+    optimizer_state_dir: str | None = None
+    # share of the parameters (the last layers') whose moments go there; "auto": as few as the
+    # run needs to fit in host memory
+    disk_state_fraction: float | str = "auto"
+    # keep a bf16 copy of the weights in host memory (+2 B/param) to halve host->GPU traffic: worth it
+    # only where PCIe is the bound; where the CPU optimizer is (small dense steps) its refresh after every
+    # update costs more than it saves (7B at 16k tokens: 231 against 324 model TFLOPS, held layers on)
+    wire_copy: bool = False
+    # several hosts (torchrun --nnodes > 1): split the master weights and AdamW moments over the hosts
+    # instead of keeping a replica on each, so H hosts hold a model about H times larger (each keeps
+    # a full bf16 copy of the weights to stream, 2 B/param, and receives the others' updates)
+    shard_across_hosts: bool = False
+    # a MoE layer's experts stream in parts of at most this many, a stage each, so a GPU slot holds a
+    # part, not the layer; "auto": whole layers where they fit the GPU, else the fewest parts that do
+    experts_per_stage: int | str = "auto"
+
+    def __post_init__(self):
+        if self.offload_checkpoints not in (True, False, "auto"):
+            raise ConfigError(
+                f"engine.offload_checkpoints must be true, false or auto, got {self.offload_checkpoints!r}"
+            )
+        if self.n_slots < 2:
+            raise ConfigError(f"engine.n_slots must be >= 2, got {self.n_slots}")
+        if not isinstance(self.placement, str) or not self.placement:
+            raise ConfigError(f"engine.placement must be auto or a placement.json file, got {self.placement!r}")
+        pool = self.gradient_pool
+        if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
+            raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
+        for name in ("kept_layers", "host_kept_layers", "held_layers", "gpu_updated_layers"):
+            layers = getattr(self, name)
+            if layers != "auto" and (isinstance(layers, (str, bool)) or not isinstance(layers, int) or layers < 0):
+                raise ConfigError(f"engine.{name} must be auto or an integer >= 0, got {layers!r}")
+        fraction = self.disk_state_fraction
+        if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
+            raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")
+        parts = self.experts_per_stage
+        if parts != "auto" and (isinstance(parts, (str, bool)) or not isinstance(parts, int) or parts < 1):
+            raise ConfigError(f"engine.experts_per_stage must be auto or an integer >= 1, got {parts!r}")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=lambda: ModelSection(preset="small-llama"))
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    output_dir: str = "runs/default"
+    # a directory on another disk: where a checkpoint goes when one to output_dir (or the final model) cannot be
+    # written (its disk full), so the run's state is kept instead of lost
+    fallback_dir: str | None = None
+
+    def __post_init__(self):
+        if self.train.eval_every and self.data.validation is None:
+            raise ConfigError(
+                "train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)"
+            )
+        if not isinstance(self.output_dir, str) or not self.output_dir.strip():
+            raise ConfigError(
+                f"output_dir must name a directory for the run's metrics, checkpoints and model, got {self.output_dir!r}"
+            )
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _build(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(values).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        if key not in known:
+            raise ConfigError(f"unknown config key {name!r}; {where or 'top level'} accepts {sorted(known)}")
+        hint = hints[key]
+        if is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, name)
+        else:
+            kwargs[key] = _coerce(value, hint, name)
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{where or 'config'}: {error}") from error
+
+
+def _coerce(value: Any, hint, name: str):
+    if value is None:
+        return None
+    types = getattr(hint, "__args__", None) or (hint,)
+    if getattr(hint, "__origin__", None) is tuple and types[0] is str:  # names: a list, or comma-separated
+        names = value.split(",") if isinstance(value, str) else value
+        if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
+            return tuple(v.strip() for v in names if v.strip())
+    if float in types and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if float in types and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no decimal point) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if int in types and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if bool in types and isinstance(value, bool):
+        return value
+    if str in types and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of names for a comma-separated field
+    is_tuple = any(getattr(t, "__origin__", None) is tuple for t in (hint, *types))
+    if is_tuple and isinstance(value, (list, tuple)):
+        try:
+            return tuple(float(v) for v in value)
+        except ValueError:
+            pass
+    raise ConfigError(f"config key {name!r} has value {value!r}, which is not of type {hint}")
+
+
+def config_from_dict(values: dict) -> Config:
+    return _build(Config, values, "")
+
+
+def _set_path(values: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = values
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(base: dict | None, config: Config) -> list[str]:
+    """`key old -> new` for each setting `config` has otherwise than `base` (values as `Config.as_dict` gives
+    them: a resumed run's own config)."""
+    if base is None:
+        return []
+    try:
+        before = _flat(config_from_dict(base).as_dict())
+    except ConfigError:  # (a config of another megatrain version: compared as written)
+        before = _flat(base)
+    return [
+        f"{key} {before.get(key)!r} -> {value!r}"
+        for key, value in _flat(config.as_dict()).items()
+        if before.get(key) != value
+    ]
+
+
+def default_config_path() -> Path:
+    """The built-in default job: `megatrain train` with no --config."""
+    return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read a YAML config (or start from the defaults) and apply `key.sub=value` overrides. `base`: values
+    as `Config.as_dict` gives them (a resumed run's own config); a section the file names replaces the base's
+    whole, as the file is written (model.preset and model.hf_dir, data.tokens and data.text are alternatives),
+    and each override then replaces one key."""
+    values: dict = copy.deepcopy(base) if base is not None else {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory; name the YAML file in it") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"config file {path} cannot be read ({error}); name a readable YAML file") from error
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must be a mapping of sections, got {type(loaded).__name__}")
+        values.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
+        key, raw = item.split("=", 1)
+        _set_path(values, key.strip(), yaml.safe_load(raw))
+    return config_from_dict(values)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for `device:` (auto = cuda when there is one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available; use device: cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for `precision.compute_dtype` (auto = bf16 on a GPU, fp32 on the CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def model_config_of(config: Config) -> ModelConfig:
+    """The model a config names: a zoo preset or a Hugging Face directory's config.json."""
+    if config.model.hf_dir is not None:
+        return read_hf_config(Path(config.model.hf_dir), config.model.implementation, config.model.image_text)
+    if config.model.implementation == "transformers":  # (a preset through transformers' modules: to compare paths)
+        return model_config_from_hf(config_to_hf(preset(config.model.preset)), "transformers")
+    return preset(config.model.preset)

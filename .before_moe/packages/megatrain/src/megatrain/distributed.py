@@ -1,0 +1,319 @@
+"""Several GPUs and hosts: one process per GPU (launched by torchrun), data parallel, one copy
+of the training state per host, or one copy split over the hosts.
+
+Every rank streams all layers through its GPU and runs its share of the step's sequences.
+A group's gradient is summed over the ranks of a host on the GPUs (NCCL reduce-scatter; gloo
+on the CPU), then, with several hosts, over the hosts (all-reduce of each shard among the
+ranks with the same local rank), so each rank ends up with its 1/L slice of the global
+gradient (L ranks per host) and sends only that slice to host memory; its CPU threads update
+only that slice of the shared master weights and moments. Every host keeps a full replica of
+the state (host bytes per parameter do not grow with the GPUs); ranks of a host see one
+another's updates through shared memory and wait for them through shared flags, not collectives.
+
+With `engine.shard_across_hosts` the hosts split the state instead: the gradient is reduce-
+scattered over all N ranks, so rank r owns slice r of each group and host h the contiguous
+slices of its ranks; a host keeps master weights and moments for its part only, plus a full
+compute-dtype copy of the weights to stream (2 B/param in bf16). After updating its slice a
+rank sends it, in the compute dtype, to the ranks with its local rank on the other hosts and
+receives theirs (gloo, from a thread beside the optimizer's), before it marks the group updated: H hosts
+of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 replicated).
+"""
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatrain_optim import BackgroundStepper, Sharing
+from megatrain_store import HostStore, SharedArenas
+
+from .config import ConfigError
+
+# How long a rank waits for another rank of its host to finish updating a layer before it
+# concludes that rank is gone (an update takes well under a second per layer).
+WAIT_LIMIT_S = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", 600))
+
+
+class RankError(RuntimeError):
+    """Another rank died or hung; the message says which and how to resume."""
+
+
+@dataclass
+class Ranks:
+    """Where this process sits: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_group: object = None  # the ranks of this host
+    cross_group: object = None  # the ranks with this local rank on every host
+    split_state: bool = False  # the hosts split the state (engine.shard_across_hosts)
+    exchange_group: object = None  # split state: cross_group on gloo, for the exchange thread's weights
+    host_mains_group: object = None  # split state: every host's first rank on gloo, to gather whole groups
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def n_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def launch_shape() -> tuple[int, int]:
+    """(processes per host, hosts) as torchrun describes them; (1, 1) when run alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: uneven hosts")
+    return local, world // local
+
+
+def leave_ranks() -> None:
+    """Leave the process group (a local teardown, no collective): left to the interpreter's exit, gloo's
+    threads can be destroyed still running, which aborts a finished rank ("terminate called ...")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_ranks(device_type: str, split_state: bool = False) -> Ranks | None:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone.
+    `split_state`: the hosts split the training state (see the module's note)."""
+    local_world, hosts = launch_shape()
+    world = local_world * hosts
+    if world == 1:
+        return None
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
+    ranks.split_state = split_state and hosts > 1
+    # torchrun sets OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core:
+    # the host's cores are split among its ranks instead (MEGATRAIN_CPU_THREADS overrides)
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(int(os.environ.get("MEGATRAIN_CPU_THREADS", max(1, cores // local_world))))
+    # every process creates every group, in the same order (torch.distributed's rule)
+    for node in range(ranks.n_nodes):
+        group = dist.new_group(list(range(node * local_world, (node + 1) * local_world)))
+        if node == ranks.node:
+            ranks.node_group = group
+    for local in range(local_world):
+        group = dist.new_group(list(range(local, world, local_world)))
+        if local == ranks.local_rank:
+            ranks.cross_group = group
+    if ranks.split_state:
+        # host tensors, on gloo; the exchange runs on a thread of its own, beside the main thread's
+        # collectives, so it has process groups of its own
+        # (a host that stops sending is noticed after WAIT_LIMIT_S, as a local rank that stops updating)
+        limit = timedelta(seconds=WAIT_LIMIT_S)
+        for local in range(local_world):
+            group = dist.new_group(list(range(local, world, local_world)), backend="gloo", timeout=limit)
+            if local == ranks.local_rank:
+                ranks.exchange_group = group
+        ranks.host_mains_group = dist.new_group(list(range(0, world, local_world)), backend="gloo")
+    return ranks
+
+
+def check_data_parallel(config, ranks: Ranks) -> None:
+    """Refuse, before anything is allocated, a configuration the ranks cannot split evenly."""
+    train = config.train
+    unit = ranks.world_size * train.micro_batch_size
+    if train.batch_size % unit:
+        raise ConfigError(
+            f"train.batch_size ({train.batch_size}) must be a multiple of the number of ranks ({ranks.world_size}) "
+            f"times train.micro_batch_size ({train.micro_batch_size}): each rank runs whole micro-batches of its "
+            f"share; e.g. train.batch_size: {unit * max(1, train.batch_size // unit)}"
+        )
+
+
+def shared_arenas(ranks: Ranks) -> SharedArenas:
+    """This host's shared arenas, in a directory every rank of the host agrees on."""
+    token = [uuid.uuid4().hex[:12] if ranks.is_main else None]
+    dist.broadcast_object_list(token, src=0)
+    root = Path(os.environ.get("MEGATRAIN_SHARED_DIR", "/dev/shm"))
+    return SharedArenas(root / f"megatrain-{token[0]}-node{ranks.node}")
+
+
+class RankSync:
+    """The collectives of a data-parallel step and the shared flags by which a host's ranks wait
+    for one another's updates (flags[g, r] = optimizer steps rank r has applied to group g)."""
+
+    def __init__(self, ranks: Ranks, store: HostStore, device: torch.device):
+        self.ranks, self.store, self.device = ranks, store, device
+        self.flags = store.shared.tensor("update-flags", torch.int64, store.n_groups * ranks.local_world_size)
+        self.flags = self.flags.view(store.n_groups, ranks.local_world_size)
+        self._exchange_failed: str | None = None
+
+    def reduce_grad(self, group: int, buffer: Tensor) -> Tensor:
+        """This rank's shard of the gradient summed over every rank (on the current stream)."""
+        ranks = self.ranks
+        shard = torch.empty(buffer.numel() // self.store.shard[1], dtype=buffer.dtype, device=buffer.device)
+        if ranks.split_state:
+            dist.reduce_scatter_tensor(shard, buffer)
+        else:
+            dist.reduce_scatter_tensor(shard, buffer, group=ranks.node_group)
+            if ranks.n_nodes > 1:
+                dist.all_reduce(shard, group=ranks.cross_group)
+        start, end = self.store.shard_range(group)
+        return shard[: end - start]
+
+    def all_reduce(self, tensor: Tensor, across_hosts: bool = True) -> Tensor:
+        """Sum `tensor` in place over every rank (or over this host's ranks)."""
+        dist.all_reduce(tensor, group=None if across_hosts else self.ranks.node_group)
+        return tensor
+
+    def gather_rows(self, rows: Tensor) -> Tensor:
+        """Every rank's `rows` (a host tensor of its share of a batch's rows, any length), in rank order."""
+        return torch.cat(self.gather_objects(rows))
+
+    def gather_objects(self, value) -> list:
+        """Every rank's `value` (any picklable object), in rank order."""
+        parts = [None] * self.ranks.world_size
+        dist.all_gather_object(parts, value)
+        return parts
+
+    def sum_over_shards(self, tensor: Tensor) -> Tensor:
+        """Sum per-shard quantities (squared gradient norms) over the ranks whose shards tile the
+        gradient once: this host's, or every rank where the hosts split the state."""
+        return self.all_reduce(tensor, across_hosts=self.ranks.split_state)
+
+    def exchange_updated_weights(self, group: int) -> None:
+        """Split state, after this rank updated its slice of `group`: send that slice of the wire copy
+        to the ranks with this local rank on the other hosts and write theirs into this host's copy.
+        Raw bytes travel (gloo has no bf16), padded to whole shards."""
+        store, ranks = self.store, self.ranks
+        if self._exchange_failed:  # the later groups' exchanges would each wait out the limit again
+            raise RankError(self._exchange_failed)
+        wire = store.wire(group)
+        size = store.shard_size(group)
+        start, end = store.shard_range(group)
+        mine = torch.zeros(size, dtype=wire.dtype)
+        mine[: end - start] = wire[start:end]
+        parts = [torch.empty_like(mine) for _ in range(ranks.n_nodes)]
+        try:
+            dist.all_gather([p.view(torch.uint8) for p in parts], mine.view(torch.uint8), group=ranks.exchange_group)
+        except (RuntimeError, dist.DistError) as error:
+            self._exchange_failed = (
+                f"rank {ranks.rank} (host {ranks.node}) did not receive the other hosts' updated weights of group "
+                f"{group} within {WAIT_LIMIT_S:.0f} s: a host died or hung (see its log; {str(error).splitlines()[0]}). "
+                "The last complete checkpoint is intact; resume from it with --resume, on the same or another number "
+                "of hosts."
+            )
+            raise RankError(self._exchange_failed) from error
+        for node, part in enumerate(parts):
+            if node != ranks.node:
+                first, last = store.shard_range(group, node * ranks.local_world_size + ranks.local_rank)
+                wire[first:last] = part[: last - first]
+
+    def gather_whole(self, group: int, arena: str) -> Tensor | None:
+        """Split state: `group`'s whole flat master weights (`arena` "master") or optimizer state
+        ("state.NAME"), gathered from every host's first rank to rank 0; None on the other ranks.
+        Every host's first rank must call it for the same groups in the same order."""
+        store, ranks = self.store, self.ranks
+        own = store.held(arena, group)
+        size = store.shard_size(group) * store.owned[1]
+        part = torch.zeros(size, dtype=own.dtype)
+        part[: own.numel()] = own
+        parts = [torch.empty_like(part) for _ in range(ranks.n_nodes)] if ranks.is_main else None
+        dist.gather(part, parts, dst=0, group=ranks.host_mains_group)
+        if not ranks.is_main:
+            return None
+        whole = torch.empty(store.layouts[group].numel, dtype=own.dtype)
+        for node, part in enumerate(parts):
+            first = min(node * size, whole.numel())
+            last = min(first + size, whole.numel())
+            whole[first:last] = part[: last - first]
+        return whole
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is true on any (a stop request seen by one rank stops all)."""
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def mark_applied(self, group: int, steps: int) -> None:
+        self.flags[group, self.ranks.local_rank] = steps
+
+    def applied(self, groups, steps: int) -> bool:
+        """Whether every rank of this host has applied `steps` optimizer steps to `groups` (no waiting)."""
+        return all(int(self.flags[group].min()) >= steps for group in groups)
+
+    def wait_applied(self, groups, steps: int) -> None:
+        """Block until every rank of this host has applied `steps` optimizer steps to `groups`;
+        a rank that has not done so in WAIT_LIMIT_S has died or hung, and this one stops too."""
+        for group in groups:
+            start = time.monotonic()
+            while not self.applied((group,), steps):
+                if time.monotonic() - start > WAIT_LIMIT_S:
+                    behind = [r for r, done in enumerate(self.flags[group].tolist()) if done < steps]
+                    raise RankError(
+                        f"rank(s) {behind} of host {self.ranks.node} have not updated group {group} for step {steps} in "
+                        f"{WAIT_LIMIT_S:.0f} s: a process died or hung (see its log). The last complete checkpoint "
+                        "is intact; resume from it with --resume, on the same or another number of GPUs."
+                    )
+                time.sleep(1e-4)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class RankSharing(Sharing):
+    """What a rank does once it has updated its shard of a group: mark it in the host's shared flags, so the host's
+    other ranks may read the group; where the hosts split the state, first swap its updated slice of the weights with
+    the same local rank of the other hosts, from a thread of its own (the optimizer moves on to the next group while
+    the network carries the last one). The exchanges run in `order` (each step's host groups, the same on every
+    rank): the optimizer's update order depends on when each gradient landed, which differs between ranks, and
+    collectives issued in different orders pair one group's bytes with another's. An update that comes early is
+    held until the groups before it in `order` are updated."""
+
+    def __init__(self, sync: RankSync, order: list[int]):
+        self.sync = sync
+        self.exchanger = BackgroundStepper(enabled=sync.ranks.split_state)
+        self.order, self._next, self._held = list(order), 0, {}
+
+    def updated(self, group: int, steps: int) -> None:
+        """Runs on the optimizer's worker (one thread)."""
+        if not self.sync.ranks.split_state:
+            self.sync.mark_applied(group, steps)
+            return
+
+        def exchange() -> None:  # (skipped or not, every host's rank takes part in each exchange)
+            self.sync.exchange_updated_weights(group)
+            self.sync.mark_applied(group, steps)
+
+        self._held[group] = exchange
+        while self.order[self._next] in self._held:
+            due = self.order[self._next]
+            self.exchanger.submit(due, self._held.pop(due))
+            self._next = (self._next + 1) % len(self.order)
+
+    def mark(self, group: int, steps: int) -> None:
+        self.sync.mark_applied(group, steps)
+
+    def wait(self, groups, steps: int) -> None:
+        groups = tuple(groups)
+        for group in groups:
+            self.exchanger.wait(group)
+        self.sync.wait_applied(groups, steps)
+
+    def done(self, groups, steps: int) -> bool:
+        groups = tuple(groups)
+        return not any(self.exchanger.busy(g) for g in groups) and self.sync.applied(groups, steps)
+
+    def close(self) -> None:
+        self.exchanger.close()

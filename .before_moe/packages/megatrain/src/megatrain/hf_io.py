@@ -1,0 +1,558 @@
+"""Hugging Face model directories: initial weights in, trained weights out, by tensor name."""
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+from megatrain_store import (
+    HostStore,
+    Pending,
+    atomic_write_text,
+    fsync_dir,
+    match_tensors,
+    open_safetensors,
+    read_safetensors_header,
+    write_safetensors,
+)
+from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
+from megatrain_zoo import GenericError, ModelSpec, ZooError, config_to_hf
+
+from .rundir import check_room
+
+SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
+# MXFP4 (OCP microscaling, gpt-oss' published experts): e2m1 values, two per byte (low nibble first),
+# 32 per block sharing an 8-bit power-of-two scale (biased by 127)
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+def mxfp4_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(blocks, scales) shapes of an MXFP4 expert tensor [n_experts, in, out] as gpt-oss stores it:
+    [n_experts, out, in / 32, 16] bytes and [n_experts, out, in / 32] exponents."""
+    experts, rows_in, rows_out = shape
+    return (experts, rows_out, rows_in // MXFP4_BLOCK, MXFP4_BLOCK // 2), (experts, rows_out, rows_in // MXFP4_BLOCK)
+
+
+def dequantize_mxfp4(blocks, scales):
+    """MXFP4 blocks [E, out, G, 16] uint8 and scales [E, out, G] uint8 -> fp32 [E, in = 32 G, out]."""
+    import torch
+
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
+    values = values.reshape(*scales.shape, MXFP4_BLOCK) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.reshape(*scales.shape[:2], -1).transpose(1, 2).contiguous()
+
+
+def dequantize_fp8_blocks(weight, scale_inv, block: tuple[int, int], first_row: int = 0):
+    """Block-scaled FP8 (DeepSeek-V3's checkpoints): rows first_row.. of an e4m3 matrix times the inverse
+    scale of each [block[0], block[1]] tile it falls in ([ceil(out / b0), ceil(in / b1)] fp32) -> fp32."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * scale[first_row : first_row + rows, :cols]
+
+
+def is_hf_directory(path: Path) -> bool:
+    """A Hugging Face model directory: a config.json that describes a model (`model_type`), not a run
+    directory's training config.json."""
+    try:
+        values = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(values, dict) and "model_type" in values
+
+
+def all_finite(tensor, chunk: int = 2**24) -> bool:
+    """Whether a tensor holds no NaN or Inf (checked a chunk at a time: no full-size temporary)."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if not flat.is_floating_point():
+        return True
+    return all(bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
+def named_masters(store: HostStore) -> dict:
+    """fp32 master weights by the names files use (the store must hold every group whole): views into
+    the store, or copies joined from the row slices of a tensor split over several groups."""
+    return _named(store, {name: view for g in range(store.n_groups) for name, view in store.master_views(g).items()})
+
+
+def named_wire(store: HostStore) -> dict:
+    """What the device copies, by the names files use: views of the store's wire copy (compute dtype), or of the
+    fp32 master where it keeps none; pinned where the store pins (joined copies for a tensor split over groups)."""
+    return _named(
+        store,
+        {name: view for g in range(store.n_groups) for name, view in store.layouts[g].views(store.wire(g)).items()},
+    )
+
+
+def _named(store: HostStore, views: dict) -> dict:
+    return {
+        name: join_stored(covered, [views[part] for part in covered])
+        for name, (_, covered) in _store_layout(store).items()
+    }
+
+
+def _store_layout(store: HostStore, arena: str = "master") -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """File tensor name -> (shape, the stored tensors it is, back to back), for every stored tensor (of `arena`:
+    optimizer state leaves out the frozen groups, which keep none)."""
+    frozen = store.frozen if arena.startswith("state.") else ()
+    layouts = [layout for group, layout in enumerate(store.layouts) if group not in frozen]
+    return file_tensors({e.name: e.shape for layout in layouts for e in layout.entries})
+
+
+class WholeGroups:
+    """A store's master weights or optimizer state as named tensors to write, produced a group at a
+    time in group order: views of its own buffers when it holds whole groups; otherwise (hosts split
+    the state) each group is gathered from every host when its turn comes, by `gather(group, arena)`,
+    which returns the whole flat group on the writing rank and None on the others. Those `replay`
+    the same entries, so every host takes part in each gather in the same order."""
+
+    def __init__(self, store: HostStore, gather=None):
+        self.store, self.gather = store, gather
+        self._last = (None, None)
+
+    def _whole(self, arena: str, group: int):
+        if self.gather is None:
+            return self.store.held(arena, group)
+        if self._last[0] != (arena, group):
+            self._last = (None, None)  # let the previous group go before the next arrives
+            self._last = ((arena, group), self.gather(group, arena))
+        return self._last[1]
+
+    def entries(self, arena: str = "master", prefix: str = "") -> list:
+        """(prefix + name, Pending) for every tensor as files name them, in buffer order: the row
+        slices of a tensor split over several groups are joined, at its first slice's place."""
+        place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
+        out = []
+        for name, (shape, covered) in _store_layout(self.store, arena).items():
+
+            def load(arena=arena, covered=covered, shape=shape):
+                pieces = []
+                for part in covered:  # every part's group, also where it is not written here (the gathers)
+                    group, e = place[part]
+                    whole = self._whole(arena, group)
+                    pieces.append(None if whole is None else whole[e.offset : e.offset + e.numel])
+                if pieces[0] is None:
+                    return None
+                return join_stored(covered, pieces).view(shape)
+
+            out.append((prefix + name, Pending(shape, self.store.master_dtype, load)))
+        return out
+
+    @staticmethod
+    def replay(entries: list) -> None:
+        """Take part in writing `entries` without writing them (a rank that holds part of the state)."""
+        for _, pending in entries:
+            pending.load()
+
+
+def load_groups(store: HostStore, files: list[Path], arena: str = "master", prefix: str = "") -> None:
+    """Fill the store's master weights (or optimizer state `state.NAME`) from safetensors files naming
+    them `prefix + name` (as `WholeGroups` writes them); every tensor's presence and shape is checked
+    first, so a bad file leaves the store untouched."""
+    layout = _store_layout(store, arena)
+    shapes = {prefix + name: shape for name, (shape, _) in layout.items()}
+    where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
+    with open_safetensors(where.values()) as handles:
+        _fill_groups(store, handles, where, layout, arena, prefix)
+
+
+def _check_finite(tensor, name: str, path: Path) -> None:
+    """Refuse weights holding NaN or Inf as they are read, naming the tensor and its file: training from them
+    only makes non-finite steps (and would save them)."""
+    if not all_finite(tensor):
+        raise ZooError(
+            f"tensor {name} in {path} holds NaN or Inf values; these weights are damaged (a diverged run "
+            "saved them?): use an earlier checkpoint or the original weights"
+        )
+
+
+def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=None) -> None:
+    """Copy file tensors into the store group by group through `store.writing` (whatever part of the
+    state it holds), refusing any that holds NaN or Inf. `layout`: file tensor name (less `prefix`) ->
+    (shape, the stored tensors it is, back to back); a file tensor spanning several groups (a layer's
+    experts streamed in parts) is read a group's rows at a time. `quantized` maps tensors stored
+    quantized to how (`Quantized`), dequantized as they are read."""
+    quantized = quantized or {}
+    numel = {e.name: e.numel for lay in store.layouts for e in lay.entries}
+    place = {}  # stored name -> (file tensor, its flat offset there)
+    for name, (_, covered) in layout.items():
+        offset = 0
+        for part in covered:
+            place[part] = (name, offset)
+            offset += 0 if split_precision_of(part) else numel[part]
+    frozen = store.frozen if arena.startswith("state.") else ()
+    for group in range(store.n_groups):
+        if group in frozen:  # (a frozen group keeps no optimizer state)
+            continue
+        with store.writing(group, arena) as views:
+            targets: dict[str, list] = {}
+            for part, view in views.items():
+                name, offset = place[part]
+                targets.setdefault(name, []).append((view, offset, part))
+            for name, parts in targets.items():
+                low = min(offset for _, offset, _ in parts)
+                high = max(offset + view.numel() for view, offset, _ in parts)
+                rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, quantized.get(name))
+                _check_finite(rows, prefix + name, where.get(prefix + name) or where.get(f"{prefix}{name}_blocks"))
+                flat = rows.reshape(-1)
+                for view, offset, part in parts:
+                    piece = flat[offset - start : offset - start + view.numel()]
+                    split = split_precision_of(part)
+                    if split is not None:  # its hi or its lo, in the store's dtype
+                        piece = split_precision(piece.to(view.dtype))[split[1]]
+                    view.view(-1).copy_(piece)
+
+
+def _read_rows(handles, where, name: str, shape: tuple[int, ...], low: int, high: int, quantized=None):
+    """The rows (along dim 0) of file tensor `name` that hold its flat elements low..high-1, as
+    (tensor, the flat offset of its first element); the whole tensor when they are all of it."""
+    row = prod(shape[1:])
+    first, stop = low // row, -(-high // row)
+    whole = (first, stop) == (0, shape[0] if shape else 1)
+
+    def read(key: str, rows: tuple[int, int] = (first, stop)):
+        handle = handles[where[key]]
+        return handle.get_tensor(key) if whole else handle.get_slice(key)[rows[0] : rows[1]]
+
+    if quantized is None:
+        return read(name), first * row
+    if quantized.kind == "mxfp4":
+        return dequantize_mxfp4(read(f"{name}_blocks"), read(f"{name}_scales")), first * row
+    tile = quantized.block[0]
+    scale = read(f"{name}_scale_inv", (first // tile, -(-stop // tile)))
+    return dequantize_fp8_blocks(read(name), scale, quantized.block, first % tile), first * row
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: one file or the shards its index names."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / shard for shard in shards]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ZooError(f"{index} names shard(s) that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ZooError(f"no *.safetensors weights in {model_dir}; download the model's safetensors files")
+    return files
+
+
+def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Checkpoint tensor name -> (shape, the stored tensors it holds, in buffer order), for the
+    names the files (holding `present`) use: published per-expert names, or transformers' in-memory
+    layout (fused 3-D expert tensors, Mixtral's module renamed `mlp`), either way, under any of the names'
+    aliases (an image-text checkpoint's text model)."""
+    layout = file_tensors(spec.param_shapes())
+    for name, (shape, covered) in spec.fused_checkpoint_names().items():
+        if not present.isdisjoint((name, *spec.checkpoint_aliases(name))):
+            for part in covered:
+                del layout[part]
+            layout[name] = (shape, covered)
+    for name in list(layout):
+        alias = next((alias for alias in spec.checkpoint_aliases(name) if alias in present), None)
+        if alias is not None:
+            layout[alias] = layout.pop(name)
+    return layout
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """How a checkpoint tensor is stored: "mxfp4" (`NAME_blocks` + `NAME_scales`, gpt-oss' experts) or
+    "fp8" (`NAME` in e4m3 + `NAME_scale_inv` per `block` tile, DeepSeek-V3's matrices)."""
+
+    kind: str
+    block: tuple[int, int] = (0, 0)
+
+
+def _fp8_block(files: list[Path]) -> tuple[int, int]:
+    """The FP8 tile of the directory's config.json (`quantization_config.weight_block_size`)."""
+    config = files[0].parent / "config.json"
+    quantization = json.loads(config.read_text()).get("quantization_config") or {} if config.exists() else {}
+    block = quantization.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ZooError(
+            f"{files[0].parent}: the checkpoint holds FP8 weights with weight_scale_inv, but config.json names no "
+            "quantization_config.weight_block_size (DeepSeek-V3's is [128, 128]); add it"
+        )
+    return int(block[0]), int(block[1])
+
+
+def _read_layout(spec: ModelSpec, files: list[Path]):
+    """From the files' headers, read once: (the layout as `_checkpoint_layout`, the tensors they hold
+    quantized -> `Quantized`, every name the files must hold -> its shape, every name they hold)."""
+    present = {name for path in files for name in read_safetensors_header(path)}
+    layout = _checkpoint_layout(spec, present)
+    quantized, fp8 = {}, None
+    for name, (shape, _) in layout.items():
+        if len(shape) == 3 and f"{name}_blocks" in present and f"{name}_scales" in present:
+            quantized[name] = Quantized("mxfp4")
+        elif len(shape) == 2 and f"{name}_scale_inv" in present:
+            quantized[name] = fp8 = fp8 or Quantized("fp8", _fp8_block(files))  # config.json read once
+    shapes = {
+        name: shape for name, (shape, _) in layout.items() if name not in quantized or quantized[name].kind == "fp8"
+    }
+    for name, how in quantized.items():
+        shape = layout[name][0]
+        if how.kind == "mxfp4":
+            shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
+        else:
+            shapes[f"{name}_scale_inv"] = (-(-shape[0] // how.block[0]), -(-shape[1] // how.block[1]))
+    return layout, quantized, shapes, present
+
+
+def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
+    """Refuse, from the headers alone and before any memory is allocated, a directory whose tensors
+    are missing, unexpected or mis-shaped for `spec`."""
+    files = checkpoint_files(model_dir)
+    if spec.checkpoint_layout is not None:
+        _generic_sources(spec, files)
+        return
+    match_tensors(files, _read_layout(spec, files)[2], ignore=spec.checkpoint_names_to_ignore)
+
+
+def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
+    """Stream the directory's tensors into the fp32 masters (any stored dtype), group by group through
+    `store.writing` (which also refreshes the wire copies).
+
+    A fused expert tensor fills the tensors it covers (back to back, in one group or several); MXFP4
+    experts and block-scaled FP8 matrices are dequantized into theirs."""
+    files = checkpoint_files(model_dir)
+    if spec.checkpoint_layout is not None:
+        _load_generic(store, spec, files)
+        return
+    layout, quantized, shapes, present = _read_layout(spec, files)
+    where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
+    for kind in sorted({how.kind for how in quantized.values()}):
+        count = sum(how.kind == kind for how in quantized.values())
+        print(f"megatrain: dequantizing {count} {kind.upper()} tensors into fp32 master weights", file=sys.stderr)
+    skipped = sorted(name for name in present if spec.left_out(name) is not None)
+    if skipped:
+        print(
+            f"megatrain: leaving out {len(skipped)} tensors of {spec.left_out(skipped[0])} ({skipped[0]} ...): "
+            "the causal language model does not use them and megatrain does not train them",
+            file=sys.stderr,
+        )
+    with open_safetensors(where.values()) as handles:
+        _fill_groups(store, handles, where, layout, quantized=quantized)
+
+
+def _generic_sources(spec: ModelSpec, files: list[Path]) -> tuple[dict[str, list[str]], dict[str, Path]]:
+    """(a generic model's parameter -> the checkpoint tensors making it, checkpoint tensor -> its file)."""
+    where = {name: path for path in files for name in read_safetensors_header(path) if name != "__metadata__"}
+    try:
+        return spec.checkpoint_layout.sources(list(where), str(files[0].parent)), where
+    except GenericError as error:
+        raise ZooError(str(error)) from None
+
+
+def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path]) -> None:
+    """A generic model's weights, a group at a time: its checkpoint tensors read, converted to its modules'
+    names and layouts as transformers' loader converts them, checked and copied into the store."""
+    sources, where = _generic_sources(spec, files)
+    with open_safetensors(set(where.values())) as handles:
+        for group in range(store.n_groups):
+            with store.writing(group) as views:
+                keys = [key for name in views for key in sources[name]]
+                read = {key: handles[where[key]].get_tensor(key) for key in keys}
+                for key, tensor in read.items():
+                    _check_finite(tensor, key, where[key])
+                loaded = spec.checkpoint_layout.load(read)
+                for name, view in views.items():
+                    if tuple(loaded[name].shape) != tuple(view.shape):
+                        raise ZooError(
+                            f"{files[0].parent}: {name} is {tuple(loaded[name].shape)} in the checkpoint, the model "
+                            f"needs {tuple(view.shape)}; the checkpoint is for a different configuration"
+                        )
+                    view.copy_(loaded[name])
+
+
+def checkpoint_entries(spec: ModelSpec, entries: list) -> list:
+    """`entries` ((name, Pending) by the model's names) as the family's checkpoints name and lay them out: a
+    generic model's converted a group at a time, as transformers saves them; a native model's as they are."""
+    if spec.checkpoint_layout is None:
+        return entries
+    import torch
+
+    pending = dict(entries)
+    out = []
+    for group in spec.groups:
+        names = [p.name for p in group.params if p.name in pending]
+        meta = {name: torch.empty(pending[name].shape, dtype=pending[name].dtype, device="meta") for name in names}
+        converted = _ConvertedGroup(spec.checkpoint_layout, {name: pending[name] for name in names})
+        for key, tensor in spec.checkpoint_layout.save(meta).items():
+            out.append((key, Pending(tuple(tensor.shape), tensor.dtype, lambda key=key, c=converted: c.take(key))))
+    return out
+
+
+class _ConvertedGroup:
+    """A group's tensors in checkpoint form: converted once, when the first is written; each handed out once."""
+
+    def __init__(self, layout, pending: dict):
+        self.layout, self.pending, self.tensors = layout, pending, None
+
+    def take(self, key: str):
+        if self.tensors is None:
+            self.tensors = self.layout.save({name: p.load() for name, p in self.pending.items()})
+        return self.tensors.pop(key)
+
+
+# copied beside tokenizer.json into an export: the tokenizer's, and an image-text model's processor's
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES += ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+TOKENIZER_FILES += ("chat_template.json",)
+
+
+def write_hf_directory(
+    out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int = SHARD_BYTES
+) -> Path:
+    """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known, with
+    the tokenizer files beside it (tokenizer_config.json holds the chat template a fine-tuned model needs).
+
+    entries: (name, Pending) in file order, each loaded as it is written: one tensor at a time. The files are
+    written into a folder beside `out_dir` first (refused before that, `SaveError`, where its disk has no room
+    for them) and moved in once all are whole, so a write that fails leaves `out_dir` as it was."""
+    out_dir = Path(out_dir)
+    weight_bytes = sum(p.numel() * p.element_size() for _, p in entries)
+    check_room(out_dir.parent, weight_bytes + 2**20, f"the model {out_dir}")
+    staging = out_dir.parent / f".{out_dir.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed
+    staging.mkdir(parents=True)
+    try:
+        _write_model_files(staging, entries, config, tokenizer, shard_bytes)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _move_into(staging, out_dir)
+    return out_dir
+
+
+def _move_into(staging: Path, out_dir: Path) -> None:
+    """Move a model's files from `staging` into `out_dir`, whose weight files of an earlier model go (stale
+    shards beside a new index would be read as the model)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:
+        if stale.exists() and not (staging / stale.name).exists():
+            stale.unlink()
+    for path in staging.iterdir():
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
+    fsync_dir(out_dir)
+
+
+def _write_model_files(out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int) -> None:
+    shards, size = [[]], 0
+    for name, pending in entries:
+        nbytes = pending.numel() * pending.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, pending))
+        size += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += write_safetensors(out_dir / filename, shard, metadata={"format": "pt"})
+        weight_map.update({name: filename for name, _ in shard})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
+    atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
+    if tokenizer is not None and Path(tokenizer).exists():
+        shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer).parent / name).exists() and Path(tokenizer).parent != out_dir:
+                shutil.copyfile(Path(tokenizer).parent / name, out_dir / name)
+
+
+def export_hf(
+    store: HostStore,
+    spec: ModelSpec,
+    out_dir: Path,
+    tokenizer: Path | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    gather=None,
+) -> Path:
+    """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
+    transformers loads as the matching *ForCausalLM; copies tokenizer.json when given. With hosts
+    that split the state, `gather` brings each group to this rank (see `WholeGroups`)."""
+    entries = checkpoint_entries(spec, WholeGroups(store, gather).entries("master"))
+    return write_hf_directory(out_dir, entries, config_to_hf(spec.config), tokenizer, shard_bytes)
+
+
+def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES) -> Path:
+    """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
+    tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16. A quantized source
+    (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without the
+    multi-token-prediction layers of DeepSeek-V3, GLM-4.5 and ERNIE 4.5."""
+    import torch
+
+    from megatrain_zoo import ModelConfig, build_model, read_hf_config
+
+    source = Path(source)
+    manifest = source / "manifest.json"
+    if manifest.exists():
+        model = ModelConfig(**json.loads(manifest.read_text())["model"])
+        files = [source / "model.safetensors"]
+    else:
+        model = read_hf_config(source)
+        files = checkpoint_files(source)
+    target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    headers = {path: read_safetensors_header(path) for path in files}
+    where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
+    shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
+    spec = build_model(model)
+    if manifest.exists() and spec.checkpoint_layout is not None:  # (a generic model's own names: as its family's)
+        entries = [
+            (name, Pending(shapes[name], target, lambda name=name: _read(where, name).to(target))) for name in where
+        ]
+        return write_hf_directory(
+            out_dir, checkpoint_entries(spec, entries), config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes
+        )
+    leave_out = spec.checkpoint_names_to_ignore  # the config written says it has none of what is left out
+    # tensors the files name otherwise (Gemma 3's text model in its image-text checkpoint) go out under the model's names
+    canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}
+    fp8_block = _fp8_block(files) if any(name.endswith("_scale_inv") for name in where) else None
+
+    def load(name: str, how: str | None):
+        keys = {"fp8": (name, f"{name}_scale_inv"), "mxfp4": (f"{name}_blocks", f"{name}_scales")}.get(how, (name,))
+        with open_safetensors({where[key] for key in keys}) as handles:
+            tensors = [handles[where[key]].get_tensor(key) for key in keys]
+        if how == "fp8":
+            tensors = [dequantize_fp8_blocks(*tensors, fp8_block)]
+        elif how == "mxfp4":
+            tensors = [dequantize_mxfp4(*tensors)]
+        return tensors[0].to(target)
+
+    entries = []
+    for name in where:  # quantized tensors written dequantized, under their own names
+        if name.endswith(("_scale_inv", "_scales")) or leave_out(name):
+            continue
+        shape = shapes[name]
+        how = "fp8" if f"{name}_scale_inv" in where else None
+        if name.endswith("_blocks"):
+            name, how = name.removesuffix("_blocks"), "mxfp4"
+            experts, rows_out, groups, _ = shape
+            shape = (experts, groups * MXFP4_BLOCK, rows_out)
+        entries.append((canonical.get(name, name), Pending(shape, target, lambda name=name, how=how: load(name, how))))
+    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes)
+
+
+def _tokenizer_of(source: Path) -> Path | None:
+    """The tokenizer.json beside a checkpoint or HF directory, or in its run's final/."""
+    return next(
+        (t for t in (source / "tokenizer.json", source.parent.parent / "final" / "tokenizer.json") if t.exists()), None
+    )
+
+
+def _read(where: dict, name: str):
+    with open_safetensors({where[name]}) as handles:
+        return handles[where[name]].get_tensor(name)

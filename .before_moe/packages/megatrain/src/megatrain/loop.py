@@ -1,0 +1,592 @@
+"""`megatrain train`: data in, a progress bar and metrics.jsonl while it runs, a model directory out.
+
+The run holds its output_dir (a lock) from before its data is read until it ends; every save goes to
+output_dir, or where that fails to `fallback_dir`, or stops the run saying what is lost; SIGINT and
+SIGTERM stop it after a checkpoint with the shell's exit code (`RunInterrupted`)."""
+
+import json
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatrain_store import atomic_write_text
+from megatrain_templates import Sequences
+from megatrain_zoo import ModelConfig, generic_notes
+
+from .checkpoint import (
+    CHECKPOINTS,
+    FINAL,
+    MANIFEST,
+    check_same_model,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_of,
+    write_trainer_state,
+)
+from .config import Config, ConfigError, model_config_of, resolve_device
+from .data import PairWindows, TokenData, TokenWindows, load_token_data
+from .distributed import Ranks, init_ranks, leave_ranks
+from .multimodal import MediaRows, check_media_model, media_of, row_windows
+from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
+from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
+from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
+from .trackers import check_trackers, open_trackers
+from .trainer import NonFiniteError, Trainer
+
+
+class RunInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run after its checkpoint was written; `exit_code` is 128 + the signal
+    (130, 143: the shell's convention), so that a scheduler tells it from a run that finished."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+def finite_record(record: dict) -> dict:
+    """A metrics record as JSON can hold it: a NaN or Inf value becomes null and the record says
+    `"non_finite": true` (bare NaN is not JSON, and other tools reject it)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {k: (None if k in bad else v) for k, v in record.items()} | {"non_finite": True}
+
+
+def write_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def plot_loss(metrics_path: Path, out_path: Path) -> bool:
+    """Loss curve PNG from metrics.jsonl, beside the experts' load balance for a MoE run, the rewards' accuracy
+    and margin for a DPO run, the completions' mean reward for a GRPO run; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [r for r in records if r.get("loss") is not None and not r.get("skipped")]
+    evals = [r for r in records if "val_loss" in r]
+    panels = [_plot_balance] if any("router_max_violation" in r for r in rows) else []
+    panels += [_plot_rewards] if any("rewards/margins" in r for r in rows) else []
+    panels += [_plot_grpo_reward] if any("reward" in r for r in rows) else []
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(7 + 5 * len(panels), 4), squeeze=False)
+    for panel, ax in zip(panels, axes[0][1:]):
+        panel(ax, rows, evals)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    ax = axes[0][0]
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+        ax.legend()
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)" if not panels or panels[-1] is _plot_balance else "loss")
+    ax.set_title("megatrain loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_balance(ax, rows: list[dict], evals: list[dict]) -> None:
+    balance = [r for r in rows if "router_max_violation" in r]
+    ax.plot([r["step"] for r in balance], [r["router_max_violation"] for r in balance])
+    ax.set_ylabel("worst layer's max expert load / mean - 1")
+    ax.set_title("expert load balance (MaxVio; 0: even)")
+
+
+def _plot_grpo_reward(ax, rows: list[dict], evals: list[dict]) -> None:
+    """GRPO: the step's completions' mean reward, and its mean over the last 10 steps."""
+    scored = [r for r in rows if "reward" in r]
+    steps, rewards = [r["step"] for r in scored], [r["reward"] for r in scored]
+    ax.plot(steps, rewards, alpha=0.4, label="step")
+    window = [sum(rewards[max(0, i - 9) : i + 1]) / len(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+    ax.plot(steps, window, label="mean of 10 steps")
+    ax.set_ylabel("reward")
+    ax.set_title("completions' mean reward")
+    ax.legend()
+
+
+def _plot_rewards(ax, rows: list[dict], evals: list[dict]) -> None:
+    """DPO: how often the chosen completion's implicit reward beats the rejected one's, and by how much."""
+    pairs = [r for r in rows if "rewards/margins" in r]
+    steps = [r["step"] for r in pairs]
+    ax.plot(steps, [r["rewards/accuracies"] for r in pairs], label="accuracy (training)")
+    ax.plot(steps, [r["rewards/margins"] for r in pairs], label="margin (training)")
+    held_out = [r for r in evals if "val_rewards/accuracies" in r]
+    if held_out:
+        ax.plot(
+            [r["step"] for r in held_out],
+            [r["val_rewards/accuracies"] for r in held_out],
+            "o-",
+            label="accuracy (validation)",
+        )
+    ax.set_title("rewards: chosen against rejected")
+    ax.legend()
+
+
+class StopRequested:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops)."""
+
+    def __init__(self):
+        self.signal = None  # the name of the signal received, and its number
+        self.signum = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal, self.signum = signal.Signals(signum).name, signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def check_objective_data(config: Config, data: TokenData) -> None:
+    """Refuse preference pairs without the DPO objective, and DPO without pairs, before the model is built."""
+    dpo = config.train.objective == "dpo"
+    if dpo and not data.pairs:
+        raise ConfigError(
+            "train.objective dpo trains on preference pairs: set data.format: preference (prompt/chosen/rejected "
+            'records) or name a dataset_info.json entry with "ranking": true'
+        )
+    if data.pairs and not dpo:
+        raise ConfigError("the data are preference pairs (chosen/rejected): set train.objective: dpo to train on them")
+
+
+def evaluate_pairs(trainer: Trainer, pairs: PairWindows, reference: np.ndarray | None, leave: bool = False) -> dict:
+    """The DPO loss and TRL's metrics of the trainer's current weights over every pair (`reference`: their cached
+    reference scores, None where the loss needs none), forward only."""
+    sums = []
+    bar = tqdm(total=pairs.n_pairs, desc="eval", unit="pair", leave=leave, disable=not trainer.is_main, file=sys.stderr)
+    for batch in pairs.in_order(PASS_STEPS * trainer.config.train.batch_size):
+        sums.append(
+            trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences)
+        )
+        bar.update(len(sums[-1].logps) // 2)
+    bar.close()
+    policy = Sequences(torch.cat([s.logps for s in sums]), torch.cat([s.lengths for s in sums]))
+    objective = trainer.objective
+    scores = None if reference is None else Sequences(torch.from_numpy(reference), policy.lengths)
+    objective.begin_step([], scores, n_pairs=pairs.n_pairs)
+    loss, metrics = objective.loss(policy)
+    return {"val_loss": round(float(loss), 6), "val_pairs": pairs.n_pairs} | {
+        f"val_{name}": round(float(value), 6) for name, value in metrics.items()
+    }
+
+
+def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = None, leave: bool = False) -> dict:
+    """Validation loss and perplexity of the trainer's current weights over every window (or the first
+    `max_batches` batches of train.batch_size rows), forward only."""
+    total_loss, total_targets = 0.0, 0
+    n_batches = -(-windows.n_windows // trainer.config.train.batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    batches = windows.in_order(trainer.config.train.batch_size)
+    bar = tqdm(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main, file=sys.stderr)
+    for _, batch in zip(range(n_batches), batches):
+        loss_sum, n_targets = trainer.evaluate(
+            batch.input_ids, batch.labels, batch.position_ids, batch.valid, media=media_of(batch)
+        )
+        total_loss += loss_sum
+        total_targets += n_targets
+        bar.update(1)
+    bar.close()
+    if total_targets == 0:
+        raise ConfigError("the validation data has no target tokens; check data.validation and the loss mask")
+    loss = total_loss / total_targets
+    return {
+        "val_loss": round(loss, 6),
+        "val_perplexity": round(math.exp(min(loss, 700.0)), 4),
+        "val_tokens": total_targets,
+    }
+
+
+def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None = None) -> TokenData:
+    """The run's tokens. With several ranks rank 0 tokenizes and fills the cache, then the others read it."""
+    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+
+    def load():
+        cache = out / "cache"
+        return load_token_data(
+            config.data, model.vocab_size, cache, model_dir, model.eos_token_id, config.train.seed, config.train.dpo
+        )
+
+    data = load() if ranks is None or ranks.is_main else None
+    if ranks is not None:
+        dist.barrier()
+    return data if data is not None else load()
+
+
+def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
+    """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a
+    checkpoint where they are due) as it is now: better then than after the training."""
+    store = trainer.store
+    model_bytes = store.n_params * store.master_dtype.itemsize
+    needed = model_bytes + (model_bytes * (1 + len(store.state_names)) if config.train.save_every else 0)
+    free = free_bytes(out)
+    if free >= needed:
+        return None
+    what = "the final model and a checkpoint need" if config.train.save_every else "the final model needs"
+    return (
+        f"{out}'s disk has {size_text(free)} free; {what} {size_text(needed)}: free space there before the run "
+        "ends, or set fallback_dir to a directory on another disk"
+    )
+
+
+def train(config: Config, resume: Path | None = None) -> Path:
+    """Run training as configured, continuing from a checkpoint with `resume` (a step-NNNNNNNN directory or a
+    run directory: its newest); returns the output directory. A wrong `resume`, a checkpoint of another model,
+    a missing tracker package or an output_dir in use by another run are refused before anything is loaded.
+    Raises `RunInterrupted` where a signal stopped the run (after its checkpoint) and `SaveError` where a save
+    failed and nothing took it (saying what is lost)."""
+    out = Path(config.output_dir)
+    model = model_config_of(config)
+    if resume is not None:
+        resume = find_checkpoint(resume)
+        check_same_model(resume, json.loads((resume / MANIFEST).read_text())["model"], model)
+    check_trackers(config)
+    ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
+    lock = RunLock(out) if ranks is None or ranks.is_main else None
+    try:
+        if lock is not None:
+            prepare_output_dir(out)
+            note = lock.acquire()
+            if note is not None:
+                print(f"megatrain: {note}", file=sys.stderr)
+        # the data is read first: a bad record stops the run before any host memory is allocated
+        if config.train.objective == "grpo":  # (prompts or given completions: read once the trainer is made)
+            check_grpo_settings(config, ranks)
+            data = TokenData(None, None, tokenizer_of(config)[1])
+        else:
+            data = load_data(config, model, out, ranks)
+            check_objective_data(config, data)
+            if isinstance(data.train, MediaRows):
+                check_media_model(data.train, model, config.model.hf_dir)
+        objective = config.train.objective
+        ref_model = {"dpo": config.train.dpo.ref_model, "grpo": config.train.grpo.ref_model}.get(objective)
+        if ref_model is not None:
+            check_reference_model(Path(ref_model), model, f"train.{objective}.ref_model")
+        trainer = Trainer(config, model, ranks=ranks)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        leave_ranks()  # (the Trainer leaves them on close; without one, this does)
+        raise
+    try:
+        return TrainingRun(config, trainer, data, out, resume).run()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class TrainingRun:
+    """One run once its data and trainer are ready: the checkpoint it resumes, the steps with their metrics,
+    validation and checkpoints, then the export. Closes the trainer when it ends."""
+
+    def __init__(self, config: Config, trainer: Trainer, data: TokenData, out: Path, resume: Path | None):
+        self.config, self.trainer, self.data, self.out, self.resume = config, trainer, data, out, resume
+        self.main = trainer.is_main
+        self.metrics_path = out / "metrics.jsonl"
+        self.checkpoints = out / CHECKPOINTS
+        self.last_checkpoint = resume  # the newest saved state of this run: where a failed save leaves it
+        self.windows = self.validation = None  # (made by `_start`, inside `run`, which closes the trainer)
+        self.trackers: list = []
+        self.last_eval: dict = {}
+        self.reference = self.validation_reference = None  # DPO: the reference's scores of the pairs (rows)
+        self.rollouts = None  # GRPO: each step's prompts, completions and advantages
+
+    def run(self) -> Path:
+        """The steps, then the export; returns the output directory."""
+        stop = StopRequested()
+        bar = None
+        try:
+            self._start()
+            self.trackers = open_trackers(self.config, self.out) if self.main else []
+            bar = tqdm(
+                disable=not self.main,
+                total=self.config.train.steps,
+                initial=self.trainer.step_index,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            stop.__enter__()
+            for step in range(self.trainer.step_index, self.config.train.steps):
+                self._step(step, bar)
+                stopping = stop.signal is not None
+                if self.trainer.sync is not None:  # a signal seen by one rank stops all of them at the same step
+                    stopping = self.trainer.sync.any(stopping)
+                if stopping:
+                    self._stop(stop, bar)
+            bar.close()
+            self._finish()
+        finally:
+            stop.__exit__()
+            for tracker in self.trackers:
+                tracker.close()
+            if bar is not None:
+                bar.close()
+            self.trainer.close()
+        return self.out
+
+    def _start(self) -> None:
+        """Cut the data into windows (or pairs), score them under DPO's reference, load the checkpoint resumed, keep
+        the metrics it holds, say what runs."""
+        trainer, config, data, train = self.trainer, self.config, self.data, self.config.train
+        if train.objective == "grpo":  # (before a checkpoint is loaded: a reference pass reads the initial weights)
+            self.rollouts = make_rollouts(trainer, config)
+        elif data.pairs:
+            self.windows = trainer.pair_windows(data.train, train.batch_size, config.data.shuffle, train.seed)
+            if config.data.pack and trainer.is_main:
+                rows = len(self.windows.batch(0).input_ids)
+                print(
+                    f"megatrain: data.pack: the first step's {train.batch_size} pairs share {rows} rows of "
+                    f"{config.data.seq_len} tokens, not {2 * train.batch_size} ({rows / (2 * train.batch_size):.0%} of the tokens)",
+                    file=sys.stderr,
+                )
+            if data.validation is not None:
+                self.validation = trainer.pair_windows(data.validation)
+            if train.dpo.needs_reference:  # (before a checkpoint is loaded: the store holds the initial weights)
+                cache = self.out / "cache"
+                self.reference = reference_scores(trainer, data.train, cache)
+                if data.validation is not None:
+                    self.validation_reference = reference_scores(trainer, data.validation, cache, "validation")
+        else:  # (rows with images: MultimodalRows, each step's pixels made when it comes)
+            self.windows = row_windows(
+                data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed
+            )
+            if data.validation is not None:
+                self.validation = row_windows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
+        if self.resume is not None:
+            manifest = load_checkpoint(trainer, self.resume)
+            if self.rollouts is not None:
+                self.rollouts.resume(self.resume)
+            print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
+        if not self.main:
+            return
+        (self.out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
+        atomic_write_text(self.out / "placement.json", json.dumps(trainer.plan.record(), indent=2))
+        kept = []
+        if self.resume is not None and self.metrics_path.exists():  # the steps the checkpoint already contains
+            lines = self.metrics_path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= trainer.step_index]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        for line in self.data.report:
+            print(f"megatrain: {line}", file=sys.stderr)
+        host_bytes = trainer.host_bytes()
+        ranks = "" if trainer.ranks is None else f" x {trainer.ranks.world_size} ranks"
+        if trainer.store_is_split:
+            ranks += f", the state split over {trainer.ranks.n_nodes} hosts"
+        print(
+            f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on "
+            f"{trainer.device}{ranks} ({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host "
+            f"{host_bytes / 2**30:.2f} GiB per host ({host_bytes / trainer.model_config.n_params:.1f} B/param), "
+            f"{'rows' if self.windows is None else f'{self.windows.n_windows} windows'} of {config.data.seq_len} tokens",
+            file=sys.stderr,
+        )
+        if trainer.model_config.implementation == "transformers":
+            for note in generic_notes(trainer.model_config):
+                print(f"megatrain: {note}", file=sys.stderr)
+        print(f"megatrain: {trainer.plan.summary()} (placement.json)", file=sys.stderr)
+        if trainer.warm_up_s:
+            print(f"megatrain: kernels compiled and warmed up in {trainer.warm_up_s:.1f} s", file=sys.stderr)
+        room = room_warning(trainer, config, self.out)
+        if room is not None:
+            print(f"megatrain: warning: {room}", file=sys.stderr)
+        model = trainer.model_config
+        if model.router_bias and config.model.preset and self.resume is None:
+            if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
+                print(
+                    "megatrain: warning: pre-training a MoE with its routers' correction bias fixed: they "
+                    "collapse onto a few experts (watch maxvio); DeepSeek-V3 balanced them with "
+                    "train.router_bias_update_rate: 0.001",
+                    file=sys.stderr,
+                )
+
+    def _record(self, record: dict) -> None:
+        """A metrics record into metrics.jsonl and every tracker."""
+        if self.main:
+            write_jsonl(self.metrics_path, record)
+        for tracker in self.trackers:
+            tracker.log(finite_record(record))
+
+    def _step(self, step: int, bar) -> None:
+        """One optimizer step with its record, validation, progress and checkpoint where due."""
+        trainer, train = self.trainer, self.config.train
+        if self.rollouts is not None:
+            made = self.rollouts.step(step)
+            fresh = step % train.grpo.num_iterations == 0  # (a rollout's rewards are recorded at its first update)
+            batch, made_metrics = made.batch, made.metrics if fresh else {}
+            metrics = trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=made.rollout)
+            if fresh:
+                self._write_samples(made, step)
+        else:
+            batch, made_metrics = self.windows.batch(step), {}
+            reference = None
+            if self.reference is not None:
+                reference = step_reference(self.reference, self.windows.pair_indices(step), batch)
+            metrics = trainer.train_step(
+                batch.input_ids,
+                batch.labels,
+                batch.position_ids,
+                batch.valid,
+                reference,
+                sequences=batch.sequences,
+                media=media_of(batch),
+            )
+        self._record(metrics.as_dict() | made_metrics)
+        postfix = {
+            "loss": f"{metrics.loss:.4f}",
+            "tok_s": f"{metrics.tokens_per_s:,.0f}",
+            "tflops": f"{metrics.tflops:.3g}",
+        }
+        if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
+            postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
+        if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
+            postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
+        if metrics.objective and "rewards/accuracies" in metrics.objective:  # DPO: how often chosen beats rejected
+            postfix["acc"] = f"{metrics.objective['rewards/accuracies']:.2f}"
+            postfix["margin"] = f"{metrics.objective['rewards/margins']:.3f}"
+        if "reward" in made_metrics:  # GRPO: the mean reward of the step's completions
+            postfix["reward"] = f"{made_metrics['reward']:.3f}"
+        every = train.eval_every
+        if self.validation is not None and (
+            (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
+        ):
+            if isinstance(self.validation, PairWindows):
+                self.last_eval.update(evaluate_pairs(trainer, self.validation, self.validation_reference))
+            else:
+                self.last_eval.update(evaluate(trainer, self.validation))
+            self._record({"step": trainer.step_index, **self.last_eval})
+        if self.last_eval:
+            postfix["val"] = f"{self.last_eval['val_loss']:.4f}"
+        bar.set_postfix(**postfix)
+        bar.update(1)
+        if metrics.skipped and self.main:
+            tqdm.write(
+                f"step {metrics.step}: non-finite loss or gradient (loss={metrics.loss}, "
+                f"grad_norm={metrics.grad_norm}); step skipped, weights unchanged",
+                file=sys.stderr,
+            )
+        if metrics.skipped and trainer.bad_steps >= train.max_bad_steps:  # the same on every rank
+            self._stop_for_bad_steps()
+        if train.save_every and trainer.step_index % train.save_every == 0:
+            self.save()
+
+    def _write_samples(self, made, step: int) -> None:
+        """Every train.grpo.log_completions_every steps, the step's completions (a new rollout's) into
+        completions.jsonl: prompt, completion, reward, advantage."""
+        every = self.config.train.grpo.log_completions_every
+        if self.main and every and step % every == 0 and made.samples:
+            for sample in made.samples:
+                write_jsonl(self.out / "completions.jsonl", {"step": step + 1, **sample})
+
+    def _stop_for_bad_steps(self) -> None:
+        try:
+            saved = f"The weights are those of the last good step, saved in {self.save()}."
+        except NonFiniteError as error:  # the last good step's weights hold NaN or Inf themselves
+            saved = str(error) + "."
+        raise NonFiniteError(
+            f"{self.trainer.bad_steps} non-finite steps in a row; stopping. {saved} Lower train.lr, raise "
+            "train.warmup_steps or turn on train.grad_clip."
+        )
+
+    def _stop(self, stop: StopRequested, bar) -> None:
+        """A signal: checkpoint, then `RunInterrupted` (the exit code says which signal)."""
+        path = self.save()
+        bar.close()
+        message = (
+            f"{stop.signal or 'a stop'} received; checkpoint {path} written. Continue with "
+            f"`megatrain train --resume {self.out}`"
+        )
+        raise RunInterrupted(stop.signum or signal.SIGTERM, message if self.main else "")
+
+    def save(self) -> Path:
+        """A checkpoint of the current step in output_dir/checkpoints, or where that fails in fallback_dir;
+        `SaveError` saying what is lost where neither takes it."""
+        try:
+            path = save_checkpoint(self.trainer, self.checkpoints, self.config.train.keep_last)
+        except SaveError as error:
+            path = self._save_elsewhere(str(error))
+        self.last_checkpoint = path
+        return path
+
+    def _save_elsewhere(self, failure: str) -> Path:
+        """The checkpoint in fallback_dir after `failure` (a save that output_dir's disk refused), or
+        `SaveError` saying what is lost."""
+        if self.config.fallback_dir is None:
+            raise SaveError(
+                f"{failure}; {self._lost()}; set fallback_dir to a directory on another disk to have the state "
+                "written there instead"
+            )
+        try:
+            path = save_checkpoint(
+                self.trainer, Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last
+            )
+        except SaveError as error:
+            raise SaveError(f"{failure}; fallback_dir failed too: {error}; {self._lost()}") from None
+        if self.main:
+            tqdm.write(f"megatrain: {failure}; the checkpoint went to fallback_dir instead: {path}", file=sys.stderr)
+        return path
+
+    def _lost(self) -> str:
+        """What a run that stops now loses, and how to continue."""
+        step = self.trainer.step_index
+        if self.last_checkpoint is None:
+            return f"this run has no checkpoint: all its steps ({step}) are lost"
+        since = step - step_of(self.last_checkpoint)
+        return (
+            f"the steps since {self.last_checkpoint} ({since}) are lost; free space and continue from it with "
+            f"`megatrain train --resume {self.last_checkpoint}` (--set output_dir=DIR to continue elsewhere)"
+        )
+
+    def _finish(self) -> None:
+        """After the last step: the trace, the model, the loss curve."""
+        trainer, out = self.trainer, self.out
+        if self.config.engine.trace:
+            suffix = "" if trainer.ranks is None else f"-rank{trainer.ranks.rank}"
+            trainer.timeline.write_chrome_trace(out / f"trace{suffix}.json")
+        final = self._export()
+        if self.main:
+            if plot_loss(self.metrics_path, out / "loss.png"):
+                print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
+            print(f"model written to {final}", file=sys.stderr)
+
+    def _export(self) -> Path:
+        """output_dir/final (every rank: hosts holding parts of the state send them), with the step it holds;
+        where it cannot be written, the state goes to fallback_dir as a checkpoint, or `SaveError` says what
+        is lost."""
+        target = self.out / FINAL
+        try:
+            final = self.trainer.export(target, self.data.tokenizer)
+        except (SaveError, OSError) as error:
+            failure = f"the model could not be written to {target}: {error}"
+            path = self._save_elsewhere(failure)
+            raise SaveError(
+                f"{failure}; the trained state (step {self.trainer.step_index}) is in {path} instead: "
+                f"`megatrain convert {path} DIR` writes the model from it"
+            ) from None
+        if self.main:
+            write_trainer_state(final, self.trainer.step_index, self.config.train.steps)
+        return final

@@ -1,0 +1,65 @@
+"""What a run's objective and model settings make: the step-level objective train.objective names, and the refusal
+of settings the model cannot honour."""
+
+import importlib
+
+from megatrain_templates import DPO, GRPO, Objective
+from megatrain_zoo import CORRECTION_BIASED, ModelConfig
+
+from .config import Config, ConfigError
+
+
+def check_model_settings(config: Config, model: ModelConfig) -> None:
+    """Refuse options the model cannot honour (router options its routers lack, packed documents its layers would
+    mix), naming the fix."""
+    if config.data.pack and not model.packs_documents:
+        raise ConfigError(
+            f"data.pack: {model.arch}'s layers carry state along a row (a recurrence or convolution), which "
+            "transformers does not restart at each packed document; set data.pack: false (a row per example)"
+        )
+    if config.train.router_bias_update_rate and not model.router_bias:
+        raise ConfigError(
+            f"train.router_bias_update_rate moves a router's correction bias, which only some families' routers "
+            f"have ({', '.join(CORRECTION_BIASED)}); this {model.arch} model has none: set it "
+            f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
+        )
+    for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
+        if getattr(config.train, name) and not model.is_moe:  # (a generic model's routers are transformers')
+            raise ConfigError(
+                f"train.{name} acts on the routers of megatrain's mixture-of-experts templates; this {model.arch} "
+                "model has none: set it to 0"
+            )
+
+
+def make_objective(config: Config) -> Objective | None:
+    """The step-level objective train.objective names (None: the summed cross-entropy of SFT): DPO, GRPO, or a
+    `module:Class` of the user's, a megatrain_templates Objective made with no arguments."""
+    name = config.train.objective
+    if name == "sft":
+        return None
+    if name == "dpo":
+        dpo = config.train.dpo
+        return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
+    if name == "grpo":
+        grpo = config.train.grpo
+        return GRPO(
+            grpo.beta,
+            grpo.epsilon,
+            grpo.epsilon_high,
+            grpo.loss_type,
+            grpo.importance_sampling_level,
+            grpo.max_completion_length,
+        )
+    module_name, _, class_name = name.partition(":")
+    try:
+        objective = getattr(importlib.import_module(module_name), class_name)()
+    except (ImportError, AttributeError, TypeError) as error:
+        raise ConfigError(
+            f"train.objective {name!r} cannot be made: {error}; name an importable module:Class"
+        ) from error
+    if not isinstance(objective, Objective):
+        raise ConfigError(
+            f"train.objective {name!r} is a {type(objective).__name__}, not a megatrain_templates objective "
+            "(SequenceObjective or TokenObjective)"
+        )
+    return objective

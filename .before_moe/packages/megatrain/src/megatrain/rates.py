@@ -1,0 +1,430 @@
+"""The machine's rates the step-time model uses, and where they come from: defaults measured on an H100
+machine, `megatrain plan --calibrate` (every rate, this machine), or a run's first plan of a shape on a GPU
+(the block's and head's rates at that shape), remembered per machine and shape in the calibration file.
+"""
+
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from megatrain_store import atomic_write_text
+from megatrain_zoo import ModelConfig, build_model, linear_attention_flops_per_token
+
+from .config import Config, ConfigError, resolve_device, resolve_dtype
+
+CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "calibration.json"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Machine rates the performance model uses."""
+
+    # the defaults are `megatrain plan --calibrate` on a lent H100 machine (16 cores), Qwen2.5-7B, seq 4096 x 4
+    gpu_tflops: float = 605.3  # hardware bf16 rate of a decoder block, recompute + backward (7B shape)
+    head_tflops: float = 630.8  # the chunked LM head + loss + its backward (Qwen2.5-7B vocabulary)
+    pcie_gbps: float = 55.0  # pinned host<->GPU copy, one direction alone
+    cpu_adam_params_per_s: float = 4.0e9  # fused AdamW on the host, in a step (beside the GPU's work and copies)
+    disk_gbps: float = 1.55  # the disk tier's disk, reading and writing in turn (the H100 machine's virtio disk)
+    moe_gpu_tflops: float = 300.0  # a MoE block (grouped expert GEMMs, routing, permutation), same count
+    network_gbps: float = 50.0  # between hosts, each way, per host (an assumption: 400 Gb/s; not calibrated)
+    pcie_duplex_gbps: float = 48.3  # each direction while the other copies too (the backward)
+    # GPU-updated layers: their fused AdamW on the GPU plus the casts of their masters into the slots, a step
+    gpu_adam_params_per_s: float = 66.6e9
+    source: str = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-24)"
+    # a layer keeping its matmul products (no GEMM recomputed), counted as `block_work` counts it; None: the
+    # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
+    gpu_kept_tflops: float | None = None
+
+
+def calibration_key(model: ModelConfig, seq_len: int, micro_batch: int) -> str:
+    """What a calibration is of: this machine's GPU and CPUs, and a run's model and micro-batch shape (the
+    GPU's rates depend on the shape: a Qwen2.5-0.5B block runs at half a 7B block's rate on an H100)."""
+    digest = hashlib.sha1(repr(model).encode()).hexdigest()[:8]
+    return (
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs: {model.arch} d_model {model.d_model}, "
+        f"{model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
+    )
+
+
+def _calibrations() -> dict:
+    """The calibration file: {"machine": the newest `calibrate` here, "shapes": {key: rates}} (older files
+    hold one rates object: the machine's)."""
+    if not CALIBRATION_FILE.exists():
+        return {"machine": None, "shapes": {}}
+    saved = json.loads(CALIBRATION_FILE.read_text())
+    return saved if "shapes" in saved else {"machine": saved, "shapes": {}}
+
+
+def load_rates(key: str | None = None, saved: dict | None = None) -> Rates:
+    """The rates measured for `key` (`calibration_key`) on this machine; else the newest calibration here;
+    else the defaults. `saved`: the calibration file already read."""
+    saved = saved or _calibrations()
+    chosen = saved["shapes"].get(key) or saved["machine"]
+    return Rates(**chosen) if chosen else Rates()
+
+
+def save_rates(key: str, rates: Rates, machine: bool) -> None:
+    """Remember `rates` for `key`, and with `machine` (all of them measured) as this machine's too."""
+    saved = _calibrations()
+    saved["shapes"][key] = asdict(rates)
+    if machine:
+        saved["machine"] = asdict(rates)
+    CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(CALIBRATION_FILE, json.dumps(saved, indent=2))
+
+
+def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
+    """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
+    the run's own shape, measured the first time (seconds, most of them the kernels' compilation, which the
+    run's warm-up then reuses; remembered) where `measure` allows and the run computes in bf16 on a CUDA GPU
+    (the rates are bf16's). PCIe and CPU rates do not depend on the shape and vary from one burst to the
+    next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time them too,
+    so a launch of several leaves it to `megatrain plan`; MEGATRAIN_MEASURE_RATES=0 turns it off (the tests:
+    plans from remembered or default rates, the same on every machine)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.precision.compute_dtype, device)
+    measure = measure and os.environ.get("MEGATRAIN_MEASURE_RATES", "1") != "0"
+    if device.type == "cpu":
+        return cpu_rates(dtype, measure)
+    if not measure or dtype != torch.bfloat16:
+        return load_rates()
+    seq_len, micro_batch = config.data.seq_len, config.train.micro_batch_size
+    with torch.cuda.device(device):
+        key = calibration_key(model, seq_len, micro_batch)
+        saved = _calibrations()
+        machine = load_rates(key, saved)
+        if key in saved["shapes"]:
+            return machine
+        print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
+        try:
+            with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
+                layer_tflops, kept_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
+        except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
+            return machine
+        finally:
+            torch.cuda.empty_cache()  # the plan counts the GPU's free memory
+        rates = replace(
+            _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops),
+            source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape; the rest {machine.source}",
+        )
+        save_rates(key, rates, machine=False)
+        return rates
+
+
+def cpu_rates(dtype: torch.dtype, measure: bool = True) -> Rates:
+    """The rates of a run whose device is this machine's CPU: its matrix multiplications in `dtype` as the
+    "GPU" rates, its memory copies as the "PCIe" ones (a slot is a host buffer), measured here the first time
+    (a fraction of a second; remembered per CPU and dtype). Without `measure`, the defaults (an H100 machine's),
+    as the tests plan."""
+    if not measure:
+        return load_rates()
+    key = f"CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}: {dtype}"
+    saved = _calibrations()
+    if key in saved["shapes"]:
+        return Rates(**saved["shapes"][key])
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    matmul_s = _host_seconds(lambda: a @ b)
+    source, target = torch.empty(2**24), torch.empty(2**24)
+    copy_gbps = source.numel() * 4 / _host_seconds(lambda: target.copy_(source)) / 1e9
+    tflops = _rounded(2 * 1024**3 / matmul_s / 1e12)
+    rates = Rates(
+        gpu_tflops=tflops,
+        head_tflops=tflops,
+        moe_gpu_tflops=tflops,
+        pcie_gbps=_rounded(copy_gbps),
+        pcie_duplex_gbps=_rounded(copy_gbps / 2),
+        gpu_adam_params_per_s=Rates().cpu_adam_params_per_s,
+        source=f"this machine's CPU ({key}), measured {time.strftime('%Y-%m-%d')}; its AdamW rate an H100 machine's",
+    )
+    save_rates(key, rates, machine=False)
+    return rates
+
+
+def _host_seconds(run: Callable[[], object], timed_s: float = 0.2) -> float:
+    """Seconds a call of `run` takes on the CPU: the mean over about `timed_s` after one untimed call."""
+    run()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < timed_s:
+        run()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
+    """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
+    parameters a token multiplies with, plus attention 8/6 of the counted), less the dense MLP's
+    down projection, which the dense recompute skips (but where its output is normed: Gemma, OLMo 2; and in a
+    generic model's layers, which recompute all), and less
+    the recompute's GEMMs in `kept_layers` (dense layers whose forward's matmul products are kept).
+    Routers and experts count their active part; linear-attention layers their delta rule instead of attention."""
+    n_linear = len(model.linear_attention_layers)
+    attention = 8 * (model.n_layers - n_linear) * seq_len * model.n_heads * model.head_dim * tokens
+    attention += 8 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
+    matmul_layers = model.matmul_params - model.vocab_size * model.d_model
+    dense_layers = sum(not model.layer_is_moe(layer) for layer in range(model.n_layers))
+    skips_down = model.norm_placement == "pre" and model.implementation == "native"  # (a generic layer: none)
+    down = model.d_ff * model.d_model if skips_down else 0
+    skipped_down = 2 * dense_layers * down
+    # a dense layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped)
+    recomputed_matmuls = 2 * (matmul_layers / model.n_layers - down) * tokens
+    return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
+
+
+def layer_works(model: ModelConfig, seq_len: int, tokens: int) -> tuple[float, float]:
+    """`block_work` of one dense layer recomputing, and of one keeping its products."""
+    all_layers = block_work(model, seq_len, tokens)
+    whole = all_layers / model.n_layers
+    return whole, whole - (all_layers - block_work(model, seq_len, tokens, 1))
+
+
+def measure_disk_gbps(directory: Path, size: int = 2**30) -> float:
+    """Bytes per second the disk under `directory` moves writing then reading a file, past the page cache."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "megatrain-disk-probe.bin"
+    block = os.urandom(2**24)
+    try:
+        start = time.perf_counter()
+        with open(path, "wb") as file:
+            for _ in range(size // len(block)):
+                file.write(block)
+            file.flush()
+            os.fsync(file.fileno())
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        with open(path, "rb") as file:
+            while file.read(2**24):
+                pass
+        return 2 * size / (time.perf_counter() - start) / 1e9
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None = None) -> Rates:
+    """Measure the rates on this machine (GPU block rate at the run's micro-batch shape, pinned
+    PCIe bandwidth, CPU AdamW, and the disk tier's disk if `state_dir` is set) and save them."""
+    if not torch.cuda.is_available():
+        raise ConfigError("megatrain plan --calibrate needs a CUDA GPU to measure")
+    key = calibration_key(model, seq_len, micro_batch)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        rates = _measure_rates(model, seq_len, micro_batch, state_dir, load_rates(key))
+    torch.cuda.empty_cache()  # a plan made next counts the GPU's free memory
+    save_rates(key, rates, machine=True)
+    return rates
+
+
+def _with_gpu_rates(
+    rates: Rates, model: ModelConfig, layer_tflops: float, kept_tflops: float | None, head_tflops: float
+) -> Rates:
+    """`rates` with `measure_gpu_rates`' results for `model`: a MoE model's layer rate is the MoE one, and
+    the dense rates stay as they were (and the other way round)."""
+    return replace(
+        rates,
+        gpu_tflops=rates.gpu_tflops if model.is_moe else layer_tflops,
+        gpu_kept_tflops=rates.gpu_kept_tflops if model.is_moe else kept_tflops,
+        moe_gpu_tflops=layer_tflops if model.is_moe else rates.moe_gpu_tflops,
+        head_tflops=head_tflops,
+    )
+
+
+def _rounded(rate: float) -> float:
+    """Four significant digits (a tiny test model's block runs at hundredths of a TFLOPS)."""
+    return float(f"{rate:.4g}")
+
+
+def _sustained_seconds(run: Callable[[], None], warm_s: float = 0.5, timed_s: float = 1.0) -> float:
+    """Seconds a call of `run` takes on a GPU kept busy, as in a step: the mean over `timed_s` of calls after
+    `warm_s` of them. (A GPU just out of idle runs faster for a while: the best of three 250 ms windows put
+    a Qwen2.5-7B block on an H100 at 632 TFLOPS, ten calls right after them at 593, which a 128k step's
+    compute matches.)"""
+    run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    once = max(time.perf_counter() - start, 1e-6)
+    for _ in range(math.ceil(warm_s / once)):
+        run()
+    calls = max(3, math.ceil(timed_s / once))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def measure_gpu_rates(
+    model: ModelConfig, seq_len: int, micro_batch: int
+) -> tuple[float, float | None, float, Callable[[], None]]:
+    """This GPU's rates at a run's micro-batch shape, in TFLOPS as `block_work` counts them: its layers'
+    forward, recompute and backward (one layer of each kind timed, weighted by how many layers it stands for:
+    Qwen3.5's linear-attention layers run at a rate of their own beside its softmax ones, a model's first dense
+    layers beside its MoE ones, a generic model's layers by their module and layer type), its dense layers'
+    keeping their products likewise (None where the largest layer always recomputes: a MoE layer, a generic one),
+    and the loss head's (6 FLOPs per weight and token); and the largest layer's recomputing pass, to run beside
+    other measurements."""
+    from megatrain_zoo.model import block_shape
+
+    spec = build_model(model)
+    largest = max(range(model.n_layers), key=model.layer_params)
+    kinds: dict[tuple, list[int]] = {}
+    for layer in range(model.n_layers):
+        template = spec.stages[spec.layer_stage(layer)].template
+        kind = getattr(template, "kind", None) or (block_shape(model, layer), model.layer_is_moe(layer))
+        kinds.setdefault(kind, []).append(layer)
+    keepable = [
+        callable(getattr(spec.stages[spec.layer_stage(layer)].template, "forward_keeping_products", None))
+        for layer in range(model.n_layers)
+    ]
+    x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
+
+    def passes(layer: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Layer `layer`'s recomputing pass and its pass keeping its products."""
+        block = spec.stages[spec.layer_stage(layer)].template
+        weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
+        grads = [torch.zeros(block.numel, device="cuda")]
+
+        def layer_pass() -> None:
+            block.forward(weights, x)
+            block.backward(weights, x, x, grads)
+
+        def kept_layer_pass() -> None:
+            _, products = block.forward_keeping_products(weights, x)
+            block.backward(weights, x, x, grads, products=products)
+
+        return layer_pass, kept_layer_pass
+
+    tokens = micro_batch * seq_len
+    whole, kept_layer = layer_works(model, seq_len, tokens)
+    largest_passes = passes(largest)
+
+    def seconds_of(layers: list[int], keeping: bool) -> float:
+        """All of one kind's `layers`, from one of them timed (the largest, where it is among them)."""
+        return len(layers) * _sustained_seconds((largest_passes if largest in layers else passes(layers[0]))[keeping])
+
+    layer_tflops = _rounded(whole * model.n_layers / sum(seconds_of(layers, False) for layers in kinds.values()) / 1e12)
+    kept_tflops = None
+    if keepable[largest]:
+        keeping_kinds = [layers for layers in kinds.values() if keepable[layers[0]]]
+        kept_seconds = sum(seconds_of(layers, True) for layers in keeping_kinds)
+        kept_tflops = _rounded(kept_layer * sum(map(len, keeping_kinds)) / kept_seconds / 1e12)
+    head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
+    head_weights = [
+        torch.randn(sum(p.numel for p in group), device="cuda", dtype=torch.bfloat16) * 0.02 for group in head.groups
+    ]
+    head_grads = [torch.zeros_like(weights, dtype=torch.float32) for weights in head_weights]
+    labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
+    head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
+    head_tflops = _rounded(6 * model.vocab_size * model.d_model * tokens / head_s / 1e12)
+    return layer_tflops, kept_tflops, head_tflops, largest_passes[0]
+
+
+class _Copies:
+    """256 MiB each way between pinned host memory and the GPU, on two streams."""
+
+    def __init__(self):
+        self.host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+        self.device = torch.empty_like(self.host, device="cuda")
+        self.returned = torch.empty_like(self.host, pin_memory=True)
+        self.outgoing = torch.empty_like(self.device)
+        self.streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def queue(self, both_ways: bool) -> None:
+        with torch.cuda.stream(self.streams[0]):
+            self.device.copy_(self.host, non_blocking=True)
+        if both_ways:  # as in the backward (weights in beside gradients out): each slower than alone
+            with torch.cuda.stream(self.streams[1]):
+                self.returned.copy_(self.outgoing, non_blocking=True)
+
+    def gbps(self, both_ways: bool) -> float:
+        """The best of three bursts (a remembered rate should not be one burst's hiccup: two calibrations
+        on H100 machines of one session timed 31 and 55 GB/s)."""
+        rates = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                self.queue(both_ways)
+            torch.cuda.synchronize()
+            rates.append(5 * self.host.numel() / (time.perf_counter() - start) / 1e9)
+        return max(rates)
+
+
+def _adamw(params, grads, exp_avgs, exp_avg_sqs, step) -> None:
+    from megatrain_optim import adamw_update_
+
+    adamw_update_(
+        params, grads, exp_avgs, exp_avg_sqs, step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
+    )
+
+
+def _device_adam_params_per_s() -> float:
+    """A resident layer's share of a step: its fused AdamW on the GPU and its master cast into a slot twice."""
+    n = 64 * 2**20
+    master, grad, exp_avg, exp_avg_sq = (torch.rand(n, device="cuda") for _ in range(4))
+    slot = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    step = torch.ones((), device="cuda")
+
+    def update() -> None:
+        _adamw([master], [grad], [exp_avg], [exp_avg_sq], step)
+        slot.copy_(master)
+        slot.copy_(master)
+
+    update()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        update()
+    torch.cuda.synchronize()
+    return 5 * n / (time.perf_counter() - start)
+
+
+def _cpu_adam_params_per_s(copies: _Copies, layer_pass: Callable[[], None]) -> float:
+    """AdamW as in a step: on another thread, over groups far larger than the caches, while this thread launches
+    a layer's forward and backward and weights stream in and gradients out. (Timed beside weight copies alone, it
+    ran ~25% faster than in the steps; beside saturated copies both ways, ~25% slower.) One untimed update first
+    starts the threads."""
+    n = 256 * 2**20
+    p, g, m, v = (torch.full((n,), value) for value in (0.02, 1e-3, 1e-4, 1e-6))  # randn: seconds of its own
+    step = torch.tensor(1.0)
+
+    def update(times: int) -> None:
+        for _ in range(times):
+            _adamw([p], [g], [m], [v], step)
+
+    update(1)
+    optimizer = threading.Thread(target=update, args=(8,))  # a second or so: a layer pass is 50 ms of it
+    start = time.perf_counter()
+    optimizer.start()
+    while optimizer.is_alive():
+        copies.queue(both_ways=True)
+        layer_pass()
+        torch.cuda.synchronize()
+    return 8 * n / (time.perf_counter() - start)
+
+
+def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
+    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
+    copies = _Copies()
+    copies.gbps(True)  # the first copies set up the streams and the host mappings
+    pcie, pcie_duplex = copies.gbps(False), copies.gbps(True)
+    gpu_adam = _device_adam_params_per_s()
+    cpu = _cpu_adam_params_per_s(copies, layer_pass)
+    return replace(
+        _with_gpu_rates(previous, model, layer_tflops, kept_tflops, head_tflops),
+        pcie_gbps=_rounded(pcie),
+        pcie_duplex_gbps=_rounded(pcie_duplex),
+        cpu_adam_params_per_s=_rounded(cpu),
+        gpu_adam_params_per_s=_rounded(gpu_adam),
+        disk_gbps=_rounded(measure_disk_gbps(Path(state_dir))) if state_dir else previous.disk_gbps,
+        source=f"calibrated {time.strftime('%Y-%m-%d')}: {calibration_key(model, seq_len, micro_batch)}",
+    )

@@ -1,0 +1,642 @@
+"""Record datasets -> training rows: sources, formats, the chat template, truncation, mixing, packing.
+
+Sources are .jsonl/.json/.parquet files, `Dataset.save_to_disk` directories or hub names
+(through `datasets`), or names in a LLaMA-Factory `dataset_info.json` registry; several
+are mixed with weights. `text` records are pre-training documents (one stream, EOS between
+documents); alpaca, sharegpt and messages records become conversations rendered with the
+model's chat template (chat.py), loss on assistant turns. An example longer than seq_len
+is truncated or dropped as configured; every such example is counted and reported.
+Fine-tuning rows hold one example each (padded) or, packed, several whole examples with
+positions restarting at each, which the engine keeps apart (block-diagonal attention).
+Everything is tokenized once and cached on disk. Preference pairs (data.format preference,
+ranking registry entries) are resolved and read here and tokenized by preference.py.
+"""
+
+import bisect
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
+from .config import ConfigError, DataSection
+from .data import Tokens
+
+# The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
+DEFAULT_COLUMNS = {
+    "alpaca": {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "history": "history",
+        "system": "system",
+        "chosen": "chosen",  # ranking entries
+        "rejected": "rejected",
+    },
+    "sharegpt": {
+        "messages": "conversations",
+        "system": "system",
+        "tools": "tools",
+        "chosen": "chosen",
+        "rejected": "rejected",
+    },
+    "messages": {"messages": "messages", "system": "system", "tools": "tools"},
+    "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "tools": "tools"},
+    "prompt": {"prompt": "prompt"},
+}
+DEFAULT_TAGS = {
+    "sharegpt": {
+        "role_tag": "from",
+        "content_tag": "value",
+        "user_tag": "human",
+        "assistant_tag": "gpt",
+        "observation_tag": "observation",
+        "function_tag": "function_call",
+        "system_tag": "system",
+    },
+    "messages": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "observation_tag": "tool",
+        "function_tag": "function_call",
+        "system_tag": "system",
+    },
+}
+UNSUPPORTED_COLUMNS = ("audios", "chosen", "rejected", "kto_tag")  # (images and videos: multimodal.py)
+PAIR_COLUMNS = ("chosen", "rejected")  # read in ranking entries only
+# Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
+CACHE_FORMAT = 4
+REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset to read, resolved from the config or a registry entry."""
+
+    name: str
+    location: str  # a path or a hub name
+    formatting: str  # text | alpaca | sharegpt | messages | preference
+    columns: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    split: str = "train"
+    subset: str | None = None
+    num_samples: int | None = None
+    ranking: bool = False  # a registry entry of chosen/rejected pairs (alpaca or sharegpt formatting)
+
+    @property
+    def is_preference(self) -> bool:
+        """Records of chosen/rejected pairs (preference.py reads them), not supervised examples."""
+        return self.ranking or self.formatting == "preference"
+
+    def column(self, key: str):
+        return self.columns.get(key, DEFAULT_COLUMNS[self.formatting].get(key))
+
+    def tag(self, key: str):
+        return self.tags.get(key, DEFAULT_TAGS[self.formatting][key])
+
+
+def _registry(data: DataSection) -> dict:
+    path = Path(data.dataset_dir) / "dataset_info.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"data.dataset_dir {data.dataset_dir} has no dataset_info.json; write one (LLaMA-Factory's format) "
+            "or set data.dataset to a file and data.format to its format"
+        ) from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from error
+
+
+def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
+    where = f"{Path(data.dataset_dir) / 'dataset_info.json'} entry {name!r}"
+    unknown = sorted(set(entry) - set(REGISTRY_KEYS) - {"ranking", "ms_hub_url", "om_hub_url", "script_url", "folder"})
+    ranking = bool(entry.get("ranking"))
+    columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
+    bad = sorted(set(columns) & (set(UNSUPPORTED_COLUMNS) - (set(PAIR_COLUMNS) if ranking else set())))
+    if bad or unknown:
+        raise ConfigError(f"{where} uses {bad + unknown}, which megatrain does not support (text, images, videos)")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt"):
+        raise ConfigError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
+    if "file_name" in entry:
+        location = str(Path(data.dataset_dir) / entry["file_name"])
+    elif "hf_hub_url" in entry:
+        location = entry["hf_hub_url"]
+    else:
+        raise ConfigError(f"{where} has neither file_name nor hf_hub_url")
+    return Source(
+        name,
+        location,
+        formatting,
+        columns,
+        tags,
+        entry.get("split", "train"),
+        entry.get("subset"),
+        entry.get("num_samples"),
+        ranking,
+    )
+
+
+def resolve_sources(data: DataSection) -> list[Source]:
+    """The datasets `data.dataset` names (comma-separated), through the registry when data.dataset_dir is set."""
+    names = [name.strip() for name in data.dataset.split(",") if name.strip()]
+    if data.mix_weights and len(data.mix_weights) != len(names):
+        raise ConfigError(
+            f"data.mix_weights has {len(data.mix_weights)} weights for {len(names)} datasets ({names}); give one each"
+        )
+    registry = _registry(data) if data.dataset_dir is not None else None
+    sources = []
+    for name in names:
+        if registry is not None and name in registry:
+            sources.append(_source_from_entry(name, registry[name], data))
+        elif registry is not None and not Path(name).exists():
+            raise ConfigError(
+                f"dataset {name!r} is not in {Path(data.dataset_dir) / 'dataset_info.json'} "
+                f"(it has {sorted(registry)}) and is not a file"
+            )
+        else:
+            sources.append(Source(name, name, data.format))
+    return sources
+
+
+def load_records(source: Source):
+    """A `datasets.Dataset` of the source's records (a file, a saved directory or a hub name)."""
+    import datasets
+
+    path = Path(source.location)
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            records = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        elif path.suffix in (".jsonl", ".json", ".parquet"):
+            builder = "parquet" if path.suffix == ".parquet" else "json"
+            records = datasets.load_dataset(builder, data_files=str(path), split="train")
+        elif path.exists():
+            raise ConfigError(
+                f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
+                "or a directory written by Dataset.save_to_disk"
+            )
+        else:
+            records = datasets.load_dataset(source.location, source.subset, split=source.split)
+    except ConfigError:
+        raise
+    except Exception as error:  # datasets raises many types; one clear message names the source and the fix
+        raise ConfigError(
+            f"cannot read dataset {source.name!r} ({source.location}, split {source.split!r}): "
+            f"{type(error).__name__}: {str(error)[:300]}; check the path, the file's format, the split, "
+            "or (for a hub name) the network"
+        ) from error
+    if len(records) == 0:
+        raise ConfigError(f"dataset {source.name!r} ({source.location}) holds no records")
+    if source.num_samples is not None:
+        records = records.select(range(min(source.num_samples, len(records))))
+    return records
+
+
+# ------------------------------------------------------------------ formats
+def record_field(record: dict, key, index: int, source: Source, what: str):
+    value = record.get(key) if key is not None else None
+    if value is None:
+        raise ConfigError(
+            f"dataset {source.name!r}: record {index} has no {what} field {key!r} (fields: {sorted(record)}); "
+            "set data.format (or the registry's columns) to match the records"
+        )
+    return value
+
+
+def _messages_format_turns(record: dict, source: Source, index: int) -> list:
+    """`messages` records: a `messages` list of role/content turns, also accepted as `conversations`
+    of from/value turns (so both common layouts read without a registry)."""
+    for key in (source.column("messages"), "conversations"):
+        if isinstance(record.get(key), list):
+            return record[key]
+    return record_field(record, source.column("messages"), index, source, "messages")
+
+
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "observation": "tool", "ipython": "tool"}
+
+
+def record_tools(record: dict, source: Source, where: str):
+    """The record's tools (a list, or JSON text of one) or None; alpaca has no tools column."""
+    tools = record.get(source.column("tools"))
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{where}: its tools field is not valid JSON ({error})") from error
+    return tools
+
+
+def alpaca_prompt(record: dict, source: Source, index: int) -> list[dict]:
+    """An alpaca record's turns before its response: system, history pairs, then instruction and input as the
+    user's turn (joined with a newline)."""
+    where = f"dataset {source.name!r}: record {index}"
+    messages = []
+    system = record.get(source.column("system"))
+    if system:
+        messages.append({"role": "system", "content": str(system)})
+    for turn in record.get(source.column("history")) or []:
+        if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
+            raise ConfigError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
+        messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
+    prompt = str(record_field(record, source.column("prompt"), index, source, "prompt"))
+    query = record.get(source.column("query"))
+    messages.append({"role": "user", "content": "\n".join([prompt, str(query)]) if query else prompt})
+    return messages
+
+
+def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
+    """One sharegpt or messages turn (`what` names it in errors: "turn 3") as a role/content dict, its role
+    one of user/assistant/system/tool through the source's tags."""
+    role_of = {
+        source.tag("user_tag"): "user",
+        source.tag("assistant_tag"): "assistant",
+        source.tag("function_tag"): "assistant",
+        source.tag("observation_tag"): "tool",
+        source.tag("system_tag"): "system",
+    }
+    if not isinstance(turn, dict):
+        raise ConfigError(f"{where}: {what} is not a mapping: {turn!r}")
+    role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
+    if source.formatting == "messages" and role_key not in turn:  # from/value turns in a messages file
+        role_key, content_key = "from", "value"
+    role = turn.get(role_key)
+    role = role_of.get(role, ROLE_ALIASES.get(role) if source.formatting == "messages" else None)
+    if role is None:
+        raise ConfigError(
+            f"{where}: {what} has role {turn.get(role_key)!r} under {role_key!r}, not one of "
+            f"{sorted(r for r in role_of if r)}; set the registry's tags to the dataset's role names"
+        )
+    content = turn.get(content_key)
+    return {"role": role, "content": "" if content is None else content}
+
+
+def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
+    """(messages as role/content dicts with roles user/assistant/system/tool, tools or None)."""
+    where = f"dataset {source.name!r}: record {index}"
+    if source.formatting == "alpaca":
+        messages = alpaca_prompt(record, source, index)
+        response = record_field(record, source.column("response"), index, source, "response")
+        if not isinstance(response, str):
+            raise ConfigError(f"{where}: the response must be text, got {type(response).__name__}")
+        return messages + [{"role": "assistant", "content": response}], None
+    tools = record_tools(record, source, where)
+    messages = []
+    system = record.get(source.column("system"))
+    if system:
+        messages.append({"role": "system", "content": str(system)})
+    turns = (
+        _messages_format_turns(record, source, index)
+        if source.formatting == "messages"
+        else record_field(record, source.column("messages"), index, source, "messages")
+    )
+    for turn_index, turn in enumerate(turns):
+        messages.append(sharegpt_turn(turn, f"turn {turn_index}", source, where))
+    return messages, tools
+
+
+# ------------------------------------------------------------- tokenizing
+@dataclass
+class Examples:
+    """Tokenized examples of one source and what happened to the records on the way."""
+
+    ids: list[list[int]]
+    trained: list[list[bool]]
+    records: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    dropped_untrained: int = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def select(self, indices) -> "Examples":
+        return Examples([self.ids[i] for i in indices], [self.trained[i] for i in indices], len(indices))
+
+    def extend(self, other: "Examples") -> None:
+        """`other`'s examples after these (a mix's parts)."""
+        self.ids += other.ids
+        self.trained += other.trained
+
+    def drop_notes(self, data: DataSection) -> list[str]:
+        """What happened to the records on the way, for the report line; each count is also a lost record where it
+        says "dropped"."""
+        notes = []
+        if self.truncated:
+            notes.append(f"{self.truncated} truncated to seq_len {data.seq_len}")
+        if self.dropped_long:
+            notes.append(f"{self.dropped_long} dropped as longer than seq_len {data.seq_len}")
+        if self.dropped_untrained:
+            notes.append(f"{self.dropped_untrained} dropped with no trained token within seq_len")
+        return notes
+
+    @property
+    def lost(self) -> int:
+        """Records that became no example."""
+        return self.dropped_long + self.dropped_untrained
+
+
+def render_error(source: Source, index: int, error: Exception) -> ConfigError:
+    return ConfigError(
+        f"dataset {source.name!r}: record {index} cannot be rendered with the chat template: "
+        f"{type(error).__name__}: {error}; fix the record, or set data.chat_template (simple, or a .jinja file)"
+    )
+
+
+def tokenize_source(
+    records, source: Source, data: DataSection, template: ChatTemplate, tokenizer, eos: str, batch: int = 512
+) -> Examples:
+    """Token ids and trained flags per record, after truncation or dropping of long examples."""
+    import jinja2
+    from tqdm import tqdm
+
+    special = special_token_ids(tokenizer)
+    document_start = document_start_ids(tokenizer) if source.formatting == "text" else []
+    examples = Examples([], [], len(records))
+    for start in tqdm(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
+        rows = records[start : start + batch]
+        keys = list(rows)
+        rendered = []
+        for offset in range(len(rows[keys[0]])):
+            index, record = start + offset, {k: rows[k][offset] for k in keys}
+            if source.formatting == "text":
+                column = source.columns.get("prompt", data.text_field)
+                text = str(record_field(record, column, index, source, "text")) + eos
+                rendered.append((text, [(0, len(text))], False))
+                continue
+            messages, tools = to_conversation(record, source, index)
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ConfigError(
+                    f"dataset {source.name!r}: record {index} has no assistant turn, so nothing to learn from; "
+                    "remove it or fix its roles"
+                )
+            try:
+                rendered.append(render_conversation(template, messages, tools))
+            except (jinja2.TemplateError, ValueError, TypeError) as error:
+                raise render_error(source, index, error) from error
+        encoded = tokenizer.encode_batch([text for text, _, _ in rendered], add_special_tokens=False)
+        for (text, spans, end_of_turn), encoding in zip(rendered, encoded):
+            ids = document_start + encoding.ids
+            trained = (
+                [True] * len(ids)
+                if data.train_on_prompt or source.formatting == "text"
+                else trained_tokens(text, spans, end_of_turn, ids, encoding.offsets, special)
+            )
+            if source.formatting != "text" and len(ids) > data.seq_len:
+                if data.too_long == "drop":
+                    examples.dropped_long += 1
+                    continue
+                ids, trained = ids[: data.seq_len], trained[: data.seq_len]
+                examples.truncated += 1
+            if source.formatting != "text" and not any(trained[1:]):  # the first token is never a target
+                examples.dropped_untrained += 1
+                continue
+            examples.ids.append(ids)
+            examples.trained.append(trained)
+    return examples
+
+
+def report_line(source: Source, examples: Examples, data: DataSection) -> str:
+    notes = examples.drop_notes(data)
+    detail = f" ({'; '.join(notes)})" if notes else ""
+    return f"dataset {source.name}: {examples.records} records -> {len(examples.ids)} examples{detail}"
+
+
+def check_kept(source: Source, examples: Examples, data: DataSection) -> None:
+    """Refuse a dataset most of whose records would be skipped: that is a wrong setting, not data noise."""
+    if examples.lost * 2 > examples.records:
+        raise ConfigError(
+            f"{report_line(source, examples, data)}: most records would be skipped; raise data.seq_len"
+            + (", or set data.too_long: truncate" if examples.dropped_long else "")
+        )
+
+
+def mix_indices(sizes: list[int], weights: tuple[float, ...] | None, seed: int) -> list[list[int]]:
+    """Which examples of each source (by index, repeats included) a mix takes: all of every source, or with
+    weights, source i contributes weight_i / sum(weights) of the total count (whole repeats of its
+    examples, then a seeded sample of them)."""
+    if not weights:
+        return [list(range(size)) for size in sizes]
+    total = sum(sizes)
+    rng = np.random.default_rng([seed, 1])
+    chosen = []
+    for size, weight in zip(sizes, weights):
+        want = round(total * weight / sum(weights))
+        repeats, rest = divmod(want, size)
+        chosen.append(list(range(size)) * repeats + sorted(rng.choice(size, rest, replace=False)))
+    return chosen
+
+
+def mix(parts: list[Examples], weights: tuple[float, ...] | None, seed: int, kind: type = Examples) -> Examples:
+    """The examples of every source (`kind`, or a subclass's, such as multimodal.py's), mixed as `mix_indices`
+    says."""
+    mixed = kind([], [])
+    for part, indices in zip(parts, mix_indices([len(p) for p in parts], weights, seed)):
+        mixed.extend(part.select(indices))
+    return mixed
+
+
+def examples_of(sources: list[Source], all_records: list, validation_records, data: DataSection, seed: int, encode):
+    """(the training examples of every source, mixed; the validation examples or None; the report lines), each
+    source's records made examples by `encode(records, source)` (an `Examples` or a subclass's) and checked."""
+    lines, parts, held_out = [], [], []
+    for source, records in zip(sources, all_records):
+        examples = encode(records, source)
+        check_kept(source, examples, data)
+        lines.append(report_line(source, examples, data))
+        if isinstance(data.validation, float):
+            examples, validation_part = hold_out(examples, data.validation, seed)
+            held_out.append(validation_part)
+        parts.append(examples)
+    kind = type(parts[0]) if parts else Examples
+    validation = mix(held_out, None, seed, kind)
+    if validation_records is not None:
+        source = validation_source(data, sources[0])
+        validation = encode(validation_records, source)
+        lines.append(report_line(source, validation, data))
+    if data.validation is not None:
+        lines.append(f"validation: {len(validation.ids)} examples")
+    train = mix(parts, data.mix_weights, seed, kind)
+    return train, validation if data.validation is not None else None, lines
+
+
+# ----------------------------------------------------------------- rows
+def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Examples per row, best-fit decreasing: each example (longest first) goes to the row with the
+    least room that still holds it, so rows fill up and no example is split."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # sorted (free tokens, row)
+    for example in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        need = lengths[example]
+        k = bisect.bisect_left(room, (need, -1))
+        if k == len(room):
+            rows.append([example])
+            free, row = seq_len - need, len(rows) - 1
+        else:
+            free, row = room.pop(k)
+            rows[row].append(example)
+            free -= need
+        if free:
+            bisect.insort(room, (free, row))
+    return rows
+
+
+def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Tokens:
+    """One example per row (padded; padding is never trained), or whole examples packed per row with
+    positions restarting at each (padding at a row's end is a document of its own)."""
+    groups = pack_rows([len(ids) for ids in examples.ids], seq_len) if pack else [[i] for i in range(len(examples.ids))]
+    tokens = np.full((len(groups), seq_len), pad_id, dtype=np.int32)
+    mask = np.zeros((len(groups), seq_len), dtype=bool)
+    valid = np.zeros((len(groups), seq_len), dtype=bool)
+    positions = np.zeros((len(groups), seq_len), dtype=np.int32) if pack else None
+    for row, members in enumerate(groups):
+        cursor = 0
+        for example in members:
+            ids, trained = examples.ids[example], examples.trained[example]
+            tokens[row, cursor : cursor + len(ids)] = ids
+            mask[row, cursor : cursor + len(ids)] = trained
+            valid[row, cursor : cursor + len(ids)] = True
+            if positions is not None:
+                positions[row, cursor : cursor + len(ids)] = np.arange(len(ids))
+            cursor += len(ids)
+        if positions is not None:
+            positions[row, cursor:] = np.arange(seq_len - cursor)
+    return Tokens(tokens, mask, positions, valid)
+
+
+def document_start_ids(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text, as transformers' `tokenizer(text)` adds them
+    (`<bos>`: Gemma, Llama, Mistral; none: Qwen): each document of pre-training text starts with them."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def pad_token_id(tokenizer, eos: str) -> int:
+    for text in ("<|endoftext|>", "<pad>", "[PAD]", eos):
+        if text and tokenizer.token_to_id(text) is not None:
+            return tokenizer.token_to_id(text)
+    return 0
+
+
+@dataclass
+class RecordData:
+    """What records become: training rows (or a token stream for text records), validation rows, the report."""
+
+    train: Tokens
+    validation: Tokens | None
+    report: list[str]
+    template_source: str | None
+
+
+def validation_source(data: DataSection, first: Source) -> Source:
+    """data.validation given as a string: a file of the same format, else a split of the first dataset."""
+    if Path(data.validation).exists():
+        return replace(first, name=f"{first.name} (validation)", location=data.validation, split="train")
+    return replace(first, name=f"{first.name} ({data.validation})", split=data.validation)
+
+
+def hold_out(examples, fraction: float, seed: int) -> tuple:
+    """(training, validation) parts of `examples` (anything with `len` and `select`): a seeded
+    `fraction` of them held out."""
+    order = np.random.default_rng([seed, 2]).permutation(len(examples))
+    n_val = max(1, round(fraction * len(order)))
+    if n_val >= len(order):
+        raise ConfigError(f"data.validation {fraction} holds out all {len(order)} examples; use a smaller fraction")
+    return examples.select(sorted(order[n_val:])), examples.select(sorted(order[:n_val]))
+
+
+def _stream(examples: Examples) -> Tokens:
+    return Tokens(np.fromiter((t for ids in examples.ids for t in ids), dtype=np.int32))
+
+
+def records_to_rows(
+    data: DataSection,
+    tokenizer,
+    tokenizer_path: Path,
+    eos: str,
+    cache_dir: Path,
+    seed: int,
+    model_dir: Path | None = None,
+) -> RecordData:
+    """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`); records with images
+    or videos go through the processor of `model_dir` instead (multimodal.py), uncached."""
+    sources = resolve_sources(data)
+    if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
+        raise ConfigError("data.dataset names preference pairs: read them with megatrain.preference.preference_rows")
+    text = sources[0].formatting == "text"
+    if any((s.formatting == "text") != text for s in sources):
+        raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
+    if text and data.pack:
+        raise ConfigError(
+            "data.pack packs chat and instruction examples; text records are already one stream cut into "
+            "windows (set data.pack: false, or data.format to the records' chat format)"
+        )
+    template = None
+    if not text:
+        template = load_chat_template(tokenizer_path.parent, data.chat_template, eos)
+        if template is None:
+            template = load_chat_template(None, "simple", eos)
+            print(
+                f"megatrain: the tokenizer at {tokenizer_path.parent} has no chat template; using the simple "
+                "template (docs/guide.md). Set data.chat_template to a .jinja file to use another.",
+                file=sys.stderr,
+            )
+    all_records = [load_records(s) for s in sources]
+    validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None
+    from .multimodal import media_columns, media_rows  # (it builds on this module)
+
+    if any(media_columns(s, r) for s, r in zip(sources, all_records)):
+        pad = pad_token_id(tokenizer, eos)
+        args = (data, sources, all_records, validation_records, tokenizer, template, pad, seed, model_dir)
+        train, validation, lines = media_rows(*args)
+        return RecordData(train, validation, lines, template.source)
+    fingerprints = [getattr(r, "_fingerprint", "") or s.location for r, s in zip(all_records, sources)]
+    if validation_records is not None:
+        fingerprints.append(getattr(validation_records, "_fingerprint", "") or data.validation)
+    settings = json.dumps(
+        [CACHE_FORMAT, data.as_key(), eos, seed, fingerprints, template and template.template], default=str
+    )
+    key = hashlib.sha256(settings.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
+    prefix = cache_dir / f"records-{key}"
+    report_path = Path(f"{prefix}.report.json")
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        validation = Tokens.load(f"{prefix}.val") if report["validation"] else None
+        return RecordData(Tokens.load(str(prefix)), validation, report["lines"], template and template.source)
+
+    def encode(records, source: Source) -> Examples:
+        return tokenize_source(records, source, data, template, tokenizer, eos)
+
+    train_examples, validation_examples, lines = examples_of(
+        sources, all_records, validation_records, data, seed, encode
+    )
+    pad = pad_token_id(tokenizer, eos)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    has_validation = data.validation is not None
+    if text:
+        train, validation = _stream(train_examples), _stream(validation_examples) if has_validation else None
+    else:
+        train = to_rows(train_examples, data.seq_len, data.pack, pad)
+        validation = to_rows(validation_examples, data.seq_len, data.pack, pad) if has_validation else None
+        if data.pack:
+            used = sum(len(ids) for ids in train_examples.ids) / max(1, train.tokens.size)
+            lines.append(
+                f"packed {len(train_examples.ids)} examples into {len(train.tokens)} rows ({used:.0%} tokens used)"
+            )
+    train.save(str(prefix))
+    if validation is not None:
+        validation.save(f"{prefix}.val")
+    report_path.write_text(
+        json.dumps({"lines": lines, "validation": has_validation})
+    )  # written last: the cache is whole
+    return RecordData(train, validation, lines, template and template.source)

@@ -1,0 +1,113 @@
+"""DPO's reference model, streamed once: every preference row's log-probability under the reference weights,
+computed in one forward-only pass before training and cached on disk beside the tokenised data, so that training
+holds one model. The reference is the policy's initial weights, or `train.dpo.ref_model`'s directory (loaded into
+the same host store for the pass, then replaced by the policy's weights).
+"""
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from megatrain_store import atomic_write
+from megatrain_templates import Sequences
+from megatrain_zoo import ZooError, read_hf_config
+
+from .config import ConfigError
+from .data import Batch, Tokens, sequence_lengths
+
+# The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
+# only each micro-batch's current activation)
+PASS_STEPS = 4
+
+
+def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:
+    """Refuse, before any weights are loaded, a reference whose architecture or vocabulary is not the policy's."""
+    try:
+        reference = read_hf_config(ref_dir)
+    except ZooError as error:
+        raise ConfigError(f"{setting} {ref_dir}: {error}") from error
+    for field in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
+        if getattr(reference, field) != getattr(policy, field):
+            raise ConfigError(
+                f"{setting} {ref_dir} has {field} {getattr(reference, field)!r} where the policy has "
+                f"{getattr(policy, field)!r}; the reference must be the policy's model with other weights "
+                "(its SFT checkpoint, say), or leave ref_model unset to use the initial weights"
+            )
+
+
+def reference_key(trainer, rows: Tokens) -> str:
+    """What the cached scores depend on: the rows' tokens and masks, the reference weights (a directory's files,
+    or the policy's initial weights: its directory's or the seeded initialisation), the model and compute dtype."""
+    config = trainer.config
+    digest = hashlib.sha256()
+    for array in (rows.tokens, rows.loss_mask):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    source = config.train.dpo.ref_model or config.model.hf_dir
+    if source is not None:
+        for path in sorted(Path(source).glob("*.safetensors")) + [Path(source) / "config.json"]:
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    else:
+        digest.update(f"{config.model.preset}:{config.train.seed}".encode())
+    digest.update(json.dumps([repr(trainer.model_config), str(trainer.compute_dtype)]).encode())
+    return digest.hexdigest()[:16]
+
+
+def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "training") -> np.ndarray:
+    """Every row's summed log-probability of its trained tokens under the reference ([rows] float64), from the cache
+    or one forward-only streamed pass (said in one line, with its time and tokens/s). The trainer's store must hold
+    the policy's initial weights; it does again afterwards."""
+    path = cache_dir / f"reference-{reference_key(trainer, rows)}.npy"
+    if path.exists():
+        return np.load(path)
+    ref_dir = trainer.config.train.dpo.ref_model
+    if ref_dir is not None:
+        trainer.load_weights(Path(ref_dir))
+    start = time.perf_counter()
+    scores = _forward_pass(trainer, rows, what)
+    seconds = time.perf_counter() - start
+    if ref_dir is not None:
+        trainer.load_weights(None)  # the policy's initial weights back
+    if trainer.is_main:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda handle: np.save(handle, scores))
+        tokens = int(np.asarray(rows.tokens).size)
+        print(
+            f"megatrain: reference log-probabilities of {len(scores)} {what} sequences in {seconds:.1f} s "
+            f"({tokens / max(seconds, 1e-9):,.0f} tokens/s, forward only), cached in {path}",
+            file=sys.stderr,
+        )
+    return scores
+
+
+def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
+    """The rows' summed log-probabilities, PASS_STEPS training steps' pairs at a time, in order."""
+    pairs = trainer.pair_windows(rows)
+    per_pass = PASS_STEPS * trainer.config.train.batch_size
+    scores = np.zeros(2 * pairs.n_pairs, dtype=np.float64)
+    bar = tqdm(
+        total=pairs.n_pairs, desc=f"reference ({what})", unit="pair", disable=not trainer.is_main, file=sys.stderr
+    )
+    done = 0
+    for batch in pairs.in_order(per_pass):
+        logps = trainer.sequence_logps(
+            batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences
+        ).logps
+        scores[done : done + len(logps)] = logps.numpy()
+        done += len(logps)
+        bar.update(len(logps) // 2)
+    bar.close()
+    return scores
+
+
+def step_reference(scores: np.ndarray, pairs: list[int], batch: Batch) -> Sequences:
+    """The reference's `Sequences` of a step's batch: `pairs` (indices into the data's pairs) in batch order, their
+    chosen and rejected sequences' cached scores."""
+    rows = [row for pair in pairs for row in (2 * pair, 2 * pair + 1)]
+    return Sequences(torch.from_numpy(scores[rows]), sequence_lengths(batch.labels, batch.sequences))

@@ -1,0 +1,201 @@
+"""GRPO on completions sampled elsewhere (vLLM, SGLang, a precomputed set): `train.grpo.rollouts`, a JSONL file of
+one completion per line, `num_generations` consecutive lines per prompt (a group):
+
+    {"prompt": "...", "completion": "...", "reward": 1.0}
+    {"prompt": [{"role": "user", "content": "..."}], "completion_ids": [...], "advantage": 0.7, "logps": [...]}
+
+`prompt` is text or messages (rendered with the chat template's generation prompt); the completion is `completion`
+(text, tokenized as it is) or `completion_ids` (the engine's tokens, exactly); `reward` (advantages computed per
+step as for generated completions) or `advantage` (taken as given); `logps`, optional, the sampling policy's
+log-probability of each completion token (the importance ratio's denominator; without it, the current policy's
+at the rollout's first update). The reference's log-probabilities (train.grpo.beta > 0) come from one
+forward-only pass over every row before training, cached beside the run's data."""
+
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatrain_store import atomic_write
+from megatrain_templates import Rollout, group_advantages
+
+from .chat import load_chat_template
+from .config import Config, ConfigError
+from .data import Batch
+from .rollouts import StepRollout, _Rollouts, order, render_prompt, rows_of
+
+
+class FileRollouts(_Rollouts):
+    def __init__(self, trainer, config: Config, tokenizer, tokenizer_path: Path, eos: str, pad_id: int):
+        super().__init__(trainer, config)
+        self.tokenizer, self.pad_id = tokenizer, pad_id
+        template = load_chat_template(tokenizer_path.parent, config.data.chat_template, eos)
+        self.records = _read(Path(self.grpo.rollouts))
+        self.prompt_ids, self.completion_ids = [], []
+        for index, record in enumerate(self.records):
+            where = f"{self.grpo.rollouts} line {index + 1}"
+            self.prompt_ids.append(render_prompt(record["prompt"], template, tokenizer, where))
+            self.completion_ids.append(_completion_ids(record, tokenizer, where))
+        self.n_groups = _check_groups(self.records, self.grpo.num_generations, self.grpo.rollouts)
+        self._check_lengths()
+        self.reference = None
+        if self.grpo.beta:
+            self.reference = reference_token_logps(
+                trainer, self._rows(range(len(self.records))), Path(config.output_dir) / "cache"
+            )
+        if trainer.is_main:
+            print(
+                f"megatrain: GRPO on {len(self.records)} given completions ({self.n_groups} prompts of "
+                f"{self.grpo.num_generations}) from {self.grpo.rollouts}",
+                file=sys.stderr,
+            )
+
+    def _rows(self, rows) -> Batch:
+        return rows_of(
+            [self.prompt_ids[i] for i in rows],
+            [self.completion_ids[i] for i in rows],
+            self.config.data.seq_len,
+            self.pad_id,
+        )
+
+    def _check_lengths(self) -> None:
+        limits = (self.grpo.max_prompt_length, self.grpo.max_completion_length)
+        for what, ids, limit in zip(("prompt", "completion"), (self.prompt_ids, self.completion_ids), limits):
+            longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+            if len(ids[longest]) > limit:
+                raise ConfigError(
+                    f"{self.grpo.rollouts} line {longest + 1}: its {what} has {len(ids[longest])} tokens, over "
+                    f"train.grpo.max_{what}_length {limit}; raise it"
+                )
+
+    def _make(self, generation: int) -> StepRollout:
+        g, train = self.grpo, self.config.train
+        groups = order(
+            self.n_groups, generation, train.batch_size // g.num_generations, train.seed, self.config.data.shuffle
+        )
+        rows = [group * g.num_generations + k for group in groups for k in range(g.num_generations)]
+        batch = self._rows(rows)
+        records = [self.records[i] for i in rows]
+        metrics = {}
+        if all("advantage" in r for r in records):
+            advantages = torch.tensor([float(r["advantage"]) for r in records], dtype=torch.float64)
+        else:
+            rewards = torch.tensor([float(r["reward"]) for r in records], dtype=torch.float64)
+            advantages, metrics = group_advantages(rewards, g.num_generations, g.scale_rewards)
+            metrics = {k: float(v) for k, v in metrics.items()}
+        old = self._given_logps(rows, batch)
+        if old is None and g.num_iterations > 1:
+            old = self.trainer.token_logps(batch.input_ids, batch.labels, None, batch.valid)
+        ref = None if self.reference is None else self.reference[rows]
+        lengths = torch.tensor([len(self.completion_ids[i]) for i in rows], dtype=torch.float64)
+        metrics["completions/mean_length"] = lengths.mean().item()
+        return StepRollout(batch, Rollout(advantages, old, ref), metrics)
+
+    def _given_logps(self, rows: list[int], batch) -> torch.Tensor | None:
+        """The sampling policy's log-probabilities the file gives, at the labels' places (None where it gives
+        none)."""
+        if not all("logps" in self.records[i] for i in rows):
+            return None
+        old = torch.zeros(batch.labels.shape, dtype=torch.float64)
+        for row, index in enumerate(rows):
+            start = len(self.prompt_ids[index]) - 1
+            old[row, start : start + len(self.completion_ids[index])] = torch.tensor(
+                self.records[index]["logps"], dtype=torch.float64
+            )
+        return old
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        raise ConfigError(f"train.grpo.rollouts {path} does not exist; give a JSONL of completions (docs/guide.md)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} line {number} is not JSON: {error}") from None
+        if "prompt" not in record or not ({"completion", "completion_ids"} & record.keys()):
+            raise ConfigError(
+                f"{path} line {number} needs prompt and completion (or completion_ids); it has {sorted(record)}"
+            )
+        if not ({"reward", "advantage"} & record.keys()):
+            raise ConfigError(f"{path} line {number} has neither reward nor advantage")
+        value = record.get("reward", record.get("advantage"))
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{path} line {number}: its reward or advantage {value!r} is not a finite number")
+        records.append(record)
+    if not records:
+        raise ConfigError(f"train.grpo.rollouts {path} holds no completions")
+    return records
+
+
+def _completion_ids(record: dict, tokenizer, where: str) -> list[int]:
+    ids = record.get("completion_ids")
+    if ids is None:
+        ids = tokenizer.encode(str(record["completion"]), add_special_tokens=False).ids
+    if not ids:
+        raise ConfigError(f"{where}: an empty completion (nothing to train)")
+    if "logps" in record and len(record["logps"]) != len(ids):
+        raise ConfigError(
+            f"{where}: {len(record['logps'])} logps for {len(ids)} completion tokens; give completion_ids with them"
+        )
+    return list(ids)
+
+
+def _check_groups(records: list[dict], size: int, path) -> int:
+    """The number of groups: runs of `size` lines with one prompt each, refused where a run breaks."""
+    if len(records) % size:
+        raise ConfigError(
+            f"{path} has {len(records)} completions, not whole groups of train.grpo.num_generations {size}"
+        )
+    for start in range(0, len(records), size):
+        prompts = {json.dumps(r["prompt"], sort_keys=True) for r in records[start : start + size]}
+        if len(prompts) > 1:
+            raise ConfigError(
+                f"{path} lines {start + 1}-{start + size} hold {len(prompts)} prompts; a group is "
+                f"num_generations ({size}) consecutive completions of one prompt"
+            )
+    return len(records) // size
+
+
+def reference_token_logps(trainer, batch, cache_dir: Path) -> torch.Tensor:
+    """Every row's token log-probabilities under the reference (train.grpo.ref_model, else the initial weights, which
+    the store holds before a checkpoint is loaded), one forward-only pass, cached by the rows and the weights."""
+    config = trainer.config
+    digest = hashlib.sha256()
+    for tensor in (batch.input_ids, batch.labels):
+        digest.update(tensor.numpy().tobytes())
+    source = config.train.grpo.ref_model or config.model.hf_dir or f"{config.model.preset}:{config.train.seed}"
+    digest.update(f"{source}:{trainer.compute_dtype}".encode())
+    path = cache_dir / f"reference-tokens-{digest.hexdigest()[:16]}.npy"
+    if path.exists():
+        return torch.from_numpy(np.load(path))
+    if config.train.grpo.ref_model is not None:
+        trainer.load_weights(Path(config.train.grpo.ref_model))
+    start, rows = time.perf_counter(), config.train.batch_size
+    logps = torch.cat(
+        [
+            trainer.token_logps(
+                batch.input_ids[i : i + rows], batch.labels[i : i + rows], None, batch.valid[i : i + rows]
+            )
+            for i in range(0, len(batch.input_ids), rows)
+        ]
+    )
+    if config.train.grpo.ref_model is not None:
+        trainer.load_weights(None)
+    if trainer.is_main:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda handle: np.save(handle, logps.numpy()))
+        print(
+            f"megatrain: reference log-probabilities of {len(logps)} completions in {time.perf_counter() - start:.1f} s "
+            f"(forward only), cached in {path}",
+            file=sys.stderr,
+        )
+    return logps

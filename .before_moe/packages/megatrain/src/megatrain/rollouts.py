@@ -1,0 +1,333 @@
+"""GRPO's steps: rows of prompts and completions with their advantages, generated from the current weights
+(`GeneratedRollouts`) or read from a file of completions an outside engine sampled (`FileRollouts`).
+
+A step's `train.batch_size` rows are `batch_size / num_generations` prompts, each with `num_generations`
+completions side by side (a group). Which prompts and which sample depend on the step alone: generation `g =
+step // num_iterations` takes the g-th run of prompts of a seeded order (a fresh permutation each pass) and
+samples with the seed (train.seed, g); a step within a generation's `num_iterations` reuses its rollout, whose
+sampling policy's log-probabilities it keeps (`Rollout.old_logps`), and a checkpoint holds it, so a run resumed
+anywhere continues as one that never stopped."""
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatrain_templates import Rollout, group_advantages
+
+from .chat import load_chat_template
+from .config import Config, ConfigError
+from .data import Batch, load_tokenizer
+from .records import load_records, pad_token_id, resolve_sources
+from .rewards import Rewards, completion_text
+
+ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's rollout in use (several updates per rollout)
+
+
+@dataclass
+class StepRollout:
+    """A step's rows and what GRPO and the run's records need of them."""
+
+    batch: Batch
+    rollout: Rollout
+    metrics: dict = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)  # prompt, completion, reward, advantage per completion
+
+
+@dataclass
+class Prompts:
+    """A prompt dataset: each prompt as given (text or messages), its tokens, and every other column."""
+
+    given: list
+    ids: list[list[int]]
+    columns: dict[str, list]
+
+
+def tokenizer_of(config: Config):
+    """(the run's tokenizer, its file): data.tokenizer, else the model directory's tokenizer.json."""
+    path = config.data.tokenizer or (Path(config.model.hf_dir) / "tokenizer.json" if config.model.hf_dir else None)
+    if path is None:
+        raise ConfigError("train.objective grpo reads text: set data.tokenizer (or model.hf_dir with tokenizer.json)")
+    return load_tokenizer(Path(path)), Path(path)
+
+
+def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...]:
+    """Where a completion ends: the model's EOS ids, the tokenizer's EOS token (tokenizer_config.json's, or the
+    document end megatrain's tokenizers mark, `eos`) and generation_config.json's."""
+    ids = {tokenizer.token_to_id(eos)} if eos and tokenizer.token_to_id(eos) is not None else set()
+    for value in (model.eos_token_id, _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")):
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    eos = _json(tokenizer_path.parent / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos and tokenizer.token_to_id(eos) is not None:
+        ids.add(tokenizer.token_to_id(eos))
+    return tuple(sorted(ids))
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def render_prompt(prompt, template, tokenizer, where: str) -> list[int]:
+    """A prompt's tokens as TRL makes them: a conversation rendered with its generation prompt, text as it is."""
+    if isinstance(prompt, list):
+        if template is None:
+            raise ConfigError(
+                f"{where}: a conversational prompt, and the tokenizer has no chat template; set data.chat_template"
+            )
+        prompt = template.render(prompt, add_generation_prompt=True)[0]
+    elif not isinstance(prompt, str):
+        raise ConfigError(f"{where}: the prompt is {type(prompt).__name__}; give text or a list of messages")
+    return tokenizer.encode(prompt, add_special_tokens=False).ids
+
+
+def load_prompts(config: Config, tokenizer, tokenizer_path: Path, eos: str) -> Prompts:
+    """The prompt datasets' records (TRL's prompt-only format: `prompt`, any other columns for the rewards),
+    tokenized; refuses, naming the longest, prompts over train.grpo.max_prompt_length."""
+    template = load_chat_template(tokenizer_path.parent, config.data.chat_template, eos)
+    given, ids, columns = [], [], {}
+    for source in resolve_sources(config.data):
+        records = load_records(source)
+        if "prompt" not in records.column_names:
+            raise ConfigError(
+                f"dataset {source.name!r} has no 'prompt' column (columns: {records.column_names}); GRPO reads "
+                "TRL's prompt-only format"
+            )
+        for index, record in enumerate(records):
+            given.append(record["prompt"])
+            ids.append(render_prompt(record["prompt"], template, tokenizer, f"dataset {source.name!r} record {index}"))
+            for name, value in record.items():
+                if name != "prompt":
+                    columns.setdefault(name, []).append(value)
+    limit = config.train.grpo.max_prompt_length
+    longer = [i for i, prompt in enumerate(ids) if len(prompt) > limit]
+    if longer:
+        longest = max(longer, key=lambda i: len(ids[i]))
+        raise ConfigError(
+            f"{len(longer)} prompts are longer than train.grpo.max_prompt_length ({limit} tokens), the longest "
+            f"(record {longest}) {len(ids[longest])}; raise it or shorten them"
+        )
+    return Prompts(given, ids, columns)
+
+
+def rows_of(prompts: list[list[int]], completions: list[list[int]], seq_len: int, pad_id: int) -> Batch:
+    """Rows of prompt + completion, right-padded to seq_len, the completion's tokens trained."""
+    ids = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        tokens = (prompt + completion)[:seq_len]
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        valid[row, : len(tokens)] = True
+        labels[row, len(prompt) - 1 : len(tokens) - 1] = ids[row, len(prompt) : len(tokens)]
+    return Batch(ids, labels, None, valid)
+
+
+def order(n: int, generation: int, per_generation: int, seed: int, shuffle: bool) -> list[int]:
+    """The items (prompts or groups) of a generation: consecutive runs of a seeded permutation per pass."""
+    first = generation * per_generation
+    picked = []
+    for position in range(first, first + per_generation):
+        epoch, index = divmod(position, n)
+        permutation = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        picked.append(int(permutation[index]))
+    return picked
+
+
+class _Rollouts:
+    """What both sources share: the step's rollout (kept for its num_iterations updates, and in checkpoints)."""
+
+    def __init__(self, trainer, config: Config):
+        self.trainer, self.config, self.grpo = trainer, config, config.train.grpo
+        self.current: tuple[int, StepRollout] | None = None
+
+    def step(self, step: int) -> StepRollout:
+        generation = step // self.grpo.num_iterations
+        if self.current is None or self.current[0] != generation:
+            self.current = (generation, self._make(generation))
+            self._keep_for_checkpoints()
+        return self.current[1]
+
+    def _make(self, generation: int) -> StepRollout:
+        raise NotImplementedError
+
+    def _keep_for_checkpoints(self) -> None:
+        """Several updates per rollout: a checkpoint holds it (its tokens, advantages, old log-probabilities)."""
+        if self.grpo.num_iterations == 1:
+            return
+        generation, made = self.current
+        tensors = {"generation": torch.tensor([generation]), "input_ids": made.batch.input_ids}
+        valid = made.batch.valid.to(torch.uint8)  # (safetensors as megatrain writes them: no bool)
+        tensors |= {"labels": made.batch.labels, "valid": valid, "advantages": made.rollout.advantages}
+        for name in ("old_logps", "ref_logps"):
+            if getattr(made.rollout, name) is not None:
+                tensors[name] = getattr(made.rollout, name)
+        self.trainer.extra_state[ROLLOUT_FILE] = tensors
+
+    def resume(self, checkpoint: Path) -> None:
+        """The rollout a checkpoint was taken in, where its steps had updates of it left."""
+        path = checkpoint / ROLLOUT_FILE
+        if not path.exists():
+            return
+        from safetensors.torch import load_file
+
+        t = load_file(str(path))
+        rollout = Rollout(t["advantages"], t.get("old_logps"), t.get("ref_logps"))
+        self.current = (
+            int(t["generation"][0]),
+            StepRollout(Batch(t["input_ids"], t["labels"], None, t["valid"].bool()), rollout),
+        )
+        self._keep_for_checkpoints()
+
+
+class GeneratedRollouts(_Rollouts):
+    """Completions of the run's prompts, generated from the current weights; rewards from its functions."""
+
+    def __init__(self, trainer, config: Config, prompts: Prompts, tokenizer, stops: tuple[int, ...], pad_id: int):
+        from .generate import Generator, Sampling
+
+        super().__init__(trainer, config)
+        self.prompts, self.tokenizer, self.pad_id = prompts, tokenizer, pad_id
+        self.rewards = Rewards(self.grpo.reward_funcs, self.grpo.reward_weights)
+        self.generator = Generator(trainer, self.grpo.generation_weights)
+        g = self.grpo
+        self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops)
+        self.conversational = any(isinstance(p, list) for p in prompts.given)
+        self.said_plan = None
+        if g.beta:  # (the store holds the initial weights still: a resumed checkpoint is loaded after this)
+            trainer.keep_reference(Path(g.ref_model) if g.ref_model else None)
+
+    def _make(self, generation: int) -> StepRollout:
+        g, train = self.grpo, self.config.train
+        chosen = order(
+            len(self.prompts.ids),
+            generation,
+            train.batch_size // g.num_generations,
+            train.seed,
+            self.config.data.shuffle,
+        )
+        rows = [i for i in chosen for _ in range(g.num_generations)]
+        prompt_ids = [self.prompts.ids[i] for i in rows]
+        given = [self.prompts.given[i] for i in rows]
+        columns = {name: [values[i] for i in rows] for name, values in self.prompts.columns.items()}
+        start = time.perf_counter()
+        completions, values = self._generated(prompt_ids, given, columns, seed=train.seed * 1_000_003 + generation)
+        seconds = time.perf_counter() - start
+        if self.said_plan != self.generator.last_plan and self.trainer.is_main:
+            self.said_plan = self.generator.last_plan
+            print(f"megatrain: generation: {self.said_plan.reason}", file=sys.stderr)
+        texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
+        rewards, reward_metrics = self.rewards.combined(values)
+        advantages, metrics = group_advantages(rewards, g.num_generations, g.scale_rewards)
+        batch = rows_of(prompt_ids, completions, self.config.data.seq_len, self.pad_id)
+        scored = (batch.input_ids, batch.labels, None, batch.valid)
+        old = self.trainer.token_logps(*scored) if g.num_iterations > 1 else None
+        ref = self.trainer.token_logps(*scored, reference=True) if g.beta else None
+        generated = sum(len(c) for c in completions)
+        metrics = (
+            {k: float(v) for k, v in metrics.items()}
+            | reward_metrics
+            | _length_metrics(completions, self.sampling.stop_ids)
+            | {"generation/seconds": seconds, "generation/tokens_per_s": generated / seconds}
+        )
+        samples = [
+            {
+                "prompt": completion_text(p) if isinstance(p, list) else p,
+                "completion": t,
+                "reward": float(r),
+                "advantage": float(a),
+            }
+            for p, t, r, a in zip(given, texts, rewards, advantages)
+        ]
+        return StepRollout(batch, Rollout(advantages, old, ref), metrics, samples)
+
+    def _generated(self, prompt_ids: list, given: list, columns: dict, seed: int) -> tuple[list, torch.Tensor]:
+        """The step's completions and their reward functions' values ([rows, functions]): this rank's share of the
+        groups (all of them in one process) generated and scored here, the other ranks' gathered."""
+        sync, share = self.trainer.sync, self.trainer.share(len(prompt_ids), self.grpo.num_generations)
+        try:
+            mine = self._scored_share(share, prompt_ids, given, columns, seed)
+        except ConfigError as error:
+            if sync is None:
+                raise
+            mine = error  # (said on every rank, which would otherwise wait for this one's share)
+        if sync is None:
+            return mine
+        parts = sync.gather_objects(mine)
+        for part in parts:
+            if isinstance(part, ConfigError):
+                raise part
+        return [c for completions, _ in parts for c in completions], torch.cat([values for _, values in parts])
+
+    def _scored_share(self, share: range, prompt_ids: list, given: list, columns: dict, seed: int):
+        """(completions, reward values) of the step's rows `share`."""
+        if not share:  # (fewer groups than ranks: none here)
+            return [], torch.zeros(0, len(self.rewards.names), dtype=torch.float64)
+        completions = self.generator.generate(
+            [prompt_ids[i] for i in share], self.sampling, self.pad_id, seed, first_row=share.start
+        )
+        texts = self.tokenizer.decode_batch(completions, skip_special_tokens=True)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        mine = {name: values[share.start : share.stop] for name, values in columns.items()}
+        return completions, self.rewards.values(given[share.start : share.stop], shown, mine)
+
+
+def _length_metrics(completions: list[list[int]], stops: tuple[int, ...]) -> dict:
+    """TRL's completions/* metrics: lengths, and the share cut at the length limit (no stop token)."""
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    clipped = [not c or c[-1] not in stops for c in completions]
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": sum(clipped) / len(completions),
+    }
+
+
+def check_grpo_settings(config: Config, ranks=None) -> None:
+    """Refuse GRPO settings that cannot run, before anything is loaded."""
+    g, data = config.train.grpo, config.data
+    if g.rollouts is None and ranks is not None and ranks.split_state:
+        raise ConfigError(
+            "GRPO generating its completions needs every host to hold the whole weights: set "
+            "engine.shard_across_hosts: false, or give train.grpo.rollouts (given completions train on split hosts)"
+        )
+    if g.rollouts is None and data.dataset is None:
+        raise ConfigError(
+            "train.objective grpo generates from prompts: set data.dataset (format prompt), or train.grpo.rollouts"
+        )
+    if data.seq_len < g.max_prompt_length + g.max_completion_length:
+        raise ConfigError(
+            f"data.seq_len {data.seq_len} cannot hold a prompt of train.grpo.max_prompt_length "
+            f"{g.max_prompt_length} and a completion of max_completion_length {g.max_completion_length}: "
+            f"set data.seq_len to {g.max_prompt_length + g.max_completion_length} or lower those"
+        )
+    if data.pack:
+        raise ConfigError("data.pack: GRPO trains a row per completion; set data.pack: false")
+
+
+def make_rollouts(trainer, config: Config):
+    """The run's rollouts: generated from its prompts, or read from train.grpo.rollouts; said in one line."""
+    from .data import eos_token_text
+
+    tokenizer, path = tokenizer_of(config)
+    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
+    pad = pad_token_id(tokenizer, eos)
+    if config.train.grpo.rollouts is not None:
+        from .rollout_file import FileRollouts
+
+        return FileRollouts(trainer, config, tokenizer, path, eos, pad)
+    prompts = load_prompts(config, tokenizer, path, eos)
+    stops = stop_ids(trainer.model_config, tokenizer, path, eos)
+    if trainer.is_main:
+        print(
+            f"megatrain: GRPO on {len(prompts.ids)} prompts, {config.train.grpo.num_generations} completions each "
+            f"of up to {config.train.grpo.max_completion_length} tokens (stop tokens {list(stops)}), generated "
+            f"from the current weights (train.grpo.generation_weights {config.train.grpo.generation_weights})",
+            file=sys.stderr,
+        )
+    return GeneratedRollouts(trainer, config, prompts, tokenizer, stops, pad)

@@ -1,0 +1,125 @@
+"""The run directory (output_dir): made and checked writable before anything is loaded, held by one run
+at a time, and the room on its disk checked before a save.
+
+The lock is an advisory `flock` on output_dir/.megatrain.lock, which the kernel releases however the
+process ends: a run killed with -9 leaves the file (naming it) but not the lock, and the next run takes it
+over and says so. A second run into a directory held by a live one refuses at once."""
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError
+
+LOCK = ".megatrain.lock"
+
+
+class SaveError(RuntimeError):
+    """A checkpoint or model could not be saved (no room on the disk, a write failed); the message says
+    which, where, and what was kept."""
+
+
+def size_text(n_bytes: int) -> str:
+    """Bytes in words: GiB from one GiB on, else MiB."""
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the disk that holds `path` (or would hold it: its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_room(directory: Path, needed: int, what: str) -> None:
+    """Refuse (`SaveError`) to write `needed` bytes of `what` into `directory` where its disk has less free."""
+    free = free_bytes(directory)
+    if free < needed:
+        raise SaveError(f"{what} needs {size_text(needed)} in {directory}, whose disk has {size_text(free)} free")
+
+
+def prepare_output_dir(out: Path) -> None:
+    """Make output_dir, or refuse in one line where it cannot be (a file, a read-only disk, no permission)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file; set output_dir to a directory (new or a run's)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(
+            f"output_dir {out} cannot be made ({error.strerror}); set output_dir to a writable directory"
+        ) from error
+
+
+class RunLock:
+    """One run at a time in a run directory: `acquire` at start, `release` at the end (or the process's)."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.path = self.out / LOCK
+        self._handle = None
+
+    def acquire(self) -> str | None:
+        """Take the directory, or raise `ConfigError` naming the run that holds it. Returns what to say, or
+        None: that this run took over the lock of an earlier one that ended without releasing it (killed),
+        or that the file system takes no locks (then nothing keeps a second run out)."""
+        try:
+            handle = open(self.path, "a+")
+        except OSError as error:
+            raise ConfigError(
+                f"output_dir {self.out} is not writable ({error.strerror}); set output_dir to a writable directory"
+            ) from error
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(handle)
+            handle.close()
+            raise ConfigError(
+                f"output_dir {self.out} is in use by another run ({holder}); wait for it to end, stop it, "
+                "or set output_dir to another directory"
+            ) from None
+        except OSError as error:  # (a file system without locks)
+            handle.close()
+            return f"{self.out} cannot be locked ({error.strerror}): make sure no other run writes there"
+        earlier = _read(handle)
+        note = (
+            f"took over {self.out} from a run that ended without releasing it ({_holder(handle)})" if earlier else None
+        )
+        handle.seek(0)
+        handle.truncate()
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        handle.write(json.dumps(me | {"command": " ".join(sys.argv)}))
+        handle.flush()
+        self._handle = handle
+        return note
+
+    def release(self) -> None:
+        """Let the directory go (an empty lock file: the run ended as it should)."""
+        if self._handle is None:
+            return
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.flush()
+        fcntl.flock(self._handle, fcntl.LOCK_UN)
+        self._handle.close()
+        self._handle = None
+
+
+def _read(handle) -> str:
+    handle.seek(0)
+    return handle.read().strip()
+
+
+def _holder(handle) -> str:
+    """The run a lock file names, in words."""
+    try:
+        who = json.loads(_read(handle))
+        return f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "a run that did not say which"

@@ -1,0 +1,728 @@
+"""The Trainer: the planner, store, optimizer, update policy and pipeline of one model, composed.
+
+A step: the planner's `Placement` for the step's size (planned again when the size changes) says where each
+layer's weights and activations live; the pipeline runs forward and backward layer-major as it says and lands
+each group's fp32 gradient in host memory (or hands a resident group's over on the GPU); the update policy
+(`megatrain_optim`) updates each group as its gradient lands (clipping off) or once the clip coefficient is
+known (clipping on). Either way the step equals a synchronous AdamW step; a non-finite loss or gradient norm
+skips the step (a non-finite group, its update).
+"""
+
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from megatrain_optim import (
+    STATE_NAMES,
+    AdamWConfig,
+    DeviceAdamW,
+    EmbeddingRowsFirst,
+    HostAdamW,
+    HostUpdates,
+    Schedule,
+    Sharing,
+    UpdatesAfterClipping,
+    UpdatesAsGradientsLand,
+    lr_at,
+)
+from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
+from megatrain_store import GroupLayout, HostStore
+from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences
+from megatrain_zoo import ModelConfig, flops_per_token, init_param_
+
+from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+from .data import PairWindows, sequence_lengths, sequence_of_tokens
+from .distributed import (
+    Ranks,
+    RankSharing,
+    RankSync,
+    check_data_parallel,
+    init_ranks,
+    launch_shape,
+    leave_ranks,
+    shared_arenas,
+)
+from .hf_io import WholeGroups, all_finite, check_hf_weights, export_hf, load_hf_weights, named_masters, named_wire
+from .objectives import check_model_settings, make_objective
+from .plan import Machine, Planner, check_plan
+from .rates import run_rates
+from .warmup import warm_up_pipeline
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite losses or gradients several steps in a row."""
+
+
+SMALLER_STEP_KEEPS_PLACEMENT = 0.75  # (a step down to this share of the planned tokens runs as placed)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    step_time_s: float
+    tokens_per_s: float
+    tflops: float
+    skipped: bool
+    router_aux_loss: float | None = None  # MoE: the load-balancing loss (in `loss` only when the model adds it)
+    # MoE: the worst layer's max expert load / mean load - 1 (DeepSeek-V3's MaxVio; 0: perfectly even)
+    router_max_violation: float | None = None
+    router_seq_aux_loss: float | None = None  # MoE: the sequence-wise balance loss, where on (in `loss`)
+    router_z_loss: float | None = None  # MoE: the router z-loss, where on (in `loss`)
+    objective: dict | None = None  # a step-level objective's metrics (DPO: TRL's rewards/*, logps/*)
+
+    def as_dict(self) -> dict:
+        values = {k: v for k, v in self.__dict__.items() if v is not None and k != "objective"}
+        values |= self.objective or {}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}
+
+
+class Trainer:
+    """Owns the host store, optimizer, update policy and pipeline of one model, placed by its planner.
+
+    `training=False` keeps only the weights in host memory (no gradients to hold, no optimizer
+    state): for `evaluate` alone."""
+
+    def __init__(
+        self,
+        config: Config,
+        model_config: ModelConfig | None = None,
+        training: bool = True,
+        ranks: Ranks | None = None,
+    ):
+        self.config, self.training = config, training
+        self.device = resolve_device(config.device)
+        self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
+        self.model_config = model_config or model_config_of(config)
+        check_model_settings(config, self.model_config)
+        gpus, hosts = launch_shape()
+        rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
+        self.planner = Planner(config, self.model_config, rates, Machine.of(config, gpus=gpus, hosts=hosts))
+        self.placement = self._configured_placement()  # each GPU: its share of the batch
+        self.plan = self.planner.plan(self.placement)
+        if training:
+            check_plan(self.plan, config, self.model_config)
+        self.spec = self.planner.spec
+        if config.model.hf_dir is not None:
+            check_hf_weights(self.spec, Path(config.model.hf_dir))
+        # the process group, where the caller has not joined it already (to read the data first)
+        self.ranks = ranks or init_ranks(self.device.type, config.engine.shard_across_hosts)
+        if self.ranks is not None:
+            check_data_parallel(config, self.ranks)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.ranks.local_rank)
+                torch.cuda.set_device(self.device)
+        self.store = self._new_store()
+        self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
+        if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
+            self._init_weights()
+        if self.ranks is not None:
+            self.sync.barrier()  # every rank has mapped the shared arenas and sees the weights
+            if self.ranks.is_local_main:
+                self.store.shared.unlink()
+        train = config.train
+        self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+        self.timeline = Timeline(enabled=config.engine.trace)
+        self.optimizer = self.updates = self.policy = self.device_optimizer = None
+        if training:
+            self._new_updates()
+        self.objective = make_objective(config)
+        self.extra_state: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint file -> tensors (GRPO's rollout)
+        self.rows_per_example = config.train.rows_per_example  # a preference pair: chosen, rejected
+        self.pipeline = self._new_pipeline()
+        self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
+        self._place(self.placement)
+        self._route_statistics()
+        self.step_index = 0
+        self.bad_steps = 0
+        # torch.compile's kernels are built here (setup) rather than inside the first step, which would
+        # otherwise take tens of seconds longer than the rest
+        self.warm_up_s = self.warm_up() if training and self.device.type == "cuda" else 0.0
+
+    def warm_up(self) -> float:
+        """Seconds of the setup's warm-up step (`warmup.py`): nothing it does reaches the weights or optimizer."""
+        return warm_up_pipeline(self)
+
+    # ------------------------------------------------------------------ setup
+    def _configured_placement(self) -> Placement:
+        """The planner's placement for the configured step (evaluation: every layer streamed, nothing resident),
+        or the one engine.placement's file holds."""
+        planner, engine = self.planner, self.config.engine
+        tokens = self.config.train.rows_per_step * self.config.data.seq_len // planner.world
+        if not self.training:
+            return Placement.build(planner.n_stages, tokens=tokens, experts_per_stage=planner.experts_per_stage)
+        if engine.placement == "auto":
+            return planner.place(tokens)
+        return read_placement(Path(engine.placement), planner)
+
+    def _new_store(self) -> HostStore:
+        """Host memory for the weights, and, training, their gradients and optimizer state, as placed."""
+        layouts = [
+            GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params)
+            for g in self.spec.groups
+        ]
+        training, placement = self.training, self.placement
+        return HostStore(
+            layouts,
+            self.compute_dtype,
+            STATE_NAMES if training else (),
+            grad_pool=placement.gradient_pool if training else 1,  # (evaluation lands none)
+            state_dir=self.config.engine.optimizer_state_dir if training else None,
+            first_disk_group=self.plan.first_disk_group,
+            wire_copy=self.config.engine.wire_copy,
+            reference_copy=self.plan.reference_copy,
+            frozen=self.planner.frozen if training else frozenset(),
+            shared=None if self.ranks is None else shared_arenas(self.ranks),
+            **self._shards(),
+        )
+
+    def _shards(self) -> dict:
+        """The store's `shard` (the slice of each group this rank updates) and `owned` (the slices
+        its host holds the state of): its host's 1/L, or with split hosts its own 1/N of N ranks."""
+        ranks = self.ranks
+        if ranks is None:
+            return {}
+        if ranks.split_state:
+            return {
+                "shard": (ranks.rank, ranks.world_size),
+                "owned": (ranks.node * ranks.local_world_size, ranks.local_world_size),
+            }
+        return {"shard": (ranks.local_rank, ranks.local_world_size)}
+
+    def load_weights(self, model_dir: Path | None) -> None:
+        """Put a Hugging Face directory's weights into the store (None: the run's initial weights again), on every
+        rank of the host (a reference model's pass between two policies, say); the optimizer state is untouched."""
+        self.finish_updates()
+        if self.ranks is None or self.ranks.is_local_main:
+            if model_dir is None:
+                self._init_weights()
+            else:
+                check_hf_weights(self.spec, model_dir)
+                load_hf_weights(self.store, self.spec, model_dir)
+        if self.sync is not None:
+            self.sync.barrier()
+        self._device_state_loaded = False  # resident groups take the store's weights at their next use
+
+    def keep_reference(self, model_dir: Path | None = None) -> None:
+        """Keep the initial weights (or a Hugging Face directory's, which replace them meanwhile) in the store's
+        reference copy, which `token_logps(reference=True)` streams: before training, on every rank of the host."""
+        if model_dir is not None:
+            self.load_weights(model_dir)
+        if self.ranks is None or self.ranks.is_local_main:
+            self.store.keep_reference()
+        if model_dir is not None:
+            self.load_weights(None)
+        elif self.sync is not None:
+            self.sync.barrier()
+
+    def _init_weights(self) -> None:
+        if self.config.model.hf_dir is not None:
+            load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
+            return
+        for group in range(self.store.n_groups):  # every host draws every group: the same weights as one process
+            with self.store.writing(group) as views:
+                for name, view in views.items():
+                    init_param_(name, view, self.model_config, self.config.train.seed)
+
+    def _new_updates(self) -> None:
+        """The host optimizer, the worker that runs its updates, and the policy that decides when."""
+        train = self.config.train
+        adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
+        self.optimizer = HostAdamW(self.store, adamw, train.router_bias_update_rate)
+        forward_order: dict[int, int] = {}  # where each group is first needed in a forward
+        for index, stage in enumerate(self.spec.stages):
+            for group in stage.groups:
+                forward_order.setdefault(group, index)
+        names = [group.name for group in self.spec.groups]
+        host_groups = [g for g in range(self.store.n_groups) if g not in self.store.frozen]
+        # (split hosts swap updated weights in one order on every rank: the order each policy updates in, roughly)
+        exchange_order = host_groups if train.grad_clip > 0 else host_groups[::-1]
+        sharing = Sharing() if self.sync is None else RankSharing(self.sync, exchange_order)
+        span = lambda name: self.timeline.host_span(name, "optimizer")  # noqa: E731
+        self.updates = HostUpdates(self.optimizer, forward_order, names, sharing, span)
+        if train.grad_clip > 0:
+            self.policy = UpdatesAfterClipping(self.updates, train.grad_clip)
+        else:
+            self.policy = UpdatesAsGradientsLand(self.updates, device_span=self._device_span)
+
+    def _device_span(self, name: str):
+        streams = self.pipeline.streams
+        return self.timeline.device_span(name, "compute", streams, streams.compute)
+
+    def _new_pipeline(self) -> LayerPipeline:
+        hooks = {}
+        if self.training:
+            hooks = {
+                "on_device_grads": self.policy.device_grads_made,
+                "before_fetch": self.updates.wait,
+                "updates_done": self.updates.done,
+                "first_rows": self.updates.first_rows,
+                "on_grads_landed": self.policy.grads_landed,
+            }
+        return LayerPipeline(
+            [Stage(s.template, s.groups, s.name) for s in self.spec.stages],
+            self.store,
+            self.device,
+            n_slots=self.config.engine.n_slots,
+            timeline=self.timeline,
+            reduce_grad=None if self.sync is None else self.sync.reduce_grad,
+            objective=self.objective,
+            **hooks,
+        )
+
+    def _route_statistics(self) -> None:
+        """The MoE routers' step-level statistics: their loss weights, the global batch, every rank's routing."""
+        router_load, train = self.spec.router_load, self.config.train
+        if router_load is None:
+            return
+        router_load.seq_coef = train.router_seq_aux_loss_coef
+        router_load.z_coef = train.router_z_loss_coef
+        router_load.sequences = train.batch_size  # over all ranks
+        if self.sync is not None:
+            router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
+
+    # -------------------------------------------------------------- placement
+    def _place(self, placement: Placement) -> None:
+        """Run the next steps as `placement` says: the resident groups' state moved to (or from) the GPU, the
+        gradient pool resized, the embedding's rows-first update where the table streams, the pipeline told."""
+        resident = sorted({g for i in placement.resident for g in self.spec.stages[i].groups})
+        if self.device_optimizer is not None and self.device_optimizer.groups != resident:
+            self.finish_updates()
+            self.device_optimizer.to_host()  # the store holds the current state of the groups leaving the GPU
+            self.device_optimizer = None
+        if self.device_optimizer is None and resident:
+            self.finish_updates()
+            self.device_optimizer = DeviceAdamW(self.optimizer, resident, self.device)
+            self._device_state_loaded = False
+        if self.policy is not None:
+            self.policy.device = self.device_optimizer
+            if placement.gradient_pool is not None:
+                self.finish_updates()
+                self.store.resize_grad_pool(placement.gradient_pool)
+            self.updates.rows_first = self._rows_first(placement)
+        masters = None if self.device_optimizer is None else self.device_optimizer.masters
+        self.pipeline.place(placement, masters)
+        self.placement, self._planned_tokens = placement, placement.tokens * self.planner.world
+
+    def _rows_first(self, placement: Placement) -> EmbeddingRowsFirst | None:
+        """The embedding's rows updated and sent first, where its table streams from this process's store
+        (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk)."""
+        first = self.spec.stages[0]
+        eligible = (
+            hasattr(first.template, "forward_rows")
+            and len(first.groups) == 1
+            and self.ranks is None
+            and "wire" not in self.store.arenas
+            and first.groups[0] < self.store.first_disk_group
+            and 0 not in placement.resident
+        )
+        if not eligible:
+            return None
+        if self.updates.rows_first is not None:
+            return self.updates.rows_first
+        d_model = first.template.d_model
+        # pinned: the updated rows on their way to the GPU, up to a quarter of the table (beyond, it would not pay)
+        rows_out = torch.empty(
+            (self.store.layouts[first.groups[0]].numel // 4 // d_model, d_model),
+            dtype=self.store.master_dtype,
+            pin_memory=self.device.type == "cuda",
+        )
+        return EmbeddingRowsFirst(self.updates, first.groups[0], rows_out)
+
+    def _follow_step_size(self, tokens: int) -> None:
+        """Place again for a step of another size than the placement's (engine.placement auto): a larger one needs
+        the memory, and a placement made for a large step loses a much smaller one a third of its speed. Steps a
+        little smaller (packed preference pairs vary by a row or two) keep it: the pipeline fits it to them."""
+        planned = self._planned_tokens
+        if self.config.engine.placement != "auto" or planned * SMALLER_STEP_KEEPS_PLACEMENT <= tokens <= planned:
+            return
+        placement = self.planner.place(tokens // self.planner.world, first_disk_group=self.placement.first_disk_group)
+        if placement.gradient_pool is not None and self.placement.gradient_pool is not None:
+            # (a pool no smaller than the one allocated: shrinking it would give nothing back worth the re-pinning)
+            placement = replace(placement, gradient_pool=max(placement.gradient_pool, self.placement.gradient_pool))
+        print(f"megatrain: placed again for steps of {tokens:,} tokens", file=sys.stderr)
+        self._place(placement)
+        self.plan = self.planner.plan(placement)
+
+    # ------------------------------------------------------------------- step
+    def my_rows(self, n_rows: int, sequences: torch.Tensor | None = None) -> range:
+        """The rows of a batch this rank runs: all of them, or its contiguous share with several ranks (whole
+        examples: a preference pair's two rows stay on one rank; packed pairs, the rows of its share of the pairs,
+        which `data.PairWindows` packs apart)."""
+        if self.ranks is None:
+            return range(n_rows)
+        if sequences is None:
+            return self.share(n_rows, self.rows_per_example)
+        share = self._my_sequences(sequences)
+        mine = [r for r, row in enumerate(sequences) if (row >= 0).any() and int(row[row >= 0].min()) in share]
+        rows = range(mine[0], mine[-1] + 1) if mine else range(0)
+        owned = sequences[rows.start : rows.stop]
+        if any(int(s) not in share for s in owned[owned >= 0].unique()):
+            raise ValueError("packed pairs: each rank's share of the pairs must be packed apart (PairWindows shares)")
+        return rows
+
+    def pair_windows(self, tokens, batch_size: int = 1, shuffle: bool = False, seed: int = 0) -> PairWindows:
+        """Preference pairs batched as this trainer runs them: packed where data.pack says, a share per rank."""
+        world = 1 if self.ranks is None else self.ranks.world_size
+        return PairWindows(tokens, batch_size, shuffle, seed, pack=self.config.data.pack, shares=world)
+
+    def _my_sequences(self, sequences: torch.Tensor) -> range:
+        """The sequences (of packed pairs) of this rank's share of the pairs."""
+        return self.share(int(sequences.max()) + 1, 2)
+
+    def share(self, n: int, unit: int = 1) -> range:
+        """This rank's contiguous share of `n` items taken in whole units of `unit` (a pair's two rows, a GRPO
+        group's completions): all of them in one process."""
+        world, rank = (1, 0) if self.ranks is None else (self.ranks.world_size, self.ranks.rank)
+        units = n // unit
+        return range(units * rank // world * unit, units * (rank + 1) // world * unit)
+
+    def micro_batches(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        sequences: torch.Tensor | None = None,
+        media: list[dict[str, torch.Tensor]] | None = None,
+    ) -> list[MicroBatch]:
+        """This rank's rows of a batch (`my_rows`) in micro-batches of train.micro_batch_size examples (rows; a
+        preference pair's two) (the last may be short). `media`: an image-text model's rows' processor outputs
+        (pixel values and grids; an empty dict for a row of no image), None for no images."""
+        mine, size = self.my_rows(input_ids.shape[0], sequences), self.config.train.rows_per_micro_batch
+        micro = []
+        for start in range(mine.start, mine.stop, size):
+            part = slice(start, min(start + size, mine.stop))
+            documents = None
+            if position_ids is not None or valid is not None:
+                documents = Documents(*(None if t is None else t[part] for t in (position_ids, valid)))
+            rows_media = None
+            if self.model_config.image_text:  # (its stages read the tokens and images of every micro-batch)
+                rows_media = Media.of_rows(input_ids[part], media[part] if media is not None else [])
+            elif media is not None and any(media):
+                raise ConfigError(
+                    f"the data has images but {self.model_config.arch} trains as a text model; set "
+                    "model.image_text: true to train the whole image-text model"
+                )
+            micro.append(MicroBatch(input_ids[part], labels[part], documents, rows_media))
+        return micro
+
+    def train_step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        reference: Sequences | None = None,
+        rollout: Rollout | None = None,
+        sequences: torch.Tensor | None = None,
+        media: list[dict[str, torch.Tensor]] | None = None,
+    ) -> StepMetrics:
+        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
+        restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
+        False for padding tokens, which MoE routing statistics leave out, or None). With the DPO objective rows
+        2i and 2i + 1 are pair i's chosen and rejected sequences and `reference` the reference model's summed
+        log-probabilities of every sequence (`sequence_logps`; None where the loss needs none); packed pairs
+        share rows, `sequences` numbering each trained token's sequence (`data.pack_pairs`). With GRPO each row is a
+        prompt and a completion (its tokens trained) and `rollout` holds the rows' advantages (and log-probabilities).
+        An image-text model's rows' images are `media` (`micro_batches`).
+
+        With several ranks every rank is given the same global batch and runs its own rows of it:
+        the step's result does not depend on the number of ranks."""
+        start = time.perf_counter()
+        n_targets = int((labels != -100).sum())
+        if n_targets == 0:
+            raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
+        self._follow_step_size(input_ids.numel())
+        self._load_device_state()
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
+        if self.updates.rows_first is not None:
+            self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
+        if self.objective is not None:
+            self._begin_objective(micro, labels, sequences, reference, rollout)
+            n_targets = 1  # (the objective's loss is the step's loss)
+        lr = lr_at(self.step_index, self.schedule)
+        self.policy.begin_step(self.step_index, lr)
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()
+        loss, grad_norm, router = self._step_values(self.pipeline.run(micro, loss_scale=1.0 / n_targets), n_targets)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        self.policy.end_step(grad_norm, skipped)
+        self.step_index += 1
+        elapsed = time.perf_counter() - start
+        tokens = input_ids.numel()
+        flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
+        metrics = None if self.objective is None else self._objective_metrics()
+        return StepMetrics(
+            self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped,
+            *router, metrics,
+        )  # fmt: skip
+
+    def _objective_metrics(self) -> dict[str, float]:
+        """The objective's metrics of the step: this rank's, or with several the mean of every rank's, each weighted
+        by what it is a mean over (its sequences or tokens)."""
+        metrics, weight = self.objective.metrics, self.objective.metrics_weight
+        if self.sync is None or not metrics:
+            return metrics
+        names = sorted(metrics)
+        sums = [weight] + [metrics[name] * weight if weight else 0.0 for name in names]
+        sums = self.sync.all_reduce(torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
+        return {name: value / sums[0] if sums[0] else math.nan for name, value in zip(names, sums[1:])}
+
+    def _begin_objective(
+        self,
+        micro: list[MicroBatch],
+        labels: torch.Tensor,
+        sequences: torch.Tensor | None,
+        reference: Sequences | None,
+        rollout: Rollout | None,
+    ) -> None:
+        """Tell the objective which of this rank's sequences each trained token belongs to (a row each, or as
+        `sequences` says for packed pairs) and what it
+        needs of the step's other rows: DPO the reference's scores and the pairs of the whole step, GRPO the
+        rows' advantages and log-probabilities and the step's sequences and tokens."""
+        owner = sequence_of_tokens(labels, sequences)
+        n_sequences = labels.shape[0] if sequences is None else int(sequences.max()) + 1
+        share = self.my_rows(n_sequences) if sequences is None else self._my_sequences(sequences)
+        owners, row = [], self.my_rows(labels.shape[0], sequences).start
+        for mb in micro:
+            part = owner[row : row + mb.labels.shape[0]]
+            owners.append(torch.where(part >= 0, part - share.start, -1))
+            row += mb.labels.shape[0]
+        mine = slice(share.start, share.stop)
+        if isinstance(self.objective, GRPO):
+            if rollout is None:
+                raise ConfigError("train.objective grpo needs each row's advantage: give `rollout`")
+            part = rollout.rows(mine)
+            n_tokens = int((labels != -100).sum())
+            self.objective.begin_step(owners, part.advantages, part.old_logps, part.ref_logps, n_sequences, n_tokens)
+        elif isinstance(self.objective, DPO):
+            if reference is not None:
+                reference = Sequences(reference.logps[mine], reference.lengths[mine])
+            elif self.config.train.dpo.needs_reference:
+                raise ConfigError("train.dpo.loss_type needs the reference model's log-probabilities: give `reference`")
+            self.objective.begin_step(owners, reference, n_pairs=n_sequences // 2)
+        else:
+            self.objective.begin_step(owners)
+
+    def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
+        """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
+        step, over every rank: the loss as transformers reports it, the routers' terms included."""
+        loss_sum, sq_norms = result.loss_sum, result.group_sq_norms
+        if self.sync is not None:
+            loss_sum = self.sync.all_reduce(loss_sum)
+            sq_norms = self.sync.sum_over_shards(sq_norms)
+        loss = loss_sum.item() / n_targets  # (an objective's loss is the step's already: n_targets 1)
+        router_load = self.spec.router_load
+        aux = violation = sequence_aux = z = None
+        if router_load is not None:
+            aux = router_load.loss().item()
+            loss += router_load.coef * aux
+            violation = router_load.max_violation().item()
+            if router_load.seq_coef:
+                sequence_aux = router_load.sequence_loss().item()
+                loss += router_load.seq_coef * sequence_aux
+            if router_load.z_coef:
+                z = router_load.z_loss().item()
+                loss += router_load.z_coef * z
+        return loss, math.sqrt(sq_norms.sum().item()), (aux, violation, sequence_aux, z)
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        media: list[dict[str, torch.Tensor]] | None = None,
+    ) -> tuple[float, int]:
+        """(summed token loss, number of target tokens) of the current weights on a batch, forward only,
+        streaming the layers once for all its rows; every rank takes a share of the rows."""
+        self.finish_updates()
+        self._load_device_state()
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, media=media)
+        loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
+        if micro:
+            loss_sum = self.pipeline.evaluate(micro)
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
+        if self.sync is not None:
+            loss_sum = self.sync.all_reduce(loss_sum)
+        return loss_sum.item(), int((labels != -100).sum())
+
+    @torch.no_grad()
+    def token_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        sequences: torch.Tensor | None = None,
+        reference: bool = False,
+        media: list[dict[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Every row's log-probability of each trained token ([rows, seq] float64 on the host, 0 where the label is
+        -100), forward only, the weights streamed once for all rows (a reference model's pass, the policy's that
+        sampled a rollout); every rank runs its share of the rows. `reference`: under the weights `keep_reference`
+        took instead of the current ones."""
+        self.finish_updates()
+        self._load_device_state()
+        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
+        logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro, reference) if micro else [])]
+        if self.spec.router_load is not None:
+            self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
+        logps = torch.cat(logps) if logps else torch.zeros(0, labels.shape[1], dtype=torch.float64)
+        return self.sync.gather_rows(logps) if self.sync is not None else logps
+
+    def sequence_logps(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        sequences: torch.Tensor | None = None,
+    ) -> Sequences:
+        """Every sequence's summed log-probability of its trained tokens and their count ([sequences] each, float64
+        on the host; a sequence a row, or as `sequences` numbers packed pairs), as `token_logps`."""
+        logps = self.token_logps(input_ids, labels, position_ids, valid, sequences)
+        owner, lengths = sequence_of_tokens(labels, sequences), sequence_lengths(labels, sequences)
+        sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, owner[owner >= 0], logps[owner >= 0])
+        return Sequences(sums, lengths)
+
+    # ------------------------------------------------------------------ state
+    def finish_updates(self) -> None:
+        """Wait until every queued optimizer update has been applied (re-raising worker errors),
+        on every rank of this host. The store then holds the current state, except for the resident
+        groups' (their updates run in the GPU's stream order): `sync_store` brings those too."""
+        if self.updates is not None:
+            self.updates.wait_all()
+
+    def _load_device_state(self) -> None:
+        """Give the resident groups the store's state, where it changed since they last took it (a new
+        trainer whose weights may still be written, a checkpoint loaded)."""
+        if self.device_optimizer is not None and not self._device_state_loaded:
+            self.device_optimizer.to_device()
+            self._device_state_loaded = True
+
+    def sync_store(self) -> None:
+        """Finish the updates and copy the resident groups' masters and moments into the store, so that
+        it holds the whole current state (for checkpoints, export and anything else that reads it)."""
+        self.finish_updates()
+        if self.device_optimizer is not None:
+            self.device_optimizer.to_host()
+
+    def restore_step(self, step_index: int) -> None:
+        """After loading a checkpoint into the store: the weights hold `step_index` optimizer steps, on every
+        rank (the resident groups take the store's state at the next step)."""
+        self.step_index = step_index
+        if self.updates is not None:
+            self.updates.steps = step_index
+            for group in range(self.store.n_groups):
+                self.updates.sharing.mark(group, step_index)
+        self._device_state_loaded = False
+
+    def host_bytes(self) -> int:
+        """Host memory of this host's copy of the training state: the shared arenas once, and the
+        gradient landing buffers of every rank on it (each holds its shard's)."""
+        report = self.store.memory_report()
+        if self.ranks is None:
+            return report.total_bytes
+        return report.total_bytes + (self.ranks.local_world_size - 1) * report.arenas["grad"]
+
+    @property
+    def store_is_split(self) -> bool:
+        """The hosts split the master weights and optimizer state (each holds its part)."""
+        return self.ranks is not None and self.ranks.split_state
+
+    @property
+    def is_main(self) -> bool:
+        """The process that writes metrics, checkpoints and the final model."""
+        return self.ranks is None or self.ranks.is_main
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights by Hugging Face name, up to date (views into host memory)."""
+        if self.store_is_split:
+            raise ConfigError(
+                "the hosts split the master weights (engine.shard_across_hosts): no process holds them all; "
+                "export() or a checkpoint gathers them to rank 0"
+            )
+        self.sync_store()
+        return named_masters(self.store)
+
+    def streamed_weights(self) -> dict[str, torch.Tensor]:
+        """What the device copies, by Hugging Face name, up to date: views of the store's pinned wire copy, or of
+        the fp32 masters where it keeps none."""
+        self.sync_store()
+        return named_wire(self.store)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, media: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Full-precision logits [batch, seq, vocab] of the current weights, stage by stage
+        (for evaluation and interop checks on small inputs; training never builds them). `media`: an image-text
+        model's rows' images (`micro_batches`)."""
+        self.sync_store()
+        x = input_ids.to(self.device)
+        kwargs = {}
+        if self.model_config.image_text:
+            kwargs["media"] = Media.of_rows(x, media or []).to(self.device)
+        *body, head = self.spec.stages
+        for stage in body:
+            x = stage.template.forward(self._device_weights(stage.groups), x, **kwargs)
+        return head.template.logits(self._device_weights(head.groups), x)
+
+    def _device_weights(self, groups: tuple[int, ...]) -> list[torch.Tensor]:
+        return [self.store.wire(g).to(self.device, self.compute_dtype) for g in groups]
+
+    def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
+        """Write the current weights as a Hugging Face model directory (see `export_hf`); with several
+        ranks, call it on every rank: rank 0 writes (gathering whole groups where hosts split the state). A state
+        holding NaN or Inf is refused, naming the group, before anything is written."""
+        self.sync_store()
+        broken = [self.spec.groups[g].name for g in range(self.store.n_groups) if not all_finite(self.store.master(g))]
+        if broken:
+            raise NonFiniteError(
+                f"the weights of {', '.join(broken)} hold NaN or Inf; nothing exported. Resume from the last "
+                "checkpoint (checkpoints hold finite states only) with a lower train.lr or train.grad_clip on"
+            )
+        if not self.is_main:
+            if self.store_is_split and self.ranks.is_local_main:
+                WholeGroups.replay(self.whole_groups().entries("master"))
+            return Path(out_dir)
+        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=self.whole_groups().gather, **options)
+
+    def whole_groups(self) -> WholeGroups:
+        """The store's state as whole groups to write (gathered to rank 0 where the hosts split it)."""
+        return WholeGroups(self.store, self.sync.gather_whole if self.store_is_split else None)
+
+    def close(self) -> None:
+        self.finish_updates()
+        if self.updates is not None:
+            self.updates.close()
+        if self.ranks is not None:
+            leave_ranks()
+
+
+def read_placement(path: Path, planner: Planner) -> Placement:
+    """The placement a file holds (`placement.json`, as a run writes), checked against the model it is to place."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        placement = Placement.from_dict(data.get("placement", data))
+    except (OSError, ValueError, PlacementError) as error:
+        raise ConfigError(f"engine.placement: cannot read a placement from {path}: {error}; use auto") from error
+    if len(placement.stages) != planner.n_stages or placement.experts_per_stage != planner.experts_per_stage:
+        raise ConfigError(
+            f"engine.placement {path} places {len(placement.stages)} stages (experts in parts of "
+            f"{placement.experts_per_stage}); this model has {planner.n_stages} (parts of {planner.experts_per_stage}): "
+            "use the placement of this model and engine.experts_per_stage, or auto"
+        )
+    return placement

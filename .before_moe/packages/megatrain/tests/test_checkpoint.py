@@ -1,0 +1,393 @@
+"""Checkpoints: atomic, verified, and a resumed run continues exactly like an uninterrupted one."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import megatrain.checkpoint as checkpoint_module
+from megatrain import Trainer
+from megatrain.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from megatrain.cli import main
+from megatrain.config import ConfigError, load_config
+from megatrain.rundir import SaveError
+from megatrain_optim import EmbeddingRowsFirst
+from megatrain_store import StoreError
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.parametrize(
+    "grad_clip,batch_size,gpu_updated_layers",
+    [
+        (0.5, 4, 0),
+        (0.0, 4, 0),
+        (0.5, 1, 0),  # 32 tokens: steps update their embedding rows first
+        (0.0, 1, 0),
+        (0.5, 4, 1),  # the embedding's and first layer's state live on the device: saved from there, loaded there
+        (0.0, 1, 1),
+    ],
+)
+def test_resumed_run_is_bit_identical(write_config, tmp_path, grad_clip, batch_size, gpu_updated_layers, monkeypatch):
+    rows_given = []
+    first_rows = EmbeddingRowsFirst.rows
+    monkeypatch.setattr(EmbeddingRowsFirst, "rows", lambda *a: rows_given.append(first_rows(*a)) or rows_given[-1])
+    settings = {"steps": 6, "save_every": 2, "keep_last": 3, "grad_clip": grad_clip, "batch_size": batch_size}
+    settings["micro_batch_size"] = min(2, batch_size)
+    engine = {"engine": {"gpu_updated_layers": gpu_updated_layers}}
+    full = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "full"), **engine)
+    assert main(["train", "--config", str(full)]) == 0
+    assert sorted(p.name for p in (tmp_path / "full/checkpoints").iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+        "step-00000006",
+    ]
+
+    resumed = write_config(train=settings, data={"shuffle": True}, output_dir=str(tmp_path / "resumed"), **engine)
+    assert main(["train", "--config", str(resumed), "--resume", str(tmp_path / "full/checkpoints/step-00000004")]) == 0
+    expected, got = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(got) == [5, 6] and all(got[s] == expected[s] for s in got)  # exactly, not approximately
+    a = load_file(str(tmp_path / "full/final/model.safetensors"))
+    b = load_file(str(tmp_path / "resumed/final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # (with a GPU-updated layer the untied table is updated on the device too: no rows to send)
+    assert any(t is not None for t in rows_given) == (batch_size == 1 and not gpu_updated_layers)
+
+
+def test_sigterm_checkpoints_and_resume_continues_exactly(write_config, tmp_path):
+    settings = {"steps": 40, "grad_clip": 1.0}
+    reference = write_config(train=settings, output_dir=str(tmp_path / "reference"))
+    assert main(["train", "--config", str(reference)]) == 0
+
+    interrupted = write_config(train=settings, output_dir=str(tmp_path / "run"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatrain.cli", "train", "--config", str(interrupted)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err  # 128 + SIGTERM, the shell's convention: not a finished run
+    assert "SIGTERM received" in err
+    stopped_at = find_checkpoint(tmp_path / "run")
+    step = int(stopped_at.name.split("-")[1])
+    assert 3 <= step < 40
+
+    assert main(["train", "--config", str(interrupted), "--resume", str(tmp_path / "run")]) == 0
+    assert losses(tmp_path / "run") == losses(tmp_path / "reference")
+
+
+def make_trainer(write_config, tmp_path, **train):
+    return Trainer(load_config(write_config(train=train, output_dir=str(tmp_path / "t"))))
+
+
+def test_crash_during_save_leaves_previous_checkpoint(write_config, tmp_path, monkeypatch):
+    trainer = make_trainer(write_config, tmp_path)
+    first = save_checkpoint(trainer, tmp_path / "ck")
+    trainer.step_index = 7
+    real_write = checkpoint_module.write_safetensors
+
+    def dies_on_optimizer(path, tensors):
+        if "optimizer" in path.name:
+            raise OSError("disk full (simulated crash mid-save)")
+        return real_write(path, tensors)
+
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", dies_on_optimizer)
+    with pytest.raises(SaveError, match="step-00000007 could not be written: disk full"):
+        save_checkpoint(trainer, tmp_path / "ck")
+    assert find_checkpoint(tmp_path / "ck") == first  # the half-written one is invisible
+    assert not (tmp_path / "ck" / "step-00000007").exists()
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == [first.name]  # and gone
+    load_checkpoint(trainer, tmp_path / "ck")
+    assert trainer.step_index == 0
+
+
+def test_damaged_checkpoints_are_refused(write_config, tmp_path):
+    trainer = make_trainer(write_config, tmp_path)
+    path = save_checkpoint(trainer, tmp_path / "ck")
+    model_file = path / "model.safetensors"
+    original = model_file.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="model.safetensors fails its CRC32 check"):
+        load_checkpoint(trainer, path)
+    model_file.write_bytes(bytes(data[:-100]))
+    with pytest.raises(StoreError, match="model.safetensors has .* bytes.*truncated"):
+        load_checkpoint(trainer, path)
+    model_file.write_bytes(original)
+    load_checkpoint(trainer, path)  # intact again: loads
+    (path / "optimizer.safetensors").unlink()
+    with pytest.raises(StoreError, match="optimizer.safetensors is missing"):
+        load_checkpoint(trainer, path)
+
+
+def test_checkpoint_of_another_model_is_refused(write_config, tmp_path):
+    path = save_checkpoint(make_trainer(write_config, tmp_path), tmp_path / "ck")
+    other = Trainer(load_config(write_config(model={"preset": "tiny-qwen3"}, output_dir=str(tmp_path / "o"))))
+    with pytest.raises(ConfigError, match="different model"):
+        load_checkpoint(other, path)
+    with pytest.raises(ConfigError, match="no checkpoint at .*nowhere: it does not exist"):
+        find_checkpoint(tmp_path / "nowhere")
+
+
+def test_checkpoint_of_an_older_megatrain_resumes_and_of_a_newer_one_is_refused(write_config, tmp_path):
+    """A model field added since a checkpoint was written takes its default (what every model had then);
+    a field this version does not know names the fix."""
+    trainer = make_trainer(write_config, tmp_path)
+    path = save_checkpoint(trainer, tmp_path / "ck")
+    manifest_path = path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for added in ("rope_interleave", "router_scoring", "partial_rotary_factor"):  # fields added in session 15
+        del manifest["model"][added]
+    manifest_path.write_text(json.dumps(manifest))
+    assert load_checkpoint(trainer, path)["step"] == manifest["step"]
+    manifest["model"]["a_field_from_the_future"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"newer megatrain .*a_field_from_the_future"):
+        load_checkpoint(trainer, path)
+    trainer.close()
+
+
+def test_keep_last(write_config, tmp_path):
+    trainer = make_trainer(write_config, tmp_path)
+    for step in range(1, 5):
+        trainer.step_index = step
+        save_checkpoint(trainer, tmp_path / "ck", keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000004"]
+    assert os.path.exists(tmp_path / "ck" / "step-00000004" / "manifest.json")
+
+
+def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config, tmp_path, monkeypatch, capsys):
+    """`megatrain train --set train.steps=8 --resume RUN` (no --config): the run's own config and directory, the
+    override said at start; metrics.jsonl then holds every step. A missing --resume path is refused first."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(write_config(train={"steps": 4, "save_every": 2}))]) == 0
+    capsys.readouterr()
+    assert main(["train", "--set", "train.steps=8", "--resume", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"resuming in {run} with the config of {run / 'checkpoints' / 'step-00000004'}; changed: train.steps 4 -> 8"
+        in err
+    )
+    assert sorted(losses(run)) == list(range(1, 9)) and not (tmp_path / "runs").exists()
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 8
+    assert json.loads((run / "final" / "trainer_state.json").read_text())["global_step"] == 8
+
+    import megatrain.loop
+
+    monkeypatch.setattr(megatrain.loop, "load_data", lambda *a, **k: pytest.fail("data was loaded"))
+    assert main(["train", "--resume", str(tmp_path / "no-such-run")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_every_form_of_a_run_names_its_weights(write_config, tmp_path, capsys):
+    """A run directory, its checkpoints/, a step-N and final/ work wherever weights or a checkpoint are asked
+    for: eval and convert take the newest (final/ once written), --resume the newest checkpoint."""
+    from megatrain.checkpoint import find_weights
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(write_config(train={"steps": 4, "save_every": 2}))]) == 0
+    step4, final = run / "checkpoints" / "step-00000004", run / "final"
+    assert find_weights(run) == find_weights(run / "checkpoints") == final  # (final/ holds step 4 too)
+    assert find_checkpoint(run) == find_checkpoint(run / "checkpoints") == find_checkpoint(final) == step4
+    capsys.readouterr()
+    for form in (run, run / "checkpoints", step4, final):
+        assert main(["eval", "--checkpoint", str(form), "--batches", "1"]) == 0  # the run's own config and data
+        assert json.loads(capsys.readouterr().out)["val_tokens"] == 4 * 31
+        assert main(["convert", str(form), str(tmp_path / "out" / form.name)]) == 0
+        assert capsys.readouterr().out.startswith("wrote ")
+        assert (tmp_path / "out" / form.name / "model.safetensors").exists()
+    converted = load_file(str(tmp_path / "out" / "run" / "model.safetensors"))
+    exported = load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(converted[k], v) for k, v in exported.items())
+    (final / "trainer_state.json").write_text(json.dumps({"global_step": 2}))  # final/ older than step 4
+    assert find_weights(run) == step4
+
+
+def test_final_alone_cannot_resume(write_config, tmp_path, capsys):
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run" / "final")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot resume a run; start a new one from it with model.hf_dir" in err[0]
+
+
+def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during training: the step ends, its checkpoint is written, the exit code is 130, not 0."""
+    real_step = Trainer.train_step
+
+    def interrupted_at_step_2(self, *args, **kwargs):
+        metrics = real_step(self, *args, **kwargs)
+        if self.step_index == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # (the run's handler turns it into a flag)
+        return metrics
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_step_2)
+    assert main(["train", "--config", str(write_config(train={"steps": 5}))]) == 130
+    assert "SIGINT received; checkpoint" in capsys.readouterr().err
+    assert find_checkpoint(tmp_path / "run").name == "step-00000002"
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_second_run_into_the_same_directory_is_refused_and_a_stale_lock_taken_over(write_config, tmp_path, capsys):
+    from megatrain.rundir import LOCK, RunLock
+
+    config = write_config(train={"steps": 1})
+    (tmp_path / "run").mkdir()
+    holder = RunLock(tmp_path / "run")
+    assert holder.acquire() is None  # (another live run: its lock is held)
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"output_dir {tmp_path / 'run'} is in use by another run (pid {os.getpid()}" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    holder.release()
+
+    # a run killed with -9 leaves its lock file naming it, but no lock: the next run takes over and says so
+    (tmp_path / "run" / LOCK).write_text(json.dumps({"pid": 4242, "host": "h", "started": "then", "command": "x"}))
+    assert main(["train", "--config", str(config)]) == 0
+    assert "took over" in (err := capsys.readouterr().err) and "(pid 4242 on h, started then: x)" in err
+    assert (tmp_path / "run" / LOCK).read_text() == ""  # released when the run ended
+
+
+def small_disk(monkeypatch, root, capacity: int) -> None:
+    """`root`'s disk holds `capacity` bytes: the room checked before a save, and a write past it fails with
+    ENOSPC (after the file is written: it is removed), as on a real disk."""
+
+    def used() -> int:
+        return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+    real_write = checkpoint_module.write_safetensors
+
+    def write(path, tensors):
+        size = real_write(path, tensors)
+        if used() > capacity:
+            path.unlink()
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return size
+
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", write)
+    monkeypatch.setattr(checkpoint_module, "free_bytes", lambda path: capacity - used())
+
+
+def test_a_nearly_full_disk_saves_after_removing_what_the_save_lets_go(write_config, tmp_path, monkeypatch):
+    """keep_last: 2 on a disk with room for 2.5 checkpoints: the oldest goes before the third is written (it went
+    after, so no save could ever succeed again). keep_last: 1 with room for 1.5: refused before writing,
+    saying how much is needed, the newest kept."""
+    trainer = make_trainer(write_config, tmp_path)
+    first = save_checkpoint(trainer, tmp_path / "probe")
+    size = sum(f.stat().st_size for f in first.iterdir())
+    root = tmp_path / "ck"
+    small_disk(monkeypatch, root, int(2.5 * size))
+    for step in (1, 2, 3):
+        trainer.step_index = step
+        save_checkpoint(trainer, root, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003"]
+
+    root = tmp_path / "ck1"
+    small_disk(monkeypatch, root, int(1.5 * size))
+    save_checkpoint(trainer, root, keep_last=1)
+    trainer.step_index = 4
+    with pytest.raises(SaveError, match=r"step-00000004 needs .* MiB in .*, whose disk has .* MiB free \(the newest"):
+        save_checkpoint(trainer, root, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+    trainer.close()
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
+    write_config, tmp_path, capsys, monkeypatch, fallback
+):
+    """Disk full (ENOSPC) at the second of two checkpoints: one line saying which steps are lost and how to
+    continue, exit 1; with fallback_dir the checkpoint goes there and the run finishes."""
+    real_write = checkpoint_module.write_safetensors
+
+    def full_at_step_4(path, tensors):
+        if "step-00000004" in str(path) and "fallback" not in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, tensors)
+
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", full_at_step_4)
+    extra = {"fallback_dir": str(tmp_path / "fallback")} if fallback else {}
+    config = write_config(train={"steps": 5, "save_every": 2}, **extra)
+    assert main(["train", "--config", str(config)]) == (0 if fallback else 1)
+    err = capsys.readouterr().err
+    if fallback:
+        assert "the checkpoint went to fallback_dir instead" in err
+        assert find_checkpoint(tmp_path / "fallback").name == "step-00000004"
+        assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+        return
+    (line,) = [line for line in err.splitlines() if line.startswith("megatrain: SaveError")]
+    assert "step-00000004 could not be written (the disk is full)" in line
+    assert f"the steps since {tmp_path / 'run' / 'checkpoints' / 'step-00000002'} (2) are lost" in line
+    assert "--resume" in line and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tmp_path, capsys, monkeypatch, fallback):
+    """Disk full while writing final/ with save_every 0: the state goes to fallback_dir as a checkpoint (which
+    converts to the model), or the line says the whole run is lost; final/ is not left half-written."""
+    import megatrain.hf_io as hf_io
+
+    real_write = hf_io.write_safetensors
+
+    def full_in_run(path, tensors, metadata=None):
+        if str(tmp_path / "run") in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write(path, tensors, metadata=metadata)
+
+    monkeypatch.setattr(hf_io, "write_safetensors", full_in_run)
+    extra = {"fallback_dir": str(tmp_path / "fallback")} if fallback else {}
+    assert main(["train", "--config", str(write_config(train={"steps": 3}, **extra))]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatrain: SaveError")]
+    assert f"the model could not be written to {tmp_path / 'run' / 'final'}" in line
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / ".final.partial").exists()
+    if not fallback:
+        assert "this run has no checkpoint: all its steps (3) are lost; set fallback_dir" in line
+        return
+    kept = tmp_path / "fallback" / "checkpoints" / "step-00000003"
+    assert f"the trained state (step 3) is in {kept} instead" in line
+    assert main(["convert", str(kept), str(tmp_path / "model")]) == 0
+
+
+def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp_path, capsys, monkeypatch):
+    """Said at the start (a warning), then refused before final/ is written, saying how much it needs."""
+    import megatrain.loop
+    import megatrain.rundir as rundir
+
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 2**17)
+    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 1
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'run'}'s disk has 0.1 MiB free; the final model needs" in err
+    assert (
+        f"the model {tmp_path / 'run' / 'final'} needs" in err
+        and f"MiB in {tmp_path / 'run'}, whose disk has 0.1 MiB free" in err
+    )
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_an_export_of_non_finite_weights_is_refused_naming_the_group(write_config, tmp_path):
+    from megatrain.trainer import NonFiniteError
+
+    trainer = make_trainer(write_config, tmp_path)
+    trainer.store.master(1)[3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"the weights of layer0 hold NaN or Inf; nothing exported"):
+        trainer.export(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    trainer.close()

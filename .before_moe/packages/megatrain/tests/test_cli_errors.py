@@ -1,0 +1,154 @@
+"""Every mistake a user can make on the command line ends in one line naming the problem and the fix, a
+non-zero exit code, and no traceback; checked by running the command as a subprocess.
+
+The cases share one process (`cli_driver.py`: the console script's `main`, torch imported once); Ctrl-C
+during start-up needs processes of its own: one whose `import torch` is interrupted (a stand-in torch, no
+real import), and one interrupted while it reads its data (a named pipe it waits on)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrain.rundir import LOCK, RunLock
+
+TINY = ["--set", "model.preset=tiny-llama", "--set", "device=cpu", "--set", "train.steps=1"]
+
+
+def read_only_dir(tmp_path: Path) -> str:
+    """A directory this process cannot write: without write permission, or for root (who may write there
+    anyway) one in sysfs."""
+    if os.geteuid() == 0:
+        return "/sys/kernel"
+    path = tmp_path / "read-only"
+    path.mkdir()
+    path.chmod(0o500)
+    return str(path)
+
+
+def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """(command line, what its one line must say)."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model: {{preset: tiny-llama}}\ndevice: cpu\noutput_dir: {tmp_path / 'held'}\n")
+    missing_tokenizer = tmp_path / "nowhere" / "tokenizer.json"
+    return [
+        (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
+        (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
+        (["train", *TINY, "--set", "output_dir=null"], "output_dir must name a directory"),
+        (["train", "--config", str(tmp_path / "a-dir")], "is a directory; name the YAML file in it"),
+        (
+            ["train", *TINY, "--set", f"data.tokenizer={missing_tokenizer}"],
+            f"data.tokenizer {missing_tokenizer} does not exist",
+        ),
+        (["train", *TINY, "--set", "train.warmup_steps=-10"], "train.warmup_steps must be >= 0"),
+        (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
+        (
+            ["convert", str(tmp_path / "run"), str(tmp_path / "a-file")],
+            "is a file; name a directory to write the model",
+        ),
+        (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
+        (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
+        (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
+        (["train", *TINY, "--set", "train.save_every=-1"], "train.save_every must be >= 0"),
+        (["train", *TINY, "--set", "train.min_lr_ratio=5"], "train.min_lr_ratio must be in [0, 1]"),
+        (["data", *TINY, "--dump", "-1"], "--dump must be >= 1"),
+        (["train", "--resume", str(tmp_path / "no-run")], "no checkpoint at"),
+        (["eval", "--checkpoint", str(tmp_path / "no-run")], "no weights at"),
+        (["train", "--config", str(config)], "is in use by another run"),  # (this test holds its lock)
+        (["bench", "--steps", "x"], "invalid int value: 'x'"),
+    ]
+
+
+def test_mistakes_are_one_line_a_non_zero_exit_and_no_traceback(tmp_path):
+    command_lines = cases(tmp_path)
+    (tmp_path / "held").mkdir()
+    holder = RunLock(tmp_path / "held")
+    holder.acquire()
+    process = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("cli_driver.py"))],
+        input="".join(json.dumps(argv) + "\n" for argv, _ in command_lines),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    holder.release()
+    assert process.returncode == 0, process.stderr
+    results = [json.loads(line) for line in process.stdout.splitlines()]
+    assert len(results) == len(command_lines)
+    for (argv, expected), result in zip(command_lines, results):
+        lines = result["output"].strip().splitlines()
+        assert "Traceback" not in result["output"], (argv, result["output"])
+        assert result["code"] not in (0, None) and len(lines) == 1, (argv, result)
+        assert expected in lines[0], (argv, lines[0])
+    assert not (tmp_path / "held" / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path):
+    """A stand-in `torch` whose import is interrupted, as Ctrl-C in the seconds the real one takes."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60
+    )
+    assert process.returncode == 130
+    assert process.stderr.strip().splitlines() == [
+        "megatrain: interrupted; train stopped before it finished (training had not started: no checkpoint or "
+        "model was written)"
+    ]
+
+
+def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp_path):
+    """SIGINT while the run waits for its data (a named pipe nobody writes): one line, exit 130, the run
+    directory's lock released."""
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    run = tmp_path / "run"
+    args = [*TINY, "--set", f"data.text={fifo}", "--set", f"output_dir={run}"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatrain", "train", *args], stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run / LOCK).exists() and (run / LOCK).read_text()):
+            time.sleep(0.05)  # the lock is taken just before the data is read
+        assert (run / LOCK).read_text(), "the run never started"
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()  # (where it failed: it waits on the pipe for ever)
+    assert process.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "interrupted; train stopped before it finished" in err
+    assert (run / LOCK).read_text() == ""
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "metrics"])
+def test_disk_full_is_one_line(write_config, tmp_path, capsys, monkeypatch, where):
+    """ENOSPC (simulated in this process) while writing a checkpoint, or metrics.jsonl, through the command's
+    `main`: one line saying the disk is full, exit 1."""
+    import errno
+
+    import megatrain.checkpoint
+    import megatrain.loop
+    from megatrain.cli import main
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / where))
+
+    if where == "checkpoint":
+        monkeypatch.setattr(megatrain.checkpoint, "write_safetensors", full)
+    else:
+        monkeypatch.setattr(megatrain.loop, "write_jsonl", full)
+    assert main(["train", "--config", str(write_config(train={"steps": 2, "save_every": 1}))]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if "disk is full" in line]) == 1
+    assert "disk is full" in err.strip().splitlines()[-1]  # the last line: the run's end

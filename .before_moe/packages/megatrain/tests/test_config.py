@@ -1,0 +1,96 @@
+import pytest
+
+from megatrain.config import Config, ConfigError, TrainSection, config_changes, load_config
+
+
+def test_defaults_are_the_builtin_job():
+    config = load_config()
+    assert config == Config()
+    assert config.model.preset == "small-llama"
+
+
+def test_yaml_and_overrides(write_config):
+    config = load_config(write_config(), ["train.lr=2e-4", "train.betas=[0.8, 0.9]", "data.shuffle=true"])
+    assert config.train.lr == 2e-4 and config.train.betas == (0.8, 0.9) and config.data.shuffle is True
+    assert config.train.micro_batch_size == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.lrr=1"], "unknown config key 'train.lrr'.*lr"),
+        (["modle.preset=x"], "unknown config key 'modle'"),
+        (["train.batch_size=6", "train.micro_batch_size=4"], "divisible by train.micro_batch_size"),
+        (["train.steps=ten"], "train.steps"),
+        (["precision.compute_dtype=fp8"], "compute_dtype"),
+        (["model.hf_dir=/x"], "exactly one of model.preset"),
+        (["data.seq_len=1"], "seq_len must be >= 2"),
+        (["device=tpu"], "device must be"),
+        (["train"], "key.sub=value"),
+        (["engine.kept_layers=-1"], "engine.kept_layers must be auto or an integer >= 0"),
+        (["engine.kept_layers=some"], "engine.kept_layers must be auto or an integer >= 0"),
+        (["engine.held_layers=1.5"], "engine.held_layers must be auto or an integer >= 0"),
+        (["engine.gpu_updated_layers=-1"], "engine.gpu_updated_layers must be auto or an integer >= 0"),
+        (["engine.gradient_pool=0.5"], "engine.gradient_pool must be auto or a number >= 1"),
+    ],
+)
+def test_bad_configs_name_the_key_and_fix(write_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_config(), overrides)
+
+
+def test_micro_batch_defaults_to_batch():
+    assert TrainSection(batch_size=8).micro_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.warmup_steps=-10"], r"train.warmup_steps must be >= 0"),
+        (["train.seed=-1"], r"train.seed must be >= 0"),
+        (["train.keep_last=0"], r"train.keep_last must be >= 1"),
+        (["train.save_every=-1"], r"train.save_every must be >= 0"),
+        (["train.min_lr_ratio=5"], r"train.min_lr_ratio must be in \[0, 1\]"),
+        (["train.eps=0"], r"train.eps must be > 0"),
+        (["train.betas=[0.9, 1.5]"], r"train.betas must be two numbers in \[0, 1\)"),
+        (["train.max_bad_steps=0"], r"train.max_bad_steps must be >= 1"),
+        (["output_dir=null"], r"output_dir must name a directory"),
+        (["train.report_to=[tensorboard, comet]"], r"train.report_to names \['comet'\]"),
+    ],
+)
+def test_values_out_of_range_are_refused(write_config, overrides, message):
+    """Each of these was taken silently (keep_last 0 kept every checkpoint, save_every -1 saved every step) or
+    failed deep in a run with a traceback."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_config(), overrides)
+
+
+def test_report_to_takes_a_list_or_names_and_tensorboard_true_is_its_alias(write_config):
+    assert load_config(write_config(), ["train.report_to=[wandb, mlflow]"]).train.trackers == ("wandb", "mlflow")
+    assert load_config(write_config(), ["train.report_to=wandb"]).train.trackers == ("wandb",)
+    assert load_config(write_config(), ["train.report_to=none"]).train.trackers == ()
+    assert TrainSection(tensorboard=True, report_to="mlflow").trackers == ("tensorboard", "mlflow")
+    assert TrainSection().trackers == ()
+
+
+def test_a_config_directory_is_one_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        load_config(tmp_path)
+
+
+def test_a_resumed_runs_config_lies_under_the_file_and_the_overrides(write_config, tmp_path):
+    """A section the file names replaces the run's whole (as the file is written); --set replaces one key;
+    what neither names stays the run's; the changes are listed."""
+    run = Config(output_dir=str(tmp_path / "run"), train=TrainSection(steps=4, lr=1e-3)).as_dict()
+    file = tmp_path / "file.yaml"
+    file.write_text("train: {steps: 8, batch_size: 4}\n")
+    config = load_config(file, ["train.seed=3"], base=run)
+    assert config.output_dir == str(tmp_path / "run")  # (the file does not name it)
+    assert (config.train.steps, config.train.lr, config.train.seed) == (8, TrainSection.lr, 3)
+    assert config_changes(run, config) == [
+        "train.steps 4 -> 8",
+        "train.batch_size 8 -> 4",
+        "train.micro_batch_size 8 -> 4",
+        "train.lr 0.001 -> 0.0003",
+        "train.seed 0 -> 3",
+    ]

@@ -1,0 +1,93 @@
+import numpy as np
+import pytest
+import torch
+
+from megatrain.config import ConfigError, DataSection
+from megatrain.data import TokenWindows, builtin_corpus, check_tokens, load_token_array
+
+
+def test_consecutive_windows_without_shuffle():
+    tokens = np.arange(100)
+    windows = TokenWindows(tokens, seq_len=10, batch_size=3, shuffle=False, seed=0)
+    batch = windows.batch(1)  # step 1 uses windows 3, 4, 5
+    ids, labels = batch.input_ids, batch.labels
+    assert torch.equal(ids[0], torch.arange(30, 40))
+    assert torch.equal(ids[2], torch.arange(50, 60))
+    assert torch.equal(labels[0, :-1], torch.arange(31, 40)) and labels[0, -1] == -100
+    ids = windows.batch(3).input_ids  # windows 9, 0, 1: wraps around after the 10th window
+    assert ids[0, 0] == 90 and ids[1, 0] == 0 and ids[2, 0] == 10
+
+
+def test_shuffle_is_a_seeded_permutation_per_pass():
+    windows = TokenWindows(np.arange(1000), seq_len=10, batch_size=10, shuffle=True, seed=3)
+    first_pass = [i for step in range(10) for i in windows.window_indices(step)]
+    assert sorted(first_pass) == list(range(100)) and first_pass != list(range(100))
+    second_pass = [i for step in range(10, 20) for i in windows.window_indices(step)]
+    assert sorted(second_pass) == list(range(100)) and second_pass != first_pass
+    again = TokenWindows(np.arange(1000), seq_len=10, batch_size=10, shuffle=True, seed=3)
+    assert again.window_indices(4) == windows.window_indices(4)
+
+
+def test_bad_token_data():
+    with pytest.raises(ConfigError, match="fewer than one batch"):
+        TokenWindows(np.arange(50), seq_len=10, batch_size=8, shuffle=False, seed=0)
+    with pytest.raises(ConfigError, match=r"span \[0, 300\].*vocab_size is 256"):
+        check_tokens(np.array([0, 300]), 256, "data.tokens x.npy")
+    with pytest.raises(ConfigError, match="empty"):
+        check_tokens(np.array([], dtype=np.int64), 256, "data.tokens x.npy")
+    with pytest.raises(ConfigError, match="1-D integer"):
+        check_tokens(np.zeros((2, 2), dtype=np.float32), 256, "data.tokens x.npy")
+
+
+def test_text_is_tokenized_once_and_cached(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text(builtin_corpus().read_text()[:20000])
+    tokens, tokenizer = load_token_array(DataSection(text=str(text)), 512, tmp_path / "cache", None)
+    assert tokens.max() < 512 and len(tokens) > 2000 and tokenizer.exists()
+    cached = list((tmp_path / "cache").glob("tokens-*.npy"))
+    assert len(cached) == 1
+    again, _ = load_token_array(DataSection(text=str(text), tokenizer=str(tokenizer)), 512, tmp_path / "cache", None)
+    assert np.array_equal(tokens, again)
+
+
+def test_unreadable_and_empty_sources(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read data.tokens"):
+        load_token_array(DataSection(tokens=str(tmp_path / "missing.npy")), 256, tmp_path, None)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_token_array(DataSection(text=str(empty)), 256, tmp_path, None)
+
+
+def test_a_tiny_model_gets_a_tokenizer_that_fits_and_reuses_it(tmp_path, monkeypatch):
+    """vocab_size 256 (the tiny presets) on the built-in corpus: the trained tokenizer holds the bytes the text
+    uses, EOS and merges, at most 256 tokens, and encodes the text losslessly; a second load (a resumed run)
+    reuses it without training again."""
+    from tokenizers import Tokenizer
+
+    import megatrain.data as data_module
+
+    text = tmp_path / "a.txt"
+    text.write_text(builtin_corpus().read_text()[:50000])
+    tokens, path = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
+    tokenizer = Tokenizer.from_file(str(path))
+    assert tokenizer.get_vocab_size() <= 256 and tokens.max() < 256
+    assert tokenizer.decode(list(tokens)).startswith(text.read_text())  # (each paragraph ends in a blank line)
+    monkeypatch.setattr(data_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
+    again, same = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
+    assert same == path and np.array_equal(tokens, again)
+
+
+def test_a_text_with_more_bytes_than_the_vocabulary_says_what_to_change(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("".join(chr(c) for c in range(32, 127)) * 20)  # 95 distinct bytes
+    with pytest.raises(ConfigError, match="uses 95 distinct bytes.*needs 96 tokens, more than .* vocab_size of 64"):
+        load_token_array(DataSection(text=str(text)), 64, tmp_path / "cache", None)
+
+
+def test_a_missing_tokenizer_is_named(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("some text\n")
+    missing = tmp_path / "no" / "tokenizer.json"
+    with pytest.raises(ConfigError, match=f"data.tokenizer {missing} does not exist"):
+        load_token_array(DataSection(text=str(text), tokenizer=str(missing)), 256, tmp_path / "cache", None)

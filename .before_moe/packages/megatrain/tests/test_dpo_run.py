@@ -1,0 +1,132 @@
+"""`megatrain train` with train.objective dpo on preference records: TRL's metrics in metrics.jsonl and on held-out
+pairs, the reference pass cached beside the data and equal to a fresh forward of the initial weights, exact resume
+without a second pass, `megatrain eval` of a run, a reference model of another architecture refused."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from megatrain.cli import main
+from megatrain.config import load_config
+from megatrain.data import PairWindows, builtin_corpus, load_token_data, train_tokenizer
+from megatrain.trainer import Trainer
+
+SUBJECTS = ["The sky", "Water", "The sun", "Snow", "Grass", "The sea", "Fire", "Ice", "A lemon", "Coal"]
+GOOD = ["is blue.", "is wet.", "is hot.", "is cold.", "is green.", "is salty.", "is bright.", "is hard.", "is sour."]
+
+
+def pairs(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        chosen, rejected = rng.choice(GOOD, 2, replace=False)
+        out.append(
+            {"prompt": f"{SUBJECTS[i % len(SUBJECTS)]} ({i})", "chosen": f" {chosen}", "rejected": f" {rejected}"}
+        )
+    return out
+
+
+@pytest.fixture
+def dpo_config(tmp_path):
+    """A DPO run's config file: tiny-llama, 24 pairs (a quarter held out), a byte-level tokenizer of its vocab."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs(24)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(builtin_corpus().read_text()[:20000] + data.read_text())
+    train_tokenizer(corpus, 256, tmp_path / "tokenizer.json")
+
+    def write(**train):
+        config = {
+            "model": {"preset": "tiny-llama"},
+            "data": {
+                "dataset": str(data),
+                "format": "preference",
+                "tokenizer": str(tmp_path / "tokenizer.json"),
+                "seq_len": 24,
+                "validation": 0.25,
+            },
+            "train": {
+                "objective": "dpo",
+                "dpo": {"beta": 0.2},
+                "steps": 4,
+                "batch_size": 3,
+                "micro_batch_size": 2 if train.get("batch_size", 3) % 2 == 0 else 1,
+                "lr": 1e-3,
+                "save_every": 2,
+                "eval_every": 2,
+            }
+            | train,
+            "precision": {"compute_dtype": "float64"},
+            "device": "cpu",
+            "output_dir": str(tmp_path / "run"),
+        }
+        path = tmp_path / "dpo.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    return write
+
+
+def records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_dpo_run_logs_trls_metrics_caches_its_reference_and_resumes_exactly(dpo_config, tmp_path, capsys):
+    path = dpo_config()
+    assert main(["train", "--config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "reference log-probabilities of 36 training sequences" in err  # 18 training pairs
+    run = tmp_path / "run"
+    rows = records(run)
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        assert key in steps[0] and f"val_{key}" in evals[0]
+    assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-6)  # policy = reference at the first step
+
+    # the cache equals a fresh forward of the initial weights
+    (cached,) = [np.load(p) for p in (run / "cache").glob("reference-*.npy") if len(np.load(p)) == 36]
+    config = load_config(path)
+    fresh = Trainer(config, training=False)
+    data = load_token_data(config.data, 256, run / "cache", None, dpo=config.train.dpo)
+    batch = PairWindows(data.train, 1, shuffle=False, seed=0).pair_rows(list(range(18)))
+    assert np.allclose(fresh.sequence_logps(batch.input_ids, batch.labels).logps.numpy(), cached, rtol=1e-12)
+    fresh.close()
+
+    # resumed from step 2: the same steps, bit for bit, and no second reference pass
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-00000004")
+    assert main(["train", "--resume", str(resumed / "checkpoints" / "step-00000002")]) == 0
+    assert "reference log-probabilities" not in capsys.readouterr().err
+    again = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    assert again == {r["step"]: r["loss"] for r in steps}
+
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["data"] == "validation" and result["val_pairs"] == 6
+    assert result["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
+
+
+def test_dpo_needs_pairs_and_pairs_need_dpo(dpo_config, write_config, capsys):
+    path = dpo_config()
+    assert main(["train", "--config", str(path), "--set", "train.objective=sft"]) == 2
+    assert "the data are preference pairs (chosen/rejected): set train.objective: dpo" in capsys.readouterr().err
+    assert main(["train", "--config", str(write_config()), "--set", "train.objective=dpo"]) == 2
+    assert "train.objective dpo trains on preference pairs: set data.format: preference" in capsys.readouterr().err
+
+
+def test_a_reference_model_of_another_architecture_is_refused(dpo_config, tmp_path, capsys):
+    other = tmp_path / "other"
+    qwen = Trainer(load_config(None, ["model.preset=tiny-qwen2", "device=cpu", f"output_dir={tmp_path / 'q'}"]))
+    qwen.export(other)
+    qwen.close()
+    assert main(["train", "--config", str(dpo_config()), "--set", f"train.dpo.ref_model={other}"]) == 2
+    err = capsys.readouterr().err
+    assert f"train.dpo.ref_model {other} has arch 'qwen2' where the policy has 'llama'" in err
+    assert torch.cuda.is_available() or "Traceback" not in err

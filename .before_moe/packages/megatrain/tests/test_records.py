@@ -1,0 +1,293 @@
+"""Record datasets: formats, the dataset_info.json registry, mixing, truncation, packing, validation."""
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from megatrain.config import ConfigError, DataSection
+from megatrain.data import EOS_TOKEN, TokenWindows, builtin_corpus, load_token_data, train_tokenizer
+from megatrain.records import pack_rows
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    text = tmp_path_factory.mktemp("tok") / "corpus.txt"
+    text.write_text(builtin_corpus().read_text()[:50000])
+    path = text.parent / "tokenizer.json"
+    train_tokenizer(text, 512, path)
+    return path
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def trained_text(tok, data, row):
+    """The decoded trained tokens of a row, EOS shown."""
+    tokens, mask = data.train.tokens[row], data.train.loss_mask[row]
+    return tok.decode([int(t) for t, m in zip(tokens, mask) if m], skip_special_tokens=False)
+
+
+def test_pretraining_records_are_one_stream_with_eos(tmp_path, tokenizer_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": "first document"}, {"text": "second one"}])
+    data = load_token_data(
+        DataSection(dataset=str(source), tokenizer=str(tokenizer_path), seq_len=4), 512, tmp_path / "cache", None
+    )
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eos = tok.token_to_id(EOS_TOKEN)
+    tokens = data.train.tokens
+    assert data.train.loss_mask is None and tokens.ndim == 1
+    assert list(tokens).count(eos) == 2 and tokens[-1] == eos
+    assert tok.decode([int(t) for t in tokens if t != eos]) == "first documentsecond one"
+
+
+def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
+    """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
+    it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""
+    from tokenizers import processors
+
+    from megatrain.data import tokenize_text
+    from megatrain.records import document_start_ids
+
+    plain = Tokenizer.from_file(str(tokenizer_path))
+    assert document_start_ids(plain) == []
+    with_bos = Tokenizer.from_file(str(tokenizer_path))
+    with_bos.add_special_tokens(["<bos>"])
+    bos, eos = with_bos.token_to_id("<bos>"), with_bos.token_to_id(EOS_TOKEN)
+    with_bos.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    path = tmp_path / "bos" / "tokenizer.json"
+    path.parent.mkdir()
+    with_bos.save(str(path))
+    assert document_start_ids(with_bos) == [bos]
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": "first document"}, {"text": "second one"}])
+    data = load_token_data(DataSection(dataset=str(source), tokenizer=str(path), seq_len=4), 1024, tmp_path / "c", None)
+    first = with_bos.encode("first document", add_special_tokens=False).ids
+    second = with_bos.encode("second one", add_special_tokens=False).ids
+    assert list(data.train.tokens) == [bos, *first, eos, bos, *second, eos]
+    text = tmp_path / "book.txt"
+    text.write_text("one paragraph\n\nanother paragraph\n\nand a third")
+    tokens, _ = tokenize_text(text, path, 1024, tmp_path / "c2")
+    assert tokens[0] == bos and list(tokens).count(bos) == 1
+
+
+def test_alpaca_with_the_simple_template_trains_the_response_and_eos(tmp_path, tokenizer_path, capsys):
+    source = write_jsonl(
+        tmp_path / "sft.jsonl",
+        [
+            {"instruction": "Name a keyword.", "input": "", "output": "lambda"},
+            {"instruction": "Add.", "input": "1 and 2", "output": "3", "history": [["Hi", "Hello"]]},
+        ],
+    )
+    section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=64)
+    data = load_token_data(section, 512, tmp_path / "cache", None)
+    assert "no chat template; using the simple template" in capsys.readouterr().err
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    assert data.train.tokens.shape == (2, 64)
+    assert trained_text(tok, data, 0) == f"lambda{EOS_TOKEN}"
+    assert trained_text(tok, data, 1) == f"Hello{EOS_TOKEN}3{EOS_TOKEN}"  # every assistant turn, history included
+    full = tok.decode([int(t) for t in data.train.tokens[1]], skip_special_tokens=False)
+    assert full.startswith(f"<|user|>\nHi\n<|assistant|>\nHello{EOS_TOKEN}\n<|user|>\nAdd.\n1 and 2\n<|assistant|>\n3")
+    windows = TokenWindows(data.train, 64, 2, shuffle=False, seed=0)
+    batch = windows.batch(0)
+    targets = batch.input_ids[0, 1:][batch.labels[0, :-1] != -100]
+    assert tok.decode(targets.tolist(), skip_special_tokens=False) == f"lambda{EOS_TOKEN}"
+
+
+def test_messages_in_every_container_and_layout(tmp_path, tokenizer_path):
+    import datasets
+
+    records = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    for source in (write_jsonl(tmp_path / "chat.jsonl", records), tmp_path / "chat.parquet", tmp_path / "saved"):
+        if source.suffix == ".parquet":
+            datasets.Dataset.from_list(records).to_parquet(str(source))
+        elif source.name == "saved":
+            datasets.Dataset.from_list(records).save_to_disk(str(source))
+        section = DataSection(dataset=str(source), format="messages", tokenizer=str(tokenizer_path), seq_len=32)
+        data = load_token_data(section, 512, tmp_path / f"cache-{source.name}", None)
+        assert trained_text(tok, data, 0) == f"hello{EOS_TOKEN}"
+
+
+def test_registry_formats_tags_and_weighted_mix(tmp_path, tokenizer_path):
+    write_jsonl(
+        tmp_path / "qa.jsonl", [{"q": f"question {i}", "a": f"answer {i}", "sys": "be brief"} for i in range(4)]
+    )
+    chats = [
+        {"dialog": [{"speaker": "me", "text": f"hi {i}"}, {"speaker": "bot", "text": f"hey {i}"}]} for i in range(2)
+    ]
+    write_jsonl(tmp_path / "chats.jsonl", chats)
+    registry = {
+        "qa": {"file_name": "qa.jsonl", "columns": {"prompt": "q", "response": "a", "system": "sys"}},
+        "chats": {
+            "file_name": "chats.jsonl",
+            "formatting": "sharegpt",
+            "columns": {"messages": "dialog"},
+            "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "me", "assistant_tag": "bot"},
+        },
+    }
+    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    section = DataSection(dataset="qa,chats", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path), seq_len=48)
+    data = load_token_data(section, 512, tmp_path / "cache", None)
+    texts = [tok.decode([int(t) for t in row], skip_special_tokens=False) for row in data.train.tokens]
+    assert len(texts) == 6 and texts[0].startswith("<|system|>\nbe brief\n<|user|>\nquestion 0\n<|assistant|>\n")
+    assert sorted(trained_text(tok, data, r) for r in range(4, 6)) == [f"hey 0{EOS_TOKEN}", f"hey 1{EOS_TOKEN}"]
+
+    mixed = load_token_data(
+        DataSection(
+            dataset="qa,chats",
+            dataset_dir=str(tmp_path),
+            mix_weights=(1.0, 2.0),
+            tokenizer=str(tokenizer_path),
+            seq_len=48,
+        ),
+        512,
+        tmp_path / "cache2",
+        None,
+    )
+    texts = [trained_text(tok, mixed, r) for r in range(len(mixed.train.tokens))]
+    assert len(texts) == 6 and sum(t.startswith("hey") for t in texts) == 4  # 2/3 of 6: each chat twice
+
+    bad_tags = dict(registry, chats=dict(registry["chats"], tags={"role_tag": "speaker", "content_tag": "text"}))
+    (tmp_path / "dataset_info.json").write_text(json.dumps(bad_tags))
+    with pytest.raises(ConfigError, match=r"record 0: turn 0 has role 'me' under 'speaker'"):
+        load_token_data(
+            DataSection(dataset="chats", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path)),
+            512,
+            tmp_path / "cache3",
+            None,
+        )
+    with pytest.raises(ConfigError, match=r"'missing' is not in .*dataset_info.json \(it has \['chats', 'qa'\]\)"):
+        load_token_data(
+            DataSection(dataset="missing", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path)),
+            512,
+            tmp_path / "cache4",
+            None,
+        )
+
+
+def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, tokenizer_path, capsys):
+    long = " ".join(["word"] * 80)
+    records = [{"instruction": "short", "output": "ok"}] * 3 + [{"instruction": long, "output": "ok"}]
+    source = write_jsonl(tmp_path / "sft.jsonl", records)
+    common = dict(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=32)
+    truncated = load_token_data(DataSection(**common), 512, tmp_path / "c1", None)
+    assert len(truncated.train.tokens) == 3  # the long one's response lies past seq_len: nothing left to train
+    assert "4 records -> 3 examples (1 truncated to seq_len 32; 1 dropped with no trained token" in "\n".join(
+        truncated.report
+    )
+    dropped = load_token_data(DataSection(**common, too_long="drop"), 512, tmp_path / "c2", None)
+    assert "1 dropped as longer than seq_len 32" in "\n".join(dropped.report)
+    source = write_jsonl(tmp_path / "mostly-long.jsonl", records[2:] + records[3:] * 3)
+    with pytest.raises(ConfigError, match="most records would be skipped; raise data.seq_len, or set data.too_long"):
+        load_token_data(DataSection(**dict(common, dataset=str(source)), too_long="drop"), 512, tmp_path / "c3", None)
+
+
+def test_packing_keeps_examples_whole_with_restarting_positions(tmp_path, tokenizer_path):
+    records = [{"instruction": "x " * n, "output": "y " * (n % 3 + 1)} for n in range(1, 13)]
+    source = write_jsonl(tmp_path / "sft.jsonl", records)
+    common = dict(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=64)
+    unpacked = load_token_data(DataSection(**common), 512, tmp_path / "c1", None)
+    packed = load_token_data(DataSection(**common, pack=True), 512, tmp_path / "c2", None)
+    assert len(packed.train.tokens) < len(unpacked.train.tokens) == 12
+    positions = packed.train.position_ids
+    assert positions is not None and (positions[:, 0] == 0).all()
+
+    # the same examples: every (ids, mask) document of the packed rows is one of the unpacked rows
+    def document(row, mask):  # up to its last trained token (the EOS; padding follows in unpacked rows)
+        n = int(np.nonzero(mask)[0].max()) + 1
+        return tuple(row[:n].tolist()), tuple(mask[:n].tolist())
+
+    unpacked_docs = sorted(document(r, m) for r, m in zip(unpacked.train.tokens, unpacked.train.loss_mask))
+    packed_docs = []
+    for row, mask, pos in zip(packed.train.tokens, packed.train.loss_mask, positions):
+        starts = list(np.nonzero(pos == 0)[0]) + [len(pos)]
+        packed_docs += [document(row[a:b], mask[a:b]) for a, b in zip(starts[:-1], starts[1:]) if mask[a:b].any()]
+    assert sorted(packed_docs) == unpacked_docs
+    # labels never cross a document boundary
+    batch = TokenWindows(packed.train, 64, 1, shuffle=False, seed=0).batch(0)
+    boundary = batch.position_ids[0, 1:] == 0
+    assert (batch.labels[0, :-1][boundary] == -100).all()
+
+
+def test_best_fit_packing():
+    rows = pack_rows([5, 3, 4, 2, 6, 1], 8)
+    assert sorted(i for r in rows for i in r) == list(range(6))
+    assert all(sum([5, 3, 4, 2, 6, 1][i] for i in r) <= 8 for r in rows) and len(rows) == 3
+
+
+def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
+    import datasets
+
+    records = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(20)]
+    source = write_jsonl(tmp_path / "sft.jsonl", records)
+    common = dict(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=32)
+    data = load_token_data(DataSection(**common, validation=0.25), 512, tmp_path / "c1", None)
+    assert len(data.train.tokens) == 15 and len(data.validation.tokens) == 5
+    train_rows = {tuple(r) for r in data.train.tokens}
+    assert not any(tuple(r) in train_rows for r in data.validation.tokens)
+    held = write_jsonl(tmp_path / "val.jsonl", records[:3])
+    data = load_token_data(DataSection(**common, validation=str(held)), 512, tmp_path / "c2", None)
+    assert len(data.train.tokens) == 20 and len(data.validation.tokens) == 3
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(records), "test": datasets.Dataset.from_list(records[:2])}
+    ).save_to_disk(str(tmp_path / "saved"))
+    data = load_token_data(
+        DataSection(**dict(common, dataset=str(tmp_path / "saved")), validation="test"), 512, tmp_path / "c3", None
+    )
+    assert len(data.validation.tokens) == 2
+    text = load_token_data(
+        DataSection(text=str(builtin_corpus()), seq_len=64, validation=0.1), 512, tmp_path / "c4", None
+    )
+    assert len(text.validation.tokens) == round(0.1 * (len(text.train.tokens) + len(text.validation.tokens)) / 64) * 64
+
+
+def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
+    source = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c"}])
+    section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=16)
+    with pytest.raises(ConfigError, match=r"record 1 has no response field 'output'"):
+        load_token_data(section, 512, tmp_path / "c1", None)
+    no_answer = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ConfigError, match=r"record 0 has no assistant turn"):
+        load_token_data(
+            DataSection(dataset=str(no_answer), format="messages", tokenizer=str(tokenizer_path)),
+            512,
+            tmp_path / "c0",
+            None,
+        )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="cannot read dataset|holds no records"):
+        load_token_data(DataSection(dataset=str(empty), tokenizer=str(tokenizer_path)), 512, tmp_path / "c2", None)
+    odd = tmp_path / "data.csv"
+    odd.write_text("a,b\n")
+    with pytest.raises(ConfigError, match="unknown file type '.csv'"):
+        load_token_data(DataSection(dataset=str(odd), tokenizer=str(tokenizer_path)), 512, tmp_path / "c3", None)
+    with pytest.raises(ConfigError, match="needs the model's tokenizer"):
+        load_token_data(DataSection(dataset=str(source), format="alpaca"), 512, tmp_path / "c4", None)
+    with pytest.raises(ConfigError, match="vocab_size is 100"):
+        load_token_data(
+            DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path)), 100, tmp_path / "c5", None
+        )
+
+
+def test_tokenized_once_then_cached(tmp_path, tokenizer_path, monkeypatch):
+    source = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "x y", "output": "z"}] * 50)
+    section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), validation=0.1)
+    first = load_token_data(section, 512, tmp_path / "cache", None)
+    import megatrain.records as records
+
+    monkeypatch.setattr(records, "tokenize_source", lambda *a, **k: pytest.fail("tokenized twice"))
+    again = load_token_data(section, 512, tmp_path / "cache", None)
+    assert np.array_equal(first.train.tokens, again.train.tokens)
+    assert np.array_equal(first.validation.loss_mask, again.validation.loss_mask) and again.report == first.report
+
+
+def test_eval_every_without_validation_data_is_refused_in_the_config():
+    from megatrain.config import load_config
+
+    with pytest.raises(ConfigError, match="train.eval_every needs held-out data"):
+        load_config(None, ["train.eval_every=10"])

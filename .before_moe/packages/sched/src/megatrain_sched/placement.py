@@ -1,0 +1,148 @@
+"""Where each stage's weights and activations live during a training step: the plan `LayerPipeline` runs.
+
+A planner (megatrain's cost model, or a caller by hand) decides one `Placement` for a step size; the
+pipeline executes it as given and changes it only where the device would run out of memory, saying so.
+"""
+
+from dataclasses import asdict, dataclass, field
+
+# where a stage's weights live between uses
+STREAMED = "streamed"  # copied in for each pass (forward, backward)
+HELD = "held"  # copied in for the forward, kept in a device buffer of its own until its backward
+RESIDENT = "resident"  # fp32 master and moments live on the device and are updated there: cast, never copied
+# where a block's activation checkpoint and its forward's matmul products wait for its backward
+DEVICE, HOST = "device", "host"
+RECOMPUTE = "recompute"  # products not kept: the backward recomputes them from the checkpoint
+
+_CHOICES = {"weights": (STREAMED, HELD, RESIDENT), "checkpoint": (DEVICE, HOST), "products": (RECOMPUTE, DEVICE, HOST)}
+
+
+class PlacementError(ValueError):
+    """A placement with an unknown choice, or one that does not match the stages it is given to."""
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """One stage's choices (see the module's constants). The embedding and head have no checkpoint or
+    products of their own: theirs stay `device` and `recompute`."""
+
+    weights: str = STREAMED
+    checkpoint: str = DEVICE
+    products: str = RECOMPUTE
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise PlacementError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A step's placement: one `StagePlacement` per pipeline stage (embedding, blocks, head), and the step's
+    own choices, which the store and optimizer act on (the pipeline reads only `stages`, `tokens` and
+    `device_step_bytes`)."""
+
+    stages: tuple[StagePlacement, ...]
+    tokens: int = 0  # tokens per step (this process's) it was made for; 0: any
+    # device bytes the step takes beside the persistent buffers (slots, held weights, resident state):
+    # checkpoints and products kept there, gradients, a recompute, the head's chunk. None: not counted
+    device_step_bytes: int | None = None
+    gradient_pool: float | None = None  # gradient landing buffers, in largest groups; None: one per group
+    first_disk_group: int | None = None  # groups from here on keep their optimizer state on disk; None: none
+    wire_copy: bool = False  # a compute-dtype copy of the weights in host memory (half the PCIe bytes)
+    experts_per_stage: int = 0  # a MoE layer's experts streamed in parts of this many (0: whole layers)
+    why: dict = field(default_factory=dict, compare=False)  # the planner's reasons, by choice (for people)
+
+    @classmethod
+    def build(
+        cls,
+        n_stages: int,
+        resident: tuple[int, ...] = (),
+        held: tuple[int, ...] = (),
+        offloaded: tuple[int, ...] = (),
+        kept: tuple[int, ...] = (),
+        host_kept: tuple[int, ...] = (),
+        **step,
+    ) -> "Placement":
+        """A placement of `n_stages` stages from the stage indices of each choice that is not the default."""
+        stages = []
+        for index in range(n_stages):
+            weights = RESIDENT if index in resident else HELD if index in held else STREAMED
+            products = DEVICE if index in kept else HOST if index in host_kept else RECOMPUTE
+            stages.append(StagePlacement(weights, HOST if index in offloaded else DEVICE, products))
+        return cls(tuple(stages), **step)
+
+    def where(self, **choice: str) -> tuple[int, ...]:
+        """The indices of the stages with these choices, e.g. `where(products=DEVICE)`."""
+        return tuple(i for i, stage in enumerate(self.stages) if all(getattr(stage, k) == v for k, v in choice.items()))
+
+    @property
+    def resident(self) -> tuple[int, ...]:
+        return self.where(weights=RESIDENT)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        return self.where(weights=HELD)
+
+    @property
+    def offloaded(self) -> tuple[int, ...]:
+        return self.where(checkpoint=HOST)
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """Stages whose products are kept on the device."""
+        return self.where(products=DEVICE)
+
+    @property
+    def host_kept(self) -> tuple[int, ...]:
+        """Stages whose products wait in pinned host memory."""
+        return self.where(products=HOST)
+
+    @property
+    def keeping(self) -> tuple[int, ...]:
+        """Stages keeping their products, on the device or in host memory: the backwards that recompute no GEMM."""
+        return tuple(sorted(self.kept + self.host_kept))
+
+    def runs(self) -> list[tuple[int, int, StagePlacement]]:
+        """(first, last, choices) of each run of consecutive blocks with the same choices; the embedding (the
+        first stage) and the head (the last) are runs of their own."""
+        last_stage = len(self.stages) - 1
+        runs: list[tuple[int, int, StagePlacement]] = []
+        for index, stage in enumerate(self.stages):
+            if runs and runs[-1][2] == stage and index not in (1, last_stage):
+                runs[-1] = (runs[-1][0], index, stage)
+            else:
+                runs.append((index, index, stage))
+        return runs
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the step's fields and the stages as runs (`from_dict` reads it back)."""
+        fields = {k: v for k, v in asdict(self).items() if k != "stages"}
+        fields["stages"] = [{"first": first, "last": last, **asdict(stage)} for first, last, stage in self.runs()]
+        return fields
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Placement":
+        """The placement `as_dict` wrote."""
+        try:
+            stages = [None] * (data["stages"][-1]["last"] + 1)
+            for run in data["stages"]:
+                choices = StagePlacement(run["weights"], run["checkpoint"], run["products"])
+                stages[run["first"] : run["last"] + 1] = [choices] * (run["last"] + 1 - run["first"])
+            step = {k: v for k, v in data.items() if k != "stages"}
+            return cls(tuple(stages), **step)
+        except (KeyError, IndexError, TypeError) as error:
+            raise PlacementError(f"not a placement written by Placement.as_dict: {error!r}") from error
+
+    def table(self, names: list[str], device: str = DEVICE) -> str:
+        """A text table: one line per run of stages with the same choices, `names` giving each stage's and
+        `device` the device's name."""
+        rows = [("stages", "weights", "checkpoint", "matmul products")]
+        for first, last, stage in self.runs():
+            label = names[first] if first == last else f"{names[first]} .. {names[last]} ({last - first + 1})"
+            where = {DEVICE: device, HOST: HOST}
+            checkpoint = "-" if first == 0 or last == len(self.stages) - 1 else f"on {where[stage.checkpoint]}"
+            products = "recomputed" if stage.products == RECOMPUTE else f"kept on {where[stage.products]}"
+            rows.append((label, stage.weights, checkpoint, products if checkpoint != "-" else "-"))
+        widths = [max(len(row[c]) for row in rows) for c in range(4)]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,124 @@
+"""Spans of copy-in, compute, copy-out and optimizer work, written as a Chrome trace.
+
+Device spans are timed with CUDA events recorded on their stream; host spans (the
+optimizer worker) with the host clock; both are aligned at the start of each step."""
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+TRACKS = ("copy_in", "compute", "copy_out", "optimizer")
+
+
+def _timing_event(stream):
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+class Timeline:
+    """Collects spans while `enabled`; `resolve()` turns pending device spans into times.
+
+    `keep_steps` bounds memory on long runs: only the spans of the last that many steps
+    are kept (None keeps everything, for benchmarks that time several steps)."""
+
+    def __init__(self, enabled: bool = False, keep_steps: int | None = 1):
+        self.enabled = enabled
+        self.keep_steps = keep_steps
+        self._step_starts: list[int] = []  # index in `spans` where each step's spans begin
+        self.spans: list[dict] = []  # {"name", "track", "start_us", "end_us"}
+        self._pending: list[tuple[str, str, object, object]] = []
+        self._origin_event = None
+        self._origin_host = time.perf_counter()
+        self._origin_host_step = self._origin_host
+        self._lock = threading.Lock()
+
+    def start_step(self, streams) -> None:
+        if not self.enabled:
+            return
+        self.resolve()
+        self._step_starts.append(len(self.spans))
+        if self.keep_steps is not None and len(self._step_starts) > self.keep_steps:
+            first = self._step_starts[-self.keep_steps]
+            del self.spans[:first]
+            self._step_starts = [start - first for start in self._step_starts[-self.keep_steps :]]
+        if streams.cuda:
+            torch.cuda.synchronize(streams.device)
+            self._origin_event = _timing_event(streams.compute)
+        self._origin_host_step = time.perf_counter()
+
+    @contextmanager
+    def device_span(self, name: str, track: str, streams, stream):
+        """Time the work queued on `stream` inside the block."""
+        if not self.enabled:
+            yield
+            return
+        if not streams.cuda:
+            with self.host_span(name, track):
+                yield
+            return
+        start = _timing_event(stream)
+        yield
+        self._pending.append((name, track, start, _timing_event(stream)))
+
+    @contextmanager
+    def host_span(self, name: str, track: str):
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        end = time.perf_counter()
+        with self._lock:
+            self.spans.append(
+                {
+                    "name": name,
+                    "track": track,
+                    "start_us": (start - self._origin_host) * 1e6,
+                    "end_us": (end - self._origin_host) * 1e6,
+                }
+            )
+
+    def resolve(self) -> None:
+        """Convert recorded CUDA events into host-aligned times (synchronizes on them)."""
+        if not self._pending:
+            return
+        base_us = (self._origin_host_step - self._origin_host) * 1e6
+        for name, track, start, end in self._pending:
+            end.synchronize()
+            self.spans.append(
+                {
+                    "name": name,
+                    "track": track,
+                    "start_us": base_us + self._origin_event.elapsed_time(start) * 1e3,
+                    "end_us": base_us + self._origin_event.elapsed_time(end) * 1e3,
+                }
+            )
+        self._pending.clear()
+
+    def write_chrome_trace(self, path: Path) -> None:
+        """Write the spans as a Chrome/Perfetto trace (open in chrome://tracing or ui.perfetto.dev)."""
+        self.resolve()
+        tracks = list(TRACKS) + sorted({s["track"] for s in self.spans} - set(TRACKS))
+        tids = {track: i for i, track in enumerate(tracks)}
+        events = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}}
+            for track, tid in tids.items()
+        ]
+        events += [
+            {
+                "name": s["name"],
+                "ph": "X",
+                "pid": 0,
+                "tid": tids[s["track"]],
+                "ts": s["start_us"],
+                "dur": max(0.0, s["end_us"] - s["start_us"]),
+            }
+            for s in self.spans
+        ]
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"traceEvents": events}))

@@ -1,0 +1,379 @@
+"""The scheduler on the CPU: orderings, gradients against autograd, tied groups, slot counts."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, SchedError, Stage, Timeline
+from megatrain_sched.pipeline import expandable_device_memory
+from megatrain_store import GroupLayout, HostStore
+
+Spec = namedtuple("Spec", "name shape numel")
+V, D = 11, 6
+
+
+def spec(name, *shape):
+    return Spec(name, shape, int(torch.Size(shape).numel()))
+
+
+class Lookup:
+    groups = ((spec("table", V, D),),)
+    backward_reads_weights = False  # the pipeline copies no weights for its backward
+
+    def forward(self, w, ids):
+        return w[0].view(V, D)[ids]
+
+    def backward(self, w, ids, grad, grads):
+        grads[0].view(V, D).index_add_(0, ids.reshape(-1), grad.reshape(-1, D))
+
+
+class Mix:
+    """y = tanh(x @ M); its forward can keep the product x @ M for the backward."""
+
+    groups = ((spec("m", D, D),),)
+
+    def forward(self, w, x):
+        return torch.tanh(x @ w[0].view(D, D))
+
+    def forward_keeping_products(self, w, x):
+        product = x @ w[0].view(D, D)
+        return torch.tanh(product), {"product": product}
+
+    def product_bytes_per_token(self, element_size):
+        return D * element_size
+
+    def backward(self, w, x, grad, grads, products=None):
+        m = w[0].view(D, D)
+        product = products["product"] if products is not None else x @ m
+        pre_grad = grad * (1 - torch.tanh(product) ** 2)
+        grads[0].view(D, D).add_(x.reshape(-1, D).T @ pre_grad.reshape(-1, D))
+        return pre_grad @ m.T
+
+
+class Readout:
+    """loss = sum over labelled positions of (x . table[label])^2, optionally tied to the lookup table."""
+
+    def __init__(self, tied):
+        self.tied = tied
+        self.groups = ((spec("table", V, D),), (spec("bias", D),)) if tied else ((spec("proj", V, D), spec("bias", D)),)
+
+    def _split(self, w):
+        return (w[0].view(V, D), w[1]) if self.tied else (w[0][: V * D].view(V, D), w[0][V * D :])
+
+    def loss(self, w, x, labels, scale, grads):
+        table, bias = self._split(w)
+        g_table, g_bias = self._split(grads)
+        mask = (labels >= 0).unsqueeze(-1).to(x.dtype)
+        rows = table[labels.clamp_min(0)]
+        dot = ((x + bias) * rows).sum(-1, keepdim=True) * mask
+        grad_x = 2 * dot * rows * scale
+        g_table.index_add_(0, labels.clamp_min(0).reshape(-1), (2 * dot * (x + bias) * scale).reshape(-1, D))
+        g_bias.add_(grad_x.reshape(-1, D).sum(0))
+        return (dot**2).sum(), grad_x
+
+
+def build(n_mix, tied, n_slots=2, **placed):
+    """A lookup, `n_mix` Mix blocks and a readout on the CPU; `placed`: `Placement.build`'s stage indices."""
+    readout = Readout(tied)
+    templates = [Lookup()] + [Mix() for _ in range(n_mix)]
+    layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
+    layouts.append(GroupLayout.from_specs([(s.name, s.shape, True) for s in readout.groups[-1]]))
+    store = HostStore(layouts)
+    for g in range(store.n_groups):
+        store.master(g).normal_()
+    stages = [Stage(t, (i,), f"s{i}") for i, t in enumerate(templates)]
+    stages.append(Stage(readout, (0, len(layouts) - 1) if tied else (len(layouts) - 1,), "head"))
+    landed = []
+    pipeline = LayerPipeline(
+        stages,
+        store,
+        torch.device("cpu"),
+        n_slots=n_slots,
+        placement=Placement.build(len(stages), **placed),
+        on_grads_landed=lambda g, e, sq: landed.append(g),
+        timeline=Timeline(enabled=True),
+    )
+    return store, pipeline, landed
+
+
+def autograd_reference(store, n_mix, tied, batches, scale):
+    params = [store.master(g).clone().requires_grad_() for g in range(store.n_groups)]
+    total = 0.0
+    for ids, labels in batches:
+        x = params[0].view(V, D)[ids]
+        for i in range(n_mix):
+            x = torch.tanh(x @ params[1 + i].view(D, D))
+        head = params[-1]
+        table = params[0].view(V, D) if tied else head[: V * D].view(V, D)
+        bias = head if tied else head[V * D :]
+        mask = (labels >= 0).unsqueeze(-1).to(x.dtype)
+        total = total + ((((x + bias) * table[labels.clamp_min(0)]).sum(-1, keepdim=True) * mask) ** 2).sum()
+    (total * scale).backward()
+    return total.detach(), [p.grad for p in params]
+
+
+def close(got, expected, rtol=1e-4):
+    """Equal to fp32 rounding relative to the whole tensor: a few elements that cancel (N(0, 1) weights,
+    several layers) may differ elementwise by more than rtol of themselves."""
+    return bool((got - expected).norm() <= rtol * expected.norm())
+
+
+def make_batches(n_micro, micro=2, seq=5):
+    out = []
+    for _ in range(n_micro):
+        ids = torch.randint(0, V, (micro, seq))
+        labels = torch.randint(0, V, (micro, seq))
+        labels[:, -1] = -100
+        out.append((ids, labels))
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("n_slots, held", [(2, ()), (3, ()), (2, (1, 2))])
+def test_gradients_match_autograd(tied, n_slots, held):
+    store, pipeline, landed = build(3, tied, n_slots, held=held)
+    batches = make_batches(3)
+    result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
+    loss, grads = autograd_reference(store, 3, tied, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    for g in range(store.n_groups):
+        assert close(store.grad(g), grads[g]), g
+        assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
+    assert sorted(landed) == list(range(store.n_groups))  # every group's gradient sent exactly once
+
+
+@pytest.mark.parametrize(
+    "placed",
+    [
+        {"kept": (3, 4)},
+        {"kept": (4,), "host_kept": (1, 3)},
+        {"offloaded": (1, 2, 3, 4)},
+        {"offloaded": (1, 2, 3, 4), "kept": (4,), "host_kept": (2,)},  # kept layers' checkpoints too
+        {"offloaded": (1, 2), "kept": (1, 4), "held": (2,)},  # any stages, not only the first or last ones
+    ],
+)
+def test_kept_products_and_offloaded_checkpoints_match_autograd(placed):
+    store, pipeline, _ = build(4, tied=True, **placed)
+    batches = make_batches(3)
+    for _ in range(2):  # the second step reuses the first's host buffers
+        result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
+    loss, grads = autograd_reference(store, 4, True, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
+    assert pipeline.executed == pipeline.placement and pipeline.fallback is None  # run as given
+
+
+def test_the_warm_up_takes_the_host_memory_of_a_whole_step():
+    """The warm-up runs one micro-batch but takes the host memory a whole step's offloaded checkpoints and host-kept
+    products go to, exact bytes (the CUDA host allocator would round each up to a power of two): the first step
+    takes none (pinning 20 GB there made it twice as long)."""
+    store, pipeline, _ = build(4, tied=True, offloaded=(1, 2, 3, 4), kept=(4,), host_kept=(2,))
+    pipeline.stages[-1].template.d_model = D  # (the checkpoints' width)
+    step = [MicroBatch(i, lab) for i, lab in make_batches(3)]
+    pipeline.warm_up(step[:1], step)
+    stage_bytes = sum(mb.input_ids.numel() for mb in step) * D * store.compute_dtype.itemsize
+    taken = dict(pipeline._host_memory.buffers)
+    expected = {("checkpoint", stage): stage_bytes for stage in range(1, 5)} | {("products", 0): stage_bytes}
+    assert {use: buffer.numel() for use, buffer in taken.items()} == expected
+    pipeline.run(step, loss_scale=1.0)
+    assert pipeline.executed.offloaded == (1, 2, 3, 4) and pipeline.executed.host_kept == (2,)
+    assert pipeline._host_memory.buffers.keys() == taken.keys()
+    assert all(pipeline._host_memory.buffers[use] is buffer for use, buffer in taken.items())
+
+
+@pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 3)])
+def test_weights_present_before_every_compute(n_slots, held_layers):
+    store, pipeline, _ = build(4, tied=True, n_slots=n_slots, held=tuple(range(1, 1 + held_layers)))
+    log = []
+    for _ in range(2):  # the second step copies every stage in again: the weights have changed
+        log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0).log
+    held = {}
+    copies = 0
+    for kind, what, slot in log:
+        if kind == "copy_in":
+            held[slot] = what
+            copies += 1
+        elif kind == "reuse":
+            assert held[slot] == what
+        elif kind == "no_copy":
+            held[slot] = None  # a backward that reads no weights (the lookup's) is given none
+            assert what == 0
+        elif kind == "compute":
+            assert held.get(slot) in (what, None), f"stage {what} computed in slot {slot} holding {held.get(slot)}"
+            assert held.get(slot) is not None or what == 0
+    n_stages = len(pipeline.stages)
+    forward_copies = n_stages  # every stage copied once in forward ...
+    # ... and again in backward, except the head, the stage next to it, the lookup and the held ones
+    backward_copies = n_stages - 3 - held_layers
+    assert copies == forward_copies + backward_copies + (0 if n_slots == 2 else 1)
+    held = [what for kind, what, slot in log if kind == "compute" and str(slot).startswith("held")]
+    assert held == [*range(1, 1 + held_layers), *range(held_layers, 0, -1)]  # the first blocks, both ways
+    grad_outs = [what for kind, what, _ in log if kind == "grad_out"]
+    assert sorted(grad_outs) == list(range(store.n_groups))
+
+
+def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over():
+    """Stages whose masters live on the device: no copy from the store, no before_fetch, their gradient
+    handed to on_device_grads (with its squared norm) instead of landing; held layers skip them."""
+    store, host_pipeline, _ = build(4, tied=False)
+    device_masters = {g: torch.randn_like(store.master(g)) for g in (1, 2)}  # not what the store holds
+    handed, fetched, landed = {}, [], []
+    pipeline = LayerPipeline(
+        host_pipeline.stages,
+        store,
+        torch.device("cpu"),
+        placement=Placement.build(len(host_pipeline.stages), resident=(1, 2), held=(3,)),
+        device_masters=device_masters,
+        on_device_grads=lambda g, grad, sq: handed.setdefault(g, (grad.clone(), sq.clone())),
+        before_fetch=lambda groups: fetched.append(groups),
+        on_grads_landed=lambda g, e, sq: landed.append(g),
+    )
+    batches = make_batches(2)
+    result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
+    for g, master in device_masters.items():
+        store.master(g).copy_(master)  # the model the pipeline ran
+    loss, grads = autograd_reference(store, 4, False, batches, 0.5)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    for g in range(store.n_groups):
+        got = handed[g][0] if g in device_masters else store.grad(g)
+        assert close(got, grads[g]), g
+        assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
+    assert all(torch.allclose(sq, grads[g].pow(2).sum(), rtol=1e-4) for g, (_, sq) in handed.items())
+    assert sorted(landed) == [0, 3, 4, 5] and sorted(handed) == [1, 2]
+    assert (1,) not in fetched and (2,) not in fetched
+    casts = [what for kind, what, _ in result.log if kind == "cast"]
+    assert casts == [1, 2, 2, 1]  # forward and backward (stage 2 not next to the head: cast again)
+    held = [what for kind, what, slot in result.log if kind == "compute" and str(slot).startswith("held")]
+    assert held == [3, 3]  # the first block not updated on the device
+
+
+def test_a_stage_binding_device_and_host_masters_is_refused():
+    store, pipeline, _ = build(2, tied=True)
+    with pytest.raises(SchedError, match="binds groups with device masters and groups without"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), device_masters={0: store.master(0).clone()})
+    placement = Placement.build(len(pipeline.stages), resident=(1,))
+    with pytest.raises(PlacementError, match="stage 1 .* is resident but its groups lack device masters"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=placement)
+
+
+def test_layer_major_order():
+    """Every micro-batch passes through a stage before the next stage's weights are used."""
+    store, pipeline, _ = build(2, tied=False)
+    log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(3)], loss_scale=1.0).log
+    computes = [what for kind, what, _ in log if kind == "compute"]
+    n = len(pipeline.stages)
+    assert computes == list(range(n)) + list(range(n - 2, -1, -1))
+
+
+def test_before_fetch_called_for_each_copy():
+    store, pipeline, _ = build(2, tied=False)
+    fetched = []
+    pipeline.before_fetch = lambda groups: fetched.append(groups)
+    pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(1)], loss_scale=1.0)
+    assert fetched[0] == (0,) and (3,) in fetched
+
+
+def test_timeline_chrome_trace(tmp_path):
+    store, pipeline, _ = build(2, tied=False)
+    pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(1)], loss_scale=1.0)
+    path = tmp_path / "trace.json"
+    pipeline.timeline.write_chrome_trace(path)
+    import json
+
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"copy_in s1", "fwd s1", "bwd s1", "grad_out s1"} <= names
+
+
+def test_bad_stage_lists():
+    store, pipeline, _ = build(1, tied=False)
+    with pytest.raises(SchedError, match="n_slots"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), n_slots=1)
+    n = len(pipeline.stages)
+    with pytest.raises(PlacementError, match="stage 1 .* cannot be held: only blocks before the last"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=Placement.build(n, held=(1,)))
+    with pytest.raises(PlacementError, match="stage 0 .* is no block"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=Placement.build(n, offloaded=(0,)))
+    with pytest.raises(PlacementError, match="places 2 stages; the model has 3"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=Placement.build(2))
+    with pytest.raises(SchedError, match="loss"):
+        LayerPipeline(pipeline.stages[:-1], store, torch.device("cpu"))
+    wrong = [Stage(Mix(), (0,), "bad")] + list(pipeline.stages[1:])
+    with pytest.raises(SchedError, match="expects 36 elements in group 0"):
+        LayerPipeline(wrong, store, torch.device("cpu"))
+
+
+def test_timeline_keeps_only_recent_steps():
+    store, pipeline, _ = build(2, tied=False)
+    batches = [MicroBatch(i, lab) for i, lab in make_batches(1)]
+    pipeline.run(batches, loss_scale=1.0)
+    per_step = len(pipeline.timeline.spans)
+    for _ in range(4):
+        pipeline.run(batches, loss_scale=1.0)
+    assert len(pipeline.timeline.spans) <= 2 * per_step  # bounded on long runs (the last step plus the current)
+    pipeline.timeline.keep_steps = None
+    for _ in range(3):
+        pipeline.run(batches, loss_scale=1.0)
+    assert len(pipeline.timeline.spans) >= 3 * per_step
+
+
+def test_the_placement_runs_as_given_unless_the_device_lacks_the_memory_it_counts_on(caplog):
+    """Where the free memory falls short of what the placement counts on, the first layers keeping products on the
+    device recompute them, then the first blocks' checkpoints go to host memory, as few as make up the difference;
+    the change is logged in one line and the step stays exact."""
+    tokens = 3 * 2 * 5
+    stage = tokens * D * 4  # a stage's checkpoints, and its products (fp32)
+    need = 10 * stage
+    store, pipeline, _ = build(4, tied=False, kept=(2, 3, 4), tokens=tokens, device_step_bytes=need)
+    pipeline.stages[-1].template.d_model = D
+    batches = make_batches(3)
+    micro = [MicroBatch(i, lab) for i, lab in batches]
+    pipeline.free_device_memory = lambda: need
+    pipeline.run(micro, loss_scale=0.1)
+    assert pipeline.executed == pipeline.placement and pipeline.fallback is None
+    pipeline.free_device_memory = lambda: need - stage - 1  # one product stage and a byte short: two go
+    with caplog.at_level("WARNING", logger="megatrain_sched"):
+        result = pipeline.run(micro, loss_scale=0.1)
+    assert pipeline.executed.kept == (4,) and pipeline.executed.offloaded == ()
+    assert "2 layers recompute their matmul products instead of keeping them, 0 more" in pipeline.fallback
+    assert caplog.records[-1].getMessage() == f"megatrain_sched: {pipeline.fallback}"
+    loss, grads = autograd_reference(store, 4, False, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
+    pipeline.free_device_memory = lambda: need - 4 * stage  # no products, then one checkpoint
+    pipeline.run(micro, loss_scale=0.1)
+    assert pipeline.executed.kept == () and pipeline.executed.offloaded == (1,)
+    # a step of other tokens than the placement was made for counts what it keeps at its own size
+    pipeline.free_device_memory = lambda: need
+    pipeline.run(micro + micro[:1], loss_scale=0.1)
+    # 10 tokens more of 4 stages' checkpoints and 3 stages' products: 1.75 stages of products at 40 tokens
+    assert pipeline.executed.kept == (4,)
+
+
+def test_a_new_placement_between_steps(monkeypatch):
+    """`place` changes held buffers and host memory between steps; the result stays exact."""
+    store, pipeline, _ = build(4, tied=True, held=(1, 2), offloaded=(1, 2, 3, 4), host_kept=(3,))
+    pipeline.stages[-1].template.d_model = D
+    batches = make_batches(2)
+    micro = [MicroBatch(i, lab) for i, lab in batches]
+    pipeline.run(micro, loss_scale=1.0)
+    assert set(pipeline._host_memory.buffers) == {*(("checkpoint", s) for s in range(1, 5)), ("products", 0)}
+    pipeline.place(Placement.build(len(pipeline.stages), held=(2, 3), offloaded=(1,)))
+    assert set(pipeline._held) == {2, 3} and set(pipeline._host_memory.buffers) == {("checkpoint", 1)}
+    result = pipeline.run(micro, loss_scale=1.0)
+    loss, grads = autograd_reference(store, 4, True, batches, 1.0)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
+
+
+def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    expandable_device_memory()
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's choice stands
+    expandable_device_memory()
+    assert calls == ["expandable_segments:True"]

@@ -1,0 +1,184 @@
+"""Atomic, streaming safetensors files and checked loading into the store.
+
+Files are written tensor by tensor (no second in-memory copy of the model), to a
+temporary name in the same directory, fsynced, then renamed over the target: a crash
+at any instant leaves either the old file or the new one, never a torn one.
+"""
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from .errors import StoreError
+
+_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable) -> None:
+    """Call write(file) on a temporary file next to `path`, fsync, rename over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A tensor to write that is produced only when its turn comes (`load()`, called once, in file
+    order): a file can then stream from sources that are never all in memory at once, such as
+    state gathered from other hosts one group at a time."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], Tensor]
+
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+def write_safetensors(
+    path: Path, tensors: Iterable[tuple[str, Tensor | Pending]], metadata: dict[str, str] | None = None
+) -> int:
+    """Write named tensors (views are fine: each is written from its own memory; `Pending` ones are
+    loaded as they are written) atomically.
+
+    Returns the file size in bytes."""
+    items = [(name, t) for name, t in tensors]
+    header: dict = {}
+    offset = 0
+    for name, tensor in items:
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise StoreError(f"cannot write tensor {name!r} of dtype {tensor.dtype} to safetensors")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+
+    def write(handle):
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for name, tensor in items:
+            if isinstance(tensor, Pending):
+                expected, tensor = tensor, tensor.load()
+                if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
+                    raise StoreError(
+                        f"tensor {name!r} arrived as {tensor.dtype}{tuple(tensor.shape)}, not as announced"
+                    )
+            if tensor.numel():
+                handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    atomic_write(Path(path), write)
+    return 8 + len(encoded) + offset
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, with a clear error for a damaged file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise ValueError(f"header length {length} exceeds the file size {size}")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError, struct.error) as error:
+        raise StoreError(f"{path} is not a readable safetensors file ({error}); it is truncated or corrupt") from error
+    data_size = size - 8 - length
+    for name, info in header.items():
+        if name != "__metadata__" and info["data_offsets"][1] > data_size:
+            raise StoreError(f"{path}: tensor {name!r} runs past the end of the file; the file is truncated")
+    return header
+
+
+def match_tensors(
+    paths: list[Path], shapes: dict[str, tuple[int, ...]], ignore: Callable[[str], bool] = lambda name: False
+) -> dict[str, Path]:
+    """Which of the safetensors `paths` holds each tensor named in `shapes`, reading headers only.
+
+    Shapes must match exactly; missing and unexpected names (unless `ignore`d) are errors,
+    so a checkpoint can be checked against a model before any memory is allocated for it."""
+    where: dict[str, Path] = {}
+    for path in paths:
+        header = read_safetensors_header(path)
+        for name, info in header.items():
+            if name == "__metadata__" or ignore(name):
+                continue
+            if name not in shapes:
+                raise StoreError(f"{path}: unexpected tensor {name!r}; the file does not belong to this model")
+            if tuple(info["shape"]) != tuple(shapes[name]):
+                raise StoreError(
+                    f"{path}: tensor {name!r} has shape {tuple(info['shape'])}, the model needs "
+                    f"{tuple(shapes[name])}; the checkpoint is for a different configuration"
+                )
+            where[name] = path
+    missing = [name for name in shapes if name not in where]
+    if missing:
+        raise StoreError(
+            f"tensor(s) missing from {[str(p) for p in paths]}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+            "the checkpoint is incomplete or for a different model"
+        )
+    return where
+
+
+@contextmanager
+def open_safetensors(paths: Iterable[Path]):
+    """{path: an open safe_open handle} for each of `paths`, closed on exit."""
+    with ExitStack() as stack:
+        yield {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(paths)}
+
+
+def load_tensors_into(
+    paths: list[Path], targets: dict[str, Tensor], ignore: Callable[[str], bool] = lambda name: False
+) -> None:
+    """Copy every tensor named in `targets` from the safetensors `paths` into it, one at a time,
+    after `match_tensors` has checked them all: a bad file leaves the targets untouched."""
+    where = match_tensors(paths, {name: tuple(t.shape) for name, t in targets.items()}, ignore)
+    with open_safetensors(where.values()) as handles:
+        for name, path in where.items():
+            targets[name].copy_(handles[path].get_tensor(name))

@@ -1,0 +1,243 @@
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain_store import (
+    LOAD_BIAS,
+    GroupLayout,
+    HostStore,
+    StoreError,
+    bytes_per_param,
+    load_tensors_into,
+    write_safetensors,
+)
+
+
+def make_layouts():
+    return [
+        GroupLayout.from_specs([("a.w", (3, 5), True), ("a.norm", (5,), False), ("a.v", (2, 5), True)]),
+        GroupLayout.from_specs([("b.w", (7,), True)]),
+    ]
+
+
+def test_layout_round_trip_and_update_runs():
+    layout = make_layouts()[0]
+    assert layout.numel == 15 + 5 + 10
+    flat = torch.arange(layout.numel, dtype=torch.float32)
+    views = layout.views(flat)
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views.values()]), flat)
+    assert views["a.norm"].data_ptr() == flat[15:].data_ptr()  # views, not copies
+    assert layout.update_runs() == [(0, 15, "decay"), (15, 5, "no_decay"), (20, 10, "decay")]
+    assert layout.gradient_runs() == [(0, 30)]
+
+
+def test_load_balanced_biases_are_runs_of_their_own_pair_by_pair():
+    layout = GroupLayout.from_specs(
+        [
+            ("w", (2, 3), True),
+            ("b1{hi}", (4,), False, LOAD_BIAS),
+            ("b1{lo}", (4,), False, LOAD_BIAS),
+            ("b2{hi}", (4,), False, LOAD_BIAS),
+            ("b2{lo}", (4,), False, LOAD_BIAS),
+            ("norm", (3,), False),
+        ]
+    )
+    assert layout.update_runs() == [(0, 6, "decay"), (6, 8, LOAD_BIAS), (14, 8, LOAD_BIAS), (22, 3, "no_decay")]
+    assert layout.gradient_runs() == [(0, 6), (22, 3)]
+    with pytest.raises(ValueError, match="no lo half"):
+        GroupLayout.from_specs([("b{hi}", (4,), False, LOAD_BIAS), ("n", (4,), False)])
+    with pytest.raises(ValueError, match="followed by its lo half"):
+        GroupLayout.from_specs(
+            [("b{hi}", (4,), False, LOAD_BIAS), ("n", (4,), False), ("b{lo}", (4,), False, LOAD_BIAS)]
+        )
+    with pytest.raises(ValueError, match="update must be"):
+        GroupLayout.from_specs([("x", (1,), True, "sgd")])
+
+
+def test_duplicate_names_refused():
+    with pytest.raises(ValueError, match="duplicate"):
+        GroupLayout.from_specs([("x", (1,), True), ("x", (2,), True)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wire_copy", [False, True])
+def test_store_buffers_and_accounting(dtype, wire_copy):
+    store = HostStore(make_layouts(), compute_dtype=dtype, state_names=("exp_avg", "exp_avg_sq"), wire_copy=wire_copy)
+    for group in range(store.n_groups):
+        store.master(group).normal_()
+        store.refresh_wire(group)
+        keeps_copy = wire_copy and dtype != torch.float32
+        # without a copy the GPU receives the fp32 master itself and casts it there
+        assert store.wire(group).dtype == (dtype if keeps_copy else torch.float32)
+        assert torch.equal(store.wire(group).to(dtype), store.master(group).to(dtype))
+        assert store.grad(group).dtype == torch.float32
+        assert store.state("exp_avg", group).shape == store.master(group).shape
+    # buffers of different groups never overlap
+    assert store.master(1).data_ptr() >= store.master(0).data_ptr() + 4 * store.layouts[0].numel
+    report = store.memory_report()
+    assert report.n_params == 30 + 7
+    # arenas are padded for alignment, so per-parameter bytes are at least the nominal figure
+    assert report.bytes_per_param >= bytes_per_param(dtype, 2, wire_copy=wire_copy)
+    assert ("wire" in report.arenas) == keeps_copy
+    assert bytes_per_param(dtype, 2, full_grads=False, wire_copy=wire_copy) == (14 if keeps_copy else 12)
+
+
+def test_unknown_state_name():
+    store = HostStore(make_layouts(), state_names=("exp_avg",))
+    with pytest.raises(StoreError, match="exp_avg_sq"):
+        store.state("exp_avg_sq", 0)
+
+
+def test_safetensors_round_trip_atomic(tmp_path):
+    store = HostStore(make_layouts(), compute_dtype=torch.bfloat16)
+    for group in range(store.n_groups):
+        store.master(group).normal_()
+    named = [(n, t) for g in range(store.n_groups) for n, t in store.master_views(g).items()]
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, named, metadata={"format": "pt"})
+    loaded = load_file(str(path))
+    for name, tensor in named:
+        assert torch.equal(loaded[name], tensor)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temp file left
+
+    other = HostStore(make_layouts())
+    targets = {n: t for g in range(other.n_groups) for n, t in other.master_views(g).items()}
+    load_tensors_into([path], targets)
+    for name, tensor in named:
+        assert torch.equal(targets[name], tensor)
+
+
+def test_damaged_files_are_refused_without_writing(tmp_path):
+    store = HostStore(make_layouts())
+    targets = {n: t for g in range(store.n_groups) for n, t in store.master_views(g).items()}
+    good = {n: torch.randn(t.shape) for n, t in targets.items()}
+
+    path = tmp_path / "missing.safetensors"
+    write_safetensors(path, [(n, t) for n, t in good.items() if n != "b.w"])
+    with pytest.raises(StoreError, match="b.w"):
+        load_tensors_into([path], targets)
+
+    path = tmp_path / "shape.safetensors"
+    write_safetensors(path, [(n, t if n != "a.v" else torch.zeros(5, 2)) for n, t in good.items()])
+    with pytest.raises(StoreError, match="a.v.*shape"):
+        load_tensors_into([path], targets)
+
+    path = tmp_path / "truncated.safetensors"
+    write_safetensors(path, good.items())
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(StoreError, match="truncated"):
+        load_tensors_into([path], targets)
+    assert all(float(t.abs().sum()) == 0 for t in targets.values())  # nothing was written
+
+
+def test_gradient_pool_hands_out_and_recycles_buffers():
+    import threading
+
+    store = HostStore(make_layouts(), grad_pool=1)
+    first = store.acquire_grad(0)
+    assert first.numel() == store.layouts[0].numel and store.grad(0).data_ptr() == first.data_ptr()
+    assert store.acquire_grad(0).data_ptr() == first.data_ptr()  # idempotent while held
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(store.acquire_grad(1)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # the pool is taken: acquire blocks
+    store.release_grad(0)
+    waiter.join(2)
+    assert got and got[0].numel() == store.layouts[1].numel and got[0].data_ptr() == first.data_ptr()
+    with pytest.raises(StoreError, match="acquire_grad"):
+        store.grad(0)
+    report = store.memory_report()
+    assert report.arenas["grad"] == 4 * 64  # the largest group (30 elements), aligned to 64
+    with pytest.raises(StoreError, match="largest group"):
+        HostStore(make_layouts(), grad_pool=0.5)
+
+
+def test_gradient_pool_holds_several_small_groups_where_a_large_one_fits():
+    layouts = [GroupLayout.from_specs([(f"g{i}.w", (n,), True)]) for i, n in enumerate((256, 64, 64, 64, 64))]
+    store = HostStore(layouts, grad_pool=1)
+    small = [store.acquire_grad(g) for g in (1, 2, 3, 4)]  # four 64-element gradients share the room of one 256
+    starts = sorted(t.data_ptr() for t in small)
+    assert len(set(starts)) == 4 and starts[-1] - starts[0] == 3 * 64 * 4
+    for group, value in zip((1, 2, 3, 4), (1.0, 2.0, 3.0, 4.0)):
+        store.grad(group).fill_(value)
+    assert [float(store.grad(g)[0]) for g in (1, 2, 3, 4)] == [1.0, 2.0, 3.0, 4.0]  # no overlap
+    for group in (3, 1, 4, 2):  # out of order: the freed pieces join again
+        store.release_grad(group)
+    assert store.acquire_grad(0).numel() == 256
+
+
+def test_gradient_pool_resizes_between_steps():
+    layouts = [GroupLayout.from_specs([(f"g{i}.w", (n,), True)]) for i, n in enumerate((256, 64, 64))]
+    store = HostStore(layouts, grad_pool=1)
+    store.acquire_grad(1)
+    with pytest.raises(StoreError, match=r"cannot change while groups \[1\] hold buffers"):
+        store.resize_grad_pool(2)
+    store.release_grad(1)
+    store.resize_grad_pool(2)
+    assert store.grad_pool == 2 and store.memory_report().arenas["grad"] == 4 * 512
+    both = [store.acquire_grad(0), store.acquire_grad(1), store.acquire_grad(2)]  # room for the large one and more
+    assert len({t.data_ptr() for t in both}) == 3
+    per_group = HostStore(layouts)
+    per_group.resize_grad_pool(3)  # one buffer per group stays so
+    assert per_group.grad_pool is None
+
+
+def test_disk_tier_state_lives_in_files(tmp_path):
+    store = HostStore(make_layouts(), state_names=("exp_avg", "exp_avg_sq"), state_dir=tmp_path)
+    store.state("exp_avg", 1).fill_(3.0)
+    store.prefetch_state(1)
+    store.write_behind_state(1)
+    store._reader.shutdown(wait=True)
+    store._writer.shutdown(wait=True)
+    on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
+    assert (on_disk[store.starts[1] : store.starts[1] + 7] == 3.0).all()
+    assert float(store.state("exp_avg", 1).sum()) == 21.0  # still readable after its pages were dropped
+    report = store.memory_report()
+    assert report.arenas["state.exp_avg"] == 0 and report.disk["state.exp_avg"] > 0
+
+
+def test_disk_tier_for_the_last_groups_only(tmp_path):
+    layouts = make_layouts() + [GroupLayout.from_specs([("c.w", (100,), True)])]
+    store = HostStore(layouts, state_names=("exp_avg",), state_dir=tmp_path, first_disk_group=1)
+    for group in range(store.n_groups):
+        store.state("exp_avg", group).fill_(group + 1.0)
+        store.write_behind_state(group)  # a no-op for group 0, whose state is in RAM
+    store._reader.shutdown(wait=True)
+    store._writer.shutdown(wait=True)
+    on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
+    assert on_disk.size == store.starts[2] - store.starts[1] + 100 + 28  # groups 1 and 2, group starts aligned
+    assert (on_disk[:7] == 2.0).all() and (on_disk[store.starts[2] - store.starts[1] :][:100] == 3.0).all()
+    for group in range(store.n_groups):
+        assert (store.state("exp_avg", group) == group + 1.0).all()
+    report = store.memory_report()
+    assert report.arenas["state.exp_avg"] == 4 * store.starts[1]  # only group 0 in RAM
+    with pytest.raises(StoreError, match="first_disk_group"):
+        HostStore(layouts, state_names=("exp_avg",), state_dir=tmp_path, first_disk_group=4)
+
+
+def test_shared_arenas_and_gradient_shards(tmp_path):
+    """Two stores over the same shared arenas (as two processes of a host map them) see one copy
+    of the master and the state; each holds gradients for its own shard only, and the shards
+    tile every group."""
+    from megatrain_store import SharedArenas
+
+    layouts = [GroupLayout.from_specs([("a", (70, 3), True)]), GroupLayout.from_specs([("b", (5,), False)])]
+    stores = [
+        HostStore(layouts, state_names=("m",), shared=SharedArenas(tmp_path / "shm"), shard=(index, 2))
+        for index in range(2)
+    ]
+    stores[0].master(0).copy_(torch.arange(210.0))
+    stores[1].state("m", 1).fill_(7.0)
+    assert torch.equal(stores[1].master(0), torch.arange(210.0))
+    assert torch.equal(stores[0].state("m", 1), torch.full((5,), 7.0))
+    for group, layout in enumerate(layouts):
+        ranges = [store.shard_range(group) for store in stores]
+        assert ranges[0][0] == 0 and ranges[0][1] == ranges[1][0] and ranges[1][1] == layout.numel
+        assert [store.grad(group).numel() for store in stores] == [end - start for start, end in ranges]
+    assert stores[1].shard_range(1) == (5, 5)  # a group smaller than one aligned shard: all in the first
+    SharedArenas(tmp_path / "shm").unlink()
+    assert not (tmp_path / "shm").exists()
+    assert torch.equal(stores[0].master(0), torch.arange(210.0))  # mappings outlive the files

@@ -1,0 +1,98 @@
+"""Stateless layer templates: layouts plus pure forward/backward over flat weight buffers; the step-level objectives
+beside the head."""
+
+from .attention import Documents, causal_attention
+from .decoder import BlockShape, DecoderBlock, MlaShape, attention_params, block_params
+from .embedding import Embedding
+from .head import Head, distribution_entropy
+from .layout import (
+    ParamSpec,
+    Span,
+    file_tensors,
+    join_stored,
+    param_offsets,
+    row_slice_name,
+    row_slice_of,
+    split_precision,
+    split_precision_names,
+    split_precision_of,
+    total_numel,
+)
+from .linear_attention import GatedDeltaNetShape, Mamba2Shape, chunked_gated_delta_rule, chunked_ssd
+from .media import Media
+from .moe import (
+    EXPERT_NAMING,
+    MoeAttention,
+    MoeBlock,
+    MoeExperts,
+    MoeShape,
+    RouterLoad,
+    fused_expert_names,
+    moe_params,
+)
+from .objectives import (
+    DPO,
+    GRPO,
+    Objective,
+    Rollout,
+    SequenceObjective,
+    Sequences,
+    TokenObjective,
+    dpo_losses,
+    group_advantages,
+)
+from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
+
+__all__ = [
+    "DPO",
+    "EXPERT_NAMING",
+    "SequenceObjective",
+    "Objective",
+    "Rollout",
+    "TokenObjective",
+    "GRPO",
+    "group_advantages",
+    "Sequences",
+    "dpo_losses",
+    "BlockShape",
+    "GatedDeltaNetShape",
+    "Mamba2Shape",
+    "DecoderBlock",
+    "Documents",
+    "Media",
+    "Embedding",
+    "MlaShape",
+    "MoeAttention",
+    "MoeBlock",
+    "MoeExperts",
+    "MoeShape",
+    "RouterLoad",
+    "Head",
+    "distribution_entropy",
+    "IGNORE_INDEX",
+    "ParamSpec",
+    "RopeConfig",
+    "Span",
+    "apply_rope",
+    "attention_params",
+    "causal_attention",
+    "chunked_gated_delta_rule",
+    "chunked_ssd",
+    "block_params",
+    "file_tensors",
+    "fused_expert_names",
+    "join_stored",
+    "moe_params",
+    "param_offsets",
+    "rms_norm",
+    "row_slice_name",
+    "row_slice_of",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "split_precision",
+    "split_precision_names",
+    "split_precision_of",
+    "total_numel",
+    "upcast",
+    "yarn_mscale",
+]

@@ -1,0 +1,748 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import (
+    GemmaRMSNorm,
+    RefBlock,
+    RefGatedAttentionBlock,
+    RefGatedDeltaNetBlock,
+    RefGemmaBlock,
+    RefMamba2Block,
+    RefMoeBlock,
+    RefPostNormBlock,
+    RMSNorm,
+    delta_rule_recurrence,
+    flatten_params,
+    ssd_recurrence,
+    unflatten_grads,
+)
+
+import megatrain_templates.head as head_module
+from megatrain_templates import (
+    BlockShape,
+    DecoderBlock,
+    Documents,
+    Embedding,
+    GatedDeltaNetShape,
+    Head,
+    Mamba2Shape,
+    MoeAttention,
+    MoeBlock,
+    MoeExperts,
+    MoeShape,
+    RopeConfig,
+    RouterLoad,
+    chunked_gated_delta_rule,
+    chunked_ssd,
+    file_tensors,
+    rope_inv_freq,
+    row_slice_name,
+    split_precision,
+)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize(
+    "qkv_bias,qk_norm,n_kv,rope_scaling,granite",
+    [
+        (False, False, 2, None, False),
+        (True, False, 4, None, False),
+        (False, True, 1, None, False),
+        (
+            False,
+            False,
+            2,
+            (
+                ("rope_type", "llama3"),
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 16),
+            ),
+            False,
+        ),
+        (False, False, 2, None, True),  # Granite's multipliers on the residual branches and the scores
+    ],
+)
+def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite):
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim, d_ff, eps = 32, 4, 8, 48, 1e-5
+    rope = RopeConfig(head_dim=head_dim, theta=500.0, scaling=rope_scaling)
+    multipliers = dict(residual_scale=0.3, softmax_scale=0.2) if granite else {}
+    shape = BlockShape(d, heads, n_kv, head_dim, d_ff, eps, qkv_bias, qk_norm, rope, **multipliers)
+    block = DecoderBlock(shape)
+    ref = RefBlock(d, heads, n_kv, head_dim, d_ff, eps, rope_inv_freq(rope), qkv_bias, qk_norm)
+    if granite:
+        ref.residual_scale, ref.scale = 0.3, 0.2
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, d, requires_grad=True)
+    grad_out = torch.randn(3, 11, d)
+
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    out = block.forward([flat], x.detach())
+    assert rel_err(out, out_ref) < 1e-6
+
+    grads = [torch.full((block.numel,), 0.5)]  # gradients must be added, not written
+    grad_in = block.backward([flat], x.detach(), grad_out, grads)
+    assert rel_err(grad_in, x.grad) < 1e-5
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-5, name
+
+    # a kept layer's slot is overwritten by later layers; its backward reads the weights from where they
+    # are streamed in again (another slot, at another offset of its storage)
+    other_slot = torch.empty(flat.numel() + 7)[7:]
+    other_slot.copy_(flat)
+
+    # kept matmul products stand for the recompute's GEMMs: the backward reads them, not the weights,
+    # for those products (so a product from other weights shows in the gradients)
+    slot = flat.clone()
+    out_products, products = block.forward_keeping_products([slot], x.detach())
+    slot.normal_()
+    assert torch.equal(out_products, out)
+    assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight"}
+    assert sum(p.shape[-1] for p in products.values()) * 4 == block.product_bytes_per_token(4)
+    product_grads = [torch.full((block.numel,), 0.5)]
+    assert rel_err(block.backward([other_slot], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
+    assert rel_err(product_grads[0], grads[0]) < 1e-5
+    products["gate_up_weight"] = products["gate_up_weight"] * 1.5
+    changed = [torch.zeros(block.numel)]
+    block.backward([other_slot], x.detach(), grad_out, changed, products=products)
+    assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
+
+
+def test_fused_projection_names_are_the_same_bytes():
+    """Phi-3's qkv_proj and gate_up_proj are q/k/v and gate/up back to back: one layout, other names."""
+    shape = BlockShape(32, 4, 2, 8, 48, rope=RopeConfig(head_dim=8))
+    fused = DecoderBlock(BlockShape(32, 4, 2, 8, 48, rope=RopeConfig(head_dim=8), fused_projections=True))
+    plain = DecoderBlock(shape)
+    names = [p.name for p in fused.groups[0]]
+    assert names[:3] == ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight"]
+    assert fused.numel == plain.numel
+    flat, x, grad_out = torch.randn(plain.numel), torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    assert torch.equal(fused.forward([flat], x), plain.forward([flat], x))
+    grads = [[torch.zeros(plain.numel)] for _ in range(2)]
+    fused.backward([flat], x, grad_out, grads[0])
+    plain.backward([flat], x, grad_out, grads[1])
+    assert torch.equal(grads[0][0], grads[1][0])
+
+
+@pytest.mark.parametrize("qk_norm,softcap,window", [(False, 1.5, 4), (True, None, 100)], ids=["gemma2", "gemma3"])
+def test_gemma_block_matches_module(qk_norm, softcap, window):
+    """Gemma's block: (1 + weight) norms around both halves, a gelu(tanh)-gated MLP, scores scaled by
+    query_pre_attn_scalar ** -0.5, soft-capped (Gemma 2) and windowed; per-head q/k norms (Gemma 3)."""
+    d, heads, head_dim, d_ff, eps, scalar = 32, 4, 8, 48, 1e-6, 24.0
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(
+        d, heads, 2, head_dim, d_ff, eps, qk_norm=qk_norm, rope=rope, sliding_window=window,
+        norm_scale="one_plus_fp32", norm_placement="sandwich", activation="gelu_tanh", softmax_scale=scalar**-0.5,
+        attn_softcap=softcap,
+    )  # fmt: skip
+    ref = RefGemmaBlock(d, heads, 2, head_dim, d_ff, eps, rope_inv_freq(rope), qk_norm, scalar**-0.5, softcap, window)
+    check_block_with_normed_outputs(DecoderBlock(shape), ref, d)
+
+
+def test_olmo2_block_matches_module():
+    """OLMo 2's block: norms on the attention's and the MLP's outputs only, the weight applied in fp32."""
+    d, heads, head_dim, d_ff, eps = 32, 4, 8, 48, 1e-6
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(d, heads, 2, head_dim, d_ff, eps, rope=rope, norm_scale="fp32", norm_placement="post")
+    ref = RefPostNormBlock(d, heads, 2, head_dim, d_ff, eps, rope_inv_freq(rope))
+    check_block_with_normed_outputs(DecoderBlock(shape), ref, d)
+
+
+def check_block_with_normed_outputs(block, ref, d):
+    """Forward, backward and kept products against the module: the norm on the MLP's output makes the backward
+    recompute (or reuse) the down projection too."""
+    torch.manual_seed(torch.seed() % 2**31)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, d, requires_grad=True)
+    grad_out = torch.randn(3, 11, d)
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    assert rel_err(block.forward([flat], x.detach()), out_ref) < 1e-6
+    grads = [torch.full((block.numel,), 0.5)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-5
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-5, name
+    out_products, products = block.forward_keeping_products([flat.clone()], x.detach())
+    assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight", "down_weight"}
+    assert sum(p.shape[-1] for p in products.values()) * 4 == block.product_bytes_per_token(4)
+    product_grads = [torch.full((block.numel,), 0.5)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
+    assert rel_err(product_grads[0], grads[0]) < 1e-5
+
+
+@pytest.mark.parametrize("shared_d_ff,norm_topk,coef", [(0, True, 0.0), (40, False, 0.3), (0, False, 0.1)])
+def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
+    """float64 (both sides compute the rotary angles in fp32, hence 1e-10): the routed
+    block (sorted tokens, grouped experts) equals every-expert-on-every-token, and its backward adds
+    the load-balancing loss's gradient when the loss is on."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim, eps, n_experts, top_k, d_ff = 32, 4, 8, 1e-5, 6, 2, 24
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(d, heads, 2, head_dim, 1, eps, rope=rope)
+    moe = MoeShape(n_experts, top_k, d_ff, shared_d_ff, norm_topk)
+    router_load = RouterLoad(n_experts, top_k, coef)
+    block = MoeBlock(shape, moe, router_load)
+    ref = RefMoeBlock(d, heads, 2, head_dim, eps, rope_inv_freq(rope), n_experts, top_k, d_ff, shared_d_ff, norm_topk)
+    ref = ref.double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    (specs,) = block.groups
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, d, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 11, d, dtype=torch.float64)
+
+    out_ref = ref(x)
+    ((out_ref * grad_out).sum() + coef * ref.load_balancing_loss()).backward()
+    out = block.forward([flat], x.detach())
+    assert rel_err(out, out_ref) < 1e-10
+    assert router_load.loss().item() == pytest.approx(ref.load_balancing_loss().item(), rel=1e-10)
+
+    grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]  # gradients must be added, not written
+    grad_in = block.backward([flat], x.detach(), grad_out, grads)
+    assert rel_err(grad_in, x.grad) < 1e-10
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-10, name
+    assert "mlp.experts.5.down_proj.weight" in by_name  # per-expert Hugging Face names
+
+
+@pytest.mark.parametrize("naming,shared_d_ff", [("qwen", 40), ("gpt_oss", 0)])
+def test_moe_layer_in_parts_equals_the_whole_block(naming, shared_d_ff):
+    """float64: attention + shared expert (MoeAttention), then the experts in parts of 2, 1 and 3
+    (MoeExperts; for gpt-oss one that no token chooses), passing the [residual, MLP sum] pair, give the whole
+    block's output, input gradient and weight gradients (load-balancing loss on); gpt-oss' fused expert
+    tensors are stored as row slices, one per part."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, n_experts = 32, 6
+    shape = BlockShape(d, 4, 2, 8, 1, 1e-5, rope=RopeConfig(head_dim=8, theta=500.0))
+    moe = MoeShape(n_experts, 2, 24, shared_d_ff, naming=naming)
+    whole = MoeBlock(shape, moe, RouterLoad(n_experts, 2, 0.3))
+    load = RouterLoad(n_experts, 2, 0.3)
+    (specs,) = whole.groups
+    values = {p.name: torch.randn(p.shape, dtype=torch.float64) * 0.3 for p in specs}
+    if naming == "gpt_oss":
+        values["mlp.router.bias"][2] = -100.0  # no token picks expert 2, the part (2, 3)
+    parts = ((0, 2), (2, 3), (3, 6))
+    values |= {row_slice_name(n, a, b): v[a:b] for n, v in list(values.items()) for a, b in parts if v.dim() > 0}
+
+    def part_values(params):
+        return torch.cat([values[p.name].reshape(-1) for p in params])
+
+    x = torch.randn(3, 11, d, dtype=torch.float64)
+    grad_out = torch.randn(3, 11, d, dtype=torch.float64)
+    flat = part_values(specs)
+    stages = [MoeAttention(shape, moe, load)] + [MoeExperts(shape, moe, a, b) for a, b in parts]
+    want = whole.forward([flat], x)
+    weights = [[part_values(params) for params in stage.groups] for stage in stages]
+    inputs, h = [], x
+    for stage, w in zip(stages, weights):
+        inputs.append(stage.checkpoint(h) if hasattr(stage, "checkpoint") else h)  # what its backward needs
+        h = stage.forward(w, h)
+    assert rel_err(h, want) < 1e-12
+    assert load.loss().item() == pytest.approx(whole.router_load.loss().item(), rel=1e-12)
+
+    grads = [torch.zeros(whole.numel, dtype=torch.float64)]
+    want_grad_in = whole.backward([flat], x, grad_out, grads)
+    want_grads = unflatten_grads(grads[0], specs)
+    got_grads: dict[str, torch.Tensor] = {}
+    g = grad_out
+    for stage, w, h in reversed(list(zip(stages, weights, inputs))):
+        part_grads = [torch.zeros(t.numel(), dtype=torch.float64) for t in w]
+        g = stage.backward(w, h, g, part_grads)
+        for params, buffer in zip(stage.groups, part_grads):
+            for name, grad in unflatten_grads(buffer, params).items():
+                got_grads[name] = got_grads.get(name, 0) + grad
+    assert rel_err(g, want_grad_in) < 1e-12
+    joined = file_tensors({name: tuple(t.shape) for name, t in got_grads.items()})
+    for name, (_, covered) in joined.items():
+        got = torch.cat([got_grads[part] for part in covered]) if len(covered) > 1 else got_grads[name]
+        assert rel_err(got, want_grads[name]) < 1e-12, name
+    assert joined.keys() == want_grads.keys()
+
+
+def test_gpt_oss_experts_no_token_picks_get_exactly_zero_router_gradient():
+    """float32, as transformers' GptOssTopKRouter computes it: the top-k logits weighted by their softmax, so an
+    expert no token picked gets a router gradient (weight row and bias) of exactly zero. The top-k probabilities
+    renormalised, equal in value, left rounding noise there, which AdamW's eps of 1e-8 turned into updates of up
+    to lr."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, n_experts, top_k = 32, 16, 2
+    shape = BlockShape(d, 4, 2, 8, 1, 1e-5, rope=RopeConfig(head_dim=8, theta=500.0), sinks=True, o_bias=True)
+    moe = MoeShape(n_experts, top_k, 24, 0, norm_topk_prob=True, naming="gpt_oss")
+    block = MoeBlock(shape, moe)
+    (specs,) = block.groups
+    flat = torch.cat([torch.randn(p.numel) * 0.3 for p in specs])
+    unpicked_rows = 0
+    for _ in range(4):  # 6 picks of 16 experts a call
+        x = torch.randn(1, 3, d)
+        _, routing = block._block_and_router(block._views(flat), x, None)
+        unpicked = sorted(set(range(n_experts)) - set(routing.top_index.flatten().tolist()))
+        grads = [torch.zeros(block.numel)]
+        block.backward([flat], x, torch.randn(1, 3, d), grads)
+        by_name = unflatten_grads(grads[0], specs)
+        router, bias = by_name["mlp.router.weight"], by_name["mlp.router.bias"]
+        assert torch.count_nonzero(router[unpicked]) == 0 and torch.count_nonzero(bias[unpicked]) == 0
+        picked = sorted(set(range(n_experts)) - set(unpicked))
+        assert torch.count_nonzero(bias[picked]) == len(picked)  # (the picked ones do learn)
+        unpicked_rows += len(unpicked)
+    assert unpicked_rows >= 4 * (n_experts - 3 * top_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sigmoid_routing_chooses_by_the_fp32_correction_bias_in_any_slot(dtype):
+    """DeepSeek-V3's correction bias sits near 7 in published checkpoints, with differences far below
+    bf16's step there (1/32): kept as hi + lo, a bf16 slot still orders the experts as the fp32 master
+    does. With a zero router every score is 0.5, so the bias alone chooses."""
+    n_experts, d = 16, 32
+    shape = BlockShape(d, 4, 4, 8, 64, rope=RopeConfig(head_dim=8))
+    moe = MoeShape(n_experts, 4, 16, 16, True, naming="deepseek", routed_scaling=2.5, scoring="sigmoid")
+    block = MoeBlock(shape, moe)
+    bias = 7.0 + 0.003 * torch.randperm(n_experts, dtype=torch.float32)  # 0.003 apart: one bf16 value
+    hi, lo = split_precision(bias)
+    assert torch.equal(hi + lo, bias) and len(set(bias.to(torch.bfloat16).tolist())) < n_experts / 2
+    values = {p.name: torch.zeros(p.shape) for p in block.groups[0]}
+    values["mlp.gate.e_score_correction_bias{hi}"], values["mlp.gate.e_score_correction_bias{lo}"] = hi, lo
+    flat = torch.cat([values[p.name].reshape(-1) for p in block.groups[0]]).to(dtype)  # the slot, cast
+    routing = block.route(block._views(flat), torch.randn(5, d, dtype=dtype))
+    top_index, top_weight = routing.top_index, routing.top_weight
+    assert (top_index.sort(dim=-1).values == bias.topk(4).indices.sort().values).all()
+    assert torch.equal(top_weight, torch.full_like(top_weight, 2.5 / 4))  # unbiased scores, renormalised
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    plain = rope_inv_freq(RopeConfig(head_dim=64, theta=500000.0))
+    scaled = rope_inv_freq(
+        RopeConfig(
+            head_dim=64,
+            theta=500000.0,
+            scaling=(
+                ("rope_type", "llama3"),
+                ("factor", 8.0),
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192),
+            ),
+        )
+    )
+    assert torch.equal(scaled[:4], plain[:4])  # high frequencies untouched
+    assert torch.allclose(scaled[-1], plain[-1] / 8.0)  # lowest frequency divided by the factor
+
+
+def test_unsupported_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        RopeConfig(head_dim=8, scaling=(("rope_type", "dynamic"), ("factor", 4.0)))
+
+
+def test_embedding_forward_backward():
+    vocab, d = 50, 16
+    table = torch.randn(vocab, d, requires_grad=True)
+    emb = Embedding(vocab, d)
+    ids = torch.randint(0, vocab, (4, 9))
+    out = emb.forward([table.detach().reshape(-1)], ids)
+    assert torch.equal(out, F.embedding(ids, table))
+    grad_out = torch.randn(4, 9, d)
+    F.embedding(ids, table).backward(grad_out)
+    grads = [torch.zeros(vocab * d)]
+    emb.backward([table.detach().reshape(-1)], ids, grad_out, grads)
+    assert rel_err(grads[0].view(vocab, d), table.grad) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_embedding_forward_backward(dtype):
+    """Gemma's embedding: rows times sqrt(d_model) rounded to their dtype, as transformers multiplies."""
+    vocab, d = 50, 24
+    table = torch.randn(vocab, d, requires_grad=True)
+    emb = Embedding(vocab, d, scale=d**0.5)
+    ids = torch.randint(0, vocab, (4, 9))
+    expected = F.embedding(ids, table.to(dtype)) * torch.tensor(d**0.5, dtype=dtype)
+    out = emb.forward([table.detach().to(dtype).reshape(-1)], ids)
+    assert torch.equal(out, expected)
+    assert torch.equal(emb.forward_rows(table.detach().to(dtype).reshape(-1), ids), expected)
+    grad_out = torch.randn(4, 9, d)
+    (F.embedding(ids, table) * d**0.5).backward(grad_out)
+    grads = [torch.zeros(vocab * d)]
+    emb.backward([table.detach().reshape(-1)], ids, grad_out, grads)
+    assert rel_err(grads[0].view(vocab, d), table.grad) < 1e-6
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_rows", [7, 10_000])
+@pytest.mark.parametrize("fused", [False, True], ids=["in-place", "fused"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
+def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, family, monkeypatch):
+    """Both forms of the logits' gradient: in place (eager, the CPU's) and the one CUDA compiles; Gemma 2's
+    final norm (1 + weight) and soft-capped logits; Granite's logits divided by its logits_scaling."""
+    if fused:
+        monkeypatch.setattr(head_module, "logits_grad", head_module._logits_grad_fused)
+    gemma = family == "gemma2"
+    vocab, d, eps, softcap = 37, 16, 1e-6, (1.5 if gemma else None)
+    divisor = 2.5 if family == "granite" else None
+    head = Head(
+        vocab,
+        d,
+        eps,
+        tied=tied,
+        norm_scale="one_plus_fp32" if gemma else "cast_first",
+        logit_softcap=softcap,
+        logit_divisor=divisor,
+    )
+    head.chunk_rows = chunk_rows
+    norm = GemmaRMSNorm(d, eps) if gemma else RMSNorm(d, eps)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2)
+    matrix = torch.randn(vocab, d, requires_grad=True)
+    hidden = torch.randn(3, 8, d, requires_grad=True)
+    labels = torch.randint(0, vocab, (3, 8))
+    labels[:, -1] = -100
+    labels[1, 2] = -100
+    n_valid = int((labels != -100).sum())
+
+    logits = norm(hidden) @ matrix.T
+    if divisor:
+        logits = logits / divisor
+    if gemma:
+        logits = softcap * torch.tanh(logits / softcap)
+        assert logits.abs().max() > 0.9 * softcap  # the cap bites
+    ref_loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100)
+    ref_loss.backward()
+
+    if tied:
+        weights = [matrix.detach().reshape(-1), norm.weight.detach().clone()]
+    else:
+        weights = [torch.cat([matrix.detach().reshape(-1), norm.weight.detach()])]
+    grads = [torch.zeros_like(w) for w in weights]
+    loss_sum, grad_hidden = head.loss(weights, hidden.detach(), labels, 1.0 / n_valid, grads)
+    assert abs(loss_sum.item() / n_valid - ref_loss.item()) < 1e-5 * abs(ref_loss.item())
+    assert rel_err(grad_hidden, hidden.grad) < 1e-5
+    flat_grads = torch.cat([g for g in grads])
+    assert rel_err(flat_grads[: vocab * d].view(vocab, d), matrix.grad) < 1e-5
+    assert rel_err(flat_grads[vocab * d :], norm.weight.grad) < 1e-5
+    assert rel_err(head.logits(weights, hidden.detach()), logits.detach()) < 1e-6
+    assert head.loss_sum(weights, hidden.detach(), labels).item() == pytest.approx(loss_sum.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk_rows", [5, 10_000])
+def test_head_token_logps_and_per_token_scales(tied, chunk_rows):
+    """What a step-level objective uses: each target's log-probability (log_softmax's, 0 where ignored), and a
+    [batch, seq] loss scale giving the gradient of sum(scale * token cross-entropy)."""
+    vocab, d, eps = 29, 12, 1e-6
+    head = Head(vocab, d, eps, tied=tied, logit_softcap=2.0)
+    head.chunk_rows = chunk_rows
+    norm = RMSNorm(d, eps)
+    matrix = torch.randn(vocab, d, dtype=torch.float64, requires_grad=True)
+    norm = norm.double()
+    hidden = torch.randn(2, 7, d, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, 7))
+    labels[0, :3] = -100
+    scales = torch.randn(2, 7, dtype=torch.float64)
+    logits = 2.0 * torch.tanh(norm(hidden) @ matrix.T / 2.0)
+    token_logps = logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    token_logps = token_logps * (labels != -100)
+    (-(token_logps * scales).sum()).backward()
+    weights = [matrix.detach().reshape(-1), norm.weight.detach().clone()]
+    if not tied:
+        weights = [torch.cat(weights)]
+    grads = [torch.zeros_like(w) for w in weights]
+    assert rel_err(head.token_logps(weights, hidden.detach(), labels), token_logps.detach()) < 1e-12
+    _, grad_hidden = head.loss(weights, hidden.detach(), labels, scales, grads)
+    assert rel_err(grad_hidden, hidden.grad) < 1e-12
+    assert rel_err(torch.cat(grads)[: vocab * d].view(vocab, d), matrix.grad) < 1e-12
+
+
+def test_wrong_buffer_size_is_refused():
+    block = DecoderBlock(BlockShape(8, 2, 2, 4, 16))
+    with pytest.raises(ValueError, match="layout needs"):
+        block.forward([torch.zeros(block.numel + 1)], torch.zeros(1, 2, 8))
+
+
+def test_no_module_or_graph_survives_a_call():
+    block = DecoderBlock(BlockShape(8, 2, 2, 4, 16))
+    assert not isinstance(block, nn.Module)
+    flat = torch.randn(block.numel)
+    out = block.forward([flat], torch.randn(1, 3, 8))
+    assert out.grad_fn is None
+    grad_in = block.backward([flat], torch.randn(1, 3, 8), torch.randn(1, 3, 8), [torch.zeros(block.numel)])
+    assert grad_in.grad_fn is None
+
+
+# Llama 4's two kinds of layer: chunked with the rotary embedding and q/k RMS norms, and without rotary
+# embedding, its queries' temperatures rising with position (both bite at these documents' lengths)
+LLAMA4_CHUNKED = dict(rope_interleaved=True, qk_rms_normalized=True, attention_chunk=2, mlp_module="feed_forward")
+LLAMA4_NOPE = dict(rotary=False, attn_temperature=(2.0, 0.5), mlp_module="feed_forward")
+LLAMA4_MOE = MoeShape(4, 2, 24, shared_d_ff=24, naming="llama4", scoring="sigmoid_of_top_k")
+
+
+# Qwen3-Next's and Qwen3.5's two kinds of layer: linear attention (chunks of two tokens, so documents start inside
+# chunks), and softmax attention whose output a gate scales
+LINEAR = dict(
+    norm_scale="one_plus_fp32",
+    linear_attention=GatedDeltaNetShape(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=6, chunk=2),
+)
+GATED = dict(norm_scale="one_plus_fp32", qk_norm=True, attn_output_gate=True)
+
+
+@pytest.mark.parametrize(
+    "moe, llama4",
+    [
+        (None, {}),
+        (MoeShape(4, 2, 24), {}),
+        (None, LLAMA4_CHUNKED),
+        (LLAMA4_MOE, LLAMA4_NOPE),
+        (None, LINEAR),
+        (MoeShape(4, 2, 24, shared_d_ff=16), LINEAR),
+        (None, GATED),
+    ],
+    ids=["dense", "moe", "llama4-chunked", "llama4-moe-nope", "linear-attention", "linear-attention-moe", "gated"],
+)
+def test_packed_documents_equal_separate_rows(moe, llama4):
+    """float64: documents packed into one row (block-diagonal attention, positions restarting: Llama 4's
+    chunks and temperatures by each document's positions) give each token the output and the weights the
+    gradient of the same documents in rows of their own."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim = 32, 4, 8
+    shape = BlockShape(d, heads, 2, head_dim, 40, 1e-5, rope=RopeConfig(head_dim=head_dim, theta=500.0), **llama4)
+    block = MoeBlock(shape, moe, RouterLoad(4, 2, 0.0)) if moe else DecoderBlock(shape)
+    flat = torch.randn(block.numel, dtype=torch.float64) * 0.3
+    lengths = (5, 3, 4)
+    docs = [torch.randn(1, n, d, dtype=torch.float64) for n in lengths]
+    grad_outs = [torch.randn(1, n, d, dtype=torch.float64) for n in lengths]
+    # the row: the three documents, then two padding tokens (a document of their own) with no gradient
+    row = torch.cat([*docs, torch.randn(1, 2, d, dtype=torch.float64)], dim=1)
+    row_grad = torch.cat([*grad_outs, torch.zeros(1, 2, d, dtype=torch.float64)], dim=1)
+    positions = torch.cat([torch.arange(n) for n in (*lengths, 2)]).unsqueeze(0)
+    documents = Documents(positions)
+
+    out = block.forward([flat], row, documents)
+    packed_grads = [torch.zeros(block.numel, dtype=torch.float64)]
+    grad_in = block.backward([flat], row, row_grad, packed_grads, documents)
+
+    separate_grads = [torch.zeros(block.numel, dtype=torch.float64)]
+    start = 0
+    for doc, grad_out, n in zip(docs, grad_outs, lengths):
+        assert rel_err(out[:, start : start + n], block.forward([flat], doc)) < 1e-12
+        doc_grad_in = block.backward([flat], doc, grad_out, separate_grads)
+        assert rel_err(grad_in[:, start : start + n], doc_grad_in) < 1e-12
+        start += n
+    assert rel_err(packed_grads[0], separate_grads[0]) < 1e-12
+
+
+@pytest.mark.parametrize("seq", [24, 26], ids=["whole-chunks", "a-shorter-last-chunk"])
+def test_chunks_as_rows_equal_the_masked_attention(seq):
+    """float64: Llama 4's chunked attention with the chunks made rows of their own for the fused kernel equals
+    the written-out attention under the chunk mask, forward and backward, with grouped queries."""
+    from megatrain_templates.attention import chunked_causal_attention, masked_attention
+
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    shapes = [(2, 4, seq, 8), (2, 2, seq, 8), (2, 2, seq, 8)]
+    q, k, v = (torch.randn(*shape, dtype=torch.float64, generator=generator) for shape in shapes)
+    grad_out = torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=generator)
+    results = []
+    for attend in (lambda *t: chunked_causal_attention(*t, 6), lambda *t: masked_attention(*t, chunk=6)):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = attend(*inputs)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12
+
+
+def check_chunked_equals_recurrence(chunked, recurrence, inputs, lengths, chunk, grad_out):
+    """float64: `chunked(*inputs, doc_ids, chunk)` over rows packing documents of `lengths` tokens equals
+    `recurrence(inputs, start, stop)` (one document's tokens, from a zero state) document by document: the
+    output and every input's gradient."""
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    documents = Documents(positions) if len(lengths) > 1 else None
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    results = []
+    for packed in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        if packed:
+            out = chunked(*leaves, None if documents is None else documents.doc_ids, chunk)
+        else:
+            out = torch.cat([recurrence(leaves, end - n, end) for n, end in zip(lengths, ends)], dim=1)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12
+
+
+@pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6)), (3, (3, 3, 1))])
+def test_chunked_gated_delta_rule_equals_the_recurrence(chunk, lengths):
+    """float64: the chunked form (a chunk longer than the row, a shorter last chunk, documents starting inside a
+    chunk, on its first token and one token long) equals the delta rule token by token, each document from a zero
+    state, with grouped value heads; and so do the gradients of all five inputs."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq, n_k, n_v = sum(lengths), 2, 4
+
+    def randn(*shape):
+        return torch.randn(2, seq, *shape, dtype=torch.float64, generator=generator)
+
+    q, k, v = randn(n_k, 8), randn(n_k, 8), randn(n_v, 6)
+    log_decay = -torch.rand(2, seq, n_v, dtype=torch.float64, generator=generator) * 2
+    beta = torch.rand(2, seq, n_v, dtype=torch.float64, generator=generator)
+
+    def recurrence(inputs, start, stop):
+        q, k, *rest = (t[:, start:stop] for t in inputs)
+        return delta_rule_recurrence(q.repeat_interleave(n_v // n_k, 2), k.repeat_interleave(n_v // n_k, 2), *rest)
+
+    inputs = [q, k, v, log_decay, beta]
+    check_chunked_equals_recurrence(chunked_gated_delta_rule, recurrence, inputs, lengths, chunk, randn(n_v, 6))
+
+
+@pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])
+def test_chunked_ssd_equals_the_recurrence(chunk, lengths):
+    """float64: Mamba-2's chunked recurrence (groups of heads sharing B and C, documents restarting the state)
+    equals it token by token, each document from a zero state; and so do the gradients of all five inputs."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq, groups, heads = sum(lengths), 2, 4
+
+    def randn(*shape):
+        return torch.randn(2, seq, *shape, dtype=torch.float64, generator=generator)
+
+    x, b, c = randn(heads, 6), randn(groups, 8), randn(groups, 8)
+    dt = torch.rand(2, seq, heads, dtype=torch.float64, generator=generator) + 0.1
+    a = -torch.rand(heads, dtype=torch.float64, generator=generator) * 2
+
+    def recurrence(inputs, start, stop):
+        x, dt, a, b, c = inputs
+        b, c = (t[:, start:stop].repeat_interleave(heads // groups, 2) for t in (b, c))
+        return ssd_recurrence(x[:, start:stop], dt[:, start:stop], a, b, c)
+
+    check_chunked_equals_recurrence(chunked_ssd, recurrence, [x, dt, a, b, c], lengths, chunk, randn(heads, 6))
+
+
+def test_mamba2_block_matches_module():
+    """float64: Granite 4.0-H's Mamba-2 block (the chunked recurrence, the convolution with its bias as shifted
+    taps, the grouped gated norm, residual multipliers) against the textbook module: output, input and weight
+    gradients; kept products stand for the projections' GEMMs."""
+    torch.manual_seed(torch.seed() % 2**31)
+    mamba = Mamba2Shape(n_groups=2, n_heads=4, state_dim=8, head_dim=6, conv_kernel=4, chunk=4)
+    block = DecoderBlock(BlockShape(32, 4, 2, 8, 40, 1e-6, linear_attention=mamba, residual_scale=0.4))
+    ref = RefMamba2Block(32, 2, 4, 8, 6, 4, 40, 1e-6, 0.4).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+        ref.mamba.A_log.uniform_(-1, 1)
+    flat, x, grad_out, grads = check_float64_block_against_module(block, ref, 1e-12)
+    _, products = block.forward_keeping_products([flat], x.detach())
+    assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
+    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    assert rel_err(product_grads[0], grads) < 1e-12
+
+
+LINEAR_SHAPE = dict(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk=4)
+
+
+def linear_attention_block(grouped: bool = False) -> DecoderBlock:
+    """Qwen3.5's (grouped: Qwen3-Next's) linear-attention layer at a small shape, chunks of 4 tokens."""
+    linear = GatedDeltaNetShape(**LINEAR_SHAPE, grouped_projections=grouped)
+    return DecoderBlock(BlockShape(32, 4, 2, 8, 40, 1e-6, norm_scale="one_plus_fp32", linear_attention=linear))
+
+
+def random_linear_reference() -> RefGatedDeltaNetBlock:
+    ref = RefGatedDeltaNetBlock(32, 2, 4, 8, 6, 4, 40, 1e-6).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    return ref
+
+
+def check_float64_block_against_module(block: DecoderBlock, ref: nn.Module, out_tolerance: float):
+    """float64: `block` on `ref`'s weights against `ref`: the output, the input's gradient and the weights' (added
+    into the buffer, not written). Returns (weights, input, output gradient, the weights' gradient buffer)."""
+    (specs,) = block.groups
+    assert {spec.name for spec in specs} == {name for name, _ in ref.named_parameters()}
+    flat = flatten_params(ref, specs)
+    x = torch.randn(3, 11, 32, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, 11, 32, dtype=torch.float64)
+    out_ref = ref(x)
+    out_ref.backward(grad_out)
+    assert rel_err(block.forward([flat], x.detach()), out_ref) < out_tolerance
+    grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, grads), x.grad) < 1e-10
+    by_name = unflatten_grads(grads[0] - 0.5, specs)
+    for name, p in ref.named_parameters():
+        assert rel_err(by_name[name], p.grad) < 1e-10, name
+    return flat, x, grad_out, grads[0]
+
+
+def test_linear_attention_block_matches_module():
+    """float64: the linear-attention block (Gated DeltaNet on the chunked delta rule, the short convolution as
+    shifted taps) against the textbook module (F.conv1d, the delta rule token by token): output, input and
+    weight gradients, added into the buffer; kept products stand for the projections' GEMMs."""
+    torch.manual_seed(torch.seed() % 2**31)
+    block = linear_attention_block()
+    flat, x, grad_out, grads = check_float64_block_against_module(block, random_linear_reference(), 1e-12)
+    _, products = block.forward_keeping_products([flat], x.detach())
+    assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
+    assert sum(p.shape[-1] for p in products.values()) * 8 == block.product_bytes_per_token(8)
+    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    assert rel_err(product_grads[0], grads) < 1e-12
+
+
+def grouped_projections(flat_split: torch.Tensor, split: DecoderBlock, grouped: DecoderBlock) -> torch.Tensor:
+    """The split layout's buffer rewritten in Qwen3-Next's: in_proj_qkvz and in_proj_ba rows grouped by key
+    head (its q, its k, its value heads' v, their z; its value heads' b, their a)."""
+    views = {p.name: v for p, v in zip(split.groups[0], flat_split.split([p.numel for p in split.groups[0]]))}
+    d, n_k, d_k, per, d_v = 32, 2, 8, 2, 6
+    qkv = views["linear_attn.in_proj_qkv.weight"].view(-1, d)
+    q, k, v = qkv.split([n_k * d_k, n_k * d_k, n_k * per * d_v])
+    z = views["linear_attn.in_proj_z.weight"].view(-1, d)
+    b, a = views["linear_attn.in_proj_b.weight"].view(-1, d), views["linear_attn.in_proj_a.weight"].view(-1, d)
+    qkvz = torch.cat([torch.cat([t.view(n_k, -1, d)[i] for t in (q, k, v, z)]) for i in range(n_k)])
+    ba = torch.cat([torch.cat([t.view(n_k, -1, d)[i] for t in (b, a)]) for i in range(n_k)])
+    views["linear_attn.in_proj_qkvz.weight"], views["linear_attn.in_proj_ba.weight"] = qkvz, ba
+    return torch.cat([views[p.name].reshape(-1) for p in grouped.groups[0]])
+
+
+def test_grouped_projections_are_the_split_ones_reordered():
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba layout computes what Qwen3.5's four projections do with the same
+    rows, forward and backward (its gradients are the split ones, reordered the same way)."""
+    split, grouped = linear_attention_block(), linear_attention_block(grouped=True)
+    assert split.numel == grouped.numel
+    flat = flatten_params(random_linear_reference(), split.groups[0])
+    flat_grouped = grouped_projections(flat, split, grouped)
+    x, grad_out = torch.randn(2, 9, 32, dtype=torch.float64), torch.randn(2, 9, 32, dtype=torch.float64)
+    assert rel_err(grouped.forward([flat_grouped], x), split.forward([flat], x)) < 1e-14
+    grads = [[torch.zeros(split.numel, dtype=torch.float64)] for _ in range(2)]
+    grad_split = split.backward([flat], x, grad_out, grads[0])
+    grad_grouped = grouped.backward([flat_grouped], x, grad_out, grads[1])
+    assert rel_err(grad_grouped, grad_split) < 1e-13
+    assert rel_err(grads[1][0], grouped_projections(grads[0][0], split, grouped)) < 1e-13
+
+
+def test_gated_attention_block_matches_module():
+    """float64: Qwen3-Next's and Qwen3.5's softmax-attention layer (the gate as each query head's second half of
+    q_proj, (1 + weight) norms on the input, the MLP's input and per-head q/k) against the textbook module."""
+    torch.manual_seed(torch.seed() % 2**31)
+    rope = RopeConfig(head_dim=8, theta=500.0)
+    shape = BlockShape(
+        32, 4, 2, 8, 40, 1e-6, qk_norm=True, rope=rope, norm_scale="one_plus_fp32", attn_output_gate=True
+    )
+    ref = RefGatedAttentionBlock(32, 4, 2, 8, 40, 1e-6, rope_inv_freq(rope)).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    check_float64_block_against_module(DecoderBlock(shape), ref, 1e-10)  # (rotary angles in fp32 on both sides)

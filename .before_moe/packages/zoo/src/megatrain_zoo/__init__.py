@@ -1,0 +1,38 @@
+"""Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
+
+from .config import (
+    ARCHITECTURES,
+    CORRECTION_BIASED,
+    ModelConfig,
+    ZooError,
+    flops_per_token,
+    linear_attention_flops_per_token,
+)
+from .generic import GenericError, generic_notes
+from .hf import config_from_hf, config_to_hf, model_config_from_hf, read_hf_config
+from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
+from .presets import PRESETS, preset
+
+__all__ = [
+    "ARCHITECTURES",
+    "CORRECTION_BIASED",
+    "PRESETS",
+    "Group",
+    "ModelConfig",
+    "ModelSpec",
+    "StageSpec",
+    "ZooError",
+    "block_shape",
+    "build_model",
+    "expert_parts",
+    "config_from_hf",
+    "model_config_from_hf",
+    "GenericError",
+    "generic_notes",
+    "config_to_hf",
+    "flops_per_token",
+    "linear_attention_flops_per_token",
+    "init_param_",
+    "preset",
+    "read_hf_config",
+]

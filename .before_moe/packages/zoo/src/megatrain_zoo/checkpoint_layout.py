@@ -1,0 +1,104 @@
+"""How a family's checkpoints name and lay out the weights transformers' modules hold (`megatrain_zoo.generic`):
+transformers' own conversion mapping, both ways, a group of tensors at a time."""
+
+import torch
+from torch import Tensor
+
+from .generic import GenericError, HFSkeleton
+
+
+class CheckpointLayout:
+    """How the family's checkpoints name and lay out the weights its modules hold: transformers' own conversion
+    mapping (Phi-MoE's checkpoints hold an expert's matrices one tensor each, its modules all experts' in one),
+    applied a group of tensors at a time (a layer's: no more than a layer in memory)."""
+
+    def __init__(self, skeleton: HFSkeleton):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        self.skeleton = skeleton
+        mapping = get_model_conversion_mapping(skeleton.model)
+        self._renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        self._converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        self._mapping = mapping
+        # every name a parameter has (a tied LM head's too) -> the name it is stored under
+        self._canonical = {
+            name: skeleton.names[id(p)] for name, p in skeleton.model.named_parameters(remove_duplicate=False)
+        }
+        # persistent buffers, which megatrain's native stores may hold (DeepSeek-V3's routing bias)
+        self.buffers = [name for name in skeleton.model.state_dict() if name not in self._canonical]
+
+    def sources(self, present: list[str], where: str, buffers: bool = False) -> dict[str, list[str]]:
+        """The model's parameter name -> the checkpoint tensors it is made from, for a checkpoint holding
+        `present`; a tensor the model has no place for, or a parameter no tensor makes, is refused (`where`
+        names the checkpoint). `buffers`: a tensor may also be a persistent buffer's (named as itself)."""
+        return self._made(present, where, buffers)[0]
+
+    def _made(self, present: list[str], where: str, buffers: bool) -> tuple[dict[str, list[str]], set[str]]:
+        """`sources`, and the parameters a converter makes (not renaming alone)."""
+        canonical = self._canonical | ({name: name for name in self.buffers} if buffers else {})
+        from transformers.core_model_loading import rename_source_key
+
+        meta = self.skeleton.model.state_dict()
+        prefix = self.skeleton.model.base_model_prefix
+        made: dict[str, list[str]] = {}
+        converted: set[str] = set()
+        for key in present:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            target, converter = rename_source_key(key, self._renamings, self._converters, prefix, meta)
+            if target not in canonical:
+                raise GenericError(
+                    f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has no "
+                    "place for it); the checkpoint does not belong to this config.json"
+                )
+            made.setdefault(canonical[target], []).append(key)
+            if converter is not None:
+                converted.add(canonical[target])
+        missing = [name for name in self.skeleton.names.values() if name not in made]
+        if missing:
+            raise GenericError(
+                f"{where}: tensor(s) for {missing[:5]}{' ...' if len(missing) > 5 else ''} missing; the checkpoint "
+                "is incomplete or for a different model"
+            )
+        return made, converted
+
+    def renamed(self, tensors: dict[str, Tensor], where: str) -> dict[str, str]:
+        """The parameters a checkpoint holding `tensors` gives by renaming alone (one tensor, no conversion, the
+        same shape: the parameter may be that tensor itself) -> the tensor's name; persistent buffers likewise."""
+        sources, converted = self._made(list(tensors), where, buffers=True)
+        shapes = {name: t.shape for name, t in self.skeleton.model.state_dict(keep_vars=True).items()}
+        return {
+            name: keys[0]
+            for name, keys in sources.items()
+            if len(keys) == 1 and name not in converted and shapes[name] == tensors[keys[0]].shape
+        }
+
+    def load(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Checkpoint tensors (all those making some parameters) -> those parameters, by the model's names, in
+        fp32, as transformers' loader converts them."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+        from transformers.utils import logging
+
+        model = self.skeleton.model
+        held = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()]
+        bar = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()
+        try:
+            config = LoadStateDictConfig(weight_mapping=self._mapping, dtype=torch.float32)
+            convert_and_load_state_dict_in_model(model, dict(tensors), config)
+            loaded = {name: p.detach() for name, p in model.named_parameters() if not p.is_meta}
+        finally:
+            for module, name, p in held:  # (back to the meta parameters: tied ones stay one object)
+                module._parameters[name] = p
+            if bar:
+                logging.enable_progress_bar()
+        return loaded
+
+    def save(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Parameters by the model's names -> the tensors a checkpoint of the family holds (meta tensors give
+        their names and shapes alone)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.skeleton.model, dict(tensors))
