@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_schema import load_rows  # noqa: E402
+from results_schema import MOE_LAYER, MOE_LAYER_KEPT, load_rows  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "scaling.md"]
@@ -491,25 +491,27 @@ def moe_expert_parts(rows: list[dict]) -> Table:
 
 
 def moe_layers(rows: list[dict]) -> Table:
-    """One MoE layer's forward + recompute + backward, newest default row per model and tokens."""
-    layers = [r for r in rows if r.get("scope") == "one MoE layer, fwd + recompute+bwd" and is_default(r)]
+    """One MoE layer's forward and backward, recomputing or from kept products: the newest default row per model,
+    GPU, tokens and way."""
+    layers = [r for r in rows if r.get("scope") in (MOE_LAYER, MOE_LAYER_KEPT) and is_default(r)]
     chosen = sorted(
-        newest(layers, lambda r: (r["model"], r["tokens_per_step"])).values(),
-        key=lambda r: (r["model"], r["tokens_per_step"]),
+        newest(layers, lambda r: (r["model"], gpu(r), r["tokens_per_step"], r["scope"])).values(),
+        key=lambda r: (r["model"], gpu(r), r["tokens_per_step"], r["scope"]),
     )
     body = [
         [
             r["model"],
             gpu(r),
             tokens(r["tokens_per_step"]),
+            "kept" if r["scope"] == MOE_LAYER_KEPT else "recomputed",
             f"{r['forward_recompute_backward_ms']} ms" if "forward_recompute_backward_ms" in r else "-",
             f"**{r['hardware_tflops']}**",
+            num(r.get("model_tflops")) if r.get("model_tflops") else "-",
         ]
         for r in chosen
     ]
-    return Table(
-        ["MoE layer of", "GPU", "tokens", "fwd + recompute + bwd", "hardware TFLOPS"], body, chosen, align="llrrr"
-    )
+    header = ["MoE layer of", "GPU", "tokens", "matmul products", "fwd + bwd", "hardware TFLOPS", "model TFLOPS"]
+    return Table(header, body, chosen, align="llrlrrr")
 
 
 def plan_rows(rows: list[dict], file: str) -> list[dict]:
