@@ -6,7 +6,6 @@ products (`--kept`), and where the time goes (the profiler's top CUDA kernels).
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,19 +17,6 @@ from common import machine, write_results  # noqa: E402
 from megatrain.rates import block_work  # noqa: E402
 from megatrain_templates import MoeBlock  # noqa: E402
 from megatrain_zoo import build_model, flops_per_token, preset  # noqa: E402
-
-
-def host_ms(fn, repeats: int = 5) -> float:
-    """Milliseconds the host takes to issue `fn` while the GPU is kept busy (so that it never waits for it)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the work
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    elapsed = (time.perf_counter() - start) / repeats * 1e3
-    torch.cuda.synchronize()
-    return elapsed
 
 
 def main():
@@ -66,7 +52,6 @@ def main():
     model_work /= config.n_layers
     fwd = time_ms(lambda: block.forward(weights, x))
     total = time_ms(step)
-    host = host_ms(step)
     result = {
         "machine": machine(),
         "model": args.model,
@@ -76,7 +61,6 @@ def main():
         "product_bytes_per_token": block.product_bytes_per_token(2) if args.kept else 0,
         "forward_ms": round(fwd, 3),
         "forward_recompute_backward_ms": round(total, 3),
-        "host_ms": round(host, 3),  # the host's time to issue it, the GPU busy elsewhere
         "hardware_tflops": round(work / total / 1e9, 1),
         "model_tflops_ceiling": round(model_work / total / 1e9, 1),
     }

@@ -430,6 +430,7 @@ def image_text(rows: list[dict]) -> Table:
 MOE_MODELS = [
     "olmoe-1b-7b",
     "qwen1.5-moe-a2.7b",
+    "qwen3-30b-a3b",
     "moonlight-16b-a3b",
     "deepseek-v2-lite",
     "glm-4.5-air",

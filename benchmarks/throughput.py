@@ -392,6 +392,9 @@ def main():
             args.layers,
             implementation,
         )
+        if args.layers:  # what the tables call a part of a model
+            for row in results:
+                row.setdefault("scope", f"first {args.layers} layers")
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:
             results += bench_plain_pytorch(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup)
