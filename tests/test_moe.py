@@ -345,8 +345,13 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
     model = trainer.model_config
-    asked = 0 if engine.kept_layers == "auto" else engine.kept_layers  # auto keeps none on the CPU
-    assert len(trainer.pipeline.executed.keeping) == min(asked, model.n_layers)
+    kept = len(trainer.pipeline.executed.keeping)
+    if engine.kept_layers != "auto":
+        assert kept == min(engine.kept_layers, model.n_layers)
+    elif device == "cpu":  # auto keeps none on the CPU
+        assert kept == 0
+    elif not trainer.spec.expert_parts:  # a GPU holds a tiny model's products (experts in parts keep none)
+        assert kept > 0
     exported = trainer.export(tmp_path / "out")
     ids = torch.randint(0, model.vocab_size, (2, 12))
     our_logits = trainer.logits(ids)
