@@ -613,7 +613,7 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None
 
 
-def grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool) -> Tensor:
+def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool) -> Tensor:
     """x [rows, in] grouped by expert times each expert's matrix, stored [n_experts, out, in] (`out_in`:
     transformers' per-expert layout) or [n_experts, in, out] (the fused one), as `ops.linear` treats a
     `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
@@ -872,7 +872,7 @@ class MoeBlock(DecoderBlock):
         weight = top_weight.reshape(-1)[slots.order].to(h.dtype).unsqueeze(1)
         if self.moe.weights_inputs:  # Llama 4: the expert sees its input scaled, its output is not
             x, weight = x * weight, None
-        hidden = grouped_linear(x, w["experts_gate_up"], slots, out_in=not self.moe.fused)
+        hidden = _grouped_linear(x, w["experts_gate_up"], slots, out_in=not self.moe.fused)
         if "experts_gate_up_bias" in w:  # gpt-oss
             hidden = hidden + w["experts_gate_up_bias"][slots.expert]
         return self._activation(hidden, weight), weight
@@ -880,7 +880,7 @@ class MoeBlock(DecoderBlock):
     def _expert_output(self, w: dict, act: Tensor, weight: Tensor | None, slots: _Slots) -> Tensor:
         """[tokens, d_model]: the experts' down projections of `act` summed over each token's choices (gpt-oss'
         down bias scaled by the routing weight, as its input is)."""
-        y = grouped_linear(act, w["experts_down"], slots, out_in=not self.moe.fused)
+        y = _grouped_linear(act, w["experts_down"], slots, out_in=not self.moe.fused)
         if "experts_down_bias" in w:
             y = y + weight * w["experts_down_bias"][slots.expert]
         return _Combine.apply(y, slots)
