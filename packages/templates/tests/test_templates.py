@@ -651,46 +651,6 @@ def test_chunked_ssd_equals_the_recurrence(chunk, lengths):
     check_chunked_equals_recurrence(chunked_ssd, recurrence, [x, dt, a, b, c], lengths, chunk, randn(heads, 6))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rule", ["gated_delta", "ssd"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_gpu_compiled_chunk_work_in_bf16_equals_the_eager_rule(rule, packed, monkeypatch):
-    """bf16 inputs on the GPU run the rule's chunk-local work compiled: the output and the gradients of all five
-    inputs equal the eager functions' on the same inputs to bf16 rounding, and the output (fp32) equals the rule in
-    float64 to fp32 rounding (rows of several chunks and a short last one; documents starting inside chunks)."""
-    import megatrain_templates.linear_attention as la
-
-    torch.manual_seed(torch.seed() % 2**31)
-    seq, chunk = 300, 64
-    doc_ids = torch.tensor([0] * 70 + [1] * 100 + [2] * 130, device="cuda").expand(2, -1) if packed else None
-
-    def randn(*shape):
-        return torch.randn(2, seq, *shape, device="cuda").bfloat16()
-
-    def rand(*shape):
-        return torch.rand(*shape, device="cuda")
-
-    if rule == "gated_delta":
-        function, inputs = chunked_gated_delta_rule, [randn(2, 32), randn(2, 32), randn(4, 16)]
-        inputs += [-rand(2, seq, 4), rand(2, seq, 4)]
-    else:
-        function, inputs = chunked_ssd, [randn(4, 16), rand(2, seq, 4) + 0.1, -rand(4), randn(2, 32), randn(2, 32)]
-    grad_out = torch.randn(2, seq, 4, 16, device="cuda")
-
-    def run(dtype=None):
-        leaves = [(t if dtype is None else t.to(dtype)).detach().requires_grad_() for t in inputs]
-        out = function(*leaves, doc_ids, chunk)
-        out.backward(grad_out.to(out.dtype))
-        return [out.detach().double(), *(t.grad.double() for t in leaves)]
-
-    compiled, in_float64 = run(), run(torch.float64)
-    monkeypatch.setattr(la, "chunk_locals", la._chunk_locals)
-    monkeypatch.setattr(la, "chunk_outputs", la._chunk_outputs)
-    for ours, eager in zip(compiled, run()):
-        assert rel_err(ours, eager) < 1e-3
-    assert rel_err(compiled[0], in_float64[0]) < 1e-5
-
-
 def test_mamba2_block_matches_module():
     """float64: Granite 4.0-H's Mamba-2 block (the chunked recurrence, the convolution with its bias as shifted
     taps, the grouped gated norm, residual multipliers) against the textbook module: output, input and weight

@@ -21,8 +21,6 @@ from .attention import Documents
 from .layout import ParamSpec, Span, fused_span, span_of
 from .ops import compiled_on_cuda, linear, upcast
 
-HALF_TYPES = (torch.bfloat16, torch.float16)  # a layer's compute dtypes whose rule's chunk-local work is compiled
-
 
 @dataclass(frozen=True)
 class GatedDeltaNetShape:
@@ -282,11 +280,10 @@ def chunked_gated_delta_rule(
     carried. A document that starts inside a chunk is masked out of everything before it: pairs across the
     start, the carried state's reach into the chunk and the carry out of it."""
     dtype = torch.promote_types(upcast(q).dtype, torch.float32)
-    compiled = q.dtype in HALF_TYPES  # (see `_chunked_decayed_recurrence`)
     q, k = _per_value_head(q, v.shape[2]), _per_value_head(k, v.shape[2])
     q = _l2_normalized(q.to(dtype)) * q.shape[-1] ** -0.5
     k = _l2_normalized(k.to(dtype))
-    return _chunked_decayed_recurrence(q, k, v.to(dtype), log_decay, beta, doc_ids, chunk, compiled)
+    return _chunked_decayed_recurrence(q, k, v.to(dtype), log_decay, beta, doc_ids, chunk)
 
 
 def chunked_ssd(
@@ -303,7 +300,7 @@ def chunked_ssd(
     n_heads = x.shape[2]
     values = x.to(dtype) * dt.unsqueeze(-1)
     q, k = (_per_value_head(t, n_heads).to(dtype) for t in (c, b))
-    return _chunked_decayed_recurrence(q, k, values, dt * a, None, doc_ids, chunk, compiled=x.dtype in HALF_TYPES)
+    return _chunked_decayed_recurrence(q, k, values, dt * a, None, doc_ids, chunk)
 
 
 def _per_value_head(t: Tensor, n_heads: int) -> Tensor:
@@ -313,27 +310,17 @@ def _per_value_head(t: Tensor, n_heads: int) -> Tensor:
 
 
 def _chunked_decayed_recurrence(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor,
-    beta: Tensor | None,
-    doc_ids: Tensor | None,
-    chunk: int,
-    compiled: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None, doc_ids: Tensor | None, chunk: int
 ) -> Tensor:
     """S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T (the delta rule) or, with beta None, S <- S + k v^T;
     output S^T q. q, k: [batch, seq, heads, d_k], v: [batch, seq, heads, d_v] in the arithmetic's dtype;
     log_decay, beta: [batch, seq, heads]. The chunked form of `chunked_gated_delta_rule`'s docstring: the work
-    within chunks before and after, and the state carried from chunk to chunk between. `compiled`: the work
-    within chunks compiled on CUDA, for a layer that computes in half precision (the compiled kernels' exp is
-    an approximation, good to far below bf16's step, not to the fp32 tests' 1e-5 after a model's layers)."""
-    local, outputs = (chunk_locals, chunk_outputs) if compiled else (_chunk_locals, _chunk_outputs)
-    (carried_keys, new_values, k_to_end, chunk_carry), q_carried, attention = local(
+    within chunks before and after (batched over the chunks), and the state carried from chunk to chunk between."""
+    (carried_keys, new_values, k_to_end, chunk_carry), q_carried, attention = _chunk_locals(
         q, k, v, log_decay, beta, doc_ids, chunk
     )
     states, delta = _ChunkStates.apply(carried_keys, new_values, k_to_end, chunk_carry)
-    return outputs(q_carried, states, attention, delta, k.shape[1])
+    return _chunk_outputs(q_carried, states, attention, delta, k.shape[1])
 
 
 def _chunk_locals(
@@ -396,12 +383,6 @@ def _chunk_outputs(q_carried: Tensor, states: Tensor, attention: Tensor, delta: 
     batch, n_heads, n_chunks, chunk, _ = q_carried.shape
     out = q_carried @ states + attention @ delta
     return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
-
-
-# compiled on CUDA: eager, the chunk-local work is some forty elementwise passes (and their backward) over
-# [batch, heads, n_chunks, chunk, chunk] and [..., chunk, head_dim] tensors in fp32, most of a layer's delta rule
-chunk_locals = compiled_on_cuda(_chunk_locals)
-chunk_outputs = compiled_on_cuda(_chunk_outputs)
 
 
 class _ChunkStates(torch.autograd.Function):
