@@ -282,8 +282,7 @@ def chunked_gated_delta_rule(
     dtype = torch.promote_types(upcast(q).dtype, torch.float32)
     q, k = _per_value_head(q, v.shape[2]), _per_value_head(k, v.shape[2])
     q = _l2_normalized(q.to(dtype)) * q.shape[-1] ** -0.5
-    k = _l2_normalized(k.to(dtype))
-    return _chunked_decayed_recurrence(q, k, v.to(dtype), log_decay, beta, doc_ids, chunk)
+    return _chunked_decayed_recurrence(q, _l2_normalized(k.to(dtype)), v.to(dtype), log_decay, beta, doc_ids, chunk)
 
 
 def chunked_ssd(
@@ -314,21 +313,7 @@ def _chunked_decayed_recurrence(
 ) -> Tensor:
     """S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T (the delta rule) or, with beta None, S <- S + k v^T;
     output S^T q. q, k: [batch, seq, heads, d_k], v: [batch, seq, heads, d_v] in the arithmetic's dtype;
-    log_decay, beta: [batch, seq, heads]. The chunked form of `chunked_gated_delta_rule`'s docstring: the work
-    within chunks before and after (batched over the chunks), and the state carried from chunk to chunk between."""
-    (carried_keys, new_values, k_to_end, chunk_carry), q_carried, attention = _chunk_locals(
-        q, k, v, log_decay, beta, doc_ids, chunk
-    )
-    states, delta = _ChunkStates.apply(carried_keys, new_values, k_to_end, chunk_carry)
-    return _chunk_outputs(q_carried, states, attention, delta, k.shape[1])
-
-
-def _chunk_locals(
-    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None, doc_ids: Tensor | None, chunk: int
-) -> tuple[tuple, Tensor, Tensor]:
-    """Everything of the recurrence that stays within a chunk, batched over the chunks: (the inputs of
-    `_ChunkStates`, the queries scaled by the carried state's decay, the chunk's masked decayed attention), all
-    [batch, heads, n_chunks, chunk, ...]."""
+    log_decay, beta: [batch, seq, heads]. The chunked form of `chunked_gated_delta_rule`'s docstring."""
     dtype = q.dtype
     batch, seq, n_heads, _ = k.shape
     # [batch, heads, seq, ...]
@@ -374,13 +359,7 @@ def _chunk_locals(
     q_carried = q * carried.unsqueeze(-1)
     k_to_end = k * ((last - decayed).exp() * to_end).unsqueeze(-1)
     chunk_carry = (last.exp() * reaches[..., -1:]).unsqueeze(-1)  # [batch, heads, n_chunks, 1, 1]
-    return (carried_keys, new_values, k_to_end, chunk_carry), q_carried, attention
-
-
-def _chunk_outputs(q_carried: Tensor, states: Tensor, attention: Tensor, delta: Tensor, seq: int) -> Tensor:
-    """[batch, seq, heads, d_v]: each token's output, from the state entering its chunk and the chunk's own
-    corrected values."""
-    batch, n_heads, n_chunks, chunk, _ = q_carried.shape
+    states, delta = _ChunkStates.apply(carried_keys, new_values, k_to_end, chunk_carry)
     out = q_carried @ states + attention @ delta
     return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
 

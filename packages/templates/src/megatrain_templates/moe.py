@@ -618,17 +618,18 @@ def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", s
     transformers' per-expert layout) or [n_experts, in, out] (the fused one), as `ops.linear` treats a
     `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
 
-    def in_out(matrix: Tensor) -> Tensor:
-        return matrix.transpose(1, 2) if out_in else matrix
-
     if isinstance(weight, BoundWeight):
-        return _GroupedLinear.apply(x, in_out(weight.value), slots, in_out(weight.grad), weight.product)
+        into = _in_out(weight.grad, out_in)
+        return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product)
     if isinstance(weight, ProductKeeper):
-        weight.products[weight.name] = out = _grouped_matmul(x, in_out(weight.value), slots)
+        weight.products[weight.name] = out = _grouped_matmul(x, _in_out(weight.value, out_in), slots)
         return out
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _GroupedLinear.apply(x, in_out(weight), slots, None, None)
-    return _grouped_matmul(x, in_out(weight), slots)
+    return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None)
+
+
+def _in_out(matrices: Tensor, out_in: bool) -> Tensor:
+    """[n_experts, in, out] view of experts' matrices stored [n_experts, out, in] (`out_in`) or already so."""
+    return matrices.transpose(1, 2) if out_in else matrices
 
 
 def _with_zero_row(rows: Tensor, slots: _Slots) -> Tensor:
@@ -889,7 +890,7 @@ class MoeBlock(DecoderBlock):
         """`_expert_output`'s backward, its forward not recomputed (no gradient needs its output): adds the down
         projection's weight gradient into its buffer and returns `act`'s gradient. grad_out: [tokens, d_model]."""
         out_in = not self.moe.fused
-        weight, into = (down.value.transpose(1, 2), down.grad.transpose(1, 2)) if out_in else (down.value, down.grad)
+        weight, into = _in_out(down.value, out_in), _in_out(down.grad, out_in)
         grad_rows = grad_out.index_select(0, slots.token)  # the combine's backward
         return _grouped_linear_backward(act.detach(), weight, grad_rows, slots, into)[0]
 
@@ -934,11 +935,7 @@ class MoeBlock(DecoderBlock):
         """`forward`, also returning the products of its matmuls but the experts' down projection, which the
         backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token)."""
         check_buffers(weights, self.groups, "MoeBlock.forward_keeping_products")
-        products: dict[str, Tensor] = {}
-        w = {
-            name: ProductKeeper(view, name, products) if name in self._recomputed_matrices else view
-            for name, view in self._views(weights[0]).items()
-        }
+        w, products = self._keeping_views(weights[0])
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out, products
