@@ -629,6 +629,44 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(chunk, lengths):
     check_chunked_equals_recurrence(chunked_gated_delta_rule, recurrence, inputs, lengths, chunk, randn(n_v, 6))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rule", ["gated-delta", "ssd"])
+def test_gpu_chunked_recurrence_equals_float64(rule, dtype, bound):
+    """On CUDA the state pass runs as Triton kernels (exact fp32 matmuls for fp32 inputs, TF32 for bf16 ones, as
+    the chunk's GEMMs then are): output and every input's gradient against the float64 CPU form on the same
+    inputs, over packed documents (one starting inside a chunk), 64-token chunks, a shorter last chunk, and
+    Qwen3.5's head widths."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lengths, heads, d_k, d_v = (200, 37, 300), 4, 128, 128
+    seq = sum(lengths)
+    documents = Documents(torch.cat([torch.arange(n) for n in lengths]).expand(2, -1))
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(2, seq, *shape, dtype=torch.float64, generator=generator) * scale
+
+    def rand(*shape):
+        return torch.rand(2, seq, *shape, dtype=torch.float64, generator=generator)
+
+    if rule == "gated-delta":
+        function = chunked_gated_delta_rule
+        inputs = [randn(2, d_k), randn(2, d_k), randn(heads, d_v), -rand(heads) * 0.5, rand(heads)]
+    else:
+        function = chunked_ssd
+        a = -torch.rand(heads, dtype=torch.float64, generator=generator) - 0.2
+        inputs = [randn(heads, d_v), rand(heads) * 0.2 + 0.01, a, randn(2, d_k, scale=0.1), randn(2, d_k, scale=0.1)]
+    inputs = [t.to(dtype) if t.dim() == 4 else t.float() for t in inputs]  # the model's dtype, the decays fp32
+    grad_out = randn(heads, d_v)
+    results = []
+    for device, cast in (("cpu", torch.float64), ("cuda", None)):
+        leaves = [(t if cast is None else t.to(cast)).to(device).requires_grad_(True) for t in inputs]
+        out = function(*leaves, documents.doc_ids.to(device), 64)
+        out.backward(grad_out.to(device, out.dtype))
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for ours, reference in zip(results[1], results[0]):
+        assert rel_err(ours.cpu().double(), reference) < bound
+
+
 @pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])
 def test_chunked_ssd_equals_the_recurrence(chunk, lengths):
     """float64: Mamba-2's chunked recurrence (groups of heads sharing B and C, documents restarting the state)

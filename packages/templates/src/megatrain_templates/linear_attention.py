@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import Documents
+from .chunked_recurrence import chunked_decayed_recurrence
 from .layout import ParamSpec, Span, fused_span, span_of
 from .ops import compiled_on_cuda, linear, upcast
 
@@ -282,7 +283,8 @@ def chunked_gated_delta_rule(
     dtype = torch.promote_types(upcast(q).dtype, torch.float32)
     q, k = _per_value_head(q, v.shape[2]), _per_value_head(k, v.shape[2])
     q = _l2_normalized(q.to(dtype)) * q.shape[-1] ** -0.5
-    return _chunked_decayed_recurrence(q, _l2_normalized(k.to(dtype)), v.to(dtype), log_decay, beta, doc_ids, chunk)
+    k = _l2_normalized(k.to(dtype))
+    return chunked_decayed_recurrence(q, k, v.to(dtype), log_decay, beta, doc_ids, chunk, _came_in_half(v))
 
 
 def chunked_ssd(
@@ -299,130 +301,16 @@ def chunked_ssd(
     n_heads = x.shape[2]
     values = x.to(dtype) * dt.unsqueeze(-1)
     q, k = (_per_value_head(t, n_heads).to(dtype) for t in (c, b))
-    return _chunked_decayed_recurrence(q, k, values, dt * a, None, doc_ids, chunk)
+    return chunked_decayed_recurrence(q, k, values, dt * a, None, doc_ids, chunk, _came_in_half(x))
+
+
+def _came_in_half(t: Tensor) -> bool:
+    """Inputs in a half type: the recurrence's matmuls may round fp32 operands to TF32 (fp32 and fp64 inputs keep
+    exact arithmetic, which their tests hold to 1e-5 and 1e-12)."""
+    return t.dtype in (torch.bfloat16, torch.float16)
 
 
 def _per_value_head(t: Tensor, n_heads: int) -> Tensor:
     """[batch, seq, n_key_heads, ...] -> [batch, seq, n_heads, ...]: each key head serves n_heads / n_key_heads
     consecutive heads."""
     return t if t.shape[2] == n_heads else t.repeat_interleave(n_heads // t.shape[2], dim=2)
-
-
-def _chunked_decayed_recurrence(
-    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor | None, doc_ids: Tensor | None, chunk: int
-) -> Tensor:
-    """S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T (the delta rule) or, with beta None, S <- S + k v^T;
-    output S^T q. q, k: [batch, seq, heads, d_k], v: [batch, seq, heads, d_v] in the arithmetic's dtype;
-    log_decay, beta: [batch, seq, heads]. The chunked form of `chunked_gated_delta_rule`'s docstring."""
-    dtype = q.dtype
-    batch, seq, n_heads, _ = k.shape
-    # [batch, heads, seq, ...]
-    q, k, v, log_decay = (t.transpose(1, 2).to(dtype) for t in (q, k, v, log_decay))
-    beta = None if beta is None else beta.transpose(1, 2).to(dtype)
-    pad = -seq % chunk  # padding tokens (zero k, v, beta and decay) change nothing
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        log_decay = F.pad(log_decay, (0, pad))
-        beta = None if beta is None else F.pad(beta, (0, pad))
-        if doc_ids is not None:
-            doc_ids = torch.cat([doc_ids, doc_ids[:, -1:].expand(-1, pad)], dim=1)
-    n_chunks = (seq + pad) // chunk
-
-    def chunked(t: Tensor) -> Tensor:  # [batch, heads, seq, ...] -> [batch, heads, n_chunks, chunk, ...]
-        return t.reshape(batch, n_heads, n_chunks, chunk, *t.shape[3:])
-
-    q, k, v, log_decay = (chunked(t) for t in (q, k, v, log_decay))
-    decayed = log_decay.cumsum(dim=-1)  # log of the decay from the chunk's start to each token
-    last = decayed[..., -1:]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # reaches[t]: the state carried in reaches token t; to_end[t]: token t's update reaches the chunk's end
-    reaches, to_end = torch.ones_like(decayed), torch.ones_like(decayed)
-    if doc_ids is not None:
-        docs = doc_ids.reshape(batch, 1, n_chunks, chunk)
-        causal = causal & (docs.unsqueeze(-1) == docs.unsqueeze(-2))
-        before = torch.cat([torch.full_like(docs[..., :1, :1], -1), docs[..., :-1, -1:]], dim=2)  # previous token's
-        reaches, to_end = (docs == before).to(dtype), (docs == docs[..., -1:]).to(dtype)
-    pair_decay = (decayed.unsqueeze(-1) - decayed.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    attention = (q @ k.transpose(-1, -2)) * pair_decay
-    carried = decayed.exp() * reaches  # the carried state's decay at each token (0 past a document's start)
-    if beta is None:
-        new_values, carried_keys = v, None
-    else:
-        k_beta, v_beta = k * chunked(beta).unsqueeze(-1), v * chunked(beta).unsqueeze(-1)
-        ut_system = (k_beta @ k.transpose(-1, -2)) * pair_decay  # unit diagonal: solve_triangular reads below it
-        # the system's inverse once (64 right-hand sides), applied to both right-hand sides as GEMMs: a third of
-        # the triangular-solve work of solving for each
-        eye = torch.eye(chunk, dtype=dtype, device=q.device)
-        ut_inverse = torch.linalg.solve_triangular(ut_system, eye, upper=False, unitriangular=True)
-        new_values = ut_inverse @ v_beta
-        carried_keys = ut_inverse @ (k_beta * carried.unsqueeze(-1))
-    q_carried = q * carried.unsqueeze(-1)
-    k_to_end = k * ((last - decayed).exp() * to_end).unsqueeze(-1)
-    chunk_carry = (last.exp() * reaches[..., -1:]).unsqueeze(-1)  # [batch, heads, n_chunks, 1, 1]
-    states, delta = _ChunkStates.apply(carried_keys, new_values, k_to_end, chunk_carry)
-    out = q_carried @ states + attention @ delta
-    return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
-
-
-class _ChunkStates(torch.autograd.Function):
-    """The recurrence's one sequential part: the state entering each chunk and each chunk's corrected values.
-
-    Per chunk c (all [batch, heads, n_chunks, ...]; S_0 = 0): delta_c = new_values_c - carried_keys_c S_c
-    (new_values_c where carried_keys is None: no delta correction), S_{c+1} = carry_c S_c + k_to_end_c^T delta_c.
-    Returns (S [..., n_chunks, key_head_dim, value_head_dim], delta [..., n_chunks, chunk, value_head_dim]). The
-    loop runs chunk-major (each chunk's slice contiguous) and writes its small GEMMs (two a chunk each way) in
-    place; everything that does not carry the state is batched over the chunks outside it. Left to autograd, the
-    loop's slices, stacks and saved per-chunk products made a 4096-token row of Qwen3.5-27B's shape (micro-batch
-    4) take 238 ms forward + backward on an H100."""
-
-    @staticmethod
-    def forward(ctx, carried_keys: Tensor | None, new_values: Tensor, k_to_end: Tensor, carry: Tensor):
-        *lead, n_chunks, chunk, d_k = k_to_end.shape
-        u, k_end = _chunk_major(new_values), _chunk_major(k_to_end)
-        w = None if carried_keys is None else _chunk_major(carried_keys)  # None: no delta correction
-        g = _chunk_major(carry)
-        states = u.new_empty(n_chunks, u.shape[1], d_k, u.shape[-1])
-        delta = u if w is None else torch.empty_like(u)
-        states[0].zero_()
-        for c in range(n_chunks):
-            if w is not None:
-                torch.baddbmm(u[c], w[c], states[c], alpha=-1, out=delta[c])
-            if c + 1 < n_chunks:  # the state leaving the last chunk is not read
-                torch.baddbmm(states[c] * g[c], k_end[c].transpose(1, 2), delta[c], out=states[c + 1])
-        ctx.save_for_backward(w, k_end, g, states, delta)
-        ctx.lead = lead
-        return _batch_major(states, lead), _batch_major(delta, lead)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_states: Tensor | None, d_delta: Tensor | None):
-        w, k_end, g, states, delta = ctx.saved_tensors
-        n_chunks = k_end.shape[0]
-        d_states = torch.zeros_like(states) if d_states is None else _chunk_major(d_states)
-        d_delta = torch.zeros_like(delta) if d_delta is None else _chunk_major(d_delta)
-        d_leaving = torch.empty_like(states)  # the loss's gradient by the state leaving each chunk
-        d_leaving[-1].zero_()
-        d_delta_total = torch.empty_like(delta)
-        for c in reversed(range(n_chunks)):
-            torch.baddbmm(d_delta[c], k_end[c], d_leaving[c], out=d_delta_total[c])
-            if c > 0:
-                entering = torch.addcmul(d_states[c], g[c], d_leaving[c])
-                if w is None:
-                    d_leaving[c - 1] = entering
-                else:
-                    torch.baddbmm(entering, w[c].transpose(1, 2), d_delta_total[c], alpha=-1, out=d_leaving[c - 1])
-        d_w = None if w is None else _batch_major(-(d_delta_total @ states.transpose(-1, -2)), ctx.lead)
-        d_k_end = delta @ d_leaving.transpose(-1, -2)
-        d_g = (states * d_leaving).sum(dim=(-1, -2), keepdim=True)
-        return d_w, *(_batch_major(t, ctx.lead) for t in (d_delta_total, d_k_end, d_g))
-
-
-def _chunk_major(t: Tensor) -> Tensor:
-    """[*lead, n_chunks, ...] -> contiguous [n_chunks, prod(lead), ...]."""
-    n_lead = t.dim() - 3
-    return t.reshape(-1, *t.shape[n_lead:]).transpose(0, 1).contiguous()
-
-
-def _batch_major(t: Tensor, lead: list[int]) -> Tensor:
-    """The inverse of `_chunk_major` (a view)."""
-    return t.transpose(0, 1).reshape(*lead, *t.shape[:1], *t.shape[2:])

@@ -1,0 +1,275 @@
+"""The chunked form of a decayed linear recurrence, the arithmetic under Gated DeltaNet and Mamba-2, with its
+backward written out.
+
+Per token, a state S ([d_k, d_v] per head, zero at each row's and document's start) decays by exp(g), then
+moves toward the token's value by the delta rule (S <- S + k (beta (v - S^T k))^T) or, without beta, adds
+k v^T; the token reads S^T q. In chunks of C tokens, the updates inside a chunk are matmuls and only S is
+carried from chunk to chunk (the state pass, the one sequential part).
+
+Per chunk, with decayed the cumulative log decay from the chunk's start and Gamma[i, j] = exp(decayed_i -
+decayed_j) for j <= i in one document (0 otherwise):
+    L = strictly lower part of (beta k k^T) o Gamma; T = (I + L)^-1 (the UT transform)
+    u = T (beta v);  w = T (beta k o exp(decayed))          (without beta: u = v, no w)
+    state pass: delta = u - w S;  S <- exp(decayed_last) S + (k o exp(decayed_last - decayed))^T delta
+    out = (q o exp(decayed)) S + ((q k^T) o Gamma) delta
+A document that starts inside a chunk masks the carried state's reach into the chunk and the carry out of it.
+
+The backward is written out rather than left to autograd: autograd kept a dozen [chunk, chunk] and [chunk,
+d] intermediates a chunk alive and walked the state pass through per-chunk slices. The state pass runs as two
+Triton kernels on CUDA (`delta_kernels`) and as a loop over chunks elsewhere. Inputs that came in bf16 (or
+fp16) take TF32 matmuls on CUDA; fp32 and fp64 inputs keep full-precision arithmetic everywhere.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class _ChunkMasks:
+    """Which pairs and reaches a chunk's arithmetic keeps: `causal` [..., C, C] (earlier or same token, same
+    document); `reaches` [..., N, C] 1 where the state carried into the chunk reaches the token; `to_end` where
+    the token's update reaches the chunk's end. None: all ones (one sequence per row)."""
+
+    causal: Tensor
+    reaches: Tensor | None = None
+    to_end: Tensor | None = None
+
+
+def chunked_decayed_recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor,
+    beta: Tensor | None,
+    doc_ids: Tensor | None,
+    chunk: int,
+    tf32: bool = False,
+) -> Tensor:
+    """The recurrence of this module's docstring. q, k: [batch, seq, heads, d_k], v: [batch, seq, heads, d_v] in
+    the arithmetic's dtype; log_decay (<= 0), beta: [batch, seq, heads] (beta None: no delta correction);
+    doc_ids: [batch, seq] or None (one sequence per row). Returns [batch, seq, heads, d_v]. `tf32`: matmuls
+    on CUDA may round their fp32 operands to TF32 (for inputs that came in a half type)."""
+    dtype = q.dtype
+    batch, seq, n_heads, _ = k.shape
+    # [batch, heads, seq, ...]
+    q, k, v, log_decay = (t.transpose(1, 2).to(dtype) for t in (q, k, v, log_decay))
+    beta = None if beta is None else beta.transpose(1, 2).to(dtype)
+    pad = -seq % chunk  # padding tokens (zero k, v, beta and decay) change nothing
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        log_decay = F.pad(log_decay, (0, pad))
+        beta = None if beta is None else F.pad(beta, (0, pad))
+        if doc_ids is not None:
+            doc_ids = torch.cat([doc_ids, doc_ids[:, -1:].expand(-1, pad)], dim=1)
+    n_chunks = (seq + pad) // chunk
+
+    def chunked(t: Tensor) -> Tensor:  # [batch, heads, seq, ...] -> [batch, heads, n_chunks, chunk, ...]
+        return t.reshape(batch, n_heads, n_chunks, chunk, *t.shape[3:])
+
+    masks = _chunk_masks(doc_ids, batch, n_chunks, chunk, q.device)
+    beta = None if beta is None else chunked(beta)
+    out = _ChunkedRecurrence.apply(chunked(q), chunked(k), chunked(v), chunked(log_decay), beta, masks, tf32)
+    return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
+
+
+def _chunk_masks(doc_ids: Tensor | None, batch: int, n_chunks: int, chunk: int, device) -> _ChunkMasks:
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+    if doc_ids is None:
+        return _ChunkMasks(causal)
+    docs = doc_ids.reshape(batch, 1, n_chunks, chunk)
+    before = torch.cat([torch.full_like(docs[..., :1, :1], -1), docs[..., :-1, -1:]], dim=2)  # previous token's
+    return _ChunkMasks(causal & (docs.unsqueeze(-1) == docs.unsqueeze(-2)), docs == before, docs == docs[..., -1:])
+
+
+@dataclass
+class _Decays:
+    """A chunk's decays (shapes as `_ChunkedRecurrence`'s log_decay, [..., N, C], unless said)."""
+
+    pairs: Tensor  # Gamma [..., N, C, C]: exp(decayed_i - decayed_j) where the pair is kept, else 0
+    carried: Tensor  # the carried state's decay at each token (0 past a document's start)
+    to_end: Tensor  # each token's update's decay to the chunk's end (0 where another document ends it)
+    carry: Tensor  # [..., N, 1, 1]: the state's decay across the whole chunk
+
+
+def _decays(log_decay: Tensor, masks: _ChunkMasks) -> _Decays:
+    decayed = log_decay.cumsum(dim=-1)  # log of the decay from the chunk's start to each token
+    last = decayed[..., -1:]
+    pairs = (decayed.unsqueeze(-1) - decayed.unsqueeze(-2)).masked_fill(~masks.causal, float("-inf")).exp()
+    carried, to_end, carry = decayed.exp(), (last - decayed).exp(), last.exp()
+    if masks.reaches is not None:
+        carried, to_end, carry = carried * masks.reaches, to_end * masks.to_end, carry * masks.reaches[..., -1:]
+    return _Decays(pairs, carried, to_end, carry.unsqueeze(-1))
+
+
+class _ChunkedRecurrence(torch.autograd.Function):
+    """q, k: [..., N, C, d_k], v: [..., N, C, d_v], log_decay and beta (or None): [..., N, C] -> out like v;
+    masks: `_ChunkMasks`. The forward and backward of the module docstring's per-chunk equations."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, tf32: bool):
+        with _matmul_precision(tf32 and q.is_cuda):
+            decays = _decays(log_decay, masks)
+            ut_inverse = None if beta is None else _ut_inverse(k, beta, decays)
+            u, w = _new_values_and_keys(k, v, beta, decays, ut_inverse)
+            states, delta = state_pass(w, u, k * decays.to_end.unsqueeze(-1), decays.carry, tf32)
+            out = (q * decays.carried.unsqueeze(-1)) @ states + ((q @ k.transpose(-1, -2)) * decays.pairs) @ delta
+        ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
+        ctx.masks, ctx.tf32 = masks, tf32
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor):
+        q, k, v, log_decay, beta, ut_inverse, states, delta = ctx.saved_tensors
+        with _matmul_precision(ctx.tf32 and q.is_cuda):
+            decays = _decays(log_decay, ctx.masks)
+            _, w = _new_values_and_keys(k, None, beta, decays, ut_inverse)
+            k_end = k * decays.to_end.unsqueeze(-1)
+            # the output's two terms
+            d_states = (q * decays.carried.unsqueeze(-1)).transpose(-1, -2) @ d_out
+            scores = q @ k.transpose(-1, -2)
+            d_delta = ((scores * decays.pairs).transpose(-1, -2)) @ d_out
+            d_q_carried = d_out @ states.transpose(-1, -2)
+            d_attention = d_out @ delta.transpose(-1, -2)
+            d_pairs, d_scores = d_attention * scores, d_attention * decays.pairs  # d_pairs: through (q k^T) o Gamma
+            # the state pass
+            d_u, d_leaving = state_pass_backward(w, k_end, decays.carry, states, d_states, d_delta, ctx.tf32)
+            d_k_end = delta @ d_leaving.transpose(-1, -2)
+            d_carry = (states * d_leaving).sum(dim=(-1, -2))  # [..., N]
+            d_q = d_scores @ k + d_q_carried * decays.carried.unsqueeze(-1)
+            d_k = d_scores.transpose(-1, -2) @ q + d_k_end * decays.to_end.unsqueeze(-1)
+            d_carried = (d_q_carried * q).sum(-1)
+            d_to_end = (d_k_end * k).sum(-1)
+            d_v, d_beta = d_u, None
+            if beta is not None:
+                d_w = -(d_u @ states.transpose(-1, -2))
+                d_k_part, d_v, d_beta, d_carried_part, d_pairs_part = _ut_backward(
+                    k, v, beta, decays, ut_inverse, d_u, d_w
+                )
+                d_k, d_carried, d_pairs = d_k + d_k_part, d_carried + d_carried_part, d_pairs + d_pairs_part
+            d_log_decay = _log_decay_backward(decays, d_pairs, d_carried, d_to_end, d_carry)
+        return d_q, d_k, d_v, d_log_decay, d_beta, None, None
+
+
+def _ut_inverse(k: Tensor, beta: Tensor, decays: _Decays) -> Tensor:
+    """T = (I + L)^-1, L the strictly lower part of (beta k k^T) o Gamma: inverted once (C right-hand sides) and
+    applied to both right-hand sides as GEMMs, a third of the triangular-solve work of solving for each."""
+    system = ((k * beta.unsqueeze(-1)) @ k.transpose(-1, -2)) * decays.pairs  # solve_triangular reads below it
+    eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
+    return torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+
+
+def _new_values_and_keys(k, v, beta, decays: _Decays, ut_inverse) -> tuple[Tensor | None, Tensor | None]:
+    """(u, w) of the module docstring; without beta (u, w) = (v, None); v None: u is not made."""
+    if beta is None:
+        return v, None
+    u = None if v is None else ut_inverse @ (v * beta.unsqueeze(-1))
+    return u, ut_inverse @ (k * (beta * decays.carried).unsqueeze(-1))
+
+
+def _ut_backward(k, v, beta, decays: _Decays, ut_inverse, d_u, d_w):
+    """Through u = T (beta v) and w = T (beta k o carried) and T = (I + L)^-1: the gradients by k, v, beta,
+    the carried decay and Gamma."""
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    keys = k_beta * decays.carried.unsqueeze(-1)
+    t_transposed = ut_inverse.transpose(-1, -2)
+    d_v_beta, d_keys = t_transposed @ d_u, t_transposed @ d_w
+    d_t = d_u @ v_beta.transpose(-1, -2) + d_w @ keys.transpose(-1, -2)
+    # d(T) = -T d(L) T, so dL = -T^T dT T^T, of which only the strictly lower part is L's
+    d_system = (-(t_transposed @ d_t @ t_transposed)).tril(-1)
+    d_pairs = d_system * (k_beta @ k.transpose(-1, -2))
+    d_kk = d_system * decays.pairs
+    d_k_beta = d_kk @ k + d_keys * decays.carried.unsqueeze(-1)
+    d_k = d_kk.transpose(-1, -2) @ k_beta + d_k_beta * beta.unsqueeze(-1)
+    d_beta = (d_v_beta * v).sum(-1) + (d_k_beta * k).sum(-1)
+    d_carried = (d_keys * k_beta).sum(-1)
+    return d_k, d_v_beta * beta.unsqueeze(-1), d_beta, d_carried, d_pairs
+
+
+def _log_decay_backward(decays: _Decays, d_pairs, d_carried, d_to_end, d_carry) -> Tensor:
+    """The gradient by log_decay, given those by Gamma, the carried decay, the decay to the chunk's end and the
+    whole chunk's: each is exp of a difference of cumulative sums, so each adds to the decayed positions it
+    reads, and a reversed cumulative sum takes them back to the per-token log decays."""
+    by_pairs = d_pairs * decays.pairs
+    by_end = d_to_end * decays.to_end
+    d_decayed = by_pairs.sum(-1) - by_pairs.sum(-2) + d_carried * decays.carried - by_end
+    d_last = by_end.sum(-1) + d_carry * decays.carry.squeeze(-1).squeeze(-1)
+    d_decayed = torch.cat([d_decayed[..., :-1], d_decayed[..., -1:] + d_last.unsqueeze(-1)], dim=-1)
+    return d_decayed.flip(-1).cumsum(-1).flip(-1)
+
+
+@contextmanager
+def _matmul_precision(tf32: bool):
+    """cuBLAS may round fp32 operands to TF32 inside (for inputs that came in a half type only)."""
+    if not tf32:
+        yield
+        return
+    # (the flag torch's own tests and most scripts set: torch refuses a mix of it and `fp32_precision`)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: bool = False):
+    """The one sequential part: per chunk c (w, u, k_end [..., N, C, d]; carry [..., N, 1, 1]; S_0 = 0):
+    delta_c = u_c - w_c S_c (u_c where w is None), S_{c+1} = carry_c S_c + k_end_c^T delta_c. Returns (S
+    [..., N, d_k, d_v], the state entering each chunk; delta [..., N, C, d_v])."""
+    from . import delta_kernels
+
+    if delta_kernels.runs_on(u, u.shape[-2], k_end.shape[-1]):
+        return delta_kernels.state_pass(w, u, k_end, carry, tf32)
+    lead, n_chunks = u.shape[:-3], u.shape[-3]
+    u_, k_, g = _chunk_major(u), _chunk_major(k_end), _chunk_major(carry)
+    w_ = None if w is None else _chunk_major(w)
+    states = u_.new_empty(n_chunks, u_.shape[1], k_.shape[-1], u_.shape[-1])
+    delta = u_ if w_ is None else torch.empty_like(u_)
+    states[0].zero_()
+    for c in range(n_chunks):
+        if w_ is not None:
+            torch.baddbmm(u_[c], w_[c], states[c], alpha=-1, out=delta[c])
+        if c + 1 < n_chunks:  # the state leaving the last chunk is not read
+            torch.baddbmm(states[c] * g[c], k_[c].transpose(1, 2), delta[c], out=states[c + 1])
+    return _batch_major(states, lead), _batch_major(delta, lead)
+
+
+def state_pass_backward(w, k_end, carry, states, d_states, d_delta, tf32: bool = False):
+    """`state_pass` backward, given the loss's gradients by its outputs: (by delta, all paths: the gradient by
+    u; by the state leaving each chunk [..., N, d_k, d_v]). The gradients by w, k_end and carry follow from
+    these as batched GEMMs."""
+    from . import delta_kernels
+
+    if delta_kernels.runs_on(states, k_end.shape[-2], k_end.shape[-1]):
+        return delta_kernels.state_pass_backward(w, k_end, carry, d_states, d_delta, tf32)
+    lead, n_chunks = states.shape[:-3], states.shape[-3]
+    w_ = None if w is None else _chunk_major(w)
+    k_, g, d_s, d_d = (_chunk_major(t) for t in (k_end, carry, d_states, d_delta))
+    d_leaving = torch.empty_like(d_s)
+    d_leaving[-1].zero_()
+    d_delta_total = torch.empty_like(d_d)
+    for c in reversed(range(n_chunks)):
+        torch.baddbmm(d_d[c], k_[c], d_leaving[c], out=d_delta_total[c])
+        if c > 0:
+            entering = torch.addcmul(d_s[c], g[c], d_leaving[c])
+            if w_ is None:
+                d_leaving[c - 1] = entering
+            else:
+                torch.baddbmm(entering, w_[c].transpose(1, 2), d_delta_total[c], alpha=-1, out=d_leaving[c - 1])
+    return _batch_major(d_delta_total, lead), _batch_major(d_leaving, lead)
+
+
+def _chunk_major(t: Tensor) -> Tensor:
+    """[*lead, n_chunks, ...] -> contiguous [n_chunks, prod(lead), ...]."""
+    n_lead = t.dim() - 3
+    return t.reshape(-1, *t.shape[n_lead:]).transpose(0, 1).contiguous()
+
+
+def _batch_major(t: Tensor, lead) -> Tensor:
+    """The inverse of `_chunk_major` (a view)."""
+    return t.transpose(0, 1).reshape(*lead, *t.shape[:1], *t.shape[2:])
