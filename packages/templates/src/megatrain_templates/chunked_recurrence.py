@@ -22,10 +22,13 @@ fp16) take TF32 matmuls on CUDA; fp32 and fp64 inputs keep full-precision arithm
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .ops import COMPILE, RECOMPILE_LIMIT
 
 
 @dataclass
@@ -56,8 +59,11 @@ def chunked_decayed_recurrence(
     dtype = q.dtype
     batch, seq, n_heads, _ = k.shape
     # [batch, heads, seq, ...]
-    q, k, v, log_decay = (t.transpose(1, 2).to(dtype) for t in (q, k, v, log_decay))
-    beta = None if beta is None else beta.transpose(1, 2).to(dtype)
+    # one copy each, cast and transposed together
+    q, k, v, log_decay = (
+        t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in (q, k, v, log_decay)
+    )
+    beta = None if beta is None else beta.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
     pad = -seq % chunk  # padding tokens (zero k, v, beta and decay) change nothing
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -85,8 +91,7 @@ def _chunk_masks(doc_ids: Tensor | None, batch: int, n_chunks: int, chunk: int, 
     return _ChunkMasks(causal & (docs.unsqueeze(-1) == docs.unsqueeze(-2)), docs == before, docs == docs[..., -1:])
 
 
-@dataclass
-class _Decays:
+class _Decays(NamedTuple):
     """A chunk's decays (shapes as `_ChunkedRecurrence`'s log_decay, [..., N, C], unless said)."""
 
     pairs: Tensor  # Gamma [..., N, C, C]: exp(decayed_i - decayed_j) where the pair is kept, else 0
@@ -95,64 +100,113 @@ class _Decays:
     carry: Tensor  # [..., N, 1, 1]: the state's decay across the whole chunk
 
 
-def _decays(log_decay: Tensor, masks: _ChunkMasks) -> _Decays:
+def _decays(log_decay: Tensor, causal: Tensor, reaches: Tensor | None, to_end: Tensor | None) -> _Decays:
     decayed = log_decay.cumsum(dim=-1)  # log of the decay from the chunk's start to each token
     last = decayed[..., -1:]
-    pairs = (decayed.unsqueeze(-1) - decayed.unsqueeze(-2)).masked_fill(~masks.causal, float("-inf")).exp()
-    carried, to_end, carry = decayed.exp(), (last - decayed).exp(), last.exp()
-    if masks.reaches is not None:
-        carried, to_end, carry = carried * masks.reaches, to_end * masks.to_end, carry * masks.reaches[..., -1:]
-    return _Decays(pairs, carried, to_end, carry.unsqueeze(-1))
+    pairs = (decayed.unsqueeze(-1) - decayed.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    carried, to_end_decay, carry = decayed.exp(), (last - decayed).exp(), last.exp()
+    if reaches is not None:
+        carried, to_end_decay, carry = carried * reaches, to_end_decay * to_end, carry * reaches[..., -1:]
+    return _Decays(pairs, carried, to_end_decay, carry.unsqueeze(-1))
 
 
 class _ChunkedRecurrence(torch.autograd.Function):
     """q, k: [..., N, C, d_k], v: [..., N, C, d_v], log_decay and beta (or None): [..., N, C] -> out like v;
-    masks: `_ChunkMasks`. The forward and backward of the module docstring's per-chunk equations."""
+    masks: `_ChunkMasks`. The forward and backward of the module docstring's per-chunk equations: the work on
+    either side of the state pass is four functions of tensors, compiled on CUDA where `tf32` (Inductor fuses
+    the elementwise work between the GEMMs; its exp is not exact to fp32's last bits, so fp32 inputs stay
+    eager)."""
 
     @staticmethod
     def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, tf32: bool):
-        with _matmul_precision(tf32 and q.is_cuda):
-            decays = _decays(log_decay, masks)
-            ut_inverse = None if beta is None else _ut_inverse(k, beta, decays)
-            u, w = _new_values_and_keys(k, v, beta, decays, ut_inverse)
-            states, delta = state_pass(w, u, k * decays.to_end.unsqueeze(-1), decays.carry, tf32)
-            out = (q * decays.carried.unsqueeze(-1)) @ states + ((q @ k.transpose(-1, -2)) * decays.pairs) @ delta
+        # detached: the compiled functions would otherwise compile again for inputs that require grad
+        q, k, v, log_decay, beta = (None if t is None else t.detach() for t in (q, k, v, log_decay, beta))
+        fast = tf32 and q.is_cuda
+        mask_args = (masks.causal, masks.reaches, masks.to_end)
+        with _matmul_precision(fast):
+            u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *mask_args)
+            states, delta = state_pass(w, u, k_end, carry, tf32)
+            out = _run(_from_state_pass, fast, q, k, log_decay, *mask_args, states, delta)
         ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
-        ctx.masks, ctx.tf32 = masks, tf32
+        ctx.mask_args, ctx.tf32 = mask_args, tf32
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out: Tensor):
         q, k, v, log_decay, beta, ut_inverse, states, delta = ctx.saved_tensors
-        with _matmul_precision(ctx.tf32 and q.is_cuda):
-            decays = _decays(log_decay, ctx.masks)
-            _, w = _new_values_and_keys(k, None, beta, decays, ut_inverse)
-            k_end = k * decays.to_end.unsqueeze(-1)
-            # the output's two terms
-            d_states = (q * decays.carried.unsqueeze(-1)).transpose(-1, -2) @ d_out
-            scores = q @ k.transpose(-1, -2)
-            d_delta = ((scores * decays.pairs).transpose(-1, -2)) @ d_out
-            d_q_carried = d_out @ states.transpose(-1, -2)
-            d_attention = d_out @ delta.transpose(-1, -2)
-            d_pairs, d_scores = d_attention * scores, d_attention * decays.pairs  # d_pairs: through (q k^T) o Gamma
-            # the state pass
-            d_u, d_leaving = state_pass_backward(w, k_end, decays.carry, states, d_states, d_delta, ctx.tf32)
-            d_k_end = delta @ d_leaving.transpose(-1, -2)
-            d_carry = (states * d_leaving).sum(dim=(-1, -2))  # [..., N]
-            d_q = d_scores @ k + d_q_carried * decays.carried.unsqueeze(-1)
-            d_k = d_scores.transpose(-1, -2) @ q + d_k_end * decays.to_end.unsqueeze(-1)
-            d_carried = (d_q_carried * q).sum(-1)
-            d_to_end = (d_k_end * k).sum(-1)
-            d_v, d_beta = d_u, None
-            if beta is not None:
-                d_w = -(d_u @ states.transpose(-1, -2))
-                d_k_part, d_v, d_beta, d_carried_part, d_pairs_part = _ut_backward(
-                    k, v, beta, decays, ut_inverse, d_u, d_w
-                )
-                d_k, d_carried, d_pairs = d_k + d_k_part, d_carried + d_carried_part, d_pairs + d_pairs_part
-            d_log_decay = _log_decay_backward(decays, d_pairs, d_carried, d_to_end, d_carry)
-        return d_q, d_k, d_v, d_log_decay, d_beta, None, None
+        fast = ctx.tf32 and q.is_cuda
+        with _matmul_precision(fast):
+            w, k_end, carry, scores, d_states, d_delta = _run(
+                _back_to_state_pass, fast, q, k, log_decay, beta, ut_inverse, *ctx.mask_args, d_out
+            )
+            d_u, d_leaving = state_pass_backward(w, k_end, carry, states, d_states, d_delta, ctx.tf32)
+            grads = _run(
+                _back_from_state_pass, fast,
+                q, k, v, log_decay, beta, ut_inverse, *ctx.mask_args, states, delta, scores, d_out, d_u, d_leaving,
+            )  # fmt: skip
+        return *grads, None, None
+
+
+_COMPILED: dict = {}
+
+
+def _run(fn, fast: bool, *args):
+    """fn(*args), compiled (once per function, on first use) where `fast`."""
+    if not (fast and COMPILE):
+        return fn(*args)
+    if fn not in _COMPILED:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn](*args)
+
+
+def _to_state_pass(k, v, log_decay, beta, causal, reaches, to_end):
+    """The forward up to the state pass: (u, w, the keys decayed to the chunk's end, the chunk's carry, T)."""
+    decays = _decays(log_decay, causal, reaches, to_end)
+    ut_inverse = None if beta is None else _ut_inverse(k, beta, decays)
+    u, w = _new_values_and_keys(k, v, beta, decays, ut_inverse)
+    return u, w, k * decays.to_end.unsqueeze(-1), decays.carry, ut_inverse
+
+
+def _from_state_pass(q, k, log_decay, causal, reaches, to_end, states, delta):
+    """The output, from the state entering each chunk and the corrected values."""
+    decays = _decays(log_decay, causal, reaches, to_end)
+    return (q * decays.carried.unsqueeze(-1)) @ states + ((q @ k.transpose(-1, -2)) * decays.pairs) @ delta
+
+
+def _back_to_state_pass(q, k, log_decay, beta, ut_inverse, causal, reaches, to_end, d_out):
+    """The backward up to the state pass's: what it reads again (w, k_end, carry), q k^T, and the gradients by
+    the states and corrected values that the output's two terms give."""
+    decays = _decays(log_decay, causal, reaches, to_end)
+    _, w = _new_values_and_keys(k, None, beta, decays, ut_inverse)
+    scores = q @ k.transpose(-1, -2)
+    d_states = (q * decays.carried.unsqueeze(-1)).transpose(-1, -2) @ d_out
+    d_delta = (scores * decays.pairs).transpose(-1, -2) @ d_out
+    return w, k * decays.to_end.unsqueeze(-1), decays.carry, scores, d_states, d_delta
+
+
+def _back_from_state_pass(
+    q, k, v, log_decay, beta, ut_inverse, causal, reaches, to_end, states, delta, scores, d_out, d_u, d_leaving
+):
+    """The gradients by q, k, v, log_decay and beta, given the state pass's (by u, and by the state leaving each
+    chunk)."""
+    decays = _decays(log_decay, causal, reaches, to_end)
+    d_q_carried = d_out @ states.transpose(-1, -2)
+    d_attention = d_out @ delta.transpose(-1, -2)
+    d_pairs, d_scores = d_attention * scores, d_attention * decays.pairs  # d_pairs: through (q k^T) o Gamma
+    d_k_end = delta @ d_leaving.transpose(-1, -2)
+    d_carry = (states * d_leaving).sum(dim=(-1, -2))  # [..., N]
+    d_q = d_scores @ k + d_q_carried * decays.carried.unsqueeze(-1)
+    d_k = d_scores.transpose(-1, -2) @ q + d_k_end * decays.to_end.unsqueeze(-1)
+    d_carried = (d_q_carried * q).sum(-1)
+    d_to_end = (d_k_end * k).sum(-1)
+    d_v, d_beta = d_u, None
+    if beta is not None:
+        d_w = -(d_u @ states.transpose(-1, -2))
+        d_k_part, d_v, d_beta, d_carried_part, d_pairs_part = _ut_backward(k, v, beta, decays, ut_inverse, d_u, d_w)
+        d_k, d_carried, d_pairs = d_k + d_k_part, d_carried + d_carried_part, d_pairs + d_pairs_part
+    return d_q, d_k, d_v, _log_decay_backward(decays, d_pairs, d_carried, d_to_end, d_carry), d_beta
 
 
 def _ut_inverse(k: Tensor, beta: Tensor, decays: _Decays) -> Tensor:
@@ -208,7 +262,7 @@ def _matmul_precision(tf32: bool):
     if not tf32:
         yield
         return
-    # (the flag torch's own tests and most scripts set: torch refuses a mix of it and `fp32_precision`)
+    # (the flag our GPU tests and most scripts set: torch refuses a mix of it and `fp32_precision`)
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:

@@ -199,7 +199,8 @@ def gated_delta_net(
     k = k.reshape(batch, seq, shape.n_key_heads, shape.key_head_dim)
     v = v.reshape(batch, seq, shape.n_value_heads, shape.value_head_dim)
     log_decay = -upcast(w["linear_A_log"]).exp() * F.softplus(upcast(a) + w["linear_dt_bias"])
-    out = chunked_gated_delta_rule(q, k, v, log_decay, b.sigmoid(), doc_ids, shape.chunk).to(h.dtype)
+    out = chunked_gated_delta_rule(q, k, v, log_decay, b.sigmoid(), doc_ids, shape.chunk)
+    out = out.to(h.dtype, memory_format=torch.contiguous_format)
     out = gated_rms_norm(out, z, w["linear_norm"], eps)
     return linear(out.reshape(batch, seq, shape.value_dim), w["linear_out"])
 
@@ -260,8 +261,13 @@ def gated_group_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float, gr
     return weight * normed.to(gate.dtype)
 
 
-def _l2_normalized(x: Tensor) -> Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+@compiled_on_cuda
+def _unit_heads(x: Tensor, n_heads: int, scale: float) -> Tensor:
+    """Queries or keys [batch, seq, n_key_heads, d] -> [batch, seq, n_heads, d] in at least fp32: each vector
+    L2-normalised (eps 1e-6 under the root, as transformers' and FLA's l2norm) and times `scale`, each key head
+    serving n_heads / n_key_heads consecutive heads."""
+    x = upcast(x)
+    return _per_value_head(x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) * scale, n_heads)
 
 
 def chunked_gated_delta_rule(
@@ -280,11 +286,9 @@ def chunked_gated_delta_rule(
     system (the UT transform) solved at once, and the outputs a masked attention; between chunks only S is
     carried. A document that starts inside a chunk is masked out of everything before it: pairs across the
     start, the carried state's reach into the chunk and the carry out of it."""
-    dtype = torch.promote_types(upcast(q).dtype, torch.float32)
-    q, k = _per_value_head(q, v.shape[2]), _per_value_head(k, v.shape[2])
-    q = _l2_normalized(q.to(dtype)) * q.shape[-1] ** -0.5
-    k = _l2_normalized(k.to(dtype))
-    return chunked_decayed_recurrence(q, k, v.to(dtype), log_decay, beta, doc_ids, chunk, _came_in_half(v))
+    n_heads = v.shape[2]
+    q, k = _unit_heads(q, n_heads, q.shape[-1] ** -0.5), _unit_heads(k, n_heads, 1.0)
+    return chunked_decayed_recurrence(q, k, v.to(q.dtype), log_decay, beta, doc_ids, chunk, _came_in_half(v))
 
 
 def chunked_ssd(
