@@ -21,7 +21,6 @@ fp16) take TF32 matmuls on CUDA; fp32 and fp64 inputs keep full-precision arithm
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -31,8 +30,7 @@ from torch import Tensor
 from .ops import COMPILE, RECOMPILE_LIMIT
 
 
-@dataclass
-class _ChunkMasks:
+class _ChunkMasks(NamedTuple):
     """Which pairs and reaches a chunk's arithmetic keeps: `causal` [..., C, C] (earlier or same token, same
     document); `reaches` [..., N, C] 1 where the state carried into the chunk reaches the token; `to_end` where
     the token's update reaches the chunk's end. None: all ones (one sequence per row)."""
@@ -58,8 +56,7 @@ def chunked_decayed_recurrence(
     on CUDA may round their fp32 operands to TF32 (for inputs that came in a half type)."""
     dtype = q.dtype
     batch, seq, n_heads, _ = k.shape
-    # [batch, heads, seq, ...]
-    # one copy each, cast and transposed together
+    # [batch, heads, seq, ...]: one copy each, cast and transposed together
     q, k, v, log_decay = (
         t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in (q, k, v, log_decay)
     )
@@ -122,13 +119,12 @@ class _ChunkedRecurrence(torch.autograd.Function):
         # detached: the compiled functions would otherwise compile again for inputs that require grad
         q, k, v, log_decay, beta = (None if t is None else t.detach() for t in (q, k, v, log_decay, beta))
         fast = tf32 and q.is_cuda
-        mask_args = (masks.causal, masks.reaches, masks.to_end)
         with _matmul_precision(fast):
-            u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *mask_args)
+            u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *masks)
             states, delta = state_pass(w, u, k_end, carry, tf32)
-            out = _run(_from_state_pass, fast, q, k, log_decay, *mask_args, states, delta)
+            out = _run(_from_state_pass, fast, q, k, log_decay, *masks, states, delta)
         ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
-        ctx.mask_args, ctx.tf32 = mask_args, tf32
+        ctx.masks, ctx.tf32 = masks, tf32
         return out
 
     @staticmethod
@@ -138,12 +134,12 @@ class _ChunkedRecurrence(torch.autograd.Function):
         fast = ctx.tf32 and q.is_cuda
         with _matmul_precision(fast):
             w, k_end, carry, scores, d_states, d_delta = _run(
-                _back_to_state_pass, fast, q, k, log_decay, beta, ut_inverse, *ctx.mask_args, d_out
+                _back_to_state_pass, fast, q, k, log_decay, beta, ut_inverse, *ctx.masks, d_out
             )
             d_u, d_leaving = state_pass_backward(w, k_end, carry, states, d_states, d_delta, ctx.tf32)
             grads = _run(
                 _back_from_state_pass, fast,
-                q, k, v, log_decay, beta, ut_inverse, *ctx.mask_args, states, delta, scores, d_out, d_u, d_leaving,
+                q, k, v, log_decay, beta, ut_inverse, *ctx.masks, states, delta, scores, d_out, d_u, d_leaving,
             )  # fmt: skip
         return *grads, None, None
 
