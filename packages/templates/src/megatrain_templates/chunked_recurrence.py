@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops import COMPILE, RECOMPILE_LIMIT
+from .ops import COMPILE, compile_once
 
 
 class _ChunkMasks(NamedTuple):
@@ -152,8 +152,7 @@ def _run(fn, fast: bool, *args):
     if not (fast and COMPILE):
         return fn(*args)
     if fn not in _COMPILED:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        _COMPILED[fn] = torch.compile(fn)
+        _COMPILED[fn] = compile_once(fn)
     return _COMPILED[fn](*args)
 
 

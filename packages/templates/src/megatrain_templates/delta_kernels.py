@@ -31,9 +31,7 @@ def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: 
     import triton
 
     lead, (n_chunks, chunk, d_v), d_k = u.shape[:-3], u.shape[-3:], k_end.shape[-1]
-    u_, k_ = u.reshape(-1, n_chunks, chunk, d_v).contiguous(), k_end.reshape(-1, n_chunks, chunk, d_k).contiguous()
-    w_ = k_ if w is None else w.reshape(-1, n_chunks, chunk, d_k).contiguous()
-    g = carry.reshape(-1, n_chunks).contiguous()
+    u_, k_, w_, g = _per_head(u, k_end, w, carry)
     heads = u_.shape[0]
     states = u_.new_empty(heads, n_chunks, d_k, d_v)
     delta = u_ if w is None else torch.empty_like(u_)
@@ -51,11 +49,8 @@ def state_pass_backward(w, k_end, carry, d_states, d_delta, tf32: bool) -> tuple
     import triton
 
     lead, (n_chunks, chunk, d_v), d_k = d_delta.shape[:-3], d_delta.shape[-3:], k_end.shape[-1]
-    k_ = k_end.reshape(-1, n_chunks, chunk, d_k).contiguous()
-    w_ = k_ if w is None else w.reshape(-1, n_chunks, chunk, d_k).contiguous()
-    g = carry.reshape(-1, n_chunks).contiguous()
+    d_d, k_, w_, g = _per_head(d_delta, k_end, w, carry)
     d_s = d_states.reshape(-1, n_chunks, d_k, d_v).contiguous()
-    d_d = d_delta.reshape(-1, n_chunks, chunk, d_v).contiguous()
     heads = d_d.shape[0]
     d_delta_total, d_leaving = torch.empty_like(d_d), torch.empty_like(d_s)
     grid = (heads, triton.cdiv(d_v, BLOCK_V))
@@ -65,6 +60,15 @@ def state_pass_backward(w, k_end, carry, d_states, d_delta, tf32: bool) -> tuple
         num_stages=STAGES,
     )  # fmt: skip
     return d_delta_total.reshape(d_delta.shape), d_leaving.reshape(*lead, n_chunks, d_k, d_v)
+
+
+def _per_head(values: Tensor, k_end: Tensor, w: Tensor | None, carry: Tensor) -> tuple[Tensor, ...]:
+    """The kernels' operands, contiguous with the heads (all leading dims) flattened: values [heads, N, C, d_v],
+    k_end and w [heads, N, C, d_k] (w k_end's buffer where None: HAS_W leaves it unread), carry [heads, N]."""
+    n_chunks = values.shape[-3]
+    values, k_end = (t.reshape(-1, *t.shape[-3:]).contiguous() for t in (values, k_end))
+    w = k_end if w is None else w.reshape(k_end.shape).contiguous()
+    return values, k_end, w, carry.reshape(-1, n_chunks).contiguous()
 
 
 def _precision(tf32: bool) -> str:

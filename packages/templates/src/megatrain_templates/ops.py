@@ -27,6 +27,14 @@ COMPILE = os.environ.get("MEGATRAIN_COMPILE", "1") != "0"
 RECOMPILE_LIMIT = 32
 
 
+def compile_once(fn: Callable) -> Callable:
+    """torch.compile(fn), with room for RECOMPILE_LIMIT graphs a function: one per width, rank and autograd mode
+    it meets. Gemma's RMSNorm meets more than torch's default of 8 (six norms per layer, 3-D and per head,
+    forward and recompute, the head's) and fell back to eager past them."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn)
+
+
 def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
     """`fn`, run through torch.compile when its first argument is a CUDA tensor (compiled on first use);
     elsewhere `eager` (same arguments and result) or `fn` itself.
@@ -43,11 +51,7 @@ def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
         if not (COMPILE and x.is_cuda):
             return (eager or fn)(x, *args)
         if compiled is None:
-            # a graph per width, rank and autograd mode a function meets: Gemma's RMSNorm meets more than torch's
-            # default of 8 (six norms per layer, 3-D and per head, forward and recompute, the head's) and fell
-            # back to eager past them
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            compiled = torch.compile(fn)
+            compiled = compile_once(fn)
         torch._dynamo.mark_static(x, x.dim() - 1)
         return compiled(x, *args)
 
