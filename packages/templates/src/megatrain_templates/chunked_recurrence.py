@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import delta_kernels
 from .ops import COMPILE, compile_once
 
 
@@ -56,11 +57,7 @@ def chunked_decayed_recurrence(
     on CUDA may round their fp32 operands to TF32 (for inputs that came in a half type)."""
     dtype = q.dtype
     batch, seq, n_heads, _ = k.shape
-    # [batch, heads, seq, ...]: one copy each, cast and transposed together
-    q, k, v, log_decay = (
-        t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in (q, k, v, log_decay)
-    )
-    beta = None if beta is None else beta.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    q, k, v, log_decay, beta = (None if t is None else _head_major(t, dtype) for t in (q, k, v, log_decay, beta))
     pad = -seq % chunk  # padding tokens (zero k, v, beta and decay) change nothing
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -75,8 +72,14 @@ def chunked_decayed_recurrence(
 
     masks = _chunk_masks(doc_ids, batch, n_chunks, chunk, q.device)
     beta = None if beta is None else chunked(beta)
-    out = _ChunkedRecurrence.apply(chunked(q), chunked(k), chunked(v), chunked(log_decay), beta, masks, tf32)
+    out = _ChunkedRecurrence.apply(chunked(q), chunked(k), chunked(v), chunked(log_decay), beta, masks, doc_ids, tf32)
     return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
+
+
+def _head_major(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """[batch, seq, heads, ...] -> contiguous [batch, heads, seq, ...] in `dtype`: at most one copy, cast and
+    transposed together (`to` alone returns a same-dtype view as it is)."""
+    return t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
 def _chunk_masks(doc_ids: Tensor | None, batch: int, n_chunks: int, chunk: int, device) -> _ChunkMasks:
@@ -108,23 +111,28 @@ def _decays(log_decay: Tensor, causal: Tensor, reaches: Tensor | None, to_end: T
 
 
 class _ChunkedRecurrence(torch.autograd.Function):
-    """q, k: [..., N, C, d_k], v: [..., N, C, d_v], log_decay and beta (or None): [..., N, C] -> out like v;
-    masks: `_ChunkMasks`. The forward and backward of the module docstring's per-chunk equations: the work on
-    either side of the state pass is four functions of tensors, compiled on CUDA where `tf32` (Inductor fuses
-    the elementwise work between the GEMMs; its exp is not exact to fp32's last bits, so fp32 inputs stay
-    eager)."""
+    """q, k: [batch, heads, N, C, d_k], v: [batch, heads, N, C, d_v], log_decay and beta (or None): [batch,
+    heads, N, C] -> out like v; masks: `_ChunkMasks` of `docs` ([batch, N * C] document ids, or None). The
+    forward and backward of the module docstring's per-chunk equations. On CUDA for inputs that came in a half
+    type (`tf32`), the chunk-local work that reads the states (the output; the gradients by the inputs) runs
+    as Triton kernels (`delta_kernels`), and the rest as functions of tensors compiled by Inductor, which fuses
+    the elementwise work between their GEMMs. fp32 inputs stay eager: Inductor's exp is not exact to fp32's
+    last bits."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, tf32: bool):
+    def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, docs: Tensor | None, tf32: bool):
         # detached: the compiled functions would otherwise compile again for inputs that require grad
         q, k, v, log_decay, beta = (None if t is None else t.detach() for t in (q, k, v, log_decay, beta))
         fast = tf32 and q.is_cuda
         with _matmul_precision(fast):
             u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *masks)
             states, delta = state_pass(w, u, k_end, carry, tf32)
-            out = _run(_from_state_pass, fast, q, k, log_decay, *masks, states, delta)
+            if _fused(fast, q):
+                out = delta_kernels.chunk_output(q, k, log_decay, states, delta, docs, tf32)
+            else:
+                out = _run(_from_state_pass, fast, q, k, log_decay, *masks, states, delta)
         ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
-        ctx.masks, ctx.tf32 = masks, tf32
+        ctx.masks, ctx.docs, ctx.tf32 = masks, docs, tf32
         return out
 
     @staticmethod
@@ -132,16 +140,26 @@ class _ChunkedRecurrence(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, k, v, log_decay, beta, ut_inverse, states, delta = ctx.saved_tensors
         fast = ctx.tf32 and q.is_cuda
+        d_out = d_out.contiguous()
         with _matmul_precision(fast):
-            w, k_end, carry, scores, d_states, d_delta = _run(
+            w, k_end, carry, d_states, d_delta = _run(
                 _back_to_state_pass, fast, q, k, log_decay, beta, ut_inverse, *ctx.masks, d_out
             )
             d_u, d_leaving = state_pass_backward(w, k_end, carry, states, d_states, d_delta, ctx.tf32)
-            grads = _run(
-                _back_from_state_pass, fast,
-                q, k, v, log_decay, beta, ut_inverse, *ctx.masks, states, delta, scores, d_out, d_u, d_leaving,
-            )  # fmt: skip
-        return *grads, None, None
+            after_pass = (states, delta, d_out, d_u, d_leaving)
+            if _fused(fast, q):
+                grads = delta_kernels.chunk_backward(
+                    q, k, v, log_decay, beta, ut_inverse, *after_pass, ctx.docs, ctx.tf32
+                )
+            else:
+                grads = _run(_back_from_state_pass, fast, q, k, v, log_decay, beta, ut_inverse, *ctx.masks, *after_pass)
+        return *grads, None, None, None
+
+
+def _fused(fast: bool, q: Tensor) -> bool:
+    """Whether the chunk-local kernels take the work that reads the states (keys and chunks as the state pass's
+    kernels take them)."""
+    return fast and delta_kernels.runs_on(q, q.shape[-2], q.shape[-1])
 
 
 _COMPILED: dict = {}
@@ -171,25 +189,27 @@ def _from_state_pass(q, k, log_decay, causal, reaches, to_end, states, delta):
 
 
 def _back_to_state_pass(q, k, log_decay, beta, ut_inverse, causal, reaches, to_end, d_out):
-    """The backward up to the state pass's: what it reads again (w, k_end, carry), q k^T, and the gradients by
-    the states and corrected values that the output's two terms give."""
+    """The backward up to the state pass's: what it reads again (w, k_end, carry) and the gradients by the states
+    and corrected values that the output's two terms give."""
     decays = _decays(log_decay, causal, reaches, to_end)
     _, w = _new_values_and_keys(k, None, beta, decays, ut_inverse)
-    scores = q @ k.transpose(-1, -2)
     d_states = (q * decays.carried.unsqueeze(-1)).transpose(-1, -2) @ d_out
-    d_delta = (scores * decays.pairs).transpose(-1, -2) @ d_out
-    return w, k * decays.to_end.unsqueeze(-1), decays.carry, scores, d_states, d_delta
+    d_delta = ((q @ k.transpose(-1, -2)) * decays.pairs).transpose(-1, -2) @ d_out
+    return w, k * decays.to_end.unsqueeze(-1), decays.carry, d_states, d_delta
 
 
 def _back_from_state_pass(
-    q, k, v, log_decay, beta, ut_inverse, causal, reaches, to_end, states, delta, scores, d_out, d_u, d_leaving
+    q, k, v, log_decay, beta, ut_inverse, causal, reaches, to_end, states, delta, d_out, d_u, d_leaving
 ):
     """The gradients by q, k, v, log_decay and beta, given the state pass's (by u, and by the state leaving each
     chunk)."""
     decays = _decays(log_decay, causal, reaches, to_end)
     d_q_carried = d_out @ states.transpose(-1, -2)
     d_attention = d_out @ delta.transpose(-1, -2)
-    d_pairs, d_scores = d_attention * scores, d_attention * decays.pairs  # d_pairs: through (q k^T) o Gamma
+    d_pairs, d_scores = (
+        d_attention * (q @ k.transpose(-1, -2)),
+        d_attention * decays.pairs,
+    )  # d_pairs: through (q k^T) o Gamma
     d_k_end = delta @ d_leaving.transpose(-1, -2)
     d_carry = (states * d_leaving).sum(dim=(-1, -2))  # [..., N]
     d_q = d_scores @ k + d_q_carried * decays.carried.unsqueeze(-1)
@@ -270,8 +290,6 @@ def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: 
     """The one sequential part: per chunk c (w, u, k_end [..., N, C, d]; carry [..., N, 1, 1]; S_0 = 0):
     delta_c = u_c - w_c S_c (u_c where w is None), S_{c+1} = carry_c S_c + k_end_c^T delta_c. Returns (S
     [..., N, d_k, d_v], the state entering each chunk; delta [..., N, C, d_v])."""
-    from . import delta_kernels
-
     if delta_kernels.runs_on(u, u.shape[-2], k_end.shape[-1]):
         return delta_kernels.state_pass(w, u, k_end, carry, tf32)
     lead, n_chunks = u.shape[:-3], u.shape[-3]
@@ -292,8 +310,6 @@ def state_pass_backward(w, k_end, carry, states, d_states, d_delta, tf32: bool =
     """`state_pass` backward, given the loss's gradients by its outputs: (by delta, all paths: the gradient by
     u; by the state leaving each chunk [..., N, d_k, d_v]). The gradients by w, k_end and carry follow from
     these as batched GEMMs."""
-    from . import delta_kernels
-
     if delta_kernels.runs_on(states, k_end.shape[-2], k_end.shape[-1]):
         return delta_kernels.state_pass_backward(w, k_end, carry, d_states, d_delta, tf32)
     lead, n_chunks = states.shape[:-3], states.shape[-3]

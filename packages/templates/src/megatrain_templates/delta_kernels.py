@@ -1,10 +1,13 @@
-"""The chunked recurrence's state pass (`chunked_recurrence.state_pass`) as Triton kernels, forward and backward.
+"""The chunked recurrence (`chunked_recurrence`) as Triton kernels: its state pass, forward and backward, and the
+chunk-local work on either side of it that reads the states (the output; the gradients by the inputs).
 
 The state pass is sequential over chunks but independent across heads and across the state's value columns
 (delta_c's column j reads only S's column j), so each program owns one head's [d_k, BLOCK_V] slice of S, keeps
 it in registers and walks the chunks: two small matmuls a chunk each way, instead of two to four launches a
-chunk from a Python loop. fp32 in and out; the matmuls take fp32 operands exactly ("ieee"), or rounded to TF32
-where the inputs came in a half type.
+chunk from a Python loop. The chunk-local kernels take one chunk of one head a program and keep its [C, C]
+and [C, d_k] intermediates (decays, masks, scores, the UT system's gradient) in registers, where the eager
+form wrote each to memory. fp32 in and out; the matmuls take fp32 operands exactly ("ieee"), or rounded to
+TF32 where the inputs came in a half type.
 """
 
 import torch
@@ -13,6 +16,7 @@ from torch import Tensor
 BLOCK_V = 32  # value columns a program owns: d_k x 32 fp32 of state in registers at 4 warps
 # a chunk's loads in flight: three (Triton's default) took 240 KB of shared memory at d_k 128 with TF32 on Hopper
 STAGES = 2
+CHUNK_BLOCK_V = 64  # value columns a chunk-local output program makes
 
 
 def runs_on(t: Tensor, chunk: int, d_k: int) -> bool:
@@ -28,15 +32,13 @@ def _pow2(n: int) -> int:
 
 def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: bool) -> tuple[Tensor, Tensor]:
     """As `chunked_recurrence.state_pass`: w, u, k_end [..., N, C, d], carry [..., N, 1, 1]."""
-    import triton
-
     lead, (n_chunks, chunk, d_v), d_k = u.shape[:-3], u.shape[-3:], k_end.shape[-1]
     u_, k_, w_, g = _per_head(u, k_end, w, carry)
     heads = u_.shape[0]
     states = u_.new_empty(heads, n_chunks, d_k, d_v)
     delta = u_ if w is None else torch.empty_like(u_)
-    grid = (heads, triton.cdiv(d_v, BLOCK_V))
-    _kernels()[0][grid](
+    grid = (heads, -(-d_v // BLOCK_V))
+    _kernels().state_pass_forward[grid](
         w_, u_, k_, g, states, delta, n_chunks, d_k, d_v,
         CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
         num_stages=STAGES,
@@ -46,20 +48,75 @@ def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: 
 
 def state_pass_backward(w, k_end, carry, d_states, d_delta, tf32: bool) -> tuple[Tensor, Tensor]:
     """As `chunked_recurrence.state_pass_backward`."""
-    import triton
-
     lead, (n_chunks, chunk, d_v), d_k = d_delta.shape[:-3], d_delta.shape[-3:], k_end.shape[-1]
     d_d, k_, w_, g = _per_head(d_delta, k_end, w, carry)
     d_s = d_states.reshape(-1, n_chunks, d_k, d_v).contiguous()
     heads = d_d.shape[0]
     d_delta_total, d_leaving = torch.empty_like(d_d), torch.empty_like(d_s)
-    grid = (heads, triton.cdiv(d_v, BLOCK_V))
-    _kernels()[1][grid](
+    grid = (heads, -(-d_v // BLOCK_V))
+    _kernels().state_pass_backward[grid](
         w_, k_, g, d_s, d_d, d_delta_total, d_leaving, n_chunks, d_k, d_v,
         CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
         num_stages=STAGES,
     )  # fmt: skip
     return d_delta_total.reshape(d_delta.shape), d_leaving.reshape(*lead, n_chunks, d_k, d_v)
+
+
+def chunk_output(q: Tensor, k: Tensor, log_decay: Tensor, states: Tensor, delta: Tensor, docs, tf32: bool) -> Tensor:
+    """As `chunked_recurrence._from_state_pass`: q, k [batch, heads, N, C, d_k], log_decay [batch, heads, N, C],
+    states [batch, heads, N, d_k, d_v], delta [batch, heads, N, C, d_v]; docs: [batch, N * C] document ids, or
+    None for one sequence per row."""
+    batch, heads, n_chunks, chunk, d_k = q.shape
+    d_v = delta.shape[-1]
+    out = torch.empty_like(delta, memory_format=torch.contiguous_format)
+    grid = (n_chunks, batch * heads, -(-d_v // CHUNK_BLOCK_V))
+    _kernels().chunk_output[grid](
+        q.contiguous(), k.contiguous(), log_decay.contiguous(), states.contiguous(), delta.contiguous(),
+        log_decay if docs is None else docs.contiguous(), out, n_chunks, heads, d_k, d_v,
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None,
+        PRECISION=_precision(tf32),
+    )  # fmt: skip
+    return out
+
+
+def chunk_backward(q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving, docs, tf32: bool):
+    """As `chunked_recurrence._back_from_state_pass` (shapes as `chunk_output`; v, d_out, d_u like delta; beta
+    like log_decay or None; ut_inverse [batch, heads, N, C, C] or None; d_leaving like states): the gradients
+    (by q, k, v, log_decay, beta or None). Two kernels where beta is given: one kernel's tiles for the UT
+    transform's gradient too took 256 KB of shared memory with TF32 on Hopper."""
+    batch, heads, n_chunks, chunk, d_k = q.shape
+    has_beta, grid = beta is not None, (n_chunks, batch * heads)
+    d_q, d_k_, d_v_, d_log_decay, d_beta = (
+        None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+        for t in (q, k, v, log_decay, beta)
+    )
+    d_w, d_t = (torch.empty_like(q), q.new_empty(*q.shape[:-1], chunk)) if has_beta else (None, None)
+    q, k, v, log_decay, beta, states, delta, d_out, d_u, d_leaving, docs = (
+        None if t is None else t.contiguous()
+        for t in (q, k, v, log_decay, beta, states, delta, d_out, d_u, d_leaving, docs)
+    )
+    # T as the triangular solve left it (column-major), where the kernels can read it so
+    ut_inverse = None if ut_inverse is None else _row_or_column_major(ut_inverse)
+    ut_strides = (0, 0) if ut_inverse is None else ut_inverse.stride()[-2:]
+    unread = log_decay  # the pointer for what beta None or docs None leave unread
+    docs_ = unread if docs is None else docs
+    constants = dict(CHUNK=chunk, BLOCK_K=_pow2(d_k), HAS_DOCS=docs is not None, PRECISION=_precision(tf32))
+    _kernels().chunk_backward_states[grid](
+        q, k, v, log_decay, *(unread if t is None else t for t in (beta, ut_inverse)), states, delta, d_out, d_u,
+        d_leaving, docs_, d_q, d_k_, d_v_, d_log_decay, *(unread if t is None else t for t in (d_beta, d_w, d_t)),
+        n_chunks, heads, d_k, v.shape[-1], *ut_strides, BLOCK_V=BLOCK_V, HAS_BETA=has_beta, num_warps=8, num_stages=1, **constants,
+    )  # fmt: skip
+    if has_beta:
+        _kernels().chunk_backward_ut[grid](
+            k, log_decay, beta, ut_inverse, docs_, d_w, d_t, d_k_, d_log_decay, d_beta, n_chunks, heads, d_k,
+            *ut_strides, num_warps=8, **constants,
+        )  # fmt: skip
+    return d_q, d_k_, d_v_, d_log_decay, d_beta
+
+
+def _row_or_column_major(t: Tensor) -> Tensor:
+    """t [..., C, C] as it is where its matrices are contiguous or contiguous once transposed, else a copy."""
+    return t if t.is_contiguous() or t.transpose(-1, -2).is_contiguous() else t.contiguous()
 
 
 def _per_head(values: Tensor, k_end: Tensor, w: Tensor | None, carry: Tensor) -> tuple[Tensor, ...]:
@@ -75,74 +132,8 @@ def _precision(tf32: bool) -> str:
     return "tf32" if tf32 else "ieee"
 
 
-_KERNELS = None
-
-
 def _kernels():
-    """(forward, backward) kernels, defined on first use: Triton is imported only where a state pass runs on
-    CUDA."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _define_kernels()
-    return _KERNELS
+    """The kernels' module: Triton is imported only where a kernel runs."""
+    from . import delta_triton
 
-
-def _define_kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def forward(
-        w_ptr, u_ptr, k_ptr, carry_ptr, states_ptr, delta_ptr, n_chunks, d_k, d_v,
-        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_W: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        head = tl.program_id(0).to(tl.int64)
-        rows = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
-        vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        k_in, v_in = ks < d_k, vs < d_v
-        state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-        for c in range(n_chunks):
-            chunk = head * n_chunks + c
-            tl.store(states_ptr + (chunk * d_k + ks[:, None]) * d_v + vs[None, :], state, k_in[:, None] & v_in[None, :])
-            rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
-            rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
-            delta = tl.load(u_ptr + rows_v, mask=v_in[None, :], other=0.0)
-            if HAS_W:
-                w = tl.load(w_ptr + rows_k, mask=k_in[None, :], other=0.0)
-                delta -= tl.dot(w, state, input_precision=PRECISION)
-                tl.store(delta_ptr + rows_v, delta, mask=v_in[None, :])
-            keys = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
-            state = state * tl.load(carry_ptr + chunk) + tl.dot(tl.trans(keys), delta, input_precision=PRECISION)
-
-    @triton.jit
-    def backward(
-        w_ptr, k_ptr, carry_ptr, d_states_ptr, d_delta_ptr, d_delta_total_ptr, d_leaving_ptr, n_chunks, d_k, d_v,
-        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_W: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        head = tl.program_id(0).to(tl.int64)
-        rows = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
-        vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        k_in, v_in = ks < d_k, vs < d_v
-        state_mask = k_in[:, None] & v_in[None, :]
-        d_leaving = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # by the state leaving chunk c
-        for back in range(n_chunks):
-            chunk = head * n_chunks + (n_chunks - 1 - back)
-            states_at = (chunk * d_k + ks[:, None]) * d_v + vs[None, :]
-            tl.store(d_leaving_ptr + states_at, d_leaving, state_mask)
-            rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
-            rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
-            keys = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
-            d_delta = tl.load(d_delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
-            d_delta += tl.dot(keys, d_leaving, input_precision=PRECISION)
-            tl.store(d_delta_total_ptr + rows_v, d_delta, mask=v_in[None, :])
-            entering = tl.load(d_states_ptr + states_at, mask=state_mask, other=0.0)
-            d_leaving = entering + tl.load(carry_ptr + chunk) * d_leaving  # by the state entering chunk c
-            if HAS_W:
-                w = tl.load(w_ptr + rows_k, mask=k_in[None, :], other=0.0)
-                d_leaving -= tl.dot(tl.trans(w), d_delta, input_precision=PRECISION)
-
-    return forward, backward
+    return delta_triton

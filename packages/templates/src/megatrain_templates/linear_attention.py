@@ -265,9 +265,11 @@ def gated_group_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float, gr
 def _unit_heads(x: Tensor, n_heads: int, scale: float) -> Tensor:
     """Queries or keys [batch, seq, n_key_heads, d] -> [batch, seq, n_heads, d] in at least fp32: each vector
     L2-normalised (eps 1e-6 under the root, as transformers' and FLA's l2norm) and times `scale`, each key head
-    serving n_heads / n_key_heads consecutive heads."""
+    serving n_heads / n_key_heads consecutive heads. Laid out head-major ([batch, n_heads, seq, d] contiguous,
+    as the chunked recurrence reads it): compiled, the copy is this kernel's own write."""
     x = upcast(x)
-    return _per_value_head(x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) * scale, n_heads)
+    unit = _per_value_head(x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) * scale, n_heads)
+    return unit.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def chunked_gated_delta_rule(
@@ -288,7 +290,7 @@ def chunked_gated_delta_rule(
     start, the carried state's reach into the chunk and the carry out of it."""
     n_heads = v.shape[2]
     q, k = _unit_heads(q, n_heads, q.shape[-1] ** -0.5), _unit_heads(k, n_heads, 1.0)
-    return chunked_decayed_recurrence(q, k, v.to(q.dtype), log_decay, beta, doc_ids, chunk, _came_in_half(v))
+    return chunked_decayed_recurrence(q, k, v, log_decay, beta, doc_ids, chunk, _came_in_half(v))
 
 
 def chunked_ssd(

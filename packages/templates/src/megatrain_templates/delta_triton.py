@@ -1,0 +1,250 @@
+"""The Triton kernels behind `delta_kernels` (imported only where one runs: on CUDA, or under Triton's CPU
+interpreter)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def state_pass_forward(
+    w_ptr, u_ptr, k_ptr, carry_ptr, states_ptr, delta_ptr, n_chunks, d_k, d_v,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_W: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_in, v_in = ks < d_k, vs < d_v
+    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    for c in range(n_chunks):
+        chunk = head * n_chunks + c
+        tl.store(states_ptr + (chunk * d_k + ks[:, None]) * d_v + vs[None, :], state, k_in[:, None] & v_in[None, :])
+        rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
+        rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+        delta = tl.load(u_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        if HAS_W:
+            w = tl.load(w_ptr + rows_k, mask=k_in[None, :], other=0.0)
+            delta -= tl.dot(w, state, input_precision=PRECISION)
+            tl.store(delta_ptr + rows_v, delta, mask=v_in[None, :])
+        keys = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+        state = state * tl.load(carry_ptr + chunk) + tl.dot(tl.trans(keys), delta, input_precision=PRECISION)
+
+
+@triton.jit
+def state_pass_backward(
+    w_ptr, k_ptr, carry_ptr, d_states_ptr, d_delta_ptr, d_delta_total_ptr, d_leaving_ptr, n_chunks, d_k, d_v,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_W: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_in, v_in = ks < d_k, vs < d_v
+    state_mask = k_in[:, None] & v_in[None, :]
+    d_leaving = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # by the state leaving chunk c
+    for back in range(n_chunks):
+        chunk = head * n_chunks + (n_chunks - 1 - back)
+        states_at = (chunk * d_k + ks[:, None]) * d_v + vs[None, :]
+        tl.store(d_leaving_ptr + states_at, d_leaving, state_mask)
+        rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
+        rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+        keys = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+        d_delta = tl.load(d_delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_delta += tl.dot(keys, d_leaving, input_precision=PRECISION)
+        tl.store(d_delta_total_ptr + rows_v, d_delta, mask=v_in[None, :])
+        entering = tl.load(d_states_ptr + states_at, mask=state_mask, other=0.0)
+        d_leaving = entering + tl.load(carry_ptr + chunk) * d_leaving  # by the state entering chunk c
+        if HAS_W:
+            w = tl.load(w_ptr + rows_k, mask=k_in[None, :], other=0.0)
+            d_leaving -= tl.dot(tl.trans(w), d_delta, input_precision=PRECISION)
+
+
+@triton.jit
+def chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, batch, CHUNK: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """One chunk's decays (`chunked_recurrence._decays`) from its log decays and document ids: (decayed
+    positions, kept pairs [C, C], the carried state's decay, each update's decay to the chunk's end, the
+    state's decay across the chunk)."""
+    rows = tl.arange(0, CHUNK)
+    decayed = tl.cumsum(tl.load(log_decay_ptr + chunk * CHUNK + rows), axis=0)
+    last = tl.sum(tl.where(rows == CHUNK - 1, decayed, 0.0), axis=0)
+    causal = rows[:, None] >= rows[None, :]
+    carried, to_end, carry = tl.exp(decayed), tl.exp(last - decayed), tl.exp(last)
+    if HAS_DOCS:
+        docs_at = docs_ptr + (batch * n_chunks + c) * CHUNK
+        doc = tl.load(docs_at + rows)
+        before = tl.load(docs_at - 1, mask=c > 0, other=-1)  # the document of the token before the chunk
+        last_doc = tl.sum(tl.where(rows == CHUNK - 1, doc, 0), axis=0)
+        causal = causal & (doc[:, None] == doc[None, :])
+        carried = tl.where(doc == before, carried, 0.0)
+        to_end = tl.where(doc == last_doc, to_end, 0.0)
+        carry = tl.where(last_doc == before, carry, 0.0)
+    pairs = tl.where(causal, tl.exp(decayed[:, None] - decayed[None, :]), 0.0)
+    return pairs, carried, to_end, carry
+
+
+@triton.jit
+def chunk_output(
+    q_ptr, k_ptr, log_decay_ptr, states_ptr, delta_ptr, docs_ptr, out_ptr, n_chunks, n_heads, d_k, d_v,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    chunk = head * n_chunks + c
+    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_in, v_in = ks < d_k, vs < d_v
+    pairs, carried, _, _ = chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS)
+    rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+    rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
+    q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    states = tl.load(
+        states_ptr + (chunk * d_k + ks[:, None]) * d_v + vs[None, :], mask=k_in[:, None] & v_in[None, :], other=0.0
+    )
+    delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
+    attention = tl.dot(q, tl.trans(k), input_precision=PRECISION) * pairs
+    out = tl.dot(q * carried[:, None], states, input_precision=PRECISION)
+    out += tl.dot(attention, delta, input_precision=PRECISION)
+    tl.store(out_ptr + rows_v, out, mask=v_in[None, :])
+
+
+@triton.jit
+def chunk_backward_states(
+    q_ptr, k_ptr, v_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, states_ptr, delta_ptr, d_out_ptr, d_u_ptr,
+    d_leaving_ptr, docs_ptr, d_q_ptr, d_k_ptr, d_v_ptr, d_log_decay_ptr, d_beta_ptr, d_w_ptr, d_t_ptr, n_chunks,
+    n_heads, d_k, d_v, ut_row_stride, ut_column_stride,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_BETA: tl.constexpr,
+    HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The gradients through the states, the corrected values and the output's masked attention: d_q, d_v,
+    and d_k, d_beta and the log decays' whole (without beta) or their part before the UT transform's (with
+    it: then also the gradients by w and T, for `chunk_backward_ut`)."""
+    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    chunk = head * n_chunks + c
+    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
+    k_in = ks < d_k
+    pairs, carried, to_end, carry = chunk_decays(
+        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    )
+    if HAS_BETA:
+        beta = tl.load(beta_ptr + chunk * CHUNK + rows)
+        ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK))
+    # sums over the value columns, a block at a time
+    d_q_carried = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    d_k_end = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    d_w = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    d_attention = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    d_carry = 0.0
+    for v0 in range(0, d_v, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        v_in = vs < d_v
+        rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
+        states_at = (chunk * d_k + ks[:, None]) * d_v + vs[None, :]
+        states = tl.load(states_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
+        d_leaving = tl.load(d_leaving_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
+        d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_q_carried += tl.dot(d_out, tl.trans(states), input_precision=PRECISION)
+        d_k_end += tl.dot(delta, tl.trans(d_leaving), input_precision=PRECISION)
+        d_attention += tl.dot(d_out, tl.trans(delta), input_precision=PRECISION)
+        d_carry += tl.sum(tl.sum(states * d_leaving, axis=1), axis=0)
+        if HAS_BETA:
+            v = tl.load(v_ptr + rows_v, mask=v_in[None, :], other=0.0)
+            d_w -= tl.dot(d_u, tl.trans(states), input_precision=PRECISION)
+            d_t += tl.dot(d_u, tl.trans(v * beta[:, None]), input_precision=PRECISION)
+            d_v_beta = tl.dot(tl.trans(ut_inverse), d_u, input_precision=PRECISION)
+            d_beta += tl.sum(d_v_beta * v, axis=1)
+            tl.store(d_v_ptr + rows_v, d_v_beta * beta[:, None], mask=v_in[None, :])
+        else:
+            tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
+    # through the output's masked attention and the keys' decays to the chunk's end
+    rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+    q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    d_scores = d_attention * pairs
+    d_q = tl.dot(d_scores, k, input_precision=PRECISION) + d_q_carried * carried[:, None]
+    tl.store(d_q_ptr + rows_k, d_q, mask=k_in[None, :])
+    d_k = tl.dot(tl.trans(d_scores), q, input_precision=PRECISION) + d_k_end * to_end[:, None]
+    tl.store(d_k_ptr + rows_k, d_k, mask=k_in[None, :])
+    by_end = tl.sum(d_k_end * k, axis=1) * to_end
+    d_decayed = decayed_gradient(
+        d_attention * tl.dot(q, tl.trans(k), input_precision=PRECISION), pairs, tl.sum(d_q_carried * q, axis=1), carried
+    )
+    d_decayed += tl.where(rows == CHUNK - 1, tl.sum(by_end, axis=0) + d_carry * carry, 0.0) - by_end
+    if HAS_BETA:  # the rest is `chunk_backward_ut`'s
+        tl.store(d_w_ptr + rows_k, d_w, mask=k_in[None, :])
+        tl.store(d_t_ptr + (chunk * CHUNK + rows[:, None]) * CHUNK + rows[None, :], d_t)
+        tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
+        tl.store(d_log_decay_ptr + chunk * CHUNK + rows, d_decayed)
+    else:
+        tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
+
+
+@triton.jit
+def chunk_backward_ut(
+    k_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, docs_ptr, d_w_ptr, d_t_ptr, d_k_ptr, d_log_decay_ptr,
+    d_beta_ptr, n_chunks, n_heads, d_k, ut_row_stride, ut_column_stride,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Through the UT transform (dL = -T^T dT T^T, strictly lower) and w's keys: adds to the gradients by k,
+    beta and the decayed positions that `chunk_backward_states` left, and takes the latter back to the log
+    decays."""
+    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    chunk = head * n_chunks + c
+    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
+    k_in = ks < d_k
+    pairs, carried, _, _ = chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS)
+    rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+    square = (chunk * CHUNK + rows[:, None]) * CHUNK + rows[None, :]
+    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    beta = tl.load(beta_ptr + chunk * CHUNK + rows)
+    ut_transposed = tl.trans(tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK)))
+    d_w = tl.load(d_w_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    k_beta = k * beta[:, None]
+    d_keys = tl.dot(ut_transposed, d_w, input_precision=PRECISION)
+    d_t = tl.load(d_t_ptr + square) + tl.dot(d_w, tl.trans(k_beta * carried[:, None]), input_precision=PRECISION)
+    d_system = tl.dot(ut_transposed, d_t, input_precision=PRECISION)
+    d_system = -tl.dot(d_system, ut_transposed, input_precision=PRECISION)
+    d_system = tl.where(rows[:, None] > rows[None, :], d_system, 0.0)
+    d_kk = d_system * pairs
+    d_k_beta = tl.dot(d_kk, k, input_precision=PRECISION) + d_keys * carried[:, None]
+    d_k = tl.load(d_k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    d_k += tl.dot(tl.trans(d_kk), k_beta, input_precision=PRECISION) + d_k_beta * beta[:, None]
+    tl.store(d_k_ptr + rows_k, d_k, mask=k_in[None, :])
+    tl.store(
+        d_beta_ptr + chunk * CHUNK + rows, tl.load(d_beta_ptr + chunk * CHUNK + rows) + tl.sum(d_k_beta * k, axis=1)
+    )
+    d_decayed = tl.load(d_log_decay_ptr + chunk * CHUNK + rows) + decayed_gradient(
+        d_system * tl.dot(k_beta, tl.trans(k), input_precision=PRECISION),
+        pairs,
+        tl.sum(d_keys * k_beta, axis=1),
+        carried,
+    )
+    tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
+
+
+@triton.jit
+def ut_at(ut_inverse_ptr, chunk, row_stride, column_stride, CHUNK: tl.constexpr):
+    """The addresses of a chunk's T = (I + L)^-1 ([C, C] a chunk, rows and columns strided as the triangular
+    solve left them)."""
+    rows = tl.arange(0, CHUNK)
+    return ut_inverse_ptr + chunk * CHUNK * CHUNK + rows[:, None] * row_stride + rows[None, :] * column_stride
+
+
+@triton.jit
+def decayed_gradient(d_pairs, pairs, d_carried, carried):
+    """The gradient by the decayed positions (cumulative log decays) through Gamma[i, j] = exp(decayed_i -
+    decayed_j) and the carried decay exp(decayed_i)."""
+    by_pairs = d_pairs * pairs
+    return tl.sum(by_pairs, axis=1) - tl.sum(by_pairs, axis=0) + d_carried * carried
+
+
+@triton.jit
+def reversed_cumsum(x):
+    """From the gradient by a cumulative sum's outputs to that by its inputs."""
+    return tl.sum(x, axis=0) - tl.cumsum(x, axis=0) + x
