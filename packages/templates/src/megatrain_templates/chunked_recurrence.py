@@ -206,10 +206,8 @@ def _back_from_state_pass(
     decays = _decays(log_decay, causal, reaches, to_end)
     d_q_carried = d_out @ states.transpose(-1, -2)
     d_attention = d_out @ delta.transpose(-1, -2)
-    d_pairs, d_scores = (
-        d_attention * (q @ k.transpose(-1, -2)),
-        d_attention * decays.pairs,
-    )  # d_pairs: through (q k^T) o Gamma
+    scores = q @ k.transpose(-1, -2)
+    d_pairs, d_scores = d_attention * scores, d_attention * decays.pairs  # d_pairs: through (q k^T) o Gamma
     d_k_end = delta @ d_leaving.transpose(-1, -2)
     d_carry = (states * d_leaving).sum(dim=(-1, -2))  # [..., N]
     d_q = d_scores @ k + d_q_carried * decays.carried.unsqueeze(-1)
