@@ -104,7 +104,8 @@ def chunk_backward(q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d
     _kernels().chunk_backward_states[grid](
         q, k, v, log_decay, *(unread if t is None else t for t in (beta, ut_inverse)), states, delta, d_out, d_u,
         d_leaving, docs_, d_q, d_k_, d_v_, d_log_decay, *(unread if t is None else t for t in (d_beta, d_w, d_t)),
-        n_chunks, heads, d_k, v.shape[-1], *ut_strides, BLOCK_V=BLOCK_V, HAS_BETA=has_beta, num_warps=8, num_stages=1, **constants,
+        n_chunks, heads, d_k, v.shape[-1], *ut_strides,
+        BLOCK_V=BLOCK_V, HAS_BETA=has_beta, num_warps=8, num_stages=1, **constants,
     )  # fmt: skip
     if has_beta:
         _kernels().chunk_backward_ut[grid](
