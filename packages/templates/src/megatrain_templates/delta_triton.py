@@ -12,16 +12,12 @@ def state_pass_forward(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, CHUNK)
-    ks = tl.arange(0, BLOCK_K)
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_in, v_in = ks < d_k, vs < d_v
+    ks, vs, k_in, v_in = state_columns(tl.program_id(1), d_k, d_v, BLOCK_K, BLOCK_V)
     state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     for c in range(n_chunks):
         chunk = head * n_chunks + c
-        tl.store(states_ptr + (chunk * d_k + ks[:, None]) * d_v + vs[None, :], state, k_in[:, None] & v_in[None, :])
-        rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
-        rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+        tl.store(states_ptr + state_tile(chunk, ks, vs, d_k, d_v), state, k_in[:, None] & v_in[None, :])
+        rows_v, rows_k = token_tile(chunk, vs, d_v, CHUNK), token_tile(chunk, ks, d_k, CHUNK)
         delta = tl.load(u_ptr + rows_v, mask=v_in[None, :], other=0.0)
         if HAS_W:
             w = tl.load(w_ptr + rows_k, mask=k_in[None, :], other=0.0)
@@ -38,18 +34,14 @@ def state_pass_backward(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, CHUNK)
-    ks = tl.arange(0, BLOCK_K)
-    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_in, v_in = ks < d_k, vs < d_v
+    ks, vs, k_in, v_in = state_columns(tl.program_id(1), d_k, d_v, BLOCK_K, BLOCK_V)
     state_mask = k_in[:, None] & v_in[None, :]
     d_leaving = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)  # by the state leaving chunk c
     for back in range(n_chunks):
         chunk = head * n_chunks + (n_chunks - 1 - back)
-        states_at = (chunk * d_k + ks[:, None]) * d_v + vs[None, :]
+        states_at = state_tile(chunk, ks, vs, d_k, d_v)
         tl.store(d_leaving_ptr + states_at, d_leaving, state_mask)
-        rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
-        rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+        rows_v, rows_k = token_tile(chunk, vs, d_v, CHUNK), token_tile(chunk, ks, d_k, CHUNK)
         keys = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
         d_delta = tl.load(d_delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
         d_delta += tl.dot(keys, d_leaving, input_precision=PRECISION)
@@ -92,17 +84,12 @@ def chunk_output(
 ):  # fmt: skip
     c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
     chunk = head * n_chunks + c
-    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
-    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_in, v_in = ks < d_k, vs < d_v
+    ks, vs, k_in, v_in = state_columns(tl.program_id(2), d_k, d_v, BLOCK_K, BLOCK_V)
     pairs, carried, _, _ = chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS)
-    rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
-    rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
+    rows_k, rows_v = token_tile(chunk, ks, d_k, CHUNK), token_tile(chunk, vs, d_v, CHUNK)
     q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
-    states = tl.load(
-        states_ptr + (chunk * d_k + ks[:, None]) * d_v + vs[None, :], mask=k_in[:, None] & v_in[None, :], other=0.0
-    )
+    states = tl.load(states_ptr + state_tile(chunk, ks, vs, d_k, d_v), mask=k_in[:, None] & v_in[None, :], other=0.0)
     delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
     attention = tl.dot(q, tl.trans(k), input_precision=PRECISION) * pairs
     out = tl.dot(q * carried[:, None], states, input_precision=PRECISION)
@@ -142,8 +129,7 @@ def chunk_backward_states(
     for v0 in range(0, d_v, BLOCK_V):
         vs = v0 + tl.arange(0, BLOCK_V)
         v_in = vs < d_v
-        rows_v = (chunk * CHUNK + rows[:, None]) * d_v + vs[None, :]
-        states_at = (chunk * d_k + ks[:, None]) * d_v + vs[None, :]
+        rows_v, states_at = token_tile(chunk, vs, d_v, CHUNK), state_tile(chunk, ks, vs, d_k, d_v)
         states = tl.load(states_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
         d_leaving = tl.load(d_leaving_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
         d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
@@ -163,7 +149,7 @@ def chunk_backward_states(
         else:
             tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
     # through the output's masked attention and the keys' decays to the chunk's end
-    rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
+    rows_k = token_tile(chunk, ks, d_k, CHUNK)
     q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     d_scores = d_attention * pairs
@@ -178,7 +164,7 @@ def chunk_backward_states(
     d_decayed += tl.where(rows == CHUNK - 1, tl.sum(by_end, axis=0) + d_carry * carry, 0.0) - by_end
     if HAS_BETA:  # the rest is `chunk_backward_ut`'s
         tl.store(d_w_ptr + rows_k, d_w, mask=k_in[None, :])
-        tl.store(d_t_ptr + (chunk * CHUNK + rows[:, None]) * CHUNK + rows[None, :], d_t)
+        tl.store(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK), d_t)
         tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
         tl.store(d_log_decay_ptr + chunk * CHUNK + rows, d_decayed)
     else:
@@ -199,15 +185,16 @@ def chunk_backward_ut(
     rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
     k_in = ks < d_k
     pairs, carried, _, _ = chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS)
-    rows_k = (chunk * CHUNK + rows[:, None]) * d_k + ks[None, :]
-    square = (chunk * CHUNK + rows[:, None]) * CHUNK + rows[None, :]
+    rows_k = token_tile(chunk, ks, d_k, CHUNK)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
     ut_transposed = tl.trans(tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK)))
     d_w = tl.load(d_w_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k_beta = k * beta[:, None]
     d_keys = tl.dot(ut_transposed, d_w, input_precision=PRECISION)
-    d_t = tl.load(d_t_ptr + square) + tl.dot(d_w, tl.trans(k_beta * carried[:, None]), input_precision=PRECISION)
+    d_t = tl.load(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK)) + tl.dot(
+        d_w, tl.trans(k_beta * carried[:, None]), input_precision=PRECISION
+    )
     d_system = tl.dot(ut_transposed, d_t, input_precision=PRECISION)
     d_system = -tl.dot(d_system, ut_transposed, input_precision=PRECISION)
     d_system = tl.where(rows[:, None] > rows[None, :], d_system, 0.0)
@@ -226,6 +213,26 @@ def chunk_backward_ut(
         carried,
     )
     tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
+
+
+@triton.jit
+def state_columns(value_block, d_k, d_v, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A program's state columns: all keys and its block of values, with where each is in range."""
+    ks = tl.arange(0, BLOCK_K)
+    vs = value_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    return ks, vs, ks < d_k, vs < d_v
+
+
+@triton.jit
+def token_tile(chunk, columns, width, CHUNK: tl.constexpr):
+    """The offsets of a chunk's [CHUNK, len(columns)] tile of a contiguous [..., tokens, width] tensor."""
+    return (chunk * CHUNK + tl.arange(0, CHUNK)[:, None]) * width + columns[None, :]
+
+
+@triton.jit
+def state_tile(chunk, ks, vs, d_k, d_v):
+    """The offsets of the [len(ks), len(vs)] slice of a chunk's [d_k, d_v] state."""
+    return (chunk * d_k + ks[:, None]) * d_v + vs[None, :]
 
 
 @triton.jit
