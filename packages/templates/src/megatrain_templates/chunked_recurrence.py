@@ -125,7 +125,10 @@ class _ChunkedRecurrence(torch.autograd.Function):
         q, k, v, log_decay, beta = (None if t is None else t.detach() for t in (q, k, v, log_decay, beta))
         fast = tf32 and q.is_cuda
         with _matmul_precision(fast):
-            u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *masks)
+            if _fused(fast, q) and beta is not None:
+                u, w, k_end, carry, ut_inverse = delta_kernels.chunk_prepare(k, v, log_decay, beta, docs, tf32)
+            else:
+                u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *masks)
             states, delta = state_pass(w, u, k_end, carry, tf32)
             if _fused(fast, q):
                 out = delta_kernels.chunk_output(q, k, log_decay, states, delta, docs, tf32)
@@ -142,9 +145,13 @@ class _ChunkedRecurrence(torch.autograd.Function):
         fast = ctx.tf32 and q.is_cuda
         d_out = d_out.contiguous()
         with _matmul_precision(fast):
-            w, k_end, carry, d_states, d_delta = _run(
-                _back_to_state_pass, fast, q, k, log_decay, beta, ut_inverse, *ctx.masks, d_out
-            )
+            if _fused(fast, q) and beta is not None:
+                before_pass = delta_kernels.chunk_backward_prepare(
+                    q, k, log_decay, beta, ut_inverse, ctx.docs, d_out, ctx.tf32
+                )
+            else:
+                before_pass = _run(_back_to_state_pass, fast, q, k, log_decay, beta, ut_inverse, *ctx.masks, d_out)
+            w, k_end, carry, d_states, d_delta = before_pass
             d_u, d_leaving = state_pass_backward(w, k_end, carry, states, d_states, d_delta, ctx.tf32)
             after_pass = (states, delta, d_out, d_u, d_leaving)
             if _fused(fast, q):

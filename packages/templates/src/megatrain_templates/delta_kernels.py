@@ -62,6 +62,38 @@ def state_pass_backward(w, k_end, carry, d_states, d_delta, tf32: bool) -> tuple
     return d_delta_total.reshape(d_delta.shape), d_leaving.reshape(*lead, n_chunks, d_k, d_v)
 
 
+def chunk_prepare(k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, docs, tf32: bool) -> tuple[Tensor, ...]:
+    """As `chunked_recurrence._to_state_pass` with beta (shapes as `chunk_output`; v [batch, heads, N, C, d_v]):
+    (u, w, k_end, carry [batch, heads, N, 1, 1], T = (I + L)^-1 [batch, heads, N, C, C] row-major)."""
+    batch, heads, n_chunks, chunk, d_k = k.shape
+    k, v, log_decay, beta = (t.contiguous() for t in (k, v, log_decay, beta))
+    u, w, k_end = torch.empty_like(v), torch.empty_like(k), torch.empty_like(k)
+    carry, ut_inverse = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, chunk, chunk)
+    _kernels().chunk_prepare[(n_chunks, batch * heads)](
+        k, v, log_decay, beta, log_decay if docs is None else docs.contiguous(), ut_inverse, u, w, k_end, carry,
+        n_chunks, heads, d_k, v.shape[-1],
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None, PRECISION=_precision(tf32),
+    )  # fmt: skip
+    return u, w, k_end, carry, ut_inverse
+
+
+def chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, tf32: bool) -> tuple[Tensor, ...]:
+    """As `chunked_recurrence._back_to_state_pass` with beta (shapes as `chunk_prepare`; d_out like v): (w, k_end,
+    carry, the gradient by the state entering each chunk [batch, heads, N, d_k, d_v], by the corrected values)."""
+    batch, heads, n_chunks, chunk, d_k = k.shape
+    q, k, log_decay, beta, d_out = (t.contiguous() for t in (q, k, log_decay, beta, d_out))
+    ut_inverse = _row_or_column_major(ut_inverse)
+    d_v = d_out.shape[-1]
+    w, k_end, d_delta = torch.empty_like(k), torch.empty_like(k), torch.empty_like(d_out)
+    carry, d_states = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, d_k, d_v)
+    _kernels().chunk_backward_prepare[(n_chunks, batch * heads)](
+        q, k, log_decay, beta, ut_inverse, log_decay if docs is None else docs.contiguous(), d_out, w, k_end, carry,
+        d_states, d_delta, n_chunks, heads, d_k, d_v, *ut_inverse.stride()[-2:],
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None, PRECISION=_precision(tf32),
+    )  # fmt: skip
+    return w, k_end, carry, d_states, d_delta
+
+
 def chunk_output(q: Tensor, k: Tensor, log_decay: Tensor, states: Tensor, delta: Tensor, docs, tf32: bool) -> Tensor:
     """As `chunked_recurrence._from_state_pass`: q, k [batch, heads, N, C, d_k], log_decay [batch, heads, N, C],
     states [batch, heads, N, d_k, d_v], delta [batch, heads, N, C, d_v]; docs: [batch, N * C] document ids, or

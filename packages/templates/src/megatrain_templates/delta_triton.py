@@ -77,6 +77,126 @@ def chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, batch, CHUNK: tl.c
 
 
 @triton.jit
+def chunk_prepare(
+    k_ptr, v_ptr, log_decay_ptr, beta_ptr, docs_ptr, ut_inverse_ptr, u_ptr, w_ptr, k_end_ptr, carry_ptr, n_chunks,
+    n_heads, d_k, d_v,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The forward up to the state pass (`chunked_recurrence._to_state_pass`, with beta): T = (I + L)^-1, u, w,
+    the keys decayed to the chunk's end and the chunk's carry."""
+    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    chunk = head * n_chunks + c
+    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
+    k_in = ks < d_k
+    pairs, carried, to_end, carry = chunk_decays(
+        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    )
+    rows_k = token_tile(chunk, ks, d_k, CHUNK)
+    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    beta = tl.load(beta_ptr + chunk * CHUNK + rows)
+    system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * pairs
+    ut_addresses = ut_at(ut_inverse_ptr, chunk, CHUNK, 1, CHUNK)
+    tl.store(ut_addresses, tl.where(rows[:, None] > rows[None, :], system, 0.0))
+    unit_lower_inverse(ut_inverse_ptr + chunk * CHUNK * CHUNK, CHUNK)
+    ut_inverse = tl.load(ut_addresses)
+    keys_for_state_pass(k, beta, ut_inverse, carried, to_end, carry, chunk, rows_k, k_in, w_ptr, k_end_ptr, carry_ptr,
+                        PRECISION)  # fmt: skip
+    for v0 in range(0, d_v, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        rows_v = token_tile(chunk, vs, d_v, CHUNK)
+        v = tl.load(v_ptr + rows_v, mask=(vs < d_v)[None, :], other=0.0)
+        u = tl.dot(ut_inverse, v * beta[:, None], input_precision=PRECISION)
+        tl.store(u_ptr + rows_v, u, mask=(vs < d_v)[None, :])
+
+
+@triton.jit
+def chunk_backward_prepare(
+    q_ptr, k_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, docs_ptr, d_out_ptr, w_ptr, k_end_ptr, carry_ptr,
+    d_states_ptr, d_delta_ptr, n_chunks, n_heads, d_k, d_v, ut_row_stride, ut_column_stride,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The backward up to the state pass's (`chunked_recurrence._back_to_state_pass`, with beta): w, the keys
+    decayed to the chunk's end and the carry again, and the gradients by the state entering the chunk and by
+    the corrected values that the output gives."""
+    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    chunk = head * n_chunks + c
+    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
+    k_in = ks < d_k
+    pairs, carried, to_end, carry = chunk_decays(
+        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    )
+    rows_k = token_tile(chunk, ks, d_k, CHUNK)
+    q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+    beta = tl.load(beta_ptr + chunk * CHUNK + rows)
+    ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK))
+    keys_for_state_pass(k, beta, ut_inverse, carried, to_end, carry, chunk, rows_k, k_in, w_ptr, k_end_ptr, carry_ptr,
+                        PRECISION)  # fmt: skip
+    attention_transposed = tl.trans(tl.dot(q, tl.trans(k), input_precision=PRECISION) * pairs)
+    q_carried_transposed = tl.trans(q * carried[:, None])
+    for v0 in range(0, d_v, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        v_in = vs < d_v
+        rows_v = token_tile(chunk, vs, d_v, CHUNK)
+        d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_states = tl.dot(q_carried_transposed, d_out, input_precision=PRECISION)
+        tl.store(d_states_ptr + state_tile(chunk, ks, vs, d_k, d_v), d_states, mask=k_in[:, None] & v_in[None, :])
+        tl.store(d_delta_ptr + rows_v, tl.dot(attention_transposed, d_out, input_precision=PRECISION), v_in[None, :])
+
+
+@triton.jit
+def keys_for_state_pass(
+    k, beta, ut_inverse, carried, to_end, carry, chunk, rows_k, k_in, w_ptr, k_end_ptr, carry_ptr, PRECISION
+):
+    """Stores what the state pass reads besides u: w = T (beta k o carried), k_end = k o to_end, the carry."""
+    w = tl.dot(ut_inverse, k * (beta * carried)[:, None], input_precision=PRECISION)
+    tl.store(w_ptr + rows_k, w, mask=k_in[None, :])
+    tl.store(k_end_ptr + rows_k, k * to_end[:, None], mask=k_in[None, :])
+    tl.store(carry_ptr + chunk, carry)
+
+
+@triton.jit
+def unit_lower_inverse(at, CHUNK: tl.constexpr):
+    """Replaces the strictly lower [C, C] L at `at` (row-major, zero above the diagonal) by (I + L)^-1, by forward
+    substitution in blocks of 16 rows: each diagonal block's inverse row by row (all blocks at once), then each
+    block below the diagonal from those above it, T_ij = -T_ii sum_{j <= m < i} L_im T_mj. fp32 throughout
+    (the blocks' matmuls too: they are small, and an inverse amplifies rounding)."""
+    B: tl.constexpr = 16
+    N_BLOCKS: tl.constexpr = CHUNK // B
+    tl.debug_barrier()  # L as all the program's threads stored it
+    blocks, i = tl.arange(0, N_BLOCKS), tl.arange(0, B)
+    corner = blocks[:, None, None] * (B * CHUNK + B)  # each diagonal block's first element, [N_BLOCKS, 1, 1]
+    inverse = tl.where(i[:, None] == i[None, :], 1.0, 0.0)[None, :, :] + tl.zeros([N_BLOCKS, B, B], tl.float32)
+    for r in range(1, B):
+        row = tl.load(at + corner + r * CHUNK + i[None, :, None])  # [N_BLOCKS, B, 1]: L's row r in each block
+        new_row = tl.where(i[None, None, :] == r, 1.0, 0.0) - tl.sum(row * inverse, axis=1)[:, None, :]
+        inverse = tl.where(i[None, :, None] == r, new_row, inverse)
+    tl.debug_barrier()  # every thread has read the diagonal blocks of L
+    tl.store(at + corner + i[None, :, None] * CHUNK + i[None, None, :], inverse)
+    tl.debug_barrier()
+    for bi in tl.static_range(1, N_BLOCKS):
+        diagonal = tl.load(at + block_at(bi, bi, CHUNK))
+        for bj in tl.static_range(0, bi):
+            total = tl.zeros([B, B], tl.float32)
+            for m in tl.static_range(bj, bi):
+                total += tl.dot(tl.load(at + block_at(bi, m, CHUNK)), tl.load(at + block_at(m, bj, CHUNK)),
+                                input_precision="ieee")  # fmt: skip
+            below = -tl.dot(diagonal, total, input_precision="ieee")
+            tl.debug_barrier()  # L_ij read by every thread before T_ij replaces it
+            tl.store(at + block_at(bi, bj, CHUNK), below)
+        tl.debug_barrier()
+
+
+@triton.jit
+def block_at(bi, bj, CHUNK: tl.constexpr):
+    """The offsets of block (bi, bj) of 16 x 16 in a row-major [C, C]."""
+    i = tl.arange(0, 16)
+    return (bi * 16 + i[:, None]) * CHUNK + bj * 16 + i[None, :]
+
+
+@triton.jit
 def chunk_output(
     q_ptr, k_ptr, log_decay_ptr, states_ptr, delta_ptr, docs_ptr, out_ptr, n_chunks, n_heads, d_k, d_v,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DOCS: tl.constexpr,
