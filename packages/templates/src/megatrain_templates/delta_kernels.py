@@ -13,9 +13,12 @@ TF32 where the inputs came in a half type.
 import torch
 from torch import Tensor
 
-BLOCK_V = 32  # value columns a program owns: d_k x 32 fp32 of state in registers at 4 warps
-# a chunk's loads in flight: three (Triton's default) took 240 KB of shared memory at d_k 128 with TF32 on Hopper
-STAGES = 2
+# The state pass: value columns a program owns (its [d_k, 64] fp32 slice of the state in registers) and its loads
+# in flight; of 16, 32 or 64 columns at 2, 4 or 8 warps and 1 or 2 stages, the fastest at Qwen3.5's shapes on an
+# H100 (8 warps at d_k 128: 0.43 / 0.62 ms forward / backward for 64 heads of 64 chunks, against 0.62 / 0.84 at
+# 32 columns and 4 warps)
+STATE_BLOCK_V, STATE_STAGES = 64, 2
+BLOCK_V = 32  # value columns `chunk_backward_states` takes at a time
 CHUNK_BLOCK_V = 64  # value columns a chunk-local output program makes
 
 
@@ -24,6 +27,12 @@ def runs_on(t: Tensor, chunk: int, d_k: int) -> bool:
     `d_k`: a chunk a power of two that a matmul tile takes, keys up to the 128 measured (Qwen3.5's, Qwen3-Next's,
     Granite 4.0-H's state; at 256 a stage's loads alone would take 136 KB of shared memory)."""
     return t.is_cuda and t.dtype == torch.float32 and chunk in (16, 32, 64, 128) and d_k <= 128
+
+
+def _state_warps(d_k: int) -> int:
+    """Warps for a state pass program: 16 state elements a thread (8 a thread crashed the state pass with an
+    illegal address on an H100 under Triton 3.6 at d_k 128 and 16 columns)."""
+    return max(1, min(8, _pow2(d_k) * STATE_BLOCK_V // (16 * 32)))
 
 
 def _pow2(n: int) -> int:
@@ -37,11 +46,11 @@ def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: 
     heads = u_.shape[0]
     states = u_.new_empty(heads, n_chunks, d_k, d_v)
     delta = u_ if w is None else torch.empty_like(u_)
-    grid = (heads, -(-d_v // BLOCK_V))
+    grid = (heads, -(-d_v // STATE_BLOCK_V))
     _kernels().state_pass_forward[grid](
         w_, u_, k_, g, states, delta, n_chunks, d_k, d_v,
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
-        num_stages=STAGES,
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=STATE_BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
+        num_warps=_state_warps(d_k), num_stages=STATE_STAGES,
     )  # fmt: skip
     return states.reshape(*lead, n_chunks, d_k, d_v), delta.reshape(*lead, n_chunks, chunk, d_v)
 
@@ -53,11 +62,11 @@ def state_pass_backward(w, k_end, carry, d_states, d_delta, tf32: bool) -> tuple
     d_s = d_states.reshape(-1, n_chunks, d_k, d_v).contiguous()
     heads = d_d.shape[0]
     d_delta_total, d_leaving = torch.empty_like(d_d), torch.empty_like(d_s)
-    grid = (heads, -(-d_v // BLOCK_V))
+    grid = (heads, -(-d_v // STATE_BLOCK_V))
     _kernels().state_pass_backward[grid](
         w_, k_, g, d_s, d_d, d_delta_total, d_leaving, n_chunks, d_k, d_v,
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
-        num_stages=STAGES,
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=STATE_BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
+        num_warps=_state_warps(d_k), num_stages=STATE_STAGES,
     )  # fmt: skip
     return d_delta_total.reshape(d_delta.shape), d_leaving.reshape(*lead, n_chunks, d_k, d_v)
 
