@@ -30,8 +30,8 @@ def runs_on(t: Tensor, chunk: int, d_k: int) -> bool:
 
 
 def _state_warps(d_k: int) -> int:
-    """Warps for a state pass program: 16 state elements a thread (8 a thread crashed the state pass with an
-    illegal address on an H100 under Triton 3.6 at d_k 128 and 16 columns)."""
+    """Warps for a state pass program: at most 8, at least 16 of its state's elements a thread (8 elements a thread,
+    at d_k 128 and 16 columns on 8 warps, crashed the state pass with an illegal address on an H100)."""
     return max(1, min(8, _pow2(d_k) * STATE_BLOCK_V // (16 * 32)))
 
 
@@ -88,16 +88,16 @@ def chunk_prepare(k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, docs, t
 
 def chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, tf32: bool) -> tuple[Tensor, ...]:
     """As `chunked_recurrence._back_to_state_pass` with beta (shapes as `chunk_prepare`; d_out like v): (w, k_end,
-    carry, the gradient by the state entering each chunk [batch, heads, N, d_k, d_v], by the corrected values)."""
+    carry, the gradient by the state entering each chunk [batch, heads, N, d_k, d_v], by the corrected values). The
+    kernels read T row-major, as `chunk_prepare` leaves it (another layout is copied)."""
     batch, heads, n_chunks, chunk, d_k = k.shape
-    q, k, log_decay, beta, d_out = (t.contiguous() for t in (q, k, log_decay, beta, d_out))
-    ut_inverse = _row_or_column_major(ut_inverse)
+    q, k, log_decay, beta, ut_inverse, d_out = (t.contiguous() for t in (q, k, log_decay, beta, ut_inverse, d_out))
     d_v = d_out.shape[-1]
     w, k_end, d_delta = torch.empty_like(k), torch.empty_like(k), torch.empty_like(d_out)
     carry, d_states = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, d_k, d_v)
     _kernels().chunk_backward_prepare[(n_chunks, batch * heads)](
         q, k, log_decay, beta, ut_inverse, log_decay if docs is None else docs.contiguous(), d_out, w, k_end, carry,
-        d_states, d_delta, n_chunks, heads, d_k, d_v, *ut_inverse.stride()[-2:],
+        d_states, d_delta, n_chunks, heads, d_k, d_v,
         CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None, PRECISION=_precision(tf32),
     )  # fmt: skip
     return w, k_end, carry, d_states, d_delta
@@ -132,33 +132,25 @@ def chunk_backward(q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d
         for t in (q, k, v, log_decay, beta)
     )
     d_w, d_t = (torch.empty_like(q), q.new_empty(*q.shape[:-1], chunk)) if has_beta else (None, None)
-    q, k, v, log_decay, beta, states, delta, d_out, d_u, d_leaving, docs = (
+    q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving, docs = (
         None if t is None else t.contiguous()
-        for t in (q, k, v, log_decay, beta, states, delta, d_out, d_u, d_leaving, docs)
+        for t in (q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving, docs)
     )
-    # T as the triangular solve left it (column-major), where the kernels can read it so
-    ut_inverse = None if ut_inverse is None else _row_or_column_major(ut_inverse)
-    ut_strides = (0, 0) if ut_inverse is None else ut_inverse.stride()[-2:]
     unread = log_decay  # the pointer for what beta None or docs None leave unread
     docs_ = unread if docs is None else docs
     constants = dict(CHUNK=chunk, BLOCK_K=_pow2(d_k), HAS_DOCS=docs is not None, PRECISION=_precision(tf32))
     _kernels().chunk_backward_states[grid](
         q, k, v, log_decay, *(unread if t is None else t for t in (beta, ut_inverse)), states, delta, d_out, d_u,
         d_leaving, docs_, d_q, d_k_, d_v_, d_log_decay, *(unread if t is None else t for t in (d_beta, d_w, d_t)),
-        n_chunks, heads, d_k, v.shape[-1], *ut_strides,
+        n_chunks, heads, d_k, v.shape[-1],
         BLOCK_V=BLOCK_V, HAS_BETA=has_beta, num_warps=8, num_stages=1, **constants,
     )  # fmt: skip
     if has_beta:
         _kernels().chunk_backward_ut[grid](
             k, log_decay, beta, ut_inverse, docs_, d_w, d_t, d_k_, d_log_decay, d_beta, n_chunks, heads, d_k,
-            *ut_strides, num_warps=8, **constants,
+            num_warps=8, **constants,
         )  # fmt: skip
     return d_q, d_k_, d_v_, d_log_decay, d_beta
-
-
-def _row_or_column_major(t: Tensor) -> Tensor:
-    """t [..., C, C] as it is where its matrices are contiguous or contiguous once transposed, else a copy."""
-    return t if t.is_contiguous() or t.transpose(-1, -2).is_contiguous() else t.contiguous()
 
 
 def _per_head(values: Tensor, k_end: Tensor, w: Tensor | None, carry: Tensor) -> tuple[Tensor, ...]:

@@ -96,7 +96,7 @@ def chunk_prepare(
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
     system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * pairs
-    ut_addresses = ut_at(ut_inverse_ptr, chunk, CHUNK, 1, CHUNK)
+    ut_addresses = ut_at(ut_inverse_ptr, chunk, CHUNK)
     tl.store(ut_addresses, tl.where(rows[:, None] > rows[None, :], system, 0.0))
     unit_lower_inverse(ut_inverse_ptr + chunk * CHUNK * CHUNK, CHUNK)
     ut_inverse = tl.load(ut_addresses)
@@ -113,7 +113,7 @@ def chunk_prepare(
 @triton.jit
 def chunk_backward_prepare(
     q_ptr, k_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, docs_ptr, d_out_ptr, w_ptr, k_end_ptr, carry_ptr,
-    d_states_ptr, d_delta_ptr, n_chunks, n_heads, d_k, d_v, ut_row_stride, ut_column_stride,
+    d_states_ptr, d_delta_ptr, n_chunks, n_heads, d_k, d_v,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DOCS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -131,7 +131,7 @@ def chunk_backward_prepare(
     q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
-    ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK))
+    ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK))
     keys_for_state_pass(k, beta, ut_inverse, carried, to_end, carry, chunk, rows_k, k_in, w_ptr, k_end_ptr, carry_ptr,
                         PRECISION)  # fmt: skip
     attention_transposed = tl.trans(tl.dot(q, tl.trans(k), input_precision=PRECISION) * pairs)
@@ -221,7 +221,7 @@ def chunk_output(
 def chunk_backward_states(
     q_ptr, k_ptr, v_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, states_ptr, delta_ptr, d_out_ptr, d_u_ptr,
     d_leaving_ptr, docs_ptr, d_q_ptr, d_k_ptr, d_v_ptr, d_log_decay_ptr, d_beta_ptr, d_w_ptr, d_t_ptr, n_chunks,
-    n_heads, d_k, d_v, ut_row_stride, ut_column_stride,
+    n_heads, d_k, d_v,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_BETA: tl.constexpr,
     HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -237,7 +237,7 @@ def chunk_backward_states(
     )
     if HAS_BETA:
         beta = tl.load(beta_ptr + chunk * CHUNK + rows)
-        ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK))
+        ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK))
     # sums over the value columns, a block at a time
     d_q_carried = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
     d_k_end = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
@@ -294,7 +294,7 @@ def chunk_backward_states(
 @triton.jit
 def chunk_backward_ut(
     k_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, docs_ptr, d_w_ptr, d_t_ptr, d_k_ptr, d_log_decay_ptr,
-    d_beta_ptr, n_chunks, n_heads, d_k, ut_row_stride, ut_column_stride,
+    d_beta_ptr, n_chunks, n_heads, d_k,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Through the UT transform (dL = -T^T dT T^T, strictly lower) and w's keys: adds to the gradients by k,
@@ -308,7 +308,7 @@ def chunk_backward_ut(
     rows_k = token_tile(chunk, ks, d_k, CHUNK)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
-    ut_transposed = tl.trans(tl.load(ut_at(ut_inverse_ptr, chunk, ut_row_stride, ut_column_stride, CHUNK)))
+    ut_transposed = tl.trans(tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK)))
     d_w = tl.load(d_w_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k_beta = k * beta[:, None]
     d_keys = tl.dot(ut_transposed, d_w, input_precision=PRECISION)
@@ -356,11 +356,9 @@ def state_tile(chunk, ks, vs, d_k, d_v):
 
 
 @triton.jit
-def ut_at(ut_inverse_ptr, chunk, row_stride, column_stride, CHUNK: tl.constexpr):
-    """The addresses of a chunk's T = (I + L)^-1 ([C, C] a chunk, rows and columns strided as the triangular
-    solve left them)."""
-    rows = tl.arange(0, CHUNK)
-    return ut_inverse_ptr + chunk * CHUNK * CHUNK + rows[:, None] * row_stride + rows[None, :] * column_stride
+def ut_at(ut_inverse_ptr, chunk, CHUNK: tl.constexpr):
+    """The addresses of a chunk's T = (I + L)^-1 ([C, C] a chunk, row-major)."""
+    return ut_inverse_ptr + token_tile(chunk, tl.arange(0, CHUNK), CHUNK, CHUNK)
 
 
 @triton.jit
