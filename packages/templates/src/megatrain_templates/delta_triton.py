@@ -54,6 +54,22 @@ def state_pass_backward(
 
 
 @triton.jit
+def chunk_program(
+    log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr
+):
+    """A chunk-local program's chunk (program ids: the chunk within its row and head, the row and head), its index
+    among all heads' chunks; its rows and key columns, which of those are keys, the offsets of its [C, d_k] tiles;
+    and its decays (`chunk_decays`)."""
+    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    chunk = head * n_chunks + c
+    ks = tl.arange(0, BLOCK_K)
+    pairs, carried, to_end, carry = chunk_decays(
+        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    )
+    return chunk, tl.arange(0, CHUNK), ks, ks < d_k, token_tile(chunk, ks, d_k, CHUNK), pairs, carried, to_end, carry
+
+
+@triton.jit
 def chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, batch, CHUNK: tl.constexpr, HAS_DOCS: tl.constexpr):
     """One chunk's decays (`chunked_recurrence._decays`) from its log decays and document ids: (decayed
     positions, kept pairs [C, C], the carried state's decay, each update's decay to the chunk's end, the
@@ -85,14 +101,9 @@ def chunk_prepare(
 ):  # fmt: skip
     """The forward up to the state pass (`chunked_recurrence._to_state_pass`, with beta): T = (I + L)^-1, u, w,
     the keys decayed to the chunk's end and the chunk's carry."""
-    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    chunk = head * n_chunks + c
-    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
-    k_in = ks < d_k
-    pairs, carried, to_end, carry = chunk_decays(
-        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    chunk, rows, ks, k_in, rows_k, pairs, carried, to_end, carry = chunk_program(
+        log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
     )
-    rows_k = token_tile(chunk, ks, d_k, CHUNK)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
     system = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION) * pairs
@@ -120,14 +131,9 @@ def chunk_backward_prepare(
     """The backward up to the state pass's (`chunked_recurrence._back_to_state_pass`, with beta): w, the keys
     decayed to the chunk's end and the carry again, and the gradients by the state entering the chunk and by
     the corrected values that the output gives."""
-    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    chunk = head * n_chunks + c
-    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
-    k_in = ks < d_k
-    pairs, carried, to_end, carry = chunk_decays(
-        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    chunk, rows, ks, k_in, rows_k, pairs, carried, to_end, carry = chunk_program(
+        log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
     )
-    rows_k = token_tile(chunk, ks, d_k, CHUNK)
     q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
@@ -202,11 +208,11 @@ def chunk_output(
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DOCS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    chunk = head * n_chunks + c
-    ks, vs, k_in, v_in = state_columns(tl.program_id(2), d_k, d_v, BLOCK_K, BLOCK_V)
-    pairs, carried, _, _ = chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS)
-    rows_k, rows_v = token_tile(chunk, ks, d_k, CHUNK), token_tile(chunk, vs, d_v, CHUNK)
+    chunk, _, ks, k_in, rows_k, pairs, carried, _, _ = chunk_program(
+        log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
+    )
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_in, rows_v = vs < d_v, token_tile(chunk, vs, d_v, CHUNK)
     q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     states = tl.load(states_ptr + state_tile(chunk, ks, vs, d_k, d_v), mask=k_in[:, None] & v_in[None, :], other=0.0)
@@ -228,12 +234,8 @@ def chunk_backward_states(
     """The gradients through the states, the corrected values and the output's masked attention: d_q, d_v,
     and d_k, d_beta and the log decays' whole (without beta) or their part before the UT transform's (with
     it: then also the gradients by w and T, for `chunk_backward_ut`)."""
-    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    chunk = head * n_chunks + c
-    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
-    k_in = ks < d_k
-    pairs, carried, to_end, carry = chunk_decays(
-        log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS
+    chunk, rows, ks, k_in, rows_k, pairs, carried, to_end, carry = chunk_program(
+        log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
     )
     if HAS_BETA:
         beta = tl.load(beta_ptr + chunk * CHUNK + rows)
@@ -269,7 +271,6 @@ def chunk_backward_states(
         else:
             tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
     # through the output's masked attention and the keys' decays to the chunk's end
-    rows_k = token_tile(chunk, ks, d_k, CHUNK)
     q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     d_scores = d_attention * pairs
@@ -300,12 +301,9 @@ def chunk_backward_ut(
     """Through the UT transform (dL = -T^T dT T^T, strictly lower) and w's keys: adds to the gradients by k,
     beta and the decayed positions that `chunk_backward_states` left, and takes the latter back to the log
     decays."""
-    c, head = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    chunk = head * n_chunks + c
-    rows, ks = tl.arange(0, CHUNK), tl.arange(0, BLOCK_K)
-    k_in = ks < d_k
-    pairs, carried, _, _ = chunk_decays(log_decay_ptr, docs_ptr, chunk, c, n_chunks, head // n_heads, CHUNK, HAS_DOCS)
-    rows_k = token_tile(chunk, ks, d_k, CHUNK)
+    chunk, rows, ks, k_in, rows_k, pairs, carried, _, _ = chunk_program(
+        log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
+    )
     k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
     ut_transposed = tl.trans(tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK)))
