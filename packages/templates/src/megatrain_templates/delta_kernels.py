@@ -1,12 +1,14 @@
 """The chunked recurrence (`chunked_recurrence`) as Triton kernels: its state pass, forward and backward, and the
-chunk-local work on either side of it that reads the states (the output; the gradients by the inputs).
+chunk-local work on either side of it (forward: the UT transform, u and w before it, the output after it;
+backward: the gradients by the states and corrected values before it, by the inputs after it).
 
 The state pass is sequential over chunks but independent across heads and across the state's value columns
 (delta_c's column j reads only S's column j), so each program owns one head's [d_k, BLOCK_V] slice of S, keeps
 it in registers and walks the chunks: two small matmuls a chunk each way, instead of two to four launches a
 chunk from a Python loop. The chunk-local kernels take one chunk of one head a program and keep its [C, C]
 and [C, d_k] intermediates (decays, masks, scores, the UT system's gradient) in registers, where the eager
-form wrote each to memory. fp32 in and out; the matmuls take fp32 operands exactly ("ieee"), or rounded to
+form wrote each to memory; the UT inverse, solved in 16-row blocks, works in its chunk's own [C, C] of the
+output. fp32 in and out; the matmuls take fp32 operands exactly ("ieee"), or rounded to
 TF32 where the inputs came in a half type.
 """
 
