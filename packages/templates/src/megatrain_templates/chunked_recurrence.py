@@ -114,23 +114,24 @@ class _ChunkedRecurrence(torch.autograd.Function):
     """q, k: [batch, heads, N, C, d_k], v: [batch, heads, N, C, d_v], log_decay and beta (or None): [batch,
     heads, N, C] -> out like v; masks: `_ChunkMasks` of `docs` ([batch, N * C] document ids, or None). The
     forward and backward of the module docstring's per-chunk equations. On CUDA for inputs that came in a half
-    type (`tf32`), the chunk-local work that reads the states (the output; the gradients by the inputs) runs
-    as Triton kernels (`delta_kernels`), and the rest as functions of tensors compiled by Inductor, which fuses
-    the elementwise work between their GEMMs. fp32 inputs stay eager: Inductor's exp is not exact to fp32's
-    last bits."""
+    type (`tf32`), the chunk-local work on either side of the state pass runs as Triton kernels
+    (`delta_kernels`), except what comes before it without beta (Mamba-2's: elementwise), which runs as
+    functions of tensors compiled by Inductor. fp32 inputs stay eager: Inductor's exp is not exact to fp32's last
+    bits."""
 
     @staticmethod
     def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, docs: Tensor | None, tf32: bool):
         # detached: the compiled functions would otherwise compile again for inputs that require grad
         q, k, v, log_decay, beta = (None if t is None else t.detach() for t in (q, k, v, log_decay, beta))
         fast = tf32 and q.is_cuda
+        fused = _fused(fast, q)
         with _matmul_precision(fast):
-            if _fused(fast, q) and beta is not None:
+            if fused and beta is not None:
                 u, w, k_end, carry, ut_inverse = delta_kernels.chunk_prepare(k, v, log_decay, beta, docs, tf32)
             else:
                 u, w, k_end, carry, ut_inverse = _run(_to_state_pass, fast, k, v, log_decay, beta, *masks)
             states, delta = state_pass(w, u, k_end, carry, tf32)
-            if _fused(fast, q):
+            if fused:
                 out = delta_kernels.chunk_output(q, k, log_decay, states, delta, docs, tf32)
             else:
                 out = _run(_from_state_pass, fast, q, k, log_decay, *masks, states, delta)
@@ -143,9 +144,10 @@ class _ChunkedRecurrence(torch.autograd.Function):
     def backward(ctx, d_out: Tensor):
         q, k, v, log_decay, beta, ut_inverse, states, delta = ctx.saved_tensors
         fast = ctx.tf32 and q.is_cuda
+        fused = _fused(fast, q)
         d_out = d_out.contiguous()
         with _matmul_precision(fast):
-            if _fused(fast, q) and beta is not None:
+            if fused and beta is not None:
                 before_pass = delta_kernels.chunk_backward_prepare(
                     q, k, log_decay, beta, ut_inverse, ctx.docs, d_out, ctx.tf32
                 )
@@ -154,7 +156,7 @@ class _ChunkedRecurrence(torch.autograd.Function):
             w, k_end, carry, d_states, d_delta = before_pass
             d_u, d_leaving = state_pass_backward(w, k_end, carry, states, d_states, d_delta, ctx.tf32)
             after_pass = (states, delta, d_out, d_u, d_leaving)
-            if _fused(fast, q):
+            if fused:
                 grads = delta_kernels.chunk_backward(
                     q, k, v, log_decay, beta, ut_inverse, *after_pass, ctx.docs, ctx.tf32
                 )
@@ -164,8 +166,8 @@ class _ChunkedRecurrence(torch.autograd.Function):
 
 
 def _fused(fast: bool, q: Tensor) -> bool:
-    """Whether the chunk-local kernels take the work that reads the states (keys and chunks as the state pass's
-    kernels take them)."""
+    """Whether the chunk-local kernels take the work on either side of the state pass (keys and chunks as the state
+    pass's kernels take them)."""
     return fast and delta_kernels.runs_on(q, q.shape[-2], q.shape[-1])
 
 

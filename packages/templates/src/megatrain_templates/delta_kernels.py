@@ -81,9 +81,8 @@ def chunk_prepare(k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, docs, t
     u, w, k_end = torch.empty_like(v), torch.empty_like(k), torch.empty_like(k)
     carry, ut_inverse = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, chunk, chunk)
     _kernels().chunk_prepare[(n_chunks, batch * heads)](
-        k, v, log_decay, beta, log_decay if docs is None else docs.contiguous(), ut_inverse, u, w, k_end, carry,
-        n_chunks, heads, d_k, v.shape[-1],
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None, PRECISION=_precision(tf32),
+        k, v, log_decay, beta, _docs_or(docs, log_decay), ut_inverse, u, w, k_end, carry, n_chunks, heads, d_k,
+        v.shape[-1], BLOCK_V=CHUNK_BLOCK_V, **_chunk_constants(chunk, d_k, docs, tf32),
     )  # fmt: skip
     return u, w, k_end, carry, ut_inverse
 
@@ -98,9 +97,8 @@ def chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, tf32:
     w, k_end, d_delta = torch.empty_like(k), torch.empty_like(k), torch.empty_like(d_out)
     carry, d_states = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, d_k, d_v)
     _kernels().chunk_backward_prepare[(n_chunks, batch * heads)](
-        q, k, log_decay, beta, ut_inverse, log_decay if docs is None else docs.contiguous(), d_out, w, k_end, carry,
-        d_states, d_delta, n_chunks, heads, d_k, d_v,
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None, PRECISION=_precision(tf32),
+        q, k, log_decay, beta, ut_inverse, _docs_or(docs, log_decay), d_out, w, k_end, carry, d_states, d_delta,
+        n_chunks, heads, d_k, d_v, BLOCK_V=CHUNK_BLOCK_V, **_chunk_constants(chunk, d_k, docs, tf32),
     )  # fmt: skip
     return w, k_end, carry, d_states, d_delta
 
@@ -115,9 +113,8 @@ def chunk_output(q: Tensor, k: Tensor, log_decay: Tensor, states: Tensor, delta:
     grid = (n_chunks, batch * heads, -(-d_v // CHUNK_BLOCK_V))
     _kernels().chunk_output[grid](
         q.contiguous(), k.contiguous(), log_decay.contiguous(), states.contiguous(), delta.contiguous(),
-        log_decay if docs is None else docs.contiguous(), out, n_chunks, heads, d_k, d_v,
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=CHUNK_BLOCK_V, HAS_DOCS=docs is not None,
-        PRECISION=_precision(tf32),
+        _docs_or(docs, log_decay), out, n_chunks, heads, d_k, d_v,
+        BLOCK_V=CHUNK_BLOCK_V, **_chunk_constants(chunk, d_k, docs, tf32),
     )  # fmt: skip
     return out
 
@@ -134,13 +131,13 @@ def chunk_backward(q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d
         for t in (q, k, v, log_decay, beta)
     )
     d_w, d_t = (torch.empty_like(q), q.new_empty(*q.shape[:-1], chunk)) if has_beta else (None, None)
-    q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving, docs = (
+    q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving = (
         None if t is None else t.contiguous()
-        for t in (q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving, docs)
+        for t in (q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d_u, d_leaving)
     )
     unread = log_decay  # the pointer for what beta None or docs None leave unread
-    docs_ = unread if docs is None else docs
-    constants = dict(CHUNK=chunk, BLOCK_K=_pow2(d_k), HAS_DOCS=docs is not None, PRECISION=_precision(tf32))
+    docs_ = _docs_or(docs, unread)
+    constants = _chunk_constants(chunk, d_k, docs, tf32)
     _kernels().chunk_backward_states[grid](
         q, k, v, log_decay, *(unread if t is None else t for t in (beta, ut_inverse)), states, delta, d_out, d_u,
         d_leaving, docs_, d_q, d_k_, d_v_, d_log_decay, *(unread if t is None else t for t in (d_beta, d_w, d_t)),
@@ -153,6 +150,17 @@ def chunk_backward(q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d
             num_warps=8, **constants,
         )  # fmt: skip
     return d_q, d_k_, d_v_, d_log_decay, d_beta
+
+
+def _chunk_constants(chunk: int, d_k: int, docs: Tensor | None, tf32: bool) -> dict:
+    """The compile-time constants every chunk-local kernel takes."""
+    return dict(CHUNK=chunk, BLOCK_K=_pow2(d_k), HAS_DOCS=docs is not None, PRECISION=_precision(tf32))
+
+
+def _docs_or(docs: Tensor | None, unread: Tensor) -> Tensor:
+    """The document ids for a chunk-local kernel (contiguous), or `unread` where there are none (HAS_DOCS False
+    leaves the pointer unread)."""
+    return unread if docs is None else docs.contiguous()
 
 
 def _per_head(values: Tensor, k_end: Tensor, w: Tensor | None, carry: Tensor) -> tuple[Tensor, ...]:
