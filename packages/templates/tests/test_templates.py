@@ -586,6 +586,41 @@ def test_chunks_as_rows_equal_the_masked_attention(seq):
         assert rel_err(ours, reference) < 1e-12
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads,kv_heads,seq,head_dim,window",
+    [(8, 4, 2048, 256, 512), (4, 1, 1000, 256, 129)],
+    ids=["gemma3-4b-heads", "a-window-across-odd-tiles"],
+)
+def test_gpu_windowed_flash_equals_the_written_out_attention(heads, kv_heads, seq, head_dim, window):
+    """bf16 on CUDA: a window over rows of one sequence each runs flash attention's sliding window. Its output
+    and gradients by q, k, v against the written-out attention in float64 on the same inputs (grouped keys, a
+    window and rows that are not multiples of the kernel's tiles), and no farther from it than FlexAttention's
+    over the same window, which it replaces there."""
+    from megatrain_templates.attention import _flash_window_wins, _flex_masked, masked_attention
+
+    torch.manual_seed(torch.seed() % 2**31)
+    q = torch.randn(2, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+    assert _flash_window_wins(q)
+    k, v = (torch.randn(2, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    scale = head_dim**-0.5
+
+    def run(attend, dtype, device):
+        leaves = [t.detach().to(device, dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
+        out = attend(*leaves)
+        out.backward(grad_out.to(device, dtype))
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    reference = run(lambda *t: masked_attention(*t, window=window, scale=scale), torch.float64, "cpu")
+    flash = run(lambda *t: masked_attention(*t, window=window, scale=scale), torch.bfloat16, "cuda")
+    flex = run(lambda *t: _flex_masked(*t, None, window, None, scale, None, None), torch.bfloat16, "cuda")
+    for ours, theirs, truth in zip(flash, flex, reference):
+        error = rel_err(ours.cpu(), truth)
+        assert error < 1e-2
+        assert error <= 1.5 * rel_err(theirs.cpu(), truth) + 1e-4
+
+
 def check_chunked_equals_recurrence(chunked, recurrence, inputs, lengths, chunk, grad_out):
     """float64: `chunked(*inputs, doc_ids, chunk)` over rows packing documents of `lengths` tokens equals
     `recurrence(inputs, start, stop)` (one document's tokens, from a zero state) document by document: the
