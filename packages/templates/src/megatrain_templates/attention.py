@@ -209,9 +209,9 @@ def masked_attention(
 def _flash_window_wins(q: Tensor) -> bool:
     """Whether flash attention's sliding window beats FlexAttention for q (and its k, v): half precision on
     an Ampere-or-newer GPU and heads wider than 128 (Gemma's 256). A window of 1024 over 4 x 4096 tokens,
-    forward + recompute + backward on an H100: 2.6 ms against FlexAttention's 3.9 at head_dim 256, whose
-    generated kernel shared memory keeps to small tiles there; at 128 and 64 FlexAttention is the faster,
-    4.3 against 5.4 ms and 2.3 against 2.6."""
+    forward + recompute + backward on an H100: 2.6 ms against FlexAttention's 3.9 at head_dim 256 (its
+    generated kernel fits only small tiles of such wide heads in shared memory); at 128 and 64 FlexAttention
+    is the faster, 4.3 against 5.4 ms and 2.3 against 2.6."""
     return (
         q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
