@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -586,37 +588,101 @@ def test_chunks_as_rows_equal_the_masked_attention(seq):
         assert rel_err(ours, reference) < 1e-12
 
 
+def _eager_kernels(window: int | None):
+    """A kernel pair for `kernel_attention` written out (causal, over the last `window` keys if given): the
+    forward's output and log-sum-exp, and the backward that flash and cuDNN compute from them."""
+
+    def scores_of(q, k, scale):
+        distance = torch.arange(q.shape[2]).unsqueeze(1) - torch.arange(q.shape[2])
+        hidden = (distance < 0) | (distance >= (window or q.shape[2]))
+        return ((q @ k.transpose(-1, -2)) * scale).masked_fill(hidden, -math.inf)
+
+    def expanded(q, k, v):
+        return [t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v)]
+
+    def forward(q, k, v, scale):
+        k, v = expanded(q, k, v)
+        scores = scores_of(q, k, scale)
+        lse = scores.logsumexp(-1)
+        return (scores - lse.unsqueeze(-1)).exp() @ v, lse
+
+    def backward(grad_out, q, k, v, out, lse, scale):
+        kv_heads = k.shape[1]
+        k, v = expanded(q, k, v)
+        probs = (scores_of(q, k, scale) - lse.unsqueeze(-1)).exp()
+        grad_scores = probs * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
+        dq, dk, dv = (
+            grad_scores @ k * scale,
+            grad_scores.transpose(-1, -2) @ q * scale,
+            probs.transpose(-1, -2) @ grad_out,
+        )
+        return dq, *(g.unflatten(1, (kv_heads, -1)).sum(2) for g in (dk, dv))
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("window,with_sinks", [(None, True), (5, False), (5, True)], ids=["sinks", "window", "both"])
+def test_kernel_attention_folds_the_sinks_in_exactly(window, with_sinks):
+    """float64: attention by a kernel pair (the written-out one here; flash's window and cuDNN's causal kernel on
+    the GPU) with the sinks folded in through its log-sum-exp, forward and backward, equals the written-out
+    masked attention: output and the gradients by q, k, v and the sinks, grouped keys and values."""
+    from megatrain_templates.attention import masked_attention
+    from megatrain_templates.kernel_attention import kernel_attention
+
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    shapes = [(2, 4, 13, 8), (2, 2, 13, 8), (2, 2, 13, 8), (4,)]
+    q, k, v, sinks = (torch.randn(*shape, dtype=torch.float64, generator=generator) for shape in shapes)
+    sinks = sinks if with_sinks else None
+    grad_out = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=generator)
+    results = []
+    for attend in (
+        lambda q, k, v, s: kernel_attention(q, k, v, s, 0.3, _eager_kernels(window)),
+        lambda q, k, v, s: masked_attention(q, k, v, s, window, None, 0.3),
+    ):
+        leaves = [None if t is None else t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+        out = attend(*leaves)
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in leaves if t is not None)])
+    for ours, reference in zip(*results):
+        assert rel_err(ours, reference) < 1e-12
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "heads,kv_heads,seq,head_dim,window",
-    [(8, 4, 2048, 256, 512), (4, 1, 1000, 256, 129)],
-    ids=["gemma3-4b-heads", "a-window-across-odd-tiles"],
+    "heads,kv_heads,seq,head_dim,window,with_sinks",
+    [(8, 4, 2048, 256, 512, False), (4, 1, 1000, 256, 129, False), (16, 2, 1000, 64, None, True)],
+    ids=["gemma3-4b-window", "a-window-across-odd-tiles", "gpt-oss-sinks"],
 )
-def test_gpu_windowed_flash_equals_the_written_out_attention(heads, kv_heads, seq, head_dim, window):
-    """bf16 on CUDA: a window over rows of one sequence each runs flash attention's sliding window. Its output
-    and gradients by q, k, v against the written-out attention in float64 on the same inputs (grouped keys, a
-    window and rows that are not multiples of the kernel's tiles), and no farther from it than FlexAttention's
-    over the same window, which it replaces there."""
-    from megatrain_templates.attention import _flash_window_wins, _flex_masked, masked_attention
+def test_gpu_kernel_attention_equals_the_written_out_attention(heads, kv_heads, seq, head_dim, window, with_sinks):
+    """bf16 on CUDA: a window alone (Gemma 3's heads of 256) runs flash attention's sliding window and sinks alone
+    (gpt-oss' full layers) cuDNN's causal attention with the sinks folded in. Output and gradients (by q, k, v and
+    the sinks) against the written-out attention in float64 on the same inputs (grouped keys, rows that are not
+    multiples of the kernels' tiles), and no farther from it than FlexAttention, which they replace there."""
+    from megatrain_templates.attention import _flex_masked, masked_attention
+    from megatrain_templates.kernel_attention import cudnn_fits, flash_window_wins
 
     torch.manual_seed(torch.seed() % 2**31)
     q = torch.randn(2, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
-    assert _flash_window_wins(q)
+    assert cudnn_fits(q) if with_sinks else flash_window_wins(q)
     k, v = (torch.randn(2, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(heads, device="cuda", dtype=torch.bfloat16) if with_sinks else None
     grad_out = torch.randn_like(q)
     scale = head_dim**-0.5
 
     def run(attend, dtype, device):
-        leaves = [t.detach().to(device, dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
+        leaves = [
+            None if t is None else t.detach().to(device, dtype, copy=True).requires_grad_(True)
+            for t in (q, k, v, sinks)
+        ]
         out = attend(*leaves)
         out.backward(grad_out.to(device, dtype))
-        return [out.detach(), *(t.grad for t in leaves)]
+        return [out.detach(), *(t.grad for t in leaves if t is not None)]
 
-    reference = run(lambda *t: masked_attention(*t, window=window, scale=scale), torch.float64, "cpu")
-    flash = run(lambda *t: masked_attention(*t, window=window, scale=scale), torch.bfloat16, "cuda")
-    flex = run(lambda *t: _flex_masked(*t, None, window, None, scale, None, None), torch.bfloat16, "cuda")
-    for ours, theirs, truth in zip(flash, flex, reference):
-        error = rel_err(ours.cpu(), truth)
+    reference = run(lambda q, k, v, s: masked_attention(q, k, v, s, window, None, scale), torch.float64, "cpu")
+    ours = run(lambda q, k, v, s: masked_attention(q, k, v, s, window, None, scale), torch.bfloat16, "cuda")
+    flex = run(lambda q, k, v, s: _flex_masked(q, k, v, s, window, None, scale, None, None), torch.bfloat16, "cuda")
+    for mine, theirs, truth in zip(ours, flex, reference):
+        error = rel_err(mine.cpu(), truth)
         assert error < 1e-2
         assert error <= 1.5 * rel_err(theirs.cpu(), truth) + 1e-4
 

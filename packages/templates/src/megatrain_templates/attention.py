@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernel_attention import CUDNN_CAUSAL, cudnn_fits, flash_window, flash_window_wins, kernel_attention
+
 # FlexAttention kernels exist for these on CUDA; elsewhere (the CPU, float64) a dense mask is used.
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -164,20 +166,22 @@ def masked_attention(
     chunk: int | None = None,
 ) -> Tensor:
     """Causal attention with what the fused kernels lack: keys limited to the last `window` positions
-    (gpt-oss, Gemma) or to the query's chunk of `chunk` positions (Llama 4: positions c * chunk to
-    (c + 1) * chunk - 1 of a document attend only among themselves), per-head sink logits `sinks`
-    [n_heads] that join each softmax's denominator without contributing a value (gpt-oss), scores
-    soft-capped to (-softcap, softcap) by softcap * tanh(score / softcap) after scaling (Gemma 2).
-    Shapes, `documents` and `scale` as `causal_attention`. On CUDA: a window alone over rows of one
-    sequence each, with Gemma's wide heads, is flash attention's own sliding window; the rest is
-    FlexAttention (only the blocks inside the window or chunk are visited), the cap as its score
-    modification and the sinks folded in through its log-sum-exp; elsewhere written out (scores
-    materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
+    (gpt-oss, Gemma) or to the query's chunk of `chunk` positions (Llama 4: positions c * chunk to (c + 1) *
+    chunk - 1 of a document attend only among themselves), per-head sink logits `sinks` [n_heads] that join
+    each softmax's denominator without contributing a value (gpt-oss), scores soft-capped to (-softcap,
+    softcap) by softcap * tanh(score / softcap) after scaling (Gemma 2). Shapes, `documents` and `scale` as
+    `causal_attention`. On CUDA, over rows of one sequence each, a window alone with Gemma's wide heads is
+    flash attention's own sliding window and sinks alone are cuDNN's causal attention with the sinks folded in
+    (`kernel_attention`); the rest is FlexAttention (only the blocks inside the window or chunk are visited),
+    the cap as its score modification and the sinks folded in through its log-sum-exp; elsewhere written out
+    (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
-    window_alone = window is not None and sinks is None and softcap is None and chunk is None and documents is None
-    if window_alone and _flash_window_wins(q):
-        return _flash_windowed(q, k, v, window, scale)
+    rows_alone = softcap is None and chunk is None and documents is None
+    if rows_alone and window is not None and sinks is None and flash_window_wins(q):
+        return kernel_attention(q, k, v, None, scale, flash_window(window))
+    if rows_alone and window is None and sinks is not None and cudnn_fits(q):
+        return kernel_attention(q, k, v, sinks, scale, CUDNN_CAUSAL)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
         return _flex_masked(q, k, v, sinks, window, documents, scale, softcap, chunk)
     repeat = n_heads // k.shape[1]
@@ -204,53 +208,6 @@ def masked_attention(
     if sinks is not None:
         probs = probs[..., :-1]
     return probs.to(v.dtype) @ v
-
-
-def _flash_window_wins(q: Tensor) -> bool:
-    """Whether flash attention's sliding window beats FlexAttention for q (and its k, v): half precision on
-    an Ampere-or-newer GPU and heads wider than 128 (Gemma's 256). A window of 1024 over 4 x 4096 tokens,
-    forward + recompute + backward on an H100: 2.6 ms against FlexAttention's 3.9 at head_dim 256 (its
-    generated kernel fits only small tiles of such wide heads in shared memory); at 128 and 64 FlexAttention
-    is the faster, 4.3 against 5.4 ms and 2.3 against 2.6."""
-    return (
-        q.is_cuda
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and 128 < q.shape[-1] <= 256
-        and q.shape[-1] % 8 == 0
-        and torch.backends.cuda.flash_sdp_enabled()
-        and torch.cuda.get_device_capability(q.device) >= (8, 0)
-    )
-
-
-def _flash_windowed(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
-    """Causal attention over the last `window` keys by flash attention's sliding window, which visits only
-    the tiles inside it. Shapes as `causal_attention`; grouped keys and values as they are."""
-    rows = (t.transpose(1, 2) for t in (q, k, v))  # the kernel's layout: [batch, seq, heads, head_dim]
-    return _FlashWindow.apply(*rows, window, scale).transpose(1, 2)
-
-
-class _FlashWindow(torch.autograd.Function):
-    """The flash kernels with a window to the left, forward and backward (the backward called here with the
-    window, not left to the forward operator's registered derivative); q, k, v [batch, seq, heads, head_dim]."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
-        seq, ctx.scale, ctx.left = q.shape[1], scale, window - 1  # the kernel's window: keys i - left .. i
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, seq, seq, 0.0, True, False, scale=scale, window_size_left=ctx.left, window_size_right=0
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, rng_state, unused = ctx.saved_tensors
-        seq = q.shape[1]
-        grads = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, None, None, seq, seq, 0.0, True, rng_state, unused,
-            scale=ctx.scale, window_size_left=ctx.left, window_size_right=0,
-        )  # fmt: skip
-        return *grads, None, None
 
 
 _SOFTCAPS: dict = {}  # cap -> FlexAttention score_mod, one function per cap so the compiled kernel is reused
