@@ -3,10 +3,11 @@ layers) and cuDNN's causal attention with gpt-oss' sink logits folded in (its fu
 
 A kernel pair is forward(q, k, v, scale) -> (out, lse) and backward(grad_out, q, k, v, out, lse, scale) ->
 (dq, dk, dv), q/k/v/out [batch, heads, seq, head_dim] (k and v may have fewer heads), lse [batch, heads, seq]
-in at least fp32. A sink s joins each row's softmax denominator without a value, so the output is the kernel's times
-gate = sigmoid(lse - s). Its backward needs no kernel of its own: given the gradient times the gate and the
-gated output in place of the output, the kernel's row term rowsum(grad' o out') is gate^2 rowsum(grad o out),
-which is the output path's gate rowsum(grad o out) less the lse path's gate (1 - gate) rowsum(grad o out).
+in at least fp32. A sink s joins each row's softmax denominator without a value, so the output is the kernel's
+times gate = sigmoid(lse - s). Its backward needs no kernel of its own: given the gradient times the gate and
+the gated output in place of the output, the kernel's row term rowsum(grad' o out') is gate^2 rowsum(grad o
+out), which is the output path's gate rowsum(grad o out) less the lse path's gate (1 - gate) rowsum(grad o
+out).
 
 Where they run rather than FlexAttention (`masked_attention` decides), measured on an H100 over 4 x 4096
 tokens, forward + recompute + backward: a window of 1024 with heads of 256 (Gemma 3 4B), 2.6 against 3.9 ms
