@@ -185,12 +185,69 @@ def has_template(hf: dict) -> bool:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """Parse a Hugging Face config dict; refuse features the templates do not implement."""
+    hf, model_type = _text_model_config(hf)
+    _refuse_what_templates_lack(hf, model_type)
+    gemma = _gemma_from_hf(hf, model_type)
+    theta, scaling, partial_rotary, local_theta = _rotary_from_hf(hf, model_type)
+    sliding_layers = _sliding_layers(hf, model_type)
+    heads = hf["num_attention_heads"]
+    if model_type in _LATENT_ATTENTION:  # the rotary part of a head is its head_dim; every head has its own k/v
+        hf = {**hf, "head_dim": hf["qk_rope_head_dim"], "num_key_value_heads": heads}
+    return ModelConfig(
+        arch=model_type,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=_dense_d_ff(hf, model_type),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2"
+        or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
+        or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
+        qk_norm=model_type
+        in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", *OLMO, *LINEAR_ATTENTION_ARCHITECTURES)
+        or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
+        partial_rotary_factor=partial_rotary,
+        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2", *OLMO) else "head",
+        clip_qkv=hf.get("clip_qkv"),
+        sliding_window=hf["sliding_window"] if sliding_layers else None,
+        sliding_layers=sliding_layers,
+        initializer_range=hf.get("initializer_range", 0.02),
+        bos_token_id=_first_id(hf.get("bos_token_id")),
+        eos_token_id=_first_id(hf.get("eos_token_id")),
+        pad_token_id=_pad_token(hf),
+        **_moe_from_hf(hf, model_type),
+        **_gpt_oss_from_hf(hf, model_type),
+        **_latent_attention_from_hf(hf, model_type),
+        **_llama4_from_hf(hf, model_type),
+        **_linear_attention_from_hf(hf, model_type),
+        nope_layers=_nope_layers(hf, model_type),
+        rope_local_theta=local_theta,
+        **gemma,
+        **_granite_from_hf(hf, model_type),
+    )
+
+
+def _text_model_config(hf: dict) -> tuple[dict, str]:
+    """(the config of the text model, its family's defaults filled in; the family's model_type)."""
     if hf.get("model_type") in _TEXT_MODEL_OF:  # an image-text model: its text model trains (and exports) alone
         outer = {k: hf[k] for k in ("quantization_config",) if k in hf}  # (written beside text_config)
         text = hf.get("text_config") or {}
         hf = {**outer, **text, "model_type": text.get("model_type") or _TEXT_MODEL_OF[hf["model_type"]]}
     model_type = _SAME_AS.get(hf.get("model_type"), hf.get("model_type"))
     hf = {**_DEFAULTS.get(model_type, {}), **hf}
+    return hf, model_type
+
+
+def _refuse_what_templates_lack(hf: dict, model_type: str) -> None:
+    """A ZooError naming the first feature of `hf` that the templates do not implement (an unknown architecture,
+    biases where the family's template has none, dropout, an unreadable quantization)."""
     if model_type not in _HF_CLASSES:
         archs = hf.get("architectures")
         why = _UNSUPPORTED_MOE.get(model_type, "")
@@ -224,9 +281,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ZooError(f"{model_type} with dropout {dropout}: megatrain trains without dropout; set them to 0.0")
     if hf.get("mlp_bias") or (model_type in ERNIE and hf.get("use_bias")):
         raise ZooError(f"{model_type} with biases on the MLP projections (mlp_bias / use_bias=true) is not supported")
+
+
+def _rotary_from_hf(hf: dict, model_type: str) -> tuple[float, dict | None, float, float | None]:
+    """(rope_theta, the rope_scaling dict or None, the rotating fraction of a head, the windowed layers' own
+    base or None) as every transformers version writes them."""
     # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters
     rope = dict(hf.get("rope_parameters") or {})
-    gemma = _gemma_from_hf(hf, model_type)
     local_theta = None
     if model_type in LOCAL_ROPE_ARCHITECTURES:
         rope, local_theta = _rope_per_layer_type(hf, rope, model_type)
@@ -245,49 +306,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
         max_len = hf.get("max_position_embeddings", 4096)
         scaling = {"original_max_position_embeddings": original, "factor": max_len / original, **scaling}
-    sliding_layers = _sliding_layers(hf, model_type)
-    heads = hf["num_attention_heads"]
-    if model_type in _LATENT_ATTENTION:  # the rotary part of a head is its head_dim; every head has its own k/v
-        hf = {**hf, "head_dim": hf["qk_rope_head_dim"], "num_key_value_heads": heads}
-    return ModelConfig(
-        arch=model_type,
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        d_ff=_dense_d_ff(hf, model_type),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        rms_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2"
-        or (model_type == "qwen2_moe" and hf.get("qkv_bias", True))
-        or (model_type in ("gpt_oss", "glm4_moe") and hf.get("attention_bias", True)),
-        qk_norm=model_type
-        in ("qwen3", "qwen3_moe", "olmoe", "minimax_m2", "dots1", "gemma3_text", *OLMO, *LINEAR_ATTENTION_ARCHITECTURES)
-        or (model_type == "glm4_moe" and hf.get("use_qk_norm")),
-        partial_rotary_factor=partial_rotary,
-        qk_norm_scope="full" if model_type in ("olmoe", "minimax_m2", *OLMO) else "head",
-        clip_qkv=hf.get("clip_qkv"),
-        sliding_window=hf["sliding_window"] if sliding_layers else None,
-        sliding_layers=sliding_layers,
-        initializer_range=hf.get("initializer_range", 0.02),
-        bos_token_id=_first_id(hf.get("bos_token_id")),
-        eos_token_id=_first_id(hf.get("eos_token_id")),
-        pad_token_id=_pad_token(hf),
-        **_moe_from_hf(hf, model_type),
-        **_gpt_oss_from_hf(hf, model_type),
-        **_latent_attention_from_hf(hf, model_type),
-        **_llama4_from_hf(hf, model_type),
-        **_linear_attention_from_hf(hf, model_type),
-        nope_layers=_nope_layers(hf, model_type),
-        rope_local_theta=local_theta,
-        **gemma,
-        **_granite_from_hf(hf, model_type),
-    )
+    return float(theta), scaling, partial_rotary, local_theta
 
 
 def _granite_from_hf(hf: dict, model_type: str) -> dict:
