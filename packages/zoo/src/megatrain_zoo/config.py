@@ -193,6 +193,15 @@ class ModelConfig:
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
         for name in ("sliding_layers", "nope_layers", "chunked_layers", "linear_attention_layers"):
             object.__setattr__(self, name, tuple(sorted(int(i) for i in getattr(self, name))))
+        self._check_layer_kinds()
+        self._check_linear_attention()
+        self._check_experts()
+        self._check_sizes()
+        self._check_family_fields()
+        self._check_rope_scaling()
+
+    def _check_layer_kinds(self) -> None:
+        """Windowed, chunked and rotary-free layers: each with its setting, and only in the families that have them."""
         if bool(self.sliding_layers) != bool(self.sliding_window):
             raise ZooError(
                 "sliding_window and sliding_layers go together: the window, and the layers that attend over it "
@@ -216,14 +225,14 @@ class ModelConfig:
             raise ZooError(
                 "Llama 4's layers without rotary embedding (nope_layers) attend over everything: not chunked"
             )
-        self._check_linear_attention()
+
+    def _check_experts(self) -> None:
+        """The router's scoring as the family's, and an expert count, top-k and width that make a MoE layer."""
         if self.router_scoring not in ROUTER_SCORINGS or self.router_scoring != self.expected_router_scoring:
             raise ZooError(
                 f"router_scoring {self.router_scoring!r}: {SIGMOID_ROUTED} score experts with a sigmoid, Llama 4 with "
                 f"the sigmoid of each top-k logit, the other families with a softmax ({ROUTER_SCORINGS})"
             )
-        if self.qk_norm_scope not in QK_NORM_SCOPES:
-            raise ZooError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
         if self.n_experts < 0 or (self.arch in MOE_ARCHITECTURES) != (self.n_experts > 0):
             raise ZooError(
                 f"{self.arch} needs n_experts {'> 0' if self.arch in MOE_ARCHITECTURES else '= 0'}, "
@@ -239,6 +248,9 @@ class ModelConfig:
             outside = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
             if outside:
                 raise ZooError(f"dense_layers {outside} are not layers of a {self.n_layers}-layer model")
+
+    def _check_sizes(self) -> None:
+        """Positive sizes, whole key-value groups, and a head_dim (derived when unset) the rotary embedding fits."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ZooError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -255,6 +267,10 @@ class ModelConfig:
                 f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of head_dim "
                 f"{self.head_dim}: it must be an even number of them, at least two"
             )
+
+    def _check_family_fields(self) -> None:
+        """Fields that only some families have (Granite's multipliers, Gemma's scalars and caps, a second rotary base,
+        the activation, the q/k norm's scope) set only there."""
         multipliers = [getattr(self, name) for name in GRANITE_MULTIPLIERS]
         expected = len(GRANITE_MULTIPLIERS) if self.arch in GRANITE else 0
         if sum(m is not None for m in multipliers) != expected or any(m is not None and not m > 0 for m in multipliers):
@@ -271,6 +287,11 @@ class ModelConfig:
         activations = GEMMA_ACTIVATIONS if self.arch in GEMMA else ("silu",)
         if self.activation not in activations:
             raise ZooError(f"{self.arch}'s activation must be one of {activations}, got {self.activation!r}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ZooError(f"qk_norm_scope must be one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
+
+    def _check_rope_scaling(self) -> None:
+        """A rope scaling the templates implement, LongRoPE's factors complete."""
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if kind not in ROPE_SCALINGS:
             raise ZooError(
