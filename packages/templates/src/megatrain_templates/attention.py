@@ -177,10 +177,10 @@ def masked_attention(
     (scores materialised, [batch, n_heads, seq, seq]) as transformers' eager implementation does."""
     batch, n_heads, seq, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
-    rows_alone = softcap is None and chunk is None and documents is None
-    if rows_alone and window is not None and sinks is None and flash_window_wins(q):
+    no_cap_chunk_or_documents = softcap is None and chunk is None and documents is None
+    if no_cap_chunk_or_documents and window is not None and sinks is None and flash_window_wins(q):
         return kernel_attention(q, k, v, None, scale, flash_window(window))
-    if rows_alone and window is None and sinks is not None and cudnn_fits(q):
+    if no_cap_chunk_or_documents and window is None and sinks is not None and cudnn_fits(q):
         return kernel_attention(q, k, v, sinks, scale, CUDNN_CAUSAL)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
         return _flex_masked(q, k, v, sinks, window, documents, scale, softcap, chunk)

@@ -65,30 +65,30 @@ def _sink_gate(lse: Tensor, sinks: Tensor) -> Tensor:  # [batch, heads, seq] fp3
     return torch.sigmoid(lse - upcast(sinks).view(1, -1, 1))
 
 
+def _gated(out: Tensor, gate: Tensor) -> Tensor:
+    return (out * gate.unsqueeze(-1)).to(out.dtype)
+
+
 class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, scale: float, kernels: KernelPair):
         out, lse = kernels[0](q, k, v, scale)
-        ctx.scale, ctx.kernels = scale, kernels
-        if sinks is None:
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-        gated = (out * _sink_gate(lse, sinks).unsqueeze(-1)).to(out.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks, gated)
-        return gated
+        ctx.scale, ctx.kernels, ctx.has_sinks = scale, kernels, sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        return _gated(out, _sink_gate(lse, sinks)) if ctx.has_sinks else out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         backward = ctx.kernels[1]
-        if len(ctx.saved_tensors) == 5:
-            q, k, v, out, lse = ctx.saved_tensors
+        if not ctx.has_sinks:
             return *backward(grad, q, k, v, out, lse, ctx.scale), None, None, None
-        q, k, v, out, lse, sinks, gated = ctx.saved_tensors
         gate = _sink_gate(lse, sinks)
         row = (upcast(grad) * upcast(out)).sum(-1)  # rowsum(grad o out); the sink's path: see the module docstring
         grad_sinks = -(row * gate * (1 - gate)).sum((0, 2)).to(sinks.dtype)
-        gated_grad = (grad * gate.unsqueeze(-1)).to(grad.dtype)
-        return *backward(gated_grad, q, k, v, gated, lse, ctx.scale), grad_sinks, None, None
+        # the gated output again (the forward's, bit for bit) rather than kept from it
+        grads = backward(_gated(grad, gate), q, k, v, _gated(out, gate), lse, ctx.scale)
+        return *grads, grad_sinks, None, None
 
 
 def _flash_window_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int) -> tuple[Tensor, Tensor]:

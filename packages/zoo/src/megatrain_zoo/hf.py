@@ -718,7 +718,8 @@ def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
 
 def _common_to_hf(config: ModelConfig, torch_dtype: str) -> dict:
     """The fields every decoder's config.json has (gpt-oss names its rotary settings `rope_parameters` alone)."""
-    rope_scaling = {} if config.arch == "gpt_oss" else {"rope_scaling": _rope_scaling_to_hf(config)}
+    scaling = dict(config.rope_scaling) if config.rope_scaling else None  # (transformers adds to it)
+    rope_scaling = {} if config.arch == "gpt_oss" else {"rope_scaling": scaling}
     return {
         "architectures": [_HF_CLASSES[config.arch]],
         "model_type": config.arch,
@@ -743,12 +744,6 @@ def _common_to_hf(config: ModelConfig, torch_dtype: str) -> dict:
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
     }
-
-
-def _rope_scaling_to_hf(config: ModelConfig) -> dict | None:
-    if config.arch == "olmo3":  # each layer type's own, in rope_parameters (`_rotary_to_hf`)
-        return None
-    return dict(config.rope_scaling) if config.rope_scaling else None  # (transformers adds to it)
 
 
 def _biases_to_hf(config: ModelConfig) -> dict:
@@ -829,7 +824,7 @@ def _rotary_to_hf(config: ModelConfig) -> dict:
     if config.arch == "olmo3":  # each layer type's own: transformers' reading of rope_theta alone gives it one
         full = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
         local = {"rope_type": "default", "rope_theta": config.rope_local_theta}
-        return {"rope_parameters": {"full_attention": full, "sliding_attention": local}}
+        return {"rope_scaling": None, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
     if config.arch == "minimax_m2":  # published as rotary_dim, which transformers before ~5.2x ignores
         return {
             "rotary_dim": config.rotary_dim,
