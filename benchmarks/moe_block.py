@@ -1,7 +1,7 @@
 """One MoE decoder block on the GPU: forward and backward time and rate, recomputing or keeping its matmul
 products (`--kept`), and where the time goes (the profiler's top CUDA kernels).
 
-    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096 [--kept] [--profile]
+    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096 [--layer N] [--kept] [--profile]
 """
 
 import argparse
@@ -26,11 +26,14 @@ def main():
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--kept", action="store_true", help="the forward keeps its matmul products for the backward")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of forward + backward")
+    parser.add_argument("--layer", type=int, default=None, help="which decoder layer (default: the first MoE layer)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = preset(args.model)
     spec = build_model(config)
-    layer = next(i for i in range(config.n_layers) if config.layer_is_moe(i))
+    layer = args.layer if args.layer is not None else next(i for i in range(config.n_layers) if config.layer_is_moe(i))
+    if not config.layer_is_moe(layer):
+        sys.exit(f"layer {layer} of {args.model} is dense: pick a MoE layer with --layer")
     block: MoeBlock = spec.stages[layer + 1].template
     weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
     grads = [torch.zeros(block.numel, device="cuda", dtype=torch.float32)]
@@ -55,6 +58,7 @@ def main():
     result = {
         "machine": machine(),
         "model": args.model,
+        "layer": layer,
         "tokens": args.tokens,
         "seq_len": args.seq_len,
         "kept_products": args.kept,

@@ -493,15 +493,17 @@ def moe_expert_parts(rows: list[dict]) -> Table:
 
 def moe_layers(rows: list[dict]) -> Table:
     """One MoE layer's forward and backward, recomputing or from kept products: the newest default row per model,
-    GPU, tokens and way."""
+    layer, GPU, tokens and way (rows that name no layer timed the model's first MoE layer)."""
     layers = [r for r in rows if r.get("scope") in (MOE_LAYER, MOE_LAYER_KEPT) and is_default(r)]
-    chosen = sorted(
-        newest(layers, lambda r: (r["model"], gpu(r), r["tokens_per_step"], r["scope"])).values(),
-        key=lambda r: (r["model"], gpu(r), r["tokens_per_step"], r["scope"]),
-    )
+
+    def key(r):
+        return (r["model"], r.get("layer", -1), gpu(r), r["tokens_per_step"], r["scope"])
+
+    chosen = sorted(newest(layers, key).values(), key=key)
     body = [
         [
             r["model"],
+            str(r["layer"]) if "layer" in r else "first MoE",
             gpu(r),
             tokens(r["tokens_per_step"]),
             "kept" if r["scope"] == MOE_LAYER_KEPT else "recomputed",
@@ -511,8 +513,17 @@ def moe_layers(rows: list[dict]) -> Table:
         ]
         for r in chosen
     ]
-    header = ["MoE layer of", "GPU", "tokens", "matmul products", "fwd + bwd", "hardware TFLOPS", "model TFLOPS"]
-    return Table(header, body, chosen, align="llrlrrr")
+    header = [
+        "MoE layer of",
+        "layer",
+        "GPU",
+        "tokens",
+        "matmul products",
+        "fwd + bwd",
+        "hardware TFLOPS",
+        "model TFLOPS",
+    ]
+    return Table(header, body, chosen, align="lllrlrrr")
 
 
 def plan_rows(rows: list[dict], file: str) -> list[dict]:
