@@ -67,12 +67,14 @@ def check_steps_match_plain_pytorch(
     expect_kept=None,
     warm_up=False,
     expect_offloaded=None,
+    expect_sweeps=1,
     **engine,
 ):
     """N optimizer steps of megatrain and of the reference on `device` from the same random
     weights and data: losses, gradient norms and every final weight agree to the tolerance
     (and, where `expect_kept` is given, that many layers kept their forward's matmul products; where
-    `expect_offloaded` is, those blocks' checkpoints went to host memory). With `warm_up`
+    `expect_offloaded` is, those blocks' checkpoints went to host memory; every step ran in `expect_sweeps`). With
+    `warm_up`
     the trainer first runs its setup warm-up (on the GPU it always does), which must change nothing."""
     lr, tolerance = CASES[dtype]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
@@ -131,6 +133,7 @@ def check_steps_match_plain_pytorch(
         assert metrics.lr == pytest.approx(lr_at(step, schedule))
         assert expect_kept is None or len(trainer.pipeline.executed.keeping) == expect_kept
         assert expect_offloaded is None or trainer.pipeline.executed.offloaded == expect_offloaded
+        assert trainer.pipeline.executed.sweeps == expect_sweeps
     assert clipped or not grad_clip  # clipping really was exercised
     ours = trainer.named_weights()
     # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token
@@ -228,6 +231,23 @@ def test_offloaded_checkpoints_beside_kept_products_match_plain_pytorch(grad_cli
         offload_checkpoints=True,
         kept_layers=1,
         host_kept_layers=1,
+    )
+
+
+@pytest.mark.parametrize("dtype", list(CASES))
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+@pytest.mark.parametrize(
+    "engine",
+    [{"sweeps": 3}, {"sweeps": 2, "kept_layers": 1, "host_kept_layers": 1, "gpu_updated_layers": 1}],
+    ids=["a-micro-batch-each", "uneven-beside-kept-and-gpu-updated-layers"],
+)
+def test_steps_in_sweeps_match_plain_pytorch(dtype, grad_clip, engine, tmp_path):
+    """A step's micro-batches in consecutive sweeps, forward and backward each, the gradients summed over them
+    (host groups' sums out to host memory and back, GPU-updated groups' on the device) before the one update:
+    the same steps as plain PyTorch's."""
+    kept = 2 if "kept_layers" in engine else None
+    check_steps_match_plain_pytorch(
+        dtype, "tiny-qwen2", grad_clip, "cpu", tmp_path, expect_kept=kept, expect_sweeps=engine["sweeps"], **engine
     )
 
 

@@ -23,7 +23,15 @@ from hf_steps import (
 from safetensors.torch import save_file
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import (
+    Config,
+    ConfigError,
+    DataSection,
+    EngineSection,
+    ModelSection,
+    PrecisionSection,
+    TrainSection,
+)
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
 
@@ -178,6 +186,23 @@ def test_router_z_loss_matches_st_moes(name, experts_per_stage, tmp_path):
     check_steps_match_transformers(name, aux, tmp_path, "cpu", engine, z_coef=0.05)
 
 
+@pytest.mark.parametrize("name, bias_rate, seq_coef", [("tiny-qwen2-moe", 0.0, 0.0), ("tiny-deepseek-v3", 0.01, 0.05)])
+def test_steps_in_sweeps_match_transformers(name, bias_rate, seq_coef, tmp_path):
+    """A step's micro-batches in three sweeps: the expert layers' gradients summed over them, the correction biases
+    moved by the whole step's loads, DeepSeek's sequence-wise loss (each sequence's own) as in one sweep."""
+    engine = EngineSection(sweeps=3)
+    check_steps_match_transformers(name, False, tmp_path, "cpu", engine, bias_rate=bias_rate, seq_coef=seq_coef)
+
+
+@pytest.mark.parametrize("aux, z_coef", [(True, 0.0), (False, 0.05)])
+def test_sweeps_beside_a_loss_of_the_whole_steps_routing_are_refused(aux, z_coef, tmp_path):
+    """The load-balancing loss and the z-loss divide by the whole step's loads and tokens, which a step in sweeps
+    lacks at its first backward: refused with the fix, before anything is allocated."""
+    hf_model("tiny-qwen3-moe", aux, 1).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="engine.sweeps 2: .* needs the whole step's routing before any backward"):
+        make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, engine=EngineSection(sweeps=2), router_z_loss_coef=z_coef)
+
+
 def test_templates_and_store_name_the_load_balanced_rule_alike():
     """The templates mark the bias pair's specs; the store, which they do not import, acts on the mark."""
     import megatrain_store
@@ -188,8 +213,6 @@ def test_templates_and_store_name_the_load_balanced_rule_alike():
 
 
 def test_a_bias_update_rate_needs_a_router_with_a_correction_bias(tmp_path):
-    from megatrain.config import ConfigError
-
     hf_model("tiny-qwen3-moe", False, 5).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError, match="router_aux_loss_coef"):
         make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, router_bias_update_rate=1e-3)
@@ -345,6 +368,7 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
     model = trainer.model_config
+    assert trainer.pipeline.executed.sweeps == (1 if engine.sweeps == "auto" else engine.sweeps)
     kept = len(trainer.pipeline.executed.keeping)
     if engine.kept_layers != "auto":
         assert kept == min(engine.kept_layers, model.n_layers)

@@ -74,7 +74,8 @@ class Readout:
 
 
 def build(n_mix, tied, n_slots=2, **placed):
-    """A lookup, `n_mix` Mix blocks and a readout on the CPU; `placed`: `Placement.build`'s stage indices."""
+    """A lookup, `n_mix` Mix blocks and a readout on the CPU; `placed`: `Placement.build`'s stage indices (and
+    the step's fields)."""
     readout = Readout(tied)
     templates = [Lookup()] + [Mix() for _ in range(n_mix)]
     layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
@@ -162,6 +163,60 @@ def test_kept_products_and_offloaded_checkpoints_match_autograd(placed):
     assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
     assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
     assert pipeline.executed == pipeline.placement and pipeline.fallback is None  # run as given
+
+
+@pytest.mark.parametrize("sweeps", [2, 3])
+@pytest.mark.parametrize("placed", [{}, {"offloaded": (1, 2), "kept": (4,), "host_kept": (2,)}, {"held": (1, 2)}])
+def test_a_step_in_sweeps_lands_the_gradients_of_one_sweep(sweeps, placed):
+    """The micro-batches in consecutive parts, forward and backward each: every gradient lands once a step, after
+    the last sweep, holding the sum over all of them (the earlier sweeps' sum went out and came back)."""
+    store, pipeline, landed = build(4, tied=True, sweeps=sweeps, **placed)
+    batches = make_batches(5)
+    for step in range(2):  # the second step's first sweep starts its sums afresh
+        result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.1)
+        assert sorted(landed) == sorted(list(range(store.n_groups)) * (step + 1))
+    loss, grads = autograd_reference(store, 4, True, batches, 0.1)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    for g in range(store.n_groups):
+        assert close(store.grad(g), grads[g]), g
+        assert torch.allclose(result.group_sq_norms[g], grads[g].pow(2).sum(), rtol=1e-4)
+    grad_outs = [what for kind, what, _ in result.log if kind == "grad_out"]
+    assert sorted(grad_outs) == sorted(list(range(store.n_groups)) * sweeps)  # each sweep's sum went out
+    computes = [what for kind, what, _ in result.log if kind == "compute"]
+    assert computes == pipeline._train_order * sweeps
+
+
+def test_resident_groups_keep_their_gradient_on_the_device_from_sweep_to_sweep():
+    store, host_pipeline, _ = build(4, tied=False)
+    device_masters = {g: store.master(g).clone() for g in (1, 2)}
+    handed = []
+    pipeline = LayerPipeline(
+        host_pipeline.stages,
+        store,
+        torch.device("cpu"),
+        placement=Placement.build(len(host_pipeline.stages), resident=(1, 2), sweeps=2),
+        device_masters=device_masters,
+        on_device_grads=lambda g, grad, sq: handed.append((g, grad.clone(), sq.clone())),
+    )
+    batches = make_batches(4)
+    pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
+    _, grads = autograd_reference(store, 4, False, batches, 0.5)
+    assert sorted(g for g, _, _ in handed) == [1, 2]  # once a step, after the last sweep
+    for g, grad, sq in handed:
+        assert close(grad, grads[g]) and torch.allclose(sq, grads[g].pow(2).sum(), rtol=1e-4)
+    assert all(close(store.grad(g), grads[g]) for g in (0, 3, 4, 5))
+
+
+def test_sweeps_need_a_landing_buffer_per_group_and_no_step_objective():
+    store, pipeline, _ = build(2, tied=True)
+    placement = Placement.build(len(pipeline.stages), sweeps=2)
+    pooled = HostStore(store.layouts, grad_pool=1)
+    with pytest.raises(SchedError, match="needs a landing buffer per group"):
+        LayerPipeline(pipeline.stages, pooled, torch.device("cpu"), placement=placement)
+    with pytest.raises(SchedError, match="run it in one sweep"):
+        LayerPipeline(pipeline.stages, store, torch.device("cpu"), placement=placement, objective=lambda logps: None)
+    with pytest.raises(PlacementError, match="1 or more sweeps"):
+        pipeline.place(Placement.build(len(pipeline.stages), sweeps=0))
 
 
 def test_the_warm_up_takes_the_host_memory_of_a_whole_step():

@@ -380,6 +380,13 @@ class EngineSection:
     # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
     # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
     gradient_pool: float | str = "auto"
+    # forward-backward sweeps a step runs its micro-batches in, gradients summed over them before the one
+    # update: each sweep keeps what a step of its size would (more layers' matmul products on the GPU), at
+    # the price of the weights and the gradients' sums so far crossing PCIe once more a sweep; needs a landing
+    # buffer per group (no gradient_pool) and the summed cross-entropy (sft); "auto": the planner's, more than
+    # one where the GPU bounds a large step and predicts it faster (gradient clipping on: every gradient is
+    # held anyway)
+    sweeps: int | str = "auto"
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
     # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM
     optimizer_state_dir: str | None = None
@@ -417,9 +424,10 @@ class EngineSection:
         fraction = self.disk_state_fraction
         if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
             raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")
-        parts = self.experts_per_stage
-        if parts != "auto" and (isinstance(parts, (str, bool)) or not isinstance(parts, int) or parts < 1):
-            raise ConfigError(f"engine.experts_per_stage must be auto or an integer >= 1, got {parts!r}")
+        for name in ("experts_per_stage", "sweeps"):
+            value = getattr(self, name)
+            if value != "auto" and (isinstance(value, (str, bool)) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"engine.{name} must be auto or an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -448,6 +456,11 @@ class Config:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.engine.sweeps not in ("auto", 1) and self.train.objective != "sft":
+            raise ConfigError(
+                f"engine.sweeps {self.engine.sweeps}: train.objective {self.train.objective} reads every micro-batch "
+                "of a step before any backward; set engine.sweeps to 1 or auto"
+            )
 
     def as_dict(self) -> dict:
         return asdict(self)

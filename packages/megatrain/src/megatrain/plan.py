@@ -19,7 +19,11 @@ than auto override a rule):
 5. the gradient pool is deepened where the optimizer lags the backward, and the last groups' moments go to
    disk where the host cannot hold them;
 6. in a large step more layers keep their products in pinned host memory, as the host and PCIe allow;
-7. the last layers keep their products on the GPU, as many as its memory holds.
+7. the last layers keep their products on the GPU, as many as its memory holds;
+8. a large step whose GPU work bounds it, and whose layers do not all keep their products, runs in sweeps (its
+   micro-batches in consecutive parts, forward and backward each, gradients summed before the one update),
+   each placed as a step of its size, where that is predicted faster: each sweep keeps more products, at the
+   price of the weights and gradient sums crossing PCIe once more per sweep.
 """
 
 import functools
@@ -41,6 +45,9 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .rates import Rates, layer_works, load_rates
 
+# a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin)
+SWEEPS_GAIN = 0.97
+MOST_SWEEPS = 8
 # the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
 FORWARD_SHARE = 0.25
 # Device memory a run takes after it is planned that no buffer of megatrain's accounts for: cuBLAS's workspaces,
@@ -234,8 +241,11 @@ class Plan:
             )
             if count
         ]
+        sweeps = self.placement.sweeps
+        in_sweeps = f" in {sweeps} sweeps of {self.placement.tokens:,}" if sweeps > 1 else ""
         return (
-            f"placed for {self.placement.tokens:,} tokens a step per GPU: {', '.join(parts) or 'every layer streamed'}"
+            f"placed for {self.placement.step_tokens:,} tokens a step per GPU{in_sweeps}: "
+            f"{', '.join(parts) or 'every layer streamed'}"
             f"; predicted {self.step_s:.2f} s a step, bound by {BOUND_NAMES[self.bound]}"
         )
 
@@ -310,6 +320,19 @@ def gradient_pool_size(optimizer_s: float, backward_s: float, sizes: list[int], 
     return max(float(GRADIENT_POOL), math.ceil(2 + left / max(sizes)))
 
 
+def whole_step_statistics(model: ModelConfig, config: Config) -> str | None:
+    """What makes a step's backward read statistics of all its micro-batches' forwards, which a step in sweeps
+    lacks when its first backward runs (a MoE router's load-balancing loss or z-loss: their gradients divide by
+    the step's loads and tokens); None: nothing does."""
+    if not model.is_moe:
+        return None
+    if model.router_aux_loss_coef and model.output_router_logits:
+        return "the router's load-balancing loss"
+    if config.train.router_z_loss_coef:
+        return "train.router_z_loss_coef"
+    return None
+
+
 def first_disk_group(
     config: Config, model: ModelConfig, sizes: list[int], ram_bytes: int, host_available: int | None
 ) -> int:
@@ -337,7 +360,8 @@ def first_disk_group(
 class _Counts:
     """A placement in the making: how many stages take each choice, by the planner's rules of which."""
 
-    tokens: int  # per GPU
+    tokens: int  # per GPU and sweep
+    sweeps: int = 1  # forward-backward sweeps a step runs in
     resident: int = 0  # blocks (the first; with the embedding, and the head where tied)
     held: int = 0  # blocks after the resident ones
     offloaded: int = 0  # blocks, the first, whose checkpoints go to host memory
@@ -465,7 +489,9 @@ class Planner:
         checkpoints += max((self.checkpoint_bytes(i, tokens) for i in offloaded), default=0)
         in_flight = 1 if placement.host_kept else 0
         products = (len(placement.kept) + in_flight) * tokens * self.product_bytes_per_token
-        return checkpoints + products + self.working_device_bytes()
+        # a sweep after the first adds the earlier sweeps' gradient sum, back from host memory, a stage at a time
+        sums_back = max(self.stage_sizes) * 4 if placement.sweeps > 1 else 0
+        return checkpoints + products + sums_back + self.working_device_bytes()
 
     def device_bytes(self, placement: Placement) -> int:
         return RUNTIME_DEVICE_BYTES + self.persistent_device_bytes(placement) + self.step_device_bytes(placement)
@@ -528,7 +554,8 @@ class Planner:
         return self.params(placement.resident) / self.rates.gpu_adam_params_per_s
 
     def compute_s(self, placement: Placement) -> float:
-        return self.layers_s(placement) + self.device_update_s(placement)
+        """Every sweep's layers, and the resident groups' update once a step."""
+        return placement.sweeps * self.layers_s(placement) + self.device_update_s(placement)
 
     def optimizer_s(self, placement: Placement) -> float:
         """The CPU AdamW of every group not resident (this host's part of them where the hosts split the state)."""
@@ -540,20 +567,24 @@ class Planner:
         return self.element if self.wire_copy else 4
 
     def transfer_s(self, placement: Placement) -> float:
-        """The copies alone: weights in twice (held ones once, resident ones never), fp32 gradients out once."""
+        """The copies alone, each sweep: weights in twice (held ones once, resident ones never), fp32 gradients out
+        once (and, after the first sweep, the sum so far back in)."""
         streamed = self.model.n_params - self.params(placement.resident)
-        held = self.params(placement.held)
-        return max((2 * streamed - held) * self._wire(), 4 * streamed) / (self.rates.pcie_gbps * 1e9)
+        held, sweeps = self.params(placement.held), placement.sweeps
+        copies_in = sweeps * (2 * streamed - held) * self._wire() + (sweeps - 1) * 4 * streamed
+        return max(copies_in, sweeps * 4 * streamed) / (self.rates.pcie_gbps * 1e9)
 
     def copy_passes_s(self, placement: Placement) -> tuple[float, float]:
-        """(forward, backward) seconds, each as long as its compute or its copies, whichever is longer: a pass
+        """(forward, backward) seconds of a sweep, each as long as its compute or its copies, whichever is longer: a pass
         runs no faster than its weights arrive (a MoE forward, a quarter of little active work, often waits for
         them); the backward's weights come in beside its gradients and reloads going out, on a duplex link.
         Resident blocks compute first in the forward and last in the backward with no copy to hide behind
-        them (held blocks' forward copies may start meanwhile: their buffers are their own)."""
+        them (held blocks' forward copies may start meanwhile: their buffers are their own). A sweep after the
+        first brings the gradient sums back in beside its weights (here, a sweep's average); the resident groups'
+        update, once a step, is `phases`'."""
         pcie, duplex = self.rates.pcie_gbps * 1e9, self.rates.pcie_duplex_gbps * 1e9
         tokens, wire = placement.tokens, self._wire()
-        layers_s, update_s = self.layers_s(placement), self.device_update_s(placement)
+        layers_s = self.layers_s(placement)
         resident = self.params(placement.resident)
         streamed, held = self.model.n_params - resident, self.params(placement.held)
         share = resident / self.model.n_params
@@ -564,11 +595,10 @@ class Planner:
         forward_s = share * forward_compute + max(
             (1 - share) * forward_compute, streamed * wire / pcie - early_s, activations_out / pcie
         )
-        backward_weights_s = ((streamed - held) * wire + activations_out) / duplex
-        backward_s = (
-            share * backward_compute
-            + update_s
-            + max((1 - share) * backward_compute, backward_weights_s, streamed * 4 / duplex)
+        sums_back = (placement.sweeps - 1) / placement.sweeps * streamed * 4
+        backward_weights_s = ((streamed - held) * wire + activations_out + sums_back) / duplex
+        backward_s = share * backward_compute + max(
+            (1 - share) * backward_compute, backward_weights_s, streamed * 4 / duplex
         )
         return forward_s, backward_s
 
@@ -578,7 +608,7 @@ class Planner:
         CPU and come back (of the table, the rows the next step's tokens read: the rest is updated beside)."""
         if 0 in placement.resident:
             return 0.0
-        rows = min(self.model.vocab_size, placement.tokens) * self.model.d_model
+        rows = min(self.model.vocab_size, placement.step_tokens) * self.model.d_model
         first = rows + self.params((1,))
         return first / self.rates.cpu_adam_params_per_s + first * (self._wire() + 4) / (self.rates.pcie_gbps * 1e9)
 
@@ -604,31 +634,37 @@ class Planner:
         return fraction * self.element * self.model.n_params / (self.rates.network_gbps * 1e9)
 
     def host_backward_s(self, placement: Placement) -> float:
-        """The part of the backward that lands gradients in host memory: all but the resident blocks', last."""
+        """The part of the backward that lands gradients in host memory: the last sweep's, all but the resident
+        blocks', last."""
         resident_share = self.params(placement.resident) / self.model.n_params
-        return (1 - FORWARD_SHARE) * self.compute_s(placement) * (1 - resident_share)
+        sweep_s = self.layers_s(placement) + self.device_update_s(placement)
+        return (1 - FORWARD_SHARE) * sweep_s * (1 - resident_share)
 
     def phases(self, placement: Placement) -> dict[str, float]:
         """What each bound would make the step last (before the step boundary's wait). Updates applied as
         gradients land start after the head and, first layers first, run beside the backward and the next
         forward, which reaches the head once the last is done: with a pool deep enough for what the optimizer has
         left when the backward ends, only the head waits for them, else the whole forward does. With clipping
-        they start after the backward, and the next backward waits for the forward they pace."""
+        they start after the backward, and the next backward waits for the forward they pace. Either way they
+        start in the last sweep: a step's earlier sweeps add to what waits for them."""
         forward_s, backward_s = self.copy_passes_s(placement)
         compute_s, optimizer_s = self.compute_s(placement), self.optimizer_s(placement)
+        sweeps, update_s = placement.sweeps, self.device_update_s(placement)
         pool_needed = gradient_pool_size(optimizer_s, self.host_backward_s(placement), self.group_sizes, self.rates)
         if self.full_grads:
-            serial_s = (1 - FORWARD_SHARE) * compute_s
-        elif (placement.gradient_pool or 0) >= pool_needed:
+            serial_s = (1 - FORWARD_SHARE) * (compute_s - (sweeps - 1) * self.layers_s(placement))
+        elif placement.gradient_pool is None or placement.gradient_pool >= pool_needed:
             serial_s = self.head_s(placement.tokens)
         else:
             serial_s = forward_s
+        serial_s += (sweeps - 1) * self.layers_s(placement)
         return {
             "compute": compute_s,
-            "pcie": forward_s + backward_s,  # = compute where both passes hide their copies (compute wins ties)
+            # = compute where both passes hide their copies (compute wins ties)
+            "pcie": sweeps * (forward_s + backward_s) + update_s,
             "cpu_optimizer": max(optimizer_s, self.exchange_s()) + serial_s,
             "disk": self.disk_s(placement),
-            "network": self.network_s(),
+            "network": sweeps * self.network_s(),
         }
 
     def reference_tokens_per_s(self, placement: Placement) -> float:
@@ -683,6 +719,7 @@ class Planner:
             kept=kept,
             host_kept=host_kept,
             tokens=counts.tokens,
+            sweeps=counts.sweeps,
             wire_copy=self.wire_copy,
             experts_per_stage=self.experts_per_stage,
             **step,
@@ -693,8 +730,49 @@ class Planner:
         """The placement for steps of `tokens` per GPU (see the module's docstring for the order of the choices).
         `first_disk_group`: the disk tier of a store already allocated (else decided here). With `explain`, the
         placement's `why` says in words what decided each choice."""
+        setting = self.config.engine.sweeps
+        if setting != "auto":
+            return self._place_sweeps(tokens, setting, first_disk_group, explain)
+        one = self._place_sweeps(tokens, 1, first_disk_group, explain)
+        best = one
+        for sweeps in self._sweep_counts(one):
+            placed = self._place_sweeps(tokens, sweeps, first_disk_group, explain)
+            fits = (
+                self.machine.host_memory is None
+                or self.host_bytes(placed) <= POOL_HOST_SHARE * self.machine.host_memory
+            )
+            if fits and self.step_s(placed) < SWEEPS_GAIN * self.step_s(best):
+                best = placed
+        if best is not one and explain:
+            best.why["sweeps"] = (
+                f"the step runs in {best.sweeps} sweeps of {best.tokens:,} tokens: each lets "
+                f"{len(best.keeping)} layers keep their products where the whole step would let {len(one.keeping)} "
+                f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s)"
+            )
+        return best
+
+    def _sweep_counts(self, one: Placement) -> range:
+        """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
+        optimizer state is on disk, the GPU bounds the step, and some layers recompute their products."""
+        micro_batches = -(-one.tokens // self.micro_tokens)
+        if (
+            self.config.train.objective != "sft"
+            or whole_step_statistics(self.model, self.config)
+            or self.config.engine.optimizer_state_dir
+            or self.machine.gpu_memory is None
+            or len(one.keeping) >= self.keepable
+            or slowest(self.phases(one)) != "compute"
+        ):
+            return range(0)
+        return range(2, min(micro_batches, MOST_SWEEPS) + 1)
+
+    def _place_sweeps(self, tokens: int, sweeps: int, first_disk_group: int | None, explain: bool) -> Placement:
+        """The placement for steps of `tokens` per GPU run in `sweeps`, each placed for its micro-batches' tokens."""
+        micro_batches = max(1, -(-tokens // self.micro_tokens))
+        sweeps = min(sweeps, micro_batches)
+        sweep_tokens = min(tokens, -(-micro_batches // sweeps) * self.micro_tokens) if sweeps > 1 else tokens
         why: dict[str, str] = {}
-        counts = _Counts(tokens, offloaded=self._offloaded_to_fit(tokens))
+        counts = _Counts(sweep_tokens, sweeps, offloaded=self._offloaded_to_fit(sweep_tokens))
         small = self.layers_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
             self.placement_of(counts)
         )
@@ -836,7 +914,7 @@ class Planner:
     def _gradient_pool(self, counts: _Counts, why: dict) -> float | None:
         """Gradient landing buffers, in largest groups: none with clipping (every gradient is held); as set; else
         deep enough for what the optimizer has left when the backward ends, where the host has the room."""
-        if self.full_grads:
+        if self.full_grads or counts.sweeps > 1:  # (a step in sweeps holds every gradient until the last)
             return None
         setting = self.config.engine.gradient_pool
         if setting != "auto":
@@ -906,7 +984,7 @@ class Planner:
         bound = slowest(phases)
         step_s = phases[bound] + self.boundary_s(placement)
         host_bytes = self.host_bytes(placement)
-        global_tokens = tokens * world
+        global_tokens = placement.step_tokens * world
         stage_products = tokens * self.product_bytes_per_token
         return Plan(
             placement=placement,
@@ -981,6 +1059,7 @@ def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
             f"{model.max_seq_len}); lower data.seq_len"
         )
     _check_resident(plan, model)
+    _check_sweeps(plan, config, model)
     _check_host(plan, config, model)
     _check_disk(plan, config)
     _check_gpu(plan, config, model)
@@ -999,6 +1078,15 @@ def _check_resident(plan: Plan, model: ModelConfig) -> None:
         raise ConfigError(
             f"engine.gpu_updated_layers: {plan.gpu_updated_layers} reaches the layers whose optimizer state is on "
             "disk (engine.optimizer_state_dir); set engine.gpu_updated_layers: auto or fewer"
+        )
+
+
+def _check_sweeps(plan: Plan, config: Config, model: ModelConfig) -> None:
+    statistics = whole_step_statistics(model, config)
+    if plan.placement.sweeps > 1 and statistics:
+        raise ConfigError(
+            f"engine.sweeps {plan.placement.sweeps}: {statistics} needs the whole step's routing before any "
+            "backward; set engine.sweeps to 1 or auto"
         )
 
 

@@ -309,7 +309,7 @@ class Trainer:
             self.updates.rows_first = self._rows_first(placement)
         masters = None if self.device_optimizer is None else self.device_optimizer.masters
         self.pipeline.place(placement, masters)
-        self.placement, self._planned_tokens = placement, placement.tokens * self.planner.world
+        self.placement, self._planned_tokens = placement, placement.step_tokens * self.planner.world
 
     def _rows_first(self, placement: Placement) -> EmbeddingRowsFirst | None:
         """The embedding's rows updated and sent first, where its table streams from this process's store
@@ -452,6 +452,7 @@ class Trainer:
         self.policy.begin_step(self.step_index, lr)
         if self.spec.router_load is not None:
             self.spec.router_load.reset()
+            self.spec.router_load.sweeps = [len(part) for part in self.pipeline.sweeps_of(micro)]
         loss, grad_norm, router = self._step_values(self.pipeline.run(micro, loss_scale=1.0 / n_targets), n_targets)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -553,7 +554,10 @@ class Trainer:
         if micro:
             loss_sum = self.pipeline.evaluate(micro)
         if self.spec.router_load is not None:
-            self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
+            self.spec.router_load.reset()
+            self.spec.router_load.sweeps = [
+                len(part) for part in self.pipeline.sweeps_of(micro)
+            ]  # evaluation's routing is not part of any step's load-balancing loss
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
         return loss_sum.item(), int((labels != -100).sum())
@@ -578,7 +582,10 @@ class Trainer:
         micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
         logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro, reference) if micro else [])]
         if self.spec.router_load is not None:
-            self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
+            self.spec.router_load.reset()
+            self.spec.router_load.sweeps = [
+                len(part) for part in self.pipeline.sweeps_of(micro)
+            ]  # (a forward's routing is no step's load-balancing statistic)
         logps = torch.cat(logps) if logps else torch.zeros(0, labels.shape[1], dtype=torch.float64)
         return self.sync.gather_rows(logps) if self.sync is not None else logps
 

@@ -232,6 +232,8 @@ class _Step:
     sq_norms: Tensor
     loss_sum: Tensor
     remaining: list[int]  # group -> stages yet to run its backward
+    sweep: int = 0  # which of the step's sweeps this is (`Placement.sweeps`)
+    last_sweep: bool = True  # the step's gradients are whole after this one: they land (and go to the hooks)
     offloaded: set = field(default_factory=set)  # block stages whose checkpoints go to host memory
     kept: set = field(default_factory=set)  # stages keeping their products on the device
     host_kept: dict = field(default_factory=dict)  # stage -> its host buffer's rank, products in host memory
@@ -365,6 +367,7 @@ class LayerPipeline:
             (lambda: free_device_bytes(self.device)) if self.streams.cuda else None
         )
         self._held: dict[int, _Slot] = {}
+        self._carried_grads: dict[int, Tensor] = {}  # resident groups' gradient buffers, from sweep to sweep
         self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
         self.place(placement or Placement.build(n), device_masters)
 
@@ -406,6 +409,15 @@ class LayerPipeline:
             raise PlacementError(f"the placement places {len(placement.stages)} stages; the model has {n}")
         if device_masters and self._reduce_grad is not None:
             raise SchedError("resident groups cannot be reduced over processes (reduce_grad)")
+        if placement.sweeps < 1:
+            raise PlacementError(f"a step runs in 1 or more sweeps; the placement says {placement.sweeps}")
+        if placement.sweeps > 1 and self.store.grad_pool is not None:
+            raise SchedError(
+                f"a step in {placement.sweeps} sweeps holds every group's gradient until the last: the store needs a "
+                "landing buffer per group (grad_pool=None)"
+            )
+        if placement.sweeps > 1 and self.objective is not None:
+            raise SchedError("a step-level objective reads every micro-batch before any backward: run it in one sweep")
         for index, stage in enumerate(self.stages):
             on_device = [g in device_masters for g in stage.groups]
             if any(on_device) and not all(on_device):
@@ -613,11 +625,16 @@ class LayerPipeline:
 
     def _send_grads(self, stage: int, step: _Step) -> None:
         """Send out the gradients of stage's groups that no later backward adds to: to host memory on the
-        copy-out stream, or to `on_device_grads` for resident groups (none in a warm-up)."""
+        copy-out stream, or to `on_device_grads` for resident groups (none in a warm-up). Before a step's last
+        sweep a resident group's buffer stays for the next sweep to add to, and a host group's sum so far lands
+        unannounced: the next sweep adds it back on the device before its own copy out."""
         streams = self.streams
         for group in self.stages[stage].groups:
             step.remaining[group] -= 1
             if step.remaining[group] or group in self.store.frozen:
+                continue
+            if group in self.device_masters and not step.last_sweep:
+                self._carried_grads[group] = step.grad_buffers.pop(group)
                 continue
             buffer = step.grad_buffers.pop(group)
             if step.warm_up:
@@ -638,13 +655,17 @@ class LayerPipeline:
                 self.timeline.device_span(f"grad_out {self.stages[stage].name}", "copy_out", streams, streams.copy_out),
             ):
                 shard = self.reduce_grad(group, buffer)
-                step.sq_norms[group] = self._gradient_sq_norm(group, shard, self.store.shard_range(group)[0])
+                if step.sweep:  # the earlier sweeps' sum (the same copy-out stream wrote it: no wait)
+                    shard.add_(destination.to(self.device, non_blocking=True))
                 destination.copy_(shard, non_blocking=True)
-                self._host_sq_norms[group].copy_(step.sq_norms[group], non_blocking=True)
+                if step.last_sweep:
+                    step.sq_norms[group] = self._gradient_sq_norm(group, shard, self.store.shard_range(group)[0])
+                    self._host_sq_norms[group].copy_(step.sq_norms[group], non_blocking=True)
                 landed = streams.record(streams.copy_out)
             streams.keep_alive(buffer, streams.copy_out)
             step.log.append(("grad_out", group, None))
-            self.on_grads_landed(group, landed, self._host_sq_norms[group])
+            if step.last_sweep:
+                self.on_grads_landed(group, landed, self._host_sq_norms[group])
 
     # ------------------------------------------------ checkpoints and products
     def _host_rooms(self, tokens: int, placement: Placement) -> tuple[dict[int, "_Cursor"], dict[int, "_Cursor"]]:
@@ -731,8 +752,23 @@ class LayerPipeline:
 
     # -------------------------------------------------------------------- step
     def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
-        """Forward + backward of one optimizer step. Gradients land in the store's grad buffers."""
-        return self._run(micro_batches, loss_scale, train=True)
+        """Forward + backward of one optimizer step, in the placement's sweeps. Gradients land in the store's grad
+        buffers once the last sweep has added to them."""
+        parts = self.sweeps_of(micro_batches)
+        results = [
+            self._run(part, loss_scale, train=True, sweep=sweep, last_sweep=sweep == len(parts) - 1)
+            for sweep, part in enumerate(parts)
+        ]
+        loss_sum = torch.stack([result.loss_sum for result in results]).sum()
+        log = [entry for result in results for entry in result.log]
+        return StepResult(loss_sum, results[-1].group_sq_norms, log, None)
+
+    def sweeps_of(self, micro_batches: list[MicroBatch]) -> list[list[MicroBatch]]:
+        """The step's micro-batches in `placement.sweeps` consecutive parts (fewer where there are fewer micro-batches),
+        their counts differing by one at most."""
+        n = min(self.placement.sweeps, len(micro_batches)) or 1
+        bounds = [len(micro_batches) * k // n for k in range(n + 1)]
+        return [micro_batches[start:stop] for start, stop in zip(bounds, bounds[1:])]
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> Tensor:
         """Forward only, streaming the weights once for all micro-batches: the summed token loss
@@ -760,7 +796,8 @@ class LayerPipeline:
         enabled, self.timeline.enabled = self.timeline.enabled, False
         try:
             if step:
-                self._host_rooms(sum(mb.input_ids.numel() for mb in step), self.placement)
+                tokens = max(sum(mb.input_ids.numel() for mb in part) for part in self.sweeps_of(step))
+                self._host_rooms(tokens, self.placement)
             self._run(micro_batches, 1.0, train=True, warm_up=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -774,11 +811,13 @@ class LayerPipeline:
         train: bool,
         warm_up: bool = False,
         token_logps: bool = False,
+        sweep: int = 0,
+        last_sweep: bool = True,
     ) -> StepResult:
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
         streams, n_stages = self.streams, len(self.stages)
-        step = self._begin(micro_batches, loss_scale, train, warm_up)
+        step = self._begin(micro_batches, loss_scale, train, warm_up, sweep, last_sweep)
         step.token_logps = [] if token_logps else None
         for position, stage_index in enumerate(self.order):
             slot_name, slot = self._slot(position)
@@ -806,10 +845,20 @@ class LayerPipeline:
         streams.wait(streams.compute, streams.record(streams.copy_out))
         return StepResult(step.loss_sum, step.sq_norms, step.log, step.token_logps)
 
-    def _begin(self, micro_batches: list[MicroBatch], loss_scale: float, train: bool, warm_up: bool) -> _Step:
-        """A step's state: the micro-batches on the device, the placement as it runs, its host memory."""
+    def _begin(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_scale: float,
+        train: bool,
+        warm_up: bool,
+        sweep: int,
+        last_sweep: bool,
+    ) -> _Step:
+        """A sweep's state: the micro-batches on the device, the placement as it runs, its host memory, the resident
+        groups' gradients of the step's earlier sweeps."""
         self.order = self._train_order if train else self._eval_order
-        self.timeline.start_step(self.streams)
+        if sweep == 0:
+            self.timeline.start_step(self.streams)
         for slot in [*self.slots, *self._held.values()]:
             slot.stage = None  # the optimizer has changed the host weights since the last step
         batches = [mb.to(self.device) for mb in micro_batches]
@@ -827,7 +876,11 @@ class LayerPipeline:
             sq_norms=torch.zeros(self.store.n_groups, dtype=dtype, device=device),
             loss_sum=torch.zeros((), dtype=dtype, device=device),
             remaining=list(self._users),
+            sweep=sweep,
+            last_sweep=last_sweep,
+            grad_buffers=self._carried_grads if sweep else {},
         )
+        self._carried_grads = {}
         if train:
             keeping = step.placement.keeping
             step.offloaded = set(step.placement.offloaded)

@@ -39,11 +39,14 @@ class StagePlacement:
 @dataclass(frozen=True)
 class Placement:
     """A step's placement: one `StagePlacement` per pipeline stage (embedding, blocks, head), and the step's
-    own choices, which the store and optimizer act on (the pipeline reads only `stages`, `tokens` and
+    own choices, which the store and optimizer act on (the pipeline reads only `stages`, `tokens`, `sweeps` and
     `device_step_bytes`)."""
 
     stages: tuple[StagePlacement, ...]
-    tokens: int = 0  # tokens per step (this process's) it was made for; 0: any
+    tokens: int = 0  # tokens per sweep (this process's) it was made for: a step's, in one sweep; 0: any
+    # forward-backward sweeps a step runs its micro-batches in, gradients summed over them before the one update:
+    # each sweep keeps what a step of its size keeps (more layers' products than the whole step could)
+    sweeps: int = 1
     # device bytes the step takes beside the persistent buffers (slots, held weights, resident state):
     # checkpoints and products kept there, gradients, a recompute, the head's chunk. None: not counted
     device_step_bytes: int | None = None
@@ -75,6 +78,11 @@ class Placement:
     def where(self, **choice: str) -> tuple[int, ...]:
         """The indices of the stages with these choices, e.g. `where(products=DEVICE)`."""
         return tuple(i for i, stage in enumerate(self.stages) if all(getattr(stage, k) == v for k, v in choice.items()))
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens per step (this process's) it was made for: every sweep's."""
+        return self.tokens * self.sweeps
 
     @property
     def resident(self) -> tuple[int, ...]:

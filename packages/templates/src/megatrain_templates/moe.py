@@ -322,7 +322,8 @@ class RouterLoad:
     `coef` 0 records the statistics (the loss is still reported) but adds no gradient.
 
     Each layer's expert loads are kept too, for `max_violation`: the forwards of a step record layer
-    by layer (the pipeline is layer-major), each of the `n_layers` MoE layers once per micro-batch.
+    by layer (the pipeline is layer-major), each of the `n_layers` MoE layers once per micro-batch, in each of
+    the step's sweeps (`sweeps`: how many micro-batches each ran) in turn.
 
     `seq_coef` adds DeepSeek-V3's complementary sequence-wise balance loss, alpha times the sum over MoE
     layers of the mean over the step's `sequences` of
@@ -350,6 +351,7 @@ class RouterLoad:
         # with data parallelism: sums a tensor over the ranks in place, so that the statistics
         # (and the loss's gradient) are those of the global batch
         self.reduce: Callable[[Tensor], Tensor] | None = None
+        self.sweeps: list[int] | None = None  # micro-batches of each of the step's sweeps; None: one sweep
         self.reset()
 
     @property
@@ -389,7 +391,9 @@ class RouterLoad:
         if self._stats is not None and not self._final:
             if len(self._records) % self.n_layers:
                 raise ValueError(f"{len(self._records)} routing records for {self.n_layers} MoE layers")
-            layers = torch.stack(self._records).view(self.n_layers, -1, self.n_experts).sum(1)
+            sweeps = self.sweeps or [len(self._records) // self.n_layers]
+            sweep_records = torch.stack(self._records).split([self.n_layers * n for n in sweeps])
+            layers = sum(records.view(self.n_layers, -1, self.n_experts).sum(1) for records in sweep_records)
             both = torch.cat([self._stats, layers.view(-1)])  # one collective for both
             if self.reduce is not None:
                 self.reduce(both)
