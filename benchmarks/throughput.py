@@ -199,6 +199,7 @@ def bench_megatrain(
                 "host_kept_layers": len(executed.host_kept),  # of those, kept in pinned host memory
                 "offloaded_layers": len(executed.offloaded),  # activation checkpoints in host memory
                 "held_layers": len(executed.held),  # weights on the GPU from forward to backward
+                "sweeps": executed.sweeps,  # forward-backward sweeps a step ran in
                 # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
                 "gpu_updated_layers": plan.gpu_updated_layers,
                 "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
@@ -343,6 +344,7 @@ def main():
     parser.add_argument(
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"
     )
+    parser.add_argument("--sweeps", default="auto", help="forward-backward sweeps a step runs in (auto: as planned)")
     parser.add_argument(
         "--implementation",
         default="native",
@@ -387,6 +389,7 @@ def main():
                 if args.gpu_updated_layers == "auto"
                 else int(args.gpu_updated_layers),
                 "gradient_pool": args.gradient_pool if args.gradient_pool == "auto" else float(args.gradient_pool),
+                "sweeps": args.sweeps if args.sweeps == "auto" else int(args.sweeps),
             },
             args.doc_len,
             args.layers,

@@ -67,6 +67,25 @@ def test_gpu_engine_options_stay_exact(engine, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grad_clip", [0.0, 0.3])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"sweeps": 3, "offload_checkpoints": True},
+        {"sweeps": 2, "kept_layers": 1, "host_kept_layers": 1, "gpu_updated_layers": 1},
+    ],
+    ids=["a-micro-batch-each-offloaded", "uneven-beside-kept-and-gpu-updated-layers"],
+)
+def test_gpu_steps_in_sweeps_stay_exact(grad_clip, engine, tmp_path):
+    # the gradients' sums out to pinned host memory and back on the copy-out stream, between the sweeps' weight
+    # copies; float64: a missing wait would show far above 1e-10
+    sweeps = engine["sweeps"]
+    check_steps_match_plain_pytorch(
+        "float64", "tiny-qwen2", grad_clip, "cuda", tmp_path, expect_sweeps=sweeps, **engine
+    )
+
+
+@pytest.mark.gpu
 def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypatch):
     # a small staging buffer: every group crosses in many chunks
     monkeypatch.setattr(megatrain_sched.pipeline, "STAGING_NUMEL", 1000)

@@ -176,7 +176,8 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     the fewest that let the most layers keep their products; not for small steps, nor past the host's room."""
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
     h200, model = 140 * 2**30, preset("llama2-7b")
-    host_updates = {"engine.gpu_updated_layers": 0, "engine.host_kept_layers": 0}  # (the rule alone)
+    # (the rule alone, in one sweep)
+    host_updates = {"engine.gpu_updated_layers": 0, "engine.host_kept_layers": 0, "engine.sweeps": 1}
     large = config_for("llama2-7b", 131072, **host_updates)
     plan = make_plan(large, gpu_memory=h200)
     checkpoints_there = {"engine.offload_checkpoints": False} | host_updates
@@ -303,10 +304,11 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     explicit count beyond the host is refused."""
     h100, model = 79 * 2**30, preset("qwen2.5-7b")
     monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
-    default = make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100)
+    one = {"engine.sweeps": 1}  # (the rule in one sweep: test_large_steps_run_in_sweeps_where_they_keep_more_products)
+    default = make_plan(config_for("qwen2.5-7b", 131072, **one), gpu_memory=h100)
     assert default.offloaded_layers > 0 and default.host_kept_layers > 0  # both by default where the host has room
     # (checkpoints kept on the GPU: offloaded, they would take the smaller host's room first, see below)
-    checkpoints_there = {"engine.offload_checkpoints": False}
+    checkpoints_there = {"engine.offload_checkpoints": False} | one
     auto = {"engine.host_kept_layers": "auto"} | checkpoints_there
     large = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
     gpu_only = make_plan(
@@ -325,7 +327,7 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     assert 0 < smaller_host.host_kept_layers < large.host_kept_layers
     # checkpoints offloaded first: each of their bytes in host memory makes room for as many products on the GPU
     # as a byte of host-kept products keeps, at half the copies (out and back of a layer's input, not its products)
-    both = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": "auto"}), gpu_memory=h100)
+    both = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": "auto"} | one), gpu_memory=h100)
     assert both.offloaded_layers > 0 and both.host_kept_layers < smaller_host.host_kept_layers
     assert make_plan(config_for("qwen2.5-7b", 16384, **auto), gpu_memory=h100).host_kept_layers == 0  # a small step
     # nor where the CPU optimizer, bound by the host memory their copies go through, takes over half the GPU's work
@@ -485,3 +487,37 @@ def test_grpo_counts_the_kl_reference_copy():
     assert kl.host_bytes - plain.host_bytes == 2 * plain.n_params and kl.reference_copy
     given = {"train.grpo.beta": 0.04, "train.grpo.rollouts": "r.jsonl"}
     assert make_plan(config_for("qwen2.5-7b", 32768, **grpo, **given), rates=rates).host_bytes == plain.host_bytes
+
+
+def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
+    """Where the GPU bounds a large step and its layers recompute products, the planner predicts it in sweeps (each
+    placed as a step of its micro-batches' tokens) and takes the fastest, by a margin: Qwen2.5-7B at 128k tokens a
+    step on an H100 runs as sweeps of 32k, each keeping what a 32k step keeps, every gradient held to the last
+    sweep (no pool). Not a step the GPU does not bound, nor DPO's or a MoE router loss's (they read the whole
+    step first); engine.sweeps sets the count."""
+    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    h100 = 79 * 2**30
+    large = make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100)
+    one = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.sweeps": 1}), gpu_memory=h100)
+    at_32k = make_plan(config_for("qwen2.5-7b", 32768), gpu_memory=h100)
+    sweeps = large.placement.sweeps
+    assert sweeps == 4 and large.placement.tokens == 32768 and large.tokens_per_step == 131072
+    assert large.kept_layers + large.host_kept_layers > one.kept_layers + one.host_kept_layers
+    assert large.kept_layers == pytest.approx(at_32k.kept_layers, abs=1)  # (the sums coming back take a little)
+    assert large.step_s < 0.97 * one.step_s and large.compute_s < one.compute_s
+    assert large.gradient_pool == 0 and one.gradient_pool > 0
+    assert "4 sweeps of 32,768 tokens" in large.placement.why["sweeps"] and "in 4 sweeps of 32,768" in large.summary()
+    # the weights stream once a sweep, the gradient sums go out each sweep and come back after the first
+    streamed = large.n_params - large.gpu_updated_bytes // 12  # (fp32 weights cross; none held in a large step)
+    assert large.transfer_s == pytest.approx((4 * 2 * streamed * 4 + 3 * 4 * streamed) / (large.rates.pcie_gbps * 1e9))
+    assert (
+        at_32k.placement.sweeps == 1
+        and make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100).placement.sweeps == 1
+    )
+    dpo = make_plan(config_for("qwen2.5-7b", 131072, **{"train.objective": "dpo"}), gpu_memory=h100)
+    z_loss = make_plan(config_for("olmoe-1b-7b", 131072, **{"train.router_z_loss_coef": 0.001}), gpu_memory=h100)
+    assert dpo.placement.sweeps == 1 and z_loss.placement.sweeps == 1
+    three = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.sweeps": 3}), gpu_memory=h100)
+    assert three.placement.sweeps == 3 and three.placement.tokens == 3 * 16384  # 8 micro-batches: 3, 3 and 2
+    with pytest.raises(ConfigError, match="engine.sweeps 2: train.objective dpo reads every micro-batch"):
+        config_for("qwen2.5-7b", 131072, **{"train.objective": "dpo", "engine.sweeps": 2})
