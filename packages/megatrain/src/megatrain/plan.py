@@ -45,8 +45,14 @@ from megatrain_zoo import ModelConfig, build_model, flops_per_token
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .rates import Rates, layer_works, load_rates
 
-# a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin)
+# a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
 SWEEPS_GAIN = 0.97
+# ... and where their copies alone (weights in each sweep, gradient sums out and back) take at most this share
+# of the GPU's work: fp32 weights cast through the staging buffers crossed at ~37 GB/s, not the link's 55, and
+# beyond some share the GPU waited between sweeps (H100, 128k tokens a step in 4 sweeps of 32k: Gemma-3-4B,
+# whose copies the planner puts at 0.44 of its work, ran 7.5% faster than in one sweep; Qwen2.5-7B, at 0.52,
+# 2.7% slower)
+SWEEPS_PCIE_SHARE = 0.48
 MOST_SWEEPS = 8
 # the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
 FORWARD_SHARE = 0.25
@@ -545,7 +551,7 @@ class Planner:
         return ((self.model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
 
     def layers_s(self, placement: Placement) -> float:
-        """The GPU's forward, recompute and backward of every layer and the head."""
+        """The GPU's forward, recompute and backward of every layer and the head, a sweep."""
         kept = len(placement.kept) + len(placement.host_kept)
         return self.blocks_s(placement.tokens, kept) + self.head_s(placement.tokens)
 
@@ -553,9 +559,13 @@ class Planner:
         """The resident groups' AdamW and casts, on the compute stream."""
         return self.params(placement.resident) / self.rates.gpu_adam_params_per_s
 
+    def step_layers_s(self, placement: Placement) -> float:
+        """Every sweep's layers and head: the GPU's work a step, what the CPU optimizer's is weighed against."""
+        return placement.sweeps * self.layers_s(placement)
+
     def compute_s(self, placement: Placement) -> float:
         """Every sweep's layers, and the resident groups' update once a step."""
-        return placement.sweeps * self.layers_s(placement) + self.device_update_s(placement)
+        return self.step_layers_s(placement) + self.device_update_s(placement)
 
     def optimizer_s(self, placement: Placement) -> float:
         """The CPU AdamW of every group not resident (this host's part of them where the hosts split the state)."""
@@ -741,7 +751,8 @@ class Planner:
                 self.machine.host_memory is None
                 or self.host_bytes(placed) <= POOL_HOST_SHARE * self.machine.host_memory
             )
-            if fits and self.step_s(placed) < SWEEPS_GAIN * self.step_s(best):
+            hidden = self.transfer_s(placed) <= SWEEPS_PCIE_SHARE * self.compute_s(placed)
+            if fits and hidden and self.step_s(placed) < SWEEPS_GAIN * self.step_s(best):
                 best = placed
         if best is not one and explain:
             best.why["sweeps"] = (
@@ -773,7 +784,7 @@ class Planner:
         sweep_tokens = min(tokens, -(-micro_batches // sweeps) * self.micro_tokens) if sweeps > 1 else tokens
         why: dict[str, str] = {}
         counts = _Counts(sweep_tokens, sweeps, offloaded=self._offloaded_to_fit(sweep_tokens))
-        small = self.layers_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
+        small = self.step_layers_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
             self.placement_of(counts)
         )
         counts = replace(counts, resident=self._resident(counts, small, why))
@@ -839,7 +850,7 @@ class Planner:
             draft = replace(counts, resident=resident)
             placed = self.placement_of(replace(draft, kept=self._kept(draft)))
             cpu_s = self.optimizer_s(placed) + self.head_s(counts.tokens)
-            if cpu_s <= CPU_OPTIMIZER_MARGIN * self.layers_s(placed):
+            if cpu_s <= CPU_OPTIMIZER_MARGIN * self.step_layers_s(placed):
                 break
             if self.resident_state_bytes(self.placement_of(replace(counts, resident=resident + 1))) > budget:
                 break
@@ -958,7 +969,7 @@ class Planner:
             or self.disk_bytes(placement)
             or not stage_products
             or self.config.engine.kept_layers == 0  # products kept nowhere, as asked
-            or self.optimizer_s(placement) > HOST_KEPT_OPTIMIZER_SHARE * layers_s
+            or self.optimizer_s(placement) > HOST_KEPT_OPTIMIZER_SHARE * self.step_layers_s(placement)
         ):
             return 0
         host_room = HOST_KEPT_RAM_SHARE * machine.host_memory - self.host_bytes(placement)
