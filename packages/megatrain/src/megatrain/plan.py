@@ -495,9 +495,16 @@ class Planner:
         checkpoints += max((self.checkpoint_bytes(i, tokens) for i in offloaded), default=0)
         in_flight = 1 if placement.host_kept else 0
         products = (len(placement.kept) + in_flight) * tokens * self.product_bytes_per_token
-        # a sweep after the first adds the earlier sweeps' gradient sum, back from host memory, a stage at a time
-        sums_back = max(self.stage_sizes) * 4 if placement.sweeps > 1 else 0
-        return checkpoints + products + sums_back + self.working_device_bytes()
+        return checkpoints + products + self.sweeps_device_bytes(placement) + self.working_device_bytes()
+
+    def sweeps_device_bytes(self, placement: Placement) -> int:
+        """GPU bytes a step in sweeps takes beside one sweep's: the earlier sweeps' gradient sum of a stage, back
+        from host memory, and the resident groups' gradients, kept from sweep to sweep (with clipping they are
+        held to the step's end anyway: `resident_state_bytes`)."""
+        if placement.sweeps == 1:
+            return 0
+        carried = 0 if self.full_grads else self.params(placement.resident) * 4
+        return max(self.stage_sizes) * 4 + carried
 
     def device_bytes(self, placement: Placement) -> int:
         return RUNTIME_DEVICE_BYTES + self.persistent_device_bytes(placement) + self.step_device_bytes(placement)
