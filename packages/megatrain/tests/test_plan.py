@@ -504,7 +504,8 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     at_32k = make_plan(config_for("gemma-3-4b", 32768), gpu_memory=h100)
     assert large.placement.sweeps == 4 and large.placement.tokens == 32768 and large.tokens_per_step == 131072
     assert large.kept_layers + large.host_kept_layers > one.kept_layers + one.host_kept_layers
-    assert large.kept_layers == pytest.approx(at_32k.kept_layers, abs=1)  # (the sums coming back take a little)
+    # nearly what a 32k step keeps (the embedding's gradient, carried from sweep to sweep, takes two layers' room)
+    assert at_32k.kept_layers - 3 <= large.kept_layers < at_32k.kept_layers
     assert large.step_s < 0.97 * one.step_s and large.compute_s < one.compute_s
     assert large.gradient_pool == 0 and one.gradient_pool > 0
     assert "4 sweeps of 32,768 tokens" in large.placement.why["sweeps"] and "in 4 sweeps of 32,768" in large.summary()
