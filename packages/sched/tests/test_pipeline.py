@@ -406,6 +406,21 @@ def test_the_placement_runs_as_given_unless_the_device_lacks_the_memory_it_count
     assert pipeline.executed.kept == (4,)
 
 
+def test_a_step_in_sweeps_fits_its_placement_once_by_its_largest_sweep():
+    """The first sweep, the largest, fits the placement to the free memory; the later ones run it as fitted (they
+    find the gradients carried from sweep to sweep allocated, which the placement counts on already)."""
+    tokens = 2 * 2 * 5  # two micro-batches a sweep
+    need = 10 * tokens * D * 4
+    store, pipeline, _ = build(4, tied=True, kept=(3, 4), tokens=tokens, device_step_bytes=need, sweeps=2)
+    pipeline.stages[-1].template.d_model = D
+    asked = []
+    pipeline.free_device_memory = lambda: asked.append(len(asked)) or need - (len(asked) > 1) * need
+    micro = [MicroBatch(i, lab) for i, lab in make_batches(3)]
+    assert [len(part) for part in pipeline.sweeps_of(micro)] == [2, 1]
+    pipeline.run(micro, loss_scale=0.1)
+    assert asked == [0] and pipeline.fallback is None and pipeline.executed == pipeline.placement
+
+
 def test_a_new_placement_between_steps(monkeypatch):
     """`place` changes held buffers and host memory between steps; the result stays exact."""
     store, pipeline, _ = build(4, tied=True, held=(1, 2), offloaded=(1, 2, 3, 4), host_kept=(3,))

@@ -19,6 +19,7 @@ engine never waits for one: a cast is a kernel, and it may wait for SMs behind t
 compute stream's GEMMs.
 """
 
+import itertools
 import logging
 import os
 import weakref
@@ -368,6 +369,7 @@ class LayerPipeline:
         )
         self._held: dict[int, _Slot] = {}
         self._carried_grads: dict[int, Tensor] = {}  # resident groups' gradient buffers, from sweep to sweep
+        self._fitted_placement: Placement | None = None  # the step's placement as its first sweep fitted it
         self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
         self.place(placement or Placement.build(n), device_masters)
 
@@ -765,9 +767,10 @@ class LayerPipeline:
 
     def sweeps_of(self, micro_batches: list[MicroBatch]) -> list[list[MicroBatch]]:
         """The step's micro-batches in `placement.sweeps` consecutive parts (fewer where there are fewer micro-batches),
-        their counts differing by one at most."""
+        their counts differing by one at most, the larger first (the first sweep fits the placement to the device)."""
         n = min(self.placement.sweeps, len(micro_batches)) or 1
-        bounds = [len(micro_batches) * k // n for k in range(n + 1)]
+        sizes = [len(micro_batches) // n + (k < len(micro_batches) % n) for k in range(n)]
+        bounds = list(itertools.accumulate(sizes, initial=0))
         return [micro_batches[start:stop] for start, stop in zip(bounds, bounds[1:])]
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> Tensor:
@@ -869,7 +872,7 @@ class LayerPipeline:
             train,
             warm_up,
             None,
-            self._fitted(self.placement, tokens) if train and not warm_up else self.placement if train else None,
+            self._sweep_placement(tokens, train, warm_up, sweep),
             loss_scale,
             acts=[mb.input_ids for mb in batches],
             checkpoints=[[None] * len(batches) for _ in self.stages],
@@ -902,6 +905,17 @@ class LayerPipeline:
                 # the first layer's update is done before the table's rows: its copy goes first, not behind them
                 self._fetch(1, step.log)
         return step
+
+    def _sweep_placement(self, tokens: int, train: bool, warm_up: bool, sweep: int) -> Placement | None:
+        """The placement a sweep runs: the step's, fitted to the device by its first sweep, the largest (a later one
+        finds the resident groups' gradients it carries allocated, which the placement counts on already)."""
+        if not train:
+            return None
+        if warm_up:
+            return self.placement
+        if sweep == 0:
+            self._fitted_placement = self._fitted(self.placement, tokens)
+        return self._fitted_placement
 
     def _queue_copies(self, step: _Step, position: int) -> int:
         """Queue the weights of every position up to `position` (waiting for their updates where need be), then
