@@ -114,6 +114,19 @@ def test_two_and_four_ranks_equal_one_process(tmp_path, tokens, grad_clip):
         assert_same_training(one, run(tmp_path, "four", torchrun(4, "--standalone"), train=train))
 
 
+@pytest.mark.parametrize("grad_clip, split", [(0.05, False), (0.0, False), (0.05, True)])
+def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, split):
+    """Each rank runs its micro-batches in two sweeps: every sweep's gradients are reduced over the ranks (and the
+    hosts, each holding half the state where they split it), and the earlier sweeps' sum of a rank's shard comes
+    back to be added to the next: the same training as one process in one sweep."""
+    train = {"grad_clip": grad_clip}
+    one = run(tmp_path, "one", [sys.executable], train=train, engine={"sweeps": 1})
+    launcher = two_hosts(2) if split else torchrun(2, "--standalone")
+    many = run(tmp_path, "many", launcher, train=train, engine={"sweeps": 2, "shard_across_hosts": split})
+    assert json.loads((tmp_path / "many" / "placement.json").read_text())["placement"]["sweeps"] == 2
+    assert_same_training(one, many)
+
+
 def two_hosts(ranks_per_host: int) -> list[list[str]]:
     """Two torchrun agents on this machine, standing for two hosts (each with its own shared memory)."""
     with socket.socket() as probe:
