@@ -119,7 +119,7 @@ def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, s
     """Each rank runs its micro-batches in two sweeps: every sweep's gradients are reduced over the ranks (and the
     hosts, each holding half the state where they split it), and the earlier sweeps' sum of a rank's shard comes
     back to be added to the next: the same training as one process in one sweep."""
-    train = {"grad_clip": grad_clip}
+    train = {"grad_clip": grad_clip, "micro_batch_size": 1}  # (two micro-batches a rank, of four ranks too)
     one = run(tmp_path, "one", [sys.executable], train=train, engine={"sweeps": 1})
     launcher = two_hosts(2) if split else torchrun(2, "--standalone")
     many = run(tmp_path, "many", launcher, train=train, engine={"sweeps": 2, "shard_across_hosts": split})
