@@ -384,8 +384,7 @@ class EngineSection:
     # update: each sweep keeps what a step of its size would (more layers' matmul products on the GPU), at
     # the price of the weights and the gradients' sums so far crossing PCIe once more a sweep; needs a landing
     # buffer per group (no gradient_pool) and the summed cross-entropy (sft); "auto": the planner's, more than
-    # one where the GPU bounds a large step and predicts it faster (gradient clipping on: every gradient is
-    # held anyway)
+    # one where the GPU bounds a large step, it predicts them faster and their copies leave PCIe room
     sweeps: int | str = "auto"
     trace: bool = False  # write a Chrome trace of the last step to output_dir/trace.json
     # the disk tier: AdamW moments (8 B/param) in memory-mapped files in this directory instead of RAM

@@ -743,11 +743,13 @@ class Planner:
         )
         return replace(placement, device_step_bytes=self.step_device_bytes(placement))
 
-    def place(self, tokens: int, first_disk_group: int | None = None, explain: bool = True) -> Placement:
+    def place(
+        self, tokens: int, first_disk_group: int | None = None, explain: bool = True, sweeps: int | None = None
+    ) -> Placement:
         """The placement for steps of `tokens` per GPU (see the module's docstring for the order of the choices).
         `first_disk_group`: the disk tier of a store already allocated (else decided here). With `explain`, the
-        placement's `why` says in words what decided each choice."""
-        setting = self.config.engine.sweeps
+        placement's `why` says in words what decided each choice. `sweeps`: so many (else engine.sweeps's)."""
+        setting = sweeps or self.config.engine.sweeps
         if setting != "auto":
             return self._place_sweeps(tokens, setting, first_disk_group, explain)
         one = self._place_sweeps(tokens, 1, first_disk_group, explain)

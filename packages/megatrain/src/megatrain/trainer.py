@@ -343,7 +343,9 @@ class Trainer:
         planned = self._planned_tokens
         if self.config.engine.placement != "auto" or planned * SMALLER_STEP_KEEPS_PLACEMENT <= tokens <= planned:
             return
-        placement = self.planner.place(tokens // self.planner.world, first_disk_group=self.placement.first_disk_group)
+        # (a store made with a gradient pool cannot hold every gradient until a last sweep)
+        sweeps = 1 if self.store.grad_pool is not None else None
+        placement = self.planner.place(tokens // self.planner.world, self.placement.first_disk_group, sweeps=sweeps)
         if placement.gradient_pool is not None and self.placement.gradient_pool is not None:
             # (a pool no smaller than the one allocated: shrinking it would give nothing back worth the re-pinning)
             placement = replace(placement, gradient_pool=max(placement.gradient_pool, self.placement.gradient_pool))
