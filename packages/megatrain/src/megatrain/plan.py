@@ -666,15 +666,15 @@ class Planner:
         start in the last sweep: a step's earlier sweeps add to what waits for them."""
         forward_s, backward_s = self.copy_passes_s(placement)
         compute_s, optimizer_s = self.compute_s(placement), self.optimizer_s(placement)
-        sweeps, update_s = placement.sweeps, self.device_update_s(placement)
+        sweeps, sweep_s, update_s = placement.sweeps, self.layers_s(placement), self.device_update_s(placement)
         pool_needed = gradient_pool_size(optimizer_s, self.host_backward_s(placement), self.group_sizes, self.rates)
         if self.full_grads:
-            serial_s = (1 - FORWARD_SHARE) * (compute_s - (sweeps - 1) * self.layers_s(placement))
+            serial_s = (1 - FORWARD_SHARE) * (sweep_s + update_s)
         elif placement.gradient_pool is None or placement.gradient_pool >= pool_needed:
             serial_s = self.head_s(placement.tokens)
         else:
             serial_s = forward_s
-        serial_s += (sweeps - 1) * self.layers_s(placement)
+        serial_s += (sweeps - 1) * sweep_s
         return {
             "compute": compute_s,
             # = compute where both passes hide their copies (compute wins ties)

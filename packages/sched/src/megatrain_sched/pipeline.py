@@ -761,6 +761,8 @@ class LayerPipeline:
             self._run(part, loss_scale, train=True, sweep=sweep, last_sweep=sweep == len(parts) - 1)
             for sweep, part in enumerate(parts)
         ]
+        if len(results) == 1:
+            return results[0]
         loss_sum = torch.stack([result.loss_sum for result in results]).sum()
         log = [entry for result in results for entry in result.log]
         return StepResult(loss_sum, results[-1].group_sq_norms, log, None)
