@@ -87,7 +87,7 @@ def test_gpu_steps_in_sweeps_stay_exact(grad_clip, engine, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypatch):
-    # a small staging buffer: every group crosses in many chunks
+    # small staging buffers: every group crosses in many chunks, round the ring of four many times
     monkeypatch.setattr(megatrain_sched.pipeline, "STAGING_NUMEL", 1000)
     check_wire_copy_changes_nothing("cuda", tmp_path)
 

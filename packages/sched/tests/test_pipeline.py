@@ -5,7 +5,16 @@ from collections import namedtuple
 import pytest
 import torch
 
-from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, SchedError, Stage, Timeline
+from megatrain_sched import (
+    LayerPipeline,
+    MicroBatch,
+    Placement,
+    PlacementError,
+    SchedError,
+    Stage,
+    Timeline,
+    staging_buffers,
+)
 from megatrain_sched.pipeline import expandable_device_memory
 from megatrain_store import GroupLayout, HostStore
 
@@ -447,3 +456,11 @@ def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's choice stands
     expandable_device_memory()
     assert calls == ["expandable_segments:True"]
+
+
+def test_the_staging_ring_holds_a_whole_stage_up_to_four_chunks():
+    chunk = 2**26  # 256 MiB of fp32
+    assert staging_buffers(233_000_000) == (4, chunk)  # a 7B layer, whole
+    assert staging_buffers(95_000_000) == (2, chunk)  # a Gemma-3-4B layer, whole
+    assert staging_buffers(671_000_000) == (4, chunk)  # a 262k vocabulary's table: the ring's cap, 1 GiB
+    assert staging_buffers(1000) == (2, 1000)  # a tiny model: two stage-sized buffers, one fills while one casts

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from megatrain_optim import STATE_NAMES
-from megatrain_sched import STAGING_NUMEL, Placement
+from megatrain_sched import Placement, staging_buffers
 from megatrain_store import bytes_per_param
 from megatrain_templates import file_tensors
 from megatrain_zoo import ModelConfig, build_model, flops_per_token
@@ -48,10 +48,10 @@ from .rates import Rates, layer_works, load_rates
 # a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
 SWEEPS_GAIN = 0.97
 # ... and where their copies alone (weights in each sweep, gradient sums out and back) take at most this share
-# of the GPU's work: fp32 weights cast through the staging buffers crossed at ~37 GB/s, not the link's 55, and
-# beyond some share the GPU waited between sweeps (H100, 128k tokens a step in 4 sweeps of 32k: Gemma-3-4B,
-# whose copies the planner puts at 0.44 of its work, ran 7.5% faster than in one sweep; Qwen2.5-7B, at 0.52,
-# 2.7% slower)
+# of the GPU's work: beyond it the GPU waited between sweeps (H100, 128k tokens a step: Gemma-3-4B in 4 sweeps,
+# whose copies the planner puts at 0.44 of its work, ran 3-7.5% faster than in one sweep; Qwen2.5-7B in 4, at
+# 0.52, 2.7% slower, through two 128 MiB staging buffers; OLMoE-1B-7B in 2, at 0.68, 24% slower, where its CPU
+# AdamW, starting in the last sweep, outlasted it: a limit the cost model's phases do not yet see)
 SWEEPS_PCIE_SHARE = 0.48
 MOST_SWEEPS = 8
 # the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
@@ -474,7 +474,9 @@ class Planner:
     def persistent_device_bytes(self, placement: Placement) -> int:
         """GPU bytes that outlive a step: the rotating slots, the fp32 staging buffers, held weights, resident state."""
         slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
-        staging = 2 * min(max(self.stage_sizes), STAGING_NUMEL) * 4 if self.element < 4 and not self.wire_copy else 0
+        staging = (
+            math.prod(staging_buffers(max(self.stage_sizes))) * 4 if self.element < 4 and not self.wire_copy else 0
+        )
         held = sum(self.stage_sizes[i] for i in placement.held) * self.element
         return slots + staging + held + self.resident_state_bytes(placement)
 

@@ -1,6 +1,6 @@
 """The stream scheduler: layer-major forward/backward over device weight slots and three streams."""
 
-from .pipeline import STAGING_NUMEL, LayerPipeline, MicroBatch, SchedError, Stage, StepResult, free_device_bytes
+from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult, free_device_bytes, staging_buffers
 from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
 from .streams import Streams, synchronize
 from .timeline import Timeline
@@ -12,7 +12,6 @@ __all__ = [
     "HOST",
     "RECOMPUTE",
     "RESIDENT",
-    "STAGING_NUMEL",
     "STREAMED",
     "LayerPipeline",
     "MicroBatch",
@@ -24,5 +23,6 @@ __all__ = [
     "StepResult",
     "Streams",
     "Timeline",
+    "staging_buffers",
     "synchronize",
 ]

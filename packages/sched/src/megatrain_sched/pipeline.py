@@ -12,11 +12,12 @@ backward. Resident stages' fp32 masters live on the device (the optimizer update
 there): they are cast into the slot from that master, and their gradient is handed over on
 the device instead of copied out.
 
-Weights travel as the store keeps them: an fp32 master is copied in through two small
+Weights travel as the store keeps them: an fp32 master is copied in through a ring of
 fp32 staging buffers and cast to the compute dtype on a cast stream, so the host needs no
 second, bf16 copy of the model. The casts run on their own stream so that the copy
-engine never waits for one: a cast is a kernel, and it may wait for SMs behind the
-compute stream's GEMMs.
+engine never waits for one: a cast is a kernel, and it waits for SMs behind the
+compute stream's GEMMs (about one cast gets in where a GEMM ends), so the ring holds a
+whole stage where it can and the copy engine runs up to a stage ahead of the casts.
 """
 
 import itertools
@@ -38,10 +39,19 @@ from .timeline import Timeline
 
 logger = logging.getLogger("megatrain_sched")
 
-# Elements per staged host->device copy of an fp32 master (128 MiB per buffer, two buffers):
-# large enough to run at full PCIe speed and to absorb a cast's wait for SMs, small next to
-# the slots.
-STAGING_NUMEL = 2**25
+# Staged host->device copies of fp32 masters go in chunks of at most STAGING_NUMEL elements (256 MiB), through a
+# ring of up to STAGING_BUFFERS of them (a 7B layer, 0.93 GB, fits whole). On an H100, a 7B layer's copy under a
+# stage's worth of 32k-token GEMMs took 24.3 ms through two 128 MiB buffers and 20.5 ms through four of 256 MiB,
+# as fast as an fp32 copy with no cast at all (20.4 ms; `benchmarks/staging_copy.py`).
+STAGING_NUMEL = 2**26
+STAGING_BUFFERS = 4
+
+
+def staging_buffers(largest_stage_numel: int) -> tuple[int, int]:
+    """(buffers, elements each) of the staging ring for stages of at most `largest_stage_numel` elements: enough
+    to hold the largest whole, up to STAGING_BUFFERS, at least two (one fills while the other's cast waits)."""
+    numel = min(largest_stage_numel, STAGING_NUMEL)
+    return min(STAGING_BUFFERS, max(2, -(-largest_stage_numel // numel))), numel
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -374,16 +384,17 @@ class LayerPipeline:
         self.place(placement or Placement.build(n), device_masters)
 
     def _init_staging(self, slot_numel: int) -> None:
-        """Staging buffers and the cast stream, where fp32 masters are cast on the device."""
+        """The staging ring and the cast stream, where fp32 masters are cast on the device."""
         cast_on_device = self.streams.cuda and self.store.wire(0).dtype != self.store.compute_dtype
-        staging_numel = min(slot_numel, STAGING_NUMEL)
+        buffers, numel = staging_buffers(slot_numel)
         self._staging = (
-            [torch.empty(staging_numel, dtype=self.store.wire(0).dtype, device=self.device) for _ in range(2)]
+            [torch.empty(numel, dtype=self.store.wire(0).dtype, device=self.device) for _ in range(buffers)]
             if cast_on_device
             else None
         )
         self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
-        self._staging_free = [None, None]  # events: the cast that last read each staging buffer finished
+        self._staging_free = [None] * buffers  # events: the cast that last read each staging buffer finished
+        self._next_staging = 0  # the ring's next buffer: copies go round it from stage to stage
 
     # --------------------------------------------------------------- placement
     def place(self, placement: Placement, device_masters: dict[int, Tensor] | None = None) -> None:
@@ -583,9 +594,9 @@ class LayerPipeline:
             view.copy_(source, non_blocking=True)
             return
         streams, chunk_numel = self.streams, self._staging[0].numel()
-        for index, start in enumerate(range(0, source.numel(), chunk_numel)):
+        for start in range(0, source.numel(), chunk_numel):
             chunk = source[start : start + chunk_numel]
-            buffer = index % 2
+            buffer, self._next_staging = self._next_staging, (self._next_staging + 1) % len(self._staging)
             staged = self._staging[buffer][: chunk.numel()]
             streams.wait(streams.copy_in, self._staging_free[buffer])
             staged.copy_(chunk, non_blocking=True)
