@@ -251,6 +251,45 @@ def test_steps_in_sweeps_match_plain_pytorch(dtype, grad_clip, engine, tmp_path)
     )
 
 
+def test_a_larger_step_runs_in_one_sweep_where_the_store_has_a_gradient_pool(tmp_path, monkeypatch):
+    """A step larger than the one planned is placed again; where the planner would run it in sweeps but the
+    store was made with a gradient pool (which cannot hold every gradient until a last sweep), it runs in one, and
+    the steps stay plain PyTorch's."""
+    from megatrain.plan import Planner
+
+    lr, tolerance = CASES["float64"]
+    train = dict(steps=2, batch_size=2, micro_batch_size=2, lr=lr, eps=1e-6, weight_decay=0.1, grad_clip=0.0)
+    trainer = Trainer(tiny_llama_config(tmp_path, "cpu", "float64", 12, **train))
+    assert trainer.store.grad_pool is not None
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    randomize_(trainer, generator)
+    reference = ReferenceLM(trainer.model_config).double()
+    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
+    optimizer = reference_adamw(reference, trainer.config.train)
+    place = Planner.place  # as a GPU planner may: larger steps in 2 sweeps unless told how many
+    monkeypatch.setattr(
+        Planner,
+        "place",
+        lambda self, tokens, *args, sweeps=None, **kw: place(self, tokens, *args, sweeps=sweeps or 2, **kw),
+    )
+    assert trainer.planner.place(72).sweeps == 2
+    for rows in (2, 6):  # the planned step, then three times as many tokens
+        ids, labels = random_batch(rows, 12, trainer.model_config.vocab_size, generator)
+        metrics = trainer.train_step(ids, labels)
+        for group in optimizer.param_groups:
+            group["lr"] = metrics.lr
+        optimizer.zero_grad()
+        loss = reference.loss(ids, labels)
+        loss.backward()
+        optimizer.step()
+        assert abs(metrics.loss - loss.item()) <= tolerance * abs(loss.item())
+    assert trainer.pipeline.executed.sweeps == 1 and trainer.pipeline.executed.tokens == 72
+    ours = trainer.named_weights()
+    for name, param in reference.named_parameters():
+        assert rel_err(ours[name], param.detach()) < tolerance, name
+    trainer.close()
+
+
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
 def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
     """The first blocks' weights stay in buffers of their own from forward to backward (one copy in a
