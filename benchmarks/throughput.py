@@ -78,137 +78,41 @@ def span_totals(timeline, t_start_us, t_end_us) -> dict:
     return busy
 
 
-def bench_megatrain(
-    name,
-    seq_len,
-    token_counts,
-    micro_seqs,
-    steps,
-    warmup,
-    grad_clip,
-    n_slots,
-    trace_dir,
-    lr=1e-5,
-    real_text=False,
-    engine_options=None,
-    doc_len=0,
-    n_layers=0,
-    implementation="native",
-):
-    section = ModelSection(preset=name, implementation=implementation)
-    model = model_config_of(Config(model=section))
-    if n_layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
-        model = model.first_layers(n_layers)
-    config = Config(
-        model=section,
-        data=DataSection(seq_len=seq_len),
-        train=TrainSection(
-            steps=10**6,
-            # set up for the largest point; each point's first step places the engine for its own size
-            batch_size=max(token_counts) // seq_len,
-            micro_batch_size=micro_seqs,
-            grad_clip=grad_clip,
-            lr=lr,
-            warmup_steps=0,
-            schedule="constant",
-        ),
-        precision=PrecisionSection("bfloat16"),
-        engine=EngineSection(n_slots=n_slots, trace=True, **(engine_options or {})),
-        device="cuda",
-        output_dir=tempfile.mkdtemp(),
-    )
+def bench_megatrain(name, args, implementation="native"):
+    """megatrain's rows for one model: a trainer set up for the largest point, each point's first step placing
+    the engine for its own size."""
+    token_counts = _token_counts(args)
+    config, model = _megatrain_config(name, args, implementation)
     t0 = time.perf_counter()
     trainer = BenchTrainer(config, model)
     trainer.timeline.keep_steps = None  # the timed steps' spans are all summed below
     setup_s = time.perf_counter() - t0
-    report = trainer.store.memory_report()
-    if real_text:  # the shipped corpus with a BPE tokenizer trained on it: losses that mean something
-        from megatrain.data import TokenWindows, load_token_array
-
-        tokens_array, _ = load_token_array(config.data, min(8192, model.vocab_size), Path(config.output_dir), None)
-        windows = {}
-        step_counter = [0]
-
-        def next_batch(n_seqs, _vocab):
-            windows.setdefault(n_seqs, TokenWindows(tokens_array, seq_len, n_seqs, shuffle=True, seed=0))
-            step_counter[0] += 1
-            batch = windows[n_seqs].batch(step_counter[0])
-            return batch.input_ids, batch.labels, None
-    else:
-
-        def next_batch(n_seqs, vocab):
-            return random_batch(n_seqs, seq_len, vocab, doc_len)
-
+    next_batch = _batches(config, model, args.real_text, args.doc_len)
     rows = []
     for tokens in token_counts:
-        n_seqs = tokens // seq_len
-        torch.cuda.reset_peak_memory_stats()
-        warm0 = time.perf_counter()
-        for _ in range(warmup):
-            trainer.train_step(*next_batch(n_seqs, model.vocab_size))
-        trainer.finish_updates()
-        torch.cuda.synchronize()
-        warmup_s = time.perf_counter() - warm0
-        trainer.timeline.spans.clear()
-        trainer.timeline.start_step(trainer.pipeline.streams)
-        wall0 = time.perf_counter()
-        losses = []
-        for _ in range(steps):
-            losses.append(trainer.train_step(*next_batch(n_seqs, model.vocab_size)).loss)
-        trainer.finish_updates()
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - wall0) / steps
-        trainer.timeline.resolve()
-        origin = (wall0 - trainer.timeline._origin_host) * 1e6
-        busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
-        if trace_dir and tokens == max(token_counts):
-            trainer.timeline.write_chrome_trace(Path(trace_dir) / f"trace-{name}-{tokens}.json")
-        # the trainer placed this point for its own size (its first step did, where the size changed)
-        plan, executed = trainer.plan, trainer.pipeline.executed
+        timing = _time_point(trainer, next_batch, tokens // args.seq_len, args.steps, args.warmup)
+        if args.trace_dir and tokens == max(token_counts):
+            trainer.timeline.write_chrome_trace(Path(args.trace_dir) / f"trace-{name}-{tokens}.json")
+        n_seqs = tokens // args.seq_len
         rows.append(
-            base_row("megatrain", name, model, seq_len, n_seqs, micro_seqs, step_s)
+            base_row("megatrain", name, model, args.seq_len, n_seqs, args.micro_batch, timing["step_s"])
+            | _placement_fields(trainer, timing["step_s"])
+            | _host_fields(trainer.store.memory_report())
             | {
-                "predicted_step_s": round(plan.step_s, 3),
-                "prediction_error": round(plan.step_s / step_s - 1, 3),
-                "bound": plan.bound,
-                "compute_bound_tokens": plan.compute_bound_tokens,
-                "rates": plan.rates.source,
-                # the placement the steps ran, and whether it is the planner's as planned (no fallback)
-                "placement": executed.as_dict(),
-                "placement_as_planned": executed == trainer.placement and trainer.pipeline.fallback is None,
-                "fallback": trainer.pipeline.fallback,
-                # device memory the planner left free beside what the step counts on (GiB; negative: short)
-                "device_headroom_gib": None
-                if trainer.pipeline.device_headroom is None
-                else round(trainer.pipeline.device_headroom / 2**30, 2),
-                "host_gib": round(report.total_bytes / 2**30, 1),
-                "host_bytes_per_param": round(report.bytes_per_param, 2),
-                "pinned_gib": round(report.pinned_bytes / 2**30, 1),
-                "pin_seconds": round(report.pin_seconds, 2),
-                "grad_clip": grad_clip,
-                "doc_len": doc_len,  # 0: one sequence per row
+                "grad_clip": args.grad_clip,
+                "doc_len": args.doc_len,  # 0: one sequence per row
                 # attention FLOPs of what is computed: within documents when packed
-                "model_tflops": round(flops_per_token(model, doc_len or seq_len) * n_seqs * seq_len / step_s / 1e12, 1),
+                "model_tflops": round(
+                    flops_per_token(model, args.doc_len or args.seq_len) * tokens / timing["step_s"] / 1e12, 1
+                ),
                 "wire_copy": config.engine.wire_copy,
-                "disk_gib": round(sum((report.disk or {}).values()) / 2**30, 1),
-                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
-                "n_slots": n_slots,
+                "n_slots": args.n_slots,
                 "n_layers": model.n_layers,
-                "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
-                "kept_layers": len(executed.keeping),  # their matmul products kept: no GEMM recomputed
-                "host_kept_layers": len(executed.host_kept),  # of those, kept in pinned host memory
-                "offloaded_layers": len(executed.offloaded),  # activation checkpoints in host memory
-                "held_layers": len(executed.held),  # weights on the GPU from forward to backward
-                "sweeps": executed.sweeps,  # forward-backward sweeps a step ran in
-                # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
-                "gpu_updated_layers": plan.gpu_updated_layers,
-                "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
                 "setup_s": round(setup_s, 1),  # the compile warm-up included
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),
-                "warmup_steps_s": round(warmup_s, 1),
-                "time_split_s_per_step": {k: round(v / steps, 3) for k, v in busy.items()}
-                | {"gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)},
-                "losses": [round(x, 4) for x in losses],
+                "warmup_steps_s": round(timing["warmup_s"], 1),
+                "time_split_s_per_step": timing["split"],
+                "losses": [round(x, 4) for x in timing["losses"]],
                 "implementation": implementation,  # native: megatrain's templates; transformers: its own modules
             }
         )
@@ -217,6 +121,123 @@ def bench_megatrain(
     del trainer
     gc.collect()
     return rows
+
+
+def _token_counts(args) -> list[int]:
+    return [int(t) for t in args.tokens.split(",")]
+
+
+def _megatrain_config(name, args, implementation):
+    """(Config, ModelConfig) of a run set up for the largest point (`--layers`: the model's first layers)."""
+    section = ModelSection(preset=name, implementation=implementation)
+    model = model_config_of(Config(model=section))
+    if args.layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
+        model = model.first_layers(args.layers)
+    train = TrainSection(
+        steps=10**6,
+        batch_size=max(_token_counts(args)) // args.seq_len,
+        micro_batch_size=args.micro_batch,
+        grad_clip=args.grad_clip,
+        lr=args.lr,
+        warmup_steps=0,
+        schedule="constant",
+    )
+    config = Config(
+        model=section,
+        data=DataSection(seq_len=args.seq_len),
+        train=train,
+        precision=PrecisionSection("bfloat16"),
+        engine=EngineSection(n_slots=args.n_slots, trace=True, **engine_options(args)),
+        device="cuda",
+        output_dir=tempfile.mkdtemp(),
+    )
+    return config, model
+
+
+def _batches(config, model, real_text, doc_len):
+    """next_batch(n_seqs) -> (input_ids, labels, position_ids): random tokens (packed documents of `doc_len`), or
+    with `real_text` the shipped corpus under a BPE tokenizer trained on it (losses that mean something)."""
+    seq_len = config.data.seq_len
+    if not real_text:
+        return lambda n_seqs: random_batch(n_seqs, seq_len, model.vocab_size, doc_len)
+    from megatrain.data import TokenWindows, load_token_array
+
+    tokens, _ = load_token_array(config.data, min(8192, model.vocab_size), Path(config.output_dir), None)
+    windows, served = {}, itertools.count(1)
+
+    def next_batch(n_seqs):
+        windows.setdefault(n_seqs, TokenWindows(tokens, seq_len, n_seqs, shuffle=True, seed=0))
+        batch = windows[n_seqs].batch(next(served))
+        return batch.input_ids, batch.labels, None
+
+    return next_batch
+
+
+def _time_point(trainer, next_batch, n_seqs, steps, warmup) -> dict:
+    """Warm-up steps, then `steps` timed ones: seconds a step, the warm-up's seconds, the losses, and each
+    track's busy seconds a step (with the compute stream's idle)."""
+    torch.cuda.reset_peak_memory_stats()
+    warm0 = time.perf_counter()
+    for _ in range(warmup):
+        trainer.train_step(*next_batch(n_seqs))
+    trainer.finish_updates()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - warm0
+    trainer.timeline.spans.clear()
+    trainer.timeline.start_step(trainer.pipeline.streams)
+    wall0 = time.perf_counter()
+    losses = [trainer.train_step(*next_batch(n_seqs)).loss for _ in range(steps)]
+    trainer.finish_updates()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - wall0) / steps
+    trainer.timeline.resolve()
+    origin = (wall0 - trainer.timeline._origin_host) * 1e6
+    busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
+    split = {k: round(v / steps, 3) for k, v in busy.items()} | {
+        "gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)
+    }
+    return {"step_s": step_s, "warmup_s": warmup_s, "losses": losses, "split": split}
+
+
+def _placement_fields(trainer, step_s) -> dict:
+    """What the trainer placed this point's steps as (its first step did, where the size changed), and how the
+    planner's prediction came out."""
+    plan, executed = trainer.plan, trainer.pipeline.executed
+    headroom = trainer.pipeline.device_headroom
+    return {
+        "predicted_step_s": round(plan.step_s, 3),
+        "prediction_error": round(plan.step_s / step_s - 1, 3),
+        "bound": plan.bound,
+        "compute_bound_tokens": plan.compute_bound_tokens,
+        "rates": plan.rates.source,
+        # the placement the steps ran, and whether it is the planner's as planned (no fallback)
+        "placement": executed.as_dict(),
+        "placement_as_planned": executed == trainer.placement and trainer.pipeline.fallback is None,
+        "fallback": trainer.pipeline.fallback,
+        # device memory the planner left free beside what the step counts on (GiB; negative: short)
+        "device_headroom_gib": None if headroom is None else round(headroom / 2**30, 2),
+        "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
+        "kept_layers": len(executed.keeping),  # their matmul products kept: no GEMM recomputed
+        "host_kept_layers": len(executed.host_kept),  # of those, kept in pinned host memory
+        "offloaded_layers": len(executed.offloaded),  # activation checkpoints in host memory
+        "held_layers": len(executed.held),  # weights on the GPU from forward to backward
+        "sweeps": executed.sweeps,  # forward-backward sweeps a step ran in
+        # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
+        "gpu_updated_layers": plan.gpu_updated_layers,
+        "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
+    }
+
+
+def _host_fields(report) -> dict:
+    """The host memory the run took (the store's report, and the process's peak)."""
+    return {
+        "host_gib": round(report.total_bytes / 2**30, 1),
+        "host_bytes_per_param": round(report.bytes_per_param, 2),
+        "pinned_gib": round(report.pinned_bytes / 2**30, 1),
+        "pin_seconds": round(report.pin_seconds, 2),
+        "disk_gib": round(sum((report.disk or {}).values()) / 2**30, 1),
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
+    }
 
 
 def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
@@ -292,35 +313,34 @@ def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="llama3.2-1b,llama3.2-3b,qwen2.5-7b")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--tokens", default="32768,65536", help="tokens per optimizer step, comma-separated")
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward pass")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per point")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (12 B/param)")
-    parser.add_argument("--n-slots", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--real-text", action="store_true", help="train on the shipped corpus instead of random tokens")
+def engine_options(args) -> dict:
+    """The engine settings of the command line, as EngineSection takes them ("auto", or a number)."""
+
+    def auto_or(value, kind):
+        return value if value == "auto" else kind(value)
+
+    return {
+        "optimizer_state_dir": args.optimizer_state_dir,
+        "disk_state_fraction": auto_or(args.disk_state_fraction, float),
+        "wire_copy": args.wire_copy,
+        "experts_per_stage": auto_or(args.experts_per_stage, int),
+        "kept_layers": auto_or(args.kept_layers, int),
+        "host_kept_layers": auto_or(args.host_kept_layers, int),
+        "offload_checkpoints": auto_or(args.offload_checkpoints, lambda value: value == "true"),
+        "held_layers": auto_or(args.held_layers, int),
+        "gpu_updated_layers": auto_or(args.gpu_updated_layers, int),
+        "gradient_pool": auto_or(args.gradient_pool, float),
+        "sweeps": auto_or(args.sweeps, int),
+    }
+
+
+def _add_engine_arguments(parser) -> None:
+    """The engine settings (`engine_options`), each "auto" unless set."""
     parser.add_argument("--optimizer-state-dir", default=None, help="the disk tier: AdamW moments in files here")
     parser.add_argument(
         "--disk-state-fraction", default="auto", help="share of the moments on disk (auto: what does not fit)"
     )
     parser.add_argument("--wire-copy", action="store_true", help="keep a bf16 copy of the weights in host memory")
-    parser.add_argument(
-        "--baseline",
-        default="auto",
-        choices=["auto", "none"],
-        help="auto: plain PyTorch for models under --baseline-max-b billion params",
-    )
-    parser.add_argument("--baseline-max-b", type=float, default=4.0)
-    parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each model's largest point here")
-    parser.add_argument(
-        "--doc-len", type=int, default=0, help="pack documents of this many tokens per row (per-document attention)"
-    )
-    parser.add_argument("--layers", type=int, default=0, help="keep only the first N layers of each model")
     parser.add_argument(
         "--experts-per-stage", default="auto", help="MoE: stream a layer's experts in parts of this many"
     )
@@ -345,78 +365,58 @@ def main():
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"
     )
     parser.add_argument("--sweeps", default="auto", help="forward-backward sweeps a step runs in (auto: as planned)")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama3.2-1b,llama3.2-3b,qwen2.5-7b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--tokens", default="32768,65536", help="tokens per optimizer step, comma-separated")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward pass")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per point")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (12 B/param)")
+    parser.add_argument("--n-slots", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--real-text", action="store_true", help="train on the shipped corpus instead of random tokens")
+    parser.add_argument(
+        "--baseline",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: plain PyTorch for models under --baseline-max-b billion params",
+    )
+    parser.add_argument("--baseline-max-b", type=float, default=4.0)
+    parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each model's largest point here")
+    parser.add_argument(
+        "--doc-len", type=int, default=0, help="pack documents of this many tokens per row (per-document attention)"
+    )
+    parser.add_argument("--layers", type=int, default=0, help="keep only the first N layers of each model")
     parser.add_argument(
         "--implementation",
         default="native",
         help="comma-separated: native (megatrain's templates), transformers (the family's own modules)",
     )
     parser.add_argument("--out", default="benchmarks/results/throughput.json")
-    args = parser.parse_args()
-    token_counts = [int(t) for t in args.tokens.split(",")]
+    _add_engine_arguments(parser)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     results = []
     payload = {"benchmark": "throughput", "machine": machine(), "args": vars(args), "results": results}
     for name, implementation in itertools.product(args.models.split(","), args.implementation.split(",")):
-        results += bench_megatrain(
-            name,
-            args.seq_len,
-            token_counts,
-            args.micro_batch,
-            args.steps,
-            args.warmup,
-            args.grad_clip,
-            args.n_slots,
-            args.trace_dir,
-            args.lr,
-            args.real_text,
-            {
-                "optimizer_state_dir": args.optimizer_state_dir,
-                "disk_state_fraction": args.disk_state_fraction
-                if args.disk_state_fraction == "auto"
-                else float(args.disk_state_fraction),
-                "wire_copy": args.wire_copy,
-                "experts_per_stage": args.experts_per_stage
-                if args.experts_per_stage == "auto"
-                else int(args.experts_per_stage),
-                "kept_layers": args.kept_layers if args.kept_layers == "auto" else int(args.kept_layers),
-                "host_kept_layers": args.host_kept_layers
-                if args.host_kept_layers == "auto"
-                else int(args.host_kept_layers),
-                "offload_checkpoints": "auto"
-                if args.offload_checkpoints == "auto"
-                else args.offload_checkpoints == "true",
-                "held_layers": args.held_layers if args.held_layers == "auto" else int(args.held_layers),
-                "gpu_updated_layers": args.gpu_updated_layers
-                if args.gpu_updated_layers == "auto"
-                else int(args.gpu_updated_layers),
-                "gradient_pool": args.gradient_pool if args.gradient_pool == "auto" else float(args.gradient_pool),
-                "sweeps": args.sweeps if args.sweeps == "auto" else int(args.sweeps),
-            },
-            args.doc_len,
-            args.layers,
-            implementation,
-        )
+        results += bench_megatrain(name, args, implementation)
         if args.layers:  # what the tables call a part of a model
             for row in results:
                 row.setdefault("scope", f"first {args.layers} layers")
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:
+            token_counts = _token_counts(args)
             results += bench_plain_pytorch(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup)
             write_results(Path(args.out), payload)
-    print(
-        table(
-            results,
-            [
-                "system",
-                "model",
-                "tokens_per_step",
-                "step_time_s",
-                "tokens_per_s",
-                "model_tflops",
-                "peak_gpu_gib",
-                "host_bytes_per_param",
-            ],
-        )
-    )
+    columns = ["system", "model", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "peak_gpu_gib"]
+    print(table(results, [*columns, "host_bytes_per_param"]))
 
 
 if __name__ == "__main__":
