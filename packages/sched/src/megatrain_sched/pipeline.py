@@ -41,8 +41,8 @@ logger = logging.getLogger("megatrain_sched")
 
 # Staged host->device copies of fp32 masters go in chunks of at most STAGING_NUMEL elements (256 MiB), through a
 # ring of up to STAGING_BUFFERS of them (a 7B layer, 0.93 GB, fits whole). On an H100, a 7B layer's copy under a
-# stage's worth of 32k-token GEMMs took 24.3 ms through two 128 MiB buffers and 20.5 ms through four of 256 MiB,
-# as fast as an fp32 copy with no cast at all (20.4 ms; `benchmarks/staging_copy.py`).
+# stage's worth of 32k-token GEMMs took 24.2 ms through two 128 MiB buffers and 20.5 ms through four of 256 MiB,
+# nearly as fast as an fp32 copy with no cast at all (20.0 ms; `benchmarks/staging_copy.py`).
 STAGING_NUMEL = 2**26
 STAGING_BUFFERS = 4
 
