@@ -453,8 +453,7 @@ class Trainer:
         lr = lr_at(self.step_index, self.schedule)
         self.policy.begin_step(self.step_index, lr)
         if self.spec.router_load is not None:
-            self.spec.router_load.reset()
-            self.spec.router_load.sweeps = [len(part) for part in self.pipeline.sweeps_of(micro)]
+            self.spec.router_load.reset(sweeps=[len(part) for part in self.pipeline.sweeps_of(micro)])
         loss, grad_norm, router = self._step_values(self.pipeline.run(micro, loss_scale=1.0 / n_targets), n_targets)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -556,10 +555,7 @@ class Trainer:
         if micro:
             loss_sum = self.pipeline.evaluate(micro)
         if self.spec.router_load is not None:
-            self.spec.router_load.reset()
-            self.spec.router_load.sweeps = [
-                len(part) for part in self.pipeline.sweeps_of(micro)
-            ]  # evaluation's routing is not part of any step's load-balancing loss
+            self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
         return loss_sum.item(), int((labels != -100).sum())
@@ -584,10 +580,7 @@ class Trainer:
         micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
         logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro, reference) if micro else [])]
         if self.spec.router_load is not None:
-            self.spec.router_load.reset()
-            self.spec.router_load.sweeps = [
-                len(part) for part in self.pipeline.sweeps_of(micro)
-            ]  # (a forward's routing is no step's load-balancing statistic)
+            self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
         logps = torch.cat(logps) if logps else torch.zeros(0, labels.shape[1], dtype=torch.float64)
         return self.sync.gather_rows(logps) if self.sync is not None else logps
 

@@ -351,7 +351,6 @@ class RouterLoad:
         # with data parallelism: sums a tensor over the ranks in place, so that the statistics
         # (and the loss's gradient) are those of the global batch
         self.reduce: Callable[[Tensor], Tensor] | None = None
-        self.sweeps: list[int] | None = None  # micro-batches of each of the step's sweeps; None: one sweep
         self.reset()
 
     @property
@@ -359,7 +358,9 @@ class RouterLoad:
         """Whether a backward needs the routing again for a loss's gradient."""
         return bool(self.coef or self.seq_coef or self.z_coef)
 
-    def reset(self) -> None:
+    def reset(self, sweeps: list[int] | None = None) -> None:
+        """Forget the records, for a pass whose `sweeps` ran so many micro-batches each (None: one sweep)."""
+        self.sweeps = sweeps
         # [picks per expert, probability sums per expert, rows, sequence-wise loss summed over sequences,
         # squared logsumexp summed over tokens]
         self._stats: Tensor | None = None
