@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import expert_kernels
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_params, attention_spans
 from .layout import (
@@ -584,12 +585,20 @@ def _grouped_weight_grad(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
 
 def _grouped_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None):
     """The backward of `_grouped_matmul(x, weight)` for `grad` [rows, out]: (x's gradient, the weight's, or None
-    where it was added into `into`). The weight's is computed in the orientation its storage has, so that adding
+    where it was added into `into`: by the grouped kernel that accumulates in fp32, `expert_kernels`, where the
+    experts run grouped in bf16). The weight's is computed in the orientation its storage has, so that adding
     it reads and writes memory in order."""
     grad = grad.contiguous()
     grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
     target = weight if into is None else into
-    if target.transpose(1, 2).is_contiguous():  # stored [n_experts, out, in]: transformers' per-expert layout
+    out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
+    if into is not None and slots.grouped and expert_kernels.runs_on(grad, into):
+        if out_in:
+            expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2), grad, x, slots.offsets)
+        else:
+            expert_kernels.add_grouped_weight_grad_(into, x, grad, slots.offsets)
+        return grad_x, None
+    if out_in:
         grad_weight = _grouped_weight_grad(grad, x, slots).transpose(1, 2)
     else:
         grad_weight = _grouped_weight_grad(x, grad, slots)
