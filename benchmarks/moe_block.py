@@ -70,7 +70,7 @@ def main():
     result = {
         "machine": machine(),
         "model": args.model,
-        "layer": layer,
+        **({"layer": layer} if args.layer is not None else {}),  # none: the first MoE layer, as the tables read it
         "tokens": args.tokens,
         "seq_len": args.seq_len,
         "kept_products": args.kept,
