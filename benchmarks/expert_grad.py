@@ -33,7 +33,7 @@ CONFIGS = [
 
 
 def routed_rows(tokens: int, n_experts: int, top_k: int) -> torch.Tensor:
-    """[n_experts] int32 end rows of a random top-k routing of `tokens` tokens (softmax of random logits)."""
+    """[n_experts] int32 end rows of a random top-k routing of `tokens` tokens (the top-k of random logits)."""
     choice = torch.randn(tokens, n_experts, device="cuda").topk(top_k, dim=-1).indices
     return torch.bincount(choice.reshape(-1), minlength=n_experts).cumsum(0).to(torch.int32)
 

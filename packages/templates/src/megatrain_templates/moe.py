@@ -592,16 +592,12 @@ def _grouped_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, slots: _Sl
     grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
     target = weight if into is None else into
     out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
+    a, b = (grad, x) if out_in else (x, grad)  # the gradient in its storage's orientation: a^T b per expert
     if into is not None and slots.grouped and expert_kernels.runs_on(grad, into):
-        if out_in:
-            expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2), grad, x, slots.offsets)
-        else:
-            expert_kernels.add_grouped_weight_grad_(into, x, grad, slots.offsets)
+        expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2) if out_in else into, a, b, slots.offsets)
         return grad_x, None
-    if out_in:
-        grad_weight = _grouped_weight_grad(grad, x, slots).transpose(1, 2)
-    else:
-        grad_weight = _grouped_weight_grad(x, grad, slots)
+    grad_weight = _grouped_weight_grad(a, b, slots)
+    grad_weight = grad_weight.transpose(1, 2) if out_in else grad_weight
     if into is None:
         return grad_x, grad_weight
     into.add_(grad_weight)
