@@ -249,20 +249,10 @@ def load_token_data(
     if tokenizer is None and model_dir is not None and (model_dir / "tokenizer.json").exists():
         tokenizer = model_dir / "tokenizer.json"
     if data.dataset is None:
-        text = Path(data.text) if data.text is not None else builtin_corpus()
-        if tokenizer is None:
-            tokenizer = text_tokenizer([text] + ([Path(data.validation)] if as_file else []), vocab_size, cache_dir)
-        tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
-        check_tokens(tokens, vocab_size, f"tokens of {text}")
-        validation = None
-        if as_file:
-            validation, _ = tokenize_text(Path(data.validation), tokenizer, vocab_size, cache_dir)
-            check_tokens(validation, vocab_size, f"tokens of data.validation {data.validation}")
-        train, held = _split_stream(tokens, data, validation)
-        return TokenData(train, held, tokenizer)
+        return _text_token_data(data, tokenizer, vocab_size, cache_dir)
 
     from .preference import preference_rows, uses_pairs
-    from .records import load_records, records_to_rows, resolve_sources
+    from .records import records_to_rows
 
     pairs = uses_pairs(data)
     if tokenizer is None:
@@ -271,18 +261,7 @@ def load_token_data(
                 "fine-tuning data needs the model's tokenizer: set data.tokenizer or use model.hf_dir "
                 "with a tokenizer.json"
             )
-        source = resolve_sources(data)[0]
-        records = load_records(source)
-        if data.text_field not in records.column_names:
-            raise ConfigError(
-                f"dataset {source.name!r} has no field {data.text_field!r} (fields: {records.column_names}); "
-                "set data.text_field"
-            )
-        key = json.dumps([getattr(records, "_fingerprint", "") or source.location, data.text_field])
-        texts = (str(r[data.text_field]) for r in records)
-        tokenizer = cached_tokenizer(
-            key, vocab_size, cache_dir, lambda out: train_tokenizer(None, vocab_size, out, texts=texts)
-        )
+        tokenizer = _dataset_tokenizer(data, vocab_size, cache_dir)
     loaded = load_tokenizer(tokenizer)
     if loaded.get_vocab_size() > vocab_size:
         raise ConfigError(
@@ -299,6 +278,39 @@ def load_token_data(
     if rows.template_source is not None:
         report.insert(0, f"chat template: {rows.template_source}")
     return TokenData(rows.train, rows.validation, tokenizer, report, pairs)
+
+
+def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int, cache_dir: Path) -> TokenData:
+    """A text file's tokens (the built-in corpus without `data.text`), with a tokenizer trained on it where none is
+    given, split into training and held-out tokens."""
+    as_file = isinstance(data.validation, str)
+    text = Path(data.text) if data.text is not None else builtin_corpus()
+    if tokenizer is None:
+        tokenizer = text_tokenizer([text] + ([Path(data.validation)] if as_file else []), vocab_size, cache_dir)
+    tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
+    check_tokens(tokens, vocab_size, f"tokens of {text}")
+    validation = None
+    if as_file:
+        validation, _ = tokenize_text(Path(data.validation), tokenizer, vocab_size, cache_dir)
+        check_tokens(validation, vocab_size, f"tokens of data.validation {data.validation}")
+    train, held = _split_stream(tokens, data, validation)
+    return TokenData(train, held, tokenizer)
+
+
+def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> Path:
+    """A tokenizer trained (once, cached) on the `data.text_field` of a plain-text dataset that brings none."""
+    from .records import load_records, resolve_sources
+
+    source = resolve_sources(data)[0]
+    records = load_records(source)
+    if data.text_field not in records.column_names:
+        raise ConfigError(
+            f"dataset {source.name!r} has no field {data.text_field!r} (fields: {records.column_names}); "
+            "set data.text_field"
+        )
+    key = json.dumps([getattr(records, "_fingerprint", "") or source.location, data.text_field])
+    texts = (str(r[data.text_field]) for r in records)
+    return cached_tokenizer(key, vocab_size, cache_dir, lambda out: train_tokenizer(None, vocab_size, out, texts=texts))
 
 
 def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):

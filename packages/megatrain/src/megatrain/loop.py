@@ -353,8 +353,28 @@ class TrainingRun:
     def _start(self) -> None:
         """Cut the data into windows (or pairs), score them under DPO's reference, load the checkpoint resumed, keep
         the metrics it holds, say what runs."""
+        self._cut_data()
+        if self.resume is not None:
+            manifest = load_checkpoint(self.trainer, self.resume)
+            if self.rollouts is not None:
+                self.rollouts.resume(self.resume)
+            print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
+        if not self.main:
+            return
+        (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))
+        atomic_write_text(self.out / "placement.json", json.dumps(self.trainer.plan.record(), indent=2))
+        kept = []
+        if self.resume is not None and self.metrics_path.exists():  # the steps the checkpoint already contains
+            lines = self.metrics_path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= self.trainer.step_index]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self._say_what_runs()
+
+    def _cut_data(self) -> None:
+        """The step's windows, pairs or rollouts (and DPO's reference scores), before a checkpoint is loaded: the
+        reference passes read the store's initial weights."""
         trainer, config, data, train = self.trainer, self.config, self.data, self.config.train
-        if train.objective == "grpo":  # (before a checkpoint is loaded: a reference pass reads the initial weights)
+        if train.objective == "grpo":
             self.rollouts = make_rollouts(trainer, config)
         elif data.pairs:
             self.windows = trainer.pair_windows(data.train, train.batch_size, config.data.shuffle, train.seed)
@@ -378,20 +398,10 @@ class TrainingRun:
             )
             if data.validation is not None:
                 self.validation = row_windows(data.validation, config.data.seq_len, 1, shuffle=False, seed=0)
-        if self.resume is not None:
-            manifest = load_checkpoint(trainer, self.resume)
-            if self.rollouts is not None:
-                self.rollouts.resume(self.resume)
-            print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
-        if not self.main:
-            return
-        (self.out / "config.json").write_text(json.dumps(config.as_dict(), indent=2))
-        atomic_write_text(self.out / "placement.json", json.dumps(trainer.plan.record(), indent=2))
-        kept = []
-        if self.resume is not None and self.metrics_path.exists():  # the steps the checkpoint already contains
-            lines = self.metrics_path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= trainer.step_index]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def _say_what_runs(self) -> None:
+        """The run's model, machine, memory, data and placement, and warnings, on stderr."""
+        trainer, config = self.trainer, self.config
         for line in self.data.report:
             print(f"megatrain: {line}", file=sys.stderr)
         host_bytes = trainer.host_bytes()
@@ -456,29 +466,8 @@ class TrainingRun:
                 media=media_of(batch),
             )
         self._record(metrics.as_dict() | made_metrics)
-        postfix = {
-            "loss": f"{metrics.loss:.4f}",
-            "tok_s": f"{metrics.tokens_per_s:,.0f}",
-            "tflops": f"{metrics.tflops:.3g}",
-        }
-        if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
-            postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
-        if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
-            postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
-        if metrics.objective and "rewards/accuracies" in metrics.objective:  # DPO: how often chosen beats rejected
-            postfix["acc"] = f"{metrics.objective['rewards/accuracies']:.2f}"
-            postfix["margin"] = f"{metrics.objective['rewards/margins']:.3f}"
-        if "reward" in made_metrics:  # GRPO: the mean reward of the step's completions
-            postfix["reward"] = f"{made_metrics['reward']:.3f}"
-        every = train.eval_every
-        if self.validation is not None and (
-            (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
-        ):
-            if isinstance(self.validation, PairWindows):
-                self.last_eval.update(evaluate_pairs(trainer, self.validation, self.validation_reference))
-            else:
-                self.last_eval.update(evaluate(trainer, self.validation))
-            self._record({"step": trainer.step_index, **self.last_eval})
+        postfix = _postfix(metrics, made_metrics)
+        self._validate_if_due()
         if self.last_eval:
             postfix["val"] = f"{self.last_eval['val_loss']:.4f}"
         bar.set_postfix(**postfix)
@@ -493,6 +482,20 @@ class TrainingRun:
             self._stop_for_bad_steps()
         if train.save_every and trainer.step_index % train.save_every == 0:
             self.save()
+
+    def _validate_if_due(self) -> None:
+        """The validation loss (or DPO's pair metrics) every train.eval_every steps and at the last, recorded."""
+        trainer, train = self.trainer, self.config.train
+        every = train.eval_every
+        if self.validation is None or not (
+            (every and trainer.step_index % every == 0) or trainer.step_index == train.steps
+        ):
+            return
+        if isinstance(self.validation, PairWindows):
+            self.last_eval.update(evaluate_pairs(trainer, self.validation, self.validation_reference))
+        else:
+            self.last_eval.update(evaluate(trainer, self.validation))
+        self._record({"step": trainer.step_index, **self.last_eval})
 
     def _write_samples(self, made, step: int) -> None:
         """Every train.grpo.log_completions_every steps, the step's completions (a new rollout's) into
@@ -590,3 +593,22 @@ class TrainingRun:
         if self.main:
             write_trainer_state(final, self.trainer.step_index, self.config.train.steps)
         return final
+
+
+def _postfix(metrics, made_metrics: dict) -> dict[str, str]:
+    """The progress bar's numbers for a step: loss, rate, and what the model or objective adds."""
+    postfix = {
+        "loss": f"{metrics.loss:.4f}",
+        "tok_s": f"{metrics.tokens_per_s:,.0f}",
+        "tflops": f"{metrics.tflops:.3g}",
+    }
+    if metrics.router_aux_loss is not None:  # expert balance: n_experts * sum f_e P_e, top_k when even
+        postfix["aux"] = f"{metrics.router_aux_loss:.3f}"
+    if metrics.router_max_violation is not None:  # the worst layer's max expert load / mean - 1
+        postfix["maxvio"] = f"{metrics.router_max_violation:.2f}"
+    if metrics.objective and "rewards/accuracies" in metrics.objective:  # DPO: how often chosen beats rejected
+        postfix["acc"] = f"{metrics.objective['rewards/accuracies']:.2f}"
+        postfix["margin"] = f"{metrics.objective['rewards/margins']:.3f}"
+    if "reward" in made_metrics:  # GRPO: the mean reward of the step's completions
+        postfix["reward"] = f"{made_metrics['reward']:.3f}"
+    return postfix

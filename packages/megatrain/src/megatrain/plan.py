@@ -1208,81 +1208,98 @@ BOUND_NAMES = {
 
 def format_plan(plan: Plan, model_name: str) -> str:
     """`megatrain plan`'s report: memory, the placement as a table of layer ranges, the predicted step."""
-    gib = 2**30
+    active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params != plan.n_params else ""
     lines = [
-        f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters"
-        + (f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params != plan.n_params else ""),
-        f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
-        + (f" of {plan.host_available / gib:.1f} GiB available" if plan.host_available else "")
-        + (f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk" if plan.disk_bytes else "")
-        + (f"; gradient pool of {plan.gradient_pool:g} largest groups" if plan.gradient_pool else "")
-        + ("; with GRPO's KL reference weights" if plan.reference_copy else "")
-        + (
-            f"; {plan.frozen_params / 1e9:.2f}B frozen parameters ({', '.join(plan.frozen_parts) or 'unused'}) hold "
-            "weights only"
-            if plan.frozen_params
-            else ""
-        )
-        + (
-            f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation"
-            if plan.generation_host_bytes
-            else ""
-        ),
-        (
-            f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB free"
-            if plan.gpu_available
-            else "compute on       the CPU (no GPU): weight slots and activations live in host memory"
-        )
-        + (f", {plan.offloaded_layers} stages' activation checkpoints in host memory" if plan.offloaded_layers else "")
-        + (f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)" if plan.kept_layers else "")
-        + (
-            f", {plan.host_kept_layers} more in host memory ({plan.host_kept_bytes / gib:.1f} GiB)"
-            if plan.host_kept_layers
-            else ""
-        )
-        + (f", {plan.held_layers} layers' weights held from forward to backward" if plan.held_layers else "")
-        + (
-            f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "
-            f"({plan.gpu_updated_bytes / gib:.1f} GiB)"
-            if plan.gpu_updated_layers
-            else ""
-        )
-        + (f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}" if plan.experts_per_stage else ""),
-        f"tokens per step  {plan.tokens_per_step:,}"
-        + (
-            f" over {plan.gpus} GPU(s) x {plan.hosts} host(s)"
-            + (" splitting the state" if plan.split_state else "")
-            + "; host memory per host, GPU memory per GPU"
-            + (f"; {plan.network_bytes / 1e9:.1f} GB per host per step between hosts" if plan.hosts > 1 else "")
-            if plan.gpus * plan.hosts > 1
-            else ""
-        ),
+        f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters{active}",
+        _host_line(plan),
+        _device_line(plan),
+        f"tokens per step  {plan.tokens_per_step:,}{_ranks_clause(plan)}",
         "",
         plan.placement.table(plan.stage_names, "GPU" if plan.gpu_available else "device"),
         *(f"  - {reason}" for reason in plan.placement.why.values()),
         "",
-        f"step time        {plan.step_s:.2f} s  (GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, "
-        f"CPU AdamW {plan.optimizer_s:.2f} s"
-        + (f", disk {plan.disk_s:.2f} s" if plan.disk_s else "")
-        + (f", network {plan.network_s:.2f} s" if plan.network_s else "")
-        + f" overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
-        f"bound by         {BOUND_NAMES[plan.bound] if plan.gpu_available or plan.bound != 'compute' else 'compute'}"
-        + (
-            ""
-            if plan.bound == "compute"
-            else f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
-        ),
-        f"throughput       {plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS"
-        + (
-            f"; DPO's reference pass before training (forward only) {plan.reference_tokens_per_s:,.0f} tokens/s"
-            if plan.reference_tokens_per_s
-            else ""
-        ),
-        f"rates            {'GPU' if plan.gpu_available else 'CPU'} blocks {plan.rates.gpu_tflops}"
-        + (f" (kept {plan.rates.gpu_kept_tflops})" if plan.rates.gpu_kept_tflops else "")
-        + f" / head {plan.rates.head_tflops} TFLOPS, "
-        f"PCIe {plan.rates.pcie_gbps} GB/s, "
-        f"CPU AdamW {plan.rates.cpu_adam_params_per_s / 1e9:.1f} G params/s, disk {plan.rates.disk_gbps} GB/s "
-        f"({plan.rates.source})",
+        *_step_lines(plan),
     ]
     return "\n".join(lines)
+
+
+def _host_line(plan: Plan) -> str:
+    gib = 2**30
+    line = f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
+    if plan.host_available:
+        line += f" of {plan.host_available / gib:.1f} GiB available"
+    if plan.disk_bytes:
+        line += f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk"
+    if plan.gradient_pool:
+        line += f"; gradient pool of {plan.gradient_pool:g} largest groups"
+    if plan.reference_copy:
+        line += "; with GRPO's KL reference weights"
+    if plan.frozen_params:
+        frozen = ", ".join(plan.frozen_parts) or "unused"
+        line += f"; {plan.frozen_params / 1e9:.2f}B frozen parameters ({frozen}) hold weights only"
+    if plan.generation_host_bytes:
+        line += f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation"
+    return line
+
+
+def _device_line(plan: Plan) -> str:
+    gib = 2**30
+    if plan.gpu_available:
+        line = f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB free"
+    else:
+        line = "compute on       the CPU (no GPU): weight slots and activations live in host memory"
+    if plan.offloaded_layers:
+        line += f", {plan.offloaded_layers} stages' activation checkpoints in host memory"
+    if plan.kept_layers:
+        line += f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)"
+    if plan.host_kept_layers:
+        line += f", {plan.host_kept_layers} more in host memory ({plan.host_kept_bytes / gib:.1f} GiB)"
+    if plan.held_layers:
+        line += f", {plan.held_layers} layers' weights held from forward to backward"
+    if plan.gpu_updated_layers:
+        line += (
+            f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "
+            f"({plan.gpu_updated_bytes / gib:.1f} GiB)"
+        )
+    if plan.experts_per_stage:
+        line += f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}"
+    return line
+
+
+def _ranks_clause(plan: Plan) -> str:
+    if plan.gpus * plan.hosts == 1:
+        return ""
+    clause = f" over {plan.gpus} GPU(s) x {plan.hosts} host(s)"
+    if plan.split_state:
+        clause += " splitting the state"
+    clause += "; host memory per host, GPU memory per GPU"
+    if plan.hosts > 1:
+        clause += f"; {plan.network_bytes / 1e9:.1f} GB per host per step between hosts"
+    return clause
+
+
+def _step_lines(plan: Plan) -> list[str]:
+    """The predicted step: its time and parts, what bounds it, its throughput and the rates it came from."""
+    parts = f"GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, CPU AdamW {plan.optimizer_s:.2f} s"
+    if plan.disk_s:
+        parts += f", disk {plan.disk_s:.2f} s"
+    if plan.network_s:
+        parts += f", network {plan.network_s:.2f} s"
+    bound = BOUND_NAMES[plan.bound] if plan.gpu_available or plan.bound != "compute" else "compute"
+    if plan.bound != "compute":
+        bound += f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
+    throughput = f"{plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS"
+    if plan.reference_tokens_per_s:
+        throughput += (
+            f"; DPO's reference pass before training (forward only) {plan.reference_tokens_per_s:,.0f} tokens/s"
+        )
+    rates = plan.rates
+    kept = f" (kept {rates.gpu_kept_tflops})" if rates.gpu_kept_tflops else ""
+    return [
+        f"step time        {plan.step_s:.2f} s  ({parts} overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
+        f"bound by         {bound}",
+        f"throughput       {throughput}",
+        f"rates            {'GPU' if plan.gpu_available else 'CPU'} blocks {rates.gpu_tflops}{kept} / head "
+        f"{rates.head_tflops} TFLOPS, PCIe {rates.pcie_gbps} GB/s, CPU AdamW {rates.cpu_adam_params_per_s / 1e9:.1f} "
+        f"G params/s, disk {rates.disk_gbps} GB/s ({rates.source})",
+    ]

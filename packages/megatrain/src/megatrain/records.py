@@ -571,26 +571,8 @@ def records_to_rows(
     """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`); records with images
     or videos go through the processor of `model_dir` instead (multimodal.py), uncached."""
     sources = resolve_sources(data)
-    if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
-        raise ConfigError("data.dataset names preference pairs: read them with megatrain.preference.preference_rows")
-    text = sources[0].formatting == "text"
-    if any((s.formatting == "text") != text for s in sources):
-        raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
-    if text and data.pack:
-        raise ConfigError(
-            "data.pack packs chat and instruction examples; text records are already one stream cut into "
-            "windows (set data.pack: false, or data.format to the records' chat format)"
-        )
-    template = None
-    if not text:
-        template = load_chat_template(tokenizer_path.parent, data.chat_template, eos)
-        if template is None:
-            template = load_chat_template(None, "simple", eos)
-            print(
-                f"megatrain: the tokenizer at {tokenizer_path.parent} has no chat template; using the simple "
-                "template (docs/guide.md). Set data.chat_template to a .jinja file to use another.",
-                file=sys.stderr,
-            )
+    text = _is_text(data, sources)
+    template = None if text else _chat_template(tokenizer_path, data.chat_template, eos)
     all_records = [load_records(s) for s in sources]
     validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None
     from .multimodal import media_columns, media_rows  # (it builds on this module)
@@ -621,22 +603,55 @@ def records_to_rows(
         sources, all_records, validation_records, data, seed, encode
     )
     pad = pad_token_id(tokenizer, eos)
+    train, validation = _rows_of(train_examples, validation_examples, data, text, pad, lines)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    has_validation = data.validation is not None
-    if text:
-        train, validation = _stream(train_examples), _stream(validation_examples) if has_validation else None
-    else:
-        train = to_rows(train_examples, data.seq_len, data.pack, pad)
-        validation = to_rows(validation_examples, data.seq_len, data.pack, pad) if has_validation else None
-        if data.pack:
-            used = sum(len(ids) for ids in train_examples.ids) / max(1, train.tokens.size)
-            lines.append(
-                f"packed {len(train_examples.ids)} examples into {len(train.tokens)} rows ({used:.0%} tokens used)"
-            )
     train.save(str(prefix))
     if validation is not None:
         validation.save(f"{prefix}.val")
-    report_path.write_text(
-        json.dumps({"lines": lines, "validation": has_validation})
-    )  # written last: the cache is whole
+    # written last: the cache is whole
+    report_path.write_text(json.dumps({"lines": lines, "validation": validation is not None}))
     return RecordData(train, validation, lines, template and template.source)
+
+
+def _is_text(data: DataSection, sources: list[Source]) -> bool:
+    """Whether the sources are plain text (pre-training) rather than chat records; mixes and packed text refused."""
+    if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
+        raise ConfigError("data.dataset names preference pairs: read them with megatrain.preference.preference_rows")
+    text = sources[0].formatting == "text"
+    if any((s.formatting == "text") != text for s in sources):
+        raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
+    if text and data.pack:
+        raise ConfigError(
+            "data.pack packs chat and instruction examples; text records are already one stream cut into "
+            "windows (set data.pack: false, or data.format to the records' chat format)"
+        )
+    return text
+
+
+def _chat_template(tokenizer_path: Path, chat_template: str | None, eos: str):
+    """The chat template configured or the tokenizer's own; the simple template (said on stderr) where it has none."""
+    template = load_chat_template(tokenizer_path.parent, chat_template, eos)
+    if template is None:
+        template = load_chat_template(None, "simple", eos)
+        print(
+            f"megatrain: the tokenizer at {tokenizer_path.parent} has no chat template; using the simple "
+            "template (docs/guide.md). Set data.chat_template to a .jinja file to use another.",
+            file=sys.stderr,
+        )
+    return template
+
+
+def _rows_of(train_examples, validation_examples, data: DataSection, text: bool, pad: int, lines: list[str]):
+    """(training, validation or None) tokens: text as one stream; chat examples as rows of seq_len, packed where
+    data.pack says (a line for the report)."""
+    has_validation = data.validation is not None
+    if text:
+        return _stream(train_examples), _stream(validation_examples) if has_validation else None
+    train = to_rows(train_examples, data.seq_len, data.pack, pad)
+    validation = to_rows(validation_examples, data.seq_len, data.pack, pad) if has_validation else None
+    if data.pack:
+        used = sum(len(ids) for ids in train_examples.ids) / max(1, train.tokens.size)
+        lines.append(
+            f"packed {len(train_examples.ids)} examples into {len(train.tokens)} rows ({used:.0%} tokens used)"
+        )
+    return train, validation

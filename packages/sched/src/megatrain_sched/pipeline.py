@@ -351,7 +351,23 @@ class LayerPipeline:
             for _ in range(n_slots)
         ]
         self._init_staging(max(self._stage_numels))
-        n = len(stages)
+        self._init_order()
+        self.fallback: str | None = None  # what the last step changed of its placement, and why; None: nothing
+        self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
+        self.executed: Placement | None = None  # the placement the last training step ran
+        # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
+        self.free_device_memory: Callable[[], int] | None = (
+            (lambda: free_device_bytes(self.device)) if self.streams.cuda else None
+        )
+        self._held: dict[int, _Slot] = {}
+        self._carried_grads: dict[int, Tensor] = {}  # resident groups' gradient buffers, from sweep to sweep
+        self._fitted_placement: Placement | None = None  # the step's placement as its first sweep fitted it
+        self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
+        self.place(placement or Placement.build(len(stages)), device_masters)
+
+    def _init_order(self) -> None:
+        """The order a training step and an evaluation pass run the stages in, and what each backward needs."""
+        stages, store, n = self.stages, self.store, len(self.stages)
         # the backward stops at the first stage that trains a group: before it, nothing needs a gradient (a frozen
         # vision tower's store groups keep none, `HostStore.frozen`)
         trains = [i for i, stage in enumerate(stages) if any(g not in store.frozen for g in stage.groups)]
@@ -370,18 +386,6 @@ class LayerPipeline:
         self._weightless_backward = {
             index for index, stage in enumerate(stages) if not getattr(stage.template, "backward_reads_weights", True)
         }
-        self.fallback: str | None = None  # what the last step changed of its placement, and why; None: nothing
-        self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
-        self.executed: Placement | None = None  # the placement the last training step ran
-        # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
-        self.free_device_memory: Callable[[], int] | None = (
-            (lambda: free_device_bytes(self.device)) if self.streams.cuda else None
-        )
-        self._held: dict[int, _Slot] = {}
-        self._carried_grads: dict[int, Tensor] = {}  # resident groups' gradient buffers, from sweep to sweep
-        self._fitted_placement: Placement | None = None  # the step's placement as its first sweep fitted it
-        self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
-        self.place(placement or Placement.build(n), device_masters)
 
     def _init_staging(self, slot_numel: int) -> None:
         """The staging ring and the cast stream, where fp32 masters are cast on the device."""

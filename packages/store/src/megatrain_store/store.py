@@ -67,6 +67,18 @@ class MemoryReport:
         return sum(size for name, size in self.arenas.items() if self.pinned.get(name))
 
 
+def _checked_shard(shard: tuple[int, int], owned: tuple[int, int] | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(shard, owned) checked: this process's (index, count) shard and the (first, number) of shards it owns."""
+    if not 0 <= shard[0] < shard[1]:
+        raise StoreError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
+    owned = (0, shard[1]) if owned is None else owned
+    if not (0 <= owned[0] and owned[1] >= 1 and sum(owned) <= shard[1]):
+        raise StoreError(f"owned must be (first shard, number of shards) within the {shard[1]} shards, got {owned}")
+    if not owned[0] <= shard[0] < sum(owned):
+        raise StoreError(f"this process's shard {shard[0]} must be among the owned shards {owned}")
+    return shard, owned
+
+
 class HostStore:
     """Flat per-group host buffers: fp32 master, fp32 grads, named state, optionally a wire copy and a reference.
 
@@ -136,14 +148,7 @@ class HostStore:
         self._arena_numel = total
         self.n_params = sum(layout.numel for layout in self.layouts)
         self.shared = shared
-        if not 0 <= shard[0] < shard[1]:
-            raise StoreError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
-        self.shard = shard
-        self.owned = (0, shard[1]) if owned is None else owned
-        if not (0 <= self.owned[0] and self.owned[1] >= 1 and sum(self.owned) <= shard[1]):
-            raise StoreError(f"owned must be (first shard, number of shards) within the {shard[1]} shards, got {owned}")
-        if not self.owned[0] <= shard[0] < sum(self.owned):
-            raise StoreError(f"this process's shard {shard[0]} must be among the owned shards {self.owned}")
+        self.shard, self.owned = _checked_shard(shard, owned)
         self.owns_all = self.owned == (0, shard[1])
         self.frozen = frozenset(frozen)
         # master weights: the owned range of each group, back to back; optimizer state likewise, frozen groups left out
@@ -157,19 +162,28 @@ class HostStore:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
         if reference_copy:
             self.arenas["reference"] = self._allocate(compute_dtype, name="reference")
+        self._allocate_grads(grad_pool, grad_total)
+        self._allocate_state(state_dir, first_disk_group, state_total)
+        self._pin_transfer_arenas(cuda_available() if pin is None else pin)
+
+    def _allocate_grads(self, grad_pool: float | None, grad_total: int) -> None:
+        """The gradient arena: one buffer per group (`grad_pool` None), or a pool of `grad_pool` x the largest."""
         self.grad_pool = grad_pool
         if grad_pool is None:
             self.arenas["grad"] = self._allocate(self.master_dtype, grad_total)
-        else:
-            if not grad_pool >= 1:
-                raise StoreError(
-                    f"grad_pool must be >= 1 (times the largest group's gradient), or None for one buffer per "
-                    f"group; got {grad_pool}"
-                )
-            self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
-            self._free_extents = [(0, self.arenas["grad"].numel())]  # (start, length) in the pool, by start
-            self._held_grads: dict[int, tuple[int, int]] = {}  # group -> (start, length) it holds
-            self._grads_changed = threading.Condition()
+            return
+        if not grad_pool >= 1:
+            raise StoreError(
+                f"grad_pool must be >= 1 (times the largest group's gradient), or None for one buffer per "
+                f"group; got {grad_pool}"
+            )
+        self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
+        self._free_extents = [(0, self.arenas["grad"].numel())]  # (start, length) in the pool, by start
+        self._held_grads: dict[int, tuple[int, int]] = {}  # group -> (start, length) it holds
+        self._grads_changed = threading.Condition()
+
+    def _allocate_state(self, state_dir: Path | None, first_disk_group: int, state_total: int) -> None:
+        """The optimizer-state arenas in RAM, and the files of the groups from `first_disk_group` on."""
         self.state_dir = Path(state_dir) if state_dir is not None else None
         if not 0 <= first_disk_group <= self.n_groups:
             raise StoreError(f"first_disk_group must be in 0..{self.n_groups}, got {first_disk_group}")
@@ -186,7 +200,8 @@ class HostStore:
             if on_disk:
                 self._map(name, state_total - ram_numel)
 
-        should_pin = cuda_available() if pin is None else pin
+    def _pin_transfer_arenas(self, should_pin: bool) -> None:
+        """Page-locks the arenas that cross PCIe (the wire copy or master, gradients, the reference copy)."""
         wire_arena = "wire" if "wire" in self.arenas else "master"
         self.pinned = {name: False for name in self.arenas}
         start = time.perf_counter()
@@ -195,7 +210,7 @@ class HostStore:
         self._pinned_ptrs: list[int] = []
         weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], self._pinned_ptrs)
         if should_pin:
-            for name in (wire_arena, "grad", *(["reference"] if reference_copy else [])):
+            for name in (wire_arena, "grad", *(["reference"] if "reference" in self.arenas else [])):
                 self._pin(name)
         self.pin_seconds = time.perf_counter() - start
 

@@ -291,46 +291,12 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
         return build_generic_model(config)
     embed_scale = config.d_model**0.5 if config.gemma else config.embedding_multiplier
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id, embed_scale)
-    router_load = None
-    if config.is_moe:
-        coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
-        n_moe_layers = sum(config.layer_is_moe(layer) for layer in range(config.n_layers))
-        router_load = RouterLoad(config.n_experts, config.n_experts_per_tok, coef, n_moe_layers)
+    router_load = _router_load(config)
     parts = expert_parts(config.n_experts, experts_per_stage) if config.is_moe else ()
-    templates: dict[tuple, object] = {}  # one per kind of layer (dense or MoE, windowed or not) and part
-
-    def template(key: tuple, make):
-        if key not in templates:
-            templates[key] = make()
-        return templates[key]
-
-    groups = [Group("embed", _renamed(embedding.groups[0], "model."))]
-    stages = [StageSpec("embed", embedding, (0,))]
-    group_index = {"embed": 0}
-
-    def add_stage(name: str, block, group_names: tuple[str, ...], prefix: str) -> None:
-        """A stage binding `group_names` (in the template's order), each made at its first stage."""
-        for group_name, params in zip(group_names, block.groups):
-            if group_name not in group_index:
-                group_index[group_name] = len(groups)
-                groups.append(Group(group_name, _renamed(params, prefix)))
-        stages.append(StageSpec(name, block, tuple(group_index[g] for g in group_names)))
-
+    spec = _SpecBuilder()
+    spec.add_stage("embed", embedding, ("embed",), "model.")
     for layer in range(config.n_layers):
-        shape, prefix, name = block_shape(config, layer), f"model.layers.{layer}.", f"layer{layer}"
-        if not config.layer_is_moe(layer):
-            add_stage(name, template((shape, "dense"), lambda: DecoderBlock(shape)), (name,), prefix)
-        elif not parts:
-            block = template((shape, "moe"), lambda: MoeBlock(shape, moe_shape(config), router_load))
-            add_stage(name, block, (name,), prefix)
-        else:
-            attention = template((shape, "attention"), lambda: MoeAttention(shape, moe_shape(config), router_load))
-            add_stage(f"{name}.attention", attention, (name, f"{name}.router"), prefix)
-            for first, stop in parts:
-                part = template((shape, first), lambda: MoeExperts(shape, moe_shape(config), first, stop))
-                add_stage(
-                    f"{name}.experts{first}-{stop - 1}", part, (f"{name}.router", f"{name}.experts{first}"), prefix
-                )
+        _add_layer(spec, config, layer, router_load, parts)
     head = Head(
         config.vocab_size,
         config.d_model,
@@ -340,15 +306,65 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
         logit_softcap=config.final_logit_softcapping,
         logit_divisor=config.logits_scaling,
     )
-    head_group = len(groups)
-    groups.append(
+    # the head's final norm is the model's ("model.norm.weight"); its projection is "lm_head.weight"
+    spec.groups.append(
         Group(
-            "head",
-            tuple(replace(p, name="model." + p.name) if p.name == "norm.weight" else p for p in head.groups[-1]),
+            "head", tuple(replace(p, name="model." + p.name) if p.name == "norm.weight" else p for p in head.groups[-1])
         )
     )
-    stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))
-    return ModelSpec(config, tuple(groups), tuple(stages), router_load, parts)
+    head_group = len(spec.groups) - 1
+    spec.stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))
+    return ModelSpec(config, tuple(spec.groups), tuple(spec.stages), router_load, parts)
+
+
+def _router_load(config: ModelConfig) -> RouterLoad | None:
+    """The routing statistics every MoE layer of a step shares (None for a dense model)."""
+    if not config.is_moe:
+        return None
+    coef = config.router_aux_loss_coef if config.output_router_logits else 0.0
+    n_moe_layers = sum(config.layer_is_moe(layer) for layer in range(config.n_layers))
+    return RouterLoad(config.n_experts, config.n_experts_per_tok, coef, n_moe_layers)
+
+
+class _SpecBuilder:
+    """A model's groups and stages as they are added, one template per kind of layer (dense or MoE, windowed or
+    not) and expert part."""
+
+    def __init__(self):
+        self.groups: list[Group] = []
+        self.stages: list[StageSpec] = []
+        self._group_index: dict[str, int] = {}
+        self._templates: dict[tuple, object] = {}
+
+    def template(self, key: tuple, make):
+        if key not in self._templates:
+            self._templates[key] = make()
+        return self._templates[key]
+
+    def add_stage(self, name: str, block, group_names: tuple[str, ...], prefix: str) -> None:
+        """A stage binding `group_names` (in the template's order), each made at its first stage."""
+        for group_name, params in zip(group_names, block.groups):
+            if group_name not in self._group_index:
+                self._group_index[group_name] = len(self.groups)
+                self.groups.append(Group(group_name, _renamed(params, prefix)))
+        self.stages.append(StageSpec(name, block, tuple(self._group_index[g] for g in group_names)))
+
+
+def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load, parts) -> None:
+    """Decoder layer `layer`'s stages: one block, or a MoE layer's trunk and then a stage per part of its experts."""
+    shape, prefix, name = block_shape(config, layer), f"model.layers.{layer}.", f"layer{layer}"
+    if not config.layer_is_moe(layer):
+        spec.add_stage(name, spec.template((shape, "dense"), lambda: DecoderBlock(shape)), (name,), prefix)
+        return
+    if not parts:
+        block = spec.template((shape, "moe"), lambda: MoeBlock(shape, moe_shape(config), router_load))
+        spec.add_stage(name, block, (name,), prefix)
+        return
+    attention = spec.template((shape, "attention"), lambda: MoeAttention(shape, moe_shape(config), router_load))
+    spec.add_stage(f"{name}.attention", attention, (name, f"{name}.router"), prefix)
+    for first, stop in parts:
+        part = spec.template((shape, first), lambda: MoeExperts(shape, moe_shape(config), first, stop))
+        spec.add_stage(f"{name}.experts{first}-{stop - 1}", part, (f"{name}.router", f"{name}.experts{first}"), prefix)
 
 
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> None:
