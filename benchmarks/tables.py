@@ -439,7 +439,9 @@ MOE_MODELS = [
 
 
 def moe_steps(rows: list[dict]) -> Table:
-    """Mixtures of experts, whole models or their first layers, newest default rows (experts whole)."""
+    """Mixtures of experts, whole models or their first layers, newest default rows (experts whole); the micro-batch
+    (sequences x tokens) shown, since the newest row of a GPU and step size may have run at another than its
+    neighbours."""
     candidates = [r for r in steps(rows, parts=True) if r["model"] in MOE_MODELS and not r.get("expert_parts")]
     best = newest(candidates, lambda r: (r["model"], part(r), gpu(r), r["tokens_per_step"]))
     chosen = sorted(best.values(), key=lambda r: (MOE_MODELS.index(r["model"]), r["tokens_per_step"]))
@@ -448,6 +450,7 @@ def moe_steps(rows: list[dict]) -> Table:
         "part",
         "GPU",
         "tokens/step",
+        "micro-batch",
         "step",
         "tokens/s",
         "model TFLOPS (active)",
@@ -460,6 +463,7 @@ def moe_steps(rows: list[dict]) -> Table:
             part(r),
             gpu(r),
             tokens(r["tokens_per_step"]),
+            f"{r['micro_batch_seqs']} x {r['seq_len']}",
             seconds(r["step_time_s"]),
             num(r["tokens_per_s"]),
             f"**{r['model_tflops']}**",
@@ -468,7 +472,7 @@ def moe_steps(rows: list[dict]) -> Table:
         ]
         for r in chosen
     ]
-    return Table(header, body, chosen, align="lll" + "r" * 6)
+    return Table(header, body, chosen, align="lll" + "r" * 7)
 
 
 def moe_expert_parts(rows: list[dict]) -> Table:
