@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.checkpoint import CHECKPOINTS, FINAL, MANIFEST
 from megatrain.rundir import LOCK, RunLock
 
 TINY = ["--set", "model.preset=tiny-llama", "--set", "device=cpu", "--set", "train.steps=1"]
@@ -38,6 +39,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     config = tmp_path / "config.yaml"
     config.write_text(f"model: {{preset: tiny-llama}}\ndevice: cpu\noutput_dir: {tmp_path / 'held'}\n")
     missing_tokenizer = tmp_path / "nowhere" / "tokenizer.json"
+    finished = tmp_path / "finished"  # a run's checkpoint and final model (their files need not be whole)
+    (finished / CHECKPOINTS / "step-00000003").mkdir(parents=True)
+    (finished / CHECKPOINTS / "step-00000003" / MANIFEST).write_text("{}")
+    (finished / FINAL).mkdir()
     return [
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
@@ -63,6 +68,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["eval", "--checkpoint", str(tmp_path / "no-run")], "no weights at"),
         (["train", "--config", str(config)], "is in use by another run"),  # (this test holds its lock)
         (["bench", "--steps", "x"], "invalid int value: 'x'"),
+        (
+            ["train", *TINY, "--set", f"output_dir={finished}"],
+            "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
+        ),
     ]
 
 

@@ -176,6 +176,24 @@ def _complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
 
 
+def check_output_dir_free(out: Path, resume: Path | None) -> None:
+    """Refuse (one line) to start a run in an output_dir that holds another run's checkpoints or final model: its
+    metrics, checkpoints and export would be mixed with this run's, and a later --resume would pick whichever
+    checkpoint is newest. Resuming a checkpoint of that run itself continues it."""
+    out = Path(out)
+    checkpoints = _complete_checkpoints(out / CHECKPOINTS)
+    if not checkpoints and not (out / FINAL).exists():
+        return
+    if resume is not None and Path(resume).resolve().is_relative_to(out.resolve()):
+        return
+    held = [f"checkpoints up to {checkpoints[-1].name}"] if checkpoints else []
+    held += [f"its model in {FINAL}/"] if (out / FINAL).exists() else []
+    raise ConfigError(
+        f"output_dir {out} already holds a run ({', '.join(held)}); continue it with --resume {out}, or set "
+        f"output_dir to a new directory (or remove {out})"
+    )
+
+
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint to resume from: a step-NNNNNNNN directory itself, or the newest complete one of a
     run directory, its checkpoints/ folder, or the run of its final/ export (whose weights alone, without

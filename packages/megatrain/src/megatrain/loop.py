@@ -24,6 +24,7 @@ from .checkpoint import (
     CHECKPOINTS,
     FINAL,
     MANIFEST,
+    check_output_dir_free,
     check_same_model,
     find_checkpoint,
     load_checkpoint,
@@ -273,6 +274,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
             note = lock.acquire()
             if note is not None:
                 print(f"megatrain: {note}", file=sys.stderr)
+            check_output_dir_free(out, resume)
         # the data is read first: a bad record stops the run before any host memory is allocated
         if config.train.objective == "grpo":  # (prompts or given completions: read once the trainer is made)
             check_grpo_settings(config, ranks)
