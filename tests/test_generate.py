@@ -163,3 +163,25 @@ def test_the_plan_counts_streamed_generations_host_copies():
     streamed, resident = plan("olmoe-1b-7b", "streamed"), plan("olmoe-1b-7b", "resident")
     assert streamed.generation_host_bytes == 2 * experts and resident.generation_host_bytes == 0
     assert streamed.host_bytes == resident.host_bytes + 2 * experts
+
+
+def test_generate_reads_the_tokenizer_a_text_run_trained(tmp_path, capsys):
+    """A run on text trains its own tokenizer: `megatrain generate` from any of its checkpoints reads that one (its
+    final/'s, or with no final/ the run's cached one), as `eval` and `convert` do."""
+    import json
+    import shutil
+
+    from megatrain.cli import main
+
+    run = tmp_path / "run"
+    settings = ["model.preset=tiny-llama", "device=cpu", "train.steps=2", "train.save_every=1", "data.seq_len=32"]
+    settings += ["train.batch_size=2", "train.micro_batch_size=2", f"output_dir={run}"]
+    assert main(["train", *(arg for setting in settings for arg in ("--set", setting))]) == 0
+    (tmp_path / "ask.txt").write_text("def main(\n")
+    for checkpoint in ("step-00000001", "step-00000002"):
+        if checkpoint == "step-00000002":
+            shutil.rmtree(run / "final")  # (this one reads the tokenizer cached in the run)
+        capsys.readouterr()
+        args = ["--checkpoint", str(run / "checkpoints" / checkpoint), "--prompts", str(tmp_path / "ask.txt")]
+        assert main(["generate", *args, "--max-new-tokens", "3"]) == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out)["prompt"] == "def main("

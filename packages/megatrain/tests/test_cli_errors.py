@@ -161,3 +161,15 @@ def test_disk_full_is_one_line(write_config, tmp_path, capsys, monkeypatch, wher
     err = capsys.readouterr().err
     assert "Traceback" not in err and len([line for line in err.splitlines() if "disk is full" in line]) == 1
     assert "disk is full" in err.strip().splitlines()[-1]  # the last line: the run's end
+
+
+def test_generation_without_transformers_is_one_line(tmp_path, monkeypatch, capsys):
+    """`megatrain generate` and GRPO's sampling run transformers' modules: without transformers, one line naming
+    the extra to install, before any weights are read."""
+    from megatrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # (import transformers raises ImportError)
+    code = main(["generate", "--checkpoint", str(tmp_path / "no-run"), "--prompts", str(tmp_path / "p.txt")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1
+    assert "megatrain generate decodes with" in lines[0] and "pip install 'megatrain[transformers]'" in lines[0]

@@ -340,13 +340,13 @@ def run_generate(config, args) -> None:
 
     from .data import eos_token_text, load_tokenizer
     from .generate import Sampling, generate_completions, read_prompts
-    from .rollouts import stop_ids, tokenizer_of
+    from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)
     trainer, _ = trainer_for_weights(config, args.weights)
     try:
-        own = args.weights / "tokenizer.json"
-        tokenizer, path = (load_tokenizer(own), own) if own.exists() else tokenizer_of(trainer.config)
+        path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config.vocab_size)
+        tokenizer = load_tokenizer(path)
         stops = stop_ids(
             trainer.model_config, tokenizer, path, eos_token_text(tokenizer, trainer.model_config.eos_token_id)
         )
@@ -356,6 +356,26 @@ def run_generate(config, args) -> None:
         trainer.close()
     for prompt, text in zip(prompts, texts):
         print(json.dumps({"prompt": prompt, "completion": text}))
+
+
+def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
+    """The tokenizer.json beside `weights`, else the one its run read text with (`data.run_tokenizer`)."""
+    from .checkpoint import FINAL, MANIFEST
+    from .config import ConfigError
+    from .data import run_tokenizer
+
+    if (weights / "tokenizer.json").exists():
+        return weights / "tokenizer.json"
+    run_dir = (
+        weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
+    )
+    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+    found = run_tokenizer(config.data, vocab_size, run_dir or Path(config.output_dir), model_dir)
+    if found is None:
+        raise ConfigError(
+            f"{weights} holds no tokenizer.json and its run names none: set data.tokenizer to the model's tokenizer.json"
+        )
+    return found
 
 
 def run_pair_eval(config, args) -> None:
@@ -496,7 +516,9 @@ def run_command(args) -> None:
         run_eval(_config(args, run_config(args.weights)), args)
     elif args.command == "generate":
         from .checkpoint import find_weights, run_config
+        from .generate import require_transformers
 
+        require_transformers("megatrain generate")
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
         args.weights = find_weights(Path(args.checkpoint))

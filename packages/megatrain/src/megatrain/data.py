@@ -297,6 +297,25 @@ def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int,
     return TokenData(train, held, tokenizer)
 
 
+def run_tokenizer(data: DataSection, vocab_size: int, run_dir: Path, model_dir: Path | None) -> Path | None:
+    """The tokenizer file the run in `run_dir` read its text with: data.tokenizer, the model directory's
+    tokenizer.json, the one its final/ export holds, or the one megatrain trained on its text (cached in the run,
+    trained the same again where the cache is gone); None where its data brought none (token arrays)."""
+    configured = data.tokenizer or (model_dir / "tokenizer.json" if model_dir is not None else None)
+    if configured is not None and Path(configured).exists():
+        return Path(configured)
+    exported = run_dir / "final" / "tokenizer.json"
+    if exported.exists():
+        return exported
+    if data.tokens is None and data.dataset is None:
+        texts = [Path(data.text) if data.text is not None else builtin_corpus()]
+        texts += [Path(data.validation)] if isinstance(data.validation, str) else []
+        return text_tokenizer(texts, vocab_size, run_dir / "cache")
+    if data.dataset is not None and data.format == "text":
+        return _dataset_tokenizer(data, vocab_size, run_dir / "cache")
+    return None
+
+
 def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> Path:
     """A tokenizer trained (once, cached) on the `data.text_field` of a plain-text dataset that brings none."""
     from .records import load_records, resolve_sources

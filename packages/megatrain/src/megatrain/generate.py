@@ -24,6 +24,8 @@ from megatrain_zoo import config_to_hf
 from megatrain_zoo.checkpoint_layout import CheckpointLayout
 from megatrain_zoo.generic import HFSkeleton
 
+from .config import ConfigError
+
 KV_ROOM_SHARE = 0.8  # of the device's free memory, what the KV cache may take (the rest: activations, logits)
 RESIDENT_NEEDS_SEQUENCES = 64  # resident weights only where a KV cache of this many sequences fits beside them
 
@@ -49,6 +51,18 @@ class _Generating(nn.Module):
 
     def forward(self, **kwargs):
         return self.model.generate(**kwargs)
+
+
+def require_transformers(what: str) -> None:
+    """Refuse in one line where transformers is not installed: generation runs the model's own transformers modules
+    with their KV cache."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{what} decodes with the model's transformers modules and their KV cache: install transformers "
+            "(pip install 'megatrain[transformers]')"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -390,8 +404,6 @@ def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
 def read_prompts(path) -> list:
     """A prompts file's prompts: JSONL records with `prompt` (text or messages), or one text prompt per line."""
     from pathlib import Path
-
-    from .config import ConfigError
 
     path = Path(path)
     if not path.exists():

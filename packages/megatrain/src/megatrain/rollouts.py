@@ -300,6 +300,10 @@ def check_grpo_settings(config: Config, ranks=None) -> None:
         raise ConfigError(
             "train.objective grpo generates from prompts: set data.dataset (format prompt), or train.grpo.rollouts"
         )
+    if g.rollouts is None:
+        from .generate import require_transformers
+
+        require_transformers("GRPO sampling its completions (train.grpo.rollouts unset)")
     if data.seq_len < g.max_prompt_length + g.max_completion_length:
         raise ConfigError(
             f"data.seq_len {data.seq_len} cannot hold a prompt of train.grpo.max_prompt_length "
