@@ -94,3 +94,17 @@ def test_a_resumed_runs_config_lies_under_the_file_and_the_overrides(write_confi
         "train.lr 0.001 -> 0.0003",
         "train.seed 0 -> 3",
     ]
+
+
+def test_a_module_a_config_names_is_found_in_the_working_directory(tmp_path, monkeypatch):
+    """The console script's path holds its bin directory, not the working directory: `my_objectives:Class` in the
+    directory megatrain runs in is found all the same, after every installed package."""
+    import sys
+
+    from megatrain.config import import_user_module
+
+    (tmp_path / "my_objectives_here.py").write_text("ANSWER = 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert import_user_module("my_objectives_here").ANSWER == 42
+    assert sys.path[-1] == str(tmp_path)

@@ -4,6 +4,9 @@ Every key is checked: an unknown or mistyped key is an error that names it and l
 the keys that section accepts."""
 
 import copy
+import importlib
+import os
+import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
@@ -17,6 +20,15 @@ from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, prese
 
 class ConfigError(Exception):
     """A configuration the trainer cannot run, with the fix in the message."""
+
+
+def import_user_module(module_name: str):
+    """The module a config names (`module:object`: an objective, a reward function), found in the working
+    directory too, as `python -m megatrain` finds it: the `megatrain` console script's path holds its own bin
+    directory instead. The directory goes last on the path, so that no file there hides an installed package."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    return importlib.import_module(module_name)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
 """What a run's objective and model settings make: the step-level objective train.objective names, and the refusal
 of settings the model cannot honour."""
 
-import importlib
 
 from megatrain_templates import DPO, GRPO, Objective
 from megatrain_zoo import CORRECTION_BIASED, ModelConfig
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, import_user_module
 
 
 def check_model_settings(config: Config, model: ModelConfig) -> None:
@@ -52,7 +51,7 @@ def make_objective(config: Config) -> Objective | None:
         )
     module_name, _, class_name = name.partition(":")
     try:
-        objective = getattr(importlib.import_module(module_name), class_name)()
+        objective = getattr(import_user_module(module_name), class_name)()
     except (ImportError, AttributeError, TypeError) as error:
         raise ConfigError(
             f"train.objective {name!r} cannot be made: {error}; name an importable module:Class"

@@ -5,14 +5,13 @@ left out of the weighted sum, as TRL's nansum does). Built in: `exact_match` (th
 `answer` column), `numeric_answer` (the completion's last number, or its \\boxed{} one, equals `answer`'s), and
 `format:REGEX` (the completion matches REGEX from its start, as TRL's format rewards do)."""
 
-import importlib
 import math
 import re
 from collections.abc import Callable
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, import_user_module
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -67,11 +66,11 @@ def load_reward(name: str) -> Callable:
             raise ConfigError(f"train.grpo.reward_funcs {name!r}: the regex does not compile ({error})") from None
     module_name, _, function_name = name.partition(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name) if function_name else None
+        function = getattr(import_user_module(module_name), function_name) if function_name else None
     except (ImportError, AttributeError) as error:
         function, reason = None, f"{type(error).__name__}: {error}"
     else:
-        reason = "no function named" if function is None else "not callable"
+        reason = "not a built-in, and no module:function" if function is None else "not callable"
     if not callable(function):
         raise ConfigError(
             f"train.grpo.reward_funcs {name!r} cannot be loaded ({reason}); name a built-in "
