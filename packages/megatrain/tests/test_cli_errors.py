@@ -17,6 +17,7 @@ import pytest
 
 from megatrain.checkpoint import CHECKPOINTS, FINAL, MANIFEST
 from megatrain.rundir import LOCK, RunLock
+from megatrain_zoo import config_to_hf, preset
 
 TINY = ["--set", "model.preset=tiny-llama", "--set", "device=cpu", "--set", "train.steps=1"]
 
@@ -43,6 +44,9 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (finished / CHECKPOINTS / "step-00000003").mkdir(parents=True)
     (finished / CHECKPOINTS / "step-00000003" / MANIFEST).write_text("{}")
     (finished / FINAL).mkdir()
+    untokenized = tmp_path / "hf-no-tokenizer"  # (its weights are not read before the data)
+    untokenized.mkdir()
+    (untokenized / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
     return [
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
@@ -68,6 +72,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["eval", "--checkpoint", str(tmp_path / "no-run")], "no weights at"),
         (["train", "--config", str(config)], "is in use by another run"),  # (this test holds its lock)
         (["bench", "--steps", "x"], "invalid int value: 'x'"),
+        (
+            ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={untokenized}"],
+            "has no tokenizer.json: its weights read the ids of the tokenizer they were trained with",
+        ),
         (
             ["train", *TINY, "--set", f"output_dir={finished}"],
             "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",

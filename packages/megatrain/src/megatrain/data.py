@@ -246,7 +246,12 @@ def load_token_data(
     tokenizer = Path(data.tokenizer) if data.tokenizer else None
     if tokenizer is not None:
         load_tokenizer(tokenizer)  # (a missing or unreadable file named before anything is read)
-    if tokenizer is None and model_dir is not None and (model_dir / "tokenizer.json").exists():
+    if tokenizer is None and model_dir is not None:
+        if not (model_dir / "tokenizer.json").exists():  # (a tokenizer trained here would give its ids other meanings)
+            raise ConfigError(
+                f"model.hf_dir {model_dir} has no tokenizer.json: its weights read the ids of the tokenizer they were "
+                "trained with; set data.tokenizer to that tokenizer.json (or give token ids in data.tokens)"
+            )
         tokenizer = model_dir / "tokenizer.json"
     if data.dataset is None:
         return _text_token_data(data, tokenizer, vocab_size, cache_dir)
