@@ -391,3 +391,26 @@ def test_an_export_of_non_finite_weights_is_refused_naming_the_group(write_confi
         trainer.export(tmp_path / "out")
     assert not (tmp_path / "out").exists()
     trainer.close()
+
+
+def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
+    """Writing a model into another model's directory removes that model's files the new one does not write
+    (shards, index, tokenizer, chat template, generation config); files that describe no model stay."""
+    import torch
+
+    from megatrain.hf_io import write_hf_directory
+    from megatrain_store import Pending
+
+    def entries(n: int) -> list:
+        return [(f"w{i}", Pending((4,), torch.float32, lambda: torch.ones(4))) for i in range(n)]
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        (tokenizer_dir / name).write_text("{}")
+    out = tmp_path / "model"
+    write_hf_directory(out, entries(3), {"model_type": "llama"}, tokenizer_dir / "tokenizer.json", shard_bytes=16)
+    (out / "notes.txt").write_text("mine\n")
+    assert len(list(out.glob("model-*.safetensors"))) == 3 and (out / "chat_template.jinja").exists()
+    write_hf_directory(out, entries(1), {"model_type": "llama"}, None)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]

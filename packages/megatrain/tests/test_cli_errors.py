@@ -37,6 +37,7 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     """(command line, what its one line must say)."""
     (tmp_path / "a-file").write_text("")
     (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-dir" / "notes.txt").write_text("mine\n")
     config = tmp_path / "config.yaml"
     config.write_text(f"model: {{preset: tiny-llama}}\ndevice: cpu\noutput_dir: {tmp_path / 'held'}\n")
     missing_tokenizer = tmp_path / "nowhere" / "tokenizer.json"
@@ -62,6 +63,7 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["convert", str(tmp_path / "run"), str(tmp_path / "a-file")],
             "is a file; name a directory to write the model",
         ),
+        (["convert", str(tmp_path / "run"), str(tmp_path / "a-dir")], "holds files but no model"),
         (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
         (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
         (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),

@@ -280,11 +280,15 @@ def run_train(args) -> None:
 def run_convert(args) -> None:
     from .checkpoint import find_weights
     from .config import ConfigError
-    from .hf_io import convert
+    from .hf_io import convert, is_hf_directory
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file; name a directory to write the model into (new, or a model's to replace)")
+    if out.is_dir() and any(out.iterdir()) and not is_hf_directory(out):
+        raise ConfigError(
+            f"{out} holds files but no model (no config.json of one); name a new directory, or a model's to replace"
+        )
     print(f"wrote {convert(find_weights(Path(args.source)), out, args.dtype)}")
 
 

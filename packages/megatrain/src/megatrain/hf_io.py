@@ -436,10 +436,12 @@ def write_hf_directory(
 
 
 def _move_into(staging: Path, out_dir: Path) -> None:
-    """Move a model's files from `staging` into `out_dir`, whose weight files of an earlier model go (stale
-    shards beside a new index would be read as the model)."""
+    """Move a model's files from `staging` into `out_dir`, whose files of an earlier model go where this one
+    writes none (stale shards beside a new index would be read as the model; another model's tokenizer, chat
+    template or generation config as this one's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*out_dir.glob("model*.safetensors"), out_dir / "model.safetensors.index.json"]:
+    described = [out_dir / name for name in ("model.safetensors.index.json", "tokenizer.json", *TOKENIZER_FILES)]
+    for stale in [*out_dir.glob("model*.safetensors"), *described]:
         if stale.exists() and not (staging / stale.name).exists():
             stale.unlink()
     for path in staging.iterdir():
