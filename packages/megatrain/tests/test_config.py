@@ -108,3 +108,9 @@ def test_a_module_a_config_names_is_found_in_the_working_directory(tmp_path, mon
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert import_user_module("my_objectives_here").ANSWER == 42
     assert sys.path[-1] == str(tmp_path)
+
+
+def test_whole_numbers_written_as_floats_are_taken(write_config):
+    """YAML reads 1e3 as text and 2.0 as a float: a whole-number field takes either where it is whole."""
+    config = load_config(write_config(), ["train.steps=1e3", "train.batch_size=8.0", "train.save_every=2e2"])
+    assert (config.train.steps, config.train.batch_size, config.train.save_every) == (1000, 8, 200)

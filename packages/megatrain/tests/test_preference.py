@@ -233,7 +233,10 @@ def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
 
 
 BAD_RECORDS = [
-    ({"prompt": "a", "chosen": "b"}, r"record 1 has no rejected field 'rejected'"),
+    (
+        {"prompt": "a", "chosen": "b"},
+        r"record 1 has no rejected field 'rejected' \(its fields: \['chosen', 'prompt'\]\); other records have it",
+    ),
     ({"prompt": "a", "chosen": "", "rejected": "c"}, r"record 1: its chosen completion is empty"),
     (
         {"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},

@@ -499,35 +499,70 @@ def _build(cls, values: dict, where: str):
 
 
 def _coerce(value: Any, hint, name: str):
+    """`value` as the field `name` of type `hint` takes it, or `ConfigError` saying what it takes."""
     if value is None:
         return None
-    types = getattr(hint, "__args__", None) or (hint,)
-    if getattr(hint, "__origin__", None) is tuple and types[0] is str:  # names: a list, or comma-separated
+    args = getattr(hint, "__args__", None) or (hint,)
+    tuple_hint = next((t for t in (hint, *args) if getattr(t, "__origin__", None) is tuple), None)
+    coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
+    if coerced is None:
+        raise ConfigError(f"config key {name!r} has value {value!r}; it takes {_type_words(hint)}")
+    return coerced
+
+
+def _coerce_tuple(value: Any, hint) -> tuple | None:
+    """A list of names (or comma-separated names) or of numbers, as `hint` (a tuple type) says; None if not one."""
+    if hint.__args__[0] is str:
         names = value.split(",") if isinstance(value, str) else value
         if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
             return tuple(v.strip() for v in names if v.strip())
-    if float in types and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if float in types and isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-4 (no decimal point) as a string
+        return None
+    if isinstance(value, (list, tuple)):
+        try:
+            return tuple(float(v) for v in value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _coerce_scalar(value: Any, types: tuple):
+    """`value` as the first of `types` (float, int, bool, str) that takes it; None if none does."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if float in types and (number or isinstance(value, str)):
+        try:  # (YAML 1.1 reads 3e-4, without a decimal point, as a string)
             return float(value)
         except ValueError:
             pass
     if int in types and isinstance(value, int) and not isinstance(value, bool):
         return value
+    if int in types and isinstance(value, (float, str)) and not isinstance(value, bool):
+        try:  # 1e3 steps, or 2.0
+            whole = float(value)
+        except ValueError:
+            whole = None
+        if whole is not None and whole.is_integer():
+            return int(whole)
     if bool in types and isinstance(value, bool):
         return value
-    if str in types and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    if str in types and (number or isinstance(value, str)):
         return str(value)
     if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of names for a comma-separated field
-    is_tuple = any(getattr(t, "__origin__", None) is tuple for t in (hint, *types))
-    if is_tuple and isinstance(value, (list, tuple)):
-        try:
-            return tuple(float(v) for v in value)
-        except ValueError:
-            pass
-    raise ConfigError(f"config key {name!r} has value {value!r}, which is not of type {hint}")
+    return None
+
+
+_TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text", type(None): "null"}
+
+
+def _type_words(hint) -> str:
+    """What a field of type `hint` takes, in words."""
+    if getattr(hint, "__origin__", None) is tuple:
+        what = "names" if hint.__args__[0] is str else "numbers"
+        return f"a list of {what}" if Ellipsis in hint.__args__ else f"a list of {len(hint.__args__)} {what}"
+    args = getattr(hint, "__args__", None)
+    if args:
+        return " or ".join(_type_words(arg) for arg in args)
+    return _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def config_from_dict(values: dict) -> Config:

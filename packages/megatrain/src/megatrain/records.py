@@ -203,9 +203,15 @@ def load_records(source: Source):
 def record_field(record: dict, key, index: int, source: Source, what: str):
     value = record.get(key) if key is not None else None
     if value is None:
+        present = sorted(name for name, field in record.items() if field is not None)
+        # (a dataset gives a record the columns of every record: None where it has no such field)
+        fix = (
+            "other records have it: fill it in or drop this record"
+            if key in record
+            else "set data.format (or the registry's columns) to match the records"
+        )
         raise ConfigError(
-            f"dataset {source.name!r}: record {index} has no {what} field {key!r} (fields: {sorted(record)}); "
-            "set data.format (or the registry's columns) to match the records"
+            f"dataset {source.name!r}: record {index} has no {what} field {key!r} (its fields: {present}); {fix}"
         )
     return value
 
