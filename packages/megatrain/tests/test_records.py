@@ -262,6 +262,10 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
     empty.write_text("")
     with pytest.raises(ConfigError, match="cannot read dataset|holds no records"):
         load_token_data(DataSection(dataset=str(empty), tokenizer=str(tokenizer_path)), 512, tmp_path / "c2", None)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "ok"}\n\n{not json\n')
+    with pytest.raises(ConfigError, match=r"broken.jsonl line 3 is not JSON \(Expecting property name"):
+        load_token_data(DataSection(dataset=str(broken), tokenizer=str(tokenizer_path)), 512, tmp_path / "c5", None)
     odd = tmp_path / "data.csv"
     odd.write_text("a,b\n")
     with pytest.raises(ConfigError, match="unknown file type '.csv'"):

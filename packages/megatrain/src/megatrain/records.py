@@ -187,6 +187,9 @@ def load_records(source: Source):
     except ConfigError:
         raise
     except Exception as error:  # datasets raises many types; one clear message names the source and the fix
+        bad_line = _first_bad_json_line(path) if path.suffix == ".jsonl" and path.is_file() else None
+        if bad_line is not None:
+            raise ConfigError(f"dataset {source.name!r}: {bad_line}; fix or remove that line") from error
         raise ConfigError(
             f"cannot read dataset {source.name!r} ({source.location}, split {source.split!r}): "
             f"{type(error).__name__}: {str(error)[:300]}; check the path, the file's format, the split, "
@@ -197,6 +200,21 @@ def load_records(source: Source):
     if source.num_samples is not None:
         records = records.select(range(min(source.num_samples, len(records))))
     return records
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """Where a JSON Lines file that `datasets` could not read holds a line that is no JSON object, in words."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                return f"{path} line {number} is not JSON ({error})"
+            if not isinstance(record, dict):
+                return f"{path} line {number} is a JSON {type(record).__name__}, not an object of fields"
+    return None
 
 
 # ------------------------------------------------------------------ formats
