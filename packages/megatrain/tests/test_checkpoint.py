@@ -209,7 +209,8 @@ def test_every_form_of_a_run_names_its_weights(write_config, tmp_path, capsys):
     capsys.readouterr()
     for form in (run, run / "checkpoints", step4, final):
         assert main(["eval", "--checkpoint", str(form), "--batches", "1"]) == 0  # the run's own config and data
-        assert json.loads(capsys.readouterr().out)["val_tokens"] == 4 * 31
+        result = json.loads(capsys.readouterr().out)
+        assert result["val_tokens"] == 4 * 31 and result["source"].endswith("tokens.npy")
         assert main(["convert", str(form), str(tmp_path / "out" / form.name)]) == 0
         assert capsys.readouterr().out.startswith("wrote ")
         assert (tmp_path / "out" / form.name / "model.safetensors").exists()

@@ -316,7 +316,8 @@ def run_eval(config, args) -> None:
     finally:
         trainer.close()
     if trainer.is_main:
-        print(json.dumps({"checkpoint": what, "data": split, **result}))
+        source = config.data.dataset or config.data.text or config.data.tokens or "the built-in corpus"
+        print(json.dumps({"checkpoint": what, "data": split, "source": source, **result}))
 
 
 def trainer_for_weights(config, weights: Path):
@@ -411,7 +412,8 @@ def run_pair_eval(config, args) -> None:
     finally:
         trainer.close()
     if trainer.is_main:
-        print(json.dumps({"checkpoint": what, "data": split, **result}))
+        source = config.data.dataset or config.data.text or config.data.tokens or "the built-in corpus"
+        print(json.dumps({"checkpoint": what, "data": split, "source": source, **result}))
 
 
 def run_plan(config, args) -> None:
