@@ -189,6 +189,10 @@ def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 8
     assert json.loads((run / "final" / "trainer_state.json").read_text())["global_step"] == 8
 
+    (run / "checkpoints" / "step-00000008").rename(run / "checkpoints" / "gone")  # final/ (8) beyond step 6
+    assert main(["train", "--set", "train.steps=9", "--resume", str(run)]) == 0
+    assert "final/ holds step 8, newer than any checkpoint: steps 7-8 are trained again" in capsys.readouterr().err
+
     import megatrain.loop
 
     monkeypatch.setattr(megatrain.loop, "load_data", lambda *a, **k: pytest.fail("data was loaded"))

@@ -249,6 +249,14 @@ def _final_is_newer(final: Path, checkpoint: Path) -> bool:
         return (final / "config.json").stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
 
 
+def exported_step(final: Path) -> int | None:
+    """The optimizer step a run's final/ export holds (its trainer_state.json), None where it says none."""
+    try:
+        return int(json.loads((final / TRAINER_STATE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_trainer_state(final: Path, step: int, steps: int) -> None:
     """Record in an export the optimizer step its weights hold (`find_weights` picks the newest weights)."""
     atomic_write_text(final / TRAINER_STATE, json.dumps({"global_step": step, "max_steps": steps}, indent=2))

@@ -26,6 +26,7 @@ from .checkpoint import (
     MANIFEST,
     check_output_dir_free,
     check_same_model,
+    exported_step,
     find_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -361,6 +362,18 @@ class TrainingRun:
             if self.rollouts is not None:
                 self.rollouts.resume(self.resume)
             print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
+            exported = exported_step(self.out / FINAL)
+            if exported is not None and exported > manifest["step"] and self.main:
+                again = (
+                    f"step {exported} is"
+                    if exported == manifest["step"] + 1
+                    else (f"steps {manifest['step'] + 1}-{exported} are")
+                )
+                print(
+                    f"megatrain: {FINAL}/ holds step {exported}, newer than any checkpoint: {again} trained again "
+                    "(a train.save_every that divides train.steps checkpoints the last step)",
+                    file=sys.stderr,
+                )
         if not self.main:
             return
         (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))

@@ -1,7 +1,6 @@
 """What a run's objective and model settings make: the step-level objective train.objective names, and the refusal
 of settings the model cannot honour."""
 
-
 from megatrain_templates import DPO, GRPO, Objective
 from megatrain_zoo import CORRECTION_BIASED, ModelConfig
 
