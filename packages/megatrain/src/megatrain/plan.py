@@ -856,7 +856,7 @@ class Planner:
         if not small:
             return 1 if self._boundary_pays(counts, why) else 0
         budget = min(GPU_UPDATED_SHARE * self.machine.gpu_memory, self._room_for_products(counts))
-        resident = 0
+        resident, out_of_room = 0, False
         while resident < n_blocks:
             draft = replace(counts, resident=resident)
             placed = self.placement_of(replace(draft, kept=self._kept(draft)))
@@ -864,12 +864,20 @@ class Planner:
             if cpu_s <= CPU_OPTIMIZER_MARGIN * self.step_layers_s(placed):
                 break
             if self.resident_state_bytes(self.placement_of(replace(counts, resident=resident + 1))) > budget:
+                out_of_room = True
                 break
             resident += 1
-        why["resident"] = (
-            f"the embedding and the first {resident} blocks are updated on the GPU: the CPU's AdamW of every weight "
-            f"({self.optimizer_s(self.placement_of(counts)):.2f} s) would take longer than the GPU's work"
-        )
+        cpu_adam = f"the CPU's AdamW of every weight ({self.optimizer_s(self.placement_of(counts)):.2f} s)"
+        if resident:
+            why["resident"] = (
+                f"the embedding and the first {resident} blocks are updated on the GPU: {cpu_adam} would take longer "
+                "than the GPU's work"
+            )
+        elif out_of_room:
+            why["resident"] = (
+                f"{cpu_adam} takes longer than the GPU's work, and the GPU has no room to update the first block "
+                "there: the step waits for the CPU"
+            )
         return resident
 
     def _boundary_pays(self, counts: _Counts, why: dict) -> bool:
