@@ -136,8 +136,10 @@ def test_unsupported_inputs_are_refused():
         config_from_hf({**LLAMA31_HF, "attention_bias": True})
     with pytest.raises(ZooError, match="rope_scaling type 'dynamic'"):
         build_model(config_from_hf({**LLAMA31_HF, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
-    with pytest.raises(ZooError, match="unknown model preset 'llama9-8b'"):
+    with pytest.raises(ZooError, match="unknown model preset 'llama9-8b'; did you mean llama3-8b, "):
         preset("llama9-8b")
+    with pytest.raises(ZooError, match="unknown model preset 'gpt5'; the presets: deepseek-v2-lite, "):
+        preset("gpt5")
     with pytest.raises(ZooError, match="multiple of n_kv_heads"):
         PRESETS["tiny-llama"].with_changes(n_kv_heads=3)
 

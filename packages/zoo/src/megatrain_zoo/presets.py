@@ -1,5 +1,7 @@
 """Named model shapes: the published sizes of each family, a 120B dense shape, and tiny test models."""
 
+import difflib
+
 from .config import ModelConfig, ZooError, windowed_but_every
 
 _LLAMA31_ROPE = {
@@ -1239,10 +1241,10 @@ PRESETS["tiny-qwen3-next"] = _qwen3_5(
 
 
 def preset(name: str) -> ModelConfig:
+    """The architecture of preset `name` (`PRESETS`), or `ZooError` naming the closest ones (or all)."""
     if name not in PRESETS:
-        close = [p for p in PRESETS if name.split("-")[0] in p][:6]
-        raise ZooError(
-            f"unknown model preset {name!r}; {'did you mean ' + str(close) + '? ' if close else ''}"
-            f"all presets: {sorted(PRESETS)}"
-        )
+        close = difflib.get_close_matches(name, PRESETS, n=6, cutoff=0.6)
+        if close:
+            raise ZooError(f"unknown model preset {name!r}; did you mean {', '.join(close)}?")
+        raise ZooError(f"unknown model preset {name!r}; the presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
