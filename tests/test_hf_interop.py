@@ -103,3 +103,21 @@ def test_convert_checkpoint_to_transformers(tmp_path):
     with torch.no_grad():
         expected = model(ids).logits.float()
     assert ((trainer.logits(ids) - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def test_a_model_trained_from_scratch_on_text_exports_its_end_of_document(tmp_path):
+    """A preset trained on text reads it with a tokenizer megatrain trained, whose documents end in <|endoftext|>:
+    the export says so, so that transformers' tokenizer knows its EOS and its generate stops there."""
+    import json
+
+    from megatrain.cli import main
+
+    settings = ["model.preset=tiny-llama", "device=cpu", "train.steps=1", "data.seq_len=32", "train.batch_size=2"]
+    settings += ["train.micro_batch_size=2"]
+    assert main(["train", "--set", f"output_dir={tmp_path / 'run'}", *(a for s in settings for a in ("--set", s))]) == 0
+    final = tmp_path / "run" / "final"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(final)
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id

@@ -467,12 +467,30 @@ def _write_model_files(out_dir: Path, entries: list, config: dict, tokenizer: Pa
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
-    atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
     if tokenizer is not None and Path(tokenizer).exists():
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
         for name in TOKENIZER_FILES:
             if (Path(tokenizer).parent / name).exists() and Path(tokenizer).parent != out_dir:
                 shutil.copyfile(Path(tokenizer).parent / name, out_dir / name)
+        if not (out_dir / "tokenizer_config.json").exists():
+            config = _describe_document_end(out_dir, config)
+    atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
+
+
+def _describe_document_end(out_dir: Path, config: dict) -> dict:
+    """A tokenizer that came without tokenizer_config.json (one megatrain trained on text) ends documents with
+    <|endoftext|>: say so in a tokenizer_config.json and, where the model names no EOS, in config.json, so that
+    transformers' tokenizer knows its EOS and its generate stops there. Returns the config to write."""
+    from tokenizers import Tokenizer
+
+    from .data import EOS_TOKEN
+
+    eos_id = Tokenizer.from_file(str(out_dir / "tokenizer.json")).token_to_id(EOS_TOKEN)
+    if eos_id is None:
+        return config
+    described = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN}
+    atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(described, indent=2))
+    return config if config.get("eos_token_id") is not None else {**config, "eos_token_id": eos_id}
 
 
 def export_hf(
