@@ -252,7 +252,16 @@ class Plan:
         return (
             f"placed for {self.placement.step_tokens:,} tokens a step per GPU{in_sweeps}: "
             f"{', '.join(parts) or 'every layer streamed'}"
-            f"; predicted {self.step_s:.2f} s a step, bound by {BOUND_NAMES[self.bound]}"
+            f"; predicted {self.step_s:.2f} s a step, bound by {self.bound_name}"
+        )
+
+    @property
+    def bound_name(self) -> str:
+        """What bounds the step, in words."""
+        return (
+            "the CPU's compute (no GPU)"
+            if self.bound == "compute" and not self.gpu_available
+            else BOUND_NAMES[self.bound]
         )
 
 
@@ -1288,12 +1297,13 @@ def _ranks_clause(plan: Plan) -> str:
 
 def _step_lines(plan: Plan) -> list[str]:
     """The predicted step: its time and parts, what bounds it, its throughput and the rates it came from."""
-    parts = f"GPU {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, CPU AdamW {plan.optimizer_s:.2f} s"
+    compute = "GPU" if plan.gpu_available else "compute"
+    parts = f"{compute} {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, CPU AdamW {plan.optimizer_s:.2f} s"
     if plan.disk_s:
         parts += f", disk {plan.disk_s:.2f} s"
     if plan.network_s:
         parts += f", network {plan.network_s:.2f} s"
-    bound = BOUND_NAMES[plan.bound] if plan.gpu_available or plan.bound != "compute" else "compute"
+    bound = plan.bound_name
     if plan.bound != "compute":
         bound += f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
     throughput = f"{plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS"
