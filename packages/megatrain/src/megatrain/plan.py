@@ -1141,7 +1141,7 @@ def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
         )
     largest = 0.95 * plan.host_available / plan.host_bytes_per_param
     raise ConfigError(
-        f"{model.arch} with {plan.n_params / 1e9:.2f}B parameters needs {plan.host_bytes / 2**30:.1f} GiB of host "
+        f"{model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / 2**30:.1f} GiB of host "
         f"memory ({plan.host_bytes_per_param:.1f} B/param) but {plan.host_available / 2**30:.1f} GiB is available; "
         f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
         + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
@@ -1223,11 +1223,21 @@ BOUND_NAMES = {
 }
 
 
+def _params(count: int) -> str:
+    """A parameter count in words: 7.62B, 85.3M."""
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+def _tflops(tflops: float) -> str:
+    """Whole TFLOPS, or three digits below ten (a CPU's)."""
+    return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.3g}"
+
+
 def format_plan(plan: Plan, model_name: str) -> str:
     """`megatrain plan`'s report: memory, the placement as a table of layer ranges, the predicted step."""
-    active = f" ({plan.active_params / 1e9:.2f}B active per token)" if plan.active_params != plan.n_params else ""
+    active = f" ({_params(plan.active_params)} active per token)" if plan.active_params != plan.n_params else ""
     lines = [
-        f"model            {model_name}: {plan.n_params / 1e9:.2f}B parameters{active}",
+        f"model            {model_name}: {_params(plan.n_params)} parameters{active}",
         _host_line(plan),
         _device_line(plan),
         f"tokens per step  {plan.tokens_per_step:,}{_ranks_clause(plan)}",
@@ -1253,7 +1263,7 @@ def _host_line(plan: Plan) -> str:
         line += "; with GRPO's KL reference weights"
     if plan.frozen_params:
         frozen = ", ".join(plan.frozen_parts) or "unused"
-        line += f"; {plan.frozen_params / 1e9:.2f}B frozen parameters ({frozen}) hold weights only"
+        line += f"; {_params(plan.frozen_params)} frozen parameters ({frozen}) hold weights only"
     if plan.generation_host_bytes:
         line += f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation"
     return line
@@ -1306,7 +1316,7 @@ def _step_lines(plan: Plan) -> list[str]:
     bound = plan.bound_name
     if plan.bound != "compute":
         bound += f"; compute-bound from about {plan.compute_bound_tokens:,} tokens per step"
-    throughput = f"{plan.tokens_per_s:,.0f} tokens/s, {plan.model_tflops:.0f} model TFLOPS"
+    throughput = f"{plan.tokens_per_s:,.0f} tokens/s, {_tflops(plan.model_tflops)} model TFLOPS"
     if plan.reference_tokens_per_s:
         throughput += (
             f"; DPO's reference pass before training (forward only) {plan.reference_tokens_per_s:,.0f} tokens/s"
