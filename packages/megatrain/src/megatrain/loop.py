@@ -427,7 +427,7 @@ class TrainingRun:
             f"megatrain: {trainer.model_config.arch} {trainer.model_config.n_params / 1e6:.1f}M params on "
             f"{trainer.device}{ranks} ({str(trainer.compute_dtype).removeprefix('torch.')} compute, fp32 master), host "
             f"{host_bytes / 2**30:.2f} GiB per host ({host_bytes / trainer.model_config.n_params:.1f} B/param), "
-            f"{'rows' if self.windows is None else f'{self.windows.n_windows} windows'} of {config.data.seq_len} tokens",
+            f"{self._data_in_words()} of {config.data.seq_len} tokens",
             file=sys.stderr,
         )
         if trainer.model_config.implementation == "transformers":
@@ -448,6 +448,14 @@ class TrainingRun:
                     "train.router_bias_update_rate: 0.001",
                     file=sys.stderr,
                 )
+
+    def _data_in_words(self) -> str:
+        """What the run trains on: its preference pairs, or its sequences (text windows or chat examples' rows)."""
+        if self.windows is None:  # (GRPO: each step's completions)
+            return "rows"
+        if isinstance(self.windows, PairWindows):
+            return f"{self.windows.n_windows} preference pairs in rows"
+        return f"{self.windows.n_windows} sequences"
 
     def _record(self, record: dict) -> None:
         """A metrics record into metrics.jsonl and every tracker."""
