@@ -26,7 +26,7 @@ from common import base_row, machine  # noqa: E402
 from megatrain_zoo import config_to_hf, preset  # noqa: E402
 
 
-def main():
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -35,24 +35,17 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/fsdp2.json")
-    args = parser.parse_args()
+    return parser
 
+
+def _sharded_model(zoo, cuda: bool, rank: int):
+    """transformers' model of `zoo`, each layer and the whole sharded by FSDP2 with its parameters in pinned host
+    memory (bf16 compute on the GPU), initialised as Hugging Face does, with per-layer activation checkpointing."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-
-    zoo = preset(args.model)
     hf_config = AutoConfig.for_model(**config_to_hf(zoo))
     hf_config._attn_implementation = "sdpa" if cuda else "eager"
-    start = time.perf_counter()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.config.use_cache = False
@@ -71,6 +64,39 @@ def main():
                 local.fill_(1.0)
             else:
                 local.normal_(0.0, zoo.initializer_range, generator=generator)
+    return model
+
+
+def _timed_steps(step, args, cuda: bool) -> tuple[float, list[float]]:
+    """(seconds per step, the steps' losses) after `args.warmup` untimed steps, every rank together."""
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    wall = time.perf_counter()
+    losses = [step() for _ in range(args.steps)]
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    return (time.perf_counter() - wall) / args.steps, losses
+
+
+def main():
+    args = _parser().parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+    zoo = preset(args.model)
+    start = time.perf_counter()
+    model = _sharded_model(zoo, cuda, rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
     setup_s = time.perf_counter() - start
 
@@ -89,18 +115,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         return total
 
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    dist.barrier()
-    wall = time.perf_counter()
-    losses = [step() for _ in range(args.steps)]
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    step_s = (time.perf_counter() - wall) / args.steps
+    step_s, losses = _timed_steps(step, args, cuda)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20])
     dist.all_reduce(rss)  # this host's ranks together
     if rank == 0:
@@ -122,7 +137,6 @@ def main():
         with open(args.out, "a") as handle:
             handle.write(json.dumps(row) + "\n")
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
