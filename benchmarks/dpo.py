@@ -42,7 +42,7 @@ def timed(run, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def main():
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -51,8 +51,10 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/dpo.json")
     parser.add_argument("--device", default="cuda", help="cuda (a CPU run checks the script only)")
-    args = parser.parse_args()
-    model = preset(args.model)
+    return parser
+
+
+def _trainer(args, model) -> BenchTrainer:
     train = TrainSection(
         steps=10**6, batch_size=args.pairs, micro_batch_size=args.micro_pairs, lr=1e-6, grad_clip=0.0,
         warmup_steps=0, schedule="constant", objective="dpo",
@@ -65,9 +67,12 @@ def main():
         device=args.device,
         output_dir=tempfile.mkdtemp(),
     )
-    trainer = BenchTrainer(config, model)
-    ids, labels = random_pairs(args.pairs, args.seq_len, model.vocab_size)
+    return BenchTrainer(config, model)
 
+
+def _timings(trainer: BenchTrainer, args, model) -> tuple[float, float, float]:
+    """(the reference pass over PASS_STEPS steps' pairs, a DPO step, an SFT step of the same tokens), seconds."""
+    ids, labels = random_pairs(args.pairs, args.seq_len, model.vocab_size)
     pass_ids, pass_labels = random_pairs(PASS_STEPS * args.pairs, args.seq_len, model.vocab_size)
     trainer.sequence_logps(pass_ids[: 2 * args.micro_pairs], pass_labels[: 2 * args.micro_pairs])  # (compile)
     pass_s = timed(lambda: trainer.sequence_logps(pass_ids, pass_labels), 1)
@@ -86,20 +91,21 @@ def main():
         trainer.finish_updates()
 
     sft_step()
-    sft_s = timed(sft_step, args.steps)
+    return pass_s, dpo_s, timed(sft_step, args.steps)
+
+
+def main():
+    args = _parser().parse_args()
+    model = preset(args.model)
+    trainer = _trainer(args, model)
+    pass_s, dpo_s, sft_s = _timings(trainer, args, model)
     report = trainer.store.memory_report()
     n_seqs = 2 * args.pairs
     common = {"host_bytes_per_param": round(report.bytes_per_param, 2), "micro_batch_pairs": args.micro_pairs}
 
     def row(n_rows: int, seconds: float, scope: str, **more) -> dict:
-        return (
-            base_row("megatrain", args.model, model, args.seq_len, n_rows, 2 * args.micro_pairs, seconds)
-            | common
-            | {
-                "scope": scope,
-                **more,
-            }
-        )
+        base = base_row("megatrain", args.model, model, args.seq_len, n_rows, 2 * args.micro_pairs, seconds)
+        return base | common | {"scope": scope, **more}
 
     rows = [
         row(n_seqs, dpo_s, "DPO step (sigmoid), policy", relative_to_sft=round(sft_s / dpo_s, 3)),
