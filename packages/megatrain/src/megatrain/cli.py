@@ -364,22 +364,23 @@ def run_generate(config, args) -> None:
 
 
 def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
-    """The tokenizer.json beside `weights`, else the one its run read text with (`data.run_tokenizer`)."""
+    """The tokenizer.json beside `weights`, else data.tokenizer, else (weights of a run: a checkpoint or its final/)
+    the one its run read text with (`data.run_tokenizer`)."""
     from .checkpoint import FINAL, MANIFEST
     from .config import ConfigError
     from .data import run_tokenizer
 
     if (weights / "tokenizer.json").exists():
         return weights / "tokenizer.json"
+    if config.data.tokenizer:
+        return Path(config.data.tokenizer)
     run_dir = (
         weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
     )
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    found = run_tokenizer(config.data, vocab_size, run_dir or Path(config.output_dir), model_dir)
+    found = run_tokenizer(config.data, vocab_size, run_dir, model_dir) if run_dir is not None else None
     if found is None:
-        raise ConfigError(
-            f"{weights} holds no tokenizer.json and its run names none: set data.tokenizer to the model's tokenizer.json"
-        )
+        raise ConfigError(f"{weights} holds no tokenizer.json: set data.tokenizer to the model's tokenizer.json")
     return found
 
 
