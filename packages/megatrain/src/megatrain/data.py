@@ -290,8 +290,7 @@ def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int,
     given, split into training and held-out tokens."""
     as_file = isinstance(data.validation, str)
     text = Path(data.text) if data.text is not None else builtin_corpus()
-    if tokenizer is None:
-        tokenizer = text_tokenizer([text] + ([Path(data.validation)] if as_file else []), vocab_size, cache_dir)
+    tokenizer = tokenizer or _trained_text_tokenizer(data, vocab_size, cache_dir)
     tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
     check_tokens(tokens, vocab_size, f"tokens of {text}")
     validation = None
@@ -313,12 +312,17 @@ def run_tokenizer(data: DataSection, vocab_size: int, run_dir: Path, model_dir: 
     if exported.exists():
         return exported
     if data.tokens is None and data.dataset is None:
-        texts = [Path(data.text) if data.text is not None else builtin_corpus()]
-        texts += [Path(data.validation)] if isinstance(data.validation, str) else []
-        return text_tokenizer(texts, vocab_size, run_dir / "cache")
+        return _trained_text_tokenizer(data, vocab_size, run_dir / "cache")
     if data.dataset is not None and data.format == "text":
         return _dataset_tokenizer(data, vocab_size, run_dir / "cache")
     return None
+
+
+def _trained_text_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> Path:
+    """The tokenizer megatrain trains on data.text (the built-in corpus without one) and a data.validation file."""
+    texts = [Path(data.text) if data.text is not None else builtin_corpus()]
+    texts += [Path(data.validation)] if isinstance(data.validation, str) else []
+    return text_tokenizer(texts, vocab_size, cache_dir)
 
 
 def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> Path:
