@@ -358,22 +358,7 @@ class TrainingRun:
         the metrics it holds, say what runs."""
         self._cut_data()
         if self.resume is not None:
-            manifest = load_checkpoint(self.trainer, self.resume)
-            if self.rollouts is not None:
-                self.rollouts.resume(self.resume)
-            print(f"megatrain: resumed from step {manifest['step']} ({self.resume})", file=sys.stderr)
-            exported = exported_step(self.out / FINAL)
-            if exported is not None and exported > manifest["step"] and self.main:
-                again = (
-                    f"step {exported} is"
-                    if exported == manifest["step"] + 1
-                    else (f"steps {manifest['step'] + 1}-{exported} are")
-                )
-                print(
-                    f"megatrain: {FINAL}/ holds step {exported}, newer than any checkpoint: {again} trained again "
-                    "(a train.save_every that divides train.steps checkpoints the last step)",
-                    file=sys.stderr,
-                )
+            self._load_resumed()
         if not self.main:
             return
         (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))
@@ -384,6 +369,21 @@ class TrainingRun:
             kept = [line for line in lines if json.loads(line)["step"] <= self.trainer.step_index]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self._say_what_runs()
+
+    def _load_resumed(self) -> None:
+        """The checkpoint resumed, said on stderr with the steps it trains again where final/ is newer."""
+        step = load_checkpoint(self.trainer, self.resume)["step"]
+        if self.rollouts is not None:
+            self.rollouts.resume(self.resume)
+        print(f"megatrain: resumed from step {step} ({self.resume})", file=sys.stderr)
+        exported = exported_step(self.out / FINAL)
+        if exported is not None and exported > step and self.main:
+            again = f"step {exported} is" if exported == step + 1 else f"steps {step + 1}-{exported} are"
+            print(
+                f"megatrain: {FINAL}/ holds step {exported}, newer than any checkpoint: {again} trained again "
+                "(a train.save_every that divides train.steps checkpoints the last step)",
+                file=sys.stderr,
+            )
 
     def _cut_data(self) -> None:
         """The step's windows, pairs or rollouts (and DPO's reference scores), before a checkpoint is loaded: the
