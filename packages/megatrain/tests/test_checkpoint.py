@@ -411,7 +411,7 @@ def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
 
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer_dir.mkdir()
-    for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         (tokenizer_dir / name).write_text("{}")
     out = tmp_path / "model"
     write_hf_directory(out, entries(3), {"model_type": "llama"}, tokenizer_dir / "tokenizer.json", shard_bytes=16)

@@ -269,6 +269,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
     check_trackers(config)
     ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
     lock = RunLock(out) if ranks is None or ranks.is_main else None
+    made_out = not out.exists()  # (a run refused before it starts takes back the directory it made)
     try:
         if lock is not None:
             prepare_output_dir(out)
@@ -292,7 +293,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
         if lock is not None:
-            lock.release()
+            lock.release(remove=made_out)
         leave_ranks()  # (the Trainer leaves them on close; without one, this does)
         raise
     try:

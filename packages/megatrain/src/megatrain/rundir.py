@@ -99,8 +99,9 @@ class RunLock:
         self._handle = handle
         return note
 
-    def release(self) -> None:
-        """Let the directory go (an empty lock file: the run ended as it should)."""
+    def release(self, remove: bool = False) -> None:
+        """Let the directory go (an empty lock file: the run ended as it should); `remove`: a run refused before
+        it wrote anything takes its lock file and, where nothing else is in it, the directory it made with it."""
         if self._handle is None:
             return
         self._handle.seek(0)
@@ -109,6 +110,12 @@ class RunLock:
         fcntl.flock(self._handle, fcntl.LOCK_UN)
         self._handle.close()
         self._handle = None
+        if remove:
+            self.path.unlink(missing_ok=True)
+            try:
+                self.out.rmdir()
+            except OSError:  # (not empty: the data's cache, which the next run reuses)
+                pass
 
 
 def _read(handle) -> str:
