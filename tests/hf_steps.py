@@ -123,20 +123,23 @@ def check_text_model_trains_and_exports_alone(hf_dir, tmp_path, capfd, config, e
 
 def exact_reference(reference, model_config):
     """(reference, `make_trainer` options, context to step the reference in) for training steps against transformers:
-    as they are in fp32, AdamW's epsilon 1e-6; with linear attention both in float64, the reference's delta rule or
-    Mamba-2 scan token by token (`recurrences_token_by_token`), AdamW's epsilon 1e-3. Measured on the tiny Qwen3.5
-    and Qwen3-Next models: transformers' own delta rule computes in fp32 whatever the model's dtype, and its chunked
-    triangular solves leave fp32 gradient norms up to 2.6e-5 from float64 (megatrain's the same; with softmax
-    attention on every layer 3e-7); with experts that noise flipped routing near-ties in about one test of 150.
-    AdamW's first update is lr * sign(gradient), so the reference's remaining fp32 steps (its norms, A_log) flipped
-    near-zero gradient elements into lr-sized weight differences (gradient norms up to 1.2e-4 apart two steps on);
-    an epsilon of 1e-3 makes that update continuous in the gradient. What is left: gradient norms up to 2e-5 apart
-    by the fourth step (`grad_norm_tolerance`), losses within 1e-5 and weights within 1e-4 as every family. In fp32
-    the same flip happens where a gradient element is near 1e-9 (one k_proj weight of a tiny Granite 4.0 moved 2e-5
-    and the next step's gradient norm 1.05e-5, seed 1497917820); an epsilon of 1e-6 keeps such elements' first
-    update far below lr and the norms within 6e-7 (48 seeded runs of four families)."""
+    as they are in fp32 (dense models with AdamW's epsilon 1e-6); with linear attention both in float64, the
+    reference's delta rule or Mamba-2 scan token by token (`recurrences_token_by_token`), AdamW's epsilon 1e-3.
+    Measured on the tiny Qwen3.5 and Qwen3-Next models: transformers' own delta rule computes in fp32 whatever the
+    model's dtype, and its chunked triangular solves leave fp32 gradient norms up to 2.6e-5 from float64
+    (megatrain's the same; with softmax attention on every layer 3e-7); with experts that noise flipped routing
+    near-ties in about one test of 150. AdamW's first update is lr * sign(gradient), so the reference's remaining
+    fp32 steps (its norms, A_log) flipped near-zero gradient elements into lr-sized weight differences (gradient
+    norms up to 1.2e-4 apart two steps on); an epsilon of 1e-3 makes that update continuous in the gradient. What is
+    left: gradient norms up to 2e-5 apart by the fourth step (`grad_norm_tolerance`), losses within 1e-5 and weights
+    within 1e-4 as every family. In fp32 the same flip happens where a gradient element is near 1e-9 (one k_proj
+    weight of a tiny Granite 4.0 moved 2e-5 and the next step's gradient norm 1.05e-5, seed 1497917820); an epsilon
+    of 1e-6 keeps such elements' first update far below lr and the norms within 6e-7 (48 seeded runs of four
+    families)."""
     if not model_config.linear_attention_layers:
-        return reference, {"adam_eps": 1e-6}, contextlib.nullcontext()
+        # (experts keep the default: epsilon 1e-6 spreads fp32 noise over more elements' first updates, ~1e-6 each,
+        # which flipped a routing near-tie of a tiny Llama 4 at its next step, seed 1280473694)
+        return reference, {} if model_config.is_moe else {"adam_eps": 1e-6}, contextlib.nullcontext()
     reference = reference.double()
     if model_config.is_moe:
         reference.set_experts_implementation("eager")  # (transformers' grouped GEMMs take no float64)
