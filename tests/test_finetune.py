@@ -385,6 +385,7 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
     assert main(["data", "--config", str(path), "--dump", "1", "--text"]) == 0
     shown = capsys.readouterr().out
     assert "<|im_start|>user\nCount to" in shown and "<|im_end|>⟧" in shown
+    assert shown.rstrip().endswith("<|im_end|>⟧")  # (the row's padding is counted in its header, not shown)
 
 
 def test_a_short_answer_is_found_in_its_own_turn_not_in_the_system_prompt(tokenizer_dir):

@@ -230,8 +230,10 @@ def run_data(config, args) -> None:
                 break
             ids, labels = batch.input_ids[row].tolist(), hf_labels(batch, row)
             if tokenizer is not None:
-                print(f"--- sequence {shown} (step {step}, row {row}); trained spans in ⟦ ⟧")
-                print(marked_media_text(tokenizer, ids, labels, placeholders))
+                length = len(ids) if batch.valid is None else int(batch.valid[row].sum())  # (padding left out)
+                padding = f", then {len(ids) - length} padding tokens" if length < len(ids) else ""
+                print(f"--- sequence {shown} (step {step}, row {row}{padding}); trained spans in ⟦ ⟧")
+                print(marked_media_text(tokenizer, ids[:length], labels[:length], placeholders))
             else:
                 record = {"input_ids": ids, "labels": labels}
                 if batch.position_ids is not None:

@@ -250,7 +250,8 @@ class Plan:
         sweeps = self.placement.sweeps
         in_sweeps = f" in {sweeps} sweeps of {self.placement.tokens:,}" if sweeps > 1 else ""
         return (
-            f"placed for {self.placement.step_tokens:,} tokens a step per GPU{in_sweeps}: "
+            f"placed for {self.placement.step_tokens:,} tokens a step per {'GPU' if self.gpu_available else 'device'}"
+            f"{in_sweeps}: "
             f"{', '.join(parts) or 'every layer streamed'}"
             f"; predicted {self.step_s:.2f} s a step, bound by {self.bound_name}"
         )
