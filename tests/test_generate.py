@@ -3,6 +3,9 @@ native family, a mixture of experts whose experts transformers holds fused, a fa
 modules), prompts of different lengths in one batch; the completions' log-probabilities from the training forward
 equal transformers' scores; the same seed samples the same completions."""
 
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -168,8 +171,6 @@ def test_the_plan_counts_streamed_generations_host_copies():
 def test_generate_reads_the_tokenizer_a_text_run_trained(tmp_path, capsys):
     """A run on text trains its own tokenizer: `megatrain generate` from any of its checkpoints reads that one (its
     final/'s, or with no final/ the run's cached one), as `eval` and `convert` do."""
-    import json
-    import shutil
 
     from megatrain.cli import main
 

@@ -1,6 +1,8 @@
 """Hugging Face interop: megatrain's export loads in transformers with the same logits, and a
 directory written by transformers trains in megatrain from the same weights."""
 
+import json
+
 import pytest
 import torch
 import transformers  # installed by the integration nox session
@@ -108,7 +110,6 @@ def test_convert_checkpoint_to_transformers(tmp_path):
 def test_a_model_trained_from_scratch_on_text_exports_its_end_of_document(tmp_path):
     """A preset trained on text reads it with a tokenizer megatrain trained, whose documents end in <|endoftext|>:
     the export says so, so that transformers' tokenizer knows its EOS and its generate stops there."""
-    import json
 
     from megatrain.cli import main
 

@@ -528,20 +528,14 @@ def _coerce_tuple(value: Any, hint) -> tuple | None:
 def _coerce_scalar(value: Any, types: tuple):
     """`value` as the first of `types` (float, int, bool, str) that takes it; None if none does."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if float in types and (number or isinstance(value, str)):
-        try:  # (YAML 1.1 reads 3e-4, without a decimal point, as a string)
-            return float(value)
-        except ValueError:
-            pass
-    if int in types and isinstance(value, int) and not isinstance(value, bool):
+    # (YAML 1.1 reads 3e-4 and 1e3, without a decimal point, as strings)
+    as_float = _float_or_none(value) if number or isinstance(value, str) else None
+    if float in types and as_float is not None:
+        return as_float
+    if int in types and number and isinstance(value, int):
         return value
-    if int in types and isinstance(value, (float, str)) and not isinstance(value, bool):
-        try:  # 1e3 steps, or 2.0
-            whole = float(value)
-        except ValueError:
-            whole = None
-        if whole is not None and whole.is_integer():
-            return int(whole)
+    if int in types and as_float is not None and as_float.is_integer():  # 1e3 steps, or 2.0
+        return int(as_float)
     if bool in types and isinstance(value, bool):
         return value
     if str in types and (number or isinstance(value, str)):
@@ -549,6 +543,13 @@ def _coerce_scalar(value: Any, types: tuple):
     if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of names for a comma-separated field
     return None
+
+
+def _float_or_none(value) -> float | None:
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 _TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text", type(None): "null"}

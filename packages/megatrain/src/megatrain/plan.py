@@ -1251,47 +1251,56 @@ def format_plan(plan: Plan, model_name: str) -> str:
     return "\n".join(lines)
 
 
+def _joined(first: str, clauses: list[tuple[object, str]]) -> str:
+    """`first`, then the clauses whose condition holds, in order."""
+    return first + "".join(text for holds, text in clauses if holds)
+
+
 def _host_line(plan: Plan) -> str:
     gib = 2**30
-    line = f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
+    first = f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
     if plan.host_available:
-        line += f" of {plan.host_available / gib:.1f} GiB available"
-    if plan.disk_bytes:
-        line += f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk"
-    if plan.gradient_pool:
-        line += f"; gradient pool of {plan.gradient_pool:g} largest groups"
-    if plan.reference_copy:
-        line += "; with GRPO's KL reference weights"
-    if plan.frozen_params:
-        frozen = ", ".join(plan.frozen_parts) or "unused"
-        line += f"; {_params(plan.frozen_params)} frozen parameters ({frozen}) hold weights only"
-    if plan.generation_host_bytes:
-        line += f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation"
-    return line
+        first += f" of {plan.host_available / gib:.1f} GiB available"
+    frozen = ", ".join(plan.frozen_parts) or "unused"
+    return _joined(
+        first,
+        [
+            (plan.disk_bytes, f"; {plan.disk_bytes / gib:.1f} GiB of optimizer state on disk"),
+            (plan.gradient_pool, f"; gradient pool of {plan.gradient_pool:g} largest groups"),
+            (plan.reference_copy, "; with GRPO's KL reference weights"),
+            (plan.frozen_params, f"; {_params(plan.frozen_params)} frozen parameters ({frozen}) hold weights only"),
+            (
+                plan.generation_host_bytes,
+                f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation",
+            ),
+        ],
+    )
 
 
 def _device_line(plan: Plan) -> str:
     gib = 2**30
     if plan.gpu_available:
-        line = f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB free"
+        first = f"GPU memory       {plan.gpu_bytes / gib:.1f} GiB of {plan.gpu_available / gib:.1f} GiB free"
     else:
-        line = "compute on       the CPU (no GPU): weight slots and activations live in host memory"
-    if plan.offloaded_layers:
-        line += f", {plan.offloaded_layers} stages' activation checkpoints in host memory"
-    if plan.kept_layers:
-        line += f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)"
-    if plan.host_kept_layers:
-        line += f", {plan.host_kept_layers} more in host memory ({plan.host_kept_bytes / gib:.1f} GiB)"
-    if plan.held_layers:
-        line += f", {plan.held_layers} layers' weights held from forward to backward"
-    if plan.gpu_updated_layers:
-        line += (
-            f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "
-            f"({plan.gpu_updated_bytes / gib:.1f} GiB)"
-        )
-    if plan.experts_per_stage:
-        line += f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}"
-    return line
+        first = "compute on       the CPU (no GPU): weight slots and activations live in host memory"
+    return _joined(
+        first,
+        [
+            (plan.offloaded_layers, f", {plan.offloaded_layers} stages' activation checkpoints in host memory"),
+            (plan.kept_layers, f", {plan.kept_layers} layers keep their matmul products (no GEMM recomputed)"),
+            (
+                plan.host_kept_layers,
+                f", {plan.host_kept_layers} more in host memory ({plan.host_kept_bytes / gib:.1f} GiB)",
+            ),
+            (plan.held_layers, f", {plan.held_layers} layers' weights held from forward to backward"),
+            (
+                plan.gpu_updated_layers,
+                f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "
+                f"({plan.gpu_updated_bytes / gib:.1f} GiB)",
+            ),
+            (plan.experts_per_stage, f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}"),
+        ],
+    )
 
 
 def _ranks_clause(plan: Plan) -> str:

@@ -67,8 +67,8 @@ class MemoryReport:
         return sum(size for name, size in self.arenas.items() if self.pinned.get(name))
 
 
-def _checked_shard(shard: tuple[int, int], owned: tuple[int, int] | None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(shard, owned) checked: this process's (index, count) shard and the (first, number) of shards it owns."""
+def _owned_shards(shard: tuple[int, int], owned: tuple[int, int] | None) -> tuple[int, int]:
+    """The (first, number) of shards this process owns (None: all), checked with its own (index, count) shard."""
     if not 0 <= shard[0] < shard[1]:
         raise StoreError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
     owned = (0, shard[1]) if owned is None else owned
@@ -76,7 +76,7 @@ def _checked_shard(shard: tuple[int, int], owned: tuple[int, int] | None) -> tup
         raise StoreError(f"owned must be (first shard, number of shards) within the {shard[1]} shards, got {owned}")
     if not owned[0] <= shard[0] < sum(owned):
         raise StoreError(f"this process's shard {shard[0]} must be among the owned shards {owned}")
-    return shard, owned
+    return owned
 
 
 class HostStore:
@@ -148,7 +148,7 @@ class HostStore:
         self._arena_numel = total
         self.n_params = sum(layout.numel for layout in self.layouts)
         self.shared = shared
-        self.shard, self.owned = _checked_shard(shard, owned)
+        self.shard, self.owned = shard, _owned_shards(shard, owned)
         self.owns_all = self.owned == (0, shard[1])
         self.frozen = frozenset(frozen)
         # master weights: the owned range of each group, back to back; optimizer state likewise, frozen groups left out
