@@ -37,6 +37,7 @@ from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
 from .multimodal import MediaRows, check_media_model, media_of, row_windows
+from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
@@ -179,7 +180,7 @@ def evaluate_pairs(trainer: Trainer, pairs: PairWindows, reference: np.ndarray |
     """The DPO loss and TRL's metrics of the trainer's current weights over every pair (`reference`: their cached
     reference scores, None where the loss needs none), forward only."""
     sums = []
-    bar = tqdm(total=pairs.n_pairs, desc="eval", unit="pair", leave=leave, disable=not trainer.is_main, file=sys.stderr)
+    bar = progress(total=pairs.n_pairs, desc="eval", unit="pair", leave=leave, disable=not trainer.is_main)
     for batch in pairs.in_order(PASS_STEPS * trainer.config.train.batch_size):
         sums.append(
             trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences)
@@ -204,7 +205,7 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     batches = windows.in_order(trainer.config.train.batch_size)
-    bar = tqdm(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main, file=sys.stderr)
+    bar = progress(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main)
     for _, batch in zip(range(n_batches), batches):
         loss_sum, n_targets = trainer.evaluate(
             batch.input_ids, batch.labels, batch.position_ids, batch.valid, media=media_of(batch)
@@ -326,14 +327,12 @@ class TrainingRun:
         try:
             self._start()
             self.trackers = open_trackers(self.config, self.out) if self.main else []
-            bar = tqdm(
-                disable=not self.main,
+            bar = progress(
                 total=self.config.train.steps,
                 initial=self.trainer.step_index,
                 desc="train",
                 unit="step",
-                dynamic_ncols=True,
-                file=sys.stderr,
+                disable=not self.main,
             )
             stop.__enter__()
             for step in range(self.trainer.step_index, self.config.train.steps):

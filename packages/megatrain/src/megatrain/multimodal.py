@@ -326,11 +326,11 @@ class MediaEncoder:
 def media_examples(records, source: Source, encoder: MediaEncoder, data: DataSection) -> MediaExamples:
     """Every record of a source encoded, after truncation or dropping of long examples (an example whose
     truncation would cut an image's tokens is dropped: the model needs all of them)."""
-    from tqdm import tqdm
+    from .progress import progress
 
     columns, base = media_columns(source, records), media_base(source, data)
     examples = MediaExamples([], [], len(records))
-    for index, record in enumerate(tqdm(records, desc=f"process {source.name}", unit="record", leave=False)):
+    for index, record in enumerate(progress(records, desc=f"process {source.name}", unit="record", leave=False)):
         ids, trained, item, media_end = encoder.encode(record, source, index, columns, base)
         if len(ids) > data.seq_len:
             if data.too_long == "drop":

@@ -318,10 +318,10 @@ def tokenize_pairs(
     records, source: Source, data: DataSection, max_prompt: int, template, tokenizer, eos: str, batch: int = 512
 ) -> Pairs:
     """The source's records as tokenized pairs, truncated (or dropped) to fit data.seq_len, counted."""
-    from tqdm import tqdm
+    from .progress import progress
 
     pairs = Pairs(records=len(records))
-    for first in tqdm(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
+    for first in progress(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
         rows = records[first : first + batch]
         keys = list(rows)
         examples = []

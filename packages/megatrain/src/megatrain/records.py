@@ -378,12 +378,13 @@ def tokenize_source(
 ) -> Examples:
     """Token ids and trained flags per record, after truncation or dropping of long examples."""
     import jinja2
-    from tqdm import tqdm
+
+    from .progress import progress
 
     special = special_token_ids(tokenizer)
     document_start = document_start_ids(tokenizer) if source.formatting == "text" else []
     examples = Examples([], [], len(records))
-    for start in tqdm(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
+    for start in progress(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
         rows = records[start : start + batch]
         keys = list(rows)
         rendered = []

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from megatrain_store import atomic_write
 from megatrain_templates import Sequences
@@ -20,6 +19,7 @@ from megatrain_zoo import ZooError, read_hf_config
 
 from .config import ConfigError
 from .data import Batch, Tokens, sequence_lengths
+from .progress import progress
 
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
 # only each micro-batch's current activation)
@@ -91,9 +91,7 @@ def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
     pairs = trainer.pair_windows(rows)
     per_pass = PASS_STEPS * trainer.config.train.batch_size
     scores = np.zeros(2 * pairs.n_pairs, dtype=np.float64)
-    bar = tqdm(
-        total=pairs.n_pairs, desc=f"reference ({what})", unit="pair", disable=not trainer.is_main, file=sys.stderr
-    )
+    bar = progress(total=pairs.n_pairs, desc=f"reference ({what})", unit="pair", disable=not trainer.is_main)
     done = 0
     for batch in pairs.in_order(per_pass):
         logps = trainer.sequence_logps(
