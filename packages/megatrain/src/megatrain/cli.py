@@ -445,6 +445,12 @@ def run_plan(config, args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatrain", description="Full-precision LLM training on one GPU.")
     commands = parser.add_subparsers(dest="command")
+    for add in (_add_train, _add_plan, _add_convert, _add_data, _add_eval, _add_generate, _add_bench):
+        add(commands)
+    return parser
+
+
+def _add_train(commands) -> None:
     train_parser = commands.add_parser("train", help="train a model (no arguments: the built-in default job)")
     _add_config_args(train_parser)
     train_parser.add_argument(
@@ -453,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a run: its output_dir, its checkpoints/, a step-NNNNNNNN or its final/ (then its newest "
         "checkpoint); in that run directory, with the run's own config under --config and --set",
     )
+
+
+def _add_plan(commands) -> None:
     plan_parser = commands.add_parser(
         "plan", help="memory and step-time estimate for a config; refuses what cannot fit"
     )
@@ -466,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument(
         "--hosts", type=int, default=1, help="hosts (a replica of the state each, or a part: engine.shard_across_hosts)"
     )
+
+
+def _add_convert(commands) -> None:
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
     convert_parser.add_argument(
         "source",
@@ -473,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def _add_data(commands) -> None:
     data_parser = commands.add_parser("data", help="show the training sequences a config makes (template, mask)")
     _add_config_args(data_parser)
     data_parser.add_argument(
@@ -481,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_parser.add_argument(
         "--text", action="store_true", help="decoded text with trained spans marked, instead of JSON lines of ids"
     )
+
+
+def _add_eval(commands) -> None:
     eval_parser = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint, forward only")
     _add_config_args(eval_parser)
     eval_parser.add_argument(
@@ -490,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(step-NNNNNNNN) or a Hugging Face directory (a run's final/ among them)",
     )
     eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
+
+
+def _add_generate(commands) -> None:
     generate_parser = commands.add_parser("generate", help="completions of prompts from a checkpoint's weights")
     _add_config_args(generate_parser)
     generate_parser.add_argument(
@@ -505,10 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser.add_argument("--top-p", type=float, default=1.0)
     generate_parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
     generate_parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_bench(commands) -> None:
     bench_parser = commands.add_parser("bench", help="time training steps of a config on random tokens")
     _add_config_args(bench_parser)
     bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    return parser
 
 
 def run_command(args) -> None:
