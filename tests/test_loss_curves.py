@@ -12,7 +12,7 @@ def assert_within(ours, theirs, after, rel):
 
 def test_bf16_loss_curve_cpu(tmp_path):
     """CPU twin of the GPU test: fewer, smaller steps."""
-    ours, theirs = loss_curves("cpu", "bfloat16", steps=40, batch_size=8, seq_len=64, workdir=tmp_path)
+    ours, theirs = loss_curves("cpu", "bfloat16", steps=40, batch_size=4, seq_len=64, workdir=tmp_path)
     assert_within(ours, theirs, after=10, rel=0.01)
 
 
