@@ -20,6 +20,7 @@ from megatrain_zoo import ModelConfig
 
 from .config import ConfigError
 from .hf_io import WholeGroups, all_finite, is_hf_directory, load_groups
+from .progress import counting, progress
 from .rundir import SaveError, free_bytes, size_text
 
 MANIFEST = "manifest.json"
@@ -126,7 +127,7 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     make_room(root, sum(entries_bytes(entries) for entries in files.values()), keep_last, final.name)
     tmp = root / f".{final.name}.partial"
     try:
-        _write_checkpoint(trainer, tmp, files)
+        _write_checkpoint(trainer, tmp, files, final.name)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
         full = " (the disk is full)" if error.errno == errno.ENOSPC else ""
@@ -143,8 +144,8 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     return final
 
 
-def _write_checkpoint(trainer, tmp: Path, files: dict[str, list]) -> None:
-    """The checkpoint's files and manifest in `tmp`, fsynced; refused (`NonFiniteError`) if any tensor holds
+def _write_checkpoint(trainer, tmp: Path, files: dict[str, list], name: str) -> None:
+    """The files and manifest of checkpoint `name` in `tmp`, fsynced; refused (`NonFiniteError`) if any tensor holds
     NaN or Inf."""
     from .trainer import NonFiniteError
 
@@ -160,9 +161,11 @@ def _write_checkpoint(trainer, tmp: Path, files: dict[str, list]) -> None:
         "files": {},
     }
     offenders: list[str] = []
+    bar = progress(total=sum(map(len, files.values())), desc=f"save {name}", unit="tensor", leave=False)
     for filename, tensors in files.items():
-        write_safetensors(tmp / filename, finite_checked(tensors, offenders))
+        write_safetensors(tmp / filename, counting(finite_checked(tensors, offenders), bar))
         manifest["files"][filename] = {"bytes": (tmp / filename).stat().st_size, "crc32": file_crc32(tmp / filename)}
+    bar.close()
     if offenders:
         raise NonFiniteError(
             f"the state at step {trainer.step_index} holds NaN or Inf ({len(offenders)} tensors: {offenders[0]}, ...); "

@@ -21,6 +21,7 @@ from megatrain_store import (
 from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
 from megatrain_zoo import GenericError, ModelSpec, ZooError, config_to_hf
 
+from .progress import counting, progress
 from .rundir import check_room
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
@@ -159,7 +160,8 @@ def load_groups(store: HostStore, files: list[Path], arena: str = "master", pref
     shapes = {prefix + name: shape for name, (shape, _) in layout.items()}
     where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
     with open_safetensors(where.values()) as handles:
-        _fill_groups(store, handles, where, layout, arena, prefix)
+        desc = f"load {files[0].parent.name}/{files[0].name}" + (f" {prefix.rstrip('.')}" if prefix else "")
+        _fill_groups(store, handles, where, layout, arena, prefix, desc=desc)
 
 
 def _check_finite(tensor, name: str, path: Path) -> None:
@@ -172,7 +174,9 @@ def _check_finite(tensor, name: str, path: Path) -> None:
         )
 
 
-def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=None) -> None:
+def _fill_groups(
+    store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=None, desc="load weights"
+) -> None:
     """Copy file tensors into the store group by group through `store.writing` (whatever part of the
     state it holds), refusing any that holds NaN or Inf. `layout`: file tensor name (less `prefix`) ->
     (shape, the stored tensors it is, back to back); a file tensor spanning several groups (a layer's
@@ -187,7 +191,7 @@ def _fill_groups(store: HostStore, handles, where, layout: dict, arena="master",
             place[part] = (name, offset)
             offset += 0 if split_precision_of(part) else numel[part]
     frozen = store.frozen if arena.startswith("state.") else ()
-    for group in range(store.n_groups):
+    for group in progress(range(store.n_groups), desc=desc, unit="group", leave=False):
         if group in frozen:  # (a frozen group keeps no optimizer state)
             continue
         with store.writing(group, arena) as views:
@@ -359,7 +363,7 @@ def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path]) -> None:
     names and layouts as transformers' loader converts them, checked and copied into the store."""
     sources, where = _generic_sources(spec, files)
     with open_safetensors(set(where.values())) as handles:
-        for group in range(store.n_groups):
+        for group in progress(range(store.n_groups), desc="load weights", unit="group", leave=False):
             with store.writing(group) as views:
                 keys = [key for name in views for key in sources[name]]
                 read = {key: handles[where[key]].get_tensor(key) for key in keys}
@@ -427,7 +431,7 @@ def write_hf_directory(
     shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed
     staging.mkdir(parents=True)
     try:
-        _write_model_files(staging, entries, config, tokenizer, shard_bytes)
+        _write_model_files(staging, entries, config, tokenizer, shard_bytes, what=out_dir.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -450,7 +454,9 @@ def _move_into(staging: Path, out_dir: Path) -> None:
     fsync_dir(out_dir)
 
 
-def _write_model_files(out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int) -> None:
+def _write_model_files(
+    out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int, what: str
+) -> None:
     shards, size = [[]], 0
     for name, pending in entries:
         nbytes = pending.numel() * pending.element_size()
@@ -460,10 +466,12 @@ def _write_model_files(out_dir: Path, entries: list, config: dict, tokenizer: Pa
         shards[-1].append((name, pending))
         size += nbytes
     weight_map, total = {}, 0
+    bar = progress(total=len(entries), desc=f"write {what}", unit="tensor", leave=False)
     for i, shard in enumerate(shards):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += write_safetensors(out_dir / filename, shard, metadata={"format": "pt"})
+        total += write_safetensors(out_dir / filename, counting(shard, bar), metadata={"format": "pt"})
         weight_map.update({name: filename for name, _ in shard})
+    bar.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))

@@ -6,12 +6,15 @@ a terminal, `progress` returns a `LineProgress` instead, which has the part of t
 (`update`, `set_postfix`, `close`, iteration) and writes whole lines.
 """
 
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import TextIO
 
 from tqdm import tqdm
+
+from megatrain_store import Pending
 
 LOG_INTERVAL_S = 30.0  # a log line at most this often: a day's run writes ~3,000 lines, a short one a few
 
@@ -28,8 +31,9 @@ def progress(
     file: TextIO | None = None,
 ):
     """A progress bar over `iterable` or `total` units (update it by hand): tqdm's on a terminal, `LineProgress`
-    where the output goes to a file or a pipe."""
+    where the output goes to a file or a pipe; none on a torchrun rank but the first."""
     out = file if file is not None else sys.stderr
+    disable = disable or os.environ.get("RANK", "0") != "0"  # (under torchrun the first rank speaks for all)
     if disable or _is_terminal(out):
         return tqdm(
             iterable,
@@ -45,6 +49,22 @@ def progress(
     if total is None and iterable is not None and hasattr(iterable, "__len__"):
         total = len(iterable)
     return LineProgress(iterable, total=total, desc=desc, unit=unit, initial=initial, leave=leave, file=out)
+
+
+def counting(entries: list, bar) -> list:
+    """`entries` ((name, tensor or Pending) to write) whose tensors move `bar` on by one each as they are
+    loaded to be written."""
+
+    def load(tensor):
+        loaded = tensor.load() if isinstance(tensor, Pending) else tensor
+        bar.update(1)
+        return loaded
+
+    return [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: load(t))) for name, t in entries]
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _plural(unit: str) -> str:
@@ -114,7 +134,8 @@ class LineProgress:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
         if done > 0 and elapsed > 0:
             per_unit = elapsed / done
-            parts.append(f"{per_unit:.3g} s/{self.unit}" if per_unit >= 1 else f"{1 / per_unit:.3g} {self.unit}/s")
+            per_s = f"{_number(per_unit)} s/{self.unit}" if per_unit >= 1 else f"{_number(1 / per_unit)} {self.unit}/s"
+            parts.append(per_s)
         parts.append(f"elapsed {tqdm.format_interval(elapsed)}")
         if self.total and done > 0 and self.n < self.total:
             parts.append(f"eta {tqdm.format_interval(elapsed / done * (self.total - self.n))}")
