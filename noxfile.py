@@ -27,11 +27,8 @@ TWO_PROCESSES = {"megatrain"}
 
 
 def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
-    # pip compiles what it installs to bytecode on one core (torch: 20 of its 30 s on CI's machine); compileall
-    # does it on all of them afterwards (exit 1 where a package ships a file that is not Python 3: pip skips those)
-    session.install("--no-compile", TORCH)
-    session.install("--no-compile", *[f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages], "pytest", *extra)
-    session.run("python", "-m", "compileall", "-qq", "-j", "0", session.virtualenv.location, success_codes=[0, 1])
+    session.install(TORCH)
+    session.install(*[f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages], "pytest", *extra)
 
 
 def _package_session(name: str):
