@@ -542,9 +542,15 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
         entries = [
             (name, Pending(shapes[name], target, lambda name=name: _read(where, name).to(target))) for name in where
         ]
-        return write_hf_directory(
-            out_dir, checkpoint_entries(spec, entries), config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes
-        )
+        entries = checkpoint_entries(spec, entries)
+    else:
+        entries = _entries_as_imported(spec, files, where, shapes, target)
+    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes)
+
+
+def _entries_as_imported(spec: ModelSpec, files: list[Path], where: dict, shapes: dict, target) -> list:
+    """The files' tensors as megatrain imports them, to be read when written: quantized ones dequantized under their
+    own names, those the model leaves out left out, those the files name otherwise under the model's names."""
     leave_out = spec.checkpoint_names_to_ignore  # the config written says it has none of what is left out
     # tensors the files name otherwise (Gemma 3's text model in its image-text checkpoint) go out under the model's names
     canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}
@@ -561,7 +567,7 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
         return tensors[0].to(target)
 
     entries = []
-    for name in where:  # quantized tensors written dequantized, under their own names
+    for name in where:
         if name.endswith(("_scale_inv", "_scales")) or leave_out(name):
             continue
         shape = shapes[name]
@@ -571,7 +577,7 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
             experts, rows_out, groups, _ = shape
             shape = (experts, groups * MXFP4_BLOCK, rows_out)
         entries.append((canonical.get(name, name), Pending(shape, target, lambda name=name, how=how: load(name, how))))
-    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes)
+    return entries
 
 
 def _tokenizer_of(source: Path) -> Path | None:
