@@ -91,6 +91,30 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(write_config, tmp_path
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
 
 
+def test_a_failed_run_drops_its_queued_updates_and_a_finished_one_applies_them(write_config, tmp_path, monkeypatch):
+    """Waiting for a failed run's updates could wait on a rank that died or hung, for MEGATRAIN_RANK_WAIT_S once more
+    after the wait that failed (and then report that); a finished run's are applied before it closes."""
+    closes, waits_after_failure, failed = [], [], []
+    close, finish, step = Trainer.close, Trainer.finish_updates, Trainer.train_step
+
+    def failing_step(self, *args, **kwargs):
+        if self.step_index == 1 and "failing" in str(self.config.output_dir):
+            failed.append(True)
+            raise OSError(errno.EIO, "Input/output error", "the disk that went away")
+        return step(self, *args, **kwargs)
+
+    def recorded_finish(self):
+        waits_after_failure.extend(failed)
+        finish(self)
+
+    monkeypatch.setattr(Trainer, "train_step", failing_step)
+    monkeypatch.setattr(Trainer, "finish_updates", recorded_finish)
+    monkeypatch.setattr(Trainer, "close", lambda self, abandon=False: (closes.append(abandon), close(self, abandon)))
+    assert main(["train", "--config", str(write_config(output_dir=str(tmp_path / "finished")))]) == 0
+    assert main(["train", "--config", str(write_config(output_dir=str(tmp_path / "failing")))]) == 1
+    assert closes == [False, True] and failed and not waits_after_failure
+
+
 def make_trainer(write_config, tmp_path, **train):
     return Trainer(load_config(write_config(train=train, output_dir=str(tmp_path / "t"))))
 

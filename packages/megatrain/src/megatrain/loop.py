@@ -324,6 +324,7 @@ class TrainingRun:
         """The steps, then the export; returns the output directory."""
         stop = StopRequested()
         bar = None
+        failed = True  # (until the export is written: a failed run's queued updates are dropped, not waited for)
         try:
             self._start()
             self.trackers = open_trackers(self.config, self.out) if self.main else []
@@ -344,13 +345,14 @@ class TrainingRun:
                     self._stop(stop, bar)
             bar.close()
             self._finish()
+            failed = False
         finally:
             stop.__exit__()
             for tracker in self.trackers:
                 tracker.close()
             if bar is not None:
                 bar.close()
-            self.trainer.close()
+            self.trainer.close(abandon=failed)
         return self.out
 
     def _start(self) -> None:

@@ -704,8 +704,12 @@ class Trainer:
         """The store's state as whole groups to write (gathered to rank 0 where the hosts split it)."""
         return WholeGroups(self.store, self.sync.gather_whole if self.store_is_split else None)
 
-    def close(self) -> None:
-        self.finish_updates()
+    def close(self, abandon: bool = False) -> None:
+        """Finish the queued optimizer updates, stop their worker and leave the ranks. `abandon` (a run that
+        failed): drop the updates instead of waiting for them, since they may wait on a rank that died or hung,
+        for MEGATRAIN_RANK_WAIT_S again after the wait that failed."""
+        if not abandon:
+            self.finish_updates()
         if self.updates is not None:
             self.updates.close()
         if self.ranks is not None:
