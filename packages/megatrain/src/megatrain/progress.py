@@ -98,8 +98,7 @@ class LineProgress:
         self.leave, self.file = leave, file
         self.postfix: dict[str, object] = {}
         self.start = self.last_line = time.monotonic()
-        self.lines = 0
-        self.written_n: int | None = None  # the count the last line showed
+        self.written_n: int | None = None  # the count the last line showed (None: no line yet)
         self.closed = False
 
     def __iter__(self) -> Iterator:
@@ -121,7 +120,7 @@ class LineProgress:
         if self.closed:
             return
         self.closed = True
-        if (self.lines or self.leave) and self.written_n != self.n:
+        if (self.written_n is not None or self.leave) and self.written_n != self.n:
             self._write(time.monotonic())
 
     def line(self, now: float) -> str:
@@ -145,5 +144,4 @@ class LineProgress:
 
     def _write(self, now: float) -> None:
         print(self.line(now), file=self.file, flush=True)
-        self.lines += 1
         self.written_n, self.last_line = self.n, now
