@@ -46,8 +46,6 @@ def progress(
             dynamic_ncols=True,
             file=out,
         )
-    if total is None and iterable is not None and hasattr(iterable, "__len__"):
-        total = len(iterable)
     return LineProgress(iterable, total=total, desc=desc, unit=unit, initial=initial, leave=leave, file=out)
 
 
@@ -93,6 +91,8 @@ class LineProgress:
         leave: bool,
         file: TextIO,
     ):
+        if total is None and hasattr(iterable, "__len__"):  # (as tqdm counts an iterable's length itself)
+            total = len(iterable)
         self.iterable, self.total, self.desc, self.unit = iterable, total, desc, unit
         self.n = self.initial = initial
         self.leave, self.file = leave, file
