@@ -12,16 +12,36 @@ output. fp32 in and out; the matmuls take fp32 operands exactly ("ieee"), or rou
 TF32 where the inputs came in a half type.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-# The state pass: value columns a program owns (its [d_k, 64] fp32 slice of the state in registers) and its loads
-# in flight; of 16, 32 or 64 columns at 2, 4 or 8 warps and 1 or 2 stages, the fastest at Qwen3.5's shapes on an
-# H100 (8 warps at d_k 128: 0.43 / 0.62 ms forward / backward for 64 heads of 64 chunks, against 0.62 / 0.84 at
-# 32 columns and 4 warps)
-STATE_BLOCK_V, STATE_STAGES = 64, 2
-BLOCK_V = 32  # value columns `chunk_backward_states` takes at a time
-CHUNK_BLOCK_V = 64  # value columns a chunk-local output program makes
+
+class Launch(NamedTuple):
+    """How a kernel launches: the value columns a program takes at a time (the state pass's: owns; None for a
+    kernel that takes none), the key columns at a time (None for a kernel that takes all at once; at most all),
+    warps (None: `_state_warps`) and software-pipeline stages."""
+
+    block_v: int | None
+    key_step: int | None = None
+    num_warps: int | None = 4
+    num_stages: int = 3
+
+
+# Each kernel's launch at Qwen3.5's shapes (d_k = d_v = 128, chunks of 64). The state pass keeps its [d_k, 64]
+# fp32 slice of the state in registers: of 16, 32 or 64 columns at 2, 4 or 8 warps and 1 or 2 stages, 64 at 8
+# warps and 2 stages was the fastest on an H100 (0.43 / 0.62 ms forward / backward for 64 heads of 64 chunks,
+# against 0.62 / 0.84 at 32 columns and 4 warps). `benchmarks/delta_kernels.py --sweep` times the others'.
+LAUNCH = {
+    "state_pass_forward": Launch(block_v=64, num_warps=None, num_stages=2),
+    "state_pass_backward": Launch(block_v=64, num_warps=None, num_stages=2),
+    "chunk_prepare": Launch(block_v=64),
+    "chunk_backward_prepare": Launch(block_v=64),
+    "chunk_output": Launch(block_v=64),
+    "chunk_backward_states": Launch(block_v=32, key_step=128, num_warps=8, num_stages=1),
+    "chunk_backward_ut": Launch(block_v=None, key_step=128, num_warps=8),
+}
 
 
 def runs_on(t: Tensor, chunk: int, d_k: int) -> bool:
@@ -31,10 +51,23 @@ def runs_on(t: Tensor, chunk: int, d_k: int) -> bool:
     return t.is_cuda and t.dtype == torch.float32 and chunk in (16, 32, 64, 128) and d_k <= 128
 
 
-def _state_warps(d_k: int) -> int:
+def _state_warps(d_k: int, block_v: int) -> int:
     """Warps for a state pass program: at most 8, at least 16 of its state's elements a thread (8 elements a thread,
     at d_k 128 and 16 columns on 8 warps, crashed the state pass with an illegal address on an H100)."""
-    return max(1, min(8, _pow2(d_k) * STATE_BLOCK_V // (16 * 32)))
+    return max(1, min(8, _pow2(d_k) * block_v // (16 * 32)))
+
+
+def _launch(name: str, d_k: int) -> dict:
+    """The launch arguments of kernel `name` (`LAUNCH`) at keys of `d_k`: warps, stages, and BLOCK_V and
+    KEY_STEP where the kernel takes them."""
+    launch = LAUNCH[name]
+    warps = _state_warps(d_k, launch.block_v) if launch.num_warps is None else launch.num_warps
+    arguments = dict(num_warps=warps, num_stages=launch.num_stages)
+    if launch.block_v is not None:
+        arguments["BLOCK_V"] = launch.block_v
+    if launch.key_step is not None:
+        arguments["KEY_STEP"] = min(launch.key_step, _pow2(d_k))
+    return arguments
 
 
 def _pow2(n: int) -> int:
@@ -48,11 +81,11 @@ def state_pass(w: Tensor | None, u: Tensor, k_end: Tensor, carry: Tensor, tf32: 
     heads = u_.shape[0]
     states = u_.new_empty(heads, n_chunks, d_k, d_v)
     delta = u_ if w is None else torch.empty_like(u_)
-    grid = (heads, -(-d_v // STATE_BLOCK_V))
+    grid = (heads, -(-d_v // LAUNCH["state_pass_forward"].block_v))
     _kernels().state_pass_forward[grid](
         w_, u_, k_, g, states, delta, n_chunks, d_k, d_v,
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=STATE_BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
-        num_warps=_state_warps(d_k), num_stages=STATE_STAGES,
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), HAS_W=w is not None, PRECISION=_precision(tf32),
+        **_launch("state_pass_forward", d_k),
     )  # fmt: skip
     return states.reshape(*lead, n_chunks, d_k, d_v), delta.reshape(*lead, n_chunks, chunk, d_v)
 
@@ -64,11 +97,11 @@ def state_pass_backward(w, k_end, carry, d_states, d_delta, tf32: bool) -> tuple
     d_s = d_states.reshape(-1, n_chunks, d_k, d_v).contiguous()
     heads = d_d.shape[0]
     d_delta_total, d_leaving = torch.empty_like(d_d), torch.empty_like(d_s)
-    grid = (heads, -(-d_v // STATE_BLOCK_V))
+    grid = (heads, -(-d_v // LAUNCH["state_pass_backward"].block_v))
     _kernels().state_pass_backward[grid](
         w_, k_, g, d_s, d_d, d_delta_total, d_leaving, n_chunks, d_k, d_v,
-        CHUNK=chunk, BLOCK_K=_pow2(d_k), BLOCK_V=STATE_BLOCK_V, HAS_W=w is not None, PRECISION=_precision(tf32),
-        num_warps=_state_warps(d_k), num_stages=STATE_STAGES,
+        CHUNK=chunk, BLOCK_K=_pow2(d_k), HAS_W=w is not None, PRECISION=_precision(tf32),
+        **_launch("state_pass_backward", d_k),
     )  # fmt: skip
     return d_delta_total.reshape(d_delta.shape), d_leaving.reshape(*lead, n_chunks, d_k, d_v)
 
@@ -82,7 +115,7 @@ def chunk_prepare(k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, docs, t
     carry, ut_inverse = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, chunk, chunk)
     _kernels().chunk_prepare[(n_chunks, batch * heads)](
         k, v, log_decay, beta, _docs_or(docs, log_decay), ut_inverse, u, w, k_end, carry, n_chunks, heads, d_k,
-        v.shape[-1], BLOCK_V=CHUNK_BLOCK_V, **_chunk_constants(chunk, d_k, docs, tf32),
+        v.shape[-1], **_chunk_constants(chunk, d_k, docs, tf32), **_launch("chunk_prepare", d_k),
     )  # fmt: skip
     return u, w, k_end, carry, ut_inverse
 
@@ -98,7 +131,7 @@ def chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, tf32:
     carry, d_states = k.new_empty(batch, heads, n_chunks, 1, 1), k.new_empty(batch, heads, n_chunks, d_k, d_v)
     _kernels().chunk_backward_prepare[(n_chunks, batch * heads)](
         q, k, log_decay, beta, ut_inverse, _docs_or(docs, log_decay), d_out, w, k_end, carry, d_states, d_delta,
-        n_chunks, heads, d_k, d_v, BLOCK_V=CHUNK_BLOCK_V, **_chunk_constants(chunk, d_k, docs, tf32),
+        n_chunks, heads, d_k, d_v, **_chunk_constants(chunk, d_k, docs, tf32), **_launch("chunk_backward_prepare", d_k),
     )  # fmt: skip
     return w, k_end, carry, d_states, d_delta
 
@@ -110,11 +143,11 @@ def chunk_output(q: Tensor, k: Tensor, log_decay: Tensor, states: Tensor, delta:
     batch, heads, n_chunks, chunk, d_k = q.shape
     d_v = delta.shape[-1]
     out = torch.empty_like(delta, memory_format=torch.contiguous_format)
-    grid = (n_chunks, batch * heads, -(-d_v // CHUNK_BLOCK_V))
+    grid = (n_chunks, batch * heads, -(-d_v // LAUNCH["chunk_output"].block_v))
     _kernels().chunk_output[grid](
         q.contiguous(), k.contiguous(), log_decay.contiguous(), states.contiguous(), delta.contiguous(),
         _docs_or(docs, log_decay), out, n_chunks, heads, d_k, d_v,
-        BLOCK_V=CHUNK_BLOCK_V, **_chunk_constants(chunk, d_k, docs, tf32),
+        **_chunk_constants(chunk, d_k, docs, tf32), **_launch("chunk_output", d_k),
     )  # fmt: skip
     return out
 
@@ -142,12 +175,12 @@ def chunk_backward(q, k, v, log_decay, beta, ut_inverse, states, delta, d_out, d
         q, k, v, log_decay, *(unread if t is None else t for t in (beta, ut_inverse)), states, delta, d_out, d_u,
         d_leaving, docs_, d_q, d_k_, d_v_, d_log_decay, *(unread if t is None else t for t in (d_beta, d_w, d_t)),
         n_chunks, heads, d_k, v.shape[-1],
-        BLOCK_V=BLOCK_V, HAS_BETA=has_beta, num_warps=8, num_stages=1, **constants,
+        HAS_BETA=has_beta, **constants, **_launch("chunk_backward_states", d_k),
     )  # fmt: skip
     if has_beta:
         _kernels().chunk_backward_ut[grid](
             k, log_decay, beta, ut_inverse, docs_, d_w, d_t, d_k_, d_log_decay, d_beta, n_chunks, heads, d_k,
-            num_warps=8, **constants,
+            **constants, **_launch("chunk_backward_ut", d_k),
         )  # fmt: skip
     return d_q, d_k_, d_v_, d_log_decay, d_beta
 

@@ -228,108 +228,151 @@ def chunk_backward_states(
     q_ptr, k_ptr, v_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, states_ptr, delta_ptr, d_out_ptr, d_u_ptr,
     d_leaving_ptr, docs_ptr, d_q_ptr, d_k_ptr, d_v_ptr, d_log_decay_ptr, d_beta_ptr, d_w_ptr, d_t_ptr, n_chunks,
     n_heads, d_k, d_v,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_BETA: tl.constexpr,
-    HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, KEY_STEP: tl.constexpr,
+    HAS_BETA: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The gradients through the states, the corrected values and the output's masked attention: d_q, d_v,
     and d_k, d_beta and the log decays' whole (without beta) or their part before the UT transform's (with
-    it: then also the gradients by w and T, for `chunk_backward_ut`)."""
-    chunk, rows, ks, k_in, rows_k, pairs, carried, to_end, carry = chunk_program(
+    it: then also the gradients by w and T, for `chunk_backward_ut`). The key columns are taken KEY_STEP at a
+    time, each step walking the value columns again: the sums over the values it holds in registers are
+    [C, KEY_STEP]; the first step also makes the sums that take no key column."""
+    chunk, rows, _, _, _, pairs, carried, to_end, carry = chunk_program(
         log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
     )
     if HAS_BETA:
         beta = tl.load(beta_ptr + chunk * CHUNK + rows)
         ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK))
-    # sums over the value columns, a block at a time
-    d_q_carried = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
-    d_k_end = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
-    d_w = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)
+    else:  # unread
+        beta, ut_inverse = carried, pairs
     d_attention = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # q k^T, summed over the key steps
+    by_queries = tl.zeros([CHUNK], dtype=tl.float32)  # the carried decay's gradient, less its decay
+    by_end = tl.zeros([CHUNK], dtype=tl.float32)
     d_carry = 0.0
-    for v0 in range(0, d_v, BLOCK_V):
-        vs = v0 + tl.arange(0, BLOCK_V)
-        v_in = vs < d_v
-        rows_v, states_at = token_tile(chunk, vs, d_v, CHUNK), state_tile(chunk, ks, vs, d_k, d_v)
-        states = tl.load(states_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
-        d_leaving = tl.load(d_leaving_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
-        d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
-        delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
-        d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
-        d_q_carried += tl.dot(d_out, tl.trans(states), input_precision=PRECISION)
-        d_k_end += tl.dot(delta, tl.trans(d_leaving), input_precision=PRECISION)
-        d_attention += tl.dot(d_out, tl.trans(delta), input_precision=PRECISION)
-        d_carry += tl.sum(tl.sum(states * d_leaving, axis=1), axis=0)
+    for k0 in tl.static_range(0, BLOCK_K, KEY_STEP):
+        ks = k0 + tl.arange(0, KEY_STEP)
+        k_in = ks < d_k
+        d_q_carried = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
+        d_k_end = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
+        d_w = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
+        for v0 in range(0, d_v, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            v_in = vs < d_v
+            rows_v, states_at = token_tile(chunk, vs, d_v, CHUNK), state_tile(chunk, ks, vs, d_k, d_v)
+            states = tl.load(states_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
+            d_leaving = tl.load(d_leaving_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
+            d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
+            delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
+            d_q_carried += tl.dot(d_out, tl.trans(states), input_precision=PRECISION)
+            d_k_end += tl.dot(delta, tl.trans(d_leaving), input_precision=PRECISION)
+            d_carry += tl.sum(tl.sum(states * d_leaving, axis=1), axis=0)
+            if HAS_BETA or k0 == 0:
+                d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
+            if HAS_BETA:
+                d_w -= tl.dot(d_u, tl.trans(states), input_precision=PRECISION)
+            if k0 == 0:
+                d_attention += tl.dot(d_out, tl.trans(delta), input_precision=PRECISION)
+                d_t_part, d_beta_part = value_block_gradients(
+                    v_ptr, d_v_ptr, d_u, beta, ut_inverse, rows_v, v_in, CHUNK, HAS_BETA, PRECISION
+                )
+                d_t += d_t_part
+                d_beta += d_beta_part
+        if k0 == 0 and HAS_BETA:  # for `chunk_backward_ut`
+            tl.store(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK), d_t)
+            tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
+        # through the output's masked attention and the keys' decays to the chunk's end, for these key columns
+        rows_k = token_tile(chunk, ks, d_k, CHUNK)
+        q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
+        k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+        d_scores = d_attention * pairs
+        d_q_tile = tl.dot(d_scores, k, input_precision=PRECISION) + d_q_carried * carried[:, None]
+        tl.store(d_q_ptr + rows_k, d_q_tile, mask=k_in[None, :])
+        d_k_tile = tl.dot(tl.trans(d_scores), q, input_precision=PRECISION) + d_k_end * to_end[:, None]
+        tl.store(d_k_ptr + rows_k, d_k_tile, mask=k_in[None, :])
         if HAS_BETA:
-            v = tl.load(v_ptr + rows_v, mask=v_in[None, :], other=0.0)
-            d_w -= tl.dot(d_u, tl.trans(states), input_precision=PRECISION)
-            d_t += tl.dot(d_u, tl.trans(v * beta[:, None]), input_precision=PRECISION)
-            d_v_beta = tl.dot(tl.trans(ut_inverse), d_u, input_precision=PRECISION)
-            d_beta += tl.sum(d_v_beta * v, axis=1)
-            tl.store(d_v_ptr + rows_v, d_v_beta * beta[:, None], mask=v_in[None, :])
-        else:
-            tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
-    # through the output's masked attention and the keys' decays to the chunk's end
-    q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
-    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
-    d_scores = d_attention * pairs
-    d_q = tl.dot(d_scores, k, input_precision=PRECISION) + d_q_carried * carried[:, None]
-    tl.store(d_q_ptr + rows_k, d_q, mask=k_in[None, :])
-    d_k = tl.dot(tl.trans(d_scores), q, input_precision=PRECISION) + d_k_end * to_end[:, None]
-    tl.store(d_k_ptr + rows_k, d_k, mask=k_in[None, :])
-    by_end = tl.sum(d_k_end * k, axis=1) * to_end
-    d_decayed = decayed_gradient(
-        d_attention * tl.dot(q, tl.trans(k), input_precision=PRECISION), pairs, tl.sum(d_q_carried * q, axis=1), carried
-    )
+            tl.store(d_w_ptr + rows_k, d_w, mask=k_in[None, :])
+        by_end += tl.sum(d_k_end * k, axis=1) * to_end
+        by_queries += tl.sum(d_q_carried * q, axis=1)
+        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    d_decayed = decayed_gradient(d_attention * scores, pairs, by_queries, carried)
     d_decayed += tl.where(rows == CHUNK - 1, tl.sum(by_end, axis=0) + d_carry * carry, 0.0) - by_end
     if HAS_BETA:  # the rest is `chunk_backward_ut`'s
-        tl.store(d_w_ptr + rows_k, d_w, mask=k_in[None, :])
-        tl.store(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK), d_t)
-        tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
         tl.store(d_log_decay_ptr + chunk * CHUNK + rows, d_decayed)
     else:
         tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
 
 
 @triton.jit
+def value_block_gradients(
+    v_ptr, d_v_ptr, d_u, beta, ut_inverse, rows_v, v_in,
+    CHUNK: tl.constexpr, HAS_BETA: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Stores one block of value columns' gradient by v; returns its parts of the gradients by T and by beta
+    (zeros without beta, where v's gradient is d_u's)."""
+    d_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    if HAS_BETA:
+        v = tl.load(v_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_v_beta = tl.dot(tl.trans(ut_inverse), d_u, input_precision=PRECISION)
+        tl.store(d_v_ptr + rows_v, d_v_beta * beta[:, None], mask=v_in[None, :])
+        d_t = tl.dot(d_u, tl.trans(v * beta[:, None]), input_precision=PRECISION)
+        d_beta = tl.sum(d_v_beta * v, axis=1)
+    else:
+        tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
+    return d_t, d_beta
+
+
+@triton.jit
 def chunk_backward_ut(
     k_ptr, log_decay_ptr, beta_ptr, ut_inverse_ptr, docs_ptr, d_w_ptr, d_t_ptr, d_k_ptr, d_log_decay_ptr,
     d_beta_ptr, n_chunks, n_heads, d_k,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, KEY_STEP: tl.constexpr, HAS_DOCS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Through the UT transform (dL = -T^T dT T^T, strictly lower) and w's keys: adds to the gradients by k,
     beta and the decayed positions that `chunk_backward_states` left, and takes the latter back to the log
-    decays."""
-    chunk, rows, ks, k_in, rows_k, pairs, carried, _, _ = chunk_program(
+    decays. Two walks over the key columns, KEY_STEP at a time: the first sums the [C, C] products over the
+    keys, the second makes the keys' gradients."""
+    chunk, rows, _, _, _, pairs, carried, _, _ = chunk_program(
         log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
     )
-    k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
     beta = tl.load(beta_ptr + chunk * CHUNK + rows)
     ut_transposed = tl.trans(tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK)))
-    d_w = tl.load(d_w_ptr + rows_k, mask=k_in[None, :], other=0.0)
-    k_beta = k * beta[:, None]
-    d_keys = tl.dot(ut_transposed, d_w, input_precision=PRECISION)
-    d_t = tl.load(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK)) + tl.dot(
-        d_w, tl.trans(k_beta * carried[:, None]), input_precision=PRECISION
-    )
+    d_t = tl.load(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK))
+    system = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # (beta k) k^T
+    for k0 in tl.static_range(0, BLOCK_K, KEY_STEP):
+        ks = k0 + tl.arange(0, KEY_STEP)
+        rows_k = token_tile(chunk, ks, d_k, CHUNK)
+        k = tl.load(k_ptr + rows_k, mask=(ks < d_k)[None, :], other=0.0)
+        k_beta = k * beta[:, None]
+        d_w = tl.load(d_w_ptr + rows_k, mask=(ks < d_k)[None, :], other=0.0)
+        d_t += tl.dot(d_w, tl.trans(k_beta * carried[:, None]), input_precision=PRECISION)
+        system += tl.dot(k_beta, tl.trans(k), input_precision=PRECISION)
     d_system = tl.dot(ut_transposed, d_t, input_precision=PRECISION)
     d_system = -tl.dot(d_system, ut_transposed, input_precision=PRECISION)
     d_system = tl.where(rows[:, None] > rows[None, :], d_system, 0.0)
     d_kk = d_system * pairs
-    d_k_beta = tl.dot(d_kk, k, input_precision=PRECISION) + d_keys * carried[:, None]
-    d_k = tl.load(d_k_ptr + rows_k, mask=k_in[None, :], other=0.0)
-    d_k += tl.dot(tl.trans(d_kk), k_beta, input_precision=PRECISION) + d_k_beta * beta[:, None]
-    tl.store(d_k_ptr + rows_k, d_k, mask=k_in[None, :])
-    tl.store(
-        d_beta_ptr + chunk * CHUNK + rows, tl.load(d_beta_ptr + chunk * CHUNK + rows) + tl.sum(d_k_beta * k, axis=1)
-    )
-    d_decayed = tl.load(d_log_decay_ptr + chunk * CHUNK + rows) + decayed_gradient(
-        d_system * tl.dot(k_beta, tl.trans(k), input_precision=PRECISION),
-        pairs,
-        tl.sum(d_keys * k_beta, axis=1),
-        carried,
-    )
+    d_beta = tl.load(d_beta_ptr + chunk * CHUNK + rows)
+    by_carried = tl.zeros([CHUNK], dtype=tl.float32)  # the carried decay's gradient through w, less its decay
+    for k0 in tl.static_range(0, BLOCK_K, KEY_STEP):
+        ks = k0 + tl.arange(0, KEY_STEP)
+        k_in = ks < d_k
+        rows_k = token_tile(chunk, ks, d_k, CHUNK)
+        k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+        k_beta = k * beta[:, None]
+        d_keys = tl.dot(ut_transposed, tl.load(d_w_ptr + rows_k, mask=k_in[None, :], other=0.0),
+                        input_precision=PRECISION)  # fmt: skip
+        d_k_beta = tl.dot(d_kk, k, input_precision=PRECISION) + d_keys * carried[:, None]
+        d_k_tile = tl.load(d_k_ptr + rows_k, mask=k_in[None, :], other=0.0)
+        d_k_tile += tl.dot(tl.trans(d_kk), k_beta, input_precision=PRECISION) + d_k_beta * beta[:, None]
+        tl.store(d_k_ptr + rows_k, d_k_tile, mask=k_in[None, :])
+        d_beta += tl.sum(d_k_beta * k, axis=1)
+        by_carried += tl.sum(d_keys * k_beta, axis=1)
+    tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
+    d_decayed = tl.load(d_log_decay_ptr + chunk * CHUNK + rows)
+    d_decayed += decayed_gradient(d_system * system, pairs, by_carried, carried)
     tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
 
 
