@@ -35,7 +35,7 @@ SWEEP = {
         "chunk_backward_prepare": ([32, 64, 128], [None], [4, 8], [1, 3]),
         "chunk_output": ([32, 64, 128], [None], [4, 8], [1, 3]),
         "chunk_backward_states": ([32, 64], [128, 64, 32], [4, 8, 16], [1, 2]),
-        "chunk_backward_ut": ([None], [128, 64, 32], [4, 8, 16], [1, 3]),
+        "chunk_backward_ut": ([None], [128, 64, 32], [4, 8, 16], [1, 2]),
     }.items()
 }
 
@@ -157,6 +157,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--sweep", action="store_true", help="time every launch of SWEEP per kernel")
+    parser.add_argument("--kernels", default=",".join(SWEEP), help="the kernels --sweep takes (comma-separated)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -177,7 +178,7 @@ def main():
         if not args.sweep:
             continue
         fastest = {}
-        for kernel in SWEEP:
+        for kernel in args.kernels.split(","):
             kernel_rows, fastest[kernel] = sweep_kernel(kernel, calls, recordings[kernel])
             print(table(kernel_rows, ["kernel", "launch", "ms", "of_default", "regs", "spills", "difference"]))
             rows += [base | {"scope": f"delta rule kernel {kernel}", "step_time_s": r["ms"] / 1e3} | r

@@ -37,10 +37,10 @@ LAUNCH = {
     "state_pass_forward": Launch(block_v=64, num_warps=None, num_stages=2),
     "state_pass_backward": Launch(block_v=64, num_warps=None, num_stages=2),
     "chunk_prepare": Launch(block_v=64),
-    "chunk_backward_prepare": Launch(block_v=64),
+    "chunk_backward_prepare": Launch(block_v=64, num_stages=1),
     "chunk_output": Launch(block_v=64),
     "chunk_backward_states": Launch(block_v=32, key_step=128, num_warps=8, num_stages=1),
-    "chunk_backward_ut": Launch(block_v=None, key_step=128, num_warps=8),
+    "chunk_backward_ut": Launch(block_v=None, key_step=32, num_warps=4, num_stages=1),
 }
 
 

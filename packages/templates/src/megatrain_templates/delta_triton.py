@@ -233,21 +233,18 @@ def chunk_backward_states(
 ):  # fmt: skip
     """The gradients through the states, the corrected values and the output's masked attention: d_q, d_v,
     and d_k, d_beta and the log decays' whole (without beta) or their part before the UT transform's (with
-    it: then also the gradients by w and T, for `chunk_backward_ut`). The key columns are taken KEY_STEP at a
-    time, each step walking the value columns again: the sums over the values it holds in registers are
-    [C, KEY_STEP]; the first step also makes the sums that take no key column."""
+    it: then also the gradients by w and T, for `chunk_backward_ut`). First the sums over the value columns
+    that take no key column (the attention's gradient, v's, T's and beta's); then the key columns KEY_STEP at a
+    time, each step walking the value columns again, so that the sums it holds in registers are [C, KEY_STEP].
+    Registers, not arithmetic, bound these programs: each [C, C] or [C, d] fp32 tile held is 16-32 KB."""
     chunk, rows, _, _, _, pairs, carried, to_end, carry = chunk_program(
         log_decay_ptr, docs_ptr, n_chunks, n_heads, d_k, CHUNK, BLOCK_K, HAS_DOCS
     )
-    if HAS_BETA:
-        beta = tl.load(beta_ptr + chunk * CHUNK + rows)
-        ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK))
-    else:  # unread
-        beta, ut_inverse = carried, pairs
-    d_attention = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    d_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    d_beta = tl.zeros([CHUNK], dtype=tl.float32)
-    scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # q k^T, summed over the key steps
+    d_scores = pairs * value_side_gradients(
+        v_ptr, beta_ptr, ut_inverse_ptr, delta_ptr, d_out_ptr, d_u_ptr, d_v_ptr, d_t_ptr, d_beta_ptr, chunk, rows,
+        d_v, CHUNK, BLOCK_V, HAS_BETA, PRECISION,
+    )  # fmt: skip
+    by_pairs = tl.zeros([CHUNK], dtype=tl.float32)  # the decayed positions' gradient through the attention's pairs
     by_queries = tl.zeros([CHUNK], dtype=tl.float32)  # the carried decay's gradient, less its decay
     by_end = tl.zeros([CHUNK], dtype=tl.float32)
     d_carry = 0.0
@@ -268,25 +265,13 @@ def chunk_backward_states(
             d_q_carried += tl.dot(d_out, tl.trans(states), input_precision=PRECISION)
             d_k_end += tl.dot(delta, tl.trans(d_leaving), input_precision=PRECISION)
             d_carry += tl.sum(tl.sum(states * d_leaving, axis=1), axis=0)
-            if HAS_BETA or k0 == 0:
-                d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
             if HAS_BETA:
+                d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
                 d_w -= tl.dot(d_u, tl.trans(states), input_precision=PRECISION)
-            if k0 == 0:
-                d_attention += tl.dot(d_out, tl.trans(delta), input_precision=PRECISION)
-                d_t_part, d_beta_part = value_block_gradients(
-                    v_ptr, d_v_ptr, d_u, beta, ut_inverse, rows_v, v_in, CHUNK, HAS_BETA, PRECISION
-                )
-                d_t += d_t_part
-                d_beta += d_beta_part
-        if k0 == 0 and HAS_BETA:  # for `chunk_backward_ut`
-            tl.store(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK), d_t)
-            tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
         # through the output's masked attention and the keys' decays to the chunk's end, for these key columns
         rows_k = token_tile(chunk, ks, d_k, CHUNK)
         q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
         k = tl.load(k_ptr + rows_k, mask=k_in[None, :], other=0.0)
-        d_scores = d_attention * pairs
         d_q_tile = tl.dot(d_scores, k, input_precision=PRECISION) + d_q_carried * carried[:, None]
         tl.store(d_q_ptr + rows_k, d_q_tile, mask=k_in[None, :])
         d_k_tile = tl.dot(tl.trans(d_scores), q, input_precision=PRECISION) + d_k_end * to_end[:, None]
@@ -295,8 +280,9 @@ def chunk_backward_states(
             tl.store(d_w_ptr + rows_k, d_w, mask=k_in[None, :])
         by_end += tl.sum(d_k_end * k, axis=1) * to_end
         by_queries += tl.sum(d_q_carried * q, axis=1)
-        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    d_decayed = decayed_gradient(d_attention * scores, pairs, by_queries, carried)
+        # the pairs' part of the decayed positions' gradient is linear in q k^T: summed a key step at a time
+        by_pairs += pair_sums(d_scores * tl.dot(q, tl.trans(k), input_precision=PRECISION))
+    d_decayed = by_pairs + by_queries * carried
     d_decayed += tl.where(rows == CHUNK - 1, tl.sum(by_end, axis=0) + d_carry * carry, 0.0) - by_end
     if HAS_BETA:  # the rest is `chunk_backward_ut`'s
         tl.store(d_log_decay_ptr + chunk * CHUNK + rows, d_decayed)
@@ -305,23 +291,38 @@ def chunk_backward_states(
 
 
 @triton.jit
-def value_block_gradients(
-    v_ptr, d_v_ptr, d_u, beta, ut_inverse, rows_v, v_in,
-    CHUNK: tl.constexpr, HAS_BETA: tl.constexpr, PRECISION: tl.constexpr,
+def value_side_gradients(
+    v_ptr, beta_ptr, ut_inverse_ptr, delta_ptr, d_out_ptr, d_u_ptr, d_v_ptr, d_t_ptr, d_beta_ptr, chunk, rows, d_v,
+    CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_BETA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Stores one block of value columns' gradient by v; returns its parts of the gradients by T and by beta
-    (zeros without beta, where v's gradient is d_u's)."""
+    """The sums over a chunk's value columns that take no key column: stores the gradient by v, and with beta
+    those by T and beta (for `chunk_backward_ut`); returns the gradient by the output's masked attention [C, C]."""
+    if HAS_BETA:
+        beta = tl.load(beta_ptr + chunk * CHUNK + rows)
+        ut_inverse = tl.load(ut_at(ut_inverse_ptr, chunk, CHUNK))
+    d_attention = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    for v0 in range(0, d_v, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        v_in = vs < d_v
+        rows_v = token_tile(chunk, vs, d_v, CHUNK)
+        d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_attention += tl.dot(d_out, tl.trans(delta), input_precision=PRECISION)
+        d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        if HAS_BETA:
+            v = tl.load(v_ptr + rows_v, mask=v_in[None, :], other=0.0)
+            d_v_beta = tl.dot(tl.trans(ut_inverse), d_u, input_precision=PRECISION)
+            tl.store(d_v_ptr + rows_v, d_v_beta * beta[:, None], mask=v_in[None, :])
+            d_t += tl.dot(d_u, tl.trans(v * beta[:, None]), input_precision=PRECISION)
+            d_beta += tl.sum(d_v_beta * v, axis=1)
+        else:
+            tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
     if HAS_BETA:
-        v = tl.load(v_ptr + rows_v, mask=v_in[None, :], other=0.0)
-        d_v_beta = tl.dot(tl.trans(ut_inverse), d_u, input_precision=PRECISION)
-        tl.store(d_v_ptr + rows_v, d_v_beta * beta[:, None], mask=v_in[None, :])
-        d_t = tl.dot(d_u, tl.trans(v * beta[:, None]), input_precision=PRECISION)
-        d_beta = tl.sum(d_v_beta * v, axis=1)
-    else:
-        tl.store(d_v_ptr + rows_v, d_u, mask=v_in[None, :])
-    return d_t, d_beta
+        tl.store(d_t_ptr + token_tile(chunk, rows, CHUNK, CHUNK), d_t)
+        tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
+    return d_attention
 
 
 @triton.jit
@@ -354,6 +355,7 @@ def chunk_backward_ut(
     d_system = -tl.dot(d_system, ut_transposed, input_precision=PRECISION)
     d_system = tl.where(rows[:, None] > rows[None, :], d_system, 0.0)
     d_kk = d_system * pairs
+    d_decayed = tl.load(d_log_decay_ptr + chunk * CHUNK + rows) + pair_sums(d_kk * system)
     d_beta = tl.load(d_beta_ptr + chunk * CHUNK + rows)
     by_carried = tl.zeros([CHUNK], dtype=tl.float32)  # the carried decay's gradient through w, less its decay
     for k0 in tl.static_range(0, BLOCK_K, KEY_STEP):
@@ -371,8 +373,7 @@ def chunk_backward_ut(
         d_beta += tl.sum(d_k_beta * k, axis=1)
         by_carried += tl.sum(d_keys * k_beta, axis=1)
     tl.store(d_beta_ptr + chunk * CHUNK + rows, d_beta)
-    d_decayed = tl.load(d_log_decay_ptr + chunk * CHUNK + rows)
-    d_decayed += decayed_gradient(d_system * system, pairs, by_carried, carried)
+    d_decayed += by_carried * carried
     tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
 
 
@@ -403,11 +404,10 @@ def ut_at(ut_inverse_ptr, chunk, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def decayed_gradient(d_pairs, pairs, d_carried, carried):
+def pair_sums(d_pairs_by_pairs):
     """The gradient by the decayed positions (cumulative log decays) through Gamma[i, j] = exp(decayed_i -
-    decayed_j) and the carried decay exp(decayed_i)."""
-    by_pairs = d_pairs * pairs
-    return tl.sum(by_pairs, axis=1) - tl.sum(by_pairs, axis=0) + d_carried * carried
+    decayed_j), from the gradient by Gamma times Gamma: its row sums less its column sums."""
+    return tl.sum(d_pairs_by_pairs, axis=1) - tl.sum(d_pairs_by_pairs, axis=0)
 
 
 @triton.jit
