@@ -138,5 +138,6 @@ def main():
             handle.write(json.dumps(row) + "\n")
     dist.destroy_process_group()
 
+
 if __name__ == "__main__":
     main()
