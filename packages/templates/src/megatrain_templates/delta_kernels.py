@@ -39,7 +39,7 @@ LAUNCH = {
     "chunk_prepare": Launch(block_v=64),
     "chunk_backward_prepare": Launch(block_v=64, num_stages=1),
     "chunk_output": Launch(block_v=64),
-    "chunk_backward_states": Launch(block_v=32, key_step=128, num_warps=8, num_stages=1),
+    "chunk_backward_states": Launch(block_v=64, key_step=128, num_warps=8, num_stages=2),
     "chunk_backward_ut": Launch(block_v=None, key_step=32, num_warps=4, num_stages=1),
 }
 
