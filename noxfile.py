@@ -24,6 +24,8 @@ DEPENDS = {
 EXTRAS = {"megatrain": "[plot]"}  # the loss-curve PNG is part of what a run writes
 # pytest-xdist: the sessions whose tests take long run them in two processes (CI's two cores)
 TWO_PROCESSES = {"megatrain"}
+# triton and numpy: the templates' kernels run under its CPU interpreter (a GPU's torch brings triton; CPU wheels do not)
+TEST_REQUIREMENTS = {"templates": ("triton", "numpy")}
 
 
 def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
@@ -35,7 +37,8 @@ def _package_session(name: str):
     @nox.session(name=name, python="3.11")
     def run(session: nox.Session) -> None:
         parallel = name in TWO_PROCESSES
-        install(session, *DEPENDS[name], name, extra=("pytest-xdist",) if parallel else ())
+        extra = TEST_REQUIREMENTS.get(name, ()) + (("pytest-xdist",) if parallel else ())
+        install(session, *DEPENDS[name], name, extra=extra)
         processes = ("-n", "2") if parallel else ()
         session.run("pytest", "-q", *processes, "-m", "not gpu", f"packages/{name}/tests", *session.posargs)
 

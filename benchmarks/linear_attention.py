@@ -62,8 +62,10 @@ def main():
         row = {"what": name, "ms": round(ms, 2)}
         if flops:
             row["tflops"] = round(flops / ms / 1e9, 1)
-        rows.append(row)
         print(table([row], list(row)), flush=True)
+        scope = name if name.startswith("causal SDPA") else f"one Gated DeltaNet layer: {name}"
+        part = {"scope": scope, "timed_ms": row.pop("ms"), "tokens_per_step": tokens, "seq_len": seq}
+        rows.append(row | part | {"micro_batch_seqs": mb})
 
     rule_flops = linear_attention_flops_per_token(model) * tokens
     q, k = random_inputs([(mb, seq, n_k, d_k)] * 2)
@@ -109,7 +111,7 @@ def main():
         ),
         6 * mb * model.n_heads * model.head_dim * seq * seq,
     )
-    print(table(rows, ["what", "ms", "tflops"]))
+    print(table(rows, ["what", "timed_ms", "tflops"]))
     if args.out:
         write_results(
             args.out,

@@ -318,8 +318,9 @@ def linear_attention_parts(rows: list[dict]) -> Table:
     """One Gated DeltaNet layer's parts against a full-attention layer's SDPA, current engine."""
     parts = [r for r in rows if r["file"].startswith("qwen3.5") and r.get("tflops") is not None and is_default(r)]
     chosen = list(newest(parts, lambda r: (r["model"], r["scope"])).values())
-    body = [[r["model"], r["scope"], f"{r['timed_ms']} ms", num(r["tflops"])] for r in chosen]
-    return Table(["model", "part (16k tokens, forward + backward)", "time", "TFLOPS"], body, chosen, align="llrr")
+    body = [[r["model"], r["scope"], gpu(r), f"{r['timed_ms']} ms", num(r["tflops"]), r["date"]] for r in chosen]
+    header = ["model", "part (16k tokens, forward + backward)", "GPU", "time", "TFLOPS", "date"]
+    return Table(header, body, chosen, align="llrrrr")
 
 
 def preference_training(rows: list[dict]) -> Table:

@@ -1,0 +1,125 @@
+"""The Triton kernels' arithmetic under Triton's interpreter, run by `test_kernels_interpreted.py` in a process of
+its own: the interpreter must be on before anything imports triton (TRITON_INTERPRET=1 in its environment).
+
+    TRITON_INTERPRET=1 python packages/templates/tests/kernels_under_interpreter.py delta|experts
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from megatrain_templates import chunked_recurrence as recurrence
+from megatrain_templates import delta_kernels
+from megatrain_templates.expert_kernels import add_grouped_weight_grad_
+
+
+def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def _rule_inputs(heads: int, n_chunks: int, chunk: int, d_k: int, d_v: int, with_beta: bool, with_docs: bool):
+    """Random inputs in the kernels' layout ([batch, heads, chunks, chunk, d]) with unit keys (as Gated DeltaNet's:
+    I + L is then well conditioned), and document ids that start documents inside chunks."""
+    batch, seq = 2, n_chunks * chunk
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(batch, heads, n_chunks, *shape) * scale
+
+    q, k, v, d_out = randn(chunk, d_k, scale=0.3), randn(chunk, d_k), randn(chunk, d_v), randn(chunk, d_v)
+    log_decay = -torch.rand(batch, heads, n_chunks, chunk) * 0.5
+    beta = torch.rand(batch, heads, n_chunks, chunk) if with_beta else None
+    docs = None
+    if with_docs:
+        lengths = (chunk // 2 + 3, 1, seq - chunk // 2 - 4 - chunk, chunk)
+        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(batch, -1)
+    return q, F.normalize(k, dim=-1), v, log_decay, beta, docs, d_out
+
+
+SMALL_STEPS = {  # every kernel that walks keys or values in steps, at its smallest
+    "chunk_backward_states": delta_kernels.Launch(block_v=16, key_step=16, num_warps=4, num_stages=1),
+    "chunk_backward_ut": delta_kernels.Launch(block_v=None, key_step=16, num_warps=4, num_stages=1),
+    "chunk_prepare": delta_kernels.Launch(block_v=16),
+    "chunk_backward_prepare": delta_kernels.Launch(block_v=16),
+    "chunk_output": delta_kernels.Launch(block_v=16),
+    "state_pass_forward": delta_kernels.Launch(block_v=16, num_warps=None),
+    "state_pass_backward": delta_kernels.Launch(block_v=16, num_warps=None),
+}
+
+
+DELTA_CASES = {  # (heads, chunks, chunk, d_k, d_v, with beta, with documents, launches)
+    "qwen3.5-docs": (2, 3, 64, 128, 128, True, True, {}),
+    "qwen3.5-docs-small-steps": (2, 3, 64, 128, 128, True, True, SMALL_STEPS),
+    "narrow-values-small-steps": (3, 4, 16, 32, 40, True, False, SMALL_STEPS),
+    "ssd-docs": (2, 4, 32, 24, 16, False, True, {}),
+}
+
+
+def delta_kernels_equal_the_eager_functions(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, launches):
+    """Every kernel of the chunked rule (the state pass both ways; before it, the UT inverse, u and w, and the
+    backward's start; after it, the output and the gradients by q, k, v, log decay and beta) against the eager
+    function it stands for, in fp32 with exact matmuls, on the same inputs: documents starting inside a chunk,
+    value widths off the kernels' blocks, keys narrower than a tile, with and without the delta's beta."""
+    defaults = dict(delta_kernels.LAUNCH)
+    delta_kernels.LAUNCH.update(launches)
+    q, k, v, log_decay, beta, docs, d_out = _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs)
+    masks = recurrence._chunk_masks(docs, q.shape[0], n_chunks, chunk, q.device)
+    to_state_pass = recurrence._to_state_pass(k, v, log_decay, beta, *masks)
+    u, w, k_end, carry, ut_inverse = to_state_pass
+    states, delta = recurrence.state_pass(w, u, k_end, carry)
+    back_to_state_pass = recurrence._back_to_state_pass(q, k, log_decay, beta, ut_inverse, *masks, d_out)
+    d_u, d_leaving = recurrence.state_pass_backward(w, k_end, carry, states, *back_to_state_pass[-2:])
+    after_pass = (states, delta, d_out, d_u, d_leaving)
+    expected = [
+        states,
+        delta,
+        d_u,
+        d_leaving,
+        recurrence._from_state_pass(q, k, log_decay, *masks, states, delta),
+        *recurrence._back_from_state_pass(q, k, v, log_decay, beta, ut_inverse, *masks, *after_pass),
+    ]
+    got = [
+        *delta_kernels.state_pass(w, u, k_end, carry, False),
+        *delta_kernels.state_pass_backward(w, k_end, carry, *back_to_state_pass[-2:], False),
+        delta_kernels.chunk_output(q, k, log_decay, states, delta, docs, False),
+        *delta_kernels.chunk_backward(q, k, v, log_decay, beta, ut_inverse, *after_pass, docs, False),
+    ]
+    if with_beta:  # the kernels before the state pass take the delta rule's (Mamba-2's is elementwise)
+        expected += [*to_state_pass, *back_to_state_pass]
+        got += [
+            *delta_kernels.chunk_prepare(k, v, log_decay, beta, docs, False),
+            *delta_kernels.chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, False),
+        ]
+    delta_kernels.LAUNCH.update(defaults)
+    for i, (ours, reference) in enumerate(zip(got, expected, strict=True)):
+        assert (ours is None) == (reference is None), f"output {i}: {ours is None=} {reference is None=}"
+        if reference is not None:
+            assert rel_err(ours, reference) < 1e-5, f"output {i}: relative error {rel_err(ours, reference):.2e}"
+
+
+def grouped_weight_gradient_kernel_adds_each_experts_rows():
+    """into[e] += a[rows of e]^T b[rows of e] against float64, at tiles smaller than the widths and the experts' row
+    counts (an expert with no rows untouched to the bit). fp32 operands: the interpreter's bf16 is not the GPU's."""
+    torch.manual_seed(0)
+    counts = [70, 0, 131, 1, 64, 200]
+    a, b = torch.randn(sum(counts), 200), torch.randn(sum(counts), 96)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    into = torch.randn(len(counts), 96, 200).transpose(1, 2)  # [experts, m, n] with n not unit-strided
+    start = into.clone()
+    add_grouped_weight_grad_(into, a, b, ends, (32, 32, 32, 4, 1))
+    want, first = start.double(), 0
+    for e, count in enumerate(counts):
+        want[e] += a[first : first + count].double().T @ b[first : first + count].double()
+        first += count
+    assert rel_err(into, want) < 1e-6, f"relative error {rel_err(into, want):.2e}"
+    assert torch.equal(into[1], start[1]), "an expert without rows changed"
+
+
+if __name__ == "__main__":
+    torch.manual_seed(torch.seed() % 2**31)
+    if sys.argv[1] == "delta":
+        for name, case in DELTA_CASES.items():
+            delta_kernels_equal_the_eager_functions(*case)
+            print(name, "equal", flush=True)
+    else:
+        grouped_weight_gradient_kernel_adds_each_experts_rows()
