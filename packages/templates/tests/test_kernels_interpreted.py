@@ -1,7 +1,7 @@
 """The Triton kernels' arithmetic on the CPU, under Triton's interpreter: the chunked delta rule's kernels against
 the eager functions they stand for, with the launches the engine takes and with small key steps and value blocks;
-the experts' grouped weight-gradient kernel against float64 (`kernels_under_interpreter.py`, in a process of its
-own: the interpreter must be on before triton is imported). The GPU tests hold the compiled kernels to the same;
+the experts' grouped weight-gradient kernel against float64 (`kernel_checks.py`, in a process of its own: the
+interpreter must be on before triton is imported). The GPU tests hold the compiled kernels to the same;
 these keep the kernels' masks, tiles and sums tested where CI has no GPU."""
 
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("kernels_under_interpreter.py")
+SCRIPT = Path(__file__).with_name("kernel_checks.py")
 
 
 @pytest.mark.parametrize("kernels", ["delta", "experts"])

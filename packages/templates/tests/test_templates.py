@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from kernel_checks import DELTA_CASES, delta_kernels_equal_the_eager_functions
 from reference import (
     GemmaRMSNorm,
     RefBlock,
@@ -769,58 +770,16 @@ def test_gpu_chunked_recurrence_equals_float64(rule, dtype, bound):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "heads,n_chunks,chunk,d_k,d_v,with_beta,with_docs",
-    [(2, 3, 64, 128, 128, True, True), (3, 4, 16, 32, 40, True, False), (2, 4, 32, 24, 16, False, True)],
-    ids=["qwen3.5-docs", "narrow-values", "ssd-docs"],
-)
-def test_gpu_chunk_kernels_equal_the_eager_functions(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs):
-    """The chunk-local Triton kernels (the work before the state pass, forward and backward, with its UT inverse;
-    the output; the gradients by q, k, v, log decay and beta) against the eager functions they stand for, in fp32
-    with exact matmuls, on the same states: documents starting inside a chunk, value widths that are not a
-    multiple of the kernels' blocks, with and without the delta's beta."""
-    from megatrain_templates import chunked_recurrence as recurrence
-    from megatrain_templates import delta_kernels
-
+@pytest.mark.parametrize("case", list(DELTA_CASES))
+def test_gpu_chunk_kernels_equal_the_eager_functions(case):
+    """The chunked rule's Triton kernels, compiled (the state pass both ways; the work before it, forward and
+    backward, with its UT inverse; the output; the gradients by q, k, v, log decay and beta) against the eager
+    functions they stand for, in fp32 with exact matmuls, on the same states: documents starting inside a chunk,
+    value widths off the kernels' blocks, keys narrower than a tile, with and without the delta's beta, at the
+    engine's launches and the smallest key steps and value blocks (`kernel_checks`, which CI runs under Triton's
+    CPU interpreter)."""
     torch.manual_seed(torch.seed() % 2**31)
-    batch, seq = 2, n_chunks * chunk
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(batch, heads, n_chunks, *shape, device="cuda") * scale
-
-    q, k, v, d_out = randn(chunk, d_k, scale=0.3), randn(chunk, d_k), randn(chunk, d_v), randn(chunk, d_v)
-    k = F.normalize(k, dim=-1)  # as Gated DeltaNet's: (I + L) is then well conditioned (its inverse is tested)
-    log_decay = -torch.rand(batch, heads, n_chunks, chunk, device="cuda") * 0.5
-    beta = torch.rand(batch, heads, n_chunks, chunk, device="cuda") if with_beta else None
-    docs = None
-    if with_docs:
-        lengths = (chunk // 2 + 3, 1, seq - chunk // 2 - 4 - chunk, chunk)
-        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(batch, -1).cuda()
-    masks = recurrence._chunk_masks(docs, batch, n_chunks, chunk, q.device)
-    to_state_pass = recurrence._to_state_pass(k, v, log_decay, beta, *masks)
-    u, w, k_end, carry, ut_inverse = to_state_pass
-    states, delta = recurrence.state_pass(w, u, k_end, carry)
-    back_to_state_pass = recurrence._back_to_state_pass(q, k, log_decay, beta, ut_inverse, *masks, d_out)
-    d_u, d_leaving = recurrence.state_pass_backward(w, k_end, carry, states, *back_to_state_pass[-2:])
-    after_pass = (states, delta, d_out, d_u, d_leaving)
-    expected = [
-        recurrence._from_state_pass(q, k, log_decay, *masks, states, delta),
-        *recurrence._back_from_state_pass(q, k, v, log_decay, beta, ut_inverse, *masks, *after_pass),
-    ]
-    got = [
-        delta_kernels.chunk_output(q, k, log_decay, states, delta, docs, False),
-        *delta_kernels.chunk_backward(q, k, v, log_decay, beta, ut_inverse, *after_pass, docs, False),
-    ]
-    if with_beta:  # the kernels before the state pass take the delta rule's (Mamba-2's is elementwise)
-        expected += [*to_state_pass, *back_to_state_pass]
-        got += [
-            *delta_kernels.chunk_prepare(k, v, log_decay, beta, docs, False),
-            *delta_kernels.chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, False),
-        ]
-    for ours, reference in zip(got, expected, strict=True):
-        assert (ours is None) == (reference is None)
-        if reference is not None:
-            assert rel_err(ours, reference) < 1e-5
+    delta_kernels_equal_the_eager_functions(*DELTA_CASES[case], device="cuda")
 
 
 @pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])

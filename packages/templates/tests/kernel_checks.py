@@ -1,7 +1,8 @@
-"""The Triton kernels' arithmetic under Triton's interpreter, run by `test_kernels_interpreted.py` in a process of
-its own: the interpreter must be on before anything imports triton (TRITON_INTERPRET=1 in its environment).
+"""The Triton kernels against what they stand for, on a device: the GPU tests call these on CUDA;
+`test_kernels_interpreted.py` runs this file on the CPU under Triton's interpreter, in a process of its own (the
+interpreter must be on before anything imports triton: TRITON_INTERPRET=1 in its environment).
 
-    TRITON_INTERPRET=1 python packages/templates/tests/kernels_under_interpreter.py delta|experts
+    TRITON_INTERPRET=1 python packages/templates/tests/kernel_checks.py delta|experts
 """
 
 import sys
@@ -18,21 +19,21 @@ def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
-def _rule_inputs(heads: int, n_chunks: int, chunk: int, d_k: int, d_v: int, with_beta: bool, with_docs: bool):
+def _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta: bool, with_docs: bool, device: str):
     """Random inputs in the kernels' layout ([batch, heads, chunks, chunk, d]) with unit keys (as Gated DeltaNet's:
     I + L is then well conditioned), and document ids that start documents inside chunks."""
     batch, seq = 2, n_chunks * chunk
 
     def randn(*shape, scale=1.0):
-        return torch.randn(batch, heads, n_chunks, *shape) * scale
+        return torch.randn(batch, heads, n_chunks, *shape, device=device) * scale
 
     q, k, v, d_out = randn(chunk, d_k, scale=0.3), randn(chunk, d_k), randn(chunk, d_v), randn(chunk, d_v)
-    log_decay = -torch.rand(batch, heads, n_chunks, chunk) * 0.5
-    beta = torch.rand(batch, heads, n_chunks, chunk) if with_beta else None
+    log_decay = -torch.rand(batch, heads, n_chunks, chunk, device=device) * 0.5
+    beta = torch.rand(batch, heads, n_chunks, chunk, device=device) if with_beta else None
     docs = None
     if with_docs:
         lengths = (chunk // 2 + 3, 1, seq - chunk // 2 - 4 - chunk, chunk)
-        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(batch, -1)
+        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(batch, -1).to(device)
     return q, F.normalize(k, dim=-1), v, log_decay, beta, docs, d_out
 
 
@@ -55,14 +56,16 @@ DELTA_CASES = {  # (heads, chunks, chunk, d_k, d_v, with beta, with documents, l
 }
 
 
-def delta_kernels_equal_the_eager_functions(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, launches):
+def delta_kernels_equal_the_eager_functions(
+    heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, launches, device: str = "cpu"
+) -> None:
     """Every kernel of the chunked rule (the state pass both ways; before it, the UT inverse, u and w, and the
     backward's start; after it, the output and the gradients by q, k, v, log decay and beta) against the eager
     function it stands for, in fp32 with exact matmuls, on the same inputs: documents starting inside a chunk,
     value widths off the kernels' blocks, keys narrower than a tile, with and without the delta's beta."""
     defaults = dict(delta_kernels.LAUNCH)
     delta_kernels.LAUNCH.update(launches)
-    q, k, v, log_decay, beta, docs, d_out = _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs)
+    q, k, v, log_decay, beta, docs, d_out = _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, device)
     masks = recurrence._chunk_masks(docs, q.shape[0], n_chunks, chunk, q.device)
     to_state_pass = recurrence._to_state_pass(k, v, log_decay, beta, *masks)
     u, w, k_end, carry, ut_inverse = to_state_pass
