@@ -251,23 +251,11 @@ def chunk_backward_states(
     for k0 in tl.static_range(0, BLOCK_K, KEY_STEP):
         ks = k0 + tl.arange(0, KEY_STEP)
         k_in = ks < d_k
-        d_q_carried = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
-        d_k_end = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
-        d_w = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
-        for v0 in range(0, d_v, BLOCK_V):
-            vs = v0 + tl.arange(0, BLOCK_V)
-            v_in = vs < d_v
-            rows_v, states_at = token_tile(chunk, vs, d_v, CHUNK), state_tile(chunk, ks, vs, d_k, d_v)
-            states = tl.load(states_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
-            d_leaving = tl.load(d_leaving_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
-            d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
-            delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
-            d_q_carried += tl.dot(d_out, tl.trans(states), input_precision=PRECISION)
-            d_k_end += tl.dot(delta, tl.trans(d_leaving), input_precision=PRECISION)
-            d_carry += tl.sum(tl.sum(states * d_leaving, axis=1), axis=0)
-            if HAS_BETA:
-                d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
-                d_w -= tl.dot(d_u, tl.trans(states), input_precision=PRECISION)
+        d_q_carried, d_k_end, d_w, d_carry_part = key_step_sums(
+            states_ptr, d_leaving_ptr, d_out_ptr, delta_ptr, d_u_ptr, chunk, ks, k_in, d_k, d_v,
+            CHUNK, KEY_STEP, BLOCK_V, HAS_BETA, PRECISION,
+        )  # fmt: skip
+        d_carry += d_carry_part
         # through the output's masked attention and the keys' decays to the chunk's end, for these key columns
         rows_k = token_tile(chunk, ks, d_k, CHUNK)
         q = tl.load(q_ptr + rows_k, mask=k_in[None, :], other=0.0)
@@ -288,6 +276,36 @@ def chunk_backward_states(
         tl.store(d_log_decay_ptr + chunk * CHUNK + rows, d_decayed)
     else:
         tl.store(d_log_decay_ptr + chunk * CHUNK + rows, reversed_cumsum(d_decayed))
+
+
+@triton.jit
+def key_step_sums(
+    states_ptr, d_leaving_ptr, d_out_ptr, delta_ptr, d_u_ptr, chunk, ks, k_in, d_k, d_v,
+    CHUNK: tl.constexpr, KEY_STEP: tl.constexpr, BLOCK_V: tl.constexpr, HAS_BETA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The sums over a chunk's value columns, a block at a time, for the key columns `ks`: the gradients by the
+    carried queries, by the keys decayed to the chunk's end and (with beta) by w [C, KEY_STEP]; and this step's
+    part of the gradient by the chunk's carry."""
+    d_q_carried = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
+    d_k_end = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
+    d_w = tl.zeros([CHUNK, KEY_STEP], dtype=tl.float32)
+    d_carry = 0.0
+    for v0 in range(0, d_v, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        v_in = vs < d_v
+        rows_v, states_at = token_tile(chunk, vs, d_v, CHUNK), state_tile(chunk, ks, vs, d_k, d_v)
+        states = tl.load(states_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
+        d_leaving = tl.load(d_leaving_ptr + states_at, mask=k_in[:, None] & v_in[None, :], other=0.0)
+        d_out = tl.load(d_out_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        delta = tl.load(delta_ptr + rows_v, mask=v_in[None, :], other=0.0)
+        d_q_carried += tl.dot(d_out, tl.trans(states), input_precision=PRECISION)
+        d_k_end += tl.dot(delta, tl.trans(d_leaving), input_precision=PRECISION)
+        d_carry += tl.sum(tl.sum(states * d_leaving, axis=1), axis=0)
+        if HAS_BETA:
+            d_u = tl.load(d_u_ptr + rows_v, mask=v_in[None, :], other=0.0)
+            d_w -= tl.dot(d_u, tl.trans(states), input_precision=PRECISION)
+    return d_q_carried, d_k_end, d_w, d_carry
 
 
 @triton.jit
