@@ -75,12 +75,12 @@ def rule_inputs(model_name: str, micro_batch: int, seq_len: int, device: str = "
 
 def passes(x: dict) -> dict:
     """Each kernel's call (its wrapper's) in the order a kept layer's forward and backward run them, each on what
-    the calls before it made: name -> (call, the outputs it makes)."""
+    the calls before it made (named `keys`): name -> call."""
     calls, made = {}, {}
 
     def step(name, call, keys):
         made.update(zip(keys, call()))
-        calls[name] = (call, keys)
+        calls[name] = call
 
     q, k, v, log_decay, beta, d_out = (x[n] for n in ("q", "k", "v", "log_decay", "beta", "d_out"))
     step("chunk_prepare", lambda: dk.chunk_prepare(k, v, log_decay, beta, None, True),
@@ -110,7 +110,7 @@ def largest_difference(got, want) -> float:
 def profile_shares(calls: dict) -> dict:
     """CUDA ms per kernel over one forward and backward, by the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for call, _ in calls.values():
+        for call in calls.values():
             call()
         torch.cuda.synchronize()
     return {
@@ -123,7 +123,7 @@ def profile_shares(calls: dict) -> dict:
 def sweep_kernel(kernel: str, calls: dict, recording: Recording) -> tuple[list[dict], dk.Launch]:
     """Each launch of `SWEEP[kernel]`: ms of its wrapper (and of the default launch's), registers, spills and its
     outputs' largest relative difference from the default launch's; and the fastest launch whose outputs agree."""
-    call, _ = calls[wrapper_of(kernel)]
+    call = calls[wrapper_of(kernel)]
     default, want, rows = dk.LAUNCH[kernel], call(), []
     default_ms, fastest = time_ms(call, repeats=20), (float("inf"), default)
     for launch in SWEEP[kernel]:
@@ -148,7 +148,7 @@ def sweep_kernel(kernel: str, calls: dict, recording: Recording) -> tuple[list[d
 
 
 def two_passes_ms(calls: dict) -> float:
-    return time_ms(lambda: [call() for call, _ in calls.values()], repeats=10)
+    return time_ms(lambda: [call() for call in calls.values()], repeats=10)
 
 
 def main():

@@ -185,6 +185,7 @@ QUESTIONS = {  # a script's own "benchmark" name -> the question its rows answer
     "megatrain vs baselines": "megatrain against its baselines at the same model and tokens per step",
     "block_shapes": "a decoder block's and the head's GPU rates at each run's shape (what megatrain plan measures)",
     "linear_attention": "one Gated DeltaNet layer's mixer on the GPU: the delta rule, the mixer, its GEMMs, causal SDPA",
+    "delta_kernels": "the chunked delta rule's Triton kernels alone: each one's share, and with --sweep its time per launch",
     "kernel_table": "GPU time per kernel kind in one profiled training step",
     "block": "one decoder block's forward and recompute + backward per SDPA backend: the per-layer ceiling",
     "moe-block": "one MoE layer's forward + recompute + backward rate on the GPU",
