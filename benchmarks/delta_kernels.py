@@ -20,7 +20,6 @@ from block import time_ms  # noqa: E402
 from common import machine, table, write_results  # noqa: E402
 
 from megatrain_templates import delta_kernels as dk  # noqa: E402
-from megatrain_templates import delta_triton  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 from megatrain_zoo.model import block_shape  # noqa: E402
 
@@ -161,6 +160,8 @@ def main():
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
+    from megatrain_templates import delta_triton  # imports Triton, which only a GPU machine need have
+
     recordings = {name: Recording(getattr(delta_triton, name)) for name in dk.LAUNCH}
     for name, recording in recordings.items():
         setattr(delta_triton, name, recording)

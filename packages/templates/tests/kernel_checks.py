@@ -2,7 +2,7 @@
 `test_kernels_interpreted.py` runs this file on the CPU under Triton's interpreter, in a process of its own (the
 interpreter must be on before anything imports triton: TRITON_INTERPRET=1 in its environment).
 
-    TRITON_INTERPRET=1 python packages/templates/tests/kernel_checks.py delta|experts
+    TRITON_INTERPRET=1 python packages/templates/tests/kernel_checks.py experts|CASE  (a case of DELTA_CASES)
 """
 
 import sys
@@ -120,9 +120,7 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
 
 if __name__ == "__main__":
     torch.manual_seed(torch.seed() % 2**31)
-    if sys.argv[1] == "delta":
-        for name, case in DELTA_CASES.items():
-            delta_kernels_equal_the_eager_functions(*case)
-            print(name, "equal", flush=True)
-    else:
+    if sys.argv[1] == "experts":
         grouped_weight_gradient_kernel_adds_each_experts_rows()
+    else:
+        delta_kernels_equal_the_eager_functions(*DELTA_CASES[sys.argv[1]])

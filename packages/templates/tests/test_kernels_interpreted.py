@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_checks import DELTA_CASES
 
 SCRIPT = Path(__file__).with_name("kernel_checks.py")
 
 
-@pytest.mark.parametrize("kernels", ["delta", "experts"])
+@pytest.mark.parametrize("kernels", [*DELTA_CASES, "experts"])
 def test_kernels_under_the_interpreter_equal_their_references(kernels):
     """Each case of the script's (documents starting inside chunks, value widths off the kernels' blocks, keys
     narrower than a tile, with and without beta; experts' row counts off the tiles, one with no rows)."""
