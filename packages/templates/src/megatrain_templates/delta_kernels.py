@@ -29,10 +29,12 @@ class Launch(NamedTuple):
     num_stages: int = 3
 
 
-# Each kernel's launch at Qwen3.5's shapes (d_k = d_v = 128, chunks of 64). The state pass keeps its [d_k, 64]
-# fp32 slice of the state in registers: of 16, 32 or 64 columns at 2, 4 or 8 warps and 1 or 2 stages, 64 at 8
-# warps and 2 stages was the fastest on an H100 (0.43 / 0.62 ms forward / backward for 64 heads of 64 chunks,
-# against 0.62 / 0.84 at 32 columns and 4 warps). `benchmarks/delta_kernels.py --sweep` times the others'.
+# Each kernel's launch at Qwen3.5's shapes (d_k = d_v = 128, chunks of 64), the fastest of those
+# `benchmarks/delta_kernels.py --sweep` times (`results/qwen3.5-delta-launches-h200.json`, an H200, the 0.8B's and
+# the 27B's heads alike). The state pass keeps its [d_k, 64] fp32 slice of the state in registers (0.43 / 0.59 ms
+# forward / backward for 64 heads of 64 chunks). The chunk-local kernels run out of registers before anything
+# else: the backward through the UT transform is fastest at 4 warps and 32 keys a step (0.41 ms, against 0.99 at
+# 8 warps), the backward's start at 1 stage (0.43 against 0.48).
 LAUNCH = {
     "state_pass_forward": Launch(block_v=64, num_warps=None, num_stages=2),
     "state_pass_backward": Launch(block_v=64, num_warps=None, num_stages=2),
