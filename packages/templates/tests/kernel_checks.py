@@ -65,6 +65,18 @@ def delta_kernels_equal_the_eager_functions(
     value widths off the kernels' blocks, keys narrower than a tile, with and without the delta's beta."""
     defaults = dict(delta_kernels.LAUNCH)
     delta_kernels.LAUNCH.update(launches)
+    try:
+        got, expected = _kernels_and_eager(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, device)
+    finally:
+        delta_kernels.LAUNCH.update(defaults)
+    for i, (ours, reference) in enumerate(zip(got, expected, strict=True)):
+        assert (ours is None) == (reference is None), f"output {i}: {ours is None=} {reference is None=}"
+        if reference is not None:
+            assert rel_err(ours, reference) < 1e-5, f"output {i}: relative error {rel_err(ours, reference):.2e}"
+
+
+def _kernels_and_eager(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, device):
+    """Every kernel's outputs and the eager functions' on the same random inputs, in the same order."""
     q, k, v, log_decay, beta, docs, d_out = _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta, with_docs, device)
     masks = recurrence._chunk_masks(docs, q.shape[0], n_chunks, chunk, q.device)
     to_state_pass = recurrence._to_state_pass(k, v, log_decay, beta, *masks)
@@ -93,11 +105,7 @@ def delta_kernels_equal_the_eager_functions(
             *delta_kernels.chunk_prepare(k, v, log_decay, beta, docs, False),
             *delta_kernels.chunk_backward_prepare(q, k, log_decay, beta, ut_inverse, docs, d_out, False),
         ]
-    delta_kernels.LAUNCH.update(defaults)
-    for i, (ours, reference) in enumerate(zip(got, expected, strict=True)):
-        assert (ours is None) == (reference is None), f"output {i}: {ours is None=} {reference is None=}"
-        if reference is not None:
-            assert rel_err(ours, reference) < 1e-5, f"output {i}: relative error {rel_err(ours, reference):.2e}"
+    return got, expected
 
 
 def grouped_weight_gradient_kernel_adds_each_experts_rows():
