@@ -50,7 +50,7 @@ SMALL_STEPS = {  # every kernel that walks keys or values in steps, at its small
 
 DELTA_CASES = {  # (heads, chunks, chunk, d_k, d_v, with beta, with documents, launches)
     "qwen3.5-docs": (2, 3, 64, 128, 128, True, True, {}),
-    "qwen3.5-docs-small-steps": (2, 3, 64, 128, 128, True, True, SMALL_STEPS),
+    "qwen3.5-docs-small-steps": (1, 3, 64, 128, 128, True, True, SMALL_STEPS),
     "narrow-values-small-steps": (3, 4, 16, 32, 40, True, False, SMALL_STEPS),
     "ssd-docs": (2, 4, 32, 24, 16, False, True, {}),
 }
