@@ -64,8 +64,8 @@ def main():
             row["tflops"] = round(flops / ms / 1e9, 1)
         print(table([row], list(row)), flush=True)
         scope = name if name.startswith("causal SDPA") else f"one Gated DeltaNet layer: {name}"
-        part = {"scope": scope, "timed_ms": row.pop("ms"), "tokens_per_step": tokens, "seq_len": seq}
-        rows.append(row | part | {"micro_batch_seqs": mb})
+        part = {"scope": scope, "timed_ms": row.pop("ms"), "step_time_s": round(ms / 1e3, 6), "tokens_per_step": tokens}
+        rows.append(row | part | {"seq_len": seq, "micro_batch_seqs": mb})
 
     rule_flops = linear_attention_flops_per_token(model) * tokens
     q, k = random_inputs([(mb, seq, n_k, d_k)] * 2)
