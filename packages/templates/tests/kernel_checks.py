@@ -9,14 +9,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from reference import rel_err
 
 from megatrain_templates import chunked_recurrence as recurrence
 from megatrain_templates import delta_kernels
 from megatrain_templates.expert_kernels import add_grouped_weight_grad_
-
-
-def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
 def _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta: bool, with_docs: bool, device: str):

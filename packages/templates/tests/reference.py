@@ -8,6 +8,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """|ours - reference| / |reference| in float64."""
+    return ((ours.double() - reference.double()).norm() / reference.double().norm().clamp_min(1e-30)).item()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()

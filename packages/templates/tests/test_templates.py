@@ -17,6 +17,7 @@ from reference import (
     RMSNorm,
     delta_rule_recurrence,
     flatten_params,
+    rel_err,
     ssd_recurrence,
     unflatten_grads,
 )
@@ -43,10 +44,6 @@ from megatrain_templates import (
     row_slice_name,
     split_precision,
 )
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize(
