@@ -39,6 +39,64 @@ def random_inputs(shapes, dtype=torch.bfloat16):
     return [torch.randn(s, device="cuda", dtype=dtype).requires_grad_() for s in shapes]
 
 
+def mixer_weights(model, shape) -> dict:
+    """One Gated DeltaNet layer's weights (bf16, its fp32 decay parameters), requiring grad."""
+    d, n_v = model.d_model, shape.n_value_heads
+    in_width = 2 * shape.key_dim + 2 * shape.value_dim + 2 * n_v
+    weights = {
+        "linear_in": torch.randn(in_width, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
+        "linear_out": torch.randn(d, shape.value_dim, device="cuda", dtype=torch.bfloat16) * shape.value_dim**-0.5,
+        "linear_conv": torch.randn(shape.conv_dim, shape.conv_kernel, device="cuda", dtype=torch.bfloat16) * 0.3,
+        "linear_norm": torch.ones(shape.value_head_dim, device="cuda", dtype=torch.bfloat16),
+        "linear_A_log": torch.rand(n_v, device="cuda").log(),
+        "linear_dt_bias": torch.ones(n_v, device="cuda"),
+    }
+    return {name: w.requires_grad_() for name, w in weights.items()}
+
+
+def parts(model, shape, mb: int, seq: int):
+    """Each part to time, its inputs made when it comes: (name, the engine's passes over it, its FLOPs)."""
+    tokens, n_v, d = mb * seq, shape.n_value_heads, model.d_model
+    rule_flops = linear_attention_flops_per_token(model) * tokens
+    q, k = random_inputs([(mb, seq, shape.n_key_heads, shape.key_head_dim)] * 2)
+    (v,) = random_inputs([(mb, seq, n_v, shape.value_head_dim)])
+    log_decay = (-torch.rand(mb, seq, n_v, device="cuda") * 0.5).requires_grad_()
+    beta = torch.rand(mb, seq, n_v, device="cuda").requires_grad_()
+    yield "delta rule", engine_pass(la.chunked_gated_delta_rule, [q, k, v, log_decay, beta]), rule_flops
+    weights = mixer_weights(model, shape)
+    gemm_flops = 6 * tokens * d * (weights["linear_in"].shape[0] + shape.value_dim)
+    (h,) = random_inputs([(mb, seq, d)])
+    mixer = engine_pass(lambda x: la.gated_delta_net(shape, weights, x, None, model.rms_eps), [h])
+    yield "mixer (projections, convolution, rule, norm)", mixer, gemm_flops + rule_flops
+    x_in, x_out = random_inputs([(tokens, d), (tokens, shape.value_dim)])
+
+    def gemms(a, b):
+        return F.linear(a, weights["linear_in"]).sum() + F.linear(b, weights["linear_out"]).sum()
+
+    yield "mixer's GEMMs alone", engine_pass(gemms, [x_in, x_out]), gemm_flops
+    full = block_shape(model, next(i for i in range(model.n_layers) if not model.layer_is_linear(i)))
+    sq, sk, sv = random_inputs(
+        [(mb, model.n_heads, seq, model.head_dim)] + [(mb, model.n_kv_heads, seq, model.head_dim)] * 2
+    )
+    sdpa = engine_pass(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
+                       [sq, sk, sv])  # fmt: skip
+    yield (
+        f"causal SDPA of a full-attention layer ({full.n_heads} heads)",
+        sdpa,
+        6 * mb * model.n_heads * model.head_dim * seq * seq,
+    )
+
+
+def measured_row(name: str, run, flops: float, mb: int, seq: int) -> dict:
+    """The part's row, as the docs' parts table reads it (printed as it comes)."""
+    ms = time_ms(run, repeats=5)
+    row = {"what": name, "timed_ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1)}
+    print(table([row], list(row)), flush=True)
+    scope = name if name.startswith("causal SDPA") else f"one Gated DeltaNet layer: {name}"
+    return row | {"scope": scope, "step_time_s": round(ms / 1e3, 6), "tokens_per_step": mb * seq, "seq_len": seq,
+                  "micro_batch_seqs": mb}  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3.5-27b")
@@ -48,80 +106,18 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     model = preset(args.model)
-    mb, seq, tokens = args.micro_batch, args.seq_len, args.micro_batch * args.seq_len
     if not model.linear_attention_layers or model.arch not in LINEAR_ATTENTION_ARCHITECTURES:
         parser.error(
             f"{args.model} has no Gated DeltaNet layers (Qwen3.5, Qwen3-Next: {LINEAR_ATTENTION_ARCHITECTURES})"
         )
     shape = block_shape(model, model.linear_attention_layers[0]).linear_attention
-    n_k, n_v, d_k, d_v = shape.n_key_heads, shape.n_value_heads, shape.key_head_dim, shape.value_head_dim
-    rows = []
-
-    def measure(name, run, flops=None):
-        ms = time_ms(run, repeats=5)
-        row = {"what": name, "ms": round(ms, 2)}
-        if flops:
-            row["tflops"] = round(flops / ms / 1e9, 1)
-        print(table([row], list(row)), flush=True)
-        scope = name if name.startswith("causal SDPA") else f"one Gated DeltaNet layer: {name}"
-        part = {"scope": scope, "timed_ms": row.pop("ms"), "step_time_s": round(ms / 1e3, 6), "tokens_per_step": tokens}
-        rows.append(row | part | {"seq_len": seq, "micro_batch_seqs": mb})
-
-    rule_flops = linear_attention_flops_per_token(model) * tokens
-    q, k = random_inputs([(mb, seq, n_k, d_k)] * 2)
-    (v,) = random_inputs([(mb, seq, n_v, d_v)])
-    log_decay = (-torch.rand(mb, seq, n_v, device="cuda") * 0.5).requires_grad_()
-    beta = torch.rand(mb, seq, n_v, device="cuda").requires_grad_()
-    rule_inputs = [q, k, v, log_decay, beta]
-    measure("delta rule", engine_pass(la.chunked_gated_delta_rule, rule_inputs), rule_flops)
-
-    d = model.d_model
-    in_width = 2 * shape.key_dim + 2 * shape.value_dim + 2 * n_v
-    weights = {
-        "linear_in": torch.randn(in_width, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
-        "linear_out": torch.randn(d, shape.value_dim, device="cuda", dtype=torch.bfloat16) * shape.value_dim**-0.5,
-        "linear_conv": torch.randn(shape.conv_dim, shape.conv_kernel, device="cuda", dtype=torch.bfloat16) * 0.3,
-        "linear_norm": torch.ones(d_v, device="cuda", dtype=torch.bfloat16),
-        "linear_A_log": torch.rand(n_v, device="cuda").log(),
-        "linear_dt_bias": torch.ones(n_v, device="cuda"),
-    }
-    for w in weights.values():
-        w.requires_grad_()
-    (h,) = random_inputs([(mb, seq, d)])
-    gemm_flops = 6 * tokens * d * (in_width + shape.value_dim)
-    measure(
-        "mixer (projections, convolution, rule, norm)",
-        engine_pass(lambda x: la.gated_delta_net(shape, weights, x, None, model.rms_eps), [h]),
-        gemm_flops + rule_flops,
-    )
-    x_in, x_out = random_inputs([(tokens, d), (tokens, shape.value_dim)])
-
-    def gemms(a, b):
-        return F.linear(a, weights["linear_in"]).sum() + F.linear(b, weights["linear_out"]).sum()
-
-    measure("mixer's GEMMs alone", engine_pass(gemms, [x_in, x_out]), gemm_flops)
-    full = block_shape(model, next(i for i in range(model.n_layers) if not model.layer_is_linear(i)))
-    sq, sk, sv = random_inputs(
-        [(mb, model.n_heads, seq, model.head_dim)] + [(mb, model.n_kv_heads, seq, model.head_dim)] * 2
-    )
-    measure(
-        f"causal SDPA of a full-attention layer ({full.n_heads} heads)",
-        engine_pass(
-            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True), [sq, sk, sv]
-        ),
-        6 * mb * model.n_heads * model.head_dim * seq * seq,
-    )
+    mb, seq = args.micro_batch, args.seq_len
+    rows = [measured_row(name, run, flops, mb, seq) for name, run, flops in parts(model, shape, mb, seq)]
     print(table(rows, ["what", "timed_ms", "tflops"]))
     if args.out:
-        write_results(
-            args.out,
-            {
-                "benchmark": "linear_attention",
-                "machine": machine(),
-                "args": vars(args) | {"out": str(args.out)},
-                "results": rows,
-            },
-        )
+        arguments = vars(args) | {"out": str(args.out)}
+        payload = {"benchmark": "linear_attention", "machine": machine(), "args": arguments, "results": rows}
+        write_results(args.out, payload)
 
 
 if __name__ == "__main__":
