@@ -7,6 +7,7 @@ import inspect
 import math
 
 import torch
+from transformers.activations import ACT2FN
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
@@ -130,7 +131,9 @@ def exact_reference(reference, model_config):
     (megatrain's the same; with softmax attention on every layer 3e-7); with experts that noise flipped routing
     near-ties in about one test of 150. AdamW's first update is lr * sign(gradient), so the reference's remaining
     fp32 steps (its norms, A_log) flipped near-zero gradient elements into lr-sized weight differences (gradient
-    norms up to 1.2e-4 apart two steps on); an epsilon of 1e-3 makes that update continuous in the gradient. What is
+    norms up to 1.2e-4 apart two steps on); an epsilon of 1e-3 makes that update continuous in the gradient. The
+    delta-rule families' norms run in float64 too: near a zero key, the l2 norm's gradient scaled their fp32 noise
+    into a gradient spike 1.4e-4 apart (tiny Qwen3.5, seed 1809767185; 5.7e-7 with the norms in float64). What is
     left: gradient norms up to 2e-5 apart by the fourth step (`grad_norm_tolerance`), losses within 1e-5 and weights
     within 1e-4 as every family. In fp32 the same flip happens where a gradient element is near 1e-9 (one k_proj
     weight of a tiny Granite 4.0 moved 2e-5 and the next step's gradient norm 1.05e-5, seed 1497917820); an epsilon
@@ -190,10 +193,10 @@ _mamba2_norms_per_group()
 @contextlib.contextmanager
 def recurrences_token_by_token():
     """transformers' Qwen3-Next, Qwen3.5 and Granite 4.0-H models with their delta rule and Mamba-2 scan computed
-    token by token in the inputs' dtype (transformers' own chunked forms compute in fp32 whatever the model's): a
-    float64 reference whose remaining fp32 steps (its norms, A_log) are as small as other families' (~6e-8), so
-    that a routing near-tie does not flip between it and megatrain. Independent forms: megatrain's chunked ones
-    are not used."""
+    token by token in the inputs' dtype (transformers' own chunked forms compute in fp32 whatever the model's), and
+    the delta-rule families' RMSNorms in it too: a float64 reference whose remaining fp32 steps (A_log, rotary,
+    softmax; Granite's norms) are as small as other families' (~6e-8), so that a routing near-tie does not flip
+    between it and megatrain. Independent forms: megatrain's chunked ones are not used."""
 
     def delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
         repeat = value.shape[2] // key.shape[2]
@@ -230,6 +233,12 @@ def recurrences_token_by_token():
     patches = [
         (importlib.import_module(name), "torch_chunk_gated_delta_rule", delta_rule) for name in _DELTA_RULE_MODULES
     ]
+    for module in map(importlib.import_module, _DELTA_RULE_MODULES):
+        for name, value in vars(module).items():
+            if name.endswith("RMSNorm"):
+                patches.append((value, "forward", _one_plus_norm_in_input_dtype))
+            elif name.endswith("RMSNormGated"):
+                patches.append((value, "forward", _gated_norm_in_input_dtype))
     patches.append((importlib.import_module(_SSD_MODULE), "mamba2_chunk_scan", ssd))
     saved = [getattr(module, name) for module, name, _ in patches]
     for module, name, replacement in patches:
@@ -239,6 +248,18 @@ def recurrences_token_by_token():
     finally:
         for (module, name, _), original in zip(patches, saved):
             setattr(module, name, original)
+
+
+def _one_plus_norm_in_input_dtype(self, x):
+    """Qwen3.5's and Qwen3-Next's (1 + weight) RMSNorm in its input's dtype (transformers' computes in fp32)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.to(x.dtype))
+
+
+def _gated_norm_in_input_dtype(self, hidden_states, gate):
+    """Their linear attention's gated RMSNorm in its input's dtype (transformers' computes in fp32)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    normed = self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+    return normed * ACT2FN[self.activation](gate.to(hidden_states.dtype))
 
 
 def check_extra_tensors_are_left_out(reference, extra: dict, what: str, tmp_path, capsys):
