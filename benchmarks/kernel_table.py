@@ -75,6 +75,23 @@ def kernel_table(events, steps: int, on_device: bool) -> tuple[list[dict], dict]
     ]
 
 
+def op_table(events, steps: int, top: int) -> list[dict]:
+    """The `top` operators (aten ops, compiled graphs, autograd nodes' ops) by the device time of the kernels they
+    launched themselves: which op an eager kernel of the kind table came from."""
+    cpu = torch.autograd.DeviceType.CPU
+    ops = [e for e in events if getattr(e, "device_type", cpu) == cpu and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    return [
+        {
+            "op": e.key[:160],
+            "kind": kind_of(e.key),
+            "ms_per_step": round(e.self_device_time_total / steps / 1e3, 2),
+            "calls_per_step": e.count // steps,
+        }
+        for e in ops[:top]
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
@@ -84,6 +101,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1, help="profiled steps")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--top-ops", type=int, default=40, help="operators listed by the device time they launched")
     args = parser.parse_args()
     on_device = torch.cuda.is_available()
     model = preset(args.model)
@@ -113,7 +131,9 @@ def main():
             torch.cuda.synchronize()
         step_s = (time.perf_counter() - start) / args.steps
     trainer.close()
-    rows, largest = kernel_table(profiler.key_averages(), args.steps, on_device)
+    events = profiler.key_averages()
+    rows, largest = kernel_table(events, args.steps, on_device)
+    ops = op_table(events, args.steps, args.top_ops) if on_device else []
     result = {
         "benchmark": "kernel_table",
         "machine": machine(),
@@ -122,6 +142,7 @@ def main():
         "profiled_step_s": round(step_s, 3),  # with the profiler's overhead: compare kinds, not this
         "kinds": rows,
         "largest_kernels": largest,
+        "largest_ops": ops,
         "command": "python benchmarks/kernel_table.py " + " ".join(sys.argv[1:]),
     }
     if args.out:
@@ -131,6 +152,8 @@ def main():
         print(f"| {row['kind']} | {row['ms_per_step']} | {100 * row['share']:.1f}% | {row['count']} |")
     for kernel in largest:
         print(f"{kernel['ms_per_step']:9.2f} ms  {kernel['kind']:<34} {kernel['kernel'][:110]}")
+    for op in ops:
+        print(f"{op['ms_per_step']:9.2f} ms  {op['calls_per_step']:6d} calls  {op['op'][:120]}")
 
 
 if __name__ == "__main__":
