@@ -1,4 +1,5 @@
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ from megatrain_templates import (
     row_slice_name,
     split_precision,
 )
+from megatrain_templates.chunked_recurrence import _ChunkedRecurrence
 
 
 @pytest.mark.parametrize(
@@ -779,6 +781,27 @@ def test_gpu_chunk_kernels_equal_the_eager_functions(case):
     delta_kernels_equal_the_eager_functions(*DELTA_CASES[case], device="cuda")
 
 
+@pytest.mark.gpu
+def test_gpu_kept_recurrence_gives_the_recomputed_gradients():
+    """bf16 on CUDA, the recurrence on its Triton kernels: a Qwen3.5-shaped linear-attention layer's backward from
+    kept products (the recurrence's results among them) gives the gradients its backward recomputing everything
+    gives."""
+    torch.manual_seed(torch.seed() % 2**31)
+    mixer = GatedDeltaNetShape(n_key_heads=2, n_value_heads=4, key_head_dim=128, value_head_dim=128)
+    block = DecoderBlock(BlockShape(256, 4, 2, 64, 512, 1e-6, norm_scale="one_plus_fp32", linear_attention=mixer))
+    flat = (torch.randn(block.numel, device="cuda") * 0.05).bfloat16()
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+    _, products = block.forward_keeping_products([flat], x)
+    assert "recurrence states" in products
+    results = []
+    for kept in (None, products):
+        grads = [torch.zeros(block.numel, device="cuda")]
+        results.append([block.backward([flat], x, grad_out, grads, products=kept), grads[0]])
+    for ours, recomputed in zip(*results):
+        assert rel_err(ours.double(), recomputed.double()) < 1e-6
+
+
 @pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])
 def test_chunked_ssd_equals_the_recurrence(chunk, lengths):
     """float64: Mamba-2's chunked recurrence (groups of heads sharing B and C, documents restarting the state)
@@ -814,11 +837,7 @@ def test_mamba2_block_matches_module():
             p.normal_(0, 0.3)
         ref.mamba.A_log.uniform_(-1, 1)
     flat, x, grad_out, grads = check_float64_block_against_module(block, ref, 1e-12)
-    _, products = block.forward_keeping_products([flat], x.detach())
-    assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
-    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
-    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
-    assert rel_err(product_grads[0], grads) < 1e-12
+    check_kept_products_of_linear_attention(block, flat, x, grad_out, grads, ut_inverse=False)
 
 
 LINEAR_SHAPE = dict(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4, chunk=4)
@@ -864,12 +883,37 @@ def test_linear_attention_block_matches_module():
     torch.manual_seed(torch.seed() % 2**31)
     block = linear_attention_block()
     flat, x, grad_out, grads = check_float64_block_against_module(block, random_linear_reference(), 1e-12)
-    _, products = block.forward_keeping_products([flat], x.detach())
-    assert set(products) == {"linear_in", "linear_out", "gate_up_weight"}
-    assert sum(p.shape[-1] for p in products.values()) * 8 == block.product_bytes_per_token(8)
-    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
-    assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    check_kept_products_of_linear_attention(block, flat, x, grad_out, grads, ut_inverse=True)
+
+
+def check_kept_products_of_linear_attention(block, flat, x, grad_out, grads, ut_inverse: bool):
+    """A linear-attention block's kept products (float64): the projections' and the recurrence's results
+    (`KeptRecurrence`), `product_bytes_per_token` of them a token of whole chunks; given back, the backward
+    computes the same gradients without running the recurrence's forward again, and from what it is given (a
+    kept state from elsewhere shows in the gradients)."""
+    runs = []
+    results = _ChunkedRecurrence._results
+    with mock.patch.object(_ChunkedRecurrence, "_results", lambda *a: runs.append(1) or results(*a)):
+        _, products = block.forward_keeping_products([flat], x.detach())
+        assert len(runs) == 1
+        recurrence = {"recurrence out", "recurrence states", "recurrence delta"}
+        assert set(products) == {"linear_in", "linear_out", "gate_up_weight"} | recurrence | (
+            {"recurrence ut_inverse"} if ut_inverse else set()
+        )
+        product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+        grad_in = block.backward([flat], x.detach(), grad_out, product_grads, products=products)
+        assert len(runs) == 1
+    assert rel_err(grad_in, x.grad) < 1e-10
     assert rel_err(product_grads[0], grads) < 1e-12
+    products["recurrence states"] = products["recurrence states"] * 1.5
+    changed = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    block.backward([flat], x.detach(), grad_out, changed, products=products)
+    assert rel_err(changed[0], grads) > 1e-3
+    whole_chunks = torch.randn(2, 3 * block.shape.linear_attention.chunk, x.shape[-1], dtype=torch.float64)
+    _, products = block.forward_keeping_products([flat], whole_chunks)
+    assert (
+        sum(p.numel() for p in products.values()) * 8 == block.product_bytes_per_token(8) * whole_chunks[..., 0].numel()
+    )
 
 
 def grouped_projections(flat_split: torch.Tensor, split: DecoderBlock, grouped: DecoderBlock) -> torch.Tensor:

@@ -21,6 +21,7 @@ fp16) take TF32 matmuls on CUDA; fp32 and fp64 inputs keep full-precision arithm
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -29,6 +30,37 @@ from torch import Tensor
 
 from . import delta_kernels
 from .ops import COMPILE, compile_once
+
+
+@dataclass(frozen=True)
+class KeptRecurrence:
+    """A forward's recurrence results (its output and what its backward reads: T, the states, the corrected
+    values) kept in `products`, a layer's kept products, for the backward's recompute to skip the chunks and the
+    state pass: `keep` True, the forward puts them there; False, the recompute takes them from there. On the
+    0.8B Qwen3.5's shape the recurrence's forward is ~1.3 ms of a layer's 18 and its results 36 KB a token
+    (`bytes_per_token`), about what its matmul products take for ~1.1 ms of GEMMs."""
+
+    products: dict
+    keep: bool
+
+    def put(self, results: tuple) -> None:
+        self.products.update((name, t) for name, t in zip(_KEPT_NAMES, results) if t is not None)
+
+    def results(self) -> tuple | None:
+        """(out, T or None, states, delta) where a forward kept them and this is the recompute, else None."""
+        if self.keep or _KEPT_NAMES[0] not in self.products:
+            return None
+        return tuple(self.products.get(name) for name in _KEPT_NAMES)
+
+    @staticmethod
+    def bytes_per_token(heads: int, d_k: int, d_v: int, chunk: int, delta_rule: bool, element_size: int) -> int:
+        """What `put` keeps a token (of whole chunks), in the arithmetic's dtype (at least fp32): the output and
+        the corrected values, T's row where there is one (the delta rule), and a chunk's share of its state."""
+        per_head = 2 * d_v + (chunk if delta_rule else 0) + -(-d_k * d_v // chunk)
+        return heads * per_head * max(element_size, 4)
+
+
+_KEPT_NAMES = ("recurrence out", "recurrence ut_inverse", "recurrence states", "recurrence delta")
 
 
 class _ChunkMasks(NamedTuple):
@@ -50,11 +82,13 @@ def chunked_decayed_recurrence(
     doc_ids: Tensor | None,
     chunk: int,
     tf32: bool = False,
+    kept: KeptRecurrence | None = None,
 ) -> Tensor:
     """The recurrence of this module's docstring. q, k: [batch, seq, heads, d_k], v: [batch, seq, heads, d_v] in
     the arithmetic's dtype; log_decay (<= 0), beta: [batch, seq, heads] (beta None: no delta correction);
     doc_ids: [batch, seq] or None (one sequence per row). Returns [batch, seq, heads, d_v]. `tf32`: matmuls
-    on CUDA may round their fp32 operands to TF32 (for inputs that came in a half type)."""
+    on CUDA may round their fp32 operands to TF32 (for inputs that came in a half type). `kept`: where a forward
+    keeps its results and a backward's recompute finds them (`KeptRecurrence`)."""
     dtype = q.dtype
     batch, seq, n_heads, _ = k.shape
     q, k, v, log_decay, beta = (None if t is None else _head_major(t, dtype) for t in (q, k, v, log_decay, beta))
@@ -72,7 +106,9 @@ def chunked_decayed_recurrence(
 
     masks = _chunk_masks(doc_ids, batch, n_chunks, chunk, q.device)
     beta = None if beta is None else chunked(beta)
-    out = _ChunkedRecurrence.apply(chunked(q), chunked(k), chunked(v), chunked(log_decay), beta, masks, doc_ids, tf32)
+    out = _ChunkedRecurrence.apply(
+        chunked(q), chunked(k), chunked(v), chunked(log_decay), beta, masks, doc_ids, tf32, kept
+    )
     return out.reshape(batch, n_heads, n_chunks * chunk, -1)[:, :, :seq].transpose(1, 2)
 
 
@@ -117,12 +153,25 @@ class _ChunkedRecurrence(torch.autograd.Function):
     type (`tf32`), the chunk-local work on either side of the state pass runs as Triton kernels
     (`delta_kernels`), except what comes before it without beta (Mamba-2's: elementwise), which runs as
     functions of tensors compiled by Inductor. fp32 inputs stay eager: Inductor's exp is not exact to fp32's last
-    bits."""
+    bits. `kept` (a `KeptRecurrence` or None): where the forward keeps its results, or takes a kept forward's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, docs: Tensor | None, tf32: bool):
+    def forward(ctx, q, k, v, log_decay, beta, masks: _ChunkMasks, docs: Tensor | None, tf32: bool, kept):
         # detached: the compiled functions would otherwise compile again for inputs that require grad
         q, k, v, log_decay, beta = (None if t is None else t.detach() for t in (q, k, v, log_decay, beta))
+        results = None if kept is None else kept.results()
+        if results is None:
+            results = _ChunkedRecurrence._results(q, k, v, log_decay, beta, masks, docs, tf32)
+            if kept is not None:
+                kept.put(results)
+        out, ut_inverse, states, delta = results
+        ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
+        ctx.masks, ctx.docs, ctx.tf32 = masks, docs, tf32
+        return out.view_as(out)  # (a kept output: a new tensor for autograd to own, not a copy)
+
+    @staticmethod
+    def _results(q, k, v, log_decay, beta, masks: _ChunkMasks, docs: Tensor | None, tf32: bool) -> tuple:
+        """(out, T or None, the states entering each chunk, the corrected values)."""
         fast = tf32 and q.is_cuda
         fused = _fused(fast, q)
         with _matmul_precision(fast):
@@ -135,9 +184,7 @@ class _ChunkedRecurrence(torch.autograd.Function):
                 out = delta_kernels.chunk_output(q, k, log_decay, states, delta, docs, tf32)
             else:
                 out = _run(_from_state_pass, fast, q, k, log_decay, *masks, states, delta)
-        ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
-        ctx.masks, ctx.docs, ctx.tf32 = masks, docs, tf32
-        return out
+        return out, ut_inverse, states, delta
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -162,7 +209,7 @@ class _ChunkedRecurrence(torch.autograd.Function):
                 )
             else:
                 grads = _run(_back_from_state_pass, fast, q, k, v, log_decay, beta, ut_inverse, *ctx.masks, *after_pass)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def _fused(fast: bool, q: Tensor) -> bool:

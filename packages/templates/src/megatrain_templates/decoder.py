@@ -20,6 +20,7 @@ from .attention import (
     packed_documents,
     token_positions,
 )
+from .chunked_recurrence import KeptRecurrence
 from .layout import (
     BoundWeight,
     ParamSpec,
@@ -34,9 +35,11 @@ from .layout import (
     total_numel,
 )
 from .linear_attention import (
+    KEPT_RECURRENCE,
     LINEAR_ATTENTION_LEAVES,
     GatedDeltaNetShape,
     Mamba2Shape,
+    kept_recurrence_bytes_per_token,
     linear_attention_mixer,
     linear_attention_params,
     linear_attention_spans,
@@ -486,8 +489,14 @@ class DecoderBlock:
         return self._block(w, hidden, documents), products
 
     def product_bytes_per_token(self, element_size: int) -> int:
-        """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype)."""
-        return sum(self._spans[name].shape[0] for name in self._recomputed_matrices) * element_size
+        """GPU bytes per token that `forward_keeping_products` returns (matmul products in the compute dtype)."""
+        matrices = sum(self._spans[name].shape[0] for name in self._recomputed_matrices) * element_size
+        return matrices + self._kept_recurrence_bytes_per_token(element_size)
+
+    def _kept_recurrence_bytes_per_token(self, element_size: int) -> int:
+        """What a linear-attention layer's forward keeps of its recurrence a token (none elsewhere)."""
+        mixer = self.shape.linear_attention
+        return 0 if mixer is None else kept_recurrence_bytes_per_token(mixer, element_size)
 
     def _views(self, buffer: Tensor) -> dict[str, Tensor]:
         """Every parameter of the block as a view of its flat weight buffer."""
@@ -495,12 +504,14 @@ class DecoderBlock:
 
     def _keeping_views(self, buffer: Tensor) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
         """`_views`, the recomputed matrices wrapped to keep their products in the returned dict as a forward
-        makes them."""
+        makes them, and a linear-attention layer's recurrence its results (`KeptRecurrence`)."""
         products: dict[str, Tensor] = {}
         views = {
             name: ProductKeeper(view, name, products) if name in self._recomputed_matrices else view
             for name, view in self._views(buffer).items()
         }
+        if self.shape.linear_attention is not None:
+            views[KEPT_RECURRENCE] = KeptRecurrence(products, keep=True)
         return views, products
 
     def _bind(
@@ -508,8 +519,9 @@ class DecoderBlock:
     ) -> tuple[dict[str, "Tensor | BoundWeight"], dict[str, Tensor]]:
         """The weights for a backward: (every parameter but `skip`, the autograd leaves among them).
         Matrices are bound to their span of `grad_flat`, so their gradients are added into it inside
-        the GEMM that makes them, and to their forward's product where `products` has it; norms and
-        biases are leaves whose gradients autograd returns."""
+        the GEMM that makes them, and to their forward's product where `products` has it (as is a
+        linear-attention layer's recurrence: `KeptRecurrence`); norms and biases are leaves whose gradients
+        autograd returns."""
         products = products or {}
         leaves = {name: leaf(buffer, self._spans[name]) for name in self._vectors if name not in skip}
         matrices = {
@@ -517,7 +529,9 @@ class DecoderBlock:
             for name, span in self._spans.items()
             if name not in self._vectors and name not in skip
         }
-        return {**matrices, **leaves}, leaves
+        kept = products and self.shape.linear_attention is not None
+        recurrence = {KEPT_RECURRENCE: KeptRecurrence(products, keep=False)} if kept else {}
+        return {**matrices, **leaves, **recurrence}, leaves
 
     def backward(
         self,

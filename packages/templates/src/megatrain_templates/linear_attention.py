@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import Documents
-from .chunked_recurrence import chunked_decayed_recurrence
+from .chunked_recurrence import KeptRecurrence, chunked_decayed_recurrence
 from .layout import ParamSpec, Span, fused_span, span_of
 from .ops import compiled_on_cuda, linear, upcast
 
@@ -154,6 +154,18 @@ def linear_attention_spans(params: tuple[ParamSpec, ...], shape: "GatedDeltaNetS
 
 # spans of the mixer that are not GEMM operands: autograd differentiates them as leaves, like norms
 LINEAR_ATTENTION_LEAVES = ("linear_conv",)
+# the mixer's weights' entry for where its recurrence's results are kept (a `KeptRecurrence`), if anywhere
+KEPT_RECURRENCE = "linear_kept_recurrence"
+
+
+def kept_recurrence_bytes_per_token(shape: "GatedDeltaNetShape | Mamba2Shape", element_size: int) -> int:
+    """What a forward of `shape`'s mixer keeps of its recurrence a token (`KeptRecurrence.bytes_per_token`)."""
+    if isinstance(shape, Mamba2Shape):
+        return KeptRecurrence.bytes_per_token(
+            shape.n_heads, shape.state_dim, shape.head_dim, shape.chunk, False, element_size
+        )
+    heads, d_k, d_v = shape.n_value_heads, shape.key_head_dim, shape.value_head_dim
+    return KeptRecurrence.bytes_per_token(heads, d_k, d_v, shape.chunk, True, element_size)
 
 
 def linear_attention_mixer(
@@ -178,7 +190,7 @@ def mamba2(shape: Mamba2Shape, w: dict[str, Tensor], h: Tensor, documents: Docum
     x = x.reshape(batch, seq, shape.n_heads, shape.head_dim)
     b, c = (t.reshape(batch, seq, shape.n_groups, shape.state_dim) for t in (b, c))
     dt = F.softplus(upcast(dt) + w["linear_dt_bias"])
-    out = chunked_ssd(x, dt, -upcast(w["linear_A_log"]).exp(), b, c, doc_ids, shape.chunk)
+    out = chunked_ssd(x, dt, -upcast(w["linear_A_log"]).exp(), b, c, doc_ids, shape.chunk, w.get(KEPT_RECURRENCE))
     out = out + upcast(w["linear_D"]).unsqueeze(-1) * upcast(x)
     out = gated_group_rms_norm(out.reshape(batch, seq, shape.inner_dim), z, w["linear_norm"], eps, shape.n_groups)
     return linear(out, w["linear_out"])
@@ -199,8 +211,7 @@ def gated_delta_net(
     k = k.reshape(batch, seq, shape.n_key_heads, shape.key_head_dim)
     v = v.reshape(batch, seq, shape.n_value_heads, shape.value_head_dim)
     log_decay = -upcast(w["linear_A_log"]).exp() * F.softplus(upcast(a) + w["linear_dt_bias"])
-    out = chunked_gated_delta_rule(q, k, v, log_decay, b.sigmoid(), doc_ids, shape.chunk)
-    out = out.to(h.dtype, memory_format=torch.contiguous_format)
+    out = chunked_gated_delta_rule(q, k, v, log_decay, b.sigmoid(), doc_ids, shape.chunk, w.get(KEPT_RECURRENCE))
     out = gated_rms_norm(out, z, w["linear_norm"], eps)
     return linear(out.reshape(batch, seq, shape.value_dim), w["linear_out"])
 
@@ -228,7 +239,8 @@ def causal_conv(x: Tensor, taps: Tensor, doc_ids: Tensor | None, bias: Tensor | 
     """Depthwise causal convolution over the sequence: x [batch, seq, channels], taps [channels, kernel] (the
     last tap on the token itself), a bias per channel or none -> like x. A tap that would reach into an
     earlier document reads zero, as the row's start does. Summed in fp32 and rounded once, as the fused conv1d
-    kernels accumulate."""
+    kernels accumulate. (silu stays apart: compiled in, it made the backward's taps reductions recompute it,
+    and the step 1.7% slower on Qwen3.5-0.8B, H200.)"""
     kernel, seq = taps.shape[1], x.shape[1]
     x32, taps32 = upcast(x), upcast(taps)
     out = x32 * taps32[:, -1]
@@ -244,11 +256,14 @@ def causal_conv(x: Tensor, taps: Tensor, doc_ids: Tensor | None, bias: Tensor | 
 
 @compiled_on_cuda
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm of x over its last dim (weight after the cast, Llama's way) times silu(gate) in fp32, cast back:
-    the mixer's output norm, per value head (x and gate [..., value_head_dim])."""
-    x32 = upcast(x)
-    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (upcast(normed) * F.silu(upcast(gate))).to(x.dtype)
+    """x rounded to the gate's dtype (as transformers' rule returns its output), RMS-normed over its last dim
+    (weight after the cast, Llama's way), times silu(gate) in fp32, cast back: the mixer's output norm, per value
+    head (x and gate [..., value_head_dim]; x in any layout, the result contiguous). The rounding and the layout
+    change are this kernel's own: apart, they were a pass over the rule's fp32 output each way."""
+    dtype = gate.dtype
+    x32 = upcast(x.to(dtype))
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (upcast(normed) * F.silu(upcast(gate))).to(dtype).contiguous()
 
 
 @compiled_on_cuda
@@ -273,7 +288,14 @@ def _unit_heads(x: Tensor, n_heads: int, scale: float) -> Tensor:
 
 
 def chunked_gated_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor, doc_ids: Tensor | None = None, chunk: int = 64
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor,
+    beta: Tensor,
+    doc_ids: Tensor | None = None,
+    chunk: int = 64,
+    kept: KeptRecurrence | None = None,
 ) -> Tensor:
     """The gated delta rule over whole rows, in fp32 (fp64 stays fp64).
 
@@ -290,11 +312,18 @@ def chunked_gated_delta_rule(
     start, the carried state's reach into the chunk and the carry out of it."""
     n_heads = v.shape[2]
     q, k = _unit_heads(q, n_heads, q.shape[-1] ** -0.5), _unit_heads(k, n_heads, 1.0)
-    return chunked_decayed_recurrence(q, k, v, log_decay, beta, doc_ids, chunk, _came_in_half(v))
+    return chunked_decayed_recurrence(q, k, v, log_decay, beta, doc_ids, chunk, _came_in_half(v), kept)
 
 
 def chunked_ssd(
-    x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, doc_ids: Tensor | None = None, chunk: int = 64
+    x: Tensor,
+    dt: Tensor,
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    doc_ids: Tensor | None = None,
+    chunk: int = 64,
+    kept: KeptRecurrence | None = None,
 ) -> Tensor:
     """Mamba-2's state-space recurrence over whole rows, in fp32 (fp64 stays fp64), without its D x term.
 
@@ -307,7 +336,7 @@ def chunked_ssd(
     n_heads = x.shape[2]
     values = x.to(dtype) * dt.unsqueeze(-1)
     q, k = (_per_value_head(t, n_heads).to(dtype) for t in (c, b))
-    return chunked_decayed_recurrence(q, k, values, dt * a, None, doc_ids, chunk, _came_in_half(x))
+    return chunked_decayed_recurrence(q, k, values, dt * a, None, doc_ids, chunk, _came_in_half(x), kept)
 
 
 def _came_in_half(t: Tensor) -> bool:

@@ -739,7 +739,7 @@ class MoeBlock(DecoderBlock):
             moe.top_k * 2 * moe.d_ff if name == "experts_gate_up" else self._spans[name].shape[0]
             for name in self._recomputed_matrices
         ]
-        return sum(widths) * element_size
+        return sum(widths) * element_size + self._kept_recurrence_bytes_per_token(element_size)
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """h: [tokens, d_model] -> the routing of each token."""
