@@ -45,6 +45,7 @@ OPTIONAL_ROW_TYPES = {
     "host_gib": NUMBER + NOTHING,
     "host_bytes_per_param": NUMBER + NOTHING,
     "kept_layers": INTEGER + NOTHING,
+    "extra_kept_layers": INTEGER + NOTHING,
     "placement": MAPPING + NOTHING,  # where each layer's state and work live, as the engine placed them
     "engine": TEXT,  # which engine version or setting ran, where rows of one file differ in it
     "scope": TEXT,  # what part of a model was timed, where a row does not time whole training steps

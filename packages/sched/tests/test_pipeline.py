@@ -15,7 +15,7 @@ from megatrain_sched import (
     Timeline,
     staging_buffers,
 )
-from megatrain_sched.pipeline import expandable_device_memory
+from megatrain_sched.pipeline import EXTRAS_MARGIN, expandable_device_memory
 from megatrain_store import GroupLayout, HostStore
 
 Spec = namedtuple("Spec", "name shape numel")
@@ -38,24 +38,30 @@ class Lookup:
 
 
 class Mix:
-    """y = tanh(x @ M); its forward can keep the product x @ M for the backward."""
+    """y = tanh(x @ M); its forward can keep the product x @ M for the backward, and y too (its extra)."""
 
     groups = ((spec("m", D, D),),)
 
     def forward(self, w, x):
         return torch.tanh(x @ w[0].view(D, D))
 
-    def forward_keeping_products(self, w, x):
+    def forward_keeping_products(self, w, x, extras=False):
         product = x @ w[0].view(D, D)
-        return torch.tanh(product), {"product": product}
+        y = torch.tanh(product)
+        return y, {"product": product, **({"tanh": y} if extras else {})}
 
     def product_bytes_per_token(self, element_size):
         return D * element_size
 
+    def extra_product_bytes_per_token(self, element_size):
+        return D * element_size
+
     def backward(self, w, x, grad, grads, products=None):
         m = w[0].view(D, D)
-        product = products["product"] if products is not None else x @ m
-        pre_grad = grad * (1 - torch.tanh(product) ** 2)
+        products = products or {}
+        product = products["product"] if "product" in products else x @ m
+        tanh = products["tanh"] if "tanh" in products else torch.tanh(product)
+        pre_grad = grad * (1 - tanh**2)
         grads[0].view(D, D).add_(x.reshape(-1, D).T @ pre_grad.reshape(-1, D))
         return pre_grad @ m.T
 
@@ -413,6 +419,31 @@ def test_the_placement_runs_as_given_unless_the_device_lacks_the_memory_it_count
     pipeline.run(micro + micro[:1], loss_scale=0.1)
     # 10 tokens more of 4 stages' checkpoints and 3 stages' products: 1.75 stages of products at 40 tokens
     assert pipeline.executed.kept == (4,)
+
+
+def test_layers_keeping_products_keep_their_extras_where_the_headroom_holds_them():
+    """A step lets the layers keeping their products on the device keep their extra products too
+    (`extra_product_bytes_per_token`), last layers first, as many as its headroom holds beyond `EXTRAS_MARGIN`;
+    all of them where device memory is not counted (the CPU). The step stays exact."""
+    tokens = 3 * 2 * 5
+    extra = tokens * D * 4  # a stage's extra products (fp32)
+    need = 10 * extra
+    store, pipeline, _ = build(4, tied=False, kept=(2, 3, 4), tokens=tokens, device_step_bytes=need)
+    pipeline.stages[-1].template.d_model = D
+    batches = make_batches(3)
+    micro = [MicroBatch(i, lab) for i, lab in batches]
+    loss, grads = autograd_reference(store, 4, False, batches, 0.1)
+    for free, extras in [
+        (None, (2, 3, 4)),
+        (need + EXTRAS_MARGIN + 2 * extra, (3, 4)),
+        (need + EXTRAS_MARGIN + 2 * extra - 1, (4,)),
+        (need, ()),
+    ]:
+        pipeline.free_device_memory = None if free is None else (lambda free=free: free)
+        result = pipeline.run(micro, loss_scale=0.1)
+        assert pipeline.extras == extras and pipeline.executed.kept == (2, 3, 4)
+        assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+        assert all(close(store.grad(g), grads[g]) for g in range(store.n_groups))
 
 
 def test_a_step_in_sweeps_fits_its_placement_once_by_its_largest_sweep():

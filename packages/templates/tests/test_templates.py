@@ -792,7 +792,7 @@ def test_gpu_kept_recurrence_gives_the_recomputed_gradients():
     flat = (torch.randn(block.numel, device="cuda") * 0.05).bfloat16()
     x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
-    _, products = block.forward_keeping_products([flat], x)
+    _, products = block.forward_keeping_products([flat], x, extras=True)
     assert "recurrence states" in products
     results = []
     for kept in (None, products):
@@ -887,14 +887,15 @@ def test_linear_attention_block_matches_module():
 
 
 def check_kept_products_of_linear_attention(block, flat, x, grad_out, grads, ut_inverse: bool):
-    """A linear-attention block's kept products (float64): the projections' and the recurrence's results
-    (`KeptRecurrence`), `product_bytes_per_token` of them a token of whole chunks; given back, the backward
+    """A linear-attention block's kept products (float64): the projections' and, with extras, the recurrence's
+    results (`KeptRecurrence`), `product_bytes_per_token` and `extra_product_bytes_per_token` of them a token of
+    whole chunks; given back, the backward
     computes the same gradients without running the recurrence's forward again, and from what it is given (a
     kept state from elsewhere shows in the gradients)."""
     runs = []
     results = _ChunkedRecurrence._results
     with mock.patch.object(_ChunkedRecurrence, "_results", lambda *a: runs.append(1) or results(*a)):
-        _, products = block.forward_keeping_products([flat], x.detach())
+        _, products = block.forward_keeping_products([flat], x.detach(), extras=True)
         assert len(runs) == 1
         recurrence = {"recurrence out", "recurrence states", "recurrence delta"}
         assert set(products) == {"linear_in", "linear_out", "gate_up_weight"} | recurrence | (
@@ -910,10 +911,10 @@ def check_kept_products_of_linear_attention(block, flat, x, grad_out, grads, ut_
     block.backward([flat], x.detach(), grad_out, changed, products=products)
     assert rel_err(changed[0], grads) > 1e-3
     whole_chunks = torch.randn(2, 3 * block.shape.linear_attention.chunk, x.shape[-1], dtype=torch.float64)
-    _, products = block.forward_keeping_products([flat], whole_chunks)
-    assert (
-        sum(p.numel() for p in products.values()) * 8 == block.product_bytes_per_token(8) * whole_chunks[..., 0].numel()
-    )
+    for extras, extra_bytes in ((False, 0), (True, block.extra_product_bytes_per_token(8))):
+        _, products = block.forward_keeping_products([flat], whole_chunks, extras=extras)
+        kept_bytes = sum(p.numel() for p in products.values()) * 8
+        assert kept_bytes == (block.product_bytes_per_token(8) + extra_bytes) * whole_chunks[..., 0].numel()
 
 
 def grouped_projections(flat_split: torch.Tensor, split: DecoderBlock, grouped: DecoderBlock) -> torch.Tensor:

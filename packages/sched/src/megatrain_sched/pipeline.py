@@ -75,6 +75,11 @@ def expandable_device_memory() -> None:
     set_settings("expandable_segments:True")
 
 
+# device memory a step leaves free when it grants extra products out of its headroom (the planner's count of a
+# step's bytes leaves out the allocator's pieces and a pass's temporaries)
+EXTRAS_MARGIN = 4 * 2**30
+
+
 class SchedError(Exception):
     """A stage list or batch the scheduler cannot run, with the fix in the message."""
 
@@ -247,6 +252,7 @@ class _Step:
     last_sweep: bool = True  # the step's gradients are whole after this one: they land (and go to the hooks)
     offloaded: set = field(default_factory=set)  # block stages whose checkpoints go to host memory
     kept: set = field(default_factory=set)  # stages keeping their products on the device
+    extras: set = field(default_factory=set)  # kept stages keeping their extra products too (`_extras_that_fit`)
     host_kept: dict = field(default_factory=dict)  # stage -> its host buffer's rank, products in host memory
     checkpoint_rooms: dict = field(default_factory=dict)
     product_rooms: dict = field(default_factory=dict)
@@ -285,6 +291,8 @@ class LayerPipeline:
 
     A block template that provides `forward_keeping_products(weights, x) -> (y, products)` (and
     `product_bytes_per_token(element_size)`) may keep its products; its backward gets them as `products=`.
+    One that also provides `extra_product_bytes_per_token(element_size)` keeps more of its forward where a
+    step has the device memory to spare (`forward_keeping_products(..., extras=True)`; `extras` says where).
     A template whose backward reads none of its weights (`backward_reads_weights = False`: an embedding's
     only scatters its gradient) gets no copy of them for it; the wait for their last update comes before
     its gradient is sent instead.
@@ -354,6 +362,7 @@ class LayerPipeline:
         self._init_order()
         self.fallback: str | None = None  # what the last step changed of its placement, and why; None: nothing
         self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
+        self.extras: tuple[int, ...] = ()  # stages whose forwards the last step let keep their extra products
         self.executed: Placement | None = None  # the placement the last training step ran
         # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
         self.free_device_memory: Callable[[], int] | None = (
@@ -496,6 +505,23 @@ class LayerPipeline:
         )
         logger.warning("megatrain_sched: %s", self.fallback)
         return replace(placement, stages=tuple(stages))
+
+    def _extras_that_fit(self, kept: set, tokens: int) -> set:
+        """The stages keeping their products on the device that keep their template's extra products too
+        (`extra_product_bytes_per_token`: a linear-attention layer's recurrence results, which spare its backward
+        the recurrence's forward), last layers first, as many as the step's headroom holds beyond
+        `EXTRAS_MARGIN`: never at the cost of a matmul product or a checkpoint. All of them where device memory is
+        not counted (the CPU)."""
+        extra = {i: getattr(self.stages[i].template, "extra_product_bytes_per_token", None) for i in kept}
+        extra = {i: tokens * f(self.store.compute_dtype.itemsize) for i, f in extra.items() if f is not None}
+        if self.free_device_memory is None:
+            return {i for i, nbytes in extra.items() if nbytes}
+        room, extras = (self.device_headroom or 0) - EXTRAS_MARGIN, set()
+        for index in sorted(extra, reverse=True):
+            if 0 < extra[index] <= room:
+                extras.add(index)
+                room -= extra[index]
+        return extras
 
     def _checkpoint_bytes_per_token(self, stage: int) -> int:
         """Device bytes a token of a step takes in stage's checkpoint: its input, or what its template's
@@ -905,6 +931,8 @@ class LayerPipeline:
             keeping = step.placement.keeping
             step.offloaded = set(step.placement.offloaded)
             step.kept = set(keeping[-1:]) if warm_up else set(step.placement.kept)
+            step.extras = set() if warm_up else self._extras_that_fit(step.kept, tokens)
+            self.extras = tuple(sorted(step.extras))
             step.host_kept = {} if warm_up else {stage: rank for rank, stage in enumerate(step.placement.host_kept)}
             step.checkpoint_rooms, step.product_rooms = self._host_rooms(tokens, step.placement)
             self.executed = replace(
@@ -966,7 +994,8 @@ class LayerPipeline:
             if step.train and stage_index >= self.first_backward:
                 step.checkpoints[stage_index][m] = self._checkpoint(step, stage_index, x)
             if stage_index in step.kept or host_kept:
-                step.acts[m], products = template.forward_keeping_products(weights, x, **kwargs[m])
+                extras = {"extras": True} if stage_index in step.extras else {}
+                step.acts[m], products = template.forward_keeping_products(weights, x, **kwargs[m], **extras)
                 if host_kept:
                     room = step.product_rooms[stage_index]
                     name = f"products {stage.name}"

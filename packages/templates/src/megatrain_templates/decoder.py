@@ -476,25 +476,27 @@ class DecoderBlock:
         return self._block(self._views(weights[0]), hidden, documents)
 
     def forward_keeping_products(
-        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None
+        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, extras: bool = False
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward`, also returning the products of its matmuls that the backward would recompute (all
         but the MLP's down projection, which it does only under a norm): given to `backward` as `products`, they
         stand for those GEMMs, and the recompute is left with the norms, rotary embedding, attention
         and activation. `product_bytes_per_token` bytes per token: Qwen2.5-7B 92 KB, about half of what
         its whole autograd graph would hold (167 KB), and faster to go back through (H100, 16k tokens,
-        forward + backward: 45.9 ms, the whole graph 47.5, recomputing 53.5)."""
+        forward + backward: 45.9 ms, the whole graph 47.5, recomputing 53.5). `extras`: a linear-attention
+        layer keeps its recurrence's results too (`extra_product_bytes_per_token`), which its recompute then
+        skips."""
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights[0])
+        w, products = self._keeping_views(weights[0], extras)
         return self._block(w, hidden, documents), products
 
     def product_bytes_per_token(self, element_size: int) -> int:
-        """GPU bytes per token that `forward_keeping_products` returns (matmul products in the compute dtype)."""
-        matrices = sum(self._spans[name].shape[0] for name in self._recomputed_matrices) * element_size
-        return matrices + self._kept_recurrence_bytes_per_token(element_size)
+        """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras."""
+        return sum(self._spans[name].shape[0] for name in self._recomputed_matrices) * element_size
 
-    def _kept_recurrence_bytes_per_token(self, element_size: int) -> int:
-        """What a linear-attention layer's forward keeps of its recurrence a token (none elsewhere)."""
+    def extra_product_bytes_per_token(self, element_size: int) -> int:
+        """What `forward_keeping_products` keeps more a token with `extras`: a linear-attention layer's
+        recurrence results (`KeptRecurrence`); nothing elsewhere."""
         mixer = self.shape.linear_attention
         return 0 if mixer is None else kept_recurrence_bytes_per_token(mixer, element_size)
 
@@ -502,15 +504,17 @@ class DecoderBlock:
         """Every parameter of the block as a view of its flat weight buffer."""
         return {name: span.view(buffer) for name, span in self._spans.items()}
 
-    def _keeping_views(self, buffer: Tensor) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
+    def _keeping_views(
+        self, buffer: Tensor, extras: bool = False
+    ) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
         """`_views`, the recomputed matrices wrapped to keep their products in the returned dict as a forward
-        makes them, and a linear-attention layer's recurrence its results (`KeptRecurrence`)."""
+        makes them; with `extras`, a linear-attention layer's recurrence its results too (`KeptRecurrence`)."""
         products: dict[str, Tensor] = {}
         views = {
             name: ProductKeeper(view, name, products) if name in self._recomputed_matrices else view
             for name, view in self._views(buffer).items()
         }
-        if self.shape.linear_attention is not None:
+        if extras and self.shape.linear_attention is not None:
             views[KEPT_RECURRENCE] = KeptRecurrence(products, keep=True)
         return views, products
 

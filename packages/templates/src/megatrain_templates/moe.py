@@ -739,7 +739,7 @@ class MoeBlock(DecoderBlock):
             moe.top_k * 2 * moe.d_ff if name == "experts_gate_up" else self._spans[name].shape[0]
             for name in self._recomputed_matrices
         ]
-        return sum(widths) * element_size + self._kept_recurrence_bytes_per_token(element_size)
+        return sum(widths) * element_size
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> Routing:
         """h: [tokens, d_model] -> the routing of each token."""
@@ -940,12 +940,13 @@ class MoeBlock(DecoderBlock):
         return out
 
     def forward_keeping_products(
-        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None
+        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, extras: bool = False
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward`, also returning the products of its matmuls but the experts' down projection, which the
-        backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token)."""
+        backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token); `extras`
+        as `DecoderBlock.forward_keeping_products`."""
         check_buffers(weights, self.groups, "MoeBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights[0])
+        w, products = self._keeping_views(weights[0], extras)
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out, products
