@@ -36,9 +36,9 @@ from .ops import COMPILE, compile_once
 class KeptRecurrence:
     """A forward's recurrence results (its output and what its backward reads: T, the states, the corrected
     values) kept in `products`, a layer's kept products, for the backward's recompute to skip the chunks and the
-    state pass: `keep` True, the forward puts them there; False, the recompute takes them from there. On the
-    0.8B Qwen3.5's shape the recurrence's forward is ~1.3 ms of a layer's 18 and its results 36 KB a token
-    (`bytes_per_token`), about what its matmul products take for ~1.1 ms of GEMMs."""
+    state pass: `keep` True, the forward puts them there; False, the recompute takes them from there. At
+    Qwen3.5-0.8B's shape (16k tokens) that skips 1.3 ms of kernels a layer (H200) for 36 KB a token
+    (`bytes_per_token`)."""
 
     products: dict
     keep: bool
