@@ -92,18 +92,9 @@ def op_table(events, steps: int, top: int) -> list[dict]:
     ]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen2.5-7b")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward pass")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=1, help="profiled steps")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--top-ops", type=int, default=40, help="operators listed by the device time they launched")
-    args = parser.parse_args()
-    on_device = torch.cuda.is_available()
+def profiled_steps(args, on_device: bool):
+    """The profiler's events of `args.steps` steps of megatrain on `args.model` after `args.warmup` unprofiled
+    ones, and the seconds a profiled step took."""
     model = preset(args.model)
     n_seqs = args.tokens // args.seq_len
     config = Config(
@@ -131,9 +122,33 @@ def main():
             torch.cuda.synchronize()
         step_s = (time.perf_counter() - start) / args.steps
     trainer.close()
-    events = profiler.key_averages()
+    return profiler.key_averages(), step_s
+
+
+def print_tables(result: dict) -> None:
+    print("| kind | ms per step | share | kernels per step |\n| --- | ---: | ---: | ---: |")
+    for row in result["kinds"]:
+        print(f"| {row['kind']} | {row['ms_per_step']} | {100 * row['share']:.1f}% | {row['count']} |")
+    for kernel in result["largest_kernels"]:
+        print(f"{kernel['ms_per_step']:9.2f} ms  {kernel['kind']:<34} {kernel['kernel'][:110]}")
+    for op in result["largest_ops"]:
+        print(f"{op['ms_per_step']:9.2f} ms  {op['calls_per_step']:6d} calls  {op['op'][:120]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward pass")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1, help="profiled steps")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--top-ops", type=int, default=40, help="operators listed by the device time they launched")
+    args = parser.parse_args()
+    on_device = torch.cuda.is_available()
+    events, step_s = profiled_steps(args, on_device)
     rows, largest = kernel_table(events, args.steps, on_device)
-    ops = op_table(events, args.steps, args.top_ops) if on_device else []
     result = {
         "benchmark": "kernel_table",
         "machine": machine(),
@@ -142,18 +157,12 @@ def main():
         "profiled_step_s": round(step_s, 3),  # with the profiler's overhead: compare kinds, not this
         "kinds": rows,
         "largest_kernels": largest,
-        "largest_ops": ops,
+        "largest_ops": op_table(events, args.steps, args.top_ops) if on_device else [],
         "command": "python benchmarks/kernel_table.py " + " ".join(sys.argv[1:]),
     }
     if args.out:
         write_results(Path(args.out), result)
-    print("| kind | ms per step | share | kernels per step |\n| --- | ---: | ---: | ---: |")
-    for row in rows:
-        print(f"| {row['kind']} | {row['ms_per_step']} | {100 * row['share']:.1f}% | {row['count']} |")
-    for kernel in largest:
-        print(f"{kernel['ms_per_step']:9.2f} ms  {kernel['kind']:<34} {kernel['kernel'][:110]}")
-    for op in ops:
-        print(f"{op['ms_per_step']:9.2f} ms  {op['calls_per_step']:6d} calls  {op['op'][:120]}")
+    print_tables(result)
 
 
 if __name__ == "__main__":

@@ -928,20 +928,7 @@ class LayerPipeline:
         )
         self._carried_grads = {}
         if train:
-            keeping = step.placement.keeping
-            step.offloaded = set(step.placement.offloaded)
-            step.kept = set(keeping[-1:]) if warm_up else set(step.placement.kept)
-            step.extras = set() if warm_up else self._extras_that_fit(step.kept, tokens)
-            self.extras = tuple(sorted(step.extras))
-            step.host_kept = {} if warm_up else {stage: rank for rank, stage in enumerate(step.placement.host_kept)}
-            step.checkpoint_rooms, step.product_rooms = self._host_rooms(tokens, step.placement)
-            self.executed = replace(
-                step.placement,
-                stages=tuple(
-                    replace(s, products=DEVICE if i in step.kept else HOST if i in step.host_kept else RECOMPUTE)
-                    for i, s in enumerate(step.placement.stages)
-                ),
-            )
+            self._place_step(step, tokens)
         self._rows = None
         first_pending = train and not self.updates_done(self.stages[0].groups)  # else the whole table goes at once
         if first_pending and hasattr(self.stages[0].template, "forward_rows") and len(self.stages[0].groups) == 1:
@@ -950,6 +937,24 @@ class LayerPipeline:
                 # the first layer's update is done before the table's rows: its copy goes first, not behind them
                 self._fetch(1, step.log)
         return step
+
+    def _place_step(self, step: _Step, tokens: int) -> None:
+        """A training sweep's choices as it runs them (a warm-up keeps one stage's products and nothing in host
+        memory) and its host memory; `executed` and `extras` say what they are."""
+        warm_up, placement = step.warm_up, step.placement
+        step.offloaded = set(placement.offloaded)
+        step.kept = set(placement.keeping[-1:]) if warm_up else set(placement.kept)
+        step.extras = set() if warm_up else self._extras_that_fit(step.kept, tokens)
+        step.host_kept = {} if warm_up else {stage: rank for rank, stage in enumerate(placement.host_kept)}
+        step.checkpoint_rooms, step.product_rooms = self._host_rooms(tokens, placement)
+        self.extras = tuple(sorted(step.extras))
+        self.executed = replace(
+            placement,
+            stages=tuple(
+                replace(s, products=DEVICE if i in step.kept else HOST if i in step.host_kept else RECOMPUTE)
+                for i, s in enumerate(placement.stages)
+            ),
+        )
 
     def _sweep_placement(self, tokens: int, train: bool, warm_up: bool, sweep: int) -> Placement | None:
         """The placement a sweep runs: the step's, fitted to the device by its first sweep, the largest (a later one
