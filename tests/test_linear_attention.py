@@ -24,6 +24,7 @@ from hf_steps import (
 from safetensors.torch import save_file
 from test_dense_families import hf_dense_model
 
+from megatrain.config import EngineSection
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
 LINEAR_PRESETS = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"]
@@ -62,6 +63,37 @@ def test_rows_of_several_chunks_match_transformers(name, kernel, tmp_path):
     ours = dict(exported.named_parameters())
     for param_name, param in reference.named_parameters():
         assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
+
+
+@pytest.mark.parametrize("name", [*LINEAR_PRESETS, "tiny-granite-4.0-h"])
+def test_layers_keeping_their_recurrence_results_step_as_recomputing_ones(name, tmp_path):
+    """float64, rows of 150 tokens (chunks of 64 and a shorter third): layers keeping their products keep their
+    recurrence's results too (on the CPU every such layer does: `LayerPipeline.extras`), and their backward, which
+    then runs no recurrence forward, gives the losses and gradient norms of every layer recomputing, step by
+    step; dense and MoE linear-attention layers, Gated DeltaNet and Mamba-2."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    hf_dense_model(name, seed).double().save_pretrained(tmp_path / "hf")
+    runs = []
+    for kept in (0, 2):
+        trainer, _ = make_trainer(
+            tmp_path / "hf",
+            tmp_path / str(kept),
+            0.5,
+            3,
+            2,
+            1,
+            engine=EngineSection(kept_layers=kept),
+            precision="float64",
+        )
+        generator = torch.Generator().manual_seed(seed)
+        runs.append([trainer.train_step(*random_batch(2, 150, 256, generator)) for _ in range(3)])
+        linear_stages = {trainer.spec.layer_stage(i) for i in trainer.model_config.linear_attention_layers}
+        assert set(trainer.pipeline.extras) == (set(trainer.pipeline.executed.kept) & linear_stages if kept else set())
+        assert trainer.pipeline.extras or not kept
+        trainer.close()
+    for recomputing, keeping in zip(*runs):
+        assert keeping.loss == pytest.approx(recomputing.loss, rel=1e-12)
+        assert keeping.grad_norm == pytest.approx(recomputing.grad_norm, rel=1e-10)
 
 
 @pytest.mark.parametrize(
