@@ -21,7 +21,9 @@ from megatrain.plan import (
     make_plan,
 )
 from megatrain.rates import Rates, block_work, measure_disk_gbps
-from megatrain_zoo import build_model, preset
+from megatrain_sched import EXTRAS_MARGIN
+from megatrain_templates.chunked_recurrence import KeptRecurrence
+from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
 
 
 def config_for(preset, tokens, **extra):
@@ -476,6 +478,38 @@ def test_kept_layers_are_planned_at_their_own_rate():
     )
     expected = same.kept_layers * kept_work * (1 / 300.0 - 1 / 400.0) / 1e12
     assert slower.compute_s - same.compute_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_linear_attention_layers_keep_their_recurrence_results_as_the_gpu_has_room():
+    """Qwen3.5-0.8B at 64k tokens: its 18 linear-attention layers among those keeping their products keep their
+    recurrence's results too where the GPU has room beyond the placement and `EXTRAS_MARGIN` (as the pipeline
+    grants them), all on an H200, fewer on an H100, none where the room is short; each saves its recurrence's
+    forward at `Rates.recurrence_tflops` and costs no other choice."""
+    config = load_config(
+        None,
+        [
+            "model.preset=qwen3.5-0.8b",
+            "data.seq_len=4096",
+            "train.batch_size=16",
+            "train.micro_batch_size=4",
+            "train.grad_clip=0",
+            "device=cpu",
+            "precision.compute_dtype=bfloat16",
+        ],
+    )
+    rates = Rates(recurrence_tflops=20.0)
+    plans = [make_plan(config, rates=rates, gpu_memory=int(gib * 2**30), host_memory=2**40) for gib in (139, 79, 64)]
+    h200, h100, short = plans
+    assert h200.placement == h100.placement and h200.kept_layers == 24
+    assert h200.extra_kept_layers == 18 and 0 < h100.extra_kept_layers < 18
+    room = 79 * 2**30 - h100.gpu_bytes - EXTRAS_MARGIN
+    per_layer = 65536 * KeptRecurrence.bytes_per_token(16, 128, 128, 64, True, 2)
+    assert h100.extra_kept_layers == room // per_layer
+    assert short.extra_kept_layers == 0 and short.kept_layers == 24
+    forward_s = linear_attention_flops_per_token(preset("qwen3.5-0.8b")) / 3 * 65536 / 20e12
+    assert h100.compute_s - h200.compute_s == pytest.approx((18 - h100.extra_kept_layers) * forward_s, rel=1e-9)
+    assert short.compute_s - h100.compute_s == pytest.approx(h100.extra_kept_layers * forward_s, rel=1e-9)
+    assert make_plan(config_for("qwen2.5-0.5b", 65536), gpu_memory=139 * 2**30).extra_kept_layers == 0
 
 
 def test_grpo_counts_the_kl_reference_copy():

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from megatrain_optim import STATE_NAMES
-from megatrain_sched import Placement, staging_buffers
+from megatrain_sched import EXTRAS_MARGIN, Placement, staging_buffers
 from megatrain_store import bytes_per_param
 from megatrain_templates import file_tensors
-from megatrain_zoo import ModelConfig, build_model, flops_per_token
+from megatrain_zoo import ModelConfig, build_model, flops_per_token, linear_attention_flops_per_token
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .rates import Rates, layer_works, load_rates
@@ -175,6 +175,8 @@ class Plan:
     split_state: bool = False  # the hosts split the master weights and moments (engine.shard_across_hosts)
     checkpoint_stages: int = 0  # [tokens, d_model] activation checkpoints a micro-batch keeps
     kept_bytes: int = 0  # GPU memory the kept products hold
+    # kept layers that keep their extra products too out of the GPU's room (linear attention's recurrence results)
+    extra_kept_layers: int = 0
     held_bytes: int = 0  # GPU memory the held weights take
     gpu_updated_bytes: int = 0  # GPU memory the resident state takes (and, with clipping, their gradients)
     host_kept_bytes: int = 0  # host memory the host-kept products take (in host_bytes)
@@ -243,6 +245,7 @@ class Plan:
                 (self.held_layers, "holding their weights"),
                 (self.offloaded_layers, "with checkpoints in host memory"),
                 (self.kept_layers, "keeping their products on the GPU"),
+                (self.extra_kept_layers, "of them their recurrence's results too"),
                 (self.host_kept_layers, "in host memory"),
             )
             if count
@@ -425,6 +428,9 @@ class Planner:
         self.keepable = next((n for n, i in enumerate(reversed(self.blocks)) if not keeps[i]), len(self.blocks))
         keepers = [templates[i] for i in self.blocks[len(self.blocks) - self.keepable :]]
         self.product_bytes_per_token = max((t.product_bytes_per_token(self.element) for t in keepers), default=0)
+        self.extra_bytes_per_token = {
+            i: getattr(templates[i], "extra_product_bytes_per_token", lambda _: 0)(self.element) for i in self.blocks
+        }
         weightless = {i for i, t in enumerate(templates) if not getattr(t, "backward_reads_weights", True)}
         self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
         self.table_group = self.spec.stages[0].groups[0]
@@ -572,7 +578,26 @@ class Planner:
     def layers_s(self, placement: Placement) -> float:
         """The GPU's forward, recompute and backward of every layer and the head, a sweep."""
         kept = len(placement.kept) + len(placement.host_kept)
-        return self.blocks_s(placement.tokens, kept) + self.head_s(placement.tokens)
+        skipped = len(self.extras(placement)) * self.recurrence_forward_s(placement.tokens)
+        return self.blocks_s(placement.tokens, kept) - skipped + self.head_s(placement.tokens)
+
+    def extras(self, placement: Placement) -> tuple[int, ...]:
+        """The stages keeping their products on the GPU that the pipeline will let keep their extra products too
+        (`LayerPipeline._extras_that_fit`): last first, as many as the GPU's room beside `placement` holds beyond
+        `EXTRAS_MARGIN` (all of them without a GPU)."""
+        room, chosen = self._device_room(placement) - EXTRAS_MARGIN, []
+        for index in sorted(placement.kept, reverse=True):
+            need = placement.tokens * self.extra_bytes_per_token[index]
+            if 0 < need <= room:
+                chosen.append(index)
+                room -= need
+        return tuple(sorted(chosen))
+
+    def recurrence_forward_s(self, tokens: int) -> float:
+        """A linear-attention layer's recurrence forward for `tokens`: what keeping its results saves."""
+        if not self.model.linear_attention_layers:
+            return 0.0
+        return linear_attention_flops_per_token(self.model) / 3 * tokens / (self.rates.recurrence_tflops * 1e12)
 
     def device_update_s(self, placement: Placement) -> float:
         """The resident groups' AdamW and casts, on the compute stream."""
@@ -1060,6 +1085,7 @@ class Planner:
             split_state=self.split,
             checkpoint_stages=sum(self.planes),
             kept_bytes=len(placement.kept) * stage_products,
+            extra_kept_layers=len(self.extras(placement)),
             held_bytes=self.params(placement.held) * self.element,
             gpu_updated_bytes=self.resident_state_bytes(placement),
             host_kept_bytes=self.machine.gpus * len(placement.host_kept) * stage_products,

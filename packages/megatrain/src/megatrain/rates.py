@@ -44,6 +44,10 @@ class Rates:
     # a layer keeping its matmul products (no GEMM recomputed), counted as `block_work` counts it; None: the
     # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
     gpu_kept_tflops: float | None = None
+    # the chunked delta rule's forward kernels (`linear_attention_flops_per_token`'s forward third), what a layer
+    # keeping its recurrence's results skips in its backward's recompute: 1.28 ms at Qwen3.5-0.8B's shape on an
+    # H200 (23.5), 4.03 ms at the 27B's on an H100 (22.4), 16k tokens; not calibrated
+    recurrence_tflops: float = 23.0
 
 
 def calibration_key(model: ModelConfig, seq_len: int, micro_batch: int) -> str:

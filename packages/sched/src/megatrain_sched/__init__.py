@@ -1,11 +1,21 @@
 """The stream scheduler: layer-major forward/backward over device weight slots and three streams."""
 
-from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult, free_device_bytes, staging_buffers
+from .pipeline import (
+    EXTRAS_MARGIN,
+    LayerPipeline,
+    MicroBatch,
+    SchedError,
+    Stage,
+    StepResult,
+    free_device_bytes,
+    staging_buffers,
+)
 from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
 from .streams import Streams, synchronize
 from .timeline import Timeline
 
 __all__ = [
+    "EXTRAS_MARGIN",
     "free_device_bytes",
     "DEVICE",
     "HELD",
