@@ -76,13 +76,48 @@ def check_steps_match_plain_pytorch(
     `expect_offloaded` is, those blocks' checkpoints went to host memory; every step ran in `expect_sweeps`). With
     `warm_up`
     the trainer first runs its setup warm-up (on the GPU it always does), which must change nothing."""
-    lr, tolerance = CASES[dtype]
+    tolerance = CASES[dtype][1]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
+    trainer, train = exactness_trainer(dtype, preset_name, grad_clip, device, output_dir, batch_size, seed, engine)
+    generator = torch.Generator().manual_seed(seed)
+    randomize_(trainer, generator)
+    if warm_up:
+        trainer.warm_up()
+        assert len(trainer.pipeline.executed.keeping) == min(1, expect_kept or 0)  # both kinds of backward were run
+    c = trainer.model_config
+    reference = ReferenceLM(c).to(device=device, dtype=getattr(torch, dtype))
+    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
+    optimizer = reference_adamw(reference, train)
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    clipped = False
+    for step in range(train.steps):
+        ids, labels = random_batch(train.batch_size, 12, c.vocab_size, generator)
+        metrics = trainer.train_step(ids, labels)
+        loss, norm = reference_adamw_step(reference, optimizer, lr_at(step, schedule), grad_clip, ids, labels)
+        clipped |= bool(grad_clip and norm > grad_clip)
+        assert abs(metrics.loss - loss.item()) <= tolerance * abs(loss.item())
+        assert abs(metrics.grad_norm - norm.item()) <= tolerance * norm.item()
+        assert metrics.lr == pytest.approx(lr_at(step, schedule))
+        assert expect_kept is None or len(trainer.pipeline.executed.keeping) == expect_kept
+        assert expect_offloaded is None or trainer.pipeline.executed.offloaded == expect_offloaded
+        assert trainer.pipeline.executed.sweeps == expect_sweeps
+    assert clipped or not grad_clip  # clipping really was exercised
+    ours = trainer.named_weights()
+    # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token
+    # of a step used) into lr-sized steps; about one fresh-seed run in a hundred lands past 1e-5 there
+    weight_tolerance = tolerance if dtype == "float64" else 3 * tolerance
+    for name, param in reference.named_parameters():
+        assert rel_err(ours[name], param.detach().cpu()) < weight_tolerance, name
+    trainer.close()
+
+
+def exactness_trainer(dtype, preset_name, grad_clip, device, output_dir, batch_size, seed, engine):
+    """(megatrain's Trainer of `preset_name` for 4 steps of `batch_size` rows of 12 tokens, its TrainSection)."""
     train = TrainSection(
         steps=4,
         batch_size=batch_size,
         micro_batch_size=2,
-        lr=lr,
+        lr=CASES[dtype][0],
         betas=(0.9, 0.95),
         # AdamW's g / (|g| + eps) turns the last-bit rounding of a gradient entry near eps into an lr-sized
         # step; at 1e-8 about one tiny-qwen3 fp64 seed in 200-400 (891842470) ends 3e-10 off: 1e-6 leaves the
@@ -103,45 +138,20 @@ def check_steps_match_plain_pytorch(
         device=device,
         output_dir=str(output_dir),
     )
-    trainer = Trainer(config)
-    generator = torch.Generator().manual_seed(seed)
-    randomize_(trainer, generator)
-    if warm_up:
-        trainer.warm_up()
-        assert len(trainer.pipeline.executed.keeping) == min(1, expect_kept or 0)  # both kinds of backward were run
-    c = trainer.model_config
-    reference = ReferenceLM(c).to(device=device, dtype=getattr(torch, dtype))
-    reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
-    optimizer = reference_adamw(reference, train)
-    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
-    clipped = False
-    for step in range(train.steps):
-        ids, labels = random_batch(train.batch_size, 12, c.vocab_size, generator)
-        metrics = trainer.train_step(ids, labels)
+    return Trainer(config), train
 
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        optimizer.zero_grad()
-        loss = reference.loss(ids.to(device), labels.to(device))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip if grad_clip else float("inf"))
-        clipped |= bool(grad_clip and norm > grad_clip)
-        optimizer.step()
 
-        assert abs(metrics.loss - loss.item()) <= tolerance * abs(loss.item())
-        assert abs(metrics.grad_norm - norm.item()) <= tolerance * norm.item()
-        assert metrics.lr == pytest.approx(lr_at(step, schedule))
-        assert expect_kept is None or len(trainer.pipeline.executed.keeping) == expect_kept
-        assert expect_offloaded is None or trainer.pipeline.executed.offloaded == expect_offloaded
-        assert trainer.pipeline.executed.sweeps == expect_sweeps
-    assert clipped or not grad_clip  # clipping really was exercised
-    ours = trainer.named_weights()
-    # fp32 weights: AdamW turns rounding noise in near-zero gradients (rows of the embedding no token
-    # of a step used) into lr-sized steps; about one fresh-seed run in a hundred lands past 1e-5 there
-    weight_tolerance = tolerance if dtype == "float64" else 3 * tolerance
-    for name, param in reference.named_parameters():
-        assert rel_err(ours[name], param.detach().cpu()) < weight_tolerance, name
-    trainer.close()
+def reference_adamw_step(reference, optimizer, lr, grad_clip, ids, labels):
+    """One step of the plain-PyTorch reference at `lr`: (its loss, its gradient norm before clipping)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    device = next(reference.parameters()).device
+    loss = reference.loss(ids.to(device), labels.to(device))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip if grad_clip else float("inf"))
+    optimizer.step()
+    return loss, norm
 
 
 @pytest.mark.parametrize("dtype", list(CASES))

@@ -367,6 +367,15 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
             assert getattr(out, "aux_loss", None) is None
         elif aux:
             assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    check_placement_and_export(trainer, engine, device, reference, tmp_path)
+    moved = [not torch.equal(bias, initial) for bias, initial in zip(biases, initial_biases)]
+    assert any(moved) if bias_rate else not any(moved)
+
+
+def check_placement_and_export(trainer, engine, device, reference, tmp_path):
+    """After `check_steps`' steps: the sweeps and kept layers as set (auto: none on the CPU, some on a GPU), and
+    the export loads in transformers with the reference's weights, its correction biases bit for bit, and
+    megatrain's logits."""
     model = trainer.model_config
     assert trainer.pipeline.executed.sweeps == (1 if engine.sweeps == "auto" else engine.sweeps)
     kept = len(trainer.pipeline.executed.keeping)
@@ -388,8 +397,6 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
     for buffer_name, buffer in reference.named_buffers():
         if buffer_name.endswith("e_score_correction_bias"):  # moved by load only (or not), bit for bit
             assert torch.equal(our_buffers[buffer_name], buffer), buffer_name
-    moved = [not torch.equal(bias, initial) for bias, initial in zip(biases, initial_biases)]
-    assert any(moved) if bias_rate else not any(moved)
     with torch.no_grad():
         assert rel_err(our_logits.cpu(), reloaded(ids).logits) < 1e-5
 
