@@ -146,24 +146,12 @@ def test_gpu_dpo_steps_equal_plain_pytorch(loss_type, tmp_path):
     check_dpo_steps("float64", DPOSection(beta=0.5, loss_type=loss_type), "tiny-qwen2", tmp_path, 1, device="cuda")
 
 
-def check_dpo_steps(
-    dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3, device="cpu", pack=False
-):
-    lr, tolerance = CASES[dtype]
-    seed = int(torch.randint(0, 2**31 - 1, ()))
+def dpo_trainer(dtype, dpo, preset_name, tmp_path, n_pairs, micro_batch_size, steps, seed, device):
+    """(megatrain's DPO Trainer of `preset_name`, its TrainSection)."""
     train = TrainSection(
-        steps=steps,
-        batch_size=n_pairs,
-        micro_batch_size=micro_batch_size,
-        lr=lr,
-        eps=1e-6,
-        weight_decay=0.1,
-        grad_clip=0.0,
-        warmup_steps=1,
-        seed=seed,
-        objective="dpo",
-        dpo=dpo,
-    )
+        steps=steps, batch_size=n_pairs, micro_batch_size=micro_batch_size, lr=CASES[dtype][0], eps=1e-6,
+        weight_decay=0.1, grad_clip=0.0, warmup_steps=1, seed=seed, objective="dpo", dpo=dpo,
+    )  # fmt: skip
     config = Config(
         model=ModelSection(preset=preset_name),
         data=DataSection(seq_len=SEQ),
@@ -172,17 +160,21 @@ def check_dpo_steps(
         device=device,
         output_dir=str(tmp_path),
     )
-    trainer = Trainer(config)
+    return Trainer(config), train
+
+
+def check_dpo_steps(
+    dtype, dpo: DPOSection, preset_name, tmp_path, micro_batch_size, steps=3, n_pairs=3, device="cpu", pack=False
+):
+    tolerance = CASES[dtype][1]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    trainer, train = dpo_trainer(dtype, dpo, preset_name, tmp_path, n_pairs, micro_batch_size, steps, seed, device)
     model = plain_model(preset_name, dtype, trainer.named_weights()).to(device)  # (on the engine's device: its GEMMs)
     frozen = copy.deepcopy(model).eval()
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=train.betas,
-        eps=1e-6,
-    )
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=1e-6)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):

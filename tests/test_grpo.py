@@ -114,23 +114,11 @@ def test_gpu_grpo_steps_equal_trl_formulas(case, tmp_path):
     check_grpo_steps("float64", CASES_GRPO[case], tmp_path, micro_batch_size=2, with_old=True, device="cuda")
 
 
-def check_grpo_steps(
-    dtype,
-    grpo: GRPOSection,
-    tmp_path,
-    micro_batch_size,
-    with_old,
-    steps=3,
-    n_prompts=2,
-    device="cpu",
-    implementation="auto",
-):
-    lr, tolerance = CASES[dtype]
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    rows = n_prompts * grpo.num_generations
+def grpo_trainer(dtype, grpo, tmp_path, rows, micro_batch_size, steps, seed, device, implementation):
+    """(megatrain's GRPO Trainer of the tiny Llama, keeping its reference where the KL needs one, its TrainSection)."""
     train = TrainSection(
-        steps=steps, batch_size=rows, micro_batch_size=micro_batch_size, lr=lr, eps=1e-6, weight_decay=0.1,
-        grad_clip=0.0, warmup_steps=1, seed=seed, objective="grpo", grpo=grpo,
+        steps=steps, batch_size=rows, micro_batch_size=micro_batch_size, lr=CASES[dtype][0], eps=1e-6,
+        weight_decay=0.1, grad_clip=0.0, warmup_steps=1, seed=seed, objective="grpo", grpo=grpo,
     )  # fmt: skip
     config = Config(
         model=ModelSection(preset="tiny-llama", implementation=implementation),
@@ -143,16 +131,35 @@ def check_grpo_steps(
     trainer = Trainer(config)
     if grpo.beta:  # (generated rollouts' reference: the initial weights, kept in the store and streamed per step)
         trainer.keep_reference()
-    model = plain_model("tiny-llama", dtype, trainer.named_weights()).to(device)
-    frozen = copy.deepcopy(model).eval()
+    return trainer, train
+
+
+def plain_adamw(model, train):
+    """torch's AdamW on `model` as megatrain's `train` steps (no weight decay on the norms)."""
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=train.betas,
-        eps=1e-6,
-    )
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=1e-6)
+
+
+def check_grpo_steps(
+    dtype,
+    grpo: GRPOSection,
+    tmp_path,
+    micro_batch_size,
+    with_old,
+    steps=3,
+    n_prompts=2,
+    device="cpu",
+    implementation="auto",
+):
+    tolerance = CASES[dtype][1]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    rows = n_prompts * grpo.num_generations
+    trainer, train = grpo_trainer(dtype, grpo, tmp_path, rows, micro_batch_size, steps, seed, device, implementation)
+    model = plain_model("tiny-llama", dtype, trainer.named_weights()).to(device)
+    frozen = copy.deepcopy(model).eval()
+    optimizer = plain_adamw(model, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
