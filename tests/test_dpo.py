@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from reference_model import ReferenceLM
+from reference_model import ReferenceLM, reference_adamw
 from test_exactness import CASES, rel_err
 
 from megatrain import Trainer
@@ -171,10 +171,7 @@ def check_dpo_steps(
     trainer, train = dpo_trainer(dtype, dpo, preset_name, tmp_path, n_pairs, micro_batch_size, steps, seed, device)
     model = plain_model(preset_name, dtype, trainer.named_weights()).to(device)  # (on the engine's device: its GEMMs)
     frozen = copy.deepcopy(model).eval()
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
-    decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=1e-6)
+    optimizer = reference_adamw(model, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):

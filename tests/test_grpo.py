@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from reference_model import reference_adamw
 from test_dpo import plain_model
 from test_exactness import CASES, rel_err
 
@@ -134,14 +135,6 @@ def grpo_trainer(dtype, grpo, tmp_path, rows, micro_batch_size, steps, seed, dev
     return trainer, train
 
 
-def plain_adamw(model, train):
-    """torch's AdamW on `model` as megatrain's `train` steps (no weight decay on the norms)."""
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
-    decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=1e-6)
-
-
 def check_grpo_steps(
     dtype,
     grpo: GRPOSection,
@@ -159,7 +152,7 @@ def check_grpo_steps(
     trainer, train = grpo_trainer(dtype, grpo, tmp_path, rows, micro_batch_size, steps, seed, device, implementation)
     model = plain_model("tiny-llama", dtype, trainer.named_weights()).to(device)
     frozen = copy.deepcopy(model).eval()
-    optimizer = plain_adamw(model, train)
+    optimizer = reference_adamw(model, train)
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from megatrain_optim import STATE_NAMES
-from megatrain_sched import EXTRAS_MARGIN, Placement, staging_buffers
+from megatrain_sched import Placement, extras_that_fit, staging_buffers
 from megatrain_store import bytes_per_param
 from megatrain_templates import file_tensors
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, linear_attention_flops_per_token
@@ -582,16 +582,10 @@ class Planner:
         return self.blocks_s(placement.tokens, kept) - skipped + self.head_s(placement.tokens)
 
     def extras(self, placement: Placement) -> tuple[int, ...]:
-        """The stages keeping their products on the GPU that the pipeline will let keep their extra products too
-        (`LayerPipeline._extras_that_fit`): last first, as many as the GPU's room beside `placement` holds beyond
-        `EXTRAS_MARGIN` (all of them without a GPU)."""
-        room, chosen = self._device_room(placement) - EXTRAS_MARGIN, []
-        for index in sorted(placement.kept, reverse=True):
-            need = placement.tokens * self.extra_bytes_per_token[index]
-            if 0 < need <= room:
-                chosen.append(index)
-                room -= need
-        return tuple(sorted(chosen))
+        """The stages keeping their products on the GPU that the pipeline will let keep their extra products too,
+        by its rule (`extras_that_fit`) on the GPU's room beside `placement` (all of them without a GPU)."""
+        extra = {i: placement.tokens * self.extra_bytes_per_token[i] for i in placement.kept}
+        return tuple(sorted(extras_that_fit(extra, self._device_room(placement))))
 
     def recurrence_forward_s(self, tokens: int) -> float:
         """A linear-attention layer's recurrence forward for `tokens`: what keeping its results saves."""

@@ -7,6 +7,7 @@ from .pipeline import (
     SchedError,
     Stage,
     StepResult,
+    extras_that_fit,
     free_device_bytes,
     staging_buffers,
 )
@@ -16,6 +17,7 @@ from .timeline import Timeline
 
 __all__ = [
     "EXTRAS_MARGIN",
+    "extras_that_fit",
     "free_device_bytes",
     "DEVICE",
     "HELD",

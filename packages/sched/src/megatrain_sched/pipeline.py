@@ -22,6 +22,7 @@ whole stage where it can and the copy engine runs up to a stage ahead of the cas
 
 import itertools
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -78,6 +79,18 @@ def expandable_device_memory() -> None:
 # device memory a step leaves free when it grants extra products out of its headroom (the planner's count of a
 # step's bytes leaves out the allocator's pieces and a pass's temporaries)
 EXTRAS_MARGIN = 4 * 2**30
+
+
+def extras_that_fit(extra_bytes: dict[int, int], room: float) -> set[int]:
+    """Of the stages keeping their products on the device whose extra products take `extra_bytes[stage]` bytes,
+    those a step lets keep them: last layers first, as many as `room` (device bytes beyond what the step counts
+    on) holds beyond `EXTRAS_MARGIN`. The pipeline's rule, and the planner's prediction of it."""
+    room, chosen = room - EXTRAS_MARGIN, set()
+    for stage in sorted(extra_bytes, reverse=True):
+        if 0 < extra_bytes[stage] <= room:
+            chosen.add(stage)
+            room -= extra_bytes[stage]
+    return chosen
 
 
 class SchedError(Exception):
@@ -509,19 +522,12 @@ class LayerPipeline:
     def _extras_that_fit(self, kept: set, tokens: int) -> set:
         """The stages keeping their products on the device that keep their template's extra products too
         (`extra_product_bytes_per_token`: a linear-attention layer's recurrence results, which spare its backward
-        the recurrence's forward), last layers first, as many as the step's headroom holds beyond
-        `EXTRAS_MARGIN`: never at the cost of a matmul product or a checkpoint. All of them where device memory is
-        not counted (the CPU)."""
+        the recurrence's forward), out of the step's headroom (`extras_that_fit`): never at the cost of a matmul
+        product or a checkpoint. All of them where device memory is not counted (the CPU)."""
         extra = {i: getattr(self.stages[i].template, "extra_product_bytes_per_token", None) for i in kept}
         extra = {i: tokens * f(self.store.compute_dtype.itemsize) for i, f in extra.items() if f is not None}
-        if self.free_device_memory is None:
-            return {i for i, nbytes in extra.items() if nbytes}
-        room, extras = (self.device_headroom or 0) - EXTRAS_MARGIN, set()
-        for index in sorted(extra, reverse=True):
-            if 0 < extra[index] <= room:
-                extras.add(index)
-                room -= extra[index]
-        return extras
+        room = math.inf if self.free_device_memory is None else (self.device_headroom or 0)
+        return extras_that_fit(extra, room)
 
     def _checkpoint_bytes_per_token(self, stage: int) -> int:
         """Device bytes a token of a step takes in stage's checkpoint: its input, or what its template's

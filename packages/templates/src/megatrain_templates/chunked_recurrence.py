@@ -162,7 +162,7 @@ class _ChunkedRecurrence(torch.autograd.Function):
         results = None if kept is None else kept.results()
         if results is None:
             results = _ChunkedRecurrence._results(q, k, v, log_decay, beta, masks, docs, tf32)
-            if kept is not None:
+            if kept is not None and kept.keep:
                 kept.put(results)
         out, ut_inverse, states, delta = results
         ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
