@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from megatrain_store import atomic_write_text
 from megatrain_zoo import ModelConfig, build_model, linear_attention_flops_per_token
@@ -278,15 +279,9 @@ def measure_gpu_rates(
     keeping their products likewise (None where the largest layer always recomputes: a generic one),
     and the loss head's (6 FLOPs per weight and token); and the largest layer's recomputing pass, to run beside
     other measurements."""
-    from megatrain_zoo.model import block_shape
-
     spec = build_model(model)
     largest = max(range(model.n_layers), key=model.layer_params)
-    kinds: dict[tuple, list[int]] = {}
-    for layer in range(model.n_layers):
-        template = spec.stages[spec.layer_stage(layer)].template
-        kind = getattr(template, "kind", None) or (block_shape(model, layer), model.layer_is_moe(layer))
-        kinds.setdefault(kind, []).append(layer)
+    kinds = _layer_kinds(model, spec)
     keepable = [
         callable(getattr(spec.stages[spec.layer_stage(layer)].template, "forward_keeping_products", None))
         for layer in range(model.n_layers)
@@ -323,15 +318,33 @@ def measure_gpu_rates(
         keeping_kinds = [layers for layers in kinds.values() if keepable[layers[0]]]
         kept_seconds = sum(seconds_of(layers, True) for layers in keeping_kinds)
         kept_tflops = _rounded(kept_layer * sum(map(len, keeping_kinds)) / kept_seconds / 1e12)
+    return layer_tflops, kept_tflops, _head_tflops(model, spec, x), largest_passes[0]
+
+
+def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
+    """The model's layers grouped by what fixes their speed: their template's `kind` (a generic model's module and
+    layer type), else their block shape and whether they are MoE."""
+    from megatrain_zoo.model import block_shape
+
+    kinds: dict[tuple, list[int]] = {}
+    for layer in range(model.n_layers):
+        template = spec.stages[spec.layer_stage(layer)].template
+        kind = getattr(template, "kind", None) or (block_shape(model, layer), model.layer_is_moe(layer))
+        kinds.setdefault(kind, []).append(layer)
+    return kinds
+
+
+def _head_tflops(model: ModelConfig, spec, x: Tensor) -> float:
+    """The loss head's rate on the micro-batch `x` [batch, seq, d_model]: its GEMM, loss and backward, 6 FLOPs per
+    weight and token."""
     head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
     head_weights = [
         torch.randn(sum(p.numel for p in group), device="cuda", dtype=torch.bfloat16) * 0.02 for group in head.groups
     ]
     head_grads = [torch.zeros_like(weights, dtype=torch.float32) for weights in head_weights]
-    labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), device="cuda")
+    labels = torch.randint(0, model.vocab_size, x.shape[:2], device="cuda")
     head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
-    head_tflops = _rounded(6 * model.vocab_size * model.d_model * tokens / head_s / 1e12)
-    return layer_tflops, kept_tflops, head_tflops, largest_passes[0]
+    return _rounded(6 * model.vocab_size * model.d_model * x.shape[0] * x.shape[1] / head_s / 1e12)
 
 
 class _Copies:

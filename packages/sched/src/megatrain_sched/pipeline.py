@@ -359,19 +359,8 @@ class LayerPipeline:
         self.timeline = timeline or Timeline(enabled=False)
         self._host_memory = _HostMemory(self.streams)
         self._rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
-        # squared gradient norms as they land, readable by the optimizer thread without a device sync
-        self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
-        # what of each group's gradient buffer is gradient, where not all of it (load-balanced biases' statistics)
-        self._gradient_runs = [
-            runs if runs != [(0, layout.numel)] else None
-            for layout, runs in ((layout, layout.gradient_runs()) for layout in store.layouts)
-        ]
-        self._stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
-        self.slots = [
-            _Slot(torch.empty(max(self._stage_numels), dtype=store.compute_dtype, device=self.device))
-            for _ in range(n_slots)
-        ]
-        self._init_staging(max(self._stage_numels))
+        self._init_gradient_bookkeeping()
+        self._init_slots(n_slots)
         self._init_order()
         self.fallback: str | None = None  # what the last step changed of its placement, and why; None: nothing
         self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
@@ -386,6 +375,26 @@ class LayerPipeline:
         self._fitted_placement: Placement | None = None  # the step's placement as its first sweep fitted it
         self._reference = False  # a forward-only pass streaming the store's reference copy (`token_logps`)
         self.place(placement or Placement.build(len(stages)), device_masters)
+
+    def _init_gradient_bookkeeping(self) -> None:
+        store = self.store
+        # squared gradient norms as they land, readable by the optimizer thread without a device sync
+        self._host_sq_norms = torch.zeros(store.n_groups, dtype=store.master_dtype, pin_memory=self.streams.cuda)
+        # what of each group's gradient buffer is gradient, where not all of it (load-balanced biases' statistics)
+        self._gradient_runs = [
+            runs if runs != [(0, layout.numel)] else None
+            for layout, runs in ((layout, layout.gradient_runs()) for layout in store.layouts)
+        ]
+
+    def _init_slots(self, n_slots: int) -> None:
+        """The device slots the stages' weights stream into, each as large as the largest stage, and the host
+        staging buffers of the copies."""
+        self._stage_numels = [sum(self.store.layouts[g].numel for g in stage.groups) for stage in self.stages]
+        self.slots = [
+            _Slot(torch.empty(max(self._stage_numels), dtype=self.store.compute_dtype, device=self.device))
+            for _ in range(n_slots)
+        ]
+        self._init_staging(max(self._stage_numels))
 
     def _init_order(self) -> None:
         """The order a training step and an evaluation pass run the stages in, and what each backward needs."""
