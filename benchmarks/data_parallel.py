@@ -7,6 +7,7 @@ the same tokens per step per GPU. Rank 0 prints one JSON row (and appends it to 
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ from megatrain.config import (  # noqa: E402
 )
 
 
-def main():
+def arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -39,10 +40,12 @@ def main():
     parser.add_argument("--grad-clip", type=float, default=0.0)
     parser.add_argument("--trace-dir", default=None, help="write each rank's Chrome trace of the last step here")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    gpus = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    n_seqs = gpus * args.tokens_per_gpu // args.seq_len
-    config = Config(
+    return parser.parse_args()
+
+
+def bench_config(args, n_seqs: int) -> Config:
+    """A step of `n_seqs` sequences over all the GPUs, bfloat16 on CUDA, its outputs in a fresh temporary folder."""
+    return Config(
         model=ModelSection(preset=args.model),
         data=DataSection(seq_len=args.seq_len),
         train=TrainSection(
@@ -58,6 +61,13 @@ def main():
         device="cuda",
         output_dir=tempfile.mkdtemp(),
     )
+
+
+def main():
+    args = arguments()
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    n_seqs = gpus * args.tokens_per_gpu // args.seq_len
+    config = bench_config(args, n_seqs)
     start = time.perf_counter()
     trainer = BenchTrainer(config)
     setup_s = time.perf_counter() - start

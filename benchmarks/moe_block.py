@@ -27,7 +27,7 @@ from megatrain_templates import MoeBlock  # noqa: E402
 from megatrain_zoo import build_model, flops_per_token, preset  # noqa: E402
 
 
-def main():
+def arguments():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="olmoe-1b-7b")
     parser.add_argument("--tokens", type=int, default=16384)
@@ -40,7 +40,37 @@ def main():
     )
     parser.add_argument("--adamw-threads", default="", help="with --host: CPU AdamW thread counts to time beside")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def layer_work(config, seq_len: int, tokens: int, kept: bool) -> tuple[float, float]:
+    """(the FLOPs the GPU does, the FLOPs model TFLOPS count) of one layer's pass over `tokens` tokens."""
+    # forward + recompute + backward, less the recompute's GEMMs where the products are kept
+    work = block_work(config, seq_len, tokens, config.n_layers if kept else 0) / config.n_layers
+    # what model TFLOPS count of one layer: 6 x its active matmul parameters + attention, a token
+    model_work = (flops_per_token(config, seq_len) - 6 * config.vocab_size * config.d_model) * tokens
+    return work, model_work / config.n_layers
+
+
+def profile_tables(step) -> tuple[str, str]:
+    """The top CUDA kernels (by shape) and the top host operators of three passes, printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages(group_by_input_shape=True)
+    table = averages.table(
+        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
+    )
+    host_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
+    print(table, host_table, sep="\n")
+    return table, host_table
+
+
+def main():
+    args = arguments()
     config = preset(args.model)
     spec = build_model(config)
     layer = args.layer if args.layer is not None else next(i for i in range(config.n_layers) if config.layer_is_moe(i))
@@ -51,8 +81,7 @@ def main():
     grads = [torch.zeros(block.numel, device="cuda", dtype=torch.float32)]
     x = torch.randn(args.tokens // args.seq_len, args.seq_len, config.d_model, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
-    # forward + recompute + backward, less the recompute's GEMMs where the products are kept
-    work = block_work(config, args.seq_len, args.tokens, config.n_layers if args.kept else 0) / config.n_layers
+    work, model_work = layer_work(config, args.seq_len, args.tokens, args.kept)
 
     def step():
         if args.kept:
@@ -62,9 +91,6 @@ def main():
             block.forward(weights, x)
             block.backward(weights, x, grad_out, grads)
 
-    # what model TFLOPS count of one layer: 6 x its active matmul parameters + attention, a token
-    model_work = (flops_per_token(config, args.seq_len) - 6 * config.vocab_size * config.d_model) * args.tokens
-    model_work /= config.n_layers
     fwd = time_ms(lambda: block.forward(weights, x))
     total = time_ms(step)
     result = {
@@ -84,19 +110,7 @@ def main():
         result |= host_side(step, [int(n) for n in args.adamw_threads.split(",") if n])
     print(result, flush=True)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-        averages = prof.key_averages(group_by_input_shape=True)
-        table = averages.table(
-            sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
-        )
-        host_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
-        print(table, host_table, sep="\n")
-        result["profile"], result["host_profile"] = table, host_table
+        result["profile"], result["host_profile"] = profile_tables(step)
     if args.out:
         write_results(Path(args.out), result)
 

@@ -255,46 +255,14 @@ def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
 def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
     """The same model fully on the GPU: transformers' implementation, fp32 master weights, bf16 autocast,
     per-layer activation checkpointing, fused AdamW. Returns rows, or one row saying it does not fit."""
-    import transformers
-
     rows = []
     model = None
     try:
-        hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(name)))
-        hf_config._attn_implementation = "sdpa"
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32).cuda()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        model, optimizer = _plain_model(name)
         config = preset(name)
         for tokens in token_counts:
             n_seqs = tokens // seq_len
-            torch.cuda.reset_peak_memory_stats()
-
-            def step():
-                optimizer.zero_grad(set_to_none=True)
-                ids, labels, _ = random_batch(n_seqs, seq_len, config.vocab_size)
-                loss_total = 0.0
-                for mb_ids, mb_labels in zip(ids.split(micro_seqs), labels.split(micro_seqs)):
-                    mb_ids, mb_labels = mb_ids.cuda(), mb_labels.cuda()
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
-                        logits = model(input_ids=mb_ids).logits
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.float().view(-1, logits.shape[-1]), mb_labels.view(-1), ignore_index=-100
-                    ) * (mb_ids.shape[0] / n_seqs)
-                    loss.backward()
-                    loss_total += loss.detach()
-                optimizer.step()
-                return float(loss_total)
-
-            for _ in range(warmup):
-                step()
-            torch.cuda.synchronize()
-            wall0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            step_s = (time.perf_counter() - wall0) / steps
+            step_s = _time_plain_steps(model, optimizer, config.vocab_size, seq_len, n_seqs, micro_seqs, steps, warmup)
             rows.append(base_row("pytorch-gpu", name, config, seq_len, n_seqs, micro_seqs, step_s))
             print(rows[-1], flush=True)
     except torch.cuda.OutOfMemoryError as error:
@@ -313,6 +281,51 @@ def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
         gc.collect()
         torch.cuda.empty_cache()
     return rows
+
+
+def _plain_model(name):
+    """(model, optimizer): transformers' implementation of preset `name` on the GPU in fp32, with per-layer
+    activation checkpointing, and fused AdamW over its parameters."""
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(name)))
+    hf_config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32).cuda()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    return model, optimizer
+
+
+def _time_plain_steps(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs, steps, warmup) -> float:
+    """Warm-up steps, then `steps` timed ones of `n_seqs` sequences: seconds a step."""
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs)
+    torch.cuda.synchronize()
+    wall0 = time.perf_counter()
+    for _ in range(steps):
+        _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - wall0) / steps
+
+
+def _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs) -> float:
+    """One AdamW step on `n_seqs` random sequences, in micro-batches of `micro_seqs` under bf16 autocast: the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    ids, labels, _ = random_batch(n_seqs, seq_len, vocab_size)
+    loss_total = 0.0
+    for mb_ids, mb_labels in zip(ids.split(micro_seqs), labels.split(micro_seqs)):
+        mb_ids, mb_labels = mb_ids.cuda(), mb_labels.cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=mb_ids).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), mb_labels.view(-1), ignore_index=-100
+        ) * (mb_ids.shape[0] / n_seqs)
+        loss.backward()
+        loss_total += loss.detach()
+    optimizer.step()
+    return float(loss_total)
 
 
 def engine_options(args) -> dict:
