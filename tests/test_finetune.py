@@ -325,8 +325,11 @@ def test_evaluation_equals_plain_pytorch_loss(tmp_path):
     trainer.close()
 
 
-def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_dir, capsys):
-    model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, "qwen2.5")
+def write_count_config(directory, tokenizer_dir):
+    """Writes a Qwen2.5 tokenizer, 40 sharegpt conversations ('Count to i.' for i in 2..41) and a config
+    that trains on them 4 steps with a 20% validation split evaluated every 2 steps; returns the config's path
+    and the tokenizer's directory."""
+    model_dir = write_model_tokenizer(directory / "model", tokenizer_dir, "qwen2.5")
     records = [
         {
             "conversations": [
@@ -336,15 +339,15 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
         }
         for i in range(2, 42)
     ]
-    write_jsonl(tmp_path / "count.jsonl", records)
-    (tmp_path / "dataset_info.json").write_text(
+    write_jsonl(directory / "count.jsonl", records)
+    (directory / "dataset_info.json").write_text(
         json.dumps({"count": {"file_name": "count.jsonl", "formatting": "sharegpt"}})
     )
     config = {
         "model": {"preset": "small-llama"},
         "data": {
             "dataset": "count",
-            "dataset_dir": str(tmp_path),
+            "dataset_dir": str(directory),
             "tokenizer": str(model_dir / "tokenizer.json"),
             "seq_len": 256,
             "pack": True,
@@ -352,25 +355,15 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
         },
         "train": {"steps": 4, "batch_size": 2, "lr": 1e-3, "eval_every": 2},
         "device": "cpu",
-        "output_dir": str(tmp_path / "run"),
+        "output_dir": str(directory / "run"),
     }
-    path = tmp_path / "config.yaml"
+    path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert main(["train", "--config", str(path)]) == 0
-    err = capsys.readouterr().err
-    assert "dataset count: 40 records -> 40 examples\n" in err and "validation: 8 examples" in err
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "val_loss" in r]
-    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["val_perplexity"] == pytest.approx(
-        np.exp(evals[-1]["val_loss"]), rel=1e-4
-    )
+    return path, model_dir
 
-    final = tmp_path / "run" / "final"  # the exported model keeps its chat template
-    assert json.loads((final / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATES["qwen2.5"]
-    assert main(["eval", "--config", str(path), "--checkpoint", str(final)]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
 
+def check_data_dump_rows(path, model_dir, capsys):
+    """`data --dump` prints packed rows whose labels train only the assistants' answers; `--text` shows them."""
     assert main(["data", "--config", str(path), "--dump", "3"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 3
@@ -386,6 +379,26 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
     shown = capsys.readouterr().out
     assert "<|im_start|>user\nCount to" in shown and "<|im_end|>⟧" in shown
     assert shown.rstrip().endswith("<|im_end|>⟧")  # (the row's padding is counted in its header, not shown)
+
+
+def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_dir, capsys):
+    path, model_dir = write_count_config(tmp_path, tokenizer_dir)
+    assert main(["train", "--config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "dataset count: 40 records -> 40 examples\n" in err and "validation: 8 examples" in err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["val_perplexity"] == pytest.approx(
+        np.exp(evals[-1]["val_loss"]), rel=1e-4
+    )
+
+    final = tmp_path / "run" / "final"  # the exported model keeps its chat template
+    assert json.loads((final / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATES["qwen2.5"]
+    assert main(["eval", "--config", str(path), "--checkpoint", str(final)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
+
+    check_data_dump_rows(path, model_dir, capsys)
 
 
 def test_a_short_answer_is_found_in_its_own_turn_not_in_the_system_prompt(tokenizer_dir):

@@ -167,10 +167,11 @@ def test_truncation_keeps_the_prompts_end_and_the_completions_start(tmp_path, to
     assert "4 records -> 2 pairs (2 dropped as longer than seq_len 24)" in dropped.report[0]
 
 
-def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+def write_ranking_registry(directory):
+    """Writes an alpaca ranking file, a sharegpt ranking file and a dataset_info.json naming them (entries
+    'rank' and 'chat'), plus an 'sft' entry over the ranking file; returns the registry as written."""
     write_jsonl(
-        tmp_path / "rank.jsonl",
+        directory / "rank.jsonl",
         [{"q": "Add.", "extra": "1 and 2", "good": "3", "bad": "4", "history": [["Hi", "Hello"]]}],
     )
     conversation = [
@@ -179,7 +180,7 @@ def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
         {"speaker": "me", "text": "bye"},
     ]
     write_jsonl(
-        tmp_path / "chat.jsonl",
+        directory / "chat.jsonl",
         [
             {
                 "dialog": conversation,
@@ -203,9 +204,12 @@ def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
         },
         "sft": {"file_name": "rank.jsonl", "columns": {"prompt": "q", "chosen": "good"}},
     }
-    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
-    section = DataSection(dataset="rank,chat", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path), seq_len=128)
-    data = load_token_data(section, 1024, tmp_path / "cache", None)
+    (directory / "dataset_info.json").write_text(json.dumps(registry))
+    return registry
+
+
+def check_ranking_pairs_render_both_formats(data, tokenizer):
+    """The alpaca pair (with its history) fills rows 0-1 as chosen then rejected; the sharegpt pair rows 2-3."""
     assert data.pairs and data.train.tokens.shape == (4, 128)
     texts = [tokenizer.decode(sequence(data.train, row)[0], skip_special_tokens=False) for row in range(4)]
     history = f"<|user|>\nHi\n<|assistant|>\nHello{EOS_TOKEN}\n<|user|>\nAdd.\n1 and 2\n<|assistant|>\n"
@@ -213,23 +217,34 @@ def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
     turns = f"<|user|>\nhi\n<|assistant|>\nhey{EOS_TOKEN}\n<|user|>\nbye\n<|assistant|>\n"
     assert texts[2:] == [f"{turns}see you{EOS_TOKEN}\n", f"{turns}no{EOS_TOKEN}\n"]
 
+
+def check_sft_entry_and_mixed_datasets_are_refused(directory, registry, tokenizer):
+    """A non-ranking entry with a 'chosen' column is refused, and so is mixing pairs with plain datasets."""
     with pytest.raises(ConfigError, match=r"entry 'sft' uses \['chosen'\], which megatrain does not support"):
         load_token_data(
-            DataSection(dataset="sft", dataset_dir=str(tmp_path), tokenizer=section.tokenizer),
+            DataSection(dataset="sft", dataset_dir=str(directory), tokenizer=tokenizer),
             1024,
-            tmp_path / "c2",
+            directory / "c2",
             None,
         )
     with pytest.raises(ConfigError, match=r"mixes preference pairs \(rank\) with other datasets \(plain\)"):
-        write_jsonl(tmp_path / "plain.jsonl", [{"instruction": "a", "output": "b"}])
+        write_jsonl(directory / "plain.jsonl", [{"instruction": "a", "output": "b"}])
         registry["plain"] = {"file_name": "plain.jsonl"}
-        (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+        (directory / "dataset_info.json").write_text(json.dumps(registry))
         load_token_data(
-            DataSection(dataset="rank,plain", dataset_dir=str(tmp_path), tokenizer=section.tokenizer),
+            DataSection(dataset="rank,plain", dataset_dir=str(directory), tokenizer=tokenizer),
             1024,
-            tmp_path / "c3",
+            directory / "c3",
             None,
         )
+
+
+def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
+    registry = write_ranking_registry(tmp_path)
+    section = DataSection(dataset="rank,chat", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path), seq_len=128)
+    data = load_token_data(section, 1024, tmp_path / "cache", None)
+    check_ranking_pairs_render_both_formats(data, Tokenizer.from_file(str(tokenizer_path)))
+    check_sft_entry_and_mixed_datasets_are_refused(tmp_path, registry, section.tokenizer)
 
 
 BAD_RECORDS = [
