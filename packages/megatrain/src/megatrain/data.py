@@ -243,6 +243,14 @@ def load_token_data(
         validation = _read_npy(Path(data.validation), vocab_size, "data.validation") if as_file else None
         train, held = _split_stream(_read_npy(Path(data.tokens), vocab_size, "data.tokens"), data, validation)
         return TokenData(train, held, None)
+    tokenizer = _named_tokenizer(data, model_dir)
+    if data.dataset is None:
+        return _text_token_data(data, tokenizer, vocab_size, cache_dir)
+    return _dataset_token_data(data, tokenizer, vocab_size, cache_dir, model_dir, eos_token_id, seed, dpo)
+
+
+def _named_tokenizer(data: DataSection, model_dir: Path | None) -> Path | None:
+    """The tokenizer the config names: data.tokenizer, else the model directory's; None where neither does."""
     tokenizer = Path(data.tokenizer) if data.tokenizer else None
     if tokenizer is not None:
         load_tokenizer(tokenizer)  # (a missing or unreadable file named before anything is read)
@@ -253,9 +261,21 @@ def load_token_data(
                 "trained with; set data.tokenizer to that tokenizer.json (or give token ids in data.tokens)"
             )
         tokenizer = model_dir / "tokenizer.json"
-    if data.dataset is None:
-        return _text_token_data(data, tokenizer, vocab_size, cache_dir)
+    return tokenizer
 
+
+def _dataset_token_data(
+    data: DataSection,
+    tokenizer: Path | None,
+    vocab_size: int,
+    cache_dir: Path,
+    model_dir: Path | None,
+    eos_token_id: int | None,
+    seed: int,
+    dpo: DPOSection | None,
+) -> TokenData:
+    """The rows of the records data.dataset names: examples, or preference pairs, under the named tokenizer (one
+    trained on the records where none is named and they are plain text)."""
     from .preference import preference_rows, uses_pairs
     from .records import records_to_rows
 
