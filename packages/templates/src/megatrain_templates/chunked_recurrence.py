@@ -44,7 +44,9 @@ class KeptRecurrence:
     keep: bool
 
     def put(self, results: tuple) -> None:
-        self.products.update((name, t) for name, t in zip(_KEPT_NAMES, results) if t is not None)
+        """Keep `results` (out, T or None, states, delta) where this is the keeping forward."""
+        if self.keep:
+            self.products.update((name, t) for name, t in zip(_KEPT_NAMES, results) if t is not None)
 
     def results(self) -> tuple | None:
         """(out, T or None, states, delta) where a forward kept them and this is the recompute, else None."""
@@ -162,7 +164,7 @@ class _ChunkedRecurrence(torch.autograd.Function):
         results = None if kept is None else kept.results()
         if results is None:
             results = _ChunkedRecurrence._results(q, k, v, log_decay, beta, masks, docs, tf32)
-            if kept is not None and kept.keep:
+            if kept is not None:
                 kept.put(results)
         out, ut_inverse, states, delta = results
         ctx.save_for_backward(q, k, v, log_decay, beta, ut_inverse, states, delta)
