@@ -7,6 +7,7 @@ import inspect
 import math
 
 import torch
+import transformers
 from transformers.activations import ACT2FN
 
 from megatrain import Trainer
@@ -103,8 +104,6 @@ def check_text_model_trains_and_exports_alone(hf_dir, tmp_path, capfd, config, e
     """An image-text checkpoint in `hf_dir` whose text model is `config`: megatrain reads the text model and says
     it leaves the rest out, computes `expected_logits` on `ids`, and exports a `text_class` (as does `megatrain
     convert`) with the same logits."""
-    import transformers
-
     from megatrain.cli import main
 
     trainer, _ = make_trainer(hf_dir, tmp_path, 0.0, steps=1)
@@ -179,6 +178,18 @@ def _group_gated_rms_norm(self, hidden_states, gate=None):
     groups = gated.unflatten(-1, (-1, self.group_size))
     normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).flatten(-2)
     return self.weight * normed.to(dtype)
+
+
+def reload_export(exported, reference):
+    """megatrain's export loaded in transformers in the reference's dtype: float64 where the steps ran in float64
+    (linear attention), so a logits check measures the export, not fp32's rounding through a recurrence (tiny
+    Qwen3.5's logits reloaded in fp32 came 1.15e-5 from megatrain's float64 ones on one CI seed)."""
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, dtype=next(reference.parameters()).dtype, attn_implementation="eager"
+    ).eval()
+    if reloaded.dtype == torch.float64 and hasattr(reloaded, "set_experts_implementation"):
+        reloaded.set_experts_implementation("eager")  # (transformers' grouped GEMMs take no float64)
+    return reloaded
 
 
 def grad_norm_tolerance(model_config) -> float:

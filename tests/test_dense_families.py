@@ -19,6 +19,7 @@ from hf_steps import (
     random_batch,
     reference_step,
     rel_err,
+    reload_export,
 )
 
 from megatrain.config import EngineSection
@@ -82,9 +83,7 @@ def check_steps(name, tmp_path, device, grad_clip, engine, reference, seed, opti
     our_logits = trainer.logits(ids)
     exported = trainer.export(tmp_path / "out")
     trainer.close()
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        exported, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    reloaded = reload_export(exported, reference)
     ours = dict(reloaded.named_parameters())
     for param_name, param in reference.named_parameters():
         assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name

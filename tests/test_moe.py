@@ -19,6 +19,7 @@ from hf_steps import (
     random_batch,
     reference_step,
     rel_err,
+    reload_export,
 )
 from safetensors.torch import save_file
 
@@ -389,7 +390,7 @@ def check_placement_and_export(trainer, engine, device, reference, tmp_path):
     ids = torch.randint(0, model.vocab_size, (2, 12))
     our_logits = trainer.logits(ids)
     trainer.close()
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    reloaded = reload_export(exported, reference)
     ours = dict(reloaded.named_parameters())
     for param_name, param in reference.named_parameters():
         assert rel_err(ours[param_name].detach(), param.detach()) < 1e-4, param_name
