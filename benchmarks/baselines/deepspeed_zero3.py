@@ -27,7 +27,7 @@ from common import machine, write_results  # noqa: E402
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-3b")
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -36,7 +36,48 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/deepspeed.json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def zero3_model(config, ds_config):
+    """transformers' model of `config` in bf16, partitioned as it is built, with gradient checkpointing."""
+    import deepspeed
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
+    hf_config.use_cache = False
+    # under zero.Init the embedding is partitioned: transformers cannot zero its padding row (OLMoE sets one)
+    hf_config.pad_token_id = None
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation="sdpa", dtype=torch.bfloat16
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def seconds_per_step(engine, args, vocab_size, micro_batches):
+    """Mean wall time of `args.steps` optimizer steps after `args.warmup`, each `micro_batches` random micro-batches."""
+
+    def step():
+        for _ in range(micro_batches):
+            ids = torch.randint(0, vocab_size, (args.micro_batch, args.seq_len), device=engine.device)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / args.steps
+
+
+def main():
+    args = parse_args()
     for key, value in {
         "RANK": "0",
         "LOCAL_RANK": "0",
@@ -46,7 +87,6 @@ def main():
     }.items():
         os.environ.setdefault(key, value)
     import deepspeed
-    import transformers
 
     config = preset(args.model)
     ds_config = json.loads((Path(__file__).parent / "ds_zero3_offload.json").read_text())
@@ -54,69 +94,34 @@ def main():
     deepspeed.init_distributed()
     world = torch.distributed.get_world_size()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    hf_config = transformers.AutoConfig.for_model(**config_to_hf(config))
-    hf_config.use_cache = False
-    # under zero.Init the embedding is partitioned: transformers cannot zero its padding row (OLMoE sets one)
-    hf_config.pad_token_id = None
-    rows = []
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation="sdpa", dtype=torch.bfloat16
-        )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for tokens in [args.tokens]:  # one point per process: deepspeed.initialize wraps the model once
-        n_seqs = tokens // args.seq_len
-        ds_config["gradient_accumulation_steps"] = n_seqs // (args.micro_batch * world)
-        ds_config["train_batch_size"] = n_seqs
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-
-        def step():
-            for _ in range(n_seqs // (args.micro_batch * world)):
-                ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), device=engine.device)
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-            return float(loss)
-
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - start) / args.steps
-        flops = flops_per_token(config, args.seq_len) * n_seqs * args.seq_len
-        rows.append(
-            {
-                "system": "deepspeed-zero3-offload",
-                "model": args.model,
-                "gpus": world,
-                "params_b": round(config.n_params / 1e9, 3),
-                "seq_len": args.seq_len,
-                "tokens_per_step": n_seqs * args.seq_len,
-                "micro_batch_seqs": args.micro_batch,
-                "step_time_s": round(step_s, 3),
-                "tokens_per_s": round(n_seqs * args.seq_len / step_s),
-                "model_tflops": round(flops / step_s / 1e12, 1),
-                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                "deepspeed": deepspeed.__version__,
-            }
-        )
-        if torch.distributed.get_rank():
-            continue
-        print(rows[-1], flush=True)
-        write_results(
-            Path(args.out),
-            {
-                "benchmark": "deepspeed-zero3-offload",
-                "machine": machine(),
-                "config": ds_config,
-                "args": vars(args),
-                "results": rows,
-            },
-        )
+    model = zero3_model(config, ds_config)
+    # one point per process: deepspeed.initialize wraps the model once
+    n_seqs = args.tokens // args.seq_len
+    micro_batches = n_seqs // (args.micro_batch * world)
+    ds_config["gradient_accumulation_steps"] = micro_batches
+    ds_config["train_batch_size"] = n_seqs
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    step_s = seconds_per_step(engine, args, config.vocab_size, micro_batches)
+    tokens = n_seqs * args.seq_len
+    row = {
+        "system": "deepspeed-zero3-offload",
+        "model": args.model,
+        "gpus": world,
+        "params_b": round(config.n_params / 1e9, 3),
+        "seq_len": args.seq_len,
+        "tokens_per_step": tokens,
+        "micro_batch_seqs": args.micro_batch,
+        "step_time_s": round(step_s, 3),
+        "tokens_per_s": round(tokens / step_s),
+        "model_tflops": round(flops_per_token(config, args.seq_len) * tokens / step_s / 1e12, 1),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "deepspeed": deepspeed.__version__,
+    }
+    if torch.distributed.get_rank():
+        return
+    print(row, flush=True)
+    results = {"benchmark": "deepspeed-zero3-offload", "machine": machine(), "config": ds_config, "args": vars(args)}
+    write_results(Path(args.out), {**results, "results": [row]})
 
 
 if __name__ == "__main__":
