@@ -102,31 +102,9 @@ class Trainer:
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
         check_model_settings(config, self.model_config)
-        gpus, hosts = launch_shape()
-        rates = run_rates(config, self.model_config, measure=training and gpus * hosts == 1)
-        self.planner = Planner(config, self.model_config, rates, Machine.of(config, gpus=gpus, hosts=hosts))
-        self.placement = self._configured_placement()  # each GPU: its share of the batch
-        self.plan = self.planner.plan(self.placement)
-        if training:
-            check_plan(self.plan, config, self.model_config)
-        self.spec = self.planner.spec
-        if config.model.hf_dir is not None:
-            check_hf_weights(self.spec, Path(config.model.hf_dir))
-        # the process group, where the caller has not joined it already (to read the data first)
-        self.ranks = ranks or init_ranks(self.device.type, config.engine.shard_across_hosts)
-        if self.ranks is not None:
-            check_data_parallel(config, self.ranks)
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", self.ranks.local_rank)
-                torch.cuda.set_device(self.device)
-        self.store = self._new_store()
-        self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
-        if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
-            self._init_weights()
-        if self.ranks is not None:
-            self.sync.barrier()  # every rank has mapped the shared arenas and sees the weights
-            if self.ranks.is_local_main:
-                self.store.shared.unlink()
+        self._plan_placement()
+        self._join_ranks(ranks)
+        self._fill_store()
         train = config.train
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
         self.timeline = Timeline(enabled=config.engine.trace)
@@ -151,6 +129,42 @@ class Trainer:
         return warm_up_pipeline(self)
 
     # ------------------------------------------------------------------ setup
+    def _plan_placement(self) -> None:
+        """The planner for this machine, its placement of the configured step and the plan it costs; a training
+        plan that cannot run stops here, before any memory is taken."""
+        config = self.config
+        gpus, hosts = launch_shape()
+        rates = run_rates(config, self.model_config, measure=self.training and gpus * hosts == 1)
+        self.planner = Planner(config, self.model_config, rates, Machine.of(config, gpus=gpus, hosts=hosts))
+        self.placement = self._configured_placement()  # each GPU: its share of the batch
+        self.plan = self.planner.plan(self.placement)
+        if self.training:
+            check_plan(self.plan, config, self.model_config)
+        self.spec = self.planner.spec
+        if config.model.hf_dir is not None:
+            check_hf_weights(self.spec, Path(config.model.hf_dir))
+
+    def _join_ranks(self, ranks: Ranks | None) -> None:
+        """The process group, where the caller has not joined it already (to read the data first), and this
+        rank's GPU."""
+        self.ranks = ranks or init_ranks(self.device.type, self.config.engine.shard_across_hosts)
+        if self.ranks is not None:
+            check_data_parallel(self.config, self.ranks)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.ranks.local_rank)
+                torch.cuda.set_device(self.device)
+
+    def _fill_store(self) -> None:
+        """The host store, with the initial weights written once per host and seen by every rank."""
+        self.store = self._new_store()
+        self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
+        if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
+            self._init_weights()
+        if self.ranks is not None:
+            self.sync.barrier()  # every rank has mapped the shared arenas and sees the weights
+            if self.ranks.is_local_main:
+                self.store.shared.unlink()
+
     def _configured_placement(self) -> Placement:
         """The planner's placement for the configured step (evaluation: every layer streamed, nothing resident),
         or the one engine.placement's file holds."""
