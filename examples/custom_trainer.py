@@ -1,7 +1,7 @@
 """A custom trainer composed from megatrain's pieces, without the `megatrain` package: a model from the zoo, its
 state in a host store, AdamW applied as gradients land, and the layer-streaming pipeline running a placement you
 write yourself (here the last block keeps its matmul products, the first holds its weights from forward to
-backward). `tests/test_custom_trainer.py` checks its steps against plain PyTorch and torch.optim.AdamW.
+backward). `examples/test_custom_trainer.py` checks its steps against plain PyTorch and torch.optim.AdamW.
 
     pip install torch ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo
     python examples/custom_trainer.py

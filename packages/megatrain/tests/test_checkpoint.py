@@ -198,7 +198,8 @@ def test_keep_last(write_config, tmp_path):
 
 def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config, tmp_path, monkeypatch, capsys):
     """`megatrain train --set train.steps=8 --resume RUN` (no --config): the run's own config and directory, the
-    override said at start; metrics.jsonl then holds every step. A missing --resume path is refused first."""
+    override said at start; metrics.jsonl then holds every step. A missing --resume path, and a train.steps the run
+    is already at or past, are refused before any data is read, the run's final/ and metrics untouched."""
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
     assert main(["train", "--config", str(write_config(train={"steps": 4, "save_every": 2}))]) == 0
@@ -222,6 +223,11 @@ def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config
     monkeypatch.setattr(megatrain.loop, "load_data", lambda *a, **k: pytest.fail("data was loaded"))
     assert main(["train", "--resume", str(tmp_path / "no-such-run")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
+    held = {name: (run / name).read_bytes() for name in ("final/trainer_state.json", "metrics.jsonl")}
+    for steps in (2, 8):  # not past final/'s step 9: nothing would train, and final/ would go back to step 8
+        assert main(["train", "--set", f"train.steps={steps}", "--resume", str(run)]) == 2
+        assert f"train.steps {steps} is not past step 9, which {run} already holds" in capsys.readouterr().err
+    assert held == {name: (run / name).read_bytes() for name in held}
 
 
 def test_every_form_of_a_run_names_its_weights(write_config, tmp_path, capsys):

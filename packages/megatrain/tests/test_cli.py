@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatrain.cli import main
+from megatrain_zoo import PRESETS
 
 
 def test_train_writes_metrics_and_a_loadable_model(write_config, tmp_path):
@@ -76,6 +77,15 @@ def test_builtin_default_job_starts(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["tokens"] == 16 * 128
     assert (tmp_path / "runs/default/final/tokenizer.json").exists()
+
+
+def test_presets_lists_each_preset_with_its_size(capsys):
+    assert main(["presets", "qwen3-30b"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == ["preset", "architecture", "params", "active", "layers", "width"]
+    assert row.split() == ["qwen3-30b-a3b", "qwen3_moe", "30.5B", "3.4B", "48", "2048"]
+    assert main(["presets"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + len(PRESETS)
 
 
 def test_bench_command(capsys):
@@ -167,7 +177,7 @@ def test_weights_holding_nan_are_refused_on_load_naming_the_tensor(write_config,
     save_file(tensors, str(weights))
     capsys.readouterr()
     config = write_config(model={"preset": None, "hf_dir": str(tmp_path / "src" / "final")})
-    assert main(["train", "--config", str(config)]) == 1
+    assert main(["train", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tensor model.layers.1.mlp.up_proj.weight in" in err[0] and "NaN or Inf" in err[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

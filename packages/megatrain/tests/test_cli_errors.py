@@ -45,13 +45,16 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (finished / CHECKPOINTS / "step-00000003").mkdir(parents=True)
     (finished / CHECKPOINTS / "step-00000003" / MANIFEST).write_text("{}")
     (finished / FINAL).mkdir()
-    untokenized = tmp_path / "hf-no-tokenizer"  # (its weights are not read before the data)
-    untokenized.mkdir()
-    (untokenized / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
+    weightless, untokenized = tmp_path / "hf-no-weights", tmp_path / "hf-no-tokenizer"
+    for model_dir in (weightless, untokenized):
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
+    (untokenized / "model.safetensors").write_text("")  # (its tensors are not read before the data)
     return [
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
-        (["train", *TINY, "--set", "output_dir=null"], "output_dir must name a directory"),
+        (["train", *TINY, "--set", "output_dir=null"], "config key 'output_dir' has no value; it takes text"),
+        (["train", *TINY, "--set", "data.seq_len="], "config key 'data.seq_len' has no value; it takes a whole number"),
         (["train", "--config", str(tmp_path / "a-dir")], "is a directory; name the YAML file in it"),
         (
             ["train", *TINY, "--set", f"data.tokenizer={missing_tokenizer}"],
@@ -81,6 +84,15 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={untokenized}"],
             "has no tokenizer.json: its weights read the ids of the tokenizer they were trained with",
         ),
+        (
+            ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={weightless}"],
+            "model error: no *.safetensors weights in",
+        ),
+        (
+            ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={tmp_path / 'a-file'}"],
+            "a-file/config.json not found: model.hf_dir must be a Hugging Face model directory",
+        ),
+        (["plan", *TINY, "--set", "model.preset=tiny-lama"], "model error: unknown model preset 'tiny-lama'"),
         (
             ["train", *TINY, "--set", f"output_dir={finished}"],
             "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
@@ -112,6 +124,19 @@ def test_mistakes_are_one_line_a_non_zero_exit_and_no_traceback(tmp_path):
         assert expected in lines[0], (argv, lines[0])
     assert not (tmp_path / "held" / "metrics.jsonl").exists()
     assert not (tmp_path / "runs" / "default").exists()  # (the refused runs' output_dir: made, then taken back)
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    """`megatrain data --dump 50 | head -c 100`: a pipe its reader closed is no mistake of the user's."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatrain", "data", *TINY, "--dump", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    assert len(process.stdout.read(100)) == 100
+    process.stdout.close()
+    assert process.stderr.read() == b"" and process.wait(timeout=120) == 141
 
 
 def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path):
@@ -186,4 +211,4 @@ def test_generation_without_transformers_is_one_line(tmp_path, monkeypatch, caps
     code = main(["generate", "--checkpoint", str(tmp_path / "no-run"), "--prompts", str(tmp_path / "p.txt")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1
-    assert "megatrain generate decodes with" in lines[0] and "pip install 'megatrain[transformers]'" in lines[0]
+    assert "megatrain generate decodes with" in lines[0] and "pip install 'transformers>=5.0'" in lines[0]

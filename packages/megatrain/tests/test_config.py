@@ -1,6 +1,11 @@
-import pytest
+import re
+from pathlib import Path
 
-from megatrain.config import Config, ConfigError, TrainSection, config_changes, load_config
+import pytest
+import yaml
+
+from megatrain.config import Config, ConfigError, TrainSection, config_changes, config_from_dict, load_config
+from megatrain.trackers import check_trackers
 
 
 def test_defaults_are_the_builtin_job():
@@ -23,7 +28,9 @@ def test_yaml_and_overrides(write_config):
         (["train.batch_size=6", "train.micro_batch_size=4"], "divisible by train.micro_batch_size"),
         (["train.steps=ten"], "train.steps"),
         (["precision.compute_dtype=fp8"], "compute_dtype"),
-        (["model.hf_dir=/x"], "exactly one of model.preset"),
+        (["model.preset=tiny-llama", "model.hf_dir=/x"], "exactly one of model.preset"),
+        (["data.seq_len="], "config key 'data.seq_len' has no value; it takes a whole number"),
+        (["train.objective=dpo", "train.dpo.max_prompt_length=32"], "max_prompt_length 32 leaves no room"),
         (["data.seq_len=1"], "seq_len must be >= 2"),
         (["device=tpu"], "device must be"),
         (["train"], "key.sub=value"),
@@ -37,6 +44,22 @@ def test_yaml_and_overrides(write_config):
 def test_bad_configs_name_the_key_and_fix(write_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write_config(), overrides)
+
+
+def test_an_override_of_one_alternative_replaces_the_files_other(write_config):
+    """`--set model.hf_dir=DIR` on a preset's config (the built-in default's, say) trains DIR's model."""
+    config = load_config(write_config(), ["model.hf_dir=/x", "data.text=corpus.txt"])
+    assert (config.model.preset, config.model.hf_dir) == (None, "/x")
+    assert (config.data.tokens, config.data.text) == (None, "corpus.txt")
+    assert load_config(None, ["model.hf_dir=/x"]).model.preset is None
+
+
+def test_the_readmes_example_config_loads_with_no_optional_package():
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    (example,) = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    config = config_from_dict(yaml.safe_load(example))
+    check_trackers(config)
+    assert config.model.preset == "llama3.2-1b"
 
 
 def test_micro_batch_defaults_to_batch():
@@ -54,7 +77,8 @@ def test_micro_batch_defaults_to_batch():
         (["train.eps=0"], r"train.eps must be > 0"),
         (["train.betas=[0.9, 1.5]"], r"train.betas must be two numbers in \[0, 1\)"),
         (["train.max_bad_steps=0"], r"train.max_bad_steps must be >= 1"),
-        (["output_dir=null"], r"output_dir must name a directory"),
+        (["output_dir=null"], r"config key .output_dir. has no value; it takes text"),
+        (["output_dir=''"], r"output_dir must name a directory"),
         (["train.report_to=[tensorboard, comet]"], r"train.report_to names \['comet'\]"),
     ],
 )

@@ -260,6 +260,19 @@ def exported_step(final: Path) -> int | None:
         return None
 
 
+def check_steps_ahead(checkpoint: Path, steps: int, out: Path) -> None:
+    """Refuse (one line) to resume a run already at or past `steps`: nothing would train, and the export written at
+    the end would replace a newer final/ with the checkpoint's older weights."""
+    step = json.loads((Path(checkpoint) / MANIFEST).read_text())["step"]
+    exported = exported_step(Path(out) / FINAL) or 0
+    if steps <= step or steps < exported:
+        held = max(step, exported)
+        raise ConfigError(
+            f"train.steps {steps} is not past step {held}, which {out} already holds; "
+            f"set train.steps above {held} (--set train.steps=N) to train on"
+        )
+
+
 def write_trainer_state(final: Path, step: int, steps: int) -> None:
     """Record in an export the optimizer step its weights hold (`find_weights` picks the newest weights)."""
     atomic_write_text(final / TRAINER_STATE, json.dumps({"global_step": step, "max_steps": steps}, indent=2))

@@ -19,7 +19,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _error_types() -> dict:
-    """Exception type -> exit code, for the errors that end in one line (imports torch and the engine)."""
+    """Exception type -> (exit code, what the line calls it), for the errors that end in one line (imports torch
+    and the engine)."""
     from megatrain_optim import OptimError
     from megatrain_sched import SchedError
     from megatrain_store import StoreError
@@ -30,8 +31,11 @@ def _error_types() -> dict:
     from .rundir import SaveError
     from .trainer import NonFiniteError
 
-    others = (ZooError, StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
-    return {ConfigError: 2} | dict.fromkeys(others, 1)
+    others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
+    # (a model that cannot be read, a preset misspelled, is the user's input, as the config is)
+    return {ConfigError: (2, "config error"), ZooError: (2, "model error")} | {
+        kind: (1, kind.__name__) for kind in others
+    }
 
 
 OS_ERROR_HINTS = {
@@ -47,10 +51,13 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
     loop = sys.modules.get("megatrain.loop")
     if loop is not None and isinstance(error, loop.RunInterrupted):  # a signal, after the run's checkpoint
         return error.exit_code, f"megatrain: {error}" if str(error) else ""  # (said by the first rank only)
-    code = next((code for kind, code in known.items() if isinstance(error, kind)), None)
-    if code is not None:
-        prefix = "config error" if code == 2 else type(error).__name__
-        return code, f"megatrain: {prefix}: {error}"
+    reply = next((reply for kind, reply in known.items() if isinstance(error, kind)), None)
+    if reply is not None:
+        code, label = reply
+        return code, f"megatrain: {label}: {error}"
+    if isinstance(error, BrokenPipeError):  # (`megatrain plan | head`: the reader has all it wanted)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error flushing at exit)
+        return 141, ""  # (128 + SIGPIPE, as a shell tool the pipe ended)
     if isinstance(error, OSError):
         hint = OS_ERROR_HINTS.get(error.errno, "check the path")
         where = f": {error.filename}" if error.filename else ""
@@ -445,7 +452,7 @@ def run_plan(config, args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatrain", description="Full-precision LLM training on one GPU.")
     commands = parser.add_subparsers(dest="command")
-    for add in (_add_train, _add_plan, _add_convert, _add_data, _add_eval, _add_generate, _add_bench):
+    for add in (_add_train, _add_plan, _add_convert, _add_data, _add_eval, _add_generate, _add_bench, _add_presets):
         add(commands)
     return parser
 
@@ -534,6 +541,33 @@ def _add_bench(commands) -> None:
     bench_parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
 
 
+def _add_presets(commands) -> None:
+    presets_parser = commands.add_parser("presets", help="the model presets model.preset names, with their sizes")
+    presets_parser.add_argument("match", nargs="?", default="", help="only the names containing this, e.g. qwen3")
+
+
+def run_presets(match: str) -> None:
+    """One line per preset whose name contains `match`: its architecture, parameters, active ones, layers, width."""
+    from megatrain_zoo import PRESETS, preset
+
+    names = [name for name in PRESETS if match.lower() in name.lower()]
+    if not names:
+        from .config import ConfigError
+
+        raise ConfigError(f"no preset name contains {match!r}; `megatrain presets` lists them all")
+    print(f"{'preset':<28} {'architecture':<24} {'params':>9} {'active':>9} {'layers':>6} {'width':>6}")
+    for name in names:
+        model = preset(name)
+        active = _size(model.active_params) if model.is_moe else ""
+        print(
+            f"{name:<28} {model.arch:<24} {_size(model.n_params):>9} {active:>9} {model.n_layers:>6} {model.d_model:>6}"
+        )
+
+
+def _size(params: int) -> str:
+    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+
+
 def run_command(args) -> None:
     """Run the parsed command (its errors propagate)."""
     if args.command == "convert":
@@ -566,6 +600,8 @@ def run_command(args) -> None:
     elif args.command == "data":
         _at_least(args.dump, 1, "--dump")
         run_data(_config(args), args)
+    elif args.command == "presets":
+        run_presets(args.match)
 
 
 def main(argv: list[str] | None = None) -> int:

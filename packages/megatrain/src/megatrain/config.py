@@ -467,6 +467,12 @@ class Config:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        max_prompt = self.train.dpo.max_prompt_length
+        if self.train.objective == "dpo" and max_prompt is not None and max_prompt >= self.data.seq_len:
+            raise ConfigError(
+                f"train.dpo.max_prompt_length {max_prompt} leaves no room for a completion in data.seq_len "
+                f"{self.data.seq_len}; set it below data.seq_len (or leave it out: seq_len // 2)"
+            )
         if self.engine.sweeps not in ("auto", 1) and self.train.objective != "sft":
             raise ConfigError(
                 f"engine.sweeps {self.engine.sweeps}: train.objective {self.train.objective} reads every micro-batch "
@@ -500,9 +506,11 @@ def _build(cls, values: dict, where: str):
 
 def _coerce(value: Any, hint, name: str):
     """`value` as the field `name` of type `hint` takes it, or `ConfigError` saying what it takes."""
-    if value is None:
-        return None
     args = getattr(hint, "__args__", None) or (hint,)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"config key {name!r} has no value; it takes {_type_words(hint)}")
     tuple_hint = next((t for t in (hint, *args) if getattr(t, "__origin__", None) is tuple), None)
     coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
     if coerced is None:
@@ -615,7 +623,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     """Read a YAML config (or start from the defaults) and apply `key.sub=value` overrides. `base`: values
     as `Config.as_dict` gives them (a resumed run's own config); a section the file names replaces the base's
     whole, as the file is written (model.preset and model.hf_dir, data.tokens and data.text are alternatives),
-    and each override then replaces one key."""
+    and each override then replaces one key (with its alternatives in `ALTERNATIVES`: model.hf_dir=DIR replaces the
+    file's model.preset)."""
     values: dict = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         try:
@@ -631,12 +640,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections, got {type(loaded).__name__}")
         values.update(loaded)
+    pairs = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
-        _set_path(values, key.strip(), yaml.safe_load(raw))
+        pairs.append((key.strip(), yaml.safe_load(raw)))
+    for key in _alternatives_replaced(pairs):
+        _set_path(values, key, None)
+    for key, value in pairs:
+        _set_path(values, key, value)
     return config_from_dict(values)
+
+
+# keys of which a config sets one: an override of one replaces the others (model.hf_dir=DIR on a preset's config)
+ALTERNATIVES = (("model.preset", "model.hf_dir"), ("data.tokens", "data.text", "data.dataset"))
+
+
+def _alternatives_replaced(pairs: list[tuple[str, Any]]) -> list[str]:
+    """The keys that `pairs` (overrides) replace by setting one of their alternatives, unless set themselves."""
+    given = {key for key, value in pairs if value is not None}
+    named = {key for key, _ in pairs}
+    return [key for group in ALTERNATIVES if given & set(group) for key in group if key not in named]
 
 
 def resolve_device(name: str) -> torch.device:

@@ -61,7 +61,7 @@ def require_transformers(what: str) -> None:
     except ImportError:
         raise ConfigError(
             f"{what} decodes with the model's transformers modules and their KV cache: install transformers "
-            "(pip install 'megatrain[transformers]')"
+            "(pip install 'transformers>=5.0')"
         ) from None
 
 

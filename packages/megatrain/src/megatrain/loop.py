@@ -26,6 +26,7 @@ from .checkpoint import (
     MANIFEST,
     check_output_dir_free,
     check_same_model,
+    check_steps_ahead,
     exported_step,
     find_checkpoint,
     load_checkpoint,
@@ -36,6 +37,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
+from .hf_io import checkpoint_files
 from .multimodal import MediaRows, check_media_model, media_of, row_windows
 from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
@@ -267,6 +269,9 @@ def train(config: Config, resume: Path | None = None) -> Path:
     if resume is not None:
         resume = find_checkpoint(resume)
         check_same_model(resume, json.loads((resume / MANIFEST).read_text())["model"], model)
+        check_steps_ahead(resume, config.train.steps, out)
+    if config.model.hf_dir is not None:
+        checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
     check_trackers(config)
     ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
     lock = RunLock(out) if ranks is None or ranks.is_main else None

@@ -46,7 +46,7 @@ def load_processor(model_dir: str):
     except ImportError:
         raise ConfigError(
             "records with images are read by the model's processor: install transformers and pillow "
-            "(pip install 'megatrain[transformers]')"
+            "(pip install 'transformers>=5.0' pillow)"
         ) from None
     try:
         processor = transformers.AutoProcessor.from_pretrained(model_dir)

@@ -838,7 +838,9 @@ class Planner:
         counts = replace(counts, kept=self._kept(counts))
         counts = replace(counts, host_kept=min(counts.host_kept, self.keepable - counts.kept))
         if self.machine.gpu_memory is not None and self.keepable and self.config.engine.kept_layers == "auto":
-            why["kept"] = f"the last {counts.kept} layers keep their matmul products: as many as the GPU's memory holds"
+            which = {0: "no layer keeps its", 1: "the last layer keeps its"}
+            what = which.get(counts.kept, f"the last {counts.kept} layers keep their")
+            why["kept"] = f"{what} matmul products: as many as the GPU's memory holds"
         return self.placement_of(counts, **step, why=why if explain else {})
 
     def _room_for_products(self, counts: _Counts) -> float:

@@ -28,10 +28,7 @@ def check_trackers(config: Config) -> None:
         try:
             importlib.import_module(module)
         except ImportError as error:
-            raise ConfigError(
-                f"train.report_to: {name} needs the {package} package: pip install {package} "
-                f"(or pip install 'megatrain[{name}]')"
-            ) from error
+            raise ConfigError(f"train.report_to: {name} needs the {package} package: pip install {package}") from error
 
 
 def scalars(record: dict) -> dict[str, float]:

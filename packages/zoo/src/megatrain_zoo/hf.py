@@ -961,9 +961,11 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
     try:
         hf = json.loads(path.read_text(), object_hook=_special_floats)
         return model_config_from_hf(hf, implementation, image_text)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise ZooError(
             f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"
         ) from None
-    except (json.JSONDecodeError, KeyError) as error:
-        raise ZooError(f"{path} is not a valid Hugging Face config ({error!r})") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ZooError(f"{path} is not valid JSON ({error}); download the model's config.json again") from error
+    except KeyError as error:
+        raise ZooError(f"{path} lacks the setting {error}; is it a Hugging Face model's config.json?") from error
