@@ -29,8 +29,10 @@ TEST_REQUIREMENTS = {"templates": ("triton", "numpy")}
 
 
 def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
-    session.install(TORCH)
-    session.install(*[f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages], "pytest", *extra)
+    # --no-compile: pip byte-compiles every module it installs (torch's install: 25 s with it, 7.6 s without, on
+    # two cores); a test run compiles only the modules it imports
+    session.install("--no-compile", TORCH)
+    session.install("--no-compile", *[f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages], "pytest", *extra)
 
 
 def _package_session(name: str):
