@@ -180,13 +180,12 @@ def _group_gated_rms_norm(self, hidden_states, gate=None):
     return self.weight * normed.to(dtype)
 
 
-def reload_export(exported, reference):
-    """megatrain's export loaded in transformers in the reference's dtype: float64 where the steps ran in float64
-    (linear attention), so a logits check measures the export, not fp32's rounding through a recurrence (tiny
-    Qwen3.5's logits reloaded in fp32 came 1.15e-5 from megatrain's float64 ones on one CI seed)."""
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        exported, dtype=next(reference.parameters()).dtype, attn_implementation="eager"
-    ).eval()
+def reload_export(exported, reference, auto_class=transformers.AutoModelForCausalLM, **options):
+    """megatrain's export loaded in transformers (by `auto_class`, with `options`) in the reference's dtype: float64
+    where the steps ran in float64 (linear attention), so a logits check measures the export, not fp32's rounding
+    through a recurrence (tiny Qwen3.5's logits reloaded in fp32 came 1.15e-5 from megatrain's float64 ones on one
+    CI seed)."""
+    reloaded = auto_class.from_pretrained(exported, dtype=next(reference.parameters()).dtype, **options).eval()
     if reloaded.dtype == torch.float64 and hasattr(reloaded, "set_experts_implementation"):
         reloaded.set_experts_implementation("eager")  # (transformers' grouped GEMMs take no float64)
     return reloaded

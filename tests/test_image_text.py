@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 import transformers  # installed by the integration nox session
-from hf_steps import hf_labels, recurrences_token_by_token, rel_err
+from hf_steps import hf_labels, recurrences_token_by_token, rel_err, reload_export
 from test_generic import adamw_decaying_matrices
 
 from megatrain import Trainer
@@ -403,7 +403,7 @@ def check_steps(family, grad_clip, tmp_path, device, frozen, engine, exact) -> N
     our_logits = trainer.logits(ids, media).cpu()
     exported = trainer.export(tmp_path / "out")
     trainer.close()
-    reloaded = transformers.AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    reloaded = reload_export(exported, reference, transformers.AutoModelForImageTextToText)
     ours = dict(reloaded.named_parameters())
     for name, param in reference.named_parameters():
         signal = ~noise_only.get(name, torch.zeros_like(param, dtype=torch.bool))
