@@ -28,9 +28,15 @@ TWO_PROCESSES = {"megatrain"}
 TEST_REQUIREMENTS = {"templates": ("triton", "numpy")}
 
 
+# The tests' processes write the bytecode of what they import (the next process reads it), which installing
+# with --no-compile leaves to them: where PYTHONDONTWRITEBYTECODE is set (these machines set it), each of the
+# integration tests' processes compiled torch again (7.4 -> 12 min).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
 def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
     # --no-compile: pip byte-compiles every module it installs (torch's install: 25 s with it, 7.6 s without, on
-    # two cores); a test run compiles only the modules it imports
+    # two cores); the tests compile only the modules they import
     session.install("--no-compile", TORCH)
     session.install("--no-compile", *[f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages], "pytest", *extra)
 
