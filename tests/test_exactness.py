@@ -75,7 +75,8 @@ def check_steps_match_plain_pytorch(
     (and, where `expect_kept` is given, that many layers kept their forward's matmul products; where
     `expect_offloaded` is, those blocks' checkpoints went to host memory; every step ran in `expect_sweeps`). With
     `warm_up`
-    the trainer first runs its setup warm-up (on the GPU it always does), which must change nothing."""
+    the trainer first runs its setup warm-up (on the GPU it always does), which must change nothing. Returns the
+    store's memory report."""
     tolerance = CASES[dtype][1]
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh weights and data every run
     trainer, train = exactness_trainer(dtype, preset_name, grad_clip, device, output_dir, batch_size, seed, engine)
@@ -108,7 +109,9 @@ def check_steps_match_plain_pytorch(
     weight_tolerance = tolerance if dtype == "float64" else 3 * tolerance
     for name, param in reference.named_parameters():
         assert rel_err(ours[name], param.detach().cpu()) < weight_tolerance, name
+    report = trainer.store.memory_report()
     trainer.close()
+    return report
 
 
 def exactness_trainer(dtype, preset_name, grad_clip, device, output_dir, batch_size, seed, engine):
@@ -394,7 +397,7 @@ def test_three_slots_match_plain_pytorch(tmp_path):
 def test_disk_tier_matches_plain_pytorch(grad_clip, fraction, tmp_path):
     """AdamW moments of all or of the last half of the parameters in memory-mapped files: the same numbers."""
     state_dir = tmp_path / "moments"
-    check_steps_match_plain_pytorch(
+    report = check_steps_match_plain_pytorch(
         "float64",
         "tiny-qwen2",
         grad_clip,
@@ -403,10 +406,10 @@ def test_disk_tier_matches_plain_pytorch(grad_clip, fraction, tmp_path):
         optimizer_state_dir=str(state_dir),
         disk_state_fraction=fraction,
     )
-    files = sorted(state_dir.iterdir())
-    assert [p.name for p in files] == ["state.exp_avg.bin", "state.exp_avg_sq.bin"]
+    assert sorted(report.disk) == ["state.exp_avg", "state.exp_avg_sq"]
+    assert not any(state_dir.iterdir())  # (the run's own files, unlinked once mapped: nothing left behind)
     n_params = preset("tiny-qwen2").n_params
-    on_disk = files[0].stat().st_size / 8  # float64 elements: whole groups, the last ones, at least the fraction
+    on_disk = report.disk["state.exp_avg"] / 8  # float64 elements: whole groups, the last ones, at least the fraction
     assert fraction * n_params <= on_disk and (fraction == 1 or on_disk < n_params)
 
 

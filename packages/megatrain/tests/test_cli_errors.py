@@ -60,6 +60,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", f"data.tokenizer={missing_tokenizer}"],
             f"data.tokenizer {missing_tokenizer} does not exist",
         ),
+        (
+            ["train", *TINY, "--set", f"data.tokenizer={tmp_path / 'a-dir'}"],
+            f"data.tokenizer {tmp_path / 'a-dir'} is a directory; name the tokenizer.json in it",
+        ),
         (["train", *TINY, "--set", "train.warmup_steps=-10"], "train.warmup_steps must be >= 0"),
         (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
         (

@@ -39,6 +39,7 @@ def test_yaml_and_overrides(write_config):
         (["engine.held_layers=1.5"], "engine.held_layers must be auto or an integer >= 0"),
         (["engine.gpu_updated_layers=-1"], "engine.gpu_updated_layers must be auto or an integer >= 0"),
         (["engine.gradient_pool=0.5"], "engine.gradient_pool must be auto or a number >= 1"),
+        (["engine.disk_state_fraction=0.5"], "engine.optimizer_state_dir names no directory for them"),
     ],
 )
 def test_bad_configs_name_the_key_and_fix(write_config, overrides, message):

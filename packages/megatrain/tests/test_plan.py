@@ -66,12 +66,17 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
     assert plan.disk_bytes == 8 * sum(layout_sizes(model)[0][plan.first_disk_group :])
     assert plan.disk_s == pytest.approx(2 * plan.disk_bytes / (plan.rates.disk_gbps * 1e9))
     assert plan.step_s >= plan.disk_s  # the disk moves every byte of its state in and out each step
+    last = len(layout_sizes(model)[0]) - 1
+    assert plan.placement.why["disk"] == (
+        f"the moments of groups {plan.first_disk_group}-{last} live on disk: the host cannot hold them"
+    )
     everything = make_plan(
         config_for(
             "qwen2.5-7b", 65536, **{"engine.optimizer_state_dir": str(tmp_path), "engine.disk_state_fraction": 1}
         )
     )
     assert everything.first_disk_group == 0 and everything.disk_bytes == 8 * model.n_params
+    assert everything.placement.why["disk"].endswith(f"0-{last} live on disk: engine.disk_state_fraction 1.0")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40 - 2**30, 2**30))
     with pytest.raises(ConfigError, match=r"disk tier needs .* GiB .* has 1.0 GiB free"):
         check_plan(everything, config, model)

@@ -150,6 +150,7 @@ def test_registry_formats_tags_and_weighted_mix(tmp_path, tokenizer_path):
     )
     texts = [trained_text(tok, mixed, r) for r in range(len(mixed.train.tokens))]
     assert len(texts) == 6 and sum(t.startswith("hey") for t in texts) == 4  # 2/3 of 6: each chat twice
+    assert "data.mix_weights [1.0, 2.0]: examples qa 4 -> 2, chats 2 -> 4" in mixed.report
 
     bad_tags = dict(registry, chats=dict(registry["chats"], tags={"role_tag": "speaker", "content_tag": "text"}))
     (tmp_path / "dataset_info.json").write_text(json.dumps(bad_tags))
@@ -239,6 +240,9 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
         DataSection(**dict(common, dataset=str(tmp_path / "saved")), validation="test"), 512, tmp_path / "c3", None
     )
     assert len(data.validation.tokens) == 2
+    for dataset, split in ((source, "test"), (tmp_path / "saved", "validation")):  # (a file is one split)
+        with pytest.raises(ConfigError, match=f"has no split '{split}', only \\['train'"):
+            load_token_data(DataSection(**dict(common, dataset=str(dataset)), validation=split), 512, tmp_path, None)
     text = load_token_data(
         DataSection(text=str(builtin_corpus()), seq_len=64, validation=0.1), 512, tmp_path / "c4", None
     )

@@ -192,11 +192,23 @@ def test_disk_tier_state_lives_in_files(tmp_path):
     store.write_behind_state(1)
     store._reader.shutdown(wait=True)
     store._writer.shutdown(wait=True)
-    on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
+    on_disk = store._state_maps["exp_avg"]  # (a file of this store alone, unlinked once mapped)
+    assert isinstance(on_disk, np.memmap) and not any(tmp_path.iterdir())
     assert (on_disk[store.starts[1] : store.starts[1] + 7] == 3.0).all()
     assert float(store.state("exp_avg", 1).sum()) == 21.0  # still readable after its pages were dropped
     report = store.memory_report()
     assert report.arenas["state.exp_avg"] == 0 and report.disk["state.exp_avg"] > 0
+
+
+def test_stores_given_one_state_directory_keep_their_own_state(tmp_path):
+    """Two runs with one engine.optimizer_state_dir: each its own files (they once shared, and overwrote, one)."""
+    stores = [HostStore(make_layouts(), state_names=("exp_avg",), state_dir=tmp_path) for _ in range(2)]
+    for value, store in enumerate(stores):
+        store.state("exp_avg", 1).fill_(value + 1.0)
+        store.write_behind_state(1)
+    for value, store in enumerate(stores):
+        store._writer.shutdown(wait=True)
+        assert (store.state("exp_avg", 1) == value + 1.0).all()
 
 
 def test_disk_tier_for_the_last_groups_only(tmp_path):
@@ -207,7 +219,7 @@ def test_disk_tier_for_the_last_groups_only(tmp_path):
         store.write_behind_state(group)  # a no-op for group 0, whose state is in RAM
     store._reader.shutdown(wait=True)
     store._writer.shutdown(wait=True)
-    on_disk = np.fromfile(tmp_path / "state.exp_avg.bin", dtype=np.float32)
+    on_disk = store._state_maps["exp_avg"]
     assert on_disk.size == store.starts[2] - store.starts[1] + 100 + 28  # groups 1 and 2, group starts aligned
     assert (on_disk[:7] == 2.0).all() and (on_disk[store.starts[2] - store.starts[1] :][:100] == 3.0).all()
     for group in range(store.n_groups):

@@ -435,6 +435,11 @@ class EngineSection:
         fraction = self.disk_state_fraction
         if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
             raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")
+        if fraction != "auto" and fraction > 0 and not self.optimizer_state_dir:
+            raise ConfigError(
+                f"engine.disk_state_fraction {fraction} puts moments on disk, but engine.optimizer_state_dir names "
+                "no directory for them; set it (a fast local disk), or leave the fraction out"
+            )
         for name in ("experts_per_stage", "sweeps"):
             value = getattr(self, name)
             if value != "auto" and (isinstance(value, (str, bool)) or not isinstance(value, int) or value < 1):

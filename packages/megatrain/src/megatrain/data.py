@@ -117,6 +117,8 @@ def load_tokenizer(path: Path, what: str = "data.tokenizer"):
     from tokenizers import Tokenizer
 
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory; name the tokenizer.json in it ({path / 'tokenizer.json'})")
     if not path.is_file():
         raise ConfigError(
             f"{what} {path} does not exist; point it at a tokenizer.json, or leave data.tokenizer out to use the "

@@ -35,6 +35,9 @@ from megatrain_store import HostStore, SharedArenas
 
 from .config import ConfigError
 
+# torch 2.13 renamed reduce_scatter_tensor (the old name warns on every rank); the GPU machines' 2.11 has the old only
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # How long a rank waits for another rank of its host to finish updating a layer before it
 # concludes that rank is gone (an update takes well under a second per layer).
 WAIT_LIMIT_S = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", 600))
@@ -164,9 +167,9 @@ class RankSync:
         ranks = self.ranks
         shard = torch.empty(buffer.numel() // self.store.shard[1], dtype=buffer.dtype, device=buffer.device)
         if ranks.split_state:
-            dist.reduce_scatter_tensor(shard, buffer)
+            reduce_scatter(shard, buffer)
         else:
-            dist.reduce_scatter_tensor(shard, buffer, group=ranks.node_group)
+            reduce_scatter(shard, buffer, group=ranks.node_group)
             if ranks.n_nodes > 1:
                 dist.all_reduce(shard, group=ranks.cross_group)
         start, end = self.store.shard_range(group)

@@ -997,7 +997,9 @@ class Planner:
             self.config, self.model, self.group_sizes, self.host_bytes(placement), self.machine.host_memory
         )
         if first < len(self.group_sizes):
-            why["disk"] = f"groups {first} on keep their moments on disk: the host cannot hold them"
+            fraction = self.config.engine.disk_state_fraction
+            reason = "the host cannot hold them" if fraction == "auto" else f"engine.disk_state_fraction {fraction}"
+            why["disk"] = f"the moments of groups {first}-{len(self.group_sizes) - 1} live on disk: {reason}"
         return first
 
     def _host_kept(self, counts: _Counts, small: bool, step: dict, why: dict) -> int:

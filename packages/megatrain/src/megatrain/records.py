@@ -173,8 +173,11 @@ def load_records(source: Source):
     try:
         if path.is_dir():
             loaded = datasets.load_from_disk(str(path))
+            splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
+            _check_split(source, splits)
             records = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
         elif path.suffix in (".jsonl", ".json", ".parquet"):
+            _check_split(source, ["train"])
             builder = "parquet" if path.suffix == ".parquet" else "json"
             records = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.exists():
@@ -200,6 +203,16 @@ def load_records(source: Source):
     if source.num_samples is not None:
         records = records.select(range(min(source.num_samples, len(records))))
     return records
+
+
+def _check_split(source: Source, splits: list[str]) -> None:
+    """Refuse a split a local dataset does not have: a file, or a saved Dataset, is one split, which `datasets`
+    would give whatever split was asked for (a validation "split" that is the training data itself)."""
+    if source.split not in splits:
+        raise ConfigError(
+            f"dataset {source.name!r} ({source.location}) has no split {source.split!r}, only {splits}; for held-out "
+            "data set data.validation to a fraction (e.g. 0.05), a file of held-out records, or one of its splits"
+        )
 
 
 def _first_bad_json_line(path: Path) -> str | None:
@@ -487,6 +500,10 @@ def examples_of(sources: list[Source], all_records: list, validation_records, da
         lines.append(report_line(source, validation, data))
     if data.validation is not None:
         lines.append(f"validation: {len(validation.ids)} examples")
+    if data.mix_weights:
+        taken = mix_indices([len(part) for part in parts], data.mix_weights, seed)
+        counts = (f"{source.name} {len(part)} -> {len(t)}" for source, part, t in zip(sources, parts, taken))
+        lines.append(f"data.mix_weights {list(data.mix_weights)}: examples {', '.join(counts)}")
     train = mix(parts, data.mix_weights, seed, kind)
     return train, validation if data.validation is not None else None, lines
 

@@ -7,6 +7,8 @@ writes `grad`; the CPU optimizer reads `grad` and updates `master` and `state`.
 
 import math
 import mmap
+import os
+import tempfile
 import threading
 import time
 import weakref
@@ -79,6 +81,19 @@ def _owned_shards(shard: tuple[int, int], owned: tuple[int, int] | None) -> tupl
     return owned
 
 
+def private_file_array(directory: Path, prefix: str, dtype: np.dtype, numel: int) -> np.memmap:
+    """A zero-filled array of `numel` elements memory-mapped from a new file in `directory` that no other process
+    sees: it is unlinked once mapped, so two runs given one directory never share (and corrupt) a file, and its
+    disk space returns when the process ends, however it ends."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".bin", dir=directory)
+    try:
+        os.ftruncate(fd, numel * np.dtype(dtype).itemsize)
+        return np.memmap(path, dtype=dtype, mode="r+", shape=(numel,))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 class HostStore:
     """Flat per-group host buffers: fp32 master, fp32 grads, named state, optionally a wire copy and a reference.
 
@@ -93,7 +108,8 @@ class HostStore:
     few layers of memory instead of 4 B per parameter (for updates applied as gradients
     land), and the room of a large group (the embedding) holds several layers'.
     `state_dir` puts the optimizer state of groups `first_disk_group` .. n-1 in
-    memory-mapped files there (the disk tier): `prefetch_state(group)` starts reading a
+    memory-mapped files there (the disk tier; this process's own, unlinked once mapped, or with
+    `shared` the host's processes' one set): `prefetch_state(group)` starts reading a
     group's state ahead and `write_behind_state(group)` flushes it to disk on a background
     thread, so that state needs disk, not RAM. float64 compute (everything in fp64) exists
     for exactness tests that must not depend on fp32 rounding.
@@ -272,7 +288,7 @@ class HostStore:
             if self.shared is not None:  # one file for the host's processes, removed with the shared arenas
                 array = self.shared.file_array(self.state_dir, f"state.{name}.bin", dtype, numel)
             else:
-                array = np.memmap(path, dtype=dtype, mode="w+", shape=(numel,))
+                array = private_file_array(self.state_dir, f"state.{name}.", dtype, numel)
         except OSError as error:
             need = numel * np.dtype(dtype).itemsize
             raise StoreError(
