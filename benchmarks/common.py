@@ -60,6 +60,17 @@ def fill_random_(flat: torch.Tensor, std: float, block: int = 1 << 24) -> None:
         chunk.copy_(pattern[: chunk.numel()])
 
 
+def timed(run, steps: int) -> float:
+    """Mean seconds of `steps` calls of `run`, the GPU's queued work finished before and after (where there is one)."""
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        run()
+    synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def write_results(path: Path, payload: dict) -> None:
     """Write a script's payload as a results file in the one schema (its rows dated, its command line recorded).
     A payload that fails the schema's check goes to PATH.rejected.json instead, so no measurement is lost,

@@ -8,13 +8,12 @@ pairs (prompts of half a row, completions the rest); results JSON and a table.
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import base_row, machine, table, write_results  # noqa: E402
+from common import base_row, machine, table, timed, write_results  # noqa: E402
 from throughput import BenchTrainer  # noqa: E402
 
 from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
@@ -30,16 +29,6 @@ def random_pairs(n_pairs: int, seq_len: int, vocab: int):
     labels = torch.full_like(ids, -100)
     labels[:, seq_len // 2 - 1 : -1] = ids[:, seq_len // 2 :]
     return ids, labels
-
-
-def timed(run, steps: int) -> float:
-    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        run()
-    synchronize()
-    return (time.perf_counter() - start) / steps
 
 
 def _parser() -> argparse.ArgumentParser:

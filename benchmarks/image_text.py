@@ -11,13 +11,12 @@ import argparse
 import gc
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import base_row, machine, table, write_results  # noqa: E402
+from common import base_row, machine, table, timed, write_results  # noqa: E402
 from throughput import BenchTrainer  # noqa: E402
 
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
@@ -126,20 +125,10 @@ def vision_flops(hf: dict, args, patches: int) -> float:
     return 3 * forward
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed_steps(trainer, batch, steps: int) -> float:
     """Mean seconds of `steps` training steps on `batch` (after one untimed)."""
     trainer.train_step(*batch[:2], media=batch[2])
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(*batch[:2], media=batch[2])
-    synchronize()
-    return (time.perf_counter() - start) / steps
+    return timed(lambda: trainer.train_step(*batch[:2], media=batch[2]), steps)
 
 
 def bench_config(args, freeze_vision_tower: bool) -> Config:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import base_row, fill_random_, machine, table, write_results  # noqa: E402
+from common import base_row, fill_random_, machine, table, timed, write_results  # noqa: E402
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import (  # noqa: E402
@@ -302,12 +302,7 @@ def _time_plain_steps(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs,
     torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs)
-    torch.cuda.synchronize()
-    wall0 = time.perf_counter()
-    for _ in range(steps):
-        _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - wall0) / steps
+    return timed(lambda: _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs), steps)
 
 
 def _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs) -> float:

@@ -16,13 +16,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from common import machine, write_results  # noqa: E402
+from common import machine, timed, write_results  # noqa: E402
 
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
@@ -69,11 +68,7 @@ def seconds_per_step(engine, args, vocab_size, micro_batches):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / args.steps
+    return timed(step, args.steps)
 
 
 def main():
