@@ -260,10 +260,9 @@ def exported_step(final: Path) -> int | None:
         return None
 
 
-def check_steps_ahead(checkpoint: Path, steps: int, out: Path) -> None:
-    """Refuse (one line) to resume a run already at or past `steps`: nothing would train, and the export written at
-    the end would replace a newer final/ with the checkpoint's older weights."""
-    step = json.loads((Path(checkpoint) / MANIFEST).read_text())["step"]
+def check_steps_ahead(step: int, steps: int, out: Path) -> None:
+    """Refuse (one line) to resume, from a checkpoint of `step`, a run already at or past `steps`: nothing would
+    train, and the export written at the end would replace a newer final/ with the checkpoint's older weights."""
     exported = exported_step(Path(out) / FINAL) or 0
     if steps <= step or steps < exported:
         held = max(step, exported)

@@ -268,8 +268,9 @@ def train(config: Config, resume: Path | None = None) -> Path:
     model = model_config_of(config)
     if resume is not None:
         resume = find_checkpoint(resume)
-        check_same_model(resume, json.loads((resume / MANIFEST).read_text())["model"], model)
-        check_steps_ahead(resume, config.train.steps, out)
+        manifest = json.loads((resume / MANIFEST).read_text())
+        check_same_model(resume, manifest["model"], model)
+        check_steps_ahead(manifest["step"], config.train.steps, out)
     if config.model.hf_dir is not None:
         checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
     check_trackers(config)
