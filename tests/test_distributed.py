@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from megatrain import host_memory
 from megatrain.data import train_tokenizer
 
 CONFIG = {
@@ -32,6 +33,11 @@ CONFIG = {
     "precision": {"compute_dtype": "float32"},
     "device": "cpu",
 }
+
+
+def simulate_host(monkeypatch, gib: float) -> None:
+    """Plan as on a host whose operating system gives the run `gib` GiB (less the stated margin)."""
+    monkeypatch.setattr(host_memory, "os_room", lambda: (int(gib * 2**30), "a simulated host"))
 
 
 def run(tmp_path, name, launcher, device="cpu", **changes):
@@ -393,7 +399,7 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     from megatrain.config import ConfigError, load_config, model_config_of
     from megatrain.plan import check_plan, make_plan
 
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "64")  # a replica (16 B/param) does not fit, a quarter does
+    simulate_host(monkeypatch, 64)  # a replica (16 B/param) does not fit, a quarter does
     overrides = ["model.preset=qwen2.5-7b", "train.batch_size=64", "data.seq_len=2048", "device=cpu"]
     config = load_config(None, [*overrides, "precision.compute_dtype=bfloat16"])
     split = load_config(None, [*overrides, "precision.compute_dtype=bfloat16", "engine.shard_across_hosts=true"])

@@ -7,13 +7,16 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from megatrain import host_memory
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain.plan import (
     CPU_OPTIMIZER_MARGIN,
     DISK_TIER_RAM_SHARE,
     GRADIENT_POOL,
+    RUNTIME_HOST_BYTES,
     SWEEPS_PCIE_SHARE,
+    Planner,
     check_plan,
     gpu_updated_groups,
     kept_bytes_per_token,
@@ -24,6 +27,19 @@ from megatrain.rates import Rates, block_work, measure_disk_gbps
 from megatrain_sched import EXTRAS_MARGIN
 from megatrain_templates.chunked_recurrence import KeptRecurrence
 from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
+
+
+@pytest.fixture(autouse=True)
+def host_side_of_a_gpu_run(monkeypatch):
+    """These tests plan a GPU run's host side on this CPU machine (device=cpu stands for 'no GPU decides'): its
+    runtime item is a GPU run's, not the CPU compute's memory a run on this CPU would take
+    (test_a_cpu_run_counts_its_compute_in_host_memory tests that)."""
+    monkeypatch.setattr(Planner, "_runtime_host_bytes", lambda self, placement: RUNTIME_HOST_BYTES)
+
+
+def simulate_host(monkeypatch, gib: float) -> None:
+    """Plan as on a host whose operating system gives the run `gib` GiB (less the stated margin)."""
+    monkeypatch.setattr(host_memory, "os_room", lambda: (int(gib * 2**30), "a simulated host"))
 
 
 def config_for(preset, tokens, **extra):
@@ -43,16 +59,18 @@ def test_memory_matches_the_store_and_measured_run():
     # measured on the H100 machine with a bf16 wire copy (benchmarks/results/throughput-h100.json):
     # 105.4 GiB host, 36.1 GiB GPU peak
     plan = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.wire_copy": "true"}))
-    assert plan.host_bytes / 2**30 == pytest.approx(105.4, abs=0.2)
-    assert plan.host_bytes_per_param == pytest.approx(14.86, abs=0.02)
+    store = plan.host_bytes - plan.host_items["runtime"]
+    assert store / 2**30 == pytest.approx(105.4, abs=0.2)
+    assert store / plan.n_params == pytest.approx(14.86, abs=0.02)
     assert plan.gpu_bytes / 2**30 == pytest.approx(36.1, rel=0.15)
     # the default sends the fp32 master and casts on the GPU: 2 B/param less
     plan = make_plan(config_for("qwen2.5-7b", 131072))
-    assert plan.host_bytes_per_param == pytest.approx(12.86, abs=0.02)
+    store = plan.host_bytes - plan.host_items["runtime"] - plan.host_items["embedding rows buffer"]
+    assert store / plan.n_params == pytest.approx(12.86, abs=0.02)
 
 
 def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "64")
+    simulate_host(monkeypatch, 64)
     # a disk with room (the test machine's had 27 GiB free and the plan's 37 GiB disk tier was refused)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**41, 0, 2**41))
     model = preset("qwen2.5-7b")
@@ -60,9 +78,10 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
     plan = make_plan(config)
     check_plan(plan, config, model)
     assert 0 < plan.first_disk_group < model.n_layers + 2
-    assert plan.host_bytes <= DISK_TIER_RAM_SHARE * 64 * 2**30
+    assert plan.host_bytes <= DISK_TIER_RAM_SHARE * plan.host_available
+    assert plan.host_items["disk tier's page cache"] > 0  # (the groups read ahead and written behind)
     # one group fewer on disk would not fit that share
-    assert plan.host_bytes + model.block_params * 8 > DISK_TIER_RAM_SHARE * 64 * 2**30
+    assert plan.host_bytes + model.block_params * 8 > DISK_TIER_RAM_SHARE * plan.host_available
     assert plan.disk_bytes == 8 * sum(layout_sizes(model)[0][plan.first_disk_group :])
     assert plan.disk_s == pytest.approx(2 * plan.disk_bytes / (plan.rates.disk_gbps * 1e9))
     assert plan.step_s >= plan.disk_s  # the disk moves every byte of its state in and out each step
@@ -83,7 +102,7 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
 
 
 def test_step_time_model_is_overlap_aware(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # no room for a deeper gradient pool
+    simulate_host(monkeypatch, 100)  # no room for a deeper gradient pool
     rates = Rates(gpu_tflops=500, head_tflops=400, pcie_gbps=50, cpu_adam_params_per_s=3.4e9)
     plan = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
     assert plan.disk_s == 0
@@ -105,7 +124,7 @@ def test_small_steps_get_a_gradient_pool_deep_enough_for_the_optimizer(monkeypat
     holds what it has left when the backward ends, and only the head waits for it (its work goes first
     layers first, beside the next forward); without, the pool stays small and the forward waits."""
     rates = Rates(570, 385, 50, 4.3e9)
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "126")
+    simulate_host(monkeypatch, 126)
     small = make_plan(config_for("qwen2.5-7b", 16384), rates=rates)
     backward_s = 0.75 * small.compute_s
     left = (small.optimizer_s - backward_s) * rates.cpu_adam_params_per_s
@@ -117,7 +136,7 @@ def test_small_steps_get_a_gradient_pool_deep_enough_for_the_optimizer(monkeypat
     large = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
     assert large.gradient_pool == GRADIENT_POOL and large.bound == "compute"
     assert small.host_bytes - large.host_bytes == pytest.approx((small.gradient_pool - GRADIENT_POOL) * largest * 4)
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # the deeper pool would not fit: the forward waits
+    simulate_host(monkeypatch, 100)  # the deeper pool would not fit: the forward waits
     tight = make_plan(config_for("qwen2.5-7b", 16384), rates=rates)
     assert tight.gradient_pool == GRADIENT_POOL and tight.host_bytes == pytest.approx(large.host_bytes)
     assert tight.step_s > small.step_s
@@ -127,7 +146,7 @@ def test_a_moe_forward_waits_for_its_weights(monkeypatch):
     """OLMoE at 64k tokens: the forward (a quarter of little active work) is shorter than one pass
     of all 6.9B weights over PCIe, so the next step waits for the weights and the optimizer, not
     for the GPU's work."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "90")  # no room for a deeper gradient pool
+    simulate_host(monkeypatch, 90)  # no room for a deeper gradient pool
     rates = Rates(500, 400, 50, 3.6e9, moe_gpu_tflops=410)
     plan = make_plan(config_for("olmoe-1b-7b", 65536), rates=rates)
     weight_pass = plan.n_params * 4 / 50e9
@@ -137,20 +156,21 @@ def test_a_moe_forward_waits_for_its_weights(monkeypatch):
 
 
 def test_refuses_what_cannot_fit_and_names_the_largest(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "64")
+    simulate_host(monkeypatch, 64)
     config = config_for("qwen2.5-7b", 65536)
-    with pytest.raises(ConfigError, match=r"needs 91.2 GiB of host memory.*largest model that fits has about 5.1B"):
+    message = r"needs 92.7 GiB .* may take 61.4 GiB .*; optimizer moments take 56.7 GiB: engine.optimizer_state_dir"
+    with pytest.raises(ConfigError, match=message):
         check_plan(make_plan(config), config, preset("qwen2.5-7b"))
 
 
 def test_plan_command(capsys, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 0
     out = capsys.readouterr().out
     assert "8.03B parameters" in out and "host memory" in out and "model TFLOPS" in out
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "16")
+    simulate_host(monkeypatch, 16)
     assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 2
-    assert "largest model that fits" in capsys.readouterr().err
+    assert "parameters fit as planned" in capsys.readouterr().err
 
 
 def test_disk_probe_measures_and_cleans_up(tmp_path):
@@ -159,7 +179,7 @@ def test_disk_probe_measures_and_cleans_up(tmp_path):
 
 
 def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypatch, capsys):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
+    simulate_host(monkeypatch, 2000)
     model = preset("dense-120b")
     h200 = 140 * 2**30
     # (no layer keeps its products: the checkpoints' own rule alone)
@@ -182,7 +202,7 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
 def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     """Where the GPU is the bound and products are short of room, the first layers' checkpoints go to host memory:
     the fewest that let the most layers keep their products; not for small steps, nor past the host's room."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     h200, model = 140 * 2**30, preset("llama2-7b")
     # (the rule alone, in one sweep)
     host_updates = {"engine.gpu_updated_layers": 0, "engine.host_kept_layers": 0, "engine.sweeps": 1}
@@ -199,7 +219,7 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     assert plan.host_bytes == pytest.approx(on_gpu.host_bytes + plan.offloaded_layers * per_layer)
     small = make_plan(config_for("llama2-7b", 16384), gpu_memory=80 * 2**30)  # the CPU optimizer's step
     assert small.kept_layers < model.n_layers and small.offloaded_layers == 0
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "100")  # 12 B a parameter fits, all the checkpoints beside not
+    simulate_host(monkeypatch, 100)  # 12 B a parameter fits, all the checkpoints beside not
     tight = make_plan(large, gpu_memory=h200)
     assert tight.offloaded_layers < plan.offloaded_layers and tight.host_bytes <= 0.85 * 100 * 2**30
 
@@ -208,7 +228,7 @@ def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch
     """Where the GPU is the bound, the step boundary (the embedding's and first block's gradients out, their CPU
     update, their weights back in) is worth their state on the GPU, which takes less of the kept products' room
     than that wait costs; where the head binds the table (tied) the head's norm goes with it."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     h200 = 140 * 2**30
     auto = make_plan(config_for("llama2-7b", 131072), gpu_memory=h200)
     host = make_plan(config_for("llama2-7b", 131072, **{"engine.gpu_updated_layers": 0}), gpu_memory=h200)
@@ -231,7 +251,8 @@ def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
     rates = Rates()
     one = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
     many = make_plan(config_for("qwen2.5-7b", 131072 * 8), rates=rates, gpus=4, hosts=2)
-    assert many.host_bytes == one.host_bytes  # a replica per host, shared by its GPUs
+    # a replica per host, shared by its GPUs (one process sends the embedding's updated rows first)
+    assert many.host_bytes == one.host_bytes - one.host_items["embedding rows buffer"]
     assert many.compute_s == pytest.approx(one.compute_s)  # each GPU runs the same tokens as before
     assert many.network_bytes == int(2 * 0.5 * 4 * one.n_params)  # ring all-reduce of fp32 gradients
     assert many.tokens_per_s > 7 * one.tokens_per_s
@@ -259,7 +280,7 @@ def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch,
     exceed it, whatever the batch. Kept whole, the error says so (instead of suggesting a batch size
     of zero) and names the fix; auto streams each layer's experts in the fewest parts that leave half
     the GPU for activation checkpoints; where whole layers fit, they stay whole."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "2000")
+    simulate_host(monkeypatch, 2000)
     model = preset("gpt-oss-120b")
     whole = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1, "engine.experts_per_stage": 128})
     plan = make_plan(whole, gpu_memory=24 * 2**30)
@@ -284,7 +305,7 @@ def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch,
 
 
 def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
     gpu_only = {"engine.host_kept_layers": 0}
     plans = {
@@ -311,7 +332,7 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     reserved on the GPU; none for small steps, nor where the optimizer is over half the GPU's work; an
     explicit count beyond the host is refused."""
     h100, model = 79 * 2**30, preset("qwen2.5-7b")
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     one = {"engine.sweeps": 1}  # (the rule in one sweep: test_large_steps_run_in_sweeps_where_they_keep_more_products)
     default = make_plan(config_for("qwen2.5-7b", 131072, **one), gpu_memory=h100)
     assert default.offloaded_layers > 0 and default.host_kept_layers > 0  # both by default where the host has room
@@ -330,7 +351,7 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     assert large.compute_s < gpu_only.compute_s and large.step_s < gpu_only.step_s and large.gpu_bytes <= h100
     # the forward's idle copy-out carries them: no more than its time (a quarter of the GPU's work) allows
     assert large.host_kept_bytes <= 0.8 * 0.25 * gpu_only.compute_s * large.rates.pcie_gbps * 1e9
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "126")  # a host with room for fewer
+    simulate_host(monkeypatch, 140)  # a host with room for fewer
     smaller_host = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
     assert 0 < smaller_host.host_kept_layers < large.host_kept_layers
     # checkpoints offloaded first: each of their bytes in host memory makes room for as many products on the GPU
@@ -342,12 +363,12 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     at_32k, at_64k = (make_plan(config_for("qwen2.5-7b", t, **auto), gpu_memory=h100) for t in (32768, 65536))
     assert at_32k.host_kept_layers == 0 and at_64k.host_kept_layers > 0
     config = config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 20})
-    with pytest.raises(ConfigError, match="engine.host_kept_layers: 20 keeps .* set engine.host_kept_layers: auto"):
+    with pytest.raises(ConfigError, match="host-kept products take 225.0 GiB: engine.host_kept_layers: 0"):
         check_plan(make_plan(config, gpu_memory=h100), config, model)
 
 
 def test_more_kept_layers_than_the_gpu_holds_are_refused_naming_the_setting(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     config = config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": 28})
     with pytest.raises(ConfigError, match="engine.kept_layers: 28 keeps .* set engine.kept_layers: auto"):
         check_plan(make_plan(config, gpu_memory=79 * 2**30), config, preset("qwen2.5-7b"))
@@ -356,7 +377,7 @@ def test_more_kept_layers_than_the_gpu_holds_are_refused_naming_the_setting(monk
 def test_small_steps_hold_the_blocks_weights_from_forward_to_backward(monkeypatch):
     """Where the CPU optimizer is slower than the GPU's work, every block but the last keeps its weights on
     the GPU until its backward (a quarter of the GPU at most); kept layers get the rest."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
     host_updates = {"engine.gpu_updated_layers": 0}  # (auto would take the optimizer's load off instead)
     small = make_plan(config_for("qwen2.5-7b", 16384, **host_updates), gpu_memory=h100)
@@ -379,7 +400,7 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     """Where the CPU optimizer is slower than the GPU's work, the first blocks' masters and moments move to
     the GPU, as few as bring the optimizer within the GPU's work; not for large steps, several processes,
     or more than the GPU holds."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
     model = preset("qwen2.5-7b")
     auto = make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100)
@@ -408,7 +429,7 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
 
 
 def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     auto = make_plan(config_for("qwen2.5-7b", 16384))
     assert auto.gradient_pool > GRADIENT_POOL  # the optimizer lags the backward at 16k tokens: deepened
     deeper = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.gradient_pool": auto.gradient_pool + 2}))
@@ -536,7 +557,7 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     every gradient held to the last sweep (no pool); Qwen2.5-7B's 4 sweeps, predicted faster too, would keep PCIe
     too busy (measured slower). Not a step the GPU does not bound, nor DPO's or a MoE router loss's (they read the
     whole step first); engine.sweeps sets the count."""
-    monkeypatch.setenv("MEGATRAIN_HOST_MEMORY_GIB", "1000")
+    simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
     large = make_plan(config_for("gemma-3-4b", 131072), gpu_memory=h100)
     one = make_plan(config_for("gemma-3-4b", 131072, **{"engine.sweeps": 1}), gpu_memory=h100)

@@ -440,7 +440,8 @@ def run_plan(config, args) -> None:
         else run_rates(config, model, measure=args.gpu_memory_gib is None)  # planning for another GPU: not this one's
     )
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
-    plan = make_plan(config, model, rates, gpu_memory, args.gpus, args.hosts)
+    host_memory = int(args.host_memory_gib * 2**30) if args.host_memory_gib else None
+    plan = make_plan(config, model, rates, gpu_memory, args.gpus, args.hosts, host_memory)
     print(
         json.dumps(plan.as_dict(), indent=2)
         if args.json
@@ -477,6 +478,11 @@ def _add_plan(commands) -> None:
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.add_argument(
         "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory free instead of this machine's"
+    )
+    plan_parser.add_argument(
+        "--host-memory-gib",
+        type=float,
+        help="plan for a host whose run may take this much memory instead of what this machine gives",
     )
     plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per host (data parallel, torchrun)")
     plan_parser.add_argument(
@@ -596,6 +602,7 @@ def run_command(args) -> None:
         for option in ("gpus", "hosts"):
             _at_least(getattr(args, option), 1, f"--{option}")
         _at_least(args.gpu_memory_gib, 1, "--gpu-memory-gib")
+        _at_least(args.host_memory_gib, 1, "--host-memory-gib")
         run_plan(_config(args), args)
     elif args.command == "data":
         _at_least(args.dump, 1, "--dump")

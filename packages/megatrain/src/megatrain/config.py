@@ -415,8 +415,14 @@ class EngineSection:
     # a MoE layer's experts stream in parts of at most this many, a stage each, so a GPU slot holds a
     # part, not the layer; "auto": whole layers where they fit the GPU, else the fewest parts that do
     experts_per_stage: int | str = "auto"
+    # the most host memory the run's plan may take, GiB; it can only lower what the operating system gives (the
+    # cgroup's limit or MemAvailable, less a margin: `megatrain plan` says which); null: that
+    host_memory_gib: float | None = None
 
     def __post_init__(self):
+        gib = self.host_memory_gib
+        if gib is not None and (isinstance(gib, (str, bool)) or not gib > 0):
+            raise ConfigError(f"engine.host_memory_gib must be a number of GiB > 0 (or null), got {gib!r}")
         if self.offload_checkpoints not in (True, False, "auto"):
             raise ConfigError(
                 f"engine.offload_checkpoints must be true, false or auto, got {self.offload_checkpoints!r}"

@@ -29,7 +29,6 @@ than auto override a rule):
 import functools
 import itertools
 import math
-import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,11 +37,12 @@ import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, extras_that_fit, staging_buffers
-from megatrain_store import bytes_per_param
 from megatrain_templates import file_tensors
+from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, linear_attention_flops_per_token
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+from .host_memory import host_budget, process_bytes
 from .rates import Rates, layer_works, load_rates
 
 # a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
@@ -73,6 +73,13 @@ CHECKPOINT_GPU_SHARE = 0.5
 # holds several layers'): at least enough for the optimizer to lag the backward by a few layers;
 # more where it is slower than the backward (small steps), see `gradient_pool_size`.
 GRADIENT_POOL = 3
+# Host memory a run on a GPU takes after it is planned beside the buffers the plan counts: the CUDA host allocator's
+# small pinned blocks (batches, norms, rows), kernels loaded and compiled, cuBLAS's and the optimizer threads'
+# workspaces. (Qwen2.5-7B on an H200: peak RSS 1.4 GiB over the store's arenas, the process's own footprint at
+# planning included: benchmarks/results' host_gib against peak_rss_gib.)
+RUNTIME_HOST_BYTES = 2**30
+# Groups of disk-tier moments resident at once: two read ahead, one being updated, two being written behind.
+DISK_TIER_GROUPS_IN_MEMORY = 5
 # A deeper gradient pool only where the plan then stays within this share of the host's memory.
 POOL_HOST_SHARE = 0.9
 # With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
@@ -101,43 +108,33 @@ HOST_KEPT_PCIE_SHARE = 0.8
 HOST_KEPT_OPTIMIZER_SHARE = 0.5
 
 
-def available_host_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def host_memory_limit() -> int | None:
-    """Host memory the run may use: MEGATRAIN_HOST_MEMORY_GIB if set (machines whose
-    MemAvailable grows as memory is touched), else MemAvailable."""
-    override = os.environ.get("MEGATRAIN_HOST_MEMORY_GIB")
-    return int(float(override) * 2**30) if override else available_host_bytes()
-
-
 @dataclass(frozen=True)
 class Machine:
-    """What a run has: one GPU's memory free for it (None: no GPU), the host memory available to it, GPUs per host,
-    hosts."""
+    """What a run has: one GPU's memory free for it (None: no GPU), the host memory its plan may take (None:
+    unknown; `host_memory.host_budget`) and where that number came from, GPUs per host, hosts, and the resident
+    memory the process held when it was planned (outside the plan's host bytes)."""
 
     gpu_memory: int | None
     host_memory: int | None
     gpus: int = 1
     hosts: int = 1
+    host_source: str = "as given"
+    process_bytes: int = 0
 
     @classmethod
     def of(cls, config: Config, gpu_memory: int | None = None, host_memory: int | None = None, gpus=1, hosts=1):
-        """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free for the run. A
-        GPU's is what it has free now, with what this process's allocator holds unused (the CUDA context and other
-        processes' memory are not the run's)."""
+        """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free for the run (a
+        plan for another machine). A GPU's is what it has free now, with what this process's allocator holds unused
+        (the CUDA context and other processes' memory are not the run's); the host's is asked after the GPU's, so
+        that the CUDA context is already outside it."""
         device = resolve_device(config.device)
         if gpu_memory is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             gpu_memory = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return cls(gpu_memory, host_memory if host_memory is not None else host_memory_limit(), gpus, hosts)
+        if host_memory is not None:
+            return cls(gpu_memory, host_memory, gpus, hosts, f"{host_memory / 2**30:g} GiB as given")
+        budget = host_budget(config.engine.host_memory_gib)
+        return cls(gpu_memory, budget.bytes, gpus, hosts, budget.source, process_bytes())
 
 
 @dataclass
@@ -147,9 +144,9 @@ class Plan:
     placement: Placement
     n_params: int
     active_params: int
-    host_bytes: int
+    host_bytes: int  # per host: the sum of host_items
     host_bytes_per_param: float
-    host_available: int | None
+    host_available: int | None  # what the plan may take (`host_memory.host_budget`); None: unknown
     disk_bytes: int  # optimizer state in the disk tier's files
     first_disk_group: int  # groups from here on keep their optimizer state on disk
     gpu_bytes: int
@@ -186,6 +183,9 @@ class Plan:
     generation_host_bytes: int = 0  # host copies GRPO's streamed generation keeps (in host_bytes)
     frozen_params: int = 0  # an image-text model's frozen parts' parameters: weights only, no gradient or moments
     frozen_parts: tuple[str, ...] = ()  # which (train.freeze_*)
+    host_items: dict = field(default_factory=dict)  # every host allocation by name, bytes per host
+    host_source: str = ""  # where host_available came from, in words
+    process_bytes: int = 0  # the process's resident memory when planned (outside host_bytes)
 
     @property
     def experts_per_stage(self) -> int:
@@ -352,29 +352,6 @@ def whole_step_statistics(model: ModelConfig, config: Config) -> str | None:
     return None
 
 
-def first_disk_group(
-    config: Config, model: ModelConfig, sizes: list[int], ram_bytes: int, host_available: int | None
-) -> int:
-    """The first group (of `sizes`, parameters per group) whose optimizer state goes to the disk tier
-    (the last groups go): with disk_state_fraction auto, as few as bring `ram_bytes` within the
-    host's share for the run."""
-    if not config.engine.optimizer_state_dir:
-        return len(sizes)
-    fraction = config.engine.disk_state_fraction
-    state_per_param = 4 * len(STATE_NAMES)
-    if fraction != "auto":
-        to_move = fraction * model.n_params
-    elif host_available is None:
-        to_move = model.n_params
-    else:
-        to_move = (ram_bytes - DISK_TIER_RAM_SHARE * host_available) / state_per_param
-    first = len(sizes)
-    while first > 0 and to_move > 0:
-        first -= 1
-        to_move -= sizes[first]
-    return first
-
-
 @dataclass(frozen=True)
 class _Counts:
     """A placement in the making: how many stages take each choice, by the planner's rules of which."""
@@ -408,9 +385,6 @@ class Planner:
         grpo = config.train.grpo
         self.generating = config.train.objective == "grpo" and grpo.rollouts is None  # (GRPO's rollouts made here)
         self.reference_copy = self.generating and grpo.beta > 0  # (the KL's reference weights, streamed per step)
-        self.per_param = bytes_per_param(
-            self.dtype, len(STATE_NAMES), self.full_grads, self.wire_copy, self.reference_copy
-        )
         self.world = machine.gpus * machine.hosts
         self.micro_tokens = config.train.rows_per_micro_batch * config.data.seq_len
         width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
@@ -437,7 +411,6 @@ class Planner:
         # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
         self.frozen = self.spec.frozen_groups(config.train.frozen_parts)
         self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
-        self.frozen_per_param = bytes_per_param(self.dtype, 0, False, self.wire_copy, self.reference_copy)
         self.generation_host_bytes = self._generation_host_bytes()
         self.names = [stage.name for stage in self.spec.stages]
 
@@ -533,35 +506,67 @@ class Planner:
             return math.inf
         return self.machine.gpu_memory - self.device_bytes(placement)
 
-    def host_state_bytes(self, gradient_pool: float | None) -> float:
-        """Host bytes of masters, moments, gradients (or their pool), any wire and reference copy, and what
-        generation keeps beside them, per host."""
-        per_param = self.per_param
-        pool = (gradient_pool or 0) * max(self.group_sizes) * 4
-        if self.split:  # a host holds its 1/H of masters, moments and gradients, and whole copies to stream
-            whole = self.element * (int(self.wire_copy) + int(self.reference_copy))
-            per_param = whole + (per_param - whole) / self.machine.hosts
-            pool /= self.machine.hosts
-        frozen = self.frozen_params * (self.frozen_per_param - per_param)
-        return self.model.n_params * per_param + frozen + pool + self.generation_host_bytes
+    def host_items(self, placement: Placement) -> dict[str, int]:
+        """Every host allocation of `placement`, by name, bytes per host: the one place they are counted (the
+        store's arenas, the pipeline's pinned rooms, the optimizer's and generation's buffers, the runtime's)."""
+        return {name: int(nbytes) for name, nbytes in self._host_allocations(placement) if nbytes > 0}
 
-    def host_activation_bytes(self, placement: Placement) -> int:
-        """Pinned host bytes of offloaded checkpoints and host-kept products, for every GPU of the host."""
+    def _host_allocations(self, placement: Placement):
+        n_params, trainable = self.model.n_params, self.model.n_params - self.frozen_params
+        share = 1 / self.machine.hosts if self.split else 1  # a host holds its part of what the hosts split
+        yield "master weights", n_params * 4 * share
+        yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - self.disk_bytes(placement)
+        if self.disk_bytes(placement):  # the groups read ahead, being updated and being written behind
+            on_disk = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
+            yield "disk tier's page cache", sum(on_disk[:DISK_TIER_GROUPS_IN_MEMORY]) * 4 * len(STATE_NAMES)
+        if placement.gradient_pool is None:  # a buffer per group, as the store allocates then
+            reason = "for clipping" if self.full_grads else f"across {placement.sweeps} sweeps"
+            yield f"gradients held {reason}", trainable * 4 * share
+        else:
+            yield "gradient pool", placement.gradient_pool * max(self.group_sizes) * 4 * share
+        yield "wire copy", n_params * self.element * self.wire_copy
+        yield "KL reference copy", n_params * self.element * self.reference_copy
+        yield "generation copies", self.generation_host_bytes
+        yield "offloaded checkpoints", self.machine.gpus * sum(
+            self.checkpoint_bytes(i, placement.tokens) for i in placement.offloaded
+        )
+        yield "host-kept products", self.machine.gpus * len(placement.host_kept) * self.stage_products(placement)
+        yield "embedding rows buffer", self._rows_buffer_bytes(placement)
+        yield "runtime", self._runtime_host_bytes(placement)
+
+    def stage_products(self, placement: Placement) -> int:
+        """Bytes one keeping stage's matmul products take for `placement`'s tokens."""
+        return placement.tokens * self.product_bytes_per_token
+
+    def _rows_buffer_bytes(self, placement: Placement) -> int:
+        """The pinned buffer the embedding's updated rows go to the GPU through (`Trainer._rows_first`): a quarter
+        of the table, fp32, rounded up to a power of two by the CUDA host allocator."""
+        first = self.spec.stages[0]
+        streams_rows = hasattr(first.template, "forward_rows") and len(first.groups) == 1 and self.world == 1
+        if not streams_rows or self.wire_copy or 0 in placement.resident or placement.first_disk_group == 0:
+            return 0
+        nbytes = self.group_sizes[first.groups[0]] // 4 * 4
+        return 2 ** math.ceil(math.log2(max(1, nbytes))) if self.machine.gpu_memory is not None else nbytes
+
+    def _runtime_host_bytes(self, placement: Placement) -> int:
+        """Host memory a run takes after it is planned beside its buffers: on a GPU, RUNTIME_HOST_BYTES; on the
+        CPU, also the compute's own memory (weight slots, checkpoints, a block's work and the head's logits)."""
+        if self.machine.gpu_memory is not None:
+            return RUNTIME_HOST_BYTES
         tokens = placement.tokens
-        checkpoints = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
-        products = len(placement.host_kept) * tokens * self.product_bytes_per_token
-        return self.machine.gpus * (checkpoints + products)
+        slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
+        checkpoints = sum(self.checkpoint_bytes(i, tokens) for i in self.blocks)
+        products = len(placement.kept) * self.stage_products(placement)
+        logits = 3 * min(self.micro_tokens, CHUNK_LOGITS // self.model.vocab_size) * self.model.vocab_size * 4
+        work = 2 * max(self.stage_sizes) * 4 + self.recompute_bytes + logits
+        return RUNTIME_HOST_BYTES + slots + checkpoints + products + work
 
     def disk_bytes(self, placement: Placement) -> int:
         first = len(self.group_sizes) if placement.first_disk_group is None else placement.first_disk_group
         return sum(self.group_sizes[first:]) * 4 * len(STATE_NAMES)
 
     def host_bytes(self, placement: Placement) -> int:
-        return int(
-            self.host_state_bytes(placement.gradient_pool)
-            + self.host_activation_bytes(placement)
-            - self.disk_bytes(placement)
-        )
+        return sum(self.host_items(placement).values())
 
     # ------------------------------------------------------------------- time
     def head_s(self, tokens: int) -> float:
@@ -958,7 +963,8 @@ class Planner:
             return counts.offloaded
         limit = len(self.blocks)
         if self.machine.host_memory is not None:
-            room = HOST_KEPT_RAM_SHARE * self.machine.host_memory - self.host_state_bytes(GRADIENT_POOL)
+            state = self.placement_of(replace(counts, offloaded=0), gradient_pool=self._least_pool(counts))
+            room = HOST_KEPT_RAM_SHARE * self.machine.host_memory - self.host_bytes(state)
             per_layer = self.machine.gpus * self.checkpoint_bytes(1, counts.tokens)
             limit = max(counts.offloaded, min(limit, int(room // per_layer)))
         most = self._kept(replace(counts, offloaded=limit))
@@ -972,10 +978,14 @@ class Planner:
             )
         return offloaded
 
+    def _least_pool(self, counts: _Counts) -> float | None:
+        """The smallest gradient pool `counts` can have (None: every gradient held, for clipping or sweeps)."""
+        return None if self.full_grads or counts.sweeps > 1 else float(GRADIENT_POOL)
+
     def _gradient_pool(self, counts: _Counts, why: dict) -> float | None:
         """Gradient landing buffers, in largest groups: none with clipping (every gradient is held); as set; else
         deep enough for what the optimizer has left when the backward ends, where the host has the room."""
-        if self.full_grads or counts.sweeps > 1:  # (a step in sweeps holds every gradient until the last)
+        if self._least_pool(counts) is None:  # (a step in sweeps holds every gradient until the last)
             return None
         setting = self.config.engine.gradient_pool
         if setting != "auto":
@@ -985,7 +995,7 @@ class Planner:
             self.optimizer_s(placement), self.host_backward_s(placement), self.group_sizes, self.rates
         )
         host = self.machine.host_memory
-        deeper = self.host_state_bytes(pool) + self.host_activation_bytes(placement)
+        deeper = self.host_bytes(replace(placement, gradient_pool=pool))
         if pool > GRADIENT_POOL and host is not None and deeper > POOL_HOST_SHARE * host:
             return float(GRADIENT_POOL)  # the deeper pool is a speed-up, not worth the host memory it lacks
         if pool > GRADIENT_POOL:
@@ -993,13 +1003,26 @@ class Planner:
         return pool
 
     def _first_disk_group(self, placement: Placement, why: dict) -> int:
-        first = first_disk_group(
-            self.config, self.model, self.group_sizes, self.host_bytes(placement), self.machine.host_memory
-        )
-        if first < len(self.group_sizes):
-            fraction = self.config.engine.disk_state_fraction
+        """The first group whose moments go to the disk tier (the last groups go): none without
+        engine.optimizer_state_dir; with disk_state_fraction auto, as few as bring the plan, its page cache
+        included, within DISK_TIER_RAM_SHARE of the host's budget; else that fraction of the parameters."""
+        n_groups, fraction = len(self.group_sizes), self.config.engine.disk_state_fraction
+        if not self.config.engine.optimizer_state_dir:
+            return n_groups
+        host, first = self.machine.host_memory, n_groups
+        if fraction != "auto":
+            to_move = fraction * self.model.n_params
+            while first > 0 and to_move > 0:
+                first -= 1
+                to_move -= self.group_sizes[first]
+        else:
+            while first > 0 and (
+                host is None or self.host_bytes(replace(placement, first_disk_group=first)) > DISK_TIER_RAM_SHARE * host
+            ):
+                first -= 1
+        if first < n_groups:
             reason = "the host cannot hold them" if fraction == "auto" else f"engine.disk_state_fraction {fraction}"
-            why["disk"] = f"the moments of groups {first}-{len(self.group_sizes) - 1} live on disk: {reason}"
+            why["disk"] = f"the moments of groups {first}-{n_groups - 1} live on disk: {reason}"
         return first
 
     def _host_kept(self, counts: _Counts, small: bool, step: dict, why: dict) -> int:
@@ -1046,7 +1069,8 @@ class Planner:
         phases = self.phases(placement)
         bound = slowest(phases)
         step_s = phases[bound] + self.boundary_s(placement)
-        host_bytes = self.host_bytes(placement)
+        host_items = self.host_items(placement)
+        host_bytes = sum(host_items.values())
         global_tokens = placement.step_tokens * world
         stage_products = tokens * self.product_bytes_per_token
         return Plan(
@@ -1093,6 +1117,9 @@ class Planner:
             frozen_parts=tuple(sorted({self.spec.group_parts[g] for g in self.frozen} - {"unused"})),
             reference_copy=self.reference_copy,
             generation_host_bytes=self.generation_host_bytes,
+            host_items=host_items,
+            host_source=self.machine.host_source,
+            process_bytes=self.machine.process_bytes,
         )
 
 
@@ -1154,35 +1181,37 @@ def _check_sweeps(plan: Plan, config: Config, model: ModelConfig) -> None:
         )
 
 
+# What saves each host item (by the start of its name), for the refusal of a plan the host cannot hold.
+HOST_SAVINGS = {
+    "master weights": "a host with more memory, or several with engine.shard_across_hosts: true",
+    "optimizer moments": "engine.optimizer_state_dir puts them on disk",
+    "gradients held for clipping": "train.grad_clip: 0 lands them in a pool of a few layers instead",
+    "gradients held across": "engine.sweeps: 1 lands them in a pool of a few layers instead",
+    "gradient pool": "engine.gradient_pool: 3",
+    "wire copy": "engine.wire_copy: false",
+    "KL reference copy": "train.grpo.beta: 0",
+    "generation copies": "train.grpo.generation_weights: resident",
+    "offloaded checkpoints": "fewer tokens a step (train.batch_size), or a GPU with room for them",
+    "host-kept products": "engine.host_kept_layers: 0",
+}
+
+
 def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
-    if plan.host_available is None or plan.host_bytes <= 0.95 * plan.host_available:
+    """Refuse a plan whose host allocations pass what the run may take, naming its largest item and what saves
+    it (a choice that costs host memory first, where dropping it alone would fit)."""
+    if plan.host_available is None or plan.host_bytes <= plan.host_available:
         return
-    if plan.host_kept_layers and plan.host_bytes - plan.host_kept_bytes <= 0.95 * plan.host_available:
-        raise ConfigError(
-            f"engine.host_kept_layers: {plan.host_kept_layers} keeps {plan.host_kept_bytes / 2**30:.1f} GiB of "
-            f"matmul products in host memory, which with the rest of the run "
-            f"({(plan.host_bytes - plan.host_kept_bytes) / 2**30:.1f} GiB) passes the "
-            f"{plan.host_available / 2**30:.1f} GiB available; set engine.host_kept_layers: auto or fewer"
-        )
-    largest = 0.95 * plan.host_available / plan.host_bytes_per_param
+    items, gib = plan.host_items, 2**30
+    over = plan.host_bytes - plan.host_available
+    optional = [name for name in items if name.startswith(("host-kept", "gradients held across"))]
+    name = next((n for n in optional if items[n] >= over), max(items, key=items.get))
+    saving = next((fix for start, fix in HOST_SAVINGS.items() if name.startswith(start)), "a smaller model")
+    largest = plan.host_available / plan.host_bytes_per_param
     raise ConfigError(
-        f"{model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / 2**30:.1f} GiB of host "
-        f"memory ({plan.host_bytes_per_param:.1f} B/param) but {plan.host_available / 2**30:.1f} GiB is available; "
-        f"the largest model that fits has about {largest / 1e9:.1f}B parameters"
-        + ("; train.grad_clip: 0 saves 4 B/param" if config.train.grad_clip > 0 else "")
-        + ("; train.grpo.beta: 0 saves the KL reference's copy of the weights" if plan.reference_copy else "")
-        + (
-            f"; train.grpo.generation_weights: resident saves {plan.generation_host_bytes / 2**30:.1f} GiB of "
-            "streamed layers' copies"
-            if plan.generation_host_bytes
-            else ""
-        )
-        + (
-            f"; engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
-            if plan.hosts > 1 and not plan.split_state
-            else ""
-        )
-        + ("" if config.engine.optimizer_state_dir else "; engine.optimizer_state_dir moves optimizer state to disk")
+        f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB "
+        f"({plan.host_bytes_per_param:.1f} B/param) but this run may take {plan.host_available / gib:.1f} GiB "
+        f"({plan.host_source}); {name} take {items[name] / gib:.1f} GiB: {saving} (about "
+        f"{largest / 1e9:.1f}B parameters fit as planned; `megatrain plan` lists every item)"
     )
 
 
@@ -1264,6 +1293,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
     lines = [
         f"model            {model_name}: {_params(plan.n_params)} parameters{active}",
         _host_line(plan),
+        "  host items     " + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in plan.host_items.items()) + " GiB",
         _device_line(plan),
         f"tokens per step  {plan.tokens_per_step:,}{_ranks_clause(plan)}",
         "",
@@ -1284,7 +1314,7 @@ def _host_line(plan: Plan) -> str:
     gib = 2**30
     first = f"host memory      {plan.host_bytes / gib:.1f} GiB ({plan.host_bytes_per_param:.2f} B/param)"
     if plan.host_available:
-        first += f" of {plan.host_available / gib:.1f} GiB available"
+        first += f" of {plan.host_available / gib:.1f} GiB the run may take ({plan.host_source})"
     frozen = ", ".join(plan.frozen_parts) or "unused"
     return _joined(
         first,
