@@ -24,6 +24,9 @@ SYSTEMS = (
     "fsdp2-offload",
     "published-layer-streaming",  # figures the published layer-streaming system reports; not measured here
 )
+# A row whose process's peak resident memory passes its plan by more than this share is flagged: the plan is a
+# promise the planner keeps (`megatrain.plan.Planner.host_items`).
+RSS_OVER_PLAN = 0.03
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}( \d{2}:\d{2})?$")
 
 NUMBER, INTEGER, TEXT, FLAG, MAPPING, NOTHING = (int, float), (int,), (str,), (bool,), (dict,), (type(None),)
@@ -44,6 +47,9 @@ OPTIONAL_ROW_TYPES = {
     "peak_gpu_gib": NUMBER + NOTHING,
     "host_gib": NUMBER + NOTHING,
     "host_bytes_per_param": NUMBER + NOTHING,
+    # the plan's host bytes with what the process held when planned, and the process's peak resident memory
+    "planned_host_gib": NUMBER + NOTHING,
+    "peak_rss_gib": NUMBER + NOTHING,
     "kept_layers": INTEGER + NOTHING,
     "extra_kept_layers": INTEGER + NOTHING,
     "placement": MAPPING + NOTHING,  # where each layer's state and work live, as the engine placed them
@@ -95,7 +101,18 @@ def check_row(row, where: str) -> list[str]:
             )
     if "machine" in row:
         problems += check_machine(row["machine"], f"{where}.machine", required=False)
-    return problems + _check_row_kind(row, where)
+    return problems + _check_row_kind(row, where) + _check_host_memory(row, where)
+
+
+def _check_host_memory(row: dict, where: str) -> list[str]:
+    """A measured row's peak RSS within RSS_OVER_PLAN of its planned host memory."""
+    planned, peak = row.get("planned_host_gib"), row.get("peak_rss_gib")
+    if not (_is(planned, NUMBER) and _is(peak, NUMBER)) or peak <= (1 + RSS_OVER_PLAN) * planned:
+        return []
+    return [
+        f"{where}: peak RSS {peak} GiB passes the planned {planned} GiB by more than {RSS_OVER_PLAN:.0%}: a host "
+        "allocation the planner does not count (megatrain.plan.Planner.host_items)"
+    ]
 
 
 def _check_row_kind(row: dict, where: str) -> list[str]:

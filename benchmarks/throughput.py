@@ -97,7 +97,7 @@ def bench_megatrain(name, args, implementation="native"):
         rows.append(
             base_row("megatrain", name, model, args.seq_len, n_seqs, args.micro_batch, timing["step_s"])
             | _placement_fields(trainer, timing["step_s"])
-            | _host_fields(trainer.store.memory_report())
+            | _host_fields(trainer.store.memory_report(), trainer.plan)
             | {
                 "grad_clip": args.grad_clip,
                 "doc_len": args.doc_len,  # 0: one sequence per row
@@ -230,9 +230,13 @@ def _placement_fields(trainer, step_s) -> dict:
     }
 
 
-def _host_fields(report) -> dict:
-    """The host memory the run took (the store's report, and the process's peak)."""
+def _host_fields(report, plan) -> dict:
+    """The host memory the run took (the store's report, and the process's peak) beside what it planned (its
+    allocations, with what the process held when planned)."""
     return {
+        "planned_host_gib": round((plan.host_bytes + plan.process_bytes) / 2**30, 1),
+        "planned_host_items_gib": {name: round(size / 2**30, 2) for name, size in plan.host_items.items()},
+        "host_budget": plan.host_source,
         "host_gib": round(report.total_bytes / 2**30, 1),
         "host_bytes_per_param": round(report.bytes_per_param, 2),
         "pinned_gib": round(report.pinned_bytes / 2**30, 1),

@@ -48,7 +48,8 @@ def test_a_valid_file_has_no_problems():
         system="pytorch-gpu", step_time_s=None, tokens_per_s=None, model_tflops=None, fits=False, error="OOM"
     )
     part = a_row(scope="one MoE layer, fwd + recompute+bwd", tokens_per_s=None, model_tflops=None)
-    assert results_schema.check_results(a_file(a_row(), plan, failed, part)) == []
+    within = a_row(planned_host_gib=100.0, peak_rss_gib=102.9)  # within 3% of its plan
+    assert results_schema.check_results(a_file(a_row(), plan, failed, part, within)) == []
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,7 @@ def test_a_valid_file_has_no_problems():
         (a_file(a_row(system="megatrain plan", predicted_step_s=1.0)), "step_time_s equal to it"),
         (a_file(a_row(fits=False)), "says why in 'error'"),
         (a_file(a_row(placement=[0, 1])), "results[0].placement: has type list"),
+        (a_file(a_row(planned_host_gib=100.0, peak_rss_gib=103.5)), "peak RSS 103.5 GiB passes the planned 100.0"),
         ({k: v for k, v in a_file(a_row()).items() if k != "commands"}, "missing top-level 'commands'"),
         (a_file(a_row()) | {"args": {}}, "unknown top-level 'args'"),
         (a_file(), "results: must be a non-empty list"),
