@@ -110,5 +110,7 @@ def _env_gib() -> float | None:
     except ValueError:
         gib = -1.0
     if not gib > 0:
-        raise ConfigError(f"MEGATRAIN_HOST_MEMORY_GIB={value!r} is not a positive number of GiB; set it to one or unset it")
+        raise ConfigError(
+            f"MEGATRAIN_HOST_MEMORY_GIB={value!r} is not a positive number of GiB; set it to one or unset it"
+        )
     return gib

@@ -78,6 +78,8 @@ GRADIENT_POOL = 3
 # workspaces. (Qwen2.5-7B on an H200: peak RSS 1.4 GiB over the store's arenas, the process's own footprint at
 # planning included: benchmarks/results' host_gib against peak_rss_gib.)
 RUNTIME_HOST_BYTES = 2**30
+# ... and a run on the CPU beside its compute's memory: the allocator's slack and the optimizer threads' workspaces.
+CPU_RUNTIME_HOST_BYTES = 2**26
 # Groups of disk-tier moments resident at once: two read ahead, one being updated, two being written behind.
 DISK_TIER_GROUPS_IN_MEMORY = 5
 # A deeper gradient pool only where the plan then stays within this share of the host's memory.
@@ -232,6 +234,9 @@ class Plan:
                 "phases_s": {name: round(seconds, 4) for name, seconds in self.phases.items()},
                 "gpu_gib": round(self.gpu_bytes / 2**30, 2),
                 "host_gib": round(self.host_bytes / 2**30, 2),
+                "host_items": self.host_items,  # bytes per host, by allocation
+                "host_budget": self.host_source,
+                "process_bytes": self.process_bytes,  # resident when planned, outside host_gib
                 "rates": self.rates.source,
             },
         }
@@ -527,8 +532,9 @@ class Planner:
         yield "wire copy", n_params * self.element * self.wire_copy
         yield "KL reference copy", n_params * self.element * self.reference_copy
         yield "generation copies", self.generation_host_bytes
-        yield "offloaded checkpoints", self.machine.gpus * sum(
-            self.checkpoint_bytes(i, placement.tokens) for i in placement.offloaded
+        yield (
+            "offloaded checkpoints",
+            self.machine.gpus * sum(self.checkpoint_bytes(i, placement.tokens) for i in placement.offloaded),
         )
         yield "host-kept products", self.machine.gpus * len(placement.host_kept) * self.stage_products(placement)
         yield "embedding rows buffer", self._rows_buffer_bytes(placement)
@@ -553,13 +559,17 @@ class Planner:
         CPU, also the compute's own memory (weight slots, checkpoints, a block's work and the head's logits)."""
         if self.machine.gpu_memory is not None:
             return RUNTIME_HOST_BYTES
+        # (no CUDA context, kernels or pinned blocks on the CPU: its own allocator's slack instead)
         tokens = placement.tokens
         slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
         checkpoints = sum(self.checkpoint_bytes(i, tokens) for i in self.blocks)
         products = len(placement.kept) * self.stage_products(placement)
         logits = 3 * min(self.micro_tokens, CHUNK_LOGITS // self.model.vocab_size) * self.model.vocab_size * 4
         work = 2 * max(self.stage_sizes) * 4 + self.recompute_bytes + logits
-        return RUNTIME_HOST_BYTES + slots + checkpoints + products + work
+        # GRPO's generation from resident weights (auto, on the CPU): a copy of the model on the device, the host
+        resident = self.generating and self.config.train.grpo.generation_weights != "streamed"
+        generation = self.model.n_params * self.element if resident else 0
+        return CPU_RUNTIME_HOST_BYTES + slots + checkpoints + products + work + generation
 
     def disk_bytes(self, placement: Placement) -> int:
         first = len(self.group_sizes) if placement.first_disk_group is None else placement.first_disk_group
@@ -1293,7 +1303,9 @@ def format_plan(plan: Plan, model_name: str) -> str:
     lines = [
         f"model            {model_name}: {_params(plan.n_params)} parameters{active}",
         _host_line(plan),
-        "  host items     " + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in plan.host_items.items()) + " GiB",
+        "  host items     "
+        + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in plan.host_items.items())
+        + " GiB",
         _device_line(plan),
         f"tokens per step  {plan.tokens_per_step:,}{_ranks_clause(plan)}",
         "",
