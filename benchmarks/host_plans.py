@@ -8,7 +8,6 @@ Plans only (no run): the rates are the H100 calibration of the dense-120b plans 
 docs/scaling.md, the network an assumed 50 GB/s per host each way.
 """
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,7 +32,6 @@ H200_MEMORY = int(139.8 * 2**30)
 
 
 def plan(preset: str, host_gib: int, hosts: int, split: bool):
-    os.environ["MEGATRAIN_HOST_MEMORY_GIB"] = str(host_gib)
     rows = TOKENS_PER_GPU // SEQ * GPUS * hosts
     config = load_config(
         None,
@@ -48,7 +46,7 @@ def plan(preset: str, host_gib: int, hosts: int, split: bool):
             f"engine.shard_across_hosts={str(split).lower()}",
         ],
     )
-    return make_plan(config, rates=RATES, gpu_memory=H200_MEMORY, gpus=GPUS, hosts=hosts)
+    return make_plan(config, rates=RATES, gpu_memory=H200_MEMORY, gpus=GPUS, hosts=hosts, host_memory=host_gib * 2**30)
 
 
 def main() -> None:
