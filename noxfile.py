@@ -78,13 +78,35 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
+# The GPU tests in groups that each finish in one device call (an engine change passes every group; `nox -s gpu`
+# runs them all, `nox -s gpu -- engine` one). The tests marked two_gpus run where there are two GPUs.
+GPU_GROUPS = {
+    "engine": ["tests/test_gpu_exactness.py"],
+    "families": ["tests/test_dense_families.py", "tests/test_moe.py", "tests/test_llama4.py", "tests/test_generic.py"],
+    "objectives": [
+        "tests/test_dpo.py",
+        "tests/test_grpo.py",
+        "tests/test_generate.py",
+        "tests/test_finetune.py",
+        "tests/test_loss_curves.py",
+        "tests/test_image_text.py",
+    ],
+    "kernels": ["packages/templates/tests"],
+    "ranks": ["tests/test_distributed.py"],
+}
+
+
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
-    """GPU-marked tests with the current environment's (CUDA) torch and the packages on PYTHONPATH."""
+    """GPU-marked tests with the current environment's (CUDA) torch and the packages on PYTHONPATH: every group, or
+    the groups named (`nox -s gpu -- engine families`; GPU_GROUPS), with pytest's own arguments after them."""
     paths = [f"packages/{p}/src" for p in DEPENDS]
     env = {"PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
     gpus = int(session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True, env=env))
     selection = "gpu" if gpus >= 2 else "gpu and not two_gpus"
     if gpus < 2:
         session.warn(f"{gpus} GPU(s) here: the tests marked two_gpus need a machine with two and are not run")
-    session.run("python", "-m", "pytest", "-q", "-m", selection, "tests", *session.posargs, env=env)
+    groups = [arg for arg in session.posargs if arg in GPU_GROUPS] or list(GPU_GROUPS)
+    files = [path for group in groups for path in GPU_GROUPS[group]]
+    pytest_args = [arg for arg in session.posargs if arg not in GPU_GROUPS]
+    session.run("python", "-m", "pytest", "-q", "-m", selection, *files, *pytest_args, env=env)
