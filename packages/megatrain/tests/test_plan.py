@@ -589,3 +589,14 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     assert three.placement.sweeps == 3 and three.placement.tokens == 3 * 16384  # 8 micro-batches: 3, 3 and 2
     with pytest.raises(ConfigError, match="engine.sweeps 2: train.objective dpo reads every micro-batch"):
         config_for("qwen2.5-7b", 131072, **{"train.objective": "dpo", "engine.sweeps": 2})
+
+
+def test_two_trainers_of_one_config_share_no_model_state():
+    """The planner's model is a read-only description cached per shape; each Trainer builds its own, whose router
+    statistics (a mixture of experts' load, set per step) are its alone."""
+    from megatrain.trainer import Trainer
+
+    config = load_config(None, ["model.preset=tiny-mixtral", "device=cpu", "data.seq_len=16", "train.batch_size=2"])
+    first, second = Trainer(config), Trainer(config)
+    assert first.spec is not second.spec and first.spec.router_load is not second.spec.router_load
+    assert first.planner.spec is second.planner.spec  # (the shared description: nothing writes to it)

@@ -32,7 +32,7 @@ from megatrain_optim import (
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences
-from megatrain_zoo import ModelConfig, flops_per_token, init_param_
+from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .data import PairWindows, sequence_lengths, sequence_of_tokens
@@ -140,7 +140,8 @@ class Trainer:
         self.plan = self.planner.plan(self.placement)
         if self.training:
             check_plan(self.plan, config, self.model_config)
-        self.spec = self.planner.spec
+        # the Trainer's own model: the planner's is a shared, read-only description (its RouterLoad the Trainer sets)
+        self.spec = build_model(self.model_config, self.planner.experts_per_stage)
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
 
