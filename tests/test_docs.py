@@ -57,3 +57,17 @@ def test_the_cli_s_docstring_and_readme_list_every_command():
     assert listed == commands, f"cli.py's docstring lists {listed}; the parser has {commands}"
     readme = (ROOT / "packages/megatrain/README.md").read_text()
     assert not [c for c in commands if f"`{c}`" not in readme], "packages/megatrain/README.md misses a command"
+
+
+def slug(heading: str) -> str:
+    """A markdown heading's anchor as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_guide_s_contents_link_every_section_in_order():
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    contents = re.search(r"^## Contents\n\n(.*?)\n\n", guide, re.S | re.M)[1]
+    listed = re.findall(r"^ *- \[(.+)\]\(#([\w-]+)\)$", contents, re.M)
+    sections = [h for h in re.findall(r"^###? (.+)$", guide, re.M) if h != "Contents"]
+    assert [title for title, _ in listed] == sections, "docs/guide.md: the contents and the sections differ"
+    assert all(anchor == slug(title) for title, anchor in listed)
