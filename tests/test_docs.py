@@ -71,3 +71,38 @@ def test_the_guide_s_contents_link_every_section_in_order():
     sections = [h for h in re.findall(r"^###? (.+)$", guide, re.M) if h != "Contents"]
     assert [title for title, _ in listed] == sections, "docs/guide.md: the contents and the sections differ"
     assert all(anchor == slug(title) for title, anchor in listed)
+
+
+DECISIONS = ROOT / "docs" / "decisions"
+
+
+def test_every_decision_record_is_in_the_index_with_its_sections():
+    records = sorted(p.name for p in DECISIONS.glob("[0-9][0-9][0-9]-*.md"))
+    assert records and [p[:3] for p in records] == [f"{n:03d}" for n in range(1, len(records) + 1)]
+    assert re.findall(r"^- \[\d{3}\]\(([\w.-]+)\)", (DECISIONS / "README.md").read_text(), re.M) == records
+    for name in records:
+        text = (DECISIONS / name).read_text()
+        sections = re.findall(r"^## (\w+)$", text, re.M)
+        assert sections == ["Context", "Decision", "Consequence"], f"docs/decisions/{name}: sections {sections}"
+
+
+def named_tests(doc: Path) -> list[tuple[str, str | None]]:
+    """(test file, test function or None) for each `path.py::function` or `path.py` a doc names; a bare
+    `::function` is of the file named last before it."""
+    named, last = [], None
+    for path, function in re.findall(r"`(?:((?:tests|packages)/[\w/]+\.py)|(?=::))(?:::(\w+))?`", doc.read_text()):
+        last = path or last
+        named.append((last, function or None))
+    return named
+
+
+@pytest.mark.parametrize("doc", [ROOT / "docs" / "design.md", *sorted(DECISIONS.glob("0*.md"))], ids=lambda p: p.name)
+def test_the_tests_a_doc_names_exist(doc):
+    named = named_tests(doc)
+    assert named, f"{doc.name} names no test"
+    for path, function in named:
+        assert (ROOT / path).exists(), f"{doc.name} names {path}, which does not exist"
+        if function:
+            assert re.search(rf"^def {function}\(", (ROOT / path).read_text(), re.M), (
+                f"{doc.name}: no {path}::{function}"
+            )
