@@ -29,16 +29,20 @@ def test_a_package_readme_s_examples_run(package):
         exec(compile(code, f"{package.name}/README.md", "exec"), {})
 
 
-@pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
-def test_a_package_readme_names_only_what_the_packages_have(package):
-    """Each name in a README's code spans (`name`, `Class.attribute`, `call(...)`) is in the packages' source
-    (a README may name a neighbour's class); file paths and torch's own names aside."""
+NAMING_DOCS = [p / "README.md" for p in PACKAGES] + [ROOT / "docs" / "design.md"]
+NOT_CODE = {"py", "nox", "noxfile", "pyproject", "toml"}  # file names in code spans
+
+
+@pytest.mark.parametrize("doc", NAMING_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_doc_names_only_what_the_packages_have(doc):
+    """Each name in a doc's code spans (`name`, `Class.attribute`, `call(...)`) is in the packages' source (a README
+    may name a neighbour's class); file paths and torch's own names aside."""
     words = set().union(*map(source_words, PACKAGES))
-    text = re.sub(r"```.*?```", "", (package / "README.md").read_text(), flags=re.S)
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
     spans = [s for s in re.findall(r"`([^`\n]+)`", text) if "/" not in s and not s.startswith(("torch.", "nn."))]
     names = {part for span in spans for part in re.match(r"[\w.]*", span)[0].split(".") if part.isidentifier()}
-    missing = sorted(name for name in names - words if not name.startswith("megatrain") and name != "py")
-    assert not missing, f"packages/{package.name}/README.md names what no package has: {missing}"
+    missing = sorted(name for name in names - words - NOT_CODE if not name.startswith("megatrain"))
+    assert not missing, f"{doc.relative_to(ROOT)} names what no package has: {missing}"
 
 
 def cli_commands() -> list[str]:
