@@ -110,3 +110,15 @@ def test_the_tests_a_doc_names_exist(doc):
             assert re.search(rf"^def {function}\(", (ROOT / path).read_text(), re.M), (
                 f"{doc.name}: no {path}::{function}"
             )
+
+
+def test_the_changelog_goes_by_version_unreleased_on_top_and_the_packages_share_one():
+    sections = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert sections[0] == "[Unreleased]", "CHANGELOG.md: the first section is [Unreleased]"
+    released = [re.fullmatch(r"\[(\d+)\.(\d+)\.(\d+)\] - \d{4}-\d{2}-\d{2}", s) for s in sections[1:]]
+    assert released and all(released), f"CHANGELOG.md: a section is not '[X.Y.Z] - YYYY-MM-DD': {sections[1:]}"
+    versions = [tuple(map(int, m.groups())) for m in released]
+    assert versions == sorted(versions, reverse=True), "CHANGELOG.md: versions go newest first"
+    package_versions = {re.search(r'^version = "(.+)"$', (p / "pyproject.toml").read_text(), re.M)[1] for p in PACKAGES}
+    assert len(package_versions) == 1, f"the packages' versions differ: {package_versions}"
+    assert tuple(map(int, package_versions.pop().split("."))) >= versions[0]
