@@ -1,6 +1,7 @@
 """The docs' result tables, generated from the rows of benchmarks/results (one schema: results_schema.py).
 Each table answers one question from the newest rows that answer it, and lists under it the commands,
 machines and dates of those rows. It lives in a doc between `<!-- table: NAME -->` and `<!-- end table -->`.
+The README keeps its tables short: under each, a link to the same table in docs/benchmarks.md, which lists them.
 
     python benchmarks/tables.py          # rewrite every generated table in README.md and docs/*.md
     python benchmarks/tables.py --check  # exit 1 naming each doc whose tables are stale
@@ -18,6 +19,9 @@ from results_schema import MOE_LAYER, MOE_LAYER_KEPT, load_rows  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "scaling.md"]
+README = ROOT / "README.md"
+# where the README's tables are repeated with their commands (a section of docs/benchmarks.md holding the same regions)
+README_SOURCES = "docs/benchmarks.md#the-readmes-headline-numbers"
 REGION = re.compile(r"(<!-- table: (?P<name>[a-z][a-z0-9.-]*) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 
@@ -1037,7 +1041,16 @@ def render(name: str, rows: list[dict], doc: Path) -> str:
     if name not in TABLES:
         raise SystemExit(f"{doc}: unknown table '{name}' (known: {', '.join(TABLES)})")
     table = TABLES[name](rows)
-    return "\n".join(markdown(table) + provenance(table, doc)) + "\n"
+    if doc == README:
+        below = ["", f"Commands, machines and dates of these rows: [docs/benchmarks.md]({README_SOURCES}).", ""]
+    else:
+        below = provenance(table, doc)
+    return "\n".join([from_doc(line, doc) for line in markdown(table)] + below) + "\n"
+
+
+def from_doc(line: str, doc: Path) -> str:
+    """A table's line with its links to docs/ read from `doc` (tables write them from the repository root)."""
+    return line.replace("](docs/", "](") if doc.parent == ROOT / "docs" else line
 
 
 def regenerate(text: str, rows: list[dict], doc: Path) -> str:

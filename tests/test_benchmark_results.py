@@ -16,7 +16,7 @@ import tables  # noqa: E402
 
 RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
 LINKING_DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md"] + sorted(
-    (ROOT / "docs").glob("*.md")
+    (ROOT / "docs").rglob("*.md")
 )
 
 
@@ -129,6 +129,14 @@ def test_every_table_marker_names_a_table():
     for doc in tables.DOCS:
         for name in re.findall(r"<!-- table: ([a-z][a-z0-9.-]*) -->\n", doc.read_text()):
             assert name in tables.TABLES, f"{doc.name}: unknown table {name}"
+
+
+def test_the_readme_keeps_the_short_table_and_the_benchmark_docs_its_commands():
+    readme = tables.REGION.search((ROOT / "README.md").read_text())
+    assert readme["name"] == "headline" and "<details>" not in readme["body"] and "```bash" not in readme["body"]
+    assert tables.README_SOURCES in readme["body"]
+    in_docs = {m["name"]: m["body"] for m in tables.REGION.finditer((ROOT / "docs" / "benchmarks.md").read_text())}
+    assert "python benchmarks/throughput.py" in in_docs["headline"]
 
 
 def slug(heading: str) -> str:

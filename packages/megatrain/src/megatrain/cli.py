@@ -1,4 +1,4 @@
-"""The `megatrain` command: train, plan, data, eval, convert, bench.
+"""The `megatrain` command: train, plan, convert, data, eval, generate, bench, presets.
 
 Torch and the engine are imported inside `main`, so that Ctrl-C while they load (seconds) ends in one
 line, as every error a user can fix does (exit 2 for a configuration, 1 otherwise, 130 for Ctrl-C, 128 +
