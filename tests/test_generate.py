@@ -165,7 +165,13 @@ def test_the_plan_counts_streamed_generations_host_copies():
     experts = model.n_layers * model.n_experts * 3 * model.d_model * model.moe_d_ff
     streamed, resident = plan("olmoe-1b-7b", "streamed"), plan("olmoe-1b-7b", "resident")
     assert streamed.generation_host_bytes == 2 * experts and resident.generation_host_bytes == 0
-    assert streamed.host_bytes == resident.host_bytes + 2 * experts
+    def beside(plan, *names):
+        return {name: size for name, size in plan.host_items.items() if name not in names}
+
+    assert streamed.host_items["generation copies"] == 2 * experts and "generation copies" not in resident.host_items
+    assert beside(streamed, "runtime", "generation copies") == beside(resident, "runtime")
+    # on the CPU, resident generation's copy of the model is in host memory too (the device is the host)
+    assert resident.host_items["runtime"] - streamed.host_items["runtime"] == 2 * model.n_params
 
 
 def test_generate_reads_the_tokenizer_a_text_run_trained(tmp_path, capsys):

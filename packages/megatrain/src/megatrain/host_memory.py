@@ -1,6 +1,6 @@
 """The host memory a run may take: what the operating system will really give it, less a stated margin.
 
-The planner (`plan.py`) counts every host allocation of a placement (`Planner.host_items`) and takes a choice
+The planner (`plan/`) counts every host allocation of a placement (`CostModel.host_items`) and takes a choice
 that costs host memory only where the total stays within this budget; a plan that does not fit is refused
 before anything is allocated. The budget is the room left now (the cgroup's limit less its usage, else
 MemAvailable), less `HOST_MARGIN`; `MEGATRAIN_HOST_MEMORY_GIB` and `engine.host_memory_gib` can only lower it.

@@ -1,0 +1,569 @@
+"""The cost model of a run (`CostModel`): what a `Placement` takes of host memory (`host_items`, every
+allocation in one place) and of the GPU's, and how long its step lasts, one method per phase (GPU compute, the
+copies in and out, the CPU optimizer, the disk tier, the network), overlapped as the engine runs them. The
+constants are the rules' shares and margins, each with the measurement that set it; `search.Planner` decides with
+them."""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatrain_optim import STATE_NAMES
+from megatrain_sched import Placement, extras_that_fit, staging_buffers
+from megatrain_templates import file_tensors
+from megatrain_templates.head import CHUNK_LOGITS
+from megatrain_zoo import ModelConfig, build_model, linear_attention_flops_per_token
+
+from ..config import Config, resolve_device, resolve_dtype
+from ..host_memory import host_budget, process_bytes
+from ..rates import Rates, layer_works
+
+# a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
+SWEEPS_GAIN = 0.97
+# ... and where their copies alone (weights in each sweep, gradient sums out and back) take at most this share
+# of the GPU's work: beyond it the GPU waited between sweeps (H100, 128k tokens a step: Gemma-3-4B in 4 sweeps,
+# whose copies the planner puts at 0.44 of its work, ran 3-7.5% faster than in one sweep; Qwen2.5-7B in 4, at
+# 0.52, 2.7% slower, through two 128 MiB staging buffers; OLMoE-1B-7B in 2, at 0.68, 24% slower, where its CPU
+# AdamW, starting in the last sweep, outlasted it: a limit the cost model's phases do not yet see)
+SWEEPS_PCIE_SHARE = 0.48
+MOST_SWEEPS = 8
+# the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
+FORWARD_SHARE = 0.25
+# Device memory a run takes after it is planned that no buffer of megatrain's accounts for: cuBLAS's workspaces,
+# compiled kernels, the allocator's rounding. (Qwen2.5-7B on an H100 found 0.1-1.1 GiB free beyond its plan with
+# this and the CUDA context counted: `device_headroom_gib` in benchmarks/results/placement-qwen2.5-7b-h100.json.)
+RUNTIME_DEVICE_BYTES = 3 * 2**28
+LOGITS_CHUNK_BYTES = 3 * 2**30  # the head's fp32 logits chunk with its gradient
+# Device memory a step takes beside its checkpoints, products, gradients and recompute: the head's chunk and the
+# allocator's slack.
+STEP_SLACK_BYTES = LOGITS_CHUNK_BYTES + 2 * 2**30
+# With engine.experts_per_stage auto, a MoE layer streams in parts once its two slots, two gradients
+# and recompute would take more than this share of the GPU: the rest is for activation checkpoints.
+LAYER_GPU_SHARE = 0.5
+# With engine.offload_checkpoints auto, checkpoints stay on the GPU in at most this share of its room for a step.
+CHECKPOINT_GPU_SHARE = 0.5
+# Landing buffers when updates run as gradients arrive, in largest groups (the embedding's room
+# holds several layers'): at least enough for the optimizer to lag the backward by a few layers;
+# more where it is slower than the backward (small steps), see `gradient_pool_size`.
+GRADIENT_POOL = 3
+# Host memory a run on a GPU takes after it is planned beside the buffers the plan counts: the CUDA host allocator's
+# small pinned blocks (batches, norms, rows), kernels loaded and compiled, cuBLAS's and the optimizer threads'
+# workspaces. (Qwen2.5-7B on an H200: peak RSS 1.4 GiB over the store's arenas, the process's own footprint at
+# planning included: benchmarks/results' host_gib against peak_rss_gib.)
+RUNTIME_HOST_BYTES = 2**30
+# ... and a run on the CPU beside its compute's memory: the allocator's slack and the optimizer threads' workspaces.
+CPU_RUNTIME_HOST_BYTES = 2**26
+# Groups of disk-tier moments resident at once: two read ahead, one being updated, two being written behind.
+DISK_TIER_GROUPS_IN_MEMORY = 5
+# A deeper gradient pool only where the plan then stays within this share of the host's memory.
+POOL_HOST_SHARE = 0.9
+# With engine.disk_state_fraction auto, moments go to disk until the plan fits this share of
+# host memory: the rest is page cache for the disk tier's read-ahead and write-behind.
+DISK_TIER_RAM_SHARE = 0.85
+# With engine.held_layers auto, the blocks' weights stay on the GPU from forward to backward, in at most
+# this share of its memory, where the CPU optimizer takes longer than the GPU's work (small steps): the
+# second copy in of every weight then no longer competes with the optimizer for host memory bandwidth.
+HELD_GPU_SHARE = 0.25
+# With engine.gpu_updated_layers auto, the first blocks' masters and moments live and are updated on the GPU,
+# in at most this share of its memory, where the CPU optimizer is slower than the GPU's work (small steps)...
+GPU_UPDATED_SHARE = 0.75
+# ... until the CPU optimizer's time (and the head's, which waits for it) is within this share of the GPU's
+# work: its rate varies by 20% between machines and in a step, and a step it holds back loses more than
+# the kept layers that memory would have held save.
+CPU_OPTIMIZER_MARGIN = 0.8
+# With engine.host_kept_layers auto (large steps), kept products also go to pinned host memory, up to this
+# share of it with the rest of the plan, and only as many as the forward's idle copy-out carries at
+# HOST_KEPT_PCIE_SHARE of the link while the layers between two of them compute (each waits for the one
+# before to be out; the backward, three times longer, brings them back beside the weights).
+HOST_KEPT_RAM_SHARE = 0.85
+HOST_KEPT_PCIE_SHARE = 0.8
+# ... and only where the CPU optimizer takes under this share of the GPU's work: their copies go through the
+# host memory the optimizer's updates are bound by (Qwen2.5-7B at 32k on an H100, optimizer 1.6-1.9 s of a
+# 2.8 s step: 2 such layers 2.80-2.82 s against 2.80 with none; 7B at 128k, 1-1.6 of 7.7 s: +0.7%)
+HOST_KEPT_OPTIMIZER_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run has: one GPU's memory free for it (None: no GPU), the host memory its plan may take (None:
+    unknown; `host_memory.host_budget`) and where that number came from, GPUs per host, hosts, and the resident
+    memory the process held when it was planned (outside the plan's host bytes)."""
+
+    gpu_memory: int | None
+    host_memory: int | None
+    gpus: int = 1
+    hosts: int = 1
+    host_source: str = "as given"
+    process_bytes: int = 0
+
+    @classmethod
+    def of(cls, config: Config, gpu_memory: int | None = None, host_memory: int | None = None, gpus=1, hosts=1):
+        """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free for the run (a
+        plan for another machine). A GPU's is what it has free now, with what this process's allocator holds unused
+        (the CUDA context and other processes' memory are not the run's); the host's is asked after the GPU's, so
+        that the CUDA context is already outside it."""
+        device = resolve_device(config.device)
+        if gpu_memory is None and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            gpu_memory = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if host_memory is not None:
+            return cls(gpu_memory, host_memory, gpus, hosts, f"{host_memory / 2**30:g} GiB as given")
+        budget = host_budget(config.engine.host_memory_gib)
+        return cls(gpu_memory, budget.bytes, gpus, hosts, budget.source, process_bytes())
+
+
+@functools.cache  # a model's stages, asked for by every planner of it
+def _built(model: ModelConfig, experts_per_stage: int):
+    return build_model(model, experts_per_stage)
+
+
+def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[int], list[int], int]:
+    """(parameters per store group in store order, parameters each stage binds, how many [tokens,
+    d_model] activation checkpoints a micro-batch keeps), as megatrain_zoo builds the model."""
+    spec = _built(model, experts_per_stage)
+    groups = [sum(p.numel for p in group.params) for group in spec.groups]
+    stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
+    planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in spec.stages[1:-1])
+    return groups, stages, planes
+
+
+def resident_stages(spec, layers: int) -> tuple[int, ...]:
+    """The stages (of a built model `spec`) whose masters and moments live on the GPU for `layers` resident
+    blocks: the first `layers` blocks and, with any, the embedding: it is the last gradient of a step and the
+    first weight of the next, so the step boundary then waits for no copy out, CPU update or copy in. A later
+    stage binding one of their groups too (a head tied to the table, which an image-text model's first blocks
+    reach: a stage binds resident groups only, or none)."""
+    if not layers:
+        return ()
+    resident = {g for stage in spec.stages[: layers + 1] for g in stage.groups}
+    tied = tuple(i for i, stage in enumerate(spec.stages) if i > layers and resident & set(stage.groups))
+    return (*range(layers + 1), *tied)
+
+
+def gpu_updated_groups(spec, layers: int) -> list[int]:
+    """The groups of `resident_stages`."""
+    return sorted({g for i in resident_stages(spec, layers) for g in spec.stages[i].groups})
+
+
+def mlp_width_per_token(model: ModelConfig) -> int:
+    """The widest MLP hidden state one token makes in any layer (k experts + shared expert, or d_ff)."""
+    moe = model.n_experts_per_tok * model.moe_d_ff + model.shared_expert_d_ff
+    return max(moe if model.layer_is_moe(layer) else model.d_ff for layer in range(model.n_layers))
+
+
+def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
+    """GPU bytes per token that one kept layer's products hold (the largest kind's); 0 where the layers always
+    recompute."""
+    spec = _built(model, 0)
+    templates = [spec.stages[spec.layer_stage(layer)].template for layer in range(model.n_layers)]
+    keeps = all(callable(getattr(t, "forward_keeping_products", None)) for t in templates)
+    return max(t.product_bytes_per_token(element_size) for t in templates) if keeps else 0
+
+
+def slowest(parts: dict[str, float]) -> str:
+    """The phase that bounds a step; the first of those within rounding of it (compute wins ties: a pass
+    whose copies are hidden sums to the same seconds by another path)."""
+    longest = max(parts.values())
+    return next(name for name, seconds in parts.items() if seconds >= longest * (1 - 1e-9))
+
+
+def gradient_pool_size(optimizer_s: float, backward_s: float, sizes: list[int], rates: Rates) -> float:
+    """The gradient pool, in largest groups (`sizes`: parameters per group): GRADIENT_POOL, or where the
+    optimizer takes longer than the part of the backward that lands its gradients (`backward_s`), room for
+    the gradients it has not taken when that part ends plus two of the largest (the embedding's, which
+    lands last, and room for first-fit's gaps), so that the backward never waits for it (one did at a pool
+    one smaller, on a machine whose optimizer ran below its rate: a 16k-token 7B step waited 0.2 s for
+    room for the embedding's gradient)."""
+    left = max(0.0, optimizer_s - backward_s) * rates.cpu_adam_params_per_s
+    return max(float(GRADIENT_POOL), math.ceil(2 + left / max(sizes)))
+
+
+def whole_step_statistics(model: ModelConfig, config: Config) -> str | None:
+    """What makes a step's backward read statistics of all its micro-batches' forwards, which a step in sweeps
+    lacks when its first backward runs (a MoE router's load-balancing loss or z-loss: their gradients divide by
+    the step's loads and tokens); None: nothing does."""
+    if not model.is_moe:
+        return None
+    if model.router_aux_loss_coef and model.output_router_logits:
+        return "the router's load-balancing loss"
+    if config.train.router_z_loss_coef:
+        return "train.router_z_loss_coef"
+    return None
+
+
+class CostModel:
+    """The cost model of one run: `config`'s model and settings, `rates` and `machine`.
+
+    Memory: `host_items` (every host allocation), `persistent_device_bytes` (slots, staging, held weights,
+    resident state) and `step_device_bytes` (checkpoints and products kept on the GPU, gradients, a recompute, the
+    head's chunk) count what the store and the pipeline allocate. Time, one method per phase: `compute_s`,
+    `copy_passes_s`, `optimizer_s`, `disk_s`, `network_s`, `boundary_s`; `phases` overlaps them as the engine
+    does."""
+
+    def __init__(self, config: Config, model: ModelConfig, rates: Rates, machine: Machine):
+        self.config, self.model, self.rates, self.machine = config, model, rates, machine
+        engine = config.engine
+        self.dtype = resolve_dtype(config.precision.compute_dtype, resolve_device(config.device))
+        self.element = torch.finfo(self.dtype).bits // 8
+        self.full_grads = config.train.grad_clip > 0
+        self.split = engine.shard_across_hosts and machine.hosts > 1
+        self.wire_copy = (engine.wire_copy or self.split) and self.dtype != torch.float32
+        grpo = config.train.grpo
+        self.generating = config.train.objective == "grpo" and grpo.rollouts is None  # (GRPO's rollouts made here)
+        self.reference_copy = self.generating and grpo.beta > 0  # (the KL's reference weights, streamed per step)
+        self.world = machine.gpus * machine.hosts
+        self.micro_tokens = config.train.rows_per_micro_batch * config.data.seq_len
+        width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
+        # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in the
+        # compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)
+        self.recompute_bytes = self.micro_tokens * (8 * model.d_model + 3 * width) * self.element
+        self.experts_per_stage = self._experts_per_stage()
+        self.spec = _built(model, self.experts_per_stage)
+        self.group_sizes, self.stage_sizes, _ = layout_sizes(model, self.experts_per_stage)
+        self.n_stages = len(self.spec.stages)
+        self.blocks = range(1, self.n_stages - 1)
+        templates = [stage.template for stage in self.spec.stages]
+        self.planes = [getattr(t, "checkpoint_planes", 1) if i in self.blocks else 0 for i, t in enumerate(templates)]
+        keeps = [callable(getattr(t, "forward_keeping_products", None)) for t in templates]
+        self.keepable = next((n for n, i in enumerate(reversed(self.blocks)) if not keeps[i]), len(self.blocks))
+        keepers = [templates[i] for i in self.blocks[len(self.blocks) - self.keepable :]]
+        self.product_bytes_per_token = max((t.product_bytes_per_token(self.element) for t in keepers), default=0)
+        self.extra_bytes_per_token = {
+            i: getattr(templates[i], "extra_product_bytes_per_token", lambda _: 0)(self.element) for i in self.blocks
+        }
+        weightless = {i for i, t in enumerate(templates) if not getattr(t, "backward_reads_weights", True)}
+        self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
+        self.table_group = self.spec.stages[0].groups[0]
+        # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
+        self.frozen = self.spec.frozen_groups(config.train.frozen_parts)
+        self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
+        self.generation_host_bytes = self._generation_host_bytes()
+        self.names = [stage.name for stage in self.spec.stages]
+
+    def _generation_host_bytes(self) -> int:
+        """Host bytes GRPO's generation takes beside the store (`megatrain.generate.generation_host_bytes`)."""
+        if not self.generating:
+            return 0
+        from ..generate import generation_host_bytes
+
+        grpo = self.config.train.grpo
+        stored = file_tensors({p.name: p.shape for group in self.spec.groups for p in group.params})
+        length = grpo.max_prompt_length + grpo.max_completion_length
+        shapes = {name: shape for name, (shape, _) in stored.items()}
+        return generation_host_bytes(
+            self.model, shapes, self.dtype, grpo.generation_weights, self.machine.gpu_memory, length
+        )
+
+    def _experts_per_stage(self) -> int:
+        """engine.experts_per_stage resolved, 0 for whole layers (and dense models). auto: whole layers unless a
+        layer's slots, gradients and recompute would take over LAYER_GPU_SHARE of the GPU, then the fewest parts
+        (2, 4, 8, ...) that do not, so that the rest stays for activation checkpoints."""
+        n, setting, gpu = self.model.n_experts, self.config.engine.experts_per_stage, self.machine.gpu_memory
+        if not self.model.is_moe:
+            return 0
+        if setting != "auto":
+            return setting if setting < n else 0
+
+        def layer_bytes(per_stage: int) -> int:
+            groups, stages, _ = layout_sizes(self.model, per_stage)
+            return 2 * max(stages) * self.element + 2 * max(groups) * 4 + self.recompute_bytes + LOGITS_CHUNK_BYTES
+
+        parts = 1
+        while gpu is not None and parts < n and layer_bytes(-(-n // parts)) > LAYER_GPU_SHARE * gpu:
+            parts *= 2
+        return 0 if parts == 1 else -(-n // min(parts, n))
+
+    # ------------------------------------------------------------------ memory
+    def checkpoint_bytes(self, stage: int, tokens: int) -> int:
+        return tokens * self.model.d_model * self.element * self.planes[stage]
+
+    def params(self, stages: tuple[int, ...]) -> int:
+        """Parameters of the groups these stages bind (each group once)."""
+        return sum(self.group_sizes[g] for g in {g for i in stages for g in self.spec.stages[i].groups})
+
+    def resident_state_bytes(self, placement: Placement) -> int:
+        """GPU bytes of the resident groups' fp32 masters and moments (and, with clipping, their gradients)."""
+        per_param = 4 * (1 + len(STATE_NAMES)) + (4 if self.full_grads else 0)
+        return self.params(placement.resident) * per_param
+
+    def persistent_device_bytes(self, placement: Placement) -> int:
+        """GPU bytes that outlive a step: the rotating slots, the fp32 staging buffers, held weights, resident state."""
+        slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
+        staging = (
+            math.prod(staging_buffers(max(self.stage_sizes))) * 4 if self.element < 4 and not self.wire_copy else 0
+        )
+        held = sum(self.stage_sizes[i] for i in placement.held) * self.element
+        return slots + staging + held + self.resident_state_bytes(placement)
+
+    def working_device_bytes(self) -> int:
+        """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,
+        the head's chunk and slack."""
+        gradients = 2 * max(self.stage_sizes[i] for i in self.blocks) * 4
+        recompute = max(self.recompute_bytes, 2 * self.micro_tokens * self.product_bytes_per_token)
+        return gradients + recompute + STEP_SLACK_BYTES
+
+    def step_device_bytes(self, placement: Placement) -> int:
+        """GPU bytes a step takes beside the persistent ones: checkpoints kept there (and one offloaded stage's
+        back a stage ahead of its backward), products kept there (and one host-kept stage's on its way), and
+        its working memory."""
+        tokens = placement.tokens
+        offloaded = placement.offloaded
+        checkpoints = sum(self.checkpoint_bytes(i, tokens) for i in self.blocks if i not in offloaded)
+        checkpoints += max((self.checkpoint_bytes(i, tokens) for i in offloaded), default=0)
+        in_flight = 1 if placement.host_kept else 0
+        products = (len(placement.kept) + in_flight) * tokens * self.product_bytes_per_token
+        return checkpoints + products + self.sweeps_device_bytes(placement) + self.working_device_bytes()
+
+    def sweeps_device_bytes(self, placement: Placement) -> int:
+        """GPU bytes a step in sweeps takes beside one sweep's: the earlier sweeps' gradient sum of a stage, back
+        from host memory, and the resident groups' gradients, kept from sweep to sweep (with clipping they are
+        held to the step's end anyway: `resident_state_bytes`)."""
+        if placement.sweeps == 1:
+            return 0
+        carried = 0 if self.full_grads else self.params(placement.resident) * 4
+        return max(self.stage_sizes) * 4 + carried
+
+    def device_bytes(self, placement: Placement) -> int:
+        return RUNTIME_DEVICE_BYTES + self.persistent_device_bytes(placement) + self.step_device_bytes(placement)
+
+    def _device_room(self, placement: Placement) -> float:
+        """GPU bytes left beside everything `placement` takes (inf without a GPU: nothing is decided by it)."""
+        if self.machine.gpu_memory is None:
+            return math.inf
+        return self.machine.gpu_memory - self.device_bytes(placement)
+
+    def host_items(self, placement: Placement) -> dict[str, int]:
+        """Every host allocation of `placement`, by name, bytes per host: the one place they are counted (the
+        store's arenas, the pipeline's pinned rooms, the optimizer's and generation's buffers, the runtime's)."""
+        return {name: int(nbytes) for name, nbytes in self._host_allocations(placement) if nbytes > 0}
+
+    def _host_allocations(self, placement: Placement):
+        n_params, trainable = self.model.n_params, self.model.n_params - self.frozen_params
+        share = 1 / self.machine.hosts if self.split else 1  # a host holds its part of what the hosts split
+        yield "master weights", n_params * 4 * share
+        yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - self.disk_bytes(placement)
+        if self.disk_bytes(placement):  # the groups read ahead, being updated and being written behind
+            on_disk = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
+            yield "disk tier's page cache", sum(on_disk[:DISK_TIER_GROUPS_IN_MEMORY]) * 4 * len(STATE_NAMES)
+        if placement.gradient_pool is None:  # a buffer per group, as the store allocates then
+            reason = "for clipping" if self.full_grads else f"across {placement.sweeps} sweeps"
+            yield f"gradients held {reason}", trainable * 4 * share
+        else:
+            yield "gradient pool", placement.gradient_pool * max(self.group_sizes) * 4 * share
+        yield "wire copy", n_params * self.element * self.wire_copy
+        yield "KL reference copy", n_params * self.element * self.reference_copy
+        yield "generation copies", self.generation_host_bytes
+        yield (
+            "offloaded checkpoints",
+            self.machine.gpus * sum(self.checkpoint_bytes(i, placement.tokens) for i in placement.offloaded),
+        )
+        yield "host-kept products", self.machine.gpus * len(placement.host_kept) * self.stage_products(placement)
+        yield "embedding rows buffer", self._rows_buffer_bytes(placement)
+        yield "runtime", self._runtime_host_bytes(placement)
+
+    def stage_products(self, placement: Placement) -> int:
+        """Bytes one keeping stage's matmul products take for `placement`'s tokens."""
+        return placement.tokens * self.product_bytes_per_token
+
+    def _rows_buffer_bytes(self, placement: Placement) -> int:
+        """The pinned buffer the embedding's updated rows go to the GPU through (`Trainer._rows_first`): a quarter
+        of the table, fp32, rounded up to a power of two by the CUDA host allocator."""
+        first = self.spec.stages[0]
+        streams_rows = hasattr(first.template, "forward_rows") and len(first.groups) == 1 and self.world == 1
+        if not streams_rows or self.wire_copy or 0 in placement.resident or placement.first_disk_group == 0:
+            return 0
+        nbytes = self.group_sizes[first.groups[0]] // 4 * 4
+        return 2 ** math.ceil(math.log2(max(1, nbytes))) if self.machine.gpu_memory is not None else nbytes
+
+    def _runtime_host_bytes(self, placement: Placement) -> int:
+        """Host memory a run takes after it is planned beside its buffers: on a GPU, RUNTIME_HOST_BYTES; on the
+        CPU, also the compute's own memory (weight slots, checkpoints, a block's work and the head's logits)."""
+        if self.machine.gpu_memory is not None:
+            return RUNTIME_HOST_BYTES
+        # (no CUDA context, kernels or pinned blocks on the CPU: its own allocator's slack instead)
+        tokens = placement.tokens
+        slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
+        checkpoints = sum(self.checkpoint_bytes(i, tokens) for i in self.blocks)
+        products = len(placement.kept) * self.stage_products(placement)
+        logits = 3 * min(self.micro_tokens, CHUNK_LOGITS // self.model.vocab_size) * self.model.vocab_size * 4
+        work = 2 * max(self.stage_sizes) * 4 + self.recompute_bytes + logits
+        # GRPO's generation from resident weights (auto, on the CPU): a copy of the model on the device, the host
+        resident = self.generating and self.config.train.grpo.generation_weights != "streamed"
+        generation = self.model.n_params * self.element if resident else 0
+        return CPU_RUNTIME_HOST_BYTES + slots + checkpoints + products + work + generation
+
+    def disk_bytes(self, placement: Placement) -> int:
+        first = len(self.group_sizes) if placement.first_disk_group is None else placement.first_disk_group
+        return sum(self.group_sizes[first:]) * 4 * len(STATE_NAMES)
+
+    def host_bytes(self, placement: Placement) -> int:
+        return sum(self.host_items(placement).values())
+
+    # ------------------------------------------------------------------- time
+    def head_s(self, tokens: int) -> float:
+        """The loss head's GPU seconds for `tokens`: its GEMM, the loss and its backward."""
+        return 6 * self.model.vocab_size * self.model.d_model * tokens / (self.rates.head_tflops * 1e12)
+
+    def blocks_s(self, tokens: int, kept: int) -> float:
+        """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products."""
+        layer_rate = self.rates.moe_gpu_tflops if self.model.is_moe else self.rates.gpu_tflops
+        kept_rate = layer_rate if self.model.is_moe else self.rates.gpu_kept_tflops or layer_rate
+        whole, kept_layer = layer_works(self.model, self.config.data.seq_len, tokens)
+        return ((self.model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
+
+    def layers_s(self, placement: Placement) -> float:
+        """The GPU's forward, recompute and backward of every layer and the head, a sweep."""
+        kept = len(placement.kept) + len(placement.host_kept)
+        skipped = len(self.extras(placement)) * self.recurrence_forward_s(placement.tokens)
+        return self.blocks_s(placement.tokens, kept) - skipped + self.head_s(placement.tokens)
+
+    def extras(self, placement: Placement) -> tuple[int, ...]:
+        """The stages keeping their products on the GPU that the pipeline will let keep their extra products too,
+        by its rule (`extras_that_fit`) on the GPU's room beside `placement` (all of them without a GPU)."""
+        extra = {i: placement.tokens * self.extra_bytes_per_token[i] for i in placement.kept}
+        return tuple(sorted(extras_that_fit(extra, self._device_room(placement))))
+
+    def recurrence_forward_s(self, tokens: int) -> float:
+        """A linear-attention layer's recurrence forward for `tokens`: what keeping its results saves."""
+        if not self.model.linear_attention_layers:
+            return 0.0
+        return linear_attention_flops_per_token(self.model) / 3 * tokens / (self.rates.recurrence_tflops * 1e12)
+
+    def device_update_s(self, placement: Placement) -> float:
+        """The resident groups' AdamW and casts, on the compute stream."""
+        return self.params(placement.resident) / self.rates.gpu_adam_params_per_s
+
+    def step_layers_s(self, placement: Placement) -> float:
+        """Every sweep's layers and head: the GPU's work a step, what the CPU optimizer's is weighed against."""
+        return placement.sweeps * self.layers_s(placement)
+
+    def compute_s(self, placement: Placement) -> float:
+        """Every sweep's layers, and the resident groups' update once a step."""
+        return self.step_layers_s(placement) + self.device_update_s(placement)
+
+    def optimizer_s(self, placement: Placement) -> float:
+        """The CPU AdamW of every group not resident (this host's part of them where the hosts split the state)."""
+        cpu_params = self.model.n_params - self.frozen_params - self.params(placement.resident)
+        return cpu_params / (self.machine.hosts if self.split else 1) / self.rates.cpu_adam_params_per_s
+
+    def _wire(self) -> int:
+        """Bytes a weight crosses PCIe in."""
+        return self.element if self.wire_copy else 4
+
+    def transfer_s(self, placement: Placement) -> float:
+        """The copies alone, each sweep: weights in twice (held ones once, resident ones never), fp32 gradients out
+        once (and, after the first sweep, the sum so far back in)."""
+        streamed = self.model.n_params - self.params(placement.resident)
+        held, sweeps = self.params(placement.held), placement.sweeps
+        copies_in = sweeps * (2 * streamed - held) * self._wire() + (sweeps - 1) * 4 * streamed
+        return max(copies_in, sweeps * 4 * streamed) / (self.rates.pcie_gbps * 1e9)
+
+    def copy_passes_s(self, placement: Placement) -> tuple[float, float]:
+        """(forward, backward) seconds of a sweep, each as long as its compute or its copies, whichever is longer: a pass
+        runs no faster than its weights arrive (a MoE forward, a quarter of little active work, often waits for
+        them); the backward's weights come in beside its gradients and reloads going out, on a duplex link.
+        Resident blocks compute first in the forward and last in the backward with no copy to hide behind
+        them (held blocks' forward copies may start meanwhile: their buffers are their own). A sweep after the
+        first brings the gradient sums back in beside its weights (here, a sweep's average); the resident groups'
+        update, once a step, is `phases`'."""
+        pcie, duplex = self.rates.pcie_gbps * 1e9, self.rates.pcie_duplex_gbps * 1e9
+        tokens, wire = placement.tokens, self._wire()
+        layers_s = self.layers_s(placement)
+        resident = self.params(placement.resident)
+        streamed, held = self.model.n_params - resident, self.params(placement.held)
+        share = resident / self.model.n_params
+        activations_out = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
+        activations_out += len(placement.host_kept) * tokens * self.product_bytes_per_token
+        forward_compute, backward_compute = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
+        early_s = min(held * wire / pcie, share * forward_compute)
+        forward_s = share * forward_compute + max(
+            (1 - share) * forward_compute, streamed * wire / pcie - early_s, activations_out / pcie
+        )
+        sums_back = (placement.sweeps - 1) / placement.sweeps * streamed * 4
+        backward_weights_s = ((streamed - held) * wire + activations_out + sums_back) / duplex
+        backward_s = share * backward_compute + max(
+            (1 - share) * backward_compute, backward_weights_s, streamed * 4 / duplex
+        )
+        return forward_s, backward_s
+
+    def boundary_s(self, placement: Placement) -> float:
+        """The step boundary's wait where the embedding is not resident: its gradient and the first block's are
+        the step's last, their weights the next's first, so the GPU waits for them to go out, be updated on the
+        CPU and come back (of the table, the rows the next step's tokens read: the rest is updated beside)."""
+        if 0 in placement.resident:
+            return 0.0
+        rows = min(self.model.vocab_size, placement.step_tokens) * self.model.d_model
+        first = rows + self.params((1,))
+        return first / self.rates.cpu_adam_params_per_s + first * (self._wire() + 4) / (self.rates.pcie_gbps * 1e9)
+
+    def disk_s(self, placement: Placement) -> float:
+        """Every step reads and writes the disk tier's state."""
+        return 2 * self.disk_bytes(placement) / (self.rates.disk_gbps * 1e9)
+
+    def network_bytes(self) -> int:
+        """Bytes each host sends a step: its share of a ring all-reduce of the gradients (a replica per host), or
+        the others' parts of its gradient sum and its updated part of the weights to each (split state)."""
+        fraction = (self.machine.hosts - 1) / self.machine.hosts
+        n = self.model.n_params
+        return int(fraction * (4 + self.element) * n if self.split else 2 * fraction * 4 * n)
+
+    def network_s(self) -> float:
+        return self.network_bytes() / (self.rates.network_gbps * 1e9)
+
+    def exchange_s(self) -> float:
+        """Split state: a host's updated part goes out group by group as the optimizer finishes each (beside it)."""
+        if not self.split:
+            return 0.0
+        fraction = (self.machine.hosts - 1) / self.machine.hosts
+        return fraction * self.element * self.model.n_params / (self.rates.network_gbps * 1e9)
+
+    def host_backward_s(self, placement: Placement) -> float:
+        """The part of the backward that lands gradients in host memory: the last sweep's, all but the resident
+        blocks', last."""
+        resident_share = self.params(placement.resident) / self.model.n_params
+        sweep_s = self.layers_s(placement) + self.device_update_s(placement)
+        return (1 - FORWARD_SHARE) * sweep_s * (1 - resident_share)
+
+    def phases(self, placement: Placement) -> dict[str, float]:
+        """What each bound would make the step last (before the step boundary's wait). Updates applied as
+        gradients land start after the head and, first layers first, run beside the backward and the next
+        forward, which reaches the head once the last is done: with a pool deep enough for what the optimizer has
+        left when the backward ends, only the head waits for them, else the whole forward does. With clipping
+        they start after the backward, and the next backward waits for the forward they pace. Either way they
+        start in the last sweep: a step's earlier sweeps add to what waits for them."""
+        forward_s, backward_s = self.copy_passes_s(placement)
+        compute_s, optimizer_s = self.compute_s(placement), self.optimizer_s(placement)
+        sweeps, sweep_s, update_s = placement.sweeps, self.layers_s(placement), self.device_update_s(placement)
+        pool_needed = gradient_pool_size(optimizer_s, self.host_backward_s(placement), self.group_sizes, self.rates)
+        if self.full_grads:
+            serial_s = (1 - FORWARD_SHARE) * (sweep_s + update_s)
+        elif placement.gradient_pool is None or placement.gradient_pool >= pool_needed:
+            serial_s = self.head_s(placement.tokens)
+        else:
+            serial_s = forward_s
+        serial_s += (sweeps - 1) * sweep_s
+        return {
+            "compute": compute_s,
+            # = compute where both passes hide their copies (compute wins ties)
+            "pcie": sweeps * (forward_s + backward_s) + update_s,
+            "cpu_optimizer": max(optimizer_s, self.exchange_s()) + serial_s,
+            "disk": self.disk_s(placement),
+            "network": sweeps * self.network_s(),
+        }
+
+    def reference_tokens_per_s(self, placement: Placement) -> float:
+        """DPO's reference pass (forward only, before training): tokens per second, the weights streamed once for
+        `reference.PASS_STEPS` steps' rows; 0 where the objective needs no reference."""
+        from ..reference import PASS_STEPS
+
+        dpo = self.config.train.dpo
+        if self.config.train.objective != "dpo" or not dpo.needs_reference:
+            return 0.0
+        forward_s = FORWARD_SHARE * self.layers_s(placement) * PASS_STEPS
+        weights_s = self.model.n_params * self._wire() / (self.rates.pcie_gbps * 1e9)
+        return PASS_STEPS * placement.tokens * self.world / max(forward_s, weights_s)
+
+    def step_s(self, placement: Placement) -> float:
+        return max(self.phases(placement).values()) + self.boundary_s(placement)

@@ -1,0 +1,460 @@
+"""`megatrain plan`: where each layer's weights and activations go, whether a run fits, and how fast it runs.
+
+The `Planner` searches a step size's placement (`place`) over its cost model (`costs.CostModel`) and reports
+what it costs (`plan`). The Trainer executes that placement as it is (`megatrain_sched.LayerPipeline`),
+`megatrain plan` prints it (`report.format_plan`) and benchmark rows record it: one object, decided in one place.
+
+How `place` decides, in order (each choice the fewest or most that a rule allows; `engine.*` settings other
+than auto override a rule):
+1. activation checkpoints that do not fit in half the GPU's room for a step go to host memory (first layers
+   first: produced first, needed last);
+2. a small step, whose CPU optimizer would take longer than the GPU's work, makes the embedding and the first
+   blocks resident (fp32 state on the GPU, updated there) until the optimizer fits beside the GPU's work; a
+   large one makes the embedding and first block resident where the step boundary costs more than the kept
+   products their state displaces;
+3. a small step holds the next blocks' weights from forward to backward (one copy a step instead of two);
+4. a large step offloads the fewest first checkpoints that let the most layers keep their matmul products;
+5. the gradient pool is deepened where the optimizer lags the backward, and the last groups' moments go to
+   disk where the host cannot hold them;
+6. in a large step more layers keep their products in pinned host memory, as the host and PCIe allow;
+7. the last layers keep their products on the GPU, as many as its memory holds;
+8. a large step whose GPU work bounds it, and whose layers do not all keep their products, runs in sweeps (its
+   micro-batches in consecutive parts, forward and backward each, gradients summed before the one update),
+   each placed as a step of its size, where that is predicted faster: each sweep keeps more products, at the
+   price of the weights and gradient sums crossing PCIe once more per sweep.
+"""
+
+import itertools
+from dataclasses import dataclass, replace
+
+from megatrain_sched import Placement
+from megatrain_zoo import flops_per_token
+
+from .costs import (
+    CHECKPOINT_GPU_SHARE,
+    CPU_OPTIMIZER_MARGIN,
+    DISK_TIER_RAM_SHARE,
+    FORWARD_SHARE,
+    GPU_UPDATED_SHARE,
+    GRADIENT_POOL,
+    HELD_GPU_SHARE,
+    HOST_KEPT_OPTIMIZER_SHARE,
+    HOST_KEPT_PCIE_SHARE,
+    HOST_KEPT_RAM_SHARE,
+    MOST_SWEEPS,
+    POOL_HOST_SHARE,
+    RUNTIME_DEVICE_BYTES,
+    SWEEPS_GAIN,
+    SWEEPS_PCIE_SHARE,
+    CostModel,
+    gradient_pool_size,
+    resident_stages,
+    slowest,
+    whole_step_statistics,
+)
+from .report import Plan
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """A placement in the making: how many stages take each choice, by the planner's rules of which."""
+
+    tokens: int  # per GPU and sweep
+    sweeps: int = 1  # forward-backward sweeps a step runs in
+    resident: int = 0  # blocks (the first; with the embedding, and the head where tied)
+    held: int = 0  # blocks after the resident ones
+    offloaded: int = 0  # blocks, the first, whose checkpoints go to host memory
+    kept: int = 0  # blocks, the last keepable ones, keeping their products on the GPU
+    host_kept: int = 0  # blocks before those, spread evenly, keeping theirs in host memory
+
+
+class Planner(CostModel):
+    """The placement of one run's steps: `place` searches it by the rules of the module's docstring over the cost
+    model; `plan` reports what one costs and how long its step is predicted to take."""
+
+    def compute_bound_tokens(self) -> int:
+        """Tokens per step (all GPUs') from which the GPU's work bounds the step, each size placed for itself
+        (compute grows with the tokens, the rest nearly does not)."""
+
+        def compute_bound(tokens: int) -> bool:
+            return slowest(self.phases(self.place(tokens, explain=False))) == "compute"
+
+        low, high = 0, max(1, self.config.train.rows_per_step * self.config.data.seq_len // self.world)
+        while not compute_bound(high) and high < 2**40:
+            low, high = high, 2 * high
+        while high - low > max(1, high // 1000):  # to 0.1%: a plan per probe
+            middle = (low + high) // 2
+            low, high = (low, middle) if compute_bound(middle) else (middle, high)
+        return high * self.world
+
+    # ------------------------------------------------------------------ search
+    def placement_of(self, counts: _Counts, **step) -> Placement:
+        """`counts` as stage indices, by the rules: the first blocks resident (with the embedding, and the head
+        where tied), then held; the first blocks' checkpoints offloaded; the last keepable blocks keeping their
+        products on the GPU, and before those, spread evenly from the first keepable one (the copies out keep
+        pace with the forward, and the first layers' backward, last, leaves the copies back the most time), the
+        host-kept ones."""
+        resident = resident_stages(self.spec, counts.resident)
+        holdable = [i for i in self.holdable if i not in resident]
+        last_block = self.n_stages - 2
+        kept = tuple(range(last_block - counts.kept + 1, last_block + 1))
+        candidates = list(range(max(1, last_block + 1 - self.keepable), last_block + 1 - counts.kept))
+        n = min(counts.host_kept, len(candidates))
+        host_kept = tuple(candidates[i * len(candidates) // n] for i in range(n))
+        placement = Placement.build(
+            self.n_stages,
+            resident=resident,
+            held=tuple(holdable[: counts.held]),
+            offloaded=tuple(self.blocks[: counts.offloaded]),
+            kept=kept,
+            host_kept=host_kept,
+            tokens=counts.tokens,
+            sweeps=counts.sweeps,
+            wire_copy=self.wire_copy,
+            experts_per_stage=self.experts_per_stage,
+            **step,
+        )
+        return replace(placement, device_step_bytes=self.step_device_bytes(placement))
+
+    def place(
+        self, tokens: int, first_disk_group: int | None = None, explain: bool = True, sweeps: int | None = None
+    ) -> Placement:
+        """The placement for steps of `tokens` per GPU (see the module's docstring for the order of the choices).
+        `first_disk_group`: the disk tier of a store already allocated (else decided here). With `explain`, the
+        placement's `why` says in words what decided each choice. `sweeps`: so many (else engine.sweeps's)."""
+        setting = sweeps or self.config.engine.sweeps
+        if setting != "auto":
+            return self._place_sweeps(tokens, setting, first_disk_group, explain)
+        one = self._place_sweeps(tokens, 1, first_disk_group, explain)
+        best = one
+        for sweeps in self._sweep_counts(one):
+            placed = self._place_sweeps(tokens, sweeps, first_disk_group, explain)
+            fits = (
+                self.machine.host_memory is None
+                or self.host_bytes(placed) <= POOL_HOST_SHARE * self.machine.host_memory
+            )
+            hidden = self.transfer_s(placed) <= SWEEPS_PCIE_SHARE * self.compute_s(placed)
+            if fits and hidden and self.step_s(placed) < SWEEPS_GAIN * self.step_s(best):
+                best = placed
+        if best is not one and explain:
+            best.why["sweeps"] = (
+                f"the step runs in {best.sweeps} sweeps of {best.tokens:,} tokens: each lets "
+                f"{len(best.keeping)} layers keep their products where the whole step would let {len(one.keeping)} "
+                f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s)"
+            )
+        return best
+
+    def _sweep_counts(self, one: Placement) -> range:
+        """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
+        optimizer state is on disk, the GPU bounds the step, and some layers recompute their products."""
+        micro_batches = -(-one.tokens // self.micro_tokens)
+        if (
+            self.config.train.objective != "sft"
+            or whole_step_statistics(self.model, self.config)
+            or self.config.engine.optimizer_state_dir
+            or self.machine.gpu_memory is None
+            or len(one.keeping) >= self.keepable
+            or slowest(self.phases(one)) != "compute"
+        ):
+            return range(0)
+        return range(2, min(micro_batches, MOST_SWEEPS) + 1)
+
+    def _place_sweeps(self, tokens: int, sweeps: int, first_disk_group: int | None, explain: bool) -> Placement:
+        """The placement for steps of `tokens` per GPU run in `sweeps`, each placed for its micro-batches' tokens."""
+        micro_batches = max(1, -(-tokens // self.micro_tokens))
+        sweeps = min(sweeps, micro_batches)
+        sweep_tokens = min(tokens, -(-micro_batches // sweeps) * self.micro_tokens) if sweeps > 1 else tokens
+        why: dict[str, str] = {}
+        counts = _Counts(sweep_tokens, sweeps, offloaded=self._offloaded_to_fit(sweep_tokens))
+        small = self.step_layers_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
+            self.placement_of(counts)
+        )
+        counts = replace(counts, resident=self._resident(counts, small, why))
+        counts = replace(counts, held=self._held(counts, small, why))
+        counts = replace(counts, offloaded=self._offloaded_for_products(counts, small, why))
+        pool = self._gradient_pool(replace(counts, kept=self._kept(counts)), why)
+        if first_disk_group is None:
+            first_disk_group = self._first_disk_group(self.placement_of(counts, gradient_pool=pool), why)
+        step = {"gradient_pool": pool, "first_disk_group": first_disk_group}
+        counts = replace(counts, host_kept=self._host_kept(counts, small, step, why))
+        counts = replace(counts, kept=self._kept(counts))
+        counts = replace(counts, host_kept=min(counts.host_kept, self.keepable - counts.kept))
+        if self.machine.gpu_memory is not None and self.keepable and self.config.engine.kept_layers == "auto":
+            which = {0: "no layer keeps its", 1: "the last layer keeps its"}
+            what = which.get(counts.kept, f"the last {counts.kept} layers keep their")
+            why["kept"] = f"{what} matmul products: as many as the GPU's memory holds"
+        return self.placement_of(counts, **step, why=why if explain else {})
+
+    def _room_for_products(self, counts: _Counts) -> float:
+        """GPU bytes left for kept products beside everything else `counts` places."""
+        return self._device_room(self.placement_of(replace(counts, kept=0)))
+
+    def _kept(self, counts: _Counts) -> int:
+        """Layers keeping their products on the GPU: as set, else as many as its memory holds."""
+        setting = self.config.engine.kept_layers
+        if setting != "auto":
+            return min(setting, self.keepable)
+        if self.machine.gpu_memory is None or not self.keepable:
+            return 0
+        stage_products = counts.tokens * self.product_bytes_per_token
+        return min(self.keepable, max(0, int(self._room_for_products(counts) // stage_products)))
+
+    def _offloaded_to_fit(self, tokens: int) -> int:
+        """First blocks whose checkpoints go to host memory: all or none as set; auto, those that do not fit in
+        CHECKPOINT_GPU_SHARE of the GPU's room for a step (the last layers' stay: needed first)."""
+        setting = self.config.engine.offload_checkpoints
+        if setting != "auto":
+            return len(self.blocks) if setting else 0
+        if self.machine.gpu_memory is None:
+            return 0
+        persistent = self.persistent_device_bytes(self.placement_of(_Counts(tokens)))
+        room = self.machine.gpu_memory - RUNTIME_DEVICE_BYTES - persistent - self.working_device_bytes()
+        room *= CHECKPOINT_GPU_SHARE
+        on_gpu = itertools.accumulate(self.checkpoint_bytes(i, tokens) for i in reversed(self.blocks))
+        return len(self.blocks) - sum(1 for _ in itertools.takewhile(lambda total: total <= room, on_gpu))
+
+    def _resident(self, counts: _Counts, small: bool, why: dict) -> int:
+        """Blocks (the first) resident on the GPU, with the embedding (and the head where tied): as set; none
+        with several processes (each updates a shard of every group) or checkpoints that crowd the GPU; in a
+        small step the fewest that bring the CPU optimizer (and the head, which waits for it) within the GPU's
+        work, in up to GPU_UPDATED_SHARE of it; in a large one the first, where the step boundary's wait costs
+        more than the kept products its state displaces."""
+        setting, n_blocks = self.config.engine.gpu_updated_layers, len(self.blocks)
+        if self.frozen:  # (the first stages are a frozen tower's, whose groups keep no state to update)
+            return 0
+        if setting != "auto":
+            return min(setting, n_blocks)
+        if self.machine.gpu_memory is None or counts.offloaded or self.world > 1:
+            return 0
+        if not small:
+            return 1 if self._boundary_pays(counts, why) else 0
+        budget = min(GPU_UPDATED_SHARE * self.machine.gpu_memory, self._room_for_products(counts))
+        resident, out_of_room = 0, False
+        while resident < n_blocks:
+            draft = replace(counts, resident=resident)
+            placed = self.placement_of(replace(draft, kept=self._kept(draft)))
+            cpu_s = self.optimizer_s(placed) + self.head_s(counts.tokens)
+            if cpu_s <= CPU_OPTIMIZER_MARGIN * self.step_layers_s(placed):
+                break
+            if self.resident_state_bytes(self.placement_of(replace(counts, resident=resident + 1))) > budget:
+                out_of_room = True
+                break
+            resident += 1
+        cpu_adam = f"the CPU's AdamW of every weight ({self.optimizer_s(self.placement_of(counts)):.2f} s)"
+        if resident:
+            why["resident"] = (
+                f"the embedding and the first {resident} blocks are updated on the GPU: {cpu_adam} would take longer "
+                "than the GPU's work"
+            )
+        elif out_of_room:
+            why["resident"] = (
+                f"{cpu_adam} takes longer than the GPU's work, and the GPU has no room to update the first block "
+                "there: the step waits for the CPU"
+            )
+        return resident
+
+    def _boundary_pays(self, counts: _Counts, why: dict) -> bool:
+        """Whether the embedding's and first block's state on the GPU saves more of the step boundary's wait than
+        the recompute of the kept products that memory would have held costs."""
+        host = self.placement_of(counts)
+        one = self.placement_of(replace(counts, resident=1))
+        state = self.resident_state_bytes(one)
+        kept = self._kept(counts)
+        displaced = state / (counts.tokens * self.product_bytes_per_token) if kept < self.keepable else 0.0
+        recompute_saved_s = self.blocks_s(counts.tokens, 0) - self.blocks_s(counts.tokens, 1)
+        fits = state <= min(GPU_UPDATED_SHARE * self.machine.gpu_memory, self._room_for_products(counts))
+        pays = fits and self.boundary_s(host) > displaced * recompute_saved_s
+        if pays:
+            why["resident"] = (
+                f"the embedding and first block are updated on the GPU: the step boundary would wait "
+                f"{self.boundary_s(host):.2f} s for their update on the CPU"
+            )
+        return pays
+
+    def _held(self, counts: _Counts, small: bool, why: dict) -> int:
+        """Blocks after the resident ones whose weights stay on the GPU from forward to backward: as set; in a
+        small step as many as fit in HELD_GPU_SHARE of the GPU and the room the step leaves; none otherwise (the
+        memory keeps activations instead, which a step the GPU bounds needs)."""
+        holdable = [i for i in self.holdable if i not in resident_stages(self.spec, counts.resident)]
+        setting = self.config.engine.held_layers
+        if setting != "auto":
+            return min(setting, len(holdable))
+        if self.machine.gpu_memory is None or counts.offloaded or not small:
+            return 0
+        budget = min(HELD_GPU_SHARE * self.machine.gpu_memory, self._room_for_products(counts))
+        held_so_far = itertools.accumulate(self.stage_sizes[i] * self.element for i in holdable)
+        held = sum(1 for _ in itertools.takewhile(lambda total: total <= budget, held_so_far))
+        if held:
+            why["held"] = (
+                f"{held} blocks hold their weights from forward to backward: the CPU optimizer bounds the step"
+            )
+        return held
+
+    def _offloaded_for_products(self, counts: _Counts, small: bool, why: dict) -> int:
+        """In a large step (the GPU the bound, PCIe with time to spare), the fewest first checkpoints sent to host
+        memory that let the most layers keep their products, as many as the host holds beside its state."""
+        engine = self.config.engine
+        if engine.offload_checkpoints != "auto" or engine.kept_layers != "auto" or not self.keepable or small:
+            return counts.offloaded
+        if self.machine.gpu_memory is None:
+            return counts.offloaded
+        limit = len(self.blocks)
+        if self.machine.host_memory is not None:
+            state = self.placement_of(replace(counts, offloaded=0), gradient_pool=self._least_pool(counts))
+            room = HOST_KEPT_RAM_SHARE * self.machine.host_memory - self.host_bytes(state)
+            per_layer = self.machine.gpus * self.checkpoint_bytes(1, counts.tokens)
+            limit = max(counts.offloaded, min(limit, int(room // per_layer)))
+        most = self._kept(replace(counts, offloaded=limit))
+        offloaded = counts.offloaded
+        while offloaded < limit and self._kept(replace(counts, offloaded=offloaded)) < most:
+            offloaded += 1
+        if offloaded > counts.offloaded:
+            why["offloaded"] = (
+                f"the first {offloaded} blocks' checkpoints go to host memory: that lets {most} layers keep their "
+                f"products instead of {self._kept(counts)}"
+            )
+        return offloaded
+
+    def _least_pool(self, counts: _Counts) -> float | None:
+        """The smallest gradient pool `counts` can have (None: every gradient held, for clipping or sweeps)."""
+        return None if self.full_grads or counts.sweeps > 1 else float(GRADIENT_POOL)
+
+    def _gradient_pool(self, counts: _Counts, why: dict) -> float | None:
+        """Gradient landing buffers, in largest groups: none with clipping (every gradient is held); as set; else
+        deep enough for what the optimizer has left when the backward ends, where the host has the room."""
+        if self._least_pool(counts) is None:  # (a step in sweeps holds every gradient until the last)
+            return None
+        setting = self.config.engine.gradient_pool
+        if setting != "auto":
+            return float(setting)
+        placement = self.placement_of(counts)
+        pool = gradient_pool_size(
+            self.optimizer_s(placement), self.host_backward_s(placement), self.group_sizes, self.rates
+        )
+        host = self.machine.host_memory
+        deeper = self.host_bytes(replace(placement, gradient_pool=pool))
+        if pool > GRADIENT_POOL and host is not None and deeper > POOL_HOST_SHARE * host:
+            return float(GRADIENT_POOL)  # the deeper pool is a speed-up, not worth the host memory it lacks
+        if pool > GRADIENT_POOL:
+            why["gradient_pool"] = f"a gradient pool of {pool:g} largest groups holds what the CPU optimizer has left"
+        return pool
+
+    def _first_disk_group(self, placement: Placement, why: dict) -> int:
+        """The first group whose moments go to the disk tier (the last groups go): none without
+        engine.optimizer_state_dir; with disk_state_fraction auto, as few as bring the plan, its page cache
+        included, within DISK_TIER_RAM_SHARE of the host's budget; else that fraction of the parameters."""
+        n_groups, fraction = len(self.group_sizes), self.config.engine.disk_state_fraction
+        if not self.config.engine.optimizer_state_dir:
+            return n_groups
+        host, first = self.machine.host_memory, n_groups
+        if fraction != "auto":
+            to_move = fraction * self.model.n_params
+            while first > 0 and to_move > 0:
+                first -= 1
+                to_move -= self.group_sizes[first]
+        else:
+            while first > 0 and (
+                host is None or self.host_bytes(replace(placement, first_disk_group=first)) > DISK_TIER_RAM_SHARE * host
+            ):
+                first -= 1
+        if first < n_groups:
+            reason = "the host cannot hold them" if fraction == "auto" else f"engine.disk_state_fraction {fraction}"
+            why["disk"] = f"the moments of groups {first}-{n_groups - 1} live on disk: {reason}"
+        return first
+
+    def _host_kept(self, counts: _Counts, small: bool, step: dict, why: dict) -> int:
+        """Layers (before those kept on the GPU) keeping their products in pinned host memory: as set; in a large
+        step, where the optimizer leaves the host's memory bandwidth to spare and nothing is on disk, as many as
+        the host's room allows and the forward's idle copy-out carries while the layers between two of them
+        compute."""
+        candidates = max(0, self.keepable - self._kept(counts))
+        setting = self.config.engine.host_kept_layers
+        if setting != "auto":
+            return min(setting, candidates)
+        placement = self.placement_of(replace(counts, kept=self._kept(counts)), **step)
+        machine, stage_products = self.machine, counts.tokens * self.product_bytes_per_token
+        layers_s = self.layers_s(placement)
+        if (
+            machine.gpu_memory is None
+            or machine.host_memory is None
+            or small
+            or self.disk_bytes(placement)
+            or not stage_products
+            or self.config.engine.kept_layers == 0  # products kept nowhere, as asked
+            or self.optimizer_s(placement) > HOST_KEPT_OPTIMIZER_SHARE * self.step_layers_s(placement)
+        ):
+            return 0
+        host_room = HOST_KEPT_RAM_SHARE * machine.host_memory - self.host_bytes(placement)
+        # one layer's forward, less its checkpoint's copy out, against one stage's copy out: how far apart they go
+        link = HOST_KEPT_PCIE_SHARE * self.rates.pcie_gbps * 1e9
+        layer_forward_s = FORWARD_SHARE * layers_s / self.model.n_layers
+        layer_forward_s -= self.checkpoint_bytes(1, counts.tokens) / link * counts.offloaded / len(self.blocks)
+        spacing = stage_products / link / max(layer_forward_s, 1e-9)
+        host_kept = min(
+            candidates, int(host_room // (machine.gpus * stage_products)), int(candidates / max(1.0, spacing))
+        )
+        if host_kept > 0:
+            why["host_kept"] = (
+                f"{host_kept} more layers keep their products in pinned host memory: the host has the room"
+            )
+        return max(0, host_kept)
+
+    # ------------------------------------------------------------------ report
+    def plan(self, placement: Placement) -> Plan:
+        """What `placement` costs and how long its step is predicted to take."""
+        model, world, tokens = self.model, self.world, placement.tokens
+        phases = self.phases(placement)
+        bound = slowest(phases)
+        step_s = phases[bound] + self.boundary_s(placement)
+        host_items = self.host_items(placement)
+        host_bytes = sum(host_items.values())
+        global_tokens = placement.step_tokens * world
+        stage_products = tokens * self.product_bytes_per_token
+        return Plan(
+            placement=placement,
+            n_params=model.n_params,
+            active_params=model.active_params,
+            host_bytes=host_bytes,
+            host_bytes_per_param=host_bytes / model.n_params,
+            host_available=self.machine.host_memory,
+            disk_bytes=self.disk_bytes(placement),
+            first_disk_group=len(self.group_sizes)
+            if placement.first_disk_group is None
+            else placement.first_disk_group,
+            gpu_bytes=self.device_bytes(placement),
+            gpu_available=self.machine.gpu_memory,
+            checkpoint_bytes=sum(self.checkpoint_bytes(i, tokens) for i in self.blocks),
+            tokens_per_step=global_tokens,
+            compute_s=phases["compute"],
+            transfer_s=self.transfer_s(placement),
+            optimizer_s=self.optimizer_s(placement),
+            disk_s=phases["disk"],
+            bubble_s=self.boundary_s(placement),
+            step_s=step_s,
+            tokens_per_s=global_tokens / step_s,
+            model_tflops=flops_per_token(model, self.config.data.seq_len) * global_tokens / step_s / 1e12,
+            rates=self.rates,
+            phases=phases,
+            bound=bound,
+            compute_bound_tokens=self.compute_bound_tokens() if phases["compute"] else 0,
+            gpus=self.machine.gpus,
+            hosts=self.machine.hosts,
+            network_bytes=self.network_bytes(),
+            network_s=phases["network"],
+            split_state=self.split,
+            checkpoint_stages=sum(self.planes),
+            kept_bytes=len(placement.kept) * stage_products,
+            extra_kept_layers=len(self.extras(placement)),
+            held_bytes=self.params(placement.held) * self.element,
+            gpu_updated_bytes=self.resident_state_bytes(placement),
+            host_kept_bytes=self.machine.gpus * len(placement.host_kept) * stage_products,
+            stage_names=self.names,
+            reference_tokens_per_s=self.reference_tokens_per_s(placement),
+            frozen_params=self.frozen_params,
+            frozen_parts=tuple(sorted({self.spec.group_parts[g] for g in self.frozen} - {"unused"})),
+            reference_copy=self.reference_copy,
+            generation_host_bytes=self.generation_host_bytes,
+            host_items=host_items,
+            host_source=self.machine.host_source,
+            process_bytes=self.machine.process_bytes,
+        )
