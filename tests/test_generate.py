@@ -165,6 +165,7 @@ def test_the_plan_counts_streamed_generations_host_copies():
     experts = model.n_layers * model.n_experts * 3 * model.d_model * model.moe_d_ff
     streamed, resident = plan("olmoe-1b-7b", "streamed"), plan("olmoe-1b-7b", "resident")
     assert streamed.generation_host_bytes == 2 * experts and resident.generation_host_bytes == 0
+
     def beside(plan, *names):
         return {name: size for name, size in plan.host_items.items() if name not in names}
 
