@@ -11,6 +11,7 @@ from pathlib import Path
 from megatrain_store import atomic_write_text
 
 from .chat import SPECIAL_TOKEN_NAMES, ChatTemplate, load_chat_template, special_token_ids
+from .config import ConfigError
 
 # copied from beside tokenizer.json as they are: the special tokens, and an image-text model's processor
 COPIED_FILES = (
@@ -86,15 +87,13 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
     settings = _tokenizer_config(source, tokenizer, serving)
     atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
     if serving.template is not None:
-        _write_template(out_dir, source, serving.template.template)
+        _write_template(out_dir, source, settings["chat_template"])
     if not (out_dir / "special_tokens_map.json").exists():
-        special = {name: settings[name] for name in SPECIAL_TOKEN_NAMES if settings.get(name) is not None}
-        atomic_write_text(out_dir / "special_tokens_map.json", json.dumps(special, indent=2))
-    stops = _stop_ids(tokenizer, settings, serving)
+        atomic_write_text(out_dir / "special_tokens_map.json", json.dumps(_special_tokens(settings), indent=2))
     generation = _json(serving.model_dir / "generation_config.json") if serving.model_dir is not None else {}
-    generation = (generation or _json(source / "generation_config.json")) | {
-        "eos_token_id": stops[0] if len(stops) == 1 else stops
-    }
+    generation = generation or _json(source / "generation_config.json")
+    stops = _stop_ids(tokenizer, settings, serving, generation.get("eos_token_id"), source)
+    generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     atomic_write_text(out_dir / "generation_config.json", json.dumps(generation, indent=2))
     eos_id = tokenizer.token_to_id(_text(settings.get("eos_token")) or "")
     if config.get("eos_token_id") is None and eos_id is not None:
@@ -113,8 +112,16 @@ def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
     if settings.get("eos_token") is None and eos:
         settings["eos_token"] = eos
     if serving.template is not None:
-        settings["chat_template"] = serving.template.template
+        settings["chat_template"] = _pinned(serving.template, settings)
     return settings
+
+
+def _pinned(template: ChatTemplate, settings: dict) -> str:
+    """The template's text, rendering the special tokens it was trained with where tokenizer_config.json names others
+    (the simple template ends a turn with the data's EOS, which may not be the tokenizer's): a `set` of each first."""
+    named = _special_tokens(settings)
+    differing = {name: text for name, text in template.special_tokens.items() if named.get(name) != text}
+    return "".join(f"{{%- set {name} = {json.dumps(text)} %}}" for name, text in differing.items()) + template.template
 
 
 def _write_template(out_dir: Path, source: Path, template: str) -> None:
@@ -125,12 +132,20 @@ def _write_template(out_dir: Path, source: Path, template: str) -> None:
         atomic_write_text(out_dir / "chat_template.json", json.dumps({"chat_template": template}, indent=2))
 
 
-def _stop_ids(tokenizer, settings: dict, serving: Serving) -> list[int]:
-    """Where a completion ends: the template's end-of-turn token first, then the tokenizer's and the model's EOS."""
-    ids = [end_of_turn_id(serving.template, tokenizer)] if serving.template is not None else []
-    ids.append(tokenizer.token_to_id(_text(settings.get("eos_token")) or ""))
-    model_eos = serving.eos_token_id
-    ids += model_eos if isinstance(model_eos, list) else [model_eos]
+def _stop_ids(tokenizer, settings: dict, serving: Serving, given, source: Path) -> list[int]:
+    """Where a completion ends: the end-of-turn token of the template trained with (else of the tokenizer's own, in
+    `source`) first, then the tokenizer's EOS, the generation config's `given` ones and the model's."""
+    eos = _text(settings.get("eos_token"))
+    template = serving.template
+    if template is None:
+        try:
+            template = load_chat_template(source, None, eos or "")
+        except ConfigError:  # (a template that does not parse is the tokenizer's own business: no end of turn)
+            template = None
+    ids = [end_of_turn_id(template, tokenizer)] if template is not None else []
+    ids.append(tokenizer.token_to_id(eos or ""))
+    for value in (given, serving.eos_token_id):
+        ids += value if isinstance(value, list) else [value]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -186,6 +201,11 @@ def _json(path: Path) -> dict:
 def _text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _special_tokens(settings: dict) -> dict:
+    """The special tokens a template reads (bos_token, eos_token, ...), as text."""
+    return {name: _text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES if _text(settings.get(name)) is not None}
 
 
 def _first(value):
