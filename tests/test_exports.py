@@ -55,9 +55,9 @@ def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     return directories
 
 
-def run_commands(command_lines: list[list[str]], cwd: Path) -> list[dict]:
+def run_commands(command_lines: list[list[str]], cwd: Path, succeed: bool = True) -> list[dict]:
     """Each command line's exit code and output, run one after another by the console script's `main` in a
-    subprocess (cli_driver.py)."""
+    subprocess (cli_driver.py); checked to succeed unless `succeed` is False."""
     process = subprocess.run(
         [sys.executable, str(CLI_DRIVER)],
         input="".join(json.dumps(argv) + "\n" for argv in command_lines),
@@ -69,8 +69,19 @@ def run_commands(command_lines: list[list[str]], cwd: Path) -> list[dict]:
     assert process.returncode == 0, process.stderr
     results = [json.loads(line) for line in process.stdout.splitlines()]
     for result in results:
-        assert result["code"] == 0, (result["argv"], result["output"])
+        assert result["code"] == 0 or not succeed, (result["argv"], result["output"])
     return results
+
+
+def read_only_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot write: without write permission, or for root (who may write there anyway)
+    one in sysfs."""
+    if os.geteuid() == 0:
+        return Path("/sys/kernel")
+    path = tmp_path / "read-only"
+    path.mkdir()
+    path.chmod(0o500)
+    return path
 
 
 def settings(*pairs: str) -> list[str]:
@@ -160,8 +171,14 @@ def test_a_run_on_token_ids_exports_the_model_directorys_tokenizer(model_dirs, t
     results = run_commands(commands, tmp_path)
     assert json.loads(results[1]["output"].strip().splitlines()[-1])["prompt"] == "def main("
     shutil.rmtree(run / "final")
-    results = run_commands([["convert", str(run), "converted-unfinished"]], tmp_path)
-    assert "tokenizer, chat template, generation stopping at <|eot_id|>" in results[0]["output"]
+    (tmp_path / "a-file").write_text("")
+    unwritable = [read_only_dir(tmp_path) / "model", tmp_path / "a-file" / "model"]  # (the second: for root too)
+    commands = [["convert", str(run), "converted-unfinished"], *(["convert", str(run), str(d)] for d in unwritable)]
+    written, *refused = run_commands(commands, tmp_path, succeed=False)
+    assert written["code"] == 0 and "tokenizer, chat template, generation stopping at <|eot_id|>" in written["output"]
+    for result, out in zip(refused, unwritable):  # one line naming the DIR it was given, not a run's output_dir
+        line = result["output"].strip()
+        assert result["code"] == 1 and len(line.splitlines()) == 1 and str(out) in line and "output_dir" not in line
     for export in (tmp_path / "converted-step-1", tmp_path / "converted-unfinished"):
         assert (export / "tokenizer.json").read_bytes() == (with_template / "tokenizer.json").read_bytes()
         assert rendered_by_transformers(export) == rendered_by_transformers(with_template)

@@ -39,15 +39,15 @@ def _error_types() -> dict:
 
 
 OS_ERROR_HINTS = {
-    errno.ENOSPC: "the disk is full: free space on it, or write elsewhere ({elsewhere})",
-    errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere ({elsewhere})",
-    errno.EROFS: "the file system is read-only: write elsewhere ({elsewhere})",
-    errno.EACCES: "no permission: write elsewhere ({elsewhere}) or fix the permissions",
+    errno.ENOSPC: "the disk is full: free space on it, or {elsewhere}",
+    errno.EDQUOT: "the disk quota is used up: free space, or {elsewhere}",
+    errno.EROFS: "the file system is read-only: {elsewhere}",
+    errno.EACCES: "no permission: {elsewhere}, or fix the permissions",
 }
 
 
-def _os_hint(number: int | None, elsewhere: str = "output_dir") -> str:
-    """What to do about an OSError of `number`, where `elsewhere` names the setting that moves the writes."""
+def _os_hint(number: int | None, elsewhere: str = "write elsewhere (output_dir)") -> str:
+    """What to do about an OSError of `number`; `elsewhere` says how to write somewhere else."""
     return OS_ERROR_HINTS.get(number, "check the path").format(elsewhere=elsewhere)
 
 
@@ -309,11 +309,9 @@ def run_convert(args) -> None:
     weights = find_weights(Path(args.source))
     try:
         written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights))
-    except OSError as error:  # (where it is the DIR argument, not a run's output_dir, that cannot be written)
-        where = f": {error.filename}" if error.filename else ""
-        raise SaveError(
-            f"{error.strerror or error}{where}; {_os_hint(error.errno, f'another DIR than {out}')}"
-        ) from None
+    except OSError as error:  # (it is the DIR argument, not a run's output_dir, that cannot be written)
+        hint = _os_hint(error.errno, "name another DIR to convert into")
+        raise SaveError(f"convert cannot write {out} ({error.strerror or error}); {hint}") from None
     print(f"wrote {written}: {describe_export(written)}")
 
 

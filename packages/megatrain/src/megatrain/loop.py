@@ -327,6 +327,7 @@ class TrainingRun:
         self.last_eval: dict = {}
         self.reference = self.validation_reference = None  # DPO: the reference's scores of the pairs (rows)
         self.rollouts = None  # GRPO: each step's prompts, completions and advantages
+        self.serving = None  # what the export is served with (made by `_start`: its template file is read then)
 
     def run(self) -> Path:
         """The steps, then the export; returns the output directory."""
@@ -371,6 +372,7 @@ class TrainingRun:
             self._load_resumed()
         if not self.main:
             return
+        self.serving = serving_of_run(self.config, self.trainer.model_config, self.out, self.data.tokenizer)
         (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))
         atomic_write_text(self.out / "placement.json", json.dumps(self.trainer.plan.record(), indent=2))
         kept = []
@@ -614,10 +616,8 @@ class TrainingRun:
         where it cannot be written, the state goes to fallback_dir as a checkpoint, or `SaveError` says what
         is lost."""
         target = self.out / FINAL
-        model = self.trainer.model_config
-        serving = serving_of_run(self.config, model, self.out, self.data.tokenizer) if self.main else None
         try:
-            final = self.trainer.export(target, serving)
+            final = self.trainer.export(target, self.serving)
         except (SaveError, OSError) as error:
             failure = f"the model could not be written to {target}: {error}"
             path = self._save_elsewhere(failure)
