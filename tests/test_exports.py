@@ -170,16 +170,21 @@ def test_a_run_on_token_ids_exports_the_model_directorys_tokenizer(model_dirs, t
     ]
     results = run_commands(commands, tmp_path)
     assert json.loads(results[1]["output"].strip().splitlines()[-1])["prompt"] == "def main("
-    shutil.rmtree(run / "final")
+    shutil.move(run / "final", tmp_path / "served")  # (away from its run: served by what it holds alone)
     (tmp_path / "a-file").write_text("")
     unwritable = [read_only_dir(tmp_path) / "model", tmp_path / "a-file" / "model"]  # (the second: for root too)
-    commands = [["convert", str(run), "converted-unfinished"], *(["convert", str(run), str(d)] for d in unwritable)]
-    written, *refused = run_commands(commands, tmp_path, succeed=False)
+    commands = [
+        ["convert", str(run), "converted-unfinished"],
+        ["generate", "--checkpoint", "served", "--prompts", "ask.txt", "--max-new-tokens", "2"],
+        *(["convert", str(run), str(out)] for out in unwritable),
+    ]
+    written, generated, *refused = run_commands(commands, tmp_path, succeed=False)
     assert written["code"] == 0 and "tokenizer, chat template, generation stopping at <|eot_id|>" in written["output"]
+    assert generated["code"] == 0 and json.loads(generated["output"].strip().splitlines()[-1])["prompt"] == "def main("
     for result, out in zip(refused, unwritable):  # one line naming the DIR it was given, not a run's output_dir
         line = result["output"].strip()
         assert result["code"] == 1 and len(line.splitlines()) == 1 and str(out) in line and "output_dir" not in line
-    for export in (tmp_path / "converted-step-1", tmp_path / "converted-unfinished"):
+    for export in (tmp_path / "served", tmp_path / "converted-step-1", tmp_path / "converted-unfinished"):
         assert (export / "tokenizer.json").read_bytes() == (with_template / "tokenizer.json").read_bytes()
         assert rendered_by_transformers(export) == rendered_by_transformers(with_template)
         stops = json.loads((export / "generation_config.json").read_text())["eos_token_id"]

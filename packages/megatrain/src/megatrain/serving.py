@@ -209,4 +209,5 @@ def _special_tokens(settings: dict) -> dict:
 
 
 def _first(value):
-    return value[0] if isinstance(value, list) and value else value if not isinstance(value, list) else None
+    """The first of a config's token ids (an id or a list of them)."""
+    return value[0] if isinstance(value, list) else value
