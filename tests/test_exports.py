@@ -150,7 +150,8 @@ def test_fine_tuned_exports_hold_the_template_trained_with(model_dirs, tmp_path)
         plain / "final", training_ids(results[7], len(rendered_by_transformers(plain / "final"))), "<|endoftext|>"
     )
 
-    shutil.rmtree(run / "final")  # a run stopped before its export (a kill, a NaN stop): convert writes it whole
+    shutil.rmtree(run / "final")  # a run stopped before its export (a kill, a NaN stop): convert writes it whole,
+    (tmp_path / "my.jinja").unlink()  # with the template trained with, though its file is gone
     run_commands([["convert", str(run), "converted-unfinished"]], tmp_path)
     check_served_as_trained(tmp_path / "converted-unfinished", trained, "<|im_end|>")
 

@@ -316,21 +316,23 @@ def run_convert(args) -> None:
 
 
 def _serving_of_weights(weights: Path):
-    """What a conversion of `weights` is served with: a checkpoint's, its run's tokenizer and chat template (by its
-    manifest's config); None for a model directory (its own files go along: a run's final/ holds its run's)."""
+    """What a conversion of `weights` is served with: a checkpoint's, its run's tokenizer and chat template (kept in
+    the run as it started, else found by its manifest's config); None for a model directory (its own files go along:
+    a run's final/ holds its run's)."""
     import json
 
     from megatrain_zoo import ModelConfig
 
     from .checkpoint import MANIFEST, run_config
     from .config import load_config
-    from .serving import serving_of_run
+    from .serving import kept_in_run, serving_of_run
 
     if not (weights / MANIFEST).exists():
         return None
     config = load_config(None, [], run_config(weights))
+    run_dir = Path(config.output_dir)
     model = ModelConfig(**json.loads((weights / MANIFEST).read_text())["model"])
-    return serving_of_run(config, model, Path(config.output_dir))
+    return kept_in_run(run_dir) or serving_of_run(config, model, run_dir)
 
 
 def run_eval(config, args) -> None:

@@ -43,7 +43,7 @@ from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
-from .serving import describe_export, serving_of_run
+from .serving import describe_export, keep_in_run, serving_of_run
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
 
@@ -373,6 +373,7 @@ class TrainingRun:
         if not self.main:
             return
         self.serving = serving_of_run(self.config, self.trainer.model_config, self.out, self.data.tokenizer)
+        keep_in_run(self.out, self.serving)
         (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))
         atomic_write_text(self.out / "placement.json", json.dumps(self.trainer.plan.record(), indent=2))
         kept = []

@@ -23,6 +23,7 @@ COPIED_FILES = (
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # (copied, or rewritten with the template trained)
 SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", *COPIED_FILES, *TEMPLATE_FILES)
 PROBE_ANSWER = "megatrain probes the end of a turn"  # (an assistant turn whose closing token is looked for)
+RUN_FOLDER = "tokenizer"  # in a run directory: what its exports are served with, written as the run starts
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,27 @@ def serving_of_run(config, model, run_dir: Path, tokenizer: Path | None = None) 
         return Serving(None, None, model_dir, model.eos_token_id)
     eos = eos_token_text(load_tokenizer(tokenizer), model.eos_token_id)
     return Serving(Path(tokenizer), trained_template(config, Path(tokenizer), eos), model_dir, model.eos_token_id)
+
+
+def keep_in_run(run_dir: Path, serving: Serving) -> None:
+    """Write `serving`'s files into the run's tokenizer/ folder (whole or not at all), so that `megatrain convert` of
+    any of its checkpoints serves them as its final/ does, though the data's tokenizer, its template file or the
+    model directory have moved since (or convert runs in another directory than the run did)."""
+    if serving.tokenizer is None:
+        return
+    folder, staging = run_dir / RUN_FOLDER, run_dir / f".{RUN_FOLDER}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    write_serving_files(staging, serving, {})
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def kept_in_run(run_dir: Path) -> Serving | None:
+    """The serving files a run kept as it started (`keep_in_run`), None where it kept none (a run of an earlier
+    megatrain, or on token ids without a tokenizer)."""
+    tokenizer = Path(run_dir) / RUN_FOLDER / "tokenizer.json"
+    return Serving(tokenizer) if tokenizer.exists() else None
 
 
 def trained_template(config, tokenizer: Path, eos: str) -> ChatTemplate | None:
