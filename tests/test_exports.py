@@ -118,7 +118,7 @@ def test_fine_tuned_exports_hold_the_template_trained_with(model_dirs, tmp_path)
     """data.chat_template: my.jinja (ChatML) over a model whose own template is Llama 3.1's: final/, convert of the
     run, of its checkpoints/, of an older step-N and of the run once final/ is gone all render the conversation as
     training did (`megatrain data`) and stop at <|im_end|>; `generate` on a conversation serves final/. A model with
-    no template trains with the simple one, and its export renders that."""
+    no template trains with the simple one, and its export renders that (and serves a conversation)."""
     with_template, without = model_dirs
     (tmp_path / "my.jinja").write_text(TEMPLATES["qwen2.5"])
     (tmp_path / "chats.jsonl").write_text(4 * (json.dumps({"messages": CONVERSATION}) + "\n"))
@@ -136,10 +136,12 @@ def test_fine_tuned_exports_hold_the_template_trained_with(model_dirs, tmp_path)
         ["generate", "--checkpoint", str(run), "--prompts", "ask.jsonl", "--max-new-tokens", "2"],
         ["train", *simple],
         ["data", *simple, "--dump", "1"],
+        ["generate", "--checkpoint", str(plain), "--prompts", "ask.jsonl", "--max-new-tokens", "2"],
     ]
     results = run_commands(commands, tmp_path)
     assert "tokenizer, chat template, generation stopping at <|im_end|>, <|eot_id|>" in results[2]["output"]
-    assert json.loads(results[5]["output"].strip().splitlines()[-1])["prompt"] == CONVERSATION[:2]
+    for generated in (results[5], results[8]):  # (the second: a conversation, and a model that had no template)
+        assert json.loads(generated["output"].strip().splitlines()[-1])["prompt"] == CONVERSATION[:2]
     trained = training_ids(results[1], len(rendered_by_transformers(run / "final")))
     exports = [run / "final", *(tmp_path / f"converted-{name}" for name in ("run", "checkpoints", "step-1"))]
     for export in exports:
