@@ -197,7 +197,8 @@ def describe_export(out_dir: Path) -> str:
     tensors = sum(len(read_safetensors_header(path)) - 1 for path in files)  # (less each header's __metadata__)
     parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]
     if not (out_dir / "tokenizer.json").exists():
-        return ", ".join(parts) + "; no tokenizer (its run read token ids and named none: copy the tokenizer files in)"
+        none = "no tokenizer (its source names none, as a run on token ids without data.tokenizer or model.hf_dir does)"
+        return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in"
     parts.append("tokenizer")
     settings = _json(out_dir / "tokenizer_config.json")
     if (out_dir / "chat_template.jinja").exists() or settings.get("chat_template"):
