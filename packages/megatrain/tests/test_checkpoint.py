@@ -432,6 +432,7 @@ def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
     """Writing a model into another model's directory removes that model's files the new one does not write
     (shards, index, tokenizer, chat template, generation config); files that describe no model stay."""
     import torch
+    from tokenizers import Tokenizer, models
 
     from megatrain.hf_io import write_hf_directory
     from megatrain_store import Pending
@@ -441,8 +442,9 @@ def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
 
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer_dir.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         (tokenizer_dir / name).write_text("{}")
+    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tokenizer_dir / "tokenizer.json"))
     out = tmp_path / "model"
     write_hf_directory(out, entries(3), {"model_type": "llama"}, tokenizer_dir / "tokenizer.json", shard_bytes=16)
     (out / "notes.txt").write_text("mine\n")

@@ -260,16 +260,21 @@ def exported_step(final: Path) -> int | None:
         return None
 
 
-def check_steps_ahead(step: int, steps: int, out: Path) -> None:
+def check_steps_ahead(step: int, steps: int, out: Path) -> bool:
     """Refuse (one line) to resume, from a checkpoint of `step`, a run already at or past `steps`: nothing would
-    train, and the export written at the end would replace a newer final/ with the checkpoint's older weights."""
+    train, and the export written at the end would replace a newer final/ with the checkpoint's older weights.
+    True where the checkpoint holds the run's last step and final/ does not (a run killed while it exported): the
+    resumed run trains nothing and finishes the export."""
     exported = exported_step(Path(out) / FINAL) or 0
+    if steps == step and exported < step:
+        return True
     if steps <= step or steps < exported:
         held = max(step, exported)
         raise ConfigError(
             f"train.steps {steps} is not past step {held}, which {out} already holds; "
             f"set train.steps above {held} (--set train.steps=N) to train on"
         )
+    return False
 
 
 def write_trainer_state(final: Path, step: int, steps: int) -> None:

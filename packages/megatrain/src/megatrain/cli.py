@@ -39,11 +39,16 @@ def _error_types() -> dict:
 
 
 OS_ERROR_HINTS = {
-    errno.ENOSPC: "the disk is full: free space on it, or write elsewhere (output_dir)",
-    errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere (output_dir)",
-    errno.EROFS: "the file system is read-only: write elsewhere (output_dir)",
-    errno.EACCES: "no permission: write elsewhere (output_dir) or fix the permissions",
+    errno.ENOSPC: "the disk is full: free space on it, or {elsewhere}",
+    errno.EDQUOT: "the disk quota is used up: free space, or {elsewhere}",
+    errno.EROFS: "the file system is read-only: {elsewhere}",
+    errno.EACCES: "no permission: {elsewhere}, or fix the permissions",
 }
+
+
+def _os_hint(number: int | None, elsewhere: str = "write elsewhere (output_dir)") -> str:
+    """What to do about an OSError of `number`; `elsewhere` says how to write somewhere else."""
+    return OS_ERROR_HINTS.get(number, "check the path").format(elsewhere=elsewhere)
 
 
 def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
@@ -59,7 +64,7 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error flushing at exit)
         return 141, ""  # (128 + SIGPIPE, as a shell tool the pipe ended)
     if isinstance(error, OSError):
-        hint = OS_ERROR_HINTS.get(error.errno, "check the path")
+        hint = _os_hint(error.errno)
         where = f": {error.filename}" if error.filename else ""
         return 1, f"megatrain: {error.strerror or error}{where}; {hint}"
     return None
@@ -287,9 +292,12 @@ def run_train(args) -> None:
 
 
 def run_convert(args) -> None:
+    """`megatrain convert SOURCE DIR`: a model directory served as trained; says what it wrote."""
     from .checkpoint import find_weights
     from .config import ConfigError
     from .hf_io import convert, is_hf_directory
+    from .rundir import SaveError
+    from .serving import describe_export
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -298,7 +306,33 @@ def run_convert(args) -> None:
         raise ConfigError(
             f"{out} holds files but no model (no config.json of one); name a new directory, or a model's to replace"
         )
-    print(f"wrote {convert(find_weights(Path(args.source)), out, args.dtype)}")
+    weights = find_weights(Path(args.source))
+    try:
+        written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights))
+    except OSError as error:  # (it is the DIR argument, not a run's output_dir, that cannot be written)
+        hint = _os_hint(error.errno, "name another DIR to convert into")
+        raise SaveError(f"convert cannot write {out} ({error.strerror or error}); {hint}") from None
+    print(f"wrote {written}: {describe_export(written)}")
+
+
+def _serving_of_weights(weights: Path):
+    """What a conversion of `weights` is served with: a checkpoint's, its run's tokenizer and chat template (kept in
+    the run as it started, else found by its manifest's config); None for a model directory (its own files go along:
+    a run's final/ holds its run's)."""
+    import json
+
+    from megatrain_zoo import ModelConfig
+
+    from .checkpoint import MANIFEST, run_config
+    from .config import load_config
+    from .serving import kept_in_run, serving_of_run
+
+    if not (weights / MANIFEST).exists():
+        return None
+    config = load_config(None, [], run_config(weights))
+    run_dir = Path(config.output_dir)
+    model = ModelConfig(**json.loads((weights / MANIFEST).read_text())["model"])
+    return kept_in_run(run_dir) or serving_of_run(config, model, run_dir)
 
 
 def run_eval(config, args) -> None:

@@ -23,6 +23,7 @@ from megatrain_zoo import GenericError, ModelSpec, ZooError, config_to_hf
 
 from .progress import counting, progress
 from .rundir import check_room
+from .serving import SERVING_FILES, Serving, write_serving_files
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
 # MXFP4 (OCP microscaling, gpt-oss' published experts): e2m1 values, two per byte (low nibble first),
@@ -409,17 +410,11 @@ class _ConvertedGroup:
         return self.tensors.pop(key)
 
 
-# copied beside tokenizer.json into an export: the tokenizer's, and an image-text model's processor's
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
-TOKENIZER_FILES += ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
-TOKENIZER_FILES += ("chat_template.json",)
-
-
 def write_hf_directory(
-    out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int = SHARD_BYTES
+    out_dir: Path, entries: list, config: dict, serving: Serving | Path | None, shard_bytes: int = SHARD_BYTES
 ) -> Path:
-    """config.json + safetensors shards (with an index past one shard) + tokenizer.json when known, with
-    the tokenizer files beside it (tokenizer_config.json holds the chat template a fine-tuned model needs).
+    """config.json + safetensors shards (with an index past one shard) + what it is served with (`serving`, or a
+    tokenizer.json with its own files beside it): tokenizer, chat template, special tokens, generation config.
 
     entries: (name, Pending) in file order, each loaded as it is written: one tensor at a time. The files are
     written into a folder beside `out_dir` first (refused before that, `SaveError`, where its disk has no room
@@ -430,8 +425,10 @@ def write_hf_directory(
     staging = out_dir.parent / f".{out_dir.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed
     staging.mkdir(parents=True)
+    if not isinstance(serving, Serving):
+        serving = Serving(None if serving is None else Path(serving))
     try:
-        _write_model_files(staging, entries, config, tokenizer, shard_bytes, what=out_dir.name)
+        _write_model_files(staging, entries, config, serving, shard_bytes, what=out_dir.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -444,7 +441,7 @@ def _move_into(staging: Path, out_dir: Path) -> None:
     writes none (stale shards beside a new index would be read as the model; another model's tokenizer, chat
     template or generation config as this one's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    described = [out_dir / name for name in ("model.safetensors.index.json", "tokenizer.json", *TOKENIZER_FILES)]
+    described = [out_dir / name for name in ("model.safetensors.index.json", *SERVING_FILES)]
     for stale in [*out_dir.glob("model*.safetensors"), *described]:
         if stale.exists() and not (staging / stale.name).exists():
             stale.unlink()
@@ -455,7 +452,7 @@ def _move_into(staging: Path, out_dir: Path) -> None:
 
 
 def _write_model_files(
-    out_dir: Path, entries: list, config: dict, tokenizer: Path | None, shard_bytes: int, what: str
+    out_dir: Path, entries: list, config: dict, serving: Serving, shard_bytes: int, what: str
 ) -> None:
     shards, size = [[]], 0
     for name, pending in entries:
@@ -475,50 +472,32 @@ def _write_model_files(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
-    if tokenizer is not None and Path(tokenizer).exists():
-        shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer).parent / name).exists() and Path(tokenizer).parent != out_dir:
-                shutil.copyfile(Path(tokenizer).parent / name, out_dir / name)
-        if not (out_dir / "tokenizer_config.json").exists():
-            config = _describe_document_end(out_dir, config)
+    config = write_serving_files(out_dir, serving, config)
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
-
-
-def _describe_document_end(out_dir: Path, config: dict) -> dict:
-    """A tokenizer that came without tokenizer_config.json (one megatrain trained on text) ends documents with
-    <|endoftext|>: say so in a tokenizer_config.json and, where the model names no EOS, in config.json, so that
-    transformers' tokenizer knows its EOS and its generate stops there. Returns the config to write."""
-    from tokenizers import Tokenizer
-
-    from .data import EOS_TOKEN
-
-    eos_id = Tokenizer.from_file(str(out_dir / "tokenizer.json")).token_to_id(EOS_TOKEN)
-    if eos_id is None:
-        return config
-    described = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN}
-    atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(described, indent=2))
-    return config if config.get("eos_token_id") is not None else {**config, "eos_token_id": eos_id}
 
 
 def export_hf(
     store: HostStore,
     spec: ModelSpec,
     out_dir: Path,
-    tokenizer: Path | None = None,
+    serving: Serving | Path | None = None,
     shard_bytes: int = SHARD_BYTES,
     gather=None,
 ) -> Path:
     """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
-    transformers loads as the matching *ForCausalLM; copies tokenizer.json when given. With hosts
-    that split the state, `gather` brings each group to this rank (see `WholeGroups`)."""
+    transformers loads as the matching *ForCausalLM, with what it is served with (`serving`, or a tokenizer.json
+    and its own files). With hosts that split the state, `gather` brings each group to this rank (see
+    `WholeGroups`)."""
     entries = checkpoint_entries(spec, WholeGroups(store, gather).entries("master"))
-    return write_hf_directory(out_dir, entries, config_to_hf(spec.config), tokenizer, shard_bytes)
+    return write_hf_directory(out_dir, entries, config_to_hf(spec.config), serving, shard_bytes)
 
 
-def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES) -> Path:
+def convert(
+    source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES, serving: Serving | None = None
+) -> Path:
     """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
-    tensor by tensor: at most one shard is in memory. `dtype`: float32 or bfloat16. A quantized source
+    tensor by tensor: at most one shard is in memory, served with `serving` (None: the tokenizer files beside the
+    source, or in its run's final/). `dtype`: float32 or bfloat16. A quantized source
     (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without the
     multi-token-prediction layers of DeepSeek-V3, GLM-4.5 and ERNIE 4.5."""
     import torch
@@ -545,7 +524,8 @@ def convert(source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: in
         entries = checkpoint_entries(spec, entries)
     else:
         entries = _entries_as_imported(spec, files, where, shapes, target)
-    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), _tokenizer_of(source), shard_bytes)
+    serving = serving or Serving(_tokenizer_of(source))
+    return write_hf_directory(out_dir, entries, config_to_hf(model, dtype), serving, shard_bytes)
 
 
 def _entries_as_imported(spec: ModelSpec, files: list[Path], where: dict, shapes: dict, target) -> list:

@@ -43,6 +43,7 @@ from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
+from .serving import describe_export, keep_in_run, serving_of_run
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
 
@@ -270,7 +271,8 @@ def train(config: Config, resume: Path | None = None) -> Path:
         resume = find_checkpoint(resume)
         manifest = json.loads((resume / MANIFEST).read_text())
         check_same_model(resume, manifest["model"], model)
-        check_steps_ahead(manifest["step"], config.train.steps, out)
+        if check_steps_ahead(manifest["step"], config.train.steps, out) and os.environ.get("RANK", "0") == "0":
+            print(f"megatrain: step {manifest['step']} is done; finishing the export", file=sys.stderr)
     if config.model.hf_dir is not None:
         checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
     check_trackers(config)
@@ -325,6 +327,7 @@ class TrainingRun:
         self.last_eval: dict = {}
         self.reference = self.validation_reference = None  # DPO: the reference's scores of the pairs (rows)
         self.rollouts = None  # GRPO: each step's prompts, completions and advantages
+        self.serving = None  # what the export is served with (made by `_start`: its template file is read then)
 
     def run(self) -> Path:
         """The steps, then the export; returns the output directory."""
@@ -369,6 +372,8 @@ class TrainingRun:
             self._load_resumed()
         if not self.main:
             return
+        self.serving = serving_of_run(self.config, self.trainer.model_config, self.out, self.data.tokenizer)
+        keep_in_run(self.out, self.serving)
         (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))
         atomic_write_text(self.out / "placement.json", json.dumps(self.trainer.plan.record(), indent=2))
         kept = []
@@ -605,7 +610,7 @@ class TrainingRun:
         if self.main:
             if plot_loss(self.metrics_path, out / "loss.png"):
                 print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
-            print(f"model written to {final}", file=sys.stderr)
+            print(f"model written to {final}: {describe_export(final)}", file=sys.stderr)
 
     def _export(self) -> Path:
         """output_dir/final (every rank: hosts holding parts of the state send them), with the step it holds;
@@ -613,7 +618,7 @@ class TrainingRun:
         is lost."""
         target = self.out / FINAL
         try:
-            final = self.trainer.export(target, self.data.tokenizer)
+            final = self.trainer.export(target, self.serving)
         except (SaveError, OSError) as error:
             failure = f"the model could not be written to {target}: {error}"
             path = self._save_elsewhere(failure)

@@ -1,0 +1,236 @@
+"""What an export holds beside its weights, so that transformers, vLLM and `megatrain generate` serve it as it was
+trained: the tokenizer its data was read with, the chat template its conversations were rendered with, the special
+tokens, and a generation config that stops at the end of an assistant turn. Derived from a run's config alone, so
+that its final/ and `megatrain convert` of any of its checkpoints hold the same files."""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrain_store import atomic_write_text
+
+from .chat import SPECIAL_TOKEN_NAMES, ChatTemplate, load_chat_template, special_token_ids
+from .config import ConfigError
+
+# copied from beside tokenizer.json as they are: the special tokens, and an image-text model's processor
+COPIED_FILES = (
+    "special_tokens_map.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+)
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # (copied, or rewritten with the template trained)
+SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", *COPIED_FILES, *TEMPLATE_FILES)
+PROBE_ANSWER = "megatrain probes the end of a turn"  # (an assistant turn whose closing token is looked for)
+RUN_FOLDER = "tokenizer"  # in a run directory: what its exports are served with, written as the run starts
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What an export is served with. `tokenizer`: its tokenizer.json (None: unknown, the export holds weights
+    alone); `template`: the chat template trained with (None: the run rendered no conversations, and the tokenizer's
+    own files go along as they are); `model_dir`: the model directory (its generation_config.json's sampling
+    defaults); `eos_token_id`: the model's."""
+
+    tokenizer: Path | None
+    template: ChatTemplate | None = None
+    model_dir: Path | None = None
+    eos_token_id: int | list[int] | None = None
+
+
+def serving_of_run(config, model, run_dir: Path, tokenizer: Path | None = None) -> Serving:
+    """The serving files of a run (its `Config` and `ModelConfig`, in `run_dir`): the data's tokenizer (`tokenizer`
+    where the caller read the data, else as `data.run_tokenizer` finds it: data.tokenizer, the model directory's,
+    the one megatrain trained on the run's text) and the chat template its conversations were rendered with."""
+    from .data import eos_token_text, load_tokenizer, run_tokenizer
+
+    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+    if tokenizer is None:
+        tokenizer = run_tokenizer(config.data, model.vocab_size, Path(run_dir), model_dir)
+    if tokenizer is None:
+        return Serving(None, None, model_dir, model.eos_token_id)
+    eos = eos_token_text(load_tokenizer(tokenizer), model.eos_token_id)
+    return Serving(Path(tokenizer), trained_template(config, Path(tokenizer), eos), model_dir, model.eos_token_id)
+
+
+def keep_in_run(run_dir: Path, serving: Serving) -> None:
+    """Write `serving`'s files into the run's tokenizer/ folder (whole or not at all), so that `megatrain convert` of
+    any of its checkpoints serves them as its final/ does, though the data's tokenizer, its template file or the
+    model directory have moved since (or convert runs in another directory than the run did)."""
+    if serving.tokenizer is None:
+        return
+    folder, staging = run_dir / RUN_FOLDER, run_dir / f".{RUN_FOLDER}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    write_serving_files(staging, serving, {})
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def kept_in_run(run_dir: Path) -> Serving | None:
+    """The serving files a run kept as it started (`keep_in_run`), None where it kept none (a run of an earlier
+    megatrain, or on token ids without a tokenizer)."""
+    tokenizer = Path(run_dir) / RUN_FOLDER / "tokenizer.json"
+    return Serving(tokenizer) if tokenizer.exists() else None
+
+
+def trained_template(config, tokenizer: Path, eos: str) -> ChatTemplate | None:
+    """The chat template a run rendered its conversations with, as its data pipeline chooses it (data.chat_template,
+    else the tokenizer's own, else the simple template); None where it trained on text or token ids."""
+    from .preference import uses_pairs
+    from .records import resolve_sources
+
+    data = config.data
+    if data.tokens is not None or data.dataset is None:
+        return None
+    if config.train.objective == "grpo":  # (its prompts: rendered with a template only where there is one)
+        return load_chat_template(tokenizer.parent, data.chat_template, eos)
+    if not uses_pairs(data) and resolve_sources(data)[0].formatting == "text":
+        return None
+    return load_chat_template(tokenizer.parent, data.chat_template, eos) or load_chat_template(None, "simple", eos)
+
+
+def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
+    """Write `serving`'s files into `out_dir` (a model directory being written): tokenizer.json, tokenizer_config.json
+    (its chat template the one trained with, also as chat_template.jinja), special_tokens_map.json and
+    generation_config.json (eos: the end-of-turn token, then the tokenizer's and the model's EOS). Returns the
+    config.json to write (naming the EOS where the model names none)."""
+    from tokenizers import Tokenizer
+
+    if serving.tokenizer is None or not serving.tokenizer.exists():
+        return config
+    source = serving.tokenizer.parent
+    shutil.copyfile(serving.tokenizer, out_dir / "tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    for name in COPIED_FILES + (TEMPLATE_FILES if serving.template is None else ()):
+        if (source / name).exists():
+            shutil.copyfile(source / name, out_dir / name)
+    settings = _tokenizer_config(source, tokenizer, serving)
+    atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
+    if serving.template is not None:
+        _write_template(out_dir, source, settings["chat_template"])
+    if not (out_dir / "special_tokens_map.json").exists():
+        atomic_write_text(out_dir / "special_tokens_map.json", json.dumps(_special_tokens(settings), indent=2))
+    generation = _json(serving.model_dir / "generation_config.json") if serving.model_dir is not None else {}
+    generation = generation or _json(source / "generation_config.json")
+    stops = _stop_ids(tokenizer, settings, serving, generation.get("eos_token_id"), source)
+    generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    atomic_write_text(out_dir / "generation_config.json", json.dumps(generation, indent=2))
+    eos_id = tokenizer.token_to_id(_text(settings.get("eos_token")) or "")
+    if config.get("eos_token_id") is None and eos_id is not None:
+        config = {**config, "eos_token_id": eos_id}
+    return config
+
+
+def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
+    """tokenizer_config.json: the source's, naming a tokenizer class and the EOS where it does not (a tokenizer
+    megatrain trained ends documents with <|endoftext|>), with the chat template trained with."""
+    from .data import eos_token_text
+
+    settings = _json(source / "tokenizer_config.json")
+    settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    eos = eos_token_text(tokenizer, _first(serving.eos_token_id))
+    if settings.get("eos_token") is None and eos:
+        settings["eos_token"] = eos
+    if serving.template is not None:
+        settings["chat_template"] = _pinned(serving.template, settings)
+    return settings
+
+
+def _pinned(template: ChatTemplate, settings: dict) -> str:
+    """The template's text, rendering the special tokens it was trained with where tokenizer_config.json names others
+    (the simple template ends a turn with the data's EOS, which may not be the tokenizer's): a `set` of each first."""
+    named = _special_tokens(settings)
+    differing = {name: text for name, text in template.special_tokens.items() if named.get(name) != text}
+    return "".join(f"{{%- set {name} = {json.dumps(text)} %}}" for name, text in differing.items()) + template.template
+
+
+def _write_template(out_dir: Path, source: Path, template: str) -> None:
+    """The template trained with as chat_template.jinja (which transformers reads before tokenizer_config.json's),
+    and in a processor's chat_template.json where the source has one."""
+    atomic_write_text(out_dir / "chat_template.jinja", template)
+    if (source / "chat_template.json").exists():
+        atomic_write_text(out_dir / "chat_template.json", json.dumps({"chat_template": template}, indent=2))
+
+
+def _stop_ids(tokenizer, settings: dict, serving: Serving, given, source: Path) -> list[int]:
+    """Where a completion ends: the end-of-turn token of the template trained with (else of the tokenizer's own, in
+    `source`) first, then the tokenizer's EOS, the generation config's `given` ones and the model's."""
+    eos = _text(settings.get("eos_token"))
+    template = serving.template
+    if template is None:
+        try:
+            template = load_chat_template(source, None, eos or "")
+        except ConfigError:  # (a template that does not parse is the tokenizer's own business: no end of turn)
+            template = None
+    ids = [end_of_turn_id(template, tokenizer)] if template is not None else []
+    ids.append(tokenizer.token_to_id(eos or ""))
+    for value in (given, serving.eos_token_id):
+        ids += value if isinstance(value, list) else [value]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def end_of_turn_id(template: ChatTemplate, tokenizer) -> int | None:
+    """The special token that closes an assistant turn as the template renders it (<|im_end|>, <|eot_id|>, the EOS):
+    the first one after a probe answer; None where the template renders none there."""
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": PROBE_ANSWER}]
+    try:
+        text = template.render(messages)[0]
+    except Exception:  # a template may refuse the probe (jinja's errors, a raise_exception)
+        return None
+    if PROBE_ANSWER not in text:
+        return None
+    end = text.rindex(PROBE_ANSWER) + len(PROBE_ANSWER)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    special = special_token_ids(tokenizer)
+    return next((i for i, (start, _) in zip(encoding.ids, encoding.offsets) if start >= end and i in special), None)
+
+
+def describe_export(out_dir: Path) -> str:
+    """What an export holds, in words: its weights, its tokenizer, its chat template and where generation stops."""
+    from megatrain_store import read_safetensors_header
+
+    from .rundir import size_text
+
+    files = sorted(out_dir.glob("*.safetensors"))
+    tensors = sum(len(read_safetensors_header(path)) - 1 for path in files)  # (less each header's __metadata__)
+    parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]
+    if not (out_dir / "tokenizer.json").exists():
+        none = "no tokenizer (its source names none, as a run on token ids without data.tokenizer or model.hf_dir does)"
+        return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in"
+    parts.append("tokenizer")
+    settings = _json(out_dir / "tokenizer_config.json")
+    if (out_dir / "chat_template.jinja").exists() or settings.get("chat_template"):
+        parts.append("chat template")
+    stops = _json(out_dir / "generation_config.json").get("eos_token_id")
+    if stops is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+        names = [tokenizer.id_to_token(i) or str(i) for i in (stops if isinstance(stops, list) else [stops])]
+        parts.append(f"generation stopping at {', '.join(names)}")
+    return ", ".join(parts)
+
+
+def _json(path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def _text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _special_tokens(settings: dict) -> dict:
+    """The special tokens a template reads (bos_token, eos_token, ...), as text."""
+    return {name: _text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES if _text(settings.get(name)) is not None}
+
+
+def _first(value):
+    """The first of a config's token ids (an id or a list of them)."""
+    return value[0] if isinstance(value, list) else value

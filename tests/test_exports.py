@@ -1,0 +1,234 @@
+"""Every export serves as trained: a run's final/ and `megatrain convert` of the run, of its checkpoints and of a run
+without final/ hold the data's tokenizer (else the model directory's), the chat template trained with, the special
+tokens and a generation config that stops at the end of a turn; transformers' AutoTokenizer renders a conversation
+as training did, and `megatrain generate` serves it. The commands run as a user runs them, as subprocesses."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from chat_templates import SPECIAL_TOKENS, TEMPLATES
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from megatrain.data import builtin_corpus
+from megatrain_zoo import config_to_hf, preset
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>"]
+SPECIALS += ["<|start_header_id|>", "<|end_header_id|>"]
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "It is 4."},
+]
+CLI_DRIVER = Path(__file__).parents[1] / "packages" / "megatrain" / "tests" / "cli_driver.py"
+EXPORTED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+EXPORTED += ("generation_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """Two tiny Llama directories written by transformers with a byte-level BPE tokenizer: one whose tokenizer ships
+    Llama 3.1's chat template (its turns end in <|eot_id|>), one with no template."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    bpe = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([builtin_corpus().read_text()[:40000]], bpe)
+    hf_config = transformers.AutoConfig.for_model(**(config_to_hf(preset("tiny-llama")) | {"vocab_size": 640}))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    directories = (root / "llama-template", root / "no-template")
+    for directory, template in zip(directories, (TEMPLATES["llama-3.1"], None)):
+        model.save_pretrained(directory)
+        tokenizer.save(str(directory / "tokenizer.json"))
+        settings = SPECIAL_TOKENS["llama-3.1"] | ({"chat_template": template} if template else {})
+        (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directories
+
+
+def run_commands(command_lines: list[list[str]], cwd: Path, succeed: bool = True) -> list[dict]:
+    """Each command line's exit code and output, run one after another by the console script's `main` in a
+    subprocess (cli_driver.py); checked to succeed unless `succeed` is False."""
+    process = subprocess.run(
+        [sys.executable, str(CLI_DRIVER)],
+        input="".join(json.dumps(argv) + "\n" for argv in command_lines),
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
+    assert process.returncode == 0, process.stderr
+    results = [json.loads(line) for line in process.stdout.splitlines()]
+    for result in results:
+        assert result["code"] == 0 or not succeed, (result["argv"], result["output"])
+    return results
+
+
+def read_only_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot write: without write permission, or for root (who may write there anyway)
+    one in sysfs."""
+    if os.geteuid() == 0:
+        return Path("/sys/kernel")
+    path = tmp_path / "read-only"
+    path.mkdir()
+    path.chmod(0o500)
+    return path
+
+
+def settings(*pairs: str) -> list[str]:
+    common = ["device=cpu", "train.batch_size=2", "train.micro_batch_size=2", "train.lr=1e-3", "train.save_every=1"]
+    return [arg for pair in (*common, *pairs) for arg in ("--set", pair)]
+
+
+def rendered_by_transformers(export: Path) -> list[int]:
+    """The conversation's ids as transformers' tokenizer of the export renders it."""
+    out = transformers.AutoTokenizer.from_pretrained(export).apply_chat_template(CONVERSATION, tokenize=True)
+    return out if isinstance(out, list) else list(out["input_ids"])
+
+
+def training_ids(result: dict, length: int) -> list[int]:
+    """The first `length` ids of the row `megatrain data --dump 1` printed (the conversation as training rendered
+    it), checked to be followed by padding alone."""
+    ids = json.loads(result["output"].strip().splitlines()[-1])["input_ids"]
+    assert len(set(ids[length:])) <= 1, ids  # (the conversation is all of the row)
+    return ids[:length]
+
+
+def check_served_as_trained(export: Path, trained: list[int], end_of_turn: str) -> None:
+    """The export holds every serving file; transformers renders the conversation as training rendered it, and
+    generation stops at the template's end of turn, then at the tokenizer's EOS."""
+    assert all((export / name).exists() for name in EXPORTED), sorted(p.name for p in export.iterdir())
+    assert rendered_by_transformers(export) == trained, export
+    tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
+    stops = json.loads((export / "generation_config.json").read_text())["eos_token_id"]
+    assert stops[0] == tokenizer.token_to_id(end_of_turn) and tokenizer.token_to_id("<|eot_id|>") in stops
+    assert transformers.AutoModelForCausalLM.from_pretrained(export).generation_config.eos_token_id == stops
+
+
+def test_fine_tuned_exports_hold_the_template_trained_with(model_dirs, tmp_path):
+    """data.chat_template: my.jinja (ChatML) over a model whose own template is Llama 3.1's: final/, convert of the
+    run, of its checkpoints/, of an older step-N and of the run once final/ is gone all render the conversation as
+    training did (`megatrain data`) and stop at <|im_end|>; `generate` on a conversation serves final/. A model with
+    no template trains with the simple one, and its export renders that (and serves a conversation)."""
+    with_template, without = model_dirs
+    (tmp_path / "my.jinja").write_text(TEMPLATES["qwen2.5"])
+    (tmp_path / "chats.jsonl").write_text(4 * (json.dumps({"messages": CONVERSATION}) + "\n"))
+    (tmp_path / "ask.jsonl").write_text(json.dumps({"prompt": CONVERSATION[:2]}) + "\n")
+    data = ["data.dataset=chats.jsonl", "data.format=messages", "data.seq_len=96", "train.steps=2"]
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    chatml = settings(f"model.hf_dir={with_template}", *data, "data.chat_template=my.jinja", f"output_dir={run}")
+    simple = settings(f"model.hf_dir={without}", *data, f"output_dir={plain}")
+    commands = [
+        ["train", *chatml],
+        ["data", *chatml, "--dump", "1"],
+        ["convert", str(run), "converted-run"],
+        ["convert", str(run / "checkpoints"), "converted-checkpoints"],
+        ["convert", str(run / "checkpoints" / "step-00000001"), "converted-step-1"],
+        ["generate", "--checkpoint", str(run), "--prompts", "ask.jsonl", "--max-new-tokens", "2"],
+        ["train", *simple],
+        ["data", *simple, "--dump", "1"],
+        ["generate", "--checkpoint", str(plain), "--prompts", "ask.jsonl", "--max-new-tokens", "2"],
+    ]
+    results = run_commands(commands, tmp_path)
+    assert "tokenizer, chat template, generation stopping at <|im_end|>, <|eot_id|>" in results[2]["output"]
+    for generated in (results[5], results[8]):  # (the second: a conversation, and a model that had no template)
+        assert json.loads(generated["output"].strip().splitlines()[-1])["prompt"] == CONVERSATION[:2]
+    trained = training_ids(results[1], len(rendered_by_transformers(run / "final")))
+    exports = [run / "final", *(tmp_path / f"converted-{name}" for name in ("run", "checkpoints", "step-1"))]
+    for export in exports:
+        check_served_as_trained(export, trained, "<|im_end|>")
+    assert rendered_by_transformers(with_template) != trained  # (not the model's own template)
+    # the simple template ends a turn with the data's EOS (<|endoftext|>: the model names none), as trained
+    check_served_as_trained(
+        plain / "final", training_ids(results[7], len(rendered_by_transformers(plain / "final"))), "<|endoftext|>"
+    )
+
+    shutil.rmtree(run / "final")  # a run stopped before its export (a kill, a NaN stop): convert writes it whole,
+    (tmp_path / "my.jinja").unlink()  # with the template trained with, though its file is gone
+    run_commands([["convert", str(run), "converted-unfinished"]], tmp_path)
+    check_served_as_trained(tmp_path / "converted-unfinished", trained, "<|im_end|>")
+
+
+def test_a_run_on_token_ids_exports_the_model_directorys_tokenizer(model_dirs, tmp_path):
+    """data.tokens brings no tokenizer: final/ and convert of a checkpoint or of a run without final/ hold the model
+    directory's (its chat template, its EOS), and `generate --checkpoint RUN` serves it."""
+    with_template = model_dirs[0]
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 600, 2000, dtype=np.int32))
+    (tmp_path / "ask.txt").write_text("def main(\n")
+    run = tmp_path / "run"
+    train = ["train", *settings(f"model.hf_dir={with_template}", "data.tokens=ids.npy", "data.seq_len=32")]
+    commands = [
+        [*train, "--set", "train.steps=2", "--set", f"output_dir={run}"],
+        ["generate", "--checkpoint", str(run), "--prompts", "ask.txt", "--max-new-tokens", "2"],
+        ["convert", str(run / "checkpoints" / "step-00000001"), "converted-step-1"],
+    ]
+    results = run_commands(commands, tmp_path)
+    assert json.loads(results[1]["output"].strip().splitlines()[-1])["prompt"] == "def main("
+    shutil.move(run / "final", tmp_path / "served")  # (away from its run: served by what it holds alone)
+    (tmp_path / "a-file").write_text("")
+    unwritable = [read_only_dir(tmp_path) / "model", tmp_path / "a-file" / "model"]  # (the second: for root too)
+    commands = [
+        ["convert", str(run), "converted-unfinished"],
+        ["generate", "--checkpoint", "served", "--prompts", "ask.txt", "--max-new-tokens", "2"],
+        *(["convert", str(run), str(out)] for out in unwritable),
+    ]
+    written, generated, *refused = run_commands(commands, tmp_path, succeed=False)
+    assert written["code"] == 0 and "tokenizer, chat template, generation stopping at <|eot_id|>" in written["output"]
+    assert generated["code"] == 0 and json.loads(generated["output"].strip().splitlines()[-1])["prompt"] == "def main("
+    for result, out in zip(refused, unwritable):  # one line naming the DIR it was given, not a run's output_dir
+        line = result["output"].strip()
+        assert result["code"] == 1 and len(line.splitlines()) == 1 and str(out) in line and "output_dir" not in line
+    for export in (tmp_path / "served", tmp_path / "converted-step-1", tmp_path / "converted-unfinished"):
+        assert (export / "tokenizer.json").read_bytes() == (with_template / "tokenizer.json").read_bytes()
+        assert rendered_by_transformers(export) == rendered_by_transformers(with_template)
+        stops = json.loads((export / "generation_config.json").read_text())["eos_token_id"]
+        assert stops == Tokenizer.from_file(str(export / "tokenizer.json")).token_to_id("<|eot_id|>")
+
+
+KILLED_IN_EXPORT = """
+import os, signal, sys
+import megatrain.hf_io as hf_io
+from megatrain.cli import main
+
+write = hf_io.write_safetensors
+
+def write_then_die(path, *args, **kwargs):  # kill -9 once the export's first weights are on disk
+    written = write(path, *args, **kwargs)
+    if ".final.partial" in str(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written
+
+hf_io.write_safetensors = write_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_resume_finishes_an_export_killed_with_minus_9(tmp_path):
+    """kill -9 while the last step's model is exported: --resume says the step is done and finishes the export, and
+    the hidden partial export is gone."""
+    run = tmp_path / "run"
+    train = ["train", *settings("model.preset=tiny-llama", "data.seq_len=32", "train.steps=2", f"output_dir={run}")]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_EXPORT, *train], cwd=tmp_path, env=env, timeout=300)
+    assert killed.returncode == -9 and (run / ".final.partial").exists() and not (run / "final").exists()
+    resumed = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--resume", str(run)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "megatrain: step 2 is done; finishing the export" in resumed.stderr
+    assert json.loads((run / "final" / "trainer_state.json").read_text())["global_step"] == 2
+    assert not (run / ".final.partial").exists() and (run / "final" / "tokenizer.json").exists()
