@@ -321,6 +321,15 @@ def test_packing_is_refused_where_layers_carry_state(model_type, tmp_path):
         Trainer(replace(config, data=replace(config.data, pack=True, dataset="unused")))
 
 
+def test_a_layer_type_transformers_keeps_a_recurrent_state_for_does_not_pack():
+    """MiniMax's lightning attention (layer type "linear_attention", no convolution, no stateful flag) runs through a
+    packed row's documents as one in transformers: its config packs no documents; with attention alone it would."""
+    extra = dict(num_local_experts=4, num_experts_per_tok=2, block_size=4, output_router_logits=False)
+    hf = {**COMMON, "model_type": "minimax", "layer_types": ["linear_attention", "full_attention"], **extra}
+    assert not model_config_from_hf(hf).packs_documents
+    assert model_config_from_hf({**hf, "layer_types": ["full_attention"] * 2}).packs_documents
+
+
 def test_a_layer_given_inputs_from_the_tokens_is_refused():
     """Gemma 3n gives each layer an embedding of the tokens of its own (per_layer_input): refused, naming it."""
     extra = dict(

@@ -197,9 +197,13 @@ class HFSkeleton:
     @cached_property
     def carries_state(self) -> bool:
         """Whether the layers mix tokens along a row by more than attention (a Mamba or linear recurrence, a short
-        convolution): transformers' implementations of those run through a packed row's documents as one."""
+        convolution): transformers' implementations of those run through a packed row's documents as one. Known by
+        a convolution among the layers' modules, the model's own flag, or a layer type transformers caches a
+        recurrent state for (MiniMax's lightning attention: "linear_attention")."""
         convolves = any(isinstance(m, nn.Conv1d) for layer in self.layers for m in layer.modules())
-        return convolves or bool(getattr(self.model, "_is_stateful", False))
+        layer_types = set(getattr(self.text_config, "layer_types", None) or ())
+        recurrent = bool(layer_types & _recurrent_layer_types())
+        return convolves or recurrent or bool(getattr(self.model, "_is_stateful", False))
 
     @cached_property
     def _layer_names(self) -> list[list[str]]:
@@ -341,6 +345,18 @@ class CalledModules:
     def shared(self) -> nn.Module | None:
         """The first module with weights called between the blocks (None: none)."""
         return next((m for m in self.phases[1] if any(True for _ in m.parameters(recurse=False))), None)
+
+
+def _recurrent_layer_types() -> set[str]:
+    """The layer types for which transformers' cache keeps a recurrent or convolution state (empty where the
+    installed transformers has no such mapping)."""
+    try:
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+    except ImportError:
+        return set()
+    return {
+        kind for kind, layer in DYNAMIC_LAYER_TYPE_MAPPING.items() if issubclass(layer, LinearAttentionCacheLayerMixin)
+    }
 
 
 def _same(a, b) -> bool:
