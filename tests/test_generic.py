@@ -77,8 +77,9 @@ FAMILIES = {
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16, output_router_logits=False),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
-    # (its top-k per layer, as Hunyuan-A13B's config.json gives it)
-    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=[2, 1], num_shared_expert=[1, 1]),
+    # (its top-k per layer, as Hunyuan-A13B's config.json gives it; none of 1, whose weight normalised to 1 gives
+    # the router only fp32 noise for a gradient, which AdamW scales up into routes differing from transformers')
+    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=[2, 3], num_shared_expert=[1, 1]),
     # (a routing bias, a persistent buffer, inside each layer's feed_forward; short convolutions between)
     "lfm2_moe": dict(
         num_experts=4,
