@@ -87,10 +87,11 @@ def test_gpu_greedy_generation_equals_transformers(preset_name, weights, tmp_pat
     trainer.close()
 
 
-def test_greedy_generation_of_a_family_through_transformers_modules(tmp_path):
+@pytest.mark.parametrize("model_type", ["cohere2", "apertus"])  # (Apertus: buffers of the checkpoint's in its MLPs)
+def test_greedy_generation_of_a_family_through_transformers_modules(model_type, tmp_path):
     from test_generic import hf_model, tiny_hf_config
 
-    hf_model(tiny_hf_config("cohere2"), 0).save_pretrained(tmp_path / "hf")
+    hf_model(tiny_hf_config(model_type), 0).save_pretrained(tmp_path / "hf")
     trainer = trainer_of(ModelSection(hf_dir=str(tmp_path / "hf")), tmp_path)
     check_greedy_equals_transformers(trainer, tmp_path)
     trainer.close()

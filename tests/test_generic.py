@@ -51,6 +51,10 @@ FAMILIES = {
     "nemotron": dict(head_dim=16, partial_rotary_factor=0.5),
     "helium": dict(head_dim=16),
     "hunyuan_v1_dense": dict(head_dim=16),
+    # parameters and persistent buffers in nested submodules: Apertus' xIELU activation (learned alpha_p and
+    # alpha_n, constant beta and eps inside mlp.act_fn), BitNet's norms inside its attention and MLP
+    "apertus": dict(head_dim=16),
+    "bitnet": dict(head_dim=16),
     # hybrids: attention beside Mamba-2 or short convolutions
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=4),
     "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=128, block_auto_adjust_ff_dim=False),
@@ -73,7 +77,17 @@ FAMILIES = {
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16, output_router_logits=False),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
-    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, num_shared_expert=1),
+    # (its top-k per layer, as Hunyuan-A13B's config.json gives it; none of 1, whose weight normalised to 1 gives
+    # the router only fp32 noise for a gradient, which AdamW scales up into routes differing from transformers')
+    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=[2, 3], num_shared_expert=[1, 1]),
+    # (a routing bias, a persistent buffer, inside each layer's feed_forward; short convolutions between)
+    "lfm2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_dense_layers=0,
+        layer_types=["conv", "full_attention"],
+    ),
 }
 
 
@@ -85,7 +99,9 @@ def tiny_hf_config(model_type: str) -> dict:
 
 def hf_model(hf_config: dict, seed: int):
     """transformers' model of `hf_config` with fresh random weights: norms around 1, the rest around 0, large enough
-    that every part changes the result; in eval mode, as megatrain trains (no dropout, no router jitter)."""
+    that every part changes the result; its persistent floating-point buffers (Apertus' xIELU beta and eps, a
+    router's bias) moved off their defaults, so that only a model computing with the checkpoint's equals it; in eval
+    mode, as megatrain trains (no dropout, no router jitter)."""
     config = transformers.AutoConfig.for_model(**hf_config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -95,7 +111,16 @@ def hf_model(hf_config: dict, seed: int):
                 param.normal_(1.0, 0.2)
             else:
                 param.normal_(0.0, 0.15)
+        for buffer in persistent_buffers(model).values():
+            if buffer.is_floating_point():
+                buffer.mul_(1 + 0.2 * torch.randn_like(buffer)).add_(0.01 * torch.randn_like(buffer))
     return model.eval()
+
+
+def persistent_buffers(model) -> dict:
+    """The buffers transformers saves beside the parameters, by name."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {name: value for name, value in model.state_dict(keep_vars=True).items() if name not in params}
 
 
 def adamw_decaying_matrices(model, train: TrainSection):
@@ -174,6 +199,9 @@ def check_trains_like_transformers(
         # (the key bias's gradient, but where rotated, is zero in exact arithmetic: AdamW scales its noise up)
         signal = ~noise_only[name]
         assert rel_err(ours[name].detach()[signal], param.detach()[signal]) < 1e-4, name
+    reloaded_buffers = persistent_buffers(reloaded)
+    for name, buffer in persistent_buffers(reference).items():  # (the checkpoint's, exported as they came)
+        assert torch.equal(reloaded_buffers[name].to(buffer.dtype), buffer), name
     with torch.no_grad():
         assert rel_err(our_logits, reloaded(ids).logits) < 1e-5
         assert rel_err(our_logits, reference(ids).logits) < 1e-4
@@ -247,7 +275,8 @@ def test_a_native_family_cannot_be_forced_native_when_it_has_no_template():
         model_config_from_hf(tiny_hf_config("cohere2"), "native")
 
 
-PACKING = [name for name in FAMILIES if name not in ("falcon_h1", "lfm2", "recurrent_gemma", "jamba", "bamba")]
+STATEFUL = ("falcon_h1", "lfm2", "lfm2_moe", "recurrent_gemma", "jamba", "bamba")
+PACKING = [name for name in FAMILIES if name not in STATEFUL]
 
 
 @pytest.mark.parametrize("model_type", PACKING)
@@ -291,6 +320,15 @@ def test_packing_is_refused_where_layers_carry_state(model_type, tmp_path):
     config = trainer.config
     with pytest.raises(ConfigError, match="layers carry state along a row"):
         Trainer(replace(config, data=replace(config.data, pack=True, dataset="unused")))
+
+
+def test_a_layer_type_transformers_keeps_a_recurrent_state_for_does_not_pack():
+    """MiniMax's lightning attention (layer type "linear_attention", no convolution, no stateful flag) runs through a
+    packed row's documents as one in transformers: its config packs no documents; with attention alone it would."""
+    extra = dict(num_local_experts=4, num_experts_per_tok=2, block_size=4, output_router_logits=False)
+    hf = {**COMMON, "model_type": "minimax", "layer_types": ["linear_attention", "full_attention"], **extra}
+    assert not model_config_from_hf(hf).packs_documents
+    assert model_config_from_hf({**hf, "layer_types": ["full_attention"] * 2}).packs_documents
 
 
 def test_a_layer_given_inputs_from_the_tokens_is_refused():
@@ -351,3 +389,50 @@ def test_a_run_says_its_path_resumes_exactly_and_exports_its_family(tmp_path, ca
     assert main(["eval", "--checkpoint", str(tmp_path / "full"), "--batches", "1"]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "full/final", dtype=torch.float32)
     assert type(model).__name__ == "Cohere2ForCausalLM"
+
+
+def test_layer_counts_follow_a_top_k_given_per_layer():
+    """Hunyuan-V1-MoE's top-k as a list, one per layer: each layer's active parameters count its own k experts."""
+    hf = tiny_hf_config("hunyuan_v1_moe")
+    model = hf_model(hf, 0)
+    config = model_config_from_hf(hf)
+    for index, k in enumerate(hf["moe_topk"]):
+        layer = dict(model.model.layers[index].named_parameters())
+        experts = sum(p.numel() for name, p in layer.items() if name.startswith("mlp.experts."))
+        others = sum(p.numel() for name, p in layer.items() if not name.startswith("mlp.experts."))
+        assert config.layer_counts[index][:2] == (experts + others, experts * k // hf["num_experts"] + others)
+
+
+def test_a_model_transformers_cannot_build_is_one_line_from_the_command_line(tmp_path):
+    """`megatrain train` (a process of its own, as a user runs it) on a config.json transformers accepts but cannot
+    build a model of (an activation it does not know): one line naming the model type, what is missing and where,
+    a non-zero exit, no traceback, no run directory left."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+    import yaml
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text(json.dumps({**tiny_hf_config("cohere2"), "hidden_act": "no_such_act"}))
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 256, 1024).astype(np.int32))
+    settings = {
+        "model": {"hf_dir": str(tmp_path / "hf")},
+        "data": {"tokens": str(tmp_path / "tokens.npy"), "seq_len": 16},
+        "device": "cpu",
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings))
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--config", str(tmp_path / "run.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    lines = process.stderr.strip().splitlines()
+    assert process.returncode not in (0, None) and len(lines) == 1, process.stderr
+    assert "cohere2 cannot be built through transformers' own modules: 'no_such_act' missing (KeyError) at " in lines[0]
+    assert "modeling_cohere2.py" in lines[0] and "use a family with a native template" in lines[0]
+    assert not (tmp_path / "run").exists()

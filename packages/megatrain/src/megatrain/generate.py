@@ -83,6 +83,10 @@ class Generator:
         self.trainer, self.weights = trainer, weights
         self.skeleton = HFSkeleton(_hf_config(trainer.model_config))
         self.layout = CheckpointLayout(self.skeleton)
+        trained = trainer.spec.checkpoint_layout
+        if trained is not None:  # (a generic model's persistent buffers as it trains with them: its checkpoint's)
+            held = trained.bound_buffers()
+            self.layout.bind_buffers({n: held[n] for n in self.layout.buffers if n in held}, "the trained model")
         self._streamed: _StreamedLayers | None = None
         self._renamed: dict[str, str] | None = None  # parameter -> the stored tensor that is it (see `_bound`)
         self._sources: dict[str, list[str]] = {}

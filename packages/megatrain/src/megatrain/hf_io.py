@@ -319,7 +319,7 @@ def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
     are missing, unexpected or mis-shaped for `spec`."""
     files = checkpoint_files(model_dir)
     if spec.checkpoint_layout is not None:
-        _generic_sources(spec, files)
+        _bind_generic_buffers(spec, files)  # (here, as every rank checks: each rank's layers compute with them)
         return
     match_tensors(files, _read_layout(spec, files)[2], ignore=spec.checkpoint_names_to_ignore)
 
@@ -354,7 +354,21 @@ def _generic_sources(spec: ModelSpec, files: list[Path]) -> tuple[dict[str, list
     """(a generic model's parameter -> the checkpoint tensors making it, checkpoint tensor -> its file)."""
     where = {name: path for path in files for name in read_safetensors_header(path) if name != "__metadata__"}
     try:
-        return spec.checkpoint_layout.sources(list(where), str(files[0].parent)), where
+        return spec.checkpoint_layout.sources(list(where), str(files[0].parent), buffers=True), where
+    except GenericError as error:
+        raise ZooError(str(error)) from None
+
+
+def _bind_generic_buffers(spec: ModelSpec, files: list[Path]) -> None:
+    """A generic model's persistent buffers (Apertus' xIELU beta and eps) set to the checkpoint's values: constants
+    its layers compute with, held by its modules rather than the store; the checkpoint is checked on the way."""
+    where = {name: path for path in files for name in read_safetensors_header(path) if name != "__metadata__"}
+    try:
+        sources = spec.checkpoint_layout.buffer_sources(list(where), str(files[0].parent))
+        if sources:
+            with open_safetensors({where[key] for key in sources.values()}) as handles:
+                values = {name: handles[where[key]].get_tensor(key) for name, key in sources.items()}
+            spec.checkpoint_layout.bind_buffers(values, str(files[0].parent))
     except GenericError as error:
         raise ZooError(str(error)) from None
 
@@ -362,6 +376,7 @@ def _generic_sources(spec: ModelSpec, files: list[Path]) -> tuple[dict[str, list
 def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path]) -> None:
     """A generic model's weights, a group at a time: its checkpoint tensors read, converted to its modules'
     names and layouts as transformers' loader converts them, checked and copied into the store."""
+    _bind_generic_buffers(spec, files)
     sources, where = _generic_sources(spec, files)
     with open_safetensors(set(where.values())) as handles:
         for group in progress(range(store.n_groups), desc="load weights", unit="group", leave=False):
@@ -395,6 +410,9 @@ def checkpoint_entries(spec: ModelSpec, entries: list) -> list:
         converted = _ConvertedGroup(spec.checkpoint_layout, {name: pending[name] for name in names})
         for key, tensor in spec.checkpoint_layout.save(meta).items():
             out.append((key, Pending(tuple(tensor.shape), tensor.dtype, lambda key=key, c=converted: c.take(key))))
+    # (the persistent buffers, as transformers saves them: a reload computes with the values trained with)
+    for name, buffer in spec.checkpoint_layout.bound_buffers().items():
+        out.append((name, Pending(tuple(buffer.shape), buffer.dtype, lambda b=buffer: b.cpu())))
     return out
 
 

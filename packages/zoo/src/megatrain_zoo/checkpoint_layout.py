@@ -27,6 +27,7 @@ class CheckpointLayout:
         }
         # persistent buffers, which megatrain's native stores may hold (DeepSeek-V3's routing bias)
         self.buffers = [name for name in skeleton.model.state_dict() if name not in self._canonical]
+        self._buffer_names = set(self.buffers)
 
     def sources(self, present: list[str], where: str, buffers: bool = False) -> dict[str, list[str]]:
         """The model's parameter name -> the checkpoint tensors it is made from, for a checkpoint holding
@@ -62,6 +63,34 @@ class CheckpointLayout:
                 "is incomplete or for a different model"
             )
         return made, converted
+
+    def buffer_sources(self, present: list[str], where: str) -> dict[str, str]:
+        """The model's persistent buffers a checkpoint holding `present` gives -> the tensor that is each (the
+        checkpoint checked as `sources`)."""
+        sources = self.sources(present, where, buffers=True)
+        return {name: keys[0] for name, keys in sources.items() if name in self._buffer_names}
+
+    def bind_buffers(self, tensors: dict[str, Tensor], where: str) -> None:
+        """The model's persistent buffers (by its names) set to a checkpoint's values, each in its own dtype: the
+        constants its layers compute with beside their parameters (Apertus' xIELU beta and eps), which megatrain
+        holds in the skeleton rather than trains; a shape the model does not hold is refused."""
+        for name, value in tensors.items():
+            owner, _, attribute = name.rpartition(".")
+            module = self.skeleton.model.get_submodule(owner)
+            held = module._buffers[attribute]
+            if tuple(held.shape) != tuple(value.shape):
+                raise GenericError(
+                    f"{where}: {name} is {tuple(value.shape)} in the checkpoint, the model needs "
+                    f"{tuple(held.shape)}; the checkpoint is for a different configuration"
+                )
+            module._buffers[attribute] = value.to(self.skeleton.device, held.dtype)
+
+    def bound_buffers(self) -> dict[str, Tensor]:
+        """The model's persistent buffers as its layers compute with them (a checkpoint's where bound), by its
+        names: what transformers saves beside the parameters; one left on the meta device (made empty, never
+        bound) is left out."""
+        state = self.skeleton.model.state_dict()
+        return {name: state[name] for name in self.buffers if not state[name].is_meta}
 
     def renamed(self, tensors: dict[str, Tensor], where: str) -> dict[str, str]:
         """The parameters a checkpoint holding `tensors` gives by renaming alone (one tensor, no conversion, the

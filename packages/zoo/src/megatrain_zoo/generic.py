@@ -14,6 +14,7 @@ micro-batch shape.
 import contextlib
 import inspect
 import json
+import traceback
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -196,9 +197,13 @@ class HFSkeleton:
     @cached_property
     def carries_state(self) -> bool:
         """Whether the layers mix tokens along a row by more than attention (a Mamba or linear recurrence, a short
-        convolution): transformers' implementations of those run through a packed row's documents as one."""
+        convolution): transformers' implementations of those run through a packed row's documents as one. Known by
+        a convolution among the layers' modules, the model's own flag, or a layer type transformers caches a
+        recurrent state for (MiniMax's lightning attention: "linear_attention")."""
         convolves = any(isinstance(m, nn.Conv1d) for layer in self.layers for m in layer.modules())
-        return convolves or bool(getattr(self.model, "_is_stateful", False))
+        layer_types = set(getattr(self.text_config, "layer_types", None) or ())
+        recurrent = bool(layer_types & _recurrent_layer_types())
+        return convolves or recurrent or bool(getattr(self.model, "_is_stateful", False))
 
     @cached_property
     def _layer_names(self) -> list[list[str]]:
@@ -226,6 +231,11 @@ class HFSkeleton:
                 "with a native template"
             )
         return calls.phases, reached
+
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers are (the device the last forward ran on)."""
+        return self._device
 
     def to(self, device: torch.device) -> None:
         """The buffers (rotary tables) to `device` (the parameters stay on meta: each call binds its own)."""
@@ -335,6 +345,18 @@ class CalledModules:
     def shared(self) -> nn.Module | None:
         """The first module with weights called between the blocks (None: none)."""
         return next((m for m in self.phases[1] if any(True for _ in m.parameters(recurse=False))), None)
+
+
+def _recurrent_layer_types() -> set[str]:
+    """The layer types for which transformers' cache keeps a recurrent or convolution state (empty where the
+    installed transformers has no such mapping)."""
+    try:
+        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+    except ImportError:
+        return set()
+    return {
+        kind for kind, layer in DYNAMIC_LAYER_TYPE_MAPPING.items() if issubclass(layer, LinearAttentionCacheLayerMixin)
+    }
 
 
 def _same(a, b) -> bool:
@@ -669,11 +691,17 @@ def hf_config_json(hf_config: dict) -> str:
 def generic_model_config(hf: dict, image_text: bool = False):
     """The `ModelConfig` of a config.json trained through transformers' own modules: the sizes megatrain plans with,
     its counts from the modules themselves. Refuses, naming it, a model_type transformers does not know, a config
-    it does not accept and a load-balancing loss the generic path cannot add. `image_text`: the whole image-text
-    model, its vision tower streamed too (`image_text.py`)."""
+    it does not accept and a load-balancing loss the generic path cannot add; anything else that fails in building
+    it, in one line (`_building`). `image_text`: the whole image-text model, its vision tower streamed too
+    (`image_text.py`)."""
+    _check_config(hf)
+    with _building(hf["model_type"]):
+        return _generic_model_config(hf, image_text)
+
+
+def _generic_model_config(hf: dict, image_text: bool):
     from .config import ModelConfig
 
-    _check_config(hf)
     if image_text:
         from .image_text import ImageTextSkeleton as Skeleton
     else:
@@ -702,10 +730,46 @@ def generic_model_config(hf: dict, image_text: bool = False):
         implementation="transformers",
         packs_documents=not skeleton.carries_state and not image_text,
         hf_config=hf_config_json(hf),
-        layer_counts=tuple(counts(names) for names in parts.layers),
+        layer_counts=tuple(counts(names, index) for index, names in enumerate(parts.layers)),
         outer_params=counts([name for name in skeleton.names.values() if name not in in_layers])[0],
         image_text=image_text,
     )
+
+
+@contextlib.contextmanager
+def _building(model_type: str):
+    """An unexpected exception while building a generic model (transformers' modules failing on a config they
+    accepted, or the generic path meeting a field it does not read) raised as one GenericError line naming the
+    model type, what failed or is missing, and where; the project's own errors pass as they are."""
+    from .config import ZooError
+
+    try:
+        yield
+    except (GenericError, ZooError):
+        raise
+    except Exception as error:  # noqa: BLE001 (whatever transformers' modules raise)
+        import transformers
+
+        raise GenericError(
+            f"{model_type} cannot be built through transformers' own modules: {_what_failed(error)}; check "
+            f"config.json's fields against transformers {transformers.__version__}'s {model_type} config (a newer "
+            "transformers may build it), or use a family with a native template"
+        ) from error
+
+
+def _what_failed(error: Exception) -> str:
+    """An exception in a few words: what is missing (a key, an attribute) or its first line, and the source line
+    it came from (the innermost in a model's or megatrain's code: transformers' helpers say less)."""
+    if isinstance(error, KeyError):
+        what = f"{error.args[0]!r} missing (KeyError)" if error.args else "KeyError"
+    else:
+        first = (str(error).splitlines() or [""])[0][:200]
+        what = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    frames = traceback.extract_tb(error.__traceback__)
+    telling = [f for f in frames if "/modeling_" in f.filename or "/megatrain" in f.filename] or frames
+    if telling:
+        what += f" at {telling[-1].filename.rsplit('/', 1)[-1]}:{telling[-1].lineno}"
+    return what
 
 
 def _check_config(hf: dict) -> None:
@@ -733,22 +797,33 @@ def _check_config(hf: dict) -> None:
 
 
 def _counter(skeleton: HFSkeleton):
-    """counts(names) -> (parameters, those a token uses: an expert's k / n_experts share, the matrices among those)."""
+    """counts(names, layer) -> (parameters, those a token uses: an expert's k / n_experts share, the matrices among
+    those), for decoder layer `layer` (None: outside the layers)."""
     config, params = skeleton.text_config, dict(skeleton.model.named_parameters())
     k = getattr(config, "num_experts_per_tok", 0) or 0
     n_experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
 
-    def counts(names: list[str]) -> tuple[int, int, int]:
+    def counts(names: list[str], layer: int | None = None) -> tuple[int, int, int]:
+        # (Hunyuan-V1-MoE's config may give its top-k and expert count per layer, as lists)
+        layer_k, layer_experts = _of_layer(k, layer), _of_layer(n_experts, layer)
         total = active = matrices = 0
         for name in names:
             numel = params[name].numel()
-            share = k / n_experts if n_experts and k and ".experts." in name else 1.0
+            share = layer_k / layer_experts if layer_experts and layer_k and ".experts." in name else 1.0
             total += numel
             active += round(numel * share)
             matrices += round(numel * share) if params[name].dim() >= 2 else 0
         return total, active, matrices
 
     return counts
+
+
+def _of_layer(value, layer: int | None):
+    """A config field's value for decoder layer `layer`, where the field is a list of one per layer (0 outside
+    the layers)."""
+    if isinstance(value, (list, tuple)):
+        return value[layer] if layer is not None and layer < len(value) else 0
+    return value
 
 
 def generic_notes(config) -> list[str]:
@@ -776,9 +851,15 @@ def _token_id(value) -> int | None:
 def build_generic_model(config):
     """The `ModelSpec` of a generic model: groups [embedding, each decoder layer, the rest (final norm, LM head;
     with a tied table, the embedding group too)], one stage each, their templates transformers' own modules."""
+    hf = json.loads(config.hf_config)
+    with _building(hf.get("model_type")):
+        return _build_generic_model(config, hf)
+
+
+def _build_generic_model(config, hf: dict):
     from .model import Group, ModelSpec, StageSpec
 
-    skeleton = HFSkeleton(json.loads(config.hf_config))
+    skeleton = HFSkeleton(hf)
     shapes = {name: tuple(p.shape) for name, p in skeleton.model.named_parameters()}
     parts = skeleton.parts
 
