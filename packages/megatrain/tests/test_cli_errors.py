@@ -51,6 +51,7 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (model_dir / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
     (untokenized / "model.safetensors").write_text("")  # (its tensors are not read before the data)
     return [
+        *unreadable_input_cases(tmp_path),
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
         (["train", *TINY, "--set", "output_dir=null"], "config key 'output_dir' has no value; it takes text"),
@@ -101,6 +102,37 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", f"output_dir={finished}"],
             "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
         ),
+    ]
+
+
+def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """Inputs that are empty, not UTF-8 or not what their key reads: (command line, what its one line says)."""
+    not_utf8 = {  # file: its bytes, each with one byte that is not UTF-8 on its last line
+        "latin1.jsonl": b'{"text": "fine"}\n{"text": "caf\xe9"}\n',
+        "latin1.json": b'[{"text": "caf\xe9"}]',
+        "latin1.txt": b"one\ntwo\nthr\xffee\n",
+        "latin1.yaml": b"train:\n  lr: 1e-3  # caf\xe9\n",
+    }
+    where = {}
+    for name, raw in not_utf8.items():
+        (tmp_path / name).write_bytes(raw)
+        offset = next(i for i, byte in enumerate(raw) if byte >= 0x80)
+        line = raw[:offset].count(b"\n") + 1
+        where[name] = f"{name} line {line}, byte offset {offset} (0x{raw[offset]:02x}) is not UTF-8"
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    (tmp_path / "ids.txt").write_text("1 2 3\n")
+    return [
+        (["train", *TINY, "--set", "data.dataset=empty.jsonl"], "empty.jsonl is empty (no records)"),
+        (["train", *TINY, "--set", "data.dataset=latin1.jsonl"], where["latin1.jsonl"]),
+        (["train", *TINY, "--set", "data.dataset=latin1.json"], where["latin1.json"]),
+        (["train", *TINY, "--set", "data.text=latin1.txt"], where["latin1.txt"]),
+        (["train", "--config", "latin1.yaml"], where["latin1.yaml"]),
+        # (a byte that is not UTF-8 in argv reaches Python as a lone surrogate, as json.loads makes it here)
+        (["train", *TINY, "--set", "data.text=caf\udce9"], "byte offset 13 (0xe9) is not UTF-8"),
+        (["train", "--config", "empty.yaml"], "empty.yaml is empty (it sets nothing"),
+        (["train", *TINY, "--set", "train.micro_batch_size=0"], "train.micro_batch_size must be >= 1, got 0"),
+        (["train", *TINY, "--set", "data.tokens=ids.txt"], "ids.txt is not a .npy file (no numpy header)"),
     ]
 
 

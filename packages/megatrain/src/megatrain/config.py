@@ -218,7 +218,7 @@ class GRPOSection:
 class TrainSection:
     steps: int = 100
     batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
-    micro_batch_size: int = 0  # sequences per forward/backward pass (dpo: pairs); 0 = batch_size
+    micro_batch_size: int | None = None  # sequences per forward/backward pass (dpo: pairs); None: batch_size
     # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference);
     # grpo: online RL on prompts (train.grpo.*, data.format prompt); module:Class: a megatrain_templates objective
     objective: str = "sft"
@@ -258,8 +258,13 @@ class TrainSection:
     tensorboard: bool = False  # the same as naming tensorboard in report_to (kept for older configs)
 
     def __post_init__(self):
-        if self.micro_batch_size == 0:
+        if self.micro_batch_size is None:
             object.__setattr__(self, "micro_batch_size", self.batch_size)
+        elif self.micro_batch_size < 1:  # (0 once meant "batch_size"; taken silently, it hid a typo)
+            raise ConfigError(
+                f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}; leave it out (or null) for "
+                "train.batch_size"
+            )
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
             raise ConfigError("train.steps, train.batch_size and train.micro_batch_size must be >= 1")
@@ -638,15 +643,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
             raise ConfigError(f"config file {path} not found") from None
         except IsADirectoryError:
             raise ConfigError(f"config file {path} is a directory; name the YAML file in it") from None
-        except (OSError, UnicodeDecodeError) as error:
+        except UnicodeDecodeError:
+            from .data import not_utf8_where
+
+            raise ConfigError(f"config file {not_utf8_where(path)}; save it as UTF-8") from None
+        except OSError as error:
             raise ConfigError(f"config file {path} cannot be read ({error}); name a readable YAML file") from error
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections, got {type(loaded).__name__}")
         values.update(loaded)
+    if not values and path is not None and base is None:
+        raise ConfigError(
+            f"config file {path} is empty (it sets nothing, so the run would be the built-in default); write its "
+            "sections (model, data, train), or leave --config out to run the default job"
+        )
     pairs = []
     for item in overrides:
+        _check_override_text(item)
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
@@ -656,6 +671,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     for key, value in pairs:
         _set_path(values, key, value)
     return config_from_dict(values)
+
+
+def _check_override_text(item: str) -> None:
+    """Refuse an override holding bytes that are not UTF-8 (the shell hands them over as lone surrogates, which
+    YAML's reader refuses with a traceback), naming the byte."""
+    bad = next((i for i, char in enumerate(item) if "\udc80" <= char <= "\udcff"), None)
+    if bad is not None:
+        raw = item.encode("utf-8", "surrogateescape")
+        offset = len(item[:bad].encode("utf-8", "surrogateescape"))
+        shown = raw.decode("utf-8", "replace")
+        raise ConfigError(
+            f"--set {shown!r}: byte offset {offset} (0x{raw[offset]:02x}) is not UTF-8; type the value as UTF-8 text"
+        )
 
 
 # keys of which a config sets one: an override of one replaces the others (model.hf_dir=DIR on a preset's config)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .config import ConfigError, DataSection
-from .data import Tokens
+from .data import Tokens, not_utf8_where
 
 # The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
 DEFAULT_COLUMNS = {
@@ -178,6 +178,7 @@ def load_records(source: Source):
             records = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
         elif path.suffix in (".jsonl", ".json", ".parquet"):
             _check_split(source, ["train"])
+            _check_utf8(source, path)
             builder = "parquet" if path.suffix == ".parquet" else "json"
             records = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.exists():
@@ -190,6 +191,10 @@ def load_records(source: Source):
     except ConfigError:
         raise
     except Exception as error:  # datasets raises many types; one clear message names the source and the fix
+        if path.is_file() and not path.read_bytes().strip():
+            raise ConfigError(
+                f"dataset {source.name!r}: {path} is empty (no records); write records into it or name another file"
+            ) from None
         bad_line = _first_bad_json_line(path) if path.suffix == ".jsonl" and path.is_file() else None
         if bad_line is not None:
             raise ConfigError(f"dataset {source.name!r}: {bad_line}; fix or remove that line") from error
@@ -213,6 +218,15 @@ def _check_split(source: Source, splits: list[str]) -> None:
             f"dataset {source.name!r} ({source.location}) has no split {source.split!r}, only {splits}; for held-out "
             "data set data.validation to a fraction (e.g. 0.05), a file of held-out records, or one of its splits"
         )
+
+
+def _check_utf8(source: Source, path: Path) -> None:
+    """Refuse a JSON (Lines) file holding a byte that is not UTF-8 before `datasets` reads it: it fails deep in a
+    later step with a traceback (JSON Lines) or with no word of the byte (JSON)."""
+    if path.suffix != ".parquet":
+        where = not_utf8_where(path)
+        if where is not None:
+            raise ConfigError(f"dataset {source.name!r}: {where}; save the file as UTF-8 (or fix that byte)")
 
 
 def _first_bad_json_line(path: Path) -> str | None:
