@@ -248,3 +248,17 @@ def test_generation_without_transformers_is_one_line(tmp_path, monkeypatch, caps
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1
     assert "megatrain generate decodes with" in lines[0] and "pip install 'transformers>=5.0'" in lines[0]
+
+
+def test_version_prints_the_package_version_without_torch(tmp_path):
+    """`megatrain --version`: the version setuptools gives the package, printed before torch is imported (a
+    stand-in torch whose import fails would say so)."""
+    import megatrain
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "--version"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert process.returncode == 0 and process.stdout == f"megatrain {megatrain.__version__}\n", process

@@ -450,7 +450,10 @@ def run_plan(config, args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="megatrain", description="Full-precision LLM training on one GPU.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command")
     for add in (_add_train, _add_plan, _add_convert, _add_data, _add_eval, _add_generate, _add_bench, _add_presets):
         add(commands)
