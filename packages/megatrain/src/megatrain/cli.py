@@ -28,12 +28,13 @@ def _error_types() -> dict:
 
     from .config import ConfigError
     from .distributed import RankError
+    from .rewards import RewardError
     from .rundir import SaveError
     from .trainer import NonFiniteError
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
     # (a model that cannot be read, a preset misspelled, is the user's input, as the config is)
-    return {ConfigError: (2, "config error"), ZooError: (2, "model error")} | {
+    return {ConfigError: (2, "config error"), ZooError: (2, "model error"), RewardError: (1, "reward error")} | {
         kind: (1, kind.__name__) for kind in others
     }
 

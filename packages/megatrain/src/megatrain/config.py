@@ -6,6 +6,7 @@ the keys that section accepts."""
 import copy
 import importlib
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from importlib import resources
@@ -529,11 +530,12 @@ def _coerce(value: Any, hint, name: str):
 
 
 def _coerce_tuple(value: Any, hint) -> tuple | None:
-    """A list of names (or comma-separated names) or of numbers, as `hint` (a tuple type) says; None if not one."""
+    """A list of names (or comma-separated names, see `_split_names`) or of numbers, as `hint` (a tuple type) says;
+    None if not one. Names in a list are taken as written: a regex's spaces and commas are its own."""
     if hint.__args__[0] is str:
-        names = value.split(",") if isinstance(value, str) else value
+        names = _split_names(value) if isinstance(value, str) else value
         if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
-            return tuple(v.strip() for v in names if v.strip())
+            return tuple(names)
         return None
     if isinstance(value, (list, tuple)):
         try:
@@ -541,6 +543,15 @@ def _coerce_tuple(value: Any, hint) -> tuple | None:
         except (TypeError, ValueError):
             return None
     return None
+
+
+def _split_names(text: str) -> list[str]:
+    """Comma-separated names (`--set train.grpo.reward_funcs=exact_match,format:^<think>`), spaces around them
+    dropped; a `format:REGEX` takes the rest of the text as written, commas and spaces included, so it goes last."""
+    regex = re.search(r"(?:^|,)\s*(format:.*)", text, re.DOTALL)  # (not "my_format:f", a module's function)
+    head = text[: regex.start()] if regex else text
+    names = [name.strip() for name in head.split(",") if name.strip()]
+    return names + [regex.group(1)] if regex else names
 
 
 def _coerce_scalar(value: Any, types: tuple):
