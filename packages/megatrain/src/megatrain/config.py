@@ -8,7 +8,7 @@ import importlib
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -466,6 +466,9 @@ class Config:
     fallback_dir: str | None = None
 
     def __post_init__(self):
+        if self.train.objective == "dpo" and self.data.format == "text" and self.data.dataset is not None:
+            # the objective says what the records are, as TRL's DPOTrainer reads prompt/chosen/rejected columns
+            object.__setattr__(self, "data", replace(self.data, format="preference"))
         if self.train.eval_every and self.data.validation is None:
             raise ConfigError(
                 "train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)"
