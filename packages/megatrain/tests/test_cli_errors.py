@@ -262,3 +262,33 @@ def test_version_prints_the_package_version_without_torch(tmp_path):
         [sys.executable, "-m", "megatrain", "--version"], capture_output=True, text=True, env=env, timeout=60
     )
     assert process.returncode == 0 and process.stdout == f"megatrain {megatrain.__version__}\n", process
+
+
+def test_eval_refuses_a_validation_fraction_the_run_trained_on(write_config, tmp_path):
+    """`megatrain eval --set data.validation=0.1` on a run that held out nothing would score tokens it trained on:
+    one line, exit 2; a file of held-out tokens evaluates."""
+    import numpy as np
+
+    np.save(tmp_path / "held-out.npy", np.random.default_rng(1).integers(0, 256, 512).astype(np.int32))
+    run = str(tmp_path / "run")
+    command_lines = [
+        ["train", "--config", str(write_config(train={"steps": 1}))],
+        ["eval", "--checkpoint", run, "--set", "data.validation=0.1"],
+        ["eval", "--checkpoint", run, "--set", f"data.validation={tmp_path / 'held-out.npy'}"],
+    ]
+    process = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("cli_driver.py"))],
+        input="".join(json.dumps(argv) + "\n" for argv in command_lines),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    trained, refused, held_out = [json.loads(line) for line in process.stdout.splitlines()]
+    assert trained["code"] == 0 and held_out["code"] == 0, (trained, held_out)
+    assert json.loads(held_out["output"].strip().splitlines()[-1])["data"] == "validation"
+    assert refused["code"] == 2 and refused["output"].strip().splitlines() == [
+        "megatrain: config error: the run held out nothing (with train.seed 0): data.validation 0.1 would evaluate "
+        "tokens it trained on; give held-out data as a file (--set data.validation=FILE), or leave data.validation "
+        "and train.seed as the run had them"
+    ]

@@ -330,6 +330,31 @@ def run_eval(config, args) -> None:
         print(json.dumps({"checkpoint": what, "data": split, "source": source, **result}))
 
 
+def check_held_out(config, base: dict | None) -> None:
+    """Refuse to evaluate, on the run's own data, a validation fraction the run did not hold out (`base`: the run's
+    config; None where the weights' run is unknown): those tokens were trained on, and their loss says nothing of
+    held-out data."""
+    from .config import ConfigError
+
+    if base is None or not isinstance(config.data.validation, float):
+        return
+    trained = base.get("data", {})
+    if any(trained.get(key) != getattr(config.data, key) for key in ("tokens", "text", "dataset")):
+        return  # (other data: what the run held out does not matter)
+    if trained.get("validation") == config.data.validation and base.get("train", {}).get("seed") == config.train.seed:
+        return
+    held = (
+        "held out nothing"
+        if trained.get("validation") is None
+        else f"held out data.validation {trained['validation']!r}"
+    )
+    raise ConfigError(
+        f"the run {held} (with train.seed {base.get('train', {}).get('seed')}): data.validation "
+        f"{config.data.validation} would evaluate tokens it trained on; give held-out data as a file "
+        "(--set data.validation=FILE), or leave data.validation and train.seed as the run had them"
+    )
+
+
 def trainer_for_weights(config, weights: Path):
     """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, or a checkpoint) and no
     optimizer state: for evaluation and generation."""
@@ -583,7 +608,10 @@ def run_command(args) -> None:
 
         _at_least(args.batches, 1, "--batches")
         args.weights = find_weights(Path(args.checkpoint))
-        run_eval(_config(args, run_config(args.weights)), args)
+        base = run_config(args.weights)
+        config = _config(args, base)
+        check_held_out(config, base)
+        run_eval(config, args)
     elif args.command == "generate":
         from .checkpoint import find_weights, run_config
         from .generate import require_transformers
