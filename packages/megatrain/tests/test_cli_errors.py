@@ -292,3 +292,19 @@ def test_eval_refuses_a_validation_fraction_the_run_trained_on(write_config, tmp
         "tokens it trained on; give held-out data as a file (--set data.validation=FILE), or leave data.validation "
         "and train.seed as the run had them"
     ]
+
+
+def test_non_finite_steps_advise_the_clipping_the_run_lacks(write_config, tmp_path):
+    """A learning rate that blows the weights up (`megatrain train` as a subprocess): with train.grad_clip on, the
+    advice is a lower clip, not turning it on."""
+    config = write_config(train={"steps": 2, "lr": 1e30, "max_bad_steps": 1, "grad_clip": 1.0})
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = process.stderr.strip().splitlines()[-1]
+    assert process.returncode == 1 and "Traceback" not in process.stderr, process.stderr
+    assert last.startswith("megatrain: NonFiniteError: 1 non-finite steps in a row; stopping.")
+    assert last.endswith("Lower train.lr, raise train.warmup_steps or lower train.grad_clip (it clips at 1.0 now).")

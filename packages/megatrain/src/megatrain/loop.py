@@ -545,9 +545,13 @@ class TrainingRun:
             saved = f"The weights are those of the last good step, saved in {self.save()}."
         except NonFiniteError as error:  # the last good step's weights hold NaN or Inf themselves
             saved = str(error) + "."
+        clip = self.config.train.grad_clip
+        clipping = (
+            f"lower train.grad_clip (it clips at {clip} now)" if clip > 0 else "turn on train.grad_clip (e.g. 1.0)"
+        )
         raise NonFiniteError(
             f"{self.trainer.bad_steps} non-finite steps in a row; stopping. {saved} Lower train.lr, raise "
-            "train.warmup_steps or turn on train.grad_clip."
+            f"train.warmup_steps or {clipping}."
         )
 
     def _keep_trained_steps(self) -> str:
