@@ -649,17 +649,29 @@ def main(argv: list[str] | None = None) -> int:
         run_command(args)
     except KeyboardInterrupt:
         started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
-        print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # (torchrun interrupts every rank)
+            print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
         return 130
     except Exception as error:
         reply = _error_line(error, known)
         if reply is None:
             raise
         code, line = reply
-        if line:
-            print(" ".join(line.split()), file=sys.stderr)  # (one line, whatever the message's own layout)
+        line = " ".join(line.split())  # (one line, whatever the message's own layout)
+        if line and _says_it(code, line):
+            print(line, file=sys.stderr)
         return code
     return 0
+
+
+def _says_it(code: int, line: str) -> bool:
+    """Whether this process prints its error line: alone, yes; under torchrun, once for the ranks that fail alike
+    (`exit_together`), which all exit with `code`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return True
+    from .distributed import exit_together
+
+    return exit_together(code, line)
 
 
 if __name__ == "__main__":
