@@ -658,16 +658,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         code, line = reply
         line = " ".join(line.split())  # (one line, whatever the message's own layout)
-        if line and _says_it(code, line):
+        if line and _says_it(error, code, line):
             print(line, file=sys.stderr)
         return code
     return 0
 
 
-def _says_it(code: int, line: str) -> bool:
+def _says_it(error: Exception, code: int, line: str) -> bool:
     """Whether this process prints its error line: alone, yes; under torchrun, once for the ranks that fail alike
-    (`exit_together`), which all exit with `code`."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    (`exit_together`), which all exit with `code`; a run stopped by a signal is said by rank 0 alone already."""
+    loop = sys.modules.get("megatrain.loop")
+    interrupted = loop is not None and isinstance(error, loop.RunInterrupted)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or interrupted:
         return True
     from .distributed import exit_together
 
