@@ -5,10 +5,12 @@ state per host, gradients reduced across hosts)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -422,3 +424,61 @@ def test_a_model_through_transformers_modules_on_split_hosts_with_the_disk_tier_
     engine = {"shard_across_hosts": True, "optimizer_state_dir": str(tmp_path / "state"), "disk_state_fraction": 0.5}
     assert_same_training(one, run(tmp_path, "split", two_hosts(2), model=model, engine=engine))
     assert "model.layers.0.self_attn.q_proj.weight" in one[1]
+
+
+def test_a_config_error_under_torchrun_is_said_once_and_every_rank_exits_2(tmp_path, tokens):
+    """`torchrun -m megatrain train` with a bad --set: the one line on rank 0 only; torchrun's summary lists both
+    ranks with exit code 2 (none stopped by its SIGTERM while the other was still failing)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(CONFIG | {"output_dir": str(tmp_path / "run")}))
+    process = subprocess.run(
+        [*torchrun(2, "--standalone"), "-m", "megatrain", "train", "--config", str(config), "--set", "train.lr=-1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    said = [line for line in process.stderr.splitlines() if line.startswith("megatrain: ")]
+    assert said == ["megatrain: config error: train.lr must be >= 0 (the peak learning rate), got -1.0"], said
+    exit_codes = [line.split()[2] for line in process.stderr.splitlines() if line.strip().startswith("exitcode")]
+    assert process.returncode == 1 and exit_codes == ["2", "2"], process.stderr
+
+
+RECORD_EXIT = """
+import os, signal, subprocess, sys
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: None)  # (torchrun signals the rank's process group: megatrain gets it)
+code = subprocess.call([sys.executable, "-m", "megatrain", *sys.argv[1:]])
+open(os.path.join(os.environ["EXIT_CODES"], os.environ["RANK"]), "w").write(str(code))
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_torchrun_checkpoints_then_every_rank_exits_128_plus_it(tmp_path, tokens, sig, code):
+    """SIGINT or SIGTERM to torchrun mid-run: torchrun passes it to the ranks, which write the checkpoint, say so
+    once, and each exit 128 + the signal (recorded by a wrapper around each rank's megatrain); torchrun itself
+    exits 1 (its SignalException)."""
+    (tmp_path / "record_exit.py").write_text(RECORD_EXIT)
+    (tmp_path / "codes").mkdir()
+    config = tmp_path / "config.yaml"
+    long_run = {
+        "train": CONFIG["train"] | {"steps": 100_000},
+        "data": CONFIG["data"] | {"tokens": str(tmp_path / "tokens.npy")},
+    }
+    config.write_text(json.dumps(CONFIG | long_run | {"output_dir": str(tmp_path / "run")}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXIT_CODES": str(tmp_path / "codes")}
+    command = [*torchrun(2, "--standalone"), str(tmp_path / "record_exit.py"), "train", "--config", str(config)]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 240
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.2)  # (until the first step is recorded: training has begun)
+        process.send_signal(sig)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    codes = {path.name: int(path.read_text()) for path in (tmp_path / "codes").iterdir()}
+    assert codes == {"0": code, "1": code} and process.returncode == 1, err
+    said = [line for line in err.splitlines() if "received; checkpoint" in line]
+    assert len(said) == 1 and said[0].startswith(f"megatrain: {sig.name} received; checkpoint {tmp_path / 'run'}")
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*/manifest.json"))

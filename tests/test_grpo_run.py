@@ -4,6 +4,9 @@ rollout's updates continues exactly; given completions train with a reference pa
 bad input gets one line."""
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,15 @@ def broken(prompts, completions, **_):
 
 def infinite(prompts, completions, **_):
     return [float("inf")] * len(completions)
+
+calls = 0
+
+def flaky(prompts, completions, **_):
+    global calls
+    calls += 1
+    if calls == 3:
+        raise ConnectionError("the grader is down")
+    return [0.0] * len(completions)
 """
 
 
@@ -159,3 +171,36 @@ def test_data_shows_the_prompts_and_eval_points_to_generate(toy, capsys):
     capsys.readouterr()
     assert main(["eval", "--config", config, "--checkpoint", str(Path(config).parent / "run")]) != 0
     assert "megatrain generate" in capsys.readouterr().err
+
+
+def test_a_reward_function_failing_mid_run_keeps_the_trained_steps(toy, tmp_path):
+    """The reward function raises at step 3 (`megatrain train` as a subprocess): steps 1-2 are saved in a checkpoint
+    first, then one line says "reward error", names the function and how to continue, exit 1."""
+    config = toy("flaky", {"reward_funcs": ["toy_rewards:flaky"]}, steps=5, batch_size=8, micro_batch_size=8)
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--config", config],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    last = process.stderr.strip().splitlines()[-1]
+    assert process.returncode == 1 and "Traceback" not in process.stderr, process.stderr
+    assert last.startswith(
+        "megatrain: reward error: reward function 'toy_rewards:flaky' raised ConnectionError: the grader is down"
+    )
+    checkpoint = tmp_path / "flaky" / "checkpoints" / "step-00000002"
+    assert f"Steps 1-2 are saved in {checkpoint}; continue with `megatrain train --resume" in last
+    assert json.loads((checkpoint / "manifest.json").read_text())["step"] == 2
+    assert [row["step"] for row in metrics(tmp_path / "flaky")] == [1, 2]
+
+
+def test_reward_names_are_taken_as_written(toy, tmp_path):
+    """A format regex keeps its trailing space (`^ `: completions that start with a space, not every one) and
+    its comma (`{1,2}`); each completion's reward is what the two regexes say of its text."""
+    names = ["format:^ ", "format:^[0-9]{1,2}$"]
+    assert main(["train", "--config", toy("names", {"reward_funcs": names}, steps=1, batch_size=16)]) == 0
+    assert {f"rewards/{name}/mean" for name in names} <= set(metrics(tmp_path / "names")[0])
+    samples = [json.loads(line) for line in (tmp_path / "names" / "completions.jsonl").read_text().splitlines()]
+    for sample in samples:
+        expected = sum(
+            re.match(name.removeprefix("format:"), sample["completion"], re.DOTALL) is not None for name in names
+        )
+        assert sample["reward"] == expected, sample

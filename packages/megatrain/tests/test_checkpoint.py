@@ -451,3 +451,23 @@ def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
     assert len(list(out.glob("model-*.safetensors"))) == 3 and (out / "chat_template.jinja").exists()
     write_hf_directory(out, entries(1), {"model_type": "llama"}, None)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+
+
+def test_a_newest_checkpoint_without_its_manifest_is_skipped_aloud(write_config, tmp_path):
+    """`megatrain train --resume RUN` (a subprocess) where the newest checkpoint's manifest was deleted: a warning
+    names it and the older checkpoint resumed instead."""
+    assert main(["train", "--config", str(write_config(train={"steps": 2, "save_every": 1}))]) == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step-00000002" / "manifest.json").unlink()
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--resume", str(tmp_path / "run"), "--set", "train.steps=3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stderr
+    assert (
+        f"megatrain: warning: step-00000002 in {checkpoints} has no manifest.json (deleted or damaged), so it is "
+        "skipped: using step-00000001, the newest whole one; restore its manifest.json, or remove the directory"
+    ) in process.stderr.splitlines()
+    assert "megatrain: resumed from step 1" in process.stderr

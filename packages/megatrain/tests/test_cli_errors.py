@@ -51,6 +51,7 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (model_dir / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
     (untokenized / "model.safetensors").write_text("")  # (its tensors are not read before the data)
     return [
+        *unreadable_input_cases(tmp_path),
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
         (["train", *TINY, "--set", "output_dir=null"], "config key 'output_dir' has no value; it takes text"),
@@ -101,6 +102,37 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", f"output_dir={finished}"],
             "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
         ),
+    ]
+
+
+def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """Inputs that are empty, not UTF-8 or not what their key reads: (command line, what its one line says)."""
+    not_utf8 = {  # file: its bytes, each with one byte that is not UTF-8 on its last line
+        "latin1.jsonl": b'{"text": "fine"}\n{"text": "caf\xe9"}\n',
+        "latin1.json": b'[{"text": "caf\xe9"}]',
+        "latin1.txt": b"one\ntwo\nthr\xffee\n",
+        "latin1.yaml": b"train:\n  lr: 1e-3  # caf\xe9\n",
+    }
+    where = {}
+    for name, raw in not_utf8.items():
+        (tmp_path / name).write_bytes(raw)
+        offset = next(i for i, byte in enumerate(raw) if byte >= 0x80)
+        line = raw[:offset].count(b"\n") + 1
+        where[name] = f"{name} line {line}, byte offset {offset} (0x{raw[offset]:02x}) is not UTF-8"
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    (tmp_path / "ids.txt").write_text("1 2 3\n")
+    return [
+        (["train", *TINY, "--set", "data.dataset=empty.jsonl"], "empty.jsonl is empty (no records)"),
+        (["train", *TINY, "--set", "data.dataset=latin1.jsonl"], where["latin1.jsonl"]),
+        (["train", *TINY, "--set", "data.dataset=latin1.json"], where["latin1.json"]),
+        (["train", *TINY, "--set", "data.text=latin1.txt"], where["latin1.txt"]),
+        (["train", "--config", "latin1.yaml"], where["latin1.yaml"]),
+        # (a byte that is not UTF-8 in argv reaches Python as a lone surrogate, as json.loads makes it here)
+        (["train", *TINY, "--set", "data.text=caf\udce9"], "byte offset 13 (0xe9) is not UTF-8"),
+        (["train", "--config", "empty.yaml"], "empty.yaml is empty (it sets nothing"),
+        (["train", *TINY, "--set", "train.micro_batch_size=0"], "train.micro_batch_size must be >= 1, got 0"),
+        (["train", *TINY, "--set", "data.tokens=ids.txt"], "ids.txt is not a .npy file (no numpy header)"),
     ]
 
 
@@ -216,3 +248,63 @@ def test_generation_without_transformers_is_one_line(tmp_path, monkeypatch, caps
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1
     assert "megatrain generate decodes with" in lines[0] and "pip install 'transformers>=5.0'" in lines[0]
+
+
+def test_version_prints_the_package_version_without_torch(tmp_path):
+    """`megatrain --version`: the version setuptools gives the package, printed before torch is imported (a
+    stand-in torch whose import fails would say so)."""
+    import megatrain
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "--version"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert process.returncode == 0 and process.stdout == f"megatrain {megatrain.__version__}\n", process
+
+
+def test_eval_refuses_a_validation_fraction_the_run_trained_on(write_config, tmp_path):
+    """`megatrain eval --set data.validation=0.1` on a run that held out nothing would score tokens it trained on:
+    one line, exit 2; a file of held-out tokens evaluates."""
+    import numpy as np
+
+    np.save(tmp_path / "held-out.npy", np.random.default_rng(1).integers(0, 256, 512).astype(np.int32))
+    run = str(tmp_path / "run")
+    command_lines = [
+        ["train", "--config", str(write_config(train={"steps": 1}))],
+        ["eval", "--checkpoint", run, "--set", "data.validation=0.1"],
+        ["eval", "--checkpoint", run, "--set", f"data.validation={tmp_path / 'held-out.npy'}"],
+    ]
+    process = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("cli_driver.py"))],
+        input="".join(json.dumps(argv) + "\n" for argv in command_lines),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    trained, refused, held_out = [json.loads(line) for line in process.stdout.splitlines()]
+    assert trained["code"] == 0 and held_out["code"] == 0, (trained, held_out)
+    assert json.loads(held_out["output"].strip().splitlines()[-1])["data"] == "validation"
+    assert refused["code"] == 2 and refused["output"].strip().splitlines() == [
+        "megatrain: config error: the run held out nothing (with train.seed 0): data.validation 0.1 would evaluate "
+        "tokens it trained on; give held-out data as a file (--set data.validation=FILE), or leave data.validation "
+        "and train.seed as the run had them"
+    ]
+
+
+def test_non_finite_steps_advise_the_clipping_the_run_lacks(write_config, tmp_path):
+    """A learning rate that blows the weights up (`megatrain train` as a subprocess): with train.grad_clip on, the
+    advice is a lower clip, not turning it on."""
+    config = write_config(train={"steps": 2, "lr": 1e30, "max_bad_steps": 1, "grad_clip": 1.0})
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = process.stderr.strip().splitlines()[-1]
+    assert process.returncode == 1 and "Traceback" not in process.stderr, process.stderr
+    assert last.startswith("megatrain: NonFiniteError: 1 non-finite steps in a row; stopping.")
+    assert last.endswith("Lower train.lr, raise train.warmup_steps or lower train.grad_clip (it clips at 1.0 now).")

@@ -139,3 +139,12 @@ def test_whole_numbers_written_as_floats_are_taken(write_config):
     """YAML reads 1e3 as text and 2.0 as a float: a whole-number field takes either where it is whole."""
     config = load_config(write_config(), ["train.steps=1e3", "train.batch_size=8.0", "train.save_every=2e2"])
     assert (config.train.steps, config.train.batch_size, config.train.save_every) == (1000, 8, 200)
+
+
+def test_reward_funcs_in_one_override_keep_a_regex_whole():
+    """Comma-separated names in one --set, a format:REGEX last taking the rest as written (its spaces and commas);
+    a YAML list takes each name as written."""
+    given = load_config(None, ["train.grpo.reward_funcs=exact_match, my_format:score,format:^a{1,3} $"])
+    assert given.train.grpo.reward_funcs == ("exact_match", "my_format:score", "format:^a{1,3} $")
+    listed = load_config(None, ['train.grpo.reward_funcs=["format:^ ", "format:x,y"]'])
+    assert listed.train.grpo.reward_funcs == ("format:^ ", "format:x,y")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatrain.config import ConfigError, DataSection
-from megatrain.data import TokenWindows, builtin_corpus, check_tokens, load_token_array
+from megatrain.data import TokenWindows, builtin_corpus, check_tokens, load_token_array, not_utf8_where
 
 
 def test_consecutive_windows_without_shuffle():
@@ -91,3 +91,17 @@ def test_a_missing_tokenizer_is_named(tmp_path):
     missing = tmp_path / "no" / "tokenizer.json"
     with pytest.raises(ConfigError, match=f"data.tokenizer {missing} does not exist"):
         load_token_array(DataSection(text=str(text), tokenizer=str(missing)), 256, tmp_path / "cache", None)
+
+
+def test_not_utf8_where_reads_across_chunks(tmp_path):
+    """A character cut by a chunk's end is read whole from the next; the first byte that is not UTF-8 is named by
+    its line and offset wherever the chunks fall."""
+    raw = "é\n".encode() * 5 + b"ab\xffc"
+    path = tmp_path / "text.txt"
+    path.write_bytes(raw)
+    for chunk_bytes in (1, 2, 3, 7, 1 << 20):
+        assert not_utf8_where(path, chunk_bytes) == f"{path} line 6, byte offset 17 (0xff) is not UTF-8"
+    path.write_bytes(raw[:-2])
+    assert all(not_utf8_where(path, chunk_bytes) is None for chunk_bytes in (1, 2, 3, 1 << 20))
+    path.write_bytes(raw[:1])  # (a character cut by the file's end)
+    assert not_utf8_where(path, 1) == f"{path} line 1, byte offset 0 (0xc3) is not UTF-8"

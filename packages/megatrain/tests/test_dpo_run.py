@@ -4,6 +4,8 @@ without a second pass, `megatrain eval` of a run, a reference model of another a
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -130,3 +132,20 @@ def test_a_reference_model_of_another_architecture_is_refused(dpo_config, tmp_pa
     err = capsys.readouterr().err
     assert f"train.dpo.ref_model {other} has arch 'qwen2' where the policy has 'llama'" in err
     assert torch.cuda.is_available() or "Traceback" not in err
+
+
+def test_trl_pairs_train_without_data_format_and_a_first_step_tie_is_not_right(dpo_config, tmp_path):
+    """`megatrain train` (a subprocess) of train.objective dpo on TRL's prompt/chosen/rejected records with no
+    data.format: the objective says they are pairs. Its first step, policy = reference, scores each pair a tie (a
+    margin of float32 noise), so none is right: rewards/accuracies 0, not the noise's coin flips."""
+    path = dpo_config(steps=1, batch_size=8, eval_every=0, save_every=0)
+    config = yaml.safe_load(path.read_text())
+    del config["data"]["format"], config["data"]["validation"]
+    config["precision"]["compute_dtype"] = "float32"
+    path.write_text(yaml.safe_dump(config))
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "train", "--config", str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert process.returncode == 0, process.stderr
+    (first,) = records(tmp_path / "run")
+    assert first["rewards/accuracies"] == 0.0 and abs(first["rewards/margins"]) < 1e-4, first

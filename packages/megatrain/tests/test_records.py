@@ -264,7 +264,7 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
         )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(ConfigError, match="cannot read dataset|holds no records"):
+    with pytest.raises(ConfigError, match="empty.jsonl is empty \\(no records\\)"):
         load_token_data(DataSection(dataset=str(empty), tokenizer=str(tokenizer_path)), 512, tmp_path / "c2", None)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n\n{not json\n')
@@ -299,3 +299,48 @@ def test_eval_every_without_validation_data_is_refused_in_the_config():
 
     with pytest.raises(ConfigError, match="train.eval_every needs held-out data"):
         load_config(None, ["train.eval_every=10"])
+
+
+@pytest.mark.parametrize("marker, warned", [("<|end|>", True), ("{{ eos_token }}", False)])
+def test_an_end_of_turn_marker_that_is_no_token_is_warned_of(tmp_path, tokenizer_path, marker, warned):
+    """`megatrain data` (a subprocess) with a chat template ending turns with <|end|>, which the tokenizer splits
+    into pieces: one warning line naming the marker and the turns left without a trained end; none where the
+    template ends them with the EOS token."""
+    import subprocess
+    import sys
+
+    chats = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+        for i in range(3)
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", chats)
+    (tmp_path / "turns.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}" + marker + "\n{% endfor %}"
+    )
+    settings = {
+        "model.preset": "small-llama",  # (its vocabulary holds the tokenizer's 512; `data` builds no model)
+        "device": "cpu",
+        "data.dataset": tmp_path / "chat.jsonl",
+        "data.format": "messages",
+        "data.tokenizer": tokenizer_path,
+        "data.chat_template": tmp_path / "turns.jinja",
+        "data.seq_len": 32,
+        "train.batch_size": 2,
+        "train.micro_batch_size": 1,
+        "output_dir": tmp_path / "run",
+    }
+    overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    process = subprocess.run(
+        [sys.executable, "-m", "megatrain", "data", *overrides, "--dump", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr
+    warnings = [line for line in process.stderr.splitlines() if "warning" in line]
+    expected = (
+        "megatrain: warning: dataset {}: the chat template ends assistant turns with '<|end|>', which is no special "
+        "token of the tokenizer: 3 of 3 trained turns end with no trained end-of-turn token, so the model does not "
+        "learn to stop"
+    ).format(tmp_path / "chat.jsonl")
+    assert len(warnings) == warned and all(line.startswith(expected) for line in warnings), warnings

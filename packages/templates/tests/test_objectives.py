@@ -103,3 +103,15 @@ def test_the_mean_is_over_every_processes_pairs():
     (loss_local, coefficients_local), (loss_share, coefficients_share) = local(logps), share(logps)
     assert loss_share.item() == pytest.approx(loss_local.item() / 4)
     assert torch.allclose(coefficients_share[0], coefficients_local[0] / 4)
+
+
+def test_a_margin_of_noise_is_a_tie_and_a_tie_is_not_right():
+    """Policy = reference but for float32 noise (the first step): every pair ties, accuracy 0 (TRL's strict >
+    would count the noise's sign); a chosen completion more likely by a real margin is right."""
+    lengths = torch.tensor([9.0, 7.0, 12.0, 5.0])
+    reference = Sequences(torch.tensor([-40.0, -35.0, -50.0, -20.0], dtype=torch.float64), lengths)
+    objective = DPO(0.1, "sigmoid")
+    for shift, accuracy in (([2e-6, -2e-6, 1e-6, -3e-6], 0.0), ([0.5, 0.0, 0.0, 2e-6], 0.5)):
+        objective.begin_step([], reference, n_pairs=2)
+        _, metrics = objective.loss(Sequences(reference.logps + torch.tensor(shift, dtype=torch.float64), lengths))
+        assert metrics["rewards/accuracies"].item() == accuracy

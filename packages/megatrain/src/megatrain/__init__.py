@@ -5,6 +5,8 @@ and imports it where Ctrl-C or a missing package ends in one line."""
 
 import importlib
 
+__version__ = "0.1.0"
+
 _PUBLIC = {
     "Config": "config",
     "ConfigError": "config",
@@ -19,7 +21,7 @@ _PUBLIC = {
     "Trainer": "trainer",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
 
 def __getattr__(name: str):

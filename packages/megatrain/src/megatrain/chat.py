@@ -197,10 +197,17 @@ def render_conversation(
 
 
 def trained_tokens(
-    text: str, spans: list[tuple[int, int]], end_of_turn: bool, ids: list[int], offsets, special_ids: set[int]
+    text: str,
+    spans: list[tuple[int, int]],
+    end_of_turn: bool,
+    ids: list[int],
+    offsets,
+    special_ids: set[int],
+    unended: list[str] | None = None,
 ) -> list[bool]:
     """Per token: does it overlap a trained range, or is it the end-of-turn token after one (the first
-    special token past whitespace-only tokens: <|im_end|>, <|eot_id|>, </s>)?"""
+    special token past whitespace-only tokens: <|im_end|>, <|eot_id|>, </s>)? Where a range has no special token
+    after it, the text that follows it (`end_marker`) is appended to `unended`, when given."""
     trained = [False] * len(ids)
     token = 0
     for start, end in spans:
@@ -215,7 +222,16 @@ def trained_tokens(
             if token < len(ids) and ids[token] in special_ids:
                 trained[token] = True
                 token += 1
+            elif unended is not None:
+                unended.append(end_marker(text, end))
     return trained
+
+
+def end_marker(text: str, end: int) -> str:
+    """What a template writes after a trained range ending at character `end`: its next word (an end-of-turn marker
+    such as <|end|>), "" where the text ends there."""
+    rest = text[end:].split(None, 1)
+    return rest[0][:40] if rest else ""
 
 
 def encode_conversation(

@@ -11,7 +11,9 @@ the step restores them; resuming gives the same losses as a run that never stopp
 
 import errno
 import json
+import os
 import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -179,6 +181,24 @@ def _complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
 
 
+def _newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint under `root` that has its manifest, said on stderr (rank 0) where newer ones lack it:
+    a save writes the manifest last and renames a whole checkpoint into place, so one without is damaged (its
+    manifest deleted), and resuming an older step is no silent choice."""
+    complete = _complete_checkpoints(root)
+    newest = complete[-1] if complete else None
+    damaged = [p for p in sorted(root.glob("step-*")) if p.is_dir() and (newest is None or p.name > newest.name)]
+    damaged = [p for p in damaged if not (p / MANIFEST).exists()]
+    if damaged and os.environ.get("RANK", "0") == "0":
+        using = f"using {newest.name}, the newest whole one" if newest else "no whole checkpoint is left"
+        print(
+            f"megatrain: warning: {', '.join(p.name for p in damaged)} in {root} has no {MANIFEST} (deleted or "
+            f"damaged), so it is skipped: {using}; restore its {MANIFEST}, or remove the directory",
+            file=sys.stderr,
+        )
+    return newest
+
+
 def check_output_dir_free(out: Path, resume: Path | None) -> None:
     """Refuse (one line) to start a run in an output_dir that holds another run's checkpoints or final model: its
     metrics, checkpoints and export would be mixed with this run's, and a later --resume would pick whichever
@@ -206,9 +226,9 @@ def find_checkpoint(path: Path) -> Path:
         return path
     roots = [path, path / CHECKPOINTS] + ([path.parent / CHECKPOINTS] if path.name == FINAL else [])
     for root in roots:
-        candidates = _complete_checkpoints(root)
-        if candidates:
-            return candidates[-1]
+        newest = _newest_complete(root)
+        if newest is not None:
+            return newest
     if not path.exists():
         raise ConfigError(f"no checkpoint at {path}: it does not exist; name a run's output_dir or a checkpoint in it")
     if is_hf_directory(path):
@@ -230,12 +250,12 @@ def find_weights(path: Path) -> Path:
     if (path / MANIFEST).exists() or is_hf_directory(path):
         return path
     run = path.parent if path.name == CHECKPOINTS else path
-    checkpoints = _complete_checkpoints(run / CHECKPOINTS) or _complete_checkpoints(path)
+    newest = _newest_complete(run / CHECKPOINTS) or _newest_complete(path)
     final = run / FINAL
-    if is_hf_directory(final) and (not checkpoints or _final_is_newer(final, checkpoints[-1])):
+    if is_hf_directory(final) and (newest is None or _final_is_newer(final, newest)):
         return final
-    if checkpoints:
-        return checkpoints[-1]
+    if newest is not None:
+        return newest
     what = "it does not exist" if not path.exists() else "it holds neither a checkpoint nor a final/ model"
     raise ConfigError(
         f"no weights at {path}: {what}; name a run's output_dir, a step-NNNNNNNN checkpoint "

@@ -28,12 +28,13 @@ def _error_types() -> dict:
 
     from .config import ConfigError
     from .distributed import RankError
+    from .rewards import RewardError
     from .rundir import SaveError
     from .trainer import NonFiniteError
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
     # (a model that cannot be read, a preset misspelled, is the user's input, as the config is)
-    return {ConfigError: (2, "config error"), ZooError: (2, "model error")} | {
+    return {ConfigError: (2, "config error"), ZooError: (2, "model error"), RewardError: (1, "reward error")} | {
         kind: (1, kind.__name__) for kind in others
     }
 
@@ -363,6 +364,31 @@ def run_eval(config, args) -> None:
         print(json.dumps({"checkpoint": what, "data": split, "source": source, **result}))
 
 
+def check_held_out(config, base: dict | None) -> None:
+    """Refuse to evaluate, on the run's own data, a validation fraction the run did not hold out (`base`: the run's
+    config; None where the weights' run is unknown): those tokens were trained on, and their loss says nothing of
+    held-out data."""
+    from .config import ConfigError
+
+    if base is None or not isinstance(config.data.validation, float):
+        return
+    trained = base.get("data", {})
+    if any(trained.get(key) != getattr(config.data, key) for key in ("tokens", "text", "dataset")):
+        return  # (other data: what the run held out does not matter)
+    if trained.get("validation") == config.data.validation and base.get("train", {}).get("seed") == config.train.seed:
+        return
+    held = (
+        "held out nothing"
+        if trained.get("validation") is None
+        else f"held out data.validation {trained['validation']!r}"
+    )
+    raise ConfigError(
+        f"the run {held} (with train.seed {base.get('train', {}).get('seed')}): data.validation "
+        f"{config.data.validation} would evaluate tokens it trained on; give held-out data as a file "
+        "(--set data.validation=FILE), or leave data.validation and train.seed as the run had them"
+    )
+
+
 def trainer_for_weights(config, weights: Path):
     """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, or a checkpoint) and no
     optimizer state: for evaluation and generation."""
@@ -485,7 +511,10 @@ def run_plan(config, args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="megatrain", description="Full-precision LLM training on one GPU.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command")
     for add in (_add_train, _add_plan, _add_convert, _add_data, _add_eval, _add_generate, _add_bench, _add_presets):
         add(commands)
@@ -619,7 +648,10 @@ def run_command(args) -> None:
 
         _at_least(args.batches, 1, "--batches")
         args.weights = find_weights(Path(args.checkpoint))
-        run_eval(_config(args, run_config(args.weights)), args)
+        base = run_config(args.weights)
+        config = _config(args, base)
+        check_held_out(config, base)
+        run_eval(config, args)
     elif args.command == "generate":
         from .checkpoint import find_weights, run_config
         from .generate import require_transformers
@@ -658,17 +690,31 @@ def main(argv: list[str] | None = None) -> int:
         run_command(args)
     except KeyboardInterrupt:
         started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
-        print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # (torchrun interrupts every rank)
+            print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
         return 130
     except Exception as error:
         reply = _error_line(error, known)
         if reply is None:
             raise
         code, line = reply
-        if line:
-            print(" ".join(line.split()), file=sys.stderr)  # (one line, whatever the message's own layout)
+        line = " ".join(line.split())  # (one line, whatever the message's own layout)
+        if line and _says_it(error, code, line):
+            print(line, file=sys.stderr)
         return code
     return 0
+
+
+def _says_it(error: Exception, code: int, line: str) -> bool:
+    """Whether this process prints its error line: alone, yes; under torchrun, once for the ranks that fail alike
+    (`exit_together`), which all exit with `code`; a run stopped by a signal is said by rank 0 alone already."""
+    loop = sys.modules.get("megatrain.loop")
+    interrupted = loop is not None and isinstance(error, loop.RunInterrupted)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or interrupted:
+        return True
+    from .distributed import exit_together
+
+    return exit_together(code, line)
 
 
 if __name__ == "__main__":

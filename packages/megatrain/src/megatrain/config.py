@@ -6,8 +6,9 @@ the keys that section accepts."""
 import copy
 import importlib
 import os
+import re
 import sys
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -218,7 +219,7 @@ class GRPOSection:
 class TrainSection:
     steps: int = 100
     batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
-    micro_batch_size: int = 0  # sequences per forward/backward pass (dpo: pairs); 0 = batch_size
+    micro_batch_size: int | None = None  # sequences per forward/backward pass (dpo: pairs); None: batch_size
     # sft: next-token cross-entropy on the trained tokens; dpo: preference pairs (train.dpo.*, data.format preference);
     # grpo: online RL on prompts (train.grpo.*, data.format prompt); module:Class: a megatrain_templates objective
     objective: str = "sft"
@@ -258,8 +259,13 @@ class TrainSection:
     tensorboard: bool = False  # the same as naming tensorboard in report_to (kept for older configs)
 
     def __post_init__(self):
-        if self.micro_batch_size == 0:
+        if self.micro_batch_size is None:
             object.__setattr__(self, "micro_batch_size", self.batch_size)
+        elif self.micro_batch_size < 1:  # (0 once meant "batch_size"; taken silently, it hid a typo)
+            raise ConfigError(
+                f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}; leave it out (or null) for "
+                "train.batch_size"
+            )
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
             raise ConfigError("train.steps, train.batch_size and train.micro_batch_size must be >= 1")
@@ -466,6 +472,9 @@ class Config:
     fallback_dir: str | None = None
 
     def __post_init__(self):
+        if self.train.objective == "dpo" and self.data.format == "text" and self.data.dataset is not None:
+            # the objective says what the records are, as TRL's DPOTrainer reads prompt/chosen/rejected columns
+            object.__setattr__(self, "data", replace(self.data, format="preference"))
         if self.train.eval_every and self.data.validation is None:
             raise ConfigError(
                 "train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)"
@@ -530,11 +539,12 @@ def _coerce(value: Any, hint, name: str):
 
 
 def _coerce_tuple(value: Any, hint) -> tuple | None:
-    """A list of names (or comma-separated names) or of numbers, as `hint` (a tuple type) says; None if not one."""
+    """A list of names (or comma-separated names, see `_split_names`) or of numbers, as `hint` (a tuple type) says;
+    None if not one. Names in a list are taken as written: a regex's spaces and commas are its own."""
     if hint.__args__[0] is str:
-        names = value.split(",") if isinstance(value, str) else value
+        names = _split_names(value) if isinstance(value, str) else value
         if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
-            return tuple(v.strip() for v in names if v.strip())
+            return tuple(names)
         return None
     if isinstance(value, (list, tuple)):
         try:
@@ -542,6 +552,15 @@ def _coerce_tuple(value: Any, hint) -> tuple | None:
         except (TypeError, ValueError):
             return None
     return None
+
+
+def _split_names(text: str) -> list[str]:
+    """Comma-separated names (`--set train.grpo.reward_funcs=exact_match,format:^<think>`), spaces around them
+    dropped; a `format:REGEX` takes the rest of the text as written, commas and spaces included, so it goes last."""
+    regex = re.search(r"(?:^|,)\s*(format:.*)", text, re.DOTALL)  # (not "my_format:f", a module's function)
+    head = text[: regex.start()] if regex else text
+    names = [name.strip() for name in head.split(",") if name.strip()]
+    return names + [regex.group(1)] if regex else names
 
 
 def _coerce_scalar(value: Any, types: tuple):
@@ -644,15 +663,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
             raise ConfigError(f"config file {path} not found") from None
         except IsADirectoryError:
             raise ConfigError(f"config file {path} is a directory; name the YAML file in it") from None
-        except (OSError, UnicodeDecodeError) as error:
+        except UnicodeDecodeError:
+            from .data import not_utf8_where
+
+            raise ConfigError(f"config file {not_utf8_where(path)}; save it as UTF-8") from None
+        except OSError as error:
             raise ConfigError(f"config file {path} cannot be read ({error}); name a readable YAML file") from error
         except yaml.YAMLError as error:
             raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections, got {type(loaded).__name__}")
         values.update(loaded)
+    if not values and path is not None and base is None:
+        raise ConfigError(
+            f"config file {path} is empty (it sets nothing, so the run would be the built-in default); write its "
+            "sections (model, data, train), or leave --config out to run the default job"
+        )
     pairs = []
     for item in overrides:
+        _check_override_text(item)
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
@@ -662,6 +691,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     for key, value in pairs:
         _set_path(values, key, value)
     return config_from_dict(values)
+
+
+def _check_override_text(item: str) -> None:
+    """Refuse an override holding bytes that are not UTF-8 (the shell hands them over as lone surrogates, which
+    YAML's reader refuses with a traceback), naming the byte."""
+    bad = next((i for i, char in enumerate(item) if "\udc80" <= char <= "\udcff"), None)
+    if bad is not None:
+        raw = item.encode("utf-8", "surrogateescape")
+        offset = len(item[:bad].encode("utf-8", "surrogateescape"))
+        shown = raw.decode("utf-8", "replace")
+        raise ConfigError(
+            f"--set {shown!r}: byte offset {offset} (0x{raw[offset]:02x}) is not UTF-8; type the value as UTF-8 text"
+        )
 
 
 # keys of which a config sets one: an override of one replaces the others (model.hf_dir=DIR on a preset's config)

@@ -42,6 +42,33 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         )
 
 
+def not_utf8_where(path: Path, chunk_bytes: int = 1 << 24) -> str | None:
+    """Where the file's first byte that is not UTF-8 lies, in words ("PATH line 3, byte offset 41 (0xff) is not
+    UTF-8"); None where the whole file is UTF-8. Read in chunks: a dataset may be larger than memory."""
+    offset, line, carried = 0, 1, b""
+    with open(path, "rb") as file:
+        while True:
+            chunk = carried + file.read(chunk_bytes)
+            at_end = len(chunk) == len(carried)
+            try:
+                chunk.decode("utf-8")
+                carried = b""
+            except UnicodeDecodeError as error:
+                # (a character cut by the chunk's end is whole in the next one)
+                if error.reason == "unexpected end of data" and not at_end:
+                    chunk, carried = chunk[: error.start], chunk[error.start :]
+                else:
+                    line += chunk.count(b"\n", 0, error.start)
+                    return (
+                        f"{path} line {line}, byte offset {offset + error.start} "
+                        f"(0x{chunk[error.start]:02x}) is not UTF-8"
+                    )
+            if at_end:
+                return None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+
+
 # Bumped whenever the tokenizer megatrain trains changes for the same text and vocabulary (its cache key)
 TOKENIZER_FORMAT = 2  # 2: the text's own bytes where the model's vocabulary cannot hold all 256 beside EOS
 
@@ -105,7 +132,9 @@ def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path) -> 
 def _read_text(path: Path, what: str) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {not_utf8_where(path)}; save it as UTF-8") from None
+    except OSError as error:
         raise ConfigError(f"cannot read {what} {path}: {error}") from error
     if not text.strip():
         raise ConfigError(f"{what} {path} is empty")
@@ -221,12 +250,27 @@ def _split_stream(tokens: np.ndarray, data: DataSection, validation: np.ndarray 
 
 
 def _read_npy(path: Path, vocab_size: int, what: str) -> np.ndarray:
+    _check_npy_header(path, what)
     try:
         tokens = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot read {what} {path}: {error}; it must be a .npy array of token ids") from error
     check_tokens(tokens, vocab_size, f"{what} {path}")
     return tokens
+
+
+def _check_npy_header(path: Path, what: str) -> None:
+    """Refuse a file that is no .npy array (numpy would speak of `allow_pickle`, which is no fix for it)."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(6)
+    except OSError:
+        return  # (np.load says what is wrong with the path)
+    if header != b"\x93NUMPY":
+        raise ConfigError(
+            f"{what} {path} is not a .npy file (no numpy header); save the token ids with numpy.save, or set "
+            "data.text (a text file) or data.dataset (records) instead"
+        )
 
 
 def load_token_data(

@@ -20,6 +20,7 @@ of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 
 """
 
 import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,6 +86,34 @@ def launch_shape() -> tuple[int, int]:
     if world % local:
         raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: uneven hosts")
     return local, world // local
+
+
+def exit_together(code: int, line: str, wait_s: float = 10.0) -> bool:
+    """Under torchrun, where this rank fails with `line` and exit `code`: whether it should print the line (rank
+    0 does, another rank only where its line differs from rank 0's), after waiting up to `wait_s` for every rank
+    to fail too (through torchrun's store), so that a failure they all meet alike (a config error) is said once
+    and every rank exits with `code`: torchrun stops the remaining ranks with SIGTERM once one has exited, which
+    this rank ignores from here on, as it is ending. Alone: True at once."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world == 1 or "MASTER_ADDR" not in os.environ:
+        return True
+    # (blocked, not handled: a handler would be reset before the interpreter's teardown, where a signal then kills)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    failed = f"megatrain/{attempt}/failed"
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=wait_s)
+        )
+        store.set(f"{failed}/{rank}", line)
+        deadline = time.monotonic() + wait_s
+        arrived = store.add(failed, 1)
+        while arrived < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add(failed, 0)
+        return rank == 0 or not store.check([f"{failed}/0"]) or store.get(f"{failed}/0").decode() != line
+    except (RuntimeError, OSError, ValueError):  # (no store to reach: each rank says its own)
+        return True
 
 
 def leave_ranks() -> None:

@@ -41,6 +41,7 @@ from .hf_io import checkpoint_files
 from .multimodal import MediaRows, check_media_model, media_of, row_windows
 from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
+from .rewards import RewardError
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
 from .serving import describe_export, keep_in_run, serving_of_run
@@ -481,7 +482,10 @@ class TrainingRun:
         """One optimizer step with its record, validation, progress and checkpoint where due."""
         trainer, train = self.trainer, self.config.train
         if self.rollouts is not None:
-            made = self.rollouts.step(step)
+            try:
+                made = self.rollouts.step(step)
+            except RewardError as error:  # (on every rank: the ranks gathered it)
+                raise RewardError(f"{error}. {self._keep_trained_steps()}") from None
             fresh = step % train.grpo.num_iterations == 0  # (a rollout's rewards are recorded at its first update)
             batch, made_metrics = made.batch, made.metrics if fresh else {}
             metrics = trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=made.rollout)
@@ -546,9 +550,25 @@ class TrainingRun:
             saved = f"The weights are those of the last good step, saved in {self.save()}."
         except NonFiniteError as error:  # the last good step's weights hold NaN or Inf themselves
             saved = str(error) + "."
+        clip = self.config.train.grad_clip
+        clipping = (
+            f"lower train.grad_clip (it clips at {clip} now)" if clip > 0 else "turn on train.grad_clip (e.g. 1.0)"
+        )
         raise NonFiniteError(
             f"{self.trainer.bad_steps} non-finite steps in a row; stopping. {saved} Lower train.lr, raise "
-            "train.warmup_steps or turn on train.grad_clip."
+            f"train.warmup_steps or {clipping}."
+        )
+
+    def _keep_trained_steps(self) -> str:
+        """A checkpoint of the steps trained since the last one (a run stopped by a failure that is no fault of the
+        weights), and how to continue, in words."""
+        step = self.trainer.step_index
+        saved = step_of(self.last_checkpoint) if self.last_checkpoint is not None else 0
+        if step == saved:
+            where = "the start" if self.last_checkpoint is None else str(self.last_checkpoint)
+            return f"No step was trained since {where}, so nothing is lost"
+        return (
+            f"Steps {saved + 1}-{step} are saved in {self.save()}; continue with `megatrain train --resume {self.out}`"
         )
 
     def _stop(self, stop: StopRequested, bar) -> None:

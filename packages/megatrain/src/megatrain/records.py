@@ -23,7 +23,7 @@ import numpy as np
 
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .config import ConfigError, DataSection
-from .data import Tokens
+from .data import Tokens, not_utf8_where
 
 # The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
 DEFAULT_COLUMNS = {
@@ -178,6 +178,7 @@ def load_records(source: Source):
             records = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
         elif path.suffix in (".jsonl", ".json", ".parquet"):
             _check_split(source, ["train"])
+            _check_utf8(source, path)
             builder = "parquet" if path.suffix == ".parquet" else "json"
             records = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.exists():
@@ -190,6 +191,10 @@ def load_records(source: Source):
     except ConfigError:
         raise
     except Exception as error:  # datasets raises many types; one clear message names the source and the fix
+        if path.is_file() and not path.read_bytes().strip():
+            raise ConfigError(
+                f"dataset {source.name!r}: {path} is empty (no records); write records into it or name another file"
+            ) from None
         bad_line = _first_bad_json_line(path) if path.suffix == ".jsonl" and path.is_file() else None
         if bad_line is not None:
             raise ConfigError(f"dataset {source.name!r}: {bad_line}; fix or remove that line") from error
@@ -213,6 +218,15 @@ def _check_split(source: Source, splits: list[str]) -> None:
             f"dataset {source.name!r} ({source.location}) has no split {source.split!r}, only {splits}; for held-out "
             "data set data.validation to a fraction (e.g. 0.05), a file of held-out records, or one of its splits"
         )
+
+
+def _check_utf8(source: Source, path: Path) -> None:
+    """Refuse a JSON (Lines) file holding a byte that is not UTF-8 before `datasets` reads it: it fails deep in a
+    later step with a traceback (JSON Lines) or with no word of the byte (JSON)."""
+    if path.suffix != ".parquet":
+        where = not_utf8_where(path)
+        if where is not None:
+            raise ConfigError(f"dataset {source.name!r}: {where}; save the file as UTF-8 (or fix that byte)")
 
 
 def _first_bad_json_line(path: Path) -> str | None:
@@ -349,6 +363,8 @@ class Examples:
     truncated: int = 0
     dropped_long: int = 0
     dropped_untrained: int = 0
+    turns: int = 0  # trained ranges (assistant turns) whose end-of-turn token is looked for
+    unended: dict[str, int] = field(default_factory=dict)  # what follows those with no special token after: count
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -372,6 +388,12 @@ class Examples:
         if self.dropped_untrained:
             notes.append(f"{self.dropped_untrained} dropped with no trained token within seq_len")
         return notes
+
+    def count_turn_ends(self, turns: int, unended: list[str]) -> None:
+        """Count an example's trained turns and what follows those that end in no special token (`trained_tokens`)."""
+        self.turns += turns
+        for marker in unended:
+            self.unended[marker] = self.unended.get(marker, 0) + 1
 
     @property
     def lost(self) -> int:
@@ -421,11 +443,11 @@ def tokenize_source(
         encoded = tokenizer.encode_batch([text for text, _, _ in rendered], add_special_tokens=False)
         for (text, spans, end_of_turn), encoding in zip(rendered, encoded):
             ids = document_start + encoding.ids
-            trained = (
-                [True] * len(ids)
-                if data.train_on_prompt or source.formatting == "text"
-                else trained_tokens(text, spans, end_of_turn, ids, encoding.offsets, special)
-            )
+            trained = [True] * len(ids)
+            if not (data.train_on_prompt or source.formatting == "text"):
+                unended = []
+                trained = trained_tokens(text, spans, end_of_turn, ids, encoding.offsets, special, unended)
+                examples.count_turn_ends(len(spans) if end_of_turn else 0, unended)
             if source.formatting != "text" and len(ids) > data.seq_len:
                 if data.too_long == "drop":
                     examples.dropped_long += 1
@@ -444,6 +466,21 @@ def report_line(source: Source, examples: Examples, data: DataSection) -> str:
     notes = examples.drop_notes(data)
     detail = f" ({'; '.join(notes)})" if notes else ""
     return f"dataset {source.name}: {examples.records} records -> {len(examples.ids)} examples{detail}"
+
+
+def end_of_turn_warning(source: Source, examples: Examples) -> str | None:
+    """A report line where trained turns end in no special token: the marker their template writes is no single
+    token of the tokenizer, so the end of a turn is never trained and the model never learns to stop."""
+    if not examples.unended:
+        return None
+    marker, _ = max(examples.unended.items(), key=lambda item: item[1])
+    what = f"the chat template ends assistant turns with {marker!r}" if marker else "assistant turns end the text"
+    return (
+        f"warning: dataset {source.name}: {what}, which is no special token of the tokenizer: "
+        f"{sum(examples.unended.values())} of {examples.turns} trained turns end with no trained end-of-turn token, "
+        "so the model does not learn to stop; add the marker to the tokenizer as a special token, or set "
+        "data.chat_template to a template that ends turns with one (its eos_token)"
+    )
 
 
 def check_kept(source: Source, examples: Examples, data: DataSection) -> None:
@@ -488,6 +525,9 @@ def examples_of(sources: list[Source], all_records: list, validation_records, da
         examples = encode(records, source)
         check_kept(source, examples, data)
         lines.append(report_line(source, examples, data))
+        warning = end_of_turn_warning(source, examples)
+        if warning is not None:
+            lines.append(warning)
         if isinstance(data.validation, float):
             examples, validation_part = hold_out(examples, data.validation, seed)
             held_out.append(validation_part)

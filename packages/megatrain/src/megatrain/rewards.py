@@ -13,6 +13,12 @@ import torch
 
 from .config import ConfigError, import_user_module
 
+
+class RewardError(Exception):
+    """A reward function failed on a step's completions (raised, or gave no finite reward per completion): the
+    user's code, not the config; the run saves its trained steps before it stops (loop.py)."""
+
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -118,20 +124,21 @@ class Rewards:
         try:
             values = function(prompts=prompts, completions=completions, **columns)
         except Exception as error:  # noqa: BLE001 (a user's function: any error is named, with where)
-            raise ConfigError(
+            raise RewardError(
                 f"reward function {name!r} raised {type(error).__name__}: {error} (on a step's {len(prompts)} "
-                f"completions; the first prompt: {str(prompts[0])[:80]!r})"
+                f"completions; the first prompt: {str(prompts[0])[:80]!r}); fix it, or have it return None (no "
+                "opinion) for a completion it cannot score"
             ) from None
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             given = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise ConfigError(
+            raise RewardError(
                 f"reward function {name!r} returned {given} for {len(completions)} completions; return a list of "
                 "one float (or None) per completion"
             )
         out = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
         bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(float(v))]
         if bad:
-            raise ConfigError(
+            raise RewardError(
                 f"reward function {name!r} gave {values[bad[0]]} for completion {bad[0]} (prompt "
                 f"{str(prompts[bad[0]])[:80]!r}); rewards must be finite (None: no opinion)"
             )

@@ -23,7 +23,7 @@ from .chat import load_chat_template
 from .config import Config, ConfigError
 from .data import Batch, load_tokenizer
 from .records import load_records, pad_token_id, resolve_sources
-from .rewards import Rewards, completion_text
+from .rewards import RewardError, Rewards, completion_text
 
 ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's rollout in use (several updates per rollout)
 
@@ -251,7 +251,7 @@ class GeneratedRollouts(_Rollouts):
         sync, share = self.trainer.sync, self.trainer.share(len(prompt_ids), self.grpo.num_generations)
         try:
             mine = self._scored_share(share, prompt_ids, given, columns, seed)
-        except ConfigError as error:
+        except (ConfigError, RewardError) as error:
             if sync is None:
                 raise
             mine = error  # (said on every rank, which would otherwise wait for this one's share)
@@ -259,7 +259,7 @@ class GeneratedRollouts(_Rollouts):
             return mine
         parts = sync.gather_objects(mine)
         for part in parts:
-            if isinstance(part, ConfigError):
+            if isinstance(part, (ConfigError, RewardError)):
                 raise part
         return [c for completions, _ in parts for c in completions], torch.cat([values for _, values in parts])
 

@@ -161,7 +161,7 @@ class DPO(SequenceObjective):
         chosen, rejected = scores[0::2] - reference[0::2], scores[1::2] - reference[1::2]
         losses = dpo_losses(chosen - rejected, self.beta, self.loss_type, self.label_smoothing)
         rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
-        return losses.sum() / self.n_pairs, _pair_metrics(scores.detach(), *rewards)
+        return losses.sum() / self.n_pairs, _pair_metrics(scores.detach(), *rewards, self.beta)
 
     def _simpo(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
         """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward", eq. 6):
@@ -171,7 +171,7 @@ class DPO(SequenceObjective):
         margin = scores[0::2] - scores[1::2] - self.simpo_gamma / self.beta
         losses = dpo_losses(margin, self.beta, "sigmoid", self.label_smoothing)
         rewards = self.beta * scores[0::2].detach(), self.beta * scores[1::2].detach()
-        return losses.sum() / self.n_pairs, _pair_metrics(scores.detach(), *rewards)
+        return losses.sum() / self.n_pairs, _pair_metrics(scores.detach(), *rewards, self.beta)
 
     def _orpo(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
         """ORPO (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference Model", eq. 6-7): the
@@ -184,7 +184,7 @@ class DPO(SequenceObjective):
         chosen_tokens = policy.lengths[0::2].sum()
         nll = -policy.logps[0::2].sum() / chosen_tokens
         loss = nll - self.beta * F.logsigmoid(log_odds).sum() / self.n_pairs
-        metrics = _pair_metrics(scores.detach(), self.beta * chosen.detach(), self.beta * rejected.detach())
+        metrics = _pair_metrics(scores.detach(), self.beta * chosen.detach(), self.beta * rejected.detach(), self.beta)
         return loss, metrics | {"nll_loss": nll.detach(), "log_odds_ratio": F.logsigmoid(log_odds).detach().mean()}
 
 
@@ -213,12 +213,20 @@ def dpo_losses(logits: Tensor, beta: float, loss_type: str, label_smoothing: flo
     raise ValueError(f"unknown DPO loss type {loss_type!r}")
 
 
-def _pair_metrics(scores: Tensor, chosen_rewards: Tensor, rejected_rewards: Tensor) -> dict[str, Tensor]:
-    """TRL's metrics of a step's pairs: the rewards' means, accuracy and margin, the completions' scores."""
+# a reward margin within this share of the pair's log-probabilities (times beta) is a tie: the noise of computing
+# them twice (policy = reference at the first step gives margins of +-2e-6 on the CPU in float32, not 0)
+TIE_TOLERANCE = 1e-4
+
+
+def _pair_metrics(scores: Tensor, chosen_rewards: Tensor, rejected_rewards: Tensor, beta: float) -> dict[str, Tensor]:
+    """TRL's metrics of a step's pairs: the rewards' means, accuracy and margin, the completions' scores. A pair is
+    right where its chosen reward beats the rejected one by more than `TIE_TOLERANCE`: a tie is not right (TRL's
+    strict > counts noise as half right)."""
+    noise = TIE_TOLERANCE * beta * (scores[0::2].abs() + scores[1::2].abs())
     return {
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(scores.dtype).mean(),
+        "rewards/accuracies": (chosen_rewards - rejected_rewards > noise).to(scores.dtype).mean(),
         "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
         "logps/chosen": scores[0::2].mean(),
         "logps/rejected": scores[1::2].mean(),
