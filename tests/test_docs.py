@@ -112,6 +112,16 @@ def test_the_tests_a_doc_names_exist(doc):
             )
 
 
+def package_version(package: Path) -> str:
+    """A package's version: its pyproject.toml's, or (dynamic) its `__version__` that setuptools reads."""
+    pyproject = (package / "pyproject.toml").read_text()
+    static = re.search(r'^version = "(.+)"$', pyproject, re.M)
+    if static:
+        return static[1]
+    attr = re.search(r'^version = \{attr = "(\w+)\.__version__"\}$', pyproject, re.M)[1]
+    return re.search(r'^__version__ = "(.+)"$', (package / "src" / attr / "__init__.py").read_text(), re.M)[1]
+
+
 def test_the_changelog_goes_by_version_unreleased_on_top_and_the_packages_share_one():
     sections = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert sections[0] == "[Unreleased]", "CHANGELOG.md: the first section is [Unreleased]"
@@ -119,6 +129,6 @@ def test_the_changelog_goes_by_version_unreleased_on_top_and_the_packages_share_
     assert released and all(released), f"CHANGELOG.md: a section is not '[X.Y.Z] - YYYY-MM-DD': {sections[1:]}"
     versions = [tuple(map(int, m.groups())) for m in released]
     assert versions == sorted(versions, reverse=True), "CHANGELOG.md: versions go newest first"
-    package_versions = {re.search(r'^version = "(.+)"$', (p / "pyproject.toml").read_text(), re.M)[1] for p in PACKAGES}
+    package_versions = {package_version(p) for p in PACKAGES}
     assert len(package_versions) == 1, f"the packages' versions differ: {package_versions}"
     assert tuple(map(int, package_versions.pop().split("."))) >= versions[0]
