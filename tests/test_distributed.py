@@ -405,12 +405,19 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     overrides = ["model.preset=qwen2.5-7b", "train.batch_size=64", "data.seq_len=2048", "device=cpu"]
     config = load_config(None, [*overrides, "precision.compute_dtype=bfloat16"])
     split = load_config(None, [*overrides, "precision.compute_dtype=bfloat16", "engine.shard_across_hosts=true"])
-    replicated, parts = make_plan(config, gpus=8, hosts=4), make_plan(split, gpus=8, hosts=4)
-    assert replicated.host_bytes_per_param == pytest.approx(16, abs=0.1)
-    assert parts.split_state and parts.host_bytes_per_param == pytest.approx(2 + 16 / 4, abs=0.1)
+    h200 = 140 * 2**30  # (GPUs of that size: the runtime's host memory a GPU run's, not this CPU's compute's)
+    replicated = make_plan(config, gpus=8, hosts=4, gpu_memory=h200)
+    parts = make_plan(split, gpus=8, hosts=4, gpu_memory=h200)
+
+    def state_per_param(plan):  # (beside the runtime's)
+        return (plan.host_bytes - plan.host_items["runtime"]) / plan.n_params
+
+    assert state_per_param(replicated) == pytest.approx(16, abs=0.1)
+    assert parts.split_state and state_per_param(parts) == pytest.approx(2 + 16 / 4, abs=0.1)
     assert parts.optimizer_s == pytest.approx(replicated.optimizer_s / 4)
     assert parts.network_bytes == pytest.approx(3 / 4 * (4 + 2) * parts.n_params, rel=1e-6)
-    assert make_plan(split).host_bytes == make_plan(config).host_bytes  # one host: nothing to split
+    # one host: nothing to split
+    assert make_plan(split, gpu_memory=h200).host_bytes == make_plan(config, gpu_memory=h200).host_bytes
     with pytest.raises(ConfigError, match="engine.shard_across_hosts: true splits the state over the 4 hosts"):
         check_plan(replicated, config, model_config_of(config))
     check_plan(parts, split, model_config_of(split))

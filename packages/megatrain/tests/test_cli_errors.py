@@ -205,7 +205,11 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
         while time.time() < deadline and not ((run / LOCK).exists() and (run / LOCK).read_text()):
             time.sleep(0.05)  # the lock is taken just before the data is read
         assert (run / LOCK).read_text(), "the run never started"
-        time.sleep(0.2)
+        # then until it waits for the pipe's writer (a signal sent before, on a loaded machine, met the run in
+        # whatever it did between the lock and the read: CI once saw no line and no exit in 60 s)
+        wchan = Path(f"/proc/{process.pid}/wchan")
+        while time.time() < deadline and wchan.exists() and wchan.read_text() != "wait_for_partner":
+            time.sleep(0.05)
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=60)
     finally:

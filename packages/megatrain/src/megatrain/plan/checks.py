@@ -64,6 +64,10 @@ HOST_SAVINGS = {
 }
 
 
+# What several hosts split with engine.shard_across_hosts (each holds its part).
+SPLIT_BY_HOSTS = ("master weights", "optimizer moments", "gradients held for clipping")
+
+
 def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
     """Refuse a plan whose host allocations pass what the run may take, naming its largest item and what saves
     it (a choice that costs host memory first, where dropping it alone would fit)."""
@@ -74,6 +78,8 @@ def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
     optional = [name for name in items if name.startswith(("host-kept", "gradients held across"))]
     name = next((n for n in optional if items[n] >= over), max(items, key=items.get))
     saving = next((fix for start, fix in HOST_SAVINGS.items() if name.startswith(start)), "a smaller model")
+    if plan.hosts > 1 and not plan.split_state and name in SPLIT_BY_HOSTS:
+        saving = f"engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
     largest = plan.host_available / plan.host_bytes_per_param
     raise ConfigError(
         f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB "
