@@ -190,6 +190,13 @@ def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path):
     ]
 
 
+def as_from_a_shell() -> None:
+    """A child's signals as a shell starts a command: SIGINT delivered and handled by default. (What the test
+    process has is inherited across exec: in CI's pytest-xdist workers the run never saw the signal.)"""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp_path):
     """SIGINT while the run waits for its data (a named pipe nobody writes): one line, exit 130, the run
     directory it made taken back."""
@@ -198,7 +205,11 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
     run = tmp_path / "run"
     args = [*TINY, "--set", f"data.text={fifo}", "--set", f"output_dir={run}"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "megatrain", "train", *args], stderr=subprocess.PIPE, text=True, cwd=tmp_path
+        [sys.executable, "-m", "megatrain", "train", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=as_from_a_shell,
     )
     try:
         deadline = time.time() + 120

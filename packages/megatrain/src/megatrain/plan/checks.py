@@ -61,6 +61,7 @@ HOST_SAVINGS = {
     "generation copies": "train.grpo.generation_weights: resident",
     "offloaded checkpoints": "fewer tokens a step (train.batch_size), or a GPU with room for them",
     "host-kept products": "engine.host_kept_layers: 0",
+    "runtime": "fewer tokens a micro-batch or a step (train.micro_batch_size, train.batch_size)",
 }
 
 
