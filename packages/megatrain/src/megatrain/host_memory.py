@@ -9,7 +9,6 @@ measured when the run is planned (`process_bytes`) and benchmark rows add it to 
 """
 
 import os
-import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +28,6 @@ class HostBudget:
 
     bytes: int | None  # None: unknown (no /proc/meminfo): nothing is decided by host memory
     source: str  # in words, for the refusal and `megatrain plan`
-
-    @classmethod
-    def given(cls, nbytes: int, source: str = "as given") -> "HostBudget":
-        return cls(nbytes, source)
 
 
 def margin_of(room: int) -> int:
@@ -81,11 +76,6 @@ def process_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def peak_process_bytes() -> int:
-    """The process's peak resident memory so far, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def host_budget(config_gib: float | None = None) -> HostBudget:

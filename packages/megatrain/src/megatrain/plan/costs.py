@@ -342,11 +342,12 @@ class CostModel:
     def _host_allocations(self, placement: Placement):
         n_params, trainable = self.model.n_params, self.model.n_params - self.frozen_params
         share = 1 / self.machine.hosts if self.split else 1  # a host holds its part of what the hosts split
+        on_disk = self.disk_bytes(placement)
         yield "master weights", n_params * 4 * share
-        yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - self.disk_bytes(placement)
-        if self.disk_bytes(placement):  # the groups read ahead, being updated and being written behind
-            on_disk = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
-            yield "disk tier's page cache", sum(on_disk[:DISK_TIER_GROUPS_IN_MEMORY]) * 4 * len(STATE_NAMES)
+        yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - on_disk
+        if on_disk:  # the groups read ahead, being updated and being written behind
+            largest = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
+            yield "disk tier's page cache", sum(largest[:DISK_TIER_GROUPS_IN_MEMORY]) * 4 * len(STATE_NAMES)
         if placement.gradient_pool is None:  # a buffer per group, as the store allocates then
             reason = "for clipping" if self.full_grads else f"across {placement.sweeps} sweeps"
             yield f"gradients held {reason}", trainable * 4 * share

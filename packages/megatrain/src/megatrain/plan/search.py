@@ -447,7 +447,7 @@ class Planner(CostModel):
             extra_kept_layers=len(self.extras(placement)),
             held_bytes=self.params(placement.held) * self.element,
             gpu_updated_bytes=self.resident_state_bytes(placement),
-            host_kept_bytes=self.machine.gpus * len(placement.host_kept) * stage_products,
+            host_kept_bytes=host_items.get("host-kept products", 0),
             stage_names=self.names,
             reference_tokens_per_s=self.reference_tokens_per_s(placement),
             frozen_params=self.frozen_params,
