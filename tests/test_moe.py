@@ -408,7 +408,7 @@ def test_gpu_grouped_experts_equal_the_expert_loop(naming):
     """bf16 on the GPU: torch._grouped_mm (one kernel per projection, no host sync) and the
     per-expert loop compute the same block, forward and backward, recomputing or from kept products, to bf16
     rounding."""
-    import megatrain_templates.moe as moe_module
+    import megatrain_templates.grouped_experts as moe_module
     from megatrain_templates import BlockShape, MoeBlock, MoeShape, RopeConfig, RouterLoad
 
     gpt_oss = naming == "gpt_oss"
@@ -439,7 +439,7 @@ def test_gpu_grouped_experts_equal_the_expert_loop(naming):
 def test_gpu_grouped_weight_gradient_of_an_expert_no_row_chose_is_zero():
     """The grouped kernel's weight gradient (groups along the rows it sums over) is zero for an expert with no
     rows, as the loop's, not what the memory held."""
-    from megatrain_templates.moe import _grouped_weight_grad, _Slots
+    from megatrain_templates.grouped_experts import _grouped_weight_grad, _Slots
 
     rows, n_experts = 48, 4
     expert = torch.tensor([0] * 16 + [2] * 32, device="cuda")  # experts 1 and 3: no rows

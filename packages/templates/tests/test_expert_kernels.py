@@ -4,7 +4,7 @@ fp32 (`expert_kernels`), on the CPU by the loop; both against float64."""
 import pytest
 import torch
 
-from megatrain_templates.moe import _grouped_linear_backward, _Slots
+from megatrain_templates.grouped_experts import _grouped_linear_backward, _Slots
 
 
 def _slots(counts: list[int], k: int, device: str) -> _Slots:

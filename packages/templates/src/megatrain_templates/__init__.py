@@ -20,16 +20,10 @@ from .layout import (
 )
 from .linear_attention import GatedDeltaNetShape, Mamba2Shape, chunked_gated_delta_rule, chunked_ssd
 from .media import Media
-from .moe import (
-    EXPERT_NAMING,
-    MoeAttention,
-    MoeBlock,
-    MoeExperts,
-    MoeShape,
-    RouterLoad,
-    fused_expert_names,
-    moe_params,
-)
+from .moe import MoeBlock
+from .moe_layout import EXPERT_NAMING, MoeShape, fused_expert_names, moe_params
+from .moe_parts import MoeAttention, MoeExperts
+from .moe_routing import RouterLoad
 from .objectives import (
     DPO,
     GRPO,

@@ -1,0 +1,230 @@
+"""The experts of a MoE layer as grouped GEMMs over the tokens' choices sorted by expert: the choices'
+rows (`_Slots`), the dispatch to and combine from those rows, the grouped linear (torch._grouped_mm where it
+works, else a loop over the experts) with its backward, and the experts' weighted activations.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import expert_kernels
+from .layout import BoundWeight, ProductKeeper
+from .ops import compiled_on_cuda, upcast
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype, row_major: bool = False) -> bool:
+    """torch._grouped_mm runs the experts as one kernel per projection with no host sync; it
+    exists for bf16 on recent GPUs. Probed once per (device, dtype, layout of the expert matrices:
+    [E, out, in] transposed, or [E, in, out] as gpt-oss stores them); the loop is the fallback."""
+    key = (str(device), dtype) if not row_major else (str(device), dtype, "row_major")
+    if key not in _GROUPED_MM:
+        ok = device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.randn(24, 32, device=device, dtype=dtype)
+                b = torch.randn(2, 16, 32, device=device, dtype=dtype)
+                offs = torch.tensor([8, 24], device=device, dtype=torch.int32)
+                mat2 = b.transpose(1, 2).contiguous() if row_major else b.transpose(1, 2)
+                got = torch._grouped_mm(a, mat2, offs=offs)
+                want = torch.cat([a[:8] @ b[0].T, a[8:] @ b[1].T])
+                ok = bool(torch.allclose(got.float(), want.float(), atol=1e-1, rtol=2e-2))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM[key] = ok
+    return _GROUPED_MM[key]
+
+
+_GROUPED_MM: dict[tuple, bool] = {}
+
+
+def _swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up * weight
+
+
+def _gpt_oss_glu_weighted(gate_up: Tensor, weight: Tensor, limit: float, alpha: float) -> Tensor:
+    gate = gate_up[:, ::2].clamp(max=limit)
+    up = gate_up[:, 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha)) * weight
+
+
+gpt_oss_glu_weighted = compiled_on_cuda(_gpt_oss_glu_weighted)
+gpt_oss_glu_weighted.__doc__ = (
+    """gpt-oss' clamped SwiGLU of interleaved (gate, up) columns, times the routing weight."""
+)
+
+
+# on [tokens * k, 2 * d_ff] the activation's elementwise kernels cost more than the expert GEMMs
+swiglu_weighted = compiled_on_cuda(_swiglu_weighted)
+swiglu_weighted.__doc__ = """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1]."""
+
+
+@dataclass
+class _Slots:
+    """A micro-batch's expert choices (tokens * k) that fall in the experts a stage holds, sorted by expert:
+    row i of the grouped GEMMs is choice `order[i]`, of token `token[i]`, for expert `expert[i]` (counted from
+    the stage's first); `inverse` maps each choice to its row (`rows` for a choice of another expert). The
+    grouped kernel reads each expert's end row on the device (`offsets`), the loop its row count on the host."""
+
+    order: Tensor  # [rows]
+    token: Tensor  # [rows]
+    expert: Tensor  # [rows]
+    inverse: Tensor  # [tokens * k]
+    k: int
+    n_experts: int
+    grouped: bool  # torch._grouped_mm, else a loop over the experts
+
+    @property
+    def rows(self) -> int:
+        return self.order.numel()
+
+    @functools.cached_property
+    def offsets(self) -> Tensor:
+        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=self.expert.device)
+        counts.scatter_add_(0, self.expert, torch.ones_like(self.expert, dtype=torch.int32))
+        return counts.cumsum(0, dtype=torch.int32)
+
+    @functools.cached_property
+    def counts(self) -> list[int]:
+        return torch.bincount(self.expert, minlength=self.n_experts).tolist()  # (the host waits for the device)
+
+    def runs(self):
+        """(expert, its rows as a slice) for each expert with rows, in row order (the loop's)."""
+        start = 0
+        for expert, count in enumerate(self.counts):
+            if count:
+                yield expert, slice(start, start + count)
+                start += count
+
+
+def _grouped_matmul(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
+    """a [rows, in] grouped by expert, each group times its expert's b [n_experts, in, out] -> [rows, out]."""
+    if slots.grouped:
+        return torch._grouped_mm(a, b, offs=slots.offsets)
+    return torch.cat([a[rows] @ b[expert] for expert, rows in slots.runs()])
+
+
+def _grouped_weight_grad(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
+    """Each expert's sum over its rows of a^T b: a [rows, m], b [rows, n] -> [n_experts, m, n] (zeros for an
+    expert with no rows)."""
+    if slots.grouped:
+        return torch._grouped_mm(a.T, b, offs=slots.offsets)
+    grad = a.new_zeros(slots.n_experts, a.shape[1], b.shape[1])
+    for expert, rows in slots.runs():
+        grad[expert] = a[rows].T @ b[rows]
+    return grad
+
+
+def _grouped_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None):
+    """The backward of `_grouped_matmul(x, weight)` for `grad` [rows, out]: (x's gradient, the weight's, or None
+    where it was added into `into`: by the grouped kernel that accumulates in fp32, `expert_kernels`, where the
+    experts run grouped in bf16). The weight's is computed in the orientation its storage has, so that adding
+    it reads and writes memory in order."""
+    grad = grad.contiguous()
+    grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
+    target = weight if into is None else into
+    out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
+    a, b = (grad, x) if out_in else (x, grad)  # the gradient in its storage's orientation: a^T b per expert
+    if into is not None and slots.grouped and expert_kernels.runs_on(grad, into):
+        expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2) if out_in else into, a, b, slots.offsets)
+        return grad_x, None
+    grad_weight = _grouped_weight_grad(a, b, slots)
+    grad_weight = grad_weight.transpose(1, 2) if out_in else grad_weight
+    if into is None:
+        return grad_x, grad_weight
+    into.add_(grad_weight)
+    return grad_x, None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """`_grouped_matmul` whose backward adds the weight's gradient into `into` (the weight's view of the flat
+    fp32 gradient buffer) where given, else returns it; a kept `product` stands for the forward's GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, slots: _Slots, into: Tensor | None, product: Tensor | None):
+        ctx.save_for_backward(x, weight)
+        ctx.slots, ctx.into = slots, into
+        if product is not None:
+            return product.view_as(product)  # a new tensor for autograd to own, not a copy
+        return _grouped_matmul(x, weight, slots)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight = _grouped_linear_backward(x, weight, grad, ctx.slots, ctx.into)
+        return grad_x, grad_weight, None, None, None
+
+
+def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool) -> Tensor:
+    """x [rows, in] grouped by expert times each expert's matrix, stored [n_experts, out, in] (`out_in`:
+    transformers' per-expert layout) or [n_experts, in, out] (the fused one), as `ops.linear` treats a
+    `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
+
+    if isinstance(weight, BoundWeight):
+        into = _in_out(weight.grad, out_in)
+        return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product)
+    if isinstance(weight, ProductKeeper):
+        weight.products[weight.name] = out = _grouped_matmul(x, _in_out(weight.value, out_in), slots)
+        return out
+    return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None)
+
+
+def _in_out(matrices: Tensor, out_in: bool) -> Tensor:
+    """[n_experts, in, out] view of experts' matrices stored [n_experts, out, in] (`out_in`) or already so."""
+    return matrices.transpose(1, 2) if out_in else matrices
+
+
+def _with_zero_row(rows: Tensor, slots: _Slots) -> Tensor:
+    """`rows` with a zero row appended where some choices fall in other experts (inverse points there)."""
+    return rows if slots.rows == slots.inverse.numel() else torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+
+
+def _sum_of_rows(rows: Tensor, inverse: Tensor, k: int) -> Tensor:
+    index = inverse.view(-1, k)
+    total = upcast(rows[index[:, 0]])
+    for choice in range(1, k):
+        total = total + rows[index[:, choice]]
+    return total.to(rows.dtype)
+
+
+# compiled: one kernel reads each token's k rows and writes their sum, where eager writes the rows gathered and
+# reads them back. Written as k gathers, not a sum over a gathered [tokens, k, d] view, whose compiled reduction
+# was slower than eager (H200, OLMoE's [16384 * 8, 2048] rows: 0.15 ms, eager 0.48, the compiled view 0.64)
+sum_of_rows = compiled_on_cuda(_sum_of_rows)
+sum_of_rows.__doc__ = """[tokens, d]: the sum of each token's k rows `rows[inverse[t * k + j]]`, accumulated in fp32."""
+
+
+def _gathered_sum(rows: Tensor, slots: _Slots) -> Tensor:
+    """[tokens, d]: each token's k rows summed (in fp32 by the reduction), a row outside these experts as zero."""
+    return sum_of_rows(_with_zero_row(rows, slots), slots.inverse, slots.k)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Each token's row copied to its expert rows: x[i] = h[token[i]]. Backward gathers the k rows'
+    gradients back and sums them, with no atomics (index_add would collide k ways)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, slots: _Slots) -> Tensor:
+        ctx.slots = slots
+        return h.index_select(0, slots.token)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gathered_sum(grad, ctx.slots), None
+
+
+class _Combine(torch.autograd.Function):
+    """The transpose of _Dispatch: out[t] = the sum of token t's expert rows; backward copies each token's
+    gradient to its rows."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, slots: _Slots) -> Tensor:
+        ctx.slots = slots
+        return _gathered_sum(y, slots)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.index_select(0, ctx.slots.token), None

@@ -1,0 +1,193 @@
+"""A MoE layer too large for a GPU slot streams its experts in parts: `MoeAttention` (attention, shared
+expert, routing statistics) and one `MoeExperts` stage per range of experts, each its own group.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .attention import Documents
+from .decoder import BlockShape, attention_spans
+from .layout import accumulate, check_buffers, leaf, total_numel
+from .moe import MoeBlock
+from .moe_layout import MoeShape, _expert_spans, _router_group_spans, _shared_spans, expert_params, split_moe_params
+from .moe_routing import RouterLoad, _valid_tokens
+
+
+class _MoePart(MoeBlock):
+    """A stage of a MoE layer whose experts stream in parts (a layer too large for a GPU slot): the
+    layer's groups are its trunk (attention, shared expert), its router group (post-attention norm,
+    router) and one group per part of its experts. The stages pass the pair (a, total): the residual
+    stream after attention, the same tensor through every part, and the MLP output summed so far
+    (None before any). Each recomputes all of its forward: none keeps products."""
+
+    forward_keeping_products = None
+
+    def _bind(self, weights: list[Tensor], leaves: bool = False) -> dict[str, Tensor]:
+        bound = {}
+        for buffer, spans in zip(weights, self._group_spans):
+            bound.update({name: leaf(buffer, span) if leaves else span.view(buffer) for name, span in spans.items()})
+        return bound
+
+    def _normed(self, w: dict[str, Tensor], a: Tensor) -> Tensor:
+        """The router's and the experts' input: post-attention norm of `a`, as [tokens, d_model]."""
+        return self.shape.norm(a, w["post_norm"]).reshape(-1, a.shape[-1])
+
+    def _accumulate(self, grads: list[Tensor], leaves: dict[str, Tensor], grad_leaves: list[Tensor | None]) -> None:
+        grad_of = dict(zip(leaves, grad_leaves))
+        for buffer, spans in zip(grads, self._group_spans):
+            for name, span in spans.items():
+                if grad_of.get(name) is not None:
+                    accumulate(buffer, span, grad_of[name])
+
+
+class MoeAttention(_MoePart):
+    """The first stage of a MoE layer streamed in parts: attention, the routing statistics (and the
+    load-balancing loss's gradient) and the shared expert; binds (trunk, router group) and returns
+    the pair (a, shared expert output or None)."""
+
+    def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
+        self.shape, self.moe = shape, moe
+        self.router_load = router_load or RouterLoad(moe.n_experts, moe.top_k)
+        self.groups = split_moe_params(shape, moe)
+        self.numel = sum(total_numel(params) for params in self.groups)
+        self._rope_cache = {}
+        trunk, router = self.groups
+        self._group_spans = (
+            {**attention_spans(shape, trunk), **_shared_spans(moe, trunk)},
+            _router_group_spans(moe, router),
+        )
+
+    def _pair(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None, route: bool):
+        a = self._attention(w, x, documents)
+        h = self._normed(w, a)
+        shared = self._shared_expert(w, h)
+        return (a, None if shared is None else shared.view_as(a)), self.route(w, h) if route else None
+
+    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> tuple:
+        """hidden: [batch, seq, d_model] -> the pair; records routing statistics."""
+        check_buffers(weights, self.groups, "MoeAttention.forward")
+        pair, routing = self._pair(self._bind(weights), hidden, documents, route=True)
+        self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
+        return pair
+
+    def backward(self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None) -> Tensor:
+        """grad_out: the pair's gradient; returns d/d(hidden)."""
+        check_buffers(weights, self.groups, "MoeAttention.backward")
+        leaves = self._bind(weights, leaves=True)
+        x = hidden.detach().requires_grad_(True)
+        # routing again only for a router loss's gradient or the correction bias's load
+        route = self.router_load.routes_in_backward or self.moe.biased_choice
+        with torch.enable_grad():
+            (a, shared), routing = self._pair(leaves, x, documents, route=route)
+        outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))
+        aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])
+        grad_in, *grad_leaves = torch.autograd.grad(
+            outputs + aux, [x, *leaves.values()], grad_outputs + aux_grads, allow_unused=True
+        )
+        self._accumulate(grads, leaves, grad_leaves)
+        if route:
+            self._add_excess_load(grads[1], self._group_spans[1], routing.top_index, documents)
+        return grad_in
+
+
+class MoeExperts(_MoePart):
+    """Experts first..stop-1 of a MoE layer streamed in parts: binds (router group, these experts),
+    routes again (the router is tiny next to the experts) and adds their output to the pair's total;
+    the last part returns the layer's output, a + total. Its backward needs only `a`."""
+
+    def __init__(self, shape: BlockShape, moe: MoeShape, first: int, stop: int):
+        self.shape, self.moe, self.first, self.stop = shape, moe, first, stop
+        self.last = stop == moe.n_experts
+        self.checkpoint_planes = 1 if first == 0 else 0  # the parts of a layer keep the same `a`
+        _, router = split_moe_params(shape, moe)
+        experts = expert_params(moe, shape.d_model, first, stop)
+        self.groups = (router, experts)
+        self.numel = total_numel(router) + total_numel(experts)
+        self._group_spans = (
+            _router_group_spans(moe, router),
+            _expert_spans(moe, shape.d_model, experts, first, stop),
+        )
+
+    def _route(self, w: dict[str, Tensor], a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(normed input, top_index, top_weight, how many of the tokens' choices fall in this part, on the device)."""
+        h = self._normed(w, a)
+        routing = self.route(w, h)
+        top_index = routing.top_index
+        return h, top_index, routing.top_weight, ((top_index >= self.first) & (top_index < self.stop)).sum()
+
+    def prepare(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None) -> "PartRouting":
+        """Route a micro-batch and start copying how many of its tokens' choices fall in this part to
+        the host. The pipeline prepares every micro-batch before the first forward, so the forwards
+        find their row counts there instead of each waiting for the GPU to catch up."""
+        h, top_index, top_weight, count = self._route(self._bind(weights), pair[0])
+        if not count.is_cuda:
+            return PartRouting(h, top_index, top_weight, count)
+        host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        host.copy_(count, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PartRouting(h, top_index, top_weight, host, ready)
+
+    def forward(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None, prepared=None):
+        check_buffers(weights, self.groups, "MoeExperts.forward")
+        a, total = pair
+        routing = prepared or self.prepare(weights, pair)
+        w = self._bind(weights)
+        out = self._experts(w, routing.h, routing.top_index, routing.top_weight, self.first, self.stop, routing.rows())
+        routing.release()  # the backward routes again, under autograd
+        total = out.view_as(a) if total is None else total + out.view_as(a)
+        return a + total if self.last else (a, total)
+
+    @staticmethod
+    def checkpoint(pair: tuple) -> Tensor:
+        return pair[0]
+
+    def backward(self, weights, a: Tensor, grad_out, grads, documents: Documents | None = None, prepared=None) -> tuple:
+        """a: the pair's first tensor; grad_out: the layer output's gradient (last part) or the pair's;
+        `prepared`: the forward's routing, for its row count; returns the input pair's gradient."""
+        check_buffers(weights, self.groups, "MoeExperts.backward")
+        grad_a, grad_total = (grad_out, grad_out) if self.last else grad_out
+        leaves = self._bind(weights, leaves=True)
+        a = a.detach().requires_grad_(True)
+        with torch.enable_grad():
+            h, top_index, top_weight, count = self._route(leaves, a)
+            n_rows = None
+            if prepared is not None:  # the forward's count, checked on the device without waiting
+                n_rows = prepared.rows()
+                torch._assert_async(count == n_rows, "a MoE part's row count changed between forward and backward")
+            out = self._experts(leaves, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
+        if out.requires_grad:  # some token chose one of these experts
+            grad_via_experts, *grad_leaves = torch.autograd.grad(
+                [out], [a, *leaves.values()], [grad_total], allow_unused=True
+            )
+            self._accumulate(grads, leaves, grad_leaves)
+            if grad_via_experts is not None:
+                grad_a = grad_a + grad_via_experts
+        return grad_a, grad_total
+
+
+@dataclass
+class PartRouting:
+    """A micro-batch's routing for one part of a MoE layer's experts (`MoeExperts.prepare`), with the
+    number of its tokens' choices in the part on its way to host memory."""
+
+    h: Tensor | None  # the post-attention-norm input, [tokens, d_model]
+    top_index: Tensor | None
+    top_weight: Tensor | None
+    count: Tensor  # host scalar once `ready` has passed (the device scalar on the CPU)
+    ready: object = None  # CUDA event: the count's copy finished
+    _rows: int | None = None
+
+    def rows(self) -> int:
+        if self._rows is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._rows = int(self.count)
+        return self._rows
+
+    def release(self) -> None:
+        """Keep only the row count (the backward needs nothing else of it)."""
+        self.rows()
+        self.h = self.top_index = self.top_weight = None
