@@ -11,9 +11,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from megatrain import host_memory
@@ -377,6 +379,81 @@ def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, to
     assert processes[0].returncode != 0
     expected = "did not receive the other hosts' updated weights" if split else "rank(s) [1] of host 0 have not updated"
     assert expected in err, err[-4000:]
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's CPU threads as they were before the test (a test that sets them gives them back)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def pretend_launched(monkeypatch, local_world: int) -> None:
+    """Rank 0 of `local_world` processes on one host, as torchrun describes it, with the process group's calls
+    answered here: `init_ranks` and `shared_arenas` run in this one process."""
+    monkeypatch.setenv("WORLD_SIZE", str(local_world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "new_group", lambda *args, **kwargs: object())
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda objects, src: None)
+
+
+def test_a_rank_takes_its_threads_wait_and_shared_directory_from_the_engine_keys(tmp_path, monkeypatch, torch_threads):
+    from megatrain.config import EngineSection
+    from megatrain.distributed import init_ranks, shared_arenas
+
+    pretend_launched(monkeypatch, local_world=2)
+    engine = EngineSection(cpu_threads=3, rank_wait_s=5, shared_dir=str(tmp_path / "shm"))
+    ranks = init_ranks("cpu", engine)
+    assert torch.get_num_threads() == 3 and ranks.wait_s == 5
+    assert shared_arenas(ranks, engine.shared_dir).directory.parent == tmp_path / "shm"
+    ranks = init_ranks("cpu", EngineSection())  # auto: the host's cores split among its ranks
+    assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2) and ranks.wait_s == 600
+
+
+def test_the_environment_variables_override_the_wait_and_shared_directory(tmp_path, monkeypatch, torch_threads):
+    from megatrain.config import EngineSection
+    from megatrain.distributed import init_ranks, shared_arenas
+
+    pretend_launched(monkeypatch, local_world=2)
+    monkeypatch.setenv("MEGATRAIN_RANK_WAIT_S", "7")
+    monkeypatch.setenv("MEGATRAIN_SHARED_DIR", str(tmp_path / "from-env"))
+    engine = EngineSection(rank_wait_s=5, shared_dir=str(tmp_path / "shm"))
+    ranks = init_ranks("cpu", engine)
+    assert ranks.wait_s == 7
+    assert shared_arenas(ranks, engine.shared_dir).directory.parent == tmp_path / "from-env"
+
+
+def test_a_process_alone_takes_engine_cpu_threads_in_a_run(tmp_path, torch_threads):
+    """engine.cpu_threads sets the threads of a run of one process too ("auto" leaves torch's own)."""
+    from test_exactness import tiny_llama_config
+
+    from megatrain.config import EngineSection
+    from megatrain.trainer import Trainer
+
+    torch.set_num_threads(2)
+    Trainer(tiny_llama_config(tmp_path / "auto", "cpu", "float32", 8, batch_size=2, steps=1)).close()
+    assert torch.get_num_threads() == 2
+    engine = EngineSection(cpu_threads=1)
+    Trainer(tiny_llama_config(tmp_path / "one", "cpu", "float32", 8, engine, batch_size=2, steps=1)).close()
+    assert torch.get_num_threads() == 1
+
+
+def test_a_rank_waits_engine_rank_wait_s_for_another_then_names_it():
+    from megatrain.distributed import RankError, Ranks, RankSync
+
+    store = SimpleNamespace(
+        n_groups=1, shared=SimpleNamespace(tensor=lambda name, dtype, numel: torch.zeros(numel, dtype=dtype))
+    )
+    sync = RankSync(Ranks(0, 2, 0, 2, wait_s=0.2), store, torch.device("cpu"))
+    sync.mark_applied(0, 1)  # rank 1 never does
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] of host 0 have not updated group 0 for step 1"):
+        sync.wait_applied([0], 1)
+    assert 0.2 <= time.monotonic() - start < 5
 
 
 def test_each_rank_plans_for_its_share_of_the_global_batch(monkeypatch):

@@ -1,6 +1,7 @@
 """The docs as reference: what they name exists. The package READMEs' examples run and name only what the
-packages have, the CLI's docs list every command it has, the guide's contents reach every section, and the
-design's invariants name tests that exist. CPU only, seconds."""
+packages have, the CLI's docs list every command it has, the guide's contents reach every section, its table of
+environment variables lists those the packages read, and the design's invariants name tests that exist. CPU only,
+seconds."""
 
 import ast
 import re
@@ -75,6 +76,18 @@ def test_the_guide_s_contents_link_every_section_in_order():
     sections = [h for h in re.findall(r"^###? (.+)$", guide, re.M) if h != "Contents"]
     assert [title for title, _ in listed] == sections, "docs/guide.md: the contents and the sections differ"
     assert all(anchor == slug(title) for title, anchor in listed)
+
+
+def test_the_guide_s_environment_variables_are_those_the_packages_read():
+    """The guide's table of environment variables lists every MEGATRAIN_* variable the packages' source reads (a
+    name as a whole string literal, as `os.environ.get("MEGATRAIN_X")` reads it), and no other."""
+    sources = (path.read_text() for package in PACKAGES for path in (package / "src").rglob("*.py"))
+    read = {name for text in sources for name in re.findall(r"[\"'](MEGATRAIN_[A-Z0-9_]+)[\"']", text)}
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = re.search(r"^## Environment variables\n(.*?)(?=^## |\Z)", guide, re.S | re.M)[1]
+    listed = set(re.findall(r"^\| `(MEGATRAIN_[A-Z0-9_]+)` \|", section, re.M))
+    assert read, "no MEGATRAIN_* variable found in the packages' source: the pattern no longer matches how they read"
+    assert listed == read, f"docs/guide.md's environment variables {sorted(listed)}; the packages read {sorted(read)}"
 
 
 DECISIONS = ROOT / "docs" / "decisions"

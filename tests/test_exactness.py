@@ -17,6 +17,7 @@ from reference_model import ReferenceLM, reference_adamw
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_optim import DeviceAdamW, EmbeddingRowsFirst, Schedule, lr_at
+from megatrain_templates import compiling, set_compile
 from megatrain_zoo import preset
 
 CASES = {"float64": (1e-2, 1e-10), "float32": (1e-4, 1e-5)}  # dtype: (lr, relative tolerance)
@@ -301,6 +302,16 @@ def test_a_larger_step_runs_in_one_sweep_where_the_store_has_a_gradient_pool(tmp
     for name, param in reference.named_parameters():
         assert rel_err(ours[name], param.detach()) < tolerance, name
     trainer.close()
+
+
+def test_steps_without_compilation_match_plain_pytorch(tmp_path):
+    """engine.compile: false turns the templates' compilation off for the run, which stays exact (the CPU runs
+    eagerly either way; GPU twin: test_gpu_steps_without_compilation_match_plain_pytorch)."""
+    try:
+        check_steps_match_plain_pytorch("float64", "tiny-qwen3", 0.3, "cpu", tmp_path, compile=False)
+        assert not compiling()  # as the run set it
+    finally:
+        set_compile(True)
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])

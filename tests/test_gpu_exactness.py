@@ -14,6 +14,7 @@ from test_exactness import (
 import megatrain_sched.pipeline
 from megatrain.config import EngineSection
 from megatrain.trainer import Trainer
+from megatrain_templates import set_compile
 from megatrain_zoo import preset
 
 
@@ -202,6 +203,19 @@ def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
             trainer.train_step(*random_batch(4, 64, vocab, generator))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     trainer.close()
+
+
+@pytest.mark.gpu
+def test_gpu_steps_without_compilation_match_plain_pytorch(tmp_path):
+    """engine.compile: false runs the templates' eager functions on the GPU (torch.compile builds no graph, in the
+    setup's warm-up nor in the steps) and the steps stay exact. CPU twin:
+    test_steps_without_compilation_match_plain_pytorch."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        check_steps_match_plain_pytorch("float32", "tiny-qwen3", 0.3, "cuda", tmp_path, compile=False)
+    finally:
+        set_compile(True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu

@@ -63,6 +63,21 @@ def test_the_readmes_example_config_loads_with_no_optional_package():
     assert config.model.preset == "llama3.2-1b"
 
 
+def test_the_engine_keys_that_were_environment_variables_load():
+    """engine.compile, cpu_threads, rank_wait_s and shared_dir: their defaults are what the environment variables'
+    were, and each takes a value from the file or an override."""
+    engine = Config().engine
+    assert (engine.compile, engine.cpu_threads, engine.rank_wait_s, engine.shared_dir) == (
+        True,
+        "auto",
+        600,
+        "/dev/shm",
+    )
+    overrides = ["engine.compile=false", "engine.cpu_threads=3", "engine.rank_wait_s=5", "engine.shared_dir=/mnt/shm"]
+    engine = load_config(None, overrides).engine
+    assert (engine.compile, engine.cpu_threads, engine.rank_wait_s, engine.shared_dir) == (False, 3, 5.0, "/mnt/shm")
+
+
 def test_micro_batch_defaults_to_batch():
     assert TrainSection(batch_size=8).micro_batch_size == 8
 
@@ -81,6 +96,9 @@ def test_micro_batch_defaults_to_batch():
         (["output_dir=null"], r"config key .output_dir. has no value; it takes text"),
         (["output_dir=''"], r"output_dir must name a directory"),
         (["train.report_to=[tensorboard, comet]"], r"train.report_to names \['comet'\]"),
+        (["engine.cpu_threads=0"], r"engine.cpu_threads must be auto or an integer >= 1"),
+        (["engine.rank_wait_s=0"], r"engine.rank_wait_s must be a number of seconds > 0"),
+        (["engine.shared_dir=''"], r"engine.shared_dir must name a memory-backed directory"),
     ],
 )
 def test_values_out_of_range_are_refused(write_config, overrides, message):

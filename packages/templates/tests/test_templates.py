@@ -39,10 +39,13 @@ from megatrain_templates import (
     RopeConfig,
     RouterLoad,
     chunked_gated_delta_rule,
+    chunked_recurrence,
     chunked_ssd,
+    compiling,
     file_tensors,
     rope_inv_freq,
     row_slice_name,
+    set_compile,
     split_precision,
 )
 from megatrain_templates.chunked_recurrence import _ChunkedRecurrence
@@ -961,3 +964,21 @@ def test_gated_attention_block_matches_module():
         for p in ref.parameters():
             p.normal_(0, 0.3)
     check_float64_block_against_module(DecoderBlock(shape), ref, 1e-10)  # (rotary angles in fp32 on both sides)
+
+
+def test_compilation_off_runs_the_functions_as_written(monkeypatch):
+    """`set_compile(False)` (engine.compile: false): the fast path runs its functions eagerly, never compiling one;
+    on again, it compiles each once."""
+    compiled = []
+    monkeypatch.setattr(chunked_recurrence, "compile_once", lambda fn: compiled.append(fn) or fn)
+    monkeypatch.setattr(chunked_recurrence, "_COMPILED", {})
+
+    def add_one(x):
+        return x + 1
+
+    try:
+        set_compile(False)
+        assert not compiling() and chunked_recurrence._run(add_one, True, 1) == 2 and compiled == []
+    finally:
+        set_compile(True)
+    assert compiling() and chunked_recurrence._run(add_one, True, 1) == 2 and compiled == [add_one]

@@ -489,10 +489,13 @@ def run_pair_eval(config, args) -> None:
 def run_plan(config, args) -> None:
     import json
 
+    from megatrain_templates import set_compile
+
     from .config import model_config_of
     from .plan import check_plan, format_plan, make_plan
     from .rates import calibrate, run_rates
 
+    set_compile(config.engine.compile)  # the rates measured here run the templates as the run would
     model = model_config_of(config)
     rates = (
         calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)

@@ -424,6 +424,22 @@ class EngineSection:
     # the most host memory the run's plan may take, GiB; it can only lower what the operating system gives (the
     # cgroup's limit or MemAvailable, less a margin: `megatrain plan` says which); null: that
     host_memory_gib: float | None = None
+    # compile the elementwise work between the GEMMs (norms, rotary embedding, the experts' activation) with
+    # torch.compile on CUDA, one kernel each way instead of five to ten; false: eager (a first step without the
+    # compile's tens of seconds, a kernel to debug). The CPU always runs eagerly; FlexAttention (packed
+    # documents) is compiled either way, its eager form being a slow reference.
+    compile: bool = True
+    # CPU threads of each process (the CPU optimizer's and the host side's); "auto": torch's default for a
+    # process alone, the host's cores split among its processes under torchrun (whose OMP_NUM_THREADS=1 would
+    # leave the optimizer one core)
+    cpu_threads: int | str = "auto"
+    # several processes: how long a rank waits for another (a host's rank to update a layer, another host's
+    # updated weights) before it concludes that one died or hung and stops the run; an update takes well under
+    # a second per layer. MEGATRAIN_RANK_WAIT_S overrides it.
+    rank_wait_s: float = 600.0
+    # several processes: the memory-backed directory where a host's processes share the master weights and
+    # optimizer state (~12 B/param on each host). MEGATRAIN_SHARED_DIR overrides it (a host whose /dev/shm is small).
+    shared_dir: str = "/dev/shm"
 
     def __post_init__(self):
         gib = self.host_memory_gib
@@ -452,10 +468,14 @@ class EngineSection:
                 f"engine.disk_state_fraction {fraction} puts moments on disk, but engine.optimizer_state_dir names "
                 "no directory for them; set it (a fast local disk), or leave the fraction out"
             )
-        for name in ("experts_per_stage", "sweeps"):
+        for name in ("experts_per_stage", "sweeps", "cpu_threads"):
             value = getattr(self, name)
             if value != "auto" and (isinstance(value, (str, bool)) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"engine.{name} must be auto or an integer >= 1, got {value!r}")
+        if isinstance(self.rank_wait_s, (str, bool)) or not self.rank_wait_s > 0:
+            raise ConfigError(f"engine.rank_wait_s must be a number of seconds > 0, got {self.rank_wait_s!r}")
+        if not isinstance(self.shared_dir, str) or not self.shared_dir:
+            raise ConfigError(f"engine.shared_dir must name a memory-backed directory, got {self.shared_dir!r}")
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,10 @@ from torch import Tensor
 from megatrain_optim import BackgroundStepper, Sharing
 from megatrain_store import HostStore, SharedArenas
 
-from .config import ConfigError
+from .config import ConfigError, EngineSection
 
 # torch 2.13 renamed reduce_scatter_tensor (the old name warns on every rank); the GPU machines' 2.11 has the old only
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-# How long a rank waits for another rank of its host to finish updating a layer before it
-# concludes that rank is gone (an update takes well under a second per layer).
-WAIT_LIMIT_S = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", 600))
 
 
 class RankError(RuntimeError):
@@ -61,6 +57,7 @@ class Ranks:
     split_state: bool = False  # the hosts split the state (engine.shard_across_hosts)
     exchange_group: object = None  # split state: cross_group on gloo, for the exchange thread's weights
     host_mains_group: object = None  # split state: every host's first rank on gloo, to gather whole groups
+    wait_s: float = 600.0  # how long a rank waits for another before it concludes that one is gone (rank_wait_s)
 
     @property
     def node(self) -> int:
@@ -123,22 +120,22 @@ def leave_ranks() -> None:
         dist.destroy_process_group()
 
 
-def init_ranks(device_type: str, split_state: bool = False) -> Ranks | None:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on the CPU); None when alone.
-    `split_state`: the hosts split the training state (see the module's note)."""
+def init_ranks(device_type: str, engine: EngineSection) -> Ranks | None:
+    """Set this process's CPU threads (engine.cpu_threads) and join the process group torchrun describes (NCCL on
+    CUDA, gloo on the CPU); None when alone. engine.shard_across_hosts: the hosts split the training state (see the
+    module's note); engine.rank_wait_s (MEGATRAIN_RANK_WAIT_S overrides it, as every rank's launch sets it): how long
+    a rank waits for another."""
     local_world, hosts = launch_shape()
     world = local_world * hosts
+    set_cpu_threads(engine.cpu_threads, local_world if world > 1 else None)
     if world == 1:
         return None
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     rank = dist.get_rank()
     ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
-    ranks.split_state = split_state and hosts > 1
-    # torchrun sets OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core:
-    # the host's cores are split among its ranks instead (MEGATRAIN_CPU_THREADS overrides)
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(int(os.environ.get("MEGATRAIN_CPU_THREADS", max(1, cores // local_world))))
+    ranks.split_state = engine.shard_across_hosts and hosts > 1
+    ranks.wait_s = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", engine.rank_wait_s))
     # every process creates every group, in the same order (torch.distributed's rule)
     for node in range(ranks.n_nodes):
         group = dist.new_group(list(range(node * local_world, (node + 1) * local_world)))
@@ -151,14 +148,24 @@ def init_ranks(device_type: str, split_state: bool = False) -> Ranks | None:
     if ranks.split_state:
         # host tensors, on gloo; the exchange runs on a thread of its own, beside the main thread's
         # collectives, so it has process groups of its own
-        # (a host that stops sending is noticed after WAIT_LIMIT_S, as a local rank that stops updating)
-        limit = timedelta(seconds=WAIT_LIMIT_S)
+        # (a host that stops sending is noticed after wait_s, as a local rank that stops updating)
+        limit = timedelta(seconds=ranks.wait_s)
         for local in range(local_world):
             group = dist.new_group(list(range(local, world, local_world)), backend="gloo", timeout=limit)
             if local == ranks.local_rank:
                 ranks.exchange_group = group
         ranks.host_mains_group = dist.new_group(list(range(0, world, local_world)), backend="gloo")
     return ranks
+
+
+def set_cpu_threads(cpu_threads: int | str, local_world: int | None) -> None:
+    """torch's CPU threads for this process: `cpu_threads` where a number; "auto": torch's default for a process
+    alone (`local_world` None), else the host's cores split among its `local_world` processes (torchrun sets
+    OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core)."""
+    if cpu_threads != "auto":
+        torch.set_num_threads(cpu_threads)
+    elif local_world is not None:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
 
 
 def check_data_parallel(config, ranks: Ranks) -> None:
@@ -173,11 +180,12 @@ def check_data_parallel(config, ranks: Ranks) -> None:
         )
 
 
-def shared_arenas(ranks: Ranks) -> SharedArenas:
-    """This host's shared arenas, in a directory every rank of the host agrees on."""
+def shared_arenas(ranks: Ranks, shared_dir: str) -> SharedArenas:
+    """This host's shared arenas, in a directory every rank of the host agrees on, under `shared_dir`
+    (engine.shared_dir; MEGATRAIN_SHARED_DIR overrides it, for a host whose memory-backed directory is elsewhere)."""
     token = [uuid.uuid4().hex[:12] if ranks.is_main else None]
     dist.broadcast_object_list(token, src=0)
-    root = Path(os.environ.get("MEGATRAIN_SHARED_DIR", "/dev/shm"))
+    root = Path(os.environ.get("MEGATRAIN_SHARED_DIR", shared_dir))
     return SharedArenas(root / f"megatrain-{token[0]}-node{ranks.node}")
 
 
@@ -242,7 +250,7 @@ class RankSync:
         except (RuntimeError, dist.DistError) as error:
             self._exchange_failed = (
                 f"rank {ranks.rank} (host {ranks.node}) did not receive the other hosts' updated weights of group "
-                f"{group} within {WAIT_LIMIT_S:.0f} s: a host died or hung (see its log; {str(error).splitlines()[0]}). "
+                f"{group} within {ranks.wait_s:.0f} s: a host died or hung (see its log; {str(error).splitlines()[0]}). "
                 "The last complete checkpoint is intact; resume from it with --resume, on the same or another number "
                 "of hosts."
             )
@@ -287,15 +295,15 @@ class RankSync:
 
     def wait_applied(self, groups, steps: int) -> None:
         """Block until every rank of this host has applied `steps` optimizer steps to `groups`;
-        a rank that has not done so in WAIT_LIMIT_S has died or hung, and this one stops too."""
+        a rank that has not done so in `Ranks.wait_s` has died or hung, and this one stops too."""
         for group in groups:
             start = time.monotonic()
             while not self.applied((group,), steps):
-                if time.monotonic() - start > WAIT_LIMIT_S:
+                if time.monotonic() - start > self.ranks.wait_s:
                     behind = [r for r, done in enumerate(self.flags[group].tolist()) if done < steps]
                     raise RankError(
                         f"rank(s) {behind} of host {self.ranks.node} have not updated group {group} for step {steps} in "
-                        f"{WAIT_LIMIT_S:.0f} s: a process died or hung (see its log). The last complete checkpoint "
+                        f"{self.ranks.wait_s:.0f} s: a process died or hung (see its log). The last complete checkpoint "
                         "is intact; resume from it with --resume, on the same or another number of GPUs."
                     )
                 time.sleep(1e-4)

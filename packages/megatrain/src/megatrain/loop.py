@@ -277,7 +277,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
     if config.model.hf_dir is not None:
         checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
     check_trackers(config)
-    ranks = init_ranks(resolve_device(config.device).type, config.engine.shard_across_hosts)
+    ranks = init_ranks(resolve_device(config.device).type, config.engine)
     lock = RunLock(out) if ranks is None or ranks.is_main else None
     made_out = not out.exists()  # (a run refused before it starts takes back the directory it made)
     try:

@@ -31,7 +31,7 @@ from megatrain_optim import (
 )
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
-from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences
+from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences, set_compile
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -102,6 +102,7 @@ class Trainer:
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
         check_model_settings(config, self.model_config)
+        set_compile(config.engine.compile)  # before planning, whose rate measurement runs the templates
         self._plan_placement()
         self._join_ranks(ranks)
         self._fill_store()
@@ -148,7 +149,7 @@ class Trainer:
     def _join_ranks(self, ranks: Ranks | None) -> None:
         """The process group, where the caller has not joined it already (to read the data first), and this
         rank's GPU."""
-        self.ranks = ranks or init_ranks(self.device.type, self.config.engine.shard_across_hosts)
+        self.ranks = ranks or init_ranks(self.device.type, self.config.engine)
         if self.ranks is not None:
             check_data_parallel(self.config, self.ranks)
             if self.device.type == "cuda":
@@ -194,7 +195,7 @@ class Trainer:
             wire_copy=self.config.engine.wire_copy,
             reference_copy=self.plan.reference_copy,
             frozen=self.planner.frozen if training else frozenset(),
-            shared=None if self.ranks is None else shared_arenas(self.ranks),
+            shared=None if self.ranks is None else shared_arenas(self.ranks, self.config.engine.shared_dir),
             **self._shards(),
         )
 
@@ -722,7 +723,7 @@ class Trainer:
     def close(self, abandon: bool = False) -> None:
         """Finish the queued optimizer updates, stop their worker and leave the ranks. `abandon` (a run that
         failed): drop the updates instead of waiting for them, since they may wait on a rank that died or hung,
-        for MEGATRAIN_RANK_WAIT_S again after the wait that failed."""
+        for engine.rank_wait_s again after the wait that failed."""
         if not abandon:
             self.finish_updates()
         if self.updates is not None:

@@ -43,7 +43,7 @@ class SharedArenas:
             raise StoreError(
                 f"shared host memory: arena {name!r} needs {nbytes / 2**30:.1f} GiB in {self.directory} but it has "
                 f"{free / 2**30:.1f} GiB free; enlarge it (mount -o remount,size=... /dev/shm) or set "
-                "MEGATRAIN_SHARED_DIR to a larger memory-backed directory"
+                "engine.shared_dir (or MEGATRAIN_SHARED_DIR) to a larger memory-backed directory"
             )
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

@@ -35,7 +35,18 @@ from .objectives import (
     dpo_losses,
     group_advantages,
 )
-from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
+from .ops import (
+    IGNORE_INDEX,
+    RopeConfig,
+    apply_rope,
+    compiling,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    set_compile,
+    upcast,
+    yarn_mscale,
+)
 
 __all__ = [
     "DPO",
@@ -70,6 +81,7 @@ __all__ = [
     "apply_rope",
     "attention_params",
     "causal_attention",
+    "compiling",
     "chunked_gated_delta_rule",
     "chunked_ssd",
     "block_params",
@@ -83,6 +95,7 @@ __all__ = [
     "row_slice_of",
     "rope_cos_sin",
     "rope_inv_freq",
+    "set_compile",
     "split_precision",
     "split_precision_names",
     "split_precision_of",

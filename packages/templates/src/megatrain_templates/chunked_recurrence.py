@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import delta_kernels
-from .ops import COMPILE, compile_once
+from .ops import compile_once, compiling
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ _COMPILED: dict = {}
 
 def _run(fn, fast: bool, *args):
     """fn(*args), compiled (once per function, on first use) where `fast`."""
-    if not (fast and COMPILE):
+    if not (fast and compiling()):
         return fn(*args)
     if fn not in _COMPILED:
         _COMPILED[fn] = compile_once(fn)

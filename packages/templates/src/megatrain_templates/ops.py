@@ -1,7 +1,6 @@
 """The numerical building blocks shared by the templates, written to match Hugging Face Llama/Qwen."""
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,10 +20,22 @@ def upcast(x: Tensor) -> Tensor:
 
 # Elementwise work between the GEMMs (norms, rotary embedding, the experts' activation) is
 # compiled by Inductor on CUDA into one kernel each way instead of five to ten; eager elsewhere,
-# and everywhere with MEGATRAIN_COMPILE=0. Not fullgraph: past torch's recompile limit a shape
-# falls back to eager instead of failing.
-COMPILE = os.environ.get("MEGATRAIN_COMPILE", "1") != "0"
+# and everywhere after `set_compile(False)` (engine.compile). Not fullgraph: past torch's recompile
+# limit a shape falls back to eager instead of failing.
+_compile = True
 RECOMPILE_LIMIT = 32
+
+
+def set_compile(enabled: bool) -> None:
+    """Whether the templates compile their elementwise work on CUDA (the default) or run it eagerly, for every
+    template of this process from the next call on; a run sets it from engine.compile."""
+    global _compile
+    _compile = enabled
+
+
+def compiling() -> bool:
+    """Whether the templates compile their elementwise work on CUDA (`set_compile`)."""
+    return _compile
 
 
 def compile_once(fn: Callable) -> Callable:
@@ -48,7 +59,7 @@ def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
 
     def run(x: Tensor, *args):
         nonlocal compiled
-        if not (COMPILE and x.is_cuda):
+        if not (_compile and x.is_cuda):
             return (eager or fn)(x, *args)
         if compiled is None:
             compiled = compile_once(fn)
