@@ -42,8 +42,9 @@ class MoeShape:
     d_ff: int  # each expert's intermediate size
     shared_d_ff: int = 0  # shared expert's intermediate size; 0: none
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
-    # a key of EXPERT_NAMING, or of FUSED_EXPERTS: "gpt_oss" (gate and up interleaved, biases on the router
-    # and the experts, the clamped SwiGLU below) or "llama4" (the routing weight scales each expert's input)
+    # a key of EXPERT_NAMING, or of FUSED_EXPERTS: "gpt_oss" (gate and up interleaved, biases on the router and
+    # the experts, the clamped SwiGLU of `grouped_experts`) or "llama4" (the routing weight scales each expert's
+    # input)
     naming: str = "qwen"
     swiglu_limit: float = 7.0  # gpt_oss: gate clamped to <= limit, up to [-limit, limit]
     swiglu_alpha: float = 1.702  # gpt_oss: gate * sigmoid(alpha * gate) * (up + 1)
