@@ -92,7 +92,7 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(write_config, tmp_path
 
 
 def test_a_failed_run_drops_its_queued_updates_and_a_finished_one_applies_them(write_config, tmp_path, monkeypatch):
-    """Waiting for a failed run's updates could wait on a rank that died or hung, for MEGATRAIN_RANK_WAIT_S once more
+    """Waiting for a failed run's updates could wait on a rank that died or hung, for engine.rank_wait_s once more
     after the wait that failed (and then report that); a finished run's are applied before it closes."""
     closes, waits_after_failure, failed = [], [], []
     close, finish, step = Trainer.close, Trainer.finish_updates, Trainer.train_step
