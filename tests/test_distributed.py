@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from megatrain import host_memory
-from megatrain.data import train_tokenizer
+from megatrain_data import train_tokenizer
 
 CONFIG = {
     "model": {"preset": "tiny-qwen2"},

@@ -124,8 +124,6 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
 def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
     """tokenizer_config.json: the source's, naming a tokenizer class and the EOS where it does not (a tokenizer
     megatrain trained ends documents with <|endoftext|>), with the chat template trained with."""
-    from .data import eos_token_text
-
     settings = _json(source / "tokenizer_config.json")
     settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     eos = eos_token_text(tokenizer, _first(serving.eos_token_id))

@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 import torch
 import yaml
 
-from megatrain_data import DataSection, not_utf8_where
+from megatrain_data import DataError, DataSection, not_utf8_where
 from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config
 
 
@@ -460,6 +460,8 @@ def _build(cls, values: dict, where: str):
         return cls(**kwargs)
     except TypeError as error:
         raise ConfigError(f"{where or 'config'}: {error}") from error
+    except DataError as error:  # (the data section checks itself, as data; in a config it is the config's error)
+        raise ConfigError(str(error)) from error
 
 
 def _coerce(value: Any, hint, name: str):
