@@ -159,8 +159,8 @@ def _dataset_token_data(
 def _record_rows(
     data: DataSection, tokenizer, tokenizer_path: Path, eos: str, cache_dir: Path, seed: int, model_dir: Path | None
 ) -> RecordData:
-    """The rows of supervised or text records (records.py, cached under `cache_dir`); records with images or
-    videos go through the processor of `model_dir` instead (multimodal.py), uncached."""
+    """The rows of supervised or text records (`records_to_rows`, cached under `cache_dir`); records with images or
+    videos go through the processor of `model_dir` instead (`media_rows`), uncached."""
     read = read_sources(data, tokenizer_path, eos)
     if any(media_columns(source, records) for source, records in zip(read.sources, read.records)):
         pad = pad_token_id(tokenizer, eos)

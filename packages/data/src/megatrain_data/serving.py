@@ -43,8 +43,9 @@ class Serving:
 
 
 def serving_of_run(config, model, run_dir: Path, tokenizer: Path | None = None) -> Serving:
-    """The serving files of a run (its `Config` and `ModelConfig`, in `run_dir`): the data's tokenizer (`tokenizer`
-    where the caller read the data, else as `data.run_tokenizer` finds it: data.tokenizer, the model directory's,
+    """The serving files of a run (its config, read for data, model.hf_dir and train.objective, and its model's
+    vocab_size and eos_token_id, in `run_dir`): the data's tokenizer (`tokenizer` where the caller read the data, else
+    as `run_tokenizer` finds it: data.tokenizer, the model directory's,
     the one megatrain trained on the run's text) and the chat template its conversations were rendered with."""
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
     if tokenizer is None:
