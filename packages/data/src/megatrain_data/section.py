@@ -11,6 +11,9 @@ DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt"
 
 @dataclass(frozen=True)
 class DataSection:
+    """Where a run's data is (one of tokens, text or dataset; none: the built-in corpus) and how it becomes rows of
+    seq_len tokens."""
+
     tokens: str | None = None  # a .npy array of token ids
     text: str | None = None  # a UTF-8 text file, tokenized with `tokenizer` or a tokenizer trained on it
     # records: .jsonl/.json/.parquet files, `datasets` save_to_disk directories, hub dataset names, or
