@@ -6,7 +6,18 @@ import os
 
 import nox
 
-nox.options.sessions = ["store", "optim", "sched", "templates", "zoo", "megatrain", "integration", "examples", "lint"]
+nox.options.sessions = [
+    "store",
+    "optim",
+    "sched",
+    "templates",
+    "zoo",
+    "data",
+    "megatrain",
+    "integration",
+    "examples",
+    "lint",
+]
 nox.options.default_venv_backend = "virtualenv"
 
 # torch==2.13.0 is the CPU wheel on the project machines; set MEGATRAIN_TORCH to choose another.
@@ -17,7 +28,8 @@ DEPENDS = {
     "optim": ["store"],
     "sched": ["store"],
     "zoo": ["templates"],
-    "megatrain": ["store", "optim", "sched", "templates", "zoo"],
+    "data": ["store"],
+    "megatrain": ["store", "optim", "sched", "templates", "zoo", "data"],
 }
 
 
@@ -67,7 +79,7 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def examples(session: nox.Session) -> None:
-    """The custom trainer of examples/, composed from the five packages without `megatrain`, against plain PyTorch."""
+    """The custom trainer of examples/, composed from the packages without `megatrain`, against plain PyTorch."""
     install(session, *DEPENDS["megatrain"])
     session.run("pytest", "-q", "examples", *session.posargs)
 

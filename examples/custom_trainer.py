@@ -1,14 +1,19 @@
 """A custom trainer composed from megatrain's pieces, without the `megatrain` package: a model from the zoo, its
 state in a host store, AdamW applied as gradients land, and the layer-streaming pipeline running a placement you
 write yourself (here the last block keeps its matmul products, the first holds its weights from forward to
-backward). `examples/test_custom_trainer.py` checks its steps against plain PyTorch and torch.optim.AdamW.
+backward); its batches are token windows of the data package. `examples/test_custom_trainer.py` checks its steps
+against plain PyTorch and torch.optim.AdamW.
 
-    pip install torch ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo
+    pip install torch ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo \
+        ./packages/data
     python examples/custom_trainer.py
 """
 
+from pathlib import Path
+
 import torch
 
+from megatrain_data import DataSection, TokenWindows, load_token_data
 from megatrain_optim import STATE_NAMES, AdamWConfig, HostAdamW, HostUpdates, UpdatesAsGradientsLand
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, Stage
 from megatrain_store import GroupLayout, HostStore
@@ -70,7 +75,10 @@ class CustomTrainer:
 
 if __name__ == "__main__":
     trainer = CustomTrainer("tiny-llama", AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
-    tokens = torch.randint(0, trainer.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    # the built-in corpus, with a tokenizer trained on it to fit the tiny vocabulary (cached in .cache/)
+    data = load_token_data(DataSection(seq_len=32), trainer.model.vocab_size, Path(".cache"), model_dir=None)
+    windows = TokenWindows(data.train, seq_len=32, batch_size=4, shuffle=True, seed=0)
     for step in range(5):
-        print(f"step {step}: loss {trainer.train_step(tokens[:, :-1], tokens[:, 1:], lr=1e-3):.4f}")
+        batch = windows.batch(step)
+        print(f"step {step}: loss {trainer.train_step(batch.input_ids, batch.labels, lr=1e-3):.4f}")
     trainer.close()

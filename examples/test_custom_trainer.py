@@ -1,10 +1,11 @@
 """The custom trainer of custom_trainer.py against plain PyTorch: the same model as an nn.Module, autograd and
 torch.optim.AdamW, from the same weights on the same fresh random batches (run by `nox -s examples`, with the
-five packages installed and not `megatrain`)."""
+six packages installed and not `megatrain`)."""
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from custom_trainer import CustomTrainer  # noqa: E402
 from reference_model import ReferenceLM  # noqa: E402
 
+from megatrain_data import TokenWindows  # noqa: E402
 from megatrain_optim import AdamWConfig  # noqa: E402
 
 
@@ -30,9 +32,11 @@ def test_custom_trainer_steps_equal_plain_pytorch(preset_name):
         betas=adamw.betas,
         eps=adamw.eps,
     )
-    for _ in range(3):
-        tokens = torch.randint(0, trainer.model.vocab_size, (6, 13))
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
+    tokens = np.random.default_rng(int(torch.randint(0, 2**31, ()))).integers(0, trainer.model.vocab_size, 6 * 13 * 3)
+    windows = TokenWindows(tokens, seq_len=13, batch_size=6, shuffle=True, seed=0)
+    for step in range(3):
+        batch = windows.batch(step)  # (the last position of each window has no label: -100)
+        ids, labels = batch.input_ids, batch.labels
         loss = trainer.train_step(ids, labels, lr=1e-2)
         optimizer.zero_grad()
         expected = reference.loss(ids, labels)

@@ -11,7 +11,8 @@ import transformers
 from transformers.activations import ACT2FN
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 
 # megatrain's rule: no weight decay on vectors

@@ -10,8 +10,8 @@ import torch
 from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
-from megatrain.data import TokenWindows, load_token_array
+from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection, TokenWindows, load_token_array
 from megatrain_optim import Schedule, lr_at
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain import host_memory
-from megatrain.data import train_tokenizer
+from megatrain_data import train_tokenizer
 
 CONFIG = {
     "model": {"preset": "tiny-qwen2"},

@@ -15,16 +15,8 @@ from reference_model import ReferenceLM, reference_adamw
 from test_exactness import CASES, rel_err
 
 from megatrain import Trainer
-from megatrain.config import (
-    Config,
-    ConfigError,
-    DataSection,
-    DPOSection,
-    ModelSection,
-    PrecisionSection,
-    TrainSection,
-)
-from megatrain.data import Batch, pack_pairs
+from megatrain.config import Config, ConfigError, DPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import Batch, DataSection, pack_pairs
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import SequenceObjective, Sequences
 from megatrain_zoo import config_to_hf, preset

@@ -15,7 +15,8 @@ import torch
 from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_optim import DeviceAdamW, EmbeddingRowsFirst, Schedule, lr_at
 from megatrain_templates import compiling, set_compile
 from megatrain_zoo import preset

@@ -17,7 +17,7 @@ import transformers
 from chat_templates import SPECIAL_TOKENS, TEMPLATES
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from megatrain.data import builtin_corpus
+from megatrain_data import builtin_corpus
 from megatrain_zoo import config_to_hf, preset
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|eot_id|>"]

@@ -15,19 +15,19 @@ from test_exactness import randomize_, rel_err
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megatrain import Trainer
-from megatrain.chat import ChatTemplate, encode_conversation
 from megatrain.cli import main
-from megatrain.config import (
-    Config,
-    ConfigError,
+from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import (
+    ChatTemplate,
+    DataError,
     DataSection,
-    EngineSection,
-    ModelSection,
-    PrecisionSection,
-    TrainSection,
+    Tokens,
+    TokenWindows,
+    builtin_corpus,
+    encode_conversation,
+    load_token_data,
 )
-from megatrain.data import Tokens, TokenWindows, builtin_corpus, load_token_data
-from megatrain.records import Examples, to_rows
+from megatrain_data.records import Examples, to_rows
 from megatrain_optim import Schedule, lr_at
 
 SPECIALS = [
@@ -170,11 +170,11 @@ def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
     section = DataSection(
         dataset=str(source), format="messages", seq_len=160, tokenizer=str(mistral_dir / "tokenizer.json")
     )
-    with pytest.raises(ConfigError, match=r"record 1 cannot be rendered.*Conversation roles must alternate"):
+    with pytest.raises(DataError, match=r"record 1 cannot be rendered.*Conversation roles must alternate"):
         load_token_data(section, 700, tmp_path / "cache2", None)
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for message in messages %}{{ message.content }")
-    with pytest.raises(ConfigError, match="does not parse"):
+    with pytest.raises(DataError, match="does not parse"):
         load_token_data(
             DataSection(dataset=str(source), format="messages", chat_template=str(broken), tokenizer=section.tokenizer),
             700,

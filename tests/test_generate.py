@@ -12,8 +12,9 @@ import transformers
 from test_exactness import rel_err
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
 from megatrain.generate import Generator, Sampling
+from megatrain_data import DataSection
 
 
 def trainer_of(model: ModelSection, tmp_path, device="cpu") -> Trainer:

@@ -14,15 +14,8 @@ from hf_steps import random_batch, reference_step, rel_err
 
 from megatrain import Trainer
 from megatrain.cli import main
-from megatrain.config import (
-    Config,
-    ConfigError,
-    DataSection,
-    EngineSection,
-    ModelSection,
-    PrecisionSection,
-    TrainSection,
-)
+from megatrain.config import Config, ConfigError, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_zoo import GenericError, ZooError, model_config_from_hf
 
 COMMON = dict(

@@ -225,7 +225,8 @@ def test_gpu_the_planned_placement_runs_as_planned(tokens, tmp_path):
     planned. A small step makes layers resident and holds weights; a large one (Qwen2.5-1.5B at 128k tokens: not
     every layer's products fit in one sweep) runs in sweeps, each keeping more products than the whole step could,
     the embedding's gradient carried on the GPU from sweep to sweep."""
-    from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+    from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
+    from megatrain_data import DataSection
 
     config = Config(
         model=ModelSection(preset="qwen2.5-1.5b"),

@@ -15,7 +15,8 @@ from test_dpo import plain_model
 from test_exactness import CASES, rel_err
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, GRPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, GRPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import Rollout, group_advantages
 

@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from megatrain.cli import main
-from megatrain.data import train_tokenizer
+from megatrain_data import train_tokenizer
 
 REWARD = """
 def digit_then_sum(prompts, completions, answer, **_):

@@ -8,7 +8,8 @@ import torch
 import transformers  # installed by the integration nox session
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_zoo import config_to_hf, preset
 
 

@@ -16,7 +16,8 @@ from hf_steps import hf_labels, recurrences_token_by_token, rel_err, reload_expo
 from test_generic import adamw_decaying_matrices
 
 from megatrain import Trainer
-from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import Media
 

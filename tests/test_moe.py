@@ -24,15 +24,8 @@ from hf_steps import (
 from safetensors.torch import save_file
 
 from megatrain import Trainer
-from megatrain.config import (
-    Config,
-    ConfigError,
-    DataSection,
-    EngineSection,
-    ModelSection,
-    PrecisionSection,
-    TrainSection,
-)
+from megatrain.config import Config, ConfigError, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain_data import DataSection
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
 

@@ -19,9 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers.processing_utils import ProcessorMixin
 
 from megatrain.cli import main
-from megatrain.config import ConfigError, DataSection
-from megatrain.data import load_token_data
-from megatrain.multimodal import MediaRows, MultimodalRows, check_media_model
+from megatrain_data import DataError, DataSection, load_token_data
+from megatrain_data.multimodal import MediaRows, MultimodalRows, check_media_model
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
 SPECIAL_TOKENS += ["<|image_pad|>", "<|video_pad|>"]
@@ -297,7 +296,7 @@ def test_images_for_a_text_model_or_packed_rows_are_refused(model_dir, tmp_path,
 def test_images_for_the_text_model_of_an_image_text_model_are_refused(model_dir):
     rows = MediaRows(None, [], str(model_dir), {}, "dataset 'mllm': record 4")
     text_model = SimpleNamespace(image_text=False, arch="Qwen2_5_VLForConditionalGeneration")
-    with pytest.raises(ConfigError, match="record 4 has images .* set model.image_text: true"):
+    with pytest.raises(DataError, match="record 4 has images .* set model.image_text: true"):
         check_media_model(rows, text_model, str(model_dir))
 
 
@@ -305,9 +304,9 @@ def test_images_without_the_models_processor_are_refused(model_dir, tmp_path):
     write_dataset(tmp_path, demo_records(tmp_path, n=3))
     tokenizer = tmp_path / "tokenizer.json"
     Tokenizer(models.BPE()).save(str(tokenizer))
-    with pytest.raises(ConfigError, match="set model.hf_dir"):
+    with pytest.raises(DataError, match="set model.hf_dir"):
         load_token_data(data_section(tmp_path, tokenizer=str(tokenizer)), VOCAB, tmp_path / "cache", None)
     text_model = text_model_dir(model_dir, tmp_path / "text_model")
     (text_model / "processor_config.json").unlink()  # (AutoProcessor gives it its tokenizer alone)
-    with pytest.raises(ConfigError, match="has no (image )?processor"):
+    with pytest.raises(DataError, match="has no (image )?processor"):
         load_token_data(data_section(tmp_path), VOCAB, tmp_path / "cache", text_model, TURN_END)

@@ -11,8 +11,7 @@ from chat_templates import TEMPLATES
 from test_finetune import hf_ids, hf_tokenizer, tokenizer_dir, write_jsonl, write_model_tokenizer  # noqa: F401
 from tokenizers import Tokenizer, processors
 
-from megatrain.config import DataSection, DPOSection
-from megatrain.data import load_token_data
+from megatrain_data import DataSection, load_token_data
 
 USER = {"role": "user", "content": "What is 2 + 2?"}
 RECORDS = [
@@ -70,7 +69,7 @@ def test_conversational_pairs_equal_apply_chat_template(name, tmp_path, tokenize
         tokenizer=str(model_dir / "tokenizer.json"),
         seq_len=256,
     )
-    data = load_token_data(section, 700, tmp_path / "cache", None, dpo=DPOSection(max_prompt_length=200))
+    data = load_token_data(section, 700, tmp_path / "cache", None, max_prompt_length=200)
     assert data.pairs and data.report[0] == f"chat template: {model_dir / 'tokenizer_config.json'}"
     hf = hf_tokenizer(tokenizer_dir, name, TEMPLATES[name])
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -99,7 +98,7 @@ def test_tools_reach_the_template(tmp_path, tokenizer_dir):  # noqa: F811
         tokenizer=str(model_dir / "tokenizer.json"),
         seq_len=512,
     )
-    data = load_token_data(section, 700, tmp_path / "cache", None, dpo=DPOSection(max_prompt_length=400))
+    data = load_token_data(section, 700, tmp_path / "cache", None, max_prompt_length=400)
     hf = hf_tokenizer(tokenizer_dir, "qwen2.5", TEMPLATES["qwen2.5"])
     expected = hf_ids(hf, record["prompt"] + record["chosen"], tools=tools)
     assert np.asarray(data.train.tokens[0])[: len(expected)].tolist() == expected

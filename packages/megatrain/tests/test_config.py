@@ -166,3 +166,8 @@ def test_reward_funcs_in_one_override_keep_a_regex_whole():
     assert given.train.grpo.reward_funcs == ("exact_match", "my_format:score", "format:^a{1,3} $")
     listed = load_config(None, ['train.grpo.reward_funcs=["format:^ ", "format:x,y"]'])
     assert listed.train.grpo.reward_funcs == ("format:^ ", "format:x,y")
+
+
+def test_eval_every_without_validation_data_is_refused_in_the_config():
+    with pytest.raises(ConfigError, match="train.eval_every needs held-out data"):
+        load_config(None, ["train.eval_every=10"])

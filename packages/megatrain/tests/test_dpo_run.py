@@ -14,8 +14,8 @@ import yaml
 
 from megatrain.cli import main
 from megatrain.config import load_config
-from megatrain.data import PairWindows, builtin_corpus, load_token_data, train_tokenizer
 from megatrain.trainer import Trainer
+from megatrain_data import PairWindows, builtin_corpus, load_token_data, train_tokenizer
 
 SUBJECTS = ["The sky", "Water", "The sun", "Snow", "Grass", "The sea", "Fire", "Ice", "A lemon", "Coal"]
 GOOD = ["is blue.", "is wet.", "is hot.", "is cold.", "is green.", "is salty.", "is bright.", "is hard.", "is sour."]
@@ -95,7 +95,7 @@ def test_a_dpo_run_logs_trls_metrics_caches_its_reference_and_resumes_exactly(dp
     (cached,) = [np.load(p) for p in (run / "cache").glob("reference-*.npy") if len(np.load(p)) == 36]
     config = load_config(path)
     fresh = Trainer(config, training=False)
-    data = load_token_data(config.data, 256, run / "cache", None, dpo=config.train.dpo)
+    data = load_token_data(config.data, 256, run / "cache", None, max_prompt_length=config.train.dpo.max_prompt_length)
     batch = PairWindows(data.train, 1, shuffle=False, seed=0).pair_rows(list(range(18)))
     assert np.allclose(fresh.sequence_logps(batch.input_ids, batch.labels).logps.numpy(), cached, rtol=1e-12)
     fresh.close()

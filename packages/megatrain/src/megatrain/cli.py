@@ -21,6 +21,7 @@ class _Parser(argparse.ArgumentParser):
 def _error_types() -> dict:
     """Exception type -> (exit code, what the line calls it), for the errors that end in one line (imports torch
     and the engine)."""
+    from megatrain_data import DataError
     from megatrain_optim import OptimError
     from megatrain_sched import SchedError
     from megatrain_store import StoreError
@@ -33,10 +34,9 @@ def _error_types() -> dict:
     from .trainer import NonFiniteError
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
-    # (a model that cannot be read, a preset misspelled, is the user's input, as the config is)
-    return {ConfigError: (2, "config error"), ZooError: (2, "model error"), RewardError: (1, "reward error")} | {
-        kind: (1, kind.__name__) for kind in others
-    }
+    # (data that cannot be read, a model that cannot be read, a preset misspelled: the user's input, as the config is)
+    user_input = {ConfigError: (2, "config error"), DataError: (2, "data error"), ZooError: (2, "model error")}
+    return user_input | {RewardError: (1, "reward error")} | {kind: (1, kind.__name__) for kind in others}
 
 
 OS_ERROR_HINTS = {
@@ -187,8 +187,9 @@ def dump_prompts(config, args) -> None:
     reward columns."""
     import json
 
+    from megatrain_data import eos_token_text
+
     from .config import model_config_of
-    from .data import eos_token_text
     from .rollouts import load_prompts, tokenizer_of
 
     tokenizer, path = tokenizer_of(config)
@@ -206,9 +207,10 @@ def dump_prompts(config, args) -> None:
 def run_data(config, args) -> None:
     import json
 
+    from megatrain_data import PairWindows, load_token_data, load_tokenizer
+    from megatrain_data.multimodal import MediaRows, row_windows
+
     from .config import ConfigError, model_config_of
-    from .data import PairWindows, load_token_data, load_tokenizer
-    from .multimodal import MediaRows, row_windows
 
     if config.train.objective == "grpo":
         return dump_prompts(config, args)
@@ -220,7 +222,7 @@ def run_data(config, args) -> None:
         Path(config.model.hf_dir) if config.model.hf_dir else None,
         model.eos_token_id,
         config.train.seed,
-        config.train.dpo,
+        config.train.dpo.max_prompt_length,
     )
     for line in data.report:
         print(f"megatrain: {line}", file=sys.stderr)
@@ -294,11 +296,12 @@ def run_train(args) -> None:
 
 def run_convert(args) -> None:
     """`megatrain convert SOURCE DIR`: a model directory served as trained; says what it wrote."""
+    from megatrain_data.serving import describe_export
+
     from .checkpoint import find_weights
     from .config import ConfigError
     from .hf_io import convert, is_hf_directory
     from .rundir import SaveError
-    from .serving import describe_export
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -322,11 +325,11 @@ def _serving_of_weights(weights: Path):
     a run's final/ holds its run's)."""
     import json
 
+    from megatrain_data.serving import kept_in_run, serving_of_run
     from megatrain_zoo import ModelConfig
 
     from .checkpoint import MANIFEST, run_config
     from .config import load_config
-    from .serving import kept_in_run, serving_of_run
 
     if not (weights / MANIFEST).exists():
         return None
@@ -339,8 +342,9 @@ def _serving_of_weights(weights: Path):
 def run_eval(config, args) -> None:
     import json
 
+    from megatrain_data.multimodal import row_windows
+
     from .loop import evaluate, load_data
-    from .multimodal import row_windows
 
     if config.train.objective == "dpo":
         return run_pair_eval(config, args)
@@ -412,7 +416,8 @@ def run_generate(config, args) -> None:
     """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
     import json
 
-    from .data import eos_token_text, load_tokenizer
+    from megatrain_data import eos_token_text, load_tokenizer
+
     from .generate import Sampling, generate_completions, read_prompts
     from .rollouts import stop_ids
 
@@ -435,9 +440,10 @@ def run_generate(config, args) -> None:
 def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
     """The tokenizer.json beside `weights`, else data.tokenizer, else (weights of a run: a checkpoint or its final/)
     the one its run read text with (`data.run_tokenizer`)."""
+    from megatrain_data import run_tokenizer
+
     from .checkpoint import FINAL, MANIFEST
     from .config import ConfigError
-    from .data import run_tokenizer
 
     if (weights / "tokenizer.json").exists():
         return weights / "tokenizer.json"

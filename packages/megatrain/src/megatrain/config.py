@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 import torch
 import yaml
 
+from megatrain_data import DataError, DataSection, not_utf8_where
 from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config
 
 
@@ -55,74 +56,11 @@ class ModelSection:
             raise ConfigError(f"model.image_text must be auto, true or false, got {self.image_text!r}")
 
 
-DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
 OBJECTIVES = ("sft", "dpo", "grpo")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
-
-
-@dataclass(frozen=True)
-class DataSection:
-    tokens: str | None = None  # a .npy array of token ids
-    text: str | None = None  # a UTF-8 text file, tokenized with `tokenizer` or a tokenizer trained on it
-    # records: .jsonl/.json/.parquet files, `datasets` save_to_disk directories, hub dataset names, or
-    # names in dataset_dir/dataset_info.json; several comma-separated (or a YAML list) are mixed
-    dataset: str | None = None
-    dataset_dir: str | None = None  # a LLaMA-Factory-style folder with dataset_info.json
-    mix_weights: tuple[float, ...] | None = None  # one per dataset: its share of the examples
-    # text: pre-training on `text_field`; alpaca / sharegpt / messages: fine-tuning, loss on assistant turns;
-    # preference: TRL's prompt / chosen / rejected pairs, as strings or conversations (train.objective: dpo);
-    # prompt: TRL's prompt-only records, other columns going to the reward functions (train.objective: grpo)
-    format: str = "text"
-    text_field: str = "text"
-    tokenizer: str | None = None  # tokenizer.json; default: the model directory's, else trained on the text
-    chat_template: str | None = None  # None: the tokenizer's own; "simple"; or a .jinja file
-    train_on_prompt: bool = False  # also train on system/user turns and the template's text
-    seq_len: int = 256
-    too_long: str = "truncate"  # an example longer than seq_len: truncate | drop (counted and reported)
-    pack: bool = False  # several whole examples per row, each attending only to itself
-    shuffle: bool = True
-    # held-out data for validation loss: a fraction of the examples (0.05), a file, or a split name
-    validation: float | str | None = None
-
-    def as_key(self) -> dict:
-        """The settings that change tokenized data (cache keys)."""
-        return asdict(self)
-
-    def __post_init__(self):
-        if sum(x is not None for x in (self.tokens, self.text, self.dataset)) > 1:
-            raise ConfigError("set only one of data.tokens (.npy token ids), data.text (a text file) or data.dataset")
-        if self.format not in DATA_FORMATS:
-            raise ConfigError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
-        if self.format != "text" and self.dataset is None:
-            raise ConfigError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
-        if self.dataset_dir is not None and self.dataset is None:
-            raise ConfigError("data.dataset_dir is set: name the dataset_info.json entries to train on in data.dataset")
-        if self.too_long not in ("truncate", "drop"):
-            raise ConfigError(f"data.too_long must be truncate or drop, got {self.too_long!r}")
-        if self.pack and self.dataset is None:
-            raise ConfigError(
-                "data.pack packs fine-tuning examples: set data.dataset (text streams are already packed)"
-            )
-        if isinstance(self.validation, float) and not 0 < self.validation < 1:
-            raise ConfigError(f"data.validation as a fraction must be in (0, 1), got {self.validation}")
-        if self.mix_weights is not None and any(w <= 0 for w in self.mix_weights):
-            raise ConfigError(f"data.mix_weights must be positive, got {list(self.mix_weights)}")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
-        if self.format == "preference":
-            self.check_pair_settings()
-
-    def check_pair_settings(self) -> None:
-        """Refuse the settings preference pairs cannot take (data.format preference here; ranking registry
-        entries when they are read)."""
-        if self.train_on_prompt:
-            raise ConfigError(
-                "data.train_on_prompt applies to supervised examples; DPO trains the completions only: "
-                "set data.train_on_prompt: false"
-            )
 
 
 @dataclass(frozen=True)
@@ -542,6 +480,8 @@ def _build(cls, values: dict, where: str):
         return cls(**kwargs)
     except TypeError as error:
         raise ConfigError(f"{where or 'config'}: {error}") from error
+    except DataError as error:  # (the data section checks itself, as data; in a config it is the config's error)
+        raise ConfigError(str(error)) from error
 
 
 def _coerce(value: Any, hint, name: str):
@@ -684,8 +624,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         except IsADirectoryError:
             raise ConfigError(f"config file {path} is a directory; name the YAML file in it") from None
         except UnicodeDecodeError:
-            from .data import not_utf8_where
-
             raise ConfigError(f"config file {not_utf8_where(path)}; save it as UTF-8") from None
         except OSError as error:
             raise ConfigError(f"config file {path} cannot be read ({error}); name a readable YAML file") from error

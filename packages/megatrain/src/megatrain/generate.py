@@ -435,9 +435,8 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     """Completions (text) of `prompts` (text, or messages rendered with the chat template's generation prompt) from
     the trainer's weights, as many at a time as the KV cache's room allows (train.grpo.generation_weights: resident or
     streamed layers)."""
-    from .chat import load_chat_template
-    from .data import eos_token_text
-    from .records import pad_token_id
+    from megatrain_data import eos_token_text, load_chat_template, pad_token_id
+
     from .rollouts import render_prompt
 
     eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
+from megatrain_data.serving import SERVING_FILES, Serving, write_serving_files
 from megatrain_store import (
     HostStore,
     Pending,
@@ -18,12 +19,11 @@ from megatrain_store import (
     read_safetensors_header,
     write_safetensors,
 )
+from megatrain_store.progress import counting, progress
 from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
 from megatrain_zoo import GenericError, ModelSpec, ZooError, config_to_hf
 
-from .progress import counting, progress
 from .rundir import check_room
-from .serving import SERVING_FILES, Serving, write_serving_files
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
 # MXFP4 (OCP microscaling, gpt-oss' published experts): e2m1 values, two per byte (low nibble first),

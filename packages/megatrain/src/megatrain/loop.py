@@ -16,7 +16,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatrain_data import PairWindows, TokenData, TokenWindows, load_token_data
+from megatrain_data.multimodal import MediaRows, check_media_model, media_of, row_windows
+from megatrain_data.serving import describe_export, keep_in_run, serving_of_run
 from megatrain_store import atomic_write_text
+from megatrain_store.progress import progress, size_text
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 
@@ -35,16 +39,12 @@ from .checkpoint import (
     write_trainer_state,
 )
 from .config import Config, ConfigError, model_config_of, resolve_device
-from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
 from .hf_io import checkpoint_files
-from .multimodal import MediaRows, check_media_model, media_of, row_windows
-from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rewards import RewardError
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
-from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
-from .serving import describe_export, keep_in_run, serving_of_run
+from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer
 
@@ -235,7 +235,13 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
     def load():
         cache = out / "cache"
         return load_token_data(
-            config.data, model.vocab_size, cache, model_dir, model.eos_token_id, config.train.seed, config.train.dpo
+            config.data,
+            model.vocab_size,
+            cache,
+            model_dir,
+            model.eos_token_id,
+            config.train.seed,
+            config.train.dpo.max_prompt_length,
         )
 
     data = load() if ranks is None or ranks.is_main else None

@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatrain_data import Batch, load_chat_template
 from megatrain_store import atomic_write
 from megatrain_templates import Rollout, group_advantages
 
-from .chat import load_chat_template
 from .config import Config, ConfigError
-from .data import Batch
 from .rollouts import StepRollout, _Rollouts, order, render_prompt, rows_of
 
 

@@ -17,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatrain_data import Batch, load_chat_template, load_tokenizer, pad_token_id
+from megatrain_data.records import load_records, resolve_sources
 from megatrain_templates import Rollout, group_advantages
 
-from .chat import load_chat_template
 from .config import Config, ConfigError
-from .data import Batch, load_tokenizer
-from .records import load_records, pad_token_id, resolve_sources
 from .rewards import RewardError, Rewards, completion_text
 
 ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's rollout in use (several updates per rollout)
@@ -316,7 +315,7 @@ def check_grpo_settings(config: Config, ranks=None) -> None:
 
 def make_rollouts(trainer, config: Config):
     """The run's rollouts: generated from its prompts, or read from train.grpo.rollouts; said in one line."""
-    from .data import eos_token_text
+    from megatrain_data import eos_token_text
 
     tokenizer, path = tokenizer_of(config)
     eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatrain_store.progress import size_text
+
 from .config import ConfigError
 
 LOCK = ".megatrain.lock"
@@ -22,11 +24,6 @@ LOCK = ".megatrain.lock"
 class SaveError(RuntimeError):
     """A checkpoint or model could not be saved (no room on the disk, a write failed); the message says
     which, where, and what was kept."""
-
-
-def size_text(n_bytes: int) -> str:
-    """Bytes in words: GiB from one GiB on, else MiB."""
-    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
 def free_bytes(path: Path) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain_data import PairWindows, sequence_lengths, sequence_of_tokens
 from megatrain_optim import (
     STATE_NAMES,
     AdamWConfig,
@@ -35,7 +36,6 @@ from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences,
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .data import PairWindows, sequence_lengths, sequence_of_tokens
 from .distributed import (
     Ranks,
     RankSharing,

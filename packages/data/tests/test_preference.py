@@ -6,12 +6,18 @@ import json
 import numpy as np
 import pytest
 import torch
-import yaml
 from tokenizers import Tokenizer, processors
 
-from megatrain.cli import main
-from megatrain.config import ConfigError, DataSection, DPOSection
-from megatrain.data import EOS_TOKEN, PairWindows, Tokens, builtin_corpus, load_token_data, train_tokenizer
+from megatrain_data import (
+    EOS_TOKEN,
+    DataError,
+    DataSection,
+    PairWindows,
+    Tokens,
+    builtin_corpus,
+    load_token_data,
+    train_tokenizer,
+)
 
 PAIRS = [
     {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
@@ -47,9 +53,9 @@ def write_jsonl(path, records):
     return path
 
 
-def load_pairs(path, tokenizer_path, cache, dpo=None, **data):
+def load_pairs(path, tokenizer_path, cache, max_prompt_length=None, **data):
     section = DataSection(**{"dataset": str(path), "format": "preference", "tokenizer": str(tokenizer_path), **data})
-    return load_token_data(section, 1024, cache, None, dpo=dpo)
+    return load_token_data(section, 1024, cache, None, max_prompt_length=max_prompt_length)
 
 
 def sequence(rows: Tokens, row: int) -> tuple[list[int], list[bool]]:
@@ -147,7 +153,7 @@ def test_truncation_keeps_the_prompts_end_and_the_completions_start(tmp_path, to
         {"prompt": "Tell me", "chosen": " " + long_answer, "rejected": " nothing"},
     ]
     source = write_jsonl(tmp_path / "p.jsonl", records)
-    data = load_pairs(source, tokenizer_path, tmp_path / "c1", DPOSection(max_prompt_length=10), seq_len=24)
+    data = load_pairs(source, tokenizer_path, tmp_path / "c1", 10, seq_len=24)
     assert (
         "4 records -> 4 pairs (1 with the prompt cut to its last 10 tokens by train.dpo.max_prompt_length; "
         "1 with a completion cut to fit seq_len 24)" in data.report[0]
@@ -161,9 +167,7 @@ def test_truncation_keeps_the_prompts_end_and_the_completions_start(tmp_path, to
         assert ids == expected and trained == [False] * len(kept_prompt) + [True] * (len(ids) - len(kept_prompt))
     default = load_pairs(source, tokenizer_path, tmp_path / "c2", seq_len=24)  # max_prompt_length: seq_len // 2
     assert "cut to its last 12 tokens" in default.report[0]
-    dropped = load_pairs(
-        source, tokenizer_path, tmp_path / "c3", DPOSection(max_prompt_length=10), seq_len=24, too_long="drop"
-    )
+    dropped = load_pairs(source, tokenizer_path, tmp_path / "c3", 10, seq_len=24, too_long="drop")
     assert "4 records -> 2 pairs (2 dropped as longer than seq_len 24)" in dropped.report[0]
 
 
@@ -220,14 +224,14 @@ def check_ranking_pairs_render_both_formats(data, tokenizer):
 
 def check_sft_entry_and_mixed_datasets_are_refused(directory, registry, tokenizer):
     """A non-ranking entry with a 'chosen' column is refused, and so is mixing pairs with plain datasets."""
-    with pytest.raises(ConfigError, match=r"entry 'sft' uses \['chosen'\], which megatrain does not support"):
+    with pytest.raises(DataError, match=r"entry 'sft' uses \['chosen'\], which megatrain does not support"):
         load_token_data(
             DataSection(dataset="sft", dataset_dir=str(directory), tokenizer=tokenizer),
             1024,
             directory / "c2",
             None,
         )
-    with pytest.raises(ConfigError, match=r"mixes preference pairs \(rank\) with other datasets \(plain\)"):
+    with pytest.raises(DataError, match=r"mixes preference pairs \(rank\) with other datasets \(plain\)"):
         write_jsonl(directory / "plain.jsonl", [{"instruction": "a", "output": "b"}])
         registry["plain"] = {"file_name": "plain.jsonl"}
         (directory / "dataset_info.json").write_text(json.dumps(registry))
@@ -281,8 +285,8 @@ BAD_RECORDS = [
 @pytest.mark.parametrize("record, message", BAD_RECORDS)
 def test_a_bad_record_is_one_line_naming_it_and_the_fix(tmp_path, tokenizer_path, record, message):
     source = write_jsonl(tmp_path / "bad.jsonl", [PAIRS[0], record])
-    with pytest.raises(ConfigError, match=message) as error:
-        load_pairs(source, tokenizer_path, tmp_path / "cache", DPOSection(max_prompt_length=40), seq_len=16)
+    with pytest.raises(DataError, match=message) as error:
+        load_pairs(source, tokenizer_path, tmp_path / "cache", 40, seq_len=16)
     assert "\n" not in str(error.value) and ";" in str(error.value)  # one line, then what to do
 
 
@@ -308,7 +312,7 @@ def test_a_bad_ranking_record_is_one_line_naming_it(tmp_path, tokenizer_path, re
     registry = {"rank": {"file_name": "rank.jsonl", "formatting": "sharegpt", "ranking": True}}
     (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
     section = DataSection(dataset="rank", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path))
-    with pytest.raises(ConfigError, match=message) as error:
+    with pytest.raises(DataError, match=message) as error:
         load_token_data(section, 1024, tmp_path / "cache", None)
     assert "\n" not in str(error.value) and ";" in str(error.value)
 
@@ -318,12 +322,12 @@ def test_pairs_whose_chosen_equals_rejected_are_dropped_and_counted(tmp_path, to
     data = load_pairs(write_jsonl(tmp_path / "p.jsonl", PAIRS + [same]), tokenizer_path, tmp_path / "c1", seq_len=32)
     assert "5 records -> 4 pairs (1 dropped with chosen equal to rejected)" in data.report[0]
     assert len(data.train.tokens) == 8
-    with pytest.raises(ConfigError, match="most pairs would be dropped; fix the dataset"):
+    with pytest.raises(DataError, match="most pairs would be dropped; fix the dataset"):
         load_pairs(write_jsonl(tmp_path / "q.jsonl", PAIRS[:1] + [same] * 2), tokenizer_path, tmp_path / "c2")
 
 
 def test_settings_pairs_cannot_take_are_refused():
-    with pytest.raises(ConfigError, match="set data.train_on_prompt: false"):
+    with pytest.raises(DataError, match="set data.train_on_prompt: false"):
         DataSection(dataset="p.jsonl", format="preference", train_on_prompt=True)
 
 
@@ -343,7 +347,7 @@ def test_validation_mixing_and_the_cache(tmp_path, tokenizer_path, monkeypatch):
     )
     assert len(mixed.train.tokens) == 2 * 24 and sum(r.startswith("q") for r in _prompts(tokenizer_path, mixed)) == 6
 
-    import megatrain.preference as preference
+    import megatrain_data.preference as preference
 
     real = preference.tokenize_pairs
     monkeypatch.setattr(preference, "tokenize_pairs", lambda *a, **k: pytest.fail("tokenized twice"))
@@ -351,18 +355,8 @@ def test_validation_mixing_and_the_cache(tmp_path, tokenizer_path, monkeypatch):
     assert np.array_equal(again.train.tokens, data.train.tokens) and again.report == data.report
     calls = []
     monkeypatch.setattr(preference, "tokenize_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    load_pairs(source, tokenizer_path, tmp_path / "cache", DPOSection(max_prompt_length=3), seq_len=16, validation=0.25)
+    load_pairs(source, tokenizer_path, tmp_path / "cache", 3, seq_len=16, validation=0.25)
     assert calls  # a truncation setting is part of the key
-    calls.clear()
-    load_pairs(
-        source,
-        tokenizer_path,
-        tmp_path / "cache",
-        DPOSection(max_prompt_length=3, beta=0.5),
-        seq_len=16,
-        validation=0.25,
-    )
-    assert not calls  # the loss's settings are not
 
 
 def _prompts(tokenizer_path, data):
@@ -386,40 +380,5 @@ def test_pair_windows_draw_whole_pairs_once_per_epoch():
         assert sorted(drawn[:10]) == list(range(10)) and sorted(drawn[10:]) == list(range(10))
         assert (drawn[:10] != list(range(10))) == shuffle
     assert [b.input_ids.shape[0] for b in windows.in_order(4)] == [8, 8, 4]
-    with pytest.raises(ConfigError, match="10 preference pairs, fewer than one batch of train.batch_size 11"):
+    with pytest.raises(DataError, match="10 preference pairs, fewer than one batch of train.batch_size 11"):
         PairWindows(rows, batch_size=11, shuffle=False, seed=0)
-
-
-def test_data_command_dumps_pairs_as_json_lines_and_text(tmp_path, tokenizer_path, capsys):
-    write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    config = {
-        "model": {"preset": "small-llama"},
-        "data": {
-            "dataset": str(tmp_path / "p.jsonl"),
-            "format": "preference",
-            "tokenizer": str(tokenizer_path),
-            "seq_len": 32,
-            "shuffle": False,
-        },
-        "train": {"batch_size": 2, "objective": "dpo"},
-        "device": "cpu",
-        "output_dir": str(tmp_path / "run"),
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert main(["data", "--config", str(path), "--dump", "3"]) == 0
-    captured = capsys.readouterr()
-    assert "dataset " in captured.err and "4 records -> 4 pairs" in captured.err
-    lines = [json.loads(line) for line in captured.out.strip().splitlines()]
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    assert len(lines) == 3
-    for line, record in zip(lines, PAIRS):
-        assert set(line) == {"prompt", "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"}
-        for name in ("chosen", "rejected"):
-            ids, labels = trl_text_pair(tokenizer, record["prompt"], record[name])
-            assert line[f"{name}_input_ids"] == ids
-            assert line[f"{name}_labels"] == [i if t else -100 for i, t in zip(ids, labels)]  # unshifted
-        assert line["prompt"] == tokenizer.encode(record["prompt"]).ids
-    assert main(["data", "--config", str(path), "--dump", "1", "--text"]) == 0
-    shown = capsys.readouterr().out
-    assert f"chosen:\nThe sky is⟦ blue.{EOS_TOKEN}⟧\nrejected:\nThe sky is⟦ green.{EOS_TOKEN}⟧" in shown

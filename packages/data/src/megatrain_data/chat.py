@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import DataError
 
 # The documented fallback for tokenizers without a chat template: each turn is
 # "<|role|>\n" + content + "\n", an assistant turn's content followed by the EOS token.
@@ -90,7 +90,7 @@ class ChatTemplate:
         try:
             self._compiled = _environment(self._rendered, self._spans).from_string(self.template)
         except jinja2.TemplateSyntaxError as error:
-            raise ConfigError(f"the chat template from {self.source} does not parse: {error}") from error
+            raise DataError(f"the chat template from {self.source} does not parse: {error}") from error
         self.marks_generation = re.search(r"\{%-?\s*generation\s*-?%\}", self.template) is not None
 
     def render(
@@ -115,7 +115,7 @@ def load_chat_template(tokenizer_dir: Path | None, choice: str | None, eos_token
         try:
             config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
         except json.JSONDecodeError as error:
-            raise ConfigError(f"{tokenizer_dir / 'tokenizer_config.json'} is not valid JSON: {error}") from error
+            raise DataError(f"{tokenizer_dir / 'tokenizer_config.json'} is not valid JSON: {error}") from error
     special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
     special = {name: text for name, text in special.items() if text is not None}
     special.setdefault("eos_token", eos_token)
@@ -124,7 +124,7 @@ def load_chat_template(tokenizer_dir: Path | None, choice: str | None, eos_token
     if choice is not None:
         path = Path(choice)
         if not path.exists():
-            raise ConfigError(f"data.chat_template {choice!r} is neither 'simple' nor an existing .jinja file")
+            raise DataError(f"data.chat_template {choice!r} is neither 'simple' nor an existing .jinja file")
         return ChatTemplate(str(path), path.read_text(), special)
     if tokenizer_dir is None:
         return None

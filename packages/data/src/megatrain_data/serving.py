@@ -8,10 +8,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain_store import atomic_write_text
+from megatrain_store import atomic_write_text, read_safetensors_header
+from megatrain_store.progress import size_text
 
 from .chat import SPECIAL_TOKEN_NAMES, ChatTemplate, load_chat_template, special_token_ids
-from .config import ConfigError
+from .errors import DataError
+from .load import renders_conversations, run_tokenizer
+from .tokens import eos_token_text, load_tokenizer
 
 # copied from beside tokenizer.json as they are: the special tokens, and an image-text model's processor
 COPIED_FILES = (
@@ -40,11 +43,10 @@ class Serving:
 
 
 def serving_of_run(config, model, run_dir: Path, tokenizer: Path | None = None) -> Serving:
-    """The serving files of a run (its `Config` and `ModelConfig`, in `run_dir`): the data's tokenizer (`tokenizer`
-    where the caller read the data, else as `data.run_tokenizer` finds it: data.tokenizer, the model directory's,
+    """The serving files of a run (its config, read for data, model.hf_dir and train.objective, and its model's
+    vocab_size and eos_token_id, in `run_dir`): the data's tokenizer (`tokenizer` where the caller read the data, else
+    as `run_tokenizer` finds it: data.tokenizer, the model directory's,
     the one megatrain trained on the run's text) and the chat template its conversations were rendered with."""
-    from .data import eos_token_text, load_tokenizer, run_tokenizer
-
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
     if tokenizer is None:
         tokenizer = run_tokenizer(config.data, model.vocab_size, Path(run_dir), model_dir)
@@ -78,15 +80,12 @@ def kept_in_run(run_dir: Path) -> Serving | None:
 def trained_template(config, tokenizer: Path, eos: str) -> ChatTemplate | None:
     """The chat template a run rendered its conversations with, as its data pipeline chooses it (data.chat_template,
     else the tokenizer's own, else the simple template); None where it trained on text or token ids."""
-    from .preference import uses_pairs
-    from .records import resolve_sources
-
     data = config.data
     if data.tokens is not None or data.dataset is None:
         return None
     if config.train.objective == "grpo":  # (its prompts: rendered with a template only where there is one)
         return load_chat_template(tokenizer.parent, data.chat_template, eos)
-    if not uses_pairs(data) and resolve_sources(data)[0].formatting == "text":
+    if not renders_conversations(data):
         return None
     return load_chat_template(tokenizer.parent, data.chat_template, eos) or load_chat_template(None, "simple", eos)
 
@@ -126,8 +125,6 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
 def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
     """tokenizer_config.json: the source's, naming a tokenizer class and the EOS where it does not (a tokenizer
     megatrain trained ends documents with <|endoftext|>), with the chat template trained with."""
-    from .data import eos_token_text
-
     settings = _json(source / "tokenizer_config.json")
     settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     eos = eos_token_text(tokenizer, _first(serving.eos_token_id))
@@ -162,7 +159,7 @@ def _stop_ids(tokenizer, settings: dict, serving: Serving, given, source: Path) 
     if template is None:
         try:
             template = load_chat_template(source, None, eos or "")
-        except ConfigError:  # (a template that does not parse is the tokenizer's own business: no end of turn)
+        except DataError:  # (a template that does not parse is the tokenizer's own business: no end of turn)
             template = None
     ids = [end_of_turn_id(template, tokenizer)] if template is not None else []
     ids.append(tokenizer.token_to_id(eos or ""))
@@ -189,10 +186,6 @@ def end_of_turn_id(template: ChatTemplate, tokenizer) -> int | None:
 
 def describe_export(out_dir: Path) -> str:
     """What an export holds, in words: its weights, its tokenizer, its chat template and where generation stops."""
-    from megatrain_store import read_safetensors_header
-
-    from .rundir import size_text
-
     files = sorted(out_dir.glob("*.safetensors"))
     tensors = sum(len(read_safetensors_header(path)) - 1 for path in files)  # (less each header's __metadata__)
     parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]

@@ -4,7 +4,7 @@ A record's `<image>` / `<video>` placeholders become what the model's chat templ
 content item, or the processor's own placeholder token; the rendered conversation goes through the processor
 (transformers' `AutoProcessor`) with the record's images and videos, which expands each placeholder to its number
 of tokens and makes the pixel values and grids. Rows hold one example each (no packing); the trained tokens are
-those of records.py (assistant turns), never a placeholder token. records.py hands records here where a dataset has
+those of records.py (assistant turns), never a placeholder token. load.py hands records here where a dataset has
 `images` / `videos` columns; `MultimodalRows` draws the steps' rows with each row's media for `Trainer.train_step`.
 """
 
@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatrain_store.progress import progress
+
 from .chat import ChatTemplate, render_conversation, special_token_ids, trained_tokens
-from .config import ConfigError, DataSection
-from .data import Batch, Tokens, TokenWindows
+from .errors import DataError
 from .records import (
     Examples,
     Source,
@@ -30,6 +31,9 @@ from .records import (
     to_conversation,
     to_rows,
 )
+from .section import DataSection
+from .tokens import Tokens
+from .windows import Batch, TokenWindows
 
 MEDIA_KINDS = ("images", "videos")
 PLACEHOLDERS = {"images": "<image>", "videos": "<video>"}  # LLaMA-Factory's, in the records' text
@@ -44,26 +48,26 @@ def load_processor(model_dir: str):
     try:
         import transformers
     except ImportError:
-        raise ConfigError(
+        raise DataError(
             "records with images are read by the model's processor: install transformers and pillow "
             "(pip install 'transformers>=5.0' pillow)"
         ) from None
     try:
         processor = transformers.AutoProcessor.from_pretrained(model_dir)
     except ImportError as error:  # (transformers >= 5.4 builds image-text processors with torchvision)
-        raise ConfigError(
+        raise DataError(
             f"the processor of {model_dir} cannot be loaded: {str(error).strip().splitlines()[0]}; install the "
             "package it names (image-text processors need pillow and torchvision, the build matching your torch)"
         ) from error
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ConfigError(
+        raise DataError(
             f"model.hf_dir {model_dir} has no processor transformers can load ({type(error).__name__}: "
             f"{str(error)[:200]}); copy the model's processor files (preprocessor_config.json or "
             "processor_config.json) into it"
         ) from error
     media = [getattr(processor, name, None) for name in ("image_processor", "video_processor")]
     if not hasattr(processor, "tokenizer") or not any(media):  # (AutoProcessor gives a text model its tokenizer)
-        raise ConfigError(
+        raise DataError(
             f"model.hf_dir {model_dir} has no image processor: records with images need an image-text model's "
             "directory, its processor files (preprocessor_config.json or processor_config.json) included"
         )
@@ -113,7 +117,7 @@ def media_columns(source: Source, records) -> dict[str, str]:
     for kind in MEDIA_KINDS:
         column = source.columns.get(kind)
         if column is not None and column not in records.column_names:
-            raise ConfigError(
+            raise DataError(
                 f"dataset {source.name!r}: its {kind} column {column!r} is not among its fields "
                 f"{records.column_names}; fix the registry's columns"
             )
@@ -141,12 +145,12 @@ def media_paths(record: dict, column: str | None, kind: str, base: Path, where: 
     for item in value:
         item = item.get("path") if isinstance(item, dict) else item
         if not isinstance(item, str):
-            raise ConfigError(f"{where}: its {kind} must be file paths, got {type(item).__name__}")
+            raise DataError(f"{where}: its {kind} must be file paths, got {type(item).__name__}")
         path = Path(item).expanduser()
         if not path.is_absolute() and (base / path).exists():
             path = base / path
         if not path.is_file():
-            raise ConfigError(
+            raise DataError(
                 f"{where}: {kind[:-1]} {item!r} does not exist (relative paths resolve against {base}); fix the path"
             )
         paths.append(str(path.resolve()))
@@ -154,14 +158,14 @@ def media_paths(record: dict, column: str | None, kind: str, base: Path, where: 
 
 
 def open_image(path: str, where: str):
-    """The image as RGB (LLaMA-Factory's conversion), or a ConfigError naming the file."""
+    """The image as RGB (LLaMA-Factory's conversion), or a DataError naming the file."""
     from PIL import Image
 
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as error:
-        raise ConfigError(f"{where}: image {path} cannot be decoded ({error}); replace or remove it") from error
+        raise DataError(f"{where}: image {path} cannot be decoded ({error}); replace or remove it") from error
 
 
 def check_placeholders(messages: list[dict], counts: dict[str, int], where: str) -> None:
@@ -169,7 +173,7 @@ def check_placeholders(messages: list[dict], counts: dict[str, int], where: str)
     for kind, placeholder in PLACEHOLDERS.items():
         written = sum(m["content"].count(placeholder) for m in messages if isinstance(m["content"], str))
         if written != counts[kind]:
-            raise ConfigError(
+            raise DataError(
                 f"{where} has {written} {placeholder} placeholders in its text but {counts[kind]} {kind}; "
                 f"write one {placeholder} where each of its {kind} goes"
             )
@@ -222,7 +226,7 @@ def run_processor(processor, item: ProcessorInput, where: str) -> dict:
             return_tensors="pt",
         )
     except Exception as error:  # processors raise many types; one line names the record and the error
-        raise ConfigError(
+        raise DataError(
             f"{where}: the model's processor refused it ({type(error).__name__}: {str(error)[:300]}); "
             "fix or remove the record"
         ) from error
@@ -278,14 +282,14 @@ class MediaEncoder:
 
     def check_media_support(self, counts: dict[str, int], where: str) -> None:
         if counts["images"] and getattr(self.processor, "image_processor", None) is None:
-            raise ConfigError(f"{where} has images but the model's processor takes none; remove its images")
+            raise DataError(f"{where} has images but the model's processor takes none; remove its images")
         if counts["videos"] and self.video_missing is not None:
-            raise ConfigError(
+            raise DataError(
                 f"{where} has videos, which the model's processor cannot decode: install {self.video_missing}"
             )
         for kind in MEDIA_KINDS:
             if counts[kind] and kind not in self.tokens:
-                raise ConfigError(f"{where} has {kind} but the model's processor has no placeholder token for them")
+                raise DataError(f"{where} has {kind} but the model's processor has no placeholder token for them")
 
     def encode(
         self, record: dict, source: Source, index: int, columns: dict, base: Path
@@ -297,7 +301,7 @@ class MediaEncoder:
         where = f"dataset {source.name!r}: record {index}"
         messages, tools = to_conversation(record, source, index)
         if not any(m["role"] == "assistant" for m in messages):
-            raise ConfigError(f"{where} has no assistant turn, so nothing to learn from; remove it or fix its roles")
+            raise DataError(f"{where} has no assistant turn, so nothing to learn from; remove it or fix its roles")
         files = {kind: media_paths(record, columns.get(kind), kind, base, where) for kind in MEDIA_KINDS}
         counts = {kind: len(paths) for kind, paths in files.items()}
         check_placeholders(messages, counts, where)
@@ -326,8 +330,6 @@ class MediaEncoder:
 def media_examples(records, source: Source, encoder: MediaEncoder, data: DataSection) -> MediaExamples:
     """Every record of a source encoded, after truncation or dropping of long examples (an example whose
     truncation would cut an image's tokens is dropped: the model needs all of them)."""
-    from .progress import progress
-
     columns, base = media_columns(source, records), media_base(source, data)
     examples = MediaExamples([], [], len(records))
     for index, record in enumerate(progress(records, desc=f"process {source.name}", unit="record", leave=False)):
@@ -383,11 +385,11 @@ def media_rows(
     and checked now. Nothing is cached on disk: reading the data checks every image (decodes it), which is most
     of the work a cache would save."""
     if model_dir is None:
-        raise ConfigError(
+        raise DataError(
             "records with images are read by the model's processor: set model.hf_dir to the model's directory"
         )
     if data.pack:
-        raise ConfigError(
+        raise DataError(
             "data.pack packs text examples; an image-text model trains one example per row: set data.pack: false"
         )
     encoder = MediaEncoder(load_processor(str(model_dir)), template, tokenizer, data)
@@ -425,7 +427,7 @@ def row_media(outputs: dict, ids: torch.Tensor, where: str) -> dict[str, torch.T
     made = outputs["input_ids"][0]
     length = min(len(made), len(ids))
     if not torch.equal(made[:length], ids[:length].to(made.dtype)):
-        raise ConfigError(f"{where}: its images changed since the data was read; start the run again")
+        raise DataError(f"{where}: its images changed since the data was read; start the run again")
     media = {}
     for name, value in outputs.items():
         if name in TEXT_ONLY_OUTPUTS or not isinstance(value, torch.Tensor):
@@ -475,4 +477,4 @@ def check_media_model(data: MediaRows, model, hf_dir: str | None) -> None:
         if has_tower
         else (f"{model.arch} has no vision tower: use an image-text model (model.hf_dir), or records without images")
     )
-    raise ConfigError(f"{data.first_media} has images or videos but the model trains as a text model; {fix}")
+    raise DataError(f"{data.first_media} has images or videos but the model trains as a text model; {fix}")

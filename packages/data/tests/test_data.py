@@ -2,8 +2,15 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.config import ConfigError, DataSection
-from megatrain.data import TokenWindows, builtin_corpus, check_tokens, load_token_array, not_utf8_where
+from megatrain_data import (
+    DataError,
+    DataSection,
+    TokenWindows,
+    builtin_corpus,
+    check_tokens,
+    load_token_array,
+    not_utf8_where,
+)
 
 
 def test_consecutive_windows_without_shuffle():
@@ -29,13 +36,13 @@ def test_shuffle_is_a_seeded_permutation_per_pass():
 
 
 def test_bad_token_data():
-    with pytest.raises(ConfigError, match="fewer than one batch"):
+    with pytest.raises(DataError, match="fewer than one batch"):
         TokenWindows(np.arange(50), seq_len=10, batch_size=8, shuffle=False, seed=0)
-    with pytest.raises(ConfigError, match=r"span \[0, 300\].*vocab_size is 256"):
+    with pytest.raises(DataError, match=r"span \[0, 300\].*vocab_size is 256"):
         check_tokens(np.array([0, 300]), 256, "data.tokens x.npy")
-    with pytest.raises(ConfigError, match="empty"):
+    with pytest.raises(DataError, match="empty"):
         check_tokens(np.array([], dtype=np.int64), 256, "data.tokens x.npy")
-    with pytest.raises(ConfigError, match="1-D integer"):
+    with pytest.raises(DataError, match="1-D integer"):
         check_tokens(np.zeros((2, 2), dtype=np.float32), 256, "data.tokens x.npy")
 
 
@@ -51,11 +58,11 @@ def test_text_is_tokenized_once_and_cached(tmp_path):
 
 
 def test_unreadable_and_empty_sources(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read data.tokens"):
+    with pytest.raises(DataError, match="cannot read data.tokens"):
         load_token_array(DataSection(tokens=str(tmp_path / "missing.npy")), 256, tmp_path, None)
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    with pytest.raises(ConfigError, match="is empty"):
+    with pytest.raises(DataError, match="is empty"):
         load_token_array(DataSection(text=str(empty)), 256, tmp_path, None)
 
 
@@ -65,7 +72,7 @@ def test_a_tiny_model_gets_a_tokenizer_that_fits_and_reuses_it(tmp_path, monkeyp
     reuses it without training again."""
     from tokenizers import Tokenizer
 
-    import megatrain.data as data_module
+    import megatrain_data.tokens as data_module
 
     text = tmp_path / "a.txt"
     text.write_text(builtin_corpus().read_text()[:50000])
@@ -81,7 +88,7 @@ def test_a_tiny_model_gets_a_tokenizer_that_fits_and_reuses_it(tmp_path, monkeyp
 def test_a_text_with_more_bytes_than_the_vocabulary_says_what_to_change(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("".join(chr(c) for c in range(32, 127)) * 20)  # 95 distinct bytes
-    with pytest.raises(ConfigError, match="uses 95 distinct bytes.*needs 96 tokens, more than .* vocab_size of 64"):
+    with pytest.raises(DataError, match="uses 95 distinct bytes.*needs 96 tokens, more than .* vocab_size of 64"):
         load_token_array(DataSection(text=str(text)), 64, tmp_path / "cache", None)
 
 
@@ -89,7 +96,7 @@ def test_a_missing_tokenizer_is_named(tmp_path):
     text = tmp_path / "a.txt"
     text.write_text("some text\n")
     missing = tmp_path / "no" / "tokenizer.json"
-    with pytest.raises(ConfigError, match=f"data.tokenizer {missing} does not exist"):
+    with pytest.raises(DataError, match=f"data.tokenizer {missing} does not exist"):
         load_token_array(DataSection(text=str(text), tokenizer=str(missing)), 256, tmp_path / "cache", None)
 
 

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store.progress import progress
+
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
-from .config import ConfigError, DataSection
-from .data import Tokens, not_utf8_where
+from .errors import DataError
+from .section import DataSection
+from .tokens import Tokens, document_start_ids, not_utf8_where, pad_token_id
 
 # The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
 DEFAULT_COLUMNS = {
@@ -105,12 +108,12 @@ def _registry(data: DataSection) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(
+        raise DataError(
             f"data.dataset_dir {data.dataset_dir} has no dataset_info.json; write one (LLaMA-Factory's format) "
             "or set data.dataset to a file and data.format to its format"
         ) from None
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from error
+        raise DataError(f"{path} is not valid JSON: {error}") from error
 
 
 def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
@@ -120,16 +123,16 @@ def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
     columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
     bad = sorted(set(columns) & (set(UNSUPPORTED_COLUMNS) - (set(PAIR_COLUMNS) if ranking else set())))
     if bad or unknown:
-        raise ConfigError(f"{where} uses {bad + unknown}, which megatrain does not support (text, images, videos)")
+        raise DataError(f"{where} uses {bad + unknown}, which megatrain does not support (text, images, videos)")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt"):
-        raise ConfigError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
+        raise DataError(f"{where}: formatting {formatting!r} is not supported; use alpaca or sharegpt")
     if "file_name" in entry:
         location = str(Path(data.dataset_dir) / entry["file_name"])
     elif "hf_hub_url" in entry:
         location = entry["hf_hub_url"]
     else:
-        raise ConfigError(f"{where} has neither file_name nor hf_hub_url")
+        raise DataError(f"{where} has neither file_name nor hf_hub_url")
     return Source(
         name,
         location,
@@ -147,7 +150,7 @@ def resolve_sources(data: DataSection) -> list[Source]:
     """The datasets `data.dataset` names (comma-separated), through the registry when data.dataset_dir is set."""
     names = [name.strip() for name in data.dataset.split(",") if name.strip()]
     if data.mix_weights and len(data.mix_weights) != len(names):
-        raise ConfigError(
+        raise DataError(
             f"data.mix_weights has {len(data.mix_weights)} weights for {len(names)} datasets ({names}); give one each"
         )
     registry = _registry(data) if data.dataset_dir is not None else None
@@ -156,7 +159,7 @@ def resolve_sources(data: DataSection) -> list[Source]:
         if registry is not None and name in registry:
             sources.append(_source_from_entry(name, registry[name], data))
         elif registry is not None and not Path(name).exists():
-            raise ConfigError(
+            raise DataError(
                 f"dataset {name!r} is not in {Path(data.dataset_dir) / 'dataset_info.json'} "
                 f"(it has {sorted(registry)}) and is not a file"
             )
@@ -182,29 +185,29 @@ def load_records(source: Source):
             builder = "parquet" if path.suffix == ".parquet" else "json"
             records = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.exists():
-            raise ConfigError(
+            raise DataError(
                 f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
                 "or a directory written by Dataset.save_to_disk"
             )
         else:
             records = datasets.load_dataset(source.location, source.subset, split=source.split)
-    except ConfigError:
+    except DataError:
         raise
     except Exception as error:  # datasets raises many types; one clear message names the source and the fix
         if path.is_file() and not path.read_bytes().strip():
-            raise ConfigError(
+            raise DataError(
                 f"dataset {source.name!r}: {path} is empty (no records); write records into it or name another file"
             ) from None
         bad_line = _first_bad_json_line(path) if path.suffix == ".jsonl" and path.is_file() else None
         if bad_line is not None:
-            raise ConfigError(f"dataset {source.name!r}: {bad_line}; fix or remove that line") from error
-        raise ConfigError(
+            raise DataError(f"dataset {source.name!r}: {bad_line}; fix or remove that line") from error
+        raise DataError(
             f"cannot read dataset {source.name!r} ({source.location}, split {source.split!r}): "
             f"{type(error).__name__}: {str(error)[:300]}; check the path, the file's format, the split, "
             "or (for a hub name) the network"
         ) from error
     if len(records) == 0:
-        raise ConfigError(f"dataset {source.name!r} ({source.location}) holds no records")
+        raise DataError(f"dataset {source.name!r} ({source.location}) holds no records")
     if source.num_samples is not None:
         records = records.select(range(min(source.num_samples, len(records))))
     return records
@@ -214,7 +217,7 @@ def _check_split(source: Source, splits: list[str]) -> None:
     """Refuse a split a local dataset does not have: a file, or a saved Dataset, is one split, which `datasets`
     would give whatever split was asked for (a validation "split" that is the training data itself)."""
     if source.split not in splits:
-        raise ConfigError(
+        raise DataError(
             f"dataset {source.name!r} ({source.location}) has no split {source.split!r}, only {splits}; for held-out "
             "data set data.validation to a fraction (e.g. 0.05), a file of held-out records, or one of its splits"
         )
@@ -226,7 +229,7 @@ def _check_utf8(source: Source, path: Path) -> None:
     if path.suffix != ".parquet":
         where = not_utf8_where(path)
         if where is not None:
-            raise ConfigError(f"dataset {source.name!r}: {where}; save the file as UTF-8 (or fix that byte)")
+            raise DataError(f"dataset {source.name!r}: {where}; save the file as UTF-8 (or fix that byte)")
 
 
 def _first_bad_json_line(path: Path) -> str | None:
@@ -255,7 +258,7 @@ def record_field(record: dict, key, index: int, source: Source, what: str):
             if key in record
             else "set data.format (or the registry's columns) to match the records"
         )
-        raise ConfigError(
+        raise DataError(
             f"dataset {source.name!r}: record {index} has no {what} field {key!r} (its fields: {present}); {fix}"
         )
     return value
@@ -280,7 +283,7 @@ def record_tools(record: dict, source: Source, where: str):
         try:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as error:
-            raise ConfigError(f"{where}: its tools field is not valid JSON ({error})") from error
+            raise DataError(f"{where}: its tools field is not valid JSON ({error})") from error
     return tools
 
 
@@ -294,7 +297,7 @@ def alpaca_prompt(record: dict, source: Source, index: int) -> list[dict]:
         messages.append({"role": "system", "content": str(system)})
     for turn in record.get(source.column("history")) or []:
         if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
-            raise ConfigError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
+            raise DataError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
         messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
     prompt = str(record_field(record, source.column("prompt"), index, source, "prompt"))
     query = record.get(source.column("query"))
@@ -313,14 +316,14 @@ def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
         source.tag("system_tag"): "system",
     }
     if not isinstance(turn, dict):
-        raise ConfigError(f"{where}: {what} is not a mapping: {turn!r}")
+        raise DataError(f"{where}: {what} is not a mapping: {turn!r}")
     role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
     if source.formatting == "messages" and role_key not in turn:  # from/value turns in a messages file
         role_key, content_key = "from", "value"
     role = turn.get(role_key)
     role = role_of.get(role, ROLE_ALIASES.get(role) if source.formatting == "messages" else None)
     if role is None:
-        raise ConfigError(
+        raise DataError(
             f"{where}: {what} has role {turn.get(role_key)!r} under {role_key!r}, not one of "
             f"{sorted(r for r in role_of if r)}; set the registry's tags to the dataset's role names"
         )
@@ -335,7 +338,7 @@ def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict
         messages = alpaca_prompt(record, source, index)
         response = record_field(record, source.column("response"), index, source, "response")
         if not isinstance(response, str):
-            raise ConfigError(f"{where}: the response must be text, got {type(response).__name__}")
+            raise DataError(f"{where}: the response must be text, got {type(response).__name__}")
         return messages + [{"role": "assistant", "content": response}], None
     tools = record_tools(record, source, where)
     messages = []
@@ -401,8 +404,8 @@ class Examples:
         return self.dropped_long + self.dropped_untrained
 
 
-def render_error(source: Source, index: int, error: Exception) -> ConfigError:
-    return ConfigError(
+def render_error(source: Source, index: int, error: Exception) -> DataError:
+    return DataError(
         f"dataset {source.name!r}: record {index} cannot be rendered with the chat template: "
         f"{type(error).__name__}: {error}; fix the record, or set data.chat_template (simple, or a .jinja file)"
     )
@@ -413,8 +416,6 @@ def tokenize_source(
 ) -> Examples:
     """Token ids and trained flags per record, after truncation or dropping of long examples."""
     import jinja2
-
-    from .progress import progress
 
     special = special_token_ids(tokenizer)
     document_start = document_start_ids(tokenizer) if source.formatting == "text" else []
@@ -432,7 +433,7 @@ def tokenize_source(
                 continue
             messages, tools = to_conversation(record, source, index)
             if not any(m["role"] == "assistant" for m in messages):
-                raise ConfigError(
+                raise DataError(
                     f"dataset {source.name!r}: record {index} has no assistant turn, so nothing to learn from; "
                     "remove it or fix its roles"
                 )
@@ -486,7 +487,7 @@ def end_of_turn_warning(source: Source, examples: Examples) -> str | None:
 def check_kept(source: Source, examples: Examples, data: DataSection) -> None:
     """Refuse a dataset most of whose records would be skipped: that is a wrong setting, not data noise."""
     if examples.lost * 2 > examples.records:
-        raise ConfigError(
+        raise DataError(
             f"{report_line(source, examples, data)}: most records would be skipped; raise data.seq_len"
             + (", or set data.too_long: truncate" if examples.dropped_long else "")
         )
@@ -592,24 +593,6 @@ def to_rows(examples: Examples, seq_len: int, pack: bool, pad_id: int) -> Tokens
     return Tokens(tokens, mask, positions, valid)
 
 
-def document_start_ids(tokenizer) -> list[int]:
-    """The special tokens the tokenizer puts before a text, as transformers' `tokenizer(text)` adds them
-    (`<bos>`: Gemma, Llama, Mistral; none: Qwen): each document of pre-training text starts with them."""
-    plain = tokenizer.encode("a", add_special_tokens=False).ids
-    full = tokenizer.encode("a", add_special_tokens=True).ids
-    for start in range(len(full) - len(plain) + 1):
-        if full[start : start + len(plain)] == plain:
-            return full[:start]
-    return []
-
-
-def pad_token_id(tokenizer, eos: str) -> int:
-    for text in ("<|endoftext|>", "<pad>", "[PAD]", eos):
-        if text and tokenizer.token_to_id(text) is not None:
-            return tokenizer.token_to_id(text)
-    return 0
-
-
 @dataclass
 class RecordData:
     """What records become: training rows (or a token stream for text records), validation rows, the report."""
@@ -633,7 +616,7 @@ def hold_out(examples, fraction: float, seed: int) -> tuple:
     order = np.random.default_rng([seed, 2]).permutation(len(examples))
     n_val = max(1, round(fraction * len(order)))
     if n_val >= len(order):
-        raise ConfigError(f"data.validation {fraction} holds out all {len(order)} examples; use a smaller fraction")
+        raise DataError(f"data.validation {fraction} holds out all {len(order)} examples; use a smaller fraction")
     return examples.select(sorted(order[n_val:])), examples.select(sorted(order[:n_val]))
 
 
@@ -641,29 +624,34 @@ def _stream(examples: Examples) -> Tokens:
     return Tokens(np.fromiter((t for ids in examples.ids for t in ids), dtype=np.int32))
 
 
-def records_to_rows(
-    data: DataSection,
-    tokenizer,
-    tokenizer_path: Path,
-    eos: str,
-    cache_dir: Path,
-    seed: int,
-    model_dir: Path | None = None,
-) -> RecordData:
-    """Read, render, tokenize, mix and pack the configured datasets (cached under `cache_dir`); records with images
-    or videos go through the processor of `model_dir` instead (multimodal.py), uncached."""
+@dataclass
+class ReadSources:
+    """The datasets a run names, read: each source and its records, the validation records (data.validation as a
+    file or split; else None), whether they are plain text, and the chat template conversations are rendered with
+    (None for text)."""
+
+    sources: list[Source]
+    records: list
+    validation: object
+    text: bool
+    template: ChatTemplate | None
+
+
+def read_sources(data: DataSection, tokenizer_path: Path, eos: str) -> ReadSources:
+    """Resolve and read the configured datasets (mixes of text and chat records refused before any is read)."""
     sources = resolve_sources(data)
     text = _is_text(data, sources)
     template = None if text else _chat_template(tokenizer_path, data.chat_template, eos)
     all_records = [load_records(s) for s in sources]
     validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None
-    from .multimodal import media_columns, media_rows  # (it builds on this module)
+    return ReadSources(sources, all_records, validation_records, text, template)
 
-    if any(media_columns(s, r) for s, r in zip(sources, all_records)):
-        pad = pad_token_id(tokenizer, eos)
-        args = (data, sources, all_records, validation_records, tokenizer, template, pad, seed, model_dir)
-        train, validation, lines = media_rows(*args)
-        return RecordData(train, validation, lines, template.source)
+
+def records_to_rows(
+    data: DataSection, read: ReadSources, tokenizer, tokenizer_path: Path, eos: str, cache_dir: Path, seed: int
+) -> RecordData:
+    """Render, tokenize, mix and pack the datasets `read_sources` read (cached under `cache_dir`)."""
+    sources, all_records, validation_records, template = read.sources, read.records, read.validation, read.template
     fingerprints = [getattr(r, "_fingerprint", "") or s.location for r, s in zip(all_records, sources)]
     if validation_records is not None:
         fingerprints.append(getattr(validation_records, "_fingerprint", "") or data.validation)
@@ -685,7 +673,7 @@ def records_to_rows(
         sources, all_records, validation_records, data, seed, encode
     )
     pad = pad_token_id(tokenizer, eos)
-    train, validation = _rows_of(train_examples, validation_examples, data, text, pad, lines)
+    train, validation = _rows_of(train_examples, validation_examples, data, read.text, pad, lines)
     cache_dir.mkdir(parents=True, exist_ok=True)
     train.save(str(prefix))
     if validation is not None:
@@ -698,12 +686,12 @@ def records_to_rows(
 def _is_text(data: DataSection, sources: list[Source]) -> bool:
     """Whether the sources are plain text (pre-training) rather than chat records; mixes and packed text refused."""
     if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
-        raise ConfigError("data.dataset names preference pairs: read them with megatrain.preference.preference_rows")
+        raise DataError("data.dataset names preference pairs: read them with megatrain_data.preference.preference_rows")
     text = sources[0].formatting == "text"
     if any((s.formatting == "text") != text for s in sources):
-        raise ConfigError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
+        raise DataError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
     if text and data.pack:
-        raise ConfigError(
+        raise DataError(
             "data.pack packs chat and instruction examples; text records are already one stream cut into "
             "windows (set data.pack: false, or data.format to the records' chat format)"
         )

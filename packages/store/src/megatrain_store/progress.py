@@ -1,4 +1,5 @@
-"""Progress of long work: a live bar on a terminal, a plain line every half minute in a log.
+"""Progress of long work (loading, tokenizing, training, saving): a live bar on a terminal, a plain line every
+half minute in a log; and byte counts in words, as progress and refusals report them.
 
 A tqdm bar redraws itself with carriage returns; redirected into a file (a cluster job's log, `nohup`,
 `| tee`) that is one line of thousands of redraws that grep and editors cannot read. So where the output is not
@@ -14,7 +15,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from megatrain_store import Pending
+from .io import Pending
 
 LOG_INTERVAL_S = 30.0  # a log line at most this often: a day's run writes ~3,000 lines, a short one a few
 
@@ -59,6 +60,11 @@ def counting(entries: list, bar) -> list:
         return loaded
 
     return [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: load(t))) for name, t in entries]
+
+
+def size_text(n_bytes: int) -> str:
+    """Bytes in words: GiB from one GiB on, else MiB."""
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
 
 
 def _number(value: float) -> str:

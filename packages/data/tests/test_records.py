@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from megatrain.config import ConfigError, DataSection
-from megatrain.data import EOS_TOKEN, TokenWindows, builtin_corpus, load_token_data, train_tokenizer
-from megatrain.records import pack_rows
+from megatrain_data import (
+    EOS_TOKEN,
+    DataError,
+    DataSection,
+    TokenWindows,
+    builtin_corpus,
+    load_token_data,
+    train_tokenizer,
+)
+from megatrain_data.records import pack_rows
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +56,7 @@ def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path
     it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""
     from tokenizers import processors
 
-    from megatrain.data import tokenize_text
-    from megatrain.records import document_start_ids
+    from megatrain_data import document_start_ids, tokenize_text
 
     plain = Tokenizer.from_file(str(tokenizer_path))
     assert document_start_ids(plain) == []
@@ -154,14 +160,14 @@ def test_registry_formats_tags_and_weighted_mix(tmp_path, tokenizer_path):
 
     bad_tags = dict(registry, chats=dict(registry["chats"], tags={"role_tag": "speaker", "content_tag": "text"}))
     (tmp_path / "dataset_info.json").write_text(json.dumps(bad_tags))
-    with pytest.raises(ConfigError, match=r"record 0: turn 0 has role 'me' under 'speaker'"):
+    with pytest.raises(DataError, match=r"record 0: turn 0 has role 'me' under 'speaker'"):
         load_token_data(
             DataSection(dataset="chats", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path)),
             512,
             tmp_path / "cache3",
             None,
         )
-    with pytest.raises(ConfigError, match=r"'missing' is not in .*dataset_info.json \(it has \['chats', 'qa'\]\)"):
+    with pytest.raises(DataError, match=r"'missing' is not in .*dataset_info.json \(it has \['chats', 'qa'\]\)"):
         load_token_data(
             DataSection(dataset="missing", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path)),
             512,
@@ -183,7 +189,7 @@ def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, tokenizer_
     dropped = load_token_data(DataSection(**common, too_long="drop"), 512, tmp_path / "c2", None)
     assert "1 dropped as longer than seq_len 32" in "\n".join(dropped.report)
     source = write_jsonl(tmp_path / "mostly-long.jsonl", records[2:] + records[3:] * 3)
-    with pytest.raises(ConfigError, match="most records would be skipped; raise data.seq_len, or set data.too_long"):
+    with pytest.raises(DataError, match="most records would be skipped; raise data.seq_len, or set data.too_long"):
         load_token_data(DataSection(**dict(common, dataset=str(source)), too_long="drop"), 512, tmp_path / "c3", None)
 
 
@@ -241,7 +247,7 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
     )
     assert len(data.validation.tokens) == 2
     for dataset, split in ((source, "test"), (tmp_path / "saved", "validation")):  # (a file is one split)
-        with pytest.raises(ConfigError, match=f"has no split '{split}', only \\['train'"):
+        with pytest.raises(DataError, match=f"has no split '{split}', only \\['train'"):
             load_token_data(DataSection(**dict(common, dataset=str(dataset)), validation=split), 512, tmp_path, None)
     text = load_token_data(
         DataSection(text=str(builtin_corpus()), seq_len=64, validation=0.1), 512, tmp_path / "c4", None
@@ -252,10 +258,10 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
 def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
     source = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c"}])
     section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=16)
-    with pytest.raises(ConfigError, match=r"record 1 has no response field 'output'"):
+    with pytest.raises(DataError, match=r"record 1 has no response field 'output'"):
         load_token_data(section, 512, tmp_path / "c1", None)
     no_answer = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(ConfigError, match=r"record 0 has no assistant turn"):
+    with pytest.raises(DataError, match=r"record 0 has no assistant turn"):
         load_token_data(
             DataSection(dataset=str(no_answer), format="messages", tokenizer=str(tokenizer_path)),
             512,
@@ -264,19 +270,19 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
         )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(ConfigError, match="empty.jsonl is empty \\(no records\\)"):
+    with pytest.raises(DataError, match="empty.jsonl is empty \\(no records\\)"):
         load_token_data(DataSection(dataset=str(empty), tokenizer=str(tokenizer_path)), 512, tmp_path / "c2", None)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n\n{not json\n')
-    with pytest.raises(ConfigError, match=r"broken.jsonl line 3 is not JSON \(Expecting property name"):
+    with pytest.raises(DataError, match=r"broken.jsonl line 3 is not JSON \(Expecting property name"):
         load_token_data(DataSection(dataset=str(broken), tokenizer=str(tokenizer_path)), 512, tmp_path / "c5", None)
     odd = tmp_path / "data.csv"
     odd.write_text("a,b\n")
-    with pytest.raises(ConfigError, match="unknown file type '.csv'"):
+    with pytest.raises(DataError, match="unknown file type '.csv'"):
         load_token_data(DataSection(dataset=str(odd), tokenizer=str(tokenizer_path)), 512, tmp_path / "c3", None)
-    with pytest.raises(ConfigError, match="needs the model's tokenizer"):
+    with pytest.raises(DataError, match="needs the model's tokenizer"):
         load_token_data(DataSection(dataset=str(source), format="alpaca"), 512, tmp_path / "c4", None)
-    with pytest.raises(ConfigError, match="vocab_size is 100"):
+    with pytest.raises(DataError, match="vocab_size is 100"):
         load_token_data(
             DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path)), 100, tmp_path / "c5", None
         )
@@ -286,61 +292,9 @@ def test_tokenized_once_then_cached(tmp_path, tokenizer_path, monkeypatch):
     source = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "x y", "output": "z"}] * 50)
     section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), validation=0.1)
     first = load_token_data(section, 512, tmp_path / "cache", None)
-    import megatrain.records as records
+    import megatrain_data.records as records
 
     monkeypatch.setattr(records, "tokenize_source", lambda *a, **k: pytest.fail("tokenized twice"))
     again = load_token_data(section, 512, tmp_path / "cache", None)
     assert np.array_equal(first.train.tokens, again.train.tokens)
     assert np.array_equal(first.validation.loss_mask, again.validation.loss_mask) and again.report == first.report
-
-
-def test_eval_every_without_validation_data_is_refused_in_the_config():
-    from megatrain.config import load_config
-
-    with pytest.raises(ConfigError, match="train.eval_every needs held-out data"):
-        load_config(None, ["train.eval_every=10"])
-
-
-@pytest.mark.parametrize("marker, warned", [("<|end|>", True), ("{{ eos_token }}", False)])
-def test_an_end_of_turn_marker_that_is_no_token_is_warned_of(tmp_path, tokenizer_path, marker, warned):
-    """`megatrain data` (a subprocess) with a chat template ending turns with <|end|>, which the tokenizer splits
-    into pieces: one warning line naming the marker and the turns left without a trained end; none where the
-    template ends them with the EOS token."""
-    import subprocess
-    import sys
-
-    chats = [
-        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
-        for i in range(3)
-    ]
-    write_jsonl(tmp_path / "chat.jsonl", chats)
-    (tmp_path / "turns.jinja").write_text(
-        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}" + marker + "\n{% endfor %}"
-    )
-    settings = {
-        "model.preset": "small-llama",  # (its vocabulary holds the tokenizer's 512; `data` builds no model)
-        "device": "cpu",
-        "data.dataset": tmp_path / "chat.jsonl",
-        "data.format": "messages",
-        "data.tokenizer": tokenizer_path,
-        "data.chat_template": tmp_path / "turns.jinja",
-        "data.seq_len": 32,
-        "train.batch_size": 2,
-        "train.micro_batch_size": 1,
-        "output_dir": tmp_path / "run",
-    }
-    overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
-    process = subprocess.run(
-        [sys.executable, "-m", "megatrain", "data", *overrides, "--dump", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert process.returncode == 0, process.stderr
-    warnings = [line for line in process.stderr.splitlines() if "warning" in line]
-    expected = (
-        "megatrain: warning: dataset {}: the chat template ends assistant turns with '<|end|>', which is no special "
-        "token of the tokenizer: 3 of 3 trained turns end with no trained end-of-turn token, so the model does not "
-        "learn to stop"
-    ).format(tmp_path / "chat.jsonl")
-    assert len(warnings) == warned and all(line.startswith(expected) for line in warnings), warnings

@@ -3,7 +3,7 @@
 records.py resolves and reads the sources (TRL's preference format, LLaMA-Factory ranking entries); this file
 turns each record into a pair tokenized as TRL's DPOTrainer tokenizes it, truncated (the prompt from the left,
 then each completion to fit seq_len) and counted, and caches the rows: row 2i is pair i's chosen sequence,
-row 2i + 1 its rejected one, trained on the completions. data.PairWindows batches them whole.
+row 2i + 1 its rejected one, trained on the completions. windows.PairWindows batches them whole.
 """
 
 import hashlib
@@ -14,18 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store.progress import progress
+
 from .chat import ChatTemplate, _content_text, load_chat_template
-from .config import ConfigError, DataSection, DPOSection
-from .data import Tokens
+from .errors import DataError
 from .records import (
     RecordData,
     Source,
     alpaca_prompt,
-    document_start_ids,
     hold_out,
     load_records,
     mix_indices,
-    pad_token_id,
     record_field,
     record_tools,
     render_error,
@@ -34,6 +33,8 @@ from .records import (
     to_conversation,
     validation_source,
 )
+from .section import DataSection
+from .tokens import Tokens, document_start_ids, pad_token_id
 
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
 CACHE_FORMAT = 1
@@ -58,17 +59,17 @@ class PreferenceExample:
 # ----------------------------------------------------------------- records
 def uses_pairs(data: DataSection) -> bool:
     """Whether `data` names preference pairs (data.format preference, or ranking registry entries);
-    a ConfigError where it mixes them with other datasets."""
+    a DataError where it mixes them with other datasets."""
     return pair_sources(resolve_sources(data))
 
 
 def pair_sources(sources: list[Source]) -> bool:
-    """Whether the sources are preference pairs, all of them; a ConfigError where only some are."""
+    """Whether the sources are preference pairs, all of them; a DataError where only some are."""
     kinds = {source.is_preference for source in sources}
     if len(kinds) > 1:
         pairs = [s.name for s in sources if s.is_preference]
         others = [s.name for s in sources if not s.is_preference]
-        raise ConfigError(
+        raise DataError(
             f"data.dataset mixes preference pairs ({', '.join(pairs)}) with other datasets ({', '.join(others)}); "
             "train them in separate runs (supervised fine-tuning, then DPO)"
         )
@@ -89,18 +90,18 @@ def extract_prompt(chosen, rejected) -> tuple:
 
 
 def _kind(value, name: str, where: str) -> str:
-    """`text` or `conversation` (its roles checked), else a ConfigError naming the field."""
+    """`text` or `conversation` (its roles checked), else a DataError naming the field."""
     if isinstance(value, str):
         return "text"
     if isinstance(value, list) and all(isinstance(turn, dict) for turn in value):
         for turn_index, turn in enumerate(value):
             if turn.get("role") not in ROLES:
-                raise ConfigError(
+                raise DataError(
                     f"{where}: {name} turn {turn_index} has role {turn.get('role')!r}, not one of {', '.join(ROLES)}; "
                     "rename the roles (a registry entry's tags map sharegpt names)"
                 )
         return "conversation"
-    raise ConfigError(
+    raise DataError(
         f"{where}: {name} must be text or a conversation (a list of role/content turns), got "
         f"{type(value).__name__}; fix the record"
     )
@@ -115,7 +116,7 @@ def _trl_parts(record: dict, source: Source, index: int, where: str) -> tuple:
     kinds = {name: _kind(value, name, where) for name, value in parts.items() if value is not None}
     if len(set(kinds.values())) > 1:
         described = ", ".join(f"{name} is {kind}" for name, kind in kinds.items())
-        raise ConfigError(f"{where}: {described}; prompt, chosen and rejected must be all text or all conversations")
+        raise DataError(f"{where}: {described}; prompt, chosen and rejected must be all text or all conversations")
     return prompt, chosen, rejected, record_tools(record, source, where)
 
 
@@ -124,19 +125,19 @@ def _ranking_answer(record: dict, name: str, source: Source, index: int, where: 
     value = record_field(record, source.column(name), index, source, name)
     if source.formatting == "alpaca":
         if not isinstance(value, str):
-            raise ConfigError(
+            raise DataError(
                 f"{where}: {name} must be text in a ranking alpaca record, got {type(value).__name__}; fix the "
                 "record, or the registry's columns"
             )
         return [{"role": "assistant", "content": value}]
     if not isinstance(value, dict):
-        raise ConfigError(
+        raise DataError(
             f"{where}: {name} must be one turn such as {{'from': 'gpt', 'value': ...}} in a ranking sharegpt "
             f"record, got {type(value).__name__}; fix the record, or the registry's columns"
         )
     turn = sharegpt_turn(value, name, source, where)
     if turn["role"] != "assistant":
-        raise ConfigError(f"{where}: {name} is a {turn['role']} turn; it must be the assistant's answer")
+        raise DataError(f"{where}: {name} is a {turn['role']} turn; it must be the assistant's answer")
     return [turn]
 
 
@@ -148,7 +149,7 @@ def _ranking_parts(record: dict, source: Source, index: int, where: str) -> tupl
         prompt, tools = to_conversation(record, source, index)
         if not prompt or prompt[-1]["role"] not in ("user", "tool"):
             last = prompt[-1]["role"] if prompt else "nothing"
-            raise ConfigError(
+            raise DataError(
                 f"{where}: its {source.column('messages')!r} end with {last}; a ranking record's conversation "
                 "ends with the user's turn that chosen and rejected answer"
             )
@@ -162,12 +163,12 @@ def _refuse_empty(completion, name: str, where: str) -> None:
     else:
         empty = not any(_content_text(turn.get("content")).strip() or turn.get("tool_calls") for turn in completion)
     if empty:
-        raise ConfigError(f"{where}: its {name} completion is empty; give it text, or remove the record")
+        raise DataError(f"{where}: its {name} completion is empty; give it text, or remove the record")
 
 
 def read_pair(record: dict, source: Source, index: int) -> PreferenceExample | None:
     """The record as a preference example, or None where chosen equals rejected (the caller drops and counts
-    it). A ConfigError names the record and the field for what cannot be read as one."""
+    it). A DataError names the record and the field for what cannot be read as one."""
     where = f"dataset {source.name!r}: record {index}"
     reader = _trl_parts if source.formatting == "preference" else _ranking_parts
     prompt, chosen, rejected, tools = reader(record, source, index, where)
@@ -180,7 +181,7 @@ def read_pair(record: dict, source: Source, index: int) -> PreferenceExample | N
         _refuse_empty(chosen, "chosen", where)
         _refuse_empty(rejected, "rejected", where)
     if isinstance(chosen, list) and not prompt:
-        raise ConfigError(f"{where} has no prompt (chosen and rejected share no leading turn); give it a prompt field")
+        raise DataError(f"{where} has no prompt (chosen and rejected share no leading turn); give it a prompt field")
     return PreferenceExample(prompt, chosen, rejected, tools)
 
 
@@ -236,7 +237,7 @@ def _conversation_members(example, template, tokenizer, where: str) -> list[tupl
     for name, encoding in zip(("chosen", "rejected"), tokenizer.encode_batch(texts, add_special_tokens=False)):
         start = next((t for t, (_, end) in enumerate(encoding.offsets) if end > boundary), len(encoding.ids))
         if start == len(encoding.ids):
-            raise ConfigError(
+            raise DataError(
                 f"{where}: the chat template renders nothing of its {name} completion after the prompt; fix the "
                 "record's roles, or set data.chat_template"
             )
@@ -249,7 +250,7 @@ def _text_members(examples: list[PreferenceExample], tokenizer, eos: str) -> lis
     (after the special tokens the tokenizer starts a text with), then the completion's, then EOS."""
     eos_id = tokenizer.token_to_id(eos) if eos else None
     if eos_id is None:
-        raise ConfigError(
+        raise DataError(
             "text preference pairs end each completion with EOS, and the tokenizer has none; set the model's "
             "eos_token_id, or use a tokenizer with <|endoftext|>"
         )
@@ -284,7 +285,7 @@ def _keep(pairs: Pairs, index: int, members, data: DataSection, max_prompt: int,
         return
     kept_prompt = max(f[1] for f in fitted)
     if kept_prompt >= data.seq_len:
-        raise ConfigError(
+        raise DataError(
             f"{where}: its prompt keeps {kept_prompt} tokens (train.dpo.max_prompt_length {max_prompt}), leaving no "
             f"room for a completion in data.seq_len {data.seq_len}; set train.dpo.max_prompt_length below data.seq_len"
         )
@@ -318,8 +319,6 @@ def tokenize_pairs(
     records, source: Source, data: DataSection, max_prompt: int, template, tokenizer, eos: str, batch: int = 512
 ) -> Pairs:
     """The source's records as tokenized pairs, truncated (or dropped) to fit data.seq_len, counted."""
-    from .progress import progress
-
     pairs = Pairs(records=len(records))
     for first in progress(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):
         rows = records[first : first + batch]
@@ -355,7 +354,7 @@ def check_kept(source: Source, pairs: Pairs, data: DataSection, max_prompt: int)
     """Refuse a dataset most of whose pairs would be dropped: that is a wrong setting or a broken dataset."""
     if (pairs.dropped_long + pairs.dropped_identical) * 2 > pairs.records:
         fix = "raise data.seq_len, or set data.too_long: truncate" if pairs.dropped_long else "fix the dataset"
-        raise ConfigError(f"{report_line(source, pairs, data, max_prompt)}: most pairs would be dropped; {fix}")
+        raise DataError(f"{report_line(source, pairs, data, max_prompt)}: most pairs would be dropped; {fix}")
 
 
 # ----------------------------------------------------------------- rows
@@ -372,9 +371,9 @@ def pair_rows(pairs: Pairs, seq_len: int, pad_id: int) -> Tokens:
     return Tokens(tokens, mask, None, valid)
 
 
-def max_prompt_length(data: DataSection, dpo: DPOSection) -> int:
-    """Prompt tokens kept (its last ones): train.dpo.max_prompt_length, by default data.seq_len // 2."""
-    return dpo.max_prompt_length if dpo.max_prompt_length is not None else data.seq_len // 2
+def max_prompt_length(data: DataSection, configured: int | None) -> int:
+    """Prompt tokens kept (its last ones): train.dpo.max_prompt_length (`configured`), by default data.seq_len // 2."""
+    return configured if configured is not None else data.seq_len // 2
 
 
 def _template(tokenizer_path: Path, data: DataSection, eos: str) -> tuple[ChatTemplate, bool]:
@@ -440,19 +439,26 @@ def _tokenized(data, sources, all_records, validation_records, tokenize, max_pro
 
 
 def preference_rows(
-    data: DataSection, dpo: DPOSection, tokenizer, tokenizer_path: Path, eos: str, cache_dir: Path, seed: int
+    data: DataSection,
+    configured_max_prompt: int | None,
+    tokenizer,
+    tokenizer_path: Path,
+    eos: str,
+    cache_dir: Path,
+    seed: int,
 ) -> RecordData:
     """Read, tokenize, truncate and mix the configured preference datasets (cached under `cache_dir`): `train`
     (and `validation`) Tokens of [2 * pairs, data.seq_len], row 2i pair i's chosen and row 2i + 1 its rejected
-    sequence, loss_mask True on the completions, valid False on padding. `tokenizer`: a tokenizers.Tokenizer
+    sequence, loss_mask True on the completions, valid False on padding; each prompt cut to its last
+    `configured_max_prompt` tokens (train.dpo.max_prompt_length; None: data.seq_len // 2). `tokenizer`: a tokenizers.Tokenizer
     (the file `tokenizer_path`, whose directory holds its chat template); `eos`: the EOS token's text."""
     data.check_pair_settings()
     sources = resolve_sources(data)
     if not pair_sources(sources):
-        raise ConfigError(
+        raise DataError(
             "data.dataset names no preference pairs; set data.format: preference, or name ranking registry entries"
         )
-    max_prompt = max_prompt_length(data, dpo)
+    max_prompt = max_prompt_length(data, configured_max_prompt)
     template, fallback = _template(tokenizer_path, data, eos)
     all_records = [load_records(s) for s in sources]
     validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None

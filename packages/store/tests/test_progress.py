@@ -3,9 +3,8 @@ import io
 import pytest
 from tqdm import tqdm
 
-import megatrain.progress as progress_module
-from megatrain.cli import main
-from megatrain.progress import LOG_INTERVAL_S, LineProgress, progress
+import megatrain_store.progress as progress_module
+from megatrain_store.progress import LOG_INTERVAL_S, LineProgress, progress, size_text
 
 
 class Terminal(io.StringIO):
@@ -67,25 +66,7 @@ def test_fast_units_are_counted_per_second_and_an_unknown_total_by_count(clock):
     assert bar.line(clock[0] + 2.0) == "eval: 500 pairs, 250 pair/s, elapsed 00:02"
 
 
-def test_a_redirected_training_run_logs_lines_not_a_redrawn_bar(write_config, capsys):
-    assert main(["train", "--config", str(write_config())]) == 0
-    err = capsys.readouterr().err
-    assert "\r" not in err
-    assert any(line.startswith("train: 3/3 steps (100%), ") and "loss=" in line for line in err.splitlines()), err
-
-
-def test_saving_loading_and_exporting_the_state_show_their_progress(write_config, tmp_path, capsys, monkeypatch):
-    """Long for a large model (hundreds of GB), so each says how far it is: here a line per unit."""
-    monkeypatch.setattr(progress_module, "LOG_INTERVAL_S", 0.0)
-    config = write_config(train={"save_every": 3})
-    assert main(["train", "--config", str(config)]) == 0
-    saved = capsys.readouterr().err.splitlines()
-    assert main(["eval", "--config", str(config), "--checkpoint", str(tmp_path / "run/checkpoints/step-00000003")]) == 0
-    assert main(["eval", "--config", str(config), "--checkpoint", str(tmp_path / "run/final")]) == 0
-    loaded = capsys.readouterr().err.splitlines()
-
-    def finished(lines, start):
-        return [line for line in lines if line.startswith(start) and "(100%)" in line]
-
-    assert finished(saved, "save step-00000003: ") and finished(saved, "write final: ")
-    assert finished(loaded, "load step-00000003/model.safetensors: ") and finished(loaded, "load weights: ")
+def test_sizes_are_mib_below_a_gib_and_gib_from_one_on():
+    assert (
+        size_text(3 * 2**20) == "3.0 MiB" and size_text(2**30) == "1.00 GiB" and size_text(5 * 2**30 // 2) == "2.50 GiB"
+    )

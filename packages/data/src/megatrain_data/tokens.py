@@ -1,0 +1,233 @@
+"""Token ids for training: text files and tokenizers (trained, cached, read), and the arrays they give.
+
+The base of the data package beside records.py: everything else turns data into `Tokens`, and load.py picks which
+path a run's data takes.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def builtin_corpus() -> Path:
+    """The small English corpus shipped with megatrain (see corpus/SOURCE.md)."""
+    return Path(str(resources.files("megatrain_data") / "corpus" / "python_reference.txt"))
+
+
+def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"{where}: expected a 1-D integer array of token ids, got {tokens.dtype} {tokens.shape}")
+    if tokens.size == 0:
+        raise DataError(f"{where} is empty; point data.tokens at a non-empty array of token ids")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise DataError(
+            f"{where}: token ids span [{low}, {high}] but the model's vocab_size is {vocab_size}; "
+            "use the tokenizer the model was built for, or a model with a larger vocabulary"
+        )
+
+
+def not_utf8_where(path: Path, chunk_bytes: int = 1 << 24) -> str | None:
+    """Where the file's first byte that is not UTF-8 lies, in words ("PATH line 3, byte offset 41 (0xff) is not
+    UTF-8"); None where the whole file is UTF-8. Read in chunks: a dataset may be larger than memory."""
+    offset, line, carried = 0, 1, b""
+    with open(path, "rb") as file:
+        while True:
+            chunk = carried + file.read(chunk_bytes)
+            at_end = len(chunk) == len(carried)
+            try:
+                chunk.decode("utf-8")
+                carried = b""
+            except UnicodeDecodeError as error:
+                # (a character cut by the chunk's end is whole in the next one)
+                if error.reason == "unexpected end of data" and not at_end:
+                    chunk, carried = chunk[: error.start], chunk[error.start :]
+                else:
+                    line += chunk.count(b"\n", 0, error.start)
+                    return (
+                        f"{path} line {line}, byte offset {offset + error.start} "
+                        f"(0x{chunk[error.start]:02x}) is not UTF-8"
+                    )
+            if at_end:
+                return None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+
+
+# Bumped whenever the tokenizer megatrain trains changes for the same text and vocabulary (its cache key)
+TOKENIZER_FORMAT = 2  # 2: the text's own bytes where the model's vocabulary cannot hold all 256 beside EOS
+
+
+def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_path: Path, texts=None):
+    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens on text files (or an iterator of texts);
+    save it as `out_path`. Its alphabet is every byte where the vocabulary holds them all beside EOS, else (the
+    tiny test models' 256) the bytes the texts use: any other byte cannot be encoded. Refused (`DataError`)
+    where the texts use more distinct bytes than the vocabulary holds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    every_byte = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=every_byte if len(every_byte) + 1 <= vocab_size else [],
+        show_progress=False,
+    )
+    if texts is not None:
+        tokenizer.train_from_iterator(texts, trainer)
+    else:
+        paths = text_path if isinstance(text_path, list) else [text_path]
+        tokenizer.train([str(p) for p in paths], trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise DataError(
+            f"the text uses {tokenizer.get_vocab_size() - 1} distinct bytes: a tokenizer of them and EOS needs "
+            f"{tokenizer.get_vocab_size()} tokens, more than the model's vocab_size of {vocab_size}; train a model "
+            "with a larger vocabulary, or set data.tokenizer to a tokenizer.json that fits it"
+        )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    staged = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    tokenizer.save(str(staged))
+    os.replace(staged, out_path)  # (a run reading the cache never sees half a file)
+    return tokenizer
+
+
+def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train) -> Path:
+    """The tokenizer megatrain trains for data whose content `key` names (with the vocabulary size and
+    TOKENIZER_FORMAT), trained by `train(path)` only the first time: a resumed or repeated run reuses it."""
+    settings = json.dumps([TOKENIZER_FORMAT, vocab_size, key])
+    path = cache_dir / f"tokenizer-{hashlib.sha256(settings.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        train(path)
+    return path
+
+
+def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path) -> Path:
+    """The BPE tokenizer trained on plain-text files (the training text and a validation file, so that it
+    knows every byte of both), cached by their content."""
+    digest = hashlib.sha256()
+    for path in text_paths:
+        digest.update(_read_text(path, "data.text").encode() + b"\0")
+    return cached_tokenizer(
+        digest.hexdigest(), vocab_size, cache_dir, lambda out: train_tokenizer(list(text_paths), vocab_size, out)
+    )
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{what} {not_utf8_where(path)}; save it as UTF-8") from None
+    except OSError as error:
+        raise DataError(f"cannot read {what} {path}: {error}") from error
+    if not text.strip():
+        raise DataError(f"{what} {path} is empty")
+    return text
+
+
+def load_tokenizer(path: Path, what: str = "data.tokenizer"):
+    """A tokenizers.Tokenizer from a tokenizer.json, or a `DataError` naming the file and the fix."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{what} {path} is a directory; name the tokenizer.json in it ({path / 'tokenizer.json'})")
+    if not path.is_file():
+        raise DataError(
+            f"{what} {path} does not exist; point it at a tokenizer.json, or leave data.tokenizer out to use the "
+            "model directory's (or, for plain text, one trained on it)"
+        )
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises its own exception type
+        raise DataError(f"{what} {path} is not a tokenizer.json that tokenizers reads: {error}") from error
+
+
+def tokenize_text(
+    text_path: Path, tokenizer_path: Path | None, vocab_size: int, cache_dir: Path
+) -> tuple[np.ndarray, Path]:
+    """Token ids of a text file (cached on disk by content + tokenizer) and the tokenizer used (None: one
+    trained on the text, see `text_tokenizer`)."""
+    text_path = Path(text_path)
+    text = _read_text(text_path, "data.text")
+    if tokenizer_path is None:
+        tokenizer_path = text_tokenizer([text_path], vocab_size, cache_dir)
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise DataError(
+            f"tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+            f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
+        )
+    key = hashlib.sha256(text.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
+    cached = cache_dir / f"tokens-v2-{key}.npy"  # v2: the document's start tokens once, not per paragraph
+    if cached.exists():
+        return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
+        # one document (starting as the tokenizer starts a text: Gemma's and Llama's <bos>); encoded paragraph by
+    # paragraph so the tokenizer can use all cores
+    paragraphs = [p + "\n\n" for p in text.split("\n\n")]
+    encoded = tokenizer.encode_batch(paragraphs, add_special_tokens=False)
+    ids = document_start_ids(tokenizer) + [i for encoding in encoded for i in encoding.ids]
+    tokens = np.asarray(ids, dtype=np.int32)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staged = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npy")
+    np.save(staged, tokens)
+    os.replace(staged, cached)  # (an evaluation reading the cache beside a run never sees half a file)
+    return tokens, Path(tokenizer_path)
+
+
+@dataclass
+class Tokens:
+    """Token ids: a 1-D stream cut into consecutive windows, or [rows, seq_len] rows with a loss mask
+    (the tokens that are targets) and, when several documents are packed per row, position ids."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray | None = None
+    position_ids: np.ndarray | None = None
+    valid: np.ndarray | None = None  # rows: False where a row is padding
+
+    def save(self, prefix: str) -> None:
+        """prefix.tokens.npy and, when present, prefix.loss_mask.npy, ... (the tokenized-data cache)."""
+        for item in fields(self):
+            if getattr(self, item.name) is not None:
+                np.save(f"{prefix}.{item.name}.npy", getattr(self, item.name))
+
+    @classmethod
+    def load(cls, prefix: str) -> "Tokens":
+        """What `save` wrote, memory-mapped."""
+        paths = {item.name: Path(f"{prefix}.{item.name}.npy") for item in fields(cls)}
+        return cls(**{name: np.load(path, mmap_mode="r") for name, path in paths.items() if path.exists()})
+
+
+def eos_token_text(tokenizer, eos_token_id: int | None) -> str:
+    """The text of the token that ends a document: the model's EOS where the tokenizer has it, else megatrain's."""
+    if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
+        return tokenizer.id_to_token(eos_token_id)
+    return EOS_TOKEN if tokenizer.token_to_id(EOS_TOKEN) is not None else ""
+
+
+def document_start_ids(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text, as transformers' `tokenizer(text)` adds them
+    (`<bos>`: Gemma, Llama, Mistral; none: Qwen): each document of pre-training text starts with them."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def pad_token_id(tokenizer, eos: str) -> int:
+    for text in ("<|endoftext|>", "<pad>", "[PAD]", eos):
+        if text and tokenizer.token_to_id(text) is not None:
+            return tokenizer.token_to_id(text)
+    return 0
