@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, write_results  # noqa: E402
 
 from megatrain.cli import main as megatrain  # noqa: E402
-from megatrain.data import train_tokenizer  # noqa: E402
+from megatrain_data import train_tokenizer  # noqa: E402
 
 
 def digit_then_sum(prompts, completions, answer, **_):

@@ -18,7 +18,7 @@ import torch
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
-from megatrain.data import TokenWindows, load_token_array
+from megatrain_data import TokenWindows, load_token_array
 from megatrain_zoo import preset
 
 

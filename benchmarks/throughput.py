@@ -160,7 +160,7 @@ def _batches(config, model, real_text, doc_len):
     seq_len = config.data.seq_len
     if not real_text:
         return lambda n_seqs: random_batch(n_seqs, seq_len, model.vocab_size, doc_len)
-    from megatrain.data import TokenWindows, load_token_array
+    from megatrain_data import TokenWindows, load_token_array
 
     tokens, _ = load_token_array(config.data, min(8192, model.vocab_size), Path(config.output_dir), None)
     windows, served = {}, itertools.count(1)
