@@ -8,10 +8,15 @@ from .config import (
     flops_per_token,
     linear_attention_flops_per_token,
 )
-from .generic import GenericError, generic_notes
-from .hf import config_from_hf, config_to_hf, model_config_from_hf, read_hf_config
-from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
+from .generic import generic_notes
+from .hf import config_from_hf
+from .hf_export import config_to_hf
+from .model import build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
+from .read import model_config_from_hf, read_hf_config
+from .shapes import block_shape
+from .skeleton import GenericError
+from .spec import Group, ModelSpec, StageSpec
 
 __all__ = [
     "ARCHITECTURES",
