@@ -16,7 +16,7 @@ DEPENDS = {
     "templates": [],
     "optim": ["store"],
     "sched": ["store"],
-    "zoo": ["templates"],
+    "zoo": ["store", "templates"],
     "megatrain": ["store", "optim", "sched", "templates", "zoo"],
 }
 

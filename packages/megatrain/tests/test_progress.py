@@ -3,9 +3,9 @@ import io
 import pytest
 from tqdm import tqdm
 
-import megatrain.progress as progress_module
+import megatrain_store.progress as progress_module
 from megatrain.cli import main
-from megatrain.progress import LOG_INTERVAL_S, LineProgress, progress
+from megatrain_store.progress import LOG_INTERVAL_S, LineProgress, progress
 
 
 class Terminal(io.StringIO):

@@ -18,11 +18,11 @@ import zlib
 from pathlib import Path
 
 from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, write_safetensors
+from megatrain_store.progress import counting, progress
 from megatrain_zoo import ModelConfig
+from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, load_groups
 
 from .config import ConfigError
-from .hf_io import WholeGroups, all_finite, is_hf_directory, load_groups
-from .progress import counting, progress
 from .rundir import SaveError, free_bytes, size_text
 
 MANIFEST = "manifest.json"

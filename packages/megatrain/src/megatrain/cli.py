@@ -294,9 +294,11 @@ def run_train(args) -> None:
 
 def run_convert(args) -> None:
     """`megatrain convert SOURCE DIR`: a model directory served as trained; says what it wrote."""
+    from megatrain_zoo.hf_weights import is_hf_directory
+
     from .checkpoint import find_weights
     from .config import ConfigError
-    from .hf_io import convert, is_hf_directory
+    from .export import convert
     from .rundir import SaveError
     from .serving import describe_export
 

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatrain_store import atomic_write_text
+from megatrain_store.progress import progress
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
+from megatrain_zoo.hf_weights import checkpoint_files
 
 from .checkpoint import (
     CHECKPOINTS,
@@ -37,9 +39,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
-from .hf_io import checkpoint_files
 from .multimodal import MediaRows, check_media_model, media_of, row_windows
-from .progress import progress
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rewards import RewardError
 from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of

@@ -326,7 +326,7 @@ class MediaEncoder:
 def media_examples(records, source: Source, encoder: MediaEncoder, data: DataSection) -> MediaExamples:
     """Every record of a source encoded, after truncation or dropping of long examples (an example whose
     truncation would cut an image's tokens is dropped: the model needs all of them)."""
-    from .progress import progress
+    from megatrain_store.progress import progress
 
     columns, base = media_columns(source, records), media_base(source, data)
     examples = MediaExamples([], [], len(records))

@@ -318,7 +318,7 @@ def tokenize_pairs(
     records, source: Source, data: DataSection, max_prompt: int, template, tokenizer, eos: str, batch: int = 512
 ) -> Pairs:
     """The source's records as tokenized pairs, truncated (or dropped) to fit data.seq_len, counted."""
-    from .progress import progress
+    from megatrain_store.progress import progress
 
     pairs = Pairs(records=len(records))
     for first in progress(range(0, len(records), batch), desc=f"tokenize {source.name}", unit="batch", leave=False):

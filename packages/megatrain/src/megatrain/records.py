@@ -414,7 +414,7 @@ def tokenize_source(
     """Token ids and trained flags per record, after truncation or dropping of long examples."""
     import jinja2
 
-    from .progress import progress
+    from megatrain_store.progress import progress
 
     special = special_token_ids(tokenizer)
     document_start = document_start_ids(tokenizer) if source.formatting == "text" else []

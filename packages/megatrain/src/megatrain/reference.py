@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from megatrain_store import atomic_write
+from megatrain_store.progress import progress
 from megatrain_templates import Sequences
 from megatrain_zoo import ZooError, read_hf_config
 
 from .config import ConfigError
 from .data import Batch, Tokens, sequence_lengths
-from .progress import progress
 
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
 # only each micro-batch's current activation)

@@ -11,6 +11,7 @@ from .config import (
 from .generic import generic_notes
 from .hf import config_from_hf
 from .hf_export import config_to_hf
+from .hf_weights import check_hf_weights, load_hf_weights
 from .model import build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
 from .read import model_config_from_hf, read_hf_config
@@ -35,6 +36,8 @@ __all__ = [
     "GenericError",
     "generic_notes",
     "config_to_hf",
+    "check_hf_weights",
+    "load_hf_weights",
     "flops_per_token",
     "linear_attention_flops_per_token",
     "init_param_",
