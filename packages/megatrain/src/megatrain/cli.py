@@ -414,8 +414,10 @@ def run_generate(config, args) -> None:
     """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
     import json
 
+    from megatrain_zoo.generate import Sampling
+
     from .data import eos_token_text, load_tokenizer
-    from .generate import Sampling, generate_completions, read_prompts
+    from .generate import generate_completions, read_prompts
     from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)

@@ -39,10 +39,11 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .data import PairWindows, TokenData, TokenWindows, load_token_data
 from .distributed import Ranks, init_ranks, leave_ranks
+from .grpo import check_grpo_settings, make_rollouts
 from .multimodal import MediaRows, check_media_model, media_of, row_windows
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rewards import RewardError
-from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
+from .rollouts import tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir, size_text
 from .serving import describe_export, keep_in_run, serving_of_run
 from .trackers import check_trackers, open_trackers
