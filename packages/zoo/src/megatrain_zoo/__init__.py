@@ -1,4 +1,5 @@
-"""Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
+"""Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs; Hugging Face weights into
+and out of a store (`hf_weights`), generation on transformers' modules (`generate`)."""
 
 from .config import (
     ARCHITECTURES,

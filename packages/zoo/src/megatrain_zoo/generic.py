@@ -1,14 +1,11 @@
 """Any transformers decoder on day one: stateless templates that call the model's own modules with the streamed
 weights, exact by construction; the native templates stay the fast path.
 
-transformers' causal LM is built once from the config with its parameters on the meta device (its buffers, the
-rotary tables, real). Each stage binds its slot's views to the parameters it owns (`torch.func.functional_call`):
-the embedding stage runs the model's forward up to its first layer (the embedding and whatever the model does to it
-before the layers), a layer stage one decoder layer, the head stage everything after the last layer (final norm,
-LM head, soft caps and scalings) then the cross-entropy. The arguments the model's forward gives each layer
-(position embeddings, masks for causal, sliding or chunked attention, packed documents where transformers supports
-them, a hybrid's per-layer extras) are taken from that forward itself, run with the layers stood in for, once per
-micro-batch shape.
+transformers' causal LM is built once from the config with its parameters on the meta device (`skeleton.py`); each
+stage binds its slot's views to the parameters it owns (`generic_stages.py`). This module makes such a model's
+`ModelConfig` (`generic_model_config`: the sizes megatrain plans with, its counts from the modules themselves) and
+its `ModelSpec` (`build_generic_model`: a stage per decoder layer beside the embedding and the head), refusing in
+one line what the generic path cannot train.
 """
 
 import contextlib
