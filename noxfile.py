@@ -27,7 +27,7 @@ DEPENDS = {
     "templates": [],
     "optim": ["store"],
     "sched": ["store"],
-    "zoo": ["templates"],
+    "zoo": ["store", "templates"],
     "data": ["store"],
     "megatrain": ["store", "optim", "sched", "templates", "zoo", "data"],
 }

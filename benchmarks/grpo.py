@@ -23,10 +23,10 @@ from common import base_row, machine, table, write_results  # noqa: E402
 from throughput import BenchTrainer  # noqa: E402
 
 from megatrain.config import Config, DataSection, GRPOSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
-from megatrain.generate import Generator, Sampling  # noqa: E402
 from megatrain.rollouts import rows_of  # noqa: E402
 from megatrain_templates import Rollout, group_advantages  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
+from megatrain_zoo.generate import Generator, Sampling  # noqa: E402
 
 
 def synchronize() -> None:

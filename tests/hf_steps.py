@@ -290,7 +290,7 @@ def check_extra_tensors_are_left_out(reference, extra: dict, what: str, tmp_path
     `megatrain convert` writes the checkpoint without them."""
     from safetensors.torch import load_file, save_file
 
-    from megatrain.hf_io import convert
+    from megatrain.export import convert
 
     reference.save_pretrained(tmp_path / "hf")
     (weights,) = (tmp_path / "hf").glob("*.safetensors")

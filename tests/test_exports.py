@@ -196,7 +196,7 @@ def test_a_run_on_token_ids_exports_the_model_directorys_tokenizer(model_dirs, t
 
 KILLED_IN_EXPORT = """
 import os, signal, sys
-import megatrain.hf_io as hf_io
+import megatrain.export as hf_io
 from megatrain.cli import main
 
 write = hf_io.write_safetensors

@@ -13,8 +13,8 @@ from test_exactness import rel_err
 
 from megatrain import Trainer
 from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
-from megatrain.generate import Generator, Sampling
 from megatrain_data import DataSection
+from megatrain_zoo.generate import Generator, Sampling
 
 
 def trainer_of(model: ModelSection, tmp_path, device="cpu") -> Trainer:
@@ -131,7 +131,7 @@ def test_row_sampler_draws_from_the_warped_distribution(top_k, top_p):
     """Over many rows (keys), the Gumbel-max draws' frequencies match the softmax of transformers' warped logits."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    from megatrain.generate import RowSampler, row_keys
+    from megatrain_zoo.generate import RowSampler, row_keys
 
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))))
     rows, temperature = 200_000, 0.7

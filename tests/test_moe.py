@@ -618,7 +618,7 @@ def test_mxfp4_experts_are_dequantized_on_import(experts_per_stage, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from megatrain.hf_io import dequantize_mxfp4, mxfp4_shapes
+    from megatrain_zoo.hf_weights import dequantize_mxfp4, mxfp4_shapes
 
     reference = hf_model("tiny-gpt-oss", False, 6)
     reference.save_pretrained(tmp_path / "hf")
@@ -645,7 +645,7 @@ def test_mxfp4_experts_are_dequantized_on_import(experts_per_stage, tmp_path):
     assert torch.equal(ours["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     trainer.close()
     if experts_per_stage == "auto":  # `megatrain convert` writes the experts dequantized too
-        from megatrain.hf_io import convert
+        from megatrain.export import convert
 
         written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
         for name, value in expected.items():
@@ -702,7 +702,7 @@ def test_fp8_checkpoints_are_dequantized_on_import(experts_per_stage, tmp_path):
         assert rel_err(trainer.logits(ids), dequantized(ids).logits) < 1e-5
     trainer.close()
     if experts_per_stage == "auto":  # `megatrain convert` writes such a directory dequantized too
-        from megatrain.hf_io import convert
+        from megatrain.export import convert
 
         written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
         assert not any(name.endswith("_scale_inv") or ".layers.3." in name for name in written)
@@ -714,7 +714,7 @@ def test_fp8_checkpoints_are_dequantized_on_import(experts_per_stage, tmp_path):
 def test_fp8_tiles_that_overhang_the_matrix_scale_what_they_cover():
     """DeepSeek's own dequantization (inference/kernel.py): ceil(rows / 128) x ceil(cols / 128) scales,
     the last row and column of tiles cut off at the matrix's edge; also for a group's rows alone."""
-    from megatrain.hf_io import dequantize_fp8_blocks
+    from megatrain_zoo.hf_weights import dequantize_fp8_blocks
 
     weight = torch.randn(40, 20).to(torch.float8_e4m3fn)
     scale_inv = torch.rand(3, 2) + 0.5  # 16 x 16 tiles: 40 = 16 + 16 + 8 rows, 20 = 16 + 4 columns

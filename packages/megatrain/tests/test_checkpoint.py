@@ -377,7 +377,7 @@ def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
 def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tmp_path, capsys, monkeypatch, fallback):
     """Disk full while writing final/ with save_every 0: the state goes to fallback_dir as a checkpoint (which
     converts to the model), or the line says the whole run is lost; final/ is not left half-written."""
-    import megatrain.hf_io as hf_io
+    import megatrain.export as hf_io
 
     real_write = hf_io.write_safetensors
 
@@ -434,7 +434,7 @@ def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
     import torch
     from tokenizers import Tokenizer, models
 
-    from megatrain.hf_io import write_hf_directory
+    from megatrain.export import write_hf_directory
     from megatrain_store import Pending
 
     def entries(n: int) -> list:

@@ -20,9 +20,9 @@ from pathlib import Path
 from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, write_safetensors
 from megatrain_store.progress import counting, progress, size_text
 from megatrain_zoo import ModelConfig
+from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, load_groups
 
 from .config import ConfigError
-from .hf_io import WholeGroups, all_finite, is_hf_directory, load_groups
 from .rundir import SaveError, free_bytes
 
 MANIFEST = "manifest.json"

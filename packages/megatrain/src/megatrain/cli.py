@@ -297,10 +297,11 @@ def run_train(args) -> None:
 def run_convert(args) -> None:
     """`megatrain convert SOURCE DIR`: a model directory served as trained; says what it wrote."""
     from megatrain_data.serving import describe_export
+    from megatrain_zoo.hf_weights import is_hf_directory
 
     from .checkpoint import find_weights
     from .config import ConfigError
-    from .hf_io import convert, is_hf_directory
+    from .export import convert
     from .rundir import SaveError
 
     out = Path(args.out)
@@ -417,8 +418,9 @@ def run_generate(config, args) -> None:
     import json
 
     from megatrain_data import eos_token_text, load_tokenizer
+    from megatrain_zoo.generate import Sampling
 
-    from .generate import Sampling, generate_completions, read_prompts
+    from .generate import generate_completions, read_prompts
     from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)

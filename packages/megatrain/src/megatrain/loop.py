@@ -23,6 +23,7 @@ from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress, size_text
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
+from megatrain_zoo.hf_weights import checkpoint_files
 
 from .checkpoint import (
     CHECKPOINTS,
@@ -40,10 +41,10 @@ from .checkpoint import (
 )
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .distributed import Ranks, init_ranks, leave_ranks
-from .hf_io import checkpoint_files
+from .grpo import check_grpo_settings, make_rollouts
 from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
 from .rewards import RewardError
-from .rollouts import check_grpo_settings, make_rollouts, tokenizer_of
+from .rollouts import tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir
 from .trackers import check_trackers, open_trackers
 from .trainer import NonFiniteError, Trainer

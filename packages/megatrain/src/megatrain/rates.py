@@ -324,7 +324,7 @@ def measure_gpu_rates(
 def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
     """The model's layers grouped by what fixes their speed: their template's `kind` (a generic model's module and
     layer type), else their block shape and whether they are MoE."""
-    from megatrain_zoo.model import block_shape
+    from megatrain_zoo import block_shape
 
     kinds: dict[tuple, list[int]] = {}
     for layer in range(model.n_layers):

@@ -1,5 +1,6 @@
 """GRPO's steps: rows of prompts and completions with their advantages, generated from the current weights
-(`GeneratedRollouts`) or read from a file of completions an outside engine sampled (`FileRollouts`).
+(`GeneratedRollouts`) or read from a file of completions an outside engine sampled (`rollout_file.FileRollouts`);
+`grpo.make_rollouts` builds the run's.
 
 A step's `train.batch_size` rows are `batch_size / num_generations` prompts, each with `num_generations`
 completions side by side (a group). Which prompts and which sample depend on the step alone: generation `g =
@@ -17,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain_data import Batch, load_chat_template, load_tokenizer, pad_token_id
+from megatrain_data import Batch, load_chat_template, load_tokenizer
 from megatrain_data.records import load_records, resolve_sources
 from megatrain_templates import Rollout, group_advantages
+from megatrain_zoo.generate import Generator, Sampling
 
 from .config import Config, ConfigError
 from .rewards import RewardError, Rewards, completion_text
@@ -187,8 +189,6 @@ class GeneratedRollouts(_Rollouts):
     """Completions of the run's prompts, generated from the current weights; rewards from its functions."""
 
     def __init__(self, trainer, config: Config, prompts: Prompts, tokenizer, stops: tuple[int, ...], pad_id: int):
-        from .generate import Generator, Sampling
-
         super().__init__(trainer, config)
         self.prompts, self.tokenizer, self.pad_id = prompts, tokenizer, pad_id
         self.rewards = Rewards(self.grpo.reward_funcs, self.grpo.reward_weights)
@@ -285,52 +285,3 @@ def _length_metrics(completions: list[list[int]], stops: tuple[int, ...]) -> dic
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": sum(clipped) / len(completions),
     }
-
-
-def check_grpo_settings(config: Config, ranks=None) -> None:
-    """Refuse GRPO settings that cannot run, before anything is loaded."""
-    g, data = config.train.grpo, config.data
-    if g.rollouts is None and ranks is not None and ranks.split_state:
-        raise ConfigError(
-            "GRPO generating its completions needs every host to hold the whole weights: set "
-            "engine.shard_across_hosts: false, or give train.grpo.rollouts (given completions train on split hosts)"
-        )
-    if g.rollouts is None and data.dataset is None:
-        raise ConfigError(
-            "train.objective grpo generates from prompts: set data.dataset (format prompt), or train.grpo.rollouts"
-        )
-    if g.rollouts is None:
-        from .generate import require_transformers
-
-        require_transformers("GRPO sampling its completions (train.grpo.rollouts unset)")
-    if data.seq_len < g.max_prompt_length + g.max_completion_length:
-        raise ConfigError(
-            f"data.seq_len {data.seq_len} cannot hold a prompt of train.grpo.max_prompt_length "
-            f"{g.max_prompt_length} and a completion of max_completion_length {g.max_completion_length}: "
-            f"set data.seq_len to {g.max_prompt_length + g.max_completion_length} or lower those"
-        )
-    if data.pack:
-        raise ConfigError("data.pack: GRPO trains a row per completion; set data.pack: false")
-
-
-def make_rollouts(trainer, config: Config):
-    """The run's rollouts: generated from its prompts, or read from train.grpo.rollouts; said in one line."""
-    from megatrain_data import eos_token_text
-
-    tokenizer, path = tokenizer_of(config)
-    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
-    pad = pad_token_id(tokenizer, eos)
-    if config.train.grpo.rollouts is not None:
-        from .rollout_file import FileRollouts
-
-        return FileRollouts(trainer, config, tokenizer, path, eos, pad)
-    prompts = load_prompts(config, tokenizer, path, eos)
-    stops = stop_ids(trainer.model_config, tokenizer, path, eos)
-    if trainer.is_main:
-        print(
-            f"megatrain: GRPO on {len(prompts.ids)} prompts, {config.train.grpo.num_generations} completions each "
-            f"of up to {config.train.grpo.max_completion_length} tokens (stop tokens {list(stops)}), generated "
-            f"from the current weights (train.grpo.generation_weights {config.train.grpo.generation_weights})",
-            file=sys.stderr,
-        )
-    return GeneratedRollouts(trainer, config, prompts, tokenizer, stops, pad)

@@ -34,6 +34,14 @@ from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences, set_compile
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
+from megatrain_zoo.hf_weights import (
+    WholeGroups,
+    all_finite,
+    check_hf_weights,
+    load_hf_weights,
+    named_masters,
+    named_wire,
+)
 
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import (
@@ -46,7 +54,7 @@ from .distributed import (
     leave_ranks,
     shared_arenas,
 )
-from .hf_io import WholeGroups, all_finite, check_hf_weights, export_hf, load_hf_weights, named_masters, named_wire
+from .export import export_hf
 from .objectives import check_model_settings, make_objective
 from .plan import Machine, Planner, check_plan
 from .rates import run_rates

@@ -1,4 +1,5 @@
-"""Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs."""
+"""Model zoo: architecture configs, presets, Hugging Face config I/O, counts, layer specs; Hugging Face weights into
+and out of a store (`hf_weights`), generation on transformers' modules (`generate`)."""
 
 from .config import (
     ARCHITECTURES,
@@ -8,10 +9,16 @@ from .config import (
     flops_per_token,
     linear_attention_flops_per_token,
 )
-from .generic import GenericError, generic_notes
-from .hf import config_from_hf, config_to_hf, model_config_from_hf, read_hf_config
-from .model import Group, ModelSpec, StageSpec, block_shape, build_model, expert_parts, init_param_
+from .generic import generic_notes
+from .hf import config_from_hf
+from .hf_export import config_to_hf
+from .hf_weights import check_hf_weights, load_hf_weights
+from .model import build_model, expert_parts, init_param_
 from .presets import PRESETS, preset
+from .read import model_config_from_hf, read_hf_config
+from .shapes import block_shape
+from .skeleton import GenericError
+from .spec import Group, ModelSpec, StageSpec
 
 __all__ = [
     "ARCHITECTURES",
@@ -30,6 +37,8 @@ __all__ = [
     "GenericError",
     "generic_notes",
     "config_to_hf",
+    "check_hf_weights",
+    "load_hf_weights",
     "flops_per_token",
     "linear_attention_flops_per_token",
     "init_param_",

@@ -1,10 +1,10 @@
-"""How a family's checkpoints name and lay out the weights transformers' modules hold (`megatrain_zoo.generic`):
+"""How a family's checkpoints name and lay out the weights transformers' modules hold (`megatrain_zoo.skeleton`):
 transformers' own conversion mapping, both ways, a group of tensors at a time."""
 
 import torch
 from torch import Tensor
 
-from .generic import GenericError, HFSkeleton
+from .skeleton import GenericError, HFSkeleton
 
 
 class CheckpointLayout:

@@ -1,7 +1,7 @@
 """Image-text models trained whole: the vision tower's blocks are stages of the same pipeline as the decoder's layers.
 
 transformers' image-text model (`AutoModelForImageTextToText`) is built once on the meta device, as the generic
-decoder's causal LM is (`generic.HFSkeleton`), and its forward drives every stage with the tower's blocks and the
+decoder's causal LM is (`skeleton.HFSkeleton`), and its forward drives every stage with the tower's blocks and the
 decoder's layers stood in for:
 
     vision embedding    the forward up to the tower's first block (patch and position embeddings, a window
@@ -36,20 +36,19 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from .generic import (
+from .checkpoint_layout import CheckpointLayout
+from .generic_stages import GenericHead, GenericLayer, _GenericStage, _spec
+from .skeleton import (
     CalledModules,
     GenericError,
-    GenericHead,
-    GenericLayer,
     HFSkeleton,
     Parts,
-    _GenericStage,
     _hidden_states,
     _hidden_states_first,
     _output,
     _Reached,
-    _spec,
 )
+from .spec import Group, ModelSpec, StageSpec
 
 # where transformers' image-text models keep their vision tower
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -632,9 +631,6 @@ def build_image_text_model(config):
     """The `ModelSpec` of an image-text model: groups [the tower's embedding, each of its blocks, the connector's
     (the tower's end, the projector, the token embedding: a group per part, so that each can be frozen alone),
     each decoder layer, the head], one stage each."""
-    from .checkpoint_layout import CheckpointLayout
-    from .model import Group, ModelSpec, StageSpec
-
     skeleton = ImageTextSkeleton(json.loads(config.hf_config))
     parts, shapes = skeleton.parts, skeleton.shapes
 

@@ -1,269 +1,34 @@
-"""A model as groups (transfer units of parameters, Hugging Face names) and stages (templates)."""
+"""Building a model's spec: a native family's groups and stages from its templates, or a generic or image-text
+model's (`generic.py`, `image_text.py`); Hugging Face initialisation of its weights."""
 
 import zlib
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from megatrain_templates import (
-    BlockShape,
     DecoderBlock,
     Embedding,
-    GatedDeltaNetShape,
     Head,
-    Mamba2Shape,
-    MlaShape,
     MoeAttention,
     MoeBlock,
     MoeExperts,
-    MoeShape,
     ParamSpec,
-    RopeConfig,
     RouterLoad,
-    fused_expert_names,
     row_slice_of,
     split_precision_of,
-    yarn_mscale,
 )
 
-from .config import LINEAR_ATTENTION_ARCHITECTURES, LINEAR_ATTENTION_CHUNK, ModelConfig
-
-
-@dataclass(frozen=True)
-class Group:
-    """One transfer unit: the parameters stored, moved and updated together."""
-
-    name: str
-    params: tuple[ParamSpec, ...]  # global (Hugging Face) names, in buffer order
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    name: str
-    template: Any
-    groups: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    config: ModelConfig
-    groups: tuple[Group, ...]
-    stages: tuple[StageSpec, ...]
-    router_load: RouterLoad | None = None  # the MoE layers' shared routing statistics (None: dense)
-    # (first, stop) expert ranges a MoE layer streams in, one stage and group each; empty: whole layers
-    expert_parts: tuple[tuple[int, int], ...] = ()
-    # a model of transformers' own modules: how its family's checkpoints name and lay out its weights
-    checkpoint_layout: Any = None
-    # an image-text model's part of each group: "vision_tower", "multi_modal_projector" or "language_model" (what
-    # train.freeze_* names), or "unused" (tower blocks after those whose output the model takes: always frozen);
-    # empty: a text model's, all language model
-    group_parts: tuple[str, ...] = ()
-
-    def layer_stage(self, layer: int) -> int:
-        """The stage of decoder layer `layer` (whole layers: no expert parts): after the embedding, or after an
-        image-text model's vision stages."""
-        return next(i for i, stage in enumerate(self.stages) if stage.name == "layer0") + layer
-
-    def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
-        """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
-        state)."""
-        return frozenset(g for g, part in enumerate(self.group_parts) if part in frozen_parts or part == "unused")
-
-    def checkpoint_names_to_ignore(self, name: str) -> bool:
-        """Tensors a Hugging Face checkpoint may carry that this model does not store."""
-        return (
-            name.endswith("rotary_emb.inv_freq")
-            or (self.config.tie_embeddings and name in ("lm_head.weight", "language_model.lm_head.weight"))
-            or self.left_out(name) is not None
-        )
-
-    def left_out(self, name: str) -> str | None:
-        """What tensor `name` of a published checkpoint belongs to when it is a part the causal language model
-        does not have (so transformers' *ForCausalLM leaves it out too), else None: multi-token-prediction
-        modules (DeepSeek-V3's and GLM-4.5's, published as layers past the last; ERNIE 4.5's, named `mtp`),
-        and Qwen3-Next's and Qwen3.5's, named `mtp.*`), the vision towers and projectors of Gemma 3's, Mistral
-        Small 3's, Llama 4's and Qwen3.5's image-text checkpoints (which hold the text model trained here)."""
-        arch = self.config.arch
-        if (arch == "ernie4_5_moe" and "mtp" in name) or (
-            arch in LINEAR_ATTENTION_ARCHITECTURES and name.startswith("mtp.")
-        ):
-            return "multi-token-prediction modules"
-        if name.startswith(_VISION_PARTS.get(arch, ())):
-            return "the vision tower and its projector"
-        if arch in ("deepseek_v3", "glm4_moe") and name.startswith("model.layers."):
-            layer = name.split(".")[2]
-            if layer.isdigit() and int(layer) >= self.config.n_layers:
-                return "multi-token-prediction modules"
-        return None
-
-    def fused_checkpoint_names(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-        """transformers' fused 3-D expert tensors -> (shape, the per-expert names it covers): the
-        fused tensor is the same bytes as those tensors back to back."""
-        if not self.config.is_moe:
-            return {}
-        fused = {}
-        for layer in range(self.config.n_layers):
-            if self.config.layer_is_moe(layer):
-                prefix = f"model.layers.{layer}."
-                for name, (shape, covered) in fused_expert_names(moe_shape(self.config), self.config.d_model).items():
-                    fused[prefix + name] = (shape, tuple(prefix + n for n in covered))
-        return fused
-
-    def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
-        """Other names files may give tensor `name`: transformers >= 5's in memory (Mixtral's block_sparse_moe
-        is mlp there); image-text checkpoints' for their text model (Gemma 3's, Mistral Small 3's and Llama 4's
-        `language_model.model.*` and `language_model.lm_head.weight` as published, `model.language_model.*` as
-        transformers 4.52 and later write them and Qwen3.5 publishes them)."""
-        if self.config.arch in _VISION_PARTS and name.startswith(("model.", "lm_head.")):
-            inside = ("model.language_model." + name.removeprefix("model."),) if name.startswith("model.") else ()
-            return ("language_model." + name, *inside)
-        alias = name.replace(".block_sparse_moe.", ".mlp.")
-        return (alias,) if alias != name else ()
-
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every stored tensor's shape by Hugging Face name."""
-        return {p.name: p.shape for group in self.groups for p in group.params}
-
-
-def block_shape(config: ModelConfig, layer: int = 0) -> BlockShape:
-    """Layer `layer`'s attention and dense-MLP shape (layers differ only in a sliding window, and with it
-    Gemma 3's rotary base; in Llama 4's rotary embedding, chunks and temperatures; in Qwen3-Next's and Qwen3.5's
-    token mixer, linear or softmax attention)."""
-    linear = config.layer_is_linear(layer)
-    windowed = layer in config.sliding_layers
-    rotary = layer not in config.nope_layers
-    # frozen (hashable) form; LongRoPE's per-frequency factors are lists
-    scaling = (
-        tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in config.rope_scaling.items()))
-        if config.rope_scaling
-        else None
-    )
-    rope = RopeConfig(head_dim=config.rotary_dim, theta=config.rope_theta, scaling=scaling)
-    if windowed and config.rope_local_theta is not None:
-        rope = RopeConfig(head_dim=config.rotary_dim, theta=config.rope_local_theta)
-    return BlockShape(
-        d_model=config.d_model,
-        n_heads=config.n_heads,
-        n_kv_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
-        d_ff=config.d_ff,
-        rms_eps=config.rms_eps,
-        qkv_bias=config.qkv_bias,
-        qk_norm=config.qk_norm,
-        qk_norm_scope=config.qk_norm_scope,
-        clip_qkv=config.clip_qkv,
-        rope=rope,
-        o_bias=config.o_bias,
-        sinks=config.attention_sinks,
-        sliding_window=config.sliding_window if windowed else None,
-        mla=_mla_shape(config),
-        rope_interleaved=config.rope_interleaved,
-        norm_scale=config.norm_scale,
-        norm_placement=config.norm_placement,
-        activation=config.activation,
-        softmax_scale=config.softmax_scale,
-        attn_softcap=config.attn_logit_softcapping,
-        fused_projections=config.arch == "phi3",
-        rotary=rotary,
-        qk_rms_normalized=config.qk_rms_normalized and rotary,
-        attention_chunk=config.attention_chunk_size if layer in config.chunked_layers else None,
-        attn_temperature=(config.attn_temperature_floor_scale, config.attn_temperature_scale)
-        if config.attn_temperature_floor_scale and not rotary
-        else None,
-        mlp_module="feed_forward" if config.arch == "llama4_text" else "mlp",
-        mlp_names=("shared_mlp.input_linear", "shared_mlp.output_linear")
-        if config.arch == "granitemoehybrid"
-        else None,
-        linear_attention=_linear_attention_shape(config) if linear else None,
-        attn_output_gate=config.attn_output_gate and not linear,
-        residual_scale=config.residual_multiplier,
-    )
-
-
-def _linear_attention_shape(config: ModelConfig) -> GatedDeltaNetShape | Mamba2Shape:
-    if config.arch == "granitemoehybrid":
-        return Mamba2Shape(
-            n_groups=config.linear_n_key_heads,
-            n_heads=config.linear_n_value_heads,
-            state_dim=config.linear_key_head_dim,
-            head_dim=config.linear_value_head_dim,
-            conv_kernel=config.linear_conv_kernel,
-            chunk=LINEAR_ATTENTION_CHUNK,
-        )
-    return GatedDeltaNetShape(
-        n_key_heads=config.linear_n_key_heads,
-        n_value_heads=config.linear_n_value_heads,
-        key_head_dim=config.linear_key_head_dim,
-        value_head_dim=config.linear_value_head_dim,
-        conv_kernel=config.linear_conv_kernel,
-        grouped_projections=config.arch == "qwen3_next",  # its published in_proj_qkvz / in_proj_ba
-        chunk=LINEAR_ATTENTION_CHUNK,
-    )
-
-
-def _mla_shape(config: ModelConfig) -> MlaShape | None:
-    if not config.kv_lora_rank:
-        return None
-    qk = config.qk_nope_head_dim + config.head_dim
-    scale = qk**-0.5
-    scaling = config.rope_scaling or {}
-    if scaling.get("mscale_all_dim"):  # YaRN's magnitude correction, squared, in the softmax scale
-        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
-    return MlaShape(
-        kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.head_dim,
-        v_head_dim=config.v_head_dim,
-        softmax_scale=scale,
-        q_lora_rank=config.q_lora_rank,
-    )
-
-
-# the parts of image-text checkpoints beside their text model, in every layout transformers has written
-_LLAVA_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-_VISION_PARTS = {
-    "gemma3_text": _LLAVA_VISION,
-    "mistral": _LLAVA_VISION,  # Mistral Small 3.1 and later
-    "llama4_text": ("vision_model.", "multi_modal_projector."),
-    "qwen3_5_text": ("model.visual.",),
-    "qwen3_5_moe_text": ("model.visual.",),
-}
-
-# the template's parameter naming (`EXPERT_NAMING`) per family; "qwen" for the others
-EXPERT_NAMING_OF = {
-    "mixtral": "mixtral",
-    "gpt_oss": "gpt_oss",
-    "deepseek_v2": "deepseek",
-    "deepseek_v3": "deepseek",
-    "glm4_moe": "deepseek",
-    "dots1": "deepseek",
-    "ernie4_5_moe": "ernie",
-    "minimax_m2": "mixtral",
-    "llama4_text": "llama4",
-}
+from .config import ModelConfig
+from .generic import build_generic_model
+from .image_text import build_image_text_model
+from .shapes import block_shape, moe_shape
+from .spec import Group, ModelSpec, StageSpec
 
 
 def _renamed(params: tuple[ParamSpec, ...], prefix: str) -> tuple[ParamSpec, ...]:
     return tuple(replace(p, name=prefix + p.name) for p in params)
-
-
-def moe_shape(config: ModelConfig) -> MoeShape:
-    return MoeShape(
-        n_experts=config.n_experts,
-        top_k=config.n_experts_per_tok,
-        d_ff=config.moe_d_ff,
-        shared_d_ff=config.shared_expert_d_ff,
-        norm_topk_prob=config.norm_topk_prob,
-        naming=EXPERT_NAMING_OF.get(config.arch, "qwen"),
-        swiglu_limit=config.swiglu_limit,
-        routed_scaling=config.routed_scaling_factor,
-        n_groups=config.n_group,
-        topk_groups=config.topk_group,
-        scoring=config.router_scoring,
-        correction_bias=config.router_bias and config.router_scoring == "softmax",
-    )
 
 
 def expert_parts(n_experts: int, experts_per_stage: int) -> tuple[tuple[int, int], ...]:
@@ -282,12 +47,8 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts. A model of
     no native family (`implementation` "transformers") runs transformers' own modules (`generic.py`)."""
     if config.image_text:
-        from .image_text import build_image_text_model
-
         return build_image_text_model(config)
     if config.implementation == "transformers":
-        from .generic import build_generic_model
-
         return build_generic_model(config)
     embed_scale = config.d_model**0.5 if config.gemma else config.embedding_multiplier
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id, embed_scale)

@@ -243,10 +243,10 @@ class CostModel:
         self.names = [stage.name for stage in self.spec.stages]
 
     def _generation_host_bytes(self) -> int:
-        """Host bytes GRPO's generation takes beside the store (`megatrain.generate.generation_host_bytes`)."""
+        """Host bytes GRPO's generation takes beside the store (`megatrain_zoo.generate.generation_host_bytes`)."""
         if not self.generating:
             return 0
-        from ..generate import generation_host_bytes
+        from megatrain_zoo.generate import generation_host_bytes
 
         grpo = self.config.train.grpo
         stored = file_tensors({p.name: p.shape for group in self.spec.groups for p in group.params})

@@ -1,0 +1,277 @@
+"""The generic templates: stateless stages that call a transformers model's own modules (`skeleton.HFSkeleton`)
+with the streamed weights bound to their parameters (`torch.func.functional_call`). The embedding stage runs the
+model's forward up to its first layer, a layer stage one decoder layer, the head stage everything after the last
+layer (final norm, LM head, soft caps and scalings) then the cross-entropy."""
+
+import torch
+from torch import Tensor
+
+from megatrain_templates import IGNORE_INDEX, ParamSpec, distribution_entropy
+from megatrain_templates.kept_graph import KeptGraphs, saved_bytes
+
+from .skeleton import GenericError, HFSkeleton, _output, _Reached
+
+
+class _GenericStage:
+    """What the generic templates share: their parameters by name, laid out in the stage's flat buffers (one per
+    bound group, its names back to back)."""
+
+    def __init__(self, skeleton: HFSkeleton, groups: tuple[tuple[str, ...], ...]):
+        self.skeleton = skeleton
+        self.shapes = skeleton.shapes
+        self.param_groups = groups
+        self.names = [name for group in groups for name in group]
+        self.groups = tuple(tuple(_spec(name, self.shapes[name]) for name in group) for group in groups)
+
+    def _spans(self, buffers: list[Tensor]):
+        """(name, its flat span of the buffer bound to its group; a group without one, frozen, has none)."""
+        for names, buffer in zip(self.param_groups, buffers):
+            if buffer is None:
+                continue
+            offset = 0
+            for name in names:
+                numel = int(torch.Size(self.shapes[name]).numel())
+                yield name, buffer[offset : offset + numel]
+                offset += numel
+
+    def weights(self, buffers: list[Tensor], grad: bool = False) -> dict[str, Tensor]:
+        """name -> a view of the slot (a leaf of its own with `grad`)."""
+        views = {}
+        for name, span in self._spans(buffers):
+            view = span.view(self.shapes[name])
+            views[name] = view.detach().requires_grad_(True) if grad else view
+        return views
+
+    def accumulate(self, grads: list[Tensor], views: dict, outputs, grad_outputs, inputs=()) -> tuple:
+        """autograd.grad of `outputs` w.r.t. `inputs` and the parameter leaves `views`; the parameters' gradients are
+        added into the flat fp32 `grads` (None for a frozen group's: none is computed); returns the inputs'
+        gradients."""
+        trained = self._trained(grads)
+        leaves = [views[name] for name in trained]
+        found = torch.autograd.grad(outputs, [*inputs, *leaves], grad_outputs, allow_unused=True)
+        self._add(grads, dict(zip(trained, found[len(inputs) :])))
+        return found[: len(inputs)]
+
+    def _recomputed_backward(self, weights, x: Tensor, grad_out: Tensor, grads: list[Tensor], documents, media):
+        """The backward of a stage that computes `self._call(views, x, documents, media)`: recomputed under
+        autograd, the weights' gradients added into `grads`, the input's returned."""
+        views = self.weights(weights, grad=True)
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self._call(views, x, documents, media)
+            (grad_x,) = self.accumulate(grads, views, out, grad_out, (x,))
+        return grad_x
+
+    def _trained(self, grads: list) -> list[str]:
+        """The parameter names of the groups that take a gradient (a frozen group's buffer is None)."""
+        return [name for names, grad in zip(self.param_groups, grads) if grad is not None for name in names]
+
+    def _add(self, grads: list[Tensor], found) -> None:
+        """The parameters' gradients (name -> gradient; None or absent: unused) added into the flat fp32 `grads`."""
+        by_name = found if isinstance(found, dict) else dict(zip(self.names, found))
+        for name, span in self._spans(grads):
+            if by_name.get(name) is not None:
+                span.add_(by_name[name].reshape(-1).to(span.dtype))
+
+
+def _zeros_of_little_memory(shape: tuple, dtype: torch.dtype) -> Tensor:
+    """Zeros of `shape` that take about one matrix's memory: stride 0 (a vector's or matrix's), or, for a stack of
+    experts' matrices (whose grouped GEMM takes no stride 0), the matrices overlapping 16 elements apart."""
+    if len(shape) < 3:
+        return torch.zeros((), dtype=dtype).expand(shape).requires_grad_(True)
+    inner = torch.Size(shape[1:]).numel()
+    base = torch.zeros(inner + 16 * shape[0], dtype=dtype)
+    strides = (16, *torch.empty(shape[1:]).stride())
+    return base.as_strided(shape, strides).detach().requires_grad_(True)
+
+
+def _spec(name: str, shape: tuple) -> ParamSpec:
+    """Matrices decay, vectors (norms, biases, Mamba's A_log, D and dt_bias) do not, as megatrain's native rule."""
+    return ParamSpec(name, shape, weight_decay=len(shape) >= 2)
+
+
+class GenericEmbedding(_GenericStage):
+    """The model's forward up to its first decoder layer: token ids -> what the first layer is given."""
+
+    backward_reads_weights = True
+
+    def forward(self, weights: list[Tensor], ids: Tensor, documents=None) -> Tensor:
+        with torch.no_grad():
+            return self._first_layer_input(self.weights(weights), ids, documents)
+
+    def _first_layer_input(self, views: dict, ids: Tensor, documents) -> Tensor:
+        def reached(index, hidden_states, *args, **kwargs):
+            raise _Reached(hidden_states)
+
+        try:
+            self.skeleton.run(views, {"input_ids": ids}, documents, reached)
+        except _Reached as first:
+            return first.hidden
+        raise GenericError("the model's forward reached no decoder layer")
+
+    def backward(self, weights: list[Tensor], ids: Tensor, grad_out: Tensor, grads: list[Tensor], documents=None):
+        views = self.weights(weights, grad=True)
+        with torch.enable_grad():
+            out = self._first_layer_input(views, ids, documents)
+            self.accumulate(grads, views, out, grad_out)
+        return None
+
+
+class GenericLayer(_GenericStage):
+    """Decoder layer `index` of the model, as its own module computes it; the backward recomputes it under autograd,
+    or, where the placement keeps the layer's products, goes back through the forward's own graph."""
+
+    def __init__(self, skeleton: HFSkeleton, index: int, names: tuple[str, ...]):
+        super().__init__(skeleton, (names,))
+        self.index, self.module = index, skeleton.layers[index]
+        self.prefix = next(n for n, m in skeleton.model.named_modules() if m is self.module) + "."
+        self.numel = sum(spec.numel for spec in self.groups[0])
+        # what sets its speed (the planner times one layer of each kind): its module, its layer type where the
+        # config names one (sliding or full attention, Mamba or attention), its sizes
+        layer_types = getattr(skeleton.text_config, "layer_types", None) or ()
+        layer_type = layer_types[index] if index < len(layer_types) else None
+        self.kind = (type(self.module).__name__, layer_type, tuple(spec.shape for spec in self.groups[0]))
+        self.kept = KeptGraphs()
+
+    def _call(self, views: dict, x: Tensor, documents, media=None) -> Tensor:
+        if documents is not None and documents.position_ids is not None and self.skeleton.carries_state:
+            raise GenericError(
+                f"{type(self.module).__name__} carries state along a row, which transformers does not restart at "
+                "each packed document: give it a row per sequence (no position_ids)"
+            )
+        args, kwargs = self.skeleton.layer_arguments(x, documents, media)[self.index]
+        local = {name.removeprefix(self.prefix): value for name, value in views.items()}
+        return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
+
+    def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
+        with torch.no_grad():
+            return self._call(self.weights(weights), x, documents, media)
+
+    @property
+    def forward_keeping_products(self):
+        """`_keeping_products` where the layer's forward can be traced on the CPU (its products then known), else
+        None: it recomputes."""
+        return self._keeping_products if self._product_bytes(torch.float32) is not None else None
+
+    def _keeping_products(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> tuple[Tensor, dict]:
+        """`forward`, also returning what its backward reads (`KeptGraphs`): given to `backward` as `products`,
+        the backward recomputes nothing."""
+        views = self.weights(weights, grad=True)
+        leaves = [views[name] for name in self.names]
+        return self.kept.forward(lambda x: self._call(views, x, documents, media), x, weights, leaves)
+
+    def product_bytes_per_token(self, element_size: int) -> int:
+        """Device bytes per token that `forward_keeping_products` returns (in the compute dtype)."""
+        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[element_size]
+        measured = self._product_bytes(dtype)
+        if measured is None:
+            raise GenericError(f"{type(self.module).__name__}'s forward could not be traced in {dtype}")
+        return measured
+
+    def _product_bytes(self, dtype: torch.dtype) -> int | None:
+        """Bytes per token the layer's autograd graph saves (beyond its weights and input), from its forward on the
+        CPU at two lengths (zero weights of no memory); None where that forward fails. Once per kind of layer."""
+        key = (self.kind, dtype)
+        if key not in self.skeleton.product_bytes:
+            views = {name: _zeros_of_little_memory(self.shapes[name], dtype) for name in self.names}
+
+            def at(tokens: int) -> int:  # (the weights saved count the same at both lengths: only products differ)
+                x = torch.zeros(1, tokens, self.skeleton.text_config.hidden_size, dtype=dtype)
+                return saved_bytes(lambda x: self._call(views, x, None), x, [])
+
+            try:  # (a forward that cannot run so, a MoE's on some backends: the layer recomputes)
+                self.skeleton.product_bytes[key] = max(0, (at(64) - at(32)) // 32)
+            except Exception:  # noqa: BLE001
+                self.skeleton.product_bytes[key] = None
+        return self.skeleton.product_bytes[key]
+
+    def backward(
+        self,
+        weights: list[Tensor],
+        x: Tensor,
+        grad_out: Tensor,
+        grads: list[Tensor],
+        documents=None,
+        products=None,
+        media=None,
+    ):
+        if products is not None:  # (its forward's graph, kept)
+            grad_x, *found = self.kept.backward(products, x, weights, grad_out)
+            self._add(grads, found)
+            return grad_x
+        return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
+
+
+class GenericHead(_GenericStage):
+    """Everything the model does after its last decoder layer (final norm, LM head, soft caps, scalings), then the
+    next-token cross-entropy; a row at a time, so that only one row's logits exist at once."""
+
+    def __init__(self, skeleton: HFSkeleton, groups: tuple[tuple[str, ...], ...], d_model: int, vocab_size: int):
+        super().__init__(skeleton, groups)
+        self.d_model, self.vocab_size = d_model, vocab_size
+        self.chunk_rows = 1
+        # what the forward uses before the first layer (a position table) where the head is bound without it: its
+        # outputs are replaced by the hidden states at the first layer
+        self.unbound = [name for name in skeleton.parts.embedding if name not in self.names]
+
+    def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
+        """Logits [batch, seq, vocab] in fp32 (or wider)."""
+        with torch.no_grad():
+            logits = self._logits(self.weights(weights), hidden)
+            return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _logits(self, views: dict, hidden: Tensor) -> Tensor:
+        def inject(index, hidden_states, *args, **kwargs):
+            return hidden if index == 0 else hidden_states
+
+        views = {**self.skeleton.placeholders(self.unbound, hidden), **views}
+        embeds = {"inputs_embeds": torch.zeros_like(hidden.detach())}
+        return self.skeleton.run(views, embeds, None, inject, head=True).logits
+
+    @torch.no_grad()
+    def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor, entropy: bool = False):
+        """Each target's log-probability [batch, seq], 0 where the label is -100, and with `entropy` each position's
+        entropy (as `Head.token_logps`)."""
+        views = self.weights(weights)
+        out = torch.zeros(labels.shape, dtype=_loss_dtype(hidden), device=hidden.device)
+        entropies = torch.zeros_like(out) if entropy else None
+        for start in range(0, hidden.shape[0], self.chunk_rows):
+            rows = slice(start, start + self.chunk_rows)
+            logits = self._logits(views, hidden[rows])
+            out[rows] = _target_logps(logits, labels[rows])
+            if entropy:
+                wide = logits.to(out.dtype)
+                log_norm = wide.logsumexp(-1, keepdim=True)
+                entropies[rows] = distribution_entropy(wide, log_norm) * (labels[rows] != IGNORE_INDEX)
+        return (out, entropies) if entropy else out
+
+    @torch.no_grad()
+    def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:
+        return -self.token_logps(weights, hidden, labels).sum()
+
+    def loss(self, weights, hidden: Tensor, labels: Tensor, loss_scale, grads: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Summed cross-entropy and its gradient, as `megatrain_templates.Head.loss` (a scalar or per-token scale)."""
+        views = self.weights(weights, grad=True)
+        grad_hidden = torch.empty_like(hidden)
+        loss_sum = torch.zeros((), dtype=_loss_dtype(hidden), device=hidden.device)
+        for start in range(0, hidden.shape[0], self.chunk_rows):
+            rows = slice(start, start + self.chunk_rows)
+            x = hidden[rows].detach().requires_grad_(True)
+            scale = loss_scale[rows] if isinstance(loss_scale, Tensor) else loss_scale
+            with torch.enable_grad():
+                logps = _target_logps(self._logits(views, x), labels[rows])
+                scaled = -(logps * torch.as_tensor(scale, dtype=logps.dtype, device=logps.device)).sum()
+                (grad_hidden[rows],) = self.accumulate(grads, views, scaled, None, (x,))
+            loss_sum -= logps.detach().sum()
+        return loss_sum, grad_hidden
+
+
+def _loss_dtype(hidden: Tensor) -> torch.dtype:
+    return torch.promote_types(hidden.dtype, torch.float32)
+
+
+def _target_logps(logits: Tensor, labels: Tensor) -> Tensor:
+    """Each target's log-probability in fp32 (or wider), 0 where the label is -100."""
+    logps = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+    picked = logps.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return picked * (labels != IGNORE_INDEX)

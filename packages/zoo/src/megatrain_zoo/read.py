@@ -1,0 +1,69 @@
+"""A Hugging Face model directory's config.json as a `ModelConfig`, whichever way the model trains: a native
+template's (`hf.py`), transformers' own modules' (`generic.py`), or a whole image-text model's (`image_text.py`)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from .config import ModelConfig, ZooError
+from .generic import generic_model_config
+from .hf import _TEXT_MODEL_OF, config_from_hf, has_template
+from .skeleton import GenericError
+
+
+def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str | bool = "auto") -> ModelConfig:
+    """`config_from_hf`, or where `implementation` says so, or no native template exists (auto), the config of the
+    model that runs transformers' own modules (`generic.py`). An image-text config.json (one with a vision_config)
+    trains whole (`image_text.py`) where `image_text` is true, or auto and megatrain has no native template for its
+    text model; else its text model alone."""
+    vision = "vision_config" in hf
+    whole = vision and (image_text is True or (image_text == "auto" and not has_template(hf)))
+    if vision and not whole and hf.get("model_type") not in _TEXT_MODEL_OF:
+        raise ZooError(
+            f"{hf.get('model_type')}'s text model cannot train alone (megatrain reads it alone only from Gemma 3, "
+            "Llama 4, Mistral 3 and Qwen3.5 checkpoints); set model.image_text: auto to train the whole model"
+        )
+    if implementation != "transformers" and not whole:
+        try:
+            return config_from_hf(hf)
+        except ZooError as error:
+            if implementation == "native" or not str(error).startswith("unsupported architecture"):
+                raise
+            if importlib.util.find_spec("transformers") is None:
+                raise ZooError(
+                    f"{error}; or install transformers (pip install 'megatrain-zoo[transformers]') to train it "
+                    "through transformers' own modules"
+                ) from None
+    if whole and importlib.util.find_spec("transformers") is None:
+        raise ZooError(
+            f"{hf.get('model_type')} is an image-text model, trained whole through transformers' own modules: "
+            "install transformers (pip install 'megatrain-zoo[transformers]')"
+        )
+    try:
+        return generic_model_config(hf, image_text=whole)
+    except GenericError as error:
+        raise ZooError(str(error)) from error
+
+
+def _special_floats(pairs: dict) -> "dict | float":
+    """transformers writes infinities and NaNs of a config as {"__float__": "Infinity"} (Granite 4.0-H's
+    time_step_limit)."""
+    return float(pairs["__float__"]) if set(pairs) == {"__float__"} else pairs
+
+
+def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: str | bool = "auto") -> ModelConfig:
+    """A directory's config.json as a `ModelConfig`: a native family's (`implementation` native or auto), or one that
+    runs transformers' own modules (transformers, or auto for a family with no native template); an image-text
+    model's whole or its text model alone (`model_config_from_hf`)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf = json.loads(path.read_text(), object_hook=_special_floats)
+        return model_config_from_hf(hf, implementation, image_text)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ZooError(
+            f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ZooError(f"{path} is not valid JSON ({error}); download the model's config.json again") from error
+    except KeyError as error:
+        raise ZooError(f"{path} lacks the setting {error}; is it a Hugging Face model's config.json?") from error
