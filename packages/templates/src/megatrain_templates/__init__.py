@@ -42,6 +42,7 @@ from .objectives import (
     group_advantages,
 )
 from .ops import IGNORE_INDEX, RopeConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, upcast, yarn_mscale
+from .template import Template
 
 __all__ = [
     "DPO",
@@ -73,6 +74,7 @@ __all__ = [
     "ParamSpec",
     "RopeConfig",
     "Span",
+    "Template",
     "apply_rope",
     "attention_params",
     "causal_attention",
