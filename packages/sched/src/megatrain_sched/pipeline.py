@@ -443,7 +443,7 @@ class LayerPipeline:
         for m, x in enumerate(step.acts):
             if step.train and stage_index >= self.first_backward:
                 activations.keep(stage_index, m, x)
-            rows = self.weights.first_rows(slot, m) if stage_index == 0 else None
+            rows = self.weights.table_rows(slot, m) if stage_index == 0 else None
             if activations.keeps_products(stage_index):
                 extras = activations.extras_of(stage_index)
                 step.acts[m], products = template.forward_keeping_products(weights, x, **kwargs[m], **extras)

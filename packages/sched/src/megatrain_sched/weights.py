@@ -143,7 +143,7 @@ class WeightStream:
             offset += numel
         return views
 
-    def first_rows(self, slot: Slot, micro_batch: int) -> tuple[Tensor, Tensor] | None:
+    def table_rows(self, slot: Slot, micro_batch: int) -> tuple[Tensor, Tensor] | None:
         """(the rows in `slot`, the micro-batch's ids as indices into them) where the first stage's rows were
         copied instead of its group, else None."""
         if self.rows is None or self.rows.table is None:
