@@ -6,16 +6,18 @@ import pytest
 import torch
 
 from megatrain_sched import (
+    EXTRAS_MARGIN,
     LayerPipeline,
     MicroBatch,
     Placement,
     PlacementError,
     SchedError,
     Stage,
+    StageTemplate,
     Timeline,
     staging_buffers,
 )
-from megatrain_sched.pipeline import EXTRAS_MARGIN, expandable_device_memory
+from megatrain_sched.pipeline import expandable_device_memory
 from megatrain_store import GroupLayout, HostStore
 
 Spec = namedtuple("Spec", "name shape numel")
@@ -26,7 +28,7 @@ def spec(name, *shape):
     return Spec(name, shape, int(torch.Size(shape).numel()))
 
 
-class Lookup:
+class Lookup(StageTemplate):
     groups = ((spec("table", V, D),),)
     backward_reads_weights = False  # the pipeline copies no weights for its backward
 
@@ -37,10 +39,11 @@ class Lookup:
         grads[0].view(V, D).index_add_(0, ids.reshape(-1), grad.reshape(-1, D))
 
 
-class Mix:
+class Mix(StageTemplate):
     """y = tanh(x @ M); its forward can keep the product x @ M for the backward, and y too (its extra)."""
 
     groups = ((spec("m", D, D),),)
+    d_model = D  # (the checkpoints' width)
 
     def forward(self, w, x):
         return torch.tanh(x @ w[0].view(D, D))
@@ -66,7 +69,7 @@ class Mix:
         return pre_grad @ m.T
 
 
-class Readout:
+class Readout(StageTemplate):
     """loss = sum over labelled positions of (x . table[label])^2, optionally tied to the lookup table."""
 
     def __init__(self, tied):
@@ -239,17 +242,16 @@ def test_the_warm_up_takes_the_host_memory_of_a_whole_step():
     products go to, exact bytes (the CUDA host allocator would round each up to a power of two): the first step
     takes none (pinning 20 GB there made it twice as long)."""
     store, pipeline, _ = build(4, tied=True, offloaded=(1, 2, 3, 4), kept=(4,), host_kept=(2,))
-    pipeline.stages[-1].template.d_model = D  # (the checkpoints' width)
     step = [MicroBatch(i, lab) for i, lab in make_batches(3)]
     pipeline.warm_up(step[:1], step)
     stage_bytes = sum(mb.input_ids.numel() for mb in step) * D * store.compute_dtype.itemsize
-    taken = dict(pipeline._host_memory.buffers)
+    taken = dict(pipeline.activations.host_memory.buffers)
     expected = {("checkpoint", stage): stage_bytes for stage in range(1, 5)} | {("products", 0): stage_bytes}
     assert {use: buffer.numel() for use, buffer in taken.items()} == expected
     pipeline.run(step, loss_scale=1.0)
     assert pipeline.executed.offloaded == (1, 2, 3, 4) and pipeline.executed.host_kept == (2,)
-    assert pipeline._host_memory.buffers.keys() == taken.keys()
-    assert all(pipeline._host_memory.buffers[use] is buffer for use, buffer in taken.items())
+    assert pipeline.activations.host_memory.buffers.keys() == taken.keys()
+    assert all(pipeline.activations.host_memory.buffers[use] is buffer for use, buffer in taken.items())
 
 
 @pytest.mark.parametrize("n_slots, held_layers", [(2, 0), (3, 0), (2, 3)])
@@ -339,7 +341,7 @@ def test_layer_major_order():
 def test_before_fetch_called_for_each_copy():
     store, pipeline, _ = build(2, tied=False)
     fetched = []
-    pipeline.before_fetch = lambda groups: fetched.append(groups)
+    pipeline.hooks.before_fetch = lambda groups: fetched.append(groups)
     pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(1)], loss_scale=1.0)
     assert fetched[0] == (0,) and (3,) in fetched
 
@@ -396,7 +398,6 @@ def test_the_placement_runs_as_given_unless_the_device_lacks_the_memory_it_count
     stage = tokens * D * 4  # a stage's checkpoints, and its products (fp32)
     need = 10 * stage
     store, pipeline, _ = build(4, tied=False, kept=(2, 3, 4), tokens=tokens, device_step_bytes=need)
-    pipeline.stages[-1].template.d_model = D
     batches = make_batches(3)
     micro = [MicroBatch(i, lab) for i, lab in batches]
     pipeline.free_device_memory = lambda: need
@@ -429,7 +430,6 @@ def test_layers_keeping_products_keep_their_extras_where_the_headroom_holds_them
     extra = tokens * D * 4  # a stage's extra products (fp32)
     need = 10 * extra
     store, pipeline, _ = build(4, tied=False, kept=(2, 3, 4), tokens=tokens, device_step_bytes=need)
-    pipeline.stages[-1].template.d_model = D
     batches = make_batches(3)
     micro = [MicroBatch(i, lab) for i, lab in batches]
     loss, grads = autograd_reference(store, 4, False, batches, 0.1)
@@ -452,7 +452,6 @@ def test_a_step_in_sweeps_fits_its_placement_once_by_its_largest_sweep():
     tokens = 2 * 2 * 5  # two micro-batches a sweep
     need = 10 * tokens * D * 4
     store, pipeline, _ = build(4, tied=True, kept=(3, 4), tokens=tokens, device_step_bytes=need, sweeps=2)
-    pipeline.stages[-1].template.d_model = D
     asked = []
     pipeline.free_device_memory = lambda: asked.append(len(asked)) or need - (len(asked) > 1) * need
     micro = [MicroBatch(i, lab) for i, lab in make_batches(3)]
@@ -464,13 +463,12 @@ def test_a_step_in_sweeps_fits_its_placement_once_by_its_largest_sweep():
 def test_a_new_placement_between_steps(monkeypatch):
     """`place` changes held buffers and host memory between steps; the result stays exact."""
     store, pipeline, _ = build(4, tied=True, held=(1, 2), offloaded=(1, 2, 3, 4), host_kept=(3,))
-    pipeline.stages[-1].template.d_model = D
     batches = make_batches(2)
     micro = [MicroBatch(i, lab) for i, lab in batches]
     pipeline.run(micro, loss_scale=1.0)
-    assert set(pipeline._host_memory.buffers) == {*(("checkpoint", s) for s in range(1, 5)), ("products", 0)}
+    assert set(pipeline.activations.host_memory.buffers) == {*(("checkpoint", s) for s in range(1, 5)), ("products", 0)}
     pipeline.place(Placement.build(len(pipeline.stages), held=(2, 3), offloaded=(1,)))
-    assert set(pipeline._held) == {2, 3} and set(pipeline._host_memory.buffers) == {("checkpoint", 1)}
+    assert set(pipeline.weights.held) == {2, 3} and set(pipeline.activations.host_memory.buffers) == {("checkpoint", 1)}
     result = pipeline.run(micro, loss_scale=1.0)
     loss, grads = autograd_reference(store, 4, True, batches, 1.0)
     assert torch.allclose(result.loss_sum, loss, rtol=1e-5)

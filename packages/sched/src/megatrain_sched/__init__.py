@@ -1,27 +1,27 @@
 """The stream scheduler: layer-major forward/backward over device weight slots and three streams."""
 
-from .pipeline import (
-    EXTRAS_MARGIN,
-    LayerPipeline,
-    MicroBatch,
-    SchedError,
-    Stage,
-    StepResult,
-    extras_that_fit,
-    free_device_bytes,
-    staging_buffers,
-)
+from .activations import ActivationStore
+from .costs import EXTRAS_MARGIN, StageCosts, extras_that_fit, fit_to_device
+from .gradients import GradientSink
+from .hooks import Hooks
+from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult, free_device_bytes
 from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
 from .streams import Streams, synchronize
+from .template import StageTemplate, StepObjective
 from .timeline import Timeline
+from .weights import WeightStream, staging_buffers
 
 __all__ = [
     "EXTRAS_MARGIN",
     "extras_that_fit",
+    "fit_to_device",
     "free_device_bytes",
+    "ActivationStore",
     "DEVICE",
+    "GradientSink",
     "HELD",
     "HOST",
+    "Hooks",
     "RECOMPUTE",
     "RESIDENT",
     "STREAMED",
@@ -31,10 +31,14 @@ __all__ = [
     "PlacementError",
     "SchedError",
     "Stage",
+    "StageCosts",
     "StagePlacement",
+    "StageTemplate",
+    "StepObjective",
     "StepResult",
     "Streams",
     "Timeline",
+    "WeightStream",
     "staging_buffers",
     "synchronize",
 ]

@@ -47,6 +47,7 @@ from .ops import (
     upcast,
     yarn_mscale,
 )
+from .template import Template
 
 __all__ = [
     "DPO",
@@ -78,6 +79,7 @@ __all__ = [
     "ParamSpec",
     "RopeConfig",
     "Span",
+    "Template",
     "apply_rope",
     "attention_params",
     "causal_attention",

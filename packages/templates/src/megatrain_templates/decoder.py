@@ -57,6 +57,7 @@ from .ops import (
     rms_normalized,
     rope_cos_sin,
 )
+from .template import Template
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,7 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
     return spans
 
 
-class DecoderBlock:
+class DecoderBlock(Template):
     """Stateless decoder block. `groups` is one flat buffer's layout."""
 
     def __init__(self, shape: BlockShape):
@@ -489,6 +490,10 @@ class DecoderBlock:
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
         w, products = self._keeping_views(weights[0], extras)
         return self._block(w, hidden, documents), products
+
+    @property
+    def d_model(self) -> int:
+        return self.shape.d_model
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras."""

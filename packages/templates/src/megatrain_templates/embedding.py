@@ -5,9 +5,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .layout import ParamSpec, check_buffers
+from .template import Template
 
 
-class Embedding:
+class Embedding(Template):
     """Stateless token embedding over one flat buffer holding `embed_tokens.weight`."""
 
     # the backward scatters the output's gradient into the table's rows: the pipeline need not stream the

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .layout import ParamSpec, Span, accumulate, add_matmul_, check_buffers, leaf
 from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm_as, upcast
+from .template import Template
 
 # Rows per logits chunk are chosen so one chunk holds about this many fp32 logits (2 GiB):
 # thousands of rows per chunk keep the head's GEMMs efficient and the number of full
@@ -18,7 +19,7 @@ from .ops import IGNORE_INDEX, compiled_on_cuda, rms_norm_as, upcast
 CHUNK_LOGITS = 1 << 29
 
 
-class Head:
+class Head(Template):
     """Stateless final norm + LM head + loss.
 
     Untied: one buffer [lm_head.weight, norm.weight].

@@ -31,26 +31,28 @@ class Sequences:
 
 
 class Objective:
-    """What the pipeline calls at the head of a training step: `objective(token_logps) -> (loss, scales)`, every
-    micro-batch's token log-probabilities in, the step's loss and each token's d loss / d its cross-entropy out.
+    """What the pipeline calls at the head of a training step: `objective(token_logps, token_entropy) -> (loss,
+    scales)`, every micro-batch's token log-probabilities (and, where it `wants_entropy`, each position's entropy of
+    the head's distribution; else None) in, the step's loss and each token's d loss / d its cross-entropy out.
     Before a step, `begin_step(sequence_of)` says which sequence each trained token belongs to: per micro-batch a
     [rows, seq] int64 tensor, -1 where a token is not trained (its label is -100). `metrics` are the last step's,
     means over its `metrics_weight` sequences or tokens (so that several ranks' combine)."""
 
-    wants_entropy = False  # the head then gives `token_entropy` too: per micro-batch each position's entropy
+    wants_entropy = False  # True: the head gives `token_entropy` too, per micro-batch each position's entropy
 
     def __init__(self):
         self.sequence_of: list[Tensor] = []
         self.n_sequences = 0
         self.metrics: dict[str, float] = {}
         self.metrics_weight = 0  # what the metrics are means over: the step's sequences or trained tokens
-        self.token_entropy: list[Tensor] | None = None
 
     def begin_step(self, sequence_of: list[Tensor]) -> None:
         self.sequence_of = sequence_of
         self.n_sequences = max(int(s.max()) for s in sequence_of) + 1 if sequence_of else 0
 
-    def __call__(self, token_logps: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def __call__(
+        self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
         raise NotImplementedError
 
 
@@ -60,7 +62,9 @@ class SequenceObjective(Objective):
     def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
-    def __call__(self, token_logps: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def __call__(
+        self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
         """The pipeline's hook: (the step's loss, per micro-batch each token's d loss / d its cross-entropy)."""
         device, dtype = token_logps[0].device, token_logps[0].dtype
         sums = torch.zeros(self.n_sequences, dtype=dtype, device=device)
@@ -98,7 +102,9 @@ class TokenObjective(Objective):
     def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
-    def __call__(self, token_logps: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def __call__(
+        self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
         device = token_logps[0].device
         trained = [owner.to(device) >= 0 for owner in self.sequence_of]
         flat = torch.cat([logps[mask] for logps, mask in zip(token_logps, trained)])
@@ -106,8 +112,8 @@ class TokenObjective(Objective):
             leaf = flat.detach().requires_grad_(True)
             loss, metrics = self.loss(leaf)
             (coefficient,) = torch.autograd.grad(loss, leaf)
-        if self.token_entropy is not None:  # (TRL's `entropy`: the mean over the trained tokens)
-            metrics["entropy"] = torch.cat([e[mask] for e, mask in zip(self.token_entropy, trained)]).mean()
+        if token_entropy is not None:  # (TRL's `entropy`: the mean over the trained tokens)
+            metrics["entropy"] = torch.cat([e[mask] for e, mask in zip(token_entropy, trained)]).mean()
         self.metrics = {name: float(value) for name, value in metrics.items()}
         self.metrics_weight = len(flat)
         scales, start = [], 0

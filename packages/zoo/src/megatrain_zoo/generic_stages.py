@@ -6,13 +6,13 @@ layer (final norm, LM head, soft caps and scalings) then the cross-entropy."""
 import torch
 from torch import Tensor
 
-from megatrain_templates import IGNORE_INDEX, ParamSpec, distribution_entropy
+from megatrain_templates import IGNORE_INDEX, ParamSpec, Template, distribution_entropy
 from megatrain_templates.kept_graph import KeptGraphs, saved_bytes
 
 from .skeleton import GenericError, HFSkeleton, _output, _Reached
 
 
-class _GenericStage:
+class _GenericStage(Template):
     """What the generic templates share: their parameters by name, laid out in the stage's flat buffers (one per
     bound group, its names back to back)."""
 
@@ -22,6 +22,8 @@ class _GenericStage:
         self.param_groups = groups
         self.names = [name for group in groups for name in group]
         self.groups = tuple(tuple(_spec(name, self.shapes[name]) for name in group) for group in groups)
+        # (a vision stage's checkpoint is counted as the text's width a token: the planner's count of it)
+        self.d_model = skeleton.text_config.hidden_size
 
     def _spans(self, buffers: list[Tensor]):
         """(name, its flat span of the buffer bound to its group; a group without one, frozen, has none)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_optim import STATE_NAMES
-from megatrain_sched import Placement, extras_that_fit, staging_buffers
+from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
 from megatrain_templates import file_tensors
 from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, build_model, linear_attention_flops_per_token
@@ -125,7 +125,7 @@ def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[i
     spec = _built(model, experts_per_stage)
     groups = [sum(p.numel for p in group.params) for group in spec.groups]
     stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
-    planes = sum(getattr(stage.template, "checkpoint_planes", 1) for stage in spec.stages[1:-1])
+    planes = sum(stage.template.checkpoint_planes for stage in spec.stages[1:-1])
     return groups, stages, planes
 
 
@@ -157,9 +157,11 @@ def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
     """GPU bytes per token that one kept layer's products hold (the largest kind's); 0 where the layers always
     recompute."""
     spec = _built(model, 0)
-    templates = [spec.stages[spec.layer_stage(layer)].template for layer in range(model.n_layers)]
-    keeps = all(callable(getattr(t, "forward_keeping_products", None)) for t in templates)
-    return max(t.product_bytes_per_token(element_size) for t in templates) if keeps else 0
+    layers = [
+        StageCosts.of(spec.stages[spec.layer_stage(layer)].template, element_size) for layer in range(model.n_layers)
+    ]
+    keeps = all(costs.keeps_products for costs in layers)
+    return max(costs.product_bytes_per_token for costs in layers) if keeps else 0
 
 
 def slowest(parts: dict[str, float]) -> str:
@@ -224,16 +226,14 @@ class CostModel:
         self.group_sizes, self.stage_sizes, _ = layout_sizes(model, self.experts_per_stage)
         self.n_stages = len(self.spec.stages)
         self.blocks = range(1, self.n_stages - 1)
-        templates = [stage.template for stage in self.spec.stages]
-        self.planes = [getattr(t, "checkpoint_planes", 1) if i in self.blocks else 0 for i, t in enumerate(templates)]
-        keeps = [callable(getattr(t, "forward_keeping_products", None)) for t in templates]
+        self.costs = [StageCosts.of(stage.template, self.element) for stage in self.spec.stages]
+        self.planes = [costs.checkpoint_planes if i in self.blocks else 0 for i, costs in enumerate(self.costs)]
+        keeps = [costs.keeps_products for costs in self.costs]
         self.keepable = next((n for n, i in enumerate(reversed(self.blocks)) if not keeps[i]), len(self.blocks))
-        keepers = [templates[i] for i in self.blocks[len(self.blocks) - self.keepable :]]
-        self.product_bytes_per_token = max((t.product_bytes_per_token(self.element) for t in keepers), default=0)
-        self.extra_bytes_per_token = {
-            i: getattr(templates[i], "extra_product_bytes_per_token", lambda _: 0)(self.element) for i in self.blocks
-        }
-        weightless = {i for i, t in enumerate(templates) if not getattr(t, "backward_reads_weights", True)}
+        keepers = [self.costs[i] for i in self.blocks[len(self.blocks) - self.keepable :]]
+        self.product_bytes_per_token = max((costs.product_bytes_per_token for costs in keepers), default=0)
+        self.extra_bytes_per_token = {i: self.costs[i].extra_bytes_per_token for i in self.blocks}
+        weightless = {i for i, stage in enumerate(self.spec.stages) if not stage.template.backward_reads_weights}
         self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
         self.table_group = self.spec.stages[0].groups[0]
         # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
@@ -277,7 +277,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ memory
     def checkpoint_bytes(self, stage: int, tokens: int) -> int:
-        return tokens * self.model.d_model * self.element * self.planes[stage]
+        return tokens * self.costs[stage].checkpoint_bytes_per_token if self.planes[stage] else 0
 
     def params(self, stages: tuple[int, ...]) -> int:
         """Parameters of the groups these stages bind (each group once)."""
@@ -372,7 +372,7 @@ class CostModel:
         """The pinned buffer the embedding's updated rows go to the GPU through (`Trainer._rows_first`): a quarter
         of the table, fp32, rounded up to a power of two by the CUDA host allocator."""
         first = self.spec.stages[0]
-        streams_rows = hasattr(first.template, "forward_rows") and len(first.groups) == 1 and self.world == 1
+        streams_rows = first.template.forward_rows is not None and len(first.groups) == 1 and self.world == 1
         if not streams_rows or self.wire_copy or 0 in placement.resident or placement.first_disk_group == 0:
             return 0
         nbytes = self.group_sizes[first.groups[0]] // 4 * 4

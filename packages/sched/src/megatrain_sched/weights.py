@@ -1,0 +1,228 @@
+"""The weight stream of a step: device slots the stages' weights are copied into, the staging ring of fp32 masters
+cast on the device, the buffers of held stages, the casts of resident stages, and the first stage's rows.
+
+Position p of a step computes in slot p % n_slots; while it computes, the weights of positions p+1 .. p+n_slots-1
+are copied in on the copy-in stream (a slot is refilled only after the compute that used it has finished). Weights
+travel as the store keeps them: an fp32 master is copied in through a ring of fp32 staging buffers and cast to the
+compute dtype on a cast stream, so the host needs no second, bf16 copy of the model. The casts run on their own
+stream so that the copy engine never waits for one: a cast is a kernel, and it waits for SMs behind the compute
+stream's GEMMs (about one cast gets in where a GEMM ends), so the ring holds a whole stage where it can and the copy
+engine runs up to a stage ahead of the casts.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatrain_store import HostStore
+
+from .hooks import Hooks
+from .placement import Placement
+from .streams import Streams
+from .timeline import Timeline
+
+# Staged host->device copies of fp32 masters go in chunks of at most STAGING_NUMEL elements (256 MiB), through a
+# ring of up to STAGING_BUFFERS of them (a 7B layer, 0.93 GB, fits whole). On an H100, a 7B layer's copy under a
+# stage's worth of 32k-token GEMMs took 24.2 ms through two 128 MiB buffers and 20.5 ms through four of 256 MiB,
+# nearly as fast as an fp32 copy with no cast at all (20.0 ms; `benchmarks/staging_copy.py`).
+STAGING_NUMEL = 2**26
+STAGING_BUFFERS = 4
+
+
+def staging_buffers(largest_stage_numel: int) -> tuple[int, int]:
+    """(buffers, elements each) of the staging ring for stages of at most `largest_stage_numel` elements: enough
+    to hold the largest whole, up to STAGING_BUFFERS, at least two (one fills while the other's cast waits)."""
+    numel = min(largest_stage_numel, STAGING_NUMEL)
+    return min(STAGING_BUFFERS, max(2, -(-largest_stage_numel // numel))), numel
+
+
+@dataclass
+class Slot:
+    buffer: Tensor
+    stage: int | None = None  # which stage's weights it holds (valid within a step)
+    ready: Any = None  # event: its copy-in finished
+    free: Any = None  # event: the last compute reading it finished
+
+
+@dataclass
+class _Rows:
+    ids: Tensor  # the sorted unique input ids of a step (host)
+    local: list[Tensor]  # each micro-batch's input ids as indices into `ids` (device)
+    table: Tensor | None = None  # what first_rows gave for them (None: the whole table was copied)
+
+    @classmethod
+    def of(cls, input_ids: list[Tensor], device: torch.device) -> "_Rows":
+        unique, local = torch.unique(torch.cat([i.reshape(-1) for i in input_ids]), return_inverse=True)
+        pieces = local.split([i.numel() for i in input_ids])
+        return cls(unique, [p.view_as(i).to(device, non_blocking=True) for p, i in zip(pieces, input_ids)])
+
+
+class WeightStream:
+    """Where each position of a step finds its stage's weights, and the copies and casts that put them there.
+
+    `stages`: (groups, name) per stage; `weightless_backward`: the stages whose backward reads no weights (no copy
+    for it). `place` says which stages are held (a buffer of their own, from forward to backward) and which are
+    resident (cast on the compute stream from their fp32 masters on the device: no copy, no `before_fetch`)."""
+
+    def __init__(
+        self,
+        stages: list,
+        store: HostStore,
+        streams: Streams,
+        timeline: Timeline,
+        hooks: Hooks,
+        n_slots: int,
+        weightless_backward: set[int],
+    ):
+        self.stages, self.store, self.streams, self.timeline, self.hooks = stages, store, streams, timeline, hooks
+        self.device = streams.device
+        self.weightless_backward = weightless_backward
+        self.stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
+        self.slots = [self._new_buffer(max(self.stage_numels)) for _ in range(n_slots)]
+        self.held: dict[int, Slot] = {}
+        self.device_masters: dict[int, Tensor] = {}
+        self.on_device: set[int] = set()  # resident stages
+        self.reference = False  # a forward-only pass streaming the store's reference copy
+        self.order: list[int] = []  # the step's positions' stages
+        self.rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
+        self._init_staging(max(self.stage_numels))
+
+    def _new_buffer(self, numel: int) -> Slot:
+        return Slot(torch.empty(numel, dtype=self.store.compute_dtype, device=self.device))
+
+    def _init_staging(self, slot_numel: int) -> None:
+        """The staging ring and the cast stream, where fp32 masters are cast on the device."""
+        cast_on_device = self.streams.cuda and self.store.wire(0).dtype != self.store.compute_dtype
+        buffers, numel = staging_buffers(slot_numel)
+        self._staging = (
+            [torch.empty(numel, dtype=self.store.wire(0).dtype, device=self.device) for _ in range(buffers)]
+            if cast_on_device
+            else None
+        )
+        self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
+        self._staging_free = [None] * buffers  # events: the cast that last read each staging buffer finished
+        self._next_staging = 0  # the ring's next buffer: copies go round it from stage to stage
+
+    def place(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
+        """Hold and cast what `placement` says (nothing in flight: between steps)."""
+        self.device_masters, self.on_device = device_masters, set(placement.resident)
+        self.held = {
+            i: self.held[i] if i in self.held else self._new_buffer(self.stage_numels[i]) for i in placement.held
+        }
+
+    def begin_step(self, order: list[int], input_ids: list[Tensor] | None, log: list) -> None:
+        """A step in `order`: every slot is stale (the optimizer has changed the host weights since the last step).
+        `input_ids`: each micro-batch's, where the first stage's rows may go first (`first_rows`), else None."""
+        self.order = order
+        for slot in [*self.slots, *self.held.values()]:
+            slot.stage = None
+        self.rows = None
+        first = self.stages[0]
+        if input_ids is not None and first.template.forward_rows is not None and len(first.groups) == 1:
+            self.rows = _Rows.of(input_ids, self.device)
+            if self.hooks.updates_done(self.stages[order[1]].groups):
+                # the first layer's update is done before the table's rows: its copy goes first, not behind them
+                self.fetch(1, log)
+
+    def slot(self, position: int) -> tuple[Any, Slot]:
+        """(name in the step's log, slot) of position's weights: its stage's own buffer where held, else the
+        rotating slot of the position."""
+        stage = self.order[position]
+        if stage in self.held:
+            return f"held {stage}", self.held[stage]
+        return position % len(self.slots), self.slots[position % len(self.slots)]
+
+    def views(self, slot: Slot, stage: int) -> list[Tensor]:
+        """The stage's groups' weights in `slot`, one flat view each."""
+        views, offset = [], 0
+        for group in self.stages[stage].groups:
+            numel = self.store.layouts[group].numel
+            views.append(slot.buffer[offset : offset + numel])
+            offset += numel
+        return views
+
+    def table_rows(self, slot: Slot, micro_batch: int) -> tuple[Tensor, Tensor] | None:
+        """(the rows in `slot`, the micro-batch's ids as indices into them) where the first stage's rows were
+        copied instead of its group, else None."""
+        if self.rows is None or self.rows.table is None:
+            return None
+        return slot.buffer[: self.rows.table.numel()], self.rows.local[micro_batch]
+
+    def fetch(self, position: int, log: list) -> None:
+        """Queue the copy of position's weights into its slot (or reuse what is there)."""
+        stage = self.order[position]
+        slot_name, slot = self.slot(position)
+        if slot.stage == stage:
+            log.append(("reuse", stage, slot_name))
+            return
+        streams, groups = self.streams, self.stages[stage].groups
+        if position >= len(self.stages) and stage in self.weightless_backward:
+            log.append(("no_copy", stage, slot_name))  # its backward binds no weights
+            return
+        if stage in self.on_device and not self.reference:
+            self._cast_device_masters(slot, stage)
+            log.append(("cast", stage, slot_name))
+            return
+        rows = None
+        if position == 0 and self.rows is not None:
+            rows = self.rows.table = self.hooks.first_rows(groups[0], self.rows.ids)
+        if rows is None:
+            self.hooks.before_fetch(groups)
+        streams.wait(streams.copy_in, slot.free)  # before the span opens: the span times the transfer alone
+        with (
+            streams.on(streams.copy_in),
+            self.timeline.device_span(f"copy_in {self.stages[stage].name}", "copy_in", streams, streams.copy_in),
+        ):
+            if rows is not None:
+                self._copy(slot.buffer[: rows.numel()], rows.reshape(-1))
+            else:
+                source = self.store.reference if self.reference else self.store.wire
+                for view, group in zip(self.views(slot, stage), groups):
+                    self._copy(view, source(group))
+            if self._cast_stream is not None:  # the slot is complete once the last cast has run
+                streams.wait(streams.copy_in, streams.record(self._cast_stream))
+            slot.ready = streams.record(streams.copy_in)
+        slot.stage = stage if rows is None else None  # (some rows are not the stage's weights)
+        log.append(("copy_in", stage, slot_name))
+
+    def fetch_held_ahead(self, fetched: int, log: list) -> None:
+        """Queue the forward copies of held stages beyond `fetched` whose updates are done, in order: their
+        buffers are their own, so the copy engine need not wait for the rotating slots (while resident stages
+        compute, it would otherwise idle). Their turn in the order then finds them there."""
+        for stage, slot in self.held.items():  # (forward position = stage index)
+            if stage <= fetched or slot.stage == stage:
+                continue
+            if not self.hooks.updates_done(self.stages[stage].groups):
+                return
+            self.fetch(stage, log)
+
+    def _cast_device_masters(self, slot: Slot, stage: int) -> None:
+        """Queue the cast of a stage's device masters into its slot on the compute stream, which orders it
+        after their last update and the slot's last reader, and before the stage's compute, with no event
+        (a cast is under a millisecond; on the cast stream it would queue behind the copies' casts)."""
+        with self.streams.on(self.streams.compute):
+            for view, group in zip(self.views(slot, stage), self.stages[stage].groups):
+                view.copy_(self.device_masters[group])
+        slot.ready = None
+        slot.stage = stage
+
+    def _copy(self, view: Tensor, source: Tensor) -> None:
+        """Queue host `source` -> device `view` on the copy-in stream, or through the staging buffers and
+        the cast stream when the device casts (then `view` is complete when the cast stream's work is)."""
+        if self._staging is None or source.dtype == view.dtype:  # the CPU (where copy_ casts), or nothing to cast
+            view.copy_(source, non_blocking=True)
+            return
+        streams, chunk_numel = self.streams, self._staging[0].numel()
+        for start in range(0, source.numel(), chunk_numel):
+            chunk = source[start : start + chunk_numel]
+            buffer, self._next_staging = self._next_staging, (self._next_staging + 1) % len(self._staging)
+            staged = self._staging[buffer][: chunk.numel()]
+            streams.wait(streams.copy_in, self._staging_free[buffer])
+            staged.copy_(chunk, non_blocking=True)
+            arrived = streams.record(streams.copy_in)
+            with streams.on(self._cast_stream):
+                streams.wait(self._cast_stream, arrived)
+                view[start : start + chunk.numel()].copy_(staged)
+                self._staging_free[buffer] = streams.record(self._cast_stream)
