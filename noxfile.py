@@ -17,7 +17,8 @@ DEPENDS = {
     "optim": ["store"],
     "sched": ["store"],
     "zoo": ["templates"],
-    "megatrain": ["store", "optim", "sched", "templates", "zoo"],
+    "plan": ["store", "optim", "sched", "templates", "zoo"],
+    "megatrain": ["store", "optim", "sched", "templates", "zoo", "plan"],
 }
 
 
