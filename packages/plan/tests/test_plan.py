@@ -40,7 +40,7 @@ from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
 def host_side_of_a_gpu_run(monkeypatch):
     """These tests plan a GPU run's host side on this CPU machine (no GPU memory given stands for 'no GPU
     decides'): its runtime item is a GPU run's, not the CPU compute's memory a run on this CPU would take
-    (test_a_cpu_run_counts_its_compute_in_host_memory tests that)."""
+    (a run on the CPU counts its compute's memory there: `CostModel._runtime_host_bytes`)."""
     monkeypatch.setattr(Planner, "_runtime_host_bytes", lambda self, placement: RUNTIME_HOST_BYTES)
 
 
