@@ -6,7 +6,18 @@ import os
 
 import nox
 
-nox.options.sessions = ["store", "optim", "sched", "templates", "zoo", "megatrain", "integration", "examples", "lint"]
+nox.options.sessions = [
+    "store",
+    "optim",
+    "sched",
+    "templates",
+    "zoo",
+    "plan",
+    "megatrain",
+    "integration",
+    "examples",
+    "lint",
+]
 nox.options.default_venv_backend = "virtualenv"
 
 # torch==2.13.0 is the CPU wheel on the project machines; set MEGATRAIN_TORCH to choose another.

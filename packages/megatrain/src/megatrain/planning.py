@@ -108,9 +108,17 @@ def make_planner(
     return Planner(spec, rates or load_rates(), machine, shape, engine, objective)
 
 
-def make_plan(config: Config, *args, **kwargs) -> Plan:
-    """The plan of `config`'s step as configured (`make_planner`'s arguments)."""
-    planner = make_planner(config, *args, **kwargs)
+def make_plan(
+    config: Config,
+    model: ModelConfig | None = None,
+    rates: Rates | None = None,
+    gpu_memory: int | None = None,
+    gpus: int = 1,
+    hosts: int = 1,
+    host_memory: int | None = None,
+) -> Plan:
+    """The plan of `config`'s step as configured, by `make_planner(...)` of the same arguments."""
+    planner = make_planner(config, model, rates, gpu_memory, gpus, hosts, host_memory)
     return planner.plan(planner.place(planner.step_tokens))
 
 

@@ -3,7 +3,8 @@
 The planner counts every host allocation of a placement (`CostModel.host_items`) and takes a choice
 that costs host memory only where the total stays within this budget; a plan that does not fit is refused
 before anything is allocated. The budget is the room left now (the cgroup's limit less its usage, else
-MemAvailable), less `HOST_MARGIN`; `MEGATRAIN_HOST_MEMORY_GIB` and `engine.host_memory_gib` can only lower it.
+MemAvailable), less `HOST_MARGIN`; `MEGATRAIN_HOST_MEMORY_GIB` (the machine's limit, set where the machine is
+described) and a run's `engine.host_memory_gib` can only lower it.
 What the process already holds (torch, the CUDA context, the data read so far) is outside the budget: it is
 measured when the run is planned (`process_bytes`) and benchmark rows add it to the plan beside the peak RSS.
 """
