@@ -189,8 +189,8 @@ def experts_per_stage_of(spec: ModelSpec) -> int:
 
 
 class CostModel:
-    """The cost model of one run: a built model (`spec`) trained in steps of `shape` with the engine's `choices`
-    and an objective holding `objective`, on `machine` at `rates`.
+    """The cost model of one run: a built model (`spec`) trained in steps of `shape` with the engine's settings
+    (`engine`) and an objective holding `objective` in memory, on `machine` at `rates`.
 
     Memory: `host_items` (every host allocation), `persistent_device_bytes` (slots, staging, held weights,
     resident state) and `step_device_bytes` (checkpoints and products kept on the GPU, gradients, a recompute, the
