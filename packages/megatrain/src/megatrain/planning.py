@@ -27,6 +27,7 @@ from .reference import PASS_STEPS
 
 
 def step_shape(config: Config) -> StepShape:
+    """One step of `config` as the planner sees it."""
     train = config.train
     return StepShape(
         seq_len=config.data.seq_len,

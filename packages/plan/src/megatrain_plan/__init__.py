@@ -5,7 +5,7 @@ rules, `checks` the refusals of what cannot run, `report` the plan as written an
 host's budget, `rates` the machine's measured rates. The planner takes a built model (`megatrain_zoo.ModelSpec`)
 and small values (`inputs`): the machine, the step's shape, the engine's settings and what the objective holds."""
 
-from .checks import HOST_SAVINGS, check_plan
+from .checks import check_plan
 from .costs import (
     CPU_OPTIMIZER_MARGIN,
     CPU_RUNTIME_HOST_BYTES,
@@ -36,7 +36,6 @@ __all__ = [
     "GRADIENT_POOL",
     "HOST_KEPT_RAM_SHARE",
     "HOST_MARGIN_MIN",
-    "HOST_SAVINGS",
     "RUNTIME_HOST_BYTES",
     "SWEEPS_PCIE_SHARE",
     "CostModel",
