@@ -13,6 +13,7 @@ nox.options.sessions = [
     "templates",
     "zoo",
     "data",
+    "plan",
     "megatrain",
     "integration",
     "examples",
@@ -29,7 +30,8 @@ DEPENDS = {
     "sched": ["store"],
     "zoo": ["store", "templates"],
     "data": ["store"],
-    "megatrain": ["store", "optim", "sched", "templates", "zoo", "data"],
+    "plan": ["store", "optim", "sched", "templates", "zoo"],
+    "megatrain": ["store", "optim", "sched", "templates", "zoo", "data", "plan"],
 }
 
 

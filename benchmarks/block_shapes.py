@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from block import time_ms  # noqa: E402
 from common import machine, table, write_results  # noqa: E402
 
-from megatrain.rates import measure_gpu_rates  # noqa: E402
+from megatrain_plan.rates import measure_gpu_rates  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from common import table, write_results
 
 from megatrain.config import load_config
-from megatrain.plan import Rates, make_plan
+from megatrain.planning import make_plan
+from megatrain_plan import Rates
 
 RATES = Rates(
     gpu_tflops=560.0,

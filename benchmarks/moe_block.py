@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from block import time_ms  # noqa: E402
 from common import machine, write_results  # noqa: E402
 
-from megatrain.rates import block_work  # noqa: E402
+from megatrain_plan import block_work  # noqa: E402
 from megatrain_templates import MoeBlock  # noqa: E402
 from megatrain_zoo import build_model, flops_per_token, preset  # noqa: E402
 

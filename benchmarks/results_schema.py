@@ -25,7 +25,7 @@ SYSTEMS = (
     "published-layer-streaming",  # figures the published layer-streaming system reports; not measured here
 )
 # A row whose process's peak resident memory passes its plan by more than this share is flagged: the plan is a
-# promise the planner keeps (`megatrain.plan.CostModel.host_items`).
+# promise the planner keeps (`megatrain_plan.CostModel.host_items`).
 RSS_OVER_PLAN = 0.03
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}( \d{2}:\d{2})?$")
 
@@ -111,7 +111,7 @@ def _check_host_memory(row: dict, where: str) -> list[str]:
         return []
     return [
         f"{where}: peak RSS {peak} GiB passes the planned {planned} GiB by more than {RSS_OVER_PLAN:.0%}: a host "
-        "allocation the planner does not count (megatrain.plan.CostModel.host_items)"
+        "allocation the planner does not count (megatrain_plan.CostModel.host_items)"
     ]
 
 

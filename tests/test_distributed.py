@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain import host_memory
 from megatrain_data import train_tokenizer
+from megatrain_plan import host_memory
 
 CONFIG = {
     "model": {"preset": "tiny-qwen2"},
@@ -460,7 +460,7 @@ def test_each_rank_plans_for_its_share_of_the_global_batch(monkeypatch):
     """Under torchrun the memory check counts one GPU's share of the batch, and the host's ranks."""
     from megatrain.config import load_config
     from megatrain.distributed import launch_shape
-    from megatrain.plan import make_plan
+    from megatrain.planning import make_plan
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -475,16 +475,18 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     """Split over 4 hosts, a host holds a quarter of the masters, moments and gradients and a whole
     bf16 copy (2 + 16 / 4 B/param with clipping), updates a quarter, and sends its quarter of the
     weights plus the others' part of its gradient sum."""
-    from megatrain.config import ConfigError, load_config, model_config_of
-    from megatrain.plan import check_plan, make_plan
+    from megatrain.config import ConfigError, load_config
+    from megatrain.planning import check_plan, make_plan, make_planner
 
     simulate_host(monkeypatch, 64)  # a replica (16 B/param) does not fit, a quarter does
     overrides = ["model.preset=qwen2.5-7b", "train.batch_size=64", "data.seq_len=2048", "device=cpu"]
     config = load_config(None, [*overrides, "precision.compute_dtype=bfloat16"])
     split = load_config(None, [*overrides, "precision.compute_dtype=bfloat16", "engine.shard_across_hosts=true"])
     h200 = 140 * 2**30  # (GPUs of that size: the runtime's host memory a GPU run's, not this CPU's compute's)
-    replicated = make_plan(config, gpus=8, hosts=4, gpu_memory=h200)
-    parts = make_plan(split, gpus=8, hosts=4, gpu_memory=h200)
+    replicated_planner = make_planner(config, gpus=8, hosts=4, gpu_memory=h200)
+    parts_planner = make_planner(split, gpus=8, hosts=4, gpu_memory=h200)
+    replicated = replicated_planner.plan(replicated_planner.place(replicated_planner.step_tokens))
+    parts = parts_planner.plan(parts_planner.place(parts_planner.step_tokens))
 
     def state_per_param(plan):  # (beside the runtime's)
         return (plan.host_bytes - plan.host_items["runtime"]) / plan.n_params
@@ -496,8 +498,8 @@ def test_hosts_that_split_the_state_plan_a_part_each(monkeypatch):
     # one host: nothing to split
     assert make_plan(split, gpu_memory=h200).host_bytes == make_plan(config, gpu_memory=h200).host_bytes
     with pytest.raises(ConfigError, match="engine.shard_across_hosts: true splits the state over the 4 hosts"):
-        check_plan(replicated, config, model_config_of(config))
-    check_plan(parts, split, model_config_of(split))
+        check_plan(replicated, replicated_planner)
+    check_plan(parts, parts_planner)
 
 
 def test_a_model_through_transformers_modules_on_split_hosts_with_the_disk_tier_equals_one_process(tmp_path, tokens):

@@ -270,7 +270,7 @@ def test_a_larger_step_runs_in_one_sweep_where_the_store_has_a_gradient_pool(tmp
     """A step larger than the one planned is placed again; where the planner would run it in sweeps but the
     store was made with a gradient pool (which cannot hold every gradient until a last sweep), it runs in one, and
     the steps stay plain PyTorch's."""
-    from megatrain.plan import Planner
+    from megatrain_plan import Planner
 
     lr, tolerance = CASES["float64"]
     train = dict(steps=2, batch_size=2, micro_batch_size=2, lr=lr, eps=1e-6, weight_decay=0.1, grad_clip=0.0)

@@ -153,7 +153,7 @@ def test_the_plan_counts_streamed_generations_host_copies():
     """Streamed generation keeps host copies only of what transformers' loader converts (OLMoE's stacked experts),
     none for a family whose stored tensors are its parameters; resident generation none."""
     from megatrain.config import load_config
-    from megatrain.plan import make_plan
+    from megatrain.planning import make_plan
     from megatrain_zoo import preset
 
     def plan(name: str, weights: str):

@@ -225,7 +225,7 @@ def test_gpu_steps_match_transformers(model_type, tmp_path):
 def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
     """A generic model's layer rates on the GPU: one layer of each kind timed (Jamba's Mamba layer and its attention
     and experts layer), recomputing and keeping its graph, and the head's."""
-    from megatrain import rates
+    from megatrain_plan import rates
 
     timed = []
     sustained_seconds = rates._sustained_seconds

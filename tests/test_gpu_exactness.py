@@ -96,7 +96,7 @@ def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypat
 @pytest.mark.gpu
 def test_gpu_partial_checkpoint_offload_stays_exact(tmp_path, monkeypatch):
     # what auto plans when only some layers' checkpoints fit: the first block goes to host, the rest stay
-    from megatrain.plan import Planner
+    from megatrain_plan import Planner
 
     monkeypatch.setattr(Planner, "_offloaded_to_fit", lambda self, tokens: 1)
     check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path, expect_offloaded=(1,))
@@ -132,8 +132,8 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
 def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatch, capfd):
     """A bf16 run on the GPU plans with this GPU's rates at its own shape: measured by the first trainer
     of that shape, remembered for the next; a tiny model's rates (hundredths of a TFLOPS) are not zero."""
-    from megatrain import rates as calibration
-    from megatrain.rates import Rates
+    from megatrain_plan import Rates
+    from megatrain_plan import rates as calibration
 
     monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
     monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
@@ -155,7 +155,7 @@ def test_gpu_layer_rate_weighs_each_kind_of_layer_by_its_count(monkeypatch):
     """Qwen3.5's layers are of two kinds (linear attention on three of four): the measured layer rates
     (recomputing, keeping products) are the layers' work over one timed layer of each kind, weighted by how many
     layers it stands for (kinds in layer order: layer 0 is linear)."""
-    from megatrain import rates
+    from megatrain_plan import rates
 
     model = preset("tiny-qwen3.5")
     timed = []

@@ -15,8 +15,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from megatrain.host_memory import HOST_MARGIN_MIN
 from megatrain_data import train_tokenizer
+from megatrain_plan import HOST_MARGIN_MIN
 
 # What a run may take beyond its plan and its footprint at planning, in these tests: the allocator's arenas and
 # freed-late temporaries of a CPU step. Far under the stated margin (host_memory.HOST_MARGIN_MIN, 1 GiB), so that

@@ -420,15 +420,15 @@ def check_steps(family, grad_clip, tmp_path, device, frozen, engine, exact) -> N
 def test_the_plan_counts_frozen_parts_as_weights_only(tmp_path):
     """A frozen tower's parameters cost their fp32 master alone in the plan (no gradient, no moments), as the store
     allocates them, and the plan says so."""
-    from megatrain.plan import Machine, Planner, format_plan
-    from megatrain.rates import Rates
+    from megatrain.planning import engine_choices, step_shape
+    from megatrain_plan import Machine, Planner, Rates, format_plan
 
     image_text_model({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, 0).save_pretrained(tmp_path / "hf")
     plans = {}
     for frozen in ((), ("vision_tower",)):
         trainer = trainer_of(tmp_path / "hf", tmp_path, 0.5, steps=1, frozen=frozen)
-        config, model = trainer.config, trainer.model_config
-        planner = Planner(config, model, Rates(), Machine(gpu_memory=80 * 2**30, host_memory=None))
+        config, machine = trainer.config, Machine(gpu_memory=80 * 2**30, host_memory=None)
+        planner = Planner(trainer.spec, Rates(), machine, step_shape(config), engine_choices(config))
         plans[frozen] = planner.plan(trainer.placement)
         tower = sum(trainer.store.layouts[g].numel for g in trainer.spec.frozen_groups({"vision_tower"}))
         trainer.close()

@@ -23,6 +23,7 @@ def _error_types() -> dict:
     and the engine)."""
     from megatrain_data import DataError
     from megatrain_optim import OptimError
+    from megatrain_plan import PlanError
     from megatrain_sched import SchedError
     from megatrain_store import StoreError
     from megatrain_zoo import ZooError
@@ -35,7 +36,12 @@ def _error_types() -> dict:
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
     # (data that cannot be read, a model that cannot be read, a preset misspelled: the user's input, as the config is)
-    user_input = {ConfigError: (2, "config error"), DataError: (2, "data error"), ZooError: (2, "model error")}
+    user_input = {
+        ConfigError: (2, "config error"),
+        PlanError: (2, "config error"),
+        DataError: (2, "data error"),
+        ZooError: (2, "model error"),
+    }
     return user_input | {RewardError: (1, "reward error")} | {kind: (1, kind.__name__) for kind in others}
 
 
@@ -497,28 +503,29 @@ def run_pair_eval(config, args) -> None:
 def run_plan(config, args) -> None:
     import json
 
+    from megatrain_plan import calibrate, format_plan
     from megatrain_templates import set_compile
 
     from .config import model_config_of
-    from .plan import check_plan, format_plan, make_plan
-    from .rates import calibrate, run_rates
+    from .planning import check_plan, make_planner, rates_of
 
     set_compile(config.engine.compile)  # the rates measured here run the templates as the run would
     model = model_config_of(config)
     rates = (
         calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)
         if args.calibrate
-        else run_rates(config, model, measure=args.gpu_memory_gib is None)  # planning for another GPU: not this one's
+        else rates_of(config, model, measure=args.gpu_memory_gib is None)  # planning for another GPU: not this one's
     )
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
     host_memory = int(args.host_memory_gib * 2**30) if args.host_memory_gib else None
-    plan = make_plan(config, model, rates, gpu_memory, args.gpus, args.hosts, host_memory)
+    planner = make_planner(config, model, rates, gpu_memory, args.gpus, args.hosts, host_memory)
+    plan = planner.plan(planner.place(planner.step_tokens))
     print(
         json.dumps(plan.as_dict(), indent=2)
         if args.json
         else format_plan(plan, config.model.preset or config.model.hf_dir)
     )
-    check_plan(plan, config, model)
+    check_plan(plan, planner)
 
 
 def build_parser() -> argparse.ArgumentParser:

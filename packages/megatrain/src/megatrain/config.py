@@ -360,7 +360,8 @@ class EngineSection:
     # part, not the layer; "auto": whole layers where they fit the GPU, else the fewest parts that do
     experts_per_stage: int | str = "auto"
     # the most host memory the run's plan may take, GiB; it can only lower what the operating system gives (the
-    # cgroup's limit or MemAvailable, less a margin: `megatrain plan` says which); null: that
+    # cgroup's limit or MemAvailable, less a margin: `megatrain plan` says which); null: that. (The machine's own
+    # limit is MEGATRAIN_HOST_MEMORY_GIB, which lowers it too.)
     host_memory_gib: float | None = None
     # compile the elementwise work between the GEMMs (norms, rotary embedding, the experts' activation) with
     # torch.compile on CUDA, one kernel each way instead of five to ten; false: eager (a first step without the
@@ -378,6 +379,10 @@ class EngineSection:
     # several processes: the memory-backed directory where a host's processes share the master weights and
     # optimizer state (~12 B/param on each host). MEGATRAIN_SHARED_DIR overrides it (a host whose /dev/shm is small).
     shared_dir: str = "/dev/shm"
+    # measure this GPU's block and head rates at the run's shape the first time a shape is planned (seconds,
+    # remembered in $MEGATRAIN_CACHE/calibration.json, the machine's cache); false: plan with the remembered or
+    # default rates only. MEGATRAIN_MEASURE_RATES=0 or 1, where set, overrides this (the tests set 0)
+    measure_rates: bool = True
 
     def __post_init__(self):
         gib = self.host_memory_gib

@@ -30,10 +30,11 @@ from megatrain_optim import (
     UpdatesAsGradientsLand,
     lr_at,
 )
+from megatrain_plan import Planner
 from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences, set_compile
-from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
+from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 from megatrain_zoo.hf_weights import (
     WholeGroups,
     all_finite,
@@ -56,8 +57,7 @@ from .distributed import (
 )
 from .export import export_hf
 from .objectives import check_model_settings, make_objective
-from .plan import Machine, Planner, check_plan
-from .rates import run_rates
+from .planning import check_plan, make_planner, rates_of
 from .warmup import warm_up_pipeline
 
 
@@ -143,14 +143,13 @@ class Trainer:
         plan that cannot run stops here, before any memory is taken."""
         config = self.config
         gpus, hosts = launch_shape()
-        rates = run_rates(config, self.model_config, measure=self.training and gpus * hosts == 1)
-        self.planner = Planner(config, self.model_config, rates, Machine.of(config, gpus=gpus, hosts=hosts))
+        rates = rates_of(config, self.model_config, measure=self.training and gpus * hosts == 1)
+        self.planner = make_planner(config, self.model_config, rates, gpus=gpus, hosts=hosts)
         self.placement = self._configured_placement()  # each GPU: its share of the batch
         self.plan = self.planner.plan(self.placement)
         if self.training:
-            check_plan(self.plan, config, self.model_config)
-        # the Trainer's own model: the planner's is a shared, read-only description (its RouterLoad the Trainer sets)
-        self.spec = build_model(self.model_config, self.planner.experts_per_stage)
+            check_plan(self.plan, self.planner)
+        self.spec = self.planner.spec  # the model, built once for the planner and the run
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
 

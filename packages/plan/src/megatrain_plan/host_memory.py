@@ -1,9 +1,10 @@
 """The host memory a run may take: what the operating system will really give it, less a stated margin.
 
-The planner (`plan/`) counts every host allocation of a placement (`CostModel.host_items`) and takes a choice
+The planner counts every host allocation of a placement (`CostModel.host_items`) and takes a choice
 that costs host memory only where the total stays within this budget; a plan that does not fit is refused
 before anything is allocated. The budget is the room left now (the cgroup's limit less its usage, else
-MemAvailable), less `HOST_MARGIN`; `MEGATRAIN_HOST_MEMORY_GIB` and `engine.host_memory_gib` can only lower it.
+MemAvailable), less `HOST_MARGIN`; `MEGATRAIN_HOST_MEMORY_GIB` (the machine's limit, set where the machine is
+described) and a run's `engine.host_memory_gib` can only lower it.
 What the process already holds (torch, the CUDA context, the data read so far) is outside the budget: it is
 measured when the run is planned (`process_bytes`) and benchmark rows add it to the plan beside the peak RSS.
 """
@@ -12,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import PlanError
 
 # The share of the room left at planning that the plan may not take (at least HOST_MARGIN_MIN): what allocators
 # round up and free late, the page tables of pinned memory, the operating system's own growth. A run's peak RSS
@@ -100,7 +101,7 @@ def _env_gib() -> float | None:
     except ValueError:
         gib = -1.0
     if not gib > 0:
-        raise ConfigError(
+        raise PlanError(
             f"MEGATRAIN_HOST_MEMORY_GIB={value!r} is not a positive number of GiB; set it to one or unset it"
         )
     return gib

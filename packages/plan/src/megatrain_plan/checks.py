@@ -3,47 +3,50 @@
 import shutil
 from pathlib import Path
 
-from megatrain_zoo import ModelConfig
+from megatrain_zoo import ModelConfig, ModelSpec
 
-from ..config import Config, ConfigError
-from .costs import _built, gpu_updated_groups, whole_step_statistics
+from .costs import gpu_updated_groups, whole_step_statistics
+from .errors import PlanError
 from .report import Plan, _params
+from .search import Planner
 
 
-def check_plan(plan: Plan, config: Config, model: ModelConfig) -> None:
-    """Refuse, before anything is allocated, a run that cannot work, naming the fix."""
-    if config.data.seq_len > model.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len {config.data.seq_len} is larger than the model allows (max_position_embeddings "
+def check_plan(plan: Plan, planner: Planner) -> None:
+    """Refuse, before anything is allocated, a run that `planner` planned (`plan`) and that cannot work, naming
+    the fix (`PlanError`)."""
+    model, shape = planner.model, planner.shape
+    if shape.seq_len > model.max_seq_len:
+        raise PlanError(
+            f"data.seq_len {shape.seq_len} is larger than the model allows (max_position_embeddings "
             f"{model.max_seq_len}); lower data.seq_len"
         )
-    _check_resident(plan, model)
-    _check_sweeps(plan, config, model)
-    _check_host(plan, config, model)
-    _check_disk(plan, config)
-    _check_gpu(plan, config, model)
+    _check_resident(plan, planner.spec)
+    _check_sweeps(plan, planner)
+    _check_host(plan, model)
+    _check_disk(plan, planner.engine.optimizer_state_dir)
+    _check_gpu(plan, planner)
 
 
-def _check_resident(plan: Plan, model: ModelConfig) -> None:
+def _check_resident(plan: Plan, spec: ModelSpec) -> None:
     if not plan.gpu_updated_layers:
         return
     if plan.gpus * plan.hosts > 1:
-        raise ConfigError(
+        raise PlanError(
             f"engine.gpu_updated_layers: {plan.gpu_updated_layers} needs one process holding all of the state; "
             f"with {plan.gpus * plan.hosts} GPUs set engine.gpu_updated_layers: 0 (or auto)"
         )
-    on_gpu = gpu_updated_groups(_built(model, plan.experts_per_stage), plan.gpu_updated_layers)
+    on_gpu = gpu_updated_groups(spec, plan.gpu_updated_layers)
     if max(on_gpu) >= plan.first_disk_group:
-        raise ConfigError(
+        raise PlanError(
             f"engine.gpu_updated_layers: {plan.gpu_updated_layers} reaches the layers whose optimizer state is on "
             "disk (engine.optimizer_state_dir); set engine.gpu_updated_layers: auto or fewer"
         )
 
 
-def _check_sweeps(plan: Plan, config: Config, model: ModelConfig) -> None:
-    statistics = whole_step_statistics(model, config)
+def _check_sweeps(plan: Plan, planner: Planner) -> None:
+    statistics = whole_step_statistics(planner.model, planner.shape)
     if plan.placement.sweeps > 1 and statistics:
-        raise ConfigError(
+        raise PlanError(
             f"engine.sweeps {plan.placement.sweeps}: {statistics} needs the whole step's routing before any "
             "backward; set engine.sweeps to 1 or auto"
         )
@@ -69,7 +72,7 @@ HOST_SAVINGS = {
 SPLIT_BY_HOSTS = ("master weights", "optimizer moments", "gradients held for clipping")
 
 
-def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
+def _check_host(plan: Plan, model: ModelConfig) -> None:
     """Refuse a plan whose host allocations pass what the run may take, naming its largest item and what saves
     it (a choice that costs host memory first, where dropping it alone would fit)."""
     if plan.host_available is None or plan.host_bytes <= plan.host_available:
@@ -82,7 +85,7 @@ def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
     if plan.hosts > 1 and not plan.split_state and name in SPLIT_BY_HOSTS:
         saving = f"engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
     largest = plan.host_available / plan.host_bytes_per_param
-    raise ConfigError(
+    raise PlanError(
         f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB "
         f"({plan.host_bytes_per_param:.1f} B/param) but this run may take {plan.host_available / gib:.1f} GiB "
         f"({plan.host_source}); {name} take {items[name] / gib:.1f} GiB: {saving} (about "
@@ -90,21 +93,22 @@ def _check_host(plan: Plan, config: Config, model: ModelConfig) -> None:
     )
 
 
-def _check_disk(plan: Plan, config: Config) -> None:
+def _check_disk(plan: Plan, optimizer_state_dir: str | None) -> None:
     if not plan.disk_bytes:
         return
-    state_dir = Path(config.engine.optimizer_state_dir)
+    state_dir = Path(optimizer_state_dir)
     existing = next(p for p in (state_dir, *state_dir.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if plan.disk_bytes > free:
-        raise ConfigError(
+        raise PlanError(
             f"the disk tier needs {plan.disk_bytes / 2**30:.1f} GiB in {state_dir} but its disk has "
             f"{free / 2**30:.1f} GiB free; free space, choose another engine.optimizer_state_dir, or set "
             "engine.disk_state_fraction lower"
         )
 
 
-def _check_gpu(plan: Plan, config: Config, model: ModelConfig) -> None:
+def _check_gpu(plan: Plan, planner: Planner) -> None:
+    model, shape = planner.model, planner.shape
     available = plan.gpu_available
     if available is None or plan.gpu_bytes <= available:
         return
@@ -115,17 +119,17 @@ def _check_gpu(plan: Plan, config: Config, model: ModelConfig) -> None:
         ("gpu_updated_layers", plan.gpu_updated_layers, plan.gpu_updated_bytes, "of weights and moments"),
     ):
         if count and plan.gpu_bytes - nbytes <= available:
-            raise ConfigError(
+            raise PlanError(
                 f"engine.{setting}: {count} keeps {nbytes / gib:.1f} GiB {what} on the GPU, more than its "
                 f"{available / gib:.1f} GiB leave beside the rest of the step; set engine.{setting}: auto or fewer"
             )
-    per_sequence = plan.checkpoint_bytes // config.train.rows_per_step
+    per_sequence = plan.checkpoint_bytes // shape.rows_per_step
     on_gpu = plan.checkpoint_bytes * (plan.checkpoint_stages - plan.offloaded_layers) // max(1, plan.checkpoint_stages)
     fixed = plan.gpu_bytes - on_gpu - plan.kept_bytes - plan.held_bytes - plan.gpu_updated_bytes
     largest_batch = max(0, int((available - fixed) // max(1, per_sequence)))
-    if largest_batch < config.train.micro_batch_size:  # not even one micro-batch: the layers themselves
+    if largest_batch < shape.micro_batch:  # not even one micro-batch: the layers themselves
         parts = model.is_moe and plan.experts_per_stage != 1
-        raise ConfigError(
+        raise PlanError(
             f"the step needs {plan.gpu_bytes / gib:.1f} GiB of GPU memory but the GPU has {available / gib:.1f} GiB: "
             f"the largest layer alone takes {fixed / gib:.1f} GiB (two weight slots, its fp32 gradient and one "
             "micro-batch's recompute); lower train.micro_batch_size"
@@ -137,7 +141,7 @@ def _check_gpu(plan: Plan, config: Config, model: ModelConfig) -> None:
             )
             + " or use a GPU with more memory"
         )
-    raise ConfigError(
+    raise PlanError(
         f"the step needs {plan.gpu_bytes / gib:.1f} GiB of GPU memory but the GPU has {available / gib:.1f} GiB; "
         f"set engine.offload_checkpoints: true, lower train.micro_batch_size, or use train.batch_size <= {largest_batch}"
     )

@@ -1,29 +1,36 @@
-import contextlib
-import json
+"""The planner on its own inputs (no config): a preset built once, a step's shape, the engine's settings, a machine
+given or simulated, and the rates."""
+
 import math
 import shutil
-from dataclasses import asdict
 
 import pytest
 import torch
 
-from megatrain import host_memory
-from megatrain.cli import main
-from megatrain.config import ConfigError, load_config
-from megatrain.plan import (
+from megatrain_plan import (
     CPU_OPTIMIZER_MARGIN,
     DISK_TIER_RAM_SHARE,
     GRADIENT_POOL,
     RUNTIME_HOST_BYTES,
     SWEEPS_PCIE_SHARE,
+    EngineChoices,
+    Machine,
+    ObjectiveMemory,
+    Plan,
+    PlanError,
     Planner,
+    Rates,
+    StepShape,
+    block_work,
     check_plan,
+    experts_per_stage,
+    format_plan,
     gpu_updated_groups,
+    host_memory,
     kept_bytes_per_token,
     layout_sizes,
-    make_plan,
+    measure_disk_gbps,
 )
-from megatrain.rates import Rates, block_work, measure_disk_gbps
 from megatrain_sched import EXTRAS_MARGIN
 from megatrain_templates.chunked_recurrence import KeptRecurrence
 from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
@@ -31,9 +38,9 @@ from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
 
 @pytest.fixture(autouse=True)
 def host_side_of_a_gpu_run(monkeypatch):
-    """These tests plan a GPU run's host side on this CPU machine (device=cpu stands for 'no GPU decides'): its
-    runtime item is a GPU run's, not the CPU compute's memory a run on this CPU would take
-    (test_a_cpu_run_counts_its_compute_in_host_memory tests that)."""
+    """These tests plan a GPU run's host side on this CPU machine (no GPU memory given stands for 'no GPU
+    decides'): its runtime item is a GPU run's, not the CPU compute's memory a run on this CPU would take
+    (a run on the CPU counts its compute's memory there: `CostModel._runtime_host_bytes`)."""
     monkeypatch.setattr(Planner, "_runtime_host_bytes", lambda self, placement: RUNTIME_HOST_BYTES)
 
 
@@ -42,29 +49,55 @@ def simulate_host(monkeypatch, gib: float) -> None:
     monkeypatch.setattr(host_memory, "os_room", lambda: (int(gib * 2**30), "a simulated host"))
 
 
-def config_for(preset, tokens, **extra):
-    overrides = [
-        f"model.preset={preset}",
-        "data.seq_len=2048",
-        f"train.batch_size={tokens // 2048}",
-        "train.micro_batch_size=8",
-        "train.grad_clip=0",
-        "device=cpu",
-        "precision.compute_dtype=bfloat16",
-    ]
-    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+def planner_for(
+    name: str,
+    tokens: int,
+    *,
+    rates: Rates | None = None,
+    gpu_memory: int | None = None,
+    host_memory: int | None = None,
+    gpus: int = 1,
+    hosts: int = 1,
+    seq_len: int = 2048,
+    micro_batch: int = 8,
+    clipping: bool = False,
+    router_z_loss: bool = False,
+    objective: ObjectiveMemory = ObjectiveMemory(),
+    **engine,
+) -> Planner:
+    """The planner of preset `name`'s steps of `tokens` (all GPUs') in micro-batches of `micro_batch` sequences of
+    `seq_len`, bf16, on a machine with `gpu_memory` (None: no GPU) and this host's (simulated) memory or
+    `host_memory`; `engine`: `EngineChoices` fields."""
+    model = preset(name)
+    shape = StepShape(
+        seq_len, tokens // seq_len, micro_batch, torch.bfloat16, clipping=clipping, router_z_loss=router_z_loss
+    )
+    machine = Machine.of(torch.device("cpu"), None, gpu_memory, host_memory, gpus, hosts)
+    choices = EngineChoices(**engine)
+    spec = build_model(model, experts_per_stage(model, choices.experts_per_stage, shape, machine.gpu_memory))
+    return Planner(spec, rates or Rates(), machine, shape, choices, objective)
+
+
+def planned(planner: Planner) -> Plan:
+    """`planner`'s plan of its configured step."""
+    return planner.plan(planner.place(planner.step_tokens))
+
+
+def plan_for(name: str, tokens: int, **settings) -> Plan:
+    """The plan of `planner_for(name, tokens, **settings)`'s step."""
+    return planned(planner_for(name, tokens, **settings))
 
 
 def test_memory_matches_the_store_and_measured_run():
     # measured on the H100 machine with a bf16 wire copy (benchmarks/results/throughput-h100.json):
     # 105.4 GiB host, 36.1 GiB GPU peak
-    plan = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.wire_copy": "true"}))
+    plan = plan_for("qwen2.5-7b", 131072, wire_copy=True)
     store = plan.host_bytes - plan.host_items["runtime"]
     assert store / 2**30 == pytest.approx(105.4, abs=0.2)
     assert store / plan.n_params == pytest.approx(14.86, abs=0.02)
     assert plan.gpu_bytes / 2**30 == pytest.approx(36.1, rel=0.15)
     # the default sends the fp32 master and casts on the GPU: 2 B/param less
-    plan = make_plan(config_for("qwen2.5-7b", 131072))
+    plan = plan_for("qwen2.5-7b", 131072)
     store = plan.host_bytes - plan.host_items["runtime"] - plan.host_items["embedding rows buffer"]
     assert store / plan.n_params == pytest.approx(12.86, abs=0.02)
 
@@ -74,48 +107,45 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
     # a disk with room (the test machine's had 27 GiB free and the plan's 37 GiB disk tier was refused)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**41, 0, 2**41))
     model = preset("qwen2.5-7b")
-    config = config_for("qwen2.5-7b", 65536, **{"engine.optimizer_state_dir": str(tmp_path)})
-    plan = make_plan(config)
-    check_plan(plan, config, model)
+    planner = planner_for("qwen2.5-7b", 65536, optimizer_state_dir=str(tmp_path))
+    plan = planned(planner)
+    check_plan(plan, planner)
     assert 0 < plan.first_disk_group < model.n_layers + 2
     assert plan.host_bytes <= DISK_TIER_RAM_SHARE * plan.host_available
     assert plan.host_items["disk tier's page cache"] > 0  # (the groups read ahead and written behind)
     # one group fewer on disk would not fit that share
     assert plan.host_bytes + model.block_params * 8 > DISK_TIER_RAM_SHARE * plan.host_available
-    assert plan.disk_bytes == 8 * sum(layout_sizes(model)[0][plan.first_disk_group :])
+    assert plan.disk_bytes == 8 * sum(layout_sizes(planner.spec)[0][plan.first_disk_group :])
     assert plan.disk_s == pytest.approx(2 * plan.disk_bytes / (plan.rates.disk_gbps * 1e9))
     assert plan.step_s >= plan.disk_s  # the disk moves every byte of its state in and out each step
-    last = len(layout_sizes(model)[0]) - 1
+    last = len(layout_sizes(planner.spec)[0]) - 1
     assert plan.placement.why["disk"] == (
         f"the moments of groups {plan.first_disk_group}-{last} live on disk: the host cannot hold them"
     )
-    everything = make_plan(
-        config_for(
-            "qwen2.5-7b", 65536, **{"engine.optimizer_state_dir": str(tmp_path), "engine.disk_state_fraction": 1}
-        )
-    )
+    whole_state = planner_for("qwen2.5-7b", 65536, optimizer_state_dir=str(tmp_path), disk_state_fraction=1.0)
+    everything = planned(whole_state)
     assert everything.first_disk_group == 0 and everything.disk_bytes == 8 * model.n_params
     assert everything.placement.why["disk"].endswith(f"0-{last} live on disk: engine.disk_state_fraction 1.0")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40 - 2**30, 2**30))
-    with pytest.raises(ConfigError, match=r"disk tier needs .* GiB .* has 1.0 GiB free"):
-        check_plan(everything, config, model)
+    with pytest.raises(PlanError, match=r"disk tier needs .* GiB .* has 1.0 GiB free"):
+        check_plan(everything, whole_state)
 
 
 def test_step_time_model_is_overlap_aware(monkeypatch):
     simulate_host(monkeypatch, 100)  # no room for a deeper gradient pool
     rates = Rates(gpu_tflops=500, head_tflops=400, pcie_gbps=50, cpu_adam_params_per_s=3.4e9)
-    plan = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
+    plan = plan_for("qwen2.5-7b", 131072, rates=rates)
     assert plan.disk_s == 0
     # updates as gradients land (no clipping) overlap all but the forward, a quarter of the GPU's work
     optimizer_bound = plan.optimizer_s + 0.25 * plan.compute_s
     assert plan.step_s == pytest.approx(max(plan.compute_s, plan.transfer_s, optimizer_bound) + plan.bubble_s)
-    slow_cpu = make_plan(config_for("qwen2.5-7b", 131072), rates=Rates(500, 400, 50, 0.2e9))
+    slow_cpu = plan_for("qwen2.5-7b", 131072, rates=Rates(500, 400, 50, 0.2e9))
     assert slow_cpu.step_s > 2 * plan.step_s and slow_cpu.bound == "cpu_optimizer"
     # the GPU's share grows with the tokens: from compute_bound_tokens on, the optimizer hides behind it
     tokens = -(-slow_cpu.compute_bound_tokens // (8 * 2048)) * 8 * 2048  # whole micro-batches of 8 sequences
-    at_crossover = make_plan(config_for("qwen2.5-7b", tokens), rates=Rates(500, 400, 50, 0.2e9))
+    at_crossover = plan_for("qwen2.5-7b", tokens, rates=Rates(500, 400, 50, 0.2e9))
     assert at_crossover.bound == "compute"
-    below = make_plan(config_for("qwen2.5-7b", tokens - 8 * 2048), rates=Rates(500, 400, 50, 0.2e9))
+    below = plan_for("qwen2.5-7b", tokens - 8 * 2048, rates=Rates(500, 400, 50, 0.2e9))
     assert below.bound == "cpu_optimizer"
 
 
@@ -125,19 +155,19 @@ def test_small_steps_get_a_gradient_pool_deep_enough_for_the_optimizer(monkeypat
     layers first, beside the next forward); without, the pool stays small and the forward waits."""
     rates = Rates(570, 385, 50, 4.3e9)
     simulate_host(monkeypatch, 126)
-    small = make_plan(config_for("qwen2.5-7b", 16384), rates=rates)
+    small = plan_for("qwen2.5-7b", 16384, rates=rates)
     backward_s = 0.75 * small.compute_s
     left = (small.optimizer_s - backward_s) * rates.cpu_adam_params_per_s
-    largest = max(layout_sizes(preset("qwen2.5-7b"))[0])  # the head: its matrix and the final norm
+    largest = max(layout_sizes(build_model(preset("qwen2.5-7b")))[0])  # the head: its matrix and the final norm
     assert small.gradient_pool == math.ceil(2 + left / largest) > GRADIENT_POOL
     assert small.bound == "cpu_optimizer"
     head_s = 6 * preset("qwen2.5-7b").vocab_size * 3584 * 16384 / 385e12
     assert small.step_s == pytest.approx(small.optimizer_s + head_s + small.bubble_s)
-    large = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
+    large = plan_for("qwen2.5-7b", 131072, rates=rates)
     assert large.gradient_pool == GRADIENT_POOL and large.bound == "compute"
     assert small.host_bytes - large.host_bytes == pytest.approx((small.gradient_pool - GRADIENT_POOL) * largest * 4)
     simulate_host(monkeypatch, 100)  # the deeper pool would not fit: the forward waits
-    tight = make_plan(config_for("qwen2.5-7b", 16384), rates=rates)
+    tight = plan_for("qwen2.5-7b", 16384, rates=rates)
     assert tight.gradient_pool == GRADIENT_POOL and tight.host_bytes == pytest.approx(large.host_bytes)
     assert tight.step_s > small.step_s
 
@@ -148,7 +178,7 @@ def test_a_moe_forward_waits_for_its_weights(monkeypatch):
     for the GPU's work."""
     simulate_host(monkeypatch, 90)  # no room for a deeper gradient pool
     rates = Rates(500, 400, 50, 3.6e9, moe_gpu_tflops=410)
-    plan = make_plan(config_for("olmoe-1b-7b", 65536), rates=rates)
+    plan = plan_for("olmoe-1b-7b", 65536, rates=rates)
     weight_pass = plan.n_params * 4 / 50e9
     assert 0.25 * plan.compute_s < weight_pass
     assert plan.bound == "cpu_optimizer"
@@ -157,20 +187,10 @@ def test_a_moe_forward_waits_for_its_weights(monkeypatch):
 
 def test_refuses_what_cannot_fit_and_names_the_largest(monkeypatch):
     simulate_host(monkeypatch, 64)
-    config = config_for("qwen2.5-7b", 65536)
+    planner = planner_for("qwen2.5-7b", 65536)
     message = r"needs 92.7 GiB .* may take 61.4 GiB .*; optimizer moments take 56.7 GiB: engine.optimizer_state_dir"
-    with pytest.raises(ConfigError, match=message):
-        check_plan(make_plan(config), config, preset("qwen2.5-7b"))
-
-
-def test_plan_command(capsys, monkeypatch):
-    simulate_host(monkeypatch, 1000)
-    assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 0
-    out = capsys.readouterr().out
-    assert "8.03B parameters" in out and "host memory" in out and "model TFLOPS" in out
-    simulate_host(monkeypatch, 16)
-    assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 2
-    assert "parameters fit as planned" in capsys.readouterr().err
+    with pytest.raises(PlanError, match=message):
+        check_plan(planned(planner), planner)
 
 
 def test_disk_probe_measures_and_cleans_up(tmp_path):
@@ -178,13 +198,13 @@ def test_disk_probe_measures_and_cleans_up(tmp_path):
     assert list((tmp_path / "probe").iterdir()) == []
 
 
-def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypatch, capsys):
+def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypatch):
     simulate_host(monkeypatch, 2000)
     model = preset("dense-120b")
     h200 = 140 * 2**30
     # (no layer keeps its products: the checkpoints' own rule alone)
-    recompute_all = {"train.micro_batch_size": 4, "engine.kept_layers": 0}
-    plan = make_plan(config_for("dense-120b", 65536, **recompute_all), gpu_memory=h200)
+    recompute_all = {"micro_batch": 4, "kept_layers": 0}
+    plan = plan_for("dense-120b", 65536, **recompute_all, gpu_memory=h200)
     per_layer = plan.checkpoint_bytes // model.n_layers
     assert 0 < plan.offloaded_layers < model.n_layers  # some stay on the GPU, the rest go to host
     kept = model.n_layers - plan.offloaded_layers
@@ -192,11 +212,7 @@ def test_checkpoints_that_do_not_fit_the_gpu_go_to_host_layer_by_layer(monkeypat
     fixed = plan.gpu_bytes - kept * per_layer - per_layer
     assert kept == int(0.5 * (h200 - fixed) // per_layer)  # half of the rest
     assert plan.host_bytes >= 12 * model.n_params + plan.offloaded_layers * per_layer
-    settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
-    settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
-    settings += ["engine.kept_layers=0"]
-    assert main(["plan", "--gpu-memory-gib", "140"] + [a for s in settings for a in ("--set", s)]) == 0
-    assert f"{plan.offloaded_layers} stages' activation checkpoints in host memory" in capsys.readouterr().out
+    assert f"{plan.offloaded_layers} stages' activation checkpoints in host memory" in format_plan(plan, "dense")
 
 
 def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
@@ -205,22 +221,22 @@ def test_checkpoints_make_way_for_kept_products_in_large_steps(monkeypatch):
     simulate_host(monkeypatch, 1000)
     h200, model = 140 * 2**30, preset("llama2-7b")
     # (the rule alone, in one sweep)
-    host_updates = {"engine.gpu_updated_layers": 0, "engine.host_kept_layers": 0, "engine.sweeps": 1}
-    large = config_for("llama2-7b", 131072, **host_updates)
-    plan = make_plan(large, gpu_memory=h200)
-    checkpoints_there = {"engine.offload_checkpoints": False} | host_updates
-    on_gpu = make_plan(config_for("llama2-7b", 131072, **checkpoints_there), gpu_memory=h200)
+    host_updates = {"gpu_updated_layers": 0, "host_kept_layers": 0, "sweeps": 1}
+    large = dict(name="llama2-7b", tokens=131072, **host_updates)
+    plan = plan_for(**large, gpu_memory=h200)
+    checkpoints_there = {"offload_checkpoints": False} | host_updates
+    on_gpu = plan_for("llama2-7b", 131072, **checkpoints_there, gpu_memory=h200)
     per_layer = plan.checkpoint_bytes // model.n_layers
     assert 0 < plan.offloaded_layers <= model.n_layers and plan.kept_layers > on_gpu.kept_layers
     # the fewest: a GPU with two checkpoints' room less keeps as many products with two more offloaded
-    fewer = make_plan(large, gpu_memory=h200 - per_layer * 2)
+    fewer = plan_for(**large, gpu_memory=h200 - per_layer * 2)
     assert (fewer.kept_layers, fewer.offloaded_layers) == (plan.kept_layers, plan.offloaded_layers + 2)
     assert plan.compute_s < on_gpu.compute_s and plan.gpu_bytes <= h200
     assert plan.host_bytes == pytest.approx(on_gpu.host_bytes + plan.offloaded_layers * per_layer)
-    small = make_plan(config_for("llama2-7b", 16384), gpu_memory=80 * 2**30)  # the CPU optimizer's step
+    small = plan_for("llama2-7b", 16384, gpu_memory=80 * 2**30)  # the CPU optimizer's step
     assert small.kept_layers < model.n_layers and small.offloaded_layers == 0
     simulate_host(monkeypatch, 100)  # 12 B a parameter fits, all the checkpoints beside not
-    tight = make_plan(large, gpu_memory=h200)
+    tight = plan_for(**large, gpu_memory=h200)
     assert tight.offloaded_layers < plan.offloaded_layers and tight.host_bytes <= 0.85 * 100 * 2**30
 
 
@@ -230,16 +246,16 @@ def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch
     than that wait costs; where the head binds the table (tied) the head's norm goes with it."""
     simulate_host(monkeypatch, 1000)
     h200 = 140 * 2**30
-    auto = make_plan(config_for("llama2-7b", 131072), gpu_memory=h200)
-    host = make_plan(config_for("llama2-7b", 131072, **{"engine.gpu_updated_layers": 0}), gpu_memory=h200)
+    auto = plan_for("llama2-7b", 131072, gpu_memory=h200)
+    host = plan_for("llama2-7b", 131072, gpu_updated_layers=0, gpu_memory=h200)
     assert (auto.gpu_updated_layers, auto.bubble_s, auto.held_layers) == (1, 0.0, 0)
     assert host.bubble_s > 0 and auto.step_s < host.step_s and auto.gpu_bytes <= h200
     model = preset("llama2-7b")  # (untied: embedding, head, blocks, final norm)
     table = model.vocab_size * model.d_model
     block = (model.n_params - 2 * table - model.d_model) // model.n_layers
     assert auto.gpu_updated_bytes == 12 * (table + block)  # fp32 master and two moments
-    tied = make_plan(config_for("llama3.2-3b", 131072), gpu_memory=h200)
-    tied_host = make_plan(config_for("llama3.2-3b", 131072, **{"engine.gpu_updated_layers": 0}), gpu_memory=h200)
+    tied = plan_for("llama3.2-3b", 131072, gpu_memory=h200)
+    tied_host = plan_for("llama3.2-3b", 131072, gpu_updated_layers=0, gpu_memory=h200)
     assert (tied.gpu_updated_layers, tied.bubble_s) == (1, 0.0) and tied_host.bubble_s > 0
     model = preset("llama3.2-3b")  # (tied: the embedding is the head's weight; the head's group is its norm)
     table = model.vocab_size * model.d_model
@@ -249,68 +265,65 @@ def test_large_steps_update_the_embedding_and_first_block_on_the_gpu(monkeypatch
 
 def test_data_parallel_plan_splits_the_batch_not_the_host_memory():
     rates = Rates()
-    one = make_plan(config_for("qwen2.5-7b", 131072), rates=rates)
-    many = make_plan(config_for("qwen2.5-7b", 131072 * 8), rates=rates, gpus=4, hosts=2)
+    one = plan_for("qwen2.5-7b", 131072, rates=rates)
+    many = plan_for("qwen2.5-7b", 131072 * 8, rates=rates, gpus=4, hosts=2)
     # a replica per host, shared by its GPUs (one process sends the embedding's updated rows first)
     assert many.host_bytes == one.host_bytes - one.host_items["embedding rows buffer"]
     assert many.compute_s == pytest.approx(one.compute_s)  # each GPU runs the same tokens as before
     assert many.network_bytes == int(2 * 0.5 * 4 * one.n_params)  # ring all-reduce of fp32 gradients
     assert many.tokens_per_s > 7 * one.tokens_per_s
-    assert make_plan(config_for("qwen2.5-7b", 131072), rates=rates).network_bytes == 0
+    assert plan_for("qwen2.5-7b", 131072, rates=rates).network_bytes == 0
 
 
 def test_moe_plan_moves_all_parameters_and_computes_the_active_ones():
     """All experts cross PCIe and are updated every step; only the active ones compute: with few
     tokens the CPU optimizer bounds the step, and from compute_bound_tokens on the GPU does."""
     rates = Rates()
-    small = make_plan(config_for("olmoe-1b-7b", 32768), rates=rates)
+    small = plan_for("olmoe-1b-7b", 32768, rates=rates)
     model = preset("olmoe-1b-7b")
     assert small.active_params == model.active_params < model.n_params == small.n_params
     assert small.transfer_s == pytest.approx(model.n_params * 8 / (rates.pcie_gbps * 1e9))
     assert small.bound == "cpu_optimizer" and small.compute_bound_tokens > 32768
     tokens = -(-small.compute_bound_tokens // (8 * 2048)) * 8 * 2048
-    assert make_plan(config_for("olmoe-1b-7b", tokens), rates=rates).bound == "compute"
-    dense = make_plan(config_for("qwen2.5-7b", 32768), rates=rates)
+    assert plan_for("olmoe-1b-7b", tokens, rates=rates).bound == "compute"
+    dense = plan_for("qwen2.5-7b", 32768, rates=rates)
     # 7.6B active against 1.3B, at the same rate (a MoE block's is lower)
     assert dense.compute_s * rates.gpu_tflops > 3 * small.compute_s * rates.moe_gpu_tflops
 
 
-def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch, capsys):
+def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch):
     """gpt-oss-120b on a 24 GiB GPU: two slots of a 3.2B-parameter layer and its fp32 gradients alone
     exceed it, whatever the batch. Kept whole, the error says so (instead of suggesting a batch size
     of zero) and names the fix; auto streams each layer's experts in the fewest parts that leave half
     the GPU for activation checkpoints; where whole layers fit, they stay whole."""
     simulate_host(monkeypatch, 2000)
     model = preset("gpt-oss-120b")
-    whole = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1, "engine.experts_per_stage": 128})
-    plan = make_plan(whole, gpu_memory=24 * 2**30)
+    whole = planner_for("gpt-oss-120b", 16 * 2048, micro_batch=1, experts_per_stage=128, gpu_memory=24 * 2**30)
+    plan = planned(whole)
     assert plan.experts_per_stage == 0 and plan.offloaded_layers == plan.checkpoint_stages == model.n_layers
-    with pytest.raises(ConfigError, match=r"the largest layer alone takes .*engine\.experts_per_stage below 128"):
-        check_plan(plan, whole, model)
+    with pytest.raises(PlanError, match=r"the largest layer alone takes .*engine\.experts_per_stage below 128"):
+        check_plan(plan, whole)
 
-    auto = config_for("gpt-oss-120b", 16 * 2048, **{"train.micro_batch_size": 1})
-    plan = make_plan(auto, gpu_memory=24 * 2**30)
+    auto = planner_for("gpt-oss-120b", 16 * 2048, micro_batch=1, gpu_memory=24 * 2**30)
+    plan = planned(auto)
     assert plan.experts_per_stage == 16  # 8 parts: 4 would leave under half of the GPU
-    groups, stages, planes = layout_sizes(model, plan.experts_per_stage)
+    groups, stages, planes = layout_sizes(auto.spec)
     assert max(stages[1:-1]) < 0.4e9 and planes == 2 * model.n_layers  # a layer keeps its input and one `a`
     assert plan.checkpoint_stages == planes and plan.gpu_bytes < 0.95 * 24 * 2**30
-    check_plan(plan, auto, model)
-    settings = ["model.preset=gpt-oss-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=16"]
-    settings += ["train.micro_batch_size=1", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
-    assert main(["plan", "--gpu-memory-gib", "24"] + [a for s in settings for a in ("--set", s)]) == 0
-    assert "each MoE layer's experts stream in parts of 16" in capsys.readouterr().out
+    check_plan(plan, auto)
+    assert "each MoE layer's experts stream in parts of 16" in format_plan(plan, "gpt-oss-120b")
 
-    assert make_plan(auto, gpu_memory=80 * 2**30).experts_per_stage == 0  # an H100 holds whole layers
-    assert make_plan(config_for("qwen2.5-7b", 16 * 2048, **{"engine.experts_per_stage": 4})).experts_per_stage == 0
+    h100 = plan_for("gpt-oss-120b", 16 * 2048, micro_batch=1, gpu_memory=80 * 2**30)
+    assert h100.experts_per_stage == 0  # an H100 holds whole layers
+    assert plan_for("qwen2.5-7b", 16 * 2048, experts_per_stage=4).experts_per_stage == 0
 
 
 def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(monkeypatch):
     simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
-    gpu_only = {"engine.host_kept_layers": 0}
+    gpu_only = {"host_kept_layers": 0}
     plans = {
-        kept: make_plan(config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": kept}, **gpu_only), gpu_memory=h100)
-        for kept in ("auto", 0, 28)
+        kept: plan_for("qwen2.5-7b", 32768, kept_layers=kept, **gpu_only, gpu_memory=h100) for kept in ("auto", 0, 28)
     }
     auto = plans["auto"]
     assert 0 < auto.kept_layers < 28  # some fit beside the checkpoints, not all
@@ -321,9 +334,9 @@ def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(m
     saved = (plans[0].compute_s - plans[28].compute_s) / plans[0].compute_s
     assert 0.15 < saved < 0.25
     # the more tokens, the fewer layers fit
-    assert make_plan(config_for("qwen2.5-7b", 131072, **gpu_only), gpu_memory=h100).kept_layers < auto.kept_layers
+    assert plan_for("qwen2.5-7b", 131072, **gpu_only, gpu_memory=h100).kept_layers < auto.kept_layers
     # a MoE model's layers keep theirs as well: at 128k tokens some of OLMoE's 16, not all
-    assert 0 < make_plan(config_for("olmoe-1b-7b", 131072, **gpu_only), gpu_memory=h100).kept_layers < 16
+    assert 0 < plan_for("olmoe-1b-7b", 131072, **gpu_only, gpu_memory=h100).kept_layers < 16
 
 
 def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
@@ -333,17 +346,15 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     explicit count beyond the host is refused."""
     h100, model = 79 * 2**30, preset("qwen2.5-7b")
     simulate_host(monkeypatch, 1000)
-    one = {"engine.sweeps": 1}  # (the rule in one sweep: test_large_steps_run_in_sweeps_where_they_keep_more_products)
-    default = make_plan(config_for("qwen2.5-7b", 131072, **one), gpu_memory=h100)
+    one = {"sweeps": 1}  # (the rule in one sweep: test_large_steps_run_in_sweeps_where_they_keep_more_products)
+    default = plan_for("qwen2.5-7b", 131072, **one, gpu_memory=h100)
     assert default.offloaded_layers > 0 and default.host_kept_layers > 0  # both by default where the host has room
     # (checkpoints kept on the GPU: offloaded, they would take the smaller host's room first, see below)
-    checkpoints_there = {"engine.offload_checkpoints": False} | one
-    auto = {"engine.host_kept_layers": "auto"} | checkpoints_there
-    large = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
-    gpu_only = make_plan(
-        config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 0} | checkpoints_there), gpu_memory=h100
-    )
-    stage = 131072 * kept_bytes_per_token(model, 2)
+    checkpoints_there = {"offload_checkpoints": False} | one
+    auto = {"host_kept_layers": "auto"} | checkpoints_there
+    large = plan_for("qwen2.5-7b", 131072, **auto, gpu_memory=h100)
+    gpu_only = plan_for("qwen2.5-7b", 131072, host_kept_layers=0, **checkpoints_there, gpu_memory=h100)
+    stage = 131072 * kept_bytes_per_token(build_model(model), 2)
     assert large.host_kept_layers > 0 and large.host_kept_bytes == large.host_kept_layers * stage
     assert large.host_bytes == pytest.approx(gpu_only.host_bytes + large.host_kept_bytes)
     assert large.kept_layers + large.host_kept_layers <= model.n_layers
@@ -352,26 +363,26 @@ def test_large_steps_keep_more_products_in_host_memory(monkeypatch):
     # the forward's idle copy-out carries them: no more than its time (a quarter of the GPU's work) allows
     assert large.host_kept_bytes <= 0.8 * 0.25 * gpu_only.compute_s * large.rates.pcie_gbps * 1e9
     simulate_host(monkeypatch, 140)  # a host with room for fewer
-    smaller_host = make_plan(config_for("qwen2.5-7b", 131072, **auto), gpu_memory=h100)
+    smaller_host = plan_for("qwen2.5-7b", 131072, **auto, gpu_memory=h100)
     assert 0 < smaller_host.host_kept_layers < large.host_kept_layers
     # checkpoints offloaded first: each of their bytes in host memory makes room for as many products on the GPU
     # as a byte of host-kept products keeps, at half the copies (out and back of a layer's input, not its products)
-    both = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": "auto"} | one), gpu_memory=h100)
+    both = plan_for("qwen2.5-7b", 131072, host_kept_layers="auto", **one, gpu_memory=h100)
     assert both.offloaded_layers > 0 and both.host_kept_layers < smaller_host.host_kept_layers
-    assert make_plan(config_for("qwen2.5-7b", 16384, **auto), gpu_memory=h100).host_kept_layers == 0  # a small step
+    assert plan_for("qwen2.5-7b", 16384, **auto, gpu_memory=h100).host_kept_layers == 0  # a small step
     # nor where the CPU optimizer, bound by the host memory their copies go through, takes over half the GPU's work
-    at_32k, at_64k = (make_plan(config_for("qwen2.5-7b", t, **auto), gpu_memory=h100) for t in (32768, 65536))
+    at_32k, at_64k = (plan_for("qwen2.5-7b", t, **auto, gpu_memory=h100) for t in (32768, 65536))
     assert at_32k.host_kept_layers == 0 and at_64k.host_kept_layers > 0
-    config = config_for("qwen2.5-7b", 131072, **{"engine.host_kept_layers": 20})
-    with pytest.raises(ConfigError, match="host-kept products take 225.0 GiB: engine.host_kept_layers: 0"):
-        check_plan(make_plan(config, gpu_memory=h100), config, model)
+    too_many = planner_for("qwen2.5-7b", 131072, host_kept_layers=20, gpu_memory=h100)
+    with pytest.raises(PlanError, match="host-kept products take 225.0 GiB: engine.host_kept_layers: 0"):
+        check_plan(planned(too_many), too_many)
 
 
 def test_more_kept_layers_than_the_gpu_holds_are_refused_naming_the_setting(monkeypatch):
     simulate_host(monkeypatch, 1000)
-    config = config_for("qwen2.5-7b", 32768, **{"engine.kept_layers": 28})
-    with pytest.raises(ConfigError, match="engine.kept_layers: 28 keeps .* set engine.kept_layers: auto"):
-        check_plan(make_plan(config, gpu_memory=79 * 2**30), config, preset("qwen2.5-7b"))
+    planner = planner_for("qwen2.5-7b", 32768, kept_layers=28, gpu_memory=79 * 2**30)
+    with pytest.raises(PlanError, match="engine.kept_layers: 28 keeps .* set engine.kept_layers: auto"):
+        check_plan(planned(planner), planner)
 
 
 def test_small_steps_hold_the_blocks_weights_from_forward_to_backward(monkeypatch):
@@ -379,21 +390,21 @@ def test_small_steps_hold_the_blocks_weights_from_forward_to_backward(monkeypatc
     the GPU until its backward (a quarter of the GPU at most); kept layers get the rest."""
     simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
-    host_updates = {"engine.gpu_updated_layers": 0}  # (auto would take the optimizer's load off instead)
-    small = make_plan(config_for("qwen2.5-7b", 16384, **host_updates), gpu_memory=h100)
-    none = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.held_layers": 0}, **host_updates), gpu_memory=h100)
-    _, stages, _ = layout_sizes(preset("qwen2.5-7b"))
+    host_updates = {"gpu_updated_layers": 0}  # (auto would take the optimizer's load off instead)
+    small = plan_for("qwen2.5-7b", 16384, **host_updates, gpu_memory=h100)
+    none = plan_for("qwen2.5-7b", 16384, held_layers=0, **host_updates, gpu_memory=h100)
+    _, stages, _ = layout_sizes(build_model(preset("qwen2.5-7b")))
     assert small.held_layers == 27 and small.held_bytes == 2 * sum(stages[1:-2])
     assert small.transfer_s < none.transfer_s and small.kept_layers <= none.kept_layers
     assert small.gpu_bytes <= h100
     # a large step is the GPU's: its memory keeps activations instead
-    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).held_layers == 0
+    assert plan_for("qwen2.5-7b", 131072, gpu_memory=h100).held_layers == 0
     # a 14B model's blocks take more than a quarter of the GPU: as many as fit there
-    larger = make_plan(config_for("qwen2.5-14b", 16384, **host_updates), gpu_memory=h100)
+    larger = plan_for("qwen2.5-14b", 16384, **host_updates, gpu_memory=h100)
     assert 0 < larger.held_layers < preset("qwen2.5-14b").n_layers - 1 and larger.held_bytes <= h100 / 4
-    config = config_for("qwen2.5-7b", 65536, **{"engine.held_layers": 27, "engine.kept_layers": 24})
-    with pytest.raises(ConfigError, match="engine.kept_layers: 24 keeps"):
-        check_plan(make_plan(config, gpu_memory=h100), config, preset("qwen2.5-7b"))
+    planner = planner_for("qwen2.5-7b", 65536, held_layers=27, kept_layers=24, gpu_memory=h100)
+    with pytest.raises(PlanError, match="engine.kept_layers: 24 keeps"):
+        check_plan(planned(planner), planner)
 
 
 def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
@@ -403,9 +414,9 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
     model = preset("qwen2.5-7b")
-    auto = make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100)
-    host = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 0}), gpu_memory=h100)
-    _, stages, _ = layout_sizes(model)
+    auto = plan_for("qwen2.5-7b", 16384, gpu_memory=h100)
+    host = plan_for("qwen2.5-7b", 16384, gpu_updated_layers=0, gpu_memory=h100)
+    _, stages, _ = layout_sizes(build_model(model))
     on_gpu = sum(stages[: 1 + auto.gpu_updated_layers])  # the embedding (untied) and the first blocks
     assert gpu_updated_groups(build_model(model), auto.gpu_updated_layers) == list(range(1 + auto.gpu_updated_layers))
     assert 0 < auto.gpu_updated_layers < model.n_layers and auto.gpu_updated_bytes == 12 * on_gpu
@@ -414,89 +425,41 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     head_s = 6 * model.vocab_size * model.d_model * 16384 / (auto.rates.head_tflops * 1e12)
     assert auto.optimizer_s + head_s <= CPU_OPTIMIZER_MARGIN * auto.compute_s  # within the GPU's work, with a margin
     assert auto.bound != "cpu_optimizer" and host.bound == "cpu_optimizer"
-    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).gpu_updated_layers == 1  # see below
-    assert make_plan(config_for("qwen2.5-7b", 16384), gpu_memory=h100, gpus=2).gpu_updated_layers == 0
-    clipped = make_plan(config_for("qwen2.5-7b", 16384, **{"train.grad_clip": 1.0}), gpu_memory=h100)
+    assert plan_for("qwen2.5-7b", 131072, gpu_memory=h100).gpu_updated_layers == 1  # see below
+    assert plan_for("qwen2.5-7b", 16384, gpu_memory=h100, gpus=2).gpu_updated_layers == 0
+    clipped = plan_for("qwen2.5-7b", 16384, clipping=True, gpu_memory=h100)
     assert clipped.gpu_updated_bytes == 16 * sum(stages[: 1 + clipped.gpu_updated_layers])  # and the gradients
     tied = preset("qwen2.5-0.5b")  # its table is the head's weight too: the head's norm group goes with it
     assert gpu_updated_groups(build_model(tied), 2) == [0, 1, 2, tied.n_layers + 1]
-    several = config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 2})
-    with pytest.raises(ConfigError, match="engine.gpu_updated_layers: 2 needs one process"):
-        check_plan(make_plan(several, gpu_memory=h100, gpus=2), several, model)
-    too_many = config_for("qwen2.5-7b", 16384, **{"engine.gpu_updated_layers": 28, "engine.kept_layers": 0})
-    with pytest.raises(ConfigError, match="engine.gpu_updated_layers: 28 keeps .* GiB"):
-        check_plan(make_plan(too_many, gpu_memory=h100), too_many, model)
+    several = planner_for("qwen2.5-7b", 16384, gpu_updated_layers=2, gpu_memory=h100, gpus=2)
+    with pytest.raises(PlanError, match="engine.gpu_updated_layers: 2 needs one process"):
+        check_plan(planned(several), several)
+    too_many = planner_for("qwen2.5-7b", 16384, gpu_updated_layers=28, kept_layers=0, gpu_memory=h100)
+    with pytest.raises(PlanError, match="engine.gpu_updated_layers: 28 keeps .* GiB"):
+        check_plan(planned(too_many), too_many)
 
 
 def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):
     simulate_host(monkeypatch, 1000)
-    auto = make_plan(config_for("qwen2.5-7b", 16384))
+    auto = plan_for("qwen2.5-7b", 16384)
     assert auto.gradient_pool > GRADIENT_POOL  # the optimizer lags the backward at 16k tokens: deepened
-    deeper = make_plan(config_for("qwen2.5-7b", 16384, **{"engine.gradient_pool": auto.gradient_pool + 2}))
-    largest = max(layout_sizes(preset("qwen2.5-7b"))[0])
+    deeper = plan_for("qwen2.5-7b", 16384, gradient_pool=auto.gradient_pool + 2)
+    largest = max(layout_sizes(build_model(preset("qwen2.5-7b")))[0])
     assert deeper.gradient_pool == auto.gradient_pool + 2
     assert deeper.host_bytes == auto.host_bytes + 2 * largest * 4
-    clipped = config_for("qwen2.5-7b", 16384, **{"engine.gradient_pool": 12, "train.grad_clip": 1.0})
-    assert make_plan(clipped).gradient_pool == 0  # clipping holds every gradient: no pool
-
-
-def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeypatch):
-    from megatrain import rates as planning
-
-    monkeypatch.setattr(planning, "CALIBRATION_FILE", tmp_path / "calibration.json")
-    assert planning.load_rates("H100: a 7B") == Rates()  # nothing calibrated here: the defaults
-    seven, half = Rates(gpu_tflops=627.5, source="7B"), Rates(gpu_tflops=314.5, source="0.5B")
-    planning.save_rates("H100: a 7B", seven, machine=True)  # `megatrain plan --calibrate`: every rate
-    planning.save_rates("H100: a 0.5B", half, machine=False)  # a run's GPU rates at its shape
-    assert planning.load_rates("H100: a 7B") == seven and planning.load_rates("H100: a 0.5B") == half
-    assert planning.load_rates("H100: a 3B") == seven  # not measured: the machine's calibration
-    (tmp_path / "calibration.json").write_text(json.dumps(asdict(half)))  # one rates object: an older file
-    assert planning.load_rates("H100: a 7B") == half
-
-    # a bf16 run on a CUDA GPU measures its shape's block and head once; fp32 runs, launches of several
-    # processes and MEGATRAIN_MEASURE_RATES=0 do not
-    measured = []
-
-    def gpu_rates(model, seq_len, micro_batch):
-        measured.append((seq_len, micro_batch))
-        return 300.0, 280.0, 500.0, None
-
-    monkeypatch.setattr(planning, "measure_gpu_rates", gpu_rates)
-    monkeypatch.setattr(
-        planning, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
-    )
-    monkeypatch.setattr(planning, "resolve_device", lambda name: torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
-    config, model = config_for("qwen2.5-0.5b", 16384), preset("qwen2.5-0.5b")
-    rates = planning.run_rates(config, model)
-    assert (rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops) == (300.0, 280.0, 500.0)
-    assert rates.pcie_gbps == half.pcie_gbps
-    assert "measured" in rates.source and measured == [(2048, 8)]
-    assert planning.run_rates(config, model) == rates and measured == [(2048, 8)]  # remembered
-    other = config_for("qwen2.5-0.5b", 16384, **{"train.micro_batch_size": 4})
-    assert planning.run_rates(other, model, measure=False) == half and len(measured) == 1  # the machine's
-    fp32 = config_for("qwen2.5-0.5b", 16384, **{"train.micro_batch_size": 4, "precision.compute_dtype": "float32"})
-    assert planning.run_rates(fp32, model) == half and len(measured) == 1
-    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "0")
-    assert planning.run_rates(other, model) == half and len(measured) == 1
-    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
-    assert planning.run_rates(other, model).gpu_tflops == 300.0 and measured == [(2048, 8), (2048, 4)]
-    assert planning.load_rates("another shape") == half  # what a run measures is not the machine's calibration
+    clipped = plan_for("qwen2.5-7b", 16384, gradient_pool=12, clipping=True)
+    assert clipped.gradient_pool == 0  # clipping holds every gradient: no pool
 
 
 def test_kept_layers_are_planned_at_their_own_rate():
     """A kept layer's time is its work (no recomputed GEMMs) at the kept rate where one was measured; the
     block's rate for it otherwise, which is the block work less the skipped GEMMs at the block's rate."""
-    config = config_for("qwen2.5-0.5b", 131072)
     model = preset("qwen2.5-0.5b")
     h100 = int(79.2 * 2**30)
-    same = make_plan(config, rates=Rates(gpu_tflops=400.0), gpu_memory=h100)
-    explicit = make_plan(config, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=400.0), gpu_memory=h100)
+    same = plan_for("qwen2.5-0.5b", 131072, rates=Rates(gpu_tflops=400.0), gpu_memory=h100)
+    explicit = plan_for("qwen2.5-0.5b", 131072, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=400.0), gpu_memory=h100)
     assert (explicit.compute_s, explicit.step_s) == pytest.approx((same.compute_s, same.step_s), rel=1e-12)
-    slower = make_plan(config, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=300.0), gpu_memory=h100)
+    slower = plan_for("qwen2.5-0.5b", 131072, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=300.0), gpu_memory=h100)
     assert slower.kept_layers == same.kept_layers > 0
     tokens, seq = 131072, 2048
     kept_work = block_work(model, seq, tokens) / model.n_layers - (
@@ -511,20 +474,8 @@ def test_linear_attention_layers_keep_their_recurrence_results_as_the_gpu_has_ro
     recurrence's results too where the GPU has room beyond the placement and `EXTRAS_MARGIN` (as the pipeline
     grants them), all on an H200, fewer on an H100, none where the room is short; each saves its recurrence's
     forward at `Rates.recurrence_tflops` and costs no other choice."""
-    config = load_config(
-        None,
-        [
-            "model.preset=qwen3.5-0.8b",
-            "data.seq_len=4096",
-            "train.batch_size=16",
-            "train.micro_batch_size=4",
-            "train.grad_clip=0",
-            "device=cpu",
-            "precision.compute_dtype=bfloat16",
-        ],
-    )
-    rates = Rates(recurrence_tflops=20.0)
-    plans = [make_plan(config, rates=rates, gpu_memory=int(gib * 2**30), host_memory=2**40) for gib in (139, 79, 64)]
+    qwen35 = dict(seq_len=4096, micro_batch=4, rates=Rates(recurrence_tflops=20.0), host_memory=2**40)
+    plans = [plan_for("qwen3.5-0.8b", 65536, **qwen35, gpu_memory=int(gib * 2**30)) for gib in (139, 79, 64)]
     h200, h100, short = plans
     assert h200.placement == h100.placement and h200.kept_layers == 24
     assert h200.extra_kept_layers == 18 and 0 < h100.extra_kept_layers < 18
@@ -535,19 +486,7 @@ def test_linear_attention_layers_keep_their_recurrence_results_as_the_gpu_has_ro
     forward_s = linear_attention_flops_per_token(preset("qwen3.5-0.8b")) / 3 * 65536 / 20e12
     assert h100.compute_s - h200.compute_s == pytest.approx((18 - h100.extra_kept_layers) * forward_s, rel=1e-9)
     assert short.compute_s - h100.compute_s == pytest.approx(h100.extra_kept_layers * forward_s, rel=1e-9)
-    assert make_plan(config_for("qwen2.5-0.5b", 65536), gpu_memory=139 * 2**30).extra_kept_layers == 0
-
-
-def test_grpo_counts_the_kl_reference_copy():
-    """Generated rollouts with the KL term keep the reference weights in the compute dtype (2 B/param in bf16);
-    given completions score their reference once before training and keep none."""
-    grpo = {"train.objective": "grpo", "train.grpo.max_completion_length": 1024}
-    rates = Rates()
-    plain = make_plan(config_for("qwen2.5-7b", 32768, **grpo), rates=rates)
-    kl = make_plan(config_for("qwen2.5-7b", 32768, **grpo, **{"train.grpo.beta": 0.04}), rates=rates)
-    assert kl.host_bytes - plain.host_bytes == 2 * plain.n_params and kl.reference_copy
-    given = {"train.grpo.beta": 0.04, "train.grpo.rollouts": "r.jsonl"}
-    assert make_plan(config_for("qwen2.5-7b", 32768, **grpo, **given), rates=rates).host_bytes == plain.host_bytes
+    assert plan_for("qwen2.5-0.5b", 65536, gpu_memory=139 * 2**30).extra_kept_layers == 0
 
 
 def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
@@ -559,9 +498,9 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     whole step first); engine.sweeps sets the count."""
     simulate_host(monkeypatch, 1000)
     h100 = 79 * 2**30
-    large = make_plan(config_for("gemma-3-4b", 131072), gpu_memory=h100)
-    one = make_plan(config_for("gemma-3-4b", 131072, **{"engine.sweeps": 1}), gpu_memory=h100)
-    at_32k = make_plan(config_for("gemma-3-4b", 32768), gpu_memory=h100)
+    large = plan_for("gemma-3-4b", 131072, gpu_memory=h100)
+    one = plan_for("gemma-3-4b", 131072, sweeps=1, gpu_memory=h100)
+    at_32k = plan_for("gemma-3-4b", 32768, gpu_memory=h100)
     assert large.placement.sweeps == 4 and large.placement.tokens == 32768 and large.tokens_per_step == 131072
     assert large.kept_layers + large.host_kept_layers > one.kept_layers + one.host_kept_layers
     # nearly what a 32k step keeps (the embedding's gradient, carried from sweep to sweep, takes two layers' room)
@@ -574,29 +513,13 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     copies_in = 4 * 2 * streamed * 4 + 3 * 4 * streamed
     assert large.transfer_s == pytest.approx(copies_in / (large.rates.pcie_gbps * 1e9))
     assert large.transfer_s <= SWEEPS_PCIE_SHARE * large.compute_s
-    qwen = {"engine.sweeps": 4}
-    busy = make_plan(config_for("qwen2.5-7b", 131072, **qwen), gpu_memory=h100)
+    qwen = {"sweeps": 4}
+    busy = plan_for("qwen2.5-7b", 131072, **qwen, gpu_memory=h100)
     assert busy.transfer_s > SWEEPS_PCIE_SHARE * busy.compute_s
-    assert make_plan(config_for("qwen2.5-7b", 131072), gpu_memory=h100).placement.sweeps == 1
-    assert (
-        at_32k.placement.sweeps == 1
-        and make_plan(config_for("gemma-3-4b", 16384), gpu_memory=h100).placement.sweeps == 1
-    )
-    dpo = make_plan(config_for("gemma-3-4b", 131072, **{"train.objective": "dpo"}), gpu_memory=h100)
-    z_loss = make_plan(config_for("olmoe-1b-7b", 131072, **{"train.router_z_loss_coef": 0.001}), gpu_memory=h100)
+    assert plan_for("qwen2.5-7b", 131072, gpu_memory=h100).placement.sweeps == 1
+    assert at_32k.placement.sweeps == 1 and plan_for("gemma-3-4b", 16384, gpu_memory=h100).placement.sweeps == 1
+    dpo = plan_for("gemma-3-4b", 131072, objective=ObjectiveMemory(sweepable=False), gpu_memory=h100)
+    z_loss = plan_for("olmoe-1b-7b", 131072, router_z_loss=True, gpu_memory=h100)
     assert dpo.placement.sweeps == 1 and z_loss.placement.sweeps == 1
-    three = make_plan(config_for("qwen2.5-7b", 131072, **{"engine.sweeps": 3}), gpu_memory=h100)
+    three = plan_for("qwen2.5-7b", 131072, sweeps=3, gpu_memory=h100)
     assert three.placement.sweeps == 3 and three.placement.tokens == 3 * 16384  # 8 micro-batches: 3, 3 and 2
-    with pytest.raises(ConfigError, match="engine.sweeps 2: train.objective dpo reads every micro-batch"):
-        config_for("qwen2.5-7b", 131072, **{"train.objective": "dpo", "engine.sweeps": 2})
-
-
-def test_two_trainers_of_one_config_share_no_model_state():
-    """The planner's model is a read-only description cached per shape; each Trainer builds its own, whose router
-    statistics (a mixture of experts' load, set per step) are its alone."""
-    from megatrain.trainer import Trainer
-
-    config = load_config(None, ["model.preset=tiny-mixtral", "device=cpu", "data.seq_len=16", "train.batch_size=2"])
-    first, second = Trainer(config), Trainer(config)
-    assert first.spec is not second.spec and first.spec.router_load is not second.spec.router_load
-    assert first.planner.spec is second.planner.spec  # (the shared description: nothing writes to it)

@@ -72,6 +72,11 @@ class Planner(CostModel):
     """The placement of one run's steps: `place` searches it by the rules of the module's docstring over the cost
     model; `plan` reports what one costs and how long its step is predicted to take."""
 
+    @property
+    def step_tokens(self) -> int:
+        """Tokens per GPU of the step the run is configured for (`shape`)."""
+        return self.shape.rows_per_step * self.shape.seq_len // self.world
+
     def compute_bound_tokens(self) -> int:
         """Tokens per step (all GPUs') from which the GPU's work bounds the step, each size placed for itself
         (compute grows with the tokens, the rest nearly does not)."""
@@ -79,7 +84,7 @@ class Planner(CostModel):
         def compute_bound(tokens: int) -> bool:
             return slowest(self.phases(self.place(tokens, explain=False))) == "compute"
 
-        low, high = 0, max(1, self.config.train.rows_per_step * self.config.data.seq_len // self.world)
+        low, high = 0, max(1, self.step_tokens)
         while not compute_bound(high) and high < 2**40:
             low, high = high, 2 * high
         while high - low > max(1, high // 1000):  # to 0.1%: a plan per probe
@@ -122,7 +127,7 @@ class Planner(CostModel):
         """The placement for steps of `tokens` per GPU (see the module's docstring for the order of the choices).
         `first_disk_group`: the disk tier of a store already allocated (else decided here). With `explain`, the
         placement's `why` says in words what decided each choice. `sweeps`: so many (else engine.sweeps's)."""
-        setting = sweeps or self.config.engine.sweeps
+        setting = sweeps or self.engine.sweeps
         if setting != "auto":
             return self._place_sweeps(tokens, setting, first_disk_group, explain)
         one = self._place_sweeps(tokens, 1, first_disk_group, explain)
@@ -149,9 +154,9 @@ class Planner(CostModel):
         optimizer state is on disk, the GPU bounds the step, and some layers recompute their products."""
         micro_batches = -(-one.tokens // self.micro_tokens)
         if (
-            self.config.train.objective != "sft"
-            or whole_step_statistics(self.model, self.config)
-            or self.config.engine.optimizer_state_dir
+            not self.objective.sweepable
+            or whole_step_statistics(self.model, self.shape)
+            or self.engine.optimizer_state_dir
             or self.machine.gpu_memory is None
             or len(one.keeping) >= self.keepable
             or slowest(self.phases(one)) != "compute"
@@ -179,7 +184,7 @@ class Planner(CostModel):
         counts = replace(counts, host_kept=self._host_kept(counts, small, step, why))
         counts = replace(counts, kept=self._kept(counts))
         counts = replace(counts, host_kept=min(counts.host_kept, self.keepable - counts.kept))
-        if self.machine.gpu_memory is not None and self.keepable and self.config.engine.kept_layers == "auto":
+        if self.machine.gpu_memory is not None and self.keepable and self.engine.kept_layers == "auto":
             which = {0: "no layer keeps its", 1: "the last layer keeps its"}
             what = which.get(counts.kept, f"the last {counts.kept} layers keep their")
             why["kept"] = f"{what} matmul products: as many as the GPU's memory holds"
@@ -191,7 +196,7 @@ class Planner(CostModel):
 
     def _kept(self, counts: _Counts) -> int:
         """Layers keeping their products on the GPU: as set, else as many as its memory holds."""
-        setting = self.config.engine.kept_layers
+        setting = self.engine.kept_layers
         if setting != "auto":
             return min(setting, self.keepable)
         if self.machine.gpu_memory is None or not self.keepable:
@@ -202,7 +207,7 @@ class Planner(CostModel):
     def _offloaded_to_fit(self, tokens: int) -> int:
         """First blocks whose checkpoints go to host memory: all or none as set; auto, those that do not fit in
         CHECKPOINT_GPU_SHARE of the GPU's room for a step (the last layers' stay: needed first)."""
-        setting = self.config.engine.offload_checkpoints
+        setting = self.engine.offload_checkpoints
         if setting != "auto":
             return len(self.blocks) if setting else 0
         if self.machine.gpu_memory is None:
@@ -219,7 +224,7 @@ class Planner(CostModel):
         small step the fewest that bring the CPU optimizer (and the head, which waits for it) within the GPU's
         work, in up to GPU_UPDATED_SHARE of it; in a large one the first, where the step boundary's wait costs
         more than the kept products its state displaces."""
-        setting, n_blocks = self.config.engine.gpu_updated_layers, len(self.blocks)
+        setting, n_blocks = self.engine.gpu_updated_layers, len(self.blocks)
         if self.frozen:  # (the first stages are a frozen tower's, whose groups keep no state to update)
             return 0
         if setting != "auto":
@@ -276,7 +281,7 @@ class Planner(CostModel):
         small step as many as fit in HELD_GPU_SHARE of the GPU and the room the step leaves; none otherwise (the
         memory keeps activations instead, which a step the GPU bounds needs)."""
         holdable = [i for i in self.holdable if i not in resident_stages(self.spec, counts.resident)]
-        setting = self.config.engine.held_layers
+        setting = self.engine.held_layers
         if setting != "auto":
             return min(setting, len(holdable))
         if self.machine.gpu_memory is None or counts.offloaded or not small:
@@ -293,7 +298,7 @@ class Planner(CostModel):
     def _offloaded_for_products(self, counts: _Counts, small: bool, why: dict) -> int:
         """In a large step (the GPU the bound, PCIe with time to spare), the fewest first checkpoints sent to host
         memory that let the most layers keep their products, as many as the host holds beside its state."""
-        engine = self.config.engine
+        engine = self.engine
         if engine.offload_checkpoints != "auto" or engine.kept_layers != "auto" or not self.keepable or small:
             return counts.offloaded
         if self.machine.gpu_memory is None:
@@ -324,7 +329,7 @@ class Planner(CostModel):
         deep enough for what the optimizer has left when the backward ends, where the host has the room."""
         if self._least_pool(counts) is None:  # (a step in sweeps holds every gradient until the last)
             return None
-        setting = self.config.engine.gradient_pool
+        setting = self.engine.gradient_pool
         if setting != "auto":
             return float(setting)
         placement = self.placement_of(counts)
@@ -343,8 +348,8 @@ class Planner(CostModel):
         """The first group whose moments go to the disk tier (the last groups go): none without
         engine.optimizer_state_dir; with disk_state_fraction auto, as few as bring the plan, its page cache
         included, within DISK_TIER_RAM_SHARE of the host's budget; else that fraction of the parameters."""
-        n_groups, fraction = len(self.group_sizes), self.config.engine.disk_state_fraction
-        if not self.config.engine.optimizer_state_dir:
+        n_groups, fraction = len(self.group_sizes), self.engine.disk_state_fraction
+        if not self.engine.optimizer_state_dir:
             return n_groups
         host, first = self.machine.host_memory, n_groups
         if fraction != "auto":
@@ -368,7 +373,7 @@ class Planner(CostModel):
         the host's room allows and the forward's idle copy-out carries while the layers between two of them
         compute."""
         candidates = max(0, self.keepable - self._kept(counts))
-        setting = self.config.engine.host_kept_layers
+        setting = self.engine.host_kept_layers
         if setting != "auto":
             return min(setting, candidates)
         placement = self.placement_of(replace(counts, kept=self._kept(counts)), **step)
@@ -380,7 +385,7 @@ class Planner(CostModel):
             or small
             or self.disk_bytes(placement)
             or not stage_products
-            or self.config.engine.kept_layers == 0  # products kept nowhere, as asked
+            or self.engine.kept_layers == 0  # products kept nowhere, as asked
             or self.optimizer_s(placement) > HOST_KEPT_OPTIMIZER_SHARE * self.step_layers_s(placement)
         ):
             return 0
@@ -432,7 +437,7 @@ class Planner(CostModel):
             bubble_s=self.boundary_s(placement),
             step_s=step_s,
             tokens_per_s=global_tokens / step_s,
-            model_tflops=flops_per_token(model, self.config.data.seq_len) * global_tokens / step_s / 1e12,
+            model_tflops=flops_per_token(model, self.shape.seq_len) * global_tokens / step_s / 1e12,
             rates=self.rates,
             phases=phases,
             bound=bound,

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatrain_sched import Placement
 
-from ..rates import Rates
+from .rates import Rates
 
 
 @dataclass

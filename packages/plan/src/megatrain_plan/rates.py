@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megatrain_optim import adamw_update_
 from megatrain_store import atomic_write_text
-from megatrain_zoo import ModelConfig, build_model, linear_attention_flops_per_token
+from megatrain_zoo import ModelConfig, block_shape, build_model, linear_attention_flops_per_token
 
-from .config import Config, ConfigError, resolve_device, resolve_dtype
+from .errors import PlanError
 
+# MEGATRAIN_CACHE is the machine's, not a run's: where this machine keeps what it measured of itself, shared by
+# every run on it (a config names what to train, not where the machine's caches live).
 CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "calibration.json"
 
 
@@ -88,22 +91,21 @@ def save_rates(key: str, rates: Rates, machine: bool) -> None:
     atomic_write_text(CALIBRATION_FILE, json.dumps(saved, indent=2))
 
 
-def run_rates(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
+def run_rates(
+    model: ModelConfig, device: torch.device, dtype: torch.dtype, seq_len: int, micro_batch: int, measure: bool = True
+) -> Rates:
     """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
     the run's own shape, measured the first time (seconds, most of them the kernels' compilation, which the
     run's warm-up then reuses; remembered) where `measure` allows and the run computes in bf16 on a CUDA GPU
     (the rates are bf16's). PCIe and CPU rates do not depend on the shape and vary from one burst to the
     next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time them too,
-    so a launch of several leaves it to `megatrain plan`; MEGATRAIN_MEASURE_RATES=0 turns it off (the tests:
-    plans from remembered or default rates, the same on every machine)."""
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.precision.compute_dtype, device)
-    measure = measure and os.environ.get("MEGATRAIN_MEASURE_RATES", "1") != "0"
+    so a launch of several leaves it to `megatrain plan`; without `measure` (engine.measure_rates: false, as the
+    tests run: plans from remembered or default rates, the same on every machine) nothing is measured. `seq_len`
+    and `micro_batch` (rows): the run's micro-batch shape."""
     if device.type == "cpu":
         return cpu_rates(dtype, measure)
     if not measure or dtype != torch.bfloat16:
         return load_rates()
-    seq_len, micro_batch = config.data.seq_len, config.train.micro_batch_size
     with torch.cuda.device(device):
         key = calibration_key(model, seq_len, micro_batch)
         saved = _calibrations()
@@ -219,7 +221,7 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
     """Measure the rates on this machine (GPU block rate at the run's micro-batch shape, pinned
     PCIe bandwidth, CPU AdamW, and the disk tier's disk if `state_dir` is set) and save them."""
     if not torch.cuda.is_available():
-        raise ConfigError("megatrain plan --calibrate needs a CUDA GPU to measure")
+        raise PlanError("megatrain plan --calibrate needs a CUDA GPU to measure")
     key = calibration_key(model, seq_len, micro_batch)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
         rates = _measure_rates(model, seq_len, micro_batch, state_dir, load_rates(key))
@@ -324,8 +326,6 @@ def measure_gpu_rates(
 def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
     """The model's layers grouped by what fixes their speed: their template's `kind` (a generic model's module and
     layer type), else their block shape and whether they are MoE."""
-    from megatrain_zoo import block_shape
-
     kinds: dict[tuple, list[int]] = {}
     for layer in range(model.n_layers):
         template = spec.stages[spec.layer_stage(layer)].template
@@ -379,8 +379,6 @@ class _Copies:
 
 
 def _adamw(params, grads, exp_avgs, exp_avg_sqs, step) -> None:
-    from megatrain_optim import adamw_update_
-
     adamw_update_(
         params, grads, exp_avgs, exp_avg_sqs, step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
     )

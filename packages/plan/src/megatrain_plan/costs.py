@@ -4,21 +4,17 @@ copies in and out, the CPU optimizer, the disk tier, the network), overlapped as
 constants are the rules' shares and margins, each with the measurement that set it; `search.Planner` decides with
 them."""
 
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
-from megatrain_templates import file_tensors
 from megatrain_templates.head import CHUNK_LOGITS
-from megatrain_zoo import ModelConfig, build_model, linear_attention_flops_per_token
+from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
 
-from ..config import Config, resolve_device, resolve_dtype
-from ..host_memory import host_budget, process_bytes
-from ..rates import Rates, layer_works
+from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
+from .rates import Rates, layer_works
 
 # a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
 SWEEPS_GAIN = 0.97
@@ -85,44 +81,9 @@ HOST_KEPT_PCIE_SHARE = 0.8
 HOST_KEPT_OPTIMIZER_SHARE = 0.5
 
 
-@dataclass(frozen=True)
-class Machine:
-    """What a run has: one GPU's memory free for it (None: no GPU), the host memory its plan may take (None:
-    unknown; `host_memory.host_budget`) and where that number came from, GPUs per host, hosts, and the resident
-    memory the process held when it was planned (outside the plan's host bytes)."""
-
-    gpu_memory: int | None
-    host_memory: int | None
-    gpus: int = 1
-    hosts: int = 1
-    host_source: str = "as given"
-    process_bytes: int = 0
-
-    @classmethod
-    def of(cls, config: Config, gpu_memory: int | None = None, host_memory: int | None = None, gpus=1, hosts=1):
-        """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free for the run (a
-        plan for another machine). A GPU's is what it has free now, with what this process's allocator holds unused
-        (the CUDA context and other processes' memory are not the run's); the host's is asked after the GPU's, so
-        that the CUDA context is already outside it."""
-        device = resolve_device(config.device)
-        if gpu_memory is None and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            gpu_memory = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if host_memory is not None:
-            return cls(gpu_memory, host_memory, gpus, hosts, f"{host_memory / 2**30:g} GiB as given")
-        budget = host_budget(config.engine.host_memory_gib)
-        return cls(gpu_memory, budget.bytes, gpus, hosts, budget.source, process_bytes())
-
-
-@functools.cache  # a model's stages, asked for by every planner of it
-def _built(model: ModelConfig, experts_per_stage: int):
-    return build_model(model, experts_per_stage)
-
-
-def layout_sizes(model: ModelConfig, experts_per_stage: int = 0) -> tuple[list[int], list[int], int]:
+def layout_sizes(spec: ModelSpec) -> tuple[list[int], list[int], int]:
     """(parameters per store group in store order, parameters each stage binds, how many [tokens,
-    d_model] activation checkpoints a micro-batch keeps), as megatrain_zoo builds the model."""
-    spec = _built(model, experts_per_stage)
+    d_model] activation checkpoints a micro-batch keeps) of a model megatrain_zoo built."""
     groups = [sum(p.numel for p in group.params) for group in spec.groups]
     stages = [sum(groups[g] for g in stage.groups) for stage in spec.stages]
     planes = sum(stage.template.checkpoint_planes for stage in spec.stages[1:-1])
@@ -153,12 +114,12 @@ def mlp_width_per_token(model: ModelConfig) -> int:
     return max(moe if model.layer_is_moe(layer) else model.d_ff for layer in range(model.n_layers))
 
 
-def kept_bytes_per_token(model: ModelConfig, element_size: int) -> int:
-    """GPU bytes per token that one kept layer's products hold (the largest kind's); 0 where the layers always
-    recompute."""
-    spec = _built(model, 0)
+def kept_bytes_per_token(spec: ModelSpec, element_size: int) -> int:
+    """GPU bytes per token that one kept layer's products hold (the largest kind's) in a model built of whole
+    layers; 0 where the layers always recompute."""
     layers = [
-        StageCosts.of(spec.stages[spec.layer_stage(layer)].template, element_size) for layer in range(model.n_layers)
+        StageCosts.of(spec.stages[spec.layer_stage(layer)].template, element_size)
+        for layer in range(spec.config.n_layers)
     ]
     keeps = all(costs.keeps_products for costs in layers)
     return max(costs.product_bytes_per_token for costs in layers) if keeps else 0
@@ -182,7 +143,7 @@ def gradient_pool_size(optimizer_s: float, backward_s: float, sizes: list[int], 
     return max(float(GRADIENT_POOL), math.ceil(2 + left / max(sizes)))
 
 
-def whole_step_statistics(model: ModelConfig, config: Config) -> str | None:
+def whole_step_statistics(model: ModelConfig, shape: StepShape) -> str | None:
     """What makes a step's backward read statistics of all its micro-batches' forwards, which a step in sweeps
     lacks when its first backward runs (a MoE router's load-balancing loss or z-loss: their gradients divide by
     the step's loads and tokens); None: nothing does."""
@@ -190,13 +151,49 @@ def whole_step_statistics(model: ModelConfig, config: Config) -> str | None:
         return None
     if model.router_aux_loss_coef and model.output_router_logits:
         return "the router's load-balancing loss"
-    if config.train.router_z_loss_coef:
+    if shape.router_z_loss:
         return "train.router_z_loss_coef"
     return None
 
 
+def recompute_bytes(model: ModelConfig, micro_tokens: int, element: int) -> int:
+    """One micro-batch's recompute of a layer: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in
+    the compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)."""
+    width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
+    return micro_tokens * (8 * model.d_model + 3 * width) * element
+
+
+def experts_per_stage(model: ModelConfig, setting: int | str, shape: StepShape, gpu_memory: int | None) -> int:
+    """engine.experts_per_stage (`setting`) resolved, 0 for whole layers (and dense models): what the caller builds
+    the model with. auto: whole layers unless a layer's slots, gradients and recompute would take over
+    LAYER_GPU_SHARE of the GPU, then the fewest parts (2, 4, 8, ...) that do not, so that the rest stays for
+    activation checkpoints."""
+    n = model.n_experts
+    if not model.is_moe:
+        return 0
+    if setting != "auto":
+        return setting if setting < n else 0
+    element = torch.finfo(shape.dtype).bits // 8
+    recompute = recompute_bytes(model, shape.micro_tokens, element)
+
+    def layer_bytes(per_stage: int) -> int:
+        groups, stages, _ = layout_sizes(build_model(model, per_stage))
+        return 2 * max(stages) * element + 2 * max(groups) * 4 + recompute + LOGITS_CHUNK_BYTES
+
+    parts = 1
+    while gpu_memory is not None and parts < n and layer_bytes(-(-n // parts)) > LAYER_GPU_SHARE * gpu_memory:
+        parts *= 2
+    return 0 if parts == 1 else -(-n // min(parts, n))
+
+
+def experts_per_stage_of(spec: ModelSpec) -> int:
+    """The experts a stage of `spec` binds where its MoE layers stream in parts; 0: whole layers."""
+    return spec.expert_parts[0][1] - spec.expert_parts[0][0] if spec.expert_parts else 0
+
+
 class CostModel:
-    """The cost model of one run: `config`'s model and settings, `rates` and `machine`.
+    """The cost model of one run: a built model (`spec`) trained in steps of `shape` with the engine's settings
+    (`engine`) and an objective holding `objective` in memory, on `machine` at `rates`.
 
     Memory: `host_items` (every host allocation), `persistent_device_bytes` (slots, staging, held weights,
     resident state) and `step_device_bytes` (checkpoints and products kept on the GPU, gradients, a recompute, the
@@ -204,26 +201,28 @@ class CostModel:
     `copy_passes_s`, `optimizer_s`, `disk_s`, `network_s`, `boundary_s`; `phases` overlaps them as the engine
     does."""
 
-    def __init__(self, config: Config, model: ModelConfig, rates: Rates, machine: Machine):
-        self.config, self.model, self.rates, self.machine = config, model, rates, machine
-        engine = config.engine
-        self.dtype = resolve_dtype(config.precision.compute_dtype, resolve_device(config.device))
+    def __init__(
+        self,
+        spec: ModelSpec,
+        rates: Rates,
+        machine: Machine,
+        shape: StepShape,
+        engine: EngineChoices = EngineChoices(),
+        objective: ObjectiveMemory = ObjectiveMemory(),
+    ):
+        self.spec, self.model, self.rates, self.machine = spec, spec.config, rates, machine
+        self.shape, self.engine, self.objective = shape, engine, objective
+        self.dtype = shape.dtype
         self.element = torch.finfo(self.dtype).bits // 8
-        self.full_grads = config.train.grad_clip > 0
+        self.full_grads = shape.clipping
         self.split = engine.shard_across_hosts and machine.hosts > 1
         self.wire_copy = (engine.wire_copy or self.split) and self.dtype != torch.float32
-        grpo = config.train.grpo
-        self.generating = config.train.objective == "grpo" and grpo.rollouts is None  # (GRPO's rollouts made here)
-        self.reference_copy = self.generating and grpo.beta > 0  # (the KL's reference weights, streamed per step)
+        self.reference_copy = objective.reference_copy  # (the KL's reference weights, streamed per step)
         self.world = machine.gpus * machine.hosts
-        self.micro_tokens = config.train.rows_per_micro_batch * config.data.seq_len
-        width = mlp_width_per_token(model) + (model.n_experts_per_tok * model.d_model if model.is_moe else 0)
-        # one micro-batch's recompute: q/k/v/attention/outputs/norms ~ 8 x d_model, MLP 3 x its width, in the
-        # compute dtype (a MoE layer's width is that of its k experts and shared expert, plus the tokens' copies)
-        self.recompute_bytes = self.micro_tokens * (8 * model.d_model + 3 * width) * self.element
-        self.experts_per_stage = self._experts_per_stage()
-        self.spec = _built(model, self.experts_per_stage)
-        self.group_sizes, self.stage_sizes, _ = layout_sizes(model, self.experts_per_stage)
+        self.micro_tokens = shape.micro_tokens
+        self.recompute_bytes = recompute_bytes(self.model, self.micro_tokens, self.element)
+        self.experts_per_stage = experts_per_stage_of(spec)
+        self.group_sizes, self.stage_sizes, _ = layout_sizes(spec)
         self.n_stages = len(self.spec.stages)
         self.blocks = range(1, self.n_stages - 1)
         self.costs = [StageCosts.of(stage.template, self.element) for stage in self.spec.stages]
@@ -237,43 +236,10 @@ class CostModel:
         self.holdable = [i for i in range(1, self.n_stages - 2) if i not in weightless]
         self.table_group = self.spec.stages[0].groups[0]
         # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
-        self.frozen = self.spec.frozen_groups(config.train.frozen_parts)
+        self.frozen = self.spec.frozen_groups(shape.frozen_parts)
         self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
-        self.generation_host_bytes = self._generation_host_bytes()
+        self.generation_host_bytes = objective.generation_host_bytes
         self.names = [stage.name for stage in self.spec.stages]
-
-    def _generation_host_bytes(self) -> int:
-        """Host bytes GRPO's generation takes beside the store (`megatrain_zoo.generate.generation_host_bytes`)."""
-        if not self.generating:
-            return 0
-        from megatrain_zoo.generate import generation_host_bytes
-
-        grpo = self.config.train.grpo
-        stored = file_tensors({p.name: p.shape for group in self.spec.groups for p in group.params})
-        length = grpo.max_prompt_length + grpo.max_completion_length
-        shapes = {name: shape for name, (shape, _) in stored.items()}
-        return generation_host_bytes(
-            self.model, shapes, self.dtype, grpo.generation_weights, self.machine.gpu_memory, length
-        )
-
-    def _experts_per_stage(self) -> int:
-        """engine.experts_per_stage resolved, 0 for whole layers (and dense models). auto: whole layers unless a
-        layer's slots, gradients and recompute would take over LAYER_GPU_SHARE of the GPU, then the fewest parts
-        (2, 4, 8, ...) that do not, so that the rest stays for activation checkpoints."""
-        n, setting, gpu = self.model.n_experts, self.config.engine.experts_per_stage, self.machine.gpu_memory
-        if not self.model.is_moe:
-            return 0
-        if setting != "auto":
-            return setting if setting < n else 0
-
-        def layer_bytes(per_stage: int) -> int:
-            groups, stages, _ = layout_sizes(self.model, per_stage)
-            return 2 * max(stages) * self.element + 2 * max(groups) * 4 + self.recompute_bytes + LOGITS_CHUNK_BYTES
-
-        parts = 1
-        while gpu is not None and parts < n and layer_bytes(-(-n // parts)) > LAYER_GPU_SHARE * gpu:
-            parts *= 2
-        return 0 if parts == 1 else -(-n // min(parts, n))
 
     # ------------------------------------------------------------------ memory
     def checkpoint_bytes(self, stage: int, tokens: int) -> int:
@@ -290,7 +256,7 @@ class CostModel:
 
     def persistent_device_bytes(self, placement: Placement) -> int:
         """GPU bytes that outlive a step: the rotating slots, the fp32 staging buffers, held weights, resident state."""
-        slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
+        slots = self.engine.n_slots * max(self.stage_sizes) * self.element
         staging = (
             math.prod(staging_buffers(max(self.stage_sizes))) * 4 if self.element < 4 and not self.wire_copy else 0
         )
@@ -385,14 +351,13 @@ class CostModel:
             return RUNTIME_HOST_BYTES
         # (no CUDA context, kernels or pinned blocks on the CPU: its own allocator's slack instead)
         tokens = placement.tokens
-        slots = self.config.engine.n_slots * max(self.stage_sizes) * self.element
+        slots = self.engine.n_slots * max(self.stage_sizes) * self.element
         checkpoints = sum(self.checkpoint_bytes(i, tokens) for i in self.blocks)
         products = len(placement.kept) * self.stage_products(placement)
         logits = 3 * min(self.micro_tokens, CHUNK_LOGITS // self.model.vocab_size) * self.model.vocab_size * 4
         work = 2 * max(self.stage_sizes) * 4 + self.recompute_bytes + logits
         # GRPO's generation from resident weights (auto, on the CPU): a copy of the model on the device, the host
-        resident = self.generating and self.config.train.grpo.generation_weights != "streamed"
-        generation = self.model.n_params * self.element if resident else 0
+        generation = self.model.n_params * self.element if self.objective.generation_device_copy else 0
         return CPU_RUNTIME_HOST_BYTES + slots + checkpoints + products + work + generation
 
     def disk_bytes(self, placement: Placement) -> int:
@@ -411,7 +376,7 @@ class CostModel:
         """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products."""
         layer_rate = self.rates.moe_gpu_tflops if self.model.is_moe else self.rates.gpu_tflops
         kept_rate = layer_rate if self.model.is_moe else self.rates.gpu_kept_tflops or layer_rate
-        whole, kept_layer = layer_works(self.model, self.config.data.seq_len, tokens)
+        whole, kept_layer = layer_works(self.model, self.shape.seq_len, tokens)
         return ((self.model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
 
     def layers_s(self, placement: Placement) -> float:
@@ -556,15 +521,13 @@ class CostModel:
 
     def reference_tokens_per_s(self, placement: Placement) -> float:
         """DPO's reference pass (forward only, before training): tokens per second, the weights streamed once for
-        `reference.PASS_STEPS` steps' rows; 0 where the objective needs no reference."""
-        from ..reference import PASS_STEPS
-
-        dpo = self.config.train.dpo
-        if self.config.train.objective != "dpo" or not dpo.needs_reference:
+        `objective.reference_pass_steps` steps' rows; 0 where the objective needs no reference."""
+        steps = self.objective.reference_pass_steps
+        if not steps:
             return 0.0
-        forward_s = FORWARD_SHARE * self.layers_s(placement) * PASS_STEPS
+        forward_s = FORWARD_SHARE * self.layers_s(placement) * steps
         weights_s = self.model.n_params * self._wire() / (self.rates.pcie_gbps * 1e9)
-        return PASS_STEPS * placement.tokens * self.world / max(forward_s, weights_s)
+        return steps * placement.tokens * self.world / max(forward_s, weights_s)
 
     def step_s(self, placement: Placement) -> float:
         return max(self.phases(placement).values()) + self.boundary_s(placement)

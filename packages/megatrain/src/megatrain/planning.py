@@ -1,0 +1,131 @@
+"""A config as the planner's inputs (`megatrain_plan`): the machine, the rates, the step's shape, the engine's
+settings and what the objective holds, with the model built once for the planner and the run. What `megatrain
+plan`, the Trainer and the run call; the planner's refusals are config errors here."""
+
+import os
+
+from megatrain_plan import (
+    EngineChoices,
+    Machine,
+    ObjectiveMemory,
+    Plan,
+    PlanError,
+    Planner,
+    Rates,
+    StepShape,
+    experts_per_stage,
+    load_rates,
+    run_rates,
+)
+from megatrain_plan import check_plan as check_planned
+from megatrain_templates import file_tensors
+from megatrain_zoo import ModelConfig, ModelSpec, build_model
+from megatrain_zoo.generate import generation_host_bytes
+
+from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+from .reference import PASS_STEPS
+
+
+def step_shape(config: Config) -> StepShape:
+    """One step of `config` as the planner sees it."""
+    train = config.train
+    return StepShape(
+        seq_len=config.data.seq_len,
+        rows_per_step=train.rows_per_step,
+        rows_per_micro_batch=train.rows_per_micro_batch,
+        dtype=resolve_dtype(config.precision.compute_dtype, resolve_device(config.device)),
+        micro_batch_size=train.micro_batch_size,
+        clipping=train.grad_clip > 0,
+        router_z_loss=bool(train.router_z_loss_coef),
+        frozen_parts=frozenset(train.frozen_parts),
+    )
+
+
+def engine_choices(config: Config) -> EngineChoices:
+    """The `engine.*` settings the planner reads, as the config sets them."""
+    return EngineChoices(**{name: getattr(config.engine, name) for name in EngineChoices.__dataclass_fields__})
+
+
+def objective_memory(config: Config, spec: ModelSpec, machine: Machine) -> ObjectiveMemory:
+    """What `config`'s objective holds beside the model's state: GRPO's reference weights and generation copies
+    (`megatrain_zoo.generate.generation_host_bytes`), DPO's reference pass (`reference.PASS_STEPS` steps' rows a pass)."""
+    train, grpo = config.train, config.train.grpo
+    generating = train.objective == "grpo" and grpo.rollouts is None  # (GRPO's rollouts made here)
+    generation_bytes = 0
+    if generating:
+        dtype = step_shape(config).dtype
+        stored = file_tensors({p.name: p.shape for group in spec.groups for p in group.params})
+        shapes = {name: shape for name, (shape, _) in stored.items()}
+        length = grpo.max_prompt_length + grpo.max_completion_length
+        generation_bytes = generation_host_bytes(
+            spec.config, shapes, dtype, grpo.generation_weights, machine.gpu_memory, length
+        )
+    return ObjectiveMemory(
+        reference_copy=generating and grpo.beta > 0,
+        generation_host_bytes=generation_bytes,
+        generation_device_copy=generating and grpo.generation_weights != "streamed",
+        reference_pass_steps=PASS_STEPS if train.objective == "dpo" and train.dpo.needs_reference else 0,
+        sweepable=train.objective == "sft",
+    )
+
+
+def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1, hosts: int = 1) -> Machine:
+    """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free (`Machine.of`)."""
+    try:
+        device = resolve_device(config.device)
+        return Machine.of(device, config.engine.host_memory_gib, gpu_memory, host_memory, gpus, hosts)
+    except PlanError as error:
+        raise ConfigError(str(error)) from None
+
+
+def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
+    """The rates to plan `config`'s run with (`run_rates`), measured at its shape where `measure` and
+    engine.measure_rates allow; MEGATRAIN_MEASURE_RATES (0 or 1), where set, overrides the key."""
+    setting = os.environ.get("MEGATRAIN_MEASURE_RATES")
+    allowed = config.engine.measure_rates if setting is None else setting != "0"
+    shape = step_shape(config)
+    device = resolve_device(config.device)
+    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measure and allowed)
+
+
+def make_planner(
+    config: Config,
+    model: ModelConfig | None = None,
+    rates: Rates | None = None,
+    gpu_memory: int | None = None,
+    gpus: int = 1,
+    hosts: int = 1,
+    host_memory: int | None = None,
+) -> Planner:
+    """The planner of `config`'s run on this machine's GPU, or on one with `gpu_memory` bytes, and the host memory
+    it has available now, or `host_memory` bytes; with `gpus` per host and `hosts` (data parallel: a replica of the
+    state per host, or the state split over them with engine.shard_across_hosts) host bytes are per host, GPU bytes
+    per GPU, and the step splits the global batch over every GPU. Its `spec` is the model, built once here."""
+    model = model or model_config_of(config)
+    machine = machine_of(config, gpu_memory, host_memory, gpus, hosts)
+    shape, engine = step_shape(config), engine_choices(config)
+    spec = build_model(model, experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory))
+    objective = objective_memory(config, spec, machine)
+    return Planner(spec, rates or load_rates(), machine, shape, engine, objective)
+
+
+def make_plan(
+    config: Config,
+    model: ModelConfig | None = None,
+    rates: Rates | None = None,
+    gpu_memory: int | None = None,
+    gpus: int = 1,
+    hosts: int = 1,
+    host_memory: int | None = None,
+) -> Plan:
+    """The plan of `config`'s step as configured, by `make_planner(...)` of the same arguments."""
+    planner = make_planner(config, model, rates, gpu_memory, gpus, hosts, host_memory)
+    return planner.plan(planner.place(planner.step_tokens))
+
+
+def check_plan(plan: Plan, planner: Planner) -> None:
+    """Refuse, before anything is allocated, a run that cannot work (`megatrain_plan.check_plan`), naming the fix."""
+    try:
+        check_planned(plan, planner)
+    except PlanError as error:
+        raise ConfigError(str(error)) from None

@@ -1,0 +1,120 @@
+"""A config as the planner's inputs (`megatrain.planning`), `megatrain plan`, and what the planner reads of an
+objective; the planner itself is tested on its own inputs in packages/plan."""
+
+import pytest
+
+from megatrain import planning
+from megatrain.cli import main
+from megatrain.config import ConfigError, load_config
+from megatrain.planning import check_plan, make_plan, make_planner
+from megatrain_plan import RUNTIME_HOST_BYTES, Planner, Rates, host_memory
+from megatrain_zoo import preset
+
+
+@pytest.fixture(autouse=True)
+def host_side_of_a_gpu_run(monkeypatch):
+    """These tests plan a GPU run's host side on this CPU machine (device=cpu stands for 'no GPU decides'): its
+    runtime item is a GPU run's, not the CPU compute's memory a run on this CPU would take."""
+    monkeypatch.setattr(Planner, "_runtime_host_bytes", lambda self, placement: RUNTIME_HOST_BYTES)
+
+
+def simulate_host(monkeypatch, gib: float) -> None:
+    """Plan as on a host whose operating system gives the run `gib` GiB (less the stated margin)."""
+    monkeypatch.setattr(host_memory, "os_room", lambda: (int(gib * 2**30), "a simulated host"))
+
+
+def config_for(preset, tokens, **extra):
+    overrides = [
+        f"model.preset={preset}",
+        "data.seq_len=2048",
+        f"train.batch_size={tokens // 2048}",
+        "train.micro_batch_size=8",
+        "train.grad_clip=0",
+        "device=cpu",
+        "precision.compute_dtype=bfloat16",
+    ]
+    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+
+
+def test_plan_command(capsys, monkeypatch):
+    simulate_host(monkeypatch, 1000)
+    assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "8.03B parameters" in out and "host memory" in out and "model TFLOPS" in out
+    simulate_host(monkeypatch, 16)
+    assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 2
+    assert "parameters fit as planned" in capsys.readouterr().err
+
+
+def test_plan_command_plans_for_another_gpu(monkeypatch, capsys):
+    """--gpu-memory-gib plans for a GPU this machine lacks: a 120B model's checkpoints partly in host memory, a
+    gpt-oss-120b layer's experts in parts."""
+    simulate_host(monkeypatch, 2000)
+    settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
+    settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
+    settings += ["engine.kept_layers=0"]
+    assert main(["plan", "--gpu-memory-gib", "140"] + [a for s in settings for a in ("--set", s)]) == 0
+    assert "stages' activation checkpoints in host memory" in capsys.readouterr().out
+    settings = ["model.preset=gpt-oss-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=16"]
+    settings += ["train.micro_batch_size=1", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
+    assert main(["plan", "--gpu-memory-gib", "24"] + [a for s in settings for a in ("--set", s)]) == 0
+    assert "each MoE layer's experts stream in parts of 16" in capsys.readouterr().out
+
+
+def test_the_planners_refusals_are_config_errors(monkeypatch):
+    simulate_host(monkeypatch, 64)
+    planner = make_planner(config_for("qwen2.5-7b", 65536))
+    message = r"needs 92.7 GiB .* may take 61.4 GiB .*; optimizer moments take 56.7 GiB: engine.optimizer_state_dir"
+    with pytest.raises(ConfigError, match=message):
+        check_plan(planner.plan(planner.place(planner.step_tokens)), planner)
+
+
+def test_grpo_counts_the_kl_reference_copy():
+    """Generated rollouts with the KL term keep the reference weights in the compute dtype (2 B/param in bf16);
+    given completions score their reference once before training and keep none."""
+    grpo = {"train.objective": "grpo", "train.grpo.max_completion_length": 1024}
+    rates = Rates()
+    plain = make_plan(config_for("qwen2.5-7b", 32768, **grpo), rates=rates)
+    kl = make_plan(config_for("qwen2.5-7b", 32768, **grpo, **{"train.grpo.beta": 0.04}), rates=rates)
+    assert kl.host_bytes - plain.host_bytes == 2 * plain.n_params and kl.reference_copy
+    given = {"train.grpo.beta": 0.04, "train.grpo.rollouts": "r.jsonl"}
+    assert make_plan(config_for("qwen2.5-7b", 32768, **grpo, **given), rates=rates).host_bytes == plain.host_bytes
+
+
+def test_dpo_reads_its_whole_step_first_and_runs_in_one_sweep(monkeypatch):
+    """DPO's loss reads every micro-batch's scores before any backward: never in sweeps, and a set count is refused;
+    its reference pass is predicted."""
+    simulate_host(monkeypatch, 1000)
+    dpo = make_plan(config_for("gemma-3-4b", 131072, **{"train.objective": "dpo"}), gpu_memory=79 * 2**30)
+    assert dpo.placement.sweeps == 1 and dpo.reference_tokens_per_s > 0
+    with pytest.raises(ConfigError, match="engine.sweeps 2: train.objective dpo reads every micro-batch"):
+        config_for("qwen2.5-7b", 131072, **{"train.objective": "dpo", "engine.sweeps": 2})
+
+
+def test_measure_rates_is_a_config_key_the_variable_overrides(monkeypatch):
+    """engine.measure_rates: false plans with the remembered or default rates; MEGATRAIN_MEASURE_RATES, where set,
+    overrides the key either way."""
+    asked = []
+    monkeypatch.setattr(planning, "run_rates", lambda *args: asked.append(args[-1]) or Rates())
+    model = preset("qwen2.5-0.5b")
+    measuring = config_for("qwen2.5-0.5b", 16384)
+    not_measuring = config_for("qwen2.5-0.5b", 16384, **{"engine.measure_rates": "false"})
+    monkeypatch.delenv("MEGATRAIN_MEASURE_RATES", raising=False)
+    for config, measure in ((measuring, True), (not_measuring, True), (measuring, False)):
+        planning.rates_of(config, model, measure)
+    assert asked == [True, False, False]
+    for variable, config in (("1", not_measuring), ("0", measuring)):
+        monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", variable)
+        planning.rates_of(config, model)
+    assert asked[3:] == [True, False]
+
+
+def test_two_trainers_of_one_config_share_no_model_state():
+    """Each Trainer builds its own model, once, for its planner and its run: its router statistics (a mixture of
+    experts' load, set per step) are its alone."""
+    from megatrain.trainer import Trainer
+
+    config = load_config(None, ["model.preset=tiny-mixtral", "device=cpu", "data.seq_len=16", "train.batch_size=2"])
+    first, second = Trainer(config), Trainer(config)
+    assert first.spec is not second.spec and first.spec.router_load is not second.spec.router_load
+    assert first.planner.spec is first.spec and second.planner.spec is second.spec

@@ -1,0 +1,50 @@
+"""The rates: remembered per machine and run shape, measured once per shape on a GPU."""
+
+import contextlib
+import json
+from dataclasses import asdict
+
+import torch
+
+from megatrain_plan import Rates
+from megatrain_plan import rates as calibration
+from megatrain_zoo import preset
+
+
+def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    assert calibration.load_rates("H100: a 7B") == Rates()  # nothing calibrated here: the defaults
+    seven, half = Rates(gpu_tflops=627.5, source="7B"), Rates(gpu_tflops=314.5, source="0.5B")
+    calibration.save_rates("H100: a 7B", seven, machine=True)  # `megatrain plan --calibrate`: every rate
+    calibration.save_rates("H100: a 0.5B", half, machine=False)  # a run's GPU rates at its shape
+    assert calibration.load_rates("H100: a 7B") == seven and calibration.load_rates("H100: a 0.5B") == half
+    assert calibration.load_rates("H100: a 3B") == seven  # not measured: the machine's calibration
+    (tmp_path / "calibration.json").write_text(json.dumps(asdict(half)))  # one rates object: an older file
+    assert calibration.load_rates("H100: a 7B") == half
+
+    # a bf16 run on a CUDA GPU measures its shape's block and head once; fp32 runs and runs told not to
+    # measure (a launch of several processes, engine.measure_rates: false) do not
+    measured = []
+
+    def gpu_rates(model, seq_len, micro_batch):
+        measured.append((seq_len, micro_batch))
+        return 300.0, 280.0, 500.0, None
+
+    monkeypatch.setattr(calibration, "measure_gpu_rates", gpu_rates)
+    monkeypatch.setattr(
+        calibration, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
+    )
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    model, cuda, bf16 = preset("qwen2.5-0.5b"), torch.device("cuda"), torch.bfloat16
+    rates = calibration.run_rates(model, cuda, bf16, 2048, 8)
+    assert (rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops) == (300.0, 280.0, 500.0)
+    assert rates.pcie_gbps == half.pcie_gbps
+    assert "measured" in rates.source and measured == [(2048, 8)]
+    assert calibration.run_rates(model, cuda, bf16, 2048, 8) == rates and measured == [(2048, 8)]  # remembered
+    assert calibration.run_rates(model, cuda, bf16, 2048, 4, measure=False) == half  # the machine's
+    assert calibration.run_rates(model, cuda, torch.float32, 2048, 4) == half and len(measured) == 1
+    assert calibration.run_rates(model, cuda, bf16, 2048, 4).gpu_tflops == 300.0
+    assert measured == [(2048, 8), (2048, 4)]
+    assert calibration.load_rates("another shape") == half  # what a run measures is not the machine's calibration
