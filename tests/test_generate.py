@@ -14,6 +14,7 @@ from test_exactness import rel_err
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
 from megatrain.generate import Generator, Sampling
+from megatrain.step import StepBatch
 
 
 def trainer_of(model: ModelSection, tmp_path, device="cpu") -> Trainer:
@@ -55,7 +56,7 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto")
         ids = torch.tensor([prompt + completion])
         labels = torch.full_like(ids, -100)
         labels[0, len(prompt) - 1 : -1] = torch.tensor(completion)
-        logps = trainer.token_logps(ids, labels)[0, len(prompt) - 1 : -1]
+        logps = trainer.token_logps(StepBatch(ids, labels))[0, len(prompt) - 1 : -1]
         scores = torch.stack(out.logits)[: len(completion), 0].cpu().log_softmax(-1)
         assert rel_err(logps, scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)) < 1e-5
 
