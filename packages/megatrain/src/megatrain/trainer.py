@@ -456,7 +456,7 @@ class Trainer:
     def logits(self, input_ids: torch.Tensor, media: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
         """Full-precision logits [batch, seq, vocab] of the current weights, stage by stage
         (for evaluation and interop checks on small inputs; training never builds them). `media`: an image-text
-        model's rows' images (`micro_batches`)."""
+        model's rows' images (`StepBatch.media`)."""
         self.sync_store()
         x = input_ids.to(self.device)
         kwargs = {}
