@@ -2,6 +2,8 @@
 optimizer with its update policy, the layer pipeline, the embedding's rows-first update and the MoE routers' step
 statistics. The Trainer (`trainer.py`) composes them and runs the steps."""
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -19,16 +21,17 @@ from megatrain_optim import (
 from megatrain_sched import LayerPipeline, Placement, Stage, Timeline
 from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import Objective
+from megatrain_zoo import ModelSpec
 
 from .config import Config
 from .distributed import Ranks, RankSharing, RankSync, shared_arenas
 
 
 def new_store(
-    spec,
+    spec: ModelSpec,
     config: Config,
     placement: Placement,
-    plan,
+    plan,  # the planner's costing of `placement`: the first group on disk, whether a reference copy is kept
     frozen: frozenset,
     dtype: torch.dtype,
     ranks: Ranks | None,
@@ -77,7 +80,12 @@ class Updates:
 
 
 def new_updates(
-    spec, store: HostStore, config: Config, sync: RankSync | None, timeline: Timeline, device_span
+    spec: ModelSpec,
+    store: HostStore,
+    config: Config,
+    sync: RankSync | None,
+    timeline: Timeline,
+    device_span: Callable[[str], AbstractContextManager],
 ) -> Updates:
     """The updates of `store`'s groups as train configures them; `device_span(name)` times a resident group's
     update on the GPU."""
@@ -101,7 +109,7 @@ def new_updates(
 
 
 def new_pipeline(
-    spec,
+    spec: ModelSpec,
     store: HostStore,
     device: torch.device,
     config: Config,
@@ -134,7 +142,12 @@ def new_pipeline(
 
 
 def rows_first(
-    spec, store: HostStore, placement: Placement, updates: HostUpdates, ranks: Ranks | None, device: torch.device
+    spec: ModelSpec,
+    store: HostStore,
+    placement: Placement,
+    updates: HostUpdates,
+    ranks: Ranks | None,
+    device: torch.device,
 ) -> EmbeddingRowsFirst | None:
     """The embedding's rows updated and sent first, where its table streams from this process's store
     (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk)."""
