@@ -127,6 +127,9 @@ class TokenObjective(Objective):
         return loss.detach(), scales
 
 
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # (SimPO and ORPO score each completion by itself, no reference)
+
+
 class DPO(SequenceObjective):
     """Direct preference optimisation and its family over pairs: sequence 2i is pair i's chosen completion, 2i + 1
     its rejected one (the prompt's tokens are not trained, so each sum is the completion's log-probability). The
@@ -156,7 +159,8 @@ class DPO(SequenceObjective):
 
     @property
     def needs_reference(self) -> bool:
-        return not self.reference_free and self.loss_type not in ("simpo", "orpo")
+        """Whether the loss compares with the reference model's scores."""
+        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
 
     def start_step(
         self, sequence_of: list[Tensor], extras: Sequences | None, mine: slice, n_sequences: int, n_tokens: int
