@@ -7,6 +7,9 @@ written under a temporary name, every file fsynced, then renamed into place, so 
 crash at any instant leaves the previous checkpoints intact and never a partial one
 that looks complete. The data position and learning rate are functions of the step, so
 the step restores them; resuming gives the same losses as a run that never stopped.
+
+`save_checkpoint` writes a `TrainerState` (`Trainer.state_dict`); `resolve_resume` finds and verifies the
+checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer.load_state_dict` reads.
 """
 
 import errno
@@ -32,6 +35,8 @@ CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
 FINAL = "final"  # a run directory's exported model (weights alone)
 # in final/: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
 TRAINER_STATE = "trainer_state.json"
+WEIGHTS_FILE = "model.safetensors"  # a checkpoint's fp32 master weights, by Hugging Face name
+OPTIMIZER_FILE = "optimizer.safetensors"  # its optimizer state, each tensor as `STATE.name`
 
 
 class NonFiniteError(RuntimeError):
@@ -71,7 +76,7 @@ class Resume:
     def state(self) -> TrainerState:
         """The state the checkpoint holds, its tensors as the files that hold them."""
         manifest = self.manifest
-        files = {name: self.directory / name for name in ("model.safetensors", "optimizer.safetensors")}
+        files = {name: self.directory / name for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
         return TrainerState(
             manifest["step"], manifest["optimizer_step"], manifest["bad_steps"], manifest["model"],
             manifest["config"], files=files, source=self.directory,

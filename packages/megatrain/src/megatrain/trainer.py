@@ -6,6 +6,10 @@ each group's fp32 gradient in host memory (or hands a resident group's over on t
 (`megatrain_optim`) updates each group as its gradient lands (clipping off) or once the clip coefficient is
 known (clipping on). Either way the step equals a synchronous AdamW step; a non-finite loss or gradient norm
 skips the step (a non-finite group, its update).
+
+The class reads as: build (its parts made in `parts.py`), place, step (`StepBatch`, the rows each rank runs in
+`step.py`, the objective told what it needs by its own `start_step`), evaluate, state (`state_dict` /
+`load_state_dict`, which `checkpoint.py` writes and reads), export, close.
 """
 
 import math
@@ -22,7 +26,7 @@ from megatrain_store import Pending
 from megatrain_templates import Media, Sequences
 from megatrain_zoo import ModelConfig, build_model, flops_per_token, init_param_
 
-from .checkpoint import NonFiniteError, TrainerState, check_same_model
+from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .data import PairWindows, sequence_lengths, sequence_of_tokens
 from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks
@@ -388,7 +392,7 @@ class Trainer:
         optimizer = [
             entry for state in self.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")
         ]
-        tensors = {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
+        tensors = {WEIGHTS_FILE: whole.entries("master"), OPTIMIZER_FILE: optimizer}
         for filename, extra in self.extra_state.items():  # (GRPO's rollout in use)
             tensors[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in extra.items()]
         return TrainerState(
@@ -404,9 +408,9 @@ class Trainer:
         check_same_model(state.source, state.model, self.model_config)
         self.finish_updates()
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the state (or of its part) per host
-            load_groups(self.store, [state.files["model.safetensors"]])
+            load_groups(self.store, [state.files[WEIGHTS_FILE]])
             for name in self.store.state_names:  # a trainer made for evaluation holds none
-                load_groups(self.store, [state.files["optimizer.safetensors"]], f"state.{name}", f"{name}.")
+                load_groups(self.store, [state.files[OPTIMIZER_FILE]], f"state.{name}", f"{name}.")
         if self.sync is not None:
             self.sync.barrier()
         self.step_index, self.bad_steps = state.step, state.bad_steps
