@@ -27,6 +27,7 @@ from megatrain.config import (  # noqa: E402
     PrecisionSection,
     TrainSection,
 )
+from megatrain.step import StepBatch
 
 
 def arguments():
@@ -79,11 +80,11 @@ def main():
         return random_batch(n_seqs, args.seq_len, model.vocab_size)
 
     for _ in range(args.warmup):
-        trainer.train_step(*batch())
+        trainer.train_step(StepBatch(*batch()))
     trainer.finish_updates()
     torch.cuda.synchronize()
     wall = time.perf_counter()
-    losses = [trainer.train_step(*batch()).loss for _ in range(args.steps)]
+    losses = [trainer.train_step(StepBatch(*batch())).loss for _ in range(args.steps)]
     trainer.finish_updates()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - wall) / args.steps

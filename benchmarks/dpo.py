@@ -18,6 +18,7 @@ from throughput import BenchTrainer  # noqa: E402
 
 from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
 from megatrain.reference import PASS_STEPS  # noqa: E402
+from megatrain.step import StepBatch
 from megatrain_templates import Sequences  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 
@@ -63,12 +64,14 @@ def _timings(trainer: BenchTrainer, args, model) -> tuple[float, float, float]:
     """(the reference pass over PASS_STEPS steps' pairs, a DPO step, an SFT step of the same tokens), seconds."""
     ids, labels = random_pairs(args.pairs, args.seq_len, model.vocab_size)
     pass_ids, pass_labels = random_pairs(PASS_STEPS * args.pairs, args.seq_len, model.vocab_size)
-    trainer.sequence_logps(pass_ids[: 2 * args.micro_pairs], pass_labels[: 2 * args.micro_pairs])  # (compile)
-    pass_s = timed(lambda: trainer.sequence_logps(pass_ids, pass_labels), 1)
+    trainer.sequence_logps(
+        StepBatch(pass_ids[: 2 * args.micro_pairs], pass_labels[: 2 * args.micro_pairs])
+    )  # (compile)
+    pass_s = timed(lambda: trainer.sequence_logps(StepBatch(pass_ids, pass_labels)), 1)
     reference = Sequences(-torch.rand(2 * args.pairs, dtype=torch.float64) * 100, (labels != -100).sum(-1).double())
 
     def dpo_step():
-        trainer.train_step(ids, labels, reference=reference)
+        trainer.train_step(StepBatch(ids, labels, extras=reference))
         trainer.finish_updates()
 
     dpo_step()  # (placed for this size, the objective's path compiled)
@@ -76,7 +79,7 @@ def _timings(trainer: BenchTrainer, args, model) -> tuple[float, float, float]:
     trainer.objective = trainer.pipeline.objective = None  # the same trainer and placement as SFT
 
     def sft_step():
-        trainer.train_step(ids, labels)
+        trainer.train_step(StepBatch(ids, labels))
         trainer.finish_updates()
 
     sft_step()

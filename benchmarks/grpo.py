@@ -24,6 +24,7 @@ from throughput import BenchTrainer  # noqa: E402
 
 from megatrain.config import Config, DataSection, GRPOSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
 from megatrain.rollouts import rows_of  # noqa: E402
+from megatrain.step import StepBatch  # noqa: E402
 from megatrain_templates import Rollout, group_advantages  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 from megatrain_zoo.generate import Generator, Sampling  # noqa: E402
@@ -116,7 +117,9 @@ def training_row(args, model, trainer, prompts, completions) -> dict:
     batch = rows_of(prompts, completions, seq_len, pad_id=0)
 
     def step():
-        trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=Rollout(advantages, None))
+        trainer.train_step(
+            StepBatch(batch.input_ids, batch.labels, valid=batch.valid, extras=Rollout(advantages, None))
+        )
         trainer.finish_updates()
 
     step()

@@ -20,6 +20,7 @@ from common import base_row, machine, table, timed, write_results  # noqa: E402
 from throughput import BenchTrainer  # noqa: E402
 
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain.step import StepBatch
 from megatrain_zoo import flops_per_token  # noqa: E402
 from megatrain_zoo.generic import generic_model_config  # noqa: E402
 
@@ -127,8 +128,8 @@ def vision_flops(hf: dict, args, patches: int) -> float:
 
 def timed_steps(trainer, batch, steps: int) -> float:
     """Mean seconds of `steps` training steps on `batch` (after one untimed)."""
-    trainer.train_step(*batch[:2], media=batch[2])
-    return timed(lambda: trainer.train_step(*batch[:2], media=batch[2]), steps)
+    trainer.train_step(StepBatch(*batch[:2], media=batch[2]))
+    return timed(lambda: trainer.train_step(StepBatch(*batch[:2], media=batch[2])), steps)
 
 
 def bench_config(args, freeze_vision_tower: bool) -> Config:

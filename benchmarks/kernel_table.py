@@ -22,6 +22,7 @@ from common import machine, write_results  # noqa: E402
 from throughput import BenchTrainer, random_batch  # noqa: E402
 
 from megatrain.config import Config, DataSection, EngineSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
+from megatrain.step import StepBatch
 from megatrain_zoo import preset  # noqa: E402
 
 # (kind, pattern over the lower-cased kernel or op name), first match wins
@@ -110,13 +111,13 @@ def profiled_steps(args, on_device: bool):
     )
     trainer = BenchTrainer(config, model)
     for _ in range(args.warmup):
-        trainer.train_step(*random_batch(n_seqs, args.seq_len, model.vocab_size)[:2])
+        trainer.train_step(StepBatch(*random_batch(n_seqs, args.seq_len, model.vocab_size)[:2]))
     trainer.finish_updates()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with profile(activities=activities) as profiler:
         start = time.perf_counter()
         for _ in range(args.steps):
-            trainer.train_step(*random_batch(n_seqs, args.seq_len, model.vocab_size)[:2])
+            trainer.train_step(StepBatch(*random_batch(n_seqs, args.seq_len, model.vocab_size)[:2]))
         trainer.finish_updates()
         if on_device:
             torch.cuda.synchronize()

@@ -18,6 +18,7 @@ import torch
 
 from megatrain import Trainer
 from megatrain.config import Config, DataSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import TokenWindows, load_token_array
 from megatrain_zoo import preset
 
@@ -66,7 +67,7 @@ def train(args, rate: float, workdir: Path) -> dict:
     rows = []
     for step in range(args.steps):
         batch = windows.batch(step)
-        metrics = trainer.train_step(batch.input_ids, batch.labels)
+        metrics = trainer.train_step(StepBatch(batch.input_ids, batch.labels))
         rows.append(
             {
                 "step": metrics.step,

@@ -34,6 +34,7 @@ from megatrain.config import (  # noqa: E402
     TrainSection,
     model_config_of,
 )
+from megatrain.step import StepBatch
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
@@ -179,14 +180,14 @@ def _time_point(trainer, next_batch, n_seqs, steps, warmup) -> dict:
     torch.cuda.reset_peak_memory_stats()
     warm0 = time.perf_counter()
     for _ in range(warmup):
-        trainer.train_step(*next_batch(n_seqs))
+        trainer.train_step(StepBatch(*next_batch(n_seqs)))
     trainer.finish_updates()
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - warm0
     trainer.timeline.spans.clear()
     trainer.timeline.start_step(trainer.pipeline.streams)
     wall0 = time.perf_counter()
-    losses = [trainer.train_step(*next_batch(n_seqs)).loss for _ in range(steps)]
+    losses = [trainer.train_step(StepBatch(*next_batch(n_seqs))).loss for _ in range(steps)]
     trainer.finish_updates()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - wall0) / steps

@@ -11,6 +11,7 @@ from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
 from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection, TokenWindows, load_token_array
 from megatrain_optim import Schedule, lr_at
 
@@ -47,7 +48,7 @@ def loss_curves(device, dtype, steps, batch_size, seq_len, workdir, lr=1e-3):
     for step in range(steps):
         batch = windows.batch(step)
         ids, labels = batch.input_ids, batch.labels
-        ours.append(trainer.train_step(ids, labels).loss)
+        ours.append(trainer.train_step(StepBatch(ids, labels)).loss)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()

@@ -23,6 +23,7 @@ from hf_steps import (
 )
 
 from megatrain.config import EngineSection
+from megatrain.step import StepBatch
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
 PRESETS = [
@@ -73,7 +74,7 @@ def check_steps(name, tmp_path, device, grad_clip, engine, reference, seed, opti
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
         ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         _, loss, norm = reference_step(reference, optimizer, train, step, grad_clip, input_ids=ids, labels=labels)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=grad_norm_tolerance(trainer.model_config))

@@ -16,6 +16,7 @@ from test_exactness import CASES, rel_err
 
 from megatrain import Trainer
 from megatrain.config import Config, ConfigError, DPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import Batch, DataSection, pack_pairs
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import SequenceObjective, Sequences
@@ -170,13 +171,13 @@ def check_dpo_steps(
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
         rows = packed(ids, labels) if pack else Batch(ids, labels)
         given = (rows.input_ids, rows.labels, rows.position_ids, rows.valid)
-        ours_reference = trainer.sequence_logps(*given, rows.sequences) if step == 0 else None
+        ours_reference = trainer.sequence_logps(StepBatch(*given, rows.sequences)) if step == 0 else None
         with torch.no_grad():
             ref_sums, lengths = (t.cpu() for t in completion_logps(frozen, ids.to(device), labels.to(device)))
         if ours_reference is not None:  # the engine's forward-only pass equals the model's at the initial weights
             assert rel_err(ours_reference.logps, ref_sums) < tolerance
         reference = Sequences(ref_sums.double(), lengths.double()) if dpo.needs_reference else None
-        metrics = trainer.train_step(*given, reference=reference, sequences=rows.sequences)
+        metrics = trainer.train_step(StepBatch(*given, extras=reference, sequences=rows.sequences))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
@@ -231,7 +232,7 @@ def test_an_objective_of_your_own_trains_as_its_formula(tmp_path):
     generator = torch.Generator().manual_seed(seed)
     for step in range(train.steps):
         ids, labels = random_pairs(2, trainer.model_config.vocab_size, generator)  # four sequences of any lengths
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
@@ -286,7 +287,7 @@ def test_dpo_on_a_mixture_of_experts_adds_its_load_balancing_loss(name, tmp_path
         ids, labels = random_pairs(train.batch_size, trainer.model_config.vocab_size, generator)
         with torch.no_grad():
             ref_sums, lengths = completion_logps(frozen, ids, labels)
-        metrics = trainer.train_step(ids, labels, reference=Sequences(ref_sums.double(), lengths.double()))
+        metrics = trainer.train_step(StepBatch(ids, labels, extras=Sequences(ref_sums.double(), lengths.double())))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()

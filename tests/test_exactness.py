@@ -16,6 +16,7 @@ from reference_model import ReferenceLM, reference_adamw
 
 from megatrain import Trainer
 from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_optim import DeviceAdamW, EmbeddingRowsFirst, Schedule, lr_at
 from megatrain_templates import compiling, set_compile
@@ -95,7 +96,7 @@ def check_steps_match_plain_pytorch(
     clipped = False
     for step in range(train.steps):
         ids, labels = random_batch(train.batch_size, 12, c.vocab_size, generator)
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         loss, norm = reference_adamw_step(reference, optimizer, lr_at(step, schedule), grad_clip, ids, labels)
         clipped |= bool(grad_clip and norm > grad_clip)
         assert abs(metrics.loss - loss.item()) <= tolerance * abs(loss.item())
@@ -202,10 +203,10 @@ def test_a_held_embedding_update_is_applied_before_anything_reads_the_weights(tm
     held, plain = Trainer(config), Trainer(config)
     plain.updates.rows_first = None
     for trainer in (held, plain):
-        trainer.train_step(ids, labels)
+        trainer.train_step(StepBatch(ids, labels))
     rows_first = held.updates.rows_first
     assert rows_first.holds(rows_first.group)
-    assert held.evaluate(ids, labels) == plain.evaluate(ids, labels)
+    assert held.evaluate(StepBatch(ids, labels)) == plain.evaluate(StepBatch(ids, labels))
     assert not rows_first.holds(rows_first.group)
     ours, theirs = held.named_weights(), plain.named_weights()
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
@@ -290,7 +291,7 @@ def test_a_larger_step_runs_in_one_sweep_where_the_store_has_a_gradient_pool(tmp
     assert trainer.planner.place(72).sweeps == 2
     for rows in (2, 6):  # the planned step, then three times as many tokens
         ids, labels = random_batch(rows, 12, trainer.model_config.vocab_size, generator)
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         for group in optimizer.param_groups:
             group["lr"] = metrics.lr
         optimizer.zero_grad()
@@ -350,7 +351,7 @@ def test_gpu_updated_layers_match_plain_pytorch(dtype, grad_clip, preset_name, e
 def test_gpu_updated_layers_evaluate_and_resume_like_host_updates(grad_clip, tmp_path):
     """Evaluation reads the device masters; the store is behind them until sync_store, and a trainer that
     restores a step takes the store's state back at its next step: losses equal a host-updated run's."""
-    from megatrain.checkpoint import load_checkpoint, save_checkpoint
+    from megatrain.checkpoint import resolve_resume, save_checkpoint
 
     generator = torch.Generator().manual_seed(3)
     batches = [random_batch(4, 12, 256, generator) for _ in range(4)]
@@ -372,19 +373,23 @@ def test_gpu_updated_layers_evaluate_and_resume_like_host_updates(grad_clip, tmp
 
     on_device, on_host = trainer(2, "device"), trainer(0, "host")
     for ids, labels in batches[:2]:
-        assert on_device.train_step(ids, labels).loss == pytest.approx(on_host.train_step(ids, labels).loss, rel=1e-12)
+        assert on_device.train_step(StepBatch(ids, labels)).loss == pytest.approx(
+            on_host.train_step(StepBatch(ids, labels)).loss, rel=1e-12
+        )
     on_device.finish_updates()
     stale = on_device.store.master(1).clone()
-    assert on_device.evaluate(*batches[2]) == pytest.approx(on_host.evaluate(*batches[2]), rel=1e-12)
+    assert on_device.evaluate(StepBatch(*batches[2])) == pytest.approx(
+        on_host.evaluate(StepBatch(*batches[2])), rel=1e-12
+    )
     assert torch.equal(on_device.store.master(1), stale)  # evaluation read the device's masters
-    saved = save_checkpoint(on_device, tmp_path / "checkpoints")
+    saved = save_checkpoint(on_device.state_dict(), tmp_path / "checkpoints")
     assert not torch.equal(on_device.store.master(1), stale)  # sync_store brought them to the store
     resumed = trainer(2, "resumed")
-    load_checkpoint(resumed, saved)
+    resumed.load_state_dict(resolve_resume(saved).state())
     for ids, labels in batches[2:]:
-        expected = on_host.train_step(ids, labels).loss
-        assert resumed.train_step(ids, labels).loss == pytest.approx(expected, rel=1e-12)
-        assert on_device.train_step(ids, labels).loss == pytest.approx(expected, rel=1e-12)
+        expected = on_host.train_step(StepBatch(ids, labels)).loss
+        assert resumed.train_step(StepBatch(ids, labels)).loss == pytest.approx(expected, rel=1e-12)
+        assert on_device.train_step(StepBatch(ids, labels)).loss == pytest.approx(expected, rel=1e-12)
     ours, theirs = resumed.named_weights(), on_host.named_weights()
     assert all(torch.allclose(ours[n], theirs[n], rtol=1e-10, atol=1e-14) for n in theirs)
     for t in (on_device, on_host, resumed):
@@ -446,7 +451,7 @@ def check_wire_copy_changes_nothing(device, output_dir):
         )
         trainer = Trainer(config)
         assert ("wire" in trainer.store.arenas) == wire_copy
-        losses = [trainer.train_step(ids, labels).loss for ids, labels in batches]
+        losses = [trainer.train_step(StepBatch(ids, labels)).loss for ids, labels in batches]
         runs.append((losses, {k: v.clone() for k, v in trainer.named_weights().items()}))
         trainer.close()
     (losses, weights), (copy_losses, copy_weights) = runs
@@ -485,7 +490,7 @@ def test_updates_still_queued_when_the_next_step_begins_keep_their_step_count(tm
     batches = [random_batch(4, 12, 256, generator) for _ in range(train.steps)]
     reference = ReferenceLM(trainer.model_config).double()
     reference.load_named({k: v.clone() for k, v in trainer.named_weights().items()})
-    losses = [trainer.train_step(ids, labels).loss for ids, labels in batches]
+    losses = [trainer.train_step(StepBatch(ids, labels)).loss for ids, labels in batches]
     optimizer = reference_adamw(reference, train)
     for (ids, labels), loss in zip(batches, losses):
         optimizer.zero_grad()

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from megatrain import Trainer
 from megatrain.cli import main
 from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import (
     ChatTemplate,
     DataError,
@@ -253,7 +254,7 @@ def check_packed_steps(pack, tmp_path, dtype, device, tolerance, engine=None):
         docs = random_documents(6, vocab, generator, (3, 9)) if pack else random_documents(4, vocab, generator)
         rows = padded_rows(to_rows(Examples([d[0] for d in docs], [d[1] for d in docs]), 16, pack, pad_id=0), 4)
         batch = TokenWindows(rows, 16, 4, False, 0).batch(0)
-        metrics = trainer.train_step(batch.input_ids, batch.labels, batch.position_ids)
+        metrics = trainer.train_step(StepBatch(batch.input_ids, batch.labels, batch.position_ids))
 
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
@@ -318,7 +319,7 @@ def test_evaluation_equals_plain_pytorch_loss(tmp_path):
         rows = to_rows(Examples([d[0] for d in docs], [d[1] for d in docs]), 16, pack, pad_id=0)
         windows = TokenWindows(Tokens(rows.tokens, rows.loss_mask, rows.position_ids), 16, 1, False, 0)
         batch = windows.rows(list(range(windows.n_windows)))  # 3 rows: micro-batches of 1, the last short
-        loss_sum, n_targets = trainer.evaluate(batch.input_ids, batch.labels, batch.position_ids)
+        loss_sum, n_targets = trainer.evaluate(StepBatch(batch.input_ids, batch.labels, batch.position_ids))
         with torch.no_grad():
             total, count = reference_loss(reference, docs)
         assert n_targets == count and loss_sum == pytest.approx(total.item(), rel=1e-12)

@@ -13,6 +13,7 @@ from test_exactness import rel_err
 
 from megatrain import Trainer
 from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_zoo.generate import Generator, Sampling
 
@@ -56,7 +57,7 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto")
         ids = torch.tensor([prompt + completion])
         labels = torch.full_like(ids, -100)
         labels[0, len(prompt) - 1 : -1] = torch.tensor(completion)
-        logps = trainer.token_logps(ids, labels)[0, len(prompt) - 1 : -1]
+        logps = trainer.token_logps(StepBatch(ids, labels))[0, len(prompt) - 1 : -1]
         scores = torch.stack(out.logits)[: len(completion), 0].cpu().log_softmax(-1)
         assert rel_err(logps, scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)) < 1e-5
 

@@ -15,6 +15,7 @@ from hf_steps import random_batch, reference_step, rel_err
 from megatrain import Trainer
 from megatrain.cli import main
 from megatrain.config import Config, ConfigError, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_zoo import GenericError, ZooError, model_config_from_hf
 
@@ -173,7 +174,7 @@ def check_trains_like_transformers(
     noise_only = {}  # name -> elements whose gradient is zero in exact arithmetic (fp32 noise, AdamW scales it)
     for step in range(train.steps):
         ids, labels = random_batch(train.batch_size, 12, 256, generator)
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         _, loss, norm = reference_step(reference, optimizer, train, step, grad_clip, input_ids=ids, labels=labels)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5), step
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4), step
@@ -248,7 +249,7 @@ def test_a_native_family_through_transformers_equals_its_template(tmp_path):
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids, labels = random_batch(6, 12, 256, generator)
-        ours, theirs = generic.train_step(ids, labels), native.train_step(ids, labels)
+        ours, theirs = generic.train_step(StepBatch(ids, labels)), native.train_step(StepBatch(ids, labels))
         assert ours.loss == pytest.approx(theirs.loss, rel=1e-5)
         assert ours.grad_norm == pytest.approx(theirs.grad_norm, rel=1e-5)
     ids = torch.randint(0, 256, (2, 12), generator=generator)
@@ -285,7 +286,7 @@ def test_packed_documents_train_as_rows_of_their_own(model_type, tmp_path):
     ids, labels = random_batch(6, 12, 256, generator)
     labels[:, 4] = -100  # (the first document's last token has no target in the second)
     positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(6, 12)
-    metrics = trainer.train_step(ids, labels, position_ids=positions)
+    metrics = trainer.train_step(StepBatch(ids, labels, position_ids=positions))
     trainer.close()
     loss = 0.0
     for part in (slice(0, 5), slice(5, 12)):
@@ -308,7 +309,7 @@ def test_packing_is_refused_where_layers_carry_state(model_type, tmp_path):
     assert not trainer.model_config.packs_documents
     ids, labels = random_batch(2, 12, 256, torch.Generator().manual_seed(0))
     with pytest.raises(GenericError, match="carries state along a row"):
-        trainer.train_step(ids, labels, position_ids=torch.arange(12).expand(2, 12))
+        trainer.train_step(StepBatch(ids, labels, position_ids=torch.arange(12).expand(2, 12)))
     trainer.close()
     config = trainer.config
     with pytest.raises(ConfigError, match="layers carry state along a row"):

@@ -13,6 +13,7 @@ from test_exactness import (
 
 import megatrain_sched.pipeline
 from megatrain.config import EngineSection
+from megatrain.step import StepBatch
 from megatrain.trainer import Trainer
 from megatrain_templates import set_compile
 from megatrain_zoo import preset
@@ -123,7 +124,7 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
         if not rows_first:
             trainer.updates.rows_first = None
         generator = torch.Generator().manual_seed(5)
-        losses.append([trainer.train_step(*random_batch(2, 16, 256, generator)).loss for _ in range(5)])
+        losses.append([trainer.train_step(StepBatch(*random_batch(2, 16, 256, generator))).loss for _ in range(5)])
         trainer.close()
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0)
 
@@ -200,7 +201,7 @@ def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
-            trainer.train_step(*random_batch(4, 64, vocab, generator))
+            trainer.train_step(StepBatch(*random_batch(4, 64, vocab, generator)))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     trainer.close()
 
@@ -245,7 +246,7 @@ def test_gpu_the_planned_placement_runs_as_planned(tokens, tmp_path):
         assert 0 < trainer.plan.kept_layers <= n_layers
     ids = torch.randint(0, trainer.model_config.vocab_size, (tokens // 4096, 4096))
     for _ in range(2):
-        trainer.train_step(ids, torch.roll(ids, -1, 1))
+        trainer.train_step(StepBatch(ids, torch.roll(ids, -1, 1)))
     assert trainer.pipeline.fallback is None and trainer.pipeline.device_headroom >= 0
     assert trainer.pipeline.executed == trainer.placement
     trainer.close()

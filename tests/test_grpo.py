@@ -16,6 +16,7 @@ from test_exactness import CASES, rel_err
 
 from megatrain import Trainer
 from megatrain.config import Config, GRPOSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import Rollout, group_advantages
@@ -169,11 +170,11 @@ def check_grpo_steps(
             # the sampling policy's: the current weights a little off (as after an earlier update of the rollout)
             old = token_logps(model, ids, labels) + 0.05 * torch.randn(ids.shape, generator=generator).to(device) * mask
         entropy = mean_entropy(model, ids, labels)  # (of the weights the step starts from)
-        ours_ref = trainer.token_logps(ids.cpu(), labels.cpu(), reference=True) if grpo.beta else None
+        ours_ref = trainer.token_logps(StepBatch(ids.cpu(), labels.cpu()), reference=True) if grpo.beta else None
         if grpo.beta:  # (after a step, the current weights' would differ)
             assert rel_err(ours_ref, ref.cpu()) < tolerance
         rollout = Rollout(advantages, old.cpu() if with_old else None, ours_ref)
-        metrics = trainer.train_step(ids.cpu(), labels.cpu(), rollout=rollout)
+        metrics = trainer.train_step(StepBatch(ids.cpu(), labels.cpu(), extras=rollout))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()

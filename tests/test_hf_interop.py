@@ -99,7 +99,7 @@ def test_convert_checkpoint_to_transformers(tmp_path):
 
     trainer = make_trainer(tmp_path, preset="tiny-qwen2")
     randomize(trainer)
-    checkpoint = save_checkpoint(trainer, tmp_path / "checkpoints")
+    checkpoint = save_checkpoint(trainer.state_dict(), tmp_path / "checkpoints")
     assert main(["convert", str(checkpoint), str(tmp_path / "converted"), "--dtype", "float32"]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float32).eval()
     ids = torch.randint(0, trainer.model_config.vocab_size, (2, 16))

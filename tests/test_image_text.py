@@ -17,6 +17,7 @@ from test_generic import adamw_decaying_matrices
 
 from megatrain import Trainer
 from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import Media
@@ -393,7 +394,7 @@ def check_steps(family, grad_clip, tmp_path, device, frozen, engine, exact) -> N
     noise_only = {}  # name -> elements whose gradient is zero in exact arithmetic (fp32 noise, AdamW scales it)
     for step in range(train.steps):
         ids, labels, media = rows_of(family, train.batch_size, generator)
-        metrics = trainer.train_step(ids, labels, media=media)
+        metrics = trainer.train_step(StepBatch(ids, labels, media=media))
         loss, norm = reference_step(reference, optimizer, train, step, grad_clip, ids, labels, media)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5), step
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4), step
@@ -441,22 +442,24 @@ def test_the_plan_counts_frozen_parts_as_weights_only(tmp_path):
 def test_a_resumed_run_with_a_frozen_tower_equals_one_run(tmp_path):
     """Checkpoints of an image-text model (a frozen tower's weights, no optimizer state for it) resume bit-exactly:
     two steps, a checkpoint, two more in a new trainer equal four steps in one."""
-    from megatrain.checkpoint import load_checkpoint, save_checkpoint
+    from megatrain.checkpoint import resolve_resume, save_checkpoint
 
     image_text_model({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, 1).save_pretrained(tmp_path / "hf")
     generator = torch.Generator().manual_seed(1)
     batches = [rows_of("qwen2_5_vl", 6, generator) for _ in range(4)]
     frozen = ("vision_tower",)
     whole = trainer_of(tmp_path / "hf", tmp_path / "whole", 0.5, steps=4, frozen=frozen)
-    losses = [whole.train_step(ids, labels, media=media).loss for ids, labels, media in batches]
+    losses = [whole.train_step(StepBatch(ids, labels, media=media)).loss for ids, labels, media in batches]
     first = trainer_of(tmp_path / "hf", tmp_path / "first", 0.5, steps=4, frozen=frozen)
     for ids, labels, media in batches[:2]:
-        first.train_step(ids, labels, media=media)
-    saved = save_checkpoint(first, tmp_path / "checkpoints")
+        first.train_step(StepBatch(ids, labels, media=media))
+    saved = save_checkpoint(first.state_dict(), tmp_path / "checkpoints")
     first.close()
     resumed = trainer_of(tmp_path / "hf", tmp_path / "resumed", 0.5, steps=4, frozen=frozen)
-    load_checkpoint(resumed, saved)
-    assert [resumed.train_step(ids, labels, media=media).loss for ids, labels, media in batches[2:]] == losses[2:]
+    resumed.load_state_dict(resolve_resume(saved).state())
+    assert [
+        resumed.train_step(StepBatch(ids, labels, media=media)).loss for ids, labels, media in batches[2:]
+    ] == losses[2:]
     ours, theirs = resumed.named_weights(), whole.named_weights()
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
     whole.close()

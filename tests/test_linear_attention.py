@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from test_dense_families import hf_dense_model
 
 from megatrain.config import EngineSection
+from megatrain.step import StepBatch
 from megatrain_zoo import ZooError, config_from_hf, config_to_hf, preset
 
 LINEAR_PRESETS = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"]
@@ -53,7 +54,7 @@ def test_rows_of_several_chunks_match_transformers(name, kernel, tmp_path):
     with stepping:
         with torch.no_grad():
             assert rel_err(trainer.logits(ids), reference.eval()(ids).logits) < 1e-5
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         optimizer = hf_adamw(reference.train(), train)
         _, loss, norm = reference_step(reference, optimizer, train, 0, 0.5, input_ids=ids, labels=labels)
     assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
@@ -86,7 +87,7 @@ def test_layers_keeping_their_recurrence_results_step_as_recomputing_ones(name, 
             precision="float64",
         )
         generator = torch.Generator().manual_seed(seed)
-        runs.append([trainer.train_step(*random_batch(2, 150, 256, generator)) for _ in range(3)])
+        runs.append([trainer.train_step(StepBatch(*random_batch(2, 150, 256, generator))) for _ in range(3)])
         linear_stages = {trainer.spec.layer_stage(i) for i in trainer.model_config.linear_attention_layers}
         assert set(trainer.pipeline.extras) == (set(trainer.pipeline.executed.kept) & linear_stages if kept else set())
         assert trainer.pipeline.extras or not kept

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from megatrain import Trainer
 from megatrain.config import Config, ConfigError, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_store import StoreError
 from megatrain_zoo import config_to_hf, preset
@@ -344,7 +345,7 @@ def check_steps(name, aux, tmp_path, device, engine, bias_rate, seq_coef, z_coef
 
     for step in range(train.steps):
         ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         extra = router_losses if seq_coef or z_coef else None
         out, loss, norm = reference_step(
             reference, optimizer, train, step, grad_clip, extra, input_ids=ids, labels=labels
@@ -506,7 +507,7 @@ def test_aux_loss_gradient_matches_transformers_across_micro_batches(tmp_path):
     runs = []
     for micro in (6, 2):
         trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1, micro_batch_size=micro)
-        runs.append(trainer.train_step(ids, labels))
+        runs.append(trainer.train_step(StepBatch(ids, labels)))
         trainer.close()
         assert runs[-1].loss == pytest.approx(out.loss.item(), rel=1e-5)
         assert runs[-1].grad_norm == pytest.approx(norm, rel=1e-5)
@@ -528,7 +529,7 @@ def test_gpt_oss_routers_of_experts_no_token_picks_stay_as_transformers_leaves_t
     for step in range(train.steps):
         ids = torch.randint(0, trainer.model_config.vocab_size, (1, 3), generator=generator)
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         _, loss, _ = reference_step(reference, optimizer, train, step, 0.0, input_ids=ids, labels=labels)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
     ours = trainer.named_weights()
@@ -771,7 +772,7 @@ def test_padding_is_left_out_of_the_load_balancing_loss_as_transformers_does(tmp
         valid = torch.arange(12).unsqueeze(0) < lengths
         ids, labels = ids.masked_fill(~valid, 0), labels.masked_fill(~valid, -100)
         labels[:, :-1] = labels[:, :-1].masked_fill(~valid[:, 1:], -100)  # no target is a padding token
-        metrics = trainer.train_step(ids, labels, None, valid)
+        metrics = trainer.train_step(StepBatch(ids, labels, None, valid))
         out, _, norm = reference_step(
             reference, optimizer, train, step, 0.5, input_ids=ids, attention_mask=valid.long(), labels=labels
         )
@@ -789,7 +790,7 @@ def test_checkpoints_resume_whatever_the_experts_parts(name, saved, resumed, tmp
     split-precision bias summed), so a run saved with its experts in parts resumes with whole layers or
     other parts: the same loss and weights to fp32 rounding (the parts sum the experts' outputs and the
     clipping norm the groups' squared norms in another order). DeepSeek-V3's biases move by load on both sides."""
-    from megatrain.checkpoint import load_checkpoint, save_checkpoint
+    from megatrain.checkpoint import resolve_resume, save_checkpoint
 
     reference = hf_model(name, True, 7)
     reference.save_pretrained(tmp_path / "hf")
@@ -800,16 +801,16 @@ def test_checkpoints_resume_whatever_the_experts_parts(name, saved, resumed, tmp
         tmp_path / "hf", tmp_path, 0.5, 3, engine=EngineSection(experts_per_stage=saved), router_bias_update_rate=rate
     )
     for ids, labels in batches[:2]:
-        first.train_step(ids, labels)
-    checkpoint = save_checkpoint(first, tmp_path / "checkpoints")
-    expected = first.train_step(*batches[2]).loss
+        first.train_step(StepBatch(ids, labels))
+    checkpoint = save_checkpoint(first.state_dict(), tmp_path / "checkpoints")
+    expected = first.train_step(StepBatch(*batches[2])).loss
     want = first.named_weights()
     first.close()
     second, _ = make_trainer(
         tmp_path / "hf", tmp_path, 0.5, 3, engine=EngineSection(experts_per_stage=resumed), router_bias_update_rate=rate
     )
-    load_checkpoint(second, checkpoint)
-    assert second.train_step(*batches[2]).loss == pytest.approx(expected, rel=1e-6)
+    second.load_state_dict(resolve_resume(checkpoint).state())
+    assert second.train_step(StepBatch(*batches[2])).loss == pytest.approx(expected, rel=1e-6)
     got = second.named_weights()
     assert got.keys() == want.keys()
     for name in want:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import megatrain.checkpoint as checkpoint_module
 from megatrain import Trainer
-from megatrain.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from megatrain.checkpoint import find_checkpoint, resolve_resume, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain.rundir import SaveError
@@ -121,7 +121,7 @@ def make_trainer(write_config, tmp_path, **train):
 
 def test_crash_during_save_leaves_previous_checkpoint(write_config, tmp_path, monkeypatch):
     trainer = make_trainer(write_config, tmp_path)
-    first = save_checkpoint(trainer, tmp_path / "ck")
+    first = save_checkpoint(trainer.state_dict(), tmp_path / "ck")
     trainer.step_index = 7
     real_write = checkpoint_module.write_safetensors
 
@@ -132,39 +132,39 @@ def test_crash_during_save_leaves_previous_checkpoint(write_config, tmp_path, mo
 
     monkeypatch.setattr(checkpoint_module, "write_safetensors", dies_on_optimizer)
     with pytest.raises(SaveError, match="step-00000007 could not be written: disk full"):
-        save_checkpoint(trainer, tmp_path / "ck")
+        save_checkpoint(trainer.state_dict(), tmp_path / "ck")
     assert find_checkpoint(tmp_path / "ck") == first  # the half-written one is invisible
     assert not (tmp_path / "ck" / "step-00000007").exists()
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [first.name]  # and gone
-    load_checkpoint(trainer, tmp_path / "ck")
+    trainer.load_state_dict(resolve_resume(tmp_path / "ck").state())
     assert trainer.step_index == 0
 
 
 def test_damaged_checkpoints_are_refused(write_config, tmp_path):
     trainer = make_trainer(write_config, tmp_path)
-    path = save_checkpoint(trainer, tmp_path / "ck")
+    path = save_checkpoint(trainer.state_dict(), tmp_path / "ck")
     model_file = path / "model.safetensors"
     original = model_file.read_bytes()
     data = bytearray(original)
     data[len(data) // 2] ^= 0xFF
     model_file.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="model.safetensors fails its CRC32 check"):
-        load_checkpoint(trainer, path)
+        trainer.load_state_dict(resolve_resume(path).state())
     model_file.write_bytes(bytes(data[:-100]))
     with pytest.raises(StoreError, match="model.safetensors has .* bytes.*truncated"):
-        load_checkpoint(trainer, path)
+        trainer.load_state_dict(resolve_resume(path).state())
     model_file.write_bytes(original)
-    load_checkpoint(trainer, path)  # intact again: loads
+    trainer.load_state_dict(resolve_resume(path).state())  # intact again: loads
     (path / "optimizer.safetensors").unlink()
     with pytest.raises(StoreError, match="optimizer.safetensors is missing"):
-        load_checkpoint(trainer, path)
+        trainer.load_state_dict(resolve_resume(path).state())
 
 
 def test_checkpoint_of_another_model_is_refused(write_config, tmp_path):
-    path = save_checkpoint(make_trainer(write_config, tmp_path), tmp_path / "ck")
+    path = save_checkpoint(make_trainer(write_config, tmp_path).state_dict(), tmp_path / "ck")
     other = Trainer(load_config(write_config(model={"preset": "tiny-qwen3"}, output_dir=str(tmp_path / "o"))))
     with pytest.raises(ConfigError, match="different model"):
-        load_checkpoint(other, path)
+        other.load_state_dict(resolve_resume(path).state())
     with pytest.raises(ConfigError, match="no checkpoint at .*nowhere: it does not exist"):
         find_checkpoint(tmp_path / "nowhere")
 
@@ -173,17 +173,18 @@ def test_checkpoint_of_an_older_megatrain_resumes_and_of_a_newer_one_is_refused(
     """A model field added since a checkpoint was written takes its default (what every model had then);
     a field this version does not know names the fix."""
     trainer = make_trainer(write_config, tmp_path)
-    path = save_checkpoint(trainer, tmp_path / "ck")
+    path = save_checkpoint(trainer.state_dict(), tmp_path / "ck")
     manifest_path = path / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     for added in ("rope_interleave", "router_scoring", "partial_rotary_factor"):  # fields added in session 15
         del manifest["model"][added]
     manifest_path.write_text(json.dumps(manifest))
-    assert load_checkpoint(trainer, path)["step"] == manifest["step"]
+    trainer.load_state_dict(resolve_resume(path).state())
+    assert trainer.step_index == manifest["step"]
     manifest["model"]["a_field_from_the_future"] = 1
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"newer megatrain .*a_field_from_the_future"):
-        load_checkpoint(trainer, path)
+        trainer.load_state_dict(resolve_resume(path).state())
     trainer.close()
 
 
@@ -191,7 +192,7 @@ def test_keep_last(write_config, tmp_path):
     trainer = make_trainer(write_config, tmp_path)
     for step in range(1, 5):
         trainer.step_index = step
-        save_checkpoint(trainer, tmp_path / "ck", keep_last=2)
+        save_checkpoint(trainer.state_dict(), tmp_path / "ck", keep_last=2)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-00000003", "step-00000004"]
     assert os.path.exists(tmp_path / "ck" / "step-00000004" / "manifest.json")
 
@@ -325,21 +326,21 @@ def test_a_nearly_full_disk_saves_after_removing_what_the_save_lets_go(write_con
     after, so no save could ever succeed again). keep_last: 1 with room for 1.5: refused before writing,
     saying how much is needed, the newest kept."""
     trainer = make_trainer(write_config, tmp_path)
-    first = save_checkpoint(trainer, tmp_path / "probe")
+    first = save_checkpoint(trainer.state_dict(), tmp_path / "probe")
     size = sum(f.stat().st_size for f in first.iterdir())
     root = tmp_path / "ck"
     small_disk(monkeypatch, root, int(2.5 * size))
     for step in (1, 2, 3):
         trainer.step_index = step
-        save_checkpoint(trainer, root, keep_last=2)
+        save_checkpoint(trainer.state_dict(), root, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003"]
 
     root = tmp_path / "ck1"
     small_disk(monkeypatch, root, int(1.5 * size))
-    save_checkpoint(trainer, root, keep_last=1)
+    save_checkpoint(trainer.state_dict(), root, keep_last=1)
     trainer.step_index = 4
     with pytest.raises(SaveError, match=r"step-00000004 needs .* MiB in .*, whose disk has .* MiB free \(the newest"):
-        save_checkpoint(trainer, root, keep_last=1)
+        save_checkpoint(trainer.state_dict(), root, keep_last=1)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
     trainer.close()
 
@@ -418,7 +419,7 @@ def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp
 
 
 def test_an_export_of_non_finite_weights_is_refused_naming_the_group(write_config, tmp_path):
-    from megatrain.trainer import NonFiniteError
+    from megatrain.checkpoint import NonFiniteError
 
     trainer = make_trainer(write_config, tmp_path)
     trainer.store.master(1)[3] = float("nan")

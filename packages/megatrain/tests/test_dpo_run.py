@@ -14,6 +14,7 @@ import yaml
 
 from megatrain.cli import main
 from megatrain.config import load_config
+from megatrain.step import StepBatch
 from megatrain.trainer import Trainer
 from megatrain_data import PairWindows, builtin_corpus, load_token_data, train_tokenizer
 
@@ -97,7 +98,7 @@ def test_a_dpo_run_logs_trls_metrics_caches_its_reference_and_resumes_exactly(dp
     fresh = Trainer(config, training=False)
     data = load_token_data(config.data, 256, run / "cache", None, max_prompt_length=config.train.dpo.max_prompt_length)
     batch = PairWindows(data.train, 1, shuffle=False, seed=0).pair_rows(list(range(18)))
-    assert np.allclose(fresh.sequence_logps(batch.input_ids, batch.labels).logps.numpy(), cached, rtol=1e-12)
+    assert np.allclose(fresh.sequence_logps(StepBatch(batch.input_ids, batch.labels)).logps.numpy(), cached, rtol=1e-12)
     fresh.close()
 
     # resumed from step 2: the same steps, bit for bit, and no second reference pass

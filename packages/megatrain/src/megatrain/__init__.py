@@ -11,8 +11,8 @@ _PUBLIC = {
     "Config": "config",
     "ConfigError": "config",
     "load_config": "config",
-    "export_hf": "export",
-    "NonFiniteError": "trainer",
+    "NonFiniteError": "checkpoint",
+    "StepBatch": "step",
     "StepMetrics": "trainer",
     "Trainer": "trainer",
 }

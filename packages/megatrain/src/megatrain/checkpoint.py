@@ -7,6 +7,9 @@ written under a temporary name, every file fsynced, then renamed into place, so 
 crash at any instant leaves the previous checkpoints intact and never a partial one
 that looks complete. The data position and learning rate are functions of the step, so
 the step restores them; resuming gives the same losses as a run that never stopped.
+
+`save_checkpoint` writes a `TrainerState` (`Trainer.state_dict`); `resolve_resume` finds and verifies the
+checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer.load_state_dict` reads.
 """
 
 import errno
@@ -15,12 +18,13 @@ import os
 import shutil
 import sys
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, write_safetensors
 from megatrain_store.progress import counting, progress, size_text
 from megatrain_zoo import ModelConfig
-from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, load_groups
+from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory
 
 from .config import ConfigError
 from .rundir import SaveError, free_bytes
@@ -31,6 +35,59 @@ CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
 FINAL = "final"  # a run directory's exported model (weights alone)
 # in final/: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
 TRAINER_STATE = "trainer_state.json"
+WEIGHTS_FILE = "model.safetensors"  # a checkpoint's fp32 master weights, by Hugging Face name
+OPTIMIZER_FILE = "optimizer.safetensors"  # its optimizer state, each tensor as `STATE.name`
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite losses or gradients several steps in a row, or a state to save holds them."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What continues a run exactly (`Trainer.state_dict` / `load_state_dict`): its counters, the model and config
+    it is of, and its tensors by file: to save, (tensor name, Pending) entries in file order (the masters by Hugging
+    Face name, each optimizer state as `STATE.name`, then what a run's step needs beside them, such as GRPO's rollout
+    in use), loaded as they are written; read from a checkpoint, the files that hold them."""
+
+    step: int
+    optimizer_step: int
+    bad_steps: int
+    model: dict  # ModelConfig.as_dict()
+    config: dict | None = None  # Config.as_dict(): the run's, to resume it with
+    tensors: dict[str, list] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
+    source: Path | None = None  # the checkpoint it was read from
+    writes: bool = True  # this process writes it (with several ranks, rank 0)
+    sends_part: bool = False  # this process sends its host's part to the writer (where hosts split the state)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run continues from, found and its manifest read and verified once (`resolve_resume`)."""
+
+    directory: Path
+    manifest: dict
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    def state(self) -> TrainerState:
+        """The state the checkpoint holds, its tensors as the files that hold them."""
+        manifest = self.manifest
+        files = {name: self.directory / name for name in (WEIGHTS_FILE, OPTIMIZER_FILE)}
+        return TrainerState(
+            manifest["step"], manifest["optimizer_step"], manifest["bad_steps"], manifest["model"],
+            manifest["config"], files=files, source=self.directory,
+        )  # fmt: skip
+
+
+def resolve_resume(path: Path) -> Resume:
+    """The checkpoint `--resume PATH` names (`find_checkpoint`), its files checked against its manifest; refused in
+    one line where there is none or it is damaged."""
+    directory = find_checkpoint(path)
+    return Resume(directory, verify_checkpoint(directory))
 
 
 def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
@@ -39,18 +96,6 @@ def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
         while block := handle.read(chunk):
             crc = zlib.crc32(block, crc)
     return crc
-
-
-def checkpoint_entries(trainer) -> dict[str, list]:
-    """File name -> (tensor name, Pending) in file order: the masters by Hugging Face name, then each
-    optimizer state as `STATE.name`; gathered a group at a time where hosts split the state; then the trainer's
-    `extra_state` files (what a run's step needs beside the weights, such as GRPO's rollout in use)."""
-    whole = trainer.whole_groups()
-    optimizer = [entry for state in trainer.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")]
-    files = {"model.safetensors": whole.entries("master"), "optimizer.safetensors": optimizer}
-    for filename, tensors in trainer.extra_state.items():  # (GRPO's rollout in use)
-        files[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in tensors.items()]
-    return files
 
 
 def entries_bytes(entries: list) -> int:
@@ -105,8 +150,8 @@ def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
     return removed
 
 
-def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
-    """Write a checkpoint of `trainer` at its current step under `root`; keep the newest `keep_last`.
+def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path:
+    """Write a checkpoint of `state` (`Trainer.state_dict`) under `root`; keep the newest `keep_last`.
     With several ranks only rank 0 writes (its host's store holds every rank's updates; where hosts
     split the state, the other hosts' first ranks send it their parts group by group).
 
@@ -114,22 +159,20 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     checkpoints it replaces are removed); a write that fails (the disk filled meanwhile) leaves the previous
     checkpoints as they were and raises `SaveError`; a state holding NaN or Inf is never saved (`NonFiniteError`,
     naming the tensor)."""
-    trainer.sync_store()
     root = Path(root)
-    files = checkpoint_entries(trainer)
-    if not trainer.is_main:
-        if trainer.store_is_split and trainer.ranks.is_local_main:
-            for entries in files.values():
+    final = root / f"step-{state.step:08d}"
+    if not state.writes:
+        if state.sends_part:
+            for entries in state.tensors.values():
                 WholeGroups.replay(entries)
-        return root / f"step-{trainer.step_index:08d}"
+        return final
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{trainer.step_index:08d}"
     for stale in root.glob(".step-*.partial"):  # left by a save that was killed (the run lock keeps other runs out)
         shutil.rmtree(stale, ignore_errors=True)
-    make_room(root, sum(entries_bytes(entries) for entries in files.values()), keep_last, final.name)
+    make_room(root, sum(entries_bytes(entries) for entries in state.tensors.values()), keep_last, final.name)
     tmp = root / f".{final.name}.partial"
     try:
-        _write_checkpoint(trainer, tmp, files, final.name)
+        _write_checkpoint(state, tmp, final.name)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
         full = " (the disk is full)" if error.errno == errno.ENOSPC else ""
@@ -146,31 +189,29 @@ def save_checkpoint(trainer, root: Path, keep_last: int = 2) -> Path:
     return final
 
 
-def _write_checkpoint(trainer, tmp: Path, files: dict[str, list], name: str) -> None:
+def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
     """The files and manifest of checkpoint `name` in `tmp`, fsynced; refused (`NonFiniteError`) if any tensor holds
     NaN or Inf."""
-    from .trainer import NonFiniteError
-
     tmp.mkdir()
     manifest = {
         "format": FORMAT,
-        "step": trainer.step_index,
-        "optimizer_step": trainer.optimizer.step_count,
-        "bad_steps": trainer.bad_steps,
-        "n_params": trainer.model_config.n_params,
-        "model": trainer.model_config.as_dict(),
-        "config": trainer.config.as_dict(),
+        "step": state.step,
+        "optimizer_step": state.optimizer_step,
+        "bad_steps": state.bad_steps,
+        "n_params": ModelConfig(**state.model).n_params,
+        "model": state.model,
+        "config": state.config,
         "files": {},
     }
     offenders: list[str] = []
-    bar = progress(total=sum(map(len, files.values())), desc=f"save {name}", unit="tensor", leave=False)
-    for filename, tensors in files.items():
+    bar = progress(total=sum(map(len, state.tensors.values())), desc=f"save {name}", unit="tensor", leave=False)
+    for filename, tensors in state.tensors.items():
         write_safetensors(tmp / filename, counting(finite_checked(tensors, offenders), bar))
         manifest["files"][filename] = {"bytes": (tmp / filename).stat().st_size, "crc32": file_crc32(tmp / filename)}
     bar.close()
     if offenders:
         raise NonFiniteError(
-            f"the state at step {trainer.step_index} holds NaN or Inf ({len(offenders)} tensors: {offenders[0]}, ...); "
+            f"the state at step {state.step} holds NaN or Inf ({len(offenders)} tensors: {offenders[0]}, ...); "
             "no checkpoint was written, the earlier ones are as they were"
         )
     atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2))
@@ -302,12 +343,13 @@ def write_trainer_state(final: Path, step: int, steps: int) -> None:
     atomic_write_text(final / TRAINER_STATE, json.dumps({"global_step": step, "max_steps": steps}, indent=2))
 
 
-def run_config(weights: Path) -> dict | None:
+def run_config(weights: Path, manifest: dict | None = None) -> dict | None:
     """The training config (as `Config.as_dict`) of the run `weights` come from, its output_dir set to where
-    the run directory is now: a checkpoint's manifest, or a run's config.json beside final/; None: unknown."""
+    the run directory is now: a checkpoint's manifest (`manifest`, where it has been read), or a run's config.json
+    beside final/; None: unknown."""
     weights = Path(weights)
-    if (weights / MANIFEST).exists():
-        values = json.loads((weights / MANIFEST).read_text())["config"]
+    if manifest is not None or (weights / MANIFEST).exists():
+        values = dict((manifest or json.loads((weights / MANIFEST).read_text()))["config"])
         run = weights.parent.parent if weights.parent.name == CHECKPOINTS else None
     else:
         run = weights.parent if weights.name == FINAL else None
@@ -359,23 +401,4 @@ def verify_checkpoint(directory: Path) -> dict:
             )
         if file_crc32(path) != expected["crc32"]:
             raise StoreError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
-    return manifest
-
-
-def load_checkpoint(trainer, directory: Path) -> dict:
-    """Restore weights, moments (when the trainer holds them) and step from a verified checkpoint into `trainer`."""
-    directory = find_checkpoint(directory)
-    manifest = verify_checkpoint(directory)
-    check_same_model(directory, manifest["model"], trainer.model_config)
-    trainer.finish_updates()
-    if trainer.ranks is None or trainer.ranks.is_local_main:  # one copy of the state (or of its part) per host
-        load_groups(trainer.store, [directory / "model.safetensors"])
-        for state in trainer.store.state_names:  # a trainer made for evaluation holds none
-            load_groups(trainer.store, [directory / "optimizer.safetensors"], f"state.{state}", f"{state}.")
-    if trainer.sync is not None:
-        trainer.sync.barrier()
-    trainer.restore_step(manifest["step"])
-    if trainer.optimizer is not None:
-        trainer.optimizer.step_count = manifest["optimizer_step"]
-    trainer.bad_steps = manifest["bad_steps"]
     return manifest

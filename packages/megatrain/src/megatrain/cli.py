@@ -28,11 +28,11 @@ def _error_types() -> dict:
     from megatrain_store import StoreError
     from megatrain_zoo import ZooError
 
+    from .checkpoint import NonFiniteError
     from .config import ConfigError
     from .distributed import RankError
     from .rewards import RewardError
     from .rundir import SaveError
-    from .trainer import NonFiniteError
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
     # (data that cannot be read, a model that cannot be read, a preset misspelled: the user's input, as the config is)
@@ -94,6 +94,7 @@ def run_bench(config, steps: int) -> None:
 
     import torch
 
+    from .step import StepBatch
     from .trainer import Trainer
 
     trainer = Trainer(config)
@@ -104,7 +105,7 @@ def run_bench(config, steps: int) -> None:
         labels = torch.roll(ids, -1, 1)
         labels[:, -1] = -100
         start = time.perf_counter()
-        metrics = trainer.train_step(ids, labels)
+        metrics = trainer.train_step(StepBatch(ids, labels))
         trainer.finish_updates()
         if step:  # the first step warms up
             rows.append((time.perf_counter() - start, metrics))
@@ -281,23 +282,23 @@ def _at_least(value, lowest, option: str) -> None:
 
 def run_train(args) -> None:
     """`megatrain train`; with --resume, in the checkpoint's own run directory with its run's config."""
-    from .checkpoint import find_checkpoint, run_config
+    from .checkpoint import resolve_resume, run_config
     from .config import config_changes
     from .loop import train
 
-    checkpoint = base = None
+    resume = base = None
     if args.resume:
-        checkpoint = find_checkpoint(Path(args.resume))  # (refused before any data or model is loaded)
-        base = run_config(checkpoint)
+        resume = resolve_resume(Path(args.resume))  # (refused before any data or model is loaded)
+        base = run_config(resume.directory, resume.manifest)
     config = _config(args, base)
-    if checkpoint is not None and os.environ.get("RANK", "0") == "0":
+    if resume is not None and os.environ.get("RANK", "0") == "0":
         changes = config_changes(base, config)
         print(
-            f"megatrain: resuming in {config.output_dir} with the config of {checkpoint}"
+            f"megatrain: resuming in {config.output_dir} with the config of {resume.directory}"
             f"{'; changed: ' + ', '.join(changes) if changes else ''}",
             file=sys.stderr,
         )
-    train(config, checkpoint)
+    train(config, resume)
 
 
 def run_convert(args) -> None:
@@ -407,16 +408,16 @@ def trainer_for_weights(config, weights: Path):
 
     from megatrain_zoo import ModelConfig
 
-    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
+    from .checkpoint import MANIFEST, resolve_resume
     from .config import ModelSection
     from .trainer import Trainer
 
     if not (weights / MANIFEST).exists():
         return Trainer(replace(config, model=ModelSection(hf_dir=str(weights))), training=False), str(weights)
-    manifest = verify_checkpoint(weights)
-    trainer = Trainer(config, ModelConfig(**manifest["model"]), training=False)
-    load_checkpoint(trainer, weights)
-    return trainer, f"{weights} (step {manifest['step']})"
+    resume = resolve_resume(weights)
+    trainer = Trainer(config, ModelConfig(**resume.manifest["model"]), training=False)
+    trainer.load_state_dict(resume.state())
+    return trainer, f"{weights} (step {resume.step})"
 
 
 def run_generate(config, args) -> None:
@@ -473,7 +474,7 @@ def run_pair_eval(config, args) -> None:
     then takes the weights evaluated."""
     import json
 
-    from .checkpoint import MANIFEST, load_checkpoint, verify_checkpoint
+    from .checkpoint import MANIFEST, resolve_resume
     from .loop import evaluate_pairs, load_data
     from .reference import reference_scores
     from .trainer import Trainer
@@ -487,8 +488,9 @@ def run_pair_eval(config, args) -> None:
             reference = reference_scores(trainer, rows, Path(config.output_dir) / "cache", split)
         source = args.weights
         if (source / MANIFEST).exists():
-            what = f"{source} (step {verify_checkpoint(source)['step']})"
-            load_checkpoint(trainer, source)
+            resume = resolve_resume(source)
+            what = f"{source} (step {resume.step})"
+            trainer.load_state_dict(resume.state())
         else:
             what = str(source)
             trainer.load_weights(source)

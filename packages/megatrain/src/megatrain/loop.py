@@ -28,13 +28,12 @@ from megatrain_zoo.hf_weights import checkpoint_files
 from .checkpoint import (
     CHECKPOINTS,
     FINAL,
-    MANIFEST,
+    NonFiniteError,
+    Resume,
     check_output_dir_free,
     check_same_model,
     check_steps_ahead,
     exported_step,
-    find_checkpoint,
-    load_checkpoint,
     save_checkpoint,
     step_of,
     write_trainer_state,
@@ -46,8 +45,9 @@ from .reference import PASS_STEPS, check_reference_model, reference_scores, step
 from .rewards import RewardError
 from .rollouts import tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir
+from .step import StepBatch
 from .trackers import check_trackers, open_trackers
-from .trainer import NonFiniteError, Trainer
+from .trainer import Trainer
 
 
 class RunInterrupted(Exception):
@@ -187,9 +187,7 @@ def evaluate_pairs(trainer: Trainer, pairs: PairWindows, reference: np.ndarray |
     sums = []
     bar = progress(total=pairs.n_pairs, desc="eval", unit="pair", leave=leave, disable=not trainer.is_main)
     for batch in pairs.in_order(PASS_STEPS * trainer.config.train.batch_size):
-        sums.append(
-            trainer.sequence_logps(batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences)
-        )
+        sums.append(trainer.sequence_logps(StepBatch.of(batch)))
         bar.update(len(sums[-1].logps) // 2)
     bar.close()
     policy = Sequences(torch.cat([s.logps for s in sums]), torch.cat([s.lengths for s in sums]))
@@ -212,9 +210,7 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
     batches = windows.in_order(trainer.config.train.batch_size)
     bar = progress(total=n_batches, desc="eval", unit="batch", leave=leave, disable=not trainer.is_main)
     for _, batch in zip(range(n_batches), batches):
-        loss_sum, n_targets = trainer.evaluate(
-            batch.input_ids, batch.labels, batch.position_ids, batch.valid, media=media_of(batch)
-        )
+        loss_sum, n_targets = trainer.evaluate(StepBatch.of(batch, media_of(batch)))
         total_loss += loss_sum
         total_targets += n_targets
         bar.update(1)
@@ -267,20 +263,18 @@ def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
     )
 
 
-def train(config: Config, resume: Path | None = None) -> Path:
-    """Run training as configured, continuing from a checkpoint with `resume` (a step-NNNNNNNN directory or a
-    run directory: its newest); returns the output directory. A wrong `resume`, a checkpoint of another model,
+def train(config: Config, resume: Resume | None = None) -> Path:
+    """Run training as configured, continuing from a checkpoint with `resume` (`checkpoint.resolve_resume`); returns
+    the output directory. A checkpoint of another model or of a step at or past train.steps,
     a missing tracker package or an output_dir in use by another run are refused before anything is loaded.
     Raises `RunInterrupted` where a signal stopped the run (after its checkpoint) and `SaveError` where a save
     failed and nothing took it (saying what is lost)."""
     out = Path(config.output_dir)
     model = model_config_of(config)
     if resume is not None:
-        resume = find_checkpoint(resume)
-        manifest = json.loads((resume / MANIFEST).read_text())
-        check_same_model(resume, manifest["model"], model)
-        if check_steps_ahead(manifest["step"], config.train.steps, out) and os.environ.get("RANK", "0") == "0":
-            print(f"megatrain: step {manifest['step']} is done; finishing the export", file=sys.stderr)
+        check_same_model(resume.directory, resume.manifest["model"], model)
+        if check_steps_ahead(resume.step, config.train.steps, out) and os.environ.get("RANK", "0") == "0":
+            print(f"megatrain: step {resume.step} is done; finishing the export", file=sys.stderr)
     if config.model.hf_dir is not None:
         checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
     check_trackers(config)
@@ -293,7 +287,7 @@ def train(config: Config, resume: Path | None = None) -> Path:
             note = lock.acquire()
             if note is not None:
                 print(f"megatrain: {note}", file=sys.stderr)
-            check_output_dir_free(out, resume)
+            check_output_dir_free(out, None if resume is None else resume.directory)
         # the data is read first: a bad record stops the run before any host memory is allocated
         if config.train.objective == "grpo":  # (prompts or given completions: read once the trainer is made)
             check_grpo_settings(config, ranks)
@@ -324,12 +318,13 @@ class TrainingRun:
     """One run once its data and trainer are ready: the checkpoint it resumes, the steps with their metrics,
     validation and checkpoints, then the export. Closes the trainer when it ends."""
 
-    def __init__(self, config: Config, trainer: Trainer, data: TokenData, out: Path, resume: Path | None):
+    def __init__(self, config: Config, trainer: Trainer, data: TokenData, out: Path, resume: Resume | None):
         self.config, self.trainer, self.data, self.out, self.resume = config, trainer, data, out, resume
         self.main = trainer.is_main
         self.metrics_path = out / "metrics.jsonl"
         self.checkpoints = out / CHECKPOINTS
-        self.last_checkpoint = resume  # the newest saved state of this run: where a failed save leaves it
+        # the newest saved state of this run: where a failed save leaves it
+        self.last_checkpoint = None if resume is None else resume.directory
         self.windows = self.validation = None  # (made by `_start`, inside `run`, which closes the trainer)
         self.trackers: list = []
         self.last_eval: dict = {}
@@ -393,10 +388,11 @@ class TrainingRun:
 
     def _load_resumed(self) -> None:
         """The checkpoint resumed, said on stderr with the steps it trains again where final/ is newer."""
-        step = load_checkpoint(self.trainer, self.resume)["step"]
+        self.trainer.load_state_dict(self.resume.state())
+        step = self.resume.step
         if self.rollouts is not None:
-            self.rollouts.resume(self.resume)
-        print(f"megatrain: resumed from step {step} ({self.resume})", file=sys.stderr)
+            self.rollouts.resume(self.resume.directory)
+        print(f"megatrain: resumed from step {step} ({self.resume.directory})", file=sys.stderr)
         exported = exported_step(self.out / FINAL)
         if exported is not None and exported > step and self.main:
             again = f"step {exported} is" if exported == step + 1 else f"steps {step + 1}-{exported} are"
@@ -495,7 +491,9 @@ class TrainingRun:
                 raise RewardError(f"{error}. {self._keep_trained_steps()}") from None
             fresh = step % train.grpo.num_iterations == 0  # (a rollout's rewards are recorded at its first update)
             batch, made_metrics = made.batch, made.metrics if fresh else {}
-            metrics = trainer.train_step(batch.input_ids, batch.labels, None, batch.valid, rollout=made.rollout)
+            metrics = trainer.train_step(
+                StepBatch(batch.input_ids, batch.labels, valid=batch.valid, extras=made.rollout)
+            )
             if fresh:
                 self._write_samples(made, step)
         else:
@@ -503,15 +501,7 @@ class TrainingRun:
             reference = None
             if self.reference is not None:
                 reference = step_reference(self.reference, self.windows.pair_indices(step), batch)
-            metrics = trainer.train_step(
-                batch.input_ids,
-                batch.labels,
-                batch.position_ids,
-                batch.valid,
-                reference,
-                sequences=batch.sequences,
-                media=media_of(batch),
-            )
+            metrics = trainer.train_step(StepBatch.of(batch, media_of(batch), reference))
         self._record(metrics.as_dict() | made_metrics)
         postfix = _postfix(metrics, made_metrics)
         self._validate_if_due()
@@ -592,7 +582,7 @@ class TrainingRun:
         """A checkpoint of the current step in output_dir/checkpoints, or where that fails in fallback_dir;
         `SaveError` saying what is lost where neither takes it."""
         try:
-            path = save_checkpoint(self.trainer, self.checkpoints, self.config.train.keep_last)
+            path = save_checkpoint(self.trainer.state_dict(), self.checkpoints, self.config.train.keep_last)
         except SaveError as error:
             path = self._save_elsewhere(str(error))
         self.last_checkpoint = path
@@ -608,7 +598,7 @@ class TrainingRun:
             )
         try:
             path = save_checkpoint(
-                self.trainer, Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last
+                self.trainer.state_dict(), Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last
             )
         except SaveError as error:
             raise SaveError(f"{failure}; fallback_dir failed too: {error}; {self._lost()}") from None

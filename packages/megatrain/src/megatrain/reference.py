@@ -20,6 +20,7 @@ from megatrain_templates import Sequences
 from megatrain_zoo import ZooError, read_hf_config
 
 from .config import ConfigError
+from .step import StepBatch
 
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
 # only each micro-batch's current activation)
@@ -94,9 +95,7 @@ def _forward_pass(trainer, rows: Tokens, what: str) -> np.ndarray:
     bar = progress(total=pairs.n_pairs, desc=f"reference ({what})", unit="pair", disable=not trainer.is_main)
     done = 0
     for batch in pairs.in_order(per_pass):
-        logps = trainer.sequence_logps(
-            batch.input_ids, batch.labels, batch.position_ids, batch.valid, batch.sequences
-        ).logps
+        logps = trainer.sequence_logps(StepBatch.of(batch)).logps
         scores[done : done + len(logps)] = logps.numpy()
         done += len(logps)
         bar.update(len(logps) // 2)

@@ -27,6 +27,7 @@ from megatrain_templates import Rollout, group_advantages
 
 from .config import Config, ConfigError
 from .rollouts import StepRollout, _Rollouts, order, render_prompt, rows_of
+from .step import StepBatch
 
 
 class FileRollouts(_Rollouts):
@@ -89,7 +90,7 @@ class FileRollouts(_Rollouts):
             metrics = {k: float(v) for k, v in metrics.items()}
         old = self._given_logps(rows, batch)
         if old is None and g.num_iterations > 1:
-            old = self.trainer.token_logps(batch.input_ids, batch.labels, None, batch.valid)
+            old = self.trainer.token_logps(StepBatch(batch.input_ids, batch.labels, valid=batch.valid))
         ref = None if self.reference is None else self.reference[rows]
         lengths = torch.tensor([len(self.completion_ids[i]) for i in rows], dtype=torch.float64)
         metrics["completions/mean_length"] = lengths.mean().item()
@@ -182,7 +183,7 @@ def reference_token_logps(trainer, batch, cache_dir: Path) -> torch.Tensor:
     logps = torch.cat(
         [
             trainer.token_logps(
-                batch.input_ids[i : i + rows], batch.labels[i : i + rows], None, batch.valid[i : i + rows]
+                StepBatch(batch.input_ids[i : i + rows], batch.labels[i : i + rows], valid=batch.valid[i : i + rows])
             )
             for i in range(0, len(batch.input_ids), rows)
         ]

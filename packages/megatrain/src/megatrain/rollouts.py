@@ -25,6 +25,7 @@ from megatrain_zoo.generate import Generator, Sampling
 
 from .config import Config, ConfigError
 from .rewards import RewardError, Rewards, completion_text
+from .step import StepBatch
 
 ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's rollout in use (several updates per rollout)
 
@@ -223,9 +224,9 @@ class GeneratedRollouts(_Rollouts):
         rewards, reward_metrics = self.rewards.combined(values)
         advantages, metrics = group_advantages(rewards, g.num_generations, g.scale_rewards)
         batch = rows_of(prompt_ids, completions, self.config.data.seq_len, self.pad_id)
-        scored = (batch.input_ids, batch.labels, None, batch.valid)
-        old = self.trainer.token_logps(*scored) if g.num_iterations > 1 else None
-        ref = self.trainer.token_logps(*scored, reference=True) if g.beta else None
+        scored = StepBatch(batch.input_ids, batch.labels, valid=batch.valid)
+        old = self.trainer.token_logps(scored) if g.num_iterations > 1 else None
+        ref = self.trainer.token_logps(scored, reference=True) if g.beta else None
         generated = sum(len(c) for c in completions)
         metrics = (
             {k: float(v) for k, v in metrics.items()}
@@ -247,7 +248,7 @@ class GeneratedRollouts(_Rollouts):
     def _generated(self, prompt_ids: list, given: list, columns: dict, seed: int) -> tuple[list, torch.Tensor]:
         """The step's completions and their reward functions' values ([rows, functions]): this rank's share of the
         groups (all of them in one process) generated and scored here, the other ranks' gathered."""
-        sync, share = self.trainer.sync, self.trainer.share(len(prompt_ids), self.grpo.num_generations)
+        sync, share = self.trainer.sync, self.trainer.rows.share(len(prompt_ids), self.grpo.num_generations)
         try:
             mine = self._scored_share(share, prompt_ids, given, columns, seed)
         except (ConfigError, RewardError) as error:

@@ -6,6 +6,10 @@ each group's fp32 gradient in host memory (or hands a resident group's over on t
 (`megatrain_optim`) updates each group as its gradient lands (clipping off) or once the clip coefficient is
 known (clipping on). Either way the step equals a synchronous AdamW step; a non-finite loss or gradient norm
 skips the step (a non-finite group, its update).
+
+The class reads as: build (its parts made in `parts.py`), place, step (`StepBatch`, the rows each rank runs in
+`step.py`, the objective told what it needs by its own `start_step`), evaluate, state (`state_dict` /
+`load_state_dict`, which `checkpoint.py` writes and reads), export, close.
 """
 
 import math
@@ -17,53 +21,31 @@ from pathlib import Path
 import torch
 
 from megatrain_data import PairWindows, sequence_lengths, sequence_of_tokens
-from megatrain_optim import (
-    STATE_NAMES,
-    AdamWConfig,
-    DeviceAdamW,
-    EmbeddingRowsFirst,
-    HostAdamW,
-    HostUpdates,
-    Schedule,
-    Sharing,
-    UpdatesAfterClipping,
-    UpdatesAsGradientsLand,
-    lr_at,
-)
+from megatrain_optim import DeviceAdamW, Schedule, lr_at
 from megatrain_plan import Planner
-from megatrain_sched import LayerPipeline, MicroBatch, Placement, PlacementError, Stage, StepResult, Timeline
-from megatrain_store import GroupLayout, HostStore
-from megatrain_templates import DPO, GRPO, Documents, Media, Rollout, Sequences, set_compile
+from megatrain_sched import Placement, PlacementError, StepResult, Timeline
+from megatrain_store import Pending
+from megatrain_templates import Media, Sequences, set_compile
 from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 from megatrain_zoo.hf_weights import (
     WholeGroups,
     all_finite,
     check_hf_weights,
+    load_groups,
     load_hf_weights,
     named_masters,
     named_wire,
 )
 
+from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import (
-    Ranks,
-    RankSharing,
-    RankSync,
-    check_data_parallel,
-    init_ranks,
-    launch_shape,
-    leave_ranks,
-    shared_arenas,
-)
+from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks
 from .export import export_hf
 from .objectives import check_model_settings, make_objective
+from .parts import new_pipeline, new_store, new_updates, route_statistics, rows_first, with_router_terms
 from .planning import check_plan, make_planner, rates_of
+from .step import RowShares, StepBatch
 from .warmup import warm_up_pipeline
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced non-finite losses or gradients several steps in a row."""
-
 
 SMALLER_STEP_KEEPS_PLACEMENT = 0.75  # (a step down to this share of the planned tokens runs as placed)
 
@@ -118,15 +100,20 @@ class Trainer:
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
         self.timeline = Timeline(enabled=config.engine.trace)
         self.optimizer = self.updates = self.policy = self.device_optimizer = None
+        parts = None
         if training:
-            self._new_updates()
+            parts = new_updates(self.spec, self.store, config, self.sync, self.timeline, self._device_span)
+            self.optimizer, self.updates, self.policy = parts.optimizer, parts.updates, parts.policy
         self.objective = make_objective(config)
         self.extra_state: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint file -> tensors (GRPO's rollout)
-        self.rows_per_example = config.train.rows_per_example  # a preference pair: chosen, rejected
-        self.pipeline = self._new_pipeline()
+        self.rows = RowShares(self.ranks, train.rows_per_example, train.rows_per_micro_batch, self.model_config)
+        self.pipeline = new_pipeline(
+            self.spec, self.store, self.device, config, self.timeline, self.sync, self.objective, parts
+        )
         self._device_state_loaded = False  # loaded from the store by the first step (after any write to it)
         self._place(self.placement)
-        self._route_statistics()
+        if self.spec.router_load is not None:
+            route_statistics(self.spec.router_load, config, self.sync)
         self.step_index = 0
         self.bad_steps = 0
         # torch.compile's kernels are built here (setup) rather than inside the first step, which would
@@ -165,7 +152,10 @@ class Trainer:
 
     def _fill_store(self) -> None:
         """The host store, with the initial weights written once per host and seen by every rank."""
-        self.store = self._new_store()
+        planner, training = self.planner, self.training
+        self.store = new_store(
+            self.spec, self.config, self.placement, self.plan, planner.frozen, self.compute_dtype, self.ranks, training
+        )
         self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
             self._init_weights()
@@ -184,40 +174,6 @@ class Trainer:
         if engine.placement == "auto":
             return planner.place(tokens)
         return read_placement(Path(engine.placement), planner)
-
-    def _new_store(self) -> HostStore:
-        """Host memory for the weights, and, training, their gradients and optimizer state, as placed."""
-        layouts = [
-            GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params)
-            for g in self.spec.groups
-        ]
-        training, placement = self.training, self.placement
-        return HostStore(
-            layouts,
-            self.compute_dtype,
-            STATE_NAMES if training else (),
-            grad_pool=placement.gradient_pool if training else 1,  # (evaluation lands none)
-            state_dir=self.config.engine.optimizer_state_dir if training else None,
-            first_disk_group=self.plan.first_disk_group,
-            wire_copy=self.config.engine.wire_copy,
-            reference_copy=self.plan.reference_copy,
-            frozen=self.planner.frozen if training else frozenset(),
-            shared=None if self.ranks is None else shared_arenas(self.ranks, self.config.engine.shared_dir),
-            **self._shards(),
-        )
-
-    def _shards(self) -> dict:
-        """The store's `shard` (the slice of each group this rank updates) and `owned` (the slices
-        its host holds the state of): its host's 1/L, or with split hosts its own 1/N of N ranks."""
-        ranks = self.ranks
-        if ranks is None:
-            return {}
-        if ranks.split_state:
-            return {
-                "shard": (ranks.rank, ranks.world_size),
-                "owned": (ranks.node * ranks.local_world_size, ranks.local_world_size),
-            }
-        return {"shard": (ranks.local_rank, ranks.local_world_size)}
 
     def load_weights(self, model_dir: Path | None) -> None:
         """Put a Hugging Face directory's weights into the store (None: the run's initial weights again), on every
@@ -254,62 +210,9 @@ class Trainer:
                 for name, view in views.items():
                     init_param_(name, view, self.model_config, self.config.train.seed)
 
-    def _new_updates(self) -> None:
-        """The host optimizer, the worker that runs its updates, and the policy that decides when."""
-        train = self.config.train
-        adamw = AdamWConfig(train.lr, train.betas, train.eps, train.weight_decay)
-        self.optimizer = HostAdamW(self.store, adamw, train.router_bias_update_rate)
-        forward_order: dict[int, int] = {}  # where each group is first needed in a forward
-        for index, stage in enumerate(self.spec.stages):
-            for group in stage.groups:
-                forward_order.setdefault(group, index)
-        names = [group.name for group in self.spec.groups]
-        host_groups = [g for g in range(self.store.n_groups) if g not in self.store.frozen]
-        # (split hosts swap updated weights in one order on every rank: the order each policy updates in, roughly)
-        exchange_order = host_groups if train.grad_clip > 0 else host_groups[::-1]
-        sharing = Sharing() if self.sync is None else RankSharing(self.sync, exchange_order)
-        span = lambda name: self.timeline.host_span(name, "optimizer")  # noqa: E731
-        self.updates = HostUpdates(self.optimizer, forward_order, names, sharing, span)
-        if train.grad_clip > 0:
-            self.policy = UpdatesAfterClipping(self.updates, train.grad_clip)
-        else:
-            self.policy = UpdatesAsGradientsLand(self.updates, device_span=self._device_span)
-
     def _device_span(self, name: str):
         streams = self.pipeline.streams
         return self.timeline.device_span(name, "compute", streams, streams.compute)
-
-    def _new_pipeline(self) -> LayerPipeline:
-        hooks = {}
-        if self.training:
-            hooks = {
-                "on_device_grads": self.policy.device_grads_made,
-                "before_fetch": self.updates.wait,
-                "updates_done": self.updates.done,
-                "first_rows": self.updates.first_rows,
-                "on_grads_landed": self.policy.grads_landed,
-            }
-        return LayerPipeline(
-            [Stage(s.template, s.groups, s.name) for s in self.spec.stages],
-            self.store,
-            self.device,
-            n_slots=self.config.engine.n_slots,
-            timeline=self.timeline,
-            reduce_grad=None if self.sync is None else self.sync.reduce_grad,
-            objective=self.objective,
-            **hooks,
-        )
-
-    def _route_statistics(self) -> None:
-        """The MoE routers' step-level statistics: their loss weights, the global batch, every rank's routing."""
-        router_load, train = self.spec.router_load, self.config.train
-        if router_load is None:
-            return
-        router_load.seq_coef = train.router_seq_aux_loss_coef
-        router_load.z_coef = train.router_z_loss_coef
-        router_load.sequences = train.batch_size  # over all ranks
-        if self.sync is not None:
-            router_load.reduce = self.sync.all_reduce  # routing statistics of the global batch
 
     # -------------------------------------------------------------- placement
     def _place(self, placement: Placement) -> None:
@@ -329,35 +232,12 @@ class Trainer:
             if placement.gradient_pool is not None:
                 self.finish_updates()
                 self.store.resize_grad_pool(placement.gradient_pool)
-            self.updates.rows_first = self._rows_first(placement)
+            self.updates.rows_first = rows_first(
+                self.spec, self.store, placement, self.updates, self.ranks, self.device
+            )
         masters = None if self.device_optimizer is None else self.device_optimizer.masters
         self.pipeline.place(placement, masters)
         self.placement, self._planned_tokens = placement, placement.step_tokens * self.planner.world
-
-    def _rows_first(self, placement: Placement) -> EmbeddingRowsFirst | None:
-        """The embedding's rows updated and sent first, where its table streams from this process's store
-        (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk)."""
-        first = self.spec.stages[0]
-        eligible = (
-            hasattr(first.template, "forward_rows")
-            and len(first.groups) == 1
-            and self.ranks is None
-            and "wire" not in self.store.arenas
-            and first.groups[0] < self.store.first_disk_group
-            and 0 not in placement.resident
-        )
-        if not eligible:
-            return None
-        if self.updates.rows_first is not None:
-            return self.updates.rows_first
-        d_model = first.template.d_model
-        # pinned: the updated rows on their way to the GPU, up to a quarter of the table (beyond, it would not pay)
-        rows_out = torch.empty(
-            (self.store.layouts[first.groups[0]].numel // 4 // d_model, d_model),
-            dtype=self.store.master_dtype,
-            pin_memory=self.device.type == "cuda",
-        )
-        return EmbeddingRowsFirst(self.updates, first.groups[0], rows_out)
 
     def _follow_step_size(self, tokens: int) -> None:
         """Place again for a step of another size than the placement's (engine.placement auto): a larger one needs
@@ -377,101 +257,28 @@ class Trainer:
         self.plan = self.planner.plan(placement)
 
     # ------------------------------------------------------------------- step
-    def my_rows(self, n_rows: int, sequences: torch.Tensor | None = None) -> range:
-        """The rows of a batch this rank runs: all of them, or its contiguous share with several ranks (whole
-        examples: a preference pair's two rows stay on one rank; packed pairs, the rows of its share of the pairs,
-        which `data.PairWindows` packs apart)."""
-        if self.ranks is None:
-            return range(n_rows)
-        if sequences is None:
-            return self.share(n_rows, self.rows_per_example)
-        share = self._my_sequences(sequences)
-        mine = [r for r, row in enumerate(sequences) if (row >= 0).any() and int(row[row >= 0].min()) in share]
-        rows = range(mine[0], mine[-1] + 1) if mine else range(0)
-        owned = sequences[rows.start : rows.stop]
-        if any(int(s) not in share for s in owned[owned >= 0].unique()):
-            raise ValueError("packed pairs: each rank's share of the pairs must be packed apart (PairWindows shares)")
-        return rows
-
     def pair_windows(self, tokens, batch_size: int = 1, shuffle: bool = False, seed: int = 0) -> PairWindows:
         """Preference pairs batched as this trainer runs them: packed where data.pack says, a share per rank."""
         world = 1 if self.ranks is None else self.ranks.world_size
         return PairWindows(tokens, batch_size, shuffle, seed, pack=self.config.data.pack, shares=world)
 
-    def _my_sequences(self, sequences: torch.Tensor) -> range:
-        """The sequences (of packed pairs) of this rank's share of the pairs."""
-        return self.share(int(sequences.max()) + 1, 2)
-
-    def share(self, n: int, unit: int = 1) -> range:
-        """This rank's contiguous share of `n` items taken in whole units of `unit` (a pair's two rows, a GRPO
-        group's completions): all of them in one process."""
-        world, rank = (1, 0) if self.ranks is None else (self.ranks.world_size, self.ranks.rank)
-        units = n // unit
-        return range(units * rank // world * unit, units * (rank + 1) // world * unit)
-
-    def micro_batches(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        sequences: torch.Tensor | None = None,
-        media: list[dict[str, torch.Tensor]] | None = None,
-    ) -> list[MicroBatch]:
-        """This rank's rows of a batch (`my_rows`) in micro-batches of train.micro_batch_size examples (rows; a
-        preference pair's two) (the last may be short). `media`: an image-text model's rows' processor outputs
-        (pixel values and grids; an empty dict for a row of no image), None for no images."""
-        mine, size = self.my_rows(input_ids.shape[0], sequences), self.config.train.rows_per_micro_batch
-        micro = []
-        for start in range(mine.start, mine.stop, size):
-            part = slice(start, min(start + size, mine.stop))
-            documents = None
-            if position_ids is not None or valid is not None:
-                documents = Documents(*(None if t is None else t[part] for t in (position_ids, valid)))
-            rows_media = None
-            if self.model_config.image_text:  # (its stages read the tokens and images of every micro-batch)
-                rows_media = Media.of_rows(input_ids[part], media[part] if media is not None else [])
-            elif media is not None and any(media):
-                raise ConfigError(
-                    f"the data has images but {self.model_config.arch} trains as a text model; set "
-                    "model.image_text: true to train the whole image-text model"
-                )
-            micro.append(MicroBatch(input_ids[part], labels[part], documents, rows_media))
-        return micro
-
-    def train_step(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        reference: Sequences | None = None,
-        rollout: Rollout | None = None,
-        sequences: torch.Tensor | None = None,
-        media: list[dict[str, torch.Tensor]] | None = None,
-    ) -> StepMetrics:
-        """One optimizer step on a batch ([batch, seq] int64 each; labels -100 = no loss; position ids
-        restarting at 0 where each packed document begins, or None for one sequence per row; `valid`
-        False for padding tokens, which MoE routing statistics leave out, or None). With the DPO objective rows
-        2i and 2i + 1 are pair i's chosen and rejected sequences and `reference` the reference model's summed
-        log-probabilities of every sequence (`sequence_logps`; None where the loss needs none); packed pairs
-        share rows, `sequences` numbering each trained token's sequence (`data.pack_pairs`). With GRPO each row is a
-        prompt and a completion (its tokens trained) and `rollout` holds the rows' advantages (and log-probabilities).
-        An image-text model's rows' images are `media` (`micro_batches`).
+    def train_step(self, batch: StepBatch) -> StepMetrics:
+        """One optimizer step on `batch` (its rows, and what the objective needs of them: `StepBatch`).
 
         With several ranks every rank is given the same global batch and runs its own rows of it:
         the step's result does not depend on the number of ranks."""
         start = time.perf_counter()
-        n_targets = int((labels != -100).sum())
+        n_targets = batch.n_targets
         if n_targets == 0:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
-        self._follow_step_size(input_ids.numel())
+        self._follow_step_size(batch.input_ids.numel())
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
+        micro = self.rows.micro_batches(batch)
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:
-            self._begin_objective(micro, labels, sequences, reference, rollout)
+            share = self.rows.rank_share(batch, micro)
+            self.objective.start_step(share.sequence_of, batch.extras, share.mine, share.n_sequences, share.n_tokens)
             n_targets = 1  # (the objective's loss is the step's loss)
         lr = lr_at(self.step_index, self.schedule)
         self.policy.begin_step(self.step_index, lr)
@@ -483,8 +290,8 @@ class Trainer:
         self.policy.end_step(grad_norm, skipped)
         self.step_index += 1
         elapsed = time.perf_counter() - start
-        tokens = input_ids.numel()
-        flops = flops_per_token(self.model_config, input_ids.shape[1]) * tokens
+        tokens = batch.input_ids.numel()
+        flops = flops_per_token(self.model_config, batch.input_ids.shape[1]) * tokens
         metrics = None if self.objective is None else self._objective_metrics()
         return StepMetrics(
             self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped,
@@ -502,42 +309,6 @@ class Trainer:
         sums = self.sync.all_reduce(torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
         return {name: value / sums[0] if sums[0] else math.nan for name, value in zip(names, sums[1:])}
 
-    def _begin_objective(
-        self,
-        micro: list[MicroBatch],
-        labels: torch.Tensor,
-        sequences: torch.Tensor | None,
-        reference: Sequences | None,
-        rollout: Rollout | None,
-    ) -> None:
-        """Tell the objective which of this rank's sequences each trained token belongs to (a row each, or as
-        `sequences` says for packed pairs) and what it
-        needs of the step's other rows: DPO the reference's scores and the pairs of the whole step, GRPO the
-        rows' advantages and log-probabilities and the step's sequences and tokens."""
-        owner = sequence_of_tokens(labels, sequences)
-        n_sequences = labels.shape[0] if sequences is None else int(sequences.max()) + 1
-        share = self.my_rows(n_sequences) if sequences is None else self._my_sequences(sequences)
-        owners, row = [], self.my_rows(labels.shape[0], sequences).start
-        for mb in micro:
-            part = owner[row : row + mb.labels.shape[0]]
-            owners.append(torch.where(part >= 0, part - share.start, -1))
-            row += mb.labels.shape[0]
-        mine = slice(share.start, share.stop)
-        if isinstance(self.objective, GRPO):
-            if rollout is None:
-                raise ConfigError("train.objective grpo needs each row's advantage: give `rollout`")
-            part = rollout.rows(mine)
-            n_tokens = int((labels != -100).sum())
-            self.objective.begin_step(owners, part.advantages, part.old_logps, part.ref_logps, n_sequences, n_tokens)
-        elif isinstance(self.objective, DPO):
-            if reference is not None:
-                reference = Sequences(reference.logps[mine], reference.lengths[mine])
-            elif self.config.train.dpo.needs_reference:
-                raise ConfigError("train.dpo.loss_type needs the reference model's log-probabilities: give `reference`")
-            self.objective.begin_step(owners, reference, n_pairs=n_sequences // 2)
-        else:
-            self.objective.begin_step(owners)
-
     def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
         """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
         step, over every rank: the loss as transformers reports it, the routers' terms included."""
@@ -546,34 +317,18 @@ class Trainer:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
         loss = loss_sum.item() / n_targets  # (an objective's loss is the step's already: n_targets 1)
-        router_load = self.spec.router_load
-        aux = violation = sequence_aux = z = None
-        if router_load is not None:
-            aux = router_load.loss().item()
-            loss += router_load.coef * aux
-            violation = router_load.max_violation().item()
-            if router_load.seq_coef:
-                sequence_aux = router_load.sequence_loss().item()
-                loss += router_load.seq_coef * sequence_aux
-            if router_load.z_coef:
-                z = router_load.z_loss().item()
-                loss += router_load.z_coef * z
-        return loss, math.sqrt(sq_norms.sum().item()), (aux, violation, sequence_aux, z)
+        router = (None, None, None, None)
+        if self.spec.router_load is not None:
+            loss, router = with_router_terms(loss, self.spec.router_load)
+        return loss, math.sqrt(sq_norms.sum().item()), router
 
     @torch.no_grad()
-    def evaluate(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        media: list[dict[str, torch.Tensor]] | None = None,
-    ) -> tuple[float, int]:
+    def evaluate(self, batch: StepBatch) -> tuple[float, int]:
         """(summed token loss, number of target tokens) of the current weights on a batch, forward only,
         streaming the layers once for all its rows; every rank takes a share of the rows."""
         self.finish_updates()
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid, media=media)
+        micro = self.rows.micro_batches(batch)
         loss_sum = torch.zeros((), dtype=self.store.master_dtype, device=self.device)
         if micro:
             loss_sum = self.pipeline.evaluate(micro)
@@ -581,44 +336,29 @@ class Trainer:
             self.spec.router_load.reset()  # evaluation's routing is not part of any step's load-balancing loss
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
-        return loss_sum.item(), int((labels != -100).sum())
+        return loss_sum.item(), batch.n_targets
 
     @torch.no_grad()
-    def token_logps(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        sequences: torch.Tensor | None = None,
-        reference: bool = False,
-        media: list[dict[str, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
+    def token_logps(self, batch: StepBatch, reference: bool = False) -> torch.Tensor:
         """Every row's log-probability of each trained token ([rows, seq] float64 on the host, 0 where the label is
         -100), forward only, the weights streamed once for all rows (a reference model's pass, the policy's that
         sampled a rollout); every rank runs its share of the rows. `reference`: under the weights `keep_reference`
         took instead of the current ones."""
         self.finish_updates()
         self._load_device_state()
-        micro = self.micro_batches(input_ids, labels, position_ids, valid, sequences, media)
+        micro = self.rows.micro_batches(batch)
         logps = [t.double().cpu() for t in (self.pipeline.token_logps(micro, reference) if micro else [])]
         if self.spec.router_load is not None:
             self.spec.router_load.reset()  # (a forward's routing is no step's load-balancing statistic)
-        logps = torch.cat(logps) if logps else torch.zeros(0, labels.shape[1], dtype=torch.float64)
+        logps = torch.cat(logps) if logps else torch.zeros(0, batch.labels.shape[1], dtype=torch.float64)
         return self.sync.gather_rows(logps) if self.sync is not None else logps
 
-    def sequence_logps(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        sequences: torch.Tensor | None = None,
-    ) -> Sequences:
+    def sequence_logps(self, batch: StepBatch) -> Sequences:
         """Every sequence's summed log-probability of its trained tokens and their count ([sequences] each, float64
         on the host; a sequence a row, or as `sequences` numbers packed pairs), as `token_logps`."""
-        logps = self.token_logps(input_ids, labels, position_ids, valid, sequences)
-        owner, lengths = sequence_of_tokens(labels, sequences), sequence_lengths(labels, sequences)
+        logps = self.token_logps(batch)
+        owner = sequence_of_tokens(batch.labels, batch.sequences)
+        lengths = sequence_lengths(batch.labels, batch.sequences)
         sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, owner[owner >= 0], logps[owner >= 0])
         return Sequences(sums, lengths)
 
@@ -644,14 +384,42 @@ class Trainer:
         if self.device_optimizer is not None:
             self.device_optimizer.to_host()
 
-    def restore_step(self, step_index: int) -> None:
-        """After loading a checkpoint into the store: the weights hold `step_index` optimizer steps, on every
-        rank (the resident groups take the store's state at the next step)."""
-        self.step_index = step_index
+    def state_dict(self) -> TrainerState:
+        """The state a checkpoint holds (`checkpoint.save_checkpoint`), up to date: the store's tensors as entries
+        loaded as they are written (gathered a group at a time where hosts split the state), then `extra_state`'s."""
+        self.sync_store()
+        whole = self._whole_groups()
+        optimizer = [
+            entry for state in self.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")
+        ]
+        tensors = {WEIGHTS_FILE: whole.entries("master"), OPTIMIZER_FILE: optimizer}
+        for filename, extra in self.extra_state.items():  # (GRPO's rollout in use)
+            tensors[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in extra.items()]
+        return TrainerState(
+            self.step_index, self.optimizer.step_count, self.bad_steps, self.model_config.as_dict(),
+            self.config.as_dict(), tensors, writes=self.is_main,
+            sends_part=not self.is_main and self.store_is_split and self.ranks.is_local_main,
+        )  # fmt: skip
+
+    def load_state_dict(self, state: TrainerState) -> None:
+        """Continue from `state` (a checkpoint's, `checkpoint.Resume.state`), on every rank: the weights and moments
+        (where this trainer holds them) read from its files into the store, and the step it holds (the resident
+        groups take the store's state at the next step). A checkpoint of another model is refused."""
+        check_same_model(state.source, state.model, self.model_config)
+        self.finish_updates()
+        if self.ranks is None or self.ranks.is_local_main:  # one copy of the state (or of its part) per host
+            load_groups(self.store, [state.files[WEIGHTS_FILE]])
+            for name in self.store.state_names:  # a trainer made for evaluation holds none
+                load_groups(self.store, [state.files[OPTIMIZER_FILE]], f"state.{name}", f"{name}.")
+        if self.sync is not None:
+            self.sync.barrier()
+        self.step_index, self.bad_steps = state.step, state.bad_steps
         if self.updates is not None:
-            self.updates.steps = step_index
+            self.updates.steps = state.step
             for group in range(self.store.n_groups):
-                self.updates.sharing.mark(group, step_index)
+                self.updates.sharing.mark(group, state.step)
+        if self.optimizer is not None:
+            self.optimizer.step_count = state.optimizer_step
         self._device_state_loaded = False
 
     def host_bytes(self) -> int:
@@ -692,7 +460,7 @@ class Trainer:
     def logits(self, input_ids: torch.Tensor, media: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
         """Full-precision logits [batch, seq, vocab] of the current weights, stage by stage
         (for evaluation and interop checks on small inputs; training never builds them). `media`: an image-text
-        model's rows' images (`micro_batches`)."""
+        model's rows' images (`StepBatch.media`)."""
         self.sync_store()
         x = input_ids.to(self.device)
         kwargs = {}
@@ -719,11 +487,11 @@ class Trainer:
             )
         if not self.is_main:
             if self.store_is_split and self.ranks.is_local_main:
-                WholeGroups.replay(self.whole_groups().entries("master"))
+                WholeGroups.replay(self._whole_groups().entries("master"))
             return Path(out_dir)
-        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=self.whole_groups().gather, **options)
+        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=self._whole_groups().gather, **options)
 
-    def whole_groups(self) -> WholeGroups:
+    def _whole_groups(self) -> WholeGroups:
         """The store's state as whole groups to write (gathered to rank 0 where the hosts split it)."""
         return WholeGroups(self.store, self.sync.gather_whole if self.store_is_split else None)
 

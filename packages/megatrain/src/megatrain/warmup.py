@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from .step import StepBatch
+
 
 def warm_up_pipeline(trainer) -> float:
     """Seconds to run a step's forward and backward once on random tokens, each micro-batch shape of a configured
@@ -21,7 +23,7 @@ def warm_up_pipeline(trainer) -> float:
         valid = torch.ones_like(tokens, dtype=torch.bool)
         if data.pack:  # two documents a row
             positions = (torch.arange(data.seq_len) % max(1, data.seq_len // 2)).expand_as(tokens).contiguous()
-    step = trainer.micro_batches(tokens, tokens, positions, valid)
+    step = trainer.rows.micro_batches(StepBatch(tokens, tokens, positions, valid))
     shapes = {}
     for micro in step:
         shapes.setdefault(micro.input_ids.shape, micro)

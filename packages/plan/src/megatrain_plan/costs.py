@@ -335,7 +335,7 @@ class CostModel:
         return placement.tokens * self.product_bytes_per_token
 
     def _rows_buffer_bytes(self, placement: Placement) -> int:
-        """The pinned buffer the embedding's updated rows go to the GPU through (`Trainer._rows_first`): a quarter
+        """The pinned buffer the embedding's updated rows go to the GPU through (`megatrain.parts.rows_first`): a quarter
         of the table, fp32, rounded up to a power of two by the CUDA host allocator."""
         first = self.spec.stages[0]
         streams_rows = first.template.forward_rows is not None and len(first.groups) == 1 and self.world == 1

@@ -50,6 +50,14 @@ class Objective:
         self.sequence_of = sequence_of
         self.n_sequences = max(int(s.max()) for s in sequence_of) + 1 if sequence_of else 0
 
+    def start_step(
+        self, sequence_of: list[Tensor], extras: object, mine: slice, n_sequences: int, n_tokens: int
+    ) -> None:
+        """What a trainer calls before a step: `sequence_of` as `begin_step` takes it (this process's sequences),
+        `extras` what the objective needs of the step's rows beside their tokens (this one: nothing), `mine` this
+        process's sequences among the step's `n_sequences`, `n_tokens` the step's trained tokens."""
+        self.begin_step(sequence_of)
+
     def __call__(
         self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
     ) -> tuple[Tensor, list[Tensor]]:
@@ -125,6 +133,9 @@ class TokenObjective(Objective):
         return loss.detach(), scales
 
 
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # (SimPO and ORPO score each completion by itself, no reference)
+
+
 class DPO(SequenceObjective):
     """Direct preference optimisation and its family over pairs: sequence 2i is pair i's chosen completion, 2i + 1
     its rejected one (the prompt's tokens are not trained, so each sum is the completion's log-probability). The
@@ -151,6 +162,23 @@ class DPO(SequenceObjective):
         `n_pairs`: the pairs the loss averages over (0: this step's)."""
         super().begin_step(sequence_of)
         self.reference, self.n_pairs = reference, n_pairs or self.n_sequences // 2
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares with the reference model's scores."""
+        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
+
+    def start_step(
+        self, sequence_of: list[Tensor], extras: Sequences | None, mine: slice, n_sequences: int, n_tokens: int
+    ) -> None:
+        """`extras`: the reference's scores of every sequence of the step (None where the loss needs none)."""
+        if extras is not None:
+            extras = Sequences(extras.logps[mine], extras.lengths[mine])
+        elif self.needs_reference:
+            raise ValueError(
+                "train.dpo.loss_type needs the reference model's log-probabilities: give them as the step's extras"
+            )
+        self.begin_step(sequence_of, extras, n_pairs=n_sequences // 2)
 
     def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
         if self.loss_type == "orpo":
@@ -309,6 +337,15 @@ class GRPO(TokenObjective):
         self.total_tokens = n_tokens or int(self.lengths.sum())
         if self.beta and self.ref is None:
             raise ValueError("GRPO with beta > 0 needs the reference's token log-probabilities (ref_logps)")
+
+    def start_step(
+        self, sequence_of: list[Tensor], extras: Rollout | None, mine: slice, n_sequences: int, n_tokens: int
+    ) -> None:
+        """`extras`: the `Rollout` of the step's rows."""
+        if extras is None:
+            raise ValueError("train.objective grpo needs each row's advantage: give the step's `Rollout` as its extras")
+        part = extras.rows(mine)
+        self.begin_step(sequence_of, part.advantages, part.old_logps, part.ref_logps, n_sequences, n_tokens)
 
     def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         owner = self.owner.to(logps.device)
