@@ -11,7 +11,7 @@ from test_exactness import (
     tiny_llama_config,
 )
 
-import megatrain_sched.pipeline
+import megatrain_sched.weights
 from megatrain.config import EngineSection
 from megatrain.step import StepBatch
 from megatrain.trainer import Trainer
@@ -90,7 +90,7 @@ def test_gpu_steps_in_sweeps_stay_exact(grad_clip, engine, tmp_path):
 @pytest.mark.gpu
 def test_gpu_cast_on_arrival_is_bit_identical_to_a_wire_copy(tmp_path, monkeypatch):
     # small staging buffers: every group crosses in many chunks, round the ring of four many times
-    monkeypatch.setattr(megatrain_sched.pipeline, "STAGING_NUMEL", 1000)
+    monkeypatch.setattr(megatrain_sched.weights, "STAGING_NUMEL", 1000)
     check_wire_copy_changes_nothing("cuda", tmp_path)
 
 
