@@ -443,7 +443,7 @@ def test_a_process_alone_takes_engine_cpu_threads_in_a_run(tmp_path, torch_threa
 
 
 def test_a_rank_waits_engine_rank_wait_s_for_another_then_names_it():
-    from megatrain.distributed import RankError, Ranks, RankSync
+    from megatrain_optim import RankError, Ranks, RankSync
 
     store = SimpleNamespace(
         n_groups=1, shared=SimpleNamespace(tensor=lambda name, dtype, numel: torch.zeros(numel, dtype=dtype))

@@ -22,7 +22,7 @@ def _error_types() -> dict:
     """Exception type -> (exit code, what the line calls it), for the errors that end in one line (imports torch
     and the engine)."""
     from megatrain_data import DataError
-    from megatrain_optim import OptimError
+    from megatrain_optim import OptimError, RankError
     from megatrain_plan import PlanError
     from megatrain_sched import SchedError
     from megatrain_store import StoreError
@@ -30,7 +30,6 @@ def _error_types() -> dict:
 
     from .checkpoint import NonFiniteError
     from .config import ConfigError
-    from .distributed import RankError
     from .rewards import RewardError
     from .rundir import SaveError
 

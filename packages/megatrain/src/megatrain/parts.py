@@ -14,6 +14,9 @@ from megatrain_optim import (
     EmbeddingRowsFirst,
     HostAdamW,
     HostUpdates,
+    Ranks,
+    RankSharing,
+    RankSync,
     Sharing,
     UpdatesAfterClipping,
     UpdatesAsGradientsLand,
@@ -24,7 +27,7 @@ from megatrain_templates import Objective
 from megatrain_zoo import ModelSpec
 
 from .config import Config
-from .distributed import Ranks, RankSharing, RankSync, shared_arenas
+from .distributed import shared_arenas
 
 
 def new_store(

@@ -8,12 +8,12 @@ import torch
 from torch import Tensor
 
 from megatrain_data import Batch, sequence_of_tokens
+from megatrain_optim import Ranks
 from megatrain_sched import MicroBatch
 from megatrain_templates import Documents, Media, Rollout, Sequences
 from megatrain_zoo import ModelConfig
 
 from .config import ConfigError
-from .distributed import Ranks
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatrain_data import PairWindows, sequence_lengths, sequence_of_tokens
-from megatrain_optim import DeviceAdamW, Schedule, lr_at
+from megatrain_optim import DeviceAdamW, Ranks, RankSync, Schedule, lr_at
 from megatrain_plan import Planner
 from megatrain_sched import Placement, PlacementError, StepResult, Timeline
 from megatrain_store import Pending
@@ -39,7 +39,7 @@ from megatrain_zoo.hf_weights import (
 
 from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import Ranks, RankSync, check_data_parallel, init_ranks, launch_shape, leave_ranks
+from .distributed import check_data_parallel, init_ranks, launch_shape, leave_ranks
 from .export import export_hf
 from .objectives import check_model_settings, make_objective
 from .parts import new_pipeline, new_store, new_updates, route_statistics, rows_first, with_router_terms

@@ -1,7 +1,9 @@
 """CPU optimizers over flat host buffers (and a few groups on the GPU): AdamW, clipping, LR schedules, a background
-stepper, and the update policies that decide when each group is updated during training."""
+stepper, the update policies that decide when each group is updated during training, and the ranks of a host
+sharing one store's updates (several GPUs)."""
 
 from .adamw import FUSED, STATE_NAMES, AdamWConfig, DeviceAdamW, HostAdamW, OptimError, adamw_update_, clip_coefficient
+from .ranks import RankError, Ranks, RankSharing, RankSync
 from .schedule import SCHEDULES, Schedule, lr_at
 from .stepper import BackgroundStepper
 from .updates import EmbeddingRowsFirst, HostUpdates, Sharing, UpdatesAfterClipping, UpdatesAsGradientsLand
@@ -17,6 +19,10 @@ __all__ = [
     "HostAdamW",
     "HostUpdates",
     "OptimError",
+    "RankError",
+    "RankSharing",
+    "RankSync",
+    "Ranks",
     "Schedule",
     "Sharing",
     "UpdatesAfterClipping",
