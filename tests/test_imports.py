@@ -1,6 +1,7 @@
 """The packages' layering, read from their source: no import circle within or across packages (a function-local
 import counts: it hides a circle, it does not break it), no package importing the meta-package, and no source file
-a reader cannot hold (over MAX_LINES lines; data tables aside)."""
+a reader cannot hold (over MAX_LINES lines; data tables aside), no class over MAX_CLASS_LINES, and a meta-package
+that stays small: composition and the user interface, the rest in the packages below it."""
 
 import ast
 import functools
@@ -10,6 +11,8 @@ import pytest
 
 PACKAGES = sorted((Path(__file__).parents[1] / "packages").glob("*/src/*/__init__.py"))
 MAX_LINES = 800
+MAX_CLASS_LINES = 450
+META_PACKAGE_MAX_LINES = 5000
 DATA_TABLES = {"megatrain_zoo/presets.py"}  # the published models' sizes: a table, read a row at a time
 
 
@@ -110,6 +113,24 @@ def test_no_source_file_over_max_lines(package):
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert {path: n for path, n in long.items() if path not in DATA_TABLES} == {}
+
+
+@pytest.mark.parametrize("package", [init.parent.name for init in PACKAGES])
+def test_no_class_over_max_class_lines(package):
+    package_dir = next(init.parent for init in PACKAGES if init.parent.name == package)
+    long = {
+        f"{path.relative_to(package_dir.parent)}::{node.name}": node.end_lineno - node.lineno + 1
+        for path in sorted(package_dir.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    }
+    assert long == {}
+
+
+def test_the_meta_package_stays_small():
+    meta = next(init.parent for init in PACKAGES if init.parent.name == "megatrain")
+    lines = sum(len(path.read_text().splitlines()) for path in meta.rglob("*.py"))
+    assert lines <= META_PACKAGE_MAX_LINES, f"the megatrain meta-package is {lines} lines: move what is not composition"
 
 
 def test_circles_are_found_through_function_local_imports(tmp_path):
