@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from megatrain_data import DataError, DataSection, not_utf8_where
+from megatrain_templates import REFERENCE_FREE_LOSSES
 from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config
 
 
@@ -59,7 +60,6 @@ class ModelSection:
 OBJECTIVES = ("sft", "dpo", "grpo")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
-REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 REPORT_TO = ("tensorboard", "wandb", "mlflow")
 
 

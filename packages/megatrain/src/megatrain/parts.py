@@ -156,7 +156,7 @@ def rows_first(
     (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk)."""
     first = spec.stages[0]
     eligible = (
-        hasattr(first.template, "forward_rows")
+        first.template.forward_rows is not None
         and len(first.groups) == 1
         and ranks is None
         and "wire" not in store.arenas

@@ -285,7 +285,7 @@ def measure_gpu_rates(
     largest = max(range(model.n_layers), key=model.layer_params)
     kinds = _layer_kinds(model, spec)
     keepable = [
-        callable(getattr(spec.stages[spec.layer_stage(layer)].template, "forward_keeping_products", None))
+        spec.stages[spec.layer_stage(layer)].template.forward_keeping_products is not None
         for layer in range(model.n_layers)
     ]
     x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
@@ -329,7 +329,7 @@ def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
     kinds: dict[tuple, list[int]] = {}
     for layer in range(model.n_layers):
         template = spec.stages[spec.layer_stage(layer)].template
-        kind = getattr(template, "kind", None) or (block_shape(model, layer), model.layer_is_moe(layer))
+        kind = template.kind or (block_shape(model, layer), model.layer_is_moe(layer))
         kinds.setdefault(kind, []).append(layer)
     return kinds
 

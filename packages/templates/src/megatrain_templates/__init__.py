@@ -27,6 +27,7 @@ from .moe_routing import RouterLoad
 from .objectives import (
     DPO,
     GRPO,
+    REFERENCE_FREE_LOSSES,
     Objective,
     Rollout,
     SequenceObjective,
@@ -50,6 +51,7 @@ from .ops import (
 from .template import Template
 
 __all__ = [
+    "REFERENCE_FREE_LOSSES",
     "DPO",
     "EXPERT_NAMING",
     "SequenceObjective",

@@ -24,6 +24,9 @@ class Template:
     prepare: Callable[..., Any] | None = None  # `prepare(weights, x, **kw)`, given as `prepared=`; None: nothing
     forward_rows: Callable[..., Tensor] | None = None  # `forward_rows(rows, local_ids, **kw)`; None: the whole group
     loss: Callable[..., tuple[Tensor, Tensor]] | None = None  # the last stage's; None: a stage before it
+    # what sets the layer's speed where its shape does not say it (a generic layer's module and layer type): the
+    # planner measures one layer of each kind; None: its block shape does
+    kind: tuple | None = None
 
     def checkpoint(self, x: Any) -> Any:
         """What the backward needs of the stage's input: all of it."""
