@@ -5,7 +5,7 @@ and imports it where Ctrl-C or a missing package ends in one line."""
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _PUBLIC = {
     "Config": "config",
