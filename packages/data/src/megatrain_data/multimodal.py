@@ -418,7 +418,7 @@ class MediaBatch(Batch):
 
 
 def media_of(batch: Batch) -> list[dict[str, torch.Tensor]] | None:
-    """A batch's rows' media for `Trainer.train_step` / `evaluate`: None for rows of text."""
+    """A batch's rows' media, a step's `StepBatch.media` (`Trainer.train_step` / `evaluate`): None for text rows."""
     return batch.media if isinstance(batch, MediaBatch) else None
 
 

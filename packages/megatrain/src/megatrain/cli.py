@@ -358,7 +358,7 @@ def run_generate(config, args) -> None:
 
 def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
     """The tokenizer.json beside `weights`, else data.tokenizer, else (weights of a run: a checkpoint or its final/)
-    the one its run read text with (`data.run_tokenizer`)."""
+    the one its run read text with (`megatrain_data.run_tokenizer`)."""
     from megatrain_data import run_tokenizer
 
     from .checkpoint import FINAL, MANIFEST

@@ -22,9 +22,9 @@ class StepBatch:
 
     With the DPO objective rows 2i and 2i + 1 are pair i's chosen and rejected sequences, and `extras` the reference
     model's summed log-probabilities of every sequence (`Trainer.sequence_logps`; None where the loss needs none);
-    packed pairs share rows, `sequences` numbering each trained token's sequence (`data.pack_pairs`). With GRPO each
-    row is a prompt and a completion (its tokens trained) and `extras` the `Rollout` of the rows (their advantages,
-    and log-probabilities)."""
+    packed pairs share rows, `sequences` numbering each trained token's sequence (`megatrain_data.pack_pairs`).
+    With GRPO each row is a prompt and a completion (its tokens trained) and `extras` the `Rollout` of the rows
+    (their advantages, and log-probabilities)."""
 
     input_ids: Tensor  # [rows, seq] int64
     labels: Tensor  # [rows, seq] int64, -100: no loss
@@ -77,7 +77,7 @@ class RowShares:
 
     def my_rows(self, n_rows: int, sequences: Tensor | None = None) -> range:
         """The rows of a batch this rank runs (packed pairs: the rows of its share of the pairs, which
-        `data.PairWindows` packs apart)."""
+        `megatrain_data.PairWindows` packs apart)."""
         if self.ranks is None:
             return range(n_rows)
         if sequences is None:
