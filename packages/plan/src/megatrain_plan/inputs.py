@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_store import free_device_bytes
+
 from .host_memory import host_budget, process_bytes
 
 
@@ -39,8 +41,7 @@ class Machine:
         memory are not the run's); the host's is asked after the GPU's, so that the CUDA context is already
         outside it."""
         if gpu_memory is None and device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            gpu_memory = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            gpu_memory = free_device_bytes(device)
         if host_memory is not None:
             return cls(gpu_memory, host_memory, gpus, hosts, f"{host_memory / 2**30:g} GiB as given")
         budget = host_budget(host_memory_gib)

@@ -4,7 +4,7 @@ from .activations import ActivationStore
 from .costs import EXTRAS_MARGIN, StageCosts, extras_that_fit, fit_to_device
 from .gradients import GradientSink
 from .hooks import Hooks
-from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult, free_device_bytes
+from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult
 from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
 from .streams import Streams, synchronize
 from .template import StageTemplate, StepObjective
@@ -15,7 +15,6 @@ __all__ = [
     "EXTRAS_MARGIN",
     "extras_that_fit",
     "fit_to_device",
-    "free_device_bytes",
     "ActivationStore",
     "DEVICE",
     "GradientSink",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatrain_store import HostStore
+from megatrain_store import HostStore, free_device_bytes
 
 from .activations import ActivationStore
 from .costs import StageCosts, extras_of, fit_to_device
@@ -31,12 +31,6 @@ from .streams import Streams
 from .template import StageTemplate, StepObjective
 from .timeline import Timeline
 from .weights import Slot, WeightStream
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Device memory free now, with what the caching allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def expandable_device_memory() -> None:

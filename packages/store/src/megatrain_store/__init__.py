@@ -1,5 +1,6 @@
 """Pinned host-memory store: flat per-group arenas, accounting, atomic safetensors I/O."""
 
+from .device import free_device_bytes
 from .errors import StoreError
 from .io import (
     Pending,
@@ -19,10 +20,10 @@ from .store import HostStore, MemoryReport, bytes_per_param
 
 __all__ = [
     "ADAMW",
-    "LOAD_BIAS",
     "Entry",
     "GroupLayout",
     "HostStore",
+    "LOAD_BIAS",
     "MemoryReport",
     "Pending",
     "SharedArenas",
@@ -30,6 +31,7 @@ __all__ = [
     "atomic_write",
     "atomic_write_text",
     "bytes_per_param",
+    "free_device_bytes",
     "fsync_dir",
     "load_tensors_into",
     "match_tensors",

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from megatrain_store import free_device_bytes
+
 from .checkpoint_layout import CheckpointLayout
 from .hf_export import config_to_hf
 from .skeleton import HFSkeleton
@@ -128,7 +130,7 @@ class Generator:
         itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
         weights, per_sequence = _weight_and_kv_bytes(self.skeleton, itemsize, length)
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
-        free = _free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
+        free = free_device_bytes(trainer.device) + streaming  # (the streaming buffers kept are room too)
         resident = self.weights == "resident" or (
             self.weights == "auto" and _resident_fits(weights, per_sequence, free)
         )
@@ -390,9 +392,3 @@ def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
         if token in stop_ids:
             return tokens[: index + 1]
     return tokens
-
-
-def _free_device_bytes(device: torch.device) -> int:
-    """Device memory free now, with what the caching allocator holds unused (training's buffers it keeps)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
