@@ -69,6 +69,8 @@ GPU_UPDATED_SHARE = 0.75
 # work: its rate varies by 20% between machines and in a step, and a step it holds back loses more than
 # the kept layers that memory would have held save.
 CPU_OPTIMIZER_MARGIN = 0.8
+# With clipping, a resident block more is chosen only where it is predicted to make the step this much faster
+RESIDENT_GAIN = 0.99
 # With engine.host_kept_layers auto (large steps), kept products also go to pinned host memory, up to this
 # share of it with the rest of the plan, and only as many as the forward's idle copy-out carries at
 # HOST_KEPT_PCIE_SHARE of the link while the layers between two of them compute (each waits for the one
@@ -404,6 +406,13 @@ class CostModel:
     def step_layers_s(self, placement: Placement) -> float:
         """Every sweep's layers and head: the GPU's work a step, what the CPU optimizer's is weighed against."""
         return placement.sweeps * self.layers_s(placement)
+
+    def optimizer_room_s(self, placement: Placement) -> float:
+        """The GPU work the CPU optimizer runs beside: every sweep's layers where updates start as gradients land;
+        with clipping only the next step's forward, since they start once the norm is known (`phases`)."""
+        if self.full_grads:
+            return FORWARD_SHARE * (self.layers_s(placement) + self.device_update_s(placement))
+        return self.step_layers_s(placement)
 
     def compute_s(self, placement: Placement) -> float:
         """Every sweep's layers, and the resident groups' update once a step."""

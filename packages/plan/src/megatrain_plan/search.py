@@ -8,10 +8,11 @@ How `place` decides, in order (each choice the fewest or most that a rule allows
 than auto override a rule):
 1. activation checkpoints that do not fit in half the GPU's room for a step go to host memory (first layers
    first: produced first, needed last);
-2. a small step, whose CPU optimizer would take longer than the GPU's work, makes the embedding and the first
-   blocks resident (fp32 state on the GPU, updated there) until the optimizer fits beside the GPU's work; a
-   large one makes the embedding and first block resident where the step boundary costs more than the kept
-   products their state displaces;
+2. a small step, whose CPU optimizer would take longer than the GPU's work it runs beside (with clipping: the
+   next step's forward), makes the embedding and the first blocks resident (fp32 state on the GPU, updated
+   there): until the optimizer fits beside the GPU's work, or with clipping as many as give the fastest
+   predicted step (each displaces kept products: its backward recomputes); a large one makes the embedding and
+   first block resident where the step boundary costs more than the kept products their state displaces;
 3. a small step holds the next blocks' weights from forward to backward (one copy a step instead of two);
 4. a large step offloads the fewest first checkpoints that let the most layers keep their matmul products;
 5. the gradient pool is deepened where the optimizer lags the backward, and the last groups' moments go to
@@ -43,6 +44,7 @@ from .costs import (
     HOST_KEPT_RAM_SHARE,
     MOST_SWEEPS,
     POOL_HOST_SHARE,
+    RESIDENT_GAIN,
     RUNTIME_DEVICE_BYTES,
     SWEEPS_GAIN,
     SWEEPS_PCIE_SHARE,
@@ -171,7 +173,7 @@ class Planner(CostModel):
         sweep_tokens = min(tokens, -(-micro_batches // sweeps) * self.micro_tokens) if sweeps > 1 else tokens
         why: dict[str, str] = {}
         counts = _Counts(sweep_tokens, sweeps, offloaded=self._offloaded_to_fit(sweep_tokens))
-        small = self.step_layers_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
+        small = self.optimizer_room_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
             self.placement_of(counts)
         )
         counts = replace(counts, resident=self._resident(counts, small, why))
@@ -234,6 +236,8 @@ class Planner(CostModel):
         if not small:
             return 1 if self._boundary_pays(counts, why) else 0
         budget = min(GPU_UPDATED_SHARE * self.machine.gpu_memory, self._room_for_products(counts))
+        if self.full_grads:
+            return self._resident_fastest(counts, budget, why)
         resident, out_of_room = 0, False
         while resident < n_blocks:
             draft = replace(counts, resident=resident)
@@ -256,6 +260,25 @@ class Planner(CostModel):
                 f"{cpu_adam} takes longer than the GPU's work, and the GPU has no room to update the first block "
                 "there: the step waits for the CPU"
             )
+        return resident
+
+    def _resident_fastest(self, counts: _Counts, budget: float, why: dict) -> int:
+        """With clipping, the CPU's update runs beside the next forward alone, a quarter of the GPU's work: the
+        blocks resident (within `budget`) that give the fastest predicted step, the fewest of those within
+        RESIDENT_GAIN of it; each takes its update off the CPU and displaces kept products."""
+        times = {}
+        for resident in range(len(self.blocks) + 1):
+            draft = replace(counts, resident=resident)
+            if resident and self.resident_state_bytes(self.placement_of(draft)) > budget:
+                break
+            times[resident] = self.step_s(self.placement_of(replace(draft, kept=self._kept(draft))))
+        fastest = min(times.values())
+        resident = min(n for n, seconds in times.items() if seconds <= fastest / RESIDENT_GAIN)
+        why["resident"] = (
+            f"the embedding and the first {resident} blocks are updated on the GPU: with clipping the CPU's AdamW "
+            f"of every weight ({self.optimizer_s(self.placement_of(counts)):.2f} s) runs beside the next forward "
+            f"alone; predicted {times[0]:.2f} s a step with none, {times[resident]:.2f} s with {resident}"
+        )
         return resident
 
     def _boundary_pays(self, counts: _Counts, why: dict) -> bool:
