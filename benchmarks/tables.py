@@ -994,6 +994,9 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
 }
 
 
+THROUGHPUT = "benchmarks/throughput.py"  # (its --grad-clip default: 1.0 from 0.2.0 on, 0 before)
+
+
 # Rendering
 
 
@@ -1016,9 +1019,18 @@ def provenance(table: Table, doc: Path) -> list[str]:
         machines = sorted({machine_text(r) for r in rows})
         dates = sorted({r["date"] for r in rows})
         lines.append(f"- [`{link}`]({target.as_posix()}): {'; '.join(machines)}; measured {', '.join(dates)}")
-        commands = list(dict.fromkeys(r["command"] for r in rows if r.get("command"))) or rows[0]["file_commands"]
+        commands = [as_run_today(r["command"], r) for r in rows if r.get("command")]
+        commands = list(dict.fromkeys(commands)) or [as_run_today(c, rows[0]) for c in rows[0]["file_commands"]]
         lines += ["", "  ```bash"] + [f"  {command}" for command in commands] + ["  ```", ""]
     return lines + ["</details>", ""]
+
+
+def as_run_today(command: str, row: dict) -> str:
+    """`command` as it reproduces `row` today: throughput.py clips at 1.0 by default (what users run), so a row that
+    did not clip (every row before 0.2.0, when the default was 0) gets `--grad-clip 0` where its command is silent."""
+    if THROUGHPUT in command and "--grad-clip" not in command and not row.get("grad_clip"):
+        return command.replace(THROUGHPUT, f"{THROUGHPUT} --grad-clip 0", 1)
+    return command
 
 
 def machine_text(row: dict) -> str:

@@ -390,7 +390,12 @@ def parse_args():
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward pass")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per point")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--grad-clip", type=float, default=0.0, help="0: updates as gradients land (12 B/param)")
+    parser.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="as users run (default 1.0); 0: updates as gradients land (12 B/param)",
+    )
     parser.add_argument("--n-slots", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--real-text", action="store_true", help="train on the shipped corpus instead of random tokens")
