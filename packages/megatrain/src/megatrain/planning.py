@@ -4,6 +4,8 @@ plan`, the Trainer and the run call; the planner's refusals are config errors he
 
 import os
 
+import torch
+
 from megatrain_plan import (
     EngineChoices,
     Machine,
@@ -46,14 +48,14 @@ def engine_choices(config: Config) -> EngineChoices:
     return EngineChoices(**{name: getattr(config.engine, name) for name in EngineChoices.__dataclass_fields__})
 
 
-def objective_memory(config: Config, spec: ModelSpec, machine: Machine) -> ObjectiveMemory:
+def objective_memory(config: Config, spec: ModelSpec, machine: Machine, dtype: torch.dtype) -> ObjectiveMemory:
     """What `config`'s objective holds beside the model's state: GRPO's reference weights and generation copies
-    (`megatrain_zoo.generate.generation_host_bytes`), DPO's reference pass (`reference.PASS_STEPS` steps' rows a pass)."""
+    (`megatrain_zoo.generate.generation_host_bytes`, in the compute `dtype`), DPO's reference pass
+    (`reference.PASS_STEPS` steps' rows a pass)."""
     train, grpo = config.train, config.train.grpo
     generating = train.objective == "grpo" and grpo.rollouts is None  # (GRPO's rollouts made here)
     generation_bytes = 0
     if generating:
-        dtype = step_shape(config).dtype
         stored = file_tensors({p.name: p.shape for group in spec.groups for p in group.params})
         shapes = {name: shape for name, (shape, _) in stored.items()}
         length = grpo.max_prompt_length + grpo.max_completion_length
@@ -105,21 +107,13 @@ def make_planner(
     machine = machine_of(config, gpu_memory, host_memory, gpus, hosts)
     shape, engine = step_shape(config), engine_choices(config)
     spec = build_model(model, experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory))
-    objective = objective_memory(config, spec, machine)
+    objective = objective_memory(config, spec, machine, shape.dtype)
     return Planner(spec, rates or load_rates(), machine, shape, engine, objective)
 
 
-def make_plan(
-    config: Config,
-    model: ModelConfig | None = None,
-    rates: Rates | None = None,
-    gpu_memory: int | None = None,
-    gpus: int = 1,
-    hosts: int = 1,
-    host_memory: int | None = None,
-) -> Plan:
-    """The plan of `config`'s step as configured, by `make_planner(...)` of the same arguments."""
-    planner = make_planner(config, model, rates, gpu_memory, gpus, hosts, host_memory)
+def make_plan(config: Config, **machine) -> Plan:
+    """The plan of `config`'s step as configured, by `make_planner(config, **machine)`."""
+    planner = make_planner(config, **machine)
     return planner.plan(planner.place(planner.step_tokens))
 
 

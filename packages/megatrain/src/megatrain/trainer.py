@@ -168,7 +168,7 @@ class Trainer:
         """The planner's placement for the configured step (evaluation: every layer streamed, nothing resident),
         or the one engine.placement's file holds."""
         planner, engine = self.planner, self.config.engine
-        tokens = self.config.train.rows_per_step * self.config.data.seq_len // planner.world
+        tokens = planner.step_tokens
         if not self.training:
             return Placement.build(planner.n_stages, tokens=tokens, experts_per_stage=planner.experts_per_stage)
         if engine.placement == "auto":
