@@ -253,3 +253,90 @@ def test_shared_arenas_and_gradient_shards(tmp_path):
     SharedArenas(tmp_path / "shm").unlink()
     assert not (tmp_path / "shm").exists()
     assert torch.equal(stores[0].master(0), torch.arange(210.0))  # mappings outlive the files
+
+
+def frozen_first_layouts():
+    """An embedding-like group (frozen in the tests below) and the two trainable groups of `make_layouts`."""
+    return [GroupLayout.from_specs([("e.table", (11, 6), True), ("e.norm", (6,), False)]), *make_layouts()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("copies", [{}, {"wire_copy": True, "reference_copy": True}])
+def test_frozen_groups_in_the_compute_dtype_hold_their_weights_alone(dtype, copies):
+    torch.manual_seed(0)
+    layouts, names = frozen_first_layouts(), ("exp_avg", "exp_avg_sq")
+    store = HostStore(layouts, dtype, names, frozen={0}, frozen_in_compute_dtype=True, **copies)
+    plain = HostStore(layouts, dtype, names, frozen={0}, **copies)  # the frozen group as a master
+    element = dtype.itemsize
+    # the frozen group: its weights once, in the compute dtype; nothing in any other arena
+    assert store.arenas["frozen"].dtype == dtype and store.arenas["frozen"].numel() == 128  # 72, aligned
+    copied = [arena for arena in ("master", "wire", "reference") if arena in plain.arenas]
+    for arena in copied:
+        assert store.arenas[arena].numel() == plain.arenas[arena].numel() - 128
+    for arena in ("grad", *(f"state.{name}" for name in names)):  # (none of a frozen group, with or without)
+        assert store.arenas[arena].numel() == plain.arenas[arena].numel()
+    assert store.master_numel(0) == 0 and store.grad(0).numel() == 0 and store.state("exp_avg", 0).numel() == 0
+    saved = sum(plain.arenas[arena].element_size() * 128 for arena in copied)
+    assert store.memory_report().total_bytes == plain.memory_report().total_bytes - saved + 128 * element
+    assert bytes_per_param(dtype, 2, frozen=True) == element
+    # whatever reads or writes the group's weights sees that one compute-dtype buffer
+    weights = {name: torch.randn(view.shape) for name, view in store.master_views(0).items()}
+    with store.writing(0) as views:
+        for name, view in views.items():
+            view.copy_(weights[name])
+    frozen = store.arenas["frozen"][:72]
+    for read in (store.master, store.wire, lambda g: store.held("master", g)):
+        assert read(0).dtype == dtype and read(0).data_ptr() == frozen.data_ptr()
+    for name, view in store.master_views(0).items():
+        assert torch.equal(view, weights[name].to(dtype))
+    # the trainable groups are as without the flag; refreshing and keeping copies leaves the frozen group be
+    for group in (1, 2):
+        assert store.master(group).dtype == store.master_dtype and store.grad(group).numel() == layouts[group].numel
+        store.master(group).normal_()
+    store.refresh_wire()
+    for group in (1, 2):
+        assert torch.equal(store.wire(group).to(dtype), store.master(group).to(dtype))
+    if copies:
+        store.keep_reference()
+        assert store.reference(0).data_ptr() == frozen.data_ptr()
+        assert torch.equal(store.reference(1), store.master(1).to(dtype))
+    assert torch.equal(store.master_views(0)["e.table"], weights["e.table"].to(dtype))
+
+
+def test_frozen_groups_in_the_compute_dtype_round_trip_through_files(tmp_path):
+    torch.manual_seed(1)
+    stores = [
+        HostStore(frozen_first_layouts(), torch.bfloat16, frozen={0}, frozen_in_compute_dtype=True) for _ in range(2)
+    ]
+    for group in range(3):
+        stores[0].master(group).normal_()
+    named = [(n, t) for g in range(3) for n, t in stores[0].master_views(g).items()]
+    write_safetensors(tmp_path / "model.safetensors", named)
+    assert load_file(str(tmp_path / "model.safetensors"))["e.table"].dtype == torch.bfloat16
+    targets = {n: t for g in range(3) for n, t in stores[1].master_views(g).items()}
+    load_tensors_into([tmp_path / "model.safetensors"], targets)
+    for group in range(3):
+        assert torch.equal(stores[1].master(group), stores[0].master(group))
+
+
+def test_frozen_groups_in_the_compute_dtype_are_shared_and_never_split_over_hosts(tmp_path):
+    from megatrain_store import SharedArenas
+
+    torch.manual_seed(2)
+    stores = [
+        HostStore(
+            frozen_first_layouts(),
+            torch.bfloat16,
+            frozen={0},
+            frozen_in_compute_dtype=True,
+            shared=SharedArenas(tmp_path / "shm"),
+            shard=(index, 2),
+        )
+        for index in range(2)
+    ]
+    weights = torch.randn(72)
+    stores[0].master(0).copy_(weights)
+    assert torch.equal(stores[1].wire(0), weights.to(torch.bfloat16))  # one copy for the host's processes
+    SharedArenas(tmp_path / "shm").unlink()
+    with pytest.raises(StoreError, match=r"frozen groups \[0\].*owned"):
+        HostStore(frozen_first_layouts(), frozen={0}, frozen_in_compute_dtype=True, shard=(0, 2), owned=(0, 1))

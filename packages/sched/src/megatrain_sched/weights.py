@@ -87,17 +87,21 @@ class WeightStream:
         self.reference = False  # a forward-only pass streaming the store's reference copy
         self.order: list[int] = []  # the step's positions' stages
         self.rows: _Rows | None = None  # this step's first-stage rows, where the template takes them
-        self._init_staging(max(self.stage_numels))
+        self._init_staging()
 
     def _new_buffer(self, numel: int) -> Slot:
         return Slot(torch.empty(numel, dtype=self.store.compute_dtype, device=self.device))
 
-    def _init_staging(self, slot_numel: int) -> None:
-        """The staging ring and the cast stream, where fp32 masters are cast on the device."""
-        cast_on_device = self.streams.cuda and self.store.wire(0).dtype != self.store.compute_dtype
-        buffers, numel = staging_buffers(slot_numel)
+    def _init_staging(self) -> None:
+        """The staging ring and the cast stream, where fp32 masters are cast on the device: sized for the largest
+        stage's groups that travel as masters (a frozen group kept in the compute dtype needs no cast)."""
+        store = self.store
+        cast = [store.compute_dtype != store.wire(g).dtype for g in range(store.n_groups)]
+        cast_numels = [sum(store.layouts[g].numel for g in stage.groups if cast[g]) for stage in self.stages]
+        cast_on_device = self.streams.cuda and max(cast_numels) > 0
+        buffers, numel = staging_buffers(max(cast_numels)) if cast_on_device else (0, 0)
         self._staging = (
-            [torch.empty(numel, dtype=self.store.wire(0).dtype, device=self.device) for _ in range(buffers)]
+            [torch.empty(numel, dtype=store.master_dtype, device=self.device) for _ in range(buffers)]
             if cast_on_device
             else None
         )

@@ -128,6 +128,10 @@ class HostStore:
     `writing(group)`.
 
     `frozen` groups (a frozen vision tower's) keep their weights only: no gradient buffer and no optimizer state.
+    `frozen_in_compute_dtype` holds those weights once, in the compute dtype (bf16: 2 B/param; the base of a LoRA
+    run), in an arena of their own, "frozen" (pinned and shared like the wire copy), instead of as a master:
+    `master`, `wire`, `reference` and `writing` of a frozen group are then that compute-dtype buffer, and it has no
+    master, wire or reference range (those arenas leave it out). It needs whole groups on every host (no `owned`).
 
     `reference_copy` keeps one more compute-dtype copy of every group, written only by `keep_reference` (the
     weights a policy is held near, e.g. GRPO's KL reference: the initial ones), which forward-only passes stream
@@ -149,6 +153,7 @@ class HostStore:
         owned: tuple[int, int] | None = None,
         reference_copy: bool = False,
         frozen: frozenset[int] = frozenset(),
+        frozen_in_compute_dtype: bool = False,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -156,24 +161,34 @@ class HostStore:
         self.layouts = list(layouts)
         self.compute_dtype = compute_dtype
         self.state_names = tuple(state_names)
-        self.starts: list[int] = []
-        total = 0
-        for layout in self.layouts:
-            self.starts.append(total)
-            total += _align(layout.numel)
-        self._arena_numel = total
         self.n_params = sum(layout.numel for layout in self.layouts)
         self.shared = shared
         self.shard, self.owned = shard, _owned_shards(shard, owned)
         self.owns_all = self.owned == (0, shard[1])
         self.frozen = frozenset(frozen)
+        # the frozen groups whose weights are held in the compute dtype alone, in the "frozen" arena
+        self.frozen_in_compute_dtype = self.frozen if frozen_in_compute_dtype else frozenset()
+        if self.frozen_in_compute_dtype and not self.owns_all:
+            raise StoreError(
+                f"frozen groups {sorted(self.frozen_in_compute_dtype)} are held in the compute dtype and cannot be "
+                f"split over hosts (owned={self.owned}); keep every host's copy whole (owned=None)"
+            )
+        self.frozen_starts, frozen_total = self._starts(
+            lambda group: self.layouts[group].numel if group in self.frozen_in_compute_dtype else 0
+        )
+        # the whole-group copies (wire, reference): every group back to back, those in the frozen arena left out
+        self.starts, self._arena_numel = self._starts(
+            lambda group: 0 if group in self.frozen_in_compute_dtype else self.layouts[group].numel
+        )
         # master weights: the owned range of each group, back to back; optimizer state likewise, frozen groups left out
-        self.owned_starts, owned_total = self._starts(self.owned_numel)
+        self.owned_starts, owned_total = self._starts(self.master_numel)
         self.state_starts, state_total = self._starts(self.state_numel)
         # gradients: this shard's slice of each group, back to back (none of a frozen group)
         self.grad_starts, grad_total = self._starts(self.grad_numel)
 
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
+        if self.frozen_in_compute_dtype:
+            self.arenas["frozen"] = self._allocate(compute_dtype, frozen_total, name="frozen")
         if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
         if reference_copy:
@@ -217,7 +232,8 @@ class HostStore:
                 self._map(name, state_total - ram_numel)
 
     def _pin_transfer_arenas(self, should_pin: bool) -> None:
-        """Page-locks the arenas that cross PCIe (the wire copy or master, gradients, the reference copy)."""
+        """Page-locks the arenas that cross PCIe (the wire copy or master, the frozen weights, gradients, the
+        reference copy)."""
         wire_arena = "wire" if "wire" in self.arenas else "master"
         self.pinned = {name: False for name in self.arenas}
         start = time.perf_counter()
@@ -226,7 +242,7 @@ class HostStore:
         self._pinned_ptrs: list[int] = []
         weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], self._pinned_ptrs)
         if should_pin:
-            for name in (wire_arena, "grad", *(["reference"] if "reference" in self.arenas else [])):
+            for name in (wire_arena, "grad", *(n for n in ("frozen", "reference") if n in self.arenas)):
                 self._pin(name)
         self.pin_seconds = time.perf_counter() - start
 
@@ -237,6 +253,11 @@ class HostStore:
             starts.append(total)
             total += _align(numel(group))
         return starts, total
+
+    def master_numel(self, group: int) -> int:
+        """Elements of `group`'s master weights this store holds (its owned range; none where the frozen arena
+        holds the group)."""
+        return 0 if group in self.frozen_in_compute_dtype else self.owned_numel(group)
 
     def grad_numel(self, group: int) -> int:
         """Elements of `group`'s gradient this process lands (its shard; none where frozen)."""
@@ -388,6 +409,9 @@ class HostStore:
         return end - start
 
     def _slice(self, arena: str, group: int) -> Tensor:
+        if group in self.frozen_in_compute_dtype and arena in ("master", "wire", "reference"):
+            start = self.frozen_starts[group]  # (its weights, held once)
+            return self.arenas["frozen"][start : start + self.layouts[group].numel]
         if arena == "grad":
             start = self.grad_starts[group]
             return self.arenas[arena][start : start + self.grad_numel(group)]
@@ -398,18 +422,21 @@ class HostStore:
             start = self.state_starts[group]
             return self.arenas[arena][start : start + self.state_numel(group)]
         start = self.owned_starts[group]
-        return self.arenas[arena][start : start + self.owned_numel(group)]
+        return self.arenas[arena][start : start + self.master_numel(group)]
 
     def master(self, group: int) -> Tensor:
-        """fp32 master weights of `group`, flat: [owned_range) of it (all of it unless hosts split the state)."""
+        """fp32 master weights of `group`, flat: [owned_range) of it (all of it unless hosts split the state); a
+        group in the frozen arena: its compute-dtype weights."""
         return self._slice("master", group)
 
     def wire(self, group: int) -> Tensor:
-        """What is copied to the device for `group`, flat: the compute-dtype copy if kept, else the master."""
+        """What is copied to the device for `group`, flat: the compute-dtype copy if kept, else the master (a group
+        in the frozen arena: its compute-dtype weights)."""
         return self._slice("wire" if "wire" in self.arenas else "master", group)
 
     def reference(self, group: int) -> Tensor:
-        """The reference copy of `group`, flat, in the compute dtype (what `keep_reference` last took)."""
+        """The reference copy of `group`, flat, in the compute dtype (what `keep_reference` last took; a group in
+        the frozen arena: its weights, which never change)."""
         if "reference" not in self.arenas:
             raise StoreError("this store keeps no reference copy; create it with reference_copy=True")
         return self._slice("reference", group)
@@ -417,6 +444,8 @@ class HostStore:
     def keep_reference(self) -> None:
         """Take the current weights of every group as the reference (one process of a host that shares it)."""
         for group in range(self.n_groups):
+            if group in self.frozen_in_compute_dtype:
+                continue  # (its reference is its weights)
             self.reference(group).copy_(self.wire(group))  # (whole: the master where no wire copy is kept)
 
     def grad(self, group: int) -> Tensor:
@@ -510,10 +539,12 @@ class HostStore:
     def refresh_wire(self, group: int | None = None, span: tuple[int, int] | None = None) -> None:
         """Rewrite the wire copy of `group` (None: of every group; `span`: only [start, end) of it, within
         the owned range) from its master, after the master was written outside the optimizer; a no-op
-        without a wire copy."""
+        without a wire copy, and for the groups in the frozen arena (their weights are what is copied)."""
         if "wire" not in self.arenas:
             return
         for g in range(self.n_groups) if group is None else (group,):
+            if g in self.frozen_in_compute_dtype:
+                continue
             offset, owned_end = self.owned_range(g)
             start, end = span or (offset, owned_end)
             self.wire(g)[start:end].copy_(self.master(g)[start - offset : end - offset])
@@ -530,9 +561,13 @@ def bytes_per_param(
     full_grads: bool = True,
     wire_copy: bool = False,
     reference_copy: bool = False,
+    frozen: bool = False,
 ) -> int:
     """Host bytes per parameter of a HostStore: master + grad + state (fp32 each) + the wire copy and the
-    reference copy if kept; a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter."""
+    reference copy if kept; a gradient pool (`full_grads=False`) adds a few layers' worth, not a byte per parameter.
+    `frozen`: a parameter of a frozen group held in the compute dtype (`frozen_in_compute_dtype`), its one copy."""
     element = torch.finfo(compute_dtype).bits // 8
+    if frozen:
+        return element
     wire = element if wire_copy and compute_dtype != torch.float32 else 0
     return 4 + wire + (element if reference_copy else 0) + (4 if full_grads else 0) + 4 * n_state
