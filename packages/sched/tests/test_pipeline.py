@@ -18,6 +18,7 @@ from megatrain_sched import (
     staging_buffers,
 )
 from megatrain_sched.pipeline import expandable_device_memory
+from megatrain_sched.weights import cast_numels
 from megatrain_store import GroupLayout, HostStore
 
 Spec = namedtuple("Spec", "name shape numel")
@@ -65,7 +66,8 @@ class Mix(StageTemplate):
         product = products["product"] if "product" in products else x @ m
         tanh = products["tanh"] if "tanh" in products else torch.tanh(product)
         pre_grad = grad * (1 - tanh**2)
-        grads[0].view(D, D).add_(x.reshape(-1, D).T @ pre_grad.reshape(-1, D))
+        if grads[0] is not None:  # (None: its group is frozen)
+            grads[0].view(D, D).add_(x.reshape(-1, D).T @ pre_grad.reshape(-1, D))
         return pre_grad @ m.T
 
 
@@ -86,7 +88,9 @@ class Readout(StageTemplate):
         rows = table[labels.clamp_min(0)]
         dot = ((x + bias) * rows).sum(-1, keepdim=True) * mask
         grad_x = 2 * dot * rows * scale
-        g_table.index_add_(0, labels.clamp_min(0).reshape(-1), (2 * dot * (x + bias) * scale).reshape(-1, D))
+        g_table.index_add_(
+            0, labels.clamp_min(0).reshape(-1), (2 * dot * (x + bias) * scale).reshape(-1, D).to(g_table.dtype)
+        )
         g_bias.add_(grad_x.reshape(-1, D).sum(0))
         return (dot**2).sum(), grad_x
 
@@ -493,3 +497,38 @@ def test_the_staging_ring_holds_a_whole_stage_up_to_four_chunks():
     assert staging_buffers(95_000_000) == (2, chunk)  # a Gemma-3-4B layer, whole
     assert staging_buffers(671_000_000) == (4, chunk)  # a 262k vocabulary's table: the ring's cap, 1 GiB
     assert staging_buffers(1000) == (2, 1000)  # a tiny model: two stage-sized buffers, one fills while one casts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_groups_held_in_the_compute_dtype_give_the_gradients_their_masters_give(dtype):
+    """A frozen lookup, a trained block, a frozen block (its backward reads its weights, and computes only the
+    input's gradient) and a trained head: held once in the compute dtype (`frozen_in_compute_dtype`), the frozen
+    groups compute what their masters cast to it compute, bit for bit, and no staging ring is sized for them."""
+    torch.manual_seed(0)
+    templates = [Lookup(), Mix(), Mix(), Readout(tied=False)]
+    layouts = [GroupLayout.from_specs([(s.name, s.shape, True) for s in t.groups[0]]) for t in templates]
+    weights = [torch.randn(layout.numel) for layout in layouts]
+    batches = [MicroBatch(ids, labels) for ids, labels in make_batches(2)]
+    runs = []
+    for in_compute_dtype in (False, True):
+        store = HostStore(layouts, dtype, frozen={0, 2}, frozen_in_compute_dtype=in_compute_dtype)
+        for group, values in enumerate(weights):
+            store.master(group).copy_(values)
+        stages = [Stage(t, (i,), f"s{i}") for i, t in enumerate(templates)]
+        landed = []
+        pipeline = LayerPipeline(stages, store, torch.device("cpu"), on_grads_landed=lambda g, e, sq: landed.append(g))
+        result = pipeline.run(batches, loss_scale=0.1)
+        assert sorted(landed) == [1, 3]  # no gradient of a frozen group
+        runs.append((store, result))
+        # the groups that travel as fp32 masters, which a GPU would cast through the staging ring
+        as_masters = set() if dtype == torch.float32 else {1, 3} if in_compute_dtype else {0, 1, 2, 3}
+        assert cast_numels(stages, store) == [layouts[g].numel * (g in as_masters) for g in range(4)]
+    (plain, before), (store, after) = runs
+    assert store.arenas["master"].numel() < plain.arenas["master"].numel()
+    assert store.arenas["frozen"].dtype == dtype and [store.master_numel(g) for g in (0, 2)] == [0, 0]
+    assert torch.equal(after.loss_sum, before.loss_sum)
+    for group in (1, 3):
+        assert torch.equal(store.grad(group), plain.grad(group))
+        assert torch.equal(after.group_sq_norms[group], before.group_sq_norms[group])
+    for group in (0, 2):
+        assert store.grad(group).numel() == 0 and torch.equal(store.master(group), weights[group].to(dtype))

@@ -4,7 +4,8 @@ cast on the device, the buffers of held stages, the casts of resident stages, an
 Position p of a step computes in slot p % n_slots; while it computes, the weights of positions p+1 .. p+n_slots-1
 are copied in on the copy-in stream (a slot is refilled only after the compute that used it has finished). Weights
 travel as the store keeps them: an fp32 master is copied in through a ring of fp32 staging buffers and cast to the
-compute dtype on a cast stream, so the host needs no second, bf16 copy of the model. The casts run on their own
+compute dtype on a cast stream, so the host needs no second, bf16 copy of the model (a group the store keeps in the
+compute dtype, a frozen one or a wire copy, is copied straight into its slot). The casts run on their own
 stream so that the copy engine never waits for one: a cast is a kernel, and it waits for SMs behind the compute
 stream's GEMMs (about one cast gets in where a GEMM ends), so the ring holds a whole stage where it can and the copy
 engine runs up to a stage ahead of the casts.
@@ -36,6 +37,13 @@ def staging_buffers(largest_stage_numel: int) -> tuple[int, int]:
     to hold the largest whole, up to STAGING_BUFFERS, at least two (one fills while the other's cast waits)."""
     numel = min(largest_stage_numel, STAGING_NUMEL)
     return min(STAGING_BUFFERS, max(2, -(-largest_stage_numel // numel))), numel
+
+
+def cast_numels(stages: list, store: HostStore) -> list[int]:
+    """Per stage, the elements of its groups that travel as fp32 masters, to be cast on the device (a frozen group
+    held in the compute dtype, or a group with a wire copy, travels as it computes)."""
+    cast = [store.wire(group).dtype != store.compute_dtype for group in range(store.n_groups)]
+    return [sum(store.layouts[group].numel for group in stage.groups if cast[group]) for stage in stages]
 
 
 @dataclass
@@ -94,14 +102,12 @@ class WeightStream:
 
     def _init_staging(self) -> None:
         """The staging ring and the cast stream, where fp32 masters are cast on the device: sized for the largest
-        stage's groups that travel as masters (a frozen group kept in the compute dtype needs no cast)."""
-        store = self.store
-        cast = [store.compute_dtype != store.wire(g).dtype for g in range(store.n_groups)]
-        cast_numels = [sum(store.layouts[g].numel for g in stage.groups if cast[g]) for stage in self.stages]
-        cast_on_device = self.streams.cuda and max(cast_numels) > 0
-        buffers, numel = staging_buffers(max(cast_numels)) if cast_on_device else (0, 0)
+        stage's groups that travel as masters (`cast_numels`), whichever groups those are."""
+        largest = max(cast_numels(self.stages, self.store))
+        cast_on_device = self.streams.cuda and largest > 0
+        buffers, numel = staging_buffers(largest) if cast_on_device else (0, 0)
         self._staging = (
-            [torch.empty(numel, dtype=store.master_dtype, device=self.device) for _ in range(buffers)]
+            [torch.empty(numel, dtype=self.store.master_dtype, device=self.device) for _ in range(buffers)]
             if cast_on_device
             else None
         )
