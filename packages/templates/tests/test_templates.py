@@ -319,7 +319,7 @@ def test_gpt_oss_experts_no_token_picks_get_exactly_zero_router_gradient():
     unpicked_rows = 0
     for _ in range(4):  # 6 picks of 16 experts a call
         x = torch.randn(1, 3, d)
-        _, routing = block._block_and_router(block._views(flat), x, None)
+        _, routing = block._block_and_router(block._views([flat]), x, None)
         unpicked = sorted(set(range(n_experts)) - set(routing.top_index.flatten().tolist()))
         grads = [torch.zeros(block.numel)]
         block.backward([flat], x, torch.randn(1, 3, d), grads)
@@ -347,7 +347,7 @@ def test_sigmoid_routing_chooses_by_the_fp32_correction_bias_in_any_slot(dtype):
     values = {p.name: torch.zeros(p.shape) for p in block.groups[0]}
     values["mlp.gate.e_score_correction_bias{hi}"], values["mlp.gate.e_score_correction_bias{lo}"] = hi, lo
     flat = torch.cat([values[p.name].reshape(-1) for p in block.groups[0]]).to(dtype)  # the slot, cast
-    routing = block.route(block._views(flat), torch.randn(5, d, dtype=dtype))
+    routing = block.route(block._views([flat]), torch.randn(5, d, dtype=dtype))
     top_index, top_weight = routing.top_index, routing.top_weight
     assert (top_index.sort(dim=-1).values == bias.topk(4).indices.sort().values).all()
     assert torch.equal(top_weight, torch.full_like(top_weight, 2.5 / 4))  # unbiased scores, renormalised

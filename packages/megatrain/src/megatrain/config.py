@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from megatrain_data import DataError, DataSection, not_utf8_where
-from megatrain_templates import REFERENCE_FREE_LOSSES
-from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config
+from megatrain_templates import ALL_LINEAR, REFERENCE_FREE_LOSSES, Lora
+from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config, read_peft_config
 
 
 class ConfigError(Exception):
@@ -35,6 +35,36 @@ def import_user_module(module_name: str):
 
 
 @dataclass(frozen=True)
+class AdapterSection:
+    """model.adapter: LoRA adapters trained over the frozen model (`type: lora`), with PEFT's names and meanings.
+    `path`: a PEFT adapter directory to start from, whose adapter_config.json then gives r, alpha, dropout and
+    target_modules."""
+
+    type: str | None = None  # lora; null: no adapter, every parameter trains
+    r: int = 16
+    alpha: float = 32.0  # the adapters' delta is scaled by alpha / r (PEFT's lora_alpha)
+    dropout: float = 0.0  # PEFT's lora_dropout
+    # module names (q_proj, ..., down_proj) a matrix's module path ends with, or all-linear: every linear layer of
+    # the decoder's layers
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)
+    path: str | None = None
+
+    def __post_init__(self):
+        if self.type not in (None, "lora"):
+            raise ConfigError(f"model.adapter.type must be lora (or null: no adapter), got {self.type!r}")
+        if self.type is None:
+            return
+        if self.r <= 0:
+            raise ConfigError(f"model.adapter.r must be a positive rank, got {self.r}")
+        if not self.alpha > 0:
+            raise ConfigError(f"model.adapter.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.adapter.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ConfigError("model.adapter.target_modules is empty: name modules (q_proj, v_proj, ...) or all-linear")
+
+
+@dataclass(frozen=True)
 class ModelSection:
     preset: str | None = None  # a megatrain_zoo preset name
     hf_dir: str | None = None  # a Hugging Face directory: config.json + safetensors (initial weights)
@@ -45,6 +75,7 @@ class ModelSection:
     # the decoder's), false its text model alone; auto: whole unless megatrain has a native template for its text
     # model (Gemma 3, Llama 4, Mistral 3, Qwen3.5: their text model alone, at native speed)
     image_text: str | bool = "auto"
+    adapter: AdapterSection = field(default_factory=AdapterSection)
 
     def __post_init__(self):
         if (self.preset is None) == (self.hf_dir is None):
@@ -695,6 +726,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def adapter_of(config: Config) -> Lora | None:
+    """The LoRA adapter model.adapter configures (its PEFT directory's settings where it names one), or None."""
+    section = config.model.adapter
+    if section.type is None:
+        return None
+    if section.path is not None:
+        return read_peft_config(Path(section.path))
+    if section.dropout:
+        raise ConfigError(
+            f"model.adapter.dropout {section.dropout}: dropout on LoRA's input is not built yet; set it to 0.0 "
+            "(PEFT's default)"
+        )
+    return Lora(section.r, section.alpha, section.target_modules, section.dropout)
 
 
 def model_config_of(config: Config) -> ModelConfig:

@@ -55,6 +55,7 @@ def new_store(
         wire_copy=config.engine.wire_copy,
         reference_copy=plan.reference_copy,
         frozen=frozen if training else frozenset(),
+        frozen_in_compute_dtype=spec.adapter is not None,  # (LoRA's base: 2 B/param in bf16, all it needs)
         shared=None if ranks is None else shared_arenas(ranks, config.engine.shared_dir),
         **_shards(ranks),
     )

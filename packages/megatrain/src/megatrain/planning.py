@@ -24,7 +24,7 @@ from megatrain_templates import file_tensors
 from megatrain_zoo import ModelConfig, ModelSpec, build_model
 from megatrain_zoo.generate import generation_host_bytes
 
-from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
+from .config import Config, ConfigError, adapter_of, model_config_of, resolve_device, resolve_dtype
 from .reference import PASS_STEPS
 
 
@@ -106,7 +106,8 @@ def make_planner(
     model = model or model_config_of(config)
     machine = machine_of(config, gpu_memory, host_memory, gpus, hosts)
     shape, engine = step_shape(config), engine_choices(config)
-    spec = build_model(model, experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory))
+    experts = experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory)
+    spec = build_model(model, experts, adapter_of(config))
     objective = objective_memory(config, spec, machine, shape.dtype)
     return Planner(spec, rates or load_rates(), machine, shape, engine, objective)
 

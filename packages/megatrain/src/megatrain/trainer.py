@@ -36,6 +36,7 @@ from megatrain_zoo.hf_weights import (
     named_masters,
     named_wire,
 )
+from megatrain_zoo.peft import load_peft_adapter
 
 from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -202,13 +203,18 @@ class Trainer:
             self.sync.barrier()
 
     def _init_weights(self) -> None:
+        """The run's initial weights: the Hugging Face directory's (or drawn as transformers starts them), and the
+        adapters drawn as PEFT starts them (or read from model.adapter.path)."""
+        drawn = range(self.store.n_groups)  # every host draws every group: the same weights as one process
         if self.config.model.hf_dir is not None:
             load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
-            return
-        for group in range(self.store.n_groups):  # every host draws every group: the same weights as one process
+            drawn = sorted(self.spec.adapter_groups)
+        for group in drawn:
             with self.store.writing(group) as views:
                 for name, view in views.items():
                     init_param_(name, view, self.model_config, self.config.train.seed)
+        if self.config.model.adapter.path is not None:
+            load_peft_adapter(self.store, self.spec, Path(self.config.model.adapter.path))
 
     def _device_span(self, name: str):
         streams = self.pipeline.streams
@@ -392,7 +398,8 @@ class Trainer:
         optimizer = [
             entry for state in self.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")
         ]
-        tensors = {WEIGHTS_FILE: whole.entries("master"), OPTIMIZER_FILE: optimizer}
+        # with adapters, the frozen base is the run's initial weights again at resume: not written
+        tensors = {WEIGHTS_FILE: whole.entries("master", trained_only=self._adapters_only), OPTIMIZER_FILE: optimizer}
         for filename, extra in self.extra_state.items():  # (GRPO's rollout in use)
             tensors[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in extra.items()]
         return TrainerState(
@@ -408,7 +415,7 @@ class Trainer:
         check_same_model(state.source, state.model, self.model_config)
         self.finish_updates()
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the state (or of its part) per host
-            load_groups(self.store, [state.files[WEIGHTS_FILE]])
+            load_groups(self.store, [state.files[WEIGHTS_FILE]], trained_only=self._adapters_only)
             for name in self.store.state_names:  # a trainer made for evaluation holds none
                 load_groups(self.store, [state.files[OPTIMIZER_FILE]], f"state.{name}", f"{name}.")
         if self.sync is not None:
@@ -429,6 +436,11 @@ class Trainer:
         if self.ranks is None:
             return report.total_bytes
         return report.total_bytes + (self.ranks.local_world_size - 1) * report.arenas["grad"]
+
+    @property
+    def _adapters_only(self) -> bool:
+        """Only the LoRA adapters train (the base is frozen: checkpoints hold the adapters alone)."""
+        return self.spec.adapter is not None
 
     @property
     def store_is_split(self) -> bool:

@@ -240,6 +240,9 @@ class CostModel:
         # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
         self.frozen = self.spec.frozen_groups(shape.frozen_parts)
         self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
+        # LoRA: the frozen base is held once in the compute dtype (no master) and sends no gradient out
+        self.adapter = spec.adapter is not None
+        self.grad_share = 1 - self.frozen_params / self.model.n_params if self.adapter else 1.0
         self.generation_host_bytes = objective.generation_host_bytes
         self.names = [stage.name for stage in self.spec.stages]
 
@@ -311,7 +314,9 @@ class CostModel:
         n_params, trainable = self.model.n_params, self.model.n_params - self.frozen_params
         share = 1 / self.machine.hosts if self.split else 1  # a host holds its part of what the hosts split
         on_disk = self.disk_bytes(placement)
-        yield "master weights", n_params * 4 * share
+        held_apart = self.frozen_params if self.adapter else 0  # (LoRA's base: in the compute dtype alone)
+        yield "master weights", (n_params - held_apart) * 4 * share
+        yield "frozen base weights", held_apart * self.element
         yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - on_disk
         if on_disk:  # the groups read ahead, being updated and being written behind
             largest = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
@@ -321,8 +326,8 @@ class CostModel:
             yield f"gradients held {reason}", trainable * 4 * share
         else:
             yield "gradient pool", placement.gradient_pool * max(self.group_sizes) * 4 * share
-        yield "wire copy", n_params * self.element * self.wire_copy
-        yield "KL reference copy", n_params * self.element * self.reference_copy
+        yield "wire copy", (n_params - held_apart) * self.element * self.wire_copy
+        yield "KL reference copy", (n_params - held_apart) * self.element * self.reference_copy
         yield "generation copies", self.generation_host_bytes
         yield (
             "offloaded checkpoints",
@@ -423,17 +428,21 @@ class CostModel:
         cpu_params = self.model.n_params - self.frozen_params - self.params(placement.resident)
         return cpu_params / (self.machine.hosts if self.split else 1) / self.rates.cpu_adam_params_per_s
 
-    def _wire(self) -> int:
-        """Bytes a weight crosses PCIe in."""
-        return self.element if self.wire_copy else 4
+    def _wire(self) -> float:
+        """Bytes a weight crosses PCIe in (on average, where LoRA's frozen base crosses in the compute dtype)."""
+        trained = self.element if self.wire_copy else 4
+        if not self.adapter:
+            return trained
+        return self.grad_share * trained + (1 - self.grad_share) * self.element
 
     def transfer_s(self, placement: Placement) -> float:
         """The copies alone, each sweep: weights in twice (held ones once, resident ones never), fp32 gradients out
         once (and, after the first sweep, the sum so far back in)."""
         streamed = self.model.n_params - self.params(placement.resident)
         held, sweeps = self.params(placement.held), placement.sweeps
-        copies_in = sweeps * (2 * streamed - held) * self._wire() + (sweeps - 1) * 4 * streamed
-        return max(copies_in, sweeps * 4 * streamed) / (self.rates.pcie_gbps * 1e9)
+        grads = 4 * streamed * self.grad_share
+        copies_in = sweeps * (2 * streamed - held) * self._wire() + (sweeps - 1) * grads
+        return max(copies_in, sweeps * grads) / (self.rates.pcie_gbps * 1e9)
 
     def copy_passes_s(self, placement: Placement) -> tuple[float, float]:
         """(forward, backward) seconds of a sweep, each as long as its compute or its copies, whichever is longer: a pass
@@ -456,10 +465,10 @@ class CostModel:
         forward_s = share * forward_compute + max(
             (1 - share) * forward_compute, streamed * wire / pcie - early_s, activations_out / pcie
         )
-        sums_back = (placement.sweeps - 1) / placement.sweeps * streamed * 4
+        sums_back = (placement.sweeps - 1) / placement.sweeps * streamed * 4 * self.grad_share
         backward_weights_s = ((streamed - held) * wire + activations_out + sums_back) / duplex
         backward_s = share * backward_compute + max(
-            (1 - share) * backward_compute, backward_weights_s, streamed * 4 / duplex
+            (1 - share) * backward_compute, backward_weights_s, streamed * 4 * self.grad_share / duplex
         )
         return forward_s, backward_s
 

@@ -428,6 +428,13 @@ class Planner(CostModel):
         return max(0, host_kept)
 
     # ------------------------------------------------------------------ report
+    def _frozen_parts(self) -> tuple[str, ...]:
+        """What the frozen parameters are, for the report: an image-text model's parts (train.freeze_*), or the
+        base model under LoRA adapters."""
+        if self.spec.adapter is not None:
+            return ("base model under LoRA adapters",)
+        return tuple(sorted({self.spec.group_parts[g] for g in self.frozen} - {"unused"}))
+
     def plan(self, placement: Placement) -> Plan:
         """What `placement` costs and how long its step is predicted to take."""
         model, world, tokens = self.model, self.world, placement.tokens
@@ -479,7 +486,7 @@ class Planner(CostModel):
             stage_names=self.names,
             reference_tokens_per_s=self.reference_tokens_per_s(placement),
             frozen_params=self.frozen_params,
-            frozen_parts=tuple(sorted({self.spec.group_parts[g] for g in self.frozen} - {"unused"})),
+            frozen_parts=self._frozen_parts(),
             reference_copy=self.reference_copy,
             generation_host_bytes=self.generation_host_bytes,
             host_items=host_items,

@@ -44,6 +44,7 @@ from .linear_attention import (
     linear_attention_params,
     linear_attention_spans,
 )
+from .lora import AdapterLayout, Lora
 from .ops import (
     GATED_ACTIVATIONS,
     NORM_SCALES,
@@ -318,7 +319,7 @@ def attention_spans(shape: BlockShape, params: tuple[ParamSpec, ...]) -> dict[st
 class DecoderBlock(Template):
     """Stateless decoder block. `groups` is one flat buffer's layout."""
 
-    def __init__(self, shape: BlockShape):
+    def __init__(self, shape: BlockShape, lora: Lora | None = None):
         self.shape = shape
         params = block_params(shape)
         self.groups: tuple[tuple[ParamSpec, ...], ...] = (params,)
@@ -345,6 +346,14 @@ class DecoderBlock(Template):
             if name not in self._vectors and (name != "down_weight" or shape.normed_outputs)
         )
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._adapters = None if lora is None else self._adapt(lora)
+
+    def _adapt(self, lora: Lora) -> AdapterLayout:
+        """LoRA adapters on the matrices `lora` targets, in a second group (the base's is then frozen)."""
+        matrices = tuple(name for name in self._spans if name not in self._vectors)
+        adapters = AdapterLayout(lora, self.groups[0], self._spans, matrices)
+        self.groups = (self.groups[0], adapters.params)
+        return adapters
 
     def _rope(self, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
         key = (seq_len, str(device), dtype)
@@ -474,7 +483,7 @@ class DecoderBlock(Template):
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
         check_buffers(weights, self.groups, "DecoderBlock.forward")
-        return self._block(self._views(weights[0]), hidden, documents)
+        return self._block(self._views(weights), hidden, documents)
 
     def forward_keeping_products(
         self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, extras: bool = False
@@ -488,7 +497,7 @@ class DecoderBlock(Template):
         layer keeps its recurrence's results too (`extra_product_bytes_per_token`), which its recompute then
         skips."""
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights[0], extras)
+        w, products = self._keeping_views(weights, extras)
         return self._block(w, hidden, documents), products
 
     @property
@@ -505,42 +514,58 @@ class DecoderBlock(Template):
         mixer = self.shape.linear_attention
         return 0 if mixer is None else kept_recurrence_bytes_per_token(mixer, element_size)
 
-    def _views(self, buffer: Tensor) -> dict[str, Tensor]:
-        """Every parameter of the block as a view of its flat weight buffer."""
-        return {name: span.view(buffer) for name, span in self._spans.items()}
+    def _views(self, weights: list[Tensor]) -> dict[str, Tensor]:
+        """Every parameter of the block as a view of its flat weight buffer, adapted matrices with their adapters."""
+        views = {name: span.view(weights[0]) for name, span in self._spans.items()}
+        return views if self._adapters is None else self._adapters.bind(views, weights[1])
 
     def _keeping_views(
-        self, buffer: Tensor, extras: bool = False
+        self, weights: list[Tensor], extras: bool = False
     ) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
         """`_views`, the recomputed matrices wrapped to keep their products in the returned dict as a forward
-        makes them; with `extras`, a linear-attention layer's recurrence its results too (`KeptRecurrence`)."""
+        makes them (a base's product, not its adapters'); with `extras`, a linear-attention layer's recurrence its
+        results too (`KeptRecurrence`)."""
         products: dict[str, Tensor] = {}
         views = {
-            name: ProductKeeper(view, name, products) if name in self._recomputed_matrices else view
-            for name, view in self._views(buffer).items()
+            name: ProductKeeper(span.view(weights[0]), name, products)
+            if name in self._recomputed_matrices
+            else span.view(weights[0])
+            for name, span in self._spans.items()
         }
+        if self._adapters is not None:
+            views = self._adapters.bind(views, weights[1])
         if extras and self.shape.linear_attention is not None:
             views[KEPT_RECURRENCE] = KeptRecurrence(products, keep=True)
         return views, products
 
     def _bind(
-        self, buffer: Tensor, grad_flat: Tensor, skip: tuple[str, ...] = (), products: dict[str, Tensor] | None = None
+        self,
+        weights: list[Tensor],
+        grads: list[Tensor | None],
+        skip: tuple[str, ...] = (),
+        products: dict[str, Tensor] | None = None,
     ) -> tuple[dict[str, "Tensor | BoundWeight"], dict[str, Tensor]]:
         """The weights for a backward: (every parameter but `skip`, the autograd leaves among them).
-        Matrices are bound to their span of `grad_flat`, so their gradients are added into it inside
-        the GEMM that makes them, and to their forward's product where `products` has it (as is a
+        Matrices are bound to their span of the gradient buffer `grads[0]`, so their gradients are added into it
+        inside the GEMM that makes them, and to their forward's product where `products` has it (as is a
         linear-attention layer's recurrence: `KeptRecurrence`); norms and biases are leaves whose gradients
-        autograd returns."""
-        products = products or {}
-        leaves = {name: leaf(buffer, self._spans[name]) for name in self._vectors if name not in skip}
+        autograd returns. A frozen base (`grads[0]` None) has no leaves and binds no gradient; its adapters bind
+        theirs to `grads[1]`."""
+        products, (buffer, grad_flat) = products or {}, (weights[0], grads[0])
+        vectors = [name for name in self._vectors if name not in skip]
+        trained = grad_flat is not None
+        leaves = {name: leaf(buffer, self._spans[name]) for name in vectors} if trained else {}
+        fixed = {} if trained else {name: self._spans[name].view(buffer) for name in vectors}
         matrices = {
-            name: BoundWeight(span.view(buffer), span.view(grad_flat), products.get(name))
+            name: BoundWeight(span.view(buffer), span.view(grad_flat) if trained else None, products.get(name))
             for name, span in self._spans.items()
             if name not in self._vectors and name not in skip
         }
+        if self._adapters is not None:
+            matrices = self._adapters.bind(matrices, weights[1], grads[1])
         kept = products and self.shape.linear_attention is not None
         recurrence = {KEPT_RECURRENCE: KeptRecurrence(products, keep=False)} if kept else {}
-        return {**matrices, **leaves, **recurrence}, leaves
+        return {**matrices, **leaves, **fixed, **recurrence}, leaves
 
     def backward(
         self,
@@ -560,7 +585,7 @@ class DecoderBlock(Template):
         its two backward GEMMs are done here by hand (unless a norm follows it: Gemma, OLMo 2)."""
         check_buffers(weights, self.groups, "DecoderBlock.backward")
         by_hand = not self.shape.normed_outputs  # a norm after the down projection needs its output
-        bound, leaves = self._bind(weights[0], grads[0], skip=("down_weight",) if by_hand else (), products=products)
+        bound, leaves = self._bind(weights, grads, skip=("down_weight",) if by_hand else (), products=products)
         x = hidden.detach().requires_grad_(True)
         if by_hand:
             with torch.enable_grad():
@@ -569,13 +594,18 @@ class DecoderBlock(Template):
             scale = self.shape.residual_scale
             grad_down_out = grad_out if scale is None else grad_out * scale
             grad_mlp_hidden = grad_down_out @ down.view(weights[0])  # [batch, seq, d_ff]
-            add_matmul_(
-                down.view(grads[0]),
-                grad_down_out.reshape(-1, grad_out.shape[-1]).T,
-                mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
-            )
+            if grads[0] is not None:
+                add_matmul_(
+                    down.view(grads[0]),
+                    grad_down_out.reshape(-1, grad_out.shape[-1]).T,
+                    mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
+                )
             # the residual passes grad_out straight to after_attention; autograd adds the MLP path
             outputs, grad_outputs = [after_attention, mlp_hidden], [grad_out, grad_mlp_hidden]
+            if self._adapters is not None and "down_weight" in self._adapters.adapted:
+                with torch.enable_grad():  # the down projection's adapters: their delta's graph gives the rest
+                    outputs.append(linear(mlp_hidden, self._adapters.adapters("down_weight", weights[1], grads[1])))
+                grad_outputs.append(grad_down_out)
         else:
             with torch.enable_grad():
                 outputs, grad_outputs = [self._block(bound, x, documents)], [grad_out]

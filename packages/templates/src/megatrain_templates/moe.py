@@ -45,6 +45,7 @@ class MoeBlock(DecoderBlock):
         self.groups = (params,)
         self.numel = total_numel(params)
         self._rope_cache = {}
+        self._adapters = None
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
             **_router_spans(moe, params),
@@ -266,7 +267,7 @@ class MoeBlock(DecoderBlock):
     def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
         """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
         check_buffers(weights, self.groups, "MoeBlock.forward")
-        out, routing = self._block_and_router(self._views(weights[0]), hidden, documents)
+        out, routing = self._block_and_router(self._views(weights), hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out
 
@@ -277,7 +278,7 @@ class MoeBlock(DecoderBlock):
         backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token); `extras`
         as `DecoderBlock.forward_keeping_products`."""
         check_buffers(weights, self.groups, "MoeBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights[0], extras)
+        w, products = self._keeping_views(weights, extras)
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out, products
@@ -312,7 +313,7 @@ class MoeBlock(DecoderBlock):
         that made them), add the weight gradients (and the router losses', where on) into `grads[0]` (flat
         fp32), return d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeBlock.backward")
-        w, leaves = self._bind(weights[0], grads[0], products=products)
+        w, leaves = self._bind(weights, grads, products=products)
         x = hidden.detach().requires_grad_(True)
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.enable_grad():

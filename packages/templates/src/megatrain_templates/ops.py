@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .layout import BoundWeight, ProductKeeper, add_matmul_
+from .lora import Adapted
 
 IGNORE_INDEX = -100
 
@@ -85,21 +86,41 @@ class _LinearIntoGrad(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         x, weight = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        add_matmul_(ctx.bound.grad, grad_2d.T, x.reshape(-1, x.shape[-1]))
+        if ctx.bound.grad is not None:  # (a frozen weight's gradient is not wanted)
+            add_matmul_(ctx.bound.grad, grad_2d.T, x.reshape(-1, x.shape[-1]))
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias, None
 
 
-def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper | Adapted", bias: Tensor | None = None) -> Tensor:
     """F.linear; a `BoundWeight`'s gradient goes straight into its gradient buffer in backward (and its
-    kept product, where it has one, stands for the GEMM); a `ProductKeeper` keeps the product."""
+    kept product, where it has one, stands for the GEMM); a `ProductKeeper` keeps the product; an `Adapted`
+    weight adds its LoRA adapters' delta to its base's product (`lora_delta`)."""
+    if isinstance(weight, Adapted):
+        delta = lora_delta(x, weight)
+        return delta if weight.base is None else linear(x, weight.base, bias) + delta
     if isinstance(weight, BoundWeight):
         return _LinearIntoGrad.apply(x, weight.value, bias, weight)
     if isinstance(weight, ProductKeeper):
         weight.products[weight.name] = out = F.linear(x, weight.value, bias)
         return out
     return F.linear(x, weight, bias)
+
+
+def lora_delta(x: Tensor, adapted: Adapted) -> Tensor:
+    """scale * (x A^T) B^T for each adapted member of a fused matrix, zeros in the rows of those not adapted:
+    [..., rows], in the order of operations of PEFT's LoRA layer (B's product, then the scale)."""
+    low = linear(x, adapted.down)  # [..., members * r]
+    pieces, row, r = [], 0, adapted.rank
+    for index, (up, first, stop) in enumerate(adapted.ups):
+        if first > row:
+            pieces.append(x.new_zeros(*x.shape[:-1], first - row))
+        pieces.append(linear(low[..., index * r : (index + 1) * r], up))
+        row = stop
+    if row < adapted.rows:
+        pieces.append(x.new_zeros(*x.shape[:-1], adapted.rows - row))
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)) * adapted.scale
 
 
 @compiled_on_cuda

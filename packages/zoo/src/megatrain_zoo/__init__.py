@@ -14,6 +14,7 @@ from .hf import config_from_hf
 from .hf_export import config_to_hf
 from .hf_weights import check_hf_weights, load_hf_weights
 from .model import build_model, expert_parts, init_param_
+from .peft import read_peft_config
 from .presets import PRESETS, preset
 from .read import model_config_from_hf, read_hf_config
 from .shapes import block_shape
@@ -31,6 +32,7 @@ __all__ = [
     "ZooError",
     "block_shape",
     "build_model",
+    "read_peft_config",
     "expert_parts",
     "config_from_hf",
     "model_config_from_hf",

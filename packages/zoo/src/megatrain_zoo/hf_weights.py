@@ -90,10 +90,12 @@ def _named(store: HostStore, views: dict) -> dict:
     }
 
 
-def _store_layout(store: HostStore, arena: str = "master") -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def _store_layout(
+    store: HostStore, arena: str = "master", trained_only: bool = False
+) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """File tensor name -> (shape, the stored tensors it is, back to back), for every stored tensor (of `arena`:
-    optimizer state leaves out the frozen groups, which keep none)."""
-    frozen = store.frozen if arena.startswith("state.") else ()
+    optimizer state leaves out the frozen groups, which keep none; so do the weights, `trained_only`)."""
+    frozen = store.frozen if arena.startswith("state.") or trained_only else ()
     layouts = [layout for group, layout in enumerate(store.layouts) if group not in frozen]
     return file_tensors({e.name: e.shape for layout in layouts for e in layout.entries})
 
@@ -117,12 +119,13 @@ class WholeGroups:
             self._last = ((arena, group), self.gather(group, arena))
         return self._last[1]
 
-    def entries(self, arena: str = "master", prefix: str = "") -> list:
-        """(prefix + name, Pending) for every tensor as files name them, in buffer order: the row
-        slices of a tensor split over several groups are joined, at its first slice's place."""
+    def entries(self, arena: str = "master", prefix: str = "", trained_only: bool = False) -> list:
+        """(prefix + name, Pending) for every tensor as files name them (the frozen groups' left out, `trained_only`),
+        in buffer order: the row slices of a tensor split over several groups are joined, at its first slice's
+        place; each in the dtype the store holds it in (a frozen group's may be the compute dtype)."""
         place = {e.name: (group, e) for group, layout in enumerate(self.store.layouts) for e in layout.entries}
         out = []
-        for name, (shape, covered) in _store_layout(self.store, arena).items():
+        for name, (shape, covered) in _store_layout(self.store, arena, trained_only).items():
 
             def load(arena=arena, covered=covered, shape=shape):
                 pieces = []
@@ -134,7 +137,8 @@ class WholeGroups:
                     return None
                 return join_stored(covered, pieces).view(shape)
 
-            out.append((prefix + name, Pending(shape, self.store.master_dtype, load)))
+            dtype = self.store.held(arena, place[covered[0]][0]).dtype
+            out.append((prefix + name, Pending(shape, dtype, load)))
         return out
 
     @staticmethod
@@ -144,16 +148,19 @@ class WholeGroups:
             pending.load()
 
 
-def load_groups(store: HostStore, files: list[Path], arena: str = "master", prefix: str = "") -> None:
+def load_groups(
+    store: HostStore, files: list[Path], arena: str = "master", prefix: str = "", trained_only: bool = False
+) -> None:
     """Fill the store's master weights (or optimizer state `state.NAME`) from safetensors files naming
-    them `prefix + name` (as `WholeGroups` writes them); every tensor's presence and shape is checked
-    first, so a bad file leaves the store untouched."""
-    layout = _store_layout(store, arena)
+    them `prefix + name` (as `WholeGroups` writes them; the frozen groups left as they are, `trained_only`); every
+    tensor's presence and shape is checked first, so a bad file leaves the store untouched."""
+    layout = _store_layout(store, arena, trained_only)
     shapes = {prefix + name: shape for name, (shape, _) in layout.items()}
     where = match_tensors(files, shapes, ignore=lambda name: not name.startswith(prefix))
+    skip = store.frozen if trained_only else frozenset()
     with open_safetensors(where.values()) as handles:
         desc = f"load {files[0].parent.name}/{files[0].name}" + (f" {prefix.rstrip('.')}" if prefix else "")
-        _fill_groups(store, handles, where, layout, arena, prefix, desc=desc)
+        _fill_groups(store, handles, where, layout, arena, prefix, desc=desc, skip=skip)
 
 
 def _check_finite(tensor, name: str, path: Path) -> None:
@@ -167,13 +174,21 @@ def _check_finite(tensor, name: str, path: Path) -> None:
 
 
 def _fill_groups(
-    store: HostStore, handles, where, layout: dict, arena="master", prefix="", quantized=None, desc="load weights"
+    store: HostStore,
+    handles,
+    where,
+    layout: dict,
+    arena="master",
+    prefix="",
+    quantized=None,
+    desc="load weights",
+    skip: frozenset[int] = frozenset(),
 ) -> None:
     """Copy file tensors into the store group by group through `store.writing` (whatever part of the
     state it holds), refusing any that holds NaN or Inf. `layout`: file tensor name (less `prefix`) ->
     (shape, the stored tensors it is, back to back); a file tensor spanning several groups (a layer's
     experts streamed in parts) is read a group's rows at a time. `quantized` maps tensors stored
-    quantized to how (`Quantized`), dequantized as they are read."""
+    quantized to how (`Quantized`), dequantized as they are read. Groups in `skip` (adapters) are left as they are."""
     quantized = quantized or {}
     numel = {e.name: e.numel for lay in store.layouts for e in lay.entries}
     place = {}  # stored name -> (file tensor, its flat offset there)
@@ -184,7 +199,7 @@ def _fill_groups(
             offset += 0 if split_precision_of(part) else numel[part]
     frozen = store.frozen if arena.startswith("state.") else ()
     for group in progress(range(store.n_groups), desc=desc, unit="group", leave=False):
-        if group in frozen:  # (a frozen group keeps no optimizer state)
+        if group in frozen or group in skip:  # (a frozen group keeps no optimizer state)
             continue
         with store.writing(group, arena) as views:
             targets: dict[str, list] = {}
@@ -247,7 +262,7 @@ def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tu
     names the files (holding `present`) use: published per-expert names, or transformers' in-memory
     layout (fused 3-D expert tensors, Mixtral's module renamed `mlp`), either way, under any of the names'
     aliases (an image-text checkpoint's text model)."""
-    layout = file_tensors(spec.param_shapes())
+    layout = file_tensors(spec.param_shapes(adapters=False))
     for name, (shape, covered) in spec.fused_checkpoint_names().items():
         if not present.isdisjoint((name, *spec.checkpoint_aliases(name))):
             for part in covered:
@@ -338,7 +353,7 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
             file=sys.stderr,
         )
     with open_safetensors(where.values()) as handles:
-        _fill_groups(store, handles, where, layout, quantized=quantized)
+        _fill_groups(store, handles, where, layout, quantized=quantized, skip=spec.adapter_groups)
 
 
 def _generic_sources(spec: ModelSpec, files: list[Path]) -> tuple[dict[str, list[str]], dict[str, Path]]:

@@ -8,9 +8,11 @@ import torch
 from torch import Tensor
 
 from megatrain_templates import (
+    ALL_LINEAR,
     DecoderBlock,
     Embedding,
     Head,
+    Lora,
     MoeAttention,
     MoeBlock,
     MoeExperts,
@@ -20,11 +22,11 @@ from megatrain_templates import (
     split_precision_of,
 )
 
-from .config import ModelConfig
+from .config import ModelConfig, ZooError
 from .generic import build_generic_model
 from .image_text import build_image_text_model
 from .shapes import block_shape, moe_shape
-from .spec import Group, ModelSpec, StageSpec
+from .spec import ADAPTER_GROUP_SUFFIX, Group, ModelSpec, StageSpec
 
 
 def _renamed(params: tuple[ParamSpec, ...], prefix: str) -> tuple[ParamSpec, ...]:
@@ -38,14 +40,18 @@ def expert_parts(n_experts: int, experts_per_stage: int) -> tuple[tuple[int, int
     return tuple((first, min(first + experts_per_stage, n_experts)) for first in range(0, n_experts, experts_per_stage))
 
 
-def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
+def build_model(config: ModelConfig, experts_per_stage: int = 0, adapter: Lora | None = None) -> ModelSpec:
     """Groups: [embedding, layer 0 .. layer L-1, head]; stages: embedding, blocks, head.
 
     One template serves every layer of a kind (dense or MoE): templates are stateless; the
     MoE layers share the step's routing statistics. With `experts_per_stage` below the expert count
     (0: all), a MoE layer is several groups and stages so that a GPU slot holds a part of its experts:
     trunk (attention, shared expert) + router group in one stage, then a stage per part of the experts. A model of
-    no native family (`implementation` "transformers") runs transformers' own modules (`generic.py`)."""
+    no native family (`implementation` "transformers") runs transformers' own modules (`generic.py`).
+
+    With `adapter`, each decoder layer also has a group of LoRA adapters (`layerN.lora`), and the rest is frozen."""
+    if adapter is not None:
+        _check_adapter_model(config)
     if config.image_text:
         return build_image_text_model(config)
     if config.implementation == "transformers":
@@ -57,7 +63,7 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     spec = _SpecBuilder()
     spec.add_stage("embed", embedding, ("embed",), "model.")
     for layer in range(config.n_layers):
-        _add_layer(spec, config, layer, router_load, parts)
+        _add_layer(spec, config, layer, router_load, parts, adapter)
     head = Head(
         config.vocab_size,
         config.d_model,
@@ -75,7 +81,47 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0) -> ModelSpec:
     )
     head_group = len(spec.groups) - 1
     spec.stages.append(StageSpec("head", head, (0, head_group) if config.tie_embeddings else (head_group,)))
-    return ModelSpec(config, tuple(spec.groups), tuple(spec.stages), router_load, parts)
+    model = ModelSpec(config, tuple(spec.groups), tuple(spec.stages), router_load, parts, adapter=adapter)
+    if adapter is not None:
+        check_targets(model, adapter)
+    return model
+
+
+def _check_adapter_model(config: ModelConfig) -> None:
+    """Refuse the models whose layers take no LoRA adapters yet, naming what does."""
+    unsupported = (
+        "an image-text model" if config.image_text
+        else "a model run through transformers' own layers (model.implementation: transformers)"
+        if config.implementation == "transformers"
+        else "a mixture-of-experts model" if config.is_moe
+        else None
+    )  # fmt: skip
+    if unsupported is not None:
+        raise ZooError(
+            f"LoRA adapters are not built for {unsupported} yet; train it fully (remove model.adapter), or use a "
+            "dense model of a native family"
+        )
+
+
+def check_targets(spec: ModelSpec, adapter: Lora) -> None:
+    """Refuse an adapter whose target_modules name a module that no layer of `spec` has, naming those it has."""
+    adapted = {p.name.rsplit(".lora_", 1)[0] for g in spec.adapter_groups for p in spec.groups[g].params}
+    matrices = {
+        p.name.removesuffix(".weight")
+        for g, group in enumerate(spec.groups)
+        if g not in spec.adapter_groups and group.name.startswith("layer")
+        for p in group.params
+        if len(p.shape) == 2 and p.name.endswith(".weight")
+    }
+    if ALL_LINEAR in adapter.target_modules:
+        return
+    for target in adapter.target_modules:
+        if not any(module == target or module.endswith("." + target) for module in adapted):
+            names = sorted({m.rsplit(".", 1)[-1] for m in matrices})
+            raise ZooError(
+                f"model.adapter.target_modules: {target!r} matches no linear layer of this model; its layers have "
+                f"{', '.join(names)} (or use all-linear)"
+            )
 
 
 def _router_load(config: ModelConfig) -> RouterLoad | None:
@@ -111,11 +157,14 @@ class _SpecBuilder:
         self.stages.append(StageSpec(name, block, tuple(self._group_index[g] for g in group_names)))
 
 
-def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load, parts) -> None:
-    """Decoder layer `layer`'s stages: one block, or a MoE layer's trunk and then a stage per part of its experts."""
+def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load, parts, adapter=None) -> None:
+    """Decoder layer `layer`'s stages: one block (and its adapters' group, with an `adapter`), or a MoE layer's trunk
+    and then a stage per part of its experts."""
     shape, prefix, name = block_shape(config, layer), f"model.layers.{layer}.", f"layer{layer}"
     if not config.layer_is_moe(layer):
-        spec.add_stage(name, spec.template((shape, "dense"), lambda: DecoderBlock(shape)), (name,), prefix)
+        block = spec.template((shape, "dense", adapter), lambda: DecoderBlock(shape, adapter))
+        groups = (name,) if len(block.groups) == 1 else (name, name + ADAPTER_GROUP_SUFFIX)
+        spec.add_stage(name, block, groups, prefix)
         return
     if not parts:
         block = spec.template((shape, "moe"), lambda: MoeBlock(shape, moe_shape(config), router_load))
@@ -140,6 +189,13 @@ def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> No
     by expert, so a slice holds the same rows as the whole tensor."""
     base, first, _ = row_slice_of(name) or (name, 0, 0)
     base = (split_precision_of(base) or (base,))[0]
+    if base.endswith(".lora_A.weight"):  # as PEFT starts an adapter: A as nn.Linear's own init, B at zero
+        bound = 1.0 / tensor.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
+        tensor.copy_(torch.empty(tensor.shape).uniform_(-bound, bound, generator=_generator(seed, base)))
+        return
+    if base.endswith(".lora_B.weight"):
+        tensor.zero_()
+        return
     if base.endswith("norm.weight"):  # (the linear attention's gated norm scales by its weight alone)
         one_plus = config.norm_scale == "one_plus_fp32" and not base.endswith("linear_attn.norm.weight")
         tensor.fill_(0.0 if one_plus else 1.0)

@@ -9,6 +9,8 @@ from megatrain_templates import ParamSpec, RouterLoad, fused_expert_names
 from .config import LINEAR_ATTENTION_ARCHITECTURES, ModelConfig
 from .shapes import moe_shape
 
+ADAPTER_GROUP_SUFFIX = ".lora"  # a layer's adapter group is named after its base's: `layer3.lora`
+
 # the parts of image-text checkpoints beside their text model, in every layout transformers has written
 _LLAVA_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _VISION_PARTS = {
@@ -49,6 +51,14 @@ class ModelSpec:
     # train.freeze_* names), or "unused" (tower blocks after those whose output the model takes: always frozen);
     # empty: a text model's, all language model
     group_parts: tuple[str, ...] = ()
+    # LoRA adapters (`megatrain_templates.Lora`) over a frozen base: the groups named `*.lora` hold them, and only
+    # they train; None: every parameter trains
+    adapter: Any = None
+
+    @property
+    def adapter_groups(self) -> frozenset[int]:
+        """The groups holding LoRA adapters (none without an adapter)."""
+        return frozenset(g for g, group in enumerate(self.groups) if group.name.endswith(ADAPTER_GROUP_SUFFIX))
 
     def layer_stage(self, layer: int) -> int:
         """The stage of decoder layer `layer` (whole layers: no expert parts): after the embedding, or after an
@@ -57,7 +67,9 @@ class ModelSpec:
 
     def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
         """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
-        state)."""
+        state); with an adapter, every group but the adapters'."""
+        if self.adapter is not None:
+            return frozenset(range(len(self.groups))) - self.adapter_groups
         return frozenset(g for g, part in enumerate(self.group_parts) if part in frozen_parts or part == "unused")
 
     def checkpoint_names_to_ignore(self, name: str) -> bool:
@@ -111,6 +123,8 @@ class ModelSpec:
         alias = name.replace(".block_sparse_moe.", ".mlp.")
         return (alias,) if alias != name else ()
 
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every stored tensor's shape by Hugging Face name."""
-        return {p.name: p.shape for group in self.groups for p in group.params}
+    def param_shapes(self, adapters: bool = True) -> dict[str, tuple[int, ...]]:
+        """Every stored tensor's shape by Hugging Face name (PEFT's for adapters; without `adapters`, the base
+        model's alone: what its checkpoint holds)."""
+        skip = () if adapters else self.adapter_groups
+        return {p.name: p.shape for g, group in enumerate(self.groups) if g not in skip for p in group.params}

@@ -1,0 +1,134 @@
+"""LoRA adapters over a template's frozen matrices: each adapted weight W [out, in] gains A [r, in] and B [out, r]
+in a group of their own beside the frozen base's, and its product x W^T becomes x W^T + scale * (x A^T) B^T, as
+PEFT's `LoraLayer` computes it. A fused matrix (q, k and v as one GEMM) adapts each member it holds apart, with
+PEFT's names for each, so that an adapter trained here loads into PEFT and back."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .layout import BoundWeight, ParamSpec, ProductKeeper, Span, param_offsets, span_of
+
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer of the decoder (the output head aside)
+
+
+@dataclass(frozen=True)
+class Lora:
+    """A LoRA adapter's settings, with PEFT's meanings: rank `r`, `alpha` (the delta is scaled by alpha / r),
+    `dropout` on the adapter's input, and `target_modules`, module names a weight's module path ends with
+    (`q_proj` adapts every `...self_attn.q_proj`), or `("all-linear",)`."""
+
+    r: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.r <= 0:
+            raise ValueError(f"LoRA rank r must be positive, got {self.r}")
+        if not self.target_modules:
+            raise ValueError("LoRA target_modules is empty: name the modules to adapt (q_proj, ...) or all-linear")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    def adapts(self, weight_name: str) -> bool:
+        """Whether the matrix `weight_name` (`self_attn.q_proj.weight`, any prefix) is one this adapter targets."""
+        if not weight_name.endswith(".weight"):
+            return False
+        module = weight_name.removesuffix(".weight")
+        if ALL_LINEAR in self.target_modules:
+            return True
+        return any(module == target or module.endswith("." + target) for target in self.target_modules)
+
+
+def lora_names(weight_name: str) -> tuple[str, str]:
+    """PEFT's names of the A and B matrices adapting `weight_name` (`X.weight` -> `X.lora_A.weight`, `X.lora_B...`)."""
+    module = weight_name.removesuffix(".weight")
+    return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+
+
+@dataclass(frozen=True)
+class _AdaptedSpan:
+    """Where one fused base matrix's adapters lie in the adapter group: the A matrices of its adapted members back
+    to back (one GEMM makes all their low-rank products), and each member's B with the rows of the base matrix its
+    output adds to."""
+
+    down: Span  # [members * r, in]
+    ups: tuple[tuple[Span, int, int], ...]  # (B [rows, r], first row, row past the last) per adapted member
+    rows: int  # the base matrix's output rows
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """A base weight (a view, a `BoundWeight` or a `ProductKeeper`) with its adapters, bound for one call; `ops.linear`
+    adds their delta to the base product. `down` and each up are views or `BoundWeight`s (their gradients then go
+    straight into the adapter group's fp32 gradient buffer)."""
+
+    base: "Tensor | BoundWeight | ProductKeeper | None"  # None: the delta alone
+    down: "Tensor | BoundWeight"
+    ups: tuple[tuple["Tensor | BoundWeight", int, int], ...]
+    rows: int
+    rank: int
+    scale: float
+
+
+class AdapterLayout:
+    """The adapter group of a template whose matrices lie at `spans` in its base group `params`: which spans are
+    adapted, the group's `params` (PEFT's names; the A matrices of one fused span adjacent, then their Bs) and the
+    binding of both groups for a call."""
+
+    def __init__(self, lora: Lora, params: tuple[ParamSpec, ...], spans: dict[str, Span], matrices: tuple[str, ...]):
+        self.lora = lora
+        offsets = param_offsets(params)
+        adapted: dict[str, list[ParamSpec]] = {}
+        for name in matrices:
+            span = spans[name]
+            members = [p for p in params if span.offset <= offsets[p.name] < span.offset + span.numel]
+            chosen = [p for p in members if len(p.shape) == 2 and lora.adapts(p.name)]
+            if chosen:
+                adapted[name] = chosen
+        self.params: tuple[ParamSpec, ...] = tuple(
+            spec
+            for members in adapted.values()
+            for spec in [ParamSpec(lora_names(p.name)[0], (lora.r, p.shape[1])) for p in members]
+            + [ParamSpec(lora_names(p.name)[1], (p.shape[0], lora.r)) for p in members]
+        )
+        self._spans = {name: self._span(spans[name], members, offsets, params) for name, members in adapted.items()}
+
+    def _span(
+        self, base: Span, members: list[ParamSpec], offsets: dict[str, int], params: tuple[ParamSpec, ...]
+    ) -> _AdaptedSpan:
+        first_a = span_of(self.params, lora_names(members[0].name)[0])
+        down = Span(first_a.offset, (len(members) * self.lora.r, base.shape[1]))
+        ups = []
+        for member in members:
+            first_row = (offsets[member.name] - base.offset) // base.shape[1]
+            ups.append((span_of(self.params, lora_names(member.name)[1]), first_row, first_row + member.shape[0]))
+        return _AdaptedSpan(down, tuple(ups), base.shape[0])
+
+    @property
+    def adapted(self) -> tuple[str, ...]:
+        """The template's span names whose matrices carry adapters."""
+        return tuple(self._spans)
+
+    def bind(self, views: dict, buffer: Tensor, grad: Tensor | None = None, skip: tuple[str, ...] = ()) -> dict:
+        """`views` (the base's, by span name) with each adapted one wrapped in an `Adapted` over the adapter group
+        `buffer`; given `grad` (that group's flat fp32 gradient buffer), its matrices are `BoundWeight`s into it."""
+        out = dict(views)
+        for name in self._spans:
+            if name in views and name not in skip:
+                out[name] = self.adapters(name, buffer, grad, base=views[name])
+        return out
+
+    def adapters(self, name: str, buffer: Tensor, grad: Tensor | None = None, base=None) -> Adapted:
+        """Span `name`'s adapters bound to `buffer` (and `grad`) over `base`; with no base, `ops.linear` of it is the
+        adapters' delta alone (for a backward that does the base GEMM by hand)."""
+        where = self._spans[name]
+
+        def matrix(span: Span):
+            return span.view(buffer) if grad is None else BoundWeight(span.view(buffer), span.view(grad))
+
+        ups = tuple((matrix(up), first, stop) for up, first, stop in where.ups)
+        return Adapted(base, matrix(where.down), ups, where.rows, self.lora.r, self.lora.scale)
