@@ -26,6 +26,7 @@ from common import base_row, fill_random_, machine, table, timed, write_results 
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import (  # noqa: E402
+    AdapterSection,
     Config,
     DataSection,
     EngineSection,
@@ -95,6 +96,7 @@ def bench_megatrain(name, args, implementation="native"):
         if args.trace_dir and tokens == max(token_counts):
             trainer.timeline.write_chrome_trace(Path(args.trace_dir) / f"trace-{name}-{tokens}.json")
         n_seqs = tokens // args.seq_len
+        flops = flops_per_token(model, args.doc_len or args.seq_len, trainer.spec.adapter_params)
         rows.append(
             base_row("megatrain", name, model, args.seq_len, n_seqs, args.micro_batch, timing["step_s"])
             | _placement_fields(trainer, timing["step_s"])
@@ -103,9 +105,9 @@ def bench_megatrain(name, args, implementation="native"):
                 "grad_clip": args.grad_clip,
                 "doc_len": args.doc_len,  # 0: one sequence per row
                 # attention FLOPs of what is computed: within documents when packed
-                "model_tflops": round(
-                    flops_per_token(model, args.doc_len or args.seq_len) * tokens / timing["step_s"] / 1e12, 1
-                ),
+                "model_tflops": round(flops * tokens / timing["step_s"] / 1e12, 1),
+                "flop_convention": FLOP_CONVENTIONS[trainer.spec.adapter is not None],
+                "adapter": _adapter_label(config),
                 "wire_copy": config.engine.wire_copy,
                 "n_slots": args.n_slots,
                 "n_layers": model.n_layers,
@@ -124,13 +126,24 @@ def bench_megatrain(name, args, implementation="native"):
     return rows
 
 
+# what a row's model TFLOPS count: full training's 6 FLOPs a parameter and token; LoRA's 4 a frozen base parameter
+# (forward, and the input's gradient: no weight gradient) and 6 an adapter parameter; attention on top of each
+FLOP_CONVENTIONS = {False: "6PT + attention", True: "4PT (frozen base) + 6 x adapter params x T + attention"}
+
+
+def _adapter_label(config) -> str | None:
+    adapter = config.model.adapter
+    return None if adapter.type is None else f"lora r={adapter.r} {','.join(adapter.target_modules)}"
+
+
 def _token_counts(args) -> list[int]:
     return [int(t) for t in args.tokens.split(",")]
 
 
 def _megatrain_config(name, args, implementation):
     """(Config, ModelConfig) of a run set up for the largest point (`--layers`: the model's first layers)."""
-    section = ModelSection(preset=name, implementation=implementation)
+    adapter = AdapterSection("lora", args.lora_r, 2.0 * args.lora_r) if args.lora_r else AdapterSection()
+    section = ModelSection(preset=name, implementation=implementation, adapter=adapter)
     model = model_config_of(Config(model=section))
     if args.layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
         model = model.first_layers(args.layers)
@@ -411,6 +424,13 @@ def parse_args():
         "--doc-len", type=int, default=0, help="pack documents of this many tokens per row (per-document attention)"
     )
     parser.add_argument("--layers", type=int, default=0, help="keep only the first N layers of each model")
+    parser.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (alpha 2r) on every linear layer over "
+        "the frozen model (0: full training)",
+    )
     parser.add_argument(
         "--implementation",
         default="native",

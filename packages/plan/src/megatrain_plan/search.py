@@ -467,7 +467,10 @@ class Planner(CostModel):
             bubble_s=self.boundary_s(placement),
             step_s=step_s,
             tokens_per_s=global_tokens / step_s,
-            model_tflops=flops_per_token(model, self.shape.seq_len) * global_tokens / step_s / 1e12,
+            model_tflops=flops_per_token(model, self.shape.seq_len, self.spec.adapter_params)
+            * global_tokens
+            / step_s
+            / 1e12,
             rates=self.rates,
             phases=phases,
             bound=bound,

@@ -132,6 +132,8 @@ def check_buffers(buffers: list[Tensor], groups: tuple[tuple[ParamSpec, ...], ..
     if len(buffers) != len(groups):
         raise ValueError(f"{what}: expected {len(groups)} flat buffers, got {len(buffers)}")
     for buffer, params in zip(buffers, groups):
+        if buffer is None:  # (a frozen group's gradient: none)
+            continue
         if buffer.dim() != 1 or buffer.numel() != total_numel(params):
             raise ValueError(
                 f"{what}: flat buffer has shape {tuple(buffer.shape)}, layout needs ({total_numel(params)},)"

@@ -65,6 +65,13 @@ class ModelSpec:
         image-text model's vision stages."""
         return next(i for i, stage in enumerate(self.stages) if stage.name == "layer0") + layer
 
+    @property
+    def adapter_params(self) -> int | None:
+        """Parameters of the LoRA adapters (None without an adapter): what `flops_per_token` counts them by."""
+        if self.adapter is None:
+            return None
+        return sum(p.numel for g in self.adapter_groups for p in self.groups[g].params)
+
     def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
         """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
         state); with an adapter, every group but the adapters'."""
