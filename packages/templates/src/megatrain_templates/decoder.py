@@ -506,7 +506,9 @@ class DecoderBlock(Template):
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras."""
-        return sum(self._spans[name].shape[0] for name in self._recomputed_matrices) * element_size
+        adapters = self._adapters
+        low_rank = 0 if adapters is None else sum(adapters.low_rank_width(n) for n in self._recomputed_matrices)
+        return (sum(self._spans[name].shape[0] for name in self._recomputed_matrices) + low_rank) * element_size
 
     def extra_product_bytes_per_token(self, element_size: int) -> int:
         """What `forward_keeping_products` keeps more a token with `extras`: a linear-attention layer's
@@ -562,7 +564,7 @@ class DecoderBlock(Template):
             if name not in self._vectors and name not in skip
         }
         if self._adapters is not None:
-            matrices = self._adapters.bind(matrices, weights[1], grads[1])
+            matrices = self._adapters.bind(matrices, weights[1], grads[1], products)
         kept = products and self.shape.linear_attention is not None
         recurrence = {KEPT_RECURRENCE: KeptRecurrence(products, keep=False)} if kept else {}
         return {**matrices, **leaves, **fixed, **recurrence}, leaves

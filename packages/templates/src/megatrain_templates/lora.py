@@ -72,6 +72,10 @@ class Adapted:
     rows: int
     rank: int
     scale: float
+    low: Tensor | None = None  # the forward's kept scale * x A^T (beside the base's kept product), for a backward
+
+
+LOW_RANK = ".low_rank"  # a kept product's name + this: its adapters' low-rank product, kept beside it
 
 
 class AdapterLayout:
@@ -113,16 +117,18 @@ class AdapterLayout:
         """The template's span names whose matrices carry adapters."""
         return tuple(self._spans)
 
-    def bind(self, views: dict, buffer: Tensor, grad: Tensor | None = None, skip: tuple[str, ...] = ()) -> dict:
+    def bind(self, views: dict, buffer: Tensor, grad: Tensor | None = None, products: dict | None = None) -> dict:
         """`views` (the base's, by span name) with each adapted one wrapped in an `Adapted` over the adapter group
-        `buffer`; given `grad` (that group's flat fp32 gradient buffer), its matrices are `BoundWeight`s into it."""
+        `buffer`; given `grad` (that group's flat fp32 gradient buffer), its matrices are `BoundWeight`s into it, and
+        the low-rank products a forward kept (`products`) stand for theirs."""
         out = dict(views)
         for name in self._spans:
-            if name in views and name not in skip:
-                out[name] = self.adapters(name, buffer, grad, base=views[name])
+            if name in views:
+                low = None if products is None else products.get(name + LOW_RANK)
+                out[name] = self.adapters(name, buffer, grad, base=views[name], low=low)
         return out
 
-    def adapters(self, name: str, buffer: Tensor, grad: Tensor | None = None, base=None) -> Adapted:
+    def adapters(self, name: str, buffer: Tensor, grad: Tensor | None = None, base=None, low=None) -> Adapted:
         """Span `name`'s adapters bound to `buffer` (and `grad`) over `base`; with no base, `ops.linear` of it is the
         adapters' delta alone (for a backward that does the base GEMM by hand)."""
         where = self._spans[name]
@@ -131,4 +137,8 @@ class AdapterLayout:
             return span.view(buffer) if grad is None else BoundWeight(span.view(buffer), span.view(grad))
 
         ups = tuple((matrix(up), first, stop) for up, first, stop in where.ups)
-        return Adapted(base, matrix(where.down), ups, where.rows, self.lora.r, self.lora.scale)
+        return Adapted(base, matrix(where.down), ups, where.rows, self.lora.r, self.lora.scale, low)
+
+    def low_rank_width(self, name: str) -> int:
+        """Elements a token's kept low-rank product of span `name` takes (0: not adapted)."""
+        return len(self._spans[name].ups) * self.lora.r if name in self._spans else 0

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .layout import BoundWeight, ProductKeeper, add_matmul_
-from .lora import Adapted
+from .lora import LOW_RANK, Adapted
 
 IGNORE_INDEX = -100
 
@@ -96,10 +96,9 @@ class _LinearIntoGrad(torch.autograd.Function):
 def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper | Adapted", bias: Tensor | None = None) -> Tensor:
     """F.linear; a `BoundWeight`'s gradient goes straight into its gradient buffer in backward (and its
     kept product, where it has one, stands for the GEMM); a `ProductKeeper` keeps the product; an `Adapted`
-    weight adds its LoRA adapters' delta to its base's product (`lora_delta`)."""
+    weight adds its LoRA adapters' delta (`adapted_linear`)."""
     if isinstance(weight, Adapted):
-        delta = lora_delta(x, weight)
-        return delta if weight.base is None else linear(x, weight.base, bias) + delta
+        return adapted_linear(x, weight, bias)
     if isinstance(weight, BoundWeight):
         return _LinearIntoGrad.apply(x, weight.value, bias, weight)
     if isinstance(weight, ProductKeeper):
@@ -108,19 +107,71 @@ def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper | Adapted", 
     return F.linear(x, weight, bias)
 
 
-def lora_delta(x: Tensor, adapted: Adapted) -> Tensor:
-    """scale * (x A^T) B^T for each adapted member of a fused matrix, zeros in the rows of those not adapted:
-    [..., rows], in the order of operations of PEFT's LoRA layer (B's product, then the scale)."""
-    low = linear(x, adapted.down)  # [..., members * r]
-    pieces, row, r = [], 0, adapted.rank
+def adapted_linear(x: Tensor, adapted: Adapted, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b + (scale * x A^T) B^T for each adapted member of a fused matrix W (its rows first..stop): PEFT's
+    LoRA layer, with the scale applied to the r-wide low-rank product instead of the output (cheaper; equal up to
+    rounding). Bound for a backward (`BoundWeight`s), the gradients of W (where it trains), A and B go into their
+    buffers, and the forward's kept products (the base's and `Adapted.low`) stand for the whole forward; a
+    `ProductKeeper` base keeps both."""
+    if isinstance(adapted.down, BoundWeight):
+        return _AdaptedLinear.apply(x, bias, adapted)
+    keeper = adapted.base if isinstance(adapted.base, ProductKeeper) else None
+    out, low = _adapted_forward(x, adapted.base if keeper is None else keeper.value, bias, adapted)
+    if keeper is not None:
+        keeper.products[keeper.name], keeper.products[keeper.name + LOW_RANK] = out, low
+    return out
+
+
+def _value(weight: "Tensor | BoundWeight") -> Tensor:
+    return weight.value if isinstance(weight, BoundWeight) else weight
+
+
+def _adapted_forward(x: Tensor, base: Tensor | None, bias: Tensor | None, adapted: Adapted) -> tuple[Tensor, Tensor]:
+    """(the adapted product [..., rows], the scaled low-rank product scale * x A^T [..., members * r]); no base: the
+    adapters' delta alone. Each member's B adds into its rows inside its GEMM (no delta tensor of the output's size)."""
+    low = F.linear(x, _value(adapted.down)) * adapted.scale
+    out = x.new_zeros(*x.shape[:-1], adapted.rows) if base is None else F.linear(x, _value(base), bias)
+    out_2d, low_2d, r = out.view(-1, adapted.rows), low.view(-1, low.shape[-1]), adapted.rank
     for index, (up, first, stop) in enumerate(adapted.ups):
-        if first > row:
-            pieces.append(x.new_zeros(*x.shape[:-1], first - row))
-        pieces.append(linear(low[..., index * r : (index + 1) * r], up))
-        row = stop
-    if row < adapted.rows:
-        pieces.append(x.new_zeros(*x.shape[:-1], adapted.rows - row))
-    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)) * adapted.scale
+        out_2d[:, first:stop].addmm_(low_2d[:, index * r : (index + 1) * r], _value(up).T)
+    return out, low
+
+
+class _AdaptedLinear(torch.autograd.Function):
+    """`adapted_linear` whose backward adds the gradients of the base (where it trains: `BoundWeight.grad`), of each
+    A and B into their buffers, and returns the input's (and the bias')."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, adapted: Adapted) -> Tensor:
+        base = adapted.base
+        if base is not None and base.product is not None and adapted.low is not None:
+            out, low = base.product.view_as(base.product), adapted.low  # (a new tensor for autograd to own)
+        else:
+            out, low = _adapted_forward(x, base, bias, adapted)
+        ctx.save_for_backward(x, low)
+        ctx.adapted = adapted
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, low = ctx.saved_tensors
+        adapted, r = ctx.adapted, ctx.adapted.rank
+        grad_2d, x_2d, low_2d = (t.reshape(-1, t.shape[-1]) for t in (grad_out, x, low))
+        grad_lows = []
+        for index, (up, first, stop) in enumerate(adapted.ups):
+            grad_rows = grad_2d[:, first:stop]
+            add_matmul_(up.grad, grad_rows.T, low_2d[:, index * r : (index + 1) * r])  # dB = g^T (scale x A^T)
+            grad_lows.append(grad_rows @ up.value)
+        grad_low = (grad_lows[0] if len(grad_lows) == 1 else torch.cat(grad_lows, dim=1)) * adapted.scale
+        add_matmul_(adapted.down.grad, grad_low.T, x_2d)  # dA = (scale g B)^T x
+        grad_x = grad_low @ adapted.down.value
+        base = adapted.base
+        if base is not None:
+            if base.grad is not None:
+                add_matmul_(base.grad, grad_2d.T, x_2d)
+            grad_x = grad_x.addmm_(grad_2d, base.value)
+        grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[1] else None
+        return grad_x.view_as(x), grad_bias, None
 
 
 @compiled_on_cuda
