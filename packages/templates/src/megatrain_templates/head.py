@@ -120,13 +120,19 @@ class Head(Template):
         loss_scale = 1 / (labels counted over the whole optimizer step) micro-batches add
         up to the gradient of the mean; `loss_scale` may also be a [batch, seq] tensor, each token's
         d(loss)/d(its cross-entropy) (a step-level objective's coefficients). Returns (sum as an fp32
-        scalar tensor, grad w.r.t. hidden); weight gradients are added into `grads` (flat fp32).
+        scalar tensor, grad w.r.t. hidden); weight gradients are added into `grads` (flat fp32; None: a frozen
+        group, whose gradient is not made).
         """
         check_buffers(weights, self.groups, "Head.loss")
         check_buffers(grads, self.groups, "Head.loss grads")
         matrix = self._matrix_span.view(weights[self._matrix_group])
-        grad_matrix = self._matrix_span.view(grads[self._matrix_group])
-        norm_weight = leaf(weights[self._norm_group], self._norm_span)
+        frozen_matrix, frozen_norm = grads[self._matrix_group] is None, grads[self._norm_group] is None
+        grad_matrix = None if frozen_matrix else self._matrix_span.view(grads[self._matrix_group])
+        norm_weight = (
+            self._norm_span.view(weights[self._norm_group])
+            if frozen_norm
+            else leaf(weights[self._norm_group], self._norm_span)
+        )
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             normed = self._normed_rows(x, norm_weight)
@@ -148,7 +154,11 @@ class Head(Template):
             loss_sum += chunk_loss
             # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one
             grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
-            add_matmul_(grad_matrix, grad_logits.T, (upcast(chunk) * scale).to(chunk.dtype))
+            if grad_matrix is not None:
+                add_matmul_(grad_matrix, grad_logits.T, (upcast(chunk) * scale).to(chunk.dtype))
+        if frozen_norm:
+            (grad_hidden,) = torch.autograd.grad(normed, [x], grad_rows.view_as(normed))
+            return loss_sum, grad_hidden
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden
