@@ -4,8 +4,10 @@
 and an adapter of another shape is refused in one line before anything loads."""
 
 import json
+from contextlib import chdir
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -143,3 +145,29 @@ def test_an_adapter_of_another_shape_is_refused_before_anything_loads(base_dir, 
         with pytest.raises(ZooError, match=message) as refused:
             lora_trainer(base_dir, tmp_path / name, AdapterSection(type="lora", path=str(tmp_path / name)))
         assert "\n" not in str(refused.value)
+
+
+def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_path, capsys):
+    """`megatrain train` with model.adapter writes final/ as a PEFT directory served as its base is (tokenizer, chat
+    template); `megatrain convert RUN DIR --merge` finds it and writes the merged model with PeftModel's logits, and
+    `megatrain eval` of the run says how to get a model it takes."""
+    np.save(tmp_path / "ids.npy", np.random.default_rng().integers(0, 96, 400, dtype=np.int32))
+    run = tmp_path / "run"
+    pairs = [f"model.hf_dir={base_dir}", "model.adapter.type=lora", "model.adapter.r=4", "data.tokens=ids.npy"]
+    pairs += ["data.seq_len=12", "device=cpu", "train.batch_size=2", "train.micro_batch_size=2", "train.lr=1e-2"]
+    pairs += ["train.steps=2", f"output_dir={run}"]
+    with chdir(tmp_path):
+        assert main(["train", *(arg for pair in pairs for arg in ("--set", pair))]) == 0
+        assert main(["convert", str(run), "merged", "--merge"]) == 0
+        assert main(["eval", "--checkpoint", str(run)]) == 2  # (a config error)
+    output = capsys.readouterr()
+    assert "merged 14 adapted matrices" in output.err  # (all-linear: 7 per layer, 2 layers)
+    assert f"`megatrain convert {run / 'final'} DIR --merge`" in output.err + output.out
+    final = run / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
+    assert "tokenizer, chat template" in describe_export(final)
+    ids = torch.randint(0, 96, (2, 12))
+    expected = logits_of(peft_model(base_dir, final), ids)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert rel_err(logits_of(merged, ids), expected) < 1e-5
+    assert "tokenizer, chat template" in describe_export(tmp_path / "merged")
