@@ -1,6 +1,6 @@
 """Hugging Face model directories written whole: a store's weights (`export_hf`) or a checkpoint converted
 (`convert`), with what they are served with (tokenizer, chat template, generation config), into a directory that is
-replaced only once every file is written."""
+replaced only once every file is written; a LoRA run's as a PEFT adapter directory, or merged into its base."""
 
 import json
 import os
