@@ -37,6 +37,9 @@ _PLAIN_LORA = {
     "fan_in_fan_out": False,
     "trainable_token_indices": None,
     "target_parameters": None,
+    "layer_replication": None,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
 }
 
 
