@@ -25,6 +25,7 @@ from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, w
 from megatrain_store.progress import counting, progress, size_text
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory
+from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
 
 from .config import ConfigError
 from .rundir import SaveError, free_bytes
@@ -288,12 +289,12 @@ def find_weights(path: Path) -> Path:
     (a run's final/ among them); in a run directory (or its checkpoints/ folder) the newest of its checkpoints
     and its final/ export."""
     path = Path(path)
-    if (path / MANIFEST).exists() or is_hf_directory(path):
+    if (path / MANIFEST).exists() or is_hf_directory(path) or is_peft_directory(path):
         return path
     run = path.parent if path.name == CHECKPOINTS else path
     newest = _newest_complete(run / CHECKPOINTS) or _newest_complete(path)
     final = run / FINAL
-    if is_hf_directory(final) and (newest is None or _final_is_newer(final, newest)):
+    if (is_hf_directory(final) or is_peft_directory(final)) and (newest is None or _final_is_newer(final, newest)):
         return final
     if newest is not None:
         return newest
@@ -310,7 +311,8 @@ def _final_is_newer(final: Path, checkpoint: Path) -> bool:
     try:
         return json.loads((final / TRAINER_STATE).read_text())["global_step"] >= step_of(checkpoint)
     except (OSError, ValueError, KeyError, TypeError):
-        return (final / "config.json").stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
+        described = final / ("config.json" if (final / "config.json").exists() else PEFT_CONFIG)
+        return described.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
 
 
 def exported_step(final: Path) -> int | None:

@@ -212,9 +212,11 @@ def run_train(args) -> None:
 
 
 def run_convert(args) -> None:
-    """`megatrain convert SOURCE DIR`: a model directory served as trained; says what it wrote."""
+    """`megatrain convert SOURCE DIR`: a model directory served as trained (a LoRA run's: its PEFT adapter directory,
+    or with --merge its base model with the adapters merged in); says what it wrote."""
     from megatrain_data.serving import describe_export
     from megatrain_zoo.hf_weights import is_hf_directory
+    from megatrain_zoo.peft import is_peft_directory
 
     from .checkpoint import find_weights
     from .config import ConfigError
@@ -224,13 +226,13 @@ def run_convert(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file; name a directory to write the model into (new, or a model's to replace)")
-    if out.is_dir() and any(out.iterdir()) and not is_hf_directory(out):
+    if out.is_dir() and any(out.iterdir()) and not (is_hf_directory(out) or is_peft_directory(out)):
         raise ConfigError(
             f"{out} holds files but no model (no config.json of one); name a new directory, or a model's to replace"
         )
     weights = find_weights(Path(args.source))
     try:
-        written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights))
+        written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights), merge=args.merge)
     except OSError as error:  # (it is the DIR argument, not a run's output_dir, that cannot be written)
         hint = _os_hint(error.errno, "name another DIR to convert into")
         raise SaveError(f"convert cannot write {out} ({error.strerror or error}); {hint}") from None
@@ -491,6 +493,11 @@ def _add_convert(commands) -> None:
     )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    convert_parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: its base model with the adapters merged in (default: the PEFT adapter directory)",
+    )
 
 
 def _add_data(commands) -> None:
@@ -567,6 +574,19 @@ def _size(params: int) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
 
 
+def _refuse_adapters(weights: Path, command: str) -> None:
+    """Refuse a LoRA run's adapters (a PEFT directory, or a checkpoint of the adapters alone) where `command` needs a
+    whole model, saying how to make one."""
+    from .config import ConfigError
+    from .export import lora_source
+
+    if lora_source(weights) is not None:
+        raise ConfigError(
+            f"megatrain {command} of LoRA adapters ({weights}) is not built yet; `megatrain convert {weights} DIR "
+            f"--merge` writes the model with them merged in, which {command} takes"
+        )
+
+
 def run_command(args) -> None:
     """Run the parsed command (its errors propagate)."""
     if args.command == "convert":
@@ -578,6 +598,7 @@ def run_command(args) -> None:
 
         _at_least(args.batches, 1, "--batches")
         args.weights = find_weights(Path(args.checkpoint))
+        _refuse_adapters(args.weights, "eval")
         base = run_config(args.weights)
         config = _config(args, base)
         check_held_out(config, base)
@@ -590,6 +611,7 @@ def run_command(args) -> None:
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
         args.weights = find_weights(Path(args.checkpoint))
+        _refuse_adapters(args.weights, "generate")
         run_generate(_config(args, run_config(args.weights)), args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")

@@ -1,10 +1,12 @@
 """Hugging Face model directories written whole: a store's weights (`export_hf`) or a checkpoint converted
 (`convert`), with what they are served with (tokenizer, chat template, generation config), into a directory that is
-replaced only once every file is written."""
+replaced only once every file is written; a LoRA run's as a PEFT adapter directory, or merged into its base."""
 
 import json
 import os
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain_data.serving import SERVING_FILES, Serving, write_serving_files
@@ -13,14 +15,33 @@ from megatrain_store import (
     Pending,
     atomic_write_text,
     fsync_dir,
+    match_tensors,
     open_safetensors,
     read_safetensors_header,
     write_safetensors,
 )
 from megatrain_store.progress import counting, progress
-from megatrain_zoo import ModelSpec, config_to_hf
-from megatrain_zoo.hf_weights import WholeGroups, checkpoint_entries, checkpoint_files, entries_as_imported
+from megatrain_templates import Lora
+from megatrain_zoo import ModelConfig, ModelSpec, config_to_hf, read_hf_config
+from megatrain_zoo.hf_weights import (
+    WholeGroups,
+    checkpoint_entries,
+    checkpoint_files,
+    entries_as_imported,
+    is_hf_directory,
+)
+from megatrain_zoo.peft import (
+    PEFT_CONFIG,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    adapter_layout,
+    check_peft_weights,
+    merged_entries,
+    read_peft_config,
+    write_peft_adapter,
+)
 
+from .config import ConfigError
 from .rundir import check_room
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
@@ -36,15 +57,44 @@ def write_hf_directory(
     written into a folder beside `out_dir` first (refused before that, `SaveError`, where its disk has no room
     for them) and moved in once all are whole, so a write that fails leaves `out_dir` as it was."""
     out_dir = Path(out_dir)
+    serving = _serving(serving)
+    return _write_staged(
+        out_dir,
+        entries,
+        lambda staging: _write_model_files(staging, entries, config, serving, shard_bytes, what=out_dir.name),
+    )
+
+
+def write_peft_directory(
+    out_dir: Path, entries: list, spec: ModelSpec, base_model: str | None, serving: Serving | Path | None
+) -> Path:
+    """A PEFT adapter directory (`megatrain_zoo.peft.write_peft_adapter`: adapter_config.json +
+    adapter_model.safetensors, loadable by `peft.PeftModel.from_pretrained(base, out_dir)`) with what the model is
+    served with, as `write_hf_directory` writes a model: whole or not at all. `entries`: the adapters, by the model's
+    names; `base_model`: the base model's directory or hub name (adapter_config.json's base_model_name_or_path)."""
+    serving = _serving(serving)
+
+    def write(staging: Path) -> None:
+        write_peft_adapter(entries, spec, staging, base_model)
+        write_serving_files(staging, serving, {})
+
+    return _write_staged(Path(out_dir), entries, write)
+
+
+def _serving(serving: Serving | Path | None) -> Serving:
+    return serving if isinstance(serving, Serving) else Serving(None if serving is None else Path(serving))
+
+
+def _write_staged(out_dir: Path, entries: list, write) -> Path:
+    """Call write(folder) on a new folder beside `out_dir` (refused first, `SaveError`, where its disk has no room for
+    `entries`), then move its files into `out_dir`: a write that fails leaves `out_dir` as it was."""
     weight_bytes = sum(p.numel() * p.element_size() for _, p in entries)
     check_room(out_dir.parent, weight_bytes + 2**20, f"the model {out_dir}")
     staging = out_dir.parent / f".{out_dir.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed
     staging.mkdir(parents=True)
-    if not isinstance(serving, Serving):
-        serving = Serving(None if serving is None else Path(serving))
     try:
-        _write_model_files(staging, entries, config, serving, shard_bytes, what=out_dir.name)
+        write(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -53,12 +103,14 @@ def write_hf_directory(
 
 
 def _move_into(staging: Path, out_dir: Path) -> None:
-    """Move a model's files from `staging` into `out_dir`, whose files of an earlier model go where this one
-    writes none (stale shards beside a new index would be read as the model; another model's tokenizer, chat
-    template or generation config as this one's)."""
+    """Move a model's files from `staging` into `out_dir`, whose files of an earlier model (or adapter) go where this
+    one writes none (stale shards beside a new index would be read as the model; another model's tokenizer, chat
+    template or generation config as this one's; a full model's config.json beside an adapter as the model)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     described = [out_dir / name for name in ("model.safetensors.index.json", *SERVING_FILES)]
-    for stale in [*out_dir.glob("model*.safetensors"), *described]:
+    adapter = [out_dir / name for name in (PEFT_CONFIG, PEFT_WEIGHTS)]
+    model = [out_dir / "config.json"] if (staging / PEFT_CONFIG).exists() else []
+    for stale in [*out_dir.glob("model*.safetensors"), *described, *adapter, *model]:
         if stale.exists() and not (staging / stale.name).exists():
             stale.unlink()
     for path in staging.iterdir():
@@ -99,28 +151,49 @@ def export_hf(
     serving: Serving | Path | None = None,
     shard_bytes: int = SHARD_BYTES,
     gather=None,
+    base_model: str | None = None,
 ) -> Path:
     """Write config.json + fp32 safetensors (sharded with an index past `shard_bytes`) that
     transformers loads as the matching *ForCausalLM, with what it is served with (`serving`, or a tokenizer.json
     and its own files). With hosts that split the state, `gather` brings each group to this rank (see
-    `WholeGroups`)."""
-    entries = checkpoint_entries(spec, WholeGroups(store, gather).entries("master"))
+    `WholeGroups`). A LoRA run's (`spec.adapter`) is its adapters alone, as a PEFT directory (`write_peft_directory`)
+    naming `base_model` as its base."""
+    whole = WholeGroups(store, gather)
+    if spec.adapter is not None:
+        return write_peft_directory(out_dir, whole.entries("master", trained_only=True), spec, base_model, serving)
+    entries = checkpoint_entries(spec, whole.entries("master"))
     return write_hf_directory(out_dir, entries, config_to_hf(spec.config), serving, shard_bytes)
 
 
 def convert(
-    source: Path, out_dir: Path, dtype: str = "float32", shard_bytes: int = SHARD_BYTES, serving: Serving | None = None
+    source: Path,
+    out_dir: Path,
+    dtype: str = "float32",
+    shard_bytes: int = SHARD_BYTES,
+    serving: Serving | None = None,
+    merge: bool = False,
 ) -> Path:
     """A Hugging Face directory from a megatrain checkpoint (or another HF directory), streamed
     tensor by tensor: at most one shard is in memory, served with `serving` (None: the tokenizer files beside the
     source, or in its run's final/). `dtype`: float32 or bfloat16. A quantized source
     (FP8 blocks, MXFP4 experts) is written dequantized, as megatrain imports it, without the
-    multi-token-prediction layers of DeepSeek-V3, GLM-4.5 and ERNIE 4.5."""
+    multi-token-prediction layers of DeepSeek-V3, GLM-4.5 and ERNIE 4.5.
+
+    A LoRA run's checkpoint or PEFT directory (`lora_source`) is written as a PEFT adapter directory, or with `merge`
+    as its base model with the adapters merged into it (`convert_lora`)."""
     import torch
 
-    from megatrain_zoo import ModelConfig, build_model, read_hf_config
+    from megatrain_zoo import build_model
 
     source = Path(source)
+    lora = lora_source(source)
+    if lora is not None:
+        return convert_lora(lora, out_dir, dtype, shard_bytes, serving, merge)
+    if merge:
+        raise ConfigError(
+            f"convert --merge merges a LoRA run's adapters into its base model; {source} holds a whole model: "
+            "convert it without --merge"
+        )
     manifest = source / "manifest.json"
     if manifest.exists():
         model = ModelConfig(**json.loads(manifest.read_text())["model"])
@@ -154,3 +227,110 @@ def _tokenizer_of(source: Path) -> Path | None:
 def _read(where: dict, name: str):
     with open_safetensors({where[name]}) as handles:
         return handles[where[name]].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class LoraSource:
+    """What a LoRA run's weights are: its model, its adapter's settings, the file holding the adapters (their names
+    there: `prefix` + the model's), and its base: a Hugging Face directory, or (a preset's run) drawn as the run drew
+    it, from `seed` in the dtype it held the base in."""
+
+    model: ModelConfig
+    adapter: Lora
+    weights: Path
+    prefix: str
+    base: Path | None
+    seed: int = 0
+    held: str = "float32"
+
+    @property
+    def base_name(self) -> str | None:
+        """adapter_config.json's base_model_name_or_path: the base's directory (None: a preset's drawn weights)."""
+        return None if self.base is None else str(self.base)
+
+
+def lora_source(source: Path) -> LoraSource | None:
+    """The LoRA run `source` holds the adapters of: a checkpoint of a run with model.adapter, or a PEFT adapter
+    directory (a run's final/, whose run config names the base; else the local base model directory its
+    adapter_config.json names); None for a whole model's weights."""
+    from .checkpoint import MANIFEST, run_config
+    from .config import adapter_of, load_config, model_config_of
+
+    source = Path(source)
+    if (source / MANIFEST).exists():
+        manifest = json.loads((source / MANIFEST).read_text())
+        if ((manifest["config"].get("model") or {}).get("adapter") or {}).get("type") is None:
+            return None
+        config = load_config(None, [], run_config(source, manifest))
+        model, weights, prefix = ModelConfig(**manifest["model"]), source / "model.safetensors", ""
+        adapter = adapter_of(config)
+    elif (source / PEFT_CONFIG).exists():
+        values = run_config(source)
+        config = None if values is None else load_config(None, [], values)
+        adapter, weights, prefix = read_peft_config(source), source / PEFT_WEIGHTS, PEFT_PREFIX
+        if config is None:  # (an adapter directory of its own: its base is the one it names)
+            named = json.loads((source / PEFT_CONFIG).read_text()).get("base_model_name_or_path")
+            if not named or not is_hf_directory(Path(named)):
+                raise ConfigError(
+                    f"{source} is a PEFT adapter of base_model_name_or_path {named!r}, which is not a local model "
+                    f"directory; set it in {source / PEFT_CONFIG} to the base model's directory"
+                )
+            return LoraSource(read_hf_config(Path(named)), adapter, weights, prefix, Path(named))
+        model = model_config_of(config)
+    else:
+        return None
+    base = Path(config.model.hf_dir) if config.model.hf_dir else None
+    held = config.precision.compute_dtype
+    if held == "auto":  # (as the run resolved it: bfloat16 on a GPU)
+        held = "float32" if config.device == "cpu" else "bfloat16"
+    return LoraSource(model, adapter, weights, prefix, base, config.train.seed, held)
+
+
+def convert_lora(
+    lora: LoraSource, out_dir: Path, dtype: str, shard_bytes: int, serving: Serving | None, merge: bool
+) -> Path:
+    """A LoRA run's adapters as a PEFT directory, or (`merge`) its base model with scale * B @ A added to each adapted
+    matrix (as PEFT's merge_and_unload), in `dtype`, with what the model is served with."""
+    import torch
+
+    from megatrain_zoo import build_model, init_param_
+
+    spec = build_model(lora.model, 0, lora.adapter)
+    layout = adapter_layout(spec)
+    if lora.prefix == PEFT_PREFIX:
+        check_peft_weights(spec, lora.weights.parent)
+    else:
+        match_tensors([lora.weights], {lora.prefix + name: shape for name, (shape, _) in layout.items()})
+    with open_safetensors([lora.weights]) as handles:
+        adapters = {name: handles[lora.weights].get_tensor(lora.prefix + name).float() for name in layout}
+    target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    tokenizer = _tokenizer_of(lora.weights.parent)
+    if tokenizer is None and lora.base is not None and (lora.base / "tokenizer.json").exists():
+        tokenizer = lora.base / "tokenizer.json"
+    serving = serving or Serving(tokenizer)
+    if not merge:
+        entries = [(name, Pending(tuple(t.shape), target, lambda t=t: t.to(target))) for name, t in adapters.items()]
+        return write_peft_directory(out_dir, entries, spec, lora.base_name, serving)
+    if lora.base is not None:
+        files = checkpoint_files(lora.base)
+        headers = {path: read_safetensors_header(path) for path in files}
+        where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
+        shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
+        base = entries_as_imported(spec, files, where, shapes, torch.float32)
+    else:
+        held = getattr(torch, lora.held)
+
+        def draw(name: str, shape: tuple[int, ...]):
+            tensor = torch.empty(shape, dtype=held)  # (drawn in the dtype the run held its base in, as it drew it)
+            init_param_(name, tensor, lora.model, lora.seed)
+            return tensor
+
+        shapes = spec.param_shapes(adapters=False)
+        base = [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()]
+    entries, merged = merged_entries(spec, base, adapters, target)
+    print(
+        f"megatrain: merged {merged} adapted matrices (scale alpha / r = {spec.adapter.scale:g}) into "
+        f"{lora.base_name or 'the base drawn from model.preset'}",
+        file=sys.stderr,
+    )
+    return write_hf_directory(out_dir, entries, config_to_hf(lora.model, dtype), serving, shard_bytes)

@@ -251,8 +251,9 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
 def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
     """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a
     checkpoint where they are due) as it is now: better then than after the training."""
-    store = trainer.store
-    model_bytes = store.n_params * store.master_dtype.itemsize
+    store, adapters = trainer.store, trainer.spec.adapter_groups
+    saved = sum(store.layouts[g].numel for g in adapters) if adapters else store.n_params  # (LoRA: the adapters)
+    model_bytes = saved * store.master_dtype.itemsize
     needed = model_bytes + (model_bytes * (1 + len(store.state_names)) if config.train.save_every else 0)
     free = free_bytes(out)
     if free >= needed:

@@ -36,7 +36,7 @@ from megatrain_zoo.hf_weights import (
     named_masters,
     named_wire,
 )
-from megatrain_zoo.peft import load_peft_adapter
+from megatrain_zoo.peft import check_peft_weights, load_peft_adapter
 
 from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -140,6 +140,8 @@ class Trainer:
         self.spec = self.planner.spec  # the model, built once for the planner and the run
         if config.model.hf_dir is not None:
             check_hf_weights(self.spec, Path(config.model.hf_dir))
+        if config.model.adapter.path is not None:
+            check_peft_weights(self.spec, Path(config.model.adapter.path))
 
     def _join_ranks(self, ranks: Ranks | None) -> None:
         """The process group, where the caller has not joined it already (to read the data first), and this
@@ -487,11 +489,13 @@ class Trainer:
         return [self.store.wire(g).to(self.device, self.compute_dtype) for g in groups]
 
     def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
-        """Write the current weights as a Hugging Face model directory (see `export_hf`); with several
-        ranks, call it on every rank: rank 0 writes (gathering whole groups where hosts split the state). A state
-        holding NaN or Inf is refused, naming the group, before anything is written."""
+        """Write the current weights as a Hugging Face model directory (see `export_hf`; a LoRA run's adapters as a
+        PEFT adapter directory over model.hf_dir); with several ranks, call it on every rank: rank 0 writes
+        (gathering whole groups where hosts split the state). A state holding NaN or Inf is refused, naming the group,
+        before anything is written."""
         self.sync_store()
-        broken = [self.spec.groups[g].name for g in range(self.store.n_groups) if not all_finite(self.store.master(g))]
+        trained = [g for g in range(self.store.n_groups) if not (self._adapters_only and g in self.store.frozen)]
+        broken = [self.spec.groups[g].name for g in trained if not all_finite(self.store.master(g))]
         if broken:
             raise NonFiniteError(
                 f"the weights of {', '.join(broken)} hold NaN or Inf; nothing exported. Resume from the last "
@@ -499,9 +503,11 @@ class Trainer:
             )
         if not self.is_main:
             if self.store_is_split and self.ranks.is_local_main:
-                WholeGroups.replay(self._whole_groups().entries("master"))
+                WholeGroups.replay(self._whole_groups().entries("master", trained_only=self._adapters_only))
             return Path(out_dir)
-        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=self._whole_groups().gather, **options)
+        base = self.config.model.hf_dir
+        whole = self._whole_groups()
+        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=whole.gather, base_model=base, **options)
 
     def _whole_groups(self) -> WholeGroups:
         """The store's state as whole groups to write (gathered to rank 0 where the hosts split it)."""

@@ -14,7 +14,7 @@ from .hf import config_from_hf
 from .hf_export import config_to_hf
 from .hf_weights import check_hf_weights, load_hf_weights
 from .model import build_model, expert_parts, init_param_
-from .peft import read_peft_config
+from .peft import check_peft_weights, load_peft_adapter, read_peft_config, write_peft_adapter
 from .presets import PRESETS, preset
 from .read import model_config_from_hf, read_hf_config
 from .shapes import block_shape
@@ -33,6 +33,9 @@ __all__ = [
     "block_shape",
     "build_model",
     "read_peft_config",
+    "check_peft_weights",
+    "load_peft_adapter",
+    "write_peft_adapter",
     "expert_parts",
     "config_from_hf",
     "model_config_from_hf",

@@ -3,27 +3,216 @@ adapters, named `base_model.model.` + the model's own names), read into a run's 
 them, so that an adapter trained here loads with `peft.PeftModel.from_pretrained` and back."""
 
 import json
+import re
 from pathlib import Path
 
-from megatrain_templates import Lora
+from megatrain_store import (
+    HostStore,
+    Pending,
+    atomic_write_text,
+    match_tensors,
+    open_safetensors,
+    read_safetensors_header,
+    write_safetensors,
+)
+from megatrain_templates import ALL_LINEAR, Lora, file_tensors
 
 from .config import ZooError
+from .hf_weights import _fill_groups
+from .spec import ModelSpec
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModel's name of the model it wraps, before the model's own names
+# settings of adapter_config.json that change what the adapters compute, at the value that leaves LoRA as megatrain
+# computes it (scale alpha / r, every targeted layer at rank r, no bias, no magnitude vector)
+_PLAIN_LORA = {
+    "use_rslora": False,
+    "use_dora": False,
+    "bias": "none",
+    "lora_bias": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "modules_to_save": None,
+    "fan_in_fan_out": False,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "layer_replication": None,
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+}
 
 
 def read_peft_config(adapter_dir: Path) -> Lora:
-    """The LoRA settings of a PEFT adapter directory (r, lora_alpha, lora_dropout, target_modules)."""
+    """The LoRA settings of a PEFT adapter directory (r, lora_alpha, lora_dropout, target_modules); settings that
+    change what its adapters compute beyond plain LoRA (rsLoRA, DoRA, per-layer ranks, biases, ...) are refused."""
     path = Path(adapter_dir) / PEFT_CONFIG
     if not path.is_file():
         raise ZooError(f"{adapter_dir} holds no {PEFT_CONFIG}: model.adapter.path must name a PEFT adapter directory")
     settings = json.loads(path.read_text())
     if settings.get("peft_type", "LORA") != "LORA":
         raise ZooError(f"{path}: peft_type {settings['peft_type']!r}; megatrain trains LORA adapters")
+    for key, plain in _PLAIN_LORA.items():
+        if settings.get(key) not in (plain, None, {}, []):
+            raise ZooError(
+                f"{path}: {key} is {settings[key]!r}; megatrain computes plain LoRA ({key}: {plain!r}): "
+                "train this adapter with PEFT, or start a plain one"
+            )
     targets = settings.get("target_modules") or ()
+    if isinstance(targets, str) and targets != ALL_LINEAR and not re.fullmatch(r"[\w.]+", targets):
+        raise ZooError(
+            f"{path}: target_modules is the pattern {targets!r}; megatrain reads module names: list them instead"
+        )
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    return Lora(int(settings["r"]), float(settings["lora_alpha"]), targets, float(settings.get("lora_dropout", 0.0)))
+    lora_alpha, dropout = float(settings["lora_alpha"]), float(settings.get("lora_dropout", 0.0))
+    return Lora(int(settings["r"]), lora_alpha, _layer_module_names(targets), dropout)
 
 
-def load_peft_adapter(store, spec, adapter_dir: Path) -> None:
-    raise NotImplementedError  # TEMP: being written
+def _layer_module_names(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """target_modules as names within a decoder layer: a module's full path (`model.layers.0.self_attn.q_proj`, as
+    PEFT writes all-linear resolved) becomes its part after `layers.N.` (every layer's templates are alike; an adapter
+    missing from some layers is then refused by its weights' check), a name stays as it is."""
+    names = []
+    for target in targets:
+        inside = re.match(r"^(?:.*\.)?layers\.\d+\.(.+)$", target)
+        name = inside.group(1) if inside else target
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+def is_peft_directory(path: Path) -> bool:
+    """A PEFT adapter directory: an adapter_config.json beside adapter_model.safetensors."""
+    return (Path(path) / PEFT_CONFIG).is_file() and (Path(path) / PEFT_WEIGHTS).is_file()
+
+
+def adapter_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The adapters' tensors as PEFT's files name them (less `PEFT_PREFIX`) -> (shape, the stored tensors each is)."""
+    return file_tensors({p.name: p.shape for g in sorted(spec.adapter_groups) for p in spec.groups[g].params})
+
+
+def check_peft_weights(spec: ModelSpec, adapter_dir: Path) -> Path:
+    """Refuse, from its header alone, a PEFT directory's adapter_model.safetensors whose tensors are not those of
+    `spec`'s adapter (another base model, another r, other target modules), in one line naming the tensor, both shapes
+    and the fix. Returns the file."""
+    path = Path(adapter_dir) / PEFT_WEIGHTS
+    if not path.is_file():
+        other = (
+            " (adapter_model.bin: save it again with safetensors)"
+            if (path.parent / "adapter_model.bin").exists()
+            else ""
+        )
+        raise ZooError(f"{adapter_dir} holds no {PEFT_WEIGHTS}{other}; model.adapter.path must name a PEFT adapter")
+    lora, layout = spec.adapter, adapter_layout(spec)
+    found = {k: tuple(v["shape"]) for k, v in read_safetensors_header(path).items() if k != "__metadata__"}
+    targets = ", ".join(lora.target_modules)
+    for key, shape in found.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if ".lora_A.default." in key or ".lora_B.default." in key:
+            raise ZooError(
+                f"{path}: {key} is named as in PeftModel.state_dict(), not as PEFT saves an adapter; write it with "
+                "PeftModel.save_pretrained (or name its tensors without .default)"
+            )
+        if not key.startswith(PEFT_PREFIX) or name not in layout:
+            module = name.rsplit(".lora_", 1)[0]
+            raise ZooError(
+                f"{path}: {key} {shape} adapts {module}, which this model's adapter (target_modules: {targets}) does "
+                f"not have; the adapter is for another base model (use model.hf_dir of the model it was trained on)"
+            )
+        need = layout[name][0]
+        if shape != need:
+            rank_axis = 0 if ".lora_A." in name else 1
+            if len(shape) == 2 and shape[1 - rank_axis] == need[1 - rank_axis]:
+                fix = (
+                    f"its rank is {shape[rank_axis]}, adapter_config.json says r: {lora.r}; set r to {shape[rank_axis]}"
+                )
+            else:
+                fix = "the adapter is for another base model (use model.hf_dir of the model it was trained on)"
+            raise ZooError(f"{path}: {key} has shape {shape}, this model needs {need}; {fix}")
+    missing = [name for name in layout if PEFT_PREFIX + name not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ZooError(
+            f"{path} holds no {PEFT_PREFIX + missing[0]} {layout[missing[0]][0]}{more}: target_modules ({targets}) "
+            "adapt it on this model; the adapter is for another base model, or its adapter_config.json names "
+            "target_modules its weights do not have (set them to the modules it adapts)"
+        )
+    return path
+
+
+def load_peft_adapter(store: HostStore, spec: ModelSpec, adapter_dir: Path) -> None:
+    """Fill the store's adapter groups from a PEFT directory's adapter_model.safetensors (any stored dtype), every
+    tensor's presence and shape checked first (`check_peft_weights`): a bad file leaves the store untouched."""
+    path = check_peft_weights(spec, adapter_dir)
+    layout = adapter_layout(spec)
+    where = match_tensors([path], {PEFT_PREFIX + name: shape for name, (shape, _) in layout.items()})
+    others = frozenset(range(store.n_groups)) - spec.adapter_groups
+    with open_safetensors(where.values()) as handles:
+        _fill_groups(store, handles, where, layout, prefix=PEFT_PREFIX, desc=f"load {path.parent.name}", skip=others)
+
+
+def target_module_names(spec: ModelSpec) -> list[str]:
+    """The names (q_proj, ..., down_proj) of the modules `spec`'s adapter adapts, all-linear resolved."""
+    return sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in adapter_layout(spec)})
+
+
+def peft_config(spec: ModelSpec, base_model_name_or_path: str | None) -> dict:
+    """The adapter_config.json of `spec`'s adapter, as PEFT writes one for a causal language model."""
+    lora = spec.adapter
+    alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora.r,
+        "lora_alpha": alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": target_module_names(spec),
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "revision": None,
+        **_PLAIN_LORA,
+    }
+
+
+def write_peft_adapter(entries: list, spec: ModelSpec, out_dir: Path, base_model_name_or_path: str | None) -> Path:
+    """Write `entries` ((model name, Pending) of the adapters, as `WholeGroups.entries(trained_only=True)` gives
+    them) into `out_dir` as PEFT saves an adapter: adapter_model.safetensors (PEFT's names, in the dtype held), then
+    adapter_config.json. Each file is written atomically, the config last, so a directory with an adapter_config.json
+    holds its weights; `megatrain.export` writes the directory whole (with its tokenizer) through a staging folder."""
+    out_dir = Path(out_dir)
+    layout = adapter_layout(spec)
+    names = [name for name, _ in entries]
+    if sorted(names) != sorted(layout):
+        stray = sorted(set(names) ^ set(layout))
+        raise ZooError(f"write_peft_adapter: the entries are not {spec.config.arch}'s adapters ({stray[:3]} ...)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    renamed = [(PEFT_PREFIX + name, pending) for name, pending in entries]
+    write_safetensors(out_dir / PEFT_WEIGHTS, renamed, metadata={"format": "pt"})
+    atomic_write_text(out_dir / PEFT_CONFIG, json.dumps(peft_config(spec, base_model_name_or_path), indent=2))
+    return out_dir
+
+
+def merged_entries(spec: ModelSpec, base: list, adapters: dict, target) -> tuple[list, int]:
+    """The base model's (name, Pending) `base` with each adapted matrix W replaced by W + scale * B @ A (in float32,
+    then cast to `target`), as PEFT's merge_and_unload computes it; `adapters`: model name -> the adapters' tensors
+    (`lora_A.weight` [r, in], `lora_B.weight` [out, r]). Returns (entries, how many matrices merged)."""
+    import torch
+
+    scale = spec.adapter.scale
+    out, merged = [], 0
+    for name, pending in base:
+        module = name.removesuffix(".weight")
+        down, up = adapters.get(f"{module}.lora_A.weight"), adapters.get(f"{module}.lora_B.weight")
+        if down is None:
+            out.append((name, Pending(pending.shape, target, lambda p=pending: p.load().to(target))))
+            continue
+
+        def load(p=pending, down=down, up=up):
+            return (p.load().to(torch.float32) + scale * (up.float() @ down.float())).to(target)
+
+        out.append((name, Pending(pending.shape, target, load)))
+        merged += 1
+    if merged * 2 != len(adapters):
+        raise ZooError(f"{len(adapters) // 2 - merged} adapted matrices have no base weight to merge into")
+    return out, merged

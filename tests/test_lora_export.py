@@ -1,0 +1,173 @@
+"""A LoRA run's adapters leave and enter as PEFT's: its export (and `megatrain convert` of it) loads with
+`peft.PeftModel.from_pretrained` and computes megatrain's logits, an adapter PEFT saved starts a run
+(model.adapter.path) at PEFT's logits, `megatrain convert --merge` writes a transformers model with the same logits,
+and an adapter of another shape is refused in one line before anything loads."""
+
+import json
+from contextlib import chdir
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from hf_steps import random_batch, rel_err
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from megatrain import Trainer
+from megatrain.checkpoint import save_checkpoint
+from megatrain.cli import main
+from megatrain.config import AdapterSection, Config, ModelSection, TrainSection
+from megatrain.step import StepBatch
+from megatrain_data import DataSection
+from megatrain_data.serving import describe_export
+from megatrain_zoo import ZooError, config_to_hf, preset
+
+peft = pytest.importorskip("peft")
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 (q, k and v biases) written by transformers, with random weights, a word-level tokenizer and a
+    chat template."""
+    directory = tmp_path_factory.mktemp("base") / "qwen2"
+    hf_config = transformers.AutoConfig.for_model(**(config_to_hf(preset("tiny-qwen2")) | {"vocab_size": 96}))
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2 if name.endswith("norm.weight") else 0.1)
+    model.save_pretrained(directory)
+    vocab = {"<unk>": 0, "<|end|>": 1, "<|user|>": 2, "<|assistant|>": 3} | {f"w{i}": i + 4 for i in range(90)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"chat_template": TEMPLATE, "eos_token": "<|end|>", "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory
+
+
+def lora_trainer(base_dir: Path, tmp_path: Path, adapter: AdapterSection, steps: int = 2) -> Trainer:
+    train = TrainSection(steps=steps, batch_size=2, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=0.0)
+    model = ModelSection(hf_dir=str(base_dir), adapter=adapter)
+    config = Config(model=model, data=DataSection(seq_len=12), train=train, device="cpu", output_dir=str(tmp_path))
+    return Trainer(config)
+
+
+def peft_model(base_dir: Path, adapter_dir: Path):
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_trained_adapter_exports_as_peft_and_converts_merged(base_dir, tmp_path, capsys):
+    """Two steps at lr 1e-2 move B off zero; the export is a PEFT directory (with the tokenizer and chat template)
+    whose PeftModel gives megatrain's logits; convert of a checkpoint writes the same adapter, and --merge of the
+    checkpoint and of the export write transformers models with those logits."""
+    adapter = AdapterSection(type="lora", r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    trainer = lora_trainer(base_dir, tmp_path / "run", adapter)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    for _ in range(2):
+        trainer.train_step(StepBatch(*random_batch(2, 12, 96, generator)))
+    ids = torch.randint(0, 96, (2, 12), generator=generator)
+    ours = trainer.logits(ids)
+    moved = trainer.named_weights()["model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert moved.abs().max() > 0
+    exported = trainer.export(tmp_path / "adapter", tokenizer=base_dir / "tokenizer.json")
+    checkpoint = save_checkpoint(trainer.state_dict(), tmp_path / "run" / "checkpoints", 1)
+    trainer.close()
+
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in exported.iterdir()}
+    assert "tokenizer, chat template" in describe_export(exported)
+    settings = json.loads((exported / "adapter_config.json").read_text())
+    assert (settings["r"], settings["lora_alpha"], settings["base_model_name_or_path"]) == (4, 8, str(base_dir))
+    assert sorted(settings["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert rel_err(logits_of(peft_model(base_dir, exported), ids), ours) < 1e-5
+
+    assert main(["convert", str(checkpoint), str(tmp_path / "converted")]) == 0
+    assert rel_err(logits_of(peft_model(base_dir, tmp_path / "converted"), ids), ours) < 1e-5
+    for source, out in ((checkpoint, "merged"), (exported, "merged-export")):
+        assert main(["convert", str(source), str(tmp_path / out), "--merge"]) == 0
+        assert "merged 6 adapted matrices" in capsys.readouterr().err  # (3 per layer, 2 layers)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype=torch.float32)
+        assert rel_err(logits_of(merged.eval(), ids), ours) < 1e-5
+        assert "tokenizer, chat template" in describe_export(tmp_path / out)
+
+
+def test_an_adapter_peft_saved_starts_a_run_at_peft_logits(base_dir, tmp_path):
+    """A PeftModel of all-linear r 4 with random non-zero B, saved by PEFT, read through model.adapter.path: the run's
+    logits are PEFT's, and its adapter's settings are the directory's."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(tmp_path / "saved")
+    ids = torch.randint(0, 96, (2, 12))
+    expected = logits_of(model.eval(), ids)
+    trainer = lora_trainer(base_dir, tmp_path / "run", AdapterSection(type="lora", path=str(tmp_path / "saved")))
+    assert (trainer.spec.adapter.r, trainer.spec.adapter.alpha) == (4, 16.0)
+    assert rel_err(trainer.logits(ids), expected) < 1e-5
+    trainer.close()
+
+
+def test_an_adapter_of_another_shape_is_refused_before_anything_loads(base_dir, tmp_path, monkeypatch):
+    """An adapter saved with r 8 whose adapter_config.json says r 4, and one for a wider model: each refused in one
+    line naming the tensor, both shapes and the fix, before the base model is read."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "r8"
+    )
+    settings = json.loads((tmp_path / "r8" / "adapter_config.json").read_text())
+    (tmp_path / "r8" / "adapter_config.json").write_text(json.dumps(settings | {"r": 4}))
+    wide = config_to_hf(preset("tiny-qwen2")) | {"vocab_size": 96}
+    wide = transformers.AutoConfig.for_model(**(wide | {"hidden_size": 2 * wide["hidden_size"]}))
+    wide_model = transformers.AutoModelForCausalLM.from_config(wide)
+    peft.get_peft_model(wide_model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "wide"
+    )
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the base model was read before the adapter was checked")
+
+    monkeypatch.setattr("megatrain.trainer.load_hf_weights", no_load)
+    rank = r"q_proj\.lora_A\.weight has shape \(8, \d+\), this model needs \(4, \d+\); its rank is 8, .* set r to 8"
+    other = r"shape \(\d+, \d+\), this model needs \(\d+, \d+\); the adapter is for another base model"
+    for name, message in (("r8", rank), ("wide", other)):
+        with pytest.raises(ZooError, match=message) as refused:
+            lora_trainer(base_dir, tmp_path / name, AdapterSection(type="lora", path=str(tmp_path / name)))
+        assert "\n" not in str(refused.value)
+
+
+def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_path, capsys):
+    """`megatrain train` with model.adapter writes final/ as a PEFT directory served as its base is (tokenizer, chat
+    template); `megatrain convert RUN DIR --merge` finds it and writes the merged model with PeftModel's logits, and
+    `megatrain eval` of the run says how to get a model it takes."""
+    np.save(tmp_path / "ids.npy", np.random.default_rng().integers(0, 96, 400, dtype=np.int32))
+    run = tmp_path / "run"
+    pairs = [f"model.hf_dir={base_dir}", "model.adapter.type=lora", "model.adapter.r=4", "data.tokens=ids.npy"]
+    pairs += ["data.seq_len=12", "device=cpu", "train.batch_size=2", "train.micro_batch_size=2", "train.lr=1e-2"]
+    pairs += ["train.steps=2", f"output_dir={run}"]
+    with chdir(tmp_path):
+        assert main(["train", *(arg for pair in pairs for arg in ("--set", pair))]) == 0
+        assert main(["convert", str(run), "merged", "--merge"]) == 0
+        assert main(["eval", "--checkpoint", str(run)]) == 2  # (a config error)
+    output = capsys.readouterr()
+    assert "merged 14 adapted matrices" in output.err  # (all-linear: 7 per layer, 2 layers)
+    assert f"`megatrain convert {run / 'final'} DIR --merge`" in output.err + output.out
+    final = run / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
+    assert "tokenizer, chat template" in describe_export(final)
+    ids = torch.randint(0, 96, (2, 12))
+    expected = logits_of(peft_model(base_dir, final), ids)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert rel_err(logits_of(merged, ids), expected) < 1e-5
+    assert "tokenizer, chat template" in describe_export(tmp_path / "merged")
