@@ -733,14 +733,21 @@ def adapter_of(config: Config) -> Lora | None:
     section = config.model.adapter
     if section.type is None:
         return None
-    if section.path is not None:
-        return read_peft_config(Path(section.path))
-    if section.dropout:
-        raise ConfigError(
-            f"model.adapter.dropout {section.dropout}: dropout on LoRA's input is not built yet; set it to 0.0 "
-            "(PEFT's default)"
+    if section.path is None:
+        adapter, where = Lora(section.r, section.alpha, section.target_modules, section.dropout), "model.adapter"
+    else:
+        adapter, where = read_peft_config(Path(section.path)), f"{section.path}/adapter_config.json"
+    if adapter.dropout:
+        fix = (
+            "set model.adapter.dropout to 0.0 (PEFT's default)"
+            if section.path is None
+            else "set lora_dropout to 0.0 there to go on training it without dropout"
         )
-    return Lora(section.r, section.alpha, section.target_modules, section.dropout)
+        raise ConfigError(
+            f"{where}: dropout {adapter.dropout} on LoRA's input is not built yet (the recompute would need the "
+            f"forward's masks); {fix}"
+        )
+    return adapter
 
 
 def model_config_of(config: Config) -> ModelConfig:

@@ -154,11 +154,13 @@ def rows_first(
     device: torch.device,
 ) -> EmbeddingRowsFirst | None:
     """The embedding's rows updated and sent first, where its table streams from this process's store
-    (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk)."""
+    (not with ranks: each updates a slice of every row; nor a wire copy, or the table's state on disk; nor a frozen
+    table, which is never updated)."""
     first = spec.stages[0]
     eligible = (
         first.template.forward_rows is not None
         and len(first.groups) == 1
+        and first.groups[0] not in store.frozen
         and ranks is None
         and "wire" not in store.arenas
         and first.groups[0] < store.first_disk_group

@@ -82,6 +82,13 @@ HOST_KEPT_PCIE_SHARE = 0.8
 # 2.8 s step: 2 such layers 2.80-2.82 s against 2.80 with none; 7B at 128k, 1-1.6 of 7.7 s: +0.7%)
 HOST_KEPT_OPTIMIZER_SHARE = 0.5
 
+# the host items that grow with the model's parameters (the rest: the step's, `largest_params`)
+PER_PARAMETER_ITEMS = (
+    "master weights", "optimizer moments", "gradients held", "gradient pool", "frozen base weights", "wire copy",
+    "KL reference copy", "disk tier's",
+)  # fmt: skip
+DTYPE_WORDS = {2: "bf16", 4: "fp32", 8: "fp64"}
+
 
 def layout_sizes(spec: ModelSpec) -> tuple[list[int], list[int], int]:
     """(parameters per store group in store order, parameters each stage binds, how many [tokens,
@@ -242,7 +249,9 @@ class CostModel:
         self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
         # LoRA: the frozen base is held once in the compute dtype (no master) and sends no gradient out
         self.adapter = spec.adapter is not None
-        self.grad_share = 1 - self.frozen_params / self.model.n_params if self.adapter else 1.0
+        # the parameters stored: the model's and its adapters' (which the model's count leaves out)
+        self.stored_params = self.model.n_params + (spec.adapter_params or 0)
+        self.grad_share = 1 - self.frozen_params / self.stored_params if self.adapter else 1.0
         self.generation_host_bytes = objective.generation_host_bytes
         self.names = [stage.name for stage in self.spec.stages]
 
@@ -311,7 +320,7 @@ class CostModel:
         return {name: int(nbytes) for name, nbytes in self._host_allocations(placement) if nbytes > 0}
 
     def _host_allocations(self, placement: Placement):
-        n_params, trainable = self.model.n_params, self.model.n_params - self.frozen_params
+        n_params, trainable = self.stored_params, self.stored_params - self.frozen_params
         share = 1 / self.machine.hosts if self.split else 1  # a host holds its part of what the hosts split
         on_disk = self.disk_bytes(placement)
         held_apart = self.frozen_params if self.adapter else 0  # (LoRA's base: in the compute dtype alone)
@@ -337,6 +346,18 @@ class CostModel:
         yield "embedding rows buffer", self._rows_buffer_bytes(placement)
         yield "runtime", self._runtime_host_bytes(placement)
 
+    def largest_params(self, placement: Placement) -> dict[str, float]:
+        """The parameters the host's budget would hold in each mode beside the step's other host items as planned:
+        full training (fp32 master and moments, gradients held for clipping, a wire copy where on) and LoRA over a
+        base held in the compute dtype (its adapters' few bytes aside); empty where the budget is unknown."""
+        if self.machine.host_memory is None:
+            return {}
+        items = self.host_items(placement)
+        fixed = sum(nbytes for name, nbytes in items.items() if not name.startswith(PER_PARAMETER_ITEMS))
+        room = max(self.machine.host_memory - fixed, 0)
+        full = 4 * (1 + len(STATE_NAMES)) + (4 if self.full_grads else 0) + self.element * self.wire_copy
+        return {"full training": room / full, f"LoRA over a base in {DTYPE_WORDS[self.element]}": room / self.element}
+
     def stage_products(self, placement: Placement) -> int:
         """Bytes one keeping stage's matmul products take for `placement`'s tokens."""
         return placement.tokens * self.product_bytes_per_token
@@ -345,7 +366,12 @@ class CostModel:
         """The pinned buffer the embedding's updated rows go to the GPU through (`megatrain.parts.rows_first`): a quarter
         of the table, fp32, rounded up to a power of two by the CUDA host allocator."""
         first = self.spec.stages[0]
-        streams_rows = first.template.forward_rows is not None and len(first.groups) == 1 and self.world == 1
+        streams_rows = (
+            first.template.forward_rows is not None
+            and len(first.groups) == 1
+            and first.groups[0] not in self.frozen
+            and self.world == 1
+        )
         if not streams_rows or self.wire_copy or 0 in placement.resident or placement.first_disk_group == 0:
             return 0
         nbytes = self.group_sizes[first.groups[0]] // 4 * 4
@@ -425,7 +451,7 @@ class CostModel:
 
     def optimizer_s(self, placement: Placement) -> float:
         """The CPU AdamW of every group not resident (this host's part of them where the hosts split the state)."""
-        cpu_params = self.model.n_params - self.frozen_params - self.params(placement.resident)
+        cpu_params = self.stored_params - self.frozen_params - self.params(placement.resident)
         return cpu_params / (self.machine.hosts if self.split else 1) / self.rates.cpu_adam_params_per_s
 
     def _wire(self) -> float:

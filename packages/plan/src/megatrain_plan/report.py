@@ -55,6 +55,7 @@ class Plan:
     frozen_params: int = 0  # an image-text model's frozen parts' parameters: weights only, no gradient or moments
     frozen_parts: tuple[str, ...] = ()  # which (train.freeze_*)
     host_items: dict = field(default_factory=dict)  # every host allocation by name, bytes per host
+    largest_params: dict = field(default_factory=dict)  # mode -> the parameters the host's budget holds in it
     host_source: str = ""  # where host_available came from, in words
     process_bytes: int = 0  # the process's resident memory when planned (outside host_bytes)
 
@@ -175,6 +176,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
         "  host items     "
         + ", ".join(f"{name} {size / 2**30:.1f}" for name, size in plan.host_items.items())
         + " GiB",
+        *_largest_line(plan),
         _device_line(plan),
         f"tokens per step  {plan.tokens_per_step:,}{_ranks_clause(plan)}",
         "",
@@ -210,6 +212,14 @@ def _host_line(plan: Plan) -> str:
             ),
         ],
     )
+
+
+def _largest_line(plan: Plan) -> list[str]:
+    """What the host would train in each mode at this step's size (none where its budget is unknown)."""
+    if not plan.largest_params:
+        return []
+    modes = ", ".join(f"{_params(params)} with {mode}" for mode, params in plan.largest_params.items())
+    return [f"  largest model  this host's budget holds about {modes}"]
 
 
 def _device_line(plan: Plan) -> str:

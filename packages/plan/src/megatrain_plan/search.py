@@ -493,6 +493,7 @@ class Planner(CostModel):
             reference_copy=self.reference_copy,
             generation_host_bytes=self.generation_host_bytes,
             host_items=host_items,
+            largest_params=self.largest_params(placement),
             host_source=self.machine.host_source,
             process_bytes=self.machine.process_bytes,
         )
