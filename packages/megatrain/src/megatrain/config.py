@@ -737,6 +737,11 @@ def adapter_of(config: Config) -> Lora | None:
         adapter, where = Lora(section.r, section.alpha, section.target_modules, section.dropout), "model.adapter"
     else:
         adapter, where = read_peft_config(Path(section.path)), f"{section.path}/adapter_config.json"
+    if config.train.router_bias_update_rate:
+        raise ConfigError(
+            f"train.router_bias_update_rate {config.train.router_bias_update_rate} moves the frozen routers' "
+            "correction biases, which LoRA leaves as they are; set it to 0 with model.adapter"
+        )
     if adapter.dropout:
         fix = (
             "set model.adapter.dropout to 0.0 (PEFT's default)"

@@ -403,13 +403,14 @@ class CostModel:
     # ------------------------------------------------------------------- time
     def head_s(self, tokens: int) -> float:
         """The loss head's GPU seconds for `tokens`: its GEMM, the loss and its backward."""
-        return 6 * self.model.vocab_size * self.model.d_model * tokens / (self.rates.head_tflops * 1e12)
+        per_param = 4 if self.adapter else 6  # (a frozen head makes no weight gradient)
+        return per_param * self.model.vocab_size * self.model.d_model * tokens / (self.rates.head_tflops * 1e12)
 
     def blocks_s(self, tokens: int, kept: int) -> float:
         """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products."""
         layer_rate = self.rates.moe_gpu_tflops if self.model.is_moe else self.rates.gpu_tflops
         kept_rate = layer_rate if self.model.is_moe else self.rates.gpu_kept_tflops or layer_rate
-        whole, kept_layer = layer_works(self.model, self.shape.seq_len, tokens)
+        whole, kept_layer = layer_works(self.model, self.shape.seq_len, tokens, frozen=self.adapter)
         return ((self.model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
 
     def layers_s(self, placement: Placement) -> float:

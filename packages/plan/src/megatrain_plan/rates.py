@@ -167,14 +167,15 @@ def _host_seconds(run: Callable[[], object], timed_s: float = 0.2) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0) -> float:
+def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int = 0, frozen: bool = False) -> float:
     """FLOPs the GPU runs in the decoder layers per step: forward, recompute and backward (8 x
     parameters a token multiplies with, plus attention 8/6 of the counted), less the MLP's down projections
     (a dense layer's, a MoE layer's experts'), which the recompute skips (but where a dense layer's output is
     normed: Gemma, OLMo 2; where gpt-oss' down bias is scaled by the routing weight; and in a generic model's
     layers, which recompute all), and less the recompute's GEMMs in `kept_layers` (layers whose forward's
     matmul products are kept). Routers and experts count their active part; linear-attention layers their
-    delta rule instead of attention."""
+    delta rule instead of attention. A `frozen` base (LoRA's) makes no weight gradient: 6 x parameters, not 8 (its
+    adapters' few FLOPs aside)."""
     n_linear = len(model.linear_attention_layers)
     attention = 8 * (model.n_layers - n_linear) * seq_len * model.n_heads * model.head_dim * tokens
     attention += 8 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
@@ -186,14 +187,15 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
     skipped_down = 2 * ((model.n_layers - moe_layers) * dense_down + moe_layers * moe_down)
     # a layer's recompute GEMMs: 2 x its matmul parameters but the down projection (where skipped), on average
     recomputed_matmuls = (2 * matmul_layers - skipped_down) / model.n_layers * tokens
-    return (8 * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
+    per_param = 6 if frozen else 8
+    return (per_param * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
 
 
-def layer_works(model: ModelConfig, seq_len: int, tokens: int) -> tuple[float, float]:
-    """`block_work` of one dense layer recomputing, and of one keeping its products."""
-    all_layers = block_work(model, seq_len, tokens)
+def layer_works(model: ModelConfig, seq_len: int, tokens: int, frozen: bool = False) -> tuple[float, float]:
+    """`block_work` of one dense layer recomputing, and of one keeping its products (of a `frozen` base's)."""
+    all_layers = block_work(model, seq_len, tokens, frozen=frozen)
     whole = all_layers / model.n_layers
-    return whole, whole - (all_layers - block_work(model, seq_len, tokens, 1))
+    return whole, whole - (all_layers - block_work(model, seq_len, tokens, 1, frozen))
 
 
 def measure_disk_gbps(directory: Path, size: int = 2**30) -> float:

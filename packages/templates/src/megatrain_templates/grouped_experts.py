@@ -118,13 +118,17 @@ def _grouped_weight_grad(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
     return grad
 
 
-def _grouped_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None):
+def _grouped_linear_backward(
+    x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None, weight_grad: bool = True
+):
     """The backward of `_grouped_matmul(x, weight)` for `grad` [rows, out]: (x's gradient, the weight's, or None
     where it was added into `into`: by the grouped kernel that accumulates in fp32, `expert_kernels`, where the
-    experts run grouped in bf16). The weight's is computed in the orientation its storage has, so that adding
-    it reads and writes memory in order."""
+    experts run grouped in bf16; or where no `weight_grad` is wanted: a frozen weight's). The weight's is computed
+    in the orientation its storage has, so that adding it reads and writes memory in order."""
     grad = grad.contiguous()
     grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
+    if not weight_grad:
+        return grad_x, None
     target = weight if into is None else into
     out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
     a, b = (grad, x) if out_in else (x, grad)  # the gradient in its storage's orientation: a^T b per expert
@@ -154,7 +158,8 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight = _grouped_linear_backward(x, weight, grad, ctx.slots, ctx.into)
+        wanted = ctx.into is not None or ctx.needs_input_grad[1]  # (a frozen expert's weight gradient is not)
+        grad_x, grad_weight = _grouped_linear_backward(x, weight, grad, ctx.slots, ctx.into, wanted)
         return grad_x, grad_weight, None, None, None
 
 
@@ -164,7 +169,7 @@ def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", s
     `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
 
     if isinstance(weight, BoundWeight):
-        into = _in_out(weight.grad, out_in)
+        into = None if weight.grad is None else _in_out(weight.grad, out_in)
         return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product)
     if isinstance(weight, ProductKeeper):
         weight.products[weight.name] = out = _grouped_matmul(x, _in_out(weight.value, out_in), slots)

@@ -26,6 +26,7 @@ from .grouped_experts import (
 )
 from .layout import BoundWeight, ProductKeeper, Span, accumulate, check_buffers, total_numel
 from .linear_attention import LINEAR_ATTENTION_LEAVES
+from .lora import Lora
 from .moe_layout import MoeShape, _expert_spans, _router_spans, _shared_spans, moe_params
 from .moe_routing import RouterLoad, Routing, _expert_picks, _token_weights, _valid_tokens
 from .ops import linear, swiglu, upcast
@@ -38,14 +39,15 @@ class MoeBlock(DecoderBlock):
     experts' down projection, whose output no gradient needs; a forward that kept its matmul products
     (`forward_keeping_products`) leaves the recompute the norms, attention, router and activation."""
 
-    def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
+    def __init__(
+        self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None, lora: Lora | None = None
+    ):
         self.shape, self.moe = shape, moe
         self.router_load = router_load or RouterLoad(moe.n_experts, moe.top_k)
         params = moe_params(shape, moe)
         self.groups = (params,)
         self.numel = total_numel(params)
         self._rope_cache = {}
-        self._adapters = None
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
             **_router_spans(moe, params),
@@ -62,6 +64,8 @@ class MoeBlock(DecoderBlock):
         self._recomputed_matrices = tuple(
             name for name in self._spans if name not in self._vectors and name != "experts_down"
         )
+        # LoRA adapters on its 2-D matrices (attention, shared expert; not the experts' 3-D ones, nor the router)
+        self._adapters = None if lora is None else self._adapt(lora)
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype): the experts'
@@ -71,6 +75,8 @@ class MoeBlock(DecoderBlock):
             moe.top_k * 2 * moe.d_ff if name == "experts_gate_up" else self._spans[name].shape[0]
             for name in self._recomputed_matrices
         ]
+        if self._adapters is not None:
+            widths += [self._adapters.low_rank_width(name) for name in self._recomputed_matrices]
         return sum(widths) * element_size
 
     def route(self, w: dict[str, Tensor], h: Tensor) -> Routing:
@@ -231,10 +237,10 @@ class MoeBlock(DecoderBlock):
     def _expert_output_backward(self, down: BoundWeight, act: Tensor, grad_out: Tensor, slots: _Slots) -> Tensor:
         """`_expert_output`'s backward, its forward not recomputed (no gradient needs its output): adds the down
         projection's weight gradient into its buffer and returns `act`'s gradient. grad_out: [tokens, d_model]."""
-        out_in = not self.moe.fused
-        weight, into = _in_out(down.value, out_in), _in_out(down.grad, out_in)
+        out_in, frozen = not self.moe.fused, down.grad is None
+        weight, into = _in_out(down.value, out_in), None if frozen else _in_out(down.grad, out_in)
         grad_rows = grad_out.index_select(0, slots.token)  # the combine's backward
-        return _grouped_linear_backward(act.detach(), weight, grad_rows, slots, into)[0]
+        return _grouped_linear_backward(act.detach(), weight, grad_rows, slots, into, weight_grad=not frozen)[0]
 
     def _activation(self, gate_up: Tensor, weight: Tensor | None) -> Tensor:
         """The experts' activation times the routing weight (None: Llama 4's, which scaled the input):
@@ -341,7 +347,8 @@ class MoeBlock(DecoderBlock):
         for name, grad in zip(leaves, grad_leaves):
             if grad is not None:
                 accumulate(grads[0], self._spans[name], grad)
-        self._add_excess_load(grads[0], self._spans, routing.top_index, documents)
+        if grads[0] is not None:  # (a frozen layer's correction bias is not moved)
+            self._add_excess_load(grads[0], self._spans, routing.top_index, documents)
         return grad_in
 
     def _add_excess_load(self, grads: Tensor, spans: dict[str, Span], top_index: Tensor, documents) -> None:

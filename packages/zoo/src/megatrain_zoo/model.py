@@ -93,7 +93,6 @@ def _check_adapter_model(config: ModelConfig) -> None:
         "an image-text model" if config.image_text
         else "a model run through transformers' own layers (model.implementation: transformers)"
         if config.implementation == "transformers"
-        else "a mixture-of-experts model" if config.is_moe
         else None
     )  # fmt: skip
     if unsupported is not None:
@@ -167,9 +166,14 @@ def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load,
         spec.add_stage(name, block, groups, prefix)
         return
     if not parts:
-        block = spec.template((shape, "moe"), lambda: MoeBlock(shape, moe_shape(config), router_load))
-        spec.add_stage(name, block, (name,), prefix)
+        block = spec.template((shape, "moe", adapter), lambda: MoeBlock(shape, moe_shape(config), router_load, adapter))
+        spec.add_stage(name, block, (name,) if adapter is None else (name, name + ADAPTER_GROUP_SUFFIX), prefix)
         return
+    if adapter is not None:
+        raise ZooError(
+            "LoRA adapters are not built for MoE layers streamed in parts of their experts yet; set "
+            f"engine.experts_per_stage to {config.n_experts} (whole layers) if a layer fits the GPU"
+        )
     attention = spec.template((shape, "attention"), lambda: MoeAttention(shape, moe_shape(config), router_load))
     spec.add_stage(f"{name}.attention", attention, (name, f"{name}.router"), prefix)
     for first, stop in parts:
