@@ -15,7 +15,6 @@ from megatrain_store import (
     Pending,
     atomic_write_text,
     fsync_dir,
-    match_tensors,
     open_safetensors,
     read_safetensors_header,
     write_safetensors,
@@ -34,9 +33,9 @@ from megatrain_zoo.peft import (
     PEFT_CONFIG,
     PEFT_PREFIX,
     PEFT_WEIGHTS,
-    adapter_layout,
-    check_peft_weights,
+    base_entries,
     merged_entries,
+    read_adapters,
     read_peft_config,
     write_peft_adapter,
 )
@@ -293,16 +292,10 @@ def convert_lora(
     matrix (as PEFT's merge_and_unload), in `dtype`, with what the model is served with."""
     import torch
 
-    from megatrain_zoo import build_model, init_param_
+    from megatrain_zoo import build_model
 
     spec = build_model(lora.model, 0, lora.adapter)
-    layout = adapter_layout(spec)
-    if lora.prefix == PEFT_PREFIX:
-        check_peft_weights(spec, lora.weights.parent)
-    else:
-        match_tensors([lora.weights], {lora.prefix + name: shape for name, (shape, _) in layout.items()})
-    with open_safetensors([lora.weights]) as handles:
-        adapters = {name: handles[lora.weights].get_tensor(lora.prefix + name).float() for name in layout}
+    adapters = read_adapters(spec, lora.weights, lora.prefix)
     target = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     tokenizer = _tokenizer_of(lora.weights.parent)
     if tokenizer is None and lora.base is not None and (lora.base / "tokenizer.json").exists():
@@ -311,22 +304,7 @@ def convert_lora(
     if not merge:
         entries = [(name, Pending(tuple(t.shape), target, lambda t=t: t.to(target))) for name, t in adapters.items()]
         return write_peft_directory(out_dir, entries, spec, lora.base_name, serving)
-    if lora.base is not None:
-        files = checkpoint_files(lora.base)
-        headers = {path: read_safetensors_header(path) for path in files}
-        where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
-        shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
-        base = entries_as_imported(spec, files, where, shapes, torch.float32)
-    else:
-        held = getattr(torch, lora.held)
-
-        def draw(name: str, shape: tuple[int, ...]):
-            tensor = torch.empty(shape, dtype=held)  # (drawn in the dtype the run held its base in, as it drew it)
-            init_param_(name, tensor, lora.model, lora.seed)
-            return tensor
-
-        shapes = spec.param_shapes(adapters=False)
-        base = [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()]
+    base = base_entries(spec, lora.base, lora.seed, getattr(torch, lora.held))
     entries, merged = merged_entries(spec, base, adapters, target)
     print(
         f"megatrain: merged {merged} adapted matrices (scale alpha / r = {spec.adapter.scale:g}) into "

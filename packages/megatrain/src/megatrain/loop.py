@@ -42,7 +42,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .distributed import init_ranks, leave_ranks
 from .grpo import check_grpo_settings, make_rollouts
-from .reference import PASS_STEPS, check_reference_model, reference_scores, step_reference
+from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
 from .rewards import RewardError
 from .rollouts import tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir
@@ -423,9 +423,10 @@ class TrainingRun:
                 self.validation = trainer.pair_windows(data.validation)
             if train.dpo.needs_reference:  # (before a checkpoint is loaded: the store holds the initial weights)
                 cache = self.out / "cache"
-                self.reference = reference_scores(trainer, data.train, cache)
-                if data.validation is not None:
-                    self.validation_reference = reference_scores(trainer, data.validation, cache, "validation")
+                with adapters_off(trainer):  # (LoRA's reference: the base alone)
+                    self.reference = reference_scores(trainer, data.train, cache)
+                    if data.validation is not None:
+                        self.validation_reference = reference_scores(trainer, data.validation, cache, "validation")
         else:  # (rows with images: MultimodalRows, each step's pixels made when it comes)
             self.windows = row_windows(
                 data.train, config.data.seq_len, train.batch_size, config.data.shuffle, train.seed

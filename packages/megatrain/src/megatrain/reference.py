@@ -8,6 +8,7 @@ import hashlib
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,30 @@ from .step import StepBatch
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
 # only each micro-batch's current activation)
 PASS_STEPS = 4
+
+
+@contextmanager
+def adapters_off(trainer):
+    """The base model alone inside (LoRA's adapters zeroed: their delta is then exactly zero), the adapters as they
+    were after: the reference of DPO with adapters, as TRL's with a PEFT model (a no-op without adapters)."""
+    trainer.finish_updates()
+    store, groups = trainer.store, trainer.spec.adapter_groups
+    writes = trainer.ranks is None or trainer.ranks.is_local_main  # (one copy of the weights per host)
+    kept = {g: store.master(g).clone() for g in groups}
+    for group in groups if writes else ():
+        with store.writing(group) as views:
+            for view in views.values():
+                view.zero_()
+    trainer.sync_weights()
+    try:
+        yield
+    finally:
+        for group in groups if writes else ():
+            saved = store.layouts[group].views(kept[group])
+            with store.writing(group) as views:
+                for name, view in views.items():
+                    view.copy_(saved[name])
+        trainer.sync_weights()
 
 
 def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:

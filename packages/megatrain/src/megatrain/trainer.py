@@ -188,9 +188,7 @@ class Trainer:
             else:
                 check_hf_weights(self.spec, model_dir)
                 load_hf_weights(self.store, self.spec, model_dir)
-        if self.sync is not None:
-            self.sync.barrier()
-        self._device_state_loaded = False  # resident groups take the store's weights at their next use
+        self.sync_weights()
 
     def keep_reference(self, model_dir: Path | None = None) -> None:
         """Keep the initial weights (or a Hugging Face directory's, which replace them meanwhile) in the store's
@@ -199,10 +197,18 @@ class Trainer:
             self.load_weights(model_dir)
         if self.ranks is None or self.ranks.is_local_main:
             self.store.keep_reference()
+            for group in self.spec.adapter_groups:  # LoRA's reference is the base, its adapters off (as TRL's)
+                self.store.reference(group).zero_()
         if model_dir is not None:
             self.load_weights(None)
         elif self.sync is not None:
             self.sync.barrier()
+
+    def sync_weights(self) -> None:
+        """Every rank of the host sees the store's weights; resident groups take them at their next use."""
+        if self.sync is not None:
+            self.sync.barrier()
+        self._device_state_loaded = False
 
     def _init_weights(self) -> None:
         """The run's initial weights: the Hugging Face directory's (or drawn as transformers starts them), and the
@@ -400,8 +406,9 @@ class Trainer:
         optimizer = [
             entry for state in self.store.state_names for entry in whole.entries(f"state.{state}", f"{state}.")
         ]
-        # with adapters, the frozen base is the run's initial weights again at resume: not written
-        tensors = {WEIGHTS_FILE: whole.entries("master", trained_only=self._adapters_only), OPTIMIZER_FILE: optimizer}
+        # a LoRA run's frozen base is its initial weights again at resume: its checkpoints hold the adapters alone
+        tensors = {WEIGHTS_FILE: whole.entries("master", trained_only=self.spec.adapter is not None)}
+        tensors[OPTIMIZER_FILE] = optimizer
         for filename, extra in self.extra_state.items():  # (GRPO's rollout in use)
             tensors[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in extra.items()]
         return TrainerState(
@@ -417,7 +424,7 @@ class Trainer:
         check_same_model(state.source, state.model, self.model_config)
         self.finish_updates()
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the state (or of its part) per host
-            load_groups(self.store, [state.files[WEIGHTS_FILE]], trained_only=self._adapters_only)
+            load_groups(self.store, [state.files[WEIGHTS_FILE]], trained_only=self.spec.adapter is not None)
             for name in self.store.state_names:  # a trainer made for evaluation holds none
                 load_groups(self.store, [state.files[OPTIMIZER_FILE]], f"state.{name}", f"{name}.")
         if self.sync is not None:
@@ -438,11 +445,6 @@ class Trainer:
         if self.ranks is None:
             return report.total_bytes
         return report.total_bytes + (self.ranks.local_world_size - 1) * report.arenas["grad"]
-
-    @property
-    def _adapters_only(self) -> bool:
-        """Only the LoRA adapters train (the base is frozen: checkpoints hold the adapters alone)."""
-        return self.spec.adapter is not None
 
     @property
     def store_is_split(self) -> bool:
@@ -494,8 +496,9 @@ class Trainer:
         (gathering whole groups where hosts split the state). A state holding NaN or Inf is refused, naming the group,
         before anything is written."""
         self.sync_store()
-        trained = [g for g in range(self.store.n_groups) if not (self._adapters_only and g in self.store.frozen)]
-        broken = [self.spec.groups[g].name for g in trained if not all_finite(self.store.master(g))]
+        adapters = self.spec.adapter is not None  # (a LoRA run writes its adapters alone)
+        written = [g for g in range(self.store.n_groups) if not (adapters and g in self.store.frozen)]
+        broken = [self.spec.groups[g].name for g in written if not all_finite(self.store.master(g))]
         if broken:
             raise NonFiniteError(
                 f"the weights of {', '.join(broken)} hold NaN or Inf; nothing exported. Resume from the last "
@@ -503,11 +506,10 @@ class Trainer:
             )
         if not self.is_main:
             if self.store_is_split and self.ranks.is_local_main:
-                WholeGroups.replay(self._whole_groups().entries("master", trained_only=self._adapters_only))
+                WholeGroups.replay(self._whole_groups().entries("master", trained_only=adapters))
             return Path(out_dir)
-        base = self.config.model.hf_dir
-        whole = self._whole_groups()
-        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=whole.gather, base_model=base, **options)
+        gather, base = self._whole_groups().gather, self.config.model.hf_dir
+        return export_hf(self.store, self.spec, out_dir, tokenizer, gather=gather, base_model=base, **options)
 
     def _whole_groups(self) -> WholeGroups:
         """The store's state as whole groups to write (gathered to rank 0 where the hosts split it)."""

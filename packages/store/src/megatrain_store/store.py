@@ -97,45 +97,29 @@ def private_file_array(directory: Path, prefix: str, dtype: np.dtype, numel: int
 class HostStore:
     """Flat per-group host buffers: fp32 master, fp32 grads, named state, optionally a wire copy and a reference.
 
-    What the GPU copies in is `wire(group)`: the fp32 master itself unless `wire_copy`
-    keeps a second, compute-dtype copy (bf16: 2 B/param more host memory for half the
-    host->GPU bytes, worth it only when a step has too few tokens to hide the copies);
-    the scheduler casts an fp32 master to the compute dtype on the GPU as it arrives.
-    `grad_pool=None` gives every group its own gradient landing buffer (needed when
-    all gradients must be held until the global norm is known); a number N >= 1 gives a pool
-    of N times the largest group's gradient from which `acquire_grad` hands each group a
-    buffer of its own size (first fit) and `release_grad` takes it back, so gradients cost a
-    few layers of memory instead of 4 B per parameter (for updates applied as gradients
-    land), and the room of a large group (the embedding) holds several layers'.
-    `state_dir` puts the optimizer state of groups `first_disk_group` .. n-1 in
-    memory-mapped files there (the disk tier; this process's own, unlinked once mapped, or with
-    `shared` the host's processes' one set): `prefetch_state(group)` starts reading a
-    group's state ahead and `write_behind_state(group)` flushes it to disk on a background
-    thread, so that state needs disk, not RAM. float64 compute (everything in fp64) exists
-    for exactness tests that must not depend on fp32 rounding.
-    `pin=None` pins the arenas the GPU copies from/to when CUDA is available.
+    What the GPU copies in is `wire(group)`: the fp32 master itself unless `wire_copy` keeps a second,
+    compute-dtype copy (bf16: 2 B/param more host memory for half the host->GPU bytes, worth it only when a step
+    has too few tokens to hide the copies); the scheduler casts an fp32 master to the compute dtype on the GPU.
+    `grad_pool=None` gives every group its own gradient landing buffer (needed when all gradients are held until
+    the global norm is known); N >= 1 gives a pool of N times the largest group's gradient from which
+    `acquire_grad` hands each group a buffer of its size (first fit) and `release_grad` takes it back.
+    `state_dir` puts the optimizer state of groups `first_disk_group` .. n-1 in memory-mapped files there (the
+    disk tier; `prefetch_state` reads a group's ahead, `write_behind_state` flushes it on a background thread).
+    float64 compute (everything in fp64) exists for exactness tests. `pin=None` pins the arenas the GPU copies
+    from/to when CUDA is available.
 
-    Several processes (one per GPU) share one host's state: with `shared`, the master, wire
-    and optimizer-state arenas are mapped from files every process of the host opens, and
-    `shard=(index, count)` makes this process hold gradients only for its 1/count slice of
-    each group (`shard_range`), the part it updates.
+    Several processes (one per GPU) share one host's state: with `shared`, the arenas are mapped from files every
+    process of the host opens, and `shard=(index, count)` makes this process hold gradients only for its 1/count
+    slice of each group (`shard_range`), the part it updates. Several hosts may split the state: `owned=(first,
+    n)` keeps master weights and optimizer state only for shards first .. first+n-1 of each group (`owned_range`);
+    `master(group)` and `state(name, group)` are then that range, a full compute-dtype wire copy of every group
+    is kept for streaming, and whole groups are written through `writing(group)`.
 
-    Several hosts may split the state instead of each keeping all of it: `owned=(first, n)`
-    keeps master weights and optimizer state only for shards first .. first+n-1 of each group
-    (`owned_range`, contiguous); `master(group)` and `state(name, group)` are then that range
-    only, and a full compute-dtype wire copy of every group is kept for streaming (its other
-    hosts' parts are received from them after each update). Whole groups are written through
-    `writing(group)`.
-
-    `frozen` groups (a frozen vision tower's) keep their weights only: no gradient buffer and no optimizer state.
-    `frozen_in_compute_dtype` holds those weights once, in the compute dtype (bf16: 2 B/param; the base of a LoRA
-    run), in an arena of their own, "frozen" (pinned and shared like the wire copy), instead of as a master:
-    `master`, `wire`, `reference` and `writing` of a frozen group are then that compute-dtype buffer, and it has no
-    master, wire or reference range (those arenas leave it out). It needs whole groups on every host (no `owned`).
-
-    `reference_copy` keeps one more compute-dtype copy of every group, written only by `keep_reference` (the
-    weights a policy is held near, e.g. GRPO's KL reference: the initial ones), which forward-only passes stream
-    from instead of the master (`reference(group)`); pinned and shared like the wire copy.
+    `frozen` groups (a frozen vision tower's) keep their weights only: no gradient buffer and no optimizer state;
+    `frozen_in_compute_dtype` holds those weights once, in the compute dtype (a LoRA run's base: 2 B/param in bf16),
+    in an arena of their own, "frozen": `master`, `wire`, `reference` and `writing` of such a group are that
+    buffer (whole groups on every host: no `owned`). `reference_copy` keeps one more compute-dtype copy of every
+    group, written by `keep_reference` (e.g. GRPO's KL reference), which forward-only passes stream from.
     """
 
     def __init__(

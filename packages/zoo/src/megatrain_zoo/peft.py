@@ -193,6 +193,42 @@ def write_peft_adapter(entries: list, spec: ModelSpec, out_dir: Path, base_model
     return out_dir
 
 
+def read_adapters(spec: ModelSpec, weights: Path, prefix: str) -> dict:
+    """A LoRA run's adapters by the model's names, as float32 tensors, from `weights` (a checkpoint's file naming them
+    as the model does, or a PEFT directory's, `prefix` PEFT_PREFIX), each checked first for presence and shape."""
+    layout = adapter_layout(spec)
+    if prefix == PEFT_PREFIX:
+        check_peft_weights(spec, weights.parent)
+    else:
+        match_tensors([weights], {prefix + name: shape for name, (shape, _) in layout.items()})
+    with open_safetensors([weights]) as handles:
+        return {name: handles[weights].get_tensor(prefix + name).float() for name in layout}
+
+
+def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held) -> list:
+    """The base model's (name, Pending) in Hugging Face's layout: read from `base_dir`, or (a preset's run) drawn as the
+    run drew them, from `seed` in the dtype it held its base in (`held`)."""
+    import torch
+
+    from .hf_weights import checkpoint_files, entries_as_imported
+    from .model import init_param_
+
+    if base_dir is not None:
+        files = checkpoint_files(base_dir)
+        headers = {path: read_safetensors_header(path) for path in files}
+        where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
+        shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
+        return entries_as_imported(spec, files, where, shapes, torch.float32)
+
+    def draw(name: str, shape: tuple[int, ...]):
+        tensor = torch.empty(shape, dtype=held)
+        init_param_(name, tensor, spec.config, seed)
+        return tensor
+
+    shapes = spec.param_shapes(adapters=False)
+    return [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()]
+
+
 def merged_entries(spec: ModelSpec, base: list, adapters: dict, target) -> tuple[list, int]:
     """The base model's (name, Pending) `base` with each adapted matrix W replaced by W + scale * B @ A (in float32,
     then cast to `target`), as PEFT's merge_and_unload computes it; `adapters`: model name -> the adapters' tensors
