@@ -171,3 +171,34 @@ def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_pa
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert rel_err(logits_of(merged, ids), expected) < 1e-5
     assert "tokenizer, chat template" in describe_export(tmp_path / "merged")
+
+
+def test_generation_runs_with_the_adapters_on(base_dir, tmp_path):
+    """Greedy completions of a trained adapter's run (the GRPO rollouts' engine) equal PeftModel's over its export,
+    in both of the engine's ways of holding the layers, and differ from the base's alone."""
+    from megatrain_zoo.generate import Generator, Sampling
+
+    adapter = AdapterSection(type="lora", r=4, alpha=32.0, target_modules=("all-linear",))
+    trainer = lora_trainer(base_dir, tmp_path / "run", adapter, steps=3)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    for _ in range(3):
+        trainer.train_step(StepBatch(*random_batch(2, 12, 96, generator)))
+    prompts = [torch.randint(4, 96, (n,), generator=generator).tolist() for n in (5, 9, 3)]
+    sampling = Sampling(max_new_tokens=6, temperature=0.0, stop_ids=(1,))
+    ours = {
+        weights: Generator(trainer, weights).generate(prompts, sampling, pad_id=0)
+        for weights in ("resident", "streamed")
+    }
+    reference = peft_model(base_dir, trainer.export(tmp_path / "adapter"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    trainer.close()
+
+    def greedy(model, prompt):
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=[1], pad_token_id=0
+        )
+        return out[0, len(prompt) :].tolist()
+
+    expected = [greedy(reference, prompt) for prompt in prompts]
+    assert ours["resident"] == ours["streamed"] == expected
+    assert [greedy(base, prompt) for prompt in prompts] != expected

@@ -22,6 +22,7 @@ from megatrain_store import free_device_bytes
 
 from .checkpoint_layout import CheckpointLayout
 from .hf_export import config_to_hf
+from .peft import with_adapters_merged
 from .skeleton import HFSkeleton
 
 KV_ROOM_SHARE = 0.8  # of the device's free memory, what the KV cache may take (the rest: activations, logits)
@@ -85,7 +86,7 @@ class Generator:
         """The parameters the forward binds, in the compute dtype on the device: all of them where resident, else
         the embedding's and the head's, the layers' as views of the streaming buffers (filled as each layer runs)."""
         parts = self.skeleton.parts
-        wire = self.trainer.streamed_weights()
+        wire = with_adapters_merged(self.trainer.streamed_weights(), self.trainer.spec)  # (LoRA's on)
         if self._renamed is None:
             self._renamed = self.layout.renamed(wire, "the store")
             self._sources = self.layout.sources(list(wire), "the store", buffers=True)

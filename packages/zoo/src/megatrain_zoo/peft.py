@@ -229,6 +229,28 @@ def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held) -> lis
     return [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()]
 
 
+def with_adapters_merged(weights: dict, spec: ModelSpec) -> dict:
+    """`weights` (a store's tensors by name, the base's and the adapters') with each adapted matrix W replaced by
+    W + scale * B @ A (in float32, cast back to W's dtype) and the adapters left out: the model with its adapters on,
+    for what runs transformers' modules on it (generation). Computed afresh on the host at each call."""
+    import torch
+
+    if spec.adapter is None:
+        return weights
+    scale, merged = spec.adapter.scale, {}
+    for name, weight in weights.items():
+        if ".lora_" in name:
+            continue
+        module = name.removesuffix(".weight")
+        down, up = weights.get(f"{module}.lora_A.weight"), weights.get(f"{module}.lora_B.weight")
+        if down is None:
+            merged[name] = weight
+            continue
+        delta = torch.addmm(weight.float(), up.float(), down.float(), alpha=scale)
+        merged[name] = delta.to(weight.dtype)
+    return merged
+
+
 def merged_entries(spec: ModelSpec, base: list, adapters: dict, target) -> tuple[list, int]:
     """The base model's (name, Pending) `base` with each adapted matrix W replaced by W + scale * B @ A (in float32,
     then cast to `target`), as PEFT's merge_and_unload computes it; `adapters`: model name -> the adapters' tensors
