@@ -18,7 +18,7 @@ from .generic_stages import GenericEmbedding, GenericHead, GenericLayer, _spec
 from .hf import has_template
 from .image_text import ImageTextSkeleton
 from .skeleton import GenericError, HFSkeleton
-from .spec import Group, ModelSpec, StageSpec
+from .spec import ADAPTER_GROUP_SUFFIX, Group, ModelSpec, StageSpec
 
 
 def hf_config_json(hf_config: dict) -> str:
@@ -177,15 +177,16 @@ def _token_id(value) -> int | None:
     return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
 
 
-def build_generic_model(config):
+def build_generic_model(config, adapter=None):
     """The `ModelSpec` of a generic model: groups [embedding, each decoder layer, the rest (final norm, LM head;
-    with a tied table, the embedding group too)], one stage each, their templates transformers' own modules."""
+    with a tied table, the embedding group too)], one stage each, their templates transformers' own modules; with a
+    LoRA `adapter`, each layer's adapters a group after its own (`layerN.lora`)."""
     hf = json.loads(config.hf_config)
     with _building(hf.get("model_type")):
-        return _build_generic_model(config, hf)
+        return _build_generic_model(config, hf, adapter)
 
 
-def _build_generic_model(config, hf: dict):
+def _build_generic_model(config, hf: dict, adapter=None):
     skeleton = HFSkeleton(hf)
     shapes = {name: tuple(p.shape) for name, p in skeleton.model.named_parameters()}
     parts = skeleton.parts
@@ -196,8 +197,13 @@ def _build_generic_model(config, hf: dict):
     groups = [group("embed", parts.embedding)]
     stages = [StageSpec("embed", GenericEmbedding(skeleton, (tuple(parts.embedding),)), (0,))]
     for index, names in enumerate(parts.layers):
+        layer = GenericLayer(skeleton, index, tuple(names), adapter)
         groups.append(group(f"layer{index}", names))
-        stages.append(StageSpec(f"layer{index}", GenericLayer(skeleton, index, tuple(names)), (index + 1,)))
+        bound = (len(groups) - 1,)
+        if layer.adapters is not None:
+            groups.append(Group(f"layer{index}{ADAPTER_GROUP_SUFFIX}", layer.groups[1]))
+            bound += (len(groups) - 1,)
+        stages.append(StageSpec(f"layer{index}", layer, bound))
     groups.append(group("head", parts.head))
     head = len(groups) - 1
     bound, names = (
@@ -207,4 +213,5 @@ def _build_generic_model(config, hf: dict):
     )
     stages.append(StageSpec("head", GenericHead(skeleton, names, config.d_model, config.vocab_size), bound))
 
-    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=CheckpointLayout(skeleton))
+    layout = CheckpointLayout(skeleton)
+    return ModelSpec(config, tuple(groups), tuple(stages), checkpoint_layout=layout, adapter=adapter)

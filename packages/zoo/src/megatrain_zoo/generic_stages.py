@@ -6,9 +6,10 @@ layer (final norm, LM head, soft caps and scalings) then the cross-entropy."""
 import torch
 from torch import Tensor
 
-from megatrain_templates import IGNORE_INDEX, ParamSpec, Template, distribution_entropy
+from megatrain_templates import IGNORE_INDEX, Lora, ParamSpec, Template, distribution_entropy
 from megatrain_templates.kept_graph import KeptGraphs, saved_bytes
 
+from .generic_adapters import LinearAdapters
 from .skeleton import GenericError, HFSkeleton, _output, _Reached
 
 
@@ -123,10 +124,16 @@ class GenericLayer(_GenericStage):
     """Decoder layer `index` of the model, as its own module computes it; the backward recomputes it under autograd,
     or, where the placement keeps the layer's products, goes back through the forward's own graph."""
 
-    def __init__(self, skeleton: HFSkeleton, index: int, names: tuple[str, ...]):
-        super().__init__(skeleton, (names,))
-        self.index, self.module = index, skeleton.layers[index]
-        self.prefix = next(n for n, m in skeleton.model.named_modules() if m is self.module) + "."
+    def __init__(self, skeleton: HFSkeleton, index: int, names: tuple[str, ...], lora: Lora | None = None):
+        module = skeleton.layers[index]
+        prefix = next(n for n, m in skeleton.model.named_modules() if m is module) + "."
+        # LoRA: the layer's targeted linears take adapters, a second group (the base's is then frozen)
+        self.adapters = None if lora is None else LinearAdapters(module, prefix, lora)
+        if self.adapters is not None:
+            skeleton.shapes.update(self.adapters.shapes)
+        super().__init__(skeleton, (names,) if self.adapters is None else (names, self.adapters.names))
+        self.index, self.module, self.prefix = index, module, prefix
+        self.trained_names = self.names if self.adapters is None else list(self.adapters.names)
         self.numel = sum(spec.numel for spec in self.groups[0])
         # what sets its speed (the planner times one layer of each kind): its module, its layer type where the
         # config names one (sliding or full attention, Mamba or attention), its sizes
@@ -142,8 +149,12 @@ class GenericLayer(_GenericStage):
                 "each packed document: give it a row per sequence (no position_ids)"
             )
         args, kwargs = self.skeleton.layer_arguments(x, documents, media)[self.index]
-        local = {name.removeprefix(self.prefix): value for name, value in views.items()}
-        return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
+        adapters = () if self.adapters is None else self.adapters.names
+        local = {name.removeprefix(self.prefix): value for name, value in views.items() if name not in adapters}
+        if self.adapters is None:
+            return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
+        with self.adapters.bound(views):
+            return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
 
     def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
         with torch.no_grad():
@@ -159,7 +170,7 @@ class GenericLayer(_GenericStage):
         """`forward`, also returning what its backward reads (`KeptGraphs`): given to `backward` as `products`,
         the backward recomputes nothing."""
         views = self.weights(weights, grad=True)
-        leaves = [views[name] for name in self.names]
+        leaves = [views[name] for name in self.trained_names]
         return self.kept.forward(lambda x: self._call(views, x, documents, media), x, weights, leaves)
 
     def product_bytes_per_token(self, element_size: int) -> int:
@@ -199,7 +210,7 @@ class GenericLayer(_GenericStage):
     ):
         if products is not None:  # (its forward's graph, kept)
             grad_x, *found = self.kept.backward(products, x, weights, grad_out)
-            self._add(grads, found)
+            self._add(grads, dict(zip(self.trained_names, found)))
             return grad_x
         return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
 

@@ -386,6 +386,8 @@ def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path]) -> None:
     sources, where = _generic_sources(spec, files)
     with open_safetensors(set(where.values())) as handles:
         for group in progress(range(store.n_groups), desc="load weights", unit="group", leave=False):
+            if group in spec.adapter_groups:  # (a LoRA run's adapters: not the base checkpoint's)
+                continue
             with store.writing(group) as views:
                 keys = [key for name in views for key in sources[name]]
                 read = {key: handles[where[key]].get_tensor(key) for key in keys}

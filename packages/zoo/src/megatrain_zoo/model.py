@@ -55,7 +55,10 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0, adapter: Lora |
     if config.image_text:
         return build_image_text_model(config)
     if config.implementation == "transformers":
-        return build_generic_model(config)
+        model = build_generic_model(config, adapter)
+        if adapter is not None:
+            check_targets(model, adapter)
+        return model
     embed_scale = config.d_model**0.5 if config.gemma else config.embedding_multiplier
     embedding = Embedding(config.vocab_size, config.d_model, config.pad_token_id, embed_scale)
     router_load = _router_load(config)
@@ -89,16 +92,10 @@ def build_model(config: ModelConfig, experts_per_stage: int = 0, adapter: Lora |
 
 def _check_adapter_model(config: ModelConfig) -> None:
     """Refuse the models whose layers take no LoRA adapters yet, naming what does."""
-    unsupported = (
-        "an image-text model" if config.image_text
-        else "a model run through transformers' own layers (model.implementation: transformers)"
-        if config.implementation == "transformers"
-        else None
-    )  # fmt: skip
-    if unsupported is not None:
+    if config.image_text:
         raise ZooError(
-            f"LoRA adapters are not built for {unsupported} yet; train it fully (remove model.adapter), or use a "
-            "dense model of a native family"
+            "LoRA adapters are not built for an image-text model yet; train it fully (remove model.adapter), or its "
+            "text model alone (model.image_text: false)"
         )
 
 
