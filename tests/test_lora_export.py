@@ -15,12 +15,13 @@ from hf_steps import random_batch, rel_err
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from megatrain import Trainer
-from megatrain.checkpoint import save_checkpoint
+from megatrain.checkpoint import resolve_resume, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import AdapterSection, Config, ModelSection, TrainSection
 from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_data.serving import describe_export
+from megatrain_store import read_safetensors_header
 from megatrain_zoo import ZooError, config_to_hf, preset
 
 peft = pytest.importorskip("peft")
@@ -202,3 +203,27 @@ def test_generation_runs_with_the_adapters_on(base_dir, tmp_path):
     expected = [greedy(reference, prompt) for prompt in prompts]
     assert ours["resident"] == ours["streamed"] == expected
     assert [greedy(base, prompt) for prompt in prompts] != expected
+
+
+def test_a_resumed_lora_run_trains_as_one_that_was_not_stopped(base_dir, tmp_path):
+    """A checkpoint of a LoRA run holds its adapters and their moments alone (not the base); a run resumed from it
+    takes the same steps, bit for bit, as the run that went on, and the base stays the directory's."""
+    adapter = AdapterSection(type="lora", r=4, alpha=8.0)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    batches = [StepBatch(*random_batch(2, 12, 96, generator)) for _ in range(4)]
+    going_on = lora_trainer(base_dir, tmp_path / "run", adapter, steps=4)
+    for batch in batches[:2]:
+        going_on.train_step(batch)
+    saved = save_checkpoint(going_on.state_dict(), tmp_path / "run" / "checkpoints")
+    stored = {n for n in read_safetensors_header(saved / "model.safetensors") if n != "__metadata__"}
+    assert stored and all(".lora_" in n for n in stored)
+    resumed = lora_trainer(base_dir, tmp_path / "resumed", adapter, steps=4)
+    resumed.load_state_dict(resolve_resume(saved).state())
+    for batch in batches[2:]:
+        assert resumed.train_step(batch).loss == going_on.train_step(batch).loss
+    ours, theirs = resumed.named_weights(), going_on.named_weights()
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    assert torch.equal(ours["model.layers.1.mlp.up_proj.weight"], base["model.layers.1.mlp.up_proj.weight"])
+    for trainer in (resumed, going_on):
+        trainer.close()
