@@ -71,7 +71,11 @@ def launch(tmp_path, name, launcher, args):
         assert process.returncode == 0, err.decode()
         (tmp_path / name / f"stderr-{index}.txt").write_bytes(err)  # per launcher (host)
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return rows, load_file(str(tmp_path / name / "final" / "model.safetensors"))
+    final = tmp_path / name / "final"
+    weights = (
+        final / "model.safetensors" if (final / "model.safetensors").exists() else final / "adapter_model.safetensors"
+    )
+    return rows, load_file(str(weights))  # (a LoRA run's final/ is its adapters, PEFT's directory)
 
 
 def resume(tmp_path, name, launcher, steps, **changes):
@@ -134,6 +138,17 @@ def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, s
     launcher = two_hosts(2) if split else torchrun(2, "--standalone")
     many = run(tmp_path, "many", launcher, train=train, engine={"sweeps": 2, "shard_across_hosts": split})
     assert json.loads((tmp_path / "many" / "placement.json").read_text())["placement"]["sweeps"] == 2
+    assert_same_training(one, many)
+
+
+def test_lora_over_two_ranks_equals_one_process(tmp_path, tokens):
+    """LoRA's adapters over a frozen base (held once per host, in the compute dtype): their gradients reduced over the
+    ranks, each rank updating its shard, the same training as one process."""
+    model = {"adapter": {"type": "lora", "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+    train = {"lr": 1e-2, "grad_clip": 0.01}
+    one = run(tmp_path, "one", [sys.executable], model=model, train=train)
+    many = run(tmp_path, "many", torchrun(2, "--standalone"), model=model, train=train)
+    assert set(one[1]) == set(many[1]) and all(".lora_" in name for name in one[1])
     assert_same_training(one, many)
 
 
