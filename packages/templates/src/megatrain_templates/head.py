@@ -125,8 +125,11 @@ class Head(Template):
         check_buffers(weights, self.groups, "Head.loss")
         check_buffers(grads, self.groups, "Head.loss grads")
         matrix = self._matrix_span.view(weights[self._matrix_group])
-        grad_matrix = self._matrix_span.view(grads[self._matrix_group])
-        norm_weight = leaf(weights[self._norm_group], self._norm_span)
+        # a frozen group (a LoRA run's head) has no gradient buffer: only the input's gradient is made
+        frozen_matrix, frozen_norm = grads[self._matrix_group] is None, grads[self._norm_group] is None
+        grad_matrix = None if frozen_matrix else self._matrix_span.view(grads[self._matrix_group])
+        norm_buffer = weights[self._norm_group]
+        norm_weight = self._norm_span.view(norm_buffer) if frozen_norm else leaf(norm_buffer, self._norm_span)
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             normed = self._normed_rows(x, norm_weight)
@@ -148,7 +151,10 @@ class Head(Template):
             loss_sum += chunk_loss
             # the per-row scale is applied to the [rows, d_model] operands, not the [rows, vocab] one
             grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
-            add_matmul_(grad_matrix, grad_logits.T, (upcast(chunk) * scale).to(chunk.dtype))
+            if not frozen_matrix:
+                add_matmul_(grad_matrix, grad_logits.T, (upcast(chunk) * scale).to(chunk.dtype))
+        if frozen_norm:
+            return loss_sum, torch.autograd.grad(normed, x, grad_rows.view_as(normed))[0]
         grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
         accumulate(grads[self._norm_group], self._norm_span, grad_norm)
         return loss_sum, grad_hidden

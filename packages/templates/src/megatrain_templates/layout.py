@@ -128,10 +128,13 @@ def leaf(flat: Tensor, span: Span) -> Tensor:
     return span.view(flat).detach().requires_grad_(True)
 
 
-def check_buffers(buffers: list[Tensor], groups: tuple[tuple[ParamSpec, ...], ...], what: str) -> None:
+def check_buffers(buffers: list[Tensor | None], groups: tuple[tuple[ParamSpec, ...], ...], what: str) -> None:
+    """Refuse flat buffers that do not match `groups`' layouts (None: a frozen group's gradient, which is none)."""
     if len(buffers) != len(groups):
         raise ValueError(f"{what}: expected {len(groups)} flat buffers, got {len(buffers)}")
     for buffer, params in zip(buffers, groups):
+        if buffer is None:
+            continue
         if buffer.dim() != 1 or buffer.numel() != total_numel(params):
             raise ValueError(
                 f"{what}: flat buffer has shape {tuple(buffer.shape)}, layout needs ({total_numel(params)},)"
