@@ -74,8 +74,9 @@ for _name in DEPENDS:
 @nox.session(python="3.11")
 def integration(session: nox.Session) -> None:
     """Tests across packages, against plain PyTorch and Hugging Face transformers."""
-    # accelerate: FP8 checkpoints; pytest-xdist: the tests in two processes (CI's two cores)
-    install(session, *DEPENDS["megatrain"], "megatrain", extra=("transformers", "accelerate", "pillow", "pytest-xdist"))
+    # accelerate: FP8 checkpoints; peft: LoRA's reference; pytest-xdist: the tests in two processes (CI's two cores)
+    extra = ("transformers", "accelerate", "peft", "pillow", "pytest-xdist")
+    install(session, *DEPENDS["megatrain"], "megatrain", extra=extra)
     session.run("pytest", "-q", "-n", "2", "-m", "not gpu", "tests", *session.posargs)
 
 
@@ -97,7 +98,7 @@ def lint(session: nox.Session) -> None:
 # (measured on one H200, 2026-11-29: engine 4.2 min, moe 4.6, objectives 3.2, generic 1.0; dense under 4)
 GPU_GROUPS = {
     "engine": ["tests/test_gpu_exactness.py"],
-    "dense": ["tests/test_dense_families.py", "tests/test_llama4.py", "tests/test_generic.py"],
+    "dense": ["tests/test_dense_families.py", "tests/test_llama4.py", "tests/test_generic.py", "tests/test_lora.py"],
     "moe": ["tests/test_moe.py"],
     "objectives": [
         "tests/test_dpo.py",
