@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from test_dense_families import hf_dense_model
 
 from megatrain import Trainer
+from megatrain.cli import main
 from megatrain.config import AdapterSection, ConfigError, EngineSection, load_config
 from megatrain.step import StepBatch
 from megatrain_optim import Schedule, lr_at
@@ -201,3 +202,93 @@ def test_layers_keeping_their_products_match_peft(tmp_path):
 
 def test_packed_rows_match_peft_on_the_documents_apart(tmp_path):
     check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.0, tmp_path, pack=True)
+
+
+def lora_config(tmp_path, **adapter):
+    """A config of a tiny Qwen2 preset with `adapter` (model.adapter's keys), as a user's overrides give it."""
+    overrides = ["model.preset=tiny-qwen2", "model.adapter.type=lora", "device=cpu", f"output_dir={tmp_path / 'run'}"]
+    return load_config(None, overrides + [f"model.adapter.{key}={value}" for key, value in adapter.items()])
+
+
+def refused_before_loading(config, monkeypatch) -> str:
+    """The one-line message `Trainer(config)` refuses `config` with, before it allocates any store."""
+
+    def no_store(*args, **kwargs):
+        raise AssertionError("the store was allocated before the config was refused")
+
+    monkeypatch.setattr("megatrain.trainer.new_store", no_store)
+    with pytest.raises((ConfigError, ZooError)) as refused:
+        Trainer(config)
+    message = str(refused.value)
+    assert "\n" not in message
+    return message
+
+
+def test_target_modules_matching_nothing_are_refused(tmp_path, monkeypatch):
+    message = refused_before_loading(lora_config(tmp_path, target_modules="[q_proj,qkv_proj]"), monkeypatch)
+    assert "'qkv_proj' matches no linear layer of this model" in message
+    assert "q_proj" in message.split("its layers have")[1]  # it names those there are
+
+
+def test_a_rank_below_one_is_refused(tmp_path):
+    for r in (0, -4):
+        with pytest.raises(ConfigError, match=f"model.adapter.r must be a positive rank, got {r}$"):
+            lora_config(tmp_path, r=r)
+
+
+def test_dropout_is_refused_for_now(tmp_path, monkeypatch):
+    message = refused_before_loading(lora_config(tmp_path, dropout=0.1), monkeypatch)
+    assert "model.adapter.dropout 0.1" in message and "set it to 0.0" in message
+
+
+def test_a_mixture_of_experts_is_refused_for_now(tmp_path, monkeypatch):
+    config = lora_config(tmp_path)
+    config = load_config(None, ["model.preset=tiny-qwen3-moe"], base=config.as_dict())
+    assert config.model.adapter.type == "lora"
+    message = refused_before_loading(config, monkeypatch)
+    assert "LoRA adapters are not built for a mixture-of-experts model yet" in message
+
+
+def lora_run(tmp_path, name: str, ranks: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) in
+    this process (`ranks` 1) or under torchrun; (its metrics rows, its final adapters by megatrain's names)."""
+    config = {
+        "model": {"preset": "tiny-qwen2", "adapter": {"type": "lora", "r": R, "alpha": ALPHA}},
+        "data": {"seq_len": 16, "shuffle": True, "tokens": str(tmp_path / "tokens.npy")},
+        "train": {"steps": 3, "batch_size": 12, "micro_batch_size": 2, "lr": 1e-3, "grad_clip": 0.05, "seed": 3},
+        "precision": {"compute_dtype": "float32"},
+        "device": "cpu",
+        "output_dir": str(tmp_path / name),
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(config))
+    if ranks == 1:
+        assert main(["train", "--config", str(path)]) == 0
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
+        done = subprocess.run(
+            [*command, "-m", "megatrain", "train", "--config", str(path)], env=env, capture_output=True
+        )
+        assert done.returncode == 0, done.stderr.decode()
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    final = {}  # (the final model's adapters, under PEFT's names or megatrain's)
+    for weights in (tmp_path / name / "final").glob("*.safetensors"):
+        final |= {k.removeprefix("base_model.model."): t for k, t in load_file(str(weights)).items() if ".lora_" in k}
+    return rows, final
+
+
+def test_two_ranks_train_the_adapters_as_one_process(tmp_path):
+    """Data parallel: each rank's adapter gradients are reduced over the ranks, and the steps and final adapters are
+    one process's."""
+    np.save(tmp_path / "tokens.npy", np.random.default_rng().integers(0, 256, 40 * 16).astype(np.int32))
+    (rows_1, adapters_1), (rows_2, adapters_2) = lora_run(tmp_path, "one", 1), lora_run(tmp_path, "two", 2)
+    assert len(rows_1) == len(rows_2) == 3
+    for a, b in zip(rows_1, rows_2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert rows_1[0]["grad_norm"] > 0.05  # clipping acts
+    assert adapters_1 and set(adapters_1) == set(adapters_2)
+    for name, adapter in adapters_1.items():
+        assert rel_err(adapters_2[name], adapter) < 1e-5, name
+        assert adapter.any(), name  # B moved off zero
