@@ -152,6 +152,12 @@ def check_steps_match_peft(
         check_steps(trainer, train, model, grad_clip, seed, pack)
     if engine.kept_layers != "auto":
         assert len(trainer.pipeline.executed.keeping) == engine.kept_layers
+    # the base is held once, in the compute dtype; masters and optimizer state are the adapters' alone
+    store, spec = trainer.store, trainer.spec
+    assert store.arenas["frozen"].dtype == trainer.compute_dtype
+    frozen = frozenset(range(store.n_groups)) - spec.adapter_groups
+    assert store.frozen_in_compute_dtype == frozen and store.arenas["frozen"].dtype == trainer.compute_dtype
+    assert not any(store.master_numel(g) or store.state_numel(g) or store.grad_numel(g) for g in frozen)
     streamed = trainer.streamed_weights()
     assert not any(".lora_" in n for n in base) and set(base) <= set(streamed)
     for param_name, value in base.items():
