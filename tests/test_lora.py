@@ -21,6 +21,7 @@ from test_dense_families import hf_dense_model
 from test_distributed import assert_same_weights
 
 from megatrain import Trainer
+from megatrain.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
 from megatrain.cli import main
 from megatrain.config import AdapterSection, ConfigError, EngineSection, load_config
 from megatrain.step import StepBatch
@@ -278,27 +279,29 @@ def test_a_mixture_of_experts_is_refused_for_now(tmp_path, monkeypatch):
     assert "LoRA adapters are not built for a mixture-of-experts model yet" in message
 
 
-def lora_run(tmp_path, name: str, ranks: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) in
-    this process (`ranks` 1) or under torchrun; (its metrics rows, its final adapters by megatrain's names)."""
+def lora_run(tmp_path, name: str, ranks: int, steps: int, resume: bool = False, **train):
+    """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) to
+    `steps` in this process (`ranks` 1) or under torchrun, resuming run `name` or anew with `train`'s settings;
+    (its metrics rows, its final adapters by megatrain's names)."""
     config = {
         "model": {"preset": "tiny-qwen2", "adapter": {"type": "lora", "r": R, "alpha": ALPHA}},
         "data": {"seq_len": 16, "shuffle": True, "tokens": str(tmp_path / "tokens.npy")},
-        "train": {"steps": 3, "batch_size": 12, "micro_batch_size": 2, "lr": 1e-3, "grad_clip": 0.05, "seed": 3},
+        # (a constant learning rate: a run stopped at step 2 takes the steps of one going on to 4)
+        "train": {"steps": steps, "batch_size": 12, "micro_batch_size": 2, "lr": 1e-3, "schedule": "constant"}
+        | {"grad_clip": 0.05, **train},
         "precision": {"compute_dtype": "float32"},
         "device": "cpu",
         "output_dir": str(tmp_path / name),
     }
-    path = tmp_path / f"{name}.yaml"
+    path = tmp_path / f"{name}-{steps}.yaml"
     path.write_text(json.dumps(config))
+    args = ["train", "--config", str(path), *(["--resume", str(tmp_path / name)] if resume else [])]
     if ranks == 1:
-        assert main(["train", "--config", str(path)]) == 0
+        assert main(args) == 0
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
-        done = subprocess.run(
-            [*command, "-m", "megatrain", "train", "--config", str(path)], env=env, capture_output=True
-        )
+        done = subprocess.run([*command, "-m", "megatrain", *args], env=env, capture_output=True)
         assert done.returncode == 0, done.stderr.decode()
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     final = {}  # (the final model's adapters, under PEFT's names or megatrain's)
@@ -307,17 +310,26 @@ def lora_run(tmp_path, name: str, ranks: int) -> tuple[list[dict], dict[str, tor
     return rows, final
 
 
-def test_two_ranks_train_the_adapters_as_one_process(tmp_path):
-    """Data parallel: each rank's adapter gradients are reduced over the ranks, and the steps and final adapters are
-    one process's."""
+def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path):
+    """Data parallel: the ranks reduce their adapter gradients, and take one process's steps; their checkpoint holds
+    the adapters and their optimizer state alone (the base is the run's start again), and a process that resumes
+    from it continues as one that never stopped."""
     np.save(tmp_path / "tokens.npy", np.random.default_rng().integers(0, 256, 40 * 16).astype(np.int32))
-    (rows_1, adapters_1), (rows_2, adapters_2) = lora_run(tmp_path, "one", 1), lora_run(tmp_path, "two", 2)
-    assert len(rows_1) == len(rows_2) == 3
-    for a, b in zip(rows_1, rows_2):
+    rows, adapters = lora_run(tmp_path, "whole", 1, steps=4)
+    assert len(rows) == 4 and rows[0]["grad_norm"] > 0.05  # (clipping acts)
+    assert adapters and all(adapter.any() for adapter in adapters.values())  # (B moved off zero)
+    two_ranks, _ = lora_run(tmp_path, "part", 2, steps=2, save_every=2)
+    for a, b in zip(rows, two_ranks, strict=False):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
-    assert rows_1[0]["grad_norm"] > 0.05  # clipping acts
-    assert adapters_1 and set(adapters_1) == set(adapters_2)
-    assert all(adapter.any() for adapter in adapters_1.values())  # B moved off zero
+    checkpoint = tmp_path / "part" / "checkpoints" / "step-00000002"
+    saved = load_file(str(checkpoint / WEIGHTS_FILE))
+    assert set(saved) == set(adapters)
+    assert {k.split(".", 1)[1] for k in load_file(str(checkpoint / OPTIMIZER_FILE))} == set(adapters)
+    resumed, resumed_adapters = lora_run(tmp_path, "part", 1, steps=4, resume=True)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     # (B's first updates are lr * sign(gradient): an absolute floor for its elements whose gradient is fp32 noise)
-    assert_same_weights(adapters_1, adapters_2)
+    assert_same_weights(adapters, resumed_adapters)
