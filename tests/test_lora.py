@@ -153,6 +153,8 @@ def check_steps_match_peft(
         check_steps(trainer, train, model, grad_clip, seed, pack)
     if engine.kept_layers != "auto":
         assert len(trainer.pipeline.executed.keeping) == engine.kept_layers
+    if engine.sweeps != "auto":
+        assert trainer.pipeline.executed.sweeps == engine.sweeps
     # the base is held once, in the compute dtype; masters and optimizer state are the adapters' alone
     store, spec = trainer.store, trainer.spec
     assert store.arenas["frozen"].dtype == trainer.compute_dtype
@@ -227,10 +229,12 @@ def test_gpu_steps_match_peft(dtype, tmp_path):
     check_steps_match_peft("tiny-qwen2", ["q_proj", "v_proj", "down_proj"], dtype, 0.05, tmp_path, "cuda", steps=4)
 
 
-def test_layers_keeping_their_products_match_peft(tmp_path):
+def test_layers_keeping_their_products_in_two_sweeps_match_peft(tmp_path):
     """A layer that keeps its base's GEMM products from the forward (the backward's stand-in for them) still
-    recomputes its adapters' (the down projection's by hand)."""
-    check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.05, tmp_path, engine=EngineSection(kept_layers=1))
+    recomputes its adapters' (the down projection's by hand); the step's micro-batches in two sweeps, the adapters'
+    gradients summed over them."""
+    engine = EngineSection(kept_layers=1, sweeps=2)
+    check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.05, tmp_path, engine=engine)
 
 
 def test_packed_rows_match_peft_on_the_documents_apart(tmp_path):
