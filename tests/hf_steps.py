@@ -11,7 +11,7 @@ import transformers
 from transformers.activations import ACT2FN
 
 from megatrain import Trainer
-from megatrain.config import Config, EngineSection, ModelSection, PrecisionSection, TrainSection
+from megatrain.config import AdapterSection, Config, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 
@@ -37,6 +37,7 @@ def make_trainer(
     router_z_loss_coef=0.0,
     precision="float32",
     adam_eps=TrainSection.eps,
+    adapter=AdapterSection(),
 ):
     train = TrainSection(
         eps=adam_eps,
@@ -53,7 +54,7 @@ def make_trainer(
         router_z_loss_coef=router_z_loss_coef,
     )
     config = Config(
-        model=ModelSection(hf_dir=str(hf_dir)),
+        model=ModelSection(hf_dir=str(hf_dir), adapter=adapter),
         data=DataSection(seq_len=12),
         train=train,
         precision=PrecisionSection(precision),

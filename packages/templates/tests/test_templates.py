@@ -463,6 +463,9 @@ def test_head_loss_and_grads_match_cross_entropy(tied, chunk_rows, fused, family
     assert rel_err(flat_grads[vocab * d :], norm.weight.grad) < 1e-5
     assert rel_err(head.logits(weights, hidden.detach()), logits.detach()) < 1e-6
     assert head.loss_sum(weights, hidden.detach(), labels).item() == pytest.approx(loss_sum.item(), rel=1e-6)
+    # a frozen head (a LoRA run's) has no gradient buffers: the same loss and input gradient
+    frozen_sum, frozen_grad_hidden = head.loss(weights, hidden.detach(), labels, 1.0 / n_valid, [None] * len(weights))
+    assert torch.equal(frozen_sum, loss_sum) and torch.equal(frozen_grad_hidden, grad_hidden)
 
 
 @pytest.mark.parametrize("tied", [False, True])

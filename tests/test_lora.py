@@ -1,0 +1,342 @@
+"""LoRA on streamed frozen weights trains exactly like PEFT: steps of megatrain with model.adapter equal
+`peft.get_peft_model` over transformers' model + torch.optim.AdamW on the adapters, step by step (loss, gradient norm,
+every adapter), in fp32 and float64, with three micro-batches a step, clipped and eager, all-linear and subsets (some
+members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2) and output-normed (OLMo 2) families,
+layers recomputed or keeping their products, packed rows, and over two ranks; the frozen base stays bit for bit
+what its checkpoint holds; bad adapter settings are refused in one line before anything loads."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hf_steps import NO_DECAY, make_trainer, random_batch, rel_err
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from test_dense_families import hf_dense_model
+from test_distributed import assert_same_weights
+
+from megatrain import Trainer
+from megatrain.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
+from megatrain.cli import main
+from megatrain.config import AdapterSection, ConfigError, EngineSection, load_config
+from megatrain.step import StepBatch
+from megatrain_optim import Schedule, lr_at
+from megatrain_zoo import ZooError
+
+R, ALPHA = 4, 8.0
+# megatrain's compute dtype: relative tolerances of (losses, gradient norms, adapters, logits) against PEFT in fp32
+# or float64. bf16 compute against fp32 from the same bf16 base: at most 9.1e-4, 4.8e-3, 4.8e-4 and 1.7e-2 over 12
+# (logits: 7) seeded CPU runs of four steps (Qwen2 and Phi-3, all-linear and q/v), about a third of these
+TOLERANCE = {torch.float64: (1e-10,) * 4, torch.float32: (1e-5,) * 4, torch.bfloat16: (3e-3, 1.5e-2, 1.5e-3, 5e-2)}
+
+
+def peft_name(name: str) -> str:
+    """PEFT's name of megatrain's adapter `model.layers.N....lora_A.weight` (the adapter is PEFT's "default")."""
+    return "base_model.model." + name.removesuffix(".weight") + ".default.weight"
+
+
+def lora_trainer(hf_dir, tmp_path, targets, grad_clip, steps, **options):
+    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=tuple(targets))
+    return make_trainer(hf_dir, tmp_path, grad_clip, steps, adapter=adapter, **options)
+
+
+def peft_model(reference, targets):
+    # (PEFT takes its shorthand as a string, module names as a list)
+    modules = "all-linear" if targets == ["all-linear"] else list(targets)
+    return get_peft_model(reference, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=modules, lora_dropout=0.0))
+
+
+def share_adapters(trainer, model, generator) -> None:
+    """megatrain's initial adapters (drawn as PEFT draws them: A uniform within 1 / sqrt(fan_in), B zero), their B
+    drawn anew (non-zero, so that A has gradients from the first step), written into the trainer and copied into
+    PEFT's `model`, whose adapters are the same matrices."""
+    ours = {name: view for name, view in trainer.named_weights().items() if ".lora_" in name}
+    theirs = dict(model.named_parameters())
+    assert {peft_name(name) for name in ours} == {n for n, p in theirs.items() if p.requires_grad}
+    with torch.no_grad():
+        for name, view in ours.items():
+            assert view.shape == theirs[peft_name(name)].shape, name
+            if ".lora_A." in name:
+                bound = view.shape[1] ** -0.5
+                assert 0.8 * bound < view.abs().max() <= bound, name
+            else:
+                assert not view.any(), name
+                view.copy_(0.1 * torch.randn(view.shape, generator=generator, dtype=view.dtype))
+            theirs[peft_name(name)].copy_(view)
+    trainer.store.refresh_wire()
+
+
+def adapter_adamw(model, train):
+    """torch's AdamW on the trainable parameters alone, with megatrain's weight-decay rule."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    no_decay = [p for n, p in params.items() if n.endswith(NO_DECAY)]
+    decay = [p for n, p in params.items() if not n.endswith(NO_DECAY)]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps)
+
+
+def mean_loss(model, ids, labels, documents) -> torch.Tensor:
+    """Mean cross-entropy of megatrain's `labels` (the next token at each position) over the targets, in the logits'
+    dtype (transformers' own loss casts float64 logits to fp32), each of `documents` (column slices of the rows) a
+    sequence of its own."""
+    total = 0.0
+    for part in documents:
+        logits = model(input_ids=ids[:, part]).logits
+        total = total + torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels[:, part].flatten(), ignore_index=-100, reduction="sum"
+        )
+    return total / (labels != -100).sum()
+
+
+def peft_step(model, optimizer, train, step: int, grad_clip: float, ids, labels, documents):
+    """One optimizer step of PEFT's `model` as megatrain takes step `step` of `train` (`reference_step`'s, with
+    `mean_loss`). Returns (the loss, the gradient norm before clipping)."""
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, schedule)
+    optimizer.zero_grad()
+    loss = mean_loss(model, ids, labels, documents)
+    loss.backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip or float("inf"))
+    optimizer.step()
+    return loss, norm
+
+
+def rms_norm_in_input_dtype(self, hidden_states):
+    """transformers' RMSNorm in its input's dtype (its own computes in fp32, which a float64 reference cannot)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextlib.contextmanager
+def float64_reference(model):
+    """`model` (transformers') computing wholly in float64 within the block: its RMSNorms in their input's dtype,
+    its attention through SDPA (the eager one takes its softmax in fp32)."""
+    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("RMSNorm")}
+    saved = {c: c.forward for c in classes}
+    for c in classes:
+        c.forward = rms_norm_in_input_dtype
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for c, forward in saved.items():
+            c.forward = forward
+
+
+def check_steps_match_peft(
+    name, targets, dtype, grad_clip, tmp_path, device="cpu", engine=EngineSection(), pack=False, steps=3
+):
+    """`steps` steps of a LoRA run over a tiny transformers model of preset `name` equal PEFT's (`check_steps`), and
+    the base the device streams is the checkpoint's, bit for bit."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_dense_model(name, seed)
+    if dtype == "bfloat16":  # a base that bf16 holds as it is: the reference computes in fp32 from the same weights
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.bfloat16())
+    reference.save_pretrained(tmp_path / "hf")
+    base = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    # AdamW's epsilon as hf_steps.exact_reference's for fp32 (and float64 has no noise to keep small)
+    options = {"precision": dtype, "adam_eps": 1e-6}
+    trainer, train = lora_trainer(
+        tmp_path / "hf", tmp_path, targets, grad_clip, steps, device=device, engine=engine, **options
+    )
+    model = peft_model(reference.to(torch.float64 if dtype == "float64" else torch.float32), targets)
+    with float64_reference(model) if dtype == "float64" else contextlib.nullcontext():
+        check_steps(trainer, train, model, grad_clip, seed, pack)
+    if engine.kept_layers != "auto":
+        assert len(trainer.pipeline.executed.keeping) == engine.kept_layers
+    if engine.sweeps != "auto":
+        assert trainer.pipeline.executed.sweeps == engine.sweeps
+    # the base is held once, in the compute dtype; masters and optimizer state are the adapters' alone
+    store, spec = trainer.store, trainer.spec
+    assert store.arenas["frozen"].dtype == trainer.compute_dtype
+    frozen = frozenset(range(store.n_groups)) - spec.adapter_groups
+    assert store.frozen_in_compute_dtype == frozen and store.arenas["frozen"].dtype == trainer.compute_dtype
+    assert not any(store.master_numel(g) or store.state_numel(g) or store.grad_numel(g) for g in frozen)
+    streamed = trainer.streamed_weights()
+    assert not any(".lora_" in n for n in base) and set(base) <= set(streamed)
+    for param_name, value in base.items():
+        assert torch.equal(streamed[param_name].cpu().to(value.dtype), value), param_name
+    trainer.close()
+
+
+def check_steps(trainer, train, model, grad_clip, seed, pack):
+    """megatrain's `trainer` and PEFT's `model` (with the same adapters from here) take the same steps on fresh random
+    batches of 6 rows in 3 micro-batches (with `pack`, each row two documents, positions restarting at the second):
+    loss, gradient norm and every adapter after each step, and the logits after the last, within `TOLERANCE`."""
+    generator = torch.Generator().manual_seed(seed)
+    share_adapters(trainer, model, generator)
+    optimizer = adapter_adamw(model, train)
+    theirs = dict(model.named_parameters())
+    loss_tolerance, norm_tolerance, tolerance, logits_tolerance = TOLERANCE[trainer.compute_dtype]
+    documents = [slice(0, 5), slice(5, 12)] if pack else [slice(0, 12)]
+    clipped = 0
+    for step in range(train.steps):
+        ids, labels = random_batch(train.batch_size, 12, trainer.model_config.vocab_size, generator)
+        positions = None
+        if pack:
+            labels[:, 4] = -100  # (the first document's last token has no target in the second)
+            positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(train.batch_size, 12)
+        metrics = trainer.train_step(StepBatch(ids, labels, position_ids=positions))
+        loss, norm = peft_step(model, optimizer, train, step, grad_clip, ids, labels, documents)
+        assert metrics.loss == pytest.approx(loss.item(), rel=loss_tolerance)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=norm_tolerance)
+        clipped += bool(grad_clip) and norm.item() > grad_clip
+        for adapter, view in trainer.named_weights().items():
+            if ".lora_" in adapter:
+                assert rel_err(view, theirs[peft_name(adapter)].detach().cpu()) < tolerance, (step, adapter)
+    assert clipped or not grad_clip  # clipping really acts where on
+    with torch.no_grad():  # the trained adapters' logits, outside a step
+        ids = torch.randint(0, trainer.model_config.vocab_size, (2, 12), generator=generator)
+        assert rel_err(trainer.logits(ids).cpu(), model(input_ids=ids).logits) < logits_tolerance
+
+
+@pytest.mark.parametrize(
+    "name, targets, dtype, grad_clip",
+    [
+        ("tiny-qwen2", ["all-linear"], "float32", 0.05),
+        ("tiny-qwen2", ["q_proj", "v_proj", "up_proj"], "float64", 0.0),
+        ("tiny-phi3", ["all-linear"], "float64", 0.05),
+        ("tiny-phi3", ["qkv_proj", "down_proj"], "float32", 0.0),
+        ("tiny-olmo2", ["k_proj", "o_proj", "down_proj"], "float64", 0.05),
+    ],
+)
+def test_steps_match_peft(name, targets, dtype, grad_clip, tmp_path):
+    """Qwen2's q and v adapted, k not, in its one fused q/k/v GEMM (and up, not gate, of the fused gate/up); Phi-3's
+    fused projections adapted whole, as PEFT adapts them; OLMo 2's down projection with the norm after it."""
+    check_steps_match_peft(name, targets, dtype, grad_clip, tmp_path)
+
+
+def test_bf16_steps_match_peft_in_fp32(tmp_path):
+    """bf16 compute (the base held once in bf16, the adapters' masters in fp32) within bf16's rounding of fp32 PEFT."""
+    check_steps_match_peft("tiny-qwen2", ["all-linear"], "bfloat16", 0.05, tmp_path, steps=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_steps_match_peft(dtype, tmp_path):
+    """The CUDA engine (fp32 with TF32 off, as the dense families' GPU test; and bf16) against PEFT on the CPU, q and
+    v of the fused q/k/v adapted, k not; layers keep their products where the GPU has room."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    check_steps_match_peft("tiny-qwen2", ["q_proj", "v_proj", "down_proj"], dtype, 0.05, tmp_path, "cuda", steps=4)
+
+
+def test_layers_keeping_their_products_in_two_sweeps_match_peft(tmp_path):
+    """A layer that keeps its base's GEMM products from the forward (the backward's stand-in for them) still
+    recomputes its adapters' (the down projection's by hand); the step's micro-batches in two sweeps, the adapters'
+    gradients summed over them."""
+    engine = EngineSection(kept_layers=1, sweeps=2)
+    check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.05, tmp_path, engine=engine)
+
+
+def test_packed_rows_match_peft_on_the_documents_apart(tmp_path):
+    check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.0, tmp_path, pack=True)
+
+
+def lora_config(tmp_path, **adapter):
+    """A config of a tiny Qwen2 preset with `adapter` (model.adapter's keys), as a user's overrides give it."""
+    overrides = ["model.preset=tiny-qwen2", "model.adapter.type=lora", "device=cpu", f"output_dir={tmp_path / 'run'}"]
+    return load_config(None, overrides + [f"model.adapter.{key}={value}" for key, value in adapter.items()])
+
+
+def refused_before_loading(config, monkeypatch) -> str:
+    """The one-line message `Trainer(config)` refuses `config` with, before it allocates any store."""
+
+    def no_store(*args, **kwargs):
+        raise AssertionError("the store was allocated before the config was refused")
+
+    monkeypatch.setattr("megatrain.trainer.new_store", no_store)
+    with pytest.raises((ConfigError, ZooError)) as refused:
+        Trainer(config)
+    message = str(refused.value)
+    assert "\n" not in message
+    return message
+
+
+def test_target_modules_matching_nothing_are_refused(tmp_path, monkeypatch):
+    message = refused_before_loading(lora_config(tmp_path, target_modules="[q_proj,qkv_proj]"), monkeypatch)
+    assert "'qkv_proj' matches no linear layer of this model" in message
+    assert "q_proj" in message.split("its layers have")[1]  # it names those there are
+
+
+def test_a_rank_below_one_is_refused(tmp_path):
+    for r in (0, -4):
+        with pytest.raises(ConfigError, match=f"model.adapter.r must be a positive rank, got {r}$"):
+            lora_config(tmp_path, r=r)
+
+
+def test_dropout_is_refused_for_now(tmp_path, monkeypatch):
+    message = refused_before_loading(lora_config(tmp_path, dropout=0.1), monkeypatch)
+    assert "model.adapter.dropout 0.1" in message and "set it to 0.0" in message
+
+
+def test_a_mixture_of_experts_is_refused_for_now(tmp_path, monkeypatch):
+    config = lora_config(tmp_path)
+    config = load_config(None, ["model.preset=tiny-qwen3-moe"], base=config.as_dict())
+    assert config.model.adapter.type == "lora"
+    message = refused_before_loading(config, monkeypatch)
+    assert "LoRA adapters are not built for a mixture-of-experts model yet" in message
+
+
+def lora_run(tmp_path, name: str, ranks: int, steps: int, resume: bool = False, **train):
+    """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) to
+    `steps` in this process (`ranks` 1) or under torchrun, resuming run `name` or anew with `train`'s settings;
+    (its metrics rows, its final adapters by megatrain's names)."""
+    config = {
+        "model": {"preset": "tiny-qwen2", "adapter": {"type": "lora", "r": R, "alpha": ALPHA}},
+        "data": {"seq_len": 16, "shuffle": True, "tokens": str(tmp_path / "tokens.npy")},
+        # (a constant learning rate: a run stopped at step 2 takes the steps of one going on to 4)
+        "train": {"steps": steps, "batch_size": 12, "micro_batch_size": 2, "lr": 1e-3, "schedule": "constant"}
+        | {"grad_clip": 0.05, **train},
+        "precision": {"compute_dtype": "float32"},
+        "device": "cpu",
+        "output_dir": str(tmp_path / name),
+    }
+    path = tmp_path / f"{name}-{steps}.yaml"
+    path.write_text(json.dumps(config))
+    args = ["train", "--config", str(path), *(["--resume", str(tmp_path / name)] if resume else [])]
+    if ranks == 1:
+        assert main(args) == 0
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
+        done = subprocess.run([*command, "-m", "megatrain", *args], env=env, capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    final = {}  # (the final model's adapters, under PEFT's names or megatrain's)
+    for weights in (tmp_path / name / "final").glob("*.safetensors"):
+        final |= {k.removeprefix("base_model.model."): t for k, t in load_file(str(weights)).items() if ".lora_" in k}
+    return rows, final
+
+
+def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path):
+    """Data parallel: the ranks reduce their adapter gradients, and take one process's steps; their checkpoint holds
+    the adapters and their optimizer state alone (the base is the run's start again), and a process that resumes
+    from it continues as one that never stopped."""
+    np.save(tmp_path / "tokens.npy", np.random.default_rng().integers(0, 256, 40 * 16).astype(np.int32))
+    rows, adapters = lora_run(tmp_path, "whole", 1, steps=4)
+    assert len(rows) == 4 and rows[0]["grad_norm"] > 0.05  # (clipping acts)
+    assert adapters and all(adapter.any() for adapter in adapters.values())  # (B moved off zero)
+    two_ranks, _ = lora_run(tmp_path, "part", 2, steps=2, save_every=2)
+    for a, b in zip(rows, two_ranks, strict=False):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    checkpoint = tmp_path / "part" / "checkpoints" / "step-00000002"
+    saved = load_file(str(checkpoint / WEIGHTS_FILE))
+    assert set(saved) == set(adapters)
+    assert {k.split(".", 1)[1] for k in load_file(str(checkpoint / OPTIMIZER_FILE))} == set(adapters)
+    resumed, resumed_adapters = lora_run(tmp_path, "part", 1, steps=4, resume=True)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    # (B's first updates are lr * sign(gradient): an absolute floor for its elements whose gradient is fp32 noise)
+    assert_same_weights(adapters, resumed_adapters)
