@@ -1,7 +1,8 @@
 """LoRA adapters over a template's frozen matrices: each adapted weight W [out, in] gains A [r, in] and B [out, r]
-in a group of their own beside the frozen base's, and its product x W^T becomes x W^T + scale * (x A^T) B^T, as
-PEFT's `LoraLayer` computes it. A fused matrix (q, k and v as one GEMM) adapts each member it holds apart, with
-PEFT's names for each, so that an adapter trained here loads into PEFT and back."""
+in a group of their own beside the frozen base's, and its product x W^T becomes x W^T + (scale * x A^T) B^T: PEFT's
+`LoraLayer` (which scales after B: equal up to rounding), computed by `ops.adapted_linear`. A fused matrix (q, k and
+v as one GEMM) adapts each member it holds apart, with PEFT's names for each, so that an adapter trained here loads
+into PEFT and back."""
 
 from dataclasses import dataclass
 
@@ -62,9 +63,10 @@ class _AdaptedSpan:
 
 @dataclass(frozen=True)
 class Adapted:
-    """A base weight (a view, a `BoundWeight` or a `ProductKeeper`) with its adapters, bound for one call; `ops.linear`
-    adds their delta to the base product. `down` and each up are views or `BoundWeight`s (their gradients then go
-    straight into the adapter group's fp32 gradient buffer)."""
+    """A base weight (a view, a `BoundWeight` or a `ProductKeeper`) with its adapters, bound for one call, which
+    `ops.linear` computes with (`ops.adapted_linear`). `down` (the A matrices) and each up (a B, with its rows of
+    the base's output) are views or `BoundWeight`s (their gradients then go straight into the adapter group's fp32
+    gradient buffer)."""
 
     base: "Tensor | BoundWeight | ProductKeeper | None"  # None: the delta alone
     down: "Tensor | BoundWeight"
@@ -101,11 +103,9 @@ class AdapterLayout:
             for spec in [ParamSpec(lora_names(p.name)[0], (lora.r, p.shape[1])) for p in members]
             + [ParamSpec(lora_names(p.name)[1], (p.shape[0], lora.r)) for p in members]
         )
-        self._spans = {name: self._span(spans[name], members, offsets, params) for name, members in adapted.items()}
+        self._spans = {name: self._span(spans[name], members, offsets) for name, members in adapted.items()}
 
-    def _span(
-        self, base: Span, members: list[ParamSpec], offsets: dict[str, int], params: tuple[ParamSpec, ...]
-    ) -> _AdaptedSpan:
+    def _span(self, base: Span, members: list[ParamSpec], offsets: dict[str, int]) -> _AdaptedSpan:
         first_a = span_of(self.params, lora_names(members[0].name)[0])
         down = Span(first_a.offset, (len(members) * self.lora.r, base.shape[1]))
         ups = []
