@@ -1,9 +1,11 @@
 """LoRA on streamed frozen weights trains exactly like PEFT: steps of megatrain with model.adapter equal
 `peft.get_peft_model` over transformers' model + torch.optim.AdamW on the adapters, step by step (loss, gradient norm,
-every adapter), in fp32 and float64, with three micro-batches a step, clipped and eager, all-linear and subsets (some
-members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2) and output-normed (OLMo 2) families,
-layers recomputed or keeping their products, packed rows, and over two ranks; the frozen base stays bit for bit
-what its checkpoint holds; bad adapter settings are refused in one line before anything loads."""
+every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and eager,
+all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
+output-normed (OLMo 2) and delta-rule (Qwen3.5) families, layers recomputed or keeping their products, in one sweep or
+two, packed rows; two ranks train as one process, and resume from their adapter-only checkpoint as a run that never
+stopped. The frozen base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad
+adapter settings are refused in one line before anything loads."""
 
 import contextlib
 import json
@@ -14,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hf_steps import NO_DECAY, make_trainer, random_batch, rel_err
+from hf_steps import NO_DECAY, exact_reference, make_trainer, random_batch, rel_err
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from test_dense_families import hf_dense_model
@@ -26,13 +28,15 @@ from megatrain.cli import main
 from megatrain.config import AdapterSection, ConfigError, EngineSection, load_config
 from megatrain.step import StepBatch
 from megatrain_optim import Schedule, lr_at
-from megatrain_zoo import ZooError
+from megatrain_zoo import ZooError, preset
 
 R, ALPHA = 4, 8.0
 # megatrain's compute dtype: relative tolerances of (losses, gradient norms, adapters, logits) against PEFT in fp32
 # or float64. bf16 compute against fp32 from the same bf16 base: at most 9.1e-4, 4.8e-3, 4.8e-4 and 1.7e-2 over 12
 # (logits: 7) seeded CPU runs of four steps (Qwen2 and Phi-3, all-linear and q/v), about a third of these
 TOLERANCE = {torch.float64: (1e-10,) * 4, torch.float32: (1e-5,) * 4, torch.bfloat16: (3e-3, 1.5e-2, 1.5e-3, 5e-2)}
+# linear attention's reference in float64 keeps transformers' fp32 steps (hf_steps.exact_reference says which)
+LINEAR_ATTENTION_TOLERANCE = (1e-5, 1e-4, 1e-4, 1e-5)
 
 
 def peft_name(name: str) -> str:
@@ -118,12 +122,12 @@ def rms_norm_in_input_dtype(self, hidden_states):
 def float64_reference(model):
     """`model` (transformers') computing wholly in float64 within the block: its RMSNorms in their input's dtype,
     its attention through SDPA (the eager one takes its softmax in fp32)."""
+    model.set_attn_implementation("sdpa")
     classes = {type(m) for m in model.modules() if type(m).__name__.endswith("RMSNorm")}
     saved = {c: c.forward for c in classes}
-    for c in classes:
-        c.forward = rms_norm_in_input_dtype
-    model.set_attn_implementation("sdpa")
     try:
+        for c in classes:
+            c.forward = rms_norm_in_input_dtype
         yield
     finally:
         for c, forward in saved.items():
@@ -143,14 +147,21 @@ def check_steps_match_peft(
                 param.copy_(param.bfloat16())
     reference.save_pretrained(tmp_path / "hf")
     base = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    # AdamW's epsilon as hf_steps.exact_reference's for fp32 (and float64 has no noise to keep small)
-    options = {"precision": dtype, "adam_eps": 1e-6}
+    if preset(name).linear_attention_layers:  # (hf_steps.exact_reference: float64, the recurrences token by token)
+        assert dtype == "float64"
+        reference, options, stepping = exact_reference(reference, preset(name))
+        tolerances = LINEAR_ATTENTION_TOLERANCE
+    else:  # (AdamW's epsilon as exact_reference's for fp32; float64 has no noise for it to keep small)
+        reference, options = reference.to(torch.float64 if dtype == "float64" else torch.float32), {"adam_eps": 1e-6}
+        options["precision"] = dtype
+        stepping = float64_reference(reference) if dtype == "float64" else contextlib.nullcontext()
+        tolerances = TOLERANCE[getattr(torch, dtype)]
     trainer, train = lora_trainer(
         tmp_path / "hf", tmp_path, targets, grad_clip, steps, device=device, engine=engine, **options
     )
-    model = peft_model(reference.to(torch.float64 if dtype == "float64" else torch.float32), targets)
-    with float64_reference(model) if dtype == "float64" else contextlib.nullcontext():
-        check_steps(trainer, train, model, grad_clip, seed, pack)
+    model = peft_model(reference, targets)
+    with stepping:
+        check_steps(trainer, train, model, grad_clip, seed, pack, tolerances)
     if engine.kept_layers != "auto":
         assert len(trainer.pipeline.executed.keeping) == engine.kept_layers
     if engine.sweeps != "auto":
@@ -168,15 +179,16 @@ def check_steps_match_peft(
     trainer.close()
 
 
-def check_steps(trainer, train, model, grad_clip, seed, pack):
+def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances):
     """megatrain's `trainer` and PEFT's `model` (with the same adapters from here) take the same steps on fresh random
     batches of 6 rows in 3 micro-batches (with `pack`, each row two documents, positions restarting at the second):
-    loss, gradient norm and every adapter after each step, and the logits after the last, within `TOLERANCE`."""
+    loss, gradient norm and every adapter after each step, and the logits after the last, within `tolerances`
+    (`TOLERANCE`'s)."""
     generator = torch.Generator().manual_seed(seed)
     share_adapters(trainer, model, generator)
     optimizer = adapter_adamw(model, train)
     theirs = dict(model.named_parameters())
-    loss_tolerance, norm_tolerance, tolerance, logits_tolerance = TOLERANCE[trainer.compute_dtype]
+    loss_tolerance, norm_tolerance, tolerance, logits_tolerance = tolerances
     documents = [slice(0, 5), slice(5, 12)] if pack else [slice(0, 12)]
     clipped = 0
     for step in range(train.steps):
@@ -207,11 +219,13 @@ def check_steps(trainer, train, model, grad_clip, seed, pack):
         ("tiny-phi3", ["all-linear"], "float64", 0.05),
         ("tiny-phi3", ["qkv_proj", "down_proj"], "float32", 0.0),
         ("tiny-olmo2", ["k_proj", "o_proj", "down_proj"], "float64", 0.05),
+        ("tiny-qwen3.5", ["all-linear"], "float64", 0.05),
     ],
 )
 def test_steps_match_peft(name, targets, dtype, grad_clip, tmp_path):
     """Qwen2's q and v adapted, k not, in its one fused q/k/v GEMM (and up, not gate, of the fused gate/up); Phi-3's
-    fused projections adapted whole, as PEFT adapts them; OLMo 2's down projection with the norm after it."""
+    fused projections adapted whole, as PEFT adapts them; OLMo 2's down projection with the norm after it; Qwen3.5's
+    delta-rule layers' projections."""
     check_steps_match_peft(name, targets, dtype, grad_clip, tmp_path)
 
 
