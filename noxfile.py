@@ -110,6 +110,7 @@ GPU_GROUPS = {
         "tests/test_image_text.py",
     ],
     "kernels": ["packages/templates/tests"],
+    "lora": ["tests/test_lora.py", "tests/test_lora_export.py"],
     "ranks": ["tests/test_distributed.py"],
 }
 

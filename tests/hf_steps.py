@@ -38,6 +38,7 @@ def make_trainer(
     precision="float32",
     adam_eps=TrainSection.eps,
     adapter=AdapterSection(),
+    implementation="auto",
 ):
     train = TrainSection(
         eps=adam_eps,
@@ -54,7 +55,7 @@ def make_trainer(
         router_z_loss_coef=router_z_loss_coef,
     )
     config = Config(
-        model=ModelSection(hf_dir=str(hf_dir), adapter=adapter),
+        model=ModelSection(hf_dir=str(hf_dir), implementation=implementation, adapter=adapter),
         data=DataSection(seq_len=12),
         train=train,
         precision=PrecisionSection(precision),
