@@ -80,8 +80,13 @@ def newest(rows: list[dict], key: Callable[[dict], object]) -> dict:
 
 
 def part(row: dict) -> str:
-    """What of the model a row timed: the whole model, or the scope it names."""
-    return row.get("scope", "whole model")
+    """What of the model a row timed: the whole model, or the scope it names; and how, where it trained adapters
+    alone."""
+    scope, adapter = row.get("scope", "whole model"), row.get("adapter")
+    if not adapter:
+        return scope
+    lora = "LoRA " + adapter.split(" ")[1]  # ("lora r=16 all-linear": LoRA r=16)
+    return lora if scope == "whole model" else f"{scope}, {lora}"
 
 
 # Formatting
@@ -168,6 +173,28 @@ def dense_7b_as_users_run(rows: list[dict]) -> Table:
             ]
         )
     return Table(header, body, clipped + list(unclipped.values()))
+
+
+def lora_against_full(rows: list[dict]) -> Table:
+    """LoRA over a frozen Qwen2.5-7B on one H200 against full training at the same size and clipping: the newest
+    default LoRA rows (`lora-qwen2.5-7b-h200.json`) beside the full rows of `dense_7b_as_users_run`."""
+    lora = [r for r in steps(rows, model="qwen2.5-7b") if r["file"] == "lora-qwen2.5-7b-h200.json"]
+    full = {r["tokens_per_step"]: r for r in dense_7b_as_users_run(rows).sources if r.get("grad_clip")}
+    chosen = sorted((r for r in lora if r["tokens_per_step"] in full), key=lambda r: r["tokens_per_step"])
+    header = ["tokens/step", "LoRA step", "full step", "LoRA / full", "LoRA model TFLOPS", "planned", "host GiB"]
+    body = [
+        [
+            tokens(r["tokens_per_step"]),
+            seconds(r["step_time_s"]),
+            seconds(full[r["tokens_per_step"]]["step_time_s"]),
+            f"**{100 * r['step_time_s'] / full[r['tokens_per_step']]['step_time_s']:.0f}%**",
+            num(r["model_tflops"]),
+            seconds(r.get("predicted_step_s")),
+            num(r.get("peak_rss_gib")),
+        ]
+        for r in chosen
+    ]
+    return Table(header, body, chosen + [full[r["tokens_per_step"]] for r in chosen])
 
 
 def dense_7b_time_split(rows: list[dict]) -> Table:
@@ -776,6 +803,7 @@ def run_key(row: dict) -> tuple:
         long_sequence,
         row.get("doc_len") or 0,
         bool(row.get("disk_gib")),
+        bool(row.get("grad_clip")),
     )
 
 
@@ -791,6 +819,7 @@ def planner_validation(rows: list[dict]) -> Table:
     for r in chosen:
         name = r["model"] + ("" if part(r) == "whole model" else f", {part(r)}")
         name += ", disk tier" if r.get("disk_gib") else f", documents of {r['doc_len']}" if r.get("doc_len") else ""
+        name += f", clipping at {r['grad_clip']}" if r.get("grad_clip") else ""
         shape = f"{tokens(r['tokens_per_step'])} ({r['seq_len']:,} x {r['tokens_per_step'] // r['seq_len']})"
         body.append(
             [
@@ -934,6 +963,17 @@ def headline(rows: list[dict]) -> Table:
     ]
     published = against_published(rows)
     lines[-1] = lines[-1][:3] + (f"{published.body[0][4]} the published layer-streaming system",)
+    lora = lora_against_full(rows)
+    lines += [
+        (
+            f"qwen2.5-7b, LoRA r=16, {tokens(r['tokens_per_step'])} tokens/step",
+            r,
+            "benchmarks.md#lora-over-a-frozen-7b-on-one-h200",
+            f"{cells[3].strip('*')} of the full step's time",
+        )
+        for r, cells in zip(lora.sources, lora.body)
+        if r["tokens_per_step"] == 32768
+    ]
     lines += _headline_against_deepspeed(rows)
     lines.append(
         (
@@ -998,6 +1038,7 @@ def _headline_against_deepspeed(rows: list[dict]) -> list[tuple]:
 TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "headline": headline,
     "dense-7b-as-users-run": dense_7b_as_users_run,
+    "lora-against-full": lora_against_full,
     "dense-7b-by-step-size": dense_7b_by_step_size,
     "dense-7b-time-split": dense_7b_time_split,
     "against-deepspeed": against_deepspeed,
