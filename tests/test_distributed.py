@@ -474,8 +474,8 @@ def test_a_rank_waits_engine_rank_wait_s_for_another_then_names_it():
 def test_each_rank_plans_for_its_share_of_the_global_batch(monkeypatch):
     """Under torchrun the memory check counts one GPU's share of the batch, and the host's ranks."""
     from megatrain.config import load_config
-    from megatrain.distributed import launch_shape
     from megatrain.planning import make_plan
+    from megatrain_optim.launch import launch_shape
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

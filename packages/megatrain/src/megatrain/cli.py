@@ -664,7 +664,7 @@ def _says_it(error: Exception, code: int, line: str) -> bool:
     interrupted = loop is not None and isinstance(error, loop.RunInterrupted)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or interrupted:
         return True
-    from .distributed import exit_together
+    from megatrain_optim.launch import exit_together
 
     return exit_together(code, line)
 

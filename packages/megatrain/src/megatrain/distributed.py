@@ -1,130 +1,29 @@
-"""Several GPUs and hosts: one process per GPU (launched by torchrun), data parallel, one copy
-of the training state per host, or one copy split over the hosts.
-
-Every rank streams all layers through its GPU and runs its share of the step's sequences.
-A group's gradient is summed over the ranks of a host on the GPUs (NCCL reduce-scatter; gloo
-on the CPU), then, with several hosts, over the hosts (all-reduce of each shard among the
-ranks with the same local rank), so each rank ends up with its 1/L slice of the global
-gradient (L ranks per host) and sends only that slice to host memory; its CPU threads update
-only that slice of the shared master weights and moments. Every host keeps a full replica of
-the state (host bytes per parameter do not grow with the GPUs); ranks of a host see one
-another's updates through shared memory and wait for them through shared flags, not collectives.
-
-With `engine.shard_across_hosts` the hosts split the state instead: the gradient is reduce-
-scattered over all N ranks, so rank r owns slice r of each group and host h the contiguous
-slices of its ranks; a host keeps master weights and moments for its part only, plus a full
-compute-dtype copy of the weights to stream (2 B/param in bf16). After updating its slice a
-rank sends it, in the compute dtype, to the ranks with its local rank on the other hosts and
-receives theirs (gloo, from a thread beside the optimizer's), before it marks the group updated: H hosts
-of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 replicated).
-"""
+"""The config's side of several GPUs and hosts (`megatrain_optim.launch` joins the processes, and its note says how
+the ranks share the work): the engine keys with the environment variables that override them, and the refusal of a
+batch the ranks cannot split."""
 
 import os
-import signal
-import time
-import uuid
-from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from megatrain_optim import Ranks
+from megatrain_optim.launch import join_ranks
+from megatrain_optim.launch import shared_arenas as _shared_arenas
 from megatrain_store import SharedArenas
 
 from .config import ConfigError, EngineSection
 
 
-def launch_shape() -> tuple[int, int]:
-    """(processes per host, hosts) as torchrun describes them; (1, 1) when run alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % local:
-        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local}: uneven hosts")
-    return local, world // local
-
-
-def exit_together(code: int, line: str, wait_s: float = 10.0) -> bool:
-    """Under torchrun, where this rank fails with `line` and exit `code`: whether it should print the line (rank
-    0 does, another rank only where its line differs from rank 0's), after waiting up to `wait_s` for every rank
-    to fail too (through torchrun's store), so that a failure they all meet alike (a config error) is said once
-    and every rank exits with `code`: torchrun stops the remaining ranks with SIGTERM once one has exited, which
-    this rank ignores from here on, as it is ending. Alone: True at once."""
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world == 1 or "MASTER_ADDR" not in os.environ:
-        return True
-    # (blocked, not handled: a handler would be reset before the interpreter's teardown, where a signal then kills)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    failed = f"megatrain/{attempt}/failed"
-    try:
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=wait_s)
-        )
-        store.set(f"{failed}/{rank}", line)
-        deadline = time.monotonic() + wait_s
-        arrived = store.add(failed, 1)
-        while arrived < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-            arrived = store.add(failed, 0)
-        return rank == 0 or not store.check([f"{failed}/0"]) or store.get(f"{failed}/0").decode() != line
-    except (RuntimeError, OSError, ValueError):  # (no store to reach: each rank says its own)
-        return True
-
-
-def leave_ranks() -> None:
-    """Leave the process group (a local teardown, no collective): left to the interpreter's exit, gloo's
-    threads can be destroyed still running, which aborts a finished rank ("terminate called ...")."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def init_ranks(device_type: str, engine: EngineSection) -> Ranks | None:
-    """Set this process's CPU threads (engine.cpu_threads) and join the process group torchrun describes (NCCL on
-    CUDA, gloo on the CPU); None when alone. engine.shard_across_hosts: the hosts split the training state (see the
-    module's note); engine.rank_wait_s (MEGATRAIN_RANK_WAIT_S overrides it, as every rank's launch sets it): how long
-    a rank waits for another."""
-    local_world, hosts = launch_shape()
-    world = local_world * hosts
-    set_cpu_threads(engine.cpu_threads, local_world if world > 1 else None)
-    if world == 1:
-        return None
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    rank = dist.get_rank()
-    ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", rank % local_world)), local_world)
-    ranks.split_state = engine.shard_across_hosts and hosts > 1
-    ranks.wait_s = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", engine.rank_wait_s))
-    # every process creates every group, in the same order (torch.distributed's rule)
-    for node in range(ranks.n_nodes):
-        group = dist.new_group(list(range(node * local_world, (node + 1) * local_world)))
-        if node == ranks.node:
-            ranks.node_group = group
-    for local in range(local_world):
-        group = dist.new_group(list(range(local, world, local_world)))
-        if local == ranks.local_rank:
-            ranks.cross_group = group
-    if ranks.split_state:
-        # host tensors, on gloo; the exchange runs on a thread of its own, beside the main thread's
-        # collectives, so it has process groups of its own
-        # (a host that stops sending is noticed after wait_s, as a local rank that stops updating)
-        limit = timedelta(seconds=ranks.wait_s)
-        for local in range(local_world):
-            group = dist.new_group(list(range(local, world, local_world)), backend="gloo", timeout=limit)
-            if local == ranks.local_rank:
-                ranks.exchange_group = group
-        ranks.host_mains_group = dist.new_group(list(range(0, world, local_world)), backend="gloo")
-    return ranks
+    """Join the process group torchrun describes (None when alone), with engine.cpu_threads, engine.shard_across_hosts
+    and engine.rank_wait_s (MEGATRAIN_RANK_WAIT_S overrides it, as every rank's launch sets it)."""
+    wait_s = float(os.environ.get("MEGATRAIN_RANK_WAIT_S", engine.rank_wait_s))
+    return join_ranks(device_type, engine.cpu_threads, engine.shard_across_hosts, wait_s)
 
 
-def set_cpu_threads(cpu_threads: int | str, local_world: int | None) -> None:
-    """torch's CPU threads for this process: `cpu_threads` where a number; "auto": torch's default for a process
-    alone (`local_world` None), else the host's cores split among its `local_world` processes (torchrun sets
-    OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core)."""
-    if cpu_threads != "auto":
-        torch.set_num_threads(cpu_threads)
-    elif local_world is not None:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+def shared_arenas(ranks: Ranks, shared_dir: str) -> SharedArenas:
+    """This host's shared arenas under `shared_dir` (engine.shared_dir; MEGATRAIN_SHARED_DIR overrides it, for a host
+    whose memory-backed directory is elsewhere)."""
+    return _shared_arenas(ranks, Path(os.environ.get("MEGATRAIN_SHARED_DIR", shared_dir)))
 
 
 def check_data_parallel(config, ranks: Ranks) -> None:
@@ -137,12 +36,3 @@ def check_data_parallel(config, ranks: Ranks) -> None:
             f"times train.micro_batch_size ({train.micro_batch_size}): each rank runs whole micro-batches of its "
             f"share; e.g. train.batch_size: {unit * max(1, train.batch_size // unit)}"
         )
-
-
-def shared_arenas(ranks: Ranks, shared_dir: str) -> SharedArenas:
-    """This host's shared arenas, in a directory every rank of the host agrees on, under `shared_dir`
-    (engine.shared_dir; MEGATRAIN_SHARED_DIR overrides it, for a host whose memory-backed directory is elsewhere)."""
-    token = [uuid.uuid4().hex[:12] if ranks.is_main else None]
-    dist.broadcast_object_list(token, src=0)
-    root = Path(os.environ.get("MEGATRAIN_SHARED_DIR", shared_dir))
-    return SharedArenas(root / f"megatrain-{token[0]}-node{ranks.node}")

@@ -20,6 +20,7 @@ from megatrain_data import PairWindows, TokenData, TokenWindows, load_token_data
 from megatrain_data.multimodal import MediaRows, check_media_model, media_of, row_windows
 from megatrain_data.serving import describe_export, keep_in_run, serving_of_run
 from megatrain_optim import Ranks
+from megatrain_optim.launch import leave_ranks
 from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress, size_text
 from megatrain_templates import Sequences
@@ -40,7 +41,7 @@ from .checkpoint import (
     write_trainer_state,
 )
 from .config import Config, ConfigError, model_config_of, resolve_device
-from .distributed import init_ranks, leave_ranks
+from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
 from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
 from .rewards import RewardError

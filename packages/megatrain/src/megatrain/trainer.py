@@ -22,6 +22,7 @@ import torch
 
 from megatrain_data import PairWindows, sequence_lengths, sequence_of_tokens
 from megatrain_optim import DeviceAdamW, Ranks, RankSync, Schedule, lr_at
+from megatrain_optim.launch import launch_shape, leave_ranks
 from megatrain_plan import Planner
 from megatrain_sched import Placement, PlacementError, StepResult, Timeline
 from megatrain_store import Pending
@@ -40,7 +41,7 @@ from megatrain_zoo.peft import check_peft_weights, load_peft_adapter
 
 from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
-from .distributed import check_data_parallel, init_ranks, launch_shape, leave_ranks
+from .distributed import check_data_parallel, init_ranks
 from .export import export_hf
 from .objectives import check_model_settings, make_objective
 from .parts import new_pipeline, new_store, new_updates, route_statistics, rows_first, with_router_terms

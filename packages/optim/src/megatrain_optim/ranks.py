@@ -1,8 +1,8 @@
 """The ranks of a data-parallel run and how they share one host store: where a process sits (`Ranks`), the
 collectives of a step and the shared flags by which a host's ranks wait for one another's updates (`RankSync`),
 and the update hand-off that marks (and, where the hosts split the state, exchanges) each updated shard
-(`RankSharing`, the `Sharing` of the update policies). How the processes are launched and joined is the
-caller's (megatrain.distributed); this module takes the process groups it made."""
+(`RankSharing`, the `Sharing` of the update policies). How the processes are launched and joined is
+`launch`'s; this module takes the process groups it made."""
 
 import time
 from dataclasses import dataclass
