@@ -896,6 +896,30 @@ def dense_120b_plans(rows: list[dict]) -> Table:
     return Table(header, body, chosen + list(clipped.values()), align="l" + "r" * 9)
 
 
+def lora_plans(rows: list[dict]) -> Table:
+    """What one H200 fine-tunes with LoRA against full training, host by host (`benchmarks/lora_plans.py`): each
+    candidate the host holds one way or the other, the largest two it holds in neither."""
+    chosen = plan_rows(rows, "lora-plans.json")
+    pairs: dict[tuple, dict] = {}
+    for r in chosen:
+        pairs.setdefault((r["host_size_gib"], r["params_b"], r["model"]), {})[r["mode"].split(" ")[0]] = r
+
+    def cell(r: dict) -> str:
+        held = f"{num(r['host_memory_gib'])} GiB"
+        fits = r["host_holds_it"]
+        return f"{held}: {seconds(r['step_time_s'])}, {num(r['model_tflops'])} TFLOPS" if fits else f"{held}: no"
+
+    body = [
+        [f"{host:,} GiB", model, f"{params}B", cell(modes["full"]), cell(modes["LoRA"])]
+        for (host, params, model), modes in sorted(pairs.items())
+        if modes["full"]["host_holds_it"]
+        or modes["LoRA"]["host_holds_it"]
+        or params <= min(p for (h, p, _), m in pairs.items() if h == host and not m["LoRA"]["host_holds_it"])
+    ]
+    header = ["host", "model", "parameters", "full training: host memory, planned step", "LoRA r=16 over bf16"]
+    return Table(header, body, chosen, align="rlrll")
+
+
 def hosts_plans(rows: list[dict]) -> Table:
     """The largest model 1-64 hosts would train (8 H200s each, 16k tokens per GPU): a replica per host or split state."""
     chosen = plan_rows(rows, "hosts-plans.json")
@@ -1066,6 +1090,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "block-rates": block_rates,
     "dense-120b-plans": dense_120b_plans,
     "hosts-plans": hosts_plans,
+    "lora-plans": lora_plans,
     "kernel-kinds": kernel_kinds,
 }
 

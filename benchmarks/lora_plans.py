@@ -1,0 +1,99 @@
+"""What one H200 would fine-tune with LoRA against full training, from the planner: for hosts of 125 GiB (the box
+lent to us), 256 GiB, 512 GiB and 1 TiB, each candidate preset planned both ways (LoRA r=16 on every linear layer
+over a bf16 base; full training with fp32 masters and moments), clipping at 1.0, 32k tokens a step, and whether
+the host holds it.
+
+    python benchmarks/lora_plans.py   # -> benchmarks/results/lora-plans.json and a table
+
+Plans only (no run), on the rates `megatrain plan` defaults to (`RATES`: an H100 machine's calibration; on the H200
+they predicted Qwen2.5-7B's LoRA step 13% short of the measured one, lora-qwen2.5-7b-h200.json); a LoRA step's block
+time counts no weight gradient of the base (6 FLOPs a parameter with its recompute, not 8).
+"""
+
+from pathlib import Path
+
+from common import table, write_results
+
+from megatrain.config import ConfigError, load_config
+from megatrain.planning import check_plan, make_planner
+from megatrain_plan import Rates
+
+RATES = Rates(
+    gpu_tflops=605.3,
+    head_tflops=630.8,
+    pcie_gbps=55.0,
+    cpu_adam_params_per_s=4.0e9,
+    disk_gbps=1.55,
+    moe_gpu_tflops=300.0,
+    source="the defaults megatrain plan uses (an H100 machine's calibration, 2026-11-24)",
+)
+CANDIDATES = ["qwen2.5-7b", "qwen2.5-32b", "llama3.1-70b", "qwen2.5-72b", "dense-120b", "llama3.1-405b"]
+HOSTS_GIB = (125, 256, 512, 1024)
+SEQ, TOKENS = 4096, 32768
+H200_MEMORY = int(139.8 * 2**30)
+
+
+def plan_row(preset: str, host_gib: int, lora: bool) -> dict:
+    """The planned step of `preset` on a host of `host_gib` GiB with one H200, and whether the host holds it."""
+    overrides = [
+        f"model.preset={preset}",
+        f"data.seq_len={SEQ}",
+        f"train.batch_size={TOKENS // SEQ}",
+        "train.micro_batch_size=1",
+        "precision.compute_dtype=bfloat16",
+        "device=cpu",
+    ] + (["model.adapter.type=lora", "model.adapter.r=16", "model.adapter.alpha=32"] if lora else [])
+    planner = make_planner(
+        load_config(None, overrides), rates=RATES, gpu_memory=H200_MEMORY, host_memory=host_gib * 2**30
+    )
+    plan = planner.plan(planner.place(planner.step_tokens))
+    try:
+        check_plan(plan, planner)
+        refusal = None
+    except ConfigError as error:
+        refusal = str(error)
+    return {
+        "system": "megatrain plan",
+        "model": preset,
+        "mode": "LoRA r=16 over a bf16 base" if lora else "full training",
+        "host_size_gib": host_gib,
+        "params_b": round(plan.n_params / 1e9, 1),
+        "host_memory_gib": round(plan.host_bytes / 2**30, 1),
+        "host_bytes_per_param": round(plan.host_bytes_per_param, 2),
+        "host_holds_it": refusal is None,
+        "tokens_per_step": plan.tokens_per_step,
+        "seq_len": SEQ,
+        "step_time_s": round(plan.step_s, 2),
+        "predicted_step_s": round(plan.step_s, 2),
+        "tokens_per_s": round(plan.tokens_per_s),
+        "model_tflops": round(plan.model_tflops, 1),
+        "bound": plan.bound,
+        **({"refusal": refusal} if refusal else {}),
+    }
+
+
+def main() -> None:
+    rows = [plan_row(p, host, lora) for host in HOSTS_GIB for p in CANDIDATES for lora in (False, True)]
+    columns = ["host_size_gib", "model", "mode", "params_b", "host_memory_gib", "host_holds_it", "step_time_s"]
+    print(table(rows, columns))
+    write_results(
+        Path(__file__).parent / "results" / "lora-plans.json",
+        {
+            "benchmark": "What one H200 fine-tunes with LoRA against full training, host by host (plans)",
+            "commands": ["python benchmarks/lora_plans.py"],
+            "notes": [
+                "Plans only: one H200 (139.8 GiB), 32k tokens a step of sequences of 4096, clipping at 1.0; LoRA r=16, "
+                "alpha 32, on every linear layer, the base held once in bf16; full training with fp32 masters and "
+                "moments and the gradients held for clipping (16 B/param). host_holds_it: the host's budget holds the "
+                "plan (refusal: the planner's words where it does not). Model TFLOPS of LoRA rows count 4 FLOPs a "
+                "frozen parameter.",
+            ],
+            "rates": RATES.__dict__,
+            "candidates": CANDIDATES,
+            "results": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
