@@ -151,7 +151,7 @@ def test_an_adapter_of_another_shape_is_refused_before_anything_loads(base_dir, 
 def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_path, capsys):
     """`megatrain train` with model.adapter writes final/ as a PEFT directory served as its base is (tokenizer, chat
     template); `megatrain convert RUN DIR --merge` finds it and writes the merged model with PeftModel's logits, and
-    `megatrain eval` of the run says how to get a model it takes."""
+    `megatrain eval` of the run (its adapters over its base) gives the merged model's loss."""
     np.save(tmp_path / "ids.npy", np.random.default_rng().integers(0, 96, 400, dtype=np.int32))
     run = tmp_path / "run"
     pairs = [f"model.hf_dir={base_dir}", "model.adapter.type=lora", "model.adapter.r=4", "data.tokens=ids.npy"]
@@ -160,10 +160,13 @@ def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_pa
     with chdir(tmp_path):
         assert main(["train", *(arg for pair in pairs for arg in ("--set", pair))]) == 0
         assert main(["convert", str(run), "merged", "--merge"]) == 0
-        assert main(["eval", "--checkpoint", str(run)]) == 2  # (a config error)
-    output = capsys.readouterr()
-    assert "merged 14 adapted matrices" in output.err  # (all-linear: 7 per layer, 2 layers)
-    assert f"`megatrain convert {run / 'final'} DIR --merge`" in output.err + output.out
+        assert "merged 14 adapted matrices" in capsys.readouterr().err  # (all-linear: 7 per layer, 2 layers)
+        same = [arg for pair in pairs[3:8] for arg in ("--set", pair)]  # (the run's data, as the merged model's)
+        losses = []
+        for weights in (run, tmp_path / "merged"):  # (the run's final/: its adapters over its base)
+            assert main(["eval", "--checkpoint", str(weights), "--batches", "2", *same]) == 0
+            losses.append(json.loads(capsys.readouterr().out.splitlines()[-1])["val_loss"])
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     final = run / "final"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
     assert "tokenizer, chat template" in describe_export(final)

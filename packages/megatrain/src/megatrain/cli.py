@@ -314,16 +314,22 @@ def check_held_out(config, base: dict | None) -> None:
 
 
 def trainer_for_weights(config, weights: Path):
-    """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, or a checkpoint) and no
-    optimizer state: for evaluation and generation."""
+    """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, a checkpoint, or a LoRA
+    run's adapters over their base) and no optimizer state: for evaluation and generation."""
     from dataclasses import replace
 
     from megatrain_zoo import ModelConfig
+    from megatrain_zoo.peft import is_peft_directory
 
     from .checkpoint import MANIFEST, resolve_resume
-    from .config import ModelSection
+    from .config import AdapterSection, ModelSection
+    from .export import lora_source
     from .trainer import Trainer
 
+    if is_peft_directory(weights):  # (a LoRA run's final/, or an adapter of its own: over its base, adapters on)
+        section = config.model if config.model.adapter.type else ModelSection(hf_dir=lora_source(weights).base_name)
+        model = replace(section, adapter=AdapterSection(type="lora", path=str(weights)))
+        return Trainer(replace(config, model=model), training=False), str(weights)
     if not (weights / MANIFEST).exists():
         return Trainer(replace(config, model=ModelSection(hf_dir=str(weights))), training=False), str(weights)
     resume = resolve_resume(weights)
@@ -574,19 +580,6 @@ def _size(params: int) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
 
 
-def _refuse_adapters(weights: Path, command: str) -> None:
-    """Refuse a LoRA run's adapters (a PEFT directory, or a checkpoint of the adapters alone) where `command` needs a
-    whole model, saying how to make one."""
-    from .config import ConfigError
-    from .export import lora_source
-
-    if lora_source(weights) is not None:
-        raise ConfigError(
-            f"megatrain {command} of LoRA adapters ({weights}) is not built yet; `megatrain convert {weights} DIR "
-            f"--merge` writes the model with them merged in, which {command} takes"
-        )
-
-
 def run_command(args) -> None:
     """Run the parsed command (its errors propagate)."""
     if args.command == "convert":
@@ -598,7 +591,6 @@ def run_command(args) -> None:
 
         _at_least(args.batches, 1, "--batches")
         args.weights = find_weights(Path(args.checkpoint))
-        _refuse_adapters(args.weights, "eval")
         base = run_config(args.weights)
         config = _config(args, base)
         check_held_out(config, base)
@@ -611,7 +603,6 @@ def run_command(args) -> None:
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
         args.weights = find_weights(Path(args.checkpoint))
-        _refuse_adapters(args.weights, "generate")
         run_generate(_config(args, run_config(args.weights)), args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")

@@ -54,8 +54,9 @@ def new_store(
         first_disk_group=plan.first_disk_group,
         wire_copy=config.engine.wire_copy,
         reference_copy=plan.reference_copy,
-        frozen=frozen if training else frozenset(),
-        frozen_in_compute_dtype=spec.adapter is not None,  # (LoRA's base: 2 B/param in bf16, all it needs)
+        # (evaluation keeps no state to leave out, but LoRA's base is still held once in the compute dtype)
+        frozen=frozen if training or spec.adapter is not None else frozenset(),
+        frozen_in_compute_dtype=spec.adapter is not None,
         shared=None if ranks is None else shared_arenas(ranks, config.engine.shared_dir),
         **_shards(ranks),
     )
