@@ -109,6 +109,31 @@ def test_nf4_zero_blocks_and_equal_absmax_equal_bitsandbytes():
     assert (dequantize_nf4(quantize_nf4(weight))[10:20] == 0).all()
 
 
+def test_partial_last_block_is_divided_by_its_absmax_as_bitsandbytes_does():
+    """Whole blocks are multiplied by 1 / absmax, a last partial block divided by its absmax: values next to the
+    midpoints between NF4 codes, where the two pick different codes, in the partial block of a (1, 104) weight."""
+    bounds = (torch.tensor(NF4_CODE)[:-1] + torch.tensor(NF4_CODE)[1:]) / 2
+    generator = torch.Generator().manual_seed(16)
+    checked = 0
+    for absmax in (torch.rand(40, generator=generator) * 0.1 + 0.01).tolist():
+        a = torch.tensor(absmax)
+        below, above = bounds * a, bounds * a
+        near = [below]
+        for _ in range(3):  # the products and 3 floats either side
+            below, above = torch.nextafter(below, torch.tensor(-1.0)), torch.nextafter(above, torch.tensor(1.0))
+            near += [below, above]
+        near = torch.cat(near)
+        apart = near[torch.bucketize(near / a, bounds) != torch.bucketize(near * (1.0 / a), bounds)]
+        if apart.numel() == 0:
+            continue
+        tail = torch.cat([a.view(1), apart[:39], torch.zeros(39 - min(39, apart.numel()))])
+        weight = torch.cat([random_weight((64,), torch.float32, seed=17), tail]).view(1, 104)
+        packed, _ = bnb_nf4(weight)
+        assert torch.equal(quantize_nf4(weight).codes, packed.view(-1))
+        checked += 1
+    assert checked >= 5
+
+
 def test_statistics_take_the_cpu_kernels_table_not_the_nearest_code():
     """The 8-bit codes of absmax - offset: bitsandbytes' CPU kernel rounds through a table of 65536 bins, which
     differs from the nearest code close to the midpoints between codes; values there, in blocks of 256 scaled by a

@@ -252,10 +252,11 @@ def _quantize_dynamic(values: Tensor) -> tuple[Tensor, Tensor]:
     blocks = torch.zeros(-(-m // ABSMAX_BLOCK), ABSMAX_BLOCK, device=values.device)  # zeros change no absmax
     blocks.view(-1)[:m] = values
     scales = blocks.abs().amax(dim=1)
-    scaled = (blocks * (1.0 / scales).unsqueeze(1)).clamp_(-1.0, 1.0)
+    inverse = torch.where(scales > 0, 1.0 / scales, 0.0)  # fp32 1 / absmax, as the kernel; zero blocks below
+    scaled = (blocks * inverse.unsqueeze(1)).clamp_(-1.0, 1.0)
     # the table's index, trunc((x + 1) * 0.5 * 65535 + 0.5) in fp32: the kernel fuses the last multiply-add, but
     # the bounds k + 0.5 and k + 1 are floats, so no rounding crosses one and both give the exact value's floor
-    index = ((scaled + 1.0) * 0.5 * (_LUT_SIZE - 1) + 0.5).long().clamp_(0, _LUT_SIZE - 1)  # NaN: zero blocks
+    index = ((scaled + 1.0) * 0.5 * (_LUT_SIZE - 1) + 0.5).long()
     codes = _dynamic_lut(values.device)[index]
     codes[scales == 0] = 0  # the kernel's rule for a block of zeros
     return codes.view(-1)[:m], scales
