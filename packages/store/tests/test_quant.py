@@ -15,6 +15,7 @@ from megatrain_store import (
     dequantize_nf4,
     int8_nbytes,
     nf4_nbytes,
+    quant,
     quantize_int8,
     quantize_nf4,
 )
@@ -150,6 +151,19 @@ def test_statistics_take_the_cpu_kernels_table_not_the_nearest_code():
     assert torch.equal(codes, theirs) and torch.equal(scales, state.absmax)
     nearest = torch.bucketize(values[256 : 256 + blocks.numel()], midpoints)  # scale 1.0 in those blocks
     assert (nearest != codes[256 : 256 + blocks.numel()]).sum() > 10  # the table does differ here
+
+
+def test_chunks_give_the_whole_tensors_bytes(monkeypatch):
+    """A weight of 30000 values through chunks of 192 (3 blocks; int8: 1 row of 100): the same bytes and
+    dequantized weights as in one piece."""
+    weight = random_weight((300, 100), torch.bfloat16, seed=18)
+    whole, whole8 = quantize_nf4(weight), quantize_int8(weight)
+    monkeypatch.setattr(quant, "CHUNK", 192)
+    chunked, chunked8 = quantize_nf4(weight), quantize_int8(weight)
+    assert torch.equal(chunked.to_bytes(), whole.to_bytes()) and torch.equal(chunked8.to_bytes(), whole8.to_bytes())
+    slot = torch.empty(300, 100, dtype=torch.float32)
+    assert torch.equal(dequantize_nf4(chunked, out=slot), bnb_dequantize(*bnb_nf4(weight), torch.float32))
+    assert torch.equal(dequantize_int8(chunked8), dequantize_int8(whole8))
 
 
 def test_nf4_round_trip_error_within_its_bound():

@@ -55,6 +55,7 @@ from .errors import StoreError
 
 BLOCK = 64  # values per NF4 block, each with its own absmax
 ABSMAX_BLOCK = 256  # absmax values per block of the double quantization, each with its own fp32 scale
+CHUNK = 1 << 24  # values (whole blocks) quantized or dequantized at a time, bounding the temporaries
 
 # The 16 NF4 code values in code order (QLoRA, appendix E; bitsandbytes' `get_4bit_type("nf4")`): quantiles of
 # N(0, 1) normalized to [-1, 1], 8 on the positive side and 7 on the negative, with an exact 0.
@@ -164,26 +165,17 @@ def quantize_nf4(weight: Tensor, out: Tensor | None = None) -> QuantizedNF4:
     """weight: [out, in] (any shape) fp32, bf16 or fp16 -> its NF4 form on weight's device, equal to bitsandbytes'
     quantize_4bit(weight, quant_type="nf4", blocksize=64, compress_statistics=True) on the CPU. `out`: a
     [nf4_nbytes(weight.shape)] uint8 buffer (e.g. a slice of a pinned arena) to write into; the result's tensors
-    are views into it. Needs a few fp32 temporaries of the weight's size."""
+    are views into it. Works through CHUNK values at a time (about 20 bytes of temporaries each)."""
     _check_weight(weight, "quantize_nf4")
     n = weight.numel()
     buffer = _output_buffer(out, nf4_nbytes(weight.shape), weight.device, "quantize_nf4")
     q = QuantizedNF4.from_bytes(buffer, tuple(weight.shape), weight.dtype)
-    flat = weight.detach().reshape(-1).float()
-    full = n // BLOCK  # whole blocks; a last partial block of n % BLOCK values follows
-    absmax = torch.empty(-(-n // BLOCK), dtype=torch.float32, device=weight.device)
-    scaled = torch.zeros(2 * q.codes.numel(), dtype=torch.float32, device=weight.device)  # the pad value is 0.0
-    blocks = flat[: full * BLOCK].view(full, BLOCK)
-    torch.amax(blocks.abs(), dim=1, out=absmax[:full])
-    torch.mul(blocks, (1.0 / absmax[:full].clamp(min=1e-38)).unsqueeze(1), out=scaled[: full * BLOCK].view(full, BLOCK))
-    if n % BLOCK:
-        tail = flat[full * BLOCK :]
-        absmax[full] = tail.abs().amax()
-        torch.div(tail, absmax[full].clamp(min=1e-38), out=scaled[full * BLOCK : n])
-    scaled.clamp_(-1.0, 1.0)
-    index = torch.bucketize(scaled, _nf4_bounds(weight.device), out_int32=True)  # nearest code, ties to the lower
-    del scaled
-    q.codes.copy_((index[0::2] << 4) | index[1::2])
+    flat = weight.detach().reshape(-1)
+    absmax = torch.empty(q.absmax_codes.numel(), dtype=torch.float32, device=weight.device)
+    for start in range(0, n, CHUNK):  # CHUNK is whole blocks and bytes: the chunks' codes are the whole's
+        stop = min(start + CHUNK, n)
+        codes = q.codes[start // 2 : -(-stop // 2)]
+        _quantize_nf4_chunk(flat[start:stop], absmax[start // BLOCK : -(-stop // BLOCK)], codes)
     q.offset.copy_(absmax.mean())
     absmax_codes, scales = _quantize_dynamic(absmax - q.offset)
     q.absmax_codes.copy_(absmax_codes)
@@ -193,44 +185,80 @@ def quantize_nf4(weight: Tensor, out: Tensor | None = None) -> QuantizedNF4:
 
 def dequantize_nf4(q: QuantizedNF4, out: Tensor | None = None) -> Tensor:
     """q -> the weight [q.shape] in q.dtype, or written into `out` ([q.shape], contiguous, any float dtype, on q's
-    device: a slot's view) in out's dtype; equal bit for bit to bitsandbytes' dequantize_4bit. Needs 6 bytes a
-    parameter of temporaries (the codes as int32 indices, the values in fp32)."""
+    device: a slot's view) in out's dtype; equal bit for bit to bitsandbytes' dequantize_4bit. Works through CHUNK
+    values at a time: 6 bytes of temporaries each (the codes as int32 indices, the values in fp32)."""
     n = q.numel
     out = _check_out(out, q.shape, q.device, "dequantize_nf4")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     absmax = _dynamic_code(q.device).index_select(0, q.absmax_codes.int())
     absmax.mul_(q.absmax_scales.repeat_interleave(ABSMAX_BLOCK)[: absmax.numel()]).add_(q.offset)
-    values = _nf4_pairs(q.device).index_select(0, q.codes.int()).view(-1)[:n]  # [n] fp32, nf4[code]
-    full = n // BLOCK
-    values[: full * BLOCK].view(full, BLOCK).mul_(absmax[:full].unsqueeze(1))
-    if n % BLOCK:
-        values[full * BLOCK :].mul_(absmax[full])
-    if out is None:
-        return values.view(q.shape).to(q.dtype)
-    return out.copy_(values.view(q.shape))
+    flat = out.view(-1)
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        values = _nf4_pairs(q.device).index_select(0, q.codes[start // 2 : -(-stop // 2)].int())
+        values = values.view(-1)[: stop - start]  # fp32 nf4[code]
+        full = (stop - start) // BLOCK
+        values[: full * BLOCK].view(full, BLOCK).mul_(absmax[start // BLOCK :][:full].unsqueeze(1))
+        if (stop - start) % BLOCK:
+            values[full * BLOCK :].mul_(absmax[-1])
+        flat[start:stop].copy_(values)  # rounded once to out's dtype
+    return out
 
 
 def quantize_int8(weight: Tensor, out: Tensor | None = None) -> QuantizedInt8:
     """weight: [out, in] (rows: all dimensions but the last) fp32, bf16 or fp16 -> row-wise int8 on weight's
     device, equal to bitsandbytes' int8_vectorwise_quant(weight) on the CPU for rows that are not all zero. `out`:
-    a [int8_nbytes(weight.shape)] uint8 buffer to write into, as in quantize_nf4."""
+    a [int8_nbytes(weight.shape)] uint8 buffer to write into, as in quantize_nf4. Works through about CHUNK values
+    (whole rows) at a time."""
     _check_weight(weight, "quantize_int8")
     buffer = _output_buffer(out, int8_nbytes(weight.shape), weight.device, "quantize_int8")
     q = QuantizedInt8.from_bytes(buffer, tuple(weight.shape), weight.dtype)
-    rows = weight.detach().reshape(q.codes.shape)
-    q.scales.copy_(rows.abs().amax(dim=1))  # exact in fp32 from any of the float dtypes
-    factor = torch.where(q.scales > 0, 127.0 / q.scales, 0.0)  # a row of zeros: codes 0, not 0 * inf
-    q.codes.copy_(torch.round(rows * factor.unsqueeze(1)))
+    rows, cols = q.codes.shape
+    matrix = weight.detach().reshape(rows, cols)
+    step = max(1, CHUNK // cols)
+    for start in range(0, rows, step):
+        part, scales = matrix[start : start + step], q.scales[start : start + step]
+        scales.copy_(part.abs().amax(dim=1))  # exact in fp32 from any of the float dtypes
+        factor = torch.where(scales > 0, 127.0 / scales, 0.0)  # a row of zeros: codes 0, not 0 * inf
+        q.codes[start : start + step].copy_(torch.round(part * factor.unsqueeze(1)))
     return q
 
 
 def dequantize_int8(q: QuantizedInt8, out: Tensor | None = None) -> Tensor:
     """q -> the weight [q.shape] in q.dtype, or written into `out` ([q.shape], contiguous, on q's device) in its
-    dtype; equal bit for bit to bitsandbytes' int8_vectorwise_dequant(codes, scales) rounded to that dtype."""
+    dtype; equal bit for bit to bitsandbytes' int8_vectorwise_dequant(codes, scales) rounded to that dtype. Works
+    through about CHUNK values (whole rows) at a time, 4 bytes of temporaries each."""
     out = _check_out(out, q.shape, q.device, "dequantize_int8")
-    values = (q.codes * q.scales.unsqueeze(1)).mul_(1 / 127)  # bitsandbytes' order: (q * s) * fp32(1 / 127)
     if out is None:
-        return values.view(q.shape).to(q.dtype)
-    return out.copy_(values.view(q.shape))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rows, cols = q.codes.shape
+    matrix = out.view(rows, cols)
+    step = max(1, CHUNK // cols)
+    for start in range(0, rows, step):
+        codes, scales = q.codes[start : start + step], q.scales[start : start + step]
+        values = (codes * scales.unsqueeze(1)).mul_(1 / 127)  # bitsandbytes' order: (q * s) * fp32(1 / 127)
+        matrix[start : start + step].copy_(values)
+    return out
+
+
+def _quantize_nf4_chunk(values: Tensor, absmax: Tensor, codes: Tensor) -> None:
+    """values: [m] of the weight (m a multiple of 64 but in the last chunk) -> their blocks' absmax [ceil(m / 64)]
+    fp32 and their packed codes [ceil(m / 2)] uint8, written into the given views."""
+    x = values.float()
+    m = x.numel()
+    full = m // BLOCK  # whole blocks; a last partial block of m % BLOCK values follows
+    scaled = torch.zeros(2 * codes.numel(), dtype=torch.float32, device=x.device)  # the pad value is 0.0
+    blocks = x[: full * BLOCK].view(full, BLOCK)
+    torch.amax(blocks.abs(), dim=1, out=absmax[:full])
+    torch.mul(blocks, (1.0 / absmax[:full].clamp(min=1e-38)).unsqueeze(1), out=scaled[: full * BLOCK].view(full, BLOCK))
+    if m % BLOCK:
+        tail = x[full * BLOCK :]
+        absmax[full] = tail.abs().amax()
+        torch.div(tail, absmax[full].clamp(min=1e-38), out=scaled[full * BLOCK : m])
+    scaled.clamp_(-1.0, 1.0)
+    index = torch.bucketize(scaled, _nf4_bounds(x.device), out_int32=True)  # nearest code, ties to the lower
+    codes.copy_((index[0::2] << 4) | index[1::2])
 
 
 def dynamic_code() -> Tensor:
