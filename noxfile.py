@@ -39,7 +39,9 @@ EXTRAS = {"megatrain": "[plot]"}  # the loss-curve PNG is part of what a run wri
 # pytest-xdist: the sessions whose tests take long run them in two processes (CI's two cores)
 TWO_PROCESSES = {"megatrain"}
 # triton and numpy: the templates' kernels run under its CPU interpreter (a GPU's torch brings triton; CPU wheels do not)
-TEST_REQUIREMENTS = {"templates": ("triton", "numpy")}
+# bitsandbytes: the reference of the store's packed NF4 and int8 weights, bit for bit; pinned, since its CPU quantizer
+# rounds the 8-bit statistics its own way (megatrain_store.quant says which) and a release may change that
+TEST_REQUIREMENTS = {"templates": ("triton", "numpy"), "store": ("bitsandbytes==0.50.2",)}
 
 
 # The tests' processes write the bytecode of what they import (the next process reads it), which installing
@@ -120,6 +122,7 @@ GPU_GROUPS = {
         "packages/templates/tests/test_templates.py::test_gpu_kept_recurrence_gives_the_recomputed_gradients",
     ],
     "lora": ["tests/test_lora.py", "tests/test_lora_export.py"],
+    "quant": ["packages/store/tests/test_quant.py"],  # needs bitsandbytes in the environment
     "ranks": ["tests/test_distributed.py"],
 }
 

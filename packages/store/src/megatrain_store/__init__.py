@@ -1,4 +1,4 @@
-"""Pinned host-memory store: flat per-group arenas, accounting, atomic safetensors I/O."""
+"""Pinned host-memory store: flat per-group arenas, accounting, atomic safetensors I/O, packed 4/8-bit weights."""
 
 from .device import free_device_bytes
 from .errors import StoreError
@@ -15,6 +15,16 @@ from .io import (
 )
 from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
 from .pinning import pin_in_place, unpin
+from .quant import (
+    QuantizedInt8,
+    QuantizedNF4,
+    dequantize_int8,
+    dequantize_nf4,
+    int8_nbytes,
+    nf4_nbytes,
+    quantize_int8,
+    quantize_nf4,
+)
 from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
 
@@ -26,17 +36,25 @@ __all__ = [
     "LOAD_BIAS",
     "MemoryReport",
     "Pending",
+    "QuantizedInt8",
+    "QuantizedNF4",
     "SharedArenas",
     "StoreError",
     "atomic_write",
     "atomic_write_text",
     "bytes_per_param",
+    "dequantize_int8",
+    "dequantize_nf4",
     "free_device_bytes",
     "fsync_dir",
+    "int8_nbytes",
     "load_tensors_into",
     "match_tensors",
+    "nf4_nbytes",
     "open_safetensors",
     "pin_in_place",
+    "quantize_int8",
+    "quantize_nf4",
     "read_safetensors_header",
     "unpin",
     "write_safetensors",
