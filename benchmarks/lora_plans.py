@@ -18,15 +18,7 @@ from megatrain.config import ConfigError, load_config
 from megatrain.planning import check_plan, make_planner
 from megatrain_plan import Rates
 
-RATES = Rates(
-    gpu_tflops=605.3,
-    head_tflops=630.8,
-    pcie_gbps=55.0,
-    cpu_adam_params_per_s=4.0e9,
-    disk_gbps=1.55,
-    moe_gpu_tflops=300.0,
-    source="the defaults megatrain plan uses (an H100 machine's calibration, 2026-11-24)",
-)
+RATES = Rates()  # `megatrain plan`'s defaults, which its source names
 CANDIDATES = ["qwen2.5-7b", "qwen2.5-32b", "llama3.1-70b", "qwen2.5-72b", "dense-120b", "llama3.1-405b"]
 HOSTS_GIB = (125, 256, 512, 1024)
 SEQ, TOKENS = 4096, 32768
