@@ -373,3 +373,62 @@ def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     # (B's first updates are lr * sign(gradient): an absolute floor for its elements whose gradient is fp32 noise)
     assert_same_weights(adapters, resumed_adapters)
+
+
+def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
+    """DPO over LoRA adapters: the reference is the base with the adapters off (`reference.adapters_off`, as TRL's
+    with a PEFT model under `disable_adapter()`), and the steps equal a plain PEFT loop of the paper's loss with
+    torch AdamW on the adapters (fp32; B non-zero from the start, so the policy and the reference differ)."""
+    from test_dpo import SEQ, completion_logps, paper_loss, random_pairs
+
+    from megatrain.config import Config, DPOSection, ModelSection, PrecisionSection, TrainSection
+    from megatrain.reference import adapters_off
+    from megatrain_data import Batch, DataSection
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_dense_model("tiny-qwen2", seed)
+    reference.save_pretrained(tmp_path / "hf")
+    dpo, n_pairs = DPOSection(beta=0.5), 3
+    train = TrainSection(
+        steps=3, batch_size=n_pairs, micro_batch_size=1, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
+        warmup_steps=1, seed=seed, objective="dpo", dpo=dpo,
+    )  # fmt: skip
+    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",))
+    config = Config(
+        model=ModelSection(hf_dir=str(tmp_path / "hf"), adapter=adapter),
+        data=DataSection(seq_len=SEQ),
+        train=train,
+        precision=PrecisionSection("float32"),
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
+    trainer = Trainer(config)
+    model = peft_model(reference, ["all-linear"])
+    generator = torch.Generator().manual_seed(seed)
+    share_adapters(trainer, model, generator)
+    optimizer = adapter_adamw(model, train)
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    theirs = dict(model.named_parameters())
+    for step in range(train.steps):
+        ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
+        rows = Batch(ids, labels)
+        with torch.no_grad(), model.disable_adapter():
+            ref_sums, lengths = completion_logps(model, ids, labels)
+        with adapters_off(trainer):
+            ours_reference = trainer.sequence_logps(StepBatch(ids, labels, sequences=rows.sequences))
+        assert rel_err(ours_reference.logps, ref_sums) < 1e-5
+        metrics = trainer.train_step(StepBatch(ids, labels, extras=ours_reference, sequences=rows.sequences))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        sums, _ = completion_logps(model, ids, labels)
+        loss = paper_loss(sums, lengths.to(sums), ref_sums.to(sums), dpo)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], float("inf"))
+        optimizer.step()
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+    for name, view in trainer.named_weights().items():
+        if ".lora_" in name:
+            assert rel_err(view, theirs[peft_name(name)].detach()) < 1e-4, name
+    trainer.close()
