@@ -2,9 +2,10 @@
 `peft.get_peft_model` over transformers' model + torch.optim.AdamW on the adapters, step by step (loss, gradient norm,
 every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and eager,
 all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
-output-normed (OLMo 2) and delta-rule (Qwen3.5) families, layers recomputed or keeping their products, in one sweep or
-two, packed rows; two ranks train as one process, and resume from their adapter-only checkpoint as a run that never
-stopped. The frozen base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad
+output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts (Qwen2-MoE) families and the generic path, layers
+recomputed or keeping their products, in one sweep or two, packed rows, and DPO against a plain PEFT DPO loop (its
+reference the base, adapters off); two ranks train as one process, and resume from their adapter-only checkpoint as a
+run that never stopped. The frozen base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad
 adapter settings are refused in one line before anything loads."""
 
 import contextlib
