@@ -32,6 +32,7 @@ from megatrain_plan import (
     measure_disk_gbps,
 )
 from megatrain_sched import EXTRAS_MARGIN
+from megatrain_templates import Lora
 from megatrain_templates.chunked_recurrence import KeptRecurrence
 from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
 
@@ -63,18 +64,20 @@ def planner_for(
     clipping: bool = False,
     router_z_loss: bool = False,
     objective: ObjectiveMemory = ObjectiveMemory(),
+    adapter: Lora | None = None,
     **engine,
 ) -> Planner:
     """The planner of preset `name`'s steps of `tokens` (all GPUs') in micro-batches of `micro_batch` sequences of
     `seq_len`, bf16, on a machine with `gpu_memory` (None: no GPU) and this host's (simulated) memory or
-    `host_memory`; `engine`: `EngineChoices` fields."""
+    `host_memory`; `engine`: `EngineChoices` fields; `adapter`: LoRA over the frozen model."""
     model = preset(name)
     shape = StepShape(
         seq_len, tokens // seq_len, micro_batch, torch.bfloat16, clipping=clipping, router_z_loss=router_z_loss
     )
     machine = Machine.of(torch.device("cpu"), None, gpu_memory, host_memory, gpus, hosts)
     choices = EngineChoices(**engine)
-    spec = build_model(model, experts_per_stage(model, choices.experts_per_stage, shape, machine.gpu_memory))
+    parts = experts_per_stage(model, choices.experts_per_stage, shape, machine.gpu_memory)
+    spec = build_model(model, parts, adapter)
     return Planner(spec, rates or Rates(), machine, shape, choices, objective)
 
 
@@ -544,3 +547,26 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     assert dpo.placement.sweeps == 1 and z_loss.placement.sweeps == 1
     three = plan_for("qwen2.5-7b", 131072, sweeps=3, gpu_memory=h100)
     assert three.placement.sweeps == 3 and three.placement.tokens == 3 * 16384  # 8 micro-batches: 3, 3 and 2
+
+
+def test_lora_holds_the_base_once_in_the_compute_dtype_and_trains_its_adapters_alone():
+    """LoRA over Qwen2.5-7B: the base at 2 B/param (bf16) and no master, moments or gradients but the adapters'; the
+    backward makes no weight gradient of the base (6 FLOPs a parameter with its recompute, not 8) and sends none back;
+    the report says what the host holds each way."""
+    lora = Lora(16, 32.0, ("all-linear",))
+    host, gpu = 125 * 2**30, int(139.8 * 2**30)
+    full = planner_for("qwen2.5-7b", 32768, clipping=True, gpu_memory=gpu, host_memory=host)
+    tuned = planner_for("qwen2.5-7b", 32768, clipping=True, gpu_memory=gpu, host_memory=host, adapter=lora)
+    plan, adapters = planned(tuned), tuned.spec.adapter_params
+    assert 40e6 < adapters < 41e6  # r 16 on q, k, v, o, gate, up, down of 28 layers
+    items = plan.host_items
+    assert items["frozen base weights"] == 2 * tuned.frozen_params == 2 * plan.n_params
+    assert items["master weights"] == 4 * adapters and items["optimizer moments"] == 8 * adapters
+    assert items["gradients held for clipping"] == 4 * adapters
+    # the base crosses PCIe in bf16 (the fp32 masters cast on arrival: 4 bytes), and no gradient of it comes back
+    assert full._wire() == 4 and tuned._wire() == pytest.approx(2, rel=0.02) and tuned.grad_share < 0.01
+    assert tuned.blocks_s(32768, 0) == pytest.approx(full.blocks_s(32768, 0) * 0.75, rel=0.05)
+    largest = plan.largest_params
+    assert set(largest) == {"full training", "LoRA over a base in bf16"}
+    assert largest["LoRA over a base in bf16"] == pytest.approx(8 * largest["full training"], rel=1e-9)
+    assert "frozen parameters (base model under LoRA adapters)" in format_plan(plan, "qwen2.5-7b")
