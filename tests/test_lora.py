@@ -3,8 +3,8 @@
 every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and eager,
 all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
 output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts (Qwen2-MoE) families and the generic path, layers
-recomputed or keeping their products, in one sweep or two, packed rows, and DPO against a plain PEFT DPO loop (its
-reference the base, adapters off); two ranks train as one process, and resume from their adapter-only checkpoint as a
+recomputed or keeping their products, in one sweep or two, packed rows, and DPO and GRPO against plain PEFT loops (their
+references the base, adapters off); two ranks train as one process, and resume from their adapter-only checkpoint as a
 run that never stopped. The frozen base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad
 adapter settings are refused in one line before anything loads."""
 
@@ -424,6 +424,68 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
         optimizer.zero_grad()
         sums, _ = completion_logps(model, ids, labels)
         loss = paper_loss(sums, lengths.to(sums), ref_sums.to(sums), dpo)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], float("inf"))
+        optimizer.step()
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
+    for name, view in trainer.named_weights().items():
+        if ".lora_" in name:
+            assert rel_err(view, theirs[peft_name(name)].detach()) < 1e-4, name
+    trainer.close()
+
+
+def test_grpo_with_adapters_equals_a_peft_loop(tmp_path):
+    """GRPO over LoRA adapters, with the KL term: the reference the store streams (`keep_reference`, its adapter
+    groups zero) is the base with the adapters off, PEFT's under `disable_adapter()`, and the steps equal TRL's loss
+    on a PeftModel with torch AdamW on the adapters (fp32; B non-zero from the start)."""
+    from test_grpo import CASES_GRPO, SEQ, random_groups, token_logps, trl_advantages, trl_loss
+
+    from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
+    from megatrain_data import DataSection
+    from megatrain_templates import Rollout
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    reference = hf_dense_model("tiny-qwen2", seed)
+    reference.save_pretrained(tmp_path / "hf")
+    grpo, n_prompts = CASES_GRPO["grpo-kl"], 2
+    rows = n_prompts * grpo.num_generations
+    train = TrainSection(
+        steps=3, batch_size=rows, micro_batch_size=rows, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
+        warmup_steps=1, seed=seed, objective="grpo", grpo=grpo,
+    )  # fmt: skip
+    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",))
+    config = Config(
+        model=ModelSection(hf_dir=str(tmp_path / "hf"), adapter=adapter),
+        data=DataSection(seq_len=SEQ),
+        train=train,
+        precision=PrecisionSection("float32"),
+        device="cpu",
+        output_dir=str(tmp_path / "run"),
+    )
+    trainer = Trainer(config)
+    model = peft_model(reference, ["all-linear"])
+    generator = torch.Generator().manual_seed(seed)
+    share_adapters(trainer, model, generator)
+    trainer.keep_reference()  # (after the adapters are set: the reference must still be the base alone)
+    optimizer = adapter_adamw(model, train)
+    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+    theirs = dict(model.named_parameters())
+    for step in range(train.steps):
+        ids, labels = random_groups(n_prompts, grpo.num_generations, trainer.model_config.vocab_size, generator)
+        mask = labels != -100
+        rewards = torch.rand(rows, generator=generator, dtype=torch.float64)
+        advantages = trl_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
+        with torch.no_grad(), model.disable_adapter():
+            ref = token_logps(model, ids, labels)
+        ours_ref = trainer.token_logps(StepBatch(ids, labels), reference=True)
+        assert rel_err(ours_ref, ref) < 1e-5
+        metrics = trainer.train_step(StepBatch(ids, labels, extras=Rollout(advantages, None, ours_ref)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        optimizer.zero_grad()
+        logps = token_logps(model, ids, labels)
+        loss = trl_loss(logps, logps.detach(), ref, advantages.to(logps), mask, grpo)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], float("inf"))
         optimizer.step()
