@@ -3,10 +3,10 @@
 every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and eager,
 all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
 output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts (Qwen2-MoE) families and the generic path, layers
-recomputed or keeping their products, in one sweep or two, packed rows, and DPO and GRPO against plain PEFT loops (their
-references the base, adapters off); two ranks train as one process, and resume from their adapter-only checkpoint as a
-run that never stopped. The frozen base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad
-adapter settings are refused in one line before anything loads."""
+recomputed or keeping their products, in one sweep or two, packed rows, and DPO and GRPO against plain PEFT loops
+(their references the base, adapters off); two ranks train as one process, and resume from their adapter-only
+checkpoint as a run that never stopped. The frozen base is held once, in the compute dtype, and stays bit for bit
+what its checkpoint holds. Bad adapter settings are refused in one line before anything loads."""
 
 import contextlib
 import json
