@@ -306,3 +306,25 @@ def check_extra_tensors_are_left_out(reference, extra: dict, what: str, tmp_path
     trainer.close()
     written = load_file(str(convert(tmp_path / "hf", tmp_path / "converted") / "model.safetensors"))
     assert set(written) == set(tensors) - set(extra)
+
+
+def rms_norm_in_input_dtype(self, hidden_states):
+    """transformers' RMSNorm in its input's dtype (its own computes in fp32, which a float64 reference cannot)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextlib.contextmanager
+def float64_reference(model):
+    """`model` (transformers') computing wholly in float64 within the block: its RMSNorms in their input's dtype,
+    its attention through SDPA (the eager one takes its softmax in fp32)."""
+    model.set_attn_implementation("sdpa")
+    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("RMSNorm")}
+    saved = {c: c.forward for c in classes}
+    try:
+        for c in classes:
+            c.forward = rms_norm_in_input_dtype
+        yield
+    finally:
+        for c, forward in saved.items():
+            c.forward = forward

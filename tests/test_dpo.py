@@ -252,13 +252,19 @@ def test_an_objective_of_your_own_trains_as_its_formula(tmp_path):
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe"])
 def test_dpo_on_a_mixture_of_experts_adds_its_load_balancing_loss(name, tmp_path):
     """A mixture of experts trained with DPO: the step's loss is DPO's plus the routers' load-balancing loss over
-    every sequence of the step, as transformers' model (output_router_logits) gives it; steps equal transformers."""
+    every sequence of the step, as transformers' model (output_router_logits) gives it; steps equal transformers.
+    Both in float64 (the reference's norms and attention too, `float64_reference`): in fp32, AdamW's first update,
+    lr * sign(gradient), turned rounding noise in near-zero gradients into lr-sized weight differences, which flipped
+    a routing near-tie at the next step (tiny Qwen3-MoE: a loss 1.5e-5 off, about one run in fifty)."""
+    from hf_steps import float64_reference
     from test_moe import hf_model
 
     seed = int(torch.randint(0, 2**31 - 1, ()))
     model = hf_model(name, True, seed)
-    frozen = copy.deepcopy(model).eval()
     model.save_pretrained(tmp_path / "hf")
+    model = model.double()
+    model.set_experts_implementation("eager")  # (transformers' grouped GEMMs take no float64)
+    frozen = copy.deepcopy(model).eval()
     dpo = DPOSection(beta=0.5)
     train = TrainSection(
         steps=3, batch_size=3, micro_batch_size=1, lr=1e-4, grad_clip=0.0, warmup_steps=1, seed=seed,
@@ -268,11 +274,19 @@ def test_dpo_on_a_mixture_of_experts_adds_its_load_balancing_loss(name, tmp_path
         model=ModelSection(hf_dir=str(tmp_path / "hf")),
         data=DataSection(seq_len=SEQ),
         train=train,
-        precision=PrecisionSection("float32"),
+        precision=PrecisionSection("float64"),
         device="cpu",
         output_dir=str(tmp_path / "run"),
     )
     trainer = Trainer(config)
+    with float64_reference(model), float64_reference(frozen):
+        check_moe_dpo_steps(trainer, train, dpo, model, frozen, seed)
+    trainer.close()
+
+
+def check_moe_dpo_steps(trainer, train, dpo, model, frozen, seed) -> None:
+    """`trainer`'s DPO steps of a mixture of experts equal transformers' `model` (its load-balancing loss added),
+    `frozen` the reference."""
     no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
     optimizer = torch.optim.AdamW(
@@ -301,4 +315,3 @@ def test_dpo_on_a_mixture_of_experts_adds_its_load_balancing_loss(name, tmp_path
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
         assert metrics.router_aux_loss == pytest.approx(out.aux_loss.item(), rel=1e-5)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
-    trainer.close()

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hf_steps import NO_DECAY, exact_reference, make_trainer, random_batch, rel_err
+from hf_steps import NO_DECAY, exact_reference, float64_reference, make_trainer, random_batch, rel_err
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from test_dense_families import hf_dense_model
@@ -116,28 +116,6 @@ def peft_step(model, optimizer, train, step: int, grad_clip: float, ids, labels,
     norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip or float("inf"))
     optimizer.step()
     return loss, norm
-
-
-def rms_norm_in_input_dtype(self, hidden_states):
-    """transformers' RMSNorm in its input's dtype (its own computes in fp32, which a float64 reference cannot)."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@contextlib.contextmanager
-def float64_reference(model):
-    """`model` (transformers') computing wholly in float64 within the block: its RMSNorms in their input's dtype,
-    its attention through SDPA (the eager one takes its softmax in fp32)."""
-    model.set_attn_implementation("sdpa")
-    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("RMSNorm")}
-    saved = {c: c.forward for c in classes}
-    try:
-        for c in classes:
-            c.forward = rms_norm_in_input_dtype
-        yield
-    finally:
-        for c, forward in saved.items():
-            c.forward = forward
 
 
 def check_steps_match_peft(
