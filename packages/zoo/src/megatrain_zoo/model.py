@@ -100,23 +100,23 @@ def _check_adapter_model(config: ModelConfig) -> None:
 
 
 def check_targets(spec: ModelSpec, adapter: Lora) -> None:
-    """Refuse an adapter whose target_modules name a module that no layer of `spec` has, naming those it has."""
-    adapted = {p.name.rsplit(".lora_", 1)[0] for g in spec.adapter_groups for p in spec.groups[g].params}
-    matrices = {
-        p.name.removesuffix(".weight")
-        for g, group in enumerate(spec.groups)
-        if g not in spec.adapter_groups and group.name.startswith("layer")
-        for p in group.params
-        if len(p.shape) == 2 and p.name.endswith(".weight")
-    }
+    """Refuse an adapter whose target_modules name a module that no layer of `spec` adapts, naming those it has."""
     if ALL_LINEAR in adapter.target_modules:
         return
+    adapted = {p.name.rsplit(".lora_", 1)[0] + ".weight" for g in spec.adapter_groups for p in spec.groups[g].params}
     for target in adapter.target_modules:
-        if not any(module == target or module.endswith("." + target) for module in adapted):
-            names = sorted({m.rsplit(".", 1)[-1] for m in matrices})
+        if not any(replace(adapter, target_modules=(target,)).adapts(name) for name in adapted):
+            layers = [g for g, group in enumerate(spec.groups) if group.name.startswith("layer")]
+            matrices = {
+                p.name.removesuffix(".weight").rsplit(".", 1)[-1]
+                for g in layers
+                if g not in spec.adapter_groups
+                for p in spec.groups[g].params
+                if len(p.shape) == 2 and p.name.endswith(".weight") and ".experts." not in p.name
+            }
             raise ZooError(
                 f"model.adapter.target_modules: {target!r} matches no linear layer of this model; its layers have "
-                f"{', '.join(names)} (or use all-linear)"
+                f"{', '.join(sorted(matrices))} (or use all-linear)"
             )
 
 
