@@ -103,19 +103,27 @@ def mean_loss(model, ids, labels, documents) -> torch.Tensor:
     return mean + model.config.get_text_config().router_aux_loss_coef * aux
 
 
-def peft_step(model, optimizer, train, step: int, grad_clip: float, ids, labels, documents):
-    """One optimizer step of PEFT's `model` as megatrain takes step `step` of `train` (`reference_step`'s, with
-    `mean_loss`). Returns (the loss, the gradient norm before clipping)."""
+def peft_step(model, optimizer, train, step: int, grad_clip: float, loss_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of PEFT's `model` as megatrain takes step `step` of `train` (`reference_step`'s) on the loss
+    `loss_of()` makes. Returns (the loss, the gradient norm before clipping at `grad_clip`, 0: none)."""
     schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, schedule)
     optimizer.zero_grad()
-    loss = mean_loss(model, ids, labels, documents)
+    loss = loss_of()
     loss.backward()
     trained = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip or float("inf"))
     optimizer.step()
     return loss, norm
+
+
+def assert_same_adapters(trainer, model, tolerance: float, step=None) -> None:
+    """megatrain's adapters equal PEFT `model`'s within `tolerance` (relative)."""
+    theirs = dict(model.named_parameters())
+    for adapter, view in trainer.named_weights().items():
+        if ".lora_" in adapter:
+            assert rel_err(view, theirs[peft_name(adapter)].detach().cpu()) < tolerance, (step, adapter)
 
 
 def check_steps_match_peft(
@@ -175,7 +183,6 @@ def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances):
     generator = torch.Generator().manual_seed(seed)
     share_adapters(trainer, model, generator)
     optimizer = adapter_adamw(model, train)
-    theirs = dict(model.named_parameters())
     loss_tolerance, norm_tolerance, tolerance, logits_tolerance = tolerances
     documents = [slice(0, 5), slice(5, 12)] if pack else [slice(0, 12)]
     clipped = 0
@@ -186,13 +193,13 @@ def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances):
             labels[:, 4] = -100  # (the first document's last token has no target in the second)
             positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(train.batch_size, 12)
         metrics = trainer.train_step(StepBatch(ids, labels, position_ids=positions))
-        loss, norm = peft_step(model, optimizer, train, step, grad_clip, ids, labels, documents)
+        loss, norm = peft_step(
+            model, optimizer, train, step, grad_clip, lambda: mean_loss(model, ids, labels, documents)
+        )
         assert metrics.loss == pytest.approx(loss.item(), rel=loss_tolerance)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=norm_tolerance)
         clipped += bool(grad_clip) and norm.item() > grad_clip
-        for adapter, view in trainer.named_weights().items():
-            if ".lora_" in adapter:
-                assert rel_err(view, theirs[peft_name(adapter)].detach().cpu()) < tolerance, (step, adapter)
+        assert_same_adapters(trainer, model, tolerance, step)
     assert clipped or not grad_clip  # clipping really acts where on
     with torch.no_grad():  # the trained adapters' logits, outside a step
         ids = torch.randint(0, trainer.model_config.vocab_size, (2, 12), generator=generator)
@@ -354,28 +361,19 @@ def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path)
     assert_same_weights(adapters, resumed_adapters)
 
 
-def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
-    """DPO over LoRA adapters: the reference is the base with the adapters off (`reference.adapters_off`, as TRL's
-    with a PEFT model under `disable_adapter()`), and the steps equal a plain PEFT loop of the paper's loss with
-    torch AdamW on the adapters (fp32; B non-zero from the start, so the policy and the reference differ)."""
-    from test_dpo import SEQ, completion_logps, paper_loss, random_pairs
+def objective_run(tmp_path, train, seq_len: int):
+    """(megatrain's trainer of `train`'s objective over a tiny transformers Qwen2 (fp32) with all-linear adapters,
+    PEFT's model of the same base and adapters (B drawn non-zero, so that the policy and the base differ), the
+    generator of the step's data, torch AdamW on PEFT's adapters)."""
+    from megatrain.config import Config, ModelSection, PrecisionSection
+    from megatrain_data import DataSection
 
-    from megatrain.config import Config, DPOSection, ModelSection, PrecisionSection, TrainSection
-    from megatrain.reference import adapters_off
-    from megatrain_data import Batch, DataSection
-
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    reference = hf_dense_model("tiny-qwen2", seed)
+    reference = hf_dense_model("tiny-qwen2", train.seed)
     reference.save_pretrained(tmp_path / "hf")
-    dpo, n_pairs = DPOSection(beta=0.5), 3
-    train = TrainSection(
-        steps=3, batch_size=n_pairs, micro_batch_size=1, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
-        warmup_steps=1, seed=seed, objective="dpo", dpo=dpo,
-    )  # fmt: skip
     adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",))
     config = Config(
         model=ModelSection(hf_dir=str(tmp_path / "hf"), adapter=adapter),
-        data=DataSection(seq_len=SEQ),
+        data=DataSection(seq_len=seq_len),
         train=train,
         precision=PrecisionSection("float32"),
         device="cpu",
@@ -383,11 +381,27 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
     )
     trainer = Trainer(config)
     model = peft_model(reference, ["all-linear"])
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(train.seed)
     share_adapters(trainer, model, generator)
-    optimizer = adapter_adamw(model, train)
-    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
-    theirs = dict(model.named_parameters())
+    return trainer, model, generator, adapter_adamw(model, train)
+
+
+def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
+    """DPO over LoRA adapters: the reference is the base with the adapters off (`reference.adapters_off`, as TRL's
+    with a PEFT model under `disable_adapter()`), and the steps equal a plain PEFT loop of the paper's loss with
+    torch AdamW on the adapters (fp32; B non-zero from the start, so the policy and the reference differ)."""
+    from test_dpo import SEQ, completion_logps, paper_loss, random_pairs
+
+    from megatrain.config import DPOSection, TrainSection
+    from megatrain.reference import adapters_off
+    from megatrain_data import Batch
+
+    dpo, n_pairs = DPOSection(beta=0.5), 3
+    train = TrainSection(
+        steps=3, batch_size=n_pairs, micro_batch_size=1, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
+        warmup_steps=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()), objective="dpo", dpo=dpo,
+    )  # fmt: skip
+    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ)
     for step in range(train.steps):
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
         rows = Batch(ids, labels)
@@ -397,19 +411,15 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
             ours_reference = trainer.sequence_logps(StepBatch(ids, labels, sequences=rows.sequences))
         assert rel_err(ours_reference.logps, ref_sums) < 1e-5
         metrics = trainer.train_step(StepBatch(ids, labels, extras=ours_reference, sequences=rows.sequences))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        optimizer.zero_grad()
-        sums, _ = completion_logps(model, ids, labels)
-        loss = paper_loss(sums, lengths.to(sums), ref_sums.to(sums), dpo)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], float("inf"))
-        optimizer.step()
+
+        def dpo_loss():
+            sums, _ = completion_logps(model, ids, labels)
+            return paper_loss(sums, lengths.to(sums), ref_sums.to(sums), dpo)
+
+        loss, norm = peft_step(model, optimizer, train, step, 0.0, dpo_loss)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
-    for name, view in trainer.named_weights().items():
-        if ".lora_" in name:
-            assert rel_err(view, theirs[peft_name(name)].detach()) < 1e-4, name
+    assert_same_adapters(trainer, model, 1e-4)
     trainer.close()
 
 
@@ -419,39 +429,19 @@ def test_grpo_with_adapters_equals_a_peft_loop(tmp_path):
     on a PeftModel with torch AdamW on the adapters (fp32; B non-zero from the start)."""
     from test_grpo import CASES_GRPO, SEQ, random_groups, token_logps, trl_advantages, trl_loss
 
-    from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
-    from megatrain_data import DataSection
+    from megatrain.config import TrainSection
     from megatrain_templates import Rollout
 
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    reference = hf_dense_model("tiny-qwen2", seed)
-    reference.save_pretrained(tmp_path / "hf")
     grpo, n_prompts = CASES_GRPO["grpo-kl"], 2
     rows = n_prompts * grpo.num_generations
     train = TrainSection(
         steps=3, batch_size=rows, micro_batch_size=rows, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
-        warmup_steps=1, seed=seed, objective="grpo", grpo=grpo,
+        warmup_steps=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()), objective="grpo", grpo=grpo,
     )  # fmt: skip
-    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",))
-    config = Config(
-        model=ModelSection(hf_dir=str(tmp_path / "hf"), adapter=adapter),
-        data=DataSection(seq_len=SEQ),
-        train=train,
-        precision=PrecisionSection("float32"),
-        device="cpu",
-        output_dir=str(tmp_path / "run"),
-    )
-    trainer = Trainer(config)
-    model = peft_model(reference, ["all-linear"])
-    generator = torch.Generator().manual_seed(seed)
-    share_adapters(trainer, model, generator)
+    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ)
     trainer.keep_reference()  # (after the adapters are set: the reference must still be the base alone)
-    optimizer = adapter_adamw(model, train)
-    schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
-    theirs = dict(model.named_parameters())
     for step in range(train.steps):
         ids, labels = random_groups(n_prompts, grpo.num_generations, trainer.model_config.vocab_size, generator)
-        mask = labels != -100
         rewards = torch.rand(rows, generator=generator, dtype=torch.float64)
         advantages = trl_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
         with torch.no_grad(), model.disable_adapter():
@@ -459,17 +449,13 @@ def test_grpo_with_adapters_equals_a_peft_loop(tmp_path):
         ours_ref = trainer.token_logps(StepBatch(ids, labels), reference=True)
         assert rel_err(ours_ref, ref) < 1e-5
         metrics = trainer.train_step(StepBatch(ids, labels, extras=Rollout(advantages, None, ours_ref)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
-        optimizer.zero_grad()
-        logps = token_logps(model, ids, labels)
-        loss = trl_loss(logps, logps.detach(), ref, advantages.to(logps), mask, grpo)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], float("inf"))
-        optimizer.step()
+
+        def grpo_loss():
+            logps = token_logps(model, ids, labels)
+            return trl_loss(logps, logps.detach(), ref, advantages.to(logps), labels != -100, grpo)
+
+        loss, norm = peft_step(model, optimizer, train, step, 0.0, grpo_loss)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
-    for name, view in trainer.named_weights().items():
-        if ".lora_" in name:
-            assert rel_err(view, theirs[peft_name(name)].detach()) < 1e-4, name
+    assert_same_adapters(trainer, model, 1e-4)
     trainer.close()

@@ -8,6 +8,7 @@ from contextlib import chdir
 from pathlib import Path
 
 import numpy as np
+import peft
 import pytest
 import torch
 import transformers
@@ -23,8 +24,6 @@ from megatrain_data import DataSection
 from megatrain_data.serving import describe_export
 from megatrain_store import read_safetensors_header
 from megatrain_zoo import ZooError, config_to_hf, preset
-
-peft = pytest.importorskip("peft")
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
 
