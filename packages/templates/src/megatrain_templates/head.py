@@ -128,8 +128,8 @@ class Head(Template):
         # a frozen group's gradient is None: the hidden state's gradient alone (LoRA's frozen head)
         trains_matrix, trains_norm = grads[self._matrix_group] is not None, grads[self._norm_group] is not None
         grad_matrix = self._matrix_span.view(grads[self._matrix_group]) if trains_matrix else None
-        norm_view = self._norm_span.view(weights[self._norm_group])
-        norm_weight = leaf(weights[self._norm_group], self._norm_span) if trains_norm else norm_view
+        norm_flat = weights[self._norm_group]
+        norm_weight = leaf(norm_flat, self._norm_span) if trains_norm else self._norm_span.view(norm_flat)
         x = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             normed = self._normed_rows(x, norm_weight)
@@ -153,10 +153,10 @@ class Head(Template):
             grad_rows[start : start + chunk.shape[0]] = upcast(grad_logits @ matrix) * scale
             if trains_matrix:
                 add_matmul_(grad_matrix, grad_logits.T, (upcast(chunk) * scale).to(chunk.dtype))
-        if not trains_norm:
-            return loss_sum, torch.autograd.grad(normed, x, grad_rows.view_as(normed))[0]
-        grad_hidden, grad_norm = torch.autograd.grad(normed, [x, norm_weight], grad_rows.view_as(normed))
-        accumulate(grads[self._norm_group], self._norm_span, grad_norm)
+        inputs = [x, norm_weight] if trains_norm else [x]
+        grad_hidden, *grad_norm = torch.autograd.grad(normed, inputs, grad_rows.view_as(normed))
+        if trains_norm:
+            accumulate(grads[self._norm_group], self._norm_span, grad_norm[0])
         return loss_sum, grad_hidden
 
 
