@@ -85,8 +85,13 @@ def part(row: dict) -> str:
     scope, adapter = row.get("scope", "whole model"), row.get("adapter")
     if not adapter:
         return scope
-    lora = "LoRA " + adapter.split(" ")[1]  # ("lora r=16 all-linear": LoRA r=16)
-    return lora if scope == "whole model" else f"{scope}, {lora}"
+    return training(row) if scope == "whole model" else f"{scope}, {training(row)}"
+
+
+def training(row: dict) -> str:
+    """How a row trained: every parameter, or LoRA adapters over a frozen base."""
+    adapter = row.get("adapter")
+    return "LoRA " + adapter.split(" ")[1] if adapter else "full"  # ("lora r=16 all-linear": LoRA r=16)
 
 
 # Formatting
@@ -696,16 +701,19 @@ LARGEST = [
     ("llama3-8b", "scaling-h100.json"),
     ("llama2-13b", "scaling-h100.json"),
     ("qwen2.5-32b", "largest-qwen2.5-32b-h200.json"),
+    ("qwen2.5-32b", "lora-qwen2.5-32b-h200.json"),
 ]
 
 
 def largest_models(rows: list[dict]) -> Table:
-    """The largest models trained on one GPU: in RAM, past RAM with the disk tier, on a larger host."""
+    """The largest models trained on one GPU: in RAM, past RAM with the disk tier, on a larger host, and with LoRA
+    over a frozen bf16 base on the 125 GiB box."""
     chosen = [newest([r for r in steps(rows, model=m) if r["file"] == f], lambda r: 0)[0] for m, f in LARGEST]
     body = [
         [
             r["model"],
             f"{r['params_b']}B",
+            training(r),
             gpu(r),
             f"{r['file_machine']['host_memory_gib']} GiB",
             f"{r['host_gib']} GiB",
@@ -722,6 +730,7 @@ def largest_models(rows: list[dict]) -> Table:
     header = [
         "model",
         "params",
+        "training",
         "GPU",
         "host",
         "in RAM",
@@ -733,7 +742,7 @@ def largest_models(rows: list[dict]) -> Table:
         "tokens/s",
         "model TFLOPS",
     ]
-    return Table(header, body, chosen, align="lrl" + "r" * 9)
+    return Table(header, body, chosen, align="lrll" + "r" * 9)
 
 
 def disk_tier(rows: list[dict]) -> Table:
@@ -999,12 +1008,16 @@ def headline(rows: list[dict]) -> Table:
         if r["tokens_per_step"] == 32768
     ]
     lines += _headline_against_deepspeed(rows)
+    full_32b, lora_32b = largest_models(rows).sources[-2:]
+    lines.append(
+        ("qwen2.5-32b, the largest trained on one GPU", full_32b, "scaling.md#the-largest-models-on-one-gpu", "")
+    )
     lines.append(
         (
-            "qwen2.5-32b, the largest trained on one GPU",
-            largest_models(rows).sources[-1],
+            "qwen2.5-32b whole, LoRA r=16, on a 125 GiB host",
+            lora_32b,
             "scaling.md#the-largest-models-on-one-gpu",
-            "",
+            f"{lora_32b['peak_rss_gib']} GiB host memory at peak",
         )
     )
     two = several_gpus(rows)
