@@ -32,6 +32,7 @@ from megatrain_plan import (
     measure_disk_gbps,
 )
 from megatrain_sched import EXTRAS_MARGIN
+from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
 from megatrain_templates.chunked_recurrence import KeptRecurrence
 from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
@@ -567,6 +568,41 @@ def test_lora_holds_the_base_once_in_the_compute_dtype_and_trains_its_adapters_a
     assert full._wire() == 4 and tuned._wire() == pytest.approx(2, rel=0.02) and tuned.grad_share < 0.01
     assert tuned.blocks_s(32768, 0) == pytest.approx(full.blocks_s(32768, 0) * 0.75, rel=0.05)
     largest = plan.largest_params
-    assert set(largest) == {"full training", "LoRA over a base in bf16"}
+    modes = ["full training", "LoRA over a base in bf16", "LoRA over an int8 base", "LoRA over an nf4 base"]
+    assert list(largest) == modes
     assert largest["LoRA over a base in bf16"] == pytest.approx(8 * largest["full training"], rel=1e-9)
+    assert largest["LoRA over an nf4 base"] == pytest.approx(largest["LoRA over a base in bf16"] * 2 / 0.516, rel=1e-3)
+    assert largest["LoRA over an nf4 base"] / largest["LoRA over an int8 base"] == pytest.approx(1.94, rel=0.01)
     assert "frozen parameters (base model under LoRA adapters)" in format_plan(plan, "qwen2.5-7b")
+
+
+def test_a_packed_base_is_planned_at_the_bytes_the_store_holds_it_in():
+    """QLoRA (nf4 or int8 layers): the host item is the bytes `HostStore` allocates for the base (packed layers,
+    embedding and head in bf16); the base crosses PCIe at that size; the GPU holds two byte buffers of the largest
+    packed layer; a model the host does not hold is refused naming the mode that would hold it."""
+    for format, per_param in (("nf4", 0.5159), ("int8", 1.0)):  # (and the norms' and biases' bf16)
+        lora = Lora(16, 32.0, ("all-linear",), base_format=format)
+        tuned = planner_for("qwen2.5-7b", 32768, clipping=True, gpu_memory=int(139.8 * 2**30), adapter=lora)
+        layouts = [GroupLayout.from_specs((p.name, p.shape, True) for p in g.params) for g in tuned.spec.groups]
+        frozen = tuned.spec.frozen_groups(set())
+        packed = tuned.spec.packed_groups
+        store_bytes = sum(PackedLayout.of(layouts[g], format, torch.bfloat16).nbytes for g in packed)
+        store_bytes += 2 * sum(layouts[g].numel for g in frozen - packed)
+        plan = planned(tuned)
+        assert plan.host_items["frozen base weights"] == store_bytes
+        layers = sum(layouts[g].numel for g in packed)
+        assert per_param < (store_bytes - 2 * (plan.n_params - layers)) / layers < per_param * 1.005
+        crossing = store_bytes + 4 * tuned.spec.adapter_params  # (the adapters as fp32 masters, cast on arrival)
+        assert tuned._wire() == pytest.approx(crossing / tuned.stored_params, rel=1e-9)
+    bf16 = planner_for(
+        "qwen2.5-7b", 32768, clipping=True, gpu_memory=int(139.8 * 2**30), adapter=Lora(16, 32.0, ("all-linear",))
+    )
+    ring = 2 * max(PackedLayout.of(layouts[g], "int8", torch.bfloat16).nbytes for g in packed)
+    placement = tuned.place(32768)
+    assert tuned.persistent_device_bytes(placement) - bf16.persistent_device_bytes(placement) == ring
+    lora = Lora(16, 32.0, ("all-linear",))
+    with pytest.raises(
+        PlanError, match=r"it fits with LoRA over an nf4 base \(model.adapter: \{type: lora, base_dtype: nf4\}\)"
+    ):
+        too_large = planner_for("dense-120b", 32768, clipping=True, host_memory=100 * 2**30, adapter=lora)
+        check_plan(planned(too_large), too_large)

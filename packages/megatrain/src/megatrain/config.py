@@ -34,6 +34,9 @@ def import_user_module(module_name: str):
     return importlib.import_module(module_name)
 
 
+BASE_DTYPES = ("nf4", "int8", "bfloat16", "float32")  # model.adapter.base_dtype: packed, or the compute dtype's
+
+
 @dataclass(frozen=True)
 class AdapterSection:
     """model.adapter: LoRA adapters trained over the frozen model (`type: lora`), with PEFT's names and meanings.
@@ -48,6 +51,10 @@ class AdapterSection:
     # the decoder's layers
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     path: str | None = None
+    # how the frozen base is held: null (or the compute dtype's name) in the compute dtype, 2 B/param in bf16; nf4
+    # (QLoRA's 4-bit NF4 with double quantization, ~0.52 B/param) or int8 (row-wise, ~1 B/param) for its decoder
+    # layers, quantized once as the run starts and dequantized on the GPU as each layer streams in
+    base_dtype: str | None = None
 
     def __post_init__(self):
         if self.type not in (None, "lora"):
@@ -62,6 +69,10 @@ class AdapterSection:
             raise ConfigError(f"model.adapter.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ConfigError("model.adapter.target_modules is empty: name modules (q_proj, v_proj, ...) or all-linear")
+        if self.base_dtype not in (None, *BASE_DTYPES):
+            raise ConfigError(
+                f"model.adapter.base_dtype must be one of {BASE_DTYPES} (or null), got {self.base_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -737,6 +748,7 @@ def adapter_of(config: Config) -> Lora | None:
         adapter, where = Lora(section.r, section.alpha, section.target_modules, section.dropout), "model.adapter"
     else:
         adapter, where = read_peft_config(Path(section.path)), f"{section.path}/adapter_config.json"
+    adapter = replace(adapter, base_format=_base_format(config))
     if config.train.router_bias_update_rate:
         raise ConfigError(
             f"train.router_bias_update_rate {config.train.router_bias_update_rate} moves the frozen routers' "
@@ -753,6 +765,26 @@ def adapter_of(config: Config) -> Lora | None:
             f"forward's masks); {fix}"
         )
     return adapter
+
+
+def _base_format(config: Config) -> str | None:
+    """How the store packs the frozen base (model.adapter.base_dtype nf4 or int8), or None: in the compute dtype,
+    which a dtype's name there must then be."""
+    base_dtype = config.model.adapter.base_dtype
+    compute = resolve_dtype(config.precision.compute_dtype, resolve_device(config.device))
+    if base_dtype in ("nf4", "int8"):
+        if compute == torch.float64:
+            raise ConfigError(
+                f"model.adapter.base_dtype {base_dtype} dequantizes into float32 or bfloat16, not float64; set "
+                "precision.compute_dtype to float32 or bfloat16"
+            )
+        return base_dtype
+    if base_dtype is not None and getattr(torch, base_dtype) != compute:
+        raise ConfigError(
+            f"model.adapter.base_dtype {base_dtype} differs from the compute dtype {str(compute).removeprefix('torch.')}"
+            f", which holds the unpacked base; set it to null (the compute dtype), nf4 or int8"
+        )
+    return None
 
 
 def model_config_of(config: Config) -> ModelConfig:

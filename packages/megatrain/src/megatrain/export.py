@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain_data.serving import SERVING_FILES, Serving, write_serving_files
@@ -276,6 +276,8 @@ def lora_source(source: Path) -> LoraSource | None:
                 )
             return LoraSource(read_hf_config(Path(named)), adapter, weights, prefix, Path(named))
         model = model_config_of(config)
+        # (how the run held its base, which adapter_config.json does not say)
+        adapter = replace(adapter, base_format=adapter_of(config).base_format)
     else:
         return None
     base = Path(config.model.hf_dir) if config.model.hf_dir else None
@@ -306,9 +308,11 @@ def convert_lora(
         return write_peft_directory(out_dir, entries, spec, lora.base_name, serving)
     base = base_entries(spec, lora.base, lora.seed, getattr(torch, lora.held))
     entries, merged = merged_entries(spec, base, adapters, target)
+    packed = spec.adapter.base_format
     print(
         f"megatrain: merged {merged} adapted matrices (scale alpha / r = {spec.adapter.scale:g}) into "
-        f"{lora.base_name or 'the base drawn from model.preset'}",
+        f"{lora.base_name or 'the base drawn from model.preset'}"
+        + (f", its layers' matrices dequantized from its {packed} form, as the run trained on them" if packed else ""),
         file=sys.stderr,
     )
     return write_hf_directory(out_dir, entries, config_to_hf(lora.model, dtype), serving, shard_bytes)

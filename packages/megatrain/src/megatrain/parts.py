@@ -57,6 +57,8 @@ def new_store(
         # (evaluation keeps no state to leave out, but LoRA's base is still held once in the compute dtype)
         frozen=frozen if training or spec.adapter is not None else frozenset(),
         frozen_in_compute_dtype=spec.adapter is not None,
+        packed=spec.packed_groups,
+        packed_format=spec.adapter.base_format if spec.adapter is not None else None,
         shared=None if ranks is None else shared_arenas(ranks, config.engine.shared_dir),
         **_shards(ranks),
     )

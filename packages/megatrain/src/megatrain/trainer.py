@@ -489,7 +489,7 @@ class Trainer:
         return head.template.logits(self._device_weights(head.groups), x)
 
     def _device_weights(self, groups: tuple[int, ...]) -> list[torch.Tensor]:
-        return [self.store.wire(g).to(self.device, self.compute_dtype) for g in groups]
+        return [self.store.weights(g).to(self.device, self.compute_dtype) for g in groups]
 
     def export(self, out_dir: Path, tokenizer: Path | None = None, **options) -> Path:
         """Write the current weights as a Hugging Face model directory (see `export_hf`; a LoRA run's adapters as a

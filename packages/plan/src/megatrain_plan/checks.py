@@ -72,6 +72,15 @@ HOST_SAVINGS = {
 SPLIT_BY_HOSTS = ("master weights", "optimizer moments", "gradients held for clipping")
 
 
+# what sets each mode of `Plan.largest_params` (its name up to " base")
+MODE_SETTINGS = {
+    "full training": "no model.adapter",
+    "LoRA over a": "model.adapter: {type: lora}",
+    "LoRA over an int8": "model.adapter: {type: lora, base_dtype: int8}",
+    "LoRA over an nf4": "model.adapter: {type: lora, base_dtype: nf4}",
+}
+
+
 def _check_host(plan: Plan, model: ModelConfig) -> None:
     """Refuse a plan whose host allocations pass what the run may take, naming its largest item and what saves
     it (a choice that costs host memory first, where dropping it alone would fit)."""
@@ -85,11 +94,13 @@ def _check_host(plan: Plan, model: ModelConfig) -> None:
     if plan.hosts > 1 and not plan.split_state and name in SPLIT_BY_HOSTS:
         saving = f"engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
     largest = plan.host_available / plan.host_bytes_per_param
+    fits = next((mode for mode, params in plan.largest_params.items() if params >= plan.n_params), None)
     raise PlanError(
         f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB "
         f"({plan.host_bytes_per_param:.1f} B/param) but this run may take {plan.host_available / gib:.1f} GiB "
         f"({plan.host_source}); {name} take {items[name] / gib:.1f} GiB: {saving} (about "
         f"{largest / 1e9:.1f}B parameters fit as planned; `megatrain plan` lists every item)"
+        + (f"; it fits with {fits} ({MODE_SETTINGS[fits.split(' base')[0]]})" if fits else "")
     )
 
 

@@ -10,6 +10,7 @@ import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
+from megatrain_store import GroupLayout, PackedLayout, int8_nbytes, nf4_nbytes
 from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
 
@@ -252,12 +253,23 @@ class CostModel:
         # the parameters stored: the model's and its adapters' (which the model's count leaves out)
         self.stored_params = self.model.n_params + (spec.adapter_params or 0)
         self.grad_share = 1 - self.frozen_params / self.stored_params if self.adapter else 1.0
+        # QLoRA: the layers' base packed (nf4 or int8), its bytes as the store lays them out
+        self.packed = {g: self._packed_layout(g).nbytes for g in spec.packed_groups}
+        self.packed_params = sum(self.group_sizes[g] for g in self.packed)
+        # the parameters of each stage that cross PCIe as fp32 masters, cast on the GPU (not a base held apart)
+        apart = self.frozen if self.adapter else frozenset()
+        self.cast_sizes = [sum(self.group_sizes[g] for g in s.groups if g not in apart) for s in self.spec.stages]
         self.generation_host_bytes = objective.generation_host_bytes
         self.names = [stage.name for stage in self.spec.stages]
 
     # ------------------------------------------------------------------ memory
     def checkpoint_bytes(self, stage: int, tokens: int) -> int:
         return tokens * self.costs[stage].checkpoint_bytes_per_token if self.planes[stage] else 0
+
+    def _packed_layout(self, group: int) -> PackedLayout:
+        params = self.spec.groups[group].params
+        layout = GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in params)
+        return PackedLayout.of(layout, self.spec.adapter.base_format, self.dtype)
 
     def params(self, stages: tuple[int, ...]) -> int:
         """Parameters of the groups these stages bind (each group once)."""
@@ -269,13 +281,14 @@ class CostModel:
         return self.params(placement.resident) * per_param
 
     def persistent_device_bytes(self, placement: Placement) -> int:
-        """GPU bytes that outlive a step: the rotating slots, the fp32 staging buffers, held weights, resident state."""
+        """GPU bytes that outlive a step: the rotating slots, the fp32 staging buffers (and the packed base's two byte
+        buffers), held weights, resident state."""
         slots = self.engine.n_slots * max(self.stage_sizes) * self.element
-        staging = (
-            math.prod(staging_buffers(max(self.stage_sizes))) * 4 if self.element < 4 and not self.wire_copy else 0
-        )
+        casts = self.element < 4 and not self.wire_copy and max(self.cast_sizes) > 0
+        staging = math.prod(staging_buffers(max(self.cast_sizes))) * 4 if casts else 0
+        packed_ring = 2 * max(self.packed.values(), default=0)
         held = sum(self.stage_sizes[i] for i in placement.held) * self.element
-        return slots + staging + held + self.resident_state_bytes(placement)
+        return slots + staging + packed_ring + held + self.resident_state_bytes(placement)
 
     def working_device_bytes(self) -> int:
         """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,
@@ -325,7 +338,7 @@ class CostModel:
         on_disk = self.disk_bytes(placement)
         held_apart = self.frozen_params if self.adapter else 0  # (LoRA's base: in the compute dtype alone)
         yield "master weights", (n_params - held_apart) * 4 * share
-        yield "frozen base weights", held_apart * self.element
+        yield "frozen base weights", (held_apart - self.packed_params) * self.element + sum(self.packed.values())
         yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - on_disk
         if on_disk:  # the groups read ahead, being updated and being written behind
             largest = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
@@ -349,14 +362,22 @@ class CostModel:
     def largest_params(self, placement: Placement) -> dict[str, float]:
         """The parameters the host's budget would hold in each mode beside the step's other host items as planned:
         full training (fp32 master and moments, gradients held for clipping, a wire copy where on) and LoRA over a
-        base held in the compute dtype (its adapters' few bytes aside); empty where the budget is unknown."""
+        base held in the compute dtype, or packed in int8 or nf4 (the layers' matrices: the embedding, the head and the
+        norms, held in the compute dtype, count as packed here; the adapters' few bytes aside); empty where the budget
+        is unknown."""
         if self.machine.host_memory is None:
             return {}
         items = self.host_items(placement)
         fixed = sum(nbytes for name, nbytes in items.items() if not name.startswith(PER_PARAMETER_ITEMS))
         room = max(self.machine.host_memory - fixed, 0)
         full = 4 * (1 + len(STATE_NAMES)) + (4 if self.full_grads else 0) + self.element * self.wire_copy
-        return {"full training": room / full, f"LoRA over a base in {DTYPE_WORDS[self.element]}": room / self.element}
+        square = (self.model.d_model, self.model.d_model)  # (int8's row scales: 4 bytes a row of d_model or so)
+        return {
+            "full training": room / full,
+            f"LoRA over a base in {DTYPE_WORDS[self.element]}": room / self.element,
+            "LoRA over an int8 base": room / (int8_nbytes(square) / math.prod(square)),
+            "LoRA over an nf4 base": room / (nf4_nbytes((2**20,)) / 2**20),
+        }
 
     def stage_products(self, placement: Placement) -> int:
         """Bytes one keeping stage's matmul products take for `placement`'s tokens."""
@@ -456,11 +477,13 @@ class CostModel:
         return cpu_params / (self.machine.hosts if self.split else 1) / self.rates.cpu_adam_params_per_s
 
     def _wire(self) -> float:
-        """Bytes a weight crosses PCIe in (on average, where LoRA's frozen base crosses in the compute dtype)."""
+        """Bytes a weight crosses PCIe in (on average, where LoRA's frozen base crosses in the compute dtype, or packed
+        as the store holds it)."""
         trained = self.element if self.wire_copy else 4
         if not self.adapter:
             return trained
-        return self.grad_share * trained + (1 - self.grad_share) * self.element
+        unpacked = 1 - self.grad_share - self.packed_params / self.stored_params
+        return self.grad_share * trained + unpacked * self.element + sum(self.packed.values()) / self.stored_params
 
     def transfer_s(self, placement: Placement) -> float:
         """The copies alone, each sweep: weights in twice (held ones once, resident ones never), fp32 gradients out

@@ -5,7 +5,9 @@ Position p of a step computes in slot p % n_slots; while it computes, the weight
 are copied in on the copy-in stream (a slot is refilled only after the compute that used it has finished). Weights
 travel as the store keeps them: an fp32 master is copied in through a ring of fp32 staging buffers and cast to the
 compute dtype on a cast stream, so the host needs no second, bf16 copy of the model (a group the store keeps in the
-compute dtype, a frozen one or a wire copy, is copied straight into its slot). The casts run on their own
+compute dtype, a frozen one or a wire copy, is copied straight into its slot; a packed one, a QLoRA base's layer, is
+copied at its packed size into a ring of byte buffers and unpacked, dequantized, into its slot on the cast stream).
+The casts run on their own
 stream so that the copy engine never waits for one: a cast is a kernel, and it waits for SMs behind the compute
 stream's GEMMs (about one cast gets in where a GEMM ends), so the ring holds a whole stage where it can and the copy
 engine runs up to a stage ahead of the casts.
@@ -41,9 +43,15 @@ def staging_buffers(largest_stage_numel: int) -> tuple[int, int]:
 
 def cast_numels(stages: list, store: HostStore) -> list[int]:
     """Per stage, the elements of its groups that travel as fp32 masters, to be cast on the device (a frozen group
-    held in the compute dtype, or a group with a wire copy, travels as it computes)."""
-    cast = [store.wire(group).dtype != store.compute_dtype for group in range(store.n_groups)]
+    held in the compute dtype, or a group with a wire copy, travels as it computes; a packed one as bytes)."""
+    cast = [store.wire(g).dtype not in (store.compute_dtype, torch.uint8) for g in range(store.n_groups)]
     return [sum(store.layouts[group].numel for group in stage.groups if cast[group]) for stage in stages]
+
+
+def packed_nbytes(stages: list, store: HostStore) -> list[int]:
+    """Per stage, the largest packed group's bytes (what one buffer of the packed ring holds), 0 where none."""
+    packings = [store.packing(g) for g in range(store.n_groups)]
+    return [max((packings[g].nbytes for g in stage.groups if packings[g]), default=0) for stage in stages]
 
 
 @dataclass
@@ -103,17 +111,13 @@ class WeightStream:
     def _init_staging(self) -> None:
         """The staging ring and the cast stream, where fp32 masters are cast on the device: sized for the largest
         stage's groups that travel as masters (`cast_numels`), whichever groups those are."""
-        largest = max(cast_numels(self.stages, self.store))
+        largest, packed = max(cast_numels(self.stages, self.store)), max(packed_nbytes(self.stages, self.store))
         cast_on_device = self.streams.cuda and largest > 0
         buffers, numel = staging_buffers(largest) if cast_on_device else (0, 0)
-        self._staging = (
-            [torch.empty(numel, dtype=self.store.master_dtype, device=self.device) for _ in range(buffers)]
-            if cast_on_device
-            else None
-        )
-        self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device else None
-        self._staging_free = [None] * buffers  # events: the cast that last read each staging buffer finished
-        self._next_staging = 0  # the ring's next buffer: copies go round it from stage to stage
+        self._staging = _Ring.of(buffers, numel, self.store.master_dtype, self.device) if cast_on_device else None
+        # packed groups: two byte buffers, one filling while the other is unpacked
+        self._packed = _Ring.of(2, packed, torch.uint8, self.device) if self.streams.cuda and packed else None
+        self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device or self._packed else None
 
     def place(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
         """Hold and cast what `placement` says (nothing in flight: between steps)."""
@@ -190,7 +194,7 @@ class WeightStream:
             else:
                 source = self.store.reference if self.reference else self.store.wire
                 for view, group in zip(self.views(slot, stage), groups):
-                    self._copy(view, source(group))
+                    self._copy(view, source(group), self.store.packing(group))
             if self._cast_stream is not None:  # the slot is complete once the last cast has run
                 streams.wait(streams.copy_in, streams.record(self._cast_stream))
             slot.ready = streams.record(streams.copy_in)
@@ -218,21 +222,53 @@ class WeightStream:
         slot.ready = None
         slot.stage = stage
 
-    def _copy(self, view: Tensor, source: Tensor) -> None:
-        """Queue host `source` -> device `view` on the copy-in stream, or through the staging buffers and
-        the cast stream when the device casts (then `view` is complete when the cast stream's work is)."""
+    def _copy(self, view: Tensor, source: Tensor, packing=None) -> None:
+        """Queue host `source` -> device `view` on the copy-in stream, or through a ring of staging buffers and
+        the cast stream when the device casts or unpacks (`packing`: how `source`'s bytes unpack; then `view` is
+        complete when the cast stream's work is)."""
+        if packing is not None:
+            if self._packed is None:  # the CPU: unpacked in place
+                packing.unpack(source, view)
+            else:
+                self._through_ring(self._packed, source, lambda staged: packing.unpack(staged, view))
+            return
         if self._staging is None or source.dtype == view.dtype:  # the CPU (where copy_ casts), or nothing to cast
             view.copy_(source, non_blocking=True)
             return
-        streams, chunk_numel = self.streams, self._staging[0].numel()
+        chunk_numel = self._staging.buffers[0].numel()
         for start in range(0, source.numel(), chunk_numel):
             chunk = source[start : start + chunk_numel]
-            buffer, self._next_staging = self._next_staging, (self._next_staging + 1) % len(self._staging)
-            staged = self._staging[buffer][: chunk.numel()]
-            streams.wait(streams.copy_in, self._staging_free[buffer])
-            staged.copy_(chunk, non_blocking=True)
-            arrived = streams.record(streams.copy_in)
-            with streams.on(self._cast_stream):
-                streams.wait(self._cast_stream, arrived)
-                view[start : start + chunk.numel()].copy_(staged)
-                self._staging_free[buffer] = streams.record(self._cast_stream)
+            self._through_ring(
+                self._staging, chunk, lambda staged, start=start: view[start : start + staged.numel()].copy_(staged)
+            )
+
+    def _through_ring(self, ring: "_Ring", chunk: Tensor, cast) -> None:
+        """Copy host `chunk` into the ring's next buffer on the copy-in stream, then run cast(staged) on the cast
+        stream once it has arrived; the buffer is reused once that cast has run."""
+        streams = self.streams
+        index = ring.take()
+        staged = ring.buffers[index][: chunk.numel()]
+        streams.wait(streams.copy_in, ring.free[index])
+        staged.copy_(chunk, non_blocking=True)
+        arrived = streams.record(streams.copy_in)
+        with streams.on(self._cast_stream):
+            streams.wait(self._cast_stream, arrived)
+            cast(staged)
+            ring.free[index] = streams.record(self._cast_stream)
+
+
+@dataclass
+class _Ring:
+    """Device buffers that host copies go round: each reused once the cast that last read it has run."""
+
+    buffers: list[Tensor]
+    free: list  # events: the cast that last read each buffer finished
+    next: int = 0
+
+    @classmethod
+    def of(cls, count: int, numel: int, dtype: torch.dtype, device: torch.device) -> "_Ring":
+        return cls([torch.empty(numel, dtype=dtype, device=device) for _ in range(count)], [None] * count)
+
+    def take(self) -> int:
+        index, self.next = self.next, (self.next + 1) % len(self.buffers)
+        return index

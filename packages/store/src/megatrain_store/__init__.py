@@ -14,6 +14,7 @@ from .io import (
     write_safetensors,
 )
 from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
+from .packed import PackedLayout
 from .pinning import pin_in_place, unpin
 from .quant import (
     QuantizedInt8,
@@ -35,6 +36,7 @@ __all__ = [
     "HostStore",
     "LOAD_BIAS",
     "MemoryReport",
+    "PackedLayout",
     "Pending",
     "QuantizedInt8",
     "QuantizedNF4",

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .errors import StoreError
 from .layout import GroupLayout
+from .packed import PackedLayout
 from .pinning import cuda_available, pin_in_place, unpin
 from .shared import SharedArenas
 
@@ -118,7 +119,10 @@ class HostStore:
     `frozen` groups (a frozen vision tower's) keep their weights only: no gradient buffer and no optimizer state;
     `frozen_in_compute_dtype` holds those weights once, in the compute dtype (a LoRA run's base: 2 B/param in bf16),
     in an arena of their own, "frozen": `master`, `wire`, `reference` and `writing` of such a group are that
-    buffer (whole groups on every host: no `owned`). `reference_copy` keeps one more compute-dtype copy of every
+    buffer (whole groups on every host: no `owned`). The `packed` groups among them (a QLoRA base's layers) are held
+    in `packed_format` ("nf4" or "int8", `packed.PackedLayout`) in the "packed" arena: their `master`, `wire` and
+    `reference` are those bytes (the device unpacks them, `packing(group)`), `weights(group)` unpacks them on the host,
+    and `writing` packs what was written. `reference_copy` keeps one more compute-dtype copy of every
     group, written by `keep_reference` (e.g. GRPO's KL reference), which forward-only passes stream from.
     """
 
@@ -138,6 +142,8 @@ class HostStore:
         reference_copy: bool = False,
         frozen: frozenset[int] = frozenset(),
         frozen_in_compute_dtype: bool = False,
+        packed: frozenset[int] = frozenset(),
+        packed_format: str | None = None,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -157,8 +163,16 @@ class HostStore:
                 f"frozen groups {sorted(self.frozen_in_compute_dtype)} are held in the compute dtype and cannot be "
                 f"split over hosts (owned={self.owned}); keep every host's copy whole (owned=None)"
             )
+        if not set(packed) <= self.frozen_in_compute_dtype or (packed and packed_format is None):
+            raise StoreError(
+                f"packed groups {sorted(packed)} must be frozen groups held apart (frozen_in_compute_dtype) and name "
+                f"their packed_format; frozen apart: {sorted(self.frozen_in_compute_dtype)}"
+            )
+        self.packings = {g: PackedLayout.of(self.layouts[g], packed_format, compute_dtype) for g in sorted(packed)}
+        self._packed_written: set[int] = set()  # the packed groups `writing` has filled
+        self.packed_starts, packed_total = self._starts(lambda g: self.packings[g].nbytes if g in self.packings else 0)
         self.frozen_starts, frozen_total = self._starts(
-            lambda group: self.layouts[group].numel if group in self.frozen_in_compute_dtype else 0
+            lambda group: self.layouts[group].numel if group in self.frozen_in_compute_dtype - set(packed) else 0
         )
         # the whole-group copies (wire, reference): every group back to back, those in the frozen arena left out
         self.starts, self._arena_numel = self._starts(
@@ -173,6 +187,8 @@ class HostStore:
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
         if self.frozen_in_compute_dtype:
             self.arenas["frozen"] = self._allocate(compute_dtype, frozen_total, name="frozen")
+        if self.packings:
+            self.arenas["packed"] = self._allocate(torch.uint8, packed_total, name="packed")
         if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
         if reference_copy:
@@ -216,8 +232,8 @@ class HostStore:
                 self._map(name, state_total - ram_numel)
 
     def _pin_transfer_arenas(self, should_pin: bool) -> None:
-        """Page-locks the arenas that cross PCIe (the wire copy or master, the frozen weights, gradients, the
-        reference copy)."""
+        """Page-locks the arenas that cross PCIe (the wire copy or master, the frozen weights, packed or not,
+        gradients, the reference copy)."""
         wire_arena = "wire" if "wire" in self.arenas else "master"
         self.pinned = {name: False for name in self.arenas}
         start = time.perf_counter()
@@ -226,7 +242,7 @@ class HostStore:
         self._pinned_ptrs: list[int] = []
         weakref.finalize(self, lambda ptrs: [unpin(p) for p in ptrs], self._pinned_ptrs)
         if should_pin:
-            for name in (wire_arena, "grad", *(n for n in ("frozen", "reference") if n in self.arenas)):
+            for name in (wire_arena, "grad", *(n for n in ("frozen", "packed", "reference") if n in self.arenas)):
                 self._pin(name)
         self.pin_seconds = time.perf_counter() - start
 
@@ -355,7 +371,7 @@ class HostStore:
             # zeros, not empty: touching every page now makes pinning fast and failures early.
             return torch.zeros(numel, dtype=dtype)
         except RuntimeError as error:
-            need = numel * torch.finfo(dtype).bits // 8
+            need = numel * torch.empty(0, dtype=dtype).element_size()
             raise StoreError(
                 f"could not allocate {need / 2**30:.1f} GiB of host memory for a {dtype} arena: {error}. "
                 "Use a smaller model, enable the disk tier, or run `megatrain plan` to see what fits."
@@ -393,6 +409,9 @@ class HostStore:
         return end - start
 
     def _slice(self, arena: str, group: int) -> Tensor:
+        if group in self.packings and arena in ("master", "wire", "reference"):
+            start = self.packed_starts[group]  # (its packed bytes, held once)
+            return self.arenas["packed"][start : start + self.packings[group].nbytes]
         if group in self.frozen_in_compute_dtype and arena in ("master", "wire", "reference"):
             start = self.frozen_starts[group]  # (its weights, held once)
             return self.arenas["frozen"][start : start + self.layouts[group].numel]
@@ -417,6 +436,18 @@ class HostStore:
         """What is copied to the device for `group`, flat: the compute-dtype copy if kept, else the master (a group
         in the frozen arena: its compute-dtype weights)."""
         return self._slice("wire" if "wire" in self.arenas else "master", group)
+
+    def packing(self, group: int) -> PackedLayout | None:
+        """How a packed group's bytes (`wire(group)`) unpack into its weights; None for any other group."""
+        return self.packings.get(group)
+
+    def weights(self, group: int) -> Tensor:
+        """`group`'s weights as the device computes with them, flat: `wire(group)`, or a packed group's bytes
+        unpacked into a new compute-dtype tensor (its dequantized weights)."""
+        packing = self.packings.get(group)
+        if packing is None:
+            return self.wire(group)
+        return packing.unpack(self.wire(group), torch.empty(self.layouts[group].numel, dtype=self.compute_dtype))
 
     def reference(self, group: int) -> Tensor:
         """The reference copy of `group`, flat, in the compute dtype (what `keep_reference` last took; a group in
@@ -498,6 +529,11 @@ class HostStore:
                 f"this store holds only [{self.owned_range(group)}) of group {group}'s master weights (hosts split the "
                 "state); write whole groups through writing(group)"
             )
+        if group in self.packings:
+            raise StoreError(
+                f"group {group} is held packed ({self.packings[group].entries[0].format or 'raw'} bytes); read its "
+                "weights through weights(group), write them through writing(group)"
+            )
         return self.layouts[group].views(self.master(group))
 
     def held(self, arena: str, group: int) -> Tensor:
@@ -508,7 +544,18 @@ class HostStore:
     def writing(self, group: int, arena: str = "master"):
         """Named views of a whole group to fill (the master, or optimizer state `state.NAME`); on exit
         the store keeps its owned range and, for the master, refreshes the wire copy of the group.
-        They are the store's own buffers when it holds the whole group, else a temporary buffer."""
+        They are the store's own buffers when it holds the whole group, else a temporary buffer (a packed group's:
+        its weights as they are, packed again on exit)."""
+        if group in self.packings and arena == "master":
+            # what it holds, unpacked (zeros before the first write); only the tensors written are packed again,
+            # since quantizing a dequantized tensor once more may change it
+            written = group in self._packed_written
+            whole = self.weights(group) if written else torch.zeros(self.layouts[group].numel, dtype=self.compute_dtype)
+            before = whole.clone() if written else None
+            yield self.layouts[group].views(whole)
+            self.packings[group].pack(whole, self.wire(group), unchanged=before)
+            self._packed_written.add(group)
+            return
         own = self.held(arena, group)
         whole = own if self.owns_all else torch.zeros(self.layouts[group].numel, dtype=self.master_dtype)
         yield self.layouts[group].views(whole)

@@ -17,12 +17,15 @@ ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer of the decoder
 class Lora:
     """A LoRA adapter's settings, with PEFT's meanings: rank `r`, `alpha` (the delta is scaled by alpha / r),
     `dropout` on the adapter's input, and `target_modules`, module names a weight's module path ends with
-    (`q_proj` adapts every `...self_attn.q_proj`), or `("all-linear",)`."""
+    (`q_proj` adapts every `...self_attn.q_proj`), or `("all-linear",)`. `base_format`: how the store holds the
+    frozen base's decoder layers, "nf4" or "int8" (QLoRA: `megatrain_store.PackedLayout`), or None: in the compute
+    dtype (the templates see the dequantized weights either way)."""
 
     r: int
     alpha: float
     target_modules: tuple[str, ...]
     dropout: float = 0.0
+    base_format: str | None = None
 
     def __post_init__(self):
         if self.r <= 0:

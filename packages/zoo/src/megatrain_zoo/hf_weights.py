@@ -70,16 +70,25 @@ def all_finite(tensor, chunk: int = 2**24) -> bool:
 
 def named_masters(store: HostStore) -> dict:
     """fp32 master weights by the names files use (the store must hold every group whole): views into
-    the store, or copies joined from the row slices of a tensor split over several groups."""
-    return _named(store, {name: view for g in range(store.n_groups) for name, view in store.master_views(g).items()})
+    the store, or copies joined from the row slices of a tensor split over several groups (a packed group's: its
+    weights unpacked, copies too; write them through `HostStore.writing`)."""
+    views = {
+        name: view
+        for g in range(store.n_groups)
+        for name, view in (
+            store.layouts[g].views(store.weights(g)) if store.packing(g) else store.master_views(g)
+        ).items()
+    }
+    return _named(store, views)
 
 
 def named_wire(store: HostStore) -> dict:
-    """What the device copies, by the names files use: views of the store's wire copy (compute dtype), or of the
-    fp32 master where it keeps none; pinned where the store pins (joined copies for a tensor split over groups)."""
+    """What the device computes with, by the names files use: views of the store's wire copy (compute dtype), or of
+    the fp32 master where it keeps none; pinned where the store pins (joined copies for a tensor split over groups; a
+    packed group's weights unpacked, `HostStore.weights`)."""
     return _named(
         store,
-        {name: view for g in range(store.n_groups) for name, view in store.layouts[g].views(store.wire(g)).items()},
+        {name: view for g in range(store.n_groups) for name, view in store.layouts[g].views(store.weights(g)).items()},
     )
 
 

@@ -3,10 +3,12 @@ adapters, named `base_model.model.` + the model's own names), read into a run's 
 them, so that an adapter trained here loads with `peft.PeftModel.from_pretrained` and back."""
 
 import json
+import math
 import re
 from pathlib import Path
 
 from megatrain_store import (
+    Entry,
     HostStore,
     Pending,
     atomic_write_text,
@@ -15,6 +17,7 @@ from megatrain_store import (
     read_safetensors_header,
     write_safetensors,
 )
+from megatrain_store.packed import quantizes, round_trip
 from megatrain_templates import ALL_LINEAR, Lora, file_tensors
 
 from .config import ZooError
@@ -218,7 +221,7 @@ def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held) -> lis
         headers = {path: read_safetensors_header(path) for path in files}
         where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
         shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
-        return entries_as_imported(spec, files, where, shapes, torch.float32)
+        return _as_trained(spec, entries_as_imported(spec, files, where, shapes, torch.float32), held)
 
     def draw(name: str, shape: tuple[int, ...]):
         tensor = torch.empty(shape, dtype=held)
@@ -226,7 +229,41 @@ def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held) -> lis
         return tensor
 
     shapes = spec.param_shapes(adapters=False)
-    return [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()]
+    return _as_trained(spec, [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()], held)
+
+
+def _as_trained(spec: ModelSpec, entries: list, held) -> list:
+    """The base's entries as a run over a packed base (QLoRA, `spec.packed_groups`) trained on them: each matrix the
+    store packs, quantized from the `held` dtype and dequantized (a fused tensor of experts, expert by expert, as
+    the store holds them); the rest as they are. Without packing, `entries`."""
+    if not spec.packed_groups:
+        return entries
+    packed = {
+        p.name: p.shape
+        for g in spec.packed_groups
+        for p in spec.groups[g].params
+        if quantizes(Entry(p.name, tuple(p.shape), 0, True))
+    }
+    fused = {name: covered for name, (_, covered) in spec.fused_checkpoint_names().items()}
+    out = []
+    for name, pending in entries:
+        parts = [packed.get(part) for part in fused.get(name, (name,))]
+        if not all(parts):  # (a fused tensor's parts are all experts' matrices: packed, all of them)
+            out.append((name, pending))
+            continue
+        load = lambda p=pending, shapes=parts: _round_trip(p.load().to(held), shapes, spec.adapter.base_format)  # noqa: E731
+        out.append((name, Pending(pending.shape, held, load)))
+    return out
+
+
+def _round_trip(tensor, shapes: list, format: str):
+    """`tensor` (entries of these shapes back to back) quantized in `format` and dequantized entry by entry."""
+    flat, start = tensor.reshape(-1).clone(), 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        flat[start : start + numel] = round_trip(flat[start : start + numel].view(shape), format).reshape(-1)
+        start += numel
+    return flat.view(tensor.shape)
 
 
 def with_adapters_merged(weights: dict, spec: ModelSpec) -> dict:

@@ -72,6 +72,15 @@ class ModelSpec:
             return None
         return sum(p.numel for g in self.adapter_groups for p in self.groups[g].params)
 
+    @property
+    def packed_groups(self) -> frozenset[int]:
+        """The frozen groups the store holds packed (`adapter.base_format`, QLoRA): the decoder layers' base, not the
+        embedding's nor the head's (kept in the compute dtype, as QLoRA keeps them)."""
+        if self.adapter is None or self.adapter.base_format is None:
+            return frozenset()
+        ends = set(self.stages[0].groups) | set(self.stages[-1].groups)
+        return frozenset(range(len(self.groups))) - self.adapter_groups - ends
+
     def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
         """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
         state); with an adapter, every group but the adapters'."""

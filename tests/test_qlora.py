@@ -1,0 +1,121 @@
+"""LoRA over a quantized frozen base (QLoRA, model.adapter.base_dtype nf4 or int8) trains exactly like PEFT over the
+dequantized base: the store holds each decoder layer's matrices packed (norms, biases, routers, the embedding and the
+head in the compute dtype), the engine streams them packed and unpacks them where the layer computes, and the steps
+equal PEFT + torch.optim.AdamW on a transformers model whose matrices are the format's dequantized weights (loss,
+gradient norm, every adapter, the logits after); the dequantization itself equals the format's (`test_quant.py`
+checks that against bitsandbytes, bit for bit). A merged export is that dequantized base plus the adapters."""
+
+import json
+
+import pytest
+import torch
+from hf_steps import make_trainer
+from safetensors.torch import load_file
+from test_dense_families import hf_dense_model
+from test_lora import TOLERANCE, R, check_steps, peft_model
+
+from megatrain.config import AdapterSection, ConfigError, adapter_of, load_config
+from megatrain.export import convert
+from megatrain_store import Entry, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from megatrain_store.packed import quantizes
+
+ROUND_TRIP = {"nf4": (quantize_nf4, dequantize_nf4), "int8": (quantize_int8, dequantize_int8)}
+
+
+def dequantized(name: str, weight: torch.Tensor, base_dtype: str, compute: torch.dtype) -> torch.Tensor:
+    """What the store streams for checkpoint tensor `name` of a decoder layer: its format's round trip of the weight
+    in the compute dtype where the store packs it, the weight as it is elsewhere."""
+    if not name.startswith("model.layers.") or not quantizes(Entry(name, tuple(weight.shape), 0, True)):
+        return weight.to(compute)
+    quantize, dequantize = ROUND_TRIP[base_dtype]
+    return dequantize(quantize(weight.to(compute)))
+
+
+def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", steps=3):
+    """(megatrain's LoRA trainer over the nf4/int8 base of a fresh tiny model of preset `name`, train section, PEFT
+    over the same base dequantized, in fp32), after checking that the store holds the layers packed and streams
+    each tensor as `dequantized` gives it."""
+    reference = hf_dense_model(name, int(torch.randint(0, 2**31 - 1, ()).item()))
+    reference.save_pretrained(tmp_path / "hf")
+    compute = getattr(torch, dtype)
+    adapter = AdapterSection(type="lora", r=R, alpha=8.0, base_dtype=base_dtype)
+    trainer, train = make_trainer(
+        tmp_path / "hf", tmp_path, 0.05, steps, device=device, precision=dtype, adam_eps=1e-6, adapter=adapter
+    )
+    store, spec = trainer.store, trainer.spec
+    assert store.arenas["packed"].dtype == torch.uint8 and set(store.packings) == spec.packed_groups
+    assert len(spec.packed_groups) == trainer.model_config.n_layers  # (each layer's base; not the embedding, head)
+    streamed = {name: tensor.cpu() for name, tensor in trainer.streamed_weights().items()}
+    fused = spec.fused_checkpoint_names()  # transformers' expert tensors: the store's per-expert ones back to back
+    with torch.no_grad():
+        for param_name, param in reference.named_parameters():
+            flat, start = param.detach().reshape(-1).clone(), 0
+            for part in fused[param_name][1] if param_name in fused else (param_name,):
+                numel, shape = streamed[part].numel(), streamed[part].shape
+                expected = dequantized(part, flat[start : start + numel].view(shape), base_dtype, compute)
+                assert torch.equal(streamed[part], expected), part
+                flat[start : start + numel] = expected.reshape(-1).float()
+                start += numel
+            param.copy_(flat.view(param.shape))
+    return trainer, train, peft_model(reference.float(), ["all-linear"])
+
+
+@pytest.mark.parametrize("base_dtype", ["nf4", "int8"])
+def test_steps_over_a_quantized_base_match_peft_over_it_dequantized(base_dtype, tmp_path):
+    trainer, train, model = quantized_run(tmp_path, "tiny-qwen2", base_dtype)
+    check_steps(trainer, train, model, 0.05, 0, False, TOLERANCE[torch.float32])
+    trainer.close()
+
+
+def test_a_mixture_of_experts_over_an_nf4_base_matches_peft(tmp_path):
+    """Each expert's matrices packed apart, the router and the shared expert's gate kept exact."""
+    trainer, train, model = quantized_run(tmp_path, "tiny-qwen2-moe", "nf4")
+    check_steps(trainer, train, model, 0.05, 1, False, TOLERANCE[torch.float32])
+    trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_steps_over_an_nf4_base_match_peft(dtype, tmp_path):
+    """The CUDA engine copies each layer's packed bytes through its byte ring and unpacks them on the cast stream."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    trainer, train, model = quantized_run(tmp_path, "tiny-qwen2", "nf4", dtype, "cuda", steps=4)
+    tolerances = TOLERANCE[getattr(torch, dtype)]
+    check_steps(trainer, train, model.to(torch.float32), 0.05, 2, False, tolerances)
+    assert trainer.pipeline.weights._packed is not None  # (the packed ring served the copies)
+    trainer.close()
+
+
+def test_a_merged_export_is_the_dequantized_base_plus_the_adapters(tmp_path, capsys):
+    trainer, _, _ = quantized_run(tmp_path, "tiny-qwen2", "nf4", steps=1)
+    out = trainer.export(tmp_path / "run" / "final")  # (a run's final/: its config.json beside says how it trained)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(trainer.config.as_dict()))
+    merged = convert(out, tmp_path / "merged", merge=True)
+    assert "dequantized from its nf4" in capsys.readouterr().err
+    weights = load_file(merged / "model.safetensors")
+    streamed = trainer.streamed_weights()
+    scale = trainer.spec.adapter.scale
+    for name, value in weights.items():
+        down = streamed.get(name.removesuffix(".weight") + ".lora_A.weight")
+        expected = streamed[name].float()
+        if down is not None:
+            expected = expected + scale * streamed[name.removesuffix(".weight") + ".lora_B.weight"].float() @ down
+        assert torch.allclose(value.float(), expected, rtol=1e-6, atol=1e-7), name
+    trainer.close()
+
+
+def test_a_packed_base_needs_a_float_compute_dtype_and_a_known_format(tmp_path):
+    with pytest.raises(ConfigError, match="base_dtype must be one of"):
+        AdapterSection(type="lora", base_dtype="fp4")
+    with pytest.raises(ConfigError, match="not float64"):
+        config = load_config(
+            None,
+            [
+                "model.preset=tiny-qwen2",
+                "model.adapter.type=lora",
+                "model.adapter.base_dtype=nf4",
+                "precision.compute_dtype=float64",
+                "device=cpu",
+            ],
+        )
+        adapter_of(config)
