@@ -121,8 +121,8 @@ GPU_GROUPS = {
         "packages/templates/tests/test_templates.py::test_gpu_chunk_kernels_equal_the_eager_functions",
         "packages/templates/tests/test_templates.py::test_gpu_kept_recurrence_gives_the_recomputed_gradients",
     ],
-    "lora": ["tests/test_lora.py", "tests/test_lora_export.py"],
-    "quant": ["packages/store/tests/test_quant.py"],  # needs bitsandbytes in the environment
+    "lora": ["tests/test_lora.py", "tests/test_lora_export.py", "tests/test_qlora.py"],
+    "quant": ["packages/store/tests/test_quant.py", "packages/store/tests/test_packed.py"],  # needs bitsandbytes
     "ranks": ["tests/test_distributed.py"],
 }
 

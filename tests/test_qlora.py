@@ -22,13 +22,14 @@ from megatrain_store.packed import quantizes
 ROUND_TRIP = {"nf4": (quantize_nf4, dequantize_nf4), "int8": (quantize_int8, dequantize_int8)}
 
 
-def dequantized(name: str, weight: torch.Tensor, base_dtype: str, compute: torch.dtype) -> torch.Tensor:
+def dequantized(name: str, weight: torch.Tensor, base_dtype: str, compute: torch.dtype, device) -> torch.Tensor:
     """What the store streams for checkpoint tensor `name` of a decoder layer: its format's round trip of the weight
-    in the compute dtype where the store packs it, the weight as it is elsewhere."""
+    in the compute dtype where the store packs it (on `device`, where the trainer quantizes), the weight as it is
+    elsewhere."""
     if not name.startswith("model.layers.") or not quantizes(Entry(name, tuple(weight.shape), 0, True)):
         return weight.to(compute)
     quantize, dequantize = ROUND_TRIP[base_dtype]
-    return dequantize(quantize(weight.to(compute)))
+    return dequantize(quantize(weight.to(device, compute))).cpu()
 
 
 def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", steps=3):
@@ -52,7 +53,7 @@ def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", ste
             flat, start = param.detach().reshape(-1).clone(), 0
             for part in fused[param_name][1] if param_name in fused else (param_name,):
                 numel, shape = streamed[part].numel(), streamed[part].shape
-                expected = dequantized(part, flat[start : start + numel].view(shape), base_dtype, compute)
+                expected = dequantized(part, flat[start : start + numel].view(shape), base_dtype, compute, device)
                 assert torch.equal(streamed[part], expected), part
                 flat[start : start + numel] = expected.reshape(-1).float()
                 start += numel

@@ -103,3 +103,26 @@ def test_bad_packings_are_refused_in_one_line():
     store = store_of("nf4", torch.float32, pin=False)
     with pytest.raises(StoreError, match="weights\\(group\\)"):
         store.master_views(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format", ["nf4", "int8"])
+def test_a_group_packed_on_the_gpu_unpacks_there_as_the_format_gives_it(format):
+    """`pack_on` a GPU (as a CUDA run's store packs): the bytes come back to pinned host memory, and unpacking them on
+    the GPU (as the weight stream does) gives the format's round trip of the weight computed there."""
+    device = torch.device("cuda")
+    store = store_of(format, torch.bfloat16, pack_on=device)
+    drawn = fill(store, 1, seed=2)
+    packed = store.wire(1).to(device)
+    unpacked = store.layouts[1].views(
+        store.packing(1).unpack(packed, torch.empty(store.layouts[1].numel, dtype=torch.bfloat16, device=device))
+    )
+    quantize, dequantize = QUANTIZE[format]
+    for name, weight in drawn.items():
+        weight = weight.to(device, torch.bfloat16)
+        expected = (
+            dequantize(quantize(weight))
+            if name.endswith(("gate_up_proj", "q_proj.weight", "down_proj.weight"))
+            else weight
+        )
+        assert torch.equal(unpacked[name], expected), name

@@ -122,8 +122,9 @@ class HostStore:
     buffer (whole groups on every host: no `owned`). The `packed` groups among them (a QLoRA base's layers) are held
     in `packed_format` ("nf4" or "int8", `packed.PackedLayout`) in the "packed" arena: their `master`, `wire` and
     `reference` are those bytes (the device unpacks them, `packing(group)`), `weights(group)` unpacks them on the host,
-    and `writing` packs what was written. `reference_copy` keeps one more compute-dtype copy of every
-    group, written by `keep_reference` (e.g. GRPO's KL reference), which forward-only passes stream from.
+    and `writing` packs what was written (on `pack_on`, a GPU, where given). `reference_copy` keeps one more
+    compute-dtype copy of every group, written by `keep_reference` (e.g. GRPO's KL reference), which forward-only
+    passes stream from.
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class HostStore:
         frozen_in_compute_dtype: bool = False,
         packed: frozenset[int] = frozenset(),
         packed_format: str | None = None,
+        pack_on: torch.device | None = None,
     ):
         if compute_dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise StoreError(f"compute dtype {compute_dtype} is not supported; use float32 or bfloat16")
@@ -170,6 +172,7 @@ class HostStore:
             )
         self.packings = {g: PackedLayout.of(self.layouts[g], packed_format, compute_dtype) for g in sorted(packed)}
         self._packed_written: set[int] = set()  # the packed groups `writing` has filled
+        self.pack_on = pack_on  # where `writing` quantizes them (None: here, on the CPU)
         self.packed_starts, packed_total = self._starts(lambda g: self.packings[g].nbytes if g in self.packings else 0)
         self.frozen_starts, frozen_total = self._starts(
             lambda group: self.layouts[group].numel if group in self.frozen_in_compute_dtype - set(packed) else 0
@@ -553,7 +556,7 @@ class HostStore:
             whole = self.weights(group) if written else torch.zeros(self.layouts[group].numel, dtype=self.compute_dtype)
             before = whole.clone() if written else None
             yield self.layouts[group].views(whole)
-            self.packings[group].pack(whole, self.wire(group), unchanged=before)
+            self.packings[group].pack(whole, self.wire(group), unchanged=before, on=self.pack_on)
             self._packed_written.add(group)
             return
         own = self.held(arena, group)
