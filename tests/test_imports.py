@@ -12,10 +12,11 @@ import pytest
 PACKAGES = sorted((Path(__file__).parents[1] / "packages").glob("*/src/*/__init__.py"))
 MAX_LINES = 800
 MAX_CLASS_LINES = 450
-# 4,957 when the restructure (issue 61) ended; LoRA (issue 62) added its config section, the discovery of a run's
-# adapters for convert and DPO's adapters-off reference, composition all (the zoo took reading, merging and writing
-# them; megatrain_optim.launch took how the processes join): 5,134
-META_PACKAGE_MAX_LINES = 5200
+# issue 61's acceptance: at most 5,000. LoRA (issue 62) took it to 5,126 (its config section, the discovery of a run's
+# adapters for convert, DPO's adapters-off reference: composition all); GRPO's data then went to megatrain_data
+# (the reward functions, rewards.py; prompt datasets, prompt + completion rows and the file of given completions,
+# prompts.py): 4,903. A module that grows it past 5,000 moves what is not composition to the package whose it is.
+META_PACKAGE_MAX_LINES = 5000
 DATA_TABLES = {"megatrain_zoo/presets.py"}  # the published models' sizes: a table, read a row at a time
 
 

@@ -22,6 +22,7 @@ def _error_types() -> dict:
     """Exception type -> (exit code, what the line calls it), for the errors that end in one line (imports torch
     and the engine)."""
     from megatrain_data import DataError
+    from megatrain_data.rewards import RewardError
     from megatrain_optim import OptimError, RankError
     from megatrain_plan import PlanError
     from megatrain_sched import SchedError
@@ -30,7 +31,6 @@ def _error_types() -> dict:
 
     from .checkpoint import NonFiniteError
     from .config import ConfigError
-    from .rewards import RewardError
     from .rundir import SaveError
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
@@ -123,12 +123,14 @@ def dump_prompts(config, args) -> None:
     import json
 
     from megatrain_data import eos_token_text
+    from megatrain_data.prompts import load_prompts
 
     from .config import model_config_of
-    from .rollouts import load_prompts, tokenizer_of
+    from .rollouts import tokenizer_of
 
     tokenizer, path = tokenizer_of(config)
-    prompts = load_prompts(config, tokenizer, path, eos_token_text(tokenizer, model_config_of(config).eos_token_id))
+    eos = eos_token_text(tokenizer, model_config_of(config).eos_token_id)
+    prompts = load_prompts(config.data, config.train.grpo.max_prompt_length, tokenizer, path, eos)
     for index in range(min(args.dump, len(prompts.ids))):
         columns = {name: values[index] for name, values in prompts.columns.items()}
         if args.text:

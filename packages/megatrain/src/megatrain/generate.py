@@ -53,8 +53,7 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     the trainer's weights, as many at a time as the KV cache's room allows (train.grpo.generation_weights: resident or
     streamed layers)."""
     from megatrain_data import eos_token_text, load_chat_template, pad_token_id
-
-    from .rollouts import render_prompt
+    from megatrain_data.prompts import render_prompt
 
     eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
     template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)

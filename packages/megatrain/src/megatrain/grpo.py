@@ -5,11 +5,12 @@
 import sys
 
 from megatrain_data import eos_token_text, pad_token_id
+from megatrain_data.prompts import load_prompts
 
 from .config import Config, ConfigError
 from .generate import require_transformers
 from .rollout_file import FileRollouts
-from .rollouts import GeneratedRollouts, load_prompts, stop_ids, tokenizer_of
+from .rollouts import GeneratedRollouts, stop_ids, tokenizer_of
 
 
 def check_grpo_settings(config: Config, ranks=None) -> None:
@@ -43,7 +44,7 @@ def make_rollouts(trainer, config: Config):
     pad = pad_token_id(tokenizer, eos)
     if config.train.grpo.rollouts is not None:
         return FileRollouts(trainer, config, tokenizer, path, eos, pad)
-    prompts = load_prompts(config, tokenizer, path, eos)
+    prompts = load_prompts(config.data, config.train.grpo.max_prompt_length, tokenizer, path, eos)
     stops = stop_ids(trainer.model_config, tokenizer, path, eos)
     if trainer.is_main:
         print(

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from megatrain_data import PairWindows, TokenData, TokenWindows, load_token_data
 from megatrain_data.multimodal import MediaRows, check_media_model, media_of, row_windows
+from megatrain_data.rewards import RewardError
 from megatrain_data.serving import describe_export, keep_in_run, serving_of_run
 from megatrain_optim import Ranks
 from megatrain_optim.launch import leave_ranks
@@ -44,7 +45,6 @@ from .config import Config, ConfigError, model_config_of, resolve_device
 from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
 from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
-from .rewards import RewardError
 from .rollouts import tokenizer_of
 from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir
 from .step import StepBatch

@@ -12,8 +12,6 @@ at the rollout's first update). The reference's log-probabilities (train.grpo.be
 forward-only pass over every row before training, cached beside the run's data."""
 
 import hashlib
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,11 +20,12 @@ import numpy as np
 import torch
 
 from megatrain_data import Batch, load_chat_template
+from megatrain_data.prompts import check_groups, completion_ids, read_completions, render_prompt, rows_of
 from megatrain_store import atomic_write
 from megatrain_templates import Rollout, group_advantages
 
 from .config import Config, ConfigError
-from .rollouts import StepRollout, _Rollouts, order, render_prompt, rows_of
+from .rollouts import StepRollout, _Rollouts, order
 from .step import StepBatch
 
 
@@ -35,13 +34,13 @@ class FileRollouts(_Rollouts):
         super().__init__(trainer, config)
         self.tokenizer, self.pad_id = tokenizer, pad_id
         template = load_chat_template(tokenizer_path.parent, config.data.chat_template, eos)
-        self.records = _read(Path(self.grpo.rollouts))
+        self.records = read_completions(Path(self.grpo.rollouts))
         self.prompt_ids, self.completion_ids = [], []
         for index, record in enumerate(self.records):
             where = f"{self.grpo.rollouts} line {index + 1}"
             self.prompt_ids.append(render_prompt(record["prompt"], template, tokenizer, where))
-            self.completion_ids.append(_completion_ids(record, tokenizer, where))
-        self.n_groups = _check_groups(self.records, self.grpo.num_generations, self.grpo.rollouts)
+            self.completion_ids.append(completion_ids(record, tokenizer, where))
+        self.n_groups = check_groups(self.records, self.grpo.num_generations, self.grpo.rollouts)
         self._check_lengths()
         self.reference = None
         if self.grpo.beta:
@@ -108,61 +107,6 @@ class FileRollouts(_Rollouts):
                 self.records[index]["logps"], dtype=torch.float64
             )
         return old
-
-
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        raise ConfigError(f"train.grpo.rollouts {path} does not exist; give a JSONL of completions (docs/guide.md)")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} line {number} is not JSON: {error}") from None
-        if "prompt" not in record or not ({"completion", "completion_ids"} & record.keys()):
-            raise ConfigError(
-                f"{path} line {number} needs prompt and completion (or completion_ids); it has {sorted(record)}"
-            )
-        if not ({"reward", "advantage"} & record.keys()):
-            raise ConfigError(f"{path} line {number} has neither reward nor advantage")
-        value = record.get("reward", record.get("advantage"))
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{path} line {number}: its reward or advantage {value!r} is not a finite number")
-        records.append(record)
-    if not records:
-        raise ConfigError(f"train.grpo.rollouts {path} holds no completions")
-    return records
-
-
-def _completion_ids(record: dict, tokenizer, where: str) -> list[int]:
-    ids = record.get("completion_ids")
-    if ids is None:
-        ids = tokenizer.encode(str(record["completion"]), add_special_tokens=False).ids
-    if not ids:
-        raise ConfigError(f"{where}: an empty completion (nothing to train)")
-    if "logps" in record and len(record["logps"]) != len(ids):
-        raise ConfigError(
-            f"{where}: {len(record['logps'])} logps for {len(ids)} completion tokens; give completion_ids with them"
-        )
-    return list(ids)
-
-
-def _check_groups(records: list[dict], size: int, path) -> int:
-    """The number of groups: runs of `size` lines with one prompt each, refused where a run breaks."""
-    if len(records) % size:
-        raise ConfigError(
-            f"{path} has {len(records)} completions, not whole groups of train.grpo.num_generations {size}"
-        )
-    for start in range(0, len(records), size):
-        prompts = {json.dumps(r["prompt"], sort_keys=True) for r in records[start : start + size]}
-        if len(prompts) > 1:
-            raise ConfigError(
-                f"{path} lines {start + 1}-{start + size} hold {len(prompts)} prompts; a group is "
-                f"num_generations ({size}) consecutive completions of one prompt"
-            )
-    return len(records) // size
 
 
 def reference_token_logps(trainer, batch, cache_dir: Path) -> torch.Tensor:

@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain_data import Batch, load_chat_template, load_tokenizer
-from megatrain_data.records import load_records, resolve_sources
+from megatrain_data import Batch, load_tokenizer
+from megatrain_data.prompts import Prompts, rows_of
+from megatrain_data.rewards import RewardError, completion_text
 from megatrain_templates import Rollout, group_advantages
 from megatrain_zoo.generate import Generator, Sampling
 
 from .config import Config, ConfigError
-from .rewards import RewardError, Rewards, completion_text
+from .objectives import make_rewards
 from .step import StepBatch
 
 ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's rollout in use (several updates per rollout)
@@ -38,15 +39,6 @@ class StepRollout:
     rollout: Rollout
     metrics: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)  # prompt, completion, reward, advantage per completion
-
-
-@dataclass
-class Prompts:
-    """A prompt dataset: each prompt as given (text or messages), its tokens, and every other column."""
-
-    given: list
-    ids: list[list[int]]
-    columns: dict[str, list]
 
 
 def tokenizer_of(config: Config):
@@ -72,61 +64,6 @@ def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...
 
 def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def render_prompt(prompt, template, tokenizer, where: str) -> list[int]:
-    """A prompt's tokens as TRL makes them: a conversation rendered with its generation prompt, text as it is."""
-    if isinstance(prompt, list):
-        if template is None:
-            raise ConfigError(
-                f"{where}: a conversational prompt, and the tokenizer has no chat template; set data.chat_template"
-            )
-        prompt = template.render(prompt, add_generation_prompt=True)[0]
-    elif not isinstance(prompt, str):
-        raise ConfigError(f"{where}: the prompt is {type(prompt).__name__}; give text or a list of messages")
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
-
-
-def load_prompts(config: Config, tokenizer, tokenizer_path: Path, eos: str) -> Prompts:
-    """The prompt datasets' records (TRL's prompt-only format: `prompt`, any other columns for the rewards),
-    tokenized; refuses, naming the longest, prompts over train.grpo.max_prompt_length."""
-    template = load_chat_template(tokenizer_path.parent, config.data.chat_template, eos)
-    given, ids, columns = [], [], {}
-    for source in resolve_sources(config.data):
-        records = load_records(source)
-        if "prompt" not in records.column_names:
-            raise ConfigError(
-                f"dataset {source.name!r} has no 'prompt' column (columns: {records.column_names}); GRPO reads "
-                "TRL's prompt-only format"
-            )
-        for index, record in enumerate(records):
-            given.append(record["prompt"])
-            ids.append(render_prompt(record["prompt"], template, tokenizer, f"dataset {source.name!r} record {index}"))
-            for name, value in record.items():
-                if name != "prompt":
-                    columns.setdefault(name, []).append(value)
-    limit = config.train.grpo.max_prompt_length
-    longer = [i for i, prompt in enumerate(ids) if len(prompt) > limit]
-    if longer:
-        longest = max(longer, key=lambda i: len(ids[i]))
-        raise ConfigError(
-            f"{len(longer)} prompts are longer than train.grpo.max_prompt_length ({limit} tokens), the longest "
-            f"(record {longest}) {len(ids[longest])}; raise it or shorten them"
-        )
-    return Prompts(given, ids, columns)
-
-
-def rows_of(prompts: list[list[int]], completions: list[list[int]], seq_len: int, pad_id: int) -> Batch:
-    """Rows of prompt + completion, right-padded to seq_len, the completion's tokens trained."""
-    ids = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        tokens = (prompt + completion)[:seq_len]
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-        valid[row, : len(tokens)] = True
-        labels[row, len(prompt) - 1 : len(tokens) - 1] = ids[row, len(prompt) : len(tokens)]
-    return Batch(ids, labels, None, valid)
 
 
 def order(n: int, generation: int, per_generation: int, seed: int, shuffle: bool) -> list[int]:
@@ -192,7 +129,7 @@ class GeneratedRollouts(_Rollouts):
     def __init__(self, trainer, config: Config, prompts: Prompts, tokenizer, stops: tuple[int, ...], pad_id: int):
         super().__init__(trainer, config)
         self.prompts, self.tokenizer, self.pad_id = prompts, tokenizer, pad_id
-        self.rewards = Rewards(self.grpo.reward_funcs, self.grpo.reward_weights)
+        self.rewards = make_rewards(config)
         self.generator = Generator(trainer, self.grpo.generation_weights)
         g = self.grpo
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops)

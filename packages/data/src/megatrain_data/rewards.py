@@ -3,7 +3,9 @@ completions as text (or, for conversational prompts, as [{"role": "assistant", "
 column of the prompt dataset by name, one value per completion; None where the function has no opinion (it is then
 left out of the weighted sum, as TRL's nansum does). Built in: `exact_match` (the completion, stripped, is the
 `answer` column), `numeric_answer` (the completion's last number, or its \\boxed{} one, equals `answer`'s), and
-`format:REGEX` (the completion matches REGEX from its start, as TRL's format rewards do)."""
+`format:REGEX` (the completion matches REGEX from its start, as TRL's format rewards do). A run's names are
+resolved to functions by the meta-package (`megatrain.objectives.make_rewards`: its `module:function`s are the
+user's code, found as the config finds an objective)."""
 
 import math
 import re
@@ -11,12 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from .config import ConfigError, import_user_module
-
 
 class RewardError(Exception):
     """A reward function failed on a step's completions (raised, or gave no finite reward per completion): the
-    user's code, not the config; the run saves its trained steps before it stops (loop.py)."""
+    user's code, not the config; a megatrain run saves its trained steps before it stops (megatrain/loop.py)."""
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -61,41 +61,23 @@ def format_reward(pattern: str) -> Callable:
 BUILTIN = {"exact_match": exact_match, "numeric_answer": numeric_answer}
 
 
-def load_reward(name: str) -> Callable:
-    """A reward function by its config name: a built-in, format:REGEX, or module:function."""
+def builtin_reward(name: str) -> Callable | None:
+    """The built-in reward function `name` says (exact_match, numeric_answer, format:REGEX), None for any other
+    name; `re.error` where a format's regex does not compile."""
     if name in BUILTIN:
         return BUILTIN[name]
     if name.startswith("format:"):
-        try:
-            return format_reward(name.removeprefix("format:"))
-        except re.error as error:
-            raise ConfigError(f"train.grpo.reward_funcs {name!r}: the regex does not compile ({error})") from None
-    module_name, _, function_name = name.partition(":")
-    try:
-        function = getattr(import_user_module(module_name), function_name) if function_name else None
-    except (ImportError, AttributeError) as error:
-        function, reason = None, f"{type(error).__name__}: {error}"
-    else:
-        reason = "not a built-in, and no module:function" if function is None else "not callable"
-    if not callable(function):
-        raise ConfigError(
-            f"train.grpo.reward_funcs {name!r} cannot be loaded ({reason}); name a built-in "
-            f"({', '.join(BUILTIN)}, format:REGEX) or an importable module:function"
-        )
-    return function
+        return format_reward(name.removeprefix("format:"))
+    return None
 
 
 class Rewards:
     """The weighted sum of a run's reward functions over a step's completions, with each function's values."""
 
-    def __init__(self, names: tuple[str, ...], weights: tuple[float, ...] | None):
-        if not names:
-            raise ConfigError(
-                "train.objective grpo needs train.grpo.reward_funcs: a built-in (exact_match, numeric_answer, "
-                "format:REGEX) or module:function, or train.grpo.rollouts with given rewards"
-            )
-        self.names = names
-        self.functions = [load_reward(name) for name in names]
+    def __init__(self, names: tuple[str, ...], functions: list[Callable], weights: tuple[float, ...] | None):
+        """`functions`: one per name (the name says it in metrics and errors); `weights`: one per function (None:
+        1 each)."""
+        self.names, self.functions = names, functions
         self.weights = torch.tensor(weights or [1.0] * len(names), dtype=torch.float64)
 
     def __call__(self, prompts: list, completions: list, columns: dict[str, list]) -> tuple[torch.Tensor, dict]:

@@ -1,0 +1,69 @@
+"""GRPO's data: prompt datasets rendered as TRL renders them, rows of prompt + completion against a plain loop, and
+the file of given completions read, with its bad lines refused by number."""
+
+import json
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from megatrain_data import DataError, DataSection, builtin_corpus, train_tokenizer
+from megatrain_data.prompts import check_groups, completion_ids, load_prompts, read_completions, rows_of
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    text = tmp_path_factory.mktemp("tok") / "corpus.txt"
+    text.write_text(builtin_corpus().read_text()[:20000])
+    path = text.parent / "tokenizer.json"
+    train_tokenizer(text, 256, path)
+    return path
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prompts_are_tokenized_with_their_columns(tokenizer_path, tmp_path):
+    tokenizer, rng = Tokenizer.from_file(str(tokenizer_path)), random.Random(0)
+    rows = [{"prompt": f"What is {rng.randint(0, 99)} plus one?", "answer": str(i)} for i in range(5)]
+    data = DataSection(dataset=str(write_jsonl(tmp_path / "prompts.jsonl", rows)), format="prompt")
+    prompts = load_prompts(data, 64, tokenizer, tokenizer_path, "")
+    assert prompts.given == [r["prompt"] for r in rows] and prompts.columns == {"answer": [r["answer"] for r in rows]}
+    assert prompts.ids == [tokenizer.encode(r["prompt"], add_special_tokens=False).ids for r in rows]
+    with pytest.raises(DataError, match="longer than train.grpo.max_prompt_length"):
+        load_prompts(data, 2, tokenizer, tokenizer_path, "")
+
+
+def test_rows_train_on_the_completion_only():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100) for _ in range(rng.randint(1, 5))] for _ in range(4)]
+    completions = [[rng.randrange(100) for _ in range(rng.randint(1, 6))] for _ in range(4)]
+    batch = rows_of(prompts, completions, 8, pad_id=0)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        tokens = (prompt + completion)[:8]
+        assert batch.input_ids[row].tolist() == tokens + [0] * (8 - len(tokens))
+        assert batch.valid[row].tolist() == [True] * len(tokens) + [False] * (8 - len(tokens))
+        # the label at position t is token t + 1 where that token is the completion's
+        expected = [tokens[t + 1] if len(prompt) <= t + 1 < len(tokens) else -100 for t in range(8)]
+        assert batch.labels[row].tolist() == expected
+    assert batch.labels.dtype == torch.long
+
+
+def test_given_completions_are_read_and_bad_lines_refused(tokenizer_path, tmp_path):
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    lines = [{"prompt": "1+1=", "completion": " 2", "reward": 1.0}, {"prompt": "1+1=", "completion_ids": [5, 6]}]
+    lines[1]["advantage"], lines[1]["logps"] = -0.5, [-1.0, -2.0]
+    records = read_completions(write_jsonl(tmp_path / "given.jsonl", lines))
+    assert records == lines and check_groups(records, 2, "given.jsonl") == 1
+    assert completion_ids(records[0], tokenizer, "line 1") == tokenizer.encode(" 2", add_special_tokens=False).ids
+    assert completion_ids(records[1], tokenizer, "line 2") == [5, 6]
+    with pytest.raises(DataError, match="lines 1-2 hold 2 prompts"):
+        check_groups([lines[0], {**lines[1], "prompt": "2+2="}], 2, "given.jsonl")
+    bad = [{"prompt": "p", "completion": "c", "reward": float("nan")}]
+    with pytest.raises(DataError, match="line 1: its reward or advantage nan is not a finite number"):
+        read_completions(write_jsonl(tmp_path / "bad.jsonl", bad))
+    with pytest.raises(DataError, match="1 logps for 2 completion tokens"):
+        completion_ids({**lines[1], "logps": [-1.0]}, tokenizer, "line 2")
