@@ -734,23 +734,13 @@ def adapter_of(config: Config) -> Lora | None:
     if section.type is None:
         return None
     if section.path is None:
-        adapter, where = Lora(section.r, section.alpha, section.target_modules, section.dropout), "model.adapter"
+        adapter = Lora(section.r, section.alpha, section.target_modules, section.dropout)
     else:
-        adapter, where = read_peft_config(Path(section.path)), f"{section.path}/adapter_config.json"
+        adapter = read_peft_config(Path(section.path))
     if config.train.router_bias_update_rate:
         raise ConfigError(
             f"train.router_bias_update_rate {config.train.router_bias_update_rate} moves the frozen routers' "
             "correction biases, which LoRA leaves as they are; set it to 0 with model.adapter"
-        )
-    if adapter.dropout:
-        fix = (
-            "set model.adapter.dropout to 0.0 (PEFT's default)"
-            if section.path is None
-            else "set lora_dropout to 0.0 there to go on training it without dropout"
-        )
-        raise ConfigError(
-            f"{where}: dropout {adapter.dropout} on LoRA's input is not built yet (the recompute would need the "
-            f"forward's masks); {fix}"
         )
     return adapter
 

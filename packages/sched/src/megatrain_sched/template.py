@@ -27,6 +27,9 @@ class StageTemplate(Protocol):
     checkpoint_planes: int = 1
     # False: its backward reads none of its weights (an embedding's scatters its gradient), so none are copied in
     backward_reads_weights: bool = True
+    # True: a training micro-batch's `dropout` key, at the stage's name (`dropout.at(name)`), is given to its forward
+    # and backward as `dropout=` (LoRA dropout's masks: the backward's recompute draws the forward's)
+    takes_dropout: bool = False
     # `forward_keeping_products(weights, x, extras=False, **kw) -> (y, products)`, whose backward then gets
     # `products=` and recomputes no GEMM; None: it always recomputes
     forward_keeping_products: Callable[..., tuple[Any, dict]] | None = None
