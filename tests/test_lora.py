@@ -323,16 +323,26 @@ def test_packed_rows_match_peft_on_the_documents_apart(tmp_path):
     check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.0, tmp_path, pack=True)
 
 
-@pytest.mark.parametrize("implementation", ["auto", "transformers"])
-def test_dropout_matches_peft_with_the_same_masks(implementation, tmp_path):
+@pytest.mark.parametrize(
+    "name, targets, dtype, implementation, rows",
+    [
+        ("tiny-qwen2", ["all-linear"], "float64", "auto", 4),
+        ("tiny-qwen2", ["all-linear"], "float64", "transformers", 4),
+        # (one micro-batch: PEFT's balance loss is over the step's tokens at once)
+        ("tiny-qwen2-moe", ["q_proj", "v_proj", "down_proj"], "float32", "auto", 2),
+    ],
+)
+def test_dropout_matches_peft_with_the_same_masks(name, targets, dtype, implementation, rows, tmp_path):
     """LoRA dropout 0.1, PEFT's dropout modules drawing megatrain's masks (a function of the run's seed, the step, the
     micro-batch, the layer and the module: q, k and v of the fused GEMM each their own): steps of two micro-batches
-    in two sweeps, one layer recomputed in its backward and one keeping its products, equal PEFT's only where each
-    backward draws its forward's masks again. Native and generic (transformers' layers, hooked) paths."""
-    engine = EngineSection(kept_layers=1, sweeps=2) if implementation == "auto" else EngineSection(sweeps=2)
+    in two sweeps (the MoE's of one), one layer recomputed in its backward and one keeping its products, equal PEFT's
+    only where each backward draws its forward's masks again. Native dense and MoE templates, and the generic path
+    (transformers' layers, hooked)."""
+    sweeps = rows // 2  # (micro-batches of two rows, a sweep each)
+    engine = EngineSection(kept_layers=1, sweeps=sweeps) if implementation == "auto" else EngineSection(sweeps=sweeps)
     check_steps_match_peft(
-        "tiny-qwen2", ["all-linear"], "float64", 0.05, tmp_path, engine=engine, steps=2, dropout=0.1,
-        batch_size=4, implementation=implementation,
+        name, targets, dtype, 0.05, tmp_path, engine=engine, steps=2, dropout=0.1, batch_size=rows,
+        implementation=implementation,
     )  # fmt: skip
 
 

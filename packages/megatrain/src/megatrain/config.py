@@ -43,7 +43,7 @@ class AdapterSection:
     type: str | None = None  # lora; null: no adapter, every parameter trains
     r: int = 16
     alpha: float = 32.0  # the adapters' delta is scaled by alpha / r (PEFT's lora_alpha)
-    dropout: float = 0.0  # PEFT's lora_dropout
+    dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input, in training steps only
     # module names (q_proj, ..., down_proj) a matrix's module path ends with, or all-linear: every linear layer of
     # the decoder's layers
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
@@ -291,7 +291,7 @@ class TrainSection:
         checkpoint, save_every -1 saved every step) or deep in a step (seed -1)."""
         limits = {  # field: (lowest allowed, what it means)
             "warmup_steps": (0, "0: no warmup"),
-            "seed": (0, "the random seed of the weights and the data order"),
+            "seed": (0, "the random seed of the weights, the data order and LoRA dropout's masks"),
             "save_every": (0, "0: only on SIGINT/SIGTERM"),
             "keep_last": (1, "the newest N checkpoints are kept"),
             "eval_every": (0, "0: only after the last step"),
