@@ -10,7 +10,7 @@ from torch import Tensor
 from megatrain_data import Batch, sequence_of_tokens
 from megatrain_optim import Ranks
 from megatrain_sched import MicroBatch
-from megatrain_templates import Documents, DropoutKey, Media, Rollout, Sequences
+from megatrain_templates import Documents, DropoutKey, Lora, Media, Rollout, Sequences
 from megatrain_zoo import ModelConfig
 
 from .config import ConfigError
@@ -45,6 +45,12 @@ class StepBatch:
     def n_targets(self) -> int:
         """The trained tokens of every rank's rows."""
         return int((self.labels != -100).sum())
+
+
+def dropout_key(adapter: Lora | None, seed: int, step: int) -> DropoutKey | None:
+    """The key of training step `step`'s LoRA dropout masks (None: no dropout); `RowShares.micro_batches` gives each
+    micro-batch's."""
+    return DropoutKey(seed, step, 0) if adapter is not None and adapter.dropout > 0 else None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from megatrain_optim.launch import launch_shape, leave_ranks
 from megatrain_plan import Planner
 from megatrain_sched import Placement, PlacementError, StepResult, Timeline
 from megatrain_store import Pending
-from megatrain_templates import DropoutKey, Media, Sequences, set_compile
+from megatrain_templates import Media, Sequences, set_compile
 from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 from megatrain_zoo.hf_weights import (
     WholeGroups,
@@ -46,7 +46,7 @@ from .export import export_hf
 from .objectives import check_model_settings, make_objective
 from .parts import new_pipeline, new_store, new_updates, route_statistics, rows_first, with_router_terms
 from .planning import check_plan, make_planner, rates_of
-from .step import RowShares, StepBatch
+from .step import RowShares, StepBatch, dropout_key
 from .warmup import warm_up_pipeline
 
 SMALLER_STEP_KEEPS_PLACEMENT = 0.75  # (a step down to this share of the planned tokens runs as placed)
@@ -288,9 +288,7 @@ class Trainer:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
         self._follow_step_size(batch.input_ids.numel())
         self._load_device_state()
-        adapter = self.spec.adapter  # LoRA dropout's masks, keyed by the run's seed and the step (and the micro-batch)
-        dropout = DropoutKey(self.config.train.seed, self.step_index, 0) if adapter and adapter.dropout > 0 else None
-        micro = self.rows.micro_batches(batch, dropout)
+        micro = self.rows.micro_batches(batch, dropout_key(self.spec.adapter, self.config.train.seed, self.step_index))
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:
