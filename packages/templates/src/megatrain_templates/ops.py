@@ -144,8 +144,8 @@ def _low_rank(x: Tensor, down: Tensor, adapted: Adapted) -> Tensor:
     if not adapted.dropout:
         return F.linear(x, down) * adapted.scale
     r = adapted.rank
-    lows = [
-        F.linear(x * dropout_noise(x, adapted.dropout, seed), down[index * r : (index + 1) * r])
+    lows = [  # (the dropped input made in the noise's memory: one [tokens, in] tensor at a time)
+        F.linear(dropout_noise(x, adapted.dropout, seed).mul_(x), down[index * r : (index + 1) * r])
         for index, seed in enumerate(adapted.seeds)
     ]
     return (lows[0] if len(lows) == 1 else torch.cat(lows, dim=-1)) * adapted.scale
