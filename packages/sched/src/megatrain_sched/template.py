@@ -14,7 +14,7 @@ class StageTemplate(Protocol):
 
     `groups`: one tuple of parameter specs (`.name`, `.shape`, `.numel`) per store group it binds, in order.
     `forward(weights, x, **kw) -> y` and `backward(weights, x, grad_out, grads, **kw) -> grad_x` (`kw`: the
-    micro-batch's `documents=` / `media=`, and where declared below `prepared=` / `products=`; `x` is what
+    micro-batch's `documents=` / `media=`, and where declared below `prepared=` / `products=` / `dropout=`; `x` is what
     `checkpoint(x)` keeps of the input; `grads` holds None for a group the store keeps frozen).
 
     Capabilities, with the defaults of a plain layer (a subclass inherits them; a template states only what differs):
