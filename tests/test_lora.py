@@ -1,18 +1,20 @@
 """LoRA on streamed frozen weights trains exactly like PEFT: steps of megatrain with model.adapter equal
-`peft.get_peft_model` over transformers' model + torch.optim.AdamW on the adapters, step by step (loss, gradient norm,
-every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and eager,
-all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
+`peft.get_peft_model` over transformers' model + torch.optim.AdamW on the adapters, step by step (loss, gradient
+norm, every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and
+eager, all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
 output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts (Qwen2-MoE) families and the generic path, layers
-recomputed or keeping their products, in one sweep or two, packed rows, and DPO and GRPO against plain PEFT loops
-(their references the base, adapters off); two ranks train as one process, and resume from their adapter-only
-checkpoint as a run that never stopped. The frozen base is held once, in the compute dtype, and stays bit for bit
-what its checkpoint holds. Bad adapter settings are refused in one line before anything loads."""
+recomputed or keeping their products, in one sweep or two, packed rows, with dropout (PEFT's dropout modules drawing
+megatrain's keyed masks), and DPO and GRPO against plain PEFT loops (their references the base, adapters off); two
+ranks train as one process, and resume from their adapter-only checkpoint as a run that never stopped. The frozen
+base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad adapter settings are
+refused in one line before anything loads."""
 
 import contextlib
 import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -29,6 +31,7 @@ from megatrain.cli import main
 from megatrain.config import AdapterSection, ConfigError, EngineSection, load_config
 from megatrain.step import StepBatch
 from megatrain_optim import Schedule, lr_at
+from megatrain_templates import DropoutKey
 from megatrain_zoo import ZooError, preset
 
 R, ALPHA = 4, 8.0
@@ -45,8 +48,8 @@ def peft_name(name: str) -> str:
     return "base_model.model." + name.removesuffix(".weight") + ".default.weight"
 
 
-def lora_trainer(hf_dir, tmp_path, targets, grad_clip, steps, **options):
-    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=tuple(targets))
+def lora_trainer(hf_dir, tmp_path, targets, grad_clip, steps, dropout=0.0, **options):
+    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=tuple(targets), dropout=dropout)
     return make_trainer(hf_dir, tmp_path, grad_clip, steps, adapter=adapter, **options)
 
 
@@ -54,6 +57,47 @@ def peft_model(reference, targets):
     # (PEFT takes its shorthand as a string, module names as a list)
     modules = "all-linear" if targets == ["all-linear"] else list(targets)
     return get_peft_model(reference, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=modules, lora_dropout=0.0))
+
+
+class KeyedDropout(torch.nn.Module):
+    """PEFT's `lora_dropout` of module `module` (`self_attn.q_proj`) of layer `layer` (`layer0`) drawing megatrain's
+    mask: x times a keep-mask of probability 1 - p from a generator seeded by the key `keys["key"]` (the run's seed,
+    the step and the micro-batch, as the test sets it) at the layer and the module, scaled by 1 / (1 - p); no key,
+    no dropout."""
+
+    def __init__(self, p: float, layer: str, module: str, keys: dict):
+        super().__init__()
+        self.p, self.layer, self.module, self.keys = p, layer, module, keys
+
+    def forward(self, x):
+        key = self.keys.get("key")
+        if key is None:
+            return x
+        generator = torch.Generator().manual_seed(key.at(self.layer).generator_seed(self.module))
+        return x * torch.empty_like(x).bernoulli_(1 - self.p, generator=generator) / (1 - self.p)
+
+
+def keyed_dropouts(model, p: float) -> dict:
+    """PEFT `model`'s dropout modules replaced by `KeyedDropout`s, which draw their masks from the key the returned
+    dict holds (under "key")."""
+    keys = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_dropout"):  # (base_model.model.model.layers.N.self_attn.q_proj)
+            layer, inner = name.split(".layers.", 1)[1].split(".", 1)
+            module.lora_dropout["default"] = KeyedDropout(p, f"layer{layer}", inner, keys)
+    return keys
+
+
+def dropped_loss(model, ids, labels, keys: dict, key: DropoutKey, micro_batch_size: int) -> torch.Tensor:
+    """`mean_loss` of one sequence a row, PEFT's masks keyed as megatrain keys them: the step's `key` at each
+    micro-batch (its first row)."""
+    total = 0.0
+    for start in range(0, ids.shape[0], micro_batch_size):
+        keys["key"] = replace(key, micro_batch=start)
+        rows = slice(start, start + micro_batch_size)
+        total = total + mean_loss(model, ids[rows], labels[rows], [slice(None)]) * (labels[rows] != -100).sum()
+    keys["key"] = None
+    return total / (labels != -100).sum()
 
 
 def share_adapters(trainer, model, generator) -> None:
@@ -127,10 +171,21 @@ def assert_same_adapters(trainer, model, tolerance: float, step=None) -> None:
 
 
 def check_steps_match_peft(
-    name, targets, dtype, grad_clip, tmp_path, device="cpu", engine=EngineSection(), pack=False, steps=3, **model
+    name,
+    targets,
+    dtype,
+    grad_clip,
+    tmp_path,
+    device="cpu",
+    engine=EngineSection(),
+    pack=False,
+    steps=3,
+    dropout=0.0,
+    **model,
 ):
     """`steps` steps of a LoRA run over a tiny transformers model of preset `name` equal PEFT's (`check_steps`), and
-    the base the device streams is the checkpoint's, bit for bit."""
+    the base the device streams is the checkpoint's, bit for bit. With `dropout`, PEFT's dropout modules draw
+    megatrain's masks (`keyed_dropouts`)."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference = hf_dense_model(name, seed)
     if dtype == "bfloat16":  # a base that bf16 holds as it is: the reference computes in fp32 from the same weights
@@ -149,11 +204,12 @@ def check_steps_match_peft(
         stepping = float64_reference(reference) if dtype == "float64" else contextlib.nullcontext()
         tolerances = TOLERANCE[getattr(torch, dtype)]
     trainer, train = lora_trainer(
-        tmp_path / "hf", tmp_path, targets, grad_clip, steps, device=device, engine=engine, **options, **model
+        tmp_path / "hf", tmp_path, targets, grad_clip, steps, dropout, device=device, engine=engine, **options, **model
     )
     model = peft_model(reference, targets)
+    keys = keyed_dropouts(model, dropout) if dropout else None
     with stepping:
-        check_steps(trainer, train, model, grad_clip, seed, pack, tolerances)
+        check_steps(trainer, train, model, grad_clip, seed, pack, tolerances, keys)
     if engine.kept_layers != "auto":
         assert len(trainer.pipeline.executed.keeping) == engine.kept_layers
     if engine.sweeps != "auto":
@@ -175,11 +231,11 @@ def check_steps_match_peft(
     trainer.close()
 
 
-def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances):
+def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances, keys=None):
     """megatrain's `trainer` and PEFT's `model` (with the same adapters from here) take the same steps on fresh random
-    batches of 6 rows in 3 micro-batches (with `pack`, each row two documents, positions restarting at the second):
-    loss, gradient norm and every adapter after each step, and the logits after the last, within `tolerances`
-    (`TOLERANCE`'s)."""
+    batches of train.batch_size rows in micro-batches (with `pack`, each row two documents, positions restarting at
+    the second): loss, gradient norm and every adapter after each step, and the logits after the last, within
+    `tolerances` (`TOLERANCE`'s); with `keys` (`keyed_dropouts`'), PEFT's dropout masks keyed by the step."""
     generator = torch.Generator().manual_seed(seed)
     share_adapters(trainer, model, generator)
     optimizer = adapter_adamw(model, train)
@@ -193,9 +249,15 @@ def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances):
             labels[:, 4] = -100  # (the first document's last token has no target in the second)
             positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(train.batch_size, 12)
         metrics = trainer.train_step(StepBatch(ids, labels, position_ids=positions))
-        loss, norm = peft_step(
-            model, optimizer, train, step, grad_clip, lambda: mean_loss(model, ids, labels, documents)
-        )
+        if keys is None:
+            loss, norm = peft_step(
+                model, optimizer, train, step, grad_clip, lambda: mean_loss(model, ids, labels, documents)
+            )
+        else:
+            key, size = DropoutKey(train.seed, step, 0), train.micro_batch_size
+            loss, norm = peft_step(
+                model, optimizer, train, step, grad_clip, lambda: dropped_loss(model, ids, labels, keys, key, size)
+            )
         assert metrics.loss == pytest.approx(loss.item(), rel=loss_tolerance)
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=norm_tolerance)
         clipped += bool(grad_clip) and norm.item() > grad_clip
@@ -261,6 +323,49 @@ def test_packed_rows_match_peft_on_the_documents_apart(tmp_path):
     check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.0, tmp_path, pack=True)
 
 
+@pytest.mark.parametrize(
+    "name, targets, dtype, implementation, rows",
+    [
+        ("tiny-qwen2", ["all-linear"], "float64", "auto", 4),
+        ("tiny-qwen2", ["all-linear"], "float64", "transformers", 4),
+        # (one micro-batch: PEFT's balance loss is over the step's tokens at once)
+        ("tiny-qwen2-moe", ["q_proj", "v_proj", "down_proj"], "float32", "auto", 2),
+    ],
+)
+def test_dropout_matches_peft_with_the_same_masks(name, targets, dtype, implementation, rows, tmp_path):
+    """LoRA dropout 0.1, PEFT's dropout modules drawing megatrain's masks (a function of the run's seed, the step, the
+    micro-batch, the layer and the module: q, k and v of the fused GEMM each their own): steps of two micro-batches
+    in two sweeps (the MoE's of one), one layer recomputed in its backward and one keeping its products, equal PEFT's
+    only where each backward draws its forward's masks again. Native dense and MoE templates, and the generic path
+    (transformers' layers, hooked)."""
+    sweeps = rows // 2  # (micro-batches of two rows, a sweep each)
+    engine = EngineSection(kept_layers=1, sweeps=sweeps) if implementation == "auto" else EngineSection(sweeps=sweeps)
+    check_steps_match_peft(
+        name, targets, dtype, 0.05, tmp_path, engine=engine, steps=2, dropout=0.1, batch_size=rows,
+        implementation=implementation,
+    )  # fmt: skip
+
+
+def test_dropout_masks_follow_the_seed(tmp_path):
+    """Two runs of one model, adapters and batch: the same seed takes the same step (its masks reproducible), another
+    seed another (other masks)."""
+    hf_dense_model("tiny-qwen2", 0).save_pretrained(tmp_path / "hf")
+    ids, labels = random_batch(4, 12, preset("tiny-qwen2").vocab_size, torch.Generator().manual_seed(0))
+    losses = []
+    for seed in (1, 1, 2):
+        trainer, _ = lora_trainer(tmp_path / "hf", tmp_path / str(len(losses)), ["all-linear"], 0.0, 1, 0.5)
+        # (the masks' seed alone: each run drew its adapters with the seed it was made with, 0)
+        trainer.config = replace(trainer.config, train=replace(trainer.config.train, seed=seed))
+        with torch.no_grad():  # (B non-zero, the same in each run: the adapters' delta, and so the masks, count)
+            for name, view in trainer.named_weights().items():
+                if ".lora_B." in name:
+                    view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(1), dtype=view.dtype))
+        trainer.store.refresh_wire()
+        losses.append(trainer.train_step(StepBatch(ids, labels)).loss)
+        trainer.close()
+    assert losses[0] == losses[1] != losses[2]
+
+
 def lora_config(tmp_path, **adapter):
     """A config of a tiny Qwen2 preset with `adapter` (model.adapter's keys), as a user's overrides give it."""
     overrides = ["model.preset=tiny-qwen2", "model.adapter.type=lora", "device=cpu", f"output_dir={tmp_path / 'run'}"]
@@ -291,11 +396,6 @@ def test_a_rank_below_one_is_refused(tmp_path):
     for r in (0, -4):
         with pytest.raises(ConfigError, match=f"model.adapter.r must be a positive rank, got {r}$"):
             lora_config(tmp_path, r=r)
-
-
-def test_dropout_is_refused_for_now(tmp_path, monkeypatch):
-    message = refused_before_loading(lora_config(tmp_path, dropout=0.1), monkeypatch)
-    assert "dropout 0.1" in message and "set model.adapter.dropout to 0.0" in message
 
 
 def test_moe_layers_in_parts_of_their_experts_are_refused_for_now(tmp_path, monkeypatch):

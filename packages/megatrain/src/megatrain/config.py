@@ -46,7 +46,7 @@ class AdapterSection:
     type: str | None = None  # lora; null: no adapter, every parameter trains
     r: int = 16
     alpha: float = 32.0  # the adapters' delta is scaled by alpha / r (PEFT's lora_alpha)
-    dropout: float = 0.0  # PEFT's lora_dropout
+    dropout: float = 0.0  # PEFT's lora_dropout: on the adapters' input, in training steps only
     # module names (q_proj, ..., down_proj) a matrix's module path ends with, or all-linear: every linear layer of
     # the decoder's layers
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
@@ -302,7 +302,7 @@ class TrainSection:
         checkpoint, save_every -1 saved every step) or deep in a step (seed -1)."""
         limits = {  # field: (lowest allowed, what it means)
             "warmup_steps": (0, "0: no warmup"),
-            "seed": (0, "the random seed of the weights and the data order"),
+            "seed": (0, "the random seed of the weights, the data order and LoRA dropout's masks"),
             "save_every": (0, "0: only on SIGINT/SIGTERM"),
             "keep_last": (1, "the newest N checkpoints are kept"),
             "eval_every": (0, "0: only after the last step"),
@@ -745,24 +745,14 @@ def adapter_of(config: Config) -> Lora | None:
     if section.type is None:
         return None
     if section.path is None:
-        adapter, where = Lora(section.r, section.alpha, section.target_modules, section.dropout), "model.adapter"
+        adapter = Lora(section.r, section.alpha, section.target_modules, section.dropout)
     else:
-        adapter, where = read_peft_config(Path(section.path)), f"{section.path}/adapter_config.json"
+        adapter = read_peft_config(Path(section.path))
     adapter = replace(adapter, base_format=_base_format(config))
     if config.train.router_bias_update_rate:
         raise ConfigError(
             f"train.router_bias_update_rate {config.train.router_bias_update_rate} moves the frozen routers' "
             "correction biases, which LoRA leaves as they are; set it to 0 with model.adapter"
-        )
-    if adapter.dropout:
-        fix = (
-            "set model.adapter.dropout to 0.0 (PEFT's default)"
-            if section.path is None
-            else "set lora_dropout to 0.0 there to go on training it without dropout"
-        )
-        raise ConfigError(
-            f"{where}: dropout {adapter.dropout} on LoRA's input is not built yet (the recompute would need the "
-            f"forward's masks); {fix}"
         )
     return adapter
 

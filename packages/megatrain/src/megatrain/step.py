@@ -2,7 +2,7 @@
 extras in one value), and how the ranks share its rows and cut their share into the pipeline's micro-batches
 (`RowShares`)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -10,7 +10,7 @@ from torch import Tensor
 from megatrain_data import Batch, sequence_of_tokens
 from megatrain_optim import Ranks
 from megatrain_sched import MicroBatch
-from megatrain_templates import Documents, Media, Rollout, Sequences
+from megatrain_templates import Documents, DropoutKey, Lora, Media, Rollout, Sequences
 from megatrain_zoo import ModelConfig
 
 from .config import ConfigError
@@ -45,6 +45,12 @@ class StepBatch:
     def n_targets(self) -> int:
         """The trained tokens of every rank's rows."""
         return int((self.labels != -100).sum())
+
+
+def dropout_key(adapter: Lora | None, seed: int, step: int) -> DropoutKey | None:
+    """The key of training step `step`'s LoRA dropout masks (None: no dropout); `RowShares.micro_batches` gives each
+    micro-batch's."""
+    return DropoutKey(seed, step, 0) if adapter is not None and adapter.dropout > 0 else None
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,9 @@ class RowShares:
         """The sequences (of packed pairs) of this rank's share of the pairs."""
         return self.share(int(sequences.max()) + 1, 2)
 
-    def micro_batches(self, batch: StepBatch) -> list[MicroBatch]:
-        """This rank's rows of `batch` in micro-batches (the last may be short)."""
+    def micro_batches(self, batch: StepBatch, dropout: DropoutKey | None = None) -> list[MicroBatch]:
+        """This rank's rows of `batch` in micro-batches (the last may be short); `dropout`: a training step's key of
+        LoRA dropout's masks, each micro-batch's naming it by its first row."""
         mine, size = self.my_rows(batch.input_ids.shape[0], batch.sequences), self.rows_per_micro_batch
         if not self.model.image_text and batch.media is not None and any(batch.media):
             raise ConfigError(
@@ -111,7 +118,8 @@ class RowShares:
             rows_media = None
             if self.model.image_text:  # (its stages read the tokens and images of every micro-batch)
                 rows_media = Media.of_rows(batch.input_ids[part], batch.media[part] if batch.media is not None else [])
-            micro.append(MicroBatch(batch.input_ids[part], batch.labels[part], documents, rows_media))
+            key = None if dropout is None else replace(dropout, micro_batch=start)
+            micro.append(MicroBatch(batch.input_ids[part], batch.labels[part], documents, rows_media, key))
         return micro
 
     def rank_share(self, batch: StepBatch, micro: list[MicroBatch]) -> RankShare:

@@ -46,7 +46,7 @@ from .export import export_hf
 from .objectives import check_model_settings, make_objective
 from .parts import new_pipeline, new_store, new_updates, route_statistics, rows_first, with_router_terms
 from .planning import check_plan, make_planner, rates_of
-from .step import RowShares, StepBatch
+from .step import RowShares, StepBatch, dropout_key
 from .warmup import warm_up_pipeline
 
 SMALLER_STEP_KEEPS_PLACEMENT = 0.75  # (a step down to this share of the planned tokens runs as placed)
@@ -292,7 +292,7 @@ class Trainer:
             raise ConfigError("a batch has no target tokens (every label is -100); check the data and loss mask")
         self._follow_step_size(batch.input_ids.numel())
         self._load_device_state()
-        micro = self.rows.micro_batches(batch)
+        micro = self.rows.micro_batches(batch, dropout_key(self.spec.adapter, self.config.train.seed, self.step_index))
         if self.updates.rows_first is not None:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:

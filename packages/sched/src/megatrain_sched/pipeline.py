@@ -72,14 +72,22 @@ class MicroBatch:
     # an image-text model's inputs besides the token ids (e.g. megatrain_templates.Media): given to every template as
     # `media=`, moved to the device with `.to(device, non_blocking=True)`; None: a text model's micro-batch
     media: Any = None
+    # a training pass's key of its dropout masks (e.g. megatrain_templates.DropoutKey): `dropout.at(stage name)` is
+    # given as `dropout=` to the templates that `takes_dropout`; None: no dropout
+    dropout: Any = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         documents, media = (
             None if x is None else x.to(device, non_blocking=True) for x in (self.documents, self.media)
         )
-        return MicroBatch(
-            self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), documents, media
-        )
+        ids, labels = self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True)
+        return MicroBatch(ids, labels, documents, media, self.dropout)
+
+    def stage_kwargs(self, stage: Stage, train: bool) -> dict:
+        """`template_kwargs`, and in a training pass the dropout key at `stage`'s name where its template takes one."""
+        if not train or self.dropout is None or not stage.template.takes_dropout:
+            return self.template_kwargs
+        return self.template_kwargs | {"dropout": self.dropout.at(stage.name)}
 
     @property
     def template_kwargs(self) -> dict:
@@ -429,7 +437,7 @@ class LayerPipeline:
         """Every micro-batch through a stage, keeping what its backward needs: the checkpoint (on the device or on
         its way to host memory) and, where placed, the forward's products."""
         template, activations = self.stages[stage_index].template, self.activations
-        kwargs = [mb.template_kwargs for mb in step.batches]
+        kwargs = [mb.stage_kwargs(self.stages[stage_index], step.train) for mb in step.batches]
         if template.prepare is not None:  # every micro-batch's, before the first forward
             step.prepared[stage_index] = [template.prepare(weights, x, **kw) for x, kw in zip(step.acts, kwargs)]
             kwargs = [kw | {"prepared": p} for kw, p in zip(kwargs, step.prepared[stage_index])]
@@ -487,7 +495,7 @@ class LayerPipeline:
         prepared = step.prepared.pop(stage_index, None)
         for m, grad_out in enumerate(step.acts):
             x, products = self.activations.take(stage_index, m)
-            kwargs = step.batches[m].template_kwargs
+            kwargs = step.batches[m].stage_kwargs(self.stages[stage_index], train=True)
             if products is not None:
                 kwargs = kwargs | {"products": products}
             if prepared is not None:

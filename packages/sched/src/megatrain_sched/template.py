@@ -14,7 +14,7 @@ class StageTemplate(Protocol):
 
     `groups`: one tuple of parameter specs (`.name`, `.shape`, `.numel`) per store group it binds, in order.
     `forward(weights, x, **kw) -> y` and `backward(weights, x, grad_out, grads, **kw) -> grad_x` (`kw`: the
-    micro-batch's `documents=` / `media=`, and where declared below `prepared=` / `products=`; `x` is what
+    micro-batch's `documents=` / `media=`, and where declared below `prepared=` / `products=` / `dropout=`; `x` is what
     `checkpoint(x)` keeps of the input; `grads` holds None for a group the store keeps frozen).
 
     Capabilities, with the defaults of a plain layer (a subclass inherits them; a template states only what differs):
@@ -27,6 +27,9 @@ class StageTemplate(Protocol):
     checkpoint_planes: int = 1
     # False: its backward reads none of its weights (an embedding's scatters its gradient), so none are copied in
     backward_reads_weights: bool = True
+    # True: a training micro-batch's `dropout` key, at the stage's name (`dropout.at(name)`), is given to its forward
+    # and backward as `dropout=` (LoRA dropout's masks: the backward's recompute draws the forward's)
+    takes_dropout: bool = False
     # `forward_keeping_products(weights, x, extras=False, **kw) -> (y, products)`, whose backward then gets
     # `products=` and recomputes no GEMM; None: it always recomputes
     forward_keeping_products: Callable[..., tuple[Any, dict]] | None = None

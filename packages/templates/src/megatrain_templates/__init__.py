@@ -19,7 +19,7 @@ from .layout import (
     total_numel,
 )
 from .linear_attention import GatedDeltaNetShape, Mamba2Shape, chunked_gated_delta_rule, chunked_ssd
-from .lora import ALL_LINEAR, Lora, lora_names
+from .lora import ALL_LINEAR, DropoutKey, Lora, dropout_noise, lora_names
 from .media import Media
 from .moe import MoeBlock
 from .moe_layout import EXPERT_NAMING, MoeShape, fused_expert_names, moe_params
@@ -54,6 +54,8 @@ from .template import Template
 __all__ = [
     "ALL_LINEAR",
     "Lora",
+    "DropoutKey",
+    "dropout_noise",
     "lora_names",
     "REFERENCE_FREE_LOSSES",
     "DPO",

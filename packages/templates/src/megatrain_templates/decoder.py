@@ -44,7 +44,7 @@ from .linear_attention import (
     linear_attention_params,
     linear_attention_spans,
 )
-from .lora import AdapterLayout, Lora
+from .lora import AdapterLayout, DropoutKey, Lora
 from .ops import (
     GATED_ACTIVATIONS,
     NORM_SCALES,
@@ -353,6 +353,7 @@ class DecoderBlock(Template):
         matrices = tuple(name for name in self._spans if name not in self._vectors)
         adapters = AdapterLayout(lora, self.groups[0], self._spans, matrices)
         self.groups = (self.groups[0], adapters.params)
+        self.takes_dropout = lora.dropout > 0  # (its training passes are given `dropout=`, their masks' key)
         return adapters
 
     def _rope(self, seq_len: int, device, dtype) -> tuple[Tensor, Tensor]:
@@ -480,13 +481,25 @@ class DecoderBlock(Template):
         out = linear(mlp_hidden, w["down_weight"])
         return self.shape.residual_add(x, self.shape.norm(out, w["mlp_out_norm"]) if self.shape.normed_outputs else out)
 
-    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
-        """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows."""
+    def forward(
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        documents: Documents | None = None,
+        dropout: DropoutKey | None = None,
+    ) -> Tensor:
+        """hidden: [batch, seq, d_model] in the compute dtype -> same shape; `documents`: packed rows; `dropout`: a
+        training pass's key of the adapters' dropout masks (None: no dropout)."""
         check_buffers(weights, self.groups, "DecoderBlock.forward")
-        return self._block(self._views(weights), hidden, documents)
+        return self._block(self._views(weights, dropout), hidden, documents)
 
     def forward_keeping_products(
-        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, extras: bool = False
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        documents: Documents | None = None,
+        extras: bool = False,
+        dropout: DropoutKey | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward`, also returning the products of its matmuls that the backward would recompute (all
         but the MLP's down projection, which it does only under a norm): given to `backward` as `products`, they
@@ -497,7 +510,7 @@ class DecoderBlock(Template):
         layer keeps its recurrence's results too (`extra_product_bytes_per_token`), which its recompute then
         skips."""
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights, extras)
+        w, products = self._keeping_views(weights, extras, dropout)
         return self._block(w, hidden, documents), products
 
     @property
@@ -516,13 +529,14 @@ class DecoderBlock(Template):
         mixer = self.shape.linear_attention
         return 0 if mixer is None else kept_recurrence_bytes_per_token(mixer, element_size)
 
-    def _views(self, weights: list[Tensor]) -> dict[str, Tensor]:
-        """Every parameter of the block as a view of its flat weight buffer, adapted matrices with their adapters."""
+    def _views(self, weights: list[Tensor], dropout: DropoutKey | None = None) -> dict[str, Tensor]:
+        """Every parameter of the block as a view of its flat weight buffer, adapted matrices with their adapters (and
+        their dropout masks' key)."""
         views = {name: span.view(weights[0]) for name, span in self._spans.items()}
-        return views if self._adapters is None else self._adapters.bind(views, weights[1])
+        return views if self._adapters is None else self._adapters.bind(views, weights[1], dropout=dropout)
 
     def _keeping_views(
-        self, weights: list[Tensor], extras: bool = False
+        self, weights: list[Tensor], extras: bool = False, dropout: DropoutKey | None = None
     ) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
         """`_views`, the recomputed matrices wrapped to keep their products in the returned dict as a forward
         makes them (a base's product, not its adapters'); with `extras`, a linear-attention layer's recurrence its
@@ -535,7 +549,7 @@ class DecoderBlock(Template):
             for name, span in self._spans.items()
         }
         if self._adapters is not None:
-            views = self._adapters.bind(views, weights[1])
+            views = self._adapters.bind(views, weights[1], dropout=dropout)
         if extras and self.shape.linear_attention is not None:
             views[KEPT_RECURRENCE] = KeptRecurrence(products, keep=True)
         return views, products
@@ -546,13 +560,14 @@ class DecoderBlock(Template):
         grads: list[Tensor | None],
         skip: tuple[str, ...] = (),
         products: dict[str, Tensor] | None = None,
+        dropout: DropoutKey | None = None,
     ) -> tuple[dict[str, "Tensor | BoundWeight"], dict[str, Tensor]]:
         """The weights for a backward: (every parameter but `skip`, the autograd leaves among them).
         Matrices are bound to their span of the gradient buffer `grads[0]`, so their gradients are added into it
         inside the GEMM that makes them, and to their forward's product where `products` has it (as is a
         linear-attention layer's recurrence: `KeptRecurrence`); norms and biases are leaves whose gradients
         autograd returns. A frozen base (`grads[0]` None) has no leaves and binds no gradient; its adapters bind
-        theirs to `grads[1]`."""
+        theirs to `grads[1]`, with the forward's dropout key (`dropout`)."""
         products, (buffer, grad_flat) = products or {}, (weights[0], grads[0])
         vectors = [name for name in self._vectors if name not in skip]
         trained = grad_flat is not None
@@ -564,7 +579,7 @@ class DecoderBlock(Template):
             if name not in self._vectors and name not in skip
         }
         if self._adapters is not None:
-            matrices = self._adapters.bind(matrices, weights[1], grads[1], products)
+            matrices = self._adapters.bind(matrices, weights[1], grads[1], products, dropout)
         kept = products and self.shape.linear_attention is not None
         recurrence = {KEPT_RECURRENCE: KeptRecurrence(products, keep=False)} if kept else {}
         return {**matrices, **leaves, **fixed, **recurrence}, leaves
@@ -577,17 +592,20 @@ class DecoderBlock(Template):
         grads: list[Tensor],
         documents: Documents | None = None,
         products: dict[str, Tensor] | None = None,
+        dropout: DropoutKey | None = None,
     ) -> Tensor:
         """Recompute from the block input `hidden`, add weight gradients into `grads[0]`
         (flat, fp32) and return the gradient w.r.t. `hidden`; `products` (from
-        `forward_keeping_products`) stand for the GEMMs that made them.
+        `forward_keeping_products`) stand for the GEMMs that made them; `dropout`: the forward's key, whose
+        masks the recompute draws again.
 
         The recompute stops before the MLP's down projection: its output is not needed for
         any gradient, so that GEMM (about a quarter of a block's matmul work) is skipped and
         its two backward GEMMs are done here by hand (unless a norm follows it: Gemma, OLMo 2)."""
         check_buffers(weights, self.groups, "DecoderBlock.backward")
         by_hand = not self.shape.normed_outputs  # a norm after the down projection needs its output
-        bound, leaves = self._bind(weights, grads, skip=("down_weight",) if by_hand else (), products=products)
+        skip = ("down_weight",) if by_hand else ()
+        bound, leaves = self._bind(weights, grads, skip=skip, products=products, dropout=dropout)
         x = hidden.detach().requires_grad_(True)
         if by_hand:
             with torch.enable_grad():
@@ -606,7 +624,8 @@ class DecoderBlock(Template):
             outputs, grad_outputs = [after_attention, mlp_hidden], [grad_out, grad_mlp_hidden]
             if self._adapters is not None and "down_weight" in self._adapters.adapted:
                 with torch.enable_grad():  # the down projection's adapters: their delta's graph gives the rest
-                    outputs.append(linear(mlp_hidden, self._adapters.adapters("down_weight", weights[1], grads[1])))
+                    down_adapters = self._adapters.adapters("down_weight", weights[1], grads[1], dropout=dropout)
+                    outputs.append(linear(mlp_hidden, down_adapters))
                 grad_outputs.append(grad_down_out)
         else:
             with torch.enable_grad():

@@ -2,10 +2,13 @@
 in a group of their own beside the frozen base's, and its product x W^T becomes x W^T + (scale * x A^T) B^T: PEFT's
 `LoraLayer` (which scales after B: equal up to rounding), computed by `ops.adapted_linear`. A fused matrix (q, k and
 v as one GEMM) adapts each member it holds apart, with PEFT's names for each, so that an adapter trained here loads
-into PEFT and back."""
+into PEFT and back. LoRA dropout draws each targeted module's mask from a key (`DropoutKey`), so that a layer's
+recompute draws its forward's masks."""
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor
 
 from .layout import BoundWeight, ParamSpec, ProductKeeper, Span, param_offsets, span_of
@@ -47,6 +50,37 @@ class Lora:
         return any(module == target or module.endswith("." + target) for target in self.target_modules)
 
 
+@dataclass(frozen=True)
+class DropoutKey:
+    """What names one training pass's LoRA dropout masks: the run's seed, the step, the micro-batch (its first row in
+    the step, unique over the ranks) and the layer (its stage's name, `at`). A targeted module's mask is a pure
+    function of the key and the module's name (`generator_seed`), so that the recompute of a layer in its backward
+    draws the forward's masks, and masks differ between modules, layers, micro-batches and steps."""
+
+    seed: int
+    step: int
+    micro_batch: int
+    layer: str = ""
+
+    def at(self, layer: str) -> "DropoutKey":
+        """The key of layer `layer` (a stage's name: `layer3`)."""
+        return replace(self, layer=layer)
+
+    def generator_seed(self, module: str) -> int:
+        """The seed of module `module`'s mask (`self_attn.q_proj`): a hash of the key and the name, < 2**63."""
+        key = repr((self.seed, self.step, self.micro_batch, self.layer, module)).encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def dropout_noise(x: Tensor, p: float, seed: int) -> Tensor:
+    """nn.Dropout's noise for x [..., in]: a keep-mask drawn with probability 1 - p by a generator on x's device
+    seeded `seed`, scaled by 1 / (1 - p); x * noise is the dropped input. Drawn in x's shape (contiguous), so that
+    a recompute of the same x draws the same mask."""
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p, generator=generator)
+    return keep.div_(1 - p)
+
+
 def lora_names(weight_name: str) -> tuple[str, str]:
     """PEFT's names of the A and B matrices adapting `weight_name` (`X.weight` -> `X.lora_A.weight`, `X.lora_B...`)."""
     module = weight_name.removesuffix(".weight")
@@ -62,6 +96,7 @@ class _AdaptedSpan:
     down: Span  # [members * r, in]
     ups: tuple[tuple[Span, int, int], ...]  # (B [rows, r], first row, row past the last) per adapted member
     rows: int  # the base matrix's output rows
+    modules: tuple[str, ...]  # each adapted member's module name (`self_attn.q_proj`): its dropout mask's
 
 
 @dataclass(frozen=True)
@@ -78,6 +113,8 @@ class Adapted:
     rank: int
     scale: float
     low: Tensor | None = None  # the forward's kept scale * x A^T (beside the base's kept product), for a backward
+    dropout: float = 0.0  # LoRA dropout's p on each member's input (0: none)
+    seeds: tuple[int, ...] = ()  # with dropout, each member's mask seed (`dropout_noise`), in the order of `ups`
 
 
 LOW_RANK = ".low_rank"  # a kept product's name + this: its adapters' low-rank product, kept beside it
@@ -115,34 +152,48 @@ class AdapterLayout:
         for member in members:
             first_row = (offsets[member.name] - base.offset) // base.shape[1]
             ups.append((span_of(self.params, lora_names(member.name)[1]), first_row, first_row + member.shape[0]))
-        return _AdaptedSpan(down, tuple(ups), base.shape[0])
+        modules = tuple(member.name.removesuffix(".weight") for member in members)
+        return _AdaptedSpan(down, tuple(ups), base.shape[0], modules)
 
     @property
     def adapted(self) -> tuple[str, ...]:
         """The template's span names whose matrices carry adapters."""
         return tuple(self._spans)
 
-    def bind(self, views: dict, buffer: Tensor, grad: Tensor | None = None, products: dict | None = None) -> dict:
+    def bind(
+        self,
+        views: dict,
+        buffer: Tensor,
+        grad: Tensor | None = None,
+        products: dict | None = None,
+        dropout: DropoutKey | None = None,
+    ) -> dict:
         """`views` (the base's, by span name) with each adapted one wrapped in an `Adapted` over the adapter group
         `buffer`; given `grad` (that group's flat fp32 gradient buffer), its matrices are `BoundWeight`s into it, and
-        the low-rank products a forward kept (`products`) stand for theirs."""
+        the low-rank products a forward kept (`products`) stand for theirs. `dropout`: the training pass's key of
+        the masks of LoRA dropout (None: no dropout)."""
         out = dict(views)
         for name in self._spans:
             if name in views:
                 low = None if products is None else products.get(name + LOW_RANK)
-                out[name] = self.adapters(name, buffer, grad, base=views[name], low=low)
+                out[name] = self.adapters(name, buffer, grad, base=views[name], low=low, dropout=dropout)
         return out
 
-    def adapters(self, name: str, buffer: Tensor, grad: Tensor | None = None, base=None, low=None) -> Adapted:
+    def adapters(
+        self, name: str, buffer: Tensor, grad: Tensor | None = None, base=None, low=None, dropout=None
+    ) -> Adapted:
         """Span `name`'s adapters bound to `buffer` (and `grad`) over `base`; with no base, `ops.linear` of it is the
-        adapters' delta alone (for a backward that does the base GEMM by hand)."""
+        adapters' delta alone (for a backward that does the base GEMM by hand); `dropout` as `bind`'s."""
         where = self._spans[name]
 
         def matrix(span: Span):
             return span.view(buffer) if grad is None else BoundWeight(span.view(buffer), span.view(grad))
 
         ups = tuple((matrix(up), first, stop) for up, first, stop in where.ups)
-        return Adapted(base, matrix(where.down), ups, where.rows, self.lora.r, self.lora.scale, low)
+        keyed = dropout is not None and self.lora.dropout > 0
+        seeds = tuple(dropout.generator_seed(module) for module in where.modules) if keyed else ()
+        p = self.lora.dropout if keyed else 0.0
+        return Adapted(base, matrix(where.down), ups, where.rows, self.lora.r, self.lora.scale, low, p, seeds)
 
     def low_rank_width(self, name: str) -> int:
         """Elements a token's kept low-rank product of span `name` takes (0: not adapted)."""

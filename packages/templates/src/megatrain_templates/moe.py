@@ -26,7 +26,7 @@ from .grouped_experts import (
 )
 from .layout import BoundWeight, ProductKeeper, Span, accumulate, check_buffers, total_numel
 from .linear_attention import LINEAR_ATTENTION_LEAVES
-from .lora import Lora
+from .lora import DropoutKey, Lora
 from .moe_layout import MoeShape, _expert_spans, _router_spans, _shared_spans, moe_params
 from .moe_routing import RouterLoad, Routing, _expert_picks, _token_weights, _valid_tokens
 from .ops import linear, swiglu, upcast
@@ -270,21 +270,33 @@ class MoeBlock(DecoderBlock):
         out, routing = self._mlp(w, h.reshape(-1, h.shape[-1]))
         return x + out.view_as(x), routing
 
-    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> Tensor:
-        """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics."""
+    def forward(
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        documents: Documents | None = None,
+        dropout: DropoutKey | None = None,
+    ) -> Tensor:
+        """hidden: [batch, seq, d_model] in the compute dtype -> same shape; records routing statistics; `dropout`
+        as `DecoderBlock.forward`'s."""
         check_buffers(weights, self.groups, "MoeBlock.forward")
-        out, routing = self._block_and_router(self._views(weights), hidden, documents)
+        out, routing = self._block_and_router(self._views(weights, dropout), hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out
 
     def forward_keeping_products(
-        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, extras: bool = False
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        documents: Documents | None = None,
+        extras: bool = False,
+        dropout: DropoutKey | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward`, also returning the products of its matmuls but the experts' down projection, which the
         backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token); `extras`
         as `DecoderBlock.forward_keeping_products`."""
         check_buffers(weights, self.groups, "MoeBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights, extras)
+        w, products = self._keeping_views(weights, extras, dropout)
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return out, products
@@ -314,12 +326,13 @@ class MoeBlock(DecoderBlock):
         grads: list[Tensor],
         documents: Documents | None = None,
         products: dict[str, Tensor] | None = None,
+        dropout: DropoutKey | None = None,
     ) -> Tensor:
         """Recompute from `hidden` (the experts' down projection left out, `products` standing for the GEMMs
         that made them), add the weight gradients (and the router losses', where on) into `grads[0]` (flat
         fp32), return d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeBlock.backward")
-        w, leaves = self._bind(weights, grads, products=products)
+        w, leaves = self._bind(weights, grads, products=products, dropout=dropout)
         x = hidden.detach().requires_grad_(True)
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.enable_grad():

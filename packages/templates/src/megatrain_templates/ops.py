@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .layout import BoundWeight, ProductKeeper, add_matmul_
-from .lora import LOW_RANK, Adapted
+from .lora import LOW_RANK, Adapted, dropout_noise
 
 IGNORE_INDEX = -100
 
@@ -112,7 +112,8 @@ def adapted_linear(x: Tensor, adapted: Adapted, bias: Tensor | None = None) -> T
     LoRA layer, with the scale applied to the r-wide low-rank product instead of the output (cheaper; equal up to
     rounding). Bound for a backward (`BoundWeight`s), the gradients of W (where it trains), A and B go into their
     buffers, and the forward's kept products (the base's and `Adapted.low`) stand for the whole forward; a
-    `ProductKeeper` base keeps both."""
+    `ProductKeeper` base keeps both. With dropout (`Adapted.dropout`) each member's A sees x times its own mask
+    (`dropout_noise`, drawn again from its seed in the backward) and the base sees x, as PEFT computes."""
     if isinstance(adapted.down, BoundWeight):
         return _AdaptedLinear.apply(x, bias, adapted)
     keeper = adapted.base if isinstance(adapted.base, ProductKeeper) else None
@@ -129,12 +130,42 @@ def _value(weight: "Tensor | BoundWeight") -> Tensor:
 def _adapted_forward(x: Tensor, base: Tensor | None, bias: Tensor | None, adapted: Adapted) -> tuple[Tensor, Tensor]:
     """(the adapted product [..., rows], the scaled low-rank product scale * x A^T [..., members * r]); no base: the
     adapters' delta alone. Each member's B adds into its rows inside its GEMM (no delta tensor of the output's size)."""
-    low = F.linear(x, _value(adapted.down)) * adapted.scale
+    low = _low_rank(x, _value(adapted.down), adapted)
     out = x.new_zeros(*x.shape[:-1], adapted.rows) if base is None else F.linear(x, _value(base), bias)
     out_2d, low_2d, r = out.view(-1, adapted.rows), low.view(-1, low.shape[-1]), adapted.rank
     for index, (up, first, stop) in enumerate(adapted.ups):
         out_2d[:, first:stop].addmm_(low_2d[:, index * r : (index + 1) * r], _value(up).T)
     return out, low
+
+
+def _low_rank(x: Tensor, down: Tensor, adapted: Adapted) -> Tensor:
+    """scale * x A^T [..., members * r] (one GEMM for every member's A); with dropout, each member's A times its own
+    dropped x."""
+    if not adapted.dropout:
+        return F.linear(x, down) * adapted.scale
+    r = adapted.rank
+    lows = [  # (the dropped input made in the noise's memory: one [tokens, in] tensor at a time)
+        F.linear(dropout_noise(x, adapted.dropout, seed).mul_(x), down[index * r : (index + 1) * r])
+        for index, seed in enumerate(adapted.seeds)
+    ]
+    return (lows[0] if len(lows) == 1 else torch.cat(lows, dim=-1)) * adapted.scale
+
+
+def _low_rank_backward(x: Tensor, grad_low: Tensor, adapted: Adapted) -> Tensor:
+    """Add dA = grad_low^T x (each member's through its mask, drawn again) into A's gradient buffer; return the
+    low-rank path's gradient of x [tokens, in] for grad_low [tokens, members * r] (the scale applied)."""
+    down, x_2d = adapted.down, x.reshape(-1, x.shape[-1])
+    if not adapted.dropout:
+        add_matmul_(down.grad, grad_low.T, x_2d)  # dA = (scale g B)^T x
+        return grad_low @ down.value
+    r, grad_x = adapted.rank, None
+    for index, seed in enumerate(adapted.seeds):
+        rows = slice(index * r, (index + 1) * r)
+        noise = dropout_noise(x, adapted.dropout, seed).view(-1, x.shape[-1])
+        add_matmul_(down.grad[rows], grad_low[:, rows].T, x_2d * noise)  # dA = (scale g B)^T (x * noise)
+        part = (grad_low[:, rows] @ down.value[rows]).mul_(noise)
+        grad_x = part if grad_x is None else grad_x.add_(part)
+    return grad_x
 
 
 class _AdaptedLinear(torch.autograd.Function):
@@ -163,8 +194,7 @@ class _AdaptedLinear(torch.autograd.Function):
             add_matmul_(up.grad, grad_rows.T, low_2d[:, index * r : (index + 1) * r])  # dB = g^T (scale x A^T)
             grad_lows.append(grad_rows @ up.value)
         grad_low = (grad_lows[0] if len(grad_lows) == 1 else torch.cat(grad_lows, dim=1)) * adapted.scale
-        add_matmul_(adapted.down.grad, grad_low.T, x_2d)  # dA = (scale g B)^T x
-        grad_x = grad_low @ adapted.down.value
+        grad_x = _low_rank_backward(x, grad_low, adapted)
         base = adapted.base
         if base is not None:
             if base.grad is not None:

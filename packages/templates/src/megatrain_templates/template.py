@@ -18,6 +18,7 @@ class Template:
     d_model: int = 0  # the width of the [tokens, d_model] planes the checkpoint keeps (0: not counted)
     checkpoint_planes = 1  # [tokens, d_model] tensors the checkpoint of its input holds (0: another stage's)
     backward_reads_weights = True  # False: no weights are copied in for its backward
+    takes_dropout = False  # True: its training passes are given `dropout=` (its LoRA dropout masks' key)
     # `forward_keeping_products(weights, x, extras=False, **kw) -> (y, products)`, given back to its backward as
     # `products=`; None: it recomputes
     forward_keeping_products: Callable[..., tuple[Any, dict]] | None = None

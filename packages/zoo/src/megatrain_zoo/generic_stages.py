@@ -3,10 +3,12 @@ with the streamed weights bound to their parameters (`torch.func.functional_call
 model's forward up to its first layer, a layer stage one decoder layer, the head stage everything after the last
 layer (final norm, LM head, soft caps and scalings) then the cross-entropy."""
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor
 
-from megatrain_templates import IGNORE_INDEX, Lora, ParamSpec, Template, distribution_entropy
+from megatrain_templates import IGNORE_INDEX, DropoutKey, Lora, ParamSpec, Template, distribution_entropy
 from megatrain_templates.kept_graph import KeptGraphs, saved_bytes
 
 from .generic_adapters import LinearAdapters
@@ -134,6 +136,7 @@ class GenericLayer(_GenericStage):
         super().__init__(skeleton, (names,) if self.adapters is None else (names, self.adapters.names))
         self.index, self.module, self.prefix = index, module, prefix
         self.trained_names = self.names if self.adapters is None else list(self.adapters.names)
+        self.takes_dropout = lora is not None and lora.dropout > 0
         self.numel = sum(spec.numel for spec in self.groups[0])
         # what sets its speed (the planner times one layer of each kind): its module, its layer type where the
         # config names one (sliding or full attention, Mamba or attention), its sizes
@@ -156,8 +159,13 @@ class GenericLayer(_GenericStage):
         with self.adapters.bound(views):
             return _output(torch.func.functional_call(self.module, local, (x, *args), kwargs, strict=False))
 
-    def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> Tensor:
-        with torch.no_grad():
+    def _dropping(self, dropout: DropoutKey | None):
+        """LoRA dropout for the calls inside, keyed by `dropout` (a training pass's: the recompute draws the forward's
+        masks)."""
+        return nullcontext() if self.adapters is None else self.adapters.dropping(dropout)
+
+    def forward(self, weights: list[Tensor], x: Tensor, documents=None, media=None, dropout=None) -> Tensor:
+        with torch.no_grad(), self._dropping(dropout):
             return self._call(self.weights(weights), x, documents, media)
 
     @property
@@ -166,12 +174,15 @@ class GenericLayer(_GenericStage):
         None: it recomputes."""
         return self._keeping_products if self._product_bytes(torch.float32) is not None else None
 
-    def _keeping_products(self, weights: list[Tensor], x: Tensor, documents=None, media=None) -> tuple[Tensor, dict]:
+    def _keeping_products(
+        self, weights: list[Tensor], x: Tensor, documents=None, media=None, dropout=None
+    ) -> tuple[Tensor, dict]:
         """`forward`, also returning what its backward reads (`KeptGraphs`): given to `backward` as `products`,
         the backward recomputes nothing."""
         views = self.weights(weights, grad=True)
         leaves = [views[name] for name in self.trained_names]
-        return self.kept.forward(lambda x: self._call(views, x, documents, media), x, weights, leaves)
+        with self._dropping(dropout):
+            return self.kept.forward(lambda x: self._call(views, x, documents, media), x, weights, leaves)
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """Device bytes per token that `forward_keeping_products` returns (in the compute dtype)."""
@@ -193,7 +204,8 @@ class GenericLayer(_GenericStage):
                 return saved_bytes(lambda x: self._call(views, x, None), x, [])
 
             try:  # (a forward that cannot run so, a MoE's on some backends: the layer recomputes)
-                self.skeleton.product_bytes[key] = max(0, (at(64) - at(32)) // 32)
+                with self._dropping(DropoutKey(0, 0, 0) if self.takes_dropout else None):  # (its masks are kept too)
+                    self.skeleton.product_bytes[key] = max(0, (at(64) - at(32)) // 32)
             except Exception:  # noqa: BLE001
                 self.skeleton.product_bytes[key] = None
         return self.skeleton.product_bytes[key]
@@ -207,12 +219,14 @@ class GenericLayer(_GenericStage):
         documents=None,
         products=None,
         media=None,
+        dropout=None,
     ):
         if products is not None:  # (its forward's graph, kept)
             grad_x, *found = self.kept.backward(products, x, weights, grad_out)
             self._add(grads, dict(zip(self.trained_names, found)))
             return grad_x
-        return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
+        with self._dropping(dropout):
+            return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
 
 
 class GenericHead(_GenericStage):
