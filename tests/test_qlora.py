@@ -44,7 +44,7 @@ def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", ste
         tmp_path / "hf", tmp_path, 0.05, steps, device=device, precision=dtype, adam_eps=1e-6, adapter=adapter
     )
     store, spec = trainer.store, trainer.spec
-    assert store.arenas["packed"].dtype == torch.uint8 and set(store.packings) == spec.packed_groups
+    assert store.arenas["packed"].dtype == torch.uint8 and set(store.packed.layouts) == spec.packed_groups
     assert len(spec.packed_groups) == trainer.model_config.n_layers  # (each layer's base; not the embedding, head)
     streamed = {name: tensor.cpu() for name, tensor in trainer.streamed_weights().items()}
     fused = spec.fused_checkpoint_names()  # transformers' expert tensors: the store's per-expert ones back to back

@@ -26,7 +26,7 @@ from megatrain_store import GroupLayout, HostStore
 from megatrain_templates import Objective
 from megatrain_zoo import ModelSpec
 
-from .config import Config
+from .config import Config, resolve_dtype
 from .distributed import shared_arenas
 
 
@@ -36,18 +36,19 @@ def new_store(
     placement: Placement,
     plan,  # the planner's costing of `placement`: the first group on disk, whether a reference copy is kept
     frozen: frozenset,
-    dtype: torch.dtype,
+    device: torch.device,
     ranks: Ranks | None,
     training: bool,
 ) -> HostStore:
-    """Host memory for `spec`'s weights in `dtype` and, `training`, their gradients and optimizer state (but for the
-    `frozen` groups'), as placed and planned; shared by the ranks of a host where there are several."""
+    """Host memory for `spec`'s weights in the compute dtype and, `training`, their gradients and optimizer state
+    (but for the `frozen` groups'), as placed and planned; shared by the ranks of a host where there are several. A
+    packed base (QLoRA) is quantized on `device` where it is a GPU: seconds for a 120B model, not the CPU's minutes."""
     layouts = [
         GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params) for g in spec.groups
     ]
     return HostStore(
         layouts,
-        dtype,
+        resolve_dtype(config.precision.compute_dtype, device),
         STATE_NAMES if training else (),
         grad_pool=placement.gradient_pool if training else 1,  # (evaluation lands none)
         state_dir=config.engine.optimizer_state_dir if training else None,
@@ -59,6 +60,7 @@ def new_store(
         frozen_in_compute_dtype=spec.adapter is not None,
         packed=spec.packed_groups,
         packed_format=spec.adapter.base_format if spec.adapter is not None else None,
+        pack_on=device if device.type == "cuda" else None,
         shared=None if ranks is None else shared_arenas(ranks, config.engine.shared_dir),
         **_shards(ranks),
     )

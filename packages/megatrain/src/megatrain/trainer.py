@@ -158,12 +158,8 @@ class Trainer:
         """The host store, with the initial weights written once per host and seen by every rank."""
         planner, training = self.planner, self.training
         self.store = new_store(
-            self.spec, self.config, self.placement, self.plan, planner.frozen, self.compute_dtype, self.ranks, training
+            self.spec, self.config, self.placement, self.plan, planner.frozen, self.device, self.ranks, training
         )
-        if (
-            self.device.type == "cuda"
-        ):  # (a packed base's layers quantized on the GPU as they load: seconds, not minutes)
-            self.store.pack_on = self.device
         self.sync = None if self.ranks is None else RankSync(self.ranks, self.store, self.device)
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the weights per host
             self._init_weights()

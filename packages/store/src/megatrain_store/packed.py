@@ -3,6 +3,7 @@ routers) as raw compute-dtype bytes, back to back in one uint8 buffer. `PackedLa
 the group's flat compute-dtype weights; `unpack` writes them back into a flat compute-dtype buffer (a device slot:
 the GPU dequantizes what crossed PCIe packed) on whatever device both buffers are on."""
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -104,3 +105,47 @@ class PackedLayout:
                     _FROM_BYTES[p.format](part, p.entry.shape, self.dtype), out=view.view(p.entry.shape)
                 )
         return out
+
+
+class PackedGroups:
+    """A store's packed groups: each one's `PackedLayout` and its bytes, back to back in `arena` ([total(layouts)]
+    uint8); unpacked into new tensors, and packed again from what is written (on `pack_on` where given: a GPU)."""
+
+    def __init__(self, layouts: dict[int, PackedLayout], arena: Tensor | None, pack_on: torch.device | None = None):
+        self.layouts, self.arena, self.pack_on = layouts, arena, pack_on
+        self.starts, _ = _starts(layouts)
+        self._written: set[int] = set()  # the groups `writing` has filled (the others unpack to zeros)
+
+    @staticmethod
+    def total(layouts: dict[int, PackedLayout]) -> int:
+        """Bytes of the arena `layouts` need, each group's start aligned."""
+        return _starts(layouts)[1]
+
+    def bytes(self, group: int) -> Tensor:
+        return self.arena[self.starts[group] : self.starts[group] + self.layouts[group].nbytes]
+
+    def unpack(self, group: int, numel: int) -> Tensor:
+        """The group's weights ([numel] in the compute dtype), unpacked into a new tensor."""
+        return self.layouts[group].unpack(self.bytes(group), torch.empty(numel, dtype=self.layouts[group].dtype))
+
+    @contextmanager
+    def writing(self, group: int, layout: GroupLayout):
+        """Named views of the group's weights as they are (zeros before the first write), packed again on exit: only
+        the tensors written, since quantizing a dequantized tensor once more may change it."""
+        written = group in self._written
+        whole = (
+            self.unpack(group, layout.numel) if written else torch.zeros(layout.numel, dtype=self.layouts[group].dtype)
+        )
+        before = whole.clone() if written else None
+        yield layout.views(whole)
+        self.layouts[group].pack(whole, self.bytes(group), unchanged=before, on=self.pack_on)
+        self._written.add(group)
+
+
+def _starts(layouts: dict[int, PackedLayout]) -> tuple[dict[int, int], int]:
+    """(each group's start in the arena, aligned to 64 bytes, in group order; the arena's size)."""
+    starts, total = {}, 0
+    for group in sorted(layouts):
+        starts[group] = total
+        total += -(-layouts[group].nbytes // 64) * 64
+    return starts, total

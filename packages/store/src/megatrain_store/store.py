@@ -9,7 +9,6 @@ import math
 import mmap
 import os
 import tempfile
-import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +21,9 @@ import torch
 from torch import Tensor
 
 from .errors import StoreError
+from .extents import Extents
 from .layout import GroupLayout
-from .packed import PackedLayout
+from .packed import PackedGroups, PackedLayout
 from .pinning import cuda_available, pin_in_place, unpin
 from .shared import SharedArenas
 
@@ -170,10 +170,7 @@ class HostStore:
                 f"packed groups {sorted(packed)} must be frozen groups held apart (frozen_in_compute_dtype) and name "
                 f"their packed_format; frozen apart: {sorted(self.frozen_in_compute_dtype)}"
             )
-        self.packings = {g: PackedLayout.of(self.layouts[g], packed_format, compute_dtype) for g in sorted(packed)}
-        self._packed_written: set[int] = set()  # the packed groups `writing` has filled
-        self.pack_on = pack_on  # where `writing` quantizes them (None: here, on the CPU)
-        self.packed_starts, packed_total = self._starts(lambda g: self.packings[g].nbytes if g in self.packings else 0)
+        packings = {g: PackedLayout.of(self.layouts[g], packed_format, compute_dtype) for g in sorted(packed)}
         self.frozen_starts, frozen_total = self._starts(
             lambda group: self.layouts[group].numel if group in self.frozen_in_compute_dtype - set(packed) else 0
         )
@@ -190,8 +187,9 @@ class HostStore:
         self.arenas: dict[str, Tensor] = {"master": self._allocate(self.master_dtype, owned_total, name="master")}
         if self.frozen_in_compute_dtype:
             self.arenas["frozen"] = self._allocate(compute_dtype, frozen_total, name="frozen")
-        if self.packings:
-            self.arenas["packed"] = self._allocate(torch.uint8, packed_total, name="packed")
+        if packings:
+            self.arenas["packed"] = self._allocate(torch.uint8, PackedGroups.total(packings), name="packed")
+        self.packed = PackedGroups(packings, self.arenas.get("packed"), pack_on)
         if (wire_copy and compute_dtype != self.master_dtype) or not self.owns_all:
             self.arenas["wire"] = self._allocate(compute_dtype, name="wire")
         if reference_copy:
@@ -212,9 +210,7 @@ class HostStore:
                 f"group; got {grad_pool}"
             )
         self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
-        self._free_extents = [(0, self.arenas["grad"].numel())]  # (start, length) in the pool, by start
-        self._held_grads: dict[int, tuple[int, int]] = {}  # group -> (start, length) it holds
-        self._grads_changed = threading.Condition()
+        self._grad_extents = Extents(self.arenas["grad"].numel())  # each group's landing buffer in the pool
 
     def _allocate_state(self, state_dir: Path | None, first_disk_group: int, state_total: int) -> None:
         """The optimizer-state arenas in RAM, and the files of the groups from `first_disk_group` on."""
@@ -286,22 +282,18 @@ class HostStore:
             return
         if not grad_pool >= 1:
             raise StoreError(f"grad_pool must be >= 1 (times the largest group's gradient), got {grad_pool}")
-        with self._grads_changed:
-            if self._held_grads:
-                raise StoreError(
-                    f"the gradient pool cannot change while groups {sorted(self._held_grads)} hold buffers"
-                )
-            old = self.arenas.pop("grad")
-            if self.pinned.get("grad"):
-                self._pinned_ptrs.remove(old.data_ptr())
-                unpin(old.data_ptr())
-            del old  # freed before the new one is taken
-            self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
-            self.pinned["grad"] = False
-            if self._should_pin:
-                self._pin("grad")
-            self.grad_pool = grad_pool
-            self._free_extents = [(0, self.arenas["grad"].numel())]
+        self._grad_extents.reset(0)  # (refused while a group holds a buffer)
+        old = self.arenas.pop("grad")
+        if self.pinned.get("grad"):
+            self._pinned_ptrs.remove(old.data_ptr())
+            unpin(old.data_ptr())
+        del old  # freed before the new one is taken
+        self.arenas["grad"] = self._allocate(self.master_dtype, self._pool_numel(grad_pool))
+        self.pinned["grad"] = False
+        if self._should_pin:
+            self._pin("grad")
+        self.grad_pool = grad_pool
+        self._grad_extents.reset(self.arenas["grad"].numel())
 
     def _map(self, name: str, numel: int) -> None:
         """A zero-filled file-backed array of `numel` elements for optimizer state `name` in `state_dir`."""
@@ -412,9 +404,8 @@ class HostStore:
         return end - start
 
     def _slice(self, arena: str, group: int) -> Tensor:
-        if group in self.packings and arena in ("master", "wire", "reference"):
-            start = self.packed_starts[group]  # (its packed bytes, held once)
-            return self.arenas["packed"][start : start + self.packings[group].nbytes]
+        if group in self.packed.layouts and arena in ("master", "wire", "reference"):
+            return self.packed.bytes(group)  # (held once)
         if group in self.frozen_in_compute_dtype and arena in ("master", "wire", "reference"):
             start = self.frozen_starts[group]  # (its weights, held once)
             return self.arenas["frozen"][start : start + self.layouts[group].numel]
@@ -442,15 +433,14 @@ class HostStore:
 
     def packing(self, group: int) -> PackedLayout | None:
         """How a packed group's bytes (`wire(group)`) unpack into its weights; None for any other group."""
-        return self.packings.get(group)
+        return self.packed.layouts.get(group)
 
     def weights(self, group: int) -> Tensor:
         """`group`'s weights as the device computes with them, flat: `wire(group)`, or a packed group's bytes
         unpacked into a new compute-dtype tensor (its dequantized weights)."""
-        packing = self.packings.get(group)
-        if packing is None:
-            return self.wire(group)
-        return packing.unpack(self.wire(group), torch.empty(self.layouts[group].numel, dtype=self.compute_dtype))
+        if group in self.packed.layouts:
+            return self.packed.unpack(group, self.layouts[group].numel)
+        return self.wire(group)
 
     def reference(self, group: int) -> Tensor:
         """The reference copy of `group`, flat, in the compute dtype (what `keep_reference` last took; a group in
@@ -470,51 +460,22 @@ class HostStore:
         """fp32 gradient landing buffer of this shard of `group`, flat (with a pool: the one it holds)."""
         if self.grad_pool is None:
             return self._slice("grad", group)
-        with self._grads_changed:
-            if group not in self._held_grads:
-                raise StoreError(f"group {group} holds no gradient buffer; call acquire_grad({group}) first")
-            return self._pool_view(group)
-
-    def _pool_view(self, group: int) -> Tensor:
-        start = self._held_grads[group][0]
+        start = self._grad_extents.start(group)
+        if start is None:
+            raise StoreError(f"group {group} holds no gradient buffer; call acquire_grad({group}) first")
         return self.arenas["grad"][start : start + self.shard_numel(group)]
 
     def acquire_grad(self, group: int) -> Tensor:
         """The landing buffer for `group`'s gradient; with a pool, blocks until enough of it is free."""
         if self.grad_pool is None:
             return self._slice("grad", group)
-        need = _align(self.shard_numel(group))
-        with self._grads_changed:
-            if group not in self._held_grads:
-                self._grads_changed.wait_for(lambda: self._first_fit(need) is not None)
-                index = self._first_fit(need)
-                start, length = self._free_extents[index]
-                if length == need:
-                    del self._free_extents[index]
-                else:
-                    self._free_extents[index] = (start + need, length - need)
-                self._held_grads[group] = (start, need)
-            return self._pool_view(group)
-
-    def _first_fit(self, need: int) -> int | None:
-        return next((i for i, (_, length) in enumerate(self._free_extents) if length >= need), None)
+        start = self._grad_extents.take(group, _align(self.shard_numel(group)))
+        return self.arenas["grad"][start : start + self.shard_numel(group)]
 
     def release_grad(self, group: int) -> None:
         """Return `group`'s landing buffer to the pool once its gradient has been consumed."""
-        if self.grad_pool is None:
-            return
-        with self._grads_changed:
-            start, length = self._held_grads.pop(group)
-            extents = sorted([*self._free_extents, (start, length)])
-            merged = [extents[0]]
-            for extent in extents[1:]:  # join neighbours, so that a large group finds its room again
-                last = merged[-1]
-                if last[0] + last[1] == extent[0]:
-                    merged[-1] = (last[0], last[1] + extent[1])
-                else:
-                    merged.append(extent)
-            self._free_extents = merged
-            self._grads_changed.notify_all()
+        if self.grad_pool is not None:
+            self._grad_extents.give(group)
 
     def state(self, name: str, group: int) -> Tensor:
         """Named fp32 optimizer state of `group`, flat (same range as the master)."""
@@ -532,11 +493,8 @@ class HostStore:
                 f"this store holds only [{self.owned_range(group)}) of group {group}'s master weights (hosts split the "
                 "state); write whole groups through writing(group)"
             )
-        if group in self.packings:
-            raise StoreError(
-                f"group {group} is held packed ({self.packings[group].entries[0].format or 'raw'} bytes); read its "
-                "weights through weights(group), write them through writing(group)"
-            )
+        if group in self.packed.layouts:
+            raise StoreError(f"group {group} is held packed: read it through weights(group), write it through writing")
         return self.layouts[group].views(self.master(group))
 
     def held(self, arena: str, group: int) -> Tensor:
@@ -549,15 +507,9 @@ class HostStore:
         the store keeps its owned range and, for the master, refreshes the wire copy of the group.
         They are the store's own buffers when it holds the whole group, else a temporary buffer (a packed group's:
         its weights as they are, packed again on exit)."""
-        if group in self.packings and arena == "master":
-            # what it holds, unpacked (zeros before the first write); only the tensors written are packed again,
-            # since quantizing a dequantized tensor once more may change it
-            written = group in self._packed_written
-            whole = self.weights(group) if written else torch.zeros(self.layouts[group].numel, dtype=self.compute_dtype)
-            before = whole.clone() if written else None
-            yield self.layouts[group].views(whole)
-            self.packings[group].pack(whole, self.wire(group), unchanged=before, on=self.pack_on)
-            self._packed_written.add(group)
+        if group in self.packed.layouts and arena == "master":
+            with self.packed.writing(group, self.layouts[group]) as views:
+                yield views
             return
         own = self.held(arena, group)
         whole = own if self.owns_all else torch.zeros(self.layouts[group].numel, dtype=self.master_dtype)
