@@ -8,6 +8,7 @@ The README keeps its tables short: under each, a link to the same table in docs/
 """
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -907,26 +908,41 @@ def dense_120b_plans(rows: list[dict]) -> Table:
 
 def lora_plans(rows: list[dict]) -> Table:
     """What one H200 fine-tunes with LoRA against full training, host by host (`benchmarks/lora_plans.py`): each
-    candidate the host holds one way or the other, the largest two it holds in neither."""
+    candidate the host holds in some mode (full; LoRA over a bf16, int8 or nf4 base), and the smallest it holds in
+    none."""
     chosen = plan_rows(rows, "lora-plans.json")
-    pairs: dict[tuple, dict] = {}
+    modes = ["full training", "LoRA r=16 over a bf16 base", "LoRA r=16 over an int8 base", "LoRA r=16 over an nf4 base"]
+    plans: dict[tuple, dict] = {}
     for r in chosen:
-        pairs.setdefault((r["host_size_gib"], r["params_b"], r["model"]), {})[r["mode"].split(" ")[0]] = r
+        plans.setdefault((r["host_size_gib"], r["params_b"], r["model"]), {})[r["mode"]] = r
 
     def cell(r: dict) -> str:
         held = f"{num(r['host_memory_gib'])} GiB"
         fits = r["host_holds_it"]
         return f"{held}: {seconds(r['step_time_s'])}, {num(r['model_tflops'])} TFLOPS" if fits else f"{held}: no"
 
+    def held(by_mode: dict) -> bool:
+        return any(r["host_holds_it"] for r in by_mode.values())
+
+    smallest_held_by_none = {
+        host: min((p for (h, p, _), by_mode in plans.items() if h == host and not held(by_mode)), default=math.inf)
+        for host, _, _ in plans
+    }
     body = [
-        [f"{host:,} GiB", model, f"{params}B", cell(modes["full"]), cell(modes["LoRA"])]
-        for (host, params, model), modes in sorted(pairs.items())
-        if modes["full"]["host_holds_it"]
-        or modes["LoRA"]["host_holds_it"]
-        or params <= min(p for (h, p, _), m in pairs.items() if h == host and not m["LoRA"]["host_holds_it"])
+        [f"{host:,} GiB", model, f"{params}B", *(cell(by_mode[mode]) for mode in modes)]
+        for (host, params, model), by_mode in sorted(plans.items())
+        if held(by_mode) or params <= smallest_held_by_none[host]
     ]
-    header = ["host", "model", "parameters", "full training: host memory, planned step", "LoRA r=16 over bf16"]
-    return Table(header, body, chosen, align="rlrll")
+    header = [
+        "host",
+        "model",
+        "parameters",
+        "full training",
+        "LoRA over bf16",
+        "LoRA over int8",
+        "LoRA over nf4 (QLoRA)",
+    ]
+    return Table(header, body, chosen, align="rlrllll")
 
 
 def hosts_plans(rows: list[dict]) -> Table:
