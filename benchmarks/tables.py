@@ -92,7 +92,10 @@ def part(row: dict) -> str:
 def training(row: dict) -> str:
     """How a row trained: every parameter, or LoRA adapters over a frozen base."""
     adapter = row.get("adapter")
-    return "LoRA " + adapter.split(" ")[1] if adapter else "full"  # ("lora r=16 all-linear": LoRA r=16)
+    if not adapter:
+        return "full"
+    words = adapter.split(" ")  # ("lora r=16 all-linear": LoRA r=16; "lora r=16 all-linear over nf4": ... over nf4)
+    return " ".join(["LoRA", words[1], *words[3:]])
 
 
 # Formatting

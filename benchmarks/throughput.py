@@ -133,7 +133,10 @@ FLOP_CONVENTIONS = {False: "6PT + attention", True: "4PT (frozen base) + 6 x ada
 
 def _adapter_label(config) -> str | None:
     adapter = config.model.adapter
-    return None if adapter.type is None else f"lora r={adapter.r} {','.join(adapter.target_modules)}"
+    if adapter.type is None:
+        return None
+    base = f" over {adapter.base_dtype}" if adapter.base_dtype in ("nf4", "int8") else ""
+    return f"lora r={adapter.r} {','.join(adapter.target_modules)}{base}"
 
 
 def _token_counts(args) -> list[int]:
@@ -142,7 +145,11 @@ def _token_counts(args) -> list[int]:
 
 def _megatrain_config(name, args, implementation):
     """(Config, ModelConfig) of a run set up for the largest point (`--layers`: the model's first layers)."""
-    adapter = AdapterSection("lora", args.lora_r, 2.0 * args.lora_r) if args.lora_r else AdapterSection()
+    adapter = (
+        AdapterSection("lora", args.lora_r, 2.0 * args.lora_r, base_dtype=args.lora_base)
+        if args.lora_r
+        else AdapterSection()
+    )
     section = ModelSection(preset=name, implementation=implementation, adapter=adapter)
     model = model_config_of(Config(model=section))
     if args.layers:  # the first layers of a model whose whole does not fit the host: its layer shape, measured
@@ -430,6 +437,9 @@ def parse_args():
         default=0,
         help="train LoRA adapters of this rank (alpha 2r) on every linear layer over "
         "the frozen model (0: full training)",
+    )
+    parser.add_argument(
+        "--lora-base", choices=["nf4", "int8"], default=None, help="hold LoRA's frozen base packed (QLoRA): nf4 or int8"
     )
     parser.add_argument(
         "--implementation",
