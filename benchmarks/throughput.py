@@ -42,12 +42,12 @@ from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 class BenchTrainer(Trainer):
     def _init_weights(self):
         for group in range(self.store.n_groups):
-            for name, view in self.store.master_views(group).items():
-                if name.endswith("norm.weight"):
-                    view.fill_(1.0)
-                else:
-                    fill_random_(view.view(-1), self.model_config.initializer_range)
-        self.store.refresh_wire()
+            with self.store.writing(group) as views:  # (a packed group: packed on exit)
+                for name, view in views.items():
+                    if name.endswith("norm.weight"):
+                        view.fill_(1.0)
+                    else:
+                        fill_random_(view.view(-1), self.model_config.initializer_range)
 
 
 def random_batch(n_seqs, seq_len, vocab, doc_len=0):

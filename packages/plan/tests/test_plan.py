@@ -590,6 +590,8 @@ def test_a_packed_base_is_planned_at_the_bytes_the_store_holds_it_in():
         store_bytes += 2 * sum(layouts[g].numel for g in frozen - packed)
         plan = planned(tuned)
         assert plan.host_items["frozen base weights"] == store_bytes
+        # (and, while the checkpoint loads, one layer unpacked before it is packed: `PackedGroups.writing`)
+        assert plan.host_items["packing buffer"] == 2 * max(layouts[g].numel for g in packed)
         layers = sum(layouts[g].numel for g in packed)
         assert per_param < (store_bytes - 2 * (plan.n_params - layers)) / layers < per_param * 1.005
         crossing = store_bytes + 4 * tuned.spec.adapter_params  # (the adapters as fp32 masters, cast on arrival)
