@@ -73,8 +73,10 @@ class KeyedDropout(torch.nn.Module):
         key = self.keys.get("key")
         if key is None:
             return x
-        generator = torch.Generator().manual_seed(key.at(self.layer).generator_seed(self.module))
-        return x * torch.empty_like(x).bernoulli_(1 - self.p, generator=generator) / (1 - self.p)
+        device = self.keys.get("device", x.device)  # (megatrain's device: a CUDA generator draws other masks)
+        generator = torch.Generator(device).manual_seed(key.at(self.layer).generator_seed(self.module))
+        keep = torch.empty(x.shape, dtype=x.dtype, device=device).bernoulli_(1 - self.p, generator=generator)
+        return x * keep.to(x.device) / (1 - self.p)
 
 
 def keyed_dropouts(model, p: float) -> dict:
@@ -208,6 +210,8 @@ def check_steps_match_peft(
     )
     model = peft_model(reference, targets)
     keys = keyed_dropouts(model, dropout) if dropout else None
+    if keys is not None:
+        keys["device"] = torch.device(device)
     with stepping:
         check_steps(trainer, train, model, grad_clip, seed, pack, tolerances, keys)
     if engine.kept_layers != "auto":
@@ -309,6 +313,18 @@ def test_gpu_steps_match_peft(dtype, tmp_path):
     v of the fused q/k/v adapted, k not; layers keep their products where the GPU has room."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     check_steps_match_peft("tiny-qwen2", ["q_proj", "v_proj", "down_proj"], dtype, 0.05, tmp_path, "cuda", steps=4)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_matches_peft_with_the_same_masks(tmp_path):
+    """Dropout 0.1 on the CUDA engine (fp32, TF32 off): its masks drawn by CUDA generators from the same keys, PEFT's
+    on the CPU drawing them there too; two micro-batches in two sweeps, one layer recomputed, one keeping products."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    engine = EngineSection(kept_layers=1, sweeps=2)
+    check_steps_match_peft(
+        "tiny-qwen2", ["all-linear"], "float32", 0.05, tmp_path, "cuda", engine=engine, steps=2, dropout=0.1,
+        batch_size=4,
+    )  # fmt: skip
 
 
 def test_layers_keeping_their_products_in_two_sweeps_match_peft(tmp_path):
