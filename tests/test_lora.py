@@ -421,12 +421,13 @@ def test_moe_layers_in_parts_of_their_experts_are_refused_for_now(tmp_path, monk
     assert "not built for MoE layers streamed in parts of their experts" in message
 
 
-def lora_run(tmp_path, name: str, ranks: int, steps: int, resume: bool = False, **train):
+def lora_run(tmp_path, name: str, ranks: int, steps: int, resume: bool = False, base_dtype=None, **train):
     """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) to
-    `steps` in this process (`ranks` 1) or under torchrun, resuming run `name` or anew with `train`'s settings;
-    (its metrics rows, its final adapters by megatrain's names)."""
+    `steps` in this process (`ranks` 1) or under torchrun, resuming run `name` or anew with `train`'s settings, its
+    base held as `base_dtype` says (None: fp32); (its metrics rows, its final adapters by megatrain's names)."""
+    adapter = {"type": "lora", "r": R, "alpha": ALPHA, "base_dtype": base_dtype}
     config = {
-        "model": {"preset": "tiny-qwen2", "adapter": {"type": "lora", "r": R, "alpha": ALPHA}},
+        "model": {"preset": "tiny-qwen2", "adapter": adapter},
         "data": {"seq_len": 16, "shuffle": True, "tokens": str(tmp_path / "tokens.npy")},
         # (a constant learning rate: a run stopped at step 2 takes the steps of one going on to 4)
         "train": {"steps": steps, "batch_size": 12, "micro_batch_size": 2, "lr": 1e-3, "schedule": "constant"}
@@ -477,16 +478,25 @@ def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path)
     assert_same_weights(adapters, resumed_adapters)
 
 
-def objective_run(tmp_path, train, seq_len: int):
+def objective_run(tmp_path, train, seq_len: int, base_dtype=None):
     """(megatrain's trainer of `train`'s objective over a tiny transformers Qwen2 (fp32) with all-linear adapters,
     PEFT's model of the same base and adapters (B drawn non-zero, so that the policy and the base differ), the
-    generator of the step's data, torch AdamW on PEFT's adapters)."""
+    generator of the step's data, torch AdamW on PEFT's adapters). `base_dtype` nf4 or int8: megatrain's base
+    packed, PEFT's its layers' matrices dequantized (`megatrain_store.packed.round_trip`, which test_quant.py checks
+    against bitsandbytes)."""
     from megatrain.config import Config, ModelSection, PrecisionSection
     from megatrain_data import DataSection
+    from megatrain_store import Entry
+    from megatrain_store.packed import quantizes, round_trip
 
     reference = hf_dense_model("tiny-qwen2", train.seed)
     reference.save_pretrained(tmp_path / "hf")
-    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",))
+    if base_dtype is not None:
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if name.startswith("model.layers.") and quantizes(Entry(name, tuple(param.shape), 0, True)):
+                    param.copy_(round_trip(param.detach().float(), base_dtype))
+    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",), base_dtype=base_dtype)
     config = Config(
         model=ModelSection(hf_dir=str(tmp_path / "hf"), adapter=adapter),
         data=DataSection(seq_len=seq_len),
@@ -502,10 +512,12 @@ def objective_run(tmp_path, train, seq_len: int):
     return trainer, model, generator, adapter_adamw(model, train)
 
 
-def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
+@pytest.mark.parametrize("base_dtype", [None, "nf4"])
+def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, tmp_path):
     """DPO over LoRA adapters: the reference is the base with the adapters off (`reference.adapters_off`, as TRL's
     with a PEFT model under `disable_adapter()`), and the steps equal a plain PEFT loop of the paper's loss with
-    torch AdamW on the adapters (fp32; B non-zero from the start, so the policy and the reference differ)."""
+    torch AdamW on the adapters (fp32; B non-zero from the start, so the policy and the reference differ); over a
+    base held in fp32 or packed in nf4 (QLoRA: PEFT's base then its dequantized weights)."""
     from test_dpo import SEQ, completion_logps, paper_loss, random_pairs
 
     from megatrain.config import DPOSection, TrainSection
@@ -517,7 +529,7 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(tmp_path):
         steps=3, batch_size=n_pairs, micro_batch_size=1, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
         warmup_steps=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()), objective="dpo", dpo=dpo,
     )  # fmt: skip
-    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ)
+    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ, base_dtype)
     for step in range(train.steps):
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
         rows = Batch(ids, labels)

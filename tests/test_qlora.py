@@ -7,17 +7,21 @@ checks that against bitsandbytes, bit for bit). A merged export is that dequanti
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from hf_steps import make_trainer
 from safetensors.torch import load_file
 from test_dense_families import hf_dense_model
-from test_lora import TOLERANCE, R, check_steps, peft_model
+from test_distributed import assert_same_weights
+from test_lora import TOLERANCE, R, check_steps, lora_run, peft_model
 
-from megatrain.config import AdapterSection, ConfigError, adapter_of, load_config
+from megatrain.config import AdapterSection, ConfigError, adapter_of, load_config, model_config_of
 from megatrain.export import convert
+from megatrain.planning import machine_of, objective_memory
 from megatrain_store import Entry, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from megatrain_store.packed import quantizes
+from megatrain_zoo import build_model
 
 ROUND_TRIP = {"nf4": (quantize_nf4, dequantize_nf4), "int8": (quantize_int8, dequantize_int8)}
 
@@ -120,3 +124,37 @@ def test_a_packed_base_needs_a_float_compute_dtype_and_a_known_format(tmp_path):
             ],
         )
         adapter_of(config)
+
+
+def test_a_run_over_an_nf4_base_resumes_as_one_that_never_stopped(tmp_path):
+    """The checkpoint holds the adapters and their moments; a resumed run packs its base again, to the same bytes."""
+    np.save(tmp_path / "tokens.npy", np.random.default_rng().integers(0, 256, 40 * 16).astype(np.int32))
+    rows, adapters = lora_run(tmp_path, "whole", 1, steps=4, base_dtype="nf4")
+    lora_run(tmp_path, "part", 1, steps=2, base_dtype="nf4", save_every=2)
+    resumed, resumed_adapters = lora_run(tmp_path, "part", 1, steps=4, resume=True, base_dtype="nf4")
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert_same_weights(adapters, resumed_adapters)
+
+
+def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():
+    """GRPO's generation merges the adapters on the host (`with_adapters_merged`): a copy of each adapted matrix, and
+    the packed layers unpacked first; the planner counts both, so a base the host cannot hold unpacked is refused
+    before it loads, not killed while it generates."""
+    overrides = ["model.preset=tiny-qwen2", "model.adapter.type=lora", "train.objective=grpo", "device=cpu"]
+    memory = {}
+    for base_dtype in ("null", "nf4"):
+        config = load_config(None, [*overrides, f"model.adapter.base_dtype={base_dtype}"])
+        spec = build_model(model_config_of(config), 0, adapter_of(config))
+        memory[base_dtype] = objective_memory(config, spec, machine_of(config), torch.float32).generation_host_bytes
+        adapted = sum(
+            p.numel
+            for g in spec.frozen_groups(set())
+            for p in spec.groups[g].params
+            if ".layers." in p.name and p.name.endswith("proj.weight")
+        )
+        layers = sum(p.numel for g in spec.packed_groups for p in spec.groups[g].params)
+    assert memory["null"] == 4 * adapted  # (all-linear: every projection of every layer)
+    assert memory["nf4"] == 4 * (adapted + layers)

@@ -20,7 +20,7 @@ from megatrain_plan import (
     run_rates,
 )
 from megatrain_plan import check_plan as check_planned
-from megatrain_templates import file_tensors
+from megatrain_templates import file_tensors, lora_names
 from megatrain_zoo import ModelConfig, ModelSpec, build_model
 from megatrain_zoo.generate import generation_host_bytes
 
@@ -61,7 +61,7 @@ def objective_memory(config: Config, spec: ModelSpec, machine: Machine, dtype: t
         length = grpo.max_prompt_length + grpo.max_completion_length
         generation_bytes = generation_host_bytes(
             spec.config, shapes, dtype, grpo.generation_weights, machine.gpu_memory, length
-        )
+        ) + _merged_bytes(spec, dtype)
     return ObjectiveMemory(
         reference_copy=generating and grpo.beta > 0,
         generation_host_bytes=generation_bytes,
@@ -69,6 +69,18 @@ def objective_memory(config: Config, spec: ModelSpec, machine: Machine, dtype: t
         reference_pass_steps=PASS_STEPS if train.objective == "dpo" and train.dpo.needs_reference else 0,
         sweepable=train.objective == "sft",
     )
+
+
+def _merged_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Host bytes a LoRA run's generation takes to merge its adapters (`megatrain_zoo.peft.with_adapters_merged`): a
+    copy of each adapted matrix, and every packed layer unpacked first."""
+    if spec.adapter is None:
+        return 0
+    adapters = {p.name for g in spec.adapter_groups for p in spec.groups[g].params}
+    base = [p for g in spec.frozen_groups(set()) for p in spec.groups[g].params]
+    adapted = [p for p in base if lora_names(p.name)[0] in adapters]
+    unpacked = [p for g in spec.packed_groups for p in spec.groups[g].params]
+    return torch.empty((), dtype=dtype).element_size() * sum(p.numel for p in adapted + unpacked)
 
 
 def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1, hosts: int = 1) -> Machine:
