@@ -141,17 +141,6 @@ def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, s
     assert_same_training(one, many)
 
 
-def test_lora_over_two_ranks_equals_one_process(tmp_path, tokens):
-    """LoRA's adapters over a frozen base (held once per host, in the compute dtype): their gradients reduced over the
-    ranks, each rank updating its shard, the same training as one process."""
-    model = {"adapter": {"type": "lora", "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
-    train = {"lr": 1e-2, "grad_clip": 0.01}
-    one = run(tmp_path, "one", [sys.executable], model=model, train=train)
-    many = run(tmp_path, "many", torchrun(2, "--standalone"), model=model, train=train)
-    assert set(one[1]) == set(many[1]) and all(".lora_" in name for name in one[1])
-    assert_same_training(one, many)
-
-
 def two_hosts(ranks_per_host: int) -> list[list[str]]:
     """Two torchrun agents on this machine, standing for two hosts (each with its own shared memory)."""
     with socket.socket() as probe:

@@ -7,10 +7,9 @@ travel as the store keeps them: an fp32 master is copied in through a ring of fp
 compute dtype on a cast stream, so the host needs no second, bf16 copy of the model (a group the store keeps in the
 compute dtype, a frozen one or a wire copy, is copied straight into its slot; a packed one, a QLoRA base's layer, is
 copied at its packed size into a ring of byte buffers and unpacked, dequantized, into its slot on the cast stream).
-The casts run on their own
-stream so that the copy engine never waits for one: a cast is a kernel, and it waits for SMs behind the compute
-stream's GEMMs (about one cast gets in where a GEMM ends), so the ring holds a whole stage where it can and the copy
-engine runs up to a stage ahead of the casts.
+The casts run on their own stream so that the copy engine never waits for one: a cast is a kernel, and it waits for
+SMs behind the compute stream's GEMMs (about one cast gets in where a GEMM ends), so the ring holds a whole stage
+where it can and the copy engine runs up to a stage ahead of the casts.
 """
 
 from dataclasses import dataclass
