@@ -9,6 +9,7 @@ from megatrain_store import (
     GroupLayout,
     HostStore,
     PackedLayout,
+    SharedArenas,
     StoreError,
     dequantize_int8,
     dequantize_nf4,
@@ -126,3 +127,20 @@ def test_a_group_packed_on_the_gpu_unpacks_there_as_the_format_gives_it(format):
             else weight
         )
         assert torch.equal(unpacked[name], expected), name
+
+
+def test_the_processes_of_a_host_share_one_packed_arena(tmp_path):
+    """With several ranks a host, the packed bytes live in a shared arena as the others do: what one process packs,
+    another's store (mapping the same files) unpacks."""
+    stores = [
+        store_of("nf4", torch.bfloat16, pin=False, shared=SharedArenas(tmp_path / "shm"), shard=(i, 2))
+        for i in range(2)
+    ]
+    drawn = fill(stores[0], 1, seed=3)
+    theirs = stores[1].layouts[1].views(stores[1].weights(1))
+    ours = stores[0].layouts[1].views(stores[0].weights(1))
+    assert all(torch.equal(theirs[name], ours[name]) for name in drawn)
+    assert torch.equal(
+        theirs["model.layers.0.input_layernorm.weight"], drawn["model.layers.0.input_layernorm.weight"].bfloat16()
+    )
+    SharedArenas(tmp_path / "shm").unlink()

@@ -24,6 +24,7 @@ _NUMPY = {
     torch.bfloat16: np.uint16,  # numpy has no bf16: the bytes, viewed back as bf16
     torch.float16: np.float16,
     torch.int64: np.int64,
+    torch.uint8: np.uint8,  # (a packed base's bytes)
 }
 
 
