@@ -36,7 +36,7 @@ def dequantized(name: str, weight: torch.Tensor, base_dtype: str, compute: torch
     return dequantize(quantize(weight.to(device, compute))).cpu()
 
 
-def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", steps=3):
+def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", steps=3, implementation="auto"):
     """(megatrain's LoRA trainer over the nf4/int8 base of a fresh tiny model of preset `name`, train section, PEFT
     over the same base dequantized, in fp32), after checking that the store holds the layers packed and streams
     each tensor as `dequantized` gives it."""
@@ -45,8 +45,9 @@ def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", ste
     compute = getattr(torch, dtype)
     adapter = AdapterSection(type="lora", r=R, alpha=8.0, base_dtype=base_dtype)
     trainer, train = make_trainer(
-        tmp_path / "hf", tmp_path, 0.05, steps, device=device, precision=dtype, adam_eps=1e-6, adapter=adapter
-    )
+        tmp_path / "hf", tmp_path, 0.05, steps, device=device, precision=dtype, adam_eps=1e-6, adapter=adapter,
+        implementation=implementation,
+    )  # fmt: skip
     store, spec = trainer.store, trainer.spec
     assert store.arenas["packed"].dtype == torch.uint8 and set(store.packed.layouts) == spec.packed_groups
     assert len(spec.packed_groups) == trainer.model_config.n_layers  # (each layer's base; not the embedding, head)
@@ -76,6 +77,13 @@ def test_a_mixture_of_experts_over_an_nf4_base_matches_peft(tmp_path):
     """Each expert's matrices packed apart, the router and the shared expert's gate kept exact."""
     trainer, train, model = quantized_run(tmp_path, "tiny-qwen2-moe", "nf4")
     check_steps(trainer, train, model, 0.05, 1, False, TOLERANCE[torch.float32])
+    trainer.close()
+
+
+def test_the_generic_path_over_an_nf4_base_matches_peft(tmp_path):
+    """transformers' own layers (model.implementation: transformers) bind the slot's unpacked weights as any other."""
+    trainer, train, model = quantized_run(tmp_path, "tiny-qwen2", "nf4", implementation="transformers")
+    check_steps(trainer, train, model, 0.05, 3, False, TOLERANCE[torch.float32])
     trainer.close()
 
 
