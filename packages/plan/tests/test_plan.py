@@ -608,3 +608,14 @@ def test_a_packed_base_is_planned_at_the_bytes_the_store_holds_it_in():
     ):
         too_large = planner_for("dense-120b", 32768, clipping=True, host_memory=100 * 2**30, adapter=lora)
         check_plan(planned(too_large), too_large)
+
+
+def test_lora_dropout_plans_a_layers_masks():
+    """With dropout, each adapted member's keep-mask and dropped input ([tokens, its input width] each, one member at
+    a time) are a layer's working memory on top of its recompute."""
+    plain = planner_for("qwen2.5-7b", 32768, micro_batch=4, seq_len=4096, adapter=Lora(16, 32.0, ("all-linear",)))
+    dropped = planner_for(
+        "qwen2.5-7b", 32768, micro_batch=4, seq_len=4096, adapter=Lora(16, 32.0, ("all-linear",), dropout=0.05)
+    )
+    widest = preset("qwen2.5-7b").d_ff  # (the down projection's input)
+    assert dropped.recompute_bytes - plain.recompute_bytes == 2 * 4 * 4096 * widest * 2

@@ -231,6 +231,9 @@ class CostModel:
         self.world = machine.gpus * machine.hosts
         self.micro_tokens = shape.micro_tokens
         self.recompute_bytes = recompute_bytes(self.model, self.micro_tokens, self.element)
+        if spec.adapter is not None and spec.adapter.dropout:  # a member's keep-mask and dropped input at a time
+            widest = max(self.model.d_model, mlp_width_per_token(self.model))
+            self.recompute_bytes += 2 * self.micro_tokens * widest * self.element
         self.experts_per_stage = experts_per_stage_of(spec)
         self.group_sizes, self.stage_sizes, _ = layout_sizes(spec)
         self.n_stages = len(self.spec.stages)
