@@ -421,11 +421,12 @@ def test_moe_layers_in_parts_of_their_experts_are_refused_for_now(tmp_path, monk
     assert "not built for MoE layers streamed in parts of their experts" in message
 
 
-def lora_run(tmp_path, name: str, ranks: int, steps: int, resume: bool = False, base_dtype=None, **train):
+def lora_run(tmp_path, name: str, ranks: int, steps: int, resume=False, base_dtype=None, dropout=0.0, **train):
     """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) to
     `steps` in this process (`ranks` 1) or under torchrun, resuming run `name` or anew with `train`'s settings, its
-    base held as `base_dtype` says (None: fp32); (its metrics rows, its final adapters by megatrain's names)."""
-    adapter = {"type": "lora", "r": R, "alpha": ALPHA, "base_dtype": base_dtype}
+    base held as `base_dtype` says (None: fp32), with LoRA `dropout`; (its metrics rows, its final adapters by
+    megatrain's names)."""
+    adapter = {"type": "lora", "r": R, "alpha": ALPHA, "base_dtype": base_dtype, "dropout": dropout}
     config = {
         "model": {"preset": "tiny-qwen2", "adapter": adapter},
         "data": {"seq_len": 16, "shuffle": True, "tokens": str(tmp_path / "tokens.npy")},
@@ -456,12 +457,13 @@ def lora_run(tmp_path, name: str, ranks: int, steps: int, resume: bool = False, 
 def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path):
     """Data parallel: the ranks reduce their adapter gradients, and take one process's steps; their checkpoint holds
     the adapters and their optimizer state alone (the base is the run's start again), and a process that resumes
-    from it continues as one that never stopped."""
+    from it continues as one that never stopped. With dropout: each micro-batch's masks are keyed by its first row
+    in the step, whichever rank runs it, and by the step, which resume restores."""
     np.save(tmp_path / "tokens.npy", np.random.default_rng().integers(0, 256, 40 * 16).astype(np.int32))
-    rows, adapters = lora_run(tmp_path, "whole", 1, steps=4)
+    rows, adapters = lora_run(tmp_path, "whole", 1, steps=4, dropout=0.1)
     assert len(rows) == 4 and rows[0]["grad_norm"] > 0.05  # (clipping acts)
     assert adapters and all(adapter.any() for adapter in adapters.values())  # (B moved off zero)
-    two_ranks, _ = lora_run(tmp_path, "part", 2, steps=2, save_every=2)
+    two_ranks, _ = lora_run(tmp_path, "part", 2, steps=2, dropout=0.1, save_every=2)
     for a, b in zip(rows, two_ranks, strict=False):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
@@ -469,7 +471,7 @@ def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path)
     saved = load_file(str(checkpoint / WEIGHTS_FILE))
     assert set(saved) == set(adapters)
     assert {k.split(".", 1)[1] for k in load_file(str(checkpoint / OPTIMIZER_FILE))} == set(adapters)
-    resumed, resumed_adapters = lora_run(tmp_path, "part", 1, steps=4, resume=True)
+    resumed, resumed_adapters = lora_run(tmp_path, "part", 1, steps=4, resume=True, dropout=0.1)
     assert [row["step"] for row in resumed] == [1, 2, 3, 4]
     for a, b in zip(rows, resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
