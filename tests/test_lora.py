@@ -480,7 +480,7 @@ def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path)
     assert_same_weights(adapters, resumed_adapters)
 
 
-def objective_run(tmp_path, train, seq_len: int, base_dtype=None):
+def objective_run(tmp_path, train, seq_len: int, base_dtype=None, dropout=0.0):
     """(megatrain's trainer of `train`'s objective over a tiny transformers Qwen2 (fp32) with all-linear adapters,
     PEFT's model of the same base and adapters (B drawn non-zero, so that the policy and the base differ), the
     generator of the step's data, torch AdamW on PEFT's adapters). `base_dtype` nf4 or int8: megatrain's base
@@ -498,7 +498,9 @@ def objective_run(tmp_path, train, seq_len: int, base_dtype=None):
             for name, param in reference.named_parameters():
                 if name.startswith("model.layers.") and quantizes(Entry(name, tuple(param.shape), 0, True)):
                     param.copy_(round_trip(param.detach().float(), base_dtype))
-    adapter = AdapterSection(type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",), base_dtype=base_dtype)
+    adapter = AdapterSection(
+        type="lora", r=R, alpha=ALPHA, target_modules=("all-linear",), base_dtype=base_dtype, dropout=dropout
+    )
     config = Config(
         model=ModelSection(hf_dir=str(tmp_path / "hf"), adapter=adapter),
         data=DataSection(seq_len=seq_len),
@@ -514,12 +516,13 @@ def objective_run(tmp_path, train, seq_len: int, base_dtype=None):
     return trainer, model, generator, adapter_adamw(model, train)
 
 
-@pytest.mark.parametrize("base_dtype", [None, "nf4"])
-def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, tmp_path):
+@pytest.mark.parametrize("base_dtype, dropout", [(None, 0.0), ("nf4", 0.0), (None, 0.1)])
+def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, dropout, tmp_path):
     """DPO over LoRA adapters: the reference is the base with the adapters off (`reference.adapters_off`, as TRL's
     with a PEFT model under `disable_adapter()`), and the steps equal a plain PEFT loop of the paper's loss with
     torch AdamW on the adapters (fp32; B non-zero from the start, so the policy and the reference differ); over a
-    base held in fp32 or packed in nf4 (QLoRA: PEFT's base then its dequantized weights)."""
+    base held in fp32 or packed in nf4 (QLoRA: PEFT's base then its dequantized weights); with dropout in the
+    policy's passes alone (PEFT's modules drawing megatrain's masks, a pair's micro-batch keyed by its first row)."""
     from test_dpo import SEQ, completion_logps, paper_loss, random_pairs
 
     from megatrain.config import DPOSection, TrainSection
@@ -531,7 +534,8 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, tmp_path):
         steps=3, batch_size=n_pairs, micro_batch_size=1, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
         warmup_steps=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()), objective="dpo", dpo=dpo,
     )  # fmt: skip
-    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ, base_dtype)
+    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ, base_dtype, dropout)
+    keys = keyed_dropouts(model, dropout) if dropout else {}
     for step in range(train.steps):
         ids, labels = random_pairs(n_pairs, trainer.model_config.vocab_size, generator)
         rows = Batch(ids, labels)
@@ -543,7 +547,12 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, tmp_path):
         metrics = trainer.train_step(StepBatch(ids, labels, extras=ours_reference, sequences=rows.sequences))
 
         def dpo_loss():
-            sums, _ = completion_logps(model, ids, labels)
+            sums = []
+            for pair in range(n_pairs):  # (a micro-batch a pair: its two rows, its masks keyed by its first row)
+                keys["key"] = DropoutKey(train.seed, step, 2 * pair) if dropout else None
+                sums.append(completion_logps(model, ids[2 * pair : 2 * pair + 2], labels[2 * pair : 2 * pair + 2])[0])
+            keys["key"] = None
+            sums = torch.cat(sums)
             return paper_loss(sums, lengths.to(sums), ref_sums.to(sums), dpo)
 
         loss, norm = peft_step(model, optimizer, train, step, 0.0, dpo_loss)
