@@ -245,14 +245,15 @@ def _as_trained(spec: ModelSpec, entries: list, held) -> list:
         if quantizes(Entry(p.name, tuple(p.shape), 0, True))
     }
     fused = {name: covered for name, (_, covered) in spec.fused_checkpoint_names().items()}
-    out = []
+
+    def as_trained(pending: Pending, shapes: list) -> Pending:
+        return Pending(pending.shape, held, lambda: _round_trip(pending.load().to(held), shapes, format))
+
+    format, out = spec.adapter.base_format, []
     for name, pending in entries:
-        parts = [packed.get(part) for part in fused.get(name, (name,))]
-        if not all(parts):  # (a fused tensor's parts are all experts' matrices: packed, all of them)
-            out.append((name, pending))
-            continue
-        load = lambda p=pending, shapes=parts: _round_trip(p.load().to(held), shapes, spec.adapter.base_format)  # noqa: E731
-        out.append((name, Pending(pending.shape, held, load)))
+        shapes = [packed.get(part) for part in fused.get(name, (name,))]
+        # (a fused tensor's parts are all experts' matrices: packed, all of them)
+        out.append((name, as_trained(pending, shapes) if all(shapes) else pending))
     return out
 
 
