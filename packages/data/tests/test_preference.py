@@ -14,9 +14,7 @@ from megatrain_data import (
     DataSection,
     PairWindows,
     Tokens,
-    builtin_corpus,
     load_token_data,
-    train_tokenizer,
 )
 
 PAIRS = [
@@ -25,15 +23,6 @@ PAIRS = [
     {"prompt": "Water is", "chosen": " wet.", "rejected": " dry."},
     {"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Rome."},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    text = tmp_path_factory.mktemp("tok") / "corpus.txt"
-    text.write_text(builtin_corpus().read_text()[:50000])
-    path = text.parent / "tokenizer.json"
-    train_tokenizer(text, 512, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from megatrain_data import DataError, DataSection, builtin_corpus, train_tokenizer
+from megatrain_data import DataError, DataSection
 from megatrain_data.prompts import check_groups, completion_ids, load_prompts, read_completions, rows_of
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    text = tmp_path_factory.mktemp("tok") / "corpus.txt"
-    text.write_text(builtin_corpus().read_text()[:20000])
-    path = text.parent / "tokenizer.json"
-    train_tokenizer(text, 256, path)
-    return path
 
 
 def write_jsonl(path, records):

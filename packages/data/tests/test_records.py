@@ -13,18 +13,8 @@ from megatrain_data import (
     TokenWindows,
     builtin_corpus,
     load_token_data,
-    train_tokenizer,
 )
 from megatrain_data.records import pack_rows
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    text = tmp_path_factory.mktemp("tok") / "corpus.txt"
-    text.write_text(builtin_corpus().read_text()[:50000])
-    path = text.parent / "tokenizer.json"
-    train_tokenizer(text, 512, path)
-    return path
 
 
 def write_jsonl(path, records):
