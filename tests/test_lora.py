@@ -562,10 +562,12 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, dropout, tmp_path)
     trainer.close()
 
 
-def test_grpo_with_adapters_equals_a_peft_loop(tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_grpo_with_adapters_equals_a_peft_loop(dropout, tmp_path):
     """GRPO over LoRA adapters, with the KL term: the reference the store streams (`keep_reference`, its adapter
     groups zero) is the base with the adapters off, PEFT's under `disable_adapter()`, and the steps equal TRL's loss
-    on a PeftModel with torch AdamW on the adapters (fp32; B non-zero from the start)."""
+    on a PeftModel with torch AdamW on the adapters (fp32; B non-zero from the start); with dropout in the policy's
+    pass alone (PEFT's modules drawing megatrain's masks: the step's one micro-batch, keyed by row 0)."""
     from test_grpo import CASES_GRPO, SEQ, random_groups, token_logps, trl_advantages, trl_loss
 
     from megatrain.config import TrainSection
@@ -577,7 +579,8 @@ def test_grpo_with_adapters_equals_a_peft_loop(tmp_path):
         steps=3, batch_size=rows, micro_batch_size=rows, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
         warmup_steps=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()), objective="grpo", grpo=grpo,
     )  # fmt: skip
-    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ)
+    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ, dropout=dropout)
+    keys = keyed_dropouts(model, dropout) if dropout else {}
     trainer.keep_reference()  # (after the adapters are set: the reference must still be the base alone)
     for step in range(train.steps):
         ids, labels = random_groups(n_prompts, grpo.num_generations, trainer.model_config.vocab_size, generator)
@@ -590,7 +593,9 @@ def test_grpo_with_adapters_equals_a_peft_loop(tmp_path):
         metrics = trainer.train_step(StepBatch(ids, labels, extras=Rollout(advantages, None, ours_ref)))
 
         def grpo_loss():
+            keys["key"] = DropoutKey(train.seed, step, 0) if dropout else None
             logps = token_logps(model, ids, labels)
+            keys["key"] = None
             return trl_loss(logps, logps.detach(), ref, advantages.to(logps), labels != -100, grpo)
 
         loss, norm = peft_step(model, optimizer, train, step, 0.0, grpo_loss)
