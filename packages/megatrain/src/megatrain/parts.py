@@ -22,7 +22,7 @@ from megatrain_optim import (
     UpdatesAsGradientsLand,
 )
 from megatrain_sched import LayerPipeline, Placement, Stage, Timeline
-from megatrain_store import GroupLayout, HostStore
+from megatrain_store import HostStore
 from megatrain_templates import Objective
 from megatrain_zoo import ModelSpec
 
@@ -43,11 +43,8 @@ def new_store(
     """Host memory for `spec`'s weights in the compute dtype and, `training`, their gradients and optimizer state
     (but for the `frozen` groups'), as placed and planned; shared by the ranks of a host where there are several. A
     packed base (QLoRA) is quantized on `device` where it is a GPU: seconds for a 120B model, not the CPU's minutes."""
-    layouts = [
-        GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params) for g in spec.groups
-    ]
     return HostStore(
-        layouts,
+        [group.layout() for group in spec.groups],
         resolve_dtype(config.precision.compute_dtype, device),
         STATE_NAMES if training else (),
         grad_pool=placement.gradient_pool if training else 1,  # (evaluation lands none)

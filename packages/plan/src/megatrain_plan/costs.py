@@ -10,7 +10,7 @@ import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
-from megatrain_store import GroupLayout, PackedLayout, int8_nbytes, nf4_nbytes
+from megatrain_store import PackedLayout, int8_nbytes, nf4_nbytes
 from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
 
@@ -257,7 +257,10 @@ class CostModel:
         self.stored_params = self.model.n_params + (spec.adapter_params or 0)
         self.grad_share = 1 - self.frozen_params / self.stored_params if self.adapter else 1.0
         # QLoRA: the layers' base packed (nf4 or int8), its bytes as the store lays them out
-        self.packed = {g: self._packed_layout(g).nbytes for g in spec.packed_groups}
+        base_format = spec.adapter.base_format if spec.adapter is not None else None
+        self.packed = {
+            g: PackedLayout.of(spec.groups[g].layout(), base_format, self.dtype).nbytes for g in spec.packed_groups
+        }
         self.packed_params = sum(self.group_sizes[g] for g in self.packed)
         # the parameters of each stage that cross PCIe as fp32 masters, cast on the GPU (not a base held apart)
         apart = self.frozen if self.adapter else frozenset()
@@ -268,11 +271,6 @@ class CostModel:
     # ------------------------------------------------------------------ memory
     def checkpoint_bytes(self, stage: int, tokens: int) -> int:
         return tokens * self.costs[stage].checkpoint_bytes_per_token if self.planes[stage] else 0
-
-    def _packed_layout(self, group: int) -> PackedLayout:
-        params = self.spec.groups[group].params
-        layout = GroupLayout.from_specs((p.name, p.shape, p.weight_decay) for p in params)
-        return PackedLayout.of(layout, self.spec.adapter.base_format, self.dtype)
 
     def params(self, stages: tuple[int, ...]) -> int:
         """Parameters of the groups these stages bind (each group once)."""

@@ -60,6 +60,11 @@ class PackedLayout:
     nbytes: int
     dtype: torch.dtype  # the compute dtype unpacked into (and the raw entries' dtype)
 
+    @property
+    def numel(self) -> int:
+        """Elements of the group's weights unpacked."""
+        return sum(p.entry.numel for p in self.entries)
+
     @staticmethod
     def of(layout: GroupLayout, format: str, dtype: torch.dtype) -> "PackedLayout":
         if format not in FORMATS:
@@ -124,18 +129,17 @@ class PackedGroups:
     def bytes(self, group: int) -> Tensor:
         return self.arena[self.starts[group] : self.starts[group] + self.layouts[group].nbytes]
 
-    def unpack(self, group: int, numel: int) -> Tensor:
-        """The group's weights ([numel] in the compute dtype), unpacked into a new tensor."""
-        return self.layouts[group].unpack(self.bytes(group), torch.empty(numel, dtype=self.layouts[group].dtype))
+    def unpack(self, group: int) -> Tensor:
+        """The group's weights (flat, in the compute dtype), unpacked into a new tensor."""
+        layout = self.layouts[group]
+        return layout.unpack(self.bytes(group), torch.empty(layout.numel, dtype=layout.dtype))
 
     @contextmanager
     def writing(self, group: int, layout: GroupLayout):
         """Named views of the group's weights as they are (zeros before the first write), packed again on exit: only
         the tensors written, since quantizing a dequantized tensor once more may change it."""
         written = group in self._written
-        whole = (
-            self.unpack(group, layout.numel) if written else torch.zeros(layout.numel, dtype=self.layouts[group].dtype)
-        )
+        whole = self.unpack(group) if written else torch.zeros(layout.numel, dtype=self.layouts[group].dtype)
         before = whole.clone() if written else None
         yield layout.views(whole)
         self.layouts[group].pack(whole, self.bytes(group), unchanged=before, on=self.pack_on)

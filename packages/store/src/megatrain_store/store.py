@@ -439,7 +439,7 @@ class HostStore:
         """`group`'s weights as the device computes with them, flat: `wire(group)`, or a packed group's bytes
         unpacked into a new compute-dtype tensor (its dequantized weights)."""
         if group in self.packed.layouts:
-            return self.packed.unpack(group, self.layouts[group].numel)
+            return self.packed.unpack(group)
         return self.wire(group)
 
     def reference(self, group: int) -> Tensor:

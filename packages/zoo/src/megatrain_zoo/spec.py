@@ -4,6 +4,7 @@ builder (native, generic, image-text) returns, and what they say of a checkpoint
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain_store import GroupLayout
 from megatrain_templates import ParamSpec, RouterLoad, fused_expert_names
 
 from .config import LINEAR_ATTENTION_ARCHITECTURES, ModelConfig
@@ -28,6 +29,10 @@ class Group:
 
     name: str
     params: tuple[ParamSpec, ...]  # global (Hugging Face) names, in buffer order
+
+    def layout(self) -> GroupLayout:
+        """Where each parameter lies in the group's flat buffers (the store's layout of it)."""
+        return GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in self.params)
 
 
 @dataclass(frozen=True)
