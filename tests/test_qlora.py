@@ -166,3 +166,12 @@ def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():
         layers = sum(p.numel for g in spec.packed_groups for p in spec.groups[g].params)
     assert memory["null"] == 4 * adapted  # (all-linear: every projection of every layer)
     assert memory["nf4"] == 4 * (adapted + layers)
+
+
+def test_a_gpu_runs_packed_base_is_read_on_a_machine_without_one():
+    """`megatrain convert` and `eval` read a CUDA run's config (device: cuda) wherever they run: its base format
+    comes from the config, not from the GPUs this machine has."""
+    overrides = ["model.preset=tiny-qwen2", "model.adapter.type=lora", "model.adapter.base_dtype=nf4", "device=cuda"]
+    assert adapter_of(load_config(None, overrides)).base_format == "nf4"
+    held = load_config(None, [*overrides[:2], "model.adapter.base_dtype=bfloat16", "device=cuda"])
+    assert adapter_of(held).base_format is None  # (auto on a GPU: bf16, the base's dtype as named)

@@ -761,7 +761,9 @@ def _base_format(config: Config) -> str | None:
     """How the store packs the frozen base (model.adapter.base_dtype nf4 or int8), or None: in the compute dtype,
     which a dtype's name there must then be."""
     base_dtype = config.model.adapter.base_dtype
-    compute = resolve_dtype(config.precision.compute_dtype, resolve_device(config.device))
+    # (a run's device as named, not as available: a GPU run's checkpoint is converted or evaluated on any machine)
+    device = resolve_device(config.device) if config.device == "auto" else torch.device(config.device)
+    compute = resolve_dtype(config.precision.compute_dtype, device)
     if base_dtype in ("nf4", "int8"):
         if compute == torch.float64:
             raise ConfigError(
