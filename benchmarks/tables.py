@@ -706,12 +706,13 @@ LARGEST = [
     ("llama2-13b", "scaling-h100.json"),
     ("qwen2.5-32b", "largest-qwen2.5-32b-h200.json"),
     ("qwen2.5-32b", "lora-qwen2.5-32b-h200.json"),
+    ("dense-120b", "qlora-dense-120b-h200.json"),
 ]
 
 
 def largest_models(rows: list[dict]) -> Table:
     """The largest models trained on one GPU: in RAM, past RAM with the disk tier, on a larger host, and with LoRA
-    over a frozen bf16 base on the 125 GiB box."""
+    over a frozen base (bf16, nf4) on the 125 GiB box."""
     chosen = [newest([r for r in steps(rows, model=m) if r["file"] == f], lambda r: 0)[0] for m, f in LARGEST]
     body = [
         [
@@ -747,6 +748,44 @@ def largest_models(rows: list[dict]) -> Table:
         "model TFLOPS",
     ]
     return Table(header, body, chosen, align="lrll" + "r" * 9)
+
+
+def dense_120b_measured(rows: list[dict]) -> Table:
+    """dense-120b on one H200 with a 125 GiB host: whole with LoRA over nf4, and its first layers at full precision;
+    host memory planned against the process's peak, and where each step's time went."""
+    chosen = [r for r in steps(rows, parts=True, model="dense-120b") if r["file"].startswith("qlora-")]
+    body = [
+        [
+            r.get("scope", "whole model"),
+            f"{r['params_b']}B",
+            training(r),
+            f"{r['planned_host_gib']} / {r['peak_rss_gib']} GiB",
+            f"{r['peak_gpu_gib']} GiB",
+            seconds(r["step_time_s"]),
+            seconds(r["predicted_step_s"]),
+            f"**{r['model_tflops']}**",
+            r["flop_convention"],
+            seconds(r["time_split_s_per_step"]["copy_in"]),
+            seconds(r["time_split_s_per_step"]["gpu_compute_idle"]),
+            str(r["losses"][0]),
+        ]
+        for r in chosen
+    ]
+    header = [
+        "part",
+        "params",
+        "training",
+        "host planned / peak RSS",
+        "peak GPU",
+        "step",
+        "planned",
+        "model TFLOPS",
+        "FLOPs counted",
+        "copy stream busy",
+        "GPU idle",
+        "first loss",
+    ]
+    return Table(header, body, chosen, align="lrlrrrrrlrrr")
 
 
 def disk_tier(rows: list[dict]) -> Table:
@@ -1027,9 +1066,22 @@ def headline(rows: list[dict]) -> Table:
         if r["tokens_per_step"] == 32768
     ]
     lines += _headline_against_deepspeed(rows)
-    full_32b, lora_32b = largest_models(rows).sources[-2:]
+    full_32b, lora_32b, qlora_120b = largest_models(rows).sources[-3:]
     lines.append(
-        ("qwen2.5-32b, the largest trained on one GPU", full_32b, "scaling.md#the-largest-models-on-one-gpu", "")
+        (
+            "dense-120b whole, LoRA r=16 over nf4, on a 125 GiB host: the largest trained on one GPU",
+            qlora_120b,
+            "scaling.md#100b-a-120b-dense-model",
+            f"{qlora_120b['peak_rss_gib']} GiB host memory at peak",
+        )
+    )
+    lines.append(
+        (
+            "qwen2.5-32b, the largest trained at full precision on one GPU",
+            full_32b,
+            "scaling.md#the-largest-models-on-one-gpu",
+            "",
+        )
     )
     lines.append(
         (
@@ -1116,6 +1168,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "long-context": long_context,
     "several-gpus": several_gpus,
     "largest-models": largest_models,
+    "dense-120b-measured": dense_120b_measured,
     "disk-tier": disk_tier,
     "planner-at-shape": planner_at_shape,
     "planner-validation": planner_validation,

@@ -17,6 +17,7 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 class BenchTrainer(Trainer):
     def _init_weights(self):
+        start = time.perf_counter()
         for group in range(self.store.n_groups):
             with self.store.writing(group) as views:  # (a packed group: packed on exit)
                 for name, view in views.items():
@@ -48,6 +50,7 @@ class BenchTrainer(Trainer):
                         view.fill_(1.0)
                     else:
                         fill_random_(view.view(-1), self.model_config.initializer_range)
+        self.init_weights_s = time.perf_counter() - start  # (of setup_s: a packed base is quantized here)
 
 
 def random_batch(n_seqs, seq_len, vocab, doc_len=0):
@@ -112,6 +115,7 @@ def bench_megatrain(name, args, implementation="native"):
                 "n_slots": args.n_slots,
                 "n_layers": model.n_layers,
                 "setup_s": round(setup_s, 1),  # the compile warm-up included
+                "init_weights_s": round(trainer.init_weights_s, 1),  # of setup_s: drawing (and packing) the weights
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),
                 "warmup_steps_s": round(timing["warmup_s"], 1),
                 "time_split_s_per_step": timing["split"],
@@ -231,6 +235,8 @@ def _placement_fields(trainer, step_s) -> dict:
         "bound": plan.bound,
         "compute_bound_tokens": plan.compute_bound_tokens,
         "rates": plan.rates.source,
+        # the rates' values, so that a plan of a larger model can rest on the ones measured here
+        "planning_rates": {name: value for name, value in asdict(plan.rates).items() if name != "source"},
         # the placement the steps ran, and whether it is the planner's as planned (no fallback)
         "placement": executed.as_dict(),
         "placement_as_planned": executed == trainer.placement and trainer.pipeline.fallback is None,
