@@ -166,6 +166,25 @@ def test_chunks_give_the_whole_tensors_bytes(monkeypatch):
     assert torch.equal(dequantize_int8(chunked8), dequantize_int8(whole8))
 
 
+def test_one_kernels_arithmetic_equals_the_chunks():
+    """What a CUDA device compiles into one kernel (`quant._nf4_values_into`, `_int8_values_into`), run here as
+    plain torch: the same bits as the chunked form, for every shape and out dtype (whole and partial blocks, a pad
+    nibble, a row that is not whole blocks)."""
+    for shape in SHAPES:
+        weight = random_weight(shape, torch.bfloat16, seed=40 + sum(shape))
+        q, q8 = quantize_nf4(weight), quantize_int8(weight)
+        absmax = quant._dynamic_code(q.device).index_select(0, q.absmax_codes.int())
+        absmax.mul_(q.absmax_scales.repeat_interleave(quant.ABSMAX_BLOCK)[: absmax.numel()]).add_(q.offset)
+        for dtype in DTYPES:
+            out, out8 = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+            quant._nf4_values_into(q.codes, absmax, quant._nf4_code(q.device), out.view(-1))
+            quant._int8_values_into(
+                q8.codes.view(-1), q8.scales, quant._int8_factor(q8.device), out8.view(-1), shape[-1]
+            )
+            assert torch.equal(out, dequantize_nf4(q, out=torch.empty(shape, dtype=dtype)))
+            assert torch.equal(out8, dequantize_int8(q8, out=torch.empty(shape, dtype=dtype)))
+
+
 def test_nf4_round_trip_error_within_its_bound():
     """|w - w'| <= (the widest half gap between NF4 codes) * absmax + |absmax - absmax'| per 64-block, and the
     absmax' error within the 8-bit dynamic map's widest half gap (plus a bin of the kernel's table) times its
@@ -308,3 +327,20 @@ def test_gpu_nf4_and_int8_equal_the_cpu_and_bitsandbytes(dtype):
         there8 = quantize_int8(weight.to(cuda))
         assert torch.equal(there8.codes.cpu(), q8.codes) and torch.equal(there8.scales.cpu(), q8.scales)
         assert torch.equal(dequantize_int8(there8).cpu(), dequantize_int8(q8))
+
+
+@pytest.mark.gpu
+def test_gpu_one_kernel_equals_the_chunks():
+    """On the GPU, the compiled kernel (the default) and the eager chunks (`set_fused_dequantize(False)`, engine.compile: false)
+    give the same bits, for a weight of more than one chunk (CHUNK values) and into slots of every float dtype."""
+    cuda = torch.device("cuda")
+    weight = random_weight((4099, 4111), torch.bfloat16, seed=44).to(cuda)  # 16.85M values: two chunks, odd
+    q, q8 = quantize_nf4(weight), quantize_int8(weight)
+    for dtype in DTYPES:
+        fused = [dequantize_nf4(q, out=torch.empty_like(weight, dtype=dtype)), dequantize_int8(q8).to(dtype)]
+        quant.set_fused_dequantize(False)
+        try:
+            eager = [dequantize_nf4(q, out=torch.empty_like(weight, dtype=dtype)), dequantize_int8(q8).to(dtype)]
+        finally:
+            quant.set_fused_dequantize(True)
+        assert all(torch.equal(a, b) for a, b in zip(fused, eager))

@@ -405,10 +405,10 @@ class EngineSection:
     # cgroup's limit or MemAvailable, less a margin: `megatrain plan` says which); null: that. (The machine's own
     # limit is MEGATRAIN_HOST_MEMORY_GIB, which lowers it too.)
     host_memory_gib: float | None = None
-    # compile the elementwise work between the GEMMs (norms, rotary embedding, the experts' activation) with
-    # torch.compile on CUDA, one kernel each way instead of five to ten; false: eager (a first step without the
-    # compile's tens of seconds, a kernel to debug). The CPU always runs eagerly; FlexAttention (packed
-    # documents) is compiled either way, its eager form being a slow reference.
+    # compile the elementwise work between the GEMMs (norms, rotary embedding, the experts' activation) and a
+    # packed base's dequantization with torch.compile on CUDA, one kernel each way instead of five to ten; false:
+    # eager (a first step without the compile's tens of seconds, a kernel to debug). The CPU always runs eagerly;
+    # FlexAttention (packed documents) is compiled either way, its eager form being a slow reference.
     compile: bool = True
     # CPU threads of each process (the CPU optimizer's and the host side's); "auto": torch's default for a
     # process alone, the host's cores split among its processes under torchrun (whose OMP_NUM_THREADS=1 would

@@ -25,7 +25,7 @@ from megatrain_optim import DeviceAdamW, Ranks, RankSync, Schedule, lr_at
 from megatrain_optim.launch import launch_shape, leave_ranks
 from megatrain_plan import Planner
 from megatrain_sched import Placement, PlacementError, StepResult, Timeline
-from megatrain_store import Pending
+from megatrain_store import Pending, set_fused_dequantize
 from megatrain_templates import Media, Sequences, set_compile
 from megatrain_zoo import ModelConfig, flops_per_token, init_param_
 from megatrain_zoo.hf_weights import (
@@ -95,6 +95,7 @@ class Trainer:
         self.model_config = model_config or model_config_of(config)
         check_model_settings(config, self.model_config)
         set_compile(config.engine.compile)  # before planning, whose rate measurement runs the templates
+        set_fused_dequantize(config.engine.compile)  # a packed base's dequantization, one compiled kernel a weight
         self._plan_placement()
         self._join_ranks(ranks)
         self._fill_store()

@@ -25,6 +25,7 @@ from .quant import (
     nf4_nbytes,
     quantize_int8,
     quantize_nf4,
+    set_fused_dequantize,
 )
 from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
@@ -58,6 +59,7 @@ __all__ = [
     "quantize_int8",
     "quantize_nf4",
     "read_safetensors_header",
+    "set_fused_dequantize",
     "unpin",
     "write_safetensors",
 ]
