@@ -340,7 +340,7 @@ class CostModel:
         held_apart = self.frozen_params if self.adapter else 0  # (LoRA's base: in the compute dtype alone)
         yield "master weights", (n_params - held_apart) * 4 * share
         yield "frozen base weights", (held_apart - self.packed_params) * self.element + sum(self.packed.values())
-        # a packed base's layer, unpacked while it loads (`PackedGroups.writing`), before it is packed
+        # a packed base's layer, unpacked while it loads, before it is packed (`PackedGroups.writing`: one buffer, reused)
         yield "packing buffer", max((self.group_sizes[g] for g in self.packed), default=0) * self.element
         yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - on_disk
         if on_disk:  # the groups read ahead, being updated and being written behind

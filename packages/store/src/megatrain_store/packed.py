@@ -120,6 +120,7 @@ class PackedGroups:
         self.layouts, self.arena, self.pack_on = layouts, arena, pack_on
         self.starts, _ = _starts(layouts)
         self._written: set[int] = set()  # the groups `writing` has filled (the others unpack to zeros)
+        self._scratch: Tensor | None = None  # what a first write fills: the largest group's size, reused
 
     @staticmethod
     def total(layouts: dict[int, PackedLayout]) -> int:
@@ -139,11 +140,22 @@ class PackedGroups:
         """Named views of the group's weights as they are (zeros before the first write), packed again on exit: only
         the tensors written, since quantizing a dequantized tensor once more may change it."""
         written = group in self._written
-        whole = self.unpack(group) if written else torch.zeros(layout.numel, dtype=self.layouts[group].dtype)
+        whole = self.unpack(group) if written else self._zeros(layout.numel)
         before = whole.clone() if written else None
         yield layout.views(whole)
         self.layouts[group].pack(whole, self.bytes(group), unchanged=before, on=self.pack_on)
         self._written.add(group)
+
+    def _zeros(self, numel: int) -> Tensor:
+        """[numel] zeros in the compute dtype, in one buffer that every first write reuses (a fresh one a layer
+        faulted in a 120B model's 240 GB of pages while it loaded), pinned where a GPU packs: the planner's
+        "packing buffer"."""
+        if self._scratch is None:
+            largest = max(layout.numel for layout in self.layouts.values())
+            pinned = self.pack_on is not None and self.pack_on.type == "cuda"
+            dtype = next(iter(self.layouts.values())).dtype
+            self._scratch = torch.empty(largest, dtype=dtype, pin_memory=pinned)
+        return self._scratch[:numel].zero_()
 
 
 def _starts(layouts: dict[int, PackedLayout]) -> tuple[dict[int, int], int]:
