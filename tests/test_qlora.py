@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hf_steps import make_trainer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_dense_families import hf_dense_model
 from test_distributed import assert_same_weights
 from test_lora import TOLERANCE, R, check_steps, lora_run, peft_model
@@ -145,6 +145,42 @@ def test_a_run_over_an_nf4_base_resumes_as_one_that_never_stopped(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert_same_weights(adapters, resumed_adapters)
+
+
+def test_a_packed_base_is_kept_beside_the_run_and_read_back_instead_of_quantized(tmp_path, monkeypatch, capsys):
+    """The first run keeps its packed base in output_dir/cache; the next (a resume, an eval) reads those bytes and
+    quantizes nothing; a changed checkpoint or a torn file is quantized again and kept anew."""
+    first, _, _ = quantized_run(tmp_path, "tiny-qwen2", "nf4")
+    packed = first.store.arenas["packed"].clone()
+    first.close()
+    cache = tmp_path / "run" / "cache" / "packed-base.safetensors"
+    assert cache.exists() and "kept the packed base in" in capsys.readouterr().err
+
+    def again(fails_if_quantized: bool):
+        if fails_if_quantized:
+            monkeypatch.setattr("megatrain_store.packed._QUANTIZE", {})  # any quantizing raises KeyError
+        adapter = AdapterSection(type="lora", r=R, alpha=8.0, base_dtype="nf4")
+        trainer, _ = make_trainer(tmp_path / "hf", tmp_path, 0.05, 3, adapter=adapter)
+        monkeypatch.undo()
+        arena = trainer.store.arenas["packed"].clone()
+        trainer.close()
+        return arena
+
+    assert torch.equal(again(fails_if_quantized=True), packed)
+    assert "read the packed base from" in capsys.readouterr().err
+
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(n for n in tensors if n.endswith("layers.0.mlp.up_proj.weight"))
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, weights, metadata={"format": "pt"})
+    changed = again(fails_if_quantized=False)
+    assert not torch.equal(changed, packed) and "kept the packed base in" in capsys.readouterr().err
+    assert torch.equal(again(fails_if_quantized=True), changed)
+
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    assert torch.equal(again(fails_if_quantized=False), changed)
+    assert "kept the packed base in" in capsys.readouterr().err
 
 
 def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():

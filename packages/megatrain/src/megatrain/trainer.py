@@ -76,6 +76,13 @@ class StepMetrics:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}
 
 
+def compile_on_cuda(enabled: bool) -> None:
+    """engine.compile: torch.compile on CUDA (or eager) for the templates' elementwise work and a packed base's
+    dequantization."""
+    set_compile(enabled)
+    set_fused_dequantize(enabled)
+
+
 class Trainer:
     """Owns the host store, optimizer, update policy and pipeline of one model, placed by its planner.
 
@@ -94,8 +101,7 @@ class Trainer:
         self.compute_dtype = resolve_dtype(config.precision.compute_dtype, self.device)
         self.model_config = model_config or model_config_of(config)
         check_model_settings(config, self.model_config)
-        set_compile(config.engine.compile)  # before planning, whose rate measurement runs the templates
-        set_fused_dequantize(config.engine.compile)  # a packed base's dequantization, one compiled kernel a weight
+        compile_on_cuda(config.engine.compile)  # before planning, whose rate measurement runs the templates
         self._plan_placement()
         self._join_ranks(ranks)
         self._fill_store()
@@ -216,15 +222,15 @@ class Trainer:
         """The run's initial weights: the Hugging Face directory's (or drawn as transformers starts them), and the
         adapters drawn as PEFT starts them (or read from model.adapter.path)."""
         drawn = range(self.store.n_groups)  # every host draws every group: the same weights as one process
-        if self.config.model.hf_dir is not None:
-            load_hf_weights(self.store, self.spec, Path(self.config.model.hf_dir))
+        if (model := self.config.model).hf_dir is not None:  # (its cache: a packed base's bytes)
+            load_hf_weights(self.store, self.spec, Path(model.hf_dir), Path(self.config.output_dir) / "cache")
             drawn = sorted(self.spec.adapter_groups)
         for group in drawn:
             with self.store.writing(group) as views:
                 for name, view in views.items():
                     init_param_(name, view, self.model_config, self.config.train.seed)
-        if self.config.model.adapter.path is not None:
-            load_peft_adapter(self.store, self.spec, Path(self.config.model.adapter.path))
+        if model.adapter.path is not None:
+            load_peft_adapter(self.store, self.spec, Path(model.adapter.path))
 
     def _device_span(self, name: str):
         streams = self.pipeline.streams

@@ -3,13 +3,16 @@ routers) as raw compute-dtype bytes, back to back in one uint8 buffer. `PackedLa
 the group's flat compute-dtype weights; `unpack` writes them back into a flat compute-dtype buffer (a device slot:
 the GPU dequantizes what crossed PCIe packed) on whatever device both buffers are on."""
 
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .errors import StoreError
+from .io import load_tensors_into, read_safetensors_header, write_safetensors
 from .layout import Entry, GroupLayout
 from .quant import (
     QuantizedInt8,
@@ -145,6 +148,34 @@ class PackedGroups:
         yield layout.views(whole)
         self.layouts[group].pack(whole, self.bytes(group), unchanged=before, on=self.pack_on)
         self._written.add(group)
+
+    def cache_key(self, source: str) -> str:
+        """What a file of these groups' bytes (`save`) depends on: `source` (the checkpoint's identity) and every
+        group's layout (its tensors' names, shapes, formats and dtype)."""
+        return hashlib.sha256(repr((source, sorted(self.layouts.items()))).encode()).hexdigest()
+
+    def save(self, path: Path, key: str) -> int:
+        """Write every group's bytes to `path` atomically (safetensors: a uint8 tensor a group, `key` in its
+        metadata); the file's size in bytes."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        groups = [(f"group.{g}", self.bytes(g)) for g in sorted(self.layouts)]
+        return write_safetensors(path, groups, {"key": key})
+
+    def load(self, path: Path, key: str) -> bool:
+        """Fill every group from `path` (`save`'s file) where it was saved under `key` with these groups' sizes, and
+        say True; else (no file, a torn one, another checkpoint's or layout's) read nothing and say False."""
+        try:
+            header = read_safetensors_header(path)
+        except StoreError:
+            return False
+        sizes = {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
+        if header.get("__metadata__", {}).get("key") != key or sizes != {
+            f"group.{g}": [layout.nbytes] for g, layout in self.layouts.items()
+        }:
+            return False
+        load_tensors_into([path], {f"group.{g}": self.bytes(g) for g in self.layouts})
+        self._written.update(self.layouts)
+        return True
 
     def _zeros(self, numel: int) -> Tensor:
         """[numel] zeros in the compute dtype, in one buffer that every first write reuses (a fresh one a layer

@@ -339,16 +339,34 @@ def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
     match_tensors(files, _read_layout(spec, files)[2], ignore=spec.checkpoint_names_to_ignore)
 
 
-def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
+PACKED_CACHE = "packed-base.safetensors"  # a packed base's bytes, in a run's cache directory
+
+
+def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path, cache_dir: Path | None = None) -> None:
     """Stream the directory's tensors into the fp32 masters (any stored dtype), group by group through
     `store.writing` (which also refreshes the wire copies).
 
     A fused expert tensor fills the tensors it covers (back to back, in one group or several); MXFP4
-    experts and block-scaled FP8 matrices are dequantized into theirs."""
+    experts and block-scaled FP8 matrices are dequantized into theirs. `cache_dir`: where a packed base's bytes are
+    kept as these files quantize (PACKED_CACHE, `PackedGroups.save`): read instead of quantizing where they match the
+    files and the layout, else written once quantized."""
     files = checkpoint_files(model_dir)
+    packed_cache = None if cache_dir is None else cache_dir / PACKED_CACHE
+    skip = set(spec.adapter_groups)
+    key = _packed_cache_key(store, files) if packed_cache is not None and store.packed.layouts else None
+    cached = key is not None and store.packed.load(packed_cache, key)
+    if cached:
+        print(f"megatrain: read the packed base from {packed_cache}, not quantizing it again", file=sys.stderr)
+        skip |= set(store.packed.layouts)
     if spec.checkpoint_layout is not None:
-        _load_generic(store, spec, files)
-        return
+        _load_generic(store, spec, files, frozenset(skip))
+    else:
+        _load_native(store, spec, files, frozenset(skip))
+    if key is not None and not cached:
+        _cache_packed_base(store, packed_cache, key)
+
+
+def _load_native(store: HostStore, spec: ModelSpec, files: list[Path], skip: frozenset[int]) -> None:
     layout, quantized, shapes, present = _read_layout(spec, files)
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
     for kind in sorted({how.kind for how in quantized.values()}):
@@ -362,7 +380,26 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path) -> None:
             file=sys.stderr,
         )
     with open_safetensors(where.values()) as handles:
-        _fill_groups(store, handles, where, layout, quantized=quantized, skip=spec.adapter_groups)
+        _fill_groups(store, handles, where, layout, quantized=quantized, skip=skip)
+
+
+def _packed_cache_key(store: HostStore, files: list[Path]) -> str:
+    """The checkpoint as its files' names, sizes and modification times, with the packed layout (`cache_key`)."""
+    return store.packed.cache_key(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]))
+
+
+def _cache_packed_base(store: HostStore, path: Path, key: str) -> None:
+    """Keep the packed base beside the run, for a resumed run (or eval) to read; a disk that cannot take it only
+    costs that run the quantizing."""
+    try:
+        size = store.packed.save(path, key)
+    except OSError as error:
+        print(
+            f"megatrain: could not keep the packed base in {path} ({error}); a resumed run quantizes it again",
+            file=sys.stderr,
+        )
+        return
+    print(f"megatrain: kept the packed base in {path} ({size / 2**30:.1f} GiB) for a resumed run", file=sys.stderr)
 
 
 def _generic_sources(spec: ModelSpec, files: list[Path]) -> tuple[dict[str, list[str]], dict[str, Path]]:
@@ -388,14 +425,15 @@ def _bind_generic_buffers(spec: ModelSpec, files: list[Path]) -> None:
         raise ZooError(str(error)) from None
 
 
-def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path]) -> None:
+def _load_generic(store: HostStore, spec: ModelSpec, files: list[Path], skip: frozenset[int]) -> None:
     """A generic model's weights, a group at a time: its checkpoint tensors read, converted to its modules'
-    names and layouts as transformers' loader converts them, checked and copied into the store."""
+    names and layouts as transformers' loader converts them, checked and copied into the store (but the groups in
+    `skip`: a LoRA run's adapters, a packed base read from its cache)."""
     _bind_generic_buffers(spec, files)
     sources, where = _generic_sources(spec, files)
     with open_safetensors(set(where.values())) as handles:
         for group in progress(range(store.n_groups), desc="load weights", unit="group", leave=False):
-            if group in spec.adapter_groups:  # (a LoRA run's adapters: not the base checkpoint's)
+            if group in skip:
                 continue
             with store.writing(group) as views:
                 keys = [key for name in views for key in sources[name]]
