@@ -37,13 +37,14 @@ from megatrain.config import (  # noqa: E402
     model_config_of,
 )
 from megatrain.step import StepBatch
+from megatrain_store.progress import progress  # noqa: E402
 from megatrain_zoo import config_to_hf, flops_per_token, preset  # noqa: E402
 
 
 class BenchTrainer(Trainer):
     def _init_weights(self):
         start = time.perf_counter()
-        for group in range(self.store.n_groups):
+        for group in progress(range(self.store.n_groups), desc="draw weights", unit="group"):
             with self.store.writing(group) as views:  # (a packed group: packed on exit)
                 for name, view in views.items():
                     if name.endswith("norm.weight"):

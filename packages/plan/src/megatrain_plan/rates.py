@@ -113,6 +113,7 @@ def run_rates(
         if key in saved["shapes"]:
             return machine
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
+        start = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
                 layer_tflops, kept_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
@@ -120,6 +121,7 @@ def run_rates(
             return machine
         finally:
             torch.cuda.empty_cache()  # the plan counts the GPU's free memory
+        print(f"megatrain: measured in {time.perf_counter() - start:.0f} s, kept for this shape", file=sys.stderr)
         rates = replace(
             _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops),
             source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape; the rest {machine.source}",
