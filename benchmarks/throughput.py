@@ -67,6 +67,33 @@ def random_batch(n_seqs, seq_len, vocab, doc_len=0):
     return ids, labels, positions
 
 
+ADAMW_BYTES_PER_PARAM = 28  # the fused CPU AdamW reads the fp32 weight, gradient and two moments, writes three back
+
+
+def host_triad_gbps(numel: int = 1 << 27) -> float:
+    """The host's memory bandwidth as STREAM's triad measures it (a = b + s * c over three buffers of `numel` fp32,
+    pinned where there is a GPU, as the store's arenas are; bytes read and written a second, the best of 5), with
+    torch's threads: the physical limit of the CPU's AdamW, which moves ADAMW_BYTES_PER_PARAM a parameter."""
+    pinned = torch.cuda.is_available()
+    a, b, c = (torch.ones(numel, pin_memory=pinned) for _ in range(3))
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - start)
+    return round(3 * 4 * numel / best / 1e9, 1)
+
+
+def _optimizer_fields(trainer, split: dict, triad_gbps: float) -> dict:
+    """The CPU AdamW's bytes a second in the timed steps, beside the host's triad bandwidth."""
+    store = trainer.store
+    on_gpu = set(trainer.device_optimizer.groups) if trainer.device_optimizer is not None else set()
+    cpu_params = sum(store.layouts[g].numel for g in range(store.n_groups) if g not in store.frozen | on_gpu)
+    seconds = split.get("optimizer", 0.0)
+    gbps = round(cpu_params * ADAMW_BYTES_PER_PARAM / seconds / 1e9, 1) if seconds else None
+    return {"cpu_updated_params_b": round(cpu_params / 1e9, 3), "optimizer_gbps": gbps, "host_triad_gbps": triad_gbps}
+
+
 def span_totals(timeline, t_start_us, t_end_us) -> dict:
     """Busy time per track inside [start, end] (union of spans, so overlaps count once)."""
     busy = {}
@@ -89,6 +116,7 @@ def bench_megatrain(name, args, implementation="native"):
     the engine for its own size."""
     token_counts = _token_counts(args)
     config, model = _megatrain_config(name, args, implementation)
+    triad_gbps = host_triad_gbps()  # (before the store takes the host's memory)
     t0 = time.perf_counter()
     trainer = BenchTrainer(config, model)
     trainer.timeline.keep_steps = None  # the timed steps' spans are all summed below
@@ -105,6 +133,7 @@ def bench_megatrain(name, args, implementation="native"):
             base_row("megatrain", name, model, args.seq_len, n_seqs, args.micro_batch, timing["step_s"])
             | _placement_fields(trainer, timing["step_s"])
             | _host_fields(trainer.store.memory_report(), trainer.plan)
+            | _optimizer_fields(trainer, timing["split"], triad_gbps)
             | {
                 "grad_clip": args.grad_clip,
                 "doc_len": args.doc_len,  # 0: one sequence per row
