@@ -2,8 +2,8 @@
 runs GEMMs (as the engine overlaps them): one layer of a model's shape (dense-120b's: 1.58B values in 7
 matrices), nf4 and int8, in one compiled kernel a weight (the default) and in eager chunks (engine.compile: false).
 
-The GEMMs are bound by compute and the dequantization by memory bandwidth, but they share the SMs: "under GEMMs"
-is how much longer a layer's GEMMs take with a dequantized layer beside each, the GPU time the step loses to it.
+The GEMMs are bound by compute and the dequantization by memory bandwidth, but they share the SMs: `gpu_ms_lost` is
+how much longer the GEMMs take with a layer dequantized beside them, the GPU time a step loses a streamed layer.
 Needs a CUDA GPU.
 
     python benchmarks/dequantize.py --out OUT/dequantize-h200.json
