@@ -410,6 +410,12 @@ def _check_quantization(quantization: dict | None, model_type: str) -> None:
         return
     if method == "fp8" and quantization.get("weight_block_size") and quantization.get("fmt", "e4m3") == "e4m3":
         return
+    if method == "bitsandbytes":  # (a QLoRA base published pre-quantized, as many 4-bit "-bnb-4bit" models are)
+        raise ZooError(
+            "config.json has quantization_config 'bitsandbytes': a pre-quantized checkpoint, which megatrain does not "
+            "read; give model.hf_dir the bf16 model it was quantized from, with model.adapter: {type: lora, "
+            "base_dtype: nf4} to hold its base in the same NF4 format (quantized when the run starts)"
+        )
     raise ZooError(
         f"config.json has quantization_config {method!r}: megatrain trains full-precision weights and reads "
         "only gpt-oss' MXFP4 and block-scaled FP8 (e4m3 + weight_scale_inv) checkpoints; convert this one to "
