@@ -103,17 +103,24 @@ def test_a_merged_export_is_the_dequantized_base_plus_the_adapters(tmp_path, cap
     trainer, _, _ = quantized_run(tmp_path, "tiny-qwen2", "nf4", steps=1)
     out = trainer.export(tmp_path / "run" / "final")  # (a run's final/: its config.json beside says how it trained)
     (tmp_path / "run" / "config.json").write_text(json.dumps(trainer.config.as_dict()))
-    merged = convert(out, tmp_path / "merged", merge=True)
-    assert "dequantized from its nf4" in capsys.readouterr().err
-    weights = load_file(merged / "model.safetensors")
     streamed = trainer.streamed_weights()
     scale = trainer.spec.adapter.scale
-    for name, value in weights.items():
-        down = streamed.get(name.removesuffix(".weight") + ".lora_A.weight")
-        expected = streamed[name].float()
-        if down is not None:
-            expected = expected + scale * streamed[name.removesuffix(".weight") + ".lora_B.weight"].float() @ down
-        assert torch.allclose(value.float(), expected, rtol=1e-6, atol=1e-7), name
+    # the packed base the run kept: its very bytes, nothing quantized again; then without it: quantized again
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("megatrain_store.packed._QUANTIZE", {})  # any quantizing raises KeyError
+        merged = convert(out, tmp_path / "merged", merge=True)
+    assert "reads the packed base the run kept" in capsys.readouterr().err
+    (tmp_path / "run" / "cache" / "packed-base.safetensors").unlink()
+    requantized = convert(out, tmp_path / "requantized", merge=True)
+    assert "dequantized from its nf4" in capsys.readouterr().err
+    for directory in (merged, requantized):
+        weights = load_file(directory / "model.safetensors")
+        for name, value in weights.items():
+            down = streamed.get(name.removesuffix(".weight") + ".lora_A.weight")
+            expected = streamed[name].float()
+            if down is not None:
+                expected = expected + scale * streamed[name.removesuffix(".weight") + ".lora_B.weight"].float() @ down
+            assert torch.allclose(value.float(), expected, rtol=1e-6, atol=1e-7), name
     trainer.close()
 
 

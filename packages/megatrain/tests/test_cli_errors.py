@@ -163,9 +163,11 @@ def test_mistakes_are_one_line_a_non_zero_exit_and_no_traceback(tmp_path):
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
-    """`megatrain data --dump 50 | head -c 100`: a pipe its reader closed is no mistake of the user's."""
+    """`megatrain data --dump 2000 | head -c 100`: a pipe its reader closed is no mistake of the user's. (2000 rows
+    are 2.3 MB, past any pipe's buffer, so the writer is still writing when the reader goes; 50 rows, 58 KB, could
+    all fit the pipe before the reader closed it, and the command then rightly ended with 0.)"""
     process = subprocess.Popen(
-        [sys.executable, "-m", "megatrain", "data", *TINY, "--dump", "50"],
+        [sys.executable, "-m", "megatrain", "data", *TINY, "--dump", "2000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=tmp_path,

@@ -23,6 +23,7 @@ from megatrain_store.progress import counting, progress
 from megatrain_templates import Lora
 from megatrain_zoo import ModelConfig, ModelSpec, config_to_hf, read_hf_config
 from megatrain_zoo.hf_weights import (
+    PACKED_CACHE,
     WholeGroups,
     checkpoint_entries,
     checkpoint_files,
@@ -241,6 +242,7 @@ class LoraSource:
     base: Path | None
     seed: int = 0
     held: str = "float32"
+    packed_cache: Path | None = None  # the packed base the run kept (`PackedGroups.save`), where it packed one
 
     @property
     def base_name(self) -> str | None:
@@ -284,7 +286,8 @@ def lora_source(source: Path) -> LoraSource | None:
     held = config.precision.compute_dtype
     if held == "auto":  # (as the run resolved it: bfloat16 on a GPU)
         held = "float32" if config.device == "cpu" else "bfloat16"
-    return LoraSource(model, adapter, weights, prefix, base, config.train.seed, held)
+    kept = Path(config.output_dir) / "cache" / PACKED_CACHE
+    return LoraSource(model, adapter, weights, prefix, base, config.train.seed, held, kept)
 
 
 def convert_lora(
@@ -306,7 +309,7 @@ def convert_lora(
     if not merge:
         entries = [(name, Pending(tuple(t.shape), target, lambda t=t: t.to(target))) for name, t in adapters.items()]
         return write_peft_directory(out_dir, entries, spec, lora.base_name, serving)
-    base = base_entries(spec, lora.base, lora.seed, getattr(torch, lora.held))
+    base = base_entries(spec, lora.base, lora.seed, getattr(torch, lora.held), lora.packed_cache)
     entries, merged = merged_entries(spec, base, adapters, target)
     packed = spec.adapter.base_format
     print(

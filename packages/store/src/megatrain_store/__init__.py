@@ -14,7 +14,7 @@ from .io import (
     write_safetensors,
 )
 from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
-from .packed import PackedLayout
+from .packed import PackedBaseFile, PackedLayout, packed_cache_key
 from .pinning import pin_in_place, unpin
 from .quant import (
     QuantizedInt8,
@@ -37,6 +37,7 @@ __all__ = [
     "HostStore",
     "LOAD_BIAS",
     "MemoryReport",
+    "PackedBaseFile",
     "PackedLayout",
     "Pending",
     "QuantizedInt8",
@@ -55,6 +56,7 @@ __all__ = [
     "match_tensors",
     "nf4_nbytes",
     "open_safetensors",
+    "packed_cache_key",
     "pin_in_place",
     "quantize_int8",
     "quantize_nf4",

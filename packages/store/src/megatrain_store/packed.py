@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from .errors import StoreError
@@ -105,14 +106,14 @@ class PackedLayout:
         """Dequantize `packed` into the group's flat weights `out` ([numel] in self.dtype, on packed's device)."""
         for p in self.entries:
             view = out[p.entry.offset : p.entry.offset + p.entry.numel]
-            part = packed[p.start : p.start + p.nbytes]
-            if p.format is None:
-                view.copy_(part.view(self.dtype))
-            else:
-                _DEQUANTIZE[p.format](
-                    _FROM_BYTES[p.format](part, p.entry.shape, self.dtype), out=view.view(p.entry.shape)
-                )
+            self.unpack_entry(p, packed[p.start : p.start + p.nbytes], view.view(p.entry.shape))
         return out
+
+    def unpack_entry(self, p: PackedEntry, part: Tensor, out: Tensor) -> Tensor:
+        """Dequantize one entry's bytes `part` ([p.nbytes] uint8) into `out` (its shape, in self.dtype)."""
+        if p.format is None:
+            return out.copy_(part.view(self.dtype).view(out.shape))
+        return _DEQUANTIZE[p.format](_FROM_BYTES[p.format](part, p.entry.shape, self.dtype), out=out)
 
 
 class PackedGroups:
@@ -149,11 +150,6 @@ class PackedGroups:
         self.layouts[group].pack(whole, self.bytes(group), unchanged=before, on=self.pack_on)
         self._written.add(group)
 
-    def cache_key(self, source: str) -> str:
-        """What a file of these groups' bytes (`save`) depends on: `source` (the checkpoint's identity) and every
-        group's layout (its tensors' names, shapes, formats and dtype)."""
-        return hashlib.sha256(repr((source, sorted(self.layouts.items()))).encode()).hexdigest()
-
     def save(self, path: Path, key: str) -> int:
         """Write every group's bytes to `path` atomically (safetensors: a uint8 tensor a group, `key` in its
         metadata); the file's size in bytes."""
@@ -164,14 +160,7 @@ class PackedGroups:
     def load(self, path: Path, key: str) -> bool:
         """Fill every group from `path` (`save`'s file) where it was saved under `key` with these groups' sizes, and
         say True; else (no file, a torn one, another checkpoint's or layout's) read nothing and say False."""
-        try:
-            header = read_safetensors_header(path)
-        except StoreError:
-            return False
-        sizes = {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
-        if header.get("__metadata__", {}).get("key") != key or sizes != {
-            f"group.{g}": [layout.nbytes] for g, layout in self.layouts.items()
-        }:
+        if not PackedBaseFile(path).holds(key, self.layouts):
             return False
         load_tensors_into([path], {f"group.{g}": self.bytes(g) for g in self.layouts})
         self._written.update(self.layouts)
@@ -187,6 +176,37 @@ class PackedGroups:
             dtype = next(iter(self.layouts.values())).dtype
             self._scratch = torch.empty(largest, dtype=dtype, pin_memory=pinned)
         return self._scratch[:numel].zero_()
+
+
+def packed_cache_key(source: str, layouts: dict[int, PackedLayout]) -> str:
+    """What a file of packed groups' bytes (`PackedGroups.save`) depends on: `source` (the checkpoint's identity) and
+    every group's layout (its tensors' names, shapes, formats and dtype)."""
+    return hashlib.sha256(repr((source, sorted(layouts.items()))).encode()).hexdigest()
+
+
+class PackedBaseFile:
+    """A file `PackedGroups.save` wrote: each group's packed bytes (a uint8 tensor "group.N"), its key in the
+    metadata; read whole (`PackedGroups.load`) or a tensor at a time (a merge: `entry`)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def holds(self, key: str, layouts: dict[int, PackedLayout]) -> bool:
+        """Whether the file is whole and was saved under `key` for groups of these layouts' sizes."""
+        try:
+            header = read_safetensors_header(self.path)
+        except StoreError:  # (no file, or a torn one)
+            return False
+        sizes = {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
+        expected = {f"group.{g}": [layout.nbytes] for g, layout in layouts.items()}
+        return header.get("__metadata__", {}).get("key") == key and sizes == expected
+
+    def entry(self, group: int, layout: PackedLayout, name: str) -> Tensor:
+        """Tensor `name` of `group` as the run computed with it (in layout.dtype), its bytes alone read and unpacked."""
+        p = next(p for p in layout.entries if p.entry.name == name)
+        with safe_open(str(self.path), framework="pt") as handle:
+            part = handle.get_slice(f"group.{group}")[p.start : p.start + p.nbytes].contiguous()
+        return layout.unpack_entry(p, part, torch.empty(p.entry.shape, dtype=layout.dtype))
 
 
 def _starts(layouts: dict[int, PackedLayout]) -> tuple[dict[int, int], int]:

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
-from megatrain_store import HostStore, Pending, match_tensors, open_safetensors, read_safetensors_header
+from megatrain_store import (
+    HostStore,
+    Pending,
+    match_tensors,
+    open_safetensors,
+    packed_cache_key,
+    read_safetensors_header,
+)
 from megatrain_store.progress import progress
 from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
 
@@ -383,9 +390,13 @@ def _load_native(store: HostStore, spec: ModelSpec, files: list[Path], skip: fro
         _fill_groups(store, handles, where, layout, quantized=quantized, skip=skip)
 
 
+def checkpoint_identity(files: list[Path]) -> str:
+    """A checkpoint as its files' names, sizes and modification times: what a packed base kept of it depends on."""
+    return repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
 def _packed_cache_key(store: HostStore, files: list[Path]) -> str:
-    """The checkpoint as its files' names, sizes and modification times, with the packed layout (`cache_key`)."""
-    return store.packed.cache_key(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]))
+    return packed_cache_key(checkpoint_identity(files), store.packed.layouts)
 
 
 def _cache_packed_base(store: HostStore, path: Path, key: str) -> None:

@@ -5,15 +5,21 @@ them, so that an adapter trained here loads with `peft.PeftModel.from_pretrained
 import json
 import math
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megatrain_store import (
     Entry,
     HostStore,
+    PackedBaseFile,
+    PackedLayout,
     Pending,
     atomic_write_text,
     match_tensors,
     open_safetensors,
+    packed_cache_key,
     read_safetensors_header,
     write_safetensors,
 )
@@ -21,7 +27,7 @@ from megatrain_store.packed import quantizes, round_trip
 from megatrain_templates import ALL_LINEAR, Lora, file_tensors
 
 from .config import ZooError
-from .hf_weights import _fill_groups
+from .hf_weights import _fill_groups, checkpoint_identity
 from .spec import ModelSpec
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -208,20 +214,43 @@ def read_adapters(spec: ModelSpec, weights: Path, prefix: str) -> dict:
         return {name: handles[weights].get_tensor(prefix + name).float() for name in layout}
 
 
-def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held) -> list:
+def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held, packed_cache: Path | None = None) -> list:
     """The base model's (name, Pending) in Hugging Face's layout: read from `base_dir`, or (a preset's run) drawn as the
-    run drew them, from `seed` in the dtype it held its base in (`held`)."""
+    run drew them, from `seed` in the dtype it held its base in (`held`). A packed base's matrices come from the
+    bytes the run kept (`packed_cache`, `PackedGroups.save`) where they are this checkpoint's."""
     import torch
 
     from .hf_weights import checkpoint_files, entries_as_imported
-    from .model import init_param_
 
     if base_dir is not None:
         files = checkpoint_files(base_dir)
         headers = {path: read_safetensors_header(path) for path in files}
         where = {name: path for path, header in headers.items() for name in header if name != "__metadata__"}
         shapes = {name: tuple(headers[path][name]["shape"]) for name, path in where.items()}
-        return _as_trained(spec, entries_as_imported(spec, files, where, shapes, torch.float32), held)
+        entries = entries_as_imported(spec, files, where, shapes, torch.float32)
+        return _as_trained(spec, entries, held, _kept_base(spec, files, held, packed_cache))
+    return _drawn_base(spec, seed, held)
+
+
+def _kept_base(spec: ModelSpec, files: list[Path], held, path: Path | None) -> Callable[[str], Any] | None:
+    """name -> a packed base's matrix as the run computed with it, read from the file the run kept of it where that
+    file is this checkpoint's in this layout (the very bytes trained on, whichever device quantized them); None
+    otherwise, where the merge quantizes the checkpoint again as the run did."""
+    if path is None or not spec.packed_groups:
+        return None
+    layouts = {g: PackedLayout.of(spec.groups[g].layout(), spec.adapter.base_format, held) for g in spec.packed_groups}
+    kept = PackedBaseFile(path)
+    if not kept.holds(packed_cache_key(checkpoint_identity(files), layouts), layouts):
+        return None
+    print(f"megatrain: the merge reads the packed base the run kept in {path}", file=sys.stderr)
+    group_of = {p.entry.name: g for g, layout in layouts.items() for p in layout.entries}
+    return lambda name: kept.entry(group_of[name], layouts[group_of[name]], name)
+
+
+def _drawn_base(spec: ModelSpec, seed: int, held) -> list:
+    import torch
+
+    from .model import init_param_
 
     def draw(name: str, shape: tuple[int, ...]):
         tensor = torch.empty(shape, dtype=held)
@@ -232,10 +261,10 @@ def base_entries(spec: ModelSpec, base_dir: Path | None, seed: int, held) -> lis
     return _as_trained(spec, [(n, Pending(s, held, lambda n=n, s=s: draw(n, s))) for n, s in shapes.items()], held)
 
 
-def _as_trained(spec: ModelSpec, entries: list, held) -> list:
+def _as_trained(spec: ModelSpec, entries: list, held, kept: Callable[[str], Any] | None = None) -> list:
     """The base's entries as a run over a packed base (QLoRA, `spec.packed_groups`) trained on them: each matrix the
-    store packs, quantized from the `held` dtype and dequantized (a fused tensor of experts, expert by expert, as
-    the store holds them); the rest as they are. Without packing, `entries`."""
+    store packs as `kept` gives it, else quantized from the `held` dtype and dequantized (a fused tensor of experts,
+    expert by expert, as the store holds them); the rest as they are. Without packing, `entries`."""
     if not spec.packed_groups:
         return entries
     packed = {
@@ -246,15 +275,25 @@ def _as_trained(spec: ModelSpec, entries: list, held) -> list:
     }
     fused = {name: covered for name, (_, covered) in spec.fused_checkpoint_names().items()}
 
-    def as_trained(pending: Pending, shapes: list) -> Pending:
+    def as_trained(pending: Pending, parts: tuple, shapes: list) -> Pending:
+        if kept is not None:
+            return Pending(pending.shape, held, lambda: _joined([kept(part) for part in parts], pending.shape))
         return Pending(pending.shape, held, lambda: _round_trip(pending.load().to(held), shapes, format))
 
     format, out = spec.adapter.base_format, []
     for name, pending in entries:
-        shapes = [packed.get(part) for part in fused.get(name, (name,))]
+        parts = fused.get(name, (name,))
+        shapes = [packed.get(part) for part in parts]
         # (a fused tensor's parts are all experts' matrices: packed, all of them)
-        out.append((name, as_trained(pending, shapes) if all(shapes) else pending))
+        out.append((name, as_trained(pending, parts, shapes) if all(shapes) else pending))
     return out
+
+
+def _joined(tensors: list, shape: tuple):
+    """`tensors` back to back as one of `shape` (a fused tensor of experts from the store's per-expert ones)."""
+    import torch
+
+    return torch.cat([t.reshape(-1) for t in tensors]).view(shape)
 
 
 def _round_trip(tensor, shapes: list, format: str):
