@@ -6,6 +6,7 @@ gradient norm, every adapter, the logits after); the dequantization itself equal
 checks that against bitsandbytes, bit for bit). A merged export is that dequantized base plus the adapters."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -188,6 +189,12 @@ def test_a_packed_base_is_kept_beside_the_run_and_read_back_instead_of_quantized
     cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
     assert torch.equal(again(fails_if_quantized=False), changed)
     assert "kept the packed base in" in capsys.readouterr().err
+
+    cache.unlink()  # a disk without room for it twice over keeps its room for the checkpoints
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("megatrain_zoo.hf_weights.shutil.disk_usage", lambda path: SimpleNamespace(free=0))
+        assert torch.equal(again(fails_if_quantized=False), changed)
+    assert not cache.exists() and "not keeping the packed base in" in capsys.readouterr().err
 
 
 def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():

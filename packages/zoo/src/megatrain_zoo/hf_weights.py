@@ -4,6 +4,7 @@ them), checking them against a `ModelSpec` from their headers, and a store's wei
 or a checkpoint writes (`WholeGroups`, `checkpoint_entries`)."""
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from math import prod
@@ -400,13 +401,18 @@ def _packed_cache_key(store: HostStore, files: list[Path]) -> str:
 
 
 def _cache_packed_base(store: HostStore, path: Path, key: str) -> None:
-    """Keep the packed base beside the run, for a resumed run (or eval) to read; a disk that cannot take it only
-    costs that run the quantizing."""
+    """Keep the packed base beside the run, for a resumed run (or eval) to read, where the disk has room for it twice
+    over (the rest stays the checkpoints'); a disk that cannot take it only costs that run the quantizing."""
+    needed = store.arenas["packed"].numel()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        if free < 2 * needed:
+            raise OSError(f"it takes {needed / 2**30:.1f} GiB and the disk has {free / 2**30:.1f} GiB free")
         size = store.packed.save(path, key)
     except OSError as error:
         print(
-            f"megatrain: could not keep the packed base in {path} ({error}); a resumed run quantizes it again",
+            f"megatrain: not keeping the packed base in {path} ({error}); a resumed run quantizes it again",
             file=sys.stderr,
         )
         return
