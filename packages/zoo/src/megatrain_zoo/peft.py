@@ -248,6 +248,7 @@ def _kept_base(spec: ModelSpec, files: list[Path], held, path: Path | None) -> C
 
 
 def _drawn_base(spec: ModelSpec, seed: int, held) -> list:
+    """A preset run's base, drawn as the run drew it from `seed` in `held`."""
     import torch
 
     from .model import init_param_
