@@ -76,9 +76,9 @@ for _name in DEPENDS:
 @nox.session(python="3.11")
 def integration(session: nox.Session) -> None:
     """Tests across packages, against plain PyTorch and Hugging Face transformers."""
-    # accelerate: FP8 checkpoints; peft: LoRA adapters in and out; pytest-xdist: the tests in two processes (CI's
-    # two cores)
-    extra = ("transformers", "accelerate", "peft", "pillow", "pytest-xdist")
+    # accelerate: FP8 checkpoints; peft: LoRA adapters in and out; bitsandbytes: QLoRA checkpoints as transformers
+    # saves them; pytest-xdist: the tests in two processes (CI's two cores)
+    extra = ("transformers", "accelerate", "peft", "pillow", *TEST_REQUIREMENTS["store"], "pytest-xdist")
     install(session, *DEPENDS["megatrain"], "megatrain", extra=extra)
     session.run("pytest", "-q", "-n", "2", "-m", "not gpu", "tests", *session.posargs)
 

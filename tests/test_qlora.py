@@ -197,6 +197,54 @@ def test_a_packed_base_is_kept_beside_the_run_and_read_back_instead_of_quantized
     assert not cache.exists() and "not keeping the packed base in" in capsys.readouterr().err
 
 
+def bitsandbytes_checkpoint(directory, seed: int) -> dict:
+    """A fresh tiny Qwen2 saved as transformers saves a QLoRA base (bitsandbytes' Linear4bit: NF4, double
+    quantization, `QuantState.as_dict(packed=True)` beside each layer matrix, quantization_config in config.json);
+    each such matrix's bitsandbytes dequantization in float32, by name."""
+    import bitsandbytes.functional as bnb
+
+    hf_dense_model("tiny-qwen2", seed).to(torch.bfloat16).save_pretrained(directory)
+    tensors, dequantized = load_file(directory / "model.safetensors"), {}
+    for name in [n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight")]:
+        packed, state = bnb.quantize_4bit(tensors[name], blocksize=64, compress_statistics=True, quant_type="nf4")
+        tensors |= {name: packed} | {f"{name}.{key}": value for key, value in state.as_dict(packed=True).items()}
+        # (flat: bitsandbytes' CPU kernel misreads a 2-D weight whose rows are not whole blocks; test_quant.py)
+        flat = bnb.QuantState(
+            state.absmax, torch.Size([state.shape.numel()]), state.code, 64, "nf4", torch.float32, state.offset,
+            state.state2,
+        )  # fmt: skip
+        with torch.compiler.set_stance("force_eager"):
+            dequantized[name] = bnb.dequantize_4bit(packed, flat).view(state.shape)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys):
+    """A QLoRA base published pre-quantized (transformers + bitsandbytes, as the "-bnb-4bit" models are): over an nf4
+    base the run streams bitsandbytes' own dequantization bit for bit (its bytes taken as they are, not quantized
+    again), full training starts from the same weights in its fp32 masters, and the other tensors are the file's."""
+    dequantized = bitsandbytes_checkpoint(tmp_path / "hf", seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    plain = load_file(tmp_path / "hf" / "model.safetensors")
+    for adapter in (AdapterSection(type="lora", r=R, alpha=8.0, base_dtype="nf4"), AdapterSection()):
+        trainer, _ = make_trainer(tmp_path / "hf", tmp_path / (adapter.type or "full"), 0.05, 1, adapter=adapter)
+        streamed = {name: tensor.float() for name, tensor in trainer.streamed_weights().items()}
+        trainer.close()
+        for name, weight in dequantized.items():
+            assert torch.equal(streamed[name], weight), name
+        for name in streamed.keys() & plain.keys() - dequantized.keys():
+            assert torch.equal(streamed[name], plain[name].float()), name
+    err = capsys.readouterr().err
+    assert (
+        "reading 14 NF4 tensors into the packed base as they are" in err and "reading 14 NF4 tensors dequantized" in err
+    )
+
+
 def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():
     """GRPO's generation merges the adapters on the host (`with_adapters_merged`): a copy of each adapted matrix, and
     the packed layers unpacked first; the planner counts both, so a base the host cannot hold unpacked is refused

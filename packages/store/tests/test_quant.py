@@ -2,6 +2,7 @@
 session): NF4 with double quantization and row-wise int8, bit for bit on the CPU (and the GPU, marked gpu)."""
 
 import dataclasses
+import json
 
 import bitsandbytes.functional as bnb
 import pytest
@@ -14,6 +15,7 @@ from megatrain_store import (
     dequantize_int8,
     dequantize_nf4,
     int8_nbytes,
+    nf4_from_bitsandbytes,
     nf4_nbytes,
     quant,
     quantize_int8,
@@ -58,6 +60,33 @@ def from_bitsandbytes(packed, state) -> QuantizedNF4:
     return QuantizedNF4(
         packed.view(-1), state.absmax, state.state2.absmax, state.offset.view(1), tuple(state.shape), state.dtype
     )
+
+
+def test_a_transformers_qlora_weight_reads_as_bitsandbytes_holds_it():
+    """`QuantState.as_dict(packed=True)`, as transformers saves a QLoRA model's weight beside its codes, read back by
+    `nf4_from_bitsandbytes`: the very arrays, so the dequantization is bitsandbytes'; another form is refused."""
+    weight = random_weight((130, 48), torch.bfloat16, seed=46)
+    packed, state = bnb_nf4(weight)
+    parts = state.as_dict(packed=True)
+    q = nf4_from_bitsandbytes("w", packed, parts, torch.float32)
+    assert torch.equal(q.to_bytes(), from_bitsandbytes(packed, state).to_bytes()) and q.shape == (130, 48)
+    assert torch.equal(dequantize_nf4(q), bnb_dequantize(packed, state, torch.float32))
+
+    def state_with(**changes):
+        values = json.loads(bytes(parts["quant_state.bitsandbytes__nf4"].tolist()).decode()) | changes
+        return parts | {
+            "quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(values).encode()), dtype=torch.uint8)
+        }
+
+    for wrong in (
+        state_with(blocksize=128),
+        state_with(quant_type="fp4"),
+        parts | {"quant_map": parts["quant_map"] * 2},
+    ):
+        with pytest.raises(StoreError, match="w: a bitsandbytes 4-bit weight megatrain does not read .* nf4"):
+            nf4_from_bitsandbytes("w", packed, wrong, torch.float32)
+    with pytest.raises(StoreError, match="the file is damaged"):
+        nf4_from_bitsandbytes("w", packed[:-1], parts, torch.float32)
 
 
 def test_code_values_are_bitsandbytes():

@@ -242,9 +242,10 @@ def test_unsupported_moe_inputs_are_refused():
         config_from_hf({**config_to_hf(PRESETS["tiny-deepseek-v2"]), "topk_method": "noaux_tc"})
     with pytest.raises(ZooError, match="quantization_config 'mxfp4'"):
         config_from_hf({**config_to_hf(PRESETS["tiny-mixtral"]), "quantization_config": {"quant_method": "mxfp4"}})
-    bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
-    with pytest.raises(ZooError, match="'bitsandbytes': .* the bf16 model it was quantized from, .* base_dtype: nf4"):
-        config_from_hf({**config_to_hf(PRESETS["tiny-qwen2"]), "quantization_config": bnb})
+    bnb = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}  # no double quant
+    for config in (bnb, {**bnb, "bnb_4bit_quant_type": "fp4"}, {"quant_method": "bitsandbytes", "load_in_8bit": True}):
+        with pytest.raises(ZooError, match="'bitsandbytes' but not 4-bit NF4 with double .* base_dtype: nf4"):
+            config_from_hf({**config_to_hf(PRESETS["tiny-qwen2"]), "quantization_config": config})
     with pytest.raises(ZooError, match="quantization_config 'fp8'"):  # per-tensor FP8: no weight_block_size
         config_from_hf({**config_to_hf(PRESETS["tiny-deepseek-v3"]), "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ZooError, match="sigmoid"):

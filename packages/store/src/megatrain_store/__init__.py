@@ -17,11 +17,13 @@ from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
 from .packed import PackedBaseFile, PackedLayout, packed_cache_key
 from .pinning import pin_in_place, unpin
 from .quant import (
+    BITSANDBYTES_NF4_PARTS,
     QuantizedInt8,
     QuantizedNF4,
     dequantize_int8,
     dequantize_nf4,
     int8_nbytes,
+    nf4_from_bitsandbytes,
     nf4_nbytes,
     quantize_int8,
     quantize_nf4,
@@ -31,6 +33,7 @@ from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
 
 __all__ = [
+    "BITSANDBYTES_NF4_PARTS",
     "ADAMW",
     "Entry",
     "GroupLayout",
@@ -54,6 +57,7 @@ __all__ = [
     "int8_nbytes",
     "load_tensors_into",
     "match_tensors",
+    "nf4_from_bitsandbytes",
     "nf4_nbytes",
     "open_safetensors",
     "packed_cache_key",

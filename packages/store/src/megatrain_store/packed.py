@@ -166,6 +166,15 @@ class PackedGroups:
         self._written.update(self.layouts)
         return True
 
+    def place(self, group: int, name: str, q: QuantizedNF4) -> None:
+        """Put `q` (a checkpoint's NF4 weight, `nf4_from_bitsandbytes`) as tensor `name` of `group`'s bytes, as it
+        is: after `writing` has filled the group (whose quantizing of the dequantized weight again may differ)."""
+        p = next(p for p in self.layouts[group].entries if p.entry.name == name)
+        if p.format != "nf4" or tuple(q.shape) != tuple(p.entry.shape):
+            raise StoreError(f"{name} is held as {p.format} {p.entry.shape}, not as nf4 {q.shape}")
+        start = self.starts[group] + p.start
+        self.arena[start : start + p.nbytes].copy_(q.to_bytes())
+
     def _zeros(self, numel: int) -> Tensor:
         """[numel] zeros in the compute dtype, in one buffer that every first write reuses (a fresh one a layer
         faulted in a 120B model's 240 GB of pages while it loaded), pinned where a GPU packs: the planner's

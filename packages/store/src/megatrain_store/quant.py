@@ -150,6 +150,36 @@ class QuantizedInt8:
         return QuantizedInt8(codes.view(rows, cols), scales, shape, dtype)
 
 
+BITSANDBYTES_NF4_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4")
+
+
+def nf4_from_bitsandbytes(name: str, weight: Tensor, parts: dict[str, Tensor], dtype: torch.dtype) -> QuantizedNF4:
+    """A weight as a transformers QLoRA checkpoint holds it (bitsandbytes' `Linear4bit`: `NAME` the packed codes,
+    and `NAME.` + each of BITSANDBYTES_NF4_PARTS, `QuantState.as_dict(packed=True)`) as a QuantizedNF4 whose
+    dequantization in `dtype` is bitsandbytes' own: the same arrays. Refused in one line: another 4-bit type, block
+    size or code map, or statistics not double-quantized."""
+    import json
+
+    state = json.loads(bytes(parts["quant_state.bitsandbytes__nf4"].tolist()).decode())
+    expected = {"quant_type": "nf4", "blocksize": BLOCK, "nested_blocksize": ABSMAX_BLOCK, "nested_dtype": "float32"}
+    wrong = {key: state.get(key) for key, value in expected.items() if state.get(key) != value}
+    maps_match = torch.equal(parts["quant_map"].float(), torch.tensor(NF4_CODE)) and torch.equal(
+        parts["nested_quant_map"].float(), dynamic_code()
+    )
+    if wrong or not maps_match or "nested_offset" not in state:
+        raise StoreError(
+            f"{name}: a bitsandbytes 4-bit weight megatrain does not read ({wrong or 'another code map'}); it reads "
+            "NF4 with double quantization, blocks of 64 (bnb_4bit_quant_type: nf4, bnb_4bit_use_double_quant: true)"
+        )
+    shape = tuple(state["shape"])
+    if weight.numel() != -(-math.prod(shape) // 2):
+        raise StoreError(f"{name}: {weight.numel()} bytes of codes for a weight of shape {shape}; the file is damaged")
+    offset = torch.tensor([state["nested_offset"]], dtype=torch.float32)
+    return QuantizedNF4(
+        weight.reshape(-1), parts["absmax"].reshape(-1), parts["nested_absmax"].float(), offset, shape, dtype
+    )
+
+
 def nf4_nbytes(shape: tuple[int, ...]) -> int:
     """Bytes of a weight of this shape in NF4 (QuantizedNF4.nbytes), known before quantizing it."""
     return sum(_nf4_part_sizes(math.prod(shape)))

@@ -401,8 +401,9 @@ def _rope_per_layer_type(hf: dict, rope: dict, model_type: str) -> tuple[dict, f
 
 def _check_quantization(quantization: dict | None, model_type: str) -> None:
     """Quantized checkpoints megatrain dequantizes into its fp32 masters on import: gpt-oss' MXFP4
-    experts, and block-scaled FP8 (DeepSeek-V3, Kimi K2, Qwen3 FP8: `weight` in e4m3 with
-    `weight_scale_inv` per block). Anything else is refused."""
+    experts, block-scaled FP8 (DeepSeek-V3, Kimi K2, Qwen3 FP8: `weight` in e4m3 with
+    `weight_scale_inv` per block), and bitsandbytes' NF4 with double quantization (a QLoRA base saved by
+    transformers; a run over an nf4 base takes its bytes as they are). Anything else is refused."""
     if not quantization:
         return
     method = quantization.get("quant_method", quantization)
@@ -410,11 +411,14 @@ def _check_quantization(quantization: dict | None, model_type: str) -> None:
         return
     if method == "fp8" and quantization.get("weight_block_size") and quantization.get("fmt", "e4m3") == "e4m3":
         return
-    if method == "bitsandbytes":  # (a QLoRA base published pre-quantized, as many 4-bit "-bnb-4bit" models are)
+    if method == "bitsandbytes":  # (a QLoRA base published pre-quantized, as many "-bnb-4bit" models are)
+        nf4 = quantization.get("load_in_4bit") and quantization.get("bnb_4bit_quant_type") == "nf4"
+        if nf4 and quantization.get("bnb_4bit_use_double_quant"):
+            return
         raise ZooError(
-            "config.json has quantization_config 'bitsandbytes': a pre-quantized checkpoint, which megatrain does not "
-            "read; give model.hf_dir the bf16 model it was quantized from, with model.adapter: {type: lora, "
-            "base_dtype: nf4} to hold its base in the same NF4 format (quantized when the run starts)"
+            "config.json has quantization_config 'bitsandbytes' but not 4-bit NF4 with double quantization, the one "
+            "bitsandbytes form megatrain reads (as QLoRA saves it); give model.hf_dir the bf16 model it was "
+            "quantized from, with model.adapter: {type: lora, base_dtype: nf4} to hold its base in that format"
         )
     raise ZooError(
         f"config.json has quantization_config {method!r}: megatrain trains full-precision weights and reads "

@@ -11,9 +11,13 @@ from math import prod
 from pathlib import Path
 
 from megatrain_store import (
+    BITSANDBYTES_NF4_PARTS,
     HostStore,
     Pending,
+    QuantizedNF4,
+    dequantize_nf4,
     match_tensors,
+    nf4_from_bitsandbytes,
     open_safetensors,
     packed_cache_key,
     read_safetensors_header,
@@ -252,6 +256,10 @@ def _read_rows(handles, where, name: str, shape: tuple[int, ...], low: int, high
         return read(name), first * row
     if quantized.kind == "mxfp4":
         return dequantize_mxfp4(read(f"{name}_blocks"), read(f"{name}_scales")), first * row
+    if quantized.kind == "nf4":  # (blocks run across rows: the whole weight, then its rows)
+        import torch
+
+        return dequantize_nf4(_bitsandbytes_nf4(handles, where, name, torch.float32))[first:stop], first * row
     tile = quantized.block[0]
     scale = read(f"{name}_scale_inv", (first // tile, -(-stop // tile)))
     return dequantize_fp8_blocks(read(name), scale, quantized.block, first % tile), first * row
@@ -317,7 +325,8 @@ def _fp8_block(files: list[Path]) -> tuple[int, int]:
 def _read_layout(spec: ModelSpec, files: list[Path]):
     """From the files' headers, read once: (the layout as `_checkpoint_layout`, the tensors they hold
     quantized -> `Quantized`, every name the files must hold -> its shape, every name they hold)."""
-    present = {name for path in files for name in read_safetensors_header(path)}
+    headers = {name: info for path in files for name, info in read_safetensors_header(path).items()}
+    present = set(headers)
     layout = _checkpoint_layout(spec, present)
     quantized, fp8 = {}, None
     for name, (shape, _) in layout.items():
@@ -325,6 +334,8 @@ def _read_layout(spec: ModelSpec, files: list[Path]):
             quantized[name] = Quantized("mxfp4")
         elif len(shape) == 2 and f"{name}_scale_inv" in present:
             quantized[name] = fp8 = fp8 or Quantized("fp8", _fp8_block(files))  # config.json read once
+        elif len(shape) == 2 and f"{name}.{BITSANDBYTES_NF4_PARTS[-1]}" in present:
+            quantized[name] = Quantized("nf4")
     shapes = {
         name: shape for name, (shape, _) in layout.items() if name not in quantized or quantized[name].kind == "fp8"
     }
@@ -332,9 +343,42 @@ def _read_layout(spec: ModelSpec, files: list[Path]):
         shape = layout[name][0]
         if how.kind == "mxfp4":
             shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
+        elif how.kind == "nf4":  # (the state's JSON is as long as it is)
+            shapes |= bitsandbytes_nf4_shapes(
+                name, shape, tuple(headers[f"{name}.{BITSANDBYTES_NF4_PARTS[-1]}"]["shape"])
+            )
         else:
             shapes[f"{name}_scale_inv"] = (-(-shape[0] // how.block[0]), -(-shape[1] // how.block[1]))
     return layout, quantized, shapes, present
+
+
+def bitsandbytes_nf4_shapes(name: str, shape: tuple[int, ...], state: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The tensors a bitsandbytes NF4 weight of `shape` is saved as, by name, with their shapes (`state`: its JSON's)."""
+    blocks = -(-prod(shape) // 64)
+    sizes = {"absmax": (blocks,), "quant_map": (16,), "nested_absmax": (-(-blocks // 256),), "nested_quant_map": (256,)}
+    return {name: (-(-prod(shape) // 2), 1)} | {
+        f"{name}.{part}": sizes.get(part, state) for part in BITSANDBYTES_NF4_PARTS
+    }
+
+
+def _bitsandbytes_nf4(handles, where, name: str, dtype) -> QuantizedNF4:
+    """File tensor `name`, saved by bitsandbytes in NF4 (`bitsandbytes_nf4_shapes`), as a QuantizedNF4 in `dtype`."""
+    parts = {part: handles[where[f"{name}.{part}"]].get_tensor(f"{name}.{part}") for part in BITSANDBYTES_NF4_PARTS}
+    return nf4_from_bitsandbytes(name, handles[where[name]].get_tensor(name), parts, dtype)
+
+
+def _place_packed_nf4(store: HostStore, handles, where, layout: dict, quantized: dict, skip: frozenset[int]) -> None:
+    """A packed base's NF4 matrices as the checkpoint holds them, byte for byte: what `store.writing` packed was
+    their dequantized weights quantized again, which need not give back the same bytes."""
+    group_of = {
+        p.entry.name: g for g, packed in store.packed.layouts.items() for p in packed.entries if p.format == "nf4"
+    }
+    for name, how in quantized.items():
+        covered = layout[name][1]
+        group = group_of.get(covered[0]) if how.kind == "nf4" and len(covered) == 1 else None
+        if group is not None and group not in skip:
+            q = _bitsandbytes_nf4(handles, where, name, store.packed.layouts[group].dtype)
+            store.packed.place(group, covered[0], q)
 
 
 def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
@@ -379,7 +423,8 @@ def _load_native(store: HostStore, spec: ModelSpec, files: list[Path], skip: fro
     where = match_tensors(files, shapes, ignore=spec.checkpoint_names_to_ignore)
     for kind in sorted({how.kind for how in quantized.values()}):
         count = sum(how.kind == kind for how in quantized.values())
-        print(f"megatrain: dequantizing {count} {kind.upper()} tensors into fp32 master weights", file=sys.stderr)
+        into = "into the packed base as they are" if kind == "nf4" and store.packed.layouts else "dequantized"
+        print(f"megatrain: reading {count} {kind.upper()} tensors {into}", file=sys.stderr)
     skipped = sorted(name for name in present if spec.left_out(name) is not None)
     if skipped:
         print(
@@ -389,6 +434,7 @@ def _load_native(store: HostStore, spec: ModelSpec, files: list[Path], skip: fro
         )
     with open_safetensors(where.values()) as handles:
         _fill_groups(store, handles, where, layout, quantized=quantized, skip=skip)
+        _place_packed_nf4(store, handles, where, layout, quantized, skip)
 
 
 def checkpoint_identity(files: list[Path]) -> str:
