@@ -240,9 +240,13 @@ def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys):
         for name in streamed.keys() & plain.keys() - dequantized.keys():
             assert torch.equal(streamed[name], plain[name].float()), name
     err = capsys.readouterr().err
-    assert (
-        "reading 14 NF4 tensors into the packed base as they are" in err and "reading 14 NF4 tensors dequantized" in err
-    )
+    assert "reading 14 NF4 tensors into the packed base as they are" in err
+    assert "reading 14 NF4 tensors dequantized" in err
+    # `megatrain convert` of the directory: the same weights, written dequantized
+    written = load_file(convert(tmp_path / "hf", tmp_path / "converted", dtype="float32") / "model.safetensors")
+    assert written.keys() == streamed.keys()  # (each code's statistics gone with it)
+    assert all(torch.equal(written[name], weight) for name, weight in dequantized.items())
+    assert all(torch.equal(written[name], plain[name].float()) for name in written.keys() - dequantized.keys())
 
 
 def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():

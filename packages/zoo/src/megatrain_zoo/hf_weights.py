@@ -554,7 +554,13 @@ def entries_as_imported(spec: ModelSpec, files: list[Path], where: dict, shapes:
     canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}
     fp8_block = _fp8_block(files) if any(name.endswith("_scale_inv") for name in where) else None
 
+    nf4_parts = tuple(f".{part}" for part in BITSANDBYTES_NF4_PARTS)
+
     def load(name: str, how: str | None):
+        if how == "nf4":
+            keys = (name, *(name + part for part in nf4_parts))
+            with open_safetensors({where[key] for key in keys}) as handles:
+                return dequantize_nf4(_bitsandbytes_nf4(handles, where, name, target))
         keys = {"fp8": (name, f"{name}_scale_inv"), "mxfp4": (f"{name}_blocks", f"{name}_scales")}.get(how, (name,))
         with open_safetensors({where[key] for key in keys}) as handles:
             tensors = [handles[where[key]].get_tensor(key) for key in keys]
@@ -566,13 +572,22 @@ def entries_as_imported(spec: ModelSpec, files: list[Path], where: dict, shapes:
 
     entries = []
     for name in where:
-        if name.endswith(("_scale_inv", "_scales")) or leave_out(name):
+        if name.endswith(("_scale_inv", "_scales", *nf4_parts)) or leave_out(name):
             continue
         shape = shapes[name]
-        how = "fp8" if f"{name}_scale_inv" in where else None
+        how = "fp8" if f"{name}_scale_inv" in where else "nf4" if name + nf4_parts[-1] in where else None
         if name.endswith("_blocks"):
             name, how = name.removesuffix("_blocks"), "mxfp4"
             experts, rows_out, groups, _ = shape
             shape = (experts, groups * MXFP4_BLOCK, rows_out)
+        if how == "nf4":
+            shape = _bitsandbytes_nf4_shape(where, name)
         entries.append((canonical.get(name, name), Pending(shape, target, lambda name=name, how=how: load(name, how))))
     return entries
+
+
+def _bitsandbytes_nf4_shape(where: dict, name: str) -> tuple[int, ...]:
+    """The weight's shape a bitsandbytes NF4 tensor's state (its JSON) records."""
+    key = f"{name}.{BITSANDBYTES_NF4_PARTS[-1]}"
+    with open_safetensors({where[key]}) as handles:
+        return tuple(json.loads(bytes(handles[where[key]].get_tensor(key).tolist()).decode())["shape"])
