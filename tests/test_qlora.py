@@ -22,7 +22,7 @@ from megatrain.export import convert
 from megatrain.planning import machine_of, objective_memory
 from megatrain_store import Entry, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from megatrain_store.packed import quantizes
-from megatrain_zoo import build_model
+from megatrain_zoo import ZooError, build_model
 
 ROUND_TRIP = {"nf4": (quantize_nf4, dequantize_nf4), "int8": (quantize_int8, dequantize_int8)}
 
@@ -242,6 +242,8 @@ def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "reading 14 NF4 tensors into the packed base as they are" in err
     assert "reading 14 NF4 tensors dequantized" in err
+    with pytest.raises(ZooError, match="bitsandbytes NF4 weights, which megatrain's own templates read"):
+        make_trainer(tmp_path / "hf", tmp_path / "generic", 0.05, 1, implementation="transformers")
     # `megatrain convert` of the directory: the same weights, written dequantized
     written = load_file(convert(tmp_path / "hf", tmp_path / "converted", dtype="float32") / "model.safetensors")
     assert written.keys() == streamed.keys()  # (each code's statistics gone with it)

@@ -478,6 +478,11 @@ def _bind_generic_buffers(spec: ModelSpec, files: list[Path]) -> None:
     """A generic model's persistent buffers (Apertus' xIELU beta and eps) set to the checkpoint's values: constants
     its layers compute with, held by its modules rather than the store; the checkpoint is checked on the way."""
     where = {name: path for path in files for name in read_safetensors_header(path) if name != "__metadata__"}
+    if any(name.endswith(BITSANDBYTES_NF4_PARTS[-1]) for name in where):
+        raise ZooError(
+            f"{files[0].parent} holds bitsandbytes NF4 weights, which megatrain's own templates read, not transformers' "
+            "modules; set model.implementation: auto (or native)"
+        )
     try:
         sources = spec.checkpoint_layout.buffer_sources(list(where), str(files[0].parent))
         if sources:
