@@ -23,6 +23,7 @@ from megatrain_store import (
     read_safetensors_header,
 )
 from megatrain_store.progress import progress
+from megatrain_store.quant import ABSMAX_BLOCK, BLOCK
 from megatrain_templates import file_tensors, join_stored, split_precision, split_precision_of
 
 from .config import ZooError
@@ -344,7 +345,7 @@ def _read_layout(spec: ModelSpec, files: list[Path]):
         if how.kind == "mxfp4":
             shapes[f"{name}_blocks"], shapes[f"{name}_scales"] = mxfp4_shapes(shape)
         elif how.kind == "nf4":  # (the state's JSON is as long as it is)
-            shapes |= bitsandbytes_nf4_shapes(
+            shapes |= _bitsandbytes_nf4_shapes(
                 name, shape, tuple(headers[f"{name}.{BITSANDBYTES_NF4_PARTS[-1]}"]["shape"])
             )
         else:
@@ -352,17 +353,18 @@ def _read_layout(spec: ModelSpec, files: list[Path]):
     return layout, quantized, shapes, present
 
 
-def bitsandbytes_nf4_shapes(name: str, shape: tuple[int, ...], state: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+def _bitsandbytes_nf4_shapes(name: str, shape: tuple[int, ...], state: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """The tensors a bitsandbytes NF4 weight of `shape` is saved as, by name, with their shapes (`state`: its JSON's)."""
-    blocks = -(-prod(shape) // 64)
-    sizes = {"absmax": (blocks,), "quant_map": (16,), "nested_absmax": (-(-blocks // 256),), "nested_quant_map": (256,)}
+    blocks = -(-prod(shape) // BLOCK)
+    sizes = {"absmax": (blocks,), "quant_map": (16,), "nested_absmax": (-(-blocks // ABSMAX_BLOCK),)}
+    sizes["nested_quant_map"] = (256,)  # (the 8-bit statistics' code map)
     return {name: (-(-prod(shape) // 2), 1)} | {
         f"{name}.{part}": sizes.get(part, state) for part in BITSANDBYTES_NF4_PARTS
     }
 
 
 def _bitsandbytes_nf4(handles, where, name: str, dtype) -> QuantizedNF4:
-    """File tensor `name`, saved by bitsandbytes in NF4 (`bitsandbytes_nf4_shapes`), as a QuantizedNF4 in `dtype`."""
+    """File tensor `name`, saved by bitsandbytes in NF4 (`_bitsandbytes_nf4_shapes`), as a QuantizedNF4 in `dtype`."""
     parts = {part: handles[where[f"{name}.{part}"]].get_tensor(f"{name}.{part}") for part in BITSANDBYTES_NF4_PARTS}
     return nf4_from_bitsandbytes(name, handles[where[name]].get_tensor(name), parts, dtype)
 
