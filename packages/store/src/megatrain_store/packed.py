@@ -177,13 +177,11 @@ class PackedGroups:
 
     def _zeros(self, numel: int) -> Tensor:
         """[numel] zeros in the compute dtype, in one buffer that every first write reuses (a fresh one a layer
-        faulted in a 120B model's 240 GB of pages while it loaded), pinned where a GPU packs: the planner's
-        "packing buffer"."""
+        faulted in a 120B model's 240 GB of pages while it loaded): the planner's "packing buffer". (Not pinned:
+        torch's pinned allocator rounds up to a power of two, 4 GiB for a 120B layer's 2.9, past the plan.)"""
         if self._scratch is None:
             largest = max(layout.numel for layout in self.layouts.values())
-            pinned = self.pack_on is not None and self.pack_on.type == "cuda"
-            dtype = next(iter(self.layouts.values())).dtype
-            self._scratch = torch.empty(largest, dtype=dtype, pin_memory=pinned)
+            self._scratch = torch.empty(largest, dtype=next(iter(self.layouts.values())).dtype)
         return self._scratch[:numel].zero_()
 
 
