@@ -10,7 +10,7 @@ import torch
 
 from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
-from megatrain_store import PackedLayout, int8_nbytes, nf4_nbytes
+from megatrain_store import int8_nbytes, nf4_nbytes
 from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
 
@@ -257,10 +257,7 @@ class CostModel:
         self.stored_params = self.model.n_params + (spec.adapter_params or 0)
         self.grad_share = 1 - self.frozen_params / self.stored_params if self.adapter else 1.0
         # QLoRA: the layers' base packed (nf4 or int8), its bytes as the store lays them out
-        base_format = spec.adapter.base_format if spec.adapter is not None else None
-        self.packed = {
-            g: PackedLayout.of(spec.groups[g].layout(), base_format, self.dtype).nbytes for g in spec.packed_groups
-        }
+        self.packed = {g: layout.nbytes for g, layout in spec.packed_layouts(self.dtype).items()}
         self.packed_params = sum(self.group_sizes[g] for g in self.packed)
         # the parameters of each stage that cross PCIe as fp32 masters, cast on the GPU (not a base held apart)
         apart = self.frozen if self.adapter else frozenset()

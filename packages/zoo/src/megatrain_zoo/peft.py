@@ -14,7 +14,6 @@ from megatrain_store import (
     Entry,
     HostStore,
     PackedBaseFile,
-    PackedLayout,
     Pending,
     atomic_write_text,
     match_tensors,
@@ -238,7 +237,7 @@ def _kept_base(spec: ModelSpec, files: list[Path], held, path: Path | None) -> C
     otherwise, where the merge quantizes the checkpoint again as the run did."""
     if path is None or not spec.packed_groups:
         return None
-    layouts = {g: PackedLayout.of(spec.groups[g].layout(), spec.adapter.base_format, held) for g in spec.packed_groups}
+    layouts = spec.packed_layouts(held)
     kept = PackedBaseFile(path)
     if not kept.holds(packed_cache_key(checkpoint_identity(files), layouts), layouts):
         return None

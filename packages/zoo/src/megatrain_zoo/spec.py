@@ -4,7 +4,7 @@ builder (native, generic, image-text) returns, and what they say of a checkpoint
 from dataclasses import dataclass
 from typing import Any
 
-from megatrain_store import GroupLayout
+from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import ParamSpec, RouterLoad, fused_expert_names
 
 from .config import LINEAR_ATTENTION_ARCHITECTURES, ModelConfig
@@ -85,6 +85,12 @@ class ModelSpec:
             return frozenset()
         ends = set(self.stages[0].groups) | set(self.stages[-1].groups)
         return frozenset(range(len(self.groups))) - self.adapter_groups - ends
+
+    def packed_layouts(self, dtype) -> dict[int, PackedLayout]:
+        """Each packed group's layout as the store packs it, unpacking into `dtype` (the compute dtype)."""
+        return {
+            g: PackedLayout.of(self.groups[g].layout(), self.adapter.base_format, dtype) for g in self.packed_groups
+        }
 
     def frozen_groups(self, frozen_parts: set[str]) -> frozenset[int]:
         """The groups of the parts `frozen_parts` names, and any unused (those keep no gradient and no optimizer
