@@ -707,6 +707,7 @@ LARGEST = [
     ("qwen2.5-32b", "largest-qwen2.5-32b-h200.json"),
     ("qwen2.5-32b", "lora-qwen2.5-32b-h200.json"),
     ("dense-120b", "qlora-dense-120b-h200.json"),
+    ("mixtral-8x22b", "qlora-mixtral-8x22b-h200.json"),
 ]
 
 
@@ -750,12 +751,14 @@ def largest_models(rows: list[dict]) -> Table:
     return Table(header, body, chosen, align="lrll" + "r" * 9)
 
 
-def dense_120b_measured(rows: list[dict]) -> Table:
-    """dense-120b on one H200 with a 125 GiB host: whole with LoRA over nf4, and its first layers at full precision;
-    host memory planned against the process's peak, and where each step's time went."""
-    chosen = [r for r in steps(rows, parts=True, model="dense-120b") if r["file"].startswith("qlora-")]
+def over_100b_measured(rows: list[dict]) -> Table:
+    """Models of 100B+ on one H200 with a 125 GiB host: dense-120b and Mixtral-8x22B whole with LoRA over nf4, and
+    dense-120b's first layers at full precision; host memory planned against the process's peak, where each step's
+    time went."""
+    chosen = [r for r in steps(rows, parts=True) if r["file"].startswith("qlora-")]
     body = [
         [
+            r["model"],
             r.get("scope", "whole model"),
             f"{r['params_b']}B",
             training(r),
@@ -767,11 +770,13 @@ def dense_120b_measured(rows: list[dict]) -> Table:
             r["flop_convention"],
             seconds(r["time_split_s_per_step"]["copy_in"]),
             seconds(r["time_split_s_per_step"]["gpu_compute_idle"]),
+            f"{r['setup_s']} s",
             str(r["losses"][0]),
         ]
         for r in chosen
     ]
     header = [
+        "model",
         "part",
         "params",
         "training",
@@ -783,9 +788,10 @@ def dense_120b_measured(rows: list[dict]) -> Table:
         "FLOPs counted",
         "copy stream busy",
         "GPU idle",
+        "setup",
         "first loss",
     ]
-    return Table(header, body, chosen, align="lrlrrrrrlrrr")
+    return Table(header, body, chosen, align="llrlrrrrrlrrrr")
 
 
 def disk_tier(rows: list[dict]) -> Table:
@@ -948,6 +954,55 @@ def dense_120b_plans(rows: list[dict]) -> Table:
     return Table(header, body, chosen + list(clipped.values()), align="l" + "r" * 9)
 
 
+def dequantize(rows: list[dict]) -> Table:
+    """A dense-120b layer's packed base dequantized on the GPU (`benchmarks/dequantize.py`): eager chunks against
+    one compiled kernel a weight, alone and beside the layer's GEMMs (the GPU time they lose to it)."""
+    chosen = [r for r in rows if r["file"] == "dequantize-h200.json"]
+    body = [
+        [
+            r["format"],
+            r["kernel"],
+            f"{r['values'] / 1e9:.2f}G",
+            f"{r['alone_ms']} ms",
+            f"{r['g_values_per_s']}",
+            f"{r['gemms_ms']} ms",
+            f"{r['gemms_beside_it_ms']} ms",
+            f"**{r['gpu_ms_lost']} ms**",
+        ]
+        for r in chosen
+    ]
+    header = ["format", "kernel", "values", "alone", "G values/s", "GEMMs alone", "GEMMs beside it", "GPU time lost"]
+    return Table(header, body, chosen, align="llrrrrrr")
+
+
+def dense_120b_full_plans(rows: list[dict]) -> Table:
+    """The whole dense-120b at full precision on one H200, planned on the rates its first 2 layers ran at
+    (`benchmarks/full_precision_plans.py`)."""
+    chosen = plan_rows(rows, "dense-120b-full-plans-h200.json")
+    body = [
+        [
+            f"{num(r['host_size_gib'])} GiB",
+            f"{r['grad_clip']:.1f}" if r["grad_clip"] else "none",
+            f"{num(r['host_memory_gib'])} GiB" + ("" if r["host_holds_it"] else ": does not fit"),
+            str(r["host_bytes_per_param"]),
+            seconds(r["step_time_s"]) if r["host_holds_it"] else "-",
+            num(r["model_tflops"]) if r["host_holds_it"] else "-",
+            (
+                BOUNDS.get(r["bound"], r["bound"])
+                + (f" ({seconds(r['optimizer_s'])} of AdamW)" if r["bound"] == "cpu_optimizer" else "")
+            )
+            if r["host_holds_it"]
+            else "-",
+        ]
+        for r in chosen
+    ]
+    header = ["host", "clipping", "host memory", "B/param", "step", "model TFLOPS", "bound by"]
+    return Table(header, body, chosen, align="rlrrrrl")
+
+
+BOUNDS = {"compute": "GPU compute", "cpu_optimizer": "the CPU optimizer after the backward", "pcie": "PCIe"}
+
+
 def lora_plans(rows: list[dict]) -> Table:
     """What one H200 fine-tunes with LoRA against full training, host by host (`benchmarks/lora_plans.py`): each
     candidate the host holds in some mode (full; LoRA over a bf16, int8 or nf4 base), and the smallest it holds in
@@ -1097,34 +1152,34 @@ def headline(rows: list[dict]) -> Table:
 
 
 def _headline_largest(rows: list[dict]) -> list[tuple]:
-    """The headline's largest models: with LoRA over nf4, at full precision, with LoRA over bf16 on the 125 GiB box."""
-    lines = []
-    full_32b, lora_32b, qlora_120b = largest_models(rows).sources[-3:]
-    lines.append(
+    """The headline's largest models: with LoRA over nf4 (the MoE and the dense one), at full precision, with LoRA
+    over bf16 on the 125 GiB box."""
+    full_32b, lora_32b, qlora_120b, qlora_141b = largest_models(rows).sources[-4:]
+    over_100b = "scaling.md#100b-on-one-gpu-120b-dense-and-141b-mixture-of-experts"
+    return [
         (
-            "dense-120b whole, LoRA r=16 over nf4, on a 125 GiB host: the largest trained on one GPU",
+            "mixtral-8x22b (141B) whole, LoRA r=16 over nf4, on a 125 GiB host: the largest trained on one GPU",
+            qlora_141b,
+            over_100b,
+            f"{qlora_141b['peak_rss_gib']} GiB host memory at peak",
+        ),
+        (
+            "dense-120b whole, LoRA r=16 over nf4, on a 125 GiB host",
             qlora_120b,
-            "scaling.md#100b-a-120b-dense-model",
+            over_100b,
             f"{qlora_120b['peak_rss_gib']} GiB host memory at peak",
-        )
-    )
-    lines.append(
-        (
-            "qwen2.5-32b, the largest trained at full precision on one GPU",
-            full_32b,
-            "scaling.md#the-largest-models-on-one-gpu",
-            "",
-        )
-    )
-    lines.append(
+        ),
+        ("qwen2.5-32b, the largest trained at full precision on one GPU", full_32b, LARGEST_ANCHOR, ""),
         (
             "qwen2.5-32b whole, LoRA r=16, on a 125 GiB host",
             lora_32b,
-            "scaling.md#the-largest-models-on-one-gpu",
+            LARGEST_ANCHOR,
             f"{lora_32b['peak_rss_gib']} GiB host memory at peak",
-        )
-    )
-    return lines
+        ),
+    ]
+
+
+LARGEST_ANCHOR = "scaling.md#the-largest-models-on-one-gpu"
 
 
 def _headline_against_deepspeed(rows: list[dict]) -> list[tuple]:
@@ -1175,12 +1230,14 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "long-context": long_context,
     "several-gpus": several_gpus,
     "largest-models": largest_models,
-    "dense-120b-measured": dense_120b_measured,
+    "over-100b-measured": over_100b_measured,
     "disk-tier": disk_tier,
     "planner-at-shape": planner_at_shape,
     "planner-validation": planner_validation,
     "block-rates": block_rates,
     "dense-120b-plans": dense_120b_plans,
+    "dense-120b-full-plans": dense_120b_full_plans,
+    "dequantize": dequantize,
     "hosts-plans": hosts_plans,
     "lora-plans": lora_plans,
     "kernel-kinds": kernel_kinds,

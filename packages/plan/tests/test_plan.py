@@ -31,6 +31,7 @@ from megatrain_plan import (
     layout_sizes,
     measure_disk_gbps,
 )
+from megatrain_plan.costs import POOL_HOST_SHARE
 from megatrain_sched import EXTRAS_MARGIN
 from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
@@ -550,6 +551,21 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     assert three.placement.sweeps == 3 and three.placement.tokens == 3 * 16384  # 8 micro-batches: 3, 3 and 2
 
 
+def test_a_step_the_host_cannot_hold_in_one_sweep_runs_in_the_sweeps_that_it_holds():
+    """Smaller sweeps offload smaller checkpoints: where one sweep's plan passes the host's budget and more sweeps'
+    plan does not, the planner takes the sweeps, even where they are predicted slower (QLoRA's 405B on a 256 GiB
+    host: each sweep dequantizes the whole base again)."""
+    nf4, gpu = Lora(16, 32.0, ("all-linear",), base_format="nf4"), int(139.8 * 2**30)
+    planner = planner_for(
+        "llama3.1-405b", 32768, micro_batch=1, seq_len=4096, gpu_memory=gpu, host_memory=256 * 2**30, adapter=nf4
+    )
+    one, chosen = planner.place(32768, sweeps=1), planner.place(32768)
+    budget = POOL_HOST_SHARE * 256 * 2**30
+    assert planner.host_bytes(one) > budget >= planner.host_bytes(chosen) and chosen.sweeps > 1
+    assert planner.step_s(chosen) > planner.step_s(one)
+    assert "which the host does not hold" in chosen.why["sweeps"]
+
+
 def test_lora_holds_the_base_once_in_the_compute_dtype_and_trains_its_adapters_alone():
     """LoRA over Qwen2.5-7B: the base at 2 B/param (bf16) and no master, moments or gradients but the adapters'; the
     backward makes no weight gradient of the base (6 FLOPs a parameter with its recompute, not 8) and sends none back;
@@ -579,7 +595,8 @@ def test_lora_holds_the_base_once_in_the_compute_dtype_and_trains_its_adapters_a
 def test_a_packed_base_is_planned_at_the_bytes_the_store_holds_it_in():
     """QLoRA (nf4 or int8 layers): the host item is the bytes `HostStore` allocates for the base (packed layers,
     embedding and head in bf16); the base crosses PCIe at that size; the GPU holds two byte buffers of the largest
-    packed layer; a model the host does not hold is refused naming the mode that would hold it."""
+    packed layer and spends the dequantization's time a sweep; a model the host does not hold is refused naming the
+    mode that would hold it."""
     for format, per_param in (("nf4", 0.5159), ("int8", 1.0)):  # (and the norms' and biases' bf16)
         lora = Lora(16, 32.0, ("all-linear",), base_format=format)
         tuned = planner_for("qwen2.5-7b", 32768, clipping=True, gpu_memory=int(139.8 * 2**30), adapter=lora)
@@ -596,12 +613,18 @@ def test_a_packed_base_is_planned_at_the_bytes_the_store_holds_it_in():
         assert per_param < (store_bytes - 2 * (plan.n_params - layers)) / layers < per_param * 1.005
         crossing = store_bytes + 4 * tuned.spec.adapter_params  # (the adapters as fp32 masters, cast on arrival)
         assert tuned._wire() == pytest.approx(crossing / tuned.stored_params, rel=1e-9)
+        # each packed matrix is dequantized on the GPU twice a sweep, at the GPU time it takes from the layers
+        packed_layouts = [PackedLayout.of(layouts[g], format, torch.bfloat16) for g in packed]
+        values = sum(p.entry.numel for layout in packed_layouts for p in layout.entries if p.format)
+        assert tuned.dequantize_s() == 2 * values / getattr(tuned.rates, f"{format}_dequantize_values_per_s")
     bf16 = planner_for(
         "qwen2.5-7b", 32768, clipping=True, gpu_memory=int(139.8 * 2**30), adapter=Lora(16, 32.0, ("all-linear",))
     )
     ring = 2 * max(PackedLayout.of(layouts[g], "int8", torch.bfloat16).nbytes for g in packed)
     placement = tuned.place(32768)
     assert tuned.persistent_device_bytes(placement) - bf16.persistent_device_bytes(placement) == ring
+    assert bf16.dequantize_s() == 0
+    assert tuned.layers_s(placement) - bf16.layers_s(placement) == pytest.approx(tuned.dequantize_s(), rel=1e-9)
     lora = Lora(16, 32.0, ("all-linear",))
     with pytest.raises(
         PlanError, match=r"it fits with LoRA over an nf4 base \(model.adapter: \{type: lora, base_dtype: nf4\}\)"

@@ -257,8 +257,12 @@ class CostModel:
         self.stored_params = self.model.n_params + (spec.adapter_params or 0)
         self.grad_share = 1 - self.frozen_params / self.stored_params if self.adapter else 1.0
         # QLoRA: the layers' base packed (nf4 or int8), its bytes as the store lays them out
-        self.packed = {g: layout.nbytes for g, layout in spec.packed_layouts(self.dtype).items()}
+        layouts = spec.packed_layouts(self.dtype)
+        self.packed = {g: layout.nbytes for g, layout in layouts.items()}
         self.packed_params = sum(self.group_sizes[g] for g in self.packed)
+        # the packed matrices' values, each dequantized on the GPU every time its layer is bound (forward, backward)
+        self.dequantized_values = sum(p.entry.numel for lay in layouts.values() for p in lay.entries if p.format)
+        self.base_format = spec.adapter.base_format if layouts else None
         # the parameters of each stage that cross PCIe as fp32 masters, cast on the GPU (not a base held apart)
         apart = self.frozen if self.adapter else frozenset()
         self.cast_sizes = [sum(self.group_sizes[g] for g in s.groups if g not in apart) for s in self.spec.stages]
@@ -438,7 +442,19 @@ class CostModel:
         """The GPU's forward, recompute and backward of every layer and the head, a sweep."""
         kept = len(placement.kept) + len(placement.host_kept)
         skipped = len(self.extras(placement)) * self.recurrence_forward_s(placement.tokens)
-        return self.blocks_s(placement.tokens, kept) - skipped + self.head_s(placement.tokens)
+        return self.blocks_s(placement.tokens, kept) - skipped + self.head_s(placement.tokens) + self.dequantize_s()
+
+    def dequantize_s(self) -> float:
+        """A packed base's dequantization, a sweep: every packed matrix twice (its layer's forward and backward), at
+        the GPU time it takes from the layers' kernels beside it (`benchmarks/dequantize.py`)."""
+        if not self.dequantized_values:
+            return 0.0
+        rate = (
+            self.rates.nf4_dequantize_values_per_s
+            if self.base_format == "nf4"
+            else self.rates.int8_dequantize_values_per_s
+        )
+        return 2 * self.dequantized_values / rate
 
     def extras(self, placement: Placement) -> tuple[int, ...]:
         """The stages keeping their products on the GPU that the pipeline will let keep their extra products too,

@@ -52,6 +52,11 @@ class Rates:
     # keeping its recurrence's results skips in its backward's recompute: 1.28 ms at Qwen3.5-0.8B's shape on an
     # H200 (23.5), 4.03 ms at the 27B's on an H100 (22.4), 16k tokens; not calibrated
     recurrence_tflops: float = 23.0
+    # a packed base's values dequantized on the GPU a second, counted as the GPU time they take from the GEMMs
+    # running beside them: one compiled kernel a weight, a dense-120b layer on an H200 (2026-11-29,
+    # `benchmarks/dequantize.py`: 6.16 ms and 8.45 ms of 1.54G values); not calibrated by `megatrain plan`
+    nf4_dequantize_values_per_s: float = 249e9
+    int8_dequantize_values_per_s: float = 182e9
 
 
 def calibration_key(model: ModelConfig, seq_len: int, micro_batch: int) -> str:

@@ -136,20 +136,26 @@ class Planner(CostModel):
         best = one
         for sweeps in self._sweep_counts(one):
             placed = self._place_sweeps(tokens, sweeps, first_disk_group, explain)
-            fits = (
-                self.machine.host_memory is None
-                or self.host_bytes(placed) <= POOL_HOST_SHARE * self.machine.host_memory
-            )
             hidden = self.transfer_s(placed) <= SWEEPS_PCIE_SHARE * self.compute_s(placed)
-            if fits and hidden and self.step_s(placed) < SWEEPS_GAIN * self.step_s(best):
+            # (a step the host holds beats a faster one it does not: smaller sweeps offload smaller checkpoints)
+            faster = self.step_s(placed) < SWEEPS_GAIN * self.step_s(best) or not self._host_holds(best)
+            if self._host_holds(placed) and hidden and faster:
                 best = placed
         if best is not one and explain:
             best.why["sweeps"] = (
                 f"the step runs in {best.sweeps} sweeps of {best.tokens:,} tokens: each lets "
                 f"{len(best.keeping)} layers keep their products where the whole step would let {len(one.keeping)} "
-                f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s)"
+                f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s"
+                + ("" if self._host_holds(one) else ", which the host does not hold")
+                + ")"
             )
         return best
+
+    def _host_holds(self, placement: Placement) -> bool:
+        """Whether the host's budget holds `placement` (a budget left unset holds any)."""
+        return (
+            self.machine.host_memory is None or self.host_bytes(placement) <= POOL_HOST_SHARE * self.machine.host_memory
+        )
 
     def _sweep_counts(self, one: Placement) -> range:
         """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
