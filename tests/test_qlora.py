@@ -6,6 +6,7 @@ gradient norm, every adapter, the logits after); the dequantization itself equal
 checks that against bitsandbytes, bit for bit). A merged export is that dequantized base plus the adapters."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +23,7 @@ from megatrain.export import convert
 from megatrain.planning import machine_of, objective_memory
 from megatrain_store import Entry, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from megatrain_store.packed import quantizes
-from megatrain_zoo import ZooError, build_model
+from megatrain_zoo import ZooError, build_model, hf_weights
 
 ROUND_TRIP = {"nf4": (quantize_nf4, dequantize_nf4), "int8": (quantize_int8, dequantize_int8)}
 
@@ -225,13 +226,14 @@ def bitsandbytes_checkpoint(directory, seed: int) -> dict:
     return dequantized
 
 
-def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys):
+def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys, monkeypatch):
     """A QLoRA base published pre-quantized (transformers + bitsandbytes, as the "-bnb-4bit" models are): over an nf4
     base the run streams bitsandbytes' own dequantization bit for bit (its bytes taken as they are, not quantized
     again), full training starts from the same weights in its fp32 masters, and the other tensors are the file's."""
     dequantized = bitsandbytes_checkpoint(tmp_path / "hf", seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     plain = load_file(tmp_path / "hf" / "model.safetensors")
-    for adapter in (AdapterSection(type="lora", r=R, alpha=8.0, base_dtype="nf4"), AdapterSection()):
+    adapter_nf4 = AdapterSection(type="lora", r=R, alpha=8.0, base_dtype="nf4")
+    for adapter in (adapter_nf4, AdapterSection()):
         trainer, _ = make_trainer(tmp_path / "hf", tmp_path / (adapter.type or "full"), 0.05, 1, adapter=adapter)
         streamed = {name: tensor.float() for name, tensor in trainer.streamed_weights().items()}
         trainer.close()
@@ -249,6 +251,20 @@ def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys):
     assert written.keys() == streamed.keys()  # (each code's statistics gone with it)
     assert all(torch.equal(written[name], weight) for name, weight in dequantized.items())
     assert all(torch.equal(written[name], plain[name].float()) for name in written.keys() - dequantized.keys())
+    # over an nf4 base each NF4 weight is read once, as bytes, never dequantized on the host
+    dequantized_on_load = []
+    real = hf_weights.dequantize_nf4
+    monkeypatch.setattr(
+        hf_weights, "dequantize_nf4", lambda q, *a, **k: dequantized_on_load.append(q) or real(q, *a, **k)
+    )
+    make_trainer(tmp_path / "hf", tmp_path / "once", 0.05, 1, adapter=adapter_nf4)[0].close()
+    assert dequantized_on_load == []
+    # a damaged file, its bytes taken as they are: refused by its scales, naming the tensor
+    name = next(iter(dequantized))
+    plain[f"{name}.nested_absmax"][0] = float("nan")
+    save_file(plain, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ZooError, match=f"tensor {re.escape(name)} in .* holds NaN or Inf"):
+        make_trainer(tmp_path / "hf", tmp_path / "damaged", 0.05, 1, adapter=adapter_nf4)
 
 
 def test_generation_over_a_packed_base_is_planned_with_its_merged_copies():

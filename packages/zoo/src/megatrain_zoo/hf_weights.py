@@ -205,12 +205,14 @@ def _fill_groups(
     quantized=None,
     desc="load weights",
     skip: frozenset[int] = frozenset(),
+    placed: frozenset[str] = frozenset(),
 ) -> None:
     """Copy file tensors into the store group by group through `store.writing` (whatever part of the
     state it holds), refusing any that holds NaN or Inf. `layout`: file tensor name (less `prefix`) ->
     (shape, the stored tensors it is, back to back); a file tensor spanning several groups (a layer's
     experts streamed in parts) is read a group's rows at a time. `quantized` maps tensors stored
-    quantized to how (`Quantized`), dequantized as they are read. Groups in `skip` (adapters) are left as they are."""
+    quantized to how (`Quantized`), dequantized as they are read. Groups in `skip` (adapters) are left as they are;
+    file tensors in `placed` too (a packed base's bytes, placed after: `_place_packed_nf4`)."""
     quantized = quantized or {}
     numel = {e.name: e.numel for lay in store.layouts for e in lay.entries}
     place = {}  # stored name -> (file tensor, its flat offset there)
@@ -229,6 +231,8 @@ def _fill_groups(
                 name, offset = place[part]
                 targets.setdefault(name, []).append((view, offset, part))
             for name, parts in targets.items():
+                if name in placed:
+                    continue
                 low = min(offset for _, offset, _ in parts)
                 high = max(offset + view.numel() for view, offset, _ in parts)
                 rows, start = _read_rows(handles, where, prefix + name, layout[name][0], low, high, quantized.get(name))
@@ -369,18 +373,29 @@ def _bitsandbytes_nf4(handles, where, name: str, dtype) -> QuantizedNF4:
     return nf4_from_bitsandbytes(name, handles[where[name]].get_tensor(name), parts, dtype)
 
 
-def _place_packed_nf4(store: HostStore, handles, where, layout: dict, quantized: dict, skip: frozenset[int]) -> None:
-    """A packed base's NF4 matrices as the checkpoint holds them, byte for byte: what `store.writing` packed was
-    their dequantized weights quantized again, which need not give back the same bytes."""
+def _packed_nf4_names(store: HostStore, layout: dict, quantized: dict, skip: frozenset[int]) -> dict[str, int]:
+    """The checkpoint's NF4 matrices that a packed base takes as they are: file tensor name -> its group."""
     group_of = {
         p.entry.name: g for g, packed in store.packed.layouts.items() for p in packed.entries if p.format == "nf4"
     }
+    names = {}
     for name, how in quantized.items():
         covered = layout[name][1]
         group = group_of.get(covered[0]) if how.kind == "nf4" and len(covered) == 1 else None
         if group is not None and group not in skip:
-            q = _bitsandbytes_nf4(handles, where, name, store.packed.layouts[group].dtype)
-            store.packed.place(group, covered[0], q)
+            names[name] = group
+    return names
+
+
+def _place_packed_nf4(store: HostStore, handles, where, layout: dict, names: dict[str, int]) -> None:
+    """A packed base's NF4 matrices (`names`) as the checkpoint holds them, byte for byte, read once: their
+    dequantized weights quantized again need not give back the same bytes. Their scales are checked as a read
+    weight is (the dequantized values are finite where the absmax is)."""
+    for name, group in names.items():
+        q = _bitsandbytes_nf4(handles, where, name, store.packed.layouts[group].dtype)
+        _check_finite(q.absmax_scales, name, where[name])
+        _check_finite(q.offset, name, where[name])
+        store.packed.place(group, layout[name][1][0], q)
 
 
 def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
@@ -434,9 +449,10 @@ def _load_native(store: HostStore, spec: ModelSpec, files: list[Path], skip: fro
             "the causal language model does not use them and megatrain does not train them",
             file=sys.stderr,
         )
+    placed = _packed_nf4_names(store, layout, quantized, skip)
     with open_safetensors(where.values()) as handles:
-        _fill_groups(store, handles, where, layout, quantized=quantized, skip=skip)
-        _place_packed_nf4(store, handles, where, layout, quantized, skip)
+        _fill_groups(store, handles, where, layout, quantized=quantized, skip=skip, placed=frozenset(placed))
+        _place_packed_nf4(store, handles, where, layout, placed)
 
 
 def checkpoint_identity(files: list[Path]) -> str:
