@@ -166,7 +166,17 @@ def dense_7b_as_users_run(rows: list[dict]) -> Table:
     chosen = [r for r in steps(rows, model="qwen2.5-7b") if r["file"] == "clipping-qwen2.5-7b-h200.json"]
     clipped = sorted((r for r in chosen if r.get("grad_clip")), key=lambda r: r["tokens_per_step"])
     unclipped = {r["tokens_per_step"]: r for r in chosen if not r.get("grad_clip")}
-    header = ["tokens/step", "step", "model TFLOPS", "no clipping", "clipping costs", "planned step", "GPU-updated"]
+    header = [
+        "tokens/step",
+        "step",
+        "model TFLOPS",
+        "no clipping",
+        "clipping costs",
+        "planned step",
+        "GPU-updated",
+        "GPU idle",
+        "host AdamW / host triad",
+    ]
     body = []
     for r in clipped:
         free = unclipped.get(r["tokens_per_step"])
@@ -179,6 +189,8 @@ def dense_7b_as_users_run(rows: list[dict]) -> Table:
                 "-" if free is None else f"{100 * (r['step_time_s'] / free['step_time_s'] - 1):.0f}%",
                 seconds(r.get("predicted_step_s")),
                 num(r.get("gpu_updated_layers")),
+                seconds(r["time_split_s_per_step"]["gpu_compute_idle"]),
+                f"{r['optimizer_gbps']} / {r['host_triad_gbps']} GB/s" if r.get("optimizer_gbps") else "-",
             ]
         )
     return Table(header, body, clipped + list(unclipped.values()))
@@ -1132,7 +1144,15 @@ def headline(rows: list[dict]) -> Table:
         )
     )
     moe = [r for r in moe_steps(rows).sources if r["model"] == "olmoe-1b-7b" and r["tokens_per_step"] == 131072]
-    lines.append(("olmoe-1b-7b (a mixture of experts), 128k tokens/step", moe[0], "scaling.md#mixtures-of-experts", ""))
+    clipping = ", clipping at 1.0" if moe[0].get("grad_clip") else ", no clipping"
+    lines.append(
+        (
+            f"olmoe-1b-7b (a mixture of experts), 128k tokens/step{clipping}",
+            moe[0],
+            "scaling.md#mixtures-of-experts",
+            "",
+        )
+    )
     longest = max(long_context(rows).sources, key=lambda r: r["seq_len"])
     lines.append(
         (
