@@ -329,17 +329,33 @@ def test_correction_biases_balanced_by_load_over_ranks_and_split_hosts_equal_one
         assert split[1][name].sub(one[1][name]).abs().max() < 1e-6, name
 
 
+LORA = {"type": "lora", "r": 4, "alpha": 8.0}
+
+
 @pytest.mark.gpu
 @pytest.mark.two_gpus
-def test_gpu_two_ranks_equal_one_process(tmp_path, tokens):
-    """NCCL, one GPU per rank, pinned shared arenas, collectives on the copy-out stream: float64,
-    so a missing stream dependency would show far above rounding."""
-    changes = {"precision": {"compute_dtype": "float64"}, "model": {"preset": "tiny-mixtral"}}
+@pytest.mark.parametrize(
+    "model, dtype, rel",
+    [
+        ({"preset": "tiny-mixtral"}, "float64", 1e-10),
+        ({"preset": "tiny-mixtral", "adapter": LORA}, "float64", 1e-10),  # (adapters on a MoE's attention)
+        ({"preset": "tiny-qwen2", "adapter": LORA | {"base_dtype": "nf4"}}, "float32", 1e-5),  # (nf4 unpacks to fp32)
+    ],
+    ids=["full", "lora", "qlora-nf4"],
+)
+def test_gpu_two_ranks_equal_one_process(tmp_path, tokens, model, dtype, rel):
+    """NCCL, one GPU per rank, pinned shared arenas, collectives on the copy-out stream: float64 where the base can
+    be, so a missing stream dependency would show far above rounding; LoRA's adapter gradients all-reduced over
+    the ranks, its base held once per host (over a packed nf4 base too, dequantized on each GPU)."""
+    changes = {"precision": {"compute_dtype": dtype}, "model": model}
     one = run(tmp_path, "one", [sys.executable], "cuda", **changes)
     two = run(tmp_path, "two", torchrun(2, "--standalone"), "cuda", **changes)
     for a, b in zip(one[0], two[0]):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-10)
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel)
+    if "adapter" in model:  # (what final/ holds: the adapters alone, trained alike)
+        assert one[1].keys() == two[1].keys() and all("lora_" in name for name in one[1])
+        assert_same_weights(one[1], two[1])
 
 
 @pytest.mark.parametrize("split", [False, True])
