@@ -373,3 +373,26 @@ def test_gpu_one_kernel_equals_the_chunks():
         finally:
             quant.set_fused_dequantize(True)
         assert all(torch.equal(a, b) for a, b in zip(fused, eager))
+
+
+def test_a_dequantization_kernel_that_cannot_compile_leaves_the_chunks_to_do_it(monkeypatch, capsys):
+    """Where torch.compile cannot build the fused kernel on a machine (no compiler, an unsupported GPU), the run says so
+    once and dequantizes in eager chunks from then on, rather than stopping."""
+
+    def cannot_compile(fn):
+        def run(*args):
+            raise torch._dynamo.exc.TorchDynamoException("no working C compiler found\nmore detail")
+
+        return run
+
+    monkeypatch.setattr(quant, "_fused_kernel", cannot_compile)
+    monkeypatch.setattr(quant, "_fused", True)
+    out = torch.zeros(8)
+    assert not quant._ran_fused(quant._int8_values_into, torch.ones(8, dtype=torch.int8), torch.ones(1), 1.0, out, 8)
+    assert not quant._fused and torch.equal(out, torch.zeros(8))  # (nothing written: the chunks write it all)
+    err = capsys.readouterr().err
+    assert "could not build the dequantization kernel (no working C compiler found)" in err and "eager" in err
+    monkeypatch.setattr(quant, "_fused_kernel", lambda fn: fn)  # (compiled: the function itself, on the CPU)
+    monkeypatch.setattr(quant, "_fused", True)
+    assert quant._ran_fused(quant._int8_values_into, torch.ones(8, dtype=torch.int8), torch.ones(1), 1.0, out, 8)
+    assert torch.equal(out, torch.ones(8))

@@ -45,6 +45,7 @@ group's layout knows them).
 """
 
 import math
+import sys
 from dataclasses import dataclass
 from functools import cache
 
@@ -225,8 +226,7 @@ def dequantize_nf4(q: QuantizedNF4, out: Tensor | None = None) -> Tensor:
     absmax = _dynamic_code(q.device).index_select(0, q.absmax_codes.int())
     absmax.mul_(q.absmax_scales.repeat_interleave(ABSMAX_BLOCK)[: absmax.numel()]).add_(q.offset)
     flat = out.view(-1)
-    if _fused and q.device.type == "cuda":
-        _fused_kernel(_nf4_values_into)(q.codes, absmax, _nf4_code(q.device), flat)
+    if _fused and q.device.type == "cuda" and _ran_fused(_nf4_values_into, q.codes, absmax, _nf4_code(q.device), flat):
         return out
     for start in range(0, n, CHUNK):
         stop = min(start + CHUNK, n)
@@ -268,8 +268,8 @@ def dequantize_int8(q: QuantizedInt8, out: Tensor | None = None) -> Tensor:
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows, cols = q.codes.shape
-    if _fused and q.device.type == "cuda":
-        _fused_kernel(_int8_values_into)(q.codes.view(-1), q.scales, _int8_factor(q.device), out.view(-1), cols)
+    fused_args = (q.codes.view(-1), q.scales, _int8_factor(q.device), out.view(-1), cols)
+    if _fused and q.device.type == "cuda" and _ran_fused(_int8_values_into, *fused_args):
         return out
     matrix = out.view(rows, cols)
     step = max(1, CHUNK // cols)
@@ -308,6 +308,24 @@ def _int8_values_into(codes: Tensor, scales: Tensor, factor: Tensor, out: Tensor
     1 / 127), rounded once to out's dtype."""
     i = torch.arange(out.numel(), device=out.device)
     out.copy_(codes.to(torch.float32) * scales[i // cols] * factor)
+
+
+def _ran_fused(fn, *args) -> bool:
+    """Run `fn`'s compiled kernel on `args`; where torch.compile cannot build it on this machine (no compiler, an
+    unsupported GPU), say so once, dequantize in eager chunks from then on (the same bits), and return False."""
+    global _fused
+    try:
+        _fused_kernel(fn)(*args)
+        return True
+    except torch._dynamo.exc.TorchDynamoException as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(
+            f"megatrain: torch.compile could not build the dequantization kernel ({first_line}); dequantizing in "
+            "eager chunks instead (the same bits, more GPU memory traffic; engine.compile: false skips the attempt)",
+            file=sys.stderr,
+        )
+        _fused = False
+        return False
 
 
 @cache
