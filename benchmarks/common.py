@@ -14,6 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from results_schema import check_results, normalize  # noqa: E402
 
+from megatrain.config import ConfigError, load_config  # noqa: E402
+from megatrain.planning import check_plan, make_planner  # noqa: E402
 from megatrain_zoo import flops_per_token  # noqa: E402
 
 
@@ -97,3 +99,37 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.rjust(widths[c]) for c in columns)]
     lines += ["  ".join(str(r.get(c, "")).rjust(widths[c]) for c in columns) for r in rows]
     return "\n".join(lines)
+
+
+H200_MEMORY = int(139.8 * 2**30)  # an H200's memory as torch reports it, for plans of one
+
+
+def planned_row(overrides: list[str], rates, host_gib: int) -> dict:
+    """The planned step of the config `overrides` make, on one H200 and a host of `host_gib` GiB with `rates`, as a
+    results row ("megatrain plan"), and whether the host holds it (refusal: the planner's words where it does not)."""
+    config = load_config(None, overrides)
+    planner = make_planner(config, rates=rates, gpu_memory=H200_MEMORY, host_memory=host_gib * 2**30)
+    plan = planner.plan(planner.place(planner.step_tokens))
+    try:
+        check_plan(plan, planner)
+        refusal = None
+    except ConfigError as error:
+        refusal = str(error)
+    return {
+        "system": "megatrain plan",
+        "model": config.model.preset,
+        "host_size_gib": host_gib,
+        "params_b": round(plan.n_params / 1e9, 1),
+        "host_memory_gib": round(plan.host_bytes / 2**30, 1),
+        "host_bytes_per_param": round(plan.host_bytes_per_param, 2),
+        "host_holds_it": refusal is None,
+        "tokens_per_step": plan.tokens_per_step,
+        "seq_len": config.data.seq_len,
+        "step_time_s": round(plan.step_s, 2),
+        "predicted_step_s": round(plan.step_s, 2),
+        "tokens_per_s": round(plan.tokens_per_s),
+        "model_tflops": round(plan.model_tflops, 1),
+        "bound": plan.bound,
+        "optimizer_s": round(plan.optimizer_s, 2),
+        **({"refusal": refusal} if refusal else {}),
+    }

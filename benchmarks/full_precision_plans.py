@@ -12,10 +12,8 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from common import table, write_results
+from common import planned_row, table, write_results
 
-from megatrain.config import ConfigError, load_config
-from megatrain.planning import check_plan, make_planner
 from megatrain_plan import Rates
 
 RESULTS = Path(__file__).parent / "results"
@@ -23,7 +21,6 @@ MEASURED = RESULTS / "qlora-full-layers-h200.json"
 HOSTS_GIB = (1536, 2048)
 CLIPS = (0.0, 1.0)
 SEQ, MICRO_BATCH, TOKENS = 4096, 4, 32768
-H200_MEMORY = int(139.8 * 2**30)
 
 
 def measured_rates() -> Rates:
@@ -49,34 +46,7 @@ def plan_row(rates: Rates, host_gib: int, clip: float) -> dict:
         "precision.compute_dtype=bfloat16",
         "device=cpu",
     ]
-    planner = make_planner(
-        load_config(None, overrides), rates=rates, gpu_memory=H200_MEMORY, host_memory=host_gib * 2**30
-    )
-    plan = planner.plan(planner.place(planner.step_tokens))
-    try:
-        check_plan(plan, planner)
-        refusal = None
-    except ConfigError as error:
-        refusal = str(error)
-    return {
-        "system": "megatrain plan",
-        "model": "dense-120b",
-        "host_size_gib": host_gib,
-        "grad_clip": clip,
-        "params_b": round(plan.n_params / 1e9, 1),
-        "host_memory_gib": round(plan.host_bytes / 2**30, 1),
-        "host_bytes_per_param": round(plan.host_bytes_per_param, 2),
-        "host_holds_it": refusal is None,
-        "tokens_per_step": plan.tokens_per_step,
-        "seq_len": SEQ,
-        "step_time_s": round(plan.step_s, 2),
-        "predicted_step_s": round(plan.step_s, 2),
-        "tokens_per_s": round(plan.tokens_per_s),
-        "model_tflops": round(plan.model_tflops, 1),
-        "bound": plan.bound,
-        "optimizer_s": round(plan.optimizer_s, 2),
-        **({"refusal": refusal} if refusal else {}),
-    }
+    return {"grad_clip": clip} | planned_row(overrides, rates, host_gib)
 
 
 def main() -> None:

@@ -12,10 +12,8 @@ time counts no weight gradient of the base (6 FLOPs a parameter with its recompu
 
 from pathlib import Path
 
-from common import table, write_results
+from common import planned_row, table, write_results
 
-from megatrain.config import ConfigError, load_config
-from megatrain.planning import check_plan, make_planner
 from megatrain_plan import Rates
 
 RATES = Rates()  # `megatrain plan`'s defaults, which its source names
@@ -30,7 +28,6 @@ MODES = {  # the mode's words -> model.adapter.base_dtype (None: full training, 
 }
 HOSTS_GIB = (125, 256, 512, 1024)
 SEQ, TOKENS = 4096, 32768
-H200_MEMORY = int(139.8 * 2**30)
 
 
 def plan_row(preset: str, host_gib: int, mode: str) -> dict:
@@ -51,33 +48,7 @@ def plan_row(preset: str, host_gib: int, mode: str) -> dict:
         "precision.compute_dtype=bfloat16",
         "device=cpu",
     ] + (lora if base else [])
-    planner = make_planner(
-        load_config(None, overrides), rates=RATES, gpu_memory=H200_MEMORY, host_memory=host_gib * 2**30
-    )
-    plan = planner.plan(planner.place(planner.step_tokens))
-    try:
-        check_plan(plan, planner)
-        refusal = None
-    except ConfigError as error:
-        refusal = str(error)
-    return {
-        "system": "megatrain plan",
-        "model": preset,
-        "mode": mode,
-        "host_size_gib": host_gib,
-        "params_b": round(plan.n_params / 1e9, 1),
-        "host_memory_gib": round(plan.host_bytes / 2**30, 1),
-        "host_bytes_per_param": round(plan.host_bytes_per_param, 2),
-        "host_holds_it": refusal is None,
-        "tokens_per_step": plan.tokens_per_step,
-        "seq_len": SEQ,
-        "step_time_s": round(plan.step_s, 2),
-        "predicted_step_s": round(plan.step_s, 2),
-        "tokens_per_s": round(plan.tokens_per_s),
-        "model_tflops": round(plan.model_tflops, 1),
-        "bound": plan.bound,
-        **({"refusal": refusal} if refusal else {}),
-    }
+    return {"mode": mode} | planned_row(overrides, RATES, host_gib)
 
 
 def main() -> None:

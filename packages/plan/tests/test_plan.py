@@ -625,6 +625,12 @@ def test_a_packed_base_is_planned_at_the_bytes_the_store_holds_it_in():
     assert tuned.persistent_device_bytes(placement) - bf16.persistent_device_bytes(placement) == ring
     assert bf16.dequantize_s() == 0
     assert tuned.layers_s(placement) - bf16.layers_s(placement) == pytest.approx(tuned.dequantize_s(), rel=1e-9)
+    # `megatrain plan` says both: the packed base's file beside a run, the dequantization's share of the GPU's time
+    report = format_plan(tuned.plan(placement), "qwen2.5-7b")
+    assert f"keeps the packed base on disk ({sum(tuned.packed.values()) / 2**30:.1f} GiB in output_dir/cache" in report
+    assert f", {placement.sweeps * tuned.dequantize_s():.2f} s of it dequantizing the base," in report
+    plain = format_plan(bf16.plan(placement), "qwen2.5-7b")
+    assert "packed base" not in plain and "dequantizing" not in plain
     lora = Lora(16, 32.0, ("all-linear",))
     with pytest.raises(
         PlanError, match=r"it fits with LoRA over an nf4 base \(model.adapter: \{type: lora, base_dtype: nf4\}\)"

@@ -58,6 +58,8 @@ class Plan:
     largest_params: dict = field(default_factory=dict)  # mode -> the parameters the host's budget holds in it
     host_source: str = ""  # where host_available came from, in words
     process_bytes: int = 0  # the process's resident memory when planned (outside host_bytes)
+    packed_cache_bytes: int = 0  # a packed base's bytes, also kept on disk beside the run (output_dir/cache)
+    dequantize_s: float = 0.0  # of compute_s: the GPU time a packed base's dequantization takes a step
 
     @property
     def experts_per_stage(self) -> int:
@@ -210,6 +212,11 @@ def _host_line(plan: Plan) -> str:
                 plan.generation_host_bytes,
                 f"; {plan.generation_host_bytes / gib:.1f} GiB of layer copies for streamed generation",
             ),
+            (
+                plan.packed_cache_bytes,
+                f"; a run from a checkpoint also keeps the packed base on disk ({plan.packed_cache_bytes / gib:.1f} "
+                "GiB in output_dir/cache, where the disk has twice that free)",
+            ),
         ],
     )
 
@@ -263,7 +270,11 @@ def _ranks_clause(plan: Plan) -> str:
 def _step_lines(plan: Plan) -> list[str]:
     """The predicted step: its time and parts, what bounds it, its throughput and the rates it came from."""
     compute = "GPU" if plan.gpu_available else "compute"
-    parts = f"{compute} {plan.compute_s:.2f} s, copies {plan.transfer_s:.2f} s, CPU AdamW {plan.optimizer_s:.2f} s"
+    dequantizing = f", {plan.dequantize_s:.2f} s of it dequantizing the base" if plan.dequantize_s else ""
+    parts = (
+        f"{compute} {plan.compute_s:.2f} s{dequantizing}, copies {plan.transfer_s:.2f} s, "
+        f"CPU AdamW {plan.optimizer_s:.2f} s"
+    )
     if plan.disk_s:
         parts += f", disk {plan.disk_s:.2f} s"
     if plan.network_s:

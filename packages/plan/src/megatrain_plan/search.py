@@ -498,6 +498,8 @@ class Planner(CostModel):
             frozen_parts=self._frozen_parts(),
             reference_copy=self.reference_copy,
             generation_host_bytes=self.generation_host_bytes,
+            packed_cache_bytes=sum(self.packed.values()),
+            dequantize_s=placement.sweeps * self.dequantize_s(),
             host_items=host_items,
             largest_params=self.largest_params(placement),
             host_source=self.machine.host_source,
