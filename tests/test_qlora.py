@@ -233,8 +233,16 @@ def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys, monk
     dequantized = bitsandbytes_checkpoint(tmp_path / "hf", seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     plain = load_file(tmp_path / "hf" / "model.safetensors")
     adapter_nf4 = AdapterSection(type="lora", r=R, alpha=8.0, base_dtype="nf4")
+    dequantized_on_load = []
+    real = hf_weights.dequantize_nf4
+    monkeypatch.setattr(
+        hf_weights, "dequantize_nf4", lambda q, *a, **k: dequantized_on_load.append(q) or real(q, *a, **k)
+    )
     for adapter in (adapter_nf4, AdapterSection()):
         trainer, _ = make_trainer(tmp_path / "hf", tmp_path / (adapter.type or "full"), 0.05, 1, adapter=adapter)
+        # over an nf4 base each NF4 weight is read once, as bytes, never dequantized on the host; in full training,
+        # dequantized into the masters
+        assert len(dequantized_on_load) == (0 if adapter is adapter_nf4 else len(dequantized))
         streamed = {name: tensor.float() for name, tensor in trainer.streamed_weights().items()}
         trainer.close()
         for name, weight in dequantized.items():
@@ -251,14 +259,6 @@ def test_a_bitsandbytes_qlora_checkpoint_is_read_as_it_is(tmp_path, capsys, monk
     assert written.keys() == streamed.keys()  # (each code's statistics gone with it)
     assert all(torch.equal(written[name], weight) for name, weight in dequantized.items())
     assert all(torch.equal(written[name], plain[name].float()) for name in written.keys() - dequantized.keys())
-    # over an nf4 base each NF4 weight is read once, as bytes, never dequantized on the host
-    dequantized_on_load = []
-    real = hf_weights.dequantize_nf4
-    monkeypatch.setattr(
-        hf_weights, "dequantize_nf4", lambda q, *a, **k: dequantized_on_load.append(q) or real(q, *a, **k)
-    )
-    make_trainer(tmp_path / "hf", tmp_path / "once", 0.05, 1, adapter=adapter_nf4)[0].close()
-    assert dequantized_on_load == []
     # a damaged file, its bytes taken as they are: refused by its scales, naming the tensor
     name = next(iter(dequantized))
     plain[f"{name}.nested_absmax"][0] = float("nan")
