@@ -991,20 +991,23 @@ def dense_120b_full_plans(rows: list[dict]) -> Table:
     """The whole dense-120b at full precision on one H200, planned on the rates its first 2 layers ran at
     (`benchmarks/full_precision_plans.py`)."""
     chosen = plan_rows(rows, "dense-120b-full-plans-h200.json")
+
+    def planned(r: dict) -> list[str]:
+        """The step's time, model TFLOPS and bound, where the host holds the plan."""
+        if not r["host_holds_it"]:
+            return ["-", "-", "-"]
+        bound = BOUNDS.get(r["bound"], r["bound"])
+        if r["bound"] == "cpu_optimizer":
+            bound += f" ({seconds(r['optimizer_s'])} of AdamW)"
+        return [seconds(r["step_time_s"]), num(r["model_tflops"]), bound]
+
     body = [
         [
             f"{num(r['host_size_gib'])} GiB",
             f"{r['grad_clip']:.1f}" if r["grad_clip"] else "none",
             f"{num(r['host_memory_gib'])} GiB" + ("" if r["host_holds_it"] else ": does not fit"),
             str(r["host_bytes_per_param"]),
-            seconds(r["step_time_s"]) if r["host_holds_it"] else "-",
-            num(r["model_tflops"]) if r["host_holds_it"] else "-",
-            (
-                BOUNDS.get(r["bound"], r["bound"])
-                + (f" ({seconds(r['optimizer_s'])} of AdamW)" if r["bound"] == "cpu_optimizer" else "")
-            )
-            if r["host_holds_it"]
-            else "-",
+            *planned(r),
         ]
         for r in chosen
     ]
