@@ -109,6 +109,10 @@ class PackedLayout:
             self.unpack_entry(p, packed[p.start : p.start + p.nbytes], view.view(p.entry.shape))
         return out
 
+    def named(self, name: str) -> PackedEntry:
+        """The entry of tensor `name`."""
+        return next(p for p in self.entries if p.entry.name == name)
+
     def unpack_entry(self, p: PackedEntry, part: Tensor, out: Tensor) -> Tensor:
         """Dequantize one entry's bytes `part` ([p.nbytes] uint8) into `out` (its shape, in self.dtype)."""
         if p.format is None:
@@ -169,7 +173,7 @@ class PackedGroups:
     def place(self, group: int, name: str, q: QuantizedNF4) -> None:
         """Put `q` (a checkpoint's NF4 weight, `nf4_from_bitsandbytes`) as tensor `name` of `group`'s bytes, as it
         is: after `writing` has filled the group (whose quantizing of the dequantized weight again may differ)."""
-        p = next(p for p in self.layouts[group].entries if p.entry.name == name)
+        p = self.layouts[group].named(name)
         if p.format != "nf4" or tuple(q.shape) != tuple(p.entry.shape):
             raise StoreError(f"{name} is held as {p.format} {p.entry.shape}, not as nf4 {q.shape}")
         start = self.starts[group] + p.start
@@ -210,7 +214,7 @@ class PackedBaseFile:
 
     def entry(self, group: int, layout: PackedLayout, name: str) -> Tensor:
         """Tensor `name` of `group` as the run computed with it (in layout.dtype), its bytes alone read and unpacked."""
-        p = next(p for p in layout.entries if p.entry.name == name)
+        p = layout.named(name)
         with safe_open(str(self.path), framework="pt") as handle:
             part = handle.get_slice(f"group.{group}")[p.start : p.start + p.nbytes].contiguous()
         return layout.unpack_entry(p, part, torch.empty(p.entry.shape, dtype=layout.dtype))

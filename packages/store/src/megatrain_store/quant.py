@@ -44,6 +44,7 @@ so a buffer that starts at a multiple of 4 bytes holds every part aligned; the s
 group's layout knows them).
 """
 
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -159,8 +160,6 @@ def nf4_from_bitsandbytes(name: str, weight: Tensor, parts: dict[str, Tensor], d
     and `NAME.` + each of BITSANDBYTES_NF4_PARTS, `QuantState.as_dict(packed=True)`) as a QuantizedNF4 whose
     dequantization in `dtype` is bitsandbytes' own: the same arrays. Refused in one line: another 4-bit type, block
     size or code map, or statistics not double-quantized."""
-    import json
-
     state = json.loads(bytes(parts["quant_state.bitsandbytes__nf4"].tolist()).decode())
     expected = {"quant_type": "nf4", "blocksize": BLOCK, "nested_blocksize": ABSMAX_BLOCK, "nested_dtype": "float32"}
     wrong = {key: state.get(key) for key, value in expected.items() if state.get(key) != value}

@@ -422,7 +422,7 @@ def load_hf_weights(store: HostStore, spec: ModelSpec, model_dir: Path, cache_di
     files = checkpoint_files(model_dir)
     packed_cache = None if cache_dir is None else cache_dir / PACKED_CACHE
     skip = set(spec.adapter_groups)
-    key = _packed_cache_key(store, files) if packed_cache is not None and store.packed.layouts else None
+    key = packed_base_key(files, store.packed.layouts) if packed_cache is not None and store.packed.layouts else None
     cached = key is not None and store.packed.load(packed_cache, key)
     if cached:
         print(f"megatrain: read the packed base from {packed_cache}, not quantizing it again", file=sys.stderr)
@@ -455,13 +455,11 @@ def _load_native(store: HostStore, spec: ModelSpec, files: list[Path], skip: fro
         _place_packed_nf4(store, handles, where, layout, placed)
 
 
-def checkpoint_identity(files: list[Path]) -> str:
-    """A checkpoint as its files' names, sizes and modification times: what a packed base kept of it depends on."""
-    return repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
-
-
-def _packed_cache_key(store: HostStore, files: list[Path]) -> str:
-    return packed_cache_key(checkpoint_identity(files), store.packed.layouts)
+def packed_base_key(files: list[Path], layouts: dict) -> str:
+    """What a packed base kept of checkpoint `files` in these packed layouts depends on (`packed_cache_key`): the
+    files' names, sizes and modification times, and the layouts."""
+    identity = repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+    return packed_cache_key(identity, layouts)
 
 
 def _cache_packed_base(store: HostStore, path: Path, key: str) -> None:

@@ -18,7 +18,6 @@ from megatrain_store import (
     atomic_write_text,
     match_tensors,
     open_safetensors,
-    packed_cache_key,
     read_safetensors_header,
     write_safetensors,
 )
@@ -26,7 +25,7 @@ from megatrain_store.packed import quantizes, round_trip
 from megatrain_templates import ALL_LINEAR, Lora, file_tensors
 
 from .config import ZooError
-from .hf_weights import _fill_groups, checkpoint_identity
+from .hf_weights import _fill_groups, packed_base_key
 from .spec import ModelSpec
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -239,7 +238,7 @@ def _kept_base(spec: ModelSpec, files: list[Path], held, path: Path | None) -> C
         return None
     layouts = spec.packed_layouts(held)
     kept = PackedBaseFile(path)
-    if not kept.holds(packed_cache_key(checkpoint_identity(files), layouts), layouts):
+    if not kept.holds(packed_base_key(files, layouts), layouts):
         return None
     print(f"megatrain: the merge reads the packed base the run kept in {path}", file=sys.stderr)
     group_of = {p.entry.name: g for g, layout in layouts.items() for p in layout.entries}
