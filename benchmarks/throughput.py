@@ -11,6 +11,7 @@ x tokens / step time, recomputation not counted. Results: JSON (--out) and a tab
 """
 
 import argparse
+import functools
 import gc
 import itertools
 import resource
@@ -303,17 +304,18 @@ def _host_fields(report, plan) -> dict:
     }
 
 
-def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
-    """Plain PyTorch at the largest micro-batch (halving from `micro_seqs`) that fits in GPU memory."""
+def bench_plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip=0.0):
+    """Plain PyTorch at the largest micro-batch (halving from `micro_seqs`) that fits in GPU memory, clipping at
+    `grad_clip` (0: not) as megatrain's rows do."""
     while True:
-        rows = _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup)
+        rows = _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip)
         if rows[-1].get("fits", True) or micro_seqs == 1:
             return rows
         print(f"plain PyTorch: {name} does not fit with micro-batch {micro_seqs}; trying {micro_seqs // 2}", flush=True)
         micro_seqs //= 2
 
 
-def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
+def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup, grad_clip):
     """The same model fully on the GPU: transformers' implementation, fp32 master weights, bf16 autocast,
     per-layer activation checkpointing, fused AdamW. Returns rows, or one row saying it does not fit."""
     rows = []
@@ -323,8 +325,12 @@ def _plain_pytorch(name, seq_len, token_counts, micro_seqs, steps, warmup):
         config = preset(name)
         for tokens in token_counts:
             n_seqs = tokens // seq_len
-            step_s = _time_plain_steps(model, optimizer, config.vocab_size, seq_len, n_seqs, micro_seqs, steps, warmup)
+            step = functools.partial(
+                _plain_step, model, optimizer, config.vocab_size, seq_len, n_seqs, micro_seqs, grad_clip
+            )
+            step_s = _time_plain_steps(step, steps, warmup)
             rows.append(base_row("pytorch-gpu", name, config, seq_len, n_seqs, micro_seqs, step_s))
+            rows[-1]["grad_clip"] = grad_clip
             print(rows[-1], flush=True)
     except torch.cuda.OutOfMemoryError as error:
         rows.append(
@@ -358,16 +364,17 @@ def _plain_model(name):
     return model, optimizer
 
 
-def _time_plain_steps(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs, steps, warmup) -> float:
-    """Warm-up steps, then `steps` timed ones of `n_seqs` sequences: seconds a step."""
+def _time_plain_steps(step, steps, warmup) -> float:
+    """Warm-up calls of `step`, then `steps` timed ones: seconds a step."""
     torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
-        _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs)
-    return timed(lambda: _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs), steps)
+        step()
+    return timed(step, steps)
 
 
-def _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs) -> float:
-    """One AdamW step on `n_seqs` random sequences, in micro-batches of `micro_seqs` under bf16 autocast: the loss."""
+def _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs, grad_clip) -> float:
+    """One AdamW step on `n_seqs` random sequences, in micro-batches of `micro_seqs` under bf16 autocast, the
+    gradients clipped to norm `grad_clip` (0: not): the loss."""
     optimizer.zero_grad(set_to_none=True)
     ids, labels, _ = random_batch(n_seqs, seq_len, vocab_size)
     loss_total = 0.0
@@ -380,6 +387,8 @@ def _plain_step(model, optimizer, vocab_size, seq_len, n_seqs, micro_seqs) -> fl
         ) * (mb_ids.shape[0] / n_seqs)
         loss.backward()
         loss_total += loss.detach()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return float(loss_total)
 
@@ -499,7 +508,9 @@ def main():
         write_results(Path(args.out), payload)
         if args.baseline == "auto" and preset(name).n_params / 1e9 <= args.baseline_max_b:
             token_counts = _token_counts(args)
-            results += bench_plain_pytorch(name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup)
+            results += bench_plain_pytorch(
+                name, args.seq_len, token_counts, args.micro_batch, args.steps, args.warmup, args.grad_clip
+            )
             write_results(Path(args.out), payload)
     columns = ["system", "model", "tokens_per_step", "step_time_s", "tokens_per_s", "model_tflops", "peak_gpu_gib"]
     print(table(results, [*columns, "host_bytes_per_param"]))

@@ -34,6 +34,9 @@ def parse_args():
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--grad-clip", type=float, default=1.0, help="global norm clipping (0: none), as real runs clip"
+    )
     parser.add_argument("--out", default="benchmarks/results/deepspeed.json")
     return parser.parse_args()
 
@@ -86,6 +89,7 @@ def main():
     config = preset(args.model)
     ds_config = json.loads((Path(__file__).parent / "ds_zero3_offload.json").read_text())
     ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    ds_config["gradient_clipping"] = args.grad_clip
     deepspeed.init_distributed()
     world = torch.distributed.get_world_size()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -106,6 +110,7 @@ def main():
         "seq_len": args.seq_len,
         "tokens_per_step": tokens,
         "micro_batch_seqs": args.micro_batch,
+        "grad_clip": args.grad_clip,
         "step_time_s": round(step_s, 3),
         "tokens_per_s": round(tokens / step_s),
         "model_tflops": round(flops_per_token(config, args.seq_len) * tokens / step_s / 1e12, 1),
