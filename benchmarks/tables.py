@@ -429,26 +429,44 @@ def preference_training(rows: list[dict]) -> Table:
 
 
 def generic_template(rows: list[dict]) -> Table:
-    """Any transformers decoder through its own modules against megatrain's native templates, same model and step
-    size: the newest rows of `benchmarks/results/generic-template-*.json`."""
-    generic = [r for r in rows if r["file"].startswith("generic-template-")]
-    chosen = list(newest(generic, lambda r: (r["model"], r["tokens_per_step"], r["implementation"])).values())
-    chosen.sort(key=lambda r: (r["model"], r["tokens_per_step"], r["implementation"] != "native"))
-    body = [
-        [
-            r["model"],
-            r["implementation"],
-            tokens(r["tokens_per_step"]),
-            seconds(r["step_time_s"]),
-            num(r["tokens_per_s"]),
-            f"**{num(r['model_tflops'])}**",
-            f"{r['of_native']:.0%}" if r.get("of_native") else "-",
-            f"{r['kept_layers']} + {r['host_kept_layers']} host",
-        ]
-        for r in chosen
+    """Any transformers decoder through its own modules against megatrain's native templates: each newest run of the
+    generic path beside the newest native run of the same model, GPU, clipping and step size."""
+
+    def run(r: dict) -> tuple:
+        return (r["model"], gpu(r), bool(r.get("grad_clip")), r["tokens_per_step"])
+
+    generic = [r for r in rows if r.get("implementation", "native") != "native" and r.get("model_tflops")]
+    native = newest([r for r in steps(rows) if r.get("implementation", "native") == "native"], run)
+    body, chosen = [], []
+    for r in sorted(newest(generic, run).values(), key=run):
+        ours = native.get(run(r))
+        for row in (ours, r) if ours else (r,):
+            body.append(
+                [
+                    row["model"],
+                    row.get("implementation", "native"),
+                    gpu(row),
+                    f"at {row['grad_clip']}" if row.get("grad_clip") else "none",
+                    tokens(row["tokens_per_step"]),
+                    seconds(row["step_time_s"]),
+                    f"**{num(row['model_tflops'])}**",
+                    f"{row['model_tflops'] / ours['model_tflops']:.0%}" if ours and row is r else "-",
+                    f"{row['kept_layers']} + {row['host_kept_layers']} host",
+                ]
+            )
+            chosen.append(row)
+    header = [
+        "model",
+        "layers",
+        "GPU",
+        "clipping",
+        "tokens",
+        "time",
+        "model TFLOPS",
+        "of native",
+        "layers keeping products",
     ]
-    header = ["model", "layers", "tokens", "time", "tokens/s", "model TFLOPS", "of native", "layers keeping products"]
-    return Table(header, body, chosen, align="llrrrrrr")
+    return Table(header, body, chosen, align="llllrrrrr")
 
 
 def grpo_toy(rows: list[dict]) -> Table:

@@ -119,6 +119,7 @@ def run_rates(
             return machine
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
         start = time.perf_counter()
+        FIRST_CALLS.seconds = 0.0
         try:
             with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
                 layer_tflops, kept_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
@@ -126,10 +127,12 @@ def run_rates(
             return machine
         finally:
             torch.cuda.empty_cache()  # the plan counts the GPU's free memory
-        print(f"megatrain: measured in {time.perf_counter() - start:.0f} s, kept for this shape", file=sys.stderr)
+        took = f"{time.perf_counter() - start:.0f} s ({FIRST_CALLS.seconds:.0f} s of it compiling the run's kernels)"
+        print(f"megatrain: measured in {took}, kept for this shape", file=sys.stderr)
         rates = replace(
             _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops),
-            source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape; the rest {machine.source}",
+            source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape in {took}; "
+            f"the rest {machine.source}",
         )
         save_rates(key, rates, machine=False)
         return rates
@@ -258,13 +261,25 @@ def _rounded(rate: float) -> float:
     return float(f"{rate:.4g}")
 
 
+class _FirstCalls:
+    """The seconds the measurements' first calls took: compiling the kernels (Inductor's, Triton's), which the
+    run's own first steps then find compiled; the rest of a measurement is timing."""
+
+    seconds = 0.0
+
+
+FIRST_CALLS = _FirstCalls()
+
+
 def _sustained_seconds(run: Callable[[], None], warm_s: float = 0.5, timed_s: float = 1.0) -> float:
     """Seconds a call of `run` takes on a GPU kept busy, as in a step: the mean over `timed_s` of calls after
     `warm_s` of them. (A GPU just out of idle runs faster for a while: the best of three 250 ms windows put
     a Qwen2.5-7B block on an H100 at 632 TFLOPS, ten calls right after them at 593, which a 128k step's
     compute matches.)"""
+    start = time.perf_counter()
     run()
     torch.cuda.synchronize()
+    FIRST_CALLS.seconds += time.perf_counter() - start
     start = time.perf_counter()
     run()
     torch.cuda.synchronize()
