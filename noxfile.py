@@ -52,9 +52,11 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
     # --no-compile: pip byte-compiles every module it installs (torch's install: 25 s with it, 7.6 s without, on
-    # two cores); the tests compile only the modules they import
-    session.install("--no-compile", TORCH)
-    session.install("--no-compile", *[f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages], "pytest", *extra)
+    # two cores); the tests compile only the modules they import. --no-build-isolation: the packages build with the
+    # venv's own setuptools instead of one installed afresh for each (five packages: 15.5 s -> 6.4 s)
+    session.install("--no-compile", TORCH, "setuptools>=61")
+    local = [f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages]
+    session.install("--no-compile", "--no-build-isolation", *local, "pytest", *extra)
 
 
 def _package_session(name: str):
