@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import base_row, machine  # noqa: E402
+from common import base_row, machine, steady_steps  # noqa: E402
 from throughput import BenchTrainer, random_batch  # noqa: E402
 
 from megatrain.config import (  # noqa: E402
@@ -79,15 +79,8 @@ def main():
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=generator)))
         return random_batch(n_seqs, args.seq_len, model.vocab_size)
 
-    for _ in range(args.warmup):
-        trainer.train_step(StepBatch(*batch()))
-    trainer.finish_updates()
-    torch.cuda.synchronize()
-    wall = time.perf_counter()
-    losses = [trainer.train_step(StepBatch(*batch())).loss for _ in range(args.steps)]
-    trainer.finish_updates()
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - wall) / args.steps
+    timing = steady_steps(trainer, lambda: StepBatch(*batch()), args.steps, args.warmup)
+    step_s, losses = timing["step_s"], timing["losses"]
     if args.trace_dir:
         rank = 0 if trainer.ranks is None else trainer.ranks.rank
         trainer.timeline.write_chrome_trace(Path(args.trace_dir) / f"trace-{args.model}-{gpus}gpu-rank{rank}.json")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import base_row, fill_random_, machine, table, timed, write_results  # noqa: E402
+from common import base_row, fill_random_, machine, steady_steps, table, timed, write_results  # noqa: E402
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import (  # noqa: E402
@@ -230,31 +230,18 @@ def _batches(config, model, real_text, doc_len):
 
 
 def _time_point(trainer, next_batch, n_seqs, steps, warmup) -> dict:
-    """Warm-up steps, then `steps` timed ones: seconds a step, the warm-up's seconds, the losses, and each
-    track's busy seconds a step (with the compute stream's idle).
-
-    A step's seconds are the steady state's: the window runs from the end of the last warm-up step to the end of
-    the last timed one, and at both ends the step before's updates (the CPU's, after clipping) are still running
-    beside what comes next, as between any two steps of a run. Draining them inside the window would charge one
-    step's whole CPU update to a few steps (Qwen2.5-7B at 32k with clipping: 0.67 s over 3 steps, 7%)."""
+    """Warm-up steps, then `steps` timed ones in the steady state (`common.steady_steps`): seconds a step, the
+    warm-up's seconds, the losses, and each track's busy seconds a step (with the compute stream's idle)."""
     torch.cuda.reset_peak_memory_stats()
-    warm0 = time.perf_counter()
-    for _ in range(warmup):
-        trainer.train_step(StepBatch(*next_batch(n_seqs)))
-    warmup_s = time.perf_counter() - warm0
-    trainer.timeline.spans.clear()
-    wall0 = time.perf_counter()
-    losses = [trainer.train_step(StepBatch(*next_batch(n_seqs))).loss for _ in range(steps)]
-    step_s = (time.perf_counter() - wall0) / steps
-    trainer.finish_updates()  # (after the window: the spans inside it are all recorded)
-    torch.cuda.synchronize()
+    trainer.timeline.spans.clear()  # (the trace written after: this point's warm-up and timed steps)
+    timing = steady_steps(trainer, lambda: StepBatch(*next_batch(n_seqs)), steps, warmup)
     trainer.timeline.resolve()
-    origin = (wall0 - trainer.timeline._origin_host) * 1e6
-    busy = span_totals(trainer.timeline, origin, origin + step_s * steps * 1e6)
-    split = {k: round(v / steps, 3) for k, v in busy.items()} | {
-        "gpu_compute_idle": round(step_s - busy["compute"] / steps, 3)
+    origin = (timing["window_start"] - trainer.timeline._origin_host) * 1e6
+    busy = span_totals(trainer.timeline, origin, origin + timing["step_s"] * steps * 1e6)
+    timing["split"] = {k: round(v / steps, 3) for k, v in busy.items()} | {
+        "gpu_compute_idle": round(timing["step_s"] - busy["compute"] / steps, 3)
     }
-    return {"step_s": step_s, "warmup_s": warmup_s, "losses": losses, "split": split}
+    return timing
 
 
 def _placement_fields(trainer, step_s) -> dict:

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import time
 from dataclasses import asdict
 
 import torch
@@ -28,6 +29,7 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
 
     def gpu_rates(model, seq_len, micro_batch):
         measured.append((seq_len, micro_batch))
+        calibration.FIRST_CALLS.seconds += 7.0  # the first calls' compiling, as `_sustained_seconds` counts it
         return 300.0, 280.0, 500.0, None
 
     monkeypatch.setattr(calibration, "measure_gpu_rates", gpu_rates)
@@ -42,9 +44,25 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     assert (rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops) == (300.0, 280.0, 500.0)
     assert rates.pcie_gbps == half.pcie_gbps
     assert "measured" in rates.source and measured == [(2048, 8)]
+    assert "(7 s of it compiling the run's kernels)" in rates.source  # counted afresh for each measurement
     assert calibration.run_rates(model, cuda, bf16, 2048, 8) == rates and measured == [(2048, 8)]  # remembered
     assert calibration.run_rates(model, cuda, bf16, 2048, 4, measure=False) == half  # the machine's
     assert calibration.run_rates(model, cuda, torch.float32, 2048, 4) == half and len(measured) == 1
     assert calibration.run_rates(model, cuda, bf16, 2048, 4).gpu_tflops == 300.0
     assert measured == [(2048, 8), (2048, 4)]
     assert calibration.load_rates("another shape") == half  # what a run measures is not the machine's calibration
+
+
+def test_a_measured_pass_counts_its_first_call_apart(monkeypatch):
+    """A pass's first call compiles its kernels (which the run then reuses): its seconds are counted apart
+    (`FIRST_CALLS`) and stay out of the rate, which is the mean of the calls after the warm-up."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    calls = []
+
+    def layer_pass():
+        calls.append(None)
+        time.sleep(0.3 if len(calls) == 1 else 0.002)
+
+    monkeypatch.setattr(calibration.FIRST_CALLS, "seconds", 0.0)
+    seconds = calibration._sustained_seconds(layer_pass, warm_s=0.01, timed_s=0.02)
+    assert calibration.FIRST_CALLS.seconds >= 0.3 and seconds < 0.1 and len(calls) > 3
