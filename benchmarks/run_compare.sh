@@ -18,4 +18,4 @@ for point in ${tokens//,/ }; do
     --grad-clip "$clip" --micro-batch "$ds_micro" --steps 2 --out "$row" && deepspeed_rows+=("$row") \
     || echo "deepspeed at $point tokens failed (see above)"
 done
-python benchmarks/compare.py "$out/compare-$model.json" "$out/throughput-$model.json" "${deepspeed_rows[@]}"
+python benchmarks/compare.py "$out/compare-$model.json" "$out/throughput-$model.json" ${deepspeed_rows[@]+"${deepspeed_rows[@]}"}
