@@ -1,3 +1,4 @@
+import contextlib
 import math
 
 import pytest
@@ -5,12 +6,16 @@ import torch
 
 import megatrain_optim.adamw as adamw_module
 from megatrain_optim import (
+    STATE_NAMES,
     AdamWConfig,
     BackgroundStepper,
     DeviceAdamW,
     HostAdamW,
+    HostUpdates,
     OptimError,
     Schedule,
+    UpdatesAfterClipping,
+    UpdatesAsGradientsLand,
     clip_coefficient,
     lr_at,
 )
@@ -392,3 +397,35 @@ def test_device_updates_move_load_balanced_biases_unless_the_gradient_is_not_fin
     device.to_host()
     assert torch.equal(stores[1].master(0), stores[0].master(0))
     assert not torch.equal(stores[1].master(0)[40:52], load_bias_store(bias).master(0)[40:52])
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_both_policies_time_a_resident_groups_update_as_gpu_work(clipping):
+    """A resident group's update is work on the GPU's compute stream: both policies queue it inside `device_span`
+    (a trace then counts it as the GPU's work, not as its idle time), clipped once the norm is known or unclipped as
+    its gradient is made; a host group's update is not."""
+    store = HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=STATE_NAMES)
+    optimizer = HostAdamW(store, AdamWConfig())
+    host = HostUpdates(optimizer, {0: 0, 1: 1}, ["layer0", "layer1"])
+    device = DeviceAdamW(optimizer, [1], torch.device("cpu"))
+    device.to_device()
+    timed = []
+
+    def span(name):
+        timed.append(name)
+        return contextlib.nullcontext()
+
+    policy = (
+        UpdatesAfterClipping(host, 1.0, device, device_span=span)
+        if clipping
+        else UpdatesAsGradientsLand(host, device, device_span=span)
+    )
+    policy.begin_step(0, 1e-3)
+    grad = torch.randn(store.layouts[1].numel)
+    policy.device_grads_made(1, grad, grad.pow(2).sum())
+    store.grad(0).normal_()
+    policy.grads_landed(0, None, store.grad(0).pow(2).sum())
+    policy.end_step(float(grad.norm()), skipped=False)
+    host.wait_all()
+    host.close()
+    assert timed == ["adamw layer1"]

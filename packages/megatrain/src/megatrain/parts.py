@@ -110,7 +110,7 @@ def new_updates(
     span = lambda name: timeline.host_span(name, "optimizer")  # noqa: E731
     updates = HostUpdates(optimizer, forward_order, names, sharing, span)
     if train.grad_clip > 0:
-        return Updates(optimizer, updates, UpdatesAfterClipping(updates, train.grad_clip))
+        return Updates(optimizer, updates, UpdatesAfterClipping(updates, train.grad_clip, device_span=device_span))
     return Updates(optimizer, updates, UpdatesAsGradientsLand(updates, device_span=device_span))
 
 

@@ -234,8 +234,11 @@ class UpdatesAfterClipping:
     layer order, overlapping the next step's forward, which needs layer 0 first. A non-finite norm or loss skips
     the step."""
 
-    def __init__(self, host: HostUpdates, max_norm: float, device: DeviceAdamW | None = None):
+    def __init__(
+        self, host: HostUpdates, max_norm: float, device: DeviceAdamW | None = None, device_span: Span | None = None
+    ):
         self.host, self.device, self.max_norm = host, device, max_norm
+        self.device_span = device_span or (lambda name: nullcontext())
         self.lr, self.steps = 0.0, 0
         self.landed: dict[int, Any] = {}
         host.read_direction = 1
@@ -265,6 +268,7 @@ class UpdatesAfterClipping:
             if group in host.store.frozen:
                 continue
             if self.device is not None and group in self.device.masters:
-                self.device.update(group, landed[group], self.lr, clip, step)
+                with self.device_span(f"adamw {host.names[group]}"):  # (GPU work the next forward follows)
+                    self.device.update(group, landed[group], self.lr, clip, step)
             else:
                 host.queue(group, self.lr, clip, landed[group], step, self.steps)
