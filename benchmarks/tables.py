@@ -70,6 +70,16 @@ def steps(rows: list[dict], system: str = "megatrain", parts: bool = False, **ma
     return chosen
 
 
+def clipping_cell(clip: float | None) -> str:
+    """A table's clipping cell: "at 1.0", or "none"."""
+    return f"at {clip}" if clip else "none"
+
+
+def clipping_words(clip: float | None) -> str:
+    """A headline's words for a run's clipping: "clipping at 1.0", or "no clipping"."""
+    return f"clipping at {clip}" if clip else "no clipping"
+
+
 def newest(rows: list[dict], key: Callable[[dict], object]) -> dict:
     """For each key, the row measured last (by date, then by its place in the files)."""
     best: dict = {}
@@ -261,9 +271,30 @@ COMPARED = [
 DEEPSPEED_BEST_MICRO_BATCH_TOKENS = 32768  # 16 sequences of 2048, 32 of 1024: its best (benchmarks.md)
 
 
+def compared_runs(rows: list[dict]) -> list[list[dict | None]]:
+    """For each entry of COMPARED, the newest run of megatrain, DeepSpeed ZeRO-3 offload (at its best micro-batch) and
+    plain PyTorch on the GPU (None where there is none), all clipping alike (a row without `grad_clip` did not clip:
+    DeepSpeed's config then said 0)."""
+    found = []
+    for model, kind, tokens_per_step, seq_len, clip in COMPARED:
+        found.append([])
+        for system in ("megatrain", "deepspeed-zero3-offload", "pytorch-gpu"):
+            candidates = [
+                r
+                for r in steps(rows, system, model=model, tokens_per_step=tokens_per_step, seq_len=seq_len)
+                if gpu(r) == kind
+                and (r.get("grad_clip") or 0.0) == clip
+                and (
+                    system != "deepspeed-zero3-offload"
+                    or r["micro_batch_seqs"] * seq_len == DEEPSPEED_BEST_MICRO_BATCH_TOKENS
+                )
+            ]
+            found[-1].append(newest(candidates, lambda r: 0).get(0))
+    return found
+
+
 def against_deepspeed(rows: list[dict]) -> Table:
-    """megatrain against DeepSpeed ZeRO-3 offload (at its best micro-batch) and plain PyTorch on the GPU, all clipping
-    alike (a row without `grad_clip` did not clip: DeepSpeed's config then said 0)."""
+    """megatrain against DeepSpeed ZeRO-3 offload and plain PyTorch on the GPU (`compared_runs`)."""
     header = [
         "model",
         "GPU",
@@ -276,25 +307,12 @@ def against_deepspeed(rows: list[dict]) -> Table:
         "megatrain / PyTorch",
     ]
     body, sources = [], []
-    for model, kind, tokens_per_step, seq_len, clip in COMPARED:
-        found = []
-        for system in ("megatrain", "deepspeed-zero3-offload", "pytorch-gpu"):
-            candidates = [
-                r
-                for r in steps(rows, system, model=model, tokens_per_step=tokens_per_step, seq_len=seq_len)
-                if gpu(r) == kind
-                and (r.get("grad_clip") or 0.0) == clip
-                and (
-                    system != "deepspeed-zero3-offload"
-                    or r["micro_batch_seqs"] * seq_len == DEEPSPEED_BEST_MICRO_BATCH_TOKENS
-                )
-            ]
-            found.append(newest(candidates, lambda r: 0).get(0))
+    for (model, kind, tokens_per_step, _, clip), found in zip(COMPARED, compared_runs(rows)):
         ours, deepspeed, pytorch = found
         cells = [f"{r['model_tflops']} ({seconds(r['step_time_s'])})" if r else "-" for r in found]
         cells[0] = f"**{cells[0]}**"
         body.append(
-            [model, kind, tokens(tokens_per_step), f"at {clip}" if clip else "none"]
+            [model, kind, tokens(tokens_per_step), clipping_cell(clip)]
             + cells
             + [
                 ratio(ours and ours["model_tflops"], deepspeed and deepspeed["model_tflops"]),
@@ -449,7 +467,7 @@ def generic_template(rows: list[dict]) -> Table:
                     row["model"],
                     row.get("implementation", "native"),
                     gpu(row),
-                    f"at {row['grad_clip']}" if row.get("grad_clip") else "none",
+                    clipping_cell(row.get("grad_clip")),
                     tokens(row["tokens_per_step"]),
                     seconds(row["step_time_s"]),
                     f"**{num(row['model_tflops'])}**",
@@ -1177,10 +1195,9 @@ def headline(rows: list[dict]) -> Table:
         )
     )
     moe = [r for r in moe_steps(rows).sources if r["model"] == "olmoe-1b-7b" and r["tokens_per_step"] == 131072]
-    clipping = ", clipping at 1.0" if moe[0].get("grad_clip") else ", no clipping"
     lines.append(
         (
-            f"olmoe-1b-7b (a mixture of experts), 128k tokens/step{clipping}",
+            f"olmoe-1b-7b (a mixture of experts), 128k tokens/step, {clipping_words(moe[0].get('grad_clip'))}",
             moe[0],
             "scaling.md#mixtures-of-experts",
             "",
@@ -1237,28 +1254,19 @@ LARGEST_ANCHOR = "scaling.md#the-largest-models-on-one-gpu"
 
 def _headline_against_deepspeed(rows: list[dict]) -> list[tuple]:
     """The headline's rows against DeepSpeed: those that clip (on the H200), and Llama-2-7B's."""
-    compared = against_deepspeed(rows)
     lines = []
-    for (model, kind, tokens_per_step, _, clip), cells in zip(COMPARED, compared.body):
-        if not (clip or model == "llama2-7b"):
-            continue
-        ours = [
-            r
-            for r in compared.sources
-            if r["model"] == model
-            and gpu(r) == kind
-            and r["tokens_per_step"] == tokens_per_step
-            and r["system"] == "megatrain"
-        ]
-        clipping = f"clipping at {clip}" if clip else "no clipping"
-        lines.append(
-            (
-                f"{model}, {tokens(tokens_per_step)} tokens/step, {clipping}",
-                newest(ours, lambda r: 0)[0],
-                "benchmarks.md#against-deepspeed-zero-3-offload",
-                f"{cells[7]} DeepSpeed ZeRO-3 offload",
+    for (model, _, tokens_per_step, _, clip), cells, (ours, *_) in zip(
+        COMPARED, against_deepspeed(rows).body, compared_runs(rows)
+    ):
+        if clip or model == "llama2-7b":
+            lines.append(
+                (
+                    f"{model}, {tokens(tokens_per_step)} tokens/step, {clipping_words(clip)}",
+                    ours,
+                    "benchmarks.md#against-deepspeed-zero-3-offload",
+                    f"{cells[7]} DeepSpeed ZeRO-3 offload",
+                )
             )
-        )
     return lines
 
 
