@@ -3,6 +3,7 @@ given or simulated, and the rates."""
 
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from megatrain_plan import (
     measure_disk_gbps,
 )
 from megatrain_plan.costs import POOL_HOST_SHARE
+from megatrain_plan.search import _Counts
 from megatrain_sched import EXTRAS_MARGIN
 from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
@@ -433,7 +435,7 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     assert plan_for("qwen2.5-7b", 131072, gpu_memory=h100).gpu_updated_layers == 1  # see below
     assert plan_for("qwen2.5-7b", 16384, gpu_memory=h100, gpus=2).gpu_updated_layers == 0
     clipped = plan_for("qwen2.5-7b", 16384, clipping=True, gpu_memory=h100)
-    assert clipped.gpu_updated_bytes == 16 * sum(stages[: 1 + clipped.gpu_updated_layers])  # and the gradients
+    assert clipped.gpu_updated_bytes == 12 * sum(stages[: 1 + clipped.gpu_updated_layers])  # (gradients: the step's)
     tied = preset("qwen2.5-0.5b")  # its table is the head's weight too: the head's norm group goes with it
     assert gpu_updated_groups(build_model(tied), 2) == [0, 1, 2, tied.n_layers + 1]
     several = planner_for("qwen2.5-7b", 16384, gpu_updated_layers=2, gpu_memory=h100, gpus=2)
@@ -458,11 +460,40 @@ def test_with_clipping_the_first_blocks_on_the_gpu_are_as_many_as_give_the_faste
     fitting = {n: plan.step_s for n, plan in alone.items() if plan.gpu_bytes <= h200}
     assert alone[1].bound == "cpu_optimizer" and 1 < auto.gpu_updated_layers < 28
     assert auto.step_s <= min(fitting.values()) * 1.02 and auto.step_s < 0.8 * alone[1].step_s
-    assert auto.gpu_bytes <= h200 and auto.gpu_updated_bytes == 16 * sum(
+    assert auto.gpu_bytes <= h200 and auto.gpu_updated_bytes == 12 * sum(
         layout_sizes(build_model(preset("qwen2.5-7b")))[1][: 1 + auto.gpu_updated_layers]
-    )  # fp32 master, two moments and the gradient held for the norm
+    )  # fp32 master and two moments (the gradients held for the norm: the step's, below)
     unclipped = {key: value for key, value in settings.items() if key != "clipping"}
     assert plan_for("qwen2.5-7b", 131072, **unclipped).gpu_updated_layers == 1  # (large steps: as before)
+
+
+def test_with_clipping_the_resident_gradients_take_the_room_the_last_products_leave():
+    """With clipping a resident group's fp32 gradient is held from its backward to the step's end, while the
+    backward frees each stage's checkpoint and kept products as it goes: the step's device bytes count the most
+    both hold at once (Qwen2.5-7B at 32k with 18 resident blocks and 15 kept layers peaked at 113.8 GiB of an H200
+    where their sum counted 136 GiB), and the room that leaves keeps more products."""
+    h200 = 139 * 2**30
+    settings = {"seq_len": 4096, "micro_batch": 4, "gpu_memory": h200, "gpu_updated_layers": 18}
+    clipped, unclipped = (planner_for("qwen2.5-7b", 32768, clipping=c, **settings) for c in (True, False))
+    sizes = layout_sizes(clipped.spec)[0]
+    gradients = 4 * sum(sizes[: 1 + 18])  # the embedding's and the first 18 blocks'
+    layer_products = 32768 * clipped.product_bytes_per_token
+    checkpoints = sum(clipped.checkpoint_bytes(i, 32768) for i in clipped.blocks)
+    bytes_of = {}
+    for kept in (0, 22):
+        placement = clipped.placement_of(_Counts(32768, resident=18, kept=kept))
+        bytes_of[kept] = clipped.step_device_bytes(placement), unclipped.step_device_bytes(placement)
+    # no products: the most is at the backward's end, every held gradient and no activation
+    assert bytes_of[0][0] == bytes_of[0][1] - checkpoints + gradients
+    # the last 22 layers' products: those of layers 19-28, freed before the first held gradient, hold more
+    assert 10 * layer_products > gradients and bytes_of[22][0] == bytes_of[22][1]
+    # in sweeps every resident gradient is carried from the first sweep's backward: all of them, at once
+    swept = clipped.placement_of(_Counts(16384, sweeps=2, resident=18, kept=6))
+    one = replace(swept, sweeps=1)
+    assert clipped.sweeps_device_bytes(swept) == 4 * max(clipped.stage_sizes) + gradients
+    assert clipped.backward_peak(one) > clipped.backward_peak(swept)  # (which counts them no more)
+    # the room left keeps 22 layers' products where counting both whole kept 15 (the run above)
+    assert planned(planner_for("qwen2.5-7b", 32768, clipping=True, **settings)).kept_layers >= 20
 
 
 def test_a_set_gradient_pool_is_planned_as_set(monkeypatch):

@@ -104,7 +104,7 @@ class Planner(CostModel):
         resident = resident_stages(self.spec, counts.resident)
         holdable = [i for i in self.holdable if i not in resident]
         last_block = self.n_stages - 2
-        kept = tuple(range(last_block - counts.kept + 1, last_block + 1))
+        kept = self._last_blocks(counts.kept)
         candidates = list(range(max(1, last_block + 1 - self.keepable), last_block + 1 - counts.kept))
         n = min(counts.host_kept, len(candidates))
         host_kept = tuple(candidates[i * len(candidates) // n] for i in range(n))
@@ -122,6 +122,10 @@ class Planner(CostModel):
             **step,
         )
         return replace(placement, device_step_bytes=self.step_device_bytes(placement))
+
+    def _last_blocks(self, count: int) -> tuple[int, ...]:
+        last_block = self.n_stages - 2
+        return tuple(range(last_block - count + 1, last_block + 1))
 
     def place(
         self, tokens: int, first_disk_group: int | None = None, explain: bool = True, sweeps: int | None = None
@@ -209,8 +213,14 @@ class Planner(CostModel):
             return min(setting, self.keepable)
         if self.machine.gpu_memory is None or not self.keepable:
             return 0
-        stage_products = counts.tokens * self.product_bytes_per_token
-        return min(self.keepable, max(0, int(self._room_for_products(counts) // stage_products)))
+        none = self.placement_of(replace(counts, kept=0))
+        room = self._device_room(none) + self.backward_peak(none)  # for the step's activations and held gradients
+        low, high = 0, self.keepable  # the most that fit (the peak grows with them: a bisection)
+        while low < high:
+            middle = (low + high + 1) // 2
+            fits = self.backward_peak(none, kept=self._last_blocks(middle)) <= room
+            low, high = (middle, high) if fits else (low, middle - 1)
+        return low
 
     def _offloaded_to_fit(self, tokens: int) -> int:
         """First blocks whose checkpoints go to host memory: all or none as set; auto, those that do not fit in
@@ -275,7 +285,8 @@ class Planner(CostModel):
         times = {}
         for resident in range(len(self.blocks) + 1):
             draft = replace(counts, resident=resident)
-            if resident and self.resident_state_bytes(self.placement_of(draft)) > budget:
+            state = self.resident_state_bytes(self.placement_of(draft))
+            if resident and (state > budget or self._room_for_products(draft) < 0):  # (their gradients too)
                 break
             times[resident] = self.step_s(self.placement_of(replace(draft, kept=self._kept(draft))))
         fastest = min(times.values())
