@@ -267,9 +267,9 @@ def test_weights_present_before_every_compute(n_slots, held_layers):
     held = {}
     copies = 0
     for kind, what, slot in log:
-        if kind == "copy_in":
+        if kind in ("copy_in", "cast"):
             held[slot] = what
-            copies += 1
+            copies += kind == "copy_in"
         elif kind == "reuse":
             assert held[slot] == what
         elif kind == "no_copy":
@@ -287,6 +287,33 @@ def test_weights_present_before_every_compute(n_slots, held_layers):
     assert held == [*range(1, 1 + held_layers), *range(held_layers, 0, -1)]  # the first blocks, both ways
     grad_outs = [what for kind, what, _ in log if kind == "grad_out"]
     assert sorted(grad_outs) == list(range(store.n_groups))
+
+
+def test_streamed_stages_after_resident_ones_are_copied_while_those_compute():
+    """Resident blocks cast into a slot of their own, so the rotating slots are free for the streamed stages after
+    them: with the table and the first three blocks resident, the last block's and the head's copies are queued
+    before the first block computes, each into a slot no queued compute still reads (the table, larger than a
+    block, is cast into a rotating slot)."""
+    store, host_pipeline, _ = build(4, tied=False)
+    device_masters = {g: store.master(g).clone() for g in range(4)}  # the table and the first three blocks
+    pipeline = LayerPipeline(
+        host_pipeline.stages,
+        store,
+        torch.device("cpu"),
+        placement=Placement.build(len(host_pipeline.stages), resident=(0, 1, 2, 3)),
+        device_masters=device_masters,
+    )
+    log = pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0).log
+    issued = [(kind, what, slot) for kind, what, slot in log if kind in ("copy_in", "cast", "reuse", "compute")]
+    first_block = issued.index(("compute", 1, "cast"))
+    assert ("cast", 0, 0) in issued and {("copy_in", 4, 1), ("copy_in", 5, 0)} <= set(issued[:first_block])
+    holds: dict = {}  # slot -> the stage whose weights it holds, in the order the work was queued
+    for kind, what, slot in issued:
+        if kind in ("copy_in", "cast"):
+            holds[slot] = what
+        elif kind == "compute" and what != 0:  # (the table's backward reads no weights)
+            assert holds[slot] == what, f"stage {what} computed in slot {slot} holding {holds[slot]}"
+    assert [what for kind, what, slot in issued if kind == "cast"] == [0, 1, 2, 3, 2, 1]  # (3's backward: reused)
 
 
 def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over():
@@ -318,8 +345,9 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
     assert all(torch.allclose(sq, grads[g].pow(2).sum(), rtol=1e-4) for g, (_, sq) in handed.items())
     assert sorted(landed) == [0, 3, 4, 5] and sorted(handed) == [1, 2]
     assert (1,) not in fetched and (2,) not in fetched
-    casts = [what for kind, what, _ in result.log if kind == "cast"]
-    assert casts == [1, 2, 2, 1]  # forward and backward (stage 2 not next to the head: cast again)
+    casts = [(kind, what) for kind, what, slot in result.log if slot == "cast" and kind in ("cast", "reuse")]
+    # in a slot of their own, cast at their turn: stage 2's backward finds its forward's cast there
+    assert casts == [("cast", 1), ("cast", 2), ("reuse", 2), ("cast", 1)]
     held = [what for kind, what, slot in result.log if kind == "compute" and str(slot).startswith("held")]
     assert held == [3, 3]  # the first block not updated on the device
 

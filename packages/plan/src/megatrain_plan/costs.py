@@ -288,9 +288,10 @@ class CostModel:
         return self.params(placement.resident) * 4 * (1 + len(STATE_NAMES))
 
     def persistent_device_bytes(self, placement: Placement) -> int:
-        """GPU bytes that outlive a step: the rotating slots, the fp32 staging buffers (and the packed base's two byte
-        buffers), held weights, resident state."""
+        """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slot), the fp32 staging
+        buffers (and the packed base's two byte buffers), held weights, resident state."""
         slots = self.engine.n_slots * max(self.stage_sizes) * self.element
+        slots += max((self.stage_sizes[i] for i in placement.resident if i in self.blocks), default=0) * self.element
         casts = self.element < 4 and not self.wire_copy and max(self.cast_sizes) > 0
         staging = math.prod(staging_buffers(max(self.cast_sizes))) * 4 if casts else 0
         packed_ring = 2 * max(self.packed.values(), default=0)
@@ -544,7 +545,8 @@ class CostModel:
         runs no faster than its weights arrive (a MoE forward, a quarter of little active work, often waits for
         them); the backward's weights come in beside its gradients and reloads going out, on a duplex link.
         Resident blocks compute first in the forward and last in the backward with no copy to hide behind
-        them (held blocks' forward copies may start meanwhile: their buffers are their own). A sweep after the
+        them; held blocks' forward copies, and those of the first stages streamed after them (one a rotating slot),
+        may start meanwhile. A sweep after the
         first brings the gradient sums back in beside its weights (here, a sweep's average); the resident groups'
         update, once a step, is `phases`'."""
         pcie, duplex = self.rates.pcie_gbps * 1e9, self.rates.pcie_duplex_gbps * 1e9
@@ -556,7 +558,9 @@ class CostModel:
         activations_out = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
         activations_out += len(placement.host_kept) * tokens * self.product_bytes_per_token
         forward_compute, backward_compute = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
-        early_s = min(held * wire / pcie, share * forward_compute)
+        streamed_after = [i for i in range(self.n_stages) if i not in placement.resident and i not in placement.held]
+        ahead = self.params(tuple(streamed_after[: self.engine.n_slots])) if placement.resident else 0
+        early_s = min((held + ahead) * wire / pcie, share * forward_compute)
         forward_s = share * forward_compute + max(
             (1 - share) * forward_compute, streamed * wire / pcie - early_s, activations_out / pcie
         )

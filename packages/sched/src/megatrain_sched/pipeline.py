@@ -323,6 +323,7 @@ class LayerPipeline:
         for position, stage_index in enumerate(step.order):
             slot_name, slot = self.weights.slot(position)
             last = self._queue_copies(step, position)
+            self.weights.cast(position, step.log)
             if train and position >= n_stages - 1:
                 self.activations.reload_ahead(step.order[position] - 1 if position >= n_stages else n_stages - 2)
             streams.wait(streams.compute, slot.ready)
@@ -339,7 +340,7 @@ class LayerPipeline:
             slot.free = streams.record(streams.compute)
             if train and position >= n_stages - 1:
                 self.gradients.send(stage_index, step.log)
-            while step.fetched < last:  # what the optimizer had not finished before, waiting for it now
+            while step.fetched < min(last, position + 1):  # what the optimizer had not finished, waiting now
                 step.fetched += 1
                 self.weights.fetch(step.fetched, step.log)
         # the squared norms are written on the copy-out stream, behind each group's reduction
@@ -418,14 +419,14 @@ class LayerPipeline:
 
     def _queue_copies(self, step: _Step, position: int) -> int:
         """Queue the weights of every position up to `position` (waiting for their updates where need be), then
-        those of the next positions whose updates are done; the last position the slots hold meanwhile.
+        those of the next positions whose updates are done, up to the last the slots can take (`last_to_fetch`).
         (A template that waits for the GPU, a MoE part reading its row count, would otherwise hold the next
         copies back until its compute is nearly done, and the next stage would wait for them.)"""
         weights = self.weights
         while step.fetched < position:
             step.fetched += 1
             weights.fetch(step.fetched, step.log)
-        last = min(position + len(weights.slots) - 1, len(step.order) - 1)
+        last = weights.last_to_fetch(position)
         while step.fetched < last and self.hooks.updates_done(self.stages[step.order[step.fetched + 1]].groups):
             step.fetched += 1
             weights.fetch(step.fetched, step.log)
