@@ -911,7 +911,8 @@ def planner_at_shape(rows: list[dict]) -> Table:
 
 
 def run_key(row: dict) -> tuple:
-    """What makes two rows the same run: model, part, GPU, tokens per step, a long sequence, packing, the disk tier."""
+    """What makes two rows the same run: model, part, GPU, tokens per step, a long sequence, packing, the disk tier,
+    clipping, and the layers' implementation (native templates or transformers' own modules)."""
     long_sequence = row["seq_len"] if row.get("seq_len", 0) > 4096 else None
     return (
         row["model"],
@@ -922,6 +923,7 @@ def run_key(row: dict) -> tuple:
         row.get("doc_len") or 0,
         bool(row.get("disk_gib")),
         bool(row.get("grad_clip")),
+        row.get("implementation", "native"),
     )
 
 
@@ -938,6 +940,7 @@ def planner_validation(rows: list[dict]) -> Table:
         name = r["model"] + ("" if part(r) == "whole model" else f", {part(r)}")
         name += ", disk tier" if r.get("disk_gib") else f", documents of {r['doc_len']}" if r.get("doc_len") else ""
         name += f", clipping at {r['grad_clip']}" if r.get("grad_clip") else ""
+        name += ", through transformers' layers" if r.get("implementation") == "transformers" else ""
         shape = f"{tokens(r['tokens_per_step'])} ({r['seq_len']:,} x {r['tokens_per_step'] // r['seq_len']})"
         body.append(
             [
