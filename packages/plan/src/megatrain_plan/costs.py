@@ -545,10 +545,9 @@ class CostModel:
         runs no faster than its weights arrive (a MoE forward, a quarter of little active work, often waits for
         them); the backward's weights come in beside its gradients and reloads going out, on a duplex link.
         Resident blocks compute first in the forward and last in the backward with no copy to hide behind
-        them; held blocks' forward copies, and those of the first stages streamed after them (one a rotating slot),
-        may start meanwhile. A sweep after the
-        first brings the gradient sums back in beside its weights (here, a sweep's average); the resident groups'
-        update, once a step, is `phases`'."""
+        them; held blocks' forward copies, and those of the first stages streamed after them (as many as the
+        rotating slots), may start meanwhile. A sweep after the first brings the gradient sums back in beside its
+        weights (here, a sweep's average); the resident groups' update, once a step, is `phases`'."""
         pcie, duplex = self.rates.pcie_gbps * 1e9, self.rates.pcie_duplex_gbps * 1e9
         tokens, wire = placement.tokens, self._wire()
         layers_s = self.layers_s(placement)

@@ -17,6 +17,7 @@ SMs behind the compute stream's GEMMs (about one cast gets in where a GEMM ends)
 where it can and the copy engine runs up to a stage ahead of the casts.
 """
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +178,7 @@ class WeightStream:
     def last_to_fetch(self, position: int) -> int:
         """The last position whose weights may be queued before `position` computes: a rotating slot's copy waits
         for the compute that last read it, which must be queued already (a position before `position`)."""
-        queued = sum(1 for p in self.rotating if p < position)  # rotating positions whose compute is queued
+        queued = bisect.bisect_left(self.rotating, position)  # rotating positions whose compute is queued
         after = queued + len(self.slots)  # the first rotating position whose slot's last reader is not
         return self.rotating[after] - 1 if after < len(self.rotating) else len(self.order) - 1
 
@@ -198,7 +199,8 @@ class WeightStream:
         return slot.buffer[: self.rows.table.numel()], self.rows.local[micro_batch]
 
     def fetch(self, position: int, log: list) -> None:
-        """Queue the copy of position's weights into its slot (or reuse what is there)."""
+        """Queue the copy of position's weights into its slot (or reuse what is there); a resident block's cast
+        waits for its turn (`cast`)."""
         stage = self.order[position]
         slot_name, slot = self.slot(position)
         if slot_name == "cast":  # (at its turn: `cast`)
@@ -263,6 +265,7 @@ class WeightStream:
         self._cast_device_masters(slot, stage, "cast", log)
 
     def _cast_device_masters(self, slot: Slot, stage: int, slot_name: Any, log: list) -> None:
+        """Queue the cast of the stage's device masters into `slot` on the compute stream."""
         with self.streams.on(self.streams.compute):
             for view, group in zip(self.views(slot, stage), self.stages[stage].groups):
                 view.copy_(self.device_masters[group])
