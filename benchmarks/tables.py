@@ -171,7 +171,7 @@ def dense_7b_by_step_size(rows: list[dict]) -> Table:
 
 
 def dense_7b_as_users_run(rows: list[dict]) -> Table:
-    """Qwen2.5-7B on one H200 with clipping at 1.0 (what users run), the no-clip step of the same call beside it
+    """Qwen2.5-7B on one H200 with clipping at 1.0 (what users run), the newest no-clip step of the file beside it
     where the file has one: `benchmarks/results/clipping-qwen2.5-7b-h200.json`."""
     runs = [r for r in steps(rows, model="qwen2.5-7b") if r["file"] == "clipping-qwen2.5-7b-h200.json"]
     chosen = newest(runs, lambda r: (r["tokens_per_step"], bool(r.get("grad_clip")))).values()
