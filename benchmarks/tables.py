@@ -293,8 +293,8 @@ def compared_runs(rows: list[dict]) -> list[list[dict | None]]:
     return found
 
 
-def against_deepspeed(rows: list[dict]) -> Table:
-    """megatrain against DeepSpeed ZeRO-3 offload and plain PyTorch on the GPU (`compared_runs`)."""
+def against_deepspeed(rows: list[dict], found: list[list[dict | None]] | None = None) -> Table:
+    """megatrain against DeepSpeed ZeRO-3 offload and plain PyTorch on the GPU (`compared_runs`, or `found`)."""
     header = [
         "model",
         "GPU",
@@ -307,9 +307,9 @@ def against_deepspeed(rows: list[dict]) -> Table:
         "megatrain / PyTorch",
     ]
     body, sources = [], []
-    for (model, kind, tokens_per_step, _, clip), found in zip(COMPARED, compared_runs(rows)):
-        ours, deepspeed, pytorch = found
-        cells = [f"{r['model_tflops']} ({seconds(r['step_time_s'])})" if r else "-" for r in found]
+    for (model, kind, tokens_per_step, _, clip), runs in zip(COMPARED, found or compared_runs(rows)):
+        ours, deepspeed, pytorch = runs
+        cells = [f"{r['model_tflops']} ({seconds(r['step_time_s'])})" if r else "-" for r in runs]
         cells[0] = f"**{cells[0]}**"
         body.append(
             [model, kind, tokens(tokens_per_step), clipping_cell(clip)]
@@ -319,7 +319,7 @@ def against_deepspeed(rows: list[dict]) -> Table:
                 ratio(ours and ours["model_tflops"], pytorch and pytorch["model_tflops"]),
             ]
         )
-        sources += [r for r in found if r]
+        sources += [r for r in runs if r]
     return Table(header, body, sources, align="llrl" + "r" * 5)
 
 
@@ -1257,9 +1257,9 @@ LARGEST_ANCHOR = "scaling.md#the-largest-models-on-one-gpu"
 
 def _headline_against_deepspeed(rows: list[dict]) -> list[tuple]:
     """The headline's rows against DeepSpeed: those that clip (on the H200), and Llama-2-7B's."""
-    lines = []
+    lines, found = [], compared_runs(rows)
     for (model, _, tokens_per_step, _, clip), cells, (ours, *_) in zip(
-        COMPARED, against_deepspeed(rows).body, compared_runs(rows)
+        COMPARED, against_deepspeed(rows, found).body, found
     ):
         if clip or model == "llama2-7b":
             lines.append(

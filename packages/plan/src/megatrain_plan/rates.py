@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -261,14 +262,9 @@ def _rounded(rate: float) -> float:
     return float(f"{rate:.4g}")
 
 
-class _FirstCalls:
-    """The seconds the measurements' first calls took: compiling the kernels (Inductor's, Triton's), which the
-    run's own first steps then find compiled; the rest of a measurement is timing."""
-
-    seconds = 0.0
-
-
-FIRST_CALLS = _FirstCalls()
+# The seconds the measurements' first calls took: compiling the kernels (Inductor's, Triton's), which the run's own
+# first steps then find compiled; the rest of a measurement is timing.
+FIRST_CALLS = SimpleNamespace(seconds=0.0)
 
 
 def _sustained_seconds(run: Callable[[], None], warm_s: float = 0.5, timed_s: float = 1.0) -> float:

@@ -201,20 +201,11 @@ class WeightStream:
     def fetch(self, position: int, log: list) -> None:
         """Queue the copy of position's weights into its slot (or reuse what is there); a resident block's cast
         waits for its turn (`cast`)."""
-        stage = self.order[position]
         slot_name, slot = self.slot(position)
-        if slot_name == "cast":  # (at its turn: `cast`)
+        if slot_name == "cast" or self._bound_without_copy(position, slot_name, slot, log):  # (a cast: at its turn)
             return
-        if slot.stage == stage:
-            log.append(("reuse", stage, slot_name))
-            return
+        stage = self.order[position]
         streams, groups = self.streams, self.stages[stage].groups
-        if position >= len(self.stages) and stage in self.weightless_backward:
-            log.append(("no_copy", stage, slot_name))  # its backward binds no weights
-            return
-        if self._casts(stage):  # a resident table, in a rotating slot
-            self._cast_device_masters(slot, stage, slot_name, log)
-            return
         rows = None
         if position == 0 and self.rows is not None:
             rows = self.rows.table = self.hooks.first_rows(groups[0], self.rows.ids)
@@ -253,16 +244,22 @@ class WeightStream:
         there (unless it holds them) on the compute stream, which orders it after their last update and the slot's last reader,
         and before the stage's compute, with no event (a cast is under a millisecond; on the cast stream it would
         queue behind the copies' casts)."""
-        stage, slot = self.order[position], self.cast_slot
-        if self.slot_names[position] != "cast":
-            return
+        if self.slot_names[position] == "cast":
+            self._bound_without_copy(position, "cast", self.cast_slot, log)
+
+    def _bound_without_copy(self, position: int, slot_name: Any, slot: Slot, log: list) -> bool:
+        """Whether position's weights need no copy, logged as what binds them: its slot holds them already, its
+        backward binds none, or its stage is resident (then cast from its device masters into `slot` here)."""
+        stage = self.order[position]
         if slot.stage == stage:
-            log.append(("reuse", stage, "cast"))
-            return
-        if position >= len(self.stages) and stage in self.weightless_backward:
-            log.append(("no_copy", stage, "cast"))  # its backward binds no weights
-            return
-        self._cast_device_masters(slot, stage, "cast", log)
+            log.append(("reuse", stage, slot_name))
+        elif position >= len(self.stages) and stage in self.weightless_backward:
+            log.append(("no_copy", stage, slot_name))  # its backward binds no weights
+        elif self._casts(stage):
+            self._cast_device_masters(slot, stage, slot_name, log)
+        else:
+            return False
+        return True
 
     def _cast_device_masters(self, slot: Slot, stage: int, slot_name: Any, log: list) -> None:
         """Queue the cast of the stage's device masters into `slot` on the compute stream."""
