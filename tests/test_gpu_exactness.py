@@ -15,6 +15,7 @@ import megatrain_sched.weights
 from megatrain.config import EngineSection
 from megatrain.step import StepBatch
 from megatrain.trainer import Trainer
+from megatrain_optim import DeviceAdamW
 from megatrain_templates import set_compile
 from megatrain_zoo import preset
 
@@ -66,6 +67,24 @@ def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layer
 def test_gpu_engine_options_stay_exact(engine, tmp_path):
     # float64: a race between streams would show up as a difference far above 1e-10
     check_steps_match_plain_pytorch("float64", "tiny-qwen2", 0.3, "cuda", tmp_path, **engine)
+
+
+@pytest.mark.gpu
+def test_gpu_clipped_updates_beside_the_forward_are_waited_for(tmp_path, monkeypatch):
+    # with clipping, resident groups' updates run on the GPU optimizer's stream beside the next forward; each held
+    # back there ~25 ms, a cast that did not wait for its groups' update would read the old master, and a gradient
+    # let go too early would be overwritten under it (float64: either shows far above 1e-10)
+    update = DeviceAdamW.update
+
+    def late_update(self, *args, **kwargs):
+        if self.stream is not None and torch.cuda.current_stream(self.device) == self.stream:
+            torch.cuda._sleep(50_000_000)  # clock cycles
+        update(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceAdamW, "update", late_update)
+    check_steps_match_plain_pytorch(
+        "float64", "tiny-qwen2", 0.3, "cuda", tmp_path, gpu_updated_layers=2, kept_layers="auto"
+    )
 
 
 @pytest.mark.gpu

@@ -318,10 +318,11 @@ def test_streamed_stages_after_resident_ones_are_copied_while_those_compute():
 
 def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over():
     """Stages whose masters live on the device: no copy from the store, no before_fetch, their gradient
-    handed to on_device_grads (with its squared norm) instead of landing; held layers skip them."""
+    handed to on_device_grads (with its squared norm) instead of landing; held layers skip them. Each cast is
+    preceded by before_cast of its groups (where the compute stream waits for their updates)."""
     store, host_pipeline, _ = build(4, tied=False)
     device_masters = {g: torch.randn_like(store.master(g)) for g in (1, 2)}  # not what the store holds
-    handed, fetched, landed = {}, [], []
+    handed, fetched, landed, before_cast = {}, [], [], []
     pipeline = LayerPipeline(
         host_pipeline.stages,
         store,
@@ -331,6 +332,7 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
         on_device_grads=lambda g, grad, sq: handed.setdefault(g, (grad.clone(), sq.clone())),
         before_fetch=lambda groups: fetched.append(groups),
         on_grads_landed=lambda g, e, sq: landed.append(g),
+        before_cast=lambda groups: before_cast.append(groups),
     )
     batches = make_batches(2)
     result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
@@ -348,6 +350,7 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
     casts = [(kind, what) for kind, what, slot in result.log if slot == "cast" and kind in ("cast", "reuse")]
     # in a slot of their own, cast at their turn: stage 2's backward finds its forward's cast there
     assert casts == [("cast", 1), ("cast", 2), ("reuse", 2), ("cast", 1)]
+    assert before_cast == [(1,), (2,), (1,)]
     held = [what for kind, what, slot in result.log if kind == "compute" and str(slot).startswith("held")]
     assert held == [3, 3]  # the first block not updated on the device
 

@@ -134,6 +134,8 @@ def new_pipeline(
             "updates_done": updates.updates.done,
             "first_rows": updates.updates.first_rows,
             "on_grads_landed": updates.policy.grads_landed,
+            "before_cast": updates.policy.before_cast,
+            "held_device_bytes": updates.policy.held_device_bytes,
         }
     return LayerPipeline(
         [Stage(s.template, s.groups, s.name) for s in spec.stages],

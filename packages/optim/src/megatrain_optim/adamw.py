@@ -6,7 +6,9 @@ keeps a few groups' masters and moments on the GPU instead and updates them ther
 same step count.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -312,6 +314,11 @@ class DeviceAdamW:
     update runs on the device right after the group's backward (or once the clip coefficient is
     known), so neither its weights nor its gradient cross PCIe and the CPU does not touch it.
 
+    With clipping the updates wait for the global norm, which is known only after the whole backward:
+    `update_beside` queues them on a stream of their own, where they run beside the next forward instead of
+    ahead of it (Qwen2.5-7B at 8k tokens on an H200, 27 resident blocks and the embedding: 72 ms of each 0.8 s
+    step the GPU did nothing else), and `wait_for` orders a stage's cast after its groups' updates.
+
     The store keeps host copies of these groups: `to_device` loads them (before the first update,
     and after the store was written: a checkpoint loaded), `to_host` brings the store up to date
     (checkpoints, export). Step count and decay runs are those of the `HostAdamW` it extends."""
@@ -332,6 +339,9 @@ class DeviceAdamW:
             for g in groups
         }
         self._stale_host: set[int] = set()  # updated here since the last to_host
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # `update_beside`'s
+        # group -> (an event its update beside the compute stream ends with, the gradient that update reads)
+        self._beside: dict[int, tuple[Any, Tensor]] = {}
 
     @property
     def groups(self) -> list[int]:
@@ -368,8 +378,40 @@ class DeviceAdamW:
         self.host.update_runs(group, buffers, (0, numel), 0, lr, step_here, grad_scale, found_inf)
         self._stale_host.add(group)
 
+    def update_beside(
+        self, group: int, grad: Tensor, lr: float, clip_coef: float = 1.0, step=None, span=nullcontext
+    ) -> None:
+        """`update`, queued inside `span()` on the optimizer's own stream after the work queued so far on the
+        current one (which made `grad`), so that it runs beside what the current stream does next. Whatever reads
+        the group's master after it calls `wait_for` first; until then its gradient is held here (the current
+        stream's allocations reuse that memory only after the wait). On the CPU, `update` as it is."""
+        if self.stream is None:
+            with span():
+                self.update(group, grad, lr, clip_coef, step)
+            return
+        self.wait_for((group,))  # (an update beside not waited for yet: its gradient is let go only in order)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream), span():
+            self.update(group, grad, lr, clip_coef, step)
+            self._beside[group] = (self.stream.record_event(), grad)
+
+    def wait_for(self, groups) -> None:
+        """Order the current stream's next work after the updates of `groups` queued beside it (device side: the
+        host does not block), and let their gradients go. Called on the stream that made the gradients."""
+        for group in groups:
+            beside = self._beside.pop(group, None)
+            if beside is not None:
+                torch.cuda.current_stream(self.device).wait_event(beside[0])
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of the gradients that updates beside the compute stream still hold (`update_beside`):
+        given back as the next step's casts wait for them, so free for that step."""
+        return sum(grad.nbytes for _, grad in self._beside.values())
+
     def to_host(self) -> None:
         """Copy the masters and moments updated here since the last call into the store (waits for them)."""
+        self.wait_for(list(self._beside))
         store = self.host.store
         for group in sorted(self._stale_host):
             store.master(group).copy_(self.masters[group])
@@ -380,6 +422,7 @@ class DeviceAdamW:
 
     def to_device(self) -> None:
         """Load the groups' masters and moments from the store (after it was written)."""
+        self.wait_for(list(self._beside))
         store = self.host.store
         for group, master in self.masters.items():
             master.copy_(store.master(group))

@@ -10,6 +10,7 @@ pipeline: `grads_landed` / `device_grads_made` are its gradient hooks, `HostUpda
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -199,15 +200,34 @@ class EmbeddingRowsFirst:
         return out
 
 
-class UpdatesAsGradientsLand:
+class _Policy:
+    """What both update policies share: the host's worker, the GPU's optimizer of resident groups (`device`, None
+    where none is), the span that times a resident group's update on the GPU (on the stream it is queued on)."""
+
+    def __init__(self, host: HostUpdates, device: DeviceAdamW | None, device_span: Span | None):
+        self.host, self.device = host, device
+        self.device_span = device_span or (lambda name: nullcontext())
+        self.lr, self.steps = 0.0, 0
+
+    def before_cast(self, groups: Iterable[int]) -> None:
+        """The pipeline's before_cast hook: a resident stage's cast (on the compute stream) follows its groups'
+        updates queued beside that stream."""
+        if self.device is not None:
+            self.device.wait_for(groups)
+
+    def held_device_bytes(self) -> int:
+        """The pipeline's held_device_bytes hook: the resident gradients that updates beside the compute stream
+        still hold."""
+        return 0 if self.device is None else self.device.held_bytes
+
+
+class UpdatesAsGradientsLand(_Policy):
     """Clipping off: each group is updated the moment its gradient lands (host groups by the CPU worker, overlapping
     the rest of the backward; resident ones on the GPU's compute stream right after their backward), so gradients
     need only a small pool of landing buffers. A group whose gradient is not finite is not updated."""
 
     def __init__(self, host: HostUpdates, device: DeviceAdamW | None = None, device_span: Span | None = None):
-        self.host, self.device = host, device
-        self.device_span = device_span or (lambda name: nullcontext())
-        self.lr, self.steps = 0.0, 0
+        super().__init__(host, device, device_span)
         host.read_direction = -1
 
     def begin_step(self, step_index: int, lr: float) -> None:
@@ -228,18 +248,18 @@ class UpdatesAsGradientsLand:
         self.host.steps = self.steps
 
 
-class UpdatesAfterClipping:
+class UpdatesAfterClipping(_Policy):
     """Clipping on: every gradient is held (a landing buffer per group, or on the GPU for resident groups) until the
     global norm is known after the last layer; then the clip coefficient is fixed and the updates are queued in
-    layer order, overlapping the next step's forward, which needs layer 0 first. A non-finite norm or loss skips
-    the step."""
+    layer order, overlapping the next step's forward, which needs layer 0 first: host groups' on the CPU worker,
+    resident groups' beside the compute stream (`DeviceAdamW.update_beside`; each resident stage's cast waits for
+    its own, `before_cast`). A non-finite norm or loss skips the step."""
 
     def __init__(
         self, host: HostUpdates, max_norm: float, device: DeviceAdamW | None = None, device_span: Span | None = None
     ):
-        self.host, self.device, self.max_norm = host, device, max_norm
-        self.device_span = device_span or (lambda name: nullcontext())
-        self.lr, self.steps = 0.0, 0
+        super().__init__(host, device, device_span)
+        self.max_norm = max_norm
         self.landed: dict[int, Any] = {}
         host.read_direction = 1
 
@@ -268,7 +288,7 @@ class UpdatesAfterClipping:
             if group in host.store.frozen:
                 continue
             if self.device is not None and group in self.device.masters:
-                with self.device_span(f"adamw {host.names[group]}"):  # (GPU work the next forward follows)
-                    self.device.update(group, landed[group], self.lr, clip, step)
+                span = partial(self.device_span, f"adamw {host.names[group]}")  # (timed on the stream it runs on)
+                self.device.update_beside(group, landed[group], self.lr, clip, step, span)
             else:
                 host.queue(group, self.lr, clip, landed[group], step, self.steps)

@@ -499,8 +499,18 @@ class CostModel:
         return linear_attention_flops_per_token(self.model) / 3 * tokens / (self.rates.recurrence_tflops * 1e12)
 
     def device_update_s(self, placement: Placement) -> float:
-        """The resident groups' AdamW and casts, on the compute stream."""
-        return self.params(placement.resident) / self.rates.gpu_adam_params_per_s
+        """What the resident groups' AdamW a step adds to the compute stream's work: all of it where each runs as
+        its gradient is made; with clipping, beside the next forward (`DeviceAdamW.update_beside`), the first
+        resident stage's, which the forward waits for, and what of the rest the forward's resident stages do not
+        cover."""
+        if not placement.resident:
+            return 0.0
+        rate = self.rates.gpu_adam_params_per_s
+        if not self.full_grads:
+            return self.params(placement.resident) / rate
+        first, rest = placement.resident[0], placement.resident[1:]
+        beside_s = FORWARD_SHARE * self.layers_s(placement) * len(rest) / self.n_stages
+        return self.params((first,)) / rate + max(0.0, self.params(rest) / rate - beside_s)
 
     def step_layers_s(self, placement: Placement) -> float:
         """Every sweep's layers and head: the GPU's work a step, what the CPU optimizer's is weighed against."""

@@ -17,10 +17,16 @@ class Hooks:
     None to copy the whole group; `on_grads_landed(group, event, sq_norm)` is called when a group's gradient
     copy-out has been queued (`event` completes when the host buffer holds it, None on the CPU; `sq_norm` a host
     scalar tensor, valid from then on); `on_device_grads(group, grad, sq_norm)` takes a resident group's gradient
-    on the device (called on the compute stream once its last backward is queued; the buffer is the callee's)."""
+    on the device (called on the compute stream once its last backward is queued; the buffer is the callee's);
+    `before_cast(groups)` is called on the compute stream before a resident stage's weights are cast from their
+    device masters (the stream must wait there for updates of them queued elsewhere); `held_device_bytes()` says how
+    much device memory the policy holds of gradients it was given, to be let go as the next casts come (free for
+    the next step, which counts on it)."""
 
     before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None
     updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True
     first_rows: Callable[[int, Tensor], Tensor | None] = lambda group, rows: None
     on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None
     on_device_grads: Callable[[int, Tensor, Tensor], None] = lambda group, grad, sq_norm: None
+    before_cast: Callable[[tuple[int, ...]], None] = lambda groups: None
+    held_device_bytes: Callable[[], int] = lambda: 0

@@ -164,6 +164,8 @@ class LayerPipeline:
         updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True,
         first_rows: Callable[[int, Tensor], Tensor | None] = lambda group, rows: None,
         on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
+        before_cast: Callable[[tuple[int, ...]], None] = lambda groups: None,
+        held_device_bytes: Callable[[], int] = lambda: 0,
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
         objective: StepObjective | None = None,
@@ -175,7 +177,9 @@ class LayerPipeline:
         self.streams = Streams(self.device)
         if self.streams.cuda:
             expandable_device_memory()
-        self.hooks = Hooks(before_fetch, updates_done, first_rows, on_grads_landed, on_device_grads)
+        self.hooks = Hooks(
+            before_fetch, updates_done, first_rows, on_grads_landed, on_device_grads, before_cast, held_device_bytes
+        )
         self.objective = objective
         self.timeline = timeline or Timeline(enabled=False)
         self.costs = [StageCosts.of(stage.template, store.compute_dtype.itemsize) for stage in stages]
@@ -188,9 +192,10 @@ class LayerPipeline:
         self.device_headroom: int | None = None  # device bytes the last step found free beyond what it counts on
         self.extras: tuple[int, ...] = ()  # stages whose forwards the last step let keep their extra products
         self.executed: Placement | None = None  # the placement the last training step ran
-        # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed)
+        # bytes of device memory free for a step (None: not known, as on the CPU; no placement is changed), with
+        # what the update policy still holds of the last step's gradients (given back as this step's casts come)
         self.free_device_memory: Callable[[], int] | None = (
-            (lambda: free_device_bytes(self.device)) if self.streams.cuda else None
+            (lambda: free_device_bytes(self.device) + self.hooks.held_device_bytes()) if self.streams.cuda else None
         )
         self._fitted_placement: Placement | None = None  # the step's placement as its first sweep fitted it
         self.place(placement or Placement.build(len(stages)), device_masters)

@@ -31,7 +31,8 @@ class Timeline:
         self.keep_steps = keep_steps
         self._step_starts: list[int] = []  # index in `spans` where each step's spans begin
         self.spans: list[dict] = []  # {"name", "track", "start_us", "end_us"}
-        self._pending: list[tuple[str, str, object, object]] = []
+        # (name, track, start event, end event, the step's origin event, that origin's microseconds on the host clock)
+        self._pending: list[tuple[str, str, object, object, object, float]] = []
         self._origin_event = None
         self._origin_host = time.perf_counter()
         self._origin_host_step = self._origin_host
@@ -40,14 +41,16 @@ class Timeline:
     def start_step(self, streams) -> None:
         if not self.enabled:
             return
-        self.resolve()
+        self.resolve(wait=False)  # (work still running beside the new step, the GPU optimizer's, is not waited for)
         self._step_starts.append(len(self.spans))
         if self.keep_steps is not None and len(self._step_starts) > self.keep_steps:
             first = self._step_starts[-self.keep_steps]
             del self.spans[:first]
             self._step_starts = [start - first for start in self._step_starts[-self.keep_steps :]]
         if streams.cuda:
-            torch.cuda.synchronize(streams.device)
+            # the compute stream alone: work queued on other streams to run beside the next step (the GPU
+            # optimizer's clipped updates) would otherwise be waited for here, and the trace would show a stall
+            streams.compute.synchronize()
             self._origin_event = _timing_event(streams.compute)
         self._origin_host_step = time.perf_counter()
 
@@ -63,7 +66,8 @@ class Timeline:
             return
         start = _timing_event(stream)
         yield
-        self._pending.append((name, track, start, _timing_event(stream)))
+        origin_us = (self._origin_host_step - self._origin_host) * 1e6
+        self._pending.append((name, track, start, _timing_event(stream), self._origin_event, origin_us))
 
     @contextmanager
     def host_span(self, name: str, track: str):
@@ -83,22 +87,24 @@ class Timeline:
                 }
             )
 
-    def resolve(self) -> None:
-        """Convert recorded CUDA events into host-aligned times (synchronizes on them)."""
-        if not self._pending:
-            return
-        base_us = (self._origin_host_step - self._origin_host) * 1e6
-        for name, track, start, end in self._pending:
+    def resolve(self, wait: bool = True) -> None:
+        """Convert recorded CUDA events into host-aligned times, each against its step's origin: all of them
+        (synchronizing on them), or without `wait` those whose work has finished."""
+        pending, self._pending = self._pending, []
+        for span in pending:
+            name, track, start, end, origin, origin_us = span
+            if not wait and not end.query():
+                self._pending.append(span)
+                continue
             end.synchronize()
             self.spans.append(
                 {
                     "name": name,
                     "track": track,
-                    "start_us": base_us + self._origin_event.elapsed_time(start) * 1e3,
-                    "end_us": base_us + self._origin_event.elapsed_time(end) * 1e3,
+                    "start_us": origin_us + origin.elapsed_time(start) * 1e3,
+                    "end_us": origin_us + origin.elapsed_time(end) * 1e3,
                 }
             )
-        self._pending.clear()
 
     def write_chrome_trace(self, path: Path) -> None:
         """Write the spans as a Chrome/Perfetto trace (open in chrome://tracing or ui.perfetto.dev)."""

@@ -241,9 +241,9 @@ class WeightStream:
 
     def cast(self, position: int, log: list) -> None:
         """Where position's stage takes the cast slot (a resident block), queue the cast of its device masters
-        there (unless it holds them) on the compute stream, which orders it after their last update and the slot's last reader,
-        and before the stage's compute, with no event (a cast is under a millisecond; on the cast stream it would
-        queue behind the copies' casts)."""
+        there (unless it holds them) on the compute stream, which orders it after the slot's last reader and before
+        the stage's compute with no event (a cast is under a millisecond; on the cast stream it would queue behind
+        the copies' casts), and after their last update (`before_cast`)."""
         if self.slot_names[position] == "cast":
             self._bound_without_copy(position, "cast", self.cast_slot, log)
 
@@ -262,8 +262,9 @@ class WeightStream:
         return True
 
     def _cast_device_masters(self, slot: Slot, stage: int, slot_name: Any, log: list) -> None:
-        """Queue the cast of the stage's device masters into `slot` on the compute stream."""
+        """Queue the cast of the stage's device masters into `slot` on the compute stream, after their updates."""
         with self.streams.on(self.streams.compute):
+            self.hooks.before_cast(self.stages[stage].groups)
             for view, group in zip(self.views(slot, stage), self.stages[stage].groups):
                 view.copy_(self.device_masters[group])
         slot.ready = None
