@@ -1,10 +1,12 @@
 """The scheduler on the CPU: orderings, gradients against autograd, tied groups, slot counts."""
 
 from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import megatrain_sched.timeline as timeline_module
 from megatrain_sched import (
     EXTRAS_MARGIN,
     LayerPipeline,
@@ -423,6 +425,45 @@ def test_timeline_keeps_only_recent_steps():
     for _ in range(3):
         pipeline.run(batches, loss_scale=1.0)
     assert len(pipeline.timeline.spans) >= 3 * per_step
+
+
+class _FakeEvent:
+    """A CUDA timing event's interface over a clock the test sets: recorded at `now`, done once `now` passes it."""
+
+    now = 0.0
+
+    def __init__(self, stream):
+        delay = stream if isinstance(stream, float) else 0.0  # (a "stream" of the test: how long its work runs)
+        self.at, self.done_at = _FakeEvent.now, _FakeEvent.now + delay
+
+    def query(self):
+        return _FakeEvent.now >= self.done_at
+
+    def synchronize(self):
+        _FakeEvent.now = max(_FakeEvent.now, self.done_at)
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+def test_a_step_start_does_not_wait_for_spans_still_running_beside_it(monkeypatch):
+    """A step's start resolves only the spans whose work has finished (the GPU optimizer's clipped updates run on
+    beside the next forward: waiting for them there had the forward wait too), the rest later, each against its own
+    step's origin."""
+    monkeypatch.setattr(timeline_module, "_timing_event", _FakeEvent)
+    streams = SimpleNamespace(cuda=True, device=None, compute=SimpleNamespace(synchronize=lambda: None))
+    timeline = Timeline(enabled=True, keep_steps=None)
+    timeline.start_step(streams)
+    with timeline.device_span("fwd", "compute", streams, 0.0):
+        _FakeEvent.now += 5.0
+    with timeline.device_span("adamw", "gpu_optimizer", streams, 7.0):  # its work ends 7 ms after it is queued
+        _FakeEvent.now += 1.0
+    timeline.start_step(streams)  # at 6 ms: the update runs until 12
+    assert [span["name"] for span in timeline.spans] == ["fwd"]
+    timeline.resolve()
+    (adamw,) = [span for span in timeline.spans if span["name"] == "adamw"]
+    assert adamw["end_us"] - adamw["start_us"] == pytest.approx(1e3)  # (the fake's end is recorded at 6 ms)
+    assert adamw["start_us"] - timeline.spans[0]["start_us"] == pytest.approx(5e3)  # against the first step's origin
 
 
 def test_the_placement_runs_as_given_unless_the_device_lacks_the_memory_it_counts_on(caplog):
