@@ -6,7 +6,8 @@ keeps a few groups' masters and moments on the GPU instead and updates them ther
 same step count.
 """
 
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -379,7 +380,13 @@ class DeviceAdamW:
         self._stale_host.add(group)
 
     def update_beside(
-        self, group: int, grad: Tensor, lr: float, clip_coef: float = 1.0, step=None, span=nullcontext
+        self,
+        group: int,
+        grad: Tensor,
+        lr: float,
+        clip_coef: float = 1.0,
+        step: Tensor | None = None,
+        span: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         """`update`, queued inside `span()` on the optimizer's own stream after the work queued so far on the
         current one (which made `grad`), so that it runs beside what the current stream does next. Whatever reads
@@ -395,7 +402,7 @@ class DeviceAdamW:
             self.update(group, grad, lr, clip_coef, step)
             self._beside[group] = (self.stream.record_event(), grad)
 
-    def wait_for(self, groups) -> None:
+    def wait_for(self, groups: Iterable[int]) -> None:
         """Order the current stream's next work after the updates of `groups` queued beside it (device side: the
         host does not block), and let their gradients go. Called on the stream that made the gradients."""
         for group in groups:
