@@ -233,11 +233,7 @@ class Trainer:
             load_peft_adapter(self.store, self.spec, Path(model.adapter.path))
 
     def _device_span(self, name: str):
-        """Times the work queued inside on the current stream: the compute stream, or the GPU optimizer's own."""
-        streams = self.pipeline.streams
-        stream = torch.cuda.current_stream(self.device) if streams.cuda else None
-        track = "compute" if stream == streams.compute else "gpu_optimizer"
-        return self.timeline.device_span(name, track, streams, stream)
+        return self.timeline.current_stream_span(name, self.pipeline.streams)
 
     # -------------------------------------------------------------- placement
     def _place(self, placement: Placement) -> None:

@@ -205,6 +205,21 @@ def experts_per_stage_of(spec: ModelSpec) -> int:
     return spec.expert_parts[0][1] - spec.expert_parts[0][0] if spec.expert_parts else 0
 
 
+def packed_base(spec: ModelSpec, dtype: torch.dtype) -> tuple[dict[int, int], int, str | None]:
+    """QLoRA: (the bytes of each group whose base is packed, nf4 or int8, as the store lays them out; the packed
+    matrices' values, each dequantized on the GPU every time its layer is bound; the base's format, None where none
+    is packed)."""
+    layouts = spec.packed_layouts(dtype)
+    values = sum(p.entry.numel for layout in layouts.values() for p in layout.entries if p.format)
+    return {g: layout.nbytes for g, layout in layouts.items()}, values, spec.adapter.base_format if layouts else None
+
+
+def first_in_backward(spec: ModelSpec) -> list[set[int]]:
+    """Each stage's groups that no later stage binds: their gradients are whole from its backward on."""
+    last_stage = {g: i for i, stage in enumerate(spec.stages) for g in stage.groups}
+    return [{g for g in stage.groups if last_stage[g] == i} for i, stage in enumerate(spec.stages)]
+
+
 class CostModel:
     """The cost model of one run: a built model (`spec`) trained in steps of `shape` with the engine's settings
     (`engine`) and an objective holding `objective` in memory, on `machine` at `rates`.
@@ -260,23 +275,14 @@ class CostModel:
         # the parameters stored: the model's and its adapters' (which the model's count leaves out)
         self.stored_params = self.model.n_params + (spec.adapter_params or 0)
         self.grad_share = 1 - self.frozen_params / self.stored_params if self.adapter else 1.0
-        # QLoRA: the layers' base packed (nf4 or int8), its bytes as the store lays them out
-        layouts = spec.packed_layouts(self.dtype)
-        self.packed = {g: layout.nbytes for g, layout in layouts.items()}
+        self.packed, self.dequantized_values, self.base_format = packed_base(spec, self.dtype)
         self.packed_params = sum(self.group_sizes[g] for g in self.packed)
-        # the packed matrices' values, each dequantized on the GPU every time its layer is bound (forward, backward)
-        self.dequantized_values = sum(p.entry.numel for lay in layouts.values() for p in lay.entries if p.format)
-        self.base_format = spec.adapter.base_format if layouts else None
         # the parameters of each stage that cross PCIe as fp32 masters, cast on the GPU (not a base held apart)
         apart = self.frozen if self.adapter else frozenset()
         self.cast_sizes = [sum(self.group_sizes[g] for g in s.groups if g not in apart) for s in self.spec.stages]
         self.generation_host_bytes = objective.generation_host_bytes
         self.names = [stage.name for stage in self.spec.stages]
-        # each stage's groups that no later stage binds: their gradients are whole from its backward on
-        last_stage = {g: i for i, stage in enumerate(self.spec.stages) for g in stage.groups}
-        self.first_in_backward = [
-            {g for g in stage.groups if last_stage[g] == i} for i, stage in enumerate(spec.stages)
-        ]
+        self.first_in_backward = first_in_backward(spec)
 
     # ------------------------------------------------------------------ memory
     def checkpoint_bytes(self, stage: int, tokens: int) -> int:
@@ -507,14 +513,11 @@ class CostModel:
         its gradient is made; with clipping, beside the next forward (`DeviceAdamW.update_beside`), the first
         resident stage's, which the forward waits for, and what of the rest the forward's resident stages do not
         cover."""
-        if not placement.resident:
-            return 0.0
-        rate = self.rates.gpu_adam_params_per_s
-        if not self.full_grads:
-            return self.params(placement.resident) / rate
-        first, rest = placement.resident[0], placement.resident[1:]
-        beside_s = FORWARD_SHARE * self.layers_s(placement) * len(rest) / self.n_stages
-        return self.params((first,)) / rate + max(0.0, self.params(rest) / rate - beside_s)
+        rate, resident = self.rates.gpu_adam_params_per_s, placement.resident
+        if not self.full_grads or not resident:
+            return self.params(resident) / rate
+        beside_s = FORWARD_SHARE * self.layers_s(placement) * (len(resident) - 1) / self.n_stages
+        return self.params(resident[:1]) / rate + max(0.0, self.params(resident[1:]) / rate - beside_s)
 
     def step_layers_s(self, placement: Placement) -> float:
         """Every sweep's layers and head: the GPU's work a step, what the CPU optimizer's is weighed against."""

@@ -69,6 +69,13 @@ class Timeline:
         origin_us = (self._origin_host_step - self._origin_host) * 1e6
         self._pending.append((name, track, start, _timing_event(stream), self._origin_event, origin_us))
 
+    def current_stream_span(self, name: str, streams):
+        """Time the work queued inside on the current stream: on the compute track where that is the compute
+        stream, else on the GPU optimizer's (its updates beside the compute stream)."""
+        stream = torch.cuda.current_stream(streams.device) if streams.cuda else None
+        track = "compute" if stream == streams.compute else "gpu_optimizer"
+        return self.device_span(name, track, streams, stream)
+
     @contextmanager
     def host_span(self, name: str, track: str):
         if not self.enabled:
