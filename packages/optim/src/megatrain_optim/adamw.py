@@ -380,26 +380,21 @@ class DeviceAdamW:
         self._stale_host.add(group)
 
     def update_beside(
-        self,
-        group: int,
-        grad: Tensor,
-        lr: float,
-        clip_coef: float = 1.0,
-        step: Tensor | None = None,
-        span: Callable[[], AbstractContextManager] = nullcontext,
+        self, group: int, grad: Tensor, *args, span: Callable[[], AbstractContextManager] = nullcontext, **kwargs
     ) -> None:
-        """`update`, queued inside `span()` on the optimizer's own stream after the work queued so far on the
-        current one (which made `grad`), so that it runs beside what the current stream does next. Whatever reads
-        the group's master after it calls `wait_for` first; until then its gradient is held here (the current
-        stream's allocations reuse that memory only after the wait). On the CPU, `update` as it is."""
+        """`update(group, grad, *args, **kwargs)`, queued inside `span()` on the optimizer's own stream after the
+        work queued so far on the current one (which made `grad`), so that it runs beside what the current stream
+        does next. Whatever reads the group's master after it calls `wait_for` first; until then its gradient is
+        held here (the current stream's allocations reuse that memory only after the wait). On the CPU, `update`
+        as it is."""
         if self.stream is None:
             with span():
-                self.update(group, grad, lr, clip_coef, step)
+                self.update(group, grad, *args, **kwargs)
             return
         self.wait_for((group,))  # (an update beside not waited for yet: its gradient is let go only in order)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream), span():
-            self.update(group, grad, lr, clip_coef, step)
+            self.update(group, grad, *args, **kwargs)
             self._beside[group] = (self.stream.record_event(), grad)
 
     def wait_for(self, groups: Iterable[int]) -> None:

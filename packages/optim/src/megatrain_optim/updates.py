@@ -289,6 +289,6 @@ class UpdatesAfterClipping(_Policy):
                 continue
             if self.device is not None and group in self.device.masters:
                 span = partial(self.device_span, f"adamw {host.names[group]}")  # (timed on the stream it runs on)
-                self.device.update_beside(group, landed[group], self.lr, clip, step, span)
+                self.device.update_beside(group, landed[group], self.lr, clip, step, span=span)
             else:
                 host.queue(group, self.lr, clip, landed[group], step, self.steps)
