@@ -82,10 +82,6 @@ HOST_KEPT_PCIE_SHARE = 0.8
 # host memory the optimizer's updates are bound by (Qwen2.5-7B at 32k on an H100, optimizer 1.6-1.9 s of a
 # 2.8 s step: 2 such layers 2.80-2.82 s against 2.80 with none; 7B at 128k, 1-1.6 of 7.7 s: +0.7%)
 HOST_KEPT_OPTIMIZER_SHARE = 0.5
-# A resident stage's cast from its fp32 master, on the compute stream in its forward and its backward, moves 6
-# bytes a parameter (4 read, 2 written) at the bandwidth the GPU's AdamW moves its 28 (16 read, 12 written) at:
-# Qwen2.5-7B at 8k on an H200 with 28 blocks resident, 45 ms of each step.
-CAST_SPEEDUP_OVER_ADAMW = 28 / 6
 
 # the host items that grow with the model's parameters (the rest: the step's, `largest_params`)
 PER_PARAMETER_ITEMS = (
@@ -530,15 +526,9 @@ class CostModel:
             return FORWARD_SHARE * (self.layers_s(placement) + self.device_update_s(placement))
         return self.step_layers_s(placement)
 
-    def resident_casts_s(self, placement: Placement) -> float:
-        """The resident stages' casts from their fp32 masters into the compute dtype, in every sweep's forward and
-        backward."""
-        rate = CAST_SPEEDUP_OVER_ADAMW * self.rates.gpu_adam_params_per_s
-        return 2 * placement.sweeps * self.params(placement.resident) / rate
-
     def compute_s(self, placement: Placement) -> float:
-        """Every sweep's layers, the resident stages' casts, and the resident groups' update once a step."""
-        return self.step_layers_s(placement) + self.resident_casts_s(placement) + self.device_update_s(placement)
+        """Every sweep's layers, and the resident groups' update once a step."""
+        return self.step_layers_s(placement) + self.device_update_s(placement)
 
     def optimizer_s(self, placement: Placement) -> float:
         """The CPU AdamW of every group not resident (this host's part of them where the hosts split the state)."""
