@@ -106,7 +106,8 @@ def lint(session: nox.Session) -> None:
 # under 4.5 and chunk-kernels 3.9; each alone is faster. ranks, on two H200s: 2.3 min)
 GPU_GROUPS = {
     "engine": ["tests/test_gpu_exactness.py"],
-    "dense": ["tests/test_dense_families.py", "tests/test_llama4.py", "tests/test_generic.py"],
+    "dense": ["tests/test_dense_families.py", "tests/test_llama4.py"],
+    "generic": ["tests/test_generic.py"],
     "moe": ["tests/test_moe.py"],
     "objectives": [
         "tests/test_dpo.py",

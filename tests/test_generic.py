@@ -214,12 +214,28 @@ def test_layers_keeping_their_graphs_match_transformers(model_type, tmp_path):
     check_trains_like_transformers(model_type, tmp_path, 0.5, engine=EngineSection(kept_layers=1, host_kept_layers=1))
 
 
+# (Inductor compiles each family's layers for tens of seconds: these compile, the rest run eagerly, as layers with
+# adapters and runs with engine.compile off do)
+COMPILED_ON_GPU = ("gpt2", "cohere2", "phimoe")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["gpt2", "cohere2", "stablelm", "falcon_h1", "lfm2", "phimoe", "jamba"])
 def test_gpu_steps_match_transformers(model_type, tmp_path):
-    """The CUDA engine in fp32 (TF32 off) through transformers' modules against transformers on the CPU."""
+    """The CUDA engine in fp32 (TF32 off) through transformers' modules, compiled by Inductor or eager, against
+    transformers on the CPU."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    check_trains_like_transformers(model_type, tmp_path, 0.5, "cuda")
+    engine = EngineSection(compile=model_type in COMPILED_ON_GPU)
+    check_trains_like_transformers(model_type, tmp_path, 0.5, "cuda", engine)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_layers_keeping_their_graphs_match_transformers(tmp_path):
+    """Compiled layers keeping their forward's graph (its saved tensors, as Inductor's partitioner chose them, the
+    products: on the device for one layer, in host memory for the other) train as transformers does."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    engine = EngineSection(kept_layers=1, host_kept_layers=1)
+    check_trains_like_transformers("cohere2", tmp_path, 0.5, "cuda", engine)
 
 
 @pytest.mark.gpu
@@ -234,6 +250,37 @@ def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
     model = model_config_from_hf(tiny_hf_config("jamba"))
     layer_tflops, kept_tflops, head_tflops, _ = rates.measure_gpu_rates(model, 64, 2)
     assert len(timed) == 5 and min(layer_tflops, kept_tflops, head_tflops) > 0
+
+
+def test_a_compiled_layer_keeps_only_what_costs_flops_and_gives_eager_gradients():
+    """A layer run through torch.compile (on CUDA Inductor; here its partitioner without code generation) keeps its
+    matmul and attention outputs for the backward, not its norms' and activation's: fewer bytes a token than eager,
+    as the planner counts them; its backward from those kept products gives eager's gradients (float64)."""
+    from megatrain_templates.kept_graph import KeptGraphs
+    from megatrain_zoo import build_model
+
+    config = model_config_from_hf({**COMMON, "model_type": "qwen2"}, implementation="transformers")
+    layer = build_model(config).stages[1].template
+    partitioned = "aot_eager_decomp_partition"
+    assert 0 < layer._product_bytes(torch.bfloat16, partitioned) < 0.6 * layer._product_bytes(torch.bfloat16)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    weights = [torch.randn(layer.numel, generator=generator, dtype=torch.float64) * 0.1]
+    x = torch.randn(2, 12, 64, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(2, 12, 64, generator=generator, dtype=torch.float64)
+
+    views = layer.weights(weights, grad=True)
+    kept = KeptGraphs()
+    leaves = [views[name] for name in layer.names]
+    out, products = kept.forward(lambda x: layer._call(views, x, None, backend=partitioned), x, weights, leaves)
+    compiled = kept.backward(products, x, weights, grad_out)
+
+    views = layer.weights(weights, grad=True)
+    x_leaf = x.clone().requires_grad_(True)
+    eager_out = layer._call(views, x_leaf, None)
+    eager = torch.autograd.grad(eager_out, [x_leaf, *(views[name] for name in layer.names)], grad_out)
+    assert rel_err(out, eager_out.detach()) < 1e-12
+    for ours, theirs in zip(compiled, eager, strict=True):
+        assert rel_err(ours, theirs) < 1e-12
 
 
 def test_a_native_family_through_transformers_equals_its_template(tmp_path):
