@@ -985,3 +985,18 @@ def test_compilation_off_runs_the_functions_as_written(monkeypatch):
     finally:
         set_compile(True)
     assert compiling() and chunked_recurrence._run(add_one, True, 1) == 2 and compiled == [add_one]
+
+
+def test_a_kept_graph_leaves_a_host_scalar_in_the_graph_and_hands_over_the_device_products():
+    """A compiled graph may save a host scalar beside its device tensors: the pipeline gets only the device's as
+    products (it moves them, and the host's would not move), the scalar stays in the graph for its backward."""
+    from megatrain_templates.kept_graph import KeptGraphs
+
+    x, weights = torch.randn(2, 3, device="meta"), torch.randn(3, device="meta")
+    scale = torch.tensor(2.0)  # (a 0-dim host tensor computes with any device's)
+    leaf = weights.detach().requires_grad_(True)
+    kept = KeptGraphs()
+    y, products = kept.forward(lambda x: (x * leaf).exp() * scale, x, [weights], [leaf])
+    assert products and all(p.device == x.device for p in products.values())
+    grad_x, grad_weights = kept.backward(products, x, [weights], torch.ones(2, 3, device="meta"))
+    assert grad_x.shape == x.shape and grad_weights.shape == weights.shape

@@ -77,6 +77,8 @@ class _Graph:
         self.inputs: list[Tensor] = []
 
     def pack(self, saved: Tensor):
+        if saved.device != self.sources["input"].device:  # (a compiled graph's host scalar: it stays in the graph)
+            return saved
         for name, source in self.sources.items():
             where = _within(saved, source)
             if where is not None:
@@ -87,6 +89,8 @@ class _Graph:
         return self._keys[id(saved)]
 
     def unpack(self, packed) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
         if isinstance(packed, str):
             return self.products[packed]
         name, offset, shape, stride = packed
