@@ -604,3 +604,18 @@ def test_frozen_groups_held_in_the_compute_dtype_give_the_gradients_their_master
         assert torch.equal(after.group_sq_norms[group], before.group_sq_norms[group])
     for group in (0, 2):
         assert store.grad(group).numel() == 0 and torch.equal(store.master(group), weights[group].to(dtype))
+
+
+def test_a_product_kept_in_host_memory_keeps_its_layout():
+    """A product laid out densely in another order of dimensions (a compiled graph saves such, and its backward
+    asserts the strides) has them in host memory, in the buffer or past its end, and back on the device; one with
+    gaps is copied contiguous."""
+    from megatrain_sched.activations import _Cursor
+
+    permuted = torch.randn(2, 12, 4, 16).transpose(1, 2)
+    cursor = _Cursor(torch.zeros(8192, dtype=torch.uint8), pin=False)
+    for host in cursor.take(permuted), cursor.take(permuted):  # (the second past the buffer's 8192 bytes)
+        host.copy_(permuted)
+        assert host.stride() == permuted.stride() and torch.equal(host, permuted)
+        assert torch.empty_like(host).stride() == permuted.stride()  # (as `_reload` brings it back)
+    assert cursor.take(torch.randn(2, 8)[:, :4]).stride() == (4, 1)

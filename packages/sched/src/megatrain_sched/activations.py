@@ -81,15 +81,28 @@ class _Cursor:
     offset: int = 0
 
     def take(self, like: Tensor) -> Tensor:
-        """The next `like`-shaped tensor of the buffer, or of the CUDA host allocator where it is full (a model
-        whose templates give no `d_model`, or whose `checkpoint_planes` undercount)."""
+        """The next tensor of the buffer shaped and laid out as `like` (`host_strides`), or of the CUDA host
+        allocator where it is full (a model whose templates give no `d_model`, or whose `checkpoint_planes`
+        undercount)."""
         nbytes = like.numel() * like.element_size()
         self.offset = -(-self.offset // like.element_size()) * like.element_size()  # (products of mixed dtypes)
         if self.offset + nbytes > self.buffer.numel():
-            return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
-        view = self.buffer[self.offset : self.offset + nbytes].view(like.dtype).view(like.shape)
+            return torch.empty_strided(like.shape, host_strides(like), dtype=like.dtype, pin_memory=self.pin)
+        flat = self.buffer[self.offset : self.offset + nbytes].view(like.dtype)
         self.offset += nbytes
-        return view
+        return flat.as_strided(like.shape, host_strides(like))
+
+
+def host_strides(like: Tensor) -> tuple[int, ...]:
+    """The strides a host copy of `like` takes: its own where they lay it out densely, in any order of dimensions
+    (a compiled graph saves tensors so, and its backward asserts the strides it saved; the copy back keeps them),
+    else those of a contiguous tensor."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(like.stride(), like.shape) if sz != 1):
+        if stride != expected:
+            return torch.empty(like.shape, device="meta").stride()
+        expected *= size
+    return like.stride()
 
 
 @dataclass
