@@ -101,9 +101,7 @@ def lint(session: nox.Session) -> None:
 
 # The GPU tests in groups that each finish in one device call (an engine change passes every group; `nox -s gpu`
 # runs them all, `nox -s gpu -- engine` one). The tests marked two_gpus run where there are two GPUs.
-# (measured on one H200, 2026-11-29, in tests/gpu_lanes.sh's four lanes sharing the GPU: engine 4.2 min, moe 5.1,
-# dense 4.2, objectives 3.5, chunk-kernels 5.2, recurrence 2.4, kernels 1.5, lora 0.6, quant 0.3; in two lanes moe
-# under 4.5 and chunk-kernels 3.9; each alone is faster. ranks, on two H200s: 2.3 min)
+# (each group's minutes on one H200, sharing it in tests/gpu_lanes.sh's lanes: docs/benchmarks.md#exactness-on-the-gpu)
 GPU_GROUPS = {
     "engine": ["tests/test_gpu_exactness.py"],
     "dense": ["tests/test_dense_families.py", "tests/test_llama4.py"],

@@ -405,8 +405,9 @@ class EngineSection:
     # cgroup's limit or MemAvailable, less a margin: `megatrain plan` says which); null: that. (The machine's own
     # limit is MEGATRAIN_HOST_MEMORY_GIB, which lowers it too.)
     host_memory_gib: float | None = None
-    # compile the elementwise work between the GEMMs (norms, rotary embedding, the experts' activation) and a
-    # packed base's dequantization with torch.compile on CUDA, one kernel each way instead of five to ten; false:
+    # compile the elementwise work between the GEMMs (norms, rotary embedding, the experts' activation), a packed
+    # base's dequantization and the generic path's layers (transformers' own) with torch.compile on CUDA, one
+    # kernel each way instead of five to ten, and a generic layer's kept graph holding its GEMMs' outputs alone; false:
     # eager (a first step without the compile's tens of seconds, a kernel to debug). The CPU always runs eagerly;
     # FlexAttention (packed documents) is compiled either way, its eager form being a slow reference.
     compile: bool = True
