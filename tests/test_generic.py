@@ -283,6 +283,27 @@ def test_a_compiled_layer_keeps_only_what_costs_flops_and_gives_eager_gradients(
         assert rel_err(ours, theirs) < 1e-12
 
 
+def test_a_kind_of_layer_torch_compile_cannot_trace_runs_eagerly(monkeypatch):
+    """Where torch.compile fails on a kind of layer as the planner counts its products, that kind runs eagerly
+    (and its products are counted as eager ones)."""
+    from megatrain_zoo import build_model, generic_stages
+
+    def fails(backend):
+        def call(*args):
+            raise RuntimeError(f"{backend} cannot trace this layer")
+
+        return call
+
+    config = model_config_from_hf({**COMMON, "model_type": "qwen2"}, implementation="transformers")
+    layer = build_model(config).stages[1].template
+    eager = layer._product_bytes(torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(generic_stages, "_compiled_layer_call", fails)
+    assert layer.runs_compiled(torch.device("cuda"))
+    assert layer.product_bytes_per_token(4) == eager
+    assert not layer.runs_compiled(torch.device("cuda"))
+
+
 def test_a_native_family_through_transformers_equals_its_template(tmp_path):
     """Llama through transformers' modules and through megatrain's template: the same losses, gradient norms and
     weights (fp32; transformers' RMSNorm computes in fp32 whatever the dtype, so float64 would differ by that)."""

@@ -208,9 +208,9 @@ class GenericLayer(_GenericStage):
         # where the layer will run compiled: its products as Inductor's partitioner splits it, no code generated
         compiles = torch.cuda.is_available() and self.runs_compiled(torch.device("cuda"))
         measured = self._product_bytes(dtype, "aot_eager_decomp_partition") if compiles else None
-        if measured is None:  # (not compiled, or torch.compile could not trace it: that kind of layer runs eagerly)
-            self.skeleton.eager_kinds.update([self.kind] if compiles else [])
-            measured = self._product_bytes(dtype)
+        if compiles and measured is None:  # (torch.compile could not trace it: that kind of layer runs eagerly)
+            self.skeleton.eager_kinds.add(self.kind)
+        measured = self._product_bytes(dtype) if measured is None else measured
         if measured is None:
             raise GenericError(f"{type(self.module).__name__}'s forward could not be traced in {dtype}")
         return measured
