@@ -15,7 +15,7 @@ import torch
 
 from megatrain_data import DataSection, TokenWindows, load_token_data
 from megatrain_optim import STATE_NAMES, AdamWConfig, HostAdamW, HostUpdates, UpdatesAsGradientsLand
-from megatrain_sched import LayerPipeline, MicroBatch, Placement, Stage
+from megatrain_sched import Hooks, LayerPipeline, MicroBatch, Placement, Stage
 from megatrain_store import GroupLayout, HostStore
 from megatrain_zoo import build_model, init_param_, preset
 
@@ -48,9 +48,9 @@ class CustomTrainer:
             self.store,
             torch.device(device),
             placement=placement,
-            on_grads_landed=self.policy.grads_landed,
-            before_fetch=self.updates.wait,
-            updates_done=self.updates.done,
+            hooks=Hooks(
+                before_fetch=self.updates.wait, updates_done=self.updates.done, on_grads_landed=self.policy.grads_landed
+            ),
         )
         self.step_index = 0
 

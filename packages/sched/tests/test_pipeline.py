@@ -9,6 +9,7 @@ import torch
 import megatrain_sched.timeline as timeline_module
 from megatrain_sched import (
     EXTRAS_MARGIN,
+    Hooks,
     LayerPipeline,
     MicroBatch,
     Placement,
@@ -116,7 +117,7 @@ def build(n_mix, tied, n_slots=2, **placed):
         torch.device("cpu"),
         n_slots=n_slots,
         placement=Placement.build(len(stages), **placed),
-        on_grads_landed=lambda g, e, sq: landed.append(g),
+        hooks=Hooks(on_grads_landed=lambda g, e, sq: landed.append(g)),
         timeline=Timeline(enabled=True),
     )
     return store, pipeline, landed
@@ -220,7 +221,7 @@ def test_resident_groups_keep_their_gradient_on_the_device_from_sweep_to_sweep()
         torch.device("cpu"),
         placement=Placement.build(len(host_pipeline.stages), resident=(1, 2), sweeps=2),
         device_masters=device_masters,
-        on_device_grads=lambda g, grad, sq: handed.append((g, grad.clone(), sq.clone())),
+        hooks=Hooks(on_device_grads=lambda g, grad, sq: handed.append((g, grad.clone(), sq.clone()))),
     )
     batches = make_batches(4)
     pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
@@ -331,10 +332,12 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
         torch.device("cpu"),
         placement=Placement.build(len(host_pipeline.stages), resident=(1, 2), held=(3,)),
         device_masters=device_masters,
-        on_device_grads=lambda g, grad, sq: handed.setdefault(g, (grad.clone(), sq.clone())),
-        before_fetch=lambda groups: fetched.append(groups),
-        on_grads_landed=lambda g, e, sq: landed.append(g),
-        before_cast=lambda groups: before_cast.append(groups),
+        hooks=Hooks(
+            on_device_grads=lambda g, grad, sq: handed.setdefault(g, (grad.clone(), sq.clone())),
+            before_fetch=lambda groups: fetched.append(groups),
+            on_grads_landed=lambda g, e, sq: landed.append(g),
+            before_cast=lambda groups: before_cast.append(groups),
+        ),
     )
     batches = make_batches(2)
     result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
@@ -588,7 +591,8 @@ def test_frozen_groups_held_in_the_compute_dtype_give_the_gradients_their_master
             store.master(group).copy_(values)
         stages = [Stage(t, (i,), f"s{i}") for i, t in enumerate(templates)]
         landed = []
-        pipeline = LayerPipeline(stages, store, torch.device("cpu"), on_grads_landed=lambda g, e, sq: landed.append(g))
+        hooks = Hooks(on_grads_landed=lambda g, e, sq: landed.append(g))
+        pipeline = LayerPipeline(stages, store, torch.device("cpu"), hooks=hooks)
         result = pipeline.run(batches, loss_scale=0.1)
         assert sorted(landed) == [1, 3]  # no gradient of a frozen group
         runs.append((store, result))

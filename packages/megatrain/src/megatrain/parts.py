@@ -21,7 +21,7 @@ from megatrain_optim import (
     UpdatesAfterClipping,
     UpdatesAsGradientsLand,
 )
-from megatrain_sched import LayerPipeline, Placement, Stage, Timeline
+from megatrain_sched import Hooks, LayerPipeline, Placement, Stage, Timeline
 from megatrain_store import HostStore
 from megatrain_templates import Objective
 from megatrain_zoo import ModelSpec
@@ -126,17 +126,17 @@ def new_pipeline(
 ) -> LayerPipeline:
     """The pipeline that streams `spec`'s stages from `store`; training (`updates` given), its gradients land for
     the update policy."""
-    hooks = {}
+    hooks = None
     if updates is not None:
-        hooks = {
-            "on_device_grads": updates.policy.device_grads_made,
-            "before_fetch": updates.updates.wait,
-            "updates_done": updates.updates.done,
-            "first_rows": updates.updates.first_rows,
-            "on_grads_landed": updates.policy.grads_landed,
-            "before_cast": updates.policy.before_cast,
-            "held_device_bytes": updates.policy.held_device_bytes,
-        }
+        hooks = Hooks(
+            before_fetch=updates.updates.wait,
+            updates_done=updates.updates.done,
+            first_rows=updates.updates.first_rows,
+            on_grads_landed=updates.policy.grads_landed,
+            on_device_grads=updates.policy.device_grads_made,
+            before_cast=updates.policy.before_cast,
+            held_device_bytes=updates.policy.held_device_bytes,
+        )
     return LayerPipeline(
         [Stage(s.template, s.groups, s.name) for s in spec.stages],
         store,
@@ -145,7 +145,7 @@ def new_pipeline(
         timeline=timeline,
         reduce_grad=None if sync is None else sync.reduce_grad,
         objective=objective,
-        **hooks,
+        hooks=hooks,
     )
 
 

@@ -136,7 +136,8 @@ class LayerPipeline:
     `executed` is the placement the last training step ran.
 
     The update policy meets it through `hooks` (`Hooks`: `before_fetch`, `updates_done`, `first_rows`,
-    `on_grads_landed`, `on_device_grads`) and, with several processes, `reduce_grad` (`GradientSink`). A stage's
+    `on_grads_landed`, `on_device_grads`, `before_cast`, `held_device_bytes`; none given: a step updates nothing)
+    and, with several processes, `reduce_grad` (`GradientSink`). A stage's
     template declares what it can do (`StageTemplate`): keep its products (`forward_keeping_products`, and its
     extra products where a step has the device memory to spare: `extras` says where), prepare a micro-batch early,
     read no weights in its backward (then the wait for their last update comes before its gradient is sent), read
@@ -159,13 +160,7 @@ class LayerPipeline:
         n_slots: int = 2,
         placement: Placement | None = None,
         device_masters: dict[int, Tensor] | None = None,
-        on_device_grads: Callable[[int, Tensor, Tensor], None] = lambda group, grad, sq_norm: None,
-        before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None,
-        updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True,
-        first_rows: Callable[[int, Tensor], Tensor | None] = lambda group, rows: None,
-        on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None,
-        before_cast: Callable[[tuple[int, ...]], None] = lambda groups: None,
-        held_device_bytes: Callable[[], int] = lambda: 0,
+        hooks: Hooks | None = None,
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
         objective: StepObjective | None = None,
@@ -177,9 +172,7 @@ class LayerPipeline:
         self.streams = Streams(self.device)
         if self.streams.cuda:
             expandable_device_memory()
-        self.hooks = Hooks(
-            before_fetch, updates_done, first_rows, on_grads_landed, on_device_grads, before_cast, held_device_bytes
-        )
+        self.hooks = hooks or Hooks()
         self.objective = objective
         self.timeline = timeline or Timeline(enabled=False)
         self.costs = [StageCosts.of(stage.template, store.compute_dtype.itemsize) for stage in stages]
