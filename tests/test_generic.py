@@ -214,6 +214,30 @@ def test_layers_keeping_their_graphs_match_transformers(model_type, tmp_path):
     check_trains_like_transformers(model_type, tmp_path, 0.5, engine=EngineSection(kept_layers=1, host_kept_layers=1))
 
 
+@pytest.fixture
+def compiled_as_on_a_gpu(monkeypatch) -> list[str]:
+    """The generic layers run through torch.compile as on CUDA, but with Inductor's partitioner alone (no code
+    generated: the CPU has no Triton): the trace and the split of each layer's forward and backward a GPU run
+    trains with. Gives the backends asked for."""
+    from megatrain_zoo import generic_stages
+
+    asked, partitioned = [], generic_stages._compiled_layer_call("aot_eager_decomp_partition")
+    monkeypatch.setattr(generic_stages.GenericLayer, "runs_compiled", lambda self, device: True)
+    monkeypatch.setattr(generic_stages, "_compiled_layer_call", lambda backend: asked.append(backend) or partitioned)
+    return asked
+
+
+# (falcon_h1 and jamba pass too, but their Mamba layers take about a minute each to trace on two cores:
+# `pytest tests/test_generic.py -k compiled_as_on_a_gpu` with them added)
+@pytest.mark.parametrize("model_type", ["stablelm", "lfm2"])
+def test_layers_compiled_as_on_a_gpu_match_transformers(model_type, compiled_as_on_a_gpu, tmp_path):
+    """Families the GPU tests run eagerly, compiled as a GPU run compiles them, one layer's graph kept on the device
+    and one in host memory: trained as transformers does."""
+    engine = EngineSection(kept_layers=1, host_kept_layers=1)
+    check_trains_like_transformers(model_type, tmp_path, 0.5, engine=engine)
+    assert compiled_as_on_a_gpu and set(compiled_as_on_a_gpu) == {"inductor"}
+
+
 # (Inductor compiles each family's layers for tens of seconds: these compile, the rest run eagerly, as layers with
 # adapters and runs with engine.compile off do)
 COMPILED_ON_GPU = ("gpt2", "cohere2", "phimoe")
