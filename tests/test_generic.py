@@ -276,15 +276,21 @@ def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
     assert len(timed) == 5 and min(layer_tflops, kept_tflops, head_tflops) > 0
 
 
+def tiny_qwen2_layer():
+    """The first decoder layer of a tiny Qwen2 through transformers' own modules (a generic template)."""
+    from megatrain_zoo import build_model
+
+    config = model_config_from_hf({**COMMON, "model_type": "qwen2"}, implementation="transformers")
+    return build_model(config).stages[1].template
+
+
 def test_a_compiled_layer_keeps_only_what_costs_flops_and_gives_eager_gradients():
     """A layer run through torch.compile (on CUDA Inductor; here its partitioner without code generation) keeps its
     matmul and attention outputs for the backward, not its norms' and activation's: fewer bytes a token than eager,
     as the planner counts them; its backward from those kept products gives eager's gradients (float64)."""
     from megatrain_templates.kept_graph import KeptGraphs
-    from megatrain_zoo import build_model
 
-    config = model_config_from_hf({**COMMON, "model_type": "qwen2"}, implementation="transformers")
-    layer = build_model(config).stages[1].template
+    layer = tiny_qwen2_layer()
     partitioned = "aot_eager_decomp_partition"
     assert 0 < layer._product_bytes(torch.bfloat16, partitioned) < 0.6 * layer._product_bytes(torch.bfloat16)
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
@@ -310,7 +316,7 @@ def test_a_compiled_layer_keeps_only_what_costs_flops_and_gives_eager_gradients(
 def test_a_kind_of_layer_torch_compile_cannot_trace_runs_eagerly(monkeypatch):
     """Where torch.compile fails on a kind of layer as the planner counts its products, that kind runs eagerly
     (and its products are counted as eager ones)."""
-    from megatrain_zoo import build_model, generic_stages
+    from megatrain_zoo import generic_stages
 
     def fails(backend):
         def call(*args):
@@ -318,8 +324,7 @@ def test_a_kind_of_layer_torch_compile_cannot_trace_runs_eagerly(monkeypatch):
 
         return call
 
-    config = model_config_from_hf({**COMMON, "model_type": "qwen2"}, implementation="transformers")
-    layer = build_model(config).stages[1].template
+    layer = tiny_qwen2_layer()
     eager = layer._product_bytes(torch.float32)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(generic_stages, "_compiled_layer_call", fails)
