@@ -326,11 +326,60 @@ def test_a_kind_of_layer_torch_compile_cannot_trace_runs_eagerly(monkeypatch):
 
     layer = tiny_qwen2_layer()
     eager = layer._product_bytes(torch.float32)
+    monkeypatch.setattr(generic_stages, "KINDS_RUN_EAGERLY", set())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(generic_stages, "_compiled_layer_call", fails)
     assert layer.runs_compiled(torch.device("cuda"))
     assert layer.product_bytes_per_token(4) == eager
     assert not layer.runs_compiled(torch.device("cuda"))
+
+
+def test_a_kind_of_layer_inductor_fails_to_compile_runs_eagerly_from_then_on(monkeypatch, capsys):
+    """Where Inductor fails on a layer in a run, the layer runs eagerly (the same output), as do layers of its kind
+    from then on, and the run says so once."""
+    from megatrain_zoo import generic_stages
+
+    class InductorFailed(torch._dynamo.exc.BackendCompilerFailed):
+        def __init__(self, inner_exception: Exception):  # (the base's arguments differ from torch to torch)
+            RuntimeError.__init__(self, f"backend='inductor' raised:\n{inner_exception}")
+            self.inner_exception = inner_exception
+
+    calls = []
+
+    def failing_compile(backend):
+        def call(*args):
+            calls.append(backend)
+            raise InductorFailed(TypeError("codegen of a scan failed"))
+
+        return call
+
+    layer = tiny_qwen2_layer()
+    monkeypatch.setattr(generic_stages, "KINDS_RUN_EAGERLY", set())
+    monkeypatch.setattr(generic_stages, "_compiled_layer_call", failing_compile)
+    monkeypatch.setattr(generic_stages, "compiling", lambda: True)
+    weights = [torch.randn(layer.numel) * 0.1]
+    x = torch.randn(2, 12, 64)
+    eager = layer.forward(weights, x)  # (on the CPU: eager)
+    with monkeypatch.context() as on_a_gpu:
+        on_a_gpu.setattr(generic_stages.GenericLayer, "runs_compiled", lambda self, device: True)
+        assert torch.equal(layer.forward(weights, x), eager)
+    assert calls == ["inductor"] and layer.kind in generic_stages.KINDS_RUN_EAGERLY
+    assert not layer.runs_compiled(torch.device("cuda"))
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatrain:")]
+    assert (
+        len(said) == 1 and "torch.compile failed on Qwen2DecoderLayer (TypeError: codegen of a scan failed)" in said[0]
+    )
+
+
+def test_layers_with_a_mamba_mixer_run_eagerly_on_a_gpu(monkeypatch):
+    """Jamba's Mamba layers run eagerly on a GPU, its attention layers compiled: what Dynamo would trace of a Mamba
+    mixer is transformers' reference scan in torch (see `GenericLayer.runs_compiled`)."""
+    from megatrain_zoo import build_model, generic_stages
+
+    monkeypatch.setattr(generic_stages, "compiling", lambda: True)
+    layers = [stage.template for stage in build_model(model_config_from_hf(tiny_hf_config("jamba"))).stages[1:-1]]
+    compiled = {layer.kind[0]: layer.runs_compiled(torch.device("cuda")) for layer in layers}
+    assert compiled == {"JambaMambaDecoderLayer": False, "JambaAttentionDecoderLayer": True}
 
 
 def test_a_native_family_through_transformers_equals_its_template(tmp_path):

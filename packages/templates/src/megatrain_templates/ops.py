@@ -39,12 +39,12 @@ def compiling() -> bool:
     return _compile
 
 
-def compile_once(fn: Callable, backend: str = "inductor") -> Callable:
-    """torch.compile(fn, backend=backend), with room for RECOMPILE_LIMIT graphs a function: one per width, rank
-    and autograd mode it meets. Gemma's RMSNorm meets more than torch's default of 8 (six norms per layer, 3-D and
-    per head, forward and recompute, the head's) and fell back to eager past them."""
+def compile_once(fn: Callable, backend: str = "inductor", dynamic: bool | None = None) -> Callable:
+    """torch.compile(fn, backend=backend, dynamic=dynamic), with room for RECOMPILE_LIMIT graphs a function: one
+    per width, rank and autograd mode it meets. Gemma's RMSNorm meets more than torch's default of 8 (six norms per
+    layer, 3-D and per head, forward and recompute, the head's) and fell back to eager past them."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, backend=backend)
+    return torch.compile(fn, backend=backend, dynamic=dynamic)
 
 
 def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:

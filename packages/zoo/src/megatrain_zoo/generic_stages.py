@@ -3,6 +3,7 @@ with the streamed weights bound to their parameters (`torch.func.functional_call
 model's forward up to its first layer, a layer stage one decoder layer, the head stage everything after the last
 layer (final norm, LM head, soft caps and scalings) then the cross-entropy."""
 
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -146,6 +147,7 @@ class GenericLayer(_GenericStage):
         layer_type = layer_types[index] if index < len(layer_types) else None
         self.kind = (type(self.module).__name__, layer_type, tuple(spec.shape for spec in self.groups[0]))
         self.kept = KeptGraphs()
+        self.holds_a_mamba_mixer = any(_is_mamba_mixer(m) for m in module.modules())
 
     def _call(self, views: dict, x: Tensor, documents, media=None, backend: str | None = None) -> Tensor:
         """The layer's output for `x`; through torch.compile's `backend` where given, or where the layer runs
@@ -160,21 +162,43 @@ class GenericLayer(_GenericStage):
         local = {name.removeprefix(self.prefix): value for name, value in views.items() if name not in adapters}
         backend = backend or ("inductor" if self.runs_compiled(x.device) else None)
         if backend is not None:
-            with _saving_costly_only():
-                return _compiled_layer_call(backend)(self.module, local, x, args, kwargs)
+            try:
+                with _saving_costly_only():
+                    return _compiled_layer_call(backend)(self.module, local, x, args, kwargs)
+            except _compile_failures() as error:
+                if backend != "inductor":  # (the planner's trace: `product_bytes_per_token` handles it)
+                    raise
+                self._run_eagerly_from_now(error)
         if self.adapters is None:
             return _layer_call(self.module, local, x, args, kwargs)
         with self.adapters.bound(views):
             return _layer_call(self.module, local, x, args, kwargs)
 
+    def _run_eagerly_from_now(self, error: Exception) -> None:
+        """Layers of this kind run eagerly from now on, after Inductor failed to compile one (said once)."""
+        KINDS_RUN_EAGERLY.add(self.kind)
+        cause = getattr(error, "inner_exception", error)  # (what the backend raised)
+        reason = (str(cause).strip().splitlines() or [""])[0][:200]
+        print(
+            f"megatrain: torch.compile failed on {type(self.module).__name__} ({type(cause).__name__}: {reason}); "
+            "layers of its kind run eagerly (exact, slower; their kept products take more memory than planned: "
+            "if the GPU runs out of memory, set engine.compile: false)",
+            file=sys.stderr,
+        )
+
     def runs_compiled(self, device: torch.device) -> bool:
         """Whether the layer runs through Inductor on `device`: on CUDA, compiling, where torch.compile can trace
-        its kind of layer, with no adapters bound (their hooks and dropout masks stay eager)."""
+        its kind of layer, with no adapters bound (their hooks and dropout masks stay eager), and no Mamba mixer.
+
+        (A Mamba mixer's scan is mamba_ssm's kernel where installed, else transformers' reference in torch, which
+        is what Dynamo would trace: at a real size, 2 x 4096 tokens of transformers' default configs on an H200,
+        Falcon-H1's failed Inductor's code generation and Jamba's had not compiled in four minutes.)"""
         return (
             device.type == "cuda"
             and compiling()
             and self.adapters is None
-            and self.kind not in self.skeleton.eager_kinds
+            and not self.holds_a_mamba_mixer
+            and self.kind not in KINDS_RUN_EAGERLY
         )
 
     def _dropping(self, dropout: DropoutKey | None):
@@ -209,7 +233,7 @@ class GenericLayer(_GenericStage):
         compiles = torch.cuda.is_available() and self.runs_compiled(torch.device("cuda"))
         measured = self._product_bytes(dtype, "aot_eager_decomp_partition") if compiles else None
         if compiles and measured is None:  # (torch.compile could not trace it: that kind of layer runs eagerly)
-            self.skeleton.eager_kinds.add(self.kind)
+            KINDS_RUN_EAGERLY.add(self.kind)
         measured = self._product_bytes(dtype) if measured is None else measured
         if measured is None:
             raise GenericError(f"{type(self.module).__name__}'s forward could not be traced in {dtype}")
@@ -253,6 +277,12 @@ class GenericLayer(_GenericStage):
             return self._recomputed_backward(weights, x, grad_out, grads, documents, media)
 
 
+def _is_mamba_mixer(module: torch.nn.Module) -> bool:
+    """Whether `module` is a Mamba (selective state-space) mixer, as every transformers family names its parts: a
+    causal convolution and the log of the state's decay, A_log."""
+    return hasattr(module, "conv1d") and hasattr(module, "A_log")
+
+
 def _layer_call(module, local: dict, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
     """A decoder layer's hidden-state output for `x`, its parameters the tensors `local` (name in the layer ->
     tensor)."""
@@ -264,10 +294,27 @@ _COMPILED_LAYER_CALLS: dict[str, Callable] = {}
 
 def _compiled_layer_call(backend: str) -> Callable:
     """`_layer_call` through torch.compile's `backend`, one for every layer: layers of one kind share its graphs
-    (Dynamo guards on what a layer's forward reads of its module, not on which module it is)."""
+    (Dynamo guards on what a layer's forward reads of its module, not on which module it is).
+
+    Static shapes: a run's layers see one micro-batch shape. Left to Dynamo, the planner's trace at two lengths
+    (`_product_bytes`, the same function's code) made the GPU's compile symbolic in the sequence length: slower
+    kernels, and Falcon-H1's Mamba2 scan (a cumsum over that length) failed Inductor's code generation (H200,
+    2026-11-30)."""
     if backend not in _COMPILED_LAYER_CALLS:
-        _COMPILED_LAYER_CALLS[backend] = compile_once(_layer_call, backend=backend)
+        _COMPILED_LAYER_CALLS[backend] = compile_once(_layer_call, backend=backend, dynamic=False)
     return _COMPILED_LAYER_CALLS[backend]
+
+
+# Kinds of layer (`GenericLayer.kind`) that run eagerly: torch.compile could not trace them for the planner, or
+# Inductor failed to compile them. Process-wide, as Dynamo's caches are: a run's rate measurement builds its model
+# apart from the run's, and the planner then counts such a kind's products as eager ones.
+KINDS_RUN_EAGERLY: set[tuple] = set()
+
+
+def _compile_failures() -> tuple[type[Exception], ...]:
+    """What a failed compile raises (Inductor's errors among them); an error of the layer's own computation does not.
+    (Looked up when raised: importing Dynamo costs every process that imports the zoo.)"""
+    return torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported
 
 
 # Any memory budget below 1 has Inductor's partitioner recompute in the backward what costs no FLOPs (norms,

@@ -91,7 +91,6 @@ class HFSkeleton:
         self._arguments: OrderedDict = OrderedDict()
         self.layer_output = _hidden_states  # (how the forward reads a layer's output: settled by `parts`)
         self.product_bytes: dict = {}  # (kind of layer, dtype, backend) -> bytes per token its kept graph holds
-        self.eager_kinds: set = set()  # kinds of layer torch.compile could not trace: they run eagerly
         self.parts  # noqa: B018 (traced now: the stages need it, and it settles `layer_output`)
 
     def _base_module(self, decoder: nn.Module) -> nn.Module:
