@@ -246,6 +246,7 @@ class CostModel:
         self.world = machine.gpus * machine.hosts
         self.micro_tokens = shape.micro_tokens
         self.recompute_bytes = recompute_bytes(self.model, self.micro_tokens, self.element)
+        self._layer_works: dict[int, tuple[float, float]] = {}  # tokens -> `layer_works` (a search asks often)
         if spec.adapter is not None and spec.adapter.dropout:  # a member's keep-mask and dropped input at a time
             widest = max(self.model.d_model, mlp_width_per_token(self.model))
             self.recompute_bytes += 2 * self.micro_tokens * widest * self.element
@@ -471,7 +472,9 @@ class CostModel:
         """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products."""
         layer_rate = self.rates.moe_gpu_tflops if self.model.is_moe else self.rates.gpu_tflops
         kept_rate = layer_rate if self.model.is_moe else self.rates.gpu_kept_tflops or layer_rate
-        whole, kept_layer = layer_works(self.model, self.shape.seq_len, tokens, frozen=self.adapter)
+        if tokens not in self._layer_works:
+            self._layer_works[tokens] = layer_works(self.model, self.shape.seq_len, tokens, frozen=self.adapter)
+        whole, kept_layer = self._layer_works[tokens]
         return ((self.model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
 
     def layers_s(self, placement: Placement) -> float:

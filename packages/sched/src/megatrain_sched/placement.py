@@ -4,6 +4,7 @@ A planner (megatrain's cost model, or a caller by hand) decides one `Placement` 
 pipeline executes it as given and changes it only where the device would run out of memory, saying so.
 """
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 # where a stage's weights live between uses
@@ -75,6 +76,8 @@ class Placement:
             stages.append(StagePlacement(weights, HOST if index in offloaded else DEVICE, products))
         return cls(tuple(stages), **step)
 
+    # (the stage sets below are cached: a frozen placement's never change, and a planner's search reads them
+    # hundreds of thousands of times)
     def where(self, **choice: str) -> tuple[int, ...]:
         """The indices of the stages with these choices, e.g. `where(products=DEVICE)`."""
         return tuple(i for i, stage in enumerate(self.stages) if all(getattr(stage, k) == v for k, v in choice.items()))
@@ -84,29 +87,29 @@ class Placement:
         """Tokens per step (this process's) it was made for: every sweep's."""
         return self.tokens * self.sweeps
 
-    @property
+    @functools.cached_property
     def resident(self) -> tuple[int, ...]:
         return self.where(weights=RESIDENT)
 
-    @property
+    @functools.cached_property
     def held(self) -> tuple[int, ...]:
         return self.where(weights=HELD)
 
-    @property
+    @functools.cached_property
     def offloaded(self) -> tuple[int, ...]:
         return self.where(checkpoint=HOST)
 
-    @property
+    @functools.cached_property
     def kept(self) -> tuple[int, ...]:
         """Stages whose products are kept on the device."""
         return self.where(products=DEVICE)
 
-    @property
+    @functools.cached_property
     def host_kept(self) -> tuple[int, ...]:
         """Stages whose products wait in pinned host memory."""
         return self.where(products=HOST)
 
-    @property
+    @functools.cached_property
     def keeping(self) -> tuple[int, ...]:
         """Stages keeping their products, on the device or in host memory: the backwards that recompute no GEMM."""
         return tuple(sorted(self.kept + self.host_kept))
