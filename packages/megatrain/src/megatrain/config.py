@@ -233,6 +233,7 @@ class TrainSection:
     save_every: int = 0  # steps between checkpoints (0: only on SIGINT/SIGTERM)
     keep_last: int = 2  # checkpoints kept in output_dir/checkpoints
     eval_every: int = 0  # steps between validation losses (0: only after the last step); needs data.validation
+    loss_plot: bool = True  # output_dir/loss.png after the last step (matplotlib: megatrain's [plot] extra)
     # experiment trackers that get every metrics.jsonl record and the config: any of REPORT_TO, as a list or
     # comma-separated (HF Trainer's report_to); none: metrics.jsonl only
     report_to: str | None = None

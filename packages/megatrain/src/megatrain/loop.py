@@ -626,7 +626,7 @@ class TrainingRun:
             trainer.timeline.write_chrome_trace(out / f"trace{suffix}.json")
         final = self._export()
         if self.main:
-            if plot_loss(self.metrics_path, out / "loss.png"):
+            if self.config.train.loss_plot and plot_loss(self.metrics_path, out / "loss.png"):
                 print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)
             print(f"model written to {final}: {describe_export(final)}", file=sys.stderr)
 

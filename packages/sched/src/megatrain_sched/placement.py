@@ -76,8 +76,6 @@ class Placement:
             stages.append(StagePlacement(weights, HOST if index in offloaded else DEVICE, products))
         return cls(tuple(stages), **step)
 
-    # (the stage sets below are cached: a frozen placement's never change, and a planner's search reads them
-    # hundreds of thousands of times)
     def where(self, **choice: str) -> tuple[int, ...]:
         """The indices of the stages with these choices, e.g. `where(products=DEVICE)`."""
         return tuple(i for i, stage in enumerate(self.stages) if all(getattr(stage, k) == v for k, v in choice.items()))
@@ -87,6 +85,8 @@ class Placement:
         """Tokens per step (this process's) it was made for: every sweep's."""
         return self.tokens * self.sweeps
 
+    # (the stage sets are cached: a frozen placement's never change, and a planner's search reads them hundreds of
+    # thousands of times)
     @functools.cached_property
     def resident(self) -> tuple[int, ...]:
         return self.where(weights=RESIDENT)

@@ -181,8 +181,8 @@ class GenericLayer(_GenericStage):
         reason = (str(cause).strip().splitlines() or [""])[0][:200]
         print(
             f"megatrain: torch.compile failed on {type(self.module).__name__} ({type(cause).__name__}: {reason}); "
-            "layers of its kind run eagerly (exact, slower; their kept products take more memory than planned: "
-            "if the GPU runs out of memory, set engine.compile: false)",
+            "layers of its kind run eagerly (exact, slower; where the plan counted their compiled products, eager "
+            "ones take more memory: if the GPU runs out of it, set engine.compile: false)",
             file=sys.stderr,
         )
 
