@@ -37,7 +37,7 @@ DEPENDS = {
 
 EXTRAS = {"megatrain": "[plot]"}  # the loss-curve PNG is part of what a run writes
 # pytest-xdist: the sessions whose tests take long run them in two processes (CI's two cores)
-TWO_PROCESSES = {"templates", "plan", "megatrain"}
+TWO_PROCESSES = {"plan", "megatrain"}
 # triton and numpy: the templates' kernels run under its CPU interpreter (a GPU's torch brings triton; CPU wheels do not)
 # bitsandbytes: the reference of the store's packed NF4 and int8 weights, bit for bit; pinned, since its CPU quantizer
 # rounds the 8-bit statistics its own way (megatrain_store.quant says which) and a release may change that

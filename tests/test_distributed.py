@@ -3,6 +3,8 @@
 norm and the exported weights. Also two simulated hosts of two ranks each (a replica of the
 state per host, gradients reduced across hosts)."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -59,8 +61,28 @@ def run(tmp_path, name, launcher, device="cpu", **changes):
     return launch(tmp_path, name, launcher, ["--config", str(path)])
 
 
+# A launcher: `megatrain train` in the test's own process, as one process (its imports already paid: 2.6 of a tiny
+# run's 4.6 s on two cores); the references the ranks are compared with run so
+HERE = ["this process"]
+
+
 def launch(tmp_path, name, launcher, args):
     """Run `megatrain train ARGS` under `launcher`; (metrics rows, exported weights) of output_dir `name`."""
+    if launcher is HERE:
+        (tmp_path / name / "stderr-0.txt").write_text(train_here(args))
+    else:
+        launch_processes(tmp_path, name, launcher, args)
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert not (tmp_path / name / "loss.png").exists()  # (train.loss_plot: false)
+    final = tmp_path / name / "final"
+    weights = (
+        final / "model.safetensors" if (final / "model.safetensors").exists() else final / "adapter_model.safetensors"
+    )
+    return rows, load_file(str(weights))  # (a LoRA run's final/ is its adapters, PEFT's directory)
+
+
+def launch_processes(tmp_path, name, launcher, args) -> None:
+    """`megatrain train ARGS` under `launcher` (a command, or one per host), each one's stderr kept."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
     commands = launcher if isinstance(launcher[0], list) else [launcher]
     processes = [
@@ -71,13 +93,21 @@ def launch(tmp_path, name, launcher, args):
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err.decode()
         (tmp_path / name / f"stderr-{index}.txt").write_bytes(err)  # per launcher (host)
-    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    assert not (tmp_path / name / "loss.png").exists()  # (train.loss_plot: false)
-    final = tmp_path / name / "final"
-    weights = (
-        final / "model.safetensors" if (final / "model.safetensors").exists() else final / "adapter_model.safetensors"
-    )
-    return rows, load_file(str(weights))  # (a LoRA run's final/ is its adapters, PEFT's directory)
+
+
+def train_here(args) -> str:
+    """`megatrain train ARGS` in this process, on one thread as the launched processes run; its stderr."""
+    from megatrain.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            code = main(["train", *args])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err.getvalue()
+    return err.getvalue()
 
 
 def resume(tmp_path, name, launcher, steps, **changes):
@@ -124,7 +154,7 @@ def tokens(tmp_path):
 @pytest.mark.parametrize("grad_clip", [0.05, 0.0])
 def test_two_and_four_ranks_equal_one_process(tmp_path, tokens, grad_clip):
     train = {"grad_clip": grad_clip}
-    one = run(tmp_path, "one", [sys.executable], train=train)
+    one = run(tmp_path, "one", HERE, train=train)
     assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), train=train))
     if grad_clip:  # (without clipping, updates apply as gradients land: each rank's shards of a small pool)
         assert_same_training(one, run(tmp_path, "four", torchrun(4, "--standalone"), train=train))
@@ -136,7 +166,7 @@ def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, s
     hosts, each holding half the state where they split it), and the earlier sweeps' sum of a rank's shard comes
     back to be added to the next: the same training as one process in one sweep."""
     train = {"grad_clip": grad_clip, "micro_batch_size": 1}  # (two micro-batches a rank, of four ranks too)
-    one = run(tmp_path, "one", [sys.executable], train=train, engine={"sweeps": 1})
+    one = run(tmp_path, "one", HERE, train=train, engine={"sweeps": 1})
     launcher = two_hosts(2) if split else torchrun(2, "--standalone")
     many = run(tmp_path, "many", launcher, train=train, engine={"sweeps": 2, "shard_across_hosts": split})
     assert json.loads((tmp_path / "many" / "placement.json").read_text())["placement"]["sweeps"] == 2
@@ -173,7 +203,7 @@ def test_dpo_over_two_ranks_equals_one_process(tmp_path, pack):
         "seq_len": 48 if pack else 16,
     }
     train = {"objective": "dpo", "batch_size": 4, "micro_batch_size": 1, "dpo": {"beta": 0.3}}
-    one = run(tmp_path, "one", [sys.executable], data=data, train=train)
+    one = run(tmp_path, "one", HERE, data=data, train=train)
     assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train))
     if pack:
         assert (
@@ -226,7 +256,7 @@ def test_grpo_generating_over_two_ranks_equals_one_process(tmp_path, monkeypatch
 
 def test_two_hosts_of_two_ranks_equal_one_process(tmp_path, tokens):
     """Each host keeps its own replica of the state; gradients are reduced within and then across hosts."""
-    assert_same_training(run(tmp_path, "one", [sys.executable]), run(tmp_path, "hosts", two_hosts(2)))
+    assert_same_training(run(tmp_path, "one", HERE), run(tmp_path, "hosts", two_hosts(2)))
 
 
 @pytest.mark.parametrize("grad_clip", [0.05, 0.0])
@@ -235,7 +265,7 @@ def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_cli
     receives the other half's updated weights; training, checkpoints and the export equal one process,
     and a checkpoint written by the split hosts resumes on one process (and one process's on them)."""
     train = {"grad_clip": grad_clip, "save_every": 2}
-    one = run(tmp_path, "one", [sys.executable], train=train)
+    one = run(tmp_path, "one", HERE, train=train)
     split = run(tmp_path, "split", two_hosts(2), train=train, engine={"shard_across_hosts": True})
     assert_same_training(one, split)
     assert "the state split over 2 hosts" in (tmp_path / "split" / "stderr-0.txt").read_text()
@@ -247,7 +277,7 @@ def test_hosts_that_split_the_state_equal_one_process(tmp_path, tokens, grad_cli
                 load_file(str(checkpoint / f"{kind}.safetensors")),
             )
     if grad_clip:
-        resumed = resume(tmp_path, "split", [sys.executable], steps=6)  # split hosts' checkpoint on one process
+        resumed = resume(tmp_path, "split", HERE, steps=6)  # split hosts' checkpoint on one process
         again = resume(tmp_path, "one", two_hosts(1), steps=6, engine={"shard_across_hosts": True})
         assert [r["step"] for r in resumed[0]] == [r["step"] for r in again[0]] == [1, 2, 3, 4, 5, 6]
         for a, b in zip(resumed[0], again[0]):
@@ -260,7 +290,7 @@ def test_experts_in_parts_on_hosts_that_split_the_state_equal_one_process(tmp_pa
     part) on two hosts that split the state, against one process with whole layers: the same
     training, and checkpoints gathered from the hosts hold transformers' whole tensors."""
     model, train = {"preset": "tiny-gpt-oss"}, {"save_every": 4}
-    one = run(tmp_path, "one", [sys.executable], model=model, train=train)
+    one = run(tmp_path, "one", HERE, model=model, train=train)
     engine = {"shard_across_hosts": True, "experts_per_stage": 3}
     split = run(tmp_path, "split", two_hosts(2), model=model, train=train, engine=engine)
     assert_same_training(one, split)
@@ -279,7 +309,7 @@ def test_two_ranks_with_the_disk_tier_equal_one_process(tmp_path, tokens):
     updating its slice; the files are named for the run and gone when it ends."""
     state_dir = tmp_path / "state"
     engine = {"optimizer_state_dir": str(state_dir), "disk_state_fraction": 0.5}
-    one = run(tmp_path, "one", [sys.executable])
+    one = run(tmp_path, "one", HERE)
     assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), engine=engine))
     assert not list(state_dir.iterdir())
 
@@ -292,9 +322,9 @@ def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, tokens):
 
 def test_resume_on_a_different_number_of_ranks(tmp_path, tokens):
     """A checkpoint written by two ranks resumes on one process and continues as if never stopped."""
-    full = run(tmp_path, "full", [sys.executable])
+    full = run(tmp_path, "full", HERE)
     run(tmp_path, "part", torchrun(2, "--standalone"), train={"steps": 2, "save_every": 2})
-    rows, weights = resume(tmp_path, "part", [sys.executable], steps=4)
+    rows, weights = resume(tmp_path, "part", HERE, steps=4)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(full[0], rows):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
@@ -304,7 +334,7 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, tokens):
 def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tokens):
     """The aux loss is a property of the global batch: the ranks sum their routing statistics."""
     model = {"preset": "tiny-mixtral"}
-    one = run(tmp_path, "one", [sys.executable], model=model)
+    one = run(tmp_path, "one", HERE, model=model)
     assert all(row["router_aux_loss"] > 0 for row in one[0])
     two = run(tmp_path, "two", torchrun(2, "--standalone"), model=model)
     assert_same_training(one, two)
@@ -320,7 +350,7 @@ def test_correction_biases_balanced_by_load_over_ranks_and_split_hosts_equal_one
     split the state equal one process."""
     model = {"preset": "tiny-deepseek-v3"}
     train = {"router_bias_update_rate": 0.01, "router_seq_aux_loss_coef": 0.05, "router_z_loss_coef": 0.01}
-    one = run(tmp_path, "one", [sys.executable], model=model, train=train)
+    one = run(tmp_path, "one", HERE, model=model, train=train)
     biases = [name for name in one[1] if name.endswith("e_score_correction_bias")]
     # from zero, in steps of 0.01 (a tiny model's biases may swing back and forth to zero: some moved)
     assert biases and any(one[1][name].abs().max() > 0.005 for name in biases)
@@ -528,7 +558,7 @@ def test_a_model_through_transformers_modules_on_split_hosts_with_the_disk_tier_
     """The generic template (model.implementation: transformers) on two hosts of two ranks that split the state,
     half the moments on disk, trains as one process does; its weights keep transformers' names."""
     model = {"preset": "tiny-qwen2", "implementation": "transformers"}
-    one = run(tmp_path, "one", [sys.executable], model=model)
+    one = run(tmp_path, "one", HERE, model=model)
     engine = {"shard_across_hosts": True, "optimizer_state_dir": str(tmp_path / "state"), "disk_state_fraction": 0.5}
     assert_same_training(one, run(tmp_path, "split", two_hosts(2), model=model, engine=engine))
     assert "model.layers.0.self_attn.q_proj.weight" in one[1]
