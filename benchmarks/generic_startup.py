@@ -1,8 +1,8 @@
 """What a run through transformers' own modules (the generic path) spends before its first step, at a family's real
 size: the planner's trace of each kind of layer on the CPU (the bytes it keeps, through torch.compile's partitioner
 where the run compiles it) and the GPU's rate measurement (most of it compiling each kind's kernels, which the run's
-first steps then reuse), with the layers' measured rates. Families whose layers hold a recurrent mixer (Mamba,
-short convolutions) are the ones whose compile time is in question.
+first steps then reuse), with the layers' measured rates. Layers with a Mamba mixer run eagerly (their scan is
+`mamba_ssm`'s kernel where installed, else transformers' reference in torch); short convolutions compile.
 
     python benchmarks/generic_startup.py --families falcon_h1,jamba,bamba,lfm2 --seq-len 4096 --micro-batch 2 \
         --out OUT/generic-startup.json
@@ -45,12 +45,14 @@ def hf_config(family: str, layers: int) -> dict:
 
 
 def startup_row(family: str, args) -> dict:
+    """The results row of `family`: its planner trace and rate measurement, timed."""
     model = model_config_from_hf(hf_config(family, args.layers), implementation="transformers")
     spec = build_model(model)
     start = time.perf_counter()
     kinds = {}
-    for stage in spec.stages[1:-1]:
-        kinds.setdefault(stage.template.kind, stage.template.product_bytes_per_token(2))
+    for layer in (stage.template for stage in spec.stages[1:-1]):
+        if layer.kind not in kinds:
+            kinds[layer.kind] = layer.product_bytes_per_token(2)
     trace_s = time.perf_counter() - start
     rates.FIRST_CALLS.seconds = 0.0
     start = time.perf_counter()
