@@ -297,9 +297,8 @@ def _compiled_layer_call(backend: str) -> Callable:
     (Dynamo guards on what a layer's forward reads of its module, not on which module it is).
 
     Static shapes: a run's layers see one micro-batch shape. Left to Dynamo, the planner's trace at two lengths
-    (`_product_bytes`, the same function's code) made the GPU's compile symbolic in the sequence length: slower
-    kernels, and Falcon-H1's Mamba2 scan (a cumsum over that length) failed Inductor's code generation (H200,
-    2026-11-30)."""
+    (`_product_bytes`, the same function's code) made the GPU's compile symbolic in the sequence length (seen in
+    Falcon-H1's failed compile, H200, 2026-11-30), which costs kernels their fixed sizes."""
     if backend not in _COMPILED_LAYER_CALLS:
         _COMPILED_LAYER_CALLS[backend] = compile_once(_layer_call, backend=backend, dynamic=False)
     return _COMPILED_LAYER_CALLS[backend]
