@@ -465,16 +465,20 @@ def generic_template(rows: list[dict]) -> Table:
     def minutes(r: dict) -> float:
         return datetime.strptime(r["date"], "%Y-%m-%d %H:%M").timestamp() / 60 if " " in r["date"] else math.nan
 
-    def same_call(native: dict, generic: dict) -> bool:
-        return abs(minutes(native) - minutes(generic)) <= SAME_CALL_MINUTES
+    natives = [r for r in steps(rows) if r.get("implementation", "native") == "native"]
+
+    def partner(generic: dict) -> dict | None:
+        """The newest native run of `generic`'s device call, if any."""
+        same = [
+            n for n in natives if run(n) == run(generic) and abs(minutes(n) - minutes(generic)) <= SAME_CALL_MINUTES
+        ]
+        return newest(same, run).get(run(generic))
 
     generic = [r for r in rows if r.get("implementation", "native") != "native" and r.get("model_tflops")]
-    natives = [r for r in steps(rows) if r.get("implementation", "native") == "native"]
-    paired = [r for r in generic if any(run(n) == run(r) and same_call(n, r) for n in natives)]
-    chosen_generic = newest(generic, run) | newest(paired, run)
+    chosen_generic = newest(generic, run) | newest([r for r in generic if partner(r)], run)
     body, chosen = [], []
     for r in sorted(chosen_generic.values(), key=run):
-        ours = newest([n for n in natives if run(n) == run(r) and same_call(n, r)], run).get(run(r))
+        ours = partner(r)
         for row in (ours, r) if ours else (r,):
             body.append(
                 [
