@@ -987,6 +987,26 @@ def test_compilation_off_runs_the_functions_as_written(monkeypatch):
     assert compiling() and chunked_recurrence._run(add_one, True, 1) == 2 and compiled == [add_one]
 
 
+def test_a_compiled_function_takes_its_floats_as_constants_never_as_host_tensor_inputs():
+    """A second value of a float argument (Qwen3.5's key scale after its query scale) compiles a graph with that
+    value in it, not one taking a 0-dim host tensor, for which Inductor would build a host kernel beside the GPU's."""
+    from megatrain_templates.ops import compile_once
+
+    graph_inputs = []
+
+    def recording_backend(graph, inputs):
+        graph_inputs.append(inputs)
+        return graph.forward
+
+    def scaled_unit_rows(x, scale):
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True)) * scale
+
+    compiled, x = compile_once(scaled_unit_rows, backend=recording_backend), torch.randn(3, 4)
+    for scale in (0.125, 1.0, 0.5):
+        assert torch.allclose(compiled(x, scale), scaled_unit_rows(x, scale))
+    assert len(graph_inputs) == 3 and all(len(inputs) == 1 for inputs in graph_inputs)
+
+
 def test_a_kept_graph_leaves_a_host_scalar_in_the_graph_and_hands_over_the_device_products():
     """A compiled graph may save a host scalar beside its device tensors: the pipeline gets only the device's as
     products (it moves them, and the host's would not move), the scalar stays in the graph for its backward."""

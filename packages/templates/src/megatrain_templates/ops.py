@@ -42,9 +42,15 @@ def compiling() -> bool:
 def compile_once(fn: Callable, backend: str = "inductor", dynamic: bool | None = None) -> Callable:
     """torch.compile(fn, backend=backend, dynamic=dynamic), with room for RECOMPILE_LIMIT graphs a function: one
     per width, rank and autograd mode it meets. Gemma's RMSNorm meets more than torch's default of 8 (six norms per
-    layer, 3-D and per head, forward and recompute, the head's) and fell back to eager past them."""
+    layer, 3-D and per head, forward and recompute, the head's) and fell back to eager past them.
+
+    The floats a function takes (an eps, a scale, an offset) are a model's constants, compiled in. Left to torch, the
+    second value a function met became a 0-dim host tensor input, and with it Inductor built a C++ kernel for the
+    host: Qwen3.5's query and key scales (`_unit_heads`) cost 36 s (warm caches) to 56 s of host-compiler checks
+    in the rate measurement on an H200 machine, every process."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, backend=backend, dynamic=dynamic)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
+    return torch._dynamo.config.patch(specialize_float=True)(compiled)
 
 
 def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
