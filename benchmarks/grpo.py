@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import base_row, machine, table, write_results  # noqa: E402
-from throughput import BenchTrainer  # noqa: E402
+from throughput import BenchTrainer, placement_fields  # noqa: E402
 
 from megatrain.config import Config, DataSection, GRPOSection, ModelSection, PrecisionSection, TrainSection  # noqa: E402
 from megatrain.rollouts import rows_of  # noqa: E402
@@ -33,12 +33,14 @@ from megatrain_zoo.generate import Generator, Sampling  # noqa: E402
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def timed(run):
-    """(what `run()` returns, its seconds), the GPU's work included."""
+    """(what `run()` returns, its seconds), the GPU's work included; the GPU's peak memory counted from its start
+    (the row reads it)."""
     synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     out = run()
     synchronize()
@@ -125,12 +127,12 @@ def training_row(args, model, trainer, prompts, completions) -> dict:
     step()
     _, step_s = timed(step)
     row = base_row("megatrain", model_name(args), model, seq_len, len(prompts), args.micro_batch, step_s)
-    return row | {
+    fields = {
         "scope": "GRPO step (training)",
+        "grad_clip": args.grad_clip,
         "host_bytes_per_param": round(trainer.store.memory_report().bytes_per_param, 2),
-        "placement": trainer.pipeline.executed.as_dict(),  # (what the timed step ran, and what it changed: why)
-        "placement_fallback": trainer.pipeline.fallback,
     }
+    return row | fields | placement_fields(trainer, step_s)  # (what the timed step ran, and the plan's prediction)
 
 
 def main():

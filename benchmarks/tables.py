@@ -526,13 +526,14 @@ def grpo_toy(rows: list[dict]) -> Table:
 
 def grpo_speed(rows: list[dict]) -> Table:
     """GRPO on one GPU: generation with the weights resident or streamed, and the training step, with each phase's
-    share of a step: the newest rows of `benchmarks/grpo.py`."""
+    share of a step: the newest rows of `benchmarks/grpo.py` per GPU."""
     speed = [r for r in rows if r["file"].startswith("grpo-qwen")]
-    chosen = list(newest(speed, lambda r: (r["model"], r["scope"])).values())
-    chosen.sort(key=lambda r: (r["params_b"], r["scope"].startswith("GRPO"), r["scope"]))
+    chosen = list(newest(speed, lambda r: (r["model"], gpu(r), r["scope"])).values())
+    chosen.sort(key=lambda r: (r["params_b"], gpu(r), r["scope"].startswith("GRPO"), r["scope"]))
     body = [
         [
             r["model"],
+            gpu(r),
             r["scope"],
             num(r.get("generated_tokens") or r["tokens_per_step"]),
             seconds(r["step_time_s"]),
@@ -543,8 +544,8 @@ def grpo_speed(rows: list[dict]) -> Table:
         ]
         for r in chosen
     ]
-    header = ["model", "phase", "tokens", "time", "tokens/s", "model TFLOPS", "KV batch", "share of a step"]
-    return Table(header, body, chosen, align="llrrrrrr")
+    header = ["model", "GPU", "phase", "tokens", "time", "tokens/s", "model TFLOPS", "KV batch", "share of a step"]
+    return Table(header, body, chosen, align="lllrrrrrr")
 
 
 def image_text(rows: list[dict]) -> Table:

@@ -132,7 +132,7 @@ def bench_megatrain(name, args, implementation="native"):
         flops = flops_per_token(model, args.doc_len or args.seq_len, trainer.spec.adapter_params)
         rows.append(
             base_row("megatrain", name, model, args.seq_len, n_seqs, args.micro_batch, timing["step_s"])
-            | _placement_fields(trainer, timing["step_s"])
+            | placement_fields(trainer, timing["step_s"])
             | _host_fields(trainer.store.memory_report(), trainer.plan)
             | _optimizer_fields(trainer, timing["split"], triad_gbps)
             | {
@@ -244,7 +244,7 @@ def _time_point(trainer, next_batch, n_seqs, steps, warmup) -> dict:
     return timing
 
 
-def _placement_fields(trainer, step_s) -> dict:
+def placement_fields(trainer, step_s) -> dict:
     """What the trainer placed this point's steps as (its first step did, where the size changed), and how the
     planner's prediction came out."""
     plan, executed = trainer.plan, trainer.pipeline.executed
