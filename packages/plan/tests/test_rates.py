@@ -9,7 +9,7 @@ import torch
 
 from megatrain_plan import Rates
 from megatrain_plan import rates as calibration
-from megatrain_zoo import preset
+from megatrain_zoo import generic_stages, preset
 
 
 def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeypatch):
@@ -32,13 +32,7 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
         calibration.FIRST_CALLS.seconds += 7.0  # the first calls' compiling, as `_sustained_seconds` counts it
         return 300.0, 280.0, 500.0, None
 
-    monkeypatch.setattr(calibration, "measure_gpu_rates", gpu_rates)
-    monkeypatch.setattr(
-        calibration, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
-    )
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    measuring_on_a_gpu(monkeypatch, gpu_rates)
     model, cuda, bf16 = preset("qwen2.5-0.5b"), torch.device("cuda"), torch.bfloat16
     rates = calibration.run_rates(model, cuda, bf16, 2048, 8)
     assert (rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops) == (300.0, 280.0, 500.0)
@@ -51,6 +45,39 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     assert calibration.run_rates(model, cuda, bf16, 2048, 4).gpu_tflops == 300.0
     assert measured == [(2048, 8), (2048, 4)]
     assert calibration.load_rates("another shape") == half  # what a run measures is not the machine's calibration
+
+
+def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:
+    """`run_rates` as on a GPU, measuring with `gpu_rates` (`measure_gpu_rates`' arguments and results), a shape's
+    calibration key its micro-batch shape."""
+    monkeypatch.setattr(calibration, "measure_gpu_rates", gpu_rates)
+    monkeypatch.setattr(
+        calibration, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
+    )
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_kinds_of_layer_inductor_failed_on_are_remembered_with_the_rates(tmp_path, monkeypatch):
+    """A kind of generic layer that the measurement found Inductor fails on is remembered beside the rates: a later
+    run, a new process that finds the rates remembered, plans it as eager too instead of meeting the failure at its
+    first step with compiled products planned."""
+    monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    monkeypatch.setattr(generic_stages, "KINDS_RUN_EAGERLY", set())
+    failing = ("FalconH1DecoderLayer", "hybrid", (torch.Size([64, 32]), torch.Size([32])))
+
+    def gpu_rates(model, seq_len, micro_batch):
+        generic_stages.KINDS_RUN_EAGERLY.add(failing)  # as `GenericLayer._call` does on a failed compile
+        return 300.0, None, 500.0, None
+
+    measuring_on_a_gpu(monkeypatch, gpu_rates)
+    model, cuda, bf16 = preset("qwen2.5-0.5b"), torch.device("cuda"), torch.bfloat16
+    measured = calibration.run_rates(model, cuda, bf16, 2048, 8)
+    generic_stages.KINDS_RUN_EAGERLY.clear()  # a new process
+    monkeypatch.setattr(calibration, "measure_gpu_rates", None)  # (remembered: nothing measured)
+    assert calibration.run_rates(model, cuda, bf16, 2048, 8) == measured
+    assert generic_stages.KINDS_RUN_EAGERLY == {failing}
 
 
 def test_a_measured_pass_counts_its_first_call_apart(monkeypatch):

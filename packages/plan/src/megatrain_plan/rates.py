@@ -21,7 +21,7 @@ from torch import Tensor
 
 from megatrain_optim import adamw_update_
 from megatrain_store import atomic_write_text
-from megatrain_zoo import ModelConfig, block_shape, build_model, linear_attention_flops_per_token
+from megatrain_zoo import ModelConfig, block_shape, build_model, generic_stages, linear_attention_flops_per_token
 
 from .errors import PlanError
 
@@ -61,22 +61,25 @@ class Rates:
 
 
 def calibration_key(model: ModelConfig, seq_len: int, micro_batch: int) -> str:
-    """What a calibration is of: this machine's GPU and CPUs, and a run's model and micro-batch shape (the
-    GPU's rates depend on the shape: a Qwen2.5-0.5B block runs at half a 7B block's rate on an H100)."""
+    """What a calibration is of: this machine's GPU and CPUs, its torch (whose kernels and compiler set the rates and
+    which kinds of layer compile), and a run's model and micro-batch shape (the GPU's rates depend on the shape: a
+    Qwen2.5-0.5B block runs at half a 7B block's rate on an H100)."""
     digest = hashlib.sha1(repr(model).encode()).hexdigest()[:8]
     return (
-        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs: {model.arch} d_model {model.d_model}, "
-        f"{model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}: {model.arch} d_model "
+        f"{model.d_model}, {model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
     )
 
 
 def _calibrations() -> dict:
-    """The calibration file: {"machine": the newest `calibrate` here, "shapes": {key: rates}} (older files
-    hold one rates object: the machine's)."""
+    """The calibration file: {"machine": the newest `calibrate` here, "shapes": {key: rates}, "eager_kinds": {key:
+    the kinds of generic layer Inductor failed to compile there (`generic_stages.eager_kinds`)}} (older files hold
+    one rates object: the machine's; or no eager kinds)."""
     if not CALIBRATION_FILE.exists():
-        return {"machine": None, "shapes": {}}
+        return {"machine": None, "shapes": {}, "eager_kinds": {}}
     saved = json.loads(CALIBRATION_FILE.read_text())
-    return saved if "shapes" in saved else {"machine": saved, "shapes": {}}
+    saved = saved if "shapes" in saved else {"machine": saved, "shapes": {}}
+    return {"eager_kinds": {}} | saved
 
 
 def load_rates(key: str | None = None, saved: dict | None = None) -> Rates:
@@ -88,9 +91,12 @@ def load_rates(key: str | None = None, saved: dict | None = None) -> Rates:
 
 
 def save_rates(key: str, rates: Rates, machine: bool) -> None:
-    """Remember `rates` for `key`, and with `machine` (all of them measured) as this machine's too."""
+    """Remember `rates` for `key`, and with `machine` (all of them measured) as this machine's too; with them the
+    kinds of generic layer that run eagerly (`generic_stages.KINDS_RUN_EAGERLY`: those the measurement found
+    Inductor fails on)."""
     saved = _calibrations()
     saved["shapes"][key] = asdict(rates)
+    saved["eager_kinds"][key] = generic_stages.eager_kinds()
     if machine:
         saved["machine"] = asdict(rates)
     CALIBRATION_FILE.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +123,7 @@ def run_rates(
         saved = _calibrations()
         machine = load_rates(key, saved)
         if key in saved["shapes"]:
+            generic_stages.run_eagerly(saved["eager_kinds"].get(key, []))  # (planned as eager, as measured)
             return machine
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
         start = time.perf_counter()

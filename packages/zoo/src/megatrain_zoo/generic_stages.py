@@ -306,8 +306,20 @@ def _compiled_layer_call(backend: str) -> Callable:
 
 # Kinds of layer (`GenericLayer.kind`) that run eagerly: torch.compile could not trace them for the planner, or
 # Inductor failed to compile them. Process-wide, as Dynamo's caches are: a run's rate measurement builds its model
-# apart from the run's, and the planner then counts such a kind's products as eager ones.
+# apart from the run's, and the planner then counts such a kind's products as eager ones. The rate measurement
+# remembers them beside its rates (`eager_kinds`, `run_eagerly`), so that a later run which finds its rates
+# remembered plans those kinds as eager too, instead of meeting the failed compile at its first step.
 KINDS_RUN_EAGERLY: set[tuple] = set()
+
+
+def eager_kinds() -> list[list]:
+    """`KINDS_RUN_EAGERLY` as JSON takes it: [module name, layer type, [weight shapes]] each."""
+    return [[name, layer_type, [list(shape) for shape in shapes]] for name, layer_type, shapes in KINDS_RUN_EAGERLY]
+
+
+def run_eagerly(kinds: list[list]) -> None:
+    """Add `eager_kinds`' JSON form of kinds to `KINDS_RUN_EAGERLY`."""
+    KINDS_RUN_EAGERLY.update((name, layer_type, tuple(map(tuple, shapes))) for name, layer_type, shapes in kinds)
 
 
 def _compile_failures() -> tuple[type[Exception], ...]:
