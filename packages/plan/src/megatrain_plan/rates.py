@@ -75,11 +75,8 @@ def _calibrations() -> dict:
     """The calibration file: {"machine": the newest `calibrate` here, "shapes": {key: rates}, "eager_kinds": {key:
     the kinds of generic layer Inductor failed to compile there (`generic_stages.eager_kinds`)}} (older files hold
     one rates object: the machine's; or no eager kinds)."""
-    if not CALIBRATION_FILE.exists():
-        return {"machine": None, "shapes": {}, "eager_kinds": {}}
-    saved = json.loads(CALIBRATION_FILE.read_text())
-    saved = saved if "shapes" in saved else {"machine": saved, "shapes": {}}
-    return {"eager_kinds": {}} | saved
+    saved = json.loads(CALIBRATION_FILE.read_text()) if CALIBRATION_FILE.exists() else {"machine": None, "shapes": {}}
+    return {"eager_kinds": {}} | (saved if "shapes" in saved else {"machine": saved, "shapes": {}})
 
 
 def load_rates(key: str | None = None, saved: dict | None = None) -> Rates:

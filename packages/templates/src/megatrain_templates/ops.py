@@ -47,10 +47,11 @@ def compile_once(fn: Callable, backend: str = "inductor", dynamic: bool | None =
     The floats a function takes (an eps, a scale, an offset) are a model's constants, compiled in. Left to torch, the
     second value a function met became a 0-dim host tensor input, and with it Inductor built a C++ kernel for the
     host: Qwen3.5's query and key scales (`_unit_heads`) cost 36 s (warm caches) to 56 s of host-compiler checks
-    in the rate measurement on an H200 machine, every process."""
+    in the rate measurement on an H200 machine, every process. Both settings are Dynamo's, process-wide (a
+    `config.patch` around each call cost 6 us a call, on the path of every compiled kernel)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
-    return torch._dynamo.config.patch(specialize_float=True)(compiled)
+    torch._dynamo.config.specialize_float = True
+    return torch.compile(fn, backend=backend, dynamic=dynamic)
 
 
 def compiled_on_cuda(fn: Callable, eager: Callable | None = None) -> Callable:
