@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from block import time_ms  # noqa: E402
 from common import machine, table, write_results  # noqa: E402
 
-from megatrain_plan.rates import measure_gpu_rates  # noqa: E402
+from megatrain_plan.rates import measure_block_rates  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def main():
         seq_len, micro_batch = int(seq_len), int(micro_batch)
         model = preset(name)
         torch._dynamo.reset()  # each shape compiles as a run of it would: alone, static
-        block_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
+        block_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
         rows.append(
             {
                 "model": name,

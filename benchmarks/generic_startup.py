@@ -56,7 +56,7 @@ def startup_row(family: str, args) -> dict:
     trace_s = time.perf_counter() - start
     rates.FIRST_CALLS.seconds = 0.0
     start = time.perf_counter()
-    layer_tflops, kept_tflops, head_tflops, _ = rates.measure_gpu_rates(model, args.seq_len, args.micro_batch)
+    layer_tflops, kept_tflops, head_tflops, _ = rates.measure_block_rates(model, args.seq_len, args.micro_batch)
     measurement_s = time.perf_counter() - start
     eager = [kind[:2] for kind in generic_stages.KINDS_RUN_EAGERLY if kind in kinds]  # (class and layer type)
     return {

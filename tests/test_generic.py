@@ -270,9 +270,9 @@ def test_gpu_rates_are_measured_per_kind_of_layer(monkeypatch):
 
     timed = []
     sustained_seconds = rates._sustained_seconds
-    monkeypatch.setattr(rates, "_sustained_seconds", lambda run: timed.append(sustained_seconds(run)) or timed[-1])
+    monkeypatch.setattr(rates, "_sustained_seconds", lambda *args: timed.append(sustained_seconds(*args)) or timed[-1])
     model = model_config_from_hf(tiny_hf_config("jamba"))
-    layer_tflops, kept_tflops, head_tflops, _ = rates.measure_gpu_rates(model, 64, 2)
+    layer_tflops, kept_tflops, head_tflops, _ = rates.measure_block_rates(model, 64, 2)
     assert len(timed) == 5 and min(layer_tflops, kept_tflops, head_tflops) > 0
 
 

@@ -171,31 +171,6 @@ def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatc
 
 
 @pytest.mark.gpu
-def test_gpu_layer_rate_weighs_each_kind_of_layer_by_its_count(monkeypatch):
-    """Qwen3.5's layers are of two kinds (linear attention on three of four): the measured layer rates
-    (recomputing, keeping products) are the layers' work over one timed layer of each kind, weighted by how many
-    layers it stands for (kinds in layer order: layer 0 is linear)."""
-    from megatrain_plan import rates
-
-    model = preset("tiny-qwen3.5")
-    timed = []
-
-    def sustained_seconds(run):
-        timed.append(plan_seconds(run))
-        return timed[-1]
-
-    plan_seconds = rates._sustained_seconds
-    monkeypatch.setattr(rates, "_sustained_seconds", sustained_seconds)
-    layer_tflops, kept_tflops, _, _ = rates.measure_gpu_rates(model, 64, 2)
-    n_linear = len(model.linear_attention_layers)
-    assert 0 < n_linear < model.n_layers and len(timed) == 5  # two kinds, recomputing and keeping; the head
-    whole, kept = rates.layer_works(model, 64, 128)
-    for rate, work, (linear_s, softmax_s) in [(layer_tflops, whole, timed[:2]), (kept_tflops, kept, timed[2:4])]:
-        expected = work * model.n_layers / (n_linear * linear_s + (model.n_layers - n_linear) * softmax_s) / 1e12
-        assert rate == pytest.approx(expected, rel=1e-3)
-
-
-@pytest.mark.gpu
 def test_gpu_compiled_kernels_compile_once_per_shape(tmp_path):
     """The compiled norms, rotary embedding, SwiGLU and loss head compile in the trainer's setup warm-up
     (one graph per shape and grad mode, shared by every layer and micro-batch: kept layers and recomputed

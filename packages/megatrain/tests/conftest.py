@@ -1,6 +1,11 @@
+import os
+
 import numpy as np
 import pytest
 import yaml
+
+# plans from the default rates, the same on every machine (as the integration tests: tests/conftest.py)
+os.environ.setdefault("MEGATRAIN_MEASURE_RATES", "0")
 
 
 @pytest.fixture

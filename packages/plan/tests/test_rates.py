@@ -5,6 +5,7 @@ import json
 import time
 from dataclasses import asdict
 
+import pytest
 import torch
 
 from megatrain_plan import Rates
@@ -48,9 +49,9 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
 
 
 def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:
-    """`run_rates` as on a GPU, measuring with `gpu_rates` (`measure_gpu_rates`' arguments and results), a shape's
+    """`run_rates` as on a GPU, measuring with `gpu_rates` (`measure_block_rates`' arguments and results), a shape's
     calibration key its micro-batch shape."""
-    monkeypatch.setattr(calibration, "measure_gpu_rates", gpu_rates)
+    monkeypatch.setattr(calibration, "measure_block_rates", gpu_rates)
     monkeypatch.setattr(
         calibration, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
     )
@@ -75,7 +76,7 @@ def test_kinds_of_layer_inductor_failed_on_are_remembered_with_the_rates(tmp_pat
     model, cuda, bf16 = preset("qwen2.5-0.5b"), torch.device("cuda"), torch.bfloat16
     measured = calibration.run_rates(model, cuda, bf16, 2048, 8)
     generic_stages.KINDS_RUN_EAGERLY.clear()  # a new process
-    monkeypatch.setattr(calibration, "measure_gpu_rates", None)  # (remembered: nothing measured)
+    monkeypatch.setattr(calibration, "measure_block_rates", None)  # (remembered: nothing measured)
     assert calibration.run_rates(model, cuda, bf16, 2048, 8) == measured
     assert generic_stages.KINDS_RUN_EAGERLY == {failing}
 
@@ -83,7 +84,6 @@ def test_kinds_of_layer_inductor_failed_on_are_remembered_with_the_rates(tmp_pat
 def test_a_measured_pass_counts_its_first_call_apart(monkeypatch):
     """A pass's first call compiles its kernels (which the run then reuses): its seconds are counted apart
     (`FIRST_CALLS`) and stay out of the rate, which is the mean of the calls after the warm-up."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     calls = []
 
     def layer_pass():
@@ -91,5 +91,63 @@ def test_a_measured_pass_counts_its_first_call_apart(monkeypatch):
         time.sleep(0.3 if len(calls) == 1 else 0.002)
 
     monkeypatch.setattr(calibration.FIRST_CALLS, "seconds", 0.0)
-    seconds = calibration._sustained_seconds(layer_pass, warm_s=0.01, timed_s=0.02)
+    monkeypatch.setitem(calibration._TIMING, "cpu", (lambda: None, 0.01, 0.02))
+    seconds = calibration._sustained_seconds(layer_pass, "cpu")
     assert calibration.FIRST_CALLS.seconds >= 0.3 and seconds < 0.1 and len(calls) > 3
+
+
+def test_the_layer_rate_weighs_each_kind_of_layer_by_its_count(monkeypatch):
+    """Qwen3.5's layers are of two kinds (linear attention on three of four): the measured layer rates
+    (recomputing, keeping products) are the layers' work over one timed layer of each kind, weighted by how many
+    layers it stands for (kinds in layer order: layer 0 is linear); then the head's."""
+    model, timed = preset("tiny-qwen3.5"), []
+
+    def sustained_seconds(run, device_type):
+        run()
+        timed.append(0.01 * (len(timed) + 1))  # (a time of each pass's own, to tell which weighs what)
+        return timed[-1]
+
+    monkeypatch.setattr(calibration, "_sustained_seconds", sustained_seconds)
+    layer_tflops, kept_tflops, head_tflops, _ = calibration.measure_block_rates(
+        model, 64, 2, torch.device("cpu"), torch.float32
+    )
+    n_linear = len(model.linear_attention_layers)
+    assert 0 < n_linear < model.n_layers and len(timed) == 5  # two kinds, recomputing and keeping; the head
+    whole, kept = calibration.layer_works(model, 64, 128)
+    for rate, work, (linear_s, softmax_s) in [(layer_tflops, whole, timed[:2]), (kept_tflops, kept, timed[2:4])]:
+        expected = work * model.n_layers / (n_linear * linear_s + (model.n_layers - n_linear) * softmax_s) / 1e12
+        assert rate == pytest.approx(expected, rel=1e-3)
+    assert head_tflops == pytest.approx(6 * model.vocab_size * model.d_model * 128 / timed[4] / 1e12, rel=1e-3)
+
+
+def test_a_run_on_the_cpu_plans_with_its_layers_rates_at_its_shape(tmp_path):
+    """On the CPU the "GPU" rates are the run's own layers' and head's at its shape and dtype (a small model's
+    layer runs far below a large matrix product's rate), its AdamW this CPU's: measured once per shape and dtype,
+    remembered; a large layer's are its matrix products' rate."""
+    calibration_file = tmp_path / "calibration.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibration, "CALIBRATION_FILE", calibration_file)
+        patch.setitem(calibration._TIMING, "cpu", (lambda: None, 0.0, 0.0))
+        model, cpu = preset("tiny-llama"), torch.device("cpu")
+        rates = calibration.run_rates(model, cpu, torch.float32, 32, 2)
+        assert min(rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops, rates.cpu_adam_params_per_s) > 0
+        assert rates.cpu_adam_params_per_s != Rates().cpu_adam_params_per_s and "at this shape" in rates.source
+        assert calibration.run_rates(model, cpu, torch.float32, 32, 2) == rates  # remembered
+        patch.setattr(calibration, "measure_block_rates", None)  # (nothing measured: remembered, or not allowed)
+        assert calibration.run_rates(model, cpu, torch.float32, 32, 2) == rates
+        assert calibration.run_rates(model, cpu, torch.float32, 64, 2, measure=False) == Rates()
+        # a layer whose pass would take long runs at its matrix products' rate: no pass is timed
+        large = calibration.run_rates(preset("qwen2.5-0.5b"), cpu, torch.float32, 4096, 4)
+        assert large.gpu_tflops == large.gpu_kept_tflops == large.head_tflops > 0
+    shapes = json.loads(calibration_file.read_text())["shapes"]
+    assert [key.split(": ")[0].split(", ")[-1] for key in shapes] == ["torch.float32"] * 2
+
+
+def test_a_mixture_of_experts_with_its_balance_loss_on_measures_one_layer_at_a_time(monkeypatch):
+    """A layer's pass alone is not a step: its router statistics are one layer's, forgotten after each pass (with
+    the balance loss on, a backward reads them; a step's count of layers would refuse one layer's records)."""
+    monkeypatch.setitem(calibration._TIMING, "cpu", (lambda: None, 0.0, 0.0))
+    model = preset("tiny-mixtral")
+    assert model.output_router_logits and model.router_aux_loss_coef > 0
+    rates = calibration.measure_block_rates(model, 16, 2, torch.device("cpu"), torch.float32)[:3]
+    assert min(rate for rate in rates if rate is not None) > 0

@@ -60,13 +60,23 @@ class Rates:
     int8_dequantize_values_per_s: float = 182e9
 
 
-def calibration_key(model: ModelConfig, seq_len: int, micro_batch: int) -> str:
-    """What a calibration is of: this machine's GPU and CPUs, its torch (whose kernels and compiler set the rates and
-    which kinds of layer compile), and a run's model and micro-batch shape (the GPU's rates depend on the shape: a
-    Qwen2.5-0.5B block runs at half a 7B block's rate on an H100)."""
+def calibration_key(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    device: torch.device = torch.device("cuda"),
+    dtype=torch.bfloat16,
+) -> str:
+    """What a calibration is of: this machine's GPU (or, for a run on the CPU, its processor) and CPUs, its torch (whose
+    kernels and compiler set the rates and which kinds of layer compile), the dtype computed in, and a run's model
+    and micro-batch shape (the rates depend on the shape: a Qwen2.5-0.5B block runs at half a 7B block's rate on
+    an H100)."""
     digest = hashlib.sha1(repr(model).encode()).hexdigest()[:8]
+    processor = (
+        torch.cuda.get_device_name() if device.type == "cuda" else f"CPU {platform.processor() or platform.machine()}"
+    )
     return (
-        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}: {model.arch} d_model "
+        f"{processor}, {os.cpu_count()} CPUs, torch {torch.__version__}, {dtype}: {model.arch} d_model "
         f"{model.d_model}, {model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
     )
 
@@ -106,15 +116,15 @@ def run_rates(
     """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
     the run's own shape, measured the first time (seconds, most of them the kernels' compilation, which the
     run's warm-up then reuses; remembered) where `measure` allows and the run computes in bf16 on a CUDA GPU
-    (the rates are bf16's). PCIe and CPU rates do not depend on the shape and vary from one burst to the
-    next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time them too,
-    so a launch of several leaves it to `megatrain plan`; without `measure` (engine.measure_rates: false, as the
-    tests run: plans from remembered or default rates, the same on every machine) nothing is measured. `seq_len`
-    and `micro_batch` (rows): the run's micro-batch shape."""
-    if device.type == "cpu":
-        return cpu_rates(dtype, measure)
-    if not measure or dtype != torch.bfloat16:
+    (the rates are bf16's); on the CPU, `cpu_rates`. PCIe and CPU rates do not depend on the shape and vary from
+    one burst to the next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time
+    them too, so a launch of several leaves it to `megatrain plan`; without `measure` (engine.measure_rates: false,
+    as the tests run: plans from remembered or default rates, the same on every machine) nothing is measured.
+    `seq_len` and `micro_batch` (rows): the run's micro-batch shape."""
+    if not measure or (device.type == "cuda" and dtype != torch.bfloat16):
         return load_rates()
+    if device.type == "cpu":
+        return cpu_rates(model, dtype, seq_len, micro_batch)
     with torch.cuda.device(device):
         key = calibration_key(model, seq_len, micro_batch)
         saved = _calibrations()
@@ -127,7 +137,7 @@ def run_rates(
         FIRST_CALLS.seconds = 0.0
         try:
             with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
-                layer_tflops, kept_tflops, head_tflops, _ = measure_gpu_rates(model, seq_len, micro_batch)
+                layer_tflops, kept_tflops, head_tflops, _ = measure_block_rates(model, seq_len, micro_batch)
         except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
             return machine
         finally:
@@ -143,33 +153,51 @@ def run_rates(
         return rates
 
 
-def cpu_rates(dtype: torch.dtype, measure: bool = True) -> Rates:
-    """The rates of a run whose device is this machine's CPU: its matrix multiplications in `dtype` as the
-    "GPU" rates, its memory copies as the "PCIe" ones (a slot is a host buffer), measured here the first time
-    (a fraction of a second; remembered per CPU and dtype). Without `measure`, the defaults (an H100 machine's),
-    as the tests plan."""
-    if not measure:
-        return load_rates()
-    key = f"CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}: {dtype}"
+# A layer whose pass would take longer than this at the CPU's matrix-product rate is not timed (a 0.5B model's layer
+# over 16k tokens: minutes): at that size its matrix products are its time, and their rate stands for its passes'.
+CPU_PASS_LIMIT_S = 0.1
+
+
+def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch: int) -> Rates:
+    """The rates of a run whose device is this machine's CPU, measured here the first time (a second or two;
+    remembered per processor, dtype and shape): its layers' and loss head's passes at the run's shape in `dtype` as
+    the "GPU" rates (a small model's layer runs far below a large matrix product's rate: its many small operations
+    take the time), or the matrix product's rate where a pass would be long (`CPU_PASS_LIMIT_S`); its memory copies
+    as the "PCIe" ones (a slot is a host buffer), and its AdamW as both the host's and the "GPU's" optimizer."""
+    cpu = torch.device("cpu")
+    key = calibration_key(model, seq_len, micro_batch, cpu, dtype)
     saved = _calibrations()
     if key in saved["shapes"]:
         return Rates(**saved["shapes"][key])
     a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-    matmul_s = _host_seconds(lambda: a @ b)
+    matmul_tflops = _rounded(2 * 1024**3 / _host_seconds(lambda: a @ b) / 1e12)
+    layer_tflops = kept_tflops = head_tflops = matmul_tflops
+    if layer_works(model, seq_len, micro_batch * seq_len)[0] / (matmul_tflops * 1e12) < CPU_PASS_LIMIT_S:
+        with torch.random.fork_rng(devices=[]):
+            layer_tflops, kept_tflops, head_tflops, _ = measure_block_rates(model, seq_len, micro_batch, cpu, dtype)
     source, target = torch.empty(2**24), torch.empty(2**24)
-    copy_gbps = source.numel() * 4 / _host_seconds(lambda: target.copy_(source)) / 1e9
-    tflops = _rounded(2 * 1024**3 / matmul_s / 1e12)
+    copy_gbps = _rounded(source.numel() * 4 / _host_seconds(lambda: target.copy_(source)) / 1e9)
+    adam = _rounded(_host_adam_params_per_s())
     rates = Rates(
-        gpu_tflops=tflops,
-        head_tflops=tflops,
-        moe_gpu_tflops=tflops,
-        pcie_gbps=_rounded(copy_gbps),
+        gpu_tflops=layer_tflops,
+        gpu_kept_tflops=kept_tflops,
+        moe_gpu_tflops=layer_tflops,
+        head_tflops=head_tflops,
+        pcie_gbps=copy_gbps,
         pcie_duplex_gbps=_rounded(copy_gbps / 2),
-        gpu_adam_params_per_s=Rates().cpu_adam_params_per_s,
-        source=f"this machine's CPU ({key}), measured {time.strftime('%Y-%m-%d')}; its AdamW rate an H100 machine's",
+        cpu_adam_params_per_s=adam,
+        gpu_adam_params_per_s=adam,
+        source=f"this machine's CPU, measured {time.strftime('%Y-%m-%d')} at this shape ({key})",
     )
     save_rates(key, rates, machine=False)
     return rates
+
+
+def _host_adam_params_per_s(n: int = 2**22) -> float:
+    """The fused AdamW's parameters a second on this machine's CPU."""
+    p, g, m, v = (torch.full((n,), value) for value in (0.02, 1e-3, 1e-4, 1e-6))
+    step = torch.tensor(1.0)
+    return n / _host_seconds(lambda: _adamw([p], [g], [m], [v], step))
 
 
 def _host_seconds(run: Callable[[], object], timed_s: float = 0.2) -> float:
@@ -250,7 +278,7 @@ def calibrate(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str
 def _with_gpu_rates(
     rates: Rates, model: ModelConfig, layer_tflops: float, kept_tflops: float | None, head_tflops: float
 ) -> Rates:
-    """`rates` with `measure_gpu_rates`' results for `model`: a MoE model's layer rate is the MoE one, and
+    """`rates` with `measure_block_rates`' results for `model`: a MoE model's layer rate is the MoE one, and
     the dense rates stay as they were (and the other way round)."""
     return replace(
         rates,
@@ -271,40 +299,50 @@ def _rounded(rate: float) -> float:
 FIRST_CALLS = SimpleNamespace(seconds=0.0)
 
 
-def _sustained_seconds(run: Callable[[], None], warm_s: float = 0.5, timed_s: float = 1.0) -> float:
-    """Seconds a call of `run` takes on a GPU kept busy, as in a step: the mean over `timed_s` of calls after
-    `warm_s` of them. (A GPU just out of idle runs faster for a while: the best of three 250 ms windows put
-    a Qwen2.5-7B block on an H100 at 632 TFLOPS, ten calls right after them at 593, which a 128k step's
-    compute matches.)"""
+# A pass's measurement by device type: (wait for its work, seconds of warm-up calls, seconds of timed calls). A GPU
+# just out of idle runs faster for a while: the best of three 250 ms windows put a Qwen2.5-7B block on an H100 at
+# 632 TFLOPS, ten calls right after them at 593, which a 128k step's compute matches. A CPU's pass runs at its rate
+# from the second call on, and a run on a CPU is small: shorter windows.
+_TIMING = {"cuda": (lambda: torch.cuda.synchronize(), 0.5, 1.0), "cpu": (lambda: None, 0.05, 0.2)}
+
+
+def _sustained_seconds(run: Callable[[], None], device_type: str = "cuda") -> float:
+    """Seconds a call of `run` takes on a device kept busy, as in a step: the mean of the calls of a timed window
+    after a warm-up one (`_TIMING`); the first call's seconds count as compiling (`FIRST_CALLS`)."""
+    synchronize, warm_s, timed_s = _TIMING[device_type]
     start = time.perf_counter()
     run()
-    torch.cuda.synchronize()
+    synchronize()
     FIRST_CALLS.seconds += time.perf_counter() - start
     start = time.perf_counter()
     run()
-    torch.cuda.synchronize()
+    synchronize()
     once = max(time.perf_counter() - start, 1e-6)
     for _ in range(math.ceil(warm_s / once)):
         run()
     calls = max(3, math.ceil(timed_s / once))
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         run()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - start) / calls
 
 
-def measure_gpu_rates(
-    model: ModelConfig, seq_len: int, micro_batch: int
+def measure_block_rates(
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    device: torch.device = torch.device("cuda"),
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[float, float | None, float, Callable[[], None]]:
-    """This GPU's rates at a run's micro-batch shape, in TFLOPS as `block_work` counts them: its layers'
-    forward, recompute and backward (one layer of each kind timed, weighted by how many layers it stands for:
-    Qwen3.5's linear-attention layers run at a rate of their own beside its softmax ones, a model's first dense
-    layers beside its MoE ones, a generic model's layers by their module and layer type), its dense layers'
-    keeping their products likewise (None where the largest layer always recomputes: a generic one),
-    and the loss head's (6 FLOPs per weight and token); and the largest layer's recomputing pass, to run beside
-    other measurements."""
+    """The device's rates at a run's micro-batch shape computing in `dtype` (a GPU's in bf16), in TFLOPS as
+    `block_work` counts them: its layers' forward, recompute and backward (one layer of each kind timed, weighted
+    by how many layers it stands for: Qwen3.5's linear-attention layers run at a rate of their own beside its
+    softmax ones, a model's first dense layers beside its MoE ones, a generic model's layers by their module and
+    layer type), its dense layers' keeping their products likewise (None where the largest layer always
+    recomputes: a generic one), and the loss head's (6 FLOPs per weight and token); and the largest layer's
+    recomputing pass, to run beside other measurements."""
     spec = build_model(model)
     largest = max(range(model.n_layers), key=model.layer_params)
     kinds = _layer_kinds(model, spec)
@@ -312,19 +350,24 @@ def measure_gpu_rates(
         spec.stages[spec.layer_stage(layer)].template.forward_keeping_products is not None
         for layer in range(model.n_layers)
     ]
-    x = torch.randn(micro_batch, seq_len, model.d_model, device="cuda", dtype=torch.bfloat16)
+    if spec.router_load is not None:  # the balance losses' statistics of one layer's pass, not a step's layers
+        spec.router_load.n_layers = 1
+    x = torch.randn(micro_batch, seq_len, model.d_model, device=device, dtype=dtype)
+    grad_dtype = torch.promote_types(dtype, torch.float32)  # (the gradient buffers' as the engine's: fp32 or fp64)
 
     def passes(layer: int) -> tuple[Callable[[], None], Callable[[], None]]:
         """Layer `layer`'s recomputing pass and its pass keeping its products."""
         block = spec.stages[spec.layer_stage(layer)].template
-        weights = [torch.randn(block.numel, device="cuda", dtype=torch.bfloat16) * 0.02]
-        grads = [torch.zeros(block.numel, device="cuda")]
+        weights = [torch.randn(block.numel, device=device, dtype=dtype) * 0.02]
+        grads = [torch.zeros(block.numel, device=device, dtype=grad_dtype)]
 
         def layer_pass() -> None:
+            _new_pass(spec)
             block.forward(weights, x)
             block.backward(weights, x, x, grads)
 
         def kept_layer_pass() -> None:
+            _new_pass(spec)
             _, products = block.forward_keeping_products(weights, x)
             block.backward(weights, x, x, grads, products=products)
 
@@ -336,7 +379,8 @@ def measure_gpu_rates(
 
     def seconds_of(layers: list[int], keeping: bool) -> float:
         """All of one kind's `layers`, from one of them timed (the largest, where it is among them)."""
-        return len(layers) * _sustained_seconds((largest_passes if largest in layers else passes(layers[0]))[keeping])
+        chosen = largest_passes if largest in layers else passes(layers[0])
+        return len(layers) * _sustained_seconds(chosen[keeping], device.type)
 
     layer_tflops = _rounded(whole * model.n_layers / sum(seconds_of(layers, False) for layers in kinds.values()) / 1e12)
     kept_tflops = None
@@ -344,7 +388,13 @@ def measure_gpu_rates(
         keeping_kinds = [layers for layers in kinds.values() if keepable[layers[0]]]
         kept_seconds = sum(seconds_of(layers, True) for layers in keeping_kinds)
         kept_tflops = _rounded(kept_layer * sum(map(len, keeping_kinds)) / kept_seconds / 1e12)
-    return layer_tflops, kept_tflops, _head_tflops(model, spec, x), largest_passes[0]
+    return layer_tflops, kept_tflops, _head_tflops(model, spec, x, grad_dtype), largest_passes[0]
+
+
+def _new_pass(spec) -> None:
+    """Forget the router statistics of the pass before (as a step does)."""
+    if spec.router_load is not None:
+        spec.router_load.reset()
 
 
 def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
@@ -358,16 +408,16 @@ def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
     return kinds
 
 
-def _head_tflops(model: ModelConfig, spec, x: Tensor) -> float:
+def _head_tflops(model: ModelConfig, spec, x: Tensor, grad_dtype: torch.dtype) -> float:
     """The loss head's rate on the micro-batch `x` [batch, seq, d_model]: its GEMM, loss and backward, 6 FLOPs per
     weight and token."""
     head = spec.stages[-1].template  # the model's own (tied or not, Gemma's norm and soft-capping)
     head_weights = [
-        torch.randn(sum(p.numel for p in group), device="cuda", dtype=torch.bfloat16) * 0.02 for group in head.groups
+        torch.randn(sum(p.numel for p in group), device=x.device, dtype=x.dtype) * 0.02 for group in head.groups
     ]
-    head_grads = [torch.zeros_like(weights, dtype=torch.float32) for weights in head_weights]
-    labels = torch.randint(0, model.vocab_size, x.shape[:2], device="cuda")
-    head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads))
+    head_grads = [torch.zeros_like(weights, dtype=grad_dtype) for weights in head_weights]
+    labels = torch.randint(0, model.vocab_size, x.shape[:2], device=x.device)
+    head_s = _sustained_seconds(lambda: head.loss(head_weights, x, labels, 1.0, head_grads), x.device.type)
     return _rounded(6 * model.vocab_size * model.d_model * x.shape[0] * x.shape[1] / head_s / 1e12)
 
 
@@ -454,7 +504,7 @@ def _cpu_adam_params_per_s(copies: _Copies, layer_pass: Callable[[], None]) -> f
 
 
 def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
-    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_gpu_rates(model, seq_len, micro_batch)
+    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
     copies = _Copies()
     copies.gbps(True)  # the first copies set up the streams and the host mappings
     pcie, pcie_duplex = copies.gbps(False), copies.gbps(True)
