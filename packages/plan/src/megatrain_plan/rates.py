@@ -1,6 +1,7 @@
 """The machine's rates the step-time model uses, and where they come from: defaults measured on an H100
 machine, `megatrain plan --calibrate` (every rate, this machine), or a run's first plan of a shape on a GPU
-(the block's and head's rates at that shape), remembered per machine and shape in the calibration file.
+(the block's and head's rates at that shape) or on the CPU (all of them), remembered per machine and shape in the
+calibration file.
 """
 
 import hashlib
