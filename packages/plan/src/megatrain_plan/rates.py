@@ -170,6 +170,7 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
     saved = _calibrations()
     if key in saved["shapes"]:
         return Rates(**saved["shapes"][key])
+    print(f"megatrain: measuring this CPU's layers, head and AdamW at the run's shape ({key}), once", file=sys.stderr)
     a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
     matmul_tflops = _rounded(2 * 1024**3 / _host_seconds(lambda: a @ b) / 1e12)
     layer_tflops = kept_tflops = head_tflops = matmul_tflops
