@@ -120,26 +120,23 @@ def test_the_layer_rate_weighs_each_kind_of_layer_by_its_count(monkeypatch):
     assert head_tflops == pytest.approx(6 * model.vocab_size * model.d_model * 128 / timed[4] / 1e12, rel=1e-3)
 
 
-def test_a_run_on_the_cpu_plans_with_its_layers_rates_at_its_shape(tmp_path):
+def test_a_run_on_the_cpu_plans_with_its_layers_rates_at_its_shape(tmp_path, monkeypatch):
     """On the CPU the "GPU" rates are the run's own layers' and head's at its shape and dtype (a small model's
     layer runs far below a large matrix product's rate), its AdamW this CPU's: measured once per shape and dtype,
     remembered; a large layer's are its matrix products' rate."""
-    calibration_file = tmp_path / "calibration.json"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(calibration, "CALIBRATION_FILE", calibration_file)
-        patch.setitem(calibration._TIMING, "cpu", (lambda: None, 0.0, 0.0))
-        model, cpu = preset("tiny-llama"), torch.device("cpu")
-        rates = calibration.run_rates(model, cpu, torch.float32, 32, 2)
-        assert min(rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops, rates.cpu_adam_params_per_s) > 0
-        assert rates.cpu_adam_params_per_s != Rates().cpu_adam_params_per_s and "at this shape" in rates.source
-        assert calibration.run_rates(model, cpu, torch.float32, 32, 2) == rates  # remembered
-        patch.setattr(calibration, "measure_block_rates", None)  # (nothing measured: remembered, or not allowed)
-        assert calibration.run_rates(model, cpu, torch.float32, 32, 2) == rates
-        assert calibration.run_rates(model, cpu, torch.float32, 64, 2, measure=False) == Rates()
-        # a layer whose pass would take long runs at its matrix products' rate: no pass is timed
-        large = calibration.run_rates(preset("qwen2.5-0.5b"), cpu, torch.float32, 4096, 4)
-        assert large.gpu_tflops == large.gpu_kept_tflops == large.head_tflops > 0
-    shapes = json.loads(calibration_file.read_text())["shapes"]
+    monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    monkeypatch.setitem(calibration._TIMING, "cpu", (lambda: None, 0.0, 0.0))
+    model, cpu = preset("tiny-llama"), torch.device("cpu")
+    rates = calibration.run_rates(model, cpu, torch.float32, 32, 2)
+    assert min(rates.gpu_tflops, rates.gpu_kept_tflops, rates.head_tflops, rates.cpu_adam_params_per_s) > 0
+    assert rates.cpu_adam_params_per_s != Rates().cpu_adam_params_per_s and "at this shape" in rates.source
+    monkeypatch.setattr(calibration, "measure_block_rates", None)  # (nothing measured: remembered, or not allowed)
+    assert calibration.run_rates(model, cpu, torch.float32, 32, 2) == rates
+    assert calibration.run_rates(model, cpu, torch.float32, 64, 2, measure=False) == Rates()
+    # a layer whose pass would take long runs at its matrix products' rate: no pass is timed
+    large = calibration.run_rates(preset("qwen2.5-0.5b"), cpu, torch.float32, 4096, 4)
+    assert large.gpu_tflops == large.gpu_kept_tflops == large.head_tflops > 0
+    shapes = json.loads((tmp_path / "calibration.json").read_text())["shapes"]
     assert [key.split(": ")[0].split(", ")[-1] for key in shapes] == ["torch.float32"] * 2
 
 
