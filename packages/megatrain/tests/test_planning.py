@@ -5,7 +5,7 @@ import pytest
 
 from megatrain import planning
 from megatrain.cli import main
-from megatrain.config import ConfigError, load_config
+from megatrain.config import ConfigError, load_config, model_config_of
 from megatrain.planning import check_plan, make_plan, make_planner
 from megatrain_plan import RUNTIME_HOST_BYTES, Planner, Rates, host_memory
 from megatrain_zoo import preset
@@ -107,6 +107,16 @@ def test_measure_rates_is_a_config_key_the_variable_overrides(monkeypatch):
         monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", variable)
         planning.rates_of(config, model)
     assert asked[3:] == [True, False]
+
+
+def test_a_sequence_longer_than_the_model_reaches_is_refused_before_its_rates_are_measured(monkeypatch):
+    """Measuring a shape compiles and times its kernels (half a minute on a GPU): a data.seq_len the model's positions
+    do not reach is refused first, in the line the plan's checks give."""
+    monkeypatch.setattr(planning, "run_rates", None)  # (measuring would fail here)
+    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
+    config = load_config(None, ["model.preset=tiny-llama", "device=cpu", "data.seq_len=100000"])
+    with pytest.raises(ConfigError, match="data.seq_len 100000 is larger than the model allows"):
+        planning.rates_of(config, model_config_of(config))
 
 
 def test_two_trainers_of_one_config_share_no_model_state():

@@ -15,6 +15,7 @@ from megatrain_plan import (
     Planner,
     Rates,
     StepShape,
+    check_seq_len,
     experts_per_stage,
     load_rates,
     run_rates,
@@ -94,10 +95,16 @@ def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1,
 
 def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
     """The rates to plan `config`'s run with (`run_rates`), measured at its shape where `measure` and
-    engine.measure_rates allow; MEGATRAIN_MEASURE_RATES (0 or 1), where set, overrides the key."""
+    engine.measure_rates allow (a shape the model cannot run is refused first); MEGATRAIN_MEASURE_RATES (0 or 1),
+    where set, overrides the key."""
     setting = os.environ.get("MEGATRAIN_MEASURE_RATES")
     allowed = config.engine.measure_rates if setting is None else setting != "0"
     shape = step_shape(config)
+    if measure and allowed:
+        try:
+            check_seq_len(model, shape.seq_len)
+        except PlanError as error:
+            raise ConfigError(str(error)) from None
     device = resolve_device(config.device)
     return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measure and allowed)
 

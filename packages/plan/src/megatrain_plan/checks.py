@@ -14,17 +14,21 @@ from .search import Planner
 def check_plan(plan: Plan, planner: Planner) -> None:
     """Refuse, before anything is allocated, a run that `planner` planned (`plan`) and that cannot work, naming
     the fix (`PlanError`)."""
-    model, shape = planner.model, planner.shape
-    if shape.seq_len > model.max_seq_len:
-        raise PlanError(
-            f"data.seq_len {shape.seq_len} is larger than the model allows (max_position_embeddings "
-            f"{model.max_seq_len}); lower data.seq_len"
-        )
+    check_seq_len(planner.model, planner.shape.seq_len)
     _check_resident(plan, planner.spec)
     _check_sweeps(plan, planner)
-    _check_host(plan, model)
+    _check_host(plan, planner.model)
     _check_disk(plan, planner.engine.optimizer_state_dir)
     _check_gpu(plan, planner)
+
+
+def check_seq_len(model: ModelConfig, seq_len: int) -> None:
+    """Refuse sequences longer than the model's positions reach (before its rates are measured at that shape)."""
+    if seq_len > model.max_seq_len:
+        raise PlanError(
+            f"data.seq_len {seq_len} is larger than the model allows (max_position_embeddings "
+            f"{model.max_seq_len}); lower data.seq_len"
+        )
 
 
 def _check_resident(plan: Plan, spec: ModelSpec) -> None:
