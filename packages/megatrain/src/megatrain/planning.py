@@ -3,6 +3,7 @@ settings and what the objective holds, with the model built once for the planner
 plan`, the Trainer and the run call; the planner's refusals are config errors here."""
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -84,13 +85,20 @@ def _merged_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size() * sum(p.numel for p in adapted + unpacked)
 
 
-def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1, hosts: int = 1) -> Machine:
-    """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free (`Machine.of`)."""
+@contextmanager
+def planner_refusals_as_config_errors():
+    """The planner's refusals (`PlanError`) inside, as the config errors they are here: one line naming the fix."""
     try:
-        device = resolve_device(config.device)
-        return Machine.of(device, config.engine.host_memory_gib, gpu_memory, host_memory, gpus, hosts)
+        yield
     except PlanError as error:
         raise ConfigError(str(error)) from None
+
+
+def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1, hosts: int = 1) -> Machine:
+    """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free (`Machine.of`)."""
+    with planner_refusals_as_config_errors():
+        device = resolve_device(config.device)
+        return Machine.of(device, config.engine.host_memory_gib, gpu_memory, host_memory, gpus, hosts)
 
 
 def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
@@ -101,10 +109,8 @@ def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
     allowed = config.engine.measure_rates if setting is None else setting != "0"
     shape = step_shape(config)
     if measure and allowed:
-        try:
+        with planner_refusals_as_config_errors():
             check_seq_len(model, shape.seq_len)
-        except PlanError as error:
-            raise ConfigError(str(error)) from None
     device = resolve_device(config.device)
     return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measure and allowed)
 
@@ -139,7 +145,5 @@ def make_plan(config: Config, **machine) -> Plan:
 
 def check_plan(plan: Plan, planner: Planner) -> None:
     """Refuse, before anything is allocated, a run that cannot work (`megatrain_plan.check_plan`), naming the fix."""
-    try:
+    with planner_refusals_as_config_errors():
         check_planned(plan, planner)
-    except PlanError as error:
-        raise ConfigError(str(error)) from None

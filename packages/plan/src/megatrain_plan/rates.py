@@ -305,7 +305,7 @@ FIRST_CALLS = SimpleNamespace(seconds=0.0)
 # just out of idle runs faster for a while: the best of three 250 ms windows put a Qwen2.5-7B block on an H100 at
 # 632 TFLOPS, ten calls right after them at 593, which a 128k step's compute matches. A CPU's pass runs at its rate
 # from the second call on, and a run on a CPU is small: shorter windows.
-_TIMING = {"cuda": (lambda: torch.cuda.synchronize(), 0.5, 1.0), "cpu": (lambda: None, 0.05, 0.2)}
+_TIMING = {"cuda": (torch.cuda.synchronize, 0.5, 1.0), "cpu": (lambda: None, 0.05, 0.2)}
 
 
 def _sustained_seconds(run: Callable[[], None], device_type: str = "cuda") -> float:
