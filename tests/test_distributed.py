@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -125,6 +126,13 @@ def torchrun(n, *extra):
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", *extra]
 
 
+def forked_ranks(n, *extra):
+    """torchrun's `n` ranks forked from one launcher that imported torch once (`forked_ranks.py`, which takes
+    torchrun's options): the launcher of the tests that compare the ranks' training with one process's. What
+    torchrun itself does is tested under torchrun, as is one of these comparisons."""
+    return [sys.executable, str(Path(__file__).with_name("forked_ranks.py")), f"--nproc-per-node={n}", *extra]
+
+
 def assert_same_weights(weights_1, weights_n):
     """Within 1e-5 of each tensor's norm; k_proj.bias starts at zero and its gradient is rounding
     noise only (a per-query constant that softmax cancels), so it gets an absolute floor instead."""
@@ -155,9 +163,9 @@ def tokens(tmp_path):
 def test_two_and_four_ranks_equal_one_process(tmp_path, tokens, grad_clip):
     train = {"grad_clip": grad_clip}
     one = run(tmp_path, "one", HERE, train=train)
-    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), train=train))
+    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), train=train))  # (as users launch)
     if grad_clip:  # (without clipping, updates apply as gradients land: each rank's shards of a small pool)
-        assert_same_training(one, run(tmp_path, "four", torchrun(4, "--standalone"), train=train))
+        assert_same_training(one, run(tmp_path, "four", forked_ranks(4, "--standalone"), train=train))
 
 
 @pytest.mark.parametrize("grad_clip, split", [(0.05, False), (0.0, False), (0.05, True)])
@@ -167,19 +175,20 @@ def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, s
     back to be added to the next: the same training as one process in one sweep."""
     train = {"grad_clip": grad_clip, "micro_batch_size": 1}  # (two micro-batches a rank, of four ranks too)
     one = run(tmp_path, "one", HERE, train=train, engine={"sweeps": 1})
-    launcher = two_hosts(2) if split else torchrun(2, "--standalone")
+    launcher = two_hosts(2) if split else forked_ranks(2, "--standalone")
     many = run(tmp_path, "many", launcher, train=train, engine={"sweeps": 2, "shard_across_hosts": split})
     assert json.loads((tmp_path / "many" / "placement.json").read_text())["placement"]["sweeps"] == 2
     assert_same_training(one, many)
 
 
-def two_hosts(ranks_per_host: int) -> list[list[str]]:
-    """Two torchrun agents on this machine, standing for two hosts (each with its own shared memory)."""
+def two_hosts(ranks_per_host: int, launcher=forked_ranks) -> list[list[str]]:
+    """Two launchers (`forked_ranks`, or `torchrun`'s agents) on this machine, standing for two hosts (each with its own
+    shared memory)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return [
-        torchrun(
+        launcher(
             ranks_per_host, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"
         )
         for node in range(2)
@@ -204,7 +213,7 @@ def test_dpo_over_two_ranks_equals_one_process(tmp_path, pack):
     }
     train = {"objective": "dpo", "batch_size": 4, "micro_batch_size": 1, "dpo": {"beta": 0.3}}
     one = run(tmp_path, "one", HERE, data=data, train=train)
-    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train))
+    assert_same_training(one, run(tmp_path, "two", forked_ranks(2, "--standalone"), data=data, train=train))
     if pack:
         assert (
             "the first step's 4 pairs share 2 rows of 48 tokens, not 8"
@@ -243,7 +252,7 @@ def test_grpo_generating_over_two_ranks_equals_one_process(tmp_path, monkeypatch
     }
     train = {"objective": "grpo", "batch_size": 8, "micro_batch_size": 2, "grpo": grpo}
     one = run(tmp_path, "one", [sys.executable], data=data, train=train)
-    two = run(tmp_path, "two", torchrun(2, "--standalone"), data=data, train=train)
+    two = run(tmp_path, "two", forked_ranks(2, "--standalone"), data=data, train=train)
     assert_same_training(one, two)
     for a, b in zip(one[0], two[0]):  # (a rollout's second update logs no reward)
         assert (a.get("reward"), a.get("completions/mean_length")) == (
@@ -310,7 +319,7 @@ def test_two_ranks_with_the_disk_tier_equal_one_process(tmp_path, tokens):
     state_dir = tmp_path / "state"
     engine = {"optimizer_state_dir": str(state_dir), "disk_state_fraction": 0.5}
     one = run(tmp_path, "one", HERE)
-    assert_same_training(one, run(tmp_path, "two", torchrun(2, "--standalone"), engine=engine))
+    assert_same_training(one, run(tmp_path, "two", forked_ranks(2, "--standalone"), engine=engine))
     assert not list(state_dir.iterdir())
 
 
@@ -323,7 +332,7 @@ def test_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, tokens):
 def test_resume_on_a_different_number_of_ranks(tmp_path, tokens):
     """A checkpoint written by two ranks resumes on one process and continues as if never stopped."""
     full = run(tmp_path, "full", HERE)
-    run(tmp_path, "part", torchrun(2, "--standalone"), train={"steps": 2, "save_every": 2})
+    run(tmp_path, "part", forked_ranks(2, "--standalone"), train={"steps": 2, "save_every": 2})
     rows, weights = resume(tmp_path, "part", HERE, steps=4)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(full[0], rows):
@@ -336,7 +345,7 @@ def test_moe_load_balancing_loss_over_two_ranks_equals_one_process(tmp_path, tok
     model = {"preset": "tiny-mixtral"}
     one = run(tmp_path, "one", HERE, model=model)
     assert all(row["router_aux_loss"] > 0 for row in one[0])
-    two = run(tmp_path, "two", torchrun(2, "--standalone"), model=model)
+    two = run(tmp_path, "two", forked_ranks(2, "--standalone"), model=model)
     assert_same_training(one, two)
     for a, b in zip(one[0], two[0]):
         assert b["router_aux_loss"] == pytest.approx(a["router_aux_loss"], rel=1e-6)
@@ -419,7 +428,9 @@ def test_a_rank_that_stops_updating_stops_the_others_with_a_message(tmp_path, to
     (tmp_path / "c.yaml").write_text(json.dumps(config))
     env = {**os.environ, "MEGATRAIN_RANK_WAIT_S": "5", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
     launchers = (
-        [[*host, str(script)] for host in two_hosts(1)] if split else [[*torchrun(2, "--standalone"), str(script)]]
+        [[*host, str(script)] for host in two_hosts(1, torchrun)]
+        if split
+        else [[*torchrun(2, "--standalone"), str(script)]]
     )
     processes = [
         subprocess.Popen([*launcher, "train", "--config", str(tmp_path / "c.yaml")], env=env, stderr=subprocess.PIPE)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -423,7 +424,7 @@ def test_moe_layers_in_parts_of_their_experts_are_refused_for_now(tmp_path, monk
 
 def lora_run(tmp_path, name: str, ranks: int, steps: int, resume=False, base_dtype=None, dropout=0.0, **train):
     """`megatrain train` of a LoRA run of a tiny Qwen2 preset (clipping, three micro-batches of each rank's rows) to
-    `steps` in this process (`ranks` 1) or under torchrun, resuming run `name` or anew with `train`'s settings, its
+    `steps` in this process (`ranks` 1) or in torchrun's ranks, resuming run `name` or anew with `train`'s settings, its
     base held as `base_dtype` says (None: fp32), with LoRA `dropout`; (its metrics rows, its final adapters by
     megatrain's names)."""
     adapter = {"type": "lora", "r": R, "alpha": ALPHA, "base_dtype": base_dtype, "dropout": dropout}
@@ -444,7 +445,8 @@ def lora_run(tmp_path, name: str, ranks: int, steps: int, resume=False, base_dty
         assert main(args) == 0
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone"]
+        launcher = Path(__file__).with_name("forked_ranks.py")  # (torchrun's ranks, torch imported once for all)
+        command = [sys.executable, str(launcher), f"--nproc-per-node={ranks}", "--standalone"]
         done = subprocess.run([*command, "-m", "megatrain", *args], env=env, capture_output=True)
         assert done.returncode == 0, done.stderr.decode()
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

@@ -109,14 +109,35 @@ def test_measure_rates_is_a_config_key_the_variable_overrides(monkeypatch):
     assert asked[3:] == [True, False]
 
 
-def test_a_sequence_longer_than_the_model_reaches_is_refused_before_its_rates_are_measured(monkeypatch):
+@pytest.mark.parametrize(
+    "settings, refusal",
+    [
+        (["data.seq_len=100000"], "data.seq_len 100000 is larger than the model allows"),
+        (["engine.host_memory_gib=0.01"], "host memory: llama with 0.1M parameters needs"),
+    ],
+)
+def test_what_the_machine_cannot_run_is_refused_before_its_rates_are_measured(monkeypatch, capsys, settings, refusal):
     """Measuring a shape compiles and times its kernels (half a minute on a GPU): a data.seq_len the model's positions
-    do not reach is refused first, in the line the plan's checks give."""
+    do not reach, or a model the host cannot hold, is refused first, in the line the plan's checks give, by the run
+    and by `megatrain plan`."""
+    from megatrain.trainer import Trainer
+
     monkeypatch.setattr(planning, "run_rates", None)  # (measuring would fail here)
     monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
-    config = load_config(None, ["model.preset=tiny-llama", "device=cpu", "data.seq_len=100000"])
-    with pytest.raises(ConfigError, match="data.seq_len 100000 is larger than the model allows"):
-        planning.rates_of(config, model_config_of(config))
+    config = load_config(None, ["model.preset=tiny-llama", "device=cpu", "data.seq_len=16", *settings])
+    with pytest.raises(ConfigError, match=refusal):
+        Trainer(config)
+    assert main(["plan", *(f"--set={key}" for key in ["model.preset=tiny-llama", "device=cpu", *settings])]) == 2
+    assert refusal in capsys.readouterr().err
+
+
+def test_a_run_that_fits_is_planned_at_its_measured_rates(monkeypatch):
+    measured = Rates(gpu_tflops=123.0)
+    monkeypatch.setattr(planning, "run_rates", lambda *args: measured if args[-1] else Rates())
+    monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
+    config = load_config(None, ["model.preset=tiny-llama", "device=cpu", "data.seq_len=16"])
+    assert planning.run_planner(config, model_config_of(config)).rates is measured
+    assert planning.run_planner(config, model_config_of(config), measure=False).rates == Rates()
 
 
 def test_two_trainers_of_one_config_share_no_model_state():

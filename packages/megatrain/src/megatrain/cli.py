@@ -429,18 +429,18 @@ def run_plan(config, args) -> None:
     from megatrain_templates import set_compile
 
     from .config import model_config_of
-    from .planning import check_plan, make_planner, rates_of
+    from .planning import check_plan, make_planner, run_planner
 
     set_compile(config.engine.compile)  # the rates measured here run the templates as the run would
     model = model_config_of(config)
-    rates = (
-        calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)
-        if args.calibrate
-        else rates_of(config, model, measure=args.gpu_memory_gib is None)  # planning for another GPU: not this one's
-    )
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
     host_memory = int(args.host_memory_gib * 2**30) if args.host_memory_gib else None
-    planner = make_planner(config, model, rates, gpu_memory, args.gpus, args.hosts, host_memory)
+    machine = {"gpu_memory": gpu_memory, "gpus": args.gpus, "hosts": args.hosts, "host_memory": host_memory}
+    if args.calibrate:
+        rates = calibrate(model, config.data.seq_len, config.train.micro_batch_size, config.engine.optimizer_state_dir)
+        planner = make_planner(config, model, rates, **machine)
+    else:
+        planner = run_planner(config, model, measure=gpu_memory is None, **machine)  # (another GPU: not this one's)
     plan = planner.plan(planner.place(planner.step_tokens))
     print(
         json.dumps(plan.as_dict(), indent=2)

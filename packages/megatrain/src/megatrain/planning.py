@@ -16,7 +16,6 @@ from megatrain_plan import (
     Planner,
     Rates,
     StepShape,
-    check_seq_len,
     experts_per_stage,
     load_rates,
     run_rates,
@@ -103,14 +102,10 @@ def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1,
 
 def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
     """The rates to plan `config`'s run with (`run_rates`), measured at its shape where `measure` and
-    engine.measure_rates allow (a shape the model cannot run is refused first); MEGATRAIN_MEASURE_RATES (0 or 1),
-    where set, overrides the key."""
+    engine.measure_rates allow; MEGATRAIN_MEASURE_RATES (0 or 1), where set, overrides the key."""
     setting = os.environ.get("MEGATRAIN_MEASURE_RATES")
     allowed = config.engine.measure_rates if setting is None else setting != "0"
     shape = step_shape(config)
-    if measure and allowed:
-        with planner_refusals_as_config_errors():
-            check_seq_len(model, shape.seq_len)
     device = resolve_device(config.device)
     return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measure and allowed)
 
@@ -135,6 +130,27 @@ def make_planner(
     spec = build_model(model, experts, adapter_of(config))
     objective = objective_memory(config, spec, machine, shape.dtype)
     return Planner(spec, rates or load_rates(), machine, shape, engine, objective)
+
+
+def run_planner(config: Config, model: ModelConfig, measure: bool = True, **machine) -> Planner:
+    """`make_planner(config, model, **machine)` at the rates measured at the run's shape where `measure` allows
+    (`rates_of`), once a plan from the remembered rates passes the checks: what the machine cannot run (a model its
+    host cannot hold, a data.seq_len the model does not reach) is refused by the caller's check without the seconds
+    of measuring first (half a minute on a GPU). No refusal hangs on the rates: the planner's choices fit the
+    machine, and what is configured is the same at any rates."""
+    planner = make_planner(config, model, **machine)
+    if measure and _passes_checks(planner):
+        rates = rates_of(config, model)
+        planner = Planner(planner.spec, rates, planner.machine, planner.shape, planner.engine, planner.objective)
+    return planner
+
+
+def _passes_checks(planner: Planner) -> bool:
+    try:
+        check_planned(planner.plan(planner.place(planner.step_tokens), compute_bound=False), planner)
+    except PlanError:
+        return False  # (the caller's check of its plan says why)
+    return True
 
 
 def make_plan(config: Config, **machine) -> Plan:

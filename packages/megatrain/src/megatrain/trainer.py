@@ -45,7 +45,7 @@ from .distributed import check_data_parallel, init_ranks
 from .export import export_hf
 from .objectives import check_model_settings, make_objective
 from .parts import new_pipeline, new_store, new_updates, route_statistics, rows_first, with_router_terms
-from .planning import check_plan, make_planner, rates_of
+from .planning import check_plan, run_planner
 from .step import RowShares, StepBatch, dropout_key
 from .warmup import warm_up_pipeline
 
@@ -139,8 +139,8 @@ class Trainer:
         plan that cannot run stops here, before any memory is taken."""
         config = self.config
         gpus, hosts = launch_shape()
-        rates = rates_of(config, self.model_config, measure=self.training and gpus * hosts == 1)
-        self.planner = make_planner(config, self.model_config, rates, gpus=gpus, hosts=hosts)
+        measure = self.training and gpus * hosts == 1
+        self.planner = run_planner(config, self.model_config, measure, gpus=gpus, hosts=hosts)
         self.placement = self._configured_placement()  # each GPU: its share of the batch
         self.plan = self.planner.plan(self.placement)
         if self.training:

@@ -452,8 +452,10 @@ class Planner(CostModel):
             return ("base model under LoRA adapters",)
         return tuple(sorted({self.spec.group_parts[g] for g in self.frozen} - {"unused"}))
 
-    def plan(self, placement: Placement) -> Plan:
-        """What `placement` costs and how long its step is predicted to take."""
+    def plan(self, placement: Placement, compute_bound: bool = True) -> Plan:
+        """What `placement` costs and how long its step is predicted to take; with `compute_bound`, from how many
+        tokens a step the GPU would bound it (`compute_bound_tokens`: a dozen placements, seconds at 7B, which the
+        report reads and the checks do not)."""
         model, world, tokens = self.model, self.world, placement.tokens
         phases = self.phases(placement)
         bound = slowest(phases)
@@ -491,7 +493,7 @@ class Planner(CostModel):
             rates=self.rates,
             phases=phases,
             bound=bound,
-            compute_bound_tokens=self.compute_bound_tokens() if phases["compute"] else 0,
+            compute_bound_tokens=self.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
             gpus=self.machine.gpus,
             hosts=self.machine.hosts,
             network_bytes=self.network_bytes(),
