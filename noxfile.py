@@ -3,6 +3,8 @@ integration tests across packages, lint, and the GPU tests. Plain `nox` runs the
 sessions; `nox -s gpu` runs the GPU-marked tests on a machine with CUDA."""
 
 import os
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -36,8 +38,9 @@ DEPENDS = {
 
 
 EXTRAS = {"megatrain": "[plot]"}  # the loss-curve PNG is part of what a run writes
-# pytest-xdist: the sessions whose tests take long run them in two processes (CI's two cores)
-TWO_PROCESSES = {"plan", "megatrain"}
+# pytest-xdist: the sessions whose tests take long run them in two processes (CI's two cores; templates' kernels
+# under Triton's interpreter: 44 -> 37 s)
+TWO_PROCESSES = {"templates", "plan", "megatrain"}
 # triton and numpy: the templates' kernels run under its CPU interpreter (a GPU's torch brings triton; CPU wheels do not)
 # bitsandbytes: the reference of the store's packed NF4 and int8 weights, bit for bit; pinned, since its CPU quantizer
 # rounds the 8-bit statistics its own way (megatrain_store.quant says which) and a release may change that
@@ -50,12 +53,27 @@ TEST_REQUIREMENTS = {"templates": ("triton", "numpy"), "store": ("bitsandbytes==
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+def share_torch(session: nox.Session) -> None:
+    """torch, with its own requirements, unpacked once under .nox for every session, each virtualenv reading it
+    through a .pth file: the wheel was unpacked in each of ten sessions (9 s each on two cores) and its modules
+    compiled again by each session's first import. The packages and what the tests need go into each virtualenv."""
+    shared = Path(".nox", "shared-" + TORCH.replace("=", "")).resolve()
+    if not shared.exists():
+        partial = shared.with_name(shared.name + ".partial")  # (a session stopped while unpacking leaves no half)
+        shutil.rmtree(partial, ignore_errors=True)
+        session.run("python", "-m", "pip", "install", "-q", "--no-compile", "--target", str(partial), TORCH)
+        partial.rename(shared)
+    site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", silent=True)
+    Path(site.strip(), "shared-torch.pth").write_text(f"{shared}\n")
+
+
 def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
     # --no-compile: pip byte-compiles every module it installs (torch's install: 25 s with it, 7.6 s without, on
     # two cores); the tests compile only the modules they import. --no-build-isolation: the packages build with the
     # venv's own setuptools instead of one installed afresh for each (five packages: 15.5 s -> 6.4 s): the one
     # virtualenv seeds for Python 3.11 (84.2 in 2026-11), which lets torch and the packages go in one pip call (one
     # resolution: 15.6 -> 12.6 s a session)
+    share_torch(session)  # (then pip finds TORCH installed)
     local = [f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages]
     session.install("--no-compile", "--no-build-isolation", TORCH, "setuptools>=61", *local, "pytest", *extra)
 

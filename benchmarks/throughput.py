@@ -253,7 +253,7 @@ def placement_fields(trainer, step_s) -> dict:
         "predicted_step_s": round(plan.step_s, 3),
         "prediction_error": round(plan.step_s / step_s - 1, 3),
         "bound": plan.bound,
-        "compute_bound_tokens": plan.compute_bound_tokens,
+        "compute_bound_tokens": trainer.planner.compute_bound_tokens(),  # (the report's: a run's plan leaves it out)
         "rates": plan.rates.source,
         # the rates' values, so that a plan of a larger model can rest on the ones measured here
         "planning_rates": {name: value for name, value in asdict(plan.rates).items() if name != "source"},

@@ -142,7 +142,7 @@ class Trainer:
         measure = self.training and gpus * hosts == 1
         self.planner = run_planner(config, self.model_config, measure, gpus=gpus, hosts=hosts)
         self.placement = self._configured_placement()  # each GPU: its share of the batch
-        self.plan = self.planner.plan(self.placement)
+        self.plan = self.planner.plan(self.placement, compute_bound=False)  # (`megatrain plan`'s report has it)
         if self.training:
             check_plan(self.plan, self.planner)
         self.spec = self.planner.spec  # the model, built once for the planner and the run
@@ -275,7 +275,7 @@ class Trainer:
             placement = replace(placement, gradient_pool=max(placement.gradient_pool, self.placement.gradient_pool))
         print(f"megatrain: placed again for steps of {tokens:,} tokens", file=sys.stderr)
         self._place(placement)
-        self.plan = self.planner.plan(placement)
+        self.plan = self.planner.plan(placement, compute_bound=False)
 
     # ------------------------------------------------------------------- step
     def pair_windows(self, tokens, batch_size: int = 1, shuffle: bool = False, seed: int = 0) -> PairWindows:

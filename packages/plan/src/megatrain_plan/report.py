@@ -35,7 +35,7 @@ class Plan:
     rates: Rates
     phases: dict = field(default_factory=dict)  # what each bound would make the step last, seconds
     bound: str = "compute"  # what sets the step time: compute, pcie, cpu_optimizer, disk or network
-    compute_bound_tokens: int = 0  # tokens per step from which the GPU's work is the longest part
+    compute_bound_tokens: int = 0  # tokens per step from which the GPU's work is the longest part; 0: not searched
     gpus: int = 1  # per host
     hosts: int = 1
     network_bytes: int = 0  # sent by each host per step (gradients, and weights where hosts split the state)
