@@ -3,6 +3,7 @@ integration tests across packages, lint, and the GPU tests. Plain `nox` runs the
 sessions; `nox -s gpu` runs the GPU-marked tests on a machine with CUDA."""
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def share_torch(session: nox.Session) -> None:
     """torch, with its own requirements, unpacked once under .nox for every session, each virtualenv reading it
     through a .pth file: the wheel was unpacked in each of ten sessions (9 s each on two cores) and its modules
     compiled again by each session's first import. The packages and what the tests need go into each virtualenv."""
-    shared = Path(".nox", "shared-" + TORCH.replace("=", "")).resolve()
+    shared = Path(".nox", "shared-" + re.sub(r"[^A-Za-z0-9.]+", "-", TORCH)).resolve()  # (TORCH: a name or a path)
     if not shared.exists():
         partial = shared.with_name(shared.name + ".partial")  # (a session stopped while unpacking leaves no half)
         shutil.rmtree(partial, ignore_errors=True)
