@@ -15,7 +15,6 @@ import signal
 import socket
 import sys
 import threading
-import uuid
 
 # what `megatrain train` imports, here once: the forked ranks share it
 import torch.distributed as dist
@@ -79,15 +78,15 @@ def launch(argv: list[str]) -> int:
     named, args = options(argv)
     if "standalone" in named:
         named["master-port"] = free_port()
-    named["run-id"] = named.get("master-port", "") + uuid.uuid4().hex[:8]
+    named["run-id"] = named["master-port"]  # (the same on every host's launcher, as torchrun's rendezvous id)
     # a fork copies only the calling thread: one holding a lock elsewhere would leave it held in every rank
     assert threading.active_count() == 1, "a thread runs before the ranks fork"
-    children = {}
+    children = set()
     for local_rank in range(int(named["nproc-per-node"])):
         pid = os.fork()
         if pid == 0:
             run_rank(rank_environment(named, local_rank), args)
-        children[pid] = local_rank
+        children.add(pid)
     # (after the forks: the store serves from threads of its own; the ranks wait for it to listen)
     store = None
     if named.get("node-rank", "0") == "0":
@@ -96,7 +95,7 @@ def launch(argv: list[str]) -> int:
     failed = 0
     while children:
         pid, status = os.wait()
-        children.pop(pid)
+        children.remove(pid)
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed = 1
             for other in children:  # (torchrun's answer to a rank's failure)

@@ -1,7 +1,8 @@
-"""Data parallel over torch.distributed: `torchrun -m megatrain train` with 2 and 4 processes
-(gloo, on the CPU) equals one process on the same config, step by step: the loss, the gradient
-norm and the exported weights. Also two simulated hosts of two ranks each (a replica of the
-state per host, gradients reduced across hosts)."""
+"""Data parallel over torch.distributed: `megatrain train` in 2 and 4 ranks (gloo, on the CPU) equals one process
+on the same config, step by step: the loss, the gradient norm and the exported weights. Also two simulated hosts of
+two ranks each (a replica of the state per host, or the state split over them). The ranks are torchrun's, or
+forked with its environment from one process that imported torch once (`forked_ranks.py`); torchrun's own
+behaviour (a config error said once, signals, a rank that stops) is tested under torchrun."""
 
 import contextlib
 import io
