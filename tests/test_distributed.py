@@ -87,12 +87,19 @@ def launch_processes(tmp_path, name, launcher, args) -> None:
     """`megatrain train ARGS` under `launcher` (a command, or one per host), each one's stderr kept."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRAIN_SHARED_DIR": str(tmp_path / "shm")}
     commands = launcher if isinstance(launcher[0], list) else [launcher]
-    processes = [
-        subprocess.Popen([*command, "-m", "megatrain", "train", *args], env=env, stderr=subprocess.PIPE)
+    processes = [  # (each launcher and its ranks a process group of their own, for the kill below)
+        subprocess.Popen(
+            [*command, "-m", "megatrain", "train", *args], env=env, stderr=subprocess.PIPE, start_new_session=True
+        )
         for command in commands
     ]
     for index, process in enumerate(processes):
-        _, err = process.communicate(timeout=300)
+        try:
+            _, err = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:  # (a hung launch leaves no rank running on into the other tests)
+            for launcher in processes:
+                os.killpg(launcher.pid, signal.SIGKILL)
+            raise
         assert process.returncode == 0, err.decode()
         (tmp_path / name / f"stderr-{index}.txt").write_bytes(err)  # per launcher (host)
 
