@@ -9,7 +9,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from forked_ranks import free_port
 from safetensors.torch import load_file
 
 from megatrain_data import train_tokenizer
@@ -192,9 +192,7 @@ def test_ranks_in_sweeps_equal_one_process_in_one(tmp_path, tokens, grad_clip, s
 def two_hosts(ranks_per_host: int, launcher=forked_ranks) -> list[list[str]]:
     """Two launchers (`forked_ranks`, or `torchrun`'s agents) on this machine, standing for two hosts (each with its own
     shared memory)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     return [
         launcher(
             ranks_per_host, "--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"

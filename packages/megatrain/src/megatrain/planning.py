@@ -100,14 +100,20 @@ def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1,
         return Machine.of(device, config.engine.host_memory_gib, gpu_memory, host_memory, gpus, hosts)
 
 
+def measuring_allowed(config: Config) -> bool:
+    """Whether `config`'s run may measure its rates: engine.measure_rates, or MEGATRAIN_MEASURE_RATES (0 or 1) where
+    set."""
+    setting = os.environ.get("MEGATRAIN_MEASURE_RATES")
+    return config.engine.measure_rates if setting is None else setting != "0"
+
+
 def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
     """The rates to plan `config`'s run with (`run_rates`), measured at its shape where `measure` and
-    engine.measure_rates allow; MEGATRAIN_MEASURE_RATES (0 or 1), where set, overrides the key."""
-    setting = os.environ.get("MEGATRAIN_MEASURE_RATES")
-    allowed = config.engine.measure_rates if setting is None else setting != "0"
+    `measuring_allowed` allow."""
     shape = step_shape(config)
     device = resolve_device(config.device)
-    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measure and allowed)
+    measuring = measure and measuring_allowed(config)
+    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measuring)
 
 
 def make_planner(
@@ -139,7 +145,7 @@ def run_planner(config: Config, model: ModelConfig, measure: bool = True, **mach
     of measuring first (half a minute on a GPU). No refusal hangs on the rates: the planner's choices fit the
     machine, and what is configured is the same at any rates."""
     planner = make_planner(config, model, **machine)
-    if measure and _passes_checks(planner):
+    if measure and measuring_allowed(config) and _passes_checks(planner):
         rates = rates_of(config, model)
         planner = Planner(planner.spec, rates, planner.machine, planner.shape, planner.engine, planner.objective)
     return planner

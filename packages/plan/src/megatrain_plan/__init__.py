@@ -5,7 +5,7 @@ rules, `checks` the refusals of what cannot run, `report` the plan as written an
 host's budget, `rates` the machine's measured rates. The planner takes a built model (`megatrain_zoo.ModelSpec`)
 and small values (`inputs`): the machine, the step's shape, the engine's settings and what the objective holds."""
 
-from .checks import check_plan, check_seq_len
+from .checks import check_plan
 from .costs import (
     CPU_OPTIMIZER_MARGIN,
     CPU_RUNTIME_HOST_BYTES,
@@ -51,7 +51,6 @@ __all__ = [
     "block_work",
     "calibrate",
     "check_plan",
-    "check_seq_len",
     "experts_per_stage",
     "format_plan",
     "gpu_updated_groups",

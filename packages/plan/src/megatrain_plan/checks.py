@@ -14,7 +14,7 @@ from .search import Planner
 def check_plan(plan: Plan, planner: Planner) -> None:
     """Refuse, before anything is allocated, a run that `planner` planned (`plan`) and that cannot work, naming
     the fix (`PlanError`)."""
-    check_seq_len(planner.model, planner.shape.seq_len)
+    _check_seq_len(planner.model, planner.shape.seq_len)
     _check_resident(plan, planner.spec)
     _check_sweeps(plan, planner)
     _check_host(plan, planner.model)
@@ -22,8 +22,7 @@ def check_plan(plan: Plan, planner: Planner) -> None:
     _check_gpu(plan, planner)
 
 
-def check_seq_len(model: ModelConfig, seq_len: int) -> None:
-    """Refuse sequences longer than the model's positions reach (before its rates are measured at that shape)."""
+def _check_seq_len(model: ModelConfig, seq_len: int) -> None:
     if seq_len > model.max_seq_len:
         raise PlanError(
             f"data.seq_len {seq_len} is larger than the model allows (max_position_embeddings "
