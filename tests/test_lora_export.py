@@ -149,8 +149,8 @@ def test_an_adapter_of_another_shape_is_refused_before_anything_loads(base_dir, 
 
 def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_path, capsys):
     """`megatrain train` with model.adapter writes final/ as a PEFT directory served as its base is (tokenizer, chat
-    template); `megatrain convert RUN DIR --merge` finds it and writes the merged model with PeftModel's logits, and
-    `megatrain eval` of the run (its adapters over its base) gives the merged model's loss."""
+    template); `megatrain convert RUN DIR --merge` finds it and writes the merged model with PeftModel's logits (never
+    into the run's base, and into a model only with --overwrite), and `megatrain eval` of the run (its adapters over its base) gives the merged model's loss."""
     np.save(tmp_path / "ids.npy", np.random.default_rng().integers(0, 96, 400, dtype=np.int32))
     run = tmp_path / "run"
     pairs = [f"model.hf_dir={base_dir}", "model.adapter.type=lora", "model.adapter.r=4", "data.tokens=ids.npy"]
@@ -160,6 +160,16 @@ def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_pa
         assert main(["train", *(arg for pair in pairs for arg in ("--set", pair))]) == 0
         assert main(["convert", str(run), "merged", "--merge"]) == 0
         assert "merged 14 adapted matrices" in capsys.readouterr().err  # (all-linear: 7 per layer, 2 layers)
+        base_files = {p.name: p.read_bytes() for p in base_dir.iterdir() if p.is_file()}
+        refusals = [  # (the run's own base, --overwrite or not: the run, its eval and its resume read it)
+            ([str(base_dir), "--overwrite"], "is the LoRA run's base model, which this conversion reads"),
+            (["merged"], "merged holds a model already; name a new directory, or add --overwrite to replace it"),
+        ]
+        for out, refusal in refusals:
+            assert main(["convert", str(run), *out, "--merge"]) == 2
+            assert refusal in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in base_dir.iterdir() if p.is_file()} == base_files
+        assert main(["convert", str(run), "merged", "--merge", "--overwrite"]) == 0
         same = [arg for pair in pairs[3:8] for arg in ("--set", pair)]  # (the run's data, as the merged model's)
         losses = []
         for weights in (run, tmp_path / "merged"):  # (the run's final/: its adapters over its base)

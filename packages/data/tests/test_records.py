@@ -239,6 +239,9 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
     for dataset, split in ((source, "test"), (tmp_path / "saved", "validation")):  # (a file is one split)
         with pytest.raises(DataError, match=f"has no split '{split}', only \\['train'"):
             load_token_data(DataSection(**dict(common, dataset=str(dataset)), validation=split), 512, tmp_path, None)
+    for missing in (tmp_path / "nope.jsonl", "held-out/val", "val.parquet"):  # (a file, by its folder or suffix)
+        with pytest.raises(DataError, match=f"data.validation {missing} does not exist; name a file of held-out"):
+            load_token_data(DataSection(**common, validation=str(missing)), 512, tmp_path, None)
     text = load_token_data(
         DataSection(text=str(builtin_corpus()), seq_len=64, validation=0.1), 512, tmp_path / "c4", None
     )

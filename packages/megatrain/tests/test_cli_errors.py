@@ -72,6 +72,11 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             "is a file; name a directory to write the model",
         ),
         (["convert", str(tmp_path / "run"), str(tmp_path / "a-dir")], "holds files but no model"),
+        (["convert", str(untokenized), str(untokenized)], "is the source, which this conversion reads"),
+        (
+            ["convert", str(untokenized), str(weightless)],
+            "holds a model already; name a new directory, or add --overwrite to replace it",
+        ),
         (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
         (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
         (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
@@ -99,6 +104,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (["plan", *TINY, "--set", "model.preset=tiny-lama"], "model error: unknown model preset 'tiny-lama'"),
         (
+            ["train", *TINY, "--set", "model.preset=null", "--set", "model.hf_dir=Qwen/Qwen2.5-7B-Instruct"],
+            "not the hub: `hf download Qwen/Qwen2.5-7B-Instruct --local-dir DIR` fetches it",
+        ),
+        (
             ["train", *TINY, "--set", f"output_dir={finished}"],
             "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
         ),
@@ -124,6 +133,10 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (tmp_path / "ids.txt").write_text("1 2 3\n")
     return [
         (["train", *TINY, "--set", "data.dataset=empty.jsonl"], "empty.jsonl is empty (no records)"),
+        (  # (said before the tokenizer chat data needs, which a preset lacks)
+            ["train", *TINY, "--set", "data.dataset=nope.jsonl", "--set", "data.format=messages"],
+            "dataset 'nope.jsonl': nope.jsonl does not exist; check the path",
+        ),
         (["train", *TINY, "--set", "data.dataset=latin1.jsonl"], where["latin1.jsonl"]),
         (["train", *TINY, "--set", "data.dataset=latin1.json"], where["latin1.json"]),
         (["train", *TINY, "--set", "data.text=latin1.txt"], where["latin1.txt"]),

@@ -132,6 +132,7 @@ def _dataset_token_data(
     trained on the records where none is named and they are plain text)."""
     pairs = uses_pairs(data)
     if tokenizer is None:
+        resolve_sources(data)  # (its files' absence is said first: a tokenizer would not make them)
         if data.format != "text" or pairs:
             raise DataError(
                 "fine-tuning data needs the model's tokenizer: set data.tokenizer or use model.hf_dir "

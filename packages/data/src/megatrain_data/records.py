@@ -16,6 +16,7 @@ import bisect
 import hashlib
 import json
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -165,32 +166,26 @@ def resolve_sources(data: DataSection) -> list[Source]:
             )
         else:
             sources.append(Source(name, name, data.format))
+    for source in sources:  # (a file that is not there, before anything else is asked of the data)
+        if Path(source.location).suffix in RECORD_SUFFIXES and not Path(source.location).exists():
+            raise DataError(f"dataset {source.name!r}: {source.location} does not exist; check the path")
     return sources
+
+
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files of records `load_records` reads
+
+
+# A file of records smaller than this is read without `datasets`' progress bars (a second or less: a bar, even for
+# a file it then refuses, is only lines before the one that says what is wrong).
+PROGRESS_FILE_BYTES = 64 * 2**20
 
 
 def load_records(source: Source):
     """A `datasets.Dataset` of the source's records (a file, a saved directory or a hub name)."""
-    import datasets
-
     path = Path(source.location)
     try:
-        if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-            splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
-            _check_split(source, splits)
-            records = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-        elif path.suffix in (".jsonl", ".json", ".parquet"):
-            _check_split(source, ["train"])
-            _check_utf8(source, path)
-            builder = "parquet" if path.suffix == ".parquet" else "json"
-            records = datasets.load_dataset(builder, data_files=str(path), split="train")
-        elif path.exists():
-            raise DataError(
-                f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
-                "or a directory written by Dataset.save_to_disk"
-            )
-        else:
-            records = datasets.load_dataset(source.location, source.subset, split=source.split)
+        with _datasets_quiet(progress_bars=not path.is_file() or path.stat().st_size >= PROGRESS_FILE_BYTES):
+            records = _load_split(source, path)
     except DataError:
         raise
     except Exception as error:  # datasets raises many types; one clear message names the source and the fix
@@ -211,6 +206,46 @@ def load_records(source: Source):
     if source.num_samples is not None:
         records = records.select(range(min(source.num_samples, len(records))))
     return records
+
+
+def _load_split(source: Source, path: Path):
+    """The source's split, as `datasets` reads it from `path` (a file or a saved directory) or the hub."""
+    import datasets
+
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
+        _check_split(source, splits)
+        return loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    if path.suffix in RECORD_SUFFIXES:
+        _check_split(source, ["train"])
+        _check_utf8(source, path)
+        builder = "parquet" if path.suffix == ".parquet" else "json"
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if path.exists():
+        raise DataError(
+            f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
+            "or a directory written by Dataset.save_to_disk"
+        )
+    return datasets.load_dataset(source.location, source.subset, split=source.split)
+
+
+@contextmanager
+def _datasets_quiet(progress_bars: bool):
+    """`datasets` without its own log lines (its errors become one `DataError` line here), and without its progress
+    bars unless `progress_bars`; as it was afterwards."""
+    import datasets
+
+    verbosity, bars_were_on = datasets.logging.get_verbosity(), not datasets.are_progress_bars_disabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    if not progress_bars:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars_were_on:
+            datasets.enable_progress_bars()
 
 
 def _check_split(source: Source, splits: list[str]) -> None:
@@ -604,9 +639,16 @@ class RecordData:
 
 
 def validation_source(data: DataSection, first: Source) -> Source:
-    """data.validation given as a string: a file of the same format, else a split of the first dataset."""
-    if Path(data.validation).exists():
+    """data.validation given as a string: a file of the same format, else a split of the first dataset (refused
+    where it names a file, by a folder or a suffix, that does not exist)."""
+    path = Path(data.validation)
+    if path.exists():
         return replace(first, name=f"{first.name} (validation)", location=data.validation, split="train")
+    if len(path.parts) > 1 or path.suffix in RECORD_SUFFIXES:
+        raise DataError(
+            f"data.validation {data.validation} does not exist; name a file of held-out records, a split of the "
+            "dataset, or a fraction to hold out (e.g. 0.05)"
+        )
     return replace(first, name=f"{first.name} ({data.validation})", split=data.validation)
 
 

@@ -86,9 +86,15 @@ class Resume:
 
 def resolve_resume(path: Path) -> Resume:
     """The checkpoint `--resume PATH` names (`find_checkpoint`), its files checked against its manifest; refused in
-    one line where there is none or it is damaged."""
+    one line where there is none or it is damaged (naming the checkpoint before it, where there is one)."""
     directory = find_checkpoint(path)
-    return Resume(directory, verify_checkpoint(directory))
+    try:
+        return Resume(directory, verify_checkpoint(directory))
+    except StoreError as damaged:
+        earlier = [p for p in _complete_checkpoints(directory.parent) if p.name < directory.name]
+        fix = f"resume from the one before it: megatrain train --resume {earlier[-1]}" if earlier else ""
+        fix = fix or f"no checkpoint before it is left in {directory.parent}"
+        raise StoreError(f"{damaged}; {fix}") from None
 
 
 def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:

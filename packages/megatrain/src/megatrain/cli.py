@@ -227,18 +227,35 @@ def run_convert(args) -> None:
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file; name a directory to write the model into (new, or a model's to replace)")
+        raise ConfigError(f"{out} is a file; name a directory to write the model into")
     if out.is_dir() and any(out.iterdir()) and not (is_hf_directory(out) or is_peft_directory(out)):
-        raise ConfigError(
-            f"{out} holds files but no model (no config.json of one); name a new directory, or a model's to replace"
-        )
+        raise ConfigError(f"{out} holds files but no model (no config.json of one); name a new directory")
     weights = find_weights(Path(args.source))
+    _check_not_read(out, Path(args.source), weights)
+    if (is_hf_directory(out) or is_peft_directory(out)) and not args.overwrite:
+        raise ConfigError(f"{out} holds a model already; name a new directory, or add --overwrite to replace it")
     try:
         written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights), merge=args.merge)
     except OSError as error:  # (it is the DIR argument, not a run's output_dir, that cannot be written)
         hint = _os_hint(error.errno, "name another DIR to convert into")
         raise SaveError(f"convert cannot write {out} ({error.strerror or error}); {hint}") from None
     print(f"wrote {written}: {describe_export(written)}")
+
+
+def _check_not_read(out: Path, source: Path, weights: Path) -> None:
+    """Refuse to convert into what the conversion reads, or what the run it converts reads: its source, its weights,
+    or a LoRA run's base model (which --overwrite does not allow either: the run's adapters, its eval and its resume
+    stand on that base as it was)."""
+    from .config import ConfigError
+    from .export import lora_source
+
+    lora = lora_source(weights)
+    read = {"the source": source, "the weights it converts": weights}
+    if lora is not None and lora.base is not None:
+        read["the LoRA run's base model"] = lora.base
+    for what, path in read.items():
+        if out.resolve() == path.resolve():
+            raise ConfigError(f"{out} is {what}, which this conversion reads; name another directory to write into")
 
 
 def _serving_of_weights(weights: Path):
@@ -429,7 +446,7 @@ def run_plan(config, args) -> None:
     from megatrain_templates import set_compile
 
     from .config import model_config_of
-    from .planning import check_plan, make_planner, run_planner
+    from .planning import check_plan, make_planner, passes_checks, run_planner
 
     set_compile(config.engine.compile)  # the rates measured here run the templates as the run would
     model = model_config_of(config)
@@ -442,10 +459,11 @@ def run_plan(config, args) -> None:
     else:
         planner = run_planner(config, model, measure=gpu_memory is None, **machine)  # (another GPU: not this one's)
     plan = planner.plan(planner.place(planner.step_tokens))
+    refused = not passes_checks(plan, planner)
     print(
         json.dumps(plan.as_dict(), indent=2)
         if args.json
-        else format_plan(plan, config.model.preset or config.model.hf_dir)
+        else format_plan(plan, config.model.preset or config.model.hf_dir, refused)
     )
     check_plan(plan, planner)
 
@@ -501,6 +519,9 @@ def _add_convert(commands) -> None:
     )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
     convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    convert_parser.add_argument(
+        "--overwrite", action="store_true", help="replace the model DIR holds (refused without it)"
+    )
     convert_parser.add_argument(
         "--merge",
         action="store_true",

@@ -145,17 +145,21 @@ def run_planner(config: Config, model: ModelConfig, measure: bool = True, **mach
     of measuring first (half a minute on a GPU). No refusal hangs on the rates: the planner's choices fit the
     machine, and what is configured is the same at any rates."""
     planner = make_planner(config, model, **machine)
-    if measure and measuring_allowed(config) and _passes_checks(planner):
+    if measure and measuring_allowed(config):
+        early = planner.plan(planner.place(planner.step_tokens), compute_bound=False)
+        if not passes_checks(early, planner):
+            return planner
         rates = rates_of(config, model)
         planner = Planner(planner.spec, rates, planner.machine, planner.shape, planner.engine, planner.objective)
     return planner
 
 
-def _passes_checks(planner: Planner) -> bool:
+def passes_checks(plan: Plan, planner: Planner) -> bool:
+    """Whether `check_plan` lets `plan` go ahead (its refusal, where not, is the caller's to raise)."""
     try:
-        check_planned(planner.plan(planner.place(planner.step_tokens), compute_bound=False), planner)
+        check_planned(plan, planner)
     except PlanError:
-        return False  # (the caller's check of its plan says why)
+        return False
     return True
 
 

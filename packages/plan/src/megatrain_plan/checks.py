@@ -5,7 +5,7 @@ from pathlib import Path
 
 from megatrain_zoo import ModelConfig, ModelSpec
 
-from .costs import gpu_updated_groups, whole_step_statistics
+from .costs import PER_PARAMETER_ITEMS, gpu_updated_groups, whole_step_statistics
 from .errors import PlanError
 from .report import Plan, _params
 from .search import Planner
@@ -86,25 +86,46 @@ MODE_SETTINGS = {
 
 def _check_host(plan: Plan, model: ModelConfig) -> None:
     """Refuse a plan whose host allocations pass what the run may take, naming its largest item and what saves
-    it (a choice that costs host memory first, where dropping it alone would fit)."""
+    it (a choice that costs host memory first, where dropping it alone would fit); or, where the step's own items
+    alone pass it, saying that no saving of the model's state helps."""
     if plan.host_available is None or plan.host_bytes <= plan.host_available:
         return
     items, gib = plan.host_items, 2**30
-    over = plan.host_bytes - plan.host_available
+    needs = f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB"
+    may_take = f"this run may take {plan.host_available / gib:.1f} GiB ({plan.host_source})"
     optional = [name for name in items if name.startswith(("host-kept", "gradients held across"))]
+    required = {name: nbytes for name, nbytes in _step_own(items).items() if name not in optional}
+    if sum(required.values()) >= plan.host_available:
+        raise PlanError(
+            f"{needs} but {may_take}, and its step's own items ({', '.join(required)}) alone take "
+            f"{sum(required.values()) / gib:.1f} GiB: a smaller model or a host with more memory (`megatrain plan` "
+            "lists every item)"
+        )
+    over = plan.host_bytes - plan.host_available
     name = next((n for n in optional if items[n] >= over), max(items, key=items.get))
     saving = next((fix for start, fix in HOST_SAVINGS.items() if name.startswith(start)), "a smaller model")
     if plan.hosts > 1 and not plan.split_state and name in SPLIT_BY_HOSTS:
         saving = f"engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
-    largest = plan.host_available / plan.host_bytes_per_param
     fits = next((mode for mode, params in plan.largest_params.items() if params >= plan.n_params), None)
     raise PlanError(
-        f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB "
-        f"({plan.host_bytes_per_param:.1f} B/param) but this run may take {plan.host_available / gib:.1f} GiB "
-        f"({plan.host_source}); {name} take {items[name] / gib:.1f} GiB: {saving} (about "
-        f"{largest / 1e9:.1f}B parameters fit as planned; `megatrain plan` lists every item)"
+        f"{needs} ({plan.host_bytes_per_param:.1f} B/param) but {may_take}; {name} take {items[name] / gib:.1f} GiB: "
+        f"{saving} ({_what_fits(plan)}; `megatrain plan` lists every item)"
         + (f"; it fits with {fits} ({MODE_SETTINGS[fits.split(' base')[0]]})" if fits else "")
     )
+
+
+def _what_fits(plan: Plan) -> str:
+    """How many parameters the run's budget holds as planned: beside the step's own host items (the runtime's, the
+    buffers'), at the plan's bytes a parameter, as the report's "largest model" line counts them."""
+    step_own = sum(_step_own(plan.host_items).values())
+    per_parameter = sum(plan.host_items.values()) - step_own
+    fitting = (plan.host_available - step_own) / (per_parameter / plan.n_params)
+    return f"about {_params(fitting)} parameters fit as planned"
+
+
+def _step_own(items: dict[str, int]) -> dict[str, int]:
+    """The host items that do not grow with the model's parameters (`costs.PER_PARAMETER_ITEMS`)."""
+    return {name: nbytes for name, nbytes in items.items() if not name.startswith(PER_PARAMETER_ITEMS)}
 
 
 def _check_disk(plan: Plan, optimizer_state_dir: str | None) -> None:

@@ -169,8 +169,10 @@ def _tflops(tflops: float) -> str:
     return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.3g}"
 
 
-def format_plan(plan: Plan, model_name: str) -> str:
-    """`megatrain plan`'s report: memory, the placement as a table of layer ranges, the predicted step."""
+def format_plan(plan: Plan, model_name: str, refused: bool = False) -> str:
+    """`megatrain plan`'s report: memory, the placement as a table of layer ranges, the predicted step (none where
+    the checks refuse the plan: it was not timed at this machine's rates, which are measured only for a run that
+    can go ahead)."""
     active = f" ({_params(plan.active_params)} active per token)" if plan.active_params != plan.n_params else ""
     lines = [
         f"model            {model_name}: {_params(plan.n_params)} parameters{active}",
@@ -185,7 +187,11 @@ def format_plan(plan: Plan, model_name: str) -> str:
         plan.placement.table(plan.stage_names, "GPU" if plan.gpu_available else "device"),
         *(f"  - {reason}" for reason in plan.placement.why.values()),
         "",
-        *_step_lines(plan),
+        *(
+            ["step time        not predicted: this machine cannot run the plan (why below)"]
+            if refused
+            else _step_lines(plan)
+        ),
     ]
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@ template's (`hf.py`), transformers' own modules' (`generic.py`), or a whole imag
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 from .config import ModelConfig, ZooError
@@ -60,8 +61,14 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
         hf = json.loads(path.read_text(), object_hook=_special_floats)
         return model_config_from_hf(hf, implementation, image_text)
     except (FileNotFoundError, NotADirectoryError):
+        hub_name = not Path(model_dir).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_dir))
+        fetch = (
+            f"; it is read from disk, not the hub: `hf download {model_dir} --local-dir DIR` fetches it"
+            if hub_name
+            else ""
+        )
         raise ZooError(
-            f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json"
+            f"{path} not found: model.hf_dir must be a Hugging Face model directory with config.json{fetch}"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ZooError(f"{path} is not valid JSON ({error}); download the model's config.json again") from error
