@@ -4,6 +4,7 @@
 and an adapter of another shape is refused in one line before anything loads."""
 
 import json
+import shutil
 from contextlib import chdir
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import transformers
 from hf_steps import random_batch, rel_err
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from megatrain import Trainer
@@ -150,7 +152,8 @@ def test_an_adapter_of_another_shape_is_refused_before_anything_loads(base_dir, 
 def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_path, capsys):
     """`megatrain train` with model.adapter writes final/ as a PEFT directory served as its base is (tokenizer, chat
     template); `megatrain convert RUN DIR --merge` finds it and writes the merged model with PeftModel's logits (never
-    into the run's base, and into a model only with --overwrite), and `megatrain eval` of the run (its adapters over its base) gives the merged model's loss."""
+    into the run's base, and into a model only with --overwrite), and `megatrain eval` of the run (its adapters over
+    its base) gives the merged model's loss."""
     np.save(tmp_path / "ids.npy", np.random.default_rng().integers(0, 96, 400, dtype=np.int32))
     run = tmp_path / "run"
     pairs = [f"model.hf_dir={base_dir}", "model.adapter.type=lora", "model.adapter.r=4", "data.tokens=ids.npy"]
@@ -239,3 +242,30 @@ def test_a_resumed_lora_run_trains_as_one_that_was_not_stopped(base_dir, tmp_pat
     assert torch.equal(ours["model.layers.1.mlp.up_proj.weight"], base["model.layers.1.mlp.up_proj.weight"])
     for trainer in (resumed, going_on):
         trainer.close()
+
+
+def test_a_lora_checkpoint_over_a_changed_base_is_refused(base_dir, tmp_path, capsys):
+    """A LoRA run's checkpoints know its base by its weight files: `eval` and `--resume` over a base whose weights
+    changed since (merged adapters written over it) are refused in one line, naming the fix; over a copy of the same
+    base they go ahead."""
+    base, copy, run = tmp_path / "base", tmp_path / "copy", tmp_path / "run"
+    shutil.copytree(base_dir, base)
+    shutil.copytree(base_dir, copy)
+    np.save(tmp_path / "ids.npy", np.random.default_rng().integers(0, 96, 400, dtype=np.int32))
+    pairs = [f"model.hf_dir={base}", "model.adapter.type=lora", "model.adapter.r=4", "data.tokens=ids.npy"]
+    pairs += ["data.seq_len=12", "device=cpu", "train.batch_size=2", "train.micro_batch_size=2", "train.steps=2"]
+    pairs += ["train.save_every=1"]
+    with chdir(tmp_path):
+        assert main(["train", *(arg for pair in [*pairs, f"output_dir={run}"] for arg in ("--set", pair))]) == 0
+        checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
+        evaluate = ["eval", "--checkpoint", str(checkpoint), "--batches", "1"]
+        assert main([*evaluate, "--set", f"model.hf_dir={copy}"]) == 0  # (the same base, elsewhere)
+        weights = load_file(base / "model.safetensors")
+        weights["model.layers.0.self_attn.q_proj.weight"] += 0.01  # (as a merge writes the adapted matrices)
+        save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+        capsys.readouterr()
+        for command in (evaluate, ["train", "--resume", str(run), "--set", "train.steps=3"]):
+            assert main(command) == 2
+            err = capsys.readouterr().err.strip().splitlines()[-1]  # (after `--resume`'s "resuming in RUN")
+            assert f"config error: the base model {base} is not the one checkpoint {checkpoint} was trained" in err
+            assert "restore that base, or start a new run from these adapters (model.adapter.path)" in err

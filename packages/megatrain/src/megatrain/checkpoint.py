@@ -13,6 +13,7 @@ checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer
 """
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, write_safetensors
 from megatrain_store.progress import counting, progress, size_text
 from megatrain_zoo import ModelConfig
-from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory
+from megatrain_zoo.hf_weights import WholeGroups, all_finite, checkpoint_files, is_hf_directory
 from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
 
 from .config import ConfigError
@@ -59,6 +60,7 @@ class TrainerState:
     tensors: dict[str, list] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
     source: Path | None = None  # the checkpoint it was read from
+    base_fingerprint: str | None = None  # a LoRA run's base model's files as trained on (`base_fingerprint`)
     writes: bool = True  # this process writes it (with several ranks, rank 0)
     sends_part: bool = False  # this process sends its host's part to the writer (where hosts split the state)
 
@@ -81,7 +83,39 @@ class Resume:
         return TrainerState(
             manifest["step"], manifest["optimizer_step"], manifest["bad_steps"], manifest["model"],
             manifest["config"], files=files, source=self.directory,
+            base_fingerprint=manifest.get("base_fingerprint"),
         )  # fmt: skip
+
+
+# A LoRA run's base model is known by its weight files' names and sizes and this many 64 KiB blocks of each, spread
+# evenly: merged adapters change every adapted matrix, so a changed base differs in most of them (read in
+# milliseconds, where a whole 70B base would take minutes to hash), and a copy of the same files is the same base.
+FINGERPRINT_BLOCKS = 64
+
+
+def base_fingerprint(model_dir: Path) -> str:
+    """A short hash of the Hugging Face model directory's weight files (`FINGERPRINT_BLOCKS`)."""
+    digest = hashlib.sha256()
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            for block in range(FINGERPRINT_BLOCKS):
+                handle.seek(size * block // FINGERPRINT_BLOCKS)
+                digest.update(handle.read(2**16))
+    return digest.hexdigest()[:16]
+
+
+def check_same_base(state: TrainerState, model_dir: str | None) -> None:
+    """Refuse to continue or evaluate a LoRA checkpoint over a base model whose files changed since it was trained
+    (merged adapters written over it, another revision): its adapters would run over weights they never saw."""
+    if state.base_fingerprint is None or model_dir is None:
+        return
+    if base_fingerprint(Path(model_dir)) != state.base_fingerprint:
+        raise ConfigError(
+            f"the base model {model_dir} is not the one checkpoint {state.source} was trained over (its weight files "
+            "changed since); restore that base, or start a new run from these adapters (model.adapter.path)"
+        )
 
 
 def resolve_resume(path: Path) -> Resume:
@@ -210,6 +244,8 @@ def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
         "config": state.config,
         "files": {},
     }
+    if state.base_fingerprint is not None:
+        manifest["base_fingerprint"] = state.base_fingerprint
     offenders: list[str] = []
     bar = progress(total=sum(map(len, state.tensors.values())), desc=f"save {name}", unit="tensor", leave=False)
     for filename, tensors in state.tensors.items():

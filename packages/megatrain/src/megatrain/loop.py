@@ -34,6 +34,7 @@ from .checkpoint import (
     NonFiniteError,
     Resume,
     check_output_dir_free,
+    check_same_base,
     check_same_model,
     check_steps_ahead,
     exported_step,
@@ -273,6 +274,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     model = model_config_of(config)
     if resume is not None:
         check_same_model(resume.directory, resume.manifest["model"], model)
+        check_same_base(resume.state(), config.model.hf_dir)
         if check_steps_ahead(resume.step, config.train.steps, out) and os.environ.get("RANK", "0") == "0":
             print(f"megatrain: step {resume.step} is done; finishing the export", file=sys.stderr)
     if config.model.hf_dir is not None:
