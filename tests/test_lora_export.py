@@ -267,5 +267,5 @@ def test_a_lora_checkpoint_over_a_changed_base_is_refused(base_dir, tmp_path, ca
         for command in (evaluate, ["train", "--resume", str(run), "--set", "train.steps=3"]):
             assert main(command) == 2
             err = capsys.readouterr().err.strip().splitlines()[-1]  # (after `--resume`'s "resuming in RUN")
-            assert f"config error: the base model {base} is not the one checkpoint {checkpoint} was trained" in err
+            assert f"model error: the base model {base} is not the one checkpoint {checkpoint} was trained" in err
             assert "restore that base, or start a new run from these adapters (model.adapter.path)" in err

@@ -13,19 +13,25 @@ checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer
 """
 
 import errno
-import hashlib
 import json
 import os
 import shutil
 import sys
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatrain_store import Pending, StoreError, atomic_write_text, fsync_dir, write_safetensors
+from megatrain_store import (
+    Pending,
+    StoreError,
+    atomic_write_text,
+    check_files,
+    file_record,
+    fsync_dir,
+    write_safetensors,
+)
 from megatrain_store.progress import counting, progress, size_text
 from megatrain_zoo import ModelConfig
-from megatrain_zoo.hf_weights import WholeGroups, all_finite, checkpoint_files, is_hf_directory
+from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
 
 from .config import ConfigError
@@ -60,7 +66,7 @@ class TrainerState:
     tensors: dict[str, list] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
     source: Path | None = None  # the checkpoint it was read from
-    base_fingerprint: str | None = None  # a LoRA run's base model's files as trained on (`base_fingerprint`)
+    base_fingerprint: str | None = None  # a LoRA checkpoint's base model as trained over (`weights_fingerprint`)
     writes: bool = True  # this process writes it (with several ranks, rank 0)
     sends_part: bool = False  # this process sends its host's part to the writer (where hosts split the state)
 
@@ -87,37 +93,6 @@ class Resume:
         )  # fmt: skip
 
 
-# A LoRA run's base model is known by its weight files' names and sizes and this many 64 KiB blocks of each, spread
-# evenly: merged adapters change every adapted matrix, so a changed base differs in most of them (read in
-# milliseconds, where a whole 70B base would take minutes to hash), and a copy of the same files is the same base.
-FINGERPRINT_BLOCKS = 64
-
-
-def base_fingerprint(model_dir: Path) -> str:
-    """A short hash of the Hugging Face model directory's weight files (`FINGERPRINT_BLOCKS`)."""
-    digest = hashlib.sha256()
-    for path in checkpoint_files(model_dir):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as handle:
-            for block in range(FINGERPRINT_BLOCKS):
-                handle.seek(size * block // FINGERPRINT_BLOCKS)
-                digest.update(handle.read(2**16))
-    return digest.hexdigest()[:16]
-
-
-def check_same_base(state: TrainerState, model_dir: str | None) -> None:
-    """Refuse to continue or evaluate a LoRA checkpoint over a base model whose files changed since it was trained
-    (merged adapters written over it, another revision): its adapters would run over weights they never saw."""
-    if state.base_fingerprint is None or model_dir is None:
-        return
-    if base_fingerprint(Path(model_dir)) != state.base_fingerprint:
-        raise ConfigError(
-            f"the base model {model_dir} is not the one checkpoint {state.source} was trained over (its weight files "
-            "changed since); restore that base, or start a new run from these adapters (model.adapter.path)"
-        )
-
-
 def resolve_resume(path: Path) -> Resume:
     """The checkpoint `--resume PATH` names (`find_checkpoint`), its files checked against its manifest; refused in
     one line where there is none or it is damaged (naming the checkpoint before it, where there is one)."""
@@ -126,17 +101,8 @@ def resolve_resume(path: Path) -> Resume:
         return Resume(directory, verify_checkpoint(directory))
     except StoreError as damaged:
         earlier = [p for p in _complete_checkpoints(directory.parent) if p.name < directory.name]
-        fix = f"resume from the one before it: megatrain train --resume {earlier[-1]}" if earlier else ""
-        fix = fix or f"no checkpoint before it is left in {directory.parent}"
+        fix = f"resume from the one before it: --resume {earlier[-1]}" if earlier else "no checkpoint before it is left"
         raise StoreError(f"{damaged}; {fix}") from None
-
-
-def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
 
 
 def entries_bytes(entries: list) -> int:
@@ -244,13 +210,14 @@ def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
         "config": state.config,
         "files": {},
     }
-    if state.base_fingerprint is not None:
-        manifest["base_fingerprint"] = state.base_fingerprint
+    model = (state.config or {}).get("model") or {}
+    if (model.get("adapter") or {}).get("type") and model.get("hf_dir"):  # (a LoRA run knows its base: check_same_base)
+        manifest["base_fingerprint"] = weights_fingerprint(Path(model["hf_dir"]))
     offenders: list[str] = []
     bar = progress(total=sum(map(len, state.tensors.values())), desc=f"save {name}", unit="tensor", leave=False)
     for filename, tensors in state.tensors.items():
         write_safetensors(tmp / filename, counting(finite_checked(tensors, offenders), bar))
-        manifest["files"][filename] = {"bytes": (tmp / filename).stat().st_size, "crc32": file_crc32(tmp / filename)}
+        manifest["files"][filename] = file_record(tmp / filename)
     bar.close()
     if offenders:
         raise NonFiniteError(
@@ -434,15 +401,5 @@ def verify_checkpoint(directory: Path) -> dict:
         raise StoreError(f"{directory / MANIFEST} is unreadable ({error}); the checkpoint is damaged") from error
     if manifest.get("format") != FORMAT:
         raise StoreError(f"{directory} has checkpoint format {manifest.get('format')}, this megatrain reads {FORMAT}")
-    for filename, expected in manifest["files"].items():
-        path = directory / filename
-        if not path.exists():
-            raise StoreError(f"checkpoint file {path} is missing")
-        if path.stat().st_size != expected["bytes"]:
-            raise StoreError(
-                f"checkpoint file {path} has {path.stat().st_size} bytes, the manifest says "
-                f"{expected['bytes']}: the file is truncated or was replaced"
-            )
-        if file_crc32(path) != expected["crc32"]:
-            raise StoreError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
+    check_files(directory, manifest["files"])
     return manifest

@@ -217,45 +217,24 @@ def run_convert(args) -> None:
     """`megatrain convert SOURCE DIR`: a model directory served as trained (a LoRA run's: its PEFT adapter directory,
     or with --merge its base model with the adapters merged in); says what it wrote."""
     from megatrain_data.serving import describe_export
-    from megatrain_zoo.hf_weights import is_hf_directory
-    from megatrain_zoo.peft import is_peft_directory
+    from megatrain_zoo.peft import check_export_target
 
     from .checkpoint import find_weights
-    from .config import ConfigError
-    from .export import convert
+    from .export import convert, lora_source
     from .rundir import SaveError
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file; name a directory to write the model into")
-    if out.is_dir() and any(out.iterdir()) and not (is_hf_directory(out) or is_peft_directory(out)):
-        raise ConfigError(f"{out} holds files but no model (no config.json of one); name a new directory")
-    weights = find_weights(Path(args.source))
-    _check_not_read(out, Path(args.source), weights)
-    if (is_hf_directory(out) or is_peft_directory(out)) and not args.overwrite:
-        raise ConfigError(f"{out} holds a model already; name a new directory, or add --overwrite to replace it")
+    out, source = Path(args.out), Path(args.source)
+    check_export_target(out, {"the source": source}, args.overwrite)
+    weights = find_weights(source)
+    lora = lora_source(weights)
+    base = {"the LoRA run's base model": lora.base} if lora is not None and lora.base is not None else {}
+    check_export_target(out, {"the weights it converts": weights} | base, overwrite=True)
     try:
         written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights), merge=args.merge)
     except OSError as error:  # (it is the DIR argument, not a run's output_dir, that cannot be written)
         hint = _os_hint(error.errno, "name another DIR to convert into")
         raise SaveError(f"convert cannot write {out} ({error.strerror or error}); {hint}") from None
     print(f"wrote {written}: {describe_export(written)}")
-
-
-def _check_not_read(out: Path, source: Path, weights: Path) -> None:
-    """Refuse to convert into what the conversion reads, or what the run it converts reads: its source, its weights,
-    or a LoRA run's base model (which --overwrite does not allow either: the run's adapters, its eval and its resume
-    stand on that base as it was)."""
-    from .config import ConfigError
-    from .export import lora_source
-
-    lora = lora_source(weights)
-    read = {"the source": source, "the weights it converts": weights}
-    if lora is not None and lora.base is not None:
-        read["the LoRA run's base model"] = lora.base
-    for what, path in read.items():
-        if out.resolve() == path.resolve():
-            raise ConfigError(f"{out} is {what}, which this conversion reads; name another directory to write into")
 
 
 def _serving_of_weights(weights: Path):

@@ -26,7 +26,7 @@ from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress, size_text
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
-from megatrain_zoo.hf_weights import checkpoint_files
+from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
 
 from .checkpoint import (
     CHECKPOINTS,
@@ -34,7 +34,6 @@ from .checkpoint import (
     NonFiniteError,
     Resume,
     check_output_dir_free,
-    check_same_base,
     check_same_model,
     check_steps_ahead,
     exported_step,
@@ -274,7 +273,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     model = model_config_of(config)
     if resume is not None:
         check_same_model(resume.directory, resume.manifest["model"], model)
-        check_same_base(resume.state(), config.model.hf_dir)
+        check_same_weights(config.model.hf_dir, resume.manifest.get("base_fingerprint"), resume.directory)
         if check_steps_ahead(resume.step, config.train.steps, out) and os.environ.get("RANK", "0") == "0":
             print(f"megatrain: step {resume.step} is done; finishing the export", file=sys.stderr)
     if config.model.hf_dir is not None:

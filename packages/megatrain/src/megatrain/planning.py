@@ -145,10 +145,8 @@ def run_planner(config: Config, model: ModelConfig, measure: bool = True, **mach
     of measuring first (half a minute on a GPU). No refusal hangs on the rates: the planner's choices fit the
     machine, and what is configured is the same at any rates."""
     planner = make_planner(config, model, **machine)
-    if measure and measuring_allowed(config):
-        early = planner.plan(planner.place(planner.step_tokens), compute_bound=False)
-        if not passes_checks(early, planner):
-            return planner
+    early = measure and measuring_allowed(config) and planner.plan(planner.place(planner.step_tokens), False)
+    if early and passes_checks(early, planner):
         rates = rates_of(config, model)
         planner = Planner(planner.spec, rates, planner.machine, planner.shape, planner.engine, planner.objective)
     return planner

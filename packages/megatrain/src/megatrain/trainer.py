@@ -12,7 +12,6 @@ The class reads as: build (its parts made in `parts.py`), place, step (`StepBatc
 `load_state_dict`, which `checkpoint.py` writes and reads), export, close.
 """
 
-import functools
 import math
 import sys
 import time
@@ -33,6 +32,7 @@ from megatrain_zoo.hf_weights import (
     WholeGroups,
     all_finite,
     check_hf_weights,
+    check_same_weights,
     load_groups,
     load_hf_weights,
     named_masters,
@@ -40,15 +40,7 @@ from megatrain_zoo.hf_weights import (
 )
 from megatrain_zoo.peft import check_peft_weights, load_peft_adapter
 
-from .checkpoint import (
-    OPTIMIZER_FILE,
-    WEIGHTS_FILE,
-    NonFiniteError,
-    TrainerState,
-    base_fingerprint,
-    check_same_base,
-    check_same_model,
-)
+from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
 from .distributed import check_data_parallel, init_ranks
 from .export import export_hf
@@ -429,23 +421,16 @@ class Trainer:
             tensors[filename] = [(name, Pending(tuple(t.shape), t.dtype, lambda t=t: t)) for name, t in extra.items()]
         return TrainerState(
             self.step_index, self.optimizer.step_count, self.bad_steps, self.model_config.as_dict(),
-            self.config.as_dict(), tensors, base_fingerprint=self._base_fingerprint, writes=self.is_main,
+            self.config.as_dict(), tensors, writes=self.is_main,
             sends_part=not self.is_main and self.store_is_split and self.ranks.is_local_main,
         )  # fmt: skip
-
-    @functools.cached_property
-    def _base_fingerprint(self) -> str | None:
-        """A LoRA run's base model directory's `base_fingerprint`, once (None: no adapters, or a preset's base)."""
-        hf_dir = self.config.model.hf_dir
-        return base_fingerprint(Path(hf_dir)) if self.spec.adapter is not None and hf_dir else None
 
     def load_state_dict(self, state: TrainerState) -> None:
         """Continue from `state` (a checkpoint's, `checkpoint.Resume.state`), on every rank: the weights and moments
         (where this trainer holds them) read from its files into the store, and the step it holds (the resident
         groups take the store's state at the next step). A checkpoint of another model is refused."""
         check_same_model(state.source, state.model, self.model_config)
-        if self.spec.adapter is not None:
-            check_same_base(state, self.config.model.hf_dir)
+        check_same_weights(self.config.model.hf_dir, state.base_fingerprint, state.source)
         self.finish_updates()
         if self.ranks is None or self.ranks.is_local_main:  # one copy of the state (or of its part) per host
             load_groups(self.store, [state.files[WEIGHTS_FILE]], trained_only=self.spec.adapter is not None)

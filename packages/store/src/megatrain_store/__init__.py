@@ -6,6 +6,8 @@ from .io import (
     Pending,
     atomic_write,
     atomic_write_text,
+    check_files,
+    file_record,
     fsync_dir,
     load_tensors_into,
     match_tensors,
@@ -33,6 +35,8 @@ from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
 
 __all__ = [
+    "check_files",
+    "file_record",
     "BITSANDBYTES_NF4_PARTS",
     "ADAMW",
     "Entry",

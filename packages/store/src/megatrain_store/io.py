@@ -8,6 +8,7 @@ at any instant leaves either the old file or the new one, never a torn one.
 import json
 import os
 import struct
+import zlib
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -73,6 +74,36 @@ class Pending:
 
     def element_size(self) -> int:
         return self.dtype.itemsize
+
+
+def file_crc32(path: Path, chunk: int = 64 * 2**20) -> int:
+    """The CRC32 of a file's bytes, read in chunks."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def file_record(path: Path) -> dict:
+    """What `check_files` checks a file against: its size and CRC32."""
+    return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+
+
+def check_files(directory: Path, records: dict[str, dict], what: str = "checkpoint file") -> None:
+    """Refuse, naming the file, where one of `records` (by name in `directory`: `file_record`) is missing, of
+    another size, or fails its CRC32 check."""
+    for filename, expected in records.items():
+        path = directory / filename
+        if not path.exists():
+            raise StoreError(f"{what} {path} is missing")
+        if path.stat().st_size != expected["bytes"]:
+            raise StoreError(
+                f"{what} {path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}: the file is "
+                "truncated or was replaced"
+            )
+        if file_crc32(path) != expected["crc32"]:
+            raise StoreError(f"{what} {path} fails its CRC32 check: the file is corrupt")
 
 
 def write_safetensors(

@@ -3,6 +3,7 @@ dtype, MXFP4 experts and block-scaled FP8 dequantized, a generic model's convert
 them), checking them against a `ModelSpec` from their headers, and a store's weights as the named tensors an export
 or a checkpoint writes (`WholeGroups`, `checkpoint_entries`)."""
 
+import hashlib
 import json
 import shutil
 import sys
@@ -285,6 +286,36 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ZooError(f"no *.safetensors weights in {model_dir}; download the model's safetensors files")
     return files
+
+
+# A model directory is known by its weight files' names and sizes and this many 64 KiB blocks of each, spread evenly:
+# merged LoRA adapters change every adapted matrix, so a changed model differs in most of them (read in milliseconds,
+# where hashing a 70B model whole takes minutes), and a copy of the same files is the same model.
+FINGERPRINT_BLOCKS = 64
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A short hash of a Hugging Face directory's weight files (`FINGERPRINT_BLOCKS`)."""
+    digest = hashlib.sha256()
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            for block in range(FINGERPRINT_BLOCKS):
+                handle.seek(size * block // FINGERPRINT_BLOCKS)
+                digest.update(handle.read(2**16))
+    return digest.hexdigest()[:16]
+
+
+def check_same_weights(model_dir: str | None, fingerprint: str | None, trained: Path) -> None:
+    """Refuse a LoRA checkpoint (`trained`, its base's `fingerprint`) over a base model whose files changed since it
+    was trained over them (merged adapters written over it, another revision): its adapters would run over weights
+    they never saw. None (no base directory, a checkpoint of no LoRA run or of an older megatrain) passes."""
+    if model_dir is not None and fingerprint is not None and weights_fingerprint(Path(model_dir)) != fingerprint:
+        raise ZooError(
+            f"the base model {model_dir} is not the one checkpoint {trained} was trained over (its weight files "
+            "changed since); restore that base, or start a new run from these adapters (model.adapter.path)"
+        )
 
 
 def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:

@@ -25,7 +25,7 @@ from megatrain_store.packed import quantizes, round_trip
 from megatrain_templates import ALL_LINEAR, Lora, file_tensors
 
 from .config import ZooError
-from .hf_weights import _fill_groups, packed_base_key
+from .hf_weights import _fill_groups, is_hf_directory, packed_base_key
 from .spec import ModelSpec
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -350,3 +350,19 @@ def merged_entries(spec: ModelSpec, base: list, adapters: dict, target) -> tuple
     if merged * 2 != len(adapters):
         raise ZooError(f"{len(adapters) // 2 - merged} adapted matrices have no base weight to merge into")
     return out, merged
+
+
+def check_export_target(out: Path, reads: dict[str, Path], overwrite: bool) -> None:
+    """Refuse to write a model into `out` where it is a file, holds files but no model, is one of what the export
+    `reads` (by what they are: the source, a LoRA run's base, ...; --overwrite allows none of them), or holds a model
+    already and not `overwrite`."""
+    holds_model = is_hf_directory(out) or is_peft_directory(out)
+    if out.exists() and not out.is_dir():
+        raise ZooError(f"{out} is a file; name a directory to write the model into")
+    if out.is_dir() and any(out.iterdir()) and not holds_model:
+        raise ZooError(f"{out} holds files but no model (no config.json of one); name a new directory")
+    for what, path in reads.items():
+        if out.resolve() == path.resolve():
+            raise ZooError(f"{out} is {what}, which this conversion reads; name another directory to write into")
+    if holds_model and not overwrite:
+        raise ZooError(f"{out} holds a model already; name a new directory, or add --overwrite to replace it")
