@@ -9,6 +9,8 @@ from megatrain_store import (
     HostStore,
     StoreError,
     bytes_per_param,
+    check_files,
+    file_record,
     load_tensors_into,
     write_safetensors,
 )
@@ -340,3 +342,23 @@ def test_frozen_groups_in_the_compute_dtype_are_shared_and_never_split_over_host
     SharedArenas(tmp_path / "shm").unlink()
     with pytest.raises(StoreError, match=r"frozen groups \[0\].*owned"):
         HostStore(frozen_first_layouts(), frozen={0}, frozen_in_compute_dtype=True, shard=(0, 2), owned=(0, 1))
+
+
+def test_check_files_names_a_missing_truncated_or_corrupt_file(tmp_path):
+    """A file recorded by `file_record` passes `check_files` as written; missing, cut short or with a byte changed,
+    it is refused naming the file and what is wrong with it."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    records = {"weights.bin": file_record(path)}
+    check_files(tmp_path, records)
+    data = bytearray(path.read_bytes())
+    data[1000] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="weights.bin fails its CRC32 check: the file is corrupt"):
+        check_files(tmp_path, records)
+    path.write_bytes(bytes(data[:-1]))
+    with pytest.raises(StoreError, match="has 16383 bytes, the manifest says 16384: the file is truncated"):
+        check_files(tmp_path, records)
+    path.unlink()
+    with pytest.raises(StoreError, match="checkpoint file .*weights.bin is missing"):
+        check_files(tmp_path, records)
