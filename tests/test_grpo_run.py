@@ -91,7 +91,7 @@ def test_the_mean_reward_rises_on_a_toy_task(toy, tmp_path):
     assert last > first + 0.1, (first, last)
     row = metrics(tmp_path / "run")[-1]
     assert {"reward_std", "frac_reward_zero_std", "completions/mean_length", "clip_ratio/region_mean"} <= set(row)
-    assert "rewards/toy_rewards:digit_then_sum/mean" in row
+    assert "rewards/digit_then_sum/mean" in row  # (TRL's name: the function's own)
     samples = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert {"prompt", "completion", "reward", "advantage"} <= set(samples[0]) and samples[0]["step"] == 1
 
@@ -117,7 +117,9 @@ def test_a_run_resumed_inside_a_rollouts_updates_continues_exactly(toy, tmp_path
     assert all((a[k] == b[k]).all() for k in a)
 
 
-def test_given_completions_train_with_a_reference_pass(toy, tmp_path):
+def test_given_completions_train_with_a_reference_pass(toy, tmp_path, capsys):
+    """A rollouts file trains (its reference pass cached), and `megatrain data` shows its rows as trained: the
+    prompt, then the completion's tokens, the trained span."""
     rollouts = tmp_path / "rollouts.jsonl"
     lines = []
     for group in range(4):
@@ -126,7 +128,11 @@ def test_given_completions_train_with_a_reference_pass(toy, tmp_path):
             lines[-1]["prompt"] = f"{group}+1="  # (a group: one prompt)
     rollouts.write_text("".join(json.dumps(line) + "\n" for line in lines))
     grpo = {"rollouts": str(rollouts), "num_generations": 4, "beta": 0.04, "reward_funcs": []}
-    assert main(["train", "--config", toy("file", grpo, steps=3, batch_size=8, micro_batch_size=8)]) == 0
+    config = toy("file", grpo, steps=3, batch_size=8, micro_batch_size=8)
+    assert main(["data", "--config", config, "--dump", "2", "--text"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count("--- sequence") == 2 and "0+1=⟦0⟧" in shown and "0+1=⟦1⟧" in shown, shown
+    assert main(["train", "--config", config]) == 0
     rows = metrics(tmp_path / "file")
     assert len(rows) == 3 and all("kl" in row for row in rows) and rows[0]["kl"] == pytest.approx(0.0, abs=1e-9)
     assert list((tmp_path / "file" / "cache").glob("reference-tokens-*.npy"))

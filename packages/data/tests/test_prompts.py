@@ -3,6 +3,7 @@ the file of given completions read, with its bad lines refused by number."""
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -46,15 +47,28 @@ def test_rows_train_on_the_completion_only():
 def test_given_completions_are_read_and_bad_lines_refused(tokenizer_path, tmp_path):
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     lines = [{"prompt": "1+1=", "completion": " 2", "reward": 1.0}, {"prompt": "1+1=", "completion_ids": [5, 6]}]
-    lines[1]["advantage"], lines[1]["logps"] = -0.5, [-1.0, -2.0]
+    lines[1]["reward"] = 0.0
     records = read_completions(write_jsonl(tmp_path / "given.jsonl", lines))
     assert records == lines and check_groups(records, 2, "given.jsonl") == 1
     assert completion_ids(records[0], tokenizer, "line 1") == tokenizer.encode(" 2", add_special_tokens=False).ids
     assert completion_ids(records[1], tokenizer, "line 2") == [5, 6]
+    advantages = [{"prompt": "1+1=", "completion_ids": [5, 6], "advantage": -0.5, "logps": [-1.0, -2.0]}] * 2
+    assert read_completions(write_jsonl(tmp_path / "advantages.jsonl", advantages)) == advantages
+    mixed = {  # (each step's rows read one way: a step with a line lacking logps dropped them all without a word)
+        "line 2 lacks a reward (not an advantage), which line 1 gives": [lines[0], advantages[0]],
+        "line 1 lacks logps, which line 2 gives": [lines[0], {**lines[0], "logps": [-1.0]}],
+        "line 2: its completion is a list of messages": [
+            lines[0],
+            {**lines[0], "completion": [{"role": "assistant", "content": " 2"}]},
+        ],
+    }
+    for refusal, records in mixed.items():
+        with pytest.raises(DataError, match=re.escape(f"mixed.jsonl {refusal}")):
+            read_completions(write_jsonl(tmp_path / "mixed.jsonl", records))
     with pytest.raises(DataError, match="lines 1-2 hold 2 prompts"):
         check_groups([lines[0], {**lines[1], "prompt": "2+2="}], 2, "given.jsonl")
     bad = [{"prompt": "p", "completion": "c", "reward": float("nan")}]
     with pytest.raises(DataError, match="line 1: its reward or advantage nan is not a finite number"):
         read_completions(write_jsonl(tmp_path / "bad.jsonl", bad))
     with pytest.raises(DataError, match="1 logps for 2 completion tokens"):
-        completion_ids({**lines[1], "logps": [-1.0]}, tokenizer, "line 2")
+        completion_ids({**advantages[0], "logps": [-1.0]}, tokenizer, "line 2")

@@ -59,8 +59,30 @@ def test_weighted_sum_and_metrics_equal_nansum():
         (lambda **_: 1 / 0, "reward function 'f' raised ZeroDivisionError"),
         (lambda completions, **_: [1.0] * (len(completions) - 1), "returned 2 values for 3 completions"),
         (lambda completions, **_: [0.0, math.inf, 0.0], "gave inf for completion 1"),
+        (lambda completions, **_: [None] * 3, "no reward function scored completion 0 of the step (3 of its 3"),
     ],
 )
 def test_a_failing_function_is_named(function, message):
     with pytest.raises(RewardError, match=re.escape(message)):
         Rewards(("f",), [function], None)(["p"] * 3, ["c"] * 3, {})
+
+
+def test_metrics_name_each_function_as_trl_does():
+    """`module:function` is `rewards/function/...` (TRL's name: the function's own), a built-in as written; where two
+    functions share a name, each keeps its full one. A completion one function scores and another has no opinion
+    of counts (TRL's nansum)."""
+
+    def length_penalty(completions, **_):
+        return [-1.0, None]
+
+    def exact(completions, **_):
+        return [None, 1.0]
+
+    _, metrics = Rewards(("mine:length_penalty", "exact_match", "theirs:exact"), [length_penalty, exact, exact], None)(
+        ["p"] * 2, ["c"] * 2, {}
+    )
+    assert {"rewards/length_penalty/mean", "rewards/exact_match/mean", "rewards/exact/mean"} <= set(metrics)
+    both = Rewards(("a:exact", "b:exact"), [exact, exact], None)
+    with pytest.raises(RewardError, match="no reward function scored completion 0"):
+        both(["p"] * 2, ["c"] * 2, {})
+    assert both.metric_names == ["a:exact", "b:exact"]

@@ -66,6 +66,7 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             f"data.tokenizer {tmp_path / 'a-dir'} is a directory; name the tokenizer.json in it",
         ),
         (["train", *TINY, "--set", "train.warmup_steps=-10"], "train.warmup_steps must be >= 0"),
+        (["train", *TINY, "--set", "train.grpo.beta=-0.1"], "train.grpo.beta must be >= 0, got -0.1"),
         (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
         (
             ["convert", str(tmp_path / "run"), str(tmp_path / "a-file")],

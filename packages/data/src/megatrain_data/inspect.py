@@ -95,3 +95,25 @@ def dump_rows(windows, count: int, tokenizer, placeholders: dict[int, str]) -> N
                 print(json.dumps(record))
             shown += 1
         step += 1
+
+
+class OneBatch:
+    """One batch's rows as `dump_rows` draws them (given completions' rows: `prompts.rows_of`)."""
+
+    def __init__(self, batch):
+        self.rows = batch
+
+    def batch(self, step: int):
+        return self.rows
+
+
+def dump_prompts(prompts, count: int, tokenizer) -> None:
+    """The first `count` of GRPO's prompts (`prompts.Prompts`) as the model sees them (rendered, tokenized), with
+    their reward columns: JSON lines of ids, or with a tokenizer, decoded text."""
+    for index in range(min(count, len(prompts.ids))):
+        columns = {name: values[index] for name, values in prompts.columns.items()}
+        if tokenizer is None:
+            print(json.dumps({"input_ids": prompts.ids[index], **columns}))
+        else:
+            text = tokenizer.decode(prompts.ids[index], skip_special_tokens=False)
+            print(f"--- prompt {index} {json.dumps(columns)}\n{text}")

@@ -85,7 +85,7 @@ def read_completions(path: Path) -> list[dict]:
     `completion_ids`, `reward` or `advantage` (finite), optional `logps`; refuses the first bad line."""
     if not path.exists():
         raise DataError(f"train.grpo.rollouts {path} does not exist; give a JSONL of completions (docs/guide.md)")
-    records = []
+    records, numbers = [], []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -102,10 +102,30 @@ def read_completions(path: Path) -> list[dict]:
         value = record.get("reward", record.get("advantage"))
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise DataError(f"{path} line {number}: its reward or advantage {value!r} is not a finite number")
+        if isinstance(record.get("completion"), list):
+            raise DataError(
+                f"{path} line {number}: its completion is a list of messages; give the completion's text (as the "
+                "engine wrote it, with its end-of-turn token where it finished) or its completion_ids"
+            )
         records.append(record)
+        numbers.append(number)
     if not records:
         raise DataError(f"train.grpo.rollouts {path} holds no completions")
+    _check_alike(records, numbers, path)
     return records
+
+
+def _check_alike(records: list[dict], numbers: list[int], path: Path) -> None:
+    """Refuse a file whose lines give rewards on some lines and advantages on others, or logps on some only: each
+    step's rows would be read two ways (the logps of a step with one line lacking them, dropped without a word)."""
+    for what, key in (("a reward (not an advantage)", "reward"), ("logps", "logps")):
+        first = key in records[0]
+        odd = next((n for record, n in zip(records, numbers) if (key in record) != first), None)
+        if odd is not None:
+            has, lacks = (numbers[0], odd) if first else (odd, numbers[0])
+            raise DataError(
+                f"{path} line {lacks} lacks {what}, which line {has} gives; give it on every line or on none"
+            )
 
 
 def completion_ids(record: dict, tokenizer, where: str) -> list[int]:
@@ -120,6 +140,19 @@ def completion_ids(record: dict, tokenizer, where: str) -> list[int]:
             f"{where}: {len(record['logps'])} logps for {len(ids)} completion tokens; give completion_ids with them"
         )
     return list(ids)
+
+
+def given_completions(path: Path, num_generations: int, template, tokenizer) -> tuple[list, list, list]:
+    """A rollouts file's records (`read_completions`), in whole groups of `num_generations` (`check_groups`), with
+    each prompt rendered (`render_prompt`) and each completion's tokens (`completion_ids`)."""
+    records = read_completions(path)
+    prompt_ids, completions = [], []
+    for index, record in enumerate(records):
+        where = f"{path} line {index + 1}"
+        prompt_ids.append(render_prompt(record["prompt"], template, tokenizer, where))
+        completions.append(completion_ids(record, tokenizer, where))
+    check_groups(records, num_generations, path)
+    return records, prompt_ids, completions
 
 
 def check_groups(records: list[dict], size: int, path) -> int:

@@ -79,6 +79,10 @@ class Rewards:
         1 each)."""
         self.names, self.functions = names, functions
         self.weights = torch.tensor(weights or [1.0] * len(names), dtype=torch.float64)
+        # in metrics, TRL's names: a function's own (`rewards/length_penalty/mean` for `my_rewards:length_penalty`),
+        # a built-in's as written; the names as written where two functions share a name
+        short = [name if builtin_reward(name) else getattr(f, "__name__", name) for name, f in zip(names, functions)]
+        self.metric_names = short if len(set(short)) == len(short) else list(names)
 
     def __call__(self, prompts: list, completions: list, columns: dict[str, list]) -> tuple[torch.Tensor, dict]:
         """(each completion's reward [n] float64, metrics: TRL's rewards/NAME/mean and /std)."""
@@ -92,9 +96,16 @@ class Rewards:
 
     def combined(self, values: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The weighted rewards of `values` (those of a whole step, gathered from its ranks) and their metrics."""
+        unscored = values.isnan().all(1).nonzero().flatten().tolist()
+        if unscored:
+            raise RewardError(
+                f"no reward function scored completion {unscored[0]} of the step ({len(unscored)} of its "
+                f"{len(values)} completions so: {', '.join(self.names)} each returned None); have one of them "
+                "return a reward for every completion"
+            )
         total = (values * self.weights).nansum(1)
         metrics = {}
-        for index, name in enumerate(self.names):
+        for index, name in enumerate(self.metric_names):
             column = values[:, index]
             column = column[~column.isnan()]
             metrics[f"rewards/{name}/mean"] = column.mean().item() if len(column) else math.nan

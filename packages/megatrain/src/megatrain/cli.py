@@ -117,28 +117,27 @@ def run_bench(config, steps: int) -> None:
     )
 
 
-def dump_prompts(config, args) -> None:
+def dump_grpo_data(config, args) -> None:
     """`megatrain data` of a GRPO run: its first prompts as the model sees them (rendered, tokenized), with their
-    reward columns."""
-    import json
-
-    from megatrain_data import eos_token_text
-    from megatrain_data.prompts import load_prompts
+    reward columns; of a run on given completions (train.grpo.rollouts), their first rows as trained."""
+    from megatrain_data import eos_token_text, load_chat_template, pad_token_id
+    from megatrain_data.inspect import OneBatch, dump_prompts, dump_rows
+    from megatrain_data.prompts import given_completions, load_prompts, rows_of
 
     from .config import model_config_of
     from .rollouts import tokenizer_of
 
     tokenizer, path = tokenizer_of(config)
-    eos = eos_token_text(tokenizer, model_config_of(config).eos_token_id)
-    prompts = load_prompts(config.data, config.train.grpo.max_prompt_length, tokenizer, path, eos)
-    for index in range(min(args.dump, len(prompts.ids))):
-        columns = {name: values[index] for name, values in prompts.columns.items()}
-        if args.text:
-            print(
-                f"--- prompt {index} {json.dumps(columns)}\n{tokenizer.decode(prompts.ids[index], skip_special_tokens=False)}"
-            )
-        else:
-            print(json.dumps({"input_ids": prompts.ids[index], **columns}))
+    eos, grpo = eos_token_text(tokenizer, model_config_of(config).eos_token_id), config.train.grpo
+    shown_with = tokenizer if args.text else None
+    if grpo.rollouts is None:
+        return dump_prompts(
+            load_prompts(config.data, grpo.max_prompt_length, tokenizer, path, eos), args.dump, shown_with
+        )
+    template = load_chat_template(path.parent, config.data.chat_template, eos)
+    _, prompts, completions = given_completions(Path(grpo.rollouts), grpo.num_generations, template, tokenizer)
+    batch = rows_of(prompts[: args.dump], completions[: args.dump], config.data.seq_len, pad_token_id(tokenizer, eos))
+    dump_rows(OneBatch(batch), min(args.dump, len(prompts)), shown_with, {})
 
 
 def run_data(config, args) -> None:
@@ -150,7 +149,7 @@ def run_data(config, args) -> None:
     from .config import ConfigError, model_config_of
 
     if config.train.objective == "grpo":
-        return dump_prompts(config, args)
+        return dump_grpo_data(config, args)
     model = model_config_of(config)
     data = load_token_data(
         config.data,

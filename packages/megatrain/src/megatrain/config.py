@@ -189,10 +189,13 @@ class GRPOSection:
         for name in ("num_generations", "num_iterations", "max_prompt_length", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.grpo.{name} must be >= 1, got {getattr(self, name)}")
-        if not (self.beta >= 0 and self.epsilon >= 0 and (self.epsilon_high or 0) >= 0 and self.temperature > 0):
-            raise ConfigError("train.grpo.beta, epsilon and epsilon_high must be >= 0 and temperature > 0")
-        if not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ConfigError(f"train.grpo.top_p must be in (0, 1] and top_k >= 0, got {self.top_p}, {self.top_k}")
+        for name in ("beta", "epsilon", "epsilon_high", "top_k"):
+            if not (getattr(self, name) or 0) >= 0:  # (epsilon_high None: epsilon's)
+                raise ConfigError(f"train.grpo.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ConfigError(f"train.grpo.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"train.grpo.top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megatrain_data import Batch, load_chat_template
-from megatrain_data.prompts import check_groups, completion_ids, read_completions, render_prompt, rows_of
+from megatrain_data.prompts import given_completions, rows_of
 from megatrain_store import atomic_write
 from megatrain_templates import Rollout, group_advantages
 
@@ -34,13 +34,10 @@ class FileRollouts(_Rollouts):
         super().__init__(trainer, config)
         self.tokenizer, self.pad_id = tokenizer, pad_id
         template = load_chat_template(tokenizer_path.parent, config.data.chat_template, eos)
-        self.records = read_completions(Path(self.grpo.rollouts))
-        self.prompt_ids, self.completion_ids = [], []
-        for index, record in enumerate(self.records):
-            where = f"{self.grpo.rollouts} line {index + 1}"
-            self.prompt_ids.append(render_prompt(record["prompt"], template, tokenizer, where))
-            self.completion_ids.append(completion_ids(record, tokenizer, where))
-        self.n_groups = check_groups(self.records, self.grpo.num_generations, self.grpo.rollouts)
+        self.records, self.prompt_ids, self.completion_ids = given_completions(
+            Path(self.grpo.rollouts), self.grpo.num_generations, template, tokenizer
+        )
+        self.n_groups = len(self.records) // self.grpo.num_generations
         self._check_lengths()
         self.reference = None
         if self.grpo.beta:
