@@ -53,6 +53,22 @@ def base_row(system, name, model, seq_len, n_seqs, micro_seqs, step_s) -> dict:
     }
 
 
+def scope_row(name: str, model, seq_len: int, micro_seqs: int, scope: str) -> dict:
+    """The fields of a row that times a part of a run (`scope`), not whole steps: its step fields null."""
+    return {
+        "system": "megatrain",
+        "model": name,
+        "scope": scope,
+        "params_b": round(model.n_params / 1e9, 3),
+        "seq_len": seq_len,
+        "micro_batch_seqs": micro_seqs,
+        "tokens_per_step": None,
+        "step_time_s": None,
+        "tokens_per_s": None,
+        "model_tflops": None,
+    }
+
+
 def fill_random_(flat: torch.Tensor, std: float, block: int = 1 << 24) -> None:
     """Fill a large host buffer with N(0, std) values quickly: one random block, tiled (drawn once per dtype, std
     and block: a 120B model's 530 tensors each drew 16M values, 0.28 s a draw on 2 cores).

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, table, write_results  # noqa: E402
+from common import machine, scope_row, table, write_results  # noqa: E402
 
 from megatrain_plan import rates  # noqa: E402
 from megatrain_zoo import build_model, generic_stages, model_config_from_hf  # noqa: E402
@@ -59,18 +59,9 @@ def startup_row(family: str, args) -> dict:
     layer_tflops, kept_tflops, head_tflops, _ = rates.measure_block_rates(model, args.seq_len, args.micro_batch)
     measurement_s = time.perf_counter() - start
     eager = [kind[:2] for kind in generic_stages.KINDS_RUN_EAGERLY if kind in kinds]  # (class and layer type)
-    return {
-        "system": "megatrain",
-        "model": f"{family} (transformers' default size, {args.layers} layers)",
-        "scope": SCOPE,
+    name = f"{family} (transformers' default size, {args.layers} layers)"
+    return scope_row(name, model, args.seq_len, args.micro_batch, SCOPE) | {
         "implementation": "transformers",
-        "params_b": round(model.n_params / 1e9, 3),
-        "seq_len": args.seq_len,
-        "micro_batch_seqs": args.micro_batch,
-        "tokens_per_step": None,
-        "step_time_s": None,
-        "tokens_per_s": None,
-        "model_tflops": None,
         "kinds_of_layer": len(kinds),
         "product_kib_per_token": {" ".join(map(str, kind[:2])): round(b / 1024, 1) for kind, b in kinds.items()},
         "kinds_run_eagerly": [" ".join(map(str, kind)) for kind in eager],

@@ -24,7 +24,7 @@ if CACHE_DIR:  # (before torch is imported: Inductor and Triton read their cache
 from torch._dynamo.utils import calculate_time_spent, counters  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, table, write_results  # noqa: E402
+from common import machine, scope_row, table, write_results  # noqa: E402
 
 from megatrain_plan import rates  # noqa: E402
 from megatrain_zoo import presets  # noqa: E402
@@ -57,17 +57,8 @@ def measurement_row(args) -> dict:
     layer_tflops, kept_tflops, head_tflops, _ = rates.measure_block_rates(model, args.seq_len, args.micro_batch)
     seconds = time.perf_counter() - start
     spent = calculate_time_spent()  # Dynamo's phases, summed over every compiled frame
-    return {
-        "system": "megatrain",
-        "model": args.model + (f" (first {args.layers} layers)" if args.layers else ""),
-        "scope": SCOPE,
-        "params_b": round(model.n_params / 1e9, 3),
-        "seq_len": args.seq_len,
-        "micro_batch_seqs": args.micro_batch,
-        "tokens_per_step": None,
-        "step_time_s": None,
-        "tokens_per_s": None,
-        "model_tflops": None,
+    name = args.model + (f" (first {args.layers} layers)" if args.layers else "")
+    return scope_row(name, model, args.seq_len, args.micro_batch, SCOPE) | {
         "compile_caches": "empty" if CACHES_EMPTY else f"{CACHE_DIR or 'this machine'}'s as an earlier run left them",
         "rate_measurement_s": round(seconds, 1),
         "compiling_s": round(rates.FIRST_CALLS.seconds, 1),
