@@ -171,7 +171,7 @@ def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
     section = DataSection(
         dataset=str(source), format="messages", seq_len=160, tokenizer=str(mistral_dir / "tokenizer.json")
     )
-    with pytest.raises(DataError, match=r"record 1 cannot be rendered.*Conversation roles must alternate"):
+    with pytest.raises(DataError, match=r"record 2 cannot be rendered.*Conversation roles must alternate"):
         load_token_data(section, 700, tmp_path / "cache2", None)
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for message in messages %}{{ message.content }")

@@ -254,7 +254,7 @@ def test_a_bad_record_stops_the_run_in_one_line(case, model_dir, tmp_path, capsy
     write_dataset(tmp_path, records)
     assert main(["train", "--config", run_config(tmp_path, model_dir)]) == 2
     line = said(capsys)
-    assert "dataset 'mllm': record 2" in line and says in line, line
+    assert "dataset 'mllm': record 3" in line and says in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -287,7 +287,7 @@ def test_images_for_a_text_model_or_packed_rows_are_refused(model_dir, tmp_path,
     text_model = text_model_dir(model_dir, tmp_path / "text_model")
     assert main(["train", "--config", run_config(tmp_path, text_model)]) == 2
     line = said(capsys)
-    assert "dataset 'mllm': record 0 has images" in line and "qwen2 has no vision tower" in line, line
+    assert "dataset 'mllm': record 1 has images" in line and "qwen2 has no vision tower" in line, line
     assert main(["train", "--config", run_config(tmp_path, model_dir, data={"pack": True})]) == 2
     assert "set data.pack: false" in said(capsys)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

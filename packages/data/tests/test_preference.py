@@ -243,12 +243,12 @@ def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
 BAD_RECORDS = [
     (
         {"prompt": "a", "chosen": "b"},
-        r"record 1 has no rejected field 'rejected' \(its fields: \['chosen', 'prompt'\]\); other records have it",
+        r"record 2 has no rejected field 'rejected' \(its fields: \['chosen', 'prompt'\]\); other records have it",
     ),
-    ({"prompt": "a", "chosen": "", "rejected": "c"}, r"record 1: its chosen completion is empty"),
+    ({"prompt": "a", "chosen": "", "rejected": "c"}, r"record 2: its chosen completion is empty"),
     (
         {"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},
-        r"record 1: prompt is conversation, chosen is text",
+        r"record 2: prompt is conversation, chosen is text",
     ),
     (
         {
@@ -256,7 +256,7 @@ BAD_RECORDS = [
             "chosen": [{"role": "assistant", "content": "b"}],
             "rejected": [],
         },
-        r"record 1: prompt turn 0 has role 'human', not one of user, assistant, system, tool",
+        r"record 2: prompt turn 0 has role 'human', not one of user, assistant, system, tool",
     ),
     (
         {
@@ -264,10 +264,10 @@ BAD_RECORDS = [
             "chosen": [{"role": "assistant", "content": "b"}],
             "rejected": [],
         },
-        r"record 1: its rejected completion is empty",
+        r"record 2: its rejected completion is empty",
     ),
-    ({"prompt": "a", "chosen": 3, "rejected": "c"}, r"record 1: chosen must be text or a conversation"),
-    ({"prompt": " ".join(["word"] * 40), "chosen": "b", "rejected": "c"}, r"record 1: its prompt keeps \d+ tokens"),
+    ({"prompt": "a", "chosen": 3, "rejected": "c"}, r"record 2: chosen must be text or a conversation"),
+    ({"prompt": " ".join(["word"] * 40), "chosen": "b", "rejected": "c"}, r"record 2: its prompt keeps \d+ tokens"),
 ]
 
 
@@ -283,14 +283,14 @@ HUMAN, GPT = {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hey"}
 BAD_RANKING_RECORDS = [
     (
         {"conversations": [HUMAN, GPT], "chosen": GPT, "rejected": GPT},
-        r"record 0: its 'conversations' end with assistant",
+        r"record 1: its 'conversations' end with assistant",
     ),
-    ({"conversations": [HUMAN], "chosen": "hey", "rejected": GPT}, r"record 0: chosen must be one turn such as"),
-    ({"conversations": [HUMAN], "chosen": GPT, "rejected": HUMAN}, r"record 0: rejected is a user turn"),
-    ({"conversations": [HUMAN], "chosen": GPT}, r"record 0 has no rejected field 'rejected'"),
+    ({"conversations": [HUMAN], "chosen": "hey", "rejected": GPT}, r"record 1: chosen must be one turn such as"),
+    ({"conversations": [HUMAN], "chosen": GPT, "rejected": HUMAN}, r"record 1: rejected is a user turn"),
+    ({"conversations": [HUMAN], "chosen": GPT}, r"record 1 has no rejected field 'rejected'"),
     (
         {"conversations": [HUMAN], "chosen": {"from": "bot", "value": "x"}, "rejected": GPT},
-        r"record 0: chosen has role 'bot'",
+        r"record 1: chosen has role 'bot'",
     ),
 ]
 

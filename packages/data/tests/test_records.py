@@ -150,7 +150,7 @@ def test_registry_formats_tags_and_weighted_mix(tmp_path, tokenizer_path):
 
     bad_tags = dict(registry, chats=dict(registry["chats"], tags={"role_tag": "speaker", "content_tag": "text"}))
     (tmp_path / "dataset_info.json").write_text(json.dumps(bad_tags))
-    with pytest.raises(DataError, match=r"record 0: turn 0 has role 'me' under 'speaker'"):
+    with pytest.raises(DataError, match=r"record 1: turn 0 has role 'me' under 'speaker'"):
         load_token_data(
             DataSection(dataset="chats", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path)),
             512,
@@ -251,10 +251,10 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
 def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
     source = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "a", "output": "b"}, {"instruction": "c"}])
     section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=16)
-    with pytest.raises(DataError, match=r"record 1 has no response field 'output'"):
+    with pytest.raises(DataError, match=r"record 2 has no response field 'output'"):
         load_token_data(section, 512, tmp_path / "c1", None)
     no_answer = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(DataError, match=r"record 0 has no assistant turn"):
+    with pytest.raises(DataError, match=r"record 1 has no assistant turn"):
         load_token_data(
             DataSection(dataset=str(no_answer), format="messages", tokenizer=str(tokenizer_path)),
             512,

@@ -27,6 +27,7 @@ from .records import (
     Examples,
     Source,
     examples_of,
+    record_where,
     render_error,
     to_conversation,
     to_rows,
@@ -298,7 +299,7 @@ class MediaEncoder:
         record."""
         import jinja2
 
-        where = f"dataset {source.name!r}: record {index}"
+        where = record_where(source, index)
         messages, tools = to_conversation(record, source, index)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where} has no assistant turn, so nothing to learn from; remove it or fix its roles")
@@ -350,7 +351,7 @@ def media_examples(records, source: Source, encoder: MediaEncoder, data: DataSec
         examples.trained.append(trained)
         examples.inputs.append(item)
         if examples.first_media is None and (item.images or item.videos):
-            examples.first_media = f"dataset {source.name!r}: record {index}"
+            examples.first_media = record_where(source, index)
     return examples
 
 

@@ -27,6 +27,7 @@ from .records import (
     mix_indices,
     record_field,
     record_tools,
+    record_where,
     render_error,
     resolve_sources,
     sharegpt_turn,
@@ -169,7 +170,7 @@ def _refuse_empty(completion, name: str, where: str) -> None:
 def read_pair(record: dict, source: Source, index: int) -> PreferenceExample | None:
     """The record as a preference example, or None where chosen equals rejected (the caller drops and counts
     it). A DataError names the record and the field for what cannot be read as one."""
-    where = f"dataset {source.name!r}: record {index}"
+    where = record_where(source, index)
     reader = _trl_parts if source.formatting == "preference" else _ranking_parts
     prompt, chosen, rejected, tools = reader(record, source, index, where)
     _refuse_empty(chosen, "chosen", where)
@@ -307,7 +308,7 @@ def _members(examples: list[tuple[int, PreferenceExample]], source: Source, temp
         if not example.conversational:
             members.append(next(text_members))
             continue
-        where = f"dataset {source.name!r}: record {index}"
+        where = record_where(source, index)
         try:
             members.append(_conversation_members(example, template, tokenizer, where))
         except (jinja2.TemplateError, ValueError, TypeError) as error:
@@ -331,7 +332,7 @@ def tokenize_pairs(
             else:
                 examples.append((first + offset, example))
         for (index, _), members in zip(examples, _members(examples, source, template, tokenizer, eos)):
-            _keep(pairs, index, members, data, max_prompt, f"dataset {source.name!r}: record {index}")
+            _keep(pairs, index, members, data, max_prompt, record_where(source, index))
     return pairs
 
 

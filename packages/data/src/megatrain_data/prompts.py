@@ -12,7 +12,7 @@ import torch
 
 from .chat import load_chat_template
 from .errors import DataError
-from .records import load_records, resolve_sources
+from .records import load_records, record_where, resolve_sources
 from .section import DataSection
 from .windows import Batch
 
@@ -53,7 +53,7 @@ def load_prompts(data: DataSection, max_prompt_length: int, tokenizer, tokenizer
             )
         for index, record in enumerate(records):
             given.append(record["prompt"])
-            ids.append(render_prompt(record["prompt"], template, tokenizer, f"dataset {source.name!r} record {index}"))
+            ids.append(render_prompt(record["prompt"], template, tokenizer, record_where(source, index)))
             for name, value in record.items():
                 if name != "prompt":
                     columns.setdefault(name, []).append(value)

@@ -180,6 +180,11 @@ RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files of records `load_
 PROGRESS_FILE_BYTES = 64 * 2**20
 
 
+def record_where(source: Source, index: int) -> str:
+    """Where a record is, as messages say it: its dataset and its number from 1 (a JSON Lines file's line)."""
+    return f"dataset {source.name!r}: record {index + 1}"
+
+
 def load_records(source: Source):
     """A `datasets.Dataset` of the source's records (a file, a saved directory or a hub name)."""
     path = Path(source.location)
@@ -293,9 +298,7 @@ def record_field(record: dict, key, index: int, source: Source, what: str):
             if key in record
             else "set data.format (or the registry's columns) to match the records"
         )
-        raise DataError(
-            f"dataset {source.name!r}: record {index} has no {what} field {key!r} (its fields: {present}); {fix}"
-        )
+        raise DataError(f"{record_where(source, index)} has no {what} field {key!r} (its fields: {present}); {fix}")
     return value
 
 
@@ -325,7 +328,7 @@ def record_tools(record: dict, source: Source, where: str):
 def alpaca_prompt(record: dict, source: Source, index: int) -> list[dict]:
     """An alpaca record's turns before its response: system, history pairs, then instruction and input as the
     user's turn (joined with a newline)."""
-    where = f"dataset {source.name!r}: record {index}"
+    where = record_where(source, index)
     messages = []
     system = record.get(source.column("system"))
     if system:
@@ -368,7 +371,7 @@ def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
 
 def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
     """(messages as role/content dicts with roles user/assistant/system/tool, tools or None)."""
-    where = f"dataset {source.name!r}: record {index}"
+    where = record_where(source, index)
     if source.formatting == "alpaca":
         messages = alpaca_prompt(record, source, index)
         response = record_field(record, source.column("response"), index, source, "response")
@@ -441,7 +444,7 @@ class Examples:
 
 def render_error(source: Source, index: int, error: Exception) -> DataError:
     return DataError(
-        f"dataset {source.name!r}: record {index} cannot be rendered with the chat template: "
+        f"{record_where(source, index)} cannot be rendered with the chat template: "
         f"{type(error).__name__}: {error}; fix the record, or set data.chat_template (simple, or a .jinja file)"
     )
 
@@ -469,7 +472,7 @@ def tokenize_source(
             messages, tools = to_conversation(record, source, index)
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError(
-                    f"dataset {source.name!r}: record {index} has no assistant turn, so nothing to learn from; "
+                    f"{record_where(source, index)} has no assistant turn, so nothing to learn from; "
                     "remove it or fix its roles"
                 )
             try:
