@@ -706,3 +706,17 @@ def test_lora_dropout_plans_a_layers_masks():
     )
     widest = preset("qwen2.5-7b").d_ff  # (the down projection's input)
     assert dropped.recompute_bytes - plain.recompute_bytes == 2 * 4 * 4096 * widest * 2
+
+
+def test_on_the_hosts_own_cpu_the_steps_parts_take_turns(monkeypatch):
+    """Where the device is the host's CPU (`Machine.shares_cores`), compute, copies and updates share its cores: the
+    step is their sum, where a GPU's overlap them (the longest bounds it); the report says which."""
+    simulate_host(monkeypatch, 64)
+    gpu = planner_for("qwen2.5-0.5b", 8192)
+    cpu = Planner(gpu.spec, gpu.rates, replace(gpu.machine, shares_cores=True), gpu.shape, gpu.engine, gpu.objective)
+    placement = gpu.place(gpu.step_tokens)
+    overlapped, in_turn = gpu.plan(placement, False), cpu.plan(placement, False)
+    parts = in_turn.compute_s + in_turn.transfer_s + in_turn.optimizer_s + gpu.device_update_s(placement)
+    assert in_turn.step_s == pytest.approx(parts + in_turn.bubble_s, rel=1e-9)
+    assert overlapped.step_s < in_turn.step_s and in_turn.bound == "compute"
+    assert " in turn, " in format_plan(in_turn, "qwen2.5-0.5b") and " overlapped, " in format_plan(overlapped, "x")

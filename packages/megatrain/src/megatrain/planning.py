@@ -4,6 +4,7 @@ plan`, the Trainer and the run call; the planner's refusals are config errors he
 
 import os
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -97,7 +98,8 @@ def machine_of(config: Config, gpu_memory=None, host_memory=None, gpus: int = 1,
     """This machine for `config`'s device, or one with `gpu_memory` / `host_memory` bytes free (`Machine.of`)."""
     with planner_refusals_as_config_errors():
         device = resolve_device(config.device)
-        return Machine.of(device, config.engine.host_memory_gib, gpu_memory, host_memory, gpus, hosts)
+        machine = Machine.of(device, config.engine.host_memory_gib, gpu_memory, host_memory, gpus, hosts)
+        return replace(machine, shares_cores=device.type == "cpu" and gpu_memory is None)
 
 
 def measuring_allowed(config: Config) -> bool:

@@ -630,7 +630,8 @@ class CostModel:
         forward, which reaches the head once the last is done: with a pool deep enough for what the optimizer has
         left when the backward ends, only the head waits for them, else the whole forward does. With clipping
         they start after the backward, and the next backward waits for the forward they pace. Either way they
-        start in the last sweep: a step's earlier sweeps add to what waits for them."""
+        start in the last sweep: a step's earlier sweeps add to what waits for them. On the host's own CPU
+        (`Machine.shares_cores`) the compute phase holds the copies and updates as well: they take turns."""
         forward_s, backward_s = self.copy_passes_s(placement)
         compute_s, optimizer_s = self.compute_s(placement), self.optimizer_s(placement)
         sweeps, sweep_s, update_s = placement.sweeps, self.layers_s(placement), self.device_update_s(placement)
@@ -642,6 +643,8 @@ class CostModel:
         else:
             serial_s = forward_s
         serial_s += (sweeps - 1) * sweep_s
+        if self.machine.shares_cores:  # (one after another: the compute phase holds them all)
+            compute_s += self.transfer_s(placement) + update_s + optimizer_s
         return {
             "compute": compute_s,
             # = compute where both passes hide their copies (compute wins ties)

@@ -24,6 +24,9 @@ class Machine:
     hosts: int = 1
     host_source: str = "as given"
     process_bytes: int = 0
+    # the device is this host's CPU: its compute, copies and updates take turns on the same cores (a step is their
+    # sum), where a GPU's overlap
+    shares_cores: bool = False
 
     @classmethod
     def of(

@@ -60,6 +60,7 @@ class Plan:
     process_bytes: int = 0  # the process's resident memory when planned (outside host_bytes)
     packed_cache_bytes: int = 0  # a packed base's bytes, also kept on disk beside the run (output_dir/cache)
     dequantize_s: float = 0.0  # of compute_s: the GPU time a packed base's dequantization takes a step
+    shares_cores: bool = False  # the device is the host's CPU: the step's parts take turns (`Machine.shares_cores`)
 
     @property
     def experts_per_stage(self) -> int:
@@ -296,7 +297,8 @@ def _step_lines(plan: Plan) -> list[str]:
     rates = plan.rates
     kept = f" (kept {rates.gpu_kept_tflops})" if rates.gpu_kept_tflops else ""
     return [
-        f"step time        {plan.step_s:.2f} s  ({parts} overlapped, step-boundary bubble {plan.bubble_s:.2f} s)",
+        f"step time        {plan.step_s:.2f} s  ({parts} {'in turn' if plan.shares_cores else 'overlapped'}, "
+        f"step-boundary bubble {plan.bubble_s:.2f} s)",
         f"bound by         {bound}",
         f"throughput       {throughput}",
         f"rates            {'GPU' if plan.gpu_available else 'CPU'} blocks {rates.gpu_tflops}{kept} / head "
