@@ -199,7 +199,7 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
 def _streamed_numel(model: ModelConfig) -> int:
     """The elements a CPU's copy and AdamW rates are measured over: the model's largest layer's parameters (within
     2**16 to 2**25), whose copies and update stream through memory as the run's do. A fixed 16M-element buffer sat in
-    this CI machine's 300 MiB cache: a 0.5B model's copies were planned at 42 GB/s and its AdamW at 2.6 G params/s
+    a 2-core machine's 300 MiB cache: a 0.5B model's copies were planned at 42 GB/s and its AdamW at 2.6 G params/s
     where its layers' ran at a fraction of that."""
     largest = max(model.layer_params(layer) for layer in range(model.n_layers))
     return min(max(largest, 2**16), 2**25)
