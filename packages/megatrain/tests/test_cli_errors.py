@@ -80,6 +80,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         ),
         (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
         (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
+        (  # (as the run's ranks would refuse it)
+            ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=3", "--set", "train.micro_batch_size=1"],
+            "train.batch_size (3) must be a multiple of the number of ranks (2) times train.micro_batch_size (1)",
+        ),
         (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
         (["train", *TINY, "--set", "train.betas=0.9"], "'train.betas' has value 0.9; it takes a list of 2 numbers"),
         (["train", *TINY, "--set", "train.lr=fast"], "'train.lr' has value 'fast'; it takes a number"),

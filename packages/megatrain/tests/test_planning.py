@@ -60,7 +60,7 @@ def test_plan_command(capsys, monkeypatch):
 
 def test_plan_command_plans_for_another_gpu(monkeypatch, capsys):
     """--gpu-memory-gib plans for a GPU this machine lacks: a 120B model's checkpoints partly in host memory, a
-    gpt-oss-120b layer's experts in parts."""
+    gpt-oss-120b layer's experts in parts, and in the GPU's dtype where the config leaves it to the device."""
     simulate_host(monkeypatch, 2000)
     settings = ["model.preset=dense-120b", "device=cpu", "data.seq_len=2048", "train.batch_size=32"]
     settings += ["train.micro_batch_size=4", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
@@ -71,6 +71,10 @@ def test_plan_command_plans_for_another_gpu(monkeypatch, capsys):
     settings += ["train.micro_batch_size=1", "train.grad_clip=0", "precision.compute_dtype=bfloat16"]
     assert main(["plan", "--gpu-memory-gib", "24"] + [a for s in settings for a in ("--set", s)]) == 0
     assert "each MoE layer's experts stream in parts of 16" in capsys.readouterr().out
+    # precision.compute_dtype auto is the GPU's bf16 there, not this CPU's fp32
+    settings = ["model.preset=qwen2.5-7b", "device=cpu", "data.seq_len=2048", "train.batch_size=8"]
+    assert main(["plan", "--gpu-memory-gib", "80"] + [a for s in settings for a in ("--set", s)]) == 0
+    assert "with LoRA over a base in bf16" in capsys.readouterr().out
 
 
 def test_the_planners_refusals_are_config_errors(monkeypatch):
@@ -161,3 +165,14 @@ def test_two_trainers_of_one_config_share_no_model_state():
     first, second = Trainer(config), Trainer(config)
     assert first.spec is not second.spec and first.spec.router_load is not second.spec.router_load
     assert first.planner.spec is first.spec and second.planner.spec is second.spec
+
+
+def test_a_host_refusal_suggests_only_a_lighter_mode_than_the_configured_one():
+    """A LoRA run over an int8 base a little over the host is pointed to nf4, not to the int8 it already uses (its
+    own mode's estimate counts the embedding and head as packed, which they are not)."""
+    settings = ["model.preset=dense-120b", "data.seq_len=4096", "train.batch_size=8", "train.micro_batch_size=4"]
+    config = load_config(None, [*settings, "model.adapter.type=lora", "model.adapter.base_dtype=int8"])
+    planner = make_planner(config, gpu_memory=141 * 2**30, host_memory=125 * 2**30)
+    nf4 = r"it fits with LoRA over an nf4 base \(model.adapter: \{type: lora, base_dtype: nf4\}\)$"
+    with pytest.raises(ConfigError, match=nf4):
+        check_plan(planner.plan(planner.place(planner.step_tokens)), planner)

@@ -429,3 +429,12 @@ def test_both_policies_time_a_resident_groups_update_as_gpu_work(clipping):
     host.wait_all()
     host.close()
     assert timed == ["adamw layer1"]
+
+
+def test_clipping_refuses_a_pooled_store():
+    """Clipping holds every gradient until the global norm is known: over a store whose gradients land in a pool of
+    a few groups' size, the held gradients would fill it and the next landing would wait forever; refused at once."""
+    store = HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=STATE_NAMES, grad_pool=1)
+    host = HostUpdates(HostAdamW(store, AdamWConfig()), {0: 0, 1: 1}, ["layer0", "layer1"])
+    with pytest.raises(OptimError, match=r"a gradient buffer per group \(grad_pool=None\), not a pool of 1 largest"):
+        UpdatesAfterClipping(host, 1.0)

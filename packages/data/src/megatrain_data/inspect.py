@@ -97,14 +97,24 @@ def dump_rows(windows, count: int, tokenizer, placeholders: dict[int, str]) -> N
         step += 1
 
 
-class OneBatch:
-    """One batch's rows as `dump_rows` draws them (given completions' rows: `prompts.rows_of`)."""
+class _OneBatch:
+    """One batch's rows as `dump_rows` draws them."""
 
     def __init__(self, batch):
         self.rows = batch
 
     def batch(self, step: int):
         return self.rows
+
+
+def dump_given(path, num_generations: int, template, tokenizer, count: int, seq_len: int, pad_id: int, text: bool):
+    """The first `count` rows of a rollouts file (train.grpo.rollouts) as GRPO trains them: the prompt rendered, then
+    the completion's tokens, the trained span (`dump_rows`; decoded where `text`)."""
+    from .prompts import given_completions, rows_of
+
+    _, prompts, completions = given_completions(path, num_generations, template, tokenizer)
+    batch = rows_of(prompts[:count], completions[:count], seq_len, pad_id)
+    dump_rows(_OneBatch(batch), min(count, len(prompts)), tokenizer if text else None, {})
 
 
 def dump_prompts(prompts, count: int, tokenizer) -> None:

@@ -121,27 +121,23 @@ def dump_grpo_data(config, args) -> None:
     """`megatrain data` of a GRPO run: its first prompts as the model sees them (rendered, tokenized), with their
     reward columns; of a run on given completions (train.grpo.rollouts), their first rows as trained."""
     from megatrain_data import eos_token_text, load_chat_template, pad_token_id
-    from megatrain_data.inspect import OneBatch, dump_prompts, dump_rows
-    from megatrain_data.prompts import given_completions, load_prompts, rows_of
+    from megatrain_data.inspect import dump_given, dump_prompts
+    from megatrain_data.prompts import load_prompts
 
     from .config import model_config_of
     from .rollouts import tokenizer_of
 
     tokenizer, path = tokenizer_of(config)
-    eos, grpo = eos_token_text(tokenizer, model_config_of(config).eos_token_id), config.train.grpo
-    shown_with = tokenizer if args.text else None
+    eos, grpo, data = eos_token_text(tokenizer, model_config_of(config).eos_token_id), config.train.grpo, config.data
     if grpo.rollouts is None:
-        return dump_prompts(
-            load_prompts(config.data, grpo.max_prompt_length, tokenizer, path, eos), args.dump, shown_with
-        )
-    template = load_chat_template(path.parent, config.data.chat_template, eos)
-    _, prompts, completions = given_completions(Path(grpo.rollouts), grpo.num_generations, template, tokenizer)
-    batch = rows_of(prompts[: args.dump], completions[: args.dump], config.data.seq_len, pad_token_id(tokenizer, eos))
-    dump_rows(OneBatch(batch), min(args.dump, len(prompts)), shown_with, {})
+        prompts = load_prompts(data, grpo.max_prompt_length, tokenizer, path, eos)
+        return dump_prompts(prompts, args.dump, tokenizer if args.text else None)
+    template = load_chat_template(path.parent, data.chat_template, eos)
+    pad = pad_token_id(tokenizer, eos)
+    dump_given(Path(grpo.rollouts), grpo.num_generations, template, tokenizer, args.dump, data.seq_len, pad, args.text)
 
 
 def run_data(config, args) -> None:
-
     from megatrain_data import PairWindows, load_token_data, load_tokenizer
     from megatrain_data.inspect import dump_pairs, dump_rows
     from megatrain_data.multimodal import MediaRows, row_windows
@@ -424,9 +420,11 @@ def run_plan(config, args) -> None:
     from megatrain_templates import set_compile
 
     from .config import model_config_of
+    from .distributed import check_data_parallel
     from .planning import check_plan, make_planner, passes_checks, run_planner
 
     set_compile(config.engine.compile)  # the rates measured here run the templates as the run would
+    check_data_parallel(config, args.gpus * args.hosts)  # (as the run's ranks would refuse it)
     model = model_config_of(config)
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
     host_memory = int(args.host_memory_gib * 2**30) if args.host_memory_gib else None

@@ -26,13 +26,14 @@ def shared_arenas(ranks: Ranks, shared_dir: str) -> SharedArenas:
     return _shared_arenas(ranks, Path(os.environ.get("MEGATRAIN_SHARED_DIR", shared_dir)))
 
 
-def check_data_parallel(config, ranks: Ranks) -> None:
-    """Refuse, before anything is allocated, a configuration the ranks cannot split evenly."""
+def check_data_parallel(config, world_size: int) -> None:
+    """Refuse, before anything is allocated (or planned: `megatrain plan --gpus`), a configuration `world_size`
+    ranks cannot split evenly."""
     train = config.train
-    unit = ranks.world_size * train.micro_batch_size
+    unit = world_size * train.micro_batch_size
     if train.batch_size % unit:
         raise ConfigError(
-            f"train.batch_size ({train.batch_size}) must be a multiple of the number of ranks ({ranks.world_size}) "
+            f"train.batch_size ({train.batch_size}) must be a multiple of the number of ranks ({world_size}) "
             f"times train.micro_batch_size ({train.micro_batch_size}): each rank runs whole micro-batches of its "
             f"share; e.g. train.batch_size: {unit * max(1, train.batch_size // unit)}"
         )

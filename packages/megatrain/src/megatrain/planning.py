@@ -30,14 +30,15 @@ from .config import Config, ConfigError, adapter_of, model_config_of, resolve_de
 from .reference import PASS_STEPS
 
 
-def step_shape(config: Config) -> StepShape:
-    """One step of `config` as the planner sees it."""
+def step_shape(config: Config, on_gpu: bool = False) -> StepShape:
+    """One step of `config` as the planner sees it (`on_gpu`: for a GPU, whatever this machine has: auto is bf16)."""
     train = config.train
+    device = torch.device("cuda") if on_gpu else resolve_device(config.device)
     return StepShape(
         seq_len=config.data.seq_len,
         rows_per_step=train.rows_per_step,
         rows_per_micro_batch=train.rows_per_micro_batch,
-        dtype=resolve_dtype(config.precision.compute_dtype, resolve_device(config.device)),
+        dtype=resolve_dtype(config.precision.compute_dtype, device),
         micro_batch_size=train.micro_batch_size,
         clipping=train.grad_clip > 0,
         router_z_loss=bool(train.router_z_loss_coef),
@@ -133,7 +134,7 @@ def make_planner(
     per GPU, and the step splits the global batch over every GPU. Its `spec` is the model, built once here."""
     model = model or model_config_of(config)
     machine = machine_of(config, gpu_memory, host_memory, gpus, hosts)
-    shape, engine = step_shape(config), engine_choices(config)
+    shape, engine = step_shape(config, on_gpu=gpu_memory is not None), engine_choices(config)
     experts = experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory)
     spec = build_model(model, experts, adapter_of(config))
     objective = objective_memory(config, spec, machine, shape.dtype)

@@ -157,7 +157,7 @@ class Trainer:
         rank's GPU."""
         self.ranks = ranks or init_ranks(self.device.type, self.config.engine)
         if self.ranks is not None:
-            check_data_parallel(self.config, self.ranks)
+            check_data_parallel(self.config, self.ranks.world_size)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", self.ranks.local_rank)
                 torch.cuda.set_device(self.device)

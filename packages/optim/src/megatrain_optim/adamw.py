@@ -136,7 +136,7 @@ class HostAdamW:
         if not load_bias_rate >= 0:
             raise OptimError(f"load_bias_rate must be >= 0, got {load_bias_rate}")
         self.store, self.config, self.load_bias_rate = store, config, load_bias_rate
-        self.step_count = 0
+        self.step_count = 0  # the steps taken (a resume sets it back before its next begin_step)
         self._step_tensor = torch.zeros(())
         self._runs = [layout.update_runs() for layout in store.layouts]
         self._row_temps: list[Tensor] | None = None  # update_rows' gathered gradient and moments

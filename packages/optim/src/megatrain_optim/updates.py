@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .adamw import DeviceAdamW, HostAdamW, clip_coefficient
+from .adamw import DeviceAdamW, HostAdamW, OptimError, clip_coefficient
 from .stepper import BackgroundStepper
 
 Span = Callable[[str], AbstractContextManager]
@@ -253,11 +253,17 @@ class UpdatesAfterClipping(_Policy):
     global norm is known after the last layer; then the clip coefficient is fixed and the updates are queued in
     layer order, overlapping the next step's forward, which needs layer 0 first: host groups' on the CPU worker,
     resident groups' beside the compute stream (`DeviceAdamW.update_beside`; each resident stage's cast waits for
-    its own, `before_cast`). A non-finite norm or loss skips the step."""
+    its own, `before_cast`). A non-finite norm or loss skips the step. The store must land every group's gradient
+    at once (`HostStore(grad_pool=None)`): a pooled one is refused."""
 
     def __init__(
         self, host: HostUpdates, max_norm: float, device: DeviceAdamW | None = None, device_span: Span | None = None
     ):
+        if host.store.grad_pool is not None:  # (the held gradients would fill the pool and wait on it forever)
+            raise OptimError(
+                "clipping holds every group's gradient until the global norm is known: give the HostStore a gradient "
+                f"buffer per group (grad_pool=None), not a pool of {host.store.grad_pool:g} largest groups"
+            )
         super().__init__(host, device, device_span)
         self.max_norm = max_norm
         self.landed: dict[int, Any] = {}

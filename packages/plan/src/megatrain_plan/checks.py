@@ -17,7 +17,7 @@ def check_plan(plan: Plan, planner: Planner) -> None:
     _check_seq_len(planner.model, planner.shape.seq_len)
     _check_resident(plan, planner.spec)
     _check_sweeps(plan, planner)
-    _check_host(plan, planner.model)
+    _check_host(plan, planner.model, planner.spec.adapter)
     _check_disk(plan, planner.engine.optimizer_state_dir)
     _check_gpu(plan, planner)
 
@@ -65,7 +65,7 @@ HOST_SAVINGS = {
     "wire copy": "engine.wire_copy: false",
     "KL reference copy": "train.grpo.beta: 0",
     "generation copies": "train.grpo.generation_weights: resident",
-    "offloaded checkpoints": "fewer tokens a step (train.batch_size), or a GPU with room for them",
+    "offloaded checkpoints": "fewer tokens a step (train.batch_size, data.seq_len), or a GPU with room for them",
     "host-kept products": "engine.host_kept_layers: 0",
     "runtime": "fewer tokens a micro-batch or a step (train.micro_batch_size, train.batch_size)",
 }
@@ -84,7 +84,11 @@ MODE_SETTINGS = {
 }
 
 
-def _check_host(plan: Plan, model: ModelConfig) -> None:
+# a LoRA base's formats (`Lora.base_format`) in the order of `Plan.largest_params`' LoRA modes, after full training
+BASE_MODES = (None, "int8", "nf4")
+
+
+def _check_host(plan: Plan, model: ModelConfig, adapter) -> None:
     """Refuse a plan whose host allocations pass what the run may take, naming its largest item and what saves
     it (a choice that costs host memory first, where dropping it alone would fit); or, where the step's own items
     alone pass it, saying that no saving of the model's state helps."""
@@ -106,7 +110,10 @@ def _check_host(plan: Plan, model: ModelConfig) -> None:
     saving = next((fix for start, fix in HOST_SAVINGS.items() if name.startswith(start)), "a smaller model")
     if plan.hosts > 1 and not plan.split_state and name in SPLIT_BY_HOSTS:
         saving = f"engine.shard_across_hosts: true splits the state over the {plan.hosts} hosts"
-    fits = next((mode for mode, params in plan.largest_params.items() if params >= plan.n_params), None)
+    # (the modes that hold less than the configured one: `largest_params` lists them from the most bytes down)
+    configured = 0 if adapter is None else 1 + BASE_MODES.index(adapter.base_format)
+    lighter = list(plan.largest_params.items())[configured + 1 :]
+    fits = next((mode for mode, params in lighter if params >= plan.n_params), None)
     raise PlanError(
         f"{needs} ({plan.host_bytes_per_param:.1f} B/param) but {may_take}; {name} take {items[name] / gib:.1f} GiB: "
         f"{saving} ({_what_fits(plan)}; `megatrain plan` lists every item)"
