@@ -45,13 +45,9 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (finished / CHECKPOINTS / "step-00000003").mkdir(parents=True)
     (finished / CHECKPOINTS / "step-00000003" / MANIFEST).write_text("{}")
     (finished / FINAL).mkdir()
-    weightless, untokenized = tmp_path / "hf-no-weights", tmp_path / "hf-no-tokenizer"
-    for model_dir in (weightless, untokenized):
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
-    (untokenized / "model.safetensors").write_text("")  # (its tensors are not read before the data)
     return [
         *unreadable_input_cases(tmp_path),
+        *model_directory_cases(tmp_path),
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
         (["train", *TINY, "--set", "output_dir=null"], "config key 'output_dir' has no value; it takes text"),
@@ -68,16 +64,6 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["train", *TINY, "--set", "train.warmup_steps=-10"], "train.warmup_steps must be >= 0"),
         (["train", *TINY, "--set", "train.grpo.beta=-0.1"], "train.grpo.beta must be >= 0, got -0.1"),
         (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
-        (
-            ["convert", str(tmp_path / "run"), str(tmp_path / "a-file")],
-            "is a file; name a directory to write the model",
-        ),
-        (["convert", str(tmp_path / "run"), str(tmp_path / "a-dir")], "holds files but no model"),
-        (["convert", str(untokenized), str(untokenized)], "is the source, which this conversion reads"),
-        (
-            ["convert", str(untokenized), str(weightless)],
-            "holds a model already; name a new directory, or add --overwrite to replace it",
-        ),
         (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
         (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
         (  # (as the run's ranks would refuse it)
@@ -95,6 +81,33 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["eval", "--checkpoint", str(tmp_path / "no-run")], "no weights at"),
         (["train", "--config", str(config)], "is in use by another run"),  # (this test holds its lock)
         (["bench", "--steps", "x"], "invalid int value: 'x'"),
+        (["plan", *TINY, "--set", "model.preset=tiny-lama"], "model error: unknown model preset 'tiny-lama'"),
+        (
+            ["train", *TINY, "--set", f"output_dir={finished}"],
+            "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
+        ),
+    ]
+
+
+def model_directory_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """Model directories `model.hf_dir` or `convert` cannot read or write (`tmp_path`'s a-file and a-dir made by
+    `cases`): (command line, what its one line says)."""
+    weightless, untokenized = tmp_path / "hf-no-weights", tmp_path / "hf-no-tokenizer"
+    for model_dir in (weightless, untokenized):
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
+    (untokenized / "model.safetensors").write_text("")  # (its tensors are not read before the data)
+    return [
+        (
+            ["convert", str(tmp_path / "run"), str(tmp_path / "a-file")],
+            "is a file; name a directory to write the model",
+        ),
+        (["convert", str(tmp_path / "run"), str(tmp_path / "a-dir")], "holds files but no model"),
+        (["convert", str(untokenized), str(untokenized)], "is the source, which this conversion reads"),
+        (
+            ["convert", str(untokenized), str(weightless)],
+            "holds a model already; name a new directory, or add --overwrite to replace it",
+        ),
         (
             ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={untokenized}"],
             "has no tokenizer.json: its weights read the ids of the tokenizer they were trained with",
@@ -107,14 +120,9 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={tmp_path / 'a-file'}"],
             "a-file/config.json not found: model.hf_dir must be a Hugging Face model directory",
         ),
-        (["plan", *TINY, "--set", "model.preset=tiny-lama"], "model error: unknown model preset 'tiny-lama'"),
         (
             ["train", *TINY, "--set", "model.preset=null", "--set", "model.hf_dir=Qwen/Qwen2.5-7B-Instruct"],
             "not the hub: `hf download Qwen/Qwen2.5-7B-Instruct --local-dir DIR` fetches it",
-        ),
-        (
-            ["train", *TINY, "--set", f"output_dir={finished}"],
-            "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
         ),
     ]
 

@@ -3,6 +3,8 @@ of ids and labels in the Hugging Face convention, or decoded with each trained s
 
 import json
 
+from .prompts import given_completions, rows_of
+
 
 def hf_labels(batch, row: int) -> list[int]:
     """Labels of a row in the Hugging Face convention: labels[t] = input_ids[t] where token t is trained
@@ -110,8 +112,6 @@ class _OneBatch:
 def dump_given(path, num_generations: int, template, tokenizer, count: int, seq_len: int, pad_id: int, text: bool):
     """The first `count` rows of a rollouts file (train.grpo.rollouts) as GRPO trains them: the prompt rendered, then
     the completion's tokens, the trained span (`dump_rows`; decoded where `text`)."""
-    from .prompts import given_completions, rows_of
-
     _, prompts, completions = given_completions(path, num_generations, template, tokenizer)
     batch = rows_of(prompts[:count], completions[:count], seq_len, pad_id)
     dump_rows(_OneBatch(batch), min(count, len(prompts)), tokenizer if text else None, {})

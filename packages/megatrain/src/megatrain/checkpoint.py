@@ -210,8 +210,8 @@ def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
         "config": state.config,
         "files": {},
     }
-    model = (state.config or {}).get("model") or {}
-    if (model.get("adapter") or {}).get("type") and model.get("hf_dir"):  # (a LoRA run knows its base: check_same_base)
+    model = (state.config or {}).get("model") or {}  # (a LoRA run knows its base: `check_same_weights`)
+    if (model.get("adapter") or {}).get("type") and model.get("hf_dir"):
         manifest["base_fingerprint"] = weights_fingerprint(Path(model["hf_dir"]))
     offenders: list[str] = []
     bar = progress(total=sum(map(len, state.tensors.values())), desc=f"save {name}", unit="tensor", leave=False)

@@ -219,7 +219,7 @@ def run_convert(args) -> None:
     from .rundir import SaveError
 
     out, source = Path(args.out), Path(args.source)
-    check_export_target(out, {"the source": source}, args.overwrite)
+    check_export_target(out, {"the source": source}, args.overwrite)  # (DIR's own problems first, then what it reads)
     weights = find_weights(source)
     lora = lora_source(weights)
     base = {"the LoRA run's base model": lora.base} if lora is not None and lora.base is not None else {}

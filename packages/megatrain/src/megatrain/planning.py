@@ -134,7 +134,7 @@ def make_planner(
     per GPU, and the step splits the global batch over every GPU. Its `spec` is the model, built once here."""
     model = model or model_config_of(config)
     machine = machine_of(config, gpu_memory, host_memory, gpus, hosts)
-    shape, engine = step_shape(config, on_gpu=gpu_memory is not None), engine_choices(config)
+    shape, engine = step_shape(config, on_gpu=not machine.shares_cores), engine_choices(config)
     experts = experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory)
     spec = build_model(model, experts, adapter_of(config))
     objective = objective_memory(config, spec, machine, shape.dtype)

@@ -90,20 +90,20 @@ def file_record(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
 
 
-def check_files(directory: Path, records: dict[str, dict], what: str = "checkpoint file") -> None:
+def check_files(directory: Path, records: dict[str, dict]) -> None:
     """Refuse, naming the file, where one of `records` (by name in `directory`: `file_record`) is missing, of
     another size, or fails its CRC32 check."""
     for filename, expected in records.items():
         path = directory / filename
         if not path.exists():
-            raise StoreError(f"{what} {path} is missing")
+            raise StoreError(f"checkpoint file {path} is missing")
         if path.stat().st_size != expected["bytes"]:
             raise StoreError(
-                f"{what} {path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}: the file is "
+                f"checkpoint file {path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}: the file is "
                 "truncated or was replaced"
             )
         if file_crc32(path) != expected["crc32"]:
-            raise StoreError(f"{what} {path} fails its CRC32 check: the file is corrupt")
+            raise StoreError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
 
 
 def write_safetensors(
