@@ -110,8 +110,9 @@ def check_served_as_trained(export: Path, trained: list[int], end_of_turn: str) 
     assert rendered_by_transformers(export) == trained, export
     tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
     stops = json.loads((export / "generation_config.json").read_text())["eos_token_id"]
-    assert stops[0] == tokenizer.token_to_id(end_of_turn) and tokenizer.token_to_id("<|eot_id|>") in stops
     assert transformers.AutoModelForCausalLM.from_pretrained(export).generation_config.eos_token_id == stops
+    stops = stops if isinstance(stops, list) else [stops]
+    assert stops[0] == tokenizer.token_to_id(end_of_turn) and tokenizer.token_to_id("<|eot_id|>") in stops
 
 
 def test_fine_tuned_exports_hold_the_template_trained_with(model_dirs, tmp_path):
@@ -147,9 +148,9 @@ def test_fine_tuned_exports_hold_the_template_trained_with(model_dirs, tmp_path)
     for export in exports:
         check_served_as_trained(export, trained, "<|im_end|>")
     assert rendered_by_transformers(with_template) != trained  # (not the model's own template)
-    # the simple template ends a turn with the data's EOS (<|endoftext|>: the model names none), as trained
+    # the simple template ends a turn with the data's EOS, the tokenizer's (<|eot_id|>; the model names none)
     check_served_as_trained(
-        plain / "final", training_ids(results[7], len(rendered_by_transformers(plain / "final"))), "<|endoftext|>"
+        plain / "final", training_ids(results[7], len(rendered_by_transformers(plain / "final"))), "<|eot_id|>"
     )
 
     shutil.rmtree(run / "final")  # a run stopped before its export (a kill, a NaN stop): convert writes it whole,

@@ -135,3 +135,30 @@ def test_text_pairs_equal_trl_tokenize_row_with_a_bos_tokenizer(tmp_path, tokeni
             assert np.asarray(data.train.loss_mask[row])[valid].tolist() == [False] * len(prompt) + [True] * len(
                 completion
             )
+
+
+def test_text_pairs_end_with_the_tokenizers_eos_where_the_models_first_differs(tmp_path, tokenizer_dir):  # noqa: F811
+    """Llama 3.1 Instruct's case: the model's first EOS is <|end_of_text|>, its tokenizer's eos_token (what TRL
+    appends) <|eot_id|>; a completion ends with the tokenizer's, as `AutoTokenizer` reads it."""
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "instruct"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|eot_id|>", "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    models_first_eos = hf.convert_tokens_to_ids("<|endoftext|>")
+    assert hf.eos_token_id != models_first_eos
+    records = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}]
+    section = DataSection(
+        dataset=str(write_jsonl(tmp_path / "pairs.jsonl", records)),
+        format="preference",
+        tokenizer=str(model_dir / "tokenizer.json"),
+    )
+    data = load_token_data(section, 700, tmp_path / "cache", None, eos_token_id=models_first_eos)
+    for row, name in ((0, "chosen"), (1, "rejected")):
+        expected = hf(records[0]["prompt"])["input_ids"] + hf(records[0][name], add_special_tokens=False)["input_ids"]
+        valid = np.asarray(data.train.valid[row])
+        assert np.asarray(data.train.tokens[row])[valid].tolist() == expected + [hf.eos_token_id]

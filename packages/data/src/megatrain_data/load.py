@@ -145,7 +145,7 @@ def _dataset_token_data(
             f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens but the model's vocab_size is "
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
-    eos = eos_token_text(loaded, eos_token_id)
+    eos = eos_token_text(loaded, eos_token_id, Path(tokenizer).parent)
     if pairs:
         rows = preference_rows(data, max_prompt_length, loaded, tokenizer, eos, cache_dir, seed)
     else:

@@ -14,7 +14,7 @@ from megatrain_store.progress import size_text
 from .chat import SPECIAL_TOKEN_NAMES, ChatTemplate, load_chat_template, special_token_ids
 from .errors import DataError
 from .load import renders_conversations, run_tokenizer
-from .tokens import eos_token_text, load_tokenizer
+from .tokens import eos_token_text, load_tokenizer, special_token_text, tokenizer_settings
 
 # copied from beside tokenizer.json as they are: the special tokens, and an image-text model's processor
 COPIED_FILES = (
@@ -52,7 +52,7 @@ def serving_of_run(config, model, run_dir: Path, tokenizer: Path | None = None) 
         tokenizer = run_tokenizer(config.data, model.vocab_size, Path(run_dir), model_dir)
     if tokenizer is None:
         return Serving(None, None, model_dir, model.eos_token_id)
-    eos = eos_token_text(load_tokenizer(tokenizer), model.eos_token_id)
+    eos = eos_token_text(load_tokenizer(tokenizer), model.eos_token_id, Path(tokenizer).parent)
     return Serving(Path(tokenizer), trained_template(config, Path(tokenizer), eos), model_dir, model.eos_token_id)
 
 
@@ -116,7 +116,7 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
     stops = _stop_ids(tokenizer, settings, serving, generation.get("eos_token_id"), source)
     generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     atomic_write_text(out_dir / "generation_config.json", json.dumps(generation, indent=2))
-    eos_id = tokenizer.token_to_id(_text(settings.get("eos_token")) or "")
+    eos_id = tokenizer.token_to_id(special_token_text(settings.get("eos_token")) or "")
     if config.get("eos_token_id") is None and eos_id is not None:
         config = {**config, "eos_token_id": eos_id}
     return config
@@ -125,9 +125,9 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
 def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
     """tokenizer_config.json: the source's, naming a tokenizer class and the EOS where it does not (a tokenizer
     megatrain trained ends documents with <|endoftext|>), with the chat template trained with."""
-    settings = _json(source / "tokenizer_config.json")
+    settings = tokenizer_settings(source)
     settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    eos = eos_token_text(tokenizer, _first(serving.eos_token_id))
+    eos = eos_token_text(tokenizer, _first(serving.eos_token_id), source)
     if settings.get("eos_token") is None and eos:
         settings["eos_token"] = eos
     if serving.template is not None:
@@ -154,7 +154,7 @@ def _write_template(out_dir: Path, source: Path, template: str) -> None:
 def _stop_ids(tokenizer, settings: dict, serving: Serving, given, source: Path) -> list[int]:
     """Where a completion ends: the end-of-turn token of the template trained with (else of the tokenizer's own, in
     `source`) first, then the tokenizer's EOS, the generation config's `given` ones and the model's."""
-    eos = _text(settings.get("eos_token"))
+    eos = special_token_text(settings.get("eos_token"))
     template = serving.template
     if template is None:
         try:
@@ -193,7 +193,7 @@ def describe_export(out_dir: Path) -> str:
         none = "no tokenizer (its source names none, as a run on token ids without data.tokenizer or model.hf_dir does)"
         return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in"
     parts.append("tokenizer")
-    settings = _json(out_dir / "tokenizer_config.json")
+    settings = tokenizer_settings(out_dir)
     if (out_dir / "chat_template.jinja").exists() or settings.get("chat_template"):
         parts.append("chat template")
     stops = _json(out_dir / "generation_config.json").get("eos_token_id")
@@ -214,14 +214,13 @@ def _json(path: Path) -> dict:
     return values if isinstance(values, dict) else {}
 
 
-def _text(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
-
-
 def _special_tokens(settings: dict) -> dict:
     """The special tokens a template reads (bos_token, eos_token, ...), as text."""
-    return {name: _text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES if _text(settings.get(name)) is not None}
+    return {
+        name: special_token_text(settings.get(name))
+        for name in SPECIAL_TOKEN_NAMES
+        if special_token_text(settings.get(name)) is not None
+    }
 
 
 def _first(value):

@@ -208,11 +208,32 @@ class Tokens:
         return cls(**{name: np.load(path, mmap_mode="r") for name, path in paths.items() if path.exists()})
 
 
-def eos_token_text(tokenizer, eos_token_id: int | None) -> str:
-    """The text of the token that ends a document: the model's EOS where the tokenizer has it, else megatrain's."""
+def eos_token_text(tokenizer, eos_token_id: int | None, tokenizer_dir: Path | None) -> str:
+    """The text of the token that ends a document, a completion and a template's `eos_token`: the tokenizer's own EOS
+    (its tokenizer_config.json's `eos_token` in `tokenizer_dir`: transformers' `tokenizer.eos_token`, which TRL
+    appends and chat templates render), else the model's where the tokenizer has it, else megatrain's. The first two
+    differ for Llama 3.1-3.3 Instruct: <|eot_id|>, where the model's first EOS is <|end_of_text|>."""
+    settings = tokenizer_settings(tokenizer_dir) if tokenizer_dir is not None else {}
+    named = special_token_text(settings.get("eos_token"))
+    if named and tokenizer.token_to_id(named) is not None:
+        return named
     if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
         return tokenizer.id_to_token(eos_token_id)
     return EOS_TOKEN if tokenizer.token_to_id(EOS_TOKEN) is not None else ""
+
+
+def tokenizer_settings(tokenizer_dir: Path) -> dict:
+    """A tokenizer's tokenizer_config.json in its directory; {} where there is none (or it does not read)."""
+    try:
+        values = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def special_token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
 def document_start_ids(tokenizer) -> list[int]:

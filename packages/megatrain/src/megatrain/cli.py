@@ -128,7 +128,8 @@ def dump_grpo_data(config, args) -> None:
     from .rollouts import tokenizer_of
 
     tokenizer, path = tokenizer_of(config)
-    eos, grpo, data = eos_token_text(tokenizer, model_config_of(config).eos_token_id), config.train.grpo, config.data
+    eos = eos_token_text(tokenizer, model_config_of(config).eos_token_id, path.parent)
+    grpo, data = config.train.grpo, config.data
     if grpo.rollouts is None:
         prompts = load_prompts(data, grpo.max_prompt_length, tokenizer, path, eos)
         return dump_prompts(prompts, args.dump, tokenizer if args.text else None)
@@ -346,9 +347,8 @@ def run_generate(config, args) -> None:
     try:
         path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config.vocab_size)
         tokenizer = load_tokenizer(path)
-        stops = stop_ids(
-            trainer.model_config, tokenizer, path, eos_token_text(tokenizer, trainer.model_config.eos_token_id)
-        )
+        eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, path.parent)
+        stops = stop_ids(trainer.model_config, tokenizer, path, eos)
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, stops)
         texts = generate_completions(trainer, tokenizer, path, prompts, sampling, args.seed)
     finally:

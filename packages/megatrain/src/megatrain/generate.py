@@ -55,7 +55,7 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     from megatrain_data import eos_token_text, load_chat_template, pad_token_id
     from megatrain_data.prompts import render_prompt
 
-    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
+    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, tokenizer_path.parent)
     template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)
     ids = [render_prompt(p, template, tokenizer, f"prompt {i + 1}") for i, p in enumerate(prompts)]
     generator = Generator(trainer, trainer.config.train.grpo.generation_weights)

@@ -40,7 +40,7 @@ def check_grpo_settings(config: Config, ranks=None) -> None:
 def make_rollouts(trainer, config: Config):
     """The run's rollouts: generated from its prompts, or read from train.grpo.rollouts; said in one line."""
     tokenizer, path = tokenizer_of(config)
-    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id)
+    eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, path.parent)
     pad = pad_token_id(tokenizer, eos)
     if config.train.grpo.rollouts is not None:
         return FileRollouts(trainer, config, tokenizer, path, eos, pad)

@@ -50,15 +50,11 @@ def tokenizer_of(config: Config):
 
 
 def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...]:
-    """Where a completion ends: the model's EOS ids, the tokenizer's EOS token (tokenizer_config.json's, or the
-    document end megatrain's tokenizers mark, `eos`) and generation_config.json's."""
+    """Where a completion ends: the tokenizer's EOS token (`eos`: `eos_token_text`'s), the model's EOS ids and
+    generation_config.json's."""
     ids = {tokenizer.token_to_id(eos)} if eos and tokenizer.token_to_id(eos) is not None else set()
     for value in (model.eos_token_id, _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")):
         ids.update(value if isinstance(value, list) else [value] if value is not None else [])
-    eos = _json(tokenizer_path.parent / "tokenizer_config.json").get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if eos and tokenizer.token_to_id(eos) is not None:
-        ids.add(tokenizer.token_to_id(eos))
     return tuple(sorted(ids))
 
 
