@@ -1001,41 +1001,6 @@ def block_rates(rows: list[dict]) -> Table:
     return Table(header, body, chosen, align="llrrrr")
 
 
-def dense_120b_plans(rows: list[dict]) -> Table:
-    """dense-120b (119.8B) planned on one GPU, with and without exact global-norm clipping."""
-    plans = plan_rows(rows, "scaling-h100.json")
-    clipped = {(gpu(r), r["tokens_per_step"]): r for r in plans if r["grad_clip"]}
-    chosen = [r for r in plans if not r["grad_clip"]]
-    body = [
-        [
-            gpu(r),
-            tokens(r["tokens_per_step"]),
-            f"**{r['host_gib']:,} GiB**",
-            str(r["host_bytes_per_param"]),
-            f"{clipped[(gpu(r), r['tokens_per_step'])]['host_gib']:,} GiB",
-            f"{r['offloaded_layers']} of 76",
-            f"{r['predicted_gpu_gib']} GiB",
-            seconds(r["step_time_s"]),
-            num(r["tokens_per_s"]),
-            num(r["model_tflops"]),
-        ]
-        for r in chosen
-    ]
-    header = [
-        "GPU",
-        "tokens/step",
-        "host memory",
-        "B/param",
-        "with clipping",
-        "checkpoints in host memory",
-        "GPU memory",
-        "step",
-        "tokens/s",
-        "model TFLOPS",
-    ]
-    return Table(header, body, chosen + list(clipped.values()), align="l" + "r" * 9)
-
-
 def dequantize(rows: list[dict]) -> Table:
     """A dense-120b layer's packed base dequantized on the GPU (`benchmarks/dequantize.py`): eager chunks against
     one compiled kernel a weight, alone and beside the layer's GEMMs (the GPU time they lose to it)."""
@@ -1322,7 +1287,6 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "planner-at-shape": planner_at_shape,
     "planner-validation": planner_validation,
     "block-rates": block_rates,
-    "dense-120b-plans": dense_120b_plans,
     "dense-120b-full-plans": dense_120b_full_plans,
     "dequantize": dequantize,
     "hosts-plans": hosts_plans,
