@@ -86,13 +86,18 @@ def host_triad_gbps(numel: int = 1 << 27) -> float:
 
 
 def _optimizer_fields(trainer, split: dict, triad_gbps: float) -> dict:
-    """The CPU AdamW's bytes a second in the timed steps, beside the host's triad bandwidth."""
+    """The CPU AdamW's bytes a second in the timed steps, beside the host's triad bandwidth, and its threads."""
     store = trainer.store
     on_gpu = set(trainer.device_optimizer.groups) if trainer.device_optimizer is not None else set()
     cpu_params = sum(store.layouts[g].numel for g in range(store.n_groups) if g not in store.frozen | on_gpu)
     seconds = split.get("optimizer", 0.0)
     gbps = round(cpu_params * ADAMW_BYTES_PER_PARAM / seconds / 1e9, 1) if seconds else None
-    return {"cpu_updated_params_b": round(cpu_params / 1e9, 3), "optimizer_gbps": gbps, "host_triad_gbps": triad_gbps}
+    return {
+        "cpu_updated_params_b": round(cpu_params / 1e9, 3),
+        "optimizer_gbps": gbps,
+        "host_triad_gbps": triad_gbps,
+        "cpu_threads": torch.get_num_threads(),
+    }
 
 
 def span_totals(timeline, t_start_us, t_end_us) -> dict:

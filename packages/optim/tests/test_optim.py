@@ -438,3 +438,31 @@ def test_clipping_refuses_a_pooled_store():
     host = HostUpdates(HostAdamW(store, AdamWConfig()), {0: 0, 1: 1}, ["layer0", "layer1"])
     with pytest.raises(OptimError, match=r"a gradient buffer per group \(grad_pool=None\), not a pool of 1 largest"):
         UpdatesAfterClipping(host, 1.0)
+
+
+def test_auto_cpu_threads_leave_a_gpu_process_one_core(monkeypatch):
+    """A process alone beside a GPU leaves one of torch's threads to the threads issuing the GPU's work, again
+    the same where a process builds a second trainer; not on the CPU, not under an explicit OMP_NUM_THREADS or
+    number, and torchrun's processes split the cores."""
+    import os
+
+    import megatrain_optim.launch as launch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(launch, "_threads_at_start", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        for _ in range(2):
+            launch.set_cpu_threads("auto", None, beside_gpu=True)
+            assert torch.get_num_threads() == 7
+        launch.set_cpu_threads("auto", None, beside_gpu=False)
+        assert torch.get_num_threads() == 8
+        launch.set_cpu_threads(3, None, beside_gpu=True)
+        assert torch.get_num_threads() == 3
+        launch.set_cpu_threads("auto", 2, beside_gpu=True)
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")
+        launch.set_cpu_threads("auto", None, beside_gpu=True)
+        assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(before)

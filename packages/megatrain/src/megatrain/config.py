@@ -416,8 +416,8 @@ class EngineSection:
     # FlexAttention (packed documents) is compiled either way, its eager form being a slow reference.
     compile: bool = True
     # CPU threads of each process (the CPU optimizer's and the host side's); "auto": torch's default for a
-    # process alone, the host's cores split among its processes under torchrun (whose OMP_NUM_THREADS=1 would
-    # leave the optimizer one core)
+    # process alone, less one core on a GPU (for the threads issuing its work), the host's cores split among its
+    # processes under torchrun (whose OMP_NUM_THREADS=1 would leave the optimizer one core)
     cpu_threads: int | str = "auto"
     # several processes: how long a rank waits for another (a host's rank to update a layer, another host's
     # updated weights) before it concludes that one died or hung and stops the run; an update takes well under

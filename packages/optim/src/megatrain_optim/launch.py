@@ -19,6 +19,7 @@ receives theirs (gloo, from a thread beside the optimizer's), before it marks th
 of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 replicated).
 """
 
+import functools
 import os
 import signal
 import time
@@ -84,7 +85,7 @@ def join_ranks(device_type: str, cpu_threads: int | str, split_state: bool, wait
     note); `wait_s`: how long a rank waits for another."""
     local_world, hosts = launch_shape()
     world = local_world * hosts
-    set_cpu_threads(cpu_threads, local_world if world > 1 else None)
+    set_cpu_threads(cpu_threads, local_world if world > 1 else None, beside_gpu=device_type == "cuda")
     if world == 1:
         return None
     if not dist.is_initialized():
@@ -115,14 +116,27 @@ def join_ranks(device_type: str, cpu_threads: int | str, split_state: bool, wait
     return ranks
 
 
-def set_cpu_threads(cpu_threads: int | str, local_world: int | None) -> None:
-    """torch's CPU threads for this process: `cpu_threads` where a number; "auto": torch's default for a process
-    alone (`local_world` None), else the host's cores split among its `local_world` processes (torchrun sets
-    OMP_NUM_THREADS=1 per worker, which would leave the CPU AdamW on one core)."""
+def set_cpu_threads(cpu_threads: int | str, local_world: int | None, beside_gpu: bool = False) -> None:
+    """torch's CPU threads for this process: `cpu_threads` where a number; "auto": the host's cores split among its
+    `local_world` processes under torchrun (which sets OMP_NUM_THREADS=1 per worker, leaving the CPU AdamW one core);
+    for a process alone torch's default (OMP_NUM_THREADS where set), less one core beside a GPU (`beside_gpu`): the
+    threads that issue the GPU's work and copies then keep a core, where the AdamW's parallel regions, each as slow
+    as its slowest thread, would share it (an optimizer-bound MoE step on an H200 ran faster in 4 of 5 pairs, by
+    1.7% on average; a compute-bound dense one equal: benchmarks/results/cpu-threads-h200.json)."""
+    alone = _threads_at_start()
     if cpu_threads != "auto":
         torch.set_num_threads(cpu_threads)
     elif local_world is not None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    else:
+        spare_one = beside_gpu and alone > 2 and "OMP_NUM_THREADS" not in os.environ
+        torch.set_num_threads(alone - 1 if spare_one else alone)
+
+
+@functools.cache
+def _threads_at_start() -> int:
+    """torch's CPU threads before `set_cpu_threads` first set them (a process may build several trainers)."""
+    return torch.get_num_threads()
 
 
 def shared_arenas(ranks: Ranks, shared_dir: Path) -> SharedArenas:
