@@ -176,3 +176,17 @@ def test_a_host_refusal_suggests_only_a_lighter_mode_than_the_configured_one():
     nf4 = r"it fits with LoRA over an nf4 base \(model.adapter: \{type: lora, base_dtype: nf4\}\)$"
     with pytest.raises(ConfigError, match=nf4):
         check_plan(planner.plan(planner.place(planner.step_tokens)), planner)
+
+
+def test_a_refusal_that_names_host_kept_products_counts_what_fits_without_them(monkeypatch, capsys):
+    """engine.host_kept_layers set past the host: the refusal names them and the model that fits once they go
+    (it said "about -5888.8M parameters fit as planned": beside them none does)."""
+    simulate_host(monkeypatch, 140)
+    settings = ["model.preset=qwen2.5-7b", "data.seq_len=4096", "train.batch_size=32", "train.micro_batch_size=4"]
+    settings += ["engine.host_kept_layers=20", "device=cpu", "precision.compute_dtype=bfloat16"]
+    argv = ["plan", "--gpu-memory-gib", "80", "--host-memory-gib", "140"]
+    assert main(argv + [a for s in settings for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    assert "host-kept products take" in err and "engine.host_kept_layers: 0" in err, err
+    fitting = float(re.search(r"about ([\d.]+)B parameters fit without them", err).group(1))
+    assert 7.62 < fitting < 14, err  # (the 7B fits without them: 16 B/param of 140 GiB less the runtime)

@@ -158,7 +158,7 @@ class GRPOSection:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     # module:function (f(prompts, completions, **columns) -> list[float], TRL's signature) or a built-in name:
-    # exact_match, boxed_number (a math answer's number against `answer`), format:REGEX
+    # exact_match, numeric_answer (a math answer's number against `answer`), format:REGEX
     reward_funcs: tuple[str, ...] = ()
     reward_weights: tuple[float, ...] | None = None  # None: 1 each
     rollouts: str | None = None  # a JSONL of completions to train on (prompt, completion, reward or advantage)

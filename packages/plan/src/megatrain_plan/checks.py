@@ -116,18 +116,20 @@ def _check_host(plan: Plan, model: ModelConfig, adapter) -> None:
     fits = next((mode for mode, params in lighter if params >= plan.n_params), None)
     raise PlanError(
         f"{needs} ({plan.host_bytes_per_param:.1f} B/param) but {may_take}; {name} take {items[name] / gib:.1f} GiB: "
-        f"{saving} ({_what_fits(plan)}; `megatrain plan` lists every item)"
+        f"{saving} ({_what_fits(plan, name if name in optional else None)}; `megatrain plan` lists every item)"
         + (f"; it fits with {fits} ({MODE_SETTINGS[fits.split(' base')[0]]})" if fits else "")
     )
 
 
-def _what_fits(plan: Plan) -> str:
+def _what_fits(plan: Plan, dropped: str | None = None) -> str:
     """How many parameters the run's budget holds as planned: beside the step's own host items (the runtime's, the
-    buffers'), at the plan's bytes a parameter, as the report's "largest model" line counts them."""
-    step_own = sum(_step_own(plan.host_items).values())
-    per_parameter = sum(plan.host_items.values()) - step_own
+    buffers'), at the plan's bytes a parameter, as the report's "largest model" line counts them; without the
+    `dropped` item where the refusal's fix is to drop it (host-kept products beside which no model fits)."""
+    items = {name: nbytes for name, nbytes in plan.host_items.items() if name != dropped}
+    step_own = sum(_step_own(items).values())
+    per_parameter = sum(items.values()) - step_own
     fitting = (plan.host_available - step_own) / (per_parameter / plan.n_params)
-    return f"about {_params(fitting)} parameters fit as planned"
+    return f"about {_params(fitting)} parameters fit " + ("without them" if dropped else "as planned")
 
 
 def _step_own(items: dict[str, int]) -> dict[str, int]:
