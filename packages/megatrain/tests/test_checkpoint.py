@@ -14,13 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 import megatrain.checkpoint as checkpoint_module
+import megatrain_store.checkpoints
 from megatrain import Trainer
-from megatrain.checkpoint import find_checkpoint, resolve_resume, save_checkpoint
+from megatrain.checkpoint import find_checkpoint, resolve_resume, run_config, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
-from megatrain.rundir import SaveError
 from megatrain_optim import EmbeddingRowsFirst
 from megatrain_store import StoreError
+from megatrain_store.checkpoints import SaveError
 
 
 def losses(run_dir):
@@ -327,7 +328,7 @@ def small_disk(monkeypatch, root, capacity: int) -> None:
         return size
 
     monkeypatch.setattr(checkpoint_module, "write_safetensors", write)
-    monkeypatch.setattr(checkpoint_module, "free_bytes", lambda path: capacity - used())
+    monkeypatch.setattr(megatrain_store.checkpoints, "free_bytes", lambda path: capacity - used())
 
 
 def test_a_nearly_full_disk_saves_after_removing_what_the_save_lets_go(write_config, tmp_path, monkeypatch):
@@ -376,6 +377,10 @@ def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
         assert "the checkpoint went to fallback_dir instead" in err
         assert find_checkpoint(tmp_path / "fallback").name == "step-00000004"
         assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+        # the run's newest checkpoint is the one in fallback_dir, and a run resumed from it stays in its output_dir
+        newest = tmp_path / "fallback" / "checkpoints" / "step-00000004"
+        assert find_checkpoint(tmp_path / "run") == newest
+        assert run_config(newest)["output_dir"] == str(tmp_path / "run")
         return
     (line,) = [line for line in err.splitlines() if line.startswith("megatrain: SaveError")]
     assert "step-00000004 could not be written (the disk is full)" in line
@@ -413,9 +418,8 @@ def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tm
 def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp_path, capsys, monkeypatch):
     """Said at the start (a warning), then refused before final/ is written, saying how much it needs."""
     import megatrain.loop
-    import megatrain.rundir as rundir
 
-    monkeypatch.setattr(rundir, "free_bytes", lambda path: 2**17)
+    monkeypatch.setattr(megatrain_store.checkpoints, "free_bytes", lambda path: 2**17)
     monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
     assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 1
     err = capsys.readouterr().err
@@ -481,3 +485,50 @@ def test_a_newest_checkpoint_without_its_manifest_is_skipped_aloud(write_config,
         "skipped: using step-00000001, the newest whole one; restore its manifest.json, or remove the directory"
     ) in process.stderr.splitlines()
     assert "megatrain: resumed from step 1" in process.stderr
+
+
+def test_a_run_resumed_from_an_older_checkpoint_goes_on_as_that_line(write_config, tmp_path, capsys):
+    """Resumed from step 2 of a run that went to step 6, with another learning rate: its later checkpoints and final/
+    are moved aside (said), so that keep_last keeps the new line's, `--resume RUN` continues it, and the step after 2
+    says the learning rate it takes beside the old schedule's."""
+    config = write_config(train={"steps": 6, "save_every": 2, "keep_last": 3})
+    assert main(["train", "--config", str(config)]) == 0
+    run = tmp_path / "run"
+    resume = ["train", "--resume", str(run / "checkpoints" / "step-00000002"), "--set", "train.lr=5e-4"]
+    assert main(resume + ["--set", "train.steps=8", "--set", "train.keep_last=2"]) == 0
+    err = capsys.readouterr().err
+    moved = run / "superseded" / "after-step-00000002"
+    assert f"the run's later steps (another line of it) were moved to {moved}" in err
+    # (cosine to 0.1 x lr: 8 steps from 5e-4 where 6 from 1e-3 ran)
+    assert "step 3 trains at lr 0.0004341 on the changed schedule, where the run's own had 0.000775" in err
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
+    assert json.loads((moved / "final" / "trainer_state.json").read_text())["global_step"] == 6
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000006", "step-00000008"]
+    assert all(run_config(p)["train"]["lr"] == 5e-4 for p in (run / "checkpoints").iterdir())
+    assert sorted(losses(run)) == list(range(1, 9))
+
+
+def test_a_metrics_line_cut_short_does_not_stop_a_resume(write_config, tmp_path, capsys):
+    """A kill or a full disk can leave metrics.jsonl's last line cut short: the resumed run leaves it out, saying so."""
+    config = write_config(train={"steps": 4, "save_every": 2})
+    assert main(["train", "--config", str(config)]) == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 5, "lo')
+    assert main(["train", "--resume", str(tmp_path / "run"), "--set", "train.steps=6"]) == 0
+    assert "metrics.jsonl line 5 is no record (cut short?): left out" in capsys.readouterr().err
+    assert sorted(losses(tmp_path / "run")) == list(range(1, 7))
+
+
+def test_a_resumed_run_whose_text_changed_is_refused_and_goes_on_with_its_own_tokenizer(write_config, tmp_path, capsys):
+    """A run on text with the tokenizer megatrain trains on it: resumed after the text changed, the tokenizer trained
+    on it would give the ids other meanings; refused in one line naming the run's own, with which it goes on."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    config = write_config(data={"tokens": None, "text": str(text)}, train={"steps": 4, "save_every": 2})
+    assert main(["train", "--config", str(config)]) == 0
+    text.write_text("a different text, with other words in it: zebra, quartz, vixen. " * 400)
+    run = tmp_path / "run"
+    assert main(["train", "--resume", str(run), "--set", "train.steps=6"]) == 2
+    kept = run / "tokenizer" / "tokenizer.json"
+    assert "the run's text changed since it started" in capsys.readouterr().err and kept.exists()
+    assert main(["train", "--resume", str(run), "--set", "train.steps=6", "--set", f"data.tokenizer={kept}"]) == 0

@@ -16,7 +16,6 @@ import errno
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,15 +28,21 @@ from megatrain_store import (
     fsync_dir,
     write_safetensors,
 )
-from megatrain_store.progress import counting, progress, size_text
+from megatrain_store.checkpoints import (
+    MANIFEST,
+    SaveError,
+    complete_checkpoints,
+    make_room,
+    newest_complete,
+    step_of,
+)
+from megatrain_store.progress import counting, progress
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
 
 from .config import ConfigError
-from .rundir import SaveError, free_bytes
 
-MANIFEST = "manifest.json"
 FORMAT = 1
 CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
 FINAL = "final"  # a run directory's exported model (weights alone)
@@ -100,7 +105,7 @@ def resolve_resume(path: Path) -> Resume:
     try:
         return Resume(directory, verify_checkpoint(directory))
     except StoreError as damaged:
-        earlier = [p for p in _complete_checkpoints(directory.parent) if p.name < directory.name]
+        earlier = [p for p in complete_checkpoints(directory.parent) if p.name < directory.name]
         fix = f"resume from the one before it: --resume {earlier[-1]}" if earlier else "no checkpoint before it is left"
         raise StoreError(f"{damaged}; {fix}") from None
 
@@ -121,40 +126,6 @@ def finite_checked(entries: list, offenders: list[str]) -> list:
         return tensor
 
     return [(name, Pending(tuple(p.shape), p.dtype, lambda n=name, p=p: load(n, p))) for name, p in entries]
-
-
-def step_of(checkpoint: Path) -> int:
-    """The step a step-NNNNNNNN directory's name says."""
-    return int(checkpoint.name.split("-")[1])
-
-
-def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
-    """Room for `needed` bytes in `root` before a checkpoint `name` is written: the old checkpoints this save
-    would delete afterwards anyway (all but the newest keep_last - 1) go first, oldest first, as long as room
-    is short, so a nearly full disk can still take the next save. The newest stays until the new one is
-    whole. Returns the names removed; raises `SaveError` (nothing removed) where even that is not enough."""
-    free = free_bytes(root)
-    if free >= needed:
-        return []
-    old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)
-    going = old[: max(0, len(old) - (keep_last - 1))][: max(0, len(old) - 1)]  # (never the newest)
-    freed = sum(f.stat().st_size for p in going for f in p.rglob("*") if f.is_file())
-    if free + freed < needed:
-        also = f" ({size_text(free + freed)} with {', '.join(p.name for p in going)} removed)" if going else ""
-        kept = "the newest checkpoint stays until the new one is whole" + (
-            f", and train.keep_last: {keep_last} keeps {keep_last - 1} more" if keep_last > 1 else ""
-        )
-        raise SaveError(
-            f"checkpoint {name} needs {size_text(needed)} in {root}, whose disk has {size_text(free)} free{also} "
-            f"({kept}); free space there"
-        )
-    removed = []
-    for path in going:
-        shutil.rmtree(path)
-        removed.append(path.name)
-        if free_bytes(root) >= needed:
-            break
-    return removed
 
 
 def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path:
@@ -228,34 +199,12 @@ def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
     fsync_dir(tmp)
 
 
-def _complete_checkpoints(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
-
-
-def _newest_complete(root: Path) -> Path | None:
-    """The newest checkpoint under `root` that has its manifest, said on stderr (rank 0) where newer ones lack it:
-    a save writes the manifest last and renames a whole checkpoint into place, so one without is damaged (its
-    manifest deleted), and resuming an older step is no silent choice."""
-    complete = _complete_checkpoints(root)
-    newest = complete[-1] if complete else None
-    damaged = [p for p in sorted(root.glob("step-*")) if p.is_dir() and (newest is None or p.name > newest.name)]
-    damaged = [p for p in damaged if not (p / MANIFEST).exists()]
-    if damaged and os.environ.get("RANK", "0") == "0":
-        using = f"using {newest.name}, the newest whole one" if newest else "no whole checkpoint is left"
-        print(
-            f"megatrain: warning: {', '.join(p.name for p in damaged)} in {root} has no {MANIFEST} (deleted or "
-            f"damaged), so it is skipped: {using}; restore its {MANIFEST}, or remove the directory",
-            file=sys.stderr,
-        )
-    return newest
-
-
 def check_output_dir_free(out: Path, resume: Path | None) -> None:
     """Refuse (one line) to start a run in an output_dir that holds another run's checkpoints or final model: its
     metrics, checkpoints and export would be mixed with this run's, and a later --resume would pick whichever
     checkpoint is newest. Resuming a checkpoint of that run itself continues it."""
     out = Path(out)
-    checkpoints = _complete_checkpoints(out / CHECKPOINTS)
+    checkpoints = complete_checkpoints(out / CHECKPOINTS)
     if not checkpoints and not (out / FINAL).exists():
         return
     if resume is not None and Path(resume).resolve().is_relative_to(out.resolve()):
@@ -275,11 +224,9 @@ def find_checkpoint(path: Path) -> Path:
     path = Path(path)
     if (path / MANIFEST).exists():
         return path
-    roots = [path, path / CHECKPOINTS] + ([path.parent / CHECKPOINTS] if path.name == FINAL else [])
-    for root in roots:
-        newest = _newest_complete(root)
-        if newest is not None:
-            return newest
+    newest = _newest_checkpoint(path)
+    if newest is not None:
+        return newest
     if not path.exists():
         raise ConfigError(f"no checkpoint at {path}: it does not exist; name a run's output_dir or a checkpoint in it")
     if is_hf_directory(path):
@@ -293,6 +240,60 @@ def find_checkpoint(path: Path) -> Path:
     )
 
 
+def _newest_checkpoint(path: Path) -> Path | None:
+    """The newest whole checkpoint `path` names: in a folder of checkpoints, or of a run directory (or its final/):
+    in its checkpoints/ folder, or its fallback_dir's, where a save output_dir's disk refused went."""
+    run = path.parent if path.name in (CHECKPOINTS, FINAL) else path
+    found = [newest_complete(root) for root in dict.fromkeys([path, run / CHECKPOINTS])]
+    found = [checkpoint for checkpoint in [*found, _newest_in_fallback(run)] if checkpoint is not None]
+    return max(found, key=step_of, default=None)
+
+
+def _newest_in_fallback(run: Path) -> Path | None:
+    """The newest whole checkpoint of the run in `run` in the fallback_dir its config.json names (that folder may
+    hold other runs' too: a checkpoint's manifest names its run's output_dir)."""
+    try:
+        fallback = json.loads((run / "config.json").read_text()).get("fallback_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not fallback:
+        return None
+    ours = [
+        checkpoint
+        for checkpoint in complete_checkpoints(Path(fallback) / CHECKPOINTS)
+        if _manifest_output_dir(checkpoint) == run.resolve()
+    ]
+    return ours[-1] if ours else None
+
+
+def _manifest_output_dir(checkpoint: Path) -> Path | None:
+    try:
+        return Path(json.loads((checkpoint / MANIFEST).read_text())["config"]["output_dir"]).resolve()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def supersede_later(out: Path, step: int) -> Path | None:
+    """Move what the run directory `out` holds of steps after `step` (a run resumed from a checkpoint that is not its
+    newest: another line of training) to out/superseded/after-step-NNNNNNNN/: its later checkpoints and a final/ of a
+    later step, so that train.keep_last, `--resume` and `eval` of the run see the line that goes on. Returns where
+    they went; None where nothing was later."""
+    later = [path for path in (out / CHECKPOINTS).glob("step-*") if path.is_dir() and step_of(path) > step]
+    if not later:
+        return None
+    if (exported_step(out / FINAL) or 0) > step:
+        later.append(out / FINAL)
+    target = out / "superseded" / f"after-step-{step:08d}"
+    for count in range(2, 1000):
+        if not target.exists():
+            break
+        target = target.with_name(f"after-step-{step:08d}-{count}")
+    (target / CHECKPOINTS).mkdir(parents=True)
+    for path in later:
+        os.replace(path, target / path.name if path.name == FINAL else target / CHECKPOINTS / path.name)
+    return target
+
+
 def find_weights(path: Path) -> Path:
     """The weights to evaluate or convert at `path`: a checkpoint or a Hugging Face model directory itself
     (a run's final/ among them); in a run directory (or its checkpoints/ folder) the newest of its checkpoints
@@ -301,7 +302,7 @@ def find_weights(path: Path) -> Path:
     if (path / MANIFEST).exists() or is_hf_directory(path) or is_peft_directory(path):
         return path
     run = path.parent if path.name == CHECKPOINTS else path
-    newest = _newest_complete(run / CHECKPOINTS) or _newest_complete(path)
+    newest = _newest_checkpoint(path)
     final = run / FINAL
     if (is_hf_directory(final) or is_peft_directory(final)) and (newest is None or _final_is_newer(final, newest)):
         return final
@@ -362,6 +363,8 @@ def run_config(weights: Path, manifest: dict | None = None) -> dict | None:
     if manifest is not None or (weights / MANIFEST).exists():
         values = dict((manifest or json.loads((weights / MANIFEST).read_text()))["config"])
         run = weights.parent.parent if weights.parent.name == CHECKPOINTS else None
+        if run is not None and values.get("fallback_dir") and Path(values["fallback_dir"]).resolve() == run.resolve():
+            run = None  # (a checkpoint a save put in the run's fallback_dir: the run is where its output_dir says)
     else:
         run = weights.parent if weights.name == FINAL else None
         try:

@@ -19,10 +19,11 @@ from tqdm import tqdm
 from megatrain_data import PairWindows, TokenData, TokenWindows, load_token_data
 from megatrain_data.multimodal import MediaRows, check_media_model, media_of, row_windows
 from megatrain_data.rewards import RewardError
-from megatrain_data.serving import describe_export, keep_in_run, serving_of_run
-from megatrain_optim import Ranks
+from megatrain_data.serving import RUN_FOLDER, describe_export, keep_in_run, serving_of_run
+from megatrain_optim import Ranks, Schedule, lr_at
 from megatrain_optim.launch import leave_ranks
 from megatrain_store import atomic_write_text
+from megatrain_store.checkpoints import SaveError, free_bytes, step_of
 from megatrain_store.progress import progress, size_text
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
@@ -38,7 +39,7 @@ from .checkpoint import (
     check_steps_ahead,
     exported_step,
     save_checkpoint,
-    step_of,
+    supersede_later,
     write_trainer_state,
 )
 from .config import Config, ConfigError, model_config_of, resolve_device
@@ -46,7 +47,7 @@ from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
 from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
 from .rollouts import tokenizer_of
-from .rundir import RunLock, SaveError, free_bytes, prepare_output_dir
+from .rundir import RunLock, prepare_output_dir
 from .step import StepBatch
 from .trackers import check_trackers, open_trackers
 from .trainer import Trainer
@@ -246,6 +247,19 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
     return data if data is not None else load()
 
 
+def check_run_tokenizer(config: Config, data: TokenData, out: Path) -> None:
+    """Refuse to resume a run on text whose tokenizer megatrain trains (none is configured) where the text changed
+    since it started: the tokenizer trained on it now gives its ids other meanings than the run learned."""
+    kept = out / RUN_FOLDER / "tokenizer.json"
+    if config.data.tokenizer or config.model.hf_dir or data.tokenizer is None or not kept.exists():
+        return
+    if Path(data.tokenizer).read_bytes() != kept.read_bytes():
+        raise ConfigError(
+            f"the run's text changed since it started, and the tokenizer megatrain trains on it changed with it; set "
+            f"data.tokenizer: {kept} (the run's own) to go on, or start a new run"
+        )
+
+
 def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
     """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a
     checkpoint where they are due) as it is now: better then than after the training."""
@@ -295,6 +309,8 @@ def train(config: Config, resume: Resume | None = None) -> Path:
             data = TokenData(None, None, tokenizer_of(config)[1])
         else:
             data = load_data(config, model, out, ranks)
+            if resume is not None:
+                check_run_tokenizer(config, data, out)
             check_objective_data(config, data)
             if isinstance(data.train, MediaRows):
                 check_media_model(data.train, model, config.model.hf_dir)
@@ -378,14 +394,25 @@ class TrainingRun:
             return
         self.serving = serving_of_run(self.config, self.trainer.model_config, self.out, self.data.tokenizer)
         keep_in_run(self.out, self.serving)
-        (self.out / "config.json").write_text(json.dumps(self.config.as_dict(), indent=2))
+        atomic_write_text(self.out / "config.json", json.dumps(self.config.as_dict(), indent=2))
         atomic_write_text(self.out / "placement.json", json.dumps(self.trainer.plan.record(), indent=2))
-        kept = []
-        if self.resume is not None and self.metrics_path.exists():  # the steps the checkpoint already contains
-            lines = self.metrics_path.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= self.trainer.step_index]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        kept = self._resumed_metrics() if self.resume is not None and self.metrics_path.exists() else []
+        atomic_write_text(self.metrics_path, "".join(line + "\n" for line in kept))
         self._say_what_runs()
+
+    def _resumed_metrics(self) -> list[str]:
+        """metrics.jsonl's records of the steps the resumed checkpoint holds, less any line that is no record (a
+        kill or a full disk cuts the last one short), said."""
+        kept = []
+        for number, line in enumerate(self.metrics_path.read_text().splitlines(), 1):
+            try:
+                if json.loads(line)["step"] <= self.trainer.step_index:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                print(
+                    f"megatrain: {self.metrics_path} line {number} is no record (cut short?): left out", file=sys.stderr
+                )
+        return kept
 
     def _load_resumed(self) -> None:
         """The checkpoint resumed, said on stderr with the steps it trains again where final/ is newer."""
@@ -394,12 +421,32 @@ class TrainingRun:
         if self.rollouts is not None:
             self.rollouts.resume(self.resume.directory)
         print(f"megatrain: resumed from step {step} ({self.resume.directory})", file=sys.stderr)
+        moved = supersede_later(self.out, step) if self.main else None
+        if moved is not None:
+            print(f"megatrain: the run's later steps (another line of it) were moved to {moved}", file=sys.stderr)
+        self._say_schedule_change(step)
         exported = exported_step(self.out / FINAL)
         if exported is not None and exported > step and self.main:
             again = f"step {exported} is" if exported == step + 1 else f"steps {step + 1}-{exported} are"
             print(
                 f"megatrain: {FINAL}/ holds step {exported}, newer than any checkpoint: {again} trained again "
                 "(a train.save_every that divides train.steps checkpoints the last step)",
+                file=sys.stderr,
+            )
+
+    def _say_schedule_change(self, step: int) -> None:
+        """Where the run goes on with other schedule settings than its checkpoint's (train.steps, lr, warmup): the
+        learning rate its next step takes, beside the one its schedule had; the schedule is the new settings'."""
+        train = (self.resume.manifest.get("config") or {}).get("train")
+        if not self.main or not train:
+            return
+        keys = ("lr", "steps", "warmup_steps", "schedule", "min_lr_ratio")
+        was = lr_at(step, Schedule(*(train.get(key, getattr(self.config.train, key)) for key in keys)))
+        now = lr_at(step, self.trainer.schedule)
+        if not math.isclose(was, now, rel_tol=1e-6):
+            print(
+                f"megatrain: step {step + 1} trains at lr {now:.4g} on the changed schedule, where the run's own had "
+                f"{was:.4g}",
                 file=sys.stderr,
             )
 

@@ -8,37 +8,16 @@ over and says so. A second run into a directory held by a live one refuses at on
 import fcntl
 import json
 import os
-import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 
-from megatrain_store.progress import size_text
+from megatrain_store.checkpoints import SaveError, check_room, free_bytes  # noqa: F401 (until export and cli import them from there)
 
 from .config import ConfigError
 
 LOCK = ".megatrain.lock"
-
-
-class SaveError(RuntimeError):
-    """A checkpoint or model could not be saved (no room on the disk, a write failed); the message says
-    which, where, and what was kept."""
-
-
-def free_bytes(path: Path) -> int:
-    """Bytes free on the disk that holds `path` (or would hold it: its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def check_room(directory: Path, needed: int, what: str) -> None:
-    """Refuse (`SaveError`) to write `needed` bytes of `what` into `directory` where its disk has less free."""
-    free = free_bytes(directory)
-    if free < needed:
-        raise SaveError(f"{what} needs {size_text(needed)} in {directory}, whose disk has {size_text(free)} free")
 
 
 def prepare_output_dir(out: Path) -> None:

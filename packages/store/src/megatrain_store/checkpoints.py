@@ -1,0 +1,88 @@
+"""A folder of checkpoints: step-NNNNNNNN directories, each written whole (to a temporary name, fsynced, renamed)
+with its manifest last, so that one without its manifest is damaged; the newest whole one; the room a save needs
+on the disk, made by removing what `keep_last` would remove anyway."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .progress import size_text
+
+MANIFEST = "manifest.json"
+
+
+class SaveError(RuntimeError):
+    """A checkpoint or model could not be saved (no room on the disk, a write failed); the message says
+    which, where, and what was kept."""
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the disk that holds `path` (or would hold it: its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_room(directory: Path, needed: int, what: str) -> None:
+    """Refuse (`SaveError`) to write `needed` bytes of `what` into `directory` where its disk has less free."""
+    free = free_bytes(directory)
+    if free < needed:
+        raise SaveError(f"{what} needs {size_text(needed)} in {directory}, whose disk has {size_text(free)} free")
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step a step-NNNNNNNN directory's name says."""
+    return int(checkpoint.name.split("-")[1])
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).exists())
+
+
+def newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint under `root` that has its manifest, said on stderr (rank 0) where newer ones lack it:
+    a save writes the manifest last and renames a whole checkpoint into place, so one without is damaged (its
+    manifest deleted), and resuming an older step is no silent choice."""
+    complete = complete_checkpoints(root)
+    newest = complete[-1] if complete else None
+    damaged = [p for p in sorted(root.glob("step-*")) if p.is_dir() and (newest is None or p.name > newest.name)]
+    damaged = [p for p in damaged if not (p / MANIFEST).exists()]
+    if damaged and os.environ.get("RANK", "0") == "0":
+        using = f"using {newest.name}, the newest whole one" if newest else "no whole checkpoint is left"
+        print(
+            f"megatrain: warning: {', '.join(p.name for p in damaged)} in {root} has no {MANIFEST} (deleted or "
+            f"damaged), so it is skipped: {using}; restore its {MANIFEST}, or remove the directory",
+            file=sys.stderr,
+        )
+    return newest
+
+
+def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
+    """Room for `needed` bytes in `root` before a checkpoint `name` is written: the old checkpoints this save
+    would delete afterwards anyway (all but the newest keep_last - 1) go first, oldest first, as long as room
+    is short, so a nearly full disk can still take the next save. The newest stays until the new one is
+    whole. Returns the names removed; raises `SaveError` (nothing removed) where even that is not enough."""
+    free = free_bytes(root)
+    if free >= needed:
+        return []
+    old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)
+    going = old[: max(0, len(old) - (keep_last - 1))][: max(0, len(old) - 1)]  # (never the newest)
+    freed = sum(f.stat().st_size for p in going for f in p.rglob("*") if f.is_file())
+    if free + freed < needed:
+        also = f" ({size_text(free + freed)} with {', '.join(p.name for p in going)} removed)" if going else ""
+        kept = "the newest checkpoint stays until the new one is whole" + (
+            f", and train.keep_last: {keep_last} keeps {keep_last - 1} more" if keep_last > 1 else ""
+        )
+        raise SaveError(
+            f"checkpoint {name} needs {size_text(needed)} in {root}, whose disk has {size_text(free)} free{also} "
+            f"({kept}); free space there"
+        )
+    removed = []
+    for path in going:
+        shutil.rmtree(path)
+        removed.append(path.name)
+        if free_bytes(root) >= needed:
+            break
+    return removed
