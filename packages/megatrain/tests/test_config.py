@@ -144,7 +144,7 @@ def test_a_module_a_config_names_is_found_in_the_working_directory(tmp_path, mon
     directory megatrain runs in is found all the same, after every installed package."""
     import sys
 
-    from megatrain.config import import_user_module
+    from megatrain_data.rewards import import_user_module
 
     (tmp_path / "my_objectives_here.py").write_text("ANSWER = 42\n")
     monkeypatch.chdir(tmp_path)

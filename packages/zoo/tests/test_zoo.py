@@ -1,3 +1,6 @@
+import json
+import re
+
 import pytest
 
 from megatrain_zoo import (
@@ -9,6 +12,7 @@ from megatrain_zoo import (
     flops_per_token,
     linear_attention_flops_per_token,
     preset,
+    read_hf_config,
 )
 
 # Published parameter counts (billions, from the model cards / safetensors totals).
@@ -142,6 +146,61 @@ def test_unsupported_inputs_are_refused():
         preset("gpt5")
     with pytest.raises(ZooError, match="multiple of n_kv_heads"):
         PRESETS["tiny-llama"].with_changes(n_kv_heads=3)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": "4096"}, 'hidden_size is "4096"; it must be a whole number (a number, not in quotes)'),
+        ({"rms_norm_eps": None}, "rms_norm_eps is null; it must be a number (write the model's value, or remove"),
+        ({"num_hidden_layers": 32.5}, "num_hidden_layers is 32.5; it must be a whole number"),
+        ({"rope_theta": True}, "rope_theta is true; it must be a number or null"),
+        ({"num_key_value_heads": [8]}, "num_key_value_heads is [8]; it must be a whole number or null"),
+    ],
+)
+def test_a_config_json_number_of_the_wrong_type_is_refused_naming_the_file_and_field(tmp_path, changes, message):
+    """A number field holding text, a fraction, a bool, a list, or a null transformers refuses too: one ZooError
+    naming the file, the field, its value and what it must be (not a TypeError from the checks or the model)."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA31_HF, **changes}))
+    with pytest.raises(ZooError) as refused:
+        read_hf_config(tmp_path)
+    assert str(refused.value).startswith(f"{tmp_path / 'config.json'}: {message}")
+
+
+def test_config_json_nulls_that_mean_a_default_are_read_as_it(tmp_path):
+    """Where transformers reads a null as "none" or its default (num_key_value_heads: as many as the query heads,
+    head_dim, sliding_window, rope_theta, router_aux_loss_coef), so does megatrain; in an image-text model's
+    text_config too, whose wrong types are named there."""
+    nulls = {"num_key_value_heads": None, "head_dim": None, "sliding_window": None, "rope_theta": None}
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA31_HF, **nulls}))
+    config = read_hf_config(tmp_path)
+    assert (config.n_kv_heads, config.head_dim, config.rope_theta) == (32, 128, 10000.0)
+    assert config.sliding_window is None
+    qwen_moe = config_to_hf(PRESETS["tiny-qwen3-moe"])
+    (tmp_path / "config.json").write_text(json.dumps({**qwen_moe, "router_aux_loss_coef": None}))
+    assert read_hf_config(tmp_path).router_aux_loss_coef == 0.0
+    text = {**config_to_hf(PRESETS["tiny-llama"]), "model_type": "mistral", "rms_norm_eps": "1e-5"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral3", "text_config": text}))
+    with pytest.raises(ZooError, match='config.json: text_config.rms_norm_eps is "1e-5"; it must be a number'):
+        read_hf_config(tmp_path, image_text=False)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"d_model": "64"}, "model.d_model must be a whole number, got '64' (str)"),
+        ({"rms_eps": None}, "model.rms_eps must be a number, got None (NoneType)"),
+        ({"n_layers": True}, "model.n_layers must be a whole number, got True (bool)"),
+        ({"sliding_window": 8.0}, "model.sliding_window must be a whole number or null, got 8.0 (float)"),
+        ({"clip_qkv": "8"}, "model.clip_qkv must be a number or null, got '8' (str)"),
+    ],
+)
+def test_model_config_number_fields_hold_numbers(changes, message):
+    """Every number field of a ModelConfig, however it is made (a preset, a run's stored config, a config.json):
+    a ZooError naming the field, rather than a TypeError in the checks or in the model's arithmetic."""
+    with pytest.raises(ZooError, match=re.escape(message)):
+        PRESETS["tiny-llama"].with_changes(**changes)
+    assert PRESETS["tiny-llama"].with_changes(rope_theta=10000, rms_eps=1e-6).rope_theta == 10000  # (JSON's ints)
 
 
 # Published totals and active parameters (billions), from the model cards.

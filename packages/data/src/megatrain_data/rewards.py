@@ -4,14 +4,19 @@ column of the prompt dataset by name, one value per completion; None where the f
 left out of the weighted sum, as TRL's nansum does). Built in: `exact_match` (the completion, stripped, is the
 `answer` column), `numeric_answer` (the completion's last number, or its \\boxed{} one, equals `answer`'s), and
 `format:REGEX` (the completion matches REGEX from its start, as TRL's format rewards do). A run's names are
-resolved to functions by the meta-package (`megatrain.objectives.make_rewards`: its `module:function`s are the
-user's code, found as the config finds an objective)."""
+resolved to functions by `reward_function` (a `module:function` is the user's code, found as a config's objective
+is: `import_user_module`)."""
 
+import importlib
 import math
+import os
 import re
+import sys
 from collections.abc import Callable
 
 import torch
+
+from .errors import DataError
 
 
 class RewardError(Exception):
@@ -136,3 +141,36 @@ class Rewards:
                 f"{str(prompts[bad[0]])[:80]!r}); rewards must be finite (None: no opinion)"
             )
         return out
+
+
+def import_user_module(module_name: str):
+    """The module a config names (`module:object`: an objective, a reward function), found in the working
+    directory too, as `python -m megatrain` finds it: the `megatrain` console script's path holds its own bin
+    directory instead. The directory goes last on the path, so that no file there hides an installed package."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    return importlib.import_module(module_name)
+
+
+def reward_function(name: str) -> Callable:
+    """A reward function by its name in train.grpo.reward_funcs: a built-in, format:REGEX, or module:function (the
+    user's code, found as `import_user_module` finds it)."""
+    try:
+        function = builtin_reward(name)
+    except re.error as error:
+        raise DataError(f"train.grpo.reward_funcs {name!r}: the regex does not compile ({error})") from None
+    if function is not None:
+        return function
+    module_name, _, function_name = name.partition(":")
+    try:
+        function = getattr(import_user_module(module_name), function_name) if function_name else None
+    except (ImportError, AttributeError) as error:
+        function, reason = None, f"{type(error).__name__}: {error}"
+    else:
+        reason = "not a built-in, and no module:function" if function is None else "not callable"
+    if not callable(function):
+        raise DataError(
+            f"train.grpo.reward_funcs {name!r} cannot be loaded ({reason}); name a built-in "
+            f"({', '.join(BUILTIN)}, format:REGEX) or an importable module:function"
+        )
+    return function

@@ -4,10 +4,7 @@ Every key is checked: an unknown or mistyped key is an error that names it and l
 the keys that section accepts."""
 
 import copy
-import importlib
-import os
 import re
-import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -23,15 +20,6 @@ from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, prese
 
 class ConfigError(Exception):
     """A configuration the trainer cannot run, with the fix in the message."""
-
-
-def import_user_module(module_name: str):
-    """The module a config names (`module:object`: an objective, a reward function), found in the working
-    directory too, as `python -m megatrain` finds it: the `megatrain` console script's path holds its own bin
-    directory instead. The directory goes last on the path, so that no file there hides an installed package."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    return importlib.import_module(module_name)
 
 
 BASE_DTYPES = ("nf4", "int8", "bfloat16", "float32")  # model.adapter.base_dtype: packed, or the compute dtype's
@@ -679,8 +667,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
             raise ConfigError(f"config file {not_utf8_where(path)}; save it as UTF-8") from None
         except OSError as error:
             raise ConfigError(f"config file {path} cannot be read ({error}); name a readable YAML file") from error
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+        except yaml.YAMLError as error:  # (at the line where the failing construct begins: an unclosed bracket's)
+            mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {path}{line}: invalid YAML ({getattr(error, 'problem', error)})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections, got {type(loaded).__name__}")
         values.update(loaded)
@@ -695,7 +685,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
-        pairs.append((key.strip(), yaml.safe_load(raw)))
+        try:
+            pairs.append((key.strip(), yaml.safe_load(raw)))
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML; close its brackets and quotes") from None
     for key in _alternatives_replaced(pairs):
         _set_path(values, key, None)
     for key, value in pairs:

@@ -2,14 +2,11 @@
 functions train.grpo.reward_funcs names (the config's names of the user's code resolved here), and the refusal of
 settings the model cannot honour."""
 
-import re
-from collections.abc import Callable
-
-from megatrain_data.rewards import BUILTIN, Rewards, builtin_reward
+from megatrain_data.rewards import Rewards, import_user_module, reward_function
 from megatrain_templates import DPO, GRPO, Objective
 from megatrain_zoo import CORRECTION_BIASED, ModelConfig
 
-from .config import Config, ConfigError, import_user_module
+from .config import Config, ConfigError
 
 
 def check_model_settings(config: Config, model: ModelConfig) -> None:
@@ -68,29 +65,6 @@ def make_objective(config: Config) -> Objective | None:
     return objective
 
 
-def load_reward(name: str) -> Callable:
-    """A reward function by its config name: a built-in, format:REGEX, or module:function."""
-    try:
-        function = builtin_reward(name)
-    except re.error as error:
-        raise ConfigError(f"train.grpo.reward_funcs {name!r}: the regex does not compile ({error})") from None
-    if function is not None:
-        return function
-    module_name, _, function_name = name.partition(":")
-    try:
-        function = getattr(import_user_module(module_name), function_name) if function_name else None
-    except (ImportError, AttributeError) as error:
-        function, reason = None, f"{type(error).__name__}: {error}"
-    else:
-        reason = "not a built-in, and no module:function" if function is None else "not callable"
-    if not callable(function):
-        raise ConfigError(
-            f"train.grpo.reward_funcs {name!r} cannot be loaded ({reason}); name a built-in "
-            f"({', '.join(BUILTIN)}, format:REGEX) or an importable module:function"
-        )
-    return function
-
-
 def make_rewards(config: Config) -> Rewards:
     """The weighted reward functions train.grpo.reward_funcs and reward_weights name."""
     names = config.train.grpo.reward_funcs
@@ -99,4 +73,4 @@ def make_rewards(config: Config) -> Rewards:
             "train.objective grpo needs train.grpo.reward_funcs: a built-in (exact_match, numeric_answer, "
             "format:REGEX) or module:function, or train.grpo.rollouts with given rewards"
         )
-    return Rewards(names, [load_reward(name) for name in names], config.train.grpo.reward_weights)
+    return Rewards(names, [reward_function(name) for name in names], config.train.grpo.reward_weights)

@@ -7,7 +7,9 @@ expert. Parameter counts are per layer; FLOPs count the active parameters only.
 """
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from types import NoneType, UnionType
+from typing import get_args
 
 # Gemma 2 and 3: (1 + weight) RMSNorms before and after both halves of a block, a GELU-gated MLP, embeddings
 # scaled by sqrt(d_model), attention scaled by query_pre_attn_scalar, soft caps (Gemma 2), windowed layers
@@ -80,6 +82,21 @@ def windowed_but_every(n_layers: int, every: int) -> tuple[int, ...]:
 
 class ZooError(Exception):
     """An unknown or unsupported model description, with the fix in the message."""
+
+
+def _check_number_fields(config: "ModelConfig") -> None:
+    """A ZooError naming the first field of a ModelConfig that its type says is a number (int: a whole one; float:
+    any) and that holds something else: a size written as text, a null where only some fields allow one. Caught here
+    once, for every way a config is made, rather than as a TypeError in the checks or the model's arithmetic."""
+    for spec in fields(config):
+        kinds = get_args(spec.type) if isinstance(spec.type, UnionType) else (spec.type,)
+        number = next((kind for kind in kinds if kind in (int, float)), None)
+        value = getattr(config, spec.name)
+        if number is None or (value is None and NoneType in kinds):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float) if number is float else int):
+            what = ("a whole number" if number is int else "a number") + (" or null" if NoneType in kinds else "")
+            raise ZooError(f"model.{spec.name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -186,6 +203,7 @@ class ModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "layer_counts", tuple(tuple(counts) for counts in self.layer_counts))  # (from JSON)
+        _check_number_fields(self)
         if self.implementation == "transformers":
             return  # (its own modules define it: none of the native templates' checks apply)
         if self.arch not in ARCHITECTURES:

@@ -1,6 +1,8 @@
 """Hugging Face `config.json` -> ModelConfig, for the architectures the templates implement (the other way:
 `hf_export.py`; which way a model trains: `read.py`)."""
 
+import json
+
 from .config import (
     ERNIE,
     GATED_SHARED_EXPERT,
@@ -132,6 +134,47 @@ _DEEPSEEK_MOE = (*_LATENT_ATTENTION, "glm4_moe", "dots1")
 _WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 # families whose transformers load-balancing loss counts the unbiased top-k, not the experts chosen with the bias
 _AUX_OVER_UNBIASED_TOP_K = ("minimax_m2", "ernie4_5_moe")
+
+
+# config.json's fields the native reader computes with, by what transformers' configs take there: whole numbers or any
+# number, null or not (null where it means "none", or transformers' default, to both; a null elsewhere transformers
+# refuses too). Not here: the token ids (lists too), mamba_d_head ("auto" too) and moe_num_experts (a list in VL models).
+_HF_WHOLE = """vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads max_position_embeddings
+    max_window_layers sliding_window_pattern num_experts num_experts_per_tok moe_intermediate_size n_routed_experts
+    first_k_dense_replace shared_expert_intermediate_size moe_k moe_layer_start_index moe_layer_interval
+    moe_layer_end_index kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim intermediate_size_mlp
+    interleave_moe_layer_step no_rope_layer_interval full_attention_interval linear_conv_kernel_dim linear_key_head_dim
+    linear_value_head_dim linear_num_key_heads linear_num_value_heads shared_intermediate_size mamba_n_heads
+    mamba_expand mamba_n_groups mamba_d_state mamba_d_conv"""
+_HF_WHOLE_OR_NULL = """num_key_value_heads head_dim sliding_window rotary_dim num_local_experts n_shared_experts
+    moe_num_shared_experts n_group topk_group decoder_sparse_step q_lora_rank attention_chunk_size"""
+_HF_NUMBER = """rms_norm_eps initializer_range partial_rotary_factor rope_local_base_freq routed_scaling_factor swiglu_limit
+    query_pre_attn_scalar floor_scale attn_scale"""
+_HF_NUMBER_OR_NULL = """rope_theta original_max_position_embeddings clip_qkv router_aux_loss_coef attn_logit_softcapping
+    final_logit_softcapping embedding_multiplier residual_multiplier attention_multiplier logits_scaling"""
+_HF_NUMBER_FIELDS = {  # name -> (int for a whole number, float for any; whether null is allowed)
+    **dict.fromkeys(_HF_WHOLE.split(), (int, False)),
+    **dict.fromkeys(_HF_WHOLE_OR_NULL.split(), (int, True)),
+    **dict.fromkeys(_HF_NUMBER.split(), (float, False)),
+    **dict.fromkeys(_HF_NUMBER_OR_NULL.split(), (float, True)),
+}
+
+
+def check_hf_numbers(hf: dict, source: str = "config.json") -> None:
+    """A ZooError naming `source` (the file `hf` was read from), the first number field of `hf` or its text_config
+    (`_HF_NUMBER_FIELDS`) that holds something else, its value and what it must be."""
+    for prefix, section in (("", hf), ("text_config.", hf.get("text_config"))):
+        for name, value in (section if isinstance(section, dict) else {}).items():
+            kind, nullable = _HF_NUMBER_FIELDS.get(name, (None, True))
+            if kind is None or (value is None and nullable):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+                what = ("a whole number" if kind is int else "a number") + (" or null" if nullable else "")
+                if value is None:
+                    what += " (write the model's value, or remove the line for transformers' default)"
+                elif isinstance(value, str):
+                    what += " (a number, not in quotes)"
+                raise ZooError(f"{source}: {prefix}{name} is {json.dumps(value)}; it must be {what}")
 
 
 def _first_id(value):
@@ -591,7 +634,7 @@ def _moe_from_hf(hf: dict, model_type: str) -> dict:
         # (Qwen3-Next's transformers default renormalises; Qwen3.5-MoE's router always does)
         "norm_topk_prob": model_type in ("mixtral", "qwen3_5_moe_text")
         or bool(hf.get("norm_topk_prob", model_type == "qwen3_next")),
-        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
         "output_router_logits": bool(hf.get("output_router_logits", False)),
     }
     if model_type == "gpt_oss":  # softmax over the top-k logits: the top-k probabilities renormalised
@@ -629,5 +672,5 @@ def _ernie_moe_from_hf(hf: dict) -> dict:
         "shared_expert_d_ff": (hf.get("moe_num_shared_experts") or 0) * d_ff,
         "dense_layers": tuple(i for i in range(n_layers) if not ((i + 1) % interval == 0 and start <= i <= end)),
         "norm_topk_prob": True,
-        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef") or 0.0),
     }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .config import ModelConfig, ZooError
 from .generic import generic_model_config
-from .hf import _TEXT_MODEL_OF, config_from_hf, has_template
+from .hf import _TEXT_MODEL_OF, check_hf_numbers, config_from_hf, has_template
 from .skeleton import GenericError
 
 
@@ -59,6 +59,8 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(), object_hook=_special_floats)
+        if has_template(hf):  # (the others' fields are transformers' to check)
+            check_hf_numbers(hf, str(path))
         return model_config_from_hf(hf, implementation, image_text)
     except (FileNotFoundError, NotADirectoryError):
         hub_name = not Path(model_dir).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(model_dir))
