@@ -195,6 +195,26 @@ def test_a_run_on_token_ids_exports_the_model_directorys_tokenizer(model_dirs, t
         assert stops == Tokenizer.from_file(str(export / "tokenizer.json")).token_to_id("<|eot_id|>")
 
 
+def test_convert_writes_the_step_its_weights_hold(model_dirs, tmp_path):
+    """trainer_state.json, as final/ holds it: convert of a checkpoint says the checkpoint's step, of the run its
+    final/'s, of a model directory of no run's none (and --overwrite of an export that said one leaves none)."""
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, 2000, dtype=np.int32))
+    run, model_dir = tmp_path / "run", model_dirs[1]
+    train = settings("model.preset=tiny-llama", "data.tokens=ids.npy", "data.seq_len=32", "train.steps=2")
+    commands = [
+        ["train", *train, "--set", f"output_dir={run}"],
+        *(["convert", str(run / "checkpoints" / "step-00000001"), out] for out in ("step-1", "replaced")),
+        ["convert", str(run), "of-run"],
+        ["convert", str(model_dir), "of-model"],
+        ["convert", str(model_dir), "replaced", "--overwrite"],
+    ]
+    run_commands(commands, tmp_path)
+    assert json.loads((tmp_path / "step-1" / "trainer_state.json").read_text()) == {"global_step": 1, "max_steps": 2}
+    state = (run / "final" / "trainer_state.json").read_text()
+    assert json.loads(state)["global_step"] == 2 and (tmp_path / "of-run" / "trainer_state.json").read_text() == state
+    assert not any((tmp_path / out / "trainer_state.json").exists() for out in ("of-model", "replaced"))
+
+
 KILLED_IN_EXPORT = """
 import os, signal, sys
 import megatrain.export as hf_io

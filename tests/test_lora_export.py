@@ -94,9 +94,12 @@ def test_a_trained_adapter_exports_as_peft_and_converts_merged(base_dir, tmp_pat
 
     assert main(["convert", str(checkpoint), str(tmp_path / "converted")]) == 0
     assert rel_err(logits_of(peft_model(base_dir, tmp_path / "converted"), ids), ours) < 1e-5
+    step = {"global_step": 2, "max_steps": 2}  # (the checkpoint's, as a run's final/ says it)
+    assert json.loads((tmp_path / "converted" / "trainer_state.json").read_text()) == step
     for source, out in ((checkpoint, "merged"), (exported, "merged-export")):
         assert main(["convert", str(source), str(tmp_path / out), "--merge"]) == 0
-        assert "merged 6 adapted matrices" in capsys.readouterr().err  # (3 per layer, 2 layers)
+        said = f"merged 6 adapted matrices (scale alpha / r = 2) of the base {base_dir} into {tmp_path / out}\n"
+        assert said in capsys.readouterr().err  # (3 per layer, 2 layers; the directory written, not the base)
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out, dtype=torch.float32)
         assert rel_err(logits_of(merged.eval(), ids), ours) < 1e-5
         assert "tokenizer, chat template" in describe_export(tmp_path / out)

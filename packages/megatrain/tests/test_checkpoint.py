@@ -467,6 +467,33 @@ def test_a_model_written_over_another_leaves_none_of_its_files(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
 
 
+def test_a_model_whose_files_were_moving_when_killed_is_no_model(tmp_path, monkeypatch):
+    """A kill while a model's files move in from beside it leaves a directory without config.json (which moves last,
+    the old one gone first): eval or convert never read half of one model as the whole."""
+    import torch
+
+    import megatrain.export as export
+    from megatrain_store import Pending
+    from megatrain_zoo.hf_weights import is_hf_directory
+
+    entries = [(f"w{i}", Pending((4,), torch.float32, lambda: torch.ones(4))) for i in range(3)]
+    out = tmp_path / "final"
+    export.write_hf_directory(out, entries, {"model_type": "llama"}, None, shard_bytes=16)
+    moved, real_replace = [], os.replace
+
+    def killed_after_two(source, target):
+        if os.path.dirname(target) == str(out):  # (the moves into final/, not the staging's own atomic writes)
+            if len(moved) == 2:
+                raise KeyboardInterrupt  # (the kill)
+            moved.append(os.path.basename(target))
+        real_replace(source, target)
+
+    monkeypatch.setattr(export.os, "replace", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        export.write_hf_directory(out, entries, {"model_type": "llama"}, None, shard_bytes=16)
+    assert "config.json" not in moved and not is_hf_directory(out)
+
+
 def test_a_newest_checkpoint_without_its_manifest_is_skipped_aloud(write_config, tmp_path):
     """`megatrain train --resume RUN` (a subprocess) where the newest checkpoint's manifest was deleted: a warning
     names it and the older checkpoint resumed instead."""

@@ -7,6 +7,7 @@ real import), and one interrupted while it reads its data (a named pipe it waits
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -281,6 +282,57 @@ def test_disk_full_is_one_line(write_config, tmp_path, capsys, monkeypatch, wher
     assert "disk is full" in err.strip().splitlines()[-1]  # the last line: the run's end
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--set", "train.betas=[0.9, 0.95"], "--set 'train.betas=[0.9, 0.95': the value is not valid YAML; close its"),
+        (["--set", "train.lr=["], "--set 'train.lr=[': the value is not valid YAML; close its brackets and quotes"),
+        (["--set", "a.b='x"], '--set "a.b=\'x": the value is not valid YAML; close its brackets and quotes'),
+        (
+            ["--config", "unclosed.yaml"],
+            "unclosed.yaml line 2: invalid YAML (expected ',' or ']', but got ':')",
+        ),
+    ],
+)
+def test_a_value_that_is_not_yaml_is_one_line(tmp_path, monkeypatch, capsys, argv, line):
+    """An unclosed bracket or quote in a --set value, or in a config file (named with the line its list begins on):
+    one line, exit 2, no yaml traceback."""
+    from megatrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "unclosed.yaml").write_text("train:\n  betas: [0.9, 0.95\n  lr: 1e-3\n")
+    assert main(["train", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatrain: config error: ") and line in lines[0], lines
+
+
+@pytest.mark.parametrize("command", ["eval", "convert", "train"])
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"hidden_size": "64"}, 'hidden_size is "64"; it must be a whole number'),
+        ({"rms_norm_eps": None}, "rms_norm_eps is null"),
+    ],
+)
+def test_a_config_json_number_of_the_wrong_type_is_one_line(tmp_path, monkeypatch, capsys, command, change, said):
+    """A model directory whose config.json has a size written as text, or a null epsilon: one line naming the file
+    and the field, exit 2, from every command that reads it (not a TypeError from the checks or the norms)."""
+    from megatrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config_to_hf(preset("tiny-llama")), **change}))
+    argv = {
+        "eval": ["eval", "--checkpoint", str(model)],
+        "convert": ["convert", str(model), str(tmp_path / "out")],
+        "train": ["train", *TINY, "--set", "model.preset=null", "--set", f"model.hf_dir={model}"],
+    }[command]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"model error: {model / 'config.json'}: {said}" in lines[0], lines
+
+
 def test_generation_without_transformers_is_one_line(tmp_path, monkeypatch, capsys):
     """`megatrain generate` and GRPO's sampling run transformers' modules: without transformers, one line naming
     the extra to install, before any weights are read."""
@@ -305,6 +357,57 @@ def test_version_prints_the_package_version_without_torch(tmp_path):
         [sys.executable, "-m", "megatrain", "--version"], capture_output=True, text=True, env=env, timeout=60
     )
     assert process.returncode == 0 and process.stdout == f"megatrain {megatrain.__version__}\n", process
+
+
+def garble(path: Path, offset: int, old: bytes = b"", new: bytes = b"XXXXXXXX") -> None:
+    """Overwrite `path`'s bytes in place: `new` at `offset`, or (with `old`) over the first `old` from there."""
+    raw = bytearray(path.read_bytes())
+    at = raw.index(old, offset) if old else offset
+    raw[at : at + len(new)] = new
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_weights_are_refused_in_one_line_and_convert_writes_nothing(
+    write_config, tmp_path, capsys, monkeypatch
+):
+    """What eval refuses, convert refuses too, in one line naming the file, before it writes anything: a checkpoint
+    whose model.safetensors has bytes garbled (its CRC32 check), a run whose newest checkpoint's manifest.json was cut
+    short (eval and generate too, naming the checkpoint before it), and copies of final/ whose config.json does not
+    describe their weights (a layer fewer, another vocab_size, a tensor's name garbled in the header)."""
+    from megatrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(write_config(train={"steps": 2, "save_every": 1}))]) == 0
+    for copy in ("garbled", "cut"):
+        shutil.copytree("run", copy)
+    weights = Path("garbled", CHECKPOINTS, "step-00000002", "model.safetensors")
+    garble(weights, weights.stat().st_size // 2)
+    shutil.rmtree(Path("cut", FINAL))  # (else the run's newest weights are its final/)
+    manifest = Path("cut", CHECKPOINTS, "step-00000002", MANIFEST)
+    manifest.write_bytes(manifest.read_bytes()[:300])
+    described = {"fewer-layers": ("num_hidden_layers", -1), "more-words": ("vocab_size", 8), "misnamed": None}
+    for name, change in described.items():
+        shutil.copytree(Path("run", FINAL), name)
+        if change is None:
+            garble(Path(name, "model.safetensors"), 0, b"model.norm.weight", b"model.nrom.weight")
+            continue
+        hf_config = json.loads(Path(name, "config.json").read_text())
+        hf_config[change[0]] += change[1]
+        Path(name, "config.json").write_text(json.dumps(hf_config))
+    cut = [f"{manifest} is unreadable", f"the one before it: --resume {Path('cut', CHECKPOINTS, 'step-00000001')}"]
+    refusals = [
+        (["convert", str(weights.parent), "out"], [f"{weights} fails its CRC32 check", "step-00000001"]),
+        (["convert", "cut", "out"], cut),
+        (["eval", "--checkpoint", "cut"], cut),
+        (["generate", "--checkpoint", "cut", "--prompts", "p.txt"], cut),
+        *((["convert", name, "out"], [f"{name}/model.safetensors: "]) for name in described),
+    ]
+    capsys.readouterr()
+    for argv, says in refusals:
+        code = main(argv)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code != 0 and len(lines) == 1 and all(part in lines[0] for part in says), (argv, lines)
+        assert not Path("out").exists() and not list(Path().glob(".out*")), argv
 
 
 def test_eval_refuses_a_validation_fraction_the_run_trained_on(write_config, tmp_path):

@@ -1,10 +1,12 @@
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatrain_store import GroupLayout, HostStore, StoreError
+from megatrain_store import GroupLayout, HostStore, StoreError, read_safetensors_header
 from megatrain_zoo import PRESETS, build_model, check_hf_weights, load_hf_weights
-from megatrain_zoo.hf_weights import WholeGroups, dequantize_mxfp4, named_masters
+from megatrain_zoo.hf_weights import WholeGroups, dequantize_mxfp4, entries_as_imported, named_masters
 
 
 def _store(spec) -> HostStore:
@@ -43,6 +45,19 @@ def test_a_mis_shaped_tensor_is_refused_from_the_headers(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(StoreError, match="lm_head.weight"):
         check_hf_weights(spec, tmp_path)
+
+
+def test_a_conversion_reads_only_what_an_import_accepts(tmp_path):
+    """`entries_as_imported` (convert's and a merge's reading of a directory) refuses, from the headers, a file whose
+    tensors are not the model's: a layer more than its config says, as `check_hf_weights` refuses it."""
+    model = PRESETS["tiny-llama"]
+    _checkpoint(build_model(model), tmp_path, torch.Generator().manual_seed(2))
+    fewer = build_model(replace(model, n_layers=model.n_layers - 1))
+    files = [tmp_path / "model.safetensors"]
+    shapes = {k: tuple(v["shape"]) for k, v in read_safetensors_header(files[0]).items() if k != "__metadata__"}
+    with pytest.raises(StoreError, match=f"model.safetensors: unexpected tensor 'model.layers.{model.n_layers - 1}."):
+        entries_as_imported(fewer, files, dict.fromkeys(shapes, files[0]), shapes, torch.float32)
+    assert len(entries_as_imported(build_model(model), files, dict.fromkeys(shapes, files[0]), shapes, torch.float32))
 
 
 def test_mxfp4_dequantizes_as_published():

@@ -27,11 +27,11 @@ def _error_types() -> dict:
     from megatrain_plan import PlanError
     from megatrain_sched import SchedError
     from megatrain_store import StoreError
+    from megatrain_store.checkpoints import SaveError
     from megatrain_zoo import ZooError
 
     from .checkpoint import NonFiniteError
     from .config import ConfigError
-    from .rundir import SaveError
 
     others = (StoreError, OptimError, SchedError, NonFiniteError, RankError, SaveError)
     # (data that cannot be read, a model that cannot be read, a preset misspelled: the user's input, as the config is)
@@ -213,24 +213,38 @@ def run_convert(args) -> None:
     """`megatrain convert SOURCE DIR`: a model directory served as trained (a LoRA run's: its PEFT adapter directory,
     or with --merge its base model with the adapters merged in); says what it wrote."""
     from megatrain_data.serving import describe_export
+    from megatrain_store.checkpoints import SaveError
     from megatrain_zoo.peft import check_export_target
 
-    from .checkpoint import find_weights
+    from .checkpoint import TRAINER_STATE, exported_step, write_trainer_state
     from .export import convert, lora_source
-    from .rundir import SaveError
 
     out, source = Path(args.out), Path(args.source)
     check_export_target(out, {"the source": source}, args.overwrite)  # (DIR's own problems first, then what it reads)
-    weights = find_weights(source)
+    weights, resume = _weights_at(source)
     lora = lora_source(weights)
     base = {"the LoRA run's base model": lora.base} if lora is not None and lora.base is not None else {}
     check_export_target(out, {"the weights it converts": weights} | base, overwrite=True)
     try:
         written = convert(weights, out, args.dtype, serving=_serving_of_weights(weights), merge=args.merge)
+        if resume is not None:  # (the step its weights hold: a run's final/ says its own, a model directory none)
+            write_trainer_state(written, resume.step, resume.manifest["config"]["train"]["steps"])
+        elif exported_step(weights) is not None:
+            (written / TRAINER_STATE).write_bytes((weights / TRAINER_STATE).read_bytes())
     except OSError as error:  # (it is the DIR argument, not a run's output_dir, that cannot be written)
         hint = _os_hint(error.errno, "name another DIR to convert into")
         raise SaveError(f"convert cannot write {out} ({error.strerror or error}); {hint}") from None
     print(f"wrote {written}: {describe_export(written)}")
+
+
+def _weights_at(path: Path):
+    """The weights at `path` (`find_weights`) and, for a checkpoint, its `Resume`: its manifest and files verified
+    before anything reads them (a damaged one refused in one line naming the one before it); None for a model
+    directory."""
+    from .checkpoint import MANIFEST, find_weights, resolve_resume
+
+    weights = find_weights(path)
+    return weights, resolve_resume(weights) if (weights / MANIFEST).exists() else None
 
 
 def _serving_of_weights(weights: Path):
@@ -269,7 +283,7 @@ def run_eval(config, args) -> None:
             "megatrain eval scores held-out text or pairs; a GRPO run's prompts have no targets: use "
             "`megatrain generate --checkpoint RUN --prompts FILE` and score the completions"
         )
-    trainer, what = trainer_for_weights(config, args.weights)
+    trainer, what = trainer_for_weights(config, args.weights, args.resume)
     try:
         data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
@@ -307,15 +321,14 @@ def check_held_out(config, base: dict | None) -> None:
     )
 
 
-def trainer_for_weights(config, weights: Path):
-    """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, a checkpoint, or a LoRA
-    run's adapters over their base) and no optimizer state: for evaluation and generation."""
+def trainer_for_weights(config, weights: Path, resume):
+    """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, a checkpoint: its `resume`,
+    or a LoRA run's adapters over their base) and no optimizer state: for evaluation and generation."""
     from dataclasses import replace
 
     from megatrain_zoo import ModelConfig
     from megatrain_zoo.peft import is_peft_directory
 
-    from .checkpoint import MANIFEST, resolve_resume
     from .config import AdapterSection, ModelSection
     from .export import lora_source
     from .trainer import Trainer
@@ -324,9 +337,8 @@ def trainer_for_weights(config, weights: Path):
         section = config.model if config.model.adapter.type else ModelSection(hf_dir=lora_source(weights).base_name)
         model = replace(section, adapter=AdapterSection(type="lora", path=str(weights)))
         return Trainer(replace(config, model=model), training=False), str(weights)
-    if not (weights / MANIFEST).exists():
+    if resume is None:
         return Trainer(replace(config, model=ModelSection(hf_dir=str(weights))), training=False), str(weights)
-    resume = resolve_resume(weights)
     trainer = Trainer(config, ModelConfig(**resume.manifest["model"]), training=False)
     trainer.load_state_dict(resume.state())
     return trainer, f"{weights} (step {resume.step})"
@@ -343,7 +355,7 @@ def run_generate(config, args) -> None:
     from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)
-    trainer, _ = trainer_for_weights(config, args.weights)
+    trainer, _ = trainer_for_weights(config, args.weights, args.resume)
     try:
         path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config.vocab_size)
         tokenizer = load_tokenizer(path)
@@ -385,7 +397,6 @@ def run_pair_eval(config, args) -> None:
     then takes the weights evaluated."""
     import json
 
-    from .checkpoint import MANIFEST, resolve_resume
     from .loop import evaluate_pairs, load_data
     from .reference import reference_scores
     from .trainer import Trainer
@@ -397,9 +408,8 @@ def run_pair_eval(config, args) -> None:
         reference = None
         if config.train.dpo.needs_reference:
             reference = reference_scores(trainer, rows, Path(config.output_dir) / "cache", split)
-        source = args.weights
-        if (source / MANIFEST).exists():
-            resume = resolve_resume(source)
+        source, resume = args.weights, args.resume
+        if resume is not None:
             what = f"{source} (step {resume.step})"
             trainer.load_state_dict(resume.state())
         else:
@@ -586,22 +596,22 @@ def run_command(args) -> None:
     elif args.command == "train":
         run_train(args)
     elif args.command == "eval":
-        from .checkpoint import find_weights, run_config
+        from .checkpoint import run_config
 
         _at_least(args.batches, 1, "--batches")
-        args.weights = find_weights(Path(args.checkpoint))
+        args.weights, args.resume = _weights_at(Path(args.checkpoint))
         base = run_config(args.weights)
         config = _config(args, base)
         check_held_out(config, base)
         run_eval(config, args)
     elif args.command == "generate":
-        from .checkpoint import find_weights, run_config
+        from .checkpoint import run_config
         from .generate import require_transformers
 
         require_transformers("megatrain generate")
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
-        args.weights = find_weights(Path(args.checkpoint))
+        args.weights, args.resume = _weights_at(Path(args.checkpoint))
         run_generate(_config(args, run_config(args.weights)), args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")

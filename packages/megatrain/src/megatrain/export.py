@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from megatrain_data.serving import SERVING_FILES, Serving, write_serving_files
@@ -19,8 +19,8 @@ from megatrain_store import (
     read_safetensors_header,
     write_safetensors,
 )
+from megatrain_store.checkpoints import check_room
 from megatrain_store.progress import counting, progress
-from megatrain_templates import Lora
 from megatrain_zoo import ModelConfig, ModelSpec, config_to_hf, read_hf_config
 from megatrain_zoo.hf_weights import (
     PACKED_CACHE,
@@ -34,6 +34,7 @@ from megatrain_zoo.peft import (
     PEFT_CONFIG,
     PEFT_PREFIX,
     PEFT_WEIGHTS,
+    LoraSource,
     base_entries,
     merged_entries,
     read_adapters,
@@ -42,7 +43,6 @@ from megatrain_zoo.peft import (
 )
 
 from .config import ConfigError
-from .rundir import check_room
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
 
@@ -105,15 +105,19 @@ def _write_staged(out_dir: Path, entries: list, write) -> Path:
 def _move_into(staging: Path, out_dir: Path) -> None:
     """Move a model's files from `staging` into `out_dir`, whose files of an earlier model (or adapter) go where this
     one writes none (stale shards beside a new index would be read as the model; another model's tokenizer, chat
-    template or generation config as this one's; a full model's config.json beside an adapter as the model)."""
+    template or generation config as this one's; a full model's config.json beside an adapter as the model). The file
+    that makes a directory a model (config.json, a PEFT adapter's adapter_config.json) goes first and comes back
+    last: a kill while the files move leaves no directory that reads as a whole model."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    described = [out_dir / name for name in ("model.safetensors.index.json", *SERVING_FILES)]
+    descriptor = PEFT_CONFIG if (staging / PEFT_CONFIG).exists() else "config.json"
+    (out_dir / descriptor).unlink(missing_ok=True)
+    described = [out_dir / name for name in ("model.safetensors.index.json", "trainer_state.json", *SERVING_FILES)]
     adapter = [out_dir / name for name in (PEFT_CONFIG, PEFT_WEIGHTS)]
     model = [out_dir / "config.json"] if (staging / PEFT_CONFIG).exists() else []
     for stale in [*out_dir.glob("model*.safetensors"), *described, *adapter, *model]:
         if stale.exists() and not (staging / stale.name).exists():
             stale.unlink()
-    for path in staging.iterdir():
+    for path in sorted(staging.iterdir(), key=lambda path: path.name == descriptor):
         os.replace(path, out_dir / path.name)
     staging.rmdir()
     fsync_dir(out_dir)
@@ -229,27 +233,6 @@ def _read(where: dict, name: str):
         return handles[where[name]].get_tensor(name)
 
 
-@dataclass(frozen=True)
-class LoraSource:
-    """What a LoRA run's weights are: its model, its adapter's settings, the file holding the adapters (their names
-    there: `prefix` + the model's), and its base: a Hugging Face directory, or (a preset's run) drawn as the run drew
-    it, from `seed` in the dtype it held the base in."""
-
-    model: ModelConfig
-    adapter: Lora
-    weights: Path
-    prefix: str
-    base: Path | None
-    seed: int = 0
-    held: str = "float32"
-    packed_cache: Path | None = None  # the packed base the run kept (`PackedGroups.save`), where it packed one
-
-    @property
-    def base_name(self) -> str | None:
-        """adapter_config.json's base_model_name_or_path: the base's directory (None: a preset's drawn weights)."""
-        return None if self.base is None else str(self.base)
-
-
 def lora_source(source: Path) -> LoraSource | None:
     """The LoRA run `source` holds the adapters of: a checkpoint of a run with model.adapter, or a PEFT adapter
     directory (a run's final/, whose run config names the base; else the local base model directory its
@@ -311,11 +294,12 @@ def convert_lora(
         return write_peft_directory(out_dir, entries, spec, lora.base_name, serving)
     base = base_entries(spec, lora.base, lora.seed, getattr(torch, lora.held), lora.packed_cache)
     entries, merged = merged_entries(spec, base, adapters, target)
+    written = write_hf_directory(out_dir, entries, config_to_hf(lora.model, dtype), serving, shard_bytes)
     packed = spec.adapter.base_format
     print(
-        f"megatrain: merged {merged} adapted matrices (scale alpha / r = {spec.adapter.scale:g}) into "
-        f"{lora.base_name or 'the base drawn from model.preset'}"
+        f"megatrain: merged {merged} adapted matrices (scale alpha / r = {spec.adapter.scale:g}) of the base "
+        f"{lora.base_name or 'drawn from model.preset'} into {written}"
         + (f", its layers' matrices dequantized from its {packed} form, as the run trained on them" if packed else ""),
         file=sys.stderr,
     )
-    return write_hf_directory(out_dir, entries, config_to_hf(lora.model, dtype), serving, shard_bytes)
+    return written

@@ -1,5 +1,5 @@
-"""The run directory (output_dir): made and checked writable before anything is loaded, held by one run
-at a time, and the room on its disk checked before a save.
+"""The run directory (output_dir): made and checked writable before anything is loaded, and held by one run
+at a time (the room on its disk before a save: megatrain_store.checkpoints).
 
 The lock is an advisory `flock` on output_dir/.megatrain.lock, which the kernel releases however the
 process ends: a run killed with -9 leaves the file (naming it) but not the lock, and the next run takes it
@@ -12,8 +12,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-
-from megatrain_store.checkpoints import SaveError, check_room, free_bytes  # noqa: F401 (until export and cli import them from there)
 
 from .config import ConfigError
 

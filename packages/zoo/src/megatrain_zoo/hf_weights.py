@@ -432,7 +432,11 @@ def _place_packed_nf4(store: HostStore, handles, where, layout: dict, names: dic
 def check_hf_weights(spec: ModelSpec, model_dir: Path) -> None:
     """Refuse, from the headers alone and before any memory is allocated, a directory whose tensors
     are missing, unexpected or mis-shaped for `spec`."""
-    files = checkpoint_files(model_dir)
+    _check_files(spec, checkpoint_files(model_dir))
+
+
+def _check_files(spec: ModelSpec, files: list[Path]) -> None:
+    """`check_hf_weights` of a directory's safetensors `files`."""
     if spec.checkpoint_layout is not None:
         _bind_generic_buffers(spec, files)  # (here, as every rank checks: each rank's layers compute with them)
         return
@@ -600,7 +604,10 @@ class _ConvertedGroup:
 
 def entries_as_imported(spec: ModelSpec, files: list[Path], where: dict, shapes: dict, target) -> list:
     """The files' tensors as megatrain imports them, to be read when written: quantized ones dequantized under their
-    own names, those the model leaves out left out, those the files name otherwise under the model's names."""
+    own names, those the model leaves out left out, those the files name otherwise under the model's names. Refused
+    first, as an import refuses them (`check_hf_weights`), where they are not `spec`'s: a config.json that does not
+    describe its weights would be written beside tensors it does not load."""
+    _check_files(spec, files)
     leave_out = spec.checkpoint_names_to_ignore  # the config written says it has none of what is left out
     # tensors the files name otherwise (Gemma 3's text model in its image-text checkpoint) go out under the model's names
     canonical = {alias: name for name in file_tensors(spec.param_shapes()) for alias in spec.checkpoint_aliases(name)}

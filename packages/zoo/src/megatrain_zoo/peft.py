@@ -7,6 +7,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from megatrain_store import (
 from megatrain_store.packed import quantizes, round_trip
 from megatrain_templates import ALL_LINEAR, Lora, file_tensors
 
-from .config import ZooError
+from .config import ModelConfig, ZooError
 from .hf_weights import _fill_groups, is_hf_directory, packed_base_key
 from .spec import ModelSpec
 
@@ -48,6 +49,27 @@ _PLAIN_LORA = {
     "use_qalora": False,
     "alora_invocation_tokens": None,
 }
+
+
+@dataclass(frozen=True)
+class LoraSource:
+    """What a LoRA run's weights are: its model, its adapter's settings, the file holding the adapters (their names
+    there: `prefix` + the model's), and its base: a Hugging Face directory, or (a preset's run) drawn as the run drew
+    it, from `seed` in the dtype it held the base in."""
+
+    model: ModelConfig
+    adapter: Lora
+    weights: Path
+    prefix: str
+    base: Path | None
+    seed: int = 0
+    held: str = "float32"
+    packed_cache: Path | None = None  # the packed base the run kept (`PackedGroups.save`), where it packed one
+
+    @property
+    def base_name(self) -> str | None:
+        """adapter_config.json's base_model_name_or_path: the base's directory (None: a preset's drawn weights)."""
+        return None if self.base is None else str(self.base)
 
 
 def read_peft_config(adapter_dir: Path) -> Lora:
