@@ -42,7 +42,7 @@ def test_plan_command(capsys, monkeypatch):
     simulate_host(monkeypatch, 1000)
     assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 0
     out = capsys.readouterr().out
-    assert "8.03B parameters" in out and "host memory" in out and "model TFLOPS" in out
+    assert "8.03B parameters" in out and "host memory" in out and "step time" in out
     simulate_host(monkeypatch, 16)
     assert main(["plan", "--set", "model.preset=llama3-8b", "--set", "device=cpu"]) == 2
     out, err = capsys.readouterr()
@@ -190,3 +190,14 @@ def test_a_refusal_that_names_host_kept_products_counts_what_fits_without_them(m
     assert "host-kept products take" in err and "engine.host_kept_layers: 0" in err, err
     fitting = float(re.search(r"about ([\d.]+)B parameters fit without them", err).group(1))
     assert 7.62 < fitting < 14, err  # (the 7B fits without them: 16 B/param of 140 GiB less the runtime)
+
+
+def test_a_cpu_plan_on_unmeasured_rates_predicts_no_step(monkeypatch, capsys, tmp_path):
+    """engine.measure_rates: false on the CPU leaves the default rates, an H100 machine's: the plan says it does
+    not predict the step (it said 22 model TFLOPS for two CPU cores), the run's line names no step time."""
+    import megatrain_plan.rates as rates
+
+    monkeypatch.setattr(rates, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    assert main(["plan", "--set", "engine.measure_rates=false", "--set", "device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "step time        not predicted: this CPU's rates are not measured" in out and "TFLOPS" not in out

@@ -713,7 +713,8 @@ def test_on_the_hosts_own_cpu_the_steps_parts_take_turns(monkeypatch):
     step is their sum, where a GPU's overlap them (the longest bounds it); the report says which."""
     simulate_host(monkeypatch, 64)
     gpu = planner_for("qwen2.5-0.5b", 8192)
-    cpu = Planner(gpu.spec, gpu.rates, replace(gpu.machine, shares_cores=True), gpu.shape, gpu.engine, gpu.objective)
+    measured = replace(gpu.rates, source="measured on this CPU")  # (a CPU's step on the default rates is not predicted)
+    cpu = Planner(gpu.spec, measured, replace(gpu.machine, shares_cores=True), gpu.shape, gpu.engine, gpu.objective)
     placement = gpu.place(gpu.step_tokens)
     overlapped, in_turn = gpu.plan(placement, False), cpu.plan(placement, False)
     parts = in_turn.compute_s + in_turn.transfer_s + in_turn.optimizer_s + gpu.device_update_s(placement)

@@ -661,8 +661,9 @@ class TrainingRun:
         if self.last_checkpoint is None:
             return f"this run has no checkpoint: all its steps ({step}) are lost"
         since = step - step_of(self.last_checkpoint)
+        lost = f"the steps since {self.last_checkpoint} ({since}) are lost" if since else "no step is lost"
         return (
-            f"the steps since {self.last_checkpoint} ({since}) are lost; free space and continue from it with "
+            f"{lost}; free space and continue from it with "
             f"`megatrain train --resume {self.last_checkpoint}` (--set output_dir=DIR to continue elsewhere)"
         )
 

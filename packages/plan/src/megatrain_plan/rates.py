@@ -31,6 +31,9 @@ from .errors import PlanError
 CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "calibration.json"
 
 
+DEFAULT_RATES_SOURCE = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-24)"
+
+
 @dataclass(frozen=True)
 class Rates:
     """Machine rates the performance model uses."""
@@ -46,7 +49,7 @@ class Rates:
     pcie_duplex_gbps: float = 48.3  # each direction while the other copies too (the backward)
     # GPU-updated layers: their fused AdamW on the GPU plus the casts of their masters into the slots, a step
     gpu_adam_params_per_s: float = 66.6e9
-    source: str = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-24)"
+    source: str = DEFAULT_RATES_SOURCE
     # a layer keeping its matmul products (no GEMM recomputed), counted as `block_work` counts it; None: the
     # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
     gpu_kept_tflops: float | None = None

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatrain_sched import Placement
 
-from .rates import Rates
+from .rates import DEFAULT_RATES_SOURCE, Rates
 
 
 @dataclass
@@ -134,8 +134,15 @@ class Plan:
             f"placed for {self.placement.step_tokens:,} tokens a step per {'GPU' if self.gpu_available else 'device'}"
             f"{in_sweeps}: "
             f"{', '.join(parts) or 'every layer streamed'}"
-            f"; predicted {self.step_s:.2f} s a step, bound by {self.bound_name}"
+            + (f"; predicted {self.step_s:.2f} s a step, bound by {self.bound_name}" if self.predicts_step else "")
         )
+
+    @property
+    def predicts_step(self) -> bool:
+        """Whether the plan's rates are this machine's: on the CPU (`shares_cores`) the default rates are an H100
+        machine's GPU and host, whose step says nothing of a CPU's (unmeasured: engine.measure_rates false, or
+        several processes)."""
+        return not (self.shares_cores and self.rates.source == DEFAULT_RATES_SOURCE)
 
     @property
     def bound_name(self) -> str:
@@ -192,6 +199,8 @@ def format_plan(plan: Plan, model_name: str, refused: bool = False) -> str:
             ["step time        not predicted: this machine cannot run the plan (why below)"]
             if refused
             else _step_lines(plan)
+            if plan.predicts_step
+            else ["step time        not predicted: this CPU's rates are not measured (engine.measure_rates: true)"]
         ),
     ]
     return "\n".join(lines)

@@ -29,7 +29,10 @@ def check_room(directory: Path, needed: int, what: str) -> None:
     """Refuse (`SaveError`) to write `needed` bytes of `what` into `directory` where its disk has less free."""
     free = free_bytes(directory)
     if free < needed:
-        raise SaveError(f"{what} needs {size_text(needed)} in {directory}, whose disk has {size_text(free)} free")
+        raise SaveError(
+            f"{what} needs {size_text(needed)} in {directory}, whose disk has {size_text(free)} free; free space there "
+            "or write it to another disk"
+        )
 
 
 def step_of(checkpoint: Path) -> int:
