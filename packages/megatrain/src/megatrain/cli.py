@@ -283,7 +283,7 @@ def run_eval(config, args) -> None:
             "megatrain eval scores held-out text or pairs; a GRPO run's prompts have no targets: use "
             "`megatrain generate --checkpoint RUN --prompts FILE` and score the completions"
         )
-    trainer, what = trainer_for_weights(config, args.weights, args.resume)
+    trainer, what = trainer_for_weights(config, args.weights, args.verified)
     try:
         data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
@@ -355,7 +355,7 @@ def run_generate(config, args) -> None:
     from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)
-    trainer, _ = trainer_for_weights(config, args.weights, args.resume)
+    trainer, _ = trainer_for_weights(config, args.weights, args.verified)
     try:
         path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config.vocab_size)
         tokenizer = load_tokenizer(path)
@@ -408,7 +408,7 @@ def run_pair_eval(config, args) -> None:
         reference = None
         if config.train.dpo.needs_reference:
             reference = reference_scores(trainer, rows, Path(config.output_dir) / "cache", split)
-        source, resume = args.weights, args.resume
+        source, resume = args.weights, args.verified
         if resume is not None:
             what = f"{source} (step {resume.step})"
             trainer.load_state_dict(resume.state())
@@ -599,7 +599,7 @@ def run_command(args) -> None:
         from .checkpoint import run_config
 
         _at_least(args.batches, 1, "--batches")
-        args.weights, args.resume = _weights_at(Path(args.checkpoint))
+        args.weights, args.verified = _weights_at(Path(args.checkpoint))
         base = run_config(args.weights)
         config = _config(args, base)
         check_held_out(config, base)
@@ -611,7 +611,7 @@ def run_command(args) -> None:
         require_transformers("megatrain generate")
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
-        args.weights, args.resume = _weights_at(Path(args.checkpoint))
+        args.weights, args.verified = _weights_at(Path(args.checkpoint))
         run_generate(_config(args, run_config(args.weights)), args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")
