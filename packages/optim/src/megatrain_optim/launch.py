@@ -119,18 +119,18 @@ def join_ranks(device_type: str, cpu_threads: int | str, split_state: bool, wait
 def set_cpu_threads(cpu_threads: int | str, local_world: int | None, beside_gpu: bool = False) -> None:
     """torch's CPU threads for this process: `cpu_threads` where a number; "auto": the host's cores split among its
     `local_world` processes under torchrun (which sets OMP_NUM_THREADS=1 per worker, leaving the CPU AdamW one core);
-    for a process alone torch's default (OMP_NUM_THREADS where set), less one core beside a GPU (`beside_gpu`): the
-    threads that issue the GPU's work and copies then keep a core, where the AdamW's parallel regions, each as slow
-    as its slowest thread, would share it (an optimizer-bound MoE step on an H200 ran faster in 4 of 5 pairs, by
-    1.7% on average; a compute-bound dense one equal: benchmarks/results/cpu-threads-h200.json)."""
+    for a process alone torch's threads as they are, less one of its default beside a GPU (`beside_gpu`; none where
+    OMP_NUM_THREADS sets them): the threads that issue the GPU's work and copies then keep a core, where the AdamW's
+    parallel regions, each as slow as its slowest thread, would share it (an optimizer-bound MoE step on an H200 ran
+    faster in 4 of 5 pairs, by 1.7% on average; a compute-bound dense one equal:
+    benchmarks/results/cpu-threads-h200.json)."""
     alone = _threads_at_start()
     if cpu_threads != "auto":
         torch.set_num_threads(cpu_threads)
     elif local_world is not None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    else:
-        spare_one = beside_gpu and alone > 2 and "OMP_NUM_THREADS" not in os.environ
-        torch.set_num_threads(alone - 1 if spare_one else alone)
+    elif beside_gpu and alone > 2 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(alone - 1)
 
 
 @functools.cache

@@ -50,7 +50,7 @@ class GradientSink:
             for group in stage.groups:
                 self._users[group] += 1
         self._carried: dict[int, Tensor] = {}  # resident groups' gradient buffers, from sweep to sweep
-        self._spare: dict[int, list[Tensor]] = {}  # on the CPU: buffers whose gradient left, by size (`_new_buffer`)
+        self._spare: Tensor | None = None  # on the CPU: the last buffer whose gradient left (`_new_buffer`)
         self.begin_step(sweep=0, last_sweep=True, warm_up=False)
 
     def begin_step(self, sweep: int, last_sweep: bool, warm_up: bool) -> None:
@@ -60,7 +60,7 @@ class GradientSink:
         self.sq_norms = torch.zeros(self.store.n_groups, dtype=self.store.master_dtype, device=self.device)
         self.remaining = list(self._users)  # group -> stages yet to run its backward
         self.buffers = self._carried if sweep else {}
-        self._carried = {}
+        self._carried, self._spare = {}, None
 
     def of(self, stage: int) -> list[Tensor | None]:
         """The stage's groups' device gradient buffers (padded to whole shards), as exact-size views; None for a
@@ -76,18 +76,19 @@ class GradientSink:
         return buffers
 
     def _new_buffer(self, numel: int) -> Tensor:
-        """A zeroed gradient buffer. On the CPU one whose gradient has left is zeroed again: a new one of a layer's
-        size is mapped and faulted in page by page, every step (a 0.5B model's step spent more time so than in
-        its update). On a GPU the caching allocator reuses freed memory in stream order already."""
-        spare = self._spare.get(numel)
-        if spare:
-            return spare.pop().zero_()
+        """A zeroed gradient buffer. On the CPU the last one whose gradient left is zeroed again where it has the
+        size (the next layer's, in a backward): a new one of a layer's size is mapped and faulted in page by page (a
+        0.5B model's step spent more time so than in its update). One such buffer at most, and none past its sweep:
+        the host memory the plan counts. On a GPU the caching allocator reuses freed memory in stream order."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.numel() == numel:
+            return spare.zero_()
         return torch.zeros(numel, dtype=self.store.master_dtype, device=self.device)
 
     def _release(self, buffer: Tensor) -> None:
         """A buffer whose gradient has left (on the CPU the copy out is done when `_copy_out` returns)."""
         if not self.streams.cuda:
-            self._spare.setdefault(buffer.numel(), []).append(buffer)
+            self._spare = buffer
 
     def _own_shard(self, group: int, buffer: Tensor) -> Tensor:
         start, end = self.store.shard_range(group)
