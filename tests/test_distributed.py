@@ -599,6 +599,25 @@ def test_a_config_error_under_torchrun_is_said_once_and_every_rank_exits_2(tmp_p
     assert process.returncode == 1 and exit_codes == ["2", "2"], process.stderr
 
 
+def test_a_refusal_rank_0_alone_makes_is_said_and_the_other_rank_says_one_line(tmp_path, tokens):
+    """A data file that is missing: rank 0 reads the data first and refuses, the other rank's collective fails as
+    rank 0 leaves: rank 0's line is said (torchrun ended it before it did), the other rank's is one line too."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(CONFIG | {"output_dir": str(tmp_path / "run")}))
+    missing = ["--set", f"data.tokens={tmp_path / 'nope.npy'}"]
+    process = subprocess.run(
+        [*torchrun(2, "--standalone"), "-m", "megatrain", "train", "--config", str(config), *missing],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    said = [line for line in process.stderr.splitlines() if line.startswith("megatrain: ")]
+    assert any(line.startswith("megatrain: data error: cannot read data.tokens") for line in said), process.stderr
+    assert any(line.startswith("megatrain: another process of this run ended") for line in said)  # (rank 1)
+    assert not any(line.startswith("[rank") and "Traceback" in line for line in process.stderr.splitlines())
+
+
 RECORD_EXIT = """
 import os, signal, subprocess, sys
 for sig in (signal.SIGINT, signal.SIGTERM):

@@ -71,6 +71,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=3", "--set", "train.micro_batch_size=1"],
             "train.batch_size (3) must be a multiple of the number of ranks (2) times train.micro_batch_size (1)",
         ),
+        (  # (a micro-batch set for one GPU: the fix keeps the step's batch, so its result)
+            ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=8", "--set", "train.micro_batch_size=8"],
+            "each rank runs whole micro-batches of its share; e.g. train.micro_batch_size: 4",
+        ),
         (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
         (["train", *TINY, "--set", "train.betas=0.9"], "'train.betas' has value 0.9; it takes a list of 2 numbers"),
         (["train", *TINY, "--set", "train.lr=fast"], "'train.lr' has value 'fast'; it takes a number"),

@@ -362,3 +362,24 @@ def test_check_files_names_a_missing_truncated_or_corrupt_file(tmp_path):
     path.unlink()
     with pytest.raises(StoreError, match="checkpoint file .*weights.bin is missing"):
         check_files(tmp_path, records)
+
+
+def test_shared_arenas_take_their_room_or_refuse_in_one_line(tmp_path, monkeypatch):
+    """An arena's pages are allocated as it is made: a directory without room for it refuses then, naming the arena,
+    its size and the fix, where a sparse file would have killed the ranks with SIGBUS at their first touch."""
+    import errno
+    import os
+
+    from megatrain_store import SharedArenas, StoreError
+
+    arenas = SharedArenas(tmp_path / "shm")
+    taken = arenas.tensor("master", torch.float32, 1000)
+    assert taken.numel() == 1000 and os.stat(tmp_path / "shm" / "master").st_blocks * 512 >= 4000  # (not sparse)
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(StoreError, match=r"arena 'exp_avg' needs 4.0 MiB in .*engine.shared_dir"):
+        arenas.tensor("exp_avg", torch.float32, 2**20)
+    arenas.unlink()

@@ -66,6 +66,13 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
     if reply is not None:
         code, label = reply
         return code, f"megatrain: {label}: {error}"
+    from megatrain_optim.launch import peer_ended  # (imported by `_error_types` already: torch is there)
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and peer_ended(error):
+        return 1, (
+            "megatrain: another process of this run ended (its own line says why; one killed says nothing), so this "
+            "one stops too; the last checkpoint resumes with `megatrain train --resume RUN`"
+        )
     if isinstance(error, BrokenPipeError):  # (`megatrain plan | head`: the reader has all it wanted)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error flushing at exit)
         return 141, ""  # (128 + SIGPIPE, as a shell tool the pipe ended)

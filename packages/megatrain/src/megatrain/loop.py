@@ -420,8 +420,9 @@ class TrainingRun:
         step = self.resume.step
         if self.rollouts is not None:
             self.rollouts.resume(self.resume.directory)
-        print(f"megatrain: resumed from step {step} ({self.resume.directory})", file=sys.stderr)
         moved = supersede_later(self.out, step) if self.main else None
+        if self.main:
+            print(f"megatrain: resumed from step {step} ({self.resume.directory})", file=sys.stderr)
         if moved is not None:
             print(f"megatrain: the run's later steps (another line of it) were moved to {moved}", file=sys.stderr)
         self._say_schedule_change(step)

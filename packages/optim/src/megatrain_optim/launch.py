@@ -22,6 +22,7 @@ of M bytes then train a model of about H x M / (12 + 2 H) parameters (vs M / 12 
 import functools
 import os
 import signal
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -49,10 +50,14 @@ def exit_together(code: int, line: str, wait_s: float = 10.0) -> bool:
     0 does, another rank only where its line differs from rank 0's), after waiting up to `wait_s` for every rank
     to fail too (through torchrun's store), so that a failure they all meet alike (a config error) is said once
     and every rank exits with `code`: torchrun stops the remaining ranks with SIGTERM once one has exited, which
-    this rank ignores from here on, as it is ending. Alone: True at once."""
+    this rank ignores from here on, as it is ending. Rank 0 says its line before it waits (returning False then):
+    a refusal only it makes (a missing data file) fails the others' next collective, and torchrun may end it before
+    the wait is over. Alone: True at once."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world == 1 or "MASTER_ADDR" not in os.environ:
         return True
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
     # (blocked, not handled: a handler would be reset before the interpreter's teardown, where a signal then kills)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -67,9 +72,17 @@ def exit_together(code: int, line: str, wait_s: float = 10.0) -> bool:
         while arrived < world and time.monotonic() < deadline:
             time.sleep(0.05)
             arrived = store.add(failed, 0)
-        return rank == 0 or not store.check([f"{failed}/0"]) or store.get(f"{failed}/0").decode() != line
+        return rank != 0 and (not store.check([f"{failed}/0"]) or store.get(f"{failed}/0").decode() != line)
     except (RuntimeError, OSError, ValueError):  # (no store to reach: each rank says its own)
-        return True
+        return rank != 0
+
+
+def peer_ended(error: BaseException) -> bool:
+    """Whether a collective failed because another rank's process ended (gloo's and NCCL's words for it)."""
+    words = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    return isinstance(error, dist.DistNetworkError) or (
+        isinstance(error, RuntimeError) and any(word in str(error) for word in words)
+    )
 
 
 def leave_ranks() -> None:

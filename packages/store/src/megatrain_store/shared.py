@@ -7,6 +7,7 @@ themselves), maps it, and once all ranks have mapped it one of them unlinks the 
 mappings stay valid and nothing is left behind, even if a rank dies.
 """
 
+import errno
 import mmap
 import os
 import shutil
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .errors import StoreError
+from .progress import size_text
 
 _NUMPY = {
     torch.float32: np.float32,
@@ -37,19 +39,16 @@ class SharedArenas:
         self._files: list[Path] = []  # arrays kept elsewhere (the disk tier), unlinked with the arenas
 
     def tensor(self, name: str, dtype: torch.dtype, numel: int) -> Tensor:
+        """The arena `name`, its memory taken in the directory now (`posix_fallocate`): a file sized alone is sparse,
+        and a directory too small for the arenas it holds would kill the ranks with SIGBUS when they first touch
+        a page past its room."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        free = shutil.disk_usage(self.directory).free
         path = self.directory / name
-        if not path.exists() and nbytes > free:
-            raise StoreError(
-                f"shared host memory: arena {name!r} needs {nbytes / 2**30:.1f} GiB in {self.directory} but it has "
-                f"{free / 2**30:.1f} GiB free; enlarge it (mount -o remount,size=... /dev/shm) or set "
-                "engine.shared_dir (or MEGATRAIN_SHARED_DIR) to a larger memory-backed directory"
-            )
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != nbytes:
                 os.ftruncate(fd, nbytes)
+            self._take_room(fd, name, nbytes)
             mapping = mmap.mmap(fd, nbytes) if nbytes else None
         finally:
             os.close(fd)
@@ -58,6 +57,22 @@ class SharedArenas:
         array = np.frombuffer(mapping, dtype=_NUMPY[dtype], count=numel)  # keeps the mapping alive
         tensor = torch.from_numpy(array)
         return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
+
+    def _take_room(self, fd: int, name: str, nbytes: int) -> None:
+        """Allocate the arena's pages (the ranks may do it at once: it is idempotent), or refuse in one line."""
+        if not nbytes:
+            return
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as error:
+            if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a directory whose file system cannot: as before)
+                return
+            free = shutil.disk_usage(self.directory).free
+            raise StoreError(
+                f"shared host memory: arena {name!r} needs {size_text(nbytes)} in {self.directory}, which has "
+                f"{size_text(free)} free ({error.strerror}); enlarge it (mount -o remount,size=... /dev/shm) or set "
+                "engine.shared_dir (or MEGATRAIN_SHARED_DIR) to a larger memory-backed directory"
+            ) from None
 
     def file_array(self, directory: Path, name: str, dtype: np.dtype, numel: int) -> np.memmap:
         """A zero-filled array of `numel` elements memory-mapped from a file in `directory` (on disk: the
