@@ -46,13 +46,13 @@ def launch_shape() -> tuple[int, int]:
 
 
 def exit_together(code: int, line: str, wait_s: float = 10.0) -> bool:
-    """Under torchrun, where this rank fails with `line` and exit `code`: whether it should print the line (rank
-    0 does, another rank only where its line differs from rank 0's), after waiting up to `wait_s` for every rank
-    to fail too (through torchrun's store), so that a failure they all meet alike (a config error) is said once
-    and every rank exits with `code`: torchrun stops the remaining ranks with SIGTERM once one has exited, which
-    this rank ignores from here on, as it is ending. Rank 0 says its line before it waits (returning False then):
-    a refusal only it makes (a missing data file) fails the others' next collective, and torchrun may end it before
-    the wait is over. Alone: True at once."""
+    """Under torchrun, where this rank fails with `line` and exit `code`: whether the caller should print the line
+    (another rank where its line differs from rank 0's; rank 0 prints its own at once, before it waits: a refusal
+    only it makes, a missing data file, fails the others' next collective, and torchrun may end it before the wait
+    is over), after waiting up to `wait_s` for every rank to fail too (through torchrun's store), so that a failure
+    they all meet alike (a config error) is said once and every rank exits with `code`: torchrun stops the
+    remaining ranks with SIGTERM once one has exited, which this rank ignores from here on, as it is ending. Alone:
+    True at once."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world == 1 or "MASTER_ADDR" not in os.environ:
         return True
