@@ -68,6 +68,7 @@ class SharedArenas:
             if error.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # (a directory whose file system cannot: as before)
                 return
             free = shutil.disk_usage(self.directory).free
+            self.unlink()  # (the run stops: nothing of it is left in the directory)
             raise StoreError(
                 f"shared host memory: arena {name!r} needs {size_text(nbytes)} in {self.directory}, which has "
                 f"{size_text(free)} free ({error.strerror}); enlarge it (mount -o remount,size=... /dev/shm) or set "
