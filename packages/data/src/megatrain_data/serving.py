@@ -216,11 +216,8 @@ def _json(path: Path) -> dict:
 
 def _special_tokens(settings: dict) -> dict:
     """The special tokens a template reads (bos_token, eos_token, ...), as text."""
-    return {
-        name: special_token_text(settings.get(name))
-        for name in SPECIAL_TOKEN_NAMES
-        if special_token_text(settings.get(name)) is not None
-    }
+    texts = {name: special_token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    return {name: text for name, text in texts.items() if text is not None}
 
 
 def _first(value):

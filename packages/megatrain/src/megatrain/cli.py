@@ -607,7 +607,7 @@ def run_command(args) -> None:
 
         _at_least(args.batches, 1, "--batches")
         args.weights, args.verified = _weights_at(Path(args.checkpoint))
-        base = run_config(args.weights)
+        base = run_config(args.weights, args.verified and args.verified.manifest)
         config = _config(args, base)
         check_held_out(config, base)
         run_eval(config, args)
@@ -619,7 +619,7 @@ def run_command(args) -> None:
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
         args.weights, args.verified = _weights_at(Path(args.checkpoint))
-        run_generate(_config(args, run_config(args.weights)), args)
+        run_generate(_config(args, run_config(args.weights, args.verified and args.verified.manifest)), args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")
         run_bench(_config(args), args.steps)

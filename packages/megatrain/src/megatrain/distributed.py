@@ -31,14 +31,12 @@ def check_data_parallel(config, world_size: int) -> None:
     ranks cannot split evenly."""
     train = config.train
     unit = world_size * train.micro_batch_size
-    if train.batch_size % unit:  # (a micro-batch that divides each rank's share keeps the step's batch, and result)
-        whole = train.batch_size % world_size == 0
-        micro = next(m for m in range(train.micro_batch_size, 0, -1) if (train.batch_size // world_size) % m == 0)
-        fix = (
-            f"train.micro_batch_size: {micro}"
-            if whole
-            else f"train.batch_size: {unit * max(1, train.batch_size // unit)}"
-        )
+    if train.batch_size % unit:
+        share, rest = divmod(train.batch_size, world_size)
+        if rest:
+            fix = f"train.batch_size: {unit * max(1, train.batch_size // unit)}"
+        else:  # (a micro-batch that divides each rank's share keeps the step's batch, and so its result)
+            fix = f"train.micro_batch_size: {next(m for m in range(train.micro_batch_size, 0, -1) if share % m == 0)}"
         raise ConfigError(
             f"train.batch_size ({train.batch_size}) must be a multiple of the number of ranks ({world_size}) "
             f"times train.micro_batch_size ({train.micro_batch_size}): each rank runs whole micro-batches of its "

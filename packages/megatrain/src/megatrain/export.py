@@ -42,6 +42,7 @@ from megatrain_zoo.peft import (
     write_peft_adapter,
 )
 
+from .checkpoint import TRAINER_STATE
 from .config import ConfigError
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default
@@ -111,7 +112,7 @@ def _move_into(staging: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     descriptor = PEFT_CONFIG if (staging / PEFT_CONFIG).exists() else "config.json"
     (out_dir / descriptor).unlink(missing_ok=True)
-    described = [out_dir / name for name in ("model.safetensors.index.json", "trainer_state.json", *SERVING_FILES)]
+    described = [out_dir / name for name in ("model.safetensors.index.json", TRAINER_STATE, *SERVING_FILES)]
     adapter = [out_dir / name for name in (PEFT_CONFIG, PEFT_WEIGHTS)]
     model = [out_dir / "config.json"] if (staging / PEFT_CONFIG).exists() else []
     for stale in [*out_dir.glob("model*.safetensors"), *described, *adapter, *model]:
