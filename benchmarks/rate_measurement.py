@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, scope_row, table, write_results  # noqa: E402
 
 from megatrain_plan import rates  # noqa: E402
+from megatrain_templates import ops  # noqa: E402
 from megatrain_zoo import presets  # noqa: E402
 
 SCOPE = "startup: the GPU rate measurement at the run's shape (each kind of layer and the head)"
@@ -47,12 +48,56 @@ def timed_passes(passes: list[dict]):
     return recording
 
 
+def first_calls_by_function(record: dict):
+    """`ops.compile_once` whose compiled functions add to `record[name]` [compiles, seconds] on each call during which
+    Dynamo compiled a frame (the forward's graph and kernels: a backward's graph compiles later, in its backward)."""
+    compile_once = ops.compile_once
+
+    def compile_timed(fn, *args, **kwargs):
+        compiled = compile_once(fn, *args, **kwargs)
+
+        def call(*call_args, **call_kwargs):
+            frames, start = counters["frames"]["ok"], time.perf_counter()
+            out = compiled(*call_args, **call_kwargs)
+            if counters["frames"]["ok"] != frames:
+                entry = record.setdefault(fn.__name__, [0, 0.0])
+                entry[0] += counters["frames"]["ok"] - frames
+                entry[1] += time.perf_counter() - start
+            return out
+
+        return call
+
+    return compile_timed
+
+
+def first_launches(record: dict):
+    """Triton's JITFunction.run, recording in `record[kernel]` the seconds of each kernel's first launch (its
+    compilation, or its load from Triton's cache)."""
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+
+    def timed_run(self, *args, **kwargs):
+        name = getattr(self.fn, "__name__", str(self.fn))
+        if name in record:
+            return run(self, *args, **kwargs)
+        start = time.perf_counter()
+        out = run(self, *args, **kwargs)
+        record[name] = round(time.perf_counter() - start, 2)
+        return out
+
+    JITFunction.run = timed_run
+
+
 def measurement_row(args) -> dict:
     """The results row: the measurement's seconds, its passes' and Dynamo's parts, the rates it found."""
     model = presets.PRESETS[args.model].first_layers(args.layers) if args.layers else presets.PRESETS[args.model]
     passes: list[dict] = []
     rates._sustained_seconds = timed_passes(passes)
     rates.FIRST_CALLS.seconds = 0.0
+    functions, kernels = {}, {}
+    ops.compile_once = first_calls_by_function(functions)
+    first_launches(kernels)
     start = time.perf_counter()
     layer_tflops, kept_tflops, head_tflops, _ = rates.measure_block_rates(model, args.seq_len, args.micro_batch)
     seconds = time.perf_counter() - start
@@ -67,6 +112,12 @@ def measurement_row(args) -> dict:
         "compiled_frames": counters["frames"]["ok"],
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "passes": passes,
+        "compiled_functions": [
+            {"function": name, "frames": frames, "first_calls_s": round(seconds, 2)}
+            for name, (frames, seconds) in sorted(functions.items(), key=lambda item: -item[1][1])
+        ],
+        "backward_compile_s": round(spent.get("entire_backward_compile", 0.0), 1),
+        "triton_kernels_first_launch_s": dict(sorted(kernels.items(), key=lambda item: -item[1])),
         "layer_tflops": layer_tflops,
         "kept_layer_tflops": kept_tflops,
         "head_tflops": head_tflops,
