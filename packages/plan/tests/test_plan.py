@@ -553,6 +553,29 @@ def test_kept_layers_are_planned_at_their_own_rate():
     assert slower.compute_s - same.compute_s == pytest.approx(expected, rel=1e-9)
 
 
+def test_moe_layers_kept_are_planned_at_the_moe_kept_rate_and_the_report_names_it():
+    """A MoE model's kept layers run at its MoE kept rate where one was measured (`measure_block_rates` times the
+    kept pass; OLMoE's ran slower than its recomputing pass), its MoE block rate otherwise; the dense kept rate is
+    not a MoE layer's, and the plan's rates line names the MoE ones."""
+    h100 = int(79.2 * 2**30)
+    tokens, seq = 131072, 2048
+    same = plan_for("olmoe-1b-7b", tokens, rates=Rates(moe_gpu_tflops=430.0, gpu_kept_tflops=900.0), gpu_memory=h100)
+    slower = plan_for(
+        "olmoe-1b-7b", tokens, rates=Rates(moe_gpu_tflops=430.0, moe_gpu_kept_tflops=400.0), gpu_memory=h100
+    )
+    assert slower.kept_layers == same.kept_layers > 0
+    model = preset("olmoe-1b-7b")
+    kept_work = block_work(model, seq, tokens) / model.n_layers - (
+        block_work(model, seq, tokens) - block_work(model, seq, tokens, 1)
+    )
+    expected = same.kept_layers * kept_work * (1 / 400.0 - 1 / 430.0) / 1e12
+    assert slower.compute_s - same.compute_s == pytest.approx(expected, rel=1e-9)
+    assert "GPU MoE blocks 430.0 (kept 400.0) / head" in format_plan(slower, "olmoe-1b-7b")
+    assert "GPU MoE blocks 430.0 / head" in format_plan(same, "olmoe-1b-7b")
+    dense = plan_for("qwen2.5-0.5b", tokens, rates=Rates(gpu_tflops=400.0, gpu_kept_tflops=380.0), gpu_memory=h100)
+    assert "GPU blocks 400.0 (kept 380.0) / head" in format_plan(dense, "qwen2.5-0.5b")
+
+
 def test_linear_attention_layers_keep_their_recurrence_results_as_the_gpu_has_room():
     """Qwen3.5-0.8B at 64k tokens: its 18 linear-attention layers among those keeping their products keep their
     recurrence's results too where the GPU has room beyond the placement and `EXTRAS_MARGIN` (as the pipeline

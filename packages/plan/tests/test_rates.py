@@ -46,6 +46,9 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     assert calibration.run_rates(model, cuda, bf16, 2048, 4).gpu_tflops == 300.0
     assert measured == [(2048, 8), (2048, 4)]
     assert calibration.load_rates("another shape") == half  # what a run measures is not the machine's calibration
+    moe = calibration.run_rates(preset("olmoe-1b-7b"), cuda, bf16, 2048, 2)  # a MoE model's are its MoE rates
+    assert (moe.moe_gpu_tflops, moe.moe_gpu_kept_tflops) == (300.0, 280.0)
+    assert (moe.gpu_tflops, moe.gpu_kept_tflops) == (half.gpu_tflops, half.gpu_kept_tflops)
 
 
 def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:

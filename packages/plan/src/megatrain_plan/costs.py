@@ -15,7 +15,7 @@ from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
 
 from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
-from .rates import Rates, layer_works
+from .rates import Rates, block_rates, layer_works
 
 # a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
 SWEEPS_GAIN = 0.97
@@ -470,8 +470,7 @@ class CostModel:
 
     def blocks_s(self, tokens: int, kept: int) -> float:
         """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products."""
-        layer_rate = self.rates.moe_gpu_tflops if self.model.is_moe else self.rates.gpu_tflops
-        kept_rate = layer_rate if self.model.is_moe else self.rates.gpu_kept_tflops or layer_rate
+        layer_rate, kept_rate = block_rates(self.rates, self.model.is_moe)
         if tokens not in self._layer_works:
             self._layer_works[tokens] = layer_works(self.model, self.shape.seq_len, tokens, frozen=self.adapter)
         whole, kept_layer = self._layer_works[tokens]

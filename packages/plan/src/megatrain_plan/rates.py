@@ -53,6 +53,9 @@ class Rates:
     # a layer keeping its matmul products (no GEMM recomputed), counted as `block_work` counts it; None: the
     # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
     gpu_kept_tflops: float | None = None
+    # a MoE layer keeping its products, likewise (None: `moe_gpu_tflops`): its kept pass runs slower than its
+    # recomputing one, whose extra forward is GEMMs (OLMoE-1B-7B at 16k tokens on an H200: 409 against 432)
+    moe_gpu_kept_tflops: float | None = None
     # the chunked delta rule's forward kernels (`linear_attention_flops_per_token`'s forward third), what a layer
     # keeping its recurrence's results skips in its backward's recompute: 1.28 ms at Qwen3.5-0.8B's shape on an
     # H200 (23.5), 4.03 ms at the 27B's on an H100 (22.4), 16k tokens; not calibrated
@@ -62,6 +65,13 @@ class Rates:
     # `benchmarks/dequantize.py`: 6.16 ms and 8.45 ms of 1.54G values); not calibrated by `megatrain plan`
     nf4_dequantize_values_per_s: float = 249e9
     int8_dequantize_values_per_s: float = 182e9
+
+
+def block_rates(rates: Rates, moe: bool) -> tuple[float, float]:
+    """A decoder layer's rates in TFLOPS (recomputing, keeping its products): a MoE model's or a dense one's."""
+    if moe:
+        return rates.moe_gpu_tflops, rates.moe_gpu_kept_tflops or rates.moe_gpu_tflops
+    return rates.gpu_tflops, rates.gpu_kept_tflops or rates.gpu_tflops
 
 
 def calibration_key(
@@ -188,6 +198,7 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
         gpu_tflops=layer_tflops,
         gpu_kept_tflops=kept_tflops,
         moe_gpu_tflops=layer_tflops,
+        moe_gpu_kept_tflops=kept_tflops,
         head_tflops=head_tflops,
         pcie_gbps=copy_gbps,
         pcie_duplex_gbps=_rounded(copy_gbps / 2),
@@ -300,6 +311,7 @@ def _with_gpu_rates(
         gpu_tflops=rates.gpu_tflops if model.is_moe else layer_tflops,
         gpu_kept_tflops=rates.gpu_kept_tflops if model.is_moe else kept_tflops,
         moe_gpu_tflops=layer_tflops if model.is_moe else rates.moe_gpu_tflops,
+        moe_gpu_kept_tflops=kept_tflops if model.is_moe else rates.moe_gpu_kept_tflops,
         head_tflops=head_tflops,
     )
 

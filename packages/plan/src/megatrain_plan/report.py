@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatrain_sched import Placement
 
-from .rates import DEFAULT_RATES_SOURCE, Rates
+from .rates import DEFAULT_RATES_SOURCE, Rates, block_rates
 
 
 @dataclass
@@ -15,6 +15,7 @@ class Plan:
     placement: Placement
     n_params: int
     active_params: int
+    moe: bool  # a mixture of experts: its layers run at the rates' MoE ones
     host_bytes: int  # per host: the sum of host_items
     host_bytes_per_param: float
     host_available: int | None  # what the plan may take (`host_memory.host_budget`); None: unknown
@@ -304,13 +305,15 @@ def _step_lines(plan: Plan) -> list[str]:
             f"; DPO's reference pass before training (forward only) {plan.reference_tokens_per_s:,.0f} tokens/s"
         )
     rates = plan.rates
-    kept = f" (kept {rates.gpu_kept_tflops})" if rates.gpu_kept_tflops else ""
+    layer_rate, kept_rate = block_rates(rates, plan.moe)
+    kept = f" (kept {kept_rate})" if kept_rate != layer_rate else ""
+    blocks = ("GPU" if plan.gpu_available else "CPU") + (" MoE" if plan.moe else "")
     return [
         f"step time        {plan.step_s:.2f} s  ({parts} {'in turn' if plan.shares_cores else 'overlapped'}, "
         f"step-boundary bubble {plan.bubble_s:.2f} s)",
         f"bound by         {bound}",
         f"throughput       {throughput}",
-        f"rates            {'GPU' if plan.gpu_available else 'CPU'} blocks {rates.gpu_tflops}{kept} / head "
+        f"rates            {blocks} blocks {layer_rate}{kept} / head "
         f"{rates.head_tflops} TFLOPS, PCIe {rates.pcie_gbps} GB/s, CPU AdamW {rates.cpu_adam_params_per_s / 1e9:.1f} "
         f"G params/s, disk {rates.disk_gbps} GB/s ({rates.source})",
     ]

@@ -468,6 +468,7 @@ class Planner(CostModel):
             placement=placement,
             n_params=model.n_params,
             active_params=model.active_params,
+            moe=model.is_moe,
             host_bytes=host_bytes,
             host_bytes_per_param=host_bytes / model.n_params,
             host_available=self.machine.host_memory,
