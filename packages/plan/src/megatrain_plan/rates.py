@@ -54,7 +54,7 @@ class Rates:
     # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
     gpu_kept_tflops: float | None = None
     # a MoE layer keeping its products, likewise (None: `moe_gpu_tflops`): its kept pass runs slower than its
-    # recomputing one, whose extra forward is GEMMs (OLMoE-1B-7B at 16k tokens on an H200: 409 against 432)
+    # recomputing one, whose extra forward is GEMMs (OLMoE-1B-7B at 4 x 4096 on an H200: 408 against 436)
     moe_gpu_kept_tflops: float | None = None
     # the chunked delta rule's forward kernels (`linear_attention_flops_per_token`'s forward third), what a layer
     # keeping its recurrence's results skips in its backward's recompute: 1.28 ms at Qwen3.5-0.8B's shape on an
