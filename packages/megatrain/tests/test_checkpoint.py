@@ -292,7 +292,7 @@ def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monke
 
 
 def test_a_second_run_into_the_same_directory_is_refused_and_a_stale_lock_taken_over(write_config, tmp_path, capsys):
-    from megatrain.rundir import LOCK, RunLock
+    from megatrain_store.rundir import LOCK, RunLock
 
     config = write_config(train={"steps": 1})
     (tmp_path / "run").mkdir()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.checkpoint import CHECKPOINTS, FINAL, MANIFEST
-from megatrain.rundir import LOCK, RunLock
+from megatrain_store.rundir import LOCK, RunLock
 from megatrain_zoo import config_to_hf, preset
 
 TINY = ["--set", "model.preset=tiny-llama", "--set", "device=cpu", "--set", "train.steps=1"]

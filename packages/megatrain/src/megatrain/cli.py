@@ -28,6 +28,7 @@ def _error_types() -> dict:
     from megatrain_sched import SchedError
     from megatrain_store import StoreError
     from megatrain_store.checkpoints import SaveError
+    from megatrain_store.rundir import RunDirError
     from megatrain_zoo import ZooError
 
     from .checkpoint import NonFiniteError
@@ -37,6 +38,7 @@ def _error_types() -> dict:
     # (data that cannot be read, a model that cannot be read, a preset misspelled: the user's input, as the config is)
     user_input = {
         ConfigError: (2, "config error"),
+        RunDirError: (2, "config error"),  # (output_dir's: a StoreError, the user's setting)
         PlanError: (2, "config error"),
         DataError: (2, "data error"),
         ZooError: (2, "model error"),

@@ -25,6 +25,7 @@ from megatrain_optim.launch import leave_ranks
 from megatrain_store import atomic_write_text
 from megatrain_store.checkpoints import SaveError, free_bytes, step_of
 from megatrain_store.progress import progress, size_text
+from megatrain_store.rundir import RunLock, prepare_output_dir
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
@@ -47,7 +48,6 @@ from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
 from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
 from .rollouts import tokenizer_of
-from .rundir import RunLock, prepare_output_dir
 from .step import StepBatch
 from .trackers import check_trackers, open_trackers
 from .trainer import Trainer

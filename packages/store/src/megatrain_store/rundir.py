@@ -1,5 +1,5 @@
 """The run directory (output_dir): made and checked writable before anything is loaded, and held by one run
-at a time (the room on its disk before a save: megatrain_store.checkpoints).
+at a time (the room on its disk before a save: `checkpoints`).
 
 The lock is an advisory `flock` on output_dir/.megatrain.lock, which the kernel releases however the
 process ends: a run killed with -9 leaves the file (naming it) but not the lock, and the next run takes it
@@ -13,20 +13,24 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import StoreError
 
 LOCK = ".megatrain.lock"
+
+
+class RunDirError(StoreError):
+    """output_dir cannot be a run's: a file, not writable, or held by another run (the user's setting to change)."""
 
 
 def prepare_output_dir(out: Path) -> None:
     """Make output_dir, or refuse in one line where it cannot be (a file, a read-only disk, no permission)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir {out} is a file; set output_dir to a directory (new or a run's)")
+        raise RunDirError(f"output_dir {out} is a file; set output_dir to a directory (new or a run's)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ConfigError(
+        raise RunDirError(
             f"output_dir {out} cannot be made ({error.strerror}); set output_dir to a writable directory"
         ) from error
 
@@ -40,13 +44,13 @@ class RunLock:
         self._handle = None
 
     def acquire(self) -> str | None:
-        """Take the directory, or raise `ConfigError` naming the run that holds it. Returns what to say, or
+        """Take the directory, or raise `RunDirError` naming the run that holds it. Returns what to say, or
         None: that this run took over the lock of an earlier one that ended without releasing it (killed),
         or that the file system takes no locks (then nothing keeps a second run out)."""
         try:
             handle = open(self.path, "a+")
         except OSError as error:
-            raise ConfigError(
+            raise RunDirError(
                 f"output_dir {self.out} is not writable ({error.strerror}); set output_dir to a writable directory"
             ) from error
         try:
@@ -54,7 +58,7 @@ class RunLock:
         except BlockingIOError:
             holder = _holder(handle)
             handle.close()
-            raise ConfigError(
+            raise RunDirError(
                 f"output_dir {self.out} is in use by another run ({holder}); wait for it to end, stop it, "
                 "or set output_dir to another directory"
             ) from None
