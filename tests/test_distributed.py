@@ -475,9 +475,9 @@ def test_a_rank_takes_its_threads_wait_and_shared_directory_from_the_engine_keys
     from megatrain.distributed import init_ranks, shared_arenas
 
     pretend_launched(monkeypatch, local_world=2)
-    engine = EngineSection(cpu_threads=3, rank_wait_s=5, shared_dir=str(tmp_path / "shm"))
+    engine = EngineSection(cpu_threads=2, rank_wait_s=5, shared_dir=str(tmp_path / "shm"))
     ranks = init_ranks("cpu", engine)
-    assert torch.get_num_threads() == 3 and ranks.wait_s == 5
+    assert torch.get_num_threads() == 2 and ranks.wait_s == 5
     assert shared_arenas(ranks, engine.shared_dir).directory.parent == tmp_path / "shm"
     ranks = init_ranks("cpu", EngineSection())  # auto: the host's cores split among its ranks
     assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2) and ranks.wait_s == 600

@@ -47,6 +47,10 @@ class DataSection:
             raise DataError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
         if self.format != "text" and self.dataset is None:
             raise DataError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
+        if self.dataset is not None and not any(name.strip() for name in self.dataset.split(",")):
+            raise DataError(f"data.dataset names no dataset ({self.dataset!r}): name a file, directory or hub dataset")
+        if self.mix_weights is not None and self.dataset is None:
+            raise DataError("data.mix_weights weigh the datasets of data.dataset: name them there, or leave it out")
         if self.dataset_dir is not None and self.dataset is None:
             raise DataError("data.dataset_dir is set: name the dataset_info.json entries to train on in data.dataset")
         if self.too_long not in ("truncate", "drop"):

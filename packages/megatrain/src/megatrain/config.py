@@ -4,6 +4,8 @@ Every key is checked: an unknown or mistyped key is an error that names it and l
 the keys that section accepts."""
 
 import copy
+import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from importlib import resources
@@ -48,6 +50,12 @@ class AdapterSection:
         if self.type not in (None, "lora"):
             raise ConfigError(f"model.adapter.type must be lora (or null: no adapter), got {self.type!r}")
         if self.type is None:
+            given = [f.name for f in fields(self) if f.name != "type" and getattr(self, f.name) != f.default]
+            if given:
+                raise ConfigError(
+                    f"model.adapter.{', model.adapter.'.join(given)} set without model.adapter.type: set "
+                    "model.adapter.type=lora to train adapters, or leave them out"
+                )
             return
         if self.r <= 0:
             raise ConfigError(f"model.adapter.r must be a positive rank, got {self.r}")
@@ -177,6 +185,10 @@ class GRPOSection:
         for name in ("num_generations", "num_iterations", "max_prompt_length", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.grpo.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:  # (TRL's rule too)
+            raise ConfigError(
+                "train.grpo.num_generations must be >= 2: a group of one completion has no advantage to learn from"
+            )
         for name in ("beta", "epsilon", "epsilon_high", "top_k"):
             if not (getattr(self, name) or 0) >= 0:  # (epsilon_high None: epsilon's)
                 raise ConfigError(f"train.grpo.{name} must be >= 0, got {getattr(self, name)}")
@@ -252,7 +264,7 @@ class TrainSection:
                 f"train.batch_size {self.batch_size} (completions per step) must be a multiple of "
                 f"train.grpo.num_generations {self.grpo.num_generations}: a step holds whole groups"
             )
-        if self.objective not in OBJECTIVES and ":" not in self.objective:
+        if self.objective not in OBJECTIVES and not re.fullmatch(r"[\w.]+:[\w.]+", self.objective):
             raise ConfigError(
                 f"train.objective must be one of {', '.join(OBJECTIVES)} or module:Class (a SequenceObjective of "
                 f"your own, docs/guide.md), got {self.objective!r}"
@@ -262,6 +274,11 @@ class TrainSection:
             raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if self.warmup_steps > self.steps:
+            raise ConfigError(
+                f"train.warmup_steps {self.warmup_steps} is longer than the run's train.steps {self.steps}: the "
+                f"learning rate would never reach train.lr; set warmup_steps to at most {self.steps}"
+            )
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if not self.router_bias_update_rate >= 0:
@@ -450,6 +467,11 @@ class EngineSection:
             value = getattr(self, name)
             if value != "auto" and (isinstance(value, (str, bool)) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"engine.{name} must be auto or an integer >= 1, got {value!r}")
+        if self.cpu_threads != "auto" and self.cpu_threads > (os.cpu_count() or 1):
+            raise ConfigError(
+                f"engine.cpu_threads {self.cpu_threads} is more than this machine's {os.cpu_count()} cores; set auto "
+                f"or at most {os.cpu_count()}"
+            )
         if isinstance(self.rank_wait_s, (str, bool)) or not self.rank_wait_s > 0:
             raise ConfigError(f"engine.rank_wait_s must be a number of seconds > 0, got {self.rank_wait_s!r}")
         if not isinstance(self.shared_dir, str) or not self.shared_dir:
@@ -482,7 +504,7 @@ class Config:
                 f"output_dir must name a directory for the run's metrics, checkpoints and model, got {self.output_dir!r}"
             )
         if not isinstance(self.device, str) or not (
-            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+            self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)
         ):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         max_prompt = self.train.dpo.max_prompt_length
@@ -548,9 +570,10 @@ def _coerce_tuple(value: Any, hint) -> tuple | None:
         return None
     if isinstance(value, (list, tuple)):
         try:
-            return tuple(float(v) for v in value)
+            numbers = tuple(float(v) for v in value)
         except (TypeError, ValueError):
             return None
+        return numbers if all(math.isfinite(v) for v in numbers) else None
     return None
 
 
@@ -568,6 +591,8 @@ def _coerce_scalar(value: Any, types: tuple):
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     # (YAML 1.1 reads 3e-4 and 1e3, without a decimal point, as strings)
     as_float = _float_or_none(value) if number or isinstance(value, str) else None
+    if as_float is not None and not math.isfinite(as_float):  # (YAML and float() read nan, inf and .inf)
+        return None
     if float in types and as_float is not None:
         return as_float
     if int in types and number and isinstance(value, int):
@@ -590,13 +615,13 @@ def _float_or_none(value) -> float | None:
         return None
 
 
-_TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text", type(None): "null"}
+_TYPE_WORDS = {int: "a whole number", float: "a finite number", bool: "true or false", str: "text", type(None): "null"}
 
 
 def _type_words(hint) -> str:
     """What a field of type `hint` takes, in words."""
     if getattr(hint, "__origin__", None) is tuple:
-        what = "names" if hint.__args__[0] is str else "numbers"
+        what = "names" if hint.__args__[0] is str else "finite numbers"
         return f"a list of {what}" if Ellipsis in hint.__args__ else f"a list of {len(hint.__args__)} {what}"
     args = getattr(hint, "__args__", None)
     if args:
@@ -615,6 +640,8 @@ def _set_path(values: dict, dotted: str, value: Any) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
+    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
+        raise ConfigError(f"cannot set {dotted!r} to {value!r}: it is a section; set its keys ({dotted}.KEY=VALUE)")
     node[parts[-1]] = value
 
 
@@ -649,6 +676,20 @@ def default_config_path() -> Path:
     return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last one, silently: a second
+    `lr:` or `data:` section replaced the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
     """Read a YAML config (or start from the defaults) and apply `key.sub=value` overrides. `base`: values
     as `Config.as_dict` gives them (a resumed run's own config); a section the file names replaces the base's
@@ -658,7 +699,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     values: dict = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
         except IsADirectoryError:
