@@ -274,11 +274,6 @@ class TrainSection:
             raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")
         if self.schedule not in ("constant", "cosine", "linear"):
             raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
-        if self.warmup_steps > self.steps:
-            raise ConfigError(
-                f"train.warmup_steps {self.warmup_steps} is longer than the run's train.steps {self.steps}: the "
-                f"learning rate would never reach train.lr; set warmup_steps to at most {self.steps}"
-            )
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if not self.router_bias_update_rate >= 0:

@@ -46,6 +46,7 @@ from .checkpoint import (
 from .config import Config, ConfigError, model_config_of, resolve_device
 from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
+from .planning import check_runnable
 from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
 from .rollouts import tokenizer_of
 from .step import StepBatch
@@ -292,6 +293,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
             print(f"megatrain: step {resume.step} is done; finishing the export", file=sys.stderr)
     if config.model.hf_dir is not None:
         checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
+    check_runnable(config, model)
     check_trackers(config)
     ranks = init_ranks(resolve_device(config.device).type, config.engine)
     lock = RunLock(out) if ranks is None or ranks.is_main else None
@@ -506,6 +508,12 @@ class TrainingRun:
         room = room_warning(trainer, config, self.out)
         if room is not None:
             print(f"megatrain: warning: {room}", file=sys.stderr)
+        if config.train.warmup_steps > config.train.steps:  # (a short trial of a long run's config)
+            print(
+                f"megatrain: train.warmup_steps {config.train.warmup_steps} outlasts train.steps {config.train.steps}: "
+                "the learning rate stays in its warmup, below train.lr",
+                file=sys.stderr,
+            )
         model = trainer.model_config
         if model.router_bias and config.model.preset and self.resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)

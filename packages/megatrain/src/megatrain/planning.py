@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from megatrain_optim.launch import launch_shape
 from megatrain_plan import (
     EngineChoices,
     Machine,
@@ -27,6 +28,7 @@ from megatrain_zoo import ModelConfig, ModelSpec, build_model
 from megatrain_zoo.generate import generation_host_bytes
 
 from .config import Config, ConfigError, adapter_of, model_config_of, resolve_device, resolve_dtype
+from .objectives import check_model_settings
 from .reference import PASS_STEPS
 
 
@@ -168,6 +170,16 @@ def make_plan(config: Config, **machine) -> Plan:
     """The plan of `config`'s step as configured, by `make_planner(config, **machine)`."""
     planner = make_planner(config, **machine)
     return planner.plan(planner.place(planner.step_tokens))
+
+
+def check_runnable(config: Config, model: ModelConfig) -> None:
+    """Refuse, before the data is read (a large corpus's tokenizing came first), what the model or this machine
+    cannot run: options the model lacks, and what `check_plan` refuses in a plan from the remembered rates (a
+    data.seq_len beyond the model's positions, a model the host cannot hold). The trainer checks again as it is made."""
+    check_model_settings(config, model)
+    gpus, hosts = launch_shape()
+    planner = make_planner(config, model, gpus=gpus, hosts=hosts)
+    check_plan(planner.plan(planner.place(planner.step_tokens), False), planner)
 
 
 def check_plan(plan: Plan, planner: Planner) -> None:
