@@ -181,7 +181,7 @@ def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int,
     check_tokens(tokens, vocab_size, f"tokens of {text}")
     validation = None
     if as_file:
-        validation, _ = tokenize_text(Path(data.validation), tokenizer, vocab_size, cache_dir)
+        validation, _ = tokenize_text(Path(data.validation), tokenizer, vocab_size, cache_dir, "data.validation")
         check_tokens(validation, vocab_size, f"tokens of data.validation {data.validation}")
     train, held = _split_stream(tokens, data, validation)
     return TokenData(train, held, tokenizer)

@@ -116,8 +116,8 @@ def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path) -> 
     """The BPE tokenizer trained on plain-text files (the training text and a validation file, so that it
     knows every byte of both), cached by their content."""
     digest = hashlib.sha256()
-    for path in text_paths:
-        digest.update(_read_text(path, "data.text").encode() + b"\0")
+    for path, what in zip(text_paths, ["data.text", "data.validation"]):
+        digest.update(_read_text(path, what).encode() + b"\0")
     return cached_tokenizer(
         digest.hexdigest(), vocab_size, cache_dir, lambda out: train_tokenizer(list(text_paths), vocab_size, out)
     )
@@ -154,12 +154,12 @@ def load_tokenizer(path: Path, what: str = "data.tokenizer"):
 
 
 def tokenize_text(
-    text_path: Path, tokenizer_path: Path | None, vocab_size: int, cache_dir: Path
+    text_path: Path, tokenizer_path: Path | None, vocab_size: int, cache_dir: Path, what: str = "data.text"
 ) -> tuple[np.ndarray, Path]:
     """Token ids of a text file (cached on disk by content + tokenizer) and the tokenizer used (None: one
-    trained on the text, see `text_tokenizer`)."""
+    trained on the text, see `text_tokenizer`); `what`: the key that names the file."""
     text_path = Path(text_path)
-    text = _read_text(text_path, "data.text")
+    text = _read_text(text_path, what)
     if tokenizer_path is None:
         tokenizer_path = text_tokenizer([text_path], vocab_size, cache_dir)
     tokenizer = load_tokenizer(tokenizer_path)
