@@ -440,11 +440,13 @@ def run_plan(config, args) -> None:
 
     from .config import model_config_of
     from .distributed import check_data_parallel
+    from .objectives import check_model_settings
     from .planning import check_plan, make_planner, passes_checks, run_planner
 
     set_compile(config.engine.compile)  # the rates measured here run the templates as the run would
     check_data_parallel(config, args.gpus * args.hosts)  # (as the run's ranks would refuse it)
     model = model_config_of(config)
+    check_model_settings(config, model)  # (as the run refuses them)
     gpu_memory = int(args.gpu_memory_gib * 2**30) if args.gpu_memory_gib else None
     host_memory = int(args.host_memory_gib * 2**30) if args.host_memory_gib else None
     machine = {"gpu_memory": gpu_memory, "gpus": args.gpus, "hosts": args.hosts, "host_memory": host_memory}
