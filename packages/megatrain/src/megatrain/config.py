@@ -251,8 +251,9 @@ class TrainSection:
                 "train.batch_size"
             )
         object.__setattr__(self, "betas", tuple(self.betas))
-        if self.steps < 1 or self.batch_size < 1 or self.micro_batch_size < 1:
-            raise ConfigError("train.steps, train.batch_size and train.micro_batch_size must be >= 1")
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_size:
             raise ConfigError(
                 f"train.batch_size ({self.batch_size}) must be divisible by train.micro_batch_size "
