@@ -4,25 +4,21 @@ Every key is checked: an unknown or mistyped key is an error that names it and l
 the keys that section accepts."""
 
 import copy
-import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import torch
 import yaml
 
-from megatrain_data import DataError, DataSection, not_utf8_where
+from megatrain_data import DataSection, not_utf8_where
 from megatrain_templates import ALL_LINEAR, REFERENCE_FREE_LOSSES, Lora
 from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config, read_peft_config
 
-
-class ConfigError(Exception):
-    """A configuration the trainer cannot run, with the fix in the message."""
-
+from .config_values import ConfigError, UniqueKeyLoader, build_section, check_override_text, flat_keys, set_path
 
 BASE_DTYPES = ("nf4", "int8", "bfloat16", "float32")  # model.adapter.base_dtype: packed, or the compute dtype's
 
@@ -519,136 +515,8 @@ class Config:
         return asdict(self)
 
 
-def _build(cls, values: dict, where: str):
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(values).__name__}")
-    hints = get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        name = f"{where}.{key}" if where else key
-        if key not in known:
-            raise ConfigError(f"unknown config key {name!r}; {where or 'top level'} accepts {sorted(known)}")
-        hint = hints[key]
-        if is_dataclass(hint):
-            kwargs[key] = _build(hint, value or {}, name)
-        else:
-            kwargs[key] = _coerce(value, hint, name)
-    try:
-        return cls(**kwargs)
-    except TypeError as error:
-        raise ConfigError(f"{where or 'config'}: {error}") from error
-    except DataError as error:  # (the data section checks itself, as data; in a config it is the config's error)
-        raise ConfigError(str(error)) from error
-
-
-def _coerce(value: Any, hint, name: str):
-    """`value` as the field `name` of type `hint` takes it, or `ConfigError` saying what it takes."""
-    args = getattr(hint, "__args__", None) or (hint,)
-    if value is None:
-        if type(None) in args:
-            return None
-        raise ConfigError(f"config key {name!r} has no value; it takes {_type_words(hint)}")
-    tuple_hint = next((t for t in (hint, *args) if getattr(t, "__origin__", None) is tuple), None)
-    coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
-    if coerced is None:
-        raise ConfigError(f"config key {name!r} has value {value!r}; it takes {_type_words(hint)}")
-    return coerced
-
-
-def _coerce_tuple(value: Any, hint) -> tuple | None:
-    """A list of names (or comma-separated names, see `_split_names`) or of numbers, as `hint` (a tuple type) says;
-    None if not one. Names in a list are taken as written: a regex's spaces and commas are its own."""
-    if hint.__args__[0] is str:
-        names = _split_names(value) if isinstance(value, str) else value
-        if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
-            return tuple(names)
-        return None
-    if isinstance(value, (list, tuple)):
-        try:
-            numbers = tuple(float(v) for v in value)
-        except (TypeError, ValueError):
-            return None
-        return numbers if all(math.isfinite(v) for v in numbers) else None
-    return None
-
-
-def _split_names(text: str) -> list[str]:
-    """Comma-separated names (`--set train.grpo.reward_funcs=exact_match,format:^<think>`), spaces around them
-    dropped; a `format:REGEX` takes the rest of the text as written, commas and spaces included, so it goes last."""
-    regex = re.search(r"(?:^|,)\s*(format:.*)", text, re.DOTALL)  # (not "my_format:f", a module's function)
-    head = text[: regex.start()] if regex else text
-    names = [name.strip() for name in head.split(",") if name.strip()]
-    return names + [regex.group(1)] if regex else names
-
-
-def _coerce_scalar(value: Any, types: tuple):
-    """`value` as the first of `types` (float, int, bool, str) that takes it; None if none does."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    # (YAML 1.1 reads 3e-4 and 1e3, without a decimal point, as strings)
-    as_float = _float_or_none(value) if number or isinstance(value, str) else None
-    if as_float is not None and not math.isfinite(as_float):  # (YAML and float() read nan, inf and .inf)
-        return None
-    if float in types and as_float is not None:
-        return as_float
-    if int in types and number and isinstance(value, int):
-        return value
-    if int in types and as_float is not None and as_float.is_integer():  # 1e3 steps, or 2.0
-        return int(as_float)
-    if bool in types and isinstance(value, bool):
-        return value
-    if str in types and (number or isinstance(value, str)):
-        return str(value)
-    if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return ",".join(value)  # a YAML list of names for a comma-separated field
-    return None
-
-
-def _float_or_none(value) -> float | None:
-    try:
-        return float(value)
-    except ValueError:
-        return None
-
-
-_TYPE_WORDS = {int: "a whole number", float: "a finite number", bool: "true or false", str: "text", type(None): "null"}
-
-
-def _type_words(hint) -> str:
-    """What a field of type `hint` takes, in words."""
-    if getattr(hint, "__origin__", None) is tuple:
-        what = "names" if hint.__args__[0] is str else "finite numbers"
-        return f"a list of {what}" if Ellipsis in hint.__args__ else f"a list of {len(hint.__args__)} {what}"
-    args = getattr(hint, "__args__", None)
-    if args:
-        return " or ".join(_type_words(arg) for arg in args)
-    return _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
-
-
 def config_from_dict(values: dict) -> Config:
-    return _build(Config, values, "")
-
-
-def _set_path(values: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = values
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
-    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
-        raise ConfigError(f"cannot set {dotted!r} to {value!r}: it is a section; set its keys ({dotted}.KEY=VALUE)")
-    node[parts[-1]] = value
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+    return build_section(Config, values, "")
 
 
 def config_changes(base: dict | None, config: Config) -> list[str]:
@@ -657,12 +525,12 @@ def config_changes(base: dict | None, config: Config) -> list[str]:
     if base is None:
         return []
     try:
-        before = _flat(config_from_dict(base).as_dict())
+        before = flat_keys(config_from_dict(base).as_dict())
     except ConfigError:  # (a config of another megatrain version: compared as written)
-        before = _flat(base)
+        before = flat_keys(base)
     return [
         f"{key} {before.get(key)!r} -> {value!r}"
-        for key, value in _flat(config.as_dict()).items()
+        for key, value in flat_keys(config.as_dict()).items()
         if before.get(key) != value
     ]
 
@@ -670,20 +538,6 @@ def config_changes(base: dict | None, config: Config) -> list[str]:
 def default_config_path() -> Path:
     """The built-in default job: `megatrain train` with no --config."""
     return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last one, silently: a second
-    `lr:` or `data:` section replaced the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
@@ -695,7 +549,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     values: dict = copy.deepcopy(base) if base is not None else {}
     if path is not None:
         try:
-            loaded = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
+            loaded = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
         except IsADirectoryError:
@@ -718,7 +572,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         )
     pairs = []
     for item in overrides:
-        _check_override_text(item)
+        check_override_text(item)
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value, e.g. train.lr=1e-4")
         key, raw = item.split("=", 1)
@@ -727,26 +581,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         except yaml.YAMLError:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML; close its brackets and quotes") from None
     for key in _alternatives_replaced(pairs):
-        _set_path(values, key, None)
+        set_path(values, key, None)
     for key, value in pairs:
-        _set_path(values, key, value)
+        set_path(values, key, value)
     return config_from_dict(values)
 
 
-def _check_override_text(item: str) -> None:
-    """Refuse an override holding bytes that are not UTF-8 (the shell hands them over as lone surrogates, which
-    YAML's reader refuses with a traceback), naming the byte."""
-    bad = next((i for i, char in enumerate(item) if "\udc80" <= char <= "\udcff"), None)
-    if bad is not None:
-        raw = item.encode("utf-8", "surrogateescape")
-        offset = len(item[:bad].encode("utf-8", "surrogateescape"))
-        shown = raw.decode("utf-8", "replace")
-        raise ConfigError(
-            f"--set {shown!r}: byte offset {offset} (0x{raw[offset]:02x}) is not UTF-8; type the value as UTF-8 text"
-        )
-
-
-# keys of which a config sets one: an override of one replaces the others (model.hf_dir=DIR on a preset's config)
 ALTERNATIVES = (("model.preset", "model.hf_dir"), ("data.tokens", "data.text", "data.dataset"))
 
 

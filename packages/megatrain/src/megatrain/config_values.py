@@ -1,0 +1,174 @@
+"""How a config's values become its sections' fields: a YAML file (refusing a key given twice) and `--set key=value`
+overrides into nested mappings, then each value coerced to its field's type (a number written as text, a list of
+names as comma-separated text), with one line naming the key and what it takes where a value does not fit."""
+
+import math
+import re
+from dataclasses import fields, is_dataclass
+from typing import Any, get_type_hints
+
+import yaml
+
+from megatrain_data import DataError
+
+
+class ConfigError(Exception):
+    """A configuration the trainer cannot run, with the fix in the message."""
+
+
+def build_section(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(values).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        if key not in known:
+            raise ConfigError(f"unknown config key {name!r}; {where or 'top level'} accepts {sorted(known)}")
+        hint = hints[key]
+        if is_dataclass(hint):
+            kwargs[key] = build_section(hint, value or {}, name)
+        else:
+            kwargs[key] = _coerce(value, hint, name)
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{where or 'config'}: {error}") from error
+    except DataError as error:  # (the data section checks itself, as data; in a config it is the config's error)
+        raise ConfigError(str(error)) from error
+
+
+def _coerce(value: Any, hint, name: str):
+    """`value` as the field `name` of type `hint` takes it, or `ConfigError` saying what it takes."""
+    args = getattr(hint, "__args__", None) or (hint,)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"config key {name!r} has no value; it takes {_type_words(hint)}")
+    tuple_hint = next((t for t in (hint, *args) if getattr(t, "__origin__", None) is tuple), None)
+    coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
+    if coerced is None:
+        raise ConfigError(f"config key {name!r} has value {value!r}; it takes {_type_words(hint)}")
+    return coerced
+
+
+def _coerce_tuple(value: Any, hint) -> tuple | None:
+    """A list of names (or comma-separated names, see `_split_names`) or of numbers, as `hint` (a tuple type) says;
+    None if not one. Names in a list are taken as written: a regex's spaces and commas are its own."""
+    if hint.__args__[0] is str:
+        names = _split_names(value) if isinstance(value, str) else value
+        if isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names):
+            return tuple(names)
+        return None
+    if isinstance(value, (list, tuple)):
+        try:
+            numbers = tuple(float(v) for v in value)
+        except (TypeError, ValueError):
+            return None
+        return numbers if all(math.isfinite(v) for v in numbers) else None
+    return None
+
+
+def _split_names(text: str) -> list[str]:
+    """Comma-separated names (`--set train.grpo.reward_funcs=exact_match,format:^<think>`), spaces around them
+    dropped; a `format:REGEX` takes the rest of the text as written, commas and spaces included, so it goes last."""
+    regex = re.search(r"(?:^|,)\s*(format:.*)", text, re.DOTALL)  # (not "my_format:f", a module's function)
+    head = text[: regex.start()] if regex else text
+    names = [name.strip() for name in head.split(",") if name.strip()]
+    return names + [regex.group(1)] if regex else names
+
+
+def _coerce_scalar(value: Any, types: tuple):
+    """`value` as the first of `types` (float, int, bool, str) that takes it; None if none does."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # (YAML 1.1 reads 3e-4 and 1e3, without a decimal point, as strings)
+    as_float = _float_or_none(value) if number or isinstance(value, str) else None
+    if as_float is not None and not math.isfinite(as_float):  # (YAML and float() read nan, inf and .inf)
+        return None
+    if float in types and as_float is not None:
+        return as_float
+    if int in types and number and isinstance(value, int):
+        return value
+    if int in types and as_float is not None and as_float.is_integer():  # 1e3 steps, or 2.0
+        return int(as_float)
+    if bool in types and isinstance(value, bool):
+        return value
+    if str in types and (number or isinstance(value, str)):
+        return str(value)
+    if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # a YAML list of names for a comma-separated field
+    return None
+
+
+def _float_or_none(value) -> float | None:
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+_TYPE_WORDS = {int: "a whole number", float: "a finite number", bool: "true or false", str: "text", type(None): "null"}
+
+
+def _type_words(hint) -> str:
+    """What a field of type `hint` takes, in words."""
+    if getattr(hint, "__origin__", None) is tuple:
+        what = "names" if hint.__args__[0] is str else "finite numbers"
+        return f"a list of {what}" if Ellipsis in hint.__args__ else f"a list of {len(hint.__args__)} {what}"
+    args = getattr(hint, "__args__", None)
+    if args:
+        return " or ".join(_type_words(arg) for arg in args)
+    return _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def set_path(values: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = values
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
+    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
+        raise ConfigError(f"cannot set {dotted!r} to {value!r}: it is a section; set its keys ({dotted}.KEY=VALUE)")
+    node[parts[-1]] = value
+
+
+def flat_keys(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out |= flat_keys(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that gives a key twice (PyYAML keeps the last one, silently: a second
+    `lr:` or `data:` section replaced the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def check_override_text(item: str) -> None:
+    """Refuse an override holding bytes that are not UTF-8 (the shell hands them over as lone surrogates, which
+    YAML's reader refuses with a traceback), naming the byte."""
+    bad = next((i for i, char in enumerate(item) if "\udc80" <= char <= "\udcff"), None)
+    if bad is not None:
+        raw = item.encode("utf-8", "surrogateescape")
+        offset = len(item[:bad].encode("utf-8", "surrogateescape"))
+        shown = raw.decode("utf-8", "replace")
+        raise ConfigError(
+            f"--set {shown!r}: byte offset {offset} (0x{raw[offset]:02x}) is not UTF-8; type the value as UTF-8 text"
+        )
+
+
+# keys of which a config sets one: an override of one replaces the others (model.hf_dir=DIR on a preset's config)
