@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store.progress import progress
+
 from .errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -172,17 +174,29 @@ def tokenize_text(
     cached = cache_dir / f"tokens-v2-{key}.npy"  # v2: the document's start tokens once, not per paragraph
     if cached.exists():
         return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
-        # one document (starting as the tokenizer starts a text: Gemma's and Llama's <bos>); encoded paragraph by
-    # paragraph so the tokenizer can use all cores
-    paragraphs = [p + "\n\n" for p in text.split("\n\n")]
-    encoded = tokenizer.encode_batch(paragraphs, add_special_tokens=False)
-    ids = document_start_ids(tokenizer) + [i for encoding in encoded for i in encoding.ids]
-    tokens = np.asarray(ids, dtype=np.int32)
+    tokens = _encoded_text(text, tokenizer, text_path.name)
     cache_dir.mkdir(parents=True, exist_ok=True)
     staged = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npy")
     np.save(staged, tokens)
     os.replace(staged, cached)  # (an evaluation reading the cache beside a run never sees half a file)
     return tokens, Path(tokenizer_path)
+
+
+# paragraphs encoded at a time: their encodings (offsets, masks: ~100 bytes a token) are freed as each batch's ids
+# become int32, so a text's tokenizing holds its ids at 4 bytes a token (a list of all its encodings took ~200)
+PARAGRAPH_BATCH = 4096
+
+
+def _encoded_text(text: str, tokenizer, name: str) -> np.ndarray:
+    """A text's token ids as one document (starting as the tokenizer starts a text: Gemma's and Llama's <bos>),
+    encoded paragraph by paragraph so that the tokenizer uses every core, a batch of them at a time, with progress."""
+    paragraphs = [p + "\n\n" for p in text.split("\n\n")]
+    parts = [np.asarray(document_start_ids(tokenizer), dtype=np.int32)]
+    batches = range(0, len(paragraphs), PARAGRAPH_BATCH)
+    for start in progress(batches, desc=f"tokenize {name}", unit="batch", leave=False):
+        encoded = tokenizer.encode_batch(paragraphs[start : start + PARAGRAPH_BATCH], add_special_tokens=False)
+        parts.extend(np.asarray(encoding.ids, dtype=np.int32) for encoding in encoded)
+    return np.concatenate(parts)
 
 
 @dataclass
