@@ -14,7 +14,7 @@ from megatrain_data import (
     builtin_corpus,
     load_token_data,
 )
-from megatrain_data.records import pack_rows
+from megatrain_data.records import _first_bad_json_line, pack_rows
 
 
 def write_jsonl(path, records):
@@ -269,6 +269,16 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
     broken.write_text('{"text": "ok"}\n\n{not json\n')
     with pytest.raises(DataError, match=r"broken.jsonl line 3 is not JSON \(Expecting property name"):
         load_token_data(DataSection(dataset=str(broken), tokenizer=str(tokenizer_path)), 512, tmp_path / "c5", None)
+    # (datasets reads a large file's columns from its first records and fails on a field seen later, deep in it)
+    later = write_jsonl(tmp_path / "later.jsonl", [{"text": "a"}, {"text": "b", "source": "web"}])
+    assert _first_bad_json_line(later).endswith(
+        "later.jsonl line 2 has fields ['source'] that the records before it lack (line 1's: ['text']), and a file's "
+        "records are read as the columns of its first ones; give every record the same fields (null where one has no "
+        "value) or drop the others"
+    )
+    number = write_jsonl(tmp_path / "number.jsonl", [{"text": "a b"}, {"text": 12345}])
+    with pytest.raises(DataError, match=r"record 2 field 'text' is a int, not text"):
+        load_token_data(DataSection(dataset=str(number), tokenizer=str(tokenizer_path)), 512, tmp_path / "c6", None)
     odd = tmp_path / "data.csv"
     odd.write_text("a,b\n")
     with pytest.raises(DataError, match="unknown file type '.csv'"):

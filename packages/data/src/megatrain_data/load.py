@@ -228,7 +228,9 @@ def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> P
         )
     key = json.dumps([getattr(records, "_fingerprint", "") or source.location, data.text_field])
     texts = (str(r[data.text_field]) for r in records)
-    return cached_tokenizer(key, vocab_size, cache_dir, lambda out: train_tokenizer(None, vocab_size, out, texts=texts))
+    size = records.data.nbytes if hasattr(records, "data") else 0  # (the records' Arrow table: about the text's)
+    train = lambda out: train_tokenizer(None, vocab_size, out, texts=texts)  # noqa: E731
+    return cached_tokenizer(key, vocab_size, cache_dir, train, size)
 
 
 def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):

@@ -273,7 +273,10 @@ def _check_utf8(source: Source, path: Path) -> None:
 
 
 def _first_bad_json_line(path: Path) -> str | None:
-    """Where a JSON Lines file that `datasets` could not read holds a line that is no JSON object, in words."""
+    """Where a JSON Lines file that `datasets` could not read holds a line that is no JSON object, or one with a field
+    the first record lacks (`datasets` takes a file's columns from its first records, and a field seen later fails
+    its whole read, deep in a large file), in words."""
+    first = None
     with open(path, encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -284,6 +287,13 @@ def _first_bad_json_line(path: Path) -> str | None:
                 return f"{path} line {number} is not JSON ({error})"
             if not isinstance(record, dict):
                 return f"{path} line {number} is a JSON {type(record).__name__}, not an object of fields"
+            first = first or (number, sorted(record))
+            if not set(record) <= set(first[1]):
+                return (
+                    f"{path} line {number} has fields {sorted(set(record) - set(first[1]))} that the records before it "
+                    f"lack (line {first[0]}'s: {first[1]}), and a file's records are read as the columns of its first "
+                    "ones; give every record the same fields (null where one has no value) or drop the others"
+                )
     return None
 
 
@@ -468,7 +478,13 @@ def tokenize_source(
             index, record = start + offset, {k: rows[k][offset] for k in keys}
             if source.formatting == "text":
                 column = source.columns.get("prompt", data.text_field)
-                text = str(record_field(record, column, index, source, "text")) + eos
+                text = record_field(record, column, index, source, "text")
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{record_where(source, index)} field {column!r} is a {type(text).__name__}, not text: "
+                        "fix the record, or name the text column in data.text_field"
+                    )
+                text += eos
                 rendered.append((text, [(0, len(text))], False))
                 continue
             messages, tools = to_conversation(record, source, index)

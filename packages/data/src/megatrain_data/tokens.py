@@ -7,6 +7,7 @@ path a run's data takes.
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -104,12 +105,24 @@ def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_pa
     return tokenizer
 
 
-def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train) -> Path:
+# data from which training a tokenizer takes long enough to say so first (minutes on a large corpus, with no
+# progress of its own)
+ANNOUNCED_TOKENIZER_BYTES = 64 * 2**20
+
+
+def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train, data_bytes: int = 0) -> Path:
     """The tokenizer megatrain trains for data whose content `key` names (with the vocabulary size and
-    TOKENIZER_FORMAT), trained by `train(path)` only the first time: a resumed or repeated run reuses it."""
+    TOKENIZER_FORMAT), trained by `train(path)` only the first time: a resumed or repeated run reuses it. Training
+    on `data_bytes` past ANNOUNCED_TOKENIZER_BYTES is said first."""
     settings = json.dumps([TOKENIZER_FORMAT, vocab_size, key])
     path = cache_dir / f"tokenizer-{hashlib.sha256(settings.encode()).hexdigest()[:16]}.json"
     if not path.exists():
+        if data_bytes > ANNOUNCED_TOKENIZER_BYTES:
+            print(
+                f"megatrain: training a {vocab_size}-token BPE tokenizer on {data_bytes / 2**20:,.0f} MiB of data, "
+                f"once (kept as {path})",
+                file=sys.stderr,
+            )
         train(path)
     return path
 
@@ -120,9 +133,9 @@ def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path) -> 
     digest = hashlib.sha256()
     for path, what in zip(text_paths, ["data.text", "data.validation"]):
         digest.update(_read_text(path, what).encode() + b"\0")
-    return cached_tokenizer(
-        digest.hexdigest(), vocab_size, cache_dir, lambda out: train_tokenizer(list(text_paths), vocab_size, out)
-    )
+    size = sum(Path(path).stat().st_size for path in text_paths)
+    train = lambda out: train_tokenizer(list(text_paths), vocab_size, out)  # noqa: E731
+    return cached_tokenizer(digest.hexdigest(), vocab_size, cache_dir, train, size)
 
 
 def _read_text(path: Path, what: str) -> str:
