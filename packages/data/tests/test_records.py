@@ -41,6 +41,21 @@ def test_pretraining_records_are_one_stream_with_eos(tmp_path, tokenizer_path):
     assert tok.decode([int(t) for t in tokens if t != eos]) == "first documentsecond one"
 
 
+def test_documents_end_with_a_tokenizers_own_eos_where_neither_its_config_nor_the_model_names_one(tmp_path):
+    """A tokenizer.json whose end-of-text token is Llama 2's `</s>`, brought without its tokenizer_config.json, for a
+    preset that names no EOS: documents end with `</s>` (they were joined with nothing between them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"first": 0, "second": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["</s>"])
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": "first"}, {"text": "second"}])
+    data = load_token_data(DataSection(dataset=str(source), tokenizer=str(path), seq_len=2), 8, tmp_path / "c", None)
+    assert list(data.train.tokens) == [0, 3, 1, 3]
+
+
 def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
     """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
     it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""

@@ -246,7 +246,13 @@ def eos_token_text(tokenizer, eos_token_id: int | None, tokenizer_dir: Path | No
         return named
     if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
         return tokenizer.id_to_token(eos_token_id)
-    return EOS_TOKEN if tokenizer.token_to_id(EOS_TOKEN) is not None else ""
+    return next((text for text in EOS_TEXTS if tokenizer.token_to_id(text) is not None), "")
+
+
+# end-of-text tokens a tokenizer.json brought without its tokenizer_config.json may hold, for a model that names none
+# (a preset): megatrain's and GPT-2's / Qwen's, Llama 2's and Mistral's, Llama 3's, Gemma's. Without one, documents
+# were joined with nothing between them.
+EOS_TEXTS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 
 
 def tokenizer_settings(tokenizer_dir: Path) -> dict:
