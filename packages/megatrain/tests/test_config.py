@@ -111,6 +111,8 @@ def test_micro_batch_defaults_to_batch():
         (["train=null"], r"cannot set 'train' to None: it is a section; set its keys"),
         (["data.dataset=','"], r"data.dataset names no dataset"),
         (["data.mix_weights=[1, 2]"], r"data.mix_weights weigh the datasets of data.dataset"),
+        (["fallback_dir=''"], r"fallback_dir '' must name a directory on another disk"),
+        (["output_dir=runs/a", "fallback_dir=runs/a"], r"fallback_dir 'runs/a' must name a directory"),
     ],
 )
 def test_values_out_of_range_are_refused(write_config, overrides, message):

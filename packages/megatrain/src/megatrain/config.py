@@ -499,6 +499,11 @@ class Config:
             self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)
         ):
             raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        fallback = self.fallback_dir
+        if fallback is not None and (not fallback.strip() or Path(fallback).is_file() or fallback == self.output_dir):
+            raise ConfigError(  # (found only when a save needs it: a full disk, the worst moment)
+                f"fallback_dir {fallback!r} must name a directory on another disk than output_dir's (or be left out)"
+            )
         max_prompt = self.train.dpo.max_prompt_length
         if self.train.objective == "dpo" and max_prompt is not None and max_prompt >= self.data.seq_len:
             raise ConfigError(
