@@ -112,6 +112,8 @@ def test_micro_batch_defaults_to_batch():
         (["data.dataset=','"], r"data.dataset names no dataset"),
         (["data.mix_weights=[1, 2]"], r"data.mix_weights weigh the datasets of data.dataset"),
         (["fallback_dir=''"], r"fallback_dir '' must name a directory on another disk"),
+        (["output_dir=[a, b]"], r"config key 'output_dir' has value \['a', 'b'\]; it takes text"),
+        (["model.adapter.type=[lora]"], r"config key 'model.adapter.type' has value \['lora'\]"),
         (["output_dir=runs/a", "fallback_dir=runs/a"], r"fallback_dir 'runs/a' must name a directory"),
     ],
 )

@@ -39,6 +39,10 @@ def build_section(cls, values: dict, where: str):
         raise ConfigError(str(error)) from error
 
 
+# text keys that take several comma-separated names, also written as a YAML list
+COMMA_SEPARATED = ("data.dataset", "train.report_to")
+
+
 def _coerce(value: Any, hint, name: str):
     """`value` as the field `name` of type `hint` takes it, or `ConfigError` saying what it takes."""
     args = getattr(hint, "__args__", None) or (hint,)
@@ -47,7 +51,10 @@ def _coerce(value: Any, hint, name: str):
             return None
         raise ConfigError(f"config key {name!r} has no value; it takes {_type_words(hint)}")
     tuple_hint = next((t for t in (hint, *args) if getattr(t, "__origin__", None) is tuple), None)
-    coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
+    if isinstance(value, list) and tuple_hint is None and name not in COMMA_SEPARATED:
+        coerced = None  # (a list for a single value: `output_dir: [a, b]` trained into ./a,b)
+    else:
+        coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
     if coerced is None:
         raise ConfigError(f"config key {name!r} has value {value!r}; it takes {_type_words(hint)}")
     return coerced
