@@ -86,6 +86,19 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["train", *TINY, "--set", "engine.cpu_threads=100000"], "engine.cpu_threads 100000 is more than this"),
         (["train", *TINY, "--set", "model.adapter.r=8"], "model.adapter.r set without model.adapter.type"),
         (["plan", *TINY, "--set", "train.router_z_loss_coef=0.01"], "train.router_z_loss_coef acts on the routers"),
+        (  # (before the data is read: the pairs named do not even exist)
+            [
+                "train",
+                *TINY,
+                "--set",
+                "train.objective=dpo",
+                "--set",
+                "data.dataset=missing.jsonl",
+                "--set",
+                "train.dpo.ref_model=no-such-model",
+            ],
+            "train.dpo.ref_model no-such-model holds no config.json",
+        ),  # fmt: skip
         (  # (refused before the data is read: the text named does not even exist)
             ["train", *TINY, "--set", "data.seq_len=100000", "--set", "data.text=missing.txt"],
             "data.seq_len 100000 is larger than the model allows",

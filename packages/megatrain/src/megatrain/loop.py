@@ -294,6 +294,10 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     if config.model.hf_dir is not None:
         checkpoint_files(Path(config.model.hf_dir))  # (its tensors are matched once the model is planned)
     check_runnable(config, model)
+    objective = config.train.objective
+    ref_model = {"dpo": config.train.dpo.ref_model, "grpo": config.train.grpo.ref_model}.get(objective)
+    if ref_model is not None:
+        check_reference_model(Path(ref_model), model, f"train.{objective}.ref_model")
     check_trackers(config)
     ranks = init_ranks(resolve_device(config.device).type, config.engine)
     lock = RunLock(out) if ranks is None or ranks.is_main else None
@@ -316,10 +320,6 @@ def train(config: Config, resume: Resume | None = None) -> Path:
             check_objective_data(config, data)
             if isinstance(data.train, MediaRows):
                 check_media_model(data.train, model, config.model.hf_dir)
-        objective = config.train.objective
-        ref_model = {"dpo": config.train.dpo.ref_model, "grpo": config.train.grpo.ref_model}.get(objective)
-        if ref_model is not None:
-            check_reference_model(Path(ref_model), model, f"train.{objective}.ref_model")
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
         if lock is not None:

@@ -54,6 +54,11 @@ def adapters_off(trainer):
 
 def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:
     """Refuse, before any weights are loaded, a reference whose architecture or vocabulary is not the policy's."""
+    if not (Path(ref_dir) / "config.json").is_file():
+        raise ConfigError(
+            f"{setting} {ref_dir} holds no config.json: name a Hugging Face model directory (the policy's model with "
+            "other weights), or leave it unset to use the initial weights"
+        )
     try:
         reference = read_hf_config(ref_dir)
     except ZooError as error:
