@@ -47,6 +47,9 @@ class DataSection:
             raise DataError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
         if self.format != "text" and self.dataset is None:
             raise DataError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
+        for name in ("chat_template", "tokenizer", "text", "tokens", "validation"):
+            if isinstance(getattr(self, name), str) and not getattr(self, name).strip():
+                raise DataError(f"data.{name} is empty: name what it takes, or leave it out")
         if self.dataset is not None and not any(name.strip() for name in self.dataset.split(",")):
             raise DataError(f"data.dataset names no dataset ({self.dataset!r}): name a file, directory or hub dataset")
         if self.mix_weights is not None and self.dataset is None:

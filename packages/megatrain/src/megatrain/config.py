@@ -161,6 +161,8 @@ class GRPOSection:
     generation_weights: str = "auto"
 
     def __post_init__(self):
+        if self.rollouts is not None and not self.rollouts.strip():
+            raise ConfigError("train.grpo.rollouts is empty: name a JSONL of completions, or leave it out")
         object.__setattr__(self, "reward_funcs", tuple(self.reward_funcs))
         if self.reward_weights is not None:
             object.__setattr__(self, "reward_weights", tuple(float(w) for w in self.reward_weights))
@@ -450,6 +452,9 @@ class EngineSection:
         fraction = self.disk_state_fraction
         if fraction != "auto" and (isinstance(fraction, (str, bool)) or not 0 <= fraction <= 1):
             raise ConfigError(f"engine.disk_state_fraction must be auto or a number in [0, 1], got {fraction!r}")
+        state_dir = self.optimizer_state_dir
+        if state_dir is not None and (not state_dir.strip() or Path(state_dir).is_file()):
+            raise ConfigError(f"engine.optimizer_state_dir {state_dir!r} must name a directory (on a fast local disk)")
         if fraction != "auto" and fraction > 0 and not self.optimizer_state_dir:
             raise ConfigError(
                 f"engine.disk_state_fraction {fraction} puts moments on disk, but engine.optimizer_state_dir names "
