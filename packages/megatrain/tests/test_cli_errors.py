@@ -34,6 +34,47 @@ def read_only_dir(tmp_path: Path) -> str:
     return str(path)
 
 
+# Settings refused in one line wherever the command runs: (command line, what its line must say)
+SETTING_CASES = [
+    (["train", *TINY, "--set", "train.warmup_steps=-10"], "train.warmup_steps must be >= 0"),
+    (["train", *TINY, "--set", "train.grpo.beta=-0.1"], "train.grpo.beta must be >= 0, got -0.1"),
+    (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
+    (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
+    (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
+    (  # (as the run's ranks would refuse it)
+        ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=3", "--set", "train.micro_batch_size=1"],
+        "train.batch_size (3) must be a multiple of the number of ranks (2) times train.micro_batch_size (1)",
+    ),
+    (  # (a micro-batch set for one GPU: the fix keeps the step's batch, so its result)
+        ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=8", "--set", "train.micro_batch_size=8"],
+        "each rank runs whole micro-batches of its share; e.g. train.micro_batch_size: 4",
+    ),
+    (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
+    (
+        ["train", *TINY, "--set", "train.betas=0.9"],
+        "'train.betas' has value 0.9; it takes a list of 2 finite numbers",
+    ),
+    (["train", *TINY, "--set", "train.lr=fast"], "'train.lr' has value 'fast'; it takes a finite number"),
+    (["train", *TINY, "--set", "train.grad_clip=nan"], "'train.grad_clip' has value 'nan'; it takes a finite"),
+    (["train", *TINY, "--set", "device=cuda:abc"], "device must be cpu, cuda, cuda:N or auto, got 'cuda:abc'"),
+    (["train", *TINY, "--set", "engine.cpu_threads=100000"], "engine.cpu_threads 100000 is more than this"),
+    (["train", *TINY, "--set", "model.adapter.r=8"], "model.adapter.r set without model.adapter.type"),
+    (["plan", *TINY, "--set", "train.router_z_loss_coef=0.01"], "train.router_z_loss_coef acts on the routers"),
+    (  # (before the data is read: the pairs named do not even exist)
+        ["train", *TINY, "--set", "train.objective=dpo", "--set", "data.dataset=missing.jsonl"]
+        + ["--set", "train.dpo.ref_model=no-such-model"],
+        "train.dpo.ref_model no-such-model holds no config.json",
+    ),
+    (  # (refused before the data is read: the text named does not even exist)
+        ["train", *TINY, "--set", "data.seq_len=100000", "--set", "data.text=missing.txt"],
+        "data.seq_len 100000 is larger than the model allows",
+    ),
+    (["train", *TINY, "--set", "train.steps=2.5"], "'train.steps' has value 2.5; it takes a whole number"),
+    (["train", *TINY, "--set", "train.save_every=-1"], "train.save_every must be >= 0"),
+    (["train", *TINY, "--set", "train.min_lr_ratio=5"], "train.min_lr_ratio must be in [0, 1]"),
+]
+
+
 def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     """(command line, what its one line must say)."""
     (tmp_path / "a-file").write_text("")
@@ -49,6 +90,7 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     return [
         *unreadable_input_cases(tmp_path),
         *model_directory_cases(tmp_path),
+        *SETTING_CASES,
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
         (["train", *TINY, "--set", "output_dir=null"], "config key 'output_dir' has no value; it takes text"),
@@ -62,50 +104,6 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", f"data.tokenizer={tmp_path / 'a-dir'}"],
             f"data.tokenizer {tmp_path / 'a-dir'} is a directory; name the tokenizer.json in it",
         ),
-        (["train", *TINY, "--set", "train.warmup_steps=-10"], "train.warmup_steps must be >= 0"),
-        (["train", *TINY, "--set", "train.grpo.beta=-0.1"], "train.grpo.beta must be >= 0, got -0.1"),
-        (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
-        (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
-        (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
-        (  # (as the run's ranks would refuse it)
-            ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=3", "--set", "train.micro_batch_size=1"],
-            "train.batch_size (3) must be a multiple of the number of ranks (2) times train.micro_batch_size (1)",
-        ),
-        (  # (a micro-batch set for one GPU: the fix keeps the step's batch, so its result)
-            ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=8", "--set", "train.micro_batch_size=8"],
-            "each rank runs whole micro-batches of its share; e.g. train.micro_batch_size: 4",
-        ),
-        (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
-        (
-            ["train", *TINY, "--set", "train.betas=0.9"],
-            "'train.betas' has value 0.9; it takes a list of 2 finite numbers",
-        ),
-        (["train", *TINY, "--set", "train.lr=fast"], "'train.lr' has value 'fast'; it takes a finite number"),
-        (["train", *TINY, "--set", "train.grad_clip=nan"], "'train.grad_clip' has value 'nan'; it takes a finite"),
-        (["train", *TINY, "--set", "device=cuda:abc"], "device must be cpu, cuda, cuda:N or auto, got 'cuda:abc'"),
-        (["train", *TINY, "--set", "engine.cpu_threads=100000"], "engine.cpu_threads 100000 is more than this"),
-        (["train", *TINY, "--set", "model.adapter.r=8"], "model.adapter.r set without model.adapter.type"),
-        (["plan", *TINY, "--set", "train.router_z_loss_coef=0.01"], "train.router_z_loss_coef acts on the routers"),
-        (  # (before the data is read: the pairs named do not even exist)
-            [
-                "train",
-                *TINY,
-                "--set",
-                "train.objective=dpo",
-                "--set",
-                "data.dataset=missing.jsonl",
-                "--set",
-                "train.dpo.ref_model=no-such-model",
-            ],
-            "train.dpo.ref_model no-such-model holds no config.json",
-        ),  # fmt: skip
-        (  # (refused before the data is read: the text named does not even exist)
-            ["train", *TINY, "--set", "data.seq_len=100000", "--set", "data.text=missing.txt"],
-            "data.seq_len 100000 is larger than the model allows",
-        ),
-        (["train", *TINY, "--set", "train.steps=2.5"], "'train.steps' has value 2.5; it takes a whole number"),
-        (["train", *TINY, "--set", "train.save_every=-1"], "train.save_every must be >= 0"),
-        (["train", *TINY, "--set", "train.min_lr_ratio=5"], "train.min_lr_ratio must be in [0, 1]"),
         (["data", *TINY, "--dump", "-1"], "--dump must be >= 1"),
         (["train", "--resume", str(tmp_path / "no-run")], "no checkpoint at"),
         (["eval", "--checkpoint", str(tmp_path / "no-run")], "no weights at"),

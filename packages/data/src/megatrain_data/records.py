@@ -276,7 +276,7 @@ def _first_bad_json_line(path: Path) -> str | None:
     """Where a JSON Lines file that `datasets` could not read holds a line that is no JSON object, or one with a field
     the first record lacks (`datasets` takes a file's columns from its first records, and a field seen later fails
     its whole read, deep in a large file), in words."""
-    first = None
+    first = None  # (its line, its fields)
     with open(path, encoding="utf-8", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -287,12 +287,12 @@ def _first_bad_json_line(path: Path) -> str | None:
                 return f"{path} line {number} is not JSON ({error})"
             if not isinstance(record, dict):
                 return f"{path} line {number} is a JSON {type(record).__name__}, not an object of fields"
-            first = first or (number, sorted(record))
-            if not set(record) <= set(first[1]):
+            first = first or (number, set(record))
+            if not record.keys() <= first[1]:
                 return (
-                    f"{path} line {number} has fields {sorted(set(record) - set(first[1]))} that the records before it "
-                    f"lack (line {first[0]}'s: {first[1]}), and a file's records are read as the columns of its first "
-                    "ones; give every record the same fields (null where one has no value) or drop the others"
+                    f"{path} line {number} has fields {sorted(record.keys() - first[1])} that the records before it "
+                    f"lack (line {first[0]}'s: {sorted(first[1])}), and a file's records are read as the columns of its "
+                    "first ones; give every record the same fields (null where one has no value) or drop the others"
                 )
     return None
 

@@ -235,6 +235,12 @@ class Tokens:
         return cls(**{name: np.load(path, mmap_mode="r") for name, path in paths.items() if path.exists()})
 
 
+# end-of-text tokens a tokenizer.json brought without its tokenizer_config.json may hold, for a model that names none
+# (a preset): megatrain's and GPT-2's / Qwen's, Llama 2's and Mistral's, Llama 3's, Gemma's. Without one, documents
+# were joined with nothing between them.
+EOS_TEXTS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+
+
 def eos_token_text(tokenizer, eos_token_id: int | None, tokenizer_dir: Path | None) -> str:
     """The text of the token that ends a document, a completion and a template's `eos_token`: the tokenizer's own EOS
     (its tokenizer_config.json's `eos_token` in `tokenizer_dir`: transformers' `tokenizer.eos_token`, which TRL
@@ -247,12 +253,6 @@ def eos_token_text(tokenizer, eos_token_id: int | None, tokenizer_dir: Path | No
     if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
         return tokenizer.id_to_token(eos_token_id)
     return next((text for text in EOS_TEXTS if tokenizer.token_to_id(text) is not None), "")
-
-
-# end-of-text tokens a tokenizer.json brought without its tokenizer_config.json may hold, for a model that names none
-# (a preset): megatrain's and GPT-2's / Qwen's, Llama 2's and Mistral's, Llama 3's, Gemma's. Without one, documents
-# were joined with nothing between them.
-EOS_TEXTS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 
 
 def tokenizer_settings(tokenizer_dir: Path) -> dict:

@@ -51,10 +51,10 @@ def _coerce(value: Any, hint, name: str):
             return None
         raise ConfigError(f"config key {name!r} has no value; it takes {_type_words(hint)}")
     tuple_hint = next((t for t in (hint, *args) if getattr(t, "__origin__", None) is tuple), None)
-    if isinstance(value, list) and tuple_hint is None and name not in COMMA_SEPARATED:
-        coerced = None  # (a list for a single value: `output_dir: [a, b]` trained into ./a,b)
+    if tuple_hint is not None:
+        coerced = _coerce_tuple(value, tuple_hint)
     else:
-        coerced = _coerce_tuple(value, tuple_hint) if tuple_hint is not None else _coerce_scalar(value, args)
+        coerced = _coerce_scalar(value, args, joins_lists=name in COMMA_SEPARATED)
     if coerced is None:
         raise ConfigError(f"config key {name!r} has value {value!r}; it takes {_type_words(hint)}")
     return coerced
@@ -86,15 +86,15 @@ def _split_names(text: str) -> list[str]:
     return names + [regex.group(1)] if regex else names
 
 
-def _coerce_scalar(value: Any, types: tuple):
-    """`value` as the first of `types` (float, int, bool, str) that takes it; None if none does."""
+def _coerce_scalar(value: Any, types: tuple, joins_lists: bool = False):
+    """`value` as the first of `types` (float, int, bool, str) that takes it; None if none does. A number is finite
+    (YAML and float() read nan, inf and .inf); a list of names is text only for a key that `joins_lists` (a list for
+    one value, `output_dir: [a, b]`, trained into ./a,b)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     # (YAML 1.1 reads 3e-4 and 1e3, without a decimal point, as strings)
     as_float = _float_or_none(value) if number or isinstance(value, str) else None
-    if as_float is not None and not math.isfinite(as_float):  # (YAML and float() read nan, inf and .inf)
-        return None
     if float in types and as_float is not None:
-        return as_float
+        return as_float if math.isfinite(as_float) else None
     if int in types and number and isinstance(value, int):
         return value
     if int in types and as_float is not None and as_float.is_integer():  # 1e3 steps, or 2.0
@@ -103,7 +103,7 @@ def _coerce_scalar(value: Any, types: tuple):
         return value
     if str in types and (number or isinstance(value, str)):
         return str(value)
-    if str in types and isinstance(value, list) and all(isinstance(v, str) for v in value):
+    if str in types and joins_lists and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # a YAML list of names for a comma-separated field
     return None
 
