@@ -60,6 +60,13 @@ SETTING_CASES = [
     (["train", *TINY, "--set", "engine.cpu_threads=100000"], "engine.cpu_threads 100000 is more than this"),
     (["train", *TINY, "--set", "model.adapter.r=8"], "model.adapter.r set without model.adapter.type"),
     (["plan", *TINY, "--set", "train.router_z_loss_coef=0.01"], "train.router_z_loss_coef acts on the routers"),
+    (["plan", *TINY, "--set", "train.freeze_language_model=true"], "this llama model is all language model"),
+    (  # (the planner would take fewer without a word)
+        ["train", *TINY, "--set", "engine.kept_layers=1000"],
+        "engine.kept_layers 1000: this run has 2 layers that can keep their matmul products; set at most 2, or auto",
+    ),
+    (["train", *TINY, "--set", "engine.n_slots=1000"], "engine.n_slots 1000: this run has 4 stages to stream"),
+    (["train", *TINY, "--set", "engine.gradient_pool=3"], "no landing pool to size; leave it auto"),
     (  # (before the data is read: the pairs named do not even exist)
         ["train", *TINY, "--set", "train.objective=dpo", "--set", "data.dataset=missing.jsonl"]
         + ["--set", "train.dpo.ref_model=no-such-model"],

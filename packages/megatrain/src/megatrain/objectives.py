@@ -23,6 +23,11 @@ def check_model_settings(config: Config, model: ModelConfig) -> None:
             f"have ({', '.join(CORRECTION_BIASED)}); this {model.arch} model has none: set it "
             f"to 0 (its balance comes from the load-balancing loss, router_aux_loss_coef)"
         )
+    if config.train.freeze_language_model and not model.image_text:
+        raise ConfigError(
+            f"train.freeze_language_model freezes an image-text model's decoder; this {model.arch} model is all "
+            "language model (nothing else would train): set it to false, or train adapters (adapter.type: lora)"
+        )
     for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
         if getattr(config.train, name) and not model.is_moe:  # (a generic model's routers are transformers')
             raise ConfigError(

@@ -14,12 +14,38 @@ from .search import Planner
 def check_plan(plan: Plan, planner: Planner) -> None:
     """Refuse, before anything is allocated, a run that `planner` planned (`plan`) and that cannot work, naming
     the fix (`PlanError`)."""
+    _check_engine_counts(plan, planner)
     _check_seq_len(planner.model, planner.shape.seq_len)
     _check_resident(plan, planner.spec)
     _check_sweeps(plan, planner)
     _check_host(plan, planner.model, planner.spec.adapter)
     _check_disk(plan, planner.engine.optimizer_state_dir)
     _check_gpu(plan, planner)
+
+
+def _check_engine_counts(plan: Plan, planner: Planner) -> None:
+    """Refuse an `engine.*` count beyond what the model or the step has (the planner would take fewer without a
+    word), and a gradient pool where every gradient is held to the step's end."""
+    engine = planner.engine
+    micro_batches = max(1, -(-planner.step_tokens // planner.micro_tokens))
+    limits = {
+        "kept_layers": (planner.keepable, "layers that can keep their matmul products"),
+        "host_kept_layers": (planner.keepable, "layers that can keep their matmul products"),
+        "held_layers": (len(planner.holdable), "blocks that can hold their weights"),
+        "gpu_updated_layers": (len(planner.blocks), "blocks"),
+        "sweeps": (micro_batches, "micro-batches a step (train.batch_size / train.micro_batch_size)"),
+        "n_slots": (planner.n_stages, "stages to stream"),
+    }
+    for name, (most, what) in limits.items():
+        setting = getattr(engine, name)
+        if setting != "auto" and setting > most:
+            auto = "" if name == "n_slots" else ", or auto"  # (the one count the planner does not choose)
+            raise PlanError(f"engine.{name} {setting}: this run has {most} {what}; set at most {most}{auto}")
+    if engine.gradient_pool != "auto" and plan.placement.gradient_pool is None:
+        raise PlanError(
+            f"engine.gradient_pool {engine.gradient_pool}: with clipping (train.grad_clip) or a step in sweeps every "
+            "gradient is held to the step's end, so there is no landing pool to size; leave it auto"
+        )
 
 
 def _check_seq_len(model: ModelConfig, seq_len: int) -> None:
