@@ -100,6 +100,17 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         *SETTING_CASES,
         (["train", *TINY, "--set", f"output_dir={tmp_path / 'a-file'}"], "is a file; set output_dir to a directory"),
         (["train", *TINY, "--set", f"output_dir={read_only_dir(tmp_path)}"], "set output_dir to a writable directory"),
+        (  # (found at the start, not when a full disk needs it)
+            [
+                "train",
+                *TINY,
+                "--set",
+                f"output_dir={tmp_path / 'out'}",
+                "--set",
+                f"fallback_dir={read_only_dir(tmp_path)}/x",
+            ],
+            "); set fallback_dir to a writable directory on another disk, or leave it out",
+        ),
         (["train", *TINY, "--set", "output_dir=null"], "config key 'output_dir' has no value; it takes text"),
         (["train", *TINY, "--set", "data.seq_len="], "config key 'data.seq_len' has no value; it takes a whole number"),
         (["train", "--config", str(tmp_path / "a-dir")], "is a directory; name the YAML file in it"),

@@ -25,7 +25,7 @@ from megatrain_optim.launch import leave_ranks
 from megatrain_store import atomic_write_text
 from megatrain_store.checkpoints import SaveError, free_bytes, step_of
 from megatrain_store.progress import progress, size_text
-from megatrain_store.rundir import RunLock, prepare_output_dir
+from megatrain_store.rundir import RunLock, prepare_fallback_dir, prepare_output_dir
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
@@ -305,6 +305,8 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     try:
         if lock is not None:
             prepare_output_dir(out)
+            if config.fallback_dir is not None:
+                prepare_fallback_dir(Path(config.fallback_dir))
             note = lock.acquire()
             if note is not None:
                 print(f"megatrain: {note}", file=sys.stderr)

@@ -35,6 +35,22 @@ def prepare_output_dir(out: Path) -> None:
         ) from error
 
 
+def prepare_fallback_dir(fallback: Path) -> None:
+    """Make fallback_dir and write a file there now, or refuse in one line: it is needed when output_dir's disk
+    refuses a save (full), the worst moment to find it unwritable."""
+    fallback = Path(fallback)
+    try:
+        fallback.mkdir(parents=True, exist_ok=True)
+        probe = fallback / f".megatrain-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise RunDirError(
+            f"fallback_dir {fallback} cannot be written ({error.strerror}); set fallback_dir to a writable directory "
+            "on another disk, or leave it out"
+        ) from error
+
+
 class RunLock:
     """One run at a time in a run directory: `acquire` at start, `release` at the end (or the process's)."""
 
