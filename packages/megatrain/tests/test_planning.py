@@ -172,7 +172,7 @@ def test_a_host_refusal_suggests_only_a_lighter_mode_than_the_configured_one():
     own mode's estimate counts the embedding and head as packed, which they are not)."""
     settings = ["model.preset=dense-120b", "data.seq_len=4096", "train.batch_size=8", "train.micro_batch_size=4"]
     config = load_config(None, [*settings, "model.adapter.type=lora", "model.adapter.base_dtype=int8"])
-    planner = make_planner(config, gpu_memory=141 * 2**30, host_memory=125 * 2**30)
+    planner = make_planner(config, gpu_memory=141 * 2**30, host_memory=120 * 2**30)
     nf4 = r"it fits with LoRA over an nf4 base \(model.adapter: \{type: lora, base_dtype: nf4\}\)$"
     with pytest.raises(ConfigError, match=nf4):
         check_plan(planner.plan(planner.place(planner.step_tokens)), planner)

@@ -141,25 +141,34 @@ class Planner(CostModel):
         for sweeps in self._sweep_counts(one):
             placed = self._place_sweeps(tokens, sweeps, first_disk_group, explain)
             hidden = self.transfer_s(placed) <= SWEEPS_PCIE_SHARE * self.compute_s(placed)
-            # (a step the host holds beats a faster one it does not: smaller sweeps offload smaller checkpoints)
-            faster = self.step_s(placed) < SWEEPS_GAIN * self.step_s(best) or not self._host_holds(best)
-            if self._host_holds(placed) and hidden and faster:
+            faster = self.step_s(placed) < SWEEPS_GAIN * self.step_s(best)
+            if hidden and self._host_holds(placed) and (faster or self._roomier(placed, best)):
                 best = placed
         if best is not one and explain:
             best.why["sweeps"] = (
                 f"the step runs in {best.sweeps} sweeps of {best.tokens:,} tokens: each lets "
                 f"{len(best.keeping)} layers keep their products where the whole step would let {len(one.keeping)} "
                 f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s"
-                + ("" if self._host_holds(one) else ", which the host does not hold")
+                + (", which the host does not hold" if not self._host_holds(one) else "")
+                + (", which leaves the host little room" if self._roomier(best, one) and self._host_holds(one) else "")
                 + ")"
             )
         return best
 
-    def _host_holds(self, placement: Placement) -> bool:
-        """Whether the host's budget holds `placement` (a budget left unset holds any)."""
-        return (
-            self.machine.host_memory is None or self.host_bytes(placement) <= POOL_HOST_SHARE * self.machine.host_memory
-        )
+    def _host_holds(self, placement: Placement, share: float = 1.0) -> bool:
+        """Whether `share` of the host's budget holds `placement` (a budget left unset holds any)."""
+        return self.machine.host_memory is None or self.host_bytes(placement) <= share * self.machine.host_memory
+
+    def _roomier(self, placement: Placement, than: Placement) -> bool:
+        """Whether `placement` leaves the host room where `than` leaves little or none: smaller sweeps offload
+        smaller checkpoints, and such a step beats a faster one (QLoRA's 405B on a 256 GiB host). Any other step in
+        sweeps is taken only where it is faster, within the budget itself: one that takes no more than a whole step
+        is held as well (Qwen2.5-7B at 128k tokens with clipping on a 125 GiB host takes 97% of its budget either
+        way; taken at POOL_HOST_SHARE, its steps ran in one sweep keeping 8 layers' products where 8 keep 28)."""
+        for share in (1.0, POOL_HOST_SHARE):
+            if self._host_holds(placement, share) and not self._host_holds(than, share):
+                return True
+        return False
 
     def _sweep_counts(self, one: Placement) -> range:
         """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
