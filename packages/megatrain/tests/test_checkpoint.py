@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import megatrain.checkpoint as checkpoint_module
 import megatrain_store.checkpoints
 from megatrain import Trainer
-from megatrain.checkpoint import find_checkpoint, resolve_resume, run_config, save_checkpoint
+from megatrain.checkpoint import fallback_checkpoints, find_checkpoint, resolve_resume, run_config, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain_optim import EmbeddingRowsFirst
@@ -274,9 +274,21 @@ def test_final_alone_cannot_resume(write_config, tmp_path, capsys):
     assert len(err) == 1 and "cannot resume a run; start a new one from it with model.hf_dir" in err[0]
 
 
-def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monkeypatch):
-    """Ctrl-C during training: the step ends, its checkpoint is written, the exit code is 130, not 0."""
-    real_step = Trainer.train_step
+@pytest.mark.parametrize("save_every", [0, 2])
+def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monkeypatch, save_every):
+    """Ctrl-C during training: the step ends, its checkpoint is written, the exit code is 130, not 0. In a step that
+    ends on train.save_every the checkpoint is written once (twice, the second replaced the first: a kill then lost
+    both)."""
+    import megatrain.loop
+
+    real_step, real_save = Trainer.train_step, megatrain.loop.save_checkpoint
+    saved = []
+
+    def counted_save(*args, **kwargs):
+        saved.append(real_save(*args, **kwargs))
+        return saved[-1]
+
+    monkeypatch.setattr(megatrain.loop, "save_checkpoint", counted_save)
 
     def interrupted_at_step_2(self, *args, **kwargs):
         metrics = real_step(self, *args, **kwargs)
@@ -285,10 +297,24 @@ def test_sigint_checkpoints_then_exits_130(write_config, tmp_path, capsys, monke
         return metrics
 
     monkeypatch.setattr(Trainer, "train_step", interrupted_at_step_2)
-    assert main(["train", "--config", str(write_config(train={"steps": 5}))]) == 130
+    assert main(["train", "--config", str(write_config(train={"steps": 5, "save_every": save_every}))]) == 130
     assert "SIGINT received; checkpoint" in capsys.readouterr().err
     assert find_checkpoint(tmp_path / "run").name == "step-00000002"
+    assert [path.name for path in saved] == ["step-00000002"]
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_resave_killed_between_its_renames_keeps_the_old_copy(tmp_path):
+    """A step's checkpoint saved again is moved aside before the new one takes its name: what a save killed between
+    the two renames leaves, the next save puts back; a partial one, or an old copy already replaced, goes."""
+    root = tmp_path / "checkpoints"
+    for name in (".step-00000003.replaced", ".step-00000004.replaced", "step-00000004", ".step-00000005.partial"):
+        (root / name).mkdir(parents=True)
+        (root / name / "manifest.json").write_text(name)
+    checkpoint_module.clean_interrupted_saves(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000004"]
+    assert (root / "step-00000003" / "manifest.json").read_text() == ".step-00000003.replaced"
+    assert (root / "step-00000004" / "manifest.json").read_text() == "step-00000004"
 
 
 def test_a_second_run_into_the_same_directory_is_refused_and_a_stale_lock_taken_over(write_config, tmp_path, capsys):
@@ -375,10 +401,11 @@ def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
     err = capsys.readouterr().err
     if fallback:
         assert "the checkpoint went to fallback_dir instead" in err
-        assert find_checkpoint(tmp_path / "fallback").name == "step-00000004"
         assert (tmp_path / "run" / "final" / "model.safetensors").exists()
-        # the run's newest checkpoint is the one in fallback_dir, and a run resumed from it stays in its output_dir
-        newest = tmp_path / "fallback" / "checkpoints" / "step-00000004"
+        # the run's newest checkpoint is the one in fallback_dir (in a folder of the run's own, which other runs
+        # sharing fallback_dir do not rotate), and a run resumed from it stays in its output_dir
+        newest = fallback_checkpoints(tmp_path / "fallback", tmp_path / "run") / "step-00000004"
+        assert newest.parent.parent.parent == tmp_path / "fallback"
         assert find_checkpoint(tmp_path / "run") == newest
         assert run_config(newest)["output_dir"] == str(tmp_path / "run")
         return
@@ -410,7 +437,7 @@ def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tm
     if not fallback:
         assert "this run has no checkpoint: all its steps (3) are lost; set fallback_dir" in line
         return
-    kept = tmp_path / "fallback" / "checkpoints" / "step-00000003"
+    kept = fallback_checkpoints(tmp_path / "fallback", tmp_path / "run") / "step-00000003"
     assert f"the trained state (step 3) is in {kept} instead" in line
     assert main(["convert", str(kept), str(tmp_path / "model")]) == 0
 

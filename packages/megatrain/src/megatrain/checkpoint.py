@@ -13,6 +13,7 @@ checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer
 """
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -145,8 +146,7 @@ def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path
                 WholeGroups.replay(entries)
         return final
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step-*.partial"):  # left by a save that was killed (the run lock keeps other runs out)
-        shutil.rmtree(stale, ignore_errors=True)
+    clean_interrupted_saves(root)
     make_room(root, sum(entries_bytes(entries) for entries in state.tensors.values()), keep_last, final.name)
     tmp = root / f".{final.name}.partial"
     try:
@@ -158,13 +158,29 @@ def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():  # re-saving the same step: replace it only once the new one is complete
-        shutil.rmtree(final)
+    replaced = root / f".{final.name}.replaced"
+    if final.exists():  # re-saving the same step: the old one is moved aside only once the new one is complete
+        final.rename(replaced)
     tmp.rename(final)
     fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
         shutil.rmtree(old)
     return final
+
+
+def clean_interrupted_saves(root: Path) -> None:
+    """What saves killed midway left in `root` (the run lock keeps other runs out): a partial checkpoint goes; a
+    re-saved step's old copy, moved aside until the new one took its name, goes where that happened, else it is
+    put back (the save was killed between its two renames)."""
+    for stale in root.glob(".step-*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for aside in root.glob(".step-*.replaced"):
+        original = root / aside.name[1 : -len(".replaced")]
+        if original.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.rename(original)
 
 
 def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
@@ -249,21 +265,31 @@ def _newest_checkpoint(path: Path) -> Path | None:
     return max(found, key=step_of, default=None)
 
 
+def fallback_checkpoints(fallback_dir: str | Path, out: Path) -> Path:
+    """Where the run whose output_dir is `out` saves when that disk refuses: a folder of its own in fallback_dir, so
+    that runs sharing one rotate (train.keep_last), clean up and replace only their own checkpoints."""
+    out = Path(out).resolve()
+    return Path(fallback_dir) / f"{out.name}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}" / CHECKPOINTS
+
+
 def _newest_in_fallback(run: Path) -> Path | None:
-    """The newest whole checkpoint of the run in `run` in the fallback_dir its config.json names (that folder may
-    hold other runs' too: a checkpoint's manifest names its run's output_dir)."""
+    """The newest whole checkpoint of the run in `run` in the fallback_dir its config.json names: in the run's own
+    folder there, or in the checkpoints/ folder runs shared before they had their own (a checkpoint's manifest names
+    its run's output_dir)."""
     try:
         fallback = json.loads((run / "config.json").read_text()).get("fallback_dir")
     except (OSError, ValueError, AttributeError):
         return None
     if not fallback:
         return None
+    roots = (fallback_checkpoints(fallback, run), Path(fallback) / CHECKPOINTS)
     ours = [
         checkpoint
-        for checkpoint in complete_checkpoints(Path(fallback) / CHECKPOINTS)
+        for root in roots
+        for checkpoint in complete_checkpoints(root)
         if _manifest_output_dir(checkpoint) == run.resolve()
     ]
-    return ours[-1] if ours else None
+    return max(ours, key=step_of, default=None)
 
 
 def _manifest_output_dir(checkpoint: Path) -> Path | None:
@@ -363,7 +389,8 @@ def run_config(weights: Path, manifest: dict | None = None) -> dict | None:
     if manifest is not None or (weights / MANIFEST).exists():
         values = dict((manifest or json.loads((weights / MANIFEST).read_text()))["config"])
         run = weights.parent.parent if weights.parent.name == CHECKPOINTS else None
-        if run is not None and values.get("fallback_dir") and Path(values["fallback_dir"]).resolve() == run.resolve():
+        fallback = values.get("fallback_dir")
+        if run is not None and fallback and Path(fallback).resolve() in (run.resolve(), run.resolve().parent):
             run = None  # (a checkpoint a save put in the run's fallback_dir: the run is where its output_dir says)
     else:
         run = weights.parent if weights.name == FINAL else None

@@ -39,6 +39,7 @@ from .checkpoint import (
     check_same_model,
     check_steps_ahead,
     exported_step,
+    fallback_checkpoints,
     save_checkpoint,
     supersede_later,
     write_trainer_state,
@@ -640,7 +641,12 @@ class TrainingRun:
 
     def save(self) -> Path:
         """A checkpoint of the current step in output_dir/checkpoints, or where that fails in fallback_dir;
-        `SaveError` saying what is lost where neither takes it."""
+        `SaveError` saying what is lost where neither takes it. A step already saved is not saved again (a stop
+        signal in a step that ended on train.save_every wrote the same checkpoint twice, and a kill while the second
+        replaced the first lost both)."""
+        last = self.last_checkpoint
+        if last is not None and step_of(last) == self.trainer.step_index and last.is_dir():
+            return last
         try:
             path = save_checkpoint(self.trainer.state_dict(), self.checkpoints, self.config.train.keep_last)
         except SaveError as error:
@@ -657,9 +663,8 @@ class TrainingRun:
                 "written there instead"
             )
         try:
-            path = save_checkpoint(
-                self.trainer.state_dict(), Path(self.config.fallback_dir) / CHECKPOINTS, self.config.train.keep_last
-            )
+            root = fallback_checkpoints(self.config.fallback_dir, self.out)
+            path = save_checkpoint(self.trainer.state_dict(), root, self.config.train.keep_last)
         except SaveError as error:
             raise SaveError(f"{failure}; fallback_dir failed too: {error}; {self._lost()}") from None
         if self.main:
