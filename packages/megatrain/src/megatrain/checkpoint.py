@@ -35,6 +35,7 @@ from megatrain_store.checkpoints import (
     complete_checkpoints,
     make_room,
     newest_complete,
+    remove_checkpoint,
     step_of,
 )
 from megatrain_store.progress import counting, progress
@@ -165,7 +166,7 @@ def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path
     fsync_dir(root)
     shutil.rmtree(replaced, ignore_errors=True)
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
-        shutil.rmtree(old)
+        remove_checkpoint(old)
     return final
 
 

@@ -62,6 +62,13 @@ def newest_complete(root: Path) -> Path | None:
     return newest
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete checkpoint `path`, its manifest first: a reader never takes a half-deleted one for whole (a
+    `--resume` beside the run rotating it read the manifest, then missed the files)."""
+    (path / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(path)
+
+
 def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
     """Room for `needed` bytes in `root` before a checkpoint `name` is written: the old checkpoints this save
     would delete afterwards anyway (all but the newest keep_last - 1) go first, oldest first, as long as room
@@ -84,7 +91,7 @@ def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
         )
     removed = []
     for path in going:
-        shutil.rmtree(path)
+        remove_checkpoint(path)
         removed.append(path.name)
         if free_bytes(root) >= needed:
             break
