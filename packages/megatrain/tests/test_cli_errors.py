@@ -94,6 +94,8 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (finished / CHECKPOINTS / "step-00000003").mkdir(parents=True)
     (finished / CHECKPOINTS / "step-00000003" / MANIFEST).write_text("{}")
     (finished / FINAL).mkdir()
+    exported = tmp_path / "exported"  # a run that ended before its first checkpoint (the quick start's)
+    (exported / FINAL).mkdir(parents=True)
     return [
         *unreadable_input_cases(tmp_path),
         *model_directory_cases(tmp_path),
@@ -131,6 +133,10 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (
             ["train", *TINY, "--set", f"output_dir={finished}"],
             "already holds a run (checkpoints up to step-00000003, its model in final/); continue it with --resume",
+        ),
+        (
+            ["train", *TINY, "--set", f"output_dir={exported}"],
+            f"already holds a run (its model in final/); train on from its model with --set model.hf_dir={exported}",
         ),
     ]
 

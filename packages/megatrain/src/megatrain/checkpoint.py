@@ -228,9 +228,13 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
         return
     held = [f"checkpoints up to {checkpoints[-1].name}"] if checkpoints else []
     held += [f"its model in {FINAL}/"] if (out / FINAL).exists() else []
+    if _newest_checkpoint(out) is not None:
+        then = f"continue it with --resume {out}"
+    else:  # (no checkpoint to resume: train.save_every saved none before the run ended)
+        then = f"train on from its model with --set model.hf_dir={out / FINAL} and a new output_dir"
     raise ConfigError(
-        f"output_dir {out} already holds a run ({', '.join(held)}); continue it with --resume {out}, or set "
-        f"output_dir to a new directory (or remove {out})"
+        f"output_dir {out} already holds a run ({', '.join(held)}); {then}, or set output_dir to a new directory "
+        f"(or remove {out})"
     )
 
 
