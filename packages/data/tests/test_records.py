@@ -1,6 +1,7 @@
 """Record datasets: formats, the dataset_info.json registry, mixing, truncation, packing, validation."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -261,6 +262,26 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
         DataSection(text=str(builtin_corpus()), seq_len=64, validation=0.1), 512, tmp_path / "c4", None
     )
     assert len(text.validation.tokens) == round(0.1 * (len(text.train.tokens) + len(text.validation.tokens)) / 64) * 64
+
+
+@pytest.mark.parametrize(
+    "record, data_format, fix",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "text", "set data.format: messages"),
+        ({"conversations": [{"from": "human", "value": "hi"}]}, "alpaca", "set data.format: messages"),
+        ({"instruction": "a", "input": "", "output": "b"}, "messages", "set data.format: alpaca"),
+        ({"prompt": "p", "chosen": "c", "rejected": "r"}, "text", "set data.format: preference"),
+        ({"content": "some words"}, "text", r"set data.text_field: content \(its one text field\)"),
+        ({"content": "a", "title": "b"}, "text", r"set data.format \(or the registry's columns\)"),
+    ],
+)
+def test_a_record_of_another_format_names_the_setting_that_reads_it(record, data_format, fix):
+    """A record without the field its data.format needs: the format its fields are, or for text its one text field
+    (it said only "set data.format" for a chat file read as text)."""
+    from megatrain_data.records import fix_for_record
+
+    what = {"text": "text", "alpaca": "instruction", "messages": "messages"}[data_format]
+    assert re.search(fix, fix_for_record(record, what))
 
 
 def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):

@@ -14,7 +14,7 @@ import numpy as np
 from .errors import DataError
 from .multimodal import media_columns, media_rows
 from .preference import preference_rows, uses_pairs
-from .records import RecordData, load_records, read_sources, records_to_rows, resolve_sources
+from .records import RecordData, fix_for_record, load_records, read_sources, records_to_rows, resolve_sources
 from .section import DataSection
 from .tokens import (
     Tokens,
@@ -224,7 +224,7 @@ def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> P
     if data.text_field not in records.column_names:
         raise DataError(
             f"dataset {source.name!r} has no field {data.text_field!r} (fields: {records.column_names}); "
-            "set data.text_field"
+            + (fix_for_record(records[0], "text") if len(records) else "set data.text_field")
         )
     key = json.dumps([getattr(records, "_fingerprint", "") or source.location, data.text_field])
     texts = (str(r[data.text_field]) for r in records)

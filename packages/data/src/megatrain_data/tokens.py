@@ -85,7 +85,7 @@ def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_pa
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=every_byte if len(every_byte) + 1 <= vocab_size else [],
-        show_progress=False,
+        show_progress=sys.stderr.isatty(),  # (tokenizers' own bars, on a terminal only: no log lines of them)
     )
     if texts is not None:
         tokenizer.train_from_iterator(texts, trainer)
@@ -105,9 +105,9 @@ def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_pa
     return tokenizer
 
 
-# data from which training a tokenizer takes long enough to say so first (minutes on a large corpus, with no
-# progress of its own)
-ANNOUNCED_TOKENIZER_BYTES = 64 * 2**20
+# data from which training a tokenizer takes long enough to say so first (about a second a MiB on two cores;
+# minutes on a large corpus, whose progress a log shows nothing of)
+ANNOUNCED_TOKENIZER_BYTES = 4 * 2**20
 
 
 def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train, data_bytes: int = 0) -> Path:
