@@ -278,7 +278,7 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
 def test_a_record_of_another_format_names_the_setting_that_reads_it(record, data_format, fix):
     """A record without the field its data.format needs: the format its fields are, or for text its one text field
     (it said only "set data.format" for a chat file read as text)."""
-    from megatrain_data.records import fix_for_record
+    from megatrain_data.section import fix_for_record
 
     what = {"text": "text", "alpaca": "instruction", "messages": "messages"}[data_format]
     assert re.search(fix, fix_for_record(record, what))

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 import megatrain.checkpoint as checkpoint_module
 import megatrain_store.checkpoints
 from megatrain import Trainer
-from megatrain.checkpoint import fallback_checkpoints, find_checkpoint, resolve_resume, run_config, save_checkpoint
+from megatrain.checkpoint import find_checkpoint, resolve_resume, run_config, save_checkpoint
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain_optim import EmbeddingRowsFirst
 from megatrain_store import StoreError
-from megatrain_store.checkpoints import SaveError
+from megatrain_store.checkpoints import SaveError, clean_interrupted_saves, fallback_checkpoints
 
 
 def losses(run_dir):
@@ -311,7 +311,7 @@ def test_a_resave_killed_between_its_renames_keeps_the_old_copy(tmp_path):
     for name in (".step-00000003.replaced", ".step-00000004.replaced", "step-00000004", ".step-00000005.partial"):
         (root / name).mkdir(parents=True)
         (root / name / "manifest.json").write_text(name)
-    checkpoint_module.clean_interrupted_saves(root)
+    clean_interrupted_saves(root)
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003", "step-00000004"]
     assert (root / "step-00000003" / "manifest.json").read_text() == ".step-00000003.replaced"
     assert (root / "step-00000004" / "manifest.json").read_text() == "step-00000004"

@@ -14,8 +14,8 @@ import numpy as np
 from .errors import DataError
 from .multimodal import media_columns, media_rows
 from .preference import preference_rows, uses_pairs
-from .records import RecordData, fix_for_record, load_records, read_sources, records_to_rows, resolve_sources
-from .section import DataSection
+from .records import RecordData, load_records, read_sources, records_to_rows, resolve_sources
+from .section import DataSection, fix_for_record
 from .tokens import (
     Tokens,
     builtin_corpus,

@@ -26,7 +26,7 @@ from megatrain_store.progress import progress
 
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .errors import DataError
-from .section import DataSection
+from .section import DataSection, fix_for_record
 from .tokens import Tokens, document_start_ids, not_utf8_where, pad_token_id
 
 # The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
@@ -306,30 +306,6 @@ def record_field(record: dict, key, index: int, source: Source, what: str):
         fix = "other records have it: fill it in or drop this record" if key in record else fix_for_record(record, what)
         raise DataError(f"{record_where(source, index)} has no {what} field {key!r} (its fields: {present}); {fix}")
     return value
-
-
-# The data.format a record's fields suggest, the first whose fields it has (chat before the others).
-FORMAT_BY_FIELDS = (
-    ("messages", {"messages"}),
-    ("messages", {"conversations"}),
-    ("preference", {"chosen", "rejected"}),
-    ("alpaca", {"instruction", "output"}),
-    ("prompt", {"prompt"}),
-    ("text", {"text"}),
-)
-
-
-def fix_for_record(record: dict, what: str) -> str:
-    """The setting that reads `record`, which lacks the `what` field its data.format needs: the format its fields
-    suggest, or for text the one text field it has."""
-    fields = {name for name, field in record.items() if field is not None}
-    for name, needs in FORMAT_BY_FIELDS:
-        if needs <= fields and what not in needs:
-            return f"set data.format: {name} (its fields are that format's)"
-    texts = [name for name in sorted(fields) if isinstance(record[name], str)]
-    if what == "text" and len(texts) == 1:
-        return f"set data.text_field: {texts[0]} (its one text field)"
-    return "set data.format (or the registry's columns) to match the records"
 
 
 def _messages_format_turns(record: dict, source: Source, index: int) -> list:

@@ -77,3 +77,27 @@ class DataSection:
                 "data.train_on_prompt applies to supervised examples; DPO trains the completions only: "
                 "set data.train_on_prompt: false"
             )
+
+
+# The data.format a record's fields suggest, the first whose fields it has (chat before the others).
+FORMAT_BY_FIELDS = (
+    ("messages", {"messages"}),
+    ("messages", {"conversations"}),
+    ("preference", {"chosen", "rejected"}),
+    ("alpaca", {"instruction", "output"}),
+    ("prompt", {"prompt"}),
+    ("text", {"text"}),
+)
+
+
+def fix_for_record(record: dict, what: str) -> str:
+    """The setting that reads `record`, which lacks the `what` field its data.format needs: the format its fields
+    suggest, or for text the one text field it has."""
+    fields = {name for name, field in record.items() if field is not None}
+    for name, needs in FORMAT_BY_FIELDS:
+        if needs <= fields and what not in needs:
+            return f"set data.format: {name} (its fields are that format's)"
+    texts = [name for name in sorted(fields) if isinstance(record[name], str)]
+    if what == "text" and len(texts) == 1:
+        return f"set data.text_field: {texts[0]} (its one text field)"
+    return "set data.format (or the registry's columns) to match the records"

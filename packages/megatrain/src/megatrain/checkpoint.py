@@ -13,7 +13,6 @@ checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer
 """
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -30,10 +29,15 @@ from megatrain_store import (
     write_safetensors,
 )
 from megatrain_store.checkpoints import (
+    CHECKPOINTS,
     MANIFEST,
     SaveError,
+    clean_interrupted_saves,
     complete_checkpoints,
+    entries_bytes,
+    fallback_checkpoints,
     make_room,
+    manifest_output_dir,
     newest_complete,
     remove_checkpoint,
     step_of,
@@ -46,7 +50,6 @@ from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
 from .config import ConfigError
 
 FORMAT = 1
-CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
 FINAL = "final"  # a run directory's exported model (weights alone)
 # in final/: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
 TRAINER_STATE = "trainer_state.json"
@@ -112,11 +115,6 @@ def resolve_resume(path: Path) -> Resume:
         raise StoreError(f"{damaged}; {fix}") from None
 
 
-def entries_bytes(entries: list) -> int:
-    """Bytes of safetensors files holding `entries` ((name, tensor or Pending) pairs), headers included."""
-    return sum(p.numel() * p.element_size() + 160 + len(name) for name, p in entries) + 4096
-
-
 def finite_checked(entries: list, offenders: list[str]) -> list:
     """`entries` whose tensors are checked for NaN/Inf as they are loaded to be written (no second pass over
     the state); the names of those that hold any are appended to `offenders`."""
@@ -168,20 +166,6 @@ def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
         remove_checkpoint(old)
     return final
-
-
-def clean_interrupted_saves(root: Path) -> None:
-    """What saves killed midway left in `root` (the run lock keeps other runs out): a partial checkpoint goes; a
-    re-saved step's old copy, moved aside until the new one took its name, goes where that happened, else it is
-    put back (the save was killed between its two renames)."""
-    for stale in root.glob(".step-*.partial"):
-        shutil.rmtree(stale, ignore_errors=True)
-    for aside in root.glob(".step-*.replaced"):
-        original = root / aside.name[1 : -len(".replaced")]
-        if original.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            aside.rename(original)
 
 
 def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
@@ -270,13 +254,6 @@ def _newest_checkpoint(path: Path) -> Path | None:
     return max(found, key=step_of, default=None)
 
 
-def fallback_checkpoints(fallback_dir: str | Path, out: Path) -> Path:
-    """Where the run whose output_dir is `out` saves when that disk refuses: a folder of its own in fallback_dir, so
-    that runs sharing one rotate (train.keep_last), clean up and replace only their own checkpoints."""
-    out = Path(out).resolve()
-    return Path(fallback_dir) / f"{out.name}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}" / CHECKPOINTS
-
-
 def _newest_in_fallback(run: Path) -> Path | None:
     """The newest whole checkpoint of the run in `run` in the fallback_dir its config.json names: in the run's own
     folder there, or in the checkpoints/ folder runs shared before they had their own (a checkpoint's manifest names
@@ -292,16 +269,9 @@ def _newest_in_fallback(run: Path) -> Path | None:
         checkpoint
         for root in roots
         for checkpoint in complete_checkpoints(root)
-        if _manifest_output_dir(checkpoint) == run.resolve()
+        if manifest_output_dir(checkpoint) == run.resolve()
     ]
     return max(ours, key=step_of, default=None)
-
-
-def _manifest_output_dir(checkpoint: Path) -> Path | None:
-    try:
-        return Path(json.loads((checkpoint / MANIFEST).read_text())["config"]["output_dir"]).resolve()
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def supersede_later(out: Path, step: int) -> Path | None:

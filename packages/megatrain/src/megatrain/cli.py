@@ -579,25 +579,9 @@ def _add_presets(commands) -> None:
 
 
 def run_presets(match: str) -> None:
-    """One line per preset whose name contains `match`: its architecture, parameters, active ones, layers, width."""
-    from megatrain_zoo import PRESETS, preset
+    from megatrain_zoo import preset_table
 
-    names = [name for name in PRESETS if match.lower() in name.lower()]
-    if not names:
-        from .config import ConfigError
-
-        raise ConfigError(f"no preset name contains {match!r}; `megatrain presets` lists them all")
-    print(f"{'preset':<28} {'architecture':<24} {'params':>9} {'active':>9} {'layers':>6} {'width':>6}")
-    for name in names:
-        model = preset(name)
-        active = _size(model.active_params) if model.is_moe else ""
-        print(
-            f"{name:<28} {model.arch:<24} {_size(model.n_params):>9} {active:>9} {model.n_layers:>6} {model.d_model:>6}"
-        )
-
-
-def _size(params: int) -> str:
-    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    print("\n".join(preset_table(match)))
 
 
 def run_command(args) -> None:

@@ -142,33 +142,22 @@ class Planner(CostModel):
             placed = self._place_sweeps(tokens, sweeps, first_disk_group, explain)
             hidden = self.transfer_s(placed) <= SWEEPS_PCIE_SHARE * self.compute_s(placed)
             faster = self.step_s(placed) < SWEEPS_GAIN * self.step_s(best)
-            if hidden and self._host_holds(placed) and (faster or self._roomier(placed, best)):
+            roomier = leaves_more_room(self.host_bytes(placed), self.host_bytes(best), self.machine.host_memory)
+            if hidden and self._host_holds(placed) and (faster or roomier):
                 best = placed
         if best is not one and explain:
+            roomier = leaves_more_room(self.host_bytes(best), self.host_bytes(one), self.machine.host_memory)
+            room = ", which the host does not hold" if not self._host_holds(one) else ", which leaves it little room"
             best.why["sweeps"] = (
                 f"the step runs in {best.sweeps} sweeps of {best.tokens:,} tokens: each lets "
                 f"{len(best.keeping)} layers keep their products where the whole step would let {len(one.keeping)} "
-                f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s"
-                + (", which the host does not hold" if not self._host_holds(one) else "")
-                + (", which leaves the host little room" if self._roomier(best, one) and self._host_holds(one) else "")
-                + ")"
+                f"(predicted {self.step_s(best):.2f} s a step against {self.step_s(one):.2f} s{room if roomier else ''})"
             )
         return best
 
-    def _host_holds(self, placement: Placement, share: float = 1.0) -> bool:
-        """Whether `share` of the host's budget holds `placement` (a budget left unset holds any)."""
-        return self.machine.host_memory is None or self.host_bytes(placement) <= share * self.machine.host_memory
-
-    def _roomier(self, placement: Placement, than: Placement) -> bool:
-        """Whether `placement` leaves the host room where `than` leaves little or none: smaller sweeps offload
-        smaller checkpoints, and such a step beats a faster one (QLoRA's 405B on a 256 GiB host). Any other step in
-        sweeps is taken only where it is faster, within the budget itself: one that takes no more than a whole step
-        is held as well (Qwen2.5-7B at 128k tokens with clipping on a 125 GiB host takes 97% of its budget either
-        way; taken at POOL_HOST_SHARE, its steps ran in one sweep keeping 8 layers' products where 8 keep 28)."""
-        for share in (1.0, POOL_HOST_SHARE):
-            if self._host_holds(placement, share) and not self._host_holds(than, share):
-                return True
-        return False
+    def _host_holds(self, placement: Placement) -> bool:
+        """Whether the host's budget holds `placement` (a budget left unset holds any)."""
+        return self.machine.host_memory is None or self.host_bytes(placement) <= self.machine.host_memory
 
     def _sweep_counts(self, one: Placement) -> range:
         """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
@@ -529,3 +518,12 @@ class Planner(CostModel):
             host_source=self.machine.host_source,
             process_bytes=self.machine.process_bytes,
         )
+
+
+def leaves_more_room(host_bytes: int, than_bytes: int, budget: int | None) -> bool:
+    """Whether a step of `host_bytes` fits the host's `budget`, or POOL_HOST_SHARE of it, where one of `than_bytes`
+    does not: smaller sweeps offload smaller checkpoints, and such a step beats a faster one (QLoRA's 405B on a
+    256 GiB host). Other steps in sweeps are taken where faster, within the budget itself: Qwen2.5-7B at 128k tokens
+    with clipping on a 125 GiB host takes 97% of it in one sweep or eight (taken at POOL_HOST_SHARE, its steps ran in
+    one, keeping 8 layers' products where 8 sweeps keep all 28: 497 against 540 model TFLOPS)."""
+    return budget is not None and any(host_bytes <= share * budget < than_bytes for share in (1.0, POOL_HOST_SHARE))

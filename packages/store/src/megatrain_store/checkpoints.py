@@ -2,6 +2,8 @@
 with its manifest last, so that one without its manifest is damaged; the newest whole one; the room a save needs
 on the disk, made by removing what `keep_last` would remove anyway."""
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 from .progress import size_text
 
 MANIFEST = "manifest.json"
+CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
 
 
 class SaveError(RuntimeError):
@@ -96,3 +99,37 @@ def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
         if free_bytes(root) >= needed:
             break
     return removed
+
+
+def entries_bytes(entries: list) -> int:
+    """Bytes of safetensors files holding `entries` ((name, tensor or Pending) pairs), headers included."""
+    return sum(p.numel() * p.element_size() + 160 + len(name) for name, p in entries) + 4096
+
+
+def clean_interrupted_saves(root: Path) -> None:
+    """What saves killed midway left in `root` (the run lock keeps other runs out): a partial checkpoint goes; a
+    re-saved step's old copy, moved aside until the new one took its name, goes where that happened, else it is
+    put back (the save was killed between its two renames)."""
+    for stale in root.glob(".step-*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for aside in root.glob(".step-*.replaced"):
+        original = root / aside.name[1 : -len(".replaced")]
+        if original.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.rename(original)
+
+
+def fallback_checkpoints(fallback_dir: str | Path, out: Path) -> Path:
+    """Where the run whose output_dir is `out` saves when that disk refuses: a folder of its own in fallback_dir, so
+    that runs sharing one rotate (train.keep_last), clean up and replace only their own checkpoints."""
+    out = Path(out).resolve()
+    return Path(fallback_dir) / f"{out.name}-{hashlib.sha256(str(out).encode()).hexdigest()[:8]}" / CHECKPOINTS
+
+
+def manifest_output_dir(checkpoint: Path) -> Path | None:
+    """The output_dir of the run that wrote `checkpoint`, as its manifest names it (None: unknown)."""
+    try:
+        return Path(json.loads((checkpoint / MANIFEST).read_text())["config"]["output_dir"]).resolve()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

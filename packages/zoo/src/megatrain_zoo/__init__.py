@@ -15,7 +15,7 @@ from .hf_export import config_to_hf
 from .hf_weights import check_hf_weights, load_hf_weights
 from .model import build_model, expert_parts, init_param_
 from .peft import check_peft_weights, load_peft_adapter, read_peft_config, write_peft_adapter
-from .presets import PRESETS, preset
+from .presets import PRESETS, preset, preset_table
 from .read import model_config_from_hf, read_hf_config
 from .shapes import block_shape
 from .skeleton import GenericError
@@ -48,5 +48,6 @@ __all__ = [
     "linear_attention_flops_per_token",
     "init_param_",
     "preset",
+    "preset_table",
     "read_hf_config",
 ]

@@ -1248,3 +1248,23 @@ def preset(name: str) -> ModelConfig:
             raise ZooError(f"unknown model preset {name!r}; did you mean {', '.join(close)}?")
         raise ZooError(f"unknown model preset {name!r}; the presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
+
+
+def preset_table(match: str = "") -> list[str]:
+    """`megatrain presets`' lines: a header, then one per preset whose name contains `match` (its architecture,
+    parameters, active ones, layers, width); `ZooError` where none does."""
+    names = [name for name in PRESETS if match.lower() in name.lower()]
+    if not names:
+        raise ZooError(f"no preset name contains {match!r}; `megatrain presets` lists them all")
+    lines = [f"{'preset':<28} {'architecture':<24} {'params':>9} {'active':>9} {'layers':>6} {'width':>6}"]
+    for name in names:
+        model = PRESETS[name]
+        active = _size(model.active_params) if model.is_moe else ""
+        lines.append(
+            f"{name:<28} {model.arch:<24} {_size(model.n_params):>9} {active:>9} {model.n_layers:>6} {model.d_model:>6}"
+        )
+    return lines
+
+
+def _size(params: int) -> str:
+    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
