@@ -586,3 +586,18 @@ def test_a_resumed_run_whose_text_changed_is_refused_and_goes_on_with_its_own_to
     kept = run / "tokenizer" / "tokenizer.json"
     assert "the run's text changed since it started" in capsys.readouterr().err and kept.exists()
     assert main(["train", "--resume", str(run), "--set", "train.steps=6", "--set", f"data.tokenizer={kept}"]) == 0
+
+
+def test_a_run_of_relative_paths_resumes_and_exports_from_any_directory(write_config, tmp_path, monkeypatch, capsys):
+    """Paths written relative to where the run started are saved absolute (config.json, checkpoints), so the run
+    resumes and its model loads from another directory (its model.hf_dir was 'runs/default/final' as typed)."""
+    monkeypatch.chdir(tmp_path)
+    config = write_config(data={"tokens": "tokens.npy"}, output_dir="run", train={"steps": 2, "save_every": 2})
+    assert main(["train", "--config", str(config)]) == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["output_dir"] == str(tmp_path / "run") and saved["data"]["tokens"] == str(tmp_path / "tokens.npy")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--resume", str(tmp_path / "run"), "--set", "train.steps=3"]) == 0, capsys.readouterr().err
+    assert find_checkpoint(tmp_path / "run").name == "step-00000002" and (tmp_path / "run" / "final").is_dir()

@@ -167,3 +167,27 @@ def check_groups(records: list[dict], size: int, path) -> int:
                 f"num_generations ({size}) consecutive completions of one prompt"
             )
     return len(records) // size
+
+
+def read_prompts(path) -> list:
+    """A prompts file's prompts: JSONL records with `prompt` (text or messages), or one text prompt per line."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f'--prompts {path} does not exist; give a JSONL of {{"prompt": ...}} or a text file')
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix in (".jsonl", ".json"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path} line {number} is not JSON: {error}") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise DataError(f"{path} line {number} has no 'prompt' field")
+            prompts.append(record["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise DataError(f"--prompts {path} holds no prompts")
+    return prompts

@@ -358,9 +358,10 @@ def run_generate(config, args) -> None:
     import json
 
     from megatrain_data import eos_token_text, load_tokenizer
+    from megatrain_data.prompts import read_prompts
     from megatrain_zoo.generate import Sampling
 
-    from .generate import generate_completions, read_prompts
+    from .generate import generate_completions
     from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)

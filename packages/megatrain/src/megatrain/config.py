@@ -15,10 +15,19 @@ import torch
 import yaml
 
 from megatrain_data import DataSection, not_utf8_where
+from megatrain_store.rundir import absolute_paths
 from megatrain_templates import ALL_LINEAR, REFERENCE_FREE_LOSSES, Lora
 from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config, read_peft_config
 
-from .config_values import ConfigError, UniqueKeyLoader, build_section, check_override_text, flat_keys, set_path
+from .config_values import (
+    COMMA_SEPARATED,
+    ConfigError,
+    UniqueKeyLoader,
+    build_section,
+    check_override_text,
+    flat_keys,
+    set_path,
+)
 
 BASE_DTYPES = ("nf4", "int8", "bfloat16", "float32")  # model.adapter.base_dtype: packed, or the compute dtype's
 
@@ -548,6 +557,29 @@ def config_changes(base: dict | None, config: Config) -> list[str]:
 def default_config_path() -> Path:
     """The built-in default job: `megatrain train` with no --config."""
     return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
+
+
+# keys naming files or folders: a run's are made absolute (those of the run's own output where they do not exist yet),
+# so that its config.json, checkpoints and exports name the same files from any directory
+PATH_KEYS = ("model.hf_dir", "data.tokens", "data.text", "data.dataset", "data.dataset_dir", "data.tokenizer")
+PATH_KEYS += (
+    "data.chat_template",
+    "data.validation",
+    "train.dpo.ref_model",
+    "train.grpo.ref_model",
+    "train.grpo.rollouts",
+)
+PATH_KEYS += ("engine.placement",)
+OUTPUT_PATH_KEYS = ("output_dir", "fallback_dir", "engine.optimizer_state_dir")
+
+
+def with_absolute_paths(config: Config) -> Config:
+    values = config.as_dict()
+    for key, value in flat_keys(values).items():
+        if isinstance(value, str) and key in PATH_KEYS + OUTPUT_PATH_KEYS:
+            joined = "," if key in COMMA_SEPARATED else None
+            set_path(values, key, absolute_paths(value, joined, always=key in OUTPUT_PATH_KEYS))
+    return config_from_dict(values)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:

@@ -2,7 +2,6 @@
 with the run's tokenizer and chat template, completions from the trainer's weights by the zoo's generation engine
 (`megatrain_zoo.generate`), and the one-line refusal where transformers is missing."""
 
-import json
 import sys
 
 from megatrain_zoo.generate import Generator, Sampling
@@ -20,32 +19,6 @@ def require_transformers(what: str) -> None:
             f"{what} decodes with the model's transformers modules and their KV cache: install transformers "
             "(pip install 'transformers>=5.0')"
         ) from None
-
-
-def read_prompts(path) -> list:
-    """A prompts file's prompts: JSONL records with `prompt` (text or messages), or one text prompt per line."""
-    from pathlib import Path
-
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f'--prompts {path} does not exist; give a JSONL of {{"prompt": ...}} or a text file')
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix in (".jsonl", ".json"):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ConfigError(f"{path} line {number} is not JSON: {error}") from None
-            if not isinstance(record, dict) or "prompt" not in record:
-                raise ConfigError(f"{path} line {number} has no 'prompt' field")
-            prompts.append(record["prompt"])
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise ConfigError(f"--prompts {path} holds no prompts")
-    return prompts
 
 
 def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, sampling: Sampling, seed: int) -> list[str]:

@@ -44,7 +44,7 @@ from .checkpoint import (
     supersede_later,
     write_trainer_state,
 )
-from .config import Config, ConfigError, model_config_of, resolve_device
+from .config import Config, ConfigError, model_config_of, resolve_device, with_absolute_paths
 from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
 from .planning import check_runnable
@@ -285,6 +285,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     a missing tracker package or an output_dir in use by another run are refused before anything is loaded.
     Raises `RunInterrupted` where a signal stopped the run (after its checkpoint) and `SaveError` where a save
     failed and nothing took it (saying what is lost)."""
+    config = with_absolute_paths(config)
     out = Path(config.output_dir)
     model = model_config_of(config)
     if resume is not None:

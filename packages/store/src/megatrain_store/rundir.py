@@ -35,6 +35,14 @@ def prepare_output_dir(out: Path) -> None:
         ) from error
 
 
+def absolute_paths(text: str, separator: str | None = None, always: bool = False) -> str:
+    """`text`'s paths (split at `separator`, if any) made absolute where they exist from here, or `always`; the rest
+    (a hub name, `auto`) as written: a run's saved settings then name the same files from any directory."""
+    parts = [part.strip() for part in text.split(separator)] if separator else [text]
+    absolute = [str(Path(part).resolve()) if part and (always or Path(part).exists()) else part for part in parts]
+    return (separator or "").join(absolute)
+
+
 def prepare_fallback_dir(fallback: Path) -> None:
     """Make fallback_dir and write a file there now, or refuse in one line: it is needed when output_dir's disk
     refuses a save (full), the worst moment to find it unwritable."""
