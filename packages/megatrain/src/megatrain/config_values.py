@@ -2,6 +2,7 @@
 overrides into nested mappings, then each value coerced to its field's type (a number written as text, a list of
 names as comma-separated text), with one line naming the key and what it takes where a value does not fit."""
 
+import difflib
 import math
 import re
 from dataclasses import fields, is_dataclass
@@ -25,7 +26,9 @@ def build_section(cls, values: dict, where: str):
     for key, value in values.items():
         name = f"{where}.{key}" if where else key
         if key not in known:
-            raise ConfigError(f"unknown config key {name!r}; {where or 'top level'} accepts {sorted(known)}")
+            close = difflib.get_close_matches(key, known, n=1)
+            mean = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown config key {name!r}; {mean}{where or 'top level'} accepts {sorted(known)}")
         hint = hints[key]
         if is_dataclass(hint):
             kwargs[key] = build_section(hint, value or {}, name)

@@ -140,8 +140,9 @@ def _check_host(plan: Plan, model: ModelConfig, adapter) -> None:
     configured = 0 if adapter is None else 1 + BASE_MODES.index(adapter.base_format)
     lighter = list(plan.largest_params.items())[configured + 1 :]
     fits = next((mode for mode, params in lighter if params >= plan.n_params), None)
+    take = "take" if name.endswith("s") else "takes"  # (moments take, the runtime takes)
     raise PlanError(
-        f"{needs} ({plan.host_bytes_per_param:.1f} B/param) but {may_take}; {name} take {items[name] / gib:.1f} GiB: "
+        f"{needs} ({plan.host_bytes_per_param:.1f} B/param) but {may_take}; {name} {take} {items[name] / gib:.1f} GiB: "
         f"{saving} ({_what_fits(plan, name if name in optional else None)}; `megatrain plan` lists every item)"
         + (f"; it fits with {fits} ({MODE_SETTINGS[fits.split(' base')[0]]})" if fits else "")
     )

@@ -289,8 +289,9 @@ class Planner(CostModel):
             times[resident] = self.step_s(self.placement_of(replace(draft, kept=self._kept(draft))))
         fastest = min(times.values())
         resident = min(n for n, seconds in times.items() if seconds <= fastest / RESIDENT_GAIN)
+        which = "no block is" if not resident else f"the embedding and the first {resident} blocks are"
         why["resident"] = (
-            f"the embedding and the first {resident} blocks are updated on the GPU: with clipping the CPU's AdamW "
+            f"{which} updated on the GPU: with clipping the CPU's AdamW "
             f"of every weight ({self.optimizer_s(self.placement_of(counts)):.2f} s) runs beside the next forward "
             f"alone; predicted {times[0]:.2f} s a step with none, {times[resident]:.2f} s with {resident}"
         )
