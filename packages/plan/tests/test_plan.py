@@ -632,6 +632,20 @@ def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):
     assert three.placement.sweeps == 3 and three.placement.tokens == 3 * 16384  # 8 micro-batches: 3, 3 and 2
 
 
+def test_a_nearly_full_host_still_runs_a_large_step_in_the_sweeps_that_are_faster():
+    """Qwen2.5-7B at 128k tokens with clipping on an H200's 125 GiB host: 97% of the budget in one sweep or in 8.
+    Held to POOL_HOST_SHARE of it, the step ran in one sweep keeping 8 layers' products (497 model TFLOPS, where 8
+    sweeps ran 540: sweeps-qwen2.5-7b-h200.json); within the budget itself the faster sweeps are taken."""
+    gpu, host = int(139.8 * 2**30), int(117.7 * 2**30)
+    planner = planner_for(
+        "qwen2.5-7b", 131072, seq_len=4096, micro_batch=4, clipping=True, gpu_memory=gpu, host_memory=host
+    )
+    one, chosen = planner.place(131072, sweeps=1), planner.place(131072)
+    assert POOL_HOST_SHARE * host < planner.host_bytes(one) == planner.host_bytes(chosen) <= host
+    assert chosen.sweeps > 1 and len(chosen.keeping) > len(one.keeping) and planner.step_s(chosen) < planner.step_s(one)
+    assert "sweeps" in chosen.why and "host" not in chosen.why["sweeps"]  # (taken as faster, not as lighter)
+
+
 def test_a_step_the_host_cannot_hold_in_one_sweep_runs_in_the_sweeps_that_it_holds():
     """Smaller sweeps offload smaller checkpoints: where one sweep's plan passes the host's budget and more sweeps'
     plan does not, the planner takes the sweeps, even where they are predicted slower (QLoRA's 405B on a 256 GiB
