@@ -6,7 +6,6 @@ path a run's data takes.
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store import atomic_write, atomic_write_text
 from megatrain_store.progress import progress
 
 from .errors import DataError
@@ -99,9 +99,7 @@ def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_pa
             "with a larger vocabulary, or set data.tokenizer to a tokenizer.json that fits it"
         )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    staged = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    tokenizer.save(str(staged))
-    os.replace(staged, out_path)  # (a run reading the cache never sees half a file)
+    atomic_write_text(out_path, tokenizer.to_str(pretty=True))  # (a run reading the cache never sees half a file)
     return tokenizer
 
 
@@ -189,9 +187,8 @@ def tokenize_text(
         return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
     tokens = _encoded_text(text, tokenizer, text_path.name)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staged = cached.with_name(f".{cached.name}.tmp-{os.getpid()}.npy")
-    np.save(staged, tokens)
-    os.replace(staged, cached)  # (an evaluation reading the cache beside a run never sees half a file)
+    # (an evaluation reading the cache beside a run never sees half a file; a failed write leaves none on the disk)
+    atomic_write(cached, lambda handle: np.save(handle, tokens))
     return tokens, Path(tokenizer_path)
 
 
