@@ -150,3 +150,24 @@ def test_trl_pairs_train_without_data_format_and_a_first_step_tie_is_not_right(d
     assert process.returncode == 0, process.stderr
     (first,) = records(tmp_path / "run")
     assert first["rewards/accuracies"] == 0.0 and abs(first["rewards/margins"]) < 1e-4, first
+
+
+def test_a_reference_model_changed_since_the_run_is_refused(dpo_config, tmp_path, capsys):
+    """A run's reference weights written over after it trained (a resumed SFT run exporting into the folder the DPO
+    run starts from): `eval` and a resumed run refuse, where they recomputed the reference and scored against
+    another model without a word."""
+
+    def export_llama(seed: int):
+        config = ["model.preset=tiny-llama", "device=cpu", f"output_dir={tmp_path / 'r'}", f"train.seed={seed}"]
+        trainer = Trainer(load_config(None, config))
+        trainer.export(tmp_path / "ref")
+        trainer.close()
+
+    export_llama(1)
+    assert main(["train", "--config", str(dpo_config()), "--set", f"train.dpo.ref_model={tmp_path / 'ref'}"]) == 0
+    capsys.readouterr()
+    shutil.rmtree(tmp_path / "ref")
+    export_llama(2)
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the DPO reference {tmp_path / 'ref'} changed since this run used it" in err[0]

@@ -29,6 +29,7 @@ from megatrain_store.rundir import RunLock, prepare_fallback_dir, prepare_output
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
+from megatrain_zoo.read import check_reference_model
 
 from .checkpoint import (
     CHECKPOINTS,
@@ -48,7 +49,7 @@ from .config import Config, ConfigError, model_config_of, resolve_device, with_a
 from .distributed import init_ranks
 from .grpo import check_grpo_settings, make_rollouts
 from .planning import check_runnable
-from .reference import PASS_STEPS, adapters_off, check_reference_model, reference_scores, step_reference
+from .reference import PASS_STEPS, adapters_off, reference_scores, step_reference
 from .rollouts import tokenizer_of
 from .step import StepBatch
 from .trackers import check_trackers, open_trackers

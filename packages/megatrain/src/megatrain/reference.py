@@ -18,9 +18,8 @@ from megatrain_data import Batch, Tokens, sequence_lengths
 from megatrain_store import atomic_write
 from megatrain_store.progress import progress
 from megatrain_templates import Sequences
-from megatrain_zoo import ZooError, read_hf_config
+from megatrain_zoo.hf_weights import check_weights_unchanged
 
-from .config import ConfigError
 from .step import StepBatch
 
 # The pass streams the weights once for this many training steps' rows (forward only: no checkpoints are kept,
@@ -52,26 +51,6 @@ def adapters_off(trainer):
         trainer.sync_weights()
 
 
-def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:
-    """Refuse, before any weights are loaded, a reference whose architecture or vocabulary is not the policy's."""
-    if not (Path(ref_dir) / "config.json").is_file():
-        raise ConfigError(
-            f"{setting} {ref_dir} holds no config.json: name a Hugging Face model directory (the policy's model with "
-            "other weights), or leave it unset to use the initial weights"
-        )
-    try:
-        reference = read_hf_config(ref_dir)
-    except ZooError as error:
-        raise ConfigError(f"{setting} {ref_dir}: {error}") from error
-    for field in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
-        if getattr(reference, field) != getattr(policy, field):
-            raise ConfigError(
-                f"{setting} {ref_dir} has {field} {getattr(reference, field)!r} where the policy has "
-                f"{getattr(policy, field)!r}; the reference must be the policy's model with other weights "
-                "(its SFT checkpoint, say), or leave ref_model unset to use the initial weights"
-            )
-
-
 def reference_key(trainer, rows: Tokens) -> str:
     """What the cached scores depend on: the rows' tokens and masks, the reference weights (a directory's files,
     or the policy's initial weights: its directory's or the seeded initialisation), the model and compute dtype."""
@@ -94,6 +73,9 @@ def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "traini
     """Every row's summed log-probability of its trained tokens under the reference ([rows] float64), from the cache
     or one forward-only streamed pass (said in one line, with its time and tokens/s). The trainer's store must hold
     the policy's initial weights; it does again afterwards."""
+    source = trainer.config.train.dpo.ref_model or trainer.config.model.hf_dir
+    if source is not None and trainer.is_main:  # (a resumed SFT run that wrote over the model a DPO run started from)
+        check_weights_unchanged(Path(source), cache_dir / "reference-weights.json", "the DPO reference")
     path = cache_dir / f"reference-{reference_key(trainer, rows)}.npy"
     if path.exists():
         return np.load(path)

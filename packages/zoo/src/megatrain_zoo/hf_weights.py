@@ -16,6 +16,7 @@ from megatrain_store import (
     HostStore,
     Pending,
     QuantizedNF4,
+    atomic_write_text,
     dequantize_nf4,
     match_tensors,
     nf4_from_bitsandbytes,
@@ -318,6 +319,25 @@ def check_same_weights(model_dir: str | None, fingerprint: str | None, trained: 
             f"the base model {model_dir} is not the one checkpoint {trained} was trained over (its weight files "
             "changed since); restore that base, or start a new run from these adapters (model.adapter.path)"
         )
+
+
+def check_weights_unchanged(model_dir: Path, record: Path, what: str) -> None:
+    """Refuse `model_dir` where `record` holds another fingerprint of the same directory (its weight files changed
+    since: a resumed run wrote a new model over it); the first time, or for another directory, write `record`."""
+    fingerprint = weights_fingerprint(Path(model_dir))
+    try:
+        recorded = json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    if recorded.get("directory") == str(Path(model_dir).resolve()) and recorded.get("fingerprint") != fingerprint:
+        raise ZooError(
+            f"{what} {model_dir} changed since this run used it (its weight files differ): what it gives now is "
+            "another model's; restore it, or point the setting at a copy of the model it was"
+        )
+    Path(record).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(
+        Path(record), json.dumps({"directory": str(Path(model_dir).resolve()), "fingerprint": fingerprint})
+    )
 
 
 def _checkpoint_layout(spec: ModelSpec, present: set[str]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:

@@ -76,3 +76,23 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
         raise ZooError(f"{path} is not valid JSON ({error}); download the model's config.json again") from error
     except KeyError as error:
         raise ZooError(f"{path} lacks the setting {error}; is it a Hugging Face model's config.json?") from error
+
+
+def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:
+    """Refuse, before any weights are loaded, a reference whose architecture or vocabulary is not the policy's."""
+    if not (Path(ref_dir) / "config.json").is_file():
+        raise ZooError(
+            f"{setting} {ref_dir} holds no config.json: name a Hugging Face model directory (the policy's model with "
+            "other weights), or leave it unset to use the initial weights"
+        )
+    try:
+        reference = read_hf_config(ref_dir)
+    except ZooError as error:
+        raise ZooError(f"{setting} {ref_dir}: {error}") from None
+    for field in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
+        if getattr(reference, field) != getattr(policy, field):
+            raise ZooError(
+                f"{setting} {ref_dir} has {field} {getattr(reference, field)!r} where the policy has "
+                f"{getattr(policy, field)!r}; the reference must be the policy's model with other weights "
+                "(its SFT checkpoint, say), or leave ref_model unset to use the initial weights"
+            )
