@@ -22,6 +22,7 @@ from megatrain_data.rewards import RewardError
 from megatrain_data.serving import RUN_FOLDER, describe_export, keep_in_run, serving_of_run
 from megatrain_optim import Ranks, Schedule, lr_at
 from megatrain_optim.launch import leave_ranks
+from megatrain_plan import stale_rates_note
 from megatrain_store import atomic_write_text
 from megatrain_store.checkpoints import SaveError, free_bytes, step_of
 from megatrain_store.progress import progress, size_text
@@ -354,6 +355,7 @@ class TrainingRun:
         self.last_eval: dict = {}
         self.reference = self.validation_reference = None  # DPO: the reference's scores of the pairs (rows)
         self.rollouts = None  # GRPO: each step's prompts, completions and advantages
+        self.first_step = 0  # (set once the run has started: a resumed run's is its checkpoint's)
         self.serving = None  # what the export is served with (made by `_start`: its template file is read then)
 
     def run(self) -> Path:
@@ -363,6 +365,7 @@ class TrainingRun:
         failed = True  # (until the export is written: a failed run's queued updates are dropped, not waited for)
         try:
             self._start()
+            self.first_step = self.trainer.step_index
             self.trackers = open_trackers(self.config, self.out) if self.main else []
             bar = progress(
                 total=self.config.train.steps,
@@ -566,6 +569,7 @@ class TrainingRun:
                 reference = step_reference(self.reference, self.windows.pair_indices(step), batch)
             metrics = trainer.train_step(StepBatch.of(batch, media_of(batch), reference))
         self._record(metrics.as_dict() | made_metrics)
+        self._check_rates(step, metrics.step_time_s)
         postfix = _postfix(metrics, made_metrics)
         self._validate_if_due()
         if self.last_eval:
@@ -604,6 +608,19 @@ class TrainingRun:
         if self.main and every and step % every == 0 and made.samples:
             for sample in made.samples:
                 write_jsonl(self.out / "completions.jsonl", {"step": step + 1, **sample})
+
+    def _check_rates(self, step: int, seconds: float) -> None:
+        """The run's fourth step (past compiling and warming up) against the plan's prediction: rates far off it are
+        dropped for the next run to measure again (`stale_rates_note`); GRPO's steps also generate, unpredicted."""
+        trainer, plan = self.trainer, self.trainer.plan
+        if step != self.first_step + 3 or not (self.main and plan.predicts_step) or self.rollouts is not None:
+            return
+        shape = (self.config.data.seq_len, self.config.train.micro_batch_size)
+        note = stale_rates_note(
+            plan.step_s, seconds, trainer.model_config, trainer.device, trainer.compute_dtype, *shape
+        )
+        if note is not None:
+            tqdm.write(f"megatrain: {note}", file=sys.stderr)
 
     def _stop_for_bad_steps(self) -> None:
         try:

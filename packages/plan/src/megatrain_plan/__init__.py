@@ -25,7 +25,17 @@ from .costs import (
 from .errors import PlanError
 from .host_memory import HOST_MARGIN_MIN, HostBudget, host_budget, process_bytes
 from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
-from .rates import Rates, block_work, calibrate, layer_works, load_rates, measure_disk_gbps, run_rates, save_rates
+from .rates import (
+    Rates,
+    block_work,
+    calibrate,
+    layer_works,
+    load_rates,
+    measure_disk_gbps,
+    run_rates,
+    save_rates,
+    stale_rates_note,
+)
 from .report import Plan, format_plan
 from .search import Planner
 
@@ -64,5 +74,6 @@ __all__ = [
     "resident_stages",
     "run_rates",
     "save_rates",
+    "stale_rates_note",
     "slowest",
 ]

@@ -210,6 +210,31 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
     return rates
 
 
+# A step this many times longer or shorter than its plan predicted shows rates that are not this machine's now.
+PREDICTION_OFF = 2.0
+
+
+def stale_rates_note(
+    predicted_s: float, step_s: float, model: ModelConfig, device: torch.device, dtype, seq_len: int, micro_batch: int
+) -> str | None:
+    """Where a run's step (`step_s`, past its warm-up) is PREDICTION_OFF times off the plan's `predicted_s`, the
+    rates measured for its shape (`run_rates`) are dropped, so that the next run of that shape measures them again
+    (a measurement beside other work, say, is otherwise kept for good); what to say of it, or None."""
+    if 1 / PREDICTION_OFF <= step_s / predicted_s <= PREDICTION_OFF:
+        return None
+    on_cpu = device.type == "cpu"
+    key = calibration_key(model, seq_len, micro_batch, torch.device(device.type), dtype if on_cpu else torch.bfloat16)
+    saved = _calibrations()
+    if saved["shapes"].pop(key, None) is None:
+        return None  # (planned on rates of another shape or the defaults: nothing of this run's to drop)
+    saved["eager_kinds"].pop(key, None)
+    atomic_write_text(CALIBRATION_FILE, json.dumps(saved, indent=2))
+    return (
+        f"steps take {step_s:.2f} s where the plan predicted {predicted_s:.2f} s: the rates measured for this shape "
+        "are off (measured beside other work?) and are dropped; the next run of this shape measures them again"
+    )
+
+
 def _streamed_numel(model: ModelConfig) -> int:
     """The elements a CPU's copy and AdamW rates are measured over: the model's largest layer's parameters (within
     2**16 to 2**25), whose copies and update stream through memory as the run's do. A fixed 16M-element buffer sat in
