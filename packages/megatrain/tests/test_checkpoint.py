@@ -601,3 +601,23 @@ def test_a_run_of_relative_paths_resumes_and_exports_from_any_directory(write_co
     monkeypatch.chdir(elsewhere)
     assert main(["train", "--resume", str(tmp_path / "run"), "--set", "train.steps=3"]) == 0, capsys.readouterr().err
     assert find_checkpoint(tmp_path / "run").name == "step-00000002" and (tmp_path / "run" / "final").is_dir()
+
+
+def test_metrics_that_cannot_be_written_say_what_is_kept_and_how_to_go_on(write_config, tmp_path, capsys, monkeypatch):
+    """output_dir gone read-only mid-run: metrics.jsonl's write fails in one line naming the checkpoint kept and the
+    --resume that continues (it said only 'write elsewhere (output_dir)', so a new one restarted from scratch)."""
+    import megatrain.loop
+
+    real_write = megatrain.loop.write_jsonl
+
+    def read_only_after_step_3(path, record):
+        if record.get("step", 0) > 3:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        real_write(path, record)
+
+    monkeypatch.setattr(megatrain.loop, "write_jsonl", read_only_after_step_3)
+    assert main(["train", "--config", str(write_config(train={"steps": 5, "save_every": 2}))]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatrain: SaveError")]
+    kept = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert "metrics.jsonl could not be written (Read-only file system)" in line
+    assert f"the steps since {kept} (2) are lost" in line and f"--resume {kept}" in line

@@ -543,7 +543,10 @@ class TrainingRun:
     def _record(self, record: dict) -> None:
         """A metrics record into metrics.jsonl and every tracker."""
         if self.main:
-            write_jsonl(self.metrics_path, record)
+            try:
+                write_jsonl(self.metrics_path, record)
+            except OSError as error:  # (a disk full or gone read-only: said as a failed save is, with what is kept)
+                raise SaveError(f"{self.metrics_path} could not be written ({error.strerror}); {self._lost()}") from None
         for tracker in self.trackers:
             tracker.log(finite_record(record))
 
@@ -698,7 +701,7 @@ class TrainingRun:
         since = step - step_of(self.last_checkpoint)
         lost = f"the steps since {self.last_checkpoint} ({since}) are lost" if since else "no step is lost"
         return (
-            f"{lost}; free space and continue from it with "
+            f"{lost}; once the disk takes writes again (room, permission), continue from it with "
             f"`megatrain train --resume {self.last_checkpoint}` (--set output_dir=DIR to continue elsewhere)"
         )
 
