@@ -619,5 +619,5 @@ def test_metrics_that_cannot_be_written_say_what_is_kept_and_how_to_go_on(write_
     assert main(["train", "--config", str(write_config(train={"steps": 5, "save_every": 2}))]) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatrain: SaveError")]
     kept = tmp_path / "run" / "checkpoints" / "step-00000002"
-    assert "metrics.jsonl could not be written (Read-only file system)" in line
+    assert "metrics.jsonl could not be written: [Errno 30] Read-only file system" in line
     assert f"the steps since {kept} (2) are lost" in line and f"--resume {kept}" in line

@@ -4,6 +4,7 @@ The run holds its output_dir (a lock) from before its data is read until it ends
 output_dir, or where that fails to `fallback_dir`, or stops the run saying what is lost; SIGINT and
 SIGTERM stop it after a checkpoint with the shell's exit code (`RunInterrupted`)."""
 
+import errno
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from megatrain_optim.launch import leave_ranks
 from megatrain_plan import stale_rates_note
 from megatrain_store import atomic_write_text
 from megatrain_store.checkpoints import SaveError, free_bytes, step_of
+from megatrain_store.io import finite_record, write_jsonl
 from megatrain_store.progress import progress, size_text
 from megatrain_store.rundir import RunLock, prepare_fallback_dir, prepare_output_dir
 from megatrain_templates import Sequences
@@ -64,22 +66,6 @@ class RunInterrupted(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.exit_code = 128 + signum
-
-
-def finite_record(record: dict) -> dict:
-    """A metrics record as JSON can hold it: a NaN or Inf value becomes null and the record says
-    `"non_finite": true` (bare NaN is not JSON, and other tools reject it)."""
-    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-    if not bad:
-        return record
-    return {k: (None if k in bad else v) for k, v in record.items()} | {"non_finite": True}
-
-
-def write_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as handle:
-        handle.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> bool:
@@ -546,7 +532,8 @@ class TrainingRun:
             try:
                 write_jsonl(self.metrics_path, record)
             except OSError as error:  # (a disk full or gone read-only: said as a failed save is, with what is kept)
-                raise SaveError(f"{self.metrics_path} could not be written ({error.strerror}); {self._lost()}") from None
+                full = " (the disk is full)" if error.errno == errno.ENOSPC else ""
+                raise SaveError(f"{self.metrics_path} could not be written{full}: {error}; {self._lost()}") from None
         for tracker in self.trackers:
             tracker.log(finite_record(record))
 

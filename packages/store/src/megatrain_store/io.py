@@ -6,6 +6,7 @@ at any instant leaves either the old file or the new one, never a torn one.
 """
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -213,3 +214,20 @@ def load_tensors_into(
     with open_safetensors(where.values()) as handles:
         for name, path in where.items():
             targets[name].copy_(handles[path].get_tensor(name))
+
+
+def finite_record(record: dict) -> dict:
+    """A metrics record as JSON can hold it: a NaN or Inf value becomes null and the record says
+    `"non_finite": true` (bare NaN is not JSON, and other tools reject it)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {k: (None if k in bad else v) for k, v in record.items()} | {"non_finite": True}
+
+
+def write_jsonl(path: Path, record: dict) -> None:
+    """Append `record` to a JSON-lines file (`finite_record`), on the disk when this returns."""
+    with open(path, "a") as handle:
+        handle.write(json.dumps(finite_record(record), allow_nan=False) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
