@@ -559,21 +559,28 @@ def default_config_path() -> Path:
     return Path(str(resources.files("megatrain") / "configs" / "default.yaml"))
 
 
-# keys naming files or folders: a run's are made absolute (those of the run's own output where they do not exist yet),
-# so that its config.json, checkpoints and exports name the same files from any directory
-PATH_KEYS = ("model.hf_dir", "data.tokens", "data.text", "data.dataset", "data.dataset_dir", "data.tokenizer")
-PATH_KEYS += (
+# keys naming files or folders, made absolute for a run where they exist here (a hub dataset's name and `auto` stay
+# as written); OUTPUT_PATH_KEYS always, made or not
+PATH_KEYS = (
+    "model.hf_dir",
+    "data.tokens",
+    "data.text",
+    "data.dataset",
+    "data.dataset_dir",
+    "data.tokenizer",
     "data.chat_template",
     "data.validation",
     "train.dpo.ref_model",
     "train.grpo.ref_model",
     "train.grpo.rollouts",
+    "engine.placement",
 )
-PATH_KEYS += ("engine.placement",)
 OUTPUT_PATH_KEYS = ("output_dir", "fallback_dir", "engine.optimizer_state_dir")
 
 
 def with_absolute_paths(config: Config) -> Config:
+    """`config` with its paths absolute (PATH_KEYS, OUTPUT_PATH_KEYS), so that a run's config.json, checkpoints and
+    exports name the same files from any directory (a resumed run's `runs/default/final` typed elsewhere failed)."""
     values = config.as_dict()
     for key, value in flat_keys(values).items():
         if isinstance(value, str) and key in PATH_KEYS + OUTPUT_PATH_KEYS:
