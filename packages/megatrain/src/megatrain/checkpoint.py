@@ -240,8 +240,8 @@ def find_checkpoint(path: Path) -> Path:
             f"it cannot resume a run; start a new one from it with model.hf_dir: {path}"
         )
     raise ConfigError(
-        f"no checkpoint found at {path}: expected a step-NNNNNNNN directory with {MANIFEST} "
-        "or an output_dir whose checkpoints/ folder holds one"
+        f"no checkpoint found at {path}: expected a step-NNNNNNNN directory with {MANIFEST} or an output_dir whose "
+        "checkpoints/ folder holds one (a run stopped before its first checkpoint starts again with its own command)"
     )
 
 
