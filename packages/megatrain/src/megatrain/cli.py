@@ -120,9 +120,10 @@ def run_bench(config, steps: int) -> None:
     trainer.close()
     seconds = sum(r[0] for r in rows) / len(rows)
     tflops = sum(r[1].tflops * r[1].step_time_s for r in rows) / sum(r[0] for r in rows)
+    rate = f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"  # (a CPU's: 0.0216, not 0.0)
     print(
         f"{config.model.preset or config.model.hf_dir}: {batch * seq:,} tokens/step, {seconds:.3f} s/step, "
-        f"{batch * seq / seconds:,.0f} tokens/s, {tflops:.1f} model TFLOPS on {trainer.device}"
+        f"{batch * seq / seconds:,.0f} tokens/s, {rate} model TFLOPS on {trainer.device}"
     )
 
 
