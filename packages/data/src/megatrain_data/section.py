@@ -61,7 +61,10 @@ class DataSection:
         if self.pack and self.dataset is None:
             raise DataError("data.pack packs fine-tuning examples: set data.dataset (text streams are already packed)")
         if isinstance(self.validation, float) and not 0 < self.validation < 1:
-            raise DataError(f"data.validation as a fraction must be in (0, 1), got {self.validation}")
+            raise DataError(
+                f"data.validation as a fraction must be in (0, 1), got {self.validation}; leave it out (null) to hold "
+                "out nothing"
+            )
         if self.mix_weights is not None and any(w <= 0 for w in self.mix_weights):
             raise DataError(f"data.mix_weights must be positive, got {list(self.mix_weights)}")
         if self.seq_len < 2:
