@@ -46,7 +46,11 @@ class DataSection:
         if self.format not in DATA_FORMATS:
             raise DataError(f"data.format must be one of {DATA_FORMATS}, got {self.format!r}")
         if self.format != "text" and self.dataset is None:
-            raise DataError(f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file")
+            given = "data.text is a text file" if self.text else "data.tokens are token ids" if self.tokens else ""
+            raise DataError(
+                f"data.format {self.format!r} reads records: set data.dataset to a .jsonl/.parquet file"
+                + (f" ({given}: data.format text reads it)" if given else "")
+            )
         for name in ("chat_template", "tokenizer", "text", "tokens", "validation"):
             if isinstance(getattr(self, name), str) and not getattr(self, name).strip():
                 raise DataError(f"data.{name} is empty: name what it takes, or leave it out")
