@@ -758,3 +758,14 @@ def test_on_the_hosts_own_cpu_the_steps_parts_take_turns(monkeypatch):
     assert in_turn.step_s == pytest.approx(parts + in_turn.bubble_s, rel=1e-9)
     assert overlapped.step_s < in_turn.step_s and in_turn.bound == "compute"
     assert " in turn, " in format_plan(in_turn, "qwen2.5-0.5b") and " overlapped, " in format_plan(overlapped, "x")
+
+
+def test_a_host_refusal_names_another_saving_that_fits_alone():
+    """Llama-3.1-70B with clipping on a 1 TiB host: the moments (the largest item) are named with the disk tier, and
+    the gradients held for clipping too, whose saving alone fits (it named the largest item's alone)."""
+    planner = planner_for(
+        "llama3.1-70b", 32768, seq_len=4096, micro_batch=4, clipping=True, gpu_memory=141 * 2**30, host_memory=2**40
+    )
+    message = r"optimizer moments take .* engine.optimizer_state_dir .*; or train.grad_clip: 0 .* \(gradients held for"
+    with pytest.raises(PlanError, match=message):
+        check_plan(planned(planner), planner)

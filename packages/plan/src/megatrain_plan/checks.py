@@ -97,6 +97,10 @@ HOST_SAVINGS = {
 }
 
 
+# Host items no setting of this run's saves alone (their savings name another machine or a smaller step).
+UNSAVED = ("master weights", "runtime", "offloaded checkpoints")
+
+
 # What several hosts split with engine.shard_across_hosts (each holds its part).
 SPLIT_BY_HOSTS = ("master weights", "optimizer moments", "gradients held for clipping")
 
@@ -141,9 +145,14 @@ def _check_host(plan: Plan, model: ModelConfig, adapter) -> None:
     lighter = list(plan.largest_params.items())[configured + 1 :]
     fits = next((mode for mode, params in lighter if params >= plan.n_params), None)
     take = "take" if name.endswith("s") else "takes"  # (moments take, the runtime takes)
+    # another item whose saving alone would fit (70B on 1 TiB: the moments named, the held gradients enough too)
+    others = [n for n in sorted(items, key=items.get, reverse=True) if n not in (name, *UNSAVED) and items[n] >= over]
+    other = others[0] if others else None
+    also = next((fix for start, fix in HOST_SAVINGS.items() if other and other.startswith(start)), None)
     raise PlanError(
         f"{needs} ({plan.host_bytes_per_param:.1f} B/param) but {may_take}; {name} {take} {items[name] / gib:.1f} GiB: "
         f"{saving} ({_what_fits(plan, name if name in optional else None)}; `megatrain plan` lists every item)"
+        + (f"; or {also} ({other}, {items[other] / gib:.1f} GiB)" if also else "")
         + (f"; it fits with {fits} ({MODE_SETTINGS[fits.split(' base')[0]]})" if fits else "")
     )
 
