@@ -621,3 +621,25 @@ def test_metrics_that_cannot_be_written_say_what_is_kept_and_how_to_go_on(write_
     kept = tmp_path / "run" / "checkpoints" / "step-00000002"
     assert "metrics.jsonl could not be written: [Errno 30] Read-only file system" in line
     assert f"the steps since {kept} (2) are lost" in line and f"--resume {kept}" in line
+
+
+def test_a_signal_during_the_export_is_said_and_a_second_one_stops_it(write_config, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while final/ is written: said at once, and the export finishes (the trained state is in memory alone
+    until then; the signal was swallowed without a word); a second Ctrl-C stops the run there."""
+    real_export = Trainer.export
+    signals = []
+
+    def interrupted_export(self, *args, **kwargs):
+        for _ in range(len(signals)):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_export(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "export", interrupted_export)
+    signals.append(1)
+    assert main(["train", "--config", str(write_config(train={"steps": 2}))]) == 0
+    assert "megatrain: SIGINT: the export finishes first; another stops it now" in capsys.readouterr().err
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    shutil.rmtree(tmp_path / "run")
+    signals.append(2)
+    assert main(["train", "--config", str(write_config(train={"steps": 2}))]) == 130
+    assert not (tmp_path / "run" / "final").exists()

@@ -145,6 +145,7 @@ class StopRequested:
         self.signal = None  # the name of the signal received, and its number
         self.signum = 0
         self._previous = {}
+        self.exporting = False  # (the trained state is in memory alone until final/ is written)
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -153,6 +154,9 @@ class StopRequested:
 
     def _handle(self, signum, frame):
         self.signal, self.signum = signal.Signals(signum).name, signum
+        if self.exporting:  # (said, where it was ignored; the handlers before take a second signal: it stops now)
+            tqdm.write(f"megatrain: {self.signal}: the export finishes first; another stops it now", file=sys.stderr)
+            self.__exit__()
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -369,6 +373,7 @@ class TrainingRun:
                 if stopping:
                     self._stop(stop, bar)
             bar.close()
+            stop.exporting = True
             self._finish()
             failed = False
         finally:
@@ -605,10 +610,8 @@ class TrainingRun:
         trainer, plan = self.trainer, self.trainer.plan
         if step != self.first_step + 3 or not (self.main and plan.predicts_step) or self.rollouts is not None:
             return
-        shape = (self.config.data.seq_len, self.config.train.micro_batch_size)
-        note = stale_rates_note(
-            plan.step_s, seconds, trainer.model_config, trainer.device, trainer.compute_dtype, *shape
-        )
+        model, shape = trainer.model_config, (self.config.data.seq_len, self.config.train.micro_batch_size)
+        note = stale_rates_note(plan.step_s, seconds, model, trainer.device, trainer.compute_dtype, *shape)
         if note is not None:
             tqdm.write(f"megatrain: {note}", file=sys.stderr)
 
