@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress
 
 from .chat import ChatTemplate, _content_text, load_chat_template
@@ -413,7 +414,7 @@ def _save(prefix: Path, rows: RecordData) -> None:
     if rows.validation is not None:
         rows.validation.save(f"{prefix}.val")
     report = {"lines": rows.report, "validation": rows.validation is not None, "template": rows.template_source}
-    Path(f"{prefix}.report.json").write_text(json.dumps(report))  # written last: the cache is whole
+    atomic_write_text(Path(f"{prefix}.report.json"), json.dumps(report))  # written last: the cache is whole
 
 
 def _tokenized(data, sources, all_records, validation_records, tokenize, max_prompt, seed) -> tuple:

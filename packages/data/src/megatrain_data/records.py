@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress
 
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
@@ -738,7 +739,7 @@ def records_to_rows(
     if validation is not None:
         validation.save(f"{prefix}.val")
     # written last: the cache is whole
-    report_path.write_text(json.dumps({"lines": lines, "validation": validation is not None}))
+    atomic_write_text(report_path, json.dumps({"lines": lines, "validation": validation is not None}))
     return RecordData(train, validation, lines, template and template.source)
 
 

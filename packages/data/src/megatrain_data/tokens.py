@@ -220,10 +220,11 @@ class Tokens:
     valid: np.ndarray | None = None  # rows: False where a row is padding
 
     def save(self, prefix: str) -> None:
-        """prefix.tokens.npy and, when present, prefix.loss_mask.npy, ... (the tokenized-data cache)."""
+        """prefix.tokens.npy and, when present, prefix.loss_mask.npy, ... (the tokenized-data cache), each written
+        whole or not at all (`atomic_write`: a full disk leaves no partial array behind)."""
         for item in fields(self):
-            if getattr(self, item.name) is not None:
-                np.save(f"{prefix}.{item.name}.npy", getattr(self, item.name))
+            if (array := getattr(self, item.name)) is not None:
+                atomic_write(Path(f"{prefix}.{item.name}.npy"), lambda handle, array=array: np.save(handle, array))
 
     @classmethod
     def load(cls, prefix: str) -> "Tokens":
