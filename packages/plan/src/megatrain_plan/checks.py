@@ -27,13 +27,15 @@ def _check_engine_counts(plan: Plan, planner: Planner) -> None:
     """Refuse an `engine.*` count beyond what the model or the step has (the planner would take fewer without a
     word), and a gradient pool where every gradient is held to the step's end."""
     engine = planner.engine
-    micro_batches = max(1, -(-planner.step_tokens // planner.micro_tokens))
     limits = {
         "kept_layers": (planner.keepable, "layers that can keep their matmul products"),
         "host_kept_layers": (planner.keepable, "layers that can keep their matmul products"),
         "held_layers": (len(planner.holdable), "blocks that can hold their weights"),
         "gpu_updated_layers": (len(planner.blocks), "blocks"),
-        "sweeps": (micro_batches, "micro-batches a step (train.batch_size / train.micro_batch_size)"),
+        "sweeps": (
+            planner.shape.micro_batches(planner.step_tokens),
+            "micro-batches a step (train.batch_size / train.micro_batch_size)",
+        ),
         "n_slots": (planner.n_stages, "stages to stream"),
     }
     for name, (most, what) in limits.items():

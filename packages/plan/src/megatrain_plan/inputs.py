@@ -69,6 +69,10 @@ class StepShape:
     def micro_tokens(self) -> int:
         return self.rows_per_micro_batch * self.seq_len
 
+    def micro_batches(self, tokens: int) -> int:
+        """The micro-batches a step of `tokens` (a GPU's) runs in: the most sweeps it can be cut into."""
+        return max(1, -(-tokens // self.micro_tokens))
+
     @property
     def micro_batch(self) -> int:
         """The micro-batch as the user counts it (DPO: pairs), for refusals naming train.micro_batch_size."""

@@ -162,7 +162,7 @@ class Planner(CostModel):
     def _sweep_counts(self, one: Placement) -> range:
         """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
         optimizer state is on disk, the GPU bounds the step, and some layers recompute their products."""
-        micro_batches = -(-one.tokens // self.micro_tokens)
+        micro_batches = self.shape.micro_batches(one.tokens)
         if (
             not self.objective.sweepable
             or whole_step_statistics(self.model, self.shape)
@@ -176,7 +176,7 @@ class Planner(CostModel):
 
     def _place_sweeps(self, tokens: int, sweeps: int, first_disk_group: int | None, explain: bool) -> Placement:
         """The placement for steps of `tokens` per GPU run in `sweeps`, each placed for its micro-batches' tokens."""
-        micro_batches = max(1, -(-tokens // self.micro_tokens))
+        micro_batches = self.shape.micro_batches(tokens)
         sweeps = min(sweeps, micro_batches)
         sweep_tokens = min(tokens, -(-micro_batches // sweeps) * self.micro_tokens) if sweeps > 1 else tokens
         why: dict[str, str] = {}
