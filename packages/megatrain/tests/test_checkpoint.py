@@ -168,6 +168,15 @@ def test_damaged_checkpoints_are_refused(write_config, tmp_path):
     (path / "optimizer.safetensors").unlink()
     with pytest.raises(StoreError, match="optimizer.safetensors is missing"):
         trainer.load_state_dict(resolve_resume(path).state())
+    # a live run holds the directory (rotating its checkpoints as the resume reads them): that run is named
+    from megatrain_store.rundir import RunLock
+
+    live = RunLock(tmp_path / "ck")
+    live.acquire()
+    with pytest.raises(StoreError, match=f"output_dir {tmp_path / 'ck'} is in use by another run \\(pid {os.getpid()}"):
+        resolve_resume(tmp_path / "ck")
+    live.release()
+    assert RunLock(tmp_path / "ck").holder() is None
 
 
 def test_checkpoint_of_another_model_is_refused(write_config, tmp_path):
@@ -456,6 +465,24 @@ def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp
         and f"MiB in {tmp_path / 'run'}, whose disk has 0.1 MiB free" in err
     )
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_the_start_of_run_room_warning_counts_the_checkpoints_kept_at_once(write_config, tmp_path, capsys, monkeypatch):
+    """keep_last checkpoints are on the disk at once (two where one is kept: a save is written beside the newest)."""
+    import megatrain.loop
+
+    sizes = {}
+    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
+    for keep_last, copies in ((3, "3 checkpoints"), (1, "2 checkpoints")):
+        train = {"steps": 4, "save_every": 1, "keep_last": keep_last}
+        config = write_config(train=train, output_dir=str(tmp_path / f"r{keep_last}"))
+        assert main(["train", "--config", str(config)]) == 0
+        line = next(line for line in capsys.readouterr().err.splitlines() if "'s disk has 0.1 MiB free" in line)
+        assert f"the final model and {copies} need" in line
+        sizes[keep_last] = float(line.split(" need ")[1].split(" MiB")[0])
+    assert sizes[3] == pytest.approx(
+        sizes[1] * (1 + 3 * 3) / (1 + 2 * 3), rel=0.05
+    )  # (a checkpoint: 3 model sizes; 2 digits)
 
 
 def test_an_export_of_non_finite_weights_is_refused_naming_the_group(write_config, tmp_path):

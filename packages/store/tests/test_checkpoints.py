@@ -4,7 +4,15 @@ removing what keep_last would remove anyway, oldest first, never the newest; ref
 import pytest
 
 import megatrain_store.checkpoints as checkpoints
-from megatrain_store.checkpoints import MANIFEST, SaveError, check_room, make_room, newest_complete, step_of
+from megatrain_store.checkpoints import (
+    MANIFEST,
+    SaveError,
+    check_room,
+    checkpoints_to_come,
+    make_room,
+    newest_complete,
+    step_of,
+)
 
 
 def folder_of(root, steps, damaged=()):
@@ -34,3 +42,22 @@ def test_room_is_made_oldest_first_and_never_from_the_newest(tmp_path, monkeypat
     assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000006"]  # (a refusal removes none)
     with pytest.raises(SaveError, match="whose disk has"):
         check_room(root, 10**18, "the model")
+
+
+@pytest.mark.parametrize(
+    "existing, keep_last, saves, more",
+    [
+        ([], 2, 0, 0),  # no save to come
+        ([], 1, 5, 2),  # the newest stays until the next is whole: two at once even keeping one
+        ([], 2, 1, 1),  # one save: one copy
+        ([], 4, 10, 4),  # keep_last of them
+        ([2, 4], 4, 1, 1),  # those there stay: one more
+        ([2, 4, 6], 3, 2, 0),  # a full rotation: each save takes the room of one it removes
+        ([2], 1, 3, 1),
+    ],
+)
+def test_the_checkpoints_a_run_adds_to_its_disk_at_once(tmp_path, existing, keep_last, saves, more):
+    """What the start-of-run room check counts: keep_last copies, or two (a save beside the newest), as many as
+    the saves to come make, less the ones already there (rotated)."""
+    root = folder_of(tmp_path / "checkpoints", existing)
+    assert checkpoints_to_come(root, keep_last, saves) == more

@@ -43,6 +43,7 @@ from megatrain_store.checkpoints import (
     step_of,
 )
 from megatrain_store.progress import counting, progress
+from megatrain_store.rundir import RunDirError, RunLock
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
@@ -110,9 +111,20 @@ def resolve_resume(path: Path) -> Resume:
     try:
         return Resume(directory, verify_checkpoint(directory))
     except StoreError as damaged:
+        check_not_in_use(Path(path), directory)  # (a live run rotating its checkpoints: that is the problem to name)
         earlier = [p for p in complete_checkpoints(directory.parent) if p.name < directory.name]
         fix = f"resume from the one before it: --resume {earlier[-1]}" if earlier else "no checkpoint before it is left"
         raise StoreError(f"{damaged}; {fix}") from None
+
+
+def check_not_in_use(path: Path, checkpoint: Path) -> None:
+    """Refuse a resume of a run directory another run holds (`RunLock`), whose checkpoints may change under it."""
+    for out in {path, checkpoint.parent.parent, manifest_output_dir(checkpoint) or path}:
+        holder = RunLock(out).holder()
+        if holder is not None:
+            raise RunDirError(
+                f"output_dir {out} is in use by another run ({holder}); wait for it to end or stop it, then resume"
+            )
 
 
 def finite_checked(entries: list, offenders: list[str]) -> list:

@@ -72,6 +72,15 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path)
 
 
+def checkpoints_to_come(root: Path, keep_last: int, saves: int) -> int:
+    """How many more checkpoints the disk under `root` holds at once, over the ones there now, by the end of
+    `saves` saves that keep the newest `keep_last`: a save writes its copy beside the newest (`make_room`)."""
+    if saves <= 0:
+        return 0
+    existing = len(complete_checkpoints(root)) if root.exists() else 0
+    return max(0, min(max(2, keep_last), existing + saves) - existing)
+
+
 def make_room(root: Path, needed: int, keep_last: int, name: str) -> list[str]:
     """Room for `needed` bytes in `root` before a checkpoint `name` is written: the old checkpoints this save
     would delete afterwards anyway (all but the newest keep_last - 1) go first, oldest first, as long as room

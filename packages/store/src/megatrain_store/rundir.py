@@ -101,6 +101,20 @@ class RunLock:
         self._handle = handle
         return note
 
+    def holder(self) -> str | None:
+        """The live run holding the directory, in words, or None where none does (a probe: nothing is taken)."""
+        if not self.path.exists():
+            return None
+        try:
+            with open(self.path) as handle:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (let go as the file closes)
+        except BlockingIOError:
+            with open(self.path) as handle:
+                return _holder(handle)
+        except OSError:  # (unreadable, or a file system without locks: nothing to tell)
+            return None
+        return None
+
     def release(self, remove: bool = False) -> None:
         """Let the directory go (an empty lock file: the run ended as it should); `remove`: a run refused before
         it wrote anything takes its lock file and, where nothing else is in it, the directory it made with it."""
