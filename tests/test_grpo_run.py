@@ -138,6 +138,30 @@ def test_given_completions_train_with_a_reference_pass(toy, tmp_path, capsys):
     assert list((tmp_path / "file" / "cache").glob("reference-tokens-*.npy"))
 
 
+def test_a_reference_model_changed_since_the_run_is_refused_on_resume(toy, tmp_path, capsys):
+    """The KL's reference written over between a run's start and its resume (another model exported into its
+    folder): refused, where the resumed steps took their KL against another model without a word."""
+    from megatrain import Trainer, load_config
+
+    def export_reference(seed: int):
+        trainer = Trainer(load_config(toy("ref", seed=seed)))
+        trainer.export(tmp_path / "reference")
+        trainer.close()
+
+    rollouts = tmp_path / "rollouts.jsonl"
+    lines = [{"prompt": f"{g}+1=", "completion": str(k), "reward": float(k % 2)} for g in range(2) for k in range(4)]
+    rollouts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    grpo = {"rollouts": str(rollouts), "num_generations": 4, "beta": 0.04, "reward_funcs": []}
+    grpo["ref_model"] = str(tmp_path / "reference")
+    export_reference(1)
+    assert main(["train", "--config", toy("run", grpo, steps=2, save_every=1, batch_size=8, micro_batch_size=8)]) == 0
+    export_reference(2)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run" / "checkpoints" / "step-00000001")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"the GRPO reference {tmp_path / 'reference'} changed since this run used it" in err[-1], err
+
+
 def test_generate_answers_prompts_from_a_run(toy, tmp_path, capsys):
     assert main(["train", "--config", toy("run", steps=2)]) == 0
     (tmp_path / "ask.txt").write_text("1+2=\n3+1=\n")

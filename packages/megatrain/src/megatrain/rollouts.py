@@ -23,6 +23,7 @@ from megatrain_data.prompts import Prompts, rows_of
 from megatrain_data.rewards import RewardError, completion_text
 from megatrain_templates import Rollout, group_advantages
 from megatrain_zoo.generate import Generator, Sampling
+from megatrain_zoo.hf_weights import check_weights_unchanged
 
 from .config import Config, ConfigError
 from .objectives import make_rewards
@@ -79,6 +80,10 @@ class _Rollouts:
     def __init__(self, trainer, config: Config):
         self.trainer, self.config, self.grpo = trainer, config, config.train.grpo
         self.current: tuple[int, StepRollout] | None = None
+        source = self.grpo.ref_model or config.model.hf_dir
+        if self.grpo.beta and source is not None and trainer.is_main:  # (the KL's reference: the same as the run's)
+            record = Path(config.output_dir) / "cache" / "reference-weights.json"
+            check_weights_unchanged(Path(source), record, "the GRPO reference")
 
     def step(self, step: int) -> StepRollout:
         generation = step // self.grpo.num_iterations
