@@ -485,6 +485,18 @@ def test_the_start_of_run_room_warning_counts_the_checkpoints_kept_at_once(write
     )  # (a checkpoint: 3 model sizes; 2 digits)
 
 
+def test_a_run_removes_what_killed_runs_left_half_written(write_config, tmp_path, capsys):
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()  # (its pid: a process no longer alive)
+    (tmp_path / "run" / "cache").mkdir(parents=True)
+    (tmp_path / "run" / "cache" / f".tokens.npy.tmp-{process.pid}").write_bytes(b"x" * 2**20)
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 0
+    assert "megatrain: removed 1.0 MiB of files killed runs left half-written" in capsys.readouterr().err
+    assert not list((tmp_path / "run").rglob("*.tmp-*"))
+
+
 def test_an_export_of_non_finite_weights_is_refused_naming_the_group(write_config, tmp_path):
     from megatrain.checkpoint import NonFiniteError
 

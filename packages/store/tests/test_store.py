@@ -110,6 +110,29 @@ def test_safetensors_round_trip_atomic(tmp_path):
         assert torch.equal(targets[name], tensor)
 
 
+def test_temporary_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    """What a write killed midway leaves (`atomic_write`'s temporary, named by its pid) goes; a live writer's stays."""
+    import os
+
+    from megatrain_store.io import remove_stale_temporaries
+
+    dead = _a_dead_pid()
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / f".tokens.npy.tmp-{dead}").write_bytes(b"x" * 1000)
+    (tmp_path / f".config.json.tmp-{os.getpid()}").write_bytes(b"y" * 10)  # (a write under way: this process's)
+    (tmp_path / ".notes.tmp-draft").write_text("a user's file")
+    assert remove_stale_temporaries(tmp_path) == 1000
+    assert sorted(p.name for p in tmp_path.rglob(".*")) == [f".config.json.tmp-{os.getpid()}", ".notes.tmp-draft"]
+
+
+def _a_dead_pid() -> int:
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
 def test_damaged_files_are_refused_without_writing(tmp_path):
     store = HostStore(make_layouts())
     targets = {n: t for g in range(store.n_groups) for n, t in store.master_views(g).items()}

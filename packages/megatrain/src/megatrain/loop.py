@@ -26,7 +26,7 @@ from megatrain_optim.launch import leave_ranks
 from megatrain_plan import stale_rates_note
 from megatrain_store import atomic_write_text
 from megatrain_store.checkpoints import SaveError, checkpoints_to_come, free_bytes, step_of
-from megatrain_store.io import finite_record, write_jsonl
+from megatrain_store.io import finite_record, remove_stale_temporaries, write_jsonl
 from megatrain_store.plot import plot_loss
 from megatrain_store.progress import progress, size_text
 from megatrain_store.rundir import RunLock, prepare_fallback_dir, prepare_output_dir
@@ -239,6 +239,9 @@ def train(config: Config, resume: Resume | None = None) -> Path:
             if note is not None:
                 print(f"megatrain: {note}", file=sys.stderr)
             check_output_dir_free(out, None if resume is None else resume.directory)
+            freed = remove_stale_temporaries(out)
+            if freed:
+                print(f"megatrain: removed {size_text(freed)} of files killed runs left half-written", file=sys.stderr)
         # the data is read first: a bad record stops the run before any host memory is allocated
         if config.train.objective == "grpo":  # (prompts or given completions: read once the trainer is made)
             check_grpo_settings(config, ranks)
