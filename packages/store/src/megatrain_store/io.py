@@ -57,10 +57,11 @@ def atomic_write(path: Path, write: Callable) -> None:
 
 
 def remove_stale_temporaries(directory: Path) -> int:
-    """Delete the temporary files `atomic_write`s of processes no longer alive left under `directory` (killed
-    midway: a cache of tokens can be gigabytes); returns the bytes freed."""
-    freed = 0
-    for tmp in Path(directory).rglob(".*.tmp-*"):
+    """Delete the temporary files that `atomic_write`s killed midway (their processes no longer alive) left in
+    `directory` and its folders, where a cache of tokens can be gigabytes; returns the bytes freed. Not deeper: an
+    output_dir may be a big tree the run did not make."""
+    freed, directory = 0, Path(directory)
+    for tmp in [*directory.glob(".*.tmp-*"), *directory.glob("*/.*.tmp-*")]:
         pid = tmp.name.rpartition(".tmp-")[2]
         if not pid.isdigit() or _alive(int(pid)) or not tmp.is_file():
             continue
