@@ -39,13 +39,12 @@ DEPENDS = {
 
 
 EXTRAS = {"megatrain": "[plot]"}  # the loss-curve PNG is part of what a run writes
+# what a package's tests check against, its `test` extra: the templates' kernels under Triton's CPU interpreter, the
+# store's packed weights against bitsandbytes'
+TEST_EXTRAS = {"templates": "[test]", "store": "[test]"}
 # pytest-xdist: the sessions whose tests take long run them in two processes (CI's two cores; templates' kernels
 # under Triton's interpreter: 44 -> 37 s)
 TWO_PROCESSES = {"templates", "plan", "megatrain"}
-# triton and numpy: the templates' kernels run under its CPU interpreter (a GPU's torch brings triton; CPU wheels do not)
-# bitsandbytes: the reference of the store's packed NF4 and int8 weights, bit for bit; pinned, since its CPU quantizer
-# rounds the 8-bit statistics its own way (megatrain_store.quant says which) and a release may change that
-TEST_REQUIREMENTS = {"templates": ("triton", "numpy"), "store": ("bitsandbytes==0.50.2",)}
 
 
 # The tests' processes write the bytecode of what they import (the next process reads it), which installing
@@ -68,14 +67,14 @@ def share_torch(session: nox.Session) -> None:
     Path(site.strip(), "shared-torch.pth").write_text(f"{shared}\n")
 
 
-def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = ()) -> None:
+def install(session: nox.Session, *packages: str, extra: tuple[str, ...] = (), extras: dict | None = None) -> None:
     # --no-compile: pip byte-compiles every module it installs (torch's install: 25 s with it, 7.6 s without, on
     # two cores); the tests compile only the modules they import. --no-build-isolation: the packages build with the
     # venv's own setuptools instead of one installed afresh for each (five packages: 15.5 s -> 6.4 s): the one
     # virtualenv seeds for Python 3.11 (84.2 in 2026-11), which lets torch and the packages go in one pip call (one
     # resolution: 15.6 -> 12.6 s a session)
     share_torch(session)  # (then pip finds TORCH installed)
-    local = [f"./packages/{p}{EXTRAS.get(p, '')}" for p in packages]
+    local = [f"./packages/{p}{(extras or EXTRAS).get(p, '')}" for p in packages]
     session.install("--no-compile", "--no-build-isolation", TORCH, "setuptools>=61", *local, "pytest", *extra)
 
 
@@ -83,8 +82,8 @@ def _package_session(name: str):
     @nox.session(name=name, python="3.11")
     def run(session: nox.Session) -> None:
         parallel = name in TWO_PROCESSES
-        extra = TEST_REQUIREMENTS.get(name, ()) + (("pytest-xdist",) if parallel else ())
-        install(session, *DEPENDS[name], name, extra=extra)
+        extra = ("pytest-xdist",) if parallel else ()
+        install(session, *DEPENDS[name], name, extra=extra, extras=EXTRAS | TEST_EXTRAS)
         processes = ("-n", "2") if parallel else ()
         session.run("pytest", "-q", *processes, "-m", "not gpu", f"packages/{name}/tests", *session.posargs)
 
@@ -98,10 +97,10 @@ for _name in DEPENDS:
 @nox.session(python="3.11")
 def integration(session: nox.Session) -> None:
     """Tests across packages, against plain PyTorch and Hugging Face transformers."""
-    # accelerate: FP8 checkpoints; peft: LoRA adapters in and out; bitsandbytes: QLoRA checkpoints as transformers
-    # saves them; pytest-xdist: the tests in two processes (CI's two cores)
-    extra = ("transformers", "accelerate", "peft", "pillow", *TEST_REQUIREMENTS["store"], "pytest-xdist")
-    install(session, *DEPENDS["megatrain"], "megatrain", extra=extra)
+    # accelerate: FP8 checkpoints; peft: LoRA adapters in and out; the store's test extra (bitsandbytes): QLoRA
+    # checkpoints as transformers saves them; pytest-xdist: the tests in two processes (CI's two cores)
+    extra = ("transformers", "accelerate", "peft", "pillow", "pytest-xdist")
+    install(session, *DEPENDS["megatrain"], "megatrain", extra=extra, extras=EXTRAS | {"store": TEST_EXTRAS["store"]})
     session.run("pytest", "-q", "-n", "2", "-m", "not gpu", "tests", *session.posargs)
 
 

@@ -4,11 +4,12 @@ write yourself (here the last block keeps its matmul products, the first holds i
 backward); its batches are token windows of the data package. `examples/test_custom_trainer.py` checks its steps
 against plain PyTorch and torch.optim.AdamW.
 
-    pip install torch ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo \
+    pip install torch==2.13.0 ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo \
         ./packages/data
     python examples/custom_trainer.py
 """
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -75,8 +76,9 @@ class CustomTrainer:
 
 if __name__ == "__main__":
     trainer = CustomTrainer("tiny-llama", AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
-    # the built-in corpus, with a tokenizer trained on it to fit the tiny vocabulary (cached in .cache/)
-    data = load_token_data(DataSection(seq_len=32), trainer.model.vocab_size, Path(".cache"), model_dir=None)
+    # the built-in corpus, with a tokenizer trained on it to fit the tiny vocabulary (cached in the temporary folder)
+    cache = Path(tempfile.gettempdir()) / "megatrain-custom-trainer"
+    data = load_token_data(DataSection(seq_len=32), trainer.model.vocab_size, cache, model_dir=None)
     windows = TokenWindows(data.train, seq_len=32, batch_size=4, shuffle=True, seed=0)
     for step in range(5):
         batch = windows.batch(step)

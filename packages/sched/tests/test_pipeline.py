@@ -244,6 +244,21 @@ def test_sweeps_need_a_landing_buffer_per_group_and_no_step_objective():
         pipeline.place(Placement.build(len(pipeline.stages), sweeps=0))
 
 
+@pytest.mark.parametrize(
+    "choices, message",
+    [
+        ({"kept": (-2,)}, r"kept names stages \[-2\], outside the 4 stages 0..3"),
+        ({"held": (4,)}, r"held names stages \[4\], outside"),
+        ({"resident": (1,), "held": (1, 2)}, r"stages \[1\] are named both resident and held"),
+        ({"kept": (2,), "host_kept": (2,)}, r"stages \[2\] are named both kept and host_kept"),
+    ],
+)
+def test_a_placement_of_stages_that_are_not_there_or_named_twice_is_refused(choices, message):
+    """A Pythonic `kept=(-2,)` (the last block) or an index past the last stage did nothing, without a word."""
+    with pytest.raises(PlacementError, match=message):
+        Placement.build(4, **choices)
+
+
 def test_the_warm_up_takes_the_host_memory_of_a_whole_step():
     """The warm-up runs one micro-batch but takes the host memory a whole step's offloaded checkpoints and host-kept
     products go to, exact bytes (the CUDA host allocator would round each up to a power of two): the first step

@@ -365,3 +365,26 @@ def test_linear_attention_specs_and_flops(name):
     linear = len(config.linear_attention_layers) * linear_attention_flops_per_token(config)
     assert flops_per_token(config, 4096) == 6 * config.matmul_params + attention + linear
     assert config_from_hf(config_to_hf(config)) == config
+
+
+@pytest.mark.parametrize(
+    "implementation, said",
+    [("transformers", "runs, as implementation transformers asks,"), ("auto", "unsupported architecture")],
+)
+def test_transformers_modules_without_transformers_installed_name_the_install(monkeypatch, implementation, said):
+    """Where a model would run through transformers' own modules (asked for, or no native template: an unknown
+    architecture on auto), the zoo without transformers says which install gives them; an explicit
+    `implementation="transformers"` raised a bare ModuleNotFoundError from deep inside."""
+    import importlib.util
+
+    from megatrain_zoo.read import model_config_from_hf
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
+    hf = config_to_hf(preset("tiny-llama"))
+    if implementation == "auto":
+        hf = {**hf, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]}
+    with pytest.raises(ZooError, match=rf"{re.escape(said)}.*pip install 'megatrain-zoo\[transformers\]'"):
+        model_config_from_hf(hf, implementation)

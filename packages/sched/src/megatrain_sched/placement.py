@@ -68,7 +68,17 @@ class Placement:
         host_kept: tuple[int, ...] = (),
         **step,
     ) -> "Placement":
-        """A placement of `n_stages` stages from the stage indices of each choice that is not the default."""
+        """A placement of `n_stages` stages from the stage indices of each choice that is not the default; an index
+        outside 0..n_stages-1, or named twice for one field, is refused (`PlacementError`)."""
+        chosen = {"resident": resident, "held": held, "offloaded": offloaded, "kept": kept, "host_kept": host_kept}
+        for name, indices in chosen.items():
+            outside = [i for i in indices if not 0 <= i < n_stages]
+            if outside:
+                raise PlacementError(f"{name} names stages {outside}, outside the {n_stages} stages 0..{n_stages - 1}")
+        for first, second in (("resident", "held"), ("kept", "host_kept")):
+            both = sorted(set(chosen[first]) & set(chosen[second]))
+            if both:
+                raise PlacementError(f"stages {both} are named both {first} and {second}; a stage takes one of them")
         stages = []
         for index in range(n_stages):
             weights = RESIDENT if index in resident else HELD if index in held else STREAMED

@@ -35,10 +35,11 @@ def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str
                     f"{error}; or install transformers (pip install 'megatrain-zoo[transformers]') to train it "
                     "through transformers' own modules"
                 ) from None
-    if whole and importlib.util.find_spec("transformers") is None:
+    if importlib.util.find_spec("transformers") is None:
+        what = "is an image-text model, trained whole" if whole else "runs, as implementation transformers asks,"
         raise ZooError(
-            f"{hf.get('model_type')} is an image-text model, trained whole through transformers' own modules: "
-            "install transformers (pip install 'megatrain-zoo[transformers]')"
+            f"{hf.get('model_type')} {what} through transformers' own modules: install transformers "
+            "(pip install 'megatrain-zoo[transformers]')"
         )
     try:
         return generic_model_config(hf, image_text=whole)
