@@ -195,6 +195,21 @@ def test_a_run_on_token_ids_exports_the_model_directorys_tokenizer(model_dirs, t
         assert stops == Tokenizer.from_file(str(export / "tokenizer.json")).token_to_id("<|eot_id|>")
 
 
+def test_a_base_with_a_list_of_eos_ids_is_exported_with_the_list(model_dirs, tmp_path):
+    """Llama 3.1's config.json names three EOS ids; the model's config keeps the first alone, and the export's
+    config.json said only that one."""
+    base = tmp_path / "base"
+    shutil.copytree(model_dirs[1], base)
+    config = json.loads((base / "config.json").read_text())
+    config["eos_token_id"] = [0, 4, 2]  # (<|endoftext|>, <|eot_id|>, <|im_end|>: special tokens of its tokenizer)
+    (base / "config.json").write_text(json.dumps(config))
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 600, 2000, dtype=np.int32))
+    run = tmp_path / "run"
+    train = settings(f"model.hf_dir={base}", "data.tokens=ids.npy", "data.seq_len=32", "train.steps=1")
+    run_commands([["train", *train, "--set", f"output_dir={run}"]], tmp_path)
+    assert json.loads((run / "final" / "config.json").read_text())["eos_token_id"] == [0, 4, 2]
+
+
 def test_convert_writes_the_step_its_weights_hold(model_dirs, tmp_path):
     """trainer_state.json, as final/ holds it: convert of a checkpoint says the checkpoint's step, of the run its
     final/'s, of a model directory of no run's none (and --overwrite of an export that said one leaves none)."""
@@ -213,6 +228,21 @@ def test_convert_writes_the_step_its_weights_hold(model_dirs, tmp_path):
     state = (run / "final" / "trainer_state.json").read_text()
     assert json.loads(state)["global_step"] == 2 and (tmp_path / "of-run" / "trainer_state.json").read_text() == state
     assert not any((tmp_path / out / "trainer_state.json").exists() for out in ("of-model", "replaced"))
+
+
+def test_a_preset_trained_on_its_own_tokenizer_is_served_with_that_tokenizers_special_ids(tmp_path):
+    """A preset's bos/eos ids (Gemma's 2 and 1) over the tokenizer megatrain trains name ordinary bytes of it: the
+    export's config.json and generation config take the tokenizer's <|endoftext|> for the EOS and no BOS, so that
+    transformers stops where training ended documents (it stopped at every `!`)."""
+    run_commands([["train", *settings("model.preset=tiny-gemma3", "data.seq_len=32", "train.steps=1")]], tmp_path)
+    run = tmp_path / "runs" / "default" / "final"
+    config, generation = (json.loads((run / name).read_text()) for name in ("config.json", "generation_config.json"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert tokenizer.eos_token == "<|endoftext|>" and config.get("bos_token_id") is None
+    assert tokenizer.pad_token == "<|endoftext|>"  # (transformers' batched pipelines need one)
+    assert config["eos_token_id"] == eos and generation["eos_token_id"] == eos
+    assert transformers.AutoConfig.from_pretrained(run).eos_token_id == eos
 
 
 KILLED_IN_EXPORT = """

@@ -192,6 +192,19 @@ def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_pa
     assert "tokenizer, chat template" in describe_export(tmp_path / "merged")
 
 
+def test_an_adapter_over_a_preset_says_how_it_is_served(tmp_path, capsys):
+    """LoRA over a preset's seeded weights: no directory holds the base that adapter_config.json would name, so the
+    run's last line says that `convert --merge` serves it (and it does)."""
+    pairs = ["model.preset=tiny-llama", "model.adapter.type=lora", "data.seq_len=16", "device=cpu", "train.steps=1"]
+    pairs += ["train.batch_size=2", "train.micro_batch_size=2", f"output_dir={tmp_path / 'run'}"]
+    assert main(["train", *(arg for pair in pairs for arg in ("--set", pair))]) == 0
+    assert (
+        "an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge`" in capsys.readouterr().err
+    )
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "merged"), "--merge"]) == 0
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged") is not None
+
+
 def test_generation_runs_with_the_adapters_on(base_dir, tmp_path):
     """Greedy completions of a trained adapter's run (the GRPO rollouts' engine) equal PeftModel's over its export,
     in both of the engine's ways of holding the layers, and differ from the base's alone."""

@@ -57,6 +57,26 @@ def test_documents_end_with_a_tokenizers_own_eos_where_neither_its_config_nor_th
     assert list(data.train.tokens) == [0, 3, 1, 3]
 
 
+def test_a_models_eos_id_naming_an_ordinary_token_is_not_taken_for_the_eos(tmp_path, tokenizer_path):
+    """A preset's EOS id (2) over a tokenizer megatrain trained names an ordinary token (`"`): documents end with the
+    tokenizer's own <|endoftext|>, not with a quote mark (9 of the tiny presets did so, and their exports stopped
+    generating at every `"`); an id the tokenizer holds as a special token is the model's EOS."""
+    from megatrain_data import eos_token_text
+    from megatrain_data.tokens import special_ids_of
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    ordinary = next(i for i in range(1, 50) if tok.id_to_token(i) is not None)
+    eos = tok.token_to_id(EOS_TOKEN)
+    assert eos_token_text(tok, ordinary, None) == EOS_TOKEN and eos_token_text(tok, eos, None) == EOS_TOKEN
+    assert special_ids_of(tok, [ordinary, eos]) == [eos] and special_ids_of(tok, None) == []
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": "first"}, {"text": "second"}])
+    data = load_token_data(
+        DataSection(dataset=str(source), tokenizer=str(tokenizer_path), seq_len=2), 512, tmp_path / "c", None, ordinary
+    )
+    first, second = (tok.encode(text, add_special_tokens=False).ids for text in ("first", "second"))
+    assert list(data.train.tokens) == [*first, eos, *second, eos]
+
+
 def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
     """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
     it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""

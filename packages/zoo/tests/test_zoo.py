@@ -388,3 +388,18 @@ def test_transformers_modules_without_transformers_installed_name_the_install(mo
         hf = {**hf, "model_type": "no_such_model", "architectures": ["NoSuchForCausalLM"]}
     with pytest.raises(ZooError, match=rf"{re.escape(said)}.*pip install 'megatrain-zoo\[transformers\]'"):
         model_config_from_hf(hf, implementation)
+
+
+def test_a_config_written_for_transformers_modules_names_the_weights_dtype_under_both_keys():
+    """A model run through transformers' own modules exports its own config.json: a source saved in bf16 says
+    "dtype": "bfloat16" (transformers 5's key, read before "torch_dtype"), so the float32 export loaded in bf16."""
+    import dataclasses
+
+    source = {"model_type": "stablelm", "dtype": "bfloat16", "text_config": {"dtype": "bfloat16"}, "vision": {"a": 1}}
+    config = dataclasses.replace(preset("tiny-llama"), implementation="transformers", hf_config=json.dumps(source))
+    hf = config_to_hf(config, "float32")
+    assert (hf["dtype"], hf["torch_dtype"], hf["text_config"]["dtype"], hf["text_config"]["torch_dtype"]) == (
+        "float32", "float32", "float32", "float32"
+    )  # fmt: skip
+    assert hf["vision"] == {"a": 1} and hf["model_type"] == "stablelm"
+    assert config_to_hf(preset("tiny-llama"), "bfloat16")["dtype"] == "bfloat16"

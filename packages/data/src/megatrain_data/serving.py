@@ -14,7 +14,7 @@ from megatrain_store.progress import size_text
 from .chat import SPECIAL_TOKEN_NAMES, ChatTemplate, load_chat_template, special_token_ids
 from .errors import DataError
 from .load import renders_conversations, run_tokenizer
-from .tokens import eos_token_text, load_tokenizer, special_token_text, tokenizer_settings
+from .tokens import eos_token_text, load_tokenizer, special_ids_of, special_token_text, tokenizer_settings
 
 # copied from beside tokenizer.json as they are: the special tokens, and an image-text model's processor
 COPIED_FILES = (
@@ -116,9 +116,23 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
     stops = _stop_ids(tokenizer, settings, serving, generation.get("eos_token_id"), source)
     generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     atomic_write_text(out_dir / "generation_config.json", json.dumps(generation, indent=2))
+    if serving.model_dir is not None:  # (a list of EOS ids, Llama 3.1's: the model's config keeps the first alone)
+        given = _json(serving.model_dir / "config.json").get("eos_token_id")
+        config = {**config, "eos_token_id": given} if isinstance(given, list) else config
+    return _special_ids_in_config(config, tokenizer, settings)
+
+
+def _special_ids_in_config(config: dict, tokenizer, settings: dict) -> dict:
+    """config.json's bos, eos and pad ids as the tokenizer has them: those it holds as special tokens (a preset's
+    name ordinary tokens of a tokenizer megatrain trained), the EOS its tokenizer_config.json names where none is."""
+    config = dict(config)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None:
+            kept = special_ids_of(tokenizer, config[key])
+            config[key] = kept if isinstance(config[key], list) and kept else kept[0] if kept else None
     eos_id = tokenizer.token_to_id(special_token_text(settings.get("eos_token")) or "")
     if config.get("eos_token_id") is None and eos_id is not None:
-        config = {**config, "eos_token_id": eos_id}
+        config["eos_token_id"] = eos_id
     return config
 
 
@@ -130,6 +144,7 @@ def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
     eos = eos_token_text(tokenizer, _first(serving.eos_token_id), source)
     if settings.get("eos_token") is None and eos:
         settings["eos_token"] = eos
+        settings.setdefault("pad_token", eos)  # (a tokenizer of no config: transformers' batches need a pad token)
     if serving.template is not None:
         settings["chat_template"] = _pinned(serving.template, settings)
     return settings
@@ -163,8 +178,8 @@ def _stop_ids(tokenizer, settings: dict, serving: Serving, given, source: Path) 
             template = None
     ids = [end_of_turn_id(template, tokenizer)] if template is not None else []
     ids.append(tokenizer.token_to_id(eos or ""))
-    for value in (given, serving.eos_token_id):
-        ids += value if isinstance(value, list) else [value]
+    ids += given if isinstance(given, list) else [given]
+    ids += special_ids_of(tokenizer, serving.eos_token_id)
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -203,6 +218,9 @@ def describe_export(out_dir: Path) -> str:
         tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
         names = [tokenizer.id_to_token(i) or str(i) for i in (stops if isinstance(stops, list) else [stops])]
         parts.append(f"generation stopping at {', '.join(names)}")
+    adapter = _json(out_dir / "adapter_config.json")
+    if adapter and not adapter.get("base_model_name_or_path"):  # (LoRA over a preset: its base is a seed's weights)
+        parts.append("an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it")
     return ", ".join(parts)
 
 

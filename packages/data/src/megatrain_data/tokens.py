@@ -16,6 +16,7 @@ import numpy as np
 from megatrain_store import atomic_write, atomic_write_text
 from megatrain_store.progress import progress
 
+from .chat import special_token_ids
 from .errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -248,9 +249,16 @@ def eos_token_text(tokenizer, eos_token_id: int | None, tokenizer_dir: Path | No
     named = special_token_text(settings.get("eos_token"))
     if named and tokenizer.token_to_id(named) is not None:
         return named
-    if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
+    if special_ids_of(tokenizer, eos_token_id):
         return tokenizer.id_to_token(eos_token_id)
     return next((text for text in EOS_TEXTS if tokenizer.token_to_id(text) is not None), "")
+
+
+def special_ids_of(tokenizer, ids: int | list[int] | None) -> list[int]:
+    """Of a model's special token ids (config.json's bos, eos or pad: one, a list or None), those the tokenizer holds
+    as special tokens. A preset's ids name ordinary tokens of a tokenizer megatrain trained: its EOS 2 is `"`."""
+    special = special_token_ids(tokenizer)
+    return [i for i in (ids if isinstance(ids, list) else [] if ids is None else [ids]) if i in special]
 
 
 def tokenizer_settings(tokenizer_dir: Path) -> dict:

@@ -21,6 +21,7 @@ import torch
 from megatrain_data import Batch, load_tokenizer
 from megatrain_data.prompts import Prompts, rows_of
 from megatrain_data.rewards import RewardError, completion_text
+from megatrain_data.tokens import special_ids_of
 from megatrain_templates import Rollout, group_advantages
 from megatrain_zoo.generate import Generator, Sampling
 from megatrain_zoo.hf_weights import check_weights_unchanged
@@ -54,8 +55,11 @@ def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...
     """Where a completion ends: the tokenizer's EOS token (`eos`: `eos_token_text`'s), the model's EOS ids and
     generation_config.json's."""
     ids = {tokenizer.token_to_id(eos)} if eos and tokenizer.token_to_id(eos) is not None else set()
-    for value in (model.eos_token_id, _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")):
-        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    ids.update(
+        special_ids_of(tokenizer, model.eos_token_id)
+    )  # (a preset's name ordinary tokens of one megatrain trained)
+    given = _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")
+    ids.update(given if isinstance(given, list) else [given] if given is not None else [])
     return tuple(sorted(ids))
 
 

@@ -26,14 +26,24 @@ from .hf import (
 
 def config_to_hf(config: ModelConfig, torch_dtype: str = "float32") -> dict:
     """A config.json that transformers loads as the matching *ForCausalLM."""
-    if config.implementation == "transformers":  # (its own config.json, as read)
-        return {**json.loads(config.hf_config), "torch_dtype": torch_dtype}
+    if config.implementation == "transformers":  # (its own config.json, as read, in the dtype written)
+        return _with_dtype(json.loads(config.hf_config), torch_dtype)
     hf = _common_to_hf(config, torch_dtype)
     for part in (_biases_to_hf, _granite_to_hf, _layer_kinds_to_hf, _gemma_to_hf, _rotary_to_hf, _experts_to_hf):
         hf.update(part(config))
     for part in (_latent_attention_to_hf, _glm_to_hf, _linear_attention_to_hf, _gpt_oss_to_hf):
         hf.update(part(config))
     return hf
+
+
+def _with_dtype(hf: dict, torch_dtype: str) -> dict:
+    """`hf` naming `torch_dtype` under both keys transformers reads (`dtype` first, since 5.0) at its top and in each
+    sub-config that names one: a source's own "dtype": "bfloat16" beside ours had float32 weights load in bf16."""
+    named = {key: torch_dtype for key in ("dtype", "torch_dtype")}
+    subs = {
+        key: {**value, **named} for key, value in hf.items() if isinstance(value, dict) and named.keys() & value.keys()
+    }
+    return {**hf, **subs, **named}
 
 
 def _common_to_hf(config: ModelConfig, torch_dtype: str) -> dict:
@@ -59,6 +69,7 @@ def _common_to_hf(config: ModelConfig, torch_dtype: str) -> dict:
         "initializer_range": config.initializer_range,
         "attention_dropout": 0.0,
         "use_cache": True,
+        "dtype": torch_dtype,
         "torch_dtype": torch_dtype,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
