@@ -55,9 +55,7 @@ def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...
     """Where a completion ends: the tokenizer's EOS token (`eos`: `eos_token_text`'s), the model's EOS ids and
     generation_config.json's."""
     ids = {tokenizer.token_to_id(eos)} if eos and tokenizer.token_to_id(eos) is not None else set()
-    ids.update(
-        special_ids_of(tokenizer, model.eos_token_id)
-    )  # (a preset's name ordinary tokens of one megatrain trained)
+    ids.update(special_ids_of(tokenizer, model.eos_token_id))  # (a preset's: ordinary tokens of one megatrain trained)
     given = _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")
     ids.update(given if isinstance(given, list) else [given] if given is not None else [])
     return tuple(sorted(ids))
