@@ -221,8 +221,9 @@ def test_rates_far_off_the_steps_are_dropped_for_the_next_run_to_measure(monkeyp
     assert "measuring this CPU's layers" in train("first", 3)
     saved = json.loads(rates.CALIBRATION_FILE.read_text())
     (key,) = saved["shapes"]
-    for name in ("gpu_tflops", "gpu_kept_tflops", "head_tflops", "cpu_adam_params_per_s", "gpu_adam_params_per_s"):
-        saved["shapes"][key][name] *= 1000
+    for name, rate in saved["shapes"][key].items():  # (every rate: the copies' alone predicted 0.14 s of a 0.2 s step)
+        if isinstance(rate, float):
+            saved["shapes"][key][name] = rate * 1000
     rates.CALIBRATION_FILE.write_text(json.dumps(saved))
     assert "the rates measured for this shape are off" in train("second", 5)
     assert key not in json.loads(rates.CALIBRATION_FILE.read_text())["shapes"]
