@@ -485,6 +485,22 @@ def test_the_start_of_run_room_warning_counts_the_checkpoints_kept_at_once(write
     )  # (a checkpoint: 3 model sizes; 2 digits)
 
 
+def test_a_run_into_a_model_or_another_programs_folder_is_refused_touching_nothing(write_config, tmp_path, capsys):
+    """An output_dir holding a config.json that is no megatrain run's (the model the run starts from, a project's
+    folder) was written over (the run's config.json over the model's), and the run exited 0."""
+    from megatrain_store.rundir import LOCK
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (folder / "metrics.jsonl").write_text("mine\n")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"output_dir {folder} holds a model or another program's files" in err[0], err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before and not (folder / LOCK).exists()
+
+
 def test_a_run_removes_what_killed_runs_left_half_written(write_config, tmp_path, capsys):
     import subprocess
 

@@ -149,7 +149,32 @@ def model_directory_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
     (untokenized / "model.safetensors").write_text("")  # (its tensors are not read before the data)
+    listed, cut_index, bad_manifest = tmp_path / "hf-list", tmp_path / "hf-cut-index", tmp_path / "run-bad" / "step-1"
+    for directory in (listed, cut_index, bad_manifest):
+        directory.mkdir(parents=True)
+    (listed / "config.json").write_text("[1, 2]")
+    (cut_index / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
+    (cut_index / "model.safetensors.index.json").write_text("")  # (an interrupted download)
+    (bad_manifest / MANIFEST).write_text("[]")
+    hf_dir = ["train", *TINY, "--set", "model.preset=null", "--set"]
     return [
+        ([*hf_dir, f"model.hf_dir={listed}"], "config.json holds a JSON list, not a model's settings"),
+        ([*hf_dir, f"model.hf_dir={cut_index}"], "model.safetensors.index.json is damaged"),
+        (["train", "--resume", str(bad_manifest)], "holds no manifest (a JSON list); the checkpoint is damaged"),
+        (["plan", *TINY, "--host-memory-gib", "inf"], "--host-memory-gib must be >= 1 and finite, got inf"),
+        (  # (the model the run starts from, as its output_dir: its config.json was written over)
+            [
+                "train",
+                *TINY,
+                "--set",
+                "model.preset=null",
+                "--set",
+                f"model.hf_dir={untokenized}",
+                "--set",
+                f"output_dir={untokenized}",
+            ],
+            "holds a model or another program's files (its config.json is no megatrain run's)",
+        ),  # fmt: skip
         (
             ["convert", str(tmp_path / "run"), str(tmp_path / "a-file")],
             "is a file; name a directory to write the model",

@@ -217,6 +217,7 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
     metrics, checkpoints and export would be mixed with this run's, and a later --resume would pick whichever
     checkpoint is newest. Resuming a checkpoint of that run itself continues it."""
     out = Path(out)
+    check_no_other_files(out)
     checkpoints = complete_checkpoints(out / CHECKPOINTS)
     if not checkpoints and not (out / FINAL).exists():
         return
@@ -232,6 +233,22 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
         f"output_dir {out} already holds a run ({', '.join(held)}); {then}, or set output_dir to a new directory "
         f"(or remove {out})"
     )
+
+
+def check_no_other_files(out: Path) -> None:
+    """Refuse an output_dir whose config.json is no megatrain run's (a model directory, another program's folder):
+    the run writes its own config.json, metrics.jsonl and tokenizer/ there, over what the directory held."""
+    try:
+        written = json.loads((out / "config.json").read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        written = None
+    if not (isinstance(written, dict) and {"model", "data", "train"} <= written.keys()):
+        raise ConfigError(
+            f"output_dir {out} holds a model or another program's files (its config.json is no megatrain run's), "
+            "which a run would write over; set output_dir to a new directory"
+        )
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -416,6 +433,10 @@ def verify_checkpoint(directory: Path) -> dict:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise StoreError(f"{directory / MANIFEST} is unreadable ({error}); the checkpoint is damaged") from error
+    if not isinstance(manifest, dict):
+        raise StoreError(
+            f"{directory / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}); the checkpoint is damaged"
+        )
     if manifest.get("format") != FORMAT:
         raise StoreError(f"{directory} has checkpoint format {manifest.get('format')}, this megatrain reads {FORMAT}")
     check_files(directory, manifest["files"])

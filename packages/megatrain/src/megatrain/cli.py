@@ -194,8 +194,8 @@ def _config(args, base: dict | None = None):
 def _at_least(value, lowest, option: str) -> None:
     from .config import ConfigError
 
-    if value is not None and not value >= lowest:
-        raise ConfigError(f"{option} must be >= {lowest}, got {value}")
+    if value is not None and not lowest <= value < float("inf"):
+        raise ConfigError(f"{option} must be >= {lowest}{' and finite' if value == float('inf') else ''}, got {value}")
 
 
 def run_train(args) -> None:

@@ -256,7 +256,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
         if lock is not None:
-            lock.release(remove=made_out)
+            lock.release(refused=True, made_dir=made_out)
         leave_ranks()  # (the Trainer leaves them on close; without one, this does)
         raise
     try:

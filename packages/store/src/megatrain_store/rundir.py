@@ -71,6 +71,7 @@ class RunLock:
         """Take the directory, or raise `RunDirError` naming the run that holds it. Returns what to say, or
         None: that this run took over the lock of an earlier one that ended without releasing it (killed),
         or that the file system takes no locks (then nothing keeps a second run out)."""
+        self._made_file = not self.path.exists()
         try:
             handle = open(self.path, "a+")
         except OSError as error:
@@ -115,9 +116,9 @@ class RunLock:
             return None
         return None
 
-    def release(self, remove: bool = False) -> None:
-        """Let the directory go (an empty lock file: the run ended as it should); `remove`: a run refused before
-        it wrote anything takes its lock file and, where nothing else is in it, the directory it made with it."""
+    def release(self, refused: bool = False, made_dir: bool = False) -> None:
+        """Let the directory go (an empty lock file: the run ended as it should); `refused`: a run refused before it
+        wrote anything takes back the lock file it made and, with `made_dir` and nothing else in it, the directory."""
         if self._handle is None:
             return
         self._handle.seek(0)
@@ -126,8 +127,9 @@ class RunLock:
         fcntl.flock(self._handle, fcntl.LOCK_UN)
         self._handle.close()
         self._handle = None
-        if remove:
+        if refused and self._made_file:
             self.path.unlink(missing_ok=True)
+        if refused and made_dir:
             try:
                 self.out.rmdir()
             except OSError:  # (not empty: the data's cache, which the next run reuses)

@@ -279,7 +279,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:  # (an interrupted download: empty, cut)
+            raise ZooError(f"{index} is damaged ({error!r}); download it again") from None
         files = [model_dir / shard for shard in shards]
         missing = [str(f) for f in files if not f.exists()]
         if missing:

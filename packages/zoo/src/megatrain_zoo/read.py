@@ -60,6 +60,8 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(), object_hook=_special_floats)
+        if not isinstance(hf, dict):
+            raise ZooError(f"{path} holds a JSON {type(hf).__name__}, not a model's settings; download it again")
         if has_template(hf):  # (the others' fields are transformers' to check)
             check_hf_numbers(hf, str(path))
         return model_config_from_hf(hf, implementation, image_text)
