@@ -29,6 +29,20 @@ def test_prompts_are_tokenized_with_their_columns(tokenizer_path, tmp_path):
         load_prompts(data, 2, tokenizer, tokenizer_path, "")
 
 
+def test_an_empty_prompt_is_refused_naming_its_record(tokenizer_path, tmp_path):
+    """Generation starts from a prompt's last token: an empty one stopped GRPO mid-run (and `generate`) with an
+    IndexError."""
+    from megatrain_data.prompts import read_prompts
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2="}, {"prompt": ""}])
+    data = DataSection(dataset=str(path), format="prompt")
+    with pytest.raises(DataError, match="record 2 has an empty prompt \\(0 tokens\\); give it text or remove it"):
+        load_prompts(data, 64, tokenizer, tokenizer_path, "")
+    with pytest.raises(DataError, match="prompts.jsonl line 2 has an empty prompt; give it text or remove the line"):
+        read_prompts(path)
+
+
 def test_rows_train_on_the_completion_only():
     rng = random.Random(1)
     prompts = [[rng.randrange(100) for _ in range(rng.randint(1, 5))] for _ in range(4)]

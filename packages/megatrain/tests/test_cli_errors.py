@@ -51,6 +51,10 @@ SETTING_CASES = [
     ),
     (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
     (
+        ["train", *TINY, "--set", "data.format=prompt", "--set", "data.dataset=p.jsonl"],
+        "data.format prompt is GRPO's prompt-only data; set train.objective: grpo",
+    ),
+    (
         ["train", *TINY, "--set", "train.betas=0.9"],
         "'train.betas' has value 0.9; it takes a list of 2 finite numbers",
     ),

@@ -54,6 +54,10 @@ def load_prompts(data: DataSection, max_prompt_length: int, tokenizer, tokenizer
         for index, record in enumerate(records):
             given.append(record["prompt"])
             ids.append(render_prompt(record["prompt"], template, tokenizer, record_where(source, index)))
+            if not ids[-1]:  # (generation starts from the prompt's last token)
+                raise DataError(
+                    f"{record_where(source, index)} has an empty prompt (0 tokens); give it text or remove it"
+                )
             for name, value in record.items():
                 if name != "prompt":
                     columns.setdefault(name, []).append(value)
@@ -185,6 +189,8 @@ def read_prompts(path) -> list:
                 raise DataError(f"{path} line {number} is not JSON: {error}") from None
             if not isinstance(record, dict) or "prompt" not in record:
                 raise DataError(f"{path} line {number} has no 'prompt' field")
+            if not record["prompt"]:  # (generation starts from the prompt's last token)
+                raise DataError(f"{path} line {number} has an empty prompt; give it text or remove the line")
             prompts.append(record["prompt"])
         else:
             prompts.append(line)

@@ -501,6 +501,11 @@ class Config:
         if self.train.objective == "dpo" and self.data.format == "text" and self.data.dataset is not None:
             # the objective says what the records are, as TRL's DPOTrainer reads prompt/chosen/rejected columns
             object.__setattr__(self, "data", replace(self.data, format="preference"))
+        if self.data.format == "prompt" and self.train.objective != "grpo":
+            raise ConfigError(  # (prompt-only records train nothing under sft or dpo: GRPO generates their completions)
+                f"data.format prompt is GRPO's prompt-only data; set train.objective: grpo (or another data.format for "
+                f"train.objective {self.train.objective})"
+            )
         if self.train.eval_every and self.data.validation is None:
             raise ConfigError(
                 "train.eval_every needs held-out data: set data.validation (a fraction, a file or a split)"
