@@ -192,6 +192,17 @@ def test_bad_grpo_input_is_one_line(toy, capsys, grpo, train, message):
     assert message in err[-1] and not any("Traceback" in line for line in err)
 
 
+def test_a_reward_function_that_does_not_load_is_refused_before_the_model_is(toy, tmp_path, capsys, monkeypatch):
+    """A misspelled reward function was found once the model's weights were loaded (4.5 GB of host memory for a
+    270M model): now before the trainer is made."""
+    import megatrain.loop
+
+    monkeypatch.setattr(megatrain.loop, "Trainer", lambda *a, **k: pytest.fail("the trainer was made"))
+    assert main(["train", "--config", toy("bad", {"reward_funcs": ["toy_rewards:missing"]})]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'toy_rewards:missing' cannot be loaded" in err[0], err
+
+
 def test_data_shows_the_prompts_and_eval_points_to_generate(toy, capsys):
     config = toy("run")
     assert main(["data", "--config", config, "--dump", "2"]) == 0

@@ -50,6 +50,7 @@ SETTING_CASES = [
         "each rank runs whole micro-batches of its share; e.g. train.micro_batch_size: 4",
     ),
     (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
+    (["train", *TINY, "--set", "train.objective=no_such_mod:Loss"], "train.objective 'no_such_mod:Loss' cannot be made"),
     (
         ["train", *TINY, "--set", "data.format=prompt", "--set", "data.dataset=p.jsonl"],
         "data.format prompt is GRPO's prompt-only data; set train.objective: grpo",

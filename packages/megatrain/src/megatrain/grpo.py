@@ -9,6 +9,7 @@ from megatrain_data.prompts import load_prompts
 
 from .config import Config, ConfigError
 from .generate import require_transformers
+from .objectives import make_rewards
 from .rollout_file import FileRollouts
 from .rollouts import GeneratedRollouts, stop_ids, tokenizer_of
 
@@ -27,6 +28,7 @@ def check_grpo_settings(config: Config, ranks=None) -> None:
         )
     if g.rollouts is None:
         require_transformers("GRPO sampling its completions (train.grpo.rollouts unset)")
+        make_rewards(config)  # (a misspelled function or a bad regex: said before the model is loaded)
     if data.seq_len < g.max_prompt_length + g.max_completion_length:
         raise ConfigError(
             f"data.seq_len {data.seq_len} cannot hold a prompt of train.grpo.max_prompt_length "
