@@ -50,7 +50,10 @@ SETTING_CASES = [
         "each rank runs whole micro-batches of its share; e.g. train.micro_batch_size: 4",
     ),
     (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
-    (["train", *TINY, "--set", "train.objective=no_such_mod:Loss"], "train.objective 'no_such_mod:Loss' cannot be made"),
+    (
+        ["train", *TINY, "--set", "train.objective=no_such_mod:Loss"],
+        "train.objective 'no_such_mod:Loss' cannot be made",
+    ),
     (
         ["train", *TINY, "--set", "data.format=prompt", "--set", "data.dataset=p.jsonl"],
         "data.format prompt is GRPO's prompt-only data; set train.objective: grpo",
@@ -226,7 +229,18 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     (tmp_path / "ids.txt").write_text("1 2 3\n")
+    (tmp_path / "short.txt").write_text("a few words\n")
+    short = ["--set", f"output_dir={tmp_path / 'short-data'}"]
     return [
+        # (refused once the data is read: its cache stays in output_dir for the next run)
+        (
+            ["train", *TINY, *short, "--set", "data.text=short.txt"],
+            "windows of seq_len 128, fewer than one batch of 16",
+        ),
+        (
+            ["train", *TINY, *short, "--set", "data.validation=short.txt"],
+            "the validation data holds not one window of data.seq_len 128; give data.validation more",
+        ),
         (["train", *TINY, "--set", "data.dataset=empty.jsonl"], "empty.jsonl is empty (no records)"),
         (  # (said before the tokenizer chat data needs, which a preset lacks)
             ["train", *TINY, "--set", "data.dataset=nope.jsonl", "--set", "data.format=messages"],

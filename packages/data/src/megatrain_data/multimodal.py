@@ -34,7 +34,7 @@ from .records import (
 )
 from .section import DataSection
 from .tokens import Tokens
-from .windows import Batch, TokenWindows
+from .windows import Batch, PairWindows, TokenWindows
 
 MEDIA_KINDS = ("images", "videos")
 PLACEHOLDERS = {"images": "<image>", "videos": "<video>"}  # LLaMA-Factory's, in the records' text
@@ -466,6 +466,29 @@ def row_windows(tokens, seq_len: int, batch_size: int, shuffle: bool, seed: int)
     if isinstance(tokens, MediaRows):
         return MultimodalRows(tokens, batch_size, shuffle, seed)
     return TokenWindows(tokens, seq_len, batch_size, shuffle, seed)
+
+
+def check_batches(data, seq_len: int, batch_size: int) -> None:
+    """Refuse, before a model is loaded, a run's data (`TokenData`) that fills no step: training rows or pairs fewer
+    than one batch, validation data of not one window. The windows say it again when they are cut, with the model
+    in memory."""
+    if data.pairs:
+        PairWindows(data.train, batch_size, shuffle=False, seed=0)
+        return
+    TokenWindows(_tokens_of(data.train), seq_len, batch_size, shuffle=False, seed=0)
+    if data.validation is None:
+        return
+    try:
+        TokenWindows(_tokens_of(data.validation), seq_len, 1, shuffle=False, seed=0)
+    except DataError:
+        raise DataError(
+            f"the validation data holds not one window of data.seq_len {seq_len}; give data.validation more (a larger "
+            "fraction or a longer file), or set it to null"
+        ) from None
+
+
+def _tokens_of(rows) -> Tokens:
+    return rows.rows if isinstance(rows, MediaRows) else rows
 
 
 def check_media_model(data: MediaRows, model, hf_dir: str | None) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatrain_data import PairWindows, TokenData, TokenWindows, load_token_data
-from megatrain_data.multimodal import MediaRows, check_media_model, media_of, row_windows
+from megatrain_data.multimodal import MediaRows, check_batches, check_media_model, media_of, row_windows
 from megatrain_data.rewards import RewardError
 from megatrain_data.serving import RUN_FOLDER, describe_export, keep_in_run, serving_of_run
 from megatrain_optim import Ranks, Schedule, lr_at
@@ -251,6 +251,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
             if resume is not None:
                 check_run_tokenizer(config, data, out)
             check_objective_data(config, data)
+            check_batches(data, config.data.seq_len, config.train.batch_size)  # (before the model is loaded)
             if isinstance(data.train, MediaRows):
                 check_media_model(data.train, model, config.model.hf_dir)
         trainer = Trainer(config, model, ranks=ranks)
