@@ -77,6 +77,25 @@ def test_a_models_eos_id_naming_an_ordinary_token_is_not_taken_for_the_eos(tmp_p
     assert list(data.train.tokens) == [*first, eos, *second, eos]
 
 
+@pytest.mark.parametrize(
+    "entry, said",
+    [
+        ("alp.jsonl", "entry 'a' is a JSON str; write an object with file_name"),
+        ({"file_name": "alp.jsonl", "columns": ["x"]}, "columns is ['x']; write an object of column names"),
+        ({"file_name": ["alp.jsonl"]}, "file_name is ['alp.jsonl']; write a file name"),
+        ({"file_name": "alp.jsonl", "num_samples": "ten"}, "num_samples is 'ten'; write a whole number"),
+        ({"file_name": "alp.jsonl", "num_samples": 0}, "num_samples is 0; write a whole number of records, 1 or more"),
+    ],
+)
+def test_a_registry_entry_of_the_wrong_type_is_one_line_naming_it(tmp_path, tokenizer_path, entry, said):
+    """dataset_info.json fields of another type than LLaMA-Factory's raised AttributeError, TypeError or ValueError."""
+    write_jsonl(tmp_path / "alp.jsonl", [{"instruction": "hi", "output": "there"}])
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"a": entry}))
+    section = DataSection(dataset="a", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path))
+    with pytest.raises(DataError, match=re.escape(said)):
+        load_token_data(section, 512, tmp_path / "cache", None)
+
+
 def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
     """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
     it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""

@@ -120,6 +120,7 @@ def _registry(data: DataSection) -> dict:
 
 def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
     where = f"{Path(data.dataset_dir) / 'dataset_info.json'} entry {name!r}"
+    _check_entry_types(entry, where)
     unknown = sorted(set(entry) - set(REGISTRY_KEYS) - {"ranking", "ms_hub_url", "om_hub_url", "script_url", "folder"})
     ranking = bool(entry.get("ranking"))
     columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
@@ -212,6 +213,30 @@ def load_records(source: Source):
     if source.num_samples is not None:
         records = records.select(range(min(source.num_samples, len(records))))
     return records
+
+
+# each dataset_info.json field's type, as LLaMA-Factory reads it: (the types, what to write)
+ENTRY_TYPES = {
+    "columns": (dict, "an object of column names"),
+    "tags": (dict, "an object of role tags"),
+    "file_name": (str, "a file name"),
+    "hf_hub_url": (str, "a hub name"),
+    "split": (str, "a split's name"),
+    "subset": (str, "a subset's name"),
+    "formatting": (str, "alpaca or sharegpt"),
+    "num_samples": (int, "a whole number of records, 1 or more"),
+}
+
+
+def _check_entry_types(entry, where: str) -> None:
+    """Refuse an entry, or a field of it, of the wrong type (a list of columns, a num_samples of "ten"), naming it."""
+    if not isinstance(entry, dict):
+        raise DataError(f"{where} is a JSON {type(entry).__name__}; write an object with file_name (or hf_hub_url)")
+    for key, (kind, what) in ENTRY_TYPES.items():
+        value = entry.get(key)
+        wrong = value is not None and (not isinstance(value, kind) or isinstance(value, bool))
+        if wrong or (key == "num_samples" and value is not None and value < 1):
+            raise DataError(f"{where}: {key} is {value!r}; write {what}")
 
 
 def _load_split(source: Source, path: Path):
