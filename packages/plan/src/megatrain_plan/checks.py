@@ -132,10 +132,12 @@ def _check_host(plan: Plan, model: ModelConfig, adapter) -> None:
     optional = [name for name in items if name.startswith(("host-kept", "gradients held across"))]
     required = {name: nbytes for name, nbytes in _step_own(items).items() if name not in optional}
     if sum(required.values()) >= plan.host_available:
+        # (on the CPU the step's activations are host memory: the runtime item grows with the step's tokens)
+        step = "a smaller train.batch_size or data.seq_len, " if plan.gpu_available is None else ""
         raise PlanError(
             f"{needs} but {may_take}, and its step's own items ({', '.join(required)}) alone take "
-            f"{sum(required.values()) / gib:.1f} GiB: a smaller model or a host with more memory (`megatrain plan` "
-            "lists every item)"
+            f"{sum(required.values()) / gib:.1f} GiB: {step}a smaller model or a host with more memory (`megatrain "
+            "plan` lists every item)"
         )
     over = plan.host_bytes - plan.host_available
     name = next((n for n in optional if items[n] >= over), max(items, key=items.get))
