@@ -253,6 +253,7 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         # (a byte that is not UTF-8 in argv reaches Python as a lone surrogate, as json.loads makes it here)
         (["train", *TINY, "--set", "data.text=caf\udce9"], "byte offset 13 (0xe9) is not UTF-8"),
         (["train", "--config", "empty.yaml"], "empty.yaml is empty (it sets nothing"),
+        (["train", *TINY, "--set", "data.text=a-dir"], "a-dir is a directory; name a text file in it"),
         (["train", *TINY, "--set", "train.micro_batch_size=0"], "train.micro_batch_size must be >= 1, got 0"),
         (["train", *TINY, "--set", "data.tokens=ids.txt"], "ids.txt is not a .npy file (no numpy header)"),
     ]

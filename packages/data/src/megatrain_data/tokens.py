@@ -142,8 +142,12 @@ def _read_text(path: Path, what: str) -> str:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise DataError(f"{what} {not_utf8_where(path)}; save it as UTF-8") from None
+    except IsADirectoryError:
+        raise DataError(
+            f"{what} {path} is a directory; name a text file in it (or data.dataset_dir for a registry)"
+        ) from None
     except OSError as error:
-        raise DataError(f"cannot read {what} {path}: {error}") from error
+        raise DataError(f"cannot read {what} {path}: {error.strerror}; check the path and its permissions") from error
     if not text.strip():
         raise DataError(f"{what} {path} is empty")
     return text
