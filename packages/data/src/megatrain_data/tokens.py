@@ -143,9 +143,7 @@ def _read_text(path: Path, what: str) -> str:
     except UnicodeDecodeError:
         raise DataError(f"{what} {not_utf8_where(path)}; save it as UTF-8") from None
     except IsADirectoryError:
-        raise DataError(
-            f"{what} {path} is a directory; name a text file in it (or data.dataset_dir for a registry)"
-        ) from None
+        raise DataError(f"{what} {path} is a directory; name a text file in it") from None
     except OSError as error:
         raise DataError(f"cannot read {what} {path}: {error.strerror}; check the path and its permissions") from error
     if not text.strip():
