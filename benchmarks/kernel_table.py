@@ -102,7 +102,11 @@ def profiled_steps(args, on_device: bool):
         model=ModelSection(preset=args.model),
         data=DataSection(seq_len=args.seq_len),
         train=TrainSection(
-            steps=10**6, batch_size=n_seqs, micro_batch_size=args.micro_batch, grad_clip=0.0, schedule="constant"
+            steps=10**6,
+            batch_size=n_seqs,
+            micro_batch_size=args.micro_batch,
+            grad_clip=args.grad_clip,
+            schedule="constant",
         ),
         precision=PrecisionSection("bfloat16" if on_device else "float32"),
         engine=EngineSection(),
@@ -143,6 +147,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward pass")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clipping, as users run (0: off)")
     parser.add_argument("--steps", type=int, default=1, help="profiled steps")
     parser.add_argument("--out", default=None)
     parser.add_argument("--top-ops", type=int, default=40, help="operators listed by the device time they launched")
