@@ -96,6 +96,16 @@ def test_a_registry_entry_of_the_wrong_type_is_one_line_naming_it(tmp_path, toke
         load_token_data(section, 512, tmp_path / "cache", None)
 
 
+def test_a_messages_turn_without_a_role_names_the_key_it_lacks(tmp_path, tokenizer_path):
+    """It said "role None under 'from'": sharegpt's key, which a messages file does not use."""
+    path = write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    )
+    section = DataSection(dataset=str(path), format="messages", tokenizer=str(tokenizer_path))
+    with pytest.raises(DataError, match=re.escape("turn 0 has no 'role' key (its keys: ['content']); give every turn")):
+        load_token_data(section, 512, tmp_path / "cache", None)
+
+
 def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
     """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
     it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""

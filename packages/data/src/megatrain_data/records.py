@@ -388,8 +388,10 @@ def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
     if not isinstance(turn, dict):
         raise DataError(f"{where}: {what} is not a mapping: {turn!r}")
     role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
-    if source.formatting == "messages" and role_key not in turn:  # from/value turns in a messages file
+    if source.formatting == "messages" and role_key not in turn and "from" in turn:  # from/value turns
         role_key, content_key = "from", "value"
+    if role_key not in turn:
+        raise DataError(f"{where}: {what} has no {role_key!r} key (its keys: {sorted(turn)}); give every turn one")
     role = turn.get(role_key)
     role = role_of.get(role, ROLE_ALIASES.get(role) if source.formatting == "messages" else None)
     if role is None:
