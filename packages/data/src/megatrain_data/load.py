@@ -14,8 +14,9 @@ import numpy as np
 from .errors import DataError
 from .multimodal import media_columns, media_rows
 from .preference import preference_rows, uses_pairs
-from .records import RecordData, load_records, read_sources, records_to_rows, resolve_sources
+from .records import RecordData, load_records, read_sources, records_to_rows
 from .section import DataSection, fix_for_record
+from .sources import resolve_sources
 from .tokens import (
     Tokens,
     builtin_corpus,

@@ -25,7 +25,6 @@ from .chat import ChatTemplate, render_conversation, special_token_ids, trained_
 from .errors import DataError
 from .records import (
     Examples,
-    Source,
     examples_of,
     record_where,
     render_error,
@@ -33,6 +32,7 @@ from .records import (
     to_rows,
 )
 from .section import DataSection
+from .sources import Source
 from .tokens import Tokens
 from .windows import Batch, PairWindows, TokenWindows
 

@@ -21,7 +21,6 @@ from .chat import ChatTemplate, _content_text, load_chat_template
 from .errors import DataError
 from .records import (
     RecordData,
-    Source,
     alpaca_prompt,
     hold_out,
     load_records,
@@ -30,12 +29,12 @@ from .records import (
     record_tools,
     record_where,
     render_error,
-    resolve_sources,
     sharegpt_turn,
     to_conversation,
     validation_source,
 )
 from .section import DataSection
+from .sources import Source, resolve_sources
 from .tokens import Tokens, document_start_ids, pad_token_id
 
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one

@@ -12,8 +12,9 @@ import torch
 
 from .chat import load_chat_template
 from .errors import DataError
-from .records import load_records, record_where, resolve_sources
+from .records import load_records, record_where
 from .section import DataSection
+from .sources import resolve_sources
 from .windows import Batch
 
 
