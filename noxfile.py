@@ -83,7 +83,7 @@ def _package_session(name: str):
     def run(session: nox.Session) -> None:
         parallel = name in TWO_PROCESSES
         extra = ("pytest-xdist",) if parallel else ()
-        extras = EXTRAS | {k: v for k, v in TEST_EXTRAS.items() if k == name}  # (its own test extra, not its deps')
+        extras = EXTRAS | ({name: TEST_EXTRAS[name]} if name in TEST_EXTRAS else {})  # (its own, not its deps')
         install(session, *DEPENDS[name], name, extra=extra, extras=extras)
         processes = ("-n", "2") if parallel else ()
         session.run("pytest", "-q", *processes, "-m", "not gpu", f"packages/{name}/tests", *session.posargs)

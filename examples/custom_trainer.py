@@ -9,6 +9,7 @@ against plain PyTorch and torch.optim.AdamW.
     python examples/custom_trainer.py
 """
 
+import getpass
 import tempfile
 from pathlib import Path
 
@@ -77,7 +78,7 @@ class CustomTrainer:
 if __name__ == "__main__":
     trainer = CustomTrainer("tiny-llama", AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     # the built-in corpus, with a tokenizer trained on it to fit the tiny vocabulary (cached in the temporary folder)
-    cache = Path(tempfile.gettempdir()) / "megatrain-custom-trainer"
+    cache = Path(tempfile.gettempdir()) / f"megatrain-custom-trainer-{getpass.getuser()}"
     data = load_token_data(DataSection(seq_len=32), trainer.model.vocab_size, cache, model_dir=None)
     windows = TokenWindows(data.train, seq_len=32, batch_size=4, shuffle=True, seed=0)
     for step in range(5):

@@ -355,6 +355,34 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
     assert not run.exists()  # (the run made it, and wrote nothing in it but its lock)
 
 
+@pytest.mark.parametrize(
+    "data, train, said",
+    [
+        ({"tokens": None, "text": "short.txt"}, {}, "0 windows of seq_len 32, fewer than one batch of 4"),
+        ({"validation": "short.npy"}, {}, "the validation data holds not one window of data.seq_len 32"),
+        ({}, {"objective": "no_such_mod:Loss"}, "train.objective 'no_such_mod:Loss' cannot be made"),
+    ],
+)
+def test_what_cannot_train_is_refused_before_the_model_is_loaded(
+    write_config, tmp_path, capsys, monkeypatch, data, train, said
+):
+    """Too little data and an objective that does not import were found once the trainer held the model's weights
+    (4.4 GB for a 270M model): now before it is made."""
+    import numpy as np
+
+    import megatrain.loop
+    from megatrain.cli import main
+
+    monkeypatch.setattr(megatrain.loop, "Trainer", lambda *a, **k: pytest.fail("the trainer was made"))
+    (tmp_path / "short.txt").write_text("a few words\n")
+    np.save(tmp_path / "short.npy", np.arange(10, dtype=np.int32))
+    data = {key: str(tmp_path / value) if isinstance(value, str) else value for key, value in data.items()}
+    config = write_config(data=data, train=train)
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+
+
 @pytest.mark.parametrize("where", ["checkpoint", "metrics"])
 def test_disk_full_is_one_line(write_config, tmp_path, capsys, monkeypatch, where):
     """ENOSPC (simulated in this process) while writing a checkpoint, or metrics.jsonl, through the command's

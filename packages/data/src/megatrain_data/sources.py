@@ -53,7 +53,19 @@ DEFAULT_TAGS = {
 }
 UNSUPPORTED_COLUMNS = ("audios", "chosen", "rejected", "kto_tag")  # (images and videos: multimodal.py)
 PAIR_COLUMNS = ("chosen", "rejected")  # read in ranking entries only
-REGISTRY_KEYS = ("file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "subset", "num_samples")
+# each dataset_info.json field's type, as LLaMA-Factory reads it: (the types, what to write)
+ENTRY_TYPES = {
+    "columns": (dict, "an object of column names"),
+    "tags": (dict, "an object of role tags"),
+    "file_name": (str, "a file name"),
+    "hf_hub_url": (str, "a hub name"),
+    "split": (str, "a split's name"),
+    "subset": (str, "a subset's name"),
+    "formatting": (str, "alpaca or sharegpt"),
+    "num_samples": (int, "a whole number of records, 1 or more"),
+}
+REGISTRY_KEYS = tuple(ENTRY_TYPES)  # (the fields megatrain reads)
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files of records `load_records` reads
 
 
 @dataclass(frozen=True)
@@ -149,22 +161,6 @@ def resolve_sources(data: DataSection) -> list[Source]:
         if Path(source.location).suffix in RECORD_SUFFIXES and not Path(source.location).exists():
             raise DataError(f"dataset {source.name!r}: {source.location} does not exist; check the path")
     return sources
-
-
-RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files of records `load_records` reads
-
-
-# each dataset_info.json field's type, as LLaMA-Factory reads it: (the types, what to write)
-ENTRY_TYPES = {
-    "columns": (dict, "an object of column names"),
-    "tags": (dict, "an object of role tags"),
-    "file_name": (str, "a file name"),
-    "hf_hub_url": (str, "a hub name"),
-    "split": (str, "a split's name"),
-    "subset": (str, "a subset's name"),
-    "formatting": (str, "alpaca or sharegpt"),
-    "num_samples": (int, "a whole number of records, 1 or more"),
-}
 
 
 def _check_entry_types(entry, where: str) -> None:

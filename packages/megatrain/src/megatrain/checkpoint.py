@@ -118,12 +118,13 @@ def resolve_resume(path: Path) -> Resume:
 
 
 def check_not_in_use(path: Path, checkpoint: Path) -> None:
-    """Refuse a resume of a run directory another run holds (`RunLock`), whose checkpoints may change under it."""
-    for out in {path, checkpoint.parent.parent, manifest_output_dir(checkpoint) or path}:
+    """Refuse a checkpoint of a run directory another run holds (`RunLock`), whose checkpoints may change under it."""
+    named = [path, checkpoint.parent.parent, manifest_output_dir(checkpoint)]
+    for out in {Path(p).resolve() for p in named if p is not None}:
         holder = RunLock(out).holder()
         if holder is not None:
             raise RunDirError(
-                f"output_dir {out} is in use by another run ({holder}); wait for it to end or stop it, then resume"
+                f"output_dir {out} is in use by another run ({holder}); wait for it to end or stop it, then try again"
             )
 
 

@@ -69,7 +69,8 @@ class Placement:
         **step,
     ) -> "Placement":
         """A placement of `n_stages` stages from the stage indices of each choice that is not the default; an index
-        outside 0..n_stages-1, or named twice for one field, is refused (`PlacementError`)."""
+        outside 0..n_stages-1, or a stage named in two choices of one field (resident and held weights, products
+        kept and host-kept), is refused (`PlacementError`)."""
         chosen = {"resident": resident, "held": held, "offloaded": offloaded, "kept": kept, "host_kept": host_kept}
         for name, indices in chosen.items():
             outside = [i for i in indices if not 0 <= i < n_stages]

@@ -72,12 +72,13 @@ def remove_stale_temporaries(directory: Path) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's, which this one may not signal, too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # (another user's: alive)
-        return True
+    except PermissionError:
+        pass
     return True
 
 

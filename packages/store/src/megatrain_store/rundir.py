@@ -66,6 +66,7 @@ class RunLock:
         self.out = Path(out)
         self.path = self.out / LOCK
         self._handle = None
+        self._made_file = False  # (acquire made the lock file: a refused run takes it back)
 
     def acquire(self) -> str | None:
         """Take the directory, or raise `RunDirError` naming the run that holds it. Returns what to say, or
@@ -119,16 +120,15 @@ class RunLock:
     def release(self, refused: bool = False, made_dir: bool = False) -> None:
         """Let the directory go (an empty lock file: the run ended as it should); `refused`: a run refused before it
         wrote anything takes back the lock file it made and, with `made_dir` and nothing else in it, the directory."""
-        if self._handle is None:
-            return
-        self._handle.seek(0)
-        self._handle.truncate()
-        self._handle.flush()
-        fcntl.flock(self._handle, fcntl.LOCK_UN)
-        self._handle.close()
-        self._handle = None
-        if refused and self._made_file:
+        if refused and self._made_file:  # (before the lock goes: no other run takes it over first)
             self.path.unlink(missing_ok=True)
+        if self._handle is not None:
+            self._handle.seek(0)
+            self._handle.truncate()
+            self._handle.flush()
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+            self._handle = None
         if refused and made_dir:
             try:
                 self.out.rmdir()
