@@ -230,6 +230,7 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     (tmp_path / "ids.txt").write_text("1 2 3\n")
     (tmp_path / "short.txt").write_text("a few words\n")
+    (tmp_path / "arrays.jsonl").write_text("[1, 2, 3]\n")
     short = ["--set", f"output_dir={tmp_path / 'short-data'}"]
     return [
         # (refused once the data is read: its cache stays in output_dir for the next run)
@@ -242,6 +243,7 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             "the validation data holds not one window of data.seq_len 128; give data.validation more",
         ),
         (["train", *TINY, "--set", "data.dataset=empty.jsonl"], "empty.jsonl is empty (no records)"),
+        (["train", *TINY, "--set", "data.dataset=arrays.jsonl"], "arrays.jsonl line 1 is a JSON list, not an object"),
         (  # (said before the tokenizer chat data needs, which a preset lacks)
             ["train", *TINY, "--set", "data.dataset=nope.jsonl", "--set", "data.format=messages"],
             "dataset 'nope.jsonl': nope.jsonl does not exist; check the path",

@@ -85,6 +85,8 @@ def _load_split(source: Source, path: Path):
     if path.suffix in RECORD_SUFFIXES:
         _check_split(source, ["train"])
         _check_utf8(source, path)
+        if path.suffix == ".jsonl":
+            _check_first_record(source, path)
         builder = "parquet" if path.suffix == ".parquet" else "json"
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if path.exists():
@@ -130,6 +132,24 @@ def _check_utf8(source: Source, path: Path) -> None:
         where = not_utf8_where(path)
         if where is not None:
             raise DataError(f"dataset {source.name!r}: {where}; save the file as UTF-8 (or fix that byte)")
+
+
+def _check_first_record(source: Source, path: Path) -> None:
+    """Refuse a JSON Lines file whose first record is no JSON object (`datasets` reads a file of arrays as records of
+    a column 'text', which then fails as "field 'text' is a int")."""
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return  # (datasets' own error, then `_first_bad_json_line`, names it)
+                if not isinstance(record, dict):
+                    raise DataError(
+                        f"dataset {source.name!r}: {path} line {number} is a JSON {type(record).__name__}, not an "
+                        'object of fields; write each record as {"field": value, ...}'
+                    )
+                return
 
 
 def _first_bad_json_line(path: Path) -> str | None:
