@@ -14,7 +14,7 @@ from megatrain_store.progress import size_text
 from .chat import SPECIAL_TOKEN_NAMES, ChatTemplate, load_chat_template, special_token_ids
 from .errors import DataError
 from .load import renders_conversations, run_tokenizer
-from .tokens import eos_token_text, load_tokenizer, special_ids_of, special_token_text, tokenizer_settings
+from .tokens import eos_token_text, id_list, load_tokenizer, special_ids_of, special_token_text, tokenizer_settings
 
 # copied from beside tokenizer.json as they are: the special tokens, and an image-text model's processor
 COPIED_FILES = (
@@ -178,8 +178,7 @@ def _stop_ids(tokenizer, settings: dict, serving: Serving, given, source: Path) 
             template = None
     ids = [end_of_turn_id(template, tokenizer)] if template is not None else []
     ids.append(tokenizer.token_to_id(eos or ""))
-    ids += given if isinstance(given, list) else [given]
-    ids += special_ids_of(tokenizer, serving.eos_token_id)
+    ids += id_list(given) + special_ids_of(tokenizer, serving.eos_token_id)
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -216,7 +215,7 @@ def describe_export(out_dir: Path) -> str:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-        names = [tokenizer.id_to_token(i) or str(i) for i in (stops if isinstance(stops, list) else [stops])]
+        names = [tokenizer.id_to_token(i) or str(i) for i in id_list(stops)]
         parts.append(f"generation stopping at {', '.join(names)}")
     adapter = _json(out_dir / "adapter_config.json")
     if adapter and not adapter.get("base_model_name_or_path"):  # (LoRA over a preset: its base is a seed's weights)

@@ -260,7 +260,12 @@ def special_ids_of(tokenizer, ids: int | list[int] | None) -> list[int]:
     """Of a model's special token ids (config.json's bos, eos or pad: one, a list or None), those the tokenizer holds
     as special tokens. A preset's ids name ordinary tokens of a tokenizer megatrain trained: its EOS 2 is `"`."""
     special = special_token_ids(tokenizer)
-    return [i for i in (ids if isinstance(ids, list) else [] if ids is None else [ids]) if i in special]
+    return [i for i in id_list(ids) if i in special]
+
+
+def id_list(ids: int | list[int] | None) -> list[int]:
+    """Token ids as config.json and generation_config.json write them (one, a list or None), as a list."""
+    return ids if isinstance(ids, list) else [] if ids is None else [ids]
 
 
 def tokenizer_settings(tokenizer_dir: Path) -> dict:

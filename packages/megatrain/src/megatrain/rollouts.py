@@ -21,7 +21,7 @@ import torch
 from megatrain_data import Batch, load_tokenizer
 from megatrain_data.prompts import Prompts, rows_of
 from megatrain_data.rewards import RewardError, completion_text
-from megatrain_data.tokens import special_ids_of
+from megatrain_data.tokens import id_list, special_ids_of
 from megatrain_templates import Rollout, group_advantages
 from megatrain_zoo.generate import Generator, Sampling
 from megatrain_zoo.hf_weights import check_weights_unchanged
@@ -56,8 +56,7 @@ def stop_ids(model, tokenizer, tokenizer_path: Path, eos: str) -> tuple[int, ...
     generation_config.json's."""
     ids = {tokenizer.token_to_id(eos)} if eos and tokenizer.token_to_id(eos) is not None else set()
     ids.update(special_ids_of(tokenizer, model.eos_token_id))  # (a preset's: ordinary tokens of one megatrain trained)
-    given = _json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")
-    ids.update(given if isinstance(given, list) else [given] if given is not None else [])
+    ids.update(id_list(_json(tokenizer_path.parent / "generation_config.json").get("eos_token_id")))
     return tuple(sorted(ids))
 
 

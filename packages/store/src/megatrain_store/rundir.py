@@ -105,16 +105,14 @@ class RunLock:
 
     def holder(self) -> str | None:
         """The live run holding the directory, in words, or None where none does (a probe: nothing is taken)."""
-        if not self.path.exists():
-            return None
         try:
             with open(self.path) as handle:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (let go as the file closes)
-        except BlockingIOError:
-            with open(self.path) as handle:
-                return _holder(handle)
-        except OSError:  # (unreadable, or a file system without locks: nothing to tell)
-            return None
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (let go as the file closes)
+                except BlockingIOError:
+                    return _holder(handle)
+        except OSError:  # (no lock file, unreadable, or a file system without locks: nothing to tell)
+            pass
         return None
 
     def release(self, refused: bool = False, made_dir: bool = False) -> None:
