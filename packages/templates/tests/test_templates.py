@@ -969,6 +969,44 @@ def test_gated_attention_block_matches_module():
     check_float64_block_against_module(DecoderBlock(shape), ref, 1e-10)  # (rotary angles in fp32 on both sides)
 
 
+@pytest.mark.parametrize("qk_norm_scope", [None, "head", "full"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_fused_heads_and_residual_norm_equal_the_operations_they_stand_for(
+    monkeypatch, qk_norm_scope, packed, traced
+):
+    """`rotary_heads` (q, k, v of one projection, normed and rotated) and `add_rms_norm` (a residual add and the norm
+    that reads its sum), as a Qwen2-, Qwen3- or OLMoE-shaped block runs them, give the block the output and gradients
+    of the one-operation-at-a-time path they stand for (float64): eagerly, and `traced` as CUDA compiles them (by
+    AOTAutograd, which differentiates the traced graph)."""
+    import megatrain_templates.decoder as decoder_module
+    from megatrain_templates import ops
+
+    if traced:
+        for name in ("rotary_heads", "add_rms_norm"):
+            monkeypatch.setattr(decoder_module, name, torch.compile(getattr(ops, "_" + name), backend="aot_eager"))
+    torch.manual_seed(0)
+    shape = BlockShape(
+        d_model=48, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=40, qkv_bias=True,
+        qk_norm=qk_norm_scope is not None, qk_norm_scope=qk_norm_scope or "head",
+    )  # fmt: skip
+    assert shape.rotates_whole_heads and shape.norms_its_residual_adds
+    block = DecoderBlock(shape)
+    weights = [torch.randn(block.numel, dtype=torch.float64) * 0.3]
+    x, grad_out = torch.randn(2, 2, 10, 48, dtype=torch.float64).unbind(0)
+    documents = Documents(torch.tensor([list(range(6)) + list(range(4)), list(range(10))])) if packed else None
+
+    def step(fused: bool):
+        for name in ("rotates_whole_heads", "norms_its_residual_adds"):
+            monkeypatch.setattr(BlockShape, name, property(lambda self: fused))
+        grads = [torch.zeros(block.numel, dtype=torch.float64)]
+        out = block.forward(weights, x, documents)
+        return out, block.backward(weights, x, grad_out, grads, documents), grads[0]
+
+    for fused, one_at_a_time in zip(step(True), step(False)):
+        assert torch.allclose(fused, one_at_a_time, rtol=1e-10, atol=1e-12)
+
+
 def test_compilation_off_runs_the_functions_as_written(monkeypatch):
     """`set_compile(False)` (engine.compile: false): the fast path runs its functions eagerly, never compiling one;
     on again, it compiles each once."""

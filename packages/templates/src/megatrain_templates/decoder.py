@@ -49,6 +49,7 @@ from .ops import (
     GATED_ACTIVATIONS,
     NORM_SCALES,
     RopeConfig,
+    add_rms_norm,
     apply_rope,
     apply_rope_in_fp32,
     apply_rope_interleaved,
@@ -57,6 +58,7 @@ from .ops import (
     rms_norm_as,
     rms_normalized,
     rope_cos_sin,
+    rotary_heads,
 )
 from .template import Template
 
@@ -168,6 +170,32 @@ class BlockShape:
     def residual_add(self, x: Tensor, out: Tensor) -> Tensor:
         """x + out, out scaled by `residual_scale` where there is one."""
         return x + (out if self.residual_scale is None else out * self.residual_scale)
+
+    @property
+    def norms_its_residual_adds(self) -> bool:
+        """Whether a residual add and the norm that reads its sum are one `add_rms_norm`: Llama's pre-norms, with no
+        residual scale."""
+        return self.norm_placement == "pre" and self.norm_scale == "cast_first" and self.residual_scale is None
+
+    def add_and_norm(self, x: Tensor, branch: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(the residual stream after `branch`, its norm by `weight` as the next half reads it)."""
+        if self.norms_its_residual_adds:
+            return add_rms_norm(x, branch, weight, self.rms_eps)
+        x = self.residual_add(x, branch)
+        return x, x if self.norm_placement == "post" else self.norm(x, weight)
+
+    @property
+    def rotates_whole_heads(self) -> bool:
+        """Whether q, k and v are one projection's, normed (Llama's way) or not and rotated whole, with nothing
+        else between the projection and attention: what `rotary_heads` does in one kernel."""
+        plain = (
+            self.mla is None
+            and self.linear_attention is None
+            and not (self.attn_output_gate or self.clip_qkv is not None or self.qk_rms_normalized)
+            and self.attn_temperature is None
+        )
+        rotated_whole = self.rotary and not self.rope_interleaved and self.rope_config.head_dim == self.head_dim
+        return plain and rotated_whole and (not self.qk_norm or self.norm_scale == "cast_first")
 
     @property
     def rope_config(self) -> RopeConfig:
@@ -364,6 +392,16 @@ class DecoderBlock(Template):
 
     def _attention(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         """x + attention(input_norm(x)): the residual stream after the attention half."""
+        return self.shape.residual_add(x, self._attention_branch(w, x, documents))
+
+    def _attention_and_norm(
+        self, w: dict[str, Tensor], x: Tensor, documents: Documents | None
+    ) -> tuple[Tensor, Tensor]:
+        """(the residual stream after the attention half, its post-attention norm: the MLP's input)."""
+        return self.shape.add_and_norm(x, self._attention_branch(w, x, documents), w.get("post_norm"))
+
+    def _attention_branch(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
+        """attention(input_norm(x)), as the residual stream adds it."""
         documents = packed_documents(documents)  # padding alone changes nothing here
         if self.shape.mla is not None:
             return self._latent_attention(w, x, documents)
@@ -371,9 +409,42 @@ class DecoderBlock(Template):
         batch, seq, _ = x.shape
         h = x if s.norm_placement == "post" else s.norm(x, w["input_norm"])
         if s.linear_attention is not None:
-            return s.residual_add(x, linear_attention_mixer(s.linear_attention, w, h, documents, s.rms_eps))
+            return linear_attention_mixer(s.linear_attention, w, h, documents, s.rms_eps)
         qkv = linear(h, w["qkv_weight"], w.get("qkv_bias"))
-        q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        q_width = s.n_heads * s.head_dim
+        q, k, v, gate = self._heads(w, qkv, documents)
+        # a window or chunk at least as long as the sequence masks nothing: the plain kernel then (Mistral's
+        # 4096 window, Llama 4's 8192 chunks)
+        window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
+        chunk = s.attention_chunk if s.attention_chunk is not None and s.attention_chunk < seq else None
+        # chunks of rows holding one sequence each are rows of their own for the fused kernel; of packed rows
+        # (chunks by each document's positions) a mask's work, as are sinks, windows and caps
+        if s.sinks or window is not None or s.attn_softcap is not None or (chunk and documents is not None):
+            attn = masked_attention(q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap, chunk)
+        elif chunk is not None:
+            attn = chunked_causal_attention(q, k, v, chunk, s.softmax_scale)
+        else:
+            attn = causal_attention(q, k, v, documents, s.softmax_scale)
+        attn = attn.transpose(1, 2).reshape(batch, seq, q_width)
+        if s.attn_output_gate:
+            attn = attn * torch.sigmoid(gate.reshape(batch, seq, q_width))
+        out = linear(attn, w["o_weight"], w.get("o_bias"))
+        return s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out
+
+    def _heads(self, w: dict[str, Tensor], qkv: Tensor, documents: Documents | None) -> tuple[Tensor, ...]:
+        """q, k, v ([batch, heads, seq, head_dim]) and the output gate (or None) of the projection `qkv`, with
+        whatever the shape puts between them and attention: by `rotary_heads` where it does it all, else one
+        operation at a time."""
+        s = self.shape
+        batch, seq, _ = qkv.shape
+        if s.rotates_whole_heads:
+            cos, sin = self._rope(seq, qkv.device, qkv.dtype)
+            if documents is not None:
+                cos, sin = documents.rope_tables(cos, sin)
+            norms = (w["q_norm"], w["k_norm"]) if s.qk_norm else None
+            heads = rotary_heads(qkv, cos, sin, norms, s.n_heads, s.n_kv_heads, s.rms_eps, s.qk_norm_scope == "full")
+            return *(t.transpose(1, 2) for t in heads), None
+        q_width, kv_width, gate = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, None
         q, k, v = qkv.split([2 * q_width if s.attn_output_gate else q_width, kv_width, kv_width], dim=-1)
         if s.attn_output_gate:  # each head's rows: its query, then its gate
             q, gate = q.reshape(batch, seq, s.n_heads, 2 * s.head_dim).chunk(2, dim=-1)
@@ -395,26 +466,10 @@ class DecoderBlock(Template):
             q, k = rms_normalized(q, s.rms_eps), rms_normalized(k, s.rms_eps)
         if s.attn_temperature is not None:
             floor_scale, attn_scale = s.attn_temperature
-            position = token_positions(documents, seq, x.device).float()
+            position = token_positions(documents, seq, qkv.device).float()
             temperature = torch.log1p(torch.floor((position + 1.0) / floor_scale)) * attn_scale + 1.0
             q = (q * temperature[:, None, :, None]).to(q.dtype)
-        # a window or chunk at least as long as the sequence masks nothing: the plain kernel then (Mistral's
-        # 4096 window, Llama 4's 8192 chunks)
-        window = s.sliding_window if s.sliding_window is not None and s.sliding_window < seq else None
-        chunk = s.attention_chunk if s.attention_chunk is not None and s.attention_chunk < seq else None
-        # chunks of rows holding one sequence each are rows of their own for the fused kernel; of packed rows
-        # (chunks by each document's positions) a mask's work, as are sinks, windows and caps
-        if s.sinks or window is not None or s.attn_softcap is not None or (chunk and documents is not None):
-            attn = masked_attention(q, k, v, w.get("sinks"), window, documents, s.softmax_scale, s.attn_softcap, chunk)
-        elif chunk is not None:
-            attn = chunked_causal_attention(q, k, v, chunk, s.softmax_scale)
-        else:
-            attn = causal_attention(q, k, v, documents, s.softmax_scale)
-        attn = attn.transpose(1, 2).reshape(batch, seq, q_width)
-        if s.attn_output_gate:
-            attn = attn * torch.sigmoid(gate.reshape(batch, seq, q_width))
-        out = linear(attn, w["o_weight"], w.get("o_bias"))
-        return s.residual_add(x, s.norm(out, w["attention_out_norm"]) if s.normed_outputs else out)
+        return q, k, v, gate
 
     def _rotated(self, q: Tensor, k: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """q and k ([batch, heads, seq, head_dim]) with the rotary embedding at each token's position."""
@@ -466,14 +521,11 @@ class DecoderBlock(Template):
         k = torch.cat([k_nope, k_rot.expand(-1, s.n_heads, -1, -1)], dim=-1)
         mask = None if documents is None else documents.dense_mask()
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
-        return s.residual_add(
-            x, linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
-        )
+        return linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
 
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, activation(gate) * up)."""
-        x = self._attention(w, x, documents)
-        h = x if self.shape.norm_placement == "post" else self.shape.norm(x, w["post_norm"])
+        x, h = self._attention_and_norm(w, x, documents)
         return x, self._activation(linear(h, w["gate_up_weight"]))
 
     def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:

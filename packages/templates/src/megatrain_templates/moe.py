@@ -265,8 +265,7 @@ class MoeBlock(DecoderBlock):
         return (out if shared is None else out + shared), routing
 
     def _block_and_router(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Routing]:
-        x = self._attention(w, x, documents)
-        h = self.shape.norm(x, w["post_norm"])
+        x, h = self._attention_and_norm(w, x, documents)
         out, routing = self._mlp(w, h.reshape(-1, h.shape[-1]))
         return x + out.view_as(x), routing
 
@@ -336,8 +335,8 @@ class MoeBlock(DecoderBlock):
         x = hidden.detach().requires_grad_(True)
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.enable_grad():
-            after_attention = self._attention(w, x, documents)
-            h = self.shape.norm(after_attention, w["post_norm"]).reshape(-1, x.shape[-1])
+            after_attention, h = self._attention_and_norm(w, x, documents)
+            h = h.reshape(-1, x.shape[-1])
             routing = self.route(w, h)
             slots = self._slots(w, h, routing.top_index)
             act, weight = self._expert_activation(w, h, routing.top_weight, slots)

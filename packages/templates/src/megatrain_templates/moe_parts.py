@@ -60,8 +60,8 @@ class MoeAttention(_MoePart):
         )
 
     def _pair(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None, route: bool):
-        a = self._attention(w, x, documents)
-        h = self._normed(w, a)
+        a, h = self._attention_and_norm(w, x, documents)
+        h = h.reshape(-1, a.shape[-1])
         shared = self._shared_expert(w, h)
         return (a, None if shared is None else shared.view_as(a)), self.route(w, h) if route else None
 

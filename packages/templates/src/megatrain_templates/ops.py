@@ -211,13 +211,26 @@ class _AdaptedLinear(torch.autograd.Function):
         return grad_x.view_as(x), grad_bias, None
 
 
-@compiled_on_cuda
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (as Hugging Face does)."""
     input_dtype = x.dtype
     x32 = upcast(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(input_dtype)
+
+
+rms_norm = compiled_on_cuda(_rms_norm)
+
+
+def _add_rms_norm(x: Tensor, branch: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    summed = x + branch
+    return summed, _rms_norm(summed, weight, eps)
+
+
+# compiled: one kernel each way where eager's residual add, its norm, and in the backward the sum of the residual's
+# gradient and the norm's are three (Qwen2.5-7B's adds alone: 17.8 ms of a 2.73 s step at 32k tokens, H200)
+add_rms_norm = compiled_on_cuda(_add_rms_norm)
+add_rms_norm.__doc__ = """(x + branch, `rms_norm` of it): a residual add and the norm that reads its sum."""
 
 
 @compiled_on_cuda
@@ -388,10 +401,40 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@compiled_on_cuda
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
     return x * cos + rotate_half(x) * sin
+
+
+apply_rope = compiled_on_cuda(_apply_rope)
+
+
+def _rotary_heads(
+    qkv: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Tensor, Tensor] | None, n_heads: int, n_kv_heads: int,
+    eps: float, norm_over_heads: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    batch, seq, width = qkv.shape
+    head_dim = width // (n_heads + 2 * n_kv_heads)
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    if norms is not None and norm_over_heads:
+        q, k = _rms_norm(q, norms[0], eps), _rms_norm(k, norms[1], eps)
+    q, k = q.reshape(batch, seq, n_heads, head_dim), k.reshape(batch, seq, n_kv_heads, head_dim)
+    if norms is not None and not norm_over_heads:
+        q, k = _rms_norm(q, norms[0], eps), _rms_norm(k, norms[1], eps)
+    # the tables broadcast over the heads of [batch, seq, heads, head_dim]
+    cos, sin = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 2 else (cos.transpose(1, 2), sin.transpose(1, 2))
+    rotated = (_apply_rope(t, cos, sin) for t in (q, k))
+    return *rotated, v.reshape(batch, seq, n_kv_heads, head_dim).clone()
+
+
+# compiled: one kernel each way. Eager, each of q and k took a rotary kernel (and a norm's) each way, and the
+# backward a copy of each rotated gradient back into the token-major layout and a cat of the three into qkv's:
+# Qwen2.5-7B's copies and cats 30 ms of a 2.73 s step at 32k tokens (H200)
+rotary_heads = compiled_on_cuda(_rotary_heads)
+rotary_heads.__doc__ = """(q, k, v) as [batch, seq, heads, head_dim] from the [batch, seq, (n_heads + 2 n_kv_heads) *
+head_dim] projection `qkv`: q and k RMS-normed where `norms` (their weights) are given (each head alone, or over all
+heads with `norm_over_heads`), then rotated by cos/sin ([seq, head_dim], or [batch, 1, seq, head_dim] per token); v
+a copy, so that the backward writes qkv's gradient whole."""
 
 
 def apply_rope_in_fp32(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
