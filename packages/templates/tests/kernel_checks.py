@@ -123,9 +123,29 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
     assert torch.equal(into[1], start[1]), "an expert without rows changed"
 
 
+def swiglu_kernels_equal_autograd():
+    """The SwiGLU kernels' output and both halves' gradients against float64 autograd, at a width off their block
+    (a row's last block part masked). fp32 operands: the interpreter's bf16 is not the GPU's."""
+    from megatrain_templates.swiglu_kernels import BLOCK, SwiGLU
+
+    torch.manual_seed(0)
+    gate_up = (torch.randn(2, 3, 2 * (BLOCK + 76)) * 3).requires_grad_(True)
+    grad = torch.randn(2, 3, BLOCK + 76)
+    out = SwiGLU.apply(gate_up)
+    (grad_gate_up,) = torch.autograd.grad(out, gate_up, grad)
+    exact = gate_up.detach().double().requires_grad_(True)
+    gate, up = exact.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    (want_grad,) = torch.autograd.grad(want, exact, grad.double())
+    assert rel_err(out, want) < 1e-6, f"output: relative error {rel_err(out, want):.2e}"
+    assert rel_err(grad_gate_up, want_grad) < 1e-6, f"gradient: relative error {rel_err(grad_gate_up, want_grad):.2e}"
+
+
 if __name__ == "__main__":
     torch.manual_seed(torch.seed() % 2**31)
     if sys.argv[1] == "experts":
         grouped_weight_gradient_kernel_adds_each_experts_rows()
+    elif sys.argv[1] == "swiglu":
+        swiglu_kernels_equal_autograd()
     else:
         delta_kernels_equal_the_eager_functions(*DELTA_CASES[sys.argv[1]])

@@ -15,10 +15,11 @@ from kernel_checks import DELTA_CASES
 SCRIPT = Path(__file__).with_name("kernel_checks.py")
 
 
-@pytest.mark.parametrize("kernels", [*DELTA_CASES, "experts"])
+@pytest.mark.parametrize("kernels", [*DELTA_CASES, "experts", "swiglu"])
 def test_kernels_under_the_interpreter_equal_their_references(kernels):
     """Each case of the script's (documents starting inside chunks, value widths off the kernels' blocks, keys
-    narrower than a tile, with and without beta; experts' row counts off the tiles, one with no rows)."""
+    narrower than a tile, with and without beta; experts' row counts off the tiles, one with no rows; SwiGLU's width
+    off its block)."""
     env = os.environ | {"TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(SCRIPT), kernels], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]

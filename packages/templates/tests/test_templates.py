@@ -1007,6 +1007,30 @@ def test_the_fused_heads_and_residual_norm_equal_the_operations_they_stand_for(
         assert torch.allclose(fused, one_at_a_time, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm_scope", [None, "head", "full"])
+def test_gpu_fused_elementwise_kernels_follow_float64(qk_norm_scope):
+    """A Qwen2-, Qwen3- or OLMoE-shaped block on the GPU in bf16, through its fused kernels (`rotary_heads` and
+    `add_rms_norm` compiled, the SwiGLU kernels), follows the same block in float64 within bf16's rounding, output
+    and gradients; at 1000 tokens (the kernels' blocks cut inside a row)."""
+    torch.manual_seed(0)
+    shape = BlockShape(
+        d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=1100,
+        qk_norm=qk_norm_scope is not None, qk_norm_scope=qk_norm_scope or "head",
+    )  # fmt: skip
+    block = DecoderBlock(shape)
+    weights = torch.randn(block.numel, device="cuda", dtype=torch.float64) * 0.05
+    x, grad_out = torch.randn(2, 2, 500, 256, device="cuda", dtype=torch.float64).unbind(0)
+    results = []
+    for dtype in (torch.bfloat16, torch.float64):
+        grads = [torch.zeros(block.numel, device="cuda", dtype=torch.float32 if dtype == torch.bfloat16 else dtype)]
+        ins = [weights.to(dtype)], x.to(dtype)
+        out = block.forward(*ins)
+        results.append((out, block.backward(*ins, grad_out.to(dtype), grads), grads[0]))
+    for name, ours, want in zip(("output", "input gradient", "weight gradient"), *results):
+        assert rel_err(ours, want) < 1e-2, f"{name}: relative error {rel_err(ours, want):.2e}"
+
+
 def test_compilation_off_runs_the_functions_as_written(monkeypatch):
     """`set_compile(False)` (engine.compile: false): the fast path runs its functions eagerly, never compiling one;
     on again, it compiles each once."""
