@@ -96,6 +96,13 @@ def timed(run, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+# what a row timed by `steady_steps` records as its `timing` (rows without one drained the last step's updates)
+STEADY_STATE = (
+    "steady state: the window runs from the warm-up step's end to the last timed step's end, the step before's "
+    "updates in flight at both ends (benchmarks/throughput.py since 2026-11-30)"
+)
+
+
 def steady_steps(trainer, next_batch, steps: int, warmup: int) -> dict:
     """`warmup` training steps on `next_batch()`, then `steps` timed ones, in a run's steady state: seconds a step,
     the warm-up's seconds, the timed steps' losses, and where the window starts (`perf_counter`).

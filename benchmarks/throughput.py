@@ -24,7 +24,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import base_row, fill_random_, machine, steady_steps, table, timed, write_results  # noqa: E402
+from common import (  # noqa: E402
+    STEADY_STATE,
+    base_row,
+    fill_random_,
+    machine,
+    steady_steps,
+    table,
+    timed,
+    write_results,
+)
 
 from megatrain import Trainer  # noqa: E402
 from megatrain.config import (  # noqa: E402
@@ -154,6 +163,7 @@ def bench_megatrain(name, args, implementation="native"):
                 "init_weights_s": round(trainer.init_weights_s, 1),  # of setup_s: drawing (and packing) the weights
                 "compile_warm_up_s": round(trainer.warm_up_s, 1),
                 "warmup_steps_s": round(timing["warmup_s"], 1),
+                "timing": STEADY_STATE,
                 "time_split_s_per_step": timing["split"],
                 "losses": [round(x, 4) for x in timing["losses"]],
                 "implementation": implementation,  # native: megatrain's templates; transformers: its own modules
