@@ -1,7 +1,7 @@
-"""One decoder block on the GPU: the template's forward and recompute-backward against an
-eager nn.Module-free forward+backward of the same block, to show what a layer can reach.
+"""One decoder block on the GPU: the template's forward and its recompute + backward (with `--kept`, its forward
+keeping its matmul products and the backward from them), by attention backend, to show what a layer can reach.
 
-    python benchmarks/block.py --model qwen2.5-7b --tokens 16384 --seq-len 2048
+    python benchmarks/block.py --model qwen2.5-7b --tokens 16384 --seq-len 2048 [--kept]
 """
 
 import argparse
@@ -35,6 +35,7 @@ def main():
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--kept", action="store_true", help="the forward keeps its matmul products for the backward")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = preset(args.model)
@@ -56,11 +57,19 @@ def main():
         "cudnn": [SDPBackend.CUDNN_ATTENTION],
     }
     result = {"machine": machine(), "model": args.model, "tokens": args.tokens, "seq_len": args.seq_len, "variants": {}}
+    result["kept_products"] = args.kept
+
+    def backward():  # what the layer runs after its plain forward; with --kept the forward that keeps is timed in
+        if not args.kept:
+            return block.backward(weights, x, grad_out, grads)
+        _, products = block.forward_keeping_products(weights, x)
+        return block.backward(weights, x, grad_out, grads, products=products)
+
     for label, backends in variants.items():
         try:
             with sdpa_kernel(backends):
                 fwd = time_ms(lambda: block.forward(weights, x))
-                bwd = time_ms(lambda: block.backward(weights, x, grad_out, grads))  # recompute + backward
+                bwd = time_ms(backward) - (fwd if args.kept else 0.0)  # (--kept: its forward counted once)
         except RuntimeError as error:
             result["variants"][label] = {"error": str(error).splitlines()[0][:160]}
             continue

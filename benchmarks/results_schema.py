@@ -281,12 +281,13 @@ def _result_row(row: dict, model: str) -> dict:
 def _block_rows(payload: dict) -> list[dict]:
     """block.py: one row per SDPA backend; the timed call is the forward plus the recompute + backward."""
     model, tokens, seq_len = payload.pop("model"), payload.pop("tokens"), payload.pop("seq_len")
+    backward = "bwd from kept products" if payload.pop("kept_products", False) else "recompute+bwd"
     rows = []
     for backend, measured in payload.pop("variants").items():
         row = {
             "system": "megatrain",
             "model": model,
-            "scope": f"one decoder block, fwd + recompute+bwd, SDPA {backend}",
+            "scope": f"one decoder block, fwd + {backward}, SDPA {backend}",
         }
         row |= {"tokens_per_step": tokens, "seq_len": seq_len, "tokens_per_s": None}
         if "error" in measured:
