@@ -51,6 +51,25 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     assert (moe.gpu_tflops, moe.gpu_kept_tflops) == (half.gpu_tflops, half.gpu_kept_tflops)
 
 
+def test_rates_are_remembered_per_templates_code(tmp_path, monkeypatch):
+    """A layer's rate is its kernels': rates measured before the templates' code changed (an upgrade, a new fused
+    kernel) are not the new code's, so the calibration's key names a digest of that code."""
+    import megatrain_templates
+
+    package = tmp_path / "megatrain_templates"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "ops.py").write_text("def swiglu(x): return x\n")
+    monkeypatch.setattr(megatrain_templates, "__file__", str(package / "__init__.py"))
+    model, keys = preset("qwen2.5-0.5b"), []
+    for source in ("def swiglu(x): return x\n", "def swiglu(x): return x\n", "def swiglu(x): return 2 * x\n"):
+        (package / "ops.py").write_text(source)
+        calibration.templates_digest.cache_clear()
+        keys.append(calibration.calibration_key(model, 2048, 8, torch.device("cpu"), torch.float32))
+    calibration.templates_digest.cache_clear()
+    assert keys[0] == keys[1] != keys[2]
+
+
 def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:
     """`run_rates` as on a GPU, measuring with `gpu_rates` (`measure_block_rates`' arguments and results), a shape's
     calibration key its micro-batch shape."""

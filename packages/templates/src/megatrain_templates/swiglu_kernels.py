@@ -36,7 +36,9 @@ def swiglu_backward(gate_up: Tensor, grad: Tensor) -> Tensor:
     grad_gate_up = torch.empty_like(gate_up)
     if rows:
         grid = (rows, -(-d_ff // BLOCK))
-        swiglu_triton.swiglu_backward[grid](gate_up, grad.contiguous(), grad_gate_up, d_ff, BLOCK=BLOCK, num_warps=WARPS)
+        swiglu_triton.swiglu_backward[grid](
+            gate_up, grad.contiguous(), grad_gate_up, d_ff, BLOCK=BLOCK, num_warps=WARPS
+        )
     return grad_gate_up
 
 
