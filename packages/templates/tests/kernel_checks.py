@@ -124,21 +124,28 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
 
 
 def swiglu_kernels_equal_autograd():
-    """The SwiGLU kernels' output and both halves' gradients against float64 autograd, at a width off their block
-    (a row's last block part masked). fp32 operands: the interpreter's bf16 is not the GPU's."""
+    """The SwiGLU kernels' output and gradients (both halves', and a weighted one's weight's) against float64
+    autograd, at a width off their block (a row's last block part masked) and at two blocks a row (the weight's
+    gradient summed over them). fp32 operands: the interpreter's bf16 is not the GPU's."""
     from megatrain_templates.swiglu_kernels import BLOCK, SwiGLU
 
-    torch.manual_seed(0)
-    gate_up = (torch.randn(2, 3, 2 * (BLOCK + 76)) * 3).requires_grad_(True)
-    grad = torch.randn(2, 3, BLOCK + 76)
-    out = SwiGLU.apply(gate_up)
-    (grad_gate_up,) = torch.autograd.grad(out, gate_up, grad)
-    exact = gate_up.detach().double().requires_grad_(True)
-    gate, up = exact.chunk(2, dim=-1)
-    want = torch.nn.functional.silu(gate) * up
-    (want_grad,) = torch.autograd.grad(want, exact, grad.double())
-    assert rel_err(out, want) < 1e-6, f"output: relative error {rel_err(out, want):.2e}"
-    assert rel_err(grad_gate_up, want_grad) < 1e-6, f"gradient: relative error {rel_err(grad_gate_up, want_grad):.2e}"
+    for d_ff, weighted in ((BLOCK + 76, False), (BLOCK + 76, True), (300, True)):
+        gate_up = (torch.randn(2, 3, 2 * d_ff) * 3).requires_grad_(True)
+        weight = torch.rand(2, 3, 1).requires_grad_(True) if weighted else None
+        grad = torch.randn(2, 3, d_ff)
+        inputs = (gate_up,) if weight is None else (gate_up, weight)
+        out = SwiGLU.apply(*inputs)
+        got = torch.autograd.grad(out, inputs, grad)
+        exact = [t.detach().double().requires_grad_(True) for t in inputs]
+        gate, up = exact[0].chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up * (exact[1] if weighted else 1.0)
+        wanted = torch.autograd.grad(want, exact, grad.double())
+        case = f"d_ff {d_ff}, weighted {weighted}"
+        assert rel_err(out, want) < 1e-6, f"{case}: output: relative error {rel_err(out, want):.2e}"
+        for name, ours, theirs in zip(("gate_up", "weight"), got, wanted):
+            assert rel_err(ours, theirs) < 1e-6, (
+                f"{case}: {name}'s gradient: relative error {rel_err(ours, theirs):.2e}"
+            )
 
 
 if __name__ == "__main__":

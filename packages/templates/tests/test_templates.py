@@ -1031,6 +1031,27 @@ def test_gpu_fused_elementwise_kernels_follow_float64(qk_norm_scope):
         assert rel_err(ours, want) < 1e-2, f"{name}: relative error {rel_err(ours, want):.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gpu_swiglu_kernels_follow_float64(weighted):
+    """`ops.swiglu` on the GPU in bf16 (the SwiGLU kernels), weighted by a MoE row's routing weight or not, follows
+    float64 within bf16's rounding: output and the gradients of gate_up and the weight (summed over a row's two
+    blocks)."""
+    from megatrain_templates.ops import swiglu
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(1000, 2 * 1100, device="cuda", dtype=torch.float64) * 3
+    weight = torch.rand(1000, 1, device="cuda", dtype=torch.float64) if weighted else None
+    grad = torch.randn(1000, 1100, device="cuda", dtype=torch.float64)
+    results = []
+    for dtype in (torch.bfloat16, torch.float64):
+        inputs = [t.to(dtype).requires_grad_(True) for t in (gate_up, weight) if t is not None]
+        out = swiglu(*inputs)
+        results.append((out, *torch.autograd.grad(out, inputs, grad.to(dtype))))
+    for name, ours, want in zip(("output", "gate_up's gradient", "weight's gradient"), *results):
+        assert rel_err(ours, want) < 1e-2, f"{name}: relative error {rel_err(ours, want):.2e}"
+
+
 def test_compilation_off_runs_the_functions_as_written(monkeypatch):
     """`set_compile(False)` (engine.compile: false): the fast path runs its functions eagerly, never compiling one;
     on again, it compiles each once."""

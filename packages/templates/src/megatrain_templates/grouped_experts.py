@@ -1,13 +1,13 @@
 """The experts of a MoE layer as grouped GEMMs over the tokens' choices sorted by expert: the choices'
 rows (`_Slots`), the dispatch to and combine from those rows, the grouped linear (torch._grouped_mm where it
-works, else a loop over the experts) with its backward, and the experts' weighted activations.
+works, else a loop over the experts) with its backward, and gpt-oss' weighted activation (SwiGLU's
+is `ops.swiglu`'s).
 """
 
 import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import expert_kernels
@@ -40,11 +40,6 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype, row_major: bool 
 _GROUPED_MM: dict[tuple, bool] = {}
 
 
-def _swiglu_weighted(gate_up: Tensor, weight: Tensor) -> Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up * weight
-
-
 def _gpt_oss_glu_weighted(gate_up: Tensor, weight: Tensor, limit: float, alpha: float) -> Tensor:
     gate = gate_up[:, ::2].clamp(max=limit)
     up = gate_up[:, 1::2].clamp(-limit, limit)
@@ -55,11 +50,6 @@ gpt_oss_glu_weighted = compiled_on_cuda(_gpt_oss_glu_weighted)
 gpt_oss_glu_weighted.__doc__ = (
     """gpt-oss' clamped SwiGLU of interleaved (gate, up) columns, times the routing weight."""
 )
-
-
-# on [tokens * k, 2 * d_ff] the activation's elementwise kernels cost more than the expert GEMMs
-swiglu_weighted = compiled_on_cuda(_swiglu_weighted)
-swiglu_weighted.__doc__ = """silu(gate) * up * weight for gate_up [rows, 2 * d_ff] (gate first), weight [rows, 1]."""
 
 
 @dataclass

@@ -22,7 +22,6 @@ from .grouped_experts import (
     _in_out,
     _Slots,
     gpt_oss_glu_weighted,
-    swiglu_weighted,
 )
 from .layout import BoundWeight, ProductKeeper, Span, accumulate, check_buffers, total_numel
 from .linear_attention import LINEAR_ATTENTION_LEAVES
@@ -248,7 +247,7 @@ class MoeBlock(DecoderBlock):
         moe = self.moe
         if moe.gpt_oss:
             return gpt_oss_glu_weighted(gate_up, weight, moe.swiglu_limit, moe.swiglu_alpha)
-        return swiglu(gate_up) if weight is None else swiglu_weighted(gate_up, weight)
+        return swiglu(gate_up, weight)
 
     def _shared_expert(self, w: dict[str, Tensor], h: Tensor) -> Tensor | None:
         """The shared expert's output (behind its sigmoid gate where the family has one); None: no shared expert."""

@@ -262,15 +262,16 @@ def rms_norm_as(scale: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_norm_scaled_in_fp32(x, weight, eps, 1.0 if scale == "one_plus_fp32" else 0.0)
 
 
-def swiglu(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up [..., 2 * d_ff] (gate first). Eager, the halves are strided views and
-    the silu, the product, their backward and the cat of the two gradients are five passes over
-    [tokens, d_ff]: on a 7B step at 128k tokens 1.6 s of the GPU's 13.6, against 0.6 s compiled; on CUDA
-    (unless `set_compile(False)`) two Triton kernels do it, one each way (`swiglu_kernels`)."""
+def swiglu(gate_up: Tensor, weight: Tensor | None = None) -> Tensor:
+    """silu(gate) * up for gate_up [..., 2 * d_ff] (gate first), times `weight` [..., 1] where given (a MoE expert
+    row's routing weight). Eager, the halves are strided views and the silu, the product, their backward and the
+    cat of the two gradients are five passes over [tokens, d_ff]: on a 7B step at 128k tokens 1.6 s of the GPU's
+    13.6, against 0.6 s compiled; on CUDA (unless `set_compile(False)`) two Triton kernels do it, one each way
+    (`swiglu_kernels`)."""
     if _compile and swiglu_kernels.runs_on(gate_up):
-        return swiglu_kernels.SwiGLU.apply(gate_up)
+        return swiglu_kernels.SwiGLU.apply(gate_up, weight)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate) * up if weight is None else F.silu(gate) * up * weight
 
 
 @compiled_on_cuda
