@@ -11,22 +11,16 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from block import time_ms  # noqa: E402
 from common import machine, write_results  # noqa: E402
 
-from megatrain_templates.ops import compile_once  # noqa: E402
+from megatrain_templates.ops import compile_once, swiglu_written_out  # noqa: E402
 from megatrain_templates.swiglu_kernels import BLOCK, WARPS, SwiGLU  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 
 REPEATS = 20
-
-
-def _written_out(gate_up, weight=None):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up if weight is None else F.silu(gate) * up * weight
 
 
 def time_shape(model: str, what: str, tokens: int, rows: int, d_ff: int, weighted: bool) -> list[dict]:
@@ -35,7 +29,7 @@ def time_shape(model: str, what: str, tokens: int, rows: int, d_ff: int, weighte
     weight = torch.rand(rows, 1, device="cuda").bfloat16().requires_grad_(True) if weighted else None
     grad = torch.randn(rows, d_ff, device="cuda").bfloat16()
     inputs = [t for t in (gate_up, weight) if t is not None]
-    engines = {"inductor": compile_once(_written_out), f"kernels ({BLOCK} columns, {WARPS} warps)": SwiGLU.apply}
+    engines = {"inductor": compile_once(swiglu_written_out), f"kernels ({BLOCK} columns, {WARPS} warps)": SwiGLU.apply}
     outputs, results = {}, []
     for engine, fn in engines.items():
         outputs[engine] = fn(*inputs).float()

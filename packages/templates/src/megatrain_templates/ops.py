@@ -270,8 +270,14 @@ def swiglu(gate_up: Tensor, weight: Tensor | None = None) -> Tensor:
     (`swiglu_kernels`)."""
     if _compile and swiglu_kernels.runs_on(gate_up):
         return swiglu_kernels.SwiGLU.apply(gate_up, weight)
+    return swiglu_written_out(gate_up, weight)
+
+
+def swiglu_written_out(gate_up: Tensor, weight: Tensor | None = None) -> Tensor:
+    """`swiglu` as torch operations: what it runs off CUDA (and what Inductor compiled before the kernels)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up if weight is None else F.silu(gate) * up * weight
+    out = F.silu(gate) * up
+    return out if weight is None else out * weight
 
 
 @compiled_on_cuda
