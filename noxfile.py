@@ -144,6 +144,7 @@ GPU_GROUPS = {
     "recurrence": [
         "packages/templates/tests/test_templates.py::test_gpu_chunked_recurrence_equals_float64",
         "packages/templates/tests/test_templates.py::test_gpu_kept_recurrence_gives_the_recomputed_gradients",
+        "packages/templates/tests/test_templates.py::test_gpu_kept_attention_gives_the_recomputed_gradients",
     ],
     # (apart from `recurrence`, which took 6.5 min with them in a lane beside three others)
     "chunk-kernels": ["packages/templates/tests/test_templates.py::test_gpu_chunk_kernels_equal_the_eager_functions"],

@@ -1,7 +1,9 @@
 """One decoder block on the GPU: the template's forward and its recompute + backward (with `--kept`, its forward
-keeping its matmul products and the backward from them), by attention backend, to show what a layer can reach.
+keeping its matmul products, with `--extras` its attention's results too, and the backward from them), by
+attention backend, to show what a layer can reach; with `--profile`, where the time goes (the profiler's top CUDA
+kernels).
 
-    python benchmarks/block.py --model qwen2.5-7b --tokens 16384 --seq-len 2048 [--kept]
+    python benchmarks/block.py --model qwen2.5-7b --tokens 16384 --seq-len 2048 [--kept [--extras]] [--profile]
 """
 
 import argparse
@@ -30,12 +32,31 @@ def time_ms(fn, repeats=10):
     return start.elapsed_time(end) / repeats
 
 
+def profile_tables(step) -> tuple[str, str]:
+    """The top CUDA kernels (by shape) and the top host operators of three passes, printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages(group_by_input_shape=True)
+    table = averages.table(
+        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
+    )
+    host_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
+    print(table, host_table, sep="\n")
+    return table, host_table
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--kept", action="store_true", help="the forward keeps its matmul products for the backward")
+    parser.add_argument("--extras", action="store_true", help="with --kept, its attention's results too")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the default backend")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = preset(args.model)
@@ -57,13 +78,18 @@ def main():
         "cudnn": [SDPBackend.CUDNN_ATTENTION],
     }
     result = {"machine": machine(), "model": args.model, "tokens": args.tokens, "seq_len": args.seq_len, "variants": {}}
-    result["kept_products"] = args.kept
+    result["kept_products"], result["extras"] = args.kept, args.extras
 
     def backward():  # what the layer runs after its plain forward; with --kept the forward that keeps is timed in
         if not args.kept:
             return block.backward(weights, x, grad_out, grads)
-        _, products = block.forward_keeping_products(weights, x)
+        _, products = block.forward_keeping_products(weights, x, extras=args.extras)
         return block.backward(weights, x, grad_out, grads, products=products)
+
+    def layer_pass():  # a step's work for the layer: its forward, then (recompute +) backward
+        if not args.kept:
+            block.forward(weights, x)
+        backward()
 
     for label, backends in variants.items():
         try:
@@ -81,6 +107,9 @@ def main():
             "model_tflops_ceiling": round(3 * flops_fwd / (fwd + bwd) / 1e9, 1),
         }
         print(label, result["variants"][label], flush=True)
+    if args.profile:
+        with sdpa_kernel(variants["default"]):
+            result["profile"], result["host_profile"] = profile_tables(layer_pass)
     print(result)
     if args.out:
         write_results(Path(args.out), result)

@@ -1,11 +1,11 @@
 """One MoE decoder block on the GPU: forward and backward time and rate, recomputing or keeping its matmul
-products (`--kept`), and where the time goes (the profiler's top CUDA kernels); with `--host`, the host's side
-of a pass: its time to issue the kernels while the GPU is busy elsewhere, each call that waits for the device
-(with its stack), and the pass timed beside a CPU AdamW of `--adamw-threads` threads, as the optimizer runs in a
-step.
+products (`--kept`; `--extras`: its attention's results too), and where the time goes (the profiler's top CUDA
+kernels); with `--host`, the host's side of a pass: its time to issue the kernels while the GPU is busy
+elsewhere, each call that waits for the device (with its stack), and the pass timed beside a CPU AdamW of
+`--adamw-threads` threads, as the optimizer runs in a step.
 
-    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096 [--layer N] [--kept] [--profile]
-        [--host [--adamw-threads 16,15,14]]
+    python benchmarks/moe_block.py --model olmoe-1b-7b --tokens 16384 --seq-len 4096 [--layer N] [--kept [--extras]]
+        [--profile] [--host [--adamw-threads 16,15,14]]
 """
 
 import argparse
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from block import time_ms  # noqa: E402
+from block import profile_tables, time_ms  # noqa: E402
 from common import machine, write_results  # noqa: E402
 
 from megatrain_plan import block_work  # noqa: E402
@@ -33,6 +33,7 @@ def arguments():
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--kept", action="store_true", help="the forward keeps its matmul products for the backward")
+    parser.add_argument("--extras", action="store_true", help="with --kept, its attention's results too")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of forward + backward")
     parser.add_argument("--layer", type=int, default=None, help="which decoder layer (default: the first MoE layer)")
     parser.add_argument(
@@ -52,23 +53,6 @@ def layer_work(config, seq_len: int, tokens: int, kept: bool) -> tuple[float, fl
     return work, model_work / config.n_layers
 
 
-def profile_tables(step) -> tuple[str, str]:
-    """The top CUDA kernels (by shape) and the top host operators of three passes, printed and returned."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    averages = prof.key_averages(group_by_input_shape=True)
-    table = averages.table(
-        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
-    )
-    host_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
-    print(table, host_table, sep="\n")
-    return table, host_table
-
-
 def main():
     args = arguments()
     config = preset(args.model)
@@ -85,7 +69,7 @@ def main():
 
     def step():
         if args.kept:
-            _, products = block.forward_keeping_products(weights, x)
+            _, products = block.forward_keeping_products(weights, x, extras=args.extras)
             block.backward(weights, x, grad_out, grads, products=products)
         else:
             block.forward(weights, x)
@@ -100,6 +84,7 @@ def main():
         "tokens": args.tokens,
         "seq_len": args.seq_len,
         "kept_products": args.kept,
+        "extras": args.extras,
         "product_bytes_per_token": block.product_bytes_per_token(2) if args.kept else 0,
         "forward_ms": round(fwd, 3),
         "forward_recompute_backward_ms": round(total, 3),

@@ -281,7 +281,7 @@ def placement_fields(trainer, step_s) -> dict:
         "gradient_pool": trainer.store.grad_pool,  # in largest groups (None: a buffer per group)
         "kept_layers": len(executed.keeping),  # their matmul products kept: no GEMM recomputed
         "host_kept_layers": len(executed.host_kept),  # of those, kept in pinned host memory
-        # of those, keeping their extra products too out of the headroom (linear attention's recurrence results)
+        # of those, keeping their extra products too out of the headroom (their attention kernel's results)
         "extra_kept_layers": len(trainer.pipeline.extras),
         "offloaded_layers": len(executed.offloaded),  # activation checkpoints in host memory
         "held_layers": len(executed.held),  # weights on the GPU from forward to backward

@@ -38,6 +38,7 @@ from megatrain_sched import EXTRAS_MARGIN
 from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
 from megatrain_templates.chunked_recurrence import KeptRecurrence
+from megatrain_templates.kernel_attention import KeptAttention
 from megatrain_zoo import build_model, linear_attention_flops_per_token, preset
 
 
@@ -576,24 +577,29 @@ def test_moe_layers_kept_are_planned_at_the_moe_kept_rate_and_the_report_names_i
     assert "GPU blocks 400.0 (kept 380.0) / head" in format_plan(dense, "qwen2.5-0.5b")
 
 
-def test_linear_attention_layers_keep_their_recurrence_results_as_the_gpu_has_room():
-    """Qwen3.5-0.8B at 64k tokens: its 18 linear-attention layers among those keeping their products keep their
-    recurrence's results too where the GPU has room beyond the placement and `EXTRAS_MARGIN` (as the pipeline
-    grants them), all on an H200, fewer on an H100, none where the room is short; each saves its recurrence's
-    forward at `Rates.recurrence_tflops` and costs no other choice."""
-    qwen35 = dict(seq_len=4096, micro_batch=4, rates=Rates(recurrence_tflops=20.0), host_memory=2**40)
+def test_layers_keep_their_attention_results_as_the_gpu_has_room():
+    """Qwen3.5-0.8B at 64k tokens: its layers keeping their products keep their attention kernel's results too
+    (the 18 linear-attention layers their recurrence's, the 6 others their causal attention's output and
+    log-sum-exp) where the GPU has room beyond the placement and `EXTRAS_MARGIN` (as the pipeline grants them),
+    all on an H200, fewer on an H100, none where the room is short; each saves its kernel's forward (the
+    recurrence's at `Rates.recurrence_tflops`, attention's at the block's rate) and costs no other choice."""
+    rates = Rates(recurrence_tflops=20.0, gpu_tflops=500.0)
+    qwen35 = dict(seq_len=4096, micro_batch=4, rates=rates, host_memory=2**40)
     plans = [plan_for("qwen3.5-0.8b", 65536, **qwen35, gpu_memory=int(gib * 2**30)) for gib in (139, 79, 64)]
     h200, h100, short = plans
-    assert h200.placement == h100.placement and h200.kept_layers == 24
-    assert h200.extra_kept_layers == 18 and 0 < h100.extra_kept_layers < 18
+    assert h200.placement == h100.placement == short.placement and h200.kept_layers == 24
+    assert h200.extra_kept_layers == 24 and 0 < h100.extra_kept_layers < 24 and short.extra_kept_layers == 0
+    assert h200.compute_s < h100.compute_s < short.compute_s
+    model = preset("qwen3.5-0.8b")
+    recurrence_s = linear_attention_flops_per_token(model) / 3 * 65536 / 20e12
+    attention_s = model.n_heads * sum(model.attention_widths) * 4096 * 65536 / 500e12  # (the forward third)
+    assert short.compute_s - h200.compute_s == pytest.approx(18 * recurrence_s + 6 * attention_s, rel=1e-9)
     room = 79 * 2**30 - h100.gpu_bytes - EXTRAS_MARGIN
-    per_layer = 65536 * KeptRecurrence.bytes_per_token(16, 128, 128, 64, True, 2)
-    assert h100.extra_kept_layers == room // per_layer
-    assert short.extra_kept_layers == 0 and short.kept_layers == 24
-    forward_s = linear_attention_flops_per_token(preset("qwen3.5-0.8b")) / 3 * 65536 / 20e12
-    assert h100.compute_s - h200.compute_s == pytest.approx((18 - h100.extra_kept_layers) * forward_s, rel=1e-9)
-    assert short.compute_s - h100.compute_s == pytest.approx(h100.extra_kept_layers * forward_s, rel=1e-9)
-    assert plan_for("qwen2.5-0.5b", 65536, gpu_memory=139 * 2**30).extra_kept_layers == 0
+    recurrence_bytes = 65536 * KeptRecurrence.bytes_per_token(16, 128, 128, 64, True, 2)
+    attention_bytes = 65536 * KeptAttention.bytes_per_token(model.n_heads, model.head_dim, 2)
+    assert min(recurrence_bytes, attention_bytes) < room < 18 * recurrence_bytes + 6 * attention_bytes
+    dense = [plan_for("qwen2.5-0.5b", 65536, gpu_memory=gib * 2**30, rates=rates) for gib in (139, 24)]
+    assert dense[0].extra_kept_layers == dense[0].kept_layers == 24 and dense[1].extra_kept_layers == 0
 
 
 def test_large_steps_run_in_sweeps_where_they_keep_more_products(monkeypatch):

@@ -112,17 +112,27 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite):
     # for those products (so a product from other weights shows in the gradients)
     slot = flat.clone()
     out_products, products = block.forward_keeping_products([slot], x.detach())
+    _, with_extras = block.forward_keeping_products([slot], x.detach(), extras=True)
     slot.normal_()
     assert torch.equal(out_products, out)
     assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight"}
-    assert sum(p.shape[-1] for p in products.values()) * 4 == block.product_bytes_per_token(4)
-    product_grads = [torch.full((block.numel,), 0.5)]
-    assert rel_err(block.backward([other_slot], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
-    assert rel_err(product_grads[0], grads[0]) < 1e-5
-    products["gate_up_weight"] = products["gate_up_weight"] * 1.5
-    changed = [torch.zeros(block.numel)]
-    block.backward([other_slot], x.detach(), grad_out, changed, products=products)
-    assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
+    assert set(with_extras) == set(products) | {"attention out", "attention lse"}  # (plain causal attention's)
+    assert kept_bytes(products) == block.product_bytes_per_token(4) * 3 * 11
+    assert kept_bytes(with_extras) - kept_bytes(products) == block.extra_product_bytes_per_token(4) * 3 * 11
+    for kept in (products, with_extras):
+        product_grads = [torch.full((block.numel,), 0.5)]
+        grad_in = block.backward([other_slot], x.detach(), grad_out, product_grads, products=kept)
+        assert rel_err(grad_in, x.grad) < 1e-5
+        assert rel_err(product_grads[0], grads[0]) < 1e-5
+    for name in ("gate_up_weight", "attention out"):  # (the kept attention's output stands for its kernel's)
+        changed = [torch.zeros(block.numel)]
+        kept = {**with_extras, name: with_extras[name] * 1.5}
+        block.backward([other_slot], x.detach(), grad_out, changed, products=kept)
+        assert rel_err(changed[0], grads[0] - 0.5) > 1e-3, name
+
+
+def kept_bytes(products: dict) -> int:
+    return sum(p.numel() * p.element_size() for p in products.values())
 
 
 def test_fused_projection_names_are_the_same_bytes():
@@ -187,7 +197,7 @@ def check_block_with_normed_outputs(block, ref, d):
         assert rel_err(by_name[name], p.grad) < 1e-5, name
     out_products, products = block.forward_keeping_products([flat.clone()], x.detach())
     assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight", "down_weight"}
-    assert sum(p.shape[-1] for p in products.values()) * 4 == block.product_bytes_per_token(4)
+    assert kept_bytes(products) == block.product_bytes_per_token(4) * 3 * 11
     product_grads = [torch.full((block.numel,), 0.5)]
     assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
     assert rel_err(product_grads[0], grads[0]) < 1e-5
@@ -232,13 +242,14 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
     # kept products stand for the recompute's GEMMs (the experts' gate-up rows too), read from a slot the
     # weights were streamed into again; the routing statistics are the forward's, recorded once a micro-batch
     router_load.reset()
-    out_products, products = block.forward_keeping_products([flat.clone()], x.detach())
+    out_products, products = block.forward_keeping_products([flat.clone()], x.detach(), extras=True)
     assert torch.equal(out_products, out)
     assert router_load.loss().item() == pytest.approx(ref.load_balancing_loss().item(), rel=1e-10)
     shared = {"shared_gate_up", "shared_down", "shared_gate"} if shared_d_ff else set()
-    assert set(products) == {"qkv_weight", "o_weight", "experts_gate_up"} | shared
+    assert set(products) == {"qkv_weight", "o_weight", "experts_gate_up", "attention out", "attention lse"} | shared
     assert products["experts_gate_up"].shape == (3 * 11 * top_k, 2 * d_ff)
-    assert sum(p.numel() for p in products.values()) * 8 == block.product_bytes_per_token(8) * 3 * 11
+    product_and_extra = block.product_bytes_per_token(8) + block.extra_product_bytes_per_token(8)
+    assert kept_bytes(products) == product_and_extra * 3 * 11
     other_slot = torch.empty(flat.numel() + 3, dtype=torch.float64)[3:]
     other_slot.copy_(flat)
     product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
@@ -806,6 +817,29 @@ def test_gpu_kept_recurrence_gives_the_recomputed_gradients():
         results.append([block.backward([flat], x, grad_out, grads, products=kept), grads[0]])
     for ours, recomputed in zip(*results):
         assert rel_err(ours.double(), recomputed.double()) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True])
+def test_gpu_kept_attention_gives_the_recomputed_gradients(moe):
+    """bf16 on CUDA, attention by cuDNN: a block's backward from kept products (attention's output and log-sum-exp
+    among them, `KeptAttention`) gives the gradients its backward recomputing everything gives, dense and MoE."""
+    torch.manual_seed(torch.seed() % 2**31)
+    shape = BlockShape(256, 4, 2, 64, 512, 1e-6, qkv_bias=True, rope=RopeConfig(head_dim=64))
+    block = MoeBlock(shape, MoeShape(n_experts=4, top_k=2, d_ff=128)) if moe else DecoderBlock(shape)
+    flat = (torch.randn(block.numel, device="cuda") * 0.05).bfloat16()
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+    _, products = block.forward_keeping_products([flat], x, extras=True)
+    assert products["attention lse"].shape == (2, 4, 200)
+    results = []
+    for kept in (None, products, {**products, "attention out": products["attention out"] * 1.5}):
+        grads = [torch.zeros(block.numel, device="cuda")]
+        results.append([block.backward([flat], x, grad_out, grads, products=kept), grads[0]])
+    (recomputed, ours, wrong) = ([t.double() for t in pair] for pair in results)
+    for i in range(2):
+        assert rel_err(ours[i], recomputed[i]) < 1e-2
+    assert rel_err(wrong[1], recomputed[1]) > 0.1  # the kept output is what the backward reads
 
 
 @pytest.mark.parametrize("chunk,lengths", [(4, (11,)), (64, (11,)), (5, (4, 1, 9, 6))])

@@ -124,7 +124,7 @@ class Plan:
                 (self.held_layers, "holding their weights"),
                 (self.offloaded_layers, "with checkpoints in host memory"),
                 (self.kept_layers, "keeping their products on the GPU"),
-                (self.extra_kept_layers, "of them their recurrence's results too"),
+                (self.extra_kept_layers, "of them their attention's results too"),
                 (self.host_kept_layers, "in host memory"),
             )
             if count

@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernel_attention import CUDNN_CAUSAL, cudnn_fits, flash_window, flash_window_wins, kernel_attention
+from .kernel_attention import (
+    CUDNN_CAUSAL,
+    KeptAttention,
+    cudnn_fits,
+    flash_window,
+    flash_window_wins,
+    kept_causal_attention,
+    kernel_attention,
+)
 
 # FlexAttention kernels exist for these on CUDA; elsewhere (the CPU, float64) a dense mask is used.
 _FLEX_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -117,15 +125,24 @@ def _flex_kernels():
 
 
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, documents: Documents | None = None, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    documents: Documents | None = None,
+    scale: float | None = None,
+    kept: KeptAttention | None = None,
 ) -> Tensor:
     """q: [batch, n_heads, seq, head_dim], k/v: [batch, n_kv_heads, seq, head_dim] -> like q; scores
     scaled by `scale` (None: head_dim ** -0.5).
 
-    Without `documents` (see `packed_documents`) every row is one causal sequence; with them,
-    attention stays inside each document (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
+    Without `documents` (see `packed_documents`) every row is one causal sequence, and `kept` keeps (or gives)
+    the kernel's results where a kernel pair takes q; with them, attention stays inside each document
+    (FlexAttention on CUDA, a dense boolean mask elsewhere)."""
     gqa = q.shape[1] != k.shape[1]
     if documents is None:
+        attn = None if kept is None else kept_causal_attention(q, k, v, scale, kept)
+        if attn is not None:
+            return attn
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if q.is_cuda and q.dtype in _FLEX_DTYPES:
         return _flex_kernels()[0](q, k, v, block_mask=documents.block_mask(), enable_gqa=gqa, scale=scale)

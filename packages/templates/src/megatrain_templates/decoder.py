@@ -21,6 +21,7 @@ from .attention import (
     token_positions,
 )
 from .chunked_recurrence import KeptRecurrence
+from .kernel_attention import KEPT_ATTENTION, KeptAttention
 from .layout import (
     BoundWeight,
     ParamSpec,
@@ -211,6 +212,19 @@ class BlockShape:
         return rms_norm_as(self.norm_scale, x, weight, self.rms_eps)
 
 
+def plain_causal_attention(shape: BlockShape) -> bool:
+    """Whether the shape's attention is softmax attention over every earlier position, masked by nothing but
+    causality (or documents): no window, chunk, sink or soft cap, and neither latent nor linear."""
+    return (
+        shape.mla is None
+        and shape.linear_attention is None
+        and not shape.sinks
+        and shape.sliding_window is None
+        and shape.attention_chunk is None
+        and shape.attn_softcap is None
+    )
+
+
 def attention_params(shape: BlockShape) -> tuple[tuple[ParamSpec, ...], tuple[ParamSpec, ...]]:
     """(matrices, norms and biases) of the attention half of a block, Hugging Face names.
 
@@ -373,6 +387,7 @@ class DecoderBlock(Template):
             for name in self._spans
             if name not in self._vectors and (name != "down_weight" or shape.normed_outputs)
         )
+        self._keeps_attention = plain_causal_attention(shape)
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._adapters = None if lora is None else self._adapt(lora)
 
@@ -424,7 +439,7 @@ class DecoderBlock(Template):
         elif chunk is not None:
             attn = chunked_causal_attention(q, k, v, chunk, s.softmax_scale)
         else:
-            attn = causal_attention(q, k, v, documents, s.softmax_scale)
+            attn = causal_attention(q, k, v, documents, s.softmax_scale, w.get(KEPT_ATTENTION))
         attn = attn.transpose(1, 2).reshape(batch, seq, q_width)
         if s.attn_output_gate:
             attn = attn * torch.sigmoid(gate.reshape(batch, seq, q_width))
@@ -555,12 +570,14 @@ class DecoderBlock(Template):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """`forward`, also returning the products of its matmuls that the backward would recompute (all
         but the MLP's down projection, which it does only under a norm): given to `backward` as `products`, they
-        stand for those GEMMs, and the recompute is left with the norms, rotary embedding, attention
-        and activation. `product_bytes_per_token` bytes per token: Qwen2.5-7B 92 KB, about half of what
-        its whole autograd graph would hold (167 KB), and faster to go back through (H100, 16k tokens,
-        forward + backward: 45.9 ms, the whole graph 47.5, recomputing 53.5). `extras`: a linear-attention
-        layer keeps its recurrence's results too (`extra_product_bytes_per_token`), which its recompute then
-        skips."""
+        stand for those GEMMs, and the recompute is left with the norms, rotary embedding, attention and
+        activation. `product_bytes_per_token` bytes per token: Qwen2.5-7B 92 KB, about 55% of what its whole
+        autograd graph would hold (167 KB), and faster to go back through (H100, 16k tokens, forward + backward,
+        the GEMMs' products alone: 45.9 ms, the whole graph 47.5, recomputing 53.5). `extras` (kept where the
+        device has room to spare: `extra_product_bytes_per_token`) keeps the results of the attention's kernel
+        too, which the recompute then skips: a linear-attention layer's recurrence (`KeptRecurrence`), plain
+        causal attention's output and log-sum-exp (`KeptAttention`: 7 KB a token at Qwen2.5-7B's shape for about
+        1 ms a layer at 16k tokens of 4096 on an H200; its layer pass 2% faster)."""
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
         w, products = self._keeping_views(weights, extras, dropout)
         return self._block(w, hidden, documents), products
@@ -573,13 +590,16 @@ class DecoderBlock(Template):
         """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras."""
         adapters = self._adapters
         low_rank = 0 if adapters is None else sum(adapters.low_rank_width(n) for n in self._recomputed_matrices)
-        return (sum(self._spans[name].shape[0] for name in self._recomputed_matrices) + low_rank) * element_size
+        widths = sum(self._spans[name].shape[0] for name in self._recomputed_matrices) + low_rank
+        return widths * element_size
 
     def extra_product_bytes_per_token(self, element_size: int) -> int:
         """What `forward_keeping_products` keeps more a token with `extras`: a linear-attention layer's
-        recurrence results (`KeptRecurrence`); nothing elsewhere."""
-        mixer = self.shape.linear_attention
-        return 0 if mixer is None else kept_recurrence_bytes_per_token(mixer, element_size)
+        recurrence results (`KeptRecurrence`), plain causal attention's (`KeptAttention`); nothing elsewhere."""
+        s = self.shape
+        if s.linear_attention is not None:
+            return kept_recurrence_bytes_per_token(s.linear_attention, element_size)
+        return KeptAttention.bytes_per_token(s.n_heads, s.head_dim, element_size) if self._keeps_attention else 0
 
     def _views(self, weights: list[Tensor], dropout: DropoutKey | None = None) -> dict[str, Tensor]:
         """Every parameter of the block as a view of its flat weight buffer, adapted matrices with their adapters (and
@@ -591,8 +611,8 @@ class DecoderBlock(Template):
         self, weights: list[Tensor], extras: bool = False, dropout: DropoutKey | None = None
     ) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
         """`_views`, the recomputed matrices wrapped to keep their products in the returned dict as a forward
-        makes them (a base's product, not its adapters'); with `extras`, a linear-attention layer's recurrence its
-        results too (`KeptRecurrence`)."""
+        makes them (a base's product, not its adapters'); with `extras`, its attention's kernel its results too
+        (`KeptRecurrence`, `KeptAttention`)."""
         products: dict[str, Tensor] = {}
         views = {
             name: ProductKeeper(span.view(weights[0]), name, products)
@@ -604,6 +624,8 @@ class DecoderBlock(Template):
             views = self._adapters.bind(views, weights[1], dropout=dropout)
         if extras and self.shape.linear_attention is not None:
             views[KEPT_RECURRENCE] = KeptRecurrence(products, keep=True)
+        if extras and self._keeps_attention:
+            views[KEPT_ATTENTION] = KeptAttention(products, keep=True)
         return views, products
 
     def _bind(
@@ -617,7 +639,8 @@ class DecoderBlock(Template):
         """The weights for a backward: (every parameter but `skip`, the autograd leaves among them).
         Matrices are bound to their span of the gradient buffer `grads[0]`, so their gradients are added into it
         inside the GEMM that makes them, and to their forward's product where `products` has it (as is a
-        linear-attention layer's recurrence: `KeptRecurrence`); norms and biases are leaves whose gradients
+        linear-attention layer's recurrence: `KeptRecurrence`, plain causal attention's results: `KeptAttention`);
+        norms and biases are leaves whose gradients
         autograd returns. A frozen base (`grads[0]` None) has no leaves and binds no gradient; its adapters bind
         theirs to `grads[1]`, with the forward's dropout key (`dropout`)."""
         products, (buffer, grad_flat) = products or {}, (weights[0], grads[0])
@@ -632,9 +655,12 @@ class DecoderBlock(Template):
         }
         if self._adapters is not None:
             matrices = self._adapters.bind(matrices, weights[1], grads[1], products, dropout)
-        kept = products and self.shape.linear_attention is not None
-        recurrence = {KEPT_RECURRENCE: KeptRecurrence(products, keep=False)} if kept else {}
-        return {**matrices, **leaves, **fixed, **recurrence}, leaves
+        kept = {}
+        if products and self.shape.linear_attention is not None:
+            kept[KEPT_RECURRENCE] = KeptRecurrence(products, keep=False)
+        if products and self._keeps_attention:
+            kept[KEPT_ATTENTION] = KeptAttention(products, keep=False)
+        return {**matrices, **leaves, **fixed, **kept}, leaves
 
     def backward(
         self,

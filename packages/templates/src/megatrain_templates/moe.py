@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import Documents
-from .decoder import BlockShape, DecoderBlock, attention_spans
+from .decoder import BlockShape, DecoderBlock, attention_spans, plain_causal_attention
 from .grouped_experts import (
     _Combine,
     _Dispatch,
@@ -36,7 +36,8 @@ class MoeBlock(DecoderBlock):
 
     Its backward recomputes the forward (routing again, which adds the balance losses' gradients) but not the
     experts' down projection, whose output no gradient needs; a forward that kept its matmul products
-    (`forward_keeping_products`) leaves the recompute the norms, attention, router and activation."""
+    (`forward_keeping_products`) leaves the recompute the norms, attention, router and activation, and with its
+    extras (its attention's results) not the attention."""
 
     def __init__(
         self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None, lora: Lora | None = None
@@ -47,6 +48,7 @@ class MoeBlock(DecoderBlock):
         self.groups = (params,)
         self.numel = total_numel(params)
         self._rope_cache = {}
+        self._keeps_attention = plain_causal_attention(shape)
         self._spans: dict[str, Span] = {
             **attention_spans(shape, params),
             **_router_spans(moe, params),
