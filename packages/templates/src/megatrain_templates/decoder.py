@@ -590,8 +590,7 @@ class DecoderBlock(Template):
         """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras."""
         adapters = self._adapters
         low_rank = 0 if adapters is None else sum(adapters.low_rank_width(n) for n in self._recomputed_matrices)
-        widths = sum(self._spans[name].shape[0] for name in self._recomputed_matrices) + low_rank
-        return widths * element_size
+        return (sum(self._spans[name].shape[0] for name in self._recomputed_matrices) + low_rank) * element_size
 
     def extra_product_bytes_per_token(self, element_size: int) -> int:
         """What `forward_keeping_products` keeps more a token with `extras`: a linear-attention layer's
@@ -638,11 +637,11 @@ class DecoderBlock(Template):
     ) -> tuple[dict[str, "Tensor | BoundWeight"], dict[str, Tensor]]:
         """The weights for a backward: (every parameter but `skip`, the autograd leaves among them).
         Matrices are bound to their span of the gradient buffer `grads[0]`, so their gradients are added into it
-        inside the GEMM that makes them, and to their forward's product where `products` has it (as is a
-        linear-attention layer's recurrence: `KeptRecurrence`, plain causal attention's results: `KeptAttention`);
-        norms and biases are leaves whose gradients
-        autograd returns. A frozen base (`grads[0]` None) has no leaves and binds no gradient; its adapters bind
-        theirs to `grads[1]`, with the forward's dropout key (`dropout`)."""
+        inside the GEMM that makes them, and to their forward's product where `products` has it (as are a
+        linear-attention layer's recurrence, `KeptRecurrence`, and plain causal attention's results,
+        `KeptAttention`); norms and biases are leaves whose gradients autograd returns. A frozen base (`grads[0]`
+        None) has no leaves and binds no gradient; its adapters bind theirs to `grads[1]`, with the forward's
+        dropout key (`dropout`)."""
         products, (buffer, grad_flat) = products or {}, (weights[0], grads[0])
         vectors = [name for name in self._vectors if name not in skip]
         trained = grad_flat is not None
