@@ -62,7 +62,9 @@ class CustomTrainer:
         micro = [MicroBatch(i, t) for i, t in zip(input_ids.split(micro_batch), labels.split(micro_batch))]
         self.policy.begin_step(self.step_index, lr)
         result = self.pipeline.run(micro, loss_scale=1.0 / n_targets)
-        self.policy.end_step(result.group_sq_norms.sum().sqrt().item(), skipped=False)
+        sq_norm_sum = result.group_sq_norms.sum()
+        self.policy.gradients_complete(result.loss_sum, sq_norm_sum)  # (a policy's GPU updates start here)
+        self.policy.end_step(skipped=False)
         self.step_index += 1
         return result.loss_sum.item() / n_targets
 

@@ -1,5 +1,6 @@
 import contextlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from megatrain_optim import (
     AdamWConfig,
     BackgroundStepper,
     DeviceAdamW,
+    DeviceClip,
     HostAdamW,
     HostUpdates,
     OptimError,
@@ -76,9 +78,11 @@ def test_unfused_fallback_matches_torch_adamw(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_device_updates_equal_host_updates(fused, monkeypatch):
-    """A group kept on the device steps exactly as the store's copy of it would: clipped, skipped where
-    its gradient is non-finite (read on the device), and back in the store after to_host."""
+@pytest.mark.parametrize("clip_on_device", [False, True])
+def test_device_updates_equal_host_updates(fused, clip_on_device, monkeypatch):
+    """A group kept on the device steps exactly as the store's copy of it would: clipped (by a number, or by a
+    `DeviceClip`'s tensors), skipped where its gradient is non-finite (read on the device; or where the DeviceClip
+    says so), and back in the store after to_host."""
     monkeypatch.setattr(adamw_module, "FUSED", fused and adamw_module.FUSED)
     config = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     stores = [
@@ -100,11 +104,31 @@ def test_device_updates_equal_host_updates(fused, monkeypatch):
         if not poisoned:  # the host path skips a non-finite group by not updating it
             stores[0].grad(1).copy_(grad)
             host.update_group(1, 1e-2, clip)
-        device.update(1, grad.clone(), 1e-2, clip, sq_norm=grad.pow(2).sum())
+        if clip_on_device:
+            on_device = DeviceClip(torch.tensor(clip, dtype=torch.float64), torch.tensor(1 / clip), torch.tensor(0.0))
+            device.update(1, grad.clone(), 1e-2, replace(on_device, skip=torch.tensor(float(poisoned))))
+        else:
+            device.update(1, grad.clone(), 1e-2, clip, sq_norm=grad.pow(2).sum())
         assert not torch.equal(stores[1].master(1), device.masters[1]) or poisoned  # the store waits for to_host
     device.to_host()
     for name in ("master", "state.exp_avg", "state.exp_avg_sq"):
         assert torch.equal(stores[1].held(name, 1), stores[0].held(name, 1)), name
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.25, 0.0])
+def test_the_devices_clip_coefficient_is_clip_grad_norms(max_norm):
+    """`DeviceClip.of_sums` computes on the device the coefficient `clip_coefficient` gives (to the last bit of the
+    sqrt: torch's CPU sqrt may round the other way than the host's) and the fp32 scale the fused kernel divides by
+    as the host's update gives it; a non-finite loss or norm sets its skip flag."""
+    generator = torch.Generator().manual_seed(0)
+    sq_sums = (torch.rand(500, generator=generator) * 4).pow(4).tolist() + [0.0, max_norm**2, 1.0]
+    for sq_sum in sq_sums:
+        sq_norm_sum = torch.tensor(sq_sum, dtype=torch.float32)
+        clip = DeviceClip.of_sums(torch.tensor(2.5), sq_norm_sum, max_norm)
+        assert clip.coef.item() == pytest.approx(clip_coefficient(math.sqrt(sq_sum), max_norm), rel=1e-15)
+        assert torch.equal(clip.scale, torch.tensor(1.0 / clip.coef.item())) and clip.skip.item() == 0.0
+    for loss, sq_sum in [(float("inf"), 1.0), (1.0, float("nan")), (float("nan"), float("inf"))]:
+        assert DeviceClip.of_sums(torch.tensor(loss), torch.tensor(sq_sum), max_norm).skip.item() == 1.0
 
 
 def test_device_groups_need_one_unsharded_store():
@@ -425,7 +449,9 @@ def test_both_policies_time_a_resident_groups_update_as_gpu_work(clipping):
     policy.device_grads_made(1, grad, grad.pow(2).sum())
     store.grad(0).normal_()
     policy.grads_landed(0, None, store.grad(0).pow(2).sum())
-    policy.end_step(float(grad.norm()), skipped=False)
+    sq_norm_sum = grad.pow(2).sum() + store.grad(0).pow(2).sum()
+    policy.gradients_complete(torch.tensor(1.0), sq_norm_sum)
+    policy.end_step(skipped=False)
     host.wait_all()
     host.close()
     assert timed == ["adamw layer1"]

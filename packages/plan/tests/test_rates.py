@@ -70,10 +70,32 @@ def test_rates_are_remembered_per_templates_code(tmp_path, monkeypatch):
     assert keys[0] == keys[1] != keys[2]
 
 
+def test_a_machines_first_shape_measures_its_copies_and_adamws_too(tmp_path, monkeypatch):
+    """PCIe's and both AdamWs' rates are the machine's, whatever the shape: a run on a machine that measured nothing
+    yet measures them with its shape's block (beside that block's pass, as in a step) and keeps them as the
+    machine's, which a later shape, or a run told not to measure, plans with; then they are not measured again."""
+    monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    machine_measured = []
+    measuring_on_a_gpu(monkeypatch, lambda model, seq_len, micro_batch: (300.0, 280.0, 500.0, "the block's pass"))
+    monkeypatch.setattr(
+        calibration,
+        "_machine_rates",
+        lambda layer_pass: machine_measured.append(layer_pass) or {"pcie_gbps": 41.0, "cpu_adam_params_per_s": 3.1e9},
+    )
+    model, cuda, bf16 = preset("qwen2.5-0.5b"), torch.device("cuda"), torch.bfloat16
+    first = calibration.run_rates(model, cuda, bf16, 2048, 8)
+    assert (first.pcie_gbps, first.cpu_adam_params_per_s, first.gpu_tflops) == (41.0, 3.1e9, 300.0)
+    assert machine_measured == ["the block's pass"] and "PCIe and both AdamWs with them" in first.source
+    assert calibration.run_rates(model, cuda, bf16, 2048, 4).cpu_adam_params_per_s == 3.1e9
+    assert calibration.run_rates(model, cuda, bf16, 1024, 4, measure=False).pcie_gbps == 41.0
+    assert machine_measured == ["the block's pass"]  # once
+
+
 def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:
     """`run_rates` as on a GPU, measuring with `gpu_rates` (`measure_block_rates`' arguments and results), a shape's
     calibration key its micro-batch shape."""
     monkeypatch.setattr(calibration, "measure_block_rates", gpu_rates)
+    monkeypatch.setattr(calibration, "_machine_rates", lambda layer_pass: {})
     monkeypatch.setattr(
         calibration, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
     )

@@ -2,7 +2,17 @@
 stepper, the update policies that decide when each group is updated during training, and the ranks of a host
 sharing one store's updates (several GPUs)."""
 
-from .adamw import FUSED, STATE_NAMES, AdamWConfig, DeviceAdamW, HostAdamW, OptimError, adamw_update_, clip_coefficient
+from .adamw import (
+    FUSED,
+    STATE_NAMES,
+    AdamWConfig,
+    DeviceAdamW,
+    DeviceClip,
+    HostAdamW,
+    OptimError,
+    adamw_update_,
+    clip_coefficient,
+)
 from .ranks import RankError, Ranks, RankSharing, RankSync
 from .schedule import SCHEDULES, Schedule, lr_at
 from .stepper import BackgroundStepper
@@ -15,6 +25,7 @@ __all__ = [
     "AdamWConfig",
     "BackgroundStepper",
     "DeviceAdamW",
+    "DeviceClip",
     "EmbeddingRowsFirst",
     "HostAdamW",
     "HostUpdates",

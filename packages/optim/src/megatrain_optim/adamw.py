@@ -341,8 +341,9 @@ class DeviceAdamW:
         }
         self._stale_host: set[int] = set()  # updated here since the last to_host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # `update_beside`'s
-        # group -> (an event its update beside the compute stream ends with, the gradient that update reads)
-        self._beside: dict[int, tuple[Any, Tensor]] = {}
+        # group -> (an event its update beside the compute stream ends with, the gradient that update reads, the
+        # update's other arguments: a DeviceClip's tensors)
+        self._beside: dict[int, tuple[Any, Tensor, tuple, dict]] = {}
 
     @property
     def groups(self) -> list[int]:
@@ -353,18 +354,26 @@ class DeviceAdamW:
         group: int,
         grad: Tensor,
         lr: float,
-        clip_coef: float = 1.0,
+        clip_coef: "float | DeviceClip" = 1.0,
         step: Tensor | None = None,
         sq_norm: Tensor | None = None,
     ) -> None:
-        """Queue AdamW on `group` from its gradient (a flat device tensor, times clip_coef) on the current
-        stream. `step` as in `HostAdamW.update_group`; with `sq_norm` (the gradient's squared norm, on
-        the device) a non-finite gradient leaves the group as it is."""
-        if self.host.step_count == 0:
-            raise OptimError("update called before begin_step")
+        """Queue AdamW on `group` from its gradient (a flat device tensor, times clip_coef: a number, or the
+        device's `DeviceClip`, whose skip flag set leaves the group as it is) on the current stream. `step` as in
+        `HostAdamW.update_group`; with `sq_norm` (the gradient's squared norm, on the device) a non-finite
+        gradient leaves the group as it is."""
+        if step is None and self.host.step_count == 0:
+            raise OptimError("update called before begin_step (or without its step count)")
         grad_scale = found_inf = None
-        if clip_coef != 1.0:
-            if FUSED and grad.dtype == torch.float32:  # as update_group applies it
+        fused = FUSED and grad.dtype == torch.float32  # (the fused kernel takes an fp32 scale alone)
+        if isinstance(clip_coef, DeviceClip):
+            found_inf = clip_coef.skip
+            if fused:
+                grad_scale = clip_coef.scale
+            else:
+                grad.mul_(clip_coef.coef.to(grad.dtype))
+        elif clip_coef != 1.0:
+            if fused:  # as update_group applies it
                 grad_scale = torch.full((), 1.0 / clip_coef, device=self.device)
             else:
                 grad.mul_(clip_coef)
@@ -395,7 +404,8 @@ class DeviceAdamW:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream), span():
             self.update(group, grad, *args, **kwargs)
-            self._beside[group] = (self.stream.record_event(), grad)
+            # (the gradient and any tensors of a DeviceClip, made on the current stream, are held as long)
+            self._beside[group] = (self.stream.record_event(), grad, args, kwargs)
 
     def wait_for(self, groups: Iterable[int]) -> None:
         """Order the current stream's next work after the updates of `groups` queued beside it (device side: the
@@ -409,7 +419,7 @@ class DeviceAdamW:
     def held_bytes(self) -> int:
         """Device bytes of the gradients that updates beside the compute stream still hold (`update_beside`):
         given back as the next step's casts wait for them, so free for that step."""
-        return sum(grad.nbytes for _, grad in self._beside.values())
+        return sum(held[1].nbytes for held in self._beside.values())
 
     def to_host(self) -> None:
         """Copy the masters and moments updated here since the last call into the store (waits for them)."""
@@ -438,3 +448,25 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     if max_norm <= 0:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@dataclass(frozen=True)
+class DeviceClip:
+    """A step's clip coefficient and skip flag as 0-dim tensors of the device its resident groups update on, so
+    that their updates can be queued the moment the backward is queued, before the host reads the norm (which
+    waits for the backward to end): the GPU then updates them while the host reads the norm and queues the next
+    step, where it sat idle before (`UpdatesAfterClipping.gradients_complete`)."""
+
+    coef: Tensor  # float64: `clip_coefficient`'s formula (the host's own sqrt may differ in the last bit)
+    scale: Tensor  # fp32: 1 / coef, as the fused kernel divides the gradient by it (as `update_group` gives it)
+    skip: Tensor  # fp32: 1 where the step is skipped (its loss or gradient norm not finite), else 0
+
+    @classmethod
+    def of_sums(cls, loss_sum: Tensor, sq_norm_sum: Tensor, max_norm: float) -> "DeviceClip":
+        """From the step's summed loss and squared gradient norm (0-dim, on the device), computed there."""
+        norm = sq_norm_sum.double().sqrt()
+        one = torch.ones_like(norm)
+        # (torch.div of two tensors: a Python number divided by a tensor is a reciprocal times it, rounded twice)
+        coef = torch.div(one * max_norm, norm + 1e-6).clamp(max=1.0) if max_norm > 0 else one
+        skip = (~(torch.isfinite(loss_sum) & torch.isfinite(sq_norm_sum))).float()
+        return cls(coef, torch.div(one, coef).float(), skip)

@@ -143,11 +143,13 @@ def run_rates(
     """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
     the run's own shape, measured the first time (seconds, most of them the kernels' compilation, which the
     run's warm-up then reuses; remembered) where `measure` allows and the run computes in bf16 on a CUDA GPU
-    (the rates are bf16's); on the CPU, `cpu_rates`. PCIe and CPU rates do not depend on the shape and vary from
-    one burst to the next: `megatrain plan --calibrate` measures them. Measuring beside other processes would time
-    them too, so a launch of several leaves it to `megatrain plan`; without `measure` (engine.measure_rates: false,
-    as the tests run: plans from remembered or default rates, the same on every machine) nothing is measured.
-    `seq_len` and `micro_batch` (rows): the run's micro-batch shape."""
+    (the rates are bf16's); on the CPU, `cpu_rates`. PCIe and AdamW rates do not depend on the shape: the first
+    shape measured on a machine measures them too (`_machine_rates`; a host whose AdamW moved 80-98 GB/s, against
+    108-130 GB/s on another H200, ran a Qwen2.5-7B step 11.5% longer than the defaults predicted), and `megatrain
+    plan --calibrate` again. Measuring beside other processes would time them too, so a launch of several leaves it
+    to `megatrain plan`; without `measure` (engine.measure_rates: false, as the tests run: plans from remembered or
+    default rates, the same on every machine) nothing is measured. `seq_len` and `micro_batch` (rows): the run's
+    micro-batch shape."""
     if not measure or (device.type == "cuda" and dtype != torch.bfloat16):
         return load_rates()
     if device.type == "cpu":
@@ -155,29 +157,39 @@ def run_rates(
     with torch.cuda.device(device):
         key = calibration_key(model, seq_len, micro_batch)
         saved = _calibrations()
-        machine = load_rates(key, saved)
         if key in saved["shapes"]:
             generic_stages.run_eagerly(saved["eager_kinds"].get(key, []))  # (planned as eager, as measured)
-            return machine
-        print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}), once", file=sys.stderr)
-        start = time.perf_counter()
-        FIRST_CALLS.seconds = 0.0
+            return load_rates(key, saved)
+        first = saved["machine"] is None  # (nothing of this machine's measured yet: its copies and AdamWs too)
+        also = ", and its copies and AdamWs" if first else ""
+        print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}){also}, once", file=sys.stderr)
         try:
-            with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
-                layer_tflops, kept_tflops, head_tflops, _ = measure_block_rates(model, seq_len, micro_batch)
+            rates, took = _measure_run_shape(model, seq_len, micro_batch, device, load_rates(key, saved), first)
         except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
-            return machine
+            return load_rates(key, saved)
         finally:
             torch.cuda.empty_cache()  # the plan counts the GPU's free memory
-        took = f"{time.perf_counter() - start:.0f} s ({FIRST_CALLS.seconds:.0f} s of it compiling the run's kernels)"
         print(f"megatrain: measured in {took}, kept for this shape", file=sys.stderr)
-        rates = replace(
-            _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops),
-            source=f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape in {took}; "
-            f"the rest {machine.source}",
-        )
-        save_rates(key, rates, machine=False)
+        save_rates(key, rates, machine=first)
         return rates
+
+
+def _measure_run_shape(
+    model: ModelConfig, seq_len: int, micro_batch: int, device: torch.device, machine: Rates, first: bool
+) -> tuple[Rates, str]:
+    """`machine` with the GPU's block and head rates at a run's shape, and where this is the `first` shape the
+    machine measures its PCIe and AdamW rates, measured now (its source says what was measured); how long it took."""
+    start = time.perf_counter()
+    FIRST_CALLS.seconds = 0.0
+    with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
+        layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
+        rates = _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops)
+        if first:
+            rates = replace(rates, **_machine_rates(layer_pass))
+    took = f"{time.perf_counter() - start:.0f} s ({FIRST_CALLS.seconds:.0f} s of it compiling the run's kernels)"
+    rest = "PCIe and both AdamWs with them" if first else f"the rest {machine.source}"
+    source = f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape in {took}; {rest}"
+    return replace(rates, source=source), took
 
 
 # A layer whose pass would take longer than this at the CPU's matrix-product rate is not timed (a 0.5B model's layer
@@ -568,19 +580,26 @@ def _cpu_adam_params_per_s(copies: _Copies, layer_pass: Callable[[], None]) -> f
     return 8 * n / (time.perf_counter() - start)
 
 
-def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
-    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
+def _machine_rates(layer_pass: Callable[[], None]) -> dict[str, float]:
+    """The rates of this machine that no model's shape changes: PCIe's (one way, both ways), the GPU's AdamW of a
+    resident layer, and the host's AdamW beside a layer's passes (`layer_pass`) and copies both ways, as in a step.
+    A second or two."""
     copies = _Copies()
     copies.gbps(True)  # the first copies set up the streams and the host mappings
     pcie, pcie_duplex = copies.gbps(False), copies.gbps(True)
-    gpu_adam = _device_adam_params_per_s()
-    cpu = _cpu_adam_params_per_s(copies, layer_pass)
+    return {
+        "pcie_gbps": _rounded(pcie),
+        "pcie_duplex_gbps": _rounded(pcie_duplex),
+        "gpu_adam_params_per_s": _rounded(_device_adam_params_per_s()),
+        "cpu_adam_params_per_s": _rounded(_cpu_adam_params_per_s(copies, layer_pass)),
+    }
+
+
+def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
+    layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
     return replace(
         _with_gpu_rates(previous, model, layer_tflops, kept_tflops, head_tflops),
-        pcie_gbps=_rounded(pcie),
-        pcie_duplex_gbps=_rounded(pcie_duplex),
-        cpu_adam_params_per_s=_rounded(cpu),
-        gpu_adam_params_per_s=_rounded(gpu_adam),
+        **_machine_rates(layer_pass),
         disk_gbps=_rounded(measure_disk_gbps(Path(state_dir))) if state_dir else previous.disk_gbps,
         source=f"calibrated {time.strftime('%Y-%m-%d')}: {calibration_key(model, seq_len, micro_batch)}",
     )
