@@ -341,9 +341,8 @@ class DeviceAdamW:
         }
         self._stale_host: set[int] = set()  # updated here since the last to_host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # `update_beside`'s
-        # group -> (an event its update beside the compute stream ends with, the gradient that update reads, the
-        # update's other arguments: a DeviceClip's tensors)
-        self._beside: dict[int, tuple[Any, Tensor, tuple, dict]] = {}
+        # group -> (an event its update beside the compute stream ends with, the gradient that update reads)
+        self._beside: dict[int, tuple[Any, Tensor]] = {}
 
     @property
     def groups(self) -> list[int]:
@@ -393,23 +392,26 @@ class DeviceAdamW:
     ) -> None:
         """`update(group, grad, *args, **kwargs)`, queued inside `span()` on the optimizer's own stream after the
         work queued so far on the current one (which made `grad`), so that it runs beside what the current stream
-        does next. Whatever reads the group's master after it calls `wait_for` first; until then its gradient is
-        held here (the current stream's allocations reuse that memory only after the wait). On the CPU, `update`
-        as it is."""
+        does next. Whatever reads the group's master after it calls `wait_for` first, on its own stream; what the
+        update reads of the current stream's making (the gradient, a DeviceClip's tensors) is not reused by that
+        stream's allocations before the update has run, whichever stream waits for it. On the CPU, `update` as it
+        is."""
         if self.stream is None:
             with span():
                 self.update(group, grad, *args, **kwargs)
             return
-        self.wait_for((group,))  # (an update beside not waited for yet: its gradient is let go only in order)
+        self.wait_for((group,))  # (an update beside not waited for yet)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        clips = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, DeviceClip)]
+        for tensor in [grad, *(t for clip in clips for t in (clip.coef, clip.scale, clip.skip))]:
+            tensor.record_stream(self.stream)
         with torch.cuda.stream(self.stream), span():
             self.update(group, grad, *args, **kwargs)
-            # (the gradient and any tensors of a DeviceClip, made on the current stream, are held as long)
-            self._beside[group] = (self.stream.record_event(), grad, args, kwargs)
+            self._beside[group] = (self.stream.record_event(), grad)
 
     def wait_for(self, groups: Iterable[int]) -> None:
         """Order the current stream's next work after the updates of `groups` queued beside it (device side: the
-        host does not block), and let their gradients go. Called on the stream that made the gradients."""
+        host does not block), and let their gradients go. Called on the stream that reads their masters next."""
         for group in groups:
             beside = self._beside.pop(group, None)
             if beside is not None:
@@ -419,7 +421,7 @@ class DeviceAdamW:
     def held_bytes(self) -> int:
         """Device bytes of the gradients that updates beside the compute stream still hold (`update_beside`):
         given back as the next step's casts wait for them, so free for that step."""
-        return sum(held[1].nbytes for held in self._beside.values())
+        return sum(grad.nbytes for _, grad in self._beside.values())
 
     def to_host(self) -> None:
         """Copy the masters and moments updated here since the last call into the store (waits for them)."""
