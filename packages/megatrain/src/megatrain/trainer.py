@@ -306,9 +306,7 @@ class Trainer:
         self.policy.begin_step(self.step_index, lr)
         if self.spec.router_load is not None:
             self.spec.router_load.reset(sweeps=[len(part) for part in self.pipeline.sweeps_of(micro)])
-        loss_sum, sq_norm_sum = self._step_sums(self.pipeline.run(micro, loss_scale=1.0 / n_targets))
-        self.policy.gradients_complete(loss_sum, sq_norm_sum)  # (before the host waits for them)
-        loss, grad_norm, router = self._step_values(loss_sum, sq_norm_sum, n_targets)
+        loss, grad_norm, router = self._step_values(self.pipeline.run(micro, loss_scale=1.0 / n_targets), n_targets)
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         self.policy.end_step(skipped)
@@ -333,19 +331,16 @@ class Trainer:
         sums = self.sync.all_reduce(torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
         return {name: value / sums[0] if sums[0] else math.nan for name, value in zip(names, sums[1:])}
 
-    def _step_sums(self, result: StepResult) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's summed loss and squared gradient norm over every rank, on the device (not read yet)."""
+    def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
+        """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
+        step, over every rank: the loss as transformers reports it, the routers' terms included. The update policy
+        is given the summed loss and squared norm on the device before the host waits for them (`gradients_complete`)."""
         loss_sum, sq_norms = result.loss_sum, result.group_sq_norms
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
-        return loss_sum, sq_norms.sum()
-
-    def _step_values(
-        self, loss_sum: torch.Tensor, sq_norm_sum: torch.Tensor, n_targets: int
-    ) -> tuple[float, float, tuple]:
-        """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
-        step from its sums (`_step_sums`): the loss as transformers reports it, the routers' terms included."""
+        sq_norm_sum = sq_norms.sum()
+        self.policy.gradients_complete(loss_sum, sq_norm_sum)
         loss = loss_sum.item() / n_targets  # (an objective's loss is the step's already: n_targets 1)
         router = (None, None, None, None)
         if self.spec.router_load is not None:

@@ -392,26 +392,25 @@ class DeviceAdamW:
     ) -> None:
         """`update(group, grad, *args, **kwargs)`, queued inside `span()` on the optimizer's own stream after the
         work queued so far on the current one (which made `grad`), so that it runs beside what the current stream
-        does next. Whatever reads the group's master after it calls `wait_for` first, on its own stream; what the
-        update reads of the current stream's making (the gradient, a DeviceClip's tensors) is not reused by that
-        stream's allocations before the update has run, whichever stream waits for it. On the CPU, `update` as it
-        is."""
+        does next. Whatever reads the group's master after it calls `wait_for` first; until then its gradient is
+        held here (the current stream's allocations reuse that memory only after the wait), and a DeviceClip's
+        tensors, which no one holds, are recorded on the optimizer's stream. On the CPU, `update` as it is."""
         if self.stream is None:
             with span():
                 self.update(group, grad, *args, **kwargs)
             return
-        self.wait_for((group,))  # (an update beside not waited for yet)
+        self.wait_for((group,))  # (an update beside not waited for yet: its gradient is let go only in order)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        clips = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, DeviceClip)]
-        for tensor in [grad, *(t for clip in clips for t in (clip.coef, clip.scale, clip.skip))]:
-            tensor.record_stream(self.stream)
+        for clip in (arg for arg in (*args, *kwargs.values()) if isinstance(arg, DeviceClip)):
+            for tensor in (clip.coef, clip.scale, clip.skip):
+                tensor.record_stream(self.stream)
         with torch.cuda.stream(self.stream), span():
             self.update(group, grad, *args, **kwargs)
             self._beside[group] = (self.stream.record_event(), grad)
 
     def wait_for(self, groups: Iterable[int]) -> None:
         """Order the current stream's next work after the updates of `groups` queued beside it (device side: the
-        host does not block), and let their gradients go. Called on the stream that reads their masters next."""
+        host does not block), and let their gradients go. Called on the stream that made the gradients."""
         for group in groups:
             beside = self._beside.pop(group, None)
             if beside is not None:

@@ -292,8 +292,8 @@ class UpdatesAfterClipping(_Policy):
         """Fix the step's clip coefficient and skip flag on the device (`DeviceClip`: the host groups' updates read
         the same coefficient in `end_step`) and queue the resident groups' updates beside the compute stream now, in
         layer order, in the step count `end_step` begins: the GPU updates them while the host waits for the
-        backward to read the norm and queues the next step. (Queued after the host had read the norm, Qwen2.5-7B at
-        8k tokens on an H200 left the GPU idle TODO.)"""
+        backward to read the norm and queues the next step. (Queued after that read, they kept the GPU waiting:
+        Qwen2.5-7B on an H200, one call, one placement: 8k tokens 515.3 -> 523.8 model TFLOPS, 32k 507.7 -> 521.1.)"""
         self.clip = DeviceClip.of_sums(loss_sum, sq_norm_sum, self.max_norm)
         if self.device is None:
             return

@@ -9,7 +9,7 @@ import math
 import torch
 
 from megatrain_optim import STATE_NAMES
-from megatrain_sched import CAST_SLOTS, Placement, StageCosts, extras_that_fit, staging_buffers
+from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
 from megatrain_store import int8_nbytes, nf4_nbytes
 from megatrain_templates.head import CHUNK_LOGITS
 from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
@@ -305,11 +305,10 @@ class CostModel:
         return self.params(placement.resident) * 4 * (1 + len(STATE_NAMES))
 
     def persistent_device_bytes(self, placement: Placement) -> int:
-        """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slots), the fp32 staging
+        """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slot), the fp32 staging
         buffers (and the packed base's two byte buffers), held weights, resident state."""
         slots = self.engine.n_slots * max(self.stage_sizes) * self.element
-        resident = max((self.stage_sizes[i] for i in placement.resident if i in self.blocks), default=0)
-        slots += CAST_SLOTS * resident * self.element
+        slots += max((self.stage_sizes[i] for i in placement.resident if i in self.blocks), default=0) * self.element
         casts = self.element < 4 and not self.wire_copy and max(self.cast_sizes) > 0
         staging = math.prod(staging_buffers(max(self.cast_sizes))) * 4 if casts else 0
         packed_ring = 2 * max(self.packed.values(), default=0)

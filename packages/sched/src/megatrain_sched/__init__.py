@@ -9,10 +9,9 @@ from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placem
 from .streams import Streams, synchronize
 from .template import StageTemplate, StepObjective
 from .timeline import Timeline
-from .weights import CAST_SLOTS, WeightStream, staging_buffers
+from .weights import WeightStream, staging_buffers
 
 __all__ = [
-    "CAST_SLOTS",
     "EXTRAS_MARGIN",
     "extras_that_fit",
     "fit_to_device",

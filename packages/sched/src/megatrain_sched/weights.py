@@ -3,13 +3,11 @@ cast on the device, the buffers of held stages, the casts of resident stages, an
 
 The positions whose weights are copied take the n_slots rotating slots in turn; while one computes, the weights of the
 next n_slots-1 such positions are copied in on the copy-in stream (a slot is refilled only after the compute that used
-it has finished). A held stage has a buffer of its own; resident blocks are cast into two more buffers of their own,
-the cast slots, in turn, so that a streamed stage after resident ones is copied in while they compute (Qwen2.5-7B at
-8k tokens on an H200 with 28 resident blocks: the head's 41 ms copy, queued behind the last two blocks' casts in the
-rotating slots, had the GPU wait 35 ms of each 0.77 s step), each block's cast queued on a stream of its own while
-the position before it computes (cast on the compute stream at its turn, the casts left the GPU's compute idle
-about 1.2 ms a block in the forward and 0.6 ms in the backward: 51 ms of that 0.70 s step); a resident table (the
-embedding, a head tied to it), larger than a block and first in the forward, is cast into a rotating slot instead. Weights
+it has finished). A held stage has a buffer of its own; a resident block is cast at its turn into one more buffer,
+the cast slot, so that a streamed stage after resident ones is copied in while they compute (Qwen2.5-7B at 8k tokens
+on an H200 with 28 resident blocks: the head's 41 ms copy, queued behind the last two blocks' casts in the rotating
+slots, had the GPU wait 35 ms of each 0.77 s step); a resident table (the embedding, a head tied to it), larger than a
+block and first in the forward, is cast into a rotating slot instead. Weights
 travel as the store keeps them: an fp32 master is copied in through a ring of fp32 staging buffers and cast to the
 compute dtype on a cast stream, so the host needs no second, bf16 copy of the model (a group the store keeps in the
 compute dtype, a frozen one or a wire copy, is copied straight into its slot; a packed one, a QLoRA base's layer, is
@@ -39,13 +37,6 @@ from .timeline import Timeline
 # nearly as fast as an fp32 copy with no cast at all (20.0 ms; `benchmarks/staging_copy.py`).
 STAGING_NUMEL = 2**26
 STAGING_BUFFERS = 4
-# Resident blocks' weights go into this many cast slots in turn (one cast while the other computes).
-CAST_SLOTS = 2
-
-
-def _is_cast(slot_name: Any) -> bool:
-    """Whether a position's slot (`WeightStream.slot_names`) is a cast slot."""
-    return isinstance(slot_name, str) and slot_name.startswith("cast")
 
 
 def staging_buffers(largest_stage_numel: int) -> tuple[int, int]:
@@ -112,7 +103,7 @@ class WeightStream:
         self.stage_numels = [sum(store.layouts[g].numel for g in stage.groups) for stage in stages]
         self.slots = [self._new_buffer(max(self.stage_numels)) for _ in range(n_slots)]
         self.held: dict[int, Slot] = {}
-        self.cast_slots: list[Slot] = []  # resident blocks' weights: two, each cast while the other computes
+        self.cast_slot: Slot | None = None  # resident stages' weights, each cast at its turn
         self.device_masters: dict[int, Tensor] = {}
         self.on_device: set[int] = set()  # resident stages
         self.reference = False  # a forward-only pass streaming the store's reference copy
@@ -135,8 +126,6 @@ class WeightStream:
         # packed groups: two byte buffers, one filling while the other is unpacked
         self._packed = _Ring.of(2, packed, torch.uint8, self.device) if self.streams.cuda and packed else None
         self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device or self._packed else None
-        self._cast_ahead_stream = torch.cuda.Stream(self.device) if self.streams.cuda else None  # resident blocks'
-        self._cast_ahead: set[int] = set()  # positions of the step whose cast was queued before their turn
 
     def place(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
         """Hold and cast what `placement` says (nothing in flight: between steps)."""
@@ -146,28 +135,23 @@ class WeightStream:
         }
         blocks = range(1, len(self.stages) - 1)
         largest = max((self.stage_numels[i] for i in self.on_device if i in blocks), default=0)
-        if largest != (self.cast_slots[0].buffer.numel() if self.cast_slots else 0):
-            self.cast_slots = [self._new_buffer(largest) for _ in range(CAST_SLOTS)] if largest else []
+        if largest != (0 if self.cast_slot is None else self.cast_slot.buffer.numel()):
+            self.cast_slot = self._new_buffer(largest) if largest else None
 
     def begin_step(self, order: list[int], input_ids: list[Tensor] | None, log: list) -> None:
         """A step in `order`: every slot is stale (the optimizer has changed the host weights since the last step).
         `input_ids`: each micro-batch's, where the first stage's rows may go first (`first_rows`), else None."""
         self.order = order
-        self.slot_names, self.rotating, self._cast_ahead = [], [], set()
-        last_cast = (None, 1)  # (stage, cast slot) of the last position cast
+        self.slot_names, self.rotating = [], []
         for position, stage in enumerate(order):
             if stage in self.held:
                 self.slot_names.append(f"held {stage}")
-            elif (
-                self._casts(stage) and self.cast_slots and self.stage_numels[stage] <= self.cast_slots[0].buffer.numel()
-            ):
-                # the other cast slot than the last cast's, or its own where that holds it (a turn's backward)
-                last_cast = (stage, last_cast[1] if last_cast[0] == stage else 1 - last_cast[1])
-                self.slot_names.append(f"cast {last_cast[1]}")
+            elif self._casts(stage) and self.cast_slot and self.stage_numels[stage] <= self.cast_slot.buffer.numel():
+                self.slot_names.append("cast")
             else:
                 self.slot_names.append(len(self.rotating) % len(self.slots))
                 self.rotating.append(position)
-        for slot in [*self.slots, *self.held.values(), *self.cast_slots]:
+        for slot in [*self.slots, *self.held.values(), *([self.cast_slot] if self.cast_slot else [])]:
             slot.stage = None
         self.rows = None
         first = self.stages[0]
@@ -182,11 +166,11 @@ class WeightStream:
         return stage in self.on_device and not self.reference
 
     def slot(self, position: int) -> tuple[Any, Slot]:
-        """(name in the step's log, slot) of position's weights: its stage's own buffer where held, a cast slot
+        """(name in the step's log, slot) of position's weights: its stage's own buffer where held, the cast slot
         where resident, else its rotating slot."""
         name = self.slot_names[position]
-        if _is_cast(name):
-            return name, self.cast_slots[int(name[-1])]
+        if name == "cast":
+            return name, self.cast_slot
         if isinstance(name, str):
             return name, self.held[self.order[position]]
         return name, self.slots[name]
@@ -218,7 +202,7 @@ class WeightStream:
         """Queue the copy of position's weights into its slot (or reuse what is there); a resident block's cast
         waits for its turn (`cast`)."""
         slot_name, slot = self.slot(position)
-        if _is_cast(slot_name) or self._bound_without_copy(position, slot_name, slot, log):  # (a cast: `cast`)
+        if slot_name == "cast" or self._bound_without_copy(position, slot_name, slot, log):  # (a cast: at its turn)
             return
         stage = self.order[position]
         streams, groups = self.streams, self.stages[stage].groups
@@ -256,26 +240,12 @@ class WeightStream:
             self.fetch(stage, log)
 
     def cast(self, position: int, log: list) -> None:
-        """Before position computes: where its stage takes a cast slot (a resident block), queue the cast of its
-        device masters there on the compute stream unless it was queued ahead or the slot holds them; then where the
-        next position's stage takes the other cast slot, queue its cast there now, on a stream of its own, after
-        the compute stream's work queued so far (that slot's last reader, and updates queued on it: without clipping
-        a resident group's runs there after its backward) and the stage's updates beside it (`before_cast`), so that
-        it runs while this position computes (the next position's compute waits for its `ready`)."""
-        slot_name, slot = self.slot(position)
-        if _is_cast(slot_name) and position not in self._cast_ahead:
-            self._bound_without_copy(position, slot_name, slot, log)
-        ahead = position + 1
-        if ahead == len(self.order) or not _is_cast(self.slot_names[ahead]):
-            return
-        slot_name, slot = self.slot(ahead)
-        stage = self.order[ahead]
-        if slot.stage == stage or (ahead >= len(self.stages) and stage in self.weightless_backward):
-            return  # (nothing to cast: its turn says so)
-        # after the work queued on the compute stream so far: the slot's last reader, and updates queued there
-        self.streams.wait(self._cast_ahead_stream, self.streams.record(self.streams.compute))
-        self._cast_device_masters(slot, stage, slot_name, log, self._cast_ahead_stream)
-        self._cast_ahead.add(ahead)
+        """Where position's stage takes the cast slot (a resident block), queue the cast of its device masters
+        there (unless it holds them) on the compute stream, which orders it after the slot's last reader and before
+        the stage's compute with no event (a cast is under a millisecond; on the cast stream it would queue behind
+        the copies' casts), and after their last update (`before_cast`)."""
+        if self.slot_names[position] == "cast":
+            self._bound_without_copy(position, "cast", self.cast_slot, log)
 
     def _bound_without_copy(self, position: int, slot_name: Any, slot: Slot, log: list) -> bool:
         """Whether position's weights need no copy, logged as what binds them: its slot holds them already, its
@@ -291,15 +261,13 @@ class WeightStream:
             return False
         return True
 
-    def _cast_device_masters(self, slot: Slot, stage: int, slot_name: Any, log: list, stream=None) -> None:
-        """Queue the cast of the stage's device masters into `slot` on `stream` (the compute stream's, where
-        `ready` needs no event), after their updates."""
-        stream = self.streams.compute if stream is None else stream
-        with self.streams.on(stream):
+    def _cast_device_masters(self, slot: Slot, stage: int, slot_name: Any, log: list) -> None:
+        """Queue the cast of the stage's device masters into `slot` on the compute stream, after their updates."""
+        with self.streams.on(self.streams.compute):
             self.hooks.before_cast(self.stages[stage].groups)
             for view, group in zip(self.views(slot, stage), self.stages[stage].groups):
                 view.copy_(self.device_masters[group])
-        slot.ready = None if stream is self.streams.compute else self.streams.record(stream)
+        slot.ready = None
         slot.stage = stage
         log.append(("cast", stage, slot_name))
 
