@@ -151,7 +151,8 @@ def test_gpu_embedding_rows_first_through_the_cast_equal_the_whole_table(tmp_pat
 @pytest.mark.gpu
 def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatch, capfd):
     """A bf16 run on the GPU plans with this GPU's rates at its own shape: measured by the first trainer
-    of that shape, remembered for the next; a tiny model's rates (hundredths of a TFLOPS) are not zero."""
+    of that shape, remembered for the next; a tiny model's rates (hundredths of a TFLOPS) are not zero. The first
+    shape a machine measures measures its PCIe and AdamW rates too, kept as the machine's."""
     from megatrain_plan import Rates
     from megatrain_plan import rates as calibration
 
@@ -160,11 +161,13 @@ def test_gpu_trainer_measures_its_plan_rates_once_per_shape(tmp_path, monkeypatc
     config = tiny_llama_config(tmp_path, "cuda", "bfloat16", 16, steps=1, batch_size=2, micro_batch_size=1)
     first = Trainer(config)
     first.close()
-    assert "measuring this GPU's block and head" in capfd.readouterr().err
+    assert "measuring this GPU's block and head at the run's shape" in capfd.readouterr().err
     rates = first.plan.rates
     assert rates.source.startswith("GPU block and head measured") and 0 < rates.gpu_tflops != Rates().gpu_tflops
     assert 0 < rates.head_tflops != Rates().head_tflops and rates.gpu_kept_tflops > 0
-    assert rates.pcie_gbps == Rates().pcie_gbps
+    assert rates.source.endswith("PCIe and both AdamWs with them") and calibration.load_rates() == rates
+    measured = (rates.pcie_gbps, rates.pcie_duplex_gbps, rates.cpu_adam_params_per_s, rates.gpu_adam_params_per_s)
+    assert all(rate > 0 for rate in measured) and rates.cpu_adam_params_per_s != Rates().cpu_adam_params_per_s
     second = Trainer(config)
     second.close()
     assert second.plan.rates == rates and "measuring" not in capfd.readouterr().err
