@@ -72,6 +72,10 @@ GPU_UPDATED_SHARE = 0.75
 CPU_OPTIMIZER_MARGIN = 0.8
 # With clipping, a resident block more is chosen only where it is predicted to make the step this much faster
 RESIDENT_GAIN = 0.99
+# The share of its own rate (`Rates.gpu_adam_params_per_s`, timed alone) a resident block's AdamW runs at beside the
+# next forward's GEMMs: a Qwen2.5-7B block's took 8.2 ms there on an H200 against 2.6 ms alone (traces of
+# `benchmarks/results/device-clip-h200.json`, 8k tokens a step), and the forward, 7.0 ms a block, waited for it.
+GPU_ADAM_BESIDE_SHARE = 0.32
 # With engine.host_kept_layers auto (large steps), kept products also go to pinned host memory, up to this
 # share of it with the rest of the plan, and only as many as the forward's idle copy-out carries at
 # HOST_KEPT_PCIE_SHARE of the link while the layers between two of them compute (each waits for the one
@@ -518,12 +522,13 @@ class CostModel:
         """What the resident groups' AdamW a step adds to the compute stream's work: all of it where each runs as
         its gradient is made; with clipping, beside the next forward (`DeviceAdamW.update_beside`), the first
         resident stage's, which the forward waits for, and what of the rest the forward's resident stages do not
-        cover."""
+        cover, where it runs at GPU_ADAM_BESIDE_SHARE of its rate."""
         rate, resident = self.rates.gpu_adam_params_per_s, placement.resident
         if not self.full_grads or not resident:
             return self.params(resident) / rate
         beside_s = FORWARD_SHARE * self.layers_s(placement) * (len(resident) - 1) / self.n_stages
-        return self.params(resident[:1]) / rate + max(0.0, self.params(resident[1:]) / rate - beside_s)
+        rest_s = self.params(resident[1:]) / (GPU_ADAM_BESIDE_SHARE * rate)
+        return self.params(resident[:1]) / rate + max(0.0, rest_s - beside_s)
 
     def step_layers_s(self, placement: Placement) -> float:
         """Every sweep's layers and head: the GPU's work a step, what the CPU optimizer's is weighed against."""
