@@ -163,14 +163,18 @@ def run_rates(
         first = saved["machine"] is None  # (nothing of this machine's measured yet: its copies and AdamWs too)
         also = ", and its copies and AdamWs" if first else ""
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}){also}, once", file=sys.stderr)
+        machine = load_rates(key, saved)
         try:
-            rates, took = _measure_run_shape(model, seq_len, micro_batch, device, load_rates(key, saved), first)
+            rates, took = _measure_run_shape(model, seq_len, micro_batch, device, machine, first)
         except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
-            return load_rates(key, saved)
+            return machine
         finally:
             torch.cuda.empty_cache()  # the plan counts the GPU's free memory
         print(f"megatrain: measured in {took}, kept for this shape", file=sys.stderr)
-        save_rates(key, rates, machine=first)
+        if first:  # the machine's too, for other shapes: named by what of them is the machine's
+            measured = f"PCIe and AdamWs measured {time.strftime('%Y-%m-%d')} with a run's first shape"
+            save_rates(key, replace(rates, source=f"{measured}; the rest {machine.source}"), machine=True)
+        save_rates(key, rates, machine=False)
         return rates
 
 
