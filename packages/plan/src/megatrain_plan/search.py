@@ -455,70 +455,84 @@ class Planner(CostModel):
         """What `placement` costs and how long its step is predicted to take; with `compute_bound`, from how many
         tokens a step the GPU would bound it (`compute_bound_tokens`: a dozen placements, seconds at 7B, which the
         report reads and the checks do not)."""
-        model, world, tokens = self.model, self.world, placement.tokens
+        return Plan(
+            placement=placement,
+            **self._machine_and_model(),
+            **self._memory_of(placement),
+            **self._times_of(placement, compute_bound),
+        )
+
+    def _machine_and_model(self) -> dict:
+        """The plan's fields that no placement changes: the model's sizes and parts, the machine, its rates."""
+        model, machine = self.model, self.machine
+        return {
+            "n_params": model.n_params,
+            "active_params": model.active_params,
+            "moe": model.is_moe,
+            "host_available": machine.host_memory,
+            "gpu_available": machine.gpu_memory,
+            "shares_cores": machine.shares_cores,
+            "rates": self.rates,
+            "gpus": machine.gpus,
+            "hosts": machine.hosts,
+            "split_state": self.split,
+            "stage_names": self.names,
+            "frozen_params": self.frozen_params,
+            "frozen_parts": self._frozen_parts(),
+            "reference_copy": self.reference_copy,
+            "host_source": machine.host_source,
+            "process_bytes": machine.process_bytes,
+        }
+
+    def _memory_of(self, placement: Placement) -> dict:
+        """The plan's fields of what `placement` holds: host, GPU and disk bytes, item by item."""
+        host_items = self.host_items(placement)
+        host_bytes = sum(host_items.values())
+        first_disk_group = placement.first_disk_group
+        return {
+            "host_bytes": host_bytes,
+            "host_bytes_per_param": host_bytes / self.model.n_params,
+            "host_items": host_items,
+            "disk_bytes": self.disk_bytes(placement),
+            "first_disk_group": len(self.group_sizes) if first_disk_group is None else first_disk_group,
+            "gpu_bytes": self.device_bytes(placement),
+            "checkpoint_bytes": sum(self.checkpoint_bytes(i, placement.tokens) for i in self.blocks),
+            "checkpoint_stages": sum(self.planes),
+            "kept_bytes": len(placement.kept) * placement.tokens * self.product_bytes_per_token,
+            "extra_kept_layers": len(self.extras(placement)),
+            "held_bytes": self.params(placement.held) * self.element,
+            "gpu_updated_bytes": self.resident_state_bytes(placement),
+            "host_kept_bytes": host_items.get("host-kept products", 0),
+            "generation_host_bytes": self.generation_host_bytes,
+            "packed_cache_bytes": sum(self.packed.values()),
+            "largest_params": self.largest_params(placement),
+            "network_bytes": self.network_bytes(),
+        }
+
+    def _times_of(self, placement: Placement, compute_bound: bool) -> dict:
+        """The plan's fields of how long `placement`'s step takes: its phases, what bounds it, its rates."""
         phases = self.phases(placement)
         bound = slowest(phases)
         step_s = phases[bound] + self.boundary_s(placement)
-        host_items = self.host_items(placement)
-        host_bytes = sum(host_items.values())
-        global_tokens = placement.step_tokens * world
-        stage_products = tokens * self.product_bytes_per_token
-        return Plan(
-            placement=placement,
-            n_params=model.n_params,
-            active_params=model.active_params,
-            moe=model.is_moe,
-            host_bytes=host_bytes,
-            host_bytes_per_param=host_bytes / model.n_params,
-            host_available=self.machine.host_memory,
-            disk_bytes=self.disk_bytes(placement),
-            first_disk_group=len(self.group_sizes)
-            if placement.first_disk_group is None
-            else placement.first_disk_group,
-            gpu_bytes=self.device_bytes(placement),
-            gpu_available=self.machine.gpu_memory,
-            shares_cores=self.machine.shares_cores,
-            checkpoint_bytes=sum(self.checkpoint_bytes(i, tokens) for i in self.blocks),
-            tokens_per_step=global_tokens,
-            compute_s=self.compute_s(placement),
-            transfer_s=self.transfer_s(placement),
-            optimizer_s=self.optimizer_s(placement),
-            disk_s=phases["disk"],
-            bubble_s=self.boundary_s(placement),
-            step_s=step_s,
-            tokens_per_s=global_tokens / step_s,
-            model_tflops=flops_per_token(model, self.shape.seq_len, self.spec.adapter_params)
-            * global_tokens
-            / step_s
-            / 1e12,
-            rates=self.rates,
-            phases=phases,
-            bound=bound,
-            compute_bound_tokens=self.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
-            gpus=self.machine.gpus,
-            hosts=self.machine.hosts,
-            network_bytes=self.network_bytes(),
-            network_s=phases["network"],
-            split_state=self.split,
-            checkpoint_stages=sum(self.planes),
-            kept_bytes=len(placement.kept) * stage_products,
-            extra_kept_layers=len(self.extras(placement)),
-            held_bytes=self.params(placement.held) * self.element,
-            gpu_updated_bytes=self.resident_state_bytes(placement),
-            host_kept_bytes=host_items.get("host-kept products", 0),
-            stage_names=self.names,
-            reference_tokens_per_s=self.reference_tokens_per_s(placement),
-            frozen_params=self.frozen_params,
-            frozen_parts=self._frozen_parts(),
-            reference_copy=self.reference_copy,
-            generation_host_bytes=self.generation_host_bytes,
-            packed_cache_bytes=sum(self.packed.values()),
-            dequantize_s=placement.sweeps * self.dequantize_s(),
-            host_items=host_items,
-            largest_params=self.largest_params(placement),
-            host_source=self.machine.host_source,
-            process_bytes=self.machine.process_bytes,
-        )
+        global_tokens = placement.step_tokens * self.world
+        flops = flops_per_token(self.model, self.shape.seq_len, self.spec.adapter_params) * global_tokens
+        return {
+            "tokens_per_step": global_tokens,
+            "compute_s": self.compute_s(placement),
+            "transfer_s": self.transfer_s(placement),
+            "optimizer_s": self.optimizer_s(placement),
+            "disk_s": phases["disk"],
+            "network_s": phases["network"],
+            "bubble_s": self.boundary_s(placement),
+            "dequantize_s": placement.sweeps * self.dequantize_s(),
+            "step_s": step_s,
+            "tokens_per_s": global_tokens / step_s,
+            "model_tflops": flops / step_s / 1e12,
+            "phases": phases,
+            "bound": bound,
+            "compute_bound_tokens": self.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
+            "reference_tokens_per_s": self.reference_tokens_per_s(placement),
+        }
 
 
 def leaves_more_room(host_bytes: int, than_bytes: int, budget: int | None) -> bool:
