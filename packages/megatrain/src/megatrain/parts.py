@@ -196,7 +196,9 @@ def route_statistics(router_load, config: Config, sync: RankSync | None) -> None
 
 def with_router_terms(loss: float, router_load) -> tuple[float, tuple]:
     """A step's `loss` with the routers' terms added, and their (aux loss, max violation, sequence aux loss,
-    z-loss)."""
+    z-loss); None each where the model routes nothing (no `router_load`)."""
+    if router_load is None:
+        return loss, (None,) * 4
     aux = router_load.loss().item()
     loss += router_load.coef * aux
     violation = router_load.max_violation().item()

@@ -333,18 +333,15 @@ class Trainer:
 
     def _step_values(self, result: StepResult, n_targets: int) -> tuple[float, float, tuple]:
         """(loss, global gradient norm, the routers' (aux loss, max violation, sequence aux loss, z-loss)) of a
-        step, over every rank: the loss as transformers reports it, the routers' terms included. The update policy
-        is given the summed loss and squared norm on the device before the host waits for them (`gradients_complete`)."""
+        step, over every rank: the loss as transformers reports it, the routers' terms included."""
         loss_sum, sq_norms = result.loss_sum, result.group_sq_norms
         if self.sync is not None:
             loss_sum = self.sync.all_reduce(loss_sum)
             sq_norms = self.sync.sum_over_shards(sq_norms)
         sq_norm_sum = sq_norms.sum()
-        self.policy.gradients_complete(loss_sum, sq_norm_sum)
+        self.policy.gradients_complete(loss_sum, sq_norm_sum)  # (on the device, before the host waits for them)
         loss = loss_sum.item() / n_targets  # (an objective's loss is the step's already: n_targets 1)
-        router = (None, None, None, None)
-        if self.spec.router_load is not None:
-            loss, router = with_router_terms(loss, self.spec.router_load)
+        loss, router = with_router_terms(loss, self.spec.router_load)
         return loss, math.sqrt(sq_norm_sum.item()), router
 
     @torch.no_grad()

@@ -457,82 +457,10 @@ class Planner(CostModel):
         report reads and the checks do not)."""
         return Plan(
             placement=placement,
-            **self._machine_and_model(),
-            **self._memory_of(placement),
-            **self._times_of(placement, compute_bound),
+            **_machine_and_model(self),
+            **_memory_of(self, placement),
+            **_times_of(self, placement, compute_bound),
         )
-
-    def _machine_and_model(self) -> dict:
-        """The plan's fields that no placement changes: the model's sizes and parts, the machine, its rates."""
-        model, machine = self.model, self.machine
-        return {
-            "n_params": model.n_params,
-            "active_params": model.active_params,
-            "moe": model.is_moe,
-            "host_available": machine.host_memory,
-            "gpu_available": machine.gpu_memory,
-            "shares_cores": machine.shares_cores,
-            "rates": self.rates,
-            "gpus": machine.gpus,
-            "hosts": machine.hosts,
-            "split_state": self.split,
-            "stage_names": self.names,
-            "frozen_params": self.frozen_params,
-            "frozen_parts": self._frozen_parts(),
-            "reference_copy": self.reference_copy,
-            "host_source": machine.host_source,
-            "process_bytes": machine.process_bytes,
-        }
-
-    def _memory_of(self, placement: Placement) -> dict:
-        """The plan's fields of what `placement` holds: host, GPU and disk bytes, item by item."""
-        host_items = self.host_items(placement)
-        host_bytes = sum(host_items.values())
-        first_disk_group = placement.first_disk_group
-        return {
-            "host_bytes": host_bytes,
-            "host_bytes_per_param": host_bytes / self.model.n_params,
-            "host_items": host_items,
-            "disk_bytes": self.disk_bytes(placement),
-            "first_disk_group": len(self.group_sizes) if first_disk_group is None else first_disk_group,
-            "gpu_bytes": self.device_bytes(placement),
-            "checkpoint_bytes": sum(self.checkpoint_bytes(i, placement.tokens) for i in self.blocks),
-            "checkpoint_stages": sum(self.planes),
-            "kept_bytes": len(placement.kept) * placement.tokens * self.product_bytes_per_token,
-            "extra_kept_layers": len(self.extras(placement)),
-            "held_bytes": self.params(placement.held) * self.element,
-            "gpu_updated_bytes": self.resident_state_bytes(placement),
-            "host_kept_bytes": host_items.get("host-kept products", 0),
-            "generation_host_bytes": self.generation_host_bytes,
-            "packed_cache_bytes": sum(self.packed.values()),
-            "largest_params": self.largest_params(placement),
-            "network_bytes": self.network_bytes(),
-        }
-
-    def _times_of(self, placement: Placement, compute_bound: bool) -> dict:
-        """The plan's fields of how long `placement`'s step takes: its phases, what bounds it, its rates."""
-        phases = self.phases(placement)
-        bound = slowest(phases)
-        step_s = phases[bound] + self.boundary_s(placement)
-        global_tokens = placement.step_tokens * self.world
-        flops = flops_per_token(self.model, self.shape.seq_len, self.spec.adapter_params) * global_tokens
-        return {
-            "tokens_per_step": global_tokens,
-            "compute_s": self.compute_s(placement),
-            "transfer_s": self.transfer_s(placement),
-            "optimizer_s": self.optimizer_s(placement),
-            "disk_s": phases["disk"],
-            "network_s": phases["network"],
-            "bubble_s": self.boundary_s(placement),
-            "dequantize_s": placement.sweeps * self.dequantize_s(),
-            "step_s": step_s,
-            "tokens_per_s": global_tokens / step_s,
-            "model_tflops": flops / step_s / 1e12,
-            "phases": phases,
-            "bound": bound,
-            "compute_bound_tokens": self.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
-            "reference_tokens_per_s": self.reference_tokens_per_s(placement),
-        }
 
 
 def leaves_more_room(host_bytes: int, than_bytes: int, budget: int | None) -> bool:
@@ -542,3 +470,78 @@ def leaves_more_room(host_bytes: int, than_bytes: int, budget: int | None) -> bo
     with clipping on a 125 GiB host takes 97% of it in one sweep or eight (taken at POOL_HOST_SHARE, its steps ran in
     one, keeping 8 layers' products where 8 sweeps keep all 28: 497 against 540 model TFLOPS)."""
     return budget is not None and any(host_bytes <= share * budget < than_bytes for share in (1.0, POOL_HOST_SHARE))
+
+
+def _machine_and_model(planner: Planner) -> dict:
+    """`Planner.plan`'s fields that no placement changes: the model's sizes and parts, the machine, its rates."""
+    model, machine = planner.model, planner.machine
+    return {
+        "n_params": model.n_params,
+        "active_params": model.active_params,
+        "moe": model.is_moe,
+        "host_available": machine.host_memory,
+        "gpu_available": machine.gpu_memory,
+        "shares_cores": machine.shares_cores,
+        "rates": planner.rates,
+        "gpus": machine.gpus,
+        "hosts": machine.hosts,
+        "split_state": planner.split,
+        "stage_names": planner.names,
+        "frozen_params": planner.frozen_params,
+        "frozen_parts": planner._frozen_parts(),
+        "reference_copy": planner.reference_copy,
+        "host_source": machine.host_source,
+        "process_bytes": machine.process_bytes,
+    }
+
+
+def _memory_of(planner: Planner, placement: Placement) -> dict:
+    """`Planner.plan`'s fields of what `placement` holds: host, GPU and disk bytes, item by item."""
+    host_items = planner.host_items(placement)
+    host_bytes = sum(host_items.values())
+    first_disk_group = placement.first_disk_group
+    return {
+        "host_bytes": host_bytes,
+        "host_bytes_per_param": host_bytes / planner.model.n_params,
+        "host_items": host_items,
+        "disk_bytes": planner.disk_bytes(placement),
+        "first_disk_group": len(planner.group_sizes) if first_disk_group is None else first_disk_group,
+        "gpu_bytes": planner.device_bytes(placement),
+        "checkpoint_bytes": sum(planner.checkpoint_bytes(i, placement.tokens) for i in planner.blocks),
+        "checkpoint_stages": sum(planner.planes),
+        "kept_bytes": len(placement.kept) * placement.tokens * planner.product_bytes_per_token,
+        "extra_kept_layers": len(planner.extras(placement)),
+        "held_bytes": planner.params(placement.held) * planner.element,
+        "gpu_updated_bytes": planner.resident_state_bytes(placement),
+        "host_kept_bytes": host_items.get("host-kept products", 0),
+        "generation_host_bytes": planner.generation_host_bytes,
+        "packed_cache_bytes": sum(planner.packed.values()),
+        "largest_params": planner.largest_params(placement),
+        "network_bytes": planner.network_bytes(),
+    }
+
+
+def _times_of(planner: Planner, placement: Placement, compute_bound: bool) -> dict:
+    """`Planner.plan`'s fields of how long `placement`'s step takes: its phases, what bounds it, its rates."""
+    phases = planner.phases(placement)
+    bound = slowest(phases)
+    step_s = phases[bound] + planner.boundary_s(placement)
+    global_tokens = placement.step_tokens * planner.world
+    flops = flops_per_token(planner.model, planner.shape.seq_len, planner.spec.adapter_params) * global_tokens
+    return {
+        "tokens_per_step": global_tokens,
+        "compute_s": planner.compute_s(placement),
+        "transfer_s": planner.transfer_s(placement),
+        "optimizer_s": planner.optimizer_s(placement),
+        "disk_s": phases["disk"],
+        "network_s": phases["network"],
+        "bubble_s": planner.boundary_s(placement),
+        "dequantize_s": placement.sweeps * planner.dequantize_s(),
+        "step_s": step_s,
+        "tokens_per_s": global_tokens / step_s,
+        "model_tflops": flops / step_s / 1e12,
+        "phases": phases,
+        "bound": bound,
+        "compute_bound_tokens": planner.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
+        "reference_tokens_per_s": planner.reference_tokens_per_s(placement),
+    }
