@@ -12,7 +12,13 @@ from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
 from megatrain_store import int8_nbytes, nf4_nbytes
 from megatrain_templates.head import CHUNK_LOGITS
-from megatrain_zoo import ModelConfig, ModelSpec, build_model, linear_attention_flops_per_token
+from megatrain_zoo import (
+    ModelConfig,
+    ModelSpec,
+    build_model,
+    linear_attention_flops_per_token,
+    softmax_attention_flops_per_token,
+)
 
 from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
 from .rates import Rates, block_rates, layer_works
@@ -145,7 +151,7 @@ def extra_forward_s(model: ModelConfig, block, seq_len: int, tokens: int, rates:
     attention's at the block's rate (cuDNN's at Qwen2.5-7B's shape, 16k tokens, on an H200: 0.95 ms, 506 TFLOPS)."""
     if block.shape.linear_attention is not None:
         return linear_attention_flops_per_token(model) / 3 * tokens / (rates.recurrence_tflops * 1e12)
-    forward = model.n_heads * sum(model.attention_widths) * seq_len * tokens  # (a third of forward + backward)
+    forward = softmax_attention_flops_per_token(model, seq_len) / 3 * tokens  # (a third of forward + backward)
     return forward / (rates.gpu_tflops * 1e12)
 
 

@@ -621,11 +621,19 @@ class DecoderBlock(Template):
         }
         if self._adapters is not None:
             views = self._adapters.bind(views, weights[1], dropout=dropout)
-        if extras and self.shape.linear_attention is not None:
-            views[KEPT_RECURRENCE] = KeptRecurrence(products, keep=True)
-        if extras and self._keeps_attention:
-            views[KEPT_ATTENTION] = KeptAttention(products, keep=True)
+        if extras:
+            views.update(self._kept_results(products, keep=True))
         return views, products
+
+    def _kept_results(self, products: dict[str, Tensor], keep: bool) -> dict:
+        """Where the attention's kernel keeps its results in `products` (`keep`) or takes them from there: a
+        linear-attention layer's recurrence (`KeptRecurrence`), plain causal attention (`KeptAttention`)."""
+        kept = {}
+        if self.shape.linear_attention is not None:
+            kept[KEPT_RECURRENCE] = KeptRecurrence(products, keep=keep)
+        if self._keeps_attention:
+            kept[KEPT_ATTENTION] = KeptAttention(products, keep=keep)
+        return kept
 
     def _bind(
         self,
@@ -654,11 +662,7 @@ class DecoderBlock(Template):
         }
         if self._adapters is not None:
             matrices = self._adapters.bind(matrices, weights[1], grads[1], products, dropout)
-        kept = {}
-        if products and self.shape.linear_attention is not None:
-            kept[KEPT_RECURRENCE] = KeptRecurrence(products, keep=False)
-        if products and self._keeps_attention:
-            kept[KEPT_ATTENTION] = KeptAttention(products, keep=False)
+        kept = self._kept_results(products, keep=False) if products else {}
         return {**matrices, **leaves, **fixed, **kept}, leaves
 
     def backward(

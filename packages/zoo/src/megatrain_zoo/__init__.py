@@ -8,6 +8,7 @@ from .config import (
     ZooError,
     flops_per_token,
     linear_attention_flops_per_token,
+    softmax_attention_flops_per_token,
 )
 from .generic import generic_notes
 from .hf import config_from_hf
@@ -46,6 +47,7 @@ __all__ = [
     "load_hf_weights",
     "flops_per_token",
     "linear_attention_flops_per_token",
+    "softmax_attention_flops_per_token",
     "init_param_",
     "preset",
     "preset_table",

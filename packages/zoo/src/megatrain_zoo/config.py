@@ -540,13 +540,19 @@ def linear_attention_flops_per_token(config: ModelConfig) -> float:
     return 3 * config.linear_n_value_heads * ((d_k + d_v) * LINEAR_ATTENTION_CHUNK + 2 * state_products * d_k * d_v)
 
 
+def softmax_attention_flops_per_token(config: ModelConfig, keys: int) -> float:
+    """A softmax attention layer's FLOPs a token, forward + backward (QK^T and AV, 2 FLOPs a product each way, the
+    backward twice the forward), where a query attends to `keys` / 2 keys on average (causal over a sequence of
+    `keys`)."""
+    return 3 * config.n_heads * sum(config.attention_widths) * keys
+
+
 def flops_per_token(config: ModelConfig, seq_len: int, adapter_params: int | None = None) -> float:
     """Training FLOPs per token, forward + backward, recomputation not counted:
     6 x matmul parameters + causal attention (QK^T and AV over half the square; over the window, at
     most, in sliding-window layers; over half a chunk, at most, in chunked layers) + linear attention's
     delta rule (`linear_attention_flops_per_token`). With `adapter_params` (LoRA's, over a frozen base): 4 x the
     base's matmul parameters (no weight gradient) + 6 x the adapters' + the same attention."""
-    per_layer = 3 * config.n_heads * sum(config.attention_widths)
     windowed = min(seq_len, 2 * config.sliding_window) if config.sliding_window else seq_len
     chunked = min(seq_len, config.attention_chunk_size or seq_len)
 
@@ -554,7 +560,7 @@ def flops_per_token(config: ModelConfig, seq_len: int, adapter_params: int | Non
         return windowed if layer in config.sliding_layers else chunked if layer in config.chunked_layers else seq_len
 
     softmax_layers = [layer for layer in range(config.n_layers) if not config.layer_is_linear(layer)]
-    attention = per_layer * sum(keys(layer) for layer in softmax_layers)
+    attention = sum(softmax_attention_flops_per_token(config, keys(layer)) for layer in softmax_layers)
     linear = len(config.linear_attention_layers) * linear_attention_flops_per_token(config)
     if adapter_params is not None:
         return 4 * config.matmul_params + 6 * adapter_params + attention + linear
