@@ -16,24 +16,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from block import time_ms  # noqa: E402
 from common import machine, write_results  # noqa: E402
 
-from megatrain_templates.expert_kernels import add_grouped_weight_grad_  # noqa: E402
+from megatrain_templates.expert_kernels import Tiles, add_grouped_weight_grad_  # noqa: E402
 from megatrain_zoo import preset  # noqa: E402
 
 SAMPLE = 4  # experts checked against float64
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+# (block_m, block_n, block_k, warps, stages, tma). The H100's sweep of 2026-11-28 (without TMA) chose the first tile;
+# the rest of it (128 x 256 and 256 x 128 tiles, 8 warps, 2-4 stages, 32 and 128 rows a step) ran slower. On an
+# H200 (2026-12-03) TMA's reads made the first tile 2-3% faster; the accumulator started from the buffer's tile
+# (its load before the rows) ran 4-12% slower (results/expert-grad-tma-h200.json)
 CONFIGS = [
-    (128, 128, 64, 4, 3),
-    (128, 128, 64, 4, 4),
-    (128, 128, 64, 8, 3),
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (128, 128, 32, 4, 4),
-    (64, 128, 64, 4, 4),
-    (128, 128, 64, 8, 4),
-    (128, 256, 64, 8, 4),
-    (256, 128, 64, 8, 4),
-    (128, 256, 32, 8, 4),
-    (128, 128, 128, 8, 2),
+    Tiles(128, 128, 64, 4, 3),
+    Tiles(128, 128, 64, 4, 4),
+    Tiles(128, 128, 64, 8, 3),
+    Tiles(128, 128, 64, 4, 3, tma=True),
+    Tiles(128, 128, 64, 4, 4, tma=True),
+    Tiles(128, 256, 64, 8, 3, tma=True),
+    Tiles(128, 256, 64, 8, 4, tma=True),
 ]
 
 
@@ -84,7 +82,7 @@ def time_projection(name: str, rows: int, m: int, n: int, ends: torch.Tensor) ->
             print(config, "failed:", str(error).splitlines()[0], flush=True)
             continue
         error = relative_error(into, start, a, b, ends)
-        row(f"kernel {config}", time_ms(lambda: add_grouped_weight_grad_(into, a, b, ends, config)), error)
+        row(f"kernel {tuple(config)}", time_ms(lambda: add_grouped_weight_grad_(into, a, b, ends, config)), error)
     return results
 
 

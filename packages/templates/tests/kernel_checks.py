@@ -13,7 +13,7 @@ from reference import rel_err
 
 from megatrain_templates import chunked_recurrence as recurrence
 from megatrain_templates import delta_kernels
-from megatrain_templates.expert_kernels import add_grouped_weight_grad_
+from megatrain_templates.expert_kernels import Tiles, add_grouped_weight_grad_
 
 
 def _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta: bool, with_docs: bool, device: str):
@@ -112,15 +112,16 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
     counts = [70, 0, 131, 1, 64, 200]
     a, b = torch.randn(sum(counts), 200), torch.randn(sum(counts), 96)
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    into = torch.randn(len(counts), 96, 200).transpose(1, 2)  # [experts, m, n] with n not unit-strided
-    start = into.clone()
-    add_grouped_weight_grad_(into, a, b, ends, (32, 32, 32, 4, 1))
+    start = torch.randn(len(counts), 96, 200).transpose(1, 2)  # [experts, m, n] with n not unit-strided
     want, first = start.double(), 0
     for e, count in enumerate(counts):
         want[e] += a[first : first + count].double().T @ b[first : first + count].double()
         first += count
-    assert rel_err(into, want) < 1e-6, f"relative error {rel_err(into, want):.2e}"
-    assert torch.equal(into[1], start[1]), "an expert without rows changed"
+    for tma in (False, True):  # (the rows read by masked loads, or their whole chunks by descriptors)
+        into = start.clone()
+        add_grouped_weight_grad_(into, a, b, ends, Tiles(32, 32, 32, 4, 1, tma=tma))
+        assert rel_err(into, want) < 1e-6, f"tma={tma}: relative error {rel_err(into, want):.2e}"
+        assert torch.equal(into[1], start[1]), f"tma={tma}: an expert without rows changed"
 
 
 def swiglu_kernels_equal_autograd():

@@ -2,16 +2,33 @@
 `layout.add_matmul_` does for a dense layer's. torch._grouped_mm can only write a bf16 product, which the
 backward then rounded, read back and added (a pass over all the experts' gradients per micro-batch): at 16k tokens
 OLMoE's expert gradients take 3.40 ms this way against 4.01, Qwen3-30B-A3B's 3.24 against 4.55 (one H100,
-`benchmarks/expert_grad.py`).
+`benchmarks/expert_grad.py`). An expert's whole 64-row chunks are read by the tensor-memory accelerator (TMA), its
+last chunk by masked loads: on an H200 OLMoE's 3.16 -> 3.07 ms, Qwen3-30B-A3B's 3.05 -> 3.00
+(`results/expert-grad-tma-h200.json`).
 """
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-# The tile each program owns, the rows it reads a step, its warps and loads in flight: the fastest of the
-# configurations `benchmarks/expert_grad.py` times, at OLMoE's, Qwen3-30B-A3B's and DeepSeek-V3's expert shapes on
-# an H100 (OLMoE's gate-up at 16k tokens: 2.23 ms, against 2.58 at 8 warps and 2.60 for grouped_mm + add)
-BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES = 128, 128, 64, 4, 3
+
+class Tiles(NamedTuple):
+    """How the kernel divides the work: the [block_m, block_n] tile each program owns, the rows it reads a step
+    (block_k), its warps and loads in flight (stages); `tma`: whole row chunks read by the tensor-memory
+    accelerator."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    tma: bool = False
+
+
+# The fastest of the configurations `benchmarks/expert_grad.py` times at OLMoE's and Qwen3-30B-A3B's expert shapes
+# (on an H200; the H100's sweep, without TMA, chose the same tile)
+DEFAULT_TILES = Tiles(128, 128, 64, 4, 3, tma=True)
 
 
 def runs_on(rows: Tensor, into: Tensor) -> bool:
@@ -19,24 +36,38 @@ def runs_on(rows: Tensor, into: Tensor) -> bool:
     return rows.is_cuda and rows.dtype == torch.bfloat16 and into.dtype == torch.float32
 
 
-def add_grouped_weight_grad_(
-    into: Tensor, a: Tensor, b: Tensor, ends: Tensor, config: tuple[int, int, int, int, int] | None = None
-) -> None:
+def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, tiles: Tiles = DEFAULT_TILES) -> None:
     """into[e] += a[rows of e]^T @ b[rows of e] for each expert e, accumulated in fp32.
 
     into: [n_experts, m, n] fp32 (any strides; n unit-strided is fastest); a: [rows, m], b: [rows, n], bf16, the
     rows grouped by expert; ends: [n_experts] int32, each expert's end row (read on the device: no host sync).
-    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), for the benchmark that chose the default."""
+    `tiles`: how the kernel divides the work (other than the default: for the benchmark that chose it)."""
     from . import expert_triton
 
-    block_m, block_n, block_k, warps, stages = config or (BLOCK_M, BLOCK_N, BLOCK_K, WARPS, STAGES)
     a, b = a.contiguous(), b.contiguous()
     n_experts, m, n = into.shape
-    grid = (_cdiv(m, block_m) * _cdiv(n, block_n), n_experts)
+    descriptors = _descriptors(a, b, tiles) if tiles.tma else None
+    grid = (_cdiv(m, tiles.block_m) * _cdiv(n, tiles.block_n), n_experts)
     expert_triton.grouped_weight_grad_into[grid](
-        a, b, into, ends, m, n, a.stride(0), b.stride(0), *into.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        a, b, into, ends, m, n, a.stride(0), b.stride(0), *into.stride(), *(descriptors or (None, None)),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, TMA=descriptors is not None,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
+
+
+def _descriptors(a: Tensor, b: Tensor, tiles: Tiles) -> tuple | None:
+    """TMA descriptors of `a` and `b`'s row chunks, or None where TMA can't read them: a Triton before 3.4, or a
+    start or row not on 16 bytes (the accelerator's alignment)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    if any(t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in (a, b)):
+        return None
+    return (
+        TensorDescriptor.from_tensor(a, [tiles.block_k, tiles.block_m]),
+        TensorDescriptor.from_tensor(b, [tiles.block_k, tiles.block_n]),
+    )
 
 
 def _cdiv(a: int, b: int) -> int:

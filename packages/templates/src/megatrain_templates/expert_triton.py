@@ -7,29 +7,38 @@ import triton.language as tl
 
 @triton.jit
 def grouped_weight_grad_into(
-    a_ptr, b_ptr, c_ptr, ends_ptr, m, n, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, ends_ptr, m, n, stride_a, stride_b, stride_ce, stride_cm, stride_cn, a_desc, b_desc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """c[e] += a[rows of e]^T @ b[rows of e] for the [BLOCK_M, BLOCK_N] tile `program_id(0)` of expert
     `program_id(1)`: a [rows, m] and b [rows, n] row-major, the rows grouped by expert (expert e's end row at
     ends[e]), c [experts, m, n] fp32 of any strides. The product accumulates in fp32 registers and is added to c
-    once: no half-precision product is rounded, written and read back."""
+    once: no half-precision product is rounded, written and read back. `TMA`: an expert's whole BLOCK_K row
+    chunks are read by the tensor-memory accelerator through `a_desc`, `b_desc` (its last, partial chunk by
+    masked loads: the rows after it are the next expert's)."""
     expert = tl.program_id(1)
     end = tl.load(ends_ptr + expert).to(tl.int64)
     start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
     if end == start:  # no rows: nothing to add
         return
     tiles_n = tl.cdiv(n, BLOCK_N)
-    ms = (tl.program_id(0) // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0, n0 = (tl.program_id(0) // tiles_n) * BLOCK_M, (tl.program_id(0) % tiles_n) * BLOCK_N
+    ms, ns = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
     m_in, n_in = ms < m, ns < n
+    at = c_ptr + expert.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :] * stride_cn
+    mask = m_in[:, None] & n_in[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for first in range(start, end, BLOCK_K):
+    masked_from = start
+    if TMA:  # (a descriptor's coordinates are int32: fewer rows than that, as the ends are)
+        masked_from = start + (end - start) // BLOCK_K * BLOCK_K
+        for first in range(start.to(tl.int32), masked_from.to(tl.int32), BLOCK_K):
+            a = a_desc.load([first, m0])
+            b = b_desc.load([first, n0])
+            acc = tl.dot(tl.trans(a), b, acc)
+    for first in range(masked_from, end, BLOCK_K):
         rows = first + tl.arange(0, BLOCK_K).to(tl.int64)
         in_rows = rows < end
         a = tl.load(a_ptr + rows[:, None] * stride_a + ms[None, :], mask=in_rows[:, None] & m_in[None, :], other=0.0)
         b = tl.load(b_ptr + rows[:, None] * stride_b + ns[None, :], mask=in_rows[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
-    at = c_ptr + expert.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :] * stride_cn
-    mask = m_in[:, None] & n_in[None, :]
     tl.store(at, tl.load(at, mask=mask) + acc, mask=mask)
