@@ -39,8 +39,8 @@ LINEAR_PRESETS = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"]
 def test_rows_of_several_chunks_match_transformers(name, kernel, tmp_path):
     """Rows of 150 tokens: two whole chunks of 64 and a shorter third, the state carried between them: the logits,
     and a step's loss, gradient norm and updated weights, equal transformers' model + AdamW. Against its own
-    chunked delta rule (the same in the three families) in fp32, where both sides' noise allows 1e-4 on the
-    gradient norm (2.6e-5 measured) and experts are left out (a routing near-tie may flip at this length); and
+    chunked delta rule (the same in the three families) in fp32, where both sides' noise allows 2e-4 on the
+    gradient norm (at most 4.7e-5 over 257 seeds, one seed in about 90 CI runs over 1e-4) and experts are left out (a routing near-tie may flip at this length); and
     against the float64 reference of `exact_reference`, experts included. Granite 4.0-H's Mamba-2 layers against
     transformers' own chunked scan in fp32."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
@@ -58,7 +58,7 @@ def test_rows_of_several_chunks_match_transformers(name, kernel, tmp_path):
         optimizer = hf_adamw(reference.train(), train)
         _, loss, norm = reference_step(reference, optimizer, train, 0, 0.5, input_ids=ids, labels=labels)
     assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
-    assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4 if kernel else grad_norm_tolerance(preset(name)))
+    assert metrics.grad_norm == pytest.approx(norm.item(), rel=2e-4 if kernel else grad_norm_tolerance(preset(name)))
     exported = transformers.AutoModelForCausalLM.from_pretrained(trainer.export(tmp_path / "out"), dtype=torch.float64)
     trainer.close()
     ours = dict(exported.named_parameters())
