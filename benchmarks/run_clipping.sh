@@ -24,9 +24,9 @@ dense-7b)
         bench "clip$clip-8k" --models qwen2.5-7b --micro-batch 2 --steps 3 --tokens 8192 --grad-clip $clip
         bench "clip$clip" --models qwen2.5-7b --micro-batch 4 --steps 3 --tokens 32768,131072 --grad-clip $clip
     done ;;
-moe)
-    bench olmoe --models olmoe-1b-7b --micro-batch 4 --steps 3 --tokens 131072
-    bench qwen3-moe --models qwen3-30b-a3b --layers 8 --micro-batch 4 --steps 2 --tokens 65536 ;;
+moe)  # (micro-batches as large as run fastest: each expert's GEMMs get more rows; docs/scaling.md#mixtures-of-experts)
+    bench olmoe --models olmoe-1b-7b --micro-batch 8 --steps 3 --tokens 131072
+    bench qwen3-moe --models qwen3-30b-a3b --layers 8 --micro-batch 16 --steps 3 --tokens 65536 ;;
 layers) bench qwen35 --models qwen3.5-27b --layers 8 --micro-batch 4 --steps 2 --tokens 65536 ;;
 generic) bench generic --models qwen2.5-7b --implementation transformers --micro-batch 4 --steps 3 --tokens 32768 ;;
 deepspeed) SEQ_LEN=1024 exec benchmarks/run_compare.sh qwen2.5-3b 32768,131072 "$out" 16 32 ;;
