@@ -13,7 +13,7 @@ from reference import rel_err
 
 from megatrain_templates import chunked_recurrence as recurrence
 from megatrain_templates import delta_kernels
-from megatrain_templates.expert_kernels import Tiles, add_grouped_weight_grad_
+from megatrain_templates.expert_kernels import Tiles, _descriptors, add_grouped_weight_grad_
 
 
 def _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta: bool, with_docs: bool, device: str):
@@ -117,9 +117,16 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
     for e, count in enumerate(counts):
         want[e] += a[first : first + count].double().T @ b[first : first + count].double()
         first += count
-    for tma in (False, True):  # (the rows read by masked loads, or their whole chunks by descriptors)
+    # the rows read by masked loads, or their whole chunks by descriptors; rows not on 16 bytes (a view one element
+    # into its storage) by masked loads where TMA is asked for
+    misaligned = torch.empty(a.numel() + 1)[1:].view_as(a).copy_(a)
+    assert (
+        _descriptors(a, b, Tiles(32, 32, 32, 4, 1)) is not None
+        and _descriptors(misaligned, b, Tiles(32, 32, 32, 4, 1)) is None
+    )
+    for rows, tma in ((a, False), (a, True), (misaligned, True)):
         into = start.clone()
-        add_grouped_weight_grad_(into, a, b, ends, Tiles(32, 32, 32, 4, 1, tma=tma))
+        add_grouped_weight_grad_(into, rows, b, ends, Tiles(32, 32, 32, 4, 1, tma=tma))
         assert rel_err(into, want) < 1e-6, f"tma={tma}: relative error {rel_err(into, want):.2e}"
         assert torch.equal(into[1], start[1]), f"tma={tma}: an expert without rows changed"
 
