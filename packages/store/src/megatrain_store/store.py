@@ -160,16 +160,7 @@ class HostStore:
         self.frozen = frozenset(frozen)
         # the frozen groups whose weights are held in the compute dtype alone, in the "frozen" arena
         self.frozen_in_compute_dtype = self.frozen if frozen_in_compute_dtype else frozenset()
-        if self.frozen_in_compute_dtype and not self.owns_all:
-            raise StoreError(
-                f"frozen groups {sorted(self.frozen_in_compute_dtype)} are held in the compute dtype and cannot be "
-                f"split over hosts (owned={self.owned}); keep every host's copy whole (owned=None)"
-            )
-        if not set(packed) <= self.frozen_in_compute_dtype or (packed and packed_format is None):
-            raise StoreError(
-                f"packed groups {sorted(packed)} must be frozen groups held apart (frozen_in_compute_dtype) and name "
-                f"their packed_format; frozen apart: {sorted(self.frozen_in_compute_dtype)}"
-            )
+        self._check_held_apart(packed, packed_format)
         packings = {g: PackedLayout.of(self.layouts[g], packed_format, compute_dtype) for g in sorted(packed)}
         self.frozen_starts, frozen_total = self._starts(
             lambda group: self.layouts[group].numel if group in self.frozen_in_compute_dtype - set(packed) else 0
@@ -197,6 +188,20 @@ class HostStore:
         self._allocate_grads(grad_pool, grad_total)
         self._allocate_state(state_dir, first_disk_group, state_total)
         self._pin_transfer_arenas(cuda_available() if pin is None else pin)
+
+    def _check_held_apart(self, packed: frozenset[int], packed_format: str | None) -> None:
+        """The frozen groups held in the compute dtype (and the packed among them) are whole on every host, and
+        packed groups are such groups with a format."""
+        if self.frozen_in_compute_dtype and not self.owns_all:
+            raise StoreError(
+                f"frozen groups {sorted(self.frozen_in_compute_dtype)} are held in the compute dtype and cannot be "
+                f"split over hosts (owned={self.owned}); keep every host's copy whole (owned=None)"
+            )
+        if not set(packed) <= self.frozen_in_compute_dtype or (packed and packed_format is None):
+            raise StoreError(
+                f"packed groups {sorted(packed)} must be frozen groups held apart (frozen_in_compute_dtype) and name "
+                f"their packed_format; frozen apart: {sorted(self.frozen_in_compute_dtype)}"
+            )
 
     def _allocate_grads(self, grad_pool: float | None, grad_total: int) -> None:
         """The gradient arena: one buffer per group (`grad_pool` None), or a pool of `grad_pool` x the largest."""
