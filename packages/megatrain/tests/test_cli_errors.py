@@ -357,25 +357,69 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
     assert not run.exists()  # (the run made it, and wrote nothing in it but its lock)
 
 
+USER_LOSSES = """
+from megatrain_templates.objectives import SequenceObjective
+
+MADE = []
+
+
+class NotAnObjective:
+    pass
+
+
+class NeedsArguments(SequenceObjective):
+    def __init__(self, beta):
+        self.beta = beta
+
+
+class Counted(SequenceObjective):
+    def __init__(self):
+        MADE.append(self)
+"""
+
+
+def test_a_users_objective_is_checked_without_being_made(tmp_path, monkeypatch):
+    """The checks before the data is read resolve a `module:Class` objective without making it (its constructor may
+    load what it scores with); the trainer makes it, once."""
+    import importlib
+
+    from megatrain.config import config_from_dict
+    from megatrain.objectives import check_objective, make_objective
+
+    (tmp_path / "user_losses_c.py").write_text(USER_LOSSES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = config_from_dict({"train": {"objective": "user_losses_c:Counted"}})
+    check_objective(config)
+    made = importlib.import_module("user_losses_c").MADE
+    assert made == []
+    objective = make_objective(config)
+    assert made == [objective]
+
+
 @pytest.mark.parametrize(
     "data, train, said",
     [
         ({"tokens": None, "text": "short.txt"}, {}, "0 windows of seq_len 32, fewer than one batch of 4"),
         ({"validation": "short.npy"}, {}, "the validation data holds not one window of data.seq_len 32"),
         ({}, {"objective": "no_such_mod:Loss"}, "train.objective 'no_such_mod:Loss' cannot be made"),
+        ({}, {"objective": "user_losses_a:NotAnObjective"}, "not a megatrain_templates objective"),
+        ({}, {"objective": "user_losses_b:NeedsArguments"}, "'user_losses_b:NeedsArguments' cannot be made"),
     ],
 )
 def test_what_cannot_train_is_refused_before_the_model_is_loaded(
     write_config, tmp_path, capsys, monkeypatch, data, train, said
 ):
-    """Too little data and an objective that does not import were found once the trainer held the model's weights
-    (4.4 GB for a 270M model): now before it is made."""
+    """Too little data and an objective that does not import, is no objective or needs arguments were found once
+    the trainer held the model's weights (4.4 GB for a 270M model): now before it is made."""
     import numpy as np
 
     import megatrain.loop
     from megatrain.cli import main
 
     monkeypatch.setattr(megatrain.loop, "Trainer", lambda *a, **k: pytest.fail("the trainer was made"))
+    for module in ("user_losses_a", "user_losses_b"):
+        (tmp_path / f"{module}.py").write_text(USER_LOSSES)
+    monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "short.txt").write_text("a few words\n")
     np.save(tmp_path / "short.npy", np.arange(10, dtype=np.int32))
     data = {key: str(tmp_path / value) if isinstance(value, str) else value for key, value in data.items()}

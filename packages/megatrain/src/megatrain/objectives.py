@@ -2,6 +2,8 @@
 functions train.grpo.reward_funcs names (the config's names of the user's code resolved here), and the refusal of
 settings the model cannot honour."""
 
+import inspect
+
 from megatrain_data.rewards import Rewards, import_user_module, reward_function
 from megatrain_templates import DPO, GRPO, Objective
 from megatrain_zoo import CORRECTION_BIASED, ModelConfig
@@ -55,17 +57,31 @@ def make_objective(config: Config) -> Objective | None:
             grpo.importance_sampling_level,
             grpo.max_completion_length,
         )
+    return user_objective_class(name)()
+
+
+def check_objective(config: Config) -> None:
+    """Refuse what `make_objective` would, without making the objective (a user's class is made once, by the
+    trainer: its constructor may load what it scores with)."""
+    if config.train.objective not in ("sft", "dpo", "grpo"):
+        user_objective_class(config.train.objective)
+
+
+def user_objective_class(name: str) -> type[Objective]:
+    """The class a train.objective `module:Class` names: importable, a megatrain_templates Objective, made with no
+    arguments (its signature checked, not called)."""
     module_name, _, class_name = name.partition(":")
     try:
-        objective = getattr(import_user_module(module_name), class_name)()
-    except (ImportError, AttributeError, TypeError) as error:
+        objective = getattr(import_user_module(module_name), class_name)
+        inspect.signature(objective).bind()
+    except (ImportError, AttributeError, TypeError, ValueError) as error:
         raise ConfigError(
-            f"train.objective {name!r} cannot be made: {error}; name an importable module:Class"
+            f"train.objective {name!r} cannot be made: {error}; name an importable module:Class made with no arguments"
         ) from error
-    if not isinstance(objective, Objective):
+    if not (isinstance(objective, type) and issubclass(objective, Objective)):
         raise ConfigError(
-            f"train.objective {name!r} is a {type(objective).__name__}, not a megatrain_templates objective "
-            "(SequenceObjective or TokenObjective)"
+            f"train.objective {name!r} is {objective!r}, not a megatrain_templates objective "
+            "(a SequenceObjective or TokenObjective subclass)"
         )
     return objective
 
