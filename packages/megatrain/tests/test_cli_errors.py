@@ -384,12 +384,12 @@ def test_a_users_objective_is_checked_without_being_made(tmp_path, monkeypatch):
     import importlib
 
     from megatrain.config import config_from_dict
-    from megatrain.objectives import check_objective, make_objective
+    from megatrain.objectives import make_objective, user_objective_class
 
     (tmp_path / "user_losses_c.py").write_text(USER_LOSSES)
     monkeypatch.syspath_prepend(str(tmp_path))
     config = config_from_dict({"train": {"objective": "user_losses_c:Counted"}})
-    check_objective(config)
+    user_objective_class(config.train.objective)
     made = importlib.import_module("user_losses_c").MADE
     assert made == []
     objective = make_objective(config)

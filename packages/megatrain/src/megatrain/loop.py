@@ -214,30 +214,6 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     config = with_absolute_paths(config)
     out = Path(config.output_dir)
     model = model_config_of(config)
-    _check_before_loading(config, model, resume, out)
-    ranks = init_ranks(resolve_device(config.device).type, config.engine)
-    lock = RunLock(out) if ranks is None or ranks.is_main else None
-    made_out = not out.exists()  # (a run refused before it starts takes back the directory it made)
-    try:
-        if lock is not None:
-            _claim_output_dir(config, out, lock, resume)
-        data = _read_data(config, model, out, ranks, resume)  # (a bad record stops the run before host memory is taken)
-        trainer = Trainer(config, model, ranks=ranks)
-    except BaseException:
-        if lock is not None:
-            lock.release(refused=True, made_dir=made_out)
-        leave_ranks()  # (the Trainer leaves them on close; without one, this does)
-        raise
-    try:
-        return TrainingRun(config, trainer, data, out, resume).run()
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _check_before_loading(config: Config, model: ModelConfig, resume: Resume | None, out: Path) -> None:
-    """Refuse, before anything is read or loaded, a checkpoint of another model or base, a config the model or this
-    machine cannot run, a reference model unlike the trained one, a tracker that is not installed."""
     if resume is not None:
         check_same_model(resume.directory, resume.manifest["model"], model)
         check_same_weights(config.model.hf_dir, resume.manifest.get("base_fingerprint"), resume.directory)
@@ -251,37 +227,44 @@ def _check_before_loading(config: Config, model: ModelConfig, resume: Resume | N
     if ref_model is not None:
         check_reference_model(Path(ref_model), model, f"train.{objective}.ref_model")
     check_trackers(config)
-
-
-def _claim_output_dir(config: Config, out: Path, lock: RunLock, resume: Resume | None) -> None:
-    """The main process's output directory (and fallback directory) made, locked and free of another run's files
-    and of what killed runs left half-written."""
-    prepare_output_dir(out)
-    if config.fallback_dir is not None:
-        prepare_fallback_dir(Path(config.fallback_dir))
-    note = lock.acquire()
-    if note is not None:
-        print(f"megatrain: {note}", file=sys.stderr)
-    check_output_dir_free(out, None if resume is None else resume.directory)
-    freed = remove_stale_temporaries(out)
-    if freed:
-        print(f"megatrain: removed {size_text(freed)} of files killed runs left half-written", file=sys.stderr)
-
-
-def _read_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None, resume: Resume | None) -> TokenData:
-    """The run's data, checked against the step and the model (GRPO's prompts or given completions are read once
-    the trainer is made: only the tokenizer here)."""
-    if config.train.objective == "grpo":
-        check_grpo_settings(config, ranks)
-        return TokenData(None, None, tokenizer_of(config)[1])
-    data = load_data(config, model, out, ranks)
-    if resume is not None:
-        check_run_tokenizer(config, data, out)
-    check_objective_data(config, data)
-    check_batches(data, config.data.seq_len, config.train.batch_size)  # (before the model is loaded)
-    if isinstance(data.train, MediaRows):
-        check_media_model(data.train, model, config.model.hf_dir)
-    return data
+    ranks = init_ranks(resolve_device(config.device).type, config.engine)
+    lock = RunLock(out) if ranks is None or ranks.is_main else None
+    made_out = not out.exists()  # (a run refused before it starts takes back the directory it made)
+    try:
+        if lock is not None:
+            prepare_output_dir(out)
+            if config.fallback_dir is not None:
+                prepare_fallback_dir(Path(config.fallback_dir))
+            note = lock.acquire()
+            if note is not None:
+                print(f"megatrain: {note}", file=sys.stderr)
+            check_output_dir_free(out, None if resume is None else resume.directory)
+            freed = remove_stale_temporaries(out)
+            if freed:
+                print(f"megatrain: removed {size_text(freed)} of files killed runs left half-written", file=sys.stderr)
+        # the data is read first: a bad record stops the run before any host memory is allocated
+        if config.train.objective == "grpo":  # (prompts or given completions: read once the trainer is made)
+            check_grpo_settings(config, ranks)
+            data = TokenData(None, None, tokenizer_of(config)[1])
+        else:
+            data = load_data(config, model, out, ranks)
+            if resume is not None:
+                check_run_tokenizer(config, data, out)
+            check_objective_data(config, data)
+            check_batches(data, config.data.seq_len, config.train.batch_size)  # (before the model is loaded)
+            if isinstance(data.train, MediaRows):
+                check_media_model(data.train, model, config.model.hf_dir)
+        trainer = Trainer(config, model, ranks=ranks)
+    except BaseException:
+        if lock is not None:
+            lock.release(refused=True, made_dir=made_out)
+        leave_ranks()  # (the Trainer leaves them on close; without one, this does)
+        raise
+    try:
+        return TrainingRun(config, trainer, data, out, resume).run()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class TrainingRun:

@@ -48,28 +48,17 @@ def make_objective(config: Config) -> Objective | None:
         dpo = config.train.dpo
         return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
     if name == "grpo":
-        grpo = config.train.grpo
+        g = config.train.grpo
         return GRPO(
-            grpo.beta,
-            grpo.epsilon,
-            grpo.epsilon_high,
-            grpo.loss_type,
-            grpo.importance_sampling_level,
-            grpo.max_completion_length,
+            g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.importance_sampling_level, g.max_completion_length
         )
     return user_objective_class(name)()
 
 
-def check_objective(config: Config) -> None:
-    """Refuse what `make_objective` would, without making the objective (a user's class is made once, by the
-    trainer: its constructor may load what it scores with)."""
-    if config.train.objective not in ("sft", "dpo", "grpo"):
-        user_objective_class(config.train.objective)
-
-
 def user_objective_class(name: str) -> type[Objective]:
-    """The class a train.objective `module:Class` names: importable, a megatrain_templates Objective, made with no
-    arguments (its signature checked, not called)."""
+    """The class a train.objective `module:Class` names, checked without making it (importable, a megatrain_templates
+    Objective, made with no arguments: its signature read): the checks before the data is read call this, and the
+    trainer makes it, once (its constructor may load what it scores with)."""
     module_name, _, class_name = name.partition(":")
     try:
         objective = getattr(import_user_module(module_name), class_name)
