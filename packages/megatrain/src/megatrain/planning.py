@@ -27,7 +27,7 @@ from megatrain_templates import file_tensors, lora_names
 from megatrain_zoo import ModelConfig, ModelSpec, build_model
 from megatrain_zoo.generate import generation_host_bytes
 
-from .config import Config, ConfigError, adapter_of, model_config_of, resolve_device, resolve_dtype
+from .config import OBJECTIVES, Config, ConfigError, adapter_of, model_config_of, resolve_device, resolve_dtype
 from .objectives import check_model_settings, user_objective_class
 from .reference import PASS_STEPS
 
@@ -177,7 +177,7 @@ def check_runnable(config: Config, model: ModelConfig) -> None:
     cannot run: options the model lacks, and what `check_plan` refuses in a plan from the remembered rates (a
     data.seq_len beyond the model's positions, a model the host cannot hold). The trainer checks again as it is made."""
     check_model_settings(config, model)
-    if config.train.objective not in ("sft", "dpo", "grpo"):  # (a user's class that does not import: said now)
+    if config.train.objective not in OBJECTIVES:  # (a user's class that does not import: said now)
         user_objective_class(config.train.objective)
     gpus, hosts = launch_shape()
     planner = make_planner(config, model, gpus=gpus, hosts=hosts)

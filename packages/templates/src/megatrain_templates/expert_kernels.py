@@ -58,11 +58,9 @@ def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, t
 def _descriptors(a: Tensor, b: Tensor, tiles: Tiles) -> tuple | None:
     """TMA descriptors of `a` and `b`'s row chunks, or None where TMA can't read them: a Triton before 3.4, or a
     start or row not on 16 bytes (the accelerator's alignment)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    if any(t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in (a, b)):
+    from .expert_triton import TensorDescriptor
+
+    if TensorDescriptor is None or any(t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in (a, b)):
         return None
     return (
         TensorDescriptor.from_tensor(a, [tiles.block_k, tiles.block_m]),

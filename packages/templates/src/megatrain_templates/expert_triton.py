@@ -4,6 +4,11 @@ interpreter)."""
 import triton
 import triton.language as tl
 
+try:  # (TMA's descriptors: Triton 3.4 on; None before, where the kernel reads every row by masked loads)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 
 @triton.jit
 def grouped_weight_grad_into(
