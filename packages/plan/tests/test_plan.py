@@ -32,7 +32,7 @@ from megatrain_plan import (
     layout_sizes,
     measure_disk_gbps,
 )
-from megatrain_plan.costs import FORWARD_SHARE, GPU_ADAM_BESIDE_SHARE, POOL_HOST_SHARE
+from megatrain_plan.costs import FORWARD_SHARE, GPU_ADAM_BESIDE_SHARE, POOL_HOST_SHARE, RESIDENT_GAIN
 from megatrain_plan.search import _Counts
 from megatrain_sched import EXTRAS_MARGIN
 from megatrain_store import GroupLayout, PackedLayout
@@ -466,6 +466,20 @@ def test_with_clipping_the_first_blocks_on_the_gpu_are_as_many_as_give_the_faste
     )  # fp32 master and two moments (the gradients held for the norm: the step's, below)
     unclipped = {key: value for key, value in settings.items() if key != "clipping"}
     assert plan_for("qwen2.5-7b", 131072, **unclipped).gpu_updated_layers == 1  # (large steps: as before)
+
+
+def test_with_clipping_a_resident_block_that_displaces_no_products_is_taken_where_faster(monkeypatch):
+    """The margin that takes the fewest first blocks within RESIDENT_GAIN of the fastest step is for the kept products
+    each displaces; where every layer keeps its products whatever the count (Qwen2.5-1.5B at 32k on an H200), the
+    fastest count is taken: 16 blocks were predicted 0.1% slower than 17, the CPU's AdamW bounding the step."""
+    simulate_host(monkeypatch, 1000)
+    settings = {"clipping": True, "seq_len": 4096, "micro_batch": 4, "gpu_memory": 139 * 2**30}
+    auto = plan_for("qwen2.5-1.5b", 32768, **settings)
+    alone = {n: plan_for("qwen2.5-1.5b", 32768, gpu_updated_layers=n, **settings) for n in range(14, 20)}
+    assert all(plan.kept_layers == 28 for plan in [auto, *alone.values()])
+    fastest = min(alone, key=lambda n: alone[n].step_s)
+    assert alone[fastest - 1].step_s <= alone[fastest].step_s / RESIDENT_GAIN  # (the margin's choice: one fewer)
+    assert auto.gpu_updated_layers == fastest and auto.step_s == pytest.approx(alone[fastest].step_s)
 
 
 def test_with_clipping_the_resident_gradients_take_the_room_the_last_products_leave():

@@ -134,8 +134,9 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
 def swiglu_kernels_equal_autograd():
     """The SwiGLU kernels' output and gradients (both halves', and a weighted one's weight's) against float64
     autograd, at a width off their block (a row's last block part masked) and at two blocks a row (the weight's
-    gradient summed over them). fp32 operands: the interpreter's bf16 is not the GPU's."""
-    from megatrain_templates.swiglu_kernels import BLOCK, SwiGLU
+    gradient summed over them). fp32 operands: the interpreter's bf16 is not the GPU's. The one-pass kernel
+    (`swiglu_output_and_backward`) gives the forward kernel's output bit for bit and the backward's gradients."""
+    from megatrain_templates.swiglu_kernels import BLOCK, SwiGLU, swiglu_output_and_backward
 
     for d_ff, weighted in ((BLOCK + 76, False), (BLOCK + 76, True), (300, True)):
         gate_up = (torch.randn(2, 3, 2 * d_ff) * 3).requires_grad_(True)
@@ -154,6 +155,10 @@ def swiglu_kernels_equal_autograd():
             assert rel_err(ours, theirs) < 1e-6, (
                 f"{case}: {name}'s gradient: relative error {rel_err(ours, theirs):.2e}"
             )
+        one_pass = swiglu_output_and_backward(gate_up.detach(), grad, None if weight is None else weight.detach())
+        assert torch.equal(one_pass[0], out.detach()), f"{case}: the one-pass kernel's output differs"
+        for name, ours, theirs in zip(("gate_up", "weight"), one_pass[1:], got):
+            assert torch.equal(ours, theirs), f"{case}: the one-pass kernel's {name} gradient differs"
 
 
 if __name__ == "__main__":

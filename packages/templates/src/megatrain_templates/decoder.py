@@ -60,6 +60,8 @@ from .ops import (
     rms_normalized,
     rope_cos_sin,
     rotary_heads,
+    swiglu,
+    swiglu_output_and_backward,
 )
 from .template import Template
 
@@ -538,10 +540,61 @@ class DecoderBlock(Template):
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
         return linear(attn.transpose(1, 2).reshape(batch, seq, s.n_heads * m.v_head_dim), w["o_proj"])
 
+    def _up_to_mlp_input(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
+        """Everything before the MLP's activation: returns (x after attention, the gate|up projection)."""
+        x, h = self._attention_and_norm(w, x, documents)
+        return x, linear(h, w["gate_up_weight"])
+
     def _up_to_mlp_output(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor]:
         """Everything but the last GEMM: returns (x after attention, activation(gate) * up)."""
-        x, h = self._attention_and_norm(w, x, documents)
-        return x, self._activation(linear(h, w["gate_up_weight"]))
+        x, gate_up = self._up_to_mlp_input(w, x, documents)
+        return x, self._activation(gate_up)
+
+    def _mlp_by_hand(
+        self,
+        bound: dict,
+        x: Tensor,
+        documents: Documents | None,
+        weights: list[Tensor],
+        grads: list[Tensor],
+        grad_out: Tensor,
+        dropout: DropoutKey | None,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The backward's recompute up to the MLP's activation, and the down projection's two GEMMs by hand (its
+        weight gradient added into `grads[0]`): the outputs and their gradients that autograd takes from there.
+        SwiGLU's output and its input's gradient come from one pass (`swiglu_output_and_backward`), made once the
+        activation's gradient is: the recompute stops before the activation (not with adapters on the down
+        projection, whose delta's graph starts at the activation)."""
+        down, adapted = (
+            self._spans["down_weight"],
+            self._adapters is not None and "down_weight" in self._adapters.adapted,
+        )
+        fused = self._activation is swiglu and not adapted
+        with torch.enable_grad():
+            after_attention, mlp_input = (self._up_to_mlp_input if fused else self._up_to_mlp_output)(
+                bound, x, documents
+            )
+        scale = self.shape.residual_scale
+        grad_down_out = grad_out if scale is None else grad_out * scale
+        grad_mlp_hidden = grad_down_out @ down.view(weights[0])  # [batch, seq, d_ff]
+        if fused:
+            mlp_hidden, grad_mlp_input, _ = swiglu_output_and_backward(mlp_input.detach(), grad_mlp_hidden)
+        else:
+            mlp_hidden, grad_mlp_input = mlp_input, grad_mlp_hidden
+        if grads[0] is not None:
+            add_matmul_(
+                down.view(grads[0]),
+                grad_down_out.reshape(-1, grad_out.shape[-1]).T,
+                mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
+            )
+        # the residual passes grad_out straight to after_attention; autograd adds the MLP path
+        outputs, grad_outputs = [after_attention, mlp_input], [grad_out, grad_mlp_input]
+        if adapted:
+            with torch.enable_grad():  # the down projection's adapters: their delta's graph gives the rest
+                down_adapters = self._adapters.adapters("down_weight", weights[1], grads[1], dropout=dropout)
+                outputs.append(linear(mlp_hidden, down_adapters))
+            grad_outputs.append(grad_down_out)
+        return outputs, grad_outputs
 
     def _block(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None) -> Tensor:
         x, mlp_hidden = self._up_to_mlp_output(w, x, documents)
@@ -689,25 +742,7 @@ class DecoderBlock(Template):
         bound, leaves = self._bind(weights, grads, skip=skip, products=products, dropout=dropout)
         x = hidden.detach().requires_grad_(True)
         if by_hand:
-            with torch.enable_grad():
-                after_attention, mlp_hidden = self._up_to_mlp_output(bound, x, documents)
-            down = self._spans["down_weight"]
-            scale = self.shape.residual_scale
-            grad_down_out = grad_out if scale is None else grad_out * scale
-            grad_mlp_hidden = grad_down_out @ down.view(weights[0])  # [batch, seq, d_ff]
-            if grads[0] is not None:
-                add_matmul_(
-                    down.view(grads[0]),
-                    grad_down_out.reshape(-1, grad_out.shape[-1]).T,
-                    mlp_hidden.detach().reshape(-1, mlp_hidden.shape[-1]),
-                )
-            # the residual passes grad_out straight to after_attention; autograd adds the MLP path
-            outputs, grad_outputs = [after_attention, mlp_hidden], [grad_out, grad_mlp_hidden]
-            if self._adapters is not None and "down_weight" in self._adapters.adapted:
-                with torch.enable_grad():  # the down projection's adapters: their delta's graph gives the rest
-                    down_adapters = self._adapters.adapters("down_weight", weights[1], grads[1], dropout=dropout)
-                    outputs.append(linear(mlp_hidden, down_adapters))
-                grad_outputs.append(grad_down_out)
+            outputs, grad_outputs = self._mlp_by_hand(bound, x, documents, weights, grads, grad_out, dropout)
         else:
             with torch.enable_grad():
                 outputs, grad_outputs = [self._block(bound, x, documents)], [grad_out]

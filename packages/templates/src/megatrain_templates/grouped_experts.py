@@ -112,25 +112,34 @@ def _grouped_linear_backward(
     x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None, weight_grad: bool = True
 ):
     """The backward of `_grouped_matmul(x, weight)` for `grad` [rows, out]: (x's gradient, the weight's, or None
-    where it was added into `into`: by the grouped kernel that accumulates in fp32, `expert_kernels`, where the
-    experts run grouped in bf16; or where no `weight_grad` is wanted: a frozen weight's). The weight's is computed
-    in the orientation its storage has, so that adding it reads and writes memory in order."""
+    where it was added into `into` (`_add_grouped_weight_grad`) or no `weight_grad` is wanted: a frozen weight's)."""
     grad = grad.contiguous()
-    grad_x = _grouped_matmul(grad, weight.transpose(1, 2), slots)
-    if not weight_grad:
-        return grad_x, None
+    grad_x = _grouped_input_grad(weight, grad, slots)
+    return grad_x, _add_grouped_weight_grad(x, weight, grad, slots, into) if weight_grad else None
+
+
+def _grouped_input_grad(weight: Tensor, grad: Tensor, slots: _Slots) -> Tensor:
+    """The gradient of `_grouped_matmul(x, weight)`'s input x for `grad` [rows, out] (contiguous)."""
+    return _grouped_matmul(grad, weight.transpose(1, 2), slots)
+
+
+def _add_grouped_weight_grad(x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None):
+    """The gradient of `_grouped_matmul(x, weight)`'s weight for `grad` [rows, out] (contiguous): added into `into`
+    (None returned), by the grouped kernel that accumulates in fp32 (`expert_kernels`) where the experts run
+    grouped in bf16; or returned where `into` is None. Computed in the orientation its storage has, so that
+    adding it reads and writes memory in order."""
     target = weight if into is None else into
     out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
     a, b = (grad, x) if out_in else (x, grad)  # the gradient in its storage's orientation: a^T b per expert
     if into is not None and slots.grouped and expert_kernels.runs_on(grad, into):
         expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2) if out_in else into, a, b, slots.offsets)
-        return grad_x, None
+        return None
     grad_weight = _grouped_weight_grad(a, b, slots)
     grad_weight = grad_weight.transpose(1, 2) if out_in else grad_weight
     if into is None:
-        return grad_x, grad_weight
+        return grad_weight
     into.add_(grad_weight)
-    return grad_x, None
+    return None
 
 
 class _GroupedLinear(torch.autograd.Function):

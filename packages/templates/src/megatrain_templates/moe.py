@@ -14,10 +14,11 @@ from torch import Tensor
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_spans, plain_causal_attention
 from .grouped_experts import (
+    _add_grouped_weight_grad,
     _Combine,
     _Dispatch,
+    _grouped_input_grad,
     _grouped_linear,
-    _grouped_linear_backward,
     _grouped_mm_works,
     _in_out,
     _Slots,
@@ -28,7 +29,7 @@ from .linear_attention import LINEAR_ATTENTION_LEAVES
 from .lora import DropoutKey, Lora
 from .moe_layout import MoeShape, _expert_spans, _router_spans, _shared_spans, moe_params
 from .moe_routing import RouterLoad, Routing, _expert_picks, _token_weights, _valid_tokens
-from .ops import linear, swiglu, upcast
+from .ops import linear, swiglu, swiglu_output_and_backward, upcast
 
 
 class MoeBlock(DecoderBlock):
@@ -218,6 +219,12 @@ class MoeBlock(DecoderBlock):
 
         The routing weight scales each expert's down-projection input (d_ff wide), not its output
         (d_model wide): the same by linearity, with half the elementwise traffic or less."""
+        gate_up, weight = self._expert_gate_up(w, h, top_weight, slots)
+        return self._activation(gate_up, weight), weight
+
+    def _expert_gate_up(self, w: dict, h: Tensor, top_weight: Tensor, slots: _Slots) -> tuple[Tensor, Tensor | None]:
+        """(the experts' gate|up projections [rows, 2 * d_ff], the routing weights their activations are scaled by
+        [rows, 1], or None: `_expert_activation`'s)."""
         x = _Dispatch.apply(h, slots)  # [rows, d_model], grouped by expert
         weight = top_weight.reshape(-1)[slots.order].to(h.dtype).unsqueeze(1)
         if self.moe.weights_inputs:  # Llama 4: the expert sees its input scaled, its output is not
@@ -225,7 +232,7 @@ class MoeBlock(DecoderBlock):
         hidden = _grouped_linear(x, w["experts_gate_up"], slots, out_in=not self.moe.fused)
         if "experts_gate_up_bias" in w:  # gpt-oss
             hidden = hidden + w["experts_gate_up_bias"][slots.expert]
-        return self._activation(hidden, weight), weight
+        return hidden, weight
 
     def _expert_output(self, w: dict, act: Tensor, weight: Tensor | None, slots: _Slots) -> Tensor:
         """[tokens, d_model]: the experts' down projections of `act` summed over each token's choices (gpt-oss'
@@ -235,13 +242,26 @@ class MoeBlock(DecoderBlock):
             y = y + weight * w["experts_down_bias"][slots.expert]
         return _Combine.apply(y, slots)
 
-    def _expert_output_backward(self, down: BoundWeight, act: Tensor, grad_out: Tensor, slots: _Slots) -> Tensor:
-        """`_expert_output`'s backward, its forward not recomputed (no gradient needs its output): adds the down
-        projection's weight gradient into its buffer and returns `act`'s gradient. grad_out: [tokens, d_model]."""
+    def _experts_by_hand(
+        self, down: BoundWeight, gate_up: Tensor, weight: Tensor | None, grad_out: Tensor, slots: _Slots
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The experts' SwiGLU and down projection backward by hand, their forward not recomputed (no gradient needs
+        the projection's output): the activation's gradient first, then the activation and its inputs' gradients in
+        one pass (`swiglu_output_and_backward`), then the projection's weight gradient added into its buffer.
+        Returns the outputs (`gate_up`, `weight`) and their gradients, for autograd from there.
+        grad_out: [tokens, d_model]."""
         out_in, frozen = not self.moe.fused, down.grad is None
-        weight, into = _in_out(down.value, out_in), None if frozen else _in_out(down.grad, out_in)
+        matrix = _in_out(down.value, out_in)
         grad_rows = grad_out.index_select(0, slots.token)  # the combine's backward
-        return _grouped_linear_backward(act.detach(), weight, grad_rows, slots, into, weight_grad=not frozen)[0]
+        grad_act = _grouped_input_grad(matrix, grad_rows, slots)
+        act, grad_gate_up, grad_weight = swiglu_output_and_backward(
+            gate_up.detach(), grad_act, None if weight is None else weight.detach()
+        )
+        if not frozen:
+            _add_grouped_weight_grad(act, matrix, grad_rows, slots, _in_out(down.grad, out_in))
+        if weight is None:
+            return [gate_up], [grad_gate_up]
+        return [gate_up, weight], [grad_gate_up, grad_weight]
 
     def _activation(self, gate_up: Tensor, weight: Tensor | None) -> Tensor:
         """The experts' activation times the routing weight (None: Llama 4's, which scaled the input):
@@ -340,13 +360,14 @@ class MoeBlock(DecoderBlock):
             h = h.reshape(-1, x.shape[-1])
             routing = self.route(w, h)
             slots = self._slots(w, h, routing.top_index)
-            act, weight = self._expert_activation(w, h, routing.top_weight, slots)
+            gate_up, weight = self._expert_gate_up(w, h, routing.top_weight, slots)
             shared = self._shared_expert(w, h)
-            if self.moe.gpt_oss:  # its down bias, scaled by the routing weight, needs the weight's gradient
+        if self.moe.gpt_oss:  # its down bias, scaled by the routing weight, needs the weight's gradient
+            with torch.enable_grad():
+                act = self._activation(gate_up, weight)
                 outputs, grad_outputs = [self._expert_output(w, act, weight, slots)], [flat_grad]
-            else:
-                grad_act = self._expert_output_backward(w["experts_down"], act, flat_grad, slots)
-                outputs, grad_outputs = [act], [grad_act]
+        else:
+            outputs, grad_outputs = self._experts_by_hand(w["experts_down"], gate_up, weight, flat_grad, slots)
         if shared is not None:
             outputs, grad_outputs = outputs + [shared], grad_outputs + [flat_grad]
         aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])

@@ -273,6 +273,21 @@ def swiglu(gate_up: Tensor, weight: Tensor | None = None) -> Tensor:
     return swiglu_written_out(gate_up, weight)
 
 
+def swiglu_output_and_backward(
+    gate_up: Tensor, grad: Tensor, weight: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(`swiglu(gate_up, weight)`, the gradients of gate_up and of `weight` (None where not given) for the output's
+    gradient `grad`), outside autograd: for a backward that makes `grad` before it needs the output (the next GEMM's
+    weight gradient), so that the recompute need not run the forward. One Triton kernel where `swiglu` runs them."""
+    if _compile and swiglu_kernels.runs_on(gate_up):
+        return swiglu_kernels.swiglu_output_and_backward(gate_up.contiguous(), grad, weight)
+    inputs = [t.detach().requires_grad_(True) for t in (gate_up, weight) if t is not None]
+    with torch.enable_grad():
+        out = swiglu_written_out(*inputs)
+    grad_gate_up, *grad_weight = torch.autograd.grad(out, inputs, grad)
+    return out.detach(), grad_gate_up, (grad_weight or [None])[0]
+
+
 def swiglu_written_out(gate_up: Tensor, weight: Tensor | None = None) -> Tensor:
     """`swiglu` as torch operations: what it runs off CUDA (and what Inductor compiled before the kernels)."""
     gate, up = gate_up.chunk(2, dim=-1)

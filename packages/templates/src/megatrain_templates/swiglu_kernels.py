@@ -39,6 +39,21 @@ def swiglu_forward(gate_up: Tensor, weight: Tensor | None = None) -> Tensor:
 
 def swiglu_backward(gate_up: Tensor, grad: Tensor, weight: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(the gradient of gate_up, of `weight`: None where not given) from the output's gradient `grad`."""
+    return _backward(gate_up, grad, weight, None)
+
+
+def swiglu_output_and_backward(
+    gate_up: Tensor, grad: Tensor, weight: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(`swiglu_forward`'s output, bit for bit, and `swiglu_backward`'s two gradients) in one pass: for a backward
+    that needs the output only for the next GEMM's weight gradient, and can make the output's gradient first. On
+    Qwen2.5-7B's [16384, 2 x 18944] it reads gate_up once where the recompute's forward and the backward read it
+    twice (two passes of 1.86 and 3.1 GB, one of 3.7)."""
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    return (out, *_backward(gate_up, grad, weight, out))
+
+
+def _backward(gate_up: Tensor, grad: Tensor, weight: Tensor | None, out: Tensor | None) -> tuple[Tensor, Tensor | None]:
     from . import swiglu_triton
 
     d_ff, rows, blocks = _grid(gate_up)
@@ -49,7 +64,8 @@ def swiglu_backward(gate_up: Tensor, grad: Tensor, weight: Tensor | None = None)
     if rows:
         swiglu_triton.swiglu_backward[(rows, blocks)](
             gate_up, grad.contiguous(), weight if weighted else gate_up, grad_gate_up,
-            weight_sums if weighted else gate_up, d_ff, BLOCK=BLOCK, WEIGHTED=weighted, num_warps=WARPS,
+            weight_sums if weighted else gate_up, gate_up if out is None else out, d_ff,
+            BLOCK=BLOCK, WEIGHTED=weighted, WRITE_OUT=out is not None, num_warps=WARPS,
         )  # fmt: skip
     if not weighted:
         return grad_gate_up, None

@@ -23,12 +23,14 @@ def swiglu_forward(gate_up_ptr, weight_ptr, out_ptr, d_ff, BLOCK: tl.constexpr, 
 
 @triton.jit
 def swiglu_backward(
-    gate_up_ptr, grad_ptr, weight_ptr, grad_gate_up_ptr, weight_sums_ptr, d_ff,
-    BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
+    gate_up_ptr, grad_ptr, weight_ptr, grad_gate_up_ptr, weight_sums_ptr, out_ptr, d_ff,
+    BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, WRITE_OUT: tl.constexpr,
 ):  # fmt: skip
     """The gradients of gate and up from the output's `grad` [rows, d_ff], into grad_gate_up [rows, 2 * d_ff]: each
     input read once and each gradient written once, computed in fp32 and rounded once. WEIGHTED: the output was
-    scaled by weight[row], whose gradient's part from this block's columns goes to weight_sums[row, block] (fp32)."""
+    scaled by weight[row], whose gradient's part from this block's columns goes to weight_sums[row, block] (fp32).
+    WRITE_OUT: the forward's output too, into out [rows, d_ff] (as `swiglu_forward` rounds it), for a backward
+    whose recompute would otherwise have run the forward only to give the next GEMM's weight gradient its input."""
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = columns < d_ff
@@ -37,6 +39,11 @@ def swiglu_backward(
     grad = tl.load(grad_ptr + row * d_ff + columns, mask=mask, other=0.0).to(tl.float32)
     sigmoid = tl.sigmoid(gate)
     silu = gate * sigmoid
+    if WRITE_OUT:
+        out = silu * up
+        if WEIGHTED:
+            out = out * tl.load(weight_ptr + row).to(tl.float32)
+        tl.store(out_ptr + row * d_ff + columns, out.to(out_ptr.dtype.element_ty), mask=mask)
     if WEIGHTED:
         tl.store(weight_sums_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.sum(grad * silu * up))
         grad = grad * tl.load(weight_ptr + row).to(tl.float32)
