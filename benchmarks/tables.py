@@ -418,7 +418,7 @@ def families(rows: list[dict]) -> Table:
 
 def block_ceilings(rows: list[dict]) -> Table:
     """One decoder block's forward and recompute + backward (default SDPA backends): the per-layer ceiling."""
-    blocks = [r for r in rows if r.get("scope", "").endswith("SDPA default") and is_default(r)]
+    blocks = [r for r in rows if r.get("scope", "").endswith("recompute+bwd, SDPA default") and is_default(r)]
     best = newest(blocks, lambda r: r["model"])
     chosen = sorted(best.values(), key=lambda r: r["model_tflops"])
     body = [
