@@ -110,9 +110,10 @@ def _optimizer_fields(trainer, split: dict, triad_gbps: float) -> dict:
 
 
 def span_totals(timeline, t_start_us, t_end_us) -> dict:
-    """Busy time per track inside [start, end] (union of spans, so overlaps count once)."""
+    """Busy time per track inside [start, end] (union of spans, so overlaps count once); `step_start`: the host's
+    beginning of each sweep (its placement fitted, its batches copied, its first weights queued)."""
     busy = {}
-    for track in ("copy_in", "compute", "copy_out", "optimizer"):
+    for track in ("copy_in", "compute", "copy_out", "optimizer", "step_start"):
         spans = sorted(
             (max(s["start_us"], t_start_us), min(s["end_us"], t_end_us)) for s in timeline.spans if s["track"] == track
         )

@@ -410,7 +410,11 @@ def test_timeline_chrome_trace(tmp_path):
 
     events = json.loads(path.read_text())["traceEvents"]
     names = {e["name"] for e in events if e["ph"] == "X"}
-    assert {"copy_in s1", "fwd s1", "bwd s1", "grad_out s1"} <= names
+    assert {"copy_in s1", "fwd s1", "bwd s1", "grad_out s1", "begin sweep 0"} <= names
+    # the host's start of the step (its part of the step boundary) ends before the step's first computation begins
+    start = next(e for e in events if e["name"] == "begin sweep 0")
+    first = min((e for e in events if e["name"].startswith("fwd")), key=lambda e: e["ts"])
+    assert start["ts"] + start["dur"] <= first["ts"]
 
 
 def test_bad_stage_lists():

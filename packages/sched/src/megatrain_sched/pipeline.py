@@ -316,7 +316,9 @@ class LayerPipeline:
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
         streams, n_stages = self.streams, len(self.stages)
-        step = self._begin(micro_batches, loss_scale, train, warm_up, sweep, last_sweep)
+        # (traced: the host's part of a step's start, which the GPU waits for where it has finished the step before)
+        with self.timeline.host_span(f"begin sweep {sweep}", "step_start"):
+            step = self._begin(micro_batches, loss_scale, train, warm_up, sweep, last_sweep)
         step.token_logps = [] if token_logps else None
         for position, stage_index in enumerate(step.order):
             slot_name, slot = self.weights.slot(position)
