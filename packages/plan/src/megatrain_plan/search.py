@@ -314,11 +314,12 @@ class Planner(CostModel):
         displaced = state / (counts.tokens * self.product_bytes_per_token) if kept < self.keepable else 0.0
         recompute_saved_s = self.blocks_s(counts.tokens, 0) - self.blocks_s(counts.tokens, 1)
         fits = state <= min(GPU_UPDATED_SHARE * self.machine.gpu_memory, self._room_for_products(counts))
-        pays = fits and self.boundary_s(host) > displaced * recompute_saved_s
+        wait_s = self.boundary_s(host) - self.boundary_s(one)  # (the host's turnaround is in both)
+        pays = fits and wait_s > displaced * recompute_saved_s
         if pays:
             why["resident"] = (
                 f"the embedding and first block are updated on the GPU: the step boundary would wait "
-                f"{self.boundary_s(host):.2f} s for their update on the CPU"
+                f"{wait_s:.2f} s for their update on the CPU"
             )
         return pays
 
@@ -531,8 +532,7 @@ def _memory_of(planner: Planner, placement: Placement) -> dict:
 def _times_of(planner: Planner, placement: Placement, compute_bound: bool) -> dict:
     """`Planner.plan`'s fields of how long `placement`'s step takes: its phases, what bounds it, its rates."""
     phases = planner.phases(placement)
-    bound = slowest(phases)
-    step_s = phases[bound] + planner.boundary_s(placement)
+    bound, step_s = slowest(phases), planner.step_s(placement)
     global_tokens = placement.step_tokens * planner.world
     flops = flops_per_token(planner.model, planner.shape.seq_len, planner.spec.adapter_params) * global_tokens
     return {
