@@ -78,10 +78,11 @@ GPU_UPDATED_SHARE = 0.75
 CPU_OPTIMIZER_MARGIN = 0.8
 # With clipping, a resident block more is chosen only where it is predicted to make the step this much faster
 RESIDENT_GAIN = 0.99
-# The GPU idles between two steps while the host reads the step's loss and norm and begins the next (its batches in,
-# its placement fitted, its first weights queued): 23-37 ms a step on one H200 in compute-bound rows with the
-# embedding on the GPU (Qwen2.5-7B at 32k, OLMoE-1B-7B at 128k, Qwen3-30B-A3B's first 8 layers at 64k, 2026-12-01..03:
-# `gpu_compute_idle` in benchmarks/results/clipping-*-h200.json), where the phases counted none of it.
+# The GPU's idle at the step boundary that the phases do not count: the host's turnaround (it reads the step's loss
+# and norm, then begins the next: its batches in, its placement fitted, its first weights queued; 10-14 ms a step in
+# results/traces/trace-qwen2.5-7b-16384-gpu-updated.json) and the first forward stages' waits for their GPU updates.
+# 23-37 ms a step on one H200 in compute-bound rows with the embedding on the GPU (Qwen2.5-7B at 32k, OLMoE-1B-7B at
+# 128k, Qwen3-30B-A3B's first 8 layers at 64k, 2026-12-01..03: `gpu_compute_idle` in results/clipping-*-h200.json).
 STEP_TURNAROUND_S = 0.025
 # The share of its own rate (`Rates.gpu_adam_params_per_s`, timed alone) a resident block's AdamW runs at beside the
 # next forward's GEMMs: a Qwen2.5-7B block's took 8.2 ms there on an H200 against 2.6 ms alone (traces of
@@ -610,9 +611,9 @@ class CostModel:
         return forward_s, backward_s
 
     def boundary_s(self, placement: Placement) -> float:
-        """The GPU's idle between steps: the host's turnaround (`STEP_TURNAROUND_S`; none on the host's own CPU, whose
-        step runs in turn), and where the embedding is not resident its and the first block's gradients out, their CPU
-        update and weights back in (of the table, the rows the next step's tokens read: the rest is updated beside)."""
+        """The GPU's idle between steps: what the phases do not count (`STEP_TURNAROUND_S`; none on the host's CPU,
+        whose step runs in turn), and where the embedding is not resident its and the first block's gradients out,
+        their CPU update and weights back in (of the table, the rows the next step's tokens read; the rest: beside)."""
         turnaround = 0.0 if self.machine.shares_cores else STEP_TURNAROUND_S
         if 0 in placement.resident:
             return turnaround

@@ -565,15 +565,12 @@ class DecoderBlock(Template):
         SwiGLU's output and its input's gradient come from one pass (`swiglu_output_and_backward`), made once the
         activation's gradient is: the recompute stops before the activation (not with adapters on the down
         projection, whose delta's graph starts at the activation)."""
-        down, adapted = (
-            self._spans["down_weight"],
-            self._adapters is not None and "down_weight" in self._adapters.adapted,
-        )
+        down = self._spans["down_weight"]
+        adapted = self._adapters is not None and "down_weight" in self._adapters.adapted
         fused = self._activation is swiglu and not adapted
+        recompute = self._up_to_mlp_input if fused else self._up_to_mlp_output
         with torch.enable_grad():
-            after_attention, mlp_input = (self._up_to_mlp_input if fused else self._up_to_mlp_output)(
-                bound, x, documents
-            )
+            after_attention, mlp_input = recompute(bound, x, documents)
         scale = self.shape.residual_scale
         grad_down_out = grad_out if scale is None else grad_out * scale
         grad_mlp_hidden = grad_down_out @ down.view(weights[0])  # [batch, seq, d_ff]

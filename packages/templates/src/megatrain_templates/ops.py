@@ -280,7 +280,9 @@ def swiglu_output_and_backward(
     gradient `grad`), outside autograd: for a backward that makes `grad` before it needs the output (the next GEMM's
     weight gradient), so that the recompute need not run the forward. One Triton kernel where `swiglu` runs them."""
     if _compile and swiglu_kernels.runs_on(gate_up):
-        return swiglu_kernels.swiglu_output_and_backward(gate_up.contiguous(), grad, weight)
+        return swiglu_kernels.swiglu_output_and_backward(
+            gate_up.contiguous(), grad, None if weight is None else weight.contiguous()
+        )
     inputs = [t.detach().requires_grad_(True) for t in (gate_up, weight) if t is not None]
     with torch.enable_grad():
         out = swiglu_written_out(*inputs)

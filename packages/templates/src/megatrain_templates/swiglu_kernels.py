@@ -54,6 +54,7 @@ def swiglu_output_and_backward(
 
 
 def _backward(gate_up: Tensor, grad: Tensor, weight: Tensor | None, out: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """`swiglu_backward`, the forward's output written into `out` too where given."""
     from . import swiglu_triton
 
     d_ff, rows, blocks = _grid(gate_up)
