@@ -81,22 +81,31 @@ def main() -> None:
                         "network_gb_per_host": round(best.network_bytes / 1e9, 1),
                         "network_s": round(best.network_s, 1),
                         "bound": best.bound,
+                        "seq_len": SEQ,
                     }
                 )
     print(table(rows, list(rows[0])))
     write_results(
         Path(__file__).parent / "results" / "hosts-plans.json",
         {
+            "benchmark": "The largest model 1-64 hosts of 512 GiB or 1.5 TiB (8 H200s each) would train: a replica per "
+            "host or the state split over them",
+            "machine": {"device": "NVIDIA H200 (planned: 8 per host)"},
+            "commands": ["python benchmarks/host_plans.py"],
+            "notes": [
+                "largest_params_b: 95% of the host over the bytes per parameter it holds; the model is the largest of "
+                "the candidates that fits. Split state keeps a whole bf16 copy per host (2 B/param), so capacity grows "
+                "with hosts up to about host / 2 B. The command makes a plan per row (make_plan), 8 H200s per host, 16k "
+                "tokens per GPU.",
+                "Plans, not measurements.",
+                "host_size_gib is the host's memory, host_memory_gib what the plan takes of it; 16k tokens per GPU per "
+                "step in sequences of 4096.",
+            ],
             "rates": replace(RATES).__dict__,
-            "command": "python benchmarks/host_plans.py (make_plan per row, 8 H200s per host, 16k tokens per GPU)",
-            "note": "largest_params_b: 95% of the host over the bytes per parameter it holds; the model is the "
-            "largest of the candidates that fits. Split state keeps a whole bf16 copy per host (2 B/param), "
-            "so capacity grows with hosts up to about host / 2 B.",
             "candidates": CANDIDATES,
             "plans": rows,
         },
     )
-
 
 if __name__ == "__main__":
     main()
