@@ -42,8 +42,7 @@ def test_rows_of_several_chunks_match_transformers(name, kernel, tmp_path):
     chunked delta rule (the same in the three families) in fp32, where both sides' noise allows 2e-4 on the
     gradient norm (at most 4.7e-5 over 257 seeds; one seed in about 90 runs passed 1e-4) and experts are left out
     (a routing near-tie may flip at this length); and against the float64 reference of `exact_reference`, experts
-    included. Granite 4.0-H's Mamba-2 layers against
-    transformers' own chunked scan in fp32."""
+    included. Granite 4.0-H's Mamba-2 layers against transformers' own chunked scan in fp32."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     reference, options, stepping = hf_dense_model(name, seed), {}, contextlib.nullcontext()
     if not kernel:
