@@ -289,6 +289,7 @@ def placement_fields(trainer, step_s) -> dict:
         "sweeps": executed.sweeps,  # forward-backward sweeps a step ran in
         # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
         "gpu_updated_layers": plan.gpu_updated_layers,
+        "copied_layers": len(executed.copied),  # of those, bound to their compute-dtype copy (never cast)
         "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
     }
 
@@ -414,6 +415,7 @@ def engine_options(args) -> dict:
         "offload_checkpoints": auto_or(args.offload_checkpoints, lambda value: value == "true"),
         "held_layers": auto_or(args.held_layers, int),
         "gpu_updated_layers": auto_or(args.gpu_updated_layers, int),
+        "copied_layers": auto_or(args.copied_layers, int),
         "gradient_pool": auto_or(args.gradient_pool, float),
         "sweeps": auto_or(args.sweeps, int),
     }
@@ -445,6 +447,9 @@ def _add_engine_arguments(parser) -> None:
     )
     parser.add_argument(
         "--gpu-updated-layers", default="auto", help="first layers whose masters and moments live on the GPU"
+    )
+    parser.add_argument(
+        "--copied-layers", default="auto", help="of those, the first whose compute-dtype copy stays there too"
     )
     parser.add_argument(
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"

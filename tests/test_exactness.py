@@ -329,19 +329,26 @@ def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])  # updated as the gradient is made, and after clipping
 @pytest.mark.parametrize(
     "preset_name,engine",
-    [("tiny-qwen2", {"gpu_updated_layers": 1, "kept_layers": 1}), ("tiny-llama", {"gpu_updated_layers": 2})],
-    ids=["first-layer-next-to-a-kept-one", "every-layer"],
+    [
+        ("tiny-qwen2", {"gpu_updated_layers": 1, "kept_layers": 1}),
+        ("tiny-llama", {"gpu_updated_layers": 2}),
+        ("tiny-llama", {"gpu_updated_layers": 2, "copied_layers": 1}),  # one bound to its copy, one cast
+    ],
+    ids=["first-layer-next-to-a-kept-one", "every-layer", "every-layer-the-first-copied"],
 )
 def test_gpu_updated_layers_match_plain_pytorch(dtype, grad_clip, preset_name, engine, tmp_path, monkeypatch):
     """The first blocks' masters and moments live on the device and are updated there (here the CPU
     device, as a separate copy of the store's), with the embedding table's, tied to the head or not: same
-    steps, and `named_weights` brings them back."""
-    updated = []
-    update = DeviceAdamW.update
+    steps, and `named_weights` brings them back. A copied block binds its compute-dtype copy, refreshed by its
+    update, instead of a cast of its master."""
+    updated, copied = [], []
+    update, keep_copies = DeviceAdamW.update, DeviceAdamW.keep_copies
     monkeypatch.setattr(
         DeviceAdamW, "update", lambda self, group, *a, **k: updated.append(group) or update(self, group, *a, **k)
     )
+    monkeypatch.setattr(DeviceAdamW, "keep_copies", lambda self, g: copied.append(sorted(g)) or keep_copies(self, g))
     check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path, **engine)
+    assert copied and all(groups == [1][: engine.get("copied_layers", 0)] for groups in copied)
     # the table too, and where the head shares it (tied, tiny-qwen2) the head's norm with it
     on_gpu = [0, 1, 3] if preset_name == "tiny-qwen2" else [0, 1, 2]
     assert sorted(updated) == sorted(on_gpu * 4)  # 4 steps

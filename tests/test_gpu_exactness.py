@@ -60,7 +60,8 @@ def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layer
         {"n_slots": 3},
         {"offload_checkpoints": True},
         {"n_slots": 4, "offload_checkpoints": True},
-        {"gpu_updated_layers": 2, "kept_layers": 0},  # every block cast from GPU masters, both ways
+        {"gpu_updated_layers": 2, "kept_layers": 0, "copied_layers": 0},  # every block cast from GPU masters
+        {"gpu_updated_layers": 2, "kept_layers": 0, "copied_layers": 1},  # the first bound to its bf16 copy
         {"kept_layers": 1, "host_kept_layers": 1},  # a block's products through pinned host memory and back
         # every checkpoint through host memory, the kept layers' too
         {"offload_checkpoints": True, "kept_layers": 1, "host_kept_layers": 1},
@@ -72,10 +73,12 @@ def test_gpu_engine_options_stay_exact(engine, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_clipped_updates_beside_the_forward_are_waited_for(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copied_layers", [0, 2])
+def test_gpu_clipped_updates_beside_the_forward_are_waited_for(copied_layers, tmp_path, monkeypatch):
     # with clipping, resident groups' updates run on the GPU optimizer's stream beside the next forward; each held
-    # back there ~25 ms, a cast that did not wait for its groups' update would read the old master, and a gradient
-    # let go too early would be overwritten under it (float64: either shows far above 1e-10)
+    # back there ~25 ms, a cast (or a read of the copy the update refreshes) that did not wait for its groups' update
+    # would read the old weights, and a gradient let go too early would be overwritten under it (float64: either
+    # shows far above 1e-10)
     update = DeviceAdamW.update
 
     def late_update(self, *args, **kwargs):
@@ -85,7 +88,14 @@ def test_gpu_clipped_updates_beside_the_forward_are_waited_for(tmp_path, monkeyp
 
     monkeypatch.setattr(DeviceAdamW, "update", late_update)
     check_steps_match_plain_pytorch(
-        "float64", "tiny-qwen2", 0.3, "cuda", tmp_path, gpu_updated_layers=2, kept_layers="auto"
+        "float64",
+        "tiny-qwen2",
+        0.3,
+        "cuda",
+        tmp_path,
+        gpu_updated_layers=2,
+        kept_layers="auto",
+        copied_layers=copied_layers,
     )
 
 

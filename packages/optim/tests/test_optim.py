@@ -131,6 +131,31 @@ def test_the_devices_clip_coefficient_is_clip_grad_norms(max_norm):
         assert DeviceClip.of_sums(torch.tensor(loss), torch.tensor(sq_sum), max_norm).skip.item() == 1.0
 
 
+def test_a_device_groups_compute_dtype_copy_follows_its_master():
+    """`keep_copies`: the master cast to the compute dtype, made at once, after every update and after `to_device`
+    (a checkpoint loaded), bit for bit a cast of the master; a group not updated on the device is refused."""
+    store = HostStore(
+        [GroupLayout.from_specs(s) for s in SPECS], state_names=("exp_avg", "exp_avg_sq"), compute_dtype=torch.bfloat16
+    )
+    store.master(1).copy_(torch.randn(store.layouts[1].numel))
+    optimizer = HostAdamW(store, AdamWConfig(lr=1e-2, weight_decay=0.1))
+    device = DeviceAdamW(optimizer, [1], torch.device("cpu"))
+    device.to_device()
+    device.keep_copies([1])
+    assert device.copies[1].dtype == torch.bfloat16 and torch.equal(device.copies[1], store.master(1).bfloat16())
+    optimizer.begin_step()
+    device.update(1, torch.randn(store.layouts[1].numel), 1e-2)
+    assert not torch.equal(device.masters[1], store.master(1))
+    assert torch.equal(device.copies[1], device.masters[1].bfloat16())
+    store.master(1).normal_()
+    device.to_device()
+    assert torch.equal(device.copies[1], store.master(1).bfloat16())
+    with pytest.raises(OptimError, match=r"groups \[0\] are copied but not updated on the GPU"):
+        device.keep_copies([0, 1])
+    device.keep_copies([])
+    assert device.copies == {}
+
+
 def test_device_groups_need_one_unsharded_store():
     store = HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=("exp_avg", "exp_avg_sq"), shard=(0, 2))
     with pytest.raises(OptimError, match="unsharded store"):

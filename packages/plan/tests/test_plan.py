@@ -40,7 +40,7 @@ from megatrain_plan.costs import (
     STEP_TURNAROUND_S,
 )
 from megatrain_plan.search import _Counts
-from megatrain_sched import EXTRAS_MARGIN
+from megatrain_sched import EXTRAS_MARGIN, RESIDENT, RESIDENT_COPY
 from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
 from megatrain_templates.chunked_recurrence import KeptRecurrence
@@ -453,6 +453,14 @@ def test_small_steps_update_the_first_blocks_on_the_gpu(monkeypatch):
     too_many = planner_for("qwen2.5-7b", 16384, gpu_updated_layers=28, kept_layers=0, gpu_memory=h100)
     with pytest.raises(PlanError, match="engine.gpu_updated_layers: 28 keeps .* GiB"):
         check_plan(planned(too_many), too_many)
+    copied = planner_for("qwen2.5-7b", 16384, gpu_updated_layers=2, copied_layers=3, gpu_memory=h100)
+    with pytest.raises(PlanError, match="engine.copied_layers 3: this run has 2 blocks updated on the GPU"):
+        check_plan(planned(copied), copied)
+    copied = planner_for(
+        "qwen2.5-7b", 16384, gpu_updated_layers=19, copied_layers=19, held_layers=0, kept_layers=0, gpu_memory=h100
+    )
+    with pytest.raises(PlanError, match="engine.copied_layers: 19 keeps .* GiB of weights in the compute dtype"):
+        check_plan(planned(copied), copied)
 
 
 def test_with_clipping_the_first_blocks_on_the_gpu_are_as_many_as_give_the_fastest_step(monkeypatch):
@@ -517,6 +525,36 @@ def test_with_clipping_the_resident_gradients_take_the_room_the_last_products_le
     assert clipped.backward_peak(one) > clipped.backward_peak(swept)  # (which counts them no more)
     # the room left keeps 22 layers' products where counting both whole kept 15 (the run above)
     assert planned(planner_for("qwen2.5-7b", 32768, clipping=True, **settings)).kept_layers >= 20
+
+
+def test_resident_blocks_keep_their_compute_copy_in_the_room_products_and_extras_leave(monkeypatch):
+    """Qwen2.5-1.5B at 32k with clipping: on an H200 every resident block keeps its bf16 copy beside its products
+    and their extras (no cast slot left); on a GPU with room for the step without copies, the extras,
+    `EXTRAS_MARGIN` and k blocks' copies, the first k blocks are copied, every other choice as it was. Only a block
+    binding one group of its own is copied."""
+    simulate_host(monkeypatch, 1000)
+    settings = {"clipping": True, "seq_len": 4096, "micro_batch": 4}
+    roomy = planner_for("qwen2.5-1.5b", 32768, gpu_memory=139 * 2**30, **settings)
+    placement = roomy.place(32768)
+    blocks = [i for i in placement.resident if i in roomy.blocks]
+    assert len(blocks) > 4 and placement.copied == tuple(blocks) and roomy.extras(placement) == placement.kept
+
+    def uncopied(placement):
+        return tuple(replace(s, weights=RESIDENT) if s.weights == RESIDENT_COPY else s for s in placement.stages)
+
+    uncopied_placement = replace(placement, stages=uncopied(placement))
+    block_bytes = roomy.stage_sizes[blocks[0]] * 2
+    assert roomy.device_bytes(placement) == roomy.device_bytes(uncopied_placement) + (len(blocks) - 1) * block_bytes
+    extras = sum(32768 * roomy.extra_bytes_per_token[i] for i in placement.kept)
+    for k in (1, 3):
+        gpu = roomy.device_bytes(uncopied_placement) + extras + EXTRAS_MARGIN + k * block_bytes + block_bytes // 2
+        tight = planner_for("qwen2.5-1.5b", 32768, gpu_memory=gpu, **settings).place(32768)
+        assert tight.copied == tuple(blocks[:k]) and tight.stages[blocks[-1]].weights == RESIDENT
+        assert uncopied(tight) == uncopied(placement) and replace(tight, stages=()) == replace(placement, stages=())
+    # a MoE layer in parts: its stages bind the layer's shared group each, so they are cast, not copied
+    split = planner_for("tiny-llama4", 4096, seq_len=512, gpu_memory=2**37, gpu_updated_layers=2, experts_per_stage=3)
+    placement = split.place(4096)
+    assert placement.resident == (0, 1, 2, 3, 4) and placement.copied == (1,)
 
 
 def test_with_clipping_the_resident_updates_run_beside_the_forward():
@@ -606,7 +644,8 @@ def test_layers_keep_their_attention_results_as_the_gpu_has_room():
     qwen35 = dict(seq_len=4096, micro_batch=4, rates=rates, host_memory=2**40)
     plans = [plan_for("qwen3.5-0.8b", 65536, **qwen35, gpu_memory=int(gib * 2**30)) for gib in (139, 79, 64)]
     h200, h100, short = plans
-    assert h200.placement == h100.placement == short.placement and h200.kept_layers == 24
+    assert h200.kept_layers == h100.kept_layers == short.kept_layers == 24
+    assert h200.placement.resident == h100.placement.resident == short.placement.resident
     assert h200.extra_kept_layers == 24 and 0 < h100.extra_kept_layers < 24 and short.extra_kept_layers == 0
     assert h200.compute_s < h100.compute_s < short.compute_s
     model = preset("qwen3.5-0.8b")

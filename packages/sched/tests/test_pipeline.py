@@ -375,6 +375,53 @@ def test_device_master_stages_are_cast_from_them_and_hand_their_gradients_over()
     assert held == [3, 3]  # the first block not updated on the device
 
 
+def test_copied_stages_bind_their_copies_at_their_turn_and_are_never_cast():
+    """A copied block computes on the copy it is given (here unlike its master, to tell them apart), forward and
+    backward, after before_cast of its groups at each turn (where the stream waits for the update that refreshes
+    it), with no cast or copy; its gradient is handed over as a resident one's. The cast slot serves the resident
+    blocks that are not copied."""
+    store, host_pipeline, _ = build(4, tied=False)
+    device_masters = {g: torch.randn_like(store.master(g)) for g in (1, 2)}
+    device_copies = {2: torch.randn_like(store.master(2))}
+    handed, before_cast = {}, []
+    pipeline = LayerPipeline(
+        host_pipeline.stages,
+        store,
+        torch.device("cpu"),
+        placement=Placement.build(len(host_pipeline.stages), resident=(1, 2), copied=(2,)),
+        device_masters=device_masters,
+        device_copies=device_copies,
+        hooks=Hooks(
+            on_device_grads=lambda g, grad, sq: handed.setdefault(g, grad.clone()),
+            before_cast=lambda groups: before_cast.append(groups),
+        ),
+    )
+    batches = make_batches(2)
+    result = pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
+    store.master(1).copy_(device_masters[1])
+    store.master(2).copy_(device_copies[2])  # the weights stage 2 ran with
+    loss, grads = autograd_reference(store, 4, False, batches, 0.5)
+    assert torch.allclose(result.loss_sum, loss, rtol=1e-5)
+    assert all(close(handed[g] if g in handed else store.grad(g), grads[g]) for g in range(store.n_groups))
+    kinds = ("cast", "copy", "copy_in", "reuse")
+    bound = [(kind, what) for kind, what, _ in result.log if kind in kinds and what in (1, 2)]
+    # (stage 1's backward finds its forward's cast still there: the copied stage took no slot between)
+    assert bound == [("cast", 1), ("copy", 2), ("copy", 2), ("reuse", 1)]
+    assert before_cast == [(1,), (2,), (2,)]
+    assert pipeline.weights.cast_slot.buffer.numel() == store.layouts[1].numel
+
+
+def test_a_copied_stage_needs_its_copy_and_its_residence():
+    store, pipeline, _ = build(2, tied=False)
+    masters = {g: store.master(g).clone() for g in (0, 1)}
+    with pytest.raises(PlacementError, match=r"stage 1 \(.*\) cannot be resident\+copy"):
+        pipeline.place(Placement.build(len(pipeline.stages), resident=(0, 1), copied=(1,)), masters)
+    with pytest.raises(PlacementError, match=r"stage 0 .* cannot be resident\+copy: only a block"):
+        pipeline.place(Placement.build(len(pipeline.stages), resident=(0, 1), copied=(0,)), masters, masters)
+    with pytest.raises(PlacementError, match=r"stages \[1\] are copied but not resident"):
+        Placement.build(len(pipeline.stages), resident=(0,), copied=(1,))
+
+
 def test_a_stage_binding_device_and_host_masters_is_refused():
     store, pipeline, _ = build(2, tied=True)
     with pytest.raises(SchedError, match="binds groups with device masters and groups without"):

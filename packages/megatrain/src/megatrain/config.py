@@ -387,6 +387,10 @@ class EngineSection:
     # steps), enough to bring it within 80% of that work, in up to three quarters of the GPU (one process per
     # machine only; none on the CPU)
     gpu_updated_layers: int | str = "auto"
+    # of those blocks, the first ones whose weights stay on the GPU in the compute dtype too (2 B/param in bf16),
+    # refreshed by their update, instead of cast from the masters in each forward and backward; "auto": as many
+    # as the GPU's room beside the step, its kept products and their extras holds
+    copied_layers: int | str = "auto"
     # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
     # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
     gradient_pool: float | str = "auto"
@@ -454,7 +458,7 @@ class EngineSection:
         pool = self.gradient_pool
         if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
             raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
-        for name in ("kept_layers", "host_kept_layers", "held_layers", "gpu_updated_layers"):
+        for name in ("kept_layers", "host_kept_layers", "held_layers", "gpu_updated_layers", "copied_layers"):
             layers = getattr(self, name)
             if layers != "auto" and (isinstance(layers, (str, bool)) or not isinstance(layers, int) or layers < 0):
                 raise ConfigError(f"engine.{name} must be auto or an integer >= 0, got {layers!r}")

@@ -124,8 +124,7 @@ class Trainer:
         self._place(self.placement)
         if self.spec.router_load is not None:
             route_statistics(self.spec.router_load, config, self.sync)
-        self.step_index = 0
-        self.bad_steps = 0
+        self.step_index = self.bad_steps = 0
         # torch.compile's kernels are built here (setup) rather than inside the first step, which would
         # otherwise take tens of seconds longer than the rest
         self.warm_up_s = self.warm_up() if training and self.device.type == "cuda" else 0.0
@@ -240,7 +239,7 @@ class Trainer:
     def _place(self, placement: Placement) -> None:
         """Run the next steps as `placement` says: the resident groups' state moved to (or from) the GPU, the
         gradient pool resized, the embedding's rows-first update where the table streams, the pipeline told."""
-        resident = sorted({g for i in placement.resident for g in self.spec.stages[i].groups})
+        resident = self.spec.groups_of(placement.resident)
         if self.device_optimizer is not None and self.device_optimizer.groups != resident:
             self.finish_updates()
             self.device_optimizer.to_host()  # the store holds the current state of the groups leaving the GPU
@@ -257,8 +256,9 @@ class Trainer:
             self.updates.rows_first = rows_first(
                 self.spec, self.store, placement, self.updates, self.ranks, self.device
             )
-        masters = None if self.device_optimizer is None else self.device_optimizer.masters
-        self.pipeline.place(placement, masters)
+        if (device := self.device_optimizer) is not None:
+            device.keep_copies(self.spec.groups_of(placement.copied))
+        self.pipeline.place(placement, *((None, None) if device is None else (device.masters, device.copies)))
         self.placement, self._planned_tokens = placement, placement.step_tokens * self.planner.world
 
     def _follow_step_size(self, tokens: int) -> None:

@@ -32,6 +32,7 @@ def _check_engine_counts(plan: Plan, planner: Planner) -> None:
         "host_kept_layers": (planner.keepable, "layers that can keep their matmul products"),
         "held_layers": (len(planner.holdable), "blocks that can hold their weights"),
         "gpu_updated_layers": (len(planner.blocks), "blocks"),
+        "copied_layers": (plan.gpu_updated_layers, "blocks updated on the GPU"),
         "sweeps": (
             planner.shape.micro_batches(planner.step_tokens),
             "micro-batches a step (train.batch_size / train.micro_batch_size)",
@@ -200,6 +201,7 @@ def _check_gpu(plan: Plan, planner: Planner) -> None:
     for setting, count, nbytes, what in (
         ("kept_layers", plan.kept_layers, plan.kept_bytes, "of activations"),
         ("held_layers", plan.held_layers, plan.held_bytes, "of weights"),
+        ("copied_layers", plan.copied_layers, plan.copied_bytes, "of weights in the compute dtype"),
         ("gpu_updated_layers", plan.gpu_updated_layers, plan.gpu_updated_bytes, "of weights and moments"),
     ):
         if count and plan.gpu_bytes - nbytes <= available:

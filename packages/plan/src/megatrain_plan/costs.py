@@ -131,7 +131,7 @@ def resident_stages(spec, layers: int) -> tuple[int, ...]:
 
 def gpu_updated_groups(spec, layers: int) -> list[int]:
     """The groups of `resident_stages`."""
-    return sorted({g for i in resident_stages(spec, layers) for g in spec.stages[i].groups})
+    return spec.groups_of(resident_stages(spec, layers))
 
 
 def mlp_width_per_token(model: ModelConfig) -> int:
@@ -263,8 +263,7 @@ class CostModel:
     ):
         self.spec, self.model, self.rates, self.machine = spec, spec.config, rates, machine
         self.shape, self.engine, self.objective = shape, engine, objective
-        self.dtype = shape.dtype
-        self.element = torch.finfo(self.dtype).bits // 8
+        self.dtype, self.element = shape.dtype, torch.finfo(shape.dtype).bits // 8
         self.full_grads = shape.clipping
         self.split = engine.shard_across_hosts and machine.hosts > 1
         self.wire_copy = (engine.wire_copy or self.split) and self.dtype != torch.float32
@@ -313,7 +312,7 @@ class CostModel:
 
     def params(self, stages: tuple[int, ...]) -> int:
         """Parameters of the groups these stages bind (each group once)."""
-        return sum(self.group_sizes[g] for g in {g for i in stages for g in self.spec.stages[i].groups})
+        return sum(self.group_sizes[g] for g in self.spec.groups_of(stages))
 
     def resident_state_bytes(self, placement: Placement) -> int:
         """GPU bytes of the resident groups' fp32 masters and moments (their gradients are the step's:
@@ -322,13 +321,14 @@ class CostModel:
 
     def persistent_device_bytes(self, placement: Placement) -> int:
         """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slot), the fp32 staging
-        buffers (and the packed base's two byte buffers), held weights, resident state."""
+        buffers (and the packed base's two byte buffers), held weights and resident blocks' copies, resident state."""
         slots = self.engine.n_slots * max(self.stage_sizes) * self.element
-        slots += max((self.stage_sizes[i] for i in placement.resident if i in self.blocks), default=0) * self.element
+        cast = [i for i in placement.resident if i in self.blocks and i not in placement.copied]
+        slots += max((self.stage_sizes[i] for i in cast), default=0) * self.element
         casts = self.element < 4 and not self.wire_copy and max(self.cast_sizes) > 0
         staging = math.prod(staging_buffers(max(self.cast_sizes))) * 4 if casts else 0
         packed_ring = 2 * max(self.packed.values(), default=0)
-        held = sum(self.stage_sizes[i] for i in placement.held) * self.element
+        held = sum(self.stage_sizes[i] for i in placement.held + placement.copied) * self.element
         return slots + staging + packed_ring + held + self.resident_state_bytes(placement)
 
     def working_device_bytes(self) -> int:

@@ -47,6 +47,7 @@ class Plan:
     # kept layers that keep their extra products too out of the GPU's room (linear attention's recurrence results)
     extra_kept_layers: int = 0
     held_bytes: int = 0  # GPU memory the held weights take
+    copied_bytes: int = 0  # GPU memory the resident blocks' compute-dtype copies take
     gpu_updated_bytes: int = 0  # GPU memory the resident state takes (and, with clipping, their gradients)
     host_kept_bytes: int = 0  # host memory the host-kept products take (in host_bytes)
     stage_names: list[str] = field(default_factory=list)
@@ -93,6 +94,11 @@ class Plan:
         """Blocks (the first) whose masters and moments live and are updated on the GPU."""
         return len([i for i in self.placement.resident if 0 < i < len(self.placement.stages) - 1])
 
+    @property
+    def copied_layers(self) -> int:
+        """Of those, the blocks whose compute-dtype copy stays on the GPU (never cast)."""
+        return len(self.placement.copied)
+
     def as_dict(self) -> dict:
         fields = asdict(self) | {"placement": self.placement.as_dict()}
         return fields | {name: getattr(self, name) for name in _COUNTS}
@@ -121,6 +127,7 @@ class Plan:
             f"{count} {what}"
             for count, what in (
                 (self.gpu_updated_layers, "blocks updated on the GPU"),
+                (self.copied_layers, "of them kept in the compute dtype too"),
                 (self.held_layers, "holding their weights"),
                 (self.offloaded_layers, "with checkpoints in host memory"),
                 (self.kept_layers, "keeping their products on the GPU"),
@@ -156,7 +163,7 @@ class Plan:
 
 
 _COUNTS = ("experts_per_stage", "gradient_pool", "offloaded_layers", "kept_layers", "host_kept_layers")
-_COUNTS += ("held_layers", "gpu_updated_layers")
+_COUNTS += ("held_layers", "gpu_updated_layers", "copied_layers")
 
 
 BOUND_NAMES = {
@@ -266,6 +273,10 @@ def _device_line(plan: Plan) -> str:
                 plan.gpu_updated_layers,
                 f", {plan.gpu_updated_layers} layers' weights and moments updated on the GPU "
                 f"({plan.gpu_updated_bytes / gib:.1f} GiB)",
+            ),
+            (
+                plan.copied_layers,
+                f", {plan.copied_layers} of them kept in the compute dtype too ({plan.copied_bytes / gib:.1f} GiB)",
             ),
             (plan.experts_per_stage, f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}"),
         ],

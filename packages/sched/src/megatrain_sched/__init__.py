@@ -5,7 +5,18 @@ from .costs import EXTRAS_MARGIN, StageCosts, extras_that_fit, fit_to_device
 from .gradients import GradientSink
 from .hooks import Hooks
 from .pipeline import LayerPipeline, MicroBatch, SchedError, Stage, StepResult
-from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, STREAMED, Placement, PlacementError, StagePlacement
+from .placement import (
+    DEVICE,
+    HELD,
+    HOST,
+    RECOMPUTE,
+    RESIDENT,
+    RESIDENT_COPY,
+    STREAMED,
+    Placement,
+    PlacementError,
+    StagePlacement,
+)
 from .streams import Streams, synchronize
 from .template import StageTemplate, StepObjective
 from .timeline import Timeline
@@ -23,6 +34,7 @@ __all__ = [
     "Hooks",
     "RECOMPUTE",
     "RESIDENT",
+    "RESIDENT_COPY",
     "STREAMED",
     "LayerPipeline",
     "MicroBatch",

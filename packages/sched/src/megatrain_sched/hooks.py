@@ -19,7 +19,8 @@ class Hooks:
     scalar tensor, valid from then on); `on_device_grads(group, grad, sq_norm)` takes a resident group's gradient
     on the device (called on the compute stream once its last backward is queued; the buffer is the callee's);
     `before_cast(groups)` is called on the compute stream before a resident stage's weights are cast from their
-    device masters (the stream must wait there for updates of them queued elsewhere); `held_device_bytes()` says how
+    device masters, or its compute-dtype copy is read (the stream must wait there for updates of them queued
+    elsewhere, which refresh that copy); `held_device_bytes()` says how
     much device memory the policy holds of gradients it was given, to be let go as the next casts come (free for
     the next step, which counts on it)."""
 

@@ -26,7 +26,7 @@ from .activations import ActivationStore
 from .costs import StageCosts, extras_of, fit_to_device
 from .gradients import GradientSink
 from .hooks import Hooks
-from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, Placement, PlacementError
+from .placement import DEVICE, HELD, HOST, RECOMPUTE, RESIDENT, RESIDENT_COPY, Placement, PlacementError
 from .streams import Streams
 from .template import StageTemplate, StepObjective
 from .timeline import Timeline
@@ -145,7 +145,9 @@ class LayerPipeline:
 
     Resident stages are cast from `device_masters` (group -> fp32 master on the device, updated there by
     work queued on the compute stream): no copy from the store, no `before_fetch`, and instead of being
-    copied out their gradient goes to `on_device_grads`. A stage binds only such groups or none.
+    copied out their gradient goes to `on_device_grads`. A stage binds only such groups or none. A copied block
+    (`Placement.copied`) binds `device_copies[group]` instead, its compute-dtype copy, which the update refreshes
+    (the compute stream waits for it at the stage's turn, `before_cast`): it is never cast.
 
     A step-level `objective` (`StepObjective`, e.g. `megatrain_templates.DPO`) replaces the summed cross-entropy:
     the head gives it every micro-batch's target log-probabilities (and their entropy where it asks) before any
@@ -160,6 +162,7 @@ class LayerPipeline:
         n_slots: int = 2,
         placement: Placement | None = None,
         device_masters: dict[int, Tensor] | None = None,
+        device_copies: dict[int, Tensor] | None = None,
         hooks: Hooks | None = None,
         timeline: Timeline | None = None,
         reduce_grad: Callable[[int, Tensor], Tensor] | None = None,
@@ -191,7 +194,7 @@ class LayerPipeline:
             (lambda: free_device_bytes(self.device) + self.hooks.held_device_bytes()) if self.streams.cuda else None
         )
         self._fitted_placement: Placement | None = None  # the step's placement as its first sweep fitted it
-        self.place(placement or Placement.build(len(stages)), device_masters)
+        self.place(placement or Placement.build(len(stages)), device_masters, device_copies)
 
     def _init_order(self) -> None:
         """The order a training step and an evaluation pass run the stages in, and what each backward needs."""
@@ -207,20 +210,25 @@ class LayerPipeline:
         self._weightless_backward = {i for i, s in enumerate(stages) if not s.template.backward_reads_weights}
 
     # --------------------------------------------------------------- placement
-    def place(self, placement: Placement, device_masters: dict[int, Tensor] | None = None) -> None:
+    def place(
+        self,
+        placement: Placement,
+        device_masters: dict[int, Tensor] | None = None,
+        device_copies: dict[int, Tensor] | None = None,
+    ) -> None:
         """Run the next steps as `placement` says, resident stages cast from `device_masters` (group -> fp32
-        master on the device). Between steps only: held buffers are (re)allocated, pinned host memory no longer
-        used is given back."""
-        device_masters = device_masters or {}
-        self._check_placement(placement, device_masters)
+        master on the device), copied ones bound to `device_copies` (group -> its compute-dtype copy). Between
+        steps only: held buffers are (re)allocated, pinned host memory no longer used is given back."""
+        device_masters, device_copies = device_masters or {}, device_copies or {}
+        self._check_placement(placement, device_masters, set(device_copies))
         self.placement = placement
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)  # nothing in flight reads the buffers given back below
-        self.weights.place(placement, device_masters)
+        self.weights.place(placement, device_masters, device_copies)
         self.gradients.device_masters = device_masters
         self.activations.place(placement)
 
-    def _check_placement(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
+    def _check_placement(self, placement: Placement, device_masters: dict[int, Tensor], copies: set[int]) -> None:
         """Refuse a placement these stages cannot run, naming the stage and what it lacks."""
         if len(placement.stages) != len(self.stages):
             raise PlacementError(
@@ -242,7 +250,9 @@ class LayerPipeline:
             if any(on_device) and not all(on_device):
                 raise SchedError(f"stage {index} ({stage.name}) binds groups with device masters and groups without")
         for index, (stage, choice) in enumerate(zip(self.stages, placement.stages)):
-            _check_stage_choice(index, stage, choice, len(self.stages), device_masters, self._weightless_backward)
+            _check_stage_choice(
+                index, stage, choice, len(self.stages), device_masters, copies, self._weightless_backward
+            )
 
     # -------------------------------------------------------------------- step
     def run(self, micro_batches: list[MicroBatch], loss_scale: float) -> StepResult:
@@ -505,15 +515,22 @@ class LayerPipeline:
         self.activations.drop(stage_index)
 
 
-def _check_stage_choice(index: int, stage: Stage, choice, n: int, device_masters: dict, weightless: set) -> None:
+def _check_stage_choice(
+    index: int, stage: Stage, choice, n: int, device_masters: dict, copies: set, weightless: set
+) -> None:
     """Refuse a stage's placement it cannot run, naming the stage and what it lacks."""
     on_device = [g in device_masters for g in stage.groups]
-    if (choice.weights == RESIDENT) != all(on_device):
+    if (choice.weights in (RESIDENT, RESIDENT_COPY)) != all(on_device):
         raise PlacementError(
             f"stage {index} ({stage.name}) is {choice.weights} but its groups "
             f"{'have' if all(on_device) else 'lack'} device masters"
         )
     block = 0 < index < n - 1
+    if choice.weights == RESIDENT_COPY and not (block and len(stage.groups) == 1 and stage.groups[0] in copies):
+        raise PlacementError(
+            f"stage {index} ({stage.name}) cannot be {RESIDENT_COPY}: only a block of one group whose compute-dtype "
+            "copy is given (device_copies) is"
+        )
     if choice.weights == HELD and not (block and index < n - 2 and index not in weightless):
         raise PlacementError(
             f"stage {index} ({stage.name}) cannot be held: only blocks before the last (whose backward "

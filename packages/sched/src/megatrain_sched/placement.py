@@ -11,11 +11,17 @@ from dataclasses import asdict, dataclass, field
 STREAMED = "streamed"  # copied in for each pass (forward, backward)
 HELD = "held"  # copied in for the forward, kept in a device buffer of its own until its backward
 RESIDENT = "resident"  # fp32 master and moments live on the device and are updated there: cast, never copied
+# resident, and its compute-dtype copy lives on the device too, refreshed by each update: neither cast nor copied
+RESIDENT_COPY = "resident+copy"
 # where a block's activation checkpoint and its forward's matmul products wait for its backward
 DEVICE, HOST = "device", "host"
 RECOMPUTE = "recompute"  # products not kept: the backward recomputes them from the checkpoint
 
-_CHOICES = {"weights": (STREAMED, HELD, RESIDENT), "checkpoint": (DEVICE, HOST), "products": (RECOMPUTE, DEVICE, HOST)}
+_CHOICES = {
+    "weights": (STREAMED, HELD, RESIDENT, RESIDENT_COPY),
+    "checkpoint": (DEVICE, HOST),
+    "products": (RECOMPUTE, DEVICE, HOST),
+}
 
 
 class PlacementError(ValueError):
@@ -66,12 +72,15 @@ class Placement:
         offloaded: tuple[int, ...] = (),
         kept: tuple[int, ...] = (),
         host_kept: tuple[int, ...] = (),
+        copied: tuple[int, ...] = (),
         **step,
     ) -> "Placement":
-        """A placement of `n_stages` stages from the stage indices of each choice that is not the default; an index
-        outside 0..n_stages-1, or a stage named in two choices of one field (resident and held weights, products
-        kept and host-kept), is refused (`PlacementError`)."""
+        """A placement of `n_stages` stages from the stage indices of each choice that is not the default (`copied`:
+        resident stages that keep their compute-dtype copy); an index outside 0..n_stages-1, a stage named in two
+        choices of one field (resident and held weights, products kept and host-kept), or copied and not resident,
+        is refused (`PlacementError`)."""
         chosen = {"resident": resident, "held": held, "offloaded": offloaded, "kept": kept, "host_kept": host_kept}
+        chosen["copied"] = copied
         for name, indices in chosen.items():
             outside = [i for i in indices if not 0 <= i < n_stages]
             if outside:
@@ -80,9 +89,12 @@ class Placement:
             both = sorted(set(chosen[first]) & set(chosen[second]))
             if both:
                 raise PlacementError(f"stages {both} are named both {first} and {second}; a stage takes one of them")
+        if not set(copied) <= set(resident):
+            raise PlacementError(f"stages {sorted(set(copied) - set(resident))} are copied but not resident")
         stages = []
         for index in range(n_stages):
             weights = RESIDENT if index in resident else HELD if index in held else STREAMED
+            weights = RESIDENT_COPY if index in copied else weights
             products = DEVICE if index in kept else HOST if index in host_kept else RECOMPUTE
             stages.append(StagePlacement(weights, HOST if index in offloaded else DEVICE, products))
         return cls(tuple(stages), **step)
@@ -100,7 +112,13 @@ class Placement:
     # thousands of times)
     @functools.cached_property
     def resident(self) -> tuple[int, ...]:
-        return self.where(weights=RESIDENT)
+        """Stages updated on the device, copied or cast."""
+        return tuple(sorted(self.where(weights=RESIDENT) + self.copied))
+
+    @functools.cached_property
+    def copied(self) -> tuple[int, ...]:
+        """Resident stages whose compute-dtype copy stays on the device (their update refreshes it)."""
+        return self.where(weights=RESIDENT_COPY)
 
     @functools.cached_property
     def held(self) -> tuple[int, ...]:

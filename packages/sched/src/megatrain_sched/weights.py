@@ -85,7 +85,8 @@ class WeightStream:
 
     `stages`: (groups, name) per stage; `weightless_backward`: the stages whose backward reads no weights (no copy
     for it). `place` says which stages are held (a buffer of their own, from forward to backward) and which are
-    resident (cast on the compute stream from their fp32 masters on the device: no copy, no `before_fetch`)."""
+    resident (cast on the compute stream from their fp32 masters on the device: no copy, no `before_fetch`), and of
+    those which are copied (bound to their compute-dtype copy on the device, which their update refreshes)."""
 
     def __init__(
         self,
@@ -104,6 +105,7 @@ class WeightStream:
         self.slots = [self._new_buffer(max(self.stage_numels)) for _ in range(n_slots)]
         self.held: dict[int, Slot] = {}
         self.cast_slot: Slot | None = None  # resident stages' weights, each cast at its turn
+        self.copies: dict[int, Slot] = {}  # copied stages' compute-dtype copies, each its own slot
         self.device_masters: dict[int, Tensor] = {}
         self.on_device: set[int] = set()  # resident stages
         self.reference = False  # a forward-only pass streaming the store's reference copy
@@ -127,14 +129,16 @@ class WeightStream:
         self._packed = _Ring.of(2, packed, torch.uint8, self.device) if self.streams.cuda and packed else None
         self._cast_stream = torch.cuda.Stream(self.device) if cast_on_device or self._packed else None
 
-    def place(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
-        """Hold and cast what `placement` says (nothing in flight: between steps)."""
+    def place(self, placement: Placement, device_masters: dict[int, Tensor], device_copies: dict[int, Tensor]) -> None:
+        """Hold, cast and bind copies as `placement` says (nothing in flight: between steps)."""
         self.device_masters, self.on_device = device_masters, set(placement.resident)
         self.held = {
             i: self.held[i] if i in self.held else self._new_buffer(self.stage_numels[i]) for i in placement.held
         }
+        self.copies = {i: Slot(device_copies[self.stages[i].groups[0]], stage=i) for i in placement.copied}
         blocks = range(1, len(self.stages) - 1)
-        largest = max((self.stage_numels[i] for i in self.on_device if i in blocks), default=0)
+        cast = self.on_device - set(self.copies)
+        largest = max((self.stage_numels[i] for i in cast if i in blocks), default=0)
         if largest != (0 if self.cast_slot is None else self.cast_slot.buffer.numel()):
             self.cast_slot = self._new_buffer(largest) if largest else None
 
@@ -146,6 +150,8 @@ class WeightStream:
         for position, stage in enumerate(order):
             if stage in self.held:
                 self.slot_names.append(f"held {stage}")
+            elif stage in self.copies and not self.reference:
+                self.slot_names.append("copy")
             elif self._casts(stage) and self.cast_slot and self.stage_numels[stage] <= self.cast_slot.buffer.numel():
                 self.slot_names.append("cast")
             else:
@@ -166,11 +172,13 @@ class WeightStream:
         return stage in self.on_device and not self.reference
 
     def slot(self, position: int) -> tuple[Any, Slot]:
-        """(name in the step's log, slot) of position's weights: its stage's own buffer where held, the cast slot
-        where resident, else its rotating slot."""
+        """(name in the step's log, slot) of position's weights: its stage's own buffer where held, its copy where
+        copied, the cast slot where resident, else its rotating slot."""
         name = self.slot_names[position]
         if name == "cast":
             return name, self.cast_slot
+        if name == "copy":
+            return name, self.copies[self.order[position]]
         if isinstance(name, str):
             return name, self.held[self.order[position]]
         return name, self.slots[name]
@@ -202,7 +210,7 @@ class WeightStream:
         """Queue the copy of position's weights into its slot (or reuse what is there); a resident block's cast
         waits for its turn (`cast`)."""
         slot_name, slot = self.slot(position)
-        if slot_name == "cast" or self._bound_without_copy(position, slot_name, slot, log):  # (a cast: at its turn)
+        if slot_name in ("cast", "copy") or self._bound_without_copy(position, slot_name, slot, log):  # (at its turn)
             return
         stage = self.order[position]
         streams, groups = self.streams, self.stages[stage].groups
@@ -243,9 +251,15 @@ class WeightStream:
         """Where position's stage takes the cast slot (a resident block), queue the cast of its device masters
         there (unless it holds them) on the compute stream, which orders it after the slot's last reader and before
         the stage's compute with no event (a cast is under a millisecond; on the cast stream it would queue behind
-        the copies' casts), and after their last update (`before_cast`)."""
+        the copies' casts), and after their last update (`before_cast`). Where it is copied, the compute stream
+        waits for that update alone, which refreshed the copy."""
         if self.slot_names[position] == "cast":
             self._bound_without_copy(position, "cast", self.cast_slot, log)
+        elif self.slot_names[position] == "copy":
+            stage = self.order[position]
+            with self.streams.on(self.streams.compute):
+                self.hooks.before_cast(self.stages[stage].groups)
+            log.append(("copy", stage, "copy"))
 
     def _bound_without_copy(self, position: int, slot_name: Any, slot: Slot, log: list) -> bool:
         """Whether position's weights need no copy, logged as what binds them: its slot holds them already, its

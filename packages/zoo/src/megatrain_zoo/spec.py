@@ -1,6 +1,7 @@
 """A model as groups (transfer units of parameters, Hugging Face names) and stages (templates): the specs every
 builder (native, generic, image-text) returns, and what they say of a checkpoint's names."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,10 @@ class ModelSpec:
     def adapter_groups(self) -> frozenset[int]:
         """The groups holding LoRA adapters (none without an adapter)."""
         return frozenset(g for g, group in enumerate(self.groups) if group.name.endswith(ADAPTER_GROUP_SUFFIX))
+
+    def groups_of(self, stages: Iterable[int]) -> list[int]:
+        """The groups these stages bind, in store order."""
+        return sorted({g for i in stages for g in self.stages[i].groups})
 
     def layer_stage(self, layer: int) -> int:
         """The stage of decoder layer `layer` (whole layers: no expert parts): after the embedding, or after an
