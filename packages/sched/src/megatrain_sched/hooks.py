@@ -20,9 +20,8 @@ class Hooks:
     on the device (called on the compute stream once its last backward is queued; the buffer is the callee's);
     `before_cast(groups)` is called on the compute stream before a resident stage's weights are cast from their
     device masters, or its compute-dtype copy is read (the stream must wait there for updates of them queued
-    elsewhere, which refresh that copy); `held_device_bytes()` says how
-    much device memory the policy holds of gradients it was given, to be let go as the next casts come (free for
-    the next step, which counts on it)."""
+    elsewhere, which refresh that copy); `held_device_bytes()` says how much device memory the policy holds of
+    gradients it was given, to be let go as the next casts come (free for the next step, which counts on it)."""
 
     before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None
     updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True
