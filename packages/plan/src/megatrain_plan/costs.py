@@ -328,8 +328,8 @@ class CostModel:
         casts = self.element < 4 and not self.wire_copy and max(self.cast_sizes) > 0
         staging = math.prod(staging_buffers(max(self.cast_sizes))) * 4 if casts else 0
         packed_ring = 2 * max(self.packed.values(), default=0)
-        held = sum(self.stage_sizes[i] for i in placement.held + placement.copied) * self.element
-        return slots + staging + packed_ring + held + self.resident_state_bytes(placement)
+        own_buffers = sum(self.stage_sizes[i] for i in placement.held + placement.copied) * self.element
+        return slots + staging + packed_ring + own_buffers + self.resident_state_bytes(placement)
 
     def working_device_bytes(self) -> int:
         """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,
