@@ -290,6 +290,7 @@ def placement_fields(trainer, step_s) -> dict:
         # blocks whose masters and moments live on the GPU, updated there (with the untied embedding)
         "gpu_updated_layers": plan.gpu_updated_layers,
         "copied_layers": len(executed.copied),  # of those, bound to their compute-dtype copy (never cast)
+        "parked_layers": len(executed.parked),  # stages whose moments wait in host memory from update to backward
         "expert_parts": len(trainer.spec.expert_parts),  # 0: each MoE layer is one stage
     }
 
@@ -416,6 +417,7 @@ def engine_options(args) -> dict:
         "held_layers": auto_or(args.held_layers, int),
         "gpu_updated_layers": auto_or(args.gpu_updated_layers, int),
         "copied_layers": auto_or(args.copied_layers, int),
+        "parked_layers": auto_or(args.parked_layers, int),
         "gradient_pool": auto_or(args.gradient_pool, float),
         "sweeps": auto_or(args.sweeps, int),
     }
@@ -450,6 +452,11 @@ def _add_engine_arguments(parser) -> None:
     )
     parser.add_argument(
         "--copied-layers", default="auto", help="of those, the first whose compute-dtype copy stays there too"
+    )
+    parser.add_argument(
+        "--parked-layers",
+        default="auto",
+        help="GPU-updated stages (the first) whose moments wait in host memory from their update to the backward",
     )
     parser.add_argument(
         "--gradient-pool", default="auto", help="gradient landing pool in largest groups (auto: as planned)"

@@ -333,38 +333,56 @@ def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
         ("tiny-qwen2", {"gpu_updated_layers": 1, "kept_layers": 1}),
         ("tiny-llama", {"gpu_updated_layers": 2}),
         ("tiny-llama", {"gpu_updated_layers": 2, "copied_layers": 1}),  # one bound to its copy, one cast
+        ("tiny-llama", {"gpu_updated_layers": 2, "parked_layers": 1}),  # the table's moments parked
+        ("tiny-qwen2", {"gpu_updated_layers": 1, "kept_layers": 1, "parked_layers": 1}),  # the block's (tied table)
     ],
-    ids=["first-layer-next-to-a-kept-one", "every-layer", "every-layer-the-first-copied"],
+    ids=[
+        "first-layer-next-to-a-kept-one",
+        "every-layer",
+        "every-layer-the-first-copied",
+        "every-layer-the-table-parked",
+        "first-layer-parked",
+    ],
 )
 def test_gpu_updated_layers_match_plain_pytorch(dtype, grad_clip, preset_name, engine, tmp_path, monkeypatch):
     """The first blocks' masters and moments live on the device and are updated there (here the CPU
     device, as a separate copy of the store's), with the embedding table's, tied to the head or not: same
     steps, and `named_weights` brings them back. A copied block binds its compute-dtype copy, refreshed by its
-    update, instead of a cast of its master."""
-    updated, copied = [], []
-    update, keep_copies = DeviceAdamW.update, DeviceAdamW.keep_copies
+    update, instead of a cast of its master. A parked stage's moments wait in the store from each update until the
+    backward brings them back (the tied table is no stage's own: tiny-qwen2 parks its first block)."""
+    updated, copied, brought_back = [], [], []
+    update, keep_copies, bring_back = DeviceAdamW.update, DeviceAdamW.keep_copies, DeviceAdamW.bring_back
     monkeypatch.setattr(
         DeviceAdamW, "update", lambda self, group, *a, **k: updated.append(group) or update(self, group, *a, **k)
     )
     monkeypatch.setattr(DeviceAdamW, "keep_copies", lambda self, g: copied.append(sorted(g)) or keep_copies(self, g))
+    monkeypatch.setattr(
+        DeviceAdamW, "bring_back", lambda self, g: brought_back.extend(set(g) & self._parked) or bring_back(self, g)
+    )
     check_steps_match_plain_pytorch(dtype, preset_name, grad_clip, "cpu", tmp_path, **engine)
     assert copied and all(groups == [1][: engine.get("copied_layers", 0)] for groups in copied)
+    parked = {"tiny-llama": [0], "tiny-qwen2": [1]}[preset_name][: engine.get("parked_layers", 0)]
+    assert brought_back == parked * 4  # parked at placement, after each update, and brought back in each backward
     # the table too, and where the head shares it (tied, tiny-qwen2) the head's norm with it
     on_gpu = [0, 1, 3] if preset_name == "tiny-qwen2" else [0, 1, 2]
     assert sorted(updated) == sorted(on_gpu * 4)  # 4 steps
 
 
 @pytest.mark.parametrize("grad_clip", [0.0, 0.3])
-def test_gpu_updated_layers_evaluate_and_resume_like_host_updates(grad_clip, tmp_path):
+@pytest.mark.parametrize("parked_layers", [0, 1])
+def test_gpu_updated_layers_evaluate_and_resume_like_host_updates(grad_clip, parked_layers, tmp_path):
     """Evaluation reads the device masters; the store is behind them until sync_store, and a trainer that
-    restores a step takes the store's state back at its next step: losses equal a host-updated run's."""
+    restores a step takes the store's state back at its next step: losses equal a host-updated run's, with the
+    table's moments parked in the store between updates or not."""
     from megatrain.checkpoint import resolve_resume, save_checkpoint
 
     generator = torch.Generator().manual_seed(3)
     batches = [random_batch(4, 12, 256, generator) for _ in range(4)]
 
     def trainer(gpu_updated_layers, name):
-        engine = EngineSection(gpu_updated_layers=gpu_updated_layers)
+        engine = EngineSection(
+            gpu_updated_layers=gpu_updated_layers, parked_layers=parked_layers * bool(gpu_updated_layers)
+        )
         config = tiny_llama_config(
             tmp_path / name,
             "cpu",

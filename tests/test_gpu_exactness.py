@@ -62,6 +62,7 @@ def test_gpu_steps_match_plain_pytorch(dtype, preset_name, grad_clip, kept_layer
         {"n_slots": 4, "offload_checkpoints": True},
         {"gpu_updated_layers": 2, "kept_layers": 0, "copied_layers": 0},  # every block cast from GPU masters
         {"gpu_updated_layers": 2, "kept_layers": 0, "copied_layers": 1},  # the first bound to its bf16 copy
+        {"gpu_updated_layers": 2, "kept_layers": 0, "parked_layers": 1},  # the first's moments parked in the store
         {"kept_layers": 1, "host_kept_layers": 1},  # a block's products through pinned host memory and back
         # every checkpoint through host memory, the kept layers' too
         {"offload_checkpoints": True, "kept_layers": 1, "host_kept_layers": 1},
@@ -73,20 +74,31 @@ def test_gpu_engine_options_stay_exact(engine, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copied_layers", [0, 2])
-def test_gpu_clipped_updates_beside_the_forward_are_waited_for(copied_layers, tmp_path, monkeypatch):
+@pytest.mark.parametrize("copied_layers,parked_layers", [(0, 0), (2, 0), (0, 1)])
+def test_gpu_clipped_updates_beside_the_forward_are_waited_for(copied_layers, parked_layers, tmp_path, monkeypatch):
     # with clipping, resident groups' updates run on the GPU optimizer's stream beside the next forward; each held
     # back there ~25 ms, a cast (or a read of the copy the update refreshes) that did not wait for its groups' update
-    # would read the old weights, and a gradient let go too early would be overwritten under it (float64: either
-    # shows far above 1e-10)
-    update = DeviceAdamW.update
+    # would read the old weights, and a gradient let go too early would be overwritten under it; parked moments go
+    # out and come back on a stream of their own, held back there too: an update that did not wait for them, or
+    # memory reused before they left, would read or write the wrong moments (float64: any shows far above 1e-10)
+    update, park, bring_back = DeviceAdamW.update, DeviceAdamW._park, DeviceAdamW.bring_back
 
     def late_update(self, *args, **kwargs):
         if self.stream is not None and torch.cuda.current_stream(self.device) == self.stream:
             torch.cuda._sleep(50_000_000)  # clock cycles
         update(self, *args, **kwargs)
 
+    def late(method):
+        def late_on_the_moment_stream(self, *args):
+            with torch.cuda.stream(self.moment_stream):
+                torch.cuda._sleep(50_000_000)
+            method(self, *args)
+
+        return late_on_the_moment_stream
+
     monkeypatch.setattr(DeviceAdamW, "update", late_update)
+    monkeypatch.setattr(DeviceAdamW, "_park", late(park))
+    monkeypatch.setattr(DeviceAdamW, "bring_back", late(bring_back))
     check_steps_match_plain_pytorch(
         "float64",
         "tiny-qwen2",
@@ -96,6 +108,7 @@ def test_gpu_clipped_updates_beside_the_forward_are_waited_for(copied_layers, tm
         gpu_updated_layers=2,
         kept_layers="auto",
         copied_layers=copied_layers,
+        parked_layers=parked_layers,
     )
 
 

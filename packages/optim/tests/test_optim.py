@@ -156,6 +156,40 @@ def test_a_device_groups_compute_dtype_copy_follows_its_master():
     assert device.copies == {}
 
 
+def test_parked_moments_wait_in_the_store_between_updates_and_come_back_bit_for_bit():
+    """`park`: a parked group's moments leave the device at once and after each update, into the store, which then
+    holds exactly what an unparked twin holds on the device; `bring_back` (or the update itself, where nothing
+    brought them back) restores them, and the masters follow the twin's bit for bit over several steps; unparking
+    brings them back; a group not updated on the device is refused."""
+    layouts = [GroupLayout.from_specs(s) for s in SPECS]
+    stores = [HostStore(layouts, state_names=("exp_avg", "exp_avg_sq")) for _ in range(2)]
+    start = torch.randn(layouts[1].numel)
+    devices = []
+    for store in stores:
+        store.master(1).copy_(start)
+        device = DeviceAdamW(HostAdamW(store, AdamWConfig(lr=1e-2, weight_decay=0.1)), [1], torch.device("cpu"))
+        device.to_device()
+        devices.append(device)
+    parked, twin = devices
+    parked.park([1])
+    assert parked.held_bytes == 0
+    for step in range(3):
+        grad = torch.randn(layouts[1].numel)
+        if step == 1:
+            parked.bring_back([1])
+            assert parked.held_bytes == 2 * 4 * layouts[1].numel  # on the device until its update parks them
+        for device in devices:
+            device.host.begin_step()
+            device.update(1, grad.clone(), 1e-2, clip_coef=0.5)
+        assert torch.equal(parked.masters[1], twin.masters[1])
+        for name, state in zip(("exp_avg", "exp_avg_sq"), twin._moments_of(1)):
+            assert torch.equal(stores[0].state(name, 1), state)
+    parked.park([])
+    assert torch.equal(parked._moments_of(1)[1], twin._moments_of(1)[1])
+    with pytest.raises(OptimError, match=r"groups \[0\] are parked but not updated on the GPU"):
+        parked.park([0, 1])
+
+
 def test_device_groups_need_one_unsharded_store():
     store = HostStore([GroupLayout.from_specs(s) for s in SPECS], state_names=("exp_avg", "exp_avg_sq"), shard=(0, 2))
     with pytest.raises(OptimError, match="unsharded store"):

@@ -39,7 +39,7 @@ from megatrain_plan.costs import (
     RESIDENT_GAIN,
     STEP_TURNAROUND_S,
 )
-from megatrain_plan.search import _Counts
+from megatrain_plan.search import _Counts, parkable_stages
 from megatrain_sched import EXTRAS_MARGIN, RESIDENT, RESIDENT_COPY
 from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
@@ -557,6 +557,38 @@ def test_resident_blocks_keep_their_compute_copy_in_the_room_products_and_extras
     assert placement.resident == (0, 1, 2, 3, 4) and placement.copied == (1,)
 
 
+def test_parked_moments_give_their_room_to_products_at_the_peak(monkeypatch):
+    """Qwen2.5-7B at 32k with clipping on an H200 and a 125 GiB host: the GPU-updated stages' state displaces kept
+    products, so the first ones (the table first) park their moments from their update to the backward: every
+    layer keeps its products where 21 did, predicted faster, resident and held blocks as they were. Their moments
+    leave the persistent bytes and count in the backward's from the block after whose backward they come back; the
+    j-th parked stage comes before that block. A tied table (bound by the head too) is not parked."""
+    simulate_host(monkeypatch, 125)
+    settings = {"clipping": True, "seq_len": 4096, "micro_batch": 4, "gpu_memory": int(139.8 * 2**30)}
+    auto, none = (planner_for("qwen2.5-7b", 32768, parked_layers=p, **settings) for p in ("auto", 0))
+    parked, unparked = auto.place(32768), none.place(32768)
+    assert len(unparked.kept) < len(parked.kept) == auto.keepable
+    assert (
+        parked.resident == unparked.resident
+        and parked.held == unparked.held
+        and auto.step_s(parked) < none.step_s(unparked)
+    )
+    assert parked.parked == parkable_stages(auto.spec, parked.resident)[: len(parked.parked)] and parked.parked[0] == 0
+    assert all(parked_stage < back for parked_stage, back in parked.moments_back_after.items())
+    moments = auto.parked_moment_bytes(parked)
+    assert moments == 8 * auto.params(parked.parked)
+    kept_all = replace(parked, parked=())
+    assert auto.persistent_device_bytes(parked) == auto.persistent_device_bytes(kept_all) - moments
+    assert 0 <= auto.backward_peak(parked) - auto.backward_peak(kept_all) <= moments
+    forward_s, backward_s = auto.copy_passes_s(parked)
+    assert forward_s >= moments / (auto.rates.pcie_gbps * 1e9) and backward_s >= moments / (
+        auto.rates.pcie_duplex_gbps * 1e9
+    )
+    tied = planner_for("qwen2.5-1.5b", 32768, gpu_updated_layers=4, parked_layers=2, **settings)
+    assert tied.spec.stages[0].groups[0] in tied.spec.stages[-1].groups
+    assert tied.place(32768).parked == (1, 2)
+
+
 def test_with_clipping_the_resident_updates_run_beside_the_forward():
     """Without clipping a resident group's update runs on the compute stream after its backward: all of it adds to
     the GPU's work. With clipping it runs beside the next forward (`DeviceAdamW.update_beside`) at
@@ -617,10 +649,9 @@ def test_moe_layers_kept_are_planned_at_the_moe_kept_rate_and_the_report_names_i
     not a MoE layer's, and the plan's rates line names the MoE ones."""
     h100 = int(79.2 * 2**30)
     tokens, seq = 131072, 2048
-    same = plan_for("olmoe-1b-7b", tokens, rates=Rates(moe_gpu_tflops=430.0, gpu_kept_tflops=900.0), gpu_memory=h100)
-    slower = plan_for(
-        "olmoe-1b-7b", tokens, rates=Rates(moe_gpu_tflops=430.0, moe_gpu_kept_tflops=400.0), gpu_memory=h100
-    )
+    fixed = {"gpu_memory": h100, "parked_layers": 0}  # (parking pays at the faster kept rate alone: 9 layers, not 8)
+    same = plan_for("olmoe-1b-7b", tokens, rates=Rates(moe_gpu_tflops=430.0, gpu_kept_tflops=900.0), **fixed)
+    slower = plan_for("olmoe-1b-7b", tokens, rates=Rates(moe_gpu_tflops=430.0, moe_gpu_kept_tflops=400.0), **fixed)
     assert slower.kept_layers == same.kept_layers > 0
     model = preset("olmoe-1b-7b")
     kept_work = block_work(model, seq, tokens) / model.n_layers - (

@@ -422,6 +422,37 @@ def test_a_copied_stage_needs_its_copy_and_its_residence():
         Placement.build(len(pipeline.stages), resident=(0,), copied=(1,))
 
 
+def test_parked_stages_come_back_after_the_backwards_their_placement_names(monkeypatch):
+    """`Placement.moments_back_after`: the j-th parked stage's groups go to `bring_back` once the j-th block's
+    backward from the last down has sent its gradients, before the parked stage's own backward; a parked stage
+    binding a group another stage binds, one that would come back after its own backward, or one not resident is
+    refused."""
+    store, pipeline, _ = build(4, tied=False)
+    masters = {g: store.master(g).clone() for g in (0, 1)}
+    events = []
+    hooks = Hooks(bring_back=lambda groups: events.append(("back", groups)))
+    placement = Placement.build(len(pipeline.stages), resident=(0, 1), parked=(0, 1))
+    assert placement.moments_back_after == {0: 4, 1: 3}
+    pipeline = LayerPipeline(
+        pipeline.stages, store, torch.device("cpu"), placement=placement, device_masters=masters, hooks=hooks
+    )
+    send = pipeline.gradients.send
+    monkeypatch.setattr(
+        pipeline.gradients, "send", lambda stage, log: events.append(("sent", stage)) or send(stage, log)
+    )
+    pipeline.run([MicroBatch(i, lab) for i, lab in make_batches(2)], loss_scale=1.0)
+    sent_and_back = [("sent", 5), ("sent", 4), ("back", (0,)), ("sent", 3), ("back", (1,)), ("sent", 2)]
+    assert events == sent_and_back + [("sent", 1), ("sent", 0)]
+    with pytest.raises(PlacementError, match=r"parked stages \[3\] would get their moments back after their own"):
+        Placement.build(len(pipeline.stages), resident=(0, 1, 2, 3), parked=(0, 1, 3))
+    with pytest.raises(PlacementError, match=r"stages \[2\] are parked but not resident"):
+        Placement.build(len(pipeline.stages), resident=(0, 1), parked=(2,))
+    store, tied, _ = build(4, tied=True)
+    masters = {g: store.master(g).clone() for g in (0, 1, 5)}
+    with pytest.raises(PlacementError, match=r"parked stages \[0\] bind groups other stages bind too"):
+        tied.place(Placement.build(len(tied.stages), resident=(0, 1, 5), parked=(0,)), masters)
+
+
 def test_a_stage_binding_device_and_host_masters_is_refused():
     store, pipeline, _ = build(2, tied=True)
     with pytest.raises(SchedError, match="binds groups with device masters and groups without"):

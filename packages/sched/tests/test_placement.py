@@ -20,10 +20,18 @@ def test_build_where_and_runs():
 
 def test_json_round_trip_keeps_every_choice():
     placement = Placement.build(
-        6, resident=(0,), held=(1,), offloaded=(1, 2), kept=(4,), host_kept=(3,), tokens=16384, gradient_pool=7.0
+        6,
+        resident=(0,),
+        held=(1,),
+        offloaded=(1, 2),
+        kept=(4,),
+        host_kept=(3,),
+        parked=(0,),
+        tokens=16384,
+        gradient_pool=7.0,
     )
     again = Placement.from_dict(json.loads(json.dumps(placement.as_dict())))
-    assert again == placement and again.tokens == 16384 and again.gradient_pool == 7.0
+    assert again == placement and again.tokens == 16384 and again.gradient_pool == 7.0 and again.parked == (0,)
     with pytest.raises(PlacementError, match="not a placement"):
         Placement.from_dict({"stages": []})
 

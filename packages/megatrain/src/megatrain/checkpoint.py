@@ -9,8 +9,7 @@ that looks complete. The data position and learning rate are functions of the st
 the step restores them; resuming gives the same losses as a run that never stopped.
 
 `save_checkpoint` writes a `TrainerState` (`Trainer.state_dict`); `resolve_resume` finds and verifies the
-checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer.load_state_dict` reads.
-"""
+checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer.load_state_dict` reads."""
 
 import errno
 import json

@@ -391,6 +391,9 @@ class EngineSection:
     # refreshed by their update, instead of cast from the masters in each forward and backward; "auto": as many
     # as the GPU's room beside the step, its kept products and their extras holds
     copied_layers: int | str = "auto"
+    # of those stages (the table first), the ones whose moments wait in pinned host memory from their update to the
+    # next backward (8 B/param less GPU memory at the peak); "auto": the fewest giving the fastest predicted step
+    parked_layers: int | str = "auto"
     # gradient landing buffers, in largest groups' gradients, where updates run as gradients land
     # (grad_clip 0); "auto": as the planner sizes it (deeper where the CPU optimizer lags the backward)
     gradient_pool: float | str = "auto"
@@ -458,7 +461,7 @@ class EngineSection:
         pool = self.gradient_pool
         if pool != "auto" and (isinstance(pool, (str, bool)) or not pool >= 1):
             raise ConfigError(f"engine.gradient_pool must be auto or a number >= 1 (largest groups), got {pool!r}")
-        for name in ("kept_layers", "host_kept_layers", "held_layers", "gpu_updated_layers", "copied_layers"):
+        for name in (name for name in self.__dataclass_fields__ if name.endswith("_layers")):
             layers = getattr(self, name)
             if layers != "auto" and (isinstance(layers, (str, bool)) or not isinstance(layers, int) or layers < 0):
                 raise ConfigError(f"engine.{name} must be auto or an integer >= 0, got {layers!r}")

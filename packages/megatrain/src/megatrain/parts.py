@@ -135,6 +135,8 @@ def new_pipeline(
             on_grads_landed=updates.policy.grads_landed,
             on_device_grads=updates.policy.device_grads_made,
             before_cast=updates.policy.before_cast,
+            bring_back=updates.policy.bring_back,
+            let_go_parked=updates.policy.let_go_parked,
             held_device_bytes=updates.policy.held_device_bytes,
         )
     return LayerPipeline(

@@ -1,8 +1,7 @@
 """DPO's reference model, streamed once: every preference row's log-probability under the reference weights,
 computed in one forward-only pass before training and cached on disk beside the tokenised data, so that training
 holds one model. The reference is the policy's initial weights, or `train.dpo.ref_model`'s directory (loaded into
-the same host store for the pass, then replaced by the policy's weights).
-"""
+the same host store for the pass, then replaced by the policy's weights)."""
 
 import hashlib
 import json

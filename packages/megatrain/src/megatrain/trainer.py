@@ -87,8 +87,7 @@ def compile_on_cuda(enabled: bool) -> None:
 class Trainer:
     """Owns the host store, optimizer, update policy and pipeline of one model, placed by its planner.
 
-    `training=False` keeps only the weights in host memory (no gradients to hold, no optimizer
-    state): for `evaluate` alone."""
+    `training=False` keeps only the weights in host memory (no gradients, no optimizer state): `evaluate` alone."""
 
     def __init__(
         self,
@@ -258,6 +257,7 @@ class Trainer:
             )
         if (device := self.device_optimizer) is not None:
             device.keep_copies(self.spec.groups_of(placement.copied))
+            device.park(self.spec.groups_of(placement.parked))
         self.pipeline.place(placement, *((None, None) if device is None else (device.masters, device.copies)))
         self.placement, self._planned_tokens = placement, placement.step_tokens * self.planner.world
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatrain_store import LOAD_BIAS, HostStore
+from megatrain_store import LOAD_BIAS, HostStore, PinnedSpan
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 # Elements per gathered chunk of rows in `update_rows` (16 MiB per fp32 buffer, three buffers)
@@ -324,6 +324,13 @@ class DeviceAdamW:
     update and `to_device` refresh right after writing the master, on the same stream: what reads it never casts it
     (the pipeline's copied stages; a cast took 0.9 ms of a Qwen3-30B-A3B layer's forward, and again of its backward).
 
+    The moments of the groups `park` names wait in the store's host memory (pinned here) from each update until
+    `bring_back` queues them back, on a stream of their own both ways: the GPU holds none of them where a step's
+    activations peak, at the forward's end (Qwen2.5-7B at 32k tokens on an H200: the table's and 9 blocks'
+    moments, 21 GB, let the 7 layers that recomputed keep their matmul products). Their device memory is the
+    compute stream's (`home`): it is let go in that stream's order (`let_go_parked`), never by the caching
+    allocator's events, which it would wait for wherever an allocation found the GPU full.
+
     The store keeps host copies of these groups: `to_device` loads them (before the first update,
     and after the store was written: a checkpoint loaded), `to_host` brings the store up to date
     (checkpoints, export). Step count and decay runs are those of the `HostAdamW` it extends."""
@@ -344,8 +351,16 @@ class DeviceAdamW:
             for g in groups
         }
         self.copies: dict[int, Tensor] = {}  # group -> its master in the compute dtype (`keep_copies`)
+        self.parking: set[int] = set()  # groups whose moments are parked in the store after each update (`park`)
+        self._parked: set[int] = set()  # of those, the ones whose moments are there now (states[g] then None)
+        self._back: dict[int, Any] = {}  # group -> an event its moments, brought back, are whole on the device after
+        self._leaving: list[tuple[Any, list[Tensor]]] = []  # (the copy out's event, moments) parked, not let go yet
+        self._pins = PinnedSpan([host.store.arenas[f"state.{name}"] for name in STATE_NAMES])
         self._stale_host: set[int] = set()  # updated here since the last to_host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # `update_beside`'s
+        cuda = self.device.type == "cuda"
+        self.moment_stream = torch.cuda.Stream(self.device) if cuda else None  # parks and brings back moments
+        self.home = torch.cuda.current_stream(self.device) if cuda else None  # the compute stream
         # group -> (an event its update beside the compute stream ends with, the gradient that update reads)
         self._beside: dict[int, tuple[Any, Tensor]] = {}
 
@@ -388,10 +403,90 @@ class DeviceAdamW:
         count = float(self.host.step_tensor if step is None else step)
         step_here = torch.full((), count, dtype=torch.float32, device=self.device)
         numel = self.masters[group].numel()
-        buffers = (self.masters[group], grad, *self.states[group])
+        buffers = (self.masters[group], grad, *self._moments_of(group))
         self.host.update_runs(group, buffers, (0, numel), 0, lr, step_here, grad_scale, found_inf)
         self._refresh_copy(group)
         self._stale_host.add(group)
+        if group in self.parking:
+            self._park(group)
+
+    def park(self, groups: Iterable[int]) -> None:
+        """Park these groups' moments in the store now, and again after each of their updates, and no other group's
+        (those parked come back now). Their state arenas are pinned first, where the store pins."""
+        groups = set(groups)
+        if not groups <= set(self.masters):
+            raise OptimError(f"groups {sorted(groups - set(self.masters))} are parked but not updated on the GPU")
+        self.bring_back(sorted(self._parked - groups))
+        if self.moment_stream is not None and groups:  # (copies from pageable memory: a sixth of PCIe's speed)
+            starts, numel = self.host.store.state_starts, self.host.store.state_numel
+            self._pins.cover(starts[min(groups)], starts[max(groups)] + numel(max(groups)))
+        self.wait_for(groups)
+        self.parking = groups
+        for group in sorted(groups - self._parked):
+            self._park(group)
+
+    def _park(self, group: int) -> None:
+        """Copy `group`'s moments into the store after the work queued on the current stream (its update), on the
+        moment stream; `let_go_parked` gives their device memory back."""
+        states, self.states[group] = self.states[group], None
+        self._parked.add(group)
+        stored = [self.host.store.state(name, group) for name in STATE_NAMES]
+        if self.moment_stream is None:
+            for host, state in zip(stored, states):
+                host.copy_(state)
+            return
+        self.moment_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.moment_stream):
+            for host, state in zip(stored, states):
+                host.copy_(state, non_blocking=True)
+            self._leaving.append((self.moment_stream.record_event(), states))
+
+    def let_go_parked(self) -> None:
+        """Order the home stream's next work after the parked moments' copies out and give their memory back to its
+        allocations (called on it where the step needs the room: the forward after the resident stages)."""
+        for copied_out, _ in self._leaving:
+            self.home.wait_event(copied_out)
+        self._leaving.clear()
+
+    def bring_back(self, groups: Iterable[int]) -> None:
+        """Queue the parked moments of `groups` back onto the device, on the moment stream after the work queued on
+        the current one (whose memory they take: the backward's let go of); their next update waits for them."""
+        store = self.host.store
+        if self.home is not None:
+            self.let_go_parked()  # (where nothing let them go since: at most a step's parked moments wait)
+        for group in groups:
+            if group not in self._parked:
+                continue
+            self._parked.discard(group)
+            numel = self.masters[group].numel()
+            with torch.cuda.stream(self.home) if self.home is not None else nullcontext():  # (its memory)
+                states = [torch.empty(numel, dtype=store.master_dtype, device=self.device) for _ in STATE_NAMES]
+            self.states[group] = states
+            stored = [store.state(name, group) for name in STATE_NAMES]
+            if self.moment_stream is None:
+                for state, host in zip(states, stored):
+                    state.copy_(host)
+                continue
+            self.moment_stream.wait_stream(self.home)
+            with torch.cuda.stream(self.moment_stream):
+                for state, host in zip(states, stored):
+                    state.copy_(host, non_blocking=True)
+                self._back[group] = self.moment_stream.record_event()
+
+    def _moments_of(self, group: int) -> list[Tensor]:
+        """`group`'s moments on the device, for work queued on the current stream (brought back now if parked)."""
+        self.bring_back((group,))
+        back = self._back.pop(group, None)
+        if back is not None:
+            torch.cuda.current_stream(self.device).wait_event(back)
+        return self.states[group]
+
+    def _settle(self) -> None:
+        """Block until the moments parked and brought back so far are where they went."""
+        if self.moment_stream is not None:
+            self.moment_stream.synchronize()
+        self._back.clear()
+        self._leaving.clear()
 
     def keep_copies(self, groups: Iterable[int]) -> None:
         """Keep a compute-dtype copy of these groups' masters (made now, after their updates queued so far), and
@@ -440,29 +535,35 @@ class DeviceAdamW:
 
     @property
     def held_bytes(self) -> int:
-        """Device bytes of the gradients that updates beside the compute stream still hold (`update_beside`):
-        given back as the next step's casts wait for them, so free for that step."""
-        return sum(grad.nbytes for _, grad in self._beside.values())
+        """Device bytes of the gradients that updates beside the compute stream still hold (`update_beside`), and of
+        the moments of parked groups on the device: given back as the next step's casts wait for their updates, so
+        free for that step."""
+        gradients = sum(grad.nbytes for _, grad in self._beside.values())
+        moments = sum(state.nbytes for g in self.parking - self._parked for state in self.states[g])
+        leaving = sum(state.nbytes for _, states in self._leaving for state in states)
+        return gradients + moments + leaving
 
     def to_host(self) -> None:
         """Copy the masters and moments updated here since the last call into the store (waits for them)."""
         self.wait_for(list(self._beside))
+        self._settle()
         store = self.host.store
         for group in sorted(self._stale_host):
             store.master(group).copy_(self.masters[group])
-            for name, state in zip(STATE_NAMES, self.states[group]):
+            for name, state in zip(STATE_NAMES, self.states[group] or ()):  # (parked: the store has them)
                 store.state(name, group).copy_(state)
             store.refresh_wire(group)
         self._stale_host.clear()
 
     def to_device(self) -> None:
-        """Load the groups' masters and moments from the store (after it was written)."""
+        """Load the groups' masters and moments from the store (after it was written; parked moments stay there)."""
         self.wait_for(list(self._beside))
+        self._settle()
         store = self.host.store
         for group, master in self.masters.items():
             master.copy_(store.master(group))
             self._refresh_copy(group)
-            for name, state in zip(STATE_NAMES, self.states[group]):
+            for name, state in zip(STATE_NAMES, self.states[group] or ()):
                 state.copy_(store.state(name, group))
         self._stale_host.clear()
 

@@ -215,6 +215,16 @@ class _Policy:
         if self.device is not None:
             self.device.wait_for(groups)
 
+    def bring_back(self, groups: Iterable[int]) -> None:
+        """The pipeline's bring_back hook: parked groups' moments back on the device ahead of their update."""
+        if self.device is not None:
+            self.device.bring_back(groups)
+
+    def let_go_parked(self) -> None:
+        """The pipeline's let_go_parked hook: the parked moments' device memory back to the compute stream."""
+        if self.device is not None:
+            self.device.let_go_parked()
+
     def held_device_bytes(self) -> int:
         """The pipeline's held_device_bytes hook: the resident gradients that updates beside the compute stream
         still hold."""

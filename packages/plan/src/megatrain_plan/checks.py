@@ -8,7 +8,7 @@ from megatrain_zoo import ModelConfig, ModelSpec
 from .costs import PER_PARAMETER_ITEMS, gpu_updated_groups, whole_step_statistics
 from .errors import PlanError
 from .report import Plan, _params
-from .search import Planner
+from .search import Planner, parkable_stages
 
 
 def check_plan(plan: Plan, planner: Planner) -> None:
@@ -33,6 +33,7 @@ def _check_engine_counts(plan: Plan, planner: Planner) -> None:
         "held_layers": (len(planner.holdable), "blocks that can hold their weights"),
         "gpu_updated_layers": (len(planner.blocks), "blocks"),
         "copied_layers": (plan.gpu_updated_layers, "blocks updated on the GPU"),
+        "parked_layers": (len(parkable_stages(planner.spec, plan.placement.resident)), "stages that can park moments"),
         "sweeps": (
             planner.shape.micro_batches(planner.step_tokens),
             "micro-batches a step (train.batch_size / train.micro_batch_size)",

@@ -319,6 +319,10 @@ class CostModel:
         `step_device_bytes`)."""
         return self.params(placement.resident) * 4 * (1 + len(STATE_NAMES))
 
+    def parked_moment_bytes(self, placement: Placement) -> int:
+        """GPU bytes of the parked stages' moments: out of the GPU from their update until brought back."""
+        return self.params(placement.parked) * 4 * len(STATE_NAMES)
+
     def persistent_device_bytes(self, placement: Placement) -> int:
         """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slot), the fp32 staging
         buffers (and the packed base's two byte buffers), held weights and resident blocks' copies, resident state."""
@@ -329,7 +333,8 @@ class CostModel:
         staging = math.prod(staging_buffers(max(self.cast_sizes))) * 4 if casts else 0
         packed_ring = 2 * max(self.packed.values(), default=0)
         own_buffers = sum(self.stage_sizes[i] for i in placement.held + placement.copied) * self.element
-        return slots + staging + packed_ring + own_buffers + self.resident_state_bytes(placement)
+        state = self.resident_state_bytes(placement) - self.parked_moment_bytes(placement)
+        return slots + staging + packed_ring + own_buffers + state
 
     def working_device_bytes(self) -> int:
         """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,
@@ -358,9 +363,9 @@ class CostModel:
         placement's) and, with clipping in one sweep, its resident groups' fp32 gradients take at once. The
         backward frees a stage's activations as it makes its gradients, and a resident group's is held from its
         first stage in the backward to the step's end: at stage i's backward, the activations of stages up to i
-        and the held gradients from i on. (The first blocks' gradients so take the room the last blocks' products
-        leave: Qwen2.5-7B at 32k tokens with 18 blocks resident peaked at 113.8 GiB of a 139.8 GiB H200 where the
-        sum of both counted 136 GiB.)"""
+        and the held gradients from i on, and the parked moments brought back by then. (The first blocks' gradients
+        so take the room the last blocks' products leave: Qwen2.5-7B at 32k tokens with 18 blocks resident peaked
+        at 113.8 GiB of a 139.8 GiB H200 where the sum of both counted 136 GiB.)"""
         tokens, kept, offloaded = placement.tokens, set(placement.kept if kept is None else kept), placement.offloaded
         activations = [0 if i in offloaded else self.checkpoint_bytes(i, tokens) for i in range(self.n_stages)]
         for i in kept:
@@ -369,6 +374,8 @@ class CostModel:
         if self.full_grads and placement.sweeps == 1:  # (in sweeps they are carried: `sweeps_device_bytes`)
             resident = {g for i in placement.resident for g in self.spec.stages[i].groups} - self.frozen
             held = [sum(4 * self.group_sizes[g] for g in groups & resident) for groups in self.first_in_backward]
+        for parked, back in placement.moments_back_after.items():  # (to the forward they leave before, at the least)
+            held[max(back, placement.moments_leave_before) - 1] += self.params((parked,)) * 4 * len(STATE_NAMES)
         peak, below, above = 0, sum(activations), 0
         for stage in reversed(range(self.n_stages)):
             above += held[stage]
@@ -587,7 +594,8 @@ class CostModel:
         Resident blocks compute first in the forward and last in the backward with no copy to hide behind
         them; held blocks' forward copies, and those of the first stages streamed after them (as many as the
         rotating slots), may start meanwhile. A sweep after the first brings the gradient sums back in beside its
-        weights (here, a sweep's average); the resident groups' update, once a step, is `phases`'."""
+        weights (here, a sweep's average); the resident groups' update, once a step, is `phases`'. Parked moments go
+        out beside the resident stages' forward, which ends once they are out, and come back beside the backward."""
         pcie, duplex = self.rates.pcie_gbps * 1e9, self.rates.pcie_duplex_gbps * 1e9
         tokens, wire = placement.tokens, self._wire()
         layers_s = self.layers_s(placement)
@@ -596,6 +604,7 @@ class CostModel:
         share = resident / self.model.n_params
         activations_out = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
         activations_out += len(placement.host_kept) * tokens * self.product_bytes_per_token
+        parked = self.parked_moment_bytes(placement)  # out after their update in the forward, back in the backward
         forward_compute, backward_compute = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
         streamed_after = [i for i in range(self.n_stages) if i not in placement.resident and i not in placement.held]
         ahead = self.params(tuple(streamed_after[: self.engine.n_slots])) if placement.resident else 0
@@ -604,11 +613,12 @@ class CostModel:
             (1 - share) * forward_compute, streamed * wire / pcie - early_s, activations_out / pcie
         )
         sums_back = (placement.sweeps - 1) / placement.sweeps * streamed * 4 * self.grad_share
-        backward_weights_s = ((streamed - held) * wire + activations_out + sums_back) / duplex
+        backward_weights = (streamed - held) * wire + activations_out + sums_back
         backward_s = share * backward_compute + max(
-            (1 - share) * backward_compute, backward_weights_s, streamed * 4 * self.grad_share / duplex
+            (1 - share) * backward_compute, backward_weights / duplex, streamed * 4 * self.grad_share / duplex
         )
-        return forward_s, backward_s
+        forward_s = max(forward_s, (activations_out + parked) / pcie, parked / pcie + (1 - share) * forward_compute)
+        return forward_s, max(backward_s, (backward_weights + parked) / duplex)
 
     def boundary_s(self, placement: Placement) -> float:
         """The GPU's idle between steps: what the phases do not count (`STEP_TURNAROUND_S`; none on the host's CPU,
@@ -679,16 +689,6 @@ class CostModel:
             "disk": self.disk_s(placement),
             "network": sweeps * self.network_s(),
         }
-
-    def reference_tokens_per_s(self, placement: Placement) -> float:
-        """DPO's reference pass (forward only, before training): tokens per second, the weights streamed once for
-        `objective.reference_pass_steps` steps' rows; 0 where the objective needs no reference."""
-        steps = self.objective.reference_pass_steps
-        if not steps:
-            return 0.0
-        forward_s = FORWARD_SHARE * self.layers_s(placement) * steps
-        weights_s = self.model.n_params * self._wire() / (self.rates.pcie_gbps * 1e9)
-        return steps * placement.tokens * self.world / max(forward_s, weights_s)
 
     def step_s(self, placement: Placement) -> float:
         return max(self.phases(placement).values()) + self.boundary_s(placement)

@@ -91,6 +91,7 @@ class EngineChoices:
     held_layers: int | str = "auto"
     gpu_updated_layers: int | str = "auto"
     copied_layers: int | str = "auto"
+    parked_layers: int | str = "auto"
     gradient_pool: float | str = "auto"
     sweeps: int | str = "auto"
     optimizer_state_dir: str | None = None

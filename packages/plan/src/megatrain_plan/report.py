@@ -48,6 +48,7 @@ class Plan:
     extra_kept_layers: int = 0
     held_bytes: int = 0  # GPU memory the held weights take
     copied_bytes: int = 0  # GPU memory the resident blocks' compute-dtype copies take
+    parked_bytes: int = 0  # the parked stages' moments, out of the GPU from their update to the next backward
     gpu_updated_bytes: int = 0  # GPU memory the resident state takes (and, with clipping, their gradients)
     host_kept_bytes: int = 0  # host memory the host-kept products take (in host_bytes)
     stage_names: list[str] = field(default_factory=list)
@@ -99,6 +100,11 @@ class Plan:
         """Of those, the blocks whose compute-dtype copy stays on the GPU (never cast)."""
         return len(self.placement.copied)
 
+    @property
+    def parked_layers(self) -> int:
+        """Resident stages whose moments wait in host memory from their update to the next backward."""
+        return len(self.placement.parked)
+
     def as_dict(self) -> dict:
         fields = asdict(self) | {"placement": self.placement.as_dict()}
         return fields | {name: getattr(self, name) for name in _COUNTS}
@@ -128,6 +134,7 @@ class Plan:
             for count, what in (
                 (self.gpu_updated_layers, "blocks updated on the GPU"),
                 (self.copied_layers, "of them kept in the compute dtype too"),
+                (self.parked_layers, "stages parking their moments in host memory"),
                 (self.held_layers, "holding their weights"),
                 (self.offloaded_layers, "with checkpoints in host memory"),
                 (self.kept_layers, "keeping their products on the GPU"),
@@ -163,7 +170,7 @@ class Plan:
 
 
 _COUNTS = ("experts_per_stage", "gradient_pool", "offloaded_layers", "kept_layers", "host_kept_layers")
-_COUNTS += ("held_layers", "gpu_updated_layers", "copied_layers")
+_COUNTS += ("held_layers", "gpu_updated_layers", "copied_layers", "parked_layers")
 
 
 BOUND_NAMES = {
@@ -277,6 +284,11 @@ def _device_line(plan: Plan) -> str:
             (
                 plan.copied_layers,
                 f", {plan.copied_layers} of them kept in the compute dtype too ({plan.copied_bytes / gib:.1f} GiB)",
+            ),
+            (
+                plan.parked_layers,
+                f", {plan.parked_layers} stages' moments parked in host memory between update and backward "
+                f"({plan.parked_bytes / gib:.1f} GiB)",
             ),
             (plan.experts_per_stage, f"; each MoE layer's experts stream in parts of {plan.experts_per_stage}"),
         ],

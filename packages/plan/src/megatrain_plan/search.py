@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from megatrain_sched import EXTRAS_MARGIN, Placement
-from megatrain_zoo import flops_per_token
+from megatrain_zoo import ModelSpec, flops_per_token
 
 from .costs import (
     CHECKPOINT_GPU_SHARE,
@@ -73,6 +73,7 @@ class _Counts:
     kept: int = 0  # blocks, the last keepable ones, keeping their products on the GPU
     host_kept: int = 0  # blocks before those, spread evenly, keeping theirs in host memory
     copied: int = 0  # resident blocks (the first) keeping their weights in the compute dtype too
+    parked: int = 0  # resident stages (the first) whose moments wait in host memory from update to backward
 
 
 class Planner(CostModel):
@@ -81,11 +82,8 @@ class Planner(CostModel):
 
     @functools.cached_property
     def copyable(self) -> set[int]:
-        """The blocks a copy may bind: those of one group, which no other stage binds (the pipeline binds the copy
-        as the stage's weights)."""
-        binders = collections.Counter(g for stage in self.spec.stages for g in stage.groups)
-        groups = [stage.groups for stage in self.spec.stages]
-        return {i for i in self.blocks if len(groups[i]) == 1 and binders[groups[i][0]] == 1}
+        """The blocks a copy may bind (as the stage's weights): those of one group, which no other stage binds."""
+        return {i for i in own_group_stages(self.spec) if i in self.blocks and len(self.spec.stages[i].groups) == 1}
 
     @property
     def step_tokens(self) -> int:
@@ -116,6 +114,7 @@ class Planner(CostModel):
         host-kept ones."""
         resident = resident_stages(self.spec, counts.resident)
         copied = tuple(i for i in resident if i in self.copyable)[: counts.copied]
+        parked = parkable_stages(self.spec, resident)[: counts.parked]
         holdable = [i for i in self.holdable if i not in resident]
         last_block = self.n_stages - 2
         kept = self._last_blocks(counts.kept)
@@ -130,6 +129,7 @@ class Planner(CostModel):
             kept=kept,
             host_kept=host_kept,
             copied=copied,
+            parked=parked,
             tokens=counts.tokens,
             sweeps=counts.sweeps,
             wire_copy=self.wire_copy,
@@ -208,6 +208,7 @@ class Planner(CostModel):
         step = {"gradient_pool": pool, "first_disk_group": first_disk_group}
         counts = replace(counts, host_kept=self._host_kept(counts, small, step, why))
         counts = replace(counts, kept=self._kept(counts))
+        counts = self._parked(counts, step, why)
         counts = replace(counts, host_kept=min(counts.host_kept, self.keepable - counts.kept))
         if self.machine.gpu_memory is not None and self.keepable and self.engine.kept_layers == "auto":
             which = {0: "no layer keeps its", 1: "the last layer keeps its"}
@@ -215,6 +216,24 @@ class Planner(CostModel):
             why["kept"] = f"{what} matmul products: as many as the GPU's memory holds"
         counts = replace(counts, copied=self._copied(counts, step, why))
         return self.placement_of(counts, **step, why=why if explain else {})
+
+    def _parked(self, counts: _Counts, step: dict, why: dict) -> _Counts:
+        """`counts` with the first resident stages parking their moments from update to backward (crossing PCIe twice),
+        and the layers keeping their products then: as set; else the fewest giving the fastest predicted step."""
+        most = len(parkable_stages(self.spec, resident_stages(self.spec, counts.resident)))
+        setting = self.engine.parked_layers
+        if setting == "auto" and (self.machine.gpu_memory is None or counts.kept >= self.keepable):
+            setting = 0
+        drafts = [replace(counts, parked=n) for n in (range(most + 1) if setting == "auto" else [min(setting, most)])]
+        drafts = [replace(draft, kept=self._kept(draft)) for draft in drafts]
+        times = [self.step_s(self.placement_of(draft, **step)) for draft in drafts]
+        best = drafts[times.index(min(times))]  # (the fewest of the fastest)
+        if best.parked and setting == "auto":
+            why["parked"] = (
+                f"the first {best.parked} GPU-updated stages park their moments in host memory from update to backward: "
+                f"{best.kept} layers keep their products, not {counts.kept} (predicted {min(times):.2f} s, not {times[0]:.2f})"
+            )
+        return best
 
     def _copied(self, counts: _Counts, step: dict, why: dict) -> int:
         """Resident blocks keeping a compute-dtype copy of their weights on the GPU, which their update refreshes:
@@ -509,6 +528,31 @@ class Planner(CostModel):
         )
 
 
+def _reference_tokens_per_s(planner: Planner, placement: Placement) -> float:
+    """DPO's reference pass (forward only, before training): tokens per second, the weights streamed once for
+    `objective.reference_pass_steps` steps' rows; 0 where the objective needs no reference."""
+    steps = planner.objective.reference_pass_steps
+    if not steps:
+        return 0.0
+    forward_s = FORWARD_SHARE * planner.layers_s(placement) * steps
+    weights_s = planner.model.n_params * planner._wire() / (planner.rates.pcie_gbps * 1e9)
+    return steps * placement.tokens * planner.world / max(forward_s, weights_s)
+
+
+def own_group_stages(spec: ModelSpec) -> set[int]:
+    """The stages binding groups that no other stage binds."""
+    binders = collections.Counter(g for stage in spec.stages for g in stage.groups)
+    return {i for i, stage in enumerate(spec.stages) if all(binders[g] == 1 for g in stage.groups)}
+
+
+def parkable_stages(spec: ModelSpec, resident: tuple[int, ...]) -> tuple[int, ...]:
+    """Of the `resident` stages, those whose moments may be parked, first ones first: stages of groups no other stage
+    binds (brought back once, ahead of the stage's backward), as many as come back before their own backward
+    (`Placement.moments_back_after`: the j-th after the j-th block's backward from the last down)."""
+    own, last_block = own_group_stages(spec), len(spec.stages) - 2
+    return tuple(stage for j, stage in enumerate(i for i in resident if i in own) if stage < last_block - j)
+
+
 def leaves_more_room(host_bytes: int, than_bytes: int, budget: int | None) -> bool:
     """Whether a step of `host_bytes` fits the host's `budget`, or POOL_HOST_SHARE of it, where one of `than_bytes`
     does not: smaller sweeps offload smaller checkpoints, and such a step beats a faster one (QLoRA's 405B on a
@@ -559,6 +603,7 @@ def _memory_of(planner: Planner, placement: Placement) -> dict:
         "extra_kept_layers": len(planner.extras(placement)),
         "held_bytes": planner.params(placement.held) * planner.element,
         "copied_bytes": planner.params(placement.copied) * planner.element,
+        "parked_bytes": planner.parked_moment_bytes(placement),
         "gpu_updated_bytes": planner.resident_state_bytes(placement),
         "host_kept_bytes": host_items.get("host-kept products", 0),
         "generation_host_bytes": planner.generation_host_bytes,
@@ -589,5 +634,5 @@ def _times_of(planner: Planner, placement: Placement, compute_bound: bool) -> di
         "phases": phases,
         "bound": bound,
         "compute_bound_tokens": planner.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
-        "reference_tokens_per_s": planner.reference_tokens_per_s(placement),
+        "reference_tokens_per_s": _reference_tokens_per_s(planner, placement),
     }

@@ -20,8 +20,13 @@ class Hooks:
     on the device (called on the compute stream once its last backward is queued; the buffer is the callee's);
     `before_cast(groups)` is called on the compute stream before a resident stage's weights are cast from their
     device masters, or its compute-dtype copy is read (the stream must wait there for updates of them queued
-    elsewhere, which refresh that copy); `held_device_bytes()` says how much device memory the policy holds of
-    gradients it was given, to be let go as the next casts come (free for the next step, which counts on it)."""
+    elsewhere, which refresh that copy); `bring_back(groups)` is called on the compute stream once a stage's
+    backward is queued, with the groups whose moments the placement parks and brings back there
+    (`Placement.moments_back_after`): into the memory that backward let go of, ahead of their update;
+    `let_go_parked()` is called on the compute stream before the forward of `Placement.moments_leave_before`, where
+    the parked moments' device memory is given back to it; `held_device_bytes()` says how much device memory the
+    policy holds of gradients it was given, and of parked moments, to be let go as the next forward goes (free for
+    the next step, which counts on it)."""
 
     before_fetch: Callable[[tuple[int, ...]], None] = lambda groups: None
     updates_done: Callable[[tuple[int, ...]], bool] = lambda groups: True
@@ -29,4 +34,6 @@ class Hooks:
     on_grads_landed: Callable[[int, Any, Tensor], None] = lambda group, event, sq_norm: None
     on_device_grads: Callable[[int, Tensor, Tensor], None] = lambda group, grad, sq_norm: None
     before_cast: Callable[[tuple[int, ...]], None] = lambda groups: None
+    bring_back: Callable[[tuple[int, ...]], None] = lambda groups: None
+    let_go_parked: Callable[[], None] = lambda: None
     held_device_bytes: Callable[[], int] = lambda: 0

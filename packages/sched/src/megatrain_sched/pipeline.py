@@ -10,6 +10,7 @@ the group has run backward. Resident stages' fp32 masters live on the device (th
 they are cast into the slot from that master, and their gradient is handed over on the device instead of copied out.
 """
 
+import collections
 import itertools
 import math
 import os
@@ -136,8 +137,8 @@ class LayerPipeline:
     `executed` is the placement the last training step ran.
 
     The update policy meets it through `hooks` (`Hooks`: `before_fetch`, `updates_done`, `first_rows`,
-    `on_grads_landed`, `on_device_grads`, `before_cast`, `held_device_bytes`; none given: a step updates nothing)
-    and, with several processes, `reduce_grad` (`GradientSink`). A stage's
+    `on_grads_landed`, `on_device_grads`, `before_cast`, `bring_back`, `let_go_parked`, `held_device_bytes`; none
+    given: a step updates nothing) and, with several processes, `reduce_grad` (`GradientSink`). A stage's
     template declares what it can do (`StageTemplate`): keep its products (`forward_keeping_products`, and its
     extra products where a step has the device memory to spare: `extras` says where), prepare a micro-batch early,
     read no weights in its backward (then the wait for their last update comes before its gradient is sent), read
@@ -222,6 +223,9 @@ class LayerPipeline:
         device_masters, device_copies = device_masters or {}, device_copies or {}
         self._check_placement(placement, device_masters, set(device_copies))
         self.placement = placement
+        self._moments_back: dict[int, list[int]] = {}  # stage -> the parked groups brought back after its backward
+        for parked, stage in placement.moments_back_after.items():
+            self._moments_back.setdefault(stage, []).extend(self.stages[parked].groups)
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)  # nothing in flight reads the buffers given back below
         self.weights.place(placement, device_masters, device_copies)
@@ -245,6 +249,13 @@ class LayerPipeline:
             )
         if placement.sweeps > 1 and self.objective is not None:
             raise SchedError("a step-level objective reads every micro-batch before any backward: run it in one sweep")
+        binders = collections.Counter(g for stage in self.stages for g in stage.groups)
+        shared = [i for i in placement.parked if any(binders[g] > 1 for g in self.stages[i].groups)]
+        if shared:
+            raise PlacementError(
+                f"parked stages {shared} bind groups other stages bind too: only a stage's own groups' moments are "
+                "parked (they come back once, ahead of the stage's backward)"
+            )
         for index, stage in enumerate(self.stages):
             on_device = [g in device_masters for g in stage.groups]
             if any(on_device) and not all(on_device):
@@ -337,6 +348,8 @@ class LayerPipeline:
             if train and position >= n_stages - 1:
                 self.activations.reload_ahead(step.order[position] - 1 if position >= n_stages else n_stages - 2)
             streams.wait(streams.compute, slot.ready)
+            if train and position == self.placement.moments_leave_before and self.placement.parked:
+                self.hooks.let_go_parked()
             weights = self.weights.views(slot, stage_index)
             span = f"{'bwd' if position >= n_stages else 'fwd'} {self.stages[stage_index].name}"
             with self.timeline.device_span(span, "compute", streams, streams.compute):
@@ -350,6 +363,8 @@ class LayerPipeline:
             slot.free = streams.record(streams.compute)
             if train and position >= n_stages - 1:
                 self.gradients.send(stage_index, step.log)
+                if stage_index in self._moments_back and position >= n_stages and not warm_up:
+                    self.hooks.bring_back(tuple(self._moments_back[stage_index]))  # (a warm-up updates nothing)
             while step.fetched < min(last, position + 1):  # what the optimizer had not finished, waiting now
                 step.fetched += 1
                 self.weights.fetch(step.fetched, step.log)

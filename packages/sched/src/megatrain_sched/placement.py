@@ -61,6 +61,9 @@ class Placement:
     first_disk_group: int | None = None  # groups from here on keep their optimizer state on disk; None: none
     wire_copy: bool = False  # a compute-dtype copy of the weights in host memory (half the PCIe bytes)
     experts_per_stage: int = 0  # a MoE layer's experts streamed in parts of this many (0: whole layers)
+    # resident stages whose groups' moments wait in host memory from their update until the backward of the stage
+    # `moments_back_after` names, which brings them back: the GPU holds none of them at the step's peak
+    parked: tuple[int, ...] = ()
     why: dict = field(default_factory=dict, compare=False)  # the planner's reasons, by choice (for people)
 
     @classmethod
@@ -73,14 +76,15 @@ class Placement:
         kept: tuple[int, ...] = (),
         host_kept: tuple[int, ...] = (),
         copied: tuple[int, ...] = (),
+        parked: tuple[int, ...] = (),
         **step,
     ) -> "Placement":
         """A placement of `n_stages` stages from the stage indices of each choice that is not the default (`copied`:
-        resident stages that keep their compute-dtype copy); an index outside 0..n_stages-1, a stage named in two
-        choices of one field (resident and held weights, products kept and host-kept), or copied and not resident,
-        is refused (`PlacementError`)."""
+        resident stages that keep their compute-dtype copy; `parked`: resident stages whose moments wait in host
+        memory); an index outside 0..n_stages-1, a stage named in two choices of one field (resident and held
+        weights, products kept and host-kept), or copied or parked and not resident, is refused (`PlacementError`)."""
         chosen = {"resident": resident, "held": held, "offloaded": offloaded, "kept": kept, "host_kept": host_kept}
-        chosen["copied"] = copied
+        chosen |= {"copied": copied, "parked": parked}
         for name, indices in chosen.items():
             outside = [i for i in indices if not 0 <= i < n_stages]
             if outside:
@@ -89,15 +93,41 @@ class Placement:
             both = sorted(set(chosen[first]) & set(chosen[second]))
             if both:
                 raise PlacementError(f"stages {both} are named both {first} and {second}; a stage takes one of them")
-        if not set(copied) <= set(resident):
-            raise PlacementError(f"stages {sorted(set(copied) - set(resident))} are copied but not resident")
+        for name in ("copied", "parked"):
+            if not set(chosen[name]) <= set(resident):
+                raise PlacementError(f"stages {sorted(set(chosen[name]) - set(resident))} are {name} but not resident")
         stages = []
         for index in range(n_stages):
             weights = RESIDENT if index in resident else HELD if index in held else STREAMED
             weights = RESIDENT_COPY if index in copied else weights
             products = DEVICE if index in kept else HOST if index in host_kept else RECOMPUTE
             stages.append(StagePlacement(weights, HOST if index in offloaded else DEVICE, products))
-        return cls(tuple(stages), **step)
+        return cls(tuple(stages), parked=tuple(sorted(set(parked))), **step)
+
+    def __post_init__(self):
+        object.__setattr__(self, "parked", tuple(self.parked))  # (from JSON: a list)
+        last_block = len(self.stages) - 2
+        late = [stage for stage, back in self.moments_back_after.items() if back <= stage or back < 1]
+        if late:
+            raise PlacementError(
+                f"parked stages {late} would get their moments back after their own backward (the j-th parked stage's "
+                f"come back after the backward of block {last_block} - j): park fewer, or earlier stages"
+            )
+
+    @property
+    def moments_back_after(self) -> dict[int, int]:
+        """Parked stage -> the stage after whose backward its moments come back: the j-th parked stage's (in stage
+        order, the order the next updates need them in) after the j-th backward of a block, from the last block
+        down, where the backward has let go of that block's activations. Every one comes back before its own
+        stage's backward (refused otherwise), so that an update made as its gradient lands has them too."""
+        last_block = len(self.stages) - 2
+        return {stage: last_block - j for j, stage in enumerate(self.parked)}
+
+    @property
+    def moments_leave_before(self) -> int:
+        """The stage before whose forward the parked moments' device memory is given back (the compute stream waits
+        for their copies out there): the first stage after the resident ones, whose updates park them."""
+        return next((i for i in range(len(self.stages)) if i not in self.resident), len(self.stages) - 1)
 
     def where(self, **choice: str) -> tuple[int, ...]:
         """The indices of the stages with these choices, e.g. `where(products=DEVICE)`."""

@@ -17,7 +17,7 @@ from .io import (
 )
 from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
 from .packed import PackedBaseFile, PackedLayout, packed_cache_key
-from .pinning import pin_in_place, unpin
+from .pinning import PinnedSpan, pin_in_place, unpin
 from .quant import (
     BITSANDBYTES_NF4_PARTS,
     QuantizedInt8,
@@ -65,6 +65,7 @@ __all__ = [
     "nf4_nbytes",
     "open_safetensors",
     "packed_cache_key",
+    "PinnedSpan",
     "pin_in_place",
     "quantize_int8",
     "quantize_nf4",

@@ -1,7 +1,9 @@
 """Page-locking host memory in place, so that host<->GPU copies run at full PCIe speed."""
 
 import ctypes
+import time
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -40,6 +42,30 @@ def pin_in_place(tensor: Tensor) -> bool:
 
 def unpin(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+class PinnedSpan:
+    """One span of elements of each of `tensors`, page-locked in place and widened as asked (the narrower span is
+    unpinned first: registrations may not overlap), unpinned when this object goes. `seconds`: time spent pinning."""
+
+    def __init__(self, tensors: list[Tensor]):
+        self.tensors, self.span, self.seconds = tensors, None, 0.0
+        self._pinned: list[int] = []
+        weakref.finalize(self, lambda pinned: [unpin(p) for p in pinned], self._pinned)
+
+    def cover(self, first: int, last: int) -> None:
+        """Pin [first, last) of each tensor, and what the span pinned so far covered."""
+        if self.span is not None:
+            if self.span[0] <= first and last <= self.span[1]:
+                return
+            first, last = min(first, self.span[0]), max(last, self.span[1])
+        start = time.perf_counter()
+        while self._pinned:
+            unpin(self._pinned.pop())
+        for tensor in self.tensors:
+            if pin_in_place(view := tensor[first:last]):
+                self._pinned.append(view.data_ptr())
+        self.span, self.seconds = (first, last), self.seconds + time.perf_counter() - start
 
 
 def _clear_cuda_error() -> None:
