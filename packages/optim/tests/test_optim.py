@@ -157,10 +157,10 @@ def test_a_device_groups_compute_dtype_copy_follows_its_master():
 
 
 def test_parked_moments_wait_in_the_store_between_updates_and_come_back_bit_for_bit():
-    """`park`: a parked group's moments leave the device at once and after each update, into the store, which then
-    holds exactly what an unparked twin holds on the device; `bring_back` (or the update itself, where nothing
-    brought them back) restores them, and the masters follow the twin's bit for bit over several steps; unparking
-    brings them back; a group not updated on the device is refused."""
+    """`park`: a parked group's moments leave the device at once and, after each update, at the next `wait_for`,
+    into the store, which then holds exactly what an unparked twin holds on the device; `bring_back` (or the update
+    itself, where nothing brought them back) restores them, and the masters follow the twin's bit for bit over
+    several steps; unparking brings them back; a group not updated on the device is refused."""
     layouts = [GroupLayout.from_specs(s) for s in SPECS]
     stores = [HostStore(layouts, state_names=("exp_avg", "exp_avg_sq")) for _ in range(2)]
     start = torch.randn(layouts[1].numel)
@@ -181,6 +181,8 @@ def test_parked_moments_wait_in_the_store_between_updates_and_come_back_bit_for_
         for device in devices:
             device.host.begin_step()
             device.update(1, grad.clone(), 1e-2, clip_coef=0.5)
+        assert 1 not in parked._parked  # until the next `wait_for` (the pipeline's cast of its stage) parks it
+        parked.wait_for([1])
         assert torch.equal(parked.masters[1], twin.masters[1])
         for name, state in zip(("exp_avg", "exp_avg_sq"), twin._moments_of(1)):
             assert torch.equal(stores[0].state(name, 1), state)

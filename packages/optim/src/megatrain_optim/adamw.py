@@ -354,6 +354,7 @@ class DeviceAdamW:
         self.parking: set[int] = set()  # groups whose moments are parked in the store after each update (`park`)
         self._parked: set[int] = set()  # of those, the ones whose moments are there now (states[g] then None)
         self._back: dict[int, Any] = {}  # group -> an event its moments, brought back, are whole on the device after
+        self._park_due: set[int] = set()  # parked groups updated since: parked at their next `wait_for`
         self._leaving: list[tuple[Any, list[Tensor]]] = []  # (the copy out's event, moments) parked, not let go yet
         self._pins = PinnedSpan([host.store.arenas[f"state.{name}"] for name in STATE_NAMES])
         self._stale_host: set[int] = set()  # updated here since the last to_host
@@ -408,7 +409,7 @@ class DeviceAdamW:
         self._refresh_copy(group)
         self._stale_host.add(group)
         if group in self.parking:
-            self._park(group)
+            self._park_due.add(group)
 
     def park(self, groups: Iterable[int]) -> None:
         """Park these groups' moments in the store now, and again after each of their updates, and no other group's
@@ -420,8 +421,9 @@ class DeviceAdamW:
         if self.moment_stream is not None and groups:  # (copies from pageable memory: a sixth of PCIe's speed)
             starts, numel = self.host.store.state_starts, self.host.store.state_numel
             self._pins.cover(starts[min(groups)], starts[max(groups)] + numel(max(groups)))
-        self.wait_for(groups)
         self.parking = groups
+        self._park_due &= groups
+        self.wait_for(groups)
         for group in sorted(groups - self._parked):
             self._park(group)
 
@@ -435,6 +437,8 @@ class DeviceAdamW:
             for host, state in zip(stored, states):
                 host.copy_(state)
             return
+        if len(self._leaving) >= len(self.parking):  # a step's, none let go since (no pipeline calls it)
+            self.let_go_parked()
         self.moment_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.moment_stream):
             for host, state in zip(stored, states):
@@ -452,8 +456,6 @@ class DeviceAdamW:
         """Queue the parked moments of `groups` back onto the device, on the moment stream after the work queued on
         the current one (whose memory they take: the backward's let go of); their next update waits for them."""
         store = self.host.store
-        if self.home is not None:
-            self.let_go_parked()  # (where nothing let them go since: at most a step's parked moments wait)
         for group in groups:
             if group not in self._parked:
                 continue
@@ -527,11 +529,16 @@ class DeviceAdamW:
 
     def wait_for(self, groups: Iterable[int]) -> None:
         """Order the current stream's next work after the updates of `groups` queued beside it (device side: the
-        host does not block), and let their gradients go. Called on the stream that made the gradients."""
+        host does not block), and let their gradients go; park the moments of those updated since they were last
+        parked. Called on the stream that made the gradients (where the pipeline casts their stage, in the forward:
+        the parks spread over it, none queued at the step's boundary, where the host reads the norm)."""
         for group in groups:
             beside = self._beside.pop(group, None)
             if beside is not None:
                 torch.cuda.current_stream(self.device).wait_event(beside[0])
+            if group in self._park_due:
+                self._park_due.discard(group)
+                self._park(group)
 
     @property
     def held_bytes(self) -> int:
