@@ -326,8 +326,8 @@ class DeviceAdamW:
 
     The moments of the groups `park` names wait in the store's host memory (pinned here) from each update until
     `bring_back` queues them back, on a stream of their own both ways: the GPU holds none of them where a step's
-    activations peak, at the forward's end (Qwen2.5-7B at 32k tokens on an H200: the table's and 9 blocks'
-    moments, 21 GB, let the 7 layers that recomputed keep their matmul products). Their device memory is the
+    activations peak, at the forward's end (Qwen2.5-7B at 32k tokens on an H200: the table's and 10 blocks'
+    moments, 23 GB, let 27 layers keep their matmul products where 20-21 did). Their device memory is the
     compute stream's (`home`): it is let go in that stream's order (`let_go_parked`), never by the caching
     allocator's events, which it would wait for wherever an allocation found the GPU full.
 

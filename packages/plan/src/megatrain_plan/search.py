@@ -18,7 +18,8 @@ than auto override a rule):
 5. the gradient pool is deepened where the optimizer lags the backward, and the last groups' moments go to
    disk where the host cannot hold them;
 6. in a large step more layers keep their products in pinned host memory, as the host and PCIe allow;
-7. the last layers keep their products on the GPU, as many as its memory holds;
+7. the last layers keep their products on the GPU, as many as its memory holds, and the first resident stages park
+   their moments in host memory from update to backward where that lets more keep them and is predicted faster;
 8. resident blocks keep their weights in the compute dtype beside their masters (refreshed by their update, never
    cast again), as many as the GPU's room beside all that and the products' extras holds;
 9. a large step whose GPU work bounds it, and whose layers do not all keep their products, runs in sweeps (its
