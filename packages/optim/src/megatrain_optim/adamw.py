@@ -564,6 +564,7 @@ class DeviceAdamW:
 
     def to_device(self) -> None:
         """Load the groups' masters and moments from the store (after it was written; parked moments stay there)."""
+        self._park_due.clear()  # (a park now would write the old moments over the store's)
         self.wait_for(list(self._beside))
         self._settle()
         store = self.host.store

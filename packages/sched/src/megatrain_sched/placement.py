@@ -61,8 +61,8 @@ class Placement:
     first_disk_group: int | None = None  # groups from here on keep their optimizer state on disk; None: none
     wire_copy: bool = False  # a compute-dtype copy of the weights in host memory (half the PCIe bytes)
     experts_per_stage: int = 0  # a MoE layer's experts streamed in parts of this many (0: whole layers)
-    # resident stages whose groups' moments wait in host memory from their update until the backward of the stage
-    # `moments_back_after` names, which brings them back: the GPU holds none of them at the step's peak
+    # resident stages whose groups' moments wait in host memory from the stage's forward (after its update) to the
+    # backward `moments_back_after` names, which brings them back: the GPU holds none of them at the step's peak
     parked: tuple[int, ...] = ()
     why: dict = field(default_factory=dict, compare=False)  # the planner's reasons, by choice (for people)
 
