@@ -335,6 +335,8 @@ def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
         ("tiny-llama", {"gpu_updated_layers": 2, "copied_layers": 1}),  # one bound to its copy, one cast
         ("tiny-llama", {"gpu_updated_layers": 2, "parked_layers": 1}),  # the table's moments parked
         ("tiny-qwen2", {"gpu_updated_layers": 1, "kept_layers": 1, "parked_layers": 1}),  # the block's (tied table)
+        # the table's moments parked in a step of two sweeps: brought back in the last one's backward alone
+        ("tiny-llama", {"gpu_updated_layers": 2, "parked_layers": 1, "sweeps": 2, "expect_sweeps": 2}),
     ],
     ids=[
         "first-layer-next-to-a-kept-one",
@@ -342,6 +344,7 @@ def test_held_layers_match_plain_pytorch(grad_clip, tmp_path):
         "every-layer-the-first-copied",
         "every-layer-the-table-parked",
         "first-layer-parked",
+        "the-table-parked-in-sweeps",
     ],
 )
 def test_gpu_updated_layers_match_plain_pytorch(dtype, grad_clip, preset_name, engine, tmp_path, monkeypatch):

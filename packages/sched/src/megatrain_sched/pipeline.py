@@ -363,8 +363,9 @@ class LayerPipeline:
             slot.free = streams.record(streams.compute)
             if train and position >= n_stages - 1:
                 self.gradients.send(stage_index, step.log)
-                if stage_index in self._moments_back and position >= n_stages and not warm_up:
-                    self.hooks.bring_back(tuple(self._moments_back[stage_index]))  # (a warm-up updates nothing)
+                if stage_index in self._moments_back and position >= n_stages and last_sweep and not warm_up:
+                    # (the updates follow the last sweep; a warm-up's, none)
+                    self.hooks.bring_back(tuple(self._moments_back[stage_index]))
             while step.fetched < min(last, position + 1):  # what the optimizer had not finished, waiting now
                 step.fetched += 1
                 self.weights.fetch(step.fetched, step.log)
