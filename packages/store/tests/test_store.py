@@ -407,3 +407,39 @@ def test_shared_arenas_take_their_room_or_refuse_in_one_line(tmp_path, monkeypat
     with pytest.raises(StoreError, match=r"arena 'exp_avg' needs 4.0 MiB in .*engine.shared_dir"):
         arenas.tensor("exp_avg", torch.float32, 2**20)
     assert not (tmp_path / "shm").exists()  # (the run stops: it leaves nothing there)
+
+
+def test_a_pinned_span_widens_without_overlapping_registrations_and_unpins_when_it_goes(monkeypatch):
+    """`PinnedSpan.cover`: a span inside the pinned one pins nothing more; a wider one unpins the old registration
+    of each tensor before pinning the union (CUDA refuses overlapping ones); what is pinned is unpinned when the span
+    goes. (cudaHostRegister stood in for: this machine has no GPU.)"""
+    import gc
+
+    from megatrain_store import pinning
+
+    pinned: set[int] = set()
+    calls: list[tuple[str, int, int]] = []
+
+    def pin(tensor):
+        assert not any(tensor.data_ptr() <= p < tensor.data_ptr() + tensor.nbytes for p in pinned)
+        calls.append(("pin", tensor.data_ptr(), tensor.nbytes))
+        pinned.add(tensor.data_ptr())
+        return True
+
+    def unpin(ptr):
+        calls.append(("unpin", ptr, 0))
+        pinned.remove(ptr)
+
+    monkeypatch.setattr(pinning, "pin_in_place", pin)
+    monkeypatch.setattr(pinning, "unpin", unpin)
+    arenas = [torch.zeros(1000), torch.zeros(1000)]
+    span = pinning.PinnedSpan(arenas)
+    span.cover(100, 200)
+    span.cover(120, 180)  # inside: nothing
+    assert [c[0] for c in calls] == ["pin", "pin"] and span.span == (100, 200)
+    span.cover(50, 150)  # the union, 50..200, after the old registrations go
+    assert [c[0] for c in calls[2:]] == ["unpin", "unpin", "pin", "pin"] and span.span == (50, 200)
+    assert pinned == {a[50:].data_ptr() for a in arenas} and calls[-1][2] == 150 * 4
+    del span
+    gc.collect()
+    assert pinned == set()

@@ -107,7 +107,7 @@ class Placement:
     def __post_init__(self):
         object.__setattr__(self, "parked", tuple(self.parked))  # (from JSON: a list)
         last_block = len(self.stages) - 2
-        late = [stage for stage, back in self.moments_back_after.items() if back <= stage or back < 1]
+        late = [stage for stage, back in self.moments_back_after.items() if back <= stage]
         if late:
             raise PlacementError(
                 f"parked stages {late} would get their moments back after their own backward (the j-th parked stage's "
