@@ -604,7 +604,7 @@ class CostModel:
         share = resident / self.model.n_params
         activations_out = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
         activations_out += len(placement.host_kept) * tokens * self.product_bytes_per_token
-        parked = self.parked_moment_bytes(placement)  # out after their update in the forward, back in the backward
+        parked = self.parked_moment_bytes(placement)  # out at their stage's forward, back in the backward
         forward_compute, backward_compute = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
         streamed_after = [i for i in range(self.n_stages) if i not in placement.resident and i not in placement.held]
         ahead = self.params(tuple(streamed_after[: self.engine.n_slots])) if placement.resident else 0
