@@ -115,7 +115,7 @@ class Planner(CostModel):
         host-kept ones."""
         resident = resident_stages(self.spec, counts.resident)
         copied = tuple(i for i in resident if i in self.copyable)[: counts.copied]
-        parked = parkable_stages(self.spec, resident)[: counts.parked]
+        parked = parkable_stages(self.spec, resident)[: counts.parked] if counts.parked else ()  # (a hot path)
         holdable = [i for i in self.holdable if i not in resident]
         last_block = self.n_stages - 2
         kept = self._last_blocks(counts.kept)

@@ -1,7 +1,6 @@
 """Page-locking host memory in place, so that host<->GPU copies run at full PCIe speed."""
 
 import ctypes
-import time
 import warnings
 import weakref
 
@@ -46,10 +45,10 @@ def unpin(data_ptr: int) -> None:
 
 class PinnedSpan:
     """One span of elements of each of `tensors`, page-locked in place and widened as asked (the narrower span is
-    unpinned first: registrations may not overlap), unpinned when this object goes. `seconds`: time spent pinning."""
+    unpinned first: registrations may not overlap), unpinned when this object goes."""
 
     def __init__(self, tensors: list[Tensor]):
-        self.tensors, self.span, self.seconds = tensors, None, 0.0
+        self.tensors, self.span = tensors, None
         self._pinned: list[int] = []
         weakref.finalize(self, lambda pinned: [unpin(p) for p in pinned], self._pinned)
 
@@ -59,13 +58,12 @@ class PinnedSpan:
             if self.span[0] <= first and last <= self.span[1]:
                 return
             first, last = min(first, self.span[0]), max(last, self.span[1])
-        start = time.perf_counter()
         while self._pinned:
             unpin(self._pinned.pop())
         for tensor in self.tensors:
             if pin_in_place(view := tensor[first:last]):
                 self._pinned.append(view.data_ptr())
-        self.span, self.seconds = (first, last), self.seconds + time.perf_counter() - start
+        self.span = (first, last)
 
 
 def _clear_cuda_error() -> None:
