@@ -2,6 +2,7 @@
 results schema (`results_schema.py`), tables."""
 
 import functools
+import gc
 import json
 import platform
 import subprocess
@@ -115,11 +116,48 @@ def steady_steps(trainer, next_batch, steps: int, warmup: int) -> dict:
     for _ in range(warmup):
         trainer.train_step(next_batch())
     wall0 = time.perf_counter()
-    losses = [trainer.train_step(next_batch()).loss for _ in range(steps)]
+    with HostStalls() as stalls:
+        losses = [trainer.train_step(next_batch()).loss for _ in range(steps)]
     step_s = (time.perf_counter() - wall0) / steps
     trainer.finish_updates()
     torch.cuda.synchronize()
-    return {"step_s": step_s, "warmup_s": wall0 - warm0, "losses": losses, "window_start": wall0}
+    return {"step_s": step_s, "warmup_s": wall0 - warm0, "losses": losses, "window_start": wall0} | {
+        "stalls": stalls.per_step(steps)
+    }
+
+
+class HostStalls:
+    """What stops the host thread mid-step, counted over a window, where a trace shows only a longer span: the
+    CUDA caching allocator's retries (an allocation that finds the device full frees the cache, which waits for
+    every stream first), its device-wide waits, and Python's garbage collections (seconds, by generation)."""
+
+    ALLOCATOR = {"alloc_retries": "num_alloc_retries", "device_waits": "num_sync_all_streams"}
+
+    def __enter__(self) -> "HostStalls":
+        self.allocator = self._allocator_counts()
+        self.gc_s, self._gc_start = [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+        self.allocator = {name: n - self.allocator[name] for name, n in self._allocator_counts().items()}
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_s[info["generation"]] += time.perf_counter() - self._gc_start
+
+    def _allocator_counts(self) -> dict:
+        stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        return {name: stats.get(key, 0) for name, key in self.ALLOCATOR.items()}
+
+    def per_step(self, steps: int) -> dict:
+        """Each count a step, and the collector's seconds a step by generation."""
+        return {name: round(n / steps, 2) for name, n in self.allocator.items()} | {
+            f"gc_gen{generation}_s": round(s / steps, 4) for generation, s in enumerate(self.gc_s)
+        }
 
 
 def write_results(path: Path, payload: dict) -> None:

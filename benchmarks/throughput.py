@@ -166,6 +166,7 @@ def bench_megatrain(name, args, implementation="native"):
                 "warmup_steps_s": round(timing["warmup_s"], 1),
                 "timing": STEADY_STATE,
                 "time_split_s_per_step": timing["split"],
+                "host_stalls_per_step": timing["stalls"],  # allocator retries, device-wide waits, collections
                 "losses": [round(x, 4) for x in timing["losses"]],
                 "implementation": implementation,  # native: megatrain's templates; transformers: its own modules
             }

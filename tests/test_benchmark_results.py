@@ -161,3 +161,43 @@ SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py"))
 def test_every_benchmark_script_imports(path):
     """What a script imports from megatrain exists (a moved function breaks a benchmark only on the GPU machine)."""
     importlib.import_module(path.stem)
+
+
+def test_host_stalls_count_the_collector_s_pauses_by_generation_in_the_window_alone():
+    """A row's `host_stalls_per_step`: a full collection inside the window is counted as generation 2's seconds;
+    one after it is not; no CUDA here, so no allocator retries."""
+    import gc
+
+    import common
+
+    with common.HostStalls() as stalls:
+        garbage = [[] for _ in range(1000)]
+        for a, b in zip(garbage, garbage[1:]):  # cycles, which only the collector frees
+            a.append(b), b.append(a)
+        del garbage, a, b
+        gc.collect()
+    gc.collect()
+    per_step = stalls.per_step(2)
+    assert per_step["gc_gen2_s"] > 0 and per_step["alloc_retries"] == per_step["device_waits"] == 0
+    assert gc.callbacks.count(stalls._on_gc) == 0
+
+
+def test_allocator_retries_names_the_allocation_that_found_no_room():
+    """`allocator_retries.py` reads the allocator's history: each release of cached memory is printed with the
+    allocation after it (the one that asked) and the one before, in the engine's frames alone."""
+    import allocator_retries
+
+    def entry(action, mib, stream=0, frames=()):
+        return {"action": action, "size": mib * 2**20, "stream": stream, "frames": list(frames)}
+
+    head = [{"filename": "/x/megatrain_sched/gradients.py", "line": 86, "name": "_new_buffer"}]
+    torch_frame = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"}]
+    trace = [entry("alloc", 112, frames=torch_frame), entry("segment_unmap", 1024), entry("segment_unmap", 512, 7)]
+    trace += [entry("segment_map", 2048), entry("alloc", 2079, frames=torch_frame + head), entry("free_requested", 1)]
+    lines = allocator_retries.release_lines(trace)
+    assert lines == [
+        "release of 1.50 GiB (streams [0, 7])",
+        "  after: 2079 MiB on stream 0: gradients.py:86 _new_buffer",
+        "  before: 112 MiB on stream 0: ",
+    ]
+    assert allocator_retries.release_lines(trace[:1]) == ["no release of cached memory in the window"]
