@@ -121,9 +121,8 @@ def steady_steps(trainer, next_batch, steps: int, warmup: int) -> dict:
     step_s = (time.perf_counter() - wall0) / steps
     trainer.finish_updates()
     torch.cuda.synchronize()
-    return {"step_s": step_s, "warmup_s": wall0 - warm0, "losses": losses, "window_start": wall0} | {
-        "stalls": stalls.per_step(steps)
-    }
+    stalls = stalls.per_step(steps)
+    return {"step_s": step_s, "warmup_s": wall0 - warm0, "losses": losses, "window_start": wall0, "stalls": stalls}
 
 
 class HostStalls:
