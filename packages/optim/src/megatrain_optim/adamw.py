@@ -358,8 +358,8 @@ class DeviceAdamW:
         self._leaving: list[tuple[Any, list[Tensor]]] = []  # (the copy out's event, moments) parked, not let go yet
         self._pins = PinnedSpan([host.store.arenas[f"state.{name}"] for name in STATE_NAMES])
         self._stale_host: set[int] = set()  # updated here since the last to_host
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # `update_beside`'s
         cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None  # `update_beside`'s
         self.moment_stream = torch.cuda.Stream(self.device) if cuda else None  # parks and brings back moments
         self.home = torch.cuda.current_stream(self.device) if cuda else None  # the compute stream
         # group -> (an event its update beside the compute stream ends with, the gradient that update reads)

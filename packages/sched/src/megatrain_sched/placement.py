@@ -114,7 +114,7 @@ class Placement:
                 f"come back after the backward of block {last_block} - j): park fewer, or earlier stages"
             )
 
-    @property
+    @functools.cached_property  # (the planner's cost model reads it for every placement it weighs)
     def moments_back_after(self) -> dict[int, int]:
         """Parked stage -> the stage after whose backward its moments come back: the j-th parked stage's (in stage
         order, the order the next updates need them in) after the j-th backward of a block, from the last block
@@ -123,7 +123,7 @@ class Placement:
         last_block = len(self.stages) - 2
         return {stage: last_block - j for j, stage in enumerate(self.parked)}
 
-    @property
+    @functools.cached_property
     def moments_leave_before(self) -> int:
         """The stage before whose forward the parked moments' device memory is given back (the compute stream waits
         for their copies out there): the first stage after the resident ones, whose updates park them."""
