@@ -1,18 +1,17 @@
 """The planner: where each layer's weights and activations go, whether a run fits, and how fast it runs.
 
-`costs` is the cost model (memory and time of a placement), `search` the planner that places a step size by its
-rules, `checks` the refusals of what cannot run, `report` the plan as written and printed, `host_memory` the
-host's budget, `rates` the machine's measured rates. The planner takes a built model (`megatrain_zoo.ModelSpec`)
-and small values (`inputs`): the machine, the step's shape, the engine's settings and what the objective holds."""
+`costs` is the cost model (memory and time of a placement; `host_items` its host memory), `search` the planner that
+places a step size by its rules, `checks` the refusals of what cannot run, `report` the plan as written and printed,
+`host_memory` the host's budget, `rates` the machine's measured rates. The planner takes a built model
+(`megatrain_zoo.ModelSpec`) and small values (`inputs`): the machine, the step's shape, the engine's settings and
+what the objective holds."""
 
 from .checks import check_plan
 from .costs import (
     CPU_OPTIMIZER_MARGIN,
-    CPU_RUNTIME_HOST_BYTES,
     DISK_TIER_RAM_SHARE,
     GRADIENT_POOL,
     HOST_KEPT_RAM_SHARE,
-    RUNTIME_HOST_BYTES,
     SWEEPS_PCIE_SHARE,
     CostModel,
     experts_per_stage,
@@ -23,6 +22,7 @@ from .costs import (
     slowest,
 )
 from .errors import PlanError
+from .host_items import CPU_RUNTIME_HOST_BYTES, RUNTIME_HOST_BYTES
 from .host_memory import HOST_MARGIN_MIN, HostBudget, host_budget, process_bytes
 from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
 from .rates import (

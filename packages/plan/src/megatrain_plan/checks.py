@@ -5,8 +5,9 @@ from pathlib import Path
 
 from megatrain_zoo import ModelConfig, ModelSpec
 
-from .costs import PER_PARAMETER_ITEMS, gpu_updated_groups, whole_step_statistics
+from .costs import gpu_updated_groups, whole_step_statistics
 from .errors import PlanError
+from .host_items import PER_PARAMETER_ITEMS
 from .report import Plan, _params
 from .search import Planner, parkable_stages
 
@@ -175,7 +176,7 @@ def _what_fits(plan: Plan, dropped: str | None = None) -> str:
 
 
 def _step_own(items: dict[str, int]) -> dict[str, int]:
-    """The host items that do not grow with the model's parameters (`costs.PER_PARAMETER_ITEMS`)."""
+    """The host items that do not grow with the model's parameters (`host_items.PER_PARAMETER_ITEMS`)."""
     return {name: nbytes for name, nbytes in items.items() if not name.startswith(PER_PARAMETER_ITEMS)}
 
 
