@@ -562,7 +562,8 @@ def test_parked_moments_give_their_room_to_products_at_the_peak(monkeypatch):
     products, so the first ones (the table first) park their moments from their update to the backward: every
     layer keeps its products where 21 did, predicted faster, resident and held blocks as they were. Their moments
     leave the persistent bytes and count in the backward's from the block after whose backward they come back; the
-    j-th parked stage comes before that block. A tied table (bound by the head too) is not parked."""
+    j-th parked stage comes before that block; the head's gradient buffer joins the persistent bytes. A tied table
+    (bound by the head too) is not parked."""
     simulate_host(monkeypatch, 125)
     settings = {"clipping": True, "seq_len": 4096, "micro_batch": 4, "gpu_memory": int(139.8 * 2**30)}
     auto, none = (planner_for("qwen2.5-7b", 32768, parked_layers=p, **settings) for p in ("auto", 0))
@@ -578,7 +579,9 @@ def test_parked_moments_give_their_room_to_products_at_the_peak(monkeypatch):
     moments = auto.parked_moment_bytes(parked)
     assert moments == 8 * auto.params(parked.parked)
     kept_all = replace(parked, parked=())
-    assert auto.persistent_device_bytes(parked) == auto.persistent_device_bytes(kept_all) - moments
+    head_gradient = 4 * auto.params((auto.n_stages - 1,))  # (kept from step to step where stages park)
+    assert parked.persistent_gradients == (auto.n_stages - 1,) and kept_all.persistent_gradients == ()
+    assert auto.persistent_device_bytes(parked) == auto.persistent_device_bytes(kept_all) - moments + head_gradient
     assert 0 <= auto.backward_peak(parked) - auto.backward_peak(kept_all) <= moments
     forward_s, backward_s = auto.copy_passes_s(parked)
     assert forward_s >= moments / (auto.rates.pcie_gbps * 1e9) and backward_s >= moments / (

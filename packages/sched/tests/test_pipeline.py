@@ -1,6 +1,7 @@
 """The scheduler on the CPU: orderings, gradients against autograd, tied groups, slot counts."""
 
 from collections import namedtuple
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -230,6 +231,30 @@ def test_resident_groups_keep_their_gradient_on_the_device_from_sweep_to_sweep()
     for g, grad, sq in handed:
         assert close(grad, grads[g]) and torch.allclose(sq, grads[g].pow(2).sum(), rtol=1e-4)
     assert all(close(store.grad(g), grads[g]) for g in (0, 3, 4, 5))
+
+
+@pytest.mark.parametrize("sweeps", [1, 2])
+def test_where_stages_are_parked_the_head_s_gradient_keeps_its_buffer_from_step_to_step(sweeps):
+    """`Placement.persistent_gradients`: with stages parked, the head's gradient buffer is allocated when placed and
+    zeroed for each sweep's gradient, never new: each step's gradients are autograd's (none of an earlier step's or
+    sweep's left in it); placed again unparked, the buffer is given back."""
+    store, host_pipeline, _ = build(4, tied=False)
+    masters = {g: store.master(g).clone() for g in (0, 1)}
+    placement = Placement.build(len(host_pipeline.stages), resident=(0, 1), parked=(0,), sweeps=sweeps)
+    assert placement.persistent_gradients == (5,)
+    pipeline = LayerPipeline(
+        host_pipeline.stages, store, torch.device("cpu"), placement=placement, device_masters=masters
+    )
+    head_buffer = pipeline.gradients._persistent[5][0]
+    for _ in range(3):
+        batches = make_batches(4)
+        pipeline.run([MicroBatch(i, lab) for i, lab in batches], loss_scale=0.5)
+        _, grads = autograd_reference(store, 4, False, batches, 0.5)
+        assert all(close(store.grad(g), grads[g]) for g in (2, 3, 4, 5))
+        assert pipeline.gradients._persistent[5][0] is head_buffer
+    assert close(head_buffer[: store.layouts[5].numel], grads[5])  # (the buffer the last gradient went out of)
+    pipeline.place(replace(placement, parked=()), masters)
+    assert replace(placement, parked=()).persistent_gradients == () and pipeline.gradients._persistent == {}
 
 
 def test_sweeps_need_a_landing_buffer_per_group_and_no_step_objective():

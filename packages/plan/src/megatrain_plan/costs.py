@@ -308,7 +308,8 @@ class CostModel(HostItems):
 
     def persistent_device_bytes(self, placement: Placement) -> int:
         """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slot), the fp32 staging
-        buffers (and the packed base's two byte buffers), held weights and resident blocks' copies, resident state."""
+        buffers (and the packed base's two byte buffers), held weights and resident blocks' copies, resident state,
+        and the gradient buffers kept from step to step (`Placement.persistent_gradients`)."""
         slots = self.engine.n_slots * max(self.stage_sizes) * self.element
         cast = [i for i in placement.resident if i in self.blocks and i not in placement.copied]
         slots += max((self.stage_sizes[i] for i in cast), default=0) * self.element
@@ -317,7 +318,9 @@ class CostModel(HostItems):
         packed_ring = 2 * max(self.packed.values(), default=0)
         own_buffers = sum(self.stage_sizes[i] for i in placement.held + placement.copied) * self.element
         state = self.resident_state_bytes(placement) - self.parked_moment_bytes(placement)
-        return slots + staging + packed_ring + own_buffers + state
+        kept_gradients = [g for g in self.spec.groups_of(placement.persistent_gradients) if g not in self.frozen]
+        gradients = 4 * sum(self.group_sizes[g] for g in kept_gradients)
+        return slots + staging + packed_ring + own_buffers + state + gradients
 
     def working_device_bytes(self) -> int:
         """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,

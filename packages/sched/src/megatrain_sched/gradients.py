@@ -1,4 +1,5 @@
-"""The gradient sink of a step: one fp32 device buffer per group that its stages' backwards add to, and, after the
+"""The gradient sink of a step: one fp32 device buffer per group that its stages' backwards add to (new each step, or
+kept from step to step: `GradientSink.place`), and, after the
 group's last user, its reduction over processes, its squared norm and its hand-off to the update policy: copied
 out to the store's landing buffer on the copy-out stream, or handed over on the device for a resident group."""
 
@@ -10,6 +11,7 @@ from torch import Tensor
 from megatrain_store import HostStore
 
 from .hooks import Hooks
+from .placement import Placement
 from .streams import Streams
 from .timeline import Timeline
 
@@ -50,8 +52,22 @@ class GradientSink:
             for group in stage.groups:
                 self._users[group] += 1
         self._carried: dict[int, Tensor] = {}  # resident groups' gradient buffers, from sweep to sweep
+        # groups whose buffers persist from step to step (`place`): each with the event its last copy out ended at
+        self._persistent: dict[int, tuple[Tensor, object]] = {}
         self._spare: Tensor | None = None  # on the CPU: the last buffer whose gradient left (`_new_buffer`)
         self.begin_step(sweep=0, last_sweep=True, warm_up=False)
+
+    def place(self, placement: Placement, device_masters: dict[int, Tensor]) -> None:
+        """Send the resident groups' (`device_masters`) gradients to the update on the device, and keep the buffers of
+        `placement.persistent_gradients`' groups from step to step: allocated here, before a step's products and
+        parked moments cut the device's memory up, so that they keep their range. Between steps only."""
+        self.device_masters = device_masters
+        groups = {g for i in placement.persistent_gradients for g in self.stages[i].groups}
+        groups -= set(self.store.frozen) | set(device_masters)
+        self._persistent = {
+            g: self._persistent.get(g) or (self._new_buffer(self.store.shard_size(g) * self.store.shard[1]), None)
+            for g in sorted(groups)
+        }
 
     def begin_step(self, sweep: int, last_sweep: bool, warm_up: bool) -> None:
         """A sweep's gradients: zero norms, the resident groups' buffers of the step's earlier sweeps; those of the
@@ -71,9 +87,18 @@ class GradientSink:
                 buffers.append(None)  # (the template computes no gradient for it)
                 continue
             if group not in self.buffers:
-                self.buffers[group] = self._new_buffer(self.store.shard_size(group) * self.store.shard[1])
+                self.buffers[group] = self._buffer_for(group)
             buffers.append(self.buffers[group][: self.store.layouts[group].numel])
         return buffers
+
+    def _buffer_for(self, group: int) -> Tensor:
+        """A zeroed gradient buffer for `group`, padded to whole shards: its persistent one once its last gradient
+        has left (the compute stream waits for that copy out), else a new one."""
+        if group not in self._persistent:
+            return self._new_buffer(self.store.shard_size(group) * self.store.shard[1])
+        buffer, copied_out = self._persistent[group]
+        self.streams.wait(self.streams.compute, copied_out)
+        return buffer.zero_()
 
     def _new_buffer(self, numel: int) -> Tensor:
         """A zeroed gradient buffer. On the CPU the last one whose gradient left is zeroed again where it has the
@@ -85,9 +110,12 @@ class GradientSink:
             return spare.zero_()
         return torch.zeros(numel, dtype=self.store.master_dtype, device=self.device)
 
-    def _release(self, buffer: Tensor) -> None:
-        """A buffer whose gradient has left (on the CPU the copy out is done when `_copy_out` returns)."""
-        if not self.streams.cuda:
+    def _release(self, group: int, buffer: Tensor, copied_out=None) -> None:
+        """A buffer whose gradient has left, the copy out ending at event `copied_out` (on the CPU it is done when
+        `_copy_out` returns): a persistent one waits for the group's next gradient, else the CPU's is the spare."""
+        if group in self._persistent:
+            self._persistent[group] = (buffer, copied_out)
+        elif not self.streams.cuda:
             self._spare = buffer
 
     def _own_shard(self, group: int, buffer: Tensor) -> Tensor:
@@ -120,7 +148,7 @@ class GradientSink:
                 continue
             buffer = self.buffers.pop(group)
             if self.warm_up:
-                self._release(buffer)
+                self._release(group, buffer)
                 continue
             if group in self.device_masters:
                 self.sq_norms[group] = self._sq_norm(group, buffer, 0)
@@ -130,12 +158,11 @@ class GradientSink:
             if stage in self.weightless_backward:
                 # no weight copy waited for the group's last update; its gradient must not land before it
                 self.hooks.before_fetch((group,))
-            self._copy_out(stage, group, buffer, log)
-            self._release(buffer)
+            self._release(group, buffer, self._copy_out(stage, group, buffer, log))
 
-    def _copy_out(self, stage: int, group: int, buffer: Tensor, log: list) -> None:
+    def _copy_out(self, stage: int, group: int, buffer: Tensor, log: list):
         """Queue a host group's gradient, reduced, into its landing buffer on the copy-out stream (and, in the last
-        sweep, its squared norm), and tell the update policy."""
+        sweep, its squared norm), and tell the update policy; the event the copy out ends at (None on the CPU)."""
         streams = self.streams
         done = streams.record(streams.compute)
         destination = self.store.acquire_grad(group)  # may wait for the optimizer to free a buffer
@@ -156,3 +183,4 @@ class GradientSink:
         log.append(("grad_out", group, None))
         if self.last_sweep:
             self.hooks.on_grads_landed(group, landed, self._host_sq_norms[group])
+        return landed

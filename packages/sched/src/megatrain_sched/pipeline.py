@@ -229,7 +229,7 @@ class LayerPipeline:
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)  # nothing in flight reads the buffers given back below
         self.weights.place(placement, device_masters, device_copies)
-        self.gradients.device_masters = device_masters
+        self.gradients.place(placement, device_masters)
         self.activations.place(placement)
 
     def _check_placement(self, placement: Placement, device_masters: dict[int, Tensor], copies: set[int]) -> None:

@@ -46,8 +46,8 @@ class StagePlacement:
 @dataclass(frozen=True)
 class Placement:
     """A step's placement: one `StagePlacement` per pipeline stage (embedding, blocks, head), and the step's
-    own choices, which the store and optimizer act on (the pipeline reads only `stages`, `tokens`, `sweeps` and
-    `device_step_bytes`)."""
+    own choices, which the store and optimizer act on (the pipeline reads only `stages`, `tokens`, `sweeps`,
+    `device_step_bytes` and what `parked` implies)."""
 
     stages: tuple[StagePlacement, ...]
     tokens: int = 0  # tokens per sweep (this process's) it was made for: a step's, in one sweep; 0: any
@@ -128,6 +128,16 @@ class Placement:
         """The stage before whose forward the parked moments' device memory is given back (the compute stream waits
         for their copies out there): the first stage after the resident ones, whose updates park them."""
         return next((i for i in range(len(self.stages)) if i not in self.resident), len(self.stages) - 1)
+
+    @functools.cached_property
+    def persistent_gradients(self) -> tuple[int, ...]:
+        """Stages whose fp32 gradient buffers stay on the device from step to step: the head's, where stages are
+        parked and it is not resident. Parked moments leave and come back as blocks that kept products are carved
+        out of in between, so a step's largest buffer, the head's gradient (2.0 GiB for Qwen2.5-7B), found the bytes
+        free but in no one range, and the caching allocator emptied its cache twice a step, waiting for every
+        stream (decision 032). Allocated once, before any of that, it keeps its range."""
+        head = len(self.stages) - 1
+        return (head,) if self.parked and head not in self.resident else ()
 
     def where(self, **choice: str) -> tuple[int, ...]:
         """The indices of the stages with these choices, e.g. `where(products=DEVICE)`."""
