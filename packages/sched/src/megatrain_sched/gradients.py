@@ -1,7 +1,7 @@
 """The gradient sink of a step: one fp32 device buffer per group that its stages' backwards add to (new each step, or
-kept from step to step: `GradientSink.place`), and, after the
-group's last user, its reduction over processes, its squared norm and its hand-off to the update policy: copied
-out to the store's landing buffer on the copy-out stream, or handed over on the device for a resident group."""
+kept from step to step: `GradientSink.place`), and, after the group's last user, its reduction over processes, its
+squared norm and its hand-off to the update policy: copied out to the store's landing buffer on the copy-out stream,
+or handed over on the device for a resident group."""
 
 from collections.abc import Callable
 
@@ -65,8 +65,7 @@ class GradientSink:
         groups = {g for i in placement.persistent_gradients for g in self.stages[i].groups}
         groups -= set(self.store.frozen) | set(device_masters)
         self._persistent = {
-            g: self._persistent.get(g) or (self._new_buffer(self.store.shard_size(g) * self.store.shard[1]), None)
-            for g in sorted(groups)
+            g: self._persistent.get(g) or (self._new_buffer(self._padded_numel(g)), None) for g in sorted(groups)
         }
 
     def begin_step(self, sweep: int, last_sweep: bool, warm_up: bool) -> None:
@@ -95,10 +94,13 @@ class GradientSink:
         """A zeroed gradient buffer for `group`, padded to whole shards: its persistent one once its last gradient
         has left (the compute stream waits for that copy out), else a new one."""
         if group not in self._persistent:
-            return self._new_buffer(self.store.shard_size(group) * self.store.shard[1])
+            return self._new_buffer(self._padded_numel(group))
         buffer, copied_out = self._persistent[group]
         self.streams.wait(self.streams.compute, copied_out)
         return buffer.zero_()
+
+    def _padded_numel(self, group: int) -> int:
+        return self.store.shard_size(group) * self.store.shard[1]
 
     def _new_buffer(self, numel: int) -> Tensor:
         """A zeroed gradient buffer. On the CPU the last one whose gradient left is zeroed again where it has the
