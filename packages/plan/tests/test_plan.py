@@ -39,7 +39,8 @@ from megatrain_plan.costs import (
     RESIDENT_GAIN,
     STEP_TURNAROUND_S,
 )
-from megatrain_plan.search import _Counts, parkable_stages
+from megatrain_plan.counts import Counts
+from megatrain_plan.search import parkable_stages
 from megatrain_sched import EXTRAS_MARGIN, RESIDENT, RESIDENT_COPY
 from megatrain_store import GroupLayout, PackedLayout
 from megatrain_templates import Lora
@@ -512,14 +513,14 @@ def test_with_clipping_the_resident_gradients_take_the_room_the_last_products_le
     checkpoints = sum(clipped.checkpoint_bytes(i, 32768) for i in clipped.blocks)
     bytes_of = {}
     for kept in (0, 22):
-        placement = clipped.placement_of(_Counts(32768, resident=18, kept=kept))
+        placement = clipped.placement_of(Counts(32768, resident=18, kept=kept))
         bytes_of[kept] = clipped.step_device_bytes(placement), unclipped.step_device_bytes(placement)
     # no products: the most is at the backward's end, every held gradient and no activation
     assert bytes_of[0][0] == bytes_of[0][1] - checkpoints + gradients
     # the last 22 layers' products: those of layers 19-28, freed before the first held gradient, hold more
     assert 10 * layer_products > gradients and bytes_of[22][0] == bytes_of[22][1]
     # in sweeps every resident gradient is carried from the first sweep's backward: all of them, at once
-    swept = clipped.placement_of(_Counts(16384, sweeps=2, resident=18, kept=6))
+    swept = clipped.placement_of(Counts(16384, sweeps=2, resident=18, kept=6))
     one = replace(swept, sweeps=1)
     assert clipped.sweeps_device_bytes(swept) == 4 * max(clipped.stage_sizes) + gradients
     assert clipped.backward_peak(one) > clipped.backward_peak(swept)  # (which counts them no more)
@@ -600,7 +601,7 @@ def test_with_clipping_the_resident_updates_run_beside_the_forward():
     takes 26 ms, some at 8k, where it takes 7 ms and its update beside it 8.2 ms on an H200."""
     settings = {"seq_len": 4096, "gpu_memory": 139 * 2**30}
     clipped, unclipped = (planner_for("qwen2.5-7b", 8192, micro_batch=2, clipping=c, **settings) for c in (True, False))
-    placement = clipped.placement_of(_Counts(8192, resident=27, kept=28))
+    placement = clipped.placement_of(Counts(8192, resident=27, kept=28))
     rate = clipped.rates.gpu_adam_params_per_s
     sizes = layout_sizes(clipped.spec)[0]
     assert unclipped.device_update_s(placement) == pytest.approx(sum(sizes[:28]) / rate)
@@ -611,7 +612,7 @@ def test_with_clipping_the_resident_updates_run_beside_the_forward():
             planner.layers_s(placement) + planner.device_update_s(placement)
         )
     large = planner_for("qwen2.5-7b", 32768, micro_batch=4, clipping=True, **settings)
-    placement = large.placement_of(_Counts(32768, resident=19, kept=21))
+    placement = large.placement_of(Counts(32768, resident=19, kept=21))
     assert FORWARD_SHARE * large.layers_s(placement) * 19 / 30 > sum(sizes[1:20]) / (GPU_ADAM_BESIDE_SHARE * rate)
     assert large.device_update_s(placement) == pytest.approx(sizes[0] / rate)  # the embedding's
 

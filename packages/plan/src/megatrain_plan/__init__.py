@@ -1,10 +1,10 @@
 """The planner: where each layer's weights and activations go, whether a run fits, and how fast it runs.
 
 `costs` is the cost model (memory and time of a placement; `host_items` its host memory), `search` the planner that
-places a step size by its rules, `checks` the refusals of what cannot run, `report` the plan as written and printed,
-`host_memory` the host's budget, `rates` the machine's measured rates. The planner takes a built model
-(`megatrain_zoo.ModelSpec`) and small values (`inputs`): the machine, the step's shape, the engine's settings and
-what the objective holds."""
+places a step size by its rules (`host_rules` those where the host's memory decides, on `counts`), `checks` the
+refusals of what cannot run, `report` the plan as written and printed, `host_memory` the host's budget, `rates` the
+machine's measured rates. The planner takes a built model (`megatrain_zoo.ModelSpec`) and small values (`inputs`):
+the machine, the step's shape, the engine's settings and what the objective holds."""
 
 from .checks import check_plan
 from .costs import (

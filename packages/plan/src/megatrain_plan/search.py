@@ -31,7 +31,7 @@ than auto override a rule):
 import collections
 import functools
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from megatrain_sched import EXTRAS_MARGIN, Placement
 from megatrain_zoo import ModelSpec, flops_per_token
@@ -39,13 +39,9 @@ from megatrain_zoo import ModelSpec, flops_per_token
 from .costs import (
     CHECKPOINT_GPU_SHARE,
     CPU_OPTIMIZER_MARGIN,
-    DISK_TIER_RAM_SHARE,
     FORWARD_SHARE,
     GPU_UPDATED_SHARE,
-    GRADIENT_POOL,
     HELD_GPU_SHARE,
-    HOST_KEPT_OPTIMIZER_SHARE,
-    HOST_KEPT_PCIE_SHARE,
     HOST_KEPT_RAM_SHARE,
     MOST_SWEEPS,
     POOL_HOST_SHARE,
@@ -54,30 +50,16 @@ from .costs import (
     SWEEPS_GAIN,
     SWEEPS_PCIE_SHARE,
     CostModel,
-    gradient_pool_size,
     resident_stages,
     slowest,
     whole_step_statistics,
 )
+from .counts import Counts
+from .host_rules import HostRules
 from .report import Plan
 
 
-@dataclass(frozen=True)
-class _Counts:
-    """A placement in the making: how many stages take each choice, by the planner's rules of which."""
-
-    tokens: int  # per GPU and sweep
-    sweeps: int = 1  # forward-backward sweeps a step runs in
-    resident: int = 0  # blocks (the first; with the embedding, and the head where tied)
-    held: int = 0  # blocks after the resident ones
-    offloaded: int = 0  # blocks, the first, whose checkpoints go to host memory
-    kept: int = 0  # blocks, the last keepable ones, keeping their products on the GPU
-    host_kept: int = 0  # blocks before those, spread evenly, keeping theirs in host memory
-    copied: int = 0  # resident blocks (the first) keeping their weights in the compute dtype too
-    parked: int = 0  # resident stages (the first) whose moments wait in host memory from update to backward
-
-
-class Planner(CostModel):
+class Planner(HostRules, CostModel):
     """The placement of one run's steps: `place` searches it by the rules of the module's docstring over the cost
     model; `plan` reports what one costs and how long its step is predicted to take."""
 
@@ -107,7 +89,7 @@ class Planner(CostModel):
         return high * self.world
 
     # ------------------------------------------------------------------ search
-    def placement_of(self, counts: _Counts, **step) -> Placement:
+    def placement_of(self, counts: Counts, **step) -> Placement:
         """`counts` as stage indices, by the rules: the first blocks resident (with the embedding, and the head
         where tied), then held; the first blocks' checkpoints offloaded; the last keepable blocks keeping their
         products on the GPU, and before those, spread evenly from the first keepable one (the copies out keep
@@ -171,10 +153,6 @@ class Planner(CostModel):
             )
         return best
 
-    def _host_holds(self, placement: Placement) -> bool:
-        """Whether the host's budget holds `placement` (a budget left unset holds any)."""
-        return self.machine.host_memory is None or self.host_bytes(placement) <= self.machine.host_memory
-
     def _sweep_counts(self, one: Placement) -> range:
         """The sweeps worth predicting beside one: where no step objective reads all micro-batches first, no
         optimizer state is on disk, the GPU bounds the step, and some layers recompute their products."""
@@ -196,7 +174,7 @@ class Planner(CostModel):
         sweeps = min(sweeps, micro_batches)
         sweep_tokens = min(tokens, -(-micro_batches // sweeps) * self.micro_tokens) if sweeps > 1 else tokens
         why: dict[str, str] = {}
-        counts = _Counts(sweep_tokens, sweeps, offloaded=self._offloaded_to_fit(sweep_tokens))
+        counts = Counts(sweep_tokens, sweeps, offloaded=self._offloaded_to_fit(sweep_tokens))
         small = self.optimizer_room_s(self.placement_of(replace(counts, kept=self._kept(counts)))) < self.optimizer_s(
             self.placement_of(counts)
         )
@@ -218,7 +196,7 @@ class Planner(CostModel):
         counts = replace(counts, copied=self._copied(counts, step, why))
         return self.placement_of(counts, **step, why=why if explain else {})
 
-    def _parked(self, counts: _Counts, step: dict, why: dict) -> _Counts:
+    def _parked(self, counts: Counts, step: dict, why: dict) -> Counts:
         """`counts` with the first resident stages parking their moments from update to backward (crossing PCIe twice),
         and the layers keeping their products then: as set; else the fewest giving the fastest predicted step."""
         most = len(parkable_stages(self.spec, resident_stages(self.spec, counts.resident)))
@@ -236,7 +214,7 @@ class Planner(CostModel):
             )
         return best
 
-    def _copied(self, counts: _Counts, step: dict, why: dict) -> int:
+    def _copied(self, counts: Counts, step: dict, why: dict) -> int:
         """Resident blocks keeping a compute-dtype copy of their weights on the GPU, which their update refreshes:
         each saves a cast a pass on the compute stream (0.9 ms of a Qwen3-30B-A3B layer's 20 ms forward, and of its
         backward) and displaces nothing that saves a recompute, so as many as the room beside the placement's
@@ -258,11 +236,11 @@ class Planner(CostModel):
             why["copied"] = f"{which} weights in the compute dtype on the GPU, in the room the step leaves"
         return copied
 
-    def _room_for_products(self, counts: _Counts) -> float:
+    def _room_for_products(self, counts: Counts) -> float:
         """GPU bytes left for kept products beside everything else `counts` places."""
         return self._device_room(self.placement_of(replace(counts, kept=0)))
 
-    def _kept(self, counts: _Counts) -> int:
+    def _kept(self, counts: Counts) -> int:
         """Layers keeping their products on the GPU: as set, else as many as its memory holds."""
         setting = self.engine.kept_layers
         if setting != "auto":
@@ -286,13 +264,13 @@ class Planner(CostModel):
             return len(self.blocks) if setting else 0
         if self.machine.gpu_memory is None:
             return 0
-        persistent = self.persistent_device_bytes(self.placement_of(_Counts(tokens)))
+        persistent = self.persistent_device_bytes(self.placement_of(Counts(tokens)))
         room = self.machine.gpu_memory - RUNTIME_DEVICE_BYTES - persistent - self.working_device_bytes()
         room *= CHECKPOINT_GPU_SHARE
         on_gpu = itertools.accumulate(self.checkpoint_bytes(i, tokens) for i in reversed(self.blocks))
         return len(self.blocks) - sum(1 for _ in itertools.takewhile(lambda total: total <= room, on_gpu))
 
-    def _resident(self, counts: _Counts, small: bool, why: dict) -> int:
+    def _resident(self, counts: Counts, small: bool, why: dict) -> int:
         """Blocks (the first) resident on the GPU, with the embedding (and the head where tied): as set; none
         with several processes (each updates a shard of every group) or checkpoints that crowd the GPU; in a
         small step the fewest that bring the CPU optimizer (and the head, which waits for it) within the GPU's
@@ -334,7 +312,7 @@ class Planner(CostModel):
             )
         return resident
 
-    def _resident_fastest(self, counts: _Counts, budget: float, why: dict) -> int:
+    def _resident_fastest(self, counts: Counts, budget: float, why: dict) -> int:
         """With clipping, the CPU's update runs beside the next forward alone, a quarter of the GPU's work: the
         blocks resident (within `budget`) that give the fastest predicted step, the fewest of those within
         RESIDENT_GAIN of it; each takes its update off the CPU and displaces kept products. Where the fastest
@@ -362,7 +340,7 @@ class Planner(CostModel):
         )
         return resident
 
-    def _boundary_pays(self, counts: _Counts, why: dict) -> bool:
+    def _boundary_pays(self, counts: Counts, why: dict) -> bool:
         """Whether the embedding's and first block's state on the GPU saves more of the step boundary's wait than
         the recompute of the kept products that memory would have held costs."""
         host = self.placement_of(counts)
@@ -381,7 +359,7 @@ class Planner(CostModel):
             )
         return pays
 
-    def _held(self, counts: _Counts, small: bool, why: dict) -> int:
+    def _held(self, counts: Counts, small: bool, why: dict) -> int:
         """Blocks after the resident ones whose weights stay on the GPU from forward to backward: as set; in a
         small step as many as fit in HELD_GPU_SHARE of the GPU and the room the step leaves; none otherwise (the
         memory keeps activations instead, which a step the GPU bounds needs)."""
@@ -400,7 +378,7 @@ class Planner(CostModel):
             )
         return held
 
-    def _offloaded_for_products(self, counts: _Counts, small: bool, why: dict) -> int:
+    def _offloaded_for_products(self, counts: Counts, small: bool, why: dict) -> int:
         """In a large step (the GPU the bound, PCIe with time to spare), the fewest first checkpoints sent to host
         memory that let the most layers keep their products, as many as the host holds beside its state."""
         engine = self.engine
@@ -424,90 +402,6 @@ class Planner(CostModel):
                 f"products instead of {self._kept(counts)}"
             )
         return offloaded
-
-    def _least_pool(self, counts: _Counts) -> float | None:
-        """The smallest gradient pool `counts` can have (None: every gradient held, for clipping or sweeps)."""
-        return None if self.full_grads or counts.sweeps > 1 else float(GRADIENT_POOL)
-
-    def _gradient_pool(self, counts: _Counts, why: dict) -> float | None:
-        """Gradient landing buffers, in largest groups: none with clipping (every gradient is held); as set; else
-        deep enough for what the optimizer has left when the backward ends, where the host has the room."""
-        if self._least_pool(counts) is None:  # (a step in sweeps holds every gradient until the last)
-            return None
-        setting = self.engine.gradient_pool
-        if setting != "auto":
-            return float(setting)
-        placement = self.placement_of(counts)
-        pool = gradient_pool_size(
-            self.optimizer_s(placement), self.host_backward_s(placement), self.group_sizes, self.rates
-        )
-        host = self.machine.host_memory
-        deeper = self.host_bytes(replace(placement, gradient_pool=pool))
-        if pool > GRADIENT_POOL and host is not None and deeper > POOL_HOST_SHARE * host:
-            return float(GRADIENT_POOL)  # the deeper pool is a speed-up, not worth the host memory it lacks
-        if pool > GRADIENT_POOL:
-            why["gradient_pool"] = f"a gradient pool of {pool:g} largest groups holds what the CPU optimizer has left"
-        return pool
-
-    def _first_disk_group(self, placement: Placement, why: dict) -> int:
-        """The first group whose moments go to the disk tier (the last groups go): none without
-        engine.optimizer_state_dir; with disk_state_fraction auto, as few as bring the plan, its page cache
-        included, within DISK_TIER_RAM_SHARE of the host's budget; else that fraction of the parameters."""
-        n_groups, fraction = len(self.group_sizes), self.engine.disk_state_fraction
-        if not self.engine.optimizer_state_dir:
-            return n_groups
-        host, first = self.machine.host_memory, n_groups
-        if fraction != "auto":
-            to_move = fraction * self.model.n_params
-            while first > 0 and to_move > 0:
-                first -= 1
-                to_move -= self.group_sizes[first]
-        else:
-            while first > 0 and (
-                host is None or self.host_bytes(replace(placement, first_disk_group=first)) > DISK_TIER_RAM_SHARE * host
-            ):
-                first -= 1
-        if first < n_groups:
-            reason = "the host cannot hold them" if fraction == "auto" else f"engine.disk_state_fraction {fraction}"
-            why["disk"] = f"the moments of groups {first}-{n_groups - 1} live on disk: {reason}"
-        return first
-
-    def _host_kept(self, counts: _Counts, small: bool, step: dict, why: dict) -> int:
-        """Layers (before those kept on the GPU) keeping their products in pinned host memory: as set; in a large
-        step, where the optimizer leaves the host's memory bandwidth to spare and nothing is on disk, as many as
-        the host's room allows and the forward's idle copy-out carries while the layers between two of them
-        compute."""
-        candidates = max(0, self.keepable - self._kept(counts))
-        setting = self.engine.host_kept_layers
-        if setting != "auto":
-            return min(setting, candidates)
-        placement = self.placement_of(replace(counts, kept=self._kept(counts)), **step)
-        machine, stage_products = self.machine, counts.tokens * self.product_bytes_per_token
-        layers_s = self.layers_s(placement)
-        if (
-            machine.gpu_memory is None
-            or machine.host_memory is None
-            or small
-            or self.disk_bytes(placement)
-            or not stage_products
-            or self.engine.kept_layers == 0  # products kept nowhere, as asked
-            or self.optimizer_s(placement) > HOST_KEPT_OPTIMIZER_SHARE * self.step_layers_s(placement)
-        ):
-            return 0
-        host_room = HOST_KEPT_RAM_SHARE * machine.host_memory - self.host_bytes(placement)
-        # one layer's forward, less its checkpoint's copy out, against one stage's copy out: how far apart they go
-        link = HOST_KEPT_PCIE_SHARE * self.rates.pcie_gbps * 1e9
-        layer_forward_s = FORWARD_SHARE * layers_s / self.model.n_layers
-        layer_forward_s -= self.checkpoint_bytes(1, counts.tokens) / link * counts.offloaded / len(self.blocks)
-        spacing = stage_products / link / max(layer_forward_s, 1e-9)
-        host_kept = min(
-            candidates, int(host_room // (machine.gpus * stage_products)), int(candidates / max(1.0, spacing))
-        )
-        if host_kept > 0:
-            why["host_kept"] = (
-                f"{host_kept} more layers keep their products in pinned host memory: the host has the room"
-            )
-        return max(0, host_kept)
 
     # ------------------------------------------------------------------ report
     def _frozen_parts(self) -> tuple[str, ...]:
