@@ -583,6 +583,7 @@ def test_parked_moments_give_their_room_to_products_at_the_peak(monkeypatch):
     head_gradient = 4 * auto.params((auto.n_stages - 1,))  # (kept from step to step where stages park)
     assert parked.persistent_gradients == (auto.n_stages - 1,) and kept_all.persistent_gradients == ()
     assert auto.persistent_device_bytes(parked) == auto.persistent_device_bytes(kept_all) - moments + head_gradient
+    assert parked.why["parked"].endswith("the head's gradient stays on the GPU from step to step (2.0 GiB)")
     assert 0 <= auto.backward_peak(parked) - auto.backward_peak(kept_all) <= moments
     forward_s, backward_s = auto.copy_passes_s(parked)
     assert forward_s >= moments / (auto.rates.pcie_gbps * 1e9) and backward_s >= moments / (

@@ -318,9 +318,13 @@ class CostModel(HostItems):
         packed_ring = 2 * max(self.packed.values(), default=0)
         own_buffers = sum(self.stage_sizes[i] for i in placement.held + placement.copied) * self.element
         state = self.resident_state_bytes(placement) - self.parked_moment_bytes(placement)
-        kept_gradients = [g for g in self.spec.groups_of(placement.persistent_gradients) if g not in self.frozen]
-        gradients = 4 * sum(self.group_sizes[g] for g in kept_gradients)
-        return slots + staging + packed_ring + own_buffers + state + gradients
+        return slots + staging + packed_ring + own_buffers + state + self.persistent_gradient_bytes(placement)
+
+    def persistent_gradient_bytes(self, placement: Placement) -> int:
+        """GPU bytes of the fp32 gradient buffers kept from step to step (`Placement.persistent_gradients`)."""
+        return 4 * sum(
+            self.group_sizes[g] for g in self.spec.groups_of(placement.persistent_gradients) if g not in self.frozen
+        )
 
     def working_device_bytes(self) -> int:
         """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,

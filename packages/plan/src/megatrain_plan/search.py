@@ -208,9 +208,12 @@ class Planner(HostRules, CostModel):
         times = [self.step_s(self.placement_of(draft, **step)) for draft in drafts]
         best = drafts[times.index(min(times))]  # (the fewest of the fastest)
         if best.parked and setting == "auto":
+            head = self.persistent_gradient_bytes(self.placement_of(best, **step))
+            held = f"; the head's gradient stays on the GPU from step to step ({head / 2**30:.1f} GiB)" if head else ""
             why["parked"] = (
                 f"the first {best.parked} GPU-updated stages park their moments in host memory from update to backward: "
                 f"{best.kept} layers keep their products, not {counts.kept} (predicted {min(times):.2f} s, not {times[0]:.2f})"
+                f"{held}"
             )
         return best
 
