@@ -205,10 +205,12 @@ class Planner(HostRules, CostModel):
             setting = 0
         drafts = [replace(counts, parked=n) for n in (range(most + 1) if setting == "auto" else [min(setting, most)])]
         drafts = [replace(draft, kept=self._kept(draft)) for draft in drafts]
-        times = [self.step_s(self.placement_of(draft, **step)) for draft in drafts]
-        best = drafts[times.index(min(times))]  # (the fewest of the fastest)
+        placed = [self.placement_of(draft, **step) for draft in drafts]
+        times = [self.step_s(placement) for placement in placed]
+        fastest = times.index(min(times))  # (the fewest of the fastest)
+        best = drafts[fastest]
         if best.parked and setting == "auto":
-            head = self.persistent_gradient_bytes(self.placement_of(best, **step))
+            head = self.persistent_gradient_bytes(placed[fastest])
             held = f"; the head's gradient stays on the GPU from step to step ({head / 2**30:.1f} GiB)" if head else ""
             why["parked"] = (
                 f"the first {best.parked} GPU-updated stages park their moments in host memory from update to backward: "

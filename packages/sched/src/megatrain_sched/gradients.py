@@ -100,6 +100,7 @@ class GradientSink:
         return buffer.zero_()
 
     def _padded_numel(self, group: int) -> int:
+        """A group's elements padded to a whole number of shards (what `reduce_grad` is given)."""
         return self.store.shard_size(group) * self.store.shard[1]
 
     def _new_buffer(self, numel: int) -> Tensor:
