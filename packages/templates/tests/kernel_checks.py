@@ -135,7 +135,8 @@ def swiglu_kernels_equal_autograd():
     """The SwiGLU kernels' output and gradients (both halves', and a weighted one's weight's) against float64
     autograd, at a width off their block (a row's last block part masked) and at two blocks a row (the weight's
     gradient summed over them). fp32 operands: the interpreter's bf16 is not the GPU's. The one-pass kernel
-    (`swiglu_output_and_backward`) gives the forward kernel's output bit for bit and the backward's gradients."""
+    (`swiglu_output_and_backward`) gives the forward kernel's output bit for bit and the backward's gradients, also
+    where it writes gate_up's gradient over gate_up."""
     from megatrain_templates.swiglu_kernels import BLOCK, SwiGLU, swiglu_output_and_backward
 
     for d_ff, weighted in ((BLOCK + 76, False), (BLOCK + 76, True), (300, True)):
@@ -155,10 +156,18 @@ def swiglu_kernels_equal_autograd():
             assert rel_err(ours, theirs) < 1e-6, (
                 f"{case}: {name}'s gradient: relative error {rel_err(ours, theirs):.2e}"
             )
-        one_pass = swiglu_output_and_backward(gate_up.detach(), grad, None if weight is None else weight.detach())
+        plain_weight = None if weight is None else weight.detach()
+        one_pass = swiglu_output_and_backward(gate_up.detach(), grad, plain_weight)
         assert torch.equal(one_pass[0], out.detach()), f"{case}: the one-pass kernel's output differs"
         for name, ours, theirs in zip(("gate_up", "weight"), one_pass[1:], got):
             assert torch.equal(ours, theirs), f"{case}: the one-pass kernel's {name} gradient differs"
+        overwritten = gate_up.detach().clone()
+        in_place = swiglu_output_and_backward(overwritten, grad, plain_weight, overwrite=True)
+        assert in_place[1].data_ptr() == overwritten.data_ptr(), f"{case}: the gradient was not written over gate_up"
+        for name, ours, theirs in zip(("output", "gate_up's gradient", "weight's gradient"), in_place, one_pass):
+            assert (ours is None and theirs is None) or torch.equal(ours, theirs), (
+                f"{case}: over gate_up, {name} differs"
+            )
 
 
 if __name__ == "__main__":

@@ -575,7 +575,10 @@ class DecoderBlock(Template):
         grad_down_out = grad_out if scale is None else grad_out * scale
         grad_mlp_hidden = grad_down_out @ down.view(weights[0])  # [batch, seq, d_ff]
         if fused:
-            mlp_hidden, grad_mlp_input, _ = swiglu_output_and_backward(mlp_input.detach(), grad_mlp_hidden)
+            # (over mlp_input, whose value no gradient reads: autograd needs only its graph from here)
+            mlp_hidden, grad_mlp_input, _ = swiglu_output_and_backward(
+                mlp_input.detach(), grad_mlp_hidden, overwrite=True
+            )
         else:
             mlp_hidden, grad_mlp_input = mlp_input, grad_mlp_hidden
         if grads[0] is not None:

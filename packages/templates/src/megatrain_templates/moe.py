@@ -247,15 +247,15 @@ class MoeBlock(DecoderBlock):
     ) -> tuple[list[Tensor], list[Tensor]]:
         """The experts' SwiGLU and down projection backward by hand, their forward not recomputed (no gradient needs
         the projection's output): the activation's gradient first, then the activation and its inputs' gradients in
-        one pass (`swiglu_output_and_backward`), then the projection's weight gradient added into its buffer.
-        Returns the outputs (`gate_up`, `weight`) and their gradients, for autograd from there.
-        grad_out: [tokens, d_model]."""
+        one pass (`swiglu_output_and_backward`, the gradient over gate_up: only its graph is needed from here), then
+        the projection's weight gradient added into its buffer. Returns the outputs (`gate_up`, `weight`) and their
+        gradients, for autograd from there. grad_out: [tokens, d_model]."""
         out_in, frozen = not self.moe.fused, down.grad is None
         matrix = _in_out(down.value, out_in)
         grad_rows = grad_out.index_select(0, slots.token)  # the combine's backward
         grad_act = _grouped_input_grad(matrix, grad_rows, slots)
         act, grad_gate_up, grad_weight = swiglu_output_and_backward(
-            gate_up.detach(), grad_act, None if weight is None else weight.detach()
+            gate_up.detach(), grad_act, None if weight is None else weight.detach(), overwrite=True
         )
         if not frozen:
             _add_grouped_weight_grad(act, matrix, grad_rows, slots, _in_out(down.grad, out_in))

@@ -43,22 +43,26 @@ def swiglu_backward(gate_up: Tensor, grad: Tensor, weight: Tensor | None = None)
 
 
 def swiglu_output_and_backward(
-    gate_up: Tensor, grad: Tensor, weight: Tensor | None = None
+    gate_up: Tensor, grad: Tensor, weight: Tensor | None = None, overwrite: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(`swiglu_forward`'s output, bit for bit, and `swiglu_backward`'s two gradients) in one pass: for a backward
     that needs the output only for the next GEMM's weight gradient, and can make the output's gradient first. On
     Qwen2.5-7B's [16384, 2 x 18944] it reads gate_up once where the recompute's forward and the backward read it
-    twice (two passes of 1.86 and 3.1 GB, one of 3.7)."""
+    twice (two passes of 1.86 and 3.1 GB, one of 3.7). `overwrite`: gate_up's gradient is written over gate_up
+    (each program reads its columns of a row before it writes their gradients), for a caller done with gate_up."""
     out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-    return (out, *_backward(gate_up, grad, weight, out))
+    return (out, *_backward(gate_up, grad, weight, out, gate_up if overwrite else None))
 
 
-def _backward(gate_up: Tensor, grad: Tensor, weight: Tensor | None, out: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """`swiglu_backward`, the forward's output written into `out` too where given."""
+def _backward(
+    gate_up: Tensor, grad: Tensor, weight: Tensor | None, out: Tensor | None, into: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """`swiglu_backward`, the forward's output written into `out` too where given, gate_up's gradient into `into`
+    (else a new tensor)."""
     from . import swiglu_triton
 
     d_ff, rows, blocks = _grid(gate_up)
-    grad_gate_up = torch.empty_like(gate_up)
+    grad_gate_up = torch.empty_like(gate_up) if into is None else into
     weighted = weight is not None
     # each block's part of a row's weight gradient, summed here: a row's blocks run in programs of their own
     weight_sums = torch.empty(rows, blocks, device=gate_up.device, dtype=torch.float32) if weighted else None
