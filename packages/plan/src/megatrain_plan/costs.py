@@ -8,7 +8,6 @@ import math
 
 import torch
 
-from megatrain_optim import STATE_NAMES
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
 from megatrain_zoo import (
     ModelConfig,
@@ -18,7 +17,7 @@ from megatrain_zoo import (
     softmax_attention_flops_per_token,
 )
 
-from .host_items import HostItems
+from .host_items import MOMENT_BYTES, HostItems
 from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
 from .rates import Rates, block_rates, layer_works
 
@@ -300,11 +299,11 @@ class CostModel(HostItems):
     def resident_state_bytes(self, placement: Placement) -> int:
         """GPU bytes of the resident groups' fp32 masters and moments (their gradients are the step's:
         `step_device_bytes`)."""
-        return self.params(placement.resident) * 4 * (1 + len(STATE_NAMES))
+        return self.params(placement.resident) * (4 + MOMENT_BYTES)
 
     def parked_moment_bytes(self, placement: Placement) -> int:
         """GPU bytes of the parked stages' moments: out of the GPU from their update until brought back."""
-        return self.params(placement.parked) * 4 * len(STATE_NAMES)
+        return self.params(placement.parked) * MOMENT_BYTES
 
     def persistent_device_bytes(self, placement: Placement) -> int:
         """GPU bytes that outlive a step: the rotating slots (and the resident blocks' cast slot), the fp32 staging
@@ -365,7 +364,7 @@ class CostModel(HostItems):
             resident = {g for i in placement.resident for g in self.spec.stages[i].groups} - self.frozen
             held = [sum(4 * self.group_sizes[g] for g in groups & resident) for groups in self.first_in_backward]
         for parked, back in placement.moments_back_after.items():  # (to the forward they leave before, at the least)
-            held[max(back, placement.moments_leave_before) - 1] += self.params((parked,)) * 4 * len(STATE_NAMES)
+            held[max(back, placement.moments_leave_before) - 1] += self.params((parked,)) * MOMENT_BYTES
         peak, below, above = 0, sum(activations), 0
         for stage in reversed(range(self.n_stages)):
             above += held[stage]

@@ -24,6 +24,8 @@ PER_PARAMETER_ITEMS = (
     "KL reference copy", "disk tier's",
 )  # fmt: skip
 DTYPE_WORDS = {2: "bf16", 4: "fp32", 8: "fp64"}
+# a trained parameter's AdamW moments, fp32 each, wherever they are (host, disk, GPU, parked)
+MOMENT_BYTES = 4 * len(STATE_NAMES)
 
 
 class HostItems:
@@ -44,10 +46,10 @@ class HostItems:
         yield "frozen base weights", (held_apart - self.packed_params) * self.element + sum(self.packed.values())
         # a packed base's layer, unpacked while it loads, before it is packed (`PackedGroups.writing`: one buffer, reused)
         yield "packing buffer", max((self.group_sizes[g] for g in self.packed), default=0) * self.element
-        yield "optimizer moments", trainable * 4 * len(STATE_NAMES) * share - on_disk
+        yield "optimizer moments", trainable * MOMENT_BYTES * share - on_disk
         if on_disk:  # the groups read ahead, being updated and being written behind
             largest = sorted(self.group_sizes[placement.first_disk_group :], reverse=True)
-            yield "disk tier's page cache", sum(largest[:DISK_TIER_GROUPS_IN_MEMORY]) * 4 * len(STATE_NAMES)
+            yield "disk tier's page cache", sum(largest[:DISK_TIER_GROUPS_IN_MEMORY]) * MOMENT_BYTES
         if placement.gradient_pool is None:  # a buffer per group, as the store allocates then
             reason = "for clipping" if self.full_grads else f"across {placement.sweeps} sweeps"
             yield f"gradients held {reason}", trainable * 4 * share
@@ -75,7 +77,7 @@ class HostItems:
         items = self.host_items(placement)
         fixed = sum(nbytes for name, nbytes in items.items() if not name.startswith(PER_PARAMETER_ITEMS))
         room = max(self.machine.host_memory - fixed, 0)
-        full = 4 * (1 + len(STATE_NAMES)) + (4 if self.full_grads else 0) + self.element * self.wire_copy
+        full = 4 + MOMENT_BYTES + (4 if self.full_grads else 0) + self.element * self.wire_copy
         square = (self.model.d_model, self.model.d_model)  # (int8's row scales: 4 bytes a row of d_model or so)
         return {
             "full training": room / full,
@@ -121,7 +123,7 @@ class HostItems:
 
     def disk_bytes(self, placement: Placement) -> int:
         first = len(self.group_sizes) if placement.first_disk_group is None else placement.first_disk_group
-        return sum(self.group_sizes[first:]) * 4 * len(STATE_NAMES)
+        return sum(self.group_sizes[first:]) * MOMENT_BYTES
 
     def host_bytes(self, placement: Placement) -> int:
         return sum(self.host_items(placement).values())
