@@ -1090,15 +1090,17 @@ def test_gpu_swiglu_kernels_follow_float64(weighted):
 def test_swiglu_backward_over_its_input_gives_what_the_plain_one_gives(device):
     """`ops.swiglu_output_and_backward(..., overwrite=True)` (the dense and MoE backwards') gives what the plain call
     gives, gate_up's gradient written over gate_up (on CUDA by the one-pass kernel), and leaves its version alone:
-    gate_up a kept product's view made in a custom Function, autograd still goes back through that Function."""
-    from megatrain_templates.ops import swiglu_output_and_backward
+    gate_up `ops.linear`'s kept product (a view made in its custom Function), autograd still goes back through it."""
+    from megatrain_templates.layout import BoundWeight
+    from megatrain_templates.ops import linear, swiglu_output_and_backward
 
     torch.manual_seed(torch.seed() % 2**31)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(48, 32, device=device, dtype=dtype, requires_grad=True)
     projection = torch.randn(2 * 80, 32, device=device, dtype=dtype)
     kept = x.detach() @ projection.T  # a kept product, standing for the projection's GEMM
-    gate_up = _KeptProduct.apply(x, projection, kept)
+    into = torch.zeros(2 * 80, 32, device=device)
+    gate_up = linear(x, BoundWeight(projection, into, product=kept))  # (a view of `kept`, made in a custom Function)
     weight, grad = torch.rand(48, 1, device=device, dtype=dtype), torch.randn(48, 80, device=device, dtype=dtype)
     want = swiglu_output_and_backward(kept.clone(), grad, weight)
     got = swiglu_output_and_backward(gate_up.detach(), grad, weight, overwrite=True)
@@ -1107,20 +1109,6 @@ def test_swiglu_backward_over_its_input_gives_what_the_plain_one_gives(device):
         assert torch.equal(ours, theirs), f"{name} differs over gate_up"
     (grad_x,) = torch.autograd.grad(gate_up, x, got[1])
     assert torch.equal(grad_x, want[1] @ projection)
-
-
-class _KeptProduct(torch.autograd.Function):
-    """x @ projection.T, its `product` given (returned as a view: as the engine's kept products are)."""
-
-    @staticmethod
-    def forward(ctx, x, projection, product):
-        ctx.save_for_backward(projection)
-        return product.view_as(product)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (projection,) = ctx.saved_tensors
-        return grad @ projection, None, None
 
 
 def test_compilation_off_runs_the_functions_as_written(monkeypatch):
