@@ -212,8 +212,11 @@ def _mapping_flags(address: int) -> list[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise are Linux's")
-def test_arenas_are_zeroed_huge_page_aligned_and_advised_for_huge_pages():
-    store = HostStore(make_layouts(), compute_dtype=torch.bfloat16, wire_copy=True)
+def test_arenas_of_a_huge_page_or_more_are_zeroed_aligned_and_advised_for_huge_pages():
+    small = HostStore(make_layouts())  # (a few bytes each: plain memory, not a huge page for each)
+    assert all("hg" not in _mapping_flags(arena.data_ptr()) for arena in small.arenas.values())
+    layouts = [GroupLayout.from_specs([("w", (1 << 20,), True)])]  # 4 MiB in fp32, 2 MiB in bf16
+    store = HostStore(layouts, compute_dtype=torch.bfloat16, wire_copy=True)
     for name, arena in store.arenas.items():
         assert arena.data_ptr() % HUGE_PAGE == 0, name
         assert not arena.any(), name
