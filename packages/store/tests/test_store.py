@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_store import (
+    HUGE_PAGE,
     LOAD_BIAS,
     GroupLayout,
-    HUGE_PAGE,
     HostStore,
     StoreError,
     bytes_per_param,
