@@ -1,5 +1,5 @@
-"""The store's host arenas on plain pages (`torch.zeros`, as the store allocated them before) against transparent
-huge pages (`megatrain_store.zeros_on_huge_pages`, as it does now): the seconds to take and zero them and to
+"""The store's host arenas on plain pages (`torch.zeros`, as the store allocates them) against transparent huge pages
+(their own anonymous mapping, 2 MiB-aligned and advised MADV_HUGEPAGE): the seconds to take and zero them and to
 page-lock them (where there is a GPU), and the CPU's streaming loops over them: STREAM's triad and the fused AdamW
 that the host optimizer runs (28 bytes a parameter). The loops alternate between the two kinds of arena in one
 process, round by round, so that both meet the same host. The huge pages are taken second, after the plain
@@ -9,6 +9,7 @@ ones hold their memory: the slot where taking memory costs more.
 """
 
 import argparse
+import mmap
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, table, write_results  # noqa: E402
 
-from megatrain_store import pin_in_place, zeros_on_huge_pages  # noqa: E402
+from megatrain_store import pin_in_place  # noqa: E402
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+
+
+def zeros_on_huge_pages(numel: int) -> torch.Tensor:
+    """`numel` fp32 zeros on a mapping of their own, 2 MiB-aligned and advised for transparent huge pages (which
+    back it where /sys/kernel/mm/transparent_hugepage/enabled says "madvise" or "always"), every page touched."""
+    nbytes = numel * 4
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # (holds the mapping while any view of it lives)
+    start = -whole.data_ptr() % HUGE_PAGE
+    mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return whole[start : start + nbytes].view(torch.float32).zero_()
+
 
 ALLOCATIONS = {
     "torch.zeros (plain pages)": lambda numel: torch.zeros(numel),
-    "zeros_on_huge_pages": lambda numel: zeros_on_huge_pages(numel, torch.float32),
+    "transparent huge pages": zeros_on_huge_pages,
 }
 
 

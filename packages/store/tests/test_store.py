@@ -1,13 +1,9 @@
-import gc
-import sys
-
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megatrain_store import (
-    HUGE_PAGE,
     LOAD_BIAS,
     GroupLayout,
     HostStore,
@@ -196,37 +192,6 @@ def test_gradient_pool_holds_several_small_groups_where_a_large_one_fits():
     for group in (3, 1, 4, 2):  # out of order: the freed pieces join again
         store.release_grad(group)
     assert store.acquire_grad(0).numel() == 256
-
-
-def _mapping_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address` (from /proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise are Linux's")
-def test_arenas_of_a_huge_page_or_more_are_zeroed_aligned_and_advised_for_huge_pages():
-    small = HostStore(make_layouts())  # (a few bytes each: plain memory, not a huge page for each)
-    assert all("hg" not in _mapping_flags(arena.data_ptr()) for arena in small.arenas.values())
-    layouts = [GroupLayout.from_specs([("w", (1 << 20,), True)])]  # 4 MiB in fp32, 2 MiB in bf16
-    store = HostStore(layouts, compute_dtype=torch.bfloat16, wire_copy=True)
-    for name, arena in store.arenas.items():
-        assert arena.data_ptr() % HUGE_PAGE == 0, name
-        assert not arena.any(), name
-        assert "hg" in _mapping_flags(arena.data_ptr()), name  # MADV_HUGEPAGE took
-    assert store.arenas["wire"].dtype == torch.bfloat16 and store.arenas["master"].dtype == torch.float32
-    address = store.arenas["master"].data_ptr()
-    del store
-    gc.collect()
-    mapped = [line for line in open("/proc/self/maps") if int(line.split("-")[0], 16) <= address]
-    assert not any(address < int(line.split()[0].split("-")[1], 16) for line in mapped), "an arena outlived its store"
 
 
 def test_gradient_pool_resizes_between_steps():

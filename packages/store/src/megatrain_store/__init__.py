@@ -17,7 +17,7 @@ from .io import (
 )
 from .layout import ADAMW, LOAD_BIAS, Entry, GroupLayout
 from .packed import PackedBaseFile, PackedLayout, packed_cache_key
-from .pinning import HUGE_PAGE, PinnedSpan, pin_in_place, unpin, zeros_on_huge_pages
+from .pinning import PinnedSpan, pin_in_place, unpin
 from .quant import (
     BITSANDBYTES_NF4_PARTS,
     QuantizedInt8,
@@ -42,7 +42,6 @@ __all__ = [
     "Entry",
     "GroupLayout",
     "HostStore",
-    "HUGE_PAGE",
     "LOAD_BIAS",
     "MemoryReport",
     "PackedBaseFile",
@@ -74,5 +73,4 @@ __all__ = [
     "set_fused_dequantize",
     "unpin",
     "write_safetensors",
-    "zeros_on_huge_pages",
 ]

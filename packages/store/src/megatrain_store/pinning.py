@@ -1,8 +1,6 @@
-"""The host arenas' memory: taken on transparent huge pages, and page-locked in place so that host<->GPU copies
-run at full PCIe speed."""
+"""Page-locking host memory in place, so that host<->GPU copies run at full PCIe speed."""
 
 import ctypes
-import mmap
 import warnings
 import weakref
 
@@ -12,33 +10,6 @@ from torch import Tensor
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
-
-
-HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
-
-
-def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> Tensor:
-    """A zeroed tensor of `numel` elements on its own anonymous mapping, 2 MiB-aligned and advised for transparent
-    huge pages, every page touched now (so that pinning is fast and a lack of memory shows here, not mid-run).
-
-    Where the kernel allows it ("madvise" or "always" in /sys/kernel/mm/transparent_hugepage/enabled), 512 times
-    fewer pages back the arena, and taking and page-locking them costs about half (9 GiB on an H200 host: zeroed
-    0.74 -> 0.44 s, page-locked 0.92 -> 0.39 s; the store of a 7B takes 113 GiB). The CPU's loops over them ran as
-    fast either way there (triad and fused AdamW, interleaved in one process). Elsewhere the advice is a no-op.
-    The mapping is unmapped when the last tensor over it goes. Below one huge page it is plain torch.zeros: a
-    huge page would hold a few bytes (a test's, a tiny model's group)."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(numel, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # (holds the mapping while any view of it lives)
-    start = -whole.data_ptr() % HUGE_PAGE
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    except OSError:  # (a kernel built without transparent huge pages)
-        pass
-    tensor = whole[start : start + nbytes].view(dtype)
-    return tensor.zero_()
 
 
 def pin_in_place(tensor: Tensor) -> bool:

@@ -24,7 +24,7 @@ from .errors import StoreError
 from .extents import Extents
 from .layout import GroupLayout
 from .packed import PackedGroups, PackedLayout
-from .pinning import cuda_available, pin_in_place, unpin, zeros_on_huge_pages
+from .pinning import cuda_available, pin_in_place, unpin
 from .shared import SharedArenas
 
 # Group starts are aligned to 64 elements (256 B in fp32) for vectorized CPU loops and DMA.
@@ -368,8 +368,9 @@ class HostStore:
         if name is not None and self.shared is not None:
             return self.shared.tensor(name, dtype, numel)
         try:
-            return zeros_on_huge_pages(numel, dtype)
-        except (RuntimeError, OSError) as error:
+            # zeros, not empty: touching every page now makes pinning fast and failures early.
+            return torch.zeros(numel, dtype=dtype)
+        except RuntimeError as error:
             need = numel * torch.empty(0, dtype=dtype).element_size()
             raise StoreError(
                 f"could not allocate {need / 2**30:.1f} GiB of host memory for a {dtype} arena: {error}. "
