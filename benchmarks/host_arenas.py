@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, table, write_results  # noqa: E402
 
+from megatrain_optim import adamw_update_  # noqa: E402
 from megatrain_store import pin_in_place  # noqa: E402
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
@@ -73,26 +74,12 @@ def arenas(make, numel: int) -> tuple[list[torch.Tensor], dict]:
 
 
 def loops_gbps(tensors: list[torch.Tensor]) -> tuple[float, float]:
-    """(triad, fused AdamW) bytes read and written a second over these arenas."""
+    """(triad, the host optimizer's fused AdamW) bytes read and written a second over these arenas."""
     p, g, m, v = tensors
     numel, step = p.numel(), torch.tensor(1.0)
     triad = best_seconds(lambda: torch.add(g, m, alpha=3.0, out=p))
     adamw = best_seconds(
-        lambda: torch._fused_adamw_(
-            [p],
-            [g],
-            [m],
-            [v],
-            [],
-            [step],
-            lr=1e-4,
-            beta1=0.9,
-            beta2=0.95,
-            weight_decay=0.1,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
-        )
+        lambda: adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     )
     return round(12 * numel / triad / 1e9, 1), round(28 * numel / adamw / 1e9, 1)
 
