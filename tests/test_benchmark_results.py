@@ -201,3 +201,23 @@ def test_allocator_retries_names_the_allocation_that_found_no_room():
         "  before: 112 MiB on stream 0: ",
     ]
     assert allocator_retries.release_lines(trace[:1]) == ["no release of cached memory in the window"]
+
+
+def test_host_arenas_times_both_kinds_of_arena_and_writes_rows_in_the_schema(tmp_path, monkeypatch):
+    """`host_arenas.py` on a small size: a row for each kind of arena, in the one schema; the huge-page arena is
+    zeroed and starts on a huge page's boundary."""
+    import json
+
+    import host_arenas
+
+    out = tmp_path / "host-arenas.json"
+    argv = ["host_arenas.py", "--params", "1000000", "--rounds", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    host_arenas.main()
+    payload = json.loads(out.read_text())
+    assert results_schema.check_results(payload) == []
+    rows = payload["results"]
+    assert [row["engine"] for row in rows] == list(host_arenas.ALLOCATIONS)
+    assert all(len(row["adamw_gbps_by_round"]) == 2 and row["adamw_gbps"] > 0 < row["triad_gbps"] for row in rows)
+    huge = host_arenas.zeros_on_huge_pages(1 << 20)
+    assert huge.data_ptr() % host_arenas.HUGE_PAGE == 0 and not huge.any()
