@@ -213,7 +213,7 @@ def dense_7b_as_users_run(rows: list[dict]) -> Table:
                 seconds(r["step_time_s"]),
                 f"**{r['model_tflops']}**",
                 "-" if free is None else f"{free['model_tflops']} ({seconds(free['step_time_s'])})",
-                f"{100 * (r['step_time_s'] / free['step_time_s'] - 1):.0f}%" if free and same_call(r, free) else "-",
+                f"{100 * (r['step_time_s'] / free['step_time_s'] - 1):+.1f}%" if free and same_call(r, free) else "-",
                 seconds(r.get("predicted_step_s")),
                 num(r.get("gpu_updated_layers")),
                 seconds(r["time_split_s_per_step"]["gpu_compute_idle"]),
