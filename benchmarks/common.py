@@ -86,6 +86,9 @@ def _random_block(numel: int, dtype: torch.dtype, std: float) -> torch.Tensor:
     return torch.randn(numel, dtype=dtype) * std
 
 
+ADAMW_BYTES_PER_PARAM = 28  # the fused CPU AdamW reads the fp32 weight, gradient and two moments, writes three back
+
+
 def timed(run, steps: int) -> float:
     """Mean seconds of `steps` calls of `run`, the GPU's queued work finished before and after (where there is one)."""
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None

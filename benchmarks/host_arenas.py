@@ -1,7 +1,7 @@
 """The store's host arenas on plain pages (`torch.zeros`, as the store allocates them) against transparent huge pages
 (their own anonymous mapping, 2 MiB-aligned and advised MADV_HUGEPAGE): the seconds to take and zero them and to
 page-lock them (where there is a GPU), and the CPU's streaming loops over them: STREAM's triad and the fused AdamW
-that the host optimizer runs (28 bytes a parameter). The loops alternate between the two kinds of arena in one
+that the host optimizer runs (`ADAMW_BYTES_PER_PARAM`). The loops alternate between the two kinds of arena in one
 process, round by round, so that both meet the same host. The huge pages are taken second, after the plain
 ones hold their memory: the slot where taking memory costs more.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, table, write_results  # noqa: E402
+from common import ADAMW_BYTES_PER_PARAM, machine, table, write_results  # noqa: E402
 
 from megatrain_optim import adamw_update_  # noqa: E402
 from megatrain_store import pin_in_place  # noqa: E402
@@ -81,7 +81,7 @@ def loops_gbps(tensors: list[torch.Tensor]) -> tuple[float, float]:
     adamw = best_seconds(
         lambda: adamw_update_([p], [g], [m], [v], step, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     )
-    return round(12 * numel / triad / 1e9, 1), round(28 * numel / adamw / 1e9, 1)
+    return round(12 * numel / triad / 1e9, 1), round(ADAMW_BYTES_PER_PARAM * numel / adamw / 1e9, 1)
 
 
 def main():

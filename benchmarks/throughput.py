@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
+    ADAMW_BYTES_PER_PARAM,
     STEADY_STATE,
     base_row,
     fill_random_,
@@ -75,9 +76,6 @@ def random_batch(n_seqs, seq_len, vocab, doc_len=0):
     positions = (torch.arange(seq_len) % doc_len).expand(n_seqs, -1).contiguous()
     labels[:, :-1][positions[:, 1:] == 0] = -100
     return ids, labels, positions
-
-
-ADAMW_BYTES_PER_PARAM = 28  # the fused CPU AdamW reads the fp32 weight, gradient and two moments, writes three back
 
 
 def host_triad_gbps(numel: int = 1 << 27) -> float:
