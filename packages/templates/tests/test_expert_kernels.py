@@ -45,3 +45,12 @@ def test_expert_weight_gradients_add_into_their_buffer_like_float64(device, out_
     assert torch.equal(into[1], stored[1])
     want_x = torch.cat([grad[slots.expert == e].double() @ weight[e].double() for e in range(len(counts)) if counts[e]])
     assert ((grad_x.double() - want_x).norm() / want_x.norm()) < (1e-2 if device == "cuda" else 1e-6)
+
+
+def test_slots_end_rows_count_each_experts_rows():
+    """`offsets`, the end row of each expert that the grouped kernels read, for experts with no rows first, between
+    and last."""
+    counts = [0, 3, 0, 0, 5, 1, 0, 0]
+    ends = _slots(counts, 1, "cpu").offsets
+    assert ends.dtype == torch.int32
+    assert ends.tolist() == torch.tensor(counts).cumsum(0).tolist()
