@@ -54,3 +54,36 @@ def test_slots_end_rows_count_each_experts_rows():
     ends = _slots(counts, 1, "cpu").offsets
     assert ends.dtype == torch.int32
     assert ends.tolist() == torch.tensor(counts).cumsum(0).tolist()
+
+
+def test_wide_tiles_where_experts_sum_many_rows_into_wide_matrices():
+    """The weight-gradient kernel's tiles by shape: twice as wide for OLMoE's gate-up at 32k tokens a micro-batch
+    (4,096 rows an expert, 2,048 columns), the default at 16k, for its down projection (1,024 columns) and for
+    DeepSeek-V3's 512 rows an expert."""
+    from megatrain_templates.expert_kernels import DEFAULT_TILES, WIDE_TILES, tiles_for
+
+    assert tiles_for(32768 * 8, 64, 2048) == WIDE_TILES
+    assert tiles_for(16384 * 8, 64, 2048) == DEFAULT_TILES
+    assert tiles_for(32768 * 8, 64, 1024) == DEFAULT_TILES
+    assert tiles_for(16384 * 8, 256, 7168) == DEFAULT_TILES
+
+
+@pytest.mark.gpu
+def test_gpu_wide_tiles_add_each_experts_rows_like_float64():
+    """The kernel with its wide tiles, at widths and row counts off them (an expert with no rows untouched to the
+    bit), against float64."""
+    from megatrain_templates.expert_kernels import WIDE_TILES, add_grouped_weight_grad_
+
+    torch.manual_seed(0)
+    counts = [70, 0, 131, 1, 64, 300]
+    a = torch.randn(sum(counts), 200, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(sum(counts), 520, device="cuda", dtype=torch.bfloat16)
+    start = torch.randn(len(counts), 200, 520, device="cuda")
+    into = start.clone()
+    add_grouped_weight_grad_(into, a, b, torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32), WIDE_TILES)
+    want, first = start.double(), 0
+    for e, count in enumerate(counts):
+        want[e] += a[first : first + count].double().T @ b[first : first + count].double()
+        first += count
+    assert ((into.double() - want).norm() / want.norm()) < 1e-5
+    assert torch.equal(into[1], start[1])

@@ -26,9 +26,22 @@ class Tiles(NamedTuple):
     tma: bool = False
 
 
-# The fastest of the configurations `benchmarks/expert_grad.py` times at OLMoE's and Qwen3-30B-A3B's expert shapes
-# (on an H200; the H100's sweep, without TMA, chose the same tile)
+# The fastest of the configurations `benchmarks/expert_grad.py` times at OLMoE's, Qwen3-30B-A3B's and DeepSeek-V3's
+# expert shapes (on an H200; the H100's sweep, without TMA, chose the same tile) ...
 DEFAULT_TILES = Tiles(128, 128, 64, 4, 3, tma=True)
+# ... but where each expert sums WIDE_TILE_ROWS rows or more into a matrix WIDE_TILE_COLUMNS wide or wider, a tile
+# twice as wide reads each row chunk for twice the columns: OLMoE's gate-up at 32k tokens (4,096 rows an expert)
+# 3.48 ms against 3.73, Qwen3-30B-A3B's at 64k 5.59 against 5.69; at 2,048 rows an expert it ran 5% slower, at 512
+# (DeepSeek-V3 at 16k tokens) 23% (results/expert-grad-tiles-h200.json)
+WIDE_TILES = Tiles(128, 256, 64, 8, 3, tma=True)
+WIDE_TILE_ROWS, WIDE_TILE_COLUMNS = 4096, 2048
+
+
+def tiles_for(rows: int, n_experts: int, n: int) -> Tiles:
+    """The tiles for `rows` rows grouped into `n_experts` experts' [m, n] gradients (by the rows an expert has on
+    average: known on the host, where each expert's count is not)."""
+    wide = rows >= WIDE_TILE_ROWS * n_experts and n >= WIDE_TILE_COLUMNS
+    return WIDE_TILES if wide else DEFAULT_TILES
 
 
 def runs_on(rows: Tensor, into: Tensor) -> bool:
@@ -36,16 +49,17 @@ def runs_on(rows: Tensor, into: Tensor) -> bool:
     return rows.is_cuda and rows.dtype == torch.bfloat16 and into.dtype == torch.float32
 
 
-def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, tiles: Tiles = DEFAULT_TILES) -> None:
+def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, tiles: Tiles | None = None) -> None:
     """into[e] += a[rows of e]^T @ b[rows of e] for each expert e, accumulated in fp32.
 
     into: [n_experts, m, n] fp32 (any strides; n unit-strided is fastest); a: [rows, m], b: [rows, n], bf16, the
     rows grouped by expert; ends: [n_experts] int32, each expert's end row (read on the device: no host sync).
-    `tiles`: how the kernel divides the work (other than the default: for the benchmark that chose it)."""
+    `tiles`: how the kernel divides the work (None: `tiles_for` the shape; given: for the benchmark that chose it)."""
     from . import expert_triton
 
     a, b = a.contiguous(), b.contiguous()
     n_experts, m, n = into.shape
+    tiles = tiles or tiles_for(a.shape[0], n_experts, n)
     descriptors = _descriptors(a, b, tiles) if tiles.tma else None
     grid = (_cdiv(m, tiles.block_m) * _cdiv(n, tiles.block_n), n_experts)
     expert_triton.grouped_weight_grad_into[grid](
