@@ -31,8 +31,8 @@ class Tiles(NamedTuple):
 DEFAULT_TILES = Tiles(128, 128, 64, 4, 3, tma=True)
 # ... but where each expert sums WIDE_TILE_ROWS rows or more into a matrix WIDE_TILE_COLUMNS wide or wider, a tile
 # twice as wide reads each row chunk for twice the columns: OLMoE's gate-up at 32k tokens (4,096 rows an expert)
-# 3.48 ms against 3.73, Qwen3-30B-A3B's at 64k 5.59 against 5.69; at 2,048 rows an expert it ran 5% slower, at 512
-# (DeepSeek-V3 at 16k tokens) 23% (results/expert-grad-tiles-h200.json)
+# 3.72 ms against 3.90 (3.48 against 3.73 in an earlier call), Qwen3-30B-A3B's at 64k 5.72 against 5.96; at 2,048
+# rows an expert it ran 6% slower, at 512 (DeepSeek-V3 at 16k tokens) 20% (results/expert-grad-tiles-h200.json)
 WIDE_TILES = Tiles(128, 256, 64, 8, 3, tma=True)
 WIDE_TILE_ROWS, WIDE_TILE_COLUMNS = 4096, 2048
 
