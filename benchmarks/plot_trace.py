@@ -1,5 +1,6 @@
 """Render a megatrain Chrome trace (engine.trace or benchmarks/throughput.py --trace-dir) as a PNG
-timeline: one row per stream (copy-in, compute, copy-out) and one for the CPU optimizer.
+timeline: one row per stream (copy-in, compute, copy-out, and the GPU optimizer's where the trace has it) and
+one for the CPU optimizer.
 
     python benchmarks/plot_trace.py trace.json docs/timeline.png --steps 1
 """
@@ -13,7 +14,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ROWS = ["copy_in", "compute", "copy_out", "optimizer"]
+ROWS = {  # track: its row's label
+    "copy_in": "copy-in (H2D)",
+    "compute": "compute",
+    "gpu_optimizer": "GPU AdamW",
+    "copy_out": "copy-out (D2H)",
+    "optimizer": "CPU AdamW",
+}
 COLORS = {  # span kind: (color, legend)
     "copy_in": ("#4C72B0", "weights in"),
     "fwd": ("#55A868", "forward"),
@@ -63,27 +70,30 @@ def main():
 
 
 def draw(ax, events: list, steps: int) -> None:
-    """The last `steps` steps of one trace, one row per stream, time from the first step's start."""
+    """The last `steps` steps of one trace, one row per stream, time from the first step's start (spans running
+    across it drawn from there: the CPU's AdamW often starts just before)."""
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
     # a step starts with the embedding's forward (its copy in may be missing: the table may live on the GPU)
     forward_starts = [e["ts"] for e in spans if e["name"] == "fwd embed" and tracks[e["tid"]] == "compute"]
     begin = forward_starts[-steps] if len(forward_starts) >= steps else spans[0]["ts"]
-    shown = [e for e in spans if e["ts"] >= begin]
+    shown = [e for e in spans if e["ts"] + e["dur"] > begin]
     end = max(e["ts"] + e["dur"] for e in shown)
-    for row, track in enumerate(ROWS):
+    rows = [track for track in ROWS if track in tracks.values()]
+    for row, track in enumerate(rows):
         for e in shown:
             if tracks[e["tid"]] == track:
+                start = max(e["ts"], begin)
                 ax.barh(
                     row,
-                    e["dur"] / 1e3,
-                    left=(e["ts"] - begin) / 1e3,
+                    (e["ts"] + e["dur"] - start) / 1e3,
+                    left=(start - begin) / 1e3,
                     height=0.7,
                     color=color(e["name"]),
                     edgecolor="white",
                     linewidth=0.3,
                 )
-    ax.set_yticks(range(len(ROWS)), ["copy-in (H2D)", "compute", "copy-out (D2H)", "CPU AdamW"])
+    ax.set_yticks(range(len(rows)), [ROWS[track] for track in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, (end - begin) / 1e3)
 
