@@ -109,7 +109,8 @@ STEADY_STATE = (
 
 def steady_steps(trainer, next_batch, steps: int, warmup: int) -> dict:
     """`warmup` training steps on `next_batch()`, then `steps` timed ones, in a run's steady state: seconds a step,
-    the warm-up's seconds, the timed steps' losses, and where the window starts (`perf_counter`).
+    the warm-up's seconds, the timed steps' losses and global gradient norms, and where the window starts
+    (`perf_counter`).
 
     The window runs from the end of the last warm-up step to the end of the last timed one, and at both ends the
     step before's updates (the CPU's, after clipping) are still running beside what comes next, as between any two
@@ -120,12 +121,19 @@ def steady_steps(trainer, next_batch, steps: int, warmup: int) -> dict:
         trainer.train_step(next_batch())
     wall0 = time.perf_counter()
     with HostStalls() as stalls:
-        losses = [trainer.train_step(next_batch()).loss for _ in range(steps)]
+        metrics = [trainer.train_step(next_batch()) for _ in range(steps)]
     step_s = (time.perf_counter() - wall0) / steps
     trainer.finish_updates()
     torch.cuda.synchronize()
     stalls = stalls.per_step(steps)
-    return {"step_s": step_s, "warmup_s": wall0 - warm0, "losses": losses, "window_start": wall0, "stalls": stalls}
+    return {
+        "step_s": step_s,
+        "warmup_s": wall0 - warm0,
+        "losses": [m.loss for m in metrics],
+        "grad_norms": [m.grad_norm for m in metrics],
+        "window_start": wall0,
+        "stalls": stalls,
+    }
 
 
 class HostStalls:

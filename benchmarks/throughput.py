@@ -166,6 +166,9 @@ def bench_megatrain(name, args, implementation="native"):
                 "time_split_s_per_step": timing["split"],
                 "host_stalls_per_step": timing["stalls"],  # allocator retries, device-wide waits, collections
                 "losses": [round(x, 4) for x in timing["losses"]],
+                # above grad_clip, the step's updates were scaled: the host's fused AdamW then also writes each
+                # scaled gradient back (4 bytes a parameter more than the 28 it moves otherwise)
+                "grad_norms": [round(x, 4) for x in timing["grad_norms"]],
                 "implementation": implementation,  # native: megatrain's templates; transformers: its own modules
             }
         )

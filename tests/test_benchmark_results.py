@@ -182,6 +182,31 @@ def test_host_stalls_count_the_collector_s_pauses_by_generation_in_the_window_al
     assert gc.callbacks.count(stalls._on_gc) == 0
 
 
+def test_steady_steps_record_the_timed_steps_losses_and_gradient_norms(monkeypatch):
+    """A row's `losses` and `grad_norms` are those of the timed steps, not the warm-up's (a norm above grad_clip
+    says the row's updates were scaled), and the last step's updates are drained after the window."""
+    from types import SimpleNamespace
+
+    import common
+
+    class Trainer:
+        def __init__(self):
+            self.steps, self.drained = 0, False
+
+        def train_step(self, batch):
+            self.steps += 1
+            return SimpleNamespace(loss=10.0 + self.steps, grad_norm=0.5 * self.steps)
+
+        def finish_updates(self):
+            self.drained = True
+
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: None)
+    trainer = Trainer()
+    timing = common.steady_steps(trainer, lambda: None, steps=2, warmup=1)
+    assert timing["losses"] == [12.0, 13.0] and timing["grad_norms"] == [1.0, 1.5]
+    assert trainer.drained and timing["step_s"] >= 0
+
+
 def test_allocator_retries_names_the_allocation_that_found_no_room():
     """`allocator_retries.py` reads the allocator's history: each release of cached memory is printed with the
     allocation after it (the one that asked) and the one before, in the engine's frames alone."""
