@@ -59,7 +59,8 @@ def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, t
 
     a, b = a.contiguous(), b.contiguous()
     n_experts, m, n = into.shape
-    tiles = tiles or tiles_for(a.shape[0], n_experts, n)
+    if tiles is None:
+        tiles = tiles_for(a.shape[0], n_experts, n)
     descriptors = _descriptors(a, b, tiles) if tiles.tma else None
     grid = (_cdiv(m, tiles.block_m) * _cdiv(n, tiles.block_n), n_experts)
     expert_triton.grouped_weight_grad_into[grid](

@@ -57,7 +57,7 @@ class _Slots:
     """A micro-batch's expert choices (tokens * k) that fall in the experts a stage holds, sorted by expert:
     row i of the grouped GEMMs is choice `order[i]`, of token `token[i]`, for expert `expert[i]` (counted from
     the stage's first); `inverse` maps each choice to its row (`rows` for a choice of another expert). The
-    grouped kernel reads each expert's end row on the device (`offsets`), the loop its row count on the host."""
+    grouped kernel reads each expert's end row on the device (`offsets`), the loop the same ends on the host."""
 
     order: Tensor  # [rows]
     token: Tensor  # [rows]
@@ -78,17 +78,14 @@ class _Slots:
         experts = torch.arange(self.n_experts, device=self.expert.device, dtype=self.expert.dtype)
         return torch.searchsorted(self.expert, experts, right=True, out_int32=True)
 
-    @functools.cached_property
-    def counts(self) -> list[int]:
-        return torch.bincount(self.expert, minlength=self.n_experts).tolist()  # (the host waits for the device)
-
     def runs(self):
-        """(expert, its rows as a slice) for each expert with rows, in row order (the loop's)."""
+        """(expert, its rows as a slice) for each expert with rows, in row order (the loop's), from `offsets`
+        read on the host (which waits for the device)."""
         start = 0
-        for expert, count in enumerate(self.counts):
-            if count:
-                yield expert, slice(start, start + count)
-                start += count
+        for expert, end in enumerate(self.offsets.tolist()):
+            if end > start:
+                yield expert, slice(start, end)
+            start = end
 
 
 def _grouped_matmul(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
