@@ -16,6 +16,8 @@ from torch import Tensor
 
 from megatrain_store import LOAD_BIAS, HostStore, PinnedSpan
 
+from . import host_kernel
+
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 # Elements per gathered chunk of rows in `update_rows` (16 MiB per fp32 buffer, three buffers)
 ROWS_CHUNK_NUMEL = 2**22
@@ -89,7 +91,23 @@ def adamw_update_(
 
     With `grad_scale`, gradients are divided by it first (used to apply a clip coefficient
     without a separate pass over the gradients); where `found_inf` (0-dim) is 1, nothing changes
-    (a GPU update skips a non-finite gradient without the host reading it)."""
+    (a GPU update skips a non-finite gradient without the host reading it). A scaled update of the host's fp32
+    runs `host_kernel`'s, which leaves the gradients as they were instead of storing them scaled."""
+    if grad_scale is not None and found_inf is None and _host_kernel_takes(params[0]) and host_kernel.available():
+        host_kernel.adamw_scaled_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            float(step),
+            grad_scale=float(grad_scale),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        return
     if FUSED:
         torch._fused_adamw_(
             params,
@@ -120,6 +138,10 @@ def adamw_update_(
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / (1 - beta2**count) ** 0.5).add_(eps)
         p.addcdiv_(m, denom, value=-lr / (1 - beta1**count))
+
+
+def _host_kernel_takes(tensor: Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
 
 class HostAdamW:

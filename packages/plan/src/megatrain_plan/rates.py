@@ -22,14 +22,12 @@ import torch
 from torch import Tensor
 
 from megatrain_optim import adamw_update_
-from megatrain_store import atomic_write_text
+from megatrain_store import MACHINE_CACHE, atomic_write_text
 from megatrain_zoo import ModelConfig, block_shape, build_model, generic_stages, linear_attention_flops_per_token
 
 from .errors import PlanError
 
-# MEGATRAIN_CACHE is the machine's, not a run's: where this machine keeps what it measured of itself, shared by
-# every run on it (a config names what to train, not where the machine's caches live).
-CALIBRATION_FILE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "calibration.json"
+CALIBRATION_FILE = MACHINE_CACHE / "calibration.json"
 
 
 DEFAULT_RATES_SOURCE = "defaults (calibrated on an H100 machine, 16 cores, 2026-11-24)"

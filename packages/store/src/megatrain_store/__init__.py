@@ -3,6 +3,7 @@
 from .device import free_device_bytes
 from .errors import StoreError
 from .io import (
+    MACHINE_CACHE,
     Pending,
     atomic_write,
     atomic_write_text,
@@ -35,6 +36,7 @@ from .shared import SharedArenas
 from .store import HostStore, MemoryReport, bytes_per_param
 
 __all__ = [
+    "MACHINE_CACHE",
     "check_files",
     "file_record",
     "BITSANDBYTES_NF4_PARTS",

@@ -21,6 +21,11 @@ from torch import Tensor
 
 from .errors import StoreError
 
+# MEGATRAIN_CACHE is the machine's, not a run's: where this machine keeps what it measured of itself and what it
+# built for itself (its rates, its compiled kernels), shared by every run on it (a config names what to train,
+# not where the machine's caches live).
+MACHINE_CACHE = Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain"))
+
 _DTYPE_NAMES = {
     torch.float32: "F32",
     torch.float16: "F16",
