@@ -91,21 +91,21 @@ def adamw_update_(
 
     With `grad_scale`, gradients are divided by it first (used to apply a clip coefficient
     without a separate pass over the gradients); where `found_inf` (0-dim) is 1, nothing changes
-    (a GPU update skips a non-finite gradient without the host reading it). A scaled update of the host's fp32
-    runs `host_kernel`'s, which leaves the gradients as they were instead of storing them scaled."""
-    if grad_scale is not None and found_inf is None and _host_kernel_takes(params[0]) and host_kernel.available():
-        host_kernel.adamw_scaled_(
+    (a GPU update skips a non-finite gradient without the host reading it). The host's fp32 runs `host_kernel`'s
+    (it leaves the gradients as they were, and balances its threads)."""
+    if found_inf is None and _host_kernel_takes(params[0]) and host_kernel.available():
+        host_kernel.host_adamw_(
             params,
             grads,
             exp_avgs,
             exp_avg_sqs,
             float(step),
-            grad_scale=float(grad_scale),
             lr=lr,
             beta1=beta1,
             beta2=beta2,
             eps=eps,
             weight_decay=weight_decay,
+            grad_scale=1.0 if grad_scale is None else float(grad_scale),
         )
         return
     if FUSED:

@@ -1,18 +1,21 @@
-"""The host's AdamW of a clipped step, built for this CPU on first use.
+"""The host's AdamW, built for this CPU on first use: `host_adamw_`.
 
-torch's fused CPU AdamW applies a `grad_scale` (how a clip coefficient reaches it without a pass of its own)
-and then stores the scaled gradient back: 32 bytes of memory traffic a parameter instead of 28, and the host's
-AdamW runs at its memory's bandwidth, so a clipped update took 8.7% longer (an H200 host, 15 threads, 540M
-parameters: 143.6-152.3 ms without a scale, 159.2-168.7 with one). `adamw_scaled_` does the same arithmetic
-in the same order (its results equal the fused kernel's but for the last bit of a few elements past its vector
-lanes) and leaves the gradient as it was.
+It does torch's fused CPU AdamW's arithmetic in the same order (its results equal the fused kernel's but for the last
+bit of a few elements past its vector lanes), with two differences that the host's memory bandwidth makes matter:
+- A clip coefficient (`grad_scale`) scales each gradient as it is read and leaves it as it was. The fused kernel
+  stores the scaled gradient back: 32 bytes of traffic a parameter, not 28 (+8-12% a clipped update).
+- Threads take 64k-element chunks as they finish (OpenMP's dynamic schedule), not one equal share each (static,
+  torch's `parallel_for`): a thread whose core the GPU's launch thread or the copies take a while no longer holds
+  the update up. On an H200 host, 15 threads, 540M parameters: 105.7 ms alone against the fused kernel's 127.2
+  (static: 127.3), and 143.1 ms beside a GPU's work and copies both ways, as in a step, against 176.5
+  (benchmarks/results/host-adamw-h200.json).
 
-The kernel is C, compiled once per machine with the system's compiler ($CC, else `cc`) into MEGATRAIN_CACHE
-and called through ctypes, which releases the GIL. Its threads are OpenMP's, linked to the OpenMP runtime torch
-loaded, so they are the threads torch's own kernels use: a second runtime's threads, or a Python pool beside
-torch's, spun against torch's idle-spinning threads (on 2 cores a Python pool ran 60% slower than the fused
-kernel). Where no compiler builds it, or torch runs no OpenMP, `available()` says so once and the fused kernel
-does the update (`adamw_update_`).
+The kernel is C, compiled once per machine with the system's compiler ($CC, else `cc`) into MEGATRAIN_CACHE and
+called through ctypes, which releases the GIL. Its threads are OpenMP's, linked to the OpenMP runtime torch loaded,
+so they are the threads torch's own kernels use: a second runtime's threads, or a Python pool beside torch's, spun
+against torch's idle-spinning threads (on 2 cores a Python pool ran 60% slower than the fused kernel). Where no
+compiler builds it, or torch runs no OpenMP, `available()` says so once and the fused kernel does the update
+(`adamw_update_`).
 """
 
 import ctypes
@@ -31,17 +34,17 @@ from torch import Tensor
 
 from megatrain_store import MACHINE_CACHE
 
-# torch's fused kernel, element by element: its lerp for 1 - beta1 < 0.5 and its fused multiply-adds, no other
-# contraction (-ffp-contract=off), IEEE division and square root (no -ffast-math; -fno-math-errno lets sqrtf
-# vectorize)
+# torch's fused kernel, element by element: its lerp (both forms) and its fused multiply-adds, no other contraction
+# (-ffp-contract=off), IEEE division and square root (no -ffast-math; -fno-math-errno lets sqrtf vectorize). The
+# chunks (64k elements, 256 KiB a buffer) are small enough to balance 15 threads over a 50M-parameter layer.
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
-void adamw_scaled(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n,
+void adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n,
                   int threads, float grad_scale, float decay, float beta1_weight, float beta2, float sq_weight,
                   float bias2_sqrt, float eps, float neg_step) {
-    #pragma omp parallel for simd num_threads(threads) if(n >= 65536) schedule(static)
+    #pragma omp parallel for simd num_threads(threads) if(n >= 65536) schedule(dynamic, 65536)
     for (int64_t i = 0; i < n; i++) {
         float gi = g[i] / grad_scale;
         float mi = beta1_weight < 0.5f ? fmaf(beta1_weight, gi - m[i], m[i])
@@ -107,7 +110,7 @@ def _kernel():
     try:
         if not target.exists():
             _build(compiler, openmp, target)
-        function = ctypes.CDLL(str(target)).adamw_scaled
+        function = ctypes.CDLL(str(target)).adamw
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         return _without(f"its build failed: {str(detail).strip().splitlines()[-1]}")
@@ -118,30 +121,29 @@ def _kernel():
 
 def _without(reason: str) -> None:
     print(
-        f"megatrain: the host AdamW of clipped steps uses torch's fused kernel ({reason}); clipped updates "
-        "take ~9% longer",
+        f"megatrain: the host's AdamW uses torch's fused kernel ({reason}); it takes ~20% longer in a step",
         file=sys.stderr,
     )
 
 
 def available() -> bool:
-    """Whether `adamw_scaled_` can run here (builds the kernel on the first call)."""
+    """Whether `host_adamw_` can run here (builds the kernel on the first call)."""
     return _kernel() is not None
 
 
-def adamw_scaled_(
+def host_adamw_(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     step: float,
     *,
-    grad_scale: float,
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_scale: float = 1.0,
 ) -> None:
     """AdamW of fp32 CPU tensors, each gradient divided by `grad_scale` as it is read and left as it was;
     `step` is the already-incremented count. Needs `available()`."""
