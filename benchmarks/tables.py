@@ -1028,6 +1028,21 @@ def dequantize(rows: list[dict]) -> Table:
     return Table(header, body, chosen, align="llrrrrrr")
 
 
+def host_adamw(rows: list[dict]) -> Table:
+    """The host's AdamW over 4 fp32 arenas (`benchmarks/host_adamw.py`): torch's fused kernel against megatrain's,
+    unclipped and clipped, alone and beside the GPU's copies and GEMMs, with the host's triad."""
+    chosen = [r for r in rows if r["file"] == "host-adamw-h200.json"]
+    ms = {(r["engine"], r["beside_gpu_work"]): r["ms"] for r in chosen}
+    body = [
+        [name, f"{r['bytes_per_param']} B", f"{ms[name, False]} ms", f"{ms[name, True]} ms", f"{r['gbps']} GB/s"]
+        for name in dict.fromkeys(r["engine"] for r in chosen)
+        for r in chosen
+        if r["engine"] == name and not r["beside_gpu_work"]
+    ]
+    header = ["loop", "moves a parameter", "alone", "beside the GPU's work", "GB/s alone"]
+    return Table(header, body, chosen, align="lrrrr")
+
+
 def dense_120b_full_plans(rows: list[dict]) -> Table:
     """The whole dense-120b at full precision on one H200, planned on the rates its first 2 layers ran at
     (`benchmarks/full_precision_plans.py`)."""
@@ -1304,6 +1319,7 @@ TABLES: dict[str, Callable[[list[dict]], Table]] = {
     "block-rates": block_rates,
     "dense-120b-full-plans": dense_120b_full_plans,
     "dequantize": dequantize,
+    "host-adamw": host_adamw,
     "hosts-plans": hosts_plans,
     "lora-plans": lora_plans,
     "kernel-kinds": kernel_kinds,
