@@ -84,3 +84,15 @@ def test_a_failed_build_says_why_in_one_line(fresh_kernel, tmp_path, monkeypatch
     assert not host_kernel.available()
     assert "its build failed: cc: error: unrecognized option" in capsys.readouterr().err
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left
+
+
+def test_every_element_rounds_alike_wherever_it_falls(fresh_kernel):
+    """Vector lanes and the scalar remainder do the same IEEE operations: a run updated whole and updated from an odd
+    offset (as `update_rows` updates an embedding's rows apart from their group) agree to the bit."""
+    torch.set_num_threads(2)
+    p, g, m, v = (tensors[0] for tensors in state(seed=3))
+    apart = [t[5:].clone() for t in (p, g, m, v)]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=torch.tensor(2.0))
+    adamw_update_([p], [g], [m], [v], torch.tensor(2.0), **hyper)
+    adamw_update_(*([t] for t in apart), torch.tensor(2.0), **hyper)
+    assert all(torch.equal(whole[5:], part) for whole, part in zip((p, m, v), (apart[0], apart[2], apart[3])))

@@ -283,9 +283,9 @@ class HostAdamW:
     ) -> Tensor:
         """The master weights of only `rows` of a group of rows (an embedding table) as AdamW makes them,
         written to `out` ([len(rows), row], pinned for a copy to the GPU), leaving the store as it is.
-        AdamW is elementwise, so these are the rows `update_group` makes, up to where the fused kernel's
-        vector lanes fall; `write_rows` puts them in the store after it. The group must be unsharded,
-        with one weight-decay setting throughout."""
+        AdamW is elementwise, so these are the rows `update_group` makes (to the bit with `host_kernel`'s; torch's
+        fused kernel's vector lanes may round a last bit apart); `write_rows` puts them in the store after it. The
+        group must be unsharded, with one weight-decay setting throughout."""
         store, cfg = self.store, self.config
         runs = self._runs[group]
         if len(runs) != 1 or store.shard_range(group) != (0, store.layouts[group].numel) or not store.owns_all:
