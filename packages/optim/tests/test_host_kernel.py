@@ -76,6 +76,13 @@ def test_without_a_compiler_the_fused_kernel_updates(fresh_kernel, monkeypatch, 
         assert rel_err(x, want[0]) < 1e-6
 
 
+def test_without_torch_s_one_openmp_runtime_the_fused_kernel_updates(fresh_kernel, monkeypatch, capsys):
+    """Where the process holds no OpenMP runtime, or two, the kernel's threads would not be torch's: not built."""
+    monkeypatch.setattr(host_kernel, "_torch_openmp", lambda: None)
+    assert not host_kernel.available() and host_kernel.kernel_name() == host_kernel.TORCH_FUSED
+    assert "torch's OpenMP runtime is not one loaded libgomp or libiomp5 here" in capsys.readouterr().err
+
+
 def test_a_failed_build_says_why_in_one_line(fresh_kernel, tmp_path, monkeypatch, capsys):
     compiler = tmp_path / "cc"
     compiler.write_text("#!/bin/sh\necho 'cc: error: unrecognized option' >&2\nexit 1\n")

@@ -15,6 +15,7 @@ from megatrain_zoo import generic_stages, preset
 
 def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    monkeypatch.setattr(calibration.host_kernel, "kernel_name", lambda: Rates().cpu_adam_kernel)  # the rates' own
     assert calibration.load_rates("H100: a 7B") == Rates()  # nothing calibrated here: the defaults
     seven, half = Rates(gpu_tflops=627.5, source="7B"), Rates(gpu_tflops=314.5, source="0.5B")
     calibration.save_rates("H100: a 7B", seven, machine=True)  # `megatrain plan --calibrate`: every rate
@@ -68,6 +69,9 @@ def test_rates_are_remembered_per_templates_code(tmp_path, monkeypatch):
         keys.append(calibration.calibration_key(model, 2048, 8, torch.device("cpu"), torch.float32))
     calibration.templates_digest.cache_clear()
     assert keys[0] == keys[1] != keys[2]
+    # so does the host AdamW kernel's name: its rate is in every shape's rates
+    monkeypatch.setattr(calibration.host_kernel, "kernel_name", lambda: "megatrain 0123abcd")
+    assert calibration.calibration_key(model, 2048, 8, torch.device("cpu"), torch.float32) != keys[2]
 
 
 def test_a_machines_first_shape_measures_its_copies_and_adamws_too(tmp_path, monkeypatch):
@@ -90,6 +94,12 @@ def test_a_machines_first_shape_measures_its_copies_and_adamws_too(tmp_path, mon
     assert second.cpu_adam_params_per_s == 3.1e9 and "the rest PCIe and AdamWs measured" in second.source
     assert calibration.run_rates(model, cuda, bf16, 1024, 4, measure=False).pcie_gbps == 41.0
     assert machine_measured == ["the block's pass"]  # once
+
+    # an upgrade that changes what runs the host's AdamW: the machine's rates are that kernel's no more
+    monkeypatch.setattr(calibration.host_kernel, "kernel_name", lambda: "megatrain 0123abcd")
+    upgraded = calibration.run_rates(model, cuda, bf16, 1024, 2)
+    assert machine_measured == ["the block's pass"] * 2 and upgraded.cpu_adam_kernel == "megatrain 0123abcd"
+    assert calibration.load_rates().cpu_adam_kernel == "megatrain 0123abcd"  # now the machine's
 
 
 def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:

@@ -71,14 +71,14 @@ def _cpu_signature() -> str:
 
 
 def _torch_openmp() -> str | None:
-    """The OpenMP runtime torch loaded (its libgomp), or None."""
-    torch.get_num_threads()  # torch's OpenMP is loaded with torch; this only makes the dependence plain
+    """The OpenMP runtime torch loaded (GNU's libgomp, or Intel's libiomp5, which serves GNU's calls too), or None
+    where there is none or more than one."""
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return None
-    paths = {line.split()[-1] for line in maps if "/libgomp" in line}
-    return min(paths) if len(paths) == 1 else None
+    paths = {line.split()[-1] for line in maps if "/libgomp" in line or "/libiomp5" in line}
+    return paths.pop() if len(paths) == 1 else None
 
 
 def _build(compiler: str, openmp: str, target: Path) -> None:
@@ -104,7 +104,7 @@ def _kernel():
         return _without(f"no C compiler ({os.environ.get('CC', 'cc')}); set CC to one")
     openmp = _torch_openmp()
     if openmp is None:
-        return _without("torch's OpenMP runtime (libgomp) is not one loaded library here")
+        return _without("torch's OpenMP runtime is not one loaded libgomp or libiomp5 here")
     key = "\n".join((SOURCE, " ".join(FLAGS), compiler, openmp, _cpu_signature()))
     target = MACHINE_CACHE / "kernels" / f"adamw-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     try:
@@ -129,6 +129,15 @@ def _without(reason: str) -> None:
 def available() -> bool:
     """Whether `host_adamw_` can run here (builds the kernel on the first call)."""
     return _kernel() is not None
+
+
+def kernel_name() -> str:
+    """What runs the host's fp32 AdamW here (a measured rate is this kernel's): megatrain's, named by its source's
+    digest, or torch's fused one."""
+    return f"megatrain {hashlib.sha256(SOURCE.encode()).hexdigest()[:8]}" if available() else TORCH_FUSED
+
+
+TORCH_FUSED = "torch's fused kernel"
 
 
 def host_adamw_(

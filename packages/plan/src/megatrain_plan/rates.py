@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from megatrain_optim import adamw_update_
+from megatrain_optim import adamw_update_, host_kernel
 from megatrain_store import MACHINE_CACHE, atomic_write_text
 from megatrain_zoo import ModelConfig, block_shape, build_model, generic_stages, linear_attention_flops_per_token
 
@@ -49,6 +49,9 @@ class Rates:
     # GPU-updated layers: their fused AdamW on the GPU plus the casts of their masters into the slots, a step
     gpu_adam_params_per_s: float = 66.6e9
     source: str = DEFAULT_RATES_SOURCE
+    # what ran the host's AdamW when `cpu_adam_params_per_s` was measured (`host_kernel.kernel_name`): a machine's
+    # rates measured with another kernel are measured again (megatrain's ran 16% faster than torch's in a step)
+    cpu_adam_kernel: str = host_kernel.TORCH_FUSED
     # a layer keeping its matmul products (no GEMM recomputed), counted as `block_work` counts it; None: the
     # block's rate (at small shapes the GEMMs a kept layer skips are a smaller share of its time than of its work)
     gpu_kept_tflops: float | None = None
@@ -101,7 +104,8 @@ def calibration_key(
         torch.cuda.get_device_name() if device.type == "cuda" else f"CPU {platform.processor() or platform.machine()}"
     )
     return (
-        f"{processor}, {os.cpu_count()} CPUs, torch {torch.__version__}, templates {templates_digest()}, {dtype}: "
+        f"{processor}, {os.cpu_count()} CPUs, torch {torch.__version__}, templates {templates_digest()}, "
+        f"host AdamW {host_kernel.kernel_name()}, {dtype}: "
         f"{model.arch} d_model {model.d_model}, {model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
     )
 
@@ -158,7 +162,9 @@ def run_rates(
         if key in saved["shapes"]:
             generic_stages.run_eagerly(saved["eager_kinds"].get(key, []))  # (planned as eager, as measured)
             return load_rates(key, saved)
-        first = saved["machine"] is None  # (nothing of this machine's measured yet: its copies and AdamWs too)
+        machine_kernel = (saved["machine"] or {}).get("cpu_adam_kernel", host_kernel.TORCH_FUSED)
+        # nothing of this machine's measured yet, or its AdamW with another kernel: its copies and AdamWs too
+        first = saved["machine"] is None or machine_kernel != host_kernel.kernel_name()
         also = ", and its copies and AdamWs" if first else ""
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}){also}, once", file=sys.stderr)
         machine = load_rates(key, saved)
@@ -187,7 +193,7 @@ def _measure_run_shape(
         layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
         rates = _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops)
         if first:
-            rates = replace(rates, **_machine_rates(layer_pass))
+            rates = replace(rates, **_machine_rates(layer_pass), cpu_adam_kernel=host_kernel.kernel_name())
     took = f"{time.perf_counter() - start:.0f} s ({FIRST_CALLS.seconds:.0f} s of it compiling the run's kernels)"
     rest = "PCIe and both AdamWs with them" if first else f"the rest {machine.source}"
     source = f"GPU block and head measured {time.strftime('%Y-%m-%d')} at this shape in {took}; {rest}"
@@ -231,6 +237,7 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
         pcie_duplex_gbps=_rounded(copy_gbps / 2),
         cpu_adam_params_per_s=adam,
         gpu_adam_params_per_s=adam,
+        cpu_adam_kernel=host_kernel.kernel_name(),
         source=f"this machine's CPU, measured {time.strftime('%Y-%m-%d')} at this shape ({key})",
     )
     save_rates(key, rates, machine=False)
