@@ -1,4 +1,4 @@
-"""The host's clipped-update kernel against float64 AdamW and torch's fused kernel, built fresh for each test."""
+"""The host AdamW kernel against float64 AdamW and torch's fused kernel, built fresh for each test; its fallbacks."""
 
 import pytest
 import torch

@@ -83,7 +83,7 @@ def test_device_updates_equal_host_updates(fused, clip_on_device, monkeypatch):
     """A group kept on the device steps exactly as the store's copy of it would: clipped (by a number, or by a
     `DeviceClip`'s tensors), skipped where its gradient is non-finite (read on the device; or where the DeviceClip
     says so), and back in the store after to_host. Both sides run torch's kernels here, so they agree to the bit (the
-    host's clipped-update kernel agrees to the last bit of a few elements: test_host_kernel)."""
+    host's own kernel agrees to the last bit of a few elements: test_host_kernel)."""
     monkeypatch.setattr(adamw_module, "FUSED", fused and adamw_module.FUSED)
     monkeypatch.setattr(adamw_module.host_kernel, "available", lambda: False)
     config = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
