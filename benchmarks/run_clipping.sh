@@ -6,6 +6,7 @@
 #   benchmarks/run_clipping.sh OUT layers      # Qwen3.5-27B's first 8 layers at 64k (its rate measurement's time)
 #   benchmarks/run_clipping.sh OUT generic     # Qwen2.5-7B through transformers' own layers at 32k
 #   benchmarks/run_clipping.sh OUT deepspeed   # Qwen2.5-3B against DeepSpeed and plain PyTorch (run_compare.sh)
+#   benchmarks/run_clipping.sh OUT host        # the host's AdamW, megatrain's kernel against torch's (host_adamw.py)
 # Sequences of 4096 (1024 for deepspeed); rows to OUT/NAME.json. TRACE=DIR adds throughput.py's --trace-dir DIR.
 set -uo pipefail
 export PYTHONPATH=$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}  # (the packages, uninstalled)
@@ -30,5 +31,6 @@ moe)  # (micro-batches as large as run fastest: each expert's GEMMs get more row
 layers) bench qwen35 --models qwen3.5-27b --layers 8 --micro-batch 4 --steps 2 --tokens 65536 ;;
 generic) bench generic --models qwen2.5-7b --implementation transformers --micro-batch 4 --steps 3 --tokens 32768 ;;
 deepspeed) SEQ_LEN=1024 exec benchmarks/run_compare.sh qwen2.5-3b 32768,131072 "$out" 16 32 ;;
-*) echo "run_clipping.sh: unknown group $group; give dense-7b, moe, layers, generic or deepspeed" >&2 && exit 2 ;;
+host) python benchmarks/host_adamw.py --out "$out/host-adamw.json" ;;
+*) echo "run_clipping.sh: unknown group $group; give dense-7b, moe, layers, generic, deepspeed or host" >&2 && exit 2 ;;
 esac
