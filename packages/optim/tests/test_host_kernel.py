@@ -13,6 +13,7 @@ SIZES = (200_003, 1_000, 1)
 def fresh_kernel(tmp_path, monkeypatch):
     """The kernel built into an empty cache, and forgotten after the test."""
     monkeypatch.setattr(host_kernel, "MACHINE_CACHE", tmp_path)
+    monkeypatch.setattr(host_kernel, "MIN_THREADS", 1)  # (CI's 2 cores: tested there as it runs on a GPU's host)
     host_kernel._kernel.cache_clear()
     yield
     host_kernel._kernel.cache_clear()
@@ -74,6 +75,15 @@ def test_without_a_compiler_the_fused_kernel_updates(fresh_kernel, monkeypatch, 
     adamw_update_(p, g, m, v, torch.tensor(5.0), grad_scale=torch.tensor(2.0), **hyper)
     for x, want in zip(p, expected):
         assert rel_err(x, want[0]) < 1e-6
+
+
+def test_with_few_threads_torch_s_fused_kernel_updates(monkeypatch):
+    monkeypatch.setattr(host_kernel, "MIN_THREADS", 8)
+    torch.set_num_threads(2)
+    assert not host_kernel.takes(torch.zeros(3))
+    monkeypatch.setattr(host_kernel, "MIN_THREADS", 2)
+    assert host_kernel.takes(torch.zeros(3)) == host_kernel.available()
+    assert not host_kernel.takes(torch.zeros(3, dtype=torch.float64))
 
 
 def test_without_torch_s_one_openmp_runtime_the_fused_kernel_updates(fresh_kernel, monkeypatch, capsys):

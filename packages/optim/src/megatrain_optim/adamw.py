@@ -92,8 +92,8 @@ def adamw_update_(
     With `grad_scale`, gradients are divided by it first (used to apply a clip coefficient
     without a separate pass over the gradients); where `found_inf` (0-dim) is 1, nothing changes
     (a GPU update skips a non-finite gradient without the host reading it). The host's fp32 runs `host_kernel`'s
-    (it leaves the gradients as they were, and balances its threads)."""
-    if found_inf is None and _host_kernel_takes(params[0]) and host_kernel.available():
+    where it has the threads to gain from it (it leaves the gradients as they were, and balances its threads)."""
+    if found_inf is None and host_kernel.takes(params[0]):
         host_kernel.host_adamw_(
             params,
             grads,
@@ -138,10 +138,6 @@ def adamw_update_(
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / (1 - beta2**count) ** 0.5).add_(eps)
         p.addcdiv_(m, denom, value=-lr / (1 - beta1**count))
-
-
-def _host_kernel_takes(tensor: Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
 
 
 class HostAdamW:
