@@ -49,6 +49,7 @@ from megatrain_templates import (
     split_precision,
 )
 from megatrain_templates.chunked_recurrence import _ChunkedRecurrence
+from megatrain_templates.moe import CHOSEN_EXPERTS
 
 
 @pytest.mark.parametrize(
@@ -246,8 +247,10 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
     assert torch.equal(out_products, out)
     assert router_load.loss().item() == pytest.approx(ref.load_balancing_loss().item(), rel=1e-10)
     shared = {"shared_gate_up", "shared_down", "shared_gate"} if shared_d_ff else set()
-    assert set(products) == {"qkv_weight", "o_weight", "experts_gate_up", "attention out", "attention lse"} | shared
+    kept = {"qkv_weight", "o_weight", "experts_gate_up", "attention out", "attention lse", CHOSEN_EXPERTS}
+    assert set(products) == kept | shared
     assert products["experts_gate_up"].shape == (3 * 11 * top_k, 2 * d_ff)
+    assert products[CHOSEN_EXPERTS].shape == (3 * 11, top_k)
     product_and_extra = block.product_bytes_per_token(8) + block.extra_product_bytes_per_token(8)
     assert kept_bytes(products) == product_and_extra * 3 * 11
     other_slot = torch.empty(flat.numel() + 3, dtype=torch.float64)[3:]
@@ -255,6 +258,11 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
     product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
     assert rel_err(block.backward([other_slot], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
     assert rel_err(product_grads[0], grads[0]) < 1e-10
+    # the backward routes as the forward chose (kept), not choosing again
+    rerouted = dict(products, **{CHOSEN_EXPERTS: (products[CHOSEN_EXPERTS] + 1) % n_experts})
+    changed = [torch.zeros(block.numel, dtype=torch.float64)]
+    block.backward([other_slot], x.detach(), grad_out, changed, products=rerouted)
+    assert rel_err(changed[0], grads[0] - 0.5) > 1e-3
     products["experts_gate_up"] = products["experts_gate_up"] * 1.5
     changed = [torch.zeros(block.numel, dtype=torch.float64)]
     block.backward([other_slot], x.detach(), grad_out, changed, products=products)

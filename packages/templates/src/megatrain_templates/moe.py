@@ -31,6 +31,16 @@ from .moe_layout import MoeShape, _expert_spans, _router_spans, _shared_spans, m
 from .moe_routing import RouterLoad, Routing, _expert_picks, _token_weights, _valid_tokens
 from .ops import linear, swiglu, swiglu_output_and_backward, upcast
 
+# the key of a kept forward's products that holds its choice of experts [tokens, k], which its backward reuses
+CHOSEN_EXPERTS = "chosen experts"
+
+
+def _top_k(scores: Tensor, k: int, chosen: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(values, indices) of each row's k largest scores, or of the `chosen` indices where given."""
+    if chosen is None:
+        return scores.topk(k, dim=-1)
+    return scores.gather(1, chosen), chosen
+
 
 class MoeBlock(DecoderBlock):
     """Stateless MoE decoder block; `router_load` is the model's shared step statistics.
@@ -70,8 +80,8 @@ class MoeBlock(DecoderBlock):
         self._adapters = None if lora is None else self._adapt(lora)
 
     def product_bytes_per_token(self, element_size: int) -> int:
-        """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype): the experts'
-        gate-up products are top_k rows a token."""
+        """GPU bytes per token that `forward_keeping_products` returns: the products in the compute dtype (the
+        experts' gate-up products are top_k rows a token) and the token's choice of experts (top_k int64)."""
         moe = self.moe
         widths = [
             moe.top_k * 2 * moe.d_ff if name == "experts_gate_up" else self._spans[name].shape[0]
@@ -79,45 +89,47 @@ class MoeBlock(DecoderBlock):
         ]
         if self._adapters is not None:
             widths += [self._adapters.low_rank_width(name) for name in self._recomputed_matrices]
-        return sum(widths) * element_size
+        return sum(widths) * element_size + moe.top_k * torch.empty((), dtype=torch.long).element_size()
 
-    def route(self, w: dict[str, Tensor], h: Tensor) -> Routing:
-        """h: [tokens, d_model] -> the routing of each token."""
+    def route(self, w: dict[str, Tensor], h: Tensor, chosen: Tensor | None = None) -> Routing:
+        """h: [tokens, d_model] -> the routing of each token; `chosen` [tokens, k]: the experts a forward chose
+        (a backward's recompute takes them rather than choosing again: the same choice, whatever rounding its
+        recompute differs by), weighted as the router weighs them."""
         moe = self.moe
         if moe.scoring == "sigmoid":
-            return self._route_by_scores(w, h)
+            return self._route_by_scores(w, h, chosen)
         if moe.scoring == "sigmoid_of_top_k":
-            return self._route_by_top_logits(w, h)
+            return self._route_by_top_logits(w, h, chosen)
         if moe.correction_bias:
-            return self._route_by_biased_probabilities(w, h)
+            return self._route_by_biased_probabilities(w, h, chosen)
         logits = F.linear(h, w["router"], w.get("router_bias"))
         if moe.gpt_oss:
-            return self._route_by_softmax_of_top_logits(logits)
+            return self._route_by_softmax_of_top_logits(logits, chosen)
         probs = upcast(logits).softmax(dim=-1)
         candidates = probs
-        if moe.n_groups > 1:  # keep the experts of the topk_groups groups with the highest best probability
+        if moe.n_groups > 1 and chosen is None:  # keep the experts of the topk_groups groups with the best probability
             groups = probs.view(-1, moe.n_groups, moe.n_experts // moe.n_groups)
-            chosen = groups.amax(dim=-1).topk(moe.topk_groups, dim=-1).indices
-            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, chosen, True)
+            best = groups.amax(dim=-1).topk(moe.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
             candidates = (groups * keep.unsqueeze(-1)).view_as(probs)
-        top_weight, top_index = candidates.topk(moe.top_k, dim=-1)
+        top_weight, top_index = _top_k(candidates, moe.top_k, chosen)
         if moe.norm_topk_prob:
             top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
         if moe.routed_scaling != 1.0:
             top_weight = top_weight * moe.routed_scaling
         return Routing(probs, top_index, top_weight, logits)
 
-    def _route_by_softmax_of_top_logits(self, logits: Tensor) -> Routing:
+    def _route_by_softmax_of_top_logits(self, logits: Tensor, chosen: Tensor | None) -> Routing:
         """gpt-oss' routing (transformers' GptOssTopKRouter): logits [tokens, n_experts] -> the top-k experts,
         weighted by the softmax of their logits alone. That equals the top-k probabilities renormalised, but
         only this form gives the experts no token picked exactly zero gradient: the renormalised one leaves
         them rounding noise, which AdamW (eps 1e-8) turns into updates of up to lr. The probabilities over
         every expert are kept for the load statistics."""
-        top_logit, top_index = logits.topk(self.moe.top_k, dim=-1)
+        top_logit, top_index = _top_k(logits, self.moe.top_k, chosen)
         probs = upcast(logits).softmax(dim=-1)
         return Routing(probs, top_index, upcast(top_logit).softmax(dim=-1), logits)
 
-    def _route_by_scores(self, w: dict[str, Tensor], h: Tensor) -> Routing:
+    def _route_by_scores(self, w: dict[str, Tensor], h: Tensor, chosen: Tensor | None) -> Routing:
         """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter; GLM-4.5's and MiniMax-M2's the same with
         one group or more): sigmoid scores from an fp32 GEMM; the topk_groups groups with the highest sums of
         their two best biased scores; in them the top-k biased
@@ -126,38 +138,45 @@ class MoeBlock(DecoderBlock):
         moe = self.moe
         logits = F.linear(upcast(h), upcast(w["router"]))
         scores = logits.sigmoid()
-        with torch.no_grad():  # the bias only chooses: it has no gradient
-            choice = scores + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"]))
-            if moe.n_groups > 1:
-                groups = choice.view(-1, moe.n_groups, moe.n_experts // moe.n_groups)
-                chosen = groups.topk(2, dim=-1).values.sum(dim=-1).topk(moe.topk_groups, dim=-1).indices
-                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, chosen, True)
-                choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
-            top_index = choice.topk(moe.top_k, dim=-1).indices
+        top_index = chosen if chosen is not None else self._biased_choice(w, scores)
         top_weight = scores.gather(1, top_index)
         if moe.norm_topk_prob:
             top_weight = top_weight / (top_weight.sum(dim=-1, keepdim=True) + 1e-20)
         top_weight = top_weight * moe.routed_scaling
         return Routing(scores / scores.sum(dim=-1, keepdim=True), top_index, top_weight, logits)
 
-    def _route_by_top_logits(self, w: dict[str, Tensor], h: Tensor) -> Routing:
+    def _biased_choice(self, w: dict[str, Tensor], scores: Tensor) -> Tensor:
+        """DeepSeek-V3's choice of top-k experts by their scores plus the correction bias, within the best groups."""
+        moe = self.moe
+        with torch.no_grad():  # the bias only chooses: it has no gradient
+            choice = scores + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"]))
+            if moe.n_groups > 1:
+                groups = choice.view(-1, moe.n_groups, moe.n_experts // moe.n_groups)
+                best = groups.topk(2, dim=-1).values.sum(dim=-1).topk(moe.topk_groups, dim=-1).indices
+                keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
+                choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(scores)
+            return choice.topk(moe.top_k, dim=-1).indices
+
+    def _route_by_top_logits(self, w: dict[str, Tensor], h: Tensor, chosen: Tensor | None) -> Routing:
         """Llama 4's routing (transformers' Llama4Router): the top-k logits of a GEMM in the compute dtype, each
         weighted by its sigmoid (in fp32, rounded to the compute dtype where it scales the expert's input). The
         probabilities recorded for the load statistics are the sigmoids normalised per token."""
         logits = F.linear(h, w["router"])
-        top_logit, top_index = logits.topk(self.moe.top_k, dim=-1)
+        top_logit, top_index = _top_k(logits, self.moe.top_k, chosen)
         scores = upcast(logits).sigmoid()
         return Routing(scores / scores.sum(dim=-1, keepdim=True), top_index, upcast(top_logit).sigmoid(), logits)
 
-    def _route_by_biased_probabilities(self, w: dict[str, Tensor], h: Tensor) -> Routing:
+    def _route_by_biased_probabilities(self, w: dict[str, Tensor], h: Tensor, chosen: Tensor | None) -> Routing:
         """ERNIE 4.5's routing (transformers' Ernie4_5_MoeTopKRouter): softmax probabilities of an fp32 GEMM,
         the top-k of probability + correction bias, weighted by their probabilities over their sum (at
         least `moe_norm_min`, 1e-12)."""
         logits = F.linear(upcast(h), upcast(w["router"]))
         probs = logits.softmax(dim=-1)
-        with torch.no_grad():  # the bias only chooses: it has no gradient
-            choice = probs + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"])).view(-1)
-            top_index = choice.topk(self.moe.top_k, dim=-1).indices
+        top_index = chosen
+        if top_index is None:
+            with torch.no_grad():  # the bias only chooses: it has no gradient
+                choice = probs + (upcast(w["score_bias_hi"]) + upcast(w["score_bias_lo"])).view(-1)
+                top_index = choice.topk(self.moe.top_k, dim=-1).indices
         top_weight = probs.gather(1, top_index)
         return Routing(probs, top_index, top_weight / top_weight.sum(dim=-1, keepdim=True).clamp_min(1e-12), logits)
 
@@ -319,6 +338,7 @@ class MoeBlock(DecoderBlock):
         w, products = self._keeping_views(weights, extras, dropout)
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
+        products[CHOSEN_EXPERTS] = routing.top_index
         return out, products
 
     def _aux_outputs(self, routing: Routing | None, documents: Documents | None, sequences: int) -> tuple[list, list]:
@@ -358,7 +378,7 @@ class MoeBlock(DecoderBlock):
         with torch.enable_grad():
             after_attention, h = self._attention_and_norm(w, x, documents)
             h = h.reshape(-1, x.shape[-1])
-            routing = self.route(w, h)
+            routing = self.route(w, h, None if products is None else products.get(CHOSEN_EXPERTS))
             slots = self._slots(w, h, routing.top_index)
             gate_up, weight = self._expert_gate_up(w, h, routing.top_weight, slots)
             shared = self._shared_expert(w, h)
