@@ -1,6 +1,7 @@
 """GRPO's speed on one GPU: a rollout of --prompts x --generations completions generated from the current weights
 (the decoder layers resident on the GPU, and streamed layer by layer from host memory), then the GRPO step that
-trains on them; the share of the step each phase takes. Random weights and prompts; no stop token, so every
+trains on them; the share of the step each phase takes. Random weights and prompts, of lengths drawn evenly from
+--shortest-prompt to --prompt-len (a batch of them left-padded, as users' prompts are); no stop token, so every
 completion runs to --completion-len (the longest case). Streamed generation is timed over its first
 --streamed-tokens decoding steps (its rate is the PCIe copy of every layer per step, the same at every step).
 
@@ -79,7 +80,8 @@ def arguments():
     parser.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128, help="the longest prompt")
+    parser.add_argument("--shortest-prompt", type=int, help="the shortest prompt (default: half --prompt-len)")
     parser.add_argument("--completion-len", type=int, default=1024)
     parser.add_argument("--streamed-tokens", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch of the GRPO step")
@@ -144,7 +146,9 @@ def main():
         model = replace(model, n_layers=args.layers)
     trainer = grpo_trainer(args, model)
     generator = Generator(trainer)
-    prompts = [torch.randint(3, model.vocab_size, (args.prompt_len,)).tolist() for _ in range(args.prompts)]
+    shortest = args.prompt_len // 2 if args.shortest_prompt is None else args.shortest_prompt
+    lengths = torch.randint(shortest, args.prompt_len + 1, (args.prompts,)).tolist()
+    prompts = [torch.randint(3, model.vocab_size, (n,)).tolist() for n in lengths]
     prompts = [p for p in prompts for _ in range(args.generations)]
     rows, completions = [], None
     for weights in args.weights.split(","):
@@ -165,7 +169,7 @@ def main():
         "benchmark": (
             f"GRPO on one GPU: {model_name(args)}, "
             f"{args.prompts} prompts x {args.generations} generations of {args.completion_len} tokens after "
-            f"{args.prompt_len}-token prompts"
+            f"prompts of {shortest}-{args.prompt_len} tokens"
         ),
         "machine": machine(),
         "commands": [" ".join(["python", *sys.argv])],

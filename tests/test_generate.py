@@ -15,7 +15,7 @@ from megatrain import Trainer
 from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
 from megatrain.step import StepBatch
 from megatrain_data import DataSection
-from megatrain_zoo.generate import Generator, Sampling
+from megatrain_zoo.generate import GROUPED_DECODING, Generator, Sampling, grouped_decoding_attention
 
 
 def trainer_of(model: ModelSection, tmp_path, device="cpu") -> Trainer:
@@ -96,6 +96,50 @@ def test_greedy_generation_of_a_family_through_transformers_modules(model_type, 
     hf_model(tiny_hf_config(model_type), 0).save_pretrained(tmp_path / "hf")
     trainer = trainer_of(ModelSection(hf_dir=str(tmp_path / "hf")), tmp_path)
     check_greedy_equals_transformers(trainer, tmp_path)
+    trainer.close()
+
+
+def attention_with_repeated_heads(query, key, value, mask, scale):
+    """Attention as written: every query head over its key/value head's copy, the masked positions left out."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = (query @ key.transpose(-1, -2)) * scale
+    return (scores.masked_fill(~mask, -torch.inf).softmax(-1) @ value).transpose(1, 2)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (6, 1), (4, 4)])
+def test_grouped_decoding_attention_equals_attention_with_repeated_heads(heads, kv_heads):
+    """One query token over grouped key/value heads under a left-padding mask; value heads wider than the keys'."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    batch, length, scale = 3, 11, 0.3
+    query = torch.randn(batch, heads, 1, 16, generator=generator, dtype=torch.float64)
+    key = torch.randn(batch, kv_heads, length, 16, generator=generator, dtype=torch.float64)
+    value = torch.randn(batch, kv_heads, length, 24, generator=generator, dtype=torch.float64)
+    mask = (torch.arange(length) >= torch.tensor([[0], [4], [9]])).view(batch, 1, 1, length)
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    out, _ = grouped_decoding_attention(module, query, key, value, mask, scaling=scale)
+    assert out.shape == (batch, 1, heads, 24)
+    assert rel_err(out, attention_with_repeated_heads(query, key, value, mask, scale)) < 1e-12
+
+
+def test_decoding_steps_attend_over_grouped_heads(tmp_path, monkeypatch):
+    """A model of grouped key/value heads (tiny-llama: 4 query heads, 2 key/value) decodes its padded batch's
+    steps through `grouped_decoding_attention`."""
+    calls = []
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return grouped_decoding_attention(module, query, *args, **kwargs)
+
+    trainer = trainer_of(ModelSection(preset="tiny-llama"), tmp_path)
+    generator = Generator(trainer)  # (registers the attention: counted from here on)
+    assert generator.skeleton.config._attn_implementation == GROUPED_DECODING
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, GROUPED_DECODING, counted)
+    prompts = prompts_of(torch.Generator().manual_seed(3), trainer.model_config.vocab_size)
+    generator.generate(prompts, Sampling(max_new_tokens=4, temperature=0.0), pad_id=0)
+    layers = trainer.model_config.n_layers
+    assert calls == [max(len(p) for p in prompts)] * layers + [1] * layers * 3  # (the prompts' pass, 3 steps)
     trainer.close()
 
 

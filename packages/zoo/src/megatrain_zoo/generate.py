@@ -11,6 +11,7 @@ decoding step of the whole batch (`streamed`), the batch as large as the KV cach
 streamed layer serves many sequences (`GenerationPlan`). Sampling draws each row's noise from its own key
 (`RowSampler`), so a completion does not depend on the rows decoded beside it."""
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class Generator:
     def __init__(self, trainer, weights: str = "auto"):
         self.trainer, self.weights = trainer, weights
         self.skeleton = HFSkeleton(_hf_config(trainer.model_config))
+        if self.skeleton.config._attn_implementation == "sdpa" and _grouped_decoding_registered():
+            self.skeleton.config._attn_implementation = GROUPED_DECODING
         self.layout = CheckpointLayout(self.skeleton)
         trained = trainer.spec.checkpoint_layout
         if trained is not None:  # (a generic model's persistent buffers as it trains with them: its checkpoint's)
@@ -191,6 +194,43 @@ class Generator:
         with _streaming(streamed, self.skeleton.layers):
             out = torch.func.functional_call(_Generating(self.skeleton.model), weights, (), options, strict=False)
         return [_until_stop(row[longest:].tolist(), sampling.stop_ids) for row in out.cpu()]
+
+
+# transformers' SDPA attention, but a decoding step's one query token over grouped key/value heads without repeating
+# the keys and values per query head (`grouped_decoding_attention`)
+GROUPED_DECODING = "megatrain_grouped_decoding"
+
+
+def grouped_decoding_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' attention interface ([batch, heads, queries, head_dim] in, [batch, queries, heads, head_dim]
+    out). One query token over fewer key/value heads: each key/value head's queries attend to it together (queries as
+    [batch, kv_heads, group, head_dim]; the padding mask broadcast over them), where transformers' SDPA attention
+    (5.17 and others) copies every layer's whole key/value cache once per query head at every decoding step of a batch
+    whose prompts differ in length. Anything else: transformers' SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, queries, _ = query.shape
+    kv_heads = key.shape[1]
+    plain = not (kwargs.get("softcap") or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None)
+    broadcast_mask = attention_mask is None or attention_mask.shape[1] == 1
+    if queries != 1 or heads == kv_heads or heads % kv_heads or not (plain and broadcast_mask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
+    out = nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, 1, heads, value.shape[-1]), None
+
+
+@functools.cache
+def _grouped_decoding_registered() -> bool:
+    """Registered with transformers' attention and mask interfaces (the mask: SDPA's), where they are."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    except ImportError:
+        return False
+    AttentionInterface.register(GROUPED_DECODING, grouped_decoding_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_DECODING, sdpa_mask)
+    return True
 
 
 _SPLITMIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # (2^64-wrapped int64 constants)
