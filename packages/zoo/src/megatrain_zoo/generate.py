@@ -65,13 +65,14 @@ class GenerationPlan:
 
 class Generator:
     """Completions of a trainer's model from its current weights (converted afresh for each `generate`). `weights`:
-    auto (resident where they fit beside a KV cache of RESIDENT_NEEDS_SEQUENCES), resident or streamed.
+    auto (resident where they fit beside a KV cache of RESIDENT_NEEDS_SEQUENCES), resident or streamed;
+    `generate_options`: more of transformers' `generate` options (`benchmarks/decoding.py` tries a static cache).
 
     `trainer`: what holds the weights (megatrain's `Trainer`): its `model_config`, `spec`, `device`,
     `compute_dtype` and `streamed_weights()` (the store's tensors by name, as the device copies them)."""
 
-    def __init__(self, trainer, weights: str = "auto"):
-        self.trainer, self.weights = trainer, weights
+    def __init__(self, trainer, weights: str = "auto", generate_options: dict | None = None):
+        self.trainer, self.weights, self.generate_options = trainer, weights, dict(generate_options or {})
         self.skeleton = HFSkeleton(_hf_config(trainer.model_config))
         if self.skeleton.config._attn_implementation == "sdpa" and _grouped_decoding_registered():
             self.skeleton.config._attn_implementation = GROUPED_DECODING
@@ -183,6 +184,7 @@ class Generator:
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=pad_id,
             eos_token_id=list(sampling.stop_ids) or None,
+            **self.generate_options,
         )
         if hasattr(self.skeleton.config, "output_router_logits"):  # (a load-balancing loss is no generation's)
             options["output_router_logits"] = False
