@@ -121,6 +121,8 @@ def test_grouped_decoding_attention_equals_attention_with_repeated_heads(heads, 
     out, _ = grouped_decoding_attention(module, query, key, value, mask, scaling=scale)
     assert out.shape == (batch, 1, heads, 24)
     assert rel_err(out, attention_with_repeated_heads(query, key, value, mask, scale)) < 1e-12
+    with pytest.raises(ValueError, match="softcap"):  # (soft-capped scores: transformers' SDPA's, which has none)
+        grouped_decoding_attention(module, query, key, value, mask, scaling=scale, softcap=30.0)
 
 
 def test_decoding_steps_attend_over_grouped_heads(tmp_path, monkeypatch):

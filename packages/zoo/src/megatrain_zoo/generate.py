@@ -201,6 +201,9 @@ class Generator:
 # transformers' SDPA attention, but a decoding step's one query token over grouped key/value heads without repeating
 # the keys and values per query head (`grouped_decoding_attention`)
 GROUPED_DECODING = "megatrain_grouped_decoding"
+# what transformers' models give their attention beside the mask to change the scores (soft-capping, biases, sinks):
+# a step that has any of them runs transformers' SDPA attention
+SCORE_TERMS = ("softcap", "position_bias", "alibi", "s_aux")
 
 
 def grouped_decoding_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -213,7 +216,7 @@ def grouped_decoding_attention(module, query, key, value, attention_mask, scalin
 
     batch, heads, queries, _ = query.shape
     kv_heads = key.shape[1]
-    plain = not (kwargs.get("softcap") or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None)
+    plain = all(kwargs.get(term) is None for term in SCORE_TERMS) and not kwargs.get("dropout")
     broadcast_mask = attention_mask is None or attention_mask.shape[1] == 1
     if queries != 1 or heads == kv_heads or heads % kv_heads or not (plain and broadcast_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
