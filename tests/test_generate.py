@@ -121,8 +121,19 @@ def test_grouped_decoding_attention_equals_attention_with_repeated_heads(heads, 
     out, _ = grouped_decoding_attention(module, query, key, value, mask, scaling=scale)
     assert out.shape == (batch, 1, heads, 24)
     assert rel_err(out, attention_with_repeated_heads(query, key, value, mask, scale)) < 1e-12
-    with pytest.raises(ValueError, match="softcap"):  # (soft-capped scores: transformers' SDPA's, which has none)
-        grouped_decoding_attention(module, query, key, value, mask, scaling=scale, softcap=30.0)
+
+
+def test_grouped_decoding_leaves_what_changes_the_scores_to_transformers(monkeypatch):
+    """Soft-capped scores, biases, sinks, several queries, equal heads: transformers' SDPA attention's to run."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *args, **kwargs: "transformers'")
+    query, key = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 5, 8)
+    module = torch.nn.Module()
+    for term in ("softcap", "position_bias", "alibi", "s_aux"):
+        assert grouped_decoding_attention(module, query, key, key, None, **{term: 1.0}) == "transformers'"
+    assert grouped_decoding_attention(module, torch.randn(2, 4, 3, 8), key, key, None) == "transformers'"
+    assert grouped_decoding_attention(module, query, query, query, None) == "transformers'"
 
 
 def test_decoding_steps_attend_over_grouped_heads(tmp_path, monkeypatch):
