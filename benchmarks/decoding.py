@@ -1,9 +1,10 @@
 """A GRPO rollout's decoding step, variant by variant: ms a step and generated tokens/s for --sequences prompts of
 --shortest-prompt to --prompt-len tokens (left-padded in one batch), --steps decoding steps sampled at temperature 1
 from random weights resident on the GPU, and how many completions equal the first variant's. Variants: `grouped`
-(megatrain's: a step's query over grouped key/value heads as they are, transformers' dynamic KV cache), `sdpa`
-(transformers' own SDPA attention), `static` (a static KV cache, which transformers compiles the decoding step for
-on CUDA) and `static-eager` (the same, not compiled). `--profile`: the first variant's top CUDA kernels and host
+(megatrain's: a step's query over grouped key/value heads as they are, a dynamic KV cache whose layers grow in
+place), `sdpa` (transformers' own SDPA attention), `cat` (transformers' own dynamic cache: each step copies each
+layer's cache into a new tensor), `static` (a static KV cache, which transformers compiles the decoding step for on
+CUDA) and `static-eager` (the same, not compiled). `--profile`: the first variant's top CUDA kernels and host
 operators over 16 steps.
 
     python benchmarks/decoding.py --model qwen2.5-1.5b --sequences 512 --steps 64 --out $OUT/decoding.json
@@ -29,6 +30,7 @@ from megatrain_zoo.generate import GROUPED_DECODING, Generator, Sampling  # noqa
 VARIANTS = {
     "grouped": (GROUPED_DECODING, {}),
     "sdpa": ("sdpa", {}),
+    "cat": (GROUPED_DECODING, {"cache_implementation": "dynamic"}),
     "static": (GROUPED_DECODING, {"cache_implementation": "static"}),
     "static-eager": (GROUPED_DECODING, {"cache_implementation": "static", "disable_compile": True}),
 }

@@ -62,7 +62,13 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto")
         assert rel_err(logps, scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)) < 1e-5
 
 
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-mixtral", "tiny-gemma2"])
+# (grouped heads; fused experts; soft-capped scores; a hybrid of linear attention; of Mamba layers; sinks and sliding
+# windows; sliding windows over grouped heads; chunked attention; latent attention)
+FAMILIES = ["tiny-llama", "tiny-mixtral", "tiny-gemma2", "tiny-qwen3.5", "tiny-granite-4.0-h", "tiny-gpt-oss"]
+FAMILIES += ["tiny-gemma3", "tiny-llama4", "tiny-deepseek-v3"]
+
+
+@pytest.mark.parametrize("preset_name", FAMILIES)
 def test_greedy_generation_equals_transformers(preset_name, tmp_path):
     trainer = trainer_of(ModelSection(preset=preset_name), tmp_path)
     check_greedy_equals_transformers(trainer, tmp_path)
@@ -154,6 +160,32 @@ def test_decoding_steps_attend_over_grouped_heads(tmp_path, monkeypatch):
     layers = trainer.model_config.n_layers
     assert calls == [max(len(p) for p in prompts)] * layers + [1] * layers * 3  # (the prompts' pass, 3 steps)
     trainer.close()
+
+
+def test_the_kv_cache_grows_in_place_as_transformers_grows_its_own():
+    """transformers' `generate` with the cache megatrain gives it: the same logits as with its own dynamic cache, for
+    a left-padded batch, and each layer's keys and values at the end views of the buffers its first step made."""
+    from transformers.generation.utils import ALL_CACHE_NAMES
+
+    from megatrain_zoo.generate import _kv_cache
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 64, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True)
+    cache = _kv_cache(config, 5 + 4)
+    ours = model.generate(ids, return_dict_in_generate=True, **options, **{ALL_CACHE_NAMES[0]: cache})
+    theirs = model.generate(ids, return_dict_in_generate=True, **options)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert max(rel_err(a, b) for a, b in zip(ours.logits, theirs.logits)) < 1e-6
+    for layer in cache.layers:
+        assert layer.keys._base is layer.buffers[0] and layer.values._base is layer.buffers[1]
+        length = ours.sequences.shape[1] - 1  # (the last token's keys are not cached: it was not run)
+        assert layer.keys.shape == layer.values.shape == (2, 2, length, 8)
 
 
 def test_the_same_seed_samples_the_same_completions(tmp_path):

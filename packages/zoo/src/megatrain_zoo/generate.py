@@ -186,6 +186,10 @@ class Generator:
             eos_token_id=list(sampling.stop_ids) or None,
             **self.generate_options,
         )
+        if "cache_implementation" not in options and self.skeleton.model._supports_default_dynamic_cache():
+            from transformers.generation.utils import ALL_CACHE_NAMES  # (its name first: 5.17's past_key_values)
+
+            options[ALL_CACHE_NAMES[0]] = _kv_cache(self.skeleton.config, longest + sampling.max_new_tokens)
         if hasattr(self.skeleton.config, "output_router_logits"):  # (a load-balancing loss is no generation's)
             options["output_router_logits"] = False
         options |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # (sampled: by RowSampler)
@@ -236,6 +240,43 @@ def _grouped_decoding_registered() -> bool:
     AttentionInterface.register(GROUPED_DECODING, grouped_decoding_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_DECODING, sdpa_mask)
     return True
+
+
+def _kv_cache(config, length: int):
+    """transformers' dynamic KV cache for the model of `config` (as `generate` makes it), but its full-attention
+    layers' keys and values views of buffers of `length` tokens, each step's written in place
+    (`_layer_growing_in_place`), where transformers copies a layer's whole cache into a new tensor at every step."""
+    from transformers import DynamicCache
+
+    growing, in_place = _layer_growing_in_place()
+    cache = DynamicCache(config=config)
+    cache.layers = [in_place(length) if type(layer) is growing else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _layer_growing_in_place():
+    """(transformers' DynamicLayer, its subclass whose keys and values are views of buffers made at its first update
+    for `length` tokens: each update writes its tokens after those cached, and no method but `update` changes them)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class LayerGrowingInPlace(DynamicLayer):
+        def __init__(self, length: int):
+            super().__init__()
+            self.length = length
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                batch, heads = key_states.shape[:2]
+                self.buffers = [s.new_empty(batch, heads, self.length, s.shape[-1]) for s in (key_states, value_states)]
+            start, end = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+            for buffer, states in zip(self.buffers, (key_states, value_states)):
+                buffer[:, :, start:end] = states
+            self.keys, self.values = (buffer[:, :, :end] for buffer in self.buffers)
+            return self.keys, self.values
+
+    return DynamicLayer, LayerGrowingInPlace
 
 
 _SPLITMIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # (2^64-wrapped int64 constants)
