@@ -3,7 +3,8 @@ run on the family's transformers modules (`skeleton.HFSkeleton`) with the weight
 store, in the compute dtype on the trainer's device. The skeleton is the one the generic template trains with, or,
 for a family with a native template, the same model built from the config.json megatrain exports; weights reach it
 as transformers' loader converts a checkpoint. Exact by construction: greedy decoding equals transformers'
-`generate` on the exported model.
+`generate` on the exported model. Two of transformers' parts move less memory here: a decoding step's attention
+over grouped key/value heads (`grouped_decoding_attention`) and a KV cache that grows in place (`_kv_cache`).
 
 The weights stay on the GPU for a whole generation where they fit beside a useful KV cache (`resident`), else the
 decoder layers stream from the store's pinned memory, layer i + 1's copy overlapping layer i's work, once per
