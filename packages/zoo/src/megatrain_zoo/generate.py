@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatrain_store import free_device_bytes
 
@@ -209,6 +210,9 @@ GROUPED_DECODING = "megatrain_grouped_decoding"
 # what transformers' models give their attention beside the mask to change the scores (soft-capping, biases, sinks):
 # a step that has any of them runs transformers' SDPA attention
 SCORE_TERMS = ("softcap", "position_bias", "alibi", "s_aux")
+# a decoding step's attention kernels: not cuDNN's, which builds a plan for each new key length, so once a layer and
+# step (~1 ms of the host's time a call on an H200: 27 ms of a Qwen2.5-1.5B step's 50, `benchmarks/decoding.py`)
+DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def grouped_decoding_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -226,7 +230,8 @@ def grouped_decoding_attention(module, query, key, value, attention_mask, scalin
     if queries != 1 or heads == kv_heads or heads % kv_heads or not (plain and broadcast_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
-    out = nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    with sdpa_kernel(DECODING_BACKENDS):
+        out = nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, 1, heads, value.shape[-1]), None
 
 
