@@ -113,7 +113,8 @@ def main():
     notes = [
         "A row times one decoding step of every sequence (step_time_s; tokens_per_step: the sequences), "
         "sampled at temperature 1 by megatrain's row-keyed sampler, the weights resident in bf16; "
-        "same_completions_as_first: how many of its completions equal the first variant's, token for token"
+        "same_completions_as_first: how many of its completions equal the first variant's, token for token; a row's "
+        "time is a whole `generate` over its steps, the weights' copy to the GPU and the prompts' pass included"
     ]
     if args.profile and args.device == "cuda":  # (16 decoding steps, three times)
         use_variant(generator, args.variants.split(",")[0])
