@@ -87,10 +87,25 @@ def test_with_few_threads_torch_s_fused_kernel_updates(monkeypatch):
 
 
 def test_without_torch_s_one_openmp_runtime_the_fused_kernel_updates(fresh_kernel, monkeypatch, capsys):
-    """Where the process holds no OpenMP runtime, or two, the kernel's threads would not be torch's: not built."""
+    """Where the process holds no OpenMP runtime, or two that cannot be told apart, the kernel's threads would not
+    be torch's: not built."""
     monkeypatch.setattr(host_kernel, "_torch_openmp", lambda: None)
     assert not host_kernel.available() and host_kernel.kernel_name() == host_kernel.TORCH_FUSED
     assert "torch's OpenMP runtime is not one loaded libgomp or libiomp5 here" in capsys.readouterr().err
+
+
+def test_torch_s_openmp_runtime_is_told_from_another_library_s(monkeypatch):
+    """Beside a second runtime (scikit-learn's, which transformers' generation imports), torch's own is the one whose
+    `omp_get_max_threads` torch's CPU library binds; beside none, the one mapped."""
+    mapped = host_kernel._mapped_files()
+    own = host_kernel._torch_openmp()
+    if own is None or not any(path.endswith("/libtorch_cpu.so") for path in mapped):
+        pytest.skip("torch here has no OpenMP runtime of its own, or no libtorch_cpu.so")
+    other = "/elsewhere/scikit_learn.libs/libgomp-0123abcd.so.1.0.0"
+    monkeypatch.setattr(host_kernel, "_mapped_files", lambda: [other, *mapped])
+    assert host_kernel._torch_openmp() == own
+    monkeypatch.setattr(host_kernel, "_file_defining", lambda symbol, library: None)
+    assert host_kernel._torch_openmp() is None  # (where the binding cannot be found: not told)
 
 
 def test_a_failed_build_says_why_in_one_line(fresh_kernel, tmp_path, monkeypatch, capsys):

@@ -72,14 +72,41 @@ def _cpu_signature() -> str:
 
 
 def _torch_openmp() -> str | None:
-    """The OpenMP runtime torch loaded (GNU's libgomp, or Intel's libiomp5, which serves GNU's calls too), or None
-    where there is none or more than one."""
+    """The OpenMP runtime torch loaded (GNU's libgomp, or Intel's libiomp5, which serves GNU's calls too): the one
+    process has, or, where another library brought its own (scikit-learn's, which transformers' generation imports),
+    the file whose `omp_get_max_threads` torch's CPU library binds; None where it cannot be told."""
+    mapped = _mapped_files()
+    paths = {path for path in mapped if "/libgomp" in path or "/libiomp5" in path}
+    if len(paths) <= 1:
+        return paths.pop() if paths else None
+    torch_cpu = next((path for path in mapped if path.endswith("/libtorch_cpu.so")), None)
+    bound = _file_defining("omp_get_max_threads", torch_cpu) if torch_cpu else None
+    return bound if bound in paths else None
+
+
+def _mapped_files() -> list[str]:
+    """The files this process has mapped (its libraries among them)."""
     try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
+        return [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/" in line]
     except OSError:
+        return []
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("dli_fname", "dli_fbase", "dli_sname", "dli_saddr")]
+
+
+def _file_defining(symbol: str, library: str) -> str | None:
+    """The file of the `symbol` that `library` (loaded) binds: its own or its dependencies' first, as the dynamic
+    linker resolves it (dlsym on its handle, then dladdr)."""
+    try:
+        address = ctypes.cast(getattr(ctypes.CDLL(library, os.RTLD_NOLOAD | os.RTLD_LAZY), symbol), ctypes.c_void_p)
+        info = _DlInfo()
+        if not ctypes.CDLL(None).dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+            return None
+    except (OSError, AttributeError):
         return None
-    paths = {line.split()[-1] for line in maps if "/libgomp" in line or "/libiomp5" in line}
-    return paths.pop() if len(paths) == 1 else None
+    return os.path.realpath(ctypes.string_at(info.dli_fname).decode())
 
 
 def _build(compiler: str, openmp: str, target: Path) -> None:
