@@ -4,7 +4,9 @@ from random weights resident on the GPU, and how many completions equal the firs
 (megatrain's: a step's query over grouped key/value heads as they are, a dynamic KV cache whose layers grow in
 place), `sdpa` (transformers' own SDPA attention), `cat` (transformers' own dynamic cache: each step copies each
 layer's cache into a new tensor), `static` (a static KV cache, which transformers compiles the decoding step for on
-CUDA) and `static-eager` (the same, not compiled). `--profile`: the first variant's top CUDA kernels and host
+CUDA, with CUDA graphs), `static-fused` (compiled without CUDA graphs: the weights and the cache may move between
+rollouts) and `static-eager` (not compiled). Each variant generates --rollouts times from weights converted afresh,
+as GRPO's steps do; all but the first are timed. `--profile`: the first variant's top CUDA kernels and host
 operators over 16 steps.
 
     python benchmarks/decoding.py --model qwen2.5-1.5b --sequences 512 --steps 64 --out $OUT/decoding.json
@@ -32,6 +34,7 @@ VARIANTS = {
     "sdpa": ("sdpa", {}),
     "cat": (GROUPED_DECODING, {"cache_implementation": "dynamic"}),
     "static": (GROUPED_DECODING, {"cache_implementation": "static"}),
+    "static-fused": (GROUPED_DECODING, {"cache_implementation": "static", "compile_mode": "default"}),
     "static-eager": (GROUPED_DECODING, {"cache_implementation": "static", "disable_compile": True}),
 }
 
@@ -43,46 +46,58 @@ def arguments():
     parser.add_argument("--prompt-len", type=int, default=128, help="the longest prompt")
     parser.add_argument("--shortest-prompt", type=int, help="the shortest prompt (default: half --prompt-len)")
     parser.add_argument("--steps", type=int, default=64, help="decoding steps timed (tokens a completion)")
+    parser.add_argument("--rollouts", type=int, default=3, help="generations a variant (the first not timed)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--profile", action="store_true", help="the first variant's top kernels and operators")
     parser.add_argument("--out", default="benchmarks/results/decoding.json")
     parser.add_argument("--device", default="cuda", help="cuda (a CPU run checks the script only)")
     args = parser.parse_args()
+    if args.rollouts < 2:
+        parser.error(f"--rollouts {args.rollouts}: at least 2 (the first is not timed)")
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants {','.join(unknown)}: not one of {', '.join(VARIANTS)}")
     return args
 
 
-def timed_generation(generator, prompts, steps: int) -> tuple[list, float]:
-    """(the completions, the seconds of a second generation: the first compiled and allocated what it needs)."""
+def timed_generations(generator, prompts, steps: int, rollouts: int) -> tuple[list, list[float]]:
+    """(the completions, the seconds of each generation after the first, which compiled and allocated what it needs;
+    each converts the weights afresh, into new device tensors, as a GRPO step's rollout does)."""
     sampling = Sampling(max_new_tokens=steps, temperature=1.0)
     generator.generate(prompts, sampling, pad_id=0, seed=1)
     synchronize()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    completions = generator.generate(prompts, sampling, pad_id=0, seed=1)
-    synchronize()
-    return completions, time.perf_counter() - start
+    seconds = []
+    for _ in range(rollouts - 1):
+        start = time.perf_counter()
+        completions = generator.generate(prompts, sampling, pad_id=0, seed=1)
+        synchronize()
+        seconds.append(time.perf_counter() - start)
+    return completions, seconds
 
 
 def use_variant(generator, variant: str) -> None:
+    from transformers.generation.configuration_utils import CompileConfig
+
     attention, options = VARIANTS[variant]
     generator.skeleton.config._attn_implementation = attention
-    generator.generate_options = options
+    generator.generate_options = {k: v for k, v in options.items() if k != "compile_mode"}
+    if "compile_mode" in options:
+        generator.generate_options["compile_config"] = CompileConfig(mode=options["compile_mode"])
 
 
 def variant_row(args, model, generator, prompts, variant: str, first: list | None) -> tuple[dict, list]:
     use_variant(generator, variant)
     attention, options = VARIANTS[variant]
-    completions, seconds = timed_generation(generator, prompts, args.steps)
-    per_step = seconds / args.steps
+    completions, seconds = timed_generations(generator, prompts, args.steps, args.rollouts)
+    per_step = sum(seconds) / len(seconds) / args.steps
     row = base_row("megatrain", args.model, model, 1, len(prompts), generator.last_plan.batch, per_step)
     row |= {
         "scope": f"decoding step: {variant}",
         "seq_len": args.prompt_len + args.steps,
         "ms_per_step": round(1000 * per_step, 2),
+        "ms_per_step_each_rollout": [round(1000 * s / args.steps, 2) for s in seconds],
         "model_tflops": None,
         "attention": attention,
         "generate_options": options,
