@@ -52,7 +52,11 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
     """Generate `new_tokens` per prompt with `weights` resident or streamed; its row and the completions."""
     generator.weights = weights
     sampling = Sampling(max_new_tokens=new_tokens, temperature=1.0)
-    generator.generate(prompts[:8], Sampling(max_new_tokens=4), pad_id=0)  # (kernels, host copies made)
+    first = None
+    if generator.decoding == "compiled":  # (a whole first rollout: it compiles the step for this batch and cache)
+        first = timed(lambda: generator.generate(prompts, sampling, pad_id=0, seed=0))[1]
+    else:
+        generator.generate(prompts[:8], Sampling(max_new_tokens=4), pad_id=0)  # (kernels, host copies made)
     completions, seconds = timed(lambda: generator.generate(prompts, sampling, pad_id=0, seed=1))
     generated = sum(len(c) for c in completions)
     plan = generator.last_plan
@@ -66,6 +70,8 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
         "generated_tokens": generated,
         "kv_batch": plan.batch,
         "plan": plan.reason,
+        "decoding": "compiled" if plan.compiled else "eager",
+        "first_generation_s": None if first is None else round(first, 2),
     }
     return row, completions
 
@@ -86,6 +92,7 @@ def arguments():
     parser.add_argument("--streamed-tokens", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch of the GRPO step")
     parser.add_argument("--weights", default="resident,streamed")
+    parser.add_argument("--decoding", default="eager", help="eager or compiled (resident weights: Generator's)")
     parser.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (4 B/param less host memory)")
     parser.add_argument("--out", default="benchmarks/results/grpo.json")
     parser.add_argument("--device", default="cuda", help="cuda (a CPU run checks the script only)")
@@ -145,7 +152,7 @@ def main():
     if args.layers:
         model = replace(model, n_layers=args.layers)
     trainer = grpo_trainer(args, model)
-    generator = Generator(trainer)
+    generator = Generator(trainer, decoding=args.decoding)
     shortest = args.prompt_len // 2 if args.shortest_prompt is None else args.shortest_prompt
     lengths = torch.randint(shortest, args.prompt_len + 1, (args.prompts,)).tolist()
     prompts = [torch.randint(3, model.vocab_size, (n,)).tolist() for n in lengths]
@@ -175,7 +182,8 @@ def main():
         "commands": [" ".join(["python", *sys.argv])],
         "notes": [
             "generation rows: tokens_per_s counts generated tokens; kv_batch the sequences decoded together; "
-            f"streamed weights timed over {args.streamed_tokens} decoding steps. share_of_grpo_step: of one "
+            f"streamed weights timed over {args.streamed_tokens} decoding steps; first_generation_s: a compiled "
+            "decoding's first rollout, which compiles its step. share_of_grpo_step: of one "
             "step of generation (resident) + training (rewards and advantages take milliseconds)"
         ],
         "results": rows,

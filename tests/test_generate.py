@@ -34,11 +34,12 @@ def prompts_of(generator: torch.Generator, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (5, 9, 2)]
 
 
-def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto"):
+def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto", decoding="eager") -> Generator:
     generator = torch.Generator().manual_seed(0)
     prompts = prompts_of(generator, trainer.model_config.vocab_size)
     sampling = Sampling(max_new_tokens=6, temperature=0.0, stop_ids=(2,))
-    ours = Generator(trainer, weights).generate(prompts, sampling, pad_id=0)
+    ours_generator = Generator(trainer, weights, decoding)
+    ours = ours_generator.generate(prompts, sampling, pad_id=0)
     reference = transformers.AutoModelForCausalLM.from_pretrained(trainer.export(tmp_path / "out"), dtype=torch.float32)
     reference.to(trainer.device)
     for prompt, completion in zip(prompts, ours):
@@ -60,6 +61,7 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto")
         logps = trainer.token_logps(StepBatch(ids, labels))[0, len(prompt) - 1 : -1]
         scores = torch.stack(out.logits)[: len(completion), 0].cpu().log_softmax(-1)
         assert rel_err(logps, scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)) < 1e-5
+    return ours_generator
 
 
 # (grouped heads; fused experts; soft-capped scores; a hybrid of linear attention; of Mamba layers; sinks and sliding
@@ -92,6 +94,34 @@ def test_gpu_greedy_generation_equals_transformers(preset_name, weights, tmp_pat
     the last layer's buffer is the next step's first layer's)."""
     trainer = trainer_of(ModelSection(preset=preset_name), tmp_path, device="cuda")
     check_greedy_equals_transformers(trainer, tmp_path, weights)
+    trainer.close()
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2", "tiny-mixtral"])  # (sliding windows; experts)
+def test_a_static_kv_cache_generates_as_transformers(preset_name, tmp_path, monkeypatch):
+    """Compiled decoding's cache (on the CPU, where transformers compiles nothing): a static KV cache of a multiple
+    of STATIC_CACHE_STEP tokens, prompts of different lengths in one batch."""
+    import megatrain_zoo.generate as generate
+
+    lengths = []
+    monkeypatch.setattr(Generator, "_compiles", lambda self, resident: resident)
+    made = generate._static_cache
+    monkeypatch.setattr(
+        generate, "_static_cache", lambda config, length: lengths.append(length) or made(config, length)
+    )
+    trainer = trainer_of(ModelSection(preset=preset_name), tmp_path)
+    check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
+    trainer.close()
+    assert lengths == [generate.STATIC_CACHE_STEP]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2"])
+def test_gpu_compiled_decoding_generates_as_transformers(preset_name, tmp_path):
+    """The decoding step compiled by inductor over a static KV cache, in float32: transformers' greedy tokens."""
+    trainer = trainer_of(ModelSection(preset=preset_name), tmp_path, device="cuda")
+    generator = check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
+    assert generator.last_plan.compiled and hasattr(generator.skeleton.model, "_compiled_call")
     trainer.close()
 
 

@@ -168,6 +168,9 @@ class GRPOSection:
     # generation's weights on the GPU: resident (where they fit beside a KV cache), streamed layer by layer, or
     # auto (resident where they fit); megatrain's own option, not TRL's
     generation_weights: str = "auto"
+    # a decoding step eager, or compiled over a static KV cache where the weights are resident on a GPU (its first
+    # rollout compiles; elsewhere eager); megatrain's own option
+    generation_decoding: str = "eager"
 
     def __post_init__(self):
         if self.rollouts is not None and not self.rollouts.strip():
@@ -185,6 +188,7 @@ class GRPOSection:
             "importance_sampling_level": ("token", "sequence"),
             "scale_rewards": ("group", "batch", "none"),
             "generation_weights": ("auto", "resident", "streamed"),
+            "generation_decoding": ("eager", "compiled"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

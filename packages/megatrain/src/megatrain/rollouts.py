@@ -132,7 +132,7 @@ class GeneratedRollouts(_Rollouts):
         super().__init__(trainer, config)
         self.prompts, self.tokenizer, self.pad_id = prompts, tokenizer, pad_id
         self.rewards = make_rewards(config)
-        self.generator = Generator(trainer, self.grpo.generation_weights)
+        self.generator = Generator(trainer, self.grpo.generation_weights, self.grpo.generation_decoding)
         g = self.grpo
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops)
         self.conversational = any(isinstance(p, list) for p in prompts.given)

@@ -4,7 +4,9 @@ store, in the compute dtype on the trainer's device. The skeleton is the one the
 for a family with a native template, the same model built from the config.json megatrain exports; weights reach it
 as transformers' loader converts a checkpoint. Exact by construction: greedy decoding equals transformers'
 `generate` on the exported model. Two of transformers' parts move less memory here: a decoding step's attention
-over grouped key/value heads (`grouped_decoding_attention`) and a KV cache that grows in place (`_kv_cache`).
+over grouped key/value heads (`grouped_decoding_attention`) and a KV cache that grows in place (`_kv_cache`). With
+resident weights on a GPU the decoding step may instead be compiled over a static KV cache (`decoding`), which
+launches a fraction of the kernels: a step of a large batch is bound by the host issuing them.
 
 The weights stay on the GPU for a whole generation where they fit beside a useful KV cache (`resident`), else the
 decoder layers stream from the store's pinned memory, layer i + 1's copy overlapping layer i's work, once per
@@ -30,6 +32,13 @@ from .skeleton import HFSkeleton
 
 KV_ROOM_SHARE = 0.8  # of the device's free memory, what the KV cache may take (the rest: activations, logits)
 RESIDENT_NEEDS_SEQUENCES = 64  # resident weights only where a KV cache of this many sequences fits beside them
+DECODING = ("eager", "compiled")
+# a compiled decoding step's static KV cache holds a multiple of this many tokens a sequence, so that rollouts of
+# prompts of other lengths reuse one compiled step (each length would compile its own)
+STATIC_CACHE_STEP = 256
+# how the decoding step compiles: inductor's fused kernels without CUDA graphs, since the weights are converted into
+# new device tensors at each rollout and the cache is freed between rollouts (a graph records addresses)
+DECODING_COMPILE = dict(mode="default", dynamic=False)
 
 
 @dataclass(frozen=True)
@@ -63,18 +72,24 @@ class GenerationPlan:
     resident: bool
     batch: int
     reason: str
+    compiled: bool = False
 
 
 class Generator:
     """Completions of a trainer's model from its current weights (converted afresh for each `generate`). `weights`:
     auto (resident where they fit beside a KV cache of RESIDENT_NEEDS_SEQUENCES), resident or streamed;
-    `generate_options`: more of transformers' `generate` options (`benchmarks/decoding.py` tries a static cache).
+    `decoding`: eager, or compiled over a static KV cache where the weights are resident on a GPU and the model's
+    transformers class compiles whole (elsewhere eager); `generate_options`: more of transformers' `generate` options
+    (`benchmarks/decoding.py` tries some).
 
     `trainer`: what holds the weights (megatrain's `Trainer`): its `model_config`, `spec`, `device`,
     `compute_dtype` and `streamed_weights()` (the store's tensors by name, as the device copies them)."""
 
-    def __init__(self, trainer, weights: str = "auto", generate_options: dict | None = None):
-        self.trainer, self.weights, self.generate_options = trainer, weights, dict(generate_options or {})
+    def __init__(self, trainer, weights: str = "auto", decoding: str = "eager", generate_options: dict | None = None):
+        if decoding not in DECODING:
+            raise ValueError(f"decoding {decoding!r}: one of {', '.join(DECODING)}")
+        self.trainer, self.weights, self.decoding = trainer, weights, decoding
+        self.generate_options = dict(generate_options or {})
         self.skeleton = HFSkeleton(_hf_config(trainer.model_config))
         if self.skeleton.config._attn_implementation == "sdpa" and _grouped_decoding_registered():
             self.skeleton.config._attn_implementation = GROUPED_DECODING
@@ -132,8 +147,10 @@ class Generator:
         """Resident or streamed layers, and the decoding batch, for `n_sequences` of up to `length` tokens."""
         trainer = self.trainer
         if trainer.device.type != "cuda":
-            how = "streamed layer by layer" if self.weights == "streamed" else "resident"
-            return GenerationPlan(self.weights != "streamed", n_sequences, f"on the CPU: weights {how}, one batch")
+            resident = self.weights != "streamed"
+            how = "resident" if resident else "streamed layer by layer"
+            reason = f"on the CPU: weights {how}, one batch"
+            return GenerationPlan(resident, n_sequences, reason, self._compiles(resident))
         itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
         weights, per_sequence = _weight_and_kv_bytes(self.skeleton, itemsize, length)
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
@@ -144,11 +161,13 @@ class Generator:
         held = weights if resident else _StreamedLayers.held_bytes(self.skeleton, itemsize)
         batch = max(1, min(n_sequences, int((free * KV_ROOM_SHARE - held) // per_sequence)))
         how = "resident" if resident else "streamed layer by layer"
+        compiled = self._compiles(resident)
         reason = (
             f"weights {how} ({weights / 2**30:.1f} GiB in {trainer.compute_dtype}), {batch} sequences per batch "
-            f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free)"
+            f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free), decoding "
+            + ("compiled over a static KV cache" if compiled else "eager")
         )
-        return GenerationPlan(resident, batch, reason)
+        return GenerationPlan(resident, batch, reason, compiled)
 
     @torch.no_grad()
     def generate(
@@ -158,7 +177,7 @@ class Generator:
         noise of the prompt's own row (`first_row` + its index): the same seed samples the same completion of a
         row whichever rows share its batch (`RowSampler`); the global RNG is not used."""
         longest = max(len(p) for p in prompts)
-        plan = self.last_plan = self.plan(len(prompts), longest + sampling.max_new_tokens)
+        plan = self.last_plan = self.plan(len(prompts), self._cache_length(longest + sampling.max_new_tokens))
         weights = {f"model.{name}": w for name, w in self._bound(plan.resident).items()}
         self.skeleton.to(self.trainer.device)
         completions = []
@@ -166,13 +185,27 @@ class Generator:
             batch = prompts[start : start + plan.batch]
             streamed = None if plan.resident else self._streamed
             rows = torch.arange(first_row + start, first_row + start + len(batch))
-            completions += self._generate_batch(batch, sampling, pad_id, row_keys(seed, rows), weights, streamed)
+            keys = row_keys(seed, rows)
+            completions += self._generate_batch(batch, sampling, pad_id, keys, weights, streamed, plan.compiled)
         del weights  # (the device copies go: training's placement counts on that memory)
         if self.trainer.device.type == "cuda":
             torch.cuda.empty_cache()
         return completions
 
-    def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, keys: Tensor, weights, streamed):
+    def _compiles(self, resident: bool) -> bool:
+        """Whether a generation with these weights compiles its decoding step (`decoding`)."""
+        model = self.skeleton.model
+        whole = model._can_compile_fullgraph and model._supports_default_dynamic_cache()  # (no hybrid's own cache)
+        return self.decoding == "compiled" and resident and self.trainer.device.type == "cuda" and whole
+
+    def _cache_length(self, length: int) -> int:
+        """The KV cache's tokens a sequence: `length`, or its multiple of STATIC_CACHE_STEP where a compiled step's
+        static cache may hold it (`plan` counts its bytes)."""
+        if self.decoding != "compiled":
+            return length
+        return -(-length // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
+
+    def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, keys: Tensor, weights, streamed, compiled):
         device = self.trainer.device
         longest = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -191,7 +224,14 @@ class Generator:
         if "cache_implementation" not in options and self.skeleton.model._supports_default_dynamic_cache():
             from transformers.generation.utils import ALL_CACHE_NAMES  # (its name first: 5.17's past_key_values)
 
-            options[ALL_CACHE_NAMES[0]] = _kv_cache(self.skeleton.config, longest + sampling.max_new_tokens)
+            length, config = longest + sampling.max_new_tokens, self.skeleton.config
+            if compiled:
+                from transformers.generation.configuration_utils import CompileConfig
+
+                options[ALL_CACHE_NAMES[0]] = _static_cache(config, self._cache_length(length))
+                options.setdefault("compile_config", CompileConfig(**DECODING_COMPILE))
+            else:
+                options[ALL_CACHE_NAMES[0]] = _kv_cache(config, length)
         if hasattr(self.skeleton.config, "output_router_logits"):  # (a load-balancing loss is no generation's)
             options["output_router_logits"] = False
         options |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # (sampled: by RowSampler)
@@ -258,6 +298,13 @@ def _kv_cache(config, length: int):
     cache = DynamicCache(config=config)
     cache.layers = [in_place(length) if type(layer) is growing else layer for layer in cache.layers]
     return cache
+
+
+def _static_cache(config, length: int):
+    """transformers' static KV cache of `length` tokens a sequence, whose fixed shapes a compiled decoding step takes."""
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=length)
 
 
 @functools.cache
