@@ -166,10 +166,9 @@ class GRPOSection:
     ref_model: str | None = None  # the KL's reference: a Hugging Face directory; None: the initial weights
     log_completions_every: int = 10  # steps between samples written to completions.jsonl (0: never)
     # generation's weights on the GPU: resident (where they fit beside a KV cache), streamed layer by layer, or
-    # auto (resident where they fit); megatrain's own option, not TRL's
+    # auto (resident where they fit); its decoding step eager, or compiled over a static KV cache where the weights
+    # are resident on a GPU (the first rollout compiles); megatrain's own options, not TRL's
     generation_weights: str = "auto"
-    # a decoding step eager, or compiled over a static KV cache where the weights are resident on a GPU (its first
-    # rollout compiles; elsewhere eager); megatrain's own option
     generation_decoding: str = "eager"
 
     def __post_init__(self):
@@ -197,9 +196,7 @@ class GRPOSection:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.grpo.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2:  # (TRL's rule too)
-            raise ConfigError(
-                "train.grpo.num_generations must be >= 2: a group of one completion has no advantage to learn from"
-            )
+            raise ConfigError("train.grpo.num_generations must be >= 2: a group of one has no advantage to learn from")
         for name in ("beta", "epsilon", "epsilon_high", "top_k"):
             if not (getattr(self, name) or 0) >= 0:  # (epsilon_high None: epsilon's)
                 raise ConfigError(f"train.grpo.{name} must be >= 0, got {getattr(self, name)}")
@@ -372,24 +369,22 @@ class EngineSection:
     # recomputes no GEMM (only norms, rotary embedding, attention and activation); "auto": as many as
     # the GPU's free memory holds (none on the CPU)
     kept_layers: int | str = "auto"
-    # more kept layers, before those, whose products wait in pinned host memory instead (copied out in the
-    # forward, when PCIe carries no gradient, and back a layer ahead of their backward); "auto": at large
-    # steps (the GPU is the bound), as many as 85% of host memory, with the rest of the run, and the
-    # forward's copy time allow, after the offloaded checkpoints (the same GPU room per host byte, half the
-    # copies), where the CPU optimizer takes under half the GPU's work (none on the CPU, nor for
-    # Llama-2-7B at 128k on a 128 GiB host, which the checkpoints fill)
+    # more kept layers, before those, whose products wait in pinned host memory instead (copied out in the forward,
+    # when PCIe carries no gradient, and back a layer ahead of their backward); "auto": at large steps (the GPU is the
+    # bound), as many as 85% of host memory, with the rest of the run, and the forward's copy time allow, after the
+    # offloaded checkpoints (the same GPU room per host byte, half the copies), where the CPU optimizer takes under
+    # half the GPU's work (none on the CPU, nor for Llama-2-7B at 128k on a 128 GiB host, which the checkpoints fill)
     host_kept_layers: int | str = "auto"
     # layers (the first blocks) whose weights, copied in for the forward, stay on the GPU until their
     # backward, so each weight crosses PCIe and is read from host memory once a step instead of twice;
     # "auto": every block but the last, in up to a quarter of the GPU, where the CPU optimizer is slower
     # than the GPU's work (small steps; none on the CPU)
     held_layers: int | str = "auto"
-    # blocks (the first ones; with any, the embedding too, and the head's norm where it is tied) whose fp32
-    # master weights and AdamW moments stay on the GPU, updated there (12 B/param of GPU memory; the store's
-    # copy is brought up to date for checkpoints): their weights and gradients do not cross PCIe and the CPU
-    # optimizer has that much less to do; "auto": where the CPU optimizer is slower than the GPU's work (small
-    # steps), enough to bring it within 80% of that work, in up to three quarters of the GPU (one process per
-    # machine only; none on the CPU)
+    # blocks (the first ones; with any, the embedding too, and the head's norm where it is tied) whose fp32 master
+    # weights and AdamW moments stay on the GPU, updated there (12 B/param of GPU memory; the store's copy is brought
+    # up to date for checkpoints): their weights and gradients do not cross PCIe and the CPU optimizer has that much
+    # less to do; "auto": where the CPU optimizer is slower than the GPU's work (small steps), enough to bring it
+    # within 80% of that work, in up to three quarters of the GPU (one process per machine only; none on the CPU)
     gpu_updated_layers: int | str = "auto"
     # of those blocks, the first ones whose weights stay on the GPU in the compute dtype too (2 B/param in bf16),
     # refreshed by their update, instead of cast from the masters in each forward and backward; "auto": as many

@@ -31,9 +31,8 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, tokenizer_path.parent)
     template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)
     ids = [render_prompt(p, template, tokenizer, f"prompt {i + 1}") for i, p in enumerate(prompts)]
-    generator = Generator(
-        trainer, trainer.config.train.grpo.generation_weights, trainer.config.train.grpo.generation_decoding
-    )
+    grpo = trainer.config.train.grpo
+    generator = Generator(trainer, grpo.generation_weights, grpo.generation_decoding)
     completions = generator.generate(ids, sampling, pad_token_id(tokenizer, eos), seed)
     print(f"megatrain: generation: {generator.last_plan.reason}", file=sys.stderr)
     return tokenizer.decode_batch(completions, skip_special_tokens=True)
