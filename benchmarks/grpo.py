@@ -64,13 +64,12 @@ def generation_row(args, model, generator, prompts, weights: str, new_tokens: in
         "megatrain", model_name(args), model, args.prompt_len + new_tokens, len(prompts), plan.batch, seconds
     )
     row |= {
-        "scope": f"generation, weights {weights}",
+        "scope": f"generation, weights {weights}" + (", decoding compiled" if plan.compiled else ""),
         "tokens_per_s": round(generated / seconds),  # (generated tokens, the prompts' not counted)
         "model_tflops": None,
         "generated_tokens": generated,
         "kv_batch": plan.batch,
         "plan": plan.reason,
-        "decoding": "compiled" if plan.compiled else "eager",
         "first_generation_s": None if first is None else round(first, 2),
     }
     return row, completions
@@ -168,7 +167,7 @@ def main():
         completions = [torch.randint(3, model.vocab_size, (args.completion_len,)).tolist() for _ in prompts]
     rows.append(training_row(args, model, trainer, prompts, completions))
     trainer.close()
-    phases = [r for r in rows if r["scope"] in ("generation, weights resident", "GRPO step (training)")]
+    phases = [r for r in rows if r["scope"].startswith("generation, weights resident") or r["scope"].startswith("GRPO")]
     if len(phases) == 2:  # one GRPO step's phases: generation (resident), training
         for row in phases:
             row["share_of_grpo_step"] = round(row["step_time_s"] / sum(r["step_time_s"] for r in phases), 3)

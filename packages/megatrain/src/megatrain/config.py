@@ -169,7 +169,7 @@ class GRPOSection:
     # auto (resident where they fit); its decoding step eager, or compiled over a static KV cache where the weights
     # are resident on a GPU (the first rollout compiles); megatrain's own options, not TRL's
     generation_weights: str = "auto"
-    generation_decoding: str = "eager"
+    generation_decoding: str = "compiled"
 
     def __post_init__(self):
         if self.rollouts is not None and not self.rollouts.strip():
