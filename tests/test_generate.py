@@ -115,6 +115,23 @@ def test_a_static_kv_cache_generates_as_transformers(preset_name, tmp_path, monk
     assert lengths == [generate.STATIC_CACHE_STEP]
 
 
+def test_a_decoding_step_that_does_not_compile_decodes_eager(tmp_path, monkeypatch, capsys):
+    """A family whose step dynamo or inductor cannot compile: one line says so, the rollout and the next decode eager."""
+    import megatrain_zoo.generate as generate
+
+    def fails(config, length):
+        raise torch._dynamo.exc.InternalTorchDynamoError("an operator inductor has no kernel for")
+
+    monkeypatch.setattr(Generator, "_compiles", lambda self, resident: self.decoding == "compiled")
+    monkeypatch.setattr(generate, "_static_cache", fails)
+    trainer = trainer_of(ModelSection(preset="tiny-llama"), tmp_path)
+    generator = check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
+    trainer.close()
+    said = capsys.readouterr().err
+    assert "did not compile (an operator inductor has no kernel for); decoding eager from now on" in said
+    assert generator.decoding == "eager" and not generator.last_plan.compiled
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2"])
 def test_gpu_compiled_decoding_generates_as_transformers(preset_name, tmp_path):

@@ -17,7 +17,8 @@ streamed layer serves many sequences (`GenerationPlan`). Sampling draws each row
 import functools
 import json
 import math
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +40,7 @@ STATIC_CACHE_STEP = 256
 # how the decoding step compiles: inductor's fused kernels without CUDA graphs, since the weights are converted into
 # new device tensors at each rollout and the cache is freed between rollouts (a graph records addresses)
 DECODING_COMPILE = dict(mode="default", dynamic=False)
+COMPILED_SAID = "compiled over a static KV cache"  # (a plan's reason's last words where its decoding compiles)
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class Generator:
         reason = (
             f"weights {how} ({weights / 2**30:.1f} GiB in {trainer.compute_dtype}), {batch} sequences per batch "
             f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free), decoding "
-            + ("compiled over a static KV cache" if compiled else "eager")
+            + (COMPILED_SAID if compiled else "eager")
         )
         return GenerationPlan(resident, batch, reason, compiled)
 
@@ -186,7 +188,13 @@ class Generator:
             streamed = None if plan.resident else self._streamed
             rows = torch.arange(first_row + start, first_row + start + len(batch))
             keys = row_keys(seed, rows)
-            completions += self._generate_batch(batch, sampling, pad_id, keys, weights, streamed, plan.compiled)
+            try:
+                completions += self._generate_batch(batch, sampling, pad_id, keys, weights, streamed, plan.compiled)
+            except torch._dynamo.exc.TorchDynamoException as error:  # (compiling failed: this family decodes eager)
+                if not plan.compiled:
+                    raise
+                plan = self.last_plan = self._eager_from_now(plan, error)
+                completions += self._generate_batch(batch, sampling, pad_id, keys, weights, streamed, False)
         del weights  # (the device copies go: training's placement counts on that memory)
         if self.trainer.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -197,6 +205,17 @@ class Generator:
         model = self.skeleton.model
         whole = model._can_compile_fullgraph and model._supports_default_dynamic_cache()  # (no hybrid's own cache)
         return self.decoding == "compiled" and resident and self.trainer.device.type == "cuda" and whole
+
+    def _eager_from_now(self, plan: GenerationPlan, error: Exception) -> GenerationPlan:
+        """Decoding eager for the rest of the run, where its step did not compile; said in one line."""
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        print(
+            f"megatrain: generation: the decoding step did not compile ({reason}); decoding eager from now on "
+            "(train.grpo.generation_decoding: eager skips the attempt)",
+            file=sys.stderr,
+        )
+        self.decoding = "eager"
+        return replace(plan, compiled=False, reason=plan.reason.replace(COMPILED_SAID, "eager"))
 
     def _cache_length(self, length: int) -> int:
         """The KV cache's tokens a sequence: `length`, or its multiple of STATIC_CACHE_STEP where a compiled step's
