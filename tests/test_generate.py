@@ -130,6 +130,21 @@ def test_a_decoding_step_that_does_not_compile_decodes_eager(tmp_path, monkeypat
     said = capsys.readouterr().err
     assert "did not compile (an operator inductor has no kernel for); decoding eager from now on" in said
     assert generator.decoding == "eager" and not generator.last_plan.compiled
+    assert generator.last_plan.reason.endswith("decoding eager")
+
+
+def test_a_step_that_will_not_compile_plans_its_kv_cache_at_its_own_length(tmp_path, monkeypatch):
+    """`decoding: compiled` where the step decodes eager (here: on the CPU): the plan counts the sequences' own
+    length, not the static cache's multiple of STATIC_CACHE_STEP, and says eager."""
+    lengths = []
+    planned = Generator.plan
+    monkeypatch.setattr(Generator, "plan", lambda self, n, length: lengths.append(length) or planned(self, n, length))
+    trainer = trainer_of(ModelSection(preset="tiny-llama"), tmp_path)
+    generator = Generator(trainer, "resident", "compiled")
+    generator.generate([[5, 6, 7]], Sampling(max_new_tokens=4, temperature=0.0), pad_id=0)
+    trainer.close()
+    assert lengths[-1] == 7 and not generator.last_plan.compiled
+    assert generator.last_plan.reason == "on the CPU: weights resident, one batch, decoding eager"
 
 
 @pytest.mark.gpu

@@ -40,7 +40,6 @@ STATIC_CACHE_STEP = 256
 # how the decoding step compiles: inductor's fused kernels without CUDA graphs, since the weights are converted into
 # new device tensors at each rollout and the cache is freed between rollouts (a graph records addresses)
 DECODING_COMPILE = dict(mode="default", dynamic=False)
-COMPILED_SAID = "compiled over a static KV cache"  # (a plan's reason's last words where its decoding compiles)
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,13 @@ class GenerationPlan:
 
     resident: bool
     batch: int
-    reason: str
+    placement: str  # the weights and the batch, in words
     compiled: bool = False
+
+    @property
+    def reason(self) -> str:
+        """The plan in one line, for the run's log."""
+        return f"{self.placement}, decoding " + ("compiled over a static KV cache" if self.compiled else "eager")
 
 
 class Generator:
@@ -151,8 +155,7 @@ class Generator:
         if trainer.device.type != "cuda":
             resident = self.weights != "streamed"
             how = "resident" if resident else "streamed layer by layer"
-            reason = f"on the CPU: weights {how}, one batch"
-            return GenerationPlan(resident, n_sequences, reason, self._compiles(resident))
+            return GenerationPlan(resident, n_sequences, f"on the CPU: weights {how}, one batch", self._compiles(resident))
         itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
         weights, per_sequence = _weight_and_kv_bytes(self.skeleton, itemsize, length)
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
@@ -163,13 +166,11 @@ class Generator:
         held = weights if resident else _StreamedLayers.held_bytes(self.skeleton, itemsize)
         batch = max(1, min(n_sequences, int((free * KV_ROOM_SHARE - held) // per_sequence)))
         how = "resident" if resident else "streamed layer by layer"
-        compiled = self._compiles(resident)
-        reason = (
+        placement = (
             f"weights {how} ({weights / 2**30:.1f} GiB in {trainer.compute_dtype}), {batch} sequences per batch "
-            f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free), decoding "
-            + (COMPILED_SAID if compiled else "eager")
+            f"(KV cache {per_sequence / 2**20:.0f} MiB each, {free / 2**30:.1f} GiB free)"
         )
-        return GenerationPlan(resident, batch, reason, compiled)
+        return GenerationPlan(resident, batch, placement, self._compiles(resident))
 
     @torch.no_grad()
     def generate(
@@ -179,7 +180,7 @@ class Generator:
         noise of the prompt's own row (`first_row` + its index): the same seed samples the same completion of a
         row whichever rows share its batch (`RowSampler`); the global RNG is not used."""
         longest = max(len(p) for p in prompts)
-        plan = self.last_plan = self.plan(len(prompts), self._cache_length(longest + sampling.max_new_tokens))
+        plan = self.last_plan = self._planned(len(prompts), longest + sampling.max_new_tokens)
         weights = {f"model.{name}": w for name, w in self._bound(plan.resident).items()}
         self.skeleton.to(self.trainer.device)
         completions = []
@@ -215,14 +216,14 @@ class Generator:
             file=sys.stderr,
         )
         self.decoding = "eager"
-        return replace(plan, compiled=False, reason=plan.reason.replace(COMPILED_SAID, "eager"))
+        return replace(plan, compiled=False)
 
-    def _cache_length(self, length: int) -> int:
-        """The KV cache's tokens a sequence: `length`, or its multiple of STATIC_CACHE_STEP where a compiled step's
-        static cache may hold it (`plan` counts its bytes)."""
-        if self.decoding != "compiled":
-            return length
-        return -(-length // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
+    def _planned(self, n_sequences: int, length: int) -> GenerationPlan:
+        """`plan` for sequences of up to `length` tokens: a compiled step's static KV cache holds the multiple of
+        STATIC_CACHE_STEP at or above it (its bytes counted), an eager step's the length itself."""
+        rounded = _rounded_up(length, STATIC_CACHE_STEP)
+        plan = self.plan(n_sequences, rounded if self.decoding == "compiled" else length)
+        return self.plan(n_sequences, length) if rounded != length and not plan.compiled else plan
 
     def _generate_batch(self, prompts, sampling: Sampling, pad_id: int, keys: Tensor, weights, streamed, compiled):
         device = self.trainer.device
@@ -247,7 +248,7 @@ class Generator:
             if compiled:
                 from transformers.generation.configuration_utils import CompileConfig
 
-                options[ALL_CACHE_NAMES[0]] = _static_cache(config, self._cache_length(length))
+                options[ALL_CACHE_NAMES[0]] = _static_cache(config, _rounded_up(length, STATIC_CACHE_STEP))
                 options.setdefault("compile_config", CompileConfig(**DECODING_COMPILE))
             else:
                 options[ALL_CACHE_NAMES[0]] = _kv_cache(config, length)
@@ -551,3 +552,7 @@ def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
         if token in stop_ids:
             return tokens[: index + 1]
     return tokens
+
+
+def _rounded_up(length: int, step: int) -> int:
+    return -(-length // step) * step
