@@ -155,7 +155,9 @@ class Generator:
         if trainer.device.type != "cuda":
             resident = self.weights != "streamed"
             how = "resident" if resident else "streamed layer by layer"
-            return GenerationPlan(resident, n_sequences, f"on the CPU: weights {how}, one batch", self._compiles(resident))
+            return GenerationPlan(
+                resident, n_sequences, f"on the CPU: weights {how}, one batch", self._compiles(resident)
+            )
         itemsize = torch.empty((), dtype=trainer.compute_dtype).element_size()
         weights, per_sequence = _weight_and_kv_bytes(self.skeleton, itemsize, length)
         streaming = 0 if self._streamed is None else sum(b.nbytes for b in self._streamed.buffers)
