@@ -30,10 +30,6 @@ CONFIGS = [
     Tiles(128, 128, 64, 4, 3, tma=True),
     Tiles(128, 256, 64, 8, 3, tma=True),
     Tiles(256, 128, 64, 8, 3, tma=True),
-    Tiles(128, 256, 64, 8, 3, tma=True, persistent=True),
-    Tiles(128, 256, 64, 8, 3, tma=True, persistent=True, flatten=True),
-    Tiles(128, 128, 64, 4, 3, tma=True, persistent=True, flatten=True),
-    Tiles(128, 256, 64, 8, 4, tma=True, persistent=True, flatten=True),
 ]
 
 

@@ -24,8 +24,6 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     tma: bool = False
-    persistent: bool = False  # as many programs as run at once, each walking the items: descriptors made on the GPU
-    flatten: bool = False  # (persistent) the next item's loads pipelined under an item's read-add-write
 
 
 # The fastest of the configurations `benchmarks/expert_grad.py` times at OLMoE's, Qwen3-30B-A3B's and DeepSeek-V3's
@@ -63,8 +61,6 @@ def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, t
     n_experts, m, n = into.shape
     if tiles is None:
         tiles = tiles_for(a.shape[0], n_experts, n)
-    if tiles.persistent:
-        return _add_persistent(into, a, b, ends, tiles)
     descriptors = _descriptors(a, b, tiles) if tiles.tma else None
     grid = (_cdiv(m, tiles.block_m) * _cdiv(n, tiles.block_n), n_experts)
     expert_triton.grouped_weight_grad_into[grid](
@@ -72,29 +68,6 @@ def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, t
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, TMA=descriptors is not None,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
-
-
-def _add_persistent(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, tiles: Tiles) -> None:
-    """`add_grouped_weight_grad_` by the persistent kernel: one program per SM (the tile fills an SM's shared
-    memory), each making its experts' descriptors in a scratch buffer of its own."""
-    import triton
-
-    from . import expert_triton
-
-    triton.set_allocator(_scratch)
-    per_sm = 2 if tiles.block_m * tiles.block_n <= 128 * 128 else 1  # (two small tiles' buffers fit an SM)
-    programs = per_sm * torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    n_experts, m, n = into.shape
-    expert_triton.grouped_weight_grad_persistent_into[(programs,)](
-        a, b, into, ends, m, n, n_experts, a.stride(0), b.stride(0), *into.stride(),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PROGRAMS=programs,
-        FLATTEN=tiles.flatten, num_warps=tiles.warps, num_stages=tiles.stages,
-    )  # fmt: skip
-
-
-def _scratch(size: int, alignment: int, stream) -> Tensor:
-    """Triton's global scratch memory for descriptors made on the device."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _descriptors(a: Tensor, b: Tensor, tiles: Tiles) -> tuple | None:

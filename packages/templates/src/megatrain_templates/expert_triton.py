@@ -47,39 +47,3 @@ def grouped_weight_grad_into(
         b = tl.load(b_ptr + rows[:, None] * stride_b + ns[None, :], mask=in_rows[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
     tl.store(at, tl.load(at, mask=mask) + acc, mask=mask)
-
-
-@triton.jit
-def grouped_weight_grad_persistent_into(
-    a_ptr, b_ptr, c_ptr, ends_ptr, m, n, n_experts, stride_a, stride_b, stride_ce, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-):  # fmt: skip
-    """`grouped_weight_grad_into`'s sums by PROGRAMS programs (as many as the GPU runs at once), each walking the
-    (expert, tile) items from its own by PROGRAMS: each expert's rows are read by the tensor-memory accelerator
-    through descriptors made here over that expert's rows alone, so a last partial chunk reads zeros past the
-    expert's end (no masked loads), and with FLATTEN the compiler pipelines the next item's loads under an item's
-    read-add-write of its fp32 tile."""
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    tiles = tl.cdiv(m, BLOCK_M) * tiles_n
-    for item in tl.range(tl.program_id(0), n_experts * tiles, PROGRAMS, flatten=FLATTEN):
-        expert = item // tiles
-        end = tl.load(ends_ptr + expert)
-        start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
-        rows = end - start
-        a_desc = tl.make_tensor_descriptor(
-            a_ptr + start.to(tl.int64) * stride_a, shape=[tl.maximum(rows, 1), m], strides=[stride_a, 1],
-            block_shape=[BLOCK_K, BLOCK_M],
-        )  # fmt: skip
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr + start.to(tl.int64) * stride_b, shape=[tl.maximum(rows, 1), n], strides=[stride_b, 1],
-            block_shape=[BLOCK_K, BLOCK_N],
-        )  # fmt: skip
-        m0, n0 = (item % tiles // tiles_n) * BLOCK_M, (item % tiles_n) * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for first in range(0, rows, BLOCK_K):
-            acc = tl.dot(tl.trans(a_desc.load([first, m0])), b_desc.load([first, n0]), acc)
-        ms, ns = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
-        mask = (ms < tl.where(rows > 0, m, 0))[:, None] & (ns < n)[None, :]  # (an expert with no rows: none)
-        at = c_ptr + expert.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :] * stride_cn
-        tl.store(at, tl.load(at, mask=mask) + acc, mask=mask)
