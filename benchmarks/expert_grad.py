@@ -24,7 +24,9 @@ SAMPLE = 4  # experts checked against float64
 # 4 warps, 3 stages; the rest of it (128 x 256 and 256 x 128 tiles, 8 warps, 2-4 stages, 32 and 128 rows a step) ran
 # slower at 16k tokens. On an H200 (2026-12-03) TMA's reads made that tile 2-3% faster; the accumulator started from
 # the buffer's tile (its load before the rows) ran 4-12% slower (results/expert-grad-tma-h200.json). With more rows an
-# expert the wide tile wins (`expert_kernels.tiles_for`; results/expert-grad-tiles-h200.json)
+# expert the wide tile wins (`expert_kernels.tiles_for`; results/expert-grad-tiles-h200.json). A persistent kernel (one
+# program per SM, descriptors made on the GPU per expert, the next item's loads pipelined under a tile's fp32
+# read-add-write) ran no faster at 32k tokens on an H100 (results/expert-grad-persistent-h100.json; code in 55b3532)
 CONFIGS = [
     Tiles(128, 128, 64, 4, 3),
     Tiles(128, 128, 64, 4, 3, tma=True),
