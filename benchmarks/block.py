@@ -32,8 +32,11 @@ def time_ms(fn, repeats=10):
     return start.elapsed_time(end) / repeats
 
 
-def profile_tables(step) -> tuple[str, str]:
-    """The top CUDA kernels (by shape) and the top host operators of three passes, printed and returned."""
+def profile_tables(step) -> tuple[str, str, str]:
+    """The top CUDA kernels (by shape), the top host operators and the GPU's idle gaps (`gaps_between_kernels`) of
+    three passes, printed and returned."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -45,8 +48,46 @@ def profile_tables(step) -> tuple[str, str]:
         sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
     )
     host_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
-    print(table, host_table, sep="\n")
-    return table, host_table
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        gaps = gaps_between_kernels(trace.name, passes=3)
+    print(table, host_table, gaps, sep="\n")
+    return table, host_table, gaps
+
+
+def gaps_between_kernels(trace_path: str, passes: int, listed: int = 12) -> str:
+    """Where the GPU idles between its kernels, copies and memsets in a profiler's chrome trace: the busy and idle
+    time a pass, the idle by gap size, and the largest gaps with the work on either side (a gap after a host sync
+    or a slow launch shows as the kernel that waited)."""
+    import json
+
+    events = json.load(open(trace_path))["traceEvents"]
+    work = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )  # fmt: skip
+    if not work:
+        return "no GPU work in the trace"
+    gaps, busy_until, before = [], work[0][1], work[0][2]
+    for start, end, name in work[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, before, name))
+        if end > busy_until:
+            busy_until, before = end, name
+    span = (busy_until - work[0][0]) / passes
+    idle = sum(g for g, _, _ in gaps) / passes
+    sizes = [(0, 5), (5, 20), (20, 100), (100, float("inf"))]
+    by_size = ", ".join(
+        f"{low}-{high} us: {sum(g for g, _, _ in gaps if low <= g < high) / passes / 1e3:.3f} ms "
+        f"({sum(1 for g, _, _ in gaps if low <= g < high) // passes} gaps)"
+        for low, high in sizes
+    )
+    largest = "\n".join(
+        f"  {g:8.1f} us  after {b[:70]}  before {a[:70]}" for g, b, a in sorted(gaps, reverse=True)[:listed]
+    )
+    return (
+        f"GPU a pass: {span / 1e3:.3f} ms from first to last kernel, idle {idle / 1e3:.3f} ms between them "
+        f"({len(work) // passes} kernels, copies and memsets)\nidle by gap: {by_size}\nlargest gaps:\n{largest}"
+    )
 
 
 def main():
@@ -109,7 +150,7 @@ def main():
         print(label, result["variants"][label], flush=True)
     if args.profile:
         with sdpa_kernel(variants["default"]):
-            result["profile"], result["host_profile"] = profile_tables(layer_pass)
+            result["profile"], result["host_profile"], result["gpu_gaps"] = profile_tables(layer_pass)
     print(result)
     if args.out:
         write_results(Path(args.out), result)

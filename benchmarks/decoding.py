@@ -134,7 +134,9 @@ def main():
     if args.profile and args.device == "cuda":  # (16 decoding steps, three times)
         use_variant(generator, args.variants.split(",")[0])
         sixteen = Sampling(max_new_tokens=16, temperature=1.0)
-        rows[0]["profile"], rows[0]["host_profile"] = profile_tables(lambda: generator.generate(prompts, sixteen, 0))
+        rows[0]["profile"], rows[0]["host_profile"], rows[0]["gpu_gaps"] = profile_tables(
+            lambda: generator.generate(prompts, sixteen, 0)
+        )
     trainer.close()
     payload = {
         "benchmark": (

@@ -95,7 +95,7 @@ def main():
         result |= host_side(step, [int(n) for n in args.adamw_threads.split(",") if n])
     print(result, flush=True)
     if args.profile:
-        result["profile"], result["host_profile"] = profile_tables(step)
+        result["profile"], result["host_profile"], result["gpu_gaps"] = profile_tables(step)
     if args.out:
         write_results(Path(args.out), result)
 
