@@ -35,6 +35,9 @@ def prompts_of(generator: torch.Generator, vocab: int) -> list[list[int]]:
 
 
 def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto", decoding="eager") -> Generator:
+    """Greedy completions of three prompts of different lengths, decoded together: transformers' `generate` of the
+    same left-padded batch, token for token; each completion's log-probabilities from the training forward equal
+    transformers' forward of the prompt and completion alone."""
     generator = torch.Generator().manual_seed(0)
     prompts = prompts_of(generator, trainer.model_config.vocab_size)
     sampling = Sampling(max_new_tokens=6, temperature=0.0, stop_ids=(2,))
@@ -42,26 +45,39 @@ def check_greedy_equals_transformers(trainer: Trainer, tmp_path, weights="auto",
     ours = ours_generator.generate(prompts, sampling, pad_id=0)
     reference = transformers.AutoModelForCausalLM.from_pretrained(trainer.export(tmp_path / "out"), dtype=torch.float32)
     reference.to(trainer.device)
-    for prompt, completion in zip(prompts, ours):
-        out = reference.generate(
-            torch.tensor([prompt], device=trainer.device),
-            max_new_tokens=6,
-            do_sample=False,
-            eos_token_id=[2],
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        expected = out.sequences[0, len(prompt) :].tolist()
-        assert completion == expected[: len(completion)] and (len(completion) == len(expected) or completion[-1] == 2)
-        # the completion's log-probabilities, from the training forward, equal transformers' scores
+    for prompt, completion, expected in zip(prompts, ours, reference_greedy(reference, prompts, sampling)):
+        assert completion == expected, (prompt, completion, expected)
         ids = torch.tensor([prompt + completion])
         labels = torch.full_like(ids, -100)
         labels[0, len(prompt) - 1 : -1] = torch.tensor(completion)
         logps = trainer.token_logps(StepBatch(ids, labels))[0, len(prompt) - 1 : -1]
-        scores = torch.stack(out.logits)[: len(completion), 0].cpu().log_softmax(-1)
+        with torch.no_grad():
+            scores = reference(ids.to(trainer.device)).logits[0, len(prompt) - 1 : -1].cpu().log_softmax(-1)
         assert rel_err(logps, scores.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)) < 1e-5
     return ours_generator
+
+
+def reference_greedy(reference, prompts: list[list[int]], sampling: Sampling) -> list[list[int]]:
+    """transformers' greedy completions of `prompts` left-padded into one batch, each cut after its first stop token.
+    The batch, not each prompt alone: padding moves some families' numbers (Llama 4's chunked attention and attention
+    temperature count positions from the batch's first column), and a near tie may then fall either way. (A load-balancing
+    loss is no generation's: transformers' fails on a padded batch.)"""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) :], mask[row, longest - len(prompt) :] = torch.tensor(prompt), 1
+    device = reference.device
+    router = {"output_router_logits": False} if hasattr(reference.config, "output_router_logits") else {}
+    out = reference.generate(
+        ids.to(device), attention_mask=mask.to(device), max_new_tokens=sampling.max_new_tokens, do_sample=False,
+        eos_token_id=list(sampling.stop_ids), pad_token_id=0, **router,
+    )  # fmt: skip
+    completions = []
+    for row in out[:, longest:].tolist():
+        stops = [i for i, token in enumerate(row) if token in sampling.stop_ids]
+        completions.append(row[: stops[0] + 1] if stops else row)
+    return completions
 
 
 # (grouped heads; fused experts; soft-capped scores; a hybrid of linear attention; of Mamba layers; sinks and sliding
