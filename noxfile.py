@@ -149,6 +149,7 @@ GPU_GROUPS = {
     ],
     # (apart from `recurrence`, which took 6.5 min with them in a lane beside three others)
     "chunk-kernels": ["packages/templates/tests/test_templates.py::test_gpu_chunk_kernels_equal_the_eager_functions"],
+    "decoding": ["tests/test_compiled_decoding.py"],  # (compiling each family's decoding step: 10-65 s)
     "lora": ["tests/test_lora.py", "tests/test_lora_export.py", "tests/test_qlora.py"],
     "quant": ["packages/store/tests/test_quant.py", "packages/store/tests/test_packed.py"],  # needs bitsandbytes
     "ranks": ["tests/test_distributed.py"],

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs the GPU test groups (noxfile.GPU_GROUPS) in lanes side by side on one GPU, so that the whole suite fits one
 # 10-minute device call: each argument is a lane, its groups run one after another; each group writes LOGS/GROUP.log.
-#   tests/gpu_lanes.sh "engine lora" "moe quant" "dense generic" "objectives kernels" "recurrence chunk-kernels"   # (the default)
+#   tests/gpu_lanes.sh "engine lora" "moe quant" "dense generic" "objectives kernels" "recurrence chunk-kernels decoding"   # (the default)
 # The tests check exactness, not time, so lanes sharing the GPU and the cores change no result; OMP threads are split.
 # Each group's minutes on one H200: docs/benchmarks.md#exactness-on-the-gpu; `quant` needs bitsandbytes installed.
 set -u
-[ $# -gt 0 ] || set -- "engine lora" "moe quant" "dense generic" "objectives kernels" "recurrence chunk-kernels"
+[ $# -gt 0 ] || set -- "engine lora" "moe quant" "dense generic" "objectives kernels" "recurrence chunk-kernels decoding"
 logs=${LOGS:-${OUT:-.}/gpu-logs}
 mkdir -p "$logs"
 export PYTHONPATH=$(ls -d "$PWD"/packages/*/src | tr '\n' ':')${PYTHONPATH:-}

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from test_exactness import rel_err
 
 from megatrain import Trainer
@@ -113,7 +114,15 @@ def test_gpu_greedy_generation_equals_transformers(preset_name, weights, tmp_pat
     trainer.close()
 
 
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2", "tiny-mixtral"])  # (sliding windows; experts)
+# (transformers 5.17's static cache fails for Llama 4's chunked attention: such a run decodes eager, said in one line)
+OLD_LLAMA4_CACHE = pytest.mark.xfail(
+    Version(transformers.__version__) <= Version("5.17.0"), reason="transformers' static cache", strict=True
+)
+
+
+@pytest.mark.parametrize(  # (sliding windows; experts; chunked attention)
+    "preset_name", ["tiny-llama", "tiny-gemma2", "tiny-mixtral", pytest.param("tiny-llama4", marks=OLD_LLAMA4_CACHE)]
+)
 def test_a_static_kv_cache_generates_as_transformers(preset_name, tmp_path, monkeypatch):
     """Compiled decoding's cache (on the CPU, where transformers compiles nothing): a static KV cache of a multiple
     of STATIC_CACHE_STEP tokens, prompts of different lengths in one batch."""
@@ -126,17 +135,24 @@ def test_a_static_kv_cache_generates_as_transformers(preset_name, tmp_path, monk
         generate, "_static_cache", lambda config, length: lengths.append(length) or made(config, length)
     )
     trainer = trainer_of(ModelSection(preset=preset_name), tmp_path)
-    check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
+    generator = check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
     trainer.close()
-    assert lengths == [generate.STATIC_CACHE_STEP]
+    assert lengths == [generate.STATIC_CACHE_STEP] and generator.last_plan.compiled
 
 
-def test_a_decoding_step_that_does_not_compile_decodes_eager(tmp_path, monkeypatch, capsys):
-    """A family whose step dynamo or inductor cannot compile: one line says so, the rollout and the next decode eager."""
+FAILURES = [  # (how a compiled step fails: dynamo or inductor; transformers 5.17's static cache for Llama 4)
+    torch._dynamo.exc.InternalTorchDynamoError("an operator inductor has no kernel for"),
+    TypeError("create_chunked_causal_mask() got an unexpected keyword argument 'block_sequence_ids'"),
+]
+
+
+@pytest.mark.parametrize("failure", FAILURES, ids=lambda error: type(error).__name__)
+def test_a_decoding_step_that_fails_compiled_decodes_eager(failure, tmp_path, monkeypatch, capsys):
+    """A family whose compiled step fails: one line says so, the rollout and the next decode eager."""
     import megatrain_zoo.generate as generate
 
     def fails(config, length):
-        raise torch._dynamo.exc.InternalTorchDynamoError("an operator inductor has no kernel for")
+        raise failure
 
     monkeypatch.setattr(Generator, "_compiles", lambda self, resident: self.decoding == "compiled")
     monkeypatch.setattr(generate, "_static_cache", fails)
@@ -144,7 +160,7 @@ def test_a_decoding_step_that_does_not_compile_decodes_eager(tmp_path, monkeypat
     generator = check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
     trainer.close()
     said = capsys.readouterr().err
-    assert "did not compile (an operator inductor has no kernel for); decoding eager from now on" in said
+    assert f"compiled decoding step failed ({type(failure).__name__}: {failure}); decoding eager from now on" in said
     assert generator.decoding == "eager" and not generator.last_plan.compiled
     assert generator.last_plan.reason.endswith("decoding eager")
 
@@ -161,16 +177,6 @@ def test_a_step_that_will_not_compile_plans_its_kv_cache_at_its_own_length(tmp_p
     trainer.close()
     assert lengths[-1] == 7 and not generator.last_plan.compiled
     assert generator.last_plan.reason == "on the CPU: weights resident, one batch, decoding eager"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2"])
-def test_gpu_compiled_decoding_generates_as_transformers(preset_name, tmp_path):
-    """The decoding step compiled by inductor over a static KV cache, in float32: transformers' greedy tokens."""
-    trainer = trainer_of(ModelSection(preset=preset_name), tmp_path, device="cuda")
-    generator = check_greedy_equals_transformers(trainer, tmp_path, "resident", "compiled")
-    assert generator.last_plan.compiled and hasattr(generator.skeleton.model, "_compiled_call")
-    trainer.close()
 
 
 @pytest.mark.parametrize("model_type", ["cohere2", "apertus"])  # (Apertus: buffers of the checkpoint's in its MLPs)

@@ -193,7 +193,7 @@ class Generator:
             keys = row_keys(seed, rows)
             try:
                 completions += self._generate_batch(batch, sampling, pad_id, keys, weights, streamed, plan.compiled)
-            except torch._dynamo.exc.TorchDynamoException as error:  # (compiling failed: this family decodes eager)
+            except Exception as error:  # (the compiled step failed: this family decodes eager, where that fails too)
                 if not plan.compiled:
                     raise
                 plan = self.last_plan = self._eager_from_now(plan, error)
@@ -210,11 +210,12 @@ class Generator:
         return self.decoding == "compiled" and resident and self.trainer.device.type == "cuda" and whole
 
     def _eager_from_now(self, plan: GenerationPlan, error: Exception) -> GenerationPlan:
-        """Decoding eager for the rest of the run, where its step did not compile; said in one line."""
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        """Decoding eager for the rest of the run, where the compiled step failed (dynamo or inductor could not
+        compile it, or transformers' static cache does not serve the family: 5.17's for Llama 4); said in one line."""
+        words = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         print(
-            f"megatrain: generation: the decoding step did not compile ({reason}); decoding eager from now on "
-            "(train.grpo.generation_decoding: eager skips the attempt)",
+            f"megatrain: generation: the compiled decoding step failed ({type(error).__name__}: {words}); decoding "
+            "eager from now on (train.grpo.generation_decoding: eager skips the attempt)",
             file=sys.stderr,
         )
         self.decoding = "eager"
