@@ -61,7 +61,7 @@ def gaps_between_kernels(trace_path: str, passes: int, listed: int = 12) -> str:
     or a slow launch shows as the kernel that waited)."""
     import json
 
-    events = json.load(open(trace_path))["traceEvents"]
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
     work = sorted(
         (e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """GRPO's compiled decoding on the GPU, family by family: inductor's step over a static KV cache gives transformers'
 greedy tokens of the same batch (`test_generate.check_greedy_equals_transformers`). A group of its own
-(`noxfile.GPU_GROUPS["decoding"]`): each family compiles for 10-65 s."""
+(`noxfile.GPU_GROUPS["decoding"]`): each family compiles for 10-65 s. Its CPU twin, where transformers compiles
+nothing, is `test_generate.test_a_static_kv_cache_generates_as_transformers`."""
 
 import pytest
 from test_generate import check_greedy_equals_transformers, trainer_of

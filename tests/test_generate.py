@@ -9,14 +9,13 @@ import shutil
 import pytest
 import torch
 import transformers
-from packaging.version import Version
 from test_exactness import rel_err
 
 from megatrain import Trainer
 from megatrain.config import Config, ModelSection, PrecisionSection, TrainSection
 from megatrain.step import StepBatch
 from megatrain_data import DataSection
-from megatrain_zoo.generate import GROUPED_DECODING, Generator, Sampling, grouped_decoding_attention
+from megatrain_zoo.generate import GROUPED_DECODING, Generator, Sampling, _until_stop, grouped_decoding_attention
 
 
 def trainer_of(model: ModelSection, tmp_path, device="cpu") -> Trainer:
@@ -74,11 +73,7 @@ def reference_greedy(reference, prompts: list[list[int]], sampling: Sampling) ->
         ids.to(device), attention_mask=mask.to(device), max_new_tokens=sampling.max_new_tokens, do_sample=False,
         eos_token_id=list(sampling.stop_ids), pad_token_id=0, **router,
     )  # fmt: skip
-    completions = []
-    for row in out[:, longest:].tolist():
-        stops = [i for i, token in enumerate(row) if token in sampling.stop_ids]
-        completions.append(row[: stops[0] + 1] if stops else row)
-    return completions
+    return [_until_stop(row, sampling.stop_ids) for row in out[:, longest:].tolist()]
 
 
 # (grouped heads; fused experts; soft-capped scores; a hybrid of linear attention; of Mamba layers; sinks and sliding
@@ -114,15 +109,9 @@ def test_gpu_greedy_generation_equals_transformers(preset_name, weights, tmp_pat
     trainer.close()
 
 
-# (transformers 5.17's static cache fails for Llama 4's chunked attention: such a run decodes eager, said in one line)
-OLD_LLAMA4_CACHE = pytest.mark.xfail(
-    Version(transformers.__version__) <= Version("5.17.0"), reason="transformers' static cache", strict=True
-)
-
-
-@pytest.mark.parametrize(  # (sliding windows; experts; chunked attention)
-    "preset_name", ["tiny-llama", "tiny-gemma2", "tiny-mixtral", pytest.param("tiny-llama4", marks=OLD_LLAMA4_CACHE)]
-)
+# (Llama 4: transformers 5.17's static cache fails for its chunked attention, which this test says there; such a run
+# decodes eager, said in one line: `test_a_decoding_step_that_fails_compiled_decodes_eager`)
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-gemma2", "tiny-mixtral", "tiny-llama4"])
 def test_a_static_kv_cache_generates_as_transformers(preset_name, tmp_path, monkeypatch):
     """Compiled decoding's cache (on the CPU, where transformers compiles nothing): a static KV cache of a multiple
     of STATIC_CACHE_STEP tokens, prompts of different lengths in one batch."""
