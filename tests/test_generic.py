@@ -136,6 +136,7 @@ def generic_trainer(
     implementation: str = "auto",
     device: str = "cpu",
     engine: EngineSection = EngineSection(),
+    image_text: str | bool = "auto",
 ) -> Trainer:
     train = TrainSection(
         steps=steps,
@@ -148,7 +149,7 @@ def generic_trainer(
         schedule="cosine",
     )
     config = Config(
-        model=ModelSection(hf_dir=str(hf_dir), implementation=implementation),
+        model=ModelSection(hf_dir=str(hf_dir), implementation=implementation, image_text=image_text),
         data=DataSection(seq_len=12),
         train=train,
         precision=PrecisionSection("float32"),
