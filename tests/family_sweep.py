@@ -43,7 +43,9 @@ SIZES = {
     # an image or audio tower's widths into and out of its adapter: every width is 64 here
     **dict.fromkeys(("adapter_in_dim", "adapter_out_dim", "adapter_input_size", "out_hidden_size"), 64),
     **dict.fromkeys(("downsample_hidden_size",), 32),
-    **dict.fromkeys(("index_head_dim", "indexer_head_dim"), 16),  # (Zamba's attention over [hidden, embeddings]: twice hidden_size)
+    **dict.fromkeys(
+        ("index_head_dim", "indexer_head_dim"), 16
+    ),  # (Zamba's attention over [hidden, embeddings]: twice hidden_size)
     **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "ffn_hidden_size", "n_inner", "block_ff_dim"), 128),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
@@ -53,7 +55,9 @@ SIZES = {
     **dict.fromkeys(("expert_ffn_hidden_size",), 32),
     "zero_expert_num": 2,  # (LongCat-Flash's identity experts)
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 256),
-    **dict.fromkeys(("sliding_window", "attention_window_size", "window_size", "sliding_window_size"), 4),  # (shorter than SEQ)
+    **dict.fromkeys(
+        ("sliding_window", "attention_window_size", "window_size", "sliding_window_size"), 4
+    ),  # (shorter than SEQ)
     **dict.fromkeys(("vocab_size", "unpadded_vocab_size"), VOCAB),
     "first_k_dense_replace": 1,  # (layer 0 dense, layer 1 experts: both kinds present)
     **dict.fromkeys(("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"), 16),  # (DeepSeek's rotary: head_dim)
@@ -400,8 +404,11 @@ def check_family(hf: dict, tmp: Path, grad_clip: float, seed: int) -> dict:
     for step in range(trainer.config.train.steps):
         ids, labels = random_batch(6, SEQ, VOCAB, generator)
         metrics = stage("crashed", f"train_step {step}", lambda: trainer.train_step(_batch(ids, labels)))
-        _, loss, norm = stage("config", f"reference step {step}", lambda: _reference_step(hf, reference, optimizer,
-                                                                                          trainer, step, ids, labels))
+        _, loss, norm = stage(
+            "config",
+            f"reference step {step}",
+            lambda: _reference_step(hf, reference, optimizer, trainer, step, ids, labels),
+        )
         report["steps"].append({"loss": [metrics.loss, loss.item()], "grad_norm": [metrics.grad_norm, norm.item()]})
         _compare(failed, f"loss step {step}", metrics.loss, loss.item(), 1e-5)
         _compare(failed, f"grad_norm step {step}", metrics.grad_norm, norm.item(), 1e-4)
@@ -477,7 +484,10 @@ def _compare_exports(failed: list, reference, reloaded, noise_only: dict, our_lo
         if name not in reloaded_buffers or not torch.equal(reloaded_buffers[name].to(buffer.dtype), buffer):
             failed.append({"check": f"buffer {name}"})
     with torch.no_grad():
-        for what, logits, tolerance in (("reloaded", reloaded(ids).logits, 1e-5), ("reference", reference(ids).logits, 1e-4)):
+        for what, logits, tolerance in (
+            ("reloaded", reloaded(ids).logits, 1e-5),
+            ("reference", reference(ids).logits, 1e-4),
+        ):
             error = rel_err(our_logits, logits)
             if not error < tolerance:
                 failed.append({"check": f"logits vs {what}", "rel_err": error, "tolerance": tolerance})
@@ -485,7 +495,6 @@ def _compare_exports(failed: list, reference, reloaded, noise_only: dict, our_lo
 
 def run_one(model_type: str, grad_clip: float, seed: int) -> dict:
     """One family's row (without its seconds): its outcome, path and detail."""
-    import torch
     import transformers
 
     try:
@@ -547,8 +556,11 @@ def run_in_a_process(model_type: str, args) -> dict:
             row = json.loads(result.read_text()) if result.exists() else None
             if row is None:
                 tail = (process.stderr.strip().splitlines() or ["no output"])[-1][:400]
-                row = {"outcome": "crashed", "path": None, "detail": {"stage": "process", "exit": process.returncode,
-                                                                      "message": tail}}
+                row = {
+                    "outcome": "crashed",
+                    "path": None,
+                    "detail": {"stage": "process", "exit": process.returncode, "message": tail},
+                }
         except subprocess.TimeoutExpired:
             row = {"outcome": "timeout", "path": None, "detail": {"timeout_s": args.timeout}}
     return {"model_type": model_type, **row, "seconds": round(time.monotonic() - start, 1)}
@@ -610,8 +622,11 @@ def short_detail(row: dict) -> str:
 def kept_rows(results: list[dict], names: list[str]) -> list[dict]:
     """An earlier file's rows of the families not run now, back in the sweep's form (the schema's fields off)."""
     schema = as_results_row({"model_type": ""}, "")
-    return [{k: v for k, v in r.items() if k not in schema or k == "model_type"} for r in results
-            if r["model_type"] not in names]
+    return [
+        {k: v for k, v in r.items() if k not in schema or k == "model_type"}
+        for r in results
+        if r["model_type"] not in names
+    ]
 
 
 def write(rows: list[dict], out: Path, commands: list[str]) -> None:
