@@ -300,28 +300,12 @@ def composite(hf: dict) -> bool:
 
 
 def reference_model(hf: dict, seed: int):
-    """transformers' tiny model with test_generic's random weights, in SDPA where the family has it, else eager
-    (as megatrain's skeleton chooses); one forward and backward run on it, so that a model transformers cannot
-    train is the sweep's "config", not megatrain's failure."""
+    """transformers' tiny model with test_generic's random weights; one forward and backward run on it, so that a
+    model transformers cannot train is the sweep's "config", not megatrain's failure."""
     import test_generic
     import torch
-    import transformers
 
-    def from_config(config, **kwargs):
-        try:
-            return from_config_as_given(config, **{**kwargs, "attn_implementation": "sdpa"})
-        except ValueError as error:
-            if "scaled_dot_product_attention" not in str(error):
-                raise
-            return from_config_as_given(config, **{**kwargs, "attn_implementation": "eager"})
-
-    auto = transformers.AutoModelForCausalLM
-    from_config_as_given = auto.from_config
-    auto.from_config = from_config  # (test_generic.hf_model asks for SDPA)
-    try:
-        model = test_generic.hf_model(hf, seed)
-    finally:
-        auto.from_config = from_config_as_given
+    model = test_generic.hf_model(hf, seed)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad(set_to_none=True)

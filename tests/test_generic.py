@@ -35,6 +35,21 @@ COMMON = dict(
 FAMILIES = {
     # dense: learned positions, LayerNorm with biases, a tied head
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256, bos_token_id=1, eos_token_id=2),
+    # blocks returning a list (GPT-1), a forward reading `outputs[0]` (GPT-Neo: a bare tensor's first row would
+    # pass for a one-token trace), token embeddings narrower than the layers (OPT's projections in and out)
+    "openai-gpt": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=256),
+    "gpt_neo": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+        max_position_embeddings=256,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=32),
     "cohere2": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
     "exaone4": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "seed_oss": dict(head_dim=16, attention_bias=True),
@@ -85,9 +100,12 @@ FAMILIES = {
 }
 
 
+OWN_SIZE_NAMES = {"gpt2", "openai-gpt", "gpt_neo"}  # (families whose configs name their sizes their own way)
+
+
 def tiny_hf_config(model_type: str) -> dict:
     extra = FAMILIES[model_type]
-    common = {} if model_type == "gpt2" else COMMON
+    common = {} if model_type in OWN_SIZE_NAMES else COMMON
     return {"model_type": model_type, **common, **extra}
 
 
@@ -95,10 +113,15 @@ def hf_model(hf_config: dict, seed: int):
     """transformers' model of `hf_config` with fresh random weights: norms around 1, the rest around 0, large enough
     that every part changes the result; its persistent floating-point buffers (Apertus' xIELU beta and eps, a
     router's bias) moved off their defaults, so that only a model computing with the checkpoint's equals it; in eval
-    mode, as megatrain trains (no dropout, no router jitter)."""
+    mode, as megatrain trains (no dropout, no router jitter); in SDPA where the family has it."""
     config = transformers.AutoConfig.for_model(**hf_config)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError as error:  # (a family without SDPA, GPT-1: eager, as megatrain's skeleton chooses)
+        if "scaled_dot_product_attention" not in str(error):
+            raise
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1 and ("norm" in name or "ln" in name) and name.endswith("weight"):
@@ -417,7 +440,9 @@ def test_a_native_family_cannot_be_forced_native_when_it_has_no_template():
 
 
 STATEFUL = ("falcon_h1", "lfm2", "lfm2_moe", "recurrent_gemma", "jamba", "bamba")
-PACKING = [name for name in FAMILIES if name not in STATEFUL]
+# forwards that give their layers no mask keeping packed documents apart where positions restart
+ATTENDING_ACROSS_DOCUMENTS = ("openai-gpt", "opt")
+PACKING = [name for name in FAMILIES if name not in STATEFUL + ATTENDING_ACROSS_DOCUMENTS]
 
 
 @pytest.mark.parametrize("model_type", PACKING)
@@ -448,18 +473,19 @@ def test_packed_documents_train_as_rows_of_their_own(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("model_type", sorted(set(FAMILIES) - set(PACKING)))
-def test_packing_is_refused_where_layers_carry_state(model_type, tmp_path):
-    """Mamba, linear recurrences and short convolutions run through a packed row's documents in transformers:
-    packing is refused, in the config and in a step given position ids."""
+def test_packing_is_refused_where_layers_would_mix_documents(model_type, tmp_path):
+    """Mamba, linear recurrences and short convolutions run through a packed row's documents in transformers, and
+    OPT's and GPT-1's attention sees across them: packing is refused, in the config and in a step given position
+    ids."""
     hf_model(tiny_hf_config(model_type), 0).save_pretrained(tmp_path / "hf")
     trainer = generic_trainer(tmp_path / "hf", tmp_path, 0.0, steps=1)
     assert not trainer.model_config.packs_documents
     ids, labels = random_batch(2, 12, 256, torch.Generator().manual_seed(0))
-    with pytest.raises(GenericError, match="carries state along a row"):
+    with pytest.raises(GenericError, match="would mix a packed row's documents"):
         trainer.train_step(StepBatch(ids, labels, position_ids=torch.arange(12).expand(2, 12)))
     trainer.close()
     config = trainer.config
-    with pytest.raises(ConfigError, match="layers carry state along a row"):
+    with pytest.raises(ConfigError, match="layers would mix a packed row's documents"):
         Trainer(replace(config, data=replace(config.data, pack=True, dataset="unused")))
 
 
@@ -483,8 +509,40 @@ def test_a_layer_given_inputs_from_the_tokens_is_refused():
         layer_types=["sliding_attention", "full_attention"],
         activation_sparsity_pattern=[0.0, 0.0],
     )
-    with pytest.raises(ZooError, match="given 'per_layer_input', computed from the tokens or the weights"):
+    with pytest.raises(ZooError, match="Gemma3nTextDecoderLayer 0 is given 'per_layer_input', computed from the tok"):
         model_config_from_hf({**COMMON, "model_type": "gemma3n_text", **extra})
+
+
+TINY_MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize(
+    "model_type, extra, refusal",
+    [
+        # each layer given the router states the layer before returned beside its hidden states
+        ("zaya", dict(num_experts=4, num_experts_per_tok=1), "ZayaDecoderLayer 1 is given 'prev_router_hidden_states'"),
+        # each layer given every earlier layer's output (block_states, growing)
+        ("inkling2_text", dict(n_routed_experts=4), r"Inkling2\w+DecoderLayer 1 is given 'block_states'"),
+        # a section of layers run several times over (its loops): a layer is no longer one stage
+        (
+            "dory",
+            dict(
+                num_hidden_layers=6,
+                layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"],
+                n_input_layers=2,
+                n_recurrent_layers=2,
+                n_output_layers=2,
+                sliding_window=4,
+            ),
+            r"calls its decoder layers in the order \[0, 1, 1, 2",
+        ),
+    ],
+)
+def test_a_layer_given_an_earlier_layers_output_or_run_twice_is_refused(model_type, extra, refusal):
+    """What a layer is given from earlier layers' outputs, beside its hidden states, would need its gradient carried
+    between stages; a layer run twice would need its stage twice: refused before training, naming the input."""
+    with pytest.raises(ZooError, match=refusal):
+        model_config_from_hf({**COMMON, **TINY_MOE, "model_type": model_type, **extra})
 
 
 def test_an_invalid_config_is_refused_in_transformers_words():

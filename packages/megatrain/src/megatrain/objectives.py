@@ -16,8 +16,9 @@ def check_model_settings(config: Config, model: ModelConfig) -> None:
     mix), naming the fix."""
     if config.data.pack and not model.packs_documents:
         raise ConfigError(
-            f"data.pack: {model.arch}'s layers carry state along a row (a recurrence or convolution), which "
-            "transformers does not restart at each packed document; set data.pack: false (a row per example)"
+            f"data.pack: {model.arch}'s layers would mix a packed row's documents as transformers runs them (a "
+            "recurrence or convolution carrying state along the row, or attention its forward does not keep apart "
+            "where positions restart); set data.pack: false (a row per example)"
         )
     if config.train.router_bias_update_rate and not model.router_bias:
         raise ConfigError(

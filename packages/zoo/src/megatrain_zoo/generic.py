@@ -60,7 +60,7 @@ def _generic_model_config(hf: dict, image_text: bool):
         eos_token_id=_token_id(getattr(config, "eos_token_id", None)),
         pad_token_id=_token_id(getattr(config, "pad_token_id", None)),
         implementation="transformers",
-        packs_documents=not skeleton.carries_state and not image_text,
+        packs_documents=skeleton.packs_documents and not image_text,
         hf_config=hf_config_json(hf),
         layer_counts=tuple(counts(names, index) for index, names in enumerate(parts.layers)),
         outer_params=counts([name for name in skeleton.names.values() if name not in in_layers])[0],

@@ -152,10 +152,11 @@ class GenericLayer(_GenericStage):
     def _call(self, views: dict, x: Tensor, documents, media=None, backend: str | None = None) -> Tensor:
         """The layer's output for `x`; through torch.compile's `backend` where given, or where the layer runs
         compiled (`runs_compiled`: Inductor), else eagerly."""
-        if documents is not None and documents.position_ids is not None and self.skeleton.carries_state:
+        if documents is not None and documents.position_ids is not None and not self.skeleton.packs_documents:
             raise GenericError(
-                f"{type(self.module).__name__} carries state along a row, which transformers does not restart at "
-                "each packed document: give it a row per sequence (no position_ids)"
+                f"{type(self.module).__name__} would mix a packed row's documents as transformers runs it (state "
+                "carried along the row, or attention not kept apart where positions restart): give it a row per "
+                "sequence (no position_ids)"
             )
         args, kwargs = self.skeleton.layer_arguments(x, documents, media)[self.index]
         adapters = () if self.adapters is None else self.adapters.names
@@ -362,7 +363,7 @@ class GenericHead(_GenericStage):
             return hidden if index == 0 else hidden_states
 
         views = {**self.skeleton.placeholders(self.unbound, hidden), **views}
-        embeds = {"inputs_embeds": torch.zeros_like(hidden.detach())}
+        embeds = {"inputs_embeds": self.skeleton.zero_embeddings(hidden.detach())}
         return self.skeleton.run(views, embeds, None, inject, head=True).logits
 
     @torch.no_grad()

@@ -10,10 +10,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from megatrain_templates import Documents
 from torch import Tensor, nn
 
 # micro-batch shapes whose layer arguments are remembered (a step's micro-batches, evaluation's, a warm-up's)
 ARGUMENTS_CACHED = 64
+# the [batch, seq] of the traces that find a model's parts and check its layers' inputs: more than one of each, so
+# that a wrong reading of a layer's output cannot pass for the right one
+TRACED_TOKENS = (2, 3)
 
 
 class GenericError(ValueError):
@@ -58,8 +62,8 @@ def _parameters_on_meta():
 
 
 def _output(value):
-    """A layer's or model's hidden-state output: older transformers return tuples."""
-    return value[0] if isinstance(value, tuple) else value
+    """A layer's or model's hidden-state output: older transformers return tuples (GPT-1's blocks, lists)."""
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 class HFSkeleton:
@@ -127,8 +131,10 @@ class HFSkeleton:
 
     def _modules_called(self) -> tuple[list[nn.Module], list[nn.Module]]:
         """The modules the forward calls before its first decoder layer (the input embedding included) and after
-        its last (up to its LM head), run on one token with zero weights (stride-0 views: no memory). Settles on
-        the way the forward reads its layers' outputs (`layer_output`): the one token reaches the LM head whole."""
+        its last (up to its LM head), run on a few tokens with zero weights (stride-0 views: no memory). Settles on
+        the way the forward reads its layers' outputs (`layer_output`): the one that brings the tokens to the LM head
+        as [batch, seq, ...] (the wrong one breaks the forward or cuts the hidden states: GPT-Neo's `outputs[0]` of
+        a bare tensor is its first row)."""
         weights = {
             name: torch.zeros((), dtype=p.dtype).expand(p.shape)
             for name, p in self.model.named_parameters()
@@ -137,15 +143,17 @@ class HFSkeleton:
         failures = []
         for form in (_hidden_states, _hidden_states_first):
             self.layer_output = form
-            try:  # (the wrong form breaks the model's forward, or leaves the hidden states cut)
+            try:
                 phases, reached = self._trace(weights)
+            except GenericError:
+                raise
             except Exception as error:  # noqa: BLE001
                 failures.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 continue
-            if tuple(reached.shape[:2]) == (1, 1):
+            if tuple(reached.shape[:2]) == TRACED_TOKENS:
                 self._check_layer_inputs(weights)
                 return phases[0], phases[2]
-            failures.append(f"one token reached the LM head as {tuple(reached.shape)}")
+            failures.append(f"tokens {TRACED_TOKENS} reached the LM head as {tuple(reached.shape)}")
         raise GenericError(
             f"{type(self.model).__name__}'s forward cannot run with its decoder layers streamed ({failures[0]}); "
             "use a family with a native template"
@@ -153,33 +161,42 @@ class HFSkeleton:
 
     def _check_layer_inputs(self, weights: dict[str, Tensor]) -> None:
         """Refuse a model whose layers are given more than hidden states and what follows from positions (masks,
-        rotary tables): an input computed from the tokens or the weights (Gemma 3n's per-layer embeddings) would
-        need its gradient, which the generic path's stages do not carry; found by giving the first layer's
-        arguments two different token and weight values."""
-
+        rotary tables): an input computed from the tokens or the weights (Gemma 3n's per-layer embeddings) or from
+        an earlier layer's output (ZAYA's router states, Inkling 2's growing block states) would need its
+        gradient, which the generic path's stages do not carry. Found by running the forward twice, with different
+        token and weight values and different outputs of every stood-in layer (a second output too, where layers
+        return tuples), and comparing what each layer is given."""
         signature = inspect.signature(type(self.layers[0]).forward).parameters
         positional = [name for name in signature if name != "self"][1:]  # (after the hidden states)
+        read_output = self.layer_output
 
-        def first_layer_arguments(fill: float, token: int) -> dict:
-            recorded = {}
+        def layer_arguments(fill: float, token: int) -> list[dict]:
+            recorded: list[dict] = [{} for _ in self.layers]
 
             def record(index, hidden_states, *args, **kwargs):
-                recorded.update(zip(positional, args), **kwargs)
-                raise _Reached(hidden_states)
+                recorded[index].update(zip(positional, args), **kwargs)
+                if index == len(self.layers) - 1:
+                    raise _Reached(hidden_states)
+                return torch.full_like(hidden_states, fill + 1 + index)
 
+            marker = torch.full((1,), fill + 1)  # (a tuple's second output, passed on by ZAYA's forward)
+            self.layer_output = read_output if read_output is _hidden_states else lambda hidden: (hidden, marker)
             filled = {name: torch.full((), fill, dtype=w.dtype).expand(w.shape) for name, w in weights.items()}
-            with contextlib.suppress(_Reached), torch.no_grad():
-                self.run(filled, {"input_ids": torch.full((1, 2), token)}, None, record)
+            try:
+                with contextlib.suppress(_Reached), torch.no_grad():
+                    self.run(filled, {"input_ids": torch.full(TRACED_TOKENS, token)}, None, record)
+            finally:
+                self.layer_output = read_output
             return recorded
 
-        first, second = first_layer_arguments(0.0, 0), first_layer_arguments(0.5, 1)
-        for name, value in first.items():
-            if not _same(value, second[name]):
-                raise GenericError(
-                    f"{type(self.layers[0]).__name__} is given {name!r}, computed from the tokens or the weights "
-                    "before it; the generic path gives a layer only its hidden states and what follows from "
-                    f"positions, so {self.config.model_type} needs a native template"
-                )
+        for index, (first, second) in enumerate(zip(layer_arguments(0.0, 0), layer_arguments(0.5, 1))):
+            for name, value in first.items():
+                if not _same(value, second[name]):
+                    raise GenericError(
+                        f"{type(self.layers[index]).__name__} {index} is given {name!r}, computed from the tokens, the "
+                        "weights or an earlier layer's output; the generic path gives a layer only its hidden states "
+                        f"and what follows from positions, so {self.config.model_type} needs a native template"
+                    )
 
     @cached_property
     def carries_state(self) -> bool:
@@ -193,6 +210,20 @@ class HFSkeleton:
         return convolves or recurrent or bool(getattr(self.model, "_is_stateful", False))
 
     @cached_property
+    def packs_documents(self) -> bool:
+        """Whether a packed row's documents stay apart as transformers runs the model: no recurrence or convolution
+        carries state along the row (`carries_state`), and for positions restarting at each document the forward
+        gives every layer an attention mask that keeps a document from the one before (OPT's and GPT-1's forwards
+        ignore the restart: their layers would attend across documents)."""
+        if self.carries_state:
+            return False
+        # two documents of 3 tokens: query 3 (the second's first) must not see key 2 (the first's last)
+        documents = Documents(torch.tensor([[0, 1, 2, 0, 1, 2]]))
+        hidden = torch.zeros(1, 6, self.text_config.hidden_size)
+        recorded = self._record_layer_arguments(hidden, documents)
+        return all(any(_blocks(mask, 3, 2) for mask in _masks(arguments, 6)) for arguments in recorded)
+
+    @cached_property
     def _layer_names(self) -> list[list[str]]:
         return [[self.names[id(p)] for p in layer.parameters()] for layer in self.layers]
 
@@ -201,16 +232,25 @@ class HFSkeleton:
         inside = {id(m) for layer in self.layers for m in layer.modules()}
         calls = CalledModules(self.model, inside, stop_at=self.model.get_output_embeddings())
 
+        order = []
+
         def stand_in(index, hidden_states, *args, **kwargs):
             calls.passed(index, len(self.layers))
+            order.append(index)
             return hidden_states
 
         try:
             with calls, torch.no_grad():
-                reached = self.run(weights, {"input_ids": torch.zeros(1, 1, dtype=torch.long)}, None, stand_in, True)
-                reached = reached.logits
+                tokens = torch.zeros(TRACED_TOKENS, dtype=torch.long)
+                reached = self.run(weights, {"input_ids": tokens}, None, stand_in, True).logits
         except _Reached as at_head:
             reached = at_head.hidden
+        if order != list(range(len(self.layers))):
+            raise GenericError(
+                f"{type(self.model).__name__}'s forward calls its decoder layers in the order {order[:12]}, not each "
+                "once in turn (a looped section), which the generic path's one-stage-per-layer cannot stream; use a "
+                "family with a native template"
+            )
         if calls.shared is not None:
             raise GenericError(
                 f"{type(self.model).__name__} calls {type(calls.shared).__name__} between its decoder layers (a block "
@@ -257,6 +297,12 @@ class HFSkeleton:
         a causal LM of its own)."""
         return self.model
 
+    def zero_embeddings(self, hidden: Tensor) -> Tensor:
+        """Token embeddings of zeros for a forward whose layers are given `hidden` ([batch, seq, ...]) instead: as
+        wide as the embedding table (OPT's are narrower than its layers and projected in)."""
+        width = getattr(self.model.get_input_embeddings(), "embedding_dim", hidden.shape[-1])
+        return hidden.new_zeros(*hidden.shape[:2], width)
+
     def placeholders(self, names: list[str], like: Tensor) -> dict[str, Tensor]:
         """Zeros (stride-0 views: no memory) for the parameters `names` on `like`'s device, for a forward whose
         use of them is thrown away."""
@@ -289,9 +335,9 @@ class HFSkeleton:
                 raise _Reached(hidden_states)
             return hidden_states
 
-        embeds = torch.zeros_like(hidden)
         with contextlib.suppress(_Reached), torch.no_grad():
-            self.run(self.placeholders(self.parts.embedding, hidden), {"inputs_embeds": embeds}, documents, record)
+            embeds = {"inputs_embeds": self.zero_embeddings(hidden)}
+            self.run(self.placeholders(self.parts.embedding, hidden), embeds, documents, record)
         if any(r is None for r in recorded):
             raise GenericError(f"{type(self.model).__name__}'s forward did not call every decoder layer")
         return recorded
@@ -355,6 +401,30 @@ def _same(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a is b or type(a) is type(b) and not isinstance(a, Tensor)
+
+
+def _masks(value, seq: int):
+    """The attention masks among a layer's arguments (tensors, also inside tuples, lists and dicts, whose last two
+    dimensions are [seq, seq]: bool, or float added to the scores)."""
+    if isinstance(value, Tensor):
+        if (
+            value.ndim >= 2
+            and tuple(value.shape[-2:]) == (seq, seq)
+            and (value.dtype == torch.bool or value.is_floating_point())
+        ):
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _masks(item, seq)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _masks(item, seq)
+
+
+def _blocks(mask: Tensor, query: int, key: int) -> bool:
+    """Whether `mask` keeps `query` from `key` in every row and head (False where bool; a large negative score)."""
+    entry = mask[..., query, key]
+    return bool((~entry).all()) if mask.dtype == torch.bool else bool((entry < torch.finfo(mask.dtype).min / 2).all())
 
 
 def _hidden_states(hidden: Tensor):
