@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from megatrain_templates import Documents
 from torch import Tensor, nn
+
+from megatrain_templates import Documents
 
 # micro-batch shapes whose layer arguments are remembered (a step's micro-batches, evaluation's, a warm-up's)
 ARGUMENTS_CACHED = 64
