@@ -17,7 +17,8 @@ from megatrain.cli import main
 from megatrain.config import Config, ConfigError, EngineSection, ModelSection, PrecisionSection, TrainSection
 from megatrain.step import StepBatch
 from megatrain_data import DataSection
-from megatrain_zoo import GenericError, ZooError, model_config_from_hf
+from megatrain_zoo import GenericError, TemplateLacks, ZooError, model_config_from_hf
+from megatrain_zoo.generic import generic_notes
 
 COMMON = dict(
     vocab_size=256,
@@ -50,6 +51,26 @@ FAMILIES = {
         eos_token_id=2,
     ),
     "opt": dict(ffn_dim=128, word_embed_proj_dim=32),
+    # a get_decoder() that returns the LM head (ModernBERT's decoder names it `decoder`)
+    "modernbert-decoder": dict(
+        layer_types=["full_attention", "sliding_attention"], sliding_window=4, cls_token_id=200, sep_token_id=201
+    ),
+    # a text-only checkpoint of an image-text family (vision_config null), its wrapper's forward replacing image
+    # and audio tokens (200-206: in the random batches) by padding before the decoder
+    "gemma4_unified": dict(
+        text_config=dict(
+            COMMON,
+            model_type="gemma4_unified_text",
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+        ),
+        vision_config=None,
+        audio_config=None,
+        **dict(boi_token_id=200, eoi_token_id=201, image_token_id=202, video_token_id=203, boa_token_id=204),
+        **dict(eoa_token_index=205, audio_token_id=206),
+    ),
     "cohere2": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
     "exaone4": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "seed_oss": dict(head_dim=16, attention_bias=True),
@@ -82,9 +103,28 @@ FAMILIES = {
     "bamba": dict(
         attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=4, mamba_expand=1
     ),
+    # a native family (Granite 4.0) whose experts its template lacks: auto trains it through transformers instead
+    "granitemoehybrid": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["mamba", "attention"],
+        **dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=4),
+    ),
     # mixtures of experts (their load-balancing loss left off: see test_a_load_balancing_loss_is_refused)
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16, output_router_logits=False),
     "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
+    # each layer two attentions (num_hidden_layers counts both: twice the layers); latent attention, zero experts
+    "longcat_flash": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        ffn_hidden_size=128,
+        **dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16),
+        **dict(moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=32),
+    ),
+    # a checkpoint's fused query_key_value, split by transformers' converter into q_proj, k_proj and v_proj
+    "param2moe": dict(
+        head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32
+    ),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False),
     # (its top-k per layer, as Hunyuan-A13B's config.json gives it; none of 1, whose weight normalised to 1 gives
     # the router only fp32 noise for a gradient, which AdamW scales up into routes differing from transformers')
@@ -100,7 +140,12 @@ FAMILIES = {
 }
 
 
-OWN_SIZE_NAMES = {"gpt2", "openai-gpt", "gpt_neo"}  # (families whose configs name their sizes their own way)
+OWN_SIZE_NAMES = {
+    "gpt2",
+    "openai-gpt",
+    "gpt_neo",
+    "gemma4_unified",
+}  # (families whose configs name their sizes their own way)
 
 
 def tiny_hf_config(model_type: str) -> dict:
@@ -439,7 +484,18 @@ def test_a_native_family_cannot_be_forced_native_when_it_has_no_template():
         model_config_from_hf(tiny_hf_config("cohere2"), "native")
 
 
-STATEFUL = ("falcon_h1", "lfm2", "lfm2_moe", "recurrent_gemma", "jamba", "bamba")
+def test_a_feature_the_native_template_lacks_trains_through_transformers_unless_native_is_asked():
+    """Llama with biases on its MLP: auto takes transformers' modules and says why at the run's start; native
+    refuses, naming the feature."""
+    hf = {**COMMON, "model_type": "llama", "mlp_bias": True}
+    config = model_config_from_hf(hf)
+    assert config.implementation == "transformers"
+    assert "(its native template: llama with biases on the MLP projections" in generic_notes(config)[0]
+    with pytest.raises(TemplateLacks, match="biases on the MLP projections"):
+        model_config_from_hf(hf, "native")
+
+
+STATEFUL = ("falcon_h1", "lfm2", "lfm2_moe", "recurrent_gemma", "jamba", "bamba", "granitemoehybrid")
 # forwards that give their layers no mask keeping packed documents apart where positions restart
 ATTENDING_ACROSS_DOCUMENTS = ("openai-gpt", "opt")
 PACKING = [name for name in FAMILIES if name not in STATEFUL + ATTENDING_ACROSS_DOCUMENTS]

@@ -495,7 +495,7 @@ def check_media_model(data: MediaRows, model, hf_dir: str | None) -> None:
     """Refuse records with images for a model that trains as a text model, before the model is built."""
     if data.first_media is None or model.image_text:
         return
-    has_tower = hf_dir is not None and "vision_config" in json.loads((Path(hf_dir) / "config.json").read_text())
+    has_tower = hf_dir is not None and bool(json.loads((Path(hf_dir) / "config.json").read_text()).get("vision_config"))
     fix = (
         "set model.image_text: true to train the whole image-text model"
         if has_tower

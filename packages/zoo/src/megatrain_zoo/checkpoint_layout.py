@@ -47,15 +47,16 @@ class CheckpointLayout:
         for key in present:
             if key.endswith("rotary_emb.inv_freq"):
                 continue
-            target, converter = rename_source_key(key, self._renamings, self._converters, prefix, meta)
-            if target not in canonical:
-                raise GenericError(
-                    f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has no "
-                    "place for it); the checkpoint does not belong to this config.json"
-                )
-            made.setdefault(canonical[target], []).append(key)
-            if converter is not None:
-                converted.add(canonical[target])
+            renamed, source_pattern = rename_source_key(key, self._renamings, self._converters, prefix, meta)
+            for target in self._split_targets(renamed, source_pattern):
+                if target not in canonical:
+                    raise GenericError(
+                        f"{where}: unexpected tensor {key!r} (transformers' {type(self.skeleton.model).__name__} has "
+                        "no place for it); the checkpoint does not belong to this config.json"
+                    )
+                made.setdefault(canonical[target], []).append(key)
+                if source_pattern is not None:
+                    converted.add(canonical[target])
         missing = [name for name in self.skeleton.names.values() if name not in made]
         if missing:
             raise GenericError(
@@ -63,6 +64,17 @@ class CheckpointLayout:
                 "is incomplete or for a different model"
             )
         return made, converted
+
+    def _split_targets(self, target: str, source_pattern: str | None) -> list[str]:
+        """The parameters one checkpoint tensor makes: `target` (as transformers renames it), and where its
+        converter splits it (Param2MoE's query_key_value into q_proj, k_proj and v_proj), the others too:
+        transformers' renaming names only the first."""
+        converter = next((c for c in self._converters if source_pattern in c.source_patterns), None)
+        if converter is None or len(converter.target_patterns) == 1:
+            return [target]
+        first = converter.target_patterns[0]
+        head, found, tail = target.rpartition(first)
+        return [head + other + tail for other in converter.target_patterns] if found else [target]
 
     def buffer_sources(self, present: list[str], where: str) -> dict[str, str]:
         """The model's persistent buffers a checkpoint holding `present` gives -> the tensor that is each (the

@@ -84,6 +84,11 @@ class ZooError(Exception):
     """An unknown or unsupported model description, with the fix in the message."""
 
 
+class TemplateLacks(ZooError):
+    """A config.json no native template runs (an architecture or a feature megatrain's templates lack): under
+    model.implementation auto its model trains through transformers' own modules instead."""
+
+
 def _check_number_fields(config: "ModelConfig") -> None:
     """A ZooError naming the first field of a ModelConfig that its type says is a number (int: a whole one; float:
     any) and that holds something else: a size written as text, a null where only some fields allow one. Caught here

@@ -13,9 +13,9 @@ import json
 import traceback
 
 from .checkpoint_layout import CheckpointLayout
-from .config import ModelConfig, ZooError
+from .config import ModelConfig, TemplateLacks, ZooError
 from .generic_stages import GenericEmbedding, GenericHead, GenericLayer, _spec
-from .hf import has_template
+from .hf import config_from_hf, has_template
 from .image_text import ImageTextSkeleton
 from .skeleton import GenericError, HFSkeleton
 from .spec import ADAPTER_GROUP_SUFFIX, Group, ModelSpec, StageSpec
@@ -41,24 +41,24 @@ def _generic_model_config(hf: dict, image_text: bool):
     skeleton = (ImageTextSkeleton if image_text else HFSkeleton)(hf)
     config, parts = skeleton.text_config, skeleton.parts
     counts = _counter(skeleton)
-    heads = getattr(config, "num_attention_heads", 1) or 1
+    heads = _read(config, "num_attention_heads", 1) or 1
     d_model = config.hidden_size
     in_layers = {name for names in parts.layers for name in names}
     return ModelConfig(
         arch=skeleton.config.model_type,
         vocab_size=config.vocab_size,
         d_model=d_model,
-        n_layers=config.num_hidden_layers,
+        n_layers=len(skeleton.layers),
         n_heads=heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        d_ff=getattr(config, "intermediate_size", None) or 4 * d_model,
-        head_dim=getattr(config, "head_dim", None) or d_model // heads,
-        max_seq_len=getattr(config, "max_position_embeddings", None) or 4096,
+        n_kv_heads=_read(config, "num_key_value_heads", None) or heads,
+        d_ff=_read(config, "intermediate_size", None) or 4 * d_model,
+        head_dim=_read(config, "head_dim", None) or d_model // heads,
+        max_seq_len=_position_limit(config),
         tie_embeddings=parts.head_reads_embedding,
-        initializer_range=getattr(config, "initializer_range", 0.02) or 0.02,
-        bos_token_id=_token_id(getattr(config, "bos_token_id", None)),
-        eos_token_id=_token_id(getattr(config, "eos_token_id", None)),
-        pad_token_id=_token_id(getattr(config, "pad_token_id", None)),
+        initializer_range=_read(config, "initializer_range", 0.02) or 0.02,
+        bos_token_id=_token_id(_read(config, "bos_token_id", None)),
+        eos_token_id=_token_id(_read(config, "eos_token_id", None)),
+        pad_token_id=_token_id(_read(config, "pad_token_id", None)),
         implementation="transformers",
         packs_documents=skeleton.packs_documents and not image_text,
         hf_config=hf_config_json(hf),
@@ -66,6 +66,22 @@ def _generic_model_config(hf: dict, image_text: bool):
         outer_params=counts([name for name in skeleton.names.values() if name not in in_layers])[0],
         image_text=image_text,
     )
+
+
+def _read(config, name: str, default):
+    """`config.name`, or `default` where the config lacks it or holds it per layer (Gemma 4 Unified's head_dim:
+    transformers refuses a global read of a heterogeneous config)."""
+    try:
+        return getattr(config, name, default)
+    except Exception:  # noqa: BLE001 (transformers' AmbiguousGlobalPerLayerAttributeError, a class of its own)
+        return default
+
+
+def _position_limit(config) -> int:
+    """The longest sequence the config allows: max_position_embeddings, or 4096 where it gives none (XLNet's -1:
+    relative positions without a table)."""
+    limit = _read(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else 4096
 
 
 @contextlib.contextmanager
@@ -162,6 +178,13 @@ def generic_notes(config) -> list[str]:
     leaves out (dropout: megatrain trains without it)."""
     hf = json.loads(config.hf_config)
     native = "" if has_template(hf) else " (megatrain has no template for it)"
+    if has_template(hf) and not config.image_text:
+        try:
+            config_from_hf(hf)
+        except TemplateLacks as lack:  # (a native family with a feature its template lacks)
+            native = f" (its native template: {lack})"
+        except ZooError:  # (what the template refuses of its own: the generic path, chosen, reads it)
+            pass
     whole = " (the whole image-text model, its vision tower streamed too)" if config.image_text else ""
     notes = [
         f"{config.arch}{whole} trains through transformers' own modules{native}: exact, slower than a native template"

@@ -14,6 +14,7 @@ from .config import (
     NOPE_ARCHITECTURES,
     OLMO,
     ModelConfig,
+    TemplateLacks,
     ZooError,
     windowed_but_every,
 )
@@ -255,7 +256,7 @@ def _refuse_what_templates_lack(hf: dict, model_type: str) -> None:
     if model_type not in _HF_CLASSES:
         archs = hf.get("architectures")
         why = _UNSUPPORTED_MOE.get(model_type, "")
-        raise ZooError(
+        raise TemplateLacks(
             f"unsupported architecture: model_type={model_type!r} (architectures={archs}){'; ' + why if why else ''}; "
             f"megatrain supports {sorted(_HF_CLASSES)} (Llama 2/3, Qwen2/2.5, Qwen3, Mistral; MoE: Mixtral, "
             "Qwen1.5/2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2, DeepSeek-V3, Kimi K2, GLM-4.5, MiniMax-M2, "
@@ -278,13 +279,15 @@ def _refuse_what_templates_lack(hf: dict, model_type: str) -> None:
         *GRANITE,
     )
     if hf.get("attention_bias") and model_type in biased_attention_refused:
-        raise ZooError(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
+        raise TemplateLacks(f"{model_type} with attention_bias=true (bias on o_proj too) is not supported")
     _check_quantization(hf.get("quantization_config"), model_type)
     dropout = {key: hf[key] for key in ("resid_pdrop", "embd_pdrop", "attention_dropout") if hf.get(key)}
     if dropout:
         raise ZooError(f"{model_type} with dropout {dropout}: megatrain trains without dropout; set them to 0.0")
     if hf.get("mlp_bias") or (model_type in ERNIE and hf.get("use_bias")):
-        raise ZooError(f"{model_type} with biases on the MLP projections (mlp_bias / use_bias=true) is not supported")
+        raise TemplateLacks(
+            f"{model_type} with biases on the MLP projections (mlp_bias / use_bias=true) is not supported"
+        )
 
 
 def _rotary_from_hf(hf: dict, model_type: str) -> tuple[float, dict | None, float, float | None]:
@@ -322,7 +325,7 @@ def _granite_from_hf(hf: dict, model_type: str) -> dict:
     if model_type == "granite":
         return multipliers
     if hf.get("num_local_experts"):
-        raise ZooError(
+        raise TemplateLacks(
             "Granite 4.0's experts (num_local_experts > 0: H-Tiny, H-Small) are not implemented yet; its dense "
             "models (Micro, H-Micro, 1B, H-1B, 350M, H-350M) are"
         )
@@ -343,7 +346,7 @@ def _mamba_from_hf(hf: dict, layers: tuple[int, ...]) -> dict:
         "time_step_limit": tuple(hf.get("time_step_limit") or (0.0, float("inf"))) != (0.0, float("inf")),
     }
     if any(refused.values()):
-        raise ZooError(
+        raise TemplateLacks(
             f"Granite 4.0-H with {[name for name, bad in refused.items() if bad]} other than transformers' defaults "
             "(a bias on the convolution, none on the projections, dt unclamped) is not supported"
         )
@@ -381,7 +384,7 @@ def _linear_attention_layer_types(hf: dict) -> list[str]:
     types = hf.get("layer_types") or default
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
-        raise ZooError(f"layer_types {unknown} are not supported here (linear_attention, full_attention)")
+        raise TemplateLacks(f"layer_types {unknown} are not supported here (linear_attention, full_attention)")
     return types
 
 
@@ -389,7 +392,7 @@ def _linear_attention_from_hf(hf: dict, model_type: str) -> dict:
     if model_type not in LINEAR_ATTENTION_ARCHITECTURES:
         return {}
     if hf.get("hidden_act", "silu") != "silu":
-        raise ZooError(f"{model_type} with hidden_act={hf['hidden_act']!r} is not supported (silu)")
+        raise TemplateLacks(f"{model_type} with hidden_act={hf['hidden_act']!r} is not supported (silu)")
     types = _linear_attention_layer_types(hf)[: hf["num_hidden_layers"]]
     return {
         "linear_attention_layers": tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
@@ -409,7 +412,7 @@ def _gemma_from_hf(hf: dict, model_type: str) -> dict:
         return {}
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in _GEMMA_ACTIVATIONS:
-        raise ZooError(
+        raise TemplateLacks(
             f"{model_type} with hidden_activation={activation!r} is not supported ({list(_GEMMA_ACTIVATIONS)})"
         )
     if hf.get("use_bidirectional_attention"):
@@ -437,7 +440,7 @@ def _rope_per_layer_type(hf: dict, rope: dict, model_type: str) -> tuple[dict, f
     full.update(hf.get("rope_scaling") or {})
     local = by_layer_type.get("sliding_attention") or {}
     if local.get("rope_type", local.get("type", "default")) != "default":
-        raise ZooError(f"{model_type} with rotary scaling {local} on its sliding-window layers is not supported")
+        raise TemplateLacks(f"{model_type} with rotary scaling {local} on its sliding-window layers is not supported")
     local_default = hf.get("rope_local_base_freq", 10_000.0) if model_type == "gemma3_text" else 500_000.0
     return full, float(local.get("rope_theta", local_default))
 
@@ -489,7 +492,7 @@ def _deepseek_routing_from_hf(hf: dict, model_type: str) -> dict:
     if model_type == "deepseek_v2":
         method = hf.get("topk_method", "greedy")
         if method not in ("greedy", "group_limited_greedy"):
-            raise ZooError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+            raise TemplateLacks(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
     grouped = method != "greedy"
     return {
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
@@ -503,7 +506,7 @@ def _gpt_oss_from_hf(hf: dict, model_type: str) -> dict:
     if model_type != "gpt_oss":
         return {}
     if hf.get("swiglu_alpha", 1.702) != 1.702:
-        raise ZooError(f"gpt_oss swiglu_alpha {hf['swiglu_alpha']} is not supported (1.702)")
+        raise TemplateLacks(f"gpt_oss swiglu_alpha {hf['swiglu_alpha']} is not supported (1.702)")
     return {
         "o_bias": bool(hf.get("attention_bias", True)),
         "attention_sinks": True,
@@ -527,7 +530,7 @@ def _llama4_from_hf(hf: dict, model_type: str) -> dict:
     ]
     unknown = sorted(set(types) - {"chunked_attention", "full_attention"})
     if unknown:
-        raise ZooError(f"llama4_text layer_types {unknown} are not supported (chunked_attention, full_attention)")
+        raise TemplateLacks(f"llama4_text layer_types {unknown} are not supported (chunked_attention, full_attention)")
     chunked = tuple(i for i, kind in enumerate(types[:n_layers]) if kind == "chunked_attention")
     step = hf.get("interleave_moe_layer_step", 1)
     moe_layers = hf.get("moe_layers")
@@ -582,7 +585,9 @@ def _sliding_layers(hf: dict, model_type: str) -> tuple[int, ...]:
     if types is not None:
         unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
         if unknown:
-            raise ZooError(f"{model_type} layer_types {unknown} are not supported (sliding_attention, full_attention)")
+            raise TemplateLacks(
+                f"{model_type} layer_types {unknown} are not supported (sliding_attention, full_attention)"
+            )
         return tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     if model_type in _WINDOW_ON_EVERY_LAYER:
         return tuple(range(n_layers))

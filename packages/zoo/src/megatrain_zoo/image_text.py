@@ -139,9 +139,6 @@ class ImageTextSkeleton(HFSkeleton):
 
     auto_class = "AutoModelForImageTextToText"
 
-    def _base_module(self, decoder: nn.Module) -> nn.Module:
-        return self.model.base_model  # (the forward that encodes and splices the images)
-
     @cached_property
     def causal_lm(self) -> nn.Module:
         """The language model where it is a causal LM of its own (Llama 4's: transformers 5.24's image-text forward

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from .config import ModelConfig, ZooError
+from .config import ModelConfig, TemplateLacks, ZooError
 from .generic import generic_model_config
 from .hf import _TEXT_MODEL_OF, check_hf_numbers, config_from_hf, has_template
 from .skeleton import GenericError
@@ -17,7 +17,7 @@ def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str
     model that runs transformers' own modules (`generic.py`). An image-text config.json (one with a vision_config)
     trains whole (`image_text.py`) where `image_text` is true, or auto and megatrain has no native template for its
     text model; else its text model alone."""
-    vision = "vision_config" in hf
+    vision = bool(hf.get("vision_config"))  # (Gemma 4's text-only checkpoints write vision_config: null)
     whole = vision and (image_text is True or (image_text == "auto" and not has_template(hf)))
     if vision and not whole and hf.get("model_type") not in _TEXT_MODEL_OF:
         raise ZooError(
@@ -27,8 +27,8 @@ def model_config_from_hf(hf: dict, implementation: str = "auto", image_text: str
     if implementation != "transformers" and not whole:
         try:
             return config_from_hf(hf)
-        except ZooError as error:
-            if implementation == "native" or not str(error).startswith("unsupported architecture"):
+        except TemplateLacks as error:
+            if implementation == "native":
                 raise
             if importlib.util.find_spec("transformers") is None:
                 raise ZooError(

@@ -89,9 +89,8 @@ class HFSkeleton:
         self.model.eval()
         self.config = self.model.config
         self.text_config = self.config.get_text_config()
-        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
+        decoder, self.layers = _decoder_and_layers(self.model, self.text_config)
         self.base = self._base_module(decoder)
-        self.layers = _decoder_layers(decoder, self.text_config.num_hidden_layers)
         self._device = torch.device("cpu")
         self._arguments: OrderedDict = OrderedDict()
         self.layer_output = _hidden_states  # (how the forward reads a layer's output: settled by `parts`)
@@ -99,8 +98,11 @@ class HFSkeleton:
         self.parts  # noqa: B018 (traced now: the stages need it, and it settles `layer_output`)
 
     def _base_module(self, decoder: nn.Module) -> nn.Module:
-        """The module a forward without the head runs: the decoder."""
-        return decoder
+        """The module a forward without the LM head runs: the base model, whose forward does what a wrapper does
+        before its decoder (Gemma 4 Unified's replaces its image and audio tokens by padding; an image-text model's
+        splices the images in), or the decoder where the base model does not hold the layers."""
+        base = self.model.base_model
+        return base if any(module is self.layers for module in base.modules()) else decoder
 
     @cached_property
     def names(self) -> dict[int, str]:
@@ -171,7 +173,7 @@ class HFSkeleton:
         positional = [name for name in signature if name != "self"][1:]  # (after the hidden states)
         read_output = self.layer_output
 
-        def layer_arguments(fill: float, token: int) -> list[dict]:
+        def layer_arguments(fill: float, tokens: Tensor) -> list[dict]:
             recorded: list[dict] = [{} for _ in self.layers]
 
             def record(index, hidden_states, *args, **kwargs):
@@ -185,12 +187,13 @@ class HFSkeleton:
             filled = {name: torch.full((), fill, dtype=w.dtype).expand(w.shape) for name, w in weights.items()}
             try:
                 with contextlib.suppress(_Reached), torch.no_grad():
-                    self.run(filled, {"input_ids": torch.full(TRACED_TOKENS, token)}, None, record)
+                    self.run(filled, {"input_ids": tokens}, None, record)
             finally:
                 self.layer_output = read_output
             return recorded
 
-        for index, (first, second) in enumerate(zip(layer_arguments(0.0, 0), layer_arguments(0.5, 1))):
+        tokens = torch.zeros(TRACED_TOKENS, dtype=torch.long)
+        for index, (first, second) in enumerate(zip(layer_arguments(0.0, tokens), layer_arguments(0.5, tokens + 1))):
             for name, value in first.items():
                 if not _same(value, second[name]):
                     raise GenericError(
@@ -448,12 +451,22 @@ class Parts:
     head_reads_embedding: bool  # (a tied LM head: the head stage binds the embedding's group too)
 
 
-def _decoder_layers(base: nn.Module, n_layers: int) -> nn.ModuleList:
-    """The decoder's ModuleList of its layers (a child's, or deeper: Llama 4's language model is a causal LM)."""
-    for module in [*base.children(), *base.modules()]:
-        if isinstance(module, nn.ModuleList) and len(module) == n_layers:
-            return module
-    raise GenericError(f"{type(base).__name__} has no list of {n_layers} decoder layers the generic path recognises")
+def _decoder_and_layers(model: nn.Module, text_config) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder (the module a forward without the LM head runs) and its ModuleList of layers: a child's, or
+    deeper (Llama 4's language model is a causal LM). The list is as long as num_hidden_layers, or as num_layers
+    where that differs (LongCat-Flash counts each layer's two attentions as layers); the decoder is the model's
+    own `get_decoder()` where that holds the list (ModernBERT's decoder names its LM head `decoder`), else its base
+    model."""
+    counts = [n for n in (text_config.num_hidden_layers, getattr(text_config, "num_layers", None)) if n]
+    candidates = [model.get_decoder()] if hasattr(model, "get_decoder") else []
+    for decoder in [*candidates, model.base_model]:
+        for n_layers in counts:
+            for module in [*decoder.children(), *decoder.modules()]:
+                if isinstance(module, nn.ModuleList) and len(module) == n_layers:
+                    return decoder, module
+    raise GenericError(
+        f"{type(model.base_model).__name__} has no list of {counts[0]} decoder layers the generic path recognises"
+    )
 
 
 def _relative(weights: dict[str, Tensor], module: nn.Module, model: nn.Module) -> dict[str, Tensor]:
