@@ -106,6 +106,32 @@ def test_a_messages_turn_without_a_role_names_the_key_it_lacks(tmp_path, tokeniz
         load_token_data(section, 512, tmp_path / "cache", None)
 
 
+@pytest.mark.parametrize(
+    "data_format, turns, registered, fix",
+    [
+        ("messages", [("user", "hi"), ("bot", "yo")], False, "rename the file's roles to these, or name the file in"),
+        ("sharegpt", [("user", "hi"), ("assistant", "yo")], False, "set data.format: messages, which reads 'user'"),
+        ("sharegpt", [("human", "hi"), ("bot", "yo")], True, "set the registry's tags to the dataset's role names"),
+    ],
+)
+def test_an_unknown_role_names_the_fix_for_a_file_and_for_a_registry_entry(
+    tmp_path, tokenizer_path, data_format, turns, registered, fix
+):
+    """A role the tags do not name: a file named in data.dataset has no registry tags to set (the fix said only
+    those), so its fix is data.format: messages where that reads the role, else renaming or registering it."""
+    role, content = ("role", "content") if data_format == "messages" else ("from", "value")
+    field = "messages" if data_format == "messages" else "conversations"
+    path = write_jsonl(tmp_path / "chat.jsonl", [{field: [{role: r, content: c} for r, c in turns]}])
+    section = DataSection(dataset=str(path), format=data_format, tokenizer=str(tokenizer_path))
+    if registered:
+        (tmp_path / "dataset_info.json").write_text(
+            json.dumps({"chat": {"file_name": "chat.jsonl", "formatting": "sharegpt"}})
+        )
+        section = DataSection(dataset="chat", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path))
+    with pytest.raises(DataError, match=re.escape(fix)):
+        load_token_data(section, 512, tmp_path / "cache", None)
+
+
 def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, tokenizer_path):
     """A tokenizer that puts <bos> before a text (Gemma's, Llama's): every pre-training document starts with
     it once, records and plain text files alike (not once per paragraph); one that puts nothing adds nothing."""
@@ -331,6 +357,23 @@ def test_a_record_of_another_format_names_the_setting_that_reads_it(record, data
 
     what = {"text": "text", "alpaca": "instruction", "messages": "messages"}[data_format]
     assert re.search(fix, fix_for_record(record, what))
+
+
+def test_packing_a_chat_file_read_as_text_names_its_format_first(tmp_path, tokenizer_path):
+    """data.pack on a `messages` file left at data.format text: the fix said data.pack: false first, which failed
+    next on the records' missing text field; data.format: messages is said instead (plain text still hears of
+    data.pack: false)."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}])
+    section = DataSection(dataset=str(chat), tokenizer=str(tokenizer_path), pack=True)
+    said = "holds messages records (fields ['messages']) but data.format is text: set data.format: messages"
+    with pytest.raises(DataError, match=re.escape(said)):
+        load_token_data(section, 512, tmp_path / "c0", None)
+    fixed = DataSection(dataset=str(chat), format="messages", tokenizer=str(tokenizer_path), pack=True)
+    assert load_token_data(fixed, 512, tmp_path / "c1", None).train.tokens.shape[0] == 1
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": "a document"}])
+    with pytest.raises(DataError, match=re.escape("set data.pack: false, or data.format")):
+        load_token_data(DataSection(dataset=str(docs), tokenizer=str(tokenizer_path), pack=True), 512, tmp_path, None)
 
 
 def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):

@@ -88,6 +88,23 @@ def test_presets_lists_each_preset_with_its_size(capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 1 + len(PRESETS)
 
 
+def test_every_option_says_what_it_does_and_eval_and_generate_name_their_config():
+    """`convert --dtype` (and three of generate's options) had no help; eval's and generate's --config said the
+    built-in model was its default, where it is the checkpoint's run's own config (`checkpoint.run_config`)."""
+    import argparse
+
+    from megatrain.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    undescribed = [
+        f"{name} {a.option_strings or a.dest}" for name, c in commands.items() for a in c._actions if not a.help
+    ]
+    assert undescribed == []
+    for name, command in commands.items():
+        config = next((a.help for a in command._actions if "--config" in a.option_strings), "")
+        assert ("(default: that run's own config;" in config) == (name in ("eval", "generate")), name
+
+
 def test_bench_command(capsys):
     args = [
         "bench",

@@ -324,9 +324,17 @@ def as_from_a_shell() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp_path):
+def as_a_background_job() -> None:
+    """A child's signals as a shell without job control (a script's `cmd &`) starts a background job: SIGINT
+    ignored."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("started", [as_from_a_shell, as_a_background_job])
+def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp_path, started):
     """SIGINT while the run waits for its data (a named pipe nobody writes): one line, exit 130, the run
-    directory it made taken back."""
+    directory it made taken back; also for a background job, which inherits SIGINT ignored (it waited for ever)."""
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)
     run = tmp_path / "run"
@@ -336,7 +344,7 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        preexec_fn=as_from_a_shell,
+        preexec_fn=started,
     )
     try:
         deadline = time.time() + 120
@@ -355,6 +363,25 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
     assert process.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "interrupted; train stopped before it finished" in err
     assert not run.exists()  # (the run made it, and wrote nothing in it but its lock)
+
+
+def test_an_ignored_sigint_is_restored_and_a_handler_kept():
+    """`restore_sigint`: SIGINT inherited ignored raises KeyboardInterrupt again; a handler of the caller's stays."""
+    from megatrain.cli import restore_sigint
+
+    def own_handler(signum, frame):
+        pass
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        restore_sigint()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, own_handler)
+        restore_sigint()
+        assert signal.getsignal(signal.SIGINT) is own_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 USER_LOSSES = """

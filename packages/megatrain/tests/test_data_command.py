@@ -117,3 +117,28 @@ def test_data_command_dumps_pairs_as_json_lines_and_text(tmp_path, tokenizer_pat
     assert main(["data", "--config", str(path), "--dump", "1", "--text"]) == 0
     shown = capsys.readouterr().out
     assert f"chosen:\nThe sky is⟦ blue.{EOS_TOKEN}⟧\nrejected:\nThe sky is⟦ green.{EOS_TOKEN}⟧" in shown
+
+
+def test_data_command_caches_a_relative_dataset_path_as_train_does(tmp_path, tokenizer_path, monkeypatch):
+    """`megatrain data` with data.dataset relative to the current directory, then with it absolute (as `train`
+    makes every path): one tokenization cache, not one per spelling of the path (`data` kept it relative)."""
+    chats = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+        for i in range(3)
+    ]
+    write_jsonl(tmp_path / "chat.jsonl", chats)
+    monkeypatch.chdir(tmp_path)
+    settings = {
+        "model.preset": "small-llama",
+        "device": "cpu",
+        "data.format": "messages",
+        "data.tokenizer": tokenizer_path,
+        "data.seq_len": 32,
+        "train.batch_size": 2,
+        "train.micro_batch_size": 1,
+        "output_dir": "run",
+    }
+    overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    for dataset in ("chat.jsonl", tmp_path / "chat.jsonl"):
+        assert main(["data", *overrides, "--set", f"data.dataset={dataset}", "--dump", "1"]) == 0
+    assert len(list((tmp_path / "run" / "cache").glob("records-*.report.json"))) == 1

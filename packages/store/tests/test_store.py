@@ -110,6 +110,18 @@ def test_safetensors_round_trip_atomic(tmp_path):
         assert torch.equal(targets[name], tensor)
 
 
+def test_safetensors_from_a_dict_as_from_pairs(tmp_path):
+    """A {name: tensor} dict, as safetensors' `save_file` takes, is written as its (name, tensor) pairs are (it was
+    iterated for its names alone and failed to unpack them)."""
+    generator = torch.Generator().manual_seed(0)
+    named = {"a.w": torch.randn(3, 4, generator=generator), "b": torch.randn(5, generator=generator).bfloat16()}
+    write_safetensors(tmp_path / "dict.safetensors", named)
+    write_safetensors(tmp_path / "pairs.safetensors", list(named.items()))
+    assert (tmp_path / "dict.safetensors").read_bytes() == (tmp_path / "pairs.safetensors").read_bytes()
+    loaded = load_file(str(tmp_path / "dict.safetensors"))
+    assert loaded.keys() == named.keys() and all(torch.equal(loaded[n], t) for n, t in named.items())
+
+
 def test_temporary_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
     """What a write killed midway leaves (`atomic_write`'s temporary, named by its pid) goes; a live writer's stays."""
     import os

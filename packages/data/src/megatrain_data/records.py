@@ -27,7 +27,7 @@ from megatrain_store.progress import progress
 
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .errors import DataError
-from .section import DataSection, fix_for_record
+from .section import FORMAT_BY_FIELDS, DataSection, fix_for_record
 from .sources import RECORD_SUFFIXES, Source, resolve_sources
 from .tokens import Tokens, document_start_ids, not_utf8_where, pad_token_id
 
@@ -229,16 +229,35 @@ def alpaca_prompt(record: dict, source: Source, index: int) -> list[dict]:
     return messages
 
 
-def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
-    """One sharegpt or messages turn (`what` names it in errors: "turn 3") as a role/content dict, its role
-    one of user/assistant/system/tool through the source's tags."""
-    role_of = {
+def _role_names(source: Source) -> dict:
+    """The source's role names (its tags) -> the roles a conversation takes: user/assistant/system/tool."""
+    return {
         source.tag("user_tag"): "user",
         source.tag("assistant_tag"): "assistant",
         source.tag("function_tag"): "assistant",
         source.tag("observation_tag"): "tool",
         source.tag("system_tag"): "system",
     }
+
+
+def _unknown_role_fix(role, source: Source) -> str:
+    """What reads a turn's `role` that the source's tags do not name. A file named in data.dataset has no tags (no
+    data key sets them): data.format messages where that reads the role, else its roles renamed or a registry entry."""
+    if source.registered:
+        return "set the registry's tags to the dataset's role names"
+    read_as_messages = set(_role_names(replace(source, formatting="messages"))) | set(ROLE_ALIASES)
+    if source.formatting != "messages" and isinstance(role, str) and role in read_as_messages:
+        return f"set data.format: messages, which reads {role!r}"
+    return (
+        "rename the file's roles to these, or name the file in a dataset_info.json entry whose tags map its role "
+        "names (data.dataset_dir; the registry's tags are the only setting that renames roles)"
+    )
+
+
+def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
+    """One sharegpt or messages turn (`what` names it in errors: "turn 3") as a role/content dict, its role
+    one of user/assistant/system/tool through the source's tags."""
+    role_of = _role_names(source)
     if not isinstance(turn, dict):
         raise DataError(f"{where}: {what} is not a mapping: {turn!r}")
     role_key, content_key = source.tag("role_tag"), source.tag("content_tag")
@@ -251,7 +270,7 @@ def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
     if role is None:
         raise DataError(
             f"{where}: {what} has role {turn.get(role_key)!r} under {role_key!r}, not one of "
-            f"{sorted(r for r in role_of if r)}; set the registry's tags to the dataset's role names"
+            f"{sorted(r for r in role_of if r)}; {_unknown_role_fix(turn.get(role_key), source)}"
         )
     content = turn.get(content_key)
     return {"role": role, "content": "" if content is None else content}
@@ -584,6 +603,8 @@ def read_sources(data: DataSection, tokenizer_path: Path, eos: str) -> ReadSourc
     text = _is_text(data, sources)
     template = None if text else _chat_template(tokenizer_path, data.chat_template, eos)
     all_records = [load_records(s) for s in sources]
+    if text and data.pack:
+        _refuse_packed_text(sources, all_records)
     validation_records = load_records(validation_source(data, sources[0])) if isinstance(data.validation, str) else None
     return ReadSources(sources, all_records, validation_records, text, template)
 
@@ -625,18 +646,30 @@ def records_to_rows(
 
 
 def _is_text(data: DataSection, sources: list[Source]) -> bool:
-    """Whether the sources are plain text (pre-training) rather than chat records; mixes and packed text refused."""
+    """Whether the sources are plain text (pre-training) rather than chat records; mixes refused."""
     if any(s.is_preference for s in sources):  # (load_token_data sends these to preference.preference_rows)
         raise DataError("data.dataset names preference pairs: read them with megatrain_data.preference.preference_rows")
     text = sources[0].formatting == "text"
     if any((s.formatting == "text") != text for s in sources):
         raise DataError("data.dataset mixes text (pre-training) and chat datasets; train them in separate runs")
-    if text and data.pack:
-        raise DataError(
-            "data.pack packs chat and instruction examples; text records are already one stream cut into "
-            "windows (set data.pack: false, or data.format to the records' chat format)"
-        )
     return text
+
+
+def _refuse_packed_text(sources: list[Source], all_records: list) -> None:
+    """Refuse data.pack on text records. Records with a chat format's fields (a `messages` file read as text) are
+    told that format first: data.pack: false alone only fails next on their missing text field."""
+    for source, records in zip(sources, all_records):
+        fields = set(records.column_names)
+        chats = [name for name, needs in FORMAT_BY_FIELDS if name in ("messages", "alpaca") and needs <= fields]
+        if chats:
+            raise DataError(
+                f"dataset {source.name!r} holds {chats[0]} records (fields {sorted(fields)}) but data.format is text: "
+                f"set data.format: {chats[0]} to pack them as examples"
+            )
+    raise DataError(
+        "data.pack packs chat and instruction examples; text records are already one stream cut into "
+        "windows (set data.pack: false, or data.format to the records' chat format)"
+    )
 
 
 def _chat_template(tokenizer_path: Path, chat_template: str | None, eos: str):

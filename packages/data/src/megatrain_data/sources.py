@@ -81,6 +81,7 @@ class Source:
     subset: str | None = None
     num_samples: int | None = None
     ranking: bool = False  # a registry entry of chosen/rejected pairs (alpaca or sharegpt formatting)
+    registered: bool = False  # an entry of dataset_info.json (its columns and tags apply), not a file of data.dataset
 
     @property
     def is_preference(self) -> bool:
@@ -135,6 +136,7 @@ def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
         entry.get("subset"),
         entry.get("num_samples"),
         ranking,
+        registered=True,
     )
 
 

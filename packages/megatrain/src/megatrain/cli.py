@@ -7,6 +7,7 @@ the signal for a run stopped by one after its checkpoint); anything else is a bu
 import argparse
 import errno
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -85,8 +86,16 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
     return None
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config file (default: the built-in small model on the built-in corpus)")
+BUILT_IN_CONFIG = "YAML config file (default: the built-in small model on the built-in corpus)"
+# (eval and generate: `run_command` lays --config over `run_config`'s, the built-in job's only where that is None)
+RUN_CONFIG = (
+    "YAML config file whose sections replace those of the checkpoint's run (default: that run's own config; for a "
+    "Hugging Face directory no run wrote, the built-in job's)"
+)
+
+
+def _add_config_args(parser: argparse.ArgumentParser, config_help: str = BUILT_IN_CONFIG) -> None:
+    parser.add_argument("--config", help=config_help)
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -153,8 +162,10 @@ def run_data(config, args) -> None:
     from megatrain_data.inspect import dump_pairs, dump_rows
     from megatrain_data.multimodal import MediaRows, row_windows
 
-    from .config import ConfigError, model_config_of
+    from .config import ConfigError, model_config_of, with_absolute_paths
 
+    # (as `train` does: the tokenization cache's key holds the paths, and a relative one made a second cache)
+    config = with_absolute_paths(config)
     if config.train.objective == "grpo":
         return dump_grpo_data(config, args)
     model = model_config_of(config)
@@ -517,7 +528,12 @@ def _add_convert(commands) -> None:
         help="a run's output_dir (its newest weights), a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
     )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
-    convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    convert_parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the written weights' dtype (default float32: the fp32 master weights as trained; bfloat16 halves them)",
+    )
     convert_parser.add_argument(
         "--overwrite", action="store_true", help="replace the model DIR holds (refused without it)"
     )
@@ -541,7 +557,7 @@ def _add_data(commands) -> None:
 
 def _add_eval(commands) -> None:
     eval_parser = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint, forward only")
-    _add_config_args(eval_parser)
+    _add_config_args(eval_parser, RUN_CONFIG)
     eval_parser.add_argument(
         "--checkpoint",
         required=True,
@@ -553,7 +569,7 @@ def _add_eval(commands) -> None:
 
 def _add_generate(commands) -> None:
     generate_parser = commands.add_parser("generate", help="completions of prompts from a checkpoint's weights")
-    _add_config_args(generate_parser)
+    _add_config_args(generate_parser, RUN_CONFIG)
     generate_parser.add_argument(
         "--checkpoint",
         required=True,
@@ -562,11 +578,18 @@ def _add_generate(commands) -> None:
     generate_parser.add_argument(
         "--prompts", required=True, help='a JSONL of {"prompt": text or messages}, or a text file of one per line'
     )
-    generate_parser.add_argument("--max-new-tokens", type=int, default=256)
+    generate_parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="the most tokens a completion takes (an end token stops it first)",
+    )
     generate_parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    generate_parser.add_argument("--top-p", type=float, default=1.0)
+    generate_parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the likeliest tokens holding this probability (1: all)"
+    )
     generate_parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
-    generate_parser.add_argument("--seed", type=int, default=0)
+    generate_parser.add_argument("--seed", type=int, default=0, help="the sampling's seed (--temperature above 0)")
 
 
 def _add_bench(commands) -> None:
@@ -626,8 +649,17 @@ def run_command(args) -> None:
         run_presets(args.match)
 
 
+def restore_sigint() -> None:
+    """SIGINT raising KeyboardInterrupt again where the command inherited it ignored: a shell without job control (a
+    script's `megatrain train &`) starts background jobs so, and Ctrl-C or `kill -INT` then did nothing until the
+    run's own handler was on (after the imports, the data and the model) and nothing again once it gave SIG_IGN back."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `megatrain` command; returns its exit code."""
+    restore_sigint()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -10,7 +10,7 @@ import math
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,13 +139,15 @@ def check_files(directory: Path, records: dict[str, dict]) -> None:
 
 
 def write_safetensors(
-    path: Path, tensors: Iterable[tuple[str, Tensor | Pending]], metadata: dict[str, str] | None = None
+    path: Path,
+    tensors: Mapping[str, Tensor | Pending] | Iterable[tuple[str, Tensor | Pending]],
+    metadata: dict[str, str] | None = None,
 ) -> int:
-    """Write named tensors (views are fine: each is written from its own memory; `Pending` ones are
-    loaded as they are written) atomically.
+    """Write named tensors, a {name: tensor} mapping (as safetensors' `save_file` takes) or (name, tensor) pairs
+    (views are fine: each is written from its own memory; `Pending` ones are loaded as they are written) atomically.
 
     Returns the file size in bytes."""
-    items = [(name, t) for name, t in tensors]
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else [(name, t) for name, t in tensors]
     header: dict = {}
     offset = 0
     for name, tensor in items:
