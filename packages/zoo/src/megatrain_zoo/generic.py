@@ -53,14 +53,14 @@ def _generic_model_config(hf: dict, image_text: bool):
         n_kv_heads=_read(config, "num_key_value_heads", None) or heads,
         d_ff=_read(config, "intermediate_size", None) or 4 * d_model,
         head_dim=_read(config, "head_dim", None) or d_model // heads,
-        max_seq_len=_position_limit(config),
+        max_seq_len=_read(config, "max_position_embeddings", None) or 4096,
         tie_embeddings=parts.head_reads_embedding,
         initializer_range=_read(config, "initializer_range", 0.02) or 0.02,
         bos_token_id=_token_id(_read(config, "bos_token_id", None)),
         eos_token_id=_token_id(_read(config, "eos_token_id", None)),
         pad_token_id=_token_id(_read(config, "pad_token_id", None)),
         implementation="transformers",
-        packs_documents=skeleton.packs_documents and not image_text,
+        packs_documents=not image_text and skeleton.packs_documents,
         hf_config=hf_config_json(hf),
         layer_counts=tuple(counts(names, index) for index, names in enumerate(parts.layers)),
         outer_params=counts([name for name in skeleton.names.values() if name not in in_layers])[0],
@@ -75,13 +75,6 @@ def _read(config, name: str, default):
         return getattr(config, name, default)
     except Exception:  # noqa: BLE001 (transformers' AmbiguousGlobalPerLayerAttributeError, a class of its own)
         return default
-
-
-def _position_limit(config) -> int:
-    """The longest sequence the config allows: max_position_embeddings, or 4096 where it gives none (XLNet's -1:
-    relative positions without a table)."""
-    limit = _read(config, "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else 4096
 
 
 @contextlib.contextmanager
