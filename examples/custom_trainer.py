@@ -10,6 +10,7 @@ against plain PyTorch and torch.optim.AdamW.
 """
 
 import getpass
+import json
 import tempfile
 from pathlib import Path
 
@@ -18,8 +19,8 @@ import torch
 from megatrain_data import DataSection, TokenWindows, load_token_data
 from megatrain_optim import STATE_NAMES, AdamWConfig, HostAdamW, HostUpdates, UpdatesAsGradientsLand
 from megatrain_sched import Hooks, LayerPipeline, MicroBatch, Placement, Stage
-from megatrain_store import GroupLayout, HostStore
-from megatrain_zoo import build_model, init_param_, preset
+from megatrain_store import GroupLayout, HostStore, write_safetensors
+from megatrain_zoo import build_model, config_to_hf, init_param_, preset
 
 
 class CustomTrainer:
@@ -73,6 +74,13 @@ class CustomTrainer:
         self.updates.wait_all()
         return {name: view for g in range(self.store.n_groups) for name, view in self.store.master_views(g).items()}
 
+    def save_pretrained(self, out_dir: Path) -> None:
+        """A Hugging Face model directory of the weights now (config.json, fp32 model.safetensors), which
+        transformers' AutoModelForCausalLM loads; the tokenizer's files are the data's to copy beside it."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(config_to_hf(self.model), indent=2))
+        write_safetensors(out_dir / "model.safetensors", self.weights(), metadata={"format": "pt"})
+
     def close(self) -> None:
         self.updates.close()
 
@@ -86,4 +94,6 @@ if __name__ == "__main__":
     for step in range(5):
         batch = windows.batch(step)
         print(f"step {step}: loss {trainer.train_step(batch.input_ids, batch.labels, lr=1e-3):.4f}")
+    trainer.save_pretrained(cache / "model")
+    print(f"saved {cache / 'model'}")
     trainer.close()

@@ -2,12 +2,14 @@
 torch.optim.AdamW, from the same weights on the same fresh random batches (run by `nox -s examples`, with the
 six packages installed and not `megatrain`)."""
 
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -19,7 +21,7 @@ from megatrain_optim import AdamWConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2"])  # an untied and a tied embedding
-def test_custom_trainer_steps_equal_plain_pytorch(preset_name):
+def test_custom_trainer_steps_equal_plain_pytorch(preset_name, tmp_path):
     adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
     trainer = CustomTrainer(preset_name, adamw, dtype=torch.float64, seed=int(torch.randint(0, 2**31, ())))
     reference = ReferenceLM(trainer.model).double()
@@ -49,4 +51,8 @@ def test_custom_trainer_steps_equal_plain_pytorch(preset_name):
     # move weights by ~lr
     for name, param in reference.named_parameters():
         assert torch.allclose(ours[name], param.detach(), rtol=1e-9, atol=1e-10), name
+    trainer.save_pretrained(tmp_path)  # (its weights as written, by the names transformers loads)
+    assert load_file(tmp_path / "model.safetensors").keys() == ours.keys()
+    assert all(torch.equal(t, ours[name]) for name, t in load_file(tmp_path / "model.safetensors").items())
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == trainer.model.arch
     trainer.close()
