@@ -2,7 +2,9 @@
 state in a host store, AdamW applied as gradients land, and the layer-streaming pipeline running a placement you
 write yourself (here the last block keeps its matmul products, the first holds its weights from forward to
 backward); its batches are token windows of the data package. `examples/test_custom_trainer.py` checks its steps
-against plain PyTorch and torch.optim.AdamW.
+against plain PyTorch and torch.optim.AdamW. Rows of packed documents or padding (a data `Batch` with position_ids or
+valid) go in as `MicroBatch(ids, labels, documents=megatrain_templates.Documents(position_ids, valid))`, a micro-batch's
+rows of each; `save_pretrained` writes a directory transformers loads.
 
     pip install torch==2.13.0 ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo \
         ./packages/data
