@@ -102,7 +102,7 @@ def test_every_option_says_what_it_does_and_eval_and_generate_name_their_config(
     assert undescribed == []
     for name, command in commands.items():
         config = next((a.help for a in command._actions if "--config" in a.option_strings), "")
-        assert ("(default: that run's own config;" in config) == (name in ("eval", "generate")), name
+        assert ("laid over the checkpoint's run config" in config) == (name in ("eval", "generate")), name
 
 
 def test_bench_command(capsys):

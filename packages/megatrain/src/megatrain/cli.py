@@ -87,11 +87,7 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
 
 
 BUILT_IN_CONFIG = "YAML config file (default: the built-in small model on the built-in corpus)"
-# (eval and generate: `run_command` lays --config over `run_config`'s, the built-in job's only where that is None)
-RUN_CONFIG = (
-    "YAML config file whose sections replace those of the checkpoint's run (default: that run's own config; for a "
-    "Hugging Face directory no run wrote, the built-in job's)"
-)
+RUN_CONFIG = "YAML config file laid over the checkpoint's run config (default: that run's; no run's: the built-in one)"
 
 
 def _add_config_args(parser: argparse.ArgumentParser, config_help: str = BUILT_IN_CONFIG) -> None:
@@ -507,36 +503,24 @@ def _add_plan(commands) -> None:
     _add_config_args(plan_parser)
     plan_parser.add_argument("--calibrate", action="store_true", help="measure GPU, PCIe and CPU-optimizer rates here")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan_parser.add_argument("--gpu-memory-gib", type=float, help="plan for a GPU with this much memory free")
     plan_parser.add_argument(
-        "--gpu-memory-gib", type=float, help="plan for a GPU with this much memory free instead of this machine's"
-    )
-    plan_parser.add_argument(
-        "--host-memory-gib",
-        type=float,
-        help="plan for a host whose run may take this much memory instead of what this machine gives",
+        "--host-memory-gib", type=float, help="plan for a host whose run may take this much memory"
     )
     plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per host (data parallel, torchrun)")
     plan_parser.add_argument(
-        "--hosts", type=int, default=1, help="hosts (a replica of the state each, or a part: engine.shard_across_hosts)"
+        "--hosts", type=int, default=1, help="hosts (a replica each, or engine.shard_across_hosts)"
     )
 
 
 def _add_convert(commands) -> None:
     convert_parser = commands.add_parser("convert", help="write a Hugging Face model directory from a checkpoint")
     convert_parser.add_argument(
-        "source",
-        help="a run's output_dir (its newest weights), a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
+        "source", help="a run's output_dir (newest weights), a step-NNNNNNNN or an HF directory"
     )
     convert_parser.add_argument("out", help="the Hugging Face directory to write")
-    convert_parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="the written weights' dtype (default float32: the fp32 master weights as trained; bfloat16 halves them)",
-    )
-    convert_parser.add_argument(
-        "--overwrite", action="store_true", help="replace the model DIR holds (refused without it)"
-    )
+    convert_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="of the weights")
+    convert_parser.add_argument("--overwrite", action="store_true", help="replace the model DIR holds (else refused)")
     convert_parser.add_argument(
         "--merge",
         action="store_true",
@@ -547,22 +531,15 @@ def _add_convert(commands) -> None:
 def _add_data(commands) -> None:
     data_parser = commands.add_parser("data", help="show the training sequences a config makes (template, mask)")
     _add_config_args(data_parser)
-    data_parser.add_argument(
-        "--dump", type=int, default=4, metavar="N", help="how many sequences (preference data: pairs; default 4)"
-    )
-    data_parser.add_argument(
-        "--text", action="store_true", help="decoded text with trained spans marked, instead of JSON lines of ids"
-    )
+    data_parser.add_argument("--dump", type=int, default=4, metavar="N", help="how many sequences (or pairs)")
+    data_parser.add_argument("--text", action="store_true", help="decoded text, trained spans marked (not ids)")
 
 
 def _add_eval(commands) -> None:
     eval_parser = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint, forward only")
     _add_config_args(eval_parser, RUN_CONFIG)
     eval_parser.add_argument(
-        "--checkpoint",
-        required=True,
-        help="a run's output_dir (its newest weights, and its config unless --config), a checkpoint "
-        "(step-NNNNNNNN) or a Hugging Face directory (a run's final/ among them)",
+        "--checkpoint", required=True, help="a run's output_dir, a step-NNNNNNNN or an HF directory"
     )
     eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
 
@@ -571,23 +548,14 @@ def _add_generate(commands) -> None:
     generate_parser = commands.add_parser("generate", help="completions of prompts from a checkpoint's weights")
     _add_config_args(generate_parser, RUN_CONFIG)
     generate_parser.add_argument(
-        "--checkpoint",
-        required=True,
-        help="a run's output_dir, a checkpoint (step-NNNNNNNN) or a Hugging Face directory",
+        "--checkpoint", required=True, help="a run's output_dir, a step-NNNNNNNN or an HF directory"
     )
     generate_parser.add_argument(
         "--prompts", required=True, help='a JSONL of {"prompt": text or messages}, or a text file of one per line'
     )
-    generate_parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=256,
-        help="the most tokens a completion takes (an end token stops it first)",
-    )
+    generate_parser.add_argument("--max-new-tokens", type=int, default=256, help="the most a completion takes")
     generate_parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    generate_parser.add_argument(
-        "--top-p", type=float, default=1.0, help="sample from the likeliest tokens holding this probability (1: all)"
-    )
+    generate_parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (1: all)")
     generate_parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
     generate_parser.add_argument("--seed", type=int, default=0, help="the sampling's seed (--temperature above 0)")
 
@@ -650,9 +618,8 @@ def run_command(args) -> None:
 
 
 def restore_sigint() -> None:
-    """SIGINT raising KeyboardInterrupt again where the command inherited it ignored: a shell without job control (a
-    script's `megatrain train &`) starts background jobs so, and Ctrl-C or `kill -INT` then did nothing until the
-    run's own handler was on (after the imports, the data and the model) and nothing again once it gave SIG_IGN back."""
+    """SIGINT raising KeyboardInterrupt where the command inherited it ignored (a script's `megatrain train &`): Ctrl-C
+    and `kill -INT` did nothing before the run's own handler was on, nor after it gave SIG_IGN back."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
