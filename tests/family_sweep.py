@@ -139,18 +139,6 @@ OVERRIDES: dict[str, dict] = {
     "hrm_text": dict(num_hidden_layers=2, num_layers_per_stack=1, H_cycles=1, L_cycles=1, L_bp_cycles=[1]),
     # its sliding layers' head_dim must be the latent query head's (no-rotary 16 + rotary 16)
     "dots3_note_text": dict(head_dim=32),
-    # Gemma 3n's per-layer inputs (refused on purpose by megatrain): test_generic's tiny one
-    "gemma3n_text": dict(
-        head_dim=16,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=256,
-        laurel_rank=8,
-        num_kv_shared_layers=0,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        layer_types=["sliding_attention", "full_attention"],
-        activation_sparsity_pattern=[0.0, 0.0],
-    ),
 }
 
 # bert-likes whose causal LM is their encoder run with a causal mask (is_decoder=True): not decoder families
@@ -177,6 +165,8 @@ def tiny_config(model_type: str) -> dict:
 
     if model_type in test_generic.FAMILIES:
         return test_generic.tiny_hf_config(model_type)
+    if model_type == "gemma3n_text":  # (per-layer inputs, refused on purpose by megatrain: test_generic's tiny one)
+        return {**test_generic.COMMON, "model_type": model_type, **test_generic.GEMMA3N_TEXT}
     import test_image_text
 
     if model_type in test_image_text.FAMILIES:  # (an image-text family's tested tiny config)

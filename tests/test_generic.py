@@ -554,19 +554,22 @@ def test_a_layer_type_transformers_keeps_a_recurrent_state_for_does_not_pack():
     assert model_config_from_hf({**hf, "layer_types": ["full_attention"] * 2}).packs_documents
 
 
+# Gemma 3n's text model, tiny: per-layer inputs (the generic path refuses them)
+GEMMA3N_TEXT = dict(
+    head_dim=16,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=256,
+    laurel_rank=8,
+    num_kv_shared_layers=0,
+    layer_types=["sliding_attention", "full_attention"],
+    activation_sparsity_pattern=[0.0, 0.0],
+)
+
+
 def test_a_layer_given_inputs_from_the_tokens_is_refused():
     """Gemma 3n gives each layer an embedding of the tokens of its own (per_layer_input): refused, naming it."""
-    extra = dict(
-        head_dim=16,
-        hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=256,
-        laurel_rank=8,
-        num_kv_shared_layers=0,
-        layer_types=["sliding_attention", "full_attention"],
-        activation_sparsity_pattern=[0.0, 0.0],
-    )
     with pytest.raises(ZooError, match="Gemma3nTextDecoderLayer 0 is given 'per_layer_input', computed from the tok"):
-        model_config_from_hf({**COMMON, "model_type": "gemma3n_text", **extra})
+        model_config_from_hf({**COMMON, "model_type": "gemma3n_text", **GEMMA3N_TEXT})
 
 
 TINY_MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2)
