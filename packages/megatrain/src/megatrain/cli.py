@@ -158,10 +158,8 @@ def run_data(config, args) -> None:
     from megatrain_data.inspect import dump_pairs, dump_rows
     from megatrain_data.multimodal import MediaRows, row_windows
 
-    from .config import ConfigError, model_config_of, with_absolute_paths
+    from .config import ConfigError, model_config_of
 
-    # (as `train` does: the tokenization cache's key holds the paths, and a relative one made a second cache)
-    config = with_absolute_paths(config)
     if config.train.objective == "grpo":
         return dump_grpo_data(config, args)
     model = model_config_of(config)
@@ -192,10 +190,11 @@ def run_data(config, args) -> None:
 
 def _config(args, base: dict | None = None):
     """The command's config: --config (or, without a run's own config as `base`, the built-in default job)
-    with --set overrides."""
-    from .config import default_config_path, load_config
+    with --set overrides, its paths absolute (the tokenization cache's key holds them: a relative one made a second)."""
+    from .config import default_config_path, load_config, with_absolute_paths
 
-    return load_config(args.config or (None if base is not None else default_config_path()), args.overrides, base)
+    config = load_config(args.config or (None if base is not None else default_config_path()), args.overrides, base)
+    return with_absolute_paths(config)
 
 
 def _at_least(value, lowest, option: str) -> None:
