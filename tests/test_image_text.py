@@ -21,6 +21,7 @@ from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_optim import Schedule, lr_at
 from megatrain_templates import Media
+from megatrain_zoo import model_config_from_hf
 
 IMAGE, VIDEO, START, END = 250, 251, 252, 253
 QWEN_VISION = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -512,3 +513,12 @@ def test_a_text_model_that_cannot_train_alone_is_refused_in_one_line():
     with pytest.raises(ZooError, match="cannot train alone.*model.image_text: auto") as refused:
         model_config_from_hf({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"]}, image_text=False)
     assert "\n" not in str(refused.value)
+
+
+def test_a_tower_whose_convolutions_shrink_its_patches_is_probed_with_its_own_token_count():
+    """GOT-OCR2's tower makes 256 tokens of an image's 4,096 patches: the trace's probe image gets as many image
+    tokens as the model's own get_image_features makes (a count of patches was refused: 4096 tokens, 256 features)."""
+    vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, window_size=4)
+    hf = {"model_type": "got_ocr2", "image_token_index": IMAGE, "vision_config": vision, "text_config": TEXT}
+    config = model_config_from_hf(hf)
+    assert config.image_text and config.implementation == "transformers"

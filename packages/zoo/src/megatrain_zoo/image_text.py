@@ -420,25 +420,34 @@ def probe_inputs(skeleton: ImageTextSkeleton) -> dict:
             "image_sizes": torch.tensor([[height, width]]),
         }
         tokens = _image_tokens(skeleton, pixels)
-    else:  # (a fixed-size image: Gemma 3's pooled tokens, LLaVA's patches, Pixtral's merged ones)
+    else:  # (a fixed-size image: Gemma 3's pooled tokens, LLaVA's patches, Pixtral's merged ones, as the model counts)
         size = vision.image_size
         pixels = {"pixel_values": torch.zeros(1, channels, size, size)}
-        side = size // vision.patch_size // (getattr(config, "spatial_merge_size", None) or 1)
-        shuffled = getattr(vision, "pixel_shuffle_ratio", None) or 1  # (Llama 4's patches shuffled into channels)
-        tokens = getattr(config, "mm_tokens_per_image", None) or int(side**2 * shuffled**2)
-        if getattr(config, "vision_feature_select_strategy", "default") == "full":
-            tokens += 1  # (the class token kept)
+        if "image_sizes" in inspect.signature(type(skeleton.tower).forward).parameters:  # (Pixtral: images of any size)
+            pixels["image_sizes"] = torch.tensor([[size, size]])
+        try:  # (the model's own count: GOT-OCR2's convolutions shrink its patches)
+            tokens = _image_tokens(skeleton, pixels)
+        except Exception:  # noqa: BLE001 (a tower that reads values, Pixtral's image_sizes: its patches counted)
+            tokens = _patch_tokens(config, size)
     ids = torch.full((1, tokens + 2), image_token)
     ids[0, 0] = ids[0, -1] = 0
     start = getattr(config, "vision_start_token_id", None)
     if start is not None:
         ids[0, 0] = start
     takes = inspect.signature(type(skeleton.model.base_model).forward).parameters
-    if "image_sizes" in inspect.signature(type(skeleton.tower).forward).parameters:  # (Pixtral: images of any size)
-        pixels["image_sizes"] = torch.tensor([[size, size]])
     if "mm_token_type_ids" in takes:  # (which tokens are an image's, for the multimodal rotary positions)
         pixels["mm_token_type_ids"] = (ids == image_token).int()
     return {"input_ids": ids, **pixels}
+
+
+def _patch_tokens(config, size: int) -> int:
+    """How many tokens a fixed-size image of `size` pixels a side makes: its patches, merged (Pixtral) or shuffled
+    into channels (Llama 4), the class token where the model keeps it (or the config's count: Gemma 3's)."""
+    vision = config.vision_config
+    side = size // vision.patch_size // (getattr(config, "spatial_merge_size", None) or 1)
+    shuffled = getattr(vision, "pixel_shuffle_ratio", None) or 1
+    tokens = getattr(config, "mm_tokens_per_image", None) or int(side**2 * shuffled**2)
+    return tokens + (getattr(config, "vision_feature_select_strategy", "default") == "full")
 
 
 def _image_tokens(skeleton: ImageTextSkeleton, pixels: dict) -> int:
