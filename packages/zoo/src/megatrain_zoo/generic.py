@@ -171,7 +171,7 @@ def generic_notes(config) -> list[str]:
     leaves out (dropout: megatrain trains without it)."""
     hf = json.loads(config.hf_config)
     native = "" if has_template(hf) else " (megatrain has no template for it)"
-    if has_template(hf) and not config.image_text:
+    if not native and not config.image_text:
         try:
             config_from_hf(hf)
         except TemplateLacks as lack:  # (a native family with a feature its template lacks)

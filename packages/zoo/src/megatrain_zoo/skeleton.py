@@ -89,20 +89,12 @@ class HFSkeleton:
         self.model.eval()
         self.config = self.model.config
         self.text_config = self.config.get_text_config()
-        decoder, self.layers = _decoder_and_layers(self.model, self.text_config)
-        self.base = self._base_module(decoder)
+        self.base, self.layers = _base_and_layers(self.model, self.text_config)
         self._device = torch.device("cpu")
         self._arguments: OrderedDict = OrderedDict()
         self.layer_output = _hidden_states  # (how the forward reads a layer's output: settled by `parts`)
         self.product_bytes: dict = {}  # (kind of layer, dtype, backend) -> bytes per token its kept graph holds
         self.parts  # noqa: B018 (traced now: the stages need it, and it settles `layer_output`)
-
-    def _base_module(self, decoder: nn.Module) -> nn.Module:
-        """The module a forward without the LM head runs: the base model, whose forward does what a wrapper does
-        before its decoder (Gemma 4 Unified's replaces its image and audio tokens by padding; an image-text model's
-        splices the images in), or the decoder where the base model does not hold the layers."""
-        base = self.model.base_model
-        return base if any(module is self.layers for module in base.modules()) else decoder
 
     @cached_property
     def names(self) -> dict[int, str]:
@@ -451,19 +443,21 @@ class Parts:
     head_reads_embedding: bool  # (a tied LM head: the head stage binds the embedding's group too)
 
 
-def _decoder_and_layers(model: nn.Module, text_config) -> tuple[nn.Module, nn.ModuleList]:
-    """The decoder (the module a forward without the LM head runs) and its ModuleList of layers: a child's, or
-    deeper (Llama 4's language model is a causal LM). The list is as long as num_hidden_layers, or as num_layers
-    where that differs (LongCat-Flash counts each layer's two attentions as layers); the decoder is the model's
-    own `get_decoder()` where that holds the list (ModernBERT's decoder names its LM head `decoder`), else its base
-    model."""
+def _base_and_layers(model: nn.Module, text_config) -> tuple[nn.Module, nn.ModuleList]:
+    """The module a forward without the LM head runs, and the ModuleList of decoder layers inside it (a child's, or
+    deeper: Llama 4's language model is a causal LM). The list is as long as num_hidden_layers, or as num_layers
+    where that differs (LongCat-Flash counts each layer's two attentions as layers), found in the model's own
+    `get_decoder()` (not where that is its LM head: ModernBERT's is named `decoder`), else in its base model. The
+    module run is the base model where it holds the list: its forward does what a wrapper does before its decoder
+    (Gemma 4 Unified's replaces image and audio tokens by padding; an image-text model's splices the images in)."""
     counts = [n for n in (text_config.num_hidden_layers, getattr(text_config, "num_layers", None)) if n]
     candidates = [model.get_decoder()] if hasattr(model, "get_decoder") else []
     for decoder in [*candidates, model.base_model]:
         for n_layers in counts:
             for module in [*decoder.children(), *decoder.modules()]:
                 if isinstance(module, nn.ModuleList) and len(module) == n_layers:
-                    return decoder, module
+                    holds = any(child is module for child in model.base_model.modules())
+                    return (model.base_model if holds else decoder), module
     raise GenericError(
         f"{type(model.base_model).__name__} has no list of {counts[0]} decoder layers the generic path recognises"
     )
