@@ -245,6 +245,36 @@ def test_a_preset_trained_on_its_own_tokenizer_is_served_with_that_tokenizers_sp
     assert transformers.AutoConfig.from_pretrained(run).eos_token_id == eos
 
 
+@pytest.mark.parametrize("named", ["Qwen2Tokenizer", "GemmaTokenizer", "GPT2Tokenizer"])
+def test_an_export_names_a_tokenizer_class_that_encodes_as_trained(tmp_path, named, capsys):
+    """A tokenizer.json trained with digits merged, beside a tokenizer_config.json naming a class transformers builds
+    with its own pre-tokenizer (Qwen2Tokenizer splits digits one by one) or that refuses the vocabulary (Gemma's,
+    without <unk>): the export names PreTrainedTokenizerFast, and says so; a class that encodes as trained (GPT-2's)
+    is kept. transformers' AutoTokenizer of the export then encodes as the trained tokenizer does."""
+    from megatrain_data.serving import PROBE_TEXT, Serving, write_serving_files
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    bpe = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["in 2024 and 12345 steps, 678 more; 13023 tokens"] * 50, bpe)
+    source, out = tmp_path / "source", tmp_path / "export"
+    source.mkdir(), out.mkdir()
+    tokenizer.save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": named, "eos_token": "<|endoftext|>"}))
+    write_serving_files(out, Serving(source / "tokenizer.json"), {})
+    kept = named == "GPT2Tokenizer"
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        named if kept else "PreTrainedTokenizerFast"
+    )
+    assert ("names PreTrainedTokenizerFast" in capsys.readouterr().err) != kept
+    for text in (PROBE_TEXT, "in 2024 and 12345 steps<|endoftext|>"):
+        served = transformers.AutoTokenizer.from_pretrained(out).encode(text, add_special_tokens=False)
+        assert served == tokenizer.encode(text, add_special_tokens=False).ids
+
+
 KILLED_IN_EXPORT = """
 import os, signal, sys
 import megatrain.export as hf_io

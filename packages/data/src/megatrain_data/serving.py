@@ -5,6 +5,7 @@ that its final/ and `megatrain convert` of any of its checkpoints hold the same 
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,10 @@ COPIED_FILES = (
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # (copied, or rewritten with the template trained)
 SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", *COPIED_FILES, *TEMPLATE_FILES)
 PROBE_ANSWER = "megatrain probes the end of a turn"  # (an assistant turn whose closing token is looked for)
+# encoded by the tokenizer trained with and by transformers' loading of the export: digits, runs of spaces, tabs and
+# newlines, punctuation, code, accents, CJK and an emoji, where tokenizer classes' pre-tokenizers differ
+PROBE_TEXT = "Hello, World! 12345 + 678 = 13023.\n\n  def f(x):\n\treturn x  # naïve café 日本語 🙂 "
+FAST_CLASS = "PreTrainedTokenizerFast"  # (transformers' class that reads tokenizer.json as it is)
 RUN_FOLDER = "tokenizer"  # in a run directory: what its exports are served with, written as the run starts
 
 
@@ -107,6 +112,7 @@ def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
             shutil.copyfile(source / name, out_dir / name)
     settings = _tokenizer_config(source, tokenizer, serving)
     atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
+    settings = _served_as_trained(out_dir, tokenizer, settings)
     if serving.template is not None:
         _write_template(out_dir, source, settings["chat_template"])
     if not (out_dir / "special_tokens_map.json").exists():
@@ -140,13 +146,45 @@ def _tokenizer_config(source: Path, tokenizer, serving: Serving) -> dict:
     """tokenizer_config.json: the source's, naming a tokenizer class and the EOS where it does not (a tokenizer
     megatrain trained ends documents with <|endoftext|>), with the chat template trained with."""
     settings = tokenizer_settings(source)
-    settings.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    settings.setdefault("tokenizer_class", FAST_CLASS)
     eos = eos_token_text(tokenizer, _first(serving.eos_token_id), source)
     if settings.get("eos_token") is None and eos:
         settings["eos_token"] = eos
         settings.setdefault("pad_token", eos)  # (a tokenizer of no config: transformers' batches need a pad token)
     if serving.template is not None:
         settings["chat_template"] = _pinned(serving.template, settings)
+    return settings
+
+
+def _served_as_trained(out_dir: Path, tokenizer, settings: dict) -> dict:
+    """tokenizer_config.json's settings, naming PreTrainedTokenizerFast (tokenizer.json read as it is) where the class
+    it names makes transformers encode a probe text otherwise than the tokenizer trained with: some classes rebuild
+    their own pre-tokenizer (transformers 5's Qwen2Tokenizer splits digits one by one over any tokenizer.json),
+    others refuse a vocabulary without their tokens. Unchecked where transformers is not installed."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return settings
+    probe = PROBE_TEXT + (special_token_text(settings.get("eos_token")) or "")
+    want = tokenizer.encode(probe, add_special_tokens=False).ids
+
+    def served() -> list[int] | None:
+        try:
+            return AutoTokenizer.from_pretrained(out_dir).encode(probe, add_special_tokens=False)
+        except Exception:  # (a class that refuses this tokenizer.json: served by none)
+            return None
+
+    named = settings.get("tokenizer_class")
+    if named == FAST_CLASS or served() == want:
+        return settings
+    settings = {**settings, "tokenizer_class": FAST_CLASS}
+    atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
+    print(
+        f"export: transformers' {named} does not encode text as the tokenizer.json trained with does (it builds its"
+        f" own pre-tokenizer or refuses the vocabulary): {out_dir.name}/tokenizer_config.json names {FAST_CLASS},"
+        " which reads tokenizer.json as it is",
+        file=sys.stderr,
+    )
     return settings
 
 
