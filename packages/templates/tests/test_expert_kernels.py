@@ -16,29 +16,23 @@ def _slots(counts: list[int], k: int, device: str) -> _Slots:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("out_in", [True, False], ids=["out_in", "in_out"])
-@pytest.mark.parametrize("dispatched", [False, True], ids=["rows", "dispatched"])
-def test_expert_weight_gradients_add_into_their_buffer_like_float64(device, out_in, dispatched):
+def test_expert_weight_gradients_add_into_their_buffer_like_float64(device, out_in):
     """x [rows, in] times each expert's weight: the weight gradient added into `into` (a view of an fp32 buffer,
     in either storage orientation) equals float64's sum of each expert's rows, an expert no row chose untouched to
-    the bit; the input's gradient too. Widths and row counts off the kernel's tiles test its edges. `dispatched`:
-    the input is the tokens' rows h, x = h[slots.token] read where they lie, h's gradient each token's rows'
-    gradients summed."""
+    the bit; the input's gradient too. Widths and row counts off the kernel's tiles test its edges."""
     torch.manual_seed(0)
     counts = [70, 0, 131, 1, 64, 200]  # expert 1: no rows
     d_in, d_out = 200, 96
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     slots = _slots(counts, 2, device)
-    h = torch.randn(int(slots.token.max()) + 1, d_in, device=device).to(dtype)
-    x = h[slots.token] if dispatched else torch.randn(sum(counts), d_in, device=device).to(dtype)
+    x = torch.randn(sum(counts), d_in, device=device).to(dtype)
     grad = torch.randn(sum(counts), d_out, device=device).to(dtype)
     weight = (torch.randn(len(counts), d_out, d_in, device=device) * 0.1).to(dtype)  # [experts, out, in]
     stored = torch.randn(len(counts), *((d_out, d_in) if out_in else (d_in, d_out)), device=device)
     into = stored.clone()
     as_in_out = into.transpose(1, 2) if out_in else into  # [experts, in, out], the backward's view
     weight_in_out = weight.transpose(1, 2) if out_in else weight.transpose(1, 2).contiguous()
-    grad_x, returned = _grouped_linear_backward(
-        h if dispatched else x, weight_in_out, grad, slots, as_in_out, dispatched=dispatched
-    )
+    grad_x, returned = _grouped_linear_backward(x, weight_in_out, grad, slots, as_in_out)
     assert returned is None
     want, first = stored.double().clone(), 0
     for e, count in enumerate(counts):
@@ -50,8 +44,6 @@ def test_expert_weight_gradients_add_into_their_buffer_like_float64(device, out_
     assert error < 1e-5, error  # fp32 sums of exact products; a bf16-rounded sum would be off by ~1e-3
     assert torch.equal(into[1], stored[1])
     want_x = torch.cat([grad[slots.expert == e].double() @ weight[e].double() for e in range(len(counts)) if counts[e]])
-    if dispatched:
-        want_x = torch.zeros(h.shape, dtype=torch.float64, device=device).index_add_(0, slots.token, want_x)
     assert ((grad_x.double() - want_x).norm() / want_x.norm()) < (1e-2 if device == "cuda" else 1e-6)
 
 

@@ -49,52 +49,37 @@ def runs_on(rows: Tensor, into: Tensor) -> bool:
     return rows.is_cuda and rows.dtype == torch.bfloat16 and into.dtype == torch.float32
 
 
-def add_grouped_weight_grad_(
-    into: Tensor,
-    a: Tensor,
-    b: Tensor,
-    ends: Tensor,
-    tiles: Tiles | None = None,
-    a_rows: Tensor | None = None,
-    b_rows: Tensor | None = None,
-) -> None:
+def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, tiles: Tiles | None = None) -> None:
     """into[e] += a[rows of e]^T @ b[rows of e] for each expert e, accumulated in fp32.
 
     into: [n_experts, m, n] fp32 (any strides; n unit-strided is fastest); a: [rows, m], b: [rows, n], bf16, the
     rows grouped by expert; ends: [n_experts] int32, each expert's end row (read on the device: no host sync).
-    `a_rows` [rows] (int64): row i of a is `a[a_rows[i]]`, read where it lies (a MoE layer's tokens' rows, which
-    need no [rows, m] copy grouped by expert); `b_rows` as much for b.
     `tiles`: how the kernel divides the work (None: `tiles_for` the shape; given: for the benchmark that chose it)."""
     from . import expert_triton
 
     a, b = a.contiguous(), b.contiguous()
     n_experts, m, n = into.shape
-    rows = (a if a_rows is None else a_rows).shape[0]
     if tiles is None:
-        tiles = tiles_for(rows, n_experts, n)
-    descriptors = _descriptors(a, b, tiles, a_rows is not None, b_rows is not None) if tiles.tma else None
+        tiles = tiles_for(a.shape[0], n_experts, n)
+    descriptors = _descriptors(a, b, tiles) if tiles.tma else None
     grid = (_cdiv(m, tiles.block_m) * _cdiv(n, tiles.block_n), n_experts)
     expert_triton.grouped_weight_grad_into[grid](
         a, b, into, ends, m, n, a.stride(0), b.stride(0), *into.stride(), *(descriptors or (None, None)),
-        a_rows, b_rows, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        TMA=descriptors is not None, GATHER_A=a_rows is not None, GATHER_B=b_rows is not None,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, TMA=descriptors is not None,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 
-def _descriptors(a: Tensor, b: Tensor, tiles: Tiles, a_gathered: bool = False, b_gathered: bool = False):
-    """TMA descriptors of `a` and `b`'s row chunks (None for an operand read through a row index: TMA reads
-    consecutive rows), or None where TMA reads neither: a Triton before 3.4, a start or row not on 16 bytes (the
-    accelerator's alignment), or both operands gathered."""
+def _descriptors(a: Tensor, b: Tensor, tiles: Tiles) -> tuple | None:
+    """TMA descriptors of `a` and `b`'s row chunks, or None where TMA can't read them: a Triton before 3.4, or a
+    start or row not on 16 bytes (the accelerator's alignment)."""
     from .expert_triton import TensorDescriptor
 
-    if TensorDescriptor is None or (a_gathered and b_gathered):
+    if TensorDescriptor is None or any(t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16 for t in (a, b)):
         return None
-    operands = ((a, tiles.block_m, a_gathered), (b, tiles.block_n, b_gathered))
-    if any(not gathered and (t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16) for t, _, gathered in operands):
-        return None
-    return tuple(
-        None if gathered else TensorDescriptor.from_tensor(t, [tiles.block_k, width]) for t, width, gathered in operands
+    return (
+        TensorDescriptor.from_tensor(a, [tiles.block_k, tiles.block_m]),
+        TensorDescriptor.from_tensor(b, [tiles.block_k, tiles.block_n]),
     )
 
 

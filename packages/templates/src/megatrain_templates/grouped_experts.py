@@ -107,25 +107,13 @@ def _grouped_weight_grad(a: Tensor, b: Tensor, slots: _Slots) -> Tensor:
 
 
 def _grouped_linear_backward(
-    x: Tensor,
-    weight: Tensor,
-    grad: Tensor,
-    slots: _Slots,
-    into: Tensor | None,
-    weight_grad: bool = True,
-    dispatched: bool = False,
+    x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None, weight_grad: bool = True
 ):
     """The backward of `_grouped_matmul(x, weight)` for `grad` [rows, out]: (x's gradient, the weight's, or None
-    where it was added into `into` (`_add_grouped_weight_grad`) or no `weight_grad` is wanted: a frozen weight's).
-    `dispatched`: x is the tokens' rows h [tokens, in], the product's input their rows h[slots.token] (`_Dispatch`'s):
-    h's gradient is returned, each token's rows' gradients summed."""
+    where it was added into `into` (`_add_grouped_weight_grad`) or no `weight_grad` is wanted: a frozen weight's)."""
     grad = grad.contiguous()
     grad_x = _grouped_input_grad(weight, grad, slots)
-    if dispatched:
-        grad_x = _gathered_sum(grad_x, slots)
-    if not weight_grad:
-        return grad_x, None
-    return grad_x, _add_grouped_weight_grad(x, weight, grad, slots, into, slots.token if dispatched else None)
+    return grad_x, _add_grouped_weight_grad(x, weight, grad, slots, into) if weight_grad else None
 
 
 def _grouped_input_grad(weight: Tensor, grad: Tensor, slots: _Slots) -> Tensor:
@@ -133,25 +121,17 @@ def _grouped_input_grad(weight: Tensor, grad: Tensor, slots: _Slots) -> Tensor:
     return _grouped_matmul(grad, weight.transpose(1, 2), slots)
 
 
-def _add_grouped_weight_grad(
-    x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None, x_rows: Tensor | None = None
-):
+def _add_grouped_weight_grad(x: Tensor, weight: Tensor, grad: Tensor, slots: _Slots, into: Tensor | None):
     """The gradient of `_grouped_matmul(x, weight)`'s weight for `grad` [rows, out] (contiguous): added into `into`
     (None returned), by the grouped kernel that accumulates in fp32 (`expert_kernels`) where the experts run
     grouped in bf16; or returned where `into` is None. Computed in the orientation its storage has, so that
-    adding it reads and writes memory in order. `x_rows`: the product's input row i is x[x_rows[i]], which the
-    kernel reads where it lies (elsewhere the rows are gathered first)."""
+    adding it reads and writes memory in order."""
     target = weight if into is None else into
     out_in = target.transpose(1, 2).is_contiguous()  # stored [n_experts, out, in]: transformers' per-expert layout
+    a, b = (grad, x) if out_in else (x, grad)  # the gradient in its storage's orientation: a^T b per expert
     if into is not None and slots.grouped and expert_kernels.runs_on(grad, into):
-        if out_in:  # the gradient in its storage's orientation: a^T b per expert
-            expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2), grad, x, slots.offsets, b_rows=x_rows)
-        else:
-            expert_kernels.add_grouped_weight_grad_(into, x, grad, slots.offsets, a_rows=x_rows)
+        expert_kernels.add_grouped_weight_grad_(into.transpose(1, 2) if out_in else into, a, b, slots.offsets)
         return None
-    if x_rows is not None:
-        x = x.index_select(0, x_rows)
-    a, b = (grad, x) if out_in else (x, grad)
     grad_weight = _grouped_weight_grad(a, b, slots)
     grad_weight = grad_weight.transpose(1, 2) if out_in else grad_weight
     if into is None:
@@ -162,43 +142,36 @@ def _add_grouped_weight_grad(
 
 class _GroupedLinear(torch.autograd.Function):
     """`_grouped_matmul` whose backward adds the weight's gradient into `into` (the weight's view of the flat
-    fp32 gradient buffer) where given, else returns it; a kept `product` stands for the forward's GEMMs.
-    `dispatched`: the input is the tokens' rows h, the product's input their rows grouped by expert (`_Dispatch`
-    and the GEMMs in one): it saves h, not the k-fold copy, and its backward reads h's rows where they lie for the
-    weight gradient (OLMoE at 32k tokens a micro-batch: no 1 GiB gather, 0.73 ms of a kept layer's 33 ms pass on
-    an H100)."""
+    fp32 gradient buffer) where given, else returns it; a kept `product` stands for the forward's GEMMs."""
 
     @staticmethod
-    def forward(ctx, x, weight: Tensor, slots: _Slots, into: Tensor | None, product: Tensor | None, dispatched: bool):
+    def forward(ctx, x: Tensor, weight: Tensor, slots: _Slots, into: Tensor | None, product: Tensor | None):
         ctx.save_for_backward(x, weight)
-        ctx.slots, ctx.into, ctx.dispatched = slots, into, dispatched
+        ctx.slots, ctx.into = slots, into
         if product is not None:
             return product.view_as(product)  # a new tensor for autograd to own, not a copy
-        return _grouped_matmul(x.index_select(0, slots.token) if dispatched else x, weight, slots)
+        return _grouped_matmul(x, weight, slots)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         wanted = ctx.into is not None or ctx.needs_input_grad[1]  # (a frozen expert's weight gradient is not)
-        grad_x, grad_weight = _grouped_linear_backward(x, weight, grad, ctx.slots, ctx.into, wanted, ctx.dispatched)
-        return grad_x, grad_weight, None, None, None, None
+        grad_x, grad_weight = _grouped_linear_backward(x, weight, grad, ctx.slots, ctx.into, wanted)
+        return grad_x, grad_weight, None, None, None
 
 
-def _grouped_linear(
-    x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool, dispatched: bool = False
-) -> Tensor:
+def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool) -> Tensor:
     """x [rows, in] grouped by expert times each expert's matrix, stored [n_experts, out, in] (`out_in`:
     transformers' per-expert layout) or [n_experts, in, out] (the fused one), as `ops.linear` treats a
-    `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`.
-    `dispatched`: x is the tokens' rows [tokens, in], each row i of the product's input x[slots.token[i]]."""
-    if isinstance(weight, ProductKeeper):
-        rows = x.index_select(0, slots.token) if dispatched else x
-        weight.products[weight.name] = out = _grouped_matmul(rows, _in_out(weight.value, out_in), slots)
-        return out
+    `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
+
     if isinstance(weight, BoundWeight):
         into = None if weight.grad is None else _in_out(weight.grad, out_in)
-        return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product, dispatched)
-    return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None, dispatched)
+        return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product)
+    if isinstance(weight, ProductKeeper):
+        weight.products[weight.name] = out = _grouped_matmul(x, _in_out(weight.value, out_in), slots)
+        return out
+    return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None)
 
 
 def _in_out(matrices: Tensor, out_in: bool) -> Tensor:

@@ -244,13 +244,11 @@ class MoeBlock(DecoderBlock):
     def _expert_gate_up(self, w: dict, h: Tensor, top_weight: Tensor, slots: _Slots) -> tuple[Tensor, Tensor | None]:
         """(the experts' gate|up projections [rows, 2 * d_ff], the routing weights their activations are scaled by
         [rows, 1], or None: `_expert_activation`'s)."""
+        x = _Dispatch.apply(h, slots)  # [rows, d_model], grouped by expert
         weight = top_weight.reshape(-1)[slots.order].to(h.dtype).unsqueeze(1)
-        out_in = not self.moe.fused
         if self.moe.weights_inputs:  # Llama 4: the expert sees its input scaled, its output is not
-            x = _Dispatch.apply(h, slots) * weight  # [rows, d_model], grouped by expert
-            hidden, weight = _grouped_linear(x, w["experts_gate_up"], slots, out_in), None
-        else:  # each expert's rows of h read where they lie (`dispatched`)
-            hidden = _grouped_linear(h, w["experts_gate_up"], slots, out_in, dispatched=True)
+            x, weight = x * weight, None
+        hidden = _grouped_linear(x, w["experts_gate_up"], slots, out_in=not self.moe.fused)
         if "experts_gate_up_bias" in w:  # gpt-oss
             hidden = hidden + w["experts_gate_up_bias"][slots.expert]
         return hidden, weight
