@@ -429,3 +429,23 @@ def test_tokenized_once_then_cached(tmp_path, tokenizer_path, monkeypatch):
     again = load_token_data(section, 512, tmp_path / "cache", None)
     assert np.array_equal(first.train.tokens, again.train.tokens)
     assert np.array_equal(first.validation.loss_mask, again.validation.loss_mask) and again.report == first.report
+
+
+def test_a_hub_name_the_hub_cannot_be_reached_for_is_refused_at_once(monkeypatch, tmp_path):
+    """A name that is no local path, on a machine that cannot reach the Hub (here: an endpoint that refuses
+    connections) and with no copy in datasets' cache: one line naming the name, the Hub and the fix, read in
+    offline mode (no half a minute of retries first); offline mode is off again afterwards."""
+    import datasets
+
+    from megatrain_data.records import load_records
+    from megatrain_data.sources import Source
+
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # (the discard port: nothing listens)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    offline = datasets.config.HF_HUB_OFFLINE
+    with pytest.raises(DataError, match=r"'someone/no-such-set'.*cannot be reached \(127\.0\.0\.1:9: .*local file"):
+        load_records(Source("someone/no-such-set", "someone/no-such-set", "text"))
+    assert datasets.config.HF_HUB_OFFLINE == offline

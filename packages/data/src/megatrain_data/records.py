@@ -94,7 +94,56 @@ def _load_split(source: Source, path: Path):
             f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
             "or a directory written by Dataset.save_to_disk"
         )
-    return datasets.load_dataset(source.location, source.subset, split=source.split)
+    unreachable = _hub_unreachable()
+    if unreachable is None:
+        return datasets.load_dataset(source.location, source.subset, split=source.split)
+    with _hub_offline():  # datasets' cache alone: no half a minute of retries before the same failure
+        try:
+            return datasets.load_dataset(source.location, source.subset, split=source.split)
+        except Exception as error:
+            raise DataError(
+                f"dataset {source.name!r} ({source.location}) is not a local path, and the Hugging Face Hub, where "
+                f"it would be a dataset's name, cannot be reached ({unreachable}) with no copy of it in datasets' "
+                "cache: give a local file or saved directory, or download it where the Hub is reachable"
+            ) from error
+
+
+# where `datasets` finds the Hub (its endpoint, as huggingface_hub reads it); proxies reach it by their own ways
+HUB_ENDPOINT, PROXY_VARIABLES = "HF_ENDPOINT", ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why this machine cannot open a connection to the Hub (a name that does not resolve, no route, refused, no
+    answer in `timeout_s`), or None where it can, is told to stay offline (HF_HUB_OFFLINE: datasets reads its
+    cache at once) or goes through a proxy (not probed)."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if offline or any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return None
+    url = urlsplit(os.environ.get(HUB_ENDPOINT) or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        return f"{host}:{port}: {error.strerror or error}"
+    return None
+
+
+@contextmanager
+def _hub_offline():
+    """`datasets` and huggingface_hub in offline mode (the cache alone), as they were afterwards."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    were = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = were
 
 
 @contextmanager
