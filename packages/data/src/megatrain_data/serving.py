@@ -180,9 +180,9 @@ def _served_as_trained(out_dir: Path, tokenizer, settings: dict) -> dict:
     settings = {**settings, "tokenizer_class": FAST_CLASS}
     atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
     print(
-        f"export: transformers' {named} does not encode text as the tokenizer.json trained with does (it builds its"
-        f" own pre-tokenizer or refuses the vocabulary): {out_dir.name}/tokenizer_config.json names {FAST_CLASS},"
-        " which reads tokenizer.json as it is",
+        f"serving files: transformers' {named} does not encode text as the tokenizer.json trained with does (it"
+        f" builds its own pre-tokenizer or refuses the vocabulary): the exported tokenizer_config.json names"
+        f" {FAST_CLASS}, which reads tokenizer.json as it is",
         file=sys.stderr,
     )
     return settings
