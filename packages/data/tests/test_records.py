@@ -436,13 +436,15 @@ def test_a_hub_name_the_hub_cannot_be_reached_for_is_refused_at_once(monkeypatch
     connections) and with no copy in datasets' cache: one line naming the name, the Hub and the fix, read in
     offline mode (no half a minute of retries first); offline mode is off again afterwards."""
     import datasets
+    import huggingface_hub.constants as hub
 
-    from megatrain_data.records import load_records
+    from megatrain_data.records import PROXY_VARIABLES, load_records
     from megatrain_data.sources import Source
 
-    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for name in PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # (the discard port: nothing listens)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "ENDPOINT", "http://127.0.0.1:9")  # (the discard port: nothing listens)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     offline = datasets.config.HF_HUB_OFFLINE

@@ -15,10 +15,13 @@ ranking registry entries) are resolved and read here and tokenized by preference
 import bisect
 import hashlib
 import json
+import os
+import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -108,23 +111,20 @@ def _load_split(source: Source, path: Path):
             ) from error
 
 
-# where `datasets` finds the Hub (its endpoint, as huggingface_hub reads it); proxies reach it by their own ways
-HUB_ENDPOINT, PROXY_VARIABLES = "HF_ENDPOINT", ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+# proxies reach the Hub by their own ways: not probed
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """Why this machine cannot open a connection to the Hub (a name that does not resolve, no route, refused, no
-    answer in `timeout_s`), or None where it can, is told to stay offline (HF_HUB_OFFLINE: datasets reads its
-    cache at once) or goes through a proxy (not probed)."""
-    import os
-    import socket
-    from urllib.parse import urlsplit
+    """Why this machine cannot open a connection to the Hub's endpoint as huggingface_hub has it (HF_ENDPOINT): a
+    name that does not resolve, no route, refused, no answer in `timeout_s`; None where it can, is told to stay
+    offline (HF_HUB_OFFLINE: datasets reads its cache at once) or goes through a proxy."""
+    import huggingface_hub.constants as hub
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    if offline or any(os.environ.get(name) for name in PROXY_VARIABLES):
+    if hub.HF_HUB_OFFLINE or any(os.environ.get(name) for name in PROXY_VARIABLES):
         return None
-    url = urlsplit(os.environ.get(HUB_ENDPOINT) or "https://huggingface.co")
-    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    url = urlsplit(hub.ENDPOINT)
+    host, port = url.hostname, url.port or (80 if url.scheme == "http" else 443)
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as error:

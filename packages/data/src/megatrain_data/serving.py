@@ -161,21 +161,12 @@ def _served_as_trained(out_dir: Path, tokenizer, settings: dict) -> dict:
     it names makes transformers encode a probe text otherwise than the tokenizer trained with: some classes rebuild
     their own pre-tokenizer (transformers 5's Qwen2Tokenizer splits digits one by one over any tokenizer.json),
     others refuse a vocabulary without their tokens. Unchecked where transformers is not installed."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
+    named = settings.get("tokenizer_class")
+    if named == FAST_CLASS:  # (nothing to change, nor transformers' tokenizers to import)
         return settings
     probe = PROBE_TEXT + (special_token_text(settings.get("eos_token")) or "")
-    want = tokenizer.encode(probe, add_special_tokens=False).ids
-
-    def served() -> list[int] | None:
-        try:
-            return AutoTokenizer.from_pretrained(out_dir).encode(probe, add_special_tokens=False)
-        except Exception:  # (a class that refuses this tokenizer.json: served by none)
-            return None
-
-    named = settings.get("tokenizer_class")
-    if named == FAST_CLASS or served() == want:
+    served = _encoded_by_transformers(out_dir, probe)
+    if served is None or served == tokenizer.encode(probe, add_special_tokens=False).ids:
         return settings
     settings = {**settings, "tokenizer_class": FAST_CLASS}
     atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
@@ -186,6 +177,19 @@ def _served_as_trained(out_dir: Path, tokenizer, settings: dict) -> dict:
         file=sys.stderr,
     )
     return settings
+
+
+def _encoded_by_transformers(tokenizer_dir: Path, text: str) -> list[int] | None:
+    """`text`'s ids as transformers' AutoTokenizer of `tokenizer_dir` encodes it ([] where the class it names refuses
+    the tokenizer: served by none); None where transformers is not installed."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir).encode(text, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 (any class's refusal of this tokenizer.json)
+        return []
 
 
 def _pinned(template: ChatTemplate, settings: dict) -> str:
