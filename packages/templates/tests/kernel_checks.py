@@ -2,7 +2,7 @@
 `test_kernels_interpreted.py` runs this file on the CPU under Triton's interpreter, in a process of its own (the
 interpreter must be on before anything imports triton: TRITON_INTERPRET=1 in its environment).
 
-    TRITON_INTERPRET=1 python packages/templates/tests/kernel_checks.py experts|CASE  (a case of DELTA_CASES)
+    TRITON_INTERPRET=1 python packages/templates/tests/kernel_checks.py experts|swiglu|dispatch|CASE  (CASE: of DELTA_CASES)
 """
 
 import sys
@@ -13,7 +13,8 @@ from reference import rel_err
 
 from megatrain_templates import chunked_recurrence as recurrence
 from megatrain_templates import delta_kernels
-from megatrain_templates.expert_kernels import Tiles, _descriptors, add_grouped_weight_grad_
+from megatrain_templates.expert_kernels import COPY_COLUMNS, Tiles, _descriptors, add_grouped_weight_grad_, copy_to_rows
+from megatrain_templates.grouped_experts import _Slots
 
 
 def _rule_inputs(heads, n_chunks, chunk, d_k, d_v, with_beta: bool, with_docs: bool, device: str):
@@ -131,6 +132,21 @@ def grouped_weight_gradient_kernel_adds_each_experts_rows():
         assert torch.equal(into[1], start[1]), f"tma={tma}: an expert without rows changed"
 
 
+def dispatch_copy_equals_the_gather(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """`copy_to_rows`, each token's row written to its choices' rows, equals the gather of each row's token to the
+    bit: for all the experts and for a stage's (the other choices not written), at a width off its column block and
+    a token count off its token block, from a view whose rows are strided."""
+    tokens, k, n_experts = 37, 3, 7
+    choices = torch.stack([torch.randperm(n_experts)[:k] for _ in range(tokens)]).to(device)
+    wide = torch.randn(tokens, COPY_COLUMNS + 60, device=device).to(dtype)
+    for h in (wide, wide[:, 5:101]):  # the second's rows strided
+        for first, stop in ((0, 0), (2, 5)):
+            slots = _Slots.of_choices(choices, n_experts, first, stop, None, grouped=False)
+            got = copy_to_rows(h, slots.inverse, slots.rows, k)
+            case = f"width {h.shape[1]}, experts {first}..{stop or n_experts}"
+            assert torch.equal(got, h.index_select(0, slots.token)), f"{case}: the copied rows differ"
+
+
 def swiglu_kernels_equal_autograd():
     """The SwiGLU kernels' output and gradients (both halves', and a weighted one's weight's) against float64
     autograd, at a width off their block (a row's last block part masked) and at two blocks a row (the weight's
@@ -176,5 +192,7 @@ if __name__ == "__main__":
         grouped_weight_gradient_kernel_adds_each_experts_rows()
     elif sys.argv[1] == "swiglu":
         swiglu_kernels_equal_autograd()
+    elif sys.argv[1] == "dispatch":
+        dispatch_copy_equals_the_gather()
     else:
         delta_kernels_equal_the_eager_functions(*DELTA_CASES[sys.argv[1]])

@@ -87,3 +87,14 @@ def test_gpu_wide_tiles_add_each_experts_rows_like_float64():
         first += count
     assert ((into.double() - want).norm() / want.norm()) < 1e-5
     assert torch.equal(into[1], start[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_dispatch_copies_each_tokens_row_to_its_choices_rows(dtype):
+    """The compiled `copy_to_rows` equals the gather of each row's token to the bit (`kernel_checks`, which CI runs
+    under Triton's interpreter)."""
+    from kernel_checks import dispatch_copy_equals_the_gather
+
+    torch.manual_seed(0)
+    dispatch_copy_equals_the_gather("cuda", dtype)

@@ -1,4 +1,5 @@
-"""The experts' weight gradients added straight into their fp32 gradient buffer by one grouped Triton kernel, as
+"""Triton kernels of the experts: the dispatch's copy of each token's row to its choices' rows (`copy_to_rows`), and
+the experts' weight gradients added straight into their fp32 gradient buffer by one grouped kernel, as
 `layout.add_matmul_` does for a dense layer's. torch._grouped_mm can only write a bf16 product, which the
 backward then rounded, read back and added (a pass over all the experts' gradients per micro-batch): at 16k tokens
 OLMoE's expert gradients take 3.40 ms this way against 4.01, Qwen3-30B-A3B's 3.24 against 4.55 (one H100,
@@ -81,6 +82,33 @@ def _descriptors(a: Tensor, b: Tensor, tiles: Tiles) -> tuple | None:
         TensorDescriptor.from_tensor(a, [tiles.block_k, tiles.block_m]),
         TensorDescriptor.from_tensor(b, [tiles.block_k, tiles.block_n]),
     )
+
+
+# The tokens and columns one program of `copy_to_rows` copies, and its warps (`benchmarks/expert_dispatch.py`'s sweep)
+COPY_TOKENS, COPY_COLUMNS, COPY_WARPS = 4, 1024, 4
+
+
+def copies_on(h: Tensor) -> bool:
+    """Whether `copy_to_rows` runs on `h` [tokens, d]: on CUDA, in a floating type Triton loads, columns unit-strided."""
+    floating = h.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return h.is_cuda and floating and h.dim() == 2 and h.stride(1) == 1
+
+
+def copy_to_rows(h: Tensor, inverse: Tensor, rows: int, k: int) -> Tensor:
+    """[rows, d]: out[inverse[t * k + j]] = h[t] for each token t and choice j < k, where the inverse names a row
+    (`rows`: a choice of an expert another stage holds, not copied). Each token's row is read once: a gather by each
+    row's token (index_select) reads it k times, from memory, as the same token's rows lie far apart (one per
+    expert). h: [tokens, d]; inverse: [tokens * k] int64, naming each of the `rows` rows once."""
+    from . import expert_triton
+
+    tokens, d = h.shape
+    out = h.new_empty(rows, d)
+    grid = (_cdiv(tokens, COPY_TOKENS), _cdiv(d, COPY_COLUMNS))
+    expert_triton.copy_to_rows[grid](
+        h, out, inverse, tokens, d, rows, h.stride(0),
+        K=k, BLOCK_T=COPY_TOKENS, BLOCK_D=COPY_COLUMNS, num_warps=COPY_WARPS,
+    )  # fmt: skip
+    return out
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -47,3 +47,21 @@ def grouped_weight_grad_into(
         b = tl.load(b_ptr + rows[:, None] * stride_b + ns[None, :], mask=in_rows[:, None] & n_in[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
     tl.store(at, tl.load(at, mask=mask) + acc, mask=mask)
+
+
+@triton.jit
+def copy_to_rows(
+    src_ptr, dst_ptr, rows_ptr, tokens, d, n_rows, stride_src,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dst[rows[t * K + j]] = src[t] for each of the BLOCK_T tokens `program_id(0)` owns, j < K, in the BLOCK_D
+    columns `program_id(1)` owns; a choice whose row is n_rows (an expert another stage holds) is not written.
+    Each source row is read once and written K times, where a gather by each row's token reads it K times."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_in, c_in = ts < tokens, cols < d
+    values = tl.load(src_ptr + ts[:, None] * stride_src + cols[None, :], mask=t_in[:, None] & c_in[None, :])
+    for choice in tl.static_range(K):
+        row = tl.load(rows_ptr + ts * K + choice, mask=t_in, other=n_rows).to(tl.int64)
+        written = (row < n_rows)[:, None] & c_in[None, :]
+        tl.store(dst_ptr + row[:, None] * d + cols[None, :], values, mask=written)

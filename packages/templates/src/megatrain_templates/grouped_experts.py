@@ -67,6 +67,33 @@ class _Slots:
     n_experts: int
     grouped: bool  # torch._grouped_mm, else a loop over the experts
 
+    @classmethod
+    def of_choices(
+        cls, top_index: Tensor, n_experts: int, first: int, stop: int, n_rows: int | None, grouped: bool
+    ) -> "_Slots | None":
+        """The choices `top_index` [tokens, k] of experts first..stop-1 of n_experts (stop 0: all), sorted by
+        expert; None where none chose them. `n_rows`: how many choices fall in them, where already known (else
+        read from the device). `grouped`: torch._grouped_mm runs the experts."""
+        count = (stop or n_experts) - first
+        flat = top_index.reshape(-1)
+        if count == n_experts:
+            expert = flat
+            order = flat.argsort(stable=True)  # row -> choice; stable keeps the token order per expert
+        else:  # the choices of other experts sort last and are cut off
+            local = flat - first
+            expert = torch.where((local >= 0) & (local < count), local, count)
+            order = expert.argsort(stable=True)
+            if n_rows is None:
+                n_rows = int((expert < count).sum())  # the host waits for the device
+            order = order[:n_rows]
+            if order.numel() == 0:
+                return None
+        rows = order.numel()
+        inverse = torch.full_like(flat, rows) if rows < flat.numel() else torch.empty_like(order)
+        inverse[order] = torch.arange(rows, device=order.device)
+        k = top_index.shape[-1]
+        return cls(order, order // k, expert[order], inverse, k, count, grouped)
+
     @property
     def rows(self) -> int:
         return self.order.numel()
@@ -204,6 +231,14 @@ def _gathered_sum(rows: Tensor, slots: _Slots) -> Tensor:
     return sum_of_rows(_with_zero_row(rows, slots), slots.inverse, slots.k)
 
 
+def _to_rows(h: Tensor, slots: _Slots) -> Tensor:
+    """[rows, d]: each token's row of h [tokens, d] copied to its choices' rows, x[i] = h[token[i]] (on CUDA by one
+    kernel that reads h once, `expert_kernels.copy_to_rows`)."""
+    if expert_kernels.copies_on(h):
+        return expert_kernels.copy_to_rows(h, slots.inverse, slots.rows, slots.k)
+    return h.index_select(0, slots.token)
+
+
 class _Dispatch(torch.autograd.Function):
     """Each token's row copied to its expert rows: x[i] = h[token[i]]. Backward gathers the k rows'
     gradients back and sums them, with no atomics (index_add would collide k ways)."""
@@ -211,7 +246,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, slots: _Slots) -> Tensor:
         ctx.slots = slots
-        return h.index_select(0, slots.token)
+        return _to_rows(h, slots)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -229,4 +264,4 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad.index_select(0, ctx.slots.token), None
+        return _to_rows(grad, ctx.slots), None

@@ -22,6 +22,7 @@ from .grouped_experts import (
     _grouped_mm_works,
     _in_out,
     _Slots,
+    _to_rows,
     gpt_oss_glu_weighted,
 )
 from .layout import BoundWeight, ProductKeeper, Span, accumulate, check_buffers, total_numel
@@ -186,25 +187,7 @@ class MoeBlock(DecoderBlock):
         """The tokens' choices of experts first..stop-1 (stop 0: all), which `w` holds, sorted by expert; None
         where none chose them. `n_rows`: how many choices fall in them, where already known (else read from
         the device)."""
-        count = (stop or self.moe.n_experts) - first
-        flat = top_index.reshape(-1)
-        if count == self.moe.n_experts:
-            expert = flat
-            order = flat.argsort(stable=True)  # row -> choice; stable keeps the token order per expert
-        else:  # the choices of other experts sort last and are cut off
-            local = flat - first
-            expert = torch.where((local >= 0) & (local < count), local, count)
-            order = expert.argsort(stable=True)
-            if n_rows is None:
-                n_rows = int((expert < count).sum())  # the host waits for the device
-            order = order[:n_rows]
-            if order.numel() == 0:
-                return None
-        rows = order.numel()
-        inverse = torch.full_like(flat, rows) if rows < flat.numel() else torch.empty_like(order)
-        inverse[order] = torch.arange(rows, device=order.device)
-        k = self.moe.top_k
-        return _Slots(order, order // k, expert[order], inverse, k, count, self._grouped(w, h))
+        return _Slots.of_choices(top_index, self.moe.n_experts, first, stop, n_rows, self._grouped(w, h))
 
     def _grouped(self, w: dict, h: Tensor) -> bool:
         """Whether the grouped kernel runs the experts (else the loop): bf16 on a GPU that has it, the expert
@@ -271,7 +254,7 @@ class MoeBlock(DecoderBlock):
         gradients, for autograd from there. grad_out: [tokens, d_model]."""
         out_in, frozen = not self.moe.fused, down.grad is None
         matrix = _in_out(down.value, out_in)
-        grad_rows = grad_out.index_select(0, slots.token)  # the combine's backward
+        grad_rows = _to_rows(grad_out, slots)  # the combine's backward
         grad_act = _grouped_input_grad(matrix, grad_rows, slots)
         act, grad_gate_up, grad_weight = swiglu_output_and_backward(
             gate_up.detach(), grad_act, None if weight is None else weight.detach(), overwrite=True
