@@ -8,6 +8,7 @@ such copies: the forward's dispatch, its repeat in the backward, and the combine
 """
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def time_shape(model: str, tokens: int, d: int, n_experts: int, k: int) -> list[
     scope = f"the dispatch's copy [{tokens}, {d}] to {slots.rows} rows"
     engines = {"index_select (the gather by each row's token)": lambda: h.index_select(0, slots.token)}
     for tile in TILES:
-        engines[f"copy_to_rows ({tile[0]} tokens x {tile[1]} columns, {tile[2]} warps)"] = _with_tiles(h, slots, tile)
+        engines[f"copy_to_rows ({tile[0]} tokens x {tile[1]} columns, {tile[2]} warps)"] = functools.partial(
+            expert_kernels.copy_to_rows, h, slots.inverse, slots.rows, slots.k, tile
+        )
     results = []
     for engine, copy in engines.items():
         assert torch.equal(copy(), want), f"{engine}: the copied rows differ"
@@ -48,18 +51,6 @@ def time_shape(model: str, tokens: int, d: int, n_experts: int, k: int) -> list[
         )  # fmt: skip
         print(results[-1], flush=True)
     return results
-
-
-def _with_tiles(h, slots, tile):
-    def copy():
-        saved = expert_kernels.COPY_TOKENS, expert_kernels.COPY_COLUMNS, expert_kernels.COPY_WARPS
-        expert_kernels.COPY_TOKENS, expert_kernels.COPY_COLUMNS, expert_kernels.COPY_WARPS = tile
-        try:
-            return expert_kernels.copy_to_rows(h, slots.inverse, slots.rows, slots.k)
-        finally:
-            expert_kernels.COPY_TOKENS, expert_kernels.COPY_COLUMNS, expert_kernels.COPY_WARPS = saved
-
-    return copy
 
 
 def main():

@@ -13,7 +13,7 @@ from reference import rel_err
 
 from megatrain_templates import chunked_recurrence as recurrence
 from megatrain_templates import delta_kernels
-from megatrain_templates.expert_kernels import COPY_COLUMNS, Tiles, _descriptors, add_grouped_weight_grad_, copy_to_rows
+from megatrain_templates.expert_kernels import COPY_TILES, Tiles, _descriptors, add_grouped_weight_grad_, copy_to_rows
 from megatrain_templates.grouped_experts import _Slots
 
 
@@ -138,7 +138,7 @@ def dispatch_copy_equals_the_gather(device: str = "cpu", dtype: torch.dtype = to
     a token count off its token block, from a view whose rows are strided."""
     tokens, k, n_experts = 37, 3, 7
     choices = torch.stack([torch.randperm(n_experts)[:k] for _ in range(tokens)]).to(device)
-    wide = torch.randn(tokens, COPY_COLUMNS + 60, device=device).to(dtype)
+    wide = torch.randn(tokens, COPY_TILES[1] + 60, device=device).to(dtype)
     for h in (wide, wide[:, 5:101]):  # the second's rows strided
         for first, stop in ((0, 0), (2, 5)):
             slots = _Slots.of_choices(choices, n_experts, first, stop, None, grouped=False)

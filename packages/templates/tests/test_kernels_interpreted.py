@@ -1,9 +1,8 @@
 """The Triton kernels' arithmetic on the CPU, under Triton's interpreter: the chunked delta rule's kernels against
 the eager functions they stand for, with the launches the engine takes and with small key steps and value blocks;
 the experts' grouped weight-gradient kernel against float64 and their dispatch's copy against the gather
-(`kernel_checks.py`, in a process of its own: the
-interpreter must be on before triton is imported). The GPU tests hold the compiled kernels to the same;
-these keep the kernels' masks, tiles and sums tested where CI has no GPU."""
+(`kernel_checks.py`, in a process of its own: the interpreter must be on before triton is imported). The GPU tests
+hold the compiled kernels to the same; these keep the kernels' masks, tiles and sums tested where CI has no GPU."""
 
 import os
 import subprocess

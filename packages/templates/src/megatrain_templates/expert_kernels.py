@@ -84,8 +84,9 @@ def _descriptors(a: Tensor, b: Tensor, tiles: Tiles) -> tuple | None:
     )
 
 
-# The tokens and columns one program of `copy_to_rows` copies, and its warps (`benchmarks/expert_dispatch.py`'s sweep)
-COPY_TOKENS, COPY_COLUMNS, COPY_WARPS = 4, 1024, 4
+# (tokens, columns, warps): what one program of `copy_to_rows` copies, and its warps (`benchmarks/expert_dispatch.py`'s
+# sweep: within 2% of one another but for the widest token blocks)
+COPY_TILES = (4, 1024, 4)
 
 
 def copies_on(h: Tensor) -> bool:
@@ -94,20 +95,21 @@ def copies_on(h: Tensor) -> bool:
     return h.is_cuda and floating and h.dim() == 2 and h.stride(1) == 1
 
 
-def copy_to_rows(h: Tensor, inverse: Tensor, rows: int, k: int) -> Tensor:
+def copy_to_rows(h: Tensor, inverse: Tensor, rows: int, k: int, tiles: tuple[int, int, int] = COPY_TILES) -> Tensor:
     """[rows, d]: out[inverse[t * k + j]] = h[t] for each token t and choice j < k, where the inverse names a row
     (`rows`: a choice of an expert another stage holds, not copied). Each token's row is read once: a gather by each
     row's token (index_select) reads it k times, from memory, as the same token's rows lie far apart (one per
-    expert). h: [tokens, d]; inverse: [tokens * k] int64, naming each of the `rows` rows once."""
+    expert). h: [tokens, d]; inverse: [tokens * k] int64, naming each of the `rows` rows once; `tiles`: (tokens,
+    columns, warps) a program (given: for the benchmark that chose them)."""
     from . import expert_triton
 
     tokens, d = h.shape
+    block_tokens, block_columns, warps = tiles
     out = h.new_empty(rows, d)
-    grid = (_cdiv(tokens, COPY_TOKENS), _cdiv(d, COPY_COLUMNS))
+    grid = (_cdiv(tokens, block_tokens), _cdiv(d, block_columns))
     expert_triton.copy_to_rows[grid](
-        h, out, inverse, tokens, d, rows, h.stride(0),
-        K=k, BLOCK_T=COPY_TOKENS, BLOCK_D=COPY_COLUMNS, num_warps=COPY_WARPS,
-    )  # fmt: skip
+        h, out, inverse, tokens, d, rows, h.stride(0), K=k, BLOCK_T=block_tokens, BLOCK_D=block_columns, num_warps=warps
+    )
     return out
 
 
