@@ -31,6 +31,7 @@ from megatrain_templates import (
     Embedding,
     GatedDeltaNetShape,
     Head,
+    Lora,
     Mamba2Shape,
     MoeAttention,
     MoeBlock,
@@ -47,17 +48,19 @@ from megatrain_templates import (
     row_slice_name,
     set_compile,
     split_precision,
+    total_numel,
 )
 from megatrain_templates.chunked_recurrence import _ChunkedRecurrence
 from megatrain_templates.moe import CHOSEN_EXPERTS
 
 
 @pytest.mark.parametrize(
-    "qkv_bias,qk_norm,n_kv,rope_scaling,granite",
+    "qkv_bias,qk_norm,n_kv,rope_scaling,granite,seq",
     [
-        (False, False, 2, None, False),
-        (True, False, 4, None, False),
-        (False, True, 1, None, False),
+        (False, False, 2, None, False, 11),
+        (False, False, 2, None, False, 32),  # (sequences as long as the model is wide: see the kept products)
+        (True, False, 4, None, False, 11),
+        (False, True, 1, None, False, 11),
         (
             False,
             False,
@@ -70,11 +73,12 @@ from megatrain_templates.moe import CHOSEN_EXPERTS
                 ("original_max_position_embeddings", 16),
             ),
             False,
+            11,
         ),
-        (False, False, 2, None, True),  # Granite's multipliers on the residual branches and the scores
+        (False, False, 2, None, True, 11),  # Granite's multipliers on the residual branches and the scores
     ],
 )
-def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite):
+def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite, seq):
     torch.manual_seed(torch.seed() % 2**31)
     d, heads, head_dim, d_ff, eps = 32, 4, 8, 48, 1e-5
     rope = RopeConfig(head_dim=head_dim, theta=500.0, scaling=rope_scaling)
@@ -89,8 +93,8 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite):
             p.normal_(0, 0.3)
     (specs,) = block.groups
     flat = flatten_params(ref, specs)
-    x = torch.randn(3, 11, d, requires_grad=True)
-    grad_out = torch.randn(3, 11, d)
+    x = torch.randn(3, seq, d, requires_grad=True)
+    grad_out = torch.randn(3, seq, d)
 
     out_ref = ref(x)
     out_ref.backward(grad_out)
@@ -116,10 +120,16 @@ def test_block_matches_module(qkv_bias, qk_norm, n_kv, rope_scaling, granite):
     _, with_extras = block.forward_keeping_products([slot], x.detach(), extras=True)
     slot.normal_()
     assert torch.equal(out_products, out)
-    assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight"}
-    assert set(with_extras) == set(products) | {"attention out", "attention lse"}  # (plain causal attention's)
-    assert kept_bytes(products) == block.product_bytes_per_token(4) * 3 * 11
-    assert kept_bytes(with_extras) - kept_bytes(products) == block.extra_product_bytes_per_token(4) * 3 * 11
+    # plain causal attention's results stand for the output projection's product where the sequences are at least
+    # as long as the model is wide (the recompute runs that GEMM, not the attention); extras keep both
+    results, o_product = {"attention out", "attention lse"}, {"o_weight"}
+    matrices = {"qkv_weight", "gate_up_weight"}
+    assert set(products) == matrices | (results if seq >= d else o_product)
+    assert set(with_extras) == matrices | results | o_product
+    assert kept_bytes(products) <= block.product_bytes_per_token(4) * 3 * seq  # (the larger of the two)
+    assert kept_bytes(products) == block.product_bytes_per_token(4) * 3 * seq or seq < d
+    product_and_extra = block.product_bytes_per_token(4) + block.extra_product_bytes_per_token(4)
+    assert kept_bytes(with_extras) == product_and_extra * 3 * seq
     for kept in (products, with_extras):
         product_grads = [torch.full((block.numel,), 0.5)]
         grad_in = block.backward([other_slot], x.detach(), grad_out, product_grads, products=kept)
@@ -198,7 +208,8 @@ def check_block_with_normed_outputs(block, ref, d):
         assert rel_err(by_name[name], p.grad) < 1e-5, name
     out_products, products = block.forward_keeping_products([flat.clone()], x.detach())
     assert set(products) == {"qkv_weight", "o_weight", "gate_up_weight", "down_weight"}
-    assert kept_bytes(products) == block.product_bytes_per_token(4) * 3 * 11
+    # (at most: with sequences as long as the model is wide the attention's results would stand for "o_weight")
+    assert kept_bytes(products) <= block.product_bytes_per_token(4) * 3 * 11
     product_grads = [torch.full((block.numel,), 0.5)]
     assert rel_err(block.backward([flat], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-5
     assert rel_err(product_grads[0], grads[0]) < 1e-5
@@ -223,8 +234,9 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
             p.normal_(0, 0.3)
     (specs,) = block.groups
     flat = flatten_params(ref, specs)
-    x = torch.randn(3, 11, d, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(3, 11, d, dtype=torch.float64)
+    seq = d  # (sequences as long as the model is wide: the attention's results stand for the output projection's)
+    x = torch.randn(3, seq, d, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(3, seq, d, dtype=torch.float64)
 
     out_ref = ref(x)
     ((out_ref * grad_out).sum() + coef * ref.load_balancing_loss()).backward()
@@ -249,14 +261,23 @@ def test_moe_block_matches_module(shared_d_ff, norm_topk, coef):
     shared = {"shared_gate_up", "shared_down", "shared_gate"} if shared_d_ff else set()
     kept = {"qkv_weight", "o_weight", "experts_gate_up", "attention out", "attention lse", CHOSEN_EXPERTS}
     assert set(products) == kept | shared
-    assert products["experts_gate_up"].shape == (3 * 11 * top_k, 2 * d_ff)
-    assert products[CHOSEN_EXPERTS].shape == (3 * 11, top_k)
+    assert products["experts_gate_up"].shape == (3 * seq * top_k, 2 * d_ff)
+    assert products[CHOSEN_EXPERTS].shape == (3 * seq, top_k)
     product_and_extra = block.product_bytes_per_token(8) + block.extra_product_bytes_per_token(8)
-    assert kept_bytes(products) == product_and_extra * 3 * 11
+    assert kept_bytes(products) == product_and_extra * 3 * seq
     other_slot = torch.empty(flat.numel() + 3, dtype=torch.float64)[3:]
     other_slot.copy_(flat)
     product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
     assert rel_err(block.backward([other_slot], x.detach(), grad_out, product_grads, products=products), x.grad) < 1e-10
+    assert rel_err(product_grads[0], grads[0]) < 1e-10
+    # without extras the attention's results stand for the output projection's product, which the recompute makes
+    router_load.reset()
+    _, without_extras = block.forward_keeping_products([flat.clone()], x.detach())
+    assert set(without_extras) == (kept - {"o_weight"}) | shared
+    assert kept_bytes(without_extras) == block.product_bytes_per_token(8) * 3 * seq
+    product_grads = [torch.full((block.numel,), 0.5, dtype=torch.float64)]
+    grad_in = block.backward([other_slot], x.detach(), grad_out, product_grads, products=without_extras)
+    assert rel_err(grad_in, x.grad) < 1e-10
     assert rel_err(product_grads[0], grads[0]) < 1e-10
     # the backward routes as the forward chose (kept), not choosing again
     rerouted = dict(products, **{CHOSEN_EXPERTS: (products[CHOSEN_EXPERTS] + 1) % n_experts})
@@ -593,6 +614,35 @@ def test_packed_documents_equal_separate_rows(moe, llama4):
     assert rel_err(packed_grads[0], separate_grads[0]) < 1e-12
 
 
+@pytest.mark.parametrize("lora", [None, Lora(4, 8.0, ("q_proj", "o_proj"))], ids=["full", "lora"])
+def test_attention_results_stand_for_the_output_projections_product(lora):
+    """float64, sequences as long as the model is wide: a forward without extras keeps its attention's results in
+    place of the output projection's product (and its adapters' low-rank one), but that product where the
+    attention's kernel does not take them (packed documents); the backward from either gives the gradients of the
+    backward that recomputes everything."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d = 16
+    block = DecoderBlock(BlockShape(d, 2, 2, 8, 24, 1e-5, rope=RopeConfig(head_dim=8, theta=500.0)), lora=lora)
+    weights = [torch.randn(total_numel(group), dtype=torch.float64) * 0.3 for group in block.groups]
+    x, grad_out = torch.randn(1, d, d, dtype=torch.float64), torch.randn(1, d, d, dtype=torch.float64)
+
+    def gradients(documents, products=None):
+        grads = [None if lora else torch.zeros_like(weights[0]), *(torch.zeros_like(w) for w in weights[1:])]
+        return [block.backward(weights, x, grad_out, grads, documents, products), *(g for g in grads if g is not None)]
+
+    for documents in (None, Documents(torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0))):
+        _, products = block.forward_keeping_products(weights, x, documents)
+        o_products = {name for name in products if name.startswith("o_weight")}
+        if documents is None:
+            assert "attention out" in products and not o_products
+        else:
+            assert "attention out" not in products
+            assert o_products == {"o_weight"} | ({"o_weight.low_rank"} if lora else set())
+        assert kept_bytes(products) <= block.product_bytes_per_token(8) * d  # (the larger of the two)
+        for ours, want in zip(gradients(documents, products), gradients(documents)):
+            assert rel_err(ours, want) < 1e-10
+
+
 @pytest.mark.parametrize("seq", [24, 26], ids=["whole-chunks", "a-shorter-last-chunk"])
 def test_chunks_as_rows_equal_the_masked_attention(seq):
     """float64: Llama 4's chunked attention with the chunks made rows of their own for the fused kernel equals
@@ -836,17 +886,22 @@ def test_gpu_kept_attention_gives_the_recomputed_gradients(moe):
     shape = BlockShape(256, 4, 2, 64, 512, 1e-6, qkv_bias=True, rope=RopeConfig(head_dim=64))
     block = MoeBlock(shape, MoeShape(n_experts=4, top_k=2, d_ff=128)) if moe else DecoderBlock(shape)
     flat = (torch.randn(block.numel, device="cuda") * 0.05).bfloat16()
-    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
     _, products = block.forward_keeping_products([flat], x, extras=True)
-    assert products["attention lse"].shape == (2, 4, 200)
+    assert products["attention lse"].shape == (2, 4, 256)
+    # sequences as long as the model is wide: without extras the results stand for the output projection's product
+    _, without_extras = block.forward_keeping_products([flat], x)
+    assert "attention out" in without_extras and "o_weight" not in without_extras
     results = []
-    for kept in (None, products, {**products, "attention out": products["attention out"] * 1.5}):
+    wrong = {**products, "attention out": products["attention out"] * 1.5}
+    for kept in (None, products, without_extras, wrong):
         grads = [torch.zeros(block.numel, device="cuda")]
         results.append([block.backward([flat], x, grad_out, grads, products=kept), grads[0]])
-    (recomputed, ours, wrong) = ([t.double() for t in pair] for pair in results)
+    (recomputed, ours, ours_without_extras, wrong) = ([t.double() for t in pair] for pair in results)
     for i in range(2):
         assert rel_err(ours[i], recomputed[i]) < 1e-2
+        assert rel_err(ours_without_extras[i], recomputed[i]) < 1e-2
     assert rel_err(wrong[1], recomputed[1]) > 0.1  # the kept output is what the backward reads
 
 

@@ -21,7 +21,7 @@ from .attention import (
     token_positions,
 )
 from .chunked_recurrence import KeptRecurrence
-from .kernel_attention import KEPT_ATTENTION, KeptAttention
+from .kernel_attention import KEPT_ATTENTION, KEPT_ATTENTION_OUT, KeptAttention
 from .layout import (
     BoundWeight,
     ParamSpec,
@@ -45,7 +45,7 @@ from .linear_attention import (
     linear_attention_params,
     linear_attention_spans,
 )
-from .lora import AdapterLayout, DropoutKey, Lora
+from .lora import LOW_RANK, AdapterLayout, DropoutKey, Lora
 from .ops import (
     GATED_ACTIVATIONS,
     NORM_SCALES,
@@ -626,32 +626,78 @@ class DecoderBlock(Template):
         stand for those GEMMs, and the recompute is left with the norms, rotary embedding, attention and
         activation. `product_bytes_per_token` bytes per token: Qwen2.5-7B 92 KB, about 55% of what its whole
         autograd graph would hold (167 KB), and faster to go back through (H100, 16k tokens, forward + backward,
-        the GEMMs' products alone: 45.9 ms, the whole graph 47.5, recomputing 53.5). `extras` (kept where the
-        device has room to spare: `extra_product_bytes_per_token`) keeps the results of the attention's kernel
-        too, which the recompute then skips: a linear-attention layer's recurrence (`KeptRecurrence`), plain
-        causal attention's output and log-sum-exp (`KeptAttention`: 7 KB a token at Qwen2.5-7B's shape for about
-        1 ms a layer at 16k tokens of 4096 on an H200; its layer pass 2% faster)."""
+        the GEMMs' products alone: 45.9 ms, the whole graph 47.5, recomputing 53.5). Plain causal attention's
+        output and log-sum-exp (`KeptAttention`), no larger, take the output projection's place where sequences
+        are at least as long as the model is wide (`_results_stand_for_o`): the recompute then runs that GEMM
+        instead of the attention's kernel. `extras` (kept where the device has room to spare:
+        `extra_product_bytes_per_token`) keeps the rest too: a linear-attention layer's recurrence
+        (`KeptRecurrence`), plain causal attention's results (7 KB a token at Qwen2.5-7B's shape for about 1 ms a
+        layer at 16k tokens of 4096 on an H200; its layer pass 2% faster) or the output projection's product."""
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights, extras, dropout)
-        return self._block(w, hidden, documents), products
+        w, products = self._keeping_views(weights, hidden, extras, dropout)
+        out = self._block(w, hidden, documents)
+        return out, self._without_o_product(products, extras)
 
     @property
     def d_model(self) -> int:
         return self.shape.d_model
 
     def product_bytes_per_token(self, element_size: int) -> int:
-        """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras."""
-        adapters = self._adapters
-        low_rank = 0 if adapters is None else sum(adapters.low_rank_width(n) for n in self._recomputed_matrices)
-        return (sum(self._spans[name].shape[0] for name in self._recomputed_matrices) + low_rank) * element_size
+        """GPU bytes per token that `forward_keeping_products` returns (in the compute dtype) without extras: where
+        the attention's results may stand for the output projection's product (`_results_stand_for_o`, by the
+        sequences' length), the larger of the two."""
+        return self._kept_bytes_per_token(element_size, extras=False)
 
     def extra_product_bytes_per_token(self, element_size: int) -> int:
         """What `forward_keeping_products` keeps more a token with `extras`: a linear-attention layer's
-        recurrence results (`KeptRecurrence`), plain causal attention's (`KeptAttention`); nothing elsewhere."""
+        recurrence results (`KeptRecurrence`), plain causal attention's (`KeptAttention`) or, where those stand for
+        it, the output projection's product; nothing elsewhere."""
         s = self.shape
         if s.linear_attention is not None:
             return kept_recurrence_bytes_per_token(s.linear_attention, element_size)
-        return KeptAttention.bytes_per_token(s.n_heads, s.head_dim, element_size) if self._keeps_attention else 0
+        return self._kept_bytes_per_token(element_size, extras=True) - self._kept_bytes_per_token(element_size, False)
+
+    def _kept_bytes_per_token(self, element_size: int, extras: bool) -> int:
+        """Bytes a token of matrices' products (their adapters' too) and attention's results a forward keeps."""
+        s, adapters = self.shape, self._adapters
+        widths = {
+            name: self._product_width(name) + (0 if adapters is None else adapters.low_rank_width(name))
+            for name in self._recomputed_matrices
+        }
+        matrices = sum(widths.values()) * element_size
+        results = KeptAttention.bytes_per_token(s.n_heads, s.head_dim, element_size) if self._keeps_attention else 0
+        if extras:
+            return matrices + results
+        if not self._results_stand_for_o():
+            return matrices
+        return max(matrices, matrices - widths["o_weight"] * element_size + results)
+
+    def _product_width(self, name: str) -> int:
+        """Elements a token of matrix `name`'s kept product."""
+        return self._spans[name].shape[0]
+
+    def _results_stand_for_o(self, seq_len: int | None = None) -> bool:
+        """Whether a forward without extras keeps its attention's results (`KeptAttention`) in place of the output
+        projection's product: where they are no larger a token (heads x head_dim no wider than its output; the
+        log-sum-exp aside) and the sequences (`seq_len`; None: some length) at least as long as the model is wide.
+        The backward's recompute then runs that projection's GEMM again (2 x d_model FLOPs a token for each of the
+        heads' columns) where it would run the attention's forward kernel (2 x seq_len on average over a causal
+        sequence): OLMoE-1B-7B's at 32k tokens of 4096, 0.36 ms where the kernel took 0.97 on an H100. With
+        shorter sequences or a wider model the kernel is the cheaper to run again."""
+        s = self.shape
+        o_kept = self._keeps_attention and "o_weight" in self._recomputed_matrices
+        no_larger = o_kept and s.n_heads * s.head_dim <= self._spans["o_weight"].shape[0]
+        return no_larger and (seq_len is None or seq_len >= s.d_model)
+
+    @staticmethod
+    def _without_o_product(products: dict[str, Tensor], extras: bool) -> dict[str, Tensor]:
+        """`products` less the output projection's (and its adapters') where a forward without extras kept the
+        attention's results in its place (`_results_stand_for_o`, where the attention's kernel took them: not
+        packed documents, nor fp32 on a GPU); the backward's recompute makes it again."""
+        if not extras and KEPT_ATTENTION_OUT in products:
+            for name in ("o_weight", "o_weight" + LOW_RANK):
+                products.pop(name, None)
+        return products
 
     def _views(self, weights: list[Tensor], dropout: DropoutKey | None = None) -> dict[str, Tensor]:
         """Every parameter of the block as a view of its flat weight buffer, adapted matrices with their adapters (and
@@ -660,10 +706,11 @@ class DecoderBlock(Template):
         return views if self._adapters is None else self._adapters.bind(views, weights[1], dropout=dropout)
 
     def _keeping_views(
-        self, weights: list[Tensor], extras: bool = False, dropout: DropoutKey | None = None
+        self, weights: list[Tensor], hidden: Tensor, extras: bool = False, dropout: DropoutKey | None = None
     ) -> tuple[dict[str, "Tensor | ProductKeeper"], dict[str, Tensor]]:
-        """`_views`, the recomputed matrices wrapped to keep their products in the returned dict as a forward
-        makes them (a base's product, not its adapters'); with `extras`, its attention's kernel its results too
+        """`_views` for a forward of `hidden`, the recomputed matrices wrapped to keep their products in the
+        returned dict as a forward makes them (a base's product, not its adapters'); with `extras`, or where they
+        stand for the output projection's product (`_results_stand_for_o`), its attention's kernel its results too
         (`KeptRecurrence`, `KeptAttention`)."""
         products: dict[str, Tensor] = {}
         views = {
@@ -674,7 +721,7 @@ class DecoderBlock(Template):
         }
         if self._adapters is not None:
             views = self._adapters.bind(views, weights[1], dropout=dropout)
-        if extras:
+        if extras or self._results_stand_for_o(hidden.shape[1]):
             views.update(self._kept_results(products, keep=True))
         return views, products
 

@@ -58,7 +58,8 @@ def _half_on_ampere(q: Tensor) -> bool:
 
 # a block's weights' entry for where its attention's results are kept (a `KeptAttention`), if anywhere
 KEPT_ATTENTION = "kept_attention"
-_KEPT_NAMES = ("attention out", "attention lse")
+KEPT_ATTENTION_OUT = "attention out"  # (the product naming its output: kept where a forward kept the results)
+_KEPT_NAMES = (KEPT_ATTENTION_OUT, "attention lse")
 
 
 @dataclass(frozen=True)

@@ -81,16 +81,14 @@ class MoeBlock(DecoderBlock):
         self._adapters = None if lora is None else self._adapt(lora)
 
     def product_bytes_per_token(self, element_size: int) -> int:
-        """GPU bytes per token that `forward_keeping_products` returns: the products in the compute dtype (the
-        experts' gate-up products are top_k rows a token) and the token's choice of experts (top_k int64)."""
-        moe = self.moe
-        widths = [
-            moe.top_k * 2 * moe.d_ff if name == "experts_gate_up" else self._spans[name].shape[0]
-            for name in self._recomputed_matrices
-        ]
-        if self._adapters is not None:
-            widths += [self._adapters.low_rank_width(name) for name in self._recomputed_matrices]
-        return sum(widths) * element_size + moe.top_k * torch.empty((), dtype=torch.long).element_size()
+        """GPU bytes per token that `forward_keeping_products` returns: `DecoderBlock.product_bytes_per_token`'s,
+        the experts' gate-up products top_k rows a token (`_product_width`), and the token's choice of experts
+        (top_k int64)."""
+        chosen = self.moe.top_k * torch.empty((), dtype=torch.long).element_size()
+        return super().product_bytes_per_token(element_size) + chosen
+
+    def _product_width(self, name: str) -> int:
+        return self.moe.top_k * 2 * self.moe.d_ff if name == "experts_gate_up" else super()._product_width(name)
 
     def route(self, w: dict[str, Tensor], h: Tensor, chosen: Tensor | None = None) -> Routing:
         """h: [tokens, d_model] -> the routing of each token; `chosen` [tokens, k]: the experts a forward chose
@@ -318,11 +316,11 @@ class MoeBlock(DecoderBlock):
         backward is given as `products` to stand for those GEMMs (`product_bytes_per_token` a token); `extras`
         as `DecoderBlock.forward_keeping_products`."""
         check_buffers(weights, self.groups, "MoeBlock.forward_keeping_products")
-        w, products = self._keeping_views(weights, extras, dropout)
+        w, products = self._keeping_views(weights, hidden, extras, dropout)
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         products[CHOSEN_EXPERTS] = routing.top_index
-        return out, products
+        return out, self._without_o_product(products, extras)
 
     def _aux_outputs(self, routing: Routing | None, documents: Documents | None, sequences: int) -> tuple[list, list]:
         """(outputs, their gradients) that add the balance losses' and the z-loss's gradients (where on) to a
