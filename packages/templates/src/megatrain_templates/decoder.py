@@ -45,7 +45,7 @@ from .linear_attention import (
     linear_attention_params,
     linear_attention_spans,
 )
-from .lora import LOW_RANK, AdapterLayout, DropoutKey, Lora
+from .lora import AdapterLayout, DropoutKey, Lora
 from .ops import (
     GATED_ACTIVATIONS,
     NORM_SCALES,
@@ -635,8 +635,7 @@ class DecoderBlock(Template):
         layer at 16k tokens of 4096 on an H200; its layer pass 2% faster) or the output projection's product."""
         check_buffers(weights, self.groups, "DecoderBlock.forward_keeping_products")
         w, products = self._keeping_views(weights, hidden, extras, dropout)
-        out = self._block(w, hidden, documents)
-        return out, self._without_o_product(products, extras)
+        return self._block(w, hidden, documents), products
 
     @property
     def d_model(self) -> int:
@@ -689,16 +688,6 @@ class DecoderBlock(Template):
         no_larger = o_kept and s.n_heads * s.head_dim <= self._spans["o_weight"].shape[0]
         return no_larger and (seq_len is None or seq_len >= s.d_model)
 
-    @staticmethod
-    def _without_o_product(products: dict[str, Tensor], extras: bool) -> dict[str, Tensor]:
-        """`products` less the output projection's (and its adapters') where a forward without extras kept the
-        attention's results in its place (`_results_stand_for_o`, where the attention's kernel took them: not
-        packed documents, nor fp32 on a GPU); the backward's recompute makes it again."""
-        if not extras and KEPT_ATTENTION_OUT in products:
-            for name in ("o_weight", "o_weight" + LOW_RANK):
-                products.pop(name, None)
-        return products
-
     def _views(self, weights: list[Tensor], dropout: DropoutKey | None = None) -> dict[str, Tensor]:
         """Every parameter of the block as a view of its flat weight buffer, adapted matrices with their adapters (and
         their dropout masks' key)."""
@@ -713,15 +702,18 @@ class DecoderBlock(Template):
         stand for the output projection's product (`_results_stand_for_o`), its attention's kernel its results too
         (`KeptRecurrence`, `KeptAttention`)."""
         products: dict[str, Tensor] = {}
+        # (where the attention's kernel keeps no results, as with packed documents, the projection's product is kept)
+        results_for_o = not extras and self._results_stand_for_o(hidden.shape[1])
+        o_unless = KEPT_ATTENTION_OUT if results_for_o else None
         views = {
-            name: ProductKeeper(span.view(weights[0]), name, products)
+            name: ProductKeeper(span.view(weights[0]), name, products, o_unless if name == "o_weight" else None)
             if name in self._recomputed_matrices
             else span.view(weights[0])
             for name, span in self._spans.items()
         }
         if self._adapters is not None:
             views = self._adapters.bind(views, weights[1], dropout=dropout)
-        if extras or self._results_stand_for_o(hidden.shape[1]):
+        if extras or results_for_o:
             views.update(self._kept_results(products, keep=True))
         return views, products
 

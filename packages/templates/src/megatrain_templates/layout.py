@@ -116,11 +116,16 @@ class BoundWeight:
 @dataclass(frozen=True)
 class ProductKeeper:
     """A weight matrix whose forward `linear` keeps its product in `products[name]`, for a backward
-    to reuse (`BoundWeight.product`) instead of recomputing the GEMM."""
+    to reuse (`BoundWeight.product`) instead of recomputing the GEMM; but not where `products` holds `unless`
+    by then (a product kept in its place: the backward then recomputes this one)."""
 
     value: Tensor
     name: str
     products: dict
+    unless: str | None = None
+
+    def keeps(self) -> bool:
+        return self.unless is None or self.unless not in self.products
 
 
 def leaf(flat: Tensor, span: Span) -> Tensor:

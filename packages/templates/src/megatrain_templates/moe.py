@@ -320,7 +320,7 @@ class MoeBlock(DecoderBlock):
         out, routing = self._block_and_router(w, hidden, documents)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         products[CHOSEN_EXPERTS] = routing.top_index
-        return out, self._without_o_product(products, extras)
+        return out, products
 
     def _aux_outputs(self, routing: Routing | None, documents: Documents | None, sequences: int) -> tuple[list, list]:
         """(outputs, their gradients) that add the balance losses' and the z-loss's gradients (where on) to a

@@ -110,7 +110,9 @@ def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper | Adapted", 
     if isinstance(weight, BoundWeight):
         return _LinearIntoGrad.apply(x, weight.value, bias, weight)
     if isinstance(weight, ProductKeeper):
-        weight.products[weight.name] = out = F.linear(x, weight.value, bias)
+        out = F.linear(x, weight.value, bias)
+        if weight.keeps():
+            weight.products[weight.name] = out
         return out
     return F.linear(x, weight, bias)
 
@@ -126,7 +128,7 @@ def adapted_linear(x: Tensor, adapted: Adapted, bias: Tensor | None = None) -> T
         return _AdaptedLinear.apply(x, bias, adapted)
     keeper = adapted.base if isinstance(adapted.base, ProductKeeper) else None
     out, low = _adapted_forward(x, adapted.base if keeper is None else keeper.value, bias, adapted)
-    if keeper is not None:
+    if keeper is not None and keeper.keeps():
         keeper.products[keeper.name], keeper.products[keeper.name + LOW_RANK] = out, low
     return out
 
