@@ -704,9 +704,9 @@ class DecoderBlock(Template):
         products: dict[str, Tensor] = {}
         # (where the attention's kernel keeps no results, as with packed documents, the projection's product is kept)
         results_for_o = not extras and self._results_stand_for_o(hidden.shape[1])
-        o_unless = KEPT_ATTENTION_OUT if results_for_o else None
+        unless = {"o_weight": KEPT_ATTENTION_OUT} if results_for_o else {}
         views = {
-            name: ProductKeeper(span.view(weights[0]), name, products, o_unless if name == "o_weight" else None)
+            name: ProductKeeper(span.view(weights[0]), name, products, unless.get(name))
             if name in self._recomputed_matrices
             else span.view(weights[0])
             for name, span in self._spans.items()

@@ -196,8 +196,7 @@ def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", s
         into = None if weight.grad is None else _in_out(weight.grad, out_in)
         return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product)
     if isinstance(weight, ProductKeeper):
-        weight.products[weight.name] = out = _grouped_matmul(x, _in_out(weight.value, out_in), slots)
-        return out
+        return weight.put(_grouped_matmul(x, _in_out(weight.value, out_in), slots))
     return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None)
 
 

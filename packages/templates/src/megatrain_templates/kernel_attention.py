@@ -75,7 +75,7 @@ class KeptAttention:
 
     def kernels(self, q: Tensor) -> KernelPair | None:
         """The kernel pair that takes q where this keeps (or a forward kept) the results; None: recompute."""
-        if not (self.keep or _KEPT_NAMES[0] in self.products):
+        if not (self.keep or KEPT_ATTENTION_OUT in self.products):
             return None
         if cudnn_fits(q):
             return CUDNN_CAUSAL
@@ -83,7 +83,7 @@ class KeptAttention:
 
     def results(self) -> tuple[Tensor, Tensor] | None:
         """(out, lse) where a forward kept them and this is the recompute, else None."""
-        if self.keep or _KEPT_NAMES[0] not in self.products:
+        if self.keep or KEPT_ATTENTION_OUT not in self.products:
             return None
         return self.products[_KEPT_NAMES[0]], self.products[_KEPT_NAMES[1]]
 

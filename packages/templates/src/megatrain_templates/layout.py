@@ -127,6 +127,12 @@ class ProductKeeper:
     def keeps(self) -> bool:
         return self.unless is None or self.unless not in self.products
 
+    def put(self, product: Tensor) -> Tensor:
+        """`product`, kept in `products[name]` where this keeps it."""
+        if self.keeps():
+            self.products[self.name] = product
+        return product
+
 
 def leaf(flat: Tensor, span: Span) -> Tensor:
     """A view of the span that autograd treats as a fresh leaf; the graph dies with the call."""

@@ -110,10 +110,7 @@ def linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper | Adapted", 
     if isinstance(weight, BoundWeight):
         return _LinearIntoGrad.apply(x, weight.value, bias, weight)
     if isinstance(weight, ProductKeeper):
-        out = F.linear(x, weight.value, bias)
-        if weight.keeps():
-            weight.products[weight.name] = out
-        return out
+        return weight.put(F.linear(x, weight.value, bias))
     return F.linear(x, weight, bias)
 
 
