@@ -356,6 +356,17 @@ def make_trainer(hf: dict, tmp: Path, grad_clip: float):
     return test_generic.generic_trainer(tmp / "hf", tmp, grad_clip, image_text=composite(hf) or "auto")
 
 
+def stored_count(reference) -> int:
+    """The elements megatrain stores for transformers' model: its parameters, and a router's correction bias (moved
+    only by load; a buffer in most families, a parameter in ERNIE 4.5's) twice, as megatrain keeps it in two tensors
+    (`split_precision_names`: hi + lo)."""
+    import test_generic
+
+    biases = {n: t for n, t in test_generic.persistent_buffers(reference).items() if n.endswith("correction_bias")}
+    tensors = {**biases, **dict(reference.named_parameters())}
+    return sum(t.numel() * (2 if name.endswith("correction_bias") else 1) for name, t in tensors.items())
+
+
 def check_family(hf: dict, tmp: Path, grad_clip: float, seed: int) -> dict:
     """test_generic.check_trains_like_transformers on a config dict, any path (native or transformers), each
     check recorded instead of asserted: {"path", "failed": [...], "steps": [...], ...}."""
@@ -369,7 +380,7 @@ def check_family(hf: dict, tmp: Path, grad_clip: float, seed: int) -> dict:
     model_config = trainer.model_config
     report = {"path": model_config.implementation + (" (whole image-text)" if model_config.image_text else "")}
     failed = report["failed"] = []
-    theirs = sum(p.numel() for p in reference.parameters())
+    theirs = stored_count(reference)
     if model_config.n_params != theirs:
         failed.append({"check": "n_params", "ours": model_config.n_params, "theirs": theirs})
     optimizer = test_generic.adamw_decaying_matrices(reference, trainer.config.train)
@@ -594,10 +605,11 @@ def short_detail(row: dict) -> str:
 
 
 def kept_rows(results: list[dict], names: list[str]) -> list[dict]:
-    """An earlier file's rows of the families not run now, back in the sweep's form (the schema's fields off)."""
+    """An earlier file's rows of the families not run now, back in the sweep's form (the schema's fields off but
+    their date: when each was run)."""
     schema = as_results_row({"model_type": ""}, "")
     return [
-        {k: v for k, v in r.items() if k not in schema or k == "model_type"}
+        {k: v for k, v in r.items() if k not in schema or k in ("model_type", "date")}
         for r in results
         if r["model_type"] not in names
     ]
