@@ -33,18 +33,6 @@ CONFIGS = [
     Tiles(128, 256, 64, 8, 3, tma=True),
     Tiles(256, 128, 64, 8, 3, tma=True),
 ]
-# --sweep adds: more loads in flight, longer row steps, and Triton's warp specialization (a warp group issuing the
-# loads while the others multiply, as CUTLASS's Hopper kernels do), at the two tiles the engine uses
-SWEEP = [
-    Tiles(128, 256, 64, 8, 4, tma=True),
-    Tiles(128, 256, 128, 8, 2, tma=True),
-    Tiles(128, 128, 64, 4, 4, tma=True),
-    Tiles(128, 128, 128, 8, 3, tma=True),
-    Tiles(128, 128, 64, 4, 3, tma=True, warp_specialize=True),
-    Tiles(128, 128, 64, 8, 3, tma=True, warp_specialize=True),
-    Tiles(128, 256, 64, 8, 3, tma=True, warp_specialize=True),
-    Tiles(128, 256, 64, 8, 4, tma=True, warp_specialize=True),
-]
 
 
 def routed_rows(tokens: int, n_experts: int, top_k: int) -> torch.Tensor:
@@ -63,7 +51,7 @@ def relative_error(into: torch.Tensor, start: torch.Tensor, a, b, ends) -> float
     return ((into[: len(start)].double() - want).norm() / want.norm()).item()
 
 
-def time_projection(name: str, rows: int, m: int, n: int, ends: torch.Tensor, configs: list[Tiles]) -> list[dict]:
+def time_projection(name: str, rows: int, m: int, n: int, ends: torch.Tensor) -> list[dict]:
     """Rows for one projection's gradient: into [n_experts, m, n] += a^T b, a [rows, m], b [rows, n]."""
     n_experts = ends.numel()
     a = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
@@ -86,7 +74,7 @@ def time_projection(name: str, rows: int, m: int, n: int, ends: torch.Tensor, co
     grouped_then_add()
     error = relative_error(into, start, a, b, ends)
     row("grouped_mm + add", time_ms(grouped_then_add), error)
-    for config in configs:
+    for config in CONFIGS:
         into[:SAMPLE].copy_(start)
         try:
             add_grouped_weight_grad_(into, a, b, ends, config)
@@ -102,10 +90,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="olmoe-1b-7b,qwen3-30b-a3b,deepseek-v3")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens in the micro-batch")
-    parser.add_argument("--sweep", action="store_true", help="also time the configurations of SWEEP")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    configs = CONFIGS + SWEEP if args.sweep else CONFIGS
     torch.manual_seed(0)
     rows = []
     for model in args.models.split(","):
@@ -115,7 +101,7 @@ def main():
         # stored [n_experts, out, in]: gate-up's gradient is grad^T x, down's grad^T act
         d_ff = config.moe_d_ff
         for name, m, n in (("gate_up", 2 * d_ff, config.d_model), ("down", config.d_model, d_ff)):
-            for result in time_projection(name, routed, m, n, ends, configs):
+            for result in time_projection(name, routed, m, n, ends):
                 rows.append({"system": "megatrain", "model": model, "tokens_per_step": args.tokens,
                              "step_time_s": result["ms"] / 1e3, "tokens_per_s": None, "model_tflops": None,
                              "scope": f"one micro-batch's expert weight gradient ({name})", **result})  # fmt: skip

@@ -17,7 +17,7 @@ from torch import Tensor
 class Tiles(NamedTuple):
     """How the kernel divides the work: the [block_m, block_n] tile each program owns, the rows it reads a step
     (block_k), its warps and loads in flight (stages); `tma`: whole row chunks read by the tensor-memory
-    accelerator; `warp_specialize`: Triton's warp specialization of that loop (warps that load, warps that multiply)."""
+    accelerator."""
 
     block_m: int
     block_n: int
@@ -25,7 +25,6 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     tma: bool = False
-    warp_specialize: bool = False
 
 
 # The fastest of the configurations `benchmarks/expert_grad.py` times at OLMoE's, Qwen3-30B-A3B's and DeepSeek-V3's
@@ -68,7 +67,7 @@ def add_grouped_weight_grad_(into: Tensor, a: Tensor, b: Tensor, ends: Tensor, t
     expert_triton.grouped_weight_grad_into[grid](
         a, b, into, ends, m, n, a.stride(0), b.stride(0), *into.stride(), *(descriptors or (None, None)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, TMA=descriptors is not None,
-        WARP_SPECIALIZE=tiles.warp_specialize, num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
 

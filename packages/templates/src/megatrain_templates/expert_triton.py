@@ -14,7 +14,6 @@ except ImportError:
 def grouped_weight_grad_into(
     a_ptr, b_ptr, c_ptr, ends_ptr, m, n, stride_a, stride_b, stride_ce, stride_cm, stride_cn, a_desc, b_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """c[e] += a[rows of e]^T @ b[rows of e] for the [BLOCK_M, BLOCK_N] tile `program_id(0)` of expert
     `program_id(1)`: a [rows, m] and b [rows, n] row-major, the rows grouped by expert (expert e's end row at
@@ -37,7 +36,7 @@ def grouped_weight_grad_into(
     masked_from = start
     if TMA:  # (a descriptor's coordinates are int32: fewer rows than that, as the ends are)
         masked_from = start + (end - start) // BLOCK_K * BLOCK_K
-        for first in tl.range(start.to(tl.int32), masked_from.to(tl.int32), BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        for first in range(start.to(tl.int32), masked_from.to(tl.int32), BLOCK_K):
             a = a_desc.load([first, m0])
             b = b_desc.load([first, n0])
             acc = tl.dot(tl.trans(a), b, acc)
