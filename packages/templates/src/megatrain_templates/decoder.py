@@ -685,7 +685,7 @@ class DecoderBlock(Template):
         shorter sequences or a wider model the kernel is the cheaper to run again."""
         s = self.shape
         o_kept = self._keeps_attention and "o_weight" in self._recomputed_matrices
-        no_larger = o_kept and s.n_heads * s.head_dim <= self._spans["o_weight"].shape[0]
+        no_larger = o_kept and s.n_heads * s.head_dim <= self._product_width("o_weight")
         return no_larger and (seq_len is None or seq_len >= s.d_model)
 
     def _views(self, weights: list[Tensor], dropout: DropoutKey | None = None) -> dict[str, Tensor]:

@@ -85,7 +85,7 @@ class KeptAttention:
         """(out, lse) where a forward kept them and this is the recompute, else None."""
         if self.keep or KEPT_ATTENTION_OUT not in self.products:
             return None
-        return self.products[_KEPT_NAMES[0]], self.products[_KEPT_NAMES[1]]
+        return self.products[KEPT_ATTENTION_OUT], self.products[_KEPT_NAMES[1]]
 
     def put(self, out: Tensor, lse: Tensor) -> None:
         """Keep (out, lse) where this is the keeping forward."""

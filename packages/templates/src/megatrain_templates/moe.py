@@ -84,7 +84,7 @@ class MoeBlock(DecoderBlock):
         """GPU bytes per token that `forward_keeping_products` returns: `DecoderBlock.product_bytes_per_token`'s,
         the experts' gate-up products top_k rows a token (`_product_width`), and the token's choice of experts
         (top_k int64)."""
-        chosen = self.moe.top_k * torch.empty((), dtype=torch.long).element_size()
+        chosen = self.moe.top_k * torch.long.itemsize
         return super().product_bytes_per_token(element_size) + chosen
 
     def _product_width(self, name: str) -> int:
