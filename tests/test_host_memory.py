@@ -4,7 +4,6 @@ checkpoints, the disk tier, DPO's cached reference pass, GRPO's KL reference cop
 than the plan's items, what the process held when it was planned, and a slack far under the stated margin."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,22 +47,28 @@ def model_dir(tmp_path_factory) -> Path:
     return directory
 
 
+# Runs `megatrain` and, at its exit, writes its address space's peak resident memory (VmHWM, kB) to the file named
+# last on its command line. Not the child's ru_maxrss from wait4: exec folds the forking process's peak into it, so a
+# test process past a GiB (the whole suite in one pytest process) would read as the run's own peak.
+MEASURED_LAUNCH = """
+import atexit, re, runpy, sys
+peak_file = sys.argv.pop()
+status = lambda: open("/proc/self/status").read()
+atexit.register(lambda: open(peak_file, "w").write(re.search(r"VmHWM:\\s+(\\d+) kB", status())[1]))
+sys.argv[0] = "megatrain"
+runpy.run_module("megatrain", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_measured(config: dict, tmp_path: Path) -> tuple[int, dict]:
     """Run `megatrain train` on `config` in a process of its own: (its peak RSS in bytes, placement.json's plan)."""
-    path = tmp_path / "config.yaml"
+    path, peak_file = tmp_path / "config.yaml", tmp_path / "peak_kb"
     path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "megatrain", "train", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    stderr = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    assert process.returncode == 0, stderr
+    command = [sys.executable, "-c", MEASURED_LAUNCH, "train", "--config", str(path), str(peak_file)]
+    process = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert process.returncode == 0, process.stderr
     predicted = json.loads((Path(config["output_dir"]) / "placement.json").read_text())["predicted"]
-    return usage.ru_maxrss * 1024, predicted
+    return int(peak_file.read_text()) * 1024, predicted
 
 
 def base_config(model_dir: Path, tmp_path: Path, **train) -> dict:
