@@ -27,6 +27,9 @@ SAMPLE = 4  # experts checked against float64
 # expert the wide tile wins (`expert_kernels.tiles_for`; results/expert-grad-tiles-h200.json). A persistent kernel (one
 # program per SM, descriptors made on the GPU per expert, the next item's loads pipelined under a tile's fp32
 # read-add-write) ran no faster at 32k tokens on an H100 (results/expert-grad-persistent-h100.json; code in 55b3532)
+# Triton's warp specialization of the TMA loop (tl.range(..., warp_specialize=True), a warp group loading while the
+# others multiply) ran gate-up's as fast as without it at 32k tokens on an H100, down's 2.5% faster
+# (results/rejected/expert-grad-warp-specialize-h100.json; code in 7f08eea)
 CONFIGS = [
     Tiles(128, 128, 64, 4, 3),
     Tiles(128, 128, 64, 4, 3, tma=True),
