@@ -57,6 +57,30 @@ def test_text_is_tokenized_once_and_cached(tmp_path):
     assert np.array_equal(tokens, again)
 
 
+def test_a_text_without_blank_lines_is_encoded_in_pieces_to_the_same_ids(tmp_path, monkeypatch):
+    """A line-a-record text is one paragraph: it is encoded in pieces cut at line starts (bounded memory, every
+    core), to the ids a byte-level tokenizer gives the paragraph whole, indented lines and empty ones included."""
+    from tokenizers import Tokenizer
+
+    from megatrain_data import tokens as token_module
+
+    monkeypatch.setattr(token_module, "PIECE_CHARS", 200)
+    monkeypatch.setattr(token_module, "BATCH_CHARS", 1000)
+    rng = np.random.default_rng(0)
+    words = ["alpha", "  indented", "x\ty", "42", "\u00e9tat", "\u65e5\u672c", " ", ""]
+    lines = [" ".join(rng.choice(words, 8)) for _ in range(300)]
+    text = "\n".join(lines)
+    path = tmp_path / "lines.txt"
+    path.write_text(text)
+    _, tokenizer_path = load_token_array(DataSection(text=str(path)), 512, tmp_path / "cache", None)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    pieces = list(token_module._pieces(text))
+    assert len(pieces) > 20 and "".join(pieces) == text + "\n\n"
+    assert max(map(len, pieces)) < 1000 < len(text) / 10  # (a cut waits for a line that starts with no space)
+    whole = tokenizer.encode(text + "\n\n", add_special_tokens=False).ids
+    assert token_module._encoded_text(text, tokenizer, "lines.txt").tolist() == whole
+
+
 def test_unreadable_and_empty_sources(tmp_path):
     with pytest.raises(DataError, match="cannot read data.tokens"):
         load_token_array(DataSection(tokens=str(tmp_path / "missing.npy")), 256, tmp_path, None)

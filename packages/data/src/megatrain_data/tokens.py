@@ -6,7 +6,9 @@ path a run's data takes.
 
 import hashlib
 import json
+import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -185,7 +187,7 @@ def tokenize_text(
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
     key = hashlib.sha256(text.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
-    cached = cache_dir / f"tokens-v2-{key}.npy"  # v2: the document's start tokens once, not per paragraph
+    cached = cache_dir / f"tokens-v3-{key}.npy"  # v3: a long paragraph in pieces (v2: the start tokens once)
     if cached.exists():
         return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
     tokens = _encoded_text(text, tokenizer, text_path.name)
@@ -195,20 +197,53 @@ def tokenize_text(
     return tokens, Path(tokenizer_path)
 
 
-# paragraphs encoded at a time: their encodings (offsets, masks: ~100 bytes a token) are freed as each batch's ids
-# become int32, so a text's tokenizing holds its ids at 4 bytes a token (a list of all its encodings took ~200)
-PARAGRAPH_BATCH = 4096
+# Text encoded at a time: its encodings (offsets, masks: ~100 bytes a token) are freed as each batch's ids become
+# int32, so a text's tokenizing holds its ids at 4 bytes a token (a list of all its encodings took ~200)
+BATCH_CHARS = 1 << 21
+# A paragraph longer than this is encoded in pieces, so that a text without blank lines (a line a record) is not one
+# encode call on one core holding every token's encoding. A piece ends at a newline between two non-space characters:
+# byte-level pre-tokenizers (GPT-2's, Llama 3's, Qwen's) split there anyway, so the ids are the paragraph's (at a
+# newline after spaces GPT-2's would join them); a SentencePiece tokenizer starts a piece as it starts a paragraph
+PIECE_CHARS = 1 << 16
+_PIECE_END = re.compile(r"(?<=\S)\n(?=\S)")
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """The text's paragraphs, each with the blank line after it, a long one cut into pieces of about PIECE_CHARS
+    (`_PIECE_END`; one line longer than that stays whole)."""
+    for paragraph in text.split("\n\n"):
+        paragraph += "\n\n"
+        start = 0
+        while len(paragraph) - start > PIECE_CHARS and (cut := _PIECE_END.search(paragraph, start + PIECE_CHARS)):
+            yield paragraph[start : cut.end()]
+            start = cut.end()
+        yield paragraph[start:]
+
+
+def _batches(pieces: Iterator[str]) -> Iterator[list[str]]:
+    """`pieces` in lists of about BATCH_CHARS characters."""
+    batch, size = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _encoded_text(text: str, tokenizer, name: str) -> np.ndarray:
     """A text's token ids as one document (starting as the tokenizer starts a text: Gemma's and Llama's <bos>),
-    encoded paragraph by paragraph so that the tokenizer uses every core, a batch of them at a time, with progress."""
-    paragraphs = [p + "\n\n" for p in text.split("\n\n")]
+    encoded paragraph by paragraph (`_pieces`) so that the tokenizer uses every core, a batch of them at a time,
+    with progress by characters."""
     parts = [np.asarray(document_start_ids(tokenizer), dtype=np.int32)]
-    batches = range(0, len(paragraphs), PARAGRAPH_BATCH)
-    for start in progress(batches, desc=f"tokenize {name}", unit="batch", leave=False):
-        encoded = tokenizer.encode_batch(paragraphs[start : start + PARAGRAPH_BATCH], add_special_tokens=False)
+    bar = progress(total=len(text) + 2, desc=f"tokenize {name}", unit="char", leave=False)  # (+ the last "\n\n")
+    for batch in _batches(_pieces(text)):
+        encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
         parts.extend(np.asarray(encoding.ids, dtype=np.int32) for encoding in encoded)
+        bar.update(sum(map(len, batch)))
+    bar.close()
     return np.concatenate(parts)
 
 
