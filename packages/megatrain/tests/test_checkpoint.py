@@ -20,7 +20,7 @@ from megatrain.checkpoint import find_checkpoint, resolve_resume, run_config, sa
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain_optim import EmbeddingRowsFirst
-from megatrain_store import StoreError
+from megatrain_store import CheckpointError, StoreError
 from megatrain_store.checkpoints import SaveError, clean_interrupted_saves, fallback_checkpoints
 
 
@@ -157,7 +157,7 @@ def test_damaged_checkpoints_are_refused(write_config, tmp_path):
     trainer.step_index = 3
     later = save_checkpoint(trainer.state_dict(), tmp_path / "ck")
     (later / "model.safetensors").write_bytes(bytes(data))  # (the newest damaged: the one before it is named)
-    with pytest.raises(StoreError, match=f"the one before it: --resume {path}$"):
+    with pytest.raises(CheckpointError, match=f"name the one before it, {path}$"):
         resolve_resume(tmp_path / "ck")
     shutil.rmtree(later)
     model_file.write_bytes(bytes(data[:-100]))
@@ -224,12 +224,9 @@ def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config
     run = tmp_path / "run"
     assert main(["train", "--config", str(write_config(train={"steps": 4, "save_every": 2}))]) == 0
     capsys.readouterr()
-    assert main(["train", "--set", "train.steps=8", "--resume", str(run)]) == 0
+    assert main(["train", "--set", "train.steps=8", "--resume", "run"]) == 0  # (relative: the same output_dir)
     err = capsys.readouterr().err
-    assert (
-        f"resuming in {run} with the config of {run / 'checkpoints' / 'step-00000004'}; changed: train.steps 4 -> 8"
-        in err
-    )
+    assert f"resuming in {run} with the config of run/checkpoints/step-00000004; changed: train.steps 4 -> 8\n" in err
     assert sorted(losses(run)) == list(range(1, 9)) and not (tmp_path / "runs").exists()
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 8
     assert json.loads((run / "final" / "trainer_state.json").read_text())["global_step"] == 8
@@ -276,11 +273,15 @@ def test_every_form_of_a_run_names_its_weights(write_config, tmp_path, capsys):
 
 
 def test_final_alone_cannot_resume(write_config, tmp_path, capsys):
+    """A run that ended without a checkpoint (train.save_every 0), named by its final/ or its output_dir: one line
+    naming its model to start a new run from, in a new output_dir (its own is taken)."""
     assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 0
     capsys.readouterr()
-    assert main(["train", "--resume", str(tmp_path / "run" / "final")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot resume a run; start a new one from it with model.hf_dir" in err[0]
+    for named in (tmp_path / "run" / "final", tmp_path / "run"):
+        assert main(["train", "--resume", str(named)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        fix = f"start a new one from it with model.hf_dir: {tmp_path / 'run' / 'final'} and a new output_dir"
+        assert len(err) == 1 and f"cannot resume a run; {fix}" in err[0], err
 
 
 @pytest.mark.parametrize("save_every", [0, 2])

@@ -24,6 +24,8 @@ def test_yaml_and_overrides(write_config):
     "overrides, message",
     [
         (["train.lrr=1"], "unknown config key 'train.lrr'.*lr"),
+        (["train.learning_rate=1"], "unknown config key 'train.learning_rate'; did you mean 'lr'\\?"),  # (HF's name)
+        (["train.max_steps=1"], "unknown config key 'train.max_steps'; did you mean 'steps'\\?"),
         (["modle.preset=x"], "unknown config key 'modle'"),
         (["train.batch_size=6", "train.micro_batch_size=4"], "divisible by train.micro_batch_size"),
         (["train.steps=ten"], "train.steps"),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain_store import (
+    CheckpointError,
     Pending,
     StoreError,
     atomic_write_text,
@@ -112,8 +113,8 @@ def resolve_resume(path: Path) -> Resume:
     except StoreError as damaged:
         check_not_in_use(Path(path), directory)  # (a live run rotating its checkpoints: that is the problem to name)
         earlier = [p for p in complete_checkpoints(directory.parent) if p.name < directory.name]
-        fix = f"resume from the one before it: --resume {earlier[-1]}" if earlier else "no checkpoint before it is left"
-        raise StoreError(f"{damaged}; {fix}") from None
+        fix = f"name the one before it, {earlier[-1]}" if earlier else "no checkpoint before it is left"
+        raise CheckpointError(f"{damaged}; {fix}") from None
 
 
 def check_not_in_use(path: Path, checkpoint: Path) -> None:
@@ -263,10 +264,11 @@ def find_checkpoint(path: Path) -> Path:
         return newest
     if not path.exists():
         raise ConfigError(f"no checkpoint at {path}: it does not exist; name a run's output_dir or a checkpoint in it")
-    if is_hf_directory(path):
+    model = path / FINAL if (path / FINAL).exists() else path  # (a run that ended without a checkpoint: its model)
+    if is_hf_directory(model):
         raise ConfigError(
-            f"{path} holds a model's weights alone, without optimizer state or step, and its run has no checkpoint: "
-            f"it cannot resume a run; start a new one from it with model.hf_dir: {path}"
+            f"{model} holds a model's weights alone, without optimizer state or step, and its run has no checkpoint: "
+            f"it cannot resume a run; start a new one from it with model.hf_dir: {model} and a new output_dir"
         )
     raise ConfigError(
         f"no checkpoint found at {path}: expected a step-NNNNNNNN directory with {MANIFEST} or an output_dir whose "
@@ -405,7 +407,7 @@ def run_config(weights: Path, manifest: dict | None = None) -> dict | None:
         if not isinstance(values, dict) or "train" not in values:
             return None
     if run is not None:
-        values["output_dir"] = str(run)
+        values["output_dir"] = str(run.resolve())  # (as a run writes it: a relative --resume is no change)
     return values
 
 

@@ -27,7 +27,7 @@ def _error_types() -> dict:
     from megatrain_optim import OptimError, RankError
     from megatrain_plan import PlanError
     from megatrain_sched import SchedError
-    from megatrain_store import StoreError
+    from megatrain_store import CheckpointError, StoreError
     from megatrain_store.checkpoints import SaveError
     from megatrain_store.rundir import RunDirError
     from megatrain_zoo import ZooError
@@ -43,6 +43,7 @@ def _error_types() -> dict:
         PlanError: (2, "config error"),
         DataError: (2, "data error"),
         ZooError: (2, "model error"),
+        CheckpointError: (2, "checkpoint error"),
     }
     return user_input | {RewardError: (1, "reward error")} | {kind: (1, kind.__name__) for kind in others}
 
@@ -87,11 +88,14 @@ def _error_line(error: BaseException, known: dict) -> tuple[int, str] | None:
 
 
 BUILT_IN_CONFIG = "YAML config file (default: the built-in small model on the built-in corpus)"
+CHECKPOINT = "a run's output_dir, a step-NNNNNNNN or an HF directory"  # (what eval and generate read)
 RUN_CONFIG = "YAML config file laid over the checkpoint's run config (default: that run's; no run's: the built-in one)"
 
 
-def _add_config_args(parser: argparse.ArgumentParser, config_help: str = BUILT_IN_CONFIG) -> None:
-    parser.add_argument("--config", help=config_help)
+def _add_config_args(parser: argparse.ArgumentParser, of_checkpoint: bool = False) -> None:
+    parser.add_argument("--config", help=RUN_CONFIG if of_checkpoint else BUILT_IN_CONFIG)
+    if of_checkpoint:
+        parser.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -536,19 +540,13 @@ def _add_data(commands) -> None:
 
 def _add_eval(commands) -> None:
     eval_parser = commands.add_parser("eval", help="validation loss and perplexity of a checkpoint, forward only")
-    _add_config_args(eval_parser, RUN_CONFIG)
-    eval_parser.add_argument(
-        "--checkpoint", required=True, help="a run's output_dir, a step-NNNNNNNN or an HF directory"
-    )
+    _add_config_args(eval_parser, of_checkpoint=True)
     eval_parser.add_argument("--batches", type=int, help="evaluate only the first N batches of train.batch_size rows")
 
 
 def _add_generate(commands) -> None:
     generate_parser = commands.add_parser("generate", help="completions of prompts from a checkpoint's weights")
-    _add_config_args(generate_parser, RUN_CONFIG)
-    generate_parser.add_argument(
-        "--checkpoint", required=True, help="a run's output_dir, a step-NNNNNNNN or an HF directory"
-    )
+    _add_config_args(generate_parser, of_checkpoint=True)
     generate_parser.add_argument(
         "--prompts", required=True, help='a JSONL of {"prompt": text or messages}, or a text file of one per line'
     )
@@ -604,10 +602,8 @@ def run_command(args) -> None:
         _at_least(args.steps, 1, "--steps")
         run_bench(_config(args), args.steps)
     elif args.command == "plan":
-        for option in ("gpus", "hosts"):
-            _at_least(getattr(args, option), 1, f"--{option}")
-        _at_least(args.gpu_memory_gib, 1, "--gpu-memory-gib")
-        _at_least(args.host_memory_gib, 1, "--host-memory-gib")
+        for option in ("gpus", "hosts", "gpu_memory_gib", "host_memory_gib"):
+            _at_least(getattr(args, option), 1, f"--{option.replace('_', '-')}")
         run_plan(_config(args), args)
     elif args.command == "data":
         _at_least(args.dump, 1, "--dump")

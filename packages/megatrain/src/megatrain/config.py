@@ -611,7 +611,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         try:
             loaded = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
+            raise ConfigError(f"config file {path} not found; check the path (no --config: the built-in job)") from None
         except IsADirectoryError:
             raise ConfigError(f"config file {path} is a directory; name the YAML file in it") from None
         except UnicodeDecodeError:

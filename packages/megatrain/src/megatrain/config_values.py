@@ -26,7 +26,7 @@ def build_section(cls, values: dict, where: str):
     for key, value in values.items():
         name = f"{where}.{key}" if where else key
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+            close = [OTHER_NAMES[key]] if OTHER_NAMES.get(key) in known else difflib.get_close_matches(key, known, n=1)
             mean = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"unknown config key {name!r}; {mean}{where or 'top level'} accepts {sorted(known)}")
         hint = hints[key]
@@ -42,6 +42,9 @@ def build_section(cls, values: dict, where: str):
         raise ConfigError(str(error)) from error
 
 
+OTHER_NAMES = dict(  # other trainers' names for keys (Hugging Face's TrainingArguments, TRL): a "did you mean"
+    learning_rate="lr", max_steps="steps", max_grad_norm="grad_clip", save_steps="save_every", eval_steps="eval_every",
+    per_device_train_batch_size="micro_batch_size", max_seq_length="seq_len", max_length="seq_len")  # fmt: skip
 # text keys that take several comma-separated names, also written as a YAML list
 COMMA_SEPARATED = ("data.dataset", "train.report_to")
 
