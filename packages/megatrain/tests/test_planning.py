@@ -206,9 +206,10 @@ def test_a_cpu_plan_on_unmeasured_rates_predicts_no_step(monkeypatch, capsys, tm
 
 
 def test_rates_far_off_the_steps_are_dropped_for_the_next_run_to_measure(monkeypatch, capsys, tmp_path):
-    """A CPU run's rates measured for its shape, then made 1000 times too fast (as a measurement on a machine that
-    was busy the other way would leave them): the run's fourth step says so and drops them, and the next run of
-    the shape measures them again (a measurement was otherwise kept for good: a 0.2 s step was predicted 3.4 s)."""
+    """A CPU run's rates measured for its shape, then made 1000 times too slow (as a measurement beside other work
+    leaves them): the run's fourth step says so and drops them, and the next run of the shape measures them again (a
+    measurement was otherwise kept for good: a 0.2 s step was predicted 3.4 s). A step off by under
+    PREDICTION_OFF_MIN_S (tiny steps' noise) keeps them."""
     import megatrain_plan.rates as rates
 
     monkeypatch.setattr(rates, "CALIBRATION_FILE", tmp_path / "calibration.json")
@@ -224,8 +225,9 @@ def test_rates_far_off_the_steps_are_dropped_for_the_next_run_to_measure(monkeyp
     (key,) = saved["shapes"]
     for name, rate in saved["shapes"][key].items():  # (every rate: the copies' alone predicted 0.14 s of a 0.2 s step)
         if isinstance(rate, float):
-            saved["shapes"][key][name] = rate * 1000
+            saved["shapes"][key][name] = rate / 1000
     rates.CALIBRATION_FILE.write_text(json.dumps(saved))
     assert "the rates measured for this shape are off" in train("second", 5)
     assert key not in json.loads(rates.CALIBRATION_FILE.read_text())["shapes"]
     assert "measuring this CPU's layers" in train("third", 3)
+    assert rates.stale_rates_note(0.03, 0.07, None, None, None, 64, 1) is None  # (twice as long, by 0.04 s)

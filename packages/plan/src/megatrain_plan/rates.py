@@ -244,17 +244,19 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
     return rates
 
 
-# A step this many times longer or shorter than its plan predicted shows rates that are not this machine's now.
-PREDICTION_OFF = 2.0
+# A step this many times longer or shorter than its plan predicted shows rates that are not this machine's now, unless
+# it is off by less than PREDICTION_OFF_MIN_S: a tiny run's steps (0.07 s against 0.03 predicted) vary that much alone.
+PREDICTION_OFF, PREDICTION_OFF_MIN_S = 2.0, 0.1
 
 
 def stale_rates_note(
     predicted_s: float, step_s: float, model: ModelConfig, device: torch.device, dtype, seq_len: int, micro_batch: int
 ) -> str | None:
-    """Where a run's step (`step_s`, past its warm-up) is PREDICTION_OFF times off the plan's `predicted_s`, the
-    rates measured for its shape (`run_rates`) are dropped, so that the next run of that shape measures them again
-    (a measurement beside other work, say, is otherwise kept for good); what to say of it, or None."""
-    if 1 / PREDICTION_OFF <= step_s / predicted_s <= PREDICTION_OFF:
+    """Where a run's step (`step_s`, past its warm-up) is PREDICTION_OFF times off the plan's `predicted_s` (and by
+    PREDICTION_OFF_MIN_S or more), the rates measured for its shape (`run_rates`) are dropped, so that the next run of
+    that shape measures them again (a measurement beside other work, say, is otherwise kept for good); what to say of
+    it, or None."""
+    if 1 / PREDICTION_OFF <= step_s / predicted_s <= PREDICTION_OFF or abs(step_s - predicted_s) < PREDICTION_OFF_MIN_S:
         return None
     on_cpu = device.type == "cpu"
     key = calibration_key(model, seq_len, micro_batch, torch.device(device.type), dtype if on_cpu else torch.bfloat16)
