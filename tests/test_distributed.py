@@ -619,20 +619,29 @@ def test_a_refusal_rank_0_alone_makes_is_said_and_the_other_rank_says_one_line(t
 
 
 RECORD_EXIT = """
-import os, signal, subprocess, sys
+import os, signal, subprocess, sys, time
+late = os.environ["RANK"] == "1" and os.environ.get("LATE_RANK_1")  # (its megatrain out of torchrun's reach)
+child = subprocess.Popen([sys.executable, "-m", "megatrain", *sys.argv[1:]], start_new_session=bool(late))
+def forward(sig, _):  # (torchrun signals the rank's process group: megatrain gets it, but for the late rank)
+    while late and not os.listdir(late) and child.poll() is None:
+        time.sleep(0.01)
+    if late:  # (the copy once the checkpoint rank 0's signal stopped both ranks for is written)
+        child.send_signal(sig)
 for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: None)  # (torchrun signals the rank's process group: megatrain gets it)
-code = subprocess.call([sys.executable, "-m", "megatrain", *sys.argv[1:]])
-open(os.path.join(os.environ["EXIT_CODES"], os.environ["RANK"]), "w").write(str(code))
+    signal.signal(sig, forward)
+open(os.path.join(os.environ["EXIT_CODES"], os.environ["RANK"]), "w").write(str(child.wait()))
 """
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["together", "rank-1-late"])
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_torchrun_checkpoints_then_every_rank_exits_128_plus_it(tmp_path, tokens, sig, code):
+def test_a_signal_to_torchrun_checkpoints_then_every_rank_exits_128_plus_it(tmp_path, tokens, sig, code, late):
     """SIGINT or SIGTERM to torchrun mid-run: torchrun passes it to the ranks, which write the checkpoint, say so
     once, and each exit 128 + the signal (recorded by a wrapper around each rank's megatrain); torchrun itself
-    exits 1 (its SignalException)."""
+    exits 1 (its SignalException). Where rank 1's copy comes only after rank 0's stop made both write the
+    checkpoint (a loaded machine), rank 1 exits as rank 0's signal says, and its own copy, late, changes nothing."""
     (tmp_path / "record_exit.py").write_text(RECORD_EXIT)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "codes").mkdir()
     config = tmp_path / "config.yaml"
     long_run = {
@@ -641,6 +650,7 @@ def test_a_signal_to_torchrun_checkpoints_then_every_rank_exits_128_plus_it(tmp_
     }
     config.write_text(json.dumps(CONFIG | long_run | {"output_dir": str(tmp_path / "run")}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EXIT_CODES": str(tmp_path / "codes")}
+    env |= {"LATE_RANK_1": str(tmp_path / "run" / "checkpoints")} if late else {}
     command = [*torchrun(2, "--standalone"), str(tmp_path / "record_exit.py"), "train", "--config", str(config)]
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:

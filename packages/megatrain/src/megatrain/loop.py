@@ -116,10 +116,9 @@ def evaluate_pairs(trainer: Trainer, pairs: PairWindows, reference: np.ndarray |
         bar.update(len(sums[-1].logps) // 2)
     bar.close()
     policy = Sequences(torch.cat([s.logps for s in sums]), torch.cat([s.lengths for s in sums]))
-    objective = trainer.objective
     scores = None if reference is None else Sequences(torch.from_numpy(reference), policy.lengths)
-    objective.begin_step([], scores, n_pairs=pairs.n_pairs)
-    loss, metrics = objective.loss(policy)
+    trainer.objective.begin_step([], scores, n_pairs=pairs.n_pairs)
+    loss, metrics = trainer.objective.loss(policy)
     return {"val_loss": round(float(loss), 6), "val_pairs": pairs.n_pairs} | {
         f"val_{name}": round(float(value), 6) for name, value in metrics.items()
     }
@@ -305,17 +304,17 @@ class TrainingRun:
             stop.__enter__()
             for step in range(self.trainer.step_index, self.config.train.steps):
                 self._step(step, bar)
-                stopping = stop.signal is not None
-                if self.trainer.sync is not None:  # a signal seen by one rank stops all of them at the same step
-                    stopping = self.trainer.sync.any(stopping)
-                if stopping:
+                signum = stop.signum if self.trainer.sync is None else self.trainer.sync.max(stop.signum)
+                if signum:  # (a signal seen by one rank stops all of them at the same step, each exiting as it says)
+                    stop.signum = signum
                     self._stop(stop, bar)
             bar.close()
             stop.exporting = True
             self._finish()
             failed = False
-        finally:
-            stop.__exit__()
+        finally:  # (a rank stopped by a signal keeps taking them: torchrun's copy may come after the others' stop)
+            if not (stop.signum and self.trainer.sync is not None):
+                stop.__exit__()
             for tracker in self.trackers:
                 tracker.close()
             if bar is not None:
@@ -584,10 +583,10 @@ class TrainingRun:
         path = self.save()
         bar.close()
         message = (
-            f"{stop.signal or 'a stop'} received; checkpoint {path} written. Continue with "
+            f"{signal.Signals(stop.signum).name} received; checkpoint {path} written. Continue with "
             f"`megatrain train --resume {self.out}`"
         )
-        raise RunInterrupted(stop.signum or signal.SIGTERM, message if self.main else "")
+        raise RunInterrupted(stop.signum, message if self.main else "")
 
     def save(self) -> Path:
         """A checkpoint of the current step in output_dir/checkpoints, or where that fails in fallback_dir;

@@ -147,11 +147,12 @@ class RankSync:
             whole[first:last] = part[: last - first]
         return whole
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is true on any (a stop request seen by one rank stops all)."""
-        value = torch.tensor([int(flag)], device=self.device)
+    def max(self, number: int) -> int:
+        """The largest of every rank's `number`, on every rank (a stop signal seen by one rank stops all, each exiting
+        as that signal says, whether its own copy of it came yet or not)."""
+        value = torch.tensor([number], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return int(value.item())
 
     def mark_applied(self, group: int, steps: int) -> None:
         self.flags[group, self.ranks.local_rank] = steps
