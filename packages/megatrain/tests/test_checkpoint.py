@@ -20,7 +20,7 @@ from megatrain.checkpoint import find_checkpoint, resolve_resume, run_config, sa
 from megatrain.cli import main
 from megatrain.config import ConfigError, load_config
 from megatrain_optim import EmbeddingRowsFirst
-from megatrain_store import CheckpointError, StoreError
+from megatrain_store import StoreError, WeightsError
 from megatrain_store.checkpoints import SaveError, clean_interrupted_saves, fallback_checkpoints
 
 
@@ -157,7 +157,7 @@ def test_damaged_checkpoints_are_refused(write_config, tmp_path):
     trainer.step_index = 3
     later = save_checkpoint(trainer.state_dict(), tmp_path / "ck")
     (later / "model.safetensors").write_bytes(bytes(data))  # (the newest damaged: the one before it is named)
-    with pytest.raises(CheckpointError, match=f"name the one before it, {path}$"):
+    with pytest.raises(WeightsError, match=f"name the one before it, {path}$"):
         resolve_resume(tmp_path / "ck")
     shutil.rmtree(later)
     model_file.write_bytes(bytes(data[:-100]))

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain_store import (
-    CheckpointError,
     Pending,
     StoreError,
+    WeightsError,
     atomic_write_text,
     check_files,
     file_record,
@@ -114,7 +114,7 @@ def resolve_resume(path: Path) -> Resume:
         check_not_in_use(Path(path), directory)  # (a live run rotating its checkpoints: that is the problem to name)
         earlier = [p for p in complete_checkpoints(directory.parent) if p.name < directory.name]
         fix = f"name the one before it, {earlier[-1]}" if earlier else "no checkpoint before it is left"
-        raise CheckpointError(f"{damaged}; {fix}") from None
+        raise WeightsError(f"{damaged}; {fix}") from None
 
 
 def check_not_in_use(path: Path, checkpoint: Path) -> None:

@@ -27,7 +27,7 @@ def _error_types() -> dict:
     from megatrain_optim import OptimError, RankError
     from megatrain_plan import PlanError
     from megatrain_sched import SchedError
-    from megatrain_store import CheckpointError, StoreError
+    from megatrain_store import StoreError, WeightsError
     from megatrain_store.checkpoints import SaveError
     from megatrain_store.rundir import RunDirError
     from megatrain_zoo import ZooError
@@ -43,7 +43,7 @@ def _error_types() -> dict:
         PlanError: (2, "config error"),
         DataError: (2, "data error"),
         ZooError: (2, "model error"),
-        CheckpointError: (2, "checkpoint error"),
+        WeightsError: (2, "weights error"),
     }
     return user_input | {RewardError: (1, "reward error")} | {kind: (1, kind.__name__) for kind in others}
 

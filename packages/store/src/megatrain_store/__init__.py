@@ -1,7 +1,7 @@
 """Pinned host-memory store: flat per-group arenas, accounting, atomic safetensors I/O, packed 4/8-bit weights."""
 
 from .device import free_device_bytes
-from .errors import CheckpointError, StoreError
+from .errors import StoreError, WeightsError
 from .io import (
     MACHINE_CACHE,
     Pending,
@@ -53,7 +53,7 @@ __all__ = [
     "QuantizedNF4",
     "SharedArenas",
     "StoreError",
-    "CheckpointError",
+    "WeightsError",
     "atomic_write",
     "atomic_write_text",
     "bytes_per_param",

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from .errors import StoreError
+from .errors import StoreError, WeightsError
 
 # MEGATRAIN_CACHE is the machine's, not a run's: where this machine keeps what it measured of itself and what it
 # built for itself (its rates, its compiled kernels), shared by every run on it (a config names what to train,
@@ -128,14 +128,14 @@ def check_files(directory: Path, records: dict[str, dict]) -> None:
     for filename, expected in records.items():
         path = directory / filename
         if not path.exists():
-            raise StoreError(f"checkpoint file {path} is missing")
+            raise WeightsError(f"checkpoint file {path} is missing")
         if path.stat().st_size != expected["bytes"]:
-            raise StoreError(
+            raise WeightsError(
                 f"checkpoint file {path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}: the file is "
                 "truncated or was replaced"
             )
         if file_crc32(path) != expected["crc32"]:
-            raise StoreError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
+            raise WeightsError(f"checkpoint file {path} fails its CRC32 check: the file is corrupt")
 
 
 def write_safetensors(
@@ -193,11 +193,13 @@ def read_safetensors_header(path: Path) -> dict:
                 raise ValueError(f"header length {length} exceeds the file size {size}")
             header = json.loads(handle.read(length))
     except (OSError, ValueError, struct.error) as error:
-        raise StoreError(f"{path} is not a readable safetensors file ({error}); it is truncated or corrupt") from error
+        raise WeightsError(
+            f"{path} is not a readable safetensors file ({error}); it is truncated or corrupt"
+        ) from error
     data_size = size - 8 - length
     for name, info in header.items():
         if name != "__metadata__" and info["data_offsets"][1] > data_size:
-            raise StoreError(f"{path}: tensor {name!r} runs past the end of the file; the file is truncated")
+            raise WeightsError(f"{path}: tensor {name!r} runs past the end of the file; the file is truncated")
     return header
 
 
@@ -215,16 +217,16 @@ def match_tensors(
             if name == "__metadata__" or ignore(name):
                 continue
             if name not in shapes:
-                raise StoreError(f"{path}: unexpected tensor {name!r}; the file does not belong to this model")
+                raise WeightsError(f"{path}: unexpected tensor {name!r}; the file does not belong to this model")
             if tuple(info["shape"]) != tuple(shapes[name]):
-                raise StoreError(
+                raise WeightsError(
                     f"{path}: tensor {name!r} has shape {tuple(info['shape'])}, the model needs "
                     f"{tuple(shapes[name])}; the checkpoint is for a different configuration"
                 )
             where[name] = path
     missing = [name for name in shapes if name not in where]
     if missing:
-        raise StoreError(
+        raise WeightsError(
             f"tensor(s) missing from {[str(p) for p in paths]}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
             "the checkpoint is incomplete or for a different model"
         )

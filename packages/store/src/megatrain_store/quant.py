@@ -53,7 +53,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from .errors import StoreError
+from .errors import StoreError, WeightsError
 
 BLOCK = 64  # values per NF4 block, each with its own absmax
 ABSMAX_BLOCK = 256  # absmax values per block of the double quantization, each with its own fp32 scale
@@ -167,13 +167,15 @@ def nf4_from_bitsandbytes(name: str, weight: Tensor, parts: dict[str, Tensor], d
         parts["nested_quant_map"].float(), dynamic_code()
     )
     if wrong or not maps_match or "nested_offset" not in state:
-        raise StoreError(
+        raise WeightsError(
             f"{name}: a bitsandbytes 4-bit weight megatrain does not read ({wrong or 'another code map'}); it reads "
             "NF4 with double quantization, blocks of 64 (bnb_4bit_quant_type: nf4, bnb_4bit_use_double_quant: true)"
         )
     shape = tuple(state["shape"])
     if weight.numel() != -(-math.prod(shape) // 2):
-        raise StoreError(f"{name}: {weight.numel()} bytes of codes for a weight of shape {shape}; the file is damaged")
+        raise WeightsError(
+            f"{name}: {weight.numel()} bytes of codes for a weight of shape {shape}; the file is damaged"
+        )
     offset = torch.tensor([state["nested_offset"]], dtype=torch.float32)
     return QuantizedNF4(
         weight.reshape(-1), parts["absmax"].reshape(-1), parts["nested_absmax"].float(), offset, shape, dtype
