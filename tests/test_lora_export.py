@@ -182,6 +182,12 @@ def test_a_lora_runs_final_is_its_adapter_and_convert_merges_it(base_dir, tmp_pa
             assert main(["eval", "--checkpoint", str(weights), "--batches", "2", *same]) == 0
             losses.append(json.loads(capsys.readouterr().out.splitlines()[-1])["val_loss"])
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        Path("alone").mkdir()  # (the adapter's files alone, no run beside them: its tokenizer is its base's)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(run / "final" / name, Path("alone", name))
+        Path("prompts.txt").write_text("w1 w2 w3\n")
+        assert main(["generate", "--checkpoint", "alone", "--prompts", "prompts.txt", "--max-new-tokens", "2"]) == 0
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["prompt"] == "w1 w2 w3"
     final = run / "final"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in final.iterdir()}
     assert "tokenizer, chat template" in describe_export(final)
@@ -203,6 +209,9 @@ def test_an_adapter_over_a_preset_says_how_it_is_served(tmp_path, capsys):
     )
     assert main(["convert", str(tmp_path / "run"), str(tmp_path / "merged"), "--merge"]) == 0
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged") is not None
+    (tmp_path / "run" / "final" / "tokenizer.json").unlink()  # (a run on token ids alone: said beside the tokenizer's)
+    said = describe_export(tmp_path / "run" / "final")
+    assert "no tokenizer" in said and said.endswith("`megatrain convert RUN OUT --merge` serves it"), said
 
 
 def test_generation_runs_with_the_adapters_on(base_dir, tmp_path):

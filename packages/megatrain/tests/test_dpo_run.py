@@ -116,6 +116,19 @@ def test_a_dpo_run_logs_trls_metrics_caches_its_reference_and_resumes_exactly(dp
     assert result["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
 
 
+def test_a_lora_dpo_runs_final_adapters_evaluate_as_its_last_step(dpo_config, tmp_path, capsys):
+    """A LoRA DPO run that saved no checkpoint: `eval` of the run (its final/, PEFT's adapter files) loads the adapters
+    over the base and scores the held-out pairs as the run's last evaluation did (it refused: a full model expected)."""
+    assert main(["train", "--config", str(dpo_config(save_every=0)), "--set", "model.adapter.type=lora"]) == 0
+    last = [r for r in records(tmp_path / "run") if "val_loss" in r][-1]
+    capsys.readouterr()
+    for named in (tmp_path / "run", tmp_path / "run" / "final"):
+        assert main(["eval", "--checkpoint", str(named)]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["val_pairs"] == 6 and result["val_loss"] == pytest.approx(last["val_loss"], abs=1e-6), result
+        assert result["val_rewards/margins"] == pytest.approx(last["val_rewards/margins"], abs=1e-6)
+
+
 def test_dpo_needs_pairs_and_pairs_need_dpo(dpo_config, write_config, capsys):
     path = dpo_config()
     assert main(["train", "--config", str(path), "--set", "train.objective=sft"]) == 2

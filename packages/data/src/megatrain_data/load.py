@@ -188,13 +188,16 @@ def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int,
     return TokenData(train, held, tokenizer)
 
 
-def run_tokenizer(data: DataSection, vocab_size: int, run_dir: Path, model_dir: Path | None) -> Path | None:
+def run_tokenizer(data: DataSection, vocab_size: int, run_dir: Path | None, model_dir: Path | None) -> Path | None:
     """The tokenizer file the run in `run_dir` read its text with: data.tokenizer, the model directory's
     tokenizer.json, the one its final/ export holds, or the one megatrain trained on its text (cached in the run,
-    trained the same again where the cache is gone); None where its data brought none (token arrays)."""
+    trained the same again where the cache is gone); None where its data brought none (token arrays). Weights of no
+    run (`run_dir` None: a PEFT directory's adapters, say) take the first two alone (their base model's)."""
     configured = data.tokenizer or (model_dir / "tokenizer.json" if model_dir is not None else None)
     if configured is not None and Path(configured).exists():
         return Path(configured)
+    if run_dir is None:
+        return None
     exported = run_dir / "final" / "tokenizer.json"
     if exported.exists():
         return exported

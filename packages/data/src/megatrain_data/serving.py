@@ -241,13 +241,17 @@ def end_of_turn_id(template: ChatTemplate, tokenizer) -> int | None:
 
 
 def describe_export(out_dir: Path) -> str:
-    """What an export holds, in words: its weights, its tokenizer, its chat template and where generation stops."""
+    """What an export holds, in words: its weights, its tokenizer, its chat template and where generation stops; for
+    an adapter over a preset (its base a seed's weights, which no directory holds), how to serve it."""
     files = sorted(out_dir.glob("*.safetensors"))
     tensors = sum(len(read_safetensors_header(path)) - 1 for path in files)  # (less each header's __metadata__)
     parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]
+    adapter = _json(out_dir / "adapter_config.json")
+    no_base = adapter and not adapter.get("base_model_name_or_path")
+    serve = "; an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it"
     if not (out_dir / "tokenizer.json").exists():
         none = "no tokenizer (its source names none, as a run on token ids without data.tokenizer or model.hf_dir does)"
-        return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in"
+        return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in" + (serve if no_base else "")
     parts.append("tokenizer")
     settings = tokenizer_settings(out_dir)
     if (out_dir / "chat_template.jinja").exists() or settings.get("chat_template"):
@@ -259,10 +263,7 @@ def describe_export(out_dir: Path) -> str:
         tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
         names = [tokenizer.id_to_token(i) or str(i) for i in id_list(stops)]
         parts.append(f"generation stopping at {', '.join(names)}")
-    adapter = _json(out_dir / "adapter_config.json")
-    if adapter and not adapter.get("base_model_name_or_path"):  # (LoRA over a preset: its base is a seed's weights)
-        parts.append("an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it")
-    return ", ".join(parts)
+    return ", ".join(parts) + (serve if no_base else "")
 
 
 def _json(path: Path) -> dict:

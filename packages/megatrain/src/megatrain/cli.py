@@ -406,7 +406,7 @@ def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
         weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
     )
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    found = run_tokenizer(config.data, vocab_size, run_dir, model_dir) if run_dir is not None else None
+    found = run_tokenizer(config.data, vocab_size, run_dir, model_dir)  # (a PEFT directory's: its base model's)
     if found is None:
         raise ConfigError(f"{weights} holds no tokenizer.json: set data.tokenizer to the model's tokenizer.json")
     return found
@@ -429,13 +429,11 @@ def run_pair_eval(config, args) -> None:
         reference = None
         if config.train.dpo.needs_reference:
             reference = reference_scores(trainer, rows, Path(config.output_dir) / "cache", split)
-        source, resume = args.weights, args.verified
-        if resume is not None:
-            what = f"{source} (step {resume.step})"
-            trainer.load_state_dict(resume.state())
-        else:
-            what = str(source)
-            trainer.load_weights(source)
+        what = str(args.weights) if args.verified is None else f"{args.weights} (step {args.verified.step})"
+        if args.verified is not None:
+            trainer.load_state_dict(args.verified.state())
+        else:  # (a model directory, or a LoRA run's final/: its adapters)
+            trainer.load_weights(args.weights)
         result = evaluate_pairs(trainer, trainer.pair_windows(rows), reference, leave=True)
     finally:
         trainer.close()

@@ -38,7 +38,7 @@ from megatrain_zoo.hf_weights import (
     named_masters,
     named_wire,
 )
-from megatrain_zoo.peft import check_peft_weights, load_peft_adapter
+from megatrain_zoo.peft import check_peft_weights, is_peft_directory, load_peft_adapter
 
 from .checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, NonFiniteError, TrainerState, check_same_model
 from .config import Config, ConfigError, model_config_of, resolve_device, resolve_dtype
@@ -186,12 +186,15 @@ class Trainer:
         return read_placement(Path(engine.placement), planner)
 
     def load_weights(self, model_dir: Path | None) -> None:
-        """Put a Hugging Face directory's weights into the store (None: the run's initial weights again), on every
-        rank of the host (a reference model's pass between two policies, say); the optimizer state is untouched."""
+        """Put a Hugging Face directory's weights (or a PEFT directory's adapters, over the base the store holds) into
+        the store (None: the run's initial weights again), on every rank of the host (a reference model's pass between
+        two policies, say); the optimizer state is untouched."""
         self.finish_updates()
         if self.ranks is None or self.ranks.is_local_main:
             if model_dir is None:
                 self._init_weights()
+            elif is_peft_directory(model_dir):  # (a LoRA run's final/)
+                load_peft_adapter(self.store, self.spec, Path(model_dir))
             else:
                 check_hf_weights(self.spec, model_dir)
                 load_hf_weights(self.store, self.spec, model_dir)
