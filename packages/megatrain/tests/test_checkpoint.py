@@ -418,6 +418,9 @@ def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
         assert newest.parent.parent.parent == tmp_path / "fallback"
         assert find_checkpoint(tmp_path / "run") == newest
         assert run_config(newest)["output_dir"] == str(tmp_path / "run")
+        shutil.rmtree(tmp_path / "run" / "final")  # (a run killed before its export: its newest step is in fallback)
+        assert main(["train", "--resume", str(tmp_path / "run")]) == 0  # (refused: "already holds a run")
+        assert f"with the config of {newest}" in capsys.readouterr().err
         return
     (line,) = [line for line in err.splitlines() if line.startswith("megatrain: SaveError")]
     assert "step-00000004 could not be written (the disk is full)" in line
@@ -450,6 +453,33 @@ def test_a_final_export_that_fails_keeps_the_state_where_it_can(write_config, tm
     kept = fallback_checkpoints(tmp_path / "fallback", tmp_path / "run") / "step-00000003"
     assert f"the trained state (step 3) is in {kept} instead" in line
     assert main(["convert", str(kept), str(tmp_path / "model")]) == 0
+
+
+def test_a_killed_exports_leftovers_neither_count_against_the_room_nor_hold_the_run(
+    write_config, tmp_path, monkeypatch, capsys
+):
+    """An export killed midway: its staging folder is removed before the room the next export needs is counted (it
+    was counted as taken, refusing the export on a disk that holds one copy); and a final/ holding the files moved
+    before the kill but no model (its config.json moves last) is no run's model, so the run starts again (it was
+    refused as "already holds a run", whose model it named)."""
+    import megatrain.export as export
+
+    stale = tmp_path / ".final.partial"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(bytes(1000))
+    check_room = export.check_room
+    monkeypatch.setattr(export, "check_room", lambda *args: stale.exists() and pytest.fail("the leftover counted"))
+    export._write_staged(tmp_path / "final", [], lambda folder: (folder / "config.json").write_text("{}"))
+    assert (tmp_path / "final" / "config.json").exists() and not stale.exists()
+    monkeypatch.setattr(export, "check_room", check_room)
+
+    config = write_config(train={"steps": 2})
+    assert main(["train", "--config", str(config)]) == 0
+    for name in ("config.json", "model.safetensors"):  # (a kill while the files moved: the tokenizer's came first)
+        (tmp_path / "run" / "final" / name).unlink()
+    capsys.readouterr()
+    assert main(["train", "--config", str(config)]) == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
 def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp_path, capsys, monkeypatch):

@@ -104,6 +104,8 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     (finished / FINAL).mkdir()
     exported = tmp_path / "exported"  # a run that ended before its first checkpoint (the quick start's)
     (exported / FINAL).mkdir(parents=True)
+    for final in (finished / FINAL, exported / FINAL):  # (a model's config.json: a whole model's, read as one)
+        (final / "config.json").write_text(json.dumps(config_to_hf(preset("tiny-llama"))))
     return [
         *unreadable_input_cases(tmp_path),
         *model_directory_cases(tmp_path),

@@ -61,3 +61,28 @@ def test_the_checkpoints_a_run_adds_to_its_disk_at_once(tmp_path, existing, keep
     the saves to come make, less the ones already there (rotated)."""
     root = folder_of(tmp_path / "checkpoints", existing)
     assert checkpoints_to_come(root, keep_last, saves) == more
+
+
+def test_a_run_refused_the_lock_leaves_the_lock_file_of_the_run_that_holds_it(tmp_path, monkeypatch):
+    """Two runs starting at once: the one refused took back the lock file it saw missing, which the other had made
+    and locked between that look and its open; a third run then took the directory beside the first."""
+    import builtins
+
+    import megatrain_store.rundir as rundir
+    from megatrain_store.rundir import RunDirError, RunLock
+
+    holder, refused = RunLock(tmp_path), RunLock(tmp_path)
+
+    def open_after_the_other_run_took_it(path, mode="r", *args, **kwargs):
+        monkeypatch.setattr(rundir, "open", builtins.open, raising=False)
+        holder.acquire()
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(rundir, "open", open_after_the_other_run_took_it, raising=False)
+    with pytest.raises(RunDirError, match="in use by another run"):
+        refused.acquire()
+    refused.release(refused=True)
+    assert holder.path.exists()
+    with pytest.raises(RunDirError, match="in use by another run"):
+        RunLock(tmp_path).acquire()
+    holder.release()

@@ -220,12 +220,13 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
     out = Path(out)
     check_no_other_files(out)
     checkpoints = complete_checkpoints(out / CHECKPOINTS)
-    if not checkpoints and not (out / FINAL).exists():
+    exported = is_hf_directory(out / FINAL) or is_peft_directory(out / FINAL)  # (not an export killed midway)
+    if not checkpoints and not exported:
         return
-    if resume is not None and Path(resume).resolve().is_relative_to(out.resolve()):
-        return
+    if resume is not None and out.resolve() in (manifest_output_dir(resume), *Path(resume).resolve().parents):
+        return  # (a checkpoint of this run: in it, or in its fallback_dir)
     held = [f"checkpoints up to {checkpoints[-1].name}"] if checkpoints else []
-    held += [f"its model in {FINAL}/"] if (out / FINAL).exists() else []
+    held += [f"its model in {FINAL}/"] if exported else []
     if _newest_checkpoint(out) is not None:
         then = f"continue it with --resume {out}"
     else:  # (no checkpoint to resume: train.save_every saved none before the run ended)

@@ -89,10 +89,10 @@ def _serving(serving: Serving | Path | None) -> Serving:
 def _write_staged(out_dir: Path, entries: list, write) -> Path:
     """Call write(folder) on a new folder beside `out_dir` (refused first, `SaveError`, where its disk has no room for
     `entries`), then move its files into `out_dir`: a write that fails leaves `out_dir` as it was."""
+    staging = out_dir.parent / f".{out_dir.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed (before the room is counted)
     weight_bytes = sum(p.numel() * p.element_size() for _, p in entries)
     check_room(out_dir.parent, weight_bytes + 2**20, f"the model {out_dir}")
-    staging = out_dir.parent / f".{out_dir.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed
     staging.mkdir(parents=True)
     try:
         write(staging)

@@ -71,7 +71,6 @@ class WandB:
     def __init__(self, config: Config, out: Path):
         import wandb
 
-        self.wandb = wandb
         project = os.environ.get("WANDB_PROJECT", "megatrain")
         self.run = wandb.init(project=project, name=out.name, dir=str(out), config=config.as_dict())
 

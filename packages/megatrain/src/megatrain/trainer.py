@@ -108,8 +108,7 @@ class Trainer:
         train = config.train
         self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
         self.timeline = Timeline(enabled=config.engine.trace)
-        self.optimizer = self.updates = self.policy = self.device_optimizer = None
-        parts = None
+        self.optimizer = self.updates = self.policy = self.device_optimizer = parts = None
         if training:
             parts = new_updates(self.spec, self.store, config, self.sync, self.timeline, self._device_span)
             self.optimizer, self.updates, self.policy = parts.optimizer, parts.updates, parts.policy
@@ -124,8 +123,7 @@ class Trainer:
         if self.spec.router_load is not None:
             route_statistics(self.spec.router_load, config, self.sync)
         self.step_index = self.bad_steps = 0
-        # torch.compile's kernels are built here (setup) rather than inside the first step, which would
-        # otherwise take tens of seconds longer than the rest
+        # torch.compile's kernels are built here, in setup, not in the first step (tens of seconds longer otherwise)
         self.warm_up_s = self.warm_up() if training and self.device.type == "cuda" else 0.0
 
     def warm_up(self) -> float:
@@ -186,9 +184,8 @@ class Trainer:
         return read_placement(Path(engine.placement), planner)
 
     def load_weights(self, model_dir: Path | None) -> None:
-        """Put a Hugging Face directory's weights (or a PEFT directory's adapters, over the base the store holds) into
-        the store (None: the run's initial weights again), on every rank of the host (a reference model's pass between
-        two policies, say); the optimizer state is untouched."""
+        """Put a Hugging Face directory's weights (a PEFT directory's: its adapters) into the store (None: the run's
+        initial weights again), on every rank of the host (a reference model's pass, say); optimizer state untouched."""
         self.finish_updates()
         if self.ranks is None or self.ranks.is_local_main:
             if model_dir is None:

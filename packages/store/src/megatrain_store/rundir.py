@@ -72,7 +72,7 @@ class RunLock:
         """Take the directory, or raise `RunDirError` naming the run that holds it. Returns what to say, or
         None: that this run took over the lock of an earlier one that ended without releasing it (killed),
         or that the file system takes no locks (then nothing keeps a second run out)."""
-        self._made_file = not self.path.exists()
+        made_file = not self.path.exists()  # (this run's to take back only once it holds the lock: see release)
         try:
             handle = open(self.path, "a+")
         except OSError as error:
@@ -91,6 +91,7 @@ class RunLock:
         except OSError as error:  # (a file system without locks)
             handle.close()
             return f"{self.out} cannot be locked ({error.strerror}): make sure no other run writes there"
+        self._made_file = made_file
         earlier = _read(handle)
         note = (
             f"took over {self.out} from a run that ended without releasing it ({_holder(handle)})" if earlier else None
@@ -118,7 +119,8 @@ class RunLock:
     def release(self, refused: bool = False, made_dir: bool = False) -> None:
         """Let the directory go (an empty lock file: the run ended as it should); `refused`: a run refused before it
         wrote anything takes back the lock file it made and, with `made_dir` and nothing else in it, the directory."""
-        if refused and self._made_file:  # (before the lock goes: no other run takes it over first)
+        if refused and self._made_file:  # (before the lock goes: no other run takes it over first; a run refused the
+            # lock never made the file: the run that holds it may have made it between this one's look and its open)
             self.path.unlink(missing_ok=True)
         if self._handle is not None:
             self._handle.seek(0)
