@@ -90,6 +90,7 @@ class RunLock:
             ) from None
         except OSError as error:  # (a file system without locks)
             handle.close()
+            self._made_file = made_file
             return f"{self.out} cannot be locked ({error.strerror}): make sure no other run writes there"
         self._made_file = made_file
         earlier = _read(handle)
