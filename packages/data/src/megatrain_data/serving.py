@@ -248,10 +248,11 @@ def describe_export(out_dir: Path) -> str:
     parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]
     adapter = _json(out_dir / "adapter_config.json")
     no_base = adapter and not adapter.get("base_model_name_or_path")
-    serve = "; an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it"
+    served = "; an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it"
+    served = served if no_base else ""
     if not (out_dir / "tokenizer.json").exists():
         none = "no tokenizer (its source names none, as a run on token ids without data.tokenizer or model.hf_dir does)"
-        return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in" + (serve if no_base else "")
+        return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in{served}"
     parts.append("tokenizer")
     settings = tokenizer_settings(out_dir)
     if (out_dir / "chat_template.jinja").exists() or settings.get("chat_template"):
@@ -263,7 +264,7 @@ def describe_export(out_dir: Path) -> str:
         tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
         names = [tokenizer.id_to_token(i) or str(i) for i in id_list(stops)]
         parts.append(f"generation stopping at {', '.join(names)}")
-    return ", ".join(parts) + (serve if no_base else "")
+    return ", ".join(parts) + served
 
 
 def _json(path: Path) -> dict:

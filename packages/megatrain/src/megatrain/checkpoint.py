@@ -46,7 +46,7 @@ from megatrain_store.progress import counting, progress
 from megatrain_store.rundir import RunDirError, RunLock
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
-from megatrain_zoo.peft import PEFT_CONFIG, is_peft_directory
+from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
 
 from .config import ConfigError
 
@@ -220,7 +220,7 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
     out = Path(out)
     check_no_other_files(out)
     checkpoints = complete_checkpoints(out / CHECKPOINTS)
-    exported = is_hf_directory(out / FINAL) or is_peft_directory(out / FINAL)  # (not an export killed midway)
+    exported = is_model_directory(out / FINAL)
     if not checkpoints and not exported:
         return
     if resume is not None and out.resolve() in (manifest_output_dir(resume), *Path(resume).resolve().parents):
@@ -332,12 +332,12 @@ def find_weights(path: Path) -> Path:
     (a run's final/ among them); in a run directory (or its checkpoints/ folder) the newest of its checkpoints
     and its final/ export."""
     path = Path(path)
-    if (path / MANIFEST).exists() or is_hf_directory(path) or is_peft_directory(path):
+    if (path / MANIFEST).exists() or is_model_directory(path):
         return path
     run = path.parent if path.name == CHECKPOINTS else path
     newest = _newest_checkpoint(path)
     final = run / FINAL
-    if (is_hf_directory(final) or is_peft_directory(final)) and (newest is None or _final_is_newer(final, newest)):
+    if is_model_directory(final) and (newest is None or _final_is_newer(final, newest)):
         return final
     if newest is not None:
         return newest

@@ -73,8 +73,7 @@ class StopRequested:
     """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops)."""
 
     def __init__(self):
-        self.signal = None  # the name of the signal received, and its number
-        self.signum = 0
+        self.signum = 0  # the signal received (0: none)
         self._previous = {}
         self.exporting = False  # (the trained state is in memory alone until final/ is written)
 
@@ -84,9 +83,10 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        self.signal, self.signum = signal.Signals(signum).name, signum
+        self.signum = signum
         if self.exporting:  # (said, where it was ignored; the handlers before take a second signal: it stops now)
-            tqdm.write(f"megatrain: {self.signal}: the export finishes first; another stops it now", file=sys.stderr)
+            name = signal.Signals(signum).name
+            tqdm.write(f"megatrain: {name}: the export finishes first; another stops it now", file=sys.stderr)
             self.__exit__()
 
     def __exit__(self, *exc):

@@ -115,6 +115,11 @@ def is_peft_directory(path: Path) -> bool:
     return (Path(path) / PEFT_CONFIG).is_file() and (Path(path) / PEFT_WEIGHTS).is_file()
 
 
+def is_model_directory(path: Path) -> bool:
+    """A whole model's directory: a Hugging Face model's, or a PEFT adapter's (not an export a kill left midway)."""
+    return is_hf_directory(path) or is_peft_directory(path)
+
+
 def adapter_layout(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """The adapters' tensors as PEFT's files name them (less `PEFT_PREFIX`) -> (shape, the stored tensors each is)."""
     return file_tensors({p.name: p.shape for g in sorted(spec.adapter_groups) for p in spec.groups[g].params})
@@ -378,7 +383,7 @@ def check_export_target(out: Path, reads: dict[str, Path], overwrite: bool) -> N
     """Refuse to write a model into `out` where it is a file, holds files but no model, is one of what the export
     `reads` (by what they are: the source, a LoRA run's base, ...; --overwrite allows none of them), or holds a model
     already and not `overwrite`."""
-    holds_model = is_hf_directory(out) or is_peft_directory(out)
+    holds_model = is_model_directory(out)
     if out.exists() and not out.is_dir():
         raise ZooError(f"{out} is a file; name a directory to write the model into")
     if out.is_dir() and any(out.iterdir()) and not holds_model:
