@@ -711,26 +711,53 @@ def test_metrics_that_cannot_be_written_say_what_is_kept_and_how_to_go_on(write_
 
 def test_a_signal_during_the_export_is_said_and_a_second_one_stops_it(write_config, tmp_path, capsys, monkeypatch):
     """Ctrl-C while final/ is written: said at once, and the export finishes (the trained state is in memory alone
-    until then; the signal was swallowed without a word); a second Ctrl-C stops the run there."""
+    until then; the signal was swallowed without a word); a second Ctrl-C (or SIGTERM) stops the run there, in one
+    line saying what is lost and with the signal's exit code (it said "training had not started", and a second
+    SIGTERM killed the run without a word)."""
     real_export = Trainer.export
     signals = []
 
     def interrupted_export(self, *args, **kwargs):
-        for _ in range(len(signals)):
-            os.kill(os.getpid(), signal.SIGINT)
+        for sig in signals:
+            os.kill(os.getpid(), sig)
             time.sleep(0.1)  # (its handler runs before the next is sent: two pending signals are one)
         return real_export(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "export", interrupted_export)
-    signals.append(1)
+    signals.append(signal.SIGINT)
     assert main(["train", "--config", str(write_config(train={"steps": 2}))]) == 0
     assert "megatrain: SIGINT: the export finishes first; another stops it now" in capsys.readouterr().err
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
-    shutil.rmtree(tmp_path / "run")
-    signals.append(2)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell's; a pytest-xdist worker ignores it)
-    try:
-        assert main(["train", "--config", str(write_config(train={"steps": 2}))]) == 130
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert not (tmp_path / "run" / "final").exists()
+    for second, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        shutil.rmtree(tmp_path / "run")
+        signals[1:] = [second]
+        assert main(["train", "--config", str(write_config(train={"steps": 3, "save_every": 2}))]) == code
+        line = capsys.readouterr().err.splitlines()[-1]
+        kept = tmp_path / "run" / "checkpoints" / "step-00000002"
+        assert line.startswith(f"megatrain: {second.name}: the export to {tmp_path / 'run' / 'final'} stopped; ")
+        assert f"the steps since {kept} (1) are lost; continue from it with `megatrain train --resume {kept}`" in line
+        assert not (tmp_path / "run" / "final").exists()
+    signals.clear()  # (the resumed run trains the lost step again and exports)
+    config = write_config(train={"steps": 3, "save_every": 2})
+    assert main(["train", "--config", str(config), "--resume", str(kept)]) == 0
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_signals_while_the_run_closes_are_said_and_a_second_one_stops_it(write_config, tmp_path, capsys, monkeypatch):
+    """After final/ is written the run still closes (its pinned memory freed, its trackers closed): a first signal
+    there is said, a second stops it with the signal's exit code, saying the model is written."""
+    real_close = Trainer.close
+
+    def interrupted_close(self, *args, **kwargs):
+        for sig in (signal.SIGTERM, signal.SIGTERM):
+            os.kill(os.getpid(), sig)
+            time.sleep(0.1)
+        return real_close(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "close", interrupted_close)
+    assert main(["train", "--config", str(write_config(train={"steps": 2}))]) == 143
+    err = capsys.readouterr().err
+    assert "megatrain: SIGTERM: the model is written; the run closes first; another stops it now" in err
+    final = tmp_path / "run" / "final"
+    assert err.splitlines()[-1] == f"megatrain: SIGTERM: stopped closing; the model is in {final}"
+    assert (final / "model.safetensors").exists()

@@ -1,10 +1,15 @@
 """A folder of checkpoints: the newest whole one (a damaged newer one skipped aloud), and the room a save makes by
 removing what keep_last would remove anyway, oldest first, never the newest; refused where even that is short."""
 
+import json
+import re
+
 import pytest
 
 import megatrain_store.checkpoints as checkpoints
+from megatrain_store import StoreError, file_record
 from megatrain_store.checkpoints import (
+    CHECKPOINT_FORMAT,
     MANIFEST,
     SaveError,
     check_room,
@@ -12,6 +17,7 @@ from megatrain_store.checkpoints import (
     make_room,
     newest_complete,
     step_of,
+    verify_checkpoint,
 )
 
 
@@ -86,3 +92,31 @@ def test_a_run_refused_the_lock_leaves_the_lock_file_of_the_run_that_holds_it(tm
     with pytest.raises(RunDirError, match="in use by another run"):
         RunLock(tmp_path).acquire()
     holder.release()
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda d: (d / MANIFEST).unlink(), "is unreadable"),
+        (lambda d: (d / MANIFEST).write_text("[1, 2]"), "holds no manifest (a JSON list)"),
+        (lambda d: (d / MANIFEST).write_text(json.dumps({"format": 99, "files": {}})), "checkpoint format 99"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"y" * 1000), "model.safetensors"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"x" * 999), "model.safetensors"),
+    ],
+)
+def test_a_checkpoint_is_verified_against_its_manifest(tmp_path, damage, said):
+    """`verify_checkpoint` returns a whole checkpoint's manifest and refuses each damage naming it: the manifest
+    missing or not an object, another format, a file whose bytes or size differ from the ones recorded."""
+    directory = tmp_path / "step-00000003"
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes(b"x" * 1000)
+    manifest = {
+        "format": CHECKPOINT_FORMAT,
+        "step": 3,
+        "files": {"model.safetensors": file_record(directory / "model.safetensors")},
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_checkpoint(directory) == manifest
+    damage(directory)
+    with pytest.raises(StoreError, match=re.escape(said)):
+        verify_checkpoint(directory)

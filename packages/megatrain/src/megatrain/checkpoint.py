@@ -23,12 +23,12 @@ from megatrain_store import (
     StoreError,
     WeightsError,
     atomic_write_text,
-    check_files,
     file_record,
     fsync_dir,
     write_safetensors,
 )
 from megatrain_store.checkpoints import (
+    CHECKPOINT_FORMAT,
     CHECKPOINTS,
     MANIFEST,
     SaveError,
@@ -41,6 +41,7 @@ from megatrain_store.checkpoints import (
     newest_complete,
     remove_checkpoint,
     step_of,
+    verify_checkpoint,
 )
 from megatrain_store.progress import counting, progress
 from megatrain_store.rundir import RunDirError, RunLock
@@ -50,7 +51,6 @@ from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
 
 from .config import ConfigError
 
-FORMAT = 1
 FINAL = "final"  # a run directory's exported model (weights alone)
 # in final/: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
 TRAINER_STATE = "trainer_state.json"
@@ -186,7 +186,7 @@ def _write_checkpoint(state: TrainerState, tmp: Path, name: str) -> None:
     NaN or Inf."""
     tmp.mkdir()
     manifest = {
-        "format": FORMAT,
+        "format": CHECKPOINT_FORMAT,
         "step": state.step,
         "optimizer_step": state.optimizer_step,
         "bad_steps": state.bad_steps,
@@ -428,19 +428,3 @@ def check_same_model(directory: Path, saved: dict, current: ModelConfig) -> None
             f"checkpoint {directory} is for a different model (differs in {changed}); "
             "resume with the configuration it was written with"
         )
-
-
-def verify_checkpoint(directory: Path) -> dict:
-    """Read and check the manifest and every file's size and CRC32; raise naming the damaged file."""
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise StoreError(f"{directory / MANIFEST} is unreadable ({error}); the checkpoint is damaged") from error
-    if not isinstance(manifest, dict):
-        raise StoreError(
-            f"{directory / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}); the checkpoint is damaged"
-        )
-    if manifest.get("format") != FORMAT:
-        raise StoreError(f"{directory} has checkpoint format {manifest.get('format')}, this megatrain reads {FORMAT}")
-    check_files(directory, manifest["files"])
-    return manifest

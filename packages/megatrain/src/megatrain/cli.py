@@ -629,11 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         known = _error_types()  # (the imports of torch and the engine: a Ctrl-C among them is handled below)
         run_command(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # (a run's own, after its steps, says what it lost: `StoppedFinishing`)
         started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
         if os.environ.get("RANK", "0") == "0":  # (torchrun interrupts every rank)
-            print(f"megatrain: interrupted; {args.command} stopped before it finished{started}", file=sys.stderr)
-        return 130
+            line = str(interrupt) or f"interrupted; {args.command} stopped before it finished{started}"
+            print(f"megatrain: {line}", file=sys.stderr)
+        return getattr(interrupt, "exit_code", 130)
     except Exception as error:
         reply = _error_line(error, known)
         if reply is None:

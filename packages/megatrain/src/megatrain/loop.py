@@ -69,13 +69,23 @@ class RunInterrupted(Exception):
         self.exit_code = 128 + signum
 
 
+class StoppedFinishing(KeyboardInterrupt):
+    """A second signal after the steps (in the export, or while the run closes): the run stops there; the message
+    says what is lost. A KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(f"{signal.Signals(signum).name}: {message}")
+        self.exit_code = 128 + signum
+
+
 class StopRequested:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops)."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops). Once the steps
+    are done, `finishing` holds what a first signal is told (it is only said) and what a second one stops with."""
 
     def __init__(self):
         self.signum = 0  # the signal received (0: none)
         self._previous = {}
-        self.exporting = False  # (the trained state is in memory alone until final/ is written)
+        self.finishing: tuple[str, str] | None = None  # (the trained state is in memory alone until final/ is written)
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -83,11 +93,12 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
+        if self.finishing is not None:
+            said, stopped = self.finishing
+            if self.signum:
+                raise StoppedFinishing(signum, stopped)
+            tqdm.write(f"megatrain: {signal.Signals(signum).name}: {said}; another stops it now", file=sys.stderr)
         self.signum = signum
-        if self.exporting:  # (said, where it was ignored; the handlers before take a second signal: it stops now)
-            name = signal.Signals(signum).name
-            tqdm.write(f"megatrain: {name}: the export finishes first; another stops it now", file=sys.stderr)
-            self.__exit__()
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -309,17 +320,16 @@ class TrainingRun:
                     stop.signum = signum
                     self._stop(stop, bar)
             bar.close()
-            stop.exporting = True
-            self._finish()
+            self._finish(stop)
             failed = False
-        finally:  # (a rank stopped by a signal keeps taking them: torchrun's copy may come after the others' stop)
-            if not (stop.signum and self.trainer.sync is not None):
-                stop.__exit__()
+        finally:
             for tracker in self.trackers:
                 tracker.close()
             if bar is not None:
                 bar.close()
             self.trainer.close(abandon=failed)
+            if not (stop.signum and self.trainer.sync is not None):  # (a rank stopped by a signal keeps taking
+                stop.__exit__()  # them: torchrun's copy may come after the others' stop)
         return self.out
 
     def _start(self) -> None:
@@ -620,25 +630,27 @@ class TrainingRun:
             tqdm.write(f"megatrain: {failure}; the checkpoint went to fallback_dir instead: {path}", file=sys.stderr)
         return path
 
-    def _lost(self) -> str:
-        """What a run that stops now loses, and how to continue."""
+    def _lost(self, once: str = "once the disk takes writes again (room, permission), ") -> str:
+        """What a run that stops now loses, and how to continue (`once`: when)."""
         step = self.trainer.step_index
         if self.last_checkpoint is None:
             return f"this run has no checkpoint: all its steps ({step}) are lost"
         since = step - step_of(self.last_checkpoint)
         lost = f"the steps since {self.last_checkpoint} ({since}) are lost" if since else "no step is lost"
         return (
-            f"{lost}; once the disk takes writes again (room, permission), continue from it with "
+            f"{lost}; {once}continue from it with "
             f"`megatrain train --resume {self.last_checkpoint}` (--set output_dir=DIR to continue elsewhere)"
         )
 
-    def _finish(self) -> None:
+    def _finish(self, stop: StopRequested) -> None:
         """After the last step: the trace, the model, the loss curve."""
         trainer, out = self.trainer, self.out
+        stop.finishing = ("the export finishes first", f"the export to {out / FINAL} stopped; {self._lost('')}")
         if self.config.engine.trace:
             suffix = "" if trainer.ranks is None else f"-rank{trainer.ranks.rank}"
             trainer.timeline.write_chrome_trace(out / f"trace{suffix}.json")
         final = self._export()
+        stop.finishing = ("the model is written; the run closes first", f"stopped closing; the model is in {final}")
         if self.main:
             if self.config.train.loss_plot and plot_loss(self.metrics_path, out / "loss.png"):
                 print(f"loss curve: {out / 'loss.png'}", file=sys.stderr)

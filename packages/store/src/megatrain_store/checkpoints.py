@@ -9,9 +9,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from .errors import StoreError
+from .io import check_files
 from .progress import size_text
 
 MANIFEST = "manifest.json"
+CHECKPOINT_FORMAT = 1  # a manifest's "format": the one this megatrain writes and reads
 CHECKPOINTS = "checkpoints"  # a run directory's checkpoints folder
 
 
@@ -142,3 +145,21 @@ def manifest_output_dir(checkpoint: Path) -> Path | None:
         return Path(json.loads((checkpoint / MANIFEST).read_text())["config"]["output_dir"]).resolve()
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def verify_checkpoint(directory: Path) -> dict:
+    """Read and check the manifest and every file's size and CRC32; raise naming the damaged file."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise StoreError(f"{directory / MANIFEST} is unreadable ({error}); the checkpoint is damaged") from error
+    if not isinstance(manifest, dict):
+        raise StoreError(
+            f"{directory / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}); the checkpoint is damaged"
+        )
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise StoreError(
+            f"{directory} has checkpoint format {manifest.get('format')}, this megatrain reads {CHECKPOINT_FORMAT}"
+        )
+    check_files(directory, manifest["files"])
+    return manifest
