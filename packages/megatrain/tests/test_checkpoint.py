@@ -761,3 +761,4 @@ def test_signals_while_the_run_closes_are_said_and_a_second_one_stops_it(write_c
     final = tmp_path / "run" / "final"
     assert err.splitlines()[-1] == f"megatrain: SIGTERM: stopped closing; the model is in {final}"
     assert (final / "model.safetensors").exists()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # (the run's handler given back, stopped as it was)

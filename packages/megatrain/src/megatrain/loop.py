@@ -323,13 +323,15 @@ class TrainingRun:
             self._finish(stop)
             failed = False
         finally:
-            for tracker in self.trackers:
-                tracker.close()
-            if bar is not None:
-                bar.close()
-            self.trainer.close(abandon=failed)
-            if not (stop.signum and self.trainer.sync is not None):  # (a rank stopped by a signal keeps taking
-                stop.__exit__()  # them: torchrun's copy may come after the others' stop)
+            try:
+                for tracker in self.trackers:
+                    tracker.close()
+                if bar is not None:
+                    bar.close()
+                self.trainer.close(abandon=failed)
+            finally:  # (a rank stopped by a signal keeps taking them: torchrun's copy may come after the others')
+                if not (stop.signum and self.trainer.sync is not None):
+                    stop.__exit__()
         return self.out
 
     def _start(self) -> None:
