@@ -743,6 +743,23 @@ def test_a_signal_during_the_export_is_said_and_a_second_one_stops_it(write_conf
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
+def test_a_rank_other_than_the_first_says_nothing_of_a_signal_after_its_steps(capsys):
+    """Under torchrun every rank gets the signal: one line said (rank 0's), not one a rank; each rank's second
+    signal stops it all the same, with the signal's exit code."""
+    from megatrain.loop import StoppedFinishing, StopRequested
+
+    for says in (True, False):
+        with StopRequested(says=says) as stop:
+            stop.finishing = ("the export finishes first", "the export stopped")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+            assert ("megatrain: SIGTERM: the export finishes first" in capsys.readouterr().err) == says
+            with pytest.raises(StoppedFinishing, match="SIGTERM: the export stopped") as stopped:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+            assert stopped.value.exit_code == 143
+
+
 def test_signals_while_the_run_closes_are_said_and_a_second_one_stops_it(write_config, tmp_path, capsys, monkeypatch):
     """After final/ is written the run still closes (its pinned memory freed, its trackers closed): a first signal
     there is said, a second stops it with the signal's exit code, saying the model is written."""

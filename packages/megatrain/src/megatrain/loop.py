@@ -82,8 +82,8 @@ class StopRequested:
     """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops). Once the steps
     are done, `finishing` holds what a first signal is told (it is only said) and what a second one stops with."""
 
-    def __init__(self):
-        self.signum = 0  # the signal received (0: none)
+    def __init__(self, says: bool = True):
+        self.signum, self.says = 0, says  # the signal received (0: none); whether this process says it (one rank)
         self._previous = {}
         self.finishing: tuple[str, str] | None = None  # (the trained state is in memory alone until final/ is written)
 
@@ -97,7 +97,8 @@ class StopRequested:
             said, stopped = self.finishing
             if self.signum:
                 raise StoppedFinishing(signum, stopped)
-            tqdm.write(f"megatrain: {signal.Signals(signum).name}: {said}; another stops it now", file=sys.stderr)
+            if self.says:
+                tqdm.write(f"megatrain: {signal.Signals(signum).name}: {said}; another stops it now", file=sys.stderr)
         self.signum = signum
 
     def __exit__(self, *exc):
@@ -298,7 +299,7 @@ class TrainingRun:
 
     def run(self) -> Path:
         """The steps, then the export; returns the output directory."""
-        stop = StopRequested()
+        stop = StopRequested(says=self.main)
         bar = None
         failed = True  # (until the export is written: a failed run's queued updates are dropped, not waited for)
         try:
