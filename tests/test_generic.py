@@ -71,6 +71,22 @@ FAMILIES = {
         **dict(boi_token_id=200, eoi_token_id=201, image_token_id=202, video_token_id=203, boa_token_id=204),
         **dict(eoa_token_index=205, audio_token_id=206),
     ),
+    # Gemma 4's 31B and 26B-A4B (this one's experts beside each layer's MLP): sliding layers 16 wide, full layers
+    # 32 (global_head_dim) with one key/value head whose values are its keys (attention_k_eq_v) and a quarter
+    # rotary; no per-layer embeddings or shared keys and values (the E2B and E4B have them: refused)
+    "gemma4_text": dict(
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        **dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    ),
     "cohere2": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5),
     "exaone4": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "seed_oss": dict(head_dim=16, attention_bias=True),
@@ -298,7 +314,7 @@ def compiled_as_on_a_gpu(monkeypatch) -> list[str]:
 
 # (falcon_h1 and jamba pass too, but their Mamba layers take about a minute each to trace on two cores:
 # `pytest tests/test_generic.py -k compiled_as_on_a_gpu` with them added)
-@pytest.mark.parametrize("model_type", ["stablelm", "lfm2"])
+@pytest.mark.parametrize("model_type", ["stablelm", "lfm2", "gemma4_text"])
 def test_layers_compiled_as_on_a_gpu_match_transformers(model_type, compiled_as_on_a_gpu, tmp_path):
     """Families the GPU tests run eagerly, compiled as a GPU run compiles them, one layer's graph kept on the device
     and one in host memory: trained as transformers does."""
