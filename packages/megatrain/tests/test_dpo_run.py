@@ -116,6 +116,27 @@ def test_a_dpo_run_logs_trls_metrics_caches_its_reference_and_resumes_exactly(dp
     assert result["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
 
 
+def test_the_reference_cache_is_keyed_by_what_the_reference_computes_with(dpo_config):
+    """DPO's and GRPO's cached reference scores are found again only for the same rows, weights and model section: a
+    run restarted with its LoRA base held otherwise (nf4 after bf16 ran out of memory) scores again (it read the
+    other base's scores back: step 1's loss not ln 2)."""
+    from types import SimpleNamespace
+
+    from megatrain.reference import reference_key
+
+    rows = (np.arange(12).reshape(3, 4), np.ones((3, 4), dtype=bool))
+
+    def key(*overrides, rows=rows):
+        config = load_config(dpo_config(), list(overrides))
+        trainer = SimpleNamespace(config=config, model_config=config.model, compute_dtype=torch.float64)
+        return reference_key(trainer, rows, None)
+
+    lora = "model.adapter.type=lora"
+    assert key(lora) == key(lora) != key()
+    assert key(lora) != key(lora, "model.adapter.base_dtype=nf4") != key(lora, "model.adapter.base_dtype=int8")
+    assert key(lora) != key(lora, rows=(rows[0] + 1, rows[1])) != key(lora, "train.seed=7")
+
+
 def test_a_lora_dpo_runs_final_adapters_evaluate_as_its_last_step(dpo_config, tmp_path, capsys):
     """A LoRA DPO run that saved no checkpoint: `eval` of the run (its final/, PEFT's adapter files) loads the adapters
     over the base and scores the held-out pairs as the run's last evaluation did (it refused: a full model expected)."""

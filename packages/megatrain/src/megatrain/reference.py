@@ -50,21 +50,23 @@ def adapters_off(trainer):
         trainer.sync_weights()
 
 
-def reference_key(trainer, rows: Tokens) -> str:
-    """What the cached scores depend on: the rows' tokens and masks, the reference weights (a directory's files,
-    or the policy's initial weights: its directory's or the seeded initialisation), the model and compute dtype."""
+def reference_key(trainer, arrays: tuple, ref_model: str | None) -> str:
+    """What cached reference scores depend on (DPO's and GRPO's): the rows (`arrays`: tokens and masks), the
+    reference weights (`ref_model`'s files, or the policy's initial weights: its directory's or the seeded
+    initialisation), the model section (a LoRA base's storage: nf4 scores differ from bf16's), the model and compute
+    dtype."""
     config = trainer.config
     digest = hashlib.sha256()
-    for array in (rows.tokens, rows.loss_mask):
+    for array in arrays:
         digest.update(np.ascontiguousarray(array).tobytes())
-    source = config.train.dpo.ref_model or config.model.hf_dir
+    source = ref_model or config.model.hf_dir
     if source is not None:
         for path in sorted(Path(source).glob("*.safetensors")) + [Path(source) / "config.json"]:
             stat = path.stat()
             digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     else:
         digest.update(f"{config.model.preset}:{config.train.seed}".encode())
-    digest.update(json.dumps([repr(trainer.model_config), str(trainer.compute_dtype)]).encode())
+    digest.update(json.dumps([repr(config.model), repr(trainer.model_config), str(trainer.compute_dtype)]).encode())
     return digest.hexdigest()[:16]
 
 
@@ -75,7 +77,7 @@ def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "traini
     source = trainer.config.train.dpo.ref_model or trainer.config.model.hf_dir
     if source is not None and trainer.is_main:  # (a resumed SFT run that wrote over the model a DPO run started from)
         check_weights_unchanged(Path(source), cache_dir / "reference-weights.json", "the DPO reference")
-    path = cache_dir / f"reference-{reference_key(trainer, rows)}.npy"
+    path = cache_dir / f"reference-{reference_key(trainer, (rows.tokens, rows.loss_mask), source)}.npy"
     if path.exists():
         return np.load(path)
     ref_dir = trainer.config.train.dpo.ref_model

@@ -11,7 +11,6 @@ log-probability of each completion token (the importance ratio's denominator; wi
 at the rollout's first update). The reference's log-probabilities (train.grpo.beta > 0) come from one
 forward-only pass over every row before training, cached beside the run's data."""
 
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from megatrain_store import atomic_write
 from megatrain_templates import Rollout, group_advantages
 
 from .config import Config, ConfigError
+from .reference import reference_key
 from .rollouts import StepRollout, _Rollouts, order
 from .step import StepBatch
 
@@ -108,14 +108,10 @@ class FileRollouts(_Rollouts):
 
 def reference_token_logps(trainer, batch, cache_dir: Path) -> torch.Tensor:
     """Every row's token log-probabilities under the reference (train.grpo.ref_model, else the initial weights, which
-    the store holds before a checkpoint is loaded), one forward-only pass, cached by the rows and the weights."""
+    the store holds before a checkpoint is loaded), one forward-only pass, cached as DPO's (`reference_key`)."""
     config = trainer.config
-    digest = hashlib.sha256()
-    for tensor in (batch.input_ids, batch.labels):
-        digest.update(tensor.numpy().tobytes())
-    source = config.train.grpo.ref_model or config.model.hf_dir or f"{config.model.preset}:{config.train.seed}"
-    digest.update(f"{source}:{trainer.compute_dtype}".encode())
-    path = cache_dir / f"reference-tokens-{digest.hexdigest()[:16]}.npy"
+    key = reference_key(trainer, (batch.input_ids.numpy(), batch.labels.numpy()), config.train.grpo.ref_model)
+    path = cache_dir / f"reference-tokens-{key}.npy"
     if path.exists():
         return torch.from_numpy(np.load(path))
     if config.train.grpo.ref_model is not None:
