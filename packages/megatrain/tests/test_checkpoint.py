@@ -247,6 +247,24 @@ def test_resume_continues_in_the_runs_own_directory_with_its_config(write_config
     assert held == {name: (run / name).read_bytes() for name in held}
 
 
+def test_a_finished_run_is_named_finished_by_both_ways_of_starting_it_again(write_config, tmp_path, capsys):
+    """A run that ended (its final/ at its last step): its own command and --resume both say it is finished and how
+    to train on (each named the other: "continue it with --resume" and "set train.steps above 2")."""
+    config, run = write_config(train={"steps": 2, "save_every": 2}), tmp_path / "run"
+    assert main(["train", "--config", str(config)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 2
+    assert (
+        f"the run in {run} is finished (final/ holds step 2): train.steps 2 is not past step 2"
+        in capsys.readouterr().err
+    )
+    assert main(["train", "--config", str(config)]) == 2
+    assert (
+        "its model in final/: finished at step 2); continue it with --resume "
+        f"{run} --set train.steps=N (N above its last step)"
+    ) in capsys.readouterr().err
+
+
 def test_every_form_of_a_run_names_its_weights(write_config, tmp_path, capsys):
     """A run directory, its checkpoints/, a step-N and final/ work wherever weights or a checkpoint are asked
     for: eval and convert take the newest (final/ once written), --resume the newest checkpoint."""
@@ -746,15 +764,15 @@ def test_a_signal_during_the_export_is_said_and_a_second_one_stops_it(write_conf
 def test_a_rank_other_than_the_first_says_nothing_of_a_signal_after_its_steps(capsys):
     """Under torchrun every rank gets the signal: one line said (rank 0's), not one a rank; each rank's second
     signal stops it all the same, with the signal's exit code."""
-    from megatrain.loop import StoppedFinishing, StopRequested
+    from megatrain.loop import Stopped, StopRequested
 
     for says in (True, False):
         with StopRequested(says=says) as stop:
-            stop.finishing = ("the export finishes first", "the export stopped")
+            stop.starting, stop.finishing = False, ("the export finishes first", "the export stopped")
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.1)
             assert ("megatrain: SIGTERM: the export finishes first" in capsys.readouterr().err) == says
-            with pytest.raises(StoppedFinishing, match="SIGTERM: the export stopped") as stopped:
+            with pytest.raises(Stopped, match="SIGTERM: the export stopped") as stopped:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.1)
             assert stopped.value.exit_code == 143

@@ -333,10 +333,12 @@ def as_a_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.parametrize("started", [as_from_a_shell, as_a_background_job])
-def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp_path, started):
+def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp_path, started, sig, code):
     """SIGINT while the run waits for its data (a named pipe nobody writes): one line, exit 130, the run
-    directory it made taken back; also for a background job, which inherits SIGINT ignored (it waited for ever)."""
+    directory it made taken back; also for a background job, which inherits SIGINT ignored (it waited for ever).
+    SIGTERM likewise, with 143 (it killed the run without a word until the steps began)."""
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)
     run = tmp_path / "run"
@@ -358,12 +360,12 @@ def test_ctrl_c_while_the_data_is_read_is_one_line_and_lets_the_directory_go(tmp
         wchan = Path(f"/proc/{process.pid}/wchan")
         while time.time() < deadline and wchan.exists() and wchan.read_text() != "wait_for_partner":
             time.sleep(0.05)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(sig)
         _, err = process.communicate(timeout=60)
     finally:
         process.kill()  # (where it failed: it waits on the pipe for ever)
-    assert process.returncode == 130 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "interrupted; train stopped before it finished" in err
+    assert process.returncode == code and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"megatrain: {sig.name}: train stopped before training started: no checkpoint or model was written" in err
     assert not run.exists()  # (the run made it, and wrote nothing in it but its lock)
 
 

@@ -44,7 +44,7 @@ from megatrain_store.checkpoints import (
     verify_checkpoint,
 )
 from megatrain_store.progress import counting, progress
-from megatrain_store.rundir import RunDirError, RunLock
+from megatrain_store.rundir import TRAINER_STATE, RunDirError, RunLock, exported_step
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
@@ -52,8 +52,6 @@ from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
 from .config import ConfigError
 
 FINAL = "final"  # a run directory's exported model (weights alone)
-# in final/: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
-TRAINER_STATE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint's fp32 master weights, by Hugging Face name
 OPTIMIZER_FILE = "optimizer.safetensors"  # its optimizer state, each tensor as `STATE.name`
 
@@ -226,9 +224,11 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
     if resume is not None and out.resolve() in (manifest_output_dir(resume), *Path(resume).resolve().parents):
         return  # (a checkpoint of this run: in it, or in its fallback_dir)
     held = [f"checkpoints up to {checkpoints[-1].name}"] if checkpoints else []
-    held += [f"its model in {FINAL}/"] if exported else []
+    step = exported_step(out / FINAL) if exported else None
+    held += [f"its model in {FINAL}/" + ("" if step is None else f": finished at step {step}")] if exported else []
     if _newest_checkpoint(out) is not None:
-        then = f"continue it with --resume {out}"
+        more = "" if step is None else " --set train.steps=N (N above its last step)"
+        then = f"continue it with --resume {out}{more}"
     else:  # (no checkpoint to resume: train.save_every saved none before the run ended)
         then = f"train on from its model with --set model.hf_dir={out / FINAL} and a new output_dir"
     raise ConfigError(
@@ -358,14 +358,6 @@ def _final_is_newer(final: Path, checkpoint: Path) -> bool:
         return described.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
 
 
-def exported_step(final: Path) -> int | None:
-    """The optimizer step a run's final/ export holds (its trainer_state.json), None where it says none."""
-    try:
-        return int(json.loads((final / TRAINER_STATE).read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def check_steps_ahead(step: int, steps: int, out: Path) -> bool:
     """Refuse (one line) to resume, from a checkpoint of `step`, a run already at or past `steps`: nothing would
     train, and the export written at the end would replace a newer final/ with the checkpoint's older weights.
@@ -376,16 +368,12 @@ def check_steps_ahead(step: int, steps: int, out: Path) -> bool:
         return True
     if steps <= step or steps < exported:
         held = max(step, exported)
+        finished = f"the run in {out} is finished ({FINAL}/ holds step {exported}): " if exported >= step else ""
         raise ConfigError(
-            f"train.steps {steps} is not past step {held}, which {out} already holds; "
+            f"{finished}train.steps {steps} is not past step {held}, which {out} already holds; "
             f"set train.steps above {held} (--set train.steps=N) to train on"
         )
     return False
-
-
-def write_trainer_state(final: Path, step: int, steps: int) -> None:
-    """Record in an export the optimizer step its weights hold (`find_weights` picks the newest weights)."""
-    atomic_write_text(final / TRAINER_STATE, json.dumps({"global_step": step, "max_steps": steps}, indent=2))
 
 
 def run_config(weights: Path, manifest: dict | None = None) -> dict | None:

@@ -234,9 +234,9 @@ def run_convert(args) -> None:
     or with --merge its base model with the adapters merged in); says what it wrote."""
     from megatrain_data.serving import describe_export
     from megatrain_store.checkpoints import SaveError
+    from megatrain_store.rundir import TRAINER_STATE, exported_step, write_trainer_state
     from megatrain_zoo.peft import check_export_target
 
-    from .checkpoint import TRAINER_STATE, exported_step, write_trainer_state
     from .export import convert, lora_source
 
     out, source = Path(args.out), Path(args.source)
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         known = _error_types()  # (the imports of torch and the engine: a Ctrl-C among them is handled below)
         run_command(args)
-    except KeyboardInterrupt as interrupt:  # (a run's own, after its steps, says what it lost: `StoppedFinishing`)
+    except KeyboardInterrupt as interrupt:  # (a run's own stop says what it lost: `loop.Stopped`)
         started = " (training had not started: no checkpoint or model was written)" if args.command == "train" else ""
         if os.environ.get("RANK", "0") == "0":  # (torchrun interrupts every rank)
             line = str(interrupt) or f"interrupted; {args.command} stopped before it finished{started}"

@@ -21,6 +21,7 @@ from megatrain_store import (
 )
 from megatrain_store.checkpoints import check_room
 from megatrain_store.progress import counting, progress
+from megatrain_store.rundir import TRAINER_STATE
 from megatrain_zoo import ModelConfig, ModelSpec, config_to_hf, read_hf_config
 from megatrain_zoo.hf_weights import (
     PACKED_CACHE,
@@ -42,7 +43,6 @@ from megatrain_zoo.peft import (
     write_peft_adapter,
 )
 
-from .checkpoint import TRAINER_STATE
 from .config import ConfigError
 
 SHARD_BYTES = 5 * 2**30  # the shard size transformers uses by default

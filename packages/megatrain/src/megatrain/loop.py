@@ -29,7 +29,7 @@ from megatrain_store.checkpoints import SaveError, checkpoints_to_come, free_byt
 from megatrain_store.io import finite_record, remove_stale_temporaries, write_jsonl
 from megatrain_store.plot import plot_loss
 from megatrain_store.progress import progress, size_text
-from megatrain_store.rundir import RunLock, prepare_fallback_dir, prepare_output_dir
+from megatrain_store.rundir import RunLock, exported_step, prepare_fallback_dir, prepare_output_dir, write_trainer_state
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
@@ -43,11 +43,9 @@ from .checkpoint import (
     check_output_dir_free,
     check_same_model,
     check_steps_ahead,
-    exported_step,
     fallback_checkpoints,
     save_checkpoint,
     supersede_later,
-    write_trainer_state,
 )
 from .config import Config, ConfigError, model_config_of, resolve_device, with_absolute_paths
 from .distributed import init_ranks
@@ -69,9 +67,9 @@ class RunInterrupted(Exception):
         self.exit_code = 128 + signum
 
 
-class StoppedFinishing(KeyboardInterrupt):
-    """A second signal after the steps (in the export, or while the run closes): the run stops there; the message
-    says what is lost. A KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+class Stopped(KeyboardInterrupt):
+    """A signal before the steps, or a second one after them (in the export, or while the run closes): the run stops
+    there; the message says what is lost. A KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(f"{signal.Signals(signum).name}: {message}")
@@ -79,11 +77,12 @@ class StoppedFinishing(KeyboardInterrupt):
 
 
 class StopRequested:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops). Once the steps
-    are done, `finishing` holds what a first signal is told (it is only said) and what a second one stops with."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops); while the run
+    is `starting` (data, model, reference pass) either stops it at once (SIGTERM killed it without a word). Once the
+    steps are done, `finishing` holds what a first signal is told (it is only said) and what a second one stops with."""
 
     def __init__(self, says: bool = True):
-        self.signum, self.says = 0, says  # the signal received (0: none); whether this process says it (one rank)
+        self.signum, self.says, self.starting = 0, says, True  # (says: whether this process says it: one rank)
         self._previous = {}
         self.finishing: tuple[str, str] | None = None  # (the trained state is in memory alone until final/ is written)
 
@@ -93,10 +92,12 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
+        if self.starting:
+            raise Stopped(signum, "train stopped before training started: no checkpoint or model was written")
         if self.finishing is not None:
             said, stopped = self.finishing
             if self.signum:
-                raise StoppedFinishing(signum, stopped)
+                raise Stopped(signum, stopped)
             if self.says:
                 tqdm.write(f"megatrain: {signal.Signals(signum).name}: {said}; another stops it now", file=sys.stderr)
         self.signum = signum
@@ -241,6 +242,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     ranks = init_ranks(resolve_device(config.device).type, config.engine)
     lock = RunLock(out) if ranks is None or ranks.is_main else None
     made_out = not out.exists()  # (a run refused before it starts takes back the directory it made)
+    stop = StopRequested(says=ranks is None or ranks.is_main).__enter__()
     try:
         if lock is not None:
             prepare_output_dir(out)
@@ -267,12 +269,13 @@ def train(config: Config, resume: Resume | None = None) -> Path:
                 check_media_model(data.train, model, config.model.hf_dir)
         trainer = Trainer(config, model, ranks=ranks)
     except BaseException:
+        stop.__exit__()
         if lock is not None:
             lock.release(refused=True, made_dir=made_out)
         leave_ranks()  # (the Trainer leaves them on close; without one, this does)
         raise
     try:
-        return TrainingRun(config, trainer, data, out, resume).run()
+        return TrainingRun(config, trainer, data, out, resume).run(stop)
     finally:
         if lock is not None:
             lock.release()
@@ -297,9 +300,9 @@ class TrainingRun:
         self.first_step = 0  # (set once the run has started: a resumed run's is its checkpoint's)
         self.serving = None  # what the export is served with (made by `_start`: its template file is read then)
 
-    def run(self) -> Path:
-        """The steps, then the export; returns the output directory."""
-        stop = StopRequested(says=self.main)
+    def run(self, stop: StopRequested) -> Path:
+        """The steps, then the export (`stop`: the signals' handler, on since the run started); returns the output
+        directory."""
         bar = None
         failed = True  # (until the export is written: a failed run's queued updates are dropped, not waited for)
         try:
@@ -313,7 +316,7 @@ class TrainingRun:
                 unit="step",
                 disable=not self.main,
             )
-            stop.__enter__()
+            stop.starting = False
             for step in range(self.trainer.step_index, self.config.train.steps):
                 self._step(step, bar)
                 signum = stop.signum if self.trainer.sync is None else self.trainer.sync.max(stop.signum)

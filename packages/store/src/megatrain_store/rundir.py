@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 
 from .errors import StoreError
+from .io import atomic_write_text
 
 LOCK = ".megatrain.lock"
+# in a run's final/ export: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
+TRAINER_STATE = "trainer_state.json"
 
 
 class RunDirError(StoreError):
@@ -33,6 +36,19 @@ def prepare_output_dir(out: Path) -> None:
         raise RunDirError(
             f"output_dir {out} cannot be made ({error.strerror}); set output_dir to a writable directory"
         ) from error
+
+
+def write_trainer_state(final: Path, step: int, steps: int) -> None:
+    """Record in an export the optimizer step its weights hold (of `steps`, the run's train.steps)."""
+    atomic_write_text(final / TRAINER_STATE, json.dumps({"global_step": step, "max_steps": steps}, indent=2))
+
+
+def exported_step(final: Path) -> int | None:
+    """The optimizer step a run's final/ export holds (its trainer_state.json), None where it says none."""
+    try:
+        return int(json.loads((final / TRAINER_STATE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def absolute_paths(text: str, separator: str | None = None, always: bool = False) -> str:
