@@ -78,8 +78,8 @@ class Stopped(KeyboardInterrupt):
 
 class StopRequested:
     """Turns SIGINT/SIGTERM into a flag the loop checks between steps (then it checkpoints and stops); while the run
-    is `starting` (data, model, reference pass) either stops it at once (SIGTERM killed it without a word). Once the
-    steps are done, `finishing` holds what a first signal is told (it is only said) and what a second one stops with."""
+    is `starting` (data, model, reference pass) either stops it at once, in one line (SIGTERM's default says none).
+    Once the steps are done, `finishing` holds what a first signal is told (only said) and what a second stops with."""
 
     def __init__(self, says: bool = True):
         self.signum, self.says, self.starting = 0, says, True  # (says: whether this process says it: one rank)
