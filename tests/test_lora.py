@@ -605,3 +605,30 @@ def test_grpo_with_adapters_equals_a_peft_loop(dropout, tmp_path):
         assert metrics.grad_norm == pytest.approx(norm.item(), rel=1e-4)
     assert_same_adapters(trainer, model, 1e-4)
     trainer.close()
+
+
+def test_the_generic_path_adapts_what_peft_loads_and_refuses_what_it_cannot_adapt():
+    """LoRA on transformers' own layers: GPT-2's Conv1D layers are refused in one line (all-linear adapted nothing,
+    silently); Falcon-H1's Mamba out_proj, which PEFT takes no LoRA on, is left out of all-linear (its export did not
+    load in PEFT) and refused by name; Phi-MoE's router, an nn.Linear returning a tuple, is not adapted (it crashed
+    the step)."""
+    import transformers
+    from test_generic import tiny_hf_config
+
+    from megatrain_templates import Lora
+    from megatrain_zoo.generic_adapters import LinearAdapters
+
+    def adapted(family: str, *targets: str) -> set[str]:
+        config = transformers.AutoConfig.for_model(**tiny_hf_config(family))
+        layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[0]
+        adapters = LinearAdapters(layer, "model.layers.0.", Lora(4, 8.0, targets), config.model_type)
+        return {name.split(".")[-3] for name in adapters.names}
+
+    with pytest.raises(ZooError, match=r"transformer\.h\.0\.attn\.c_attn is a transformers Conv1D layer"):
+        config = transformers.AutoConfig.for_model(**tiny_hf_config("gpt2"))
+        layer = transformers.AutoModelForCausalLM.from_config(config).transformer.h[0]
+        LinearAdapters(layer, "transformer.h.0.", Lora(4, 8.0, ("all-linear",)), "gpt2")
+    assert "out_proj" not in adapted("falcon_h1", "all-linear") and "in_proj" in adapted("falcon_h1", "all-linear")
+    with pytest.raises(ZooError, match="PEFT takes no LoRA on falcon_h1's out_proj"):
+        adapted("falcon_h1", "out_proj")
+    assert adapted("phimoe", "all-linear") == {"q_proj", "k_proj", "v_proj", "o_proj"}

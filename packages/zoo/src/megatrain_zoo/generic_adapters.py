@@ -9,24 +9,33 @@ from contextlib import contextmanager
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megatrain_templates import DropoutKey, Lora, dropout_noise, lora_names
+from megatrain_templates import ALL_LINEAR, DropoutKey, Lora, dropout_noise, lora_names
+
+from .config import ZooError
+
+# PEFT refuses LoRA on these modules of these model types (its Mamba check): an adapter there would not load in PEFT
+PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 
 class LinearAdapters:
-    """The adapters of one decoder layer `layer` (named `prefix` in the model): their names and shapes, and the
-    binding of their tensors for a call (`bound`)."""
+    """The adapters of one decoder layer `layer` (named `prefix` in the model of `model_type`): their names and
+    shapes, and the binding of their tensors for a call (`bound`). Adapted: the targeted `nn.Linear`s computing as
+    one (not a router subclassing it that returns a tuple), but those PEFT refuses (`PEFT_MAMBA_REFUSED`: left out
+    of all-linear, refused by name); transformers' Conv1D (GPT-2's) is refused: its adapters are not built."""
 
-    def __init__(self, layer: nn.Module, prefix: str, lora: Lora):
+    def __init__(self, layer: nn.Module, prefix: str, lora: Lora, model_type: str = ""):
         self.lora = lora
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._bound: dict[str, Tensor] | None = None
         self._dropout: DropoutKey | None = None
         for name, module in layer.named_modules():
             path = f"{prefix}{name}"
-            if isinstance(module, nn.Linear) and lora.adapts(f"{path}.weight"):
-                down, up = lora_names(f"{path}.weight")
-                self.shapes[down], self.shapes[up] = (lora.r, module.in_features), (module.out_features, lora.r)
-                module.register_forward_hook(self._adding(name, down, up))
+            if not lora.adapts(f"{path}.weight") or not _adaptable(module, path, lora, model_type):
+                continue
+            down, up = lora_names(f"{path}.weight")
+            self.shapes[down], self.shapes[up] = (lora.r, module.in_features), (module.out_features, lora.r)
+            module.register_forward_hook(self._adding(name, down, up))
         self.names = tuple(self.shapes)
 
     def _adding(self, name: str, down: str, up: str):
@@ -57,3 +66,22 @@ class LinearAdapters:
             yield
         finally:
             self._dropout = None
+
+
+def _adaptable(module: nn.Module, path: str, lora: Lora, model_type: str) -> bool:
+    """Whether LoRA adapts `module` (targeted at `path`), refusing in one line what it cannot adapt as named."""
+    if type(module).__name__ == "Conv1D":  # (transformers.pytorch_utils': a weight [in, out], PEFT's fan_in_fan_out)
+        raise ZooError(
+            f"model.adapter: {path} is a transformers Conv1D layer, which megatrain's LoRA does not adapt yet; train "
+            "the whole model (leave out model.adapter)"
+        )
+    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+        return False
+    if model_type in PEFT_MAMBA_TYPES and path.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED:
+        if ALL_LINEAR in lora.target_modules:
+            return False
+        raise ZooError(
+            f"model.adapter.target_modules: PEFT takes no LoRA on {model_type}'s {path.rsplit('.', 1)[-1]} (its "
+            "adapters would not load in PEFT); target the other linear layers"
+        )
+    return True

@@ -133,7 +133,7 @@ class GenericLayer(_GenericStage):
         module = skeleton.layers[index]
         prefix = next(n for n, m in skeleton.model.named_modules() if m is module) + "."
         # LoRA: the layer's targeted linears take adapters, a second group (the base's is then frozen)
-        self.adapters = None if lora is None else LinearAdapters(module, prefix, lora)
+        self.adapters = None if lora is None else LinearAdapters(module, prefix, lora, skeleton.config.model_type)
         if self.adapters is not None:
             skeleton.shapes.update(self.adapters.shapes)
         super().__init__(skeleton, (names,) if self.adapters is None else (names, self.adapters.names))
