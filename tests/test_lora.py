@@ -613,6 +613,7 @@ def test_the_generic_path_adapts_what_peft_loads_and_refuses_what_it_cannot_adap
     load in PEFT) and refused by name; Phi-MoE's router, an nn.Linear returning a tuple, is not adapted (it crashed
     the step)."""
     import transformers
+    from family_sweep import tiny_config
     from test_generic import tiny_hf_config
 
     from megatrain_templates import Lora
@@ -632,3 +633,10 @@ def test_the_generic_path_adapts_what_peft_loads_and_refuses_what_it_cannot_adap
     with pytest.raises(ZooError, match="PEFT takes no LoRA on falcon_h1's out_proj"):
         adapted("falcon_h1", "out_proj")
     assert adapted("phimoe", "all-linear") == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    with pytest.raises(ZooError, match=r"model.layers.0.mlp.router is a router \(PhimoeTopKRouter\)"):
+        adapted("phimoe", "router")
+    # (Falcon's linears subclass nn.Linear with a forward of their own that returns their product: adapted, as PEFT)
+    falcon = transformers.AutoConfig.for_model(**tiny_config("falcon"))
+    layer = transformers.AutoModelForCausalLM.from_config(falcon).transformer.h[0]
+    adapters = LinearAdapters(layer, "transformer.h.0.", Lora(4, 8.0, ("all-linear",)), "falcon")
+    assert len(adapters.names) == 2 * sum(isinstance(m, torch.nn.Linear) for m in layer.modules()) > 0

@@ -20,9 +20,9 @@ PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 class LinearAdapters:
     """The adapters of one decoder layer `layer` (named `prefix` in the model of `model_type`): their names and
-    shapes, and the binding of their tensors for a call (`bound`). Adapted: the targeted `nn.Linear`s computing as
-    one (not a router subclassing it that returns a tuple), but those PEFT refuses (`PEFT_MAMBA_REFUSED`: left out
-    of all-linear, refused by name); transformers' Conv1D (GPT-2's) is refused: its adapters are not built."""
+    shapes, and the binding of their tensors for a call (`bound`). Adapted: the targeted `nn.Linear`s, as PEFT's
+    (not a router subclassing it, whose forward returns the routing), but those PEFT refuses (`PEFT_MAMBA_REFUSED`:
+    left out of all-linear, refused by name); transformers' Conv1D (GPT-2's) is refused: its adapters are not built."""
 
     def __init__(self, layer: nn.Module, prefix: str, lora: Lora, model_type: str = ""):
         self.lora = lora
@@ -42,6 +42,11 @@ class LinearAdapters:
         def add_delta(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
             if self._bound is None:  # (a call without adapters: the skeleton traced alone)
                 return output
+            if not isinstance(output, Tensor):  # (an nn.Linear whose own forward returns more than its product)
+                raise ZooError(
+                    f"model.adapter: {name} ({type(module).__name__}) returns a {type(output).__name__}, not a "
+                    "tensor LoRA can add to; name model.adapter.target_modules without it"
+                )
             x = args[0]
             if self._dropout is not None and self.lora.dropout > 0:  # (keyed by the module's name in the layer)
                 x = x * dropout_noise(x, self.lora.dropout, self._dropout.generator_seed(name))
@@ -75,8 +80,15 @@ def _adaptable(module: nn.Module, path: str, lora: Lora, model_type: str) -> boo
             f"model.adapter: {path} is a transformers Conv1D layer, which megatrain's LoRA does not adapt yet; train "
             "the whole model (leave out model.adapter)"
         )
-    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+    if not isinstance(module, nn.Linear):
         return False
+    if type(module).forward is not nn.Linear.forward and type(module).__name__.endswith("Router"):
+        if ALL_LINEAR in lora.target_modules:  # (Phi-MoE's, Llama 4's: their forward returns the routing)
+            return False
+        raise ZooError(
+            f"model.adapter.target_modules: {path} is a router ({type(module).__name__}) whose forward returns the "
+            "routing, which LoRA cannot add to; name the other linear layers"
+        )
     if model_type in PEFT_MAMBA_TYPES and path.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED:
         if ALL_LINEAR in lora.target_modules:
             return False
