@@ -247,9 +247,11 @@ def describe_export(out_dir: Path) -> str:
     tensors = sum(len(read_safetensors_header(path)) - 1 for path in files)  # (less each header's __metadata__)
     parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]
     adapter = _json(out_dir / "adapter_config.json")
-    no_base = adapter and not adapter.get("base_model_name_or_path")
-    served = "; an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it"
-    served = served if no_base else ""
+    served = (
+        "; an adapter over a base that no directory holds: `megatrain convert RUN OUT --merge` serves it"
+        if adapter and not adapter.get("base_model_name_or_path")
+        else ""
+    )
     if not (out_dir / "tokenizer.json").exists():
         none = "no tokenizer (its source names none, as a run on token ids without data.tokenizer or model.hf_dir does)"
         return f"{', '.join(parts)}; {none}: copy the model's tokenizer files in{served}"

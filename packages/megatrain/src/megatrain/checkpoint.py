@@ -44,7 +44,7 @@ from megatrain_store.checkpoints import (
     verify_checkpoint,
 )
 from megatrain_store.progress import counting, progress
-from megatrain_store.rundir import TRAINER_STATE, RunDirError, RunLock, exported_step
+from megatrain_store.rundir import RunDirError, RunLock, exported_step
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
@@ -351,11 +351,11 @@ def find_weights(path: Path) -> Path:
 def _final_is_newer(final: Path, checkpoint: Path) -> bool:
     """Whether a run's final/ export holds at least as many steps as `checkpoint` (by its trainer_state.json;
     by the files' times for an export written before it had one)."""
-    try:
-        return json.loads((final / TRAINER_STATE).read_text())["global_step"] >= step_of(checkpoint)
-    except (OSError, ValueError, KeyError, TypeError):
-        described = final / ("config.json" if (final / "config.json").exists() else PEFT_CONFIG)
-        return described.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
+    step = exported_step(final)
+    if step is not None:
+        return step >= step_of(checkpoint)
+    described = final / ("config.json" if (final / "config.json").exists() else PEFT_CONFIG)
+    return described.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
 
 
 def check_steps_ahead(step: int, steps: int, out: Path) -> bool:

@@ -77,7 +77,8 @@ def reference_scores(trainer, rows: Tokens, cache_dir: Path, what: str = "traini
     source = trainer.config.train.dpo.ref_model or trainer.config.model.hf_dir
     if source is not None and trainer.is_main:  # (a resumed SFT run that wrote over the model a DPO run started from)
         check_weights_unchanged(Path(source), cache_dir / "reference-weights.json", "the DPO reference")
-    path = cache_dir / f"reference-{reference_key(trainer, (rows.tokens, rows.loss_mask), source)}.npy"
+    key = reference_key(trainer, (rows.tokens, rows.loss_mask), trainer.config.train.dpo.ref_model)
+    path = cache_dir / f"reference-{key}.npy"
     if path.exists():
         return np.load(path)
     ref_dir = trainer.config.train.dpo.ref_model

@@ -89,11 +89,12 @@ def _adaptable(module: nn.Module, path: str, lora: Lora, model_type: str) -> boo
             f"model.adapter.target_modules: {path} is a router ({type(module).__name__}) whose forward returns the "
             "routing, which LoRA cannot add to; name the other linear layers"
         )
-    if model_type in PEFT_MAMBA_TYPES and path.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED:
+    leaf = path.rsplit(".", 1)[-1]
+    if model_type in PEFT_MAMBA_TYPES and leaf in PEFT_MAMBA_REFUSED:
         if ALL_LINEAR in lora.target_modules:
             return False
         raise ZooError(
-            f"model.adapter.target_modules: PEFT takes no LoRA on {model_type}'s {path.rsplit('.', 1)[-1]} (its "
-            "adapters would not load in PEFT); target the other linear layers"
+            f"model.adapter.target_modules: PEFT takes no LoRA on {model_type}'s {leaf} (its adapters would not load "
+            "in PEFT); target the other linear layers"
         )
     return True
