@@ -402,6 +402,25 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
     check_data_dump_rows(path, model_dir, capsys)
 
 
+# words of each template's own markup before an assistant turn (ChatML's "<|im_start|>assistant", Llama 3's
+# "<|start_header_id|>assistant<|end_header_id|>", Mistral's "[/INST]", Gemma's "<start_of_turn>model")
+MARKUP_WORDS = ["a", "|", "start", "assistant", "header", "id", "end", "INST", "model", "turn"]
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_an_answer_that_is_a_word_of_the_templates_markup_is_trained_in_its_turn(name, tokenizer_dir):
+    """An answer such as "a" or "assistant" also occurs in the header the template writes before it; the trained
+    tokens are the answer and its end-of-turn token (as transformers' generation masks give), not the header's."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    template = our_template(name, TEMPLATES[name])
+    for answer in MARKUP_WORDS:
+        messages = [{"role": "user", "content": "One word"}, {"role": "assistant", "content": answer}]
+        messages += [{"role": "user", "content": "Another"}, {"role": "assistant", "content": answer}]
+        ids, trained = encode_conversation(template, tokenizer, messages)
+        decoded = tokenizer.decode([i for i, t in zip(ids, trained) if t], skip_special_tokens=False)
+        assert decoded.replace(" ", "") == 2 * (answer + END_OF_TURN[name]), (answer, decoded)
+
+
 def test_a_short_answer_is_found_in_its_own_turn_not_in_the_system_prompt(tokenizer_dir):
     """Qwen2.5's default system prompt contains 'Qwen'; an assistant answering 'Qwen' is trained on its
     own turn's token, not on the system prompt's."""

@@ -148,17 +148,25 @@ def _content_text(content) -> str:
     return "" if content is None else str(content)
 
 
+_TURN_MARK = "\x00megatrain: this turn's content\x00"  # stands for a turn's content to find where the template puts it
+
+
 def _rendered_before(template: ChatTemplate, text: str, messages: list[dict], turn: int, tools) -> int:
-    """Where turn `turn` can start in `text`: after the rendering of the turns before it when that is a
-    prefix of the whole (most templates), else 0 (templates that rewrite earlier turns, e.g. Qwen3's
-    reasoning), so that a short answer is never matched inside a system prompt or an earlier turn."""
-    if turn == 0:
-        return 0
-    try:
-        before = template.render(messages[:turn], tools)[0]
-    except Exception:  # a template may refuse a partial conversation; the in-order search still holds
-        return 0
-    return len(before) if text.startswith(before) else 0
+    """Where assistant turn `turn`'s content can start in `text`: where the template puts it (the conversation up to
+    it rendered with `_TURN_MARK` for its content: the turns before it and its header, whose markup holds short words
+    such as "assistant" or "a"), or after the turns before it, wherever that rendering is a prefix of the whole
+    (most templates); else 0 (templates that rewrite earlier turns, e.g. Qwen3's reasoning). So a short answer is
+    never matched inside a system prompt, an earlier turn or the turn's own header."""
+    marked = {**messages[turn], "content": _TURN_MARK}
+    starts = [0]
+    for conversation in (messages[:turn], [*messages[:turn], marked]):
+        try:
+            before = template.render(conversation, tools)[0].split(_TURN_MARK)[0]
+        except Exception:  # a template may refuse a partial conversation; the in-order search still holds
+            continue
+        if text.startswith(before):
+            starts.append(len(before))
+    return max(starts)
 
 
 def _assistant_spans(text: str, messages: list[dict], template: ChatTemplate, tools=None) -> list[tuple[int, int]]:

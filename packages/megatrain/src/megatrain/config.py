@@ -328,7 +328,8 @@ class TrainSection:
                 raise ConfigError(f"train.{name} must be >= {lowest} ({meaning}), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(
-                f"train.min_lr_ratio must be in [0, 1] (the final learning rate over the peak), got {self.min_lr_ratio}"
+                "train.min_lr_ratio must be in [0, 1] (the rate the decay reaches at train.steps, over the peak), "
+                f"got {self.min_lr_ratio}"
             )
         if not self.eps > 0:
             raise ConfigError(f"train.eps must be > 0 (AdamW's denominator term, e.g. 1e-8), got {self.eps}")

@@ -8,7 +8,8 @@ SCHEDULES = ("constant", "cosine", "linear")
 
 @dataclass(frozen=True)
 class Schedule:
-    """Linear warmup over `warmup_steps`, then `kind` decay to min_lr_ratio * lr at `total_steps`."""
+    """Linear warmup over `warmup_steps` (the first step at lr / warmup_steps), then `kind` decay to min_lr_ratio * lr
+    at `total_steps`."""
 
     lr: float
     total_steps: int
