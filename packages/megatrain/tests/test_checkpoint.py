@@ -177,6 +177,17 @@ def test_damaged_checkpoints_are_refused(write_config, tmp_path):
         resolve_resume(tmp_path / "ck")
     live.release()
     assert RunLock(tmp_path / "ck").holder() is None
+    starting = (
+        tmp_path / "starting"
+    )  # a live run of no checkpoint yet: named, not sent to start again (it holds the lock)
+    starting.mkdir()
+    live = RunLock(starting)
+    live.acquire()
+    with pytest.raises(
+        ConfigError, match=f"the run in {starting} is still running \\(pid {os.getpid()}.* no checkpoint yet"
+    ):
+        resolve_resume(starting)
+    live.release()
 
 
 def test_checkpoint_of_another_model_is_refused(write_config, tmp_path):

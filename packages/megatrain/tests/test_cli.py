@@ -186,6 +186,29 @@ def test_a_run_that_diverges_keeps_its_last_good_step(write_config, tmp_path, ca
     assert all(torch.equal(saved[name], tensor) for name, tensor in after_one.items())
 
 
+def test_a_run_stopped_by_divergence_keeps_its_older_checkpoints_and_a_resume_gets_its_tries(
+    write_config, tmp_path, capsys
+):
+    """A run resumed with a learning rate of 1e30 diverges: its saves in the streak of non-finite steps keep every
+    older checkpoint (train.keep_last rotated out the good ones before), the stop names the newest from before the
+    weights diverged, and a resume from the stop's checkpoint gets max_bad_steps tries again (it stopped at its
+    first bad step: the count was saved)."""
+    settings = {"steps": 6, "max_bad_steps": 3, "save_every": 2, "keep_last": 2}
+    assert main(["train", "--config", str(write_config(train=settings))]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--resume", str(run), "--set", "train.steps=40", "--set", "train.lr=1e30"]) == 1
+    err = capsys.readouterr().err
+    # step 7 is finite and diverges; 8-10 are skipped; step-8 holds step 7's weights, as the stop's step-10 does
+    assert f"saved in {run / 'checkpoints' / 'step-00000010'}; where the loss rose" in err
+    assert f"--resume {run / 'checkpoints' / 'step-00000006'}." in err
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())  # (step-8 and step-10 rotated none out)
+    assert names == ["step-00000004", "step-00000006", "step-00000008", "step-00000010"]
+    assert main(["train", "--resume", str(run), "--set", "train.steps=40", "--set", "train.lr=1e-3"]) == 1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["skipped"]][-3:] == [11, 12, 13]  # three tries, not one
+    assert "step-00000006" in {p.name for p in (run / "checkpoints").iterdir()}
+
+
 def test_weights_holding_nan_are_refused_on_load_naming_the_tensor(write_config, tmp_path, capsys):
     """An hf_dir whose weights hold NaN: refused before any step, the tensor and file named; nothing written."""
     assert main(["train", "--config", str(write_config(train={"steps": 1}, output_dir=str(tmp_path / "src")))]) == 0

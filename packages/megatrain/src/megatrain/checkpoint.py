@@ -35,23 +35,20 @@ from megatrain_store.checkpoints import (
     clean_interrupted_saves,
     complete_checkpoints,
     entries_bytes,
-    fallback_checkpoints,
     make_room,
     manifest_output_dir,
-    newest_complete,
     remove_checkpoint,
     step_of,
     verify_checkpoint,
 )
 from megatrain_store.progress import counting, progress
-from megatrain_store.rundir import RunDirError, RunLock, exported_step
+from megatrain_store.rundir import FINAL, RunDirError, RunLock, exported_step, newest_checkpoint
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
 
 from .config import ConfigError
 
-FINAL = "final"  # a run directory's exported model (weights alone)
 WEIGHTS_FILE = "model.safetensors"  # a checkpoint's fp32 master weights, by Hugging Face name
 OPTIMIZER_FILE = "optimizer.safetensors"  # its optimizer state, each tensor as `STATE.name`
 
@@ -226,7 +223,7 @@ def check_output_dir_free(out: Path, resume: Path | None) -> None:
     held = [f"checkpoints up to {checkpoints[-1].name}"] if checkpoints else []
     step = exported_step(out / FINAL) if exported else None
     held += [f"its model in {FINAL}/" + ("" if step is None else f": finished at step {step}")] if exported else []
-    if _newest_checkpoint(out) is not None:
+    if newest_checkpoint(out) is not None:
         more = "" if step is None else " --set train.steps=N (N above its last step)"
         then = f"continue it with --resume {out}{more}"
     else:  # (no checkpoint to resume: train.save_every saved none before the run ended)
@@ -260,7 +257,7 @@ def find_checkpoint(path: Path) -> Path:
     path = Path(path)
     if (path / MANIFEST).exists():
         return path
-    newest = _newest_checkpoint(path)
+    newest = newest_checkpoint(path)
     if newest is not None:
         return newest
     if not path.exists():
@@ -271,39 +268,16 @@ def find_checkpoint(path: Path) -> Path:
             f"{model} holds a model's weights alone, without optimizer state or step, and its run has no checkpoint: "
             f"it cannot resume a run; start a new one from it with model.hf_dir: {model} and a new output_dir"
         )
+    holder = RunLock(path).holder()
+    if holder is not None:
+        raise ConfigError(
+            f"the run in {path} is still running ({holder}) and has written no checkpoint yet: stop it (SIGINT or "
+            "SIGTERM writes one) and --resume it then, or wait for its first save (train.save_every)"
+        )
     raise ConfigError(
         f"no checkpoint found at {path}: expected a step-NNNNNNNN directory with {MANIFEST} or an output_dir whose "
         "checkpoints/ folder holds one (a run stopped before its first checkpoint starts again with its own command)"
     )
-
-
-def _newest_checkpoint(path: Path) -> Path | None:
-    """The newest whole checkpoint `path` names: in a folder of checkpoints, or of a run directory (or its final/):
-    in its checkpoints/ folder, or its fallback_dir's, where a save output_dir's disk refused went."""
-    run = path.parent if path.name in (CHECKPOINTS, FINAL) else path
-    found = [newest_complete(root) for root in dict.fromkeys([path, run / CHECKPOINTS])]
-    found = [checkpoint for checkpoint in [*found, _newest_in_fallback(run)] if checkpoint is not None]
-    return max(found, key=step_of, default=None)
-
-
-def _newest_in_fallback(run: Path) -> Path | None:
-    """The newest whole checkpoint of the run in `run` in the fallback_dir its config.json names: in the run's own
-    folder there, or in the checkpoints/ folder runs shared before they had their own (a checkpoint's manifest names
-    its run's output_dir)."""
-    try:
-        fallback = json.loads((run / "config.json").read_text()).get("fallback_dir")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not fallback:
-        return None
-    roots = (fallback_checkpoints(fallback, run), Path(fallback) / CHECKPOINTS)
-    ours = [
-        checkpoint
-        for root in roots
-        for checkpoint in complete_checkpoints(root)
-        if manifest_output_dir(checkpoint) == run.resolve()
-    ]
-    return max(ours, key=step_of, default=None)
 
 
 def supersede_later(out: Path, step: int) -> Path | None:
@@ -335,7 +309,7 @@ def find_weights(path: Path) -> Path:
     if (path / MANIFEST).exists() or is_model_directory(path):
         return path
     run = path.parent if path.name == CHECKPOINTS else path
-    newest = _newest_checkpoint(path)
+    newest = newest_checkpoint(path)
     final = run / FINAL
     if is_model_directory(final) and (newest is None or _final_is_newer(final, newest)):
         return final

@@ -25,7 +25,14 @@ from megatrain_optim import Ranks, Schedule, lr_at
 from megatrain_optim.launch import leave_ranks
 from megatrain_plan import stale_rates_note
 from megatrain_store import atomic_write_text
-from megatrain_store.checkpoints import SaveError, checkpoints_to_come, free_bytes, step_of
+from megatrain_store.checkpoints import (
+    SaveError,
+    checkpoints_to_come,
+    complete_checkpoints,
+    fallback_checkpoints,
+    free_bytes,
+    step_of,
+)
 from megatrain_store.io import finite_record, remove_stale_temporaries, write_jsonl
 from megatrain_store.plot import plot_loss
 from megatrain_store.progress import progress, size_text
@@ -43,7 +50,6 @@ from .checkpoint import (
     check_output_dir_free,
     check_same_model,
     check_steps_ahead,
-    fallback_checkpoints,
     save_checkpoint,
     supersede_later,
 )
@@ -56,6 +62,8 @@ from .rollouts import tokenizer_of
 from .step import StepBatch
 from .trackers import check_trackers, open_trackers
 from .trainer import Trainer
+
+KEEP_ALL = 2**31  # train.keep_last for a save that rotates no older checkpoint out
 
 
 class RunInterrupted(Exception):
@@ -569,8 +577,17 @@ class TrainingRun:
             tqdm.write(f"megatrain: {note}", file=sys.stderr)
 
     def _stop_for_bad_steps(self) -> None:
+        """`NonFiniteError` after train.max_bad_steps skipped steps, the last good step's weights saved: with every
+        older checkpoint kept (those weights may have diverged already, and a retry that fails again must not rotate
+        out the ones before) and the count of bad steps at 0, so that a resume with a lower rate gets its tries."""
+        bad_steps, self.trainer.bad_steps = self.trainer.bad_steps, 0
         try:
-            saved = f"The weights are those of the last good step, saved in {self.save()}."
+            saved = f"The weights are those of the last good step, saved in {self.save(keep_all=True)}"
+            good_step = self.trainer.step_index - bad_steps  # (checkpoints since hold its weights too)
+            earlier = [path for path in complete_checkpoints(self.checkpoints) if step_of(path) < good_step]
+            saved += (
+                f"; where the loss rose before the stop they diverged too: --resume {earlier[-1]}." if earlier else "."
+            )
         except NonFiniteError as error:  # the last good step's weights hold NaN or Inf themselves
             saved = str(error) + "."
         clip = self.config.train.grad_clip
@@ -578,7 +595,7 @@ class TrainingRun:
             f"lower train.grad_clip (it clips at {clip} now)" if clip > 0 else "turn on train.grad_clip (e.g. 1.0)"
         )
         raise NonFiniteError(
-            f"{self.trainer.bad_steps} non-finite steps in a row; stopping. {saved} Lower train.lr, raise "
+            f"{bad_steps} non-finite steps in a row; stopping. {saved} Lower train.lr, raise "
             f"train.warmup_steps or {clipping}."
         )
 
@@ -604,16 +621,18 @@ class TrainingRun:
         )
         raise RunInterrupted(stop.signum, message if self.main else "")
 
-    def save(self) -> Path:
+    def save(self, keep_all: bool = False) -> Path:
         """A checkpoint of the current step in output_dir/checkpoints, or where that fails in fallback_dir;
         `SaveError` saying what is lost where neither takes it. A step already saved is not saved again (a stop
         signal in a step that ended on train.save_every wrote the same checkpoint twice, and a kill while the second
-        replaced the first lost both)."""
+        replaced the first lost both). No older checkpoint is rotated out by train.keep_last where `keep_all` or in a
+        streak of non-finite steps (the weights saved may be the divergence that made them)."""
         last = self.last_checkpoint
         if last is not None and step_of(last) == self.trainer.step_index and last.is_dir():
             return last
         try:
-            path = save_checkpoint(self.trainer.state_dict(), self.checkpoints, self.config.train.keep_last)
+            keep_last = KEEP_ALL if keep_all or self.trainer.bad_steps else self.config.train.keep_last
+            path = save_checkpoint(self.trainer.state_dict(), self.checkpoints, keep_last)
         except SaveError as error:
             path = self._save_elsewhere(str(error))
         self.last_checkpoint = path

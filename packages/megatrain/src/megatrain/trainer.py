@@ -72,8 +72,7 @@ class StepMetrics:
     objective: dict | None = None  # a step-level objective's metrics (DPO: TRL's rewards/*, logps/*)
 
     def as_dict(self) -> dict:
-        """The record metrics.jsonl and the trackers get: floats to 8 significant digits (a fine-tuning learning
-        rate of 2.74217e-05 is not 2.7e-05, as six decimals made it)."""
+        """metrics.jsonl's record: floats to 8 significant digits (six decimals logged 2.74217e-05 as 2.7e-05)."""
         values = {k: v for k, v in self.__dict__.items() if v is not None and k != "objective"}
         values |= self.objective or {}
         return {k: (float(f"{v:.8g}") if isinstance(v, float) else v) for k, v in values.items()}

@@ -1,5 +1,5 @@
 """The run directory (output_dir): made and checked writable before anything is loaded, and held by one run
-at a time (the room on its disk before a save: `checkpoints`).
+at a time (the room on its disk before a save: `checkpoints`); its newest checkpoint, wherever its saves went.
 
 The lock is an advisory `flock` on output_dir/.megatrain.lock, which the kernel releases however the
 process ends: a run killed with -9 leaves the file (naming it) but not the lock, and the next run takes it
@@ -13,9 +13,18 @@ import sys
 import time
 from pathlib import Path
 
+from .checkpoints import (
+    CHECKPOINTS,
+    complete_checkpoints,
+    fallback_checkpoints,
+    manifest_output_dir,
+    newest_complete,
+    step_of,
+)
 from .errors import StoreError
 from .io import atomic_write_text
 
+FINAL = "final"  # a run directory's exported model (weights alone)
 LOCK = ".megatrain.lock"
 # in a run's final/ export: the optimizer step its weights hold (the name and field the Hugging Face Trainer uses)
 TRAINER_STATE = "trainer_state.json"
@@ -165,3 +174,32 @@ def _holder(handle) -> str:
         return f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}"
     except (ValueError, KeyError, TypeError):
         return "a run that did not say which"
+
+
+def newest_checkpoint(path: Path) -> Path | None:
+    """The newest whole checkpoint `path` names: in a folder of checkpoints, or of a run directory (or its final/):
+    in its checkpoints/ folder, or its fallback_dir's, where a save output_dir's disk refused went."""
+    run = path.parent if path.name in (CHECKPOINTS, FINAL) else path
+    found = [newest_complete(root) for root in dict.fromkeys([path, run / CHECKPOINTS])]
+    found = [checkpoint for checkpoint in [*found, _newest_in_fallback(run)] if checkpoint is not None]
+    return max(found, key=step_of, default=None)
+
+
+def _newest_in_fallback(run: Path) -> Path | None:
+    """The newest whole checkpoint of the run in `run` in the fallback_dir its config.json names: in the run's own
+    folder there, or in the checkpoints/ folder runs shared before they had their own (a checkpoint's manifest names
+    its run's output_dir)."""
+    try:
+        fallback = json.loads((run / "config.json").read_text()).get("fallback_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not fallback:
+        return None
+    roots = (fallback_checkpoints(fallback, run), Path(fallback) / CHECKPOINTS)
+    ours = [
+        checkpoint
+        for root in roots
+        for checkpoint in complete_checkpoints(root)
+        if manifest_output_dir(checkpoint) == run.resolve()
+    ]
+    return max(ours, key=step_of, default=None)
