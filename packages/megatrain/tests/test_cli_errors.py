@@ -148,6 +148,28 @@ def cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             ["train", *TINY, "--set", f"output_dir={exported}"],
             f"already holds a run (its model in final/); train on from its model with --set model.hf_dir={exported}",
         ),
+        *not_a_model_directory_cases(tmp_path, finished),
+    ]
+
+
+def not_a_model_directory_cases(tmp_path: Path, run: Path) -> list[tuple[list[str], str]]:
+    """What megatrain writes that is no model directory, given as model.hf_dir (a run as `eval` and `convert` take
+    it): the one line names what to give instead."""
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    hf_dir = ["train", *TINY, "--set", "model.preset=null", "--set"]
+    checkpoint = run / CHECKPOINTS / "step-00000003"
+    return [
+        ([*hf_dir, f"model.hf_dir={run}"], f"is a megatrain run directory, not a model directory: its model is {run}/"),
+        (
+            [*hf_dir, f"model.hf_dir={checkpoint}"],
+            "is a megatrain checkpoint, not a model directory: `megatrain convert",
+        ),
+        (
+            [*hf_dir, f"model.hf_dir={adapters}"],
+            "not a model: set model.hf_dir to their base model and model.adapter.path",
+        ),
     ]
 
 

@@ -6,9 +6,13 @@ import json
 import re
 from pathlib import Path
 
+from megatrain_store.checkpoints import CHECKPOINTS, MANIFEST
+from megatrain_store.rundir import FINAL, LOCK
+
 from .config import ModelConfig, TemplateLacks, ZooError
 from .generic import generic_model_config
 from .hf import _TEXT_MODEL_OF, check_hf_numbers, config_from_hf, has_template
+from .peft import PEFT_CONFIG
 from .skeleton import GenericError
 
 
@@ -57,6 +61,7 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
     """A directory's config.json as a `ModelConfig`: a native family's (`implementation` native or auto), or one that
     runs transformers' own modules (transformers, or auto for a family with no native template); an image-text
     model's whole or its text model alone (`model_config_from_hf`)."""
+    _check_a_model_directory(Path(model_dir))
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(), object_hook=_special_floats)
@@ -79,6 +84,28 @@ def read_hf_config(model_dir: Path, implementation: str = "auto", image_text: st
         raise ZooError(f"{path} is not valid JSON ({error}); download the model's config.json again") from error
     except KeyError as error:
         raise ZooError(f"{path} lacks the setting {error}; is it a Hugging Face model's config.json?") from error
+
+
+def _check_a_model_directory(model_dir: Path) -> None:
+    """Refuse, naming what to give instead, what megatrain writes that is no model directory: a run directory (its
+    config.json is the run's), a checkpoint (its manifest and master weights) and LoRA adapters (PEFT's files)."""
+    try:
+        if "model_type" in json.loads((model_dir / "config.json").read_text()):
+            return  # (a model's config.json, whatever else the directory holds)
+    except (OSError, ValueError, TypeError):
+        pass
+    if (model_dir / MANIFEST).is_file():
+        fix = f"`megatrain convert {model_dir} OUT` writes its model directory, or --resume {model_dir} continues it"
+        raise ZooError(f"{model_dir} is a megatrain checkpoint, not a model directory: {fix}")
+    if (model_dir / CHECKPOINTS).is_dir() or (model_dir / LOCK).exists():
+        final = model_dir / FINAL
+        model = f"its model is {final}" if (final / "config.json").is_file() else f"`megatrain convert {model_dir} OUT`"
+        raise ZooError(f"{model_dir} is a megatrain run directory, not a model directory: {model} (model.hf_dir)")
+    if (model_dir / PEFT_CONFIG).is_file():
+        raise ZooError(
+            f"{model_dir} holds LoRA adapters, not a model: set model.hf_dir to their base model and "
+            f"model.adapter.path: {model_dir}"
+        )
 
 
 def check_reference_model(ref_dir: Path, policy, setting: str = "train.dpo.ref_model") -> None:
