@@ -398,6 +398,11 @@ def test_train_with_validation_then_data_and_eval_commands(tmp_path, tokenizer_d
     assert main(["eval", "--config", str(path), "--checkpoint", str(final)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["data"] == "validation" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
+    untokenized = yaml.safe_load(path.read_text())  # conversations read with the tokenizer beside the weights
+    del untokenized["data"]["tokenizer"]
+    (tmp_path / "untokenized.yaml").write_text(yaml.safe_dump(untokenized))
+    assert main(["eval", "--config", str(tmp_path / "untokenized.yaml"), "--checkpoint", str(final)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"] == result["val_loss"]
 
     check_data_dump_rows(path, model_dir, capsys)
 

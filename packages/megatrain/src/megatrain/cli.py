@@ -305,7 +305,8 @@ def run_eval(config, args) -> None:
         )
     trainer, what = trainer_for_weights(config, args.weights, args.verified)
     try:
-        data = load_data(config, trainer.model_config, Path(config.output_dir), trainer.ranks)
+        # (the trainer's config: weights of a model directory are its model.hf_dir, whose tokenizer reads the data)
+        data = load_data(trainer.config, trainer.model_config, Path(config.output_dir), trainer.ranks)
         tokens, split = (data.validation, "validation") if data.validation is not None else (data.train, "training")
         windows = row_windows(tokens, config.data.seq_len, 1, shuffle=False, seed=0)
         result = evaluate(trainer, windows, args.batches, leave=True)
