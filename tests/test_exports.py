@@ -245,14 +245,9 @@ def test_a_preset_trained_on_its_own_tokenizer_is_served_with_that_tokenizers_sp
     assert transformers.AutoConfig.from_pretrained(run).eos_token_id == eos
 
 
-@pytest.mark.parametrize("named", ["Qwen2Tokenizer", "GemmaTokenizer", "GPT2Tokenizer"])
-def test_an_export_names_a_tokenizer_class_that_encodes_as_trained(tmp_path, named, capsys):
-    """A tokenizer.json trained with digits merged, beside a tokenizer_config.json naming a class transformers builds
-    with its own pre-tokenizer (Qwen2Tokenizer splits digits one by one) or that refuses the vocabulary (Gemma's,
-    without <unk>): the export names PreTrainedTokenizerFast, and says so; a class that encodes as trained (GPT-2's)
-    is kept. transformers' AutoTokenizer of the export then encodes as the trained tokenizer does."""
-    from megatrain_data.serving import PROBE_TEXT, Serving, write_serving_files
-
+def digits_merged_tokenizer(source: Path, tokenizer_class: str) -> Tokenizer:
+    """A tokenizer.json trained with GPT-2's splits and digits merged (as megatrain trained one before it split as
+    transformers does for Qwen models), in `source` beside a tokenizer_config.json naming `tokenizer_class`."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -260,11 +255,26 @@ def test_an_export_names_a_tokenizer_class_that_encodes_as_trained(tmp_path, nam
         vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(["in 2024 and 12345 steps, 678 more; 13023 tokens"] * 50, bpe)
-    source, out = tmp_path / "source", tmp_path / "export"
-    source.mkdir(), out.mkdir()
+    source.mkdir()
     tokenizer.save(str(source / "tokenizer.json"))
-    (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": named, "eos_token": "<|endoftext|>"}))
-    write_serving_files(out, Serving(source / "tokenizer.json"), {})
+    settings = {"tokenizer_class": tokenizer_class, "eos_token": "<|endoftext|>"}
+    (source / "tokenizer_config.json").write_text(json.dumps(settings))
+    return tokenizer
+
+
+@pytest.mark.parametrize("named", ["Qwen2Tokenizer", "GemmaTokenizer", "GPT2Tokenizer"])
+def test_an_export_names_a_tokenizer_class_that_encodes_as_trained(tmp_path, named, capsys):
+    """A tokenizer.json trained with digits merged, beside a tokenizer_config.json naming a class transformers builds
+    with its own pre-tokenizer (Qwen2Tokenizer splits digits one by one) or that refuses the vocabulary (Gemma's,
+    without <unk>): the export (a Llama's) names PreTrainedTokenizerFast, and says so; a class that encodes as
+    trained (GPT-2's) is kept. transformers' AutoTokenizer of the export then encodes as the trained tokenizer does."""
+    from megatrain.export import write_hf_directory
+    from megatrain_data.serving import PROBE_TEXT, Serving
+
+    tokenizer = digits_merged_tokenizer(tmp_path / "source", named)
+    out = write_hf_directory(
+        tmp_path / "export", [], config_to_hf(preset("tiny-llama")), Serving(tmp_path / "source" / "tokenizer.json")
+    )
     kept = named == "GPT2Tokenizer"
     assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == (
         named if kept else "PreTrainedTokenizerFast"
@@ -273,6 +283,85 @@ def test_an_export_names_a_tokenizer_class_that_encodes_as_trained(tmp_path, nam
     for text in (PROBE_TEXT, "in 2024 and 12345 steps<|endoftext|>"):
         served = transformers.AutoTokenizer.from_pretrained(out).encode(text, add_special_tokens=False)
         assert served == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_an_export_whose_model_type_forces_a_tokenizer_class_says_how_to_load_it(tmp_path, capsys):
+    """config.json's model_type qwen2 makes transformers build Qwen2Tokenizer whatever tokenizer_config.json names,
+    which splits digits one by one over a tokenizer.json trained with GPT-2's splits: the export says so in one line
+    naming the fix (PreTrainedTokenizerFast reads it as trained), and so does `describe_export`. The same files in a
+    Llama's export are served as trained, without a word."""
+    from megatrain.export import write_hf_directory
+    from megatrain_data.serving import PROBE_TEXT, Serving, describe_export
+
+    tokenizer = digits_merged_tokenizer(tmp_path / "source", "PreTrainedTokenizerFast")
+    serving = Serving(tmp_path / "source" / "tokenizer.json")
+    trained = tokenizer.encode(PROBE_TEXT, add_special_tokens=False).ids
+    llama = write_hf_directory(tmp_path / "llama", [], config_to_hf(preset("tiny-llama")), serving)
+    assert capsys.readouterr().err == "" and "from_pretrained" not in describe_export(llama)
+    qwen = write_hf_directory(tmp_path / "qwen", [], config_to_hf(preset("tiny-qwen2")), serving)
+    said = capsys.readouterr().err.strip()
+    assert len(said.splitlines()) == 1 and "Qwen2Tokenizer (for config.json's model_type qwen2" in said
+    assert "`PreTrainedTokenizerFast.from_pretrained(DIR)`" in said
+    assert f"`PreTrainedTokenizerFast.from_pretrained({json.dumps(str(qwen))})`" in describe_export(qwen)
+    assert transformers.AutoTokenizer.from_pretrained(qwen).encode(PROBE_TEXT, add_special_tokens=False) != trained
+    assert (
+        transformers.PreTrainedTokenizerFast.from_pretrained(qwen).encode(PROBE_TEXT, add_special_tokens=False)
+        == trained
+    )
+
+
+def write_qwen_text(path: Path) -> None:
+    """300 random lines of words with digits, accents and CJK, and the serving files' probe text (every byte of it
+    known to the tokenizer trained)."""
+    from megatrain_data.serving import PROBE_TEXT
+
+    words = "the cat sat in 2024 with 12345 dogs and 3.14 pies on mat naïve café 日本語".split()
+    rng = np.random.default_rng(0)
+    path.write_text("".join(" ".join(rng.choice(words, 12)) + "\n" for _ in range(300)) + PROBE_TEXT * 3)
+
+
+def test_a_qwen2_model_trained_from_scratch_is_encoded_by_transformers_as_trained(tmp_path):
+    """A tiny-qwen2 run on text with digits: transformers builds Qwen2Tokenizer for its final/ whatever
+    tokenizer_config.json names, and it encodes as the tokenizer megatrain trained (which splits digits one by one,
+    as Qwen's does), so that transformers' generation reads what the model learned."""
+    from megatrain_data.serving import PROBE_TEXT
+
+    write_qwen_text(tmp_path / "digits.txt")
+    run = tmp_path / "run"
+    train = settings("model.preset=tiny-qwen2", "data.text=digits.txt", "data.seq_len=64", "train.steps=2")
+    (result,) = run_commands([["train", *train, "--set", f"output_dir={run}"]], tmp_path)
+    assert "from_pretrained" not in result["output"]
+    served = transformers.AutoTokenizer.from_pretrained(run / "final")
+    trained = Tokenizer.from_file(str(run / "final" / "tokenizer.json"))
+    assert type(served).__name__ == "Qwen2Tokenizer"
+    for text in (PROBE_TEXT, "the cat sat in 2024 with 12345 dogs\n\n naïve café 日本語"):
+        assert served.encode(text, add_special_tokens=False) == trained.encode(text, add_special_tokens=False).ids
+
+
+def test_a_qwen2_run_started_before_keeps_its_tokenizer_and_says_how_to_load_it(tmp_path):
+    """A tiny-qwen2 run started before megatrain split text as Qwen's tokenizer does (its cache and tokenizer/ hold
+    the tokenizer trained with GPT-2's splits, digits merged) is resumed with that tokenizer, not one trained anew;
+    transformers' Qwen2Tokenizer does not read its export as trained, which the run says in one line naming the fix,
+    as its last line does."""
+    from megatrain_data import DataSection, load_token_array
+
+    write_qwen_text(tmp_path / "digits.txt")
+    run = tmp_path / "run"
+    train = settings("model.preset=tiny-qwen2", "data.text=digits.txt", "data.seq_len=64", f"output_dir={run}")
+    run_commands([["train", *train, "--set", "train.steps=2"]], tmp_path)
+    for made in (*(run / "cache").glob("tokenizer-*.json"), *(run / "cache").glob("tokens-*.npy")):
+        made.unlink()  # (the run as megatrain left it before: its tokenizer as megatrain trained it then)
+    _, started_with = load_token_array(DataSection(text=str(tmp_path / "digits.txt")), 256, run / "cache", None)
+    shutil.copyfile(started_with, run / "tokenizer" / "tokenizer.json")
+    (resumed,) = run_commands([["train", "--resume", str(run), "--set", "train.steps=3"]], tmp_path)
+    final = run / "final"
+    assert (final / "tokenizer.json").read_bytes() == started_with.read_bytes()
+    fix = f"`PreTrainedTokenizerFast.from_pretrained({json.dumps(str(final))})`"
+    said = [line for line in resumed["output"].splitlines() if "PreTrainedTokenizerFast.from_pretrained" in line]
+    assert len(said) == 2 and "Qwen2Tokenizer" in said[0] and said[1].startswith("model written to") and fix in said[1]
+    text = "the cat sat in 2024 with 12345 dogs"
+    ids = Tokenizer.from_file(str(final / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert transformers.PreTrainedTokenizerFast.from_pretrained(final).encode(text, add_special_tokens=False) == ids
 
 
 KILLED_IN_EXPORT = """

@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -9,8 +12,14 @@ from megatrain_data import (
     builtin_corpus,
     check_tokens,
     load_token_array,
+    load_token_data,
     not_utf8_where,
+    run_tokenizer,
 )
+
+# digits, runs of spaces and newlines, a tab, accents composed and not (NFC), CJK and an emoji: where Qwen's splits
+# differ from GPT-2's
+SPLIT_PROBE = "in 2024, 12345 cats\n\n  sat\ton 3.14 mats: naïve cafe\u0301 ñ 日本語 🙂 it's\r\n"
 
 
 def test_consecutive_windows_without_shuffle():
@@ -107,6 +116,49 @@ def test_a_tiny_model_gets_a_tokenizer_that_fits_and_reuses_it(tmp_path, monkeyp
     monkeypatch.setattr(data_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
     again, same = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
     assert same == path and np.array_equal(tokens, again)
+
+
+@pytest.mark.parametrize(("model_type", "built"), [("qwen2", "Qwen2Tokenizer"), ("qwen3_5", "Qwen3_5Tokenizer")])
+def test_a_tokenizer_trained_for_a_qwen_model_is_encoded_by_transformers_as_trained(tmp_path, model_type, built):
+    """transformers builds Qwen2's and Qwen3.5's tokenizers from tokenizer.json's vocabulary and merges alone, split
+    by their own regex, whatever tokenizer_config.json names: the tokenizer megatrain trains for those model types
+    splits as they do (digits one by one), so that transformers encodes a directory of it as training did."""
+    from tokenizers import Tokenizer
+
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "a.txt"
+    text.write_text(builtin_corpus().read_text()[:20000] + SPLIT_PROBE * 20)
+    data = load_token_data(DataSection(text=str(text)), 512, tmp_path / "cache", None, model_type=model_type)
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copyfile(data.tokenizer, served / "tokenizer.json")
+    (served / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (served / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    by_transformers = transformers.AutoTokenizer.from_pretrained(served)
+    trained = Tokenizer.from_file(str(data.tokenizer))
+    assert type(by_transformers).__name__ == built
+    expected = trained.encode(SPLIT_PROBE, add_special_tokens=False).ids
+    assert by_transformers.encode(SPLIT_PROBE, add_special_tokens=False) == expected
+    assert len(trained.encode("12345", add_special_tokens=False).ids) == 5
+
+
+def test_a_qwen_run_started_before_its_split_keeps_the_tokenizer_it_started_with(tmp_path, monkeypatch):
+    """Only a Qwen model's tokenizer (and its cache key) changed: a Llama's is the one trained before. A qwen2 run
+    whose cache holds the tokenizer megatrain trained before it split as transformers does (a run started then,
+    resumed) goes on with that one, its ids those the model learned, and trains no other; a new run gets Qwen's."""
+    import megatrain_data.tokens as data_module
+
+    text = tmp_path / "a.txt"
+    text.write_text(builtin_corpus().read_text()[:20000] + SPLIT_PROBE * 20)
+    section = DataSection(text=str(text))
+    tokens, started_with = load_token_array(section, 256, tmp_path / "cache", None)  # (as megatrain read it before)
+    assert load_token_data(section, 256, tmp_path / "cache", None, model_type="llama").tokenizer == started_with
+    new_run = load_token_data(section, 256, tmp_path / "new-run", None, model_type="qwen2").tokenizer
+    assert new_run.read_bytes() != started_with.read_bytes()
+    monkeypatch.setattr(data_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
+    resumed = load_token_data(section, 256, tmp_path / "cache", None, model_type="qwen2")
+    assert resumed.tokenizer == started_with and np.array_equal(resumed.train.tokens, tokens)
+    assert run_tokenizer(section, 256, tmp_path, None, "qwen2") == started_with  # (its export's, convert's)
 
 
 def test_a_text_with_more_bytes_than_the_vocabulary_says_what_to_change(tmp_path):

@@ -89,10 +89,12 @@ def load_token_data(
     eos_token_id: int | None = None,
     seed: int = 0,
     max_prompt_length: int | None = None,
+    model_type: str | None = None,
 ) -> TokenData:
     """The training (and validation) tokens `data` describes, tokenized once and cached under `cache_dir`.
     Preference datasets give pairs (`TokenData.pairs`), each prompt cut to its last `max_prompt_length` tokens
-    (train.dpo.max_prompt_length; None: data.seq_len // 2)."""
+    (train.dpo.max_prompt_length; None: data.seq_len // 2). A tokenizer megatrain trains splits text as transformers
+    does for a model of `model_type` (its config.json's; `train_tokenizer`)."""
     as_file = isinstance(data.validation, str)
     if data.tokens is not None:
         validation = _read_npy(Path(data.validation), vocab_size, "data.validation") if as_file else None
@@ -100,8 +102,10 @@ def load_token_data(
         return TokenData(train, held, None)
     tokenizer = _named_tokenizer(data, model_dir)
     if data.dataset is None:
-        return _text_token_data(data, tokenizer, vocab_size, cache_dir)
-    return _dataset_token_data(data, tokenizer, vocab_size, cache_dir, model_dir, eos_token_id, seed, max_prompt_length)
+        return _text_token_data(data, tokenizer, vocab_size, cache_dir, model_type)
+    return _dataset_token_data(
+        data, tokenizer, vocab_size, cache_dir, model_dir, eos_token_id, seed, max_prompt_length, model_type
+    )
 
 
 def _named_tokenizer(data: DataSection, model_dir: Path | None) -> Path | None:
@@ -128,9 +132,10 @@ def _dataset_token_data(
     eos_token_id: int | None,
     seed: int,
     max_prompt_length: int | None,
+    model_type: str | None,
 ) -> TokenData:
     """The rows of the records data.dataset names: examples, or preference pairs, under the named tokenizer (one
-    trained on the records where none is named and they are plain text)."""
+    trained on the records for a model of `model_type` where none is named and they are plain text)."""
     pairs = uses_pairs(data)
     if tokenizer is None:
         resolve_sources(data)  # (its files' absence is said first: a tokenizer would not make them)
@@ -139,7 +144,7 @@ def _dataset_token_data(
                 "fine-tuning data needs the model's tokenizer: set data.tokenizer or use model.hf_dir "
                 "with a tokenizer.json"
             )
-        tokenizer = _dataset_tokenizer(data, vocab_size, cache_dir)
+        tokenizer = _dataset_tokenizer(data, vocab_size, cache_dir, model_type)
     loaded = load_tokenizer(tokenizer)
     if loaded.get_vocab_size() > vocab_size:
         raise DataError(
@@ -172,12 +177,14 @@ def _record_rows(
     return records_to_rows(data, read, tokenizer, tokenizer_path, eos, cache_dir, seed)
 
 
-def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int, cache_dir: Path) -> TokenData:
-    """A text file's tokens (the built-in corpus without `data.text`), with a tokenizer trained on it where none is
-    given, split into training and held-out tokens."""
+def _text_token_data(
+    data: DataSection, tokenizer: Path | None, vocab_size: int, cache_dir: Path, model_type: str | None
+) -> TokenData:
+    """A text file's tokens (the built-in corpus without `data.text`), with a tokenizer trained on it for a model of
+    `model_type` where none is given, split into training and held-out tokens."""
     as_file = isinstance(data.validation, str)
     text = Path(data.text) if data.text is not None else builtin_corpus()
-    tokenizer = tokenizer or _trained_text_tokenizer(data, vocab_size, cache_dir)
+    tokenizer = tokenizer or _trained_text_tokenizer(data, vocab_size, cache_dir, model_type)
     tokens, tokenizer = tokenize_text(text, tokenizer, vocab_size, cache_dir)
     check_tokens(tokens, vocab_size, f"tokens of {text}")
     validation = None
@@ -188,11 +195,14 @@ def _text_token_data(data: DataSection, tokenizer: Path | None, vocab_size: int,
     return TokenData(train, held, tokenizer)
 
 
-def run_tokenizer(data: DataSection, vocab_size: int, run_dir: Path | None, model_dir: Path | None) -> Path | None:
+def run_tokenizer(
+    data: DataSection, vocab_size: int, run_dir: Path | None, model_dir: Path | None, model_type: str | None = None
+) -> Path | None:
     """The tokenizer file the run in `run_dir` read its text with: data.tokenizer, the model directory's
-    tokenizer.json, the one its final/ export holds, or the one megatrain trained on its text (cached in the run,
-    trained the same again where the cache is gone); None where its data brought none (token arrays). Weights of no
-    run (`run_dir` None: a PEFT directory's adapters, say) take the first two alone (their base model's)."""
+    tokenizer.json, the one its final/ export holds, or the one megatrain trained on its text for its model of
+    `model_type` (cached in the run, trained the same again where the cache is gone); None where its data brought
+    none (token arrays). Weights of no run (`run_dir` None: a PEFT directory's adapters, say) take the first two
+    alone (their base model's)."""
     configured = data.tokenizer or (model_dir / "tokenizer.json" if model_dir is not None else None)
     if configured is not None and Path(configured).exists():
         return Path(configured)
@@ -202,9 +212,9 @@ def run_tokenizer(data: DataSection, vocab_size: int, run_dir: Path | None, mode
     if exported.exists():
         return exported
     if data.tokens is None and data.dataset is None:
-        return _trained_text_tokenizer(data, vocab_size, run_dir / "cache")
+        return _trained_text_tokenizer(data, vocab_size, run_dir / "cache", model_type)
     if data.dataset is not None and data.format == "text":
-        return _dataset_tokenizer(data, vocab_size, run_dir / "cache")
+        return _dataset_tokenizer(data, vocab_size, run_dir / "cache", model_type)
     return None
 
 
@@ -214,14 +224,14 @@ def renders_conversations(data: DataSection) -> bool:
     return uses_pairs(data) or resolve_sources(data)[0].formatting != "text"
 
 
-def _trained_text_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> Path:
+def _trained_text_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path, model_type: str | None) -> Path:
     """The tokenizer megatrain trains on data.text (the built-in corpus without one) and a data.validation file."""
     texts = [Path(data.text) if data.text is not None else builtin_corpus()]
     texts += [Path(data.validation)] if isinstance(data.validation, str) else []
-    return text_tokenizer(texts, vocab_size, cache_dir)
+    return text_tokenizer(texts, vocab_size, cache_dir, model_type)
 
 
-def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> Path:
+def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path, model_type: str | None) -> Path:
     """A tokenizer trained (once, cached) on the `data.text_field` of a plain-text dataset that brings none."""
     source = resolve_sources(data)[0]
     records = load_records(source)
@@ -233,8 +243,8 @@ def _dataset_tokenizer(data: DataSection, vocab_size: int, cache_dir: Path) -> P
     key = json.dumps([getattr(records, "_fingerprint", "") or source.location, data.text_field])
     texts = (str(r[data.text_field]) for r in records)
     size = records.data.nbytes if hasattr(records, "data") else 0  # (the records' Arrow table: about the text's)
-    train = lambda out: train_tokenizer(None, vocab_size, out, texts=texts)  # noqa: E731
-    return cached_tokenizer(key, vocab_size, cache_dir, train, size)
+    train = lambda out: train_tokenizer(None, vocab_size, out, texts=texts, model_type=model_type)  # noqa: E731
+    return cached_tokenizer(key, vocab_size, cache_dir, train, size, model_type)
 
 
 def load_token_array(data: DataSection, vocab_size: int, cache_dir: Path, model_dir: Path | None):

@@ -49,12 +49,12 @@ class Serving:
 
 def serving_of_run(config, model, run_dir: Path, tokenizer: Path | None = None) -> Serving:
     """The serving files of a run (its config, read for data, model.hf_dir and train.objective, and its model's
-    vocab_size and eos_token_id, in `run_dir`): the data's tokenizer (`tokenizer` where the caller read the data, else
-    as `run_tokenizer` finds it: data.tokenizer, the model directory's,
-    the one megatrain trained on the run's text) and the chat template its conversations were rendered with."""
+    vocab_size, eos_token_id and arch, config.json's model_type, in `run_dir`): the data's tokenizer (`tokenizer`
+    where the caller read the data, else as `run_tokenizer` finds it: data.tokenizer, the model directory's, the one
+    megatrain trained on the run's text) and the chat template its conversations were rendered with."""
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
     if tokenizer is None:
-        tokenizer = run_tokenizer(config.data, model.vocab_size, Path(run_dir), model_dir)
+        tokenizer = run_tokenizer(config.data, model.vocab_size, Path(run_dir), model_dir, model.arch)
     if tokenizer is None:
         return Serving(None, None, model_dir, model.eos_token_id)
     eos = eos_token_text(load_tokenizer(tokenizer), model.eos_token_id, Path(tokenizer).parent)
@@ -96,7 +96,8 @@ def trained_template(config, tokenizer: Path, eos: str) -> ChatTemplate | None:
 
 
 def write_serving_files(out_dir: Path, serving: Serving, config: dict) -> dict:
-    """Write `serving`'s files into `out_dir` (a model directory being written): tokenizer.json, tokenizer_config.json
+    """Write `serving`'s files into `out_dir` (a model directory being written, its config.json's model_type in it
+    where it has one: transformers' choice of tokenizer class reads it): tokenizer.json, tokenizer_config.json
     (its chat template the one trained with, also as chat_template.jinja), special_tokens_map.json and
     generation_config.json (eos: the end-of-turn token, then the tokenizer's and the model's EOS). Returns the
     config.json to write (naming the EOS where the model names none)."""
@@ -160,36 +161,58 @@ def _served_as_trained(out_dir: Path, tokenizer, settings: dict) -> dict:
     """tokenizer_config.json's settings, naming PreTrainedTokenizerFast (tokenizer.json read as it is) where the class
     it names makes transformers encode a probe text otherwise than the tokenizer trained with: some classes rebuild
     their own pre-tokenizer (transformers 5's Qwen2Tokenizer splits digits one by one over any tokenizer.json),
-    others refuse a vocabulary without their tokens. Unchecked where transformers is not installed."""
+    others refuse a vocabulary without their tokens. Checked on `out_dir` as served, its config.json in it: for some
+    model_types (qwen2's) transformers builds its own class whatever tokenizer_config.json names, and where even
+    PreTrainedTokenizerFast is not read this says how to load the tokenizer as trained. Unchecked where
+    transformers is not installed."""
     named = settings.get("tokenizer_class")
-    if named == FAST_CLASS:  # (nothing to change, nor transformers' tokenizers to import)
+    misread = _misread_as(out_dir, tokenizer, settings)
+    if misread is None:
         return settings
-    probe = PROBE_TEXT + (special_token_text(settings.get("eos_token")) or "")
-    served = _encoded_by_transformers(out_dir, probe)
-    if served is None or served == tokenizer.encode(probe, add_special_tokens=False).ids:
-        return settings
-    settings = {**settings, "tokenizer_class": FAST_CLASS}
-    atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
-    print(
-        f"serving files: transformers' {named} does not encode text as the tokenizer.json trained with does (it"
-        f" builds its own pre-tokenizer or refuses the vocabulary): the exported tokenizer_config.json names"
-        f" {FAST_CLASS}, which reads tokenizer.json as it is",
-        file=sys.stderr,
-    )
+    if named != FAST_CLASS:
+        settings = {**settings, "tokenizer_class": FAST_CLASS}
+        atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(settings, indent=2))
+        misread = _misread_as(out_dir, tokenizer, settings)
+    if misread is None:
+        print(
+            f"serving files: transformers' {named} does not encode text as the tokenizer.json trained with does (it"
+            f" builds its own pre-tokenizer or refuses the vocabulary): the exported tokenizer_config.json names"
+            f" {FAST_CLASS}, which reads tokenizer.json as it is",
+            file=sys.stderr,
+        )
+    else:
+        print(f"serving files: {_misread_fix(misread, _model_type(out_dir), 'DIR')}", file=sys.stderr)
     return settings
 
 
-def _encoded_by_transformers(tokenizer_dir: Path, text: str) -> list[int] | None:
-    """`text`'s ids as transformers' AutoTokenizer of `tokenizer_dir` encodes it ([] where the class it names refuses
-    the tokenizer: served by none); None where transformers is not installed."""
+def _misread_as(tokenizer_dir: Path, tokenizer, settings: dict) -> str | None:
+    """The class transformers' AutoTokenizer of `tokenizer_dir` builds (the class named where it refuses the
+    tokenizer) where it encodes a probe text otherwise than `tokenizer` (the tokenizer.json trained with); None where
+    it encodes as trained, or transformers is not installed."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         return None
+    probe = PROBE_TEXT + (special_token_text(settings.get("eos_token")) or "")
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir).encode(text, add_special_tokens=False)
+        served = AutoTokenizer.from_pretrained(tokenizer_dir)
+        ids = served.encode(probe, add_special_tokens=False)
     except Exception:  # noqa: BLE001 (any class's refusal of this tokenizer.json)
-        return []
+        return settings.get("tokenizer_class") or "its tokenizer class"
+    return None if ids == tokenizer.encode(probe, add_special_tokens=False).ids else type(served).__name__
+
+
+def _misread_fix(served_as: str, model_type: str | None, export: str) -> str:
+    """What a user does about an export that transformers' AutoTokenizer reads as `served_as`, not as trained."""
+    why = f" (for config.json's model_type {model_type}, whatever tokenizer_config.json names)" if model_type else ""
+    return (
+        f"transformers' AutoTokenizer builds {served_as}{why}, which encodes text otherwise than the tokenizer.json "
+        f"trained with: load the tokenizer with `PreTrainedTokenizerFast.from_pretrained({export})`"
+    )
+
+
+def _model_type(model_dir: Path) -> str | None:
+    return _json(model_dir / "config.json").get("model_type")
 
 
 def _pinned(template: ChatTemplate, settings: dict) -> str:
@@ -242,7 +265,8 @@ def end_of_turn_id(template: ChatTemplate, tokenizer) -> int | None:
 
 def describe_export(out_dir: Path) -> str:
     """What an export holds, in words: its weights, its tokenizer, its chat template and where generation stops; for
-    an adapter over a preset (its base a seed's weights, which no directory holds), how to serve it."""
+    an adapter over a preset (its base a seed's weights, which no directory holds), how to serve it; where
+    transformers' AutoTokenizer does not encode as its tokenizer.json does, how to load the tokenizer."""
     files = sorted(out_dir.glob("*.safetensors"))
     tensors = sum(len(read_safetensors_header(path)) - 1 for path in files)  # (less each header's __metadata__)
     parts = [f"weights ({tensors} tensors, {size_text(sum(path.stat().st_size for path in files))})"]
@@ -259,13 +283,14 @@ def describe_export(out_dir: Path) -> str:
     settings = tokenizer_settings(out_dir)
     if (out_dir / "chat_template.jinja").exists() or settings.get("chat_template"):
         parts.append("chat template")
+    tokenizer = load_tokenizer(out_dir / "tokenizer.json", "the export's tokenizer")
     stops = _json(out_dir / "generation_config.json").get("eos_token_id")
     if stops is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
         names = [tokenizer.id_to_token(i) or str(i) for i in id_list(stops)]
         parts.append(f"generation stopping at {', '.join(names)}")
+    misread = _misread_as(out_dir, tokenizer, settings)
+    if misread is not None:
+        served += "; " + _misread_fix(misread, _model_type(out_dir), json.dumps(str(out_dir)))
     return ", ".join(parts) + served
 
 

@@ -72,16 +72,37 @@ def not_utf8_where(path: Path, chunk_bytes: int = 1 << 24) -> str | None:
 # Bumped whenever the tokenizer megatrain trains changes for the same text and vocabulary (its cache key)
 TOKENIZER_FORMAT = 2  # 2: the text's own bytes where the model's vocabulary cannot hold all 256 beside EOS
 
+# How transformers 5 splits text for a model of these config.json model_types, whatever tokenizer_config.json names:
+# it builds Qwen2Tokenizer or Qwen3_5Tokenizer (its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which keep only the
+# vocabulary and merges of tokenizer.json and split by their own PRETOKENIZE_REGEX (digits one by one), after NFC,
+# before a byte-level step without GPT-2's regex. A tokenizer megatrain trains for such a model splits as they do, so
+# that transformers encodes its export as training did; for any other model it splits as GPT-2 does.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+QWEN3_5_SPLIT = (  # (Qwen2's, with combining marks kept in words)
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+TRANSFORMERS_SPLITS = {
+    "qwen2": QWEN2_SPLIT,
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp"), QWEN3_5_SPLIT),
+}
 
-def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_path: Path, texts=None):
+
+def train_tokenizer(
+    text_path: Path | list[Path] | None, vocab_size: int, out_path: Path, texts=None, model_type: str | None = None
+):
     """Train a byte-level BPE tokenizer of at most `vocab_size` tokens on text files (or an iterator of texts);
     save it as `out_path`. Its alphabet is every byte where the vocabulary holds them all beside EOS, else (the
-    tiny test models' 256) the bytes the texts use: any other byte cannot be encoded. Refused (`DataError`)
-    where the texts use more distinct bytes than the vocabulary holds."""
+    tiny test models' 256) the bytes the texts use: any other byte cannot be encoded. Text is split as transformers
+    splits it for a model of `model_type` (config.json's) in TRANSFORMERS_SPLITS, else as GPT-2 splits it. Refused
+    (`DataError`) where the texts use more distinct bytes than the vocabulary holds."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    _split_as_served(tokenizer, model_type)
     tokenizer.decoder = decoders.ByteLevel()
     every_byte = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
@@ -106,17 +127,44 @@ def train_tokenizer(text_path: Path | list[Path] | None, vocab_size: int, out_pa
     return tokenizer
 
 
+def _split_as_served(tokenizer, model_type: str | None) -> None:
+    """Give `tokenizer` the normalizer and pre-tokenizer transformers builds for `model_type` (TRANSFORMERS_SPLITS:
+    Qwen2Tokenizer's and Qwen3_5Tokenizer's), else GPT-2's byte-level pre-tokenizer."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    split = TRANSFORMERS_SPLITS.get(model_type)
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        return
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 # data from which training a tokenizer takes long enough to say so first (about a second a MiB on two cores;
 # minutes on a large corpus, whose progress a log shows nothing of)
 ANNOUNCED_TOKENIZER_BYTES = 4 * 2**20
 
 
-def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train, data_bytes: int = 0) -> Path:
-    """The tokenizer megatrain trains for data whose content `key` names (with the vocabulary size and
-    TOKENIZER_FORMAT), trained by `train(path)` only the first time: a resumed or repeated run reuses it. Training
-    on `data_bytes` past ANNOUNCED_TOKENIZER_BYTES is said first."""
-    settings = json.dumps([TOKENIZER_FORMAT, vocab_size, key])
-    path = cache_dir / f"tokenizer-{hashlib.sha256(settings.encode()).hexdigest()[:16]}.json"
+def cached_tokenizer(
+    key: str, vocab_size: int, cache_dir: Path, train, data_bytes: int = 0, model_type: str | None = None
+) -> Path:
+    """The tokenizer megatrain trains for data whose content `key` names (with the vocabulary size,
+    TOKENIZER_FORMAT and the split of `model_type` in TRANSFORMERS_SPLITS), trained by `train(path)` only the first
+    time: a resumed or repeated run reuses it. Training on `data_bytes` past ANNOUNCED_TOKENIZER_BYTES is said
+    first."""
+    settings = [TOKENIZER_FORMAT, vocab_size, key]
+    split = TRANSFORMERS_SPLITS.get(model_type)
+    path = _cache_path(cache_dir, settings + ([split] if split else []))
+    started_with = _cache_path(cache_dir, settings)
+    # a run started before megatrain split as transformers does for its model holds GPT-2's splits under the key
+    # without one: it goes on with them (the ids its model learned), never with a tokenizer trained anew
+    if not path.exists() and started_with.exists():
+        return started_with
     if not path.exists():
         if data_bytes > ANNOUNCED_TOKENIZER_BYTES:
             print(
@@ -128,15 +176,19 @@ def cached_tokenizer(key: str, vocab_size: int, cache_dir: Path, train, data_byt
     return path
 
 
-def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path) -> Path:
+def _cache_path(cache_dir: Path, settings: list) -> Path:
+    return cache_dir / f"tokenizer-{hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:16]}.json"
+
+
+def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path, model_type: str | None = None) -> Path:
     """The BPE tokenizer trained on plain-text files (the training text and a validation file, so that it
-    knows every byte of both), cached by their content."""
+    knows every byte of both) for a model of `model_type` (`train_tokenizer`), cached by their content."""
     digest = hashlib.sha256()
     for path, what in zip(text_paths, ["data.text", "data.validation"]):
         digest.update(_read_text(path, what).encode() + b"\0")
     size = sum(Path(path).stat().st_size for path in text_paths)
-    train = lambda out: train_tokenizer(list(text_paths), vocab_size, out)  # noqa: E731
-    return cached_tokenizer(digest.hexdigest(), vocab_size, cache_dir, train, size)
+    train = lambda out: train_tokenizer(list(text_paths), vocab_size, out, model_type=model_type)  # noqa: E731
+    return cached_tokenizer(digest.hexdigest(), vocab_size, cache_dir, train, size, model_type)
 
 
 def _read_text(path: Path, what: str) -> str:

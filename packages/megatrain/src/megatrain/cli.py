@@ -175,6 +175,7 @@ def run_data(config, args) -> None:
         model.eos_token_id,
         config.train.seed,
         config.train.dpo.max_prompt_length,
+        model.arch,
     )
     for line in data.report:
         print(f"megatrain: {line}", file=sys.stderr)
@@ -379,7 +380,7 @@ def run_generate(config, args) -> None:
     prompts = read_prompts(args.prompts)
     trainer, _ = trainer_for_weights(config, args.weights, args.verified)
     try:
-        path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config.vocab_size)
+        path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config)
         tokenizer = load_tokenizer(path)
         eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, path.parent)
         stops = stop_ids(trainer.model_config, tokenizer, path, eos)
@@ -391,9 +392,9 @@ def run_generate(config, args) -> None:
         print(json.dumps({"prompt": prompt, "completion": text}))
 
 
-def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
+def _tokenizer_of_weights(config, weights: Path, model) -> Path:
     """The tokenizer.json beside `weights`, else data.tokenizer, else (weights of a run: a checkpoint or its final/)
-    the one its run read text with (`megatrain_data.run_tokenizer`)."""
+    the one its run read text with (`megatrain_data.run_tokenizer`, for `model`: its vocab_size and arch)."""
     from megatrain_data import run_tokenizer
 
     from .checkpoint import FINAL, MANIFEST
@@ -407,7 +408,9 @@ def _tokenizer_of_weights(config, weights: Path, vocab_size: int) -> Path:
         weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
     )
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    found = run_tokenizer(config.data, vocab_size, run_dir, model_dir)  # (a PEFT directory's: its base model's)
+    found = run_tokenizer(
+        config.data, model.vocab_size, run_dir, model_dir, model.arch
+    )  # (a PEFT directory's: its base's)
     if found is None:
         raise ConfigError(f"{weights} holds no tokenizer.json: set data.tokenizer to the model's tokenizer.json")
     return found

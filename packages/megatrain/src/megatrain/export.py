@@ -145,6 +145,9 @@ def _write_model_files(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write_text(out_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
+    # config.json first: its model_type picks the class transformers serves the tokenizer with (qwen2's: its own,
+    # whatever tokenizer_config.json names), which the serving files' check loads; then with their special ids
+    atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
     config = write_serving_files(out_dir, serving, config)
     atomic_write_text(out_dir / "config.json", json.dumps(config, indent=2))
 

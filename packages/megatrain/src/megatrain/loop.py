@@ -184,6 +184,7 @@ def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None
             model.eos_token_id,
             config.train.seed,
             config.train.dpo.max_prompt_length,
+            model.arch,
         )
 
     data = load() if ranks is None or ranks.is_main else None
