@@ -184,6 +184,41 @@ def test_model_template_through_the_data_pipeline(tmp_path, tokenizer_dir):
         )
 
 
+WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+TOOL_CONVERSATION = [  # (every turn with every key, None where a turn has none: as Arrow reads a jsonl file)
+    {"role": "user", "content": "Weather in Paris?", "tool_calls": None},
+    {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": WEATHER_CALL}]},
+    {"role": "tool", "content": "{\"temp\": 20}", "tool_calls": None},
+    {"role": "assistant", "content": "It is 20 degrees.", "tool_calls": None},
+]  # fmt: skip
+TOOL_CALL_RENDERED = {  # the call as each template writes it
+    "qwen2.5": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama-3.1": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+}
+
+
+@pytest.mark.parametrize("name", list(TOOL_CALL_RENDERED))
+def test_an_assistant_turns_tool_calls_are_rendered_and_trained(name, tmp_path, tokenizer_dir):
+    """A messages file's tool calls reach the template, which writes them as transformers does, and are trained with
+    the turn's end (the calls were dropped: an empty answer was trained); keys set to None are no keys."""
+    model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, name)
+    source = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CONVERSATION}])
+    section = DataSection(
+        dataset=str(source), format="messages", seq_len=256, tokenizer=str(model_dir / "tokenizer.json")
+    )
+    data = load_token_data(section, 700, tmp_path / "cache", None)
+    messages = [{key: value for key, value in turn.items() if value is not None} for turn in TOOL_CONVERSATION]
+    expected = hf_ids(hf_tokenizer(tokenizer_dir, name, TEMPLATES[name]), messages)
+    assert data.train.tokens[0, : len(expected)].tolist() == expected
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    trained = data.train.tokens[0][data.train.loss_mask[0]].tolist()
+    end = END_OF_TURN[name]
+    assert (
+        tokenizer.decode(trained, skip_special_tokens=False)
+        == TOOL_CALL_RENDERED[name] + end + "It is 20 degrees." + end
+    )
+
+
 def fp64_config(tmp_path, dtype="float64", device="cpu", engine=None, **train) -> Config:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     defaults = dict(steps=2, batch_size=4, micro_batch_size=2, lr=1e-3, grad_clip=0.5, warmup_steps=0, seed=seed)

@@ -11,6 +11,7 @@ instead, for templates that mark them); everything when `train_on_prompt` is on.
 """
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -170,26 +171,51 @@ def _rendered_before(template: ChatTemplate, text: str, messages: list[dict], tu
 
 
 def _assistant_spans(text: str, messages: list[dict], template: ChatTemplate, tools=None) -> list[tuple[int, int]]:
-    """Character ranges of each assistant turn's content in the rendered text, found in order.
-    Raises ValueError naming the turn when the template does not render it verbatim."""
+    """Character ranges of each assistant turn's content (and the tool calls it makes) in the rendered text, found in
+    order. Raises ValueError naming the turn when the template does not render it verbatim."""
     spans, cursor = [], 0
     for turn, message in enumerate(messages):
         content = _content_text(message.get("content")).strip()
-        if message.get("role") == ASSISTANT:
+        assistant = message.get("role") == ASSISTANT
+        if assistant:
             cursor = max(cursor, _rendered_before(template, text, messages, turn, tools))
         start = text.find(content, cursor) if content else cursor
-        if start < 0:
-            if message.get("role") == ASSISTANT:
+        span = (start, start + len(content)) if start >= 0 else None
+        calls = (
+            _tool_calls_span(template, text, messages, turn, tools) if assistant and message.get("tool_calls") else None
+        )
+        if calls is not None:  # (the calls a template writes after the content, or instead of it: Llama 3.1's)
+            before_calls = span is not None and content and span[1] <= calls[1]  # (not found in a later turn)
+            span = (min(span[0], calls[0]), calls[1]) if before_calls else calls
+        if span is None:
+            if assistant:
                 raise ValueError(
                     f"the chat template does not render assistant turn {turn}'s content verbatim, so its trained "
                     "tokens cannot be found; use a template that keeps it, one with {% generation %} blocks, "
                     "or data.chat_template: simple"
                 )
             continue  # a template may rewrite a system or tool turn; the next turns are still found in order
-        if message.get("role") == ASSISTANT:
-            spans.append((start, start + len(content)))
-        cursor = start + len(content)
+        if assistant:
+            spans.append(span)
+        cursor = span[1]
     return spans
+
+
+def _tool_calls_span(template: ChatTemplate, text: str, messages: list[dict], turn: int, tools) -> tuple | None:
+    """The characters of `text` that assistant turn `turn`'s tool calls render as: where the conversation up to it
+    rendered with its calls differs from it rendered without them (the common ends cut off: the header before, the
+    end-of-turn markup after); None where that rendering is no prefix of `text`."""
+    without = {key: value for key, value in messages[turn].items() if key != "tool_calls"}
+    try:
+        rendered = template.render(messages[: turn + 1], tools)[0]
+        bare = template.render([*messages[:turn], without], tools)[0]
+    except Exception:  # (a template may refuse a partial conversation)
+        return None
+    if not text.startswith(rendered):
+        return None
+    after = len(os.path.commonprefix([rendered[::-1], bare[::-1]]))  # (first: the calls' markup may start as the
+    start = min(len(os.path.commonprefix([rendered, bare])), len(bare) - after)  # end of the turn does, "<" with "<")
+    return (start, len(rendered) - after) if len(rendered) - after > start else None
 
 
 def render_conversation(

@@ -305,7 +305,8 @@ def _unknown_role_fix(role, source: Source) -> str:
 
 def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
     """One sharegpt or messages turn (`what` names it in errors: "turn 3") as a role/content dict, its role
-    one of user/assistant/system/tool through the source's tags."""
+    one of user/assistant/system/tool through the source's tags, with the turn's other keys a template reads
+    (an assistant's tool_calls, a tool result's name or tool_call_id)."""
     role_of = _role_names(source)
     if not isinstance(turn, dict):
         raise DataError(f"{where}: {what} is not a mapping: {turn!r}")
@@ -322,7 +323,9 @@ def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
             f"{sorted(r for r in role_of if r)}; {_unknown_role_fix(turn.get(role_key), source)}"
         )
     content = turn.get(content_key)
-    return {"role": role, "content": "" if content is None else content}
+    # (tool_calls, name; not those a record's keys set to None: Arrow gives every turn each key some turn has)
+    others = {key: value for key, value in turn.items() if key not in (role_key, content_key) and value is not None}
+    return {**others, "role": role, "content": "" if content is None else content}
 
 
 def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
