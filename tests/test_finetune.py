@@ -197,15 +197,25 @@ TOOL_CALL_RENDERED = {  # the call as each template writes it
 }
 
 
+SHAREGPT_TOOL_CONVERSATION = [  # LLaMA-Factory's layout of it: the call as JSON in a function_call turn
+    {"from": "human", "value": "Weather in Paris?"},
+    {"from": "function_call", "value": json.dumps(WEATHER_CALL)},
+    {"from": "observation", "value": '{"temp": 20}'},
+    {"from": "gpt", "value": "It is 20 degrees."},
+]
+
+
+@pytest.mark.parametrize("layout", ["messages", "sharegpt"])
 @pytest.mark.parametrize("name", list(TOOL_CALL_RENDERED))
-def test_an_assistant_turns_tool_calls_are_rendered_and_trained(name, tmp_path, tokenizer_dir):
-    """A messages file's tool calls reach the template, which writes them as transformers does, and are trained with
-    the turn's end (the calls were dropped: an empty answer was trained); keys set to None are no keys."""
+def test_an_assistant_turns_tool_calls_are_rendered_and_trained(name, layout, tmp_path, tokenizer_dir):
+    """A messages file's tool calls, and LLaMA-Factory's function_call turns, reach the template, which writes them as
+    transformers does, and are trained with the turn's end (the calls were dropped, an empty answer trained; the
+    function_call turn's JSON was trained bare, in no form the model calls tools in); keys set to None are no keys."""
     model_dir = write_model_tokenizer(tmp_path / "model", tokenizer_dir, name)
-    source = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CONVERSATION}])
-    section = DataSection(
-        dataset=str(source), format="messages", seq_len=256, tokenizer=str(model_dir / "tokenizer.json")
-    )
+    record = {"messages": TOOL_CONVERSATION} if layout == "messages" else {"conversations": SHAREGPT_TOOL_CONVERSATION}
+    source = write_jsonl(tmp_path / "tools.jsonl", [record])
+    tokenizer_file = str(model_dir / "tokenizer.json")
+    section = DataSection(dataset=str(source), format=layout, seq_len=256, tokenizer=tokenizer_file)
     data = load_token_data(section, 700, tmp_path / "cache", None)
     messages = [{key: value for key, value in turn.items() if value is not None} for turn in TOOL_CONVERSATION]
     expected = hf_ids(hf_tokenizer(tokenizer_dir, name, TEMPLATES[name]), messages)

@@ -389,6 +389,15 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
             tmp_path / "c0",
             None,
         )
+    turns = [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "get_weather(Paris)"}]
+    bare_call = write_jsonl(tmp_path / "call.jsonl", [{"conversations": turns + [{"from": "gpt", "value": "x"}]}])
+    with pytest.raises(DataError, match=r"record 1: turn 1 is a function call whose value is not JSON of \{\"name\""):
+        load_token_data(
+            DataSection(dataset=str(bare_call), format="sharegpt", tokenizer=str(tokenizer_path)),
+            512,
+            tmp_path / "c7",
+            None,
+        )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(DataError, match="empty.jsonl is empty \\(no records\\)"):

@@ -323,9 +323,26 @@ def sharegpt_turn(turn, what: str, source: Source, where: str) -> dict:
             f"{sorted(r for r in role_of if r)}; {_unknown_role_fix(turn.get(role_key), source)}"
         )
     content = turn.get(content_key)
+    if turn.get(role_key) == source.tag("function_tag"):  # LLaMA-Factory's function_call turn: the assistant's calls
+        return {"role": "assistant", "content": "", "tool_calls": _tool_calls_of(content, f"{where}: {what}")}
     # (tool_calls, name; not those a record's keys set to None: Arrow gives every turn each key some turn has)
     others = {key: value for key, value in turn.items() if key not in (role_key, content_key) and value is not None}
     return {**others, "role": role, "content": "" if content is None else content}
+
+
+def _tool_calls_of(value, where: str) -> list[dict]:
+    """A function_call turn's value (JSON text of a call {"name", "arguments"} or a list of them, as LLaMA-Factory's
+    FunctionFormatter reads it) as an assistant turn's tool_calls, which the model's own template writes in the form it
+    was trained to call tools in (Qwen's <tool_call> tags, Llama 3's "parameters"), not as the bare JSON."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+        calls = calls if isinstance(calls, list) else [calls]
+        return [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    except (ValueError, TypeError, KeyError):
+        raise DataError(
+            f'{where} is a function call whose value is not JSON of {{"name": ..., "arguments": ...}} (or a list of '
+            f"them): {str(value)[:80]!r}; fix the record, or tag the turn as the assistant's answer"
+        ) from None
 
 
 def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict], object]:
