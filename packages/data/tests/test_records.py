@@ -428,6 +428,53 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
         )
 
 
+ROLE_ORDERS = [  # (LLaMA-Factory's converters skip such records; each was trained silently)
+    (["gpt", "human", "gpt"], "turn 0 is an assistant turn at the start"),
+    (["human", "gpt", "gpt"], "turn 2 is an assistant turn after an assistant turn"),
+    (["human", "gpt", "system", "human", "gpt"], "turn 2 is a system turn after an assistant turn"),
+    (["human", "observation", "gpt"], "turn 1 is a tool turn after a user turn"),
+]
+
+
+@pytest.mark.parametrize("roles,said", ROLE_ORDERS)
+def test_a_conversation_whose_roles_are_out_of_order_is_refused_naming_the_turn(tmp_path, tokenizer_path, roles, said):
+    turns = [{"from": role, "value": f"turn {i}"} for i, role in enumerate(roles)]
+    source = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": turns}])
+    section = DataSection(dataset=str(source), format="sharegpt", tokenizer=str(tokenizer_path), seq_len=64)
+    with pytest.raises(DataError, match=f"record 1: {said}; fix the record's roles, or remove it"):
+        load_token_data(section, 512, tmp_path / "cache", None)
+
+
+def test_a_system_turn_overrides_the_system_column_and_messages_in_a_row_are_read(tmp_path, tokenizer_path):
+    """As LLaMA-Factory reads them: a first system turn replaces the system column (two system turns were rendered);
+    two user turns in a row, and tool results in a row after parallel calls, are conversations."""
+    turns = [{"from": "system", "value": "TURN"}, {"from": "human", "value": "a"}, {"from": "human", "value": "b"}]
+    turns += [
+        {"from": "gpt", "value": "c"},
+        {"from": "observation", "value": "d"},
+        {"from": "observation", "value": "e"},
+    ]
+    turns += [{"from": "gpt", "value": "f"}]
+    source = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"conversations": turns[1:], "system": "COLUMN"}, {"conversations": turns, "system": "COLUMN"}],
+    )
+    section = DataSection(
+        dataset=str(source),
+        format="sharegpt",
+        tokenizer=str(tokenizer_path),
+        seq_len=128,
+        chat_template="simple",
+        shuffle=False,
+    )
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    texts = [
+        tokenizer.decode(row.tolist()) for row in load_token_data(section, 512, tmp_path / "cache", None).train.tokens
+    ]
+    assert "COLUMN" in texts[0] and "TURN" not in texts[0]
+    assert "TURN" in texts[1] and "COLUMN" not in texts[1]
+
+
 def test_tokenized_once_then_cached(tmp_path, tokenizer_path, monkeypatch):
     source = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "x y", "output": "z"}] * 50)
     section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), validation=0.1)

@@ -355,18 +355,44 @@ def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict
             raise DataError(f"{where}: the response must be text, got {type(response).__name__}")
         return messages + [{"role": "assistant", "content": response}], None
     tools = record_tools(record, source, where)
-    messages = []
-    system = record.get(source.column("system"))
-    if system:
-        messages.append({"role": "system", "content": str(system)})
     turns = (
         _messages_format_turns(record, source, index)
         if source.formatting == "messages"
         else record_field(record, source.column("messages"), index, source, "messages")
     )
-    for turn_index, turn in enumerate(turns):
-        messages.append(sharegpt_turn(turn, f"turn {turn_index}", source, where))
+    messages = [sharegpt_turn(turn, f"turn {turn_index}", source, where) for turn_index, turn in enumerate(turns)]
+    check_role_order(messages, where)
+    system = record.get(source.column("system"))
+    if system and not (messages and messages[0]["role"] == "system"):  # (a system turn of its own overrides it)
+        messages.insert(0, {"role": "system", "content": str(system)})
     return messages, tools
+
+
+# the roles a turn may follow (None: the conversation's start), as LLaMA-Factory's converters check them; a tool
+# turn may follow another (OpenAI-style parallel calls' results), a user turn another user turn (messages sent
+# in a row)
+FOLLOWS = {
+    "system": {None},
+    "user": {None, "system", "assistant", "tool", "user"},
+    "assistant": {"user", "tool"},
+    "tool": {"assistant", "tool"},
+}
+
+
+def _a(role: str) -> str:
+    return f"an {role}" if role == "assistant" else f"a {role}"  # (the roles: system, user, assistant, tool)
+
+
+def check_role_order(messages: list[dict], where: str) -> None:
+    """Refuse, naming the turn, a conversation whose roles are out of order: a system turn after the first, an answer
+    with no prompt before it or right after another answer (both trained), a tool result after no call."""
+    previous = None
+    for turn, message in enumerate(messages):
+        role = message["role"]
+        if previous not in FOLLOWS[role]:
+            after = "at the start" if previous is None else f"after {_a(previous)} turn"
+            raise DataError(f"{where}: turn {turn} is {_a(role)} turn {after}; fix the record's roles, or remove it")
+        previous = role
 
 
 # ------------------------------------------------------------- tokenizing
