@@ -433,16 +433,44 @@ ROLE_ORDERS = [  # (LLaMA-Factory's converters skip such records; each was train
     (["human", "gpt", "gpt"], "turn 2 is an assistant turn after an assistant turn"),
     (["human", "gpt", "system", "human", "gpt"], "turn 2 is a system turn after an assistant turn"),
     (["human", "observation", "gpt"], "turn 1 is a tool turn after a user turn"),
+    (["human", ""], "turn 1 is an assistant turn with no content, nothing to learn"),
 ]
 
 
 @pytest.mark.parametrize("roles,said", ROLE_ORDERS)
 def test_a_conversation_whose_roles_are_out_of_order_is_refused_naming_the_turn(tmp_path, tokenizer_path, roles, said):
-    turns = [{"from": role, "value": f"turn {i}"} for i, role in enumerate(roles)]
+    turns = [{"from": role or "gpt", "value": f"turn {i}" if role else ""} for i, role in enumerate(roles)]
     source = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": turns}])
     section = DataSection(dataset=str(source), format="sharegpt", tokenizer=str(tokenizer_path), seq_len=64)
-    with pytest.raises(DataError, match=f"record 1: {said}; fix the record's roles, or remove it"):
+    with pytest.raises(DataError, match=f"record 1: {re.escape(said)}; fix"):
         load_token_data(section, 512, tmp_path / "cache", None)
+
+
+HISTORY_PAIRS = "history must be a list of [prompt, response] pairs of text"
+ALPACA_RECORDS = [  # (each trained something else: "None", an empty answer, the history's characters as turns)
+    ({"instruction": "q", "output": "a", "history": [["h", None]]}, f"{HISTORY_PAIRS}, got ['h', None]"),
+    ({"instruction": "q", "output": "a", "history": "h r"}, f"{HISTORY_PAIRS}, got 'h r'"),
+    ({"instruction": "q", "output": ""}, "turn 1 is an assistant turn with no content, nothing to learn"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("record,said", ALPACA_RECORDS)
+def test_an_alpaca_record_of_an_empty_answer_or_a_bad_history_is_refused(tmp_path, tokenizer_path, record, said):
+    source = write_jsonl(tmp_path / "sft.jsonl", [record])
+    section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=64)
+    with pytest.raises(DataError, match=f"record 1: {re.escape(said)}"):
+        load_token_data(section, 512, tmp_path / "cache", None)
+
+
+def test_an_alpaca_prompt_joins_instruction_and_input_leaving_an_empty_one_out():
+    """As LLaMA-Factory joins them: an empty instruction gave the user's turn "\\nonly input"."""
+    from megatrain_data.records import to_conversation
+    from megatrain_data.sources import Source
+
+    source = Source("sft", "sft.jsonl", "alpaca")
+    for instruction, query, said in [("", "only input", "only input"), ("do", "", "do"), ("do", "this", "do\nthis")]:
+        record = {"instruction": instruction, "input": query, "output": "x"}
+        assert to_conversation(record, source, 0)[0][0] == {"role": "user", "content": said}
 
 
 def test_a_system_turn_overrides_the_system_column_and_messages_in_a_row_are_read(tmp_path, tokenizer_path):

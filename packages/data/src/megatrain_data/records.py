@@ -28,7 +28,14 @@ import numpy as np
 from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress
 
-from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
+from .chat import (
+    ChatTemplate,
+    _content_text,
+    load_chat_template,
+    render_conversation,
+    special_token_ids,
+    trained_tokens,
+)
 from .errors import DataError
 from .section import FORMAT_BY_FIELDS, DataSection, fix_for_record
 from .sources import RECORD_SUFFIXES, Source, resolve_sources
@@ -268,13 +275,14 @@ def alpaca_prompt(record: dict, source: Source, index: int) -> list[dict]:
     system = record.get(source.column("system"))
     if system:
         messages.append({"role": "system", "content": str(system)})
-    for turn in record.get(source.column("history")) or []:
-        if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
-            raise DataError(f"{where}: history must be a list of [prompt, response] pairs, got {turn!r}")
-        messages += [{"role": "user", "content": str(turn[0])}, {"role": "assistant", "content": str(turn[1])}]
+    history = record.get(source.column("history")) or []
+    for turn in history if isinstance(history, (list, tuple)) else [history]:
+        if not (isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
+            raise DataError(f"{where}: history must be a list of [prompt, response] pairs of text, got {turn!r}")
+        messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
     prompt = str(record_field(record, source.column("prompt"), index, source, "prompt"))
-    query = record.get(source.column("query"))
-    messages.append({"role": "user", "content": "\n".join([prompt, str(query)]) if query else prompt})
+    query = record.get(source.column("query"))  # (joined as LLaMA-Factory joins them: an empty one left out)
+    messages.append({"role": "user", "content": "\n".join(part for part in (prompt, str(query or "")) if part)})
     return messages
 
 
@@ -353,7 +361,9 @@ def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict
         response = record_field(record, source.column("response"), index, source, "response")
         if not isinstance(response, str):
             raise DataError(f"{where}: the response must be text, got {type(response).__name__}")
-        return messages + [{"role": "assistant", "content": response}], None
+        messages.append({"role": "assistant", "content": response})
+        check_role_order(messages, where)
+        return messages, None
     tools = record_tools(record, source, where)
     turns = (
         _messages_format_turns(record, source, index)
@@ -384,11 +394,16 @@ def _a(role: str) -> str:
 
 
 def check_role_order(messages: list[dict], where: str) -> None:
-    """Refuse, naming the turn, a conversation whose roles are out of order: a system turn after the first, an answer
-    with no prompt before it or right after another answer (both trained), a tool result after no call."""
+    """Refuse, naming the turn, a conversation whose roles are out of order (a system turn after the first, an answer
+    with no prompt before it or right after another answer: both trained, a tool result after no call) or that has
+    an empty answer (only its end of turn trained)."""
     previous = None
     for turn, message in enumerate(messages):
         role = message["role"]
+        if role == "assistant" and not (_content_text(message["content"]).strip() or message.get("tool_calls")):
+            raise DataError(
+                f"{where}: turn {turn} is an assistant turn with no content, nothing to learn; fix or remove it"
+            )
         if previous not in FOLLOWS[role]:
             after = "at the start" if previous is None else f"after {_a(previous)} turn"
             raise DataError(f"{where}: turn {turn} is {_a(role)} turn {after}; fix the record's roles, or remove it")
