@@ -473,6 +473,25 @@ def test_an_alpaca_prompt_joins_instruction_and_input_leaving_an_empty_one_out()
         assert to_conversation(record, source, 0)[0][0] == {"role": "user", "content": said}
 
 
+@pytest.mark.parametrize("samples", [3, 25])
+def test_num_samples_draws_records_at_random_and_upsamples_past_the_dataset(tmp_path, tokenizer_path, samples):
+    """As LLaMA-Factory reads num_samples: it took the first N (a sorted file's slice) and never more than all."""
+    write_jsonl(tmp_path / "ten.jsonl", [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(10)])
+    entry = {"file_name": "ten.jsonl", "formatting": "alpaca", "num_samples": samples}
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"ten": entry}))
+    section = DataSection(
+        dataset="ten", dataset_dir=str(tmp_path), tokenizer=str(tokenizer_path), seq_len=32, pack=False
+    )
+    data = load_token_data(section, 512, tmp_path / "cache", None)
+    assert data.train.tokens.shape[0] == samples
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    questions = [re.search(r"q\d", tokenizer.decode(row.tolist())).group() for row in data.train.tokens]
+    if samples < 10:
+        assert len(set(questions)) == samples and set(questions) != {"q0", "q1", "q2"}
+    else:
+        assert set(questions) == {f"q{i}" for i in range(10)}
+
+
 def test_a_system_turn_overrides_the_system_column_and_messages_in_a_row_are_read(tmp_path, tokenizer_path):
     """As LLaMA-Factory reads them: a first system turn replaces the system column (two system turns were rendered);
     two user turns in a row, and tool results in a row after parallel calls, are conversations."""
@@ -535,3 +554,26 @@ def test_a_hub_name_the_hub_cannot_be_reached_for_is_refused_at_once(monkeypatch
     with pytest.raises(DataError, match=r"'someone/no-such-set'.*cannot be reached \(127\.0\.0\.1:9: .*local file"):
         load_records(Source("someone/no-such-set", "someone/no-such-set", "text"))
     assert datasets.config.HF_HUB_OFFLINE == offline
+
+
+def test_a_registry_entrys_folder_and_subset_are_what_datasets_reads_of_the_hub(monkeypatch, tmp_path):
+    """LLaMA-Factory's `folder` (a hub repository's folder, datasets' data_dir) was accepted and not read: the whole
+    repository was loaded."""
+    import datasets
+
+    import megatrain_data.records as records
+    from megatrain_data.sources import resolve_sources
+
+    entry = {
+        "hf_hub_url": "someone/chats",
+        "folder": "en",
+        "subset": "clean",
+        "split": "test",
+        "formatting": "sharegpt",
+    }
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"chats": entry}))
+    asked = {}
+    monkeypatch.setattr(records, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: asked.update(args=args, **kwargs) or [{}])
+    records.load_records(resolve_sources(DataSection(dataset="chats", dataset_dir=str(tmp_path)))[0])
+    assert asked == {"args": ("someone/chats", "clean"), "data_dir": "en", "split": "test"}

@@ -79,8 +79,18 @@ def load_records(source: Source):
     if len(records) == 0:
         raise DataError(f"dataset {source.name!r} ({source.location}) holds no records")
     if source.num_samples is not None:
-        records = records.select(range(min(source.num_samples, len(records))))
+        records = records.select(sampled_indices(len(records), source.num_samples))
     return records
+
+
+def sampled_indices(count: int, samples: int) -> np.ndarray:
+    """A registry entry's `num_samples` of its `count` records, as LLaMA-Factory samples them (the first ones would be
+    a sorted file's biased slice): a random `samples` of them, or where more are asked every record and the rest drawn
+    at random (upsampling). Seeded, so that a run's data are the same at every read."""
+    rng = np.random.default_rng(0)
+    if samples <= count:
+        return rng.permutation(count)[:samples]
+    return np.concatenate([np.arange(count), rng.choice(count, samples - count)])
 
 
 def _load_split(source: Source, path: Path):
@@ -106,10 +116,10 @@ def _load_split(source: Source, path: Path):
         )
     unreachable = _hub_unreachable()
     if unreachable is None:
-        return datasets.load_dataset(source.location, source.subset, split=source.split)
+        return datasets.load_dataset(source.location, source.subset, data_dir=source.folder, split=source.split)
     with _hub_offline():  # datasets' cache alone: no half a minute of retries before the same failure
         try:
-            return datasets.load_dataset(source.location, source.subset, split=source.split)
+            return datasets.load_dataset(source.location, source.subset, data_dir=source.folder, split=source.split)
         except Exception as error:
             raise DataError(
                 f"dataset {source.name!r} ({source.location}) is not a local path, and the Hugging Face Hub, where "

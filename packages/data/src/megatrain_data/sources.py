@@ -61,6 +61,7 @@ ENTRY_TYPES = {
     "hf_hub_url": (str, "a hub name"),
     "split": (str, "a split's name"),
     "subset": (str, "a subset's name"),
+    "folder": (str, "a folder of the hub dataset's repository"),
     "formatting": (str, "alpaca or sharegpt"),
     "num_samples": (int, "a whole number of records, 1 or more"),
 }
@@ -82,6 +83,7 @@ class Source:
     num_samples: int | None = None
     ranking: bool = False  # a registry entry of chosen/rejected pairs (alpaca or sharegpt formatting)
     registered: bool = False  # an entry of dataset_info.json (its columns and tags apply), not a file of data.dataset
+    folder: str | None = None  # a hub dataset's files in this folder of its repository (datasets' data_dir)
 
     @property
     def is_preference(self) -> bool:
@@ -111,7 +113,7 @@ def _registry(data: DataSection) -> dict:
 def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
     where = f"{Path(data.dataset_dir) / 'dataset_info.json'} entry {name!r}"
     _check_entry_types(entry, where)
-    unknown = sorted(set(entry) - set(REGISTRY_KEYS) - {"ranking", "ms_hub_url", "om_hub_url", "script_url", "folder"})
+    unknown = sorted(set(entry) - set(REGISTRY_KEYS) - {"ranking", "ms_hub_url", "om_hub_url", "script_url"})
     ranking = bool(entry.get("ranking"))
     columns, tags = dict(entry.get("columns") or {}), dict(entry.get("tags") or {})
     bad = sorted(set(columns) & (set(UNSUPPORTED_COLUMNS) - (set(PAIR_COLUMNS) if ranking else set())))
@@ -137,6 +139,7 @@ def _source_from_entry(name: str, entry: dict, data: DataSection) -> Source:
         entry.get("num_samples"),
         ranking,
         registered=True,
+        folder=entry.get("folder"),
     )
 
 
