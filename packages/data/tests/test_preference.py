@@ -240,6 +240,14 @@ def test_ranking_registry_entries_alpaca_and_sharegpt(tmp_path, tokenizer_path):
     check_sft_entry_and_mixed_datasets_are_refused(tmp_path, registry, section.tokenizer)
 
 
+USER, SYSTEM, ANSWER = ({"role": role, "content": "x"} for role in ("user", "system", "assistant"))
+
+
+def turns_after(last: dict, chosen: dict) -> dict:
+    """A conversational pair whose prompt ends in `last` and whose chosen completion starts with `chosen`."""
+    return {"prompt": [USER, last], "chosen": [chosen], "rejected": [{"role": "assistant", "content": "c"}]}
+
+
 BAD_RECORDS = [
     (
         {"prompt": "a", "chosen": "b"},
@@ -267,6 +275,10 @@ BAD_RECORDS = [
         r"record 2: its rejected completion is empty",
     ),
     ({"prompt": "a", "chosen": 3, "rejected": "c"}, r"record 2: chosen must be text or a conversation"),
+    # (TRL refuses the first, continues the prompt's last assistant turn in the second; the third trained its headers)
+    (turns_after(SYSTEM, ANSWER), r"record 2 \(chosen\): turn 1 is a system turn after a user turn"),
+    (turns_after(ANSWER, ANSWER), r"record 2 \(chosen\): turn 2 is an assistant turn after an assistant turn"),
+    (turns_after(USER, USER), r"record 2: its chosen completion starts with a user turn; it must be"),
     ({"prompt": " ".join(["word"] * 40), "chosen": "b", "rejected": "c"}, r"record 2: its prompt keeps \d+ tokens"),
 ]
 

@@ -22,6 +22,7 @@ from .errors import DataError
 from .records import (
     RecordData,
     alpaca_prompt,
+    check_role_order,
     hold_out,
     load_records,
     mix_indices,
@@ -183,7 +184,21 @@ def read_pair(record: dict, source: Source, index: int) -> PreferenceExample | N
         _refuse_empty(rejected, "rejected", where)
     if isinstance(chosen, list) and not prompt:
         raise DataError(f"{where} has no prompt (chosen and rejected share no leading turn); give it a prompt field")
+    if isinstance(chosen, list):
+        _check_conversations(prompt, {"chosen": chosen, "rejected": rejected}, where)
     return PreferenceExample(prompt, chosen, rejected, tools)
+
+
+def _check_conversations(prompt: list[dict], completions: dict[str, list[dict]], where: str) -> None:
+    """Refuse a completion that is not the assistant's answer (its role headers were trained) and roles out of order
+    (`check_role_order`: a prompt ending in a system turn, or in the assistant's, which TRL continues instead)."""
+    for name, completion in completions.items():
+        first = completion[0].get("role") if completion and isinstance(completion[0], dict) else None
+        if first != "assistant":
+            raise DataError(
+                f"{where}: its {name} completion starts with a {first} turn; it must be the assistant's answer"
+            )
+        check_role_order(prompt + completion, f"{where} ({name})")
 
 
 # ------------------------------------------------------------- tokenizing

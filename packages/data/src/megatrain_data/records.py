@@ -409,12 +409,12 @@ def check_role_order(messages: list[dict], where: str) -> None:
     an empty answer (only its end of turn trained)."""
     previous = None
     for turn, message in enumerate(messages):
-        role = message["role"]
-        if role == "assistant" and not (_content_text(message["content"]).strip() or message.get("tool_calls")):
+        role = message.get("role")
+        if role == "assistant" and not (_content_text(message.get("content")).strip() or message.get("tool_calls")):
             raise DataError(
                 f"{where}: turn {turn} is an assistant turn with no content, nothing to learn; fix or remove it"
             )
-        if previous not in FOLLOWS[role]:
+        if previous not in FOLLOWS.get(role, {previous}):  # (a role of no rule: a template's own, such as developer)
             after = "at the start" if previous is None else f"after {_a(previous)} turn"
             raise DataError(f"{where}: turn {turn} is {_a(role)} turn {after}; fix the record's roles, or remove it")
         previous = role
