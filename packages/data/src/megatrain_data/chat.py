@@ -213,8 +213,9 @@ def _tool_calls_span(template: ChatTemplate, text: str, messages: list[dict], tu
         return None
     if not text.startswith(rendered):
         return None
-    after = len(os.path.commonprefix([rendered[::-1], bare[::-1]]))  # (first: the calls' markup may start as the
-    start = min(len(os.path.commonprefix([rendered, bare])), len(bare) - after)  # end of the turn does, "<" with "<")
+    # the common end first: the calls' markup may start as the turn's end does (Qwen's "<tool_call>", "<|im_end|>")
+    after = len(os.path.commonprefix([rendered[::-1], bare[::-1]]))
+    start = min(len(os.path.commonprefix([rendered, bare])), len(bare) - after)
     return (start, len(rendered) - after) if len(rendered) - after > start else None
 
 
