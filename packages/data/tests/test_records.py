@@ -577,3 +577,28 @@ def test_a_registry_entrys_folder_and_subset_are_what_datasets_reads_of_the_hub(
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: asked.update(args=args, **kwargs) or [{}])
     records.load_records(resolve_sources(DataSection(dataset="chats", dataset_dir=str(tmp_path)))[0])
     assert asked == {"args": ("someone/chats", "clean"), "data_dir": "en", "split": "test"}
+
+
+def test_trls_conversational_prompt_completion_records_train_the_completion(tmp_path, tokenizer_path):
+    """As TRL's SFTTrainer reads them (completion_only_loss): the same rows as the messages they make; text ones, and
+    prompts holding an answer (which megatrain would train too), are refused naming the fix."""
+    user, answer = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    both = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": [user], "completion": [answer]}])
+    messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": [user, answer]}])
+    sections = [
+        DataSection(dataset=str(path), format="messages", tokenizer=str(tokenizer_path)) for path in (both, messages)
+    ]
+    rows = [load_token_data(section, 512, tmp_path / f"cache{i}", None).train for i, section in enumerate(sections)]
+    assert np.array_equal(rows[0].tokens, rows[1].tokens) and np.array_equal(rows[0].loss_mask, rows[1].loss_mask)
+    for record, said in [
+        ({"prompt": "Q", "completion": "A"}, "holds prompt and completion text (TRL's prompt-completion format)"),
+        ({"prompt": [user, answer, user], "completion": [answer]}, "its prompt holds an assistant turn"),
+    ]:
+        path = write_jsonl(tmp_path / "bad.jsonl", [record])
+        with pytest.raises(DataError, match=re.escape(said)):
+            load_token_data(
+                DataSection(dataset=str(path), format="messages", tokenizer=str(tokenizer_path)),
+                512,
+                tmp_path / "c",
+                None,
+            )

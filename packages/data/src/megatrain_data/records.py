@@ -260,7 +260,26 @@ def _messages_format_turns(record: dict, source: Source, index: int) -> list:
     for key in (source.column("messages"), "conversations"):
         if isinstance(record.get(key), list):
             return record[key]
+    if "prompt" in record and "completion" in record:
+        return _prompt_completion_turns(record["prompt"], record["completion"], record_where(source, index))
     return record_field(record, source.column("messages"), index, source, "messages")
+
+
+def _prompt_completion_turns(prompt, completion, where: str) -> list:
+    """TRL's conversational prompt-completion record as its turns, where training every assistant turn (as megatrain
+    trains a conversation) trains its completion alone (TRL's completion_only_loss): its prompt holds no answer."""
+    if not (isinstance(prompt, list) and isinstance(completion, list)):
+        raise DataError(
+            f"{where} holds prompt and completion text (TRL's prompt-completion format); write it as messages, "
+            '[{"role": "user", "content": PROMPT}, {"role": "assistant", "content": COMPLETION}], which trains the '
+            "completion alone"
+        )
+    if any(isinstance(turn, dict) and turn.get("role") == "assistant" for turn in prompt):
+        raise DataError(
+            f"{where}: its prompt holds an assistant turn, which megatrain would train beside the completion (TRL "
+            "trains the completion alone); write it as messages, or move the answer out of the prompt"
+        )
+    return prompt + completion
 
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "observation": "tool", "ipython": "tool"}
