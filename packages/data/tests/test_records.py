@@ -348,6 +348,7 @@ def test_validation_fraction_file_and_split(tmp_path, tokenizer_path):
         ({"prompt": "p", "chosen": "c", "rejected": "r"}, "text", "set data.format: preference"),
         ({"content": "some words"}, "text", r"set data.text_field: content \(its one text field\)"),
         ({"content": "a", "title": "b"}, "text", r"set data.format \(or the registry's columns\)"),
+        ({"prompt": "p", "chosen": "c"}, "preference", "give each record its rejected answer beside chosen"),
     ],
 )
 def test_a_record_of_another_format_names_the_setting_that_reads_it(record, data_format, fix):
@@ -355,7 +356,7 @@ def test_a_record_of_another_format_names_the_setting_that_reads_it(record, data
     (it said only "set data.format" for a chat file read as text)."""
     from megatrain_data.section import fix_for_record
 
-    what = {"text": "text", "alpaca": "instruction", "messages": "messages"}[data_format]
+    what = {"text": "text", "alpaca": "instruction", "messages": "messages", "preference": "rejected"}[data_format]
     assert re.search(fix, fix_for_record(record, what))
 
 

@@ -101,6 +101,9 @@ def fix_for_record(record: dict, what: str) -> str:
     """The setting that reads `record`, which lacks the `what` field its data.format needs: the format its fields
     suggest, or for text the one text field it has."""
     fields = {name for name, field in record.items() if field is not None}
+    half_a_pair = {"chosen", "rejected"} & fields
+    if len(half_a_pair) == 1:  # (a preference record short of its other answer, not a prompt-only one)
+        return f"give each record its {({'chosen', 'rejected'} - half_a_pair).pop()} answer beside {half_a_pair.pop()}"
     for name, needs in FORMAT_BY_FIELDS:
         if needs <= fields and what not in needs:
             return f"set data.format: {name} (its fields are that format's)"
