@@ -270,7 +270,8 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["train", *TINY, "--set", "data.dataset=arrays.jsonl"], "arrays.jsonl line 1 is a JSON list, not an object"),
         (  # (said before the tokenizer chat data needs, which a preset lacks)
             ["train", *TINY, "--set", "data.dataset=nope.jsonl", "--set", "data.format=messages"],
-            "dataset 'nope.jsonl': nope.jsonl does not exist; check the path",
+            f"dataset 'nope.jsonl': nope.jsonl ({tmp_path / 'nope.jsonl'}: paths are read from the current directory) "
+            "does not exist; check the path",
         ),
         (["train", *TINY, "--set", "data.dataset=latin1.jsonl"], where["latin1.jsonl"]),
         (["train", *TINY, "--set", "data.dataset=latin1.json"], where["latin1.json"]),
@@ -282,6 +283,10 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["train", *TINY, "--set", "data.text=a-dir"], "a-dir is a directory; name a text file in it"),
         (["train", *TINY, "--set", "train.micro_batch_size=0"], "train.micro_batch_size must be >= 1, got 0"),
         (["train", *TINY, "--set", "data.tokens=ids.txt"], "ids.txt is not a .npy file (no numpy header)"),
+        (  # (where a config's relative paths are read from: the current directory, not the config file's)
+            ["train", *TINY, "--set", "data.text=nowhere/corpus.txt"],
+            f"nowhere/corpus.txt ({tmp_path / 'nowhere' / 'corpus.txt'}: paths are read from the current directory)",
+        ),
     ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, missing_path
 from .multimodal import media_columns, media_rows
 from .preference import preference_rows, uses_pairs
 from .records import RecordData, load_records, read_sources, records_to_rows
@@ -72,6 +72,8 @@ def _check_npy_header(path: Path, what: str) -> None:
     try:
         with open(path, "rb") as file:
             header = file.read(6)
+    except FileNotFoundError:
+        raise DataError(f"{what} {missing_path(path)} does not exist; check the path") from None
     except OSError:
         return  # (np.load says what is wrong with the path)
     if header != b"\x93NUMPY":

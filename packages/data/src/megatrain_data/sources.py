@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import DataError
+from .errors import DataError, missing_path
 from .section import DataSection
 
 # The fields each format reads (dataset_info.json's `columns` rename them); optional ones may be absent
@@ -164,7 +164,7 @@ def resolve_sources(data: DataSection) -> list[Source]:
             sources.append(Source(name, name, data.format))
     for source in sources:  # (a file that is not there, before anything else is asked of the data)
         if Path(source.location).suffix in RECORD_SUFFIXES and not Path(source.location).exists():
-            raise DataError(f"dataset {source.name!r}: {source.location} does not exist; check the path")
+            raise DataError(f"dataset {source.name!r}: {missing_path(source.location)} does not exist; check the path")
     return sources
 
 

@@ -19,7 +19,7 @@ from megatrain_store import atomic_write, atomic_write_text
 from megatrain_store.progress import progress
 
 from .chat import special_token_ids
-from .errors import DataError
+from .errors import DataError, missing_path
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -199,7 +199,8 @@ def _read_text(path: Path, what: str) -> str:
     except IsADirectoryError:
         raise DataError(f"{what} {path} is a directory; name a text file in it") from None
     except OSError as error:
-        raise DataError(f"cannot read {what} {path}: {error.strerror}; check the path and its permissions") from error
+        where = missing_path(path) if isinstance(error, FileNotFoundError) else path
+        raise DataError(f"cannot read {what} {where}: {error.strerror}; check the path and its permissions") from error
     if not text.strip():
         raise DataError(f"{what} {path} is empty")
     return text
@@ -214,7 +215,7 @@ def load_tokenizer(path: Path, what: str = "data.tokenizer"):
         raise DataError(f"{what} {path} is a directory; name the tokenizer.json in it ({path / 'tokenizer.json'})")
     if not path.is_file():
         raise DataError(
-            f"{what} {path} does not exist; point it at a tokenizer.json, or leave data.tokenizer out to use the "
+            f"{what} {missing_path(path)} does not exist; point it at a tokenizer.json, or leave data.tokenizer out to use the "
             "model directory's (or, for plain text, one trained on it)"
         )
     try:
