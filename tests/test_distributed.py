@@ -153,7 +153,8 @@ def assert_same_training(one, many):
     (rows_1, weights_1), (rows_n, weights_n) = one, many
     assert len(rows_1) == len(rows_n) == CONFIG["train"]["steps"]
     for a, b in zip(rows_1, rows_n):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        # (abs: GRPO's loss is about 1e-8 where its advantages sum to zero; metrics keep 8 significant digits)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b.get("router_max_violation") == pytest.approx(a.get("router_max_violation"))  # global loads
         assert b.get("router_seq_aux_loss") == pytest.approx(a.get("router_seq_aux_loss"))
