@@ -382,23 +382,29 @@ def test_bad_records_name_the_record_and_fix(tmp_path, tokenizer_path):
     section = DataSection(dataset=str(source), format="alpaca", tokenizer=str(tokenizer_path), seq_len=16)
     with pytest.raises(DataError, match=r"record 2 has no response field 'output'"):
         load_token_data(section, 512, tmp_path / "c1", None)
-    no_answer = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(DataError, match=r"record 1 has no assistant turn"):
-        load_token_data(
-            DataSection(dataset=str(no_answer), format="messages", tokenizer=str(tokenizer_path)),
-            512,
-            tmp_path / "c0",
-            None,
+    chats = {
+        "messages": ([{"role": "user", "content": "hi"}], "record 1 has no assistant turn"),
+        "sharegpt": (
+            [
+                {"from": "human", "value": "hi"},
+                {"from": "function_call", "value": "f(x)"},
+                {"from": "gpt", "value": "x"},
+            ],
+            'record 1: turn 1 is a function call whose value is not JSON of {"name"',
+        ),
+    }
+    for data_format, (turns, said) in chats.items():
+        chat = write_jsonl(
+            tmp_path / f"{data_format}.jsonl",
+            [{"messages": turns} if data_format == "messages" else {"conversations": turns}],
         )
-    turns = [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "get_weather(Paris)"}]
-    bare_call = write_jsonl(tmp_path / "call.jsonl", [{"conversations": turns + [{"from": "gpt", "value": "x"}]}])
-    with pytest.raises(DataError, match=r"record 1: turn 1 is a function call whose value is not JSON of \{\"name\""):
-        load_token_data(
-            DataSection(dataset=str(bare_call), format="sharegpt", tokenizer=str(tokenizer_path)),
-            512,
-            tmp_path / "c7",
-            None,
-        )
+        with pytest.raises(DataError, match=re.escape(said)):
+            load_token_data(
+                DataSection(dataset=str(chat), format=data_format, tokenizer=str(tokenizer_path)),
+                512,
+                tmp_path / data_format,
+                None,
+            )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(DataError, match="empty.jsonl is empty \\(no records\\)"):
