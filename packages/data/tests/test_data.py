@@ -91,7 +91,7 @@ def test_a_text_without_blank_lines_is_encoded_in_pieces_to_the_same_ids(tmp_pat
 
 
 def test_unreadable_and_empty_sources(tmp_path):
-    with pytest.raises(DataError, match="cannot read data.tokens"):
+    with pytest.raises(DataError, match="data.tokens .*missing.npy does not exist; check the path"):
         load_token_array(DataSection(tokens=str(tmp_path / "missing.npy")), 256, tmp_path, None)
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")

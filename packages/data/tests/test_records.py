@@ -471,7 +471,7 @@ def test_an_alpaca_record_of_an_empty_answer_or_a_bad_history_is_refused(tmp_pat
 
 def test_an_alpaca_prompt_joins_instruction_and_input_leaving_an_empty_one_out():
     """As LLaMA-Factory joins them: an empty instruction gave the user's turn "\\nonly input"."""
-    from megatrain_data.records import to_conversation
+    from megatrain_data.conversations import to_conversation
     from megatrain_data.sources import Source
 
     source = Source("sft", "sft.jsonl", "alpaca")

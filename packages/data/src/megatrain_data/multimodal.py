@@ -22,15 +22,9 @@ import torch
 from megatrain_store.progress import progress
 
 from .chat import ChatTemplate, render_conversation, special_token_ids, trained_tokens
+from .conversations import record_where, to_conversation
 from .errors import DataError
-from .records import (
-    Examples,
-    examples_of,
-    record_where,
-    render_error,
-    to_conversation,
-    to_rows,
-)
+from .records import Examples, examples_of, render_error, to_rows
 from .section import DataSection
 from .sources import Source
 from .tokens import Tokens

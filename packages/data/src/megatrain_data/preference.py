@@ -18,22 +18,17 @@ from megatrain_store import atomic_write_text
 from megatrain_store.progress import progress
 
 from .chat import ChatTemplate, _content_text, load_chat_template
-from .errors import DataError
-from .records import (
-    RecordData,
+from .conversations import (
     alpaca_prompt,
     check_role_order,
-    hold_out,
-    load_records,
-    mix_indices,
     record_field,
     record_tools,
     record_where,
-    render_error,
     sharegpt_turn,
     to_conversation,
-    validation_source,
 )
+from .errors import DataError
+from .records import RecordData, hold_out, load_records, mix_indices, render_error, validation_source
 from .section import DataSection
 from .sources import Source, resolve_sources
 from .tokens import Tokens, document_start_ids, pad_token_id

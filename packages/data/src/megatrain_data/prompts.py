@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from .chat import load_chat_template
+from .conversations import record_where
 from .errors import DataError
-from .records import load_records, record_where
+from .records import load_records
 from .section import DataSection
 from .sources import resolve_sources
 from .windows import Batch
