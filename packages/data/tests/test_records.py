@@ -609,3 +609,21 @@ def test_trls_conversational_prompt_completion_records_train_the_completion(tmp_
                 tmp_path / "c",
                 None,
             )
+
+
+def test_a_folder_of_record_files_is_one_dataset(tmp_path, tokenizer_path):
+    """As LLaMA-Factory reads a file_name naming a folder (it said "neither a Dataset directory nor a DatasetDict
+    directory"); a folder of JSON and Parquet files is refused naming both."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for shard in range(2):
+        write_jsonl(folder / f"part-{shard}.jsonl", [{"instruction": f"q{shard}", "output": f"a{shard}"}])
+    section = DataSection(
+        dataset=str(folder), format="alpaca", tokenizer=str(tokenizer_path), seq_len=32, shuffle=False
+    )
+    rows = load_token_data(section, 512, tmp_path / "cache", None).train.tokens
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    assert [re.search(r"q\d", tokenizer.decode(row.tolist())).group() for row in rows] == ["q0", "q1"]
+    (folder / "part-2.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"holds files of both JSON and Parquet; give a folder of records of one type"):
+        load_token_data(section, 512, tmp_path / "cache2", None)

@@ -86,18 +86,20 @@ def _load_split(source: Source, path: Path):
     """The source's split, as `datasets` reads it from `path` (a file or a saved directory) or the hub."""
     import datasets
 
-    if path.is_dir():
+    files = _files_of_a_folder(source, path) if path.is_dir() else [path]
+    if files is None:  # (a directory Dataset.save_to_disk wrote)
         loaded = datasets.load_from_disk(str(path))
         splits = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["train"]
         _check_split(source, splits)
         return loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    if path.suffix in RECORD_SUFFIXES:
+    if path.is_dir() or path.suffix in RECORD_SUFFIXES:
         _check_split(source, ["train"])
-        _check_utf8(source, path)
-        if path.suffix == ".jsonl":
-            _check_first_record(source, path)
-        builder = "parquet" if path.suffix == ".parquet" else "json"
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        for file in files:
+            _check_utf8(source, file)
+            if file.suffix == ".jsonl":
+                _check_first_record(source, file)
+        builder = "parquet" if files[0].suffix == ".parquet" else "json"
+        return datasets.load_dataset(builder, data_files=[str(file) for file in files], split="train")
     if path.exists():
         raise DataError(
             f"dataset {path}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet "
@@ -119,6 +121,22 @@ def _load_split(source: Source, path: Path):
 
 # proxies reach the Hub by their own ways: not probed
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _files_of_a_folder(source: Source, path: Path) -> list[Path] | None:
+    """The files of records a folder holds, read as one dataset (LLaMA-Factory's file_name of a folder), all of one
+    type; None where it is a directory `Dataset.save_to_disk` wrote."""
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        return None
+    files = sorted(file for file in path.iterdir() if file.suffix in RECORD_SUFFIXES)
+    kinds = sorted({"parquet" if file.suffix == ".parquet" else "json" for file in files})
+    if len(kinds) != 1:
+        found = "files of both JSON and Parquet" if kinds else "no .jsonl, .json or .parquet file"
+        raise DataError(
+            f"dataset {source.name!r}: the folder {path} holds {found}; give a folder of records of one type, or a "
+            "directory written by Dataset.save_to_disk"
+        )
+    return files
 
 
 def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
