@@ -408,9 +408,8 @@ def _tokenizer_of_weights(config, weights: Path, model) -> Path:
         weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
     )
     model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    found = run_tokenizer(
-        config.data, model.vocab_size, run_dir, model_dir, model.arch
-    )  # (a PEFT directory's: its base's)
+    # (a PEFT directory's: its base model's)
+    found = run_tokenizer(config.data, model.vocab_size, run_dir, model_dir, model.arch)
     if found is None:
         raise ConfigError(f"{weights} holds no tokenizer.json: set data.tokenizer to the model's tokenizer.json")
     return found
