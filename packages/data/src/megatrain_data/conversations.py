@@ -180,9 +180,8 @@ def to_conversation(record: dict, source: Source, index: int) -> tuple[list[dict
     return messages, tools
 
 
-# the roles a turn may follow (None: the conversation's start), as LLaMA-Factory's converters check them; a tool
-# turn may follow another (OpenAI-style parallel calls' results), a user turn another user turn (messages sent
-# in a row)
+# the roles a turn may follow (None: the conversation's start), as LLaMA-Factory's converters check them, but that a
+# tool turn may follow another (OpenAI-style parallel calls' results) and a user turn another (messages in a row)
 FOLLOWS = {
     "system": {None},
     "user": {None, "system", "assistant", "tool", "user"},
@@ -206,7 +205,7 @@ def check_role_order(messages: list[dict], where: str) -> None:
             raise DataError(
                 f"{where}: turn {turn} is an assistant turn with no content, nothing to learn; fix or remove it"
             )
-        if previous not in FOLLOWS.get(role, {previous}):  # (a role of no rule: a template's own, such as developer)
+        if previous not in FOLLOWS.get(role, {previous}):  # (another role: refused where its reader names it)
             after = "at the start" if previous is None else f"after {_a(previous)} turn"
             raise DataError(f"{where}: turn {turn} is {_a(role)} turn {after}; fix the record's roles, or remove it")
         previous = role
