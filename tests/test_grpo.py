@@ -39,17 +39,19 @@ def random_groups(n_prompts: int, num_generations: int, vocab: int, generator: t
     return ids, labels
 
 
-def token_logps(model, ids, labels):
-    """Each position's log-probability of its label (0 where untrained)."""
-    logits = model.logits(ids) if hasattr(model, "logits") else model(input_ids=ids).logits
+def token_logps(model, ids, labels, temperature=1.0):
+    """Each position's log-probability of its label (0 where untrained), of the logits over the sampling temperature
+    (TRL's _get_per_token_logps_and_entropies divides them by it)."""
+    logits = (model.logits(ids) if hasattr(model, "logits") else model(input_ids=ids).logits) / temperature
     logps = logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return logps * (labels != -100)
 
 
-def mean_entropy(model, ids, labels) -> float:
-    """TRL's `entropy`: the next-token distribution's entropy, averaged over the trained positions."""
+def mean_entropy(model, ids, labels, temperature=1.0) -> float:
+    """TRL's `entropy`: the next-token distribution's entropy (at the temperature), averaged over the trained
+    positions."""
     with torch.no_grad():
-        logits = model.logits(ids) if hasattr(model, "logits") else model(input_ids=ids).logits
+        logits = (model.logits(ids) if hasattr(model, "logits") else model(input_ids=ids).logits) / temperature
         logps = logits.log_softmax(-1)
         return float(-(logps.exp() * logps).sum(-1)[labels != -100].mean())
 
@@ -90,6 +92,8 @@ CASES_GRPO = {
     "dr_grpo": GRPOSection(num_generations=3, loss_type="dr_grpo", scale_rewards="none", max_completion_length=12),
     "gspo": GRPOSection(num_generations=3, loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4),
     "gspo-kl": GRPOSection(num_generations=3, loss_type="dapo", importance_sampling_level="sequence", beta=0.04),
+    # (the policy's, old policy's and reference's log-probabilities of logits over the sampling temperature)
+    "grpo-kl-hot": GRPOSection(num_generations=3, loss_type="grpo", beta=0.04, temperature=0.7),
 }
 
 
@@ -105,13 +109,14 @@ def test_grpo_micro_batches_give_the_step_of_one_batch(micro_batch_size, tmp_pat
     check_grpo_steps("float64", CASES_GRPO["grpo-kl"], tmp_path, micro_batch_size=micro_batch_size, with_old=True)
 
 
-def test_grpo_through_transformers_modules(tmp_path):
+@pytest.mark.parametrize("case", ["grpo-kl", "grpo-kl-hot"])
+def test_grpo_through_transformers_modules(case, tmp_path):
     """The generic template's head gives the same log-probabilities and entropies."""
-    check_grpo_steps("float32", CASES_GRPO["grpo-kl"], tmp_path, 2, with_old=True, implementation="transformers")
+    check_grpo_steps("float32", CASES_GRPO[case], tmp_path, 2, with_old=True, implementation="transformers")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["grpo-kl", "gspo-kl"])
+@pytest.mark.parametrize("case", ["grpo-kl", "gspo-kl", "grpo-kl-hot"])
 def test_gpu_grpo_steps_equal_trl_formulas(case, tmp_path):
     """The CUDA engine (streams, the head's chunks) in float64 against the plain model on the GPU."""
     check_grpo_steps("float64", CASES_GRPO[case], tmp_path, micro_batch_size=2, with_old=True, device="cuda")
@@ -166,10 +171,13 @@ def check_grpo_steps(
         ours_advantages, _ = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
         assert rel_err(ours_advantages, advantages) < 1e-12
         with torch.no_grad():
-            ref = token_logps(frozen, ids, labels)
+            ref = token_logps(frozen, ids, labels, grpo.temperature)
             # the sampling policy's: the current weights a little off (as after an earlier update of the rollout)
-            old = token_logps(model, ids, labels) + 0.05 * torch.randn(ids.shape, generator=generator).to(device) * mask
-        entropy = mean_entropy(model, ids, labels)  # (of the weights the step starts from)
+            old = (
+                token_logps(model, ids, labels, grpo.temperature)
+                + 0.05 * torch.randn(ids.shape, generator=generator).to(device) * mask
+            )
+        entropy = mean_entropy(model, ids, labels, grpo.temperature)  # (of the weights the step starts from)
         ours_ref = trainer.token_logps(StepBatch(ids.cpu(), labels.cpu()), reference=True) if grpo.beta else None
         if grpo.beta:  # (after a step, the current weights' would differ)
             assert rel_err(ours_ref, ref.cpu()) < tolerance
@@ -178,7 +186,7 @@ def check_grpo_steps(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
         optimizer.zero_grad()
-        logps = token_logps(model, ids, labels)
+        logps = token_logps(model, ids, labels, grpo.temperature)
         loss = trl_loss(logps, old if with_old else logps.detach(), ref, advantages.to(logps), mask, grpo)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
@@ -191,3 +199,16 @@ def check_grpo_steps(
     for name, param in model.named_parameters():
         assert rel_err(ours[name], param.detach().cpu()) < 10 * tolerance, name
     trainer.close()
+
+
+def test_a_temperature_on_soft_capped_logits_is_refused():
+    """Dividing the head's rows divides its logits only where no soft cap (Gemma 2's) comes between."""
+    from megatrain.config import ConfigError
+    from megatrain.parts import tempered
+    from megatrain_templates import Head
+
+    with pytest.raises(ConfigError, match=r"train.grpo.temperature 0.7 on soft-capped logits .* set 1.0"):
+        tempered(Head(64, 8, logit_softcap=30.0), 0.7)
+    head = Head(64, 8)
+    tempered(head, 0.7)
+    assert head.temperature == 0.7

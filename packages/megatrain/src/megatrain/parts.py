@@ -26,7 +26,7 @@ from megatrain_store import HostStore
 from megatrain_templates import Objective
 from megatrain_zoo import ModelSpec
 
-from .config import Config, resolve_dtype
+from .config import Config, ConfigError, resolve_dtype
 from .distributed import shared_arenas
 
 
@@ -139,6 +139,8 @@ def new_pipeline(
             let_go_parked=updates.policy.let_go_parked,
             held_device_bytes=updates.policy.held_device_bytes,
         )
+    if config.train.objective == "grpo":  # (its completions' tokens scored at the sampling temperature, as TRL does)
+        tempered(spec.stages[-1].template, config.train.grpo.temperature)
     return LayerPipeline(
         [Stage(s.template, s.groups, s.name) for s in spec.stages],
         store,
@@ -149,6 +151,15 @@ def new_pipeline(
         objective=objective,
         hooks=hooks,
     )
+
+
+def tempered(head, temperature: float) -> None:
+    """The head's logits divided by `temperature` before their softmax; refused where a soft cap comes first."""
+    if temperature != 1.0 and getattr(head, "logit_softcap", None) is not None:
+        raise ConfigError(
+            f"train.grpo.temperature {temperature} on soft-capped logits (Gemma 2's) is not built; set 1.0"
+        )
+    head.temperature = temperature
 
 
 def rows_first(

@@ -53,6 +53,9 @@ class Head(Template):
             self._norm_span = Span(vocab_size * d_model, (d_model,))
         self._matrix_span = Span(0, (vocab_size, d_model))
         self.chunk_rows = max(1, CHUNK_LOGITS // vocab_size)
+        # what the logits are divided by before their softmax: GRPO's sampling temperature, at which TRL scores its
+        # completions (the policy's, the old policy's and the reference's log-probabilities); 1 for every other loss
+        self.temperature = 1.0
 
     def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
         """Full logits [batch, seq, vocab] in fp32, for inference and checks on small inputs."""
@@ -61,9 +64,11 @@ class Head(Template):
         return _capped(upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T), self.logit_softcap)
 
     def _normed_rows(self, hidden: Tensor, weight: Tensor) -> Tensor:
-        """The final norm, and Granite's logit divisor (dividing the rows divides the logits)."""
+        """The final norm, and Granite's logit divisor and the temperature (dividing the rows divides the logits,
+        where no soft cap comes between: `megatrain.parts` refuses a temperature with one)."""
         normed = rms_norm_as(self.norm_scale, hidden, weight, self.rms_eps)
-        return normed if self.logit_divisor is None else normed / self.logit_divisor
+        divisor = (self.logit_divisor or 1.0) * self.temperature
+        return normed if divisor == 1.0 else normed / divisor
 
     @torch.no_grad()
     def loss_sum(self, weights: list[Tensor], hidden: Tensor, labels: Tensor) -> Tensor:

@@ -348,6 +348,7 @@ class GenericHead(_GenericStage):
         super().__init__(skeleton, groups)
         self.d_model, self.vocab_size = d_model, vocab_size
         self.chunk_rows = 1
+        self.temperature = 1.0  # what the logits are divided by before their softmax (as `Head.temperature`)
         # what the forward uses before the first layer (a position table) where the head is bound without it: its
         # outputs are replaced by the hidden states at the first layer
         self.unbound = [name for name in skeleton.parts.embedding if name not in self.names]
@@ -364,7 +365,8 @@ class GenericHead(_GenericStage):
 
         views = {**self.skeleton.placeholders(self.unbound, hidden), **views}
         embeds = {"inputs_embeds": self.skeleton.zero_embeddings(hidden.detach())}
-        return self.skeleton.run(views, embeds, None, inject, head=True).logits
+        logits = self.skeleton.run(views, embeds, None, inject, head=True).logits
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
     @torch.no_grad()
     def token_logps(self, weights: list[Tensor], hidden: Tensor, labels: Tensor, entropy: bool = False):
