@@ -63,8 +63,6 @@ from .step import StepBatch
 from .trackers import check_trackers, open_trackers
 from .trainer import Trainer
 
-KEEP_ALL = 2**31  # train.keep_last for a save that rotates no older checkpoint out
-
 
 class RunInterrupted(Exception):
     """SIGINT or SIGTERM stopped the run after its checkpoint was written; `exit_code` is 128 + the signal
@@ -632,7 +630,7 @@ class TrainingRun:
         if last is not None and step_of(last) == self.trainer.step_index and last.is_dir():
             return last
         try:
-            keep_last = KEEP_ALL if keep_all or self.trainer.bad_steps else self.config.train.keep_last
+            keep_last = 2**31 if keep_all or self.trainer.bad_steps else self.config.train.keep_last  # (2**31: all)
             path = save_checkpoint(self.trainer.state_dict(), self.checkpoints, keep_last)
         except SaveError as error:
             path = self._save_elsewhere(str(error))
