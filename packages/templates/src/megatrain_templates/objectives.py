@@ -214,12 +214,20 @@ class DPO(SequenceObjective):
         p - log(1 - e^p)."""
         scores = policy.mean_logps
         chosen, rejected = scores[0::2], scores[1::2]
-        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
         chosen_tokens = policy.lengths[0::2].sum()
         nll = -policy.logps[0::2].sum() / chosen_tokens
         loss = nll - self.beta * F.logsigmoid(log_odds).sum() / self.n_pairs
         metrics = _pair_metrics(scores.detach(), self.beta * chosen.detach(), self.beta * rejected.detach(), self.beta)
         return loss, metrics | {"nll_loss": nll.detach(), "log_odds_ratio": F.logsigmoid(log_odds).detach().mean()}
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - e^x) for x < 0, stable at both ends (Maechler 2012): log(-expm1(x)) near 0, where log1p(-exp(x)) in
+    fp32 was 1% off at -1e-7 and infinite above -3e-8; log1p(-exp(x)) below -ln 2."""
+    near = x > -0.6931471805599453  # (each side computed where it is taken: the other's inf would make NaN gradients)
+    far = torch.log1p(-torch.exp(torch.where(near, -1.0, x)))
+    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, -1.0))), far)
 
 
 def dpo_losses(logits: Tensor, beta: float, loss_type: str, label_smoothing: float = 0.0) -> Tensor:
