@@ -49,10 +49,6 @@ SETTING_CASES = [
         ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=8", "--set", "train.micro_batch_size=8"],
         "each rank runs whole micro-batches of its share; e.g. train.micro_batch_size: 4",
     ),
-    (  # (its NLL term's token mean was each rank's own, so the term counted once a rank)
-        ["plan", *TINY, "--gpus", "2", "--set", "train.objective=dpo", "--set", "train.dpo.loss_type=orpo"],
-        "train.dpo.loss_type orpo trains on one rank only (not built across ranks); run one process",
-    ),
     (["train", *TINY, "--set", "train.keep_last=0"], "train.keep_last must be >= 1"),
     (
         ["train", *TINY, "--set", "train.objective=no_such_mod:Loss"],

@@ -28,10 +28,8 @@ def shared_arenas(ranks: Ranks, shared_dir: str) -> SharedArenas:
 
 def check_data_parallel(config, world_size: int) -> None:
     """Refuse, before anything is allocated (or planned: `megatrain plan --gpus`), a configuration `world_size`
-    ranks cannot split evenly, or an objective that does not reduce over ranks as one process's step."""
+    ranks cannot split evenly."""
     train = config.train
-    if world_size > 1 and train.objective == "dpo" and train.dpo.loss_type == "orpo":  # (its NLL: a rank's own mean)
-        raise ConfigError("train.dpo.loss_type orpo trains on one rank only (not built across ranks); run one process")
     unit = world_size * train.micro_batch_size
     if train.batch_size % unit:
         share, rest = divmod(train.batch_size, world_size)

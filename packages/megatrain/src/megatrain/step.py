@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from megatrain_data import Batch, sequence_of_tokens
+from megatrain_data import Batch, sequence_lengths, sequence_of_tokens
 from megatrain_optim import Ranks
 from megatrain_sched import MicroBatch
 from megatrain_templates import Documents, DropoutKey, Lora, Media, Rollout, Sequences
@@ -56,13 +56,12 @@ def dropout_key(adapter: Lora | None, seed: int, step: int) -> DropoutKey | None
 @dataclass(frozen=True)
 class RankShare:
     """What an objective is told of a step on this rank: per micro-batch which of this rank's sequences each trained
-    token belongs to ([rows, seq] int64, -1: none), this rank's sequences among the step's, the step's sequences and
-    trained tokens."""
+    token belongs to ([rows, seq] int64, -1: none), this rank's sequences among the step's, and the trained tokens of
+    each of the step's sequences ([n_sequences], every rank's)."""
 
     sequence_of: list[Tensor]
     mine: slice
-    n_sequences: int
-    n_tokens: int
+    lengths: Tensor
 
 
 class RowShares:
@@ -127,11 +126,11 @@ class RowShares:
         `sequences` says for packed pairs), and its sequences among the step's."""
         labels, sequences = batch.labels, batch.sequences
         owner = sequence_of_tokens(labels, sequences)
-        n_sequences = labels.shape[0] if sequences is None else int(sequences.max()) + 1
-        share = self.my_rows(n_sequences) if sequences is None else self.my_sequences(sequences)
+        lengths = sequence_lengths(labels, sequences)
+        share = self.my_rows(len(lengths)) if sequences is None else self.my_sequences(sequences)
         owners, row = [], self.my_rows(labels.shape[0], sequences).start
         for mb in micro:
             part = owner[row : row + mb.labels.shape[0]]
             owners.append(torch.where(part >= 0, part - share.start, -1))
             row += mb.labels.shape[0]
-        return RankShare(owners, slice(share.start, share.stop), n_sequences, batch.n_targets)
+        return RankShare(owners, slice(share.start, share.stop), lengths)

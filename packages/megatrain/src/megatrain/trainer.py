@@ -301,7 +301,7 @@ class Trainer:
             self.updates.rows_first.tokens = sum(mb.input_ids.numel() for mb in micro)
         if self.objective is not None:
             share = self.rows.rank_share(batch, micro)
-            self.objective.start_step(share.sequence_of, batch.extras, share.mine, share.n_sequences, share.n_tokens)
+            self.objective.start_step(share.sequence_of, batch.extras, share.mine, share.lengths)
             n_targets = 1  # (the objective's loss is the step's loss)
         lr = lr_at(self.step_index, self.schedule)
         self.policy.begin_step(self.step_index, lr)

@@ -50,12 +50,11 @@ class Objective:
         self.sequence_of = sequence_of
         self.n_sequences = max(int(s.max()) for s in sequence_of) + 1 if sequence_of else 0
 
-    def start_step(
-        self, sequence_of: list[Tensor], extras: object, mine: slice, n_sequences: int, n_tokens: int
-    ) -> None:
+    def start_step(self, sequence_of: list[Tensor], extras: object, mine: slice, lengths: Tensor) -> None:
         """What a trainer calls before a step: `sequence_of` as `begin_step` takes it (this process's sequences),
         `extras` what the objective needs of the step's rows beside their tokens (this one: nothing), `mine` this
-        process's sequences among the step's `n_sequences`, `n_tokens` the step's trained tokens."""
+        process's sequences among the step's, `lengths` [n_sequences] the trained tokens of each of the step's
+        sequences (every process's)."""
         self.begin_step(sequence_of)
 
     def __call__(
@@ -155,22 +154,24 @@ class DPO(SequenceObjective):
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.reference_free, self.simpo_gamma = reference_free, simpo_gamma
         self.reference: Sequences | None = None
-        self.n_pairs = 0
+        self.n_pairs = self.chosen_tokens = 0
 
-    def begin_step(self, sequence_of: list[Tensor], reference: Sequences | None = None, n_pairs: int = 0) -> None:
+    def begin_step(
+        self, sequence_of: list[Tensor], reference: Sequences | None = None, n_pairs: int = 0, chosen_tokens: int = 0
+    ) -> None:
         """`reference`: the reference model's summed log-probabilities of the step's sequences (and lengths);
-        `n_pairs`: the pairs the loss averages over (0: this step's)."""
+        `n_pairs`: the pairs the loss averages over, `chosen_tokens` their chosen completions' trained tokens (ORPO's
+        NLL is their mean) (0: this step's)."""
         super().begin_step(sequence_of)
         self.reference, self.n_pairs = reference, n_pairs or self.n_sequences // 2
+        self.chosen_tokens = chosen_tokens
 
     @property
     def needs_reference(self) -> bool:
         """Whether the loss compares with the reference model's scores."""
         return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
 
-    def start_step(
-        self, sequence_of: list[Tensor], extras: Sequences | None, mine: slice, n_sequences: int, n_tokens: int
-    ) -> None:
+    def start_step(self, sequence_of: list[Tensor], extras: Sequences | None, mine: slice, lengths: Tensor) -> None:
         """`extras`: the reference's scores of every sequence of the step (None where the loss needs none)."""
         if extras is not None:
             extras = Sequences(extras.logps[mine], extras.lengths[mine])
@@ -178,7 +179,7 @@ class DPO(SequenceObjective):
             raise ValueError(
                 "train.dpo.loss_type needs the reference model's log-probabilities: give them as the step's extras"
             )
-        self.begin_step(sequence_of, extras, n_pairs=n_sequences // 2)
+        self.begin_step(sequence_of, extras, n_pairs=len(lengths) // 2, chosen_tokens=int(lengths[0::2].sum()))
 
     def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
         if self.loss_type == "orpo":
@@ -215,7 +216,7 @@ class DPO(SequenceObjective):
         scores = policy.mean_logps
         chosen, rejected = scores[0::2], scores[1::2]
         log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-        chosen_tokens = policy.lengths[0::2].sum()
+        chosen_tokens = self.chosen_tokens or policy.lengths[0::2].sum()  # (every process's: a token mean over the step)
         nll = -policy.logps[0::2].sum() / chosen_tokens
         loss = nll - self.beta * F.logsigmoid(log_odds).sum() / self.n_pairs
         metrics = _pair_metrics(scores.detach(), self.beta * chosen.detach(), self.beta * rejected.detach(), self.beta)
@@ -346,13 +347,12 @@ class GRPO(TokenObjective):
         if self.beta and self.ref is None:
             raise ValueError("GRPO with beta > 0 needs the reference's token log-probabilities (ref_logps)")
 
-    def start_step(
-        self, sequence_of: list[Tensor], extras: Rollout | None, mine: slice, n_sequences: int, n_tokens: int
-    ) -> None:
+    def start_step(self, sequence_of: list[Tensor], extras: Rollout | None, mine: slice, lengths: Tensor) -> None:
         """`extras`: the `Rollout` of the step's rows."""
         if extras is None:
             raise ValueError("train.objective grpo needs each row's advantage: give the step's `Rollout` as its extras")
         part = extras.rows(mine)
+        n_sequences, n_tokens = len(lengths), int(lengths.sum())
         self.begin_step(sequence_of, part.advantages, part.old_logps, part.ref_logps, n_sequences, n_tokens)
 
     def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
