@@ -216,7 +216,7 @@ class DPO(SequenceObjective):
         scores = policy.mean_logps
         chosen, rejected = scores[0::2], scores[1::2]
         log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-        chosen_tokens = self.chosen_tokens or policy.lengths[0::2].sum()  # (every process's: a token mean over the step)
+        chosen_tokens = self.chosen_tokens or policy.lengths[0::2].sum()  # (every process's: one mean over the step)
         nll = -policy.logps[0::2].sum() / chosen_tokens
         loss = nll - self.beta * F.logsigmoid(log_odds).sum() / self.n_pairs
         metrics = _pair_metrics(scores.detach(), self.beta * chosen.detach(), self.beta * rejected.detach(), self.beta)
