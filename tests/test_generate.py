@@ -358,3 +358,35 @@ def test_generate_reads_the_tokenizer_a_text_run_trained(tmp_path, capsys):
         args = ["--checkpoint", str(run / "checkpoints" / checkpoint), "--prompts", str(tmp_path / "ask.txt")]
         assert main(["generate", *args, "--max-new-tokens", "3"]) == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out)["prompt"] == "def main("
+
+
+def test_generate_starts_a_text_prompt_as_the_tokenizer_starts_a_text(tmp_path, capsys):
+    """`megatrain generate` of a text prompt: the tokens transformers' `tokenizer(text)` gives (a BOS first where the
+    tokenizer's post-processor puts one, as Llama's and Gemma's do and megatrain's text documents start), so its
+    greedy completion equals transformers' generate of them."""
+    from test_generic import COMMON, hf_model
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from megatrain.cli import main
+
+    hf_dir = tmp_path / "hf"
+    hf_model({**COMMON, "model_type": "llama"}, 0).save_pretrained(hf_dir)
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {f"w{i}": i for i in range(3, 256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+    fast.save_pretrained(hf_dir)
+    (tmp_path / "ask.txt").write_text("w5 w17 w3\n")
+    args = ["--checkpoint", str(hf_dir), "--prompts", str(tmp_path / "ask.txt"), "--max-new-tokens", "6"]
+    args += ["--set", f"output_dir={tmp_path / 'run'}", "--set", "device=cpu"]
+    capsys.readouterr()
+    assert main(["generate", *args]) == 0, capsys.readouterr().err
+    completion = json.loads(capsys.readouterr().out)["completion"]
+    ids = fast("w5 w17 w3", return_tensors="pt")["input_ids"]
+    assert ids[0, 0].item() == 1
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert completion == fast.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
