@@ -282,6 +282,11 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["train", "--config", "empty.yaml"], "empty.yaml is empty (it sets nothing"),
         (["train", *TINY, "--set", "data.text=a-dir"], "a-dir is a directory; name a text file in it"),
         (["train", *TINY, "--set", "train.micro_batch_size=0"], "train.micro_batch_size must be >= 1, got 0"),
+        (["generate", "--checkpoint", "x", "--prompts", "p.txt", "--top-k", "-1"], "--top-k must be >= 0, got -1"),
+        (
+            ["generate", "--checkpoint", "x", "--prompts", "p.txt", "--top-p", "1.5"],
+            "--top-p must be in (0, 1], got 1.5",
+        ),
         (["train", *TINY, "--set", "data.tokens=ids.txt"], "ids.txt is not a .npy file (no numpy header)"),
         (  # (where a config's relative paths are read from: the current directory, not the config file's)
             ["train", *TINY, "--set", "data.text=nowhere/corpus.txt"],

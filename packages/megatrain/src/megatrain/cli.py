@@ -597,6 +597,11 @@ def run_command(args) -> None:
         require_transformers("megatrain generate")
         _at_least(args.max_new_tokens, 1, "--max-new-tokens")
         _at_least(args.temperature, 0, "--temperature")
+        _at_least(args.top_k, 0, "--top-k")
+        if not 0 < args.top_p <= 1:  # (transformers' top-p warper: a traceback after the model loaded, or none above 1)
+            from .config import ConfigError
+
+            raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
         args.weights, args.verified = _weights_at(Path(args.checkpoint))
         run_generate(_config(args, run_config(args.weights, args.verified and args.verified.manifest)), args)
     elif args.command == "bench":
