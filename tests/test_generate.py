@@ -360,17 +360,14 @@ def test_generate_reads_the_tokenizer_a_text_run_trained(tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["prompt"] == "def main("
 
 
-def test_generate_starts_a_text_prompt_as_the_tokenizer_starts_a_text(tmp_path, capsys):
-    """`megatrain generate` of a text prompt: the tokens transformers' `tokenizer(text)` gives (a BOS first where the
-    tokenizer's post-processor puts one, as Llama's and Gemma's do and megatrain's text documents start), so its
-    greedy completion equals transformers' generate of them."""
+def served_llama(hf_dir):
+    """A tiny random Llama with a word-level tokenizer that starts a text with <bos>, saved as transformers saves
+    them: (the model, the tokenizer)."""
     from test_generic import COMMON, hf_model
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from megatrain.cli import main
-
-    hf_dir = tmp_path / "hf"
-    hf_model({**COMMON, "model_type": "llama"}, 0).save_pretrained(hf_dir)
+    model = hf_model({**COMMON, "model_type": "llama"}, 0)
+    model.save_pretrained(hf_dir)
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {f"w{i}": i for i in range(3, 256)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -379,14 +376,84 @@ def test_generate_starts_a_text_prompt_as_the_tokenizer_starts_a_text(tmp_path, 
         tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
     )
     fast.save_pretrained(hf_dir)
-    (tmp_path / "ask.txt").write_text("w5 w17 w3\n")
-    args = ["--checkpoint", str(hf_dir), "--prompts", str(tmp_path / "ask.txt"), "--max-new-tokens", "6"]
+    return model, fast
+
+
+def generate_cli(hf_dir, prompt: str, tmp_path, capsys, *flags: str) -> tuple[str, str]:
+    """`megatrain generate` of one text prompt from the model in `hf_dir`: (its completion, what it said)."""
+    from megatrain.cli import main
+
+    (tmp_path / "ask.txt").write_text(prompt + "\n")
+    args = ["--checkpoint", str(hf_dir), "--prompts", str(tmp_path / "ask.txt"), *flags]
     args += ["--set", f"output_dir={tmp_path / 'run'}", "--set", "device=cpu"]
     capsys.readouterr()
     assert main(["generate", *args]) == 0, capsys.readouterr().err
-    completion = json.loads(capsys.readouterr().out)["completion"]
+    out, err = capsys.readouterr()
+    return json.loads(out)["completion"], err
+
+
+def test_generate_starts_a_text_prompt_as_the_tokenizer_starts_a_text(tmp_path, capsys):
+    """`megatrain generate` of a text prompt: the tokens transformers' `tokenizer(text)` gives (a BOS first where the
+    tokenizer's post-processor puts one, as Llama's and Gemma's do and megatrain's text documents start), so its
+    greedy completion equals transformers' generate of them."""
+    model, fast = served_llama(tmp_path / "hf")
+    completion, _ = generate_cli(tmp_path / "hf", "w5 w17 w3", tmp_path, capsys, "--max-new-tokens", "6")
     ids = fast("w5 w17 w3", return_tensors="pt")["input_ids"]
     assert ids[0, 0].item() == 1
-    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert completion == fast.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_generate_takes_what_the_models_generation_config_sets_as_transformers_does(tmp_path, capsys):
+    """A model directory's generation_config.json (greedy, a repetition penalty, max_new_tokens; a min_p megatrain
+    does not apply) decodes as transformers' `generate()` with no arguments decodes it, and says so; a flag overrides
+    the file."""
+    hf_dir = tmp_path / "hf"
+    model, fast = served_llama(hf_dir)
+    settings = {"repetition_penalty": 1.5, "max_new_tokens": 12, "min_p": 0.05, "eos_token_id": 2, "pad_token_id": 0}
+    (hf_dir / "generation_config.json").write_text(json.dumps(settings))
+    prompt = "w5 w17 w3 w5 w17"
+    ids = fast(prompt, return_tensors="pt")["input_ids"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    penalised = reference.generate(ids, attention_mask=torch.ones_like(ids))[0, ids.shape[1] :]
+    plain = reference.generate(ids, attention_mask=torch.ones_like(ids), repetition_penalty=1.0)[0, ids.shape[1] :]
+    assert len(penalised) == 12 and not torch.equal(penalised, plain)  # (the penalty changes this completion)
+    completion, said = generate_cli(hf_dir, prompt, tmp_path, capsys)
+    assert completion == fast.decode(penalised, skip_special_tokens=True)
+    assert "repetition_penalty 1.5, max_new_tokens 12, as" in said and "not applied" in said and "min_p 0.05" in said
+    completion, _ = generate_cli(hf_dir, prompt, tmp_path, capsys, "--repetition-penalty", "1")
+    assert completion == fast.decode(plain, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9},  # (Llama 3.1 Instruct's)
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},  # (Qwen2.5's)
+        {"do_sample": True, "top_k": None, "temperature": None},
+        {"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.2},
+        {},
+    ],
+)
+def test_a_generation_configs_sampling_is_what_transformers_resolves(tmp_path, settings):
+    """`file_sampling` of a generation_config.json: the temperature, top-p, top-k and repetition penalty transformers'
+    `generate()` samples with (its defaults where the file leaves a setting out or null), temperature 0 where it does
+    not sample."""
+    from megatrain_zoo.generate import file_sampling
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(settings))
+    resolved = transformers.GenerationConfig.from_pretrained(tmp_path)
+    defaults = transformers.GenerationConfig._get_default_generation_params()
+    value = {
+        name: getattr(resolved, name) if getattr(resolved, name) is not None else defaults[name] for name in defaults
+    }
+    ours, unapplied = file_sampling(tmp_path)
+    assert ours["repetition_penalty"] == value["repetition_penalty"] and unapplied == []
+    if value["do_sample"]:
+        assert (ours["temperature"], ours["top_p"], ours["top_k"]) == (
+            value["temperature"],
+            value["top_p"],
+            value["top_k"],
+        )
+    else:
+        assert ours["temperature"] == 0 and "top_k" not in ours

@@ -4,7 +4,7 @@ videos, and the batches each optimizer step takes. `load_token_data` loads what 
 
 from .chat import ChatTemplate, encode_conversation, load_chat_template, render_conversation
 from .errors import DataError
-from .load import TokenData, load_token_array, load_token_data, run_tokenizer
+from .load import TokenData, load_token_array, load_token_data, run_tokenizer, weights_tokenizer
 from .section import DATA_FORMATS, DataSection
 from .tokens import (
     EOS_TOKEN,
@@ -55,6 +55,7 @@ __all__ = [
     "pad_token_id",
     "render_conversation",
     "run_tokenizer",
+    "weights_tokenizer",
     "sequence_lengths",
     "sequence_of_tokens",
     "tokenize_text",

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrain_store.checkpoints import MANIFEST
+from megatrain_store.rundir import FINAL
+
 from .errors import DataError, missing_path
 from .multimodal import media_columns, media_rows
 from .preference import preference_rows, uses_pairs
@@ -218,6 +221,25 @@ def run_tokenizer(
     if data.dataset is not None and data.format == "text":
         return _dataset_tokenizer(data, vocab_size, run_dir / "cache", model_type)
     return None
+
+
+def weights_tokenizer(
+    data: DataSection, weights: Path, model_dir: Path | None, vocab_size: int, model_type: str | None = None
+) -> Path:
+    """The tokenizer of the model in `weights` (a model directory, a run's final/ or checkpoint, a PEFT directory of
+    adapters): the tokenizer.json beside them, else data.tokenizer, else `run_tokenizer`'s for their run (the
+    model directory `model_dir`'s for adapters), for a model of `vocab_size` and `model_type`."""
+    if (weights / "tokenizer.json").exists():
+        return weights / "tokenizer.json"
+    if data.tokenizer:
+        return Path(data.tokenizer)
+    run_dir = (
+        weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
+    )
+    found = run_tokenizer(data, vocab_size, run_dir, model_dir, model_type)
+    if found is None:
+        raise DataError(f"{weights} holds no tokenizer.json: set data.tokenizer to the model's tokenizer.json")
+    return found
 
 
 def renders_conversations(data: DataSection) -> bool:

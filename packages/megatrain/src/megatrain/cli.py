@@ -158,25 +158,16 @@ def dump_grpo_data(config, args) -> None:
 
 
 def run_data(config, args) -> None:
-    from megatrain_data import PairWindows, load_token_data, load_tokenizer
+    from megatrain_data import PairWindows, load_tokenizer
     from megatrain_data.inspect import dump_pairs, dump_rows
     from megatrain_data.multimodal import MediaRows, row_windows
 
     from .config import ConfigError, model_config_of
+    from .loop import load_data
 
     if config.train.objective == "grpo":
         return dump_grpo_data(config, args)
-    model = model_config_of(config)
-    data = load_token_data(
-        config.data,
-        model.vocab_size,
-        Path(config.output_dir) / "cache",
-        Path(config.model.hf_dir) if config.model.hf_dir else None,
-        model.eos_token_id,
-        config.train.seed,
-        config.train.dpo.max_prompt_length,
-        model.arch,
-    )
+    data = load_data(config, model_config_of(config), Path(config.output_dir))
     for line in data.report:
         print(f"megatrain: {line}", file=sys.stderr)
     tokenizer = None
@@ -207,6 +198,19 @@ def _at_least(value, lowest, option: str) -> None:
 
     if value is not None and not lowest <= value < float("inf"):
         raise ConfigError(f"{option} must be >= {lowest}{' and finite' if value == float('inf') else ''}, got {value}")
+
+
+def _check_sampling_flags(args) -> None:
+    """`megatrain generate`'s, before the model loads (transformers' warpers raised a traceback after it; a top-p
+    above 1 was taken as 1)."""
+    from .config import ConfigError
+
+    for name, lowest in (("max_new_tokens", 1), ("temperature", 0), ("top_k", 0)):
+        _at_least(getattr(args, name), lowest, "--" + name.replace("_", "-"))
+    if args.repetition_penalty is not None and not 0 < args.repetition_penalty < float("inf"):
+        raise ConfigError(f"--repetition-penalty must be > 0 and finite, got {args.repetition_penalty}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
 
 
 def run_train(args) -> None:
@@ -370,49 +374,27 @@ def run_generate(config, args) -> None:
     """`megatrain generate`: a JSON line per prompt, {prompt, completion}, from the checkpoint's weights."""
     import json
 
-    from megatrain_data import eos_token_text, load_tokenizer
+    from megatrain_data import eos_token_text, load_tokenizer, weights_tokenizer
     from megatrain_data.prompts import read_prompts
     from megatrain_zoo.generate import Sampling
 
-    from .generate import generate_completions
+    from .generate import generate_completions, sampling_settings
     from .rollouts import stop_ids
 
     prompts = read_prompts(args.prompts)
     trainer, _ = trainer_for_weights(config, args.weights, args.verified)
     try:
-        path = _tokenizer_of_weights(trainer.config, args.weights, trainer.model_config)
+        model, data, hf_dir = trainer.model_config, trainer.config.data, trainer.config.model.hf_dir
+        path = weights_tokenizer(data, args.weights, hf_dir and Path(hf_dir), model.vocab_size, model.arch)
         tokenizer = load_tokenizer(path)
-        eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, path.parent)
-        stops = stop_ids(trainer.model_config, tokenizer, path, eos)
-        sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, stops)
+        eos = eos_token_text(tokenizer, model.eos_token_id, path.parent)
+        settings = sampling_settings(path.parent, args)
+        sampling = Sampling(stop_ids=stop_ids(model, tokenizer, path, eos), **settings)
         texts = generate_completions(trainer, tokenizer, path, prompts, sampling, args.seed)
     finally:
         trainer.close()
     for prompt, text in zip(prompts, texts):
         print(json.dumps({"prompt": prompt, "completion": text}))
-
-
-def _tokenizer_of_weights(config, weights: Path, model) -> Path:
-    """The tokenizer.json beside `weights`, else data.tokenizer, else (weights of a run: a checkpoint or its final/)
-    the one its run read text with (`megatrain_data.run_tokenizer`, for `model`: its vocab_size and arch)."""
-    from megatrain_data import run_tokenizer
-
-    from .checkpoint import FINAL, MANIFEST
-    from .config import ConfigError
-
-    if (weights / "tokenizer.json").exists():
-        return weights / "tokenizer.json"
-    if config.data.tokenizer:
-        return Path(config.data.tokenizer)
-    run_dir = (
-        weights.parent.parent if (weights / MANIFEST).exists() else weights.parent if weights.name == FINAL else None
-    )
-    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
-    # (a PEFT directory's: its base model's)
-    found = run_tokenizer(config.data, model.vocab_size, run_dir, model_dir, model.arch)
-    if found is None:
-        raise ConfigError(f"{weights} holds no tokenizer.json: set data.tokenizer to the model's tokenizer.json")
-    return found
 
 
 def run_pair_eval(config, args) -> None:
@@ -551,10 +533,12 @@ def _add_generate(commands) -> None:
     generate_parser.add_argument(
         "--prompts", required=True, help='a JSONL of {"prompt": text or messages}, or a text file of one per line'
     )
-    generate_parser.add_argument("--max-new-tokens", type=int, default=256, help="the most a completion takes")
-    generate_parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    generate_parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass (1: all)")
-    generate_parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    # (a setting not given: generation_config.json's, as transformers' generate() takes it, else greedy and unfiltered)
+    generate_parser.add_argument("--max-new-tokens", type=int, help="the most a completion takes (256)")
+    generate_parser.add_argument("--temperature", type=float, help="0: greedy (without generation_config.json)")
+    generate_parser.add_argument("--top-p", type=float, help="nucleus sampling's mass (1: all)")
+    generate_parser.add_argument("--top-k", type=int, help="0: no top-k filter (transformers' default is 50)")
+    generate_parser.add_argument("--repetition-penalty", type=float, help="transformers' (1: none)")
     generate_parser.add_argument("--seed", type=int, default=0, help="the sampling's seed (--temperature above 0)")
 
 
@@ -595,13 +579,7 @@ def run_command(args) -> None:
         from .generate import require_transformers
 
         require_transformers("megatrain generate")
-        _at_least(args.max_new_tokens, 1, "--max-new-tokens")
-        _at_least(args.temperature, 0, "--temperature")
-        _at_least(args.top_k, 0, "--top-k")
-        if not 0 < args.top_p <= 1:  # (transformers' top-p warper: a traceback after the model loaded, or none above 1)
-            from .config import ConfigError
-
-            raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+        _check_sampling_flags(args)
         args.weights, args.verified = _weights_at(Path(args.checkpoint))
         run_generate(_config(args, run_config(args.weights, args.verified and args.verified.manifest)), args)
     elif args.command == "bench":

@@ -158,6 +158,7 @@ class GRPOSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
+    repetition_penalty: float = 1.0  # transformers' (1: none), before the temperature, as TRL's
     # module:function (f(prompts, completions, **columns) -> list[float], TRL's signature) or a built-in name:
     # exact_match, numeric_answer (a math answer's number against `answer`), format:REGEX
     reward_funcs: tuple[str, ...] = ()
@@ -200,8 +201,9 @@ class GRPOSection:
         for name in ("beta", "epsilon", "epsilon_high", "top_k"):
             if not (getattr(self, name) or 0) >= 0:  # (epsilon_high None: epsilon's)
                 raise ConfigError(f"train.grpo.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.temperature > 0:
-            raise ConfigError(f"train.grpo.temperature must be > 0, got {self.temperature}")
+        for name in ("temperature", "repetition_penalty"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"train.grpo.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"train.grpo.top_p must be in (0, 1], got {self.top_p}")
 

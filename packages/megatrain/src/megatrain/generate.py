@@ -4,7 +4,7 @@ with the run's tokenizer and chat template, completions from the trainer's weigh
 
 import sys
 
-from megatrain_zoo.generate import Generator, Sampling
+from megatrain_zoo.generate import Generator, Sampling, file_sampling
 
 from .config import ConfigError
 
@@ -41,3 +41,22 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     completions = generator.generate(ids, sampling, pad_token_id(tokenizer, eos), seed)
     print(f"megatrain: generation: {generator.last_plan.reason}", file=sys.stderr)
     return tokenizer.decode_batch(completions, skip_special_tokens=True)
+
+
+def sampling_settings(folder, args) -> dict:
+    """`Sampling`'s settings for `megatrain generate`: each flag given, else what the generation_config.json in
+    `folder` (the tokenizer's, beside the weights) asks transformers' `generate()` for, else greedy and unfiltered
+    with 256 new tokens; said in a line where the file sets them, and the file's settings megatrain does not apply."""
+    settings = {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+    from_file, unapplied = file_sampling(folder)
+    given = {name: getattr(args, name) for name in settings if getattr(args, name) is not None}
+    taken = {name: value for name, value in from_file.items() if name not in given and value != settings[name]}
+    if taken:
+        said = ", ".join(f"{name} {value}" for name, value in taken.items())
+        print(
+            f"megatrain: generate: {said}, as {folder / 'generation_config.json'} sets (a flag overrides)",
+            file=sys.stderr,
+        )
+    if unapplied:
+        print(f"megatrain: generate: not applied from generation_config.json: {', '.join(unapplied)}", file=sys.stderr)
+    return settings | taken | given

@@ -170,20 +170,13 @@ def evaluate(trainer: Trainer, windows: TokenWindows, max_batches: int | None = 
 
 def load_data(config: Config, model: ModelConfig, out: Path, ranks: Ranks | None = None) -> TokenData:
     """The run's tokens. With several ranks rank 0 tokenizes and fills the cache, then the others read it."""
-    model_dir = Path(config.model.hf_dir) if config.model.hf_dir else None
+    model_dir, train = Path(config.model.hf_dir) if config.model.hf_dir else None, config.train
 
     def load():
-        cache = out / "cache"
         return load_token_data(
-            config.data,
-            model.vocab_size,
-            cache,
-            model_dir,
-            model.eos_token_id,
-            config.train.seed,
-            config.train.dpo.max_prompt_length,
-            model.arch,
-        )
+            config.data, model.vocab_size, out / "cache", model_dir, model.eos_token_id, train.seed,
+            train.dpo.max_prompt_length, model.arch,
+        )  # fmt: skip
 
     data = load() if ranks is None or ranks.is_main else None
     if ranks is not None:

@@ -134,7 +134,7 @@ class GeneratedRollouts(_Rollouts):
         self.rewards = make_rewards(config)
         self.generator = Generator(trainer, self.grpo.generation_weights, self.grpo.generation_decoding)
         g = self.grpo
-        self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops)
+        self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k, stops, g.repetition_penalty)
         self.conversational = any(isinstance(p, list) for p in prompts.given)
         self.said_plan = None
         if g.beta:  # (the store holds the initial weights still: a resumed checkpoint is loaded after this)

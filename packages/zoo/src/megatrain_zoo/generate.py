@@ -44,14 +44,48 @@ DECODING_COMPILE = dict(mode="default", dynamic=False)
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are drawn: greedy (temperature 0) or sampled with transformers' temperature, top-p and top-k;
-    each ends at one of `stop_ids` (kept, as the end of a trained completion) or after `max_new_tokens`."""
+    """How completions are drawn: greedy (temperature 0) or sampled with transformers' temperature, top-p and top-k,
+    after its repetition penalty (1: none; greedy too); each ends at one of `stop_ids` (kept, as the end of a trained
+    completion) or after `max_new_tokens`."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+
+
+# transformers' (5.x) defaults of the settings `Sampling` applies, where a generation_config.json that samples leaves
+# them out or null (its top_k: 50, where megatrain's own default filters none) ...
+SAMPLED_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+# ... and of those it does not apply: a file that sets one otherwise is told of
+UNAPPLIED_DEFAULTS = {
+    "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "no_repeat_ngram_size": 0,
+    "min_new_tokens": None, "min_length": 0, "num_beams": 1, "stop_strings": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "bad_words_ids": None, "sequence_bias": None, "renormalize_logits": False,
+}  # fmt: skip
+
+
+def file_sampling(folder) -> tuple[dict, list[str]]:
+    """What the generation_config.json in `folder` asks transformers' `generate()` for, as `Sampling`'s fields
+    (temperature 0 where it does not sample; transformers' defaults where it samples and is silent; {} where there is
+    no file), and the settings it makes that `Sampling` does not apply ("min_p 0.05")."""
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}, []
+    settings = {"temperature": 0.0, "repetition_penalty": config.get("repetition_penalty") or 1.0}
+    if config.get("do_sample"):
+        settings |= {
+            name: default if config.get(name) is None else config[name] for name, default in SAMPLED_DEFAULTS.items()
+        }
+    if config.get("max_new_tokens"):
+        settings["max_new_tokens"] = config["max_new_tokens"]
+    unapplied = [
+        f"{k} {config[k]}" for k, default in UNAPPLIED_DEFAULTS.items() if config.get(k) not in (None, default)
+    ]
+    return settings, unapplied
 
 
 class _Generating(nn.Module):
@@ -258,6 +292,7 @@ class Generator:
         if hasattr(self.skeleton.config, "output_router_logits"):  # (a load-balancing loss is no generation's)
             options["output_router_logits"] = False
         options |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # (sampled: by RowSampler)
+        options["repetition_penalty"] = sampling.repetition_penalty  # (before RowSampler's warpers, as transformers')
         if sampling.temperature > 0:
             from transformers.generation.logits_process import LogitsProcessorList
 
