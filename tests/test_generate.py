@@ -289,6 +289,31 @@ def test_a_rows_sample_does_not_depend_on_the_rows_beside_it(tmp_path):
     trainer.close()
 
 
+def test_sampling_warps_the_repetition_penalised_scores(tmp_path, monkeypatch):
+    """A sampled decoding step's warpers (RowSampler: temperature, top-k, top-p) see the scores after transformers'
+    repetition penalty, as transformers' own sampling orders them: each prompt or completion token's score divided
+    by the penalty where positive, multiplied where negative."""
+    from megatrain_zoo import generate
+
+    trainer = trainer_of(ModelSection(preset="tiny-llama"), tmp_path)
+    seen, draw = [], generate.RowSampler.__call__
+    monkeypatch.setattr(
+        generate.RowSampler, "__call__", lambda self, ids, scores: seen.append((ids, scores)) or draw(self, ids, scores)
+    )
+    prompt = prompts_of(torch.Generator().manual_seed(3), 256)[1]
+    sampling = Sampling(max_new_tokens=3, temperature=0.9, top_k=20, repetition_penalty=1.7)
+    completion = Generator(trainer).generate([prompt], sampling, pad_id=0, seed=4)[0]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(trainer.export(tmp_path / "out"), dtype=torch.float32)
+    for step, (ids, scores) in enumerate(seen):
+        assert ids[0].tolist() == prompt + completion[:step]
+        with torch.no_grad():
+            logits = reference(ids).logits[:, -1].clone()
+        taken = logits.gather(1, ids)
+        logits.scatter_(1, ids, torch.where(taken < 0, taken * 1.7, taken / 1.7))
+        assert rel_err(scores, logits) < 1e-5
+    trainer.close()
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.7)])
 def test_row_sampler_draws_from_the_warped_distribution(top_k, top_p):
     """Over many rows (keys), the Gumbel-max draws' frequencies match the softmax of transformers' warped logits."""
