@@ -204,3 +204,13 @@ def test_a_key_given_twice_in_a_config_file_is_refused_naming_its_line(tmp_path)
     path.write_text("data:\n  seq_len: 64\ntrain:\n  steps: 2\ndata:\n  seq_len: 32\n")
     with pytest.raises(ConfigError, match=r"line 5: invalid YAML \('data' is given twice\)"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text, key", [("train:\n  1: 2\n", "1"), ("~: 2\n", "None"), ("train:\n  on: 2\n", "True")])
+def test_a_key_yaml_reads_as_no_name_is_one_clear_error(tmp_path, text, key):
+    """YAML reads `1:`, `~:` and `on:` as a number, null and a boolean: the "did you mean" lookup took such a key for
+    text and ended in a TypeError traceback."""
+    path = tmp_path / "odd.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"config key {key} .*is not a name.*accepts \["):
+        load_config(path)

@@ -25,6 +25,11 @@ def build_section(cls, values: dict, where: str):
     kwargs = {}
     for key, value in values.items():
         name = f"{where}.{key}" if where else key
+        if not isinstance(key, str):  # (YAML reads `1:`, `~:` and `on:` as a number, null and a boolean)
+            raise ConfigError(
+                f"config key {key} in {where or 'the top level'} is not a name (YAML reads it as "
+                f"{_YAML_KINDS.get(type(key), type(key).__name__)}); {where or 'top level'} accepts {sorted(known)}"
+            )
         if key not in known:
             close = [OTHER_NAMES[key]] if OTHER_NAMES.get(key) in known else difflib.get_close_matches(key, known, n=1)
             mean = f"did you mean {close[0]!r}? " if close else ""
@@ -42,6 +47,7 @@ def build_section(cls, values: dict, where: str):
         raise ConfigError(str(error)) from error
 
 
+_YAML_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number"}
 OTHER_NAMES = dict(  # other trainers' names for keys (Hugging Face's TrainingArguments, TRL): a "did you mean"
     learning_rate="lr", max_steps="steps", max_grad_norm="grad_clip", save_steps="save_every", eval_steps="eval_every",
     per_device_train_batch_size="micro_batch_size", max_seq_length="seq_len", max_length="seq_len")  # fmt: skip
