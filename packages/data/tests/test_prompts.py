@@ -86,3 +86,16 @@ def test_given_completions_are_read_and_bad_lines_refused(tokenizer_path, tmp_pa
         read_completions(write_jsonl(tmp_path / "bad.jsonl", bad))
     with pytest.raises(DataError, match="1 logps for 2 completion tokens"):
         completion_ids({**advantages[0], "logps": [-1.0]}, tokenizer, "line 2")
+
+
+def test_a_prompts_file_that_is_not_utf8_or_is_a_directory_is_refused_naming_it(tmp_path):
+    """`megatrain generate --prompts` on a binary file ended in a UnicodeDecodeError traceback, on a directory in
+    a line naming no option."""
+    from megatrain_data.prompts import read_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"2+2=\n\xe6 latin-1\n")
+    with pytest.raises(DataError, match=r"--prompts .*prompts.txt line 2, byte offset 5 \(0xe6\) is not UTF-8; save"):
+        read_prompts(path)
+    with pytest.raises(DataError, match=r"--prompts .* is a directory; name a text file in it"):
+        read_prompts(tmp_path)
