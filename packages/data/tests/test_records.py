@@ -627,3 +627,16 @@ def test_a_folder_of_record_files_is_one_dataset(tmp_path, tokenizer_path):
     (folder / "part-2.parquet").write_bytes(b"")
     with pytest.raises(DataError, match=r"holds files of both JSON and Parquet; give a folder of records of one type"):
         load_token_data(section, 512, tmp_path / "cache2", None)
+
+
+def test_a_chat_template_that_is_not_utf8_or_is_a_directory_is_refused_naming_it(tmp_path):
+    """data.chat_template on a binary file ended in a UnicodeDecodeError traceback, on a directory in an
+    IsADirectoryError one."""
+    from megatrain_data.chat import load_chat_template
+
+    path = tmp_path / "template.jinja"
+    path.write_bytes(b"{{ messages }}\xe6")
+    with pytest.raises(DataError, match=r"data.chat_template .*template.jinja line 1, byte offset 14 \(0xe6\) is not"):
+        load_chat_template(None, str(path), "</s>")
+    with pytest.raises(DataError, match=r"data.chat_template .* is a directory; name a text file in it"):
+        load_chat_template(None, str(tmp_path), "</s>")

@@ -126,7 +126,9 @@ def load_chat_template(tokenizer_dir: Path | None, choice: str | None, eos_token
         path = Path(choice)
         if not path.exists():
             raise DataError(f"data.chat_template {choice!r} is neither 'simple' nor an existing .jinja file")
-        return ChatTemplate(str(path), path.read_text(), special)
+        from .tokens import _read_text  # (tokens imports this module)
+
+        return ChatTemplate(str(path), _read_text(path, "data.chat_template"), special)
     if tokenizer_dir is None:
         return None
     jinja_file = tokenizer_dir / "chat_template.jinja"
