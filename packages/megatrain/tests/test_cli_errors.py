@@ -41,6 +41,8 @@ SETTING_CASES = [
     (["train", *TINY, "--set", "train.seed=-1"], "train.seed must be >= 0"),
     (["bench", *TINY, "--steps", "0"], "--steps must be >= 1"),
     (["plan", *TINY, "--gpus", "0"], "--gpus must be >= 1"),
+    (["plan", *TINY, "--gpu-memory-gib", "1e308"], "--gpu-memory-gib 1e+308 is more bytes than a machine holds"),
+    (["plan", *TINY, "--host-memory-gib", "1e308"], "--host-memory-gib 1e+308 is more bytes than a machine holds"),
     (  # (as the run's ranks would refuse it)
         ["plan", *TINY, "--gpus", "2", "--set", "train.batch_size=3", "--set", "train.micro_batch_size=1"],
         "train.batch_size (3) must be a multiple of the number of ranks (2) times train.micro_batch_size (1)",

@@ -588,6 +588,14 @@ def run_command(args) -> None:
     elif args.command == "plan":
         for option in ("gpus", "hosts", "gpu_memory_gib", "host_memory_gib"):
             _at_least(getattr(args, option), 1, f"--{option.replace('_', '-')}")
+        for option in ("gpu_memory_gib", "host_memory_gib"):  # (in bytes, an int64: 1e308 GiB overflowed)
+            if (getattr(args, option) or 0) * 2**30 >= 2**63:
+                from .config import ConfigError
+
+                raise ConfigError(
+                    f"--{option.replace('_', '-')} {getattr(args, option)} is more bytes than a machine holds; give "
+                    "the GiB it has"
+                )
         run_plan(_config(args), args)
     elif args.command == "data":
         _at_least(args.dump, 1, "--dump")
