@@ -120,6 +120,7 @@ def test_micro_batch_defaults_to_batch():
         (["train.grpo.rollouts=''"], r"train.grpo.rollouts is empty"),
         (["model.adapter.type=[lora]"], r"config key 'model.adapter.type' has value \['lora'\]"),
         (["output_dir=runs/a", "fallback_dir=runs/a"], r"fallback_dir 'runs/a' must name a directory"),
+        (["train.grpo.log_completions_every=-1"], r"train.grpo.log_completions_every must be >= 0 \(0: never\)"),
     ],
 )
 def test_values_out_of_range_are_refused(write_config, overrides, message):

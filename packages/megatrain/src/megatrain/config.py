@@ -198,6 +198,10 @@ class GRPOSection:
                 raise ConfigError(f"train.grpo.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2:  # (TRL's rule too)
             raise ConfigError("train.grpo.num_generations must be >= 2: a group of one has no advantage to learn from")
+        if self.log_completions_every < 0:  # (taken, it logged every step)
+            raise ConfigError(
+                f"train.grpo.log_completions_every must be >= 0 (0: never), got {self.log_completions_every}"
+            )
         for name in ("beta", "epsilon", "epsilon_high", "top_k"):
             if not (getattr(self, name) or 0) >= 0:  # (epsilon_high None: epsilon's)
                 raise ConfigError(f"train.grpo.{name} must be >= 0, got {getattr(self, name)}")
