@@ -215,3 +215,21 @@ def test_a_key_yaml_reads_as_no_name_is_one_clear_error(tmp_path, text, key):
     path.write_text(text)
     with pytest.raises(ConfigError, match=rf"config key {key} .*is not a name.*accepts \["):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["lr=1e-3"], r"unknown config key 'lr'; did you mean 'train.lr'\? top level accepts"),
+        (["train.seq_len=64"], r"unknown config key 'train.seq_len'; did you mean 'data.seq_len'\? train accepts"),
+        (["train.max_seq_length=64"], r"'train.max_seq_length'; did you mean 'data.seq_len'\?"),  # (TRL's name)
+        (["trace=true"], r"unknown config key 'trace'; did you mean 'engine.trace'\?"),  # (not 'train')
+        (["train.beta=0.5"], r"'train.beta'; did you mean 'train.dpo.beta' or 'train.grpo.beta'\?"),
+        (["dpo.beta=0.5"], r"unknown config key 'dpo'; did you mean 'train.dpo'\?"),
+    ],
+)
+def test_a_key_in_another_section_names_where_it_belongs(overrides, message):
+    """A key written in the wrong section (`lr:` at the top level, `seq_len:` under train) listed the section's keys,
+    or suggested a look-alike of the wrong one (`trace:` -> 'train'), without saying where the key is."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -17,7 +17,10 @@ class ConfigError(Exception):
     """A configuration the trainer cannot run, with the fix in the message."""
 
 
-def build_section(cls, values: dict, where: str):
+def build_section(cls, values: dict, where: str, root=None):
+    """The section `cls` (at `where`, a dotted path in the config `root`) from `values`, each coerced to its field's
+    type."""
+    root = root or cls
     if not isinstance(values, dict):
         raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(values).__name__}")
     hints = get_type_hints(cls)
@@ -31,12 +34,12 @@ def build_section(cls, values: dict, where: str):
                 f"{_YAML_KINDS.get(type(key), type(key).__name__)}); {where or 'top level'} accepts {sorted(known)}"
             )
         if key not in known:
-            close = [OTHER_NAMES[key]] if OTHER_NAMES.get(key) in known else difflib.get_close_matches(key, known, n=1)
-            mean = f"did you mean {close[0]!r}? " if close else ""
+            close = _close_keys(key, known, root)
+            mean = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise ConfigError(f"unknown config key {name!r}; {mean}{where or 'top level'} accepts {sorted(known)}")
         hint = hints[key]
         if is_dataclass(hint):
-            kwargs[key] = build_section(hint, value or {}, name)
+            kwargs[key] = build_section(hint, value or {}, name, root)
         else:
             kwargs[key] = _coerce(value, hint, name)
     try:
@@ -53,6 +56,28 @@ OTHER_NAMES = dict(  # other trainers' names for keys (Hugging Face's TrainingAr
     per_device_train_batch_size="micro_batch_size", max_seq_length="seq_len", max_length="seq_len")  # fmt: skip
 # text keys that take several comma-separated names, also written as a YAML list
 COMMA_SEPARATED = ("data.dataset", "train.report_to")
+
+
+def _close_keys(key: str, known: dict, root) -> list[str]:
+    """What an unknown `key` of a section whose keys are `known` may mean: another trainer's name for one of them, else
+    the key of that name (or its other name) in other sections of `root` (`lr:` at the top level is train.lr's),
+    else a look-alike of one of its keys."""
+    if OTHER_NAMES.get(key) in known:
+        return [OTHER_NAMES[key]]
+    names = {key, OTHER_NAMES.get(key)}
+    elsewhere = [path for path in _key_paths(root) if path.rpartition(".")[2] in names]
+    return elsewhere or difflib.get_close_matches(key, known, n=1)
+
+
+def _key_paths(cls, prefix: str = "") -> list[str]:
+    """The dotted path of every key and section of the config class `cls`."""
+    hints = get_type_hints(cls)
+    paths = []
+    for f in fields(cls):
+        paths.append(prefix + f.name)
+        if is_dataclass(hints[f.name]):
+            paths += _key_paths(hints[f.name], f"{prefix}{f.name}.")
+    return paths
 
 
 def _coerce(value: Any, hint, name: str):
