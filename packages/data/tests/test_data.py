@@ -188,3 +188,13 @@ def test_not_utf8_where_reads_across_chunks(tmp_path):
     assert all(not_utf8_where(path, chunk_bytes) is None for chunk_bytes in (1, 2, 3, 1 << 20))
     path.write_bytes(raw[:1])  # (a character cut by the file's end)
     assert not_utf8_where(path, 1) == f"{path} line 1, byte offset 0 (0xc3) is not UTF-8"
+
+
+def test_token_ids_with_a_tokenizer_that_does_not_exist_are_refused(tmp_path):
+    """data.tokenizer beside data.tokens names the tokenizer the export serves; a misspelled one was dropped without a
+    word, and the run's export then said its source named none."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 1024).astype(np.int32))
+    section = DataSection(tokens=str(tokens), tokenizer=str(tmp_path / "tokenzier.json"), seq_len=32)
+    with pytest.raises(DataError, match=r"data.tokenizer .*tokenzier.json does not exist"):
+        load_token_data(section, 256, tmp_path / "cache", None)

@@ -102,6 +102,8 @@ def load_token_data(
     does for a model of `model_type` (its config.json's; `train_tokenizer`)."""
     as_file = isinstance(data.validation, str)
     if data.tokens is not None:
+        if data.tokenizer:  # (the export's: a misspelled one was dropped without a word)
+            load_tokenizer(Path(data.tokenizer))
         validation = _read_npy(Path(data.validation), vocab_size, "data.validation") if as_file else None
         train, held = _split_stream(_read_npy(Path(data.tokens), vocab_size, "data.tokens"), data, validation)
         return TokenData(train, held, None)
