@@ -511,20 +511,33 @@ def test_a_killed_exports_leftovers_neither_count_against_the_room_nor_hold_the_
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
 
 
-def test_a_final_export_without_room_is_refused_before_writing(write_config, tmp_path, capsys, monkeypatch):
-    """Said at the start (a warning), then refused before final/ is written, saying how much it needs."""
+def test_a_final_export_without_room_is_refused_at_the_start_or_its_state_saved_in_the_fallback(
+    write_config, tmp_path, capsys, monkeypatch
+):
+    """A disk that cannot hold the final model: without fallback_dir, refused in one line at the start (the run would
+    have trained to the end and lost every step); with one, said at the start, then the export is refused before
+    final/ is written, saying how much it needs, and the state goes to fallback_dir."""
     import megatrain.loop
 
-    monkeypatch.setattr(megatrain_store.checkpoints, "free_bytes", lambda path: 2**17)
-    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
-    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 1
+    def free(path):  # (output_dir's disk: 0.1 MiB free; the fallback's: room)
+        return 2**17 if str(path).startswith(str(tmp_path / "run")) else 2**40
+
+    monkeypatch.setattr(megatrain_store.checkpoints, "free_bytes", free)
+    monkeypatch.setattr(megatrain.loop, "free_bytes", free)
+    assert main(["train", "--config", str(write_config(train={"steps": 1}))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"{tmp_path / 'run'}'s disk has 0.1 MiB free; the final model needs" in err[-1]
+    assert err[-1].endswith("free space there, or set fallback_dir to a directory on another disk")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+    config = write_config(train={"steps": 1}, fallback_dir=str(tmp_path / "fallback"))
+    assert main(["train", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert f"warning: {tmp_path / 'run'}'s disk has 0.1 MiB free; the final model needs" in err
     assert (
         f"the model {tmp_path / 'run' / 'final'} needs" in err
         and f"MiB in {tmp_path / 'run'}, whose disk has 0.1 MiB free" in err
     )
-    assert not (tmp_path / "run" / "final").exists()
+    assert not (tmp_path / "run" / "final").exists() and list((tmp_path / "fallback").rglob("manifest.json"))
 
 
 def test_the_start_of_run_room_warning_counts_the_checkpoints_kept_at_once(write_config, tmp_path, capsys, monkeypatch):
@@ -532,14 +545,14 @@ def test_the_start_of_run_room_warning_counts_the_checkpoints_kept_at_once(write
     import megatrain.loop
 
     sizes = {}
-    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**17)
+    monkeypatch.setattr(megatrain.loop, "free_bytes", lambda path: 2**21)  # (the final model fits, not all of them)
     for keep_last, copies in ((3, "3 checkpoints"), (1, "2 checkpoints")):
         train = {"steps": 4, "save_every": 1, "keep_last": keep_last}
         config = write_config(train=train, output_dir=str(tmp_path / f"r{keep_last}"))
         assert main(["train", "--config", str(config)]) == 0
-        line = next(line for line in capsys.readouterr().err.splitlines() if "'s disk has 0.1 MiB free" in line)
-        assert f"the final model and {copies} need" in line
-        sizes[keep_last] = float(line.split(" need ")[1].split(" MiB")[0])
+        line = next(line for line in capsys.readouterr().err.splitlines() if "'s disk has 2.0 MiB free" in line)
+        assert f"the final model and {copies} need" in line and "before the run ends" in line
+        sizes[keep_last] = float(line.split(" need ")[1].split(" MiB")[0]) - 1  # (less the export's 1 MiB of files)
     assert sizes[3] == pytest.approx(
         sizes[1] * (1 + 3 * 3) / (1 + 2 * 3), rel=0.05
     )  # (a checkpoint: 3 model sizes; 2 digits)

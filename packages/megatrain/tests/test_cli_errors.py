@@ -89,6 +89,14 @@ SETTING_CASES = [
     (["train", *TINY, "--set", "train.steps=2.5"], "'train.steps' has value 2.5; it takes a whole number"),
     (["train", *TINY, "--set", "train.save_every=-1"], "train.save_every must be >= 0"),
     (["train", *TINY, "--set", "train.min_lr_ratio=5"], "train.min_lr_ratio must be in [0, 1]"),
+    # (sampling options checked before the checkpoint is looked for: a top-p past 1 or NaN was taken, a seed past int64
+    # overflowed in the first step, a repetition penalty of 0 divided by it)
+    (["generate", "--checkpoint", "no-run", "--prompts", "p.txt", "--top-p", "nan"], "--top-p must be in (0, 1]"),
+    (["generate", "--checkpoint", "no-run", "--prompts", "p.txt", "--seed", str(2**64)], "--seed must be in [0, 2"),
+    (
+        ["generate", "--checkpoint", "no-run", "--prompts", "p.txt", "--repetition-penalty", "0"],
+        "--repetition-penalty must be > 0 and finite, got 0.0",
+    ),
 ]
 
 

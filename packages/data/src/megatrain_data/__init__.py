@@ -4,6 +4,7 @@ videos, and the batches each optimizer step takes. `load_token_data` loads what 
 
 from .chat import ChatTemplate, encode_conversation, load_chat_template, render_conversation
 from .errors import DataError
+from .files import not_utf8_where
 from .load import TokenData, load_token_array, load_token_data, run_tokenizer, weights_tokenizer
 from .section import DATA_FORMATS, DataSection
 from .tokens import (
@@ -14,7 +15,6 @@ from .tokens import (
     document_start_ids,
     eos_token_text,
     load_tokenizer,
-    not_utf8_where,
     pad_token_id,
     tokenize_text,
     train_tokenizer,

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .errors import DataError
+from .files import read_text_file
 
 # The documented fallback for tokenizers without a chat template: each turn is
 # "<|role|>\n" + content + "\n", an assistant turn's content followed by the EOS token.
@@ -126,9 +127,7 @@ def load_chat_template(tokenizer_dir: Path | None, choice: str | None, eos_token
         path = Path(choice)
         if not path.exists():
             raise DataError(f"data.chat_template {choice!r} is neither 'simple' nor an existing .jinja file")
-        from .tokens import _read_text  # (tokens imports this module)
-
-        return ChatTemplate(str(path), _read_text(path, "data.chat_template"), special)
+        return ChatTemplate(str(path), read_text_file(path, "data.chat_template"), special)
     if tokenizer_dir is None:
         return None
     jinja_file = tokenizer_dir / "chat_template.jinja"

@@ -13,10 +13,10 @@ import torch
 from .chat import load_chat_template
 from .conversations import record_where
 from .errors import DataError
+from .files import read_text_file
 from .records import load_records
 from .section import DataSection
 from .sources import resolve_sources
-from .tokens import _read_text
 from .windows import Batch
 
 
@@ -93,7 +93,7 @@ def read_completions(path: Path) -> list[dict]:
     if not path.exists():
         raise DataError(f"train.grpo.rollouts {path} does not exist; give a JSONL of completions (docs/guide.md)")
     records, numbers = [], []
-    for number, line in enumerate(_read_text(path, "--prompts").splitlines(), 1):
+    for number, line in enumerate(read_text_file(path, "--prompts").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -182,7 +182,7 @@ def read_prompts(path) -> list:
     if not path.exists():
         raise DataError(f'--prompts {path} does not exist; give a JSONL of {{"prompt": ...}} or a text file')
     prompts = []
-    for number, line in enumerate(_read_text(path, "--prompts").splitlines(), 1):
+    for number, line in enumerate(read_text_file(path, "--prompts").splitlines(), 1):
         if not line.strip():
             continue
         if path.suffix in (".jsonl", ".json"):

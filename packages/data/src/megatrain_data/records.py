@@ -31,9 +31,10 @@ from megatrain_store.progress import progress
 from .chat import ChatTemplate, load_chat_template, render_conversation, special_token_ids, trained_tokens
 from .conversations import record_field, record_where, to_conversation
 from .errors import DataError
+from .files import not_utf8_where
 from .section import FORMAT_BY_FIELDS, DataSection
 from .sources import RECORD_SUFFIXES, Source, resolve_sources
-from .tokens import Tokens, document_start_ids, not_utf8_where, pad_token_id
+from .tokens import Tokens, document_start_ids, pad_token_id
 
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
 CACHE_FORMAT = 4

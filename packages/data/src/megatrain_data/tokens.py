@@ -20,6 +20,7 @@ from megatrain_store.progress import progress
 
 from .chat import special_token_ids
 from .errors import DataError, missing_path
+from .files import read_text_file
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -40,33 +41,6 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> None:
             f"{where}: token ids span [{low}, {high}] but the model's vocab_size is {vocab_size}; "
             "use the tokenizer the model was built for, or a model with a larger vocabulary"
         )
-
-
-def not_utf8_where(path: Path, chunk_bytes: int = 1 << 24) -> str | None:
-    """Where the file's first byte that is not UTF-8 lies, in words ("PATH line 3, byte offset 41 (0xff) is not
-    UTF-8"); None where the whole file is UTF-8. Read in chunks: a dataset may be larger than memory."""
-    offset, line, carried = 0, 1, b""
-    with open(path, "rb") as file:
-        while True:
-            chunk = carried + file.read(chunk_bytes)
-            at_end = len(chunk) == len(carried)
-            try:
-                chunk.decode("utf-8")
-                carried = b""
-            except UnicodeDecodeError as error:
-                # (a character cut by the chunk's end is whole in the next one)
-                if error.reason == "unexpected end of data" and not at_end:
-                    chunk, carried = chunk[: error.start], chunk[error.start :]
-                else:
-                    line += chunk.count(b"\n", 0, error.start)
-                    return (
-                        f"{path} line {line}, byte offset {offset + error.start} "
-                        f"(0x{chunk[error.start]:02x}) is not UTF-8"
-                    )
-            if at_end:
-                return None
-            line += chunk.count(b"\n")
-            offset += len(chunk)
 
 
 # Bumped whenever the tokenizer megatrain trains changes for the same text and vocabulary (its cache key)
@@ -185,25 +159,10 @@ def text_tokenizer(text_paths: list[Path], vocab_size: int, cache_dir: Path, mod
     knows every byte of both) for a model of `model_type` (`train_tokenizer`), cached by their content."""
     digest = hashlib.sha256()
     for path, what in zip(text_paths, ["data.text", "data.validation"]):
-        digest.update(_read_text(path, what).encode() + b"\0")
+        digest.update(read_text_file(path, what).encode() + b"\0")
     size = sum(Path(path).stat().st_size for path in text_paths)
     train = lambda out: train_tokenizer(list(text_paths), vocab_size, out, model_type=model_type)  # noqa: E731
     return cached_tokenizer(digest.hexdigest(), vocab_size, cache_dir, train, size, model_type)
-
-
-def _read_text(path: Path, what: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DataError(f"{what} {not_utf8_where(path)}; save it as UTF-8") from None
-    except IsADirectoryError:
-        raise DataError(f"{what} {path} is a directory; name a text file in it") from None
-    except OSError as error:
-        where = missing_path(path) if isinstance(error, FileNotFoundError) else path
-        raise DataError(f"cannot read {what} {where}: {error.strerror}; check the path and its permissions") from error
-    if not text.strip():
-        raise DataError(f"{what} {path} is empty")
-    return text
 
 
 def load_tokenizer(path: Path, what: str = "data.tokenizer"):
@@ -230,7 +189,7 @@ def tokenize_text(
     """Token ids of a text file (cached on disk by content + tokenizer) and the tokenizer used (None: one
     trained on the text, see `text_tokenizer`); `what`: the key that names the file."""
     text_path = Path(text_path)
-    text = _read_text(text_path, what)
+    text = read_text_file(text_path, what)
     if tokenizer_path is None:
         tokenizer_path = text_tokenizer([text_path], vocab_size, cache_dir)
     tokenizer = load_tokenizer(tokenizer_path)

@@ -13,7 +13,6 @@ checkpoint a run continues from, once, and its `Resume.state()` is what `Trainer
 
 import errno
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from megatrain_store.checkpoints import (
     verify_checkpoint,
 )
 from megatrain_store.progress import counting, progress
-from megatrain_store.rundir import FINAL, RunDirError, RunLock, exported_step, newest_checkpoint
+from megatrain_store.rundir import FINAL, RunLock, check_not_in_use, exported_step, newest_checkpoint
 from megatrain_zoo import ModelConfig
 from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
@@ -110,17 +109,6 @@ def resolve_resume(path: Path) -> Resume:
         earlier = [p for p in complete_checkpoints(directory.parent) if p.name < directory.name]
         fix = f"name the one before it, {earlier[-1]}" if earlier else "no checkpoint before it is left"
         raise WeightsError(f"{damaged}; {fix}") from None
-
-
-def check_not_in_use(path: Path, checkpoint: Path) -> None:
-    """Refuse a checkpoint of a run directory another run holds (`RunLock`), whose checkpoints may change under it."""
-    named = [path, checkpoint.parent.parent, manifest_output_dir(checkpoint)]
-    for out in {Path(p).resolve() for p in named if p is not None}:
-        holder = RunLock(out).holder()
-        if holder is not None:
-            raise RunDirError(
-                f"output_dir {out} is in use by another run ({holder}); wait for it to end or stop it, then try again"
-            )
 
 
 def finite_checked(entries: list, offenders: list[str]) -> list:
@@ -280,27 +268,6 @@ def find_checkpoint(path: Path) -> Path:
     )
 
 
-def supersede_later(out: Path, step: int) -> Path | None:
-    """Move what the run directory `out` holds of steps after `step` (a run resumed from a checkpoint that is not its
-    newest: another line of training) to out/superseded/after-step-NNNNNNNN/: its later checkpoints and a final/ of a
-    later step, so that train.keep_last, `--resume` and `eval` of the run see the line that goes on. Returns where
-    they went; None where nothing was later."""
-    later = [path for path in (out / CHECKPOINTS).glob("step-*") if path.is_dir() and step_of(path) > step]
-    if not later:
-        return None
-    if (exported_step(out / FINAL) or 0) > step:
-        later.append(out / FINAL)
-    target = out / "superseded" / f"after-step-{step:08d}"
-    for count in range(2, 1000):
-        if not target.exists():
-            break
-        target = target.with_name(f"after-step-{step:08d}-{count}")
-    (target / CHECKPOINTS).mkdir(parents=True)
-    for path in later:
-        os.replace(path, target / path.name if path.name == FINAL else target / CHECKPOINTS / path.name)
-    return target
-
-
 def find_weights(path: Path) -> Path:
     """The weights to evaluate or convert at `path`: a checkpoint or a Hugging Face model directory itself
     (a run's final/ among them); in a run directory (or its checkpoints/ folder) the newest of its checkpoints
@@ -330,24 +297,6 @@ def _final_is_newer(final: Path, checkpoint: Path) -> bool:
         return step >= step_of(checkpoint)
     described = final / ("config.json" if (final / "config.json").exists() else PEFT_CONFIG)
     return described.stat().st_mtime >= (checkpoint / MANIFEST).stat().st_mtime
-
-
-def check_steps_ahead(step: int, steps: int, out: Path) -> bool:
-    """Refuse (one line) to resume, from a checkpoint of `step`, a run already at or past `steps`: nothing would
-    train, and the export written at the end would replace a newer final/ with the checkpoint's older weights.
-    True where the checkpoint holds the run's last step and final/ does not (a run killed while it exported): the
-    resumed run trains nothing and finishes the export."""
-    exported = exported_step(Path(out) / FINAL) or 0
-    if steps == step and exported < step:
-        return True
-    if steps <= step or steps < exported:
-        held = max(step, exported)
-        finished = f"the run in {out} is finished ({FINAL}/ holds step {exported}): " if exported >= step else ""
-        raise ConfigError(
-            f"{finished}train.steps {steps} is not past step {held}, which {out} already holds; "
-            f"set train.steps above {held} (--set train.steps=N) to train on"
-        )
-    return False
 
 
 def run_config(weights: Path, manifest: dict | None = None) -> dict | None:

@@ -209,8 +209,10 @@ def _check_sampling_flags(args) -> None:
         _at_least(getattr(args, name), lowest, "--" + name.replace("_", "-"))
     if args.repetition_penalty is not None and not 0 < args.repetition_penalty < float("inf"):
         raise ConfigError(f"--repetition-penalty must be > 0 and finite, got {args.repetition_penalty}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:  # (NaN too)
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**63:  # (an OverflowError in the first decoding step)
+        raise ConfigError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
 def run_train(args) -> None:
@@ -578,8 +580,8 @@ def run_command(args) -> None:
         from .checkpoint import run_config
         from .generate import require_transformers
 
-        require_transformers("megatrain generate")
         _check_sampling_flags(args)
+        require_transformers("megatrain generate")
         args.weights, args.verified = _weights_at(Path(args.checkpoint))
         run_generate(_config(args, run_config(args.weights, args.verified and args.verified.manifest)), args)
     elif args.command == "bench":

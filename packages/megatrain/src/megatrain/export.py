@@ -19,7 +19,7 @@ from megatrain_store import (
     read_safetensors_header,
     write_safetensors,
 )
-from megatrain_store.checkpoints import check_room
+from megatrain_store.checkpoints import EXPORT_FILES_BYTES, check_room
 from megatrain_store.progress import counting, progress
 from megatrain_store.rundir import TRAINER_STATE
 from megatrain_zoo import ModelConfig, ModelSpec, config_to_hf, read_hf_config
@@ -92,7 +92,7 @@ def _write_staged(out_dir: Path, entries: list, write) -> Path:
     staging = out_dir.parent / f".{out_dir.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by a write that was killed (before the room is counted)
     weight_bytes = sum(p.numel() * p.element_size() for _, p in entries)
-    check_room(out_dir.parent, weight_bytes + 2**20, f"the model {out_dir}")
+    check_room(out_dir.parent, weight_bytes + EXPORT_FILES_BYTES, f"the model {out_dir}")
     staging.mkdir(parents=True)
     try:
         write(staging)

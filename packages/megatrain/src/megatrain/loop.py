@@ -26,6 +26,7 @@ from megatrain_optim.launch import leave_ranks
 from megatrain_plan import stale_rates_note
 from megatrain_store import atomic_write_text
 from megatrain_store.checkpoints import (
+    EXPORT_FILES_BYTES,
     SaveError,
     checkpoints_to_come,
     complete_checkpoints,
@@ -36,7 +37,15 @@ from megatrain_store.checkpoints import (
 from megatrain_store.io import finite_record, remove_stale_temporaries, write_jsonl
 from megatrain_store.plot import plot_loss
 from megatrain_store.progress import progress, size_text
-from megatrain_store.rundir import RunLock, exported_step, prepare_fallback_dir, prepare_output_dir, write_trainer_state
+from megatrain_store.rundir import (
+    RunLock,
+    check_steps_ahead,
+    exported_step,
+    prepare_fallback_dir,
+    prepare_output_dir,
+    supersede_later,
+    write_trainer_state,
+)
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
@@ -49,9 +58,7 @@ from .checkpoint import (
     Resume,
     check_output_dir_free,
     check_same_model,
-    check_steps_ahead,
     save_checkpoint,
-    supersede_later,
 )
 from .config import Config, ConfigError, model_config_of, resolve_device, with_absolute_paths
 from .distributed import init_ranks
@@ -198,23 +205,24 @@ def check_run_tokenizer(config: Config, data: TokenData, out: Path) -> None:
 
 
 def room_warning(trainer: Trainer, config: Config, out: Path) -> str | None:
-    """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a
-    checkpoint where they are due) as it is now: better then than after the training."""
+    """What to say at start where output_dir's disk cannot hold the run's saves (the final model, and a checkpoint
+    where they are due) as it is now: better then than after the training. Refused (`ConfigError`) where it cannot
+    hold the final model and no fallback_dir could take the state instead: the run would end losing every step."""
     store, adapters = trainer.store, trainer.spec.adapter_groups
     saved = sum(store.layouts[g].numel for g in adapters) if adapters else store.n_params  # (LoRA: the adapters)
     model_bytes = saved * store.master_dtype.itemsize
     every, start = config.train.save_every, trainer.step_index
     saves = config.train.steps // every - start // every if every else 0
     copies = checkpoints_to_come(out / CHECKPOINTS, config.train.keep_last, saves)
-    needed = model_bytes * (1 + copies * (1 + len(store.state_names)))
+    needed = model_bytes * (1 + copies * (1 + len(store.state_names))) + EXPORT_FILES_BYTES
     free = free_bytes(out)
     if free >= needed:
         return None
     what = f"the final model and {copies} checkpoint{'s' * (copies > 1)} need" if copies else "the final model needs"
-    return (
-        f"{out}'s disk has {size_text(free)} free; {what} {size_text(needed)}: free space there before the run "
-        "ends, or set fallback_dir to a directory on another disk"
-    )
+    said = f"{out}'s disk has {size_text(free)} free; {what} {size_text(needed)}"
+    if free < model_bytes + EXPORT_FILES_BYTES and config.fallback_dir is None:
+        raise ConfigError(f"{said}: free space there, or set fallback_dir to a directory on another disk")
+    return f"{said}: free space there before the run ends, or set fallback_dir to a directory on another disk"
 
 
 def train(config: Config, resume: Resume | None = None) -> Path:

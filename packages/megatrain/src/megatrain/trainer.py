@@ -23,8 +23,8 @@ import torch
 from megatrain_data import PairWindows, sequence_lengths, sequence_of_tokens
 from megatrain_optim import DeviceAdamW, Ranks, RankSync, Schedule, lr_at
 from megatrain_optim.launch import launch_shape, leave_ranks
-from megatrain_plan import Planner
-from megatrain_sched import Placement, PlacementError, StepResult, Timeline
+from megatrain_plan import read_placement
+from megatrain_sched import Placement, StepResult, Timeline
 from megatrain_store import Pending, set_fused_dequantize
 from megatrain_templates import Media, Sequences, set_compile
 from megatrain_zoo import ModelConfig, flops_per_token, init_param_
@@ -535,21 +535,3 @@ class Trainer:
             self.updates.close()
         if self.ranks is not None:
             leave_ranks()
-
-
-def read_placement(path: Path, planner: Planner) -> Placement:
-    """The placement a file holds (`placement.json`, as a run writes), checked against the model it is to place."""
-    import json
-
-    try:
-        data = json.loads(path.read_text())
-        placement = Placement.from_dict(data.get("placement", data))
-    except (OSError, ValueError, PlacementError) as error:
-        raise ConfigError(f"engine.placement: cannot read a placement from {path}: {error}; use auto") from error
-    if len(placement.stages) != planner.n_stages or placement.experts_per_stage != planner.experts_per_stage:
-        raise ConfigError(
-            f"engine.placement {path} places {len(placement.stages)} stages (experts in parts of "
-            f"{placement.experts_per_stage}); this model has {planner.n_stages} (parts of {planner.experts_per_stage}): "
-            "use the placement of this model and engine.experts_per_stage, or auto"
-        )
-    return placement

@@ -37,7 +37,7 @@ from .rates import (
     stale_rates_note,
 )
 from .report import Plan, format_plan
-from .search import Planner
+from .search import Planner, read_placement
 
 __all__ = [
     "CPU_OPTIMIZER_MARGIN",
@@ -71,6 +71,7 @@ __all__ = [
     "load_rates",
     "measure_disk_gbps",
     "process_bytes",
+    "read_placement",
     "resident_stages",
     "run_rates",
     "save_rates",

@@ -31,9 +31,11 @@ than auto override a rule):
 import collections
 import functools
 import itertools
+import json
 from dataclasses import replace
+from pathlib import Path
 
-from megatrain_sched import EXTRAS_MARGIN, Placement
+from megatrain_sched import EXTRAS_MARGIN, Placement, PlacementError
 from megatrain_zoo import ModelSpec, flops_per_token
 
 from .costs import (
@@ -55,6 +57,7 @@ from .costs import (
     whole_step_statistics,
 )
 from .counts import Counts
+from .errors import PlanError
 from .host_rules import HostRules
 from .report import Plan
 
@@ -536,3 +539,19 @@ def _times_of(planner: Planner, placement: Placement, compute_bound: bool) -> di
         "compute_bound_tokens": planner.compute_bound_tokens() if compute_bound and phases["compute"] else 0,
         "reference_tokens_per_s": _reference_tokens_per_s(planner, placement),
     }
+
+
+def read_placement(path: Path, planner: Planner) -> Placement:
+    """The placement a file holds (`placement.json`, as a run writes), checked against the model it is to place."""
+    try:
+        data = json.loads(path.read_text())
+        placement = Placement.from_dict(data.get("placement", data))
+    except (OSError, ValueError, PlacementError) as error:
+        raise PlanError(f"engine.placement: cannot read a placement from {path}: {error}; use auto") from error
+    if len(placement.stages) != planner.n_stages or placement.experts_per_stage != planner.experts_per_stage:
+        raise PlanError(
+            f"engine.placement {path} places {len(placement.stages)} stages (experts in parts of "
+            f"{placement.experts_per_stage}); this model has {planner.n_stages} (parts of {planner.experts_per_stage}): "
+            "use the placement of this model and engine.experts_per_stage, or auto"
+        )
+    return placement

@@ -23,6 +23,10 @@ class SaveError(RuntimeError):
     which, where, and what was kept."""
 
 
+# what an exported model's files take beside its weights, at most (config, tokenizer, chat template): counted with them
+EXPORT_FILES_BYTES = 2**20
+
+
 def free_bytes(path: Path) -> int:
     """Bytes free on the disk that holds `path` (or would hold it: its nearest existing parent)."""
     path = Path(path).absolute()

@@ -203,3 +203,53 @@ def _newest_in_fallback(run: Path) -> Path | None:
         if manifest_output_dir(checkpoint) == run.resolve()
     ]
     return max(ours, key=step_of, default=None)
+
+
+def supersede_later(out: Path, step: int) -> Path | None:
+    """Move what the run directory `out` holds of steps after `step` (a run resumed from a checkpoint that is not its
+    newest: another line of training) to out/superseded/after-step-NNNNNNNN/: its later checkpoints and a final/ of a
+    later step, so that train.keep_last, `--resume` and `eval` of the run see the line that goes on. Returns where
+    they went; None where nothing was later."""
+    later = [path for path in (out / CHECKPOINTS).glob("step-*") if path.is_dir() and step_of(path) > step]
+    if not later:
+        return None
+    if (exported_step(out / FINAL) or 0) > step:
+        later.append(out / FINAL)
+    target = out / "superseded" / f"after-step-{step:08d}"
+    for count in range(2, 1000):
+        if not target.exists():
+            break
+        target = target.with_name(f"after-step-{step:08d}-{count}")
+    (target / CHECKPOINTS).mkdir(parents=True)
+    for path in later:
+        os.replace(path, target / path.name if path.name == FINAL else target / CHECKPOINTS / path.name)
+    return target
+
+
+def check_steps_ahead(step: int, steps: int, out: Path) -> bool:
+    """Refuse (one line) to resume, from a checkpoint of `step`, a run already at or past `steps`: nothing would
+    train, and the export written at the end would replace a newer final/ with the checkpoint's older weights.
+    True where the checkpoint holds the run's last step and final/ does not (a run killed while it exported): the
+    resumed run trains nothing and finishes the export."""
+    exported = exported_step(Path(out) / FINAL) or 0
+    if steps == step and exported < step:
+        return True
+    if steps <= step or steps < exported:
+        held = max(step, exported)
+        finished = f"the run in {out} is finished ({FINAL}/ holds step {exported}): " if exported >= step else ""
+        raise RunDirError(
+            f"{finished}train.steps {steps} is not past step {held}, which {out} already holds; "
+            f"set train.steps above {held} (--set train.steps=N) to train on"
+        )
+    return False
+
+
+def check_not_in_use(path: Path, checkpoint: Path) -> None:
+    """Refuse a checkpoint of a run directory another run holds (`RunLock`), whose checkpoints may change under it."""
+    named = [path, checkpoint.parent.parent, manifest_output_dir(checkpoint)]
+    for out in {Path(p).resolve() for p in named if p is not None}:
+        holder = RunLock(out).holder()
+        if holder is not None:
+            raise RunDirError(
+                f"output_dir {out} is in use by another run ({holder}); wait for it to end or stop it, then try again"
+            )
