@@ -539,6 +539,27 @@ def test_bad_stage_lists():
         LayerPipeline(wrong, store, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(
+    "ids_shape, labels_shape, bad_label, message",
+    [
+        ((2, 5), (2, 4), None, r"micro-batch 0: input_ids \(2, 5\) and labels \(2, 4\)"),
+        ((5,), (5,), None, r"micro-batch 0: input_ids \(5,\) and labels \(5,\)"),
+        ((2, 5), (2, 5), -1, "micro-batch 0: label -1 is neither a token id nor -100"),
+    ],
+)
+def test_micro_batches_the_templates_would_misread_are_refused_before_any_stage_runs(
+    ids_shape, labels_shape, bad_label, message
+):
+    store, pipeline, landed = build(1, tied=False)
+    ids, labels = torch.randint(0, V, ids_shape), torch.randint(0, V, labels_shape)
+    if bad_label is not None:
+        labels[..., -1] = bad_label  # (nanoGPT's "no loss"; the heads read -100, torch's cross_entropy refuses -1)
+    for step in (pipeline.run, pipeline.evaluate):
+        with pytest.raises(SchedError, match=message):
+            step([MicroBatch(ids, labels)], *([1.0] if step == pipeline.run else []))
+    assert landed == []
+
+
 def test_timeline_keeps_only_recent_steps():
     store, pipeline, _ = build(2, tied=False)
     batches = [MicroBatch(i, lab) for i, lab in make_batches(1)]

@@ -34,6 +34,9 @@ from .timeline import Timeline
 from .weights import Slot, WeightStream
 
 
+IGNORE_INDEX = -100  # a label that trains nothing (torch's cross_entropy ignore_index, as the templates' heads read it)
+
+
 def expandable_device_memory() -> None:
     """Let the CUDA caching allocator grow its segments in place (`expandable_segments`) unless the user's
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF says otherwise. Kept products fill the device to a few GiB, in
@@ -66,7 +69,7 @@ class Stage:
 @dataclass
 class MicroBatch:
     input_ids: Tensor  # [micro_batch, seq] int64
-    labels: Tensor  # [micro_batch, seq] int64, -100 where no loss
+    labels: Tensor  # [micro_batch, seq] int64, -100 where no loss (any other negative label is refused)
     # several documents per row (e.g. megatrain_templates.Documents): given to every template as
     # `documents=`, moved to the device with `.to(device, non_blocking=True)`; None: one sequence per row
     documents: Any = None
@@ -336,6 +339,7 @@ class LayerPipeline:
         compute the stage on every micro-batch, and send out the gradients no later backward adds to."""
         if not micro_batches:
             raise SchedError("a step needs at least one micro-batch")
+        _check_micro_batches(micro_batches)
         streams, n_stages = self.streams, len(self.stages)
         # (traced: the host's part of a step's start, which the GPU waits for where it has finished the step before)
         with self.timeline.host_span(f"begin sweep {sweep}", "step_start"):
@@ -556,6 +560,25 @@ def _check_stage_choice(
         raise PlacementError(f"stage {index} ({stage.name}) is no block: it has no checkpoint or products")
     if choice.products != RECOMPUTE and stage.template.forward_keeping_products is None:
         raise PlacementError(f"stage {index} ({stage.name}) cannot keep its products: its template recomputes")
+
+
+def _check_micro_batches(micro_batches: list[MicroBatch]) -> None:
+    """Refuse micro-batches the templates would misread, before any stage runs: token ids and labels are [rows, seq]
+    of one shape, and a label is a token id or -100 (read where the labels are on the host: no device sync)."""
+    for index, mb in enumerate(micro_batches):
+        ids, labels = mb.input_ids, mb.labels
+        if ids.ndim != 2 or labels.shape != ids.shape:
+            raise SchedError(
+                f"micro-batch {index}: input_ids {tuple(ids.shape)} and labels {tuple(labels.shape)} must both be "
+                "[rows, seq], of one shape (labels[r, t]: the target of position t, -100 where none)"
+            )
+        if labels.device.type == "cpu":
+            wrong = labels[(labels < 0) & (labels != IGNORE_INDEX)]
+            if wrong.numel():
+                raise SchedError(
+                    f"micro-batch {index}: label {int(wrong[0])} is neither a token id nor -100; mark the positions "
+                    "that train nothing with -100 (a head would read it as token 0)"
+                )
 
 
 def _check_stages(stages: list[Stage], store: HostStore) -> None:
