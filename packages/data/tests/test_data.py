@@ -44,6 +44,21 @@ def test_shuffle_is_a_seeded_permutation_per_pass():
     assert again.window_indices(4) == windows.window_indices(4)
 
 
+@pytest.mark.parametrize(
+    "tokens, seq_len, batch_size, message",
+    [
+        (np.zeros((8, 16), dtype=np.int32), 32, 2, "rows are 16 tokens long, not seq_len 32"),
+        (np.arange(100), 0, 1, "seq_len must be >= 2"),
+        (np.arange(100), 10, 0, "batch_size must be >= 1"),
+        (np.random.default_rng(0).random(100), 10, 1, "token ids must be integers, got float64"),
+    ],
+)
+def test_windows_the_data_cannot_give_are_refused_when_made(tokens, seq_len, batch_size, message):
+    # (rows of another width came out silently at their own width; float ids were truncated to 0)
+    with pytest.raises(DataError, match=message):
+        TokenWindows(tokens, seq_len, batch_size, shuffle=False, seed=0)
+
+
 def test_bad_token_data():
     with pytest.raises(DataError, match="fewer than one batch"):
         TokenWindows(np.arange(50), seq_len=10, batch_size=8, shuffle=False, seed=0)

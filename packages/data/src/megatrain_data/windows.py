@@ -54,6 +54,18 @@ class TokenWindows:
         tokens = Tokens(tokens) if isinstance(tokens, np.ndarray) else tokens
         self.data, self.seq_len, self.batch_size, self.shuffle, self.seed = tokens, seq_len, batch_size, shuffle, seed
         array = tokens.tokens
+        if seq_len < 2 or batch_size < 1:
+            raise DataError(
+                f"seq_len must be >= 2 (one input and one target) and batch_size must be >= 1, got {seq_len} and "
+                f"{batch_size}"
+            )
+        if not np.issubdtype(array.dtype, np.integer):
+            raise DataError(f"token ids must be integers, got {array.dtype}; give the ids as an integer array")
+        if array.ndim == 2 and array.shape[1] != seq_len:
+            raise DataError(
+                f"the data's rows are {array.shape[1]} tokens long, not seq_len {seq_len}: rows are cut as the data "
+                "is loaded (DataSection.seq_len); give the windows that seq_len"
+            )
         self.n_windows = len(array) if array.ndim == 2 else len(array) // seq_len
         if self.n_windows < batch_size:
             raise DataError(
