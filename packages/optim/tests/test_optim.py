@@ -218,6 +218,8 @@ def test_wire_copy_refreshed():
 def test_bad_settings():
     with pytest.raises(OptimError, match="betas"):
         AdamWConfig(betas=(0.9, 1.5))
+    with pytest.raises(OptimError, match=r"betas must be two numbers in \[0, 1\), got 0.9"):
+        AdamWConfig(betas=0.9)  # (a TypeError from iterating a float)
     store = HostStore([GroupLayout.from_specs(SPECS[1])])
     with pytest.raises(OptimError, match="state_names"):
         HostAdamW(store, AdamWConfig())

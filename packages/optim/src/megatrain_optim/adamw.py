@@ -37,7 +37,8 @@ class AdamWConfig:
     def __post_init__(self):
         if not self.lr >= 0:
             raise OptimError(f"lr must be >= 0, got {self.lr}")
-        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+        pair = isinstance(self.betas, tuple | list) and len(self.betas) == 2
+        if not pair or not all(0.0 <= b < 1.0 for b in self.betas):
             raise OptimError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not self.eps > 0:
             raise OptimError(f"eps must be > 0, got {self.eps}")
