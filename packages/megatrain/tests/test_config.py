@@ -184,10 +184,27 @@ def test_whole_numbers_written_as_floats_are_taken(write_config):
 def test_reward_funcs_in_one_override_keep_a_regex_whole():
     """Comma-separated names in one --set, a format:REGEX last taking the rest as written (its spaces and commas);
     a YAML list takes each name as written."""
-    given = load_config(None, ["train.grpo.reward_funcs=exact_match, my_format:score,format:^a{1,3} $"])
+    grpo = ["train.objective=grpo", "train.grpo.num_generations=2", "data.format=prompt", "data.dataset=p.jsonl"]
+    given = load_config(None, [*grpo, "train.grpo.reward_funcs=exact_match, my_format:score,format:^a{1,3} $"])
     assert given.train.grpo.reward_funcs == ("exact_match", "my_format:score", "format:^a{1,3} $")
-    listed = load_config(None, ['train.grpo.reward_funcs=["format:^ ", "format:x,y"]'])
+    listed = load_config(None, [*grpo, 'train.grpo.reward_funcs=["format:^ ", "format:x,y"]'])
     assert listed.train.grpo.reward_funcs == ("format:^ ", "format:x,y")
+
+
+@pytest.mark.parametrize(
+    "setting, objective",
+    [("train.dpo.loss_type=ipo", "sft"), ("train.grpo.beta=0.1", "sft"), ("train.grpo.rollouts=r.jsonl", "dpo")],
+)
+def test_an_objectives_settings_under_another_objective_are_refused(setting, objective):
+    """A run that forgot train.objective: dpo trained SFT with its train.dpo unread, unsaid; GRPO's generation
+    settings are any run's (`megatrain generate` reads them)."""
+    name = setting.split("=")[0]
+    section = name.rsplit(".", 1)[0]
+    with pytest.raises(
+        ConfigError, match=f"{name} is set, but train.objective is {objective}, which reads no {section}"
+    ):
+        load_config(None, [setting, f"train.objective={objective}", "data.format=preference", "data.dataset=p.jsonl"])
+    assert load_config(None, ["train.grpo.generation_weights=streamed"]).train.grpo.generation_weights == "streamed"
 
 
 def test_eval_every_without_validation_data_is_refused_in_the_config():

@@ -274,6 +274,7 @@ class TrainSection:
                 f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
             )
         self._check_ranges()
+        self._check_objective_sections()
         if self.objective == "grpo" and self.batch_size % self.grpo.num_generations:
             raise ConfigError(
                 f"train.batch_size {self.batch_size} (completions per step) must be a multiple of "
@@ -315,6 +316,23 @@ class TrainSection:
     @property
     def rows_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.rows_per_example
+
+    def _check_objective_sections(self) -> None:
+        """Refuse train.dpo or train.grpo settings another objective would ignore (a run that forgot train.objective:
+        dpo trained SFT, unsaid); GRPO's generation settings stay free: `megatrain generate` of any run reads them."""
+        free = ("generation_weights", "generation_decoding")
+        for name, section in (("dpo", self.dpo), ("grpo", self.grpo)):
+            default = type(section)()
+            changed = [
+                f.name
+                for f in fields(section)
+                if f.name not in free and getattr(section, f.name) != getattr(default, f.name)
+            ]
+            if changed and self.objective != name:
+                raise ConfigError(
+                    f"train.{name}.{changed[0]} is set, but train.objective is {self.objective}, which reads no "
+                    f"train.{name}: set train.objective: {name}, or leave train.{name} out"
+                )
 
     def _check_ranges(self) -> None:
         """Values outside their range fail here rather than being taken silently (keep_last 0 kept every

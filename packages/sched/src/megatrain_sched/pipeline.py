@@ -33,7 +33,6 @@ from .template import StageTemplate, StepObjective
 from .timeline import Timeline
 from .weights import Slot, WeightStream
 
-
 IGNORE_INDEX = -100  # a label that trains nothing (torch's cross_entropy ignore_index, as the templates' heads read it)
 
 
