@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain_store import (
-    Pending,
     StoreError,
     WeightsError,
     atomic_write_text,
@@ -43,7 +42,7 @@ from megatrain_store.checkpoints import (
 from megatrain_store.progress import counting, progress
 from megatrain_store.rundir import FINAL, RunLock, check_not_in_use, exported_step, newest_checkpoint
 from megatrain_zoo import ModelConfig
-from megatrain_zoo.hf_weights import WholeGroups, all_finite, is_hf_directory, weights_fingerprint
+from megatrain_zoo.hf_weights import WholeGroups, finite_checked, is_hf_directory, weights_fingerprint
 from megatrain_zoo.peft import PEFT_CONFIG, is_model_directory
 
 from .config import ConfigError
@@ -109,19 +108,6 @@ def resolve_resume(path: Path) -> Resume:
         earlier = [p for p in complete_checkpoints(directory.parent) if p.name < directory.name]
         fix = f"name the one before it, {earlier[-1]}" if earlier else "no checkpoint before it is left"
         raise WeightsError(f"{damaged}; {fix}") from None
-
-
-def finite_checked(entries: list, offenders: list[str]) -> list:
-    """`entries` whose tensors are checked for NaN/Inf as they are loaded to be written (no second pass over
-    the state); the names of those that hold any are appended to `offenders`."""
-
-    def load(name: str, pending):
-        tensor = pending.load() if isinstance(pending, Pending) else pending
-        if tensor is not None and not all_finite(tensor):
-            offenders.append(name)
-        return tensor
-
-    return [(name, Pending(tuple(p.shape), p.dtype, lambda n=name, p=p: load(n, p))) for name, p in entries]
 
 
 def save_checkpoint(state: TrainerState, root: Path, keep_last: int = 2) -> Path:

@@ -85,6 +85,19 @@ def all_finite(tensor, chunk: int = 2**20) -> bool:
     return all(bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
+def finite_checked(entries: list, offenders: list[str]) -> list:
+    """`entries` whose tensors are checked for NaN/Inf as they are loaded to be written (no second pass over
+    the state); the names of those that hold any are appended to `offenders`."""
+
+    def load(name: str, pending):
+        tensor = pending.load() if isinstance(pending, Pending) else pending
+        if tensor is not None and not all_finite(tensor):
+            offenders.append(name)
+        return tensor
+
+    return [(name, Pending(tuple(p.shape), p.dtype, lambda n=name, p=p: load(n, p))) for name, p in entries]
+
+
 def named_masters(store: HostStore) -> dict:
     """fp32 master weights by the names files use (the store must hold every group whole): views into
     the store, or copies joined from the row slices of a tensor split over several groups (a packed group's: its
