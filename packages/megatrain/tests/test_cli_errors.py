@@ -298,6 +298,7 @@ def unreadable_input_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
             "--top-p must be in (0, 1], got 1.5",
         ),
         (["train", *TINY, "--set", "data.tokens=ids.txt"], "ids.txt is not a .npy file (no numpy header)"),
+        (["train", "--config", "a.yaml", "--config", "b.yaml"], "--config given twice; give one"),  # (the first lost)
         (  # (where a config's relative paths are read from: the current directory, not the config file's)
             ["train", *TINY, "--set", "data.text=nowhere/corpus.txt"],
             f"nowhere/corpus.txt ({tmp_path / 'nowhere' / 'corpus.txt'}: paths are read from the current directory)",

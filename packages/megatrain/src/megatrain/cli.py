@@ -92,8 +92,17 @@ CHECKPOINT = "a run's output_dir, a step-NNNNNNNN or an HF directory"  # (what e
 RUN_CONFIG = "YAML config file laid over the checkpoint's run config (default: that run's; no run's: the built-in one)"
 
 
+class _Once(argparse.Action):
+    """An option given at most once (a second --config replaced the first, unsaid)."""
+
+    def __call__(self, parser, namespace, value, option=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option} given twice; give one (settings of another file: --set KEY=VALUE)")
+        setattr(namespace, self.dest, value)
+
+
 def _add_config_args(parser: argparse.ArgumentParser, of_checkpoint: bool = False) -> None:
-    parser.add_argument("--config", help=RUN_CONFIG if of_checkpoint else BUILT_IN_CONFIG)
+    parser.add_argument("--config", action=_Once, help=RUN_CONFIG if of_checkpoint else BUILT_IN_CONFIG)
     if of_checkpoint:
         parser.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     parser.add_argument(
