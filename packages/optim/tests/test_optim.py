@@ -247,8 +247,12 @@ def test_schedules():
     lin = Schedule(lr=1.0, total_steps=10, kind="linear", min_lr_ratio=0.0)
     assert lr_at(5, lin) == pytest.approx(0.5)
     assert lr_at(7, Schedule(lr=2.0, total_steps=10, kind="constant")) == 2.0
-    with pytest.raises(ValueError, match="unknown schedule"):
+    with pytest.raises(OptimError, match="unknown schedule"):
         Schedule(lr=1.0, total_steps=10, kind="step")
+    with pytest.raises(OptimError, match=r"min_lr_ratio must be in \[0, 1\]"):  # (above 1 the decay rose)
+        Schedule(lr=1.0, total_steps=10, min_lr_ratio=2.0)
+    with pytest.raises(OptimError, match="lr must be >= 0 and finite, got -0.1"):
+        Schedule(lr=-0.1, total_steps=10)
 
 
 def test_stepper_runs_in_order_and_propagates_errors():

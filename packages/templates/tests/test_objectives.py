@@ -128,3 +128,18 @@ def test_orpos_log_of_one_minus_the_odds_is_stable_near_zero():
     slope = torch.exp(p.detach().double()) / torch.expm1(p.detach().double())
     assert torch.allclose(_log1mexp(p.detach()).double(), exact, rtol=1e-6, atol=1e-6)
     assert torch.allclose(p.grad.double(), slope, rtol=1e-5)
+
+
+def test_a_step_of_other_micro_batches_than_begin_step_was_told_of_is_refused_naming_it():
+    """A custom trainer that forgot begin_step (or told it of other micro-batches): one message naming the call, not
+    an index error deep in the objective."""
+    from megatrain_templates import GRPO
+
+    logps = [-torch.rand(2, 5, dtype=torch.float64), -torch.rand(2, 5, dtype=torch.float64)]
+    for objective in (DPO(), GRPO(beta=0.0)):
+        with pytest.raises(ValueError, match=r"told of micro-batches \[\] \(begin_step or start_step\), the step ran"):
+            objective(logps)
+    dpo = DPO()
+    dpo.begin_step([torch.arange(2).unsqueeze(1).expand(2, 5)], None)
+    with pytest.raises(ValueError, match=r"told of micro-batches \[\(2, 5\)\]"):
+        dpo(logps)

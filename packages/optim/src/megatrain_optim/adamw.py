@@ -23,8 +23,8 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq")
 ROWS_CHUNK_NUMEL = 2**22
 
 
-class OptimError(Exception):
-    """A bad optimizer setting or state, with the fix in the message."""
+class OptimError(ValueError):
+    """A bad optimizer setting or state, with the fix in the message (a ValueError: a bad value, as Python's own)."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+from .adamw import OptimError
+
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -19,9 +21,15 @@ class Schedule:
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.kind!r}; choose one of {SCHEDULES}")
+            raise OptimError(f"unknown schedule {self.kind!r}; choose one of {SCHEDULES}")
         if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError("warmup_steps must be >= 0 and total_steps >= 1")
+            raise OptimError(
+                f"warmup_steps must be >= 0 and total_steps >= 1, got {self.warmup_steps}, {self.total_steps}"
+            )
+        if not 0 <= self.lr < math.inf:
+            raise OptimError(f"lr must be >= 0 and finite, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:  # (above 1 the decay rose)
+            raise OptimError(f"min_lr_ratio must be in [0, 1] (the floor's share of lr), got {self.min_lr_ratio}")
 
 
 def lr_at(step: int, schedule: Schedule) -> float:

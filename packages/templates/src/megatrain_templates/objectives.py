@@ -62,6 +62,15 @@ class Objective:
     ) -> tuple[Tensor, list[Tensor]]:
         raise NotImplementedError
 
+    def _check_step(self, token_logps: list[Tensor]) -> None:
+        """Refuse a step whose micro-batches are not the ones `begin_step` was told of (a deep index error after)."""
+        told = [tuple(s.shape) for s in self.sequence_of]
+        if told != [tuple(t.shape) for t in token_logps]:
+            raise ValueError(
+                f"the objective was told of micro-batches {told} (begin_step or start_step), the step ran "
+                f"{[tuple(t.shape) for t in token_logps]}: call begin_step with each step's micro-batches first"
+            )
+
 
 class SequenceObjective(Objective):
     """A loss of the step's per-sequence log-probabilities: subclasses implement `loss(policy) -> (loss, metrics)`."""
@@ -73,6 +82,7 @@ class SequenceObjective(Objective):
         self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
     ) -> tuple[Tensor, list[Tensor]]:
         """The pipeline's hook: (the step's loss, per micro-batch each token's d loss / d its cross-entropy)."""
+        self._check_step(token_logps)
         device, dtype = token_logps[0].device, token_logps[0].dtype
         sums = torch.zeros(self.n_sequences, dtype=dtype, device=device)
         lengths = torch.zeros(self.n_sequences, dtype=dtype, device=device)
@@ -112,6 +122,7 @@ class TokenObjective(Objective):
     def __call__(
         self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
     ) -> tuple[Tensor, list[Tensor]]:
+        self._check_step(token_logps)
         device = token_logps[0].device
         trained = [owner.to(device) >= 0 for owner in self.sequence_of]
         flat = torch.cat([logps[mask] for logps, mask in zip(token_logps, trained)])
