@@ -4,7 +4,8 @@ write yourself (here the last block keeps its matmul products, the first holds i
 backward); its batches are token windows of the data package. `examples/test_custom_trainer.py` checks its steps
 against plain PyTorch and torch.optim.AdamW. Rows of packed documents or padding (a data `Batch` with position_ids or
 valid) go in as `MicroBatch(ids, labels, documents=megatrain_templates.Documents(position_ids, valid))`, a micro-batch's
-rows of each; `save_pretrained` writes a directory transformers loads.
+rows of each; `save_pretrained` writes a directory transformers loads. A loss on the logits of your own (label
+smoothing and PaLM's z-loss here) is a head template whose `loss` computes it: `SmoothedHead`.
 
     pip install torch==2.13.0 ./packages/store ./packages/optim ./packages/sched ./packages/templates ./packages/zoo \
         ./packages/data
@@ -17,20 +18,52 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from megatrain_data import DataSection, TokenWindows, load_token_data
 from megatrain_optim import STATE_NAMES, AdamWConfig, HostAdamW, HostUpdates, UpdatesAsGradientsLand
 from megatrain_sched import Hooks, LayerPipeline, MicroBatch, Placement, Stage
 from megatrain_store import GroupLayout, HostStore, write_safetensors
+from megatrain_templates import Head
 from megatrain_zoo import build_model, config_to_hf, init_param_, preset
 
 
-class CustomTrainer:
-    """Trains a zoo preset on `device`, every parameter and AdamW moment in host memory."""
+class SmoothedHead(Head):
+    """The zoo's head of a model with a loss of your own on its logits: cross-entropy with label smoothing plus PaLM's
+    z-loss (z_weight * logsumexp(logits)^2 a token). A head's `loss` returns its micro-batch's summed loss and the
+    gradient of loss_scale x that loss with respect to `hidden`, adding its weights' gradients into `grads` (a frozen
+    group's: None): here by autograd over `Head.logits`, all [rows, seq, vocab] at once where the zoo's head goes a
+    chunk of rows at a time. Evaluation (`loss_sum`) stays plain cross-entropy."""
 
-    def __init__(self, preset_name: str, adamw: AdamWConfig, dtype=torch.float32, device="cpu", seed=0):
+    def __init__(self, head: Head, smoothing: float = 0.1, z_weight: float = 1e-4):
+        self.__dict__.update(vars(head))  # (the head as the zoo built it for this model: its norm, tying, spans)
+        self.smoothing, self.z_weight = smoothing, z_weight
+
+    def loss(self, weights, hidden, labels, loss_scale, grads):
+        with torch.enable_grad():
+            leaves = [w.detach().requires_grad_(True) for w in weights]
+            x = hidden.detach().requires_grad_(True)
+            trained = labels != -100
+            logits = self.logits(leaves, x)[trained]
+            loss = F.cross_entropy(logits, labels[trained], reduction="sum", label_smoothing=self.smoothing)
+            loss = loss + self.z_weight * (logits.logsumexp(-1) ** 2).sum()
+            grad_hidden, *grad_weights = torch.autograd.grad(loss * loss_scale, [x, *leaves])
+        for into, grad in zip(grads, grad_weights):
+            if into is not None:
+                into += grad
+        return loss.detach(), grad_hidden
+
+
+class CustomTrainer:
+    """Trains a zoo preset on `device`, every parameter and AdamW moment in host memory; `head`, given the zoo's head
+    template, returns the one to train with (e.g. `SmoothedHead`)."""
+
+    def __init__(self, preset_name: str, adamw: AdamWConfig, dtype=torch.float32, device="cpu", seed=0, head=None):
         self.model = preset(preset_name)
         spec = build_model(self.model)
+        templates = [stage.template for stage in spec.stages]
+        if head is not None:
+            templates[-1] = head(templates[-1])
         layouts = [
             GroupLayout.from_specs((p.name, p.shape, p.weight_decay, p.update) for p in g.params) for g in spec.groups
         ]
@@ -49,7 +82,7 @@ class CustomTrainer:
         n_stages = len(spec.stages)  # the embedding, the blocks, the head
         placement = Placement.build(n_stages, held=(1,), kept=(n_stages - 2,))
         self.pipeline = LayerPipeline(
-            [Stage(s.template, s.groups, s.name) for s in spec.stages],
+            [Stage(template, s.groups, s.name) for template, s in zip(templates, spec.stages)],
             self.store,
             torch.device(device),
             placement=placement,

@@ -9,21 +9,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from custom_trainer import CustomTrainer  # noqa: E402
+from custom_trainer import CustomTrainer, SmoothedHead  # noqa: E402
 from reference_model import ReferenceLM  # noqa: E402
 
 from megatrain_data import TokenWindows  # noqa: E402
 from megatrain_optim import AdamWConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-qwen2"])  # an untied and a tied embedding
-def test_custom_trainer_steps_equal_plain_pytorch(preset_name, tmp_path):
+def smoothed_loss(reference, ids, labels, smoothing=0.1, z_weight=1e-4):
+    """SmoothedHead's loss in plain PyTorch: the mean over trained tokens of label-smoothed cross-entropy plus the
+    z-loss."""
+    trained = labels != -100
+    logits = reference.logits(ids)[trained]
+    total = F.cross_entropy(logits, labels[trained], reduction="sum", label_smoothing=smoothing)
+    return (total + z_weight * (logits.logsumexp(-1) ** 2).sum()) / trained.sum()
+
+
+@pytest.mark.parametrize(
+    "preset_name, head",
+    [("tiny-llama", None), ("tiny-qwen2", None), ("tiny-qwen2", SmoothedHead)],  # (untied, tied; a loss of your own)
+)
+def test_custom_trainer_steps_equal_plain_pytorch(preset_name, head, tmp_path):
     adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
-    trainer = CustomTrainer(preset_name, adamw, dtype=torch.float64, seed=int(torch.randint(0, 2**31, ())))
+    seed = int(torch.randint(0, 2**31, ()))
+    trainer = CustomTrainer(preset_name, adamw, dtype=torch.float64, seed=seed, head=head)
     reference = ReferenceLM(trainer.model).double()
     reference.load_named({name: weight.clone() for name, weight in trainer.weights().items()})
     no_decay = [p for n, p in reference.named_parameters() if n.endswith("norm.weight") or n.endswith(".bias")]
@@ -41,7 +55,7 @@ def test_custom_trainer_steps_equal_plain_pytorch(preset_name, tmp_path):
         ids, labels = batch.input_ids, batch.labels
         loss = trainer.train_step(ids, labels, lr=1e-2)
         optimizer.zero_grad()
-        expected = reference.loss(ids, labels)
+        expected = reference.loss(ids, labels) if head is None else smoothed_loss(reference, ids, labels)
         expected.backward()
         optimizer.step()
         assert loss == pytest.approx(expected.item(), rel=1e-10)
