@@ -80,6 +80,10 @@ def _token_text(value) -> str | None:
 
 @dataclass
 class ChatTemplate:
+    """A chat template (jinja2 text), compiled in transformers' sandboxed environment as it is made (`DataError`
+    where it does not parse), with the tokenizer's special tokens as its variables; `load_chat_template` finds it.
+    `render` gives a conversation's text; `marks_generation`: whether it has `{% generation %}` blocks."""
+
     source: str  # where the template came from, for messages
     template: str
     special_tokens: dict  # bos_token, eos_token, ... -> text

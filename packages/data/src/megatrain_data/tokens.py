@@ -31,6 +31,8 @@ def builtin_corpus() -> Path:
 
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Refuse (`DataError`, its message starting with `where`) token ids that are not a non-empty 1-D integer array
+    with every id in [0, vocab_size)."""
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise DataError(f"{where}: expected a 1-D integer array of token ids, got {tokens.dtype} {tokens.shape}")
     if tokens.size == 0:
@@ -341,6 +343,8 @@ def document_start_ids(tokenizer) -> list[int]:
 
 
 def pad_token_id(tokenizer, eos: str) -> int:
+    """The id of the first of "<|endoftext|>", "<pad>", "[PAD]" and `eos` (the tokenizer's EOS text) that the
+    tokenizer (a `tokenizers.Tokenizer`) has, else 0: the id that pads short rows and prompts."""
     for text in ("<|endoftext|>", "<pad>", "[PAD]", eos):
         if text and tokenizer.token_to_id(text) is not None:
             return tokenizer.token_to_id(text)

@@ -29,6 +29,10 @@ class OptimError(ValueError):
 
 @dataclass(frozen=True)
 class AdamWConfig:
+    """AdamW's settings, as torch.optim.AdamW's arguments (weight decay decoupled, on the runs the store's layout
+    marks as decayed); `OptimError` where one is out of range. `HostAdamW` reads betas, eps and weight_decay; each
+    update's learning rate is the `lr` given to `update_group` (e.g. `lr_at(step, schedule)`), not this `lr`."""
+
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8

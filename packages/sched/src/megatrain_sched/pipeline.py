@@ -67,6 +67,9 @@ class Stage:
 
 @dataclass
 class MicroBatch:
+    """One micro-batch of a step: token ids and their labels (already shifted: the label at t is the target of
+    position t), and what every template is given beside them. `to(device)` copies it, non-blocking."""
+
     input_ids: Tensor  # [micro_batch, seq] int64
     labels: Tensor  # [micro_batch, seq] int64, -100 where no loss (any other negative label is refused)
     # several documents per row (e.g. megatrain_templates.Documents): given to every template as
@@ -100,8 +103,10 @@ class MicroBatch:
 
 @dataclass
 class StepResult:
-    loss_sum: Tensor  # fp32 scalar on the device: summed token losses of the step
-    group_sq_norms: Tensor  # [n_groups] fp32 on the device: squared gradient norm per group
+    """What `LayerPipeline.run` gives for one step: its tensors stay on the device (reading them waits for it)."""
+
+    loss_sum: Tensor  # scalar in the store's master dtype (fp32 or wider): summed token losses of the step
+    group_sq_norms: Tensor  # [n_groups], the store's master dtype (fp32 or wider): squared gradient norm per group
     log: list[tuple] = field(default_factory=list)  # ("copy_in"|"reuse"|"compute"|"grad_out", stage or group, slot)
     token_logps: list[Tensor] | None = None  # per micro-batch [rows, seq], where the head was asked for them
 
@@ -292,7 +297,8 @@ class LayerPipeline:
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> Tensor:
         """Forward only, streaming the weights once for all micro-batches: the summed token loss
-        (fp32 scalar on the device). Nothing is kept for a backward and no gradient is made."""
+        (a scalar on the device, in the store's master dtype: fp32 or wider). Nothing is kept for a backward and no
+        gradient is made."""
         return self._run(micro_batches, 0.0, train=False).loss_sum
 
     def token_logps(self, micro_batches: list[MicroBatch], reference: bool = False) -> list[Tensor]:

@@ -38,6 +38,7 @@ _DTYPE_NAMES = {
 
 
 def fsync_dir(directory: Path) -> None:
+    """fsync `directory` itself, so that a file created or renamed in it (its entry) survives a crash."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -88,6 +89,7 @@ def _alive(pid: int) -> bool:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` as UTF-8 to `path` with `atomic_write`: a reader sees the old file or the whole new one."""
     atomic_write(path, lambda handle: handle.write(text.encode()))
 
 

@@ -15,6 +15,9 @@ ADAMW, LOAD_BIAS = "adamw", "load_bias"
 
 @dataclass(frozen=True)
 class Entry:
+    """One named tensor of a group (`GroupLayout`): its shape, its element offset in the group's flat buffers,
+    whether AdamW's weight decay applies to it, and how the optimizer moves it."""
+
     name: str
     shape: tuple[int, ...]
     offset: int

@@ -40,6 +40,8 @@ def pin_in_place(tensor: Tensor) -> bool:
 
 
 def unpin(data_ptr: int) -> None:
+    """Undo `pin_in_place` (cudaHostUnregister) for the memory that starts at `data_ptr`, the pinned tensor's
+    `data_ptr()`; call it before that memory is freed. Its CUDA error code is not checked."""
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
 
 

@@ -58,7 +58,7 @@ class Head(Template):
         self.temperature = 1.0
 
     def logits(self, weights: list[Tensor], hidden: Tensor) -> Tensor:
-        """Full logits [batch, seq, vocab] in fp32, for inference and checks on small inputs."""
+        """Full logits [batch, seq, vocab] in fp32 or wider, for inference and checks on small inputs."""
         check_buffers(weights, self.groups, "Head.logits")
         normed = self._normed_rows(hidden, self._norm_span.view(weights[self._norm_group]))
         return _capped(upcast(normed @ self._matrix_span.view(weights[self._matrix_group]).T), self.logit_softcap)
@@ -124,8 +124,8 @@ class Head(Template):
         target of position t). The gradient is that of `loss_scale * sum`, so with
         loss_scale = 1 / (labels counted over the whole optimizer step) micro-batches add
         up to the gradient of the mean; `loss_scale` may also be a [batch, seq] tensor, each token's
-        d(loss)/d(its cross-entropy) (a step-level objective's coefficients). Returns (sum as an fp32
-        scalar tensor, grad w.r.t. hidden); weight gradients are added into `grads` (flat fp32).
+        d(loss)/d(its cross-entropy) (a step-level objective's coefficients). Returns (sum as a scalar
+        tensor in fp32 or wider, grad w.r.t. hidden); weight gradients are added into `grads` (flat, fp32 or wider).
         """
         check_buffers(weights, self.groups, "Head.loss")
         check_buffers(grads, self.groups, "Head.loss grads")

@@ -41,6 +41,7 @@ def param_offsets(params: tuple[ParamSpec, ...]) -> dict[str, int]:
 
 
 def total_numel(params: tuple[ParamSpec, ...]) -> int:
+    """Elements of a flat buffer holding `params` back to back (the sum of their numels)."""
     return sum(spec.numel for spec in params)
 
 

@@ -106,16 +106,25 @@ def _check_number_fields(config: "ModelConfig") -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The architecture of a decoder-only model: its family and sizes, no weights. Made by `preset(name)`
+    (`PRESETS`), `config_from_hf` (a Hugging Face config.json as a dict) or directly, and checked as it is made
+    (`ZooError` naming the field); `build_model(config)` turns it into groups and stages, and `n_params`,
+    `active_params` and `flops_per_token` count it.
+
+    `arch` is the family as config.json's `model_type` names it (one of ARCHITECTURES, or any with `implementation`
+    "transformers"); the sizes after it are required, and the other fields default to a Llama-2-style decoder
+    with each family's feature off."""
+
     arch: str
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
+    vocab_size: int  # tokens: the embedding's and the LM head's rows
+    d_model: int  # hidden size
+    n_layers: int  # decoder layers
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (grouped-query attention: n_heads is a multiple of it)
+    d_ff: int  # the dense MLP's intermediate width
     head_dim: int = 0  # 0: d_model // n_heads
-    max_seq_len: int = 4096
-    rope_theta: float = 10000.0
+    max_seq_len: int = 4096  # config.json's max_position_embeddings
+    rope_theta: float = 10000.0  # the rotary embedding's base
     rope_scaling: dict | None = field(default=None, hash=False)
     rms_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -403,6 +412,7 @@ class ModelConfig:
         return replace(self, n_layers=n_layers, **cut)
 
     def with_changes(self, **changes) -> "ModelConfig":
+        """A copy with `changes` (field=value), checked anew."""
         return replace(self, **changes)
 
     def as_dict(self) -> dict:

@@ -38,6 +38,10 @@ class Group:
 
 @dataclass(frozen=True)
 class StageSpec:
+    """One stage of a model, in run order: its name ("embed", "layer3", "head"; an image-text model's
+    "vision.*" first), its template, and the indices in `ModelSpec.groups` of the groups it binds, in the
+    template's order (a tied head binds the embedding's too)."""
+
     name: str
     template: Any
     groups: tuple[int, ...]
@@ -45,6 +49,10 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model as `build_model` gives it: its config, its groups (the store's transfer units of parameters, under
+    Hugging Face names) and its stages (templates binding those groups), with what MoE, image-text and LoRA models
+    add; the scheduler runs the stages over a store built from the groups' layouts."""
+
     config: ModelConfig
     groups: tuple[Group, ...]
     stages: tuple[StageSpec, ...]
