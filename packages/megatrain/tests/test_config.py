@@ -207,6 +207,16 @@ def test_an_objectives_settings_under_another_objective_are_refused(setting, obj
     assert load_config(None, ["train.grpo.generation_weights=streamed"]).train.grpo.generation_weights == "streamed"
 
 
+def test_a_resumed_runs_own_objective_settings_are_not_the_users():
+    """A run's saved config holds every section whole (an SFT run's train.grpo too, with the defaults of the megatrain
+    that wrote it): only what the command gives is checked."""
+    saved = load_config(None, []).as_dict()
+    saved["train"]["grpo"]["max_completion_length"] = 999  # (a default another version had)
+    assert load_config(None, ["train.steps=5"], base=saved).train.steps == 5
+    with pytest.raises(ConfigError, match="train.grpo.beta is set, but train.objective is sft"):
+        load_config(None, ["train.grpo.beta=0.1"], base=saved)
+
+
 def test_eval_every_without_validation_data_is_refused_in_the_config():
     with pytest.raises(ConfigError, match="train.eval_every needs held-out data"):
         load_config(None, ["train.eval_every=10"])

@@ -154,7 +154,10 @@ def test_dpo_needs_pairs_and_pairs_need_dpo(dpo_config, write_config, capsys):
     path = dpo_config()
     assert main(["train", "--config", str(path), "--set", "train.objective=sft"]) == 2  # (its train.dpo first)
     assert "train.dpo.beta is set, but train.objective is sft, which reads no train.dpo" in capsys.readouterr().err
-    assert main(["train", "--config", str(path), "--set", "train.objective=sft", "--set", "train.dpo.beta=0.1"]) == 2
+    config = yaml.safe_load(path.read_text())
+    del config["train"]["dpo"]
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(path), "--set", "train.objective=sft"]) == 2
     assert "the data are preference pairs (chosen/rejected): set train.objective: dpo" in capsys.readouterr().err
     assert main(["train", "--config", str(write_config()), "--set", "train.objective=dpo"]) == 2
     assert "train.objective dpo trains on preference pairs: set data.format: preference" in capsys.readouterr().err

@@ -274,7 +274,6 @@ class TrainSection:
                 f"({self.micro_batch_size}); e.g. set micro_batch_size to a divisor of {self.batch_size}"
             )
         self._check_ranges()
-        self._check_objective_sections()
         if self.objective == "grpo" and self.batch_size % self.grpo.num_generations:
             raise ConfigError(
                 f"train.batch_size {self.batch_size} (completions per step) must be a multiple of "
@@ -316,23 +315,6 @@ class TrainSection:
     @property
     def rows_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.rows_per_example
-
-    def _check_objective_sections(self) -> None:
-        """Refuse train.dpo or train.grpo settings another objective would ignore (a run that forgot train.objective:
-        dpo trained SFT, unsaid); GRPO's generation settings stay free: `megatrain generate` of any run reads them."""
-        free = ("generation_weights", "generation_decoding")
-        for name, section in (("dpo", self.dpo), ("grpo", self.grpo)):
-            default = type(section)()
-            changed = [
-                f.name
-                for f in fields(section)
-                if f.name not in free and getattr(section, f.name) != getattr(default, f.name)
-            ]
-            if changed and self.objective != name:
-                raise ConfigError(
-                    f"train.{name}.{changed[0]} is set, but train.objective is {self.objective}, which reads no "
-                    f"train.{name}: set train.objective: {name}, or leave train.{name} out"
-                )
 
     def _check_ranges(self) -> None:
         """Values outside their range fail here rather than being taken silently (keep_last 0 kept every
@@ -669,7 +651,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         set_path(values, key, None)
     for key, value in pairs:
         set_path(values, key, value)
-    return config_from_dict(values)
+    config = config_from_dict(values)
+    _check_objective_settings(config.train.objective, values.get("train") or {}, (base or {}).get("train") or {})
+    return config
+
+
+def _check_objective_settings(objective: str, train: dict, saved: dict) -> None:
+    """Refuse train.dpo or train.grpo settings given for another objective, which reads none (a run that forgot
+    train.objective: dpo trained SFT, unsaid): those of `train` (the config's values) that `saved` (a resumed run's,
+    which holds them all) does not hold; GRPO's generation settings are any run's (`megatrain generate` reads them)."""
+    for section in {"dpo", "grpo"} - {objective}:
+        for name, value in (train.get(section) or {}).items():
+            if (
+                value is not None
+                and value != (saved.get(section) or {}).get(name)
+                and not name.startswith("generation_")
+            ):
+                raise ConfigError(
+                    f"train.{section}.{name} is set, but train.objective is {objective}, which reads no train.{section}: "
+                    f"set train.objective: {section}, or leave train.{section} out"
+                )
 
 
 ALTERNATIVES = (("model.preset", "model.hf_dir"), ("data.tokens", "data.text", "data.dataset"))
