@@ -213,3 +213,21 @@ def test_token_ids_with_a_tokenizer_that_does_not_exist_are_refused(tmp_path):
     section = DataSection(tokens=str(tokens), tokenizer=str(tmp_path / "tokenzier.json"), seq_len=32)
     with pytest.raises(DataError, match=r"data.tokenizer .*tokenzier.json does not exist"):
         load_token_data(section, 256, tmp_path / "cache", None)
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(chat_template="/nonexistent.jinja"), r"data.chat_template applies to the records of data.dataset; "),
+        (dict(text_field="body", too_long="drop"), r"data.text_field, data.too_long apply to the records of data"),
+        (dict(train_on_prompt=True), r"data.train_on_prompt applies .*: leave it out"),
+    ],
+)
+def test_record_settings_beside_text_or_tokens_are_refused(given, message):
+    """data.chat_template (a missing file too), text_field, train_on_prompt and too_long read records only: with a
+    text file or token ids they were taken and ignored."""
+    for source in (dict(text="corpus.txt"), dict(tokens="tokens.npy")):
+        with pytest.raises(DataError, match=message):
+            DataSection(**source, **given)
+    DataSection(text="corpus.txt", too_long="truncate", text_field="text")  # (their defaults: not set)
+    DataSection(dataset="records.jsonl", **given)

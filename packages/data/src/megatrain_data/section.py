@@ -2,11 +2,12 @@
 
 Validated as it is built (a `DataError` names the key and the fix); the meta-package's config loads it from YAML."""
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from .errors import DataError
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
+RECORD_SETTINGS = ("text_field", "chat_template", "train_on_prompt", "too_long")  # (read from data.dataset's records)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class DataSection:
             raise DataError(f"data.too_long must be truncate or drop, got {self.too_long!r}")
         if self.pack and self.dataset is None:
             raise DataError("data.pack packs fine-tuning examples: set data.dataset (text streams are already packed)")
+        if self.text is not None or self.tokens is not None:
+            self.check_record_settings()
         if isinstance(self.validation, float) and not 0 < self.validation < 1:
             raise DataError(
                 f"data.validation as a fraction must be in (0, 1), got {self.validation}; leave it out (null) to hold "
@@ -75,6 +78,19 @@ class DataSection:
             raise DataError(f"data.seq_len must be >= 2 (one input and one target), got {self.seq_len}")
         if self.format == "preference":
             self.check_pair_settings()
+
+    def check_record_settings(self) -> None:
+        """Refuse, beside data.text or data.tokens, the settings only records read (they were taken and ignored, a
+        missing template file among them)."""
+        given = [
+            f"data.{f.name}" for f in fields(self) if f.name in RECORD_SETTINGS and getattr(self, f.name) != f.default
+        ]
+        if given:
+            what = "data.text is a text file, read as one stream" if self.text else "data.tokens are token ids"
+            raise DataError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the records of data.dataset; "
+                f"{what}: leave {'it' if len(given) == 1 else 'them'} out"
+            )
 
     def check_pair_settings(self) -> None:
         """Refuse the settings preference pairs cannot take (data.format preference here; ranking registry
