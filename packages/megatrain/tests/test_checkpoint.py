@@ -440,6 +440,7 @@ def test_a_save_that_fails_says_what_is_lost_or_goes_to_fallback_dir(
     err = capsys.readouterr().err
     if fallback:
         assert "the checkpoint went to fallback_dir instead" in err
+        assert f"warning: fallback_dir {tmp_path / 'fallback'} is on the disk of output_dir" in err  # (as it is here)
         assert (tmp_path / "run" / "final" / "model.safetensors").exists()
         # the run's newest checkpoint is the one in fallback_dir (in a folder of the run's own, which other runs
         # sharing fallback_dir do not rotate), and a run resumed from it stays in its output_dir

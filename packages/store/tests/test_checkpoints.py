@@ -120,3 +120,20 @@ def test_a_checkpoint_is_verified_against_its_manifest(tmp_path, damage, said):
     damage(directory)
     with pytest.raises(StoreError, match=re.escape(said)):
         verify_checkpoint(directory)
+
+
+def test_a_fallback_dir_on_output_dirs_disk_is_said(tmp_path, monkeypatch):
+    """fallback_dir inside output_dir, or elsewhere on its disk, is made and written, and said: a save that disk
+    refused for want of room cannot go there either (it was taken without a word); on another disk, nothing."""
+    import megatrain_store.rundir as rundir
+    from megatrain_store.rundir import prepare_fallback_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    said = prepare_fallback_dir(out / "fb", out)
+    assert said.startswith(f"fallback_dir {out / 'fb'} is inside output_dir {out}: ") and (out / "fb").is_dir()
+    said = prepare_fallback_dir(tmp_path / "new" / "fb", out)
+    assert f"is on the disk of output_dir {out}: " in said and said.endswith("on another disk, or leave it out")
+    assert prepare_fallback_dir(tmp_path / "fb") is None  # (no output_dir to compare)
+    monkeypatch.setattr(rundir, "_device", lambda path: hash(path.parts[-1]))  # (as if each were its own disk)
+    assert prepare_fallback_dir(tmp_path / "other", out) is None

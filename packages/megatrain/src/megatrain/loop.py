@@ -254,11 +254,10 @@ def train(config: Config, resume: Resume | None = None) -> Path:
     try:
         if lock is not None:
             prepare_output_dir(out)
-            if config.fallback_dir is not None:
-                prepare_fallback_dir(Path(config.fallback_dir))
-            note = lock.acquire()
-            if note is not None:
-                print(f"megatrain: {note}", file=sys.stderr)
+            said = config.fallback_dir and prepare_fallback_dir(Path(config.fallback_dir), out)
+            for note in (f"warning: {said}" if said else None, lock.acquire()):
+                if note is not None:
+                    print(f"megatrain: {note}", file=sys.stderr)
             check_output_dir_free(out, None if resume is None else resume.directory)
             freed = remove_stale_temporaries(out)
             if freed:

@@ -68,9 +68,12 @@ def absolute_paths(text: str, separator: str | None = None, always: bool = False
     return (separator or "").join(absolute)
 
 
-def prepare_fallback_dir(fallback: Path) -> None:
+def prepare_fallback_dir(fallback: Path, out: Path | None = None) -> str | None:
     """Make fallback_dir and write a file there now, or refuse in one line: it is needed when output_dir's disk
-    refuses a save (full), the worst moment to find it unwritable."""
+    refuses a save (full), the worst moment to find it unwritable. Returns a warning where it lies on the disk of
+    output_dir (`out`), or inside it: a save refused for want of room there finds none in it either. (A warning, not
+    a refusal: the same file system is no proof of the same room, under directory quotas, and a config written for a
+    host of two disks still runs on a machine of one.)"""
     fallback = Path(fallback)
     try:
         fallback.mkdir(parents=True, exist_ok=True)
@@ -82,6 +85,26 @@ def prepare_fallback_dir(fallback: Path) -> None:
             f"fallback_dir {fallback} cannot be written ({error.strerror}); set fallback_dir to a writable directory "
             "on another disk, or leave it out"
         ) from error
+    if out is None:
+        return None
+    fallback, out = fallback.resolve(), Path(out).resolve()
+    if fallback.is_relative_to(out):
+        where = f"is inside output_dir {out}"
+    elif _device(fallback) == _device(out):
+        where = f"is on the disk of output_dir {out}"
+    else:
+        return None
+    return (
+        f"fallback_dir {fallback} {where}: a save refused there for want of room cannot go to it either; set "
+        "fallback_dir to a directory on another disk, or leave it out"
+    )
+
+
+def _device(path: Path) -> int:
+    """The device (file system) holding `path`, or its nearest existing folder."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.stat().st_dev
 
 
 class RunLock:
