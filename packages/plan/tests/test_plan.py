@@ -42,7 +42,7 @@ from megatrain_plan.costs import (
 from megatrain_plan.counts import Counts
 from megatrain_plan.search import parkable_stages
 from megatrain_sched import EXTRAS_MARGIN, RESIDENT, RESIDENT_COPY
-from megatrain_store import GroupLayout, PackedLayout
+from megatrain_store import GroupLayout, PackedLayout, StoreError
 from megatrain_templates import Lora
 from megatrain_templates.chunked_recurrence import KeptRecurrence
 from megatrain_templates.kernel_attention import KeptAttention
@@ -142,8 +142,12 @@ def test_disk_tier_takes_only_what_does_not_fit(monkeypatch, tmp_path):
     assert everything.first_disk_group == 0 and everything.disk_bytes == 8 * model.n_params
     assert everything.placement.why["disk"].endswith(f"0-{last} live on disk: engine.disk_state_fraction 1.0")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40 - 2**30, 2**30))
-    with pytest.raises(PlanError, match=r"disk tier needs .* GiB .* has 1.0 GiB free"):
+    with pytest.raises(PlanError, match=r"disk tier needs .* GiB .* has 1.00 GiB free"):
         check_plan(everything, whole_state)
+    (tmp_path / "afile").write_text("")  # (a directory that cannot be written: said so, not as a full disk)
+    unwritable = planner_for("qwen2.5-7b", 65536, optimizer_state_dir=str(tmp_path / "afile" / "state"))
+    with pytest.raises(StoreError, match=r"optimizer_state_dir .*afile/state is not writable \(.*afile is a file\)"):
+        check_plan(planned(unwritable), unwritable)
 
 
 def test_step_time_model_is_overlap_aware(monkeypatch):

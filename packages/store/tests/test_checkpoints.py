@@ -137,3 +137,30 @@ def test_a_fallback_dir_on_output_dirs_disk_is_said(tmp_path, monkeypatch):
     assert prepare_fallback_dir(tmp_path / "fb") is None  # (no output_dir to compare)
     monkeypatch.setattr(rundir, "_device", lambda path: hash(path.parts[-1]))  # (as if each were its own disk)
     assert prepare_fallback_dir(tmp_path / "other", out) is None
+
+
+def test_an_optimizer_state_dir_that_cannot_be_written_says_why(tmp_path, monkeypatch):
+    """engine.optimizer_state_dir under a file, on a read-only disk or without permission: one line saying it is not
+    writable and why (it read as a disk with 0.0 GiB free); a writable one is made."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from megatrain_store.rundir import RunDirError, check_state_dir
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(
+        RunDirError, match=re.escape(f"state is not writable ({tmp_path / 'afile'} is a file); set engine.")
+    ):
+        check_state_dir(tmp_path / "afile" / "state")
+    for number in (errno.EROFS, errno.EACCES, errno.EPERM):
+
+        def refused(path, *args, number=number, **kwargs):
+            raise OSError(number, os.strerror(number), str(path))
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Path, "mkdir", refused)
+            with pytest.raises(RunDirError, match=rf"state is not writable \({os.strerror(number)}\); set engine"):
+                check_state_dir(tmp_path / "state")
+    check_state_dir(tmp_path / "made" / "state")
+    assert (tmp_path / "made" / "state").is_dir() and not list((tmp_path / "made" / "state").iterdir())

@@ -3,6 +3,8 @@
 import shutil
 from pathlib import Path
 
+from megatrain_store.progress import size_text
+from megatrain_store.rundir import check_state_dir
 from megatrain_zoo import ModelConfig, ModelSpec
 
 from .costs import gpu_updated_groups, whole_step_statistics
@@ -184,12 +186,12 @@ def _check_disk(plan: Plan, optimizer_state_dir: str | None) -> None:
     if not plan.disk_bytes:
         return
     state_dir = Path(optimizer_state_dir)
-    existing = next(p for p in (state_dir, *state_dir.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    check_state_dir(state_dir)  # (one that cannot be written has no free space either: say which it is)
+    free = shutil.disk_usage(state_dir).free
     if plan.disk_bytes > free:
         raise PlanError(
-            f"the disk tier needs {plan.disk_bytes / 2**30:.1f} GiB in {state_dir} but its disk has "
-            f"{free / 2**30:.1f} GiB free; free space, choose another engine.optimizer_state_dir, or set "
+            f"the disk tier needs {size_text(plan.disk_bytes)} in {state_dir} but its disk has "
+            f"{size_text(free)} free; free space, choose another engine.optimizer_state_dir, or set "
             "engine.disk_state_fraction lower"
         )
 

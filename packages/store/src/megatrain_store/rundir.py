@@ -5,6 +5,7 @@ The lock is an advisory `flock` on output_dir/.megatrain.lock, which the kernel 
 process ends: a run killed with -9 leaves the file (naming it) but not the lock, and the next run takes it
 over and says so. A second run into a directory held by a live one refuses at once."""
 
+import errno
 import fcntl
 import json
 import os
@@ -31,7 +32,8 @@ TRAINER_STATE = "trainer_state.json"
 
 
 class RunDirError(StoreError):
-    """output_dir cannot be a run's: a file, not writable, or held by another run (the user's setting to change)."""
+    """output_dir cannot be a run's: a file, not writable, or held by another run; or another directory a run writes
+    cannot be written (the user's setting to change)."""
 
 
 def prepare_output_dir(out: Path) -> None:
@@ -98,6 +100,30 @@ def prepare_fallback_dir(fallback: Path, out: Path | None = None) -> str | None:
         f"fallback_dir {fallback} {where}: a save refused there for want of room cannot go to it either; set "
         "fallback_dir to a directory on another disk, or leave it out"
     )
+
+
+def check_state_dir(state_dir: Path) -> None:
+    """Make engine.optimizer_state_dir and write a file there now, or refuse in one line saying why it cannot be
+    written: no permission, a read-only file system, a file on its path (its free space read 0 GiB of 0 and was
+    reported as a want of room). The folders it makes stay, for the run's state files."""
+    state_dir = Path(state_dir)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe = state_dir / f".megatrain-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        in_the_way = error.errno in (errno.ENOTDIR, errno.EEXIST)
+        why = f"{_file_on(state_dir)} is a file" if in_the_way else error.strerror or str(error)
+        raise RunDirError(
+            f"engine.optimizer_state_dir {state_dir} is not writable ({why}); set engine.optimizer_state_dir to a "
+            "writable directory on a fast local disk"
+        ) from error
+
+
+def _file_on(path: Path) -> Path:
+    """The file on `path` (itself, or the folder a directory would need), where one is."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
 
 
 def _device(path: Path) -> int:
