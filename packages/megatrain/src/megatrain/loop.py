@@ -39,6 +39,7 @@ from megatrain_store.plot import plot_loss
 from megatrain_store.progress import progress, size_text
 from megatrain_store.rundir import (
     RunLock,
+    check_output_dir_free,
     check_steps_ahead,
     exported_step,
     prepare_fallback_dir,
@@ -49,6 +50,7 @@ from megatrain_store.rundir import (
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
+from megatrain_zoo.peft import is_model_directory
 from megatrain_zoo.read import check_reference_model
 
 from .checkpoint import (
@@ -56,7 +58,6 @@ from .checkpoint import (
     FINAL,
     NonFiniteError,
     Resume,
-    check_output_dir_free,
     check_same_model,
     save_checkpoint,
 )
@@ -258,7 +259,7 @@ def train(config: Config, resume: Resume | None = None) -> Path:
             for note in (f"warning: {said}" if said else None, lock.acquire()):
                 if note is not None:
                     print(f"megatrain: {note}", file=sys.stderr)
-            check_output_dir_free(out, None if resume is None else resume.directory)
+            check_output_dir_free(out, None if resume is None else resume.directory, is_model_directory(out / FINAL))
             freed = remove_stale_temporaries(out)
             if freed:
                 print(f"megatrain: removed {size_text(freed)} of files killed runs left half-written", file=sys.stderr)

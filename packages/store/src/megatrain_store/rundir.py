@@ -1,5 +1,6 @@
-"""The run directory (output_dir): made and checked writable before anything is loaded, and held by one run
-at a time (the room on its disk before a save: `checkpoints`); its newest checkpoint, wherever its saves went.
+"""The run directory (output_dir): made and checked writable, and free of another run's files, before anything is
+loaded, and held by one run at a time (the room on its disk before a save: `checkpoints`); its newest checkpoint,
+wherever its saves went.
 
 The lock is an advisory `flock` on output_dir/.megatrain.lock, which the kernel releases however the
 process ends: a run killed with -9 leaves the file (naming it) but not the lock, and the next run takes it
@@ -223,6 +224,48 @@ def _holder(handle) -> str:
         return f"pid {who['pid']} on {who['host']}, started {who['started']}: {who['command']}"
     except (ValueError, KeyError, TypeError):
         return "a run that did not say which"
+
+
+def check_output_dir_free(out: Path, resume: Path | None, exported: bool) -> None:
+    """Refuse (one line) to start a run in an output_dir that holds another run's checkpoints or final model: its
+    metrics, checkpoints and export would be mixed with this run's, and a later --resume would pick whichever
+    checkpoint is newest. Resuming a checkpoint of that run itself continues it. `exported`: out/final/ holds a
+    model (a Hugging Face or PEFT directory)."""
+    out = Path(out)
+    check_no_other_files(out)
+    checkpoints = complete_checkpoints(out / CHECKPOINTS)
+    if not checkpoints and not exported:
+        return
+    if resume is not None and out.resolve() in (manifest_output_dir(resume), *Path(resume).resolve().parents):
+        return  # (a checkpoint of this run: in it, or in its fallback_dir)
+    held = [f"checkpoints up to {checkpoints[-1].name}"] if checkpoints else []
+    step = exported_step(out / FINAL) if exported else None
+    held += [f"its model in {FINAL}/" + ("" if step is None else f": finished at step {step}")] if exported else []
+    if newest_checkpoint(out) is not None:
+        more = "" if step is None else " --set train.steps=N (N above its last step)"
+        then = f"continue it with --resume {out}{more}"
+    else:  # (no checkpoint to resume: train.save_every saved none before the run ended)
+        then = f"train on from its model with --set model.hf_dir={out / FINAL} and a new output_dir"
+    raise RunDirError(
+        f"output_dir {out} already holds a run ({', '.join(held)}); {then}, or set output_dir to a new directory "
+        f"(or remove {out})"
+    )
+
+
+def check_no_other_files(out: Path) -> None:
+    """Refuse an output_dir whose config.json is no megatrain run's (a model directory, another program's folder):
+    the run writes its own config.json, metrics.jsonl and tokenizer/ there, over what the directory held."""
+    try:
+        written = json.loads((out / "config.json").read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        written = None
+    if not (isinstance(written, dict) and {"model", "data", "train"} <= written.keys()):
+        raise RunDirError(
+            f"output_dir {out} holds a model or another program's files (its config.json is no megatrain run's), "
+            "which a run would write over; set output_dir to a new directory"
+        )
 
 
 def newest_checkpoint(path: Path) -> Path | None:
