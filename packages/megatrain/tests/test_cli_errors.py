@@ -71,6 +71,12 @@ SETTING_CASES = [
     (["train", *TINY, "--set", "model.adapter.r=8"], "model.adapter.r set without model.adapter.type"),
     (["plan", *TINY, "--set", "train.router_z_loss_coef=0.01"], "train.router_z_loss_coef acts on the routers"),
     (["plan", *TINY, "--set", "train.freeze_language_model=true"], "this llama model is all language model"),
+    (  # (taken and ignored)
+        ["train", *TINY, "--set", "model.image_text=true", "--set", "train.freeze_vision_tower=false"],
+        "model.image_text: true, train.freeze_vision_tower: false: for an image-text model's vision tower and "
+        "projector; this llama model is all language model (it has neither): leave them out",
+    ),
+    (["plan", *TINY, "--set", "train.freeze_multi_modal_projector=true"], "projector: true: for an image-text"),
     (  # (the planner would take fewer without a word)
         ["train", *TINY, "--set", "engine.kept_layers=1000"],
         "engine.kept_layers 1000: this run has 2 layers that can keep their matmul products; set at most 2, or auto",

@@ -13,7 +13,7 @@ from .config import Config, ConfigError
 
 def check_model_settings(config: Config, model: ModelConfig) -> None:
     """Refuse options the model cannot honour (router options its routers lack, packed documents its layers would
-    mix), naming the fix."""
+    mix, image-text settings on a text model), naming the fix."""
     if config.data.pack and not model.packs_documents:
         raise ConfigError(
             f"data.pack: {model.arch}'s layers would mix a packed row's documents as transformers runs them (a "
@@ -30,6 +30,17 @@ def check_model_settings(config: Config, model: ModelConfig) -> None:
         raise ConfigError(
             f"train.freeze_language_model freezes an image-text model's decoder; this {model.arch} model is all "
             "language model (nothing else would train): set it to false, or train adapters (adapter.type: lora)"
+        )
+    vision = {
+        "model.image_text: true": config.model.image_text is True,
+        "train.freeze_vision_tower: false": not config.train.freeze_vision_tower,
+        "train.freeze_multi_modal_projector: true": config.train.freeze_multi_modal_projector,
+    }
+    if any(vision.values()) and not model.image_text:
+        given = [setting for setting, said in vision.items() if said]
+        raise ConfigError(
+            f"{', '.join(given)}: for an image-text model's vision tower and projector; this {model.arch} model is "
+            f"all language model (it has neither): leave {'it' if len(given) == 1 else 'them'} out"
         )
     for name in ("router_seq_aux_loss_coef", "router_z_loss_coef"):
         if getattr(config.train, name) and not model.is_moe:  # (a generic model's routers are transformers')
