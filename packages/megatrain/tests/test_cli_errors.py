@@ -708,3 +708,31 @@ def test_non_finite_steps_advise_the_clipping_the_run_lacks(write_config, tmp_pa
     assert process.returncode == 1 and "Traceback" not in process.stderr, process.stderr
     assert last.startswith("megatrain: NonFiniteError: 1 non-finite steps in a row; stopping.")
     assert last.endswith("Lower train.lr, raise train.warmup_steps or lower train.grad_clip (it clips at 1.0 now).")
+
+
+def test_eval_and_generate_refuse_model_settings_the_weights_decide(write_config, tmp_path, capsys, monkeypatch):
+    """`--set model.*` on a checkpoint or a run's final/ was taken and ignored (the weights' own model evaluated):
+    one line naming where the model comes from, exit 2, before any model is built; a value the run had is no change."""
+    import megatrain.generate
+    from megatrain.cli import main
+
+    monkeypatch.setattr(megatrain.generate, "require_transformers", lambda command: None)  # (refused before it)
+    assert main(["train", "--config", str(write_config(train={"steps": 1, "save_every": 1}))]) == 0
+    run, step = tmp_path / "run", tmp_path / "run" / CHECKPOINTS / "step-00000001"
+    (tmp_path / "p.txt").write_text("hello\n")
+    capsys.readouterr()
+    refusals = [
+        (["eval", "--checkpoint", str(step), "--set", "model.preset=tiny-qwen2"], f"manifest ({step})"),
+        (["eval", "--checkpoint", str(run / FINAL), "--set", "model.adapter.type=lora"], f"{run / FINAL}/config.json"),
+        (
+            ["generate", "--checkpoint", str(step), "--prompts", "p.txt", "--set", "model.implementation=transformers"],
+            "",
+        ),
+    ]
+    for argv, source in refusals:
+        assert main(argv) == 2, argv
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        key = argv[-1].split("=")[0]
+        assert line.startswith(f"megatrain: config error: --set {key}: megatrain {argv[0]} takes the model from "), line
+        assert source in line and line.endswith("leave model.* out, or name the weights of that model in --checkpoint")
+    assert main(["eval", "--checkpoint", str(step), "--set", "model.preset=tiny-llama", "--batches", "1"]) == 0

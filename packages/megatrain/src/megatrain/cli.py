@@ -358,6 +358,33 @@ def check_held_out(config, base: dict | None) -> None:
     )
 
 
+def check_model_overrides(config, args, base: dict | None) -> None:
+    """Refuse `--set model.*` that eval and generate would not read (taken and ignored): a checkpoint's model is its
+    manifest's, a model directory's its config.json. Read: a LoRA checkpoint's base (model.hf_dir, its fingerprint
+    checked, held as model.adapter.base_dtype says), a PEFT directory's base and a DPO run's reference (the config's)."""
+    from megatrain_zoo.peft import is_peft_directory
+
+    from .config import ConfigError, load_config, with_absolute_paths
+    from .config_values import flat_keys
+
+    now = flat_keys(config.as_dict())
+    was = flat_keys(with_absolute_paths(load_config(None, [], base)).as_dict()) if base is not None else {}
+    read = ("model.hf_dir", "model.adapter.base_dtype") if args.verified and was.get("model.adapter.type") else ()
+    given = dict.fromkeys(item.split("=", 1)[0].strip() for item in args.overrides)
+    ignored = [
+        key
+        for key in given
+        if (key + ".").startswith("model.") and key not in read
+        and (base is None or any(now[k] != was.get(k) for k in now if (k + ".").startswith(key + ".")))
+    ]  # fmt: skip
+    if ignored and not is_peft_directory(args.weights) and (args.command, config.train.objective) != ("eval", "dpo"):
+        source = f"the checkpoint's manifest ({args.weights})" if args.verified else args.weights / "config.json"
+        raise ConfigError(
+            f"--set {', '.join(ignored)}: megatrain {args.command} takes the model from {source}, not the config; "
+            "leave model.* out, or name the weights of that model in --checkpoint"
+        )
+
+
 def trainer_for_weights(config, weights: Path, resume):
     """A trainer holding `weights` (a Hugging Face directory, a run's final/ among them, a checkpoint: its `resume`,
     or a LoRA run's adapters over their base) and no optimizer state: for evaluation and generation."""
@@ -584,6 +611,7 @@ def run_command(args) -> None:
         base = run_config(args.weights, args.verified and args.verified.manifest)
         config = _config(args, base)
         check_held_out(config, base)
+        check_model_overrides(config, args, base)
         run_eval(config, args)
     elif args.command == "generate":
         from .checkpoint import run_config
@@ -592,7 +620,9 @@ def run_command(args) -> None:
         _check_sampling_flags(args)
         require_transformers("megatrain generate")
         args.weights, args.verified = _weights_at(Path(args.checkpoint))
-        run_generate(_config(args, run_config(args.weights, args.verified and args.verified.manifest)), args)
+        base = run_config(args.weights, args.verified and args.verified.manifest)
+        check_model_overrides(config := _config(args, base), args, base)
+        run_generate(config, args)
     elif args.command == "bench":
         _at_least(args.steps, 1, "--steps")
         run_bench(_config(args), args.steps)
