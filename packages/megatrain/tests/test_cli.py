@@ -174,7 +174,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(
 def test_a_run_that_diverges_keeps_its_last_good_step(write_config, tmp_path, capsys):
     """A learning rate of 1e30: the first step is finite, the weights it makes overflow every gradient after
     it; the run stops after three skipped steps with the first step's weights saved (finite, so saved)."""
-    settings = {"steps": 10, "max_bad_steps": 3, "lr": 1e30, "grad_clip": 1.0}
+    settings = {"steps": 10, "max_bad_steps": 3, "lr": 1e30, "weight_decay": 0.0, "grad_clip": 1.0}
     assert main(["train", "--config", str(write_config(train=settings))]) == 1
     assert (
         "3 non-finite steps in a row; stopping. The weights are those of the last good step" in capsys.readouterr().err
@@ -196,7 +196,8 @@ def test_a_run_stopped_by_divergence_keeps_its_older_checkpoints_and_a_resume_ge
     settings = {"steps": 6, "max_bad_steps": 3, "save_every": 2, "keep_last": 2}
     assert main(["train", "--config", str(write_config(train=settings))]) == 0
     run = tmp_path / "run"
-    assert main(["train", "--resume", str(run), "--set", "train.steps=40", "--set", "train.lr=1e30"]) == 1
+    diverging = ["--set", "train.lr=1e30", "--set", "train.weight_decay=0"]  # (lr x weight_decay >= 1 is refused)
+    assert main(["train", "--resume", str(run), "--set", "train.steps=40", *diverging]) == 1
     err = capsys.readouterr().err
     # step 7 is finite and diverges; 8-10 are skipped; step-8 holds step 7's weights, as the stop's step-10 does
     assert f"saved in {run / 'checkpoints' / 'step-00000010'}; where the loss rose" in err

@@ -95,6 +95,10 @@ SETTING_CASES = [
     (["train", *TINY, "--set", "train.steps=2.5"], "'train.steps' has value 2.5; it takes a whole number"),
     (["train", *TINY, "--set", "train.save_every=-1"], "train.save_every must be >= 0"),
     (["train", *TINY, "--set", "train.min_lr_ratio=5"], "train.min_lr_ratio must be in [0, 1]"),
+    (  # (it trained, then stopped on non-finite steps naming a checkpoint there was not)
+        ["train", *TINY, "--set", "train.weight_decay=1e308"],
+        "train.lr x train.weight_decay must be < 1, got 0.003 x 1e+308",
+    ),
     # (sampling options checked before the checkpoint is looked for: a top-p past 1 or NaN was taken, a seed past int64
     # overflowed in the first step, a repetition penalty of 0 divided by it)
     (["generate", "--checkpoint", "no-run", "--prompts", "p.txt", "--top-p", "nan"], "--top-p must be in (0, 1]"),
@@ -697,7 +701,7 @@ def test_eval_refuses_a_validation_fraction_the_run_trained_on(write_config, tmp
 def test_non_finite_steps_advise_the_clipping_the_run_lacks(write_config, tmp_path):
     """A learning rate that blows the weights up (`megatrain train` as a subprocess): with train.grad_clip on, the
     advice is a lower clip, not turning it on."""
-    config = write_config(train={"steps": 2, "lr": 1e30, "max_bad_steps": 1, "grad_clip": 1.0})
+    config = write_config(train={"steps": 2, "lr": 1e30, "weight_decay": 0.0, "max_bad_steps": 1, "grad_clip": 1.0})
     process = subprocess.run(
         [sys.executable, "-m", "megatrain", "train", "--config", str(config)],
         capture_output=True,

@@ -339,6 +339,8 @@ class TrainSection:
             )
         if not self.eps > 0:
             raise ConfigError(f"train.eps must be > 0 (AdamW's denominator term, e.g. 1e-8), got {self.eps}")
+        if self.lr * self.weight_decay >= 1:  # (each step scales the weights by 1 - lr x weight_decay: 0 or below)
+            raise ConfigError(f"train.lr x train.weight_decay must be < 1, got {self.lr} x {self.weight_decay}")
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
             raise ConfigError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {list(self.betas)}")
 
