@@ -218,16 +218,16 @@ def test_token_ids_with_a_tokenizer_that_does_not_exist_are_refused(tmp_path):
 @pytest.mark.parametrize(
     "given, message",
     [
-        (dict(chat_template="/nonexistent.jinja"), r"data.chat_template applies to the records of data.dataset; "),
         (dict(text_field="body", too_long="drop"), r"data.text_field, data.too_long apply to the records of data"),
         (dict(train_on_prompt=True), r"data.train_on_prompt applies .*: leave it out"),
     ],
 )
 def test_record_settings_beside_text_or_tokens_are_refused(given, message):
-    """data.chat_template (a missing file too), text_field, train_on_prompt and too_long read records only: with a
-    text file or token ids they were taken and ignored."""
+    """data.text_field, train_on_prompt and too_long read records only: with a text file or token ids they were taken
+    and ignored. data.chat_template is any run's: `megatrain generate` renders chat prompts with it."""
     for source in (dict(text="corpus.txt"), dict(tokens="tokens.npy")):
         with pytest.raises(DataError, match=message):
             DataSection(**source, **given)
     DataSection(text="corpus.txt", too_long="truncate", text_field="text")  # (their defaults: not set)
     DataSection(dataset="records.jsonl", **given)
+    DataSection(text="corpus.txt", chat_template="chat.jinja")

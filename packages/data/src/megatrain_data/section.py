@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from .errors import DataError
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
-RECORD_SETTINGS = ("text_field", "chat_template", "train_on_prompt", "too_long")  # (read from data.dataset's records)
+# read from data.dataset's records alone (data.chat_template is not among them: `megatrain generate` of any run reads it)
+RECORD_SETTINGS = ("text_field", "train_on_prompt", "too_long")
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,7 @@ class DataSection:
             self.check_pair_settings()
 
     def check_record_settings(self) -> None:
-        """Refuse, beside data.text or data.tokens, the settings only records read (they were taken and ignored, a
-        missing template file among them)."""
+        """Refuse, beside data.text or data.tokens, the settings only records read (they were taken and ignored)."""
         given = [
             f"data.{f.name}" for f in fields(self) if f.name in RECORD_SETTINGS and getattr(self, f.name) != f.default
         ]
