@@ -79,10 +79,7 @@ def prepare_fallback_dir(fallback: Path, out: Path | None = None) -> str | None:
     host of two disks still runs on a machine of one.)"""
     fallback = Path(fallback)
     try:
-        fallback.mkdir(parents=True, exist_ok=True)
-        probe = fallback / f".megatrain-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        _write_probe(fallback)
     except OSError as error:
         raise RunDirError(
             f"fallback_dir {fallback} cannot be written ({error.strerror}); set fallback_dir to a writable directory "
@@ -109,10 +106,7 @@ def check_state_dir(state_dir: Path) -> None:
     reported as a want of room). The folders it makes stay, for the run's state files."""
     state_dir = Path(state_dir)
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        probe = state_dir / f".megatrain-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        _write_probe(state_dir)
     except OSError as error:
         in_the_way = error.errno in (errno.ENOTDIR, errno.EEXIST)
         why = f"{_file_on(state_dir)} is a file" if in_the_way else error.strerror or str(error)
@@ -120,6 +114,14 @@ def check_state_dir(state_dir: Path) -> None:
             f"engine.optimizer_state_dir {state_dir} is not writable ({why}); set engine.optimizer_state_dir to a "
             "writable directory on a fast local disk"
         ) from error
+
+
+def _write_probe(directory: Path) -> None:
+    """Make `directory` and write a file there (removed): an OSError where it cannot be written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".megatrain-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def _file_on(path: Path) -> Path:
