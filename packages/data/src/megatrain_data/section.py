@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass, fields
 from .errors import DataError
 
 DATA_FORMATS = ("text", "alpaca", "sharegpt", "messages", "preference", "prompt")
-# read from data.dataset's records alone (data.chat_template is not among them: `megatrain generate` of any run reads it)
+# read from data.dataset's records alone (data.chat_template is not among them: `megatrain generate` of any run reads
+# it); set beside data.text or data.tokens means "not the default", so a default changed here would refuse the runs
+# saved before it (a run's config holds every value)
 RECORD_SETTINGS = ("text_field", "train_on_prompt", "too_long")
 
 
