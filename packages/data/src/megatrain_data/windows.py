@@ -82,6 +82,8 @@ class TokenWindows:
         return self._order_cache[1]
 
     def window_indices(self, step: int) -> list[int]:
+        """The `batch_size` windows of optimizer step `step`, in batch order: steps run through the windows
+        epoch after epoch, each epoch in its own order (seeded by (seed, epoch) where `shuffle`)."""
         out = []
         for flat in range(step * self.batch_size, (step + 1) * self.batch_size):
             epoch, within = divmod(flat, self.n_windows)
@@ -98,6 +100,8 @@ class TokenWindows:
             yield self.rows(list(range(start, min(start + rows_per_batch, self.n_windows))))
 
     def rows(self, indices: list[int]) -> Batch:
+        """Windows `indices` as a `Batch` [len(indices), seq_len]: labels are the next tokens, -100 at the last
+        position, where the loss mask leaves the next token out, and where the next token starts another document."""
         data = self.data
         if data.tokens.ndim == 2:
             rows = [np.asarray(data.tokens[i]) for i in indices]
@@ -152,6 +156,7 @@ class PairWindows(TokenWindows):
 
     @property
     def n_pairs(self) -> int:
+        """How many preference pairs the data holds (each one's chosen and rejected: two rows)."""
         return self.n_windows
 
     def pair_indices(self, step: int) -> list[int]:

@@ -390,6 +390,7 @@ class DeviceAdamW:
 
     @property
     def groups(self) -> list[int]:
+        """The resident store groups this optimizer updates (those it holds device masters of), in its order."""
         return list(self.masters)
 
     def update(

@@ -41,18 +41,22 @@ class Ranks:
 
     @property
     def node(self) -> int:
+        """This process's host index, 0 to n_nodes - 1 (every host runs `local_world_size` ranks)."""
         return self.rank // self.local_world_size
 
     @property
     def n_nodes(self) -> int:
+        """How many hosts the run spans."""
         return self.world_size // self.local_world_size
 
     @property
     def is_main(self) -> bool:
+        """Whether this is the run's rank 0."""
         return self.rank == 0
 
     @property
     def is_local_main(self) -> bool:
+        """Whether this is its host's first rank (local rank 0)."""
         return self.local_rank == 0
 
 
@@ -155,6 +159,7 @@ class RankSync:
         return int(value.item())
 
     def mark_applied(self, group: int, steps: int) -> None:
+        """Set this rank's shared flag: it has applied `steps` optimizer steps to `group` (seen by the host's ranks)."""
         self.flags[group, self.ranks.local_rank] = steps
 
     def applied(self, groups, steps: int) -> bool:
@@ -177,6 +182,7 @@ class RankSync:
                 time.sleep(1e-4)
 
     def barrier(self) -> None:
+        """Block until every rank of the run gets here."""
         dist.barrier()
 
 
@@ -211,17 +217,22 @@ class RankSharing(Sharing):
             self._next = (self._next + 1) % len(self.order)
 
     def mark(self, group: int, steps: int) -> None:
+        """Set this rank's flag for `group` to `steps` with no exchange (a skipped step, a resume)."""
         self.sync.mark_applied(group, steps)
 
     def wait(self, groups, steps: int) -> None:
+        """Block until this rank's exchanges of `groups` are done and every rank of the host has applied `steps`
+        steps to them (re-raising an exchange's error)."""
         groups = tuple(groups)
         for group in groups:
             self.exchanger.wait(group)
         self.sync.wait_applied(groups, steps)
 
     def done(self, groups, steps: int) -> bool:
+        """Whether `wait(groups, steps)` would return at once."""
         groups = tuple(groups)
         return not any(self.exchanger.busy(g) for g in groups) and self.sync.applied(groups, steps)
 
     def close(self) -> None:
+        """Stop the exchange thread (after the exchange it is running)."""
         self.exchanger.close()

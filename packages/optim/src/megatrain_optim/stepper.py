@@ -75,15 +75,18 @@ class BackgroundStepper:
         return future
 
     def wait(self, group: int) -> None:
+        """Block until the latest work submitted for `group` is done, re-raising its exception (none queued: return)."""
         future = self._pending.pop(group, None)
         if future is not None:
             future.result()
 
     def wait_all(self) -> None:
+        """`wait` for every group with work submitted."""
         for group in list(self._pending):
             self.wait(group)
 
     def busy(self, group: int) -> bool:
+        """Whether `group`'s latest work is queued or running (so `wait(group)` would block)."""
         future = self._pending.get(group)
         return future is not None and not future.done()
 

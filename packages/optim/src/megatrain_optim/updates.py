@@ -47,9 +47,11 @@ class Sharing:
         """Until every process has applied `steps` steps to `groups`."""
 
     def done(self, groups: Iterable[int], steps: int) -> bool:
+        """Whether `wait(groups, steps)` would return at once."""
         return True
 
     def close(self) -> None:
+        """Stop whatever the sharing runs (threads, exchanges); called once, by `HostUpdates.close`."""
         pass
 
 
@@ -138,6 +140,7 @@ class HostUpdates:
         self.wait(range(self.store.n_groups))
 
     def close(self) -> None:
+        """Stop the worker thread and the sharing; queue nothing after."""
         self.stepper.close()
         self.sharing.close()
 
@@ -156,12 +159,15 @@ class EmbeddingRowsFirst:
         self._held: tuple | None = None  # the held update's arguments
 
     def hold(self, update: tuple) -> bool:
+        """Keep `update` (`HostUpdates.queue`'s arguments) back until the next step's rows are known, where it is
+        the table's and `tokens` fit `rows_out`; False: not held, the caller queues it."""
         if update[0] != self.group or self.tokens > len(self.rows_out):
             return False
         self._held = update
         return True
 
     def holds(self, group: int) -> bool:
+        """Whether `group`'s update is held back (so `HostUpdates.done` says not done)."""
         return group == self.group and self._held is not None
 
     def release(self, group: int) -> None:
@@ -248,15 +254,20 @@ class UpdatesAsGradientsLand(_Policy):
         host.read_direction = -1
 
     def begin_step(self, step_index: int, lr: float) -> None:
+        """Called by the trainer before step `step_index` (0-based) runs, with its learning rate: the updates its
+        gradients queue as they land use them; the host worker reads the head's state ahead first."""
         self.lr, self.steps = lr, step_index + 1  # (the next step may begin before these updates run)
         self.host.steps = step_index
         self.host.optimizer.begin_step()
         self.host.read_ahead(self.host.store.n_groups - 1, 0)  # the head updates first, after the forward
 
     def grads_landed(self, group: int, landed: Any, sq_norm: Tensor) -> None:
+        """The pipeline's on_grads_landed hook: queue the host group's update on the worker (it waits for `landed`;
+        not applied where `sq_norm` is not finite)."""
         self.host.queue(group, self.lr, 1.0, landed, self.host.optimizer.step_tensor, self.steps, sq_norm)
 
     def device_grads_made(self, group: int, grad: Tensor, sq_norm: Tensor) -> None:
+        """The pipeline's on_device_grads hook: queue the resident group's update on the current (compute) stream."""
         with self.device_span(f"adamw {self.host.names[group]}"):
             self.device.update(group, grad, self.lr, 1.0, self.host.optimizer.step_tensor, sq_norm)
 
@@ -289,13 +300,17 @@ class UpdatesAfterClipping(_Policy):
         host.read_direction = 1
 
     def begin_step(self, step_index: int, lr: float) -> None:
+        """Called by the trainer before step `step_index` (0-based) runs, with its learning rate; forgets the last
+        step's gradients."""
         self.lr, self.steps, self.landed = lr, step_index + 1, {}
         self.host.steps = step_index
 
     def grads_landed(self, group: int, landed: Any, sq_norm: Tensor) -> None:
+        """The pipeline's on_grads_landed hook: hold the host group's gradient (its landing event) until `end_step`."""
         self.landed[group] = landed
 
     def device_grads_made(self, group: int, grad: Tensor, sq_norm: Tensor) -> None:
+        """The pipeline's on_device_grads hook: hold the resident group's gradient until `gradients_complete`."""
         self.landed[group] = grad
 
     def gradients_complete(self, loss_sum: Tensor, sq_norm_sum: Tensor) -> None:
@@ -313,6 +328,8 @@ class UpdatesAfterClipping(_Policy):
             self.device.update_beside(group, self.landed.pop(group), self.lr, self.clip, step, span=span)
 
     def end_step(self, skipped: bool) -> None:
+        """The host has read the step's loss and norm (after `gradients_complete`): queue the host groups' updates
+        in layer order with the clip coefficient, or, `skipped`, mark every group as holding the step unchanged."""
         host, landed, self.landed = self.host, self.landed, {}
         if self.clip is None:
             raise OptimError("call gradients_complete(loss_sum, sq_norm_sum) after the backward, before end_step")

@@ -290,6 +290,7 @@ class CostModel(HostItems):
 
     # ------------------------------------------------------------------ memory
     def checkpoint_bytes(self, stage: int, tokens: int) -> int:
+        """Bytes the stage's checkpoint of `tokens` tokens takes (0 where it shares another stage's)."""
         return tokens * self.costs[stage].checkpoint_bytes_per_token if self.planes[stage] else 0
 
     def params(self, stages: tuple[int, ...]) -> int:
@@ -380,6 +381,7 @@ class CostModel(HostItems):
         return max(self.stage_sizes) * 4 + self.params(placement.resident) * 4
 
     def device_bytes(self, placement: Placement) -> int:
+        """GPU bytes a step under `placement` takes at its peak: the runtime's, the persistent and the step's."""
         return RUNTIME_DEVICE_BYTES + self.persistent_device_bytes(placement) + self.step_device_bytes(placement)
 
     def _device_room(self, placement: Placement) -> float:
@@ -537,6 +539,7 @@ class CostModel(HostItems):
         return int(fraction * (4 + self.element) * n if self.split else 2 * fraction * 4 * n)
 
     def network_s(self) -> float:
+        """Seconds `network_bytes` take a step at the machine's network rate."""
         return self.network_bytes() / (self.rates.network_gbps * 1e9)
 
     def exchange_s(self) -> float:
@@ -584,4 +587,6 @@ class CostModel(HostItems):
         }
 
     def step_s(self, placement: Placement) -> float:
+        """Predicted seconds of an optimizer step under `placement`: its slowest bound (`phases`) plus the idle
+        between steps (`boundary_s`)."""
         return max(self.phases(placement).values()) + self.boundary_s(placement)

@@ -67,6 +67,7 @@ class Plan:
 
     @property
     def experts_per_stage(self) -> int:
+        """Experts per streamed part of a MoE layer (0: whole layers), as the placement says."""
         return self.placement.experts_per_stage
 
     @property
@@ -106,6 +107,7 @@ class Plan:
         return len(self.placement.parked)
 
     def as_dict(self) -> dict:
+        """Every field (the placement as its own dict) and the placement's counts, as plain values."""
         fields = asdict(self) | {"placement": self.placement.as_dict()}
         return fields | {name: getattr(self, name) for name in _COUNTS}
 

@@ -162,6 +162,7 @@ class ActivationStore:
         step.checkpoint_rooms, step.product_rooms = self.rooms(tokens, placement)
 
     def keeps_products(self, stage: int) -> bool:
+        """Whether this sweep keeps the stage's forward products (on the device or in host memory)."""
         return stage in self.step.kept or stage in self.step.host_kept
 
     def extras_of(self, stage: int) -> dict:
@@ -208,6 +209,7 @@ class ActivationStore:
         return self._arrived(x), products
 
     def drop(self, stage: int) -> None:
+        """Let go of the stage's checkpoints once its backward has taken them all."""
         self.step.checkpoints[stage] = None
 
     def _offload(self, x: Tensor, name: str, room: _Cursor) -> _Offloaded:

@@ -83,6 +83,7 @@ class MicroBatch:
     dropout: Any = None
 
     def to(self, device: torch.device) -> "MicroBatch":
+        """A copy on `device`, queued non-blocking (the dropout key stays as is)."""
         documents, media = (
             None if x is None else x.to(device, non_blocking=True) for x in (self.documents, self.media)
         )
@@ -97,6 +98,7 @@ class MicroBatch:
 
     @property
     def template_kwargs(self) -> dict:
+        """What every template's forward and backward is given beside the tensors: `documents=`, `media=` where set."""
         kwargs = {} if self.documents is None else {"documents": self.documents}
         return kwargs if self.media is None else kwargs | {"media": self.media}
 

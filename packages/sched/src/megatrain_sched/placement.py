@@ -162,10 +162,13 @@ class Placement:
 
     @functools.cached_property
     def held(self) -> tuple[int, ...]:
+        """Stages whose weights are `HELD`: copied in for the forward, kept in their own device buffer until the
+        backward."""
         return self.where(weights=HELD)
 
     @functools.cached_property
     def offloaded(self) -> tuple[int, ...]:
+        """Stages whose checkpoints wait in pinned host memory until their backward."""
         return self.where(checkpoint=HOST)
 
     @functools.cached_property

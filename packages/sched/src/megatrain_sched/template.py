@@ -43,9 +43,19 @@ class StageTemplate(Protocol):
     # passes `loss_sum(weights, x, labels)` and `token_logps(weights, x, labels, entropy=False)`
     loss: Callable[..., tuple[Tensor, Tensor]] | None = None
 
-    def forward(self, weights: list[Tensor], x: Any, **kwargs: Any) -> Any: ...
+    def forward(self, weights: list[Tensor], x: Any, **kwargs: Any) -> Any:
+        """The stage's output for input `x` (a first stage: the micro-batch's token ids [micro_batch, seq]; else the
+        previous stage's output, e.g. hidden [micro_batch, seq, d_model]); `weights`: one flat compute-dtype view per
+        group of `groups`. Called by `LayerPipeline` on the compute stream, per micro-batch, in the forward sweep."""
+        ...
 
-    def backward(self, weights: list[Tensor], x: Any, grad_out: Any, grads: list, **kwargs: Any) -> Any: ...
+    def backward(self, weights: list[Tensor], x: Any, grad_out: Any, grads: list, **kwargs: Any) -> Any:
+        """The gradient of the stage's input (shaped as the input; None from a first stage), given `grad_out` shaped
+        as the forward's output and `x` = `checkpoint(input)`, from which it recomputes what it needs; adds each
+        group's weight gradient into `grads` (flat device buffers, one per group; None for a frozen group). Called by
+        `LayerPipeline` per micro-batch on the compute stream, for the stages before the head in reverse order, after
+        the head's `loss` (for a stage not `backward_reads_weights`, `weights` were not copied: not to be read)."""
+        ...
 
     def checkpoint(self, x: Any) -> Any:
         """What the backward needs of the stage's input: all of it."""

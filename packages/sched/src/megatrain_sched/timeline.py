@@ -39,6 +39,9 @@ class Timeline:
         self._lock = threading.Lock()
 
     def start_step(self, streams) -> None:
+        """Mark a step's start (called by `LayerPipeline` before a step's first sweep): resolve the finished spans,
+        drop steps beyond `keep_steps`, and, on CUDA, wait for the compute stream and time the step's device spans
+        from here."""
         if not self.enabled:
             return
         self.resolve(wait=False)  # (work still running beside the new step, the GPU optimizer's, is not waited for)
@@ -78,6 +81,7 @@ class Timeline:
 
     @contextmanager
     def host_span(self, name: str, track: str):
+        """Time the block on the host's clock (thread-safe): a span `name` on `track`, start and end in us."""
         if not self.enabled:
             yield
             return

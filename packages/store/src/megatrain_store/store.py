@@ -47,13 +47,16 @@ class MemoryReport:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all arenas (in RAM; the disk tier apart)."""
         return sum(self.arenas.values())
 
     @property
     def bytes_per_param(self) -> float:
+        """`total_bytes` per model parameter."""
         return self.total_bytes / max(1, self.n_params)
 
     def as_dict(self) -> dict:
+        """The report as JSON-ready values, with the totals and the pinning rate (GB/s; None if nothing was pinned)."""
         return {
             "n_params": self.n_params,
             "total_bytes": self.total_bytes,
@@ -67,6 +70,7 @@ class MemoryReport:
 
     @property
     def pinned_bytes(self) -> int:
+        """Bytes of the page-locked arenas."""
         return sum(size for name, size in self.arenas.items() if self.pinned.get(name))
 
 
@@ -379,6 +383,7 @@ class HostStore:
 
     @property
     def n_groups(self) -> int:
+        """How many groups the store holds (`layouts`), indexed 0 to n_groups - 1."""
         return len(self.layouts)
 
     def shard_size(self, group: int) -> int:
@@ -394,6 +399,7 @@ class HostStore:
         return start, min(start + size, numel)
 
     def shard_numel(self, group: int) -> int:
+        """Elements of `group` in this process's shard (`shard_range`): at most `shard_size`, 0 for an empty one."""
         start, end = self.shard_range(group)
         return end - start
 
@@ -405,6 +411,7 @@ class HostStore:
         return start, min((first + count) * size, numel)
 
     def owned_numel(self, group: int) -> int:
+        """Elements of `group` whose master weights and optimizer state this store holds (`owned_range`)."""
         start, end = self.owned_range(group)
         return end - start
 
@@ -541,6 +548,8 @@ class HostStore:
             self.wire(g)[start:end].copy_(self.master(g)[start - offset : end - offset])
 
     def memory_report(self) -> MemoryReport:
+        """Bytes of host memory each arena takes now (master, frozen, packed, wire, reference, grad, state.<name>),
+        which are pinned, the time spent pinning, and the optimizer state held in memory-mapped files."""
         sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
         on_disk = {f"state.{name}": array.nbytes for name, array in self._state_maps.items()}
         return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds, on_disk)

@@ -42,6 +42,7 @@ class Documents:
         self._masks: dict = {}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Documents":
+        """A copy with its tensors on `device` (the mask cache is not carried)."""
         moved = (
             None if t is None else t.to(device, non_blocking=non_blocking) for t in (self.position_ids, self.valid)
         )

@@ -81,6 +81,7 @@ class MlaShape:
 
     @property
     def qk_head_dim(self) -> int:
+        """Width of a query's / key's head: its un-rotated part plus its rotary part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
@@ -202,6 +203,7 @@ class BlockShape:
 
     @property
     def rope_config(self) -> RopeConfig:
+        """`rope`, or where None plain rotary embeddings over the whole `head_dim`."""
         return self.rope or RopeConfig(head_dim=self.head_dim)
 
     @property

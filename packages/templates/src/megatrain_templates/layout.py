@@ -57,6 +57,7 @@ class Span:
         return prod(self.shape)
 
     def view(self, flat: Tensor) -> Tensor:
+        """The span of `flat` (a group's flat buffer) as a tensor of `shape`, sharing its memory."""
         return flat[self.offset : self.offset + self.numel].view(self.shape)
 
 

@@ -49,10 +49,12 @@ class GatedDeltaNetShape:
 
     @property
     def key_dim(self) -> int:
+        """Width of the keys (and queries) over all key heads: n_key_heads x key_head_dim."""
         return self.n_key_heads * self.key_head_dim
 
     @property
     def value_dim(self) -> int:
+        """Width of the values over all value heads: n_value_heads x value_head_dim."""
         return self.n_value_heads * self.value_head_dim
 
     @property
@@ -81,6 +83,7 @@ class Mamba2Shape:
 
     @property
     def inner_dim(self) -> int:
+        """Width of the SSM's inner activations over all heads: n_heads x head_dim."""
         return self.n_heads * self.head_dim
 
     @property

@@ -38,6 +38,7 @@ class Lora:
 
     @property
     def scale(self) -> float:
+        """What the adapter's delta (B A x) is multiplied by: alpha / r."""
         return self.alpha / self.r
 
     def adapts(self, weight_name: str) -> bool:

@@ -17,6 +17,7 @@ class Media:
         self.cache: dict = {}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Media":
+        """A copy with the token ids and every tensor on `device` (the cache is not carried)."""
         moved = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors.items()}
         return Media(self.input_ids.to(device, non_blocking=non_blocking), moved)
 

@@ -131,6 +131,8 @@ class MoeExperts(_MoePart):
         return PartRouting(h, top_index, top_weight, host, ready)
 
     def forward(self, weights: list[Tensor], pair: tuple, documents: Documents | None = None, prepared=None):
+        """pair: (a [batch, seq, d_model], total so far or None) -> (a, total + these experts' output), or for the
+        last part the layer's output a + total [batch, seq, d_model]; `prepared`: this part's routing (`prepare`)."""
         check_buffers(weights, self.groups, "MoeExperts.forward")
         a, total = pair
         routing = prepared or self.prepare(weights, pair)
@@ -142,6 +144,7 @@ class MoeExperts(_MoePart):
 
     @staticmethod
     def checkpoint(pair: tuple) -> Tensor:
+        """The pair's `a` [batch, seq, d_model], all the backward needs (shared by the layer's parts)."""
         return pair[0]
 
     def backward(self, weights, a: Tensor, grad_out, grads, documents: Documents | None = None, prepared=None) -> tuple:

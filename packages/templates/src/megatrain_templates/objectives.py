@@ -47,6 +47,10 @@ class Objective:
         self.metrics_weight = 0  # what the metrics are means over: the step's sequences or trained tokens
 
     def begin_step(self, sequence_of: list[Tensor]) -> None:
+        """Tell the objective the next step's micro-batches, before the pipeline runs it (by `start_step`, or
+        directly where no trainer shares the step): `sequence_of` per micro-batch a [rows, seq] int64 tensor of each
+        label's sequence (0 to n_sequences - 1 over these micro-batches), -1 where it is not trained.
+        Subclasses take the step's other inputs here as keywords."""
         self.sequence_of = sequence_of
         self.n_sequences = max(int(s.max()) for s in sequence_of) + 1 if sequence_of else 0
 
@@ -76,6 +80,8 @@ class SequenceObjective(Objective):
     """A loss of the step's per-sequence log-probabilities: subclasses implement `loss(policy) -> (loss, metrics)`."""
 
     def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
+        """What a subclass implements: (the step's loss, a 0-d tensor differentiable in `policy.logps` [n_sequences],
+        metrics name -> 0-d tensor). Called once per step, inside `__call__` with grad enabled."""
         raise NotImplementedError
 
     def __call__(
@@ -112,16 +118,23 @@ class TokenObjective(Objective):
     sequence's trained tokens."""
 
     def begin_step(self, sequence_of: list[Tensor]) -> None:
+        """As `Objective.begin_step`, and sets `owner` [trained tokens] (each one's sequence, in step order) and
+        `lengths` [n_sequences] (each sequence's trained tokens) for `loss`."""
         super().begin_step(sequence_of)
         self.owner = torch.cat([s[s >= 0] for s in sequence_of]) if sequence_of else torch.zeros(0, dtype=torch.long)
         self.lengths = torch.bincount(self.owner, minlength=self.n_sequences)
 
     def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """What a subclass implements: `logps` [trained tokens], the step's trained tokens' log-probabilities in step
+        order (as `owner`); (the step's loss, a 0-d tensor differentiable in `logps`, metrics name -> 0-d tensor).
+        Called once per step, inside `__call__` with grad enabled."""
         raise NotImplementedError
 
     def __call__(
         self, token_logps: list[Tensor], token_entropy: list[Tensor] | None = None
     ) -> tuple[Tensor, list[Tensor]]:
+        """The pipeline's hook: (the step's loss, per micro-batch each token's d loss / d its cross-entropy, 0 where
+        not trained); `token_entropy`, where given, adds the trained tokens' mean entropy to the metrics."""
         self._check_step(token_logps)
         device = token_logps[0].device
         trained = [owner.to(device) >= 0 for owner in self.sequence_of]
@@ -193,6 +206,8 @@ class DPO(SequenceObjective):
         self.begin_step(sequence_of, extras, n_pairs=len(lengths) // 2, chosen_tokens=int(lengths[0::2].sum()))
 
     def loss(self, policy: Sequences) -> tuple[Tensor, dict[str, Tensor]]:
+        """The `loss_type`'s loss of `policy` (pairs interleaved, chosen first) summed over this process's pairs /
+        `n_pairs` (ORPO's NLL over `chosen_tokens`), and TRL's pair metrics (means over this process's pairs)."""
         if self.loss_type == "orpo":
             return self._orpo(policy)
         if self.loss_type == "simpo":
@@ -367,6 +382,9 @@ class GRPO(TokenObjective):
         self.begin_step(sequence_of, part.advantages, part.old_logps, part.ref_logps, n_sequences, n_tokens)
 
     def loss(self, logps: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The clipped surrogate (plus `beta` x KL) of `logps` [trained tokens], aggregated as `loss_type` over the
+        whole step's sequences or tokens (so processes' losses add up); metrics: TRL's clip ratios, and `kl` where
+        `beta`, means over this process's tokens."""
         owner = self.owner.to(logps.device)
         lengths = self.lengths.to(logps).clamp_min(1)
         old = logps.detach() if self.old is None else self.old.to(logps)

@@ -339,6 +339,7 @@ class RopeConfig:
 
     @property
     def scaling_dict(self) -> dict:
+        """`scaling` (Hugging Face's `rope_scaling` as key-value pairs) as a dict; empty for none."""
         return dict(self.scaling or ())
 
 
