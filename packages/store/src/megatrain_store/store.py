@@ -383,7 +383,6 @@ class HostStore:
 
     @property
     def n_groups(self) -> int:
-        """How many groups the store holds (`layouts`), indexed 0 to n_groups - 1."""
         return len(self.layouts)
 
     def shard_size(self, group: int) -> int:
@@ -399,7 +398,6 @@ class HostStore:
         return start, min(start + size, numel)
 
     def shard_numel(self, group: int) -> int:
-        """Elements of `group` in this process's shard (`shard_range`): at most `shard_size`, 0 for an empty one."""
         start, end = self.shard_range(group)
         return end - start
 
@@ -411,7 +409,6 @@ class HostStore:
         return start, min((first + count) * size, numel)
 
     def owned_numel(self, group: int) -> int:
-        """Elements of `group` whose master weights and optimizer state this store holds (`owned_range`)."""
         start, end = self.owned_range(group)
         return end - start
 
@@ -548,8 +545,7 @@ class HostStore:
             self.wire(g)[start:end].copy_(self.master(g)[start - offset : end - offset])
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of host memory each arena takes now (master, frozen, packed, wire, reference, grad, state.<name>),
-        which are pinned, the time spent pinning, and the optimizer state held in memory-mapped files."""
+        """Bytes each host arena takes now, which are pinned, the time pinning took, and state in memory-mapped files."""
         sizes = {name: t.numel() * t.element_size() for name, t in self.arenas.items()}
         on_disk = {f"state.{name}": array.nbytes for name, array in self._state_maps.items()}
         return MemoryReport(self.n_params, sizes, dict(self.pinned), self.pin_seconds, on_disk)
