@@ -55,9 +55,9 @@ __all__ = [
     "pad_token_id",
     "render_conversation",
     "run_tokenizer",
-    "weights_tokenizer",
     "sequence_lengths",
     "sequence_of_tokens",
     "tokenize_text",
     "train_tokenizer",
+    "weights_tokenizer",
 ]

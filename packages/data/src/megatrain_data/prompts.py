@@ -93,7 +93,7 @@ def read_completions(path: Path) -> list[dict]:
     if not path.exists():
         raise DataError(f"train.grpo.rollouts {path} does not exist; give a JSONL of completions (docs/guide.md)")
     records, numbers = [], []
-    for number, line in enumerate(read_text_file(path, "--prompts").splitlines(), 1):
+    for number, line in enumerate(read_text_file(path, "train.grpo.rollouts").splitlines(), 1):
         if not line.strip():
             continue
         try:

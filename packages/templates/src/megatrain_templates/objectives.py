@@ -68,11 +68,11 @@ class Objective:
 
     def _check_step(self, token_logps: list[Tensor]) -> None:
         """Refuse a step whose micro-batches are not the ones `begin_step` was told of (a deep index error after)."""
-        told = [tuple(s.shape) for s in self.sequence_of]
-        if told != [tuple(t.shape) for t in token_logps]:
+        told, ran = [tuple(s.shape) for s in self.sequence_of], [tuple(t.shape) for t in token_logps]
+        if told != ran:
             raise ValueError(
-                f"the objective was told of micro-batches {told} (begin_step or start_step), the step ran "
-                f"{[tuple(t.shape) for t in token_logps]}: call begin_step with each step's micro-batches first"
+                f"the objective was told of micro-batches {told} (begin_step or start_step), the step ran {ran}: call "
+                "begin_step with each step's micro-batches first"
             )
 
 
