@@ -81,9 +81,14 @@ def test_text_is_tokenized_once_and_cached(tmp_path):
     assert np.array_equal(tokens, again)
 
 
-def test_a_text_without_blank_lines_is_encoded_in_pieces_to_the_same_ids(tmp_path, monkeypatch):
-    """A line-a-record text is one paragraph: it is encoded in pieces cut at line starts (bounded memory, every
-    core), to the ids a byte-level tokenizer gives the paragraph whole, indented lines and empty ones included."""
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_a_text_is_encoded_in_pieces_to_the_ids_of_the_whole_text(tmp_path, monkeypatch):
+    """A text is encoded in pieces cut at line starts (bounded memory, every core), to the ids a byte-level
+    tokenizer gives the whole text: indented lines, blank lines before indented code and the text's end included
+    (paragraphs encoded apart, each ending in a blank line, differed at every blank line before an indent)."""
     from tokenizers import Tokenizer
 
     from megatrain_data import tokens as token_module
@@ -91,18 +96,33 @@ def test_a_text_without_blank_lines_is_encoded_in_pieces_to_the_same_ids(tmp_pat
     monkeypatch.setattr(token_module, "PIECE_CHARS", 200)
     monkeypatch.setattr(token_module, "BATCH_CHARS", 1000)
     rng = np.random.default_rng(0)
-    words = ["alpha", "  indented", "x\ty", "42", "\u00e9tat", "\u65e5\u672c", " ", ""]
-    lines = [" ".join(rng.choice(words, 8)) for _ in range(300)]
-    text = "\n".join(lines)
+    words = ["alpha", "  indented", "x\ty", "42", "\u00e9tat", "\u65e5\u672c", " ", "", "\n    def f():", "\n\n"]
+    text = "\n".join(" ".join(rng.choice(words, 8)) for _ in range(300))
     path = tmp_path / "lines.txt"
     path.write_text(text)
     _, tokenizer_path = load_token_array(DataSection(text=str(path)), 512, tmp_path / "cache", None)
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    pieces = list(token_module._pieces(text))
-    assert len(pieces) > 20 and "".join(pieces) == text + "\n\n"
+    pieces = list(token_module._pieces(text, tokenizer))
+    assert len(pieces) > 20 and "".join(pieces) == text
     assert max(map(len, pieces)) < 1000 < len(text) / 10  # (a cut waits for a line that starts with no space)
-    whole = tokenizer.encode(text + "\n\n", add_special_tokens=False).ids
-    assert token_module._encoded_text(text, tokenizer, "lines.txt").tolist() == whole
+    assert token_module._encoded_text(text, tokenizer, "lines.txt").tolist() == _encode(tokenizer, text)
+
+
+def test_a_sentencepiece_text_is_encoded_whole(monkeypatch):
+    """A SentencePiece-style tokenizer starts each text it encodes with "▁": no cut gives the whole text's ids,
+    so its text is one piece."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from megatrain_data import tokens as token_module
+
+    monkeypatch.setattr(token_module, "PIECE_CHARS", 50)
+    vocab = {piece: i for i, piece in enumerate(["<unk>", "\u2581", "\n", *"abcdefghij", "\u2581a", "\u2581b"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    text = "\n".join(["abcdefghij"] * 40)
+    assert list(token_module._pieces(text, tokenizer)) == [text]
+    assert token_module._encoded_text(text, tokenizer, "sp.txt").tolist() == _encode(tokenizer, text)
 
 
 def test_unreadable_and_empty_sources(tmp_path):
@@ -127,7 +147,7 @@ def test_a_tiny_model_gets_a_tokenizer_that_fits_and_reuses_it(tmp_path, monkeyp
     tokens, path = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
     tokenizer = Tokenizer.from_file(str(path))
     assert tokenizer.get_vocab_size() <= 256 and tokens.max() < 256
-    assert tokenizer.decode(list(tokens)).startswith(text.read_text())  # (each paragraph ends in a blank line)
+    assert tokenizer.decode(list(tokens)) == text.read_text()
     monkeypatch.setattr(data_module, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
     again, same = load_token_array(DataSection(text=str(text)), 256, tmp_path / "cache", None)
     assert same == path and np.array_equal(tokens, again)

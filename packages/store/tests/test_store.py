@@ -55,6 +55,9 @@ def test_load_balanced_biases_are_runs_of_their_own_pair_by_pair():
         )
     with pytest.raises(ValueError, match="update must be"):
         GroupLayout.from_specs([("x", (1,), True, "sgd")])
+    for shape in [(4, -2), (2.5,)]:  # (-2 x -2 made a 4-element tensor of a shape no view takes)
+        with pytest.raises(ValueError, match=r"x: shape must be whole numbers >= 0"):
+            GroupLayout.from_specs([("x", shape, True)])
 
 
 def test_duplicate_names_refused():

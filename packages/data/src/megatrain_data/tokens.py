@@ -201,7 +201,7 @@ def tokenize_text(
             f"{vocab_size}; use the model's own tokenizer or a model with a larger vocabulary"
         )
     key = hashlib.sha256(text.encode() + Path(tokenizer_path).read_bytes()).hexdigest()[:16]
-    cached = cache_dir / f"tokens-v3-{key}.npy"  # v3: a long paragraph in pieces (v2: the start tokens once)
+    cached = cache_dir / f"tokens-v4-{key}.npy"  # v4: the ids of the whole text (v3 ended each paragraph in "\n\n")
     if cached.exists():
         return np.load(cached, mmap_mode="r"), Path(tokenizer_path)
     tokens = _encoded_text(text, tokenizer, text_path.name)
@@ -214,24 +214,34 @@ def tokenize_text(
 # Text encoded at a time: its encodings (offsets, masks: ~100 bytes a token) are freed as each batch's ids become
 # int32, so a text's tokenizing holds its ids at 4 bytes a token (a list of all its encodings took ~200)
 BATCH_CHARS = 1 << 21
-# A paragraph longer than this is encoded in pieces, so that a text without blank lines (a line a record) is not one
-# encode call on one core holding every token's encoding. A piece ends at a newline between two non-space characters:
-# byte-level pre-tokenizers (GPT-2's, Llama 3's, Qwen's) split there anyway, so the ids are the paragraph's (at a
-# newline after spaces GPT-2's would join them); a SentencePiece tokenizer starts a piece as it starts a paragraph
+# A text is encoded in pieces of about this many characters, so that a large file is not one encode call on one core
+# holding every token's encoding. A piece ends at a newline between two non-space characters, where byte-level
+# pre-tokenizers (GPT-2's, Llama 3's, Qwen's) split anyway; a cut is kept only where the characters around it encode
+# to the same ids whole as apart (`_same_ids_apart`), so the ids are `tokenizer(whole text)`'s. A SentencePiece
+# tokenizer, which starts each text it encodes with a space, keeps no cut: its text is one piece.
 PIECE_CHARS = 1 << 16
 _PIECE_END = re.compile(r"(?<=\S)\n(?=\S)")
+_CUT_CHECK_CHARS = 256  # on each side of a cut
 
 
-def _pieces(text: str) -> Iterator[str]:
-    """The text's paragraphs, each with the blank line after it, a long one cut into pieces of about PIECE_CHARS
-    (`_PIECE_END`; one line longer than that stays whole)."""
-    for paragraph in text.split("\n\n"):
-        paragraph += "\n\n"
-        start = 0
-        while len(paragraph) - start > PIECE_CHARS and (cut := _PIECE_END.search(paragraph, start + PIECE_CHARS)):
-            yield paragraph[start : cut.end()]
-            start = cut.end()
-        yield paragraph[start:]
+def _pieces(text: str, tokenizer) -> Iterator[str]:
+    """The text in pieces of about PIECE_CHARS characters or more, cut at `_PIECE_END` where `_same_ids_apart`
+    (a line longer than that, or a text with no such cut, stays whole)."""
+    start = at = 0
+    while len(text) - at > PIECE_CHARS and (cut := _PIECE_END.search(text, at + PIECE_CHARS)):
+        at = cut.end()
+        if _same_ids_apart(tokenizer, text, at):
+            yield text[start:at]
+            start = at
+    yield text[start:]
+
+
+def _same_ids_apart(tokenizer, text: str, at: int) -> bool:
+    """Whether the _CUT_CHECK_CHARS characters on each side of `at` encode to the same ids whole as the two sides
+    encoded apart."""
+    left, right = text[max(0, at - _CUT_CHECK_CHARS) : at], text[at : at + _CUT_CHECK_CHARS]
+    ids = [tokenizer.encode(part, add_special_tokens=False).ids for part in (left + right, left, right)]
+    return ids[0] == ids[1] + ids[2]
 
 
 def _batches(pieces: Iterator[str]) -> Iterator[list[str]]:
@@ -248,12 +258,12 @@ def _batches(pieces: Iterator[str]) -> Iterator[list[str]]:
 
 
 def _encoded_text(text: str, tokenizer, name: str) -> np.ndarray:
-    """A text's token ids as one document (starting as the tokenizer starts a text: Gemma's and Llama's <bos>),
-    encoded paragraph by paragraph (`_pieces`) so that the tokenizer uses every core, a batch of them at a time,
-    with progress by characters."""
+    """A text's token ids as one document, as `tokenizer(text)` gives them (starting as the tokenizer starts a text:
+    Gemma's and Llama's <bos>), encoded in pieces (`_pieces`) so that the tokenizer uses every core, a batch of
+    them at a time, with progress by characters."""
     parts = [np.asarray(document_start_ids(tokenizer), dtype=np.int32)]
-    bar = progress(total=len(text) + 2, desc=f"tokenize {name}", unit="char", leave=False)  # (+ the last "\n\n")
-    for batch in _batches(_pieces(text)):
+    bar = progress(total=len(text), desc=f"tokenize {name}", unit="char", leave=False)
+    for batch in _batches(_pieces(text, tokenizer)):
         encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
         parts.extend(np.asarray(encoding.ids, dtype=np.int32) for encoding in encoded)
         bar.update(sum(map(len, batch)))

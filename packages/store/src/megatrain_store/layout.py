@@ -1,5 +1,6 @@
 """Where each named tensor of a group lives inside that group's flat buffers."""
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
@@ -41,6 +42,8 @@ class GroupLayout:
         entries, offset = [], 0
         for name, shape, decay, *update in specs:
             entry = Entry(name, tuple(shape), offset, bool(decay), *update)
+            if not all(isinstance(dim, numbers.Integral) and dim >= 0 for dim in entry.shape):
+                raise ValueError(f"{name}: shape must be whole numbers >= 0, got {entry.shape}")
             if entry.update not in (ADAMW, LOAD_BIAS):
                 raise ValueError(f"{name}: update must be {ADAMW!r} or {LOAD_BIAS!r}, got {entry.update!r}")
             entries.append(entry)
