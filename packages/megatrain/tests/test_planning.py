@@ -132,6 +132,10 @@ def test_measure_rates_is_a_config_key_the_variable_overrides(monkeypatch):
     [
         (["data.seq_len=100000"], "data.seq_len 100000 is larger than the model allows"),
         (["engine.host_memory_gib=0.01"], "host memory: llama with 0.1M parameters needs"),
+        (  # (the refusal advised a smaller step, which saved nothing)
+            ["model.adapter.type=lora", "model.adapter.r=1000000000000"],
+            "LoRA's rank r=1000000000000 is past the model's hidden size 64, and its adapters' master weights alone",
+        ),
     ],
 )
 def test_what_the_machine_cannot_run_is_refused_before_its_rates_are_measured(monkeypatch, capsys, settings, refusal):

@@ -134,6 +134,12 @@ def _check_host(plan: Plan, model: ModelConfig, adapter) -> None:
     items, gib = plan.host_items, 2**30
     needs = f"host memory: {model.arch} with {_params(plan.n_params)} parameters needs {plan.host_bytes / gib:.1f} GiB"
     may_take = f"this run may take {plan.host_available / gib:.1f} GiB ({plan.host_source})"
+    if adapter is not None and adapter.r > model.d_model:  # (no other saving is near enough)
+        raise PlanError(
+            f"{needs} but {may_take}; LoRA's rank r={adapter.r} is past the model's hidden size {model.d_model}, "
+            f"and its adapters' master weights alone take {items.get('master weights', 0) / gib:.1f} GiB: a smaller "
+            "model.adapter.r (`megatrain plan` lists every item)"
+        )
     optional = [name for name in items if name.startswith(("host-kept", "gradients held across"))]
     required = {name: nbytes for name, nbytes in _step_own(items).items() if name not in optional}
     if sum(required.values()) >= plan.host_available:
