@@ -247,12 +247,28 @@ def test_schedules():
     lin = Schedule(lr=1.0, total_steps=10, kind="linear", min_lr_ratio=0.0)
     assert lr_at(5, lin) == pytest.approx(0.5)
     assert lr_at(7, Schedule(lr=2.0, total_steps=10, kind="constant")) == 2.0
-    with pytest.raises(OptimError, match="unknown schedule"):
+    with pytest.raises(OptimError, match="schedule must be one of constant, cosine, linear, wsd, got 'step'"):
         Schedule(lr=1.0, total_steps=10, kind="step")
     with pytest.raises(OptimError, match=r"min_lr_ratio must be in \[0, 1\]"):  # (above 1 the decay rose)
         Schedule(lr=1.0, total_steps=10, min_lr_ratio=2.0)
     with pytest.raises(OptimError, match="lr must be >= 0 and finite, got -0.1"):
         Schedule(lr=-0.1, total_steps=10)
+
+
+def test_wsd_holds_the_peak_until_its_last_decay_steps():
+    """Warmup, the peak, then the last decay_steps fall by decay_shape to min_lr_ratio * lr at total_steps."""
+    wsd = dict(lr=1.0, total_steps=20, warmup_steps=5, kind="wsd", min_lr_ratio=0.1, decay_steps=10)
+    for shape, halfway in (("cosine", 0.55), ("linear", 0.55), ("1-sqrt", 0.1 + 0.9 * (1 - 0.5**0.5))):
+        schedule = Schedule(**wsd, decay_shape=shape)
+        assert [lr_at(step, schedule) for step in (0, 4, 5, 9, 10)] == pytest.approx([0.2, 1, 1, 1, 1])
+        assert lr_at(15, schedule) == pytest.approx(halfway) and lr_at(20, schedule) == pytest.approx(0.1)
+    for decay_steps in (0, 16):
+        with pytest.raises(OptimError, match=rf"decay_steps .* must be in \[1, 15\].*got {decay_steps}"):
+            Schedule(**{**wsd, "decay_steps": decay_steps})
+    with pytest.raises(OptimError, match="decay_shape must be one of cosine, linear, 1-sqrt, got 'exp'"):
+        Schedule(**wsd, decay_shape="exp")
+    with pytest.raises(OptimError, match="decay_steps and decay_shape are schedule wsd's, not cosine's"):
+        Schedule(lr=1.0, total_steps=10, decay_steps=3)
 
 
 def test_stepper_runs_in_order_and_propagates_errors():

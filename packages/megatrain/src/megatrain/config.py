@@ -9,12 +9,13 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import yaml
 
 from megatrain_data import DataSection, not_utf8_where
+from megatrain_optim import Schedule
 from megatrain_store.rundir import absolute_paths
 from megatrain_templates import ALL_LINEAR, REFERENCE_FREE_LOSSES, Lora
 from megatrain_zoo import ModelConfig, config_to_hf, model_config_from_hf, preset, read_hf_config, read_peft_config
@@ -214,6 +215,8 @@ class GRPOSection:
 
 @dataclass(frozen=True)
 class TrainSection:
+    # the settings of the learning rate's schedule, in the order of `megatrain_optim.Schedule`'s fields
+    SCHEDULE_KEYS: ClassVar = ("lr", "steps", "warmup_steps", "schedule", "min_lr_ratio", "decay_steps", "decay_shape")
     steps: int = 100
     batch_size: int = 8  # sequences per optimizer step (train.objective dpo: pairs)
     micro_batch_size: int | None = None  # sequences per forward/backward pass (dpo: pairs); None: batch_size
@@ -228,8 +231,10 @@ class TrainSection:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     warmup_steps: int = 0
-    schedule: str = "cosine"  # constant | cosine | linear
+    schedule: str = "cosine"  # constant | cosine | linear | wsd (warmup-stable-decay)
     min_lr_ratio: float = 0.1
+    decay_steps: int = 0  # wsd: the last steps, which decay
+    decay_shape: str = "cosine"  # wsd: cosine | linear | 1-sqrt
     seed: int = 0
     max_bad_steps: int = 3  # consecutive non-finite steps that stop the run
     # MoE routers with a correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2, dots.llm1, ERNIE 4.5): moved by this
@@ -287,8 +292,8 @@ class TrainSection:
         unknown = sorted(set(self.trackers) - set(REPORT_TO))
         if unknown:
             raise ConfigError(f"train.report_to names {unknown}; it takes any of {list(REPORT_TO)} (or none)")
-        if self.schedule not in ("constant", "cosine", "linear"):
-            raise ConfigError(f"train.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        # (Schedule checks its settings: an OptimError, which `build_section` gives as a ConfigError)
+        object.__setattr__(self, "lr_schedule", Schedule(*(getattr(self, key) for key in self.SCHEDULE_KEYS)))
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if not self.router_bias_update_rate >= 0:
@@ -332,11 +337,6 @@ class TrainSection:
         for name, (lowest, meaning) in limits.items():
             if not getattr(self, name) >= lowest:
                 raise ConfigError(f"train.{name} must be >= {lowest} ({meaning}), got {getattr(self, name)}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(
-                "train.min_lr_ratio must be in [0, 1] (the rate the decay reaches at train.steps, over the peak), "
-                f"got {self.min_lr_ratio}"
-            )
         if not self.eps > 0:
             raise ConfigError(f"train.eps must be > 0 (AdamW's denominator term, e.g. 1e-8), got {self.eps}")
         if self.lr * self.weight_decay >= 1:  # (each step scales the weights by 1 - lr x weight_decay: 0 or below)

@@ -11,6 +11,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from megatrain_data import DataError
+from megatrain_optim import OptimError
 
 
 class ConfigError(Exception):
@@ -48,6 +49,8 @@ def build_section(cls, values: dict, where: str, root=None):
         raise ConfigError(f"{where or 'config'}: {error}") from error
     except DataError as error:  # (the data section checks itself, as data; in a config it is the config's error)
         raise ConfigError(str(error)) from error
+    except OptimError as error:  # (the train section's schedule, checked by megatrain_optim.Schedule)
+        raise ConfigError(f"{where}.{error}") from error
 
 
 _YAML_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number"}

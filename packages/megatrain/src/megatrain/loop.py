@@ -403,7 +403,7 @@ class TrainingRun:
         train = (self.resume.manifest.get("config") or {}).get("train")
         if not self.main or not train:
             return
-        keys = ("lr", "steps", "warmup_steps", "schedule", "min_lr_ratio")
+        keys = self.config.train.SCHEDULE_KEYS
         was = lr_at(step, Schedule(*(train.get(key, getattr(self.config.train, key)) for key in keys)))
         now = lr_at(step, self.trainer.schedule)
         if not math.isclose(was, now, rel_tol=1e-6):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatrain_data import PairWindows, sequence_lengths, sequence_of_tokens
-from megatrain_optim import DeviceAdamW, Ranks, RankSync, Schedule, lr_at
+from megatrain_optim import DeviceAdamW, Ranks, RankSync, lr_at
 from megatrain_optim.launch import launch_shape, leave_ranks
 from megatrain_plan import read_placement
 from megatrain_sched import Placement, StepResult, Timeline
@@ -107,7 +107,7 @@ class Trainer:
         self._join_ranks(ranks)
         self._fill_store()
         train = config.train
-        self.schedule = Schedule(train.lr, train.steps, train.warmup_steps, train.schedule, train.min_lr_ratio)
+        self.schedule = train.lr_schedule
         self.timeline = Timeline(enabled=config.engine.trace)
         self.optimizer = self.updates = self.policy = self.device_optimizer = parts = None
         if training:
