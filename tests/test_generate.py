@@ -482,3 +482,28 @@ def test_a_generation_configs_sampling_is_what_transformers_resolves(tmp_path, s
         )
     else:
         assert ours["temperature"] == 0 and "top_k" not in ours
+
+
+def test_generate_refuses_prompt_ids_past_the_models_vocabulary_in_one_line(tmp_path, capsys):
+    """A tokenizer that is not the model's (`--set data.tokenizer` naming another) gives a prompt ids the model's
+    embedding has no row for: `megatrain generate` refuses it in one line naming the prompt and the vocabulary."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatrain.cli import main
+
+    np.save(tmp_path / "ids.npy", np.random.randint(0, 256, size=4096).astype(np.int32))
+    run = tmp_path / "run"
+    settings = ["model.preset=tiny-llama", "device=cpu", "train.steps=1", "data.seq_len=32", f"output_dir={run}"]
+    settings += ["train.batch_size=2", "train.micro_batch_size=2", f"data.tokens={tmp_path / 'ids.npy'}"]
+    assert main(["train", *(arg for setting in settings for arg in ("--set", setting))]) == 0
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "other.json"))
+    (tmp_path / "ask.txt").write_text("w5 w900\n")
+    capsys.readouterr()
+    args = ["--checkpoint", str(run), "--prompts", str(tmp_path / "ask.txt"), "--max-new-tokens", "2"]
+    assert main(["generate", *args, "--set", f"data.tokenizer={tmp_path / 'other.json'}"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 1: token ids span [5, 900] but the model's vocab_size is 256" in err
+    assert "Traceback" not in err

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatrain_store import free_device_bytes
 
 from .checkpoint_layout import CheckpointLayout
+from .config import ZooError
 from .hf_export import config_to_hf
 from .peft import with_adapters_merged
 from .skeleton import HFSkeleton
@@ -215,6 +216,13 @@ class Generator:
         """Each prompt's completion (token ids, ending at its stop token where one came), drawn with `seed` from
         noise of the prompt's own row (`first_row` + its index): the same seed samples the same completion of a
         row whichever rows share its batch (`RowSampler`); the global RNG is not used."""
+        vocab = self.trainer.model_config.vocab_size
+        for i, ids in enumerate(prompts):  # (a tokenizer not the model's gives ids its embedding has no row for)
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                raise ZooError(
+                    f"prompt {first_row + i + 1}: token ids span [{min(ids)}, {max(ids)}] but the model's vocab_size "
+                    f"is {vocab}; use the tokenizer the model was built for (data.tokenizer)"
+                )
         longest = max(len(p) for p in prompts)
         plan = self.last_plan = self._planned(len(prompts), longest + sampling.max_new_tokens)
         weights = {f"model.{name}": w for name, w in self._bound(plan.resident).items()}
