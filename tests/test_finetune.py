@@ -480,3 +480,18 @@ def test_a_short_answer_is_found_in_its_own_turn_not_in_the_system_prompt(tokeni
     ids, trained = encode_conversation(template, tokenizer, messages)
     text = tokenizer.decode(ids[: trained.index(True)], skip_special_tokens=False)
     assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("answer", ["def f():\n    return 1\n", "\n\nHello.", "Hi  "])
+def test_an_answers_whitespace_is_trained_where_the_template_writes_it_verbatim(answer, tokenizer_dir):
+    """ChatML writes an answer as it is, so its leading and trailing newlines and spaces are content: trained, as the
+    same template's {% generation %} block marks them in transformers' assistant mask (TRL's assistant_only_loss).
+    The answer stripped was found instead, and a code answer's last newline never trained."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    hf = hf_tokenizer(tokenizer_dir, "qwen2.5", CHATML_WITH_GENERATION)
+    unmarked = CHATML_WITH_GENERATION.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    messages = [{"role": "user", "content": "Write"}, {"role": "assistant", "content": answer}]
+    ids, trained = encode_conversation(our_template("qwen2.5", unmarked), tokenizer, messages)
+    expected = hf_ids(hf, messages, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == expected["input_ids"]
+    assert trained == [bool(m) for m in expected["assistant_masks"]]

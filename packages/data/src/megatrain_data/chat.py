@@ -180,12 +180,12 @@ def _assistant_spans(text: str, messages: list[dict], template: ChatTemplate, to
     order. Raises ValueError naming the turn when the template does not render it verbatim."""
     spans, cursor = [], 0
     for turn, message in enumerate(messages):
-        content = _content_text(message.get("content")).strip()
+        written = _content_text(message.get("content"))
+        content = written.strip()
         assistant = message.get("role") == ASSISTANT
         if assistant:
             cursor = max(cursor, _rendered_before(template, text, messages, turn, tools))
-        start = text.find(content, cursor) if content else cursor
-        span = (start, start + len(content)) if start >= 0 else None
+        span = _content_span(text, written, cursor)
         calls = (
             _tool_calls_span(template, text, messages, turn, tools) if assistant and message.get("tool_calls") else None
         )
@@ -204,6 +204,17 @@ def _assistant_spans(text: str, messages: list[dict], template: ChatTemplate, to
             spans.append(span)
         cursor = span[1]
     return spans
+
+
+def _content_span(text: str, content: str, cursor: int) -> tuple[int, int] | None:
+    """Where a turn's `content` is in `text`, from `cursor` on: verbatim at `cursor` (where the template writes it
+    as it is, ChatML: its leading and trailing whitespace is the answer's too, a code answer's last newline), else
+    its stripped text's first occurrence (templates that trim it, Llama 3's); None where it is not found."""
+    stripped = content.strip()
+    if stripped and text.startswith(content, cursor):
+        return cursor, cursor + len(content)
+    start = text.find(stripped, cursor) if stripped else cursor
+    return (start, start + len(stripped)) if start >= 0 else None
 
 
 def _tool_calls_span(template: ChatTemplate, text: str, messages: list[dict], turn: int, tools) -> tuple | None:

@@ -37,7 +37,7 @@ from .sources import RECORD_SUFFIXES, Source, resolve_sources
 from .tokens import Tokens, document_start_ids, pad_token_id
 
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5  # 5: an answer's own leading and trailing whitespace trained
 
 
 # A file of records smaller than this is read without `datasets`' progress bars (a second or less: a bar, even for
