@@ -40,7 +40,9 @@ def _messages_format_turns(record: dict, source: Source, index: int) -> list:
 
 def _prompt_completion_turns(prompt, completion, where: str) -> list:
     """TRL's conversational prompt-completion record as its turns, where training every assistant turn (as megatrain
-    trains a conversation) trains its completion alone (TRL's completion_only_loss): its prompt holds no answer."""
+    trains a conversation) trains its completion alone, as TRL's completion_only_loss does: its prompt holds no answer.
+    Not token for token: TRL also trains what the template writes after the end-of-turn token (ChatML's newline) and a
+    tool result inside the completion."""
     if not (isinstance(prompt, list) and isinstance(completion, list)):
         raise DataError(
             f"{where} holds prompt and completion text (TRL's prompt-completion format); write it as messages, "
