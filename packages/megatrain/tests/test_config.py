@@ -1,3 +1,4 @@
+import json
 import re
 from pathlib import Path
 
@@ -215,6 +216,16 @@ def test_a_resumed_runs_own_objective_settings_are_not_the_users():
     assert load_config(None, ["train.steps=5"], base=saved).train.steps == 5
     with pytest.raises(ConfigError, match="train.grpo.beta is set, but train.objective is sft"):
         load_config(None, ["train.grpo.beta=0.1"], base=saved)
+
+
+def test_a_runs_saved_config_given_as_its_config_is_taken(tmp_path):
+    """A run's config.json (every section whole, train.dpo's and train.grpo's defaults too) given as --config runs the
+    same job again; it was refused as setting train.dpo.beta under sft."""
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(load_config(None, ["train.steps=7"]).as_dict()))
+    assert load_config(saved, []).train.steps == 7
+    with pytest.raises(ConfigError, match="train.dpo.beta is set, but train.objective is sft"):
+        load_config(saved, ["train.dpo.beta=0.5"])
 
 
 def test_eval_every_without_validation_data_is_refused_in_the_config():

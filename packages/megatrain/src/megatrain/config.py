@@ -654,24 +654,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     for key, value in pairs:
         set_path(values, key, value)
     config = config_from_dict(values)
-    _check_objective_settings(config.train.objective, values.get("train") or {}, (base or {}).get("train") or {})
+    _check_objective_settings(config.train, values.get("train") or {}, (base or {}).get("train") or {})
     return config
 
 
-def _check_objective_settings(objective: str, train: dict, saved: dict) -> None:
+def _check_objective_settings(train: TrainSection, given: dict, saved: dict) -> None:
     """Refuse train.dpo or train.grpo settings given for another objective, which reads none (a run that forgot
-    train.objective: dpo trained SFT, unsaid): those of `train` (the config's values) that `saved` (a resumed run's,
-    which holds them all) does not hold; GRPO's generation settings are any run's (`megatrain generate` reads them)."""
-    for section in {"dpo", "grpo"} - {objective}:
-        for name, value in (train.get(section) or {}).items():
-            if (
-                value is not None
-                and value != (saved.get(section) or {}).get(name)
-                and not name.startswith("generation_")
-            ):
+    train.objective: dpo trained SFT, unsaid): those of `given` (the config's values) other than `saved`'s (a resumed
+    run's, which holds them all) or, where it holds none, than the defaults (a run's config.json given as --config
+    holds them all too); GRPO's generation settings are any run's (`megatrain generate` reads them)."""
+    for section in {"dpo", "grpo"} - {train.objective}:
+        built, default, was = getattr(train, section), type(getattr(train, section))(), saved.get(section) or {}
+        for name, value in (given.get(section) or {}).items():
+            same = value == was[name] if name in was else getattr(built, name) == getattr(default, name)
+            if not (value is None or same or name.startswith("generation_")):
                 raise ConfigError(
-                    f"train.{section}.{name} is set, but train.objective is {objective}, which reads no train.{section}: "
-                    f"set train.objective: {section}, or leave train.{section} out"
+                    f"train.{section}.{name} is set, but train.objective is {train.objective}, which reads no "
+                    f"train.{section}: set train.objective: {section}, or leave train.{section} out"
                 )
 
 
