@@ -47,6 +47,8 @@ def main():
     row = base_row("megatrain", args.model, trainer.model_config, args.seq_len, args.batch, args.batch,
                    statistics.median(seconds))  # fmt: skip
     row |= {"engine": args.engine, "grad_clip": 1.0, "step_times_s": [round(s, 3) for s in seconds]}
+    predicted = trainer.plan.step_s  # (from the rates the run measured at its shape)
+    row |= {"predicted_step_s": round(predicted, 3), "prediction_error": round(predicted / row["step_time_s"] - 1, 3)}
     print(row)
     payload = {"benchmark": "megatrain's training step on the CPU", "machine": machine(), "notes": [], "results": [row]}
     write_results(Path(args.out), payload)
