@@ -691,6 +691,24 @@ def test_a_run_resumed_from_an_older_checkpoint_goes_on_as_that_line(write_confi
     assert sorted(losses(run)) == list(range(1, 9))
 
 
+def test_a_run_of_an_earlier_version_resumed_on_another_schedule_says_its_rate(write_config, tmp_path, capsys):
+    """A checkpoint of a version before train.decay_steps (its manifest's config lacks it) resumed as wsd: the old
+    schedule is the one that version ran (the missing keys' defaults, not the new config's, which made a cosine with
+    decay_steps and refused)."""
+    config = write_config(train={"steps": 4, "save_every": 2})
+    assert main(["train", "--config", str(config)]) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    for key in ("decay_steps", "decay_shape"):
+        del manifest["config"]["train"][key]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    wsd = ["train.schedule=wsd", "train.decay_steps=2", "train.steps=8"]
+    assert main(["train", "--resume", str(tmp_path / "run"), *(a for s in wsd for a in ("--set", s))]) == 0
+    assert (
+        "step 5 trains at lr 0.001 on the changed schedule, where the run's own had 0.0001" in capsys.readouterr().err
+    )
+
+
 def test_a_metrics_line_cut_short_does_not_stop_a_resume(write_config, tmp_path, capsys):
     """A kill or a full disk can leave metrics.jsonl's last line cut short: the resumed run leaves it out, saying so."""
     config = write_config(train={"steps": 4, "save_every": 2})

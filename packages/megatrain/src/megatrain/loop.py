@@ -403,8 +403,8 @@ class TrainingRun:
         train = (self.resume.manifest.get("config") or {}).get("train")
         if not self.main or not train:
             return
-        keys = self.config.train.SCHEDULE_KEYS
-        was = lr_at(step, Schedule(*(train.get(key, getattr(self.config.train, key)) for key in keys)))
+        section = type(self.config.train)  # (a key the run's version lacked: its default, which the run trained with)
+        was = lr_at(step, Schedule(*(train.get(key, getattr(section, key)) for key in section.SCHEDULE_KEYS)))
         now = lr_at(step, self.trainer.schedule)
         if not math.isclose(was, now, rel_tol=1e-6):
             print(
