@@ -123,6 +123,9 @@ def test_a_sentencepiece_text_is_encoded_whole(monkeypatch):
     text = "\n".join(["abcdefghij"] * 40)
     assert list(token_module._pieces(text, tokenizer)) == [text]
     assert token_module._encoded_text(text, tokenizer, "sp.txt").tolist() == _encode(tokenizer, text)
+    monkeypatch.setattr(token_module, "MAX_PIECE_CHARS", 100)  # (memory bounds a piece: cut anyway)
+    pieces = list(token_module._pieces(text, tokenizer))
+    assert "".join(pieces) == text and len(pieces) == 4 and max(map(len, pieces)) < 200
 
 
 def test_unreadable_and_empty_sources(tmp_path):

@@ -218,19 +218,21 @@ BATCH_CHARS = 1 << 21
 # holding every token's encoding. A piece ends at a newline between two non-space characters, where byte-level
 # pre-tokenizers (GPT-2's, Llama 3's, Qwen's) split anyway; a cut is kept only where the characters around it encode
 # to the same ids whole as apart (`_same_ids_apart`), so the ids are `tokenizer(whole text)`'s. A SentencePiece
-# tokenizer, which starts each text it encodes with a space, keeps no cut: its text is one piece.
+# tokenizer, which starts each text it encodes with a space, keeps no cut: its text is one piece, up to
+# MAX_PIECE_CHARS (~3 GB of encodings), where a cut is made anyway (its first token may then differ).
 PIECE_CHARS = 1 << 16
+MAX_PIECE_CHARS = 1 << 26
 _PIECE_END = re.compile(r"(?<=\S)\n(?=\S)")
 _CUT_CHECK_CHARS = 256  # on each side of a cut
 
 
 def _pieces(text: str, tokenizer) -> Iterator[str]:
-    """The text in pieces of about PIECE_CHARS characters or more, cut at `_PIECE_END` where `_same_ids_apart`
-    (a line longer than that, or a text with no such cut, stays whole)."""
+    """The text in pieces of about PIECE_CHARS characters or more, cut at `_PIECE_END` where `_same_ids_apart` or
+    the piece reached MAX_PIECE_CHARS (a line longer than PIECE_CHARS, or a text with no such cut, stays whole)."""
     start = at = 0
     while len(text) - at > PIECE_CHARS and (cut := _PIECE_END.search(text, at + PIECE_CHARS)):
         at = cut.end()
-        if _same_ids_apart(tokenizer, text, at):
+        if at - start >= MAX_PIECE_CHARS or _same_ids_apart(tokenizer, text, at):
             yield text[start:at]
             start = at
     yield text[start:]
