@@ -133,6 +133,36 @@ def test_conversations_with_the_simple_template_train_the_rendered_completion(tm
         assert tokenizer.decode([i for i, t in zip(ids, trained) if t], skip_special_tokens=False) == completion
 
 
+def common_prefix_length(ids, other_ids):
+    return next((i for i, (a, b) in enumerate(zip(ids, other_ids)) if a != b), min(len(ids), len(other_ids)))
+
+
+def test_a_pairs_completions_start_where_trl_splits_them_when_one_merges_into_the_prompt(tmp_path, tokenizer_path):
+    """TRL's DPOTrainer splits a conversational pair at one prompt length for both completions: the shorter of the
+    prompt's ids' common prefixes with chosen's and rejected's. Where only chosen's first characters merge with the
+    prompt's last ("assistant: " + "away": one token " a"), rejected trains that prompt token too."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    template = tmp_path / "colon.jinja"  # a generation prompt ending in a space
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    record = {
+        "prompt": [{"role": "user", "content": "hi"}],
+        "chosen": [{"role": "assistant", "content": "away"}],
+        "rejected": [{"role": "assistant", "content": "\nno"}],
+    }
+    source = write_jsonl(tmp_path / "c.jsonl", [record])
+    data = load_pairs(source, tokenizer_path, tmp_path / "cache", seq_len=64, chat_template=str(template))
+    prompt_ids = tokenizer.encode("user: hi\nassistant: ", add_special_tokens=False).ids
+    texts = ("user: hi\nassistant: away\n", "user: hi\nassistant: \nno\n")
+    full = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    prompt_length = min(common_prefix_length(prompt_ids, ids) for ids in full)  # (TRL's `tokenize_fn`)
+    assert prompt_length < len(prompt_ids)  # the merge this test is about
+    for row, ids in enumerate(full):
+        assert sequence(data.train, row) == (ids, [i >= prompt_length for i in range(len(ids))])
+
+
 def test_truncation_keeps_the_prompts_end_and_the_completions_start(tmp_path, tokenizer_path):
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     long_prompt = " ".join(f"word{i}" for i in range(30))

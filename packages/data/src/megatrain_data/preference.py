@@ -34,7 +34,7 @@ from .sources import Source, resolve_sources
 from .tokens import Tokens, document_start_ids, pad_token_id
 
 # Bumped whenever what the cache holds changes, so that an older cache is never read as a newer one
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a conversational pair's completions start at one prompt length, as TRL splits them
 ROLES = ("user", "assistant", "system", "tool")
 
 
@@ -242,18 +242,21 @@ def _render(example: PreferenceExample, template: ChatTemplate) -> tuple[list[st
 
 def _conversation_members(example, template, tokenizer, where: str) -> list[tuple[list[int], int]]:
     """[(ids, completion start)] of chosen and rejected: each conversation tokenized whole, as
-    apply_chat_template(prompt + completion) makes it; its completion the tokens past the prompt's text."""
+    apply_chat_template(prompt + completion) makes it; both completions start at the first token that reaches past
+    the prompt's text in either (TRL splits a pair at one prompt length: where a completion's first characters merge
+    with the prompt's last into one token, the other completion trains that prompt token too)."""
     texts, boundary = _render(example, template)
-    members = []
-    for name, encoding in zip(("chosen", "rejected"), tokenizer.encode_batch(texts, add_special_tokens=False)):
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    starts = []
+    for name, encoding in zip(("chosen", "rejected"), encodings):
         start = next((t for t, (_, end) in enumerate(encoding.offsets) if end > boundary), len(encoding.ids))
         if start == len(encoding.ids):
             raise DataError(
                 f"{where}: the chat template renders nothing of its {name} completion after the prompt; fix the "
                 "record's roles, or set data.chat_template"
             )
-        members.append((encoding.ids, start))
-    return members
+        starts.append(start)
+    return [(encoding.ids, min(starts)) for encoding in encodings]
 
 
 def _text_members(examples: list[PreferenceExample], tokenizer, eos: str) -> list[list[tuple[list[int], int]]]:
