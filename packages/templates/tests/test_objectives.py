@@ -111,7 +111,8 @@ def test_a_margin_of_noise_is_a_tie_and_a_tie_is_not_right():
     lengths = torch.tensor([9.0, 7.0, 12.0, 5.0])
     reference = Sequences(torch.tensor([-40.0, -35.0, -50.0, -20.0], dtype=torch.float64), lengths)
     objective = DPO(0.1, "sigmoid")
-    for shift, accuracy in (([2e-6, -2e-6, 1e-6, -3e-6], 0.0), ([0.5, 0.0, 0.0, 2e-6], 0.5)):
+    real = [0.005, 0.0, 0.0, 2e-6]  # (a margin of 5e-4 at beta 0.1: a tie by the 1e-4 tolerance, against TRL)
+    for shift, accuracy in (([2e-6, -2e-6, 1e-6, -3e-6], 0.0), ([0.5, 0.0, 0.0, 2e-6], 0.5), (real, 0.5)):
         objective.begin_step([], reference, n_pairs=2)
         _, metrics = objective.loss(Sequences(reference.logps + torch.tensor(shift, dtype=torch.float64), lengths))
         assert metrics["rewards/accuracies"].item() == accuracy
