@@ -29,6 +29,30 @@ def test_prompts_are_tokenized_with_their_columns(tokenizer_path, tmp_path):
         load_prompts(data, 2, tokenizer, tokenizer_path, "")
 
 
+def test_a_text_prompt_starts_as_the_tokenizer_starts_a_text(tokenizer_path, tmp_path):
+    """TRL tokenizes a text prompt as `tokenizer(text)`: with the <bos> a Llama, Gemma or Mistral tokenizer puts
+    first. GRPO's prompts (generated and given completions alike) had none, and trained a distribution the model
+    never starts from; a rendered conversation keeps what its template wrote, with no second <bos>."""
+    from tokenizers import processors
+
+    from megatrain_data.prompts import render_prompt
+
+    with_bos = Tokenizer.from_file(str(tokenizer_path))
+    with_bos.add_special_tokens(["<bos>"])
+    bos = with_bos.token_to_id("<bos>")
+    with_bos.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    text = "What is 2 plus 3?"
+    assert render_prompt(text, None, with_bos, "x") == with_bos.encode(text).ids  # (transformers' tokenizer(text))
+    assert render_prompt(text, None, with_bos, "x")[0] == bos
+
+    class Template:  # (a chat template that writes its own <bos>, as Llama 3's does)
+        def render(self, messages, add_generation_prompt):
+            return ["<bos>" + messages[0]["content"]]
+
+    ids = render_prompt([{"role": "user", "content": text}], Template(), with_bos, "x")
+    assert ids == [bos, *with_bos.encode(text, add_special_tokens=False).ids]
+
+
 def test_an_empty_prompt_is_refused_naming_its_record(tokenizer_path, tmp_path):
     """Generation starts from a prompt's last token: an empty one stopped GRPO mid-run (and `generate`) with an
     IndexError."""

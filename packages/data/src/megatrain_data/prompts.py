@@ -17,6 +17,7 @@ from .files import read_text_file
 from .records import load_records
 from .section import DataSection
 from .sources import resolve_sources
+from .tokens import document_start_ids
 from .windows import Batch
 
 
@@ -30,16 +31,18 @@ class Prompts:
 
 
 def render_prompt(prompt, template, tokenizer, where: str) -> list[int]:
-    """A prompt's tokens as TRL makes them: a conversation rendered with its generation prompt, text as it is."""
+    """A prompt's tokens as TRL makes them: a conversation rendered with its generation prompt (the template writes
+    any <bos>, as `apply_chat_template`), text as `tokenizer(text)` starts it (Llama's, Gemma's, Mistral's <bos>)."""
     if isinstance(prompt, list):
         if template is None:
             raise DataError(
                 f"{where}: a conversational prompt, and the tokenizer has no chat template; set data.chat_template"
             )
-        prompt = template.render(prompt, add_generation_prompt=True)[0]
-    elif not isinstance(prompt, str):
+        text = template.render(prompt, add_generation_prompt=True)[0]
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    if not isinstance(prompt, str):
         raise DataError(f"{where}: the prompt is {type(prompt).__name__}; give text or a list of messages")
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return document_start_ids(tokenizer) + tokenizer.encode(prompt, add_special_tokens=False).ids
 
 
 def load_prompts(data: DataSection, max_prompt_length: int, tokenizer, tokenizer_path: Path, eos: str) -> Prompts:

@@ -26,16 +26,12 @@ def generate_completions(trainer, tokenizer, tokenizer_path, prompts: list, samp
     the trainer's weights, as many at a time as the KV cache's room allows (train.grpo.generation_weights: resident or
     streamed layers). A text prompt starts as the tokenizer starts a text (Llama's and Gemma's <bos>), as
     transformers' `tokenizer(text)` and megatrain's text documents do; a rendered conversation as its template wrote it."""
-    from megatrain_data import document_start_ids, eos_token_text, load_chat_template, pad_token_id
+    from megatrain_data import eos_token_text, load_chat_template, pad_token_id
     from megatrain_data.prompts import render_prompt
 
     eos = eos_token_text(tokenizer, trainer.model_config.eos_token_id, tokenizer_path.parent)
     template = load_chat_template(tokenizer_path.parent, trainer.config.data.chat_template, eos)
-    start = document_start_ids(tokenizer)
-    ids = [
-        (start if isinstance(p, str) else []) + render_prompt(p, template, tokenizer, f"prompt {i + 1}")
-        for i, p in enumerate(prompts)
-    ]
+    ids = [render_prompt(p, template, tokenizer, f"prompt {i + 1}") for i, p in enumerate(prompts)]
     grpo = trainer.config.train.grpo
     generator = Generator(trainer, grpo.generation_weights, grpo.generation_decoding)
     completions = generator.generate(ids, sampling, pad_token_id(tokenizer, eos), seed)
