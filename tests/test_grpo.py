@@ -66,8 +66,9 @@ def trl_loss(logps, old, ref, advantages, mask, grpo: GRPOSection):
     high = grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high
     coef_2 = torch.clamp(coef_1, 1 - grpo.epsilon, 1 + high)
     per_token = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
-    if grpo.beta:
-        per_token = per_token + grpo.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+    if grpo.beta:  # (times the ratio: TRL's use_bias_correction_kl, its default since 1.10)
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token = per_token + grpo.beta * (kl * coef_1 if grpo.use_bias_correction_kl else kl)
     if grpo.loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if grpo.loss_type == "dr_grpo":
@@ -88,6 +89,7 @@ def trl_advantages(rewards, num_generations, scale_rewards):
 CASES_GRPO = {
     "dapo": GRPOSection(num_generations=3, loss_type="dapo", epsilon_high=0.28),
     "grpo-kl": GRPOSection(num_generations=3, loss_type="grpo", beta=0.04),
+    "grpo-kl-unweighted": GRPOSection(num_generations=3, loss_type="grpo", beta=0.04, use_bias_correction_kl=False),
     "bnpo-kl": GRPOSection(num_generations=3, loss_type="bnpo", beta=0.1, scale_rewards="batch"),
     "dr_grpo": GRPOSection(num_generations=3, loss_type="dr_grpo", scale_rewards="none", max_completion_length=12),
     "gspo": GRPOSection(num_generations=3, loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4),

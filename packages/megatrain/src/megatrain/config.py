@@ -148,6 +148,7 @@ class GRPOSection:
 
     num_generations: int = 8  # completions per prompt: a group, whose rewards set each one's advantage
     beta: float = 0.0  # the KL penalty's weight (0: no reference model)
+    use_bias_correction_kl: bool = True  # the KL term times the importance ratio (TRL's default since 1.10)
     epsilon: float = 0.2  # the importance ratio's clip below (and above, unless epsilon_high)
     epsilon_high: float | None = None  # DAPO's clip above (0.28); None: epsilon
     loss_type: str = "dapo"  # grpo, bnpo, dr_grpo or dapo: how the tokens' losses are averaged

@@ -328,7 +328,9 @@ class GRPO(TokenObjective):
     it (`old_logps`; None: this policy, one update per rollout) clipped to [1 - epsilon, 1 + epsilon_high] per token,
     or per sequence as GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7: the ratio of the
     sequences' mean token log-probabilities), plus `beta` x the k3 estimate of the KL divergence to the reference
-    per token (Schulman 2020, "Approximating KL divergence": e^(ref - logp) - (ref - logp) - 1). The tokens' losses
+    per token (Schulman 2020, "Approximating KL divergence": e^(ref - logp) - (ref - logp) - 1), times the importance
+    ratio where `use_bias_correction_kl` (TRL's default since 1.10: DeepSeek-V3.2's unbiased KL gradient; the ratio,
+    1 at a rollout's first update, still carries a gradient there). The tokens' losses
     aggregate as TRL's `loss_type`: grpo, the mean over sequences of each one's token mean; bnpo and dapo, the mean
     over the step's tokens (TRL's bnpo normalises per micro-batch: the same with one per step); dr_grpo (Liu et al.
     2025, "Understanding R1-Zero-Like Training"), the sum over the step's tokens / (sequences x
@@ -344,6 +346,7 @@ class GRPO(TokenObjective):
         loss_type: str = "dapo",
         importance_sampling_level: str = "token",
         max_completion_length: int = 256,
+        use_bias_correction_kl: bool = True,
     ):
         super().__init__()
         if loss_type not in GRPO_LOSS_TYPES:
@@ -353,6 +356,7 @@ class GRPO(TokenObjective):
         self.beta, self.loss_type, self.level = beta, loss_type, importance_sampling_level
         self.epsilon_low, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
         self.max_completion_length = max_completion_length
+        self.use_bias_correction_kl = use_bias_correction_kl
 
     def begin_step(
         self,
@@ -398,10 +402,14 @@ class GRPO(TokenObjective):
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         advantages = self.advantages.to(logps)[owner]
         per_token = -torch.min(ratio * advantages, clipped * advantages)
-        metrics = _clip_metrics(ratio.detach(), advantages, self.epsilon_low, self.epsilon_high)
+        # (TRL's GSPO clip ratios are shares of sequences: each sequence's tokens weigh 1 / its length in all)
+        weights = 1 / lengths[owner] if self.level == "sequence" else torch.ones_like(ratio)
+        metrics = _clip_metrics(ratio.detach(), advantages, self.epsilon_low, self.epsilon_high, weights)
         if self.beta:
             gap = self.ref.to(logps) - logps
             kl = torch.exp(gap) - gap - 1
+            if self.use_bias_correction_kl:
+                kl = kl * ratio
             per_token = per_token + self.beta * kl
             metrics["kl"] = kl.detach().mean()
         return self._aggregate(per_token, owner, lengths), metrics
@@ -415,15 +423,16 @@ class GRPO(TokenObjective):
         return per_token.sum() / max(self.total_tokens, 1)  # bnpo, dapo
 
 
-def _clip_metrics(ratio: Tensor, advantages: Tensor, low: float, high: float) -> dict[str, Tensor]:
-    """TRL's clip ratios: the share of tokens whose ratio the clip holds (below with a negative advantage, above
-    with a positive one)."""
+def _clip_metrics(ratio: Tensor, advantages: Tensor, low: float, high: float, weights: Tensor) -> dict[str, Tensor]:
+    """TRL's clip ratios: the share of tokens (by `weights`) whose ratio the clip holds (below with a negative
+    advantage, above with a positive one)."""
     below = (ratio < 1 - low) & (advantages < 0)
     above = (ratio > 1 + high) & (advantages > 0)
+    share = lambda held: (held * weights).sum() / weights.sum()  # noqa: E731
     return {
-        "clip_ratio/low_mean": below.to(ratio.dtype).mean(),
-        "clip_ratio/high_mean": above.to(ratio.dtype).mean(),
-        "clip_ratio/region_mean": (below | above).to(ratio.dtype).mean(),
+        "clip_ratio/low_mean": share(below),
+        "clip_ratio/high_mean": share(above),
+        "clip_ratio/region_mean": share(below | above),
     }
 
 
