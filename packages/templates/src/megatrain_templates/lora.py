@@ -132,7 +132,7 @@ class AdapterLayout:
         adapted: dict[str, list[ParamSpec]] = {}
         for name in matrices:
             span = spans[name]
-            if len(span.shape) != 2:  # (experts' [n_experts, ...] tensors: PEFT's target_modules reach none of them)
+            if len(span.shape) != 2:  # (experts' [n_experts, ...] tensors: not adapted, as PEFT before 0.22)
                 continue
             members = [p for p in params if span.offset <= offsets[p.name] < span.offset + span.numel]
             chosen = [p for p in members if len(p.shape) == 2 and lora.adapts(p.name)]
