@@ -1225,3 +1225,11 @@ def test_a_kept_graph_leaves_a_host_scalar_in_the_graph_and_hands_over_the_devic
     assert products and all(p.device == x.device for p in products.values())
     grad_x, grad_weights = kept.backward(products, x, [weights], torch.ones(2, 3, device="meta"))
     assert grad_x.shape == x.shape and grad_weights.shape == weights.shape
+
+
+def test_lora_targets_naming_an_experts_projection_are_said_to_adapt_no_expert():
+    """PEFT 0.22 maps down_proj (or all-linear, or Mixtral's w2) onto a fused MoE layer's experts; megatrain adapts
+    none of them, and a mixture of experts' run says so where its targets name one."""
+    for targets in (("q_proj", "down_proj"), ("all-linear",), ("w2",), ("mlp.gate_up_proj",)):
+        assert "adapt no expert of the MoE layers" in Lora(8, 16.0, targets).experts_note()
+    assert Lora(8, 16.0, ("q_proj", "v_proj", "o_proj")).experts_note() is None

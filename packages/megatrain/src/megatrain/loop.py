@@ -475,6 +475,8 @@ class TrainingRun:
                 file=sys.stderr,
             )
         model = trainer.model_config
+        if model.is_moe and (note := trainer.spec.adapter and trainer.spec.adapter.experts_note()):
+            print(f"megatrain: warning: {note}", file=sys.stderr)
         if model.router_bias and config.model.preset and self.resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
                 print(
