@@ -180,17 +180,16 @@ def _assistant_spans(text: str, messages: list[dict], template: ChatTemplate, to
     order. Raises ValueError naming the turn when the template does not render it verbatim."""
     spans, cursor = [], 0
     for turn, message in enumerate(messages):
-        written = _content_text(message.get("content"))
-        content = written.strip()
+        content = _content_text(message.get("content"))
         assistant = message.get("role") == ASSISTANT
         if assistant:
             cursor = max(cursor, _rendered_before(template, text, messages, turn, tools))
-        span = _content_span(text, written, cursor)
+        span = _content_span(text, content, cursor)
         calls = (
             _tool_calls_span(template, text, messages, turn, tools) if assistant and message.get("tool_calls") else None
         )
         if calls is not None:  # (the calls a template writes after the content, or instead of it: Llama 3.1's)
-            before_calls = span is not None and content and span[1] <= calls[1]  # (not found in a later turn)
+            before_calls = span is not None and content.strip() and span[1] <= calls[1]  # (not in a later turn)
             span = (min(span[0], calls[0]), calls[1]) if before_calls else calls
         if span is None:
             if assistant:

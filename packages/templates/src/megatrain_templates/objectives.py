@@ -428,12 +428,8 @@ def _clip_metrics(ratio: Tensor, advantages: Tensor, low: float, high: float, we
     advantage, above with a positive one)."""
     below = (ratio < 1 - low) & (advantages < 0)
     above = (ratio > 1 + high) & (advantages > 0)
-    share = lambda held: (held * weights).sum() / weights.sum()  # noqa: E731
-    return {
-        "clip_ratio/low_mean": share(below),
-        "clip_ratio/high_mean": share(above),
-        "clip_ratio/region_mean": share(below | above),
-    }
+    held = {"low": below, "high": above, "region": below | above}
+    return {f"clip_ratio/{name}_mean": (where * weights).sum() / weights.sum() for name, where in held.items()}
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> tuple[Tensor, dict]:
