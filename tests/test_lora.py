@@ -229,6 +229,8 @@ def check_steps_match_peft(
     # (transformers' fused expert tensors are stored expert by expert: the one-to-one names compared here, the
     # experts through the steps' and logits' equality)
     fused = {n for n in base if ".experts." in n and n not in streamed}
+    # (transformers >= 5 names Mixtral's block_sparse_moe mlp; the store keeps the published names)
+    streamed.update({n.replace(".block_sparse_moe.", ".mlp."): t for n, t in streamed.items()})
     assert not any(".lora_" in n for n in base) and set(base) - fused <= set(streamed)
     for param_name, value in base.items():
         if param_name not in fused:
@@ -291,10 +293,26 @@ def test_steps_match_peft(name, targets, dtype, grad_clip, tmp_path):
     check_steps_match_peft(name, targets, dtype, grad_clip, tmp_path)
 
 
-def test_a_mixture_of_experts_steps_match_peft(tmp_path):
-    """Qwen2-MoE's attention and shared expert adapted (its experts' 3-D tensors are out of target_modules' reach,
-    PEFT's as megatrain's), its experts and router frozen: their gradients flow to the hidden states alone."""
-    check_steps_match_peft("tiny-qwen2-moe", ["q_proj", "v_proj", "down_proj"], "float32", 0.05, tmp_path)
+@pytest.mark.parametrize(
+    "name, targets, dtype, kept_layers",
+    [
+        ("tiny-qwen2-moe", ["q_proj", "v_proj", "down_proj"], "float32", "auto"),
+        ("tiny-qwen2-moe", ["all-linear"], "float32", 1),
+        ("tiny-olmoe", ["gate_proj", "up_proj"], "float32", "auto"),
+        ("tiny-mixtral", ["q_proj", "w1", "w3", "w2"], "float32", 1),
+        ("tiny-deepseek-v3", ["all-linear"], "float32", "auto"),
+        ("tiny-llama4", ["q_proj", "v_proj", "down_proj"], "float32", "auto"),
+        ("tiny-gpt-oss", ["all-linear"], "float32", "auto"),
+    ],
+)
+def test_a_mixture_of_experts_steps_match_peft(name, targets, dtype, kept_layers, tmp_path):
+    """PEFT 0.22 adapts what transformers fuses: each expert's fused gate-up matrix (rank 2r where both its members
+    are named), its down matrix, and under all-linear the router (Qwen2-MoE's softmax, DeepSeek-V3's sigmoid in fp32),
+    beside the shared expert and its gate; Llama 4's experts not (stored fused, they are parameters; its router, an
+    nn.Linear returning a tuple, crashes PEFT's LoRA), its shared expert's down projection; gpt-oss' attention alone.
+    A layer keeping its products recomputes the experts' adapters."""
+    engine = EngineSection(kept_layers=kept_layers)
+    check_steps_match_peft(name, targets, dtype, 0.05, tmp_path, engine=engine)
 
 
 def test_the_generic_path_steps_match_peft(tmp_path):
@@ -346,7 +364,7 @@ def test_packed_rows_match_peft_on_the_documents_apart(tmp_path):
         ("tiny-qwen2", ["all-linear"], "float64", "auto", 4),
         ("tiny-qwen2", ["all-linear"], "float64", "transformers", 4),
         # (one micro-batch: PEFT's balance loss is over the step's tokens at once)
-        ("tiny-qwen2-moe", ["q_proj", "v_proj", "down_proj"], "float32", "auto", 2),
+        ("tiny-llama4", ["q_proj", "v_proj", "down_proj"], "float32", "auto", 2),
     ],
 )
 def test_dropout_matches_peft_with_the_same_masks(name, targets, dtype, implementation, rows, tmp_path):
@@ -413,6 +431,18 @@ def test_a_rank_below_one_is_refused(tmp_path):
     for r in (0, -4):
         with pytest.raises(ConfigError, match=f"model.adapter.r must be a positive rank, got {r}$"):
             lora_config(tmp_path, r=r)
+
+
+def test_dropout_on_what_transformers_fuses_is_refused(tmp_path, monkeypatch):
+    """PEFT 0.22 applies no dropout to a fused expert matrix or a router it adapts as a parameter: nor does megatrain,
+    which refuses before anything loads, as it refuses naming one of a fused pair."""
+    overrides = ["model.preset=tiny-qwen2-moe", "model.adapter.target_modules=[q_proj,down_proj]"]
+    config = load_config(None, [*overrides, "model.adapter.dropout=0.1"], base=lora_config(tmp_path).as_dict())
+    message = refused_before_loading(config, monkeypatch)
+    assert "model.adapter.dropout 0.1 on experts_down: LoRA dropout can't be applied" in message
+    config = load_config(None, ["model.preset=tiny-qwen2-moe", "model.adapter.target_modules=[up_proj]"], base=config.as_dict())
+    message = refused_before_loading(config, monkeypatch)
+    assert "names up_proj but not gate_proj: each expert's gate_proj and up_proj are one fused matrix" in message
 
 
 def test_moe_layers_in_parts_of_their_experts_are_refused_for_now(tmp_path, monkeypatch):

@@ -754,10 +754,10 @@ class DecoderBlock(Template):
             for name, span in self._spans.items()
             if name not in self._vectors and name not in skip
         }
-        if self._adapters is not None:
-            matrices = self._adapters.bind(matrices, weights[1], grads[1], products, dropout)
+        if self._adapters is not None:  # (a frozen base's vectors too: a MoE's router may be adapted)
+            matrices = self._adapters.bind({**matrices, **fixed}, weights[1], grads[1], products, dropout)
         kept = self._kept_results(products, keep=False) if products else {}
-        return {**matrices, **leaves, **fixed, **kept}, leaves
+        return {**leaves, **fixed, **matrices, **kept}, leaves
 
     def backward(
         self,

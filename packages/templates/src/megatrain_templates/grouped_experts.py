@@ -5,12 +5,13 @@ is `ops.swiglu`'s).
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from . import expert_kernels
+from .expert_adapters import AdaptedExperts
 from .layout import BoundWeight, ProductKeeper
 from .ops import compiled_on_cuda, upcast
 
@@ -187,17 +188,51 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None
 
 
-def _grouped_linear(x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper", slots: _Slots, out_in: bool) -> Tensor:
+def _grouped_linear(
+    x: Tensor, weight: "Tensor | BoundWeight | ProductKeeper | AdaptedExperts", slots: _Slots, out_in: bool
+) -> Tensor:
     """x [rows, in] grouped by expert times each expert's matrix, stored [n_experts, out, in] (`out_in`:
     transformers' per-expert layout) or [n_experts, in, out] (the fused one), as `ops.linear` treats a
-    `BoundWeight` (gradient into its buffer, its product standing for the GEMMs) and a `ProductKeeper`."""
-
+    `BoundWeight` (gradient into its buffer, its product standing for the GEMMs), a `ProductKeeper` and LoRA's
+    `AdaptedExperts` (the base's product plus each expert's low-rank delta)."""
+    if isinstance(weight, AdaptedExperts):
+        low_slots = _low_rank_slots(weight, x, slots)
+        low = _grouped_linear(x, weight.down, low_slots, out_in=True) * weight.scale
+        return _grouped_linear(x, weight.base, slots, out_in) + _grouped_linear(low, weight.up, low_slots, True)
     if isinstance(weight, BoundWeight):
         into = None if weight.grad is None else _in_out(weight.grad, out_in)
         return _GroupedLinear.apply(x, _in_out(weight.value, out_in), slots, into, weight.product)
     if isinstance(weight, ProductKeeper):
         return weight.put(_grouped_matmul(x, _in_out(weight.value, out_in), slots))
     return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None)
+
+
+def _value(weight: "Tensor | BoundWeight") -> Tensor:
+    return weight.value if isinstance(weight, BoundWeight) else weight
+
+
+def _low_rank_slots(adapted: AdaptedExperts, x: Tensor, slots: _Slots) -> _Slots:
+    """The slots of the adapters' low-rank GEMMs: `slots`, or their loop's where the grouped kernel cannot read the
+    rank's rows (16-byte aligned: a bf16 rank of 8 or more)."""
+    aligned = _value(adapted.up).shape[-1] * x.element_size() % 16 == 0
+    return slots if aligned or not slots.grouped else replace(slots, grouped=False)
+
+
+def adapters_input_grad(adapted: AdaptedExperts, grad: Tensor, slots: _Slots) -> tuple[Tensor, Tensor]:
+    """For `grad` [rows, out] of the adapters' delta (scale * x A_e^T) B_e^T: (the gradient of its scaled low-rank
+    product [rows, R], already times the scale; its gradient of x [rows, in]). `slots`: `_low_rank_slots`'."""
+    grad_low = _grouped_matmul(grad, _value(adapted.up), slots) * adapted.scale
+    return grad_low, _grouped_matmul(grad_low, _value(adapted.down), slots)
+
+
+def add_adapters_weight_grads(adapted: AdaptedExperts, x: Tensor, grad: Tensor, grad_low: Tensor, slots: _Slots):
+    """Add the adapters' gradients for `grad` [rows, out] (contiguous) of their delta of `x` [rows, in] into their
+    buffers: each dA_e = grad_low_e^T x_e, dB_e = grad_e^T (scale x_e A_e^T) (`grad_low`: `adapters_input_grad`'s)."""
+    down, up = adapted.down, adapted.up
+    a_in_out = down.value.transpose(1, 2)
+    _add_grouped_weight_grad(x, a_in_out, grad_low, slots, down.grad.transpose(1, 2))
+    low = _grouped_matmul(x, a_in_out, slots) * adapted.scale
+    _add_grouped_weight_grad(low, up.value.transpose(1, 2), grad, slots, up.grad.transpose(1, 2))
 
 
 def _in_out(matrices: Tensor, out_in: bool) -> Tensor:

@@ -138,28 +138,44 @@ LOW_RANK = ".low_rank"  # a kept product's name + this: its adapters' low-rank p
 
 class AdapterLayout:
     """The adapter group of a template whose matrices lie at `spans` in its base group `params`: which spans are
-    adapted, the group's `params` (PEFT's names; the A matrices of one fused span adjacent, then their Bs) and the
-    binding of both groups for a call."""
+    adapted, the group's `params` (PEFT's names, of the module `renames` maps a base matrix's name to where PEFT's
+    differs; the A matrices of one fused span adjacent, then their Bs) and the binding of both groups for a call.
+    Adapters of another kind (a MoE's experts', `expert_adapters.ExpertAdapters`) join the group by `attach`."""
 
-    def __init__(self, lora: Lora, params: tuple[ParamSpec, ...], spans: dict[str, Span], matrices: tuple[str, ...]):
+    def __init__(
+        self,
+        lora: Lora,
+        params: tuple[ParamSpec, ...],
+        spans: dict[str, Span],
+        matrices: tuple[str, ...],
+        renames: dict[str, str] | None = None,
+    ):
         self.lora = lora
-        offsets = param_offsets(params)
+        offsets, renames = param_offsets(params), renames or {}
         adapted: dict[str, list[ParamSpec]] = {}
         for name in matrices:
             span = spans[name]
-            if len(span.shape) != 2:  # (experts' [n_experts, ...] tensors: not adapted, as PEFT before 0.22)
+            if len(span.shape) != 2:  # (experts' [n_experts, ...] tensors: `expert_adapters`')
                 continue
             members = [p for p in params if span.offset <= offsets[p.name] < span.offset + span.numel]
             chosen = [p for p in members if len(p.shape) == 2 and lora.adapts(p.name)]
             if chosen:
-                adapted[name] = chosen
+                adapted[name] = [replace(p, name=renames.get(p.name, p.name)) for p in chosen]
         self.params: tuple[ParamSpec, ...] = tuple(
             spec
             for members in adapted.values()
             for spec in [ParamSpec(lora_names(p.name)[0], (lora.r, p.shape[1])) for p in members]
             + [ParamSpec(lora_names(p.name)[1], (p.shape[0], lora.r)) for p in members]
         )
-        self._spans = {name: self._span(spans[name], members, offsets) for name, members in adapted.items()}
+        base_offsets = {renames.get(name, name): offset for name, offset in offsets.items()}
+        self._spans = {name: self._span(spans[name], members, base_offsets) for name, members in adapted.items()}
+        self._attached: list = []
+
+    def attach(self, adapters) -> None:
+        """Adapters of another kind after this group's (`params` and `bind(views, buffer, grad)`, their spans
+        counted from the group's start: `expert_adapters.ExpertAdapters`), bound with these."""
+        self.params += adapters.params
+        self._attached.append(adapters)
 
     def _span(self, base: Span, members: list[ParamSpec], offsets: dict[str, int]) -> _AdaptedSpan:
         first_a = span_of(self.params, lora_names(members[0].name)[0])
@@ -174,7 +190,7 @@ class AdapterLayout:
     @property
     def adapted(self) -> tuple[str, ...]:
         """The template's span names whose matrices carry adapters."""
-        return tuple(self._spans)
+        return tuple(self._spans) + tuple(name for adapters in self._attached for name in adapters.adapted)
 
     def bind(
         self,
@@ -193,6 +209,8 @@ class AdapterLayout:
             if name in views:
                 low = None if products is None else products.get(name + LOW_RANK)
                 out[name] = self.adapters(name, buffer, grad, base=views[name], low=low, dropout=dropout)
+        for adapters in self._attached:
+            out = adapters.bind(out, buffer, grad)
         return out
 
     def adapters(

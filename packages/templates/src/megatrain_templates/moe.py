@@ -7,6 +7,8 @@ as `moe_layout` says; the load-balancing loss's statistics live in a `RouterLoad
 MoE layers (`moe_routing`). A layer too large for a GPU slot streams its experts in parts (`moe_parts`).
 """
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -15,6 +17,9 @@ from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_spans, plain_causal_attention
 from .grouped_experts import (
     _add_grouped_weight_grad,
+    _low_rank_slots,
+    add_adapters_weight_grads,
+    adapters_input_grad,
     _Combine,
     _Dispatch,
     _grouped_input_grad,
@@ -27,8 +32,18 @@ from .grouped_experts import (
 )
 from .layout import BoundWeight, ProductKeeper, Span, accumulate, check_buffers, total_numel
 from .linear_attention import LINEAR_ATTENTION_LEAVES
-from .lora import DropoutKey, Lora
-from .moe_layout import MoeShape, _expert_spans, _router_spans, _shared_spans, moe_params
+from .expert_adapters import AdaptedExperts, ExpertAdapters, adapted_expert_matrices
+from .lora import Adapted, AdapterLayout, DropoutKey, Lora
+from .moe_layout import (
+    EXPERT_NAMING,
+    MoeShape,
+    _expert_spans,
+    _router_spans,
+    _shared_spans,
+    moe_params,
+    router_name,
+    transformers_module,
+)
 from .moe_routing import RouterLoad, Routing, _expert_picks, _token_weights, _valid_tokens
 from .ops import linear, swiglu, swiglu_output_and_backward, upcast
 
@@ -77,8 +92,38 @@ class MoeBlock(DecoderBlock):
         self._recomputed_matrices = tuple(
             name for name in self._spans if name not in self._vectors and name != "experts_down"
         )
-        # LoRA adapters on its 2-D matrices (attention, shared expert; not the experts' 3-D ones, nor the router)
         self._adapters = None if lora is None else self._adapt(lora)
+        if lora is not None and moe.lora_reaches_experts:
+            self._adapt_experts(lora)
+
+    def _adapt(self, lora: Lora) -> AdapterLayout:
+        """LoRA adapters on its 2-D matrices (attention, shared expert), and on its router where PEFT 0.22 adapts it
+        (`MoeShape.lora_reaches_experts`; Llama 4's, an nn.Linear returning a tuple, crashes PEFT's LoRA layer),
+        named as PEFT names them."""
+        matrices = [name for name in self._spans if name not in self._vectors]
+        if self.moe.lora_reaches_experts:
+            matrices.append("router")
+        module = transformers_module(self.moe)
+        renames = {router_name(self.moe): f"{module}.{router_name(self.moe).split('.', 1)[1]}"}
+        adapters = AdapterLayout(lora, self.groups[0], self._spans, tuple(matrices), renames)
+        self.groups = (self.groups[0], adapters.params)
+        self.takes_dropout = lora.dropout > 0
+        return adapters
+
+    def _adapt_experts(self, lora: Lora) -> None:
+        """LoRA on the experts' fused matrices (`expert_adapters`), after the 2-D adapters in the adapter group."""
+        adapted = adapted_expert_matrices(lora, EXPERT_NAMING[self.moe.naming][1])
+        reached = adapted + (("router",) if "router" in self._adapters.adapted else ())
+        if reached and lora.dropout:
+            raise ValueError(
+                f"model.adapter.dropout {lora.dropout} on {', '.join(reached)}: LoRA dropout can't be applied to a "
+                "matrix transformers fuses (PEFT 0.22 refuses it as well); set model.adapter.dropout to 0, or "
+                "target other modules"
+            )
+        if adapted:
+            offset = total_numel(self.groups[1])
+            self._adapters.attach(ExpertAdapters(lora, self._spans, adapted, transformers_module(self.moe), offset))
+            self.groups = (self.groups[0], self._adapters.params)
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """GPU bytes per token that `forward_keeping_products` returns: `DecoderBlock.product_bytes_per_token`'s,
@@ -101,7 +146,7 @@ class MoeBlock(DecoderBlock):
             return self._route_by_top_logits(w, h, chosen)
         if moe.correction_bias:
             return self._route_by_biased_probabilities(w, h, chosen)
-        logits = F.linear(h, w["router"], w.get("router_bias"))
+        logits = self._router_logits(w, h)
         if moe.gpt_oss:
             return self._route_by_softmax_of_top_logits(logits, chosen)
         probs = upcast(logits).softmax(dim=-1)
@@ -117,6 +162,15 @@ class MoeBlock(DecoderBlock):
         if moe.routed_scaling != 1.0:
             top_weight = top_weight * moe.routed_scaling
         return Routing(probs, top_index, top_weight, logits)
+
+    def _router_logits(self, w: dict, h: Tensor, in_fp32: bool = False) -> Tensor:
+        """[tokens, n_experts]: the router's GEMM in the compute dtype, or in fp32 (`in_fp32`: the scorings that
+        transformers upcasts), plus its LoRA delta where adapted (made in the compute dtype)."""
+        router, delta = w["router"], None
+        if isinstance(router, Adapted):
+            router, delta = router.base, linear(h, replace(router, base=None))
+        logits = F.linear(upcast(h), upcast(router)) if in_fp32 else F.linear(h, router, w.get("router_bias"))
+        return logits if delta is None else logits + delta
 
     def _route_by_softmax_of_top_logits(self, logits: Tensor, chosen: Tensor | None) -> Routing:
         """gpt-oss' routing (transformers' GptOssTopKRouter): logits [tokens, n_experts] -> the top-k experts,
@@ -135,7 +189,7 @@ class MoeBlock(DecoderBlock):
         scores; weights the unbiased scores, renormalised, times routed_scaling. The probabilities recorded
         for the load statistics are the scores normalised per token (DeepSeek's balance-loss affinities)."""
         moe = self.moe
-        logits = F.linear(upcast(h), upcast(w["router"]))
+        logits = self._router_logits(w, h, in_fp32=True)
         scores = logits.sigmoid()
         top_index = chosen if chosen is not None else self._biased_choice(w, scores)
         top_weight = scores.gather(1, top_index)
@@ -160,7 +214,7 @@ class MoeBlock(DecoderBlock):
         """Llama 4's routing (transformers' Llama4Router): the top-k logits of a GEMM in the compute dtype, each
         weighted by its sigmoid (in fp32, rounded to the compute dtype where it scales the expert's input). The
         probabilities recorded for the load statistics are the sigmoids normalised per token."""
-        logits = F.linear(h, w["router"])
+        logits = self._router_logits(w, h)
         top_logit, top_index = _top_k(logits, self.moe.top_k, chosen)
         scores = upcast(logits).sigmoid()
         return Routing(scores / scores.sum(dim=-1, keepdim=True), top_index, upcast(top_logit).sigmoid(), logits)
@@ -169,7 +223,7 @@ class MoeBlock(DecoderBlock):
         """ERNIE 4.5's routing (transformers' Ernie4_5_MoeTopKRouter): softmax probabilities of an fp32 GEMM,
         the top-k of probability + correction bias, weighted by their probabilities over their sum (at
         least `moe_norm_min`, 1e-12)."""
-        logits = F.linear(upcast(h), upcast(w["router"]))
+        logits = self._router_logits(w, h, in_fp32=True)
         probs = logits.softmax(dim=-1)
         top_index = chosen
         if top_index is None:
@@ -190,7 +244,7 @@ class MoeBlock(DecoderBlock):
     def _grouped(self, w: dict, h: Tensor) -> bool:
         """Whether the grouped kernel runs the experts (else the loop): bf16 on a GPU that has it, the expert
         matrices 16-byte aligned in their slot (the kernel reads 16-byte rows)."""
-        matrices = (w["experts_gate_up"], w["experts_down"])
+        matrices = [m.base if isinstance(m, AdaptedExperts) else m for m in (w["experts_gate_up"], w["experts_down"])]
         values = [m.value if isinstance(m, (BoundWeight, ProductKeeper)) else m for m in matrices]
         aligned = all(t.data_ptr() % 16 == 0 for t in values)
         return aligned and _grouped_mm_works(h.device, h.dtype, row_major=self.moe.fused)
@@ -243,22 +297,35 @@ class MoeBlock(DecoderBlock):
         return _Combine.apply(y, slots)
 
     def _experts_by_hand(
-        self, down: BoundWeight, gate_up: Tensor, weight: Tensor | None, grad_out: Tensor, slots: _Slots
+        self,
+        down: "BoundWeight | AdaptedExperts",
+        gate_up: Tensor,
+        weight: Tensor | None,
+        grad_out: Tensor,
+        slots: _Slots,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """The experts' SwiGLU and down projection backward by hand, their forward not recomputed (no gradient needs
         the projection's output): the activation's gradient first, then the activation and its inputs' gradients in
         one pass (`swiglu_output_and_backward`, the gradient over gate_up: only its graph is needed from here), then
-        the projection's weight gradient added into its buffer. Returns the outputs (`gate_up`, `weight`) and their
-        gradients, for autograd from there. grad_out: [tokens, d_model]."""
-        out_in, frozen = not self.moe.fused, down.grad is None
-        matrix = _in_out(down.value, out_in)
+        the projection's weight gradient (or its LoRA adapters') added into its buffer. Returns the outputs
+        (`gate_up`, `weight`) and their gradients, for autograd from there. grad_out: [tokens, d_model]."""
+        adapters = down if isinstance(down, AdaptedExperts) else None
+        base = down.base if adapters is not None else down
+        out_in, frozen = not self.moe.fused, base.grad is None
+        matrix = _in_out(base.value, out_in)
         grad_rows = _to_rows(grad_out, slots)  # the combine's backward
         grad_act = _grouped_input_grad(matrix, grad_rows, slots)
+        if adapters is not None:
+            low_slots = _low_rank_slots(adapters, grad_rows, slots)
+            grad_low, grad_act_delta = adapters_input_grad(adapters, grad_rows, low_slots)
+            grad_act += grad_act_delta
         act, grad_gate_up, grad_weight = swiglu_output_and_backward(
             gate_up.detach(), grad_act, None if weight is None else weight.detach(), overwrite=True
         )
         if not frozen:
-            _add_grouped_weight_grad(act, matrix, grad_rows, slots, _in_out(down.grad, out_in))
+            _add_grouped_weight_grad(act, matrix, grad_rows, slots, _in_out(base.grad, out_in))
+        if adapters is not None:
+            add_adapters_weight_grads(adapters, act, grad_rows, grad_low, low_slots)
         if weight is None:
             return [gate_up], [grad_gate_up]
         return [gate_up, weight], [grad_gate_up, grad_weight]

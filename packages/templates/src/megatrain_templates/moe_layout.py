@@ -61,6 +61,9 @@ class MoeShape:
     # softmax scoring with a correction bias (ERNIE 4.5): the top-k chosen by probability + bias, weighted by
     # their probabilities renormalised (sigmoid scoring always has the bias)
     correction_bias: bool = False
+    # whether LoRA's target names reach the experts' fused matrices and the router (gate_proj, up_proj, down_proj,
+    # gate, all-linear), as PEFT 0.22 adapts them in the families whose experts transformers fuses on loading
+    lora_reaches_experts: bool = False
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.n_experts:
@@ -87,6 +90,8 @@ class MoeShape:
             raise ValueError("sigmoid scoring ranks groups by their two best experts: each group needs two or more")
         if self.correction_bias and (self.scoring != "softmax" or self.n_groups > 1 or self.fused):
             raise ValueError("correction_bias is softmax scoring's, without groups, in an EXPERT_NAMING naming")
+        if self.lora_reaches_experts and self.fused:
+            raise ValueError("lora_reaches_experts is for experts stored expert by expert (an EXPERT_NAMING naming)")
 
     @property
     def biased_choice(self) -> bool:
@@ -111,6 +116,12 @@ class MoeShape:
     def weights_inputs(self) -> bool:
         """Whether the routing weight scales each expert's input (Llama 4) rather than its output."""
         return self.naming == "llama4"
+
+
+def transformers_module(moe: MoeShape) -> str:
+    """The MoE module's name in transformers (>= 5), which PEFT's adapter names use: Mixtral's `block_sparse_moe` is
+    `mlp` there."""
+    return "mlp" if moe.naming == "mixtral" else moe.module
 
 
 def router_name(moe: MoeShape) -> str:
@@ -256,7 +267,7 @@ def fused_expert_names(moe: MoeShape, d_model: int) -> dict[str, tuple[tuple[int
         return {}
     n = moe.n_experts
     module, (gate, up, down) = EXPERT_NAMING[moe.naming]
-    fused = "mlp" if moe.naming == "mixtral" else module  # transformers >= 5 calls Mixtral's module mlp too
+    fused = transformers_module(moe)
     pairs = tuple(f"{module}.experts.{e}.{proj}.weight" for e in range(n) for proj in (gate, up))
     return {
         f"{fused}.experts.gate_up_proj": ((n, 2 * moe.d_ff, d_model), pairs),

@@ -10,6 +10,7 @@ from torch import Tensor
 from megatrain_templates import (
     ALL_LINEAR,
     DecoderBlock,
+    EXPERT_NAMING,
     Embedding,
     Head,
     Lora,
@@ -104,7 +105,10 @@ def check_targets(spec: ModelSpec, adapter: Lora) -> None:
     if ALL_LINEAR in adapter.target_modules:
         return
     adapted = {p.name.rsplit(".lora_", 1)[0] + ".weight" for g in spec.adapter_groups for p in spec.groups[g].params}
+    experts = _adaptable_expert_projections(spec.config)
     for target in adapter.target_modules:
+        if target.rsplit(".", 1)[-1] in experts:
+            continue
         if not any(replace(adapter, target_modules=(target,)).adapts(name) for name in adapted):
             layers = [g for g, group in enumerate(spec.groups) if group.name.startswith("layer")]
             matrices = {
@@ -116,8 +120,16 @@ def check_targets(spec: ModelSpec, adapter: Lora) -> None:
             }
             raise ZooError(
                 f"model.adapter.target_modules: {target!r} matches no linear layer of this model; its layers have "
-                f"{', '.join(sorted(matrices))} (or use all-linear)"
+                f"{', '.join(sorted(matrices | experts))} (or use all-linear)"
             )
+
+
+def _adaptable_expert_projections(config: ModelConfig) -> set[str]:
+    """The names target_modules reach a MoE's experts by (`MoeShape.lora_reaches_experts`): each expert's
+    projections' and transformers' fused matrices'."""
+    if not config.is_moe or not moe_shape(config).lora_reaches_experts:
+        return set()
+    return {*EXPERT_NAMING[moe_shape(config).naming][1], "gate_up_proj", "down_proj"}
 
 
 def _router_load(config: ModelConfig) -> RouterLoad | None:
@@ -163,7 +175,7 @@ def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load,
         spec.add_stage(name, block, groups, prefix)
         return
     if not parts:
-        block = spec.template((shape, "moe", adapter), lambda: MoeBlock(shape, moe_shape(config), router_load, adapter))
+        block = spec.template((shape, "moe", adapter), lambda: _moe_block(shape, config, router_load, adapter))
         spec.add_stage(name, block, (name,) if adapter is None else (name, name + ADAPTER_GROUP_SUFFIX), prefix)
         return
     if adapter is not None:
@@ -176,6 +188,16 @@ def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load,
     for first, stop in parts:
         part = spec.template((shape, first), lambda: MoeExperts(shape, moe_shape(config), first, stop))
         spec.add_stage(f"{name}.experts{first}-{stop - 1}", part, (f"{name}.router", f"{name}.experts{first}"), prefix)
+
+
+def _moe_block(shape, config: ModelConfig, router_load, adapter: Lora | None) -> MoeBlock:
+    """A whole MoE layer's template; an adapter it cannot take (dropout on a fused matrix, half of one) refused."""
+    try:
+        return MoeBlock(shape, moe_shape(config), router_load, adapter)
+    except ValueError as error:
+        if adapter is None:
+            raise
+        raise ZooError(str(error)) from None
 
 
 def init_param_(name: str, tensor: Tensor, config: ModelConfig, seed: int) -> None:

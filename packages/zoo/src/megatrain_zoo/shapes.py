@@ -112,6 +112,15 @@ EXPERT_NAMING_OF = {
     "llama4_text": "llama4",
 }
 
+# families whose experts transformers fuses on loading and PEFT 0.22 adapts through target_modules (its
+# conversion of gate_proj, up_proj, down_proj to the fused gate_up_proj and down_proj, and of gate to the router)
+PEFT_FUSED_EXPERTS = tuple(arch for arch in EXPERT_NAMING_OF if arch not in ("gpt_oss", "llama4_text")) + (
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "qwen3_next",
+)
+
 
 def moe_shape(config: ModelConfig) -> MoeShape:
     return MoeShape(
@@ -127,4 +136,5 @@ def moe_shape(config: ModelConfig) -> MoeShape:
         topk_groups=config.topk_group,
         scoring=config.router_scoring,
         correction_bias=config.router_bias and config.router_scoring == "softmax",
+        lora_reaches_experts=config.arch in PEFT_FUSED_EXPERTS,
     )
