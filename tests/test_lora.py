@@ -440,7 +440,9 @@ def test_dropout_on_what_transformers_fuses_is_refused(tmp_path, monkeypatch):
     config = load_config(None, [*overrides, "model.adapter.dropout=0.1"], base=lora_config(tmp_path).as_dict())
     message = refused_before_loading(config, monkeypatch)
     assert "model.adapter.dropout 0.1 on experts_down: LoRA dropout can't be applied" in message
-    config = load_config(None, ["model.preset=tiny-qwen2-moe", "model.adapter.target_modules=[up_proj]"], base=config.as_dict())
+    config = load_config(
+        None, ["model.preset=tiny-qwen2-moe", "model.adapter.target_modules=[up_proj]"], base=config.as_dict()
+    )
     message = refused_before_loading(config, monkeypatch)
     assert "names up_proj but not gate_proj: each expert's gate_proj and up_proj are one fused matrix" in message
 

@@ -294,3 +294,46 @@ def test_a_lora_checkpoint_over_a_changed_base_is_refused(base_dir, tmp_path, ca
             err = capsys.readouterr().err.strip().splitlines()[-1]  # (after `--resume`'s "resuming in RUN")
             assert f"model error: the base model {base} is not the one checkpoint {checkpoint} was trained" in err
             assert "restore that base, or start a new run from these adapters (model.adapter.path)" in err
+
+
+@pytest.mark.parametrize(
+    "name, targets",
+    [
+        ("tiny-qwen2-moe", ("all-linear",)),
+        ("tiny-olmoe", ("q_proj", "gate_proj", "up_proj")),
+        ("tiny-mixtral", ("w2",)),
+    ],
+)
+def test_a_mixture_of_experts_adapter_exports_as_peft_0_22_saves_one(name, targets, tmp_path):
+    """The experts' adapters (and the router's, under all-linear) leave in PEFT 0.22's layout and settings
+    (target_parameters; the gate-up matrix at rank 2r through rank_pattern and alpha_pattern): PeftModel computes
+    megatrain's logits from them, --merge writes a transformers model with those logits, and the export, read back
+    through model.adapter.path, starts a run there."""
+    base_dir = tmp_path / "base"
+    hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(name)))
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(base_dir)
+    adapter = AdapterSection(type="lora", r=4, alpha=8.0, target_modules=targets)
+    trainer = lora_trainer(base_dir, tmp_path / "run", adapter)
+    vocab = trainer.model_config.vocab_size
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    for _ in range(2):
+        trainer.train_step(StepBatch(*random_batch(2, 12, vocab, generator)))
+    ids = torch.randint(0, vocab, (2, 12), generator=generator)
+    ours = trainer.logits(ids)
+    experts = {n: v for n, v in trainer.named_weights().items() if ".experts." in n and ".lora_B." in n}
+    assert experts and all(v.abs().max() > 0 for v in experts.values())
+    exported = trainer.export(tmp_path / "adapter")
+    trainer.close()
+
+    settings = json.loads((exported / "adapter_config.json").read_text())
+    theirs = peft_model(base_dir, exported)
+    assert set(settings["target_parameters"]) == set(theirs.peft_config["default"].target_parameters)
+    assert rel_err(logits_of(theirs, ids), ours) < 1e-5
+    assert main(["convert", str(exported), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert rel_err(logits_of(merged.eval(), ids), ours) < 1e-5
+    adapter = AdapterSection(type="lora", r=4, alpha=8.0, target_modules=targets, path=str(exported))
+    resumed = lora_trainer(base_dir, tmp_path / "again", adapter)
+    assert rel_err(resumed.logits(ids), ours) < 1e-5
+    resumed.close()

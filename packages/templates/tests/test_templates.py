@@ -1227,9 +1227,79 @@ def test_a_kept_graph_leaves_a_host_scalar_in_the_graph_and_hands_over_the_devic
     assert grad_x.shape == x.shape and grad_weights.shape == weights.shape
 
 
-def test_lora_targets_naming_an_experts_projection_are_said_to_adapt_no_expert():
-    """PEFT 0.22 maps down_proj (or all-linear, or Mixtral's w2) onto a fused MoE layer's experts; megatrain adapts
-    none of them, and a mixture of experts' run says so where its targets name one."""
-    for targets in (("q_proj", "down_proj"), ("all-linear",), ("w2",), ("mlp.gate_up_proj",)):
-        assert "adapt no expert of the MoE layers" in Lora(8, 16.0, targets).experts_note()
-    assert Lora(8, 16.0, ("q_proj", "v_proj", "o_proj")).experts_note() is None
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "down_proj"), ("gate_proj", "up_proj", "gate")])
+def test_lora_on_a_moe_layers_experts_and_router_matches_merged_weights(targets):
+    """float64: LoRA on the experts' fused matrices (each expert's own A and B, in PEFT 0.22's [n_experts * R, in] and
+    [out, R * n_experts] layouts; the gate-up matrix at rank 2r) and on the router computes the block whose every
+    matrix is W + scale * B A, and its backward (recomputed, or from kept products) gives autograd's gradients of
+    the adapters through that merge, the frozen base getting none."""
+    torch.manual_seed(torch.seed() % 2**31)
+    d, heads, head_dim, eps, n_experts, top_k, d_ff, r = 32, 4, 8, 1e-5, 6, 2, 24, 2
+    rope = RopeConfig(head_dim=head_dim, theta=500.0)
+    shape = BlockShape(d, heads, 2, head_dim, 1, eps, rope=rope)
+    lora = Lora(r, 3.0, targets)
+    block = MoeBlock(shape, MoeShape(n_experts, top_k, d_ff, 40, lora_reaches_experts=True), lora=lora)
+    ref = RefMoeBlock(d, heads, 2, head_dim, eps, rope_inv_freq(rope), n_experts, top_k, d_ff, 40, False).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    base_specs, adapter_specs = block.groups
+    flat, adapters = flatten_params(ref, base_specs), torch.randn(total_numel(adapter_specs), dtype=torch.float64)
+    named = {s.name: t.clone().requires_grad_(True) for s, t in zip(adapter_specs, _split(adapters, adapter_specs))}
+    assert {"mlp.experts.lora_A.weight", "mlp.gate.lora_A.weight"} & set(named)  # (the experts' or the router's)
+
+    def merged() -> dict:  # the reference's parameters, each adapted matrix W + scale * B A
+        params = dict(ref.named_parameters())
+        for name in [n for n in named if n.endswith(".lora_A.weight")]:
+            module = name.removesuffix(".lora_A.weight")
+            if ".experts" not in module:  # (the router's, attention's, shared expert's: plain LoRA)
+                delta = lora.scale * named[f"{module}.lora_B.weight"] @ named[name]
+                params[f"{module}.weight"] = params[f"{module}.weight"] + delta
+                continue
+            delta = _expert_delta(named, module, n_experts, lora.scale)  # [E, d, d_ff] or [E, 2 d_ff, d]
+            halves = (
+                {"down_proj": slice(None)}
+                if delta.shape[1] == d
+                else {"gate_proj": slice(0, d_ff), "up_proj": slice(d_ff, None)}
+            )
+            for e in range(n_experts):
+                for projection, rows in halves.items():
+                    key = f"mlp.experts.{e}.{projection}.weight"
+                    params[key] = params[key] + delta[e, rows]
+        return params
+
+    x = torch.randn(3, 11, d, dtype=torch.float64)
+    grad_out = torch.randn(3, 11, d, dtype=torch.float64)
+    out_ref = torch.func.functional_call(ref, merged(), (x,))
+    (out_ref * grad_out).sum().backward()
+    out = block.forward([flat, adapters], x)
+    assert rel_err(out, out_ref) < 1e-10
+    for products in (None, block.forward_keeping_products([flat, adapters], x)[1]):
+        grads = [None, torch.full_like(adapters, 0.5)]  # (gradients added, not written; the base's frozen)
+        block.backward([flat, adapters], x, grad_out, grads, products=products)
+        by_name = unflatten_grads(grads[1] - 0.5, adapter_specs)
+        for name, leaf in named.items():
+            assert rel_err(by_name[name], leaf.grad) < 1e-10, (name, products is not None)
+
+
+def _split(flat: torch.Tensor, specs) -> list:
+    return list(unflatten_grads(flat, specs).values())
+
+
+def _expert_delta(named: dict, module: str, n_experts: int, scale: float) -> torch.Tensor:
+    """[n_experts, out, in]: scale * B_e A_e of PEFT's expert adapters (A [E * R, in] rows e*R.., B [out, R * E]
+    columns e, e + E, ...), written out with einsum (the template's grouped GEMMs are another algorithm)."""
+    a, b = named[f"{module}.lora_A.weight"], named[f"{module}.lora_B.weight"]
+    rank = a.shape[0] // n_experts
+    return scale * torch.einsum("ore,eri->eoi", b.view(b.shape[0], rank, n_experts), a.view(n_experts, rank, -1))
+
+
+def test_naming_one_half_of_the_experts_fused_gate_up_matrix_is_refused():
+    shape = BlockShape(32, 4, 2, 8, 1, 1e-5, rope=RopeConfig(head_dim=8, theta=500.0))
+    moe = MoeShape(6, 2, 24, lora_reaches_experts=True)
+    with pytest.raises(
+        ValueError, match="names up_proj but not gate_proj: each expert's gate_proj and up_proj are one"
+    ):
+        MoeBlock(shape, moe, lora=Lora(2, 3.0, ("q_proj", "up_proj")))
+    with pytest.raises(ValueError, match="model.adapter.dropout 0.1 on experts_down"):
+        MoeBlock(shape, moe, lora=Lora(2, 3.0, ("down_proj",), dropout=0.1))

@@ -3,6 +3,7 @@ import re
 
 import pytest
 
+from megatrain_templates import Lora
 from megatrain_zoo import (
     PRESETS,
     ZooError,
@@ -403,3 +404,24 @@ def test_a_config_written_for_transformers_modules_names_the_weights_dtype_under
     )  # fmt: skip
     assert hf["vision"] == {"a": 1} and hf["model_type"] == "stablelm"
     assert config_to_hf(preset("tiny-llama"), "bfloat16")["dtype"] == "bfloat16"
+
+
+def test_a_moe_run_says_where_its_targets_reach_no_expert():
+    """down_proj (or all-linear) reaches the experts of the families whose experts transformers fuses on loading
+    (PEFT 0.22's too), adapted in PEFT's layout and named in its settings; gpt-oss' and Llama 4's experts are
+    parameters neither adapts, which the run says, and their routers are no target."""
+    from megatrain_zoo.peft import experts_note, fused_target_names, target_module_names
+
+    lora = Lora(4, 8.0, ("q_proj", "down_proj"))
+    qwen = build_model(preset("tiny-qwen2-moe"), adapter=lora)
+    assert experts_note(qwen) is None
+    assert fused_target_names(qwen) == ["down_proj"] and target_module_names(qwen) == ["down_proj", "q_proj"]
+    assert fused_target_names(build_model(preset("tiny-olmoe"), adapter=Lora(4, 8.0, ("all-linear",)))) == [
+        "down_proj", "gate.weight", "gate_up_proj"
+    ]  # fmt: skip
+    for name, targets in (("tiny-gpt-oss", ("all-linear",)), ("tiny-llama4", ("q_proj", "down_proj"))):
+        spec = build_model(preset(name), adapter=Lora(4, 8.0, targets))
+        assert f"{list(targets[-1:])} adapt no expert of" in experts_note(spec) and not fused_target_names(spec)
+        assert not any(".experts." in p.name for g in spec.adapter_groups for p in spec.groups[g].params)
+    with pytest.raises(ZooError, match="'router' matches no linear layer of this model; its layers have k_proj, o_proj"):
+        build_model(preset("tiny-gpt-oss"), adapter=Lora(4, 8.0, ("q_proj", "router")))

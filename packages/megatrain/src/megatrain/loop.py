@@ -50,7 +50,7 @@ from megatrain_store.rundir import (
 from megatrain_templates import Sequences
 from megatrain_zoo import ModelConfig, generic_notes
 from megatrain_zoo.hf_weights import check_same_weights, checkpoint_files
-from megatrain_zoo.peft import is_model_directory
+from megatrain_zoo.peft import experts_note, is_model_directory
 from megatrain_zoo.read import check_reference_model
 
 from .checkpoint import (
@@ -475,7 +475,7 @@ class TrainingRun:
                 file=sys.stderr,
             )
         model = trainer.model_config
-        if model.is_moe and (note := trainer.spec.adapter and trainer.spec.adapter.experts_note()):
+        if note := experts_note(trainer.spec):
             print(f"megatrain: warning: {note}", file=sys.stderr)
         if model.router_bias and config.model.preset and self.resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)

@@ -16,10 +16,6 @@ from .layout import BoundWeight, ParamSpec, ProductKeeper, Span, param_offsets, 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer of the decoder (the output head aside)
 
 
-# the names of an expert's projections in transformers' mixtures of experts (Mixtral's w1, w2, w3)
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3")
-
-
 @dataclass(frozen=True)
 class Lora:
     """A LoRA adapter's settings, with PEFT's meanings: rank `r`, `alpha` (the delta is scaled by alpha / r),
@@ -44,17 +40,6 @@ class Lora:
     def scale(self) -> float:
         """What the adapter's delta (B A x) is multiplied by: alpha / r."""
         return self.alpha / self.r
-
-    def experts_note(self) -> str | None:
-        """What a mixture of experts' run says of these targets: those naming an expert's projection (or all-linear)
-        reach none of its experts here, where PEFT 0.22 adapts each (rank r on the fused experts); None: none do."""
-        named = [t for t in self.target_modules if t == ALL_LINEAR or t.rsplit(".", 1)[-1] in EXPERT_PROJECTIONS]
-        if not named:
-            return None
-        return (
-            f"model.adapter.target_modules {named} adapt no expert of the MoE layers: megatrain adapts the matrices "
-            "beside them (a shared expert's, a dense layer's), as PEFT before 0.22; PEFT 0.22 also adapts each expert"
-        )
 
     def adapts(self, weight_name: str) -> bool:
         """Whether the matrix `weight_name` (`self_attn.q_proj.weight`, any prefix) is one this adapter targets."""

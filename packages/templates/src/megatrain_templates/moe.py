@@ -15,24 +15,24 @@ from torch import Tensor
 
 from .attention import Documents
 from .decoder import BlockShape, DecoderBlock, attention_spans, plain_causal_attention
+from .expert_adapters import AdaptedExperts, ExpertAdapters, adapted_expert_matrices
 from .grouped_experts import (
     _add_grouped_weight_grad,
-    _low_rank_slots,
-    add_adapters_weight_grads,
-    adapters_input_grad,
     _Combine,
     _Dispatch,
     _grouped_input_grad,
     _grouped_linear,
     _grouped_mm_works,
     _in_out,
+    _low_rank_slots,
     _Slots,
     _to_rows,
+    adapters_input_grad,
+    add_adapters_weight_grads,
     gpt_oss_glu_weighted,
 )
 from .layout import BoundWeight, ProductKeeper, Span, accumulate, check_buffers, total_numel
 from .linear_attention import LINEAR_ATTENTION_LEAVES
-from .expert_adapters import AdaptedExperts, ExpertAdapters, adapted_expert_matrices
 from .lora import Adapted, AdapterLayout, DropoutKey, Lora
 from .moe_layout import (
     EXPERT_NAMING,

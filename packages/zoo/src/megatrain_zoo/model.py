@@ -9,8 +9,8 @@ from torch import Tensor
 
 from megatrain_templates import (
     ALL_LINEAR,
-    DecoderBlock,
     EXPERT_NAMING,
+    DecoderBlock,
     Embedding,
     Head,
     Lora,
@@ -22,6 +22,7 @@ from megatrain_templates import (
     row_slice_of,
     split_precision_of,
 )
+from megatrain_templates.moe_layout import router_name
 
 from .config import ModelConfig, ZooError
 from .generic import build_generic_model
@@ -117,11 +118,18 @@ def check_targets(spec: ModelSpec, adapter: Lora) -> None:
                 if g not in spec.adapter_groups
                 for p in spec.groups[g].params
                 if len(p.shape) == 2 and p.name.endswith(".weight") and ".experts." not in p.name
-            }
+            } - _unadapted_router(spec.config)
             raise ZooError(
                 f"model.adapter.target_modules: {target!r} matches no linear layer of this model; its layers have "
                 f"{', '.join(sorted(matrices | experts))} (or use all-linear)"
             )
+
+
+def _unadapted_router(config: ModelConfig) -> set[str]:
+    """The router's name where a MoE's router takes no adapters (`MoeBlock._adapt`)."""
+    if not config.is_moe or moe_shape(config).lora_reaches_experts:
+        return set()
+    return {router_name(moe_shape(config)).removesuffix(".weight").rsplit(".", 1)[-1]}
 
 
 def _adaptable_expert_projections(config: ModelConfig) -> set[str]:

@@ -23,13 +23,20 @@ from megatrain_store import (
     write_safetensors,
 )
 from megatrain_store.packed import quantizes, round_trip
-from megatrain_templates import ALL_LINEAR, Lora, file_tensors
+from megatrain_templates import ALL_LINEAR, EXPERT_NAMING, Lora, file_tensors
+from megatrain_templates.expert_adapters import FUSED_MATRICES, adapted_expert_matrices
+from megatrain_templates.moe_layout import router_name, transformers_module
 
 from .config import ModelConfig, ZooError
 from .hf_weights import _fill_groups, is_hf_directory, packed_base_key
+from .shapes import moe_shape
 from .spec import ModelSpec
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# PEFT 0.22's target_parameters of a MoE, which it makes of target_modules in the families transformers fuses the
+# experts of (`MoeShape.lora_reaches_experts`), each with the target_modules name megatrain reads it as
+FUSED_TARGETS = {"gate.weight": "gate", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj"}
+GATE_UP_PATTERN = r".*\.gate_up_proj"
 PEFT_PREFIX = "base_model.model."  # PeftModel's name of the model it wraps, before the model's own names
 # settings of adapter_config.json that change what the adapters compute, at the value that leaves LoRA as megatrain
 # computes it (scale alpha / r, every targeted layer at rank r, no bias, no magnitude vector)
@@ -81,20 +88,37 @@ def read_peft_config(adapter_dir: Path) -> Lora:
     settings = json.loads(path.read_text())
     if settings.get("peft_type", "LORA") != "LORA":
         raise ZooError(f"{path}: peft_type {settings['peft_type']!r}; megatrain trains LORA adapters")
-    for key, plain in _PLAIN_LORA.items():
+    fused = tuple(settings.get("target_parameters") or ())
+    patterns = _fused_patterns(int(settings["r"]), float(settings["lora_alpha"]), fused)
+    for key, plain in (_PLAIN_LORA | patterns | {"target_parameters": settings.get("target_parameters")}).items():
         if settings.get(key) not in (plain, None, {}, []):
             raise ZooError(
                 f"{path}: {key} is {settings[key]!r}; megatrain computes plain LoRA ({key}: {plain!r}): "
                 "train this adapter with PEFT, or start a plain one"
             )
+    strange = [name for name in fused if name not in FUSED_TARGETS]
+    if strange:
+        raise ZooError(
+            f"{path}: target_parameters names {strange[0]!r}; megatrain adapts the parameters PEFT 0.22 adapts for "
+            f"target_modules ({', '.join(FUSED_TARGETS)}): train this adapter with PEFT, or start one by module names"
+        )
     targets = settings.get("target_modules") or ()
     if isinstance(targets, str) and targets != ALL_LINEAR and not re.fullmatch(r"[\w.]+", targets):
         raise ZooError(
             f"{path}: target_modules is the pattern {targets!r}; megatrain reads module names: list them instead"
         )
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    targets = ((targets,) if isinstance(targets, str) else tuple(targets)) + tuple(FUSED_TARGETS[n] for n in fused)
     lora_alpha, dropout = float(settings["lora_alpha"]), float(settings.get("lora_dropout", 0.0))
     return Lora(int(settings["r"]), lora_alpha, _layer_module_names(targets), dropout)
+
+
+def _fused_patterns(r: int, alpha: float, fused: tuple[str, ...]) -> dict:
+    """rank_pattern and alpha_pattern as PEFT 0.22 writes them for the fused targets `fused`: the gate-up matrix of
+    two members at rank 2r, alpha 2 alpha (its scale alpha / r)."""
+    if "gate_up_proj" not in fused:
+        return {}
+    alpha_2 = int(2 * alpha) if float(2 * alpha).is_integer() else 2 * alpha
+    return {"rank_pattern": {GATE_UP_PATTERN: 2 * r}, "alpha_pattern": {GATE_UP_PATTERN: alpha_2}}
 
 
 def _layer_module_names(targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -186,8 +210,49 @@ def load_peft_adapter(store: HostStore, spec: ModelSpec, adapter_dir: Path) -> N
 
 
 def target_module_names(spec: ModelSpec) -> list[str]:
-    """The names (q_proj, ..., down_proj) of the modules `spec`'s adapter adapts, all-linear resolved."""
-    return sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in adapter_layout(spec)})
+    """The names (q_proj, ..., down_proj) of the modules `spec`'s adapter adapts, all-linear resolved; a MoE's fused
+    experts and router not (`fused_target_names`)."""
+    fused = fused_target_names(spec)
+    names = {name.rsplit(".lora_", 1)[0] for name in adapter_layout(spec)}
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name in names
+            if not name.endswith((".experts", ".experts.base_layer"))
+            and not ("gate.weight" in fused and name.endswith(".mlp.gate"))
+        }
+    )
+
+
+# the names of an expert's projections in transformers' mixtures of experts (Mixtral's w1, w2, w3)
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3")
+
+
+def experts_note(spec: ModelSpec) -> str | None:
+    """What a MoE run whose target_modules name an expert's projection (or all-linear) says where they reach no
+    expert: its family's experts are parameters PEFT 0.22 does not adapt either (gpt-oss', Llama 4's, Qwen3.5's);
+    None where they reach them, or name none."""
+    adapter, config = spec.adapter, spec.config
+    if adapter is None or not config.is_moe or moe_shape(config).lora_reaches_experts:
+        return None
+    named = [t for t in adapter.target_modules if t == ALL_LINEAR or t.rsplit(".", 1)[-1] in EXPERT_PROJECTIONS]
+    if not named:
+        return None
+    return (
+        f"model.adapter.target_modules {named} adapt no expert of {config.arch}'s MoE layers, whose experts PEFT "
+        "does not adapt either: megatrain adapts the matrices beside them (a shared expert's, a dense layer's)"
+    )
+
+
+def fused_target_names(spec: ModelSpec) -> list[str]:
+    """PEFT 0.22's target_parameters of `spec`'s adapter: the fused expert matrices and the router it adapts."""
+    adapter, config = spec.adapter, spec.config
+    if not config.is_moe or not moe_shape(config).lora_reaches_experts:
+        return []
+    moe = moe_shape(config)
+    router = adapter.adapts(f"{moe.module}.gate.weight")
+    experts = adapted_expert_matrices(adapter, EXPERT_NAMING[moe.naming][1])
+    return sorted((["gate.weight"] if router else []) + [FUSED_MATRICES[name] for name in experts])
 
 
 def peft_config(spec: ModelSpec, base_model_name_or_path: str | None) -> dict:
@@ -206,6 +271,8 @@ def peft_config(spec: ModelSpec, base_model_name_or_path: str | None) -> dict:
         "inference_mode": True,
         "revision": None,
         **_PLAIN_LORA,
+        **({"target_parameters": fused} if (fused := fused_target_names(spec)) else {}),
+        **_fused_patterns(lora.r, lora.alpha, tuple(fused)),
     }
 
 
@@ -336,22 +403,64 @@ def with_adapters_merged(weights: dict, spec: ModelSpec) -> dict:
     """`weights` (a store's tensors by name, the base's and the adapters') with each adapted matrix W replaced by
     W + scale * B @ A (in float32, cast back to W's dtype) and the adapters left out: the model with its adapters on,
     for what runs transformers' modules on it (generation). Computed afresh on the host at each call."""
-    import torch
 
     if spec.adapter is None:
         return weights
-    scale, merged = spec.adapter.scale, {}
+    merge, merged = _Merge(spec, weights), {}
     for name, weight in weights.items():
         if ".lora_" in name:
             continue
-        module = name.removesuffix(".weight")
-        down, up = weights.get(f"{module}.lora_A.weight"), weights.get(f"{module}.lora_B.weight")
-        if down is None:
-            merged[name] = weight
-            continue
-        delta = torch.addmm(weight.float(), up.float(), down.float(), alpha=scale)
-        merged[name] = delta.to(weight.dtype)
+        delta = merge.delta(name)
+        merged[name] = weight if delta is None else (weight.float() + delta()).to(weight.dtype)
     return merged
+
+
+class _Merge:
+    """Each adapted base matrix's delta, scale * B @ A in float32, from `adapters` (the adapters' tensors by the
+    model's names): a matrix's own adapters', or (`_merge_sources`) its rows of a MoE's expert adapters' delta, or
+    its router's adapters' named apart from it (Mixtral's). Records the adapters' modules it used."""
+
+    def __init__(self, spec: ModelSpec, adapters: dict):
+        self.adapters, self.scale, self.used = adapters, spec.adapter.scale, set()
+        self.sources = _merge_sources(spec)
+        self.n_experts = spec.config.n_experts
+
+    def delta(self, name: str) -> "Callable[[], Any] | None":
+        """What makes base matrix `name`'s delta (None: it has no adapters), computed at the call."""
+        module, expert, rows = self.sources.get(name, (name.removesuffix(".weight"), None, slice(None)))
+        down, up = self.adapters.get(f"{module}.lora_A.weight"), self.adapters.get(f"{module}.lora_B.weight")
+        if down is None:
+            return None
+        self.used.add(module)
+        if expert is not None:  # (PEFT's layouts: A [experts * rank, in], B [out, rank * experts])
+            rank = down.shape[0] // self.n_experts
+            down, up = down.view(self.n_experts, rank, -1)[expert], up.view(up.shape[0], rank, -1)[:, :, expert]
+        return lambda: (up.float() @ down.float()).mul_(self.scale)[rows]
+
+
+def _merge_sources(spec: ModelSpec) -> dict[str, tuple[str, int | None, slice]]:
+    """The base matrices whose adapters PEFT names apart from them, a MoE's experts and Mixtral's router: base name
+    -> (the adapters' module, the expert whose A and B they are, or None: a plain adapter; the base's rows of the
+    delta: a gate or an up projection's half of the fused gate-up matrix)."""
+    config = spec.config
+    if not config.is_moe or not moe_shape(config).lora_reaches_experts:
+        return {}
+    moe = moe_shape(config)
+    gate, up, down = EXPERT_NAMING[moe.naming][1]
+    adapted, f = adapted_expert_matrices(spec.adapter, (gate, up, down)), moe.d_ff
+    sources = {}
+    for layer in filter(config.layer_is_moe, range(config.n_layers)):
+        prefix = f"model.layers.{layer}."
+        stored, named = f"{prefix}{moe.module}.experts", f"{prefix}{transformers_module(moe)}"
+        sources[prefix + router_name(moe)] = (f"{named}.gate", None, slice(None))
+        gate_up = f"{named}.experts" + (".base_layer" if len(adapted) == 2 else "")
+        for e in range(moe.n_experts):
+            if "experts_gate_up" in adapted:
+                sources[f"{stored}.{e}.{gate}.weight"] = (gate_up, e, slice(0, f))
+                sources[f"{stored}.{e}.{up}.weight"] = (gate_up, e, slice(f, 2 * f))
+            if "experts_down" in adapted:
+                sources[f"{stored}.{e}.{down}.weight"] = (f"{named}.experts", e, slice(None))
+    return sources
 
 
 def merged_entries(spec: ModelSpec, base: list, adapters: dict, target) -> tuple[list, int]:
@@ -360,22 +469,20 @@ def merged_entries(spec: ModelSpec, base: list, adapters: dict, target) -> tuple
     (`lora_A.weight` [r, in], `lora_B.weight` [out, r]). Returns (entries, how many matrices merged)."""
     import torch
 
-    scale = spec.adapter.scale
-    out, merged = [], 0
+    merge, out, merged = _Merge(spec, adapters), [], 0
     for name, pending in base:
-        module = name.removesuffix(".weight")
-        down, up = adapters.get(f"{module}.lora_A.weight"), adapters.get(f"{module}.lora_B.weight")
-        if down is None:
+        delta = merge.delta(name)
+        if delta is None:
             out.append((name, Pending(pending.shape, target, lambda p=pending: p.load().to(target))))
             continue
 
-        def load(p=pending, down=down, up=up):
-            return (p.load().to(torch.float32) + scale * (up.float() @ down.float())).to(target)
+        def load(p=pending, delta=delta):
+            return (p.load().to(torch.float32) + delta()).to(target)
 
         out.append((name, Pending(pending.shape, target, load)))
         merged += 1
-    if merged * 2 != len(adapters):
-        raise ZooError(f"{len(adapters) // 2 - merged} adapted matrices have no base weight to merge into")
+    if len(merge.used) * 2 != len(adapters):
+        raise ZooError(f"{len(adapters) // 2 - len(merge.used)} adapted matrices have no base weight to merge into")
     return out, merged
 
 
