@@ -100,9 +100,8 @@ def integration(session: nox.Session) -> None:
     """Tests across packages, against plain PyTorch and Hugging Face transformers."""
     # accelerate: FP8 checkpoints; peft: LoRA adapters in and out; the store's test extra (bitsandbytes): QLoRA
     # checkpoints as transformers saves them; pytest-xdist: the tests in two processes (CI's two cores)
-    # peft < 0.22: 0.22 maps a target naming an expert projection (down_proj) onto a fused MoE layer's experts
-    # (target_parameters, rank r per expert), which megatrain does not adapt yet (docs/guide.md, the LoRA section)
-    extra = ("transformers", "accelerate", "peft<0.22", "pillow", "pytest-xdist")
+    # peft >= 0.22: it adapts a MoE's fused experts and router as megatrain does (docs/guide.md, the LoRA section)
+    extra = ("transformers", "accelerate", "peft>=0.22", "pillow", "pytest-xdist")
     install(session, *DEPENDS["megatrain"], "megatrain", extra=extra, extras=EXTRAS | {"store": TEST_EXTRAS["store"]})
     session.run("pytest", "-q", "-n", "2", "-m", "not gpu", "tests", *session.posargs)
 
