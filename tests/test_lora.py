@@ -335,6 +335,16 @@ def test_gpu_steps_match_peft(dtype, tmp_path):
 
 
 @pytest.mark.gpu
+def test_gpu_mixture_of_experts_steps_match_peft(tmp_path):
+    """The experts' and the router's adapters on the CUDA engine (fp32, TF32 off) against PEFT 0.22 on the CPU, one
+    layer keeping its products. (bf16 against fp32 would flip near-tied routing choices now and then: the grouped
+    kernel's bf16 path is `test_expert_kernels.py`'s, against float64.)"""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    engine = EngineSection(kept_layers=1)
+    check_steps_match_peft("tiny-qwen2-moe", ["all-linear"], "float32", 0.05, tmp_path, "cuda", engine=engine)
+
+
+@pytest.mark.gpu
 def test_gpu_dropout_matches_peft_with_the_same_masks(tmp_path):
     """Dropout 0.1 on the CUDA engine (fp32, TF32 off): its masks drawn by CUDA generators from the same keys, PEFT's
     on the CPU drawing them there too; two micro-batches in two sweeps, one layer recomputed, one keeping products."""

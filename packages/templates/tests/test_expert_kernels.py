@@ -1,10 +1,20 @@
 """The experts' weight gradients added into their fp32 buffer: on the GPU by the grouped kernel that accumulates in
-fp32 (`expert_kernels`), on the CPU by the loop; both against float64."""
+fp32 (`expert_kernels`), on the CPU by the loop; both against float64. LoRA adapters on the experts likewise."""
 
 import pytest
 import torch
 
-from megatrain_templates.grouped_experts import _grouped_linear_backward, _Slots
+from megatrain_templates import Lora
+from megatrain_templates.expert_adapters import ExpertAdapters
+from megatrain_templates.grouped_experts import (
+    _grouped_linear,
+    _grouped_linear_backward,
+    _low_rank_slots,
+    _Slots,
+    adapters_input_grad,
+    add_adapters_weight_grads,
+)
+from megatrain_templates.layout import BoundWeight, Span, span_of, total_numel
 
 
 def _slots(counts: list[int], k: int, device: str) -> _Slots:
@@ -98,3 +108,67 @@ def test_gpu_dispatch_copies_each_tokens_row_to_its_choices_rows(dtype):
 
     torch.manual_seed(0)
     dispatch_copy_equals_the_gather("cuda", dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("rank", [4, 8])
+def test_expert_adapters_follow_float64(device, rank):
+    """LoRA on experts' matrices in PEFT 0.22's layouts (A [E * R, in], B [out, R * E], in an fp32 gradient buffer
+    and bound by `ExpertAdapters`): the grouped linear's output, its input's gradient and the adapters' gradients
+    through autograd, and the by-hand backward's (`adapters_input_grad`, `add_adapters_weight_grads`), against
+    float64. In bf16 on the GPU rank 8 runs the grouped kernel, rank 4 (8-byte rows) the loop."""
+    torch.manual_seed(rank)
+    counts, d_in, d_out, scale = [70, 0, 131, 1, 64], 40, 24, 2.0
+    n_experts, dtype = len(counts), torch.bfloat16 if device == "cuda" else torch.float32
+    lora = Lora(rank, rank * scale, ("down_proj",))
+    layout = ExpertAdapters(lora, {"experts_down": Span(0, (n_experts, d_out, d_in))}, ("experts_down",), "mlp", 0)
+    slots = _slots(counts, 2, device)
+    x = torch.randn(sum(counts), d_in, device=device).to(dtype)
+    grad = torch.randn(sum(counts), d_out, device=device).to(dtype)
+    base = (torch.randn(n_experts, d_out, d_in, device=device) * 0.1).to(dtype)
+    buffer = (torch.randn(total_numel(layout.params), device=device) * 0.3).to(dtype)
+
+    a64, b64 = (t.double().cpu().requires_grad_(True) for t in (s.view(buffer) for s in _adapter_spans(layout)))
+    x64 = x.double().cpu().requires_grad_(True)
+    want = []
+    for e, rows in _runs(counts):
+        a_e, b_e = a64.view(n_experts, rank, d_in)[e], b64.view(d_out, rank, n_experts)[:, :, e]
+        want.append(x64[rows] @ base[e].double().cpu().T + scale * (x64[rows] @ a_e.T) @ b_e.T)
+    want = torch.cat(want)
+    want.backward(grad.double().cpu())
+    tolerance = 2e-2 if device == "cuda" else 1e-5
+
+    def close(ours, theirs, tol=tolerance):
+        return ((ours.double().cpu() - theirs).norm() / theirs.norm()).item() < tol
+
+    grads = torch.zeros(total_numel(layout.params), device=device)
+    x_leaf = x.clone().requires_grad_(True)
+    adapted = layout.bind({"experts_down": BoundWeight(base, None)}, buffer, grads)["experts_down"]
+    out = _grouped_linear(x_leaf, adapted, slots, out_in=True)
+    out.backward(grad)
+    assert close(out, want.detach()) and close(x_leaf.grad, x64.grad)
+    grad_a, grad_b = (s.view(grads) for s in _adapter_spans(layout))
+    assert close(grad_a, a64.grad, 1e-5) and close(grad_b, b64.grad, 1e-5)  # (accumulated in fp32)
+
+    by_hand = torch.zeros_like(grads)
+    adapted = layout.bind({"experts_down": BoundWeight(base, None)}, buffer, by_hand)["experts_down"]
+    low_slots = _low_rank_slots(adapted, grad, slots)
+    assert low_slots.grouped == (device == "cuda" and rank == 8)
+    grad_low, grad_x_delta = adapters_input_grad(adapted, grad.contiguous(), low_slots)
+    add_adapters_weight_grads(adapted, x, grad.contiguous(), grad_low, low_slots)
+    assert close(by_hand, grads.double().cpu(), 1e-5)
+    base_grad_x = torch.cat([grad[rows].double().cpu() @ base[e].double().cpu() for e, rows in _runs(counts)])
+    assert close(grad_x_delta, x64.grad - base_grad_x)
+
+
+def _adapter_spans(layout: ExpertAdapters) -> list[Span]:
+    return [span_of(layout.params, p.name) for p in layout.params]
+
+
+def _runs(counts: list[int]):
+    """(expert, its rows) of rows grouped by expert, `counts` each, the experts with rows."""
+    first = 0
+    for e, count in enumerate(counts):
+        if count:
+            yield e, slice(first, first + count)
+        first += count
