@@ -423,5 +423,7 @@ def test_a_moe_run_says_where_its_targets_reach_no_expert():
         spec = build_model(preset(name), adapter=Lora(4, 8.0, targets))
         assert f"{list(targets[-1:])} adapt no expert of" in experts_note(spec) and not fused_target_names(spec)
         assert not any(".experts." in p.name for g in spec.adapter_groups for p in spec.groups[g].params)
-    with pytest.raises(ZooError, match="'router' matches no linear layer of this model; its layers have k_proj, o_proj"):
+    with pytest.raises(
+        ZooError, match="'router' matches no linear layer of this model; its layers have k_proj, o_proj"
+    ):
         build_model(preset("tiny-gpt-oss"), adapter=Lora(4, 8.0, ("q_proj", "router")))
