@@ -105,12 +105,19 @@ def test_a_trained_adapter_exports_as_peft_and_converts_merged(base_dir, tmp_pat
         assert "tokenizer, chat template" in describe_export(tmp_path / out)
 
 
-def test_an_adapter_peft_saved_starts_a_run_at_peft_logits(base_dir, tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen2", "qwen2-moe"])
+def test_an_adapter_peft_saved_starts_a_run_at_peft_logits(moe, base_dir, tmp_path):
     """A PeftModel of all-linear r 4 with random non-zero B, saved by PEFT, read through model.adapter.path: the run's
-    logits are PEFT's, and its adapter's settings are the directory's."""
+    logits are PEFT's, and its adapter's settings are the directory's. PEFT 0.22 saves a MoE's adapters of experts
+    and router as target_parameters, the gate-up matrix at rank 2r through rank_pattern and alpha_pattern."""
+    if moe:
+        base_dir = tmp_path / "moe"
+        hf_config = transformers.AutoConfig.for_model(**(config_to_hf(preset("tiny-qwen2-moe")) | {"vocab_size": 96}))
+        transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(base_dir)
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     model = peft.get_peft_model(base, config)
+    assert bool(model.peft_config["default"].target_parameters) == moe
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
