@@ -395,10 +395,11 @@ class DecoderBlock(Template):
         self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._adapters = None if lora is None else self._adapt(lora)
 
-    def _adapt(self, lora: Lora) -> AdapterLayout:
-        """LoRA adapters on the matrices `lora` targets, in a second group (the base's is then frozen)."""
-        matrices = tuple(name for name in self._spans if name not in self._vectors)
-        adapters = AdapterLayout(lora, self.groups[0], self._spans, matrices)
+    def _adapt(self, lora: Lora, extra: tuple[str, ...] = (), renames: dict | None = None) -> AdapterLayout:
+        """LoRA adapters on the matrices `lora` targets (and on the spans `extra`, autograd's leaves otherwise), in
+        a second group (the base's is then frozen); `renames` as `AdapterLayout`'s."""
+        matrices = tuple(name for name in self._spans if name not in self._vectors) + extra
+        adapters = AdapterLayout(lora, self.groups[0], self._spans, matrices, renames)
         self.groups = (self.groups[0], adapters.params)
         self.takes_dropout = lora.dropout > 0  # (its training passes are given `dropout=`, their masks' key)
         return adapters

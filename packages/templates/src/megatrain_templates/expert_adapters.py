@@ -12,7 +12,6 @@ alpha / r), the down projection at rank r."""
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .layout import BoundWeight, ParamSpec, ProductKeeper, Span, param_offsets
@@ -113,11 +112,3 @@ def _per_expert(b: Tensor, n_experts: int, rank: int) -> Tensor:
     """PEFT's [out, rank * n_experts] B (column i * n_experts + e: expert e's i-th) as [n_experts, out, rank]: a
     strided view of the same memory."""
     return b.view(b.shape[0], rank, n_experts).permute(2, 0, 1)
-
-
-def expert_deltas(adapters: dict[str, Tensor], scale: float, n_experts: int) -> Tensor:
-    """[n_experts, out, in]: each expert's scale * B_e A_e from PEFT's (A [n_experts * R, in], B [out, R * n_experts])
-    `adapters` ("lora_A", "lora_B"), in float32: what a merge adds to the experts' matrices."""
-    a, b = adapters["lora_A"].float(), adapters["lora_B"].float()
-    rank = a.shape[0] // n_experts
-    return torch.bmm(_per_expert(b, n_experts, rank), a.view(n_experts, rank, -1)).mul_(scale)

@@ -93,37 +93,29 @@ class MoeBlock(DecoderBlock):
             name for name in self._spans if name not in self._vectors and name != "experts_down"
         )
         self._adapters = None if lora is None else self._adapt(lora)
-        if lora is not None and moe.lora_reaches_experts:
-            self._adapt_experts(lora)
 
     def _adapt(self, lora: Lora) -> AdapterLayout:
-        """LoRA adapters on its 2-D matrices (attention, shared expert), and on its router where PEFT 0.22 adapts it
-        (`MoeShape.lora_reaches_experts`; Llama 4's, an nn.Linear returning a tuple, crashes PEFT's LoRA layer),
-        named as PEFT names them."""
-        matrices = [name for name in self._spans if name not in self._vectors]
-        if self.moe.lora_reaches_experts:
-            matrices.append("router")
-        module = transformers_module(self.moe)
-        renames = {router_name(self.moe): f"{module}.{router_name(self.moe).split('.', 1)[1]}"}
-        adapters = AdapterLayout(lora, self.groups[0], self._spans, tuple(matrices), renames)
-        self.groups = (self.groups[0], adapters.params)
-        self.takes_dropout = lora.dropout > 0
-        return adapters
-
-    def _adapt_experts(self, lora: Lora) -> None:
-        """LoRA on the experts' fused matrices (`expert_adapters`), after the 2-D adapters in the adapter group."""
-        adapted = adapted_expert_matrices(lora, EXPERT_NAMING[self.moe.naming][1])
-        reached = adapted + (("router",) if "router" in self._adapters.adapted else ())
+        """`DecoderBlock._adapt`'s adapters (attention, shared expert); where PEFT 0.22 adapts them
+        (`MoeShape.lora_reaches_experts`) also the router's and the experts' (`expert_adapters`), named as PEFT names
+        them. (Llama 4's router, an nn.Linear returning a tuple, crashes PEFT's LoRA layer: not adapted.)"""
+        moe = self.moe
+        if not moe.lora_reaches_experts:
+            return super()._adapt(lora)
+        router = router_name(moe)
+        adapters = super()._adapt(lora, ("router",), {router: f"{transformers_module(moe)}.{router.split('.', 1)[1]}"})
+        experts = adapted_expert_matrices(lora, EXPERT_NAMING[moe.naming][1])
+        reached = experts + (("router",) if "router" in adapters.adapted else ())
         if reached and lora.dropout:
             raise ValueError(
                 f"model.adapter.dropout {lora.dropout} on {', '.join(reached)}: LoRA dropout can't be applied to a "
                 "matrix transformers fuses (PEFT 0.22 refuses it as well); set model.adapter.dropout to 0, or "
                 "target other modules"
             )
-        if adapted:
-            offset = total_numel(self.groups[1])
-            self._adapters.attach(ExpertAdapters(lora, self._spans, adapted, transformers_module(self.moe), offset))
-            self.groups = (self.groups[0], self._adapters.params)
+        if experts:
+            offset = total_numel(adapters.params)
+            adapters.attach(ExpertAdapters(lora, self._spans, experts, transformers_module(moe), offset))
+            self.groups = (self.groups[0], adapters.params)
+        return adapters
 
     def product_bytes_per_token(self, element_size: int) -> int:
         """GPU bytes per token that `forward_keeping_products` returns: `DecoderBlock.product_bytes_per_token`'s,
