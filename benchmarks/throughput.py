@@ -142,7 +142,7 @@ def bench_megatrain(name, args, implementation="native"):
         if args.trace_dir and tokens == max(token_counts):
             trainer.timeline.write_chrome_trace(Path(args.trace_dir) / f"trace-{name}-{tokens}.json")
         n_seqs = tokens // args.seq_len
-        flops = flops_per_token(model, args.doc_len or args.seq_len, trainer.spec.adapter_params)
+        flops = flops_per_token(model, args.doc_len or args.seq_len, trainer.spec.active_adapter_params)
         rows.append(
             base_row("megatrain", name, model, args.seq_len, n_seqs, args.micro_batch, timing["step_s"])
             | placement_fields(trainer, timing["step_s"])

@@ -416,6 +416,10 @@ def test_a_moe_run_says_where_its_targets_reach_no_expert():
     qwen = build_model(preset("tiny-qwen2-moe"), adapter=lora)
     assert experts_note(qwen) is None
     assert fused_target_names(qwen) == ["down_proj"] and target_module_names(qwen) == ["down_proj", "q_proj"]
+    # (a token computes with its top_k experts' adapters: FLOPs count those)
+    experts = sum(p.numel for g in qwen.adapter_groups for p in qwen.groups[g].params if ".experts." in p.name)
+    share = qwen.config.n_experts_per_tok / qwen.config.n_experts
+    assert experts and qwen.active_adapter_params == pytest.approx(qwen.adapter_params - experts * (1 - share))
     assert fused_target_names(build_model(preset("tiny-olmoe"), adapter=Lora(4, 8.0, ("all-linear",)))) == [
         "down_proj", "gate.weight", "gate_up_proj"
     ]  # fmt: skip

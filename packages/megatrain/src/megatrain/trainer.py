@@ -314,7 +314,7 @@ class Trainer:
         self.step_index += 1
         elapsed = time.perf_counter() - start
         tokens = batch.input_ids.numel()
-        flops = flops_per_token(self.model_config, batch.input_ids.shape[1], self.spec.adapter_params) * tokens
+        flops = flops_per_token(self.model_config, batch.input_ids.shape[1], self.spec.active_adapter_params) * tokens
         metrics = None if self.objective is None else self._objective_metrics()
         return StepMetrics(
             self.step_index, loss, lr, grad_norm, tokens, elapsed, tokens / elapsed, flops / elapsed / 1e12, skipped,

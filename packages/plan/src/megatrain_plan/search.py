@@ -521,7 +521,7 @@ def _times_of(planner: Planner, placement: Placement, compute_bound: bool) -> di
     phases = planner.phases(placement)
     bound, step_s = slowest(phases), planner.step_s(placement)
     global_tokens = placement.step_tokens * planner.world
-    flops = flops_per_token(planner.model, planner.shape.seq_len, planner.spec.adapter_params) * global_tokens
+    flops = flops_per_token(planner.model, planner.shape.seq_len, planner.spec.active_adapter_params) * global_tokens
     return {
         "tokens_per_step": global_tokens,
         "compute_s": planner.compute_s(placement),

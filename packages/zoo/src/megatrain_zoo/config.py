@@ -562,12 +562,13 @@ def softmax_attention_flops_per_token(config: ModelConfig, keys: int) -> float:
     return 3 * config.n_heads * sum(config.attention_widths) * keys
 
 
-def flops_per_token(config: ModelConfig, seq_len: int, adapter_params: int | None = None) -> float:
+def flops_per_token(config: ModelConfig, seq_len: int, adapter_params: float | None = None) -> float:
     """Training FLOPs per token, forward + backward, recomputation not counted:
     6 x matmul parameters + causal attention (QK^T and AV over half the square; over the window, at
     most, in sliding-window layers; over half a chunk, at most, in chunked layers) + linear attention's
-    delta rule (`linear_attention_flops_per_token`). With `adapter_params` (LoRA's, over a frozen base): 4 x the
-    base's matmul parameters (no weight gradient) + 6 x the adapters' + the same attention."""
+    delta rule (`linear_attention_flops_per_token`). With `adapter_params` (LoRA's, over a frozen base: those a token
+    computes with, `ModelSpec.active_adapter_params`): 4 x the base's matmul parameters (no weight gradient) + 6 x
+    the adapters' + the same attention."""
     windowed = min(seq_len, 2 * config.sliding_window) if config.sliding_window else seq_len
     chunked = min(seq_len, config.attention_chunk_size or seq_len)
 

@@ -85,10 +85,20 @@ class ModelSpec:
 
     @property
     def adapter_params(self) -> int | None:
-        """Parameters of the LoRA adapters (None without an adapter): what `flops_per_token` counts them by."""
+        """Parameters of the LoRA adapters (None without an adapter)."""
         if self.adapter is None:
             return None
         return sum(p.numel for g in self.adapter_groups for p in self.groups[g].params)
+
+    @property
+    def active_adapter_params(self) -> float | None:
+        """The adapters' parameters a token computes with, what `flops_per_token` counts them by: a MoE's experts'
+        adapters by the share of the experts a token chooses (top_k of n_experts), as its experts' parameters."""
+        if self.adapter is None:
+            return None
+        share = self.config.n_experts_per_tok / self.config.n_experts if self.config.is_moe else 1.0
+        params = [p for g in self.adapter_groups for p in self.groups[g].params]
+        return sum(p.numel * (share if ".experts." in p.name else 1.0) for p in params)
 
     @property
     def packed_groups(self) -> frozenset[int]:
