@@ -25,13 +25,18 @@ LAYER = [  # a decoder layer's base as the zoo lays it out: norms and biases raw
     ("model.layers.0.mlp.experts.gate_up_proj", (4, 66, 48), True),
     ("model.layers.0.mlp.down_proj.weight", (48, 33), True),
 ]
+BIASES = [  # biases held as matrices: gpt-oss' experts' stacked, ERNIE 4.5's router correction bias split hi + lo
+    ("model.layers.0.mlp.experts.gate_up_proj_bias", (4, 66), False),
+    ("model.layers.0.mlp.moe_statics.e_score_correction_bias{hi}", (1, 4), False),
+    ("model.layers.0.mlp.moe_statics.e_score_correction_bias{lo}", (1, 4), False),
+]
 EMBED = [("model.embed_tokens.weight", (40, 48), True)]
 ADAPTER = [("model.layers.0.self_attn.q_proj.lora_A.weight", (4, 48), True)]
 QUANTIZE = {"nf4": (quantize_nf4, dequantize_nf4), "int8": (quantize_int8, dequantize_int8)}
 
 
-def store_of(format, dtype, **kwargs):
-    layouts = [GroupLayout.from_specs(specs) for specs in (EMBED, LAYER, ADAPTER)]
+def store_of(format, dtype, layer=LAYER, **kwargs):
+    layouts = [GroupLayout.from_specs(specs) for specs in (EMBED, layer, ADAPTER)]
     return HostStore(
         layouts,
         dtype,
@@ -56,7 +61,7 @@ def fill(store, group, seed):
 @pytest.mark.parametrize("format", ["nf4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_group_unpacks_to_its_formats_dequantized_weights(format, dtype):
-    store = store_of(format, dtype, pin=False)
+    store = store_of(format, dtype, pin=False, layer=LAYER + BIASES)
     drawn = fill(store, 1, seed=0)
     quantize, dequantize = QUANTIZE[format]
     unpacked = store.layouts[1].views(store.weights(1))
@@ -65,7 +70,7 @@ def test_a_packed_group_unpacks_to_its_formats_dequantized_weights(format, dtype
         if name.endswith(("gate_up_proj", "q_proj.weight", "down_proj.weight")):
             assert torch.equal(unpacked[name], dequantize(quantize(weight))), name
             assert not torch.equal(unpacked[name], weight), f"{name} was not quantized"
-        else:  # norms, biases and the router: exact
+        else:  # norms, biases (however shaped) and the router: exact
             assert torch.equal(unpacked[name], weight), name
     assert store.wire(1).dtype == torch.uint8 and store.wire(1).numel() == store.packing(1).nbytes
     assert store.packing(0) is None and store.wire(0).dtype == dtype  # the embedding: raw, in the compute dtype

@@ -38,9 +38,12 @@ _DEQUANTIZE = {"nf4": dequantize_nf4, "int8": dequantize_int8}
 def quantizes(entry: Entry) -> bool:
     """Whether a frozen base keeps `entry` quantized: its matrices (linear weights, experts' stacked matrices), as
     QLoRA quantizes every linear layer; not a router's or a gate's (`mlp.gate`, `shared_expert_gate`, `router`: a
-    few weights that pick experts or scale a branch, kept exact) nor a vector (norms, biases)."""
+    few weights that pick experts or scale a branch, kept exact) nor a vector (norms, biases), nor a bias however
+    stored (gpt-oss' experts' biases stacked [n_experts, d]; ERNIE 4.5's router correction bias [1, n_experts], kept
+    as a split-precision pair `NAME{hi}`, `NAME{lo}`: its low bits pick experts)."""
     module = entry.name.split(".")[-2] if "." in entry.name else ""
-    return len(entry.shape) >= 2 and not module.endswith("gate") and "router" not in module
+    bias = entry.name.split("{")[0].endswith("bias")
+    return len(entry.shape) >= 2 and not module.endswith("gate") and "router" not in module and not bias
 
 
 def round_trip(weight: Tensor, format: str) -> Tensor:
