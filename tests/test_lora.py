@@ -229,13 +229,21 @@ def check_steps_match_peft(
     # (transformers' fused expert tensors are stored expert by expert: the one-to-one names compared here, the
     # experts through the steps' and logits' equality)
     fused = {n for n in base if ".experts." in n and n not in streamed}
-    # (transformers >= 5 names Mixtral's block_sparse_moe mlp; the store keeps the published names)
-    streamed.update({n.replace(".block_sparse_moe.", ".mlp."): t for n, t in streamed.items()})
+    # (transformers >= 5 names Mixtral's block_sparse_moe mlp, and holds ERNIE 4.5's correction bias in the router;
+    # the store keeps the published names)
+    renames = {".block_sparse_moe.": ".mlp.", ".mlp.moe_statics.": ".mlp.gate.moe_statics."}
+    streamed.update({_renamed(n, renames): t for n, t in streamed.items()})
     assert not any(".lora_" in n for n in base) and set(base) - fused <= set(streamed)
     for param_name, value in base.items():
         if param_name not in fused:
             assert torch.equal(streamed[param_name].cpu().to(value.dtype), value), param_name
     trainer.close()
+
+
+def _renamed(name: str, renames: dict[str, str]) -> str:
+    for old, new in renames.items():
+        name = name.replace(old, new)
+    return name
 
 
 def check_steps(trainer, train, model, grad_clip, seed, pack, tolerances, keys=None):
@@ -303,6 +311,7 @@ def test_steps_match_peft(name, targets, dtype, grad_clip, tmp_path):
         ("tiny-deepseek-v3", ["all-linear"], "float32", "auto"),
         ("tiny-llama4", ["q_proj", "v_proj", "down_proj"], "float32", "auto"),
         ("tiny-gpt-oss", ["all-linear"], "float32", "auto"),
+        ("tiny-ernie4_5-moe", ["all-linear"], "float32", 1),
     ],
 )
 def test_a_mixture_of_experts_steps_match_peft(name, targets, dtype, kept_layers, tmp_path):
