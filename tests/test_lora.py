@@ -4,10 +4,11 @@ norm, every adapter; the logits after), in float64, fp32 and bf16, with three mi
 eager, all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
 output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts (Qwen2-MoE) families and the generic path, layers
 recomputed or keeping their products, in one sweep or two, packed rows, with dropout (PEFT's dropout modules drawing
-megatrain's keyed masks), and DPO and GRPO against plain PEFT loops (their references the base, adapters off); two
-ranks train as one process, and resume from their adapter-only checkpoint as a run that never stopped. The frozen
-base is held once, in the compute dtype, and stays bit for bit what its checkpoint holds. Bad adapter settings are
-refused in one line before anything loads."""
+megatrain's keyed masks), and DPO and GRPO against plain PEFT loops (their references the base, adapters off;
+GRPO's over Qwen2-MoE too, its experts' and router's adapters among them); two ranks train as one process, and resume
+from their adapter-only checkpoint as a run that never stopped. The frozen base is held once, in the compute dtype,
+and stays bit for bit what its checkpoint holds. Bad adapter settings are refused in one line before anything
+loads."""
 
 import contextlib
 import json
@@ -148,6 +149,13 @@ def mean_loss(model, ids, labels, documents) -> torch.Tensor:
         return mean
     assert len(documents) == 1  # (the balance loss of the whole step's tokens at once)
     return mean + model.config.get_text_config().router_aux_loss_coef * aux
+
+
+def balance_loss(model, out) -> torch.Tensor | float:
+    """A mixture of experts' load-balancing loss of `model`'s forward `out` (over the step's tokens: one
+    micro-batch), weighted as transformers adds it; 0 for a model without one."""
+    aux = getattr(out, "aux_loss", None)
+    return 0.0 if aux is None else model.config.get_text_config().router_aux_loss_coef * aux
 
 
 def peft_step(model, optimizer, train, step: int, grad_clip: float, loss_of) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,18 +541,18 @@ def test_two_ranks_train_the_adapters_as_one_process_and_resume_on_one(tmp_path)
     assert_same_weights(adapters, resumed_adapters)
 
 
-def objective_run(tmp_path, train, seq_len: int, base_dtype=None, dropout=0.0):
-    """(megatrain's trainer of `train`'s objective over a tiny transformers Qwen2 (fp32) with all-linear adapters,
-    PEFT's model of the same base and adapters (B drawn non-zero, so that the policy and the base differ), the
-    generator of the step's data, torch AdamW on PEFT's adapters). `base_dtype` nf4 or int8: megatrain's base
-    packed, PEFT's its layers' matrices dequantized (`megatrain_store.packed.round_trip`, which test_quant.py checks
-    against bitsandbytes)."""
+def objective_run(tmp_path, train, seq_len: int, base_dtype=None, dropout=0.0, name="tiny-qwen2"):
+    """(megatrain's trainer of `train`'s objective over a tiny transformers model of preset `name` (fp32) with
+    all-linear adapters, PEFT's model of the same base and adapters (B drawn non-zero, so that the policy and the
+    base differ), the generator of the step's data, torch AdamW on PEFT's adapters). `base_dtype` nf4 or int8:
+    megatrain's base packed, PEFT's its layers' matrices dequantized (`megatrain_store.packed.round_trip`, which
+    test_quant.py checks against bitsandbytes)."""
     from megatrain.config import Config, ModelSection, PrecisionSection
     from megatrain_data import DataSection
     from megatrain_store import Entry
     from megatrain_store.packed import quantizes, round_trip
 
-    reference = hf_dense_model("tiny-qwen2", train.seed)
+    reference = hf_dense_model(name, train.seed)
     reference.save_pretrained(tmp_path / "hf")
     if base_dtype is not None:
         with torch.no_grad():
@@ -615,12 +623,14 @@ def test_dpo_with_adapters_equals_a_peft_dpo_loop(base_dtype, dropout, tmp_path)
     trainer.close()
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_grpo_with_adapters_equals_a_peft_loop(dropout, tmp_path):
+@pytest.mark.parametrize("name, dropout", [("tiny-qwen2", 0.0), ("tiny-qwen2", 0.1), ("tiny-qwen2-moe", 0.0)])
+def test_grpo_with_adapters_equals_a_peft_loop(name, dropout, tmp_path):
     """GRPO over LoRA adapters, with the KL term: the reference the store streams (`keep_reference`, its adapter
     groups zero) is the base with the adapters off, PEFT's under `disable_adapter()`, and the steps equal TRL's loss
     on a PeftModel with torch AdamW on the adapters (fp32; B non-zero from the start); with dropout in the policy's
-    pass alone (PEFT's modules drawing megatrain's masks: the step's one micro-batch, keyed by row 0)."""
+    pass alone (PEFT's modules drawing megatrain's masks: the step's one micro-batch, keyed by row 0); over a mixture
+    of experts, its experts' and router's adapters off in the reference too, and the step's load-balancing loss added
+    (`balance_loss`)."""
     from test_grpo import CASES_GRPO, SEQ, random_groups, token_logps, trl_advantages, trl_loss
 
     from megatrain.config import TrainSection
@@ -632,7 +642,7 @@ def test_grpo_with_adapters_equals_a_peft_loop(dropout, tmp_path):
         steps=3, batch_size=rows, micro_batch_size=rows, lr=1e-3, eps=1e-6, weight_decay=0.1, grad_clip=0.0,
         warmup_steps=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()), objective="grpo", grpo=grpo,
     )  # fmt: skip
-    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ, dropout=dropout)
+    trainer, model, generator, optimizer = objective_run(tmp_path, train, SEQ, dropout=dropout, name=name)
     keys = keyed_dropouts(model, dropout) if dropout else {}
     trainer.keep_reference()  # (after the adapters are set: the reference must still be the base alone)
     for step in range(train.steps):
@@ -647,9 +657,12 @@ def test_grpo_with_adapters_equals_a_peft_loop(dropout, tmp_path):
 
         def grpo_loss():
             keys["key"] = DropoutKey(train.seed, step, 0) if dropout else None
-            logps = token_logps(model, ids, labels)
+            out = model(input_ids=ids)  # (token_logps' pass, its balance loss kept)
             keys["key"] = None
-            return trl_loss(logps, logps.detach(), ref, advantages.to(logps), labels != -100, grpo)
+            logps = out.logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            logps = logps * (labels != -100)
+            loss = trl_loss(logps, logps.detach(), ref, advantages.to(logps), labels != -100, grpo)
+            return loss + balance_loss(model, out)
 
         loss, norm = peft_step(model, optimizer, train, step, 0.0, grpo_loss)
         assert metrics.loss == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
