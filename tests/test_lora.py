@@ -671,6 +671,19 @@ def test_grpo_with_adapters_equals_a_peft_loop(name, dropout, tmp_path):
     trainer.close()
 
 
+def test_the_generic_path_says_its_targets_reach_no_routed_expert(tmp_path):
+    """Qwen2-MoE through transformers' own layers: LoRA hooks nn.Linear layers, which its fused experts are not
+    (the native template adapts them, as PEFT 0.22 does): the run's warning says so."""
+    from megatrain_zoo.peft import experts_note
+
+    model = hf_dense_model("tiny-qwen2-moe", 0)
+    model.config.output_router_logits = False  # (the generic path adds no balance loss)
+    model.save_pretrained(tmp_path / "hf")
+    trainer, _ = lora_trainer(tmp_path / "hf", tmp_path, ["all-linear"], 0.0, 1, implementation="transformers")
+    assert "['all-linear'] adapt no routed expert on the generic path" in experts_note(trainer.spec)
+    trainer.close()
+
+
 def test_the_generic_path_adapts_what_peft_loads_and_refuses_what_it_cannot_adapt():
     """LoRA on transformers' own layers: GPT-2's Conv1D layers are refused in one line (all-linear adapted nothing,
     silently); Falcon-H1's Mamba out_proj, which PEFT takes no LoRA on, is left out of all-linear (its export did not

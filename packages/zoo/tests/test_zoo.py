@@ -425,7 +425,7 @@ def test_a_moe_run_says_where_its_targets_reach_no_expert():
     ]  # fmt: skip
     for name, targets in (("tiny-gpt-oss", ("all-linear",)), ("tiny-llama4", ("q_proj", "down_proj"))):
         spec = build_model(preset(name), adapter=Lora(4, 8.0, targets))
-        assert f"{list(targets[-1:])} adapt no expert of" in experts_note(spec) and not fused_target_names(spec)
+        assert f"{list(targets[-1:])} adapt no routed expert of" in experts_note(spec) and not fused_target_names(spec)
         assert not any(".experts." in p.name for g in spec.adapter_groups for p in spec.groups[g].params)
     with pytest.raises(
         ZooError, match="'router' matches no linear layer of this model; its layers have k_proj, o_proj"

@@ -226,21 +226,32 @@ def target_module_names(spec: ModelSpec) -> list[str]:
 
 # the names of an expert's projections in transformers' mixtures of experts (Mixtral's w1, w2, w3)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3")
+# config.json's counts of routed experts, by family (Mixtral's, Qwen2-MoE's, DeepSeek's, ERNIE's)
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def experts_note(spec: ModelSpec) -> str | None:
     """What a MoE run whose target_modules name an expert's projection (or all-linear) says where they reach no
-    expert: its family's experts are parameters PEFT 0.22 does not adapt either (gpt-oss', Llama 4's, Qwen3.5's);
-    None where they reach them, or name none."""
+    expert: its family's experts are parameters PEFT 0.22 does not adapt either (gpt-oss', Llama 4's, Qwen3.5's),
+    or the generic path runs it (its LoRA adapts nn.Linear layers; fused experts are parameters, which PEFT 0.22
+    adapts in the families it converts); None where they reach them, or name none."""
     adapter, config = spec.adapter, spec.config
-    if adapter is None or not config.is_moe or moe_shape(config).lora_reaches_experts:
+    named = adapter and [
+        t for t in adapter.target_modules if t == ALL_LINEAR or t.rsplit(".", 1)[-1] in EXPERT_PROJECTIONS
+    ]
+    if not named or any(".experts." in name for name in adapter_layout(spec)):
         return None
-    named = [t for t in adapter.target_modules if t == ALL_LINEAR or t.rsplit(".", 1)[-1] in EXPERT_PROJECTIONS]
-    if not named:
+    if config.implementation == "transformers":
+        if not any(json.loads(config.hf_config or "{}").get(key) for key in EXPERT_COUNTS):
+            return None
+        why = "on the generic path, whose LoRA adapts nn.Linear layers (PEFT 0.22 adapts fused experts where it converts them)"
+    elif config.is_moe:
+        why = f"of {config.arch}'s MoE layers, whose experts PEFT does not adapt either"
+    else:
         return None
     return (
-        f"model.adapter.target_modules {named} adapt no expert of {config.arch}'s MoE layers, whose experts PEFT "
-        "does not adapt either: megatrain adapts the matrices beside them (a shared expert's, a dense layer's)"
+        f"model.adapter.target_modules {named} adapt no routed expert {why}: megatrain adapts the matrices beside "
+        "them (a shared expert's, a dense layer's)"
     )
 
 
