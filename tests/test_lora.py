@@ -2,7 +2,8 @@
 `peft.get_peft_model` over transformers' model + torch.optim.AdamW on the adapters, step by step (loss, gradient
 norm, every adapter; the logits after), in float64, fp32 and bf16, with three micro-batches a step, clipped and
 eager, all-linear and subsets (some members of a fused matrix adapted, others not), fused (Phi-3), biased (Qwen2),
-output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts (Qwen2-MoE) families and the generic path, layers
+output-normed (OLMo 2), delta-rule (Qwen3.5) and mixture-of-experts families (PEFT 0.22's adapters of experts and
+routers: Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3, ERNIE 4.5; Llama 4, gpt-oss, whose experts it leaves) and the generic path, layers
 recomputed or keeping their products, in one sweep or two, packed rows, with dropout (PEFT's dropout modules drawing
 megatrain's keyed masks), and DPO and GRPO against plain PEFT loops (their references the base, adapters off;
 GRPO's over Qwen2-MoE too, its experts' and router's adapters among them); two ranks train as one process, and resume
