@@ -61,8 +61,10 @@ def make_objective(config: Config) -> Objective | None:
         return DPO(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free, dpo.simpo_gamma)
     if name == "grpo":
         g = config.train.grpo
-        settings = (g.epsilon, g.epsilon_high, g.loss_type, g.importance_sampling_level, g.max_completion_length)
-        return GRPO(g.beta, *settings, g.use_bias_correction_kl)
+        return GRPO(
+            g.beta, g.epsilon, g.epsilon_high, g.loss_type, g.importance_sampling_level, g.max_completion_length,
+            use_bias_correction_kl=g.use_bias_correction_kl,
+        )  # fmt: skip
     return user_objective_class(name)()
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from . import expert_kernels
 from .expert_adapters import AdaptedExperts
 from .layout import BoundWeight, ProductKeeper
-from .ops import compiled_on_cuda, upcast
+from .ops import _value, compiled_on_cuda, upcast
 
 
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype, row_major: bool = False) -> bool:
@@ -205,10 +205,6 @@ def _grouped_linear(
     if isinstance(weight, ProductKeeper):
         return weight.put(_grouped_matmul(x, _in_out(weight.value, out_in), slots))
     return _GroupedLinear.apply(x, _in_out(weight, out_in), slots, None, None)
-
-
-def _value(weight: "Tensor | BoundWeight") -> Tensor:
-    return weight.value if isinstance(weight, BoundWeight) else weight
 
 
 def _low_rank_slots(adapted: AdaptedExperts, x: Tensor, slots: _Slots) -> _Slots:

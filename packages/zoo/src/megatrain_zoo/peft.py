@@ -23,7 +23,7 @@ from megatrain_store import (
     write_safetensors,
 )
 from megatrain_store.packed import quantizes, round_trip
-from megatrain_templates import ALL_LINEAR, EXPERT_NAMING, Lora, file_tensors
+from megatrain_templates import ALL_LINEAR, EXPERT_NAMING, Lora, MoeShape, file_tensors
 from megatrain_templates.expert_adapters import FUSED_MATRICES, adapted_expert_matrices
 from megatrain_templates.moe_layout import router_name, transformers_module
 
@@ -89,8 +89,9 @@ def read_peft_config(adapter_dir: Path) -> Lora:
     if settings.get("peft_type", "LORA") != "LORA":
         raise ZooError(f"{path}: peft_type {settings['peft_type']!r}; megatrain trains LORA adapters")
     fused = tuple(settings.get("target_parameters") or ())
-    patterns = _fused_patterns(int(settings["r"]), float(settings["lora_alpha"]), fused)
-    for key, plain in (_PLAIN_LORA | patterns | {"target_parameters": settings.get("target_parameters")}).items():
+    plain_settings = _PLAIN_LORA | _fused_patterns(int(settings["r"]), float(settings["lora_alpha"]), fused)
+    del plain_settings["target_parameters"]  # (checked by name below)
+    for key, plain in plain_settings.items():
         if settings.get(key) not in (plain, None, {}, []):
             raise ZooError(
                 f"{path}: {key} is {settings[key]!r}; megatrain computes plain LoRA ({key}: {plain!r}): "
@@ -257,13 +258,21 @@ def experts_note(spec: ModelSpec) -> str | None:
 
 def fused_target_names(spec: ModelSpec) -> list[str]:
     """PEFT 0.22's target_parameters of `spec`'s adapter: the fused expert matrices and the router it adapts."""
-    adapter, config = spec.adapter, spec.config
-    if not config.is_moe or not moe_shape(config).lora_reaches_experts:
+    reached = _reached_experts(spec)
+    if reached is None:
         return []
-    moe = moe_shape(config)
-    router = adapter.adapts(f"{moe.module}.gate.weight")
-    experts = adapted_expert_matrices(adapter, EXPERT_NAMING[moe.naming][1])
+    moe, experts = reached
+    router = spec.adapter.adapts(router_name(moe))
     return sorted((["gate.weight"] if router else []) + [FUSED_MATRICES[name] for name in experts])
+
+
+def _reached_experts(spec: ModelSpec) -> "tuple[MoeShape, tuple[str, ...]] | None":
+    """(the MoE's shape, the span names of the expert matrices `spec`'s adapter adapts: `adapted_expert_matrices`)
+    where its target_modules reach experts (`MoeShape.lora_reaches_experts`); None where they cannot."""
+    if spec.adapter is None or not spec.config.is_moe or not moe_shape(spec.config).lora_reaches_experts:
+        return None
+    moe = moe_shape(spec.config)
+    return moe, adapted_expert_matrices(spec.adapter, EXPERT_NAMING[moe.naming][1])
 
 
 def peft_config(spec: ModelSpec, base_model_name_or_path: str | None) -> dict:
@@ -414,7 +423,6 @@ def with_adapters_merged(weights: dict, spec: ModelSpec) -> dict:
     """`weights` (a store's tensors by name, the base's and the adapters') with each adapted matrix W replaced by
     W + scale * B @ A (in float32, cast back to W's dtype) and the adapters left out: the model with its adapters on,
     for what runs transformers' modules on it (generation). Computed afresh on the host at each call."""
-
     if spec.adapter is None:
         return weights
     merge, merged = _Merge(spec, weights), {}
@@ -453,12 +461,11 @@ def _merge_sources(spec: ModelSpec) -> dict[str, tuple[str, int | None, slice]]:
     """The base matrices whose adapters PEFT names apart from them, a MoE's experts and Mixtral's router: base name
     -> (the adapters' module, the expert whose A and B they are, or None: a plain adapter; the base's rows of the
     delta: a gate or an up projection's half of the fused gate-up matrix)."""
-    config = spec.config
-    if not config.is_moe or not moe_shape(config).lora_reaches_experts:
+    config, reached = spec.config, _reached_experts(spec)
+    if reached is None:
         return {}
-    moe = moe_shape(config)
-    gate, up, down = EXPERT_NAMING[moe.naming][1]
-    adapted, f = adapted_expert_matrices(spec.adapter, (gate, up, down)), moe.d_ff
+    moe, adapted = reached
+    (gate, up, down), f = EXPERT_NAMING[moe.naming][1], moe.d_ff
     sources = {}
     for layer in filter(config.layer_is_moe, range(config.n_layers)):
         prefix = f"model.layers.{layer}."

@@ -114,11 +114,18 @@ EXPERT_NAMING_OF = {
 
 # families whose experts transformers fuses on loading and PEFT 0.22 adapts through target_modules (its
 # conversion of gate_proj, up_proj, down_proj to the fused gate_up_proj and down_proj, and of gate to the router)
-PEFT_FUSED_EXPERTS = tuple(arch for arch in EXPERT_NAMING_OF if arch not in ("gpt_oss", "llama4_text")) + (
+PEFT_FUSED_EXPERTS = (
+    "mixtral",
+    "minimax_m2",
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
     "qwen3_next",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "dots1",
+    "ernie4_5_moe",
 )
 
 
