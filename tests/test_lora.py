@@ -228,6 +228,8 @@ def check_steps_match_peft(
         assert len(trainer.pipeline.executed.keeping) == engine.kept_layers
     if engine.sweeps != "auto":
         assert trainer.pipeline.executed.sweeps == engine.sweeps
+    if engine.experts_per_stage != "auto":
+        assert trainer.spec.expert_parts[0] == (0, engine.experts_per_stage)
     # the base is held once, in the compute dtype; masters and optimizer state are the adapters' alone
     store, spec = trainer.store, trainer.spec
     assert store.arenas["frozen"].dtype == trainer.compute_dtype
@@ -333,6 +335,28 @@ def test_a_mixture_of_experts_steps_match_peft(name, targets, dtype, kept_layers
     check_steps_match_peft(name, targets, dtype, 0.05, tmp_path, engine=engine)
 
 
+@pytest.mark.parametrize(
+    "name, targets, dropout",
+    [
+        ("tiny-qwen2-moe", ["all-linear"], 0.0),
+        ("tiny-deepseek-v3", ["all-linear"], 0.0),
+        ("tiny-mixtral", ["q_proj", "w1", "w3", "w2"], 0.0),
+        ("tiny-olmoe", ["q_proj", "v_proj", "o_proj"], 0.1),
+        ("tiny-gpt-oss", ["all-linear"], 0.0),
+    ],
+)
+def test_a_mixture_of_experts_streamed_in_parts_steps_match_peft(name, targets, dropout, tmp_path):
+    """A MoE layer streamed in parts of 3 experts (a layer too large for a GPU slot): the attention stage binds the
+    layer's whole adapter group, each part its experts' slice and the router's adapter; the steps are PEFT's. Qwen2-MoE
+    (softmax router, shared expert) and DeepSeek-V3 (sigmoid router, correction bias) all-linear; Mixtral's gate-up
+    and down; OLMoE's attention with dropout (the attention stage draws its layer's masks; dropout on the experts is
+    refused, as PEFT refuses it) and gpt-oss, whose parts bind no adapters."""
+    engine = EngineSection(experts_per_stage=3)
+    # (with dropout one micro-batch a step: the reference's balance loss is a micro-batch's, megatrain's the step's)
+    batch = {"batch_size": 2} if dropout else {}
+    check_steps_match_peft(name, targets, "float32", 0.05, tmp_path, engine=engine, dropout=dropout, **batch)
+
+
 def test_the_generic_path_steps_match_peft(tmp_path):
     """transformers' own layers (model.implementation: transformers), each targeted nn.Linear hooked."""
     check_steps_match_peft("tiny-qwen2", ["all-linear"], "float64", 0.05, tmp_path, implementation="transformers")
@@ -353,12 +377,14 @@ def test_gpu_steps_match_peft(dtype, tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_mixture_of_experts_steps_match_peft(tmp_path):
+@pytest.mark.parametrize(
+    "engine", [EngineSection(kept_layers=1), EngineSection(experts_per_stage=3)], ids=["", "parts"]
+)
+def test_gpu_mixture_of_experts_steps_match_peft(engine, tmp_path):
     """The experts' and the router's adapters on the CUDA engine (fp32, TF32 off) against PEFT 0.22 on the CPU, one
-    layer keeping its products. (bf16 against fp32 would flip near-tied routing choices now and then: the grouped
-    kernel's bf16 path is `test_expert_kernels.py`'s, against float64.)"""
+    layer keeping its products, or each layer's experts in parts of 3. (bf16 against fp32 would flip near-tied
+    routing choices now and then: the grouped kernel's bf16 path is `test_expert_kernels.py`'s, against float64.)"""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    engine = EngineSection(kept_layers=1)
     check_steps_match_peft("tiny-qwen2-moe", ["all-linear"], "float32", 0.05, tmp_path, "cuda", engine=engine)
 
 
@@ -475,11 +501,38 @@ def test_dropout_on_what_transformers_fuses_is_refused(tmp_path, monkeypatch):
     assert "names up_proj but not gate_proj: each expert's gate_proj and up_proj are one fused matrix" in message
 
 
-def test_moe_layers_in_parts_of_their_experts_are_refused_for_now(tmp_path, monkeypatch):
-    config = lora_config(tmp_path)
-    config = load_config(None, ["model.preset=tiny-qwen3-moe", "engine.experts_per_stage=2"], base=config.as_dict())
-    message = refused_before_loading(config, monkeypatch)
-    assert "not built for MoE layers streamed in parts of their experts" in message
+@pytest.mark.parametrize("saved, resumed", [("auto", 3), (2, "auto")])
+def test_a_mixture_of_experts_adapters_resume_whatever_the_experts_parts(saved, resumed, tmp_path):
+    """A layer's adapter group is laid out alike whole and in parts (`MoeBlock._adapt`'s), so a LoRA run of Qwen2-MoE
+    (all-linear: the experts', router's and shared expert's adapters) saved with whole layers resumes with its experts
+    in parts, or the other way round: the same loss and adapters to fp32 rounding (the parts sum the experts' outputs
+    in another order)."""
+    from megatrain.checkpoint import resolve_resume, save_checkpoint
+
+    hf_dense_model("tiny-qwen2-moe", 7).save_pretrained(tmp_path / "hf")
+    generator = torch.Generator().manual_seed(7)
+    batches = [random_batch(6, 12, preset("tiny-qwen2-moe").vocab_size, generator) for _ in range(3)]
+
+    def trainer(experts_per_stage):
+        engine = EngineSection(experts_per_stage=experts_per_stage)
+        return lora_trainer(tmp_path / "hf", tmp_path, ["all-linear"], 0.5, 3, engine=engine, precision="float32")[0]
+
+    first = trainer(saved)
+    for ids, labels in batches[:2]:
+        first.train_step(StepBatch(ids, labels))
+    checkpoint = save_checkpoint(first.state_dict(), tmp_path / "checkpoints")
+    expected = first.train_step(StepBatch(*batches[2])).loss
+    want = {name: view.clone() for name, view in first.named_weights().items() if ".lora_" in name}
+    first.close()
+    second = trainer(resumed)
+    assert bool(second.spec.expert_parts) == (resumed != "auto")
+    second.load_state_dict(resolve_resume(checkpoint).state())
+    assert second.train_step(StepBatch(*batches[2])).loss == pytest.approx(expected, rel=1e-6)
+    got = {name: view for name, view in second.named_weights().items() if ".lora_" in name}
+    assert got.keys() == want.keys() and any(".experts." in name for name in got)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-6, name
+    second.close()
 
 
 def lora_run(tmp_path, name: str, ranks: int, steps: int, resume=False, base_dtype=None, dropout=0.0, **train):

@@ -6,6 +6,7 @@ and an adapter of another shape is refused in one line before anything loads."""
 import json
 import shutil
 from contextlib import chdir
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from megatrain import Trainer
 from megatrain.checkpoint import resolve_resume, save_checkpoint
 from megatrain.cli import main
-from megatrain.config import AdapterSection, Config, ModelSection, TrainSection
+from megatrain.config import AdapterSection, Config, EngineSection, ModelSection, TrainSection
 from megatrain.step import StepBatch
 from megatrain_data import DataSection
 from megatrain_data.serving import describe_export
@@ -51,11 +52,13 @@ def base_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def lora_trainer(base_dir: Path, tmp_path: Path, adapter: AdapterSection, steps: int = 2) -> Trainer:
+def lora_trainer(
+    base_dir: Path, tmp_path: Path, adapter: AdapterSection, steps: int = 2, engine: EngineSection = EngineSection()
+) -> Trainer:
     train = TrainSection(steps=steps, batch_size=2, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=0.0)
     model = ModelSection(hf_dir=str(base_dir), adapter=adapter)
     config = Config(model=model, data=DataSection(seq_len=12), train=train, device="cpu", output_dir=str(tmp_path))
-    return Trainer(config)
+    return Trainer(replace(config, engine=engine))
 
 
 def peft_model(base_dir: Path, adapter_dir: Path):
@@ -304,24 +307,27 @@ def test_a_lora_checkpoint_over_a_changed_base_is_refused(base_dir, tmp_path, ca
 
 
 @pytest.mark.parametrize(
-    "name, targets",
+    "name, targets, experts_per_stage",
     [
-        ("tiny-qwen2-moe", ("all-linear",)),
-        ("tiny-olmoe", ("q_proj", "gate_proj", "up_proj")),
-        ("tiny-mixtral", ("w2",)),
+        ("tiny-qwen2-moe", ("all-linear",), "auto"),
+        ("tiny-qwen2-moe", ("all-linear",), 3),
+        ("tiny-olmoe", ("q_proj", "gate_proj", "up_proj"), "auto"),
+        ("tiny-mixtral", ("w2",), "auto"),
     ],
 )
-def test_a_mixture_of_experts_adapter_exports_as_peft_0_22_saves_one(name, targets, tmp_path):
+def test_a_mixture_of_experts_adapter_exports_as_peft_0_22_saves_one(name, targets, experts_per_stage, tmp_path):
     """The experts' adapters (and the router's, under all-linear) leave in PEFT 0.22's layout and settings
     (target_parameters; the gate-up matrix at rank 2r through rank_pattern and alpha_pattern): PeftModel computes
     megatrain's logits from them, --merge writes a transformers model with those logits, and the export, read back
-    through model.adapter.path, starts a run there."""
+    through model.adapter.path, starts a run there. A run with its experts in parts of 3 exports the same files."""
+    engine = EngineSection(experts_per_stage=experts_per_stage)
     base_dir = tmp_path / "base"
     hf_config = transformers.AutoConfig.for_model(**config_to_hf(preset(name)))
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(base_dir)
     adapter = AdapterSection(type="lora", r=4, alpha=8.0, target_modules=targets)
-    trainer = lora_trainer(base_dir, tmp_path / "run", adapter)
+    trainer = lora_trainer(base_dir, tmp_path / "run", adapter, engine=engine)
+    assert bool(trainer.spec.expert_parts) == (experts_per_stage == 3)
     vocab = trainer.model_config.vocab_size
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     for _ in range(2):
@@ -341,6 +347,6 @@ def test_a_mixture_of_experts_adapter_exports_as_peft_0_22_saves_one(name, targe
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     assert rel_err(logits_of(merged.eval(), ids), ours) < 1e-5
     adapter = AdapterSection(type="lora", r=4, alpha=8.0, target_modules=targets, path=str(exported))
-    resumed = lora_trainer(base_dir, tmp_path / "again", adapter)
+    resumed = lora_trainer(base_dir, tmp_path / "again", adapter, engine=engine)
     assert rel_err(resumed.logits(ids), ours) < 1e-5
     resumed.close()

@@ -18,7 +18,7 @@ from test_dense_families import hf_dense_model
 from test_distributed import assert_same_weights
 from test_lora import TOLERANCE, R, check_steps, lora_run, peft_model
 
-from megatrain.config import AdapterSection, ConfigError, adapter_of, load_config, model_config_of
+from megatrain.config import AdapterSection, ConfigError, EngineSection, adapter_of, load_config, model_config_of
 from megatrain.export import convert
 from megatrain.planning import machine_of, objective_memory
 from megatrain_store import Entry, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
@@ -38,21 +38,24 @@ def dequantized(name: str, weight: torch.Tensor, base_dtype: str, compute: torch
     return dequantize(quantize(weight.to(device, compute))).cpu()
 
 
-def quantized_run(tmp_path, name, base_dtype, dtype="float32", device="cpu", steps=3, implementation="auto"):
+def quantized_run(
+    tmp_path, name, base_dtype, dtype="float32", device="cpu", steps=3, implementation="auto", engine=EngineSection()
+):
     """(megatrain's LoRA trainer over the nf4/int8 base of a fresh tiny model of preset `name`, train section, PEFT
-    over the same base dequantized, in fp32), after checking that the store holds the layers packed and streams
-    each tensor as `dequantized` gives it."""
+    over the same base dequantized, in fp32), after checking that the store holds the layers packed (each group of
+    their base: a MoE layer's in parts too) and streams each tensor as `dequantized` gives it."""
     reference = hf_dense_model(name, int(torch.randint(0, 2**31 - 1, ()).item()))
     reference.save_pretrained(tmp_path / "hf")
     compute = getattr(torch, dtype)
     adapter = AdapterSection(type="lora", r=R, alpha=8.0, base_dtype=base_dtype)
     trainer, train = make_trainer(
         tmp_path / "hf", tmp_path, 0.05, steps, device=device, precision=dtype, adam_eps=1e-6, adapter=adapter,
-        implementation=implementation,
+        implementation=implementation, engine=engine,
     )  # fmt: skip
     store, spec = trainer.store, trainer.spec
     assert store.arenas["packed"].dtype == torch.uint8 and set(store.packed.layouts) == spec.packed_groups
-    assert len(spec.packed_groups) == trainer.model_config.n_layers  # (each layer's base; not the embedding, head)
+    layers = {g for g, group in enumerate(spec.groups) if group.name.startswith("layer")} - spec.adapter_groups
+    assert spec.packed_groups == layers  # (each layer's base; not the embedding, head)
     streamed = {name: tensor.cpu() for name, tensor in trainer.streamed_weights().items()}
     fused = spec.fused_checkpoint_names()  # transformers' expert tensors: the store's per-expert ones back to back
     with torch.no_grad():
@@ -75,9 +78,13 @@ def test_steps_over_a_quantized_base_match_peft_over_it_dequantized(base_dtype, 
     trainer.close()
 
 
-def test_a_mixture_of_experts_over_an_nf4_base_matches_peft(tmp_path):
-    """Each expert's matrices packed apart, the router and the shared expert's gate kept exact."""
-    trainer, train, model = quantized_run(tmp_path, "tiny-qwen2-moe", "nf4")
+@pytest.mark.parametrize("experts_per_stage", ["auto", 3])
+def test_a_mixture_of_experts_over_an_nf4_base_matches_peft(experts_per_stage, tmp_path):
+    """Each expert's matrices packed apart, the router and the shared expert's gate kept exact; whole layers, or
+    their experts streamed in parts of 3 (each part's group packed, the layer's adapters bound by every stage)."""
+    engine = EngineSection(experts_per_stage=experts_per_stage)
+    trainer, train, model = quantized_run(tmp_path, "tiny-qwen2-moe", "nf4", engine=engine)
+    assert bool(trainer.spec.expert_parts) == (experts_per_stage == 3)
     check_steps(trainer, train, model, 0.05, 1, False, TOLERANCE[torch.float32])
     trainer.close()
 

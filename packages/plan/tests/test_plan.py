@@ -88,7 +88,7 @@ def planner_for(
     )
     machine = Machine.of(torch.device("cpu"), None, gpu_memory, host_memory, gpus, hosts)
     choices = EngineChoices(**engine)
-    parts = experts_per_stage(model, choices.experts_per_stage, shape, machine.gpu_memory)
+    parts = experts_per_stage(model, choices.experts_per_stage, shape, machine.gpu_memory, adapter)
     spec = build_model(model, parts, adapter)
     return Planner(spec, rates or Rates(), machine, shape, choices, objective)
 
@@ -337,6 +337,27 @@ def test_a_layer_too_large_for_the_gpu_streams_its_experts_in_parts(monkeypatch)
     h100 = plan_for("gpt-oss-120b", 16 * 2048, micro_batch=1, gpu_memory=80 * 2**30)
     assert h100.experts_per_stage == 0  # an H100 holds whole layers
     assert plan_for("qwen2.5-7b", 16 * 2048, experts_per_stage=4).experts_per_stage == 0
+
+
+def test_lora_streams_a_moe_layer_whole_where_its_slots_fit_and_in_parts_where_not(monkeypatch):
+    """QLoRA (nf4) on an H100's 79 GiB: a frozen layer sends no gradient, so the GPU holds two of its slots and its
+    adapters' gradients, not its fp32 gradient too. Mixtral-8x22B's layers at micro-batches of 8 x 4096 stream whole
+    (full training's bytes would split them in two); DeepSeek-V3's 11.3B-parameter layers, whose two bf16 slots alone
+    take more than half the GPU, in parts, each binding the layer's adapter group; both plans pass the checks."""
+    simulate_host(monkeypatch, 2000)
+    nf4, h100 = Lora(16, 32.0, ("all-linear",), base_format="nf4"), 79 * 2**30
+    mixtral = planner_for("mixtral-8x22b", 65536, micro_batch=8, seq_len=4096, gpu_memory=h100, adapter=nf4)
+    assert mixtral.experts_per_stage == 0
+    assert planner_for("mixtral-8x22b", 65536, micro_batch=8, seq_len=4096, gpu_memory=h100).experts_per_stage == 4
+    check_plan(planned(mixtral), mixtral)
+    assert max(mixtral.trained_sizes) < 0.01 * max(mixtral.stage_sizes)  # (a layer's gradients: its adapters')
+
+    deepseek = planner_for("deepseek-v3", 65536, micro_batch=1, seq_len=4096, gpu_memory=h100, adapter=nf4)
+    assert deepseek.experts_per_stage == 128  # (two parts of its 256 experts)
+    spec = deepseek.spec
+    parts = [stage for stage in spec.stages if ".experts" in stage.name]
+    assert parts and all(spec.groups[stage.groups[-1]].name.endswith(".lora") for stage in parts)
+    check_plan(planned(deepseek), deepseek)
 
 
 def test_layers_that_fit_the_gpu_keep_their_activations_and_skip_the_recompute(monkeypatch):

@@ -137,8 +137,9 @@ def make_planner(
     model = model or model_config_of(config)
     machine = machine_of(config, gpu_memory, host_memory, gpus, hosts)
     shape, engine = step_shape(config, on_gpu=not machine.shares_cores), engine_choices(config)
-    experts = experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory)
-    spec = build_model(model, experts, adapter_of(config))
+    adapter = adapter_of(config)
+    experts = experts_per_stage(model, engine.experts_per_stage, shape, machine.gpu_memory, adapter)
+    spec = build_model(model, experts, adapter)
     objective = objective_memory(config, spec, machine, shape.dtype)
     return Planner(spec, rates or load_rates(), machine, shape, engine, objective)
 

@@ -9,6 +9,7 @@ import math
 import torch
 
 from megatrain_sched import Placement, StageCosts, extras_that_fit, staging_buffers
+from megatrain_templates import Lora
 from megatrain_zoo import (
     ModelConfig,
     ModelSpec,
@@ -181,11 +182,13 @@ def recompute_bytes(model: ModelConfig, micro_tokens: int, element: int) -> int:
     return micro_tokens * (8 * model.d_model + 3 * width) * element
 
 
-def experts_per_stage(model: ModelConfig, setting: int | str, shape: StepShape, gpu_memory: int | None) -> int:
+def experts_per_stage(
+    model: ModelConfig, setting: int | str, shape: StepShape, gpu_memory: int | None, adapter: Lora | None = None
+) -> int:
     """engine.experts_per_stage (`setting`) resolved, 0 for whole layers (and dense models): what the caller builds
     the model with. auto: whole layers unless a layer's slots, gradients and recompute would take over
     LAYER_GPU_SHARE of the GPU, then the fewest parts (2, 4, 8, ...) that do not, so that the rest stays for
-    activation checkpoints."""
+    activation checkpoints. With LoRA's `adapter` only the adapters' groups have gradients."""
     n = model.n_experts
     if not model.is_moe:
         return 0
@@ -195,8 +198,10 @@ def experts_per_stage(model: ModelConfig, setting: int | str, shape: StepShape, 
     recompute = recompute_bytes(model, shape.micro_tokens, element)
 
     def layer_bytes(per_stage: int) -> int:
-        groups, stages, _ = layout_sizes(build_model(model, per_stage))
-        return 2 * max(stages) * element + 2 * max(groups) * 4 + recompute + LOGITS_CHUNK_BYTES
+        spec = build_model(model, per_stage, adapter)
+        groups, stages, _ = layout_sizes(spec)
+        trained = [size for g, size in enumerate(groups) if adapter is None or g in spec.adapter_groups]
+        return 2 * max(stages) * element + 2 * max(trained) * 4 + recompute + LOGITS_CHUNK_BYTES
 
     parts = 1
     while gpu_memory is not None and parts < n and layer_bytes(-(-n // parts)) > LAYER_GPU_SHARE * gpu_memory:
@@ -274,6 +279,8 @@ class CostModel(HostItems):
         # an image-text model's frozen parts: their groups keep weights only (no gradient, no optimizer state)
         self.frozen = self.spec.frozen_groups(shape.frozen_parts)
         self.frozen_params = sum(self.group_sizes[g] for g in self.frozen)
+        # the parameters of each stage whose gradients it makes (a frozen group's: none, no buffer on the GPU)
+        self.trained_sizes = [sum(self.group_sizes[g] for g in s.groups if g not in self.frozen) for s in spec.stages]
         # LoRA: the frozen base is held once in the compute dtype (no master) and sends no gradient out
         self.adapter = spec.adapter is not None
         # the parameters stored: the model's and its adapters' (which the model's count leaves out)
@@ -327,9 +334,9 @@ class CostModel(HostItems):
         )
 
     def working_device_bytes(self) -> int:
-        """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients, a micro-batch's recompute,
-        the head's chunk and slack."""
-        gradients = 2 * max(self.stage_sizes[i] for i in self.blocks) * 4
+        """GPU bytes a step works in whatever it keeps: two blocks' fp32 gradients (their trained groups'), a
+        micro-batch's recompute, the head's chunk and slack."""
+        gradients = 2 * max(self.trained_sizes[i] for i in self.blocks) * 4
         recompute = max(self.recompute_bytes, 2 * self.micro_tokens * self.product_bytes_per_token)
         return gradients + recompute + STEP_SLACK_BYTES
 
@@ -378,7 +385,7 @@ class CostModel(HostItems):
         from host memory, and the resident groups' gradients, kept from sweep to sweep."""
         if placement.sweeps == 1:
             return 0
-        return max(self.stage_sizes) * 4 + self.params(placement.resident) * 4
+        return max(self.trained_sizes) * 4 + self.params(placement.resident) * 4
 
     def device_bytes(self, placement: Placement) -> int:
         """GPU bytes a step under `placement` takes at its peak: the runtime's, the persistent and the step's."""

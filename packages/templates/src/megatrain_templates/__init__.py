@@ -23,7 +23,7 @@ from .lora import ALL_LINEAR, DropoutKey, Lora, dropout_noise, lora_names
 from .media import Media
 from .moe import MoeBlock
 from .moe_layout import EXPERT_NAMING, MoeShape, fused_expert_names, moe_params
-from .moe_parts import MoeAttention, MoeExperts
+from .moe_parts import ATTENTION_STAGE_SUFFIX, MoeAttention, MoeExperts
 from .moe_routing import RouterLoad
 from .objectives import (
     DPO,
@@ -76,6 +76,7 @@ __all__ = [
     "Media",
     "Embedding",
     "MlaShape",
+    "ATTENTION_STAGE_SUFFIX",
     "MoeAttention",
     "MoeBlock",
     "MoeExperts",

@@ -89,23 +89,30 @@ class ExpertAdapters:
     def adapted(self) -> tuple[str, ...]:
         return tuple(self._spans)
 
-    def bind(self, views: dict, buffer: Tensor, grad: Tensor | None = None) -> dict:
+    def bind(self, views: dict, buffer: Tensor, grad: Tensor | None = None, first_expert: int = 0) -> dict:
         """`views` with each adapted expert matrix wrapped in an `AdaptedExperts` over the adapter group `buffer`
-        (and its gradient buffer `grad`, where given)."""
+        (and its gradient buffer `grad`, where given). `first_expert`: the first expert the views hold (a MoE layer
+        streamed in parts binds its experts' slice of the whole layer's adapters, as many as its views have)."""
         out = dict(views)
         for name, (down, up) in self._spans.items():
             if name not in views:
                 continue
             n_experts, rank = self._experts[name], self._ranks[name]
-            a = down.view(buffer).view(n_experts, rank, -1)
-            b = _per_expert(up.view(buffer), n_experts, rank)
+            held = slice(first_expert, first_expert + _held_experts(views[name]))
+            a = down.view(buffer).view(n_experts, rank, -1)[held]
+            b = _per_expert(up.view(buffer), n_experts, rank)[held]
             if grad is not None:
-                a = BoundWeight(a, down.view(grad).view(n_experts, rank, -1))
-                b = BoundWeight(b.contiguous(), _per_expert(up.view(grad), n_experts, rank))
+                a = BoundWeight(a, down.view(grad).view(n_experts, rank, -1)[held])
+                b = BoundWeight(b.contiguous(), _per_expert(up.view(grad), n_experts, rank)[held])
             else:
                 b = b.contiguous()
             out[name] = AdaptedExperts(views[name], a, b, self.lora.scale)
         return out
+
+
+def _held_experts(view: "Tensor | BoundWeight | ProductKeeper") -> int:
+    """How many experts a bound expert matrix holds ([n_experts, out, in] as stored)."""
+    return (view.value if isinstance(view, (BoundWeight, ProductKeeper)) else view).shape[0]
 
 
 def _per_expert(b: Tensor, n_experts: int, rank: int) -> Tensor:

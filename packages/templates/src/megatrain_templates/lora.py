@@ -157,8 +157,8 @@ class AdapterLayout:
         self._attached: list = []
 
     def attach(self, adapters) -> None:
-        """Adapters of another kind after this group's (`params` and `bind(views, buffer, grad)`, their spans
-        counted from the group's start: `expert_adapters.ExpertAdapters`), bound with these."""
+        """Adapters of another kind after this group's (`params` and `bind(views, buffer, grad, first_expert)`, their
+        spans counted from the group's start: `expert_adapters.ExpertAdapters`), bound with these."""
         self.params += adapters.params
         self._attached.append(adapters)
 
@@ -184,18 +184,20 @@ class AdapterLayout:
         grad: Tensor | None = None,
         products: dict | None = None,
         dropout: DropoutKey | None = None,
+        first_expert: int = 0,
     ) -> dict:
         """`views` (the base's, by span name) with each adapted one wrapped in an `Adapted` over the adapter group
         `buffer`; given `grad` (that group's flat fp32 gradient buffer), its matrices are `BoundWeight`s into it, and
         the low-rank products a forward kept (`products`) stand for theirs. `dropout`: the training pass's key of
-        the masks of LoRA dropout (None: no dropout)."""
+        the masks of LoRA dropout (None: no dropout); `first_expert`: the first of the experts a MoE layer's part
+        binds (`expert_adapters.ExpertAdapters.bind`)."""
         out = dict(views)
         for name in self._spans:
             if name in views:
                 low = None if products is None else products.get(name + LOW_RANK)
                 out[name] = self.adapters(name, buffer, grad, base=views[name], low=low, dropout=dropout)
         for adapters in self._attached:
-            out = adapters.bind(out, buffer, grad)
+            out = adapters.bind(out, buffer, grad, first_expert)
         return out
 
     def adapters(

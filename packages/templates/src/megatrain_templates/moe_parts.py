@@ -1,5 +1,7 @@
 """A MoE layer too large for a GPU slot streams its experts in parts: `MoeAttention` (attention, shared
-expert, routing statistics) and one `MoeExperts` stage per range of experts, each its own group.
+expert, routing statistics) and one `MoeExperts` stage per range of experts, each its own group. With LoRA the
+layer's adapters are one more group, laid out as a whole layer's (`MoeBlock._adapt`), which every stage that
+uses them binds: the attention stage all of it, a part its experts' slice and the router's adapter.
 """
 
 from dataclasses import dataclass
@@ -10,9 +12,15 @@ from torch import Tensor
 from .attention import Documents
 from .decoder import BlockShape, attention_spans
 from .layout import accumulate, check_buffers, leaf, total_numel
+from .lora import AdapterLayout, DropoutKey, Lora
 from .moe import MoeBlock
 from .moe_layout import MoeShape, _expert_spans, _router_group_spans, _shared_spans, expert_params, split_moe_params
 from .moe_routing import RouterLoad, _valid_tokens
+
+# a MoE layer's attention stage is named its layer's name and this (`layer3.attention`)
+ATTENTION_STAGE_SUFFIX = ".attention"
+# the span names whose adapters a part of the experts binds (the rest of the layer's are the attention stage's)
+_PART_ADAPTED = ("router", "experts_gate_up", "experts_down")
 
 
 class _MoePart(MoeBlock):
@@ -20,15 +28,40 @@ class _MoePart(MoeBlock):
     layer's groups are its trunk (attention, shared expert), its router group (post-attention norm,
     router) and one group per part of its experts. The stages pass the pair (a, total): the residual
     stream after attention, the same tensor through every part, and the MLP output summed so far
-    (None before any). Each recomputes all of its forward: none keeps products."""
+    (None before any). Each recomputes all of its forward: none keeps products. With LoRA the base is frozen
+    and the stage's last group is the layer's adapters (`_adapters`, where it binds them)."""
 
     forward_keeping_products = None
+    _adapters: AdapterLayout | None = None
+    _first_expert = 0
 
-    def _bind(self, weights: list[Tensor], leaves: bool = False) -> dict[str, Tensor]:
-        bound = {}
-        for buffer, spans in zip(weights, self._group_spans):
-            bound.update({name: leaf(buffer, span) if leaves else span.view(buffer) for name, span in spans.items()})
-        return bound
+    def _adapt_layer(self, lora: Lora | None, only: tuple[str, ...] = ()) -> None:
+        """With `lora`: the whole layer's adapters, laid out as `MoeBlock` lays them (one layout, so that a
+        checkpoint resumes whole or in parts), bound as this stage's last group; where `only` names spans, only if
+        `lora` adapts one of them."""
+        if lora is None:
+            return
+        adapters = MoeBlock(self.shape, self.moe, None, lora)._adapters
+        if not only or any(name in adapters.adapted for name in only):
+            self._adapters = adapters
+            self.groups = (*self.groups, adapters.params)
+
+    def _bind(
+        self, weights: list[Tensor], grads: list | None = None, dropout: DropoutKey | None = None
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(every parameter the stage binds, the autograd leaves among them): the base groups' spans as views, or
+        where `grads` has that group's gradient buffer as leaves; adapted matrices with their adapters, bound to
+        the adapter group's gradient (where given: their gradients go into it as autograd passes them)."""
+        bound, leaves = {}, {}
+        for i, (buffer, spans) in enumerate(zip(weights, self._group_spans)):
+            trained = grads is not None and grads[i] is not None
+            views = {name: leaf(buffer, span) if trained else span.view(buffer) for name, span in spans.items()}
+            bound.update(views)
+            leaves.update(views if trained else {})
+        if self._adapters is not None:
+            grad = None if grads is None else grads[-1]
+            bound = self._adapters.bind(bound, weights[-1], grad, dropout=dropout, first_expert=self._first_expert)
+        return bound, leaves
 
     def _normed(self, w: dict[str, Tensor], a: Tensor) -> Tensor:
         """The router's and the experts' input: post-attention norm of `a`, as [tokens, d_model]."""
@@ -44,10 +77,12 @@ class _MoePart(MoeBlock):
 
 class MoeAttention(_MoePart):
     """The first stage of a MoE layer streamed in parts: attention, the routing statistics (and the
-    load-balancing loss's gradient) and the shared expert; binds (trunk, router group) and returns
-    the pair (a, shared expert output or None)."""
+    load-balancing loss's gradient) and the shared expert; binds (trunk, router group[, the layer's adapters]) and
+    returns the pair (a, shared expert output or None)."""
 
-    def __init__(self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None):
+    def __init__(
+        self, shape: BlockShape, moe: MoeShape, router_load: RouterLoad | None = None, lora: Lora | None = None
+    ):
         self.shape, self.moe = shape, moe
         self.router_load = router_load or RouterLoad(moe.n_experts, moe.top_k)
         self.groups = split_moe_params(shape, moe)
@@ -58,6 +93,9 @@ class MoeAttention(_MoePart):
             {**attention_spans(shape, trunk), **_shared_spans(moe, trunk)},
             _router_group_spans(moe, router),
         )
+        self._adapt_layer(lora)
+        # (dropout is refused on the router's and the experts' adapters: only this stage's draw masks)
+        self.takes_dropout = lora is not None and lora.dropout > 0
 
     def _pair(self, w: dict[str, Tensor], x: Tensor, documents: Documents | None, route: bool):
         a, h = self._attention_and_norm(w, x, documents)
@@ -65,39 +103,58 @@ class MoeAttention(_MoePart):
         shared = self._shared_expert(w, h)
         return (a, None if shared is None else shared.view_as(a)), self.route(w, h) if route else None
 
-    def forward(self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None) -> tuple:
-        """hidden: [batch, seq, d_model] -> the pair; records routing statistics."""
+    def forward(
+        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, dropout: DropoutKey = None
+    ) -> tuple:
+        """hidden: [batch, seq, d_model] -> the pair; records routing statistics. `dropout`: the training pass's
+        key of LoRA dropout's masks."""
         check_buffers(weights, self.groups, "MoeAttention.forward")
-        pair, routing = self._pair(self._bind(weights), hidden, documents, route=True)
+        pair, routing = self._pair(self._bind(weights, dropout=_layer_key(dropout))[0], hidden, documents, route=True)
         self.router_load.record(routing, _valid_tokens(documents), hidden.shape[0])
         return pair
 
-    def backward(self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None) -> Tensor:
+    def backward(
+        self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None, dropout: DropoutKey = None
+    ) -> Tensor:
         """grad_out: the pair's gradient; returns d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeAttention.backward")
-        leaves = self._bind(weights, leaves=True)
+        w, leaves = self._bind(weights, grads, _layer_key(dropout))
         x = hidden.detach().requires_grad_(True)
         # routing again only for a router loss's gradient or the correction bias's load
         route = self.router_load.routes_in_backward or self.moe.biased_choice
         with torch.enable_grad():
-            (a, shared), routing = self._pair(leaves, x, documents, route=route)
+            (a, shared), routing = self._pair(w, x, documents, route=route)
         outputs, grad_outputs = ([a], [grad_out[0]]) if shared is None else ([a, shared], list(grad_out))
         aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])
         grad_in, *grad_leaves = torch.autograd.grad(
             outputs + aux, [x, *leaves.values()], grad_outputs + aux_grads, allow_unused=True
         )
         self._accumulate(grads, leaves, grad_leaves)
-        if route:
+        if route and grads[1] is not None:  # (a frozen router's correction bias is not moved)
             self._add_excess_load(grads[1], self._group_spans[1], routing.top_index, documents)
         return grad_in
 
 
-class MoeExperts(_MoePart):
-    """Experts first..stop-1 of a MoE layer streamed in parts: binds (router group, these experts),
-    routes again (the router is tiny next to the experts) and adds their output to the pair's total;
-    the last part returns the layer's output, a + total. Its backward needs only `a`."""
+def _layer_key(dropout: DropoutKey | None) -> DropoutKey | None:
+    """The attention stage's key of dropout masks at its layer's name (`layer3`, not the stage's `layer3.attention`):
+    a layer draws the same masks whole or in parts."""
+    return None if dropout is None else dropout.at(dropout.layer.removesuffix(ATTENTION_STAGE_SUFFIX))
 
-    def __init__(self, shape: BlockShape, moe: MoeShape, first: int, stop: int):
+
+class MoeExperts(_MoePart):
+    """Experts first..stop-1 of a MoE layer streamed in parts: binds (router group, these experts[, the layer's
+    adapters, where LoRA reaches the router or the experts]), routes again (the router is tiny next to the experts)
+    and adds their output to the pair's total; the last part returns the layer's output, a + total. Its backward
+    needs only `a`."""
+
+    def __init__(
+        self,
+        shape: BlockShape,
+        moe: MoeShape,
+        first: int,
+        stop: int,
+        lora: Lora | None = None,
+    ):
         self.shape, self.moe, self.first, self.stop = shape, moe, first, stop
         self.last = stop == moe.n_experts
         self.checkpoint_planes = 1 if first == 0 else 0  # the parts of a layer keep the same `a`
@@ -109,6 +166,8 @@ class MoeExperts(_MoePart):
             _router_group_spans(moe, router),
             _expert_spans(moe, shape.d_model, experts, first, stop),
         )
+        self._first_expert = first
+        self._adapt_layer(lora, only=_PART_ADAPTED)
 
     def _route(self, w: dict[str, Tensor], a: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(normed input, top_index, top_weight, how many of the tokens' choices fall in this part, on the device)."""
@@ -121,7 +180,7 @@ class MoeExperts(_MoePart):
         """Route a micro-batch and start copying how many of its tokens' choices fall in this part to
         the host. The pipeline prepares every micro-batch before the first forward, so the forwards
         find their row counts there instead of each waiting for the GPU to catch up."""
-        h, top_index, top_weight, count = self._route(self._bind(weights), pair[0])
+        h, top_index, top_weight, count = self._route(self._bind(weights)[0], pair[0])
         if not count.is_cuda:
             return PartRouting(h, top_index, top_weight, count)
         host = torch.empty((), dtype=count.dtype, pin_memory=True)
@@ -136,7 +195,7 @@ class MoeExperts(_MoePart):
         check_buffers(weights, self.groups, "MoeExperts.forward")
         a, total = pair
         routing = prepared or self.prepare(weights, pair)
-        w = self._bind(weights)
+        w = self._bind(weights)[0]
         out = self._experts(w, routing.h, routing.top_index, routing.top_weight, self.first, self.stop, routing.rows())
         routing.release()  # the backward routes again, under autograd
         total = out.view_as(a) if total is None else total + out.view_as(a)
@@ -152,15 +211,15 @@ class MoeExperts(_MoePart):
         `prepared`: the forward's routing, for its row count; returns the input pair's gradient."""
         check_buffers(weights, self.groups, "MoeExperts.backward")
         grad_a, grad_total = (grad_out, grad_out) if self.last else grad_out
-        leaves = self._bind(weights, leaves=True)
+        w, leaves = self._bind(weights, grads)
         a = a.detach().requires_grad_(True)
         with torch.enable_grad():
-            h, top_index, top_weight, count = self._route(leaves, a)
+            h, top_index, top_weight, count = self._route(w, a)
             n_rows = None
             if prepared is not None:  # the forward's count, checked on the device without waiting
                 n_rows = prepared.rows()
                 torch._assert_async(count == n_rows, "a MoE part's row count changed between forward and backward")
-            out = self._experts(leaves, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
+            out = self._experts(w, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
         if out.requires_grad:  # some token chose one of these experts
             grad_via_experts, *grad_leaves = torch.autograd.grad(
                 [out], [a, *leaves.values()], [grad_total], allow_unused=True

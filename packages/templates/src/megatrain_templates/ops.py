@@ -182,7 +182,7 @@ class _AdaptedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, adapted: Adapted) -> Tensor:
         base = adapted.base
-        if base is not None and base.product is not None and adapted.low is not None:
+        if isinstance(base, BoundWeight) and base.product is not None and adapted.low is not None:
             out, low = base.product.view_as(base.product), adapted.low  # (a new tensor for autograd to own)
         else:
             out, low = _adapted_forward(x, base, bias, adapted)
@@ -203,10 +203,10 @@ class _AdaptedLinear(torch.autograd.Function):
         grad_low = (grad_lows[0] if len(grad_lows) == 1 else torch.cat(grad_lows, dim=1)) * adapted.scale
         grad_x = _low_rank_backward(x, grad_low, adapted)
         base = adapted.base
-        if base is not None:
-            if base.grad is not None:
+        if base is not None:  # (a view: a frozen base's, bound without a gradient)
+            if isinstance(base, BoundWeight) and base.grad is not None:
                 add_matmul_(base.grad, grad_2d.T, x_2d)
-            grad_x = grad_x.addmm_(grad_2d, base.value)
+            grad_x = grad_x.addmm_(grad_2d, _value(base))
         grad_bias = grad_2d.sum(0) if ctx.needs_input_grad[1] else None
         return grad_x.view_as(x), grad_bias, None
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from megatrain_templates import (
     ALL_LINEAR,
+    ATTENTION_STAGE_SUFFIX,
     EXPERT_NAMING,
     DecoderBlock,
     Embedding,
@@ -175,33 +176,37 @@ class _SpecBuilder:
 
 def _add_layer(spec: _SpecBuilder, config: ModelConfig, layer: int, router_load, parts, adapter=None) -> None:
     """Decoder layer `layer`'s stages: one block (and its adapters' group, with an `adapter`), or a MoE layer's trunk
-    and then a stage per part of its experts."""
+    and then a stage per part of its experts (each with the layer's adapters' group where it binds it)."""
     shape, prefix, name = block_shape(config, layer), f"model.layers.{layer}.", f"layer{layer}"
+
+    def add(stage: str, template, *groups: str) -> None:  # (a template's one more group: the layer's adapters)
+        adapters = (name + ADAPTER_GROUP_SUFFIX,)[: len(template.groups) - len(groups)]
+        spec.add_stage(stage, template, (*groups, *adapters), prefix)
+
     if not config.layer_is_moe(layer):
-        block = spec.template((shape, "dense", adapter), lambda: DecoderBlock(shape, adapter))
-        groups = (name,) if len(block.groups) == 1 else (name, name + ADAPTER_GROUP_SUFFIX)
-        spec.add_stage(name, block, groups, prefix)
-        return
-    if not parts:
-        block = spec.template((shape, "moe", adapter), lambda: _moe_block(shape, config, router_load, adapter))
-        spec.add_stage(name, block, (name,) if adapter is None else (name, name + ADAPTER_GROUP_SUFFIX), prefix)
-        return
-    if adapter is not None:
-        raise ZooError(
-            "LoRA adapters are not built for MoE layers streamed in parts of their experts yet; set "
-            f"engine.experts_per_stage to {config.n_experts} (whole layers) if a layer fits the GPU"
+        add(name, spec.template((shape, "dense", adapter), lambda: DecoderBlock(shape, adapter)), name)
+    elif not parts:
+        block = spec.template(
+            (shape, "moe", adapter), lambda: _moe_block(MoeBlock, shape, config, router_load, adapter)
         )
-    attention = spec.template((shape, "attention"), lambda: MoeAttention(shape, moe_shape(config), router_load))
-    spec.add_stage(f"{name}.attention", attention, (name, f"{name}.router"), prefix)
-    for first, stop in parts:
-        part = spec.template((shape, first), lambda: MoeExperts(shape, moe_shape(config), first, stop))
-        spec.add_stage(f"{name}.experts{first}-{stop - 1}", part, (f"{name}.router", f"{name}.experts{first}"), prefix)
+        add(name, block, name)
+    else:
+        attention = spec.template(
+            (shape, "attention", adapter), lambda: _moe_block(MoeAttention, shape, config, router_load, adapter)
+        )
+        add(name + ATTENTION_STAGE_SUFFIX, attention, name, f"{name}.router")
+        for first, stop in parts:
+            part = spec.template(
+                (shape, first, adapter), lambda: MoeExperts(shape, moe_shape(config), first, stop, adapter)
+            )
+            add(f"{name}.experts{first}-{stop - 1}", part, f"{name}.router", f"{name}.experts{first}")
 
 
-def _moe_block(shape, config: ModelConfig, router_load, adapter: Lora | None) -> MoeBlock:
-    """A whole MoE layer's template; an adapter it cannot take (dropout on a fused matrix, half of one) refused."""
+def _moe_block(template, shape, config: ModelConfig, router_load, adapter: Lora | None):
+    """A MoE layer's template (`MoeBlock`, or the attention stage of one in parts, `MoeAttention`); an adapter it
+    cannot take (dropout on a fused matrix, half of one) refused."""
     try:
-        return MoeBlock(shape, moe_shape(config), router_load, adapter)
+        return template(shape, moe_shape(config), router_load, adapter)
     except ValueError as error:
         if adapter is None:
             raise
