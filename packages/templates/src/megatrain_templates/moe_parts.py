@@ -104,7 +104,11 @@ class MoeAttention(_MoePart):
         return (a, None if shared is None else shared.view_as(a)), self.route(w, h) if route else None
 
     def forward(
-        self, weights: list[Tensor], hidden: Tensor, documents: Documents | None = None, dropout: DropoutKey = None
+        self,
+        weights: list[Tensor],
+        hidden: Tensor,
+        documents: Documents | None = None,
+        dropout: DropoutKey | None = None,
     ) -> tuple:
         """hidden: [batch, seq, d_model] -> the pair; records routing statistics. `dropout`: the training pass's
         key of LoRA dropout's masks."""
@@ -114,7 +118,13 @@ class MoeAttention(_MoePart):
         return pair
 
     def backward(
-        self, weights, hidden, grad_out: tuple, grads, documents: Documents | None = None, dropout: DropoutKey = None
+        self,
+        weights,
+        hidden,
+        grad_out: tuple,
+        grads,
+        documents: Documents | None = None,
+        dropout: DropoutKey | None = None,
     ) -> Tensor:
         """grad_out: the pair's gradient; returns d/d(hidden)."""
         check_buffers(weights, self.groups, "MoeAttention.backward")
@@ -147,14 +157,7 @@ class MoeExperts(_MoePart):
     and adds their output to the pair's total; the last part returns the layer's output, a + total. Its backward
     needs only `a`."""
 
-    def __init__(
-        self,
-        shape: BlockShape,
-        moe: MoeShape,
-        first: int,
-        stop: int,
-        lora: Lora | None = None,
-    ):
+    def __init__(self, shape: BlockShape, moe: MoeShape, first: int, stop: int, lora: Lora | None = None):
         self.shape, self.moe, self.first, self.stop = shape, moe, first, stop
         self.last = stop == moe.n_experts
         self.checkpoint_planes = 1 if first == 0 else 0  # the parts of a layer keep the same `a`
