@@ -246,14 +246,18 @@ def test_bad_data_stops_the_run_before_host_memory_is_allocated(write_config, tm
     assert "vocab_size is 256" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("rate", [0.0, 0.01])
-def test_pre_training_a_sigmoid_routed_moe_without_balancing_is_warned_of(write_config, tmp_path, capsys, rate):
+@pytest.mark.parametrize("rate, adapter", [(0.0, None), (0.01, None), (0.0, "lora")])
+def test_pre_training_a_sigmoid_routed_moe_without_balancing_is_warned_of(
+    write_config, tmp_path, capsys, rate, adapter
+):
     """DeepSeek-V3's routers collapse from a random start unless their correction bias moves by load; the
-    run says so (and shows the worst layer's load violation), or does not when the rate is set."""
-    config = write_config(model={"preset": "tiny-deepseek-v3"}, train={"router_bias_update_rate": rate})
+    run says so (and shows the worst layer's load violation), or does not when the rate is set, nor under LoRA
+    (which keeps the routers, biases too, as they are, and refuses the rate)."""
+    model = {"preset": "tiny-deepseek-v3", "adapter": {"type": adapter}}
+    config = write_config(model=model, train={"router_bias_update_rate": rate})
     assert main(["train", "--config", str(config)]) == 0
     err = capsys.readouterr().err
-    assert ("train.router_bias_update_rate: 0.001" in err) == (rate == 0)
+    assert ("train.router_bias_update_rate: 0.001" in err) == (rate == 0 and adapter is None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["router_max_violation"] >= 0 for row in rows)
     assert (tmp_path / "run" / "loss.png").exists()  # loss beside the load balance

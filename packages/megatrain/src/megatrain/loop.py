@@ -477,7 +477,8 @@ class TrainingRun:
         model = trainer.model_config
         if note := experts_note(trainer.spec):
             print(f"megatrain: warning: {note}", file=sys.stderr)
-        if model.router_bias and config.model.preset and self.resume is None:
+        # (a preset's drawn weights are pre-training's; LoRA over them keeps every router as it is, its bias too)
+        if model.router_bias and config.model.preset and config.model.adapter.type is None and self.resume is None:
             if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
                 print(
                     "megatrain: warning: pre-training a MoE with its routers' correction bias fixed: they "
