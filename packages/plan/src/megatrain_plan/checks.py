@@ -225,9 +225,10 @@ def _check_gpu(plan: Plan, planner: Planner) -> None:
     largest_batch = max(0, int((available - fixed) // max(1, per_sequence)))
     if largest_batch < shape.micro_batch:  # not even one micro-batch: the layers themselves
         parts = model.is_moe and plan.experts_per_stage != 1
+        gradient = "its adapters' fp32 gradient" if planner.adapter else "its fp32 gradient"
         raise PlanError(
             f"the step needs {plan.gpu_bytes / gib:.1f} GiB of GPU memory but the GPU has {available / gib:.1f} GiB: "
-            f"the largest layer alone takes {fixed / gib:.1f} GiB (two weight slots, its fp32 gradient and one "
+            f"the largest layer alone takes {fixed / gib:.1f} GiB (two weight slots, {gradient} and one "
             "micro-batch's recompute); lower train.micro_batch_size"
             + (
                 f", stream the experts in smaller parts (engine.experts_per_stage below "
