@@ -598,12 +598,23 @@ def _machine_rates(layer_pass: Callable[[], None]) -> dict[str, float]:
     copies = _Copies()
     copies.gbps(True)  # the first copies set up the streams and the host mappings
     pcie, pcie_duplex = copies.gbps(False), copies.gbps(True)
-    return {
+    rates = {
         "pcie_gbps": _rounded(pcie),
         "pcie_duplex_gbps": _rounded(pcie_duplex),
         "gpu_adam_params_per_s": _rounded(_device_adam_params_per_s()),
         "cpu_adam_params_per_s": _rounded(_cpu_adam_params_per_s(copies, layer_pass)),
     }
+    del copies
+    _empty_host_cache()
+    return rates
+
+
+def _empty_host_cache() -> None:
+    """Give the pinned host memory freed here back to the system: torch's caching host allocator keeps freed pinned
+    blocks for reuse (the copies' half a GiB, which the run's plan of host memory does not count)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def _measure_rates(model: ModelConfig, seq_len: int, micro_batch: int, state_dir: str | None, previous: Rates) -> Rates:
