@@ -378,7 +378,7 @@ def test_gpu_steps_match_peft(dtype, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "engine", [EngineSection(kept_layers=1), EngineSection(experts_per_stage=3)], ids=["", "parts"]
+    "engine", [EngineSection(kept_layers=1), EngineSection(experts_per_stage=3)], ids=["whole", "parts"]
 )
 def test_gpu_mixture_of_experts_steps_match_peft(engine, tmp_path):
     """The experts' and the router's adapters on the CUDA engine (fp32, TF32 off) against PEFT 0.22 on the CPU, one

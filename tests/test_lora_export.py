@@ -6,7 +6,6 @@ and an adapter of another shape is refused in one line before anything loads."""
 import json
 import shutil
 from contextlib import chdir
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +56,8 @@ def lora_trainer(
 ) -> Trainer:
     train = TrainSection(steps=steps, batch_size=2, micro_batch_size=2, lr=1e-2, warmup_steps=0, grad_clip=0.0)
     model = ModelSection(hf_dir=str(base_dir), adapter=adapter)
-    config = Config(model=model, data=DataSection(seq_len=12), train=train, device="cpu", output_dir=str(tmp_path))
-    return Trainer(replace(config, engine=engine))
+    data, out = DataSection(seq_len=12), str(tmp_path)
+    return Trainer(Config(model=model, data=data, train=train, engine=engine, device="cpu", output_dir=out))
 
 
 def peft_model(base_dir: Path, adapter_dir: Path):
