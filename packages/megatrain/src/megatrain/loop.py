@@ -477,15 +477,15 @@ class TrainingRun:
         model = trainer.model_config
         if note := experts_note(trainer.spec):
             print(f"megatrain: warning: {note}", file=sys.stderr)
-        # (a preset's drawn weights are pre-training's; LoRA over them keeps every router as it is, its bias too)
-        if model.router_bias and config.model.preset and config.model.adapter.type is None and self.resume is None:
-            if not config.train.router_bias_update_rate:  # (fine-tuning keeps the published bias, as transformers)
-                print(
-                    "megatrain: warning: pre-training a MoE with its routers' correction bias fixed: they "
-                    "collapse onto a few experts (watch maxvio); DeepSeek-V3 balanced them with "
-                    "train.router_bias_update_rate: 0.001",
-                    file=sys.stderr,
-                )
+        # (a preset's drawn routers trained with fixed biases; fine-tuning keeps the published bias, LoRA every router)
+        fixed_biases = config.model.adapter.type is None and not config.train.router_bias_update_rate
+        if model.router_bias and config.model.preset and fixed_biases and self.resume is None:
+            print(
+                "megatrain: warning: pre-training a MoE with its routers' correction bias fixed: they "
+                "collapse onto a few experts (watch maxvio); DeepSeek-V3 balanced them with "
+                "train.router_bias_update_rate: 0.001",
+                file=sys.stderr,
+            )
 
     def _data_in_words(self) -> str:
         """What the run trains on: its preference pairs, or its sequences (text windows or chat examples' rows)."""
