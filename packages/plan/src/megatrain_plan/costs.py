@@ -188,7 +188,7 @@ def experts_per_stage(
     """engine.experts_per_stage (`setting`) resolved, 0 for whole layers (and dense models): what the caller builds
     the model with. auto: whole layers unless a layer's slots, gradients and recompute would take over
     LAYER_GPU_SHARE of the GPU, then the fewest parts (2, 4, 8, ...) that do not, so that the rest stays for
-    activation checkpoints. With LoRA's `adapter` only the adapters' groups have gradients."""
+    activation checkpoints. A frozen group has no gradient (with LoRA's `adapter`: all but the adapters')."""
     n = model.n_experts
     if not model.is_moe:
         return 0
@@ -200,7 +200,8 @@ def experts_per_stage(
     def layer_bytes(per_stage: int) -> int:
         spec = build_model(model, per_stage, adapter)
         groups, stages, _ = layout_sizes(spec)
-        trained = [size for g, size in enumerate(groups) if adapter is None or g in spec.adapter_groups]
+        frozen = spec.frozen_groups(shape.frozen_parts)
+        trained = [size for g, size in enumerate(groups) if g not in frozen]
         return 2 * max(stages) * element + 2 * max(trained) * 4 + recompute + LOGITS_CHUNK_BYTES
 
     parts = 1

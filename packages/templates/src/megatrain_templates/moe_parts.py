@@ -57,7 +57,8 @@ class _MoePart(MoeBlock):
             trained = grads is not None and grads[i] is not None
             views = {name: leaf(buffer, span) if trained else span.view(buffer) for name, span in spans.items()}
             bound.update(views)
-            leaves.update(views if trained else {})
+            if trained:
+                leaves.update(views)
         if self._adapters is not None:
             grad = None if grads is None else grads[-1]
             bound = self._adapters.bind(bound, weights[-1], grad, dropout=dropout, first_expert=self._first_expert)
