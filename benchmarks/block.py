@@ -32,8 +32,8 @@ def time_ms(fn, repeats=10):
     return start.elapsed_time(end) / repeats
 
 
-def profile_tables(step) -> tuple[str, str, str]:
-    """The top CUDA kernels (by shape), the top host operators and the GPU's idle gaps (`gaps_between_kernels`) of
+def profile_tables(step, rows: int = 30) -> tuple[str, str, str]:
+    """The top `rows` CUDA kernels (by shape), the top host operators and the GPU's idle gaps (`gaps_between_kernels`) of
     three passes, printed and returned."""
     import tempfile
 
@@ -45,7 +45,7 @@ def profile_tables(step) -> tuple[str, str, str]:
         torch.cuda.synchronize()
     averages = prof.key_averages(group_by_input_shape=True)
     table = averages.table(
-        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40, max_shapes_column_width=70
+        sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, max_shapes_column_width=70
     )
     host_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:

@@ -35,6 +35,7 @@ def arguments():
     parser.add_argument("--kept", action="store_true", help="the forward keeps its matmul products for the backward")
     parser.add_argument("--extras", action="store_true", help="with --kept, its attention's results too")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of forward + backward")
+    parser.add_argument("--profile-rows", type=int, default=30, help="with --profile: how many kernels it lists")
     parser.add_argument("--layer", type=int, default=None, help="which decoder layer (default: the first MoE layer)")
     parser.add_argument(
         "--host", action="store_true", help="the host's issue time, its waits, and the pass beside AdamW"
@@ -95,7 +96,7 @@ def main():
         result |= host_side(step, [int(n) for n in args.adamw_threads.split(",") if n])
     print(result, flush=True)
     if args.profile:
-        result["profile"], result["host_profile"], result["gpu_gaps"] = profile_tables(step)
+        result["profile"], result["host_profile"], result["gpu_gaps"] = profile_tables(step, args.profile_rows)
     if args.out:
         write_results(Path(args.out), result)
 

@@ -29,7 +29,7 @@ def test_calibrations_are_remembered_per_machine_and_run_shape(tmp_path, monkeyp
     # measure (a launch of several processes, engine.measure_rates: false) do not
     measured = []
 
-    def gpu_rates(model, seq_len, micro_batch):
+    def gpu_rates(model, seq_len, micro_batch, spec=None):
         measured.append((seq_len, micro_batch))
         calibration.FIRST_CALLS.seconds += 7.0  # the first calls' compiling, as `_sustained_seconds` counts it
         return 300.0, 280.0, 500.0, None
@@ -80,7 +80,7 @@ def test_a_machines_first_shape_measures_its_copies_and_adamws_too(tmp_path, mon
     machine's, which a later shape, or a run told not to measure, plans with; then they are not measured again."""
     monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
     machine_measured = []
-    measuring_on_a_gpu(monkeypatch, lambda model, seq_len, micro_batch: (300.0, 280.0, 500.0, "the block's pass"))
+    measuring_on_a_gpu(monkeypatch, lambda *shape, spec=None: (300.0, 280.0, 500.0, "the block's pass"))
     monkeypatch.setattr(
         calibration,
         "_machine_rates",
@@ -108,7 +108,9 @@ def measuring_on_a_gpu(monkeypatch, gpu_rates) -> None:
     monkeypatch.setattr(calibration, "measure_block_rates", gpu_rates)
     monkeypatch.setattr(calibration, "_machine_rates", lambda layer_pass: {})
     monkeypatch.setattr(
-        calibration, "calibration_key", lambda model, seq_len, micro_batch: f"seq {seq_len} x {micro_batch}"
+        calibration,
+        "calibration_key",
+        lambda model, seq_len, micro_batch, spec=None: f"seq {seq_len} x {micro_batch}{calibration._as_built(spec)}",
     )
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.random, "fork_rng", lambda devices: contextlib.nullcontext())
@@ -123,7 +125,7 @@ def test_kinds_of_layer_inductor_failed_on_are_remembered_with_the_rates(tmp_pat
     monkeypatch.setattr(generic_stages, "KINDS_RUN_EAGERLY", set())
     failing = ("FalconH1DecoderLayer", "hybrid", (torch.Size([64, 32]), torch.Size([32])))
 
-    def gpu_rates(model, seq_len, micro_batch):
+    def gpu_rates(model, seq_len, micro_batch, spec=None):
         generic_stages.KINDS_RUN_EAGERLY.add(failing)  # as `GenericLayer._call` does on a failed compile
         return 300.0, None, 500.0, None
 
@@ -203,3 +205,70 @@ def test_a_mixture_of_experts_with_its_balance_loss_on_measures_one_layer_at_a_t
     assert model.output_router_logits and model.router_aux_loss_coef > 0
     rates = calibration.measure_block_rates(model, 16, 2, torch.device("cpu"), torch.float32)[:3]
     assert min(rate for rate in rates if rate is not None) > 0
+
+
+def test_a_run_measures_its_layers_as_it_builds_them(tmp_path, monkeypatch):
+    """A MoE layer whose experts stream in parts is timed as the pipeline runs it: its attention stage, then each
+    part prepared and run forward, then the backwards in reverse, each given what its forward was (no products
+    kept: no kept rate); a LoRA layer with no gradient buffer for its frozen base, its work counted without the base's
+    weight gradient. Each build is a calibration of its own, measured once."""
+    from megatrain_templates import Lora, MoeAttention, MoeExperts
+    from megatrain_zoo import build_model
+
+    monkeypatch.setattr(calibration, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    monkeypatch.setitem(calibration._TIMING, "cpu", (lambda: None, 0.0, 0.0))
+    calls = []
+
+    def recorded(cls, method):
+        original = getattr(cls, method)
+
+        def call(self, weights, x, *args, **kwargs):
+            stage = "attention" if cls is MoeAttention else f"experts {self.first}"
+            grads = args[1] if method == "backward" else None
+            trained = None if grads is None else [g is not None for g in grads]
+            calls.append((stage, method, sorted(kwargs), trained))
+            return original(self, weights, x, *args, **kwargs)
+
+        monkeypatch.setattr(cls, method, call)
+
+    for cls, method in [(MoeAttention, "forward"), (MoeAttention, "backward")] + [
+        (MoeExperts, m) for m in ("prepare", "forward", "backward")
+    ]:
+        recorded(cls, method)
+    model, cpu = preset("tiny-olmoe"), torch.device("cpu")
+    adapter = Lora(4, 8, ("all-linear",))
+    parts = build_model(model, 3, adapter)
+    parts.router_load.n_layers = 1  # (one layer's pass: `measure_block_rates` counts it so)
+    x = torch.randn(2, 16, model.d_model)
+    calibration._layer_pass(parts, 0, False, x)()
+    assert model.n_experts == 8 and [call[:2] for call in calls] == [
+        ("attention", "forward"),
+        *[(part, step) for part in ("experts 0", "experts 3", "experts 6") for step in ("prepare", "forward")],
+        *[(part, "backward") for part in ("experts 6", "experts 3", "experts 0")],
+        ("attention", "backward"),
+    ]
+    parts_forward = [kwargs for stage, method, kwargs, _ in calls if method == "forward" and stage != "attention"]
+    assert parts_forward == [["prepared"]] * 3
+    # trained: the adapters' group alone (the attention stage's trunk and router, a part's router and experts frozen)
+    assert {stage: trained for stage, method, _, trained in calls if method == "backward"} == {
+        "attention": [False, False, True],
+        **{f"experts {first}": [False, False, True] for first in (0, 3, 6)},
+    }
+
+    seconds = []
+    monkeypatch.setattr(calibration, "_sustained_seconds", lambda run, device: seconds.append(run) or 0.5)
+    layer_tflops, kept_tflops, _, _ = calibration.measure_block_rates(model, 16, 2, cpu, torch.float32, parts)
+    frozen_work = calibration.layer_works(model, 16, 32, frozen=True)[0]
+    assert kept_tflops is None and layer_tflops == pytest.approx(frozen_work / 0.5 / 1e12, rel=1e-3)
+    assert frozen_work < calibration.layer_works(model, 16, 32)[0]
+
+    keys = {
+        calibration.calibration_key(model, 16, 2, cpu, torch.float32, spec)
+        for spec in (None, build_model(model), build_model(model, 3), build_model(model, 0, adapter), parts)
+    }
+    assert len(keys) == 4  # (None and the whole build are one calibration)
+    monkeypatch.setattr(calibration, "measure_block_rates", lambda *shape: (1.0, None, 2.0, None))
+    rates = calibration.run_rates(model, cpu, torch.float32, 16, 2, spec=parts)
+    monkeypatch.setattr(calibration, "measure_block_rates", None)  # (remembered: nothing measured again)
+    assert calibration.run_rates(model, cpu, torch.float32, 16, 2, spec=parts) == rates
+    assert rates.moe_gpu_tflops == 1.0 and rates.moe_gpu_kept_tflops is None

@@ -112,13 +112,13 @@ def measuring_allowed(config: Config) -> bool:
     return config.engine.measure_rates if setting is None else setting != "0"
 
 
-def rates_of(config: Config, model: ModelConfig, measure: bool = True) -> Rates:
-    """The rates to plan `config`'s run with (`run_rates`), measured at its shape where `measure` and
-    `measuring_allowed` allow."""
+def rates_of(config: Config, model: ModelConfig, measure: bool = True, spec: ModelSpec | None = None) -> Rates:
+    """The rates to plan `config`'s run with (`run_rates`), measured at its shape, on its layers as `spec` builds
+    them, where `measure` and `measuring_allowed` allow."""
     shape = step_shape(config)
     device = resolve_device(config.device)
     measuring = measure and measuring_allowed(config)
-    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measuring)
+    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measuring, spec)
 
 
 def make_planner(
@@ -153,7 +153,8 @@ def run_planner(config: Config, model: ModelConfig, measure: bool = True, **mach
     planner = make_planner(config, model, **machine)
     early = measure and measuring_allowed(config) and planner.plan(planner.place(planner.step_tokens), False)
     if early and passes_checks(early, planner):
-        planner = make_planner(config, model, rates_of(config, model), **machine)  # (what measuring left counted)
+        rates = rates_of(config, model, spec=planner.spec)  # (its layers as the plan builds them: parts, LoRA)
+        planner = make_planner(config, model, rates, **machine)  # (what measuring left counted)
     return planner
 
 

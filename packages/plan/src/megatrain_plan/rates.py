@@ -23,7 +23,14 @@ from torch import Tensor
 
 from megatrain_optim import adamw_update_, host_kernel
 from megatrain_store import MACHINE_CACHE, atomic_write_text
-from megatrain_zoo import ModelConfig, block_shape, build_model, generic_stages, linear_attention_flops_per_token
+from megatrain_zoo import (
+    ModelConfig,
+    ModelSpec,
+    block_shape,
+    build_model,
+    generic_stages,
+    linear_attention_flops_per_token,
+)
 
 from .errors import PlanError
 
@@ -94,11 +101,12 @@ def calibration_key(
     micro_batch: int,
     device: torch.device = torch.device("cuda"),
     dtype=torch.bfloat16,
+    spec: ModelSpec | None = None,
 ) -> str:
     """What a calibration is of: this machine's GPU (or, for a run on the CPU, its processor) and CPUs, its torch (whose
     kernels and compiler set the rates and which kinds of layer compile) and the templates' code (`templates_digest`),
     the dtype computed in, and a run's model and micro-batch shape (the rates depend on the shape: a Qwen2.5-0.5B block
-    runs at half a 7B block's rate on an H100)."""
+    runs at half a 7B block's rate on an H100), and how the run builds its layers (`spec`: `_as_built`)."""
     digest = hashlib.sha1(repr(model).encode()).hexdigest()[:8]
     processor = (
         torch.cuda.get_device_name() if device.type == "cuda" else f"CPU {platform.processor() or platform.machine()}"
@@ -107,7 +115,21 @@ def calibration_key(
         f"{processor}, {os.cpu_count()} CPUs, torch {torch.__version__}, templates {templates_digest()}, "
         f"host AdamW {host_kernel.kernel_name()}, {dtype}: "
         f"{model.arch} d_model {model.d_model}, {model.n_layers} layers, seq {seq_len} x {micro_batch} ({digest})"
+        f"{_as_built(spec)}"
     )
+
+
+def _as_built(spec: ModelSpec | None) -> str:
+    """What of a run's build of its model (`build_model`'s) sets its layers' rate beside the model: a MoE layer's
+    experts streamed in parts, LoRA's adapters over a frozen base; "" for neither (or no `spec`: whole layers, every
+    weight trained)."""
+    built = ""
+    if spec is not None and spec.expert_parts:
+        first, stop = spec.expert_parts[0]
+        built += f", experts in parts of {stop - first}"
+    if spec is not None and spec.adapter is not None:
+        built += f", LoRA r {spec.adapter.r} ({hashlib.sha1(repr(spec.adapter).encode()).hexdigest()[:8]})"
+    return built
 
 
 def _calibrations() -> dict:
@@ -140,7 +162,13 @@ def save_rates(key: str, rates: Rates, machine: bool) -> None:
 
 
 def run_rates(
-    model: ModelConfig, device: torch.device, dtype: torch.dtype, seq_len: int, micro_batch: int, measure: bool = True
+    model: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_len: int,
+    micro_batch: int,
+    measure: bool = True,
+    spec: ModelSpec | None = None,
 ) -> Rates:
     """The rates to plan a run with: this machine's (`load_rates`), with the GPU's block and head rates at
     the run's own shape, measured the first time (seconds, most of them the kernels' compilation, which the
@@ -151,13 +179,14 @@ def run_rates(
     plan --calibrate` again. Measuring beside other processes would time them too, so a launch of several leaves it
     to `megatrain plan`; without `measure` (engine.measure_rates: false, as the tests run: plans from remembered or
     default rates, the same on every machine) nothing is measured. `seq_len` and `micro_batch` (rows): the run's
-    micro-batch shape."""
+    micro-batch shape; `spec`: the model as the run builds it (its experts in parts, its LoRA adapters: the layers
+    measured are the run's), None: whole layers, every weight trained."""
     if not measure or (device.type == "cuda" and dtype != torch.bfloat16):
         return load_rates()
     if device.type == "cpu":
-        return cpu_rates(model, dtype, seq_len, micro_batch)
+        return cpu_rates(model, dtype, seq_len, micro_batch, spec)
     with torch.cuda.device(device):
-        key = calibration_key(model, seq_len, micro_batch)
+        key = calibration_key(model, seq_len, micro_batch, spec=spec)
         saved = _calibrations()
         if key in saved["shapes"]:
             generic_stages.run_eagerly(saved["eager_kinds"].get(key, []))  # (planned as eager, as measured)
@@ -169,7 +198,7 @@ def run_rates(
         print(f"megatrain: measuring this GPU's block and head at the run's shape ({key}){also}, once", file=sys.stderr)
         machine = load_rates(key, saved)
         try:
-            rates, took = _measure_run_shape(model, seq_len, micro_batch, device, machine, first)
+            rates, took = _measure_run_shape(model, seq_len, micro_batch, device, machine, first, spec)
         except torch.OutOfMemoryError:  # a layer that fits the GPU only in parts: this machine's rates will do
             return machine
         finally:
@@ -183,14 +212,22 @@ def run_rates(
 
 
 def _measure_run_shape(
-    model: ModelConfig, seq_len: int, micro_batch: int, device: torch.device, machine: Rates, first: bool
+    model: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    device: torch.device,
+    machine: Rates,
+    first: bool,
+    spec: ModelSpec | None,
 ) -> tuple[Rates, str]:
     """`machine` with the GPU's block and head rates at a run's shape, and where this is the `first` shape the
     machine measures its PCIe and AdamW rates, measured now (its source says what was measured); how long it took."""
     start = time.perf_counter()
     FIRST_CALLS.seconds = 0.0
     with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
-        layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch)
+        layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(
+            model, seq_len, micro_batch, spec=spec
+        )
         rates = _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops)
         if first:
             rates = replace(rates, **_machine_rates(layer_pass), cpu_adam_kernel=host_kernel.kernel_name())
@@ -205,14 +242,17 @@ def _measure_run_shape(
 CPU_PASS_LIMIT_S = 0.1
 
 
-def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch: int) -> Rates:
+def cpu_rates(
+    model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch: int, spec: ModelSpec | None = None
+) -> Rates:
     """The rates of a run whose device is this machine's CPU, measured here the first time (a second or two;
     remembered per processor, dtype and shape): its layers' and loss head's passes at the run's shape in `dtype` as
     the "GPU" rates (a small model's layer runs far below a large matrix product's rate: its many small operations
     take the time), or the matrix product's rate where a pass would be long (`CPU_PASS_LIMIT_S`); its memory copies
-    as the "PCIe" ones (a slot is a host buffer), and its AdamW as both the host's and the "GPU's" optimizer."""
+    as the "PCIe" ones (a slot is a host buffer), and its AdamW as both the host's and the "GPU's" optimizer; `spec`:
+    `run_rates`'."""
     cpu = torch.device("cpu")
-    key = calibration_key(model, seq_len, micro_batch, cpu, dtype)
+    key = calibration_key(model, seq_len, micro_batch, cpu, dtype, spec)
     saved = _calibrations()
     if key in saved["shapes"]:
         return Rates(**saved["shapes"][key])
@@ -220,9 +260,12 @@ def cpu_rates(model: ModelConfig, dtype: torch.dtype, seq_len: int, micro_batch:
     a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
     matmul_tflops = _rounded(2 * 1024**3 / _host_seconds(lambda: a @ b) / 1e12)
     layer_tflops = kept_tflops = head_tflops = matmul_tflops
-    if layer_works(model, seq_len, micro_batch * seq_len)[0] / (matmul_tflops * 1e12) < CPU_PASS_LIMIT_S:
+    frozen = spec is not None and spec.adapter is not None
+    if layer_works(model, seq_len, micro_batch * seq_len, frozen)[0] / (matmul_tflops * 1e12) < CPU_PASS_LIMIT_S:
         with torch.random.fork_rng(devices=[]):
-            layer_tflops, kept_tflops, head_tflops, _ = measure_block_rates(model, seq_len, micro_batch, cpu, dtype)
+            layer_tflops, kept_tflops, head_tflops, _ = measure_block_rates(
+                model, seq_len, micro_batch, cpu, dtype, spec
+            )
     numel = _streamed_numel(model)
     source, target = torch.empty(numel), torch.empty(numel)
     copy_gbps = _rounded(source.numel() * 4 / _host_seconds(lambda: target.copy_(source)) / 1e9)
@@ -250,16 +293,25 @@ PREDICTION_OFF, PREDICTION_OFF_MIN_S = 2.0, 0.1
 
 
 def stale_rates_note(
-    predicted_s: float, step_s: float, model: ModelConfig, device: torch.device, dtype, seq_len: int, micro_batch: int
+    predicted_s: float,
+    step_s: float,
+    model: ModelConfig,
+    device: torch.device,
+    dtype,
+    seq_len: int,
+    micro_batch: int,
+    spec: ModelSpec | None = None,
 ) -> str | None:
     """Where a run's step (`step_s`, past its warm-up) is PREDICTION_OFF times off the plan's `predicted_s` (and by
     PREDICTION_OFF_MIN_S or more), the rates measured for its shape (`run_rates`) are dropped, so that the next run of
     that shape measures them again (a measurement beside other work, say, is otherwise kept for good); what to say of
-    it, or None."""
+    it, or None. `spec`: the model as the run built it (`run_rates`')."""
     if 1 / PREDICTION_OFF <= step_s / predicted_s <= PREDICTION_OFF or abs(step_s - predicted_s) < PREDICTION_OFF_MIN_S:
         return None
     on_cpu = device.type == "cpu"
-    key = calibration_key(model, seq_len, micro_batch, torch.device(device.type), dtype if on_cpu else torch.bfloat16)
+    key = calibration_key(
+        model, seq_len, micro_batch, torch.device(device.type), dtype if on_cpu else torch.bfloat16, spec
+    )
     saved = _calibrations()
     if saved["shapes"].pop(key, None) is None:
         return None  # (planned on rates of another shape or the defaults: nothing of this run's to drop)
@@ -423,52 +475,34 @@ def measure_block_rates(
     micro_batch: int,
     device: torch.device = torch.device("cuda"),
     dtype: torch.dtype = torch.bfloat16,
+    spec: ModelSpec | None = None,
 ) -> tuple[float, float | None, float, Callable[[], None]]:
     """The device's rates at a run's micro-batch shape computing in `dtype` (a GPU's in bf16), in TFLOPS as
     `block_work` counts them: its layers' forward, recompute and backward (one layer of each kind timed, weighted
     by how many layers it stands for: Qwen3.5's linear-attention layers run at a rate of their own beside its
     softmax ones, a model's first dense layers beside its MoE ones, a generic model's layers by their module and
     layer type), its dense layers' keeping their products likewise (None where the largest layer always
-    recomputes: a generic one), and the loss head's (6 FLOPs per weight and token); and the largest layer's
-    recomputing pass, to run beside other measurements."""
-    spec = build_model(model)
+    recomputes: a generic one, or a MoE layer streamed in parts), and the loss head's (6 FLOPs per weight and
+    token); and the largest layer's recomputing pass, to run beside other measurements. The layers are `spec`'s, as
+    the run builds them (`build_model(model)` where None): a MoE layer in parts is timed as its stages run, a LoRA
+    layer with its base frozen (its work counted without the base's weight gradient). On an H100 at 32k tokens,
+    OLMoE's LoRA in four parts of its experts ran its layers 1.8 times as long as whole ones."""
+    spec = spec or build_model(model)
     largest = max(range(model.n_layers), key=model.layer_params)
     kinds = _layer_kinds(model, spec)
-    keepable = [
-        spec.stages[spec.layer_stage(layer)].template.forward_keeping_products is not None
-        for layer in range(model.n_layers)
-    ]
+    keepable = [_keeps_products(spec, layer) for layer in range(model.n_layers)]
     if spec.router_load is not None:  # the balance losses' statistics of one layer's pass, not a step's layers
         spec.router_load.n_layers = 1
     x = torch.randn(micro_batch, seq_len, model.d_model, device=device, dtype=dtype)
-    grad_dtype = torch.promote_types(dtype, torch.float32)  # (the gradient buffers' as the engine's: fp32 or fp64)
-
-    def passes(layer: int) -> tuple[Callable[[], None], Callable[[], None]]:
-        """Layer `layer`'s recomputing pass and its pass keeping its products."""
-        block = spec.stages[spec.layer_stage(layer)].template
-        weights = [torch.randn(block.numel, device=device, dtype=dtype) * 0.02]
-        grads = [torch.zeros(block.numel, device=device, dtype=grad_dtype)]
-
-        def layer_pass() -> None:
-            _new_pass(spec)
-            block.forward(weights, x)
-            block.backward(weights, x, x, grads)
-
-        def kept_layer_pass() -> None:
-            _new_pass(spec)
-            _, products = block.forward_keeping_products(weights, x)
-            block.backward(weights, x, x, grads, products=products)
-
-        return layer_pass, kept_layer_pass
-
+    layer_pass = functools.partial(_layer_pass, spec, x=x)
     tokens = micro_batch * seq_len
-    whole, kept_layer = layer_works(model, seq_len, tokens)
-    largest_passes = passes(largest)
+    whole, kept_layer = layer_works(model, seq_len, tokens, frozen=spec.adapter is not None)
+    largest_passes = (layer_pass(largest, False), layer_pass(largest, True) if keepable[largest] else None)
 
     def seconds_of(layers: list[int], keeping: bool) -> float:
         """All of one kind's `layers`, from one of them timed (the largest, where it is among them)."""
-        chosen = largest_passes if largest in layers else passes(layers[0])
-        return len(layers) * _sustained_seconds(chosen[keeping], device.type)
+        chosen = largest_passes[keeping] if largest in layers else layer_pass(layers[0], keeping)
+        return len(layers) * _sustained_seconds(chosen, device.type)
 
     layer_tflops = _rounded(whole * model.n_layers / sum(seconds_of(layers, False) for layers in kinds.values()) / 1e12)
     kept_tflops = None
@@ -476,7 +510,50 @@ def measure_block_rates(
         keeping_kinds = [layers for layers in kinds.values() if keepable[layers[0]]]
         kept_seconds = sum(seconds_of(layers, True) for layers in keeping_kinds)
         kept_tflops = _rounded(kept_layer * sum(map(len, keeping_kinds)) / kept_seconds / 1e12)
+    grad_dtype = torch.promote_types(dtype, torch.float32)  # (the gradient buffers' as the engine's: fp32 or fp64)
     return layer_tflops, kept_tflops, _head_tflops(model, spec, x, grad_dtype), largest_passes[0]
+
+
+def _keeps_products(spec: ModelSpec, layer: int) -> bool:
+    """Whether decoder layer `layer` can keep its matmul products: one stage, whose template keeps them."""
+    stages = spec.layer_stages(layer)
+    return len(stages) == 1 and spec.stages[stages[0]].template.forward_keeping_products is not None
+
+
+def _layer_pass(spec: ModelSpec, layer: int, keeping: bool, x: Tensor) -> Callable[[], None]:
+    """Decoder layer `layer`'s forward and backward over the micro-batch `x` as the pipeline runs its stages (each
+    prepared, then its forward; the backwards in reverse from its checkpoint), keeping its products where `keeping`
+    (one stage); on random weights, with a gradient buffer for each group the run trains (none for a frozen base).
+    A layer's parts of its experts of one size share their buffers: the time of a pass reads no values."""
+    frozen = spec.frozen_groups(set())
+    grad_dtype = torch.promote_types(x.dtype, torch.float32)
+    buffers: dict[tuple, tuple[list[Tensor], list[Tensor | None]]] = {}
+    stages = []
+    for index in spec.layer_stages(layer):
+        stage = spec.stages[index]
+        sizes = tuple(sum(p.numel for p in params) for params in stage.template.groups)
+        trained = tuple(g not in frozen for g in stage.groups)
+        if (sizes, trained) not in buffers:
+            weights = [torch.randn(n, device=x.device, dtype=x.dtype) * 0.02 for n in sizes]
+            grads = [torch.zeros(n, device=x.device, dtype=grad_dtype) if t else None for n, t in zip(sizes, trained)]
+            buffers[sizes, trained] = weights, grads
+        stages.append((stage.template, *buffers[sizes, trained]))
+
+    def run() -> None:
+        _new_pass(spec)
+        saved, h = [], x
+        for template, weights, _ in stages:
+            kwargs = {} if template.prepare is None else {"prepared": template.prepare(weights, h)}
+            saved.append((template.checkpoint(h), kwargs))
+            if keeping:  # (a layer of one stage)
+                h, kwargs["products"] = template.forward_keeping_products(weights, h)
+            else:
+                h = template.forward(weights, h, **kwargs)
+        grad = x
+        for (template, weights, grads), (checkpoint, kwargs) in zip(reversed(stages), reversed(saved)):
+            grad = template.backward(weights, checkpoint, grad, grads, **kwargs)
+
+    return run
 
 
 def _new_pass(spec) -> None:
@@ -490,7 +567,7 @@ def _layer_kinds(model: ModelConfig, spec) -> dict[tuple, list[int]]:
     layer type), else their block shape and whether they are MoE."""
     kinds: dict[tuple, list[int]] = {}
     for layer in range(model.n_layers):
-        template = spec.stages[spec.layer_stage(layer)].template
+        template = spec.stages[spec.layer_stages(layer)[0]].template
         kind = template.kind or (block_shape(model, layer), model.layer_is_moe(layer))
         kinds.setdefault(kind, []).append(layer)
     return kinds

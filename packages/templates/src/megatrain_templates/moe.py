@@ -51,6 +51,12 @@ from .ops import linear, swiglu, swiglu_output_and_backward, upcast
 CHOSEN_EXPERTS = "chosen experts"
 
 
+def autograd_leaf(name: str, span: Span) -> bool:
+    """Whether a MoE layer's backward binds parameter `name` as an autograd leaf (norms, biases, the router: its GEMM
+    is small and some scorings upcast it), not as a matrix whose gradient its GEMM adds into the buffer."""
+    return len(span.shape) == 1 or name in LINEAR_ATTENTION_LEAVES or name == "router" or "bias" in name
+
+
 def _top_k(scores: Tensor, k: int, chosen: Tensor | None) -> tuple[Tensor, Tensor]:
     """(values, indices) of each row's k largest scores, or of the `chosen` indices where given."""
     if chosen is None:
@@ -82,12 +88,7 @@ class MoeBlock(DecoderBlock):
             **_expert_spans(moe, shape.d_model, params, 0, moe.n_experts),
             **_shared_spans(moe, params),
         }
-        # autograd's leaves: norms, biases, the router (its GEMM is small and some scorings upcast it)
-        self._vectors = tuple(
-            name
-            for name, span in self._spans.items()
-            if len(span.shape) == 1 or name in LINEAR_ATTENTION_LEAVES or name == "router" or "bias" in name
-        )
+        self._vectors = tuple(name for name, span in self._spans.items() if autograd_leaf(name, span))
         # the matrices whose products a forward keeps: all but the experts' down projection (the backward's own)
         self._recomputed_matrices = tuple(
             name for name in self._spans if name not in self._vectors and name != "experts_down"
@@ -288,6 +289,18 @@ class MoeBlock(DecoderBlock):
             y = y + weight * w["experts_down_bias"][slots.expert]
         return _Combine.apply(y, slots)
 
+    def _experts_past_gate_up(
+        self, w: dict, gate_up: Tensor, weight: Tensor | None, grad_out: Tensor, slots: _Slots
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """(outputs, their gradients) for autograd from the experts' recomputed gate-up projection back, given the
+        experts' output's gradient `grad_out` [tokens, d_model]: by hand (`_experts_by_hand`), or where gpt-oss' down
+        bias, scaled by the routing weight, needs that weight's gradient, the output recomputed under autograd."""
+        if not self.moe.gpt_oss:
+            return self._experts_by_hand(w["experts_down"], gate_up, weight, grad_out, slots)
+        with torch.enable_grad():
+            act = self._activation(gate_up, weight)
+            return [self._expert_output(w, act, weight, slots)], [grad_out]
+
     def _experts_by_hand(
         self,
         down: "BoundWeight | AdaptedExperts",
@@ -422,12 +435,7 @@ class MoeBlock(DecoderBlock):
             slots = self._slots(w, h, routing.top_index)
             gate_up, weight = self._expert_gate_up(w, h, routing.top_weight, slots)
             shared = self._shared_expert(w, h)
-        if self.moe.gpt_oss:  # its down bias, scaled by the routing weight, needs the weight's gradient
-            with torch.enable_grad():
-                act = self._activation(gate_up, weight)
-                outputs, grad_outputs = [self._expert_output(w, act, weight, slots)], [flat_grad]
-        else:
-            outputs, grad_outputs = self._experts_by_hand(w["experts_down"], gate_up, weight, flat_grad, slots)
+        outputs, grad_outputs = self._experts_past_gate_up(w, gate_up, weight, flat_grad, slots)
         if shared is not None:
             outputs, grad_outputs = outputs + [shared], grad_outputs + [flat_grad]
         aux, aux_grads = self._aux_outputs(routing, documents, x.shape[0])

@@ -11,9 +11,9 @@ from torch import Tensor
 
 from .attention import Documents
 from .decoder import BlockShape, attention_spans
-from .layout import accumulate, check_buffers, leaf, total_numel
+from .layout import BoundWeight, accumulate, check_buffers, leaf, total_numel
 from .lora import AdapterLayout, DropoutKey, Lora
-from .moe import MoeBlock
+from .moe import MoeBlock, autograd_leaf
 from .moe_layout import MoeShape, _expert_spans, _router_group_spans, _shared_spans, expert_params, split_moe_params
 from .moe_routing import RouterLoad, _valid_tokens
 
@@ -28,7 +28,8 @@ class _MoePart(MoeBlock):
     layer's groups are its trunk (attention, shared expert), its router group (post-attention norm,
     router) and one group per part of its experts. The stages pass the pair (a, total): the residual
     stream after attention, the same tensor through every part, and the MLP output summed so far
-    (None before any). Each recomputes all of its forward: none keeps products. With LoRA the base is frozen
+    (None before any). Each recomputes its forward (a part's backward, as a whole layer's, not its experts' down
+    projection, `MoeBlock._experts_past_gate_up`): none keeps products. With LoRA the base is frozen
     and the stage's last group is the layer's adapters (`_adapters`, where it binds them)."""
 
     forward_keeping_products = None
@@ -48,17 +49,22 @@ class _MoePart(MoeBlock):
 
     def _bind(
         self, weights: list[Tensor], grads: list | None = None, dropout: DropoutKey | None = None
-    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """(every parameter the stage binds, the autograd leaves among them): the base groups' spans as views, or
-        where `grads` has that group's gradient buffer as leaves; adapted matrices with their adapters, bound to
-        the adapter group's gradient (where given: their gradients go into it as autograd passes them)."""
+    ) -> tuple[dict[str, "Tensor | BoundWeight"], dict[str, Tensor]]:
+        """(every parameter the stage binds, the autograd leaves among them): for a forward (no `grads`) the groups'
+        spans as views; for a backward as `DecoderBlock._bind` binds them: matrices bound to their span of their
+        group's gradient buffer (their gradients added inside the GEMMs that make them: the experts' by the grouped
+        kernel into fp32; none for a frozen group's), the vectors of a trained group as leaves (`autograd_leaf`).
+        Adapted matrices with their adapters, bound to the adapter group's gradient where given."""
         bound, leaves = {}, {}
         for i, (buffer, spans) in enumerate(zip(weights, self._group_spans)):
-            trained = grads is not None and grads[i] is not None
-            views = {name: leaf(buffer, span) if trained else span.view(buffer) for name, span in spans.items()}
-            bound.update(views)
-            if trained:
-                leaves.update(views)
+            grad = None if grads is None else grads[i]
+            for name, span in spans.items():
+                if grads is None or (autograd_leaf(name, span) and grad is None):
+                    bound[name] = span.view(buffer)
+                elif autograd_leaf(name, span):
+                    bound[name] = leaves[name] = leaf(buffer, span)
+                else:
+                    bound[name] = BoundWeight(span.view(buffer), None if grad is None else span.view(grad))
         if self._adapters is not None:
             grad = None if grads is None else grads[-1]
             bound = self._adapters.bind(bound, weights[-1], grad, dropout=dropout, first_expert=self._first_expert)
@@ -223,14 +229,18 @@ class MoeExperts(_MoePart):
             if prepared is not None:  # the forward's count, checked on the device without waiting
                 n_rows = prepared.rows()
                 torch._assert_async(count == n_rows, "a MoE part's row count changed between forward and backward")
-            out = self._experts(w, h, top_index, top_weight, self.first, self.stop, n_rows).view_as(a)
-        if out.requires_grad:  # some token chose one of these experts
-            grad_via_experts, *grad_leaves = torch.autograd.grad(
-                [out], [a, *leaves.values()], [grad_total], allow_unused=True
-            )
-            self._accumulate(grads, leaves, grad_leaves)
-            if grad_via_experts is not None:
-                grad_a = grad_a + grad_via_experts
+            slots = self._slots(w, h, top_index, self.first, self.stop, n_rows)
+            if slots is None:  # no token chose these experts: no gradient passes them
+                return grad_a, grad_total
+            gate_up, weight = self._expert_gate_up(w, h, top_weight, slots)
+        flat_grad = grad_total.reshape(-1, a.shape[-1])
+        outputs, grad_outputs = self._experts_past_gate_up(w, gate_up, weight, flat_grad, slots)
+        grad_via_experts, *grad_leaves = torch.autograd.grad(
+            outputs, [a, *leaves.values()], grad_outputs, allow_unused=True
+        )
+        self._accumulate(grads, leaves, grad_leaves)
+        if grad_via_experts is not None:
+            grad_a = grad_a + grad_via_experts
         return grad_a, grad_total
 
 

@@ -83,6 +83,12 @@ class ModelSpec:
         image-text model's vision stages."""
         return next(i for i, stage in enumerate(self.stages) if stage.name == "layer0") + layer
 
+    def layer_stages(self, layer: int) -> list[int]:
+        """The stages of decoder layer `layer`, in run order: its one stage, or a MoE layer's attention stage and one
+        stage a part of its experts where they stream in parts (`expert_parts`)."""
+        name = f"layer{layer}"
+        return [i for i, stage in enumerate(self.stages) if stage.name == name or stage.name.startswith(name + ".")]
+
     @property
     def adapter_params(self) -> int | None:
         """Parameters of the LoRA adapters (None without an adapter)."""
