@@ -225,9 +225,7 @@ def _measure_run_shape(
     start = time.perf_counter()
     FIRST_CALLS.seconds = 0.0
     with torch.random.fork_rng(devices=[device]):  # the run's random numbers stay its own
-        layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(
-            model, seq_len, micro_batch, spec=spec
-        )
+        layer_tflops, kept_tflops, head_tflops, layer_pass = measure_block_rates(model, seq_len, micro_batch, spec=spec)
         rates = _with_gpu_rates(machine, model, layer_tflops, kept_tflops, head_tflops)
         if first:
             rates = replace(rates, **_machine_rates(layer_pass), cpu_adam_kernel=host_kernel.kernel_name())
