@@ -113,7 +113,7 @@ def test_measure_rates_is_a_config_key_the_variable_overrides(monkeypatch):
     """engine.measure_rates: false plans with the remembered or default rates; MEGATRAIN_MEASURE_RATES, where set,
     overrides the key either way."""
     asked = []
-    monkeypatch.setattr(planning, "run_rates", lambda *args: asked.append(args[-1]) or Rates())
+    monkeypatch.setattr(planning, "run_rates", lambda *args, spec=None: asked.append(args[-1]) or Rates())
     model = preset("qwen2.5-0.5b")
     measuring = config_for("qwen2.5-0.5b", 16384)
     not_measuring = config_for("qwen2.5-0.5b", 16384, **{"engine.measure_rates": "false"})
@@ -154,11 +154,19 @@ def test_what_the_machine_cannot_run_is_refused_before_its_rates_are_measured(mo
 
 
 def test_a_run_that_fits_is_planned_at_its_measured_rates(monkeypatch):
-    measured = Rates(gpu_tflops=123.0)
-    monkeypatch.setattr(planning, "run_rates", lambda *args: measured if args[-1] else Rates())
+    """A run whose plan passes its checks is planned at the rates measured for it, on its layers as the plan builds
+    them (a MoE's experts in parts, with LoRA: the measured layers are those the run runs)."""
+    measured, built = Rates(gpu_tflops=123.0), []
+    monkeypatch.setattr(
+        planning, "run_rates", lambda *args, spec=None: built.append(spec) or (measured if args[-1] else Rates())
+    )
     monkeypatch.setenv("MEGATRAIN_MEASURE_RATES", "1")
     config = load_config(None, ["model.preset=tiny-llama", "device=cpu", "data.seq_len=16"])
     assert planning.run_planner(config, model_config_of(config)).rates is measured
+    parts = ["engine.experts_per_stage=3", "model.adapter.type=lora", "model.adapter.r=4"]
+    config = load_config(None, ["model.preset=tiny-olmoe", "device=cpu", "data.seq_len=16", *parts])
+    planner = planning.run_planner(config, model_config_of(config))
+    assert built[-1].expert_parts == planner.spec.expert_parts != () and built[-1].adapter == planner.spec.adapter
     assert planning.run_planner(config, model_config_of(config), measure=False).rates == Rates()
 
 

@@ -118,7 +118,7 @@ def rates_of(config: Config, model: ModelConfig, measure: bool = True, spec: Mod
     shape = step_shape(config)
     device = resolve_device(config.device)
     measuring = measure and measuring_allowed(config)
-    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measuring, spec)
+    return run_rates(model, device, shape.dtype, shape.seq_len, config.train.micro_batch_size, measuring, spec=spec)
 
 
 def make_planner(
