@@ -574,10 +574,8 @@ class TrainingRun:
         trainer, plan = self.trainer, self.trainer.plan
         if step != self.first_step + 3 or not (self.main and plan.predicts_step) or self.rollouts is not None:
             return
-        model, shape = trainer.model_config, (self.config.data.seq_len, self.config.train.micro_batch_size)
-        note = stale_rates_note(
-            plan.step_s, seconds, model, trainer.device, trainer.compute_dtype, *shape, trainer.planner.spec
-        )
+        run = (trainer.device, trainer.compute_dtype, self.config.data.seq_len, self.config.train.micro_batch_size)
+        note = stale_rates_note(plan.step_s, seconds, trainer.model_config, *run, trainer.planner.spec)
         if note is not None:
             tqdm.write(f"megatrain: {note}", file=sys.stderr)
 

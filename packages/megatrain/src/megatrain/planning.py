@@ -149,12 +149,11 @@ def run_planner(config: Config, model: ModelConfig, measure: bool = True, **mach
     (`rates_of`), once a plan from the remembered rates passes the checks: what the machine cannot run (a model its
     host cannot hold, a data.seq_len the model does not reach) is refused by the caller's check without the seconds
     of measuring first (half a minute on a GPU). No refusal hangs on the rates: the planner's choices fit the
-    machine, and what is configured is the same at any rates. The machine is read again after measuring."""
+    machine, and what is configured is the same at any rates. Measured on its layers as built; the machine read anew."""
     planner = make_planner(config, model, **machine)
     early = measure and measuring_allowed(config) and planner.plan(planner.place(planner.step_tokens), False)
     if early and passes_checks(early, planner):
-        rates = rates_of(config, model, spec=planner.spec)  # (its layers as the plan builds them: parts, LoRA)
-        planner = make_planner(config, model, rates, **machine)  # (what measuring left counted)
+        planner = make_planner(config, model, rates_of(config, model, spec=planner.spec), **machine)
     return planner
 
 
