@@ -626,23 +626,26 @@ def moe_steps(rows: list[dict]) -> Table:
 
 
 def moe_expert_parts(rows: list[dict]) -> Table:
-    """A MoE layer's experts whole or streamed in parts (engine.experts_per_stage)."""
-    chosen = [r for r in rows if r["file"] == "moe-expert-parts-h100.json" and is_default(r)]
+    """A MoE layer's experts whole or streamed in parts (engine.experts_per_stage), full training or LoRA."""
+    files = ("moe-expert-parts-h100.json", "moe-parts-olmoe-32k-h100.json")
+    chosen = [r for r in rows if r["file"] in files and is_default(r)]
     body = [
         [
             r["model"],
             part(r),
             "whole" if not r["expert_parts"] else f"{r['expert_parts']} parts",
+            clipping_cell(r.get("grad_clip")),
             tokens(r["tokens_per_step"]),
             seconds(r["step_time_s"]),
+            seconds(r["predicted_step_s"]),
             f"**{r['model_tflops']}**",
             f"{r['peak_gpu_gib']} GiB",
             seconds(r["time_split_s_per_step"]["compute"]),
         ]
         for r in chosen
     ]
-    header = ["model", "part", "experts", "tokens/step", "step", "model TFLOPS", "peak GPU", "GPU compute busy"]
-    return Table(header, body, chosen, align="lll" + "r" * 5)
+    header = ["model", "part", "experts", "clipping", "tokens/step", "step", "planned", "model TFLOPS", "peak GPU"]
+    return Table(header + ["GPU compute busy"], body, chosen, align="llll" + "r" * 6)
 
 
 def moe_layers(rows: list[dict]) -> Table:
@@ -963,6 +966,7 @@ def planner_validation(rows: list[dict]) -> Table:
     body = []
     for r in chosen:
         name = r["model"] + ("" if part(r) == "whole model" else f", {part(r)}")
+        name += f", experts in {r['expert_parts']} parts" if r.get("expert_parts") else ""
         name += ", disk tier" if r.get("disk_gib") else f", documents of {r['doc_len']}" if r.get("doc_len") else ""
         name += f", clipping at {r['grad_clip']}" if r.get("grad_clip") else ""
         name += ", through transformers' layers" if r.get("implementation") == "transformers" else ""
