@@ -803,15 +803,18 @@ def test_lora_holds_the_base_once_in_the_compute_dtype_and_trains_its_adapters_a
     # the base crosses PCIe in bf16 (the fp32 masters cast on arrival: 4 bytes), and no gradient of it comes back
     assert full._wire() == 4 and tuned._wire() == pytest.approx(2, rel=0.02) and tuned.grad_share < 0.01
     assert tuned.blocks_s(32768, 0) == pytest.approx(full.blocks_s(32768, 0) * 0.75, rel=0.05)
-    # between steps the first stages wait for their adapters' update alone (the frozen base's weights come in beside)
+    # between steps the first stages wait for their adapters' update alone (a frozen table comes in beside, the
+    # first block's base once its adapters are updated)
     on_host = {"clipping": True, "gpu_memory": gpu, "host_memory": host, "gpu_updated_layers": 0}
     full_on_host = planner_for("qwen2.5-7b", 32768, **on_host)
     tuned_on_host = planner_for("qwen2.5-7b", 32768, adapter=lora, **on_host)
     first_adapters = tuned_on_host.trained_sizes[1]
     assert 0 < first_adapters < 2e6 and tuned_on_host.trained_sizes[0] == 0  # (layer 0's adapters; a frozen table)
-    expected = STEP_TURNAROUND_S + first_adapters * (1 / Rates().cpu_adam_params_per_s + 8 / (Rates().pcie_gbps * 1e9))
+    first_block_in = tuned_on_host.params((1,)) * tuned_on_host._wire()
+    expected = STEP_TURNAROUND_S + first_adapters / Rates().cpu_adam_params_per_s
+    expected += (4 * first_adapters + first_block_in) / (Rates().pcie_gbps * 1e9)
     assert planned(tuned_on_host).bubble_s == pytest.approx(expected, rel=1e-6)
-    assert planned(full_on_host).bubble_s - STEP_TURNAROUND_S > 0.1 > 100 * (expected - STEP_TURNAROUND_S)
+    assert planned(full_on_host).bubble_s - STEP_TURNAROUND_S > 0.1 > 5 * (expected - STEP_TURNAROUND_S)
     largest = plan.largest_params
     modes = ["full training", "LoRA over a base in bf16", "LoRA over an int8 base", "LoRA over an nf4 base"]
     assert list(largest) == modes

@@ -527,16 +527,18 @@ class CostModel(HostItems):
         """The GPU's idle between steps: what the phases do not count (`STEP_TURNAROUND_S`; none on the host's CPU,
         whose step runs in turn), and where the embedding is not resident its and the first block's gradients out,
         their CPU update and weights back in (of the table, the rows the next step's tokens read; the rest: beside).
-        Only what trains waits so: a frozen base's weights (LoRA's) come in beside the update, which is its
-        adapters' alone (counted whole, its boundary was planned at 0.21 s of an OLMoE LoRA step measured at 0.69)."""
+        Only what trains waits for an update: a frozen table (LoRA's) comes in beside, a frozen first block once
+        its adapters are updated (counted as trained, its boundary was planned at 0.21 s of an OLMoE LoRA step
+        measured at 0.69)."""
         turnaround = 0.0 if self.machine.shares_cores else STEP_TURNAROUND_S
         if 0 in placement.resident:
             return turnaround
         rows = min(self.model.vocab_size, placement.step_tokens) * self.model.d_model
-        first = (rows if self.trained_sizes[0] else 0) + self.trained_sizes[1]
-        trained_wire = self.element if self.wire_copy else 4
-        pcie_s = first * (trained_wire + 4) / (self.rates.pcie_gbps * 1e9)
-        return turnaround + first / self.rates.cpu_adam_params_per_s + pcie_s
+        table = rows if self.trained_sizes[0] else 0
+        trained = table + self.trained_sizes[1]  # (their gradients out, then the CPU's update)
+        weights_in = table * (self.element if self.wire_copy else 4) + self.params((1,)) * self._wire()
+        pcie_s = (4 * trained + weights_in) / (self.rates.pcie_gbps * 1e9)
+        return turnaround + trained / self.rates.cpu_adam_params_per_s + pcie_s
 
     def disk_s(self, placement: Placement) -> float:
         """Every step reads and writes the disk tier's state."""
