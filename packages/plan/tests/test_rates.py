@@ -240,7 +240,7 @@ def test_a_run_measures_its_layers_as_it_builds_them(tmp_path, monkeypatch):
     parts = build_model(model, 3, adapter)
     parts.router_load.n_layers = 1  # (one layer's pass: `measure_block_rates` counts it so)
     x = torch.randn(2, 16, model.d_model)
-    calibration._layer_pass(parts, 0, False, x)()
+    calibration._layer_passes(parts, 0, x)[0]()
     assert model.n_experts == 8 and [call[:2] for call in calls] == [
         ("attention", "forward"),
         *[(part, step) for part in ("experts 0", "experts 3", "experts 6") for step in ("prepare", "forward")],

@@ -210,11 +210,6 @@ def experts_per_stage(
     return 0 if parts == 1 else -(-n // min(parts, n))
 
 
-def experts_per_stage_of(spec: ModelSpec) -> int:
-    """The experts a stage of `spec` binds where its MoE layers stream in parts; 0: whole layers."""
-    return spec.expert_parts[0][1] - spec.expert_parts[0][0] if spec.expert_parts else 0
-
-
 def packed_base(spec: ModelSpec, dtype: torch.dtype) -> tuple[dict[int, int], int, str | None]:
     """QLoRA: (the bytes of each group whose base is packed, nf4 or int8, as the store lays them out; the packed
     matrices' values, each dequantized on the GPU every time its layer is bound; the base's format, None where none
@@ -263,7 +258,7 @@ class CostModel(HostItems):
         if spec.adapter is not None and spec.adapter.dropout:  # a member's keep-mask and dropped input at a time
             widest = max(self.model.d_model, mlp_width_per_token(self.model))
             self.recompute_bytes += 2 * self.micro_tokens * widest * self.element
-        self.experts_per_stage = experts_per_stage_of(spec)
+        self.experts_per_stage = spec.experts_per_stage
         self.group_sizes, self.stage_sizes, _ = layout_sizes(spec)
         self.n_stages = len(self.spec.stages)
         self.blocks = range(1, self.n_stages - 1)
@@ -472,10 +467,14 @@ class CostModel(HostItems):
         cpu_params = self.stored_params - self.frozen_params - self.params(placement.resident)
         return cpu_params / (self.machine.hosts if self.split else 1) / self.rates.cpu_adam_params_per_s
 
+    def _trained_wire(self) -> int:
+        """Bytes a trained weight crosses PCIe in: its fp32 master, or with a wire copy the compute dtype's."""
+        return self.element if self.wire_copy else 4
+
     def _wire(self) -> float:
         """Bytes a weight crosses PCIe in (on average, where LoRA's frozen base crosses in the compute dtype, or packed
         as the store holds it)."""
-        trained = self.element if self.wire_copy else 4
+        trained = self._trained_wire()
         if not self.adapter:
             return trained
         unpacked = 1 - self.grad_share - self.packed_params / self.stored_params
@@ -536,7 +535,7 @@ class CostModel(HostItems):
         rows = min(self.model.vocab_size, placement.step_tokens) * self.model.d_model
         table = rows if self.trained_sizes[0] else 0
         trained = table + self.trained_sizes[1]  # (their gradients out, then the CPU's update)
-        weights_in = table * (self.element if self.wire_copy else 4) + self.params((1,)) * self._wire()
+        weights_in = table * self._trained_wire() + self.params((1,)) * self._wire()
         pcie_s = (4 * trained + weights_in) / (self.rates.pcie_gbps * 1e9)
         return turnaround + trained / self.rates.cpu_adam_params_per_s + pcie_s
 

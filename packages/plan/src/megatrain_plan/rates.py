@@ -123,11 +123,10 @@ def _as_built(spec: ModelSpec | None) -> str:
     """What of a run's build of its model (`build_model`'s) sets its layers' rate beside the model: a MoE layer's
     experts streamed in parts, LoRA's adapters over a frozen base; "" for neither (or no `spec`: whole layers, every
     weight trained)."""
-    built = ""
-    if spec is not None and spec.expert_parts:
-        first, stop = spec.expert_parts[0]
-        built += f", experts in parts of {stop - first}"
-    if spec is not None and spec.adapter is not None:
+    if spec is None:
+        return ""
+    built = f", experts in parts of {spec.experts_per_stage}" if spec.experts_per_stage else ""
+    if spec.adapter is not None:
         built += f", LoRA r {spec.adapter.r} ({hashlib.sha1(repr(spec.adapter).encode()).hexdigest()[:8]})"
     return built
 
@@ -492,15 +491,14 @@ def measure_block_rates(
     if spec.router_load is not None:  # the balance losses' statistics of one layer's pass, not a step's layers
         spec.router_load.n_layers = 1
     x = torch.randn(micro_batch, seq_len, model.d_model, device=device, dtype=dtype)
-    layer_pass = functools.partial(_layer_pass, spec, x=x)
     tokens = micro_batch * seq_len
     whole, kept_layer = layer_works(model, seq_len, tokens, frozen=spec.adapter is not None)
-    largest_passes = (layer_pass(largest, False), layer_pass(largest, True) if keepable[largest] else None)
+    largest_passes = _layer_passes(spec, largest, x)
 
     def seconds_of(layers: list[int], keeping: bool) -> float:
         """All of one kind's `layers`, from one of them timed (the largest, where it is among them)."""
-        chosen = largest_passes[keeping] if largest in layers else layer_pass(layers[0], keeping)
-        return len(layers) * _sustained_seconds(chosen, device.type)
+        chosen = largest_passes if largest in layers else _layer_passes(spec, layers[0], x)
+        return len(layers) * _sustained_seconds(chosen[keeping], device.type)
 
     layer_tflops = _rounded(whole * model.n_layers / sum(seconds_of(layers, False) for layers in kinds.values()) / 1e12)
     kept_tflops = None
@@ -518,13 +516,14 @@ def _keeps_products(spec: ModelSpec, layer: int) -> bool:
     return len(stages) == 1 and spec.stages[stages[0]].template.forward_keeping_products is not None
 
 
-def _layer_pass(spec: ModelSpec, layer: int, keeping: bool, x: Tensor) -> Callable[[], None]:
+def _layer_passes(spec: ModelSpec, layer: int, x: Tensor) -> tuple[Callable[[], None], Callable[[], None] | None]:
     """Decoder layer `layer`'s forward and backward over the micro-batch `x` as the pipeline runs its stages (each
-    prepared, then its forward; the backwards in reverse from its checkpoint), keeping its products where `keeping`
-    (one stage); on random weights, with a gradient buffer for each group the run trains (none for a frozen base).
-    A layer's parts of its experts of one size share their buffers: the time of a pass reads no values."""
+    prepared, then its forward; the backwards in reverse from its checkpoint): recomputing, and keeping its products
+    (None where it cannot: `_keeps_products`). On one set of random weights, with a gradient buffer for each group the
+    run trains (none for a frozen base); a layer's parts of its experts of one size share theirs: a pass's time reads
+    no values."""
     frozen = spec.frozen_groups(set())
-    grad_dtype = torch.promote_types(x.dtype, torch.float32)
+    grad_dtype = torch.promote_types(x.dtype, torch.float32)  # (the gradient buffers' as the engine's: fp32 or fp64)
     buffers: dict[tuple, tuple[list[Tensor], list[Tensor | None]]] = {}
     stages = []
     for index in spec.layer_stages(layer):
@@ -537,7 +536,7 @@ def _layer_pass(spec: ModelSpec, layer: int, keeping: bool, x: Tensor) -> Callab
             buffers[sizes, trained] = weights, grads
         stages.append((stage.template, *buffers[sizes, trained]))
 
-    def run() -> None:
+    def run(keeping: bool) -> None:
         _new_pass(spec)
         saved, h = [], x
         for template, weights, _ in stages:
@@ -551,7 +550,8 @@ def _layer_pass(spec: ModelSpec, layer: int, keeping: bool, x: Tensor) -> Callab
         for (template, weights, grads), (checkpoint, kwargs) in zip(reversed(stages), reversed(saved)):
             grad = template.backward(weights, checkpoint, grad, grads, **kwargs)
 
-    return run
+    kept = functools.partial(run, True) if _keeps_products(spec, layer) else None
+    return functools.partial(run, False), kept
 
 
 def _new_pass(spec) -> None:

@@ -59,12 +59,12 @@ class _MoePart(MoeBlock):
         for i, (buffer, spans) in enumerate(zip(weights, self._group_spans)):
             grad = None if grads is None else grads[i]
             for name, span in spans.items():
-                if grads is None or (autograd_leaf(name, span) and grad is None):
-                    bound[name] = span.view(buffer)
-                elif autograd_leaf(name, span):
+                if grads is not None and not autograd_leaf(name, span):  # a matrix, in a backward
+                    bound[name] = BoundWeight(span.view(buffer), None if grad is None else span.view(grad))
+                elif grad is not None:  # a trained group's vector
                     bound[name] = leaves[name] = leaf(buffer, span)
                 else:
-                    bound[name] = BoundWeight(span.view(buffer), None if grad is None else span.view(grad))
+                    bound[name] = span.view(buffer)
         if self._adapters is not None:
             grad = None if grads is None else grads[-1]
             bound = self._adapters.bind(bound, weights[-1], grad, dropout=dropout, first_expert=self._first_expert)

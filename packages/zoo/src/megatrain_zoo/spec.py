@@ -83,6 +83,11 @@ class ModelSpec:
         image-text model's vision stages."""
         return next(i for i, stage in enumerate(self.stages) if stage.name == "layer0") + layer
 
+    @property
+    def experts_per_stage(self) -> int:
+        """The experts a stage binds where the MoE layers stream in parts (`expert_parts`); 0: whole layers."""
+        return self.expert_parts[0][1] - self.expert_parts[0][0] if self.expert_parts else 0
+
     def layer_stages(self, layer: int) -> list[int]:
         """The stages of decoder layer `layer`, in run order: its one stage, or a MoE layer's attention stage and one
         stage a part of its experts where they stream in parts (`expert_parts`)."""
