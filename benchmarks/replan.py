@@ -1,12 +1,12 @@
 """A measured throughput row planned again by this tree's planner, at the rates its run was planned with (the row's
 `planning_rates`), on its GPU's memory and its host's budget: what a change to the cost model predicts for steps
-already measured, without a GPU. Prints each row's measured step, the prediction its run made, this planner's, and
-this plan's phases and placement beside the run's.
+already measured, without a GPU. Prints each row's measured step, the prediction its run made, this cost model's of
+the placement the run executed (the row's `placement`: the cost model alone, whatever the planner would choose now),
+and, where this planner places the step otherwise, its own choice's prediction and placement counts.
 
     python benchmarks/replan.py benchmarks/results/moe-parts-olmoe-32k-h100.json [--rows 1,2]
 
-Plans only. A row the planner places otherwise than its run did (another count of kept or GPU-updated layers, say)
-says so: its prediction is of another placement.
+Plans only.
 """
 
 import argparse
@@ -18,10 +18,8 @@ from common import load_config, make_planner, table
 
 from megatrain.config import model_config_of
 from megatrain_plan import Rates
+from megatrain_sched.placement import Placement
 from megatrain_zoo import preset
-
-# the placement counts a throughput row records, compared with the new plan's
-COUNTS = ("kept_layers", "offloaded_layers", "held_layers", "gpu_updated_layers", "expert_parts", "sweeps")
 
 
 def overrides(row: dict) -> list[str]:
@@ -58,7 +56,8 @@ def host_budget_gib(row: dict, machine: dict) -> float:
 
 
 def replanned(row: dict, machine: dict) -> dict:
-    """`row` with this planner's prediction at its run's rates, bound and placement counts."""
+    """`row` with this cost model's prediction of the placement its run executed, at its run's rates, and this
+    planner's own placement where that differs (its prediction and placement counts)."""
     config = load_config(None, overrides(row))
     model = model_config_of(config)
     layers = re.match(r"first (\d+) layers", row.get("scope", ""))
@@ -71,22 +70,36 @@ def replanned(row: dict, machine: dict) -> dict:
         gpu_memory=int(machine["gpu_memory_gib"] * 2**30),
         host_memory=int(host_budget_gib(row, machine) * 2**30),
     )
-    plan = planner.plan(planner.place(planner.step_tokens))
-    ran = tuple(row.get(name) for name in COUNTS)
-    now = (len(plan.placement.keeping), plan.offloaded_layers, plan.held_layers, plan.gpu_updated_layers)
-    now += (len(planner.spec.expert_parts), plan.placement.sweeps)
+    as_run = planner.plan(Placement.from_dict(row["placement"]), compute_bound=False)
+    placed = planner.place(planner.step_tokens)
+    own = as_run if _same_choices(placed, as_run.placement) else planner.plan(placed, compute_bound=False)
     return {
         "model": row["model"] + (f", {row['adapter']}" if row.get("adapter") else ""),
         "parts": row.get("expert_parts") or "whole",
         "tokens": row["tokens_per_step"],
         "measured_s": row["step_time_s"],
         "run_planned_s": row["predicted_step_s"],
-        "planned_now_s": round(plan.step_s, 3),
-        "error_now": f"{plan.step_s / row['step_time_s'] - 1:+.1%}",
-        "bound_now": plan.bound,
-        "phases_now": " ".join(f"{k} {v:.3f}" for k, v in planner.phases(plan.placement).items() if v),
-        "placement": "as run" if now == ran else f"now {now}, ran {ran} ({', '.join(COUNTS)})",
+        "planned_as_run_s": round(as_run.step_s, 3),
+        "error_as_run": f"{as_run.step_s / row['step_time_s'] - 1:+.1%}",
+        "bound": as_run.bound,
+        "phases": " ".join(f"{k} {v:.3f}" for k, v in planner.phases(as_run.placement).items() if v),
+        "placed_now": "as run" if own is as_run else f"{own.step_s:.3f} s: {counts(own)}, ran {counts(as_run)}",
     }
+
+
+def counts(plan) -> str:
+    """A plan's placement in counts of layers (those a throughput row records)."""
+    placement = plan.placement
+    return (
+        f"kept {len(placement.keeping)} offloaded {plan.offloaded_layers} held {plan.held_layers} "
+        f"GPU-updated {plan.gpu_updated_layers} copied {len(placement.copied)} sweeps {placement.sweeps}"
+    )
+
+
+def _same_choices(one: Placement, other: Placement) -> bool:
+    """Whether two placements make the same choices (a recorded one's byte counts aside)."""
+    fields = ("stages", "sweeps", "experts_per_stage", "wire_copy", "first_disk_group")
+    return all(getattr(one, f) == getattr(other, f) for f in fields) and tuple(one.parked) == tuple(other.parked)
 
 
 def main() -> None:
@@ -96,7 +109,11 @@ def main() -> None:
     args = parser.parse_args()
     saved = json.loads(args.file.read_text())
     chosen = [int(i) for i in args.rows.split(",")] if args.rows else range(len(saved["results"]))
-    rows = [replanned(saved["results"][i], saved["machine"]) for i in chosen if "planning_rates" in saved["results"][i]]
+    rows = [
+        replanned(saved["results"][i], saved["machine"])
+        for i in chosen
+        if "planning_rates" in saved["results"][i] and "placement" in saved["results"][i]
+    ]
     print(table(rows, list(rows[0])) if rows else "no row of this file was planned at recorded rates")
 
 

@@ -250,8 +250,8 @@ def test_host_arenas_times_both_kinds_of_arena_and_writes_rows_in_the_schema(tmp
 
 def test_a_measured_row_is_planned_again_as_its_run_planned_it():
     """`benchmarks/replan.py` rebuilds a run's settings from its row (model, step shape, clipping, LoRA, experts in
-    parts) and plans it at the rates it was planned with: the OLMoE rows on an H200 whose planner the cost model has
-    not changed since come out at their runs' predictions, on the runs' placements."""
+    parts) and plans the placement the run executed at the rates it was planned with: an OLMoE row on an H200 whose
+    placement's cost the model has not changed since comes out at its run's prediction."""
     import json
 
     import replan
@@ -259,8 +259,8 @@ def test_a_measured_row_is_planned_again_as_its_run_planned_it():
     saved = json.loads((ROOT / "benchmarks" / "results" / "clipping-olmoe-1b-7b-h200.json").read_text())
     row = saved["results"][-1]
     again = replan.replanned(row, saved["machine"])
-    assert again["planned_now_s"] == pytest.approx(row["predicted_step_s"], rel=0.01)
-    assert again["placement"] == "as run" and again["parts"] == "whole"
+    assert again["planned_as_run_s"] == pytest.approx(row["predicted_step_s"], rel=0.01)
+    assert again["parts"] == "whole" and again["bound"] == row["bound"]
     parts = json.loads((ROOT / "benchmarks" / "results" / "moe-parts-olmoe-32k-h100.json").read_text())
     lora_in_parts = replan.overrides(parts["results"][2])
     assert "model.adapter.r=16" in lora_in_parts and "engine.experts_per_stage=16" in lora_in_parts

@@ -20,7 +20,7 @@ from megatrain_zoo import (
 
 from .host_items import MOMENT_BYTES, HostItems
 from .inputs import EngineChoices, Machine, ObjectiveMemory, StepShape
-from .rates import Rates, block_rates, layer_works
+from .rates import Rates, block_rates, forward_work, layer_works
 
 # a step runs in sweeps only where they are predicted this much faster than one (the cost model's margin) ...
 SWEEPS_GAIN = 0.97
@@ -31,8 +31,13 @@ SWEEPS_GAIN = 0.97
 # AdamW, starting in the last sweep, outlasted it: a limit the cost model's phases do not yet see)
 SWEEPS_PCIE_SHARE = 0.48
 MOST_SWEEPS = 8
-# the forward's share of a step's GPU work (forward 2, recompute 2, backward 4 FLOPs per weight and token)
-FORWARD_SHARE = 0.25
+# With clipping the CPU's AdamW starts once the backward is done, and the step is bound by it when the backward and
+# the optimizer outlast the GPU's work: the share of the sweep it waits behind. A backward is 3/4 of a recomputing
+# layer's work and 2/3 of a kept one's (`forward_share`), but the optimizer's rate, timed alone, overstates its rate
+# beside the forward's weight copies, which read the same host memory: planned at the backward's share, the 97
+# CPU-bound rows of results/ came out a median 3.3% shorter than they ran (quartiles 6.3, 2.2); at 3/4, 2.3% (5.7,
+# 1.3), each on the placement it ran (`benchmarks/replan.py`)
+CLIPPED_OPTIMIZER_WAIT_SHARE = 0.75
 # Device memory a run takes after it is planned that no buffer of megatrain's accounts for: cuBLAS's workspaces,
 # compiled kernels, the allocator's rounding. (Qwen2.5-7B on an H100 found 0.1-1.1 GiB free beyond its plan with
 # this and the CUDA context counted: `device_headroom_gib` in benchmarks/results/placement-qwen2.5-7b-h100.json.)
@@ -254,7 +259,8 @@ class CostModel(HostItems):
         self.world = machine.gpus * machine.hosts
         self.micro_tokens = shape.micro_tokens
         self.recompute_bytes = recompute_bytes(self.model, self.micro_tokens, self.element)
-        self._layer_works: dict[int, tuple[float, float]] = {}  # tokens -> `layer_works` (a search asks often)
+        # tokens -> (`layer_works`, `forward_work`): a search asks often
+        self._layer_works: dict[int, tuple[float, float, float]] = {}
         if spec.adapter is not None and spec.adapter.dropout:  # a member's keep-mask and dropped input at a time
             widest = max(self.model.d_model, mlp_width_per_token(self.model))
             self.recompute_bytes += 2 * self.micro_tokens * widest * self.element
@@ -399,12 +405,16 @@ class CostModel(HostItems):
         per_param = 4 if self.adapter else 6  # (a frozen head makes no weight gradient)
         return per_param * self.model.vocab_size * self.model.d_model * tokens / (self.rates.head_tflops * 1e12)
 
-    def blocks_s(self, tokens: int, kept: int) -> float:
-        """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products."""
+    def blocks_s(self, tokens: int, kept: int, forward_only: bool = False) -> float:
+        """The decoder layers' GPU seconds for `tokens`, `kept` of them keeping their products; with `forward_only`
+        their forwards alone, each at its layer's rate."""
         layer_rate, kept_rate = block_rates(self.rates, self.model.is_moe)
         if tokens not in self._layer_works:
-            self._layer_works[tokens] = layer_works(self.model, self.shape.seq_len, tokens, frozen=self.adapter)
-        whole, kept_layer = self._layer_works[tokens]
+            whole, kept_layer = layer_works(self.model, self.shape.seq_len, tokens, frozen=self.adapter)
+            self._layer_works[tokens] = whole, kept_layer, forward_work(self.model, self.shape.seq_len, tokens)
+        whole, kept_layer, forward = self._layer_works[tokens]
+        if forward_only:
+            whole = kept_layer = forward
         return ((self.model.n_layers - kept) * whole / layer_rate + kept * kept_layer / kept_rate) / 1e12
 
     def layers_s(self, placement: Placement) -> float:
@@ -416,6 +426,16 @@ class CostModel(HostItems):
             for i in self.extras(placement)
         )
         return self.blocks_s(tokens, kept) - skipped + self.head_s(tokens) + self.dequantize_s()
+
+    def forward_share(self, placement: Placement) -> float:
+        """The forwards' share of `layers_s`: about a quarter of a recomputing layer's work (a third with LoRA's
+        frozen base, which makes no weight gradient), a third of one keeping its products (a half); the head's a
+        third (a half), a packed base's dequantization half."""
+        kept = len(placement.kept) + len(placement.host_kept)
+        head_s = self.head_s(placement.tokens)
+        forward_s = self.blocks_s(placement.tokens, kept, forward_only=True)
+        forward_s += head_s * (0.5 if self.adapter else 1 / 3) + self.dequantize_s() / 2
+        return forward_s / self.layers_s(placement)
 
     def dequantize_s(self) -> float:
         """A packed base's dequantization, a sweep: every packed matrix twice (its layer's forward and backward), at
@@ -443,7 +463,7 @@ class CostModel(HostItems):
         rate, resident = self.rates.gpu_adam_params_per_s, placement.resident
         if not self.full_grads or not resident:
             return self.params(resident) / rate
-        beside_s = FORWARD_SHARE * self.layers_s(placement) * (len(resident) - 1) / self.n_stages
+        beside_s = self.forward_share(placement) * self.layers_s(placement) * (len(resident) - 1) / self.n_stages
         rest_s = self.params(resident[1:]) / (GPU_ADAM_BESIDE_SHARE * rate)
         return self.params(resident[:1]) / rate + max(0.0, rest_s - beside_s)
 
@@ -455,7 +475,7 @@ class CostModel(HostItems):
         """The GPU work the CPU optimizer runs beside: every sweep's layers where updates start as gradients land;
         with clipping only the next step's forward, since they start once the norm is known (`phases`)."""
         if self.full_grads:
-            return FORWARD_SHARE * (self.layers_s(placement) + self.device_update_s(placement))
+            return self.forward_share(placement) * (self.layers_s(placement) + self.device_update_s(placement))
         return self.step_layers_s(placement)
 
     def compute_s(self, placement: Placement) -> float:
@@ -507,7 +527,8 @@ class CostModel(HostItems):
         activations_out = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
         activations_out += len(placement.host_kept) * tokens * self.product_bytes_per_token
         parked = self.parked_moment_bytes(placement)  # out at their stage's forward, back in the backward
-        forward_compute, backward_compute = FORWARD_SHARE * layers_s, (1 - FORWARD_SHARE) * layers_s
+        forward_compute = self.forward_share(placement) * layers_s
+        backward_compute = layers_s - forward_compute
         streamed_after = [i for i in range(self.n_stages) if i not in placement.resident and i not in placement.held]
         ahead = self.params(tuple(streamed_after[: self.engine.n_slots])) if placement.resident else 0
         early_s = min((held + ahead) * wire / pcie, share * forward_compute)
@@ -566,7 +587,7 @@ class CostModel(HostItems):
         blocks', last."""
         resident_share = self.params(placement.resident) / self.model.n_params
         sweep_s = self.layers_s(placement) + self.device_update_s(placement)
-        return (1 - FORWARD_SHARE) * sweep_s * (1 - resident_share)
+        return (1 - self.forward_share(placement)) * sweep_s * (1 - resident_share)
 
     def phases(self, placement: Placement) -> dict[str, float]:
         """What each bound would make the step last (before the step boundary's wait). Updates applied as
@@ -581,7 +602,7 @@ class CostModel(HostItems):
         sweeps, sweep_s, update_s = placement.sweeps, self.layers_s(placement), self.device_update_s(placement)
         pool_needed = gradient_pool_size(optimizer_s, self.host_backward_s(placement), self.group_sizes, self.rates)
         if self.full_grads:
-            serial_s = (1 - FORWARD_SHARE) * (sweep_s + update_s)
+            serial_s = CLIPPED_OPTIMIZER_WAIT_SHARE * (sweep_s + update_s)
         elif placement.gradient_pool is None or placement.gradient_pool >= pool_needed:
             serial_s = self.head_s(placement.tokens)
         else:

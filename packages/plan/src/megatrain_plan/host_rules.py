@@ -8,7 +8,6 @@ from megatrain_sched import Placement
 
 from .costs import (
     DISK_TIER_RAM_SHARE,
-    FORWARD_SHARE,
     GRADIENT_POOL,
     HOST_KEPT_OPTIMIZER_SHARE,
     HOST_KEPT_PCIE_SHARE,
@@ -98,7 +97,7 @@ class HostRules:
         host_room = HOST_KEPT_RAM_SHARE * machine.host_memory - self.host_bytes(placement)
         # one layer's forward, less its checkpoint's copy out, against one stage's copy out: how far apart they go
         link = HOST_KEPT_PCIE_SHARE * self.rates.pcie_gbps * 1e9
-        layer_forward_s = FORWARD_SHARE * layers_s / self.model.n_layers
+        layer_forward_s = self.forward_share(placement) * layers_s / self.model.n_layers
         layer_forward_s -= self.checkpoint_bytes(1, counts.tokens) / link * counts.offloaded / len(self.blocks)
         spacing = stage_products / link / max(layer_forward_s, 1e-9)
         host_kept = min(

@@ -355,9 +355,7 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
     matmul products are kept). Routers and experts count their active part; linear-attention layers their
     delta rule instead of attention. A `frozen` base (LoRA's) makes no weight gradient: 6 x parameters, not 8 (its
     adapters' few FLOPs aside)."""
-    n_linear = len(model.linear_attention_layers)
-    attention = 8 * (model.n_layers - n_linear) * seq_len * model.n_heads * model.head_dim * tokens
-    attention += 8 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
+    attention = 4 * _attention_forward(model, seq_len, tokens)
     matmul_layers = model.matmul_params - model.vocab_size * model.d_model
     moe_layers = sum(model.layer_is_moe(layer) for layer in range(model.n_layers))
     native = model.implementation == "native"  # (a generic layer skips none)
@@ -368,6 +366,21 @@ def block_work(model: ModelConfig, seq_len: int, tokens: int, kept_layers: int =
     recomputed_matmuls = (2 * matmul_layers - skipped_down) / model.n_layers * tokens
     per_param = 6 if frozen else 8
     return (per_param * matmul_layers - skipped_down) * tokens + attention - kept_layers * recomputed_matmuls
+
+
+def _attention_forward(model: ModelConfig, seq_len: int, tokens: int) -> float:
+    """FLOPs of the layers' attention forward (2 of the 8 a step counts: forward, recompute, backward), or their
+    delta rule's."""
+    n_linear = len(model.linear_attention_layers)
+    attention = 2 * (model.n_layers - n_linear) * seq_len * model.n_heads * model.head_dim * tokens
+    return attention + 2 / 6 * n_linear * linear_attention_flops_per_token(model) * tokens
+
+
+def forward_work(model: ModelConfig, seq_len: int, tokens: int) -> float:
+    """FLOPs of one decoder layer's forward, on average (`block_work`'s conventions): 2 x the parameters a token
+    multiplies with, and attention's forward."""
+    matmul_layers = model.matmul_params - model.vocab_size * model.d_model
+    return (2 * matmul_layers * tokens + _attention_forward(model, seq_len, tokens)) / model.n_layers
 
 
 def layer_works(model: ModelConfig, seq_len: int, tokens: int, frozen: bool = False) -> tuple[float, float]:
