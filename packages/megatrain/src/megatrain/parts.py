@@ -26,7 +26,7 @@ from megatrain_store import HostStore
 from megatrain_templates import Objective
 from megatrain_zoo import ModelSpec
 
-from .config import Config, ConfigError, resolve_dtype
+from .config import Config, ConfigError, resolve_device, resolve_dtype
 from .distributed import shared_arenas
 
 
@@ -108,7 +108,7 @@ def new_updates(
     exchange_order = host_groups if train.grad_clip > 0 else host_groups[::-1]
     sharing = Sharing() if sync is None else RankSharing(sync, exchange_order)
     span = lambda name: timeline.host_span(name, "optimizer")  # noqa: E731
-    updates = HostUpdates(optimizer, forward_order, names, sharing, span)
+    updates = HostUpdates(optimizer, forward_order, names, sharing, span, resolve_device(config.device).type == "cpu")
     if train.grad_clip > 0:
         return Updates(optimizer, updates, UpdatesAfterClipping(updates, train.grad_clip, device_span=device_span))
     return Updates(optimizer, updates, UpdatesAsGradientsLand(updates, device_span=device_span))

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+import torch
+
 
 class _Job(NamedTuple):
     priority: Any
@@ -26,7 +28,10 @@ class BackgroundStepper:
     optimizer falls behind the backward, whose gradients arrive last layer first, it still
     finishes the first layers first, and the next forward starts while it works on the last ones."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, torch_threads: int | None = None):
+        """`torch_threads`: the CPU threads of torch's operations on the worker (its own: the caller's keep theirs);
+        None: the caller's. (Set on each worker: a new thread starts with the count the last one set.)"""
+        self._torch_threads = torch_threads or torch.get_num_threads()
         self._pending: dict[int, Future] = {}
         self._queue: list[_Job] = []
         self._order = itertools.count()
@@ -38,6 +43,7 @@ class BackgroundStepper:
             self._thread.start()
 
     def _work(self) -> None:
+        torch.set_num_threads(self._torch_threads)
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._queue or self._closed)

@@ -60,7 +60,11 @@ class HostUpdates:
     forward needs first (`forward_order`: group -> its first stage), the oldest when none has landed: where the
     optimizer is slower than the backward, whose gradients land last layer first, the next forward still starts
     while it works on the last layers. A group whose gradient is not finite is not updated. Optimizer state on
-    disk is read ahead of the updates (`read_ahead`) and written behind them."""
+    disk is read ahead of the updates (`read_ahead`) and written behind them.
+
+    Where the layers compute on the host's CPU too (`shares_cores`), the worker's torch operations run on one thread:
+    a second OpenMP team beside the training thread's (the worker's, once it has run a parallel operation) made
+    every layer pass of the default job about 20% slower on two cores, whether or not the worker was busy."""
 
     def __init__(
         self,
@@ -69,13 +73,14 @@ class HostUpdates:
         names: list[str],
         sharing: Sharing | None = None,
         span: Span | None = None,
+        shares_cores: bool = False,
     ):
         self.optimizer, self.store = optimizer, optimizer.store
         self.forward_order, self.names = forward_order, names
         self.last_place = max(forward_order.values()) + 1  # after every place in the forward
         self.sharing = sharing or Sharing()
         self.span = span or (lambda name: nullcontext())
-        self.stepper = BackgroundStepper()
+        self.stepper = BackgroundStepper(torch_threads=1 if shares_cores else None)
         self.rows_first: EmbeddingRowsFirst | None = None  # where the embedding's rows go first
         self.steps = 0  # optimizer steps the weights must hold before the next forward reads them
         self.read_direction = -1  # the order updates come in: the backward's (last groups first), or +1
