@@ -35,8 +35,8 @@ MOST_SWEEPS = 8
 # the optimizer outlast the GPU's work: the share of the sweep it waits behind. A backward is 3/4 of a recomputing
 # layer's work and 2/3 of a kept one's (`forward_share`), but the optimizer's rate, timed alone, overstates its rate
 # beside the forward's weight copies, which read the same host memory: planned at the backward's share, the 97
-# CPU-bound rows of results/ came out a median 3.3% shorter than they ran (quartiles 6.3, 2.2); at 3/4, 2.3% (5.7,
-# 1.3), each on the placement it ran (`benchmarks/replan.py`)
+# CPU-bound rows of results/ (the generic-template file's aside) came out a median 3.3% shorter than they ran
+# (quartiles 6.3, 2.2); at 3/4, 2.3% (5.7, 1.3), each on the placement it ran (`benchmarks/replan.py`)
 CLIPPED_OPTIMIZER_WAIT_SHARE = 0.75
 # Device memory a run takes after it is planned that no buffer of megatrain's accounts for: cuBLAS's workspaces,
 # compiled kernels, the allocator's rounding. (Qwen2.5-7B on an H100 found 0.1-1.1 GiB free beyond its plan with
