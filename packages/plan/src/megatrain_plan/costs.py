@@ -427,15 +427,17 @@ class CostModel(HostItems):
         )
         return self.blocks_s(tokens, kept) - skipped + self.head_s(tokens) + self.dequantize_s()
 
-    def forward_share(self, placement: Placement) -> float:
-        """The forwards' share of `layers_s`: about a quarter of a recomputing layer's work (a third with LoRA's
-        frozen base, which makes no weight gradient), a third of one keeping its products (a half); the head's a
-        third (a half), a packed base's dequantization half."""
+    def forward_s(self, placement: Placement) -> float:
+        """The forwards of `layers_s`: about a quarter of a recomputing layer's work (a third with LoRA's frozen base,
+        which makes no weight gradient), a third of one keeping its products (a half); the head's a third (a half),
+        a packed base's dequantization half."""
         kept = len(placement.kept) + len(placement.host_kept)
-        head_s = self.head_s(placement.tokens)
-        forward_s = self.blocks_s(placement.tokens, kept, forward_only=True)
-        forward_s += head_s * (0.5 if self.adapter else 1 / 3) + self.dequantize_s() / 2
-        return forward_s / self.layers_s(placement)
+        head_s = self.head_s(placement.tokens) * (0.5 if self.adapter else 1 / 3)
+        return self.blocks_s(placement.tokens, kept, forward_only=True) + head_s + self.dequantize_s() / 2
+
+    def forward_share(self, placement: Placement) -> float:
+        """`forward_s`'s share of `layers_s`."""
+        return self.forward_s(placement) / self.layers_s(placement)
 
     def dequantize_s(self) -> float:
         """A packed base's dequantization, a sweep: every packed matrix twice (its layer's forward and backward), at
@@ -463,7 +465,7 @@ class CostModel(HostItems):
         rate, resident = self.rates.gpu_adam_params_per_s, placement.resident
         if not self.full_grads or not resident:
             return self.params(resident) / rate
-        beside_s = self.forward_share(placement) * self.layers_s(placement) * (len(resident) - 1) / self.n_stages
+        beside_s = self.forward_s(placement) * (len(resident) - 1) / self.n_stages
         rest_s = self.params(resident[1:]) / (GPU_ADAM_BESIDE_SHARE * rate)
         return self.params(resident[:1]) / rate + max(0.0, rest_s - beside_s)
 
@@ -527,7 +529,7 @@ class CostModel(HostItems):
         activations_out = sum(self.checkpoint_bytes(i, tokens) for i in placement.offloaded)
         activations_out += len(placement.host_kept) * tokens * self.product_bytes_per_token
         parked = self.parked_moment_bytes(placement)  # out at their stage's forward, back in the backward
-        forward_compute = self.forward_share(placement) * layers_s
+        forward_compute = self.forward_s(placement)
         backward_compute = layers_s - forward_compute
         streamed_after = [i for i in range(self.n_stages) if i not in placement.resident and i not in placement.held]
         ahead = self.params(tuple(streamed_after[: self.engine.n_slots])) if placement.resident else 0

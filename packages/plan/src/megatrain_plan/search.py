@@ -436,7 +436,7 @@ def _reference_tokens_per_s(planner: Planner, placement: Placement) -> float:
     steps = planner.objective.reference_pass_steps
     if not steps:
         return 0.0
-    forward_s = planner.forward_share(placement) * planner.layers_s(placement) * steps
+    forward_s = planner.forward_s(placement) * steps
     weights_s = planner.model.n_params * planner._wire() / (planner.rates.pcie_gbps * 1e9)
     return steps * placement.tokens * planner.world / max(forward_s, weights_s)
 
